@@ -1,0 +1,33 @@
+# The two commands: `make demo` and `make test`. Each installs what is missing first.
+# Installing never pulls a CUDA build of torch onto a machine without a GPU: when torch is
+# missing we ask for the pinned CPU build ($(TORCH_CPU)); with a GPU, pip's default build.
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+TORCH_CPU ?= torch==2.13.0
+STAMP := build/.install-stamp
+SOURCES := pyproject.toml setup.py $(shell find csrc -name '*.cpp' -o -name '*.cu' -o -name '*.h' 2>/dev/null)
+
+.PHONY: install demo test lint bench-cpu clean
+
+$(STAMP): $(SOURCES)
+	@$(PYTHON) -c "import torch" 2>/dev/null || { \
+	  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then $(PIP) install torch; \
+	  else $(PIP) install "$(TORCH_CPU)"; fi; }
+	$(PIP) install --no-build-isolation -e ".[test,demo]"
+	@mkdir -p build && touch $@
+
+install: $(STAMP)
+
+demo: install
+	$(PYTHON) examples/train_gpt.py
+
+lint: install
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+
+test: install lint
+	$(PYTHON) -m pytest -q tests
+	TRITON_INTERPRET=1 $(PYTHON) -m pytest -q -m triton tests
+
+clean:
+	rm -rf build te_compile/*.so *.egg-info

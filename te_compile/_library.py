@@ -1,0 +1,394 @@
+"""The one mechanism every ``torch.ops.te.*`` op is defined with, and the registry of all ops.
+
+An op family file in ``functional/`` uses three calls, in the order of the op pattern
+(see ``docs/op_mechanism.md``)::
+
+    @op("linear_fwd")                       # te::linear_fwd, schema inferred from type hints
+    def linear_fwd(inp: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, list[Tensor]]:
+        ...                                 # default (CPU) implementation
+
+    @linear_fwd.register_kernel("cuda")     # optional device-specific implementation
+    @linear_fwd.register_fake               # shapes/dtypes only, torch._check for constraints
+
+    linear = differentiable(linear_fwd, linear_bwd, setup_context=..., backward=...,
+                            sample_inputs=..., reference=linear_ref)
+
+Why not ``torch.library.custom_op``: the ops are defined with the lower-level
+``torch.library.Library`` API (same dispatcher semantics, same ``opcheck`` guarantees) so that the
+op mechanism owns one thing ``custom_op`` cannot give us: a cheap eager path. Entering a custom
+op's autograd kernel from Python costs tens of microseconds per call (the autograd kernel is a
+new-style ``autograd.Function`` plus Python dispatcher hops), which dominates small-shape training.
+So ``DifferentiableOp.__call__`` takes one of two paths that run the *same* implementation
+functions, ``setup_context`` and ``backward``:
+
+* the **op path** — ``torch.ops.te.<name>_fwd`` through the dispatcher; taken whenever anything
+  may be watching: ``torch.compile``/``torch.export`` tracing, any active ``TorchDispatchMode``
+  (FakeTensorMode, selective activation checkpointing, FlopCounter), functorch transforms, the
+  profiler (so ops show up by name), or when the fast path is switched off;
+* the **eager fast path** — an old-style ``torch.autograd.Function`` (single ``forward(ctx, ...)``,
+  measured 3x cheaper to enter than the ``setup_context`` style) that calls the implementation
+  function directly and hands ``backward`` the backward implementation instead of the backward op.
+
+``tests/test_library.py`` proves both paths give identical results; ``set_eager_fast_path(False)``
+(or ``TE_COMPILE_EAGER_FAST_PATH=0``) forces the op path everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch._C import DispatchKey, DispatchKeySet
+
+NAMESPACE = "te"
+_LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
+
+# Device types with an autocast dispatch key we register a rule for.
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleInput:
+    """One call of an op for the registry test: positional args (tensors that should receive
+    gradients have ``requires_grad=True``) and keyword args."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+SampleFn = Callable[[torch.device], Iterable[SampleInput]]
+
+
+# ---------------------------------------------------------------------------------------------
+# Eager fast-path switch
+# ---------------------------------------------------------------------------------------------
+
+_fast_path_enabled = os.environ.get("TE_COMPILE_EAGER_FAST_PATH", "1") != "0"
+
+
+def set_eager_fast_path(enabled: bool) -> None:
+    """Enable (default) or disable the eager fast path; disabled, every call uses the op path."""
+    global _fast_path_enabled
+    _fast_path_enabled = bool(enabled)
+
+
+def eager_fast_path_enabled() -> bool:
+    return _fast_path_enabled
+
+
+def _use_fast_path() -> bool:
+    # Each check costs ~0.1 us; together far below one dispatcher hop.
+    return (
+        _fast_path_enabled
+        and not torch.compiler.is_compiling()
+        and torch._C._len_torch_dispatch_stack() == 0
+        and not torch._C._are_functorch_transforms_active()
+        and not torch.autograd.profiler._is_profiler_enabled
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Plain ops: one dispatcher op with per-device implementations and a fake
+# ---------------------------------------------------------------------------------------------
+
+
+class Op:
+    """A ``te::<name>`` op: schema inferred from the implementation's type hints."""
+
+    def __init__(self, name: str, fn: Callable, mutates_args: Sequence[str]) -> None:
+        self.name = name
+        self.qualname = f"{NAMESPACE}::{name}"
+        schema = torch.library.infer_schema(fn, mutates_args=tuple(mutates_args))
+        _LIB.define(name + schema)
+        self._impls: dict[str, Callable] = {}
+        self._default = fn
+        _LIB.impl(name, fn, "CompositeExplicitAutograd")
+        self.overload: torch._ops.OpOverload = getattr(getattr(torch.ops, NAMESPACE), name).default
+        self.__doc__ = fn.__doc__
+        self.__wrapped__ = fn
+
+    def register_kernel(self, device_type: str) -> Callable[[Callable], Callable]:
+        """Decorator: the implementation used for tensors on ``device_type`` (e.g. "cuda")."""
+
+        def deco(fn: Callable) -> Callable:
+            key = {"cpu": "CPU", "cuda": "CUDA"}[device_type]
+            _LIB.impl(self.name, fn, key)
+            self._impls[device_type] = fn
+            return fn
+
+        return deco
+
+    def register_fake(self, fn: Callable) -> Callable:
+        """Decorator: the fake (meta) implementation; shapes, strides and dtypes only."""
+        torch.library.register_fake(self.qualname, fn, lib=_LIB)
+        return fn
+
+    def eager(self, *args: Any) -> Any:
+        """Call the implementation for the inputs' device directly, bypassing the dispatcher."""
+        if self._impls:
+            dev = _first_tensor(args)
+            if dev is not None:
+                fn = self._impls.get(dev.device.type)
+                if fn is not None:
+                    return fn(*args)
+        return self._default(*args)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.overload(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"Op({self.qualname})"
+
+
+def op(name: str, *, mutates_args: Sequence[str] = ()) -> Callable[[Callable], Op]:
+    """Decorator defining ``te::<name>`` from its default (CPU / reference) implementation."""
+
+    def deco(fn: Callable) -> Op:
+        new = Op(name, fn, mutates_args)
+        _register(new.qualname, new, None)
+        return new
+
+    return deco
+
+
+def _first_tensor(args: Sequence[Any]) -> torch.Tensor | None:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Differentiable ops: forward op + backward op + autograd + autocast
+# ---------------------------------------------------------------------------------------------
+
+
+def _returns_layout(overload: torch._ops.OpOverload) -> tuple[bool, ...]:
+    """For each schema return: True if it is a ``Tensor[]``."""
+    return tuple(isinstance(r.type, torch.ListType) for r in overload._schema.returns)
+
+
+def _flatten(out: Any, layout: tuple[bool, ...]) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
+    if len(layout) == 1:
+        out = (out,)
+    flat: list[torch.Tensor] = []
+    sizes: list[int] = []
+    for value, is_list in zip(out, layout, strict=True):
+        if is_list:
+            flat.extend(value)
+            sizes.append(len(value))
+        else:
+            flat.append(value)
+            sizes.append(-1)
+    return tuple(flat), tuple(sizes)
+
+
+def _unflatten(flat: Sequence[Any], sizes: Sequence[int]) -> Any:
+    out: list[Any] = []
+    i = 0
+    for n in sizes:
+        if n < 0:
+            out.append(flat[i])
+            i += 1
+        else:
+            out.append(list(flat[i : i + n]))
+            i += n
+    return out[0] if len(out) == 1 else tuple(out)
+
+
+def _autocast_eligible(t: Any, device_type: str) -> bool:
+    return (
+        isinstance(t, torch.Tensor)
+        and t.is_floating_point()
+        and t.device.type == device_type
+        and t.dtype != torch.float64
+    )
+
+
+def _autocast_args(args: Sequence[Any], device_type: str) -> tuple[Any, ...]:
+    """Cast floating args the way ``nn.Linear`` is cast under autocast: to the autocast dtype."""
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(a.to(dtype) if _autocast_eligible(a, device_type) else a for a in args)
+
+
+class DifferentiableOp:
+    """A forward op with its backward op, autograd formula and autocast rule.
+
+    ``setup_context(ctx, inputs, output)`` saves what the backward needs; ``backward(ctx, bwd,
+    *grads)`` returns one gradient per forward input, calling ``bwd`` — the backward op on the op
+    path, its implementation function on the eager fast path — and nothing else of substance.
+    """
+
+    def __init__(
+        self,
+        fwd: Op,
+        bwd: Op,
+        *,
+        setup_context: Callable,
+        backward: Callable,
+        sample_inputs: SampleFn,
+        reference: Callable,
+        autocast: bool = True,
+    ) -> None:
+        self.fwd, self.bwd = fwd, bwd
+        self.sample_inputs, self.reference = sample_inputs, reference
+        self._setup_context, self._backward = setup_context, backward
+        self._autocast = autocast
+        self._layout = _returns_layout(fwd.overload)
+        self._single = len(self._layout) == 1 and not self._layout[0]
+
+        bwd_overload = bwd.overload
+
+        def _op_backward(ctx: Any, *grads: Any) -> Any:
+            return backward(ctx, bwd_overload, *grads)
+
+        torch.library.register_autograd(
+            fwd.qualname, _op_backward, setup_context=setup_context, lib=_LIB
+        )
+        if autocast:
+            for device_type in _AUTOCAST_DEVICES:
+                self._register_autocast(device_type)
+        self._function = self._make_function()
+
+    def _register_autocast(self, device_type: str) -> None:
+        key_name = "Autocast" + torch._C._dispatch_key_for_device(device_type)
+        exclude = DispatchKeySet(getattr(DispatchKey, key_name))
+        overload = self.fwd.overload
+
+        def kernel(*args: Any) -> Any:
+            with torch._C._ExcludeDispatchKeyGuard(exclude):
+                return overload(*_autocast_args(args, device_type))
+
+        _LIB.impl(self.fwd.name, kernel, key_name)
+
+    def _make_function(self) -> type[torch.autograd.Function]:
+        fwd_eager, bwd_eager = self.fwd.eager, self.bwd.eager
+        setup_context, backward, layout = self._setup_context, self._backward, self._layout
+
+        class _Function(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx: Any, *args: Any) -> Any:  # type: ignore[override]
+                out = fwd_eager(*args)
+                setup_context(ctx, args, out)
+                flat, sizes = _flatten(out, layout)
+                ctx._te_sizes = sizes
+                return flat[0] if len(flat) == 1 else flat
+
+            @staticmethod
+            def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
+                return backward(ctx, bwd_eager, *_flatten_grads(grads, ctx._te_sizes))
+
+        _Function.__name__ = _Function.__qualname__ = f"{self.fwd.name}_function"
+        return _Function
+
+    def __call__(self, *args: Any) -> Any:
+        """Run the forward: the eager fast path when nothing is watching, else the op path."""
+        if not _use_fast_path():
+            return self.fwd.overload(*args)
+        if self._autocast:
+            t = _first_tensor(args)
+            if t is not None and torch.is_autocast_enabled(t.device.type):
+                args = _autocast_args(args, t.device.type)
+        out = self._function.apply(*args)
+        if self._single:
+            return out
+        flat = out if isinstance(out, tuple) else (out,)
+        return _unflatten(flat, self._sizes_of(flat))
+
+    def _sizes_of(self, flat: tuple[Any, ...]) -> tuple[int, ...]:
+        # Only the total number of list elements is unknown; at most one list return allowed
+        # on the fast path keeps this unambiguous.
+        n_fixed = sum(1 for is_list in self._layout if not is_list)
+        sizes = tuple(-1 if not is_list else len(flat) - n_fixed for is_list in self._layout)
+        return sizes
+
+    def __repr__(self) -> str:
+        return f"DifferentiableOp({self.fwd.qualname}, {self.bwd.qualname})"
+
+
+def _flatten_grads(grads: Sequence[Any], sizes: Sequence[int]) -> tuple[Any, ...]:
+    out = _unflatten(grads, sizes)
+    return out if isinstance(out, tuple) else (out,)
+
+
+def differentiable(
+    fwd: Op,
+    bwd: Op,
+    *,
+    setup_context: Callable,
+    backward: Callable,
+    sample_inputs: SampleFn,
+    reference: Callable,
+    autocast: bool = True,
+) -> DifferentiableOp:
+    """Tie ``fwd`` and ``bwd`` together with autograd and autocast, and register the pair."""
+    if sum(fwd_is_list for fwd_is_list in _returns_layout(fwd.overload)) > 1:
+        raise ValueError(f"{fwd.qualname}: at most one Tensor[] return is supported")
+    dop = DifferentiableOp(
+        fwd,
+        bwd,
+        setup_context=setup_context,
+        backward=backward,
+        sample_inputs=sample_inputs,
+        reference=reference,
+        autocast=autocast,
+    )
+    _REGISTRY[fwd.qualname] = RegistryEntry(fwd.qualname, fwd.overload, sample_inputs, dop)
+    _REGISTRY[bwd.qualname] = RegistryEntry(bwd.qualname, bwd.overload, None, dop)
+    return dop
+
+
+# ---------------------------------------------------------------------------------------------
+# Ops defined in C++ (csrc/): schema and kernels come from TORCH_LIBRARY_FRAGMENT(te, m)
+# ---------------------------------------------------------------------------------------------
+
+
+def extern_op(name: str, *, fake: Callable, sample_inputs: SampleFn) -> torch._ops.OpOverload:
+    """Register the fake and the sample inputs of a C++ op already loaded from ``te_compile._C``."""
+    qualname = f"{NAMESPACE}::{name}"
+    torch.library.register_fake(qualname, fake, lib=_LIB)
+    overload = getattr(getattr(torch.ops, NAMESPACE), name).default
+    _REGISTRY[qualname] = RegistryEntry(qualname, overload, sample_inputs, None)
+    return overload
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class RegistryEntry:
+    """One registered op. ``sample_inputs`` is None for backward ops: the registry test obtains
+    their inputs by recording the calls the forward's autograd makes."""
+
+    name: str
+    overload: torch._ops.OpOverload
+    sample_inputs: SampleFn | None
+    differentiable: DifferentiableOp | None
+
+
+_REGISTRY: dict[str, RegistryEntry] = {}
+
+
+def _register(qualname: str, new: Op, sample_inputs: SampleFn | None) -> None:
+    if qualname in _REGISTRY:
+        raise RuntimeError(f"{qualname} is already registered")
+    _REGISTRY[qualname] = RegistryEntry(qualname, new.overload, sample_inputs, None)
+
+
+def set_sample_inputs(op_: Op, sample_inputs: SampleFn) -> None:
+    """Attach sample inputs to a non-differentiable Python-defined op."""
+    _REGISTRY[op_.qualname].sample_inputs = sample_inputs
+
+
+def registry() -> dict[str, RegistryEntry]:
+    return dict(_REGISTRY)
+
+
+def list_ops() -> list[str]:
+    """Names of every registered te op, e.g. ``["te::bulk_allocate", "te::linear_fwd", ...]``."""
+    return sorted(_REGISTRY)

@@ -1,0 +1,120 @@
+"""The one place for tolerances, float64 references, devices and graph-break counting.
+
+Every test takes its tolerances from :func:`dtype_tols` and builds its reference with
+:func:`to_reference` / :func:`make_reference_and_test_tensors`; no test writes a tolerance literal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+import torch
+import torch._dynamo
+import torch._dynamo.testing
+from torch._functorch.aot_autograd import aot_module_simplified
+
+HAS_CUDA = torch.cuda.is_available()
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU; none on this machine")
+
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("cuda", id="cuda", marks=requires_cuda),
+]
+
+
+def dtype_tols(dtype: torch.dtype) -> dict[str, float]:
+    """rtol/atol for comparing a result computed in ``dtype`` against a float64 reference.
+
+    From the unit roundoff of each format (Transformer Engine's test tolerances)."""
+    if dtype == torch.float64:
+        return {"rtol": 1e-12, "atol": 1e-12}
+    if dtype == torch.float32:
+        return {"rtol": 1.3e-6, "atol": 1e-5}
+    if dtype == torch.float16:
+        return {"rtol": 1e-3, "atol": 1e-5}
+    if dtype == torch.bfloat16:
+        return {"rtol": 1.6e-2, "atol": 1e-5}
+    raise ValueError(f"dtype_tols: no tolerance for {dtype}")
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, **kw: Any) -> None:
+    """Compare ``actual`` (computed in ``dtype``) to a float64 reference, in float64 on the CPU.
+
+    The reference is first rounded to ``dtype``: a result cannot be closer than its own format."""
+    expected = expected.detach().to(dtype).to(device="cpu", dtype=torch.float64)
+    torch.testing.assert_close(
+        actual.detach().to(device="cpu", dtype=torch.float64), expected, **dtype_tols(dtype), **kw
+    )
+
+
+def to_reference(value: Any) -> Any:
+    """float64 CPU copy of a tensor (keeping requires_grad), or of each tensor in a tuple/list."""
+    if isinstance(value, torch.Tensor):
+        ref = value.detach().to(device="cpu", dtype=torch.float64 if value.is_floating_point() else None)
+        return ref.requires_grad_(value.requires_grad)
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_reference(v) for v in value)
+    return value
+
+
+def make_reference_and_test_tensors(
+    shape: Sequence[int],
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    requires_grad: bool = True,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same random values twice: a float64 CPU reference and a ``dtype`` test tensor on ``device``.
+
+    The test tensor is drawn first and the reference is made from it, so both hold exactly the
+    same (``dtype``-representable) numbers."""
+    test = torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
+    ref = test.detach().to(device="cpu", dtype=torch.float64)
+    return ref.requires_grad_(requires_grad), test.requires_grad_(requires_grad)
+
+
+def count_graph_breaks(fn: Callable, *args: Any, **kwargs: Any) -> tuple[int, int]:
+    """``(graph_count, graph_break_count)`` of ``fn(*args)`` under dynamo."""
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(fn)(*args, **kwargs)
+    return explanation.graph_count, explanation.graph_break_count
+
+
+def compile_counted(fn: Callable, backend: str = "inductor", **compile_kwargs: Any):
+    """``torch.compile(fn, fullgraph=True, ...)`` and a counter of frames compiled."""
+    counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
+    return torch.compile(fn, backend=counter, fullgraph=True, **compile_kwargs), counter
+
+
+class GraphRecorder:
+    """A torch.compile backend that records the op sequence of the forward and backward graphs
+    AOTAutograd produces, then runs them unchanged (eager)."""
+
+    def __init__(self) -> None:
+        self.forward: list[str] = []
+        self.backward: list[str] = []
+
+    @staticmethod
+    def _ops(gm: torch.fx.GraphModule) -> list[str]:
+        names = []
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and node.target is not __import__("operator").getitem:
+                names.append(str(node.target))
+        return names
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]):
+        def fw(g: torch.fx.GraphModule, _inputs: Any):
+            self.forward = self._ops(g)
+            return g
+
+        def bw(g: torch.fx.GraphModule, _inputs: Any):
+            self.backward = self._ops(g)
+            return g
+
+        return aot_module_simplified(gm, example_inputs, fw_compiler=fw, bw_compiler=bw)
+
+    def summary(self) -> str:
+        return "forward: " + ", ".join(self.forward) + "\nbackward: " + ", ".join(self.backward)
