@@ -171,7 +171,9 @@ def _returns_layout(overload: torch._ops.OpOverload) -> tuple[bool, ...]:
     return tuple(isinstance(r.type, torch.ListType) for r in overload._schema.returns)
 
 
-def _flatten(out: Any, layout: tuple[bool, ...]) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
+def _flatten(
+    out: Any, layout: tuple[bool, ...]
+) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
     if len(layout) == 1:
         out = (out,)
     flat: list[torch.Tensor] = []
@@ -268,21 +270,22 @@ class DifferentiableOp:
         fwd_eager, bwd_eager = self.fwd.eager, self.bwd.eager
         setup_context, backward, layout = self._setup_context, self._backward, self._layout
 
-        class _Function(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx: Any, *args: Any) -> Any:  # type: ignore[override]
-                out = fwd_eager(*args)
-                setup_context(ctx, args, out)
-                flat, sizes = _flatten(out, layout)
-                ctx._te_sizes = sizes
-                return flat[0] if len(flat) == 1 else flat
+        def forward(ctx: Any, *args: Any) -> Any:
+            out = fwd_eager(*args)
+            setup_context(ctx, args, out)
+            flat, sizes = _flatten(out, layout)
+            ctx._te_sizes = sizes
+            return flat[0] if len(flat) == 1 else flat
 
-            @staticmethod
-            def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
-                return backward(ctx, bwd_eager, *_flatten_grads(grads, ctx._te_sizes))
+        def backward_(ctx: Any, *grads: Any) -> Any:
+            return backward(ctx, bwd_eager, *_flatten_grads(grads, ctx._te_sizes))
 
-        _Function.__name__ = _Function.__qualname__ = f"{self.fwd.name}_function"
-        return _Function
+        # Built with type() so that autograd names the node after the op: te_linear_fwdBackward.
+        return type(
+            f"{NAMESPACE}_{self.fwd.name}",
+            (torch.autograd.Function,),
+            {"forward": staticmethod(forward), "backward": staticmethod(backward_)},
+        )
 
     def __call__(self, *args: Any) -> Any:
         """Run the forward: the eager fast path when nothing is watching, else the op path."""

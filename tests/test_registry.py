@@ -28,7 +28,9 @@ def _samples(name: str, device: str):
 
 def _clone(args):
     def c(x):
-        return x.detach().clone().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
+        return (
+            x.detach().clone().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
+        )
 
     return tree_map(c, args)
 

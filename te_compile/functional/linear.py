@@ -82,7 +82,9 @@ def _check_args(inp: Tensor, weight: Tensor, bias: Tensor | None, main_grad: Ten
         )
         torch._check_value(
             bias.dtype == weight.dtype,
-            lambda: f"te.linear: bias.dtype ({bias.dtype}) must equal weight.dtype ({weight.dtype})",
+            lambda: (
+                f"te.linear: bias.dtype ({bias.dtype}) must equal weight.dtype ({weight.dtype})"
+            ),
         )
     if main_grad is not None:
         torch._check_value(
@@ -204,7 +206,9 @@ def _linear_bwd_cuda(
     need_wgrad: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     # cuBLAS GEMMs in the input dtype with fp32 accumulation.
-    return _linear_bwd_impl(grad_out, inp, weight, main_grad, has_bias, need_dgrad, need_wgrad, None)
+    return _linear_bwd_impl(
+        grad_out, inp, weight, main_grad, has_bias, need_dgrad, need_wgrad, None
+    )
 
 
 @linear_bwd.register_fake
@@ -218,7 +222,9 @@ def _linear_bwd_fake(
     need_wgrad: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     dinp = grad_out.new_empty(inp.shape) if need_dgrad else _empty(grad_out)
-    dweight = grad_out.new_empty(weight.shape) if need_wgrad and main_grad is None else _empty(grad_out)
+    dweight = (
+        grad_out.new_empty(weight.shape) if need_wgrad and main_grad is None else _empty(grad_out)
+    )
     dbias = grad_out.new_empty(weight.shape[0]) if has_bias else _empty(grad_out)
     return dinp, dweight, dbias
 
@@ -258,10 +264,22 @@ def _sample_inputs(device: torch.device):
 
     yield SampleInput((t(5, 16), t(8, 16), t(8), None))
     yield SampleInput((t(2, 3, 16), t(24, 16), None, None))
-    yield SampleInput((t(7, 32, dtype=torch.bfloat16), t(12, 32, dtype=torch.bfloat16),
-                       t(12, dtype=torch.bfloat16), None))
-    yield SampleInput((t(3, 4, 8, dtype=torch.float16), t(6, 8, dtype=torch.float16),
-                       t(6, dtype=torch.float16), None))
+    yield SampleInput(
+        (
+            t(7, 32, dtype=torch.bfloat16),
+            t(12, 32, dtype=torch.bfloat16),
+            t(12, dtype=torch.bfloat16),
+            None,
+        )
+    )
+    yield SampleInput(
+        (
+            t(3, 4, 8, dtype=torch.float16),
+            t(6, 8, dtype=torch.float16),
+            t(6, dtype=torch.float16),
+            None,
+        )
+    )
     # Input that needs no gradient (first layer), weight gradient into main_grad.
     yield SampleInput((t(6, 16, grad=False), t(4, 16), t(4), torch.zeros(4, 16, device=device)))
 

@@ -6,6 +6,7 @@ Every test takes its tolerances from :func:`dtype_tols` and builds its reference
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -39,7 +40,9 @@ def dtype_tols(dtype: torch.dtype) -> dict[str, float]:
     raise ValueError(f"dtype_tols: no tolerance for {dtype}")
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, **kw: Any) -> None:
+def assert_close(
+    actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, **kw: Any
+) -> None:
     """Compare ``actual`` (computed in ``dtype``) to a float64 reference, in float64 on the CPU.
 
     The reference is first rounded to ``dtype``: a result cannot be closer than its own format."""
@@ -52,7 +55,9 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
 def to_reference(value: Any) -> Any:
     """float64 CPU copy of a tensor (keeping requires_grad), or of each tensor in a tuple/list."""
     if isinstance(value, torch.Tensor):
-        ref = value.detach().to(device="cpu", dtype=torch.float64 if value.is_floating_point() else None)
+        ref = value.detach().to(
+            device="cpu", dtype=torch.float64 if value.is_floating_point() else None
+        )
         return ref.requires_grad_(value.requires_grad)
     if isinstance(value, (list, tuple)):
         return type(value)(to_reference(v) for v in value)
@@ -101,8 +106,12 @@ class GraphRecorder:
     def _ops(gm: torch.fx.GraphModule) -> list[str]:
         names = []
         for node in gm.graph.nodes:
-            if node.op == "call_function" and node.target is not __import__("operator").getitem:
-                names.append(str(node.target))
+            if node.op != "call_function" or node.target is operator.getitem:
+                continue
+            name = str(node.target)
+            if isinstance(node.target, torch._ops.HigherOrderOperator) and node.args:
+                name += f"({node.args[0]})"  # e.g. auto_functionalized_v2(te.linear_bwd.default)
+            names.append(name)
         return names
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]):

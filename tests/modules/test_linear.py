@@ -1,0 +1,143 @@
+"""te_compile.Linear: construction, Transformer Engine's options, compile and graph snapshots."""
+
+from __future__ import annotations
+
+import expecttest
+import pytest
+import torch
+
+import te_compile as te
+from tests.utils import (
+    DEVICES,
+    GraphRecorder,
+    assert_close,
+    compile_counted,
+    count_graph_breaks,
+    to_reference,
+)
+
+
+def _pair(in_f=16, out_f=8, bias=True, dtype=torch.float32, device="cpu"):
+    m = te.Linear(in_f, out_f, bias=bias, params_dtype=dtype, device=device)
+    ref = torch.nn.Linear(in_f, out_f, bias=bias, dtype=dtype, device=device)
+    ref.load_state_dict(m.state_dict())
+    return m, ref
+
+
+def test_parameters_and_defaults():
+    m = te.Linear(16, 8)
+    assert m.weight.shape == (8, 16) and m.bias.shape == (8,)
+    assert m.weight.dtype == torch.get_default_dtype()
+    assert torch.count_nonzero(m.bias) == 0
+    assert 0.015 < m.weight.std().item() < 0.031  # TE's default init: normal, std 0.023
+    assert te.Linear(4, 2, bias=False).bias is None
+    seen = []
+    te.Linear(4, 2, init_method=lambda w: seen.append(w.shape) or torch.nn.init.ones_(w))
+    assert seen == [(2, 4)]
+    assert "in_features=16, out_features=8" in repr(m)
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True])
+def test_bad_features_raise(bad):
+    with pytest.raises(ValueError, match="in_features must be a positive int"):
+        te.Linear(bad, 4)
+    with pytest.raises(ValueError, match="out_features must be a positive int"):
+        te.Linear(4, bad)
+
+
+def test_bad_params_dtype_raises():
+    with pytest.raises(ValueError, match="params_dtype must be a floating dtype"):
+        te.Linear(4, 4, params_dtype=torch.int32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_matches_nn_linear_state_dict_compatible(device, dtype):
+    m, ref = _pair(dtype=dtype, device=device)
+    x = torch.randn(3, 5, 16, device=device, dtype=dtype)
+    ref64 = to_reference(torch.nn.Linear(16, 8, dtype=torch.float64))
+    ref64.load_state_dict(m.state_dict())
+    assert_close(m(x), ref64(to_reference(x)), dtype)
+    assert set(m.state_dict()) == set(ref.state_dict()) == {"weight", "bias"}
+
+
+def test_return_bias():
+    m = te.Linear(16, 8, return_bias=True)
+    torch.nn.init.normal_(m.bias)
+    x = torch.randn(4, 16)
+    out, bias = m(x)
+    assert bias is m.bias
+    torch.testing.assert_close(out + bias, torch.nn.functional.linear(x, m.weight, m.bias))
+
+
+def test_fuse_wgrad_accumulation_requires_main_grad():
+    m = te.Linear(16, 8, fuse_wgrad_accumulation=True)
+    with pytest.raises(RuntimeError, match=r"needs weight\.main_grad"):
+        m(torch.randn(2, 16))
+    m.weight.main_grad = torch.zeros(8, 16)
+    x = torch.randn(2, 16)
+    m(x).sum().backward()
+    assert m.weight.grad is None
+    torch.testing.assert_close(m.weight.main_grad, torch.ones(2, 8).t() @ x)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_training_step_matches_eager(device):
+    torch.manual_seed(0)
+    m, _ = _pair(device=device)
+    m2, _ = _pair(device=device)
+    m2.load_state_dict(m.state_dict())
+    step = lambda mod, x: mod(torch.relu(mod(x) @ torch.ones(8, 16, device=device))).sum()  # noqa: E731
+    compiled, counter = compile_counted(step, dynamic=True)
+    for n in (4, 7, 9):  # varying batch: one dynamic graph, no recompiles past the first
+        x = torch.randn(n, 16, device=device)
+        step(m, x).backward()
+        compiled(m2, x).backward()
+    assert counter.frame_count == 1
+    for a, b in zip(m.parameters(), m2.parameters(), strict=True):
+        assert_close(a.grad, b.grad.double(), torch.float32)
+
+
+def test_zero_graph_breaks_in_module_stack():
+    model = torch.nn.Sequential(te.Linear(16, 32), torch.nn.GELU(), te.Linear(32, 4))
+    graphs, breaks = count_graph_breaks(model, torch.randn(3, 16))
+    assert (graphs, breaks) == (1, 0)
+
+
+class TestGraphSnapshots(expecttest.TestCase):
+    """The op sequence of Linear's compiled forward and backward graphs. A new graph break,
+    a decomposition of our op, or an extra copy shows up as a diff here."""
+
+    def _record(self, fn, *args):
+        torch._dynamo.reset()
+        rec = GraphRecorder()
+        torch.compile(fn, backend=rec, fullgraph=True)(*args).sum().backward()
+        return rec.summary()
+
+    def test_linear_with_bias(self):
+        m = te.Linear(16, 8)
+        self.assertExpectedInline(
+            self._record(m, torch.randn(2, 3, 16, requires_grad=True)),
+            """\
+forward: te.linear_fwd.default
+backward: auto_functionalized_v2(te.linear_bwd.default)""",
+        )
+
+    def test_linear_weight_grad_only(self):
+        m = te.Linear(16, 8, bias=False)
+        self.assertExpectedInline(
+            self._record(m, torch.randn(4, 16)),
+            """\
+forward: te.linear_fwd.default
+backward: auto_functionalized_v2(te.linear_bwd.default)""",
+        )
+
+    def test_linear_main_grad(self):
+        m = te.Linear(16, 8, fuse_wgrad_accumulation=True)
+        m.weight.main_grad = torch.zeros(8, 16)
+        self.assertExpectedInline(
+            self._record(m, torch.randn(4, 16)),
+            """\
+forward: te.linear_fwd.default
+backward: auto_functionalized_v2(te.linear_bwd.default), aten.copy_.default""",
+        )

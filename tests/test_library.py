@@ -1,0 +1,122 @@
+"""The op mechanism: the eager fast path and the op path run the same implementation and agree
+bitwise, and the op path is taken whenever something may be watching."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+
+import te_compile as te
+from te_compile import _library
+from tests.utils import DEVICES
+
+DIFFERENTIABLE = {
+    n: e.differentiable
+    for n, e in _library.registry().items()
+    if e.sample_inputs and e.differentiable
+}
+
+
+def _clone(args):
+    return tree_map(
+        lambda x: (
+            x.detach().clone().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
+        ),
+        args,
+    )
+
+
+def _run(dop, args, fast: bool):
+    previous = te.eager_fast_path_enabled()
+    te.set_eager_fast_path(fast)
+    try:
+        args = _clone(args)
+        out = dop(*args)
+        first = out[0] if isinstance(out, tuple) else out
+        first.backward(torch.ones_like(first))
+        grads = [a.grad if isinstance(a, torch.Tensor) else None for a in args]
+        mutated = [a for a in args if isinstance(a, torch.Tensor) and not a.requires_grad]
+        return out, grads, mutated
+    finally:
+        te.set_eager_fast_path(previous)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", sorted(DIFFERENTIABLE))
+def test_fast_path_and_op_path_agree_bitwise(name, device):
+    dop = DIFFERENTIABLE[name]
+    for sample in dop.sample_inputs(torch.device(device)):
+        fast = _run(dop, sample.args, fast=True)
+        slow = _run(dop, sample.args, fast=False)
+        flat_fast = torch.utils._pytree.tree_leaves(fast)
+        flat_slow = torch.utils._pytree.tree_leaves(slow)
+        assert len(flat_fast) == len(flat_slow)
+        for a, b in zip(flat_fast, flat_slow, strict=True):
+            if isinstance(a, torch.Tensor):
+                assert torch.equal(a, b)
+            else:
+                assert a == b
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _linear_args():
+    return torch.randn(2, 4, requires_grad=True), torch.randn(3, 4, requires_grad=True)
+
+
+def test_dispatch_mode_forces_op_path():
+    x, w = _linear_args()
+    with _Count() as mode:
+        te.functional.linear(x, w).sum().backward()
+    assert "te.linear_fwd.default" in mode.seen and "te.linear_bwd.default" in mode.seen
+
+
+def test_profiler_sees_ops_by_name():
+    x, w = _linear_args()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        te.functional.linear(x, w).sum().backward()
+    names = {e.name for e in prof.events()}
+    assert {"te::linear_fwd", "te::linear_bwd"} <= names
+
+
+def test_fast_path_skips_dispatcher():
+    x, w = _linear_args()
+    assert _library._use_fast_path()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        y = te.functional.linear(x, w)
+    assert type(y.grad_fn).__name__ == "te_linear_fwdBackward"
+    te.set_eager_fast_path(False)
+    try:
+        assert not _library._use_fast_path()
+        assert "linear_fwd" in type(te.functional.linear(x, w).grad_fn).__name__
+    finally:
+        te.set_eager_fast_path(True)
+
+
+def test_checkpoint_recomputes_through_fast_path():
+    x, w = _linear_args()
+    y = torch.utils.checkpoint.checkpoint(
+        lambda x: te.functional.linear(x, w).relu(), x, use_reentrant=False
+    )
+    y.sum().backward()
+    expected_w = w.detach().clone().requires_grad_()
+    xe = x.detach().clone().requires_grad_()
+    (xe @ expected_w.t()).relu().sum().backward()
+    torch.testing.assert_close(x.grad, xe.grad)
+    torch.testing.assert_close(w.grad, expected_w.grad)
+
+
+def test_list_ops_names():
+    names = te.list_ops()
+    assert "te::linear_fwd" in names and "te::linear_bwd" in names
+    assert names == sorted(names)
