@@ -241,6 +241,7 @@ class DifferentiableOp:
         self._autocast = autocast
         self._layout = _returns_layout(fwd.overload)
         self._single = len(self._layout) == 1 and not self._layout[0]
+        self._n_fixed = sum(1 for is_list in self._layout if not is_list)
 
         bwd_overload = bwd.overload
 
@@ -299,14 +300,9 @@ class DifferentiableOp:
         if self._single:
             return out
         flat = out if isinstance(out, tuple) else (out,)
-        return _unflatten(flat, self._sizes_of(flat))
-
-    def _sizes_of(self, flat: tuple[Any, ...]) -> tuple[int, ...]:
-        # Only the total number of list elements is unknown; at most one list return allowed
-        # on the fast path keeps this unambiguous.
-        n_fixed = sum(1 for is_list in self._layout if not is_list)
-        sizes = tuple(-1 if not is_list else len(flat) - n_fixed for is_list in self._layout)
-        return sizes
+        # At most one Tensor[] return (checked in differentiable()): its length is what is left.
+        n_list = len(flat) - self._n_fixed
+        return _unflatten(flat, tuple(n_list if is_list else -1 for is_list in self._layout))
 
     def __repr__(self) -> str:
         return f"DifferentiableOp({self.fwd.qualname}, {self.bwd.qualname})"

@@ -41,59 +41,60 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 def linear_ref(inp: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """Definition of correctness: fp32 (or fp64) math, cast to the input dtype at the end."""
     acc = torch.float64 if inp.dtype == torch.float64 else torch.float32
-    out = inp.to(acc) @ weight.to(acc).t()
-    if bias is not None:
-        out = out + bias.to(acc)
+    out = torch.nn.functional.linear(
+        inp.to(acc), weight.to(acc), None if bias is None else bias.to(acc)
+    )
     return out.to(inp.dtype)
 
 
 def _check_args(inp: Tensor, weight: Tensor, bias: Tensor | None, main_grad: Tensor | None) -> None:
-    """Constraints shared by the implementation (eager) and the fake (trace time)."""
-    torch._check_value(
-        weight.dim() == 2,
-        lambda: f"te.linear: weight must be 2-D [out_features, in_features], got {weight.dim()}-D",
-    )
-    torch._check_value(inp.dim() >= 1, lambda: "te.linear: inp must have at least 1 dimension")
-    torch._check_value(
-        inp.dtype in _FLOAT_DTYPES,
-        lambda: f"te.linear: inp.dtype must be a floating type, got {inp.dtype}",
-    )
-    torch._check_value(
-        inp.dtype == weight.dtype,
-        lambda: (
+    """Constraints shared by the implementations (eager) and the fake (trace time).
+
+    One cheap compound test on the hot path (eager calls pay for it on every step); the
+    per-argument diagnosis runs only when it fails, so eager and compile raise the same
+    ValueError naming the argument."""
+    w_shape = weight.shape
+    if (
+        len(w_shape) == 2
+        and inp.dim() >= 1
+        and inp.dtype is weight.dtype
+        and inp.dtype in _FLOAT_DTYPES
+        and inp.shape[-1] == w_shape[1]
+        and (bias is None or (bias.shape == w_shape[:1] and bias.dtype is weight.dtype))
+        and (main_grad is None or (main_grad.dtype is torch.float32 and main_grad.shape == w_shape))
+    ):
+        return
+    raise ValueError(_diagnose(inp, weight, bias, main_grad))
+
+
+def _diagnose(inp: Tensor, weight: Tensor, bias: Tensor | None, main_grad: Tensor | None) -> str:
+    if weight.dim() != 2:
+        return f"te.linear: weight must be 2-D [out_features, in_features], got {weight.dim()}-D"
+    if inp.dim() < 1:
+        return "te.linear: inp must have at least 1 dimension"
+    if inp.dtype not in _FLOAT_DTYPES:
+        return f"te.linear: inp.dtype must be a floating type, got {inp.dtype}"
+    if inp.dtype != weight.dtype:
+        return (
             f"te.linear: inp.dtype ({inp.dtype}) must equal weight.dtype ({weight.dtype}); "
             "use torch.autocast or cast the input"
-        ),
-    )
-    torch._check_value(
-        inp.shape[-1] == weight.shape[1],
-        lambda: (
+        )
+    if inp.shape[-1] != weight.shape[1]:
+        return (
             f"te.linear: inp.shape[-1] ({inp.shape[-1]}) must equal in_features = "
             f"weight.shape[1] ({weight.shape[1]})"
-        ),
+        )
+    if bias is not None and bias.shape != weight.shape[:1]:
+        return (
+            f"te.linear: bias must have shape [out_features] = [{weight.shape[0]}], "
+            f"got {list(bias.shape)}"
+        )
+    if bias is not None and bias.dtype != weight.dtype:
+        return f"te.linear: bias.dtype ({bias.dtype}) must equal weight.dtype ({weight.dtype})"
+    return (
+        f"te.linear: main_grad must be float32 with weight's shape {list(weight.shape)}, "
+        f"got {main_grad.dtype} {list(main_grad.shape)}"
     )
-    if bias is not None:
-        torch._check_value(
-            bias.dim() == 1 and bias.shape[0] == weight.shape[0],
-            lambda: (
-                f"te.linear: bias must have shape [out_features] = [{weight.shape[0]}], "
-                f"got {list(bias.shape)}"
-            ),
-        )
-        torch._check_value(
-            bias.dtype == weight.dtype,
-            lambda: (
-                f"te.linear: bias.dtype ({bias.dtype}) must equal weight.dtype ({weight.dtype})"
-            ),
-        )
-    if main_grad is not None:
-        torch._check_value(
-            main_grad.dtype == torch.float32 and main_grad.shape == weight.shape,
-            lambda: (
-                f"te.linear: main_grad must be float32 with weight's shape {list(weight.shape)}, "
-                f"got {main_grad.dtype} {list(main_grad.shape)}"
-            ),
-        )
 
 
 # 2. Forward op ------------------------------------------------------------------------------
