@@ -27,7 +27,9 @@ functions, ``setup_context`` and ``backward``:
   profiler (so ops show up by name), or when the fast path is switched off;
 * the **eager fast path** — an old-style ``torch.autograd.Function`` (single ``forward(ctx, ...)``,
   measured 3x cheaper to enter than the ``setup_context`` style) that calls the implementation
-  function directly and hands ``backward`` the backward implementation instead of the backward op.
+  function directly and hands ``backward`` the backward implementation instead of the backward op;
+  or, where the op declares it exact (``native_autograd``), the forward implementation itself run
+  under PyTorch's native autograd, which costs what ``nn.Linear`` costs.
 
 ``tests/test_library.py`` proves both paths give identical results; ``set_eager_fast_path(False)``
 (or ``TE_COMPILE_EAGER_FAST_PATH=0``) forces the op path everywhere.
@@ -234,8 +236,10 @@ class DifferentiableOp:
         sample_inputs: SampleFn,
         reference: Callable,
         autocast: bool = True,
+        native_autograd: Callable[..., bool] | None = None,
     ) -> None:
         self.fwd, self.bwd = fwd, bwd
+        self._native_autograd = native_autograd
         self.sample_inputs, self.reference = sample_inputs, reference
         self._setup_context, self._backward = setup_context, backward
         self._autocast = autocast
@@ -296,6 +300,8 @@ class DifferentiableOp:
             t = _first_tensor(args)
             if t is not None and torch.is_autocast_enabled(t.device.type):
                 args = _autocast_args(args, t.device.type)
+        if self._native_autograd is not None and self._native_autograd(*args):
+            return self.fwd.eager(*args)
         out = self._function.apply(*args)
         if self._single:
             return out
@@ -322,8 +328,16 @@ def differentiable(
     sample_inputs: SampleFn,
     reference: Callable,
     autocast: bool = True,
+    native_autograd: Callable[..., bool] | None = None,
 ) -> DifferentiableOp:
-    """Tie ``fwd`` and ``bwd`` together with autograd and autocast, and register the pair."""
+    """Tie ``fwd`` and ``bwd`` together with autograd and autocast, and register the pair.
+
+    ``native_autograd(*args) -> bool``, optional: True when, for these arguments, the forward
+    implementation is built from differentiable torch ops whose own autograd computes exactly
+    the gradients of the backward op and saves the same tensors. The eager fast path then runs
+    the implementation under native autograd, with no Python autograd node at all (the cheapest
+    eager path there is); ``tests/test_library.py`` proves it agrees bitwise with the op path.
+    """
     if sum(fwd_is_list for fwd_is_list in _returns_layout(fwd.overload)) > 1:
         raise ValueError(f"{fwd.qualname}: at most one Tensor[] return is supported")
     dop = DifferentiableOp(
@@ -334,6 +348,7 @@ def differentiable(
         sample_inputs=sample_inputs,
         reference=reference,
         autocast=autocast,
+        native_autograd=native_autograd,
     )
     _REGISTRY[fwd.qualname] = RegistryEntry(fwd.qualname, fwd.overload, sample_inputs, dop)
     _REGISTRY[bwd.qualname] = RegistryEntry(bwd.qualname, bwd.overload, None, dop)

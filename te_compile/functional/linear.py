@@ -292,6 +292,9 @@ _linear = differentiable(
     backward=_backward,
     sample_inputs=_sample_inputs,
     reference=lambda inp, weight, bias, main_grad: linear_ref(inp, weight, bias),
+    # Without main_grad, both implementations are differentiable torch ops (CUDA: F.linear; CPU:
+    # fp32 F.linear between casts) whose autograd computes exactly te::linear_bwd's GEMMs.
+    native_autograd=lambda inp, weight, bias, main_grad: main_grad is None,
 )
 
 
