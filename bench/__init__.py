@@ -1,0 +1,1 @@
+"""Benchmarks: te_compile vs PyTorch eager, torch.compile and peers (see README.md)."""

@@ -1,0 +1,156 @@
+"""CPU test of bench/harness.py: timing, ratios, markdown table, JSON. No CUDA, no matplotlib."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+_ROOT = Path(__file__).resolve().parents[1]
+if str(_ROOT) not in sys.path:  # bench/ is not an installed package
+    sys.path.insert(0, str(_ROOT))
+harness = importlib.import_module("bench.harness")
+
+FAST = {"repeat": 3, "min_trial_s": 0.002, "warmup_calls": 1}
+
+
+def _timing(ms: float) -> harness.Timing:
+    return harness.Timing(median_ms=ms, p20_ms=ms * 0.9, p80_ms=ms * 1.1, n=5, timer="wall")
+
+
+def _fixed_result() -> harness.CaseResult:
+    case = harness.Case("tiny", "4x4", flops=2e9, nbytes=4e6)
+    rows = [
+        harness.Row("base", _timing(2.0), "base"),
+        harness.Row("slow", _timing(3.0), "base"),
+        harness.Row("fast", _timing(0.5), "base"),
+        harness.Row("other", _timing(4.0), "slow"),
+        harness.Row("broken", None, "base", error="RuntimeError: boom"),
+    ]
+    return harness.CaseResult(case, rows, "wall", notes=["a note"])  # computes ratios
+
+
+def test_ratio_arithmetic():
+    res = _fixed_result()
+    assert res.row("base").ratio == pytest.approx(1.0)
+    assert res.row("slow").ratio == pytest.approx(1.5)
+    assert res.row("fast").ratio == pytest.approx(0.25)
+    assert res.row("other").ratio == pytest.approx(4.0 / 3.0)  # its own baseline
+    assert res.row("broken").ratio is None
+
+
+def test_markdown_table():
+    md = harness.format_case_markdown(_fixed_result())
+    lines = md.splitlines()
+    assert lines[0] == "### tiny — 4x4"
+    header = next(line for line in lines if line.startswith("| competitor"))
+    assert header == "| competitor | median | p20 - p80 | TFLOP/s | GB/s | baseline | t / t_base |"
+    table = [line for line in lines if line.startswith("| ") and not line.startswith("| ---")]
+    assert len(table) == 1 + 5
+    by_name = {line.split(" | ")[0][2:]: line for line in table[1:]}
+    # 2e9 FLOP in 2 ms = 1 TFLOP/s; 4e6 B in 2 ms = 2 GB/s
+    assert by_name["base"] == (
+        "| base | 2.000 ms | 1.800 ms - 2.200 ms | 1 | 2 | (itself) | 1.000x |"
+    )
+    assert "| 1.500x |" in by_name["slow"]
+    assert "| 0.250x |" in by_name["fast"]
+    assert "500.00 µs" in by_name["fast"]
+    assert "| slow | 1.333x |" in by_name["other"]
+    assert "error" in by_name["broken"] and "RuntimeError: boom" in by_name["broken"]
+    assert "- a note" in lines
+
+
+def test_run_case_cpu_and_json(tmp_path):
+    a = torch.randn(64, 64)
+    b = torch.randn(64, 64)
+    case = harness.Case("mm", "64x64x64", flops=2 * 64**3)
+
+    def boom():
+        raise ValueError("broken competitor")
+
+    res = harness.run_case(
+        case,
+        {"mm": lambda: a @ b, "add": lambda: a + b, "boom": boom},
+        baseline="mm",
+        device="cpu",
+        timer="do_bench",  # falls back to the host clock on CPU
+        verbose=False,
+        **FAST,
+    )
+    assert res.timer == "wall"
+    mm, add, broken = res.rows
+    assert mm.timing.median_ms > 0 and mm.timing.timer == "wall"
+    assert add.ratio == pytest.approx(add.timing.median_ms / mm.timing.median_ms)
+    assert mm.ratio == pytest.approx(1.0)
+    assert mm.tflops == pytest.approx(2 * 64**3 / (mm.timing.median_ms * 1e-3) / 1e12)
+    assert broken.timing is None and "broken competitor" in broken.error
+
+    meta = harness.collect_metadata("cpu")
+    for key in ("date", "hostname", "torch", "triton", "gpu", "device"):
+        assert key in meta
+    assert meta["torch"] == torch.__version__ and meta["gpu"] is None
+    report = harness.Report("bench_test", meta)
+    report.add(res, echo=False)
+    written = report.finish(tmp_path, chart=False)
+    data = json.loads(written["json"].read_text())
+    assert data["script"] == "bench_test" and data["metadata"]["device"] == "cpu"
+    (case_d,) = data["cases"]
+    assert case_d["name"] == "mm" and case_d["flops"] == 2 * 64**3 and case_d["timer"] == "wall"
+    rows = {r["name"]: r for r in case_d["results"]}
+    assert rows["add"]["ratio"] == pytest.approx(rows["add"]["median_ms"] / rows["mm"]["median_ms"])
+    assert rows["add"]["baseline"] == "mm" and rows["boom"]["median_ms"] is None
+    assert "### mm — 64x64x64" in written["md"].read_text()
+    # a second run does not overwrite the first
+    assert report.finish(tmp_path, chart=False)["json"].name == "bench_test_2.json"
+
+
+def test_grad_to_none_and_rotation():
+    w = torch.randn(4, requires_grad=True)
+    xs = [torch.randn(4, requires_grad=True) for _ in range(3)]
+    seen = []
+
+    def step(x):
+        assert w.grad is None and x.grad is None  # cleared before every call
+        seen.append(x)
+        (w * x).sum().backward()
+
+    fn = harness.rotating(step, [(x,) for x in xs], clear_grads=True)
+    harness.time_fn(fn, device="cpu", grad_to_none=[w], number=5, repeat=2, warmup_calls=1)
+    assert len(seen) == 1 + 2 * 5
+    assert seen[:4] == [xs[0], xs[1], xs[2], xs[0]]
+
+
+def test_rotation_helpers():
+    calls = []
+    fn = harness.rotating(lambda i: calls.append(i), [(0,), (1,)])
+    for _ in range(3):
+        fn()
+    assert calls == [0, 1, 0]
+    assert harness.num_input_sets(200 * 2**20, 50 * 2**20) == 1
+    assert harness.num_input_sets(10 * 2**20, 50 * 2**20) == 11
+    assert harness.num_input_sets(1, 50 * 2**20, max_sets=8) == 8
+
+
+def test_formatting_and_paths():
+    assert harness.format_time(0.0123) == "12.30 µs"
+    assert harness.format_time(12.3456) == "12.346 ms"
+    assert harness.format_time(None) == "—"
+    assert harness._quantile([1.0, 2.0, 3.0, 4.0, 5.0], 0.2) == pytest.approx(1.8)
+    meta = {"date": "2026-11-22T04:00:00+00:00", "gpu": "NVIDIA H100 80GB HBM3"}
+    assert harness.default_out_dir(meta).name == "2026-11-22_nvidia-h100-80gb-hbm3"
+    assert harness.default_out_dir({"date": "2026-11-22", "gpu": None}).name == "2026-11-22_cpu"
+
+    parser = harness.add_common_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--smoke"])
+    assert harness.resolve_out_dir(args, meta) is None
+    args = parser.parse_args(["--out", "x/y"])
+    assert harness.resolve_out_dir(args, meta) == Path("x/y")
+    assert harness.resolve_out_dir(parser.parse_args([]), meta).parent == harness.RESULTS_DIR
+    assert harness.resolve_timer("auto", torch.device("cpu")) == "wall"
+    with pytest.raises(ValueError, match="baseline"):
+        harness.run_case(harness.Case("c", "s"), {"a": lambda: None}, baseline="nope")
