@@ -1,0 +1,171 @@
+"""Bulk allocation: many tensors from one device allocation, as ``te::bulk_allocate``.
+
+Why: creating hundreds of small tensors one at a time (per-expert weight gradients of a
+mixture-of-experts layer, FP8 scale and amax tensors, ...) pays an allocator call and its
+bookkeeping per tensor, which dominates when the tensors are small. ``bulk_allocate`` makes one
+allocation and returns the tensors carved out of it, each starting at an address that is a
+multiple of its alignment (256 bytes by default, what vectorised kernels and cuBLAS like).
+
+The op is C++ (``csrc/bulk_allocate.cpp``). Each returned tensor has its own storage that keeps
+the shared buffer alive, and no two tensors overlap, so — as the schema says — the outputs do not
+alias each other: the compiler may treat them as independent fresh tensors, exactly what the
+fake implementation below produces. Like ``torch.empty`` the memory is uninitialised unless
+``zero=True``, which clears the whole buffer with one fill instead of one per tensor.
+
+Schema (the dispatcher has no nested lists, so shapes are flattened)::
+
+    te::bulk_allocate(SymInt[] dims, int[] ranks, str[] dtypes, Device device,
+                      int[] alignments, bool zero=False) -> Tensor[]
+
+Tensor ``i`` has ``ranks[i]`` dimensions, taken in order from ``dims``; ``dtypes`` are names
+(``"float32"``, ``"bfloat16"``: ``str(dtype)`` without ``"torch."``) because opcheck's schema
+check cannot handle a ``ScalarType[]`` argument.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from te_compile import _csrc
+from te_compile._library import SampleInput, extern_op
+
+__all__ = ["bulk_allocate", "bulk_allocate_samples"]
+
+_csrc.load()
+
+DEFAULT_ALIGNMENT = 256
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _default_device() -> torch.device:
+    if torch.compiler.is_compiling():
+        # Dynamo cannot trace torch.get_default_device(); a 0-element factory call follows the
+        # same default (torch.set_default_device / `with torch.device(...)`) and is dead code.
+        return torch.empty(0).device
+    return torch.get_default_device()
+
+
+def _bulk_allocate_fake(dims, ranks, dtypes, device, alignments, zero=False):
+    """Fresh, independent tensors of the requested shapes; checks what the C++ kernel checks."""
+    torch._check_value(
+        len(dtypes) == len(ranks) and len(alignments) == len(ranks),
+        lambda: (
+            "te::bulk_allocate: ranks, dtypes and alignments need one entry per tensor, "
+            f"got lengths {len(ranks)}, {len(dtypes)} and {len(alignments)}"
+        ),
+    )
+    torch._check_value(
+        sum(ranks) == len(dims),
+        lambda: f"te::bulk_allocate: ranks sum to {sum(ranks)} but dims has {len(dims)} entries",
+    )
+    out = []
+    start = 0
+    for i, (rank, name, alignment) in enumerate(zip(ranks, dtypes, alignments, strict=True)):
+        dtype = getattr(torch, name, None)
+        torch._check_value(
+            isinstance(dtype, torch.dtype),
+            lambda i=i, name=name: (
+                f'te::bulk_allocate: dtypes[{i}] = "{name}" is not a dtype '
+                'name (expected e.g. "float32")'
+            ),
+        )
+        torch._check_value(
+            alignment > 0 and alignment & (alignment - 1) == 0,
+            lambda i=i, a=alignment: (
+                f"te::bulk_allocate: alignments[{i}] must be a positive power of two, got {a}"
+            ),
+        )
+        shape = dims[start : start + rank]
+        start += rank
+        for d in shape:
+            torch._check_value(
+                d >= 0, lambda i=i, d=d: f"te::bulk_allocate: tensor {i} has negative dimension {d}"
+            )
+        make = torch.zeros if zero else torch.empty
+        out.append(make(shape, dtype=dtype, device=device))
+    return out
+
+
+def bulk_allocate_samples(device: torch.device) -> list[SampleInput]:
+    """Sample calls of ``torch.ops.te.bulk_allocate`` for the registry's opcheck.
+
+    ``zero=True`` throughout: opcheck compares eager and compiled outputs by value, which is
+    meaningless for uninitialised memory."""
+
+    def sample(shapes, dtypes, alignments):
+        dims = [d for shape in shapes for d in shape]
+        ranks = [len(shape) for shape in shapes]
+        names = [_dtype_name(dtype) for dtype in dtypes]
+        return SampleInput((dims, ranks, names, device, list(alignments)), {"zero": True})
+
+    f32, bf16, f16, i64, u8 = torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8
+    return [
+        sample([(4, 8), (3,), (2, 2, 2), ()], [f32, bf16, i64, f16], [256, 16, 1024, 1]),
+        sample([(0,), (5, 0), (7,), (3, 5)], [f16, f32, u8, f32], [1, 16, 256, 1024]),
+        sample([(1,)], [torch.float8_e4m3fn], [16]),
+        sample([], [], []),
+    ]
+
+
+_op = extern_op("bulk_allocate", fake=_bulk_allocate_fake, sample_inputs=bulk_allocate_samples)
+
+
+def bulk_allocate(
+    shapes: Sequence[Sequence[int]],
+    dtypes: Sequence[torch.dtype],
+    device: torch.device | str | None = None,
+    alignments: Sequence[int] | None = None,
+    *,
+    zero: bool = False,
+) -> list[torch.Tensor]:
+    """Tensors of the given shapes and dtypes on ``device``, all from one allocation.
+
+    ``device`` defaults to ``torch.get_default_device()``, ``alignments`` to 256 bytes each
+    (tensor ``i`` starts at a multiple of ``max(alignments[i], dtypes[i].itemsize)`` bytes).
+    Uninitialised like ``torch.empty``, or zeros with ``zero=True``. Raises ValueError naming
+    the argument for mismatched lengths, negative dimensions, non-dtype entries or alignments
+    that are not positive powers of two (under ``torch.compile(fullgraph=True)`` Dynamo reports
+    it as an ``Unsupported`` error that carries the same message).
+    """
+    n = len(shapes)
+    if alignments is None:
+        alignments = [DEFAULT_ALIGNMENT] * n
+    if len(dtypes) != n or len(alignments) != n:
+        raise ValueError(
+            "bulk_allocate: shapes, dtypes and alignments must have the same length, got "
+            f"len(shapes)={n}, len(dtypes)={len(dtypes)}, len(alignments)={len(alignments)}"
+        )
+    dims: list[int] = []
+    ranks: list[int] = []
+    names: list[str] = []
+    for i, (shape, dtype, alignment) in enumerate(zip(shapes, dtypes, alignments, strict=True)):
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(
+                f"bulk_allocate: dtypes[{i}] must be a torch.dtype, got "
+                f"{type(dtype).__name__} {dtype!r}"
+            )
+        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(
+                f"bulk_allocate: alignments[{i}] must be an int that is a positive power of two, "
+                f"got {alignment!r}"
+            )
+        if isinstance(shape, (int, torch.SymInt)):
+            raise ValueError(
+                f"bulk_allocate: shapes[{i}] must be a sequence of ints, got {shape!r}; "
+                f"write ({shape},) for a 1-D shape"
+            )
+        for d in shape:
+            if not isinstance(d, (int, torch.SymInt)) or d < 0:
+                raise ValueError(
+                    f"bulk_allocate: shapes[{i}] must hold non-negative ints, got {tuple(shape)}"
+                )
+        dims.extend(shape)
+        ranks.append(len(shape))
+        names.append(_dtype_name(dtype))
+    device = _default_device() if device is None else torch.device(device)
+    return _op(dims, ranks, names, device, list(alignments), zero=zero)
