@@ -196,6 +196,8 @@ BAD_INPUTS = [
     ({"shapes": [(2,)], "dtypes": ["float32"]}, "dtypes[0]", "got str 'float32'"),
     ({"shapes": [(2,), (2,)], "dtypes": [torch.int8, None]}, "dtypes[1]", "got NoneType"),
     ({"shapes": [4], "dtypes": [torch.float32]}, "shapes[0]", "(4,)"),
+    ({"shapes": [(1,), None], "dtypes": [torch.float32] * 2}, "shapes[1]", "sequence of ints"),
+    ({"shapes": [(2.0, 3)], "dtypes": [torch.float32]}, "shapes[0]", "(2.0, 3)"),
 ]
 
 

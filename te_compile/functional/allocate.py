@@ -38,8 +38,19 @@ _csrc.load()
 DEFAULT_ALIGNMENT = 256
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+# The op takes dtype names ("float32"); every dtype is an attribute of the torch module.
+_DTYPE_NAMES = {
+    v: str(v).removeprefix("torch.") for v in vars(torch).values() if isinstance(v, torch.dtype)
+}
+_INTS = (int, torch.SymInt)
+
+
+def _raise_bad_shape(shapes: Sequence[Sequence[int]]) -> None:
+    for i, shape in enumerate(shapes):
+        if any(not isinstance(d, _INTS) or d < 0 for d in shape):
+            raise ValueError(
+                f"bulk_allocate: shapes[{i}] must hold non-negative ints, got {tuple(shape)}"
+            )
 
 
 def _default_device() -> torch.device:
@@ -58,6 +69,9 @@ def _bulk_allocate_fake(dims, ranks, dtypes, device, alignments, zero=False):
             "te::bulk_allocate: ranks, dtypes and alignments need one entry per tensor, "
             f"got lengths {len(ranks)}, {len(dtypes)} and {len(alignments)}"
         ),
+    )
+    torch._check_value(
+        all(r >= 0 for r in ranks), lambda: f"te::bulk_allocate: negative entry in ranks {ranks}"
     )
     torch._check_value(
         sum(ranks) == len(dims),
@@ -100,7 +114,7 @@ def bulk_allocate_samples(device: torch.device) -> list[SampleInput]:
     def sample(shapes, dtypes, alignments):
         dims = [d for shape in shapes for d in shape]
         ranks = [len(shape) for shape in shapes]
-        names = [_dtype_name(dtype) for dtype in dtypes]
+        names = [_DTYPE_NAMES[dtype] for dtype in dtypes]
         return SampleInput((dims, ranks, names, device, list(alignments)), {"zero": True})
 
     f32, bf16, f16, i64, u8 = torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8
@@ -133,39 +147,43 @@ def bulk_allocate(
     it as an ``Unsupported`` error that carries the same message).
     """
     n = len(shapes)
-    if alignments is None:
-        alignments = [DEFAULT_ALIGNMENT] * n
-    if len(dtypes) != n or len(alignments) != n:
+    if len(dtypes) != n or (alignments is not None and len(alignments) != n):
         raise ValueError(
             "bulk_allocate: shapes, dtypes and alignments must have the same length, got "
-            f"len(shapes)={n}, len(dtypes)={len(dtypes)}, len(alignments)={len(alignments)}"
+            f"len(shapes)={n}, len(dtypes)={len(dtypes)}, len(alignments)="
+            f"{n if alignments is None else len(alignments)}"
         )
+    # One pass per argument, each a cheap loop: this runs on every eager call.
     dims: list[int] = []
     ranks: list[int] = []
-    names: list[str] = []
-    for i, (shape, dtype, alignment) in enumerate(zip(shapes, dtypes, alignments, strict=True)):
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(
-                f"bulk_allocate: dtypes[{i}] must be a torch.dtype, got "
-                f"{type(dtype).__name__} {dtype!r}"
-            )
-        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
-            raise ValueError(
-                f"bulk_allocate: alignments[{i}] must be an int that is a positive power of two, "
-                f"got {alignment!r}"
-            )
-        if isinstance(shape, (int, torch.SymInt)):
+    for i, shape in enumerate(shapes):
+        try:
+            dims.extend(shape)
+        except TypeError:
             raise ValueError(
                 f"bulk_allocate: shapes[{i}] must be a sequence of ints, got {shape!r}; "
                 f"write ({shape},) for a 1-D shape"
-            )
-        for d in shape:
-            if not isinstance(d, (int, torch.SymInt)) or d < 0:
-                raise ValueError(
-                    f"bulk_allocate: shapes[{i}] must hold non-negative ints, got {tuple(shape)}"
-                )
-        dims.extend(shape)
+            ) from None
         ranks.append(len(shape))
-        names.append(_dtype_name(dtype))
+    for d in dims:
+        if not isinstance(d, _INTS) or d < 0:
+            _raise_bad_shape(shapes)
+    names = [_DTYPE_NAMES.get(d) if isinstance(d, torch.dtype) else None for d in dtypes]
+    if None in names:
+        i = names.index(None)
+        raise ValueError(
+            f"bulk_allocate: dtypes[{i}] must be a torch.dtype, got "
+            f"{type(dtypes[i]).__name__} {dtypes[i]!r}"
+        )
+    if alignments is None:
+        alignments = [DEFAULT_ALIGNMENT] * n
+    else:
+        for i, a in enumerate(alignments):
+            if not isinstance(a, int) or a <= 0 or a & (a - 1):
+                raise ValueError(
+                    f"bulk_allocate: alignments[{i}] must be an int that is a positive power "
+                    f"of two, got {a!r}"
+                )
+        alignments = list(alignments)
     device = _default_device() if device is None else torch.device(device)
-    return _op(dims, ranks, names, device, list(alignments), zero=zero)
+    return _op(dims, ranks, names, device, alignments, zero=zero)
