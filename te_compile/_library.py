@@ -131,11 +131,9 @@ class Op:
     def eager(self, *args: Any) -> Any:
         """Call the implementation for the inputs' device directly, bypassing the dispatcher."""
         if self._impls:
-            dev = _first_tensor(args)
-            if dev is not None:
-                fn = self._impls.get(dev.device.type)
-                if fn is not None:
-                    return fn(*args)
+            t = _first_tensor(args)
+            if t is not None:
+                return self._impls.get(t.device.type, self._default)(*args)
         return self._default(*args)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -296,7 +294,7 @@ class DifferentiableOp:
         """Run the forward: the eager fast path when nothing is watching, else the op path."""
         if not _use_fast_path():
             return self.fwd.overload(*args)
-        if self._autocast:
+        if self._autocast and torch._C._is_any_autocast_enabled():
             t = _first_tensor(args)
             if t is not None and torch.is_autocast_enabled(t.device.type):
                 args = _autocast_args(args, t.device.type)

@@ -54,13 +54,14 @@ def _check_args(inp: Tensor, weight: Tensor, bias: Tensor | None, main_grad: Ten
     per-argument diagnosis runs only when it fails, so eager and compile raise the same
     ValueError naming the argument."""
     w_shape = weight.shape
+    dtype = inp.dtype
     if (
         len(w_shape) == 2
-        and inp.dim() >= 1
-        and inp.dtype is weight.dtype
-        and inp.dtype in _FLOAT_DTYPES
+        and dtype is weight.dtype
+        and dtype in _FLOAT_DTYPES
+        and inp.ndim >= 1
         and inp.shape[-1] == w_shape[1]
-        and (bias is None or (bias.shape == w_shape[:1] and bias.dtype is weight.dtype))
+        and (bias is None or (bias.shape == (w_shape[0],) and bias.dtype is dtype))
         and (main_grad is None or (main_grad.dtype is torch.float32 and main_grad.shape == w_shape))
     ):
         return

@@ -75,9 +75,7 @@ class Linear(nn.Module):
         if self.bias is not None:
             self.bias.zero_()
 
-    def _main_grad(self) -> Tensor | None:
-        if not self.fuse_wgrad_accumulation:
-            return None
+    def _main_grad(self) -> Tensor:
         main_grad = getattr(self.weight, "main_grad", None)
         if main_grad is None:
             raise RuntimeError(
@@ -88,11 +86,10 @@ class Linear(nn.Module):
         return main_grad
 
     def forward(self, inp: Tensor) -> Tensor | tuple[Tensor, Tensor | None]:
-        add_bias = None if self.return_bias else self.bias
-        out = F.linear(inp, self.weight, add_bias, main_grad=self._main_grad())
+        main_grad = self._main_grad() if self.fuse_wgrad_accumulation else None
         if self.return_bias:
-            return out, self.bias
-        return out
+            return F.linear(inp, self.weight, None, main_grad=main_grad), self.bias
+        return F.linear(inp, self.weight, self.bias, main_grad=main_grad)
 
     def extra_repr(self) -> str:
         return (
