@@ -180,6 +180,19 @@ class Timing:
     calls_per_sample: int = 1
 
 
+def _timing_of(samples_ms: Sequence[float], *, timer: str, calls_per_sample: int) -> Timing:
+    """Median and p20/p80 of per-call times (one sample per trial)."""
+    ordered = sorted(samples_ms)
+    return Timing(
+        median_ms=statistics.median(ordered),
+        p20_ms=_quantile(ordered, 0.2),
+        p80_ms=_quantile(ordered, 0.8),
+        n=len(ordered),
+        timer=timer,
+        calls_per_sample=calls_per_sample,
+    )
+
+
 def _quantile(sorted_values: Sequence[float], q: float) -> float:
     """Linear-interpolated quantile (same convention as torch.quantile / numpy default)."""
     if not sorted_values:
@@ -273,15 +286,7 @@ def time_kernels(
         if total_us <= 0:
             raise RuntimeError("torch.profiler recorded no CUDA kernels (is CUPTI available?)")
         per_call_ms.append(total_us / calls / 1e3)
-    per_call_ms.sort()
-    return Timing(
-        median_ms=statistics.median(per_call_ms),
-        p20_ms=_quantile(per_call_ms, 0.2),
-        p80_ms=_quantile(per_call_ms, 0.8),
-        n=repeat,
-        timer="kernels",
-        calls_per_sample=calls,
-    )
+    return _timing_of(per_call_ms, timer="kernels", calls_per_sample=calls)
 
 
 def _calibrate(trial: Callable[[int], float], min_trial_s: float, min_number: int) -> int:
@@ -327,15 +332,8 @@ def time_wall(
 
     if number is None:
         number = _calibrate(trial, min_trial_s, min_number)
-    per_call_ms = sorted(trial(number) / number * 1e3 for _ in range(repeat))
-    return Timing(
-        median_ms=statistics.median(per_call_ms),
-        p20_ms=_quantile(per_call_ms, 0.2),
-        p80_ms=_quantile(per_call_ms, 0.8),
-        n=repeat,
-        timer="wall",
-        calls_per_sample=number,
-    )
+    per_call_ms = [trial(number) / number * 1e3 for _ in range(repeat)]
+    return _timing_of(per_call_ms, timer="wall", calls_per_sample=number)
 
 
 def time_fn(
