@@ -13,6 +13,7 @@ $(STAMP): $(SOURCES)
 	@$(PYTHON) -c "import torch" 2>/dev/null || { \
 	  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then $(PIP) install torch; \
 	  else $(PIP) install "$(TORCH_CPU)"; fi; }
+	$(PIP) install "setuptools>=64" wheel
 	$(PIP) install --no-build-isolation -e ".[test,demo]"
 	@mkdir -p build && touch $@
 
