@@ -115,9 +115,12 @@ class Op:
     def register_kernel(self, device_type: str) -> Callable[[Callable], Callable]:
         """Decorator: the implementation used for tensors on ``device_type`` (e.g. "cuda")."""
 
+        keys = {"cpu": "CPU", "cuda": "CUDA"}
+        if device_type not in keys:
+            raise ValueError(f"register_kernel: device_type must be one of {sorted(keys)}")
+
         def deco(fn: Callable) -> Callable:
-            key = {"cpu": "CPU", "cuda": "CUDA"}[device_type]
-            _LIB.impl(self.name, fn, key)
+            _LIB.impl(self.name, fn, keys[device_type])
             self._impls[device_type] = fn
             return fn
 
@@ -143,12 +146,20 @@ class Op:
         return f"Op({self.qualname})"
 
 
-def op(name: str, *, mutates_args: Sequence[str] = ()) -> Callable[[Callable], Op]:
-    """Decorator defining ``te::<name>`` from its default (CPU / reference) implementation."""
+def op(
+    name: str, *, mutates_args: Sequence[str] = (), sample_inputs: SampleFn | None = None
+) -> Callable[[Callable], Op]:
+    """Decorator defining ``te::<name>`` from its default (CPU / reference) implementation.
+
+    A non-differentiable op passes its ``sample_inputs`` here; a forward/backward pair gets
+    them from :func:`differentiable` instead."""
 
     def deco(fn: Callable) -> Op:
+        qualname = f"{NAMESPACE}::{name}"
+        if qualname in _REGISTRY:
+            raise RuntimeError(f"{qualname} is already registered")
         new = Op(name, fn, mutates_args)
-        _register(new.qualname, new, None)
+        _REGISTRY[qualname] = RegistryEntry(qualname, new.overload, sample_inputs, None)
         return new
 
     return deco
@@ -384,17 +395,6 @@ class RegistryEntry:
 
 
 _REGISTRY: dict[str, RegistryEntry] = {}
-
-
-def _register(qualname: str, new: Op, sample_inputs: SampleFn | None) -> None:
-    if qualname in _REGISTRY:
-        raise RuntimeError(f"{qualname} is already registered")
-    _REGISTRY[qualname] = RegistryEntry(qualname, new.overload, sample_inputs, None)
-
-
-def set_sample_inputs(op_: Op, sample_inputs: SampleFn) -> None:
-    """Attach sample inputs to a non-differentiable Python-defined op."""
-    _REGISTRY[op_.qualname].sample_inputs = sample_inputs
 
 
 def registry() -> dict[str, RegistryEntry]:
