@@ -7,6 +7,7 @@ Every test takes its tolerances from :func:`dtype_tols` and builds its reference
 from __future__ import annotations
 
 import operator
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -127,3 +128,13 @@ class GraphRecorder:
 
     def summary(self) -> str:
         return "forward: " + ", ".join(self.forward) + "\nbackward: " + ", ".join(self.backward)
+
+
+# Triton kernels run on CUDA, or on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1,
+# which `make test` sets for a second pass over the tests marked `triton`).
+TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+requires_triton = pytest.mark.skipif(
+    not (HAS_CUDA or TRITON_INTERPRET),
+    reason="Triton kernels need a CUDA GPU or TRITON_INTERPRET=1 (make test runs them that way)",
+)
+TRITON_DEVICE = "cuda" if HAS_CUDA else "cpu"
