@@ -16,14 +16,13 @@ import torch
 from torch import Tensor, nn
 
 from te_compile import functional as F
+from te_compile.modules._common import (
+    check_positive,
+    default_init_method,
+    params_dtype_or_default,
+)
 
-__all__ = ["Linear", "default_init_method"]
-
-_DEFAULT_INIT_STD = 0.023  # Transformer Engine's default weight init std
-
-
-def default_init_method(weight: Tensor) -> None:
-    nn.init.normal_(weight, mean=0.0, std=_DEFAULT_INIT_STD)
+__all__ = ["Linear"]
 
 
 class Linear(nn.Module):
@@ -53,12 +52,8 @@ class Linear(nn.Module):
         fuse_wgrad_accumulation: bool = False,
     ) -> None:
         super().__init__()
-        for name, value in (("in_features", in_features), ("out_features", out_features)):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"Linear: {name} must be a positive int, got {value!r}")
-        dtype = params_dtype if params_dtype is not None else torch.get_default_dtype()
-        if not dtype.is_floating_point:
-            raise ValueError(f"Linear: params_dtype must be a floating dtype, got {dtype}")
+        check_positive("Linear", in_features=in_features, out_features=out_features)
+        dtype = params_dtype_or_default("Linear", params_dtype)
         self.in_features = in_features
         self.out_features = out_features
         self.return_bias = return_bias
