@@ -1,4 +1,4 @@
-"""Train a small character-level GPT whose every linear layer is ``te_compile.Linear``.
+"""Train a small character-level GPT built from te_compile's modules.
 
 This is te_compile's main demo. It shows that a model built from te_compile modules
 compiles with ``torch.compile(model, fullgraph=True)`` into a single graph: the whole
@@ -10,10 +10,13 @@ What it does:
    King James Version, 0.8 MB; see ``examples/data/README.md``) and tokenises it by
    character.
 2. Builds a GPT: token and position embeddings, pre-norm transformer blocks with causal
-   self-attention (``F.scaled_dot_product_attention(is_causal=True)``) and a GELU MLP,
-   a final LayerNorm and an LM head. Every linear layer -- the fused QKV projection,
-   the attention output projection, both MLP layers and the LM head -- is a
-   ``te_compile.Linear``; LayerNorm, embeddings and attention are plain PyTorch.
+   self-attention (``F.scaled_dot_product_attention(is_causal=True)``) and an MLP, a final
+   norm and an LM head. The pre-attention norm and the fused QKV projection are one
+   ``te_compile.LayerNormLinear``, the attention output projection and the LM head are
+   ``te_compile.Linear``, the pre-MLP norm and the MLP are one ``te_compile.LayerNormMLP``
+   (GELU by default, ``--activation swiglu`` and the others work too) and the final norm is a
+   ``te_compile.LayerNorm`` or ``te_compile.RMSNorm`` (``--normalization``, used by every norm).
+   Embeddings, attention and the loss are plain PyTorch.
 3. Counts graph breaks with ``torch._dynamo.explain`` before training, then trains the
    model compiled with ``fullgraph=True`` (which would raise on any break) using AdamW,
    and counts again whatever breaks Dynamo recorded during training.
@@ -70,14 +73,23 @@ class GPTConfig:
     layers: int
     width: int
     heads: int
+    normalization: str = "LayerNorm"
+    activation: str = "gelu"
 
 
 class CausalSelfAttention(nn.Module):
+    """Pre-norm attention: the norm and the QKV projection are one LayerNormLinear."""
+
     def __init__(self, cfg: GPTConfig, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.heads = cfg.heads
-        self.qkv = te_compile.Linear(
-            cfg.width, 3 * cfg.width, bias=True, params_dtype=dtype, device=device
+        self.qkv = te_compile.LayerNormLinear(
+            cfg.width,
+            3 * cfg.width,
+            bias=True,
+            normalization=cfg.normalization,
+            params_dtype=dtype,
+            device=device,
         )
         self.proj = te_compile.Linear(
             cfg.width, cfg.width, bias=True, params_dtype=dtype, device=device
@@ -93,34 +105,26 @@ class CausalSelfAttention(nn.Module):
         return self.proj(y)
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: GPTConfig, dtype: torch.dtype, device: torch.device):
-        super().__init__()
-        hidden = 4 * cfg.width
-        self.fc1 = te_compile.Linear(
-            cfg.width, hidden, bias=True, params_dtype=dtype, device=device
-        )
-        self.fc2 = te_compile.Linear(
-            hidden, cfg.width, bias=True, params_dtype=dtype, device=device
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x)))
-
-
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)); each norm lives
+    in the te_compile module that follows it."""
 
     def __init__(self, cfg: GPTConfig, dtype: torch.dtype, device: torch.device):
         super().__init__()
-        self.ln1 = nn.LayerNorm(cfg.width, dtype=dtype, device=device)
         self.attn = CausalSelfAttention(cfg, dtype, device)
-        self.ln2 = nn.LayerNorm(cfg.width, dtype=dtype, device=device)
-        self.mlp = MLP(cfg, dtype, device)
+        self.mlp = te_compile.LayerNormMLP(
+            cfg.width,
+            4 * cfg.width,
+            bias=True,
+            activation=cfg.activation,
+            normalization=cfg.normalization,
+            params_dtype=dtype,
+            device=device,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        x = x + self.attn(x)
+        return x + self.mlp(x)
 
 
 class GPT(nn.Module):
@@ -130,7 +134,8 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.width, dtype=dtype, device=device)
         self.pos_emb = nn.Embedding(cfg.block_size, cfg.width, dtype=dtype, device=device)
         self.blocks = nn.ModuleList(Block(cfg, dtype, device) for _ in range(cfg.layers))
-        self.ln_f = nn.LayerNorm(cfg.width, dtype=dtype, device=device)
+        norm = te_compile.RMSNorm if cfg.normalization == "RMSNorm" else te_compile.LayerNorm
+        self.ln_f = norm(cfg.width, params_dtype=dtype, device=device)
         self.lm_head = te_compile.Linear(
             cfg.width, cfg.vocab_size, bias=False, params_dtype=dtype, device=device
         )
@@ -142,12 +147,12 @@ class GPT(nn.Module):
         scaled down by sqrt(2 * layers)."""
         for name, p in self.named_parameters():
             if p.dim() == 1:
-                # LayerNorm weights stay at one; every bias starts at zero.
-                if not name.endswith(("ln1.weight", "ln2.weight", "ln_f.weight")):
+                # Norm weights stay at one; every bias starts at zero.
+                if not name.endswith(("layer_norm_weight", "ln_f.weight")):
                     p.zero_()
                 continue
             std = 0.02
-            if name.endswith(("attn.proj.weight", "mlp.fc2.weight")):
+            if name.endswith(("attn.proj.weight", "mlp.fc2_weight")):
                 std /= math.sqrt(2 * self.cfg.layers)
             p.normal_(0.0, std)
 
@@ -269,6 +274,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, help="context length in characters")
     p.add_argument("--batch-size", type=int, help="sequences per step")
     p.add_argument("--lr", type=float, help="peak learning rate")
+    p.add_argument(
+        "--normalization",
+        default="LayerNorm",
+        choices=te_compile.modules.norm.NORMALIZATIONS,
+        help="every norm of the model (default: LayerNorm)",
+    )
+    p.add_argument(
+        "--activation",
+        default="gelu",
+        choices=(*te_compile.functional.ACTIVATIONS, *te_compile.functional.GATED_ACTIVATIONS),
+        help="the MLP activation (default: gelu; gated ones double FC1's outputs)",
+    )
     p.add_argument("--seed", type=int, default=1337, help="random seed (default: 1337)")
     p.add_argument("--no-compile", action="store_true", help="run eagerly, without torch.compile")
     p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="plain-text training corpus")
@@ -299,7 +316,15 @@ def main(argv=None) -> int:
         torch.backends.cuda.matmul.allow_tf32 = True
 
     data = CharDataset(args.data)
-    cfg = GPTConfig(data.vocab_size, args.block_size, args.layers, args.width, args.heads)
+    cfg = GPTConfig(
+        data.vocab_size,
+        args.block_size,
+        args.layers,
+        args.width,
+        args.heads,
+        normalization=args.normalization,
+        activation=args.activation,
+    )
     model = GPT(cfg, dtype, device)
     n_params = sum(p.numel() for p in model.parameters())
     print(
@@ -308,7 +333,8 @@ def main(argv=None) -> int:
     )
     print(
         f"model: {cfg.layers} layers, width {cfg.width}, {cfg.heads} heads, "
-        f"block {cfg.block_size}, {n_params / 1e6:.2f}M params, {args.dtype} on {device}"
+        f"block {cfg.block_size}, {cfg.normalization}, {cfg.activation} MLP, "
+        f"{n_params / 1e6:.2f}M params, {args.dtype} on {device}"
     )
     print(f"training: {args.steps} steps of {args.batch_size} x {args.block_size} tokens")
 

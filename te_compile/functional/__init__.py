@@ -1,6 +1,46 @@
 """Public functions over the ``torch.ops.te`` ops, one file per op family."""
 
+from te_compile.functional.activation import (
+    ACTIVATIONS,
+    GATED_ACTIVATIONS,
+    bias_activation,
+    clamped_swiglu,
+    geglu,
+    gelu,
+    glu,
+    qgeglu,
+    qgelu,
+    reglu,
+    relu,
+    silu,
+    sreglu,
+    srelu,
+    swiglu,
+)
 from te_compile.functional.allocate import bulk_allocate
 from te_compile.functional.linear import linear, linear_ref
+from te_compile.functional.norm import l2normalization, layernorm, rmsnorm
 
-__all__ = ["bulk_allocate", "linear", "linear_ref"]
+__all__ = [
+    "ACTIVATIONS",
+    "GATED_ACTIVATIONS",
+    "bias_activation",
+    "bulk_allocate",
+    "clamped_swiglu",
+    "geglu",
+    "gelu",
+    "glu",
+    "l2normalization",
+    "layernorm",
+    "linear",
+    "linear_ref",
+    "qgeglu",
+    "qgelu",
+    "reglu",
+    "relu",
+    "rmsnorm",
+    "silu",
+    "sreglu",
+    "srelu",
+    "swiglu",
+]

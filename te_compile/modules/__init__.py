@@ -1,5 +1,8 @@
 """nn.Modules with Transformer Engine's names; forward() calls te_compile.functional only."""
 
+from te_compile.modules.layernorm_linear import LayerNormLinear
+from te_compile.modules.layernorm_mlp import LayerNormMLP
 from te_compile.modules.linear import Linear
+from te_compile.modules.norm import LayerNorm, RMSNorm
 
-__all__ = ["Linear"]
+__all__ = ["LayerNorm", "LayerNormLinear", "LayerNormMLP", "Linear", "RMSNorm"]

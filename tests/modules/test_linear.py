@@ -119,8 +119,10 @@ class TestGraphSnapshots(expecttest.TestCase):
         self.assertExpectedInline(
             self._record(m, torch.randn(2, 3, 16, requires_grad=True)),
             """\
-forward: te.linear_fwd.default
-backward: auto_functionalized_v2(te.linear_bwd.default)""",
+forward:
+  te.linear_fwd.default
+backward:
+  auto_functionalized_v2(te.linear_bwd.default)""",
         )
 
     def test_linear_weight_grad_only(self):
@@ -128,8 +130,10 @@ backward: auto_functionalized_v2(te.linear_bwd.default)""",
         self.assertExpectedInline(
             self._record(m, torch.randn(4, 16)),
             """\
-forward: te.linear_fwd.default
-backward: auto_functionalized_v2(te.linear_bwd.default)""",
+forward:
+  te.linear_fwd.default
+backward:
+  auto_functionalized_v2(te.linear_bwd.default)""",
         )
 
     def test_linear_main_grad(self):
@@ -138,6 +142,9 @@ backward: auto_functionalized_v2(te.linear_bwd.default)""",
         self.assertExpectedInline(
             self._record(m, torch.randn(4, 16)),
             """\
-forward: te.linear_fwd.default
-backward: auto_functionalized_v2(te.linear_bwd.default), aten.copy_.default""",
+forward:
+  te.linear_fwd.default
+backward:
+  auto_functionalized_v2(te.linear_bwd.default)
+  aten.copy_.default""",
         )

@@ -1,0 +1,589 @@
+r"""Activations, element-wise and gated, with an optional fused bias, as two op pairs.
+
+Element-wise (``ACTIVATIONS``), :math:`y = f(x + b)`:
+
+.. math::
+    \mathrm{gelu}(x) = \tfrac12 x\left(1 + \tanh\!\left(\sqrt{2/\pi}\,(x + 0.044715\,x^3)
+        \right)\right), \qquad \mathrm{qgelu}(x) = x\,\sigma(1.702\,x),
+
+    \mathrm{relu}(x) = \max(x, 0), \qquad \mathrm{srelu}(x) = \max(x, 0)^2,
+    \qquad \mathrm{silu}(x) = x\,\sigma(x).
+
+Gated (``GATED_ACTIVATIONS``): the last dim of ``inp + bias`` (size 2H) holds an activation
+half :math:`a` and a linear half :math:`l`, and :math:`y = f(a)\,l` has last dim H, with
+:math:`f` = sigmoid (``glu``), gelu (``geglu``), qgelu (``qgeglu``), relu (``reglu``), srelu
+(``sreglu``), silu (``swiglu``). ``clamped_swiglu`` (GPT-OSS, Transformer Engine's
+``ClampedSwiGLU``) clamps both halves first:
+
+.. math::
+    c = \min(a, \mathrm{limit}), \qquad
+    y = c\,\sigma(\alpha c)\,\left(\mathrm{clamp}(l, -\mathrm{limit}, \mathrm{limit})
+        + \mathrm{glu\_linear\_offset}\right)
+
+with defaults ``limit=7.0, alpha=1.702, glu_linear_offset=1.0``; the clamps pass gradient where
+the input is inside the range, bounds included (as ``torch.clamp``).
+
+Layout of the gated input, as in Transformer Engine: by default the first half of the last dim is
+:math:`a` and the second half :math:`l`. With ``glu_interleave_size=k`` the last dim holds
+alternating blocks ``[a_0:k, l_0:k, a_k:2k, l_k:2k, ...]``, the layout a fused grouped MLP's FC1
+produces (``k`` must divide H). Interleaving a contiguous input that way gives the same output.
+
+Ops (one pair per family, the activation chosen by name)::
+
+    te::activation_fwd(Tensor inp, Tensor? bias, str activation) -> Tensor
+    te::activation_bwd(Tensor grad, Tensor inp, Tensor? bias, str activation,
+                       bool need_dbias) -> (Tensor dinp, Tensor dbias)
+    te::gated_activation_fwd(Tensor inp, Tensor? bias, str activation,
+                             int glu_interleave_size=0, float limit=7.0, float alpha=1.702,
+                             float glu_linear_offset=1.0) -> Tensor
+    te::gated_activation_bwd(Tensor grad, Tensor inp, Tensor? bias, str activation,
+                             int glu_interleave_size, float limit, float alpha,
+                             float glu_linear_offset, bool need_dbias)
+                             -> (Tensor dinp, Tensor dbias)
+
+Why by name and not one op per activation: every activation shares the checks, the layouts, the
+kernels and the bias/dbias fusion; 24 ops would repeat them 12 times and cost a registry entry
+each, while the name is a compile-time constant to Triton (one specialisation per activation) and
+shows in FX graphs and profiles as an argument. Why the bias is an optional input rather than a
+third op pair: it is the same kernel with one more load (the bias ``Linear`` of LayerNormMLP's FC1
+does not add, this op does, in the same pass), like ``te::linear_fwd``'s ``Tensor? bias``. The
+backward recomputes ``inp + bias`` instead of saving it (nothing but the inputs is saved) and
+returns ``dbias`` — the column sums of ``dinp``, in fp32 from the unrounded ``dinp`` — from the
+same pass; ``dbias`` is a 0-element tensor unless ``need_dbias``. The bias has ``inp``'s last dim
+(2H for gated activations, in the input's column layout) and dtype.
+
+Implementations: the CPU one is the reference math below (fp32, rounded once); CUDA runs the
+Triton kernels of ``te_compile.kernels.activation`` (fp64 inputs take the reference math there
+too). FP8 output quantisation will be trailing arguments with defaults (scale, amax) and extra
+returns, without changing these signatures' meaning. Under ``torch.autocast`` the op runs in the
+autocast dtype (input and bias cast as ``nn.Linear`` casts its bias), as Transformer Engine's
+activation ops do: in a transformer block it sits between autocast GEMMs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from te_compile._library import SampleInput, differentiable, op
+
+__all__ = [
+    "ACTIVATIONS",
+    "GATED_ACTIVATIONS",
+    "activation_ref",
+    "bias_activation",
+    "clamped_swiglu",
+    "gated_activation_ref",
+    "geglu",
+    "gelu",
+    "glu",
+    "qgeglu",
+    "qgelu",
+    "reglu",
+    "relu",
+    "silu",
+    "sreglu",
+    "srelu",
+    "swiglu",
+]
+
+ACTIVATIONS = ("gelu", "qgelu", "relu", "srelu", "silu")
+GATED_ACTIVATIONS = ("glu", "geglu", "qgeglu", "reglu", "sreglu", "swiglu", "clamped_swiglu")
+
+# The function each name applies (gated: to its activation half).
+_FUNCTION = {
+    "gelu": "gelu",
+    "qgelu": "qgelu",
+    "relu": "relu",
+    "srelu": "srelu",
+    "silu": "silu",
+    "glu": "sigmoid",
+    "geglu": "gelu",
+    "qgeglu": "qgelu",
+    "reglu": "relu",
+    "sreglu": "srelu",
+    "swiglu": "silu",
+    "clamped_swiglu": "clamped_silu",
+}
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_QGELU_ALPHA = 1.702
+_GELU_C = (2.0 / torch.pi) ** 0.5
+
+
+# 1. Reference math ----------------------------------------------------------------------------
+
+
+def _act(x: Tensor, fn: str, limit: float, alpha: float) -> Tensor:
+    if fn == "gelu":
+        return F.gelu(x, approximate="tanh")
+    if fn == "qgelu":
+        return x * torch.sigmoid(_QGELU_ALPHA * x)
+    if fn == "relu":
+        return torch.relu(x)
+    if fn == "srelu":
+        return torch.relu(x).square()
+    if fn == "silu":
+        return F.silu(x)
+    if fn == "sigmoid":
+        return torch.sigmoid(x)
+    c = x.clamp(max=limit)  # clamped_silu
+    return c * torch.sigmoid(alpha * c)
+
+
+def _dact(x: Tensor, fn: str, limit: float, alpha: float) -> Tensor:
+    """f'(x), written out (the CPU backward; the float64 reference gradient is autograd's)."""
+    if fn == "gelu":
+        t = torch.tanh(_GELU_C * (x + 0.044715 * x**3))
+        return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * _GELU_C * (1 + 3 * 0.044715 * x * x)
+    if fn == "relu":
+        return (x > 0).to(x.dtype)
+    if fn == "srelu":
+        return 2 * torch.relu(x)
+    if fn == "sigmoid":
+        s = torch.sigmoid(x)
+        return s * (1 - s)
+    a = {"qgelu": _QGELU_ALPHA, "silu": 1.0, "clamped_silu": alpha}[fn]
+    c = x.clamp(max=limit) if fn == "clamped_silu" else x
+    s = torch.sigmoid(a * c)
+    d = s + a * c * s * (1 - s)
+    return torch.where(x <= limit, d, 0.0) if fn == "clamped_silu" else d
+
+
+def _acc_dtype(t: Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _with_bias(inp: Tensor, bias: Tensor | None) -> Tensor:
+    acc = _acc_dtype(inp)
+    return inp.to(acc) if bias is None else inp.to(acc) + bias.to(acc)
+
+
+def _split_glu(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """(activation half, linear half) of ``x`` in either layout; ``k == 0``: contiguous halves,
+    which is the interleaved layout with ``k = H``."""
+    h = x.shape[-1] // 2
+    k = k or max(h, 1)
+    blocks = x.reshape(*x.shape[:-1], h // k, 2, k)
+    return blocks[..., 0, :].reshape(*x.shape[:-1], h), blocks[..., 1, :].reshape(*x.shape[:-1], h)
+
+
+def _merge_glu(a: Tensor, lin: Tensor, k: int) -> Tensor:
+    """Inverse of :func:`_split_glu`."""
+    lead, h = a.shape[:-1], a.shape[-1]
+    k = k or max(h, 1)
+    blocks = torch.stack((a.reshape(*lead, h // k, k), lin.reshape(*lead, h // k, k)), dim=-2)
+    return blocks.reshape(*lead, 2 * h)
+
+
+def activation_ref(inp: Tensor, bias: Tensor | None, activation: str) -> Tensor:
+    """``activation(inp + bias)`` in fp32 (fp64 stays fp64), cast to ``inp.dtype`` at the end."""
+    return _act(_with_bias(inp, bias), _FUNCTION[activation], 0.0, 0.0).to(inp.dtype)
+
+
+def gated_activation_ref(
+    inp: Tensor,
+    bias: Tensor | None,
+    activation: str,
+    glu_interleave_size: int = 0,
+    limit: float = 7.0,
+    alpha: float = 1.702,
+    glu_linear_offset: float = 1.0,
+) -> Tensor:
+    """``f(a) * l`` of ``inp + bias`` split into halves (see module docstring), fp32, cast once."""
+    a, lin = _split_glu(_with_bias(inp, bias), glu_interleave_size)
+    if activation == "clamped_swiglu":
+        lin = lin.clamp(-limit, limit) + glu_linear_offset
+    return (_act(a, _FUNCTION[activation], limit, alpha) * lin).to(inp.dtype)
+
+
+# Checks shared by the implementations (eager) and the fakes (trace time) ----------------------
+
+
+def _check_args(inp: Tensor, bias: Tensor | None, activation: str, gated: bool, k: int = 0) -> None:
+    """One cheap compound test on the hot path; the per-argument diagnosis only on failure, so
+    eager and compile raise the same ValueError naming the argument."""
+    if (
+        inp.dtype in _FLOAT_DTYPES
+        and activation in (GATED_ACTIVATIONS if gated else ACTIVATIONS)
+        and (
+            bias is None
+            or (inp.dim() >= 1 and bias.dtype is inp.dtype and bias.shape == inp.shape[-1:])
+        )
+        and (
+            not gated
+            or (
+                inp.dim() >= 1
+                and inp.shape[-1] % 2 == 0
+                and k >= 0
+                and (k == 0 or inp.shape[-1] // 2 % k == 0)
+            )
+        )
+    ):
+        return
+    raise ValueError(_diagnose(inp, bias, activation, gated, k))
+
+
+def _diagnose(inp: Tensor, bias: Tensor | None, activation: str, gated: bool, k: int) -> str:
+    p = "te.gated_activation" if gated else "te.activation"
+    if activation not in _FUNCTION:
+        return (
+            f"{p}: unknown activation {activation!r}; element-wise activations are "
+            f"{', '.join(ACTIVATIONS)}; gated activations are {', '.join(GATED_ACTIVATIONS)}"
+        )
+    if gated and activation in ACTIVATIONS:
+        return (
+            f"{p}: activation must be a gated activation ({', '.join(GATED_ACTIVATIONS)}), got "
+            f"the element-wise {activation!r}; glu_interleave_size applies to gated activations"
+        )
+    if not gated and activation in GATED_ACTIVATIONS:
+        return (
+            f"{p}: activation must be element-wise ({', '.join(ACTIVATIONS)}), got the gated "
+            f"{activation!r}; use te_compile.functional.{activation} or bias_activation"
+        )
+    if inp.dtype not in _FLOAT_DTYPES:
+        return f"{p}: inp.dtype must be a floating type, got {inp.dtype}"
+    if inp.dim() < 1:
+        return f"{p}: inp must have at least 1 dimension (a bias or gated halves need a last dim)"
+    n = inp.shape[-1]
+    if gated and n % 2:
+        return (
+            f"{p}: inp.shape[-1] ({n}) must be even: its first half is the activation input and "
+            f"its second half the linear input"
+        )
+    if gated and k < 0:
+        return f"{p}: glu_interleave_size must be >= 0 (0 or None: contiguous halves), got {k}"
+    if gated and k and (n // 2) % k:
+        return (
+            f"{p}: glu_interleave_size ({k}) must divide half the last dim, "
+            f"inp.shape[-1] // 2 = {n // 2}"
+        )
+    if bias.shape != inp.shape[-1:]:
+        return f"{p}: bias must have shape [inp.shape[-1]] = [{n}], got {list(bias.shape)}"
+    return f"{p}: bias.dtype ({bias.dtype}) must equal inp.dtype ({inp.dtype})"
+
+
+def _kernels():
+    # Imported on first CUDA call: Triton is not a dependency of the CPU-only install.
+    from te_compile.kernels import activation
+
+    return activation
+
+
+# 2. Forward ops -------------------------------------------------------------------------------
+
+
+@op("activation_fwd")
+def activation_fwd(inp: Tensor, bias: Tensor | None, activation: str) -> Tensor:
+    """``activation(inp + bias)``; the default (CPU) implementation is the reference math."""
+    _check_args(inp, bias, activation, False)
+    return activation_ref(inp.contiguous(), bias, activation)
+
+
+@activation_fwd.register_kernel("cuda")
+def _activation_fwd_cuda(inp, bias, activation):
+    _check_args(inp, bias, activation, False)
+    if inp.dtype == torch.float64:
+        return activation_ref(inp.contiguous(), bias, activation)
+    return _kernels().activation_forward(inp, bias, activation)
+
+
+@op("gated_activation_fwd")
+def gated_activation_fwd(
+    inp: Tensor,
+    bias: Tensor | None,
+    activation: str,
+    glu_interleave_size: int = 0,
+    limit: float = 7.0,
+    alpha: float = 1.702,
+    glu_linear_offset: float = 1.0,
+) -> Tensor:
+    """Gated ``activation`` of ``inp + bias``; default (CPU) implementation: the reference math."""
+    _check_args(inp, bias, activation, True, glu_interleave_size)
+    return gated_activation_ref(
+        inp.contiguous(), bias, activation, glu_interleave_size, limit, alpha, glu_linear_offset
+    )
+
+
+@gated_activation_fwd.register_kernel("cuda")
+def _gated_activation_fwd_cuda(inp, bias, activation, k=0, limit=7.0, alpha=1.702, offset=1.0):
+    _check_args(inp, bias, activation, True, k)
+    if inp.dtype == torch.float64:
+        return gated_activation_ref(inp.contiguous(), bias, activation, k, limit, alpha, offset)
+    return _kernels().activation_forward(inp, bias, activation, k, limit, alpha, offset)
+
+
+# 3. Fakes -------------------------------------------------------------------------------------
+
+
+@activation_fwd.register_fake
+def _activation_fwd_fake(inp, bias, activation):
+    _check_args(inp, bias, activation, False)
+    return inp.new_empty(inp.shape)
+
+
+@gated_activation_fwd.register_fake
+def _gated_activation_fwd_fake(inp, bias, activation, k=0, limit=7.0, alpha=1.702, offset=1.0):
+    _check_args(inp, bias, activation, True, k)
+    return inp.new_empty((*inp.shape[:-1], inp.shape[-1] // 2))
+
+
+# 4. Backward ops ------------------------------------------------------------------------------
+
+
+def _dbias(dx: Tensor, inp: Tensor, bias: Tensor | None, need_dbias: bool) -> Tensor:
+    """Column sums of the unrounded ``dx``, or a fresh 0-element tensor when not needed."""
+    if not need_dbias or bias is None:
+        return inp.new_empty(0)
+    return dx.reshape(-1, dx.shape[-1]).sum(0).to(inp.dtype)
+
+
+def _activation_bwd_ref(grad, inp, bias, activation, need_dbias):
+    dx = grad.to(_acc_dtype(inp)) * _dact(_with_bias(inp, bias), _FUNCTION[activation], 0.0, 0.0)
+    return dx.to(inp.dtype), _dbias(dx, inp, bias, need_dbias)
+
+
+def _gated_activation_bwd_ref(grad, inp, bias, activation, k, limit, alpha, offset, need_dbias):
+    fn = _FUNCTION[activation]
+    g = grad.to(_acc_dtype(inp))
+    a, lin = _split_glu(_with_bias(inp, bias), k)
+    dlin = g * _act(a, fn, limit, alpha)
+    if activation == "clamped_swiglu":
+        dlin = torch.where((lin >= -limit) & (lin <= limit), dlin, 0.0)
+        lin = lin.clamp(-limit, limit) + offset
+    dx = _merge_glu(g * lin * _dact(a, fn, limit, alpha), dlin, k)
+    return dx.to(inp.dtype), _dbias(dx, inp, bias, need_dbias)
+
+
+@op("activation_bwd")
+def activation_bwd(
+    grad: Tensor, inp: Tensor, bias: Tensor | None, activation: str, need_dbias: bool
+) -> tuple[Tensor, Tensor]:
+    """``(dinp, dbias)``; ``dbias`` is a 0-element tensor unless ``need_dbias``. Default (CPU)
+    implementation: the derivative written out, fp32 (fp64 stays fp64), rounded once."""
+    return _activation_bwd_ref(grad, inp, bias, activation, need_dbias)
+
+
+@activation_bwd.register_kernel("cuda")
+def _activation_bwd_cuda(grad, inp, bias, activation, need_dbias):
+    if inp.dtype == torch.float64:
+        return _activation_bwd_ref(grad, inp, bias, activation, need_dbias)
+    dx, dbias = _kernels().activation_backward(grad, inp, bias, activation, need_dbias=need_dbias)
+    return dx, inp.new_empty(0) if dbias is None else dbias
+
+
+@op("gated_activation_bwd")
+def gated_activation_bwd(
+    grad: Tensor,
+    inp: Tensor,
+    bias: Tensor | None,
+    activation: str,
+    glu_interleave_size: int,
+    limit: float,
+    alpha: float,
+    glu_linear_offset: float,
+    need_dbias: bool,
+) -> tuple[Tensor, Tensor]:
+    """``(dinp, dbias)`` of the gated activation; ``dbias`` is 0-element unless ``need_dbias``.
+    Default (CPU) implementation: the derivatives written out, fp32, rounded once."""
+    config = (glu_interleave_size, limit, alpha, glu_linear_offset)
+    return _gated_activation_bwd_ref(grad, inp, bias, activation, *config, need_dbias)
+
+
+@gated_activation_bwd.register_kernel("cuda")
+def _gated_activation_bwd_cuda(grad, inp, bias, activation, k, limit, alpha, offset, need_dbias):
+    config = (k, limit, alpha, offset)
+    if inp.dtype == torch.float64:
+        return _gated_activation_bwd_ref(grad, inp, bias, activation, *config, need_dbias)
+    kernels = _kernels()
+    dx, dbias = kernels.activation_backward(
+        grad, inp, bias, activation, *config, need_dbias=need_dbias
+    )
+    return dx, inp.new_empty(0) if dbias is None else dbias
+
+
+def _bwd_fake(inp: Tensor, bias: Tensor | None, need_dbias: bool) -> tuple[Tensor, Tensor]:
+    dbias = inp.new_empty(bias.shape if need_dbias and bias is not None else 0)
+    return inp.new_empty(inp.shape), dbias
+
+
+@activation_bwd.register_fake
+def _activation_bwd_fake(grad, inp, bias, activation, need_dbias):
+    return _bwd_fake(inp, bias, need_dbias)
+
+
+@gated_activation_bwd.register_fake
+def _gated_activation_bwd_fake(grad, inp, bias, activation, k, limit, alpha, offset, need_dbias):
+    return _bwd_fake(inp, bias, need_dbias)
+
+
+# 5. setup_context + autograd ------------------------------------------------------------------
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    inp, bias, *config = inputs
+    ctx.save_for_backward(inp, bias)
+    ctx.config = config  # activation name, then (gated) interleave size, limit, alpha, offset
+
+
+def _backward(ctx, bwd, grad):
+    inp, bias = ctx.saved_tensors
+    need_dinp, need_dbias = ctx.needs_input_grad[:2]
+    dinp, dbias = bwd(grad.contiguous(), inp, bias, *ctx.config, bias is not None and need_dbias)
+    return (
+        dinp if need_dinp else None,
+        dbias if bias is not None and need_dbias else None,
+        *(None for _ in ctx.config),
+    )
+
+
+def _tensor(device: torch.device):
+    def t(*shape, dtype=torch.float32):
+        return torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
+
+    return t
+
+
+def _activation_samples(device: torch.device):
+    t, bf16, fp16 = _tensor(device), torch.bfloat16, torch.float16
+    yield SampleInput((t(5, 16), None, "gelu"))
+    yield SampleInput((t(2, 3, 24, dtype=bf16), t(24, dtype=bf16), "qgelu"))
+    yield SampleInput((t(7, 33), t(33), "relu"))
+    yield SampleInput((t(4, 8, dtype=fp16), None, "srelu"))
+    yield SampleInput((t(2, 3, 10, dtype=bf16), t(10, dtype=bf16), "silu"))
+
+
+def _gated_samples(device: torch.device):
+    t, bf16, fp16 = _tensor(device), torch.bfloat16, torch.float16
+    yield SampleInput((t(5, 16), None, "swiglu", 0, 7.0, 1.702, 1.0))
+    yield SampleInput((t(2, 3, 16, dtype=bf16), t(16, dtype=bf16), "geglu", 4, 7.0, 1.702, 1.0))
+    yield SampleInput((t(6, 12), t(12), "glu", 0, 7.0, 1.702, 1.0))
+    yield SampleInput((t(3, 8, dtype=fp16), None, "reglu", 2, 7.0, 1.702, 1.0))
+    yield SampleInput((t(2, 2, 24, dtype=bf16), None, "sreglu", 1, 7.0, 1.702, 1.0))
+    yield SampleInput((t(4, 32), t(32), "qgeglu", 8, 7.0, 1.702, 1.0))
+    # A small limit so that both clamps cut.
+    yield SampleInput(
+        (t(2, 3, 32, dtype=bf16), t(32, dtype=bf16), "clamped_swiglu", 4, 0.75, 1.702, 0.5)
+    )
+
+
+_activation = differentiable(
+    activation_fwd,
+    activation_bwd,
+    setup_context=_setup_context,
+    backward=_backward,
+    sample_inputs=_activation_samples,
+    reference=activation_ref,
+)
+_gated_activation = differentiable(
+    gated_activation_fwd,
+    gated_activation_bwd,
+    setup_context=_setup_context,
+    backward=_backward,
+    sample_inputs=_gated_samples,
+    reference=gated_activation_ref,
+)
+
+
+# Public functions -----------------------------------------------------------------------------
+
+
+def gelu(inp: Tensor) -> Tensor:
+    """GELU, tanh approximation."""
+    return _activation(inp, None, "gelu")
+
+
+def qgelu(inp: Tensor) -> Tensor:
+    """Quick GELU, ``x * sigmoid(1.702 x)``."""
+    return _activation(inp, None, "qgelu")
+
+
+def relu(inp: Tensor) -> Tensor:
+    return _activation(inp, None, "relu")
+
+
+def srelu(inp: Tensor) -> Tensor:
+    """Squared ReLU, ``relu(x) ** 2``."""
+    return _activation(inp, None, "srelu")
+
+
+def silu(inp: Tensor) -> Tensor:
+    """SiLU (swish), ``x * sigmoid(x)``."""
+    return _activation(inp, None, "silu")
+
+
+def _gated(
+    inp: Tensor,
+    bias: Tensor | None,
+    activation: str,
+    glu_interleave_size: int | None,
+    limit: float = 7.0,
+    alpha: float = 1.702,
+    glu_linear_offset: float = 1.0,
+) -> Tensor:
+    return _gated_activation(
+        inp, bias, activation, glu_interleave_size or 0, limit, alpha, glu_linear_offset
+    )
+
+
+def glu(inp: Tensor, glu_interleave_size: int | None = None) -> Tensor:
+    """``sigmoid(a) * l`` over the halves of the last dim (module docstring: layouts)."""
+    return _gated(inp, None, "glu", glu_interleave_size)
+
+
+def geglu(inp: Tensor, glu_interleave_size: int | None = None) -> Tensor:
+    """``gelu(a) * l`` (tanh GELU)."""
+    return _gated(inp, None, "geglu", glu_interleave_size)
+
+
+def qgeglu(inp: Tensor, glu_interleave_size: int | None = None) -> Tensor:
+    """``qgelu(a) * l``."""
+    return _gated(inp, None, "qgeglu", glu_interleave_size)
+
+
+def reglu(inp: Tensor, glu_interleave_size: int | None = None) -> Tensor:
+    """``relu(a) * l``."""
+    return _gated(inp, None, "reglu", glu_interleave_size)
+
+
+def sreglu(inp: Tensor, glu_interleave_size: int | None = None) -> Tensor:
+    """``relu(a)**2 * l``."""
+    return _gated(inp, None, "sreglu", glu_interleave_size)
+
+
+def swiglu(inp: Tensor, glu_interleave_size: int | None = None) -> Tensor:
+    """``silu(a) * l``."""
+    return _gated(inp, None, "swiglu", glu_interleave_size)
+
+
+def clamped_swiglu(
+    inp: Tensor,
+    limit: float = 7.0,
+    alpha: float = 1.702,
+    glu_linear_offset: float = 1.0,
+    glu_interleave_size: int | None = None,
+) -> Tensor:
+    """GPT-OSS SwiGLU: ``c * sigmoid(alpha c) * (clamp(l, -limit, limit) + glu_linear_offset)``
+    with ``c = min(a, limit)``."""
+    return _gated(inp, None, "clamped_swiglu", glu_interleave_size, limit, alpha, glu_linear_offset)
+
+
+def bias_activation(
+    inp: Tensor,
+    bias: Tensor | None,
+    activation: str,
+    glu_interleave_size: int | None = None,
+    *,
+    limit: float = 7.0,
+    alpha: float = 1.702,
+    glu_linear_offset: float = 1.0,
+) -> Tensor:
+    """Any activation of ``ACTIVATIONS`` or ``GATED_ACTIVATIONS`` applied to ``inp + bias`` in one
+    fused pass; the backward returns ``dbias`` from the same pass. ``bias`` (or None) has
+    ``inp``'s last dim and dtype; ``limit``/``alpha``/``glu_linear_offset`` are used by
+    ``clamped_swiglu`` only. This is what LayerNormMLP calls after its FC1 GEMM."""
+    if activation in ACTIVATIONS and not glu_interleave_size:
+        return _activation(inp, bias, activation)
+    # Gated names; also element-wise ones given an interleave size and unknown names, which the
+    # gated op rejects with a message naming the argument (in eager and at trace time).
+    return _gated(inp, bias, activation, glu_interleave_size, limit, alpha, glu_linear_offset)

@@ -1,0 +1,549 @@
+r"""Normalisation over the last dim: LayerNorm, RMSNorm and L2 normalisation.
+
+Ops ``te::layernorm_fwd/_bwd``, ``te::rmsnorm_fwd/_bwd``, ``te::l2normalization_fwd/_bwd``.
+``inp`` is ``[..., N]``; every leading index is a row, normalised on its own. Per row:
+
+.. math::
+    \text{LayerNorm:}\quad \mu = \tfrac1N \textstyle\sum_j x_j, \quad
+        r = \big(\tfrac1N \textstyle\sum_j (x_j-\mu)^2 + \varepsilon\big)^{-1/2}, \quad
+        y = (x-\mu)\,r\,\gamma + \beta
+
+    \text{RMSNorm:}\quad r = \big(\tfrac1N \textstyle\sum_j x_j^2 + \varepsilon\big)^{-1/2},
+        \quad y = x\,r\,\gamma
+
+    \text{L2 normalisation:}\quad r = \big(\textstyle\sum_j x_j^2 + \varepsilon\big)^{-1/2},
+        \quad y = x\,r
+
+and, with :math:`\hat x = (x-\mu)\,r` (:math:`\mu = 0` for RMSNorm and L2), :math:`g = dy\,\gamma`
+(:math:`g = dy` for L2) and :math:`\langle\cdot\rangle` the row mean (the row *sum* for L2),
+
+.. math::
+    dx = r\,\big(g - \langle g\rangle - \hat x\,\langle \hat x\,g\rangle\big)
+    \quad(\text{no } \langle g\rangle \text{ term for RMSNorm and L2}), \qquad
+    d\gamma = \textstyle\sum_{rows} dy\,\hat x, \qquad d\beta = \textstyle\sum_{rows} dy.
+
+``zero_centered_gamma=True`` stores the weight as :math:`w = \gamma - 1` (Transformer Engine's
+option; weight decay then pulls the scale towards 1, not 0): the effective scale is ``w + 1``,
+added in fp32 so it costs no precision. Its gradient is the gradient of :math:`\gamma`.
+
+Statistics: the forward returns ``mean`` (LayerNorm) and ``rsigma`` :math:`= r` as extra outputs,
+fp32 (fp64 for fp64 input) of shape ``inp.shape[:-1]``, and the backward op consumes them instead
+of recomputing. They are not differentiable outputs (``setup_context`` marks them so).
+
+Dtypes: ``inp`` is fp32, bf16, fp16 or fp64; ``weight`` (and ``bias``, which must match it) is
+either fp32 or ``inp``'s dtype — fp32 parameters with bf16 activations, as Transformer Engine's
+``params_dtype`` allows. All math is fp32 (fp64 for fp64); the output is ``inp``'s dtype, rounded
+once; weight gradients are reduced in fp32 and rounded once to the weight's dtype. Under
+``torch.autocast`` the op mechanism casts every floating argument, weight included, to the
+autocast dtype, as it does for ``nn.Linear``.
+
+Implementations: on CPU the reference math below (``*_ref``); on CUDA the Triton kernels of
+``te_compile.kernels.norm`` (one program per row tile forward; backward with a two-stage
+``dgamma``/``dbeta`` reduction), except fp64 which uses the reference math.
+
+Argument order leaves room to grow: an FP8 recipe appends output-quantisation arguments with
+defaults after ``zero_centered_gamma`` (``eps`` for L2).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from te_compile._library import SampleInput, differentiable, op
+
+__all__ = [
+    "l2normalization",
+    "l2normalization_ref",
+    "layernorm",
+    "layernorm_ref",
+    "rmsnorm",
+    "rmsnorm_ref",
+]
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+# 1. Reference math --------------------------------------------------------------------------
+
+
+def _acc(t: Tensor) -> torch.dtype:
+    """Compute dtype: fp32, or fp64 for fp64 input. Also the dtype of the statistics."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _gamma(weight: Tensor, zero_centered_gamma: bool, acc: torch.dtype) -> Tensor:
+    return weight.to(acc) + 1 if zero_centered_gamma else weight.to(acc)
+
+
+def layernorm_ref(
+    inp: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+    zero_centered_gamma: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(out, mean, rsigma)``: fp32 (or fp64) math, ``out`` cast to ``inp``'s dtype at the end."""
+    acc = _acc(inp)
+    x = inp.to(acc)
+    mean = x.mean(-1)
+    xc = x - mean[..., None]
+    rsigma = torch.rsqrt((xc * xc).mean(-1) + eps)
+    out = xc * rsigma[..., None] * _gamma(weight, zero_centered_gamma, acc)
+    if bias is not None:
+        out = out + bias.to(acc)
+    return out.to(inp.dtype), mean, rsigma
+
+
+def rmsnorm_ref(
+    inp: Tensor, weight: Tensor, eps: float = 1e-5, zero_centered_gamma: bool = False
+) -> tuple[Tensor, Tensor]:
+    """``(out, rsigma)``: fp32 (or fp64) math, ``out`` cast to ``inp``'s dtype at the end."""
+    acc = _acc(inp)
+    x = inp.to(acc)
+    rsigma = torch.rsqrt((x * x).mean(-1) + eps)
+    out = x * rsigma[..., None] * _gamma(weight, zero_centered_gamma, acc)
+    return out.to(inp.dtype), rsigma
+
+
+def l2normalization_ref(inp: Tensor, eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+    """``(out, rsigma)`` with ``rsigma = 1/sqrt(sum(x^2) + eps)``; fp32 (or fp64) math."""
+    x = inp.to(_acc(inp))
+    rsigma = torch.rsqrt((x * x).sum(-1) + eps)
+    return (x * rsigma[..., None]).to(inp.dtype), rsigma
+
+
+def _dx(g: Tensor, x_hat: Tensor, rsigma: Tensor, centered: bool, scale: float) -> Tensor:
+    """``r (g - <g> - x_hat <x_hat g>)``; ``<.>`` is ``scale`` times the row sum."""
+    dx = g - x_hat * ((x_hat * g).sum(-1, keepdim=True) * scale)
+    if centered:
+        dx = dx - g.sum(-1, keepdim=True) * scale
+    return dx * rsigma[..., None]
+
+
+def _sum_rows(t: Tensor) -> Tensor:
+    return t.reshape(-1, t.shape[-1]).sum(0)
+
+
+def layernorm_bwd_ref(
+    grad_out: Tensor,
+    inp: Tensor,
+    mean: Tensor,
+    rsigma: Tensor,
+    weight: Tensor,
+    zero_centered_gamma: bool,
+    has_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``(dinp, dweight, dbias)`` (``dbias`` None unless ``has_bias``); fp32 (or fp64) math."""
+    acc = _acc(inp)
+    dy, x_hat = grad_out.to(acc), (inp.to(acc) - mean[..., None]) * rsigma[..., None]
+    g = dy * _gamma(weight, zero_centered_gamma, acc)
+    dx = _dx(g, x_hat, rsigma, True, 1.0 / inp.shape[-1])
+    dbias = _sum_rows(dy).to(weight.dtype) if has_bias else None
+    return dx.to(inp.dtype), _sum_rows(dy * x_hat).to(weight.dtype), dbias
+
+
+def rmsnorm_bwd_ref(
+    grad_out: Tensor, inp: Tensor, rsigma: Tensor, weight: Tensor, zero_centered_gamma: bool
+) -> tuple[Tensor, Tensor]:
+    """``(dinp, dweight)``; fp32 (or fp64) math."""
+    acc = _acc(inp)
+    dy, x_hat = grad_out.to(acc), inp.to(acc) * rsigma[..., None]
+    g = dy * _gamma(weight, zero_centered_gamma, acc)
+    dx = _dx(g, x_hat, rsigma, False, 1.0 / inp.shape[-1])
+    return dx.to(inp.dtype), _sum_rows(dy * x_hat).to(weight.dtype)
+
+
+def l2normalization_bwd_ref(grad_out: Tensor, inp: Tensor, rsigma: Tensor) -> Tensor:
+    """``dinp``; fp32 (or fp64) math."""
+    acc = _acc(inp)
+    x_hat = inp.to(acc) * rsigma[..., None]
+    return _dx(grad_out.to(acc), x_hat, rsigma, False, 1.0).to(inp.dtype)
+
+
+def _check_args(
+    name: str, inp: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
+) -> None:
+    """Constraints shared by the implementations (eager) and the fakes (trace time).
+
+    One cheap compound test on the hot path; the per-argument diagnosis runs only when it
+    fails, so eager and compile raise the same ValueError naming the argument."""
+    dtype = inp.dtype
+    if (
+        eps > 0
+        and dtype in _FLOAT_DTYPES
+        and inp.ndim >= 1
+        and inp.shape[-1] >= 1
+        and (
+            weight is None
+            or (
+                weight.ndim == 1
+                and weight.shape[0] == inp.shape[-1]
+                and (weight.dtype is dtype or weight.dtype is torch.float32)
+            )
+        )
+        and (bias is None or (bias.shape == weight.shape and bias.dtype is weight.dtype))
+    ):
+        return
+    raise ValueError(_diagnose(name, inp, weight, bias, eps))
+
+
+def _diagnose(
+    name: str, inp: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
+) -> str:
+    prefix = f"te.{name}: "
+    if not eps > 0:
+        return prefix + f"eps must be > 0, got {eps}"
+    if inp.dtype not in _FLOAT_DTYPES:
+        return prefix + f"inp.dtype must be a floating type, got {inp.dtype}"
+    if inp.ndim < 1 or inp.shape[-1] < 1:
+        return prefix + f"inp must have a non-empty last dim, got shape {list(inp.shape)}"
+    n = inp.shape[-1]
+    if weight is not None and (weight.ndim != 1 or weight.shape[0] != n):
+        return prefix + (
+            f"weight must have shape [inp.shape[-1]] = [{n}], got {list(weight.shape)}"
+        )
+    if weight is not None and weight.dtype not in (inp.dtype, torch.float32):
+        return prefix + (
+            f"weight.dtype ({weight.dtype}) must be torch.float32 or equal inp.dtype ({inp.dtype})"
+        )
+    if bias.shape != weight.shape:
+        return prefix + f"bias must have weight's shape [{n}], got {list(bias.shape)}"
+    return prefix + f"bias.dtype ({bias.dtype}) must equal weight.dtype ({weight.dtype})"
+
+
+def _kernels():
+    # Imported on first CUDA use: Triton is not a dependency of the CPU-only package.
+    from te_compile.kernels import norm
+
+    return norm
+
+
+def _empty(like: Tensor) -> Tensor:
+    """A gradient that is not computed: a fresh 0-element tensor (outputs may not alias)."""
+    return like.new_empty(0)
+
+
+# 2. Forward ops -----------------------------------------------------------------------------
+
+
+@op("layernorm_fwd")
+def layernorm_fwd(
+    inp: Tensor, weight: Tensor, bias: Tensor | None, eps: float, zero_centered_gamma: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Returns ``(out, mean, rsigma)``. Default (CPU) implementation: the reference math."""
+    _check_args("layernorm", inp, weight, bias, eps)
+    return layernorm_ref(inp.contiguous(), weight, bias, eps, zero_centered_gamma)
+
+
+@layernorm_fwd.register_kernel("cuda")
+def _layernorm_fwd_cuda(
+    inp: Tensor, weight: Tensor, bias: Tensor | None, eps: float, zero_centered_gamma: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    _check_args("layernorm", inp, weight, bias, eps)
+    if inp.dtype is torch.float64:
+        return layernorm_ref(inp.contiguous(), weight, bias, eps, zero_centered_gamma)
+    return _kernels().layernorm_fwd(inp, weight, bias, eps, zero_centered_gamma)
+
+
+@op("rmsnorm_fwd")
+def rmsnorm_fwd(
+    inp: Tensor, weight: Tensor, eps: float, zero_centered_gamma: bool
+) -> tuple[Tensor, Tensor]:
+    """Returns ``(out, rsigma)``. Default (CPU) implementation: the reference math."""
+    _check_args("rmsnorm", inp, weight, None, eps)
+    return rmsnorm_ref(inp.contiguous(), weight, eps, zero_centered_gamma)
+
+
+@rmsnorm_fwd.register_kernel("cuda")
+def _rmsnorm_fwd_cuda(
+    inp: Tensor, weight: Tensor, eps: float, zero_centered_gamma: bool
+) -> tuple[Tensor, Tensor]:
+    _check_args("rmsnorm", inp, weight, None, eps)
+    if inp.dtype is torch.float64:
+        return rmsnorm_ref(inp.contiguous(), weight, eps, zero_centered_gamma)
+    return _kernels().rmsnorm_fwd(inp, weight, eps, zero_centered_gamma)
+
+
+@op("l2normalization_fwd")
+def l2normalization_fwd(inp: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """Returns ``(out, rsigma)``. Default (CPU) implementation: the reference math."""
+    _check_args("l2normalization", inp, None, None, eps)
+    return l2normalization_ref(inp.contiguous(), eps)
+
+
+@l2normalization_fwd.register_kernel("cuda")
+def _l2normalization_fwd_cuda(inp: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    _check_args("l2normalization", inp, None, None, eps)
+    if inp.dtype is torch.float64:
+        return l2normalization_ref(inp.contiguous(), eps)
+    return _kernels().l2normalization_fwd(inp, eps)
+
+
+# 3. Fakes -----------------------------------------------------------------------------------
+
+
+def _stat(inp: Tensor) -> Tensor:
+    return inp.new_empty(inp.shape[:-1], dtype=_acc(inp))
+
+
+@layernorm_fwd.register_fake
+def _layernorm_fwd_fake(
+    inp: Tensor, weight: Tensor, bias: Tensor | None, eps: float, zero_centered_gamma: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    _check_args("layernorm", inp, weight, bias, eps)
+    return inp.new_empty(inp.shape), _stat(inp), _stat(inp)
+
+
+@rmsnorm_fwd.register_fake
+def _rmsnorm_fwd_fake(
+    inp: Tensor, weight: Tensor, eps: float, zero_centered_gamma: bool
+) -> tuple[Tensor, Tensor]:
+    _check_args("rmsnorm", inp, weight, None, eps)
+    return inp.new_empty(inp.shape), _stat(inp)
+
+
+@l2normalization_fwd.register_fake
+def _l2normalization_fwd_fake(inp: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    _check_args("l2normalization", inp, None, None, eps)
+    return inp.new_empty(inp.shape), _stat(inp)
+
+
+# 4. Backward ops ----------------------------------------------------------------------------
+
+
+@op("layernorm_bwd")
+def layernorm_bwd(
+    grad_out: Tensor,
+    inp: Tensor,
+    mean: Tensor,
+    rsigma: Tensor,
+    weight: Tensor,
+    zero_centered_gamma: bool,
+    has_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Returns ``(dinp, dweight, dbias)``; ``dbias`` is a 0-element tensor unless
+    ``has_bias``. Default (CPU) implementation: the reference math."""
+    dx, dw, db = layernorm_bwd_ref(
+        grad_out.contiguous(), inp.contiguous(), mean, rsigma, weight, zero_centered_gamma, has_bias
+    )
+    return dx, dw, _empty(dw) if db is None else db
+
+
+@layernorm_bwd.register_kernel("cuda")
+def _layernorm_bwd_cuda(
+    grad_out: Tensor,
+    inp: Tensor,
+    mean: Tensor,
+    rsigma: Tensor,
+    weight: Tensor,
+    zero_centered_gamma: bool,
+    has_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    if inp.dtype is torch.float64:
+        return layernorm_bwd.__wrapped__(
+            grad_out, inp, mean, rsigma, weight, zero_centered_gamma, has_bias
+        )
+    dx, dw, db = _kernels().layernorm_bwd(
+        grad_out, inp, mean, rsigma, weight, zero_centered_gamma, has_bias
+    )
+    return dx, dw, _empty(dw) if db is None else db
+
+
+@layernorm_bwd.register_fake
+def _layernorm_bwd_fake(
+    grad_out: Tensor,
+    inp: Tensor,
+    mean: Tensor,
+    rsigma: Tensor,
+    weight: Tensor,
+    zero_centered_gamma: bool,
+    has_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    dbias = weight.new_empty(weight.shape) if has_bias else _empty(weight)
+    return inp.new_empty(inp.shape), weight.new_empty(weight.shape), dbias
+
+
+@op("rmsnorm_bwd")
+def rmsnorm_bwd(
+    grad_out: Tensor, inp: Tensor, rsigma: Tensor, weight: Tensor, zero_centered_gamma: bool
+) -> tuple[Tensor, Tensor]:
+    """Returns ``(dinp, dweight)``. Default (CPU) implementation: the reference math."""
+    return rmsnorm_bwd_ref(
+        grad_out.contiguous(), inp.contiguous(), rsigma, weight, zero_centered_gamma
+    )
+
+
+@rmsnorm_bwd.register_kernel("cuda")
+def _rmsnorm_bwd_cuda(
+    grad_out: Tensor, inp: Tensor, rsigma: Tensor, weight: Tensor, zero_centered_gamma: bool
+) -> tuple[Tensor, Tensor]:
+    if inp.dtype is torch.float64:
+        return rmsnorm_bwd.__wrapped__(grad_out, inp, rsigma, weight, zero_centered_gamma)
+    return _kernels().rmsnorm_bwd(grad_out, inp, rsigma, weight, zero_centered_gamma)
+
+
+@rmsnorm_bwd.register_fake
+def _rmsnorm_bwd_fake(
+    grad_out: Tensor, inp: Tensor, rsigma: Tensor, weight: Tensor, zero_centered_gamma: bool
+) -> tuple[Tensor, Tensor]:
+    return inp.new_empty(inp.shape), weight.new_empty(weight.shape)
+
+
+@op("l2normalization_bwd")
+def l2normalization_bwd(grad_out: Tensor, inp: Tensor, rsigma: Tensor) -> Tensor:
+    """Returns ``dinp``. Default (CPU) implementation: the reference math."""
+    return l2normalization_bwd_ref(grad_out.contiguous(), inp.contiguous(), rsigma)
+
+
+@l2normalization_bwd.register_kernel("cuda")
+def _l2normalization_bwd_cuda(grad_out: Tensor, inp: Tensor, rsigma: Tensor) -> Tensor:
+    if inp.dtype is torch.float64:
+        return l2normalization_bwd.__wrapped__(grad_out, inp, rsigma)
+    return _kernels().l2normalization_bwd(grad_out, inp, rsigma)
+
+
+@l2normalization_bwd.register_fake
+def _l2normalization_bwd_fake(grad_out: Tensor, inp: Tensor, rsigma: Tensor) -> Tensor:
+    return inp.new_empty(inp.shape)
+
+
+# 5. setup_context + autograd ------------------------------------------------------------------
+
+
+def _layernorm_setup_context(ctx, inputs, output) -> None:
+    inp, weight, bias, _eps, zero_centered_gamma = inputs
+    _out, mean, rsigma = output
+    ctx.mark_non_differentiable(mean, rsigma)
+    ctx.save_for_backward(inp, weight, mean, rsigma)
+    ctx.zero_centered_gamma = zero_centered_gamma
+    ctx.has_bias = bias is not None
+
+
+def _layernorm_backward(ctx, bwd, grad_out, _grad_mean, _grad_rsigma):
+    inp, weight, mean, rsigma = ctx.saved_tensors
+    need_dgrad, need_wgrad, need_bgrad = ctx.needs_input_grad[:3]
+    dinp, dweight, dbias = bwd(
+        grad_out.contiguous(), inp, mean, rsigma, weight, ctx.zero_centered_gamma, ctx.has_bias
+    )
+    return (
+        dinp if need_dgrad else None,
+        dweight if need_wgrad else None,
+        dbias if ctx.has_bias and need_bgrad else None,
+        None,
+        None,
+    )
+
+
+def _rmsnorm_setup_context(ctx, inputs, output) -> None:
+    inp, weight, _eps, zero_centered_gamma = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(inp, weight, output[1])
+    ctx.zero_centered_gamma = zero_centered_gamma
+
+
+def _rmsnorm_backward(ctx, bwd, grad_out, _grad_rsigma):
+    inp, weight, rsigma = ctx.saved_tensors
+    dinp, dweight = bwd(grad_out.contiguous(), inp, rsigma, weight, ctx.zero_centered_gamma)
+    need_dgrad, need_wgrad = ctx.needs_input_grad[:2]
+    return dinp if need_dgrad else None, dweight if need_wgrad else None, None, None
+
+
+def _l2normalization_setup_context(ctx, inputs, output) -> None:
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(inputs[0], output[1])
+
+
+def _l2normalization_backward(ctx, bwd, grad_out, _grad_rsigma):
+    inp, rsigma = ctx.saved_tensors
+    return bwd(grad_out.contiguous(), inp, rsigma), None
+
+
+def _tensor(device, *shape, dtype=torch.float32, grad=True):
+    return torch.randn(*shape, device=device, dtype=dtype, requires_grad=grad)
+
+
+def _layernorm_samples(device: torch.device):
+    t = lambda *shape, **kw: _tensor(device, *shape, **kw)  # noqa: E731
+    bf16, fp16 = torch.bfloat16, torch.float16
+    yield SampleInput((t(5, 16), t(16), t(16), 1e-5, False))
+    # bf16 activations with fp32 parameters, 3-D, zero-centred gamma.
+    yield SampleInput((t(2, 3, 24, dtype=bf16), t(24), t(24), 1e-5, True))
+    yield SampleInput((t(7, 33, dtype=bf16), t(33, dtype=bf16), None, 1e-3, False))
+    yield SampleInput((t(3, 4, 8, dtype=fp16), t(8, dtype=fp16), t(8, dtype=fp16), 1e-5, True))
+
+
+def _rmsnorm_samples(device: torch.device):
+    t = lambda *shape, **kw: _tensor(device, *shape, **kw)  # noqa: E731
+    yield SampleInput((t(5, 16), t(16), 1e-5, False))
+    yield SampleInput((t(2, 3, 24, dtype=torch.bfloat16), t(24), 1e-5, True))
+    yield SampleInput((t(7, 33, dtype=torch.bfloat16), t(33, dtype=torch.bfloat16), 1e-3, False))
+    yield SampleInput((t(3, 4, 8, dtype=torch.float16), t(8, dtype=torch.float16), 1e-5, True))
+
+
+def _l2normalization_samples(device: torch.device):
+    t = lambda *shape, **kw: _tensor(device, *shape, **kw)  # noqa: E731
+    yield SampleInput((t(5, 16), 1e-6))
+    yield SampleInput((t(2, 3, 24, dtype=torch.bfloat16), 1e-6))
+    yield SampleInput((t(7, 33, dtype=torch.float16), 1e-3))
+
+
+_layernorm = differentiable(
+    layernorm_fwd,
+    layernorm_bwd,
+    setup_context=_layernorm_setup_context,
+    backward=_layernorm_backward,
+    sample_inputs=_layernorm_samples,
+    reference=layernorm_ref,
+)
+_rmsnorm = differentiable(
+    rmsnorm_fwd,
+    rmsnorm_bwd,
+    setup_context=_rmsnorm_setup_context,
+    backward=_rmsnorm_backward,
+    sample_inputs=_rmsnorm_samples,
+    reference=rmsnorm_ref,
+)
+_l2normalization = differentiable(
+    l2normalization_fwd,
+    l2normalization_bwd,
+    setup_context=_l2normalization_setup_context,
+    backward=_l2normalization_backward,
+    sample_inputs=_l2normalization_samples,
+    reference=l2normalization_ref,
+)
+
+
+# Public functions -----------------------------------------------------------------------------
+
+
+def layernorm(
+    inp: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+    zero_centered_gamma: bool = False,
+) -> Tensor:
+    """LayerNorm over the last dim of ``inp`` through ``te::layernorm_fwd``.
+
+    ``weight`` and ``bias`` are ``[inp.shape[-1]]``, fp32 or ``inp``'s dtype. With
+    ``zero_centered_gamma`` the scale applied is ``weight + 1``."""
+    out, _mean, _rsigma = _layernorm(inp, weight, bias, eps, zero_centered_gamma)
+    return out
+
+
+def rmsnorm(
+    inp: Tensor, weight: Tensor, eps: float = 1e-5, zero_centered_gamma: bool = False
+) -> Tensor:
+    """RMSNorm over the last dim of ``inp`` through ``te::rmsnorm_fwd``.
+
+    ``weight`` is ``[inp.shape[-1]]``, fp32 or ``inp``'s dtype. With ``zero_centered_gamma``
+    the scale applied is ``weight + 1``."""
+    out, _rsigma = _rmsnorm(inp, weight, eps, zero_centered_gamma)
+    return out
+
+
+def l2normalization(inp: Tensor, eps: float = 1e-6) -> Tensor:
+    """``inp / sqrt(sum(inp**2, -1) + eps)`` through ``te::l2normalization_fwd``."""
+    out, _rsigma = _l2normalization(inp, eps)
+    return out

@@ -1,0 +1,465 @@
+r"""Triton kernels for the activation family (``te_compile.functional.activation``).
+
+Every kernel loads its inputs once, computes in fp32 registers and rounds once on store.
+
+Functions (``FN_*``; a gated activation applies one of them to its activation half):
+
+.. math::
+    \mathrm{gelu}(x) = \tfrac12 x\,(1 + \tanh u) = x\,\sigma(2u),
+        \quad u = \sqrt{2/\pi}\,(x + 0.044715\,x^3)
+
+    \mathrm{qgelu}(x) = x\,\sigma(1.702\,x), \quad \mathrm{silu}(x) = x\,\sigma(x),
+    \quad \mathrm{relu}(x) = \max(x, 0), \quad \mathrm{srelu}(x) = \max(x, 0)^2
+
+    \mathrm{clamped\_silu}(x) = c\,\sigma(\alpha c), \quad c = \min(x, \mathrm{limit})
+
+(gelu is evaluated through the identity :math:`\tfrac12(1 + \tanh u) = \sigma(2u)`: one ``exp``,
+no ``tanh`` instruction needed, and it saturates cleanly for large :math:`|x|`.)
+
+Kernels and layouts (all tensors contiguous, the caller flattens leading dims to rows):
+
+* ``_flat_fwd_kernel`` / ``_flat_bwd_kernel``: element-wise without bias, over the flattened
+  tensor with a 1-D grid of ``BLOCK``-element programs: ``y = f(x)``, ``dx = dy * f'(x)``.
+* ``_rows_fwd_kernel`` / ``_rows_bwd_kernel``: a 2-D grid of ``[BLOCK_M, BLOCK_N]`` output tiles,
+  for the element-wise activations with a bias (``y = f(x + b)``, bias ``[N]``) and for all gated
+  activations. A gated input is ``[M, 2H]``, its output ``[M, H]``; output column ``j`` reads the
+  activation column :math:`a(j) = \lfloor j/K \rfloor\,2K + (j \bmod K)` and the linear column
+  :math:`a(j) + K`, where ``K`` is the GLU interleave size (blocks of K activation columns, then
+  K linear columns). Contiguous halves are the special case ``K = H`` (:math:`a(j) = j`, linear
+  column :math:`j + H`), so one kernel serves both layouts. The bias is ``[2H]``, laid out like
+  the input columns. ``y = f(a) \cdot l``; for clamped SwiGLU ``l`` is first clamped to
+  ``[-limit, limit]`` and ``glu_linear_offset`` is added.
+* dbias is a two-stage reduction: the backward kernel's program ``p`` walks ``rows_per_program``
+  rows and writes the fp32 column sums of ``dx`` it computed into row ``p`` of a
+  ``[num_row_programs, N]`` buffer; a ``sum(0)`` over that small buffer finishes it. No atomics,
+  so the result is deterministic.
+
+Backward: ``da = dy * l * f'(a)`` and ``dl = dy * f(a)`` (times the clamp's mask for clamped
+SwiGLU). Clamp derivatives follow ``torch.clamp``: the gradient passes where
+``min <= x <= max``, inclusive.
+
+The kernels run on CPU tensors under ``TRITON_INTERPRET=1`` (the tests do, at small sizes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "FUNCTION_OF",
+    "GATED",
+    "FlatConfig",
+    "RowsConfig",
+    "activation_backward",
+    "activation_forward",
+    "flat_config",
+    "rows_config",
+]
+
+FN_GELU = tl.constexpr(0)
+FN_QGELU = tl.constexpr(1)
+FN_RELU = tl.constexpr(2)
+FN_SRELU = tl.constexpr(3)
+FN_SILU = tl.constexpr(4)
+FN_SIGMOID = tl.constexpr(5)
+FN_CLAMPED_SILU = tl.constexpr(6)
+
+# Public activation name -> device function applied to the input (element-wise) or to the
+# activation half (gated).
+FUNCTION_OF: dict[str, int] = {
+    "gelu": FN_GELU.value,
+    "qgelu": FN_QGELU.value,
+    "relu": FN_RELU.value,
+    "srelu": FN_SRELU.value,
+    "silu": FN_SILU.value,
+    "glu": FN_SIGMOID.value,
+    "geglu": FN_GELU.value,
+    "qgeglu": FN_QGELU.value,
+    "reglu": FN_RELU.value,
+    "sreglu": FN_SRELU.value,
+    "swiglu": FN_SILU.value,
+    "clamped_swiglu": FN_CLAMPED_SILU.value,
+}
+GATED = frozenset({"glu", "geglu", "qgeglu", "reglu", "sreglu", "swiglu", "clamped_swiglu"})
+
+
+# Device functions ----------------------------------------------------------------------------
+
+
+@triton.jit
+def _sigmoid(x):
+    # exp(-x) overflows to inf for x < -88: 1 / inf = 0, the right limit, no NaN.
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _act(x, FN: tl.constexpr, limit, alpha):
+    """f(x) in fp32."""
+    if FN == FN_GELU:
+        y = x * _sigmoid(1.5957691216057308 * x * (1.0 + 0.044715 * x * x))
+    elif FN == FN_QGELU:
+        y = x * _sigmoid(1.702 * x)
+    elif FN == FN_RELU:
+        y = tl.maximum(x, 0.0)
+    elif FN == FN_SRELU:
+        r = tl.maximum(x, 0.0)
+        y = r * r
+    elif FN == FN_SILU:
+        y = x * _sigmoid(x)
+    elif FN == FN_SIGMOID:
+        y = _sigmoid(x)
+    else:  # FN_CLAMPED_SILU
+        c = tl.minimum(x, limit)
+        y = c * _sigmoid(alpha * c)
+    return y
+
+
+@triton.jit
+def _dact(x, FN: tl.constexpr, limit, alpha):
+    """f'(x) in fp32."""
+    if FN == FN_GELU:
+        # d/dx [x s(v)] = s + x s (1 - s) v',  v = 2u = 2c (x + 0.044715 x^3)
+        s = _sigmoid(1.5957691216057308 * x * (1.0 + 0.044715 * x * x))
+        d = s + x * s * (1.0 - s) * 1.5957691216057308 * (1.0 + 0.134145 * x * x)
+    elif FN == FN_QGELU:
+        s = _sigmoid(1.702 * x)
+        d = s + 1.702 * x * s * (1.0 - s)
+    elif FN == FN_RELU:
+        d = tl.where(x > 0.0, 1.0, 0.0)
+    elif FN == FN_SRELU:
+        d = 2.0 * tl.maximum(x, 0.0)
+    elif FN == FN_SILU:
+        s = _sigmoid(x)
+        d = s + x * s * (1.0 - s)
+    elif FN == FN_SIGMOID:
+        s = _sigmoid(x)
+        d = s * (1.0 - s)
+    else:  # FN_CLAMPED_SILU
+        c = tl.minimum(x, limit)
+        s = _sigmoid(alpha * c)
+        d = tl.where(x <= limit, s + alpha * c * s * (1.0 - s), 0.0)
+    return d
+
+
+@triton.jit
+def _act_columns(cols, K, GATED: tl.constexpr):
+    """Input column of the activation operand of output columns ``cols`` (see module doc)."""
+    if GATED:
+        blk = cols // K
+        a_col = blk * 2 * K + (cols - blk * K)
+    else:
+        a_col = cols
+    return a_col
+
+
+# Kernels -------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _flat_fwd_kernel(x_ptr, y_ptr, numel, FN: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = _act(x, FN, 0.0, 0.0)
+    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _flat_bwd_kernel(g_ptr, x_ptr, dx_ptr, numel, FN: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    dx = g * _dact(x, FN, 0.0, 0.0)
+    tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rows_fwd_kernel(
+    x_ptr,
+    b_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    limit,
+    alpha,
+    offset,
+    FN: tl.constexpr,
+    GATED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # N output columns; the input has 2N columns when GATED, else N.
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < M
+    col_mask = cols < N
+    mask = row_mask[:, None] & col_mask[None, :]
+    a_col = _act_columns(cols, K, GATED)
+    n_in = 2 * N if GATED else N
+    x_row = rows.to(tl.int64)[:, None] * n_in
+    a = tl.load(x_ptr + x_row + a_col[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        a += tl.load(b_ptr + a_col, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    y = _act(a, FN, limit, alpha)
+    if GATED:
+        lin = tl.load(x_ptr + x_row + (a_col + K)[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            lin += tl.load(b_ptr + a_col + K, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        if FN == FN_CLAMPED_SILU:
+            lin = tl.minimum(tl.maximum(lin, -limit), limit) + offset
+        y = y * lin
+    y_off = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    tl.store(y_ptr + y_off, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rows_bwd_kernel(
+    g_ptr,
+    x_ptr,
+    b_ptr,
+    dx_ptr,
+    part_ptr,
+    M,
+    N,
+    K,
+    rows_per_program,
+    limit,
+    alpha,
+    offset,
+    FN: tl.constexpr,
+    GATED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    DBIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    a_col = _act_columns(cols, K, GATED)
+    l_col = a_col + K
+    n_in = 2 * N if GATED else N
+    if HAS_BIAS:
+        b_a = tl.load(b_ptr + a_col, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            b_l = tl.load(b_ptr + l_col, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    acc_a = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_l = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for r in range(0, rows_per_program, BLOCK_M):
+        rows = pid_m * rows_per_program + r + tl.arange(0, BLOCK_M)
+        mask = (rows < M)[:, None] & col_mask[None, :]
+        x_row = rows.to(tl.int64)[:, None] * n_in
+        g_off = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        g = tl.load(g_ptr + g_off, mask=mask, other=0.0).to(tl.float32)
+        a = tl.load(x_ptr + x_row + a_col[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            a += b_a
+        if GATED:
+            lin = tl.load(x_ptr + x_row + l_col[None, :], mask=mask, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                lin += b_l
+            dl = g * _act(a, FN, limit, alpha)
+            if FN == FN_CLAMPED_SILU:
+                dl = tl.where((lin >= -limit) & (lin <= limit), dl, 0.0)
+                lin = tl.minimum(tl.maximum(lin, -limit), limit) + offset
+            da = g * lin * _dact(a, FN, limit, alpha)
+            tl.store(dx_ptr + x_row + l_col[None, :], dl.to(dx_ptr.dtype.element_ty), mask=mask)
+            if DBIAS:
+                acc_l += tl.sum(tl.where(mask, dl, 0.0), axis=0)
+        else:
+            da = g * _dact(a, FN, limit, alpha)
+        tl.store(dx_ptr + x_row + a_col[None, :], da.to(dx_ptr.dtype.element_ty), mask=mask)
+        if DBIAS:
+            acc_a += tl.sum(tl.where(mask, da, 0.0), axis=0)
+    if DBIAS:
+        part_row = part_ptr + pid_m.to(tl.int64) * n_in
+        tl.store(part_row + a_col, acc_a, mask=col_mask)
+        if GATED:
+            tl.store(part_row + l_col, acc_l, mask=col_mask)
+
+
+# Launch configurations -----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatConfig:
+    """Flat kernels: ``block`` elements per program."""
+
+    block: int
+    num_warps: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RowsConfig:
+    """Row kernels: ``[block_m, block_n]`` output tiles; in the backward with dbias each program
+    walks ``rows_per_program`` rows (a multiple of ``block_m``) before writing its partial sums."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    rows_per_program: int
+
+    def __post_init__(self) -> None:
+        if self.rows_per_program <= 0 or self.rows_per_program % self.block_m:
+            raise ValueError(
+                f"RowsConfig: rows_per_program ({self.rows_per_program}) must be a positive "
+                f"multiple of block_m ({self.block_m})"
+            )
+
+
+def flat_config(numel: int, device: torch.device) -> FlatConfig:
+    """These kernels are bandwidth bound. 2048 elements over 4 warps gives each thread 16
+    contiguous elements (two 16-byte loads in bf16), enough bytes in flight per SM, and at the
+    sizes that matter (16384^2) hundreds of thousands of programs, so no tail effect. The
+    interpreter runs one program at a time in numpy, so there fewer, larger programs are faster."""
+    if device.type != "cuda":
+        return FlatConfig(block=min(4096, triton.next_power_of_2(max(numel, 1))), num_warps=1)
+    return FlatConfig(block=2048, num_warps=4)
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def rows_config(m: int, n: int, device: torch.device, *, dbias: bool) -> RowsConfig:
+    """Tiles of ~4096 output elements, at most 256 columns wide: a row segment of 256 bf16 is 512
+    contiguous bytes (full 128-byte lines, 16-byte vectors), and 16 rows per tile keep enough
+    loads in flight. With dbias, the row programs are capped so that the whole grid is about
+    4 waves of the GPU: every program then sums many rows and the [programs, N] fp32 partial
+    buffer stays small (8 x N at 16384 x 16384 on an H100) while all SMs stay busy."""
+    block_n = min(256, triton.next_power_of_2(max(n, 1)))
+    block_m = min(max(1, 4096 // block_n), triton.next_power_of_2(max(m, 1)))
+    num_warps = 8 if block_m * block_n >= 4096 else 4
+    row_blocks = triton.cdiv(m, block_m)
+    if not dbias:
+        return RowsConfig(block_m, block_n, num_warps, block_m)
+    target = 4 * _num_sms(device.index) if device.type == "cuda" else 4
+    programs = max(1, min(row_blocks, target // triton.cdiv(n, block_n)))
+    return RowsConfig(block_m, block_n, num_warps, triton.cdiv(row_blocks, programs) * block_m)
+
+
+# Launch wrappers -----------------------------------------------------------------------------
+
+
+def _rows_shape(x: torch.Tensor, gated: bool) -> tuple[int, int, int]:
+    n_in = x.shape[-1]
+    n = n_in // 2 if gated else n_in
+    return x.numel() // max(n_in, 1), n, n_in
+
+
+def activation_forward(
+    inp: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str,
+    glu_interleave_size: int = 0,
+    limit: float = 7.0,
+    alpha: float = 1.702,
+    glu_linear_offset: float = 1.0,
+    *,
+    config: FlatConfig | RowsConfig | None = None,
+) -> torch.Tensor:
+    """``activation(inp + bias)`` (element-wise) or the gated activation of ``inp + bias``.
+
+    Arguments are trusted (``te_compile.functional.activation`` validates them). The output is a
+    new contiguous tensor of the input's dtype."""
+    fn = FUNCTION_OF[activation]
+    gated = activation in GATED
+    x = inp.contiguous()
+    if not gated and bias is None:
+        out = torch.empty_like(x)
+        if x.numel():
+            cfg = config or flat_config(x.numel(), x.device)
+            grid = (triton.cdiv(x.numel(), cfg.block),)
+            _flat_fwd_kernel[grid](x, out, x.numel(), fn, cfg.block, num_warps=cfg.num_warps)
+        return out
+    m, n, _ = _rows_shape(x, gated)
+    out = x.new_empty((*x.shape[:-1], n))
+    if out.numel():
+        cfg = config or rows_config(m, n, x.device, dbias=False)
+        grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
+        _rows_fwd_kernel[grid](
+            x,
+            x if bias is None else bias.contiguous(),
+            out,
+            m,
+            n,
+            (glu_interleave_size or n) if gated else 1,
+            limit,
+            alpha,
+            glu_linear_offset,
+            fn,
+            gated,
+            bias is not None,
+            cfg.block_m,
+            cfg.block_n,
+            num_warps=cfg.num_warps,
+        )
+    return out
+
+
+def activation_backward(
+    grad: torch.Tensor,
+    inp: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str,
+    glu_interleave_size: int = 0,
+    limit: float = 7.0,
+    alpha: float = 1.702,
+    glu_linear_offset: float = 1.0,
+    *,
+    need_dbias: bool = False,
+    config: FlatConfig | RowsConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(dinp, dbias)`` for the forward above; ``dbias`` is None unless ``need_dbias`` (which
+    needs a bias). ``dbias`` is the column sum of ``dinp`` before its rounding, in fp32, then
+    cast to the bias dtype."""
+    fn = FUNCTION_OF[activation]
+    gated = activation in GATED
+    x = inp.contiguous()
+    g = grad.contiguous()
+    dx = torch.empty_like(x)
+    if not gated and bias is None:
+        if x.numel():
+            cfg = config or flat_config(x.numel(), x.device)
+            grid = (triton.cdiv(x.numel(), cfg.block),)
+            _flat_bwd_kernel[grid](g, x, dx, x.numel(), fn, cfg.block, num_warps=cfg.num_warps)
+        return dx, None
+    m, n, n_in = _rows_shape(x, gated)
+    dbias = need_dbias and bias is not None
+    if m == 0 or n == 0:
+        return dx, (torch.zeros_like(bias) if dbias else None)
+    cfg = config or rows_config(m, n, x.device, dbias=dbias)
+    rows_per_program = cfg.rows_per_program if dbias else cfg.block_m
+    programs = triton.cdiv(m, rows_per_program)
+    part = torch.empty((programs, n_in), device=x.device, dtype=torch.float32) if dbias else dx
+    _rows_bwd_kernel[(programs, triton.cdiv(n, cfg.block_n))](
+        g,
+        x,
+        x if bias is None else bias.contiguous(),
+        dx,
+        part,
+        m,
+        n,
+        (glu_interleave_size or n) if gated else 1,
+        rows_per_program,
+        limit,
+        alpha,
+        glu_linear_offset,
+        fn,
+        gated,
+        bias is not None,
+        dbias,
+        cfg.block_m,
+        cfg.block_n,
+        num_warps=cfg.num_warps,
+    )
+    return dx, (part.sum(0).to(bias.dtype) if dbias else None)

@@ -1,0 +1,138 @@
+"""``te_compile.LayerNormMLP``: norm -> FC1 -> activation -> FC2, with Transformer Engine's names.
+
+.. math::
+    y = \\mathrm{act}(\\mathrm{norm}(x) W_1^\\top + b_1) W_2^\\top + b_2
+
+Parameters: ``layer_norm_weight`` (and ``layer_norm_bias`` for LayerNorm), ``fc1_weight``
+``[F1, hidden_size]`` with ``F1 = 2 * ffn_hidden_size`` for gated activations (first half:
+activation input, second half: linear input, as in Transformer Engine), ``fc1_bias``,
+``fc2_weight`` ``[hidden_size, ffn_hidden_size]``, ``fc2_bias``.
+
+Fusion: FC1 runs without its bias, and the activation op adds the bias and applies the
+activation in one kernel (``te::activation_fwd`` or ``te::gated_activation_fwd`` with its
+``bias`` argument); the backward returns the activation gradient and ``dbias`` from the same pass.
+The compiled graph therefore reads ``te.layernorm_fwd`` (or ``te.rmsnorm_fwd``),
+``te.linear_fwd``, ``te.(gated_)activation_fwd``, ``te.linear_fwd``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from te_compile import functional as F
+from te_compile.functional.activation import ACTIVATIONS, GATED_ACTIVATIONS
+from te_compile.modules._common import (
+    check_choice,
+    check_eps,
+    check_positive,
+    default_init_method,
+    params_dtype_or_default,
+)
+from te_compile.modules.norm import NORMALIZATIONS, apply_normalization
+
+__all__ = ["LayerNormMLP"]
+
+
+class LayerNormMLP(nn.Module):
+    """A transformer MLP block with its pre-norm.
+
+    Args:
+        hidden_size: input and output features.
+        ffn_hidden_size: intermediate features (per half, for gated activations).
+        eps: the norm's epsilon.
+        bias: learn FC1's and FC2's biases.
+        activation: any name in ``te.functional.ACTIVATIONS`` or ``GATED_ACTIVATIONS``.
+        normalization: "LayerNorm" or "RMSNorm".
+        zero_centered_gamma: store the norm's scale as gamma - 1.
+        return_layernorm_output: also return the norm's output.
+        return_bias: return FC2's bias instead of adding it.
+        params_dtype, device: of the parameters (defaults: torch's defaults).
+        init_method, output_layer_init_method: initialise FC1's and FC2's weights.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        eps: float = 1e-5,
+        bias: bool = True,
+        *,
+        activation: str = "gelu",
+        normalization: str = "LayerNorm",
+        zero_centered_gamma: bool = False,
+        return_layernorm_output: bool = False,
+        return_bias: bool = False,
+        params_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        init_method: Callable[[Tensor], None] | None = None,
+        output_layer_init_method: Callable[[Tensor], None] | None = None,
+    ) -> None:
+        super().__init__()
+        owner = "LayerNormMLP"
+        check_positive(owner, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
+        check_eps(owner, eps)
+        check_choice(owner, "normalization", normalization, NORMALIZATIONS)
+        check_choice(owner, "activation", activation, (*ACTIVATIONS, *GATED_ACTIVATIONS))
+        dtype = params_dtype_or_default(owner, params_dtype)
+        self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
+        self.eps = float(eps)
+        self.activation = activation
+        self.gated = activation in GATED_ACTIVATIONS
+        self.normalization = normalization
+        self.zero_centered_gamma = zero_centered_gamma
+        self.return_layernorm_output = return_layernorm_output
+        self.return_bias = return_bias
+        self.init_method = init_method or default_init_method
+        self.output_layer_init_method = output_layer_init_method or default_init_method
+        factory = {"dtype": dtype, "device": device}
+        fc1_out = 2 * ffn_hidden_size if self.gated else ffn_hidden_size
+        self.layer_norm_weight = nn.Parameter(torch.empty(hidden_size, **factory))
+        self.layer_norm_bias = (
+            nn.Parameter(torch.empty(hidden_size, **factory))
+            if normalization == "LayerNorm"
+            else None
+        )
+        self.fc1_weight = nn.Parameter(torch.empty(fc1_out, hidden_size, **factory))
+        self.fc1_bias = nn.Parameter(torch.empty(fc1_out, **factory)) if bias else None
+        self.fc2_weight = nn.Parameter(torch.empty(hidden_size, ffn_hidden_size, **factory))
+        self.fc2_bias = nn.Parameter(torch.empty(hidden_size, **factory)) if bias else None
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        self.layer_norm_weight.fill_(0.0 if self.zero_centered_gamma else 1.0)
+        if self.layer_norm_bias is not None:
+            self.layer_norm_bias.zero_()
+        self.init_method(self.fc1_weight)
+        self.output_layer_init_method(self.fc2_weight)
+        for bias in (self.fc1_bias, self.fc2_bias):
+            if bias is not None:
+                bias.zero_()
+
+    def forward(self, inp: Tensor) -> Tensor | tuple[Tensor, ...]:
+        ln_out = apply_normalization(
+            inp,
+            self.normalization,
+            self.layer_norm_weight,
+            self.layer_norm_bias,
+            self.eps,
+            self.zero_centered_gamma,
+        )
+        fc1_out = F.linear(ln_out, self.fc1_weight)
+        act = F.bias_activation(fc1_out, self.fc1_bias, self.activation)
+        out = F.linear(act, self.fc2_weight, None if self.return_bias else self.fc2_bias)
+        extra: tuple[Tensor | None, ...] = ()
+        if self.return_bias:
+            extra += (self.fc2_bias,)
+        if self.return_layernorm_output:
+            extra += (ln_out,)
+        return (out, *extra) if extra else out
+
+    def extra_repr(self) -> str:
+        return (
+            f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
+            f"activation={self.activation}, normalization={self.normalization}, eps={self.eps}"
+        )

@@ -1,0 +1,92 @@
+"""``te_compile.LayerNorm`` and ``te_compile.RMSNorm`` over the last dimension.
+
+With ``zero_centered_gamma=True`` the weight is stored as :math:`\\gamma - 1` (initialised to
+zeros) and the effective scale is ``weight + 1``, as in Transformer Engine: weight decay then
+pulls the scale towards 1 instead of 0. ``device=None`` means torch's current default device.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from te_compile import functional as F
+from te_compile.modules._common import check_eps, check_positive, params_dtype_or_default
+
+__all__ = ["NORMALIZATIONS", "LayerNorm", "RMSNorm", "apply_normalization"]
+
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+
+
+def apply_normalization(
+    inp: Tensor,
+    normalization: str,
+    weight: Tensor,
+    bias: Tensor | None,
+    eps: float,
+    zero_centered_gamma: bool,
+) -> Tensor:
+    """The norm a module was configured with (``normalization`` already validated)."""
+    if normalization == "RMSNorm":
+        return F.rmsnorm(inp, weight, eps=eps, zero_centered_gamma=zero_centered_gamma)
+    return F.layernorm(inp, weight, bias, eps=eps, zero_centered_gamma=zero_centered_gamma)
+
+
+class _Norm(nn.Module):
+    normalization: str
+    has_bias: bool
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-5,
+        *,
+        zero_centered_gamma: bool = False,
+        params_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        name = type(self).__name__
+        check_positive(name, hidden_size=hidden_size)
+        check_eps(name, eps)
+        dtype = params_dtype_or_default(name, params_dtype)
+        self.hidden_size = hidden_size
+        self.eps = float(eps)
+        self.zero_centered_gamma = zero_centered_gamma
+        self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype, device=device))
+        self.bias = (
+            nn.Parameter(torch.empty(hidden_size, dtype=dtype, device=device))
+            if self.has_bias
+            else None
+        )
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        self.weight.fill_(0.0 if self.zero_centered_gamma else 1.0)
+        if self.bias is not None:
+            self.bias.zero_()
+
+    def forward(self, inp: Tensor) -> Tensor:
+        return apply_normalization(
+            inp, self.normalization, self.weight, self.bias, self.eps, self.zero_centered_gamma
+        )
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}, zero_centered_gamma={self.zero_centered_gamma}"
+
+
+class LayerNorm(_Norm):
+    r""":math:`y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \varepsilon}} \gamma + \beta`
+    over the last dimension (``hidden_size``)."""
+
+    normalization = "LayerNorm"
+    has_bias = True
+
+
+class RMSNorm(_Norm):
+    r""":math:`y = \frac{x}{\sqrt{\mathrm{E}[x^2] + \varepsilon}} \gamma`
+    over the last dimension (``hidden_size``)."""
+
+    normalization = "RMSNorm"
+    has_bias = False

@@ -1,0 +1,215 @@
+"""LayerNorm, RMSNorm, LayerNormLinear, LayerNormMLP modules against float64 references built
+from plain PyTorch (independent of te's own reference functions)."""
+
+from __future__ import annotations
+
+import expecttest
+import pytest
+import torch
+import torch.nn.functional as torch_F
+
+import te_compile as te
+from tests.utils import DEVICES, GraphRecorder, assert_close, compile_counted, to_reference
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def ref_norm(x, normalization, weight, bias, eps, zero_centered_gamma):
+    gamma = weight + 1 if zero_centered_gamma else weight
+    if normalization == "RMSNorm":
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * gamma
+    return torch_F.layer_norm(x, x.shape[-1:], gamma, bias, eps)
+
+
+def ref_activation(h, activation):
+    if activation == "gelu":
+        return torch_F.gelu(h, approximate="tanh")
+    if activation == "relu":
+        return torch.relu(h)
+    a, b = h.chunk(2, dim=-1)
+    if activation == "swiglu":
+        return torch_F.silu(a) * b
+    if activation == "geglu":
+        return torch_F.gelu(a, approximate="tanh") * b
+    raise AssertionError(activation)
+
+
+class _RoundTo(torch.autograd.Function):
+    """Round to ``dtype`` in the forward and the backward: where a module materialises an
+    intermediate (and its gradient) in ``dtype``, the float64 reference rounds it too."""
+
+    @staticmethod
+    def forward(ctx, t, dtype):
+        ctx.dtype = dtype
+        return t.to(dtype).to(torch.float64)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.dtype).to(torch.float64), None
+
+
+def _random_params(module):
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn_like(p) * 0.3 + (0.5 if p.dim() == 1 else 0))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cls", [te.LayerNorm, te.RMSNorm])
+@pytest.mark.parametrize("zero_centered_gamma", [False, True])
+def test_norm_modules(device, dtype, cls, zero_centered_gamma):
+    m = cls(
+        37, eps=1e-5, zero_centered_gamma=zero_centered_gamma, params_dtype=dtype, device=device
+    )
+    expected_init = 0.0 if zero_centered_gamma else 1.0
+    assert torch.all(m.weight == expected_init)
+    _random_params(m)
+    x = torch.randn(3, 5, 37, device=device, dtype=dtype, requires_grad=True)
+    y = m(x)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    x_ref = to_reference(x)
+    params = [to_reference(p) for p in (m.weight, m.bias)]
+    y_ref = ref_norm(x_ref, m.normalization, params[0], params[1], 1e-5, zero_centered_gamma)
+    y_ref.backward(to_reference(dy))
+    assert_close(y, y_ref, dtype)
+    assert_close(x.grad, x_ref.grad, dtype)
+    assert_close(m.weight.grad, params[0].grad, dtype)
+    if m.bias is not None:
+        assert_close(m.bias.grad, params[1].grad, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+@pytest.mark.parametrize("return_bias", [False, True])
+@pytest.mark.parametrize("return_layernorm_output", [False, True])
+def test_layernorm_linear(device, normalization, return_bias, return_layernorm_output):
+    dtype = torch.float32
+    m = te.LayerNormLinear(
+        24,
+        10,
+        normalization=normalization,
+        return_bias=return_bias,
+        return_layernorm_output=return_layernorm_output,
+        device=device,
+    )
+    _random_params(m)
+    x = torch.randn(4, 24, device=device, requires_grad=True)
+    result = m(x)
+    outs = result if isinstance(result, tuple) else (result,)
+    assert len(outs) == 1 + return_bias + return_layernorm_output
+    out = outs[0]
+    if return_bias:
+        assert outs[1] is m.bias
+        out = out + outs[1]
+    out.sum().backward()
+    x_ref = to_reference(x)
+    lnw, lnb, w, b = (
+        to_reference(p) for p in (m.layer_norm_weight, m.layer_norm_bias, m.weight, m.bias)
+    )
+    ln = ref_norm(x_ref, normalization, lnw, lnb, m.eps, False)
+    y_ref = ln @ w.t() + b
+    y_ref.sum().backward()
+    assert_close(out, y_ref, dtype)
+    if return_layernorm_output:
+        assert_close(outs[-1], ln, dtype)
+    assert_close(x.grad, x_ref.grad, dtype)
+    assert_close(m.layer_norm_weight.grad, lnw.grad, dtype)
+    assert_close(m.weight.grad, w.grad, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ["gelu", "relu", "swiglu", "geglu"])
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_layernorm_mlp(device, dtype, activation, normalization):
+    m = te.LayerNormMLP(
+        16,
+        24,
+        activation=activation,
+        normalization=normalization,
+        params_dtype=dtype,
+        device=device,
+    )
+    gated = activation in ("swiglu", "geglu")
+    assert m.fc1_weight.shape == ((48 if gated else 24), 16)
+    assert m.fc2_weight.shape == (16, 24)
+    _random_params(m)
+    x = torch.randn(2, 3, 16, device=device, dtype=dtype, requires_grad=True)
+    y = m(x)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    x_ref = to_reference(x)
+    lnw, lnb, w1, b1, w2, b2 = (
+        to_reference(p)
+        for p in (
+            m.layer_norm_weight,
+            m.layer_norm_bias,
+            m.fc1_weight,
+            m.fc1_bias,
+            m.fc2_weight,
+            m.fc2_bias,
+        )
+    )
+    ln = _RoundTo.apply(ref_norm(x_ref, normalization, lnw, lnb, m.eps, False), dtype)
+    h = _RoundTo.apply(ln @ w1.t(), dtype)  # FC1 runs without bias; the fused op adds it
+    act = _RoundTo.apply(ref_activation(h + b1, activation), dtype)
+    y_ref = act @ w2.t() + b2
+    y_ref.backward(to_reference(dy))
+    assert_close(y, y_ref, dtype)
+    # Gradients pass through up to four rounded ops (FC2 dgrad, activation backward, FC1 dgrad,
+    # norm backward); the reference rounds the same intermediates, but each rounding can still
+    # differ by one ulp, and the weight/bias gradients sum such operands over rows.
+    assert_close(x.grad, x_ref.grad, dtype, roundings=4)
+    for p, r in ((m.fc1_weight, w1), (m.fc2_weight, w2), (m.fc1_bias, b1)):
+        assert_close(p.grad, r.grad, dtype, roundings=4, reduced=True)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="LayerNormMLP: activation must be one of"):
+        te.LayerNormMLP(8, 16, activation="tanh")
+    with pytest.raises(ValueError, match="normalization must be one of"):
+        te.LayerNormLinear(8, 16, normalization="BatchNorm")
+    with pytest.raises(ValueError, match="eps must be a positive float"):
+        te.LayerNorm(8, eps=0.0)
+    with pytest.raises(ValueError, match="hidden_size must be a positive int"):
+        te.RMSNorm(0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_layernorm_mlp_compiles_without_breaks(device):
+    m = te.LayerNormMLP(16, 32, activation="swiglu", normalization="RMSNorm", device=device)
+    compiled, counter = compile_counted(m, dynamic=True)
+    frames = None
+    for n in (3, 5, 9):
+        x = torch.randn(n, 16, device=device)
+        assert_close(compiled(x), m(x).double(), torch.float32)
+        # fullgraph=True already forbids breaks. The first call may count 2 frames: with
+        # dynamic=True dynamo traces eps as a symbolic float and restarts the analysis once to
+        # make it a graph input. New row counts must not recompile.
+        frames = frames or counter.frame_count
+        assert counter.frame_count == frames
+
+
+class TestLayerNormMLPGraph(expecttest.TestCase):
+    def test_compiled_graph_shows_fused_ops(self):
+        torch._dynamo.reset()
+        m = te.LayerNormMLP(16, 32, activation="gelu")
+        rec = GraphRecorder()
+        x = torch.randn(4, 16, requires_grad=True)
+        torch.compile(m, backend=rec, fullgraph=True)(x).sum().backward()
+        self.assertExpectedInline(
+            rec.summary(),
+            """\
+forward:
+  te.layernorm_fwd.default
+  te.linear_fwd.default
+  te.activation_fwd.default
+  te.linear_fwd.default
+backward:
+  auto_functionalized_v2(te.linear_bwd.default)
+  te.activation_bwd.default
+  auto_functionalized_v2(te.linear_bwd.default)
+  te.layernorm_bwd.default""",
+        )
