@@ -1,11 +1,19 @@
 #!/usr/bin/env bash
-# One device call: build, full test suite, the demo, and the benchmarks; logs and results
-# under $OUT (at most 8 files come back: tests.log, demo.log and the bench md/json files).
-# Carry `.whl` (expecttest, not on the GPU image): see bench/README.md.
+# GPU runs in one device call: build, then the named steps, logs and results under $OUT.
+#
+#   bash bench/run_gpu.sh tests norm            # build, GPU test suite, norm benchmark
+#   bash bench/run_gpu.sh activation mlp demo   # ...
+#
+# Steps: tests, demo, linear, overhead, norm, activation, mlp (default: all, in that order;
+# split them over calls to stay inside the 10-minute limit of one call). At most 8 files come
+# back from $OUT, so each step writes one log and its bench writes its .md/.json there
+# (--no-chart). Carry `.whl` (expecttest, liger-kernel: not on the GPU image; bench/README.md).
 set -uo pipefail
 OUT=${OUT:-bench/results/latest}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+steps=("$@")
+[ ${#steps[@]} -gt 0 ] || steps=(tests demo linear overhead norm activation mlp)
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
@@ -15,8 +23,16 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 # The image's CC/CXX (/opt/gcc wrappers) build an extension whose C++ exceptions crash the
 # process (seen 2026-11-22); the system gcc builds a working one.
 CC=gcc CXX=g++ python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -3
-python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$OUT/tests.log" | tail -25
-[ -n "${SKIP_DEMO:-}" ] || timeout 240 python3 examples/train_gpt.py 2>&1 | tr '\r' '\n' | grep -v "it/s\]$" | tee "$OUT/demo.log" | tail -12
-[ -n "${SKIP_LINEAR:-}" ] || python3 -m bench.bench_linear --out "$OUT" --no-chart 2>&1 | tail -25
-python3 -m bench.bench_overhead --out "$OUT" --no-chart 2>&1 | tail -45
+for step in "${steps[@]}"; do
+  echo "=== $step"
+  case $step in
+    tests) python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+    demo) timeout 240 python3 examples/train_gpt.py 2>&1 | tr '\r' '\n' | grep -v "it/s\]$" \
+            | tee "$OUT/demo.log" | tail -12 ;;
+    linear|overhead|norm|activation|mlp)
+      python3 -m "bench.bench_$step" --out "$OUT" --no-chart 2>&1 | tee "$OUT/bench_$step.log" \
+        | grep -v "^  \[" | tail -60 ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
 ls -la "$OUT"
