@@ -18,18 +18,24 @@ from te_compile.functional.activation import (
     swiglu,
 )
 from te_compile.functional.allocate import bulk_allocate
+from te_compile.functional.glu import deinterleave_glu_tensor, interleave_glu_tensor
+from te_compile.functional.grouped_linear import as_splits_tensor, grouped_linear
 from te_compile.functional.linear import linear, linear_ref
 from te_compile.functional.norm import l2normalization, layernorm, rmsnorm
 
 __all__ = [
     "ACTIVATIONS",
     "GATED_ACTIVATIONS",
+    "as_splits_tensor",
     "bias_activation",
     "bulk_allocate",
     "clamped_swiglu",
+    "deinterleave_glu_tensor",
     "geglu",
     "gelu",
     "glu",
+    "grouped_linear",
+    "interleave_glu_tensor",
     "l2normalization",
     "layernorm",
     "linear",

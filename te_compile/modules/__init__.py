@@ -1,8 +1,19 @@
 """nn.Modules with Transformer Engine's names; forward() calls te_compile.functional only."""
 
+from te_compile.modules.grouped_linear import GroupedLinear
+from te_compile.modules.grouped_mlp import GroupedMLP, convert_glu_layout
 from te_compile.modules.layernorm_linear import LayerNormLinear
 from te_compile.modules.layernorm_mlp import LayerNormMLP
 from te_compile.modules.linear import Linear
 from te_compile.modules.norm import LayerNorm, RMSNorm
 
-__all__ = ["LayerNorm", "LayerNormLinear", "LayerNormMLP", "Linear", "RMSNorm"]
+__all__ = [
+    "GroupedLinear",
+    "GroupedMLP",
+    "LayerNorm",
+    "LayerNormLinear",
+    "LayerNormMLP",
+    "Linear",
+    "RMSNorm",
+    "convert_glu_layout",
+]

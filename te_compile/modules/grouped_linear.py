@@ -1,0 +1,183 @@
+"""``te_compile.GroupedLinear``: one linear layer per group of rows (mixture-of-experts experts).
+
+``forward(inp, m_splits)``: ``inp`` is ``[sum(m_splits), in_features]``, rows grouped by expert;
+``m_splits`` a list of ints or an integer tensor (on the input's device or the CPU; a device
+tensor never syncs and, under ``torch.compile``, never recompiles when the splits change).
+
+Two parameter layouts, with one state_dict format conversion between them:
+
+* default (Transformer Engine's): ``weight0 .. weight{n-1}`` ``[out_features, in_features]``
+  and ``bias0 ..``; the forward stacks them into the ``[num_gemms, out, in]`` tensor the grouped
+  GEMM consumes (a copy of the weights per forward); the weight gradients come back as views of
+  the grouped weight-gradient GEMM's single output buffer (one allocation, no copy).
+* ``single_grouped_parameter=True``: one ``weight`` ``[num_gemms, out_features, in_features]``
+  (and ``bias`` ``[num_gemms, out_features]``), passed to the op as is: no split or copy in the
+  forward or the backward. The fast layout.
+
+A state_dict saved in either layout loads into a module of the other (``_load_from_state_dict``
+converts exactly: stacking or unbinding).
+
+``fuse_wgrad_accumulation=True``: the weight gradient is accumulated in fp32 into a
+``main_grad`` instead of producing ``.grad``: ``weight.main_grad`` ``[num_gemms, out, in]`` in the
+single layout; in the default layout ``weight{i}.main_grad`` must be ``buffer[i]`` of one fp32
+``[num_gemms, out, in]`` buffer, which :meth:`GroupedLinear.allocate_main_grad` creates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from te_compile import functional as F
+from te_compile.modules._common import check_positive, default_init_method, params_dtype_or_default
+
+__all__ = ["GroupedLinear"]
+
+
+class GroupedLinear(nn.Module):
+    """``num_gemms`` independent linear layers applied to consecutive groups of rows.
+
+    Args:
+        num_gemms: number of groups (experts).
+        in_features, out_features: sizes of every group's linear layer.
+        bias: learn a bias per group.
+        single_grouped_parameter: one ``[num_gemms, out, in]`` parameter instead of
+            ``weight0..weight{n-1}`` (see the module docstring).
+        params_dtype, device: of the parameters (defaults: torch's defaults).
+        fuse_wgrad_accumulation: accumulate weight gradients into ``main_grad`` (fp32).
+        init_method: initialises each group's ``[out, in]`` weight (default: N(0, 0.023)).
+    """
+
+    def __init__(
+        self,
+        num_gemms: int,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        single_grouped_parameter: bool = False,
+        params_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        fuse_wgrad_accumulation: bool = False,
+        init_method: Callable[[Tensor], None] | None = None,
+    ) -> None:
+        super().__init__()
+        owner = "GroupedLinear"
+        check_positive(
+            owner, num_gemms=num_gemms, in_features=in_features, out_features=out_features
+        )
+        dtype = params_dtype_or_default(owner, params_dtype)
+        self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
+        self.use_bias = bias
+        self.single_grouped_parameter = single_grouped_parameter
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        self.init_method = init_method or default_init_method
+        factory = {"dtype": dtype, "device": device}
+        if single_grouped_parameter:
+            self.weight = nn.Parameter(torch.empty(num_gemms, out_features, in_features, **factory))
+            self.bias = (
+                nn.Parameter(torch.empty(num_gemms, out_features, **factory)) if bias else None
+            )
+        else:
+            for i in range(num_gemms):
+                w = nn.Parameter(torch.empty(out_features, in_features, **factory))
+                self.register_parameter(f"weight{i}", w)
+                b = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
+                self.register_parameter(f"bias{i}", b)
+        self.reset_parameters()
+
+    # Parameters in either layout ---------------------------------------------------------------
+
+    def weights(self) -> list[Tensor]:
+        """Every group's ``[out, in]`` weight (views of ``weight`` in the single layout)."""
+        if self.single_grouped_parameter:
+            return list(self.weight.unbind(0))
+        return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+
+    def biases(self) -> list[Tensor] | None:
+        if not self.use_bias:
+            return None
+        if self.single_grouped_parameter:
+            return list(self.bias.unbind(0))
+        return [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        for w in self.weights():
+            self.init_method(w)
+        for b in self.biases() or ():
+            b.zero_()
+
+    def allocate_main_grad(self) -> Tensor:
+        """Allocate (zeroed) the fp32 ``[num_gemms, out, in]`` buffer weight gradients are
+        accumulated into with ``fuse_wgrad_accumulation``, and point every weight's
+        ``main_grad`` at it (``weight.main_grad`` or ``weight{i}.main_grad = buffer[i]``)."""
+        first = self.weights()[0]
+        shape = (self.num_gemms, self.out_features, self.in_features)
+        buffer = torch.zeros(shape, dtype=torch.float32, device=first.device)
+        if self.single_grouped_parameter:
+            self.weight.main_grad = buffer
+        else:
+            for i, w in enumerate(self.weights()):
+                w.main_grad = buffer[i]
+        self._main_grad_buffer = buffer
+        return buffer
+
+    def _main_grad(self) -> Tensor:
+        if self.single_grouped_parameter:
+            main_grad = getattr(self.weight, "main_grad", None)
+        else:
+            main_grad = getattr(self, "_main_grad_buffer", None)
+        if main_grad is None:
+            raise ValueError(
+                "GroupedLinear(fuse_wgrad_accumulation=True) needs main_grad: call "
+                "module.allocate_main_grad() once (it creates one fp32 [num_gemms, out, in] "
+                "buffer and points every weight's main_grad into it)"
+            )
+        return main_grad
+
+    # Forward -------------------------------------------------------------------------------------
+
+    def forward(self, inp: Tensor, m_splits: Tensor | Sequence[int]) -> Tensor:
+        if self.single_grouped_parameter:
+            weight, bias = self.weight, self.bias
+        else:
+            weight = torch.stack(self.weights())
+            biases = self.biases()
+            bias = None if biases is None else torch.stack(biases)
+        main_grad = self._main_grad() if self.fuse_wgrad_accumulation else None
+        return F.grouped_linear(inp, m_splits, weight, bias, main_grad=main_grad)
+
+    # state_dict in either layout ---------------------------------------------------------------
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        _convert_layout(state_dict, prefix, self.num_gemms, self.single_grouped_parameter)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_gemms={self.num_gemms}, in_features={self.in_features}, "
+            f"out_features={self.out_features}, bias={self.use_bias}, "
+            f"single_grouped_parameter={self.single_grouped_parameter}"
+        )
+
+
+def _convert_layout(state_dict: dict, prefix: str, num_gemms: int, single: bool) -> None:
+    """Rewrite, in place, the entries of ``state_dict`` under ``prefix`` saved in the other
+    layout into this module's layout (exact: stacking / unbinding copies values)."""
+    for name in ("weight", "bias"):
+        grouped = prefix + name
+        per_group = [f"{prefix}{name}{i}" for i in range(num_gemms)]
+        if single and grouped not in state_dict and all(k in state_dict for k in per_group):
+            state_dict[grouped] = torch.stack([state_dict.pop(k) for k in per_group])
+        elif not single and grouped in state_dict and not any(k in state_dict for k in per_group):
+            tensor = state_dict.pop(grouped)
+            if tensor.dim() == 0 or tensor.shape[0] != num_gemms:
+                raise ValueError(
+                    f"GroupedLinear: state_dict entry {grouped!r} has shape {list(tensor.shape)}; "
+                    f"expected dim 0 = num_gemms = {num_gemms}"
+                )
+            for k, t in zip(per_group, tensor.unbind(0), strict=True):
+                state_dict[k] = t.clone()

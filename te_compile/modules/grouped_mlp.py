@@ -1,0 +1,156 @@
+"""``te_compile.GroupedMLP``: the experts of a mixture-of-experts layer as one module.
+
+``forward(inp, m_splits)``: ``inp`` is ``[sum(m_splits), hidden_size]``, the tokens already
+permuted so that each expert's rows are consecutive (``m_splits[e]`` rows for expert ``e``):
+
+.. math::
+    y_e = \\mathrm{act}(x_e W^{(1)\\top}_e + b^{(1)}_e)\\, W^{(2)\\top}_e + b^{(2)}_e
+
+as grouped FC1 (``fc1``, a :class:`~te_compile.GroupedLinear` with ``2 * ffn_hidden_size``
+outputs for gated activations) -> the activation op -> grouped FC2 (``fc2``). With a device
+``m_splits`` nothing syncs with the host and a compiled step does not recompile when the
+routing changes.
+
+GLU layout: by default FC1's outputs are ``[activation half | linear half]`` per expert, as in
+Transformer Engine's dense modules. ``glu_interleave_size=k`` stores FC1's rows in blocks of
+``k`` activation rows then ``k`` linear rows (the layout grouped kernels that fuse the activation
+into the GEMM epilogue want); the activation op reads that layout directly.
+
+Moving a checkpoint between the two layouts, with the GLU utilities (dim 1 of the grouped FC1
+weight ``[num_experts, 2 * ffn, hidden]`` and of its bias ``[num_experts, 2 * ffn]`` is the GLU
+dim; for the default parameter layout apply them per expert, ``fc1.weight{i}`` with ``dim=0``)::
+
+    state = contiguous_mlp.state_dict()                      # glu_interleave_size=None
+    state["fc1.weight"] = te.interleave_glu_tensor(state["fc1.weight"], k, dim=1)
+    interleaved_mlp.load_state_dict(state)                   # glu_interleave_size=k
+
+    state = interleaved_mlp.state_dict()
+    state["fc1.weight"] = te.deinterleave_glu_tensor(state["fc1.weight"], k, dim=1)
+    contiguous_mlp.load_state_dict(state)
+
+(and the same for ``"fc1.bias"`` when ``bias=True``); :func:`convert_glu_layout` does exactly
+this for a whole state_dict.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from te_compile import functional as F
+from te_compile.functional.activation import ACTIVATIONS, GATED_ACTIVATIONS
+from te_compile.functional.glu import deinterleave_glu_tensor, interleave_glu_tensor
+from te_compile.modules._common import check_choice, check_positive
+from te_compile.modules.grouped_linear import GroupedLinear
+
+__all__ = ["GroupedMLP", "convert_glu_layout"]
+
+
+class GroupedMLP(nn.Module):
+    """Expert MLPs: grouped FC1 -> activation -> grouped FC2.
+
+    Args:
+        num_experts: number of experts (groups).
+        hidden_size: input and output features.
+        ffn_hidden_size: intermediate features (per half, for gated activations).
+        activation: any name in ``te.functional.GATED_ACTIVATIONS`` or ``ACTIVATIONS``.
+        glu_interleave_size: FC1's GLU layout (gated activations only; None: contiguous halves).
+        bias: learn per-expert biases in FC1 and FC2.
+        single_grouped_parameter: FC1/FC2 each hold one ``[num_experts, out, in]`` weight.
+        params_dtype, device: of the parameters.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        *,
+        activation: str = "swiglu",
+        glu_interleave_size: int | None = None,
+        bias: bool = False,
+        single_grouped_parameter: bool = True,
+        params_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        owner = "GroupedMLP"
+        check_positive(
+            owner,
+            num_experts=num_experts,
+            hidden_size=hidden_size,
+            ffn_hidden_size=ffn_hidden_size,
+        )
+        check_choice(owner, "activation", activation, (*GATED_ACTIVATIONS, *ACTIVATIONS))
+        gated = activation in GATED_ACTIVATIONS
+        if glu_interleave_size is not None:
+            if not gated:
+                raise ValueError(
+                    f"GroupedMLP: glu_interleave_size applies to gated activations "
+                    f"({', '.join(GATED_ACTIVATIONS)}), not to {activation!r}"
+                )
+            if (
+                isinstance(glu_interleave_size, bool)
+                or not isinstance(glu_interleave_size, int)
+                or glu_interleave_size <= 0
+                or ffn_hidden_size % glu_interleave_size
+            ):
+                raise ValueError(
+                    f"GroupedMLP: glu_interleave_size must be a positive int dividing "
+                    f"ffn_hidden_size ({ffn_hidden_size}), got {glu_interleave_size!r}"
+                )
+        self.num_experts, self.hidden_size, self.ffn_hidden_size = (
+            num_experts,
+            hidden_size,
+            ffn_hidden_size,
+        )
+        self.activation = activation
+        self.glu_interleave_size = glu_interleave_size
+        kw = {
+            "bias": bias,
+            "single_grouped_parameter": single_grouped_parameter,
+            "params_dtype": params_dtype,
+            "device": device,
+        }
+        fc1_out = 2 * ffn_hidden_size if gated else ffn_hidden_size
+        self.fc1 = GroupedLinear(num_experts, hidden_size, fc1_out, **kw)
+        self.fc2 = GroupedLinear(num_experts, ffn_hidden_size, hidden_size, **kw)
+
+    def forward(self, inp: Tensor, m_splits: Tensor | Sequence[int]) -> Tensor:
+        splits = F.as_splits_tensor(m_splits)  # a list becomes a tensor once, not twice
+        h = self.fc1(inp, splits)
+        h = F.bias_activation(h, None, self.activation, self.glu_interleave_size)
+        return self.fc2(h, splits)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+            f"ffn_hidden_size={self.ffn_hidden_size}, activation={self.activation}, "
+            f"glu_interleave_size={self.glu_interleave_size}"
+        )
+
+
+def convert_glu_layout(
+    state_dict: dict[str, Tensor],
+    interleave_size: int,
+    *,
+    to_interleaved: bool,
+    prefix: str = "",
+) -> dict[str, Tensor]:
+    """A copy of a GroupedMLP ``state_dict`` with FC1's GLU rows moved between the contiguous
+    and the interleaved layout (``to_interleaved=False``: back). Handles both parameter layouts:
+    ``fc1.weight``/``fc1.bias`` (dim 1 is the GLU dim) and ``fc1.weight{i}``/``fc1.bias{i}``
+    (dim 0). Other entries are passed through."""
+    convert = interleave_glu_tensor if to_interleaved else deinterleave_glu_tensor
+    out = dict(state_dict)
+    for key, value in state_dict.items():
+        if not key.startswith(prefix + "fc1."):
+            continue
+        name = key[len(prefix) + 4 :]
+        if name in ("weight", "bias"):
+            out[key] = convert(value, interleave_size, dim=1)
+        elif name.removeprefix("weight").isdigit() or name.removeprefix("bias").isdigit():
+            out[key] = convert(value, interleave_size, dim=0)
+    return out
