@@ -15,18 +15,16 @@ from torch import Tensor, nn
 
 from te_compile import functional as F
 from te_compile.modules._common import (
-    check_choice,
-    check_eps,
     check_positive,
     default_init_method,
     params_dtype_or_default,
 )
-from te_compile.modules.norm import NORMALIZATIONS, apply_normalization
+from te_compile.modules.norm import PreNorm
 
 __all__ = ["LayerNormLinear"]
 
 
-class LayerNormLinear(nn.Module):
+class LayerNormLinear(PreNorm):
     r""":math:`y = \mathrm{norm}(x) W^\top + b`, the norm over ``in_features``.
 
     Args:
@@ -59,45 +57,26 @@ class LayerNormLinear(nn.Module):
         super().__init__()
         owner = "LayerNormLinear"
         check_positive(owner, in_features=in_features, out_features=out_features)
-        check_eps(owner, eps)
-        check_choice(owner, "normalization", normalization, NORMALIZATIONS)
         dtype = params_dtype_or_default(owner, params_dtype)
         self.in_features, self.out_features = in_features, out_features
-        self.eps = float(eps)
-        self.normalization = normalization
-        self.zero_centered_gamma = zero_centered_gamma
         self.return_layernorm_output = return_layernorm_output
         self.return_bias = return_bias
         self.init_method = init_method if init_method is not None else default_init_method
         factory = {"dtype": dtype, "device": device}
-        self.layer_norm_weight = nn.Parameter(torch.empty(in_features, **factory))
-        self.layer_norm_bias = (
-            nn.Parameter(torch.empty(in_features, **factory))
-            if normalization == "LayerNorm"
-            else None
-        )
+        self._init_norm(owner, in_features, eps, normalization, zero_centered_gamma, factory)
         self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
         self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
         self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        self.layer_norm_weight.fill_(0.0 if self.zero_centered_gamma else 1.0)
-        if self.layer_norm_bias is not None:
-            self.layer_norm_bias.zero_()
+        self._reset_norm()
         self.init_method(self.weight)
         if self.bias is not None:
             self.bias.zero_()
 
     def forward(self, inp: Tensor) -> Tensor | tuple[Tensor, ...]:
-        ln_out = apply_normalization(
-            inp,
-            self.normalization,
-            self.layer_norm_weight,
-            self.layer_norm_bias,
-            self.eps,
-            self.zero_centered_gamma,
-        )
+        ln_out = self._norm(inp)
         out = F.linear(ln_out, self.weight, None if self.return_bias else self.bias)
         extra: tuple[Tensor | None, ...] = ()
         if self.return_bias:

@@ -26,17 +26,16 @@ from te_compile import functional as F
 from te_compile.functional.activation import ACTIVATIONS, GATED_ACTIVATIONS
 from te_compile.modules._common import (
     check_choice,
-    check_eps,
     check_positive,
     default_init_method,
     params_dtype_or_default,
 )
-from te_compile.modules.norm import NORMALIZATIONS, apply_normalization
+from te_compile.modules.norm import PreNorm
 
 __all__ = ["LayerNormMLP"]
 
 
-class LayerNormMLP(nn.Module):
+class LayerNormMLP(PreNorm):
     """A transformer MLP block with its pre-norm.
 
     Args:
@@ -73,28 +72,18 @@ class LayerNormMLP(nn.Module):
         super().__init__()
         owner = "LayerNormMLP"
         check_positive(owner, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
-        check_eps(owner, eps)
-        check_choice(owner, "normalization", normalization, NORMALIZATIONS)
         check_choice(owner, "activation", activation, (*ACTIVATIONS, *GATED_ACTIVATIONS))
         dtype = params_dtype_or_default(owner, params_dtype)
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
-        self.eps = float(eps)
         self.activation = activation
         self.gated = activation in GATED_ACTIVATIONS
-        self.normalization = normalization
-        self.zero_centered_gamma = zero_centered_gamma
         self.return_layernorm_output = return_layernorm_output
         self.return_bias = return_bias
         self.init_method = init_method or default_init_method
         self.output_layer_init_method = output_layer_init_method or default_init_method
         factory = {"dtype": dtype, "device": device}
         fc1_out = 2 * ffn_hidden_size if self.gated else ffn_hidden_size
-        self.layer_norm_weight = nn.Parameter(torch.empty(hidden_size, **factory))
-        self.layer_norm_bias = (
-            nn.Parameter(torch.empty(hidden_size, **factory))
-            if normalization == "LayerNorm"
-            else None
-        )
+        self._init_norm(owner, hidden_size, eps, normalization, zero_centered_gamma, factory)
         self.fc1_weight = nn.Parameter(torch.empty(fc1_out, hidden_size, **factory))
         self.fc1_bias = nn.Parameter(torch.empty(fc1_out, **factory)) if bias else None
         self.fc2_weight = nn.Parameter(torch.empty(hidden_size, ffn_hidden_size, **factory))
@@ -103,9 +92,7 @@ class LayerNormMLP(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        self.layer_norm_weight.fill_(0.0 if self.zero_centered_gamma else 1.0)
-        if self.layer_norm_bias is not None:
-            self.layer_norm_bias.zero_()
+        self._reset_norm()
         self.init_method(self.fc1_weight)
         self.output_layer_init_method(self.fc2_weight)
         for bias in (self.fc1_bias, self.fc2_bias):
@@ -113,14 +100,7 @@ class LayerNormMLP(nn.Module):
                 bias.zero_()
 
     def forward(self, inp: Tensor) -> Tensor | tuple[Tensor, ...]:
-        ln_out = apply_normalization(
-            inp,
-            self.normalization,
-            self.layer_norm_weight,
-            self.layer_norm_bias,
-            self.eps,
-            self.zero_centered_gamma,
-        )
+        ln_out = self._norm(inp)
         fc1_out = F.linear(ln_out, self.fc1_weight)
         act = F.bias_activation(fc1_out, self.fc1_bias, self.activation)
         out = F.linear(act, self.fc2_weight, None if self.return_bias else self.fc2_bias)

@@ -11,9 +11,14 @@ import torch
 from torch import Tensor, nn
 
 from te_compile import functional as F
-from te_compile.modules._common import check_eps, check_positive, params_dtype_or_default
+from te_compile.modules._common import (
+    check_choice,
+    check_eps,
+    check_positive,
+    params_dtype_or_default,
+)
 
-__all__ = ["NORMALIZATIONS", "LayerNorm", "RMSNorm", "apply_normalization"]
+__all__ = ["NORMALIZATIONS", "LayerNorm", "PreNorm", "RMSNorm", "apply_normalization"]
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
@@ -90,3 +95,45 @@ class RMSNorm(_Norm):
 
     normalization = "RMSNorm"
     has_bias = False
+
+
+class PreNorm(nn.Module):
+    """Base of the modules that start with a norm (LayerNormLinear, LayerNormMLP): owns
+    ``layer_norm_weight`` (and ``layer_norm_bias`` for LayerNorm), Transformer Engine's names."""
+
+    def _init_norm(
+        self,
+        owner: str,
+        hidden_size: int,
+        eps: float,
+        normalization: str,
+        zero_centered_gamma: bool,
+        factory: dict,
+    ) -> None:
+        check_eps(owner, eps)
+        check_choice(owner, "normalization", normalization, NORMALIZATIONS)
+        self.eps = float(eps)
+        self.normalization = normalization
+        self.zero_centered_gamma = zero_centered_gamma
+        self.layer_norm_weight = nn.Parameter(torch.empty(hidden_size, **factory))
+        self.layer_norm_bias = (
+            nn.Parameter(torch.empty(hidden_size, **factory))
+            if normalization == "LayerNorm"
+            else None
+        )
+
+    @torch.no_grad()
+    def _reset_norm(self) -> None:
+        self.layer_norm_weight.fill_(0.0 if self.zero_centered_gamma else 1.0)
+        if self.layer_norm_bias is not None:
+            self.layer_norm_bias.zero_()
+
+    def _norm(self, inp: Tensor) -> Tensor:
+        return apply_normalization(
+            inp,
+            self.normalization,
+            self.layer_norm_weight,
+            self.layer_norm_bias,
+            self.eps,
+            self.zero_centered_gamma,
+        )
