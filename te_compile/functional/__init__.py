@@ -18,6 +18,7 @@ from te_compile.functional.activation import (
     swiglu,
 )
 from te_compile.functional.allocate import bulk_allocate
+from te_compile.functional.fp8_scaling import delayed_scaling_update
 from te_compile.functional.glu import deinterleave_glu_tensor, interleave_glu_tensor
 from te_compile.functional.grouped_linear import as_splits_tensor, grouped_linear
 from te_compile.functional.linear import linear, linear_ref
@@ -31,6 +32,7 @@ __all__ = [
     "bulk_allocate",
     "clamped_swiglu",
     "deinterleave_glu_tensor",
+    "delayed_scaling_update",
     "geglu",
     "gelu",
     "glu",

@@ -1,0 +1,81 @@
+"""te::delayed_scaling_update: the delayed-scaling buffer update, eager and compiled."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import te_compile  # noqa: F401  (registers the ops)
+from tests.utils import DEVICES, compile_counted
+
+E4M3_MAX, E5M2_MAX = 448.0, 57344.0
+
+
+def _update(history, scale, pending, limits, margin=0, algo="max"):
+    torch.ops.te.delayed_scaling_update(history, scale, pending, limits, margin, algo)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_history_rolls_and_scale_follows_the_max(device):
+    history = torch.zeros(3, 2, device=device)
+    scale = torch.ones(2, device=device)
+    limits = [E4M3_MAX, E5M2_MAX]
+    for amaxes in ([2.0, 8.0], [4.0, 1.0], [1.0, 1.0], [0.5, 0.5]):
+        pending = torch.tensor(amaxes, device=device)
+        _update(history, scale, pending, limits)
+        assert torch.equal(pending, torch.zeros(2, device=device)), "pending must be consumed"
+    # Newest first; the oldest ([2, 8]) fell out of the 3-long window.
+    assert history.tolist() == [[0.5, 0.5], [1.0, 1.0], [4.0, 1.0]]
+    assert scale.tolist() == [E4M3_MAX / 4.0, E5M2_MAX / 1.0]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_most_recent_and_margin(device):
+    history = torch.tensor([[8.0]], device=device).repeat(4, 1)
+    scale = torch.ones(1, device=device)
+    _update(history, scale, torch.tensor([2.0], device=device), [E4M3_MAX], 2, "most_recent")
+    assert scale.item() == E4M3_MAX / 2.0 / 4.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bad", [0.0, math.inf, math.nan])
+def test_zero_or_non_finite_amax_keeps_the_scale(device, bad):
+    history = torch.zeros(1, 2, device=device)
+    scale = torch.tensor([3.0, 5.0], device=device)
+    _update(history, scale, torch.tensor([bad, 2.0], device=device), [E4M3_MAX, E4M3_MAX])
+    assert scale[0].item() == 3.0 and scale[1].item() == E4M3_MAX / 2.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_update_mutates_buffers_like_eager(device):
+    def step(history, scale, pending, x):
+        _update(history, scale, pending, [E4M3_MAX])
+        pending.copy_(x.abs().amax().reshape(1))  # what a forward op would record
+        return x * scale
+
+    state = [torch.zeros(2, 1, device=device), torch.ones(1, device=device)]
+    state += [torch.zeros(1, device=device)]
+    compiled_state = [t.clone() for t in state]
+    compiled, counter = compile_counted(step)
+    for i in range(3):
+        x = torch.randn(8, device=device) * (i + 1)
+        assert torch.equal(compiled(*compiled_state, x), step(*state, x))
+        for a, b in zip(compiled_state, state, strict=True):
+            assert torch.equal(a, b)
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"algo": "mean"}, "amax_compute_algo must be one of"),
+        ({"margin": -1}, "margin must be >= 0"),
+        ({"limits": [E4M3_MAX]}, "fp8_max of length slots"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    args = {"limits": [E4M3_MAX, E4M3_MAX], "margin": 0, "algo": "max", **kwargs}
+    with pytest.raises(ValueError, match=match):
+        _update(torch.zeros(2, 2), torch.ones(2), torch.zeros(2), **args)
