@@ -1,0 +1,349 @@
+r"""FP8 linear with per-tensor scaling: ``te::linear_fp8_fwd`` / ``te::linear_fp8_bwd``.
+
+The same math as ``te::linear_fwd`` with the three GEMMs in FP8 through ``torch._scaled_mm``
+(fp32 accumulation, output in the input's dtype):
+
+.. math::
+    Y = (s_x^{-1} X_8)(s_w^{-1} W_8)^\top + b,\quad
+    dX = (s_g^{-1} dY_8)(s_w^{-1} W_8),\quad
+    dW = (s_g^{-1} dY_8)^\top (s_x^{-1} X_8)
+
+where :math:`T_8 = \mathrm{sat}(s_T\,T)` is the saturating cast to the forward format (E4M3) for
+``X`` and ``W`` and to the backward format (E5M2 under ``HYBRID``) for ``dY``. ``_scaled_mm``
+wants its first operand row-major and its second column-major, so the forward op also writes the
+transposed FP8 copies the backward GEMMs need, ``X_8^T`` and ``W_8^T``, and saves only FP8
+tensors and their inverse scales (half of a bf16 save for the input). FP8 data crosses op
+boundaries as its bytes (``uint8`` views): generic tensor code (opcheck, AOTAutograd's checks)
+handles uint8 everywhere, while most ops have no FP8 kernel on the CPU.
+
+Why a separate op pair instead of trailing arguments on ``te::linear_fwd``: FP8 adds inputs
+(the delayed scales, the pending-amax buffer) and an output (the measured amaxes) that the
+high-precision path never has; one op per precision keeps both schemas minimal. The scaling
+*state* stays outside: ``recipe="current"`` measures each tensor's amax and scales it now;
+``recipe="delayed"`` multiplies by ``scale`` ``[3]`` (input, weight, gradient) computed by
+``te::delayed_scaling_update`` from earlier amaxes, and reports the amaxes it measured —
+the forward as an output (the module records it in its buffer), the backward by writing slot 2
+of ``pending_amax`` (a mutated argument, like ``main_grad``).
+
+Shapes: ``_scaled_mm`` needs ``in_features``, ``out_features`` and the number of tokens to be
+multiples of 16; other shapes raise a ValueError (pad the token count to use FP8).
+Zero tensors get scale 1 (no NaN); an inf/NaN input gives an inf/NaN amax, which the
+delayed-scaling update ignores (keeps the old scale) and the caller can check.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from te_compile._library import SampleInput, differentiable, op
+
+__all__ = ["FP8_RECIPES", "linear_fp8", "linear_fp8_ref", "quantize_per_tensor"]
+
+FP8_RECIPES = ("current", "delayed")
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_HIGH = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _fp8_max(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).max
+
+
+def quantize_per_tensor(
+    x: Tensor, fp8_dtype: torch.dtype, scale: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(data, scale_inv, amax)`` of a 2-D tensor. ``scale=None``: current scaling
+    (``fp8_max / amax``, 1 for an all-zero tensor); else the given 1-element scale."""
+    xf = x.float()
+    amax = xf.abs().amax().reshape(1)
+    limit = _fp8_max(fp8_dtype)
+    if scale is None:
+        scale = torch.where(amax > 0, limit / amax, torch.ones_like(amax))
+        scale = torch.where(torch.isfinite(scale), scale, torch.ones_like(scale))
+    data = (xf * scale).clamp(-limit, limit).to(fp8_dtype)
+    return data, scale.reciprocal(), amax
+
+
+def _fake_quant(x: Tensor, fp8_dtype: torch.dtype, scale: Tensor | None) -> Tensor:
+    """``dequantize(quantize(x))`` in ``x``'s dtype with a straight-through gradient."""
+    q, s_inv, _ = quantize_per_tensor(x, fp8_dtype, scale)
+    return x + ((q.float() * s_inv).to(x.dtype) - x).detach()
+
+
+class _FakeQuantGrad(torch.autograd.Function):
+    """Identity forward; the backward quantises the incoming gradient (current scaling, or
+    the given scale), as the backward GEMMs of the FP8 op see it."""
+
+    @staticmethod
+    def forward(ctx, y, fp8_dtype, scale):
+        ctx.fp8_dtype, ctx.scale = fp8_dtype, scale
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        g = grad.reshape(-1, grad.shape[-1])
+        q, s_inv, _ = quantize_per_tensor(g, ctx.fp8_dtype, ctx.scale)
+        return (q.float() * s_inv).to(grad.dtype).reshape(grad.shape), None, None
+
+
+def linear_fp8_ref(
+    inp: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    fwd_dtype: torch.dtype = torch.float8_e4m3fn,
+    bwd_dtype: torch.dtype = torch.float8_e5m2,
+    scale: Tensor | None = None,
+) -> Tensor:
+    """Definition of correctness, differentiable: the GEMMs of the dequantised operands in the
+    input's dtype (fp64 in the tests), the GEMM gradient quantised to ``bwd_dtype`` on its way
+    back, the bias gradient not (it is a sum of the high-precision gradient)."""
+    x = inp.reshape(-1, inp.shape[-1])
+    x = _fake_quant(x, fwd_dtype, None if scale is None else scale[0:1])
+    w = _fake_quant(weight, fwd_dtype, None if scale is None else scale[1:2])
+    out = _FakeQuantGrad.apply(x @ w.t(), bwd_dtype, None if scale is None else scale[2:3])
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*inp.shape[:-1], weight.shape[0])
+
+
+def _check(inp, weight, bias, scale, pending_amax, recipe, fwd_dtype, bwd_dtype) -> None:
+    m = inp.numel() // inp.shape[-1] if inp.ndim >= 1 and inp.shape[-1] else 0
+    if (
+        weight.ndim == 2
+        and inp.ndim >= 1
+        and inp.dtype in _HIGH
+        and weight.dtype is inp.dtype
+        and inp.shape[-1] == weight.shape[1]
+        and weight.shape[0] % 16 == 0
+        and weight.shape[1] % 16 == 0
+        and m % 16 == 0
+        and (bias is None or (bias.shape == weight.shape[:1] and bias.dtype is inp.dtype))
+        and recipe in FP8_RECIPES
+        and fwd_dtype in _FP8_DTYPES
+        and bwd_dtype in _FP8_DTYPES
+        and (recipe != "delayed" or (scale is not None and scale.shape == (3,)))
+        and (pending_amax is None or pending_amax.shape == (3,))
+    ):
+        return
+    p = "te.linear_fp8: "
+    if recipe not in FP8_RECIPES:
+        raise ValueError(p + f"recipe must be one of {FP8_RECIPES}, got {recipe!r}")
+    if fwd_dtype not in _FP8_DTYPES or bwd_dtype not in _FP8_DTYPES:
+        raise ValueError(p + f"fwd_dtype/bwd_dtype must be FP8 dtypes, got {fwd_dtype}/{bwd_dtype}")
+    if weight.ndim != 2 or inp.ndim < 1 or inp.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            p + f"inp [..., in_features] and weight [out_features, in_features] do not match: "
+            f"{list(inp.shape)} and {list(weight.shape)}"
+        )
+    if inp.dtype not in _HIGH or weight.dtype != inp.dtype:
+        raise ValueError(
+            p + f"inp and weight must share a float32/bfloat16/float16 dtype, got {inp.dtype} "
+            f"and {weight.dtype}"
+        )
+    if weight.shape[0] % 16 or weight.shape[1] % 16 or m % 16:
+        raise ValueError(
+            p + f"FP8 GEMMs need in_features ({weight.shape[1]}), out_features "
+            f"({weight.shape[0]}) and the number of tokens ({m}) to be multiples of 16"
+        )
+    if bias is not None and (bias.shape != weight.shape[:1] or bias.dtype != inp.dtype):
+        raise ValueError(p + f"bias must be [{weight.shape[0]}] of dtype {inp.dtype}")
+    raise ValueError(
+        p + 'recipe="delayed" needs scale [3] (input, weight, grad); pending_amax must be [3]'
+    )
+
+
+def _empty(like: Tensor) -> Tensor:
+    return like.new_empty(0)
+
+
+# Forward op -----------------------------------------------------------------------------------
+
+
+def _gemm(a: Tensor, b_t: Tensor, sa: Tensor, sb: Tensor, out_dtype, bias=None) -> Tensor:
+    """``(sa a) @ (sb b_t.t())^T``... i.e. ``a @ b`` with ``b = b_t.t()`` column-major."""
+    return torch._scaled_mm(a, b_t.t(), scale_a=sa, scale_b=sb, bias=bias, out_dtype=out_dtype)
+
+
+@op("linear_fp8_fwd")
+def linear_fp8_fwd(
+    inp: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    main_grad: Tensor | None,
+    scale: Tensor | None,
+    pending_amax: Tensor | None,
+    recipe: str,
+    fwd_dtype: torch.dtype,
+    bwd_dtype: torch.dtype,
+) -> tuple[Tensor, list[Tensor], Tensor]:
+    """``(out, saved, amax)``: ``saved = [X_8^T, s_x^-1, W_8^T, s_w^-1]`` for the backward and
+    ``amax = [amax(X), amax(W)]`` (fp32) for the delayed-scaling history."""
+    _check(inp, weight, bias, scale, pending_amax, recipe, fwd_dtype, bwd_dtype)
+    delayed = recipe == "delayed"
+    x = inp.reshape(-1, inp.shape[-1])
+    xq, xs, xa = quantize_per_tensor(x, fwd_dtype, scale[0:1] if delayed else None)
+    wq, ws, wa = quantize_per_tensor(weight, fwd_dtype, scale[1:2] if delayed else None)
+    out = _gemm(xq, wq, xs, ws, inp.dtype, bias)
+    saved = [xq.t().contiguous().view(torch.uint8), xs, wq.t().contiguous().view(torch.uint8), ws]
+    return out.reshape(*inp.shape[:-1], weight.shape[0]), saved, torch.cat([xa, wa])
+
+
+@linear_fp8_fwd.register_fake
+def _linear_fp8_fwd_fake(inp, weight, bias, main_grad, scale, pending_amax, recipe, fwd, bwd):
+    _check(inp, weight, bias, scale, pending_amax, recipe, fwd, bwd)
+    m, k, n = inp.numel() // inp.shape[-1], weight.shape[1], weight.shape[0]
+    scalar = inp.new_empty(1, dtype=torch.float32)
+    u8 = torch.uint8
+    saved = [inp.new_empty(k, m, dtype=u8), scalar, inp.new_empty(k, n, dtype=u8)]
+    saved.append(inp.new_empty(1, dtype=torch.float32))
+    return inp.new_empty(*inp.shape[:-1], n), saved, inp.new_empty(2, dtype=torch.float32)
+
+
+# Backward op ----------------------------------------------------------------------------------
+
+
+@op("linear_fp8_bwd", mutates_args=("main_grad", "pending_amax"))
+def linear_fp8_bwd(
+    grad_out: Tensor,
+    saved: list[Tensor],
+    weight: Tensor,
+    main_grad: Tensor | None,
+    scale: Tensor | None,
+    pending_amax: Tensor | None,
+    recipe: str,
+    fwd_dtype: torch.dtype,
+    bwd_dtype: torch.dtype,
+    has_bias: bool,
+    need_dgrad: bool,
+    need_wgrad: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dinp, dweight, dbias)`` (0-element where not computed, dweight also when it went
+    into ``main_grad``); writes ``amax(dY)`` into ``pending_amax[2]`` when given."""
+    x_t, xs, w_t, ws = saved
+    x_t, w_t = x_t.view(fwd_dtype), w_t.view(fwd_dtype)
+    dtype = grad_out.dtype
+    dy = grad_out.reshape(-1, grad_out.shape[-1])
+    gq, gs, ga = quantize_per_tensor(dy, bwd_dtype, scale[2:3] if recipe == "delayed" else None)
+    if pending_amax is not None:
+        pending_amax[2:3].copy_(ga)
+    dinp = _empty(grad_out)
+    if need_dgrad:
+        # dX [M, K] = dY_8 [M, N] @ W_8 [N, K]; W_8 as column-major = (W_8^T [K, N]).t()
+        dinp = torch._scaled_mm(gq, w_t.t(), scale_a=gs, scale_b=ws, out_dtype=dtype)
+        dinp = dinp.reshape(*grad_out.shape[:-1], w_t.shape[0])
+    dweight = _empty(grad_out)
+    if need_wgrad:
+        # dW [N, K] = dY_8^T [N, M] @ X_8 [M, K]; X_8 as column-major = (X_8^T [K, M]).t()
+        out_dtype = torch.float32 if main_grad is not None else dtype
+        dw = torch._scaled_mm(
+            gq.t().contiguous(), x_t.t(), scale_a=gs, scale_b=xs, out_dtype=out_dtype
+        )
+        if main_grad is not None:
+            main_grad.add_(dw)
+        else:
+            dweight = dw
+    dbias = dy.float().sum(0).to(dtype) if has_bias else _empty(grad_out)
+    return dinp, dweight, dbias
+
+
+@linear_fp8_bwd.register_fake
+def _linear_fp8_bwd_fake(
+    grad_out, saved, weight, main_grad, scale, pending_amax, recipe, fwd_dtype, bwd_dtype,
+    has_bias, need_dgrad, need_wgrad,
+):  # fmt: skip
+    k = weight.shape[1]
+    dinp = grad_out.new_empty(*grad_out.shape[:-1], k) if need_dgrad else _empty(grad_out)
+    want_dw = need_wgrad and main_grad is None
+    dweight = grad_out.new_empty(weight.shape) if want_dw else _empty(grad_out)
+    dbias = grad_out.new_empty(weight.shape[0]) if has_bias else _empty(grad_out)
+    return dinp, dweight, dbias
+
+
+# setup_context + autograd --------------------------------------------------------------------
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    _inp, weight, bias, main_grad, scale, pending_amax, recipe, fwd_dtype, bwd_dtype = inputs
+    _out, saved, amax = output
+    ctx.mark_non_differentiable(amax, *saved)
+    ctx.save_for_backward(weight, main_grad, scale, pending_amax, *saved)
+    ctx.recipe, ctx.has_bias = recipe, bias is not None
+    ctx.fwd_dtype, ctx.bwd_dtype = fwd_dtype, bwd_dtype
+
+
+def _backward(ctx, bwd, grad_out, _grad_saved, _grad_amax):
+    weight, main_grad, scale, pending_amax, *saved = ctx.saved_tensors
+    need_dgrad, need_wgrad, need_bgrad = ctx.needs_input_grad[:3]
+    dinp, dweight, dbias = bwd(
+        grad_out.contiguous(),
+        saved,
+        weight,
+        main_grad,
+        scale,
+        pending_amax,
+        ctx.recipe,
+        ctx.fwd_dtype,
+        ctx.bwd_dtype,
+        ctx.has_bias and need_bgrad,
+        need_dgrad,
+        need_wgrad,
+    )
+    return (
+        dinp if need_dgrad else None,
+        dweight if need_wgrad and main_grad is None else None,
+        dbias if ctx.has_bias and need_bgrad else None,
+        *(None,) * 6,
+    )
+
+
+def _samples(device: torch.device):
+    def t(*shape, dtype=torch.bfloat16, grad=True):
+        return torch.randn(*shape, device=device, dtype=dtype, requires_grad=grad)
+
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+    yield SampleInput((t(32, 16), t(16, 16), t(16), None, None, None, "current", e4m3, e5m2))
+    scale = torch.tensor([8.0, 16.0, 1.0], device=device)
+    pending = torch.zeros(3, device=device)
+    yield SampleInput((t(2, 16, 32), t(48, 32), None, None, scale, pending, "delayed", e4m3, e5m2))
+    yield SampleInput(
+        (t(16, 32, dtype=torch.float32), t(16, 32, dtype=torch.float32), None,
+         torch.zeros(16, 32, device=device), None, None, "current", e4m3, e4m3)
+    )  # fmt: skip
+
+
+def _reference(inp, weight, bias, main_grad, scale, pending_amax, recipe, fwd_dtype, bwd_dtype):
+    delayed_scale = scale if recipe == "delayed" else None
+    return linear_fp8_ref(inp, weight, bias, fwd_dtype, bwd_dtype, delayed_scale)
+
+
+_linear_fp8 = differentiable(
+    linear_fp8_fwd,
+    linear_fp8_bwd,
+    setup_context=_setup_context,
+    backward=_backward,
+    sample_inputs=_samples,
+    reference=_reference,
+)
+
+
+def linear_fp8(
+    inp: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    *,
+    recipe: str = "current",
+    fwd_dtype: torch.dtype = torch.float8_e4m3fn,
+    bwd_dtype: torch.dtype = torch.float8_e5m2,
+    scale: Tensor | None = None,
+    pending_amax: Tensor | None = None,
+    main_grad: Tensor | None = None,
+) -> Tensor:
+    """``inp @ weight.T + bias`` with FP8 GEMMs (module docstring). With ``pending_amax``
+    (``[3]`` fp32), the measured amaxes of input and weight are written to slots 0, 1 and the
+    gradient's to slot 2 in the backward."""
+    out, _saved, amax = _linear_fp8(
+        inp, weight, bias, main_grad, scale, pending_amax, recipe, fwd_dtype, bwd_dtype
+    )
+    if pending_amax is not None:
+        pending_amax[:2].copy_(amax)
+    return out

@@ -1,0 +1,411 @@
+"""GroupedLinear and GroupedMLP: against a loop of te.Linear and float64 references, both
+parameter layouts, state_dict conversion between them, fused weight-gradient accumulation, GLU
+interleaving, and argument checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as torch_F
+from torch import nn
+
+import te_compile as te
+from te_compile.modules import convert_glu_layout
+from tests.utils import DEVICES, assert_close, compile_counted, to_reference
+
+DTYPES = [torch.float32, torch.bfloat16]
+LAYOUTS = [False, True]
+LAYOUT_IDS = ["default", "single"]
+
+
+def cuda_adds_bias_after_rounding(device, bias):
+    """On CUDA the bias is added to the GEMM's rounded output (grouped GEMM and per-group loop):
+    one more rounding, relative to the GEMM output rather than to the sum, which can cancel."""
+    return bias and device == "cuda"
+
+
+def main_grad_dtype(device, dtype):
+    """Accuracy of main_grad: fp32, except on the CUDA grouped-GEMM path (bf16, these shapes),
+    where torch._grouped_mm rounds dW to bf16 before it is accumulated in fp32."""
+    return dtype if device == "cuda" and dtype is torch.bfloat16 else torch.float32
+
+
+def _random_params(module):
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+
+
+def _grouped_weights(m):
+    """``[num_gemms, out, in]`` weight and ``[num_gemms, out]`` bias (or None), either layout."""
+    biases = m.biases()
+    return torch.stack(m.weights()), None if biases is None else torch.stack(biases)
+
+
+def _weight_grads(m):
+    if m.single_grouped_parameter:
+        return m.weight.grad
+    return torch.stack([getattr(m, f"weight{i}").grad for i in range(m.num_gemms)])
+
+
+def _bias_grads(m):
+    if m.single_grouped_parameter:
+        return m.bias.grad
+    return torch.stack([getattr(m, f"bias{i}").grad for i in range(m.num_gemms)])
+
+
+# 1. GroupedLinear against a loop of te.Linear ------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("single", LAYOUTS, ids=LAYOUT_IDS)
+@pytest.mark.parametrize("bias", [True, False])
+def test_grouped_linear_equals_loop_of_linear(device, dtype, single, bias):
+    splits = [3, 0, 5, 2]
+    m = te.GroupedLinear(
+        4, 16, 8, bias=bias, single_grouped_parameter=single, params_dtype=dtype, device=device
+    )
+    _random_params(m)
+    linears = []
+    for w, b in zip(m.weights(), m.biases() or [None] * 4, strict=True):
+        lin = te.Linear(16, 8, bias=bias, params_dtype=dtype, device=device)
+        with torch.no_grad():
+            lin.weight.copy_(w)
+            if bias:
+                lin.bias.copy_(b)
+        linears.append(lin)
+    x = torch.randn(10, 16, device=device, dtype=dtype, requires_grad=True)
+    x_loop = x.detach().clone().requires_grad_()
+    y = m(x, splits)
+    y_loop = torch.cat([lin(x_g) for lin, x_g in zip(linears, x_loop.split(splits), strict=True)])
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    y_loop.backward(dy)
+    # Both are rounded once from an exact value: they may differ by one rounding each.
+    extra = cuda_adds_bias_after_rounding(device, bias)
+    assert_close(y, y_loop, dtype, roundings=2 + extra, reduced=extra)
+    assert_close(x.grad, x_loop.grad, dtype, roundings=2)
+    for g, lin in enumerate(linears):
+        # A Linear that saw no rows gets no gradient; the grouped layer's is exactly zero.
+        expected_w = lin.weight.grad if splits[g] else torch.zeros_like(lin.weight)
+        assert_close(_weight_grads(m)[g], expected_w, dtype, roundings=2, reduced=True)
+        if bias:
+            expected_b = lin.bias.grad if splits[g] else torch.zeros_like(lin.bias)
+            assert_close(_bias_grads(m)[g], expected_b, dtype, roundings=2, reduced=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_default_layout_grads_are_per_parameter_and_correct(device, dtype):
+    splits = torch.tensor([4, 2, 0])
+    m = te.GroupedLinear(3, 8, 16, params_dtype=dtype, device=device)
+    _random_params(m)
+    names = [n for n, _ in m.named_parameters()]
+    assert names == ["weight0", "bias0", "weight1", "bias1", "weight2", "bias2"]
+    x = torch.randn(6, 8, device=device, dtype=dtype, requires_grad=True)
+    y = m(x, splits)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    x_ref, dy_ref = to_reference(x), to_reference(dy)
+    rows = x_ref.split(splits.tolist())
+    drows = dy_ref.split(splits.tolist())
+    for i in range(3):
+        w, b = getattr(m, f"weight{i}"), getattr(m, f"bias{i}")
+        assert w.grad.shape == w.shape == (16, 8) and b.grad.shape == b.shape == (16,)
+        assert w.grad.dtype == dtype
+        assert_close(w.grad, drows[i].t() @ rows[i], dtype, reduced=True)
+        assert_close(b.grad, drows[i].sum(0), dtype, reduced=True)
+    # A second backward accumulates into every parameter's own .grad.
+    first = [p.grad.clone() for p in m.parameters()]
+    m(x, splits).backward(dy)
+    for p, g in zip(m.parameters(), first, strict=True):
+        assert torch.equal(p.grad, 2 * g)
+
+
+# 2. state_dict between the layouts -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("src_single", LAYOUTS, ids=["from_default", "from_single"])
+@pytest.mark.parametrize("dst_single", LAYOUTS, ids=["to_default", "to_single"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("nested", [False, True], ids=["top", "nested"])
+def test_state_dict_round_trip_across_layouts(src_single, dst_single, bias, nested):
+    def make(single):
+        m = te.GroupedLinear(3, 8, 4, bias=bias, single_grouped_parameter=single)
+        return (nn.Sequential(nn.Identity(), m), m) if nested else (m, m)
+
+    src_root, src = make(src_single)
+    _random_params(src)
+    dst_root, dst = make(dst_single)
+    prefix = "1." if nested else ""
+
+    state = src_root.state_dict()
+    if src_single:
+        expected_keys = [prefix + "weight", *([prefix + "bias"] if bias else [])]
+    else:
+        expected_keys = [
+            f"{prefix}{n}{i}" for i in range(3) for n in ("weight", "bias")[: 1 + bias]
+        ]
+    assert sorted(state) == sorted(expected_keys)
+    before = dict(state)
+    dst_root.load_state_dict(state)  # strict: no missing or unexpected keys
+    assert dict(state).keys() == before.keys(), "loading must not rewrite the caller's dict"
+
+    w_src, b_src = _grouped_weights(src)
+    w_dst, b_dst = _grouped_weights(dst)
+    assert torch.equal(w_dst, w_src)
+    assert (b_dst is None) == (not bias) and (not bias or torch.equal(b_dst, b_src))
+    x, splits = torch.randn(7, 8), [2, 5, 0]
+    assert torch.equal(dst(x, splits), src(x, splits))
+
+    # And back: the destination's own state_dict loads into a fresh source-layout module.
+    back_root, back = make(src_single)
+    back_root.load_state_dict(dst_root.state_dict())
+    for a, b in zip(back.state_dict().values(), src.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_state_dict_wrong_num_gemms_raises():
+    state = te.GroupedLinear(2, 8, 4, single_grouped_parameter=True).state_dict()
+    with pytest.raises(ValueError, match="expected dim 0 = num_gemms = 3"):
+        te.GroupedLinear(3, 8, 4).load_state_dict(state)
+
+
+# 3. Fused weight-gradient accumulation --------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("single", LAYOUTS, ids=LAYOUT_IDS)
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_fuse_wgrad_accumulation(device, dtype, single, compiled):
+    m = te.GroupedLinear(
+        3,
+        16,
+        8,
+        single_grouped_parameter=single,
+        fuse_wgrad_accumulation=True,
+        params_dtype=dtype,
+        device=device,
+    )
+    _random_params(m)
+    buffer = m.allocate_main_grad()
+    assert buffer.dtype == torch.float32 and buffer.shape == (3, 8, 16) and not buffer.any()
+    if single:
+        assert m.weight.main_grad is buffer
+    else:
+        for i, w in enumerate(m.weights()):
+            assert w.main_grad.data_ptr() == buffer[i].data_ptr() and w.main_grad.shape == (8, 16)
+    fn = compile_counted(m, backend="aot_eager")[0] if compiled else m
+    splits = torch.tensor([5, 0, 4])
+    x = torch.randn(9, 16, device=device, dtype=dtype)
+    dy = torch.randn(9, 8, device=device, dtype=dtype)
+    for _step in range(2):
+        fn(x, splits).backward(dy)
+    for w in m.weights() if not single else [m.weight]:
+        assert w.grad is None, "with main_grad the weight gradient must not go to weight.grad"
+    x_rows = to_reference(x).split(splits.tolist())
+    dy_rows = to_reference(dy).split(splits.tolist())
+    expected = torch.stack([d.t() @ r for d, r in zip(dy_rows, x_rows, strict=True)])
+    # Accumulated in fp32 from dtype operands: fp32-accurate (but see main_grad_dtype).
+    assert_close(buffer, 2 * expected, main_grad_dtype(device, dtype))
+    assert_close(_bias_grads(m), 2 * torch.stack([d.sum(0) for d in dy_rows]), dtype)
+
+
+@pytest.mark.parametrize("single", LAYOUTS, ids=LAYOUT_IDS)
+def test_fuse_wgrad_accumulation_without_main_grad_raises(single):
+    m = te.GroupedLinear(2, 8, 4, single_grouped_parameter=single, fuse_wgrad_accumulation=True)
+    with pytest.raises(ValueError, match=r"allocate_main_grad\(\)"):
+        m(torch.randn(3, 8), [1, 2])
+
+
+BAD_GROUPED_LINEAR = [
+    ("num_gemms_zero", {"num_gemms": 0}, "num_gemms must be a positive int"),
+    ("num_gemms_bool", {"num_gemms": True}, "num_gemms must be a positive int"),
+    ("in_features", {"in_features": -1}, "in_features must be a positive int"),
+    ("out_features_float", {"out_features": 4.0}, "out_features must be a positive int"),
+    ("params_dtype", {"params_dtype": torch.int32}, "params_dtype must be a floating dtype"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_GROUPED_LINEAR, ids=[c[0] for c in BAD_GROUPED_LINEAR])
+def test_grouped_linear_bad_arguments(case):
+    _id, override, message = case
+    kwargs = {"num_gemms": 2, "in_features": 8, "out_features": 4, **override}
+    with pytest.raises(ValueError, match=r"^GroupedLinear: ") as info:
+        te.GroupedLinear(**kwargs)
+    assert message in str(info.value)
+
+
+# 4. GroupedMLP --------------------------------------------------------------------------------
+
+
+class _RoundTo(torch.autograd.Function):
+    """Round to ``dtype`` in the forward and the backward: where the module materialises an
+    intermediate (and its gradient) in ``dtype``, the float64 reference rounds it too."""
+
+    @staticmethod
+    def forward(ctx, t, dtype):
+        ctx.dtype = dtype
+        return t.to(dtype).to(torch.float64)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.dtype).to(torch.float64), None
+
+
+def ref_activation(h, activation):
+    if activation == "gelu":
+        return torch_F.gelu(h, approximate="tanh")
+    a, b = h.chunk(2, dim=-1)
+    assert activation == "swiglu"
+    return torch_F.silu(a) * b
+
+
+def ref_grouped_mlp(x, splits, w1, b1, w2, b2, activation, dtype):
+    outs = []
+    for e, x_e in enumerate(x.split(splits)):
+        h = _RoundTo.apply(x_e @ w1[e].t() + (0 if b1 is None else b1[e]), dtype)
+        act = _RoundTo.apply(ref_activation(h, activation), dtype)
+        outs.append(act @ w2[e].t() + (0 if b2 is None else b2[e]))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("single", LAYOUTS, ids=LAYOUT_IDS)
+def test_grouped_mlp_matches_reference(device, dtype, activation, bias, single):
+    splits = [4, 0, 3, 5]
+    m = te.GroupedMLP(
+        4,
+        16,
+        8,
+        activation=activation,
+        bias=bias,
+        single_grouped_parameter=single,
+        params_dtype=dtype,
+        device=device,
+    )
+    fc1_out = 16 if activation == "swiglu" else 8
+    assert (m.fc1.out_features, m.fc1.in_features) == (fc1_out, 16)
+    assert (m.fc2.out_features, m.fc2.in_features) == (16, 8)
+    _random_params(m)
+    x = torch.randn(12, 16, device=device, dtype=dtype, requires_grad=True)
+    y = m(x, splits)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+
+    x_ref = to_reference(x)
+    w1, b1 = (to_reference(t) for t in _grouped_weights(m.fc1))
+    w2, b2 = (to_reference(t) for t in _grouped_weights(m.fc2))
+    params = [t.requires_grad_() for t in (w1, b1, w2, b2) if t is not None]
+    y_ref = ref_grouped_mlp(x_ref, splits, w1, b1, w2, b2, activation, dtype)
+    y_ref.backward(to_reference(dy))
+    extra = cuda_adds_bias_after_rounding(device, bias)
+    assert_close(y, y_ref, dtype, roundings=1 + extra, reduced=extra)
+    # Gradients pass through up to three rounded ops (FC2 dgrad, activation backward, FC1
+    # dgrad); the weight and bias gradients sum such operands over rows.
+    assert_close(x.grad, x_ref.grad, dtype, roundings=3, reduced=extra)
+    grads = [_weight_grads(m.fc1), _weight_grads(m.fc2)]
+    refs = [w1.grad, w2.grad]
+    if bias:
+        grads += [_bias_grads(m.fc1), _bias_grads(m.fc2)]
+        refs += [b1.grad, b2.grad]
+    assert len(params) == len(grads)
+    for g, r in zip(grads, refs, strict=True):
+        assert_close(g, r, dtype, roundings=3, reduced=True)
+
+
+def _named_grads(module):
+    return {n: p.grad for n, p in module.named_parameters()}
+
+
+@pytest.mark.parametrize("single", LAYOUTS, ids=LAYOUT_IDS)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("k", [1, 2, 8])
+@pytest.mark.parametrize("to_interleaved", [True, False], ids=["to_interleaved", "to_contiguous"])
+def test_glu_interleave_equivalent_to_contiguous(single, bias, k, to_interleaved):
+    """A module loaded from the other GLU layout through convert_glu_layout computes the same
+    function; its gradients, converted back, are the source's (nested: with a prefix)."""
+    kw = {"activation": "swiglu", "bias": bias, "single_grouped_parameter": single}
+    contiguous = nn.Sequential(te.GroupedMLP(3, 16, 8, **kw))
+    interleaved = nn.Sequential(te.GroupedMLP(3, 16, 8, glu_interleave_size=k, **kw))
+    src, dst = (contiguous, interleaved) if to_interleaved else (interleaved, contiguous)
+    _random_params(src)
+    state = convert_glu_layout(src.state_dict(), k, to_interleaved=to_interleaved, prefix="0.")
+    dst.load_state_dict(state)
+    if k != 8:  # k = ffn_hidden_size: both layouts coincide
+        fc1 = "0.fc1.weight" if single else "0.fc1.weight1"
+        assert not torch.equal(state[fc1], src.state_dict()[fc1])
+
+    splits = torch.tensor([5, 0, 4])
+    x = torch.randn(9, 16)
+    dy = torch.randn(9, 16)
+    y_src, y_dst = src[0](x, splits), dst[0](x, splits)
+    y_src.backward(dy)
+    y_dst.backward(dy)
+    back = convert_glu_layout(_named_grads(dst), k, to_interleaved=not to_interleaved, prefix="0.")
+    src_grads = _named_grads(src)
+    assert back.keys() == src_grads.keys()
+
+    # FC1 is bitwise the same up to the permutation; the gated activation's CPU math vectorises
+    # differently over the strided halves of the two layouts, so from there on the two agree up
+    # to fp32 rounding (bitwise for k = ffn_hidden_size, where the layouts coincide).
+    def check_same(actual, expected, roundings):
+        if k == 8:
+            assert torch.equal(actual, expected)
+        else:
+            assert_close(actual, expected.double(), torch.float32, roundings, reduced=True)
+
+    check_same(y_dst, y_src, 2)
+    for name, grad in src_grads.items():
+        check_same(back[name], grad, 3)
+
+
+@pytest.mark.parametrize("single", LAYOUTS, ids=LAYOUT_IDS)
+def test_convert_glu_layout_round_trip_is_exact(single):
+    m = te.GroupedMLP(2, 8, 8, bias=True, single_grouped_parameter=single)
+    _random_params(m)
+    state = m.state_dict()
+    there = convert_glu_layout(state, 2, to_interleaved=True)
+    back = convert_glu_layout(there, 2, to_interleaved=False)
+    assert back.keys() == state.keys()
+    for name, value in state.items():
+        assert torch.equal(back[name], value)
+        if name.startswith("fc2."):
+            assert there[name] is value  # other entries are passed through
+    assert state.keys() == m.state_dict().keys(), "the input dict is not modified"
+
+
+BAD_GROUPED_MLP = [
+    ("k_not_gated", {"activation": "gelu", "glu_interleave_size": 2}, "applies to gated"),
+    ("k_zero", {"glu_interleave_size": 0}, "glu_interleave_size must be a positive int"),
+    ("k_negative", {"glu_interleave_size": -2}, "glu_interleave_size must be a positive int"),
+    ("k_not_dividing", {"glu_interleave_size": 3}, "dividing ffn_hidden_size (8), got 3"),
+    ("k_above_ffn", {"glu_interleave_size": 16}, "dividing ffn_hidden_size (8), got 16"),
+    ("k_bool", {"glu_interleave_size": True}, "glu_interleave_size must be a positive int"),
+    ("k_float", {"glu_interleave_size": 2.0}, "glu_interleave_size must be a positive int"),
+    ("activation", {"activation": "tanh"}, "activation must be one of"),
+    ("num_experts", {"num_experts": 0}, "num_experts must be a positive int"),
+    ("ffn_hidden_size", {"ffn_hidden_size": -8}, "ffn_hidden_size must be a positive int"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_GROUPED_MLP, ids=[c[0] for c in BAD_GROUPED_MLP])
+def test_grouped_mlp_bad_arguments(case):
+    _id, override, message = case
+    kwargs = {"num_experts": 2, "hidden_size": 16, "ffn_hidden_size": 8, **override}
+    with pytest.raises(ValueError, match=r"^GroupedMLP: ") as info:
+        te.GroupedMLP(**kwargs)
+    assert message in str(info.value)
+
+
+def test_convert_glu_layout_bad_interleave_size_raises():
+    state = te.GroupedMLP(2, 8, 8).state_dict()
+    with pytest.raises(ValueError, match="interleave_size must be positive"):
+        convert_glu_layout(state, 0, to_interleaved=True)
+    with pytest.raises(ValueError, match="must be divisible by 2 \\* interleave_size"):
+        convert_glu_layout(state, 3, to_interleaved=True)
