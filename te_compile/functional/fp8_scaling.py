@@ -6,17 +6,17 @@ first. Per quantised tensor (slot) a module keeps, as buffers:
 
 * ``amax_history`` ``[amax_history_len, slots]`` fp32: the last amaxes, newest in row 0;
 * ``scale`` ``[slots]`` fp32: what the next casts multiply by;
-* ``pending_amax`` ``[slots]`` fp32: the amaxes the casts of this step measured (the forward op
-  writes the input/weight slots, the backward op the gradient slot).
+* the amaxes the casts of the last step measured, ``amax`` ``[slots]`` (the forward reports the
+  input/weight amaxes, the backward writes the gradient's; the module keeps them in buffers).
 
 The update, run by the module at the start of each forward (so the gradient amax of the previous
 backward is included), for every slot:
 
 .. math::
-    h \leftarrow \mathrm{roll}(h, 1);\quad h_0 \leftarrow a_{pending};\quad
+    h \leftarrow \mathrm{roll}(h, 1);\quad h_0 \leftarrow a_{last};\quad
     a = \begin{cases}\max_i h_i & \text{"max"}\\ h_0 & \text{"most\_recent"}\end{cases};\quad
     s \leftarrow \frac{\mathrm{fp8\_max}}{a \cdot 2^{\mathrm{margin}}}
-    \ \text{where } a > 0 \text{ and finite, else unchanged};\quad a_{pending} \leftarrow 0
+    \ \text{where } a > 0 \text{ and finite, else unchanged}
 
 A separate op, not part of the differentiable linear ops: the differentiable ops stay pure
 (scales in, amaxes out) and the mutation of module state is one node that ``torch.compile``
@@ -38,7 +38,7 @@ AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 def delayed_scaling_update_ref(
     amax_history: Tensor,
     scale: Tensor,
-    pending_amax: Tensor,
+    amax: Tensor,
     fp8_max: list[float],
     margin: int,
     amax_compute_algo: str,
@@ -46,25 +46,24 @@ def delayed_scaling_update_ref(
     """The update in place (see the module docstring); plain torch, also the CUDA path (a few
     tiny element-wise kernels: not worth a custom kernel)."""
     history = torch.roll(amax_history, 1, dims=0)
-    history[0] = pending_amax
-    amax = history.amax(0) if amax_compute_algo == "max" else history[0]
+    history[0] = amax
+    window = history.amax(0) if amax_compute_algo == "max" else history[0]
     limit = torch.tensor(fp8_max, dtype=torch.float32, device=scale.device)
-    new_scale = limit / (amax * (2.0**margin))
-    ok = (amax > 0) & torch.isfinite(amax)
+    new_scale = limit / (window * (2.0**margin))
+    ok = (window > 0) & torch.isfinite(window)
     scale.copy_(torch.where(ok, new_scale, scale))
     amax_history.copy_(history)
-    pending_amax.zero_()
 
 
-def _check(amax_history, scale, pending_amax, fp8_max, margin, amax_compute_algo) -> None:
+def _check(amax_history, scale, amax, fp8_max, margin, amax_compute_algo) -> None:
     slots = scale.shape[0] if scale.ndim == 1 else -1
     if (
         amax_history.ndim == 2
         and amax_history.shape[1] == slots
         and amax_history.shape[0] >= 1
-        and pending_amax.shape == scale.shape
+        and amax.shape == scale.shape
         and len(fp8_max) == slots
-        and all(t.dtype is torch.float32 for t in (amax_history, scale, pending_amax))
+        and all(t.dtype is torch.float32 for t in (amax_history, scale, amax))
         and margin >= 0
         and amax_compute_algo in AMAX_COMPUTE_ALGOS
     ):
@@ -75,44 +74,42 @@ def _check(amax_history, scale, pending_amax, fp8_max, margin, amax_compute_algo
     if margin < 0:
         raise ValueError(p + f"margin must be >= 0, got {margin}")
     raise ValueError(
-        p + "expected float32 amax_history [len >= 1, slots], scale [slots], pending_amax "
+        p + "expected float32 amax_history [len >= 1, slots], scale [slots], amax "
         f"[slots] and fp8_max of length slots; got {list(amax_history.shape)}, "
-        f"{list(scale.shape)}, {list(pending_amax.shape)}, {len(fp8_max)} "
-        f"({amax_history.dtype}, {scale.dtype}, {pending_amax.dtype})"
+        f"{list(scale.shape)}, {list(amax.shape)}, {len(fp8_max)} "
+        f"({amax_history.dtype}, {scale.dtype}, {amax.dtype})"
     )
 
 
 def _samples(device: torch.device):
     limits = [448.0, 448.0, 57344.0]
-    history, scale, pending = (torch.rand(4, 3, device=device), torch.ones(3, device=device),
+    history, scale, last_amax = (torch.rand(4, 3, device=device), torch.ones(3, device=device),
                                torch.rand(3, device=device))  # fmt: skip
-    yield SampleInput((history, scale, pending, limits, 0, "max"))
-    # A zero pending amax keeps its old scale; margin 1 halves the new one.
+    yield SampleInput((history, scale, last_amax, limits, 0, "max"))
+    # A zero last_amax amax keeps its old scale; margin 1 halves the new one.
     history, scale = torch.zeros(1, 2, device=device), torch.ones(2, device=device)
-    pending = torch.tensor([0.0, 2.0], device=device)
-    yield SampleInput((history, scale, pending, limits[:2], 1, "most_recent"))
+    last_amax = torch.tensor([0.0, 2.0], device=device)
+    yield SampleInput((history, scale, last_amax, limits[:2], 1, "most_recent"))
 
 
 @op(
     "delayed_scaling_update",
-    mutates_args=("amax_history", "scale", "pending_amax"),
+    mutates_args=("amax_history", "scale"),
     sample_inputs=_samples,
 )
 def delayed_scaling_update(
     amax_history: Tensor,
     scale: Tensor,
-    pending_amax: Tensor,
+    amax: Tensor,
     fp8_max: list[float],
     margin: int,
     amax_compute_algo: str,
 ) -> None:
     """Roll the history, take the new amax, recompute the scales (module docstring)."""
-    _check(amax_history, scale, pending_amax, fp8_max, margin, amax_compute_algo)
-    delayed_scaling_update_ref(
-        amax_history, scale, pending_amax, fp8_max, margin, amax_compute_algo
-    )
+    _check(amax_history, scale, amax, fp8_max, margin, amax_compute_algo)
+    delayed_scaling_update_ref(amax_history, scale, amax, fp8_max, margin, amax_compute_algo)
 
 
 @delayed_scaling_update.register_fake
-def _delayed_scaling_update_fake(amax_history, scale, pending_amax, fp8_max, margin, algo):
-    _check(amax_history, scale, pending_amax, fp8_max, margin, algo)
+def _delayed_scaling_update_fake(amax_history, scale, amax, fp8_max, margin, algo):
+    _check(amax_history, scale, amax, fp8_max, margin, algo)

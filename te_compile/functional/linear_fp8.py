@@ -21,9 +21,10 @@ Why a separate op pair instead of trailing arguments on ``te::linear_fwd``: FP8 
 high-precision path never has; one op per precision keeps both schemas minimal. The scaling
 *state* stays outside: ``recipe="current"`` measures each tensor's amax and scales it now;
 ``recipe="delayed"`` multiplies by ``scale`` ``[3]`` (input, weight, gradient) computed by
-``te::delayed_scaling_update`` from earlier amaxes, and reports the amaxes it measured —
-the forward as an output (the module records it in its buffer), the backward by writing slot 2
-of ``pending_amax`` (a mutated argument, like ``main_grad``).
+``te::delayed_scaling_update`` from earlier amaxes, and reports the amaxes it measured: the
+forward's (input, weight) as an output the module copies into its buffer, the backward's by
+writing ``grad_amax`` ``[1]`` (a mutated argument, like ``main_grad``; a buffer of its own,
+since a saved tensor must not be modified between the forward and the backward).
 
 Shapes: ``_scaled_mm`` needs ``in_features``, ``out_features`` and the number of tokens to be
 multiples of 16; other shapes raise a ValueError (pad the token count to use FP8).
@@ -106,7 +107,7 @@ def linear_fp8_ref(
     return out.reshape(*inp.shape[:-1], weight.shape[0])
 
 
-def _check(inp, weight, bias, scale, pending_amax, recipe, fwd_dtype, bwd_dtype) -> None:
+def _check(inp, weight, bias, scale, grad_amax, recipe, fwd_dtype, bwd_dtype) -> None:
     m = inp.numel() // inp.shape[-1] if inp.ndim >= 1 and inp.shape[-1] else 0
     if (
         weight.ndim == 2
@@ -122,7 +123,7 @@ def _check(inp, weight, bias, scale, pending_amax, recipe, fwd_dtype, bwd_dtype)
         and fwd_dtype in _FP8_DTYPES
         and bwd_dtype in _FP8_DTYPES
         and (recipe != "delayed" or (scale is not None and scale.shape == (3,)))
-        and (pending_amax is None or pending_amax.shape == (3,))
+        and (grad_amax is None or grad_amax.shape == (1,))
     ):
         return
     p = "te.linear_fp8: "
@@ -148,7 +149,7 @@ def _check(inp, weight, bias, scale, pending_amax, recipe, fwd_dtype, bwd_dtype)
     if bias is not None and (bias.shape != weight.shape[:1] or bias.dtype != inp.dtype):
         raise ValueError(p + f"bias must be [{weight.shape[0]}] of dtype {inp.dtype}")
     raise ValueError(
-        p + 'recipe="delayed" needs scale [3] (input, weight, grad); pending_amax must be [3]'
+        p + 'recipe="delayed" needs scale [3] (input, weight, grad); grad_amax must be [1]'
     )
 
 
@@ -171,14 +172,14 @@ def linear_fp8_fwd(
     bias: Tensor | None,
     main_grad: Tensor | None,
     scale: Tensor | None,
-    pending_amax: Tensor | None,
+    grad_amax: Tensor | None,
     recipe: str,
     fwd_dtype: torch.dtype,
     bwd_dtype: torch.dtype,
 ) -> tuple[Tensor, list[Tensor], Tensor]:
     """``(out, saved, amax)``: ``saved = [X_8^T, s_x^-1, W_8^T, s_w^-1]`` for the backward and
     ``amax = [amax(X), amax(W)]`` (fp32) for the delayed-scaling history."""
-    _check(inp, weight, bias, scale, pending_amax, recipe, fwd_dtype, bwd_dtype)
+    _check(inp, weight, bias, scale, grad_amax, recipe, fwd_dtype, bwd_dtype)
     delayed = recipe == "delayed"
     x = inp.reshape(-1, inp.shape[-1])
     xq, xs, xa = quantize_per_tensor(x, fwd_dtype, scale[0:1] if delayed else None)
@@ -189,8 +190,8 @@ def linear_fp8_fwd(
 
 
 @linear_fp8_fwd.register_fake
-def _linear_fp8_fwd_fake(inp, weight, bias, main_grad, scale, pending_amax, recipe, fwd, bwd):
-    _check(inp, weight, bias, scale, pending_amax, recipe, fwd, bwd)
+def _linear_fp8_fwd_fake(inp, weight, bias, main_grad, scale, grad_amax, recipe, fwd, bwd):
+    _check(inp, weight, bias, scale, grad_amax, recipe, fwd, bwd)
     m, k, n = inp.numel() // inp.shape[-1], weight.shape[1], weight.shape[0]
     scalar = inp.new_empty(1, dtype=torch.float32)
     u8 = torch.uint8
@@ -202,14 +203,14 @@ def _linear_fp8_fwd_fake(inp, weight, bias, main_grad, scale, pending_amax, reci
 # Backward op ----------------------------------------------------------------------------------
 
 
-@op("linear_fp8_bwd", mutates_args=("main_grad", "pending_amax"))
+@op("linear_fp8_bwd", mutates_args=("main_grad", "grad_amax"))
 def linear_fp8_bwd(
     grad_out: Tensor,
     saved: list[Tensor],
     weight: Tensor,
     main_grad: Tensor | None,
     scale: Tensor | None,
-    pending_amax: Tensor | None,
+    grad_amax: Tensor | None,
     recipe: str,
     fwd_dtype: torch.dtype,
     bwd_dtype: torch.dtype,
@@ -218,14 +219,14 @@ def linear_fp8_bwd(
     need_wgrad: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dinp, dweight, dbias)`` (0-element where not computed, dweight also when it went
-    into ``main_grad``); writes ``amax(dY)`` into ``pending_amax[2]`` when given."""
+    into ``main_grad``); writes ``amax(dY)`` into ``grad_amax`` when given."""
     x_t, xs, w_t, ws = saved
     x_t, w_t = x_t.view(fwd_dtype), w_t.view(fwd_dtype)
     dtype = grad_out.dtype
     dy = grad_out.reshape(-1, grad_out.shape[-1])
     gq, gs, ga = quantize_per_tensor(dy, bwd_dtype, scale[2:3] if recipe == "delayed" else None)
-    if pending_amax is not None:
-        pending_amax[2:3].copy_(ga)
+    if grad_amax is not None:
+        grad_amax.copy_(ga)
     dinp = _empty(grad_out)
     if need_dgrad:
         # dX [M, K] = dY_8 [M, N] @ W_8 [N, K]; W_8 as column-major = (W_8^T [K, N]).t()
@@ -248,7 +249,7 @@ def linear_fp8_bwd(
 
 @linear_fp8_bwd.register_fake
 def _linear_fp8_bwd_fake(
-    grad_out, saved, weight, main_grad, scale, pending_amax, recipe, fwd_dtype, bwd_dtype,
+    grad_out, saved, weight, main_grad, scale, grad_amax, recipe, fwd_dtype, bwd_dtype,
     has_bias, need_dgrad, need_wgrad,
 ):  # fmt: skip
     k = weight.shape[1]
@@ -263,16 +264,16 @@ def _linear_fp8_bwd_fake(
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    _inp, weight, bias, main_grad, scale, pending_amax, recipe, fwd_dtype, bwd_dtype = inputs
+    _inp, weight, bias, main_grad, scale, grad_amax, recipe, fwd_dtype, bwd_dtype = inputs
     _out, saved, amax = output
     ctx.mark_non_differentiable(amax, *saved)
-    ctx.save_for_backward(weight, main_grad, scale, pending_amax, *saved)
+    ctx.save_for_backward(weight, main_grad, scale, grad_amax, *saved)
     ctx.recipe, ctx.has_bias = recipe, bias is not None
     ctx.fwd_dtype, ctx.bwd_dtype = fwd_dtype, bwd_dtype
 
 
 def _backward(ctx, bwd, grad_out, _grad_saved, _grad_amax):
-    weight, main_grad, scale, pending_amax, *saved = ctx.saved_tensors
+    weight, main_grad, scale, grad_amax, *saved = ctx.saved_tensors
     need_dgrad, need_wgrad, need_bgrad = ctx.needs_input_grad[:3]
     dinp, dweight, dbias = bwd(
         grad_out.contiguous(),
@@ -280,7 +281,7 @@ def _backward(ctx, bwd, grad_out, _grad_saved, _grad_amax):
         weight,
         main_grad,
         scale,
-        pending_amax,
+        grad_amax,
         ctx.recipe,
         ctx.fwd_dtype,
         ctx.bwd_dtype,
@@ -303,7 +304,7 @@ def _samples(device: torch.device):
     e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
     yield SampleInput((t(32, 16), t(16, 16), t(16), None, None, None, "current", e4m3, e5m2))
     scale = torch.tensor([8.0, 16.0, 1.0], device=device)
-    pending = torch.zeros(3, device=device)
+    pending = torch.zeros(1, device=device)
     yield SampleInput((t(2, 16, 32), t(48, 32), None, None, scale, pending, "delayed", e4m3, e5m2))
     yield SampleInput(
         (t(16, 32, dtype=torch.float32), t(16, 32, dtype=torch.float32), None,
@@ -311,7 +312,7 @@ def _samples(device: torch.device):
     )  # fmt: skip
 
 
-def _reference(inp, weight, bias, main_grad, scale, pending_amax, recipe, fwd_dtype, bwd_dtype):
+def _reference(inp, weight, bias, main_grad, scale, grad_amax, recipe, fwd_dtype, bwd_dtype):
     delayed_scale = scale if recipe == "delayed" else None
     return linear_fp8_ref(inp, weight, bias, fwd_dtype, bwd_dtype, delayed_scale)
 
@@ -335,15 +336,14 @@ def linear_fp8(
     fwd_dtype: torch.dtype = torch.float8_e4m3fn,
     bwd_dtype: torch.dtype = torch.float8_e5m2,
     scale: Tensor | None = None,
-    pending_amax: Tensor | None = None,
+    grad_amax: Tensor | None = None,
     main_grad: Tensor | None = None,
-) -> Tensor:
-    """``inp @ weight.T + bias`` with FP8 GEMMs (module docstring). With ``pending_amax``
-    (``[3]`` fp32), the measured amaxes of input and weight are written to slots 0, 1 and the
-    gradient's to slot 2 in the backward."""
+    return_amax: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """``inp @ weight.T + bias`` with FP8 GEMMs (module docstring). ``grad_amax`` (``[1]``
+    fp32) receives the gradient's amax in the backward; ``return_amax=True`` also returns
+    ``[amax(inp), amax(weight)]``."""
     out, _saved, amax = _linear_fp8(
-        inp, weight, bias, main_grad, scale, pending_amax, recipe, fwd_dtype, bwd_dtype
+        inp, weight, bias, main_grad, scale, grad_amax, recipe, fwd_dtype, bwd_dtype
     )
-    if pending_amax is not None:
-        pending_amax[:2].copy_(amax)
-    return out
+    return (out, amax) if return_amax else out

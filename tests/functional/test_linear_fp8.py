@@ -1,0 +1,126 @@
+"""FP8 linear (per-tensor current and delayed scaling) beyond the registry test, which already
+compares forward and backward with the exact fake-quantised reference: accuracy against the
+high-precision linear (SQNR), amax reporting, saturation, zeros and non-finite input, errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from te_compile import functional as F
+from tests.utils import DEVICES, compile_counted
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+# Signal-to-quantisation-noise floors (dB) of a GEMM of two E4M3 operands (3 mantissa bits,
+# ~1/16 relative step): measured ~31 dB on Gaussian data; the floor leaves margin.
+SQNR_E4M3_DB = 25.0
+SQNR_E5M2_DB = 18.0
+
+
+def sqnr_db(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    noise = (actual.double() - expected.double()).square().sum()
+    return 10 * math.log10(expected.double().square().sum().item() / max(noise.item(), 1e-300))
+
+
+def _tensors(device, m=64, k=32, n=48, dtype=torch.bfloat16):
+    torch.manual_seed(0)
+    x = torch.randn(m, k, device=device, dtype=dtype, requires_grad=True)
+    w = torch.randn(n, k, device=device, dtype=dtype, requires_grad=True)
+    return x, w
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_current_scaling_accuracy_against_high_precision(device):
+    x, w = _tensors(device)
+    b = torch.randn(48, device=device, dtype=torch.bfloat16, requires_grad=True)
+    y = F.linear_fp8(x, w, b, recipe="current")
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    x_ref, w_ref, b_ref = (t.detach().double().requires_grad_() for t in (x, w, b))
+    y_ref = x_ref @ w_ref.t() + b_ref
+    y_ref.backward(dy.double())
+    assert sqnr_db(y, y_ref) > SQNR_E4M3_DB
+    # dgrad and wgrad: an E5M2 gradient times an E4M3 operand.
+    assert sqnr_db(x.grad, x_ref.grad) > SQNR_E5M2_DB
+    assert sqnr_db(w.grad, w_ref.grad) > SQNR_E5M2_DB
+    assert sqnr_db(b.grad, b_ref.grad) > 40.0  # dbias is a high-precision sum
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_amaxes_are_reported_forward_and_backward(device):
+    x, w = _tensors(device)
+    grad_amax = torch.zeros(1, device=device)
+    y, amax = F.linear_fp8(x, w, recipe="current", grad_amax=grad_amax, return_amax=True)
+    assert amax[0].item() == x.detach().abs().max().float().item()
+    assert amax[1].item() == w.detach().abs().max().float().item()
+    assert grad_amax.item() == 0.0
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    assert grad_amax.item() == dy.abs().max().float().item()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_delayed_scaling_uses_the_given_scales_and_saturates(device):
+    x, w = _tensors(device)
+    amax_x = x.detach().abs().max().float().item()
+    fitting = torch.tensor([448.0 / amax_x, 1.0, 1.0], device=device)
+    y_fit = F.linear_fp8(x, w, recipe="delayed", scale=fitting)
+    y_cur = F.linear_fp8(x, w, recipe="current")
+    # The weight scale 1 vs current scaling: different rounding, same accuracy class.
+    assert not torch.equal(y_fit, y_cur)
+    # A scale 100x too large saturates x at +-448/scale instead of producing inf.
+    too_large = fitting * torch.tensor([100.0, 1.0, 1.0], device=device)
+    y_sat = F.linear_fp8(x, w, recipe="delayed", scale=too_large)
+    assert torch.isfinite(y_sat).all()
+    clipped = x.detach().float().clamp(-amax_x / 100, amax_x / 100)
+    expected = clipped @ w.detach().float().t()
+    assert sqnr_db(y_sat, expected) > SQNR_E4M3_DB - 10
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_zero_tensors_give_zero_without_nan(device):
+    x = torch.zeros(32, 16, device=device, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.zeros(16, 16, device=device, dtype=torch.bfloat16, requires_grad=True)
+    y = F.linear_fp8(x, w, recipe="current")
+    y.backward(torch.zeros_like(y))
+    for t in (y, x.grad, w.grad):
+        assert torch.equal(t, torch.zeros_like(t))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_finite_input_is_reported_in_the_amax(device):
+    x, w = _tensors(device)
+    x = x.detach().clone()
+    x[3, 5] = math.inf
+    _, amax = F.linear_fp8(x, w.detach(), recipe="current", return_amax=True)
+    assert math.isinf(amax[0].item())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_matches_eager(device):
+    x, w = _tensors(device)
+    fn = lambda x, w: F.linear_fp8(x, w, recipe="current")  # noqa: E731
+    compiled, counter = compile_counted(fn)
+    assert torch.equal(compiled(x, w), fn(x, w))
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize(
+    "shape, match",
+    [((30, 32), "number of tokens \\(30\\)"), ((32, 24), "in_features \\(24\\)")],
+)
+def test_shapes_fp8_gemms_cannot_take_raise(shape, match):
+    x = torch.randn(*shape, dtype=torch.bfloat16)
+    w = torch.randn(16, shape[1], dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=match):
+        F.linear_fp8(x, w)
+
+
+def test_bad_recipe_and_missing_delayed_scale():
+    x, w = torch.randn(16, 16), torch.randn(16, 16)
+    with pytest.raises(ValueError, match="recipe must be one of"):
+        F.linear_fp8(x, w, recipe="mxfp8")
+    with pytest.raises(ValueError, match='recipe="delayed" needs scale'):
+        F.linear_fp8(x, w, recipe="delayed")
