@@ -4,7 +4,7 @@
 op is callable as ``torch.ops.te.<name>`` and compiles with ``torch.compile(fullgraph=True)``.
 """
 
-from te_compile import functional
+from te_compile import functional, quantization, recipe
 from te_compile._library import eager_fast_path_enabled, list_ops, set_eager_fast_path
 from te_compile.functional import bulk_allocate, deinterleave_glu_tensor, interleave_glu_tensor
 from te_compile.modules import (
@@ -15,6 +15,13 @@ from te_compile.modules import (
     LayerNormMLP,
     Linear,
     RMSNorm,
+)
+from te_compile.quantization import (
+    autocast,
+    is_fp8_available,
+    is_fp8_block_scaling_available,
+    is_mxfp8_available,
+    is_nvfp4_available,
 )
 
 __version__ = "0.1.0"
@@ -28,11 +35,18 @@ __all__ = [
     "Linear",
     "RMSNorm",
     "__version__",
+    "autocast",
     "bulk_allocate",
     "deinterleave_glu_tensor",
     "eager_fast_path_enabled",
     "functional",
     "interleave_glu_tensor",
+    "is_fp8_available",
+    "is_fp8_block_scaling_available",
+    "is_mxfp8_available",
+    "is_nvfp4_available",
     "list_ops",
+    "quantization",
+    "recipe",
     "set_eager_fast_path",
 ]

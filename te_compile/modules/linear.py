@@ -6,6 +6,10 @@ Differences from ``nn.Linear`` that come from Transformer Engine: the weight is 
 ``fuse_wgrad_accumulation=True`` accumulates the weight gradient into ``weight.main_grad`` (fp32,
 allocated by the caller, e.g. a Megatron-style distributed optimizer) instead of ``weight.grad``.
 Unlike Transformer Engine, ``device=None`` means torch's current default device, not "cuda".
+
+Inside ``te_compile.autocast(recipe=...)`` the GEMMs run in FP8 (``te::linear_fp8_fwd``) with
+the recipe's scaling; the delayed-scaling state lives in the ``fp8_meta`` child module's buffers
+(see ``te_compile/modules/_fp8.py``), so it is part of the state_dict.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from te_compile.modules._common import (
     default_init_method,
     params_dtype_or_default,
 )
+from te_compile.modules._fp8 import FP8GemmState
+from te_compile.quantization.state import get_autocast_state
 
 __all__ = ["Linear"]
 
@@ -62,6 +68,7 @@ class Linear(nn.Module):
         factory = {"dtype": dtype, "device": device}
         self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
         self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
+        self.fp8_meta = FP8GemmState(device)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -82,9 +89,13 @@ class Linear(nn.Module):
 
     def forward(self, inp: Tensor) -> Tensor | tuple[Tensor, Tensor | None]:
         main_grad = self._main_grad() if self.fuse_wgrad_accumulation else None
-        if self.return_bias:
-            return F.linear(inp, self.weight, None, main_grad=main_grad), self.bias
-        return F.linear(inp, self.weight, self.bias, main_grad=main_grad)
+        bias = None if self.return_bias else self.bias
+        state = get_autocast_state()
+        if state.enabled:
+            out = self.fp8_meta.linear("Linear", state, inp, self.weight, bias, main_grad)
+        else:
+            out = F.linear(inp, self.weight, bias, main_grad=main_grad)
+        return (out, self.bias) if self.return_bias else out
 
     def extra_repr(self) -> str:
         return (

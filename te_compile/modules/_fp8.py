@@ -1,0 +1,126 @@
+"""FP8 state of one GEMM and the dispatch from the autocast recipe to the FP8 linear ops.
+
+Every module GEMM that can run in FP8 owns an :class:`FP8GemmState` child module. Its buffers
+are the delayed-scaling state (Transformer Engine's "fp8 meta"), persistent so that a
+state_dict save/load resumes training exactly:
+
+* ``amax_history`` ``[1024, 3]``: per slot (input, weight, gradient) the last amaxes, newest in
+  row 0; a recipe's ``amax_history_len`` (at most 1024) uses the first rows;
+* ``scale`` ``[3]``: the scales the next casts use;
+* ``fwd_amax`` ``[2]`` / ``grad_amax`` ``[1]``: the amaxes the last forward / backward measured.
+  Two buffers, because the backward op writes ``grad_amax`` after the forward saved it, and a
+  saved tensor that shares storage with one the forward then writes would fail autograd's
+  version check.
+
+A state that was never used (delayed scaling never ran: zero history, unit scales) is left out
+of the state_dict and, when absent from a loaded one, reset to that initial value: a module that
+never ran in FP8 keeps the state_dict of its ``torch.nn`` counterpart (``te.Linear`` <->
+``nn.Linear``, both ways); one trained with delayed scaling saves and restores its history.
+
+Under ``DelayedScaling`` each forward first folds the last amaxes into the history and
+recomputes the scales (``te::delayed_scaling_update``, a mutating op: compiled steps update the
+buffers with zero graph breaks), then runs ``te::linear_fp8_fwd`` with a copy of the scales.
+With ``amax_reduction_group`` (or ``reduce_amax`` and an initialised default process group)
+the forward amaxes are max-reduced over the group with a functional all-reduce before they are
+recorded.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from te_compile import functional as F
+from te_compile.quantization.state import AutocastState
+
+__all__ = ["MAX_AMAX_HISTORY", "FP8GemmState"]
+
+MAX_AMAX_HISTORY = 1024
+
+
+class FP8GemmState(nn.Module):
+    """The FP8 scaling state of one GEMM (see the module docstring)."""
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        kw = {"dtype": torch.float32, "device": device}
+        self.register_buffer("amax_history", torch.zeros(MAX_AMAX_HISTORY, 3, **kw))
+        self.register_buffer("scale", torch.ones(3, **kw))
+        self.register_buffer("fwd_amax", torch.zeros(2, **kw))
+        self.register_buffer("grad_amax", torch.zeros(1, **kw))
+        self._register_state_dict_hook(_drop_if_unused)
+
+    def is_unused(self) -> bool:
+        """True while delayed scaling never ran (a host sync: for state_dict, not forward)."""
+        return not bool(self.amax_history.any()) and bool((self.scale == 1).all())
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        names = ("amax_history", "scale", "fwd_amax", "grad_amax")
+        if not any(prefix + n in state_dict for n in names):
+            fresh = FP8GemmState(self.scale.device)
+            for n in names:
+                state_dict[prefix + n] = getattr(fresh, n)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def linear(
+        self,
+        owner: str,
+        state: AutocastState,
+        inp: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        main_grad: Tensor | None,
+    ) -> Tensor:
+        """``inp @ weight.T + bias`` with the FP8 recipe of ``state`` (which is enabled)."""
+        recipe = state.recipe
+        fmt = recipe.fp8_format
+        kw = {"fwd_dtype": fmt.fwd_dtype, "bwd_dtype": fmt.bwd_dtype, "main_grad": main_grad}
+        if recipe.float8_current():
+            return F.linear_fp8(inp, weight, bias, recipe="current", **kw)
+        if not recipe.delayed():
+            raise NotImplementedError(
+                f"{owner}: the {type(recipe).__name__} recipe is not implemented yet; "
+                "DelayedScaling and Float8CurrentScaling are"
+            )
+        length = recipe.amax_history_len
+        if length > MAX_AMAX_HISTORY:
+            raise ValueError(
+                f"{owner}: DelayedScaling.amax_history_len ({length}) must be <= "
+                f"{MAX_AMAX_HISTORY}, the history these buffers hold"
+            )
+        limits = [fmt.max_fwd, fmt.max_fwd, fmt.max_bwd]
+        history = self.amax_history[:length]
+        last = torch.cat([self.fwd_amax, self.grad_amax])
+        torch.ops.te.delayed_scaling_update(
+            history, self.scale, last, limits, recipe.margin, recipe.amax_compute_algo
+        )
+        out, amax = F.linear_fp8(
+            inp,
+            weight,
+            bias,
+            recipe="delayed",
+            scale=self.scale.clone(),
+            grad_amax=self.grad_amax,
+            return_amax=True,
+            **kw,
+        )
+        self.fwd_amax.copy_(_reduce_amax(amax, state, recipe))
+        return out
+
+
+def _drop_if_unused(module: FP8GemmState, state_dict, prefix: str, local_metadata) -> None:
+    if module.is_unused():
+        for name in ("amax_history", "scale", "fwd_amax", "grad_amax"):
+            state_dict.pop(prefix + name, None)
+
+
+def _reduce_amax(amax: Tensor, state: AutocastState, recipe) -> Tensor:
+    """Max over the amax reduction group (functional collective: traced by torch.compile)."""
+    group = state.amax_reduction_group
+    if group is None:
+        if not (recipe.reduce_amax and torch.distributed.is_initialized()):
+            return amax
+        group = torch.distributed.group.WORLD
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol.all_reduce(amax, "max", group)

@@ -1,0 +1,45 @@
+"""Low-precision recipes, the autocast state modules read, and device capability checks.
+
+``recipe``: the frozen recipe dataclasses (TE's names and defaults). ``state``: ``autocast`` and
+``get_autocast_state``. ``device``: which recipes the GPU runs natively.
+"""
+
+from te_compile.quantization.device import (
+    get_default_fp8_recipe,
+    is_fp8_available,
+    is_fp8_block_scaling_available,
+    is_mxfp8_available,
+    is_nvfp4_available,
+)
+from te_compile.quantization.recipe import (
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    Format,
+    MMParams,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
+    QParams,
+    Recipe,
+)
+from te_compile.quantization.state import AutocastState, autocast, get_autocast_state
+
+__all__ = [
+    "AutocastState",
+    "DelayedScaling",
+    "Float8BlockScaling",
+    "Float8CurrentScaling",
+    "Format",
+    "MMParams",
+    "MXFP8BlockScaling",
+    "NVFP4BlockScaling",
+    "QParams",
+    "Recipe",
+    "autocast",
+    "get_autocast_state",
+    "get_default_fp8_recipe",
+    "is_fp8_available",
+    "is_fp8_block_scaling_available",
+    "is_mxfp8_available",
+    "is_nvfp4_available",
+]

@@ -1,0 +1,101 @@
+"""Which low-precision recipes the current GPU runs natively, with TE's function signatures.
+
+=========================================  ==================================================
+function                                   native when
+=========================================  ==================================================
+``is_fp8_available``                       compute capability >= 8.9 (Ada, Hopper and later):
+                                           DelayedScaling, Float8CurrentScaling
+``is_fp8_block_scaling_available``         >= 9.0 (Hopper) and CUDA >= 12.9 (cuBLASLt's
+                                           1x128 / 128x128 block-scaled GEMM)
+``is_mxfp8_available``                     >= 10.0 (Blackwell)
+``is_nvfp4_available``                     >= 10.0 (Blackwell)
+=========================================  ==================================================
+
+Each returns a bool, or ``(available, reason)`` with ``return_reason=True``; ``reason`` is ""
+when available. Without a CUDA device every answer is ``(False, "no CUDA device")``. ROCm builds
+answer False as well: AMD's FP8 formats (``float8_e4m3fnuz``) are not the ones the recipes use.
+
+"Not available" means "not native": te_compile still quantises exactly on any device and
+emulates the low-precision GEMM by dequantising and multiplying in high precision.
+
+The device is queried through :func:`torch.compiler.assume_constant_result`, so these functions
+(and :func:`get_default_fp8_recipe`) can be called inside a ``fullgraph=True`` region: the answer
+is computed once at trace time and becomes a constant of the graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from te_compile.quantization.recipe import DelayedScaling, MXFP8BlockScaling, Recipe
+
+__all__ = [
+    "get_default_fp8_recipe",
+    "is_fp8_available",
+    "is_fp8_block_scaling_available",
+    "is_mxfp8_available",
+    "is_nvfp4_available",
+]
+
+NO_CUDA_REASON = "no CUDA device"
+
+# Recipes are immutable, so the defaults can be shared (and are never built in traced code).
+_DEFAULT_DELAYED = DelayedScaling()
+_DEFAULT_MXFP8 = MXFP8BlockScaling()
+
+
+@torch.compiler.assume_constant_result
+def _capability() -> tuple[int, int] | None:
+    """Compute capability of the current CUDA device, or None without one (or on ROCm)."""
+    if not torch.cuda.is_available() or torch.version.hip is not None:
+        return None
+    return torch.cuda.get_device_capability()
+
+
+def _native(minimum: tuple[int, int], what: str, return_reason: bool) -> bool | tuple[bool, str]:
+    capability = _capability()
+    if capability is None:
+        ok, reason = False, NO_CUDA_REASON
+    elif capability < minimum:
+        have, need = ".".join(map(str, capability)), ".".join(map(str, minimum))
+        ok, reason = False, f"{what} needs compute capability {need} or higher; device has {have}"
+    else:
+        ok, reason = True, ""
+    return (ok, reason) if return_reason else ok
+
+
+def is_fp8_available(return_reason: bool = False) -> bool | tuple[bool, str]:
+    """Whether per-tensor FP8 (delayed and current scaling) runs natively: compute capability
+    8.9 or higher. With ``return_reason=True``: ``(available, reason)``."""
+    return _native((8, 9), "FP8", return_reason)
+
+
+def is_fp8_block_scaling_available(return_reason: bool = False) -> bool | tuple[bool, str]:
+    """Whether FP8 block scaling (1x128 / 128x128 scales) runs natively: compute capability 9.0
+    or higher and CUDA 12.9 or newer. With ``return_reason=True``: ``(available, reason)``."""
+    ok, reason = _native((9, 0), "FP8 block scaling", return_reason=True)
+    cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+    if ok and cuda < (12, 9):
+        ok, reason = (
+            False,
+            f"FP8 block scaling needs CUDA 12.9 or newer; torch has {cuda[0]}.{cuda[1]}",
+        )
+    return (ok, reason) if return_reason else ok
+
+
+def is_mxfp8_available(return_reason: bool = False) -> bool | tuple[bool, str]:
+    """Whether MXFP8 runs natively: compute capability 10.0 or higher (Blackwell).
+    With ``return_reason=True``: ``(available, reason)``."""
+    return _native((10, 0), "MXFP8", return_reason)
+
+
+def is_nvfp4_available(return_reason: bool = False) -> bool | tuple[bool, str]:
+    """Whether NVFP4 runs natively: compute capability 10.0 or higher (Blackwell).
+    With ``return_reason=True``: ``(available, reason)``."""
+    return _native((10, 0), "NVFP4", return_reason)
+
+
+def get_default_fp8_recipe() -> Recipe:
+    """The recipe ``autocast(recipe=None)`` uses, chosen as TE does: ``MXFP8BlockScaling()``
+    where MXFP8 is native (Blackwell), ``DelayedScaling()`` everywhere else (CPU included)."""
+    return _DEFAULT_MXFP8 if is_mxfp8_available() else _DEFAULT_DELAYED

@@ -1,0 +1,482 @@
+r"""Low-precision training recipes: Transformer Engine's names, fields and defaults.
+
+A recipe says *how* tensors are quantised inside an :func:`~te_compile.quantization.autocast`
+region. There are five, ordered by how finely the scale follows the data:
+
+=====================  ===========  =====================================  ======================
+recipe                 ``kind``     scale granularity                      scale dtype
+=====================  ===========  =====================================  ======================
+DelayedScaling         "delayed"    one per tensor, from an amax history   fp32
+Float8CurrentScaling   "current"    one per tensor, from this tensor       fp32
+Float8BlockScaling     "block"      1x128 (activations, grads), 128x128    fp32 (powers of 2
+                                    (weights)                              by default)
+MXFP8BlockScaling      "mxfp8"      1x32                                   E8M0 (a power of 2)
+NVFP4BlockScaling      "nvfp4"      1x16 (16x16 for weights), and a        E4M3 per block,
+                                    global fp32 per-tensor scale           fp32 global
+=====================  ===========  =====================================  ======================
+
+With ``amax`` the largest magnitude the scale must cover and ``fp8_max`` the format's largest
+finite value (448 for E4M3, 57344 for E5M2), a per-tensor scale is
+
+.. math::
+
+    \mathrm{scale} = \frac{\mathrm{fp8\_max}}{\mathrm{amax}} \cdot 2^{-\mathrm{margin}},
+    \qquad q = \mathrm{cast}(x \cdot \mathrm{scale}), \qquad x \approx q / \mathrm{scale}.
+
+Delayed scaling takes ``amax`` from a history of the last ``amax_history_len`` steps (its
+maximum, or the most recent entry), so quantising needs no extra pass over the data but can
+overflow when a tensor grows quickly; current scaling measures this tensor's amax first. Block
+recipes give each block its own scale, which keeps outliers from crushing the rest of the tensor.
+
+Every recipe is a frozen, hashable dataclass, validated at construction: a bad field raises
+``ValueError`` naming the field and the constraint. Being immutable and hashable, a recipe is a
+compile-time constant: ``torch.compile`` guards on the recipe's type and on the fields the traced
+code reads, so a different recipe recompiles rather than reusing a stale graph.
+
+Where this module departs from Transformer Engine, and why:
+
+- Fields that take a callable in TE (``amax_compute_algo``, ``scaling_factor_compute_algo``)
+  accept only the built-in choices: a callable is not a value ``torch.compile`` can guard on, and
+  the amax/scale update is a custom op that takes strings and numbers only.
+- TE reads some defaults from ``NVTE_*`` environment variables when it is imported; here a
+  default is always the value written below. Pass the field instead.
+- TE keeps the per-tensor ``QParams`` of ``Float8CurrentScaling`` / ``Float8BlockScaling`` as
+  class attributes fixed at import time, so ``use_power_2_scales=True`` passed to the
+  constructor does not reach them. Here they are properties derived from the instance's fields.
+- ``fp8_dpa`` / ``fp8_mha`` (FP8 attention) exist so that TE code constructs unchanged, but
+  te_compile has no attention module, so only ``False`` is accepted.
+- ``NVFP4BlockScaling`` leaves out TE's experimental ``row_scaled_activation`` and ``nvfp4_4over6*``
+  fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, ClassVar, NamedTuple, TypeVar
+
+import torch
+
+__all__ = [
+    "DelayedScaling",
+    "Float8BlockScaling",
+    "Float8CurrentScaling",
+    "Format",
+    "MMParams",
+    "MXFP8BlockScaling",
+    "NVFP4BlockScaling",
+    "QParams",
+    "Recipe",
+]
+
+_BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
+_AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+
+
+class _FormatSpec(NamedTuple):
+    """Largest finite value and torch dtype of a format, for forward and backward tensors."""
+
+    max_fwd: float
+    max_bwd: float
+    dtype_fwd: torch.dtype
+    dtype_bwd: torch.dtype
+
+
+class Format(enum.Enum):
+    """Low-precision data formats, as in TE (``Format.E4M3.value.max_fwd == 448``).
+
+    - ``E4M3``: every FP8 tensor in e4m3 (``torch.float8_e4m3fn``, largest finite 448).
+    - ``E5M2``: every FP8 tensor in e5m2 (``torch.float8_e5m2``, largest finite 57344).
+    - ``HYBRID``: forward tensors (activations, weights) in e4m3 for precision, backward tensors
+      (gradients) in e5m2 for range.
+    - ``E2M1``: FP4 (largest finite 6), stored two values per byte (``torch.float4_e2m1fn_x2``);
+      only NVFP4's ``fp4_format``.
+    """
+
+    E4M3 = _FormatSpec(448.0, 448.0, torch.float8_e4m3fn, torch.float8_e4m3fn)
+    E5M2 = _FormatSpec(57344.0, 57344.0, torch.float8_e5m2, torch.float8_e5m2)
+    HYBRID = _FormatSpec(448.0, 57344.0, torch.float8_e4m3fn, torch.float8_e5m2)
+    E2M1 = _FormatSpec(6.0, 6.0, torch.float4_e2m1fn_x2, torch.float4_e2m1fn_x2)
+
+    def __repr__(self) -> str:
+        return f"Format.{self.name}"
+
+    @property
+    def max_fwd(self) -> float:
+        """Largest finite value of the forward (activation/weight) format."""
+        return self.value.max_fwd
+
+    @property
+    def max_bwd(self) -> float:
+        """Largest finite value of the backward (gradient) format."""
+        return self.value.max_bwd
+
+    @property
+    def fwd_dtype(self) -> torch.dtype:
+        """torch dtype of forward (activation/weight) tensors."""
+        return self.value.dtype_fwd
+
+    @property
+    def bwd_dtype(self) -> torch.dtype:
+        """torch dtype of backward (gradient) tensors."""
+        return self.value.dtype_bwd
+
+
+_T = TypeVar("_T", bound=type)
+
+
+def _with_field_types(cls: _T) -> _T:
+    """Record on a dataclass each field's expected type: the type of its default (fields that
+    default to None are checked by their class). Computed once here, so that validation under
+    dynamo reads a plain dict rather than ``dataclasses.fields`` and its MISSING sentinel."""
+    types = {}
+    for f in dataclasses.fields(cls):
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        if default is not None:
+            types[f.name] = type(default)
+    cls._field_types = types
+    return cls
+
+
+def _check_field_types(obj: Any) -> None:
+    """Each field must have its expected type; an int field rejects bool, a float field
+    accepts int."""
+    for name, expected in type(obj)._field_types.items():
+        value = getattr(obj, name)
+        if expected is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        elif expected is int:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        else:
+            ok = isinstance(value, expected)
+        if not ok:
+            raise ValueError(
+                f"{type(obj).__name__}: {name} must be of type {expected.__name__}, got {value!r}"
+            )
+
+
+# Default factories of the GEMM fields. A shared default instance would do for a frozen value,
+# but dynamo cannot wrap an object held in ``__init__.__defaults__`` (nor a functools.partial),
+# so a recipe with one could not be constructed inside a compiled region; a plain function can.
+def _split_accumulation() -> MMParams:
+    return MMParams(use_split_accumulator=True)
+
+
+def _fast_accumulation() -> MMParams:
+    return MMParams(use_split_accumulator=False)
+
+
+def _fail(obj: Any, field: str, constraint: str) -> None:
+    raise ValueError(f"{type(obj).__name__}: {field} {constraint}, got {getattr(obj, field)!r}")
+
+
+@_with_field_types
+@dataclasses.dataclass(frozen=True)
+class QParams:
+    """How one tensor role (input, weight, gradient) is quantised.
+
+    ``power_2_scale``: round scales down to a power of two, so scaling is exact in any format.
+    ``amax_epsilon``: lower bound on amax (keeps the scale finite for an all-zero tensor).
+    ``random_hadamard_transform``, ``stochastic_rounding``, ``fp4_2d_quantization``: NVFP4 only.
+    """
+
+    power_2_scale: bool = False
+    amax_epsilon: float = 0.0
+    random_hadamard_transform: bool = False
+    stochastic_rounding: bool = False
+    fp4_2d_quantization: bool = False
+
+    def __post_init__(self) -> None:
+        _check_field_types(self)
+        if self.amax_epsilon < 0:
+            _fail(self, "amax_epsilon", "must be >= 0")
+
+
+@_with_field_types
+@dataclasses.dataclass(frozen=True)
+class MMParams:
+    """GEMM options. ``use_split_accumulator=False`` is Hopper's FP8 "fast accumulation"
+    (cuBLASLt ``CUBLASLT_MATMUL_DESC_FAST_ACCUM``): faster, but partial sums lose precision."""
+
+    use_split_accumulator: bool = True
+
+    def __post_init__(self) -> None:
+        _check_field_types(self)
+
+
+@_with_field_types
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """Base of all recipes; not constructed directly.
+
+    ``kind`` names the recipe in one short string (handy to branch on in traced code); the class
+    methods below are TE's predicates (``recipe.delayed()``, ``recipe.mxfp8()``, ...)."""
+
+    kind: ClassVar[str]
+
+    def __post_init__(self) -> None:
+        if type(self) is Recipe:
+            raise TypeError(
+                "Recipe is a base class: construct DelayedScaling, Float8CurrentScaling, "
+                "Float8BlockScaling, MXFP8BlockScaling or NVFP4BlockScaling"
+            )
+        _check_field_types(self)
+        for name in ("fp8_dpa", "fp8_mha"):
+            if getattr(self, name):
+                _fail(self, name, "must be False (te_compile has no FP8 attention)")
+        if self.backward_override not in _BACKWARD_OVERRIDES:
+            _fail(self, "backward_override", f"must be one of {_BACKWARD_OVERRIDES}")
+
+    def _check_fp8_format(self) -> None:
+        if self.fp8_format in (Format.E5M2, Format.E2M1):
+            _fail(self, "fp8_format", "must be Format.E4M3 or Format.HYBRID (E4M3 forward)")
+
+    @classmethod
+    def delayed(cls) -> bool:
+        """Per-tensor delayed scaling."""
+        return issubclass(cls, DelayedScaling)
+
+    @classmethod
+    def float8_current_scaling(cls) -> bool:
+        """Per-tensor current scaling."""
+        return issubclass(cls, Float8CurrentScaling)
+
+    @classmethod
+    def float8_current(cls) -> bool:
+        """Short name for :meth:`float8_current_scaling`."""
+        return cls.float8_current_scaling()
+
+    @classmethod
+    def float8_per_tensor_scaling(cls) -> bool:
+        """Per-tensor scaling, delayed or current."""
+        return issubclass(cls, (DelayedScaling, Float8CurrentScaling))
+
+    @classmethod
+    def float8_block_scaling(cls) -> bool:
+        """FP8 with 1x128 / 128x128 block scales."""
+        return issubclass(cls, Float8BlockScaling)
+
+    @classmethod
+    def mxfp8(cls) -> bool:
+        """MXFP8 (1x32 blocks, E8M0 scales)."""
+        return issubclass(cls, MXFP8BlockScaling)
+
+    @classmethod
+    def nvfp4(cls) -> bool:
+        """NVFP4 (1x16 blocks, E4M3 scales, fp32 global scale)."""
+        return issubclass(cls, NVFP4BlockScaling)
+
+
+@_with_field_types
+@dataclasses.dataclass(frozen=True)
+class DelayedScaling(Recipe):
+    """Per-tensor scales from the amax history of past steps.
+
+    ``margin`` (>= 0): the scale is divided by ``2**margin`` for headroom. ``fp8_format``:
+    ``E4M3`` or ``HYBRID``. ``amax_history_len`` (>= 1): steps of amax history kept.
+    ``amax_compute_algo``: ``"max"`` (largest amax in the history) or ``"most_recent"``.
+    ``scaling_factor_compute_algo``: ``None`` only (the scale formula in the module docstring).
+    ``reduce_amax``: all-reduce amaxes (MAX) over the autocast's ``amax_reduction_group`` so
+    every rank uses the same scales; with ``False`` each rank keeps its own.
+    ``backward_override``: ``None`` only, as in TE.
+    """
+
+    kind: ClassVar[str] = "delayed"
+
+    margin: int = 0
+    fp8_format: Format = Format.HYBRID
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+    scaling_factor_compute_algo: None = None
+    reduce_amax: bool = True
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: str | None = None
+
+    def __post_init__(self) -> None:
+        if callable(self.amax_compute_algo):
+            _fail(self, "amax_compute_algo", f"must be one of {_AMAX_COMPUTE_ALGOS} (no callables)")
+        super().__post_init__()
+        self._check_fp8_format()
+        if self.margin < 0:
+            _fail(self, "margin", "must be >= 0")
+        if self.amax_history_len < 1:
+            _fail(self, "amax_history_len", "must be >= 1")
+        if self.amax_compute_algo not in _AMAX_COMPUTE_ALGOS:
+            _fail(self, "amax_compute_algo", f"must be one of {_AMAX_COMPUTE_ALGOS}")
+        if self.scaling_factor_compute_algo is not None:
+            _fail(self, "scaling_factor_compute_algo", "must be None (no callables)")
+        if self.backward_override is not None:
+            _fail(self, "backward_override", "must be None for delayed scaling")
+
+
+@_with_field_types
+@dataclasses.dataclass(frozen=True)
+class Float8CurrentScaling(Recipe):
+    """Per-tensor scales from each tensor's own amax, measured just before the cast.
+
+    ``use_power_2_scales``: round scales down to powers of two. ``fp8_format``: ``E4M3`` or
+    ``HYBRID``. ``fp8_gemm_*``: split accumulation (TE: off for the forward GEMM, on for the
+    two backward GEMMs). ``backward_override``: ``None``, ``"high_precision"`` (backward GEMMs
+    use the unquantised operands) or ``"dequantized"`` (they use the dequantised FP8 operands).
+    """
+
+    kind: ClassVar[str] = "current"
+
+    use_power_2_scales: bool = False
+    fp8_format: Format = Format.HYBRID
+    fp8_gemm_fprop: MMParams = dataclasses.field(default_factory=_fast_accumulation)
+    fp8_gemm_dgrad: MMParams = dataclasses.field(default_factory=_split_accumulation)
+    fp8_gemm_wgrad: MMParams = dataclasses.field(default_factory=_split_accumulation)
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._check_fp8_format()
+
+    @property
+    def fp8_quant_fwd_inp(self) -> QParams:
+        return QParams(power_2_scale=self.use_power_2_scales)
+
+    @property
+    def fp8_quant_fwd_weight(self) -> QParams:
+        return QParams(power_2_scale=self.use_power_2_scales)
+
+    @property
+    def fp8_quant_bwd_grad(self) -> QParams:
+        return QParams(power_2_scale=self.use_power_2_scales)
+
+
+@_with_field_types
+@dataclasses.dataclass(frozen=True)
+class Float8BlockScaling(Recipe):
+    """FP8 with one fp32 scale per block of ``block_len`` (128) values.
+
+    ``*_block_scaling_dim``: 1 for 1x128 blocks (one row segment), 2 for 128x128 tiles; by default
+    activations (``x``) and gradients (``grad``) use 1x128 and weights (``w``) 128x128, which
+    Hopper's blockwise-scaled GEMM takes natively. No GEMM may have both operands 2D.
+    ``use_f32_scales``: keep scales as any fp32 value; by default they are powers of two.
+    ``fp8_gemm_*``: split accumulation is required (``use_split_accumulator=True``).
+    """
+
+    kind: ClassVar[str] = "block"
+    block_len: ClassVar[int] = 128
+
+    use_f32_scales: bool = False
+    fp8_format: Format = Format.E4M3
+    x_block_scaling_dim: int = 1
+    w_block_scaling_dim: int = 2
+    grad_block_scaling_dim: int = 1
+    fp8_gemm_fprop: MMParams = dataclasses.field(default_factory=_split_accumulation)
+    fp8_gemm_dgrad: MMParams = dataclasses.field(default_factory=_split_accumulation)
+    fp8_gemm_wgrad: MMParams = dataclasses.field(default_factory=_split_accumulation)
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._check_fp8_format()
+        dims = ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim")
+        for name in dims:
+            if getattr(self, name) not in (1, 2):
+                _fail(self, name, "must be 1 (1x128 blocks) or 2 (128x128 blocks)")
+        # fprop multiplies x by w, dgrad grad by w, wgrad grad by x: no GEMM of two 2D operands.
+        for a, b in ((0, 1), (2, 1), (2, 0)):
+            if getattr(self, dims[a]) == 2 and getattr(self, dims[b]) == 2:
+                _fail(self, dims[a], f"and {dims[b]} cannot both be 2 (no 2D-by-2D block GEMM)")
+        for name in ("fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad"):
+            if not getattr(self, name).use_split_accumulator:
+                _fail(self, name, "must use use_split_accumulator=True with block scaling")
+
+    @property
+    def fp8_quant_fwd_inp(self) -> QParams:
+        return QParams(power_2_scale=not self.use_f32_scales)
+
+    @property
+    def fp8_quant_fwd_weight(self) -> QParams:
+        return QParams(power_2_scale=not self.use_f32_scales)
+
+    @property
+    def fp8_quant_bwd_grad(self) -> QParams:
+        return QParams(power_2_scale=not self.use_f32_scales)
+
+
+@_with_field_types
+@dataclasses.dataclass(frozen=True)
+class MXFP8BlockScaling(Recipe):
+    """MXFP8 (OCP microscaling): one E8M0 scale (a power of two) per ``block_len`` (32)
+    consecutive values along the GEMM's reduction dimension.
+
+    Rowwise and columnwise blocks differ, so a tensor and its transpose are each quantised from
+    the high-precision values. ``fp8_format``: ``E4M3`` or ``HYBRID``. ``margin`` (>= 0) as in
+    :class:`DelayedScaling`. Native GEMMs need Blackwell; elsewhere the GEMM is emulated.
+    """
+
+    kind: ClassVar[str] = "mxfp8"
+    block_len: ClassVar[int] = 32
+    scale_dtype: ClassVar[torch.dtype] = torch.float8_e8m0fnu
+
+    margin: int = 0
+    fp8_format: Format = Format.E4M3
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._check_fp8_format()
+        if self.margin < 0:
+            _fail(self, "margin", "must be >= 0")
+
+
+@_with_field_types
+@dataclasses.dataclass(frozen=True)
+class NVFP4BlockScaling(Recipe):
+    """NVFP4: E2M1 values, one E4M3 scale per ``block_len`` (16) values and one fp32 global
+    scale per tensor (two levels, since E4M3 alone cannot span a tensor's range).
+
+    TE's default training recipe adds three techniques, each with a switch to turn it off:
+    16x16 2D blocks for weights (``disable_2d_quantization``), a random Hadamard transform on
+    the wgrad operands (``disable_rht``), stochastic rounding of gradients
+    (``disable_stochastic_rounding``). ``fp4_format`` must be ``E2M1`` and ``fp8_format``
+    (the block scales) ``E4M3``. Native GEMMs need Blackwell; elsewhere the GEMM is emulated.
+    """
+
+    kind: ClassVar[str] = "nvfp4"
+    block_len: ClassVar[int] = 16
+    scale_dtype: ClassVar[torch.dtype] = torch.float8_e4m3fn
+    global_scale_dtype: ClassVar[torch.dtype] = torch.float32
+
+    disable_rht: bool = False
+    disable_stochastic_rounding: bool = False
+    disable_2d_quantization: bool = False
+    fp4_format: Format = Format.E2M1
+    fp8_format: Format = Format.E4M3
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.fp4_format is not Format.E2M1:
+            _fail(self, "fp4_format", "must be Format.E2M1")
+        if self.fp8_format is not Format.E4M3:
+            _fail(self, "fp8_format", "must be Format.E4M3 (the block-scale format)")
+
+    @property
+    def fp4_quant_fwd_inp(self) -> QParams:
+        return QParams(random_hadamard_transform=not self.disable_rht)
+
+    @property
+    def fp4_quant_fwd_weight(self) -> QParams:
+        return QParams(fp4_2d_quantization=not self.disable_2d_quantization)
+
+    @property
+    def fp4_quant_bwd_grad(self) -> QParams:
+        return QParams(
+            random_hadamard_transform=not self.disable_rht,
+            stochastic_rounding=not self.disable_stochastic_rounding,
+        )

@@ -1,0 +1,123 @@
+"""te.Linear inside te_compile's autocast: FP8 GEMMs with current and delayed scaling, the
+delayed-scaling state in buffers updated by a compiled step, recipe changes, state_dict."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import te_compile as te
+from te_compile import functional as F
+from te_compile.quantization import DelayedScaling, Float8CurrentScaling, autocast
+from tests.utils import DEVICES, compile_counted
+
+
+def _linear(device, bias=True):
+    torch.manual_seed(0)
+    return te.Linear(32, 48, bias=bias, params_dtype=torch.bfloat16, device=device)
+
+
+def _x(device, step=0):
+    g = torch.Generator().manual_seed(step)
+    return (torch.randn(64, 32, generator=g) * (1 + step)).to(device, torch.bfloat16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_current_scaling_runs_the_fp8_op(device):
+    m = _linear(device)
+    x = _x(device)
+    with autocast(recipe=Float8CurrentScaling()):
+        y = m(x)
+    expected = F.linear_fp8(x, m.weight, m.bias, recipe="current")
+    assert torch.equal(y, expected)
+    assert not torch.equal(y, m(x)), "outside autocast the GEMM is bf16 again"
+
+
+def _train(m, steps, recipe, start=0):
+    outs = []
+    for step in range(start, start + steps):
+        with autocast(recipe=recipe):
+            y = m(_x(m.weight.device, step))
+        y.float().square().mean().backward()
+        outs.append(y.detach())
+    return outs
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_delayed_scaling_state_follows_the_amaxes(device):
+    m = _linear(device)
+    recipe = DelayedScaling(amax_history_len=4)
+    _train(m, 3, recipe)
+    meta = m.fp8_meta
+    history = meta.amax_history[:4]
+    # Row 0 holds the amaxes of step 1 (folded in at the start of step 2's forward).
+    x_amaxes = [_x(device, s).abs().max().float().item() for s in range(3)]
+    assert history[:, 0].tolist() == [x_amaxes[1], x_amaxes[0], 0.0, 0.0]
+    assert meta.fwd_amax[0].item() == x_amaxes[2]
+    assert meta.grad_amax.item() > 0
+    fp32 = torch.tensor  # the scales are fp32 divisions
+    assert meta.scale[0].item() == (fp32(448.0) / fp32(max(x_amaxes[:2]))).item()
+    w_amax = m.weight.detach().abs().max().float().cpu()
+    assert meta.scale[1].item() == (fp32(448.0) / w_amax).item()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_delayed_step_matches_eager_with_autocast_inside(device):
+    recipe = DelayedScaling(amax_history_len=8)
+    eager, compiled_model = _linear(device), _linear(device)
+
+    def step(model, x):
+        with autocast(recipe=recipe):  # entered inside the compiled region
+            y = model(x)
+        return y
+
+    compiled, counter = compile_counted(lambda x: step(compiled_model, x))
+    for i in range(3):
+        x = _x(device, i)
+        y_c, y_e = compiled(x), step(eager, x)
+        assert torch.equal(y_c, y_e)
+        y_c.float().square().mean().backward()
+        y_e.float().square().mean().backward()
+        for a, b in zip(compiled_model.buffers(), eager.buffers(), strict=True):
+            assert torch.equal(a, b)
+        assert torch.equal(compiled_model.weight.grad, eager.weight.grad)
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_changing_the_recipe_recompiles(device):
+    m = _linear(device)
+    x = _x(device)
+    compiled = torch.compile(m, fullgraph=True)
+    with autocast(recipe=Float8CurrentScaling()):
+        fp8 = compiled(x)
+        assert torch.equal(fp8, m(x))
+    with autocast(enabled=False):
+        assert torch.equal(compiled(x), m(x))
+    assert not torch.equal(fp8, compiled(x))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_state_dict_resumes_delayed_scaling_exactly(device):
+    recipe = DelayedScaling(amax_history_len=4)
+    fresh = _linear(device)
+    assert set(fresh.state_dict()) == {"weight", "bias"}, "unused FP8 state is left out"
+    a = _linear(device)
+    _train(a, 2, recipe)
+    state = {k: v.clone() for k, v in a.state_dict().items()}
+    assert "fp8_meta.amax_history" in state
+    b = _linear(device)
+    b.load_state_dict(state)
+    assert torch.equal(_train(a, 1, recipe, start=2)[0], _train(b, 1, recipe, start=2)[0])
+    # And an nn.Linear state_dict still loads strictly, resetting the FP8 state.
+    a.load_state_dict(torch.nn.Linear(32, 48).to(device, torch.bfloat16).state_dict())
+    assert a.fp8_meta.is_unused()
+
+
+def test_unimplemented_recipe_says_so():
+    m = _linear("cpu")
+    with (
+        autocast(recipe=te.quantization.MXFP8BlockScaling()),
+        pytest.raises(NotImplementedError, match="MXFP8BlockScaling recipe is not implemented yet"),
+    ):
+        m(_x("cpu"))
