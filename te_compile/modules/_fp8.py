@@ -31,9 +31,9 @@ import torch
 from torch import Tensor, nn
 
 from te_compile import functional as F
-from te_compile.quantization.state import AutocastState
+from te_compile.quantization.state import AutocastState, get_autocast_state
 
-__all__ = ["MAX_AMAX_HISTORY", "FP8GemmState"]
+__all__ = ["MAX_AMAX_HISTORY", "FP8GemmState", "linear"]
 
 MAX_AMAX_HISTORY = 1024
 
@@ -106,6 +106,22 @@ class FP8GemmState(nn.Module):
         )
         self.fwd_amax.copy_(_reduce_amax(amax, state, recipe))
         return out
+
+
+def linear(
+    owner: str,
+    meta: FP8GemmState,
+    inp: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    main_grad: Tensor | None = None,
+) -> Tensor:
+    """A module GEMM: FP8 with ``meta``'s state inside an enabled ``te_compile.autocast``,
+    else ``te::linear_fwd``."""
+    state = get_autocast_state()
+    if state.enabled:
+        return meta.linear(owner, state, inp, weight, bias, main_grad)
+    return F.linear(inp, weight, bias, main_grad=main_grad)
 
 
 def _drop_if_unused(module: FP8GemmState, state_dict, prefix: str, local_metadata) -> None:

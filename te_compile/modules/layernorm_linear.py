@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from te_compile import functional as F
+from te_compile.modules import _fp8
 from te_compile.modules._common import (
     check_positive,
     default_init_method,
@@ -66,6 +66,7 @@ class LayerNormLinear(PreNorm):
         self._init_norm(owner, in_features, eps, normalization, zero_centered_gamma, factory)
         self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
         self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
+        self.fp8_meta = _fp8.FP8GemmState(device)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -77,7 +78,8 @@ class LayerNormLinear(PreNorm):
 
     def forward(self, inp: Tensor) -> Tensor | tuple[Tensor, ...]:
         ln_out = self._norm(inp)
-        out = F.linear(ln_out, self.weight, None if self.return_bias else self.bias)
+        bias = None if self.return_bias else self.bias
+        out = _fp8.linear("LayerNormLinear", self.fp8_meta, ln_out, self.weight, bias)
         extra: tuple[Tensor | None, ...] = ()
         if self.return_bias:
             extra += (self.bias,)

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from te_compile import functional as F
 from te_compile.functional.activation import ACTIVATIONS, GATED_ACTIVATIONS
+from te_compile.modules import _fp8
 from te_compile.modules._common import (
     check_choice,
     check_positive,
@@ -88,6 +89,8 @@ class LayerNormMLP(PreNorm):
         self.fc1_bias = nn.Parameter(torch.empty(fc1_out, **factory)) if bias else None
         self.fc2_weight = nn.Parameter(torch.empty(hidden_size, ffn_hidden_size, **factory))
         self.fc2_bias = nn.Parameter(torch.empty(hidden_size, **factory)) if bias else None
+        self.fc1_fp8_meta = _fp8.FP8GemmState(device)
+        self.fc2_fp8_meta = _fp8.FP8GemmState(device)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -101,9 +104,11 @@ class LayerNormMLP(PreNorm):
 
     def forward(self, inp: Tensor) -> Tensor | tuple[Tensor, ...]:
         ln_out = self._norm(inp)
-        fc1_out = F.linear(ln_out, self.fc1_weight)
+        owner = "LayerNormMLP"
+        fc1_out = _fp8.linear(owner, self.fc1_fp8_meta, ln_out, self.fc1_weight, None)
         act = F.bias_activation(fc1_out, self.fc1_bias, self.activation)
-        out = F.linear(act, self.fc2_weight, None if self.return_bias else self.fc2_bias)
+        fc2_bias = None if self.return_bias else self.fc2_bias
+        out = _fp8.linear(owner, self.fc2_fp8_meta, act, self.fc2_weight, fc2_bias)
         extra: tuple[Tensor | None, ...] = ()
         if self.return_bias:
             extra += (self.fc2_bias,)

@@ -19,14 +19,12 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from te_compile import functional as F
+from te_compile.modules import _fp8
 from te_compile.modules._common import (
     check_positive,
     default_init_method,
     params_dtype_or_default,
 )
-from te_compile.modules._fp8 import FP8GemmState
-from te_compile.quantization.state import get_autocast_state
 
 __all__ = ["Linear"]
 
@@ -68,7 +66,7 @@ class Linear(nn.Module):
         factory = {"dtype": dtype, "device": device}
         self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
         self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
-        self.fp8_meta = FP8GemmState(device)
+        self.fp8_meta = _fp8.FP8GemmState(device)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -90,11 +88,7 @@ class Linear(nn.Module):
     def forward(self, inp: Tensor) -> Tensor | tuple[Tensor, Tensor | None]:
         main_grad = self._main_grad() if self.fuse_wgrad_accumulation else None
         bias = None if self.return_bias else self.bias
-        state = get_autocast_state()
-        if state.enabled:
-            out = self.fp8_meta.linear("Linear", state, inp, self.weight, bias, main_grad)
-        else:
-            out = F.linear(inp, self.weight, bias, main_grad=main_grad)
+        out = _fp8.linear("Linear", self.fp8_meta, inp, self.weight, bias, main_grad)
         return (out, self.bias) if self.return_bias else out
 
     def extra_repr(self) -> str:

@@ -3,13 +3,14 @@ delayed-scaling state in buffers updated by a compiled step, recipe changes, sta
 
 from __future__ import annotations
 
+import expecttest
 import pytest
 import torch
 
 import te_compile as te
 from te_compile import functional as F
 from te_compile.quantization import DelayedScaling, Float8CurrentScaling, autocast
-from tests.utils import DEVICES, compile_counted
+from tests.utils import DEVICES, GraphRecorder, compile_counted
 
 
 def _linear(device, bias=True):
@@ -121,3 +122,69 @@ def test_unimplemented_recipe_says_so():
         pytest.raises(NotImplementedError, match="MXFP8BlockScaling recipe is not implemented yet"),
     ):
         m(_x("cpu"))
+
+
+RECIPES = [DelayedScaling(amax_history_len=16), Float8CurrentScaling()]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recipe", RECIPES, ids=["delayed", "current"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda d: te.LayerNormLinear(32, 48, params_dtype=torch.bfloat16, device=d),
+        lambda d: te.LayerNormMLP(
+            32,
+            64,
+            activation="swiglu",
+            normalization="RMSNorm",
+            params_dtype=torch.bfloat16,
+            device=d,
+        ),
+    ],
+    ids=["LayerNormLinear", "LayerNormMLP"],
+)
+def test_fp8_modules_compile_and_match_eager(device, recipe, make):
+    torch.manual_seed(0)
+    eager = make(device)
+    compiled_model = make(device)
+    compiled_model.load_state_dict(eager.state_dict())
+    compiled, counter = compile_counted(compiled_model)
+    for i in range(2):
+        x = _x(device, i)
+        with autocast(recipe=recipe):
+            y_c, y_e = compiled(x), eager(x)
+        assert torch.equal(y_c, y_e)
+        y_c.float().square().mean().backward()
+        y_e.float().square().mean().backward()
+        for (name, a), b in zip(compiled_model.named_parameters(), eager.parameters(), strict=True):
+            assert torch.equal(a.grad, b.grad), name
+        for a, b in zip(compiled_model.buffers(), eager.buffers(), strict=True):
+            assert torch.equal(a, b)
+    assert counter.frame_count == 1
+
+
+class TestFP8Graph(expecttest.TestCase):
+    def test_delayed_scaling_layernorm_mlp_graph(self):
+        torch._dynamo.reset()
+        m = te.LayerNormMLP(32, 64, activation="gelu", params_dtype=torch.bfloat16)
+        rec = GraphRecorder()
+        x = _x("cpu").requires_grad_(True)
+        with autocast(recipe=DelayedScaling(amax_history_len=4)):
+            torch.compile(m, backend=rec, fullgraph=True)(x).float().sum().backward()
+        te_ops = [op for op in (*rec.forward, "|", *rec.backward) if "te." in op or op == "|"]
+        self.assertExpectedInline(
+            "\n".join(te_ops),
+            """\
+te.layernorm_fwd.default
+auto_functionalized_v2(te.delayed_scaling_update.default)
+te.linear_fp8_fwd.default
+te.activation_fwd.default
+auto_functionalized_v2(te.delayed_scaling_update.default)
+te.linear_fp8_fwd.default
+|
+auto_functionalized_v2(te.linear_fp8_bwd.default)
+te.activation_bwd.default
+auto_functionalized_v2(te.linear_fp8_bwd.default)
+te.layernorm_bwd.default""",
+        )
