@@ -24,6 +24,12 @@ from te_compile.functional.grouped_linear import as_splits_tensor, grouped_linea
 from te_compile.functional.linear import linear, linear_ref
 from te_compile.functional.linear_fp8 import linear_fp8
 from te_compile.functional.norm import l2normalization, layernorm, rmsnorm
+from te_compile.functional.quantize_mx import (
+    dequantize_mxfp8,
+    dequantize_nvfp4,
+    quantize_mxfp8,
+    quantize_nvfp4,
+)
 
 __all__ = [
     "ACTIVATIONS",
@@ -34,6 +40,8 @@ __all__ = [
     "clamped_swiglu",
     "deinterleave_glu_tensor",
     "delayed_scaling_update",
+    "dequantize_mxfp8",
+    "dequantize_nvfp4",
     "geglu",
     "gelu",
     "glu",
@@ -46,6 +54,8 @@ __all__ = [
     "linear_ref",
     "qgeglu",
     "qgelu",
+    "quantize_mxfp8",
+    "quantize_nvfp4",
     "reglu",
     "relu",
     "rmsnorm",

@@ -1,0 +1,596 @@
+r"""MXFP8 and NVFP4 block quantisation: ``te::quantize_mxfp8`` / ``te::dequantize_mxfp8`` and
+``te::quantize_nvfp4`` / ``te::dequantize_nvfp4``.
+
+The quantisation is exact: bit for bit as defined below, on CPU and CUDA alike. Native MX/NVFP4
+GEMMs exist only on Blackwell; elsewhere the recipes that use these ops emulate the GEMM by
+dequantising and running a bf16 GEMM, which gives the numerics of the format without its speed.
+
+Schemas (public functions of the same names, with defaults, below)::
+
+    te::quantize_mxfp8(Tensor x, ScalarType fp8_dtype, bool rowwise, bool columnwise)
+        -> (Tensor data, Tensor scale, Tensor data_t, Tensor scale_t)
+    te::dequantize_mxfp8(Tensor data, Tensor scale, ScalarType fp8_dtype, ScalarType out_dtype)
+        -> Tensor
+    te::quantize_nvfp4(Tensor x, Tensor? global_amax, bool rowwise, bool columnwise)
+        -> (Tensor data, Tensor scale, Tensor global_scale, Tensor data_t, Tensor scale_t)
+    te::dequantize_nvfp4(Tensor data, Tensor scale, Tensor global_scale, ScalarType out_dtype)
+        -> Tensor
+
+The dequantise *ops* take fp8 inputs as their uint8 bytes (MXFP8 ``data``, with its
+``fp8_dtype``; NVFP4's E4M3 ``scale``), as ``te::linear_fp8_*`` do: ``opcheck``'s schema test
+compares every input before and after the call with ``torch.allclose``, which has no fp8 kernel
+on the CPU. The public :func:`dequantize_mxfp8` / :func:`dequantize_nvfp4` take the fp8 tensors
+that quantisation returns and pass ``.view(torch.uint8)`` (free, and traced by the compiler).
+
+The input ``x`` ``[..., K]`` is viewed as ``[M, K]`` (``M`` = product of the leading dims).
+*Rowwise* blocks are ``1 x B`` runs along ``K``; *columnwise* blocks are ``B x 1`` runs along
+``M``, quantised from the same ``x`` and stored transposed, as ``[K, M]`` data whose rows are the
+blocks (what the GEMM of a backward pass reads, e.g. ``x^T`` for a weight gradient). Either
+direction can be skipped; its outputs are then 0-element tensors of the same dtypes.
+
+MXFP8 (OCP Microscaling spec v1.0), ``B = 32``, elements E4M3 or E5M2
+----------------------------------------------------------------------------------------------
+
+Per block, with :math:`e_{max}` the exponent of the largest power of two of the element format
+(8 for E4M3, whose max is 448; 15 for E5M2, max 57344):
+
+.. math::
+    X = \lfloor \log_2 \max_i |x_i| \rfloor - e_{max}, \qquad
+    q_i = \mathrm{sat}\big(\mathrm{rne}(x_i / 2^X)\big)
+
+``X`` is stored as E8M0: a ``uint8`` biased exponent ``X + 127`` (127 is :math:`2^0`), clamped
+to [0, 254]. Dividing by a power of two is exact, and :math:`|x_i| / 2^X < 2^{e_{max}+1}`; values
+above the element max (448 for E4M3) saturate to it, as the spec allows. Dequantisation is
+:math:`q_i \cdot 2^X`.
+
+* ``data`` ``[..., K]`` fp8 (``x``'s shape), ``scale`` ``[M, ceil(K/32)]`` uint8;
+  ``data_t`` ``[K, M]`` fp8, ``scale_t`` ``[K, ceil(M/32)]`` uint8.
+* Scales are in this plain row-major layout; cuBLAS's swizzled ("128x4" tiled) scale layout that
+  native MX GEMMs on Blackwell consume is not produced.
+* Scale rule: the spec's floor rule above. Transformer Engine rounds the exponent up instead
+  (:math:`\lceil \log_2(\mathrm{amax}/\mathrm{max}) \rceil`, no saturation needed); the two
+  agree unless the block amax's mantissa exceeds the element max's (e.g. E4M3 amax in
+  (448, 512) times a power of two), where the floor rule keeps one more bit and saturates.
+
+NVFP4 (NVIDIA), ``B = 16``, elements E2M1 with an E4M3 block scale and an fp32 global scale
+----------------------------------------------------------------------------------------------
+
+E2M1 magnitudes are {0, 0.5, 1, 1.5, 2, 3, 4, 6}. With ``amax`` the tensor's max ``|x|`` (or
+``global_amax`` when given) and ``b`` a block's max ``|x|``, all in fp32 (Transformer Engine's
+formulas and order of operations):
+
+.. math::
+    g = \min\!\big(\tfrac{448 \cdot 6}{\mathrm{amax}}, \mathrm{FLT\_MAX}\big), \qquad
+    s = \mathrm{e4m3}\big(\min(b \cdot (g \cdot \tfrac16), 448)\big), \qquad
+    q_i = \mathrm{sat}_6\big(\mathrm{rne}_{E2M1}(x_i \cdot \min(\tfrac{1}{s\,\cdot\,(1/g)},
+    \mathrm{FLT\_MAX}))\big)
+
+so that a block's max lands near 6 and dequantisation is :math:`q_i \cdot s / g`.
+
+* ``data`` ``[..., K/2]`` uint8 — two E2M1 codes per byte, the **even** element in the **low**
+  nibble (``byte = code[2j] | code[2j+1] << 4``), each code ``sign << 3 | magnitude index``;
+  ``scale`` ``[M, ceil(K/16)]`` ``torch.float8_e4m3fn``; ``global_scale`` a 0-dim fp32 tensor
+  ``g`` (the *encode* scale: dequantise divides by it); ``data_t`` ``[K, M/2]`` uint8 and
+  ``scale_t`` ``[K, ceil(M/16)]`` e4m3, the columnwise pair, with the same ``g``.
+* ``K`` must be even for rowwise output and ``M`` even for columnwise output (whole bytes).
+* Rounding: to nearest on the E2M1 grid, ties to the even code (0.25 -> 0, 0.75 -> 1,
+  1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4). Transformer Engine also offers
+  *stochastic* rounding for gradients (and random Hadamard transforms before the wgrad GEMM);
+  neither is implemented here.
+
+Edge cases (both formats)
+-------------------------
+
+* ``K`` (or ``M`` columnwise) not a multiple of ``B``: the last block is partial, quantised as if
+  zero-padded to ``B`` (zeros do not change its max); the padding is not stored.
+* All-zero block: MXFP8 stores the scale 127 (:math:`2^0`; any scale decodes zeros to zeros, and
+  1 is the neutral one). NVFP4 stores the E4M3 scale 0 and zero codes; dequantisation gives 0,
+  never NaN (``s / g`` with ``g > 0``). An NVFP4 block whose scale underflows E4M3 to 0 also
+  stores zero codes (signed zeros), where Transformer Engine stores saturated codes under the
+  0 scale: the dequantised values are 0 either way.
+* A block holding inf or NaN: its scale is NaN (MXFP8: E8M0 ``0xFF``; NVFP4: E4M3 ``0x7F``), so
+  the whole block dequantises to NaN; its data bytes are fixed (MXFP8: ``0x7F``, NVFP4: zero
+  codes). NVFP4's global scale falls back to 1 when ``amax`` is 0 or inf (as in Transformer
+  Engine) or NaN; the other blocks are then quantised against ``g = 1``.
+* Overflow saturates: elements to the element max, an NVFP4 block scale to 448 (possible when a
+  ``global_amax`` smaller than the tensor's is passed).
+
+Implementations: on CPU the reference math below (``*_ref``); on CUDA the Triton kernels of
+``te_compile.kernels.quantize_mx`` (one read of ``x`` for both directions), which reproduce the
+reference bit for bit (tests/kernels runs them under the Triton interpreter). NVFP4 without a
+``global_amax`` first reduces ``x`` to its amax (a torch reduction: every block's scale depends
+on it), so it reads ``x`` twice. Inputs are fp32, bf16 or fp16; all math is fp32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from te_compile._library import SampleInput, op
+
+__all__ = [
+    "dequantize_mxfp8",
+    "dequantize_mxfp8_ref",
+    "dequantize_nvfp4",
+    "dequantize_nvfp4_ref",
+    "nvfp4_global_scale",
+    "quantize_mxfp8",
+    "quantize_mxfp8_ref",
+    "quantize_nvfp4",
+    "quantize_nvfp4_ref",
+]
+
+MXFP8_BLOCK = 32
+NVFP4_BLOCK = 16
+_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# (largest finite value, OCP emax_elem = exponent of the largest power of two below it)
+_FP8_LIMITS = {torch.float8_e4m3fn: (448.0, 8), torch.float8_e5m2: (57344.0, 15)}
+_E8M0_NAN = 255
+_E2M1_MAX = 6.0
+_E4M3_MAX = 448.0
+_FLT_MAX = torch.finfo(torch.float32).max
+# E2M1 magnitude of each 3-bit code, in code order.
+_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+# 1. Reference math --------------------------------------------------------------------------
+
+
+def _rows(x: Tensor) -> Tensor:
+    """``[..., K]`` as ``[M, K]``."""
+    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+
+
+def _blocks(x2: Tensor, block: int) -> Tensor:
+    """``[M, K]`` as fp32 ``[M, ceil(K / block), block]``, the last block zero-padded."""
+    m, k = x2.shape
+    return F.pad(x2.float().contiguous(), (0, -k % block)).view(m, -(-k // block), block)
+
+
+def _unblock(t: Tensor, k: int) -> Tensor:
+    """Inverse of :func:`_blocks`: ``[M, nb, block]`` -> ``[M, K]``, padding dropped."""
+    return t.reshape(t.shape[0], t.shape[1] * t.shape[2])[:, :k]
+
+
+def _mxfp8_rows(x2: Tensor, fp8_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """MXFP8 of the rows of ``x2`` ``[M, K]``: ``(data [M, K], scale [M, ceil(K/32)])``."""
+    max_value, emax = _FP8_LIMITS[fp8_dtype]
+    xb = _blocks(x2, MXFP8_BLOCK)
+    amax = xb.abs().amax(-1)  # NaN if the block holds a NaN
+    finite = amax.isfinite()
+    # floor(log2(amax)), exactly: amax = mantissa * 2**exponent with 0.5 <= mantissa < 1.
+    floor_log2 = torch.frexp(amax).exponent - 1
+    biased = (floor_log2 - emax + 127).clamp(0, 254)
+    biased = torch.where(amax == 0, 127, biased)
+    scale = torch.where(finite, biased, _E8M0_NAN).to(torch.uint8)
+    # 1 / 2**(b - 127) = 2**(127 - b), which is the E8M0 value of 254 - b.
+    inv = (254 - biased.clamp(max=254)).to(torch.uint8).view(torch.float8_e8m0fnu).float()
+    q = (xb * inv[..., None]).clamp(-max_value, max_value).to(fp8_dtype).view(torch.uint8)
+    q = torch.where(finite[..., None], q, 0x7F)  # NaN code; the NaN scale decides anyway
+    return _unblock(q, x2.shape[1]).contiguous().view(fp8_dtype), scale
+
+
+def quantize_mxfp8_ref(
+    x: Tensor, fp8_dtype: torch.dtype, rowwise: bool = True, columnwise: bool = True
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(data, scale, data_t, scale_t)`` (module docstring); 0-element tensors for a direction
+    not asked for."""
+    x2 = _rows(x)
+    if rowwise:
+        data, scale = _mxfp8_rows(x2, fp8_dtype)
+        data = data.view(x.shape)
+    else:
+        data, scale = x.new_empty(0, dtype=fp8_dtype), x.new_empty(0, dtype=torch.uint8)
+    if columnwise:
+        data_t, scale_t = _mxfp8_rows(x2.t(), fp8_dtype)
+    else:
+        data_t, scale_t = x.new_empty(0, dtype=fp8_dtype), x.new_empty(0, dtype=torch.uint8)
+    return data, scale, data_t, scale_t
+
+
+def dequantize_mxfp8_ref(data: Tensor, scale: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """``data * 2**(scale - 127)`` per 32-element block of the last dim (E8M0 255 is NaN)."""
+    k = data.shape[-1]
+    s = scale.view(torch.float8_e8m0fnu).float().repeat_interleave(MXFP8_BLOCK, 1)[:, :k]
+    return (data.reshape(scale.shape[0], k).float() * s).view(data.shape).to(out_dtype)
+
+
+def nvfp4_global_scale(amax: Tensor) -> Tensor:
+    """The 0-dim fp32 NVFP4 encode scale ``min(448 * 6 / amax, FLT_MAX)``; 1 where ``amax`` is
+    0, inf or NaN."""
+    amax = amax.float().reshape(())
+    # A tensor numerator: `2688.0 / amax` would be computed as 2688 * (1 / amax), rounding twice.
+    g = torch.div(amax.new_tensor(_E4M3_MAX * _E2M1_MAX), amax).clamp(max=_FLT_MAX)
+    return torch.where((amax == 0) | ~amax.isfinite(), 1.0, g)
+
+
+def _tensor_amax(x: Tensor) -> Tensor:
+    """max |x| as a 0-dim fp32 tensor (0 for an empty tensor); NaN if ``x`` holds a NaN."""
+    if x.numel() == 0:
+        return x.new_zeros((), dtype=torch.float32)
+    return x.abs().amax().float()
+
+
+def _e2m1_codes(v: Tensor) -> Tensor:
+    """4-bit E2M1 codes (``sign << 3 | magnitude``) of ``v``, saturated to 6 and rounded to the
+    nearest grid point, ties to even: the grid spacing is 0.5 below 2, 1 in [2, 4) and 2 in
+    [4, 6], and ``torch.round`` rounds half to even on ``|v| / spacing``."""
+    a = v.abs().clamp(max=_E2M1_MAX)
+    spacing = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
+    r = torch.round(a / spacing) * spacing
+    magnitude = torch.searchsorted(a.new_tensor(_E2M1_VALUES), r)  # exact: r is a grid point
+    return (torch.signbit(v).to(torch.uint8) << 3) | magnitude.to(torch.uint8)
+
+
+def _nvfp4_rows(x2: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+    """NVFP4 of the rows of ``x2`` ``[M, K]`` (K even) with global scale ``g``:
+    ``(data [M, K/2] uint8, scale [M, ceil(K/16)] e4m3)``."""
+    xb = _blocks(x2, NVFP4_BLOCK)
+    amax = xb.abs().amax(-1)
+    finite = amax.isfinite()
+    s = (amax * (g * (1 / 6))).clamp(max=_E4M3_MAX)
+    scale = torch.where(finite, s, math.nan).to(torch.float8_e4m3fn)
+    s = scale.float()
+    enc = (s * g.reciprocal()).reciprocal().clamp(max=_FLT_MAX)
+    enc = torch.where(s == 0, 0.0, enc)
+    codes = torch.where(finite[..., None], _e2m1_codes(xb * enc[..., None]), 0)
+    codes = _unblock(codes, x2.shape[1])
+    return codes[:, 0::2] | (codes[:, 1::2] << 4), scale
+
+
+def quantize_nvfp4_ref(
+    x: Tensor, global_amax: Tensor | None = None, rowwise: bool = True, columnwise: bool = True
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(data, scale, global_scale, data_t, scale_t)`` (module docstring); 0-element tensors
+    for a direction not asked for."""
+    g = nvfp4_global_scale(_tensor_amax(x) if global_amax is None else global_amax)
+    x2 = _rows(x)
+    e4m3 = torch.float8_e4m3fn
+    if rowwise:
+        data, scale = _nvfp4_rows(x2, g)
+        data = data.reshape(*x.shape[:-1], x.shape[-1] // 2)
+    else:
+        data, scale = x.new_empty(0, dtype=torch.uint8), x.new_empty(0, dtype=e4m3)
+    if columnwise:
+        data_t, scale_t = _nvfp4_rows(x2.t(), g)
+    else:
+        data_t, scale_t = x.new_empty(0, dtype=torch.uint8), x.new_empty(0, dtype=e4m3)
+    return data, scale, g, data_t, scale_t
+
+
+def dequantize_nvfp4_ref(
+    data: Tensor, scale: Tensor, global_scale: Tensor, out_dtype: torch.dtype
+) -> Tensor:
+    """``e2m1 * scale / global_scale`` per 16-element block: ``[..., K/2]`` bytes to
+    ``[..., K]`` values."""
+    k = 2 * data.shape[-1]
+    codes = torch.stack([data & 0xF, data >> 4], -1).reshape(scale.shape[0], k)
+    values = data.new_tensor(_E2M1_VALUES, dtype=torch.float32)[(codes & 7).long()]
+    values = torch.where((codes & 8) != 0, -values, values)
+    s = scale.float().repeat_interleave(NVFP4_BLOCK, 1)[:, :k]
+    out = torch.div(values * s, global_scale.float().reshape(()))
+    return out.view(*data.shape[:-1], k).to(out_dtype)
+
+
+# Argument checks (eager and fakes: shapes and dtypes only) -----------------------------------
+
+
+def _check_input(name: str, x: Tensor, rowwise: bool, columnwise: bool) -> None:
+    if x.dtype not in _INPUT_DTYPES:
+        raise ValueError(f"te.{name}: x.dtype must be float32, bfloat16 or float16, got {x.dtype}")
+    if x.ndim < 1:
+        raise ValueError(f"te.{name}: x must have at least 1 dim ([..., K]), got a 0-dim tensor")
+    if not (rowwise or columnwise):
+        raise ValueError(f"te.{name}: at least one of rowwise and columnwise must be True")
+
+
+def _check_quantize_mxfp8(x: Tensor, fp8_dtype: torch.dtype, rowwise: bool, columnwise: bool):
+    _check_input("quantize_mxfp8", x, rowwise, columnwise)
+    if fp8_dtype not in _FP8_DTYPES:
+        raise ValueError(
+            "te.quantize_mxfp8: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, "
+            f"got {fp8_dtype}"
+        )
+
+
+def _check_quantize_nvfp4(x: Tensor, global_amax: Tensor | None, rowwise: bool, columnwise: bool):
+    _check_input("quantize_nvfp4", x, rowwise, columnwise)
+    if rowwise and x.shape[-1] % 2:
+        raise ValueError(
+            f"te.quantize_nvfp4: x.shape[-1] (K = {x.shape[-1]}) must be even for rowwise "
+            "output: two E2M1 values per byte"
+        )
+    if columnwise and math.prod(x.shape[:-1]) % 2:
+        raise ValueError(
+            f"te.quantize_nvfp4: the row count M = prod(x.shape[:-1]) = "
+            f"{math.prod(x.shape[:-1])} must be even for columnwise output: two E2M1 values "
+            "per byte"
+        )
+    if global_amax is not None and (
+        global_amax.dtype != torch.float32
+        or global_amax.numel() != 1
+        or global_amax.device != x.device
+    ):
+        raise ValueError(
+            "te.quantize_nvfp4: global_amax must be None or a float32 tensor with one element "
+            f"on x's device ({x.device}), got {global_amax.dtype} of shape "
+            f"{list(global_amax.shape)} on {global_amax.device}"
+        )
+
+
+def _check_scale(name: str, data: Tensor, scale: Tensor, k: int, block: int, what: str) -> None:
+    """``scale`` must be uint8 ``[M, ceil(K / block)]`` for ``data`` ``[..., *]`` (K elements
+    per row); ``what`` says what its bytes hold."""
+    m = math.prod(data.shape[:-1])
+    expected = [m, -(-k // block)]
+    if scale.dtype != torch.uint8 or list(scale.shape) != expected:
+        raise ValueError(
+            f"te.{name}: scale must hold {what} of shape [M, ceil(K/{block})] = {expected} for "
+            f"data of shape {list(data.shape)}, got {scale.dtype} of shape {list(scale.shape)}"
+        )
+    if scale.device != data.device:
+        raise ValueError(f"te.{name}: scale must be on data's device ({data.device})")
+
+
+def _check_out_dtype(name: str, out_dtype: torch.dtype) -> None:
+    if out_dtype not in _INPUT_DTYPES:
+        raise ValueError(
+            f"te.{name}: out_dtype must be float32, bfloat16 or float16, got {out_dtype}"
+        )
+
+
+def _check_fp8_data(data: Tensor) -> None:
+    """The public function's check: the op itself takes the bytes (module docstring)."""
+    if data.dtype not in _FP8_DTYPES:
+        raise ValueError(
+            "te.dequantize_mxfp8: data must be a float8_e4m3fn or float8_e5m2 tensor, got "
+            f"{data.dtype}"
+        )
+
+
+def _check_dequantize_mxfp8(
+    data: Tensor, scale: Tensor, fp8_dtype: torch.dtype, out_dtype: torch.dtype
+) -> None:
+    if data.dtype != torch.uint8 or data.ndim < 1:
+        raise ValueError(
+            "te.dequantize_mxfp8: data must be the uint8 bytes of the fp8 data with at least 1 "
+            f"dim, got {data.dtype} of shape {list(data.shape)}"
+        )
+    if fp8_dtype not in _FP8_DTYPES:
+        raise ValueError(
+            "te.dequantize_mxfp8: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, "
+            f"got {fp8_dtype}"
+        )
+    k = data.shape[-1]
+    _check_scale("dequantize_mxfp8", data, scale, k, MXFP8_BLOCK, "E8M0 exponents (uint8)")
+    _check_out_dtype("dequantize_mxfp8", out_dtype)
+
+
+def _check_dequantize_nvfp4(
+    data: Tensor, scale: Tensor, global_scale: Tensor, out_dtype: torch.dtype
+) -> None:
+    if data.dtype != torch.uint8 or data.ndim < 1:
+        raise ValueError(
+            "te.dequantize_nvfp4: data must be a uint8 tensor (two E2M1 codes per byte) with at "
+            f"least 1 dim, got {data.dtype} of shape {list(data.shape)}"
+        )
+    what = "E4M3 scales (their uint8 bytes: module docstring)"
+    _check_scale("dequantize_nvfp4", data, scale, 2 * data.shape[-1], NVFP4_BLOCK, what)
+    if global_scale.dtype != torch.float32 or global_scale.numel() != 1:
+        raise ValueError(
+            "te.dequantize_nvfp4: global_scale must be a float32 tensor with one element, got "
+            f"{global_scale.dtype} of shape {list(global_scale.shape)}"
+        )
+    if global_scale.device != data.device:
+        raise ValueError(
+            f"te.dequantize_nvfp4: global_scale must be on data's device ({data.device})"
+        )
+    _check_out_dtype("dequantize_nvfp4", out_dtype)
+
+
+def _kernels():
+    # Imported on first CUDA use: Triton is not a dependency of the CPU-only package.
+    from te_compile.kernels import quantize_mx
+
+    return quantize_mx
+
+
+# Sample inputs for the registry test ---------------------------------------------------------
+
+
+def _x(device: torch.device, *shape: int, dtype=torch.float32, spread: float = 4.0) -> Tensor:
+    """Values over several binades, so blocks get different scales."""
+    x = torch.randn(*shape) * torch.exp2(torch.randint(-4, 5, shape) * spread / 4)
+    return x.to(device=device, dtype=dtype)
+
+
+def _quantize_mxfp8_samples(device: torch.device):
+    bf16 = torch.bfloat16
+    yield SampleInput((_x(device, 5, 40, dtype=bf16), torch.float8_e4m3fn, True, True))
+    yield SampleInput((_x(device, 2, 3, 64), torch.float8_e5m2, True, False))
+    yield SampleInput((_x(device, 33, 7), torch.float8_e4m3fn, False, True))
+
+
+def _dequantize_mxfp8_samples(device: torch.device):
+    for shape, fp8_dtype, out_dtype in [
+        ((5, 40), torch.float8_e4m3fn, torch.bfloat16),
+        ((2, 3, 64), torch.float8_e5m2, torch.float32),
+    ]:
+        data, scale, _, _ = quantize_mxfp8_ref(_x(torch.device("cpu"), *shape), fp8_dtype)
+        data = data.view(torch.uint8).to(device)
+        yield SampleInput((data, scale.to(device), fp8_dtype, out_dtype))
+
+
+def _quantize_nvfp4_samples(device: torch.device):
+    yield SampleInput((_x(device, 6, 40, dtype=torch.bfloat16), None, True, True))
+    yield SampleInput((_x(device, 2, 3, 32), torch.tensor([8.0], device=device), True, False))
+    yield SampleInput((_x(device, 34, 7), None, False, True))
+
+
+def _dequantize_nvfp4_samples(device: torch.device):
+    for shape, out_dtype in [((6, 40), torch.bfloat16), ((2, 3, 32), torch.float32)]:
+        data, scale, g, _, _ = quantize_nvfp4_ref(_x(torch.device("cpu"), *shape))
+        scale = scale.view(torch.uint8).to(device)
+        yield SampleInput((data.to(device), scale, g.to(device), out_dtype))
+
+
+# 2. Ops ---------------------------------------------------------------------------------------
+
+
+@op("quantize_mxfp8", sample_inputs=_quantize_mxfp8_samples)
+def quantize_mxfp8_op(
+    x: Tensor, fp8_dtype: torch.dtype, rowwise: bool, columnwise: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Returns ``(data, scale, data_t, scale_t)``. Default (CPU) implementation: the reference."""
+    _check_quantize_mxfp8(x, fp8_dtype, rowwise, columnwise)
+    return quantize_mxfp8_ref(x, fp8_dtype, rowwise, columnwise)
+
+
+@quantize_mxfp8_op.register_kernel("cuda")
+def _quantize_mxfp8_cuda(x, fp8_dtype, rowwise, columnwise):
+    _check_quantize_mxfp8(x, fp8_dtype, rowwise, columnwise)
+    return _kernels().quantize_mxfp8(x, fp8_dtype, rowwise, columnwise)
+
+
+@op("dequantize_mxfp8", sample_inputs=_dequantize_mxfp8_samples)
+def dequantize_mxfp8_op(
+    data: Tensor, scale: Tensor, fp8_dtype: torch.dtype, out_dtype: torch.dtype
+) -> Tensor:
+    """``data`` (the uint8 bytes of ``fp8_dtype`` values) dequantised to ``out_dtype``. Default
+    (CPU) implementation: the reference."""
+    _check_dequantize_mxfp8(data, scale, fp8_dtype, out_dtype)
+    return dequantize_mxfp8_ref(data.view(fp8_dtype), scale, out_dtype)
+
+
+@dequantize_mxfp8_op.register_kernel("cuda")
+def _dequantize_mxfp8_cuda(data, scale, fp8_dtype, out_dtype):
+    _check_dequantize_mxfp8(data, scale, fp8_dtype, out_dtype)
+    return _kernels().dequantize_mxfp8(data.view(fp8_dtype), scale, out_dtype)
+
+
+@op("quantize_nvfp4", sample_inputs=_quantize_nvfp4_samples)
+def quantize_nvfp4_op(
+    x: Tensor, global_amax: Tensor | None, rowwise: bool, columnwise: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Returns ``(data, scale, global_scale, data_t, scale_t)``. Default (CPU) implementation:
+    the reference."""
+    _check_quantize_nvfp4(x, global_amax, rowwise, columnwise)
+    return quantize_nvfp4_ref(x, global_amax, rowwise, columnwise)
+
+
+@quantize_nvfp4_op.register_kernel("cuda")
+def _quantize_nvfp4_cuda(x, global_amax, rowwise, columnwise):
+    _check_quantize_nvfp4(x, global_amax, rowwise, columnwise)
+    # The tensor amax is a reduction over all of x before any block can be scaled: torch's.
+    g = nvfp4_global_scale(_tensor_amax(x) if global_amax is None else global_amax)
+    data, scale, data_t, scale_t = _kernels().quantize_nvfp4(x, g, rowwise, columnwise)
+    return data, scale, g, data_t, scale_t
+
+
+@op("dequantize_nvfp4", sample_inputs=_dequantize_nvfp4_samples)
+def dequantize_nvfp4_op(
+    data: Tensor, scale: Tensor, global_scale: Tensor, out_dtype: torch.dtype
+) -> Tensor:
+    """``data`` dequantised to ``out_dtype``; ``scale`` is the uint8 bytes of the E4M3 scales.
+    Default (CPU) implementation: the reference."""
+    _check_dequantize_nvfp4(data, scale, global_scale, out_dtype)
+    return dequantize_nvfp4_ref(data, scale.view(torch.float8_e4m3fn), global_scale, out_dtype)
+
+
+@dequantize_nvfp4_op.register_kernel("cuda")
+def _dequantize_nvfp4_cuda(data, scale, global_scale, out_dtype):
+    _check_dequantize_nvfp4(data, scale, global_scale, out_dtype)
+    e4m3 = scale.view(torch.float8_e4m3fn)
+    return _kernels().dequantize_nvfp4(data, e4m3, global_scale, out_dtype)
+
+
+# 3. Fakes -------------------------------------------------------------------------------------
+
+
+@quantize_mxfp8_op.register_fake
+def _quantize_mxfp8_fake(x, fp8_dtype, rowwise, columnwise):
+    _check_quantize_mxfp8(x, fp8_dtype, rowwise, columnwise)
+    m, k, b = math.prod(x.shape[:-1]), x.shape[-1], MXFP8_BLOCK
+    u8 = torch.uint8
+    data = x.new_empty(x.shape if rowwise else (0,), dtype=fp8_dtype)
+    scale = x.new_empty((m, (k + b - 1) // b) if rowwise else (0,), dtype=u8)
+    data_t = x.new_empty((k, m) if columnwise else (0,), dtype=fp8_dtype)
+    scale_t = x.new_empty((k, (m + b - 1) // b) if columnwise else (0,), dtype=u8)
+    return data, scale, data_t, scale_t
+
+
+@dequantize_mxfp8_op.register_fake
+def _dequantize_mxfp8_fake(data, scale, fp8_dtype, out_dtype):
+    _check_dequantize_mxfp8(data, scale, fp8_dtype, out_dtype)
+    return data.new_empty(data.shape, dtype=out_dtype)
+
+
+@quantize_nvfp4_op.register_fake
+def _quantize_nvfp4_fake(x, global_amax, rowwise, columnwise):
+    _check_quantize_nvfp4(x, global_amax, rowwise, columnwise)
+    m, k, b = math.prod(x.shape[:-1]), x.shape[-1], NVFP4_BLOCK
+    u8, e4m3 = torch.uint8, torch.float8_e4m3fn
+    data = x.new_empty((*x.shape[:-1], k // 2) if rowwise else (0,), dtype=u8)
+    scale = x.new_empty((m, (k + b - 1) // b) if rowwise else (0,), dtype=e4m3)
+    data_t = x.new_empty((k, m // 2) if columnwise else (0,), dtype=u8)
+    scale_t = x.new_empty((k, (m + b - 1) // b) if columnwise else (0,), dtype=e4m3)
+    return data, scale, x.new_empty((), dtype=torch.float32), data_t, scale_t
+
+
+@dequantize_nvfp4_op.register_fake
+def _dequantize_nvfp4_fake(data, scale, global_scale, out_dtype):
+    _check_dequantize_nvfp4(data, scale, global_scale, out_dtype)
+    return data.new_empty((*data.shape[:-1], 2 * data.shape[-1]), dtype=out_dtype)
+
+
+# Public functions -----------------------------------------------------------------------------
+
+
+def quantize_mxfp8(
+    x: Tensor,
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+    *,
+    rowwise: bool = True,
+    columnwise: bool = True,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """MXFP8 of ``x`` ``[..., K]``: ``(data, scale, data_t, scale_t)``, see the module docstring
+    for the layouts; a direction not asked for gives 0-element tensors."""
+    return quantize_mxfp8_op(x, fp8_dtype, rowwise, columnwise)
+
+
+def dequantize_mxfp8(
+    data: Tensor, scale: Tensor, out_dtype: torch.dtype = torch.bfloat16
+) -> Tensor:
+    """Inverse of :func:`quantize_mxfp8` for one direction: ``(data, scale)`` or
+    ``(data_t, scale_t)`` (which gives ``x`` transposed, ``[K, M]``)."""
+    _check_fp8_data(data)
+    return dequantize_mxfp8_op(data.view(torch.uint8), scale, data.dtype, out_dtype)
+
+
+def quantize_nvfp4(
+    x: Tensor,
+    global_amax: Tensor | None = None,
+    *,
+    rowwise: bool = True,
+    columnwise: bool = True,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """NVFP4 of ``x`` ``[..., K]``: ``(data, scale, global_scale, data_t, scale_t)``, see the
+    module docstring; ``global_amax`` (fp32, one element) replaces the tensor's own amax."""
+    return quantize_nvfp4_op(x, global_amax, rowwise, columnwise)
+
+
+def dequantize_nvfp4(
+    data: Tensor, scale: Tensor, global_scale: Tensor, out_dtype: torch.dtype = torch.bfloat16
+) -> Tensor:
+    """Inverse of :func:`quantize_nvfp4` for one direction: ``(data, scale, global_scale)`` or
+    ``(data_t, scale_t, global_scale)`` (which gives ``x`` transposed, ``[K, M]``)."""
+    if scale.dtype != torch.float8_e4m3fn:
+        raise ValueError(
+            f"te.dequantize_nvfp4: scale must be a torch.float8_e4m3fn tensor, got {scale.dtype}"
+        )
+    return dequantize_nvfp4_op(data, scale.view(torch.uint8), global_scale, out_dtype)

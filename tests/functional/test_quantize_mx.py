@@ -1,0 +1,433 @@
+"""MXFP8 and NVFP4 quantisation (``te_compile.functional.quantize_mx``) beyond the registry test.
+
+The ops are checked bit for bit against independent quantisers written here: a loop over blocks
+that picks each element's code by nearest-value lookup over the format's finite values (ties to
+the even code, which is round-to-nearest-even; the lookup saturates by itself), with the scale
+from ``math.frexp`` (MXFP8) or numpy fp32 scalars in Transformer Engine's order of operations
+(NVFP4). Round trips are checked against per-element bounds that follow from the formats:
+half a grid step at the element's scaled magnitude, or the saturation gap.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from te_compile import _library
+from te_compile.functional import quantize_mx as qmx
+from tests.utils import DEVICES, compile_counted, count_graph_breaks
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FP8_DTYPES = [E4M3, E5M2]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# MXFP8: OCP emax_elem and mantissa bits of the element formats.
+EMAX = {E4M3: 8, E5M2: 15}
+MBITS = {E4M3: 3, E5M2: 2}
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+MX_SHAPES = [(1, 1), (3, 7), (5, 40), (33, 65), (2, 3, 64)]
+NV_SHAPES = [(2, 2), (4, 18), (6, 40), (34, 66), (2, 3, 32)]
+
+
+def _x(shape, dtype=torch.float32, device="cpu", spread=12):
+    """Normal values times powers of two over ``2 * spread`` binades: blocks of varied scale."""
+    x = torch.randn(*shape) * torch.exp2(torch.randint(-spread, spread + 1, shape).float())
+    return x.to(device=device, dtype=dtype)
+
+
+def _bits(t):
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def _assert_same_bits(actual, expected):
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    assert torch.equal(_bits(actual.cpu()), _bits(expected.cpu()))
+
+
+# Independent reference quantisers ----------------------------------------------------------
+
+
+def _nearest(t, values, codes):
+    """Code of the nearest of ``values`` to each ``|t|`` (numpy float64), ties to the even
+    code; with only finite ``values`` this saturates too."""
+    dist = np.abs(np.abs(t)[:, None] - values[None, :])
+    tie = dist == dist.min(1, keepdims=True)
+    return codes[(tie * (2 - (codes & 1))[None, :]).argmax(1)]
+
+
+def _fp8_table(fp8_dtype):
+    """(values, codes) of the non-negative finite codes of an fp8 format, as numpy arrays."""
+    codes = torch.arange(128, dtype=torch.uint8)
+    values = codes.view(fp8_dtype).double()
+    keep = values.isfinite()
+    return values[keep].numpy(), codes[keep].numpy()
+
+
+def _signed(t, mag, sign_bit):
+    """Codes with the sign of ``t`` (numpy) in bit ``sign_bit``, as a torch uint8 tensor."""
+    return torch.from_numpy((np.signbit(t).astype(np.uint8) << sign_bit) | mag)
+
+
+def _mx_expected(x2, fp8_dtype):
+    """MXFP8 of the rows of ``x2`` ``[M, K]``: (data bytes [M, K], scale [M, ceil(K/32)])."""
+    m, k = x2.shape
+    values, codes = _fp8_table(fp8_dtype)
+    data = torch.zeros(m, k, dtype=torch.uint8)
+    scale = torch.zeros(m, -(-k // 32), dtype=torch.uint8)
+    for i in range(m):
+        for j in range(scale.shape[1]):
+            block = x2[i, 32 * j : 32 * j + 32].double().numpy()
+            amax = float(np.abs(block).max())
+            if not math.isfinite(amax):
+                scale[i, j], data[i, 32 * j : 32 * j + 32] = 255, 0x7F
+                continue
+            floor_log2 = math.frexp(amax)[1] - 1  # amax = m * 2**e, 0.5 <= m < 1
+            b = 127 if amax == 0 else min(max(floor_log2 - EMAX[fp8_dtype] + 127, 0), 254)
+            t = block / 2.0 ** (b - 127)
+            scale[i, j] = b
+            data[i, 32 * j : 32 * j + 32] = _signed(t, _nearest(t, values, codes), 7)
+    return data, scale
+
+
+def _nvfp4_global(amax):
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        amax = np.float32(amax)
+        if amax == 0 or not np.isfinite(amax):
+            return np.float32(1.0)
+        return min(np.float32(2688.0) / amax, np.finfo(np.float32).max)
+
+
+def _nvfp4_expected(x2, g):
+    """NVFP4 of the rows of ``x2`` ``[M, K]`` with global scale ``g`` (np.float32): (packed
+    bytes [M, K/2], E4M3 scale bytes [M, ceil(K/16)])."""
+    m, k = x2.shape
+    e4m3_values, e4m3_codes = _fp8_table(E4M3)
+    e2m1_values, e2m1_codes = np.array(E2M1), np.arange(8, dtype=np.uint8)
+    flt_max = np.finfo(np.float32).max
+    codes = torch.zeros(m, k, dtype=torch.uint8)
+    scale = torch.zeros(m, -(-k // 16), dtype=torch.uint8)
+    for i in range(m):
+        for j in range(scale.shape[1]):
+            block = x2[i, 16 * j : 16 * j + 16].float().numpy()
+            amax = np.abs(block).max()
+            if not np.isfinite(amax):
+                scale[i, j] = 0x7F  # NaN; codes stay 0
+                continue
+            with np.errstate(over="ignore", divide="ignore"):
+                s_exact = min(amax * (g * np.float32(1 / 6)), np.float32(448.0))
+                s_code = _nearest(np.array([s_exact], dtype=np.float64), e4m3_values, e4m3_codes)
+                s = np.float32(e4m3_values[e4m3_codes == s_code][0])
+                enc = min(np.float32(1) / (s * (np.float32(1) / g)), flt_max)
+                enc = enc if s else np.float32(0)
+                v = (block * enc).astype(np.float64)
+            scale[i, j] = int(s_code[0])
+            codes[i, 16 * j : 16 * j + 16] = _signed(v, _nearest(v, e2m1_values, e2m1_codes), 3)
+    return codes[:, 0::2] | (codes[:, 1::2] << 4), scale
+
+
+def _rows(x):
+    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+
+
+# Quantisation, bit for bit -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", MX_SHAPES, ids=str)
+def test_quantize_mxfp8_matches_independent_reference(shape, dtype, fp8_dtype, device):
+    x = _x(shape, dtype, device, spread=6 if dtype == torch.float16 else 12)
+    data, scale, data_t, scale_t = qmx.quantize_mxfp8(x, fp8_dtype)
+    x2 = _rows(x.cpu())
+    for (d, s), xr in (((data, scale), x2), ((data_t, scale_t), x2.t())):
+        d_exp, s_exp = _mx_expected(xr, fp8_dtype)
+        assert d.dtype == fp8_dtype and s.dtype == torch.uint8
+        _assert_same_bits(d.reshape(d_exp.shape).view(torch.uint8), d_exp)
+        _assert_same_bits(s, s_exp)
+    assert data.shape == x.shape and data_t.shape == x2.t().shape
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("global_amax", [None, 0.5, 1e30], ids=["own", "small", "large"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", NV_SHAPES, ids=str)
+def test_quantize_nvfp4_matches_independent_reference(shape, dtype, global_amax, device):
+    x = _x(shape, dtype, device, spread=6 if dtype == torch.float16 else 12)
+    ga = None if global_amax is None else torch.tensor([global_amax], device=device)
+    data, scale, g, data_t, scale_t = qmx.quantize_nvfp4(x, ga)
+    x2 = _rows(x.cpu())
+    g_exp = _nvfp4_global(x2.abs().max().item() if ga is None else global_amax)
+    assert g.shape == () and g.dtype == torch.float32 and g.item() == g_exp
+    for (d, s), xr in (((data, scale), x2), ((data_t, scale_t), x2.t())):
+        d_exp, s_exp = _nvfp4_expected(xr, g_exp)
+        assert d.dtype == torch.uint8 and s.dtype == E4M3
+        _assert_same_bits(d.reshape(d_exp.shape), d_exp)
+        _assert_same_bits(s.view(torch.uint8), s_exp)
+    assert data.shape == (*shape[:-1], shape[-1] // 2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("out_dtype", DTYPES, ids=str)
+def test_dequantize_matches_independent_decoding(out_dtype, device):
+    x = _x((6, 50), device=device)
+    for fp8_dtype in FP8_DTYPES:
+        data, scale, _, _ = qmx.quantize_mxfp8(x, fp8_dtype, columnwise=False)
+        factor = torch.tensor([2.0 ** (b - 127) for b in scale.flatten().tolist()])
+        expected = data.cpu().double() * factor.view(6, -1).repeat_interleave(32, 1)[:, :50]
+        out = qmx.dequantize_mxfp8(data, scale, out_dtype)
+        assert out.dtype == out_dtype and out.shape == x.shape
+        torch.testing.assert_close(out.cpu(), expected.to(out_dtype), rtol=0, atol=0)
+    data, scale, g, _, _ = qmx.quantize_nvfp4(x, columnwise=False)
+    nibbles = torch.stack([data.cpu() & 15, data.cpu() >> 4], -1).view(6, 50).long()
+    e2m1 = torch.tensor(E2M1, dtype=torch.float64)[nibbles & 7] * (1 - 2 * (nibbles >> 3))
+    s = scale.cpu().double().repeat_interleave(16, 1)[:, :50]
+    expected = (e2m1 * s).float() / g.cpu()  # exact product, then one fp32 division
+    out = qmx.dequantize_nvfp4(data, scale, g, out_dtype)
+    assert out.dtype == out_dtype and out.shape == x.shape
+    torch.testing.assert_close(out.cpu(), expected.to(out_dtype), rtol=0, atol=0)
+
+
+# Round trips within the format's error --------------------------------------------------------
+
+
+def _half_step_mx(t, fp8_dtype):
+    """Half the grid step of the fp8 format at magnitudes ``t`` (float64)."""
+    emin = 1 - (7 if fp8_dtype == E4M3 else 15)
+    e = torch.floor(torch.log2(t.clamp(min=2.0**emin))).clamp(min=emin)
+    return torch.exp2(e - MBITS[fp8_dtype] - 1)
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES, ids=str)
+def test_mxfp8_round_trip_error_bound(fp8_dtype):
+    x = _x((16, 96), spread=20).double()
+    data, scale, _, _ = qmx.quantize_mxfp8(x.float(), fp8_dtype, columnwise=False)
+    y = qmx.dequantize_mxfp8(data, scale, torch.float32).double()
+    unit = torch.exp2(scale.double() - 127).repeat_interleave(32, 1)  # 2**X per element
+    t = x.abs() / unit
+    max_value = torch.finfo(fp8_dtype).max
+    bound = torch.where(t > max_value, t - max_value, _half_step_mx(t, fp8_dtype)) * unit
+    assert ((y - x).abs() <= bound).all()
+    # Hence elements in the format's normal range, unsaturated, are within 2**-(m+1) relative.
+    normal = (t >= torch.finfo(fp8_dtype).smallest_normal) & (t <= max_value)
+    assert ((y - x).abs() / x.abs())[normal].max() <= 2.0 ** -(MBITS[fp8_dtype] + 1)
+
+
+def test_nvfp4_round_trip_error_bound():
+    x = _x((16, 96), spread=20)
+    data, scale, g, _, _ = qmx.quantize_nvfp4(x, columnwise=False)
+    y = qmx.dequantize_nvfp4(data, scale, g, torch.float32).double()
+    unit = (scale.double() / g.double()).repeat_interleave(16, 1)  # one E2M1 step of 1
+    t = x.double().abs() / unit
+    half_step = torch.where(t < 2, 0.25, torch.where(t < 4, 0.5, 1.0))
+    # Plus a few fp32 roundings: the encode factor 1 / (s * (1 / g)) and the decode s / g.
+    bound = torch.where(t > 6, t - 6, half_step) * unit + 2.0**-21 * x.double().abs()
+    assert ((y - x.double()).abs() <= bound).all()
+    # Hence E2M1 normals (|x| >= 1 step), unsaturated, are within 1/4 relative.
+    normal = (t >= 1) & (t <= 6)
+    assert ((y - x.double()).abs() / x.double().abs())[normal].max() <= 0.25 + 2.0**-21
+
+
+# Layouts and options ---------------------------------------------------------------------
+
+
+def test_columnwise_is_rowwise_of_the_transpose_and_flags_give_empty_outputs():
+    x = _x((2, 35, 18))
+    x2 = _rows(x)
+    data, _, data_t, scale_t = qmx.quantize_mxfp8(x, E5M2)
+    row_t = qmx.quantize_mxfp8(x2.t(), E5M2, columnwise=False)
+    _assert_same_bits(data_t, row_t[0])
+    _assert_same_bits(scale_t, row_t[1])
+    only_row = qmx.quantize_mxfp8(x, E5M2, columnwise=False)
+    _assert_same_bits(only_row[0], data)
+    assert [t.numel() for t in only_row[2:]] == [0, 0]
+    assert [t.dtype for t in only_row[2:]] == [E5M2, torch.uint8]
+    only_col = qmx.quantize_mxfp8(x, E5M2, rowwise=False)
+    assert [t.numel() for t in only_col[:2]] == [0, 0]
+    _assert_same_bits(only_col[2], data_t)
+
+    _, _, _, data_t, scale_t = qmx.quantize_nvfp4(x)
+    row_t = qmx.quantize_nvfp4(x2.t(), x.abs().amax().float().view(1), columnwise=False)
+    _assert_same_bits(data_t, row_t[0])
+    _assert_same_bits(scale_t, row_t[1])
+    assert data_t.shape == (18, 35) and scale_t.shape == (18, 5)
+    only_col = qmx.quantize_nvfp4(x, rowwise=False)
+    assert [t.numel() for t in only_col[:2]] == [0, 0]
+    assert [t.dtype for t in only_col[:2]] == [torch.uint8, E4M3]
+    _assert_same_bits(only_col[3], data_t)
+
+
+def test_partial_last_block_is_quantised_as_zero_padded():
+    x = _x((6, 45))
+    padded = F.pad(x, (0, 19))  # K = 64: whole blocks for both formats
+    d, s, _, _ = qmx.quantize_mxfp8(x, E4M3, columnwise=False)
+    dp, sp, _, _ = qmx.quantize_mxfp8(padded, E4M3, columnwise=False)
+    _assert_same_bits(d, dp[:, :45].contiguous())
+    _assert_same_bits(s, sp[:, :2].contiguous())
+    x = x[:, :44]
+    padded = F.pad(x, (0, 20))
+    d, s, g, _, _ = qmx.quantize_nvfp4(x, columnwise=False)
+    dp, sp, gp, _, _ = qmx.quantize_nvfp4(padded, columnwise=False)
+    assert g.item() == gp.item()
+    _assert_same_bits(d, dp[:, :22].contiguous())
+    _assert_same_bits(s, sp[:, :3].contiguous())
+
+
+def test_empty_input():
+    x = torch.empty(0, 32)
+    data, scale, data_t, scale_t = qmx.quantize_mxfp8(x)
+    assert data.shape == (0, 32) and scale.shape == (0, 1)
+    assert data_t.shape == (32, 0) and scale_t.shape == (32, 0)
+    data, scale, g, data_t, scale_t = qmx.quantize_nvfp4(x)
+    assert data.shape == (0, 16) and scale.shape == (0, 2) and g.item() == 1.0
+    assert data_t.shape == (32, 0) and scale_t.shape == (32, 0)
+    assert qmx.dequantize_nvfp4(data, scale, g).shape == (0, 32)
+
+
+# Scale rules and edge cases ----------------------------------------------------------------
+
+
+def test_mxfp8_scale_follows_the_ocp_floor_rule_and_saturates():
+    x = torch.zeros(4, 32)
+    x[0, 0], x[1, 0], x[2, 0], x[3, 0] = 1.0, 500.0, 0.75, -3e38
+    data, scale, _, _ = qmx.quantize_mxfp8(x, E4M3, columnwise=False)
+    # floor(log2 amax) - 8 + 127: 1 -> 119; 500 -> 127 (500 / 1 saturates to 448);
+    # 0.75 -> 118; 3e38 (2**127.8) -> 246.
+    assert scale[:, 0].tolist() == [119, 127, 118, 246]
+    assert data.float()[:, 0].tolist() == [256.0, 448.0, 384.0, -448.0]
+
+
+def test_e2m1_rounds_to_nearest_even():
+    # One block with amax 6 and global amax 448 * 6: block scale 1 and g = 1, so the values map
+    # onto the grid unchanged. Ties: 0.25 0.75 1.25 1.75 2.5 3.5 5; then saturation.
+    values = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5, 6, -0.25, -5, 0.2, 2.9, 4.9, 5.1, 0, -0.0]
+    expected = [0, 2, 2, 4, 4, 6, 6, 7, 8, 14, 0, 5, 6, 7, 0, 8]
+    x = torch.tensor([values, values])
+    data, scale, g, _, _ = qmx.quantize_nvfp4(x, torch.tensor([2688.0]), columnwise=False)
+    assert g.item() == 1.0 and scale.float().flatten().tolist() == [1.0, 1.0]
+    codes = torch.stack([data & 15, data >> 4], -1).view(2, 16)
+    assert codes[0].tolist() == expected
+    x = torch.tensor([[7.0, -100.0] + [0.0] * 14] * 2)  # global amax 1: the block saturates
+    data, scale, g, _, _ = qmx.quantize_nvfp4(x, torch.tensor([1.0]), columnwise=False)
+    assert scale.float()[0].tolist() == [448.0]
+    assert qmx.dequantize_nvfp4(data, scale, g, torch.float32)[0, :2].tolist() == [1.0, -1.0]
+
+
+def test_all_zero_blocks_give_finite_scales():
+    x = torch.zeros(34, 40)
+    x[0, 0] = 1.0  # one non-zero block; every other block is all zero
+    data, scale, data_t, scale_t = qmx.quantize_mxfp8(x, E4M3)
+    assert (scale.flatten()[1:] == 127).all() and (scale_t.flatten()[1:] == 127).all()
+    assert (qmx.dequantize_mxfp8(data, scale, torch.float32) == x).all()
+    assert (qmx.dequantize_mxfp8(data_t, scale_t, torch.float32) == x.t()).all()
+    data, scale, g, _, _ = qmx.quantize_nvfp4(torch.zeros(4, 32))
+    assert g.item() == 1.0 and (scale.float() == 0).all() and (data == 0).all()
+    out = qmx.dequantize_nvfp4(data, scale, g, torch.float32)
+    assert torch.equal(out, torch.zeros(4, 32))
+
+
+def test_nonfinite_inputs_make_their_block_nan():
+    x = _x((4, 64), spread=2)
+    x[0, 3], x[2, 40] = float("nan"), float("inf")
+    nan_blocks = torch.zeros(4, 64, dtype=torch.bool)
+    nan_blocks[0, :32], nan_blocks[2, 32:] = True, True
+    data, scale, _, _ = qmx.quantize_mxfp8(x, E4M3, columnwise=False)
+    assert scale[0, 0] == scale[2, 1] == 255 and (scale == 255).sum() == 2
+    assert (data.view(torch.uint8)[nan_blocks] == 0x7F).all()
+    y = qmx.dequantize_mxfp8(data, scale, torch.float32)
+    assert y[nan_blocks].isnan().all() and y[~nan_blocks].isfinite().all()
+    # NVFP4: NaN block scales; the global scale falls back to 1 (amax is NaN).
+    nan16 = torch.zeros(4, 64, dtype=torch.bool)
+    nan16[0, :16], nan16[2, 32:48] = True, True
+    data, scale, g, _, _ = qmx.quantize_nvfp4(x, columnwise=False)
+    assert g.item() == 1.0
+    assert scale.float().isnan().sum() == 2
+    y = qmx.dequantize_nvfp4(data, scale, g, torch.float32)
+    assert y[nan16].isnan().all() and y[~nan16].isfinite().all()
+
+
+# Compile ------------------------------------------------------------------------------------
+
+
+def _round_trip(x):
+    data, scale, data_t, scale_t = qmx.quantize_mxfp8(x, E4M3)
+    y1 = qmx.dequantize_mxfp8(data, scale, torch.float32)
+    y2 = qmx.dequantize_mxfp8(data_t, scale_t, torch.bfloat16)
+    data, scale, g, data_t, scale_t = qmx.quantize_nvfp4(x)
+    y3 = qmx.dequantize_nvfp4(data, scale, g, torch.float32)
+    y4 = qmx.dequantize_nvfp4(data_t, scale_t, g, torch.bfloat16)
+    return y1, y2, y3, y4, scale, data_t
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_fullgraph_equals_eager(device):
+    fn, counter = compile_counted(_round_trip, dynamic=True)
+    for shape in [(6, 40), (10, 64)]:
+        x = _x(shape, torch.bfloat16, device, spread=4)
+        for got, want in zip(fn(x), _round_trip(x), strict=True):
+            _assert_same_bits(got, want)
+    assert counter.frame_count == 1
+    assert count_graph_breaks(_round_trip, _x((6, 40), device=device)) == (1, 0)
+
+
+# Bad input ------------------------------------------------------------------------------------
+
+
+def _t(*shape, dtype=torch.float32):
+    return torch.randn(*shape).to(dtype)
+
+
+_Q = _x((4, 32))
+_MX = qmx.quantize_mxfp8(_Q, E4M3)
+_NV = qmx.quantize_nvfp4(_Q)
+
+BAD_INPUTS = [
+    ("int x", qmx.quantize_mxfp8, lambda: (torch.ones(4, 32, dtype=torch.int32), E4M3),
+     "x.dtype must be float32"),
+    ("fp8_dtype", qmx.quantize_mxfp8, lambda: (_t(4, 32), torch.float16), "fp8_dtype must be"),
+    ("0-dim x", qmx.quantize_mxfp8, lambda: (torch.tensor(1.0), E4M3), "x must have at least 1"),
+    ("no direction", lambda x: qmx.quantize_mxfp8(x, rowwise=False, columnwise=False),
+     lambda: (_t(4, 32),), "at least one of rowwise and columnwise"),
+    ("odd K", qmx.quantize_nvfp4, lambda: (_t(4, 31),), "x.shape[-1] (K = 31) must be even"),
+    ("odd M", qmx.quantize_nvfp4, lambda: (_t(3, 32),), "M = prod(x.shape[:-1]) = 3"),
+    ("global_amax dtype", qmx.quantize_nvfp4,
+     lambda: (_t(4, 32), torch.ones(1, dtype=torch.bfloat16)), "global_amax must be None or"),
+    ("global_amax shape", qmx.quantize_nvfp4, lambda: (_t(4, 32), torch.ones(2)),
+     "global_amax must be None or"),
+    ("mx data dtype", qmx.dequantize_mxfp8, lambda: (_MX[0].float(), _MX[1]), "data must be"),
+    ("mx scale shape", qmx.dequantize_mxfp8, lambda: (_MX[0], _MX[3]),
+     "scale must hold E8M0 exponents (uint8) of shape [M, ceil(K/32)] = [4, 1]"),
+    ("mx out_dtype", qmx.dequantize_mxfp8, lambda: (_MX[0], _MX[1], torch.int32),
+     "out_dtype must be"),
+    ("nv data dtype", qmx.dequantize_nvfp4, lambda: (_NV[0].float(), _NV[1], _NV[2]),
+     "data must be a uint8"),
+    ("nv scale dtype", qmx.dequantize_nvfp4, lambda: (_NV[0], _NV[1].float(), _NV[2]),
+     "scale must be a torch.float8_e4m3fn"),
+    ("nv scale shape", qmx.dequantize_nvfp4, lambda: (_NV[0], _NV[4], _NV[2]),
+     "scale must hold E4M3 scales (their uint8 bytes: module docstring) of shape "
+     "[M, ceil(K/16)] = [4, 2]"),
+    ("nv global_scale", qmx.dequantize_nvfp4, lambda: (_NV[0], _NV[1], torch.ones(2)),
+     "global_scale must be a float32 tensor with one element"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_bad_input_raises_clear_error(case, compiled):
+    _name, fn, make, message = case
+    if compiled:
+        fn = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match=r"te\.\w+: ") as info:
+        fn(*make())
+    assert message in str(info.value)
+    if not compiled:
+        assert info.type is ValueError
+
+
+def test_ops_are_registered_with_sample_inputs():
+    entries = _library.registry()
+    for name in ["quantize_mxfp8", "dequantize_mxfp8", "quantize_nvfp4", "dequantize_nvfp4"]:
+        assert entries[f"te::{name}"].sample_inputs is not None
