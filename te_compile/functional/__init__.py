@@ -22,6 +22,7 @@ from te_compile.functional.fp8_scaling import delayed_scaling_update
 from te_compile.functional.glu import deinterleave_glu_tensor, interleave_glu_tensor
 from te_compile.functional.grouped_linear import as_splits_tensor, grouped_linear
 from te_compile.functional.linear import linear, linear_ref
+from te_compile.functional.linear_block_scaled import linear_block_scaled
 from te_compile.functional.linear_fp8 import linear_fp8
 from te_compile.functional.norm import l2normalization, layernorm, rmsnorm
 from te_compile.functional.quantize_mx import (
@@ -50,6 +51,7 @@ __all__ = [
     "l2normalization",
     "layernorm",
     "linear",
+    "linear_block_scaled",
     "linear_fp8",
     "linear_ref",
     "qgeglu",

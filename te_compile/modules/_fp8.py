@@ -73,6 +73,8 @@ class FP8GemmState(nn.Module):
     ) -> Tensor:
         """``inp @ weight.T + bias`` with the FP8 recipe of ``state`` (which is enabled)."""
         recipe = state.recipe
+        if recipe.mxfp8() or recipe.nvfp4():
+            return _block_scaled(owner, recipe, inp, weight, bias, main_grad)
         fmt = recipe.fp8_format
         kw = {"fwd_dtype": fmt.fwd_dtype, "bwd_dtype": fmt.bwd_dtype, "main_grad": main_grad}
         if recipe.float8_current():
@@ -80,7 +82,8 @@ class FP8GemmState(nn.Module):
         if not recipe.delayed():
             raise NotImplementedError(
                 f"{owner}: the {type(recipe).__name__} recipe is not implemented yet; "
-                "DelayedScaling and Float8CurrentScaling are"
+                "DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling and "
+                "NVFP4BlockScaling (emulated) are"
             )
         length = recipe.amax_history_len
         if length > MAX_AMAX_HISTORY:
@@ -122,6 +125,20 @@ def linear(
     if state.enabled:
         return meta.linear(owner, state, inp, weight, bias, main_grad)
     return F.linear(inp, weight, bias, main_grad=main_grad)
+
+
+def _block_scaled(owner, recipe, inp, weight, bias, main_grad) -> Tensor:
+    """MXFP8 / NVFP4: exact quantisation, GEMMs emulated (``te::linear_block_scaled_*``)."""
+    if main_grad is not None:
+        raise NotImplementedError(
+            f"{owner}: fuse_wgrad_accumulation is not implemented with {type(recipe).__name__}"
+        )
+    if recipe.nvfp4():
+        return F.linear_block_scaled(inp, weight, bias, kind="nvfp4")
+    fmt = recipe.fp8_format
+    return F.linear_block_scaled(
+        inp, weight, bias, kind="mxfp8", fwd_dtype=fmt.fwd_dtype, bwd_dtype=fmt.bwd_dtype
+    )
 
 
 def _drop_if_unused(module: FP8GemmState, state_dict, prefix: str, local_metadata) -> None:

@@ -3,6 +3,8 @@ delayed-scaling state in buffers updated by a compiled step, recipe changes, sta
 
 from __future__ import annotations
 
+import math
+
 import expecttest
 import pytest
 import torch
@@ -118,8 +120,8 @@ def test_state_dict_resumes_delayed_scaling_exactly(device):
 def test_unimplemented_recipe_says_so():
     m = _linear("cpu")
     with (
-        autocast(recipe=te.quantization.MXFP8BlockScaling()),
-        pytest.raises(NotImplementedError, match="MXFP8BlockScaling recipe is not implemented yet"),
+        autocast(recipe=te.quantization.Float8BlockScaling()),
+        pytest.raises(NotImplementedError, match="Float8BlockScaling recipe is not implemented yet"),
     ):
         m(_x("cpu"))
 
@@ -188,3 +190,32 @@ te.activation_bwd.default
 auto_functionalized_v2(te.linear_fp8_bwd.default)
 te.layernorm_bwd.default""",
         )
+
+
+# Signal-to-quantisation-noise floors (dB) of an emulated block-scaled LayerNormMLP against the
+# high-precision one on Gaussian data: measured ~24 dB (MXFP8) and ~15 dB (NVFP4).
+BLOCK_SCALED_SQNR_DB = {"MXFP8BlockScaling": 20.0, "NVFP4BlockScaling": 12.0}
+
+
+def _sqnr_db(actual, expected):
+    noise = (actual.double() - expected.double()).square().sum().item()
+    return 10 * math.log10(expected.double().square().sum().item() / max(noise, 1e-300))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recipe_cls", [te.recipe.MXFP8BlockScaling, te.recipe.NVFP4BlockScaling])
+def test_emulated_block_scaled_recipes_in_layernorm_mlp(device, recipe_cls):
+    torch.manual_seed(0)
+    m = te.LayerNormMLP(64, 128, params_dtype=torch.bfloat16, device=device)
+    x = torch.randn(64, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+    ref = m(x)
+    ref.float().square().sum().backward()
+    ref_dx, x.grad = x.grad, None
+    compiled, counter = compile_counted(m)
+    with autocast(recipe=recipe_cls()):
+        y = compiled(x)
+    y.float().square().sum().backward()
+    floor = BLOCK_SCALED_SQNR_DB[recipe_cls.__name__]
+    assert _sqnr_db(y, ref) > floor
+    assert _sqnr_db(x.grad, ref_dx) > floor - 6  # gradients are quantised twice more
+    assert counter.frame_count == 1
