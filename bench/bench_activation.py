@@ -136,29 +136,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    harness.add_common_args(parser)
     names = (*ACTIVATIONS, *GATED_ACTIVATIONS)
     parser.add_argument("--only", nargs="+", choices=names, default=list(names))
-    args = parser.parse_args(argv)
-    device = harness.resolve_device(args)
-    if device.type != "cuda" and not args.smoke:
-        parser.error("full-size shapes need a CUDA GPU; use --smoke on CPU")
+    args, device, timing, report = harness.start(
+        parser, argv, "bench_activation", full_timing=harness.MEMORY_BOUND_TIMING
+    )
     m, n = SMOKE_SHAPE if args.smoke else FULL_SHAPE
-    if args.smoke:
-        timing = {"warmup_ms": 5, "rep_ms": 20, "repeat": 3, "min_trial_s": 0.01}
-    else:
-        timing = {"warmup_ms": 50, "rep_ms": 300, "repeat": 5, "min_trial_s": 0.1}
-    meta = harness.collect_metadata(device)
-    meta["te_compile"] = te_compile.__version__
-    report = harness.Report("bench_activation", meta)
-    print(report.header_markdown())
     copy_gbps = membound.copy_bandwidth(device, 2 * m * n * 2, timing)
     for name in args.only:
         for result in run_activation(name, m, n, device=device, timing=timing, copy_gbps=copy_gbps):
             report.add(result)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    report.finish(harness.resolve_out_dir(args, meta), chart=not args.no_chart)
+    report.finish(harness.resolve_out_dir(args, report.metadata), chart=not args.no_chart)
     return 0
 
 

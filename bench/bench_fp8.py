@@ -255,31 +255,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    harness.add_common_args(parser)
     parser.add_argument(
         "--activation", default="gelu", choices=["gelu", "swiglu"], help="default: gelu"
     )
-    args = parser.parse_args(argv)
-    device = harness.resolve_device(args)
-    if device.type != "cuda" and not args.smoke:
-        parser.error("full-size shapes need a CUDA GPU; use --smoke on CPU")
+    args, device, timing, report = harness.start(
+        parser, argv, "bench_fp8", full_timing=harness.GEMM_TIMING
+    )
     t, d, f = SMOKE if args.smoke else FULL
-    if args.smoke:
-        timing = {"warmup_ms": 5, "rep_ms": 20, "repeat": 3, "min_trial_s": 0.01}
-    else:
-        timing = {"warmup_ms": 200, "rep_ms": 1000, "repeat": 5, "min_trial_s": 0.1}
-    meta = harness.collect_metadata(device)
-    meta["te_compile"] = te_compile.__version__
     try:
         import torchao
 
-        meta["torchao"] = torchao.__version__
+        report.metadata["torchao"] = torchao.__version__
     except ImportError:
-        meta["torchao"] = None
-    report = harness.Report("bench_fp8", meta)
-    print(report.header_markdown())
+        report.metadata["torchao"] = None
     report.add(run_case(args.activation, t, d, f, device=device, timing=timing))
-    report.finish(harness.resolve_out_dir(args, meta), chart=not args.no_chart)
+    report.finish(harness.resolve_out_dir(args, report.metadata), chart=not args.no_chart)
     return 0
 
 

@@ -98,21 +98,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    harness.add_common_args(parser)
-    args = parser.parse_args(argv)
-    device = harness.resolve_device(args)
-    if device.type != "cuda" and not args.smoke:
-        parser.error("full-size shapes need a CUDA GPU; use --smoke on CPU")
+    args, device, timing, report = harness.start(
+        parser, argv, "bench_norm", full_timing=harness.MEMORY_BOUND_TIMING
+    )
+    report.metadata["liger_kernel"] = "absent" if not _liger() else _liger_version()
     shapes = SMOKE_SHAPES if args.smoke else FULL_SHAPES
-    if args.smoke:
-        timing = {"warmup_ms": 5, "rep_ms": 20, "repeat": 3, "min_trial_s": 0.01}
-    else:
-        timing = {"warmup_ms": 50, "rep_ms": 400, "repeat": 5, "min_trial_s": 0.1}
-    meta = harness.collect_metadata(device)
-    meta["te_compile"] = te_compile.__version__
-    meta["liger_kernel"] = "absent" if not _liger() else _liger_version()
-    report = harness.Report("bench_norm", meta)
-    print(report.header_markdown())
     for m, n in shapes:
         copy_gbps = membound.copy_bandwidth(device, 2 * m * n * 2, timing)
         for kind in ("LayerNorm", "RMSNorm"):
@@ -120,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 report.add(result)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    report.finish(harness.resolve_out_dir(args, meta), chart=not args.no_chart)
+    report.finish(harness.resolve_out_dir(args, report.metadata), chart=not args.no_chart)
     return 0
 
 

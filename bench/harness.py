@@ -787,6 +787,39 @@ def resolve_device(args: argparse.Namespace) -> torch.device:
     return device
 
 
+SMOKE_TIMING = {"warmup_ms": 5, "rep_ms": 20, "repeat": 3, "min_trial_s": 0.01}
+GEMM_TIMING = {"warmup_ms": 200, "rep_ms": 1000, "repeat": 5, "min_trial_s": 0.1}
+MEMORY_BOUND_TIMING = {"warmup_ms": 50, "rep_ms": 300, "repeat": 5, "min_trial_s": 0.1}
+
+
+def start(
+    parser: argparse.ArgumentParser,
+    argv: Sequence[str] | None,
+    script: str,
+    *,
+    full_timing: Mapping[str, Any],
+) -> tuple[argparse.Namespace, torch.device, dict[str, Any], Report]:
+    """The common start of a bench script whose full-size cases need CUDA: parse (``parser``
+    already has the script's own options; the common ones are added here), pick the device and
+    the timing (``SMOKE_TIMING`` with --smoke), and open the report (metadata printed)."""
+    add_common_args(parser)
+    args = parser.parse_args(argv)
+    device = resolve_device(args)
+    if device.type != "cuda" and not args.smoke:
+        parser.error("full-size shapes need a CUDA GPU; use --smoke on CPU")
+    meta = collect_metadata(device)
+    meta["smoke"] = args.smoke
+    try:
+        import te_compile
+
+        meta["te_compile"] = te_compile.__version__
+    except ImportError:
+        meta["te_compile"] = None
+    report = Report(script, meta)
+    print(report.header_markdown())
+    return args, device, dict(SMOKE_TIMING if args.smoke else full_timing), report
+
+
 def resolve_out_dir(args: argparse.Namespace, meta: Mapping[str, Any]) -> Path | None:
     if args.out is not None:
         return Path(args.out)
