@@ -65,6 +65,23 @@ def quantize_per_tensor(
     return data, scale.reciprocal(), amax
 
 
+def _quantize_both(
+    x: Tensor, fp8_dtype: torch.dtype, scale: Tensor | None, columnwise: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(data, data_t, scale_inv, amax)`` of a 2-D tensor; ``data_t`` (``[K, M]``, only with
+    ``columnwise``, else 0-element) is the transposed copy a backward GEMM needs. On CUDA the
+    Triton kernels of ``te::quantize_current`` / ``te::quantize_tensorwise`` write both copies in
+    one pass; elsewhere the torch reference (bit-identical for finite input)."""
+    if x.is_cuda:
+        if scale is None:
+            return torch.ops.te.quantize_current(x, fp8_dtype, columnwise)
+        data, data_t, amax = torch.ops.te.quantize_tensorwise(x, scale, fp8_dtype, columnwise)
+        return data, data_t, scale.reciprocal(), amax
+    data, scale_inv, amax = quantize_per_tensor(x, fp8_dtype, scale)
+    data_t = data.t().contiguous() if columnwise else data.new_empty(0)
+    return data, data_t, scale_inv, amax
+
+
 def _fake_quant(x: Tensor, fp8_dtype: torch.dtype, scale: Tensor | None) -> Tensor:
     """``dequantize(quantize(x))`` in ``x``'s dtype with a straight-through gradient."""
     q, s_inv, _ = quantize_per_tensor(x, fp8_dtype, scale)
@@ -182,10 +199,10 @@ def linear_fp8_fwd(
     _check(inp, weight, bias, scale, grad_amax, recipe, fwd_dtype, bwd_dtype)
     delayed = recipe == "delayed"
     x = inp.reshape(-1, inp.shape[-1])
-    xq, xs, xa = quantize_per_tensor(x, fwd_dtype, scale[0:1] if delayed else None)
-    wq, ws, wa = quantize_per_tensor(weight, fwd_dtype, scale[1:2] if delayed else None)
+    xq, xq_t, xs, xa = _quantize_both(x, fwd_dtype, scale[0:1] if delayed else None, True)
+    wq, wq_t, ws, wa = _quantize_both(weight, fwd_dtype, scale[1:2] if delayed else None, True)
     out = _gemm(xq, wq, xs, ws, inp.dtype, bias)
-    saved = [xq.t().contiguous().view(torch.uint8), xs, wq.t().contiguous().view(torch.uint8), ws]
+    saved = [xq_t.view(torch.uint8), xs, wq_t.view(torch.uint8), ws]
     return out.reshape(*inp.shape[:-1], weight.shape[0]), saved, torch.cat([xa, wa])
 
 
@@ -224,7 +241,8 @@ def linear_fp8_bwd(
     x_t, w_t = x_t.view(fwd_dtype), w_t.view(fwd_dtype)
     dtype = grad_out.dtype
     dy = grad_out.reshape(-1, grad_out.shape[-1])
-    gq, gs, ga = quantize_per_tensor(dy, bwd_dtype, scale[2:3] if recipe == "delayed" else None)
+    g_scale = scale[2:3] if recipe == "delayed" else None
+    gq, gq_t, gs, ga = _quantize_both(dy, bwd_dtype, g_scale, need_wgrad)
     if grad_amax is not None:
         grad_amax.copy_(ga)
     dinp = _empty(grad_out)
@@ -236,9 +254,7 @@ def linear_fp8_bwd(
     if need_wgrad:
         # dW [N, K] = dY_8^T [N, M] @ X_8 [M, K]; X_8 as column-major = (X_8^T [K, M]).t()
         out_dtype = torch.float32 if main_grad is not None else dtype
-        dw = torch._scaled_mm(
-            gq.t().contiguous(), x_t.t(), scale_a=gs, scale_b=xs, out_dtype=out_dtype
-        )
+        dw = torch._scaled_mm(gq_t, x_t.t(), scale_a=gs, scale_b=xs, out_dtype=out_dtype)
         if main_grad is not None:
             main_grad.add_(dw)
         else:

@@ -121,7 +121,9 @@ def test_unimplemented_recipe_says_so():
     m = _linear("cpu")
     with (
         autocast(recipe=te.quantization.Float8BlockScaling()),
-        pytest.raises(NotImplementedError, match="Float8BlockScaling recipe is not implemented yet"),
+        pytest.raises(
+            NotImplementedError, match="Float8BlockScaling recipe is not implemented yet"
+        ),
     ):
         m(_x("cpu"))
 

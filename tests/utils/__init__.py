@@ -159,3 +159,14 @@ requires_triton = pytest.mark.skipif(
     reason="Triton kernels need a CUDA GPU or TRITON_INTERPRET=1 (make test runs them that way)",
 )
 TRITON_DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+def assert_bits_equal(actual, expected):
+    """Same dtype, shape and bits (signed zeros count); NaN where ``expected`` is NaN, whatever
+    its payload (torch on CPU and the GPU's conversions may encode NaN differently)."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    actual, expected = actual.detach().cpu().contiguous(), expected.contiguous()
+    nan = expected.float().isnan()
+    assert torch.equal(actual.float().isnan(), nan)
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[actual.element_size()]
+    assert torch.equal(actual.view(bits)[~nan], expected.view(bits)[~nan])

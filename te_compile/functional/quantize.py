@@ -1,0 +1,784 @@
+r"""FP8 quantisation: per-tensor (delayed and current scaling) and blockwise (1x128, 128x128).
+
+Ops ``te::quantize_tensorwise``, ``te::quantize_current``, ``te::quantize_blockwise``,
+``te::dequantize_tensorwise``, ``te::dequantize_blockwise``: plain, non-differentiable ops, for
+the FP8 GEMM ops to call inside their own forward and backward. The input ``x`` of shape
+``[..., K]`` is viewed as ``[M, K]``, every leading index flattened into ``M``. With
+:math:`F` the largest finite value of the FP8 format (448 for ``torch.float8_e4m3fn``, 57344 for
+``torch.float8_e5m2``) and all math in fp32:
+
+.. math::
+    q = \operatorname{fp8}\big(\operatorname{clamp}(x\,s,\,-F,\,F)\big), \qquad
+    x \approx q \cdot s^{-1}, \qquad
+    s(a) = \frac{F}{\max(a, \varepsilon)}
+
+rounded to nearest even. The scale rule is Transformer Engine's ``compute_scale_from_amax``
+(:func:`scale_from_amax`): ``s = 1`` where the (epsilon-clamped) amax is 0 (an all-zero
+tensor or block: no NaN, no inf) or :math:`\infty`; an fp32 overflow of :math:`F/a` becomes
+``FLT_MAX``; ``power_2_scale`` rounds ``s`` down to a power of two (then ``scale_inv`` is exact
+and dequantisation loses nothing to it).
+
+Recipes:
+
+* **delayed scaling** (``quantize_tensorwise``): the scale is given (a 1-element fp32 tensor,
+  from the amax history); one read of ``x`` casts it and measures its amax for the history.
+* **current scaling** (``quantize_current``): the scale comes from this tensor's own amax.
+  Every element's cast needs the *global* amax, which is known only after all of ``x`` has
+  been read, so it takes two reads: an amax reduction kernel, then the cast kernel.
+* **blockwise** (``quantize_blockwise``, Transformer Engine's ``Float8BlockScaling``): one
+  scale per block of ``block_rows x 128`` elements of ``[M, K]``: 1x128 (``block_rows=1``,
+  activations and gradients) or 128x128 (``block_rows=128``, weights). Block amaxes are
+  reduced in registers; one read of ``x``.
+
+Layouts (all outputs are fresh, contiguous tensors):
+
+* ``data``: ``x``'s shape, FP8.
+* ``data_t`` (``columnwise=True``, what the backward GEMMs read): ``[K, M]``, the transposed
+  copy of the ``[M, K]`` view, written in the same pass as ``data``. Per-tensor scaling shares
+  the scale. Blockwise 1x128 quantises :math:`x^T` with its *own* 1x128 blocks, which run along
+  ``M``; 128x128 blocks of :math:`x^T` are the transposed blocks of ``x``, so there ``data_t``
+  is ``data``'s ``[M, K]`` view transposed and ``scale_inv_t`` is ``scale_inv`` transposed.
+  Without ``columnwise``, ``data_t`` and ``scale_inv_t`` are 0-element tensors (a schema
+  cannot return an optional tensor).
+* ``scale_inv`` (:math:`1/s`, what a scaled GEMM and dequantisation multiply by): per tensor
+  ``[1]`` fp32; blockwise ``[ceil(M / block_rows), ceil(K / 128)]`` fp32, row-major, entry
+  ``[i, j]`` for rows ``i*block_rows ...`` and columns ``j*128 ...``; ``scale_inv_t`` is
+  ``[ceil(K / block_rows), ceil(M / 128)]`` for :math:`x^T` likewise. This is the compact
+  layout. Transformer Engine's GEMM-ready layout differs (it stores 1x128 scales M-major,
+  ``[ceil(K / 128), M]`` with ``M`` padded to a multiple of 4, and pads 128x128 scale rows to
+  a multiple of 4), and ``torch._scaled_mm``'s blockwise modes have their own; converting to
+  them belongs to the GEMM integration.
+* ``amax``: ``[1]`` fp32, :math:`\max|x|` (blockwise ops do not return one).
+
+The quantise ops return FP8 tensors; the dequantise *ops* take FP8 data as its uint8 bytes plus
+its ``fp8_dtype`` (the project's rule, ``docs/fp8.md``: ``opcheck``'s schema test compares every
+input before and after a call with ``torch.allclose``, which has no FP8 kernel on the CPU).
+:func:`dequantize` passes ``data.view(torch.uint8)``, which is free and traced by the compiler.
+
+Edge semantics: an inf or NaN in ``x`` propagates to ``amax`` (inf or NaN: the caller reports
+it, as Transformer Engine's recipes do); finite overflow, and inf, saturate to :math:`\pm F`;
+NaN stays NaN. Under current scaling an inf amax gives ``s = 1`` (the rest of the tensor is
+cast unscaled, saturating), and a NaN amax gives a NaN scale. Shapes: quantisation works for
+any ``K`` (and ``M``, including 0); only an FP8 *GEMM* needs its operand dims to be multiples of
+16, and the GEMM's caller checks that with :func:`check_fp8_gemm_dims`.
+
+Implementations: on CPU the reference math below (``*_ref``); on CUDA the Triton kernels of
+``te_compile.kernels.quantize``, bit-identical to it (the kernel tests check it, under the
+interpreter on CPU). Input dtypes: fp32, bf16, fp16; ``out_dtype`` of dequantisation likewise.
+
+Public functions: :func:`quantize` (``recipe_kind`` "delayed", "current" or "block") returns
+a :class:`Quantized`, and :func:`dequantize` inverts it. Both dispatch through one table per
+direction (``_QUANTIZERS``, ``_DEQUANTIZERS``), so a new kind (MXFP8, NVFP4) is one entry each.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from te_compile._library import SampleInput, op
+
+__all__ = [
+    "FP8_DTYPES",
+    "Quantized",
+    "check_fp8_gemm_dims",
+    "dequantize",
+    "dequantize_blockwise_ref",
+    "dequantize_tensorwise_ref",
+    "quantize",
+    "quantize_blockwise_ref",
+    "quantize_current_ref",
+    "quantize_tensorwise_ref",
+    "scale_from_amax",
+]
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_HIGH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+BLOCK = 128  # elements of a quantisation block along the last dim
+_FLT_MAX = torch.finfo(torch.float32).max
+
+
+# 1. Reference math --------------------------------------------------------------------------
+
+
+def _rows(t: Tensor) -> Tensor:
+    """``[..., K]`` as fp32 ``[M, K]`` (``M`` may be 0, so not ``reshape(-1, K)``)."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1]).float()
+
+
+def _fp32(value: float, like: Tensor) -> Tensor:
+    return torch.full((), value, dtype=torch.float32, device=like.device)
+
+
+def scale_from_amax(
+    amax: Tensor, fp8_max: float, amax_epsilon: float = 0.0, power_2_scale: bool = False
+) -> Tensor:
+    """Transformer Engine's ``compute_scale_from_amax``, elementwise on fp32 ``amax``:
+    ``fp8_max / max(amax, amax_epsilon)``; 1 where that is a division by 0 or by inf; ``FLT_MAX``
+    where it overflows; rounded down to a power of two with ``power_2_scale``; NaN for NaN."""
+    amax = amax.float()
+    eps = _fp32(amax_epsilon, amax)
+    amax = torch.where(amax < eps, eps, amax)  # not clamp_min: a NaN amax stays NaN
+    # A tensor division, correctly rounded (``fp8_max / amax`` would be reciprocal * fp8_max).
+    scale = torch.div(_fp32(fp8_max, amax), amax)
+    scale = torch.where(torch.isinf(scale), _FLT_MAX, scale)
+    if power_2_scale:
+        # Keep sign and exponent (0xFF800000): 2^floor(log2 s) for every finite s > 0.
+        pow2 = (scale.view(torch.int32) & -8388608).view(torch.float32)
+        scale = torch.where(torch.isnan(scale), scale, pow2)
+    return torch.where((amax == 0) | torch.isinf(amax), 1.0, scale)
+
+
+def _reciprocal(scale: Tensor) -> Tensor:
+    return torch.div(torch.ones_like(scale), scale)
+
+
+def _amax(x2: Tensor) -> Tensor:
+    if x2.numel() == 0:
+        return x2.new_zeros(1)
+    return x2.abs().amax().reshape(1)  # amax propagates NaN
+
+
+def _cast(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> Tensor:
+    fp8_max = torch.finfo(fp8_dtype).max
+    return (x * scale).clamp(-fp8_max, fp8_max).to(fp8_dtype)
+
+
+def _transpose(t: Tensor) -> Tensor:
+    """A new contiguous transposed copy; not ``.t().contiguous()``, which returns ``t`` itself
+    (an alias of another output) when a dim is 1."""
+    return t.t().clone(memory_format=torch.contiguous_format)
+
+
+def _empty(like: Tensor, dtype: torch.dtype) -> Tensor:
+    """An output that is not computed: a fresh 0-element tensor."""
+    return like.new_empty(0, dtype=dtype)
+
+
+def quantize_tensorwise_ref(
+    x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, columnwise: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(data, data_t, amax)`` with the given scale (delayed scaling)."""
+    x2 = _rows(x)
+    q = _cast(x2, scale.reshape(()).float(), fp8_dtype)
+    data_t = _transpose(q) if columnwise else _empty(x, fp8_dtype)
+    return q.view(x.shape), data_t, _amax(x2)
+
+
+def quantize_current_ref(
+    x: Tensor,
+    fp8_dtype: torch.dtype,
+    columnwise: bool,
+    amax_epsilon: float = 0.0,
+    power_2_scale: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(data, data_t, scale_inv, amax)`` with the scale from ``x``'s own amax."""
+    x2 = _rows(x)
+    amax = _amax(x2)
+    scale = scale_from_amax(amax, torch.finfo(fp8_dtype).max, amax_epsilon, power_2_scale)
+    q = _cast(x2, scale, fp8_dtype)
+    data_t = _transpose(q) if columnwise else _empty(x, fp8_dtype)
+    return q.view(x.shape), data_t, _reciprocal(scale), amax
+
+
+def _block_cast(
+    x2: Tensor, fp8_dtype: torch.dtype, block_rows: int, power_2_scale: bool
+) -> tuple[Tensor, Tensor]:
+    """fp32 ``[M, K]`` in ``block_rows x 128`` blocks: ``(q [M, K], scale_inv [Mb, Kb])``."""
+    m, k = x2.shape
+    mb, kb = -(-m // block_rows), -(-k // BLOCK)
+    # Zero padding to whole blocks: it never raises a block's amax.
+    blocks = F.pad(x2, (0, kb * BLOCK - k, 0, mb * block_rows - m))
+    blocks = blocks.view(mb, block_rows, kb, BLOCK)
+    scale = scale_from_amax(
+        blocks.abs().amax(dim=(1, 3)), torch.finfo(fp8_dtype).max, 0.0, power_2_scale
+    )
+    q = _cast(blocks, scale[:, None, :, None], fp8_dtype).view(mb * block_rows, kb * BLOCK)
+    return q[:m, :k].contiguous(), _reciprocal(scale)
+
+
+def quantize_blockwise_ref(
+    x: Tensor, fp8_dtype: torch.dtype, block_rows: int, power_2_scale: bool, columnwise: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(data, scale_inv, data_t, scale_inv_t)``; layouts in the module docstring."""
+    x2 = _rows(x)
+    q, scale_inv = _block_cast(x2, fp8_dtype, block_rows, power_2_scale)
+    if not columnwise:
+        data_t, scale_inv_t = _empty(x, fp8_dtype), _empty(x, torch.float32)
+    elif block_rows == 1:
+        data_t, scale_inv_t = _block_cast(x2.t(), fp8_dtype, 1, power_2_scale)
+    else:
+        data_t, scale_inv_t = _transpose(q), _transpose(scale_inv)
+    return q.view(x.shape), scale_inv, data_t, scale_inv_t
+
+
+def dequantize_tensorwise_ref(data: Tensor, scale_inv: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """``fp32(data) * scale_inv`` rounded to ``out_dtype``."""
+    return (data.float() * scale_inv.reshape(()).float()).to(out_dtype)
+
+
+def dequantize_blockwise_ref(
+    data: Tensor, scale_inv: Tensor, block_rows: int, out_dtype: torch.dtype
+) -> Tensor:
+    """``fp32(data) * scale_inv`` of each ``block_rows x 128`` block, rounded to ``out_dtype``."""
+    q = _rows(data)
+    m, k = q.shape
+    s = scale_inv.float().repeat_interleave(block_rows, 0)[:m]
+    s = s.repeat_interleave(BLOCK, 1)[:, :k]
+    return (q * s).to(out_dtype).view(data.shape)
+
+
+# Argument checks: the same ValueError in eager (implementations) and at trace time (fakes).
+
+
+def _check_x(name: str, x: Tensor, fp8_dtype: torch.dtype) -> None:
+    torch._check_value(
+        x.dtype in _HIGH_DTYPES,
+        lambda: (
+            f"te.{name}: x.dtype must be torch.float32, torch.bfloat16 or torch.float16, "
+            f"got {x.dtype}"
+        ),
+    )
+    torch._check_value(
+        x.dim() >= 1, lambda: f"te.{name}: x must have at least 1 dim (K), got a 0-dim tensor"
+    )
+    _check_fp8_dtype(name, "fp8_dtype", fp8_dtype)
+
+
+def _check_fp8_dtype(name: str, arg: str, dtype: torch.dtype) -> None:
+    torch._check_value(
+        dtype in FP8_DTYPES,
+        lambda: f"te.{name}: {arg} must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}",
+    )
+
+
+def _check_per_tensor_scale(name: str, arg: str, scale: Tensor, x: Tensor) -> None:
+    torch._check_value(
+        scale.numel() == 1 and scale.dtype == torch.float32,
+        lambda: (
+            f"te.{name}: {arg} must be a 1-element torch.float32 tensor, got shape "
+            f"{list(scale.shape)} and dtype {scale.dtype}"
+        ),
+    )
+    torch._check_value(
+        scale.device == x.device,
+        lambda: f"te.{name}: {arg} must be on the input's device ({x.device}), got {scale.device}",
+    )
+
+
+def _check_block_rows(name: str, block_rows: int) -> None:
+    torch._check_value(
+        block_rows in (1, BLOCK),
+        lambda: (
+            f"te.{name}: block_rows must be 1 (1x128 blocks) or 128 (128x128 blocks), "
+            f"got {block_rows}"
+        ),
+    )
+
+
+def _check_quantize_current(name: str, x: Tensor, fp8_dtype: torch.dtype, eps: float) -> None:
+    _check_x(name, x, fp8_dtype)
+    torch._check_value(
+        eps >= 0 and math.isfinite(eps),
+        lambda: f"te.{name}: amax_epsilon must be finite and >= 0, got {eps}",
+    )
+
+
+def _check_dequantize(
+    name: str, data: Tensor, fp8_dtype: torch.dtype, out_dtype: torch.dtype
+) -> None:
+    torch._check_value(
+        data.dtype == torch.uint8 and data.dim() >= 1,
+        lambda: (
+            f"te.{name}: data must be the uint8 bytes of the fp8 data "
+            f"(data.view(torch.uint8)) with at least 1 dim, got {data.dtype} of shape "
+            f"{list(data.shape)}"
+        ),
+    )
+    _check_fp8_dtype(name, "fp8_dtype", fp8_dtype)
+    torch._check_value(
+        out_dtype in _HIGH_DTYPES,
+        lambda: (
+            f"te.{name}: out_dtype must be torch.float32, torch.bfloat16 or torch.float16, "
+            f"got {out_dtype}"
+        ),
+    )
+
+
+def _check_block_scale_inv(name: str, data: Tensor, scale_inv: Tensor, block_rows: int) -> None:
+    _check_block_rows(name, block_rows)
+    m, k = math.prod(data.shape[:-1]), data.shape[-1]
+    torch._check_value(
+        scale_inv.dtype == torch.float32 and scale_inv.dim() == 2,
+        lambda: (
+            f"te.{name}: scale_inv must be a 2-dim torch.float32 tensor, got shape "
+            f"{list(scale_inv.shape)} and dtype {scale_inv.dtype}"
+        ),
+    )
+    expected = ((m + block_rows - 1) // block_rows, (k + BLOCK - 1) // BLOCK)
+    for d in range(2):
+        torch._check_value(
+            scale_inv.shape[d] == expected[d],
+            lambda: (
+                f"te.{name}: scale_inv must have shape [ceil(M / {block_rows}), ceil(K / 128)] "
+                f"= {list(expected)} for data of shape {list(data.shape)} (M = {m}, K = {k}), "
+                f"got {list(scale_inv.shape)}"
+            ),
+        )
+    torch._check_value(
+        scale_inv.device == data.device,
+        lambda: (
+            f"te.{name}: scale_inv must be on data's device ({data.device}), got {scale_inv.device}"
+        ),
+    )
+
+
+def check_fp8_gemm_dims(name: str, **dims: int) -> None:
+    """ValueError unless every named dim is a multiple of 16, as an FP8 GEMM needs of its
+    operands (``torch._scaled_mm``/cuBLASLt: 16-byte aligned FP8 rows). For the callers of the
+    GEMM — quantisation itself accepts any size. Works on SymInts (checked at trace time)."""
+    for arg, size in dims.items():
+        torch._check_value(
+            size % 16 == 0,
+            lambda arg=arg, size=size: (
+                f"te.{name}: {arg} (= {size}) must be a multiple of 16 for an FP8 GEMM"
+            ),
+        )
+
+
+def _kernels():
+    # Imported on first CUDA use: Triton is not a dependency of the CPU-only package.
+    from te_compile.kernels import quantize
+
+    return quantize
+
+
+# Sample inputs for the registry test: small and odd shapes (partial 128-blocks, leading dims,
+# 1-D, empty), bf16/fp32/fp16, both FP8 formats, saturating values, an all-zero tensor.
+
+
+def _randn(device: torch.device, shape: tuple[int, ...], dtype: torch.dtype, std: float = 1.0):
+    return (torch.randn(shape, device=device) * std).to(dtype)
+
+
+def _scalar(device: torch.device, value: float) -> Tensor:
+    return torch.tensor([value], device=device)
+
+
+_E4M3, _E5M2 = FP8_DTYPES
+_F32, _BF16, _F16 = _HIGH_DTYPES
+
+
+def _tensorwise_samples(device: torch.device) -> list[SampleInput]:
+    return [
+        SampleInput((_randn(device, (37, 45), _BF16), _scalar(device, 0.5), _E4M3, True)),
+        # std 100 at scale 1000: most values saturate
+        SampleInput((_randn(device, (2, 3, 20), _F32, 100), _scalar(device, 1e3), _E5M2, False)),
+        SampleInput((_randn(device, (17,), _F16), _scalar(device, 2.0), _E4M3, True)),
+        SampleInput((_randn(device, (0, 24), _BF16), _scalar(device, 1.0), _E5M2, True)),
+    ]
+
+
+def _current_samples(device: torch.device) -> list[SampleInput]:
+    return [
+        SampleInput((_randn(device, (37, 45), _BF16), _E4M3, True)),
+        SampleInput(
+            (_randn(device, (3, 5, 33), _F32, 1e-3), _E5M2, False),
+            {"amax_epsilon": 1e-2, "power_2_scale": True},
+        ),
+        SampleInput((torch.zeros(4, 16, device=device), _E4M3, True), {"power_2_scale": True}),
+    ]
+
+
+def _blockwise_samples(device: torch.device) -> list[SampleInput]:
+    return [
+        SampleInput((_randn(device, (130, 200), _BF16), _E4M3, 1, True, True)),
+        SampleInput((_randn(device, (3, 50, 129), _F32, 10), _E5M2, 128, False, True)),
+        SampleInput((_randn(device, (5, 300), _F32), _E4M3, 1, False, False)),
+        SampleInput((_randn(device, (130, 20), _F16), _E5M2, 128, True, False)),
+    ]
+
+
+def _dequantize_tensorwise_samples(device: torch.device) -> list[SampleInput]:
+    data, _, scale_inv, _ = quantize_current_ref(_randn(device, (37, 45), _BF16), _E4M3, False)
+    data5, _, scale_inv5, _ = quantize_current_ref(_randn(device, (2, 3, 20), _F32), _E5M2, False)
+    return [
+        SampleInput((data.view(torch.uint8), scale_inv, _E4M3, _BF16)),
+        SampleInput((data5.view(torch.uint8), scale_inv5, _E5M2, _F32)),
+    ]
+
+
+def _dequantize_blockwise_samples(device: torch.device) -> list[SampleInput]:
+    x = _randn(device, (130, 200), _F32)
+    data, scale_inv, data_t, scale_inv_t = quantize_blockwise_ref(x, _E4M3, 1, False, True)
+    data128, scale_inv128, _, _ = quantize_blockwise_ref(
+        _randn(device, (3, 50, 129), _BF16), _E5M2, 128, True, False
+    )
+    u8 = torch.uint8
+    return [
+        SampleInput((data.view(u8), scale_inv, 1, _E4M3, _F32)),
+        SampleInput((data_t.view(u8), scale_inv_t, 1, _E4M3, _F16)),
+        SampleInput((data128.view(u8), scale_inv128, 128, _E5M2, _BF16)),
+    ]
+
+
+# 2. Ops (default implementation: the reference math; CUDA: the Triton kernels) ---------------
+
+
+@op("quantize_tensorwise", sample_inputs=_tensorwise_samples)
+def quantize_tensorwise(
+    x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, columnwise: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Delayed scaling: returns ``(data, data_t, amax)``; ``data_t`` is ``[K, M]`` with
+    ``columnwise``, else 0-element. One read of ``x``."""
+    _check_x("quantize_tensorwise", x, fp8_dtype)
+    _check_per_tensor_scale("quantize_tensorwise", "scale", scale, x)
+    return quantize_tensorwise_ref(x, scale, fp8_dtype, columnwise)
+
+
+@quantize_tensorwise.register_kernel("cuda")
+def _quantize_tensorwise_cuda(
+    x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, columnwise: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    _check_x("quantize_tensorwise", x, fp8_dtype)
+    _check_per_tensor_scale("quantize_tensorwise", "scale", scale, x)
+    return _kernels().quantize_tensorwise(x, scale, fp8_dtype, columnwise)
+
+
+@op("quantize_current", sample_inputs=_current_samples)
+def quantize_current(
+    x: Tensor,
+    fp8_dtype: torch.dtype,
+    columnwise: bool,
+    amax_epsilon: float = 0.0,
+    power_2_scale: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Current scaling: returns ``(data, data_t, scale_inv, amax)``. Two reads of ``x``: the
+    global amax must be known before the first element is cast."""
+    _check_quantize_current("quantize_current", x, fp8_dtype, amax_epsilon)
+    return quantize_current_ref(x, fp8_dtype, columnwise, amax_epsilon, power_2_scale)
+
+
+@quantize_current.register_kernel("cuda")
+def _quantize_current_cuda(
+    x: Tensor,
+    fp8_dtype: torch.dtype,
+    columnwise: bool,
+    amax_epsilon: float = 0.0,
+    power_2_scale: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    _check_quantize_current("quantize_current", x, fp8_dtype, amax_epsilon)
+    return _kernels().quantize_current(x, fp8_dtype, columnwise, amax_epsilon, power_2_scale)
+
+
+@op("quantize_blockwise", sample_inputs=_blockwise_samples)
+def quantize_blockwise(
+    x: Tensor, fp8_dtype: torch.dtype, block_rows: int, power_2_scale: bool, columnwise: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Blockwise scaling: returns ``(data, scale_inv, data_t, scale_inv_t)`` (layouts in the
+    module docstring). One read of ``x``."""
+    _check_x("quantize_blockwise", x, fp8_dtype)
+    _check_block_rows("quantize_blockwise", block_rows)
+    return quantize_blockwise_ref(x, fp8_dtype, block_rows, power_2_scale, columnwise)
+
+
+@quantize_blockwise.register_kernel("cuda")
+def _quantize_blockwise_cuda(
+    x: Tensor, fp8_dtype: torch.dtype, block_rows: int, power_2_scale: bool, columnwise: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    _check_x("quantize_blockwise", x, fp8_dtype)
+    _check_block_rows("quantize_blockwise", block_rows)
+    return _kernels().quantize_blockwise(x, fp8_dtype, block_rows, power_2_scale, columnwise)
+
+
+@op("dequantize_tensorwise", sample_inputs=_dequantize_tensorwise_samples)
+def dequantize_tensorwise(
+    data: Tensor, scale_inv: Tensor, fp8_dtype: torch.dtype, out_dtype: torch.dtype
+) -> Tensor:
+    """``data`` (the uint8 bytes of ``fp8_dtype`` values) times ``scale_inv``, rounded to
+    ``out_dtype``; ``data``'s shape."""
+    _check_dequantize("dequantize_tensorwise", data, fp8_dtype, out_dtype)
+    _check_per_tensor_scale("dequantize_tensorwise", "scale_inv", scale_inv, data)
+    return dequantize_tensorwise_ref(data.view(fp8_dtype), scale_inv, out_dtype)
+
+
+@dequantize_tensorwise.register_kernel("cuda")
+def _dequantize_tensorwise_cuda(
+    data: Tensor, scale_inv: Tensor, fp8_dtype: torch.dtype, out_dtype: torch.dtype
+) -> Tensor:
+    _check_dequantize("dequantize_tensorwise", data, fp8_dtype, out_dtype)
+    _check_per_tensor_scale("dequantize_tensorwise", "scale_inv", scale_inv, data)
+    return _kernels().dequantize_tensorwise(data.view(fp8_dtype), scale_inv, out_dtype)
+
+
+@op("dequantize_blockwise", sample_inputs=_dequantize_blockwise_samples)
+def dequantize_blockwise(
+    data: Tensor,
+    scale_inv: Tensor,
+    block_rows: int,
+    fp8_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+) -> Tensor:
+    """``data`` (the uint8 bytes of ``fp8_dtype`` values) times ``scale_inv`` per
+    ``block_rows x 128`` block of the ``[M, K]`` view, rounded to ``out_dtype``; ``data``'s
+    shape."""
+    _check_dequantize("dequantize_blockwise", data, fp8_dtype, out_dtype)
+    _check_block_scale_inv("dequantize_blockwise", data, scale_inv, block_rows)
+    return dequantize_blockwise_ref(data.view(fp8_dtype), scale_inv, block_rows, out_dtype)
+
+
+@dequantize_blockwise.register_kernel("cuda")
+def _dequantize_blockwise_cuda(
+    data: Tensor,
+    scale_inv: Tensor,
+    block_rows: int,
+    fp8_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+) -> Tensor:
+    _check_dequantize("dequantize_blockwise", data, fp8_dtype, out_dtype)
+    _check_block_scale_inv("dequantize_blockwise", data, scale_inv, block_rows)
+    return _kernels().dequantize_blockwise(data.view(fp8_dtype), scale_inv, block_rows, out_dtype)
+
+
+# 3. Fakes -----------------------------------------------------------------------------------
+
+
+def _fake_fp8(x: Tensor, fp8_dtype: torch.dtype, columnwise: bool) -> tuple[Tensor, Tensor]:
+    """``(data, data_t)``: ``x``'s shape, and ``[K, M]`` or 0-element."""
+    m, k = math.prod(x.shape[:-1]), x.shape[-1]
+    data_t = x.new_empty((k, m), dtype=fp8_dtype) if columnwise else _empty(x, fp8_dtype)
+    return x.new_empty(x.shape, dtype=fp8_dtype), data_t
+
+
+def _fake_scalar(x: Tensor) -> Tensor:
+    return x.new_empty((1,), dtype=torch.float32)
+
+
+@quantize_tensorwise.register_fake
+def _quantize_tensorwise_fake(
+    x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, columnwise: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    _check_x("quantize_tensorwise", x, fp8_dtype)
+    _check_per_tensor_scale("quantize_tensorwise", "scale", scale, x)
+    return (*_fake_fp8(x, fp8_dtype, columnwise), _fake_scalar(x))
+
+
+@quantize_current.register_fake
+def _quantize_current_fake(
+    x: Tensor,
+    fp8_dtype: torch.dtype,
+    columnwise: bool,
+    amax_epsilon: float = 0.0,
+    power_2_scale: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    _check_quantize_current("quantize_current", x, fp8_dtype, amax_epsilon)
+    return (*_fake_fp8(x, fp8_dtype, columnwise), _fake_scalar(x), _fake_scalar(x))
+
+
+@quantize_blockwise.register_fake
+def _quantize_blockwise_fake(
+    x: Tensor, fp8_dtype: torch.dtype, block_rows: int, power_2_scale: bool, columnwise: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    _check_x("quantize_blockwise", x, fp8_dtype)
+    _check_block_rows("quantize_blockwise", block_rows)
+    m, k = math.prod(x.shape[:-1]), x.shape[-1]
+    data, data_t = _fake_fp8(x, fp8_dtype, columnwise)
+    f32 = torch.float32
+    scale_inv = x.new_empty(
+        ((m + block_rows - 1) // block_rows, (k + BLOCK - 1) // BLOCK), dtype=f32
+    )
+    if columnwise:
+        t_shape = ((k + block_rows - 1) // block_rows, (m + BLOCK - 1) // BLOCK)
+        scale_inv_t = x.new_empty(t_shape, dtype=f32)
+    else:
+        scale_inv_t = _empty(x, f32)
+    return data, scale_inv, data_t, scale_inv_t
+
+
+@dequantize_tensorwise.register_fake
+def _dequantize_tensorwise_fake(
+    data: Tensor, scale_inv: Tensor, fp8_dtype: torch.dtype, out_dtype: torch.dtype
+) -> Tensor:
+    _check_dequantize("dequantize_tensorwise", data, fp8_dtype, out_dtype)
+    _check_per_tensor_scale("dequantize_tensorwise", "scale_inv", scale_inv, data)
+    return data.new_empty(data.shape, dtype=out_dtype)
+
+
+@dequantize_blockwise.register_fake
+def _dequantize_blockwise_fake(
+    data: Tensor,
+    scale_inv: Tensor,
+    block_rows: int,
+    fp8_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+) -> Tensor:
+    _check_dequantize("dequantize_blockwise", data, fp8_dtype, out_dtype)
+    _check_block_scale_inv("dequantize_blockwise", data, scale_inv, block_rows)
+    return data.new_empty(data.shape, dtype=out_dtype)
+
+
+# Public functions ----------------------------------------------------------------------------
+
+
+class Quantized(NamedTuple):
+    """A quantised tensor as plain tensors (never a tensor subclass).
+
+    ``data``: FP8, the input's shape. ``scale_inv``: what to multiply ``data`` by to
+    dequantise (``[1]`` per tensor; per block as in the module docstring). ``data_t`` and
+    ``scale_inv_t``: the columnwise ``[K, M]`` copy and its scales, None unless
+    ``columnwise=True`` (per-tensor kinds share ``scale_inv``: the same tensor). ``amax``:
+    ``[1]`` fp32 ``max|x|`` for the per-tensor kinds, None for "block". ``kind`` and
+    ``block_rows``: how it was made, which :func:`dequantize` dispatches on."""
+
+    data: Tensor
+    scale_inv: Tensor
+    data_t: Tensor | None
+    scale_inv_t: Tensor | None
+    amax: Tensor | None
+    kind: str
+    block_rows: int = 1
+
+
+def _quantize_delayed(
+    x: Tensor,
+    *,
+    fp8_dtype: torch.dtype,
+    scale: Tensor | None,
+    block_rows: int,
+    power_2_scale: bool,
+    columnwise: bool,
+    amax_epsilon: float,
+) -> Quantized:
+    if scale is None:
+        raise ValueError(
+            'te.quantize: recipe_kind "delayed" needs scale= (a 1-element torch.float32 tensor, '
+            "the scale derived from the amax history)"
+        )
+    data, data_t, amax = quantize_tensorwise(x, scale, fp8_dtype, columnwise)
+    scale_inv = _reciprocal(scale.reshape(1))
+    t = (data_t, scale_inv) if columnwise else (None, None)
+    return Quantized(data, scale_inv, *t, amax, "delayed")
+
+
+def _no_scale(kind: str, scale: Tensor | None) -> None:
+    if scale is not None:
+        raise ValueError(
+            f'te.quantize: scale= is only for recipe_kind "delayed"; "{kind}" computes its own'
+        )
+
+
+def _quantize_current(
+    x: Tensor,
+    *,
+    fp8_dtype: torch.dtype,
+    scale: Tensor | None,
+    block_rows: int,
+    power_2_scale: bool,
+    columnwise: bool,
+    amax_epsilon: float,
+) -> Quantized:
+    _no_scale("current", scale)
+    data, data_t, scale_inv, amax = quantize_current(
+        x, fp8_dtype, columnwise, amax_epsilon, power_2_scale
+    )
+    t = (data_t, scale_inv) if columnwise else (None, None)
+    return Quantized(data, scale_inv, *t, amax, "current")
+
+
+def _quantize_block(
+    x: Tensor,
+    *,
+    fp8_dtype: torch.dtype,
+    scale: Tensor | None,
+    block_rows: int,
+    power_2_scale: bool,
+    columnwise: bool,
+    amax_epsilon: float,
+) -> Quantized:
+    _no_scale("block", scale)
+    data, scale_inv, data_t, scale_inv_t = quantize_blockwise(
+        x, fp8_dtype, block_rows, power_2_scale, columnwise
+    )
+    t = (data_t, scale_inv_t) if columnwise else (None, None)
+    return Quantized(data, scale_inv, *t, None, "block", block_rows)
+
+
+def _bytes(data: Tensor) -> Tensor:
+    return data.view(torch.uint8)
+
+
+def _dequantize_tensorwise(q: Quantized, out_dtype: torch.dtype, columnwise: bool) -> Tensor:
+    data = q.data_t if columnwise else q.data
+    return dequantize_tensorwise(_bytes(data), q.scale_inv, data.dtype, out_dtype)
+
+
+def _dequantize_block(q: Quantized, out_dtype: torch.dtype, columnwise: bool) -> Tensor:
+    if columnwise:
+        data, scale_inv = q.data_t, q.scale_inv_t
+    else:
+        data, scale_inv = q.data, q.scale_inv
+    return dequantize_blockwise(_bytes(data), scale_inv, q.block_rows, data.dtype, out_dtype)
+
+
+# One entry per recipe kind and direction: a new kind (MXFP8, NVFP4) adds one to each.
+_QUANTIZERS: dict[str, Callable[..., Quantized]] = {
+    "delayed": _quantize_delayed,
+    "current": _quantize_current,
+    "block": _quantize_block,
+}
+_DEQUANTIZERS: dict[str, Callable[[Quantized, torch.dtype, bool], Tensor]] = {
+    "delayed": _dequantize_tensorwise,
+    "current": _dequantize_tensorwise,
+    "block": _dequantize_block,
+}
+
+
+def quantize(
+    tensor: Tensor,
+    recipe_kind: str,
+    *,
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+    scale: Tensor | None = None,
+    block_rows: int = 1,
+    power_2_scale: bool = False,
+    columnwise: bool = False,
+    amax_epsilon: float = 0.0,
+) -> Quantized:
+    """Quantise ``tensor`` to FP8 with one recipe kind:
+
+    * ``"delayed"``: per-tensor with the given ``scale`` (1-element fp32); one read.
+    * ``"current"``: per-tensor with the scale from ``tensor``'s amax (``amax_epsilon``,
+      ``power_2_scale``); two reads.
+    * ``"block"``: ``block_rows x 128`` blocks (``block_rows`` 1 or 128; ``power_2_scale``).
+
+    ``columnwise=True`` also makes the ``[K, M]`` copy for the backward GEMMs. Returns a
+    :class:`Quantized`; :func:`dequantize` inverts it."""
+    quantizer = _QUANTIZERS.get(recipe_kind)
+    if quantizer is None:
+        raise ValueError(
+            f"te.quantize: recipe_kind must be one of {sorted(_QUANTIZERS)}, got {recipe_kind!r}"
+        )
+    return quantizer(
+        tensor,
+        fp8_dtype=fp8_dtype,
+        scale=scale,
+        block_rows=block_rows,
+        power_2_scale=power_2_scale,
+        columnwise=columnwise,
+        amax_epsilon=amax_epsilon,
+    )
+
+
+def dequantize(q: Quantized, out_dtype: torch.dtype, *, columnwise: bool = False) -> Tensor:
+    """``q``'s values in ``out_dtype`` (fp32, bf16 or fp16): ``data``'s shape, or with
+    ``columnwise=True`` the ``[K, M]`` copy ``data_t``'s."""
+    if columnwise and q.data_t is None:
+        raise ValueError(
+            "te.dequantize: columnwise=True needs q.data_t (quantize(..., columnwise=True))"
+        )
+    return _DEQUANTIZERS[q.kind](q, out_dtype, columnwise)

@@ -1,0 +1,594 @@
+r"""Triton kernels for FP8 quantisation: per-tensor (delayed / current scaling) and blockwise.
+
+The input is viewed as ``[M, K]`` (every leading index is a row). All math is fp32, whatever the
+storage dtype; for a scale :math:`s` and the format's largest finite value :math:`F`
+(448 for E4M3, 57344 for E5M2):
+
+.. math::
+    q = \operatorname{fp8}\big(\operatorname{clamp}(x\,s,\,-F,\,F)\big), \qquad
+    s(a) = F / \max(a, \varepsilon) \;\;(\text{1 where that max is 0 or } \infty)
+
+rounded to nearest even; NaN stays NaN, everything else saturates to :math:`\pm F`. The scale
+rule is Transformer Engine's ``compute_scale_from_amax``: an fp32 overflow of :math:`F/a` (a
+subnormal ``a``) becomes ``FLT_MAX``; with power-of-two scales the fp32 mantissa is cleared
+(:math:`2^{\lfloor\log_2 s\rfloor}`); a NaN amax gives a NaN scale. Division is
+``div_rn`` (correctly rounded; Triton's ``/`` on CUDA is not), so the results match torch.
+
+Kernels:
+
+* ``_amax_kernel``: :math:`\max|x|` over the whole tensor. A fixed number of programs each
+  reduce a contiguous chunk in registers and fold it into one fp32 with a single atomic max.
+  The maximum is taken over the *int32 bits* of :math:`|x|`: for non-negative floats the
+  integer order is the float order, and every NaN lies above :math:`+\infty`, so the integer
+  max is a NaN-propagating float max (the float ``max`` of Triton is not NaN-propagating) and
+  the int32 atomic max needs no compare-and-swap loop.
+* ``_cast_kernel``: per-tensor cast of one ``BLOCK_M x BLOCK_K`` tile per program: ``data``,
+  and with ``COLUMNWISE`` the transposed tile into ``data_t`` (``[K, M]``) from the same
+  registers, so ``x`` is read once. Delayed scaling loads the given scale and folds the tile's
+  amax into the amax output (one pass); current scaling loads the amax of ``_amax_kernel``,
+  derives the scale in every program and program (0, 0) writes ``scale_inv`` (a second pass).
+* ``_block_kernel``: blockwise cast of one tile of 128 columns per program, ``BLOCK_M`` rows
+  (128 for 128x128 blocks and whenever the columnwise copy is made). Block amaxes are reduced in
+  registers: per row for 1x128 blocks (and per column for the columnwise 1x128 copy of
+  :math:`x^T`, whose blocks run along ``M``), over the whole tile for 128x128 blocks, where the
+  columnwise copy is the transposed tile with the same scale.
+* ``_dequant_kernel``: ``fp32(q) * scale_inv`` (one per tensor, or per block) to ``out_dtype``.
+
+Storage: fp8 outputs and inputs cross the kernel boundary as their ``torch.uint8`` bit pattern
+(``tensor.view(torch.uint8)``). On CUDA the conversion is the hardware's (``cvt.rn.satfinite``,
+round to nearest even). Under ``TRITON_INTERPRET=1`` it cannot be: Triton's interpreter (3.x)
+converts fp32 to fp8 rounding half *up* on the dropped bits with no carry into the exponent
+(127.9 becomes 64), without NaN handling, and fp32 to bf16 by truncation. So off CUDA (or when
+:attr:`QuantizeLaunchConfig.software_convert` asks for it) the kernels encode and decode fp8,
+and round bf16 outputs, with integer bit arithmetic that is exact on every backend; the CPU
+tests check it bit for bit against torch's conversions, and a CUDA test checks that both
+conversion paths agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+__all__ = [
+    "QuantizeLaunchConfig",
+    "amax",
+    "dequantize_blockwise",
+    "dequantize_tensorwise",
+    "quantize_blockwise",
+    "quantize_current",
+    "quantize_tensorwise",
+]
+
+BLOCK = 128  # the quantisation block: 1x128 or 128x128 elements of the [M, K] view
+_FLT_MAX = 3.4028234663852886e38
+
+
+@dataclasses.dataclass(frozen=True)
+class _Format:
+    e4m3: bool
+    mbits: int  # mantissa bits
+    bias: int  # exponent bias
+    max: float  # largest finite value
+
+
+_FORMATS = {
+    torch.float8_e4m3fn: _Format(True, 3, 7, 448.0),
+    torch.float8_e5m2: _Format(False, 2, 15, 57344.0),
+}
+
+
+# Launch configuration ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizeLaunchConfig:
+    """Tiling of the launches. The defaults suit large tensors on a GPU; tests pass small tiles
+    to reach many programs, partial tiles and multi-step amax chunks at sizes the interpreter
+    runs quickly.
+
+    ``block_m`` x ``block_k``: the tile of the per-tensor cast and of dequantisation (square
+    tiles make the transposed store of ``data_t`` as wide as the rowwise one); ``block_m`` is
+    also the rows per program of a rowwise-only 1x128 blockwise cast (other blockwise casts
+    use 128 rows). ``amax_block``: elements per step of the amax reduction. ``amax_programs``:
+    at most this many amax programs (None: 4 per SM on CUDA, 4 otherwise). ``software_convert``:
+    integer fp8/bf16 conversion (None: exactly when not on CUDA; see the module docstring)."""
+
+    block_m: int = 64
+    block_k: int = 64
+    amax_block: int = 4096
+    amax_programs: int | None = None
+    num_warps: int = 4
+    software_convert: bool | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_k", "amax_block"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"QuantizeLaunchConfig: {name} must be a power of two, got {v}")
+        if self.amax_programs is not None and self.amax_programs < 1:
+            raise ValueError(
+                f"QuantizeLaunchConfig: amax_programs must be >= 1, got {self.amax_programs}"
+            )
+
+
+_DEFAULT = QuantizeLaunchConfig()
+
+
+@functools.lru_cache(maxsize=16)
+def _default_amax_programs(device: torch.device) -> int:
+    if device.type == "cuda":
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def _software(device: torch.device, cfg: QuantizeLaunchConfig) -> bool:
+    return device.type != "cuda" if cfg.software_convert is None else cfg.software_convert
+
+
+# Device functions ----------------------------------------------------------------------------
+
+
+@triton.jit
+def _abs_bits(x):
+    """``|x|`` as int32 bits; their integer max is a NaN-propagating float max (docstring)."""
+    return tl.abs(x).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _scale_from_amax(amax, fp8_max, eps, POW2: tl.constexpr):
+    """Transformer Engine's ``compute_scale_from_amax`` (module docstring), elementwise."""
+    amax = tl.where(amax < eps, eps, amax)  # not tl.maximum: a NaN amax must stay NaN
+    unit = (amax == 0.0) | (amax == float("inf"))
+    scale = tl.math.div_rn(fp8_max, tl.where(unit, 1.0, amax))  # no division by 0
+    scale = tl.where(scale == float("inf"), 3.4028234663852886e38, scale)
+    if POW2:
+        # 0xFF800000: keep sign and exponent. NaN would become inf, so it is kept as it is.
+        pow2 = (scale.to(tl.int32, bitcast=True) & -8388608).to(tl.float32, bitcast=True)
+        scale = tl.where(scale == scale, pow2, scale)
+    return tl.where(unit, 1.0, scale)
+
+
+@triton.jit
+def _saturate(y, fp8_max):
+    return tl.clamp(y, -fp8_max, fp8_max, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _to_fp8_bits(
+    y, E4M3: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, SOFTWARE: tl.constexpr
+):
+    """fp32 ``y``, already in ``[-max, max]`` or NaN, to the uint8 bits of fp8, round to
+    nearest even."""
+    if not SOFTWARE:
+        if E4M3:
+            return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        return y.to(tl.float8e5).to(tl.uint8, bitcast=True)
+    bits = y.to(tl.uint32, bitcast=True)
+    a = bits & 0x7FFFFFFF
+    # Normal results: round the fp32 bits to MBITS mantissa bits (a carry out of the mantissa
+    # correctly bumps the exponent), then re-bias the exponent.
+    SHIFT: tl.constexpr = 23 - MBITS
+    an = tl.maximum(a, (128 - BIAS) << 23)
+    normal = (an + ((1 << (SHIFT - 1)) - 1) + ((an >> SHIFT) & 1)) >> SHIFT
+    normal = normal - ((127 - BIAS) << MBITS)
+    # Below the smallest normal 2^(1-BIAS): count quanta of 2^(1-BIAS-MBITS), rounded to
+    # nearest even; a count of 2^MBITS is exactly the smallest normal's code.
+    m = (a & 0x7FFFFF) | 0x800000
+    s = tl.minimum(tl.maximum(151 - BIAS - MBITS - (a >> 23).to(tl.int32), 1), 31)
+    s = s.to(tl.uint32)
+    sub = (m + ((1 << (s - 1)) - 1) + ((m >> s) & 1)) >> s
+    code = tl.where(a < ((128 - BIAS) << 23), sub, normal)
+    code = tl.where(a > 0x7F800000, 0x7F, code)  # NaN, as torch encodes it
+    return (code | ((bits >> 31) << 7)).to(tl.uint8)
+
+
+@triton.jit
+def _from_fp8_bits(
+    q, E4M3: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, SOFTWARE: tl.constexpr
+):
+    """uint8 bits of fp8 to fp32 (exact)."""
+    if not SOFTWARE:
+        if E4M3:
+            return q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        return q.to(tl.float8e5, bitcast=True).to(tl.float32)
+    b = q.to(tl.uint32)
+    e = (b >> MBITS) & ((1 << (7 - MBITS)) - 1)
+    m = b & ((1 << MBITS) - 1)
+    normal = (((e + (127 - BIAS)) << 23) | (m << (23 - MBITS))).to(tl.float32, bitcast=True)
+    # Subnormal: m quanta of 2^(1-BIAS-MBITS), a power of two built from its bits.
+    quantum = tl.full(m.shape, (128 - BIAS - MBITS) << 23, tl.int32).to(tl.float32, bitcast=True)
+    v = tl.where(e == 0, m.to(tl.float32) * quantum, normal)
+    if E4M3:
+        v = tl.where((e == 15) & (m == 7), float("nan"), v)
+    else:
+        v = tl.where(e == 31, tl.where(m == 0, float("inf"), float("nan")), v)
+    return tl.where((b >> 7) != 0, -v, v)
+
+
+@triton.jit
+def _to_bf16_bits(y):
+    """fp32 to the uint16 bits of bf16, round to nearest even (NaN stays a quiet NaN)."""
+    bits = y.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return tl.where((bits & 0x7FFFFFFF) > 0x7F800000, (bits >> 16) | 0x40, rounded).to(tl.uint16)
+
+
+# Kernels -------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _amax_kernel(X, AMAX_BITS, numel, chunk, BLOCK_SIZE: tl.constexpr):
+    """Program ``p`` reduces elements ``[p * chunk, (p + 1) * chunk)``; one atomic max each."""
+    start = tl.program_id(0).to(tl.int64) * chunk
+    end = tl.minimum(start + chunk, numel)
+    acc = tl.zeros([BLOCK_SIZE], dtype=tl.int32)
+    for s in range(start, end, BLOCK_SIZE):
+        offs = s + tl.arange(0, BLOCK_SIZE)
+        x = tl.load(X + offs, mask=offs < end, other=0.0).to(tl.float32)
+        acc = tl.maximum(acc, _abs_bits(x))
+    tl.atomic_max(AMAX_BITS, tl.max(acc, axis=0))
+
+
+@triton.jit
+def _cast_kernel(
+    X,
+    SCALE,
+    AMAX_BITS,
+    DATA,
+    DATA_T,
+    SCALE_INV,
+    M,
+    K,
+    fp8_max,
+    eps,
+    E4M3: tl.constexpr,
+    MBITS: tl.constexpr,
+    BIAS: tl.constexpr,
+    SOFTWARE: tl.constexpr,
+    FROM_AMAX: tl.constexpr,
+    POW2: tl.constexpr,
+    COLUMNWISE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Per-tensor cast of one tile. ``FROM_AMAX`` (current scaling): the scale comes from the
+    amax in ``AMAX_BITS`` and program (0, 0) writes ``SCALE_INV``; otherwise (delayed scaling)
+    ``SCALE`` is given and the tile's amax is folded into ``AMAX_BITS``."""
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    x = tl.load(X + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    if FROM_AMAX:
+        amax = tl.load(AMAX_BITS).to(tl.float32, bitcast=True)
+        scale = _scale_from_amax(amax, fp8_max, eps, POW2)
+        if (pid_m == 0) & (pid_k == 0):
+            tl.store(SCALE_INV, tl.math.div_rn(1.0, scale))
+    else:
+        scale = tl.load(SCALE)
+        tl.atomic_max(AMAX_BITS, tl.max(tl.max(_abs_bits(x), axis=1), axis=0))
+    q = _to_fp8_bits(_saturate(x * scale, fp8_max), E4M3, MBITS, BIAS, SOFTWARE)
+    tl.store(DATA + rows.to(tl.int64)[:, None] * K + cols[None, :], q, mask=mask)
+    if COLUMNWISE:
+        mask_t = (cols[:, None] < K) & (rows[None, :] < M)
+        offs_t = cols.to(tl.int64)[:, None] * M + rows[None, :]
+        tl.store(DATA_T + offs_t, tl.trans(q), mask=mask_t)
+
+
+@triton.jit
+def _block_kernel(
+    X,
+    DATA,
+    SCALE_INV,
+    DATA_T,
+    SCALE_INV_T,
+    M,
+    K,
+    fp8_max,
+    E4M3: tl.constexpr,
+    MBITS: tl.constexpr,
+    BIAS: tl.constexpr,
+    SOFTWARE: tl.constexpr,
+    POW2: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    COLUMNWISE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Blockwise cast of a ``BLOCK_M x BLOCK_K`` tile (``BLOCK_K`` = 128; ``BLOCK_M`` = 128
+    for 128x128 blocks and with ``COLUMNWISE``)."""
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    a = _abs_bits(x)  # padding lanes are 0 and never raise a block's amax
+    n_kb = tl.cdiv(K, BLOCK_K)
+    mask_t = (cols[:, None] < K) & (rows[None, :] < M)
+    offs_t = cols.to(tl.int64)[:, None] * M + rows[None, :]
+    if BLOCK_ROWS == 1:
+        amax = tl.max(a, axis=1).to(tl.float32, bitcast=True)
+        scale = _scale_from_amax(amax, fp8_max, 0.0, POW2)
+        q = _to_fp8_bits(_saturate(x * scale[:, None], fp8_max), E4M3, MBITS, BIAS, SOFTWARE)
+        scale_inv = tl.math.div_rn(1.0, scale)
+        tl.store(SCALE_INV + rows.to(tl.int64) * n_kb + pid_k, scale_inv, mask=rows < M)
+        if COLUMNWISE:
+            # x^T in 1x128 blocks along M: one block per column of this tile.
+            amax_t = tl.max(a, axis=0).to(tl.float32, bitcast=True)
+            scale_t = _scale_from_amax(amax_t, fp8_max, 0.0, POW2)
+            q_t = _to_fp8_bits(
+                _saturate(x * scale_t[None, :], fp8_max), E4M3, MBITS, BIAS, SOFTWARE
+            )
+            tl.store(DATA_T + offs_t, tl.trans(q_t), mask=mask_t)
+            scale_inv_t = tl.math.div_rn(1.0, scale_t)
+            n_mb = tl.cdiv(M, BLOCK_M)
+            tl.store(SCALE_INV_T + cols.to(tl.int64) * n_mb + pid_m, scale_inv_t, mask=cols < K)
+    else:
+        amax = tl.max(tl.max(a, axis=1), axis=0).to(tl.float32, bitcast=True)
+        scale = _scale_from_amax(amax, fp8_max, 0.0, POW2)
+        q = _to_fp8_bits(_saturate(x * scale, fp8_max), E4M3, MBITS, BIAS, SOFTWARE)
+        scale_inv = tl.math.div_rn(1.0, scale)
+        tl.store(SCALE_INV + pid_m * n_kb + pid_k, scale_inv)
+        if COLUMNWISE:
+            # A 128x128 block of x^T is the transposed block of x: same scale, same codes.
+            tl.store(DATA_T + offs_t, tl.trans(q), mask=mask_t)
+            tl.store(SCALE_INV_T + pid_k * tl.cdiv(M, BLOCK_M) + pid_m, scale_inv)
+    tl.store(DATA + offs, q, mask=mask)
+
+
+@triton.jit
+def _dequant_kernel(
+    DATA,
+    SCALE_INV,
+    OUT,
+    M,
+    K,
+    E4M3: tl.constexpr,
+    MBITS: tl.constexpr,
+    BIAS: tl.constexpr,
+    SOFTWARE: tl.constexpr,
+    BF16_BITS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """``OUT = fp32(DATA) * SCALE_INV``; one scale (``BLOCK_ROWS == 0``) or one per block of
+    ``BLOCK_ROWS x 128``. ``BF16_BITS``: ``OUT`` is a bf16 output seen as uint16, rounded here."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
+    q = tl.load(DATA + offs, mask=mask, other=0)
+    v = _from_fp8_bits(q, E4M3, MBITS, BIAS, SOFTWARE)
+    if BLOCK_ROWS == 0:
+        s = tl.load(SCALE_INV)
+    else:
+        n_kb = tl.cdiv(K, 128)
+        s_offs = (rows // BLOCK_ROWS).to(tl.int64)[:, None] * n_kb + (cols // 128)[None, :]
+        s = tl.load(SCALE_INV + s_offs, mask=mask, other=0.0)
+    y = v * s
+    if BF16_BITS:
+        tl.store(OUT + offs, _to_bf16_bits(y), mask=mask)
+    else:
+        tl.store(OUT + offs, y.to(OUT.dtype.element_ty), mask=mask)
+
+
+# Launch wrappers -----------------------------------------------------------------------------
+
+
+def _rows(t: Tensor) -> tuple[Tensor, int, int]:
+    """``[..., K]`` as a contiguous ``[M, K]`` (a copy only when not contiguous)."""
+    m, k = math.prod(t.shape[:-1]), t.shape[-1]
+    return t.contiguous().view(m, k), m, k
+
+
+def _fp8_args(fp8_dtype: torch.dtype, software: bool) -> dict[str, object]:
+    f = _FORMATS[fp8_dtype]
+    return {"E4M3": f.e4m3, "MBITS": f.mbits, "BIAS": f.bias, "SOFTWARE": software}
+
+
+def _bits(t: Tensor) -> Tensor:
+    return t.view(torch.uint8)
+
+
+def _grid(m: int, k: int, bm: int, bk: int) -> tuple[int, int]:
+    # At least one program: current scaling writes scale_inv even for an empty input.
+    return max(triton.cdiv(m, bm), 1), max(triton.cdiv(k, bk), 1)
+
+
+def amax(x: Tensor, *, config: QuantizeLaunchConfig | None = None) -> Tensor:
+    """``max|x|`` as a 1-element fp32 tensor (0 for an empty ``x``; NaN if any is NaN)."""
+    cfg = config or _DEFAULT
+    x = x.contiguous()
+    out = torch.zeros(1, device=x.device, dtype=torch.float32)
+    n = x.numel()
+    if n:
+        cap = cfg.amax_programs or _default_amax_programs(x.device)
+        programs = min(triton.cdiv(n, cfg.amax_block), cap)
+        chunk = triton.cdiv(triton.cdiv(n, programs), cfg.amax_block) * cfg.amax_block
+        _amax_kernel[(triton.cdiv(n, chunk),)](
+            x, out.view(torch.int32), n, chunk, BLOCK_SIZE=cfg.amax_block, num_warps=cfg.num_warps
+        )
+    return out
+
+
+def _transposed(x: Tensor, m: int, k: int, dtype: torch.dtype, columnwise: bool) -> Tensor:
+    return x.new_empty((k, m) if columnwise else (0,), dtype=dtype)
+
+
+def quantize_tensorwise(
+    x: Tensor,
+    scale: Tensor,
+    fp8_dtype: torch.dtype,
+    columnwise: bool,
+    *,
+    config: QuantizeLaunchConfig | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Delayed scaling: ``(data, data_t, amax)`` from one read of ``x`` (see the op)."""
+    cfg = config or _DEFAULT
+    x2, m, k = _rows(x)
+    data = torch.empty(x.shape, device=x.device, dtype=fp8_dtype)
+    data_t = _transposed(x, m, k, fp8_dtype, columnwise)
+    amax_out = torch.zeros(1, device=x.device, dtype=torch.float32)
+    if m * k:
+        _cast_kernel[_grid(m, k, cfg.block_m, cfg.block_k)](
+            x2,
+            scale.reshape(1).contiguous(),
+            amax_out.view(torch.int32),
+            _bits(data),
+            _bits(data_t),
+            amax_out,  # SCALE_INV: unused
+            m,
+            k,
+            _FORMATS[fp8_dtype].max,
+            0.0,
+            **_fp8_args(fp8_dtype, _software(x.device, cfg)),
+            FROM_AMAX=False,
+            POW2=False,
+            COLUMNWISE=columnwise,
+            BLOCK_M=cfg.block_m,
+            BLOCK_K=cfg.block_k,
+            num_warps=cfg.num_warps,
+        )
+    return data, data_t, amax_out
+
+
+def quantize_current(
+    x: Tensor,
+    fp8_dtype: torch.dtype,
+    columnwise: bool,
+    amax_epsilon: float = 0.0,
+    power_2_scale: bool = False,
+    *,
+    config: QuantizeLaunchConfig | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Current scaling: ``(data, data_t, scale_inv, amax)``; two reads of ``x`` (the amax
+    reduction, then the cast)."""
+    cfg = config or _DEFAULT
+    x2, m, k = _rows(x)
+    data = torch.empty(x.shape, device=x.device, dtype=fp8_dtype)
+    data_t = _transposed(x, m, k, fp8_dtype, columnwise)
+    amax_out = amax(x2, config=cfg)
+    scale_inv = torch.empty(1, device=x.device, dtype=torch.float32)
+    _cast_kernel[_grid(m, k, cfg.block_m, cfg.block_k)](
+        x2,
+        amax_out,  # SCALE: unused
+        amax_out.view(torch.int32),
+        _bits(data),
+        _bits(data_t),
+        scale_inv,
+        m,
+        k,
+        _FORMATS[fp8_dtype].max,
+        amax_epsilon,
+        **_fp8_args(fp8_dtype, _software(x.device, cfg)),
+        FROM_AMAX=True,
+        POW2=power_2_scale,
+        COLUMNWISE=columnwise,
+        BLOCK_M=cfg.block_m,
+        BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps,
+    )
+    return data, data_t, scale_inv, amax_out
+
+
+def quantize_blockwise(
+    x: Tensor,
+    fp8_dtype: torch.dtype,
+    block_rows: int,
+    power_2_scale: bool,
+    columnwise: bool,
+    *,
+    config: QuantizeLaunchConfig | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Blockwise: ``(data, scale_inv, data_t, scale_inv_t)``, one read of ``x`` (see the op)."""
+    cfg = config or _DEFAULT
+    x2, m, k = _rows(x)
+    block_m = cfg.block_m if block_rows == 1 and not columnwise else BLOCK
+    data = torch.empty(x.shape, device=x.device, dtype=fp8_dtype)
+    f32 = torch.float32
+    scale_inv = x.new_empty((triton.cdiv(m, block_rows), triton.cdiv(k, BLOCK)), dtype=f32)
+    data_t = _transposed(x, m, k, fp8_dtype, columnwise)
+    t_shape = (triton.cdiv(k, block_rows), triton.cdiv(m, BLOCK)) if columnwise else (0,)
+    scale_inv_t = x.new_empty(t_shape, dtype=f32)
+    if m * k:
+        _block_kernel[(triton.cdiv(m, block_m), triton.cdiv(k, BLOCK))](
+            x2,
+            _bits(data),
+            scale_inv,
+            _bits(data_t),
+            scale_inv_t,
+            m,
+            k,
+            _FORMATS[fp8_dtype].max,
+            **_fp8_args(fp8_dtype, _software(x.device, cfg)),
+            POW2=power_2_scale,
+            BLOCK_ROWS=block_rows,
+            COLUMNWISE=columnwise,
+            BLOCK_M=block_m,
+            BLOCK_K=BLOCK,
+            num_warps=8 if block_m == BLOCK else cfg.num_warps,
+        )
+    return data, scale_inv, data_t, scale_inv_t
+
+
+def _dequantize(
+    data: Tensor,
+    scale_inv: Tensor,
+    block_rows: int,
+    out_dtype: torch.dtype,
+    cfg: QuantizeLaunchConfig,
+) -> Tensor:
+    q, m, k = _rows(data)
+    out = torch.empty(data.shape, device=data.device, dtype=out_dtype)
+    software = _software(data.device, cfg)
+    bf16_bits = software and out_dtype == torch.bfloat16
+    if m * k:
+        _dequant_kernel[_grid(m, k, cfg.block_m, cfg.block_k)](
+            _bits(q),
+            scale_inv.contiguous(),
+            out.view(torch.uint16) if bf16_bits else out,
+            m,
+            k,
+            **_fp8_args(data.dtype, software),
+            BF16_BITS=bf16_bits,
+            BLOCK_ROWS=block_rows,
+            BLOCK_M=cfg.block_m,
+            BLOCK_K=cfg.block_k,
+            num_warps=cfg.num_warps,
+        )
+    return out
+
+
+def dequantize_tensorwise(
+    data: Tensor,
+    scale_inv: Tensor,
+    out_dtype: torch.dtype,
+    *,
+    config: QuantizeLaunchConfig | None = None,
+) -> Tensor:
+    """``fp32(data) * scale_inv`` rounded to ``out_dtype``; ``scale_inv`` has one element."""
+    return _dequantize(data, scale_inv.reshape(1), 0, out_dtype, config or _DEFAULT)
+
+
+def dequantize_blockwise(
+    data: Tensor,
+    scale_inv: Tensor,
+    block_rows: int,
+    out_dtype: torch.dtype,
+    *,
+    config: QuantizeLaunchConfig | None = None,
+) -> Tensor:
+    """``fp32(data) * scale_inv`` per ``block_rows x 128`` block of the ``[M, K]`` view."""
+    return _dequantize(data, scale_inv, block_rows, out_dtype, config or _DEFAULT)

@@ -1,0 +1,238 @@
+"""The FP8 quantisation Triton kernels (``te_compile.kernels.quantize``) against the CPU
+reference implementation (``te_compile.functional.quantize.*_ref``, itself checked against an
+independent quantiser in ``tests/functional/test_quantize.py``), bit for bit.
+
+Run on CUDA, or on CPU tensors with ``TRITON_INTERPRET=1`` (small sizes). A launch configuration
+of 16x16 tiles and 64-element amax steps over 3 programs reaches, at a few dozen elements, what
+the defaults reach only on large tensors: many tiles, tiles cut by both ends of the input, and
+amax programs that loop over several steps. The fp8 conversion itself is checked on every fp8
+code, every midpoint between neighbouring codes and the fp32 values one ulp either side of it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from te_compile.functional import quantize as Q
+from tests.utils import TRITON_DEVICE, assert_bits_equal, requires_cuda, requires_triton
+
+kernels = pytest.importorskip("te_compile.kernels.quantize")
+QuantizeLaunchConfig = kernels.QuantizeLaunchConfig
+
+pytestmark = [pytest.mark.triton, requires_triton]
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FP8 = [pytest.param(E4M3, id="e4m3"), pytest.param(E5M2, id="e5m2")]
+SMALL = QuantizeLaunchConfig(block_m=16, block_k=16, amax_block=64, amax_programs=3)
+# One 128x128 tile per program: few programs, which the interpreter runs fastest.
+WIDE = QuantizeLaunchConfig(block_m=128, block_k=128)
+FP8_POW2 = [pytest.param(E4M3, True, id="e4m3-pow2"), pytest.param(E5M2, False, id="e5m2")]
+CONFIGS = [pytest.param(None, id="default"), pytest.param(SMALL, id="small")]
+SHAPES = [(37, 45), (2, 3, 20), (17,), (1, 1), (0, 8), (5, 0)]
+# [150, 129] and [257, 7]: tiles cut by the end of the input in M, in K, or both.
+BLOCK_SHAPES = [(3, 50, 129), (1, 1), (257, 7), (0, 5)]
+
+
+def _x(shape, dtype=torch.bfloat16, std=1.0):
+    return (torch.randn(shape) * std).to(dtype)
+
+
+def _assert_all_equal(actual, expected):
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected, strict=True):
+        assert a.device.type == TRITON_DEVICE and a.is_contiguous()
+        assert_bits_equal(a, e)
+
+
+def _dev(t):
+    return t.to(TRITON_DEVICE)
+
+
+def _special_values(fp8):
+    """Every finite fp8 value, the midpoints between neighbours and the fp32 values one ulp
+    either side of them (ties and near-ties of round-to-nearest-even, carries into the exponent,
+    subnormals), out-of-range, inf, NaN, signed zeros and fp32 subnormals; as a [M, 64] tensor."""
+    codes = torch.arange(256, dtype=torch.uint8).view(fp8).float()
+    codes = codes[codes.isfinite()].unique()
+    mids = (codes[1:] + codes[:-1]) / 2
+
+    def step(t, ulps):
+        return (t.abs().view(torch.int32) + ulps).view(torch.float32) * t.sign()
+
+    special = [0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-45, -1e-40, 3e38, -1e6]
+    values = torch.cat([codes, mids, step(mids, 1), step(mids, -1), torch.tensor(special)])
+    return torch.cat([values, torch.zeros(-values.numel() % 64)]).view(-1, 64)
+
+
+# The conversion ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fp8", FP8)
+def test_fp8_conversion_every_code_and_tie(fp8):
+    x = _special_values(fp8)
+    one = torch.ones(1)
+    actual = kernels.quantize_tensorwise(_dev(x), _dev(one), fp8, True)
+    _assert_all_equal(actual, Q.quantize_tensorwise_ref(x, one, fp8, True))
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fp8", FP8)
+def test_fp8_decode_every_code(fp8, out_dtype):
+    data = torch.arange(256, dtype=torch.uint8).view(fp8).view(4, 64)
+    # scale_inv 3e-3: bf16 and fp16 outputs are rounded (ties included), fp16 ones underflow.
+    scale_inv = torch.tensor([3e-3])
+    actual = kernels.dequantize_tensorwise(_dev(data), _dev(scale_inv), out_dtype, config=SMALL)
+    assert_bits_equal(actual, Q.dequantize_tensorwise_ref(data, scale_inv, out_dtype))
+
+
+# Per-tensor -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize(
+    "fp8, dtype",
+    [(E4M3, torch.bfloat16), (E5M2, torch.float32), (E4M3, torch.float16)],
+    ids=["e4m3-bf16", "e5m2-fp32", "e4m3-fp16"],
+)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_tensorwise(shape, fp8, dtype, config):
+    x = _x(shape, dtype, std=30.0)  # some values saturate
+    scale = torch.tensor([8.0])
+    for columnwise in (False, True):
+        actual = kernels.quantize_tensorwise(_dev(x), _dev(scale), fp8, columnwise, config=config)
+        _assert_all_equal(actual, Q.quantize_tensorwise_ref(x, scale, fp8, columnwise))
+
+
+@pytest.mark.parametrize("pow2, eps", [(False, 0.0), (True, 0.0), (True, 2.0**-4)], ids=str)
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_current(shape, fp8, pow2, eps):
+    # SMALL: the amax of 3 programs looping over 64-element steps feeds 16x16 cast tiles (the
+    # default tiles are covered by test_tensorwise and test_amax).
+    x = _x(shape, std=1e-2)
+    actual = kernels.quantize_current(_dev(x), fp8, True, eps, pow2, config=SMALL)
+    _assert_all_equal(actual, Q.quantize_current_ref(x, fp8, True, eps, pow2))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in divide:RuntimeWarning")  # amax 1e-44
+@pytest.mark.parametrize("fp8", FP8)
+def test_special_values_per_tensor(fp8):
+    """inf, NaN, overflow and a subnormal-fp32 amax through both per-tensor paths."""
+    x = torch.randn(3, 40)
+    x[0, 1], x[0, 2], x[1, 3], x[2, 4] = float("inf"), -float("inf"), 1e30, float("nan")
+    scale = torch.tensor([4.0])
+    x_inf = torch.where(x.isnan(), 0.0, x)
+    tiny = torch.full((3, 40), 1e-44)
+    for t in (x, x_inf, tiny, torch.zeros(3, 40)):
+        actual = kernels.quantize_tensorwise(_dev(t), _dev(scale), fp8, True, config=SMALL)
+        _assert_all_equal(actual, Q.quantize_tensorwise_ref(t, scale, fp8, True))
+        for pow2 in (False, True):
+            actual = kernels.quantize_current(_dev(t), fp8, True, 0.0, pow2, config=SMALL)
+            _assert_all_equal(actual, Q.quantize_current_ref(t, fp8, True, 0.0, pow2))
+
+
+def test_amax():
+    x = torch.randn(1000)
+    x[777] = -50.0
+    for config in (None, SMALL):  # SMALL: 3 programs, each looping over 6 steps of 64
+        assert kernels.amax(_dev(x), config=config).item() == 50.0
+    x[3] = float("inf")
+    assert kernels.amax(_dev(x), config=SMALL).item() == float("inf")
+    x[999] = float("nan")  # NaN wins over inf, in any program
+    assert kernels.amax(_dev(x), config=SMALL).isnan().all()
+    assert kernels.amax(_dev(torch.full((5,), -0.0))).item() == 0.0
+    assert kernels.amax(_dev(torch.empty(0, 3))).item() == 0.0
+
+
+# Blockwise ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block_rows", [1, 128])
+@pytest.mark.parametrize("fp8, pow2", FP8_POW2)
+@pytest.mark.parametrize("shape", BLOCK_SHAPES, ids=str)
+def test_blockwise(shape, fp8, pow2, block_rows):
+    x = _x(shape)
+    if x.numel():  # magnitudes from 1e-3 to 1e3 across the columns: every block its own scale
+        x = x * torch.logspace(-3, 3, shape[-1]).to(x.dtype)
+    runs = [(False, None), (True, None)]
+    if block_rows == 1:
+        runs.append((False, SMALL))  # rowwise-only 1x128: 16 rows per program
+    for columnwise, config in runs:
+        actual = kernels.quantize_blockwise(
+            _dev(x), fp8, block_rows, pow2, columnwise, config=config
+        )
+        _assert_all_equal(actual, Q.quantize_blockwise_ref(x, fp8, block_rows, pow2, columnwise))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in divide:RuntimeWarning")  # amax 1e-44
+@pytest.mark.parametrize("fp8, pow2", FP8_POW2)
+def test_special_values_blockwise(fp8, pow2):
+    x = torch.randn(130, 260)
+    x[0, 1], x[5, 200], x[129, 259] = float("inf"), float("nan"), 1e30
+    x[64:, 128:256] = 0.0  # all-zero blocks
+    x[9, :128] = 1e-44  # a 1x128 block with a subnormal amax: scale FLT_MAX
+    for block_rows in (1, 128):
+        actual = kernels.quantize_blockwise(_dev(x), fp8, block_rows, pow2, True)
+        _assert_all_equal(actual, Q.quantize_blockwise_ref(x, fp8, block_rows, pow2, True))
+
+
+# (20, 150) with 16x16 tiles: scale blocks change inside a row of tiles.
+DEQUANT_SHAPES = [((130, 200), WIDE), ((3, 50, 129), WIDE), ((20, 150), SMALL), ((1, 1), None)]
+
+
+@pytest.mark.parametrize("block_rows", [1, 128])
+@pytest.mark.parametrize("shape, config", DEQUANT_SHAPES, ids=lambda v: str(v)[:16])
+def test_dequantize_blockwise(shape, config, block_rows):
+    x = _x(shape, torch.float32, std=100.0)
+    data, scale_inv, data_t, scale_inv_t = Q.quantize_blockwise_ref(
+        x, E4M3, block_rows, False, True
+    )
+    for d, s, out_dtype in (
+        (data, scale_inv, torch.bfloat16),
+        (data_t, scale_inv_t, torch.float16),
+    ):
+        actual = kernels.dequantize_blockwise(
+            _dev(d), _dev(s), block_rows, out_dtype, config=config
+        )
+        assert_bits_equal(actual, Q.dequantize_blockwise_ref(d, s, block_rows, out_dtype))
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_dequantize_tensorwise(shape):
+    data, _, scale_inv, _ = Q.quantize_current_ref(_x(shape), E5M2, False)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        actual = kernels.dequantize_tensorwise(_dev(data), _dev(scale_inv), out_dtype, config=SMALL)
+        assert_bits_equal(actual, Q.dequantize_tensorwise_ref(data, scale_inv, out_dtype))
+
+
+# Configuration and conversion paths -----------------------------------------------------------
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="block_k must be a power of two, got 24"):
+        QuantizeLaunchConfig(block_k=24)
+    with pytest.raises(ValueError, match="amax_programs must be >= 1"):
+        QuantizeLaunchConfig(amax_programs=0)
+
+
+@requires_cuda
+@pytest.mark.parametrize("fp8", FP8)
+def test_software_conversion_matches_hardware_on_cuda(fp8):
+    """The integer conversion the interpreter runs equals the GPU's cvt instructions."""
+    x = _special_values(fp8).cuda()
+    one = torch.ones(1, device="cuda")
+    soft = QuantizeLaunchConfig(software_convert=True)
+    hard = QuantizeLaunchConfig(software_convert=False)
+    for a, b in zip(
+        kernels.quantize_tensorwise(x, one, fp8, True, config=soft),
+        kernels.quantize_tensorwise(x, one, fp8, True, config=hard),
+        strict=True,
+    ):
+        assert_bits_equal(a, b.cpu())
+    data = torch.arange(256, dtype=torch.uint8).view(fp8).view(4, 64).cuda()
+    s = torch.tensor([3e-3], device="cuda")
+    for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
+        a = kernels.dequantize_tensorwise(data, s, out_dtype, config=soft)
+        b = kernels.dequantize_tensorwise(data, s, out_dtype, config=hard)
+        assert_bits_equal(a, b.cpu())
