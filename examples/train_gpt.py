@@ -34,6 +34,7 @@ Usage::
     python examples/train_gpt.py                     # default config for the device
     python examples/train_gpt.py --steps 50 --layers 1 --width 32
     python examples/train_gpt.py --device cuda --dtype float32 --no-compile
+    python examples/train_gpt.py --recipe delayed     # FP8 GEMMs in the transformer blocks
 """
 
 from __future__ import annotations
@@ -61,6 +62,11 @@ DEFAULTS = {
     "cuda": dict(layers=6, width=384, heads=6, block_size=256, batch_size=64, steps=1500, lr=1e-3),
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+RECIPES = {
+    "none": lambda: None,
+    "delayed": lambda: te_compile.recipe.DelayedScaling(amax_history_len=16),
+    "current": te_compile.recipe.Float8CurrentScaling,
+}
 
 
 # --------------------------------------------------------------------------- model
@@ -75,6 +81,7 @@ class GPTConfig:
     heads: int
     normalization: str = "LayerNorm"
     activation: str = "gelu"
+    recipe: str = "none"
 
 
 class CausalSelfAttention(nn.Module):
@@ -139,6 +146,7 @@ class GPT(nn.Module):
         self.lm_head = te_compile.Linear(
             cfg.width, cfg.vocab_size, bias=False, params_dtype=dtype, device=device
         )
+        self.recipe = RECIPES[cfg.recipe]()
         self.reset_parameters()
 
     @torch.no_grad()
@@ -161,8 +169,13 @@ class GPT(nn.Module):
         T = idx.shape[1]
         pos = torch.arange(T, device=idx.device)
         x = self.tok_emb(idx) + self.pos_emb(pos)
-        for block in self.blocks:
-            x = block(x)
+        # The transformer blocks' GEMMs run in FP8 with --recipe while training; the LM head
+        # stays in high precision (its vocabulary-sized output is not a multiple of 16, and FP8
+        # logits hurt), and so does evaluation (sampling feeds prompts of any length).
+        fp8 = self.recipe is not None and self.training
+        with te_compile.autocast(enabled=fp8, recipe=self.recipe):
+            for block in self.blocks:
+                x = block(x)
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits
@@ -281,6 +294,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="every norm of the model (default: LayerNorm)",
     )
     p.add_argument(
+        "--recipe",
+        default="none",
+        choices=tuple(RECIPES),
+        help="FP8 recipe for the transformer blocks' GEMMs (default: none, high precision)",
+    )
+    p.add_argument(
         "--activation",
         default="gelu",
         choices=(*te_compile.functional.ACTIVATIONS, *te_compile.functional.GATED_ACTIVATIONS),
@@ -324,6 +343,7 @@ def main(argv=None) -> int:
         args.heads,
         normalization=args.normalization,
         activation=args.activation,
+        recipe=args.recipe,
     )
     model = GPT(cfg, dtype, device)
     n_params = sum(p.numel() for p in model.parameters())

@@ -53,3 +53,10 @@ def test_train_gpt_is_deterministic_given_a_seed():
         assert report(runs[0], label) == report(runs[1], label)
     sample = [r.split("sample:\n", 1)[1].split("\n\n", 1)[0] for r in runs]
     assert sample[0] == sample[1]
+
+
+def test_train_gpt_trains_in_fp8_with_delayed_scaling():
+    # Tokens per step (8 x 32) and widths (32, 128) are multiples of 16, as FP8 GEMMs need.
+    stdout = run_train_gpt("--recipe", "delayed", "--normalization", "RMSNorm")
+    assert report(stdout, "graph breaks") == "0"
+    assert float(report(stdout, "final val loss")) < float(report(stdout, "initial val loss"))
