@@ -1,14 +1,18 @@
-r"""Block-scaled linear, emulated: ``te::linear_block_scaled_fwd`` / ``_bwd`` for the MXFP8 and
-NVFP4 recipes (Transformer Engine's ``MXFP8BlockScaling``, ``NVFP4BlockScaling``).
+r"""Block-scaled linear, emulated: ``te::linear_block_scaled_fwd`` / ``_bwd`` for the MXFP8,
+NVFP4 and FP8-blockwise recipes (Transformer Engine's ``MXFP8BlockScaling``,
+``NVFP4BlockScaling``, ``Float8BlockScaling``).
 
 Hopper has no tensor-core instructions for MX (32-element blocks, E8M0 scales) or NVFP4
-(16-element blocks, E4M3 scales, a global scale) operands, so off Blackwell the GEMMs are
-*emulated*: every operand is quantised exactly as the native recipe would (the quantisation
-ops of ``te_compile.functional.quantize_mx``), dequantised and multiplied in fp32 (where every
-dequantised value is exact; the output is rounded once to the input's dtype). The numerics are
-those of the recipe up to the GEMM's accumulation order; the speed is that of an fp32 GEMM plus
-the quantisation passes, i.e. slower than bf16. Use it to test recipes and train small models
-for numerics, not for speed.
+(16-element blocks, E4M3 scales, a global scale) operands, so off Blackwell those GEMMs are
+*emulated*; ``Float8BlockScaling`` (1x128 blocks for activations and gradients, 128x128 for
+weights, fp32 scales) runs natively on Hopper through blockwise-scaled ``_scaled_mm``, which is
+not wired yet, so it is emulated here too (``kind="block"``). Emulated means: every operand is
+quantised exactly as the native recipe would (the quantisation ops of
+``te_compile.functional.quantize_mx`` and ``quantize``), dequantised and multiplied in fp32
+(where every dequantised value is exact; the output is rounded once to the input's dtype).
+The numerics are those of the recipe up to the GEMM's accumulation order; the speed is that of
+an fp32 GEMM plus the quantisation passes, i.e. slower than bf16. Use it to test recipes and
+train small models for numerics, not for speed.
 
 Each GEMM quantises its operands in blocks along its contraction dim, as the hardware does:
 
@@ -21,8 +25,8 @@ dequantised columnwise copies the backward GEMMs need (fp32: emulation does not 
 NVFP4's stochastic rounding and random Hadamard transform of the gradient (TE's options) are not
 emulated: gradients are rounded to nearest.
 
-Shapes: in_features, out_features and the number of tokens must be multiples of the block
-(32 for MXFP8, 16 for NVFP4).
+Shapes: in_features, out_features and the number of tokens must be multiples of 32 for MXFP8
+and of 16 for NVFP4 and FP8 blockwise (partial 128-blocks are scaled on their own).
 """
 
 from __future__ import annotations
@@ -40,11 +44,13 @@ from te_compile.functional.quantize_mx import (
 
 __all__ = ["BLOCK_SCALED_KINDS", "linear_block_scaled", "qdq_both"]
 
-BLOCK_SCALED_KINDS = {"mxfp8": 32, "nvfp4": 16}
+BLOCK_SCALED_KINDS = {"mxfp8": 32, "nvfp4": 16, "block": 16}
 _HIGH = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def qdq_both(x2: Tensor, kind: str, fp8_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def qdq_both(
+    x2: Tensor, kind: str, fp8_dtype: torch.dtype, block_rows: int = 1, power_2_scale: bool = False
+) -> tuple[Tensor, Tensor]:
     """``(rowwise, columnwise^T)``: ``x2`` ``[M, K]`` quantised in blocks along K and along M
     (the latter returned transposed, ``[K, M]``), both dequantised to fp32, where every
     dequantised value is exact (an NVFP4 value times its E4M3 scale over the global scale is
@@ -52,7 +58,15 @@ def qdq_both(x2: Tensor, kind: str, fp8_dtype: torch.dtype) -> tuple[Tensor, Ten
     values and returned as fp64."""
     x = x2.float() if x2.dtype == torch.float64 else x2
     f32 = torch.float32
-    if kind == "mxfp8":
+    if kind == "block":  # 1 x 128 (block_rows=1) or 128 x 128 blocks, fp32 scales
+        data, s, data_t, s_t = torch.ops.te.quantize_blockwise(
+            x, fp8_dtype, block_rows, power_2_scale, True
+        )
+        deq = torch.ops.te.dequantize_blockwise
+        u8 = torch.uint8
+        row = deq(data.view(u8), s, block_rows, fp8_dtype, f32)
+        col_t = deq(data_t.view(u8), s_t, block_rows, fp8_dtype, f32)
+    elif kind == "mxfp8":
         data, scale, data_t, scale_t = quantize_mxfp8(x, fp8_dtype)
         row, col_t = dequantize_mxfp8(data, scale, f32), dequantize_mxfp8(data_t, scale_t, f32)
     else:
@@ -108,19 +122,22 @@ def linear_block_scaled_fwd(
     kind: str,
     fwd_dtype: torch.dtype,
     bwd_dtype: torch.dtype,
+    power_2_scale: bool,
+    weight_block_rows: int,
 ) -> tuple[Tensor, list[Tensor]]:
-    """``(out, [Q_M(X)^T, Q_N(W)^T])`` (see the module docstring); the same on every device."""
+    """``(out, [Q_M(X)^T, Q_N(W)^T])`` (see the module docstring); the same on every device.
+    ``power_2_scale`` and ``weight_block_rows`` (1: 1x128, 128: 128x128) apply to ``block``."""
     _check(inp, weight, bias, kind)
     x = inp.reshape(-1, inp.shape[-1])
-    x_row, x_col_t = qdq_both(x, kind, fwd_dtype)
-    w_row, w_col_t = qdq_both(weight, kind, fwd_dtype)
+    x_row, x_col_t = qdq_both(x, kind, fwd_dtype, 1, power_2_scale)
+    w_row, w_col_t = qdq_both(weight, kind, fwd_dtype, weight_block_rows, power_2_scale)
     out = torch.nn.functional.linear(x_row, w_row, None if bias is None else bias.float())
     out = out.to(inp.dtype).reshape(*inp.shape[:-1], weight.shape[0])
     return out, [x_col_t, w_col_t]
 
 
 @linear_block_scaled_fwd.register_fake
-def _fwd_fake(inp, weight, bias, kind, fwd_dtype, bwd_dtype):
+def _fwd_fake(inp, weight, bias, kind, fwd_dtype, bwd_dtype, power_2_scale, weight_block_rows):
     _check(inp, weight, bias, kind)
     m, k, n = inp.numel() // inp.shape[-1], weight.shape[1], weight.shape[0]
     saved = [inp.new_empty(k, m, dtype=torch.float32), inp.new_empty(k, n, dtype=torch.float32)]
@@ -133,6 +150,7 @@ def linear_block_scaled_bwd(
     saved: list[Tensor],
     kind: str,
     bwd_dtype: torch.dtype,
+    power_2_scale: bool,
     has_bias: bool,
     need_dgrad: bool,
     need_wgrad: bool,
@@ -140,7 +158,7 @@ def linear_block_scaled_bwd(
     """``(dinp, dweight, dbias)``, 0-element where not computed."""
     x_col_t, w_col_t = saved
     dy = grad_out.reshape(-1, grad_out.shape[-1])
-    g_row, g_col_t = qdq_both(dy, kind, bwd_dtype)
+    g_row, g_col_t = qdq_both(dy, kind, bwd_dtype, 1, power_2_scale)
     empty = grad_out.new_empty(0)
     dinp = empty
     dtype = grad_out.dtype
@@ -152,7 +170,7 @@ def linear_block_scaled_bwd(
 
 
 @linear_block_scaled_bwd.register_fake
-def _bwd_fake(grad_out, saved, kind, bwd_dtype, has_bias, need_dgrad, need_wgrad):
+def _bwd_fake(grad_out, saved, kind, bwd_dtype, power_2_scale, has_bias, need_dgrad, need_wgrad):
     _x_col_t, w_col_t = saved
     k, n = w_col_t.shape
     dinp = grad_out.new_empty(*grad_out.shape[:-1], k) if need_dgrad else grad_out.new_empty(0)
@@ -162,11 +180,12 @@ def _bwd_fake(grad_out, saved, kind, bwd_dtype, has_bias, need_dgrad, need_wgrad
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    _inp, _weight, bias, kind, _fwd, bwd_dtype = inputs
+    _inp, _weight, bias, kind, _fwd, bwd_dtype, power_2_scale, _w_rows = inputs
     _out, saved = output
     ctx.mark_non_differentiable(*saved)
     ctx.save_for_backward(*saved)
     ctx.kind, ctx.bwd_dtype, ctx.has_bias = kind, bwd_dtype, bias is not None
+    ctx.power_2_scale = power_2_scale
 
 
 def _backward(ctx, bwd, grad_out, _grad_saved):
@@ -176,6 +195,7 @@ def _backward(ctx, bwd, grad_out, _grad_saved):
         list(ctx.saved_tensors),
         ctx.kind,
         ctx.bwd_dtype,
+        ctx.power_2_scale,
         ctx.has_bias and need_bgrad,
         need_dgrad,
         need_wgrad,
@@ -184,9 +204,7 @@ def _backward(ctx, bwd, grad_out, _grad_saved):
         dinp if need_dgrad else None,
         dweight if need_wgrad else None,
         dbias if ctx.has_bias and need_bgrad else None,
-        None,
-        None,
-        None,
+        *(None,) * 5,
     )
 
 
@@ -195,10 +213,12 @@ def _samples(device: torch.device):
         return torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
 
     e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
-    yield SampleInput((t(32, 64), t(32, 64), t(32), "mxfp8", e4m3, e4m3))
+    yield SampleInput((t(32, 64), t(32, 64), t(32), "mxfp8", e4m3, e4m3, False, 1))
     yield SampleInput((t(2, 16, 32, dtype=torch.float32), t(64, 32, dtype=torch.float32), None,
-                       "mxfp8", e4m3, e5m2))  # fmt: skip
-    yield SampleInput((t(16, 32), t(48, 32), t(48), "nvfp4", e4m3, e4m3))
+                       "mxfp8", e4m3, e5m2, False, 1))  # fmt: skip
+    yield SampleInput((t(16, 32), t(48, 32), t(48), "nvfp4", e4m3, e4m3, False, 1))
+    # Float8BlockScaling: 1x128 activations (a partial block: K=144), 128x128 weight tiles.
+    yield SampleInput((t(32, 144), t(160, 144), None, "block", e4m3, e4m3, True, 128))
 
 
 class _Reference(torch.autograd.Function):
@@ -207,10 +227,11 @@ class _Reference(torch.autograd.Function):
     different dim than the forward did."""
 
     @staticmethod
-    def forward(ctx, inp, weight, bias, kind, fwd_dtype, bwd_dtype):
+    def forward(ctx, inp, weight, bias, kind, fwd_dtype, bwd_dtype, power_2_scale, w_rows):
         x = inp.reshape(-1, inp.shape[-1])
-        x_row, x_col_t = qdq_both(x, kind, fwd_dtype)
-        w_row, w_col_t = qdq_both(weight, kind, fwd_dtype)
+        x_row, x_col_t = qdq_both(x, kind, fwd_dtype, 1, power_2_scale)
+        w_row, w_col_t = qdq_both(weight, kind, fwd_dtype, w_rows, power_2_scale)
+        ctx.power_2_scale = power_2_scale
         ctx.save_for_backward(x_col_t, w_col_t)
         ctx.kind, ctx.bwd_dtype, ctx.shape, ctx.has_bias = (
             kind,
@@ -225,14 +246,14 @@ class _Reference(torch.autograd.Function):
     def backward(ctx, grad):
         x_col_t, w_col_t = ctx.saved_tensors
         dy = grad.reshape(-1, grad.shape[-1])
-        g_row, g_col_t = qdq_both(dy, ctx.kind, ctx.bwd_dtype)
+        g_row, g_col_t = qdq_both(dy, ctx.kind, ctx.bwd_dtype, 1, ctx.power_2_scale)
         dinp = (g_row @ w_col_t.t()).reshape(ctx.shape)
         dbias = dy.sum(0) if ctx.has_bias else None
-        return dinp, g_col_t @ x_col_t.t(), dbias, None, None, None
+        return dinp, g_col_t @ x_col_t.t(), dbias, *(None,) * 5
 
 
-def _reference(inp, weight, bias, kind, fwd_dtype, bwd_dtype):
-    return _Reference.apply(inp, weight, bias, kind, fwd_dtype, bwd_dtype)
+def _reference(inp, weight, bias, kind, fwd_dtype, bwd_dtype, power_2_scale, w_rows):
+    return _Reference.apply(inp, weight, bias, kind, fwd_dtype, bwd_dtype, power_2_scale, w_rows)
 
 
 _linear_block_scaled = differentiable(
@@ -253,8 +274,12 @@ def linear_block_scaled(
     kind: str = "mxfp8",
     fwd_dtype: torch.dtype = torch.float8_e4m3fn,
     bwd_dtype: torch.dtype = torch.float8_e4m3fn,
+    power_2_scale: bool = False,
+    weight_block_rows: int = 128,
 ) -> Tensor:
     """``inp @ weight.T + bias`` with MXFP8 (``kind="mxfp8"``, element formats ``fwd_dtype`` /
     ``bwd_dtype``) or NVFP4 (``kind="nvfp4"``) operands, emulated (module docstring)."""
-    out, _saved = _linear_block_scaled(inp, weight, bias, kind, fwd_dtype, bwd_dtype)
+    out, _saved = _linear_block_scaled(
+        inp, weight, bias, kind, fwd_dtype, bwd_dtype, power_2_scale, weight_block_rows
+    )
     return out

@@ -73,7 +73,7 @@ class FP8GemmState(nn.Module):
     ) -> Tensor:
         """``inp @ weight.T + bias`` with the FP8 recipe of ``state`` (which is enabled)."""
         recipe = state.recipe
-        if recipe.mxfp8() or recipe.nvfp4():
+        if recipe.mxfp8() or recipe.nvfp4() or recipe.float8_block_scaling():
             return _block_scaled(owner, recipe, inp, weight, bias, main_grad)
         fmt = recipe.fp8_format
         kw = {"fwd_dtype": fmt.fwd_dtype, "bwd_dtype": fmt.bwd_dtype, "main_grad": main_grad}
@@ -81,9 +81,7 @@ class FP8GemmState(nn.Module):
             return F.linear_fp8(inp, weight, bias, recipe="current", **kw)
         if not recipe.delayed():
             raise NotImplementedError(
-                f"{owner}: the {type(recipe).__name__} recipe is not implemented yet; "
-                "DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling and "
-                "NVFP4BlockScaling (emulated) are"
+                f"{owner}: the {type(recipe).__name__} recipe is not implemented"
             )
         length = recipe.amax_history_len
         if length > MAX_AMAX_HISTORY:
@@ -128,7 +126,8 @@ def linear(
 
 
 def _block_scaled(owner, recipe, inp, weight, bias, main_grad) -> Tensor:
-    """MXFP8 / NVFP4: exact quantisation, GEMMs emulated (``te::linear_block_scaled_*``)."""
+    """MXFP8 / NVFP4 / FP8 blockwise: exact quantisation, GEMMs emulated
+    (``te::linear_block_scaled_*``; blockwise is native on Hopper, not wired yet)."""
     if main_grad is not None:
         raise NotImplementedError(
             f"{owner}: fuse_wgrad_accumulation is not implemented with {type(recipe).__name__}"
@@ -136,6 +135,22 @@ def _block_scaled(owner, recipe, inp, weight, bias, main_grad) -> Tensor:
     if recipe.nvfp4():
         return F.linear_block_scaled(inp, weight, bias, kind="nvfp4")
     fmt = recipe.fp8_format
+    if recipe.float8_block_scaling():
+        if recipe.x_block_scaling_dim != 1 or recipe.grad_block_scaling_dim != 1:
+            raise NotImplementedError(
+                f"{owner}: Float8BlockScaling with 128x128 activation or gradient blocks is not "
+                "implemented (1x128, the default, is)"
+            )
+        return F.linear_block_scaled(
+            inp,
+            weight,
+            bias,
+            kind="block",
+            fwd_dtype=fmt.fwd_dtype,
+            bwd_dtype=fmt.bwd_dtype,
+            power_2_scale=not recipe.use_f32_scales,
+            weight_block_rows=128 if recipe.w_block_scaling_dim == 2 else 1,
+        )
     return F.linear_block_scaled(
         inp, weight, bias, kind="mxfp8", fwd_dtype=fmt.fwd_dtype, bwd_dtype=fmt.bwd_dtype
     )

@@ -117,17 +117,6 @@ def test_state_dict_resumes_delayed_scaling_exactly(device):
     assert a.fp8_meta.is_unused()
 
 
-def test_unimplemented_recipe_says_so():
-    m = _linear("cpu")
-    with (
-        autocast(recipe=te.quantization.Float8BlockScaling()),
-        pytest.raises(
-            NotImplementedError, match="Float8BlockScaling recipe is not implemented yet"
-        ),
-    ):
-        m(_x("cpu"))
-
-
 RECIPES = [DelayedScaling(amax_history_len=16), Float8CurrentScaling()]
 
 
@@ -196,7 +185,11 @@ te.layernorm_bwd.default""",
 
 # Signal-to-quantisation-noise floors (dB) of an emulated block-scaled LayerNormMLP against the
 # high-precision one on Gaussian data: measured ~24 dB (MXFP8) and ~15 dB (NVFP4).
-BLOCK_SCALED_SQNR_DB = {"MXFP8BlockScaling": 20.0, "NVFP4BlockScaling": 12.0}
+BLOCK_SCALED_SQNR_DB = {
+    "MXFP8BlockScaling": 20.0,
+    "NVFP4BlockScaling": 12.0,
+    "Float8BlockScaling": 20.0,
+}
 
 
 def _sqnr_db(actual, expected):
@@ -205,7 +198,10 @@ def _sqnr_db(actual, expected):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("recipe_cls", [te.recipe.MXFP8BlockScaling, te.recipe.NVFP4BlockScaling])
+@pytest.mark.parametrize(
+    "recipe_cls",
+    [te.recipe.MXFP8BlockScaling, te.recipe.NVFP4BlockScaling, te.recipe.Float8BlockScaling],
+)
 def test_emulated_block_scaled_recipes_in_layernorm_mlp(device, recipe_cls):
     torch.manual_seed(0)
     m = te.LayerNormMLP(64, 128, params_dtype=torch.bfloat16, device=device)
