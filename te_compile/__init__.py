@@ -18,10 +18,12 @@ from te_compile.modules import (
 )
 from te_compile.quantization import (
     autocast,
+    dequantize,
     is_fp8_available,
     is_fp8_block_scaling_available,
     is_mxfp8_available,
     is_nvfp4_available,
+    quantize,
 )
 
 __version__ = "0.1.0"
@@ -38,6 +40,7 @@ __all__ = [
     "autocast",
     "bulk_allocate",
     "deinterleave_glu_tensor",
+    "dequantize",
     "eager_fast_path_enabled",
     "functional",
     "interleave_glu_tensor",
@@ -47,6 +50,7 @@ __all__ = [
     "is_nvfp4_available",
     "list_ops",
     "quantization",
+    "quantize",
     "recipe",
     "set_eager_fast_path",
 ]

@@ -82,6 +82,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from te_compile._library import SampleInput, op
+from te_compile.functional import quantize_mx
 
 __all__ = [
     "FP8_DTYPES",
@@ -633,7 +634,9 @@ class Quantized(NamedTuple):
     ``scale_inv_t``: the columnwise ``[K, M]`` copy and its scales, None unless
     ``columnwise=True`` (per-tensor kinds share ``scale_inv``: the same tensor). ``amax``:
     ``[1]`` fp32 ``max|x|`` for the per-tensor kinds, None for "block". ``kind`` and
-    ``block_rows``: how it was made, which :func:`dequantize` dispatches on."""
+    ``block_rows``: how it was made, which :func:`dequantize` dispatches on. For "mxfp8"
+    ``scale_inv`` holds the E8M0 block scales (uint8) and for "nvfp4" the E4M3 block scales,
+    with the per-tensor ``global_scale`` (``quantize_mx``'s layouts)."""
 
     data: Tensor
     scale_inv: Tensor
@@ -642,6 +645,7 @@ class Quantized(NamedTuple):
     amax: Tensor | None
     kind: str
     block_rows: int = 1
+    global_scale: Tensor | None = None
 
 
 def _quantize_delayed(
@@ -726,15 +730,40 @@ def _dequantize_block(q: Quantized, out_dtype: torch.dtype, columnwise: bool) ->
 
 
 # One entry per recipe kind and direction: a new kind (MXFP8, NVFP4) adds one to each.
+def _quantize_mxfp8(x: Tensor, *, fp8_dtype: torch.dtype, scale, columnwise, **_) -> Quantized:
+    _no_scale("mxfp8", scale)
+    data, s, data_t, s_t = quantize_mx.quantize_mxfp8(x, fp8_dtype, columnwise=columnwise)
+    t = (data_t, s_t) if columnwise else (None, None)
+    return Quantized(data, s, *t, None, "mxfp8", 1)
+
+
+def _quantize_nvfp4(x: Tensor, *, scale, columnwise, **_) -> Quantized:
+    _no_scale("nvfp4", scale)
+    data, s, g, data_t, s_t = quantize_mx.quantize_nvfp4(x, columnwise=columnwise)
+    t = (data_t, s_t) if columnwise else (None, None)
+    return Quantized(data, s, *t, None, "nvfp4", 1, g)
+
+
+def _dequantize_mx(q: Quantized, out_dtype: torch.dtype, columnwise: bool) -> Tensor:
+    data, s = (q.data_t, q.scale_inv_t) if columnwise else (q.data, q.scale_inv)
+    if q.kind == "mxfp8":
+        return quantize_mx.dequantize_mxfp8(data, s, out_dtype)
+    return quantize_mx.dequantize_nvfp4(data, s, q.global_scale, out_dtype)
+
+
 _QUANTIZERS: dict[str, Callable[..., Quantized]] = {
     "delayed": _quantize_delayed,
     "current": _quantize_current,
     "block": _quantize_block,
+    "mxfp8": _quantize_mxfp8,
+    "nvfp4": _quantize_nvfp4,
 }
 _DEQUANTIZERS: dict[str, Callable[[Quantized, torch.dtype, bool], Tensor]] = {
     "delayed": _dequantize_tensorwise,
     "current": _dequantize_tensorwise,
     "block": _dequantize_block,
+    "mxfp8": _dequantize_mx,
+    "nvfp4": _dequantize_mx,
 }
 
 
@@ -755,6 +784,8 @@ def quantize(
     * ``"current"``: per-tensor with the scale from ``tensor``'s amax (``amax_epsilon``,
       ``power_2_scale``); two reads.
     * ``"block"``: ``block_rows x 128`` blocks (``block_rows`` 1 or 128; ``power_2_scale``).
+    * ``"mxfp8"``: 32-element blocks with E8M0 scales (``fp8_dtype`` elements).
+    * ``"nvfp4"``: E2M1 elements (two per byte), 16-element E4M3 block scales, a global scale.
 
     ``columnwise=True`` also makes the ``[K, M]`` copy for the backward GEMMs. Returns a
     :class:`Quantized`; :func:`dequantize` inverts it."""

@@ -4,6 +4,7 @@
 ``get_autocast_state``. ``device``: which recipes the GPU runs natively.
 """
 
+from te_compile.quantization.api import dequantize, quantize
 from te_compile.quantization.device import (
     get_default_fp8_recipe,
     is_fp8_available,
@@ -36,10 +37,12 @@ __all__ = [
     "QParams",
     "Recipe",
     "autocast",
+    "dequantize",
     "get_autocast_state",
     "get_default_fp8_recipe",
     "is_fp8_available",
     "is_fp8_block_scaling_available",
     "is_mxfp8_available",
     "is_nvfp4_available",
+    "quantize",
 ]
