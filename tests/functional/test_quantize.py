@@ -511,8 +511,8 @@ BAD_INPUTS = [
     (
         "unknown recipe kind",
         "quantize",
-        lambda: Q.quantize(_x(4, 8), "mxfp8"),
-        "recipe_kind must be one of ['block', 'current', 'delayed'], got 'mxfp8'",
+        lambda: Q.quantize(_x(4, 8), "mxfp9"),
+        "recipe_kind must be one of ['block', 'current', 'delayed', 'mxfp8', 'nvfp4'], got 'mxfp9'",
     ),
     (
         "delayed without scale",
