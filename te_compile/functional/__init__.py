@@ -22,6 +22,7 @@ from te_compile.functional.allocate import bulk_allocate
 from te_compile.functional.fp8_scaling import delayed_scaling_update
 from te_compile.functional.glu import deinterleave_glu_tensor, interleave_glu_tensor
 from te_compile.functional.grouped_linear import as_splits_tensor, grouped_linear
+from te_compile.functional.grouped_linear_fp8 import grouped_linear_fp8
 from te_compile.functional.linear import linear, linear_ref
 from te_compile.functional.linear_block_scaled import linear_block_scaled
 from te_compile.functional.linear_fp8 import linear_fp8
@@ -48,6 +49,7 @@ __all__ = [
     "gelu",
     "glu",
     "grouped_linear",
+    "grouped_linear_fp8",
     "interleave_glu_tensor",
     "l2normalization",
     "layernorm",

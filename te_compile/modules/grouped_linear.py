@@ -17,6 +17,10 @@ Two parameter layouts, with one state_dict format conversion between them:
 A state_dict saved in either layout loads into a module of the other (``_load_from_state_dict``
 converts exactly: stacking or unbinding).
 
+Inside ``te_compile.autocast(recipe=Float8CurrentScaling())`` the forward and dgrad GEMMs run in
+FP8 with rowwise scales (``te::grouped_linear_fp8_*``, ``torch._scaled_grouped_mm`` on CUDA), the
+wgrad in high precision; other recipes raise NotImplementedError.
+
 ``fuse_wgrad_accumulation=True``: the weight gradient is accumulated in fp32 into a
 ``main_grad`` instead of producing ``.grad``: ``weight.main_grad`` ``[num_gemms, out, in]`` in the
 single layout; in the default layout ``weight{i}.main_grad`` must be ``buffer[i]`` of one fp32
@@ -32,6 +36,7 @@ from torch import Tensor, nn
 
 from te_compile import functional as F
 from te_compile.modules._common import check_positive, default_init_method, params_dtype_or_default
+from te_compile.quantization.state import get_autocast_state
 
 __all__ = ["GroupedLinear"]
 
@@ -148,6 +153,9 @@ class GroupedLinear(nn.Module):
             biases = self.biases()
             bias = None if biases is None else torch.stack(biases)
         main_grad = self._main_grad() if self.fuse_wgrad_accumulation else None
+        state = get_autocast_state()
+        if state.enabled:
+            return _fp8_grouped(state.recipe, inp, m_splits, weight, bias, main_grad)
         return F.grouped_linear(inp, m_splits, weight, bias, main_grad=main_grad)
 
     # state_dict in either layout ---------------------------------------------------------------
@@ -162,6 +170,24 @@ class GroupedLinear(nn.Module):
             f"out_features={self.out_features}, bias={self.use_bias}, "
             f"single_grouped_parameter={self.single_grouped_parameter}"
         )
+
+
+def _fp8_grouped(recipe, inp, m_splits, weight, bias, main_grad) -> Tensor:
+    """FP8 grouped GEMMs: ``Float8CurrentScaling`` with rowwise scales (what Hopper's grouped FP8
+    GEMM takes), forward and dgrad in FP8, wgrad in high precision."""
+    if not recipe.float8_current():
+        raise NotImplementedError(
+            f"GroupedLinear: the {type(recipe).__name__} recipe is not implemented "
+            "(Float8CurrentScaling is, with rowwise scales)"
+        )
+    if main_grad is not None:
+        raise NotImplementedError(
+            "GroupedLinear: fuse_wgrad_accumulation is not implemented with FP8"
+        )
+    fmt = recipe.fp8_format
+    return F.grouped_linear_fp8(
+        inp, m_splits, weight, bias, fwd_dtype=fmt.fwd_dtype, bwd_dtype=fmt.bwd_dtype
+    )
 
 
 def _convert_layout(state_dict: dict, prefix: str, num_gemms: int, single: bool) -> None:

@@ -217,3 +217,21 @@ def test_emulated_block_scaled_recipes_in_layernorm_mlp(device, recipe_cls):
     assert _sqnr_db(y, ref) > floor
     assert _sqnr_db(x.grad, ref_dx) > floor - 6  # gradients are quantised twice more
     assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grouped_linear_fp8_current_scaling(device):
+    torch.manual_seed(0)
+    m = te.GroupedLinear(4, 32, 48, single_grouped_parameter=True, params_dtype=torch.bfloat16,
+                         device=device)  # fmt: skip
+    x = torch.randn(40, 32, device=device, dtype=torch.bfloat16)
+    splits = torch.tensor([16, 0, 8, 16], device=device)
+    compiled, counter = compile_counted(m)
+    with autocast(recipe=Float8CurrentScaling()):
+        y, y_c = m(x, splits), compiled(x, splits)
+    expected = F.grouped_linear_fp8(x, splits, m.weight, m.bias)
+    assert torch.equal(y, expected) and torch.equal(y_c, expected)
+    assert _sqnr_db(y, m(x, splits)) > 25.0  # vs the bf16 grouped GEMM
+    assert counter.frame_count == 1
+    with autocast(recipe=DelayedScaling()), pytest.raises(NotImplementedError, match="Delayed"):
+        m(x, splits)

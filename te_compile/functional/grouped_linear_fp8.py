@@ -1,0 +1,481 @@
+r"""FP8 grouped linear with rowwise current scaling: ``te::grouped_linear_fp8_fwd`` / ``_bwd``.
+
+The same math as ``te::grouped_linear_fwd`` (rows of ``inp`` split into groups by ``m_splits``,
+group ``g`` times ``weight[g].T`` plus ``bias[g]``) with the forward and the dgrad GEMMs in FP8,
+scaled the way Hopper's grouped FP8 GEMM ``torch._scaled_grouped_mm`` takes them: one fp32 scale
+per row of the left operand and one per (group, output column) of the 3-D right operand,
+each from the amax over the GEMM's contraction dim (current scaling: measured now):
+
+.. math::
+    Y_g = \mathrm{diag}(s_x^{-1})\, X_8\, W_{8,g}^\top\, \mathrm{diag}(s_{w,g}^{-1}) + b_g,\qquad
+    dX_g = \mathrm{diag}(s_{dy}^{-1})\, dY_8\, \tilde W_{8,g}\, \mathrm{diag}(\tilde s_{w,g}^{-1}),
+    \qquad
+    dW_g = dY_g^\top X_g
+
+* forward: ``X`` quantised per token row (amax over ``K``) and ``W`` per (group, output row)
+  (amax over ``K``), both to ``fwd_dtype``;
+* dgrad ``dX_g = dY_g W_g``: ``dY`` quantised per token row (amax over ``N``) to ``bwd_dtype``,
+  ``W`` per (group, input column), i.e. amax over ``N``, the contraction dim of this GEMM, to
+  ``fwd_dtype`` (the forward writes this copy, transposed to ``[G, K, N]``, and saves it);
+* wgrad ``dW_g = dY_g^T X_g`` stays in high precision (``torch._grouped_mm`` on CUDA): a
+  rowwise-scaled wgrad would need scales along the token dim, whose groups the splits change
+  from step to step (per-group column scales, as torchao does); that is the next step.
+  The bias gradient is the per-group sum of the high-precision ``dY``.
+
+FP8 data crosses op boundaries as ``uint8`` views (see ``docs/fp8.md``). The input is saved in
+high precision for the wgrad.
+
+CUDA: ``torch._scaled_grouped_mm(a_8, b_8.transpose(-2, -1), scale_a [M], scale_b [G, N],
+offs=offs, out_dtype=bfloat16)`` on device offsets (no host sync; ``a`` row-major, ``b``
+column-major, fp32 inverse scales). That kernel takes E4M3 operands and gives a bf16 output
+only, so: a GEMM with an E5M2 operand (the gradient under ``HYBRID``) runs as a bf16
+``torch._grouped_mm`` of the FP8 values (exact in bf16) with the scales applied to its bf16
+output in fp32 (one more rounding than the native kernel, still no host sync); float32 / float16
+inputs use the per-group loop below (it reads the splits on the host). The bias is added to the
+GEMM's bf16 output (one more rounding, as in ``te::grouped_linear_fwd`` on CUDA).
+
+CPU (and the definition of the FP8 GEMMs): exact emulation. The same FP8 values and scales,
+the GEMM of the FP8 values in fp32 per group, the scales applied to the fp32 accumulator, the
+bias added in fp32, rounded once to the input's dtype.
+
+Shapes: ``in_features`` and ``out_features`` must be multiples of 16 (a ValueError otherwise);
+the number of tokens per group is free, zero-size groups included (their weight and bias
+gradients are zero). Zero rows get scale 1 (no NaN).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from te_compile._library import SampleInput, differentiable, op
+from te_compile.functional.grouped_linear import (
+    _INT_DTYPES,
+    _device_splits,
+    _empty,
+    _host_splits,
+    _row_bias,
+    as_splits_tensor,
+)
+
+__all__ = ["grouped_linear_fp8", "grouped_linear_fp8_ref", "quantize_rowwise"]
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_HIGH = (torch.float32, torch.bfloat16, torch.float16)
+
+
+# 1. Quantisation and reference math ----------------------------------------------------------
+
+
+def quantize_rowwise(x: Tensor, fp8_dtype: torch.dtype, dim: int = -1) -> tuple[Tensor, Tensor]:
+    """``(data, scale_inv)``: ``x`` cast to ``fp8_dtype`` with one current scale per slice along
+    ``dim`` (``fp8_max / amax`` over ``dim``; 1 for an all-zero or non-finite slice);
+    ``scale_inv`` fp32 has ``x``'s shape without ``dim``. Computed in fp32 whatever ``x``'s
+    dtype, so a float64 copy of a bf16/fp32 tensor gets the same bytes and scales."""
+    xf = x.float()
+    limit = torch.finfo(fp8_dtype).max
+    amax = xf.abs().amax(dim, keepdim=True)
+    scale = torch.where(amax > 0, limit / amax, torch.ones_like(amax))
+    scale = torch.where(torch.isfinite(scale), scale, torch.ones_like(scale))
+    data = (xf * scale).clamp(-limit, limit).to(fp8_dtype)
+    return data, scale.reciprocal().squeeze(dim)
+
+
+def _dequantize(data: Tensor, scale_inv: Tensor, dim: int, dtype: torch.dtype) -> Tensor:
+    """``data * scale_inv`` (broadcast along ``dim``) in ``dtype``; exact in float64."""
+    acc = torch.float64 if dtype is torch.float64 else torch.float32
+    return (data.to(acc) * scale_inv.unsqueeze(dim).to(acc)).to(dtype)
+
+
+def _fake_quant(x: Tensor, fp8_dtype: torch.dtype, dim: int) -> Tensor:
+    return _dequantize(*quantize_rowwise(x, fp8_dtype, dim), dim, x.dtype)
+
+
+class _RefGroupedGemm(torch.autograd.Function):
+    """``Y_g = fq(X_g) fq(W_g)^T`` with the FP8 op's gradients: dgrad from the rowwise-quantised
+    gradient and the weight quantised along ``N``; wgrad from the unquantised ``dY`` and ``X``."""
+
+    @staticmethod
+    def forward(ctx, x, w, splits, fwd_dtype, bwd_dtype):
+        ctx.save_for_backward(x, w)
+        ctx.splits, ctx.fwd_dtype, ctx.bwd_dtype = splits, fwd_dtype, bwd_dtype
+        xq, wq = _fake_quant(x, fwd_dtype, -1), _fake_quant(w, fwd_dtype, -1)
+        outs = [x_g @ wq[g].t() for g, x_g in enumerate(xq.split(splits))]
+        return torch.cat(outs) if outs else x.new_empty(0, w.shape[1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        dyq = _fake_quant(dy, ctx.bwd_dtype, -1)
+        wq_n = _fake_quant(w, ctx.fwd_dtype, 1)
+        dx = torch.cat([d @ wq_n[g] for g, d in enumerate(dyq.split(ctx.splits))])
+        dw = torch.stack(
+            [d.t() @ x_g for d, x_g in zip(dy.split(ctx.splits), x.split(ctx.splits), strict=True)]
+        )
+        return dx, dw, None, None, None
+
+
+def grouped_linear_fp8_ref(
+    inp: Tensor,
+    m_splits: Tensor | Sequence[int],
+    weight: Tensor,
+    bias: Tensor | None = None,
+    fwd_dtype: torch.dtype = torch.float8_e4m3fn,
+    bwd_dtype: torch.dtype = torch.float8_e5m2,
+) -> Tensor:
+    """Definition of correctness, differentiable: exact fake-quant emulation in the input's
+    dtype (float64 in the tests). Operands quantised-dequantised as the op does; the incoming
+    gradient quantised for the dgrad GEMM only (wgrad and the bias gradient use the
+    high-precision gradient and input)."""
+    splits = m_splits.tolist() if isinstance(m_splits, Tensor) else list(m_splits)
+    out = _RefGroupedGemm.apply(inp, weight, splits, fwd_dtype, bwd_dtype)
+    if bias is not None:
+        out = out + torch.repeat_interleave(bias, torch.tensor(splits), dim=0)
+    return out
+
+
+# Argument checks -------------------------------------------------------------------------------
+
+
+def _check(inp, m_splits, weight, bias, fwd_dtype, bwd_dtype) -> None:
+    """Static constraints shared by the implementations (eager) and the fake (trace time)."""
+    if (
+        inp.ndim == 2
+        and weight.ndim == 3
+        and inp.dtype in _HIGH
+        and weight.dtype is inp.dtype
+        and inp.shape[1] == weight.shape[2]
+        and weight.shape[1] % 16 == 0
+        and weight.shape[2] % 16 == 0
+        and m_splits.ndim == 1
+        and m_splits.dtype in _INT_DTYPES
+        and m_splits.shape[0] == weight.shape[0]
+        and (m_splits.device == inp.device or m_splits.device.type == "cpu")
+        and (bias is None or (bias.shape == weight.shape[:2] and bias.dtype is inp.dtype))
+        and fwd_dtype in _FP8_DTYPES
+        and bwd_dtype in _FP8_DTYPES
+    ):
+        return
+    raise ValueError(_diagnose(inp, m_splits, weight, bias, fwd_dtype, bwd_dtype))
+
+
+def _diagnose(inp, m_splits, weight, bias, fwd_dtype, bwd_dtype) -> str:
+    p = "te.grouped_linear_fp8: "
+    if fwd_dtype not in _FP8_DTYPES or bwd_dtype not in _FP8_DTYPES:
+        return p + f"fwd_dtype/bwd_dtype must be FP8 dtypes, got {fwd_dtype}/{bwd_dtype}"
+    if inp.ndim != 2 or weight.ndim != 3 or inp.shape[1] != weight.shape[2]:
+        return p + (
+            f"inp [sum(m_splits), in_features] and weight [num_gemms, out_features, "
+            f"in_features] do not match: {list(inp.shape)} and {list(weight.shape)}"
+        )
+    if inp.dtype not in _HIGH or weight.dtype != inp.dtype:
+        return p + (
+            f"inp and weight must share a float32/bfloat16/float16 dtype, got {inp.dtype} and "
+            f"{weight.dtype}"
+        )
+    if weight.shape[1] % 16 or weight.shape[2] % 16:
+        return p + (
+            f"FP8 grouped GEMMs need in_features ({weight.shape[2]}) and out_features "
+            f"({weight.shape[1]}) to be multiples of 16"
+        )
+    if m_splits.ndim != 1 or m_splits.dtype not in _INT_DTYPES:
+        return p + (
+            f"m_splits must be a 1-D int32/int64 tensor (or a list of ints), got "
+            f"{m_splits.dtype} of shape {list(m_splits.shape)}"
+        )
+    if m_splits.shape[0] != weight.shape[0]:
+        return p + (
+            f"m_splits has {m_splits.shape[0]} groups but weight has num_gemms = {weight.shape[0]}"
+        )
+    if m_splits.device != inp.device and m_splits.device.type != "cpu":
+        return (
+            p + f"m_splits must be on inp's device ({inp.device}) or the CPU, got {m_splits.device}"
+        )
+    return p + (
+        f"bias must be [num_gemms, out_features] = {list(weight.shape[:2])} of dtype {inp.dtype}, "
+        f"got {list(bias.shape)} {bias.dtype}"
+    )
+
+
+# GEMMs -----------------------------------------------------------------------------------------
+
+
+def _gemm_loop(
+    aq: Tensor, sa: Tensor, bq: Tensor, sb: Tensor, splits: list[int], dtype, bias=None
+) -> Tensor:
+    """Exact emulation: rows of group ``g`` get ``(aq_g @ bq[g]^T) * sa_g[:, None] * sb[g]``
+    (+ ``bias[g]``), in fp32, rounded once to ``dtype``. ``aq`` ``[M, C]`` and ``bq``
+    ``[G, P, C]`` FP8, ``sa`` ``[M]`` and ``sb`` ``[G, P]`` fp32 inverse scales."""
+    out = torch.empty(aq.shape[0], bq.shape[1], dtype=dtype, device=aq.device)
+    start = 0
+    for g, rows in enumerate(splits):
+        acc = aq[start : start + rows].float() @ bq[g].float().t()
+        acc = acc * sa[start : start + rows, None] * sb[g]
+        if bias is not None:
+            acc = acc + bias[g].float()
+        out[start : start + rows] = acc.to(dtype)
+        start += rows
+    return out
+
+
+def _use_native(inp: Tensor) -> bool:
+    """The grouped (device-offset, no host sync) CUDA path: bf16 output only."""
+    return inp.dtype is torch.bfloat16
+
+
+def _gemm_grouped(
+    aq: Tensor, sa: Tensor, bq: Tensor, sb: Tensor, splits: Tensor, offs: Tensor
+) -> Tensor:
+    """The grouped GEMM of :func:`_gemm_loop` on device offsets, bf16 output, no host sync.
+    E4M3 x E4M3: ``torch._scaled_grouped_mm`` (``a`` row-major, ``b`` column-major, scales
+    ``[M]`` and ``[G, P]`` fp32). Otherwise (E5M2, which that kernel refuses): a bf16
+    ``torch._grouped_mm`` of the FP8 values (exact in bf16), then the scales in fp32."""
+    e4m3 = torch.float8_e4m3fn
+    if aq.dtype is e4m3 and bq.dtype is e4m3 and aq.is_cuda:
+        return torch._scaled_grouped_mm(
+            aq, bq.transpose(-2, -1), sa, sb, offs=offs, out_dtype=torch.bfloat16
+        )
+    bf16 = torch.bfloat16
+    acc = torch._grouped_mm(aq.to(bf16), bq.to(bf16).transpose(-2, -1), offs=offs)
+    col = torch.repeat_interleave(sb, splits, dim=0, output_size=aq.shape[0])
+    return (acc.float() * sa[:, None] * col).to(bf16)
+
+
+def _quantize_weight_dgrad(weight: Tensor, fwd_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``weight`` ``[G, N, K]`` quantised per (group, input column), amax over ``N``: data
+    transposed to ``[G, K, N]`` (row-major along ``N``, the dgrad GEMM's contraction dim) and
+    inverse scales ``[G, K]``."""
+    data, scale_inv = quantize_rowwise(weight, fwd_dtype, dim=1)
+    return data.transpose(1, 2).contiguous(), scale_inv
+
+
+# 2. Forward op -------------------------------------------------------------------------------
+
+
+def _forward(inp, m_splits, weight, bias, fwd_dtype, native: bool):
+    xq, xs = quantize_rowwise(inp, fwd_dtype)
+    wq, ws = quantize_rowwise(weight, fwd_dtype)
+    if native:
+        splits, offs = _device_splits(m_splits, inp)
+        out = _gemm_grouped(xq, xs, wq, ws, splits, offs)
+        if bias is not None:
+            out += _row_bias(bias, splits, inp.shape[0])
+    else:
+        splits = _host_splits(m_splits, inp.shape[0])
+        out = _gemm_loop(xq, xs, wq, ws, splits, inp.dtype, bias)
+    wq_t, ws_t = _quantize_weight_dgrad(weight, fwd_dtype)
+    return out, [wq_t.view(torch.uint8), ws_t]
+
+
+@op("grouped_linear_fp8_fwd")
+def grouped_linear_fp8_fwd(
+    inp: Tensor,
+    m_splits: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    fwd_dtype: torch.dtype,
+    bwd_dtype: torch.dtype,
+) -> tuple[Tensor, list[Tensor]]:
+    """``(out, saved)``: ``out`` ``[M, out_features]``; ``saved = [W_8 [G, K, N] (uint8 bytes
+    of fwd_dtype, quantised along N), its inverse scales [G, K] fp32]`` for the dgrad.
+    Default (CPU): exact emulation (module docstring)."""
+    _check(inp, m_splits, weight, bias, fwd_dtype, bwd_dtype)
+    return _forward(inp, m_splits, weight, bias, fwd_dtype, native=False)
+
+
+@grouped_linear_fp8_fwd.register_kernel("cuda")
+def _grouped_linear_fp8_fwd_cuda(inp, m_splits, weight, bias, fwd_dtype, bwd_dtype):
+    _check(inp, m_splits, weight, bias, fwd_dtype, bwd_dtype)
+    return _forward(inp, m_splits, weight, bias, fwd_dtype, native=_use_native(inp))
+
+
+# 3. Fake ---------------------------------------------------------------------------------------
+
+
+@grouped_linear_fp8_fwd.register_fake
+def _grouped_linear_fp8_fwd_fake(inp, m_splits, weight, bias, fwd_dtype, bwd_dtype):
+    _check(inp, m_splits, weight, bias, fwd_dtype, bwd_dtype)
+    g, n, k = weight.shape
+    saved = [inp.new_empty(g, k, n, dtype=torch.uint8), inp.new_empty(g, k, dtype=torch.float32)]
+    return inp.new_empty(inp.shape[0], n), saved
+
+
+# 4. Backward op --------------------------------------------------------------------------------
+
+
+def _backward_impl(
+    grad_out, saved, inp, m_splits, fwd_dtype, bwd_dtype, has_bias, need_dgrad, need_wgrad, native
+):
+    wq_t, ws_t = saved
+    wq_t = wq_t.view(fwd_dtype)
+    dtype = grad_out.dtype
+    groups, k, n = wq_t.shape
+    rows = grad_out.shape[0]
+    dinp, dweight, dbias = _empty(grad_out), _empty(grad_out), _empty(grad_out)
+    if native:
+        splits, offs = _device_splits(m_splits, grad_out)
+        if need_dgrad:
+            gq, gs = quantize_rowwise(grad_out, bwd_dtype)
+            dinp = _gemm_grouped(gq, gs, wq_t, ws_t, splits, offs)
+        if need_wgrad:
+            # [N, M] x [M, K] -> [G, N, K], grouped along the reduction dim, high precision.
+            dweight = torch._grouped_mm(grad_out.t(), inp, offs=offs)
+        if has_bias:
+            group_ids = torch.arange(groups, device=grad_out.device)
+            row_group = torch.repeat_interleave(group_ids, splits, output_size=rows)
+            dbias = grad_out.new_zeros(groups, n, dtype=torch.float32)
+            dbias = dbias.index_add_(0, row_group, grad_out.float()).to(dtype)
+        return dinp, dweight, dbias
+    splits = _host_splits(m_splits, rows)
+    if need_dgrad:
+        gq, gs = quantize_rowwise(grad_out, bwd_dtype)
+        dinp = _gemm_loop(gq, gs, wq_t, ws_t, splits, dtype)
+    if need_wgrad:
+        dweight = grad_out.new_zeros(groups, n, k)
+    if has_bias:
+        dbias = grad_out.new_zeros(groups, n)
+    start = 0
+    for g, m in enumerate(splits):
+        dy = grad_out[start : start + m].float()
+        if need_wgrad:
+            dweight[g] = (dy.t() @ inp[start : start + m].float()).to(dtype)
+        if has_bias:
+            dbias[g] = dy.sum(0).to(dtype)
+        start += m
+    return dinp, dweight, dbias
+
+
+@op("grouped_linear_fp8_bwd")
+def grouped_linear_fp8_bwd(
+    grad_out: Tensor,
+    saved: list[Tensor],
+    inp: Tensor | None,
+    m_splits: Tensor,
+    fwd_dtype: torch.dtype,
+    bwd_dtype: torch.dtype,
+    has_bias: bool,
+    need_dgrad: bool,
+    need_wgrad: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dinp, dweight, dbias)``, 0-element where not computed. ``inp`` (high precision) is
+    needed only for the wgrad (None otherwise). Default (CPU): exact emulation for the dgrad,
+    fp32 per-group loop for the wgrad and dbias, each rounded once."""
+    return _backward_impl(
+        grad_out, saved, inp, m_splits, fwd_dtype, bwd_dtype, has_bias, need_dgrad, need_wgrad,
+        native=False,
+    )  # fmt: skip
+
+
+@grouped_linear_fp8_bwd.register_kernel("cuda")
+def _grouped_linear_fp8_bwd_cuda(
+    grad_out, saved, inp, m_splits, fwd_dtype, bwd_dtype, has_bias, need_dgrad, need_wgrad
+):
+    return _backward_impl(
+        grad_out, saved, inp, m_splits, fwd_dtype, bwd_dtype, has_bias, need_dgrad, need_wgrad,
+        native=_use_native(grad_out),
+    )  # fmt: skip
+
+
+@grouped_linear_fp8_bwd.register_fake
+def _grouped_linear_fp8_bwd_fake(
+    grad_out, saved, inp, m_splits, fwd_dtype, bwd_dtype, has_bias, need_dgrad, need_wgrad
+):
+    groups, k, n = saved[0].shape
+    if need_wgrad:
+        torch._check(inp is not None, lambda: "te.grouped_linear_fp8_bwd: wgrad needs inp")
+    dinp = grad_out.new_empty(grad_out.shape[0], k) if need_dgrad else _empty(grad_out)
+    dweight = grad_out.new_empty(groups, n, k) if need_wgrad else _empty(grad_out)
+    dbias = grad_out.new_empty(groups, n) if has_bias else _empty(grad_out)
+    return dinp, dweight, dbias
+
+
+# 5. setup_context + autograd -------------------------------------------------------------------
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    inp, m_splits, _weight, bias, fwd_dtype, bwd_dtype = inputs
+    _out, saved = output
+    ctx.mark_non_differentiable(*saved)
+    ctx.save_for_backward(inp, m_splits, *saved)
+    ctx.has_bias = bias is not None
+    ctx.fwd_dtype, ctx.bwd_dtype = fwd_dtype, bwd_dtype
+
+
+def _backward(ctx, bwd, grad_out, _grad_saved):
+    inp, m_splits, *saved = ctx.saved_tensors
+    need_dgrad, _, need_wgrad, need_bgrad = ctx.needs_input_grad[:4]
+    has_bias = ctx.has_bias and need_bgrad
+    dinp, dweight, dbias = bwd(
+        grad_out.contiguous(),
+        saved,
+        inp if need_wgrad else None,
+        m_splits,
+        ctx.fwd_dtype,
+        ctx.bwd_dtype,
+        has_bias,
+        need_dgrad,
+        need_wgrad,
+    )
+    return (
+        dinp if need_dgrad else None,
+        None,
+        dweight if need_wgrad else None,
+        dbias if has_bias else None,
+        None,
+        None,
+    )
+
+
+def _samples(device: torch.device):
+    def t(*shape, dtype=torch.bfloat16, grad=True):
+        return torch.randn(*shape, device=device, dtype=dtype, requires_grad=grad)
+
+    def splits(*values, on=device):
+        return torch.tensor(values, device=on, dtype=torch.int64)
+
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+    # A zero-size group in the middle, bias.
+    yield SampleInput((t(40, 16), splits(11, 0, 29), t(3, 32, 16), t(3, 32), e4m3, e5m2))
+    # A CPU m_splits tensor (int32), first and last groups empty, no input gradient.
+    yield SampleInput(
+        (t(20, 32, grad=False), torch.tensor([0, 7, 13, 0], dtype=torch.int32), t(4, 16, 32),
+         None, e4m3, e5m2)
+    )  # fmt: skip
+    # float32, one group, E4M3 gradient.
+    f32 = torch.float32
+    yield SampleInput(
+        (t(24, 32, dtype=f32), splits(24, on="cpu"), t(1, 16, 32, dtype=f32), t(1, 16, dtype=f32),
+         e4m3, e4m3)
+    )  # fmt: skip
+
+
+_grouped_linear_fp8 = differentiable(
+    grouped_linear_fp8_fwd,
+    grouped_linear_fp8_bwd,
+    setup_context=_setup_context,
+    backward=_backward,
+    sample_inputs=_samples,
+    reference=grouped_linear_fp8_ref,
+)
+
+
+# Public function -------------------------------------------------------------------------------
+
+
+def grouped_linear_fp8(
+    inp: Tensor,
+    m_splits: Tensor | Sequence[int],
+    weight: Tensor,
+    bias: Tensor | None = None,
+    *,
+    fwd_dtype: torch.dtype = torch.float8_e4m3fn,
+    bwd_dtype: torch.dtype = torch.float8_e5m2,
+) -> Tensor:
+    """:func:`te_compile.functional.grouped_linear` with rowwise-scaled FP8 forward and dgrad
+    GEMMs (module docstring), through ``te::grouped_linear_fp8_fwd``."""
+    out, _saved = _grouped_linear_fp8(
+        inp, as_splits_tensor(m_splits), weight, bias, fwd_dtype, bwd_dtype
+    )
+    return out
