@@ -21,8 +21,9 @@ Under ``DelayedScaling`` each forward first folds the last amaxes into the histo
 recomputes the scales (``te::delayed_scaling_update``, a mutating op: compiled steps update the
 buffers with zero graph breaks), then runs ``te::linear_fp8_fwd`` with a copy of the scales.
 With ``amax_reduction_group`` (or ``reduce_amax`` and an initialised default process group)
-the forward amaxes are max-reduced over the group with a functional all-reduce before they are
-recorded.
+the amaxes are max-reduced over the group with a functional all-reduce (traced by
+torch.compile): the forward's before they are recorded, the gradient's when it is folded into
+the history at the next forward.
 """
 
 from __future__ import annotations
@@ -91,7 +92,9 @@ class FP8GemmState(nn.Module):
             )
         limits = [fmt.max_fwd, fmt.max_fwd, fmt.max_bwd]
         history = self.amax_history[:length]
-        last = torch.cat([self.fwd_amax, self.grad_amax])
+        # The gradient amax of the last backward is reduced here, when it is folded in (the
+        # backward op has no group); the forward amaxes were reduced when recorded.
+        last = _reduce_amax(torch.cat([self.fwd_amax, self.grad_amax]), state, recipe)
         torch.ops.te.delayed_scaling_update(
             history, self.scale, last, limits, recipe.margin, recipe.amax_compute_algo
         )
