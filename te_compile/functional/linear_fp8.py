@@ -27,7 +27,9 @@ writing ``grad_amax`` ``[1]`` (a mutated argument, like ``main_grad``; a buffer 
 since a saved tensor must not be modified between the forward and the backward).
 
 Shapes: ``_scaled_mm`` needs ``in_features``, ``out_features`` and the number of tokens to be
-multiples of 16; other shapes raise a ValueError (pad the token count to use FP8).
+multiples of 16. Feature sizes that are not raise a ValueError; the token count is padded with
+zero rows to the next multiple of 16 inside the ops (the saved ``X_8^T`` has the padded width),
+which changes neither the amaxes nor the result.
 Zero tensors get scale 1 (no NaN); an inf/NaN input gives an inf/NaN amax, which the
 delayed-scaling update ignores (keeps the old scale) and the caller can check.
 """
@@ -125,7 +127,6 @@ def linear_fp8_ref(
 
 
 def _check(inp, weight, bias, scale, grad_amax, recipe, fwd_dtype, bwd_dtype) -> None:
-    m = inp.numel() // inp.shape[-1] if inp.ndim >= 1 and inp.shape[-1] else 0
     if (
         weight.ndim == 2
         and inp.ndim >= 1
@@ -134,7 +135,6 @@ def _check(inp, weight, bias, scale, grad_amax, recipe, fwd_dtype, bwd_dtype) ->
         and inp.shape[-1] == weight.shape[1]
         and weight.shape[0] % 16 == 0
         and weight.shape[1] % 16 == 0
-        and m % 16 == 0
         and (bias is None or (bias.shape == weight.shape[:1] and bias.dtype is inp.dtype))
         and recipe in FP8_RECIPES
         and fwd_dtype in _FP8_DTYPES
@@ -158,10 +158,10 @@ def _check(inp, weight, bias, scale, grad_amax, recipe, fwd_dtype, bwd_dtype) ->
             p + f"inp and weight must share a float32/bfloat16/float16 dtype, got {inp.dtype} "
             f"and {weight.dtype}"
         )
-    if weight.shape[0] % 16 or weight.shape[1] % 16 or m % 16:
+    if weight.shape[0] % 16 or weight.shape[1] % 16:
         raise ValueError(
-            p + f"FP8 GEMMs need in_features ({weight.shape[1]}), out_features "
-            f"({weight.shape[0]}) and the number of tokens ({m}) to be multiples of 16"
+            p + f"FP8 GEMMs need in_features ({weight.shape[1]}) and out_features "
+            f"({weight.shape[0]}) to be multiples of 16"
         )
     if bias is not None and (bias.shape != weight.shape[:1] or bias.dtype != inp.dtype):
         raise ValueError(p + f"bias must be [{weight.shape[0]}] of dtype {inp.dtype}")
@@ -172,6 +172,17 @@ def _check(inp, weight, bias, scale, grad_amax, recipe, fwd_dtype, bwd_dtype) ->
 
 def _empty(like: Tensor) -> Tensor:
     return like.new_empty(0)
+
+
+def _padded(rows):
+    return (rows + 15) // 16 * 16
+
+
+def _pad_rows(t2: Tensor) -> Tensor:
+    """``[M, K]`` with zero rows appended up to a multiple of 16 (``_scaled_mm``'s constraint);
+    zero rows change neither an amax nor any other row of a GEMM's result."""
+    extra = _padded(t2.shape[0]) - t2.shape[0]
+    return torch.nn.functional.pad(t2, (0, 0, 0, extra)) if extra else t2
 
 
 # Forward op -----------------------------------------------------------------------------------
@@ -199,9 +210,12 @@ def linear_fp8_fwd(
     _check(inp, weight, bias, scale, grad_amax, recipe, fwd_dtype, bwd_dtype)
     delayed = recipe == "delayed"
     x = inp.reshape(-1, inp.shape[-1])
+    m = x.shape[0]
+    x = _pad_rows(x)
     xq, xq_t, xs, xa = _quantize_both(x, fwd_dtype, scale[0:1] if delayed else None, True)
     wq, wq_t, ws, wa = _quantize_both(weight, fwd_dtype, scale[1:2] if delayed else None, True)
     out = _gemm(xq, wq, xs, ws, inp.dtype, bias)
+    out = out[:m].clone() if out.shape[0] != m else out
     saved = [xq_t.view(torch.uint8), xs, wq_t.view(torch.uint8), ws]
     return out.reshape(*inp.shape[:-1], weight.shape[0]), saved, torch.cat([xa, wa])
 
@@ -210,6 +224,7 @@ def linear_fp8_fwd(
 def _linear_fp8_fwd_fake(inp, weight, bias, main_grad, scale, grad_amax, recipe, fwd, bwd):
     _check(inp, weight, bias, scale, grad_amax, recipe, fwd, bwd)
     m, k, n = inp.numel() // inp.shape[-1], weight.shape[1], weight.shape[0]
+    m = _padded(m)
     scalar = inp.new_empty(1, dtype=torch.float32)
     u8 = torch.uint8
     saved = [inp.new_empty(k, m, dtype=u8), scalar, inp.new_empty(k, n, dtype=u8)]
@@ -241,15 +256,18 @@ def linear_fp8_bwd(
     x_t, w_t = x_t.view(fwd_dtype), w_t.view(fwd_dtype)
     dtype = grad_out.dtype
     dy = grad_out.reshape(-1, grad_out.shape[-1])
+    m = dy.shape[0]
     g_scale = scale[2:3] if recipe == "delayed" else None
-    gq, gq_t, gs, ga = _quantize_both(dy, bwd_dtype, g_scale, need_wgrad)
+    gq, gq_t, gs, ga = _quantize_both(_pad_rows(dy), bwd_dtype, g_scale, need_wgrad)
     if grad_amax is not None:
         grad_amax.copy_(ga)
     dinp = _empty(grad_out)
     if need_dgrad:
         # dX [M, K] = dY_8 [M, N] @ W_8 [N, K]; W_8 as column-major = (W_8^T [K, N]).t()
         dinp = torch._scaled_mm(gq, w_t.t(), scale_a=gs, scale_b=ws, out_dtype=dtype)
-        dinp = dinp.reshape(*grad_out.shape[:-1], w_t.shape[0])
+        dinp = (dinp[:m].clone() if dinp.shape[0] != m else dinp).reshape(
+            *grad_out.shape[:-1], w_t.shape[0]
+        )
     dweight = _empty(grad_out)
     if need_wgrad:
         # dW [N, K] = dY_8^T [N, M] @ X_8 [M, K]; X_8 as column-major = (X_8^T [K, M]).t()
@@ -319,6 +337,8 @@ def _samples(device: torch.device):
 
     e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
     yield SampleInput((t(32, 16), t(16, 16), t(16), None, None, None, "current", e4m3, e5m2))
+    # 10 tokens: padded to 16 inside the ops.
+    yield SampleInput((t(2, 5, 16), t(32, 16), t(32), None, None, None, "current", e4m3, e5m2))
     scale = torch.tensor([8.0, 16.0, 1.0], device=device)
     pending = torch.zeros(1, device=device)
     yield SampleInput((t(2, 16, 32), t(48, 32), None, None, scale, pending, "delayed", e4m3, e5m2))

@@ -107,15 +107,31 @@ def test_compiled_matches_eager(device):
     assert counter.frame_count == 1
 
 
-@pytest.mark.parametrize(
-    "shape, match",
-    [((30, 32), "number of tokens \\(30\\)"), ((32, 24), "in_features \\(24\\)")],
-)
-def test_shapes_fp8_gemms_cannot_take_raise(shape, match):
-    x = torch.randn(*shape, dtype=torch.bfloat16)
-    w = torch.randn(16, shape[1], dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=match):
-        F.linear_fp8(x, w)
+def test_feature_sizes_fp8_gemms_cannot_take_raise():
+    x = torch.randn(32, 24, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="in_features \\(24\\)"):
+        F.linear_fp8(x, torch.randn(16, 24, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recipe", ["current", "delayed"])
+def test_token_counts_are_padded_to_16(device, recipe):
+    """30 tokens run as 32 (two zero rows): the same values as the 30 rows of a padded call."""
+    torch.manual_seed(0)
+    x = torch.randn(30, 32, device=device, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(16, 32, device=device, dtype=torch.bfloat16, requires_grad=True)
+    kw = {"recipe": recipe, "scale": torch.tensor([50.0, 50.0, 1000.0], device=device)}
+    if recipe == "current":
+        kw.pop("scale")
+    y = F.linear_fp8(x, w, **kw)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    x_pad = torch.cat([x.detach(), x.new_zeros(2, 32)]).requires_grad_(True)
+    w2 = w.detach().clone().requires_grad_(True)
+    y_pad = F.linear_fp8(x_pad, w2, **kw)
+    y_pad.backward(torch.cat([dy, dy.new_zeros(2, 16)]))
+    assert y.shape == (30, 16) and torch.equal(y, y_pad[:30])
+    assert torch.equal(x.grad, x_pad.grad[:30]) and torch.equal(w.grad, w2.grad)
 
 
 def test_bad_recipe_and_missing_delayed_scale():
