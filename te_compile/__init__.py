@@ -15,6 +15,7 @@ from te_compile.modules import (
     LayerNormMLP,
     Linear,
     RMSNorm,
+    non_finite_amaxes,
 )
 from te_compile.quantization import (
     autocast,
@@ -49,6 +50,7 @@ __all__ = [
     "is_mxfp8_available",
     "is_nvfp4_available",
     "list_ops",
+    "non_finite_amaxes",
     "quantization",
     "quantize",
     "recipe",

@@ -55,14 +55,17 @@ def _fp8_max(dtype: torch.dtype) -> float:
 def quantize_per_tensor(
     x: Tensor, fp8_dtype: torch.dtype, scale: Tensor | None
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(data, scale_inv, amax)`` of a 2-D tensor. ``scale=None``: current scaling
-    (``fp8_max / amax``, 1 for an all-zero tensor); else the given 1-element scale."""
+    """``(data, scale_inv, amax)`` of a 2-D tensor. ``scale=None``: current scaling,
+    ``fp8_max / amax`` with Transformer Engine's edge rules (the same as ``te::quantize_current``):
+    1 when the amax is 0 or not finite (an inf input then saturates instead of turning the
+    tensor into NaN), the largest fp32 when the division overflows. Else the given scale."""
     xf = x.float()
     amax = xf.abs().amax().reshape(1)
     limit = _fp8_max(fp8_dtype)
     if scale is None:
-        scale = torch.where(amax > 0, limit / amax, torch.ones_like(amax))
-        scale = torch.where(torch.isfinite(scale), scale, torch.ones_like(scale))
+        usable = (amax > 0) & torch.isfinite(amax)
+        scale = torch.where(usable, limit / amax, torch.ones_like(amax))
+        scale = scale.clamp(max=torch.finfo(torch.float32).max)
     data = (xf * scale).clamp(-limit, limit).to(fp8_dtype)
     return data, scale.reciprocal(), amax
 

@@ -1,5 +1,6 @@
 """nn.Modules with Transformer Engine's names; forward() calls te_compile.functional only."""
 
+from te_compile.modules._fp8 import non_finite_amaxes
 from te_compile.modules.grouped_linear import GroupedLinear
 from te_compile.modules.grouped_mlp import GroupedMLP, convert_glu_layout
 from te_compile.modules.layernorm_linear import LayerNormLinear
@@ -16,4 +17,5 @@ __all__ = [
     "Linear",
     "RMSNorm",
     "convert_glu_layout",
+    "non_finite_amaxes",
 ]

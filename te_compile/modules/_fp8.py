@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from te_compile import functional as F
 from te_compile.quantization.state import AutocastState, get_autocast_state
 
-__all__ = ["MAX_AMAX_HISTORY", "FP8GemmState", "linear"]
+__all__ = ["MAX_AMAX_HISTORY", "FP8GemmState", "linear", "non_finite_amaxes"]
 
 MAX_AMAX_HISTORY = 1024
 
@@ -79,7 +79,12 @@ class FP8GemmState(nn.Module):
         fmt = recipe.fp8_format
         kw = {"fwd_dtype": fmt.fwd_dtype, "bwd_dtype": fmt.bwd_dtype, "main_grad": main_grad}
         if recipe.float8_current():
-            return F.linear_fp8(inp, weight, bias, recipe="current", **kw)
+            out, amax = F.linear_fp8(
+                inp, weight, bias, recipe="current", grad_amax=self.grad_amax, return_amax=True,
+                **kw,
+            )  # fmt: skip
+            self.fwd_amax.copy_(amax)  # not scaling state: kept for non_finite_amaxes()
+            return out
         if not recipe.delayed():
             raise NotImplementedError(
                 f"{owner}: the {type(recipe).__name__} recipe is not implemented"
@@ -157,6 +162,24 @@ def _block_scaled(owner, recipe, inp, weight, bias, main_grad) -> Tensor:
     return F.linear_block_scaled(
         inp, weight, bias, kind="mxfp8", fwd_dtype=fmt.fwd_dtype, bwd_dtype=fmt.bwd_dtype
     )
+
+
+def non_finite_amaxes(model: nn.Module) -> dict[str, list[str]]:
+    """The FP8 GEMMs of ``model`` whose last measured amaxes are inf or NaN: ``{name: ["input",
+    "weight", "grad" (those that were)]}``, empty when all are finite. An inf or NaN in an input,
+    weight or gradient shows up here after the step that saw it (per-tensor recipes, current and
+    delayed); delayed scaling keeps its previous scale for such a slot. One host sync per call:
+    call it when logging, not every step."""
+    report = {}
+    for name, state in model.named_modules():
+        if isinstance(state, FP8GemmState):
+            amax = torch.cat([state.fwd_amax, state.grad_amax]).isfinite().tolist()
+            bad = [
+                slot for slot, ok in zip(("input", "weight", "grad"), amax, strict=True) if not ok
+            ]
+            if bad:
+                report[name] = bad
+    return report
 
 
 def _drop_if_unused(module: FP8GemmState, state_dict, prefix: str, local_metadata) -> None:

@@ -235,3 +235,19 @@ def test_grouped_linear_fp8_current_scaling(device):
     assert counter.frame_count == 1
     with autocast(recipe=DelayedScaling()), pytest.raises(NotImplementedError, match="Delayed"):
         m(x, splits)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=["delayed", "current"])
+def test_non_finite_amaxes_are_reported(recipe):
+    model = torch.nn.Sequential(_linear("cpu"), _linear("cpu").requires_grad_(False))
+    model[1] = te.Linear(48, 32, params_dtype=torch.bfloat16)
+    x = _x("cpu")
+    with autocast(recipe=recipe):
+        model(x).float().sum().backward()
+    assert te.non_finite_amaxes(model) == {}
+    x[0, 0] = float("inf")
+    with autocast(recipe=recipe):
+        y = model(x)
+    # The inf saturates in the FP8 cast of layer 0's input; the report names it.
+    assert te.non_finite_amaxes(model) == {"0.fp8_meta": ["input"]}
+    assert torch.isfinite(y).all()
