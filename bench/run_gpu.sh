@@ -2,6 +2,7 @@
 # GPU runs in one device call: build, then the named steps, logs and results under $OUT.
 #
 #   bash bench/run_gpu.sh tests norm            # build, GPU test suite, norm benchmark
+#   bash bench/run_gpu.sh tests:functional      # one part of the suite (tests/functional)
 #   bash bench/run_gpu.sh activation mlp demo   # ...
 #
 # Steps: tests, demo, linear, overhead, norm, activation, mlp, grouped, fp8 (default: all, in that
@@ -27,6 +28,11 @@ for step in "${steps[@]}"; do
   echo "=== $step"
   case $step in
     tests) python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+    tests:*)  # a part of the suite, e.g. tests:functional or tests:kernels (the whole suite with
+              # every Triton specialisation compiling can outlast one 10-minute call)
+      part=${step#tests:}
+      python3 -m pytest -q -p no:cacheprovider "tests/$part" 2>&1 \
+        | tee "$OUT/tests_${part//\//_}.log" | tail -25 ;;
     demo) timeout 240 python3 examples/train_gpt.py 2>&1 | tr '\r' '\n' | grep -v "it/s\]$" \
             | tee "$OUT/demo.log" | tail -12 ;;
     linear|overhead|norm|activation|mlp|grouped|fp8)

@@ -66,6 +66,10 @@ RECIPES = {
     "none": lambda: None,
     "delayed": lambda: te_compile.recipe.DelayedScaling(amax_history_len=16),
     "current": te_compile.recipe.Float8CurrentScaling,
+    # Emulated off Blackwell (exact quantisation, fp32 GEMMs): numerics, not speed.
+    "block": te_compile.recipe.Float8BlockScaling,
+    "mxfp8": te_compile.recipe.MXFP8BlockScaling,
+    "nvfp4": te_compile.recipe.NVFP4BlockScaling,
 }
 
 
