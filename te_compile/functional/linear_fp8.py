@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from te_compile._library import SampleInput, differentiable, op
+from te_compile.functional.quantize import quantize_current_ref, quantize_tensorwise_ref
 
 __all__ = ["FP8_RECIPES", "linear_fp8", "linear_fp8_ref", "quantize_per_tensor"]
 
@@ -48,25 +49,19 @@ _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _HIGH = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _fp8_max(dtype: torch.dtype) -> float:
-    return torch.finfo(dtype).max
-
-
 def quantize_per_tensor(
     x: Tensor, fp8_dtype: torch.dtype, scale: Tensor | None
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(data, scale_inv, amax)`` of a 2-D tensor. ``scale=None``: current scaling,
-    ``fp8_max / amax`` with Transformer Engine's edge rules (the same as ``te::quantize_current``):
-    1 when the amax is 0 or not finite (an inf input then saturates instead of turning the
-    tensor into NaN), the largest fp32 when the division overflows. Else the given scale."""
+    """``(data, scale_inv, amax)`` of a 2-D tensor, by the reference quantisers of
+    ``te_compile.functional.quantize`` on its fp32 values (so the float64 references of the
+    tests quantise exactly as the ops do). ``scale=None``: current scaling with Transformer
+    Engine's edge rules (scale 1 for an amax of 0 or inf, so an inf saturates; the largest fp32
+    when the division overflows); else the given 1-element scale (delayed scaling)."""
     xf = x.float()
-    amax = xf.abs().amax().reshape(1)
-    limit = _fp8_max(fp8_dtype)
     if scale is None:
-        usable = (amax > 0) & torch.isfinite(amax)
-        scale = torch.where(usable, limit / amax, torch.ones_like(amax))
-        scale = scale.clamp(max=torch.finfo(torch.float32).max)
-    data = (xf * scale).clamp(-limit, limit).to(fp8_dtype)
+        data, _, scale_inv, amax = quantize_current_ref(xf, fp8_dtype, False)
+        return data, scale_inv, amax
+    data, _, amax = quantize_tensorwise_ref(xf, scale, fp8_dtype, False)
     return data, scale.reciprocal(), amax
 
 
@@ -74,17 +69,13 @@ def _quantize_both(
     x: Tensor, fp8_dtype: torch.dtype, scale: Tensor | None, columnwise: bool
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(data, data_t, scale_inv, amax)`` of a 2-D tensor; ``data_t`` (``[K, M]``, only with
-    ``columnwise``, else 0-element) is the transposed copy a backward GEMM needs. On CUDA the
-    Triton kernels of ``te::quantize_current`` / ``te::quantize_tensorwise`` write both copies in
-    one pass; elsewhere the torch reference (bit-identical for finite input)."""
-    if x.is_cuda:
-        if scale is None:
-            return torch.ops.te.quantize_current(x, fp8_dtype, columnwise)
-        data, data_t, amax = torch.ops.te.quantize_tensorwise(x, scale, fp8_dtype, columnwise)
-        return data, data_t, scale.reciprocal(), amax
-    data, scale_inv, amax = quantize_per_tensor(x, fp8_dtype, scale)
-    data_t = data.t().contiguous() if columnwise else data.new_empty(0)
-    return data, data_t, scale_inv, amax
+    ``columnwise``, else 0-element) is the transposed copy a backward GEMM needs. Through the
+    quantisation ops: on CUDA their Triton kernels write both copies in one pass, elsewhere
+    the reference quantiser runs."""
+    if scale is None:
+        return torch.ops.te.quantize_current(x, fp8_dtype, columnwise)
+    data, data_t, amax = torch.ops.te.quantize_tensorwise(x, scale, fp8_dtype, columnwise)
+    return data, data_t, scale.reciprocal(), amax
 
 
 def _fake_quant(x: Tensor, fp8_dtype: torch.dtype, scale: Tensor | None) -> Tensor:
