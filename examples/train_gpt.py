@@ -175,7 +175,8 @@ class GPT(nn.Module):
         x = self.tok_emb(idx) + self.pos_emb(pos)
         # The transformer blocks' GEMMs run in FP8 with --recipe while training; the LM head
         # stays in high precision (its vocabulary-sized output is not a multiple of 16, and FP8
-        # logits hurt), and so does evaluation (sampling feeds prompts of any length).
+        # logits hurt), and so does evaluation: sampling feeds prompts of any length, which the
+        # per-tensor recipes pad but the block-scaled ones need in multiples of their block.
         fp8 = self.recipe is not None and self.training
         with te_compile.autocast(enabled=fp8, recipe=self.recipe):
             for block in self.blocks:
