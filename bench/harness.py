@@ -493,7 +493,46 @@ def run_case(
             rows.append(Row(name, None, base, error=msg))
             continue
         rows.append(Row(name, t, base))
-    return CaseResult(case, rows, resolved, list(notes))  # fills throughput and ratios
+    notes = list(notes)
+    if PROFILE and device.type == "cuda":
+        for name, c in comps.items():
+            try:
+                notes.append(f"kernels of {name}: " + kernel_breakdown(c.fn, c.grad_to_none))
+            except Exception as exc:  # a diagnostic: never lose the timings for it
+                notes.append(f"kernels of {name}: {type(exc).__name__}: {exc}"[:300])
+    return CaseResult(case, rows, resolved, notes)  # fills throughput and ratios
+
+
+# Set by ``start`` from ``--profile``: each case then also lists where each competitor's GPU
+# time goes, kernel by kernel (torch.profiler), in its notes.
+PROFILE = False
+
+
+def kernel_breakdown(
+    fn: Callable[[], object],
+    grad_to_none: Sequence[torch.Tensor] = (),
+    calls: int = 5,
+    top: int = 8,
+) -> str:
+    """The ``top`` CUDA kernels by total time, as ``name xN: us/call`` (one line)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            _clear_grads(grad_to_none)
+            fn()
+        torch.cuda.synchronize()
+    per_kernel: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            per_kernel.setdefault(e.name, []).append(e.time_range.elapsed_us())
+    total = sum(sum(v) for v in per_kernel.values()) / calls
+    ranked = sorted(per_kernel.items(), key=lambda kv: -sum(kv[1]))[:top]
+    parts = [f"{name[:60]} x{len(v) // calls}: {sum(v) / calls:.0f} us" for name, v in ranked]
+    return f"total {total:.0f} us/call; " + "; ".join(parts)
 
 
 # --------------------------------------------------------------------------------------------
@@ -763,6 +802,11 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument("--no-chart", action="store_true", help="do not draw the PNG chart")
     parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also list each competitor's top CUDA kernels (torch.profiler) in the case notes",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -804,6 +848,8 @@ def start(
     the timing (``SMOKE_TIMING`` with --smoke), and open the report (metadata printed)."""
     add_common_args(parser)
     args = parser.parse_args(argv)
+    global PROFILE
+    PROFILE = bool(getattr(args, "profile", False))
     device = resolve_device(args)
     if device.type != "cuda" and not args.smoke:
         parser.error("full-size shapes need a CUDA GPU; use --smoke on CPU")

@@ -5,15 +5,21 @@
 #   bash bench/run_gpu.sh tests:functional      # one part of the suite (tests/functional)
 #   bash bench/run_gpu.sh activation mlp demo   # ...
 #
-# Steps: tests, demo, linear, overhead, norm, activation, mlp, grouped, fp8 (default: all, in that
-# order; split them over calls to stay inside the 10-minute limit of one call). At most 8 files come
-# back from $OUT, so each step writes one log and its bench writes its .md/.json there
-# (--no-chart). Carry `.whl` (expecttest, liger-kernel: not on the GPU image; bench/README.md).
+# Steps: tests, tests:<part>, tune_norm (diagnostics), demo, linear, overhead, norm, activation,
+# mlp, grouped, fp8 (default: all but tune_norm, in that order; split them over calls to stay
+# inside the 10-minute limit of one call). Each step writes one log and its bench its .md/.json
+# under $OUT (--no-chart), packed into $OUT/results.tgz. Carry `.whl` (expecttest, liger-kernel,
+# torchao, pytest-xdist + execnet: not on the GPU image; bench/README.md).
 set -uo pipefail
 OUT=${OUT:-bench/results/latest}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 steps=("$@")
+# At most 8 files come back from a device call: on exit (also when stopped by `timeout`) the
+# logs and results are packed into one archive, results.tgz.
+pack() { (cd "$OUT" && ls && tar czf results.tgz --remove-files --exclude results.tgz -- *.*); }
+trap pack EXIT
+trap 'exit 124' TERM INT
 [ ${#steps[@]} -gt 0 ] || steps=(tests demo linear overhead norm activation mlp grouped fp8)
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -24,21 +30,25 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 # The image's CC/CXX (/opt/gcc wrappers) build an extension whose C++ exceptions crash the
 # process (seen 2026-11-22); the system gcc builds a working one.
 CC=gcc CXX=g++ python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -3
+# pytest-xdist (carried in .whl) spreads the suite over 8 workers sharing the GPU: the Triton
+# compiles of the many kernel specialisations are host-bound. -rf lists failures by name.
+PYTEST=(python3 -m pytest -q -rf -p no:cacheprovider)
+python3 -c "import xdist" 2>/dev/null && PYTEST+=(-n 8)
 for step in "${steps[@]}"; do
   echo "=== $step"
   case $step in
-    tests) python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+    tests) "${PYTEST[@]}" tests 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
     tests:*)  # a part of the suite, e.g. tests:functional or tests:kernels (the whole suite with
               # every Triton specialisation compiling can outlast one 10-minute call)
       part=${step#tests:}
-      python3 -m pytest -q -p no:cacheprovider "tests/$part" 2>&1 \
+      "${PYTEST[@]}" "tests/$part" 2>&1 \
         | tee "$OUT/tests_${part//\//_}.log" | tail -25 ;;
     demo) timeout 240 python3 examples/train_gpt.py 2>&1 | tr '\r' '\n' | grep -v "it/s\]$" \
             | tee "$OUT/demo.log" | tail -12 ;;
+    tune_norm) python3 -m bench.tune_norm 2>&1 | tee "$OUT/tune_norm.log" ;;
     linear|overhead|norm|activation|mlp|grouped|fp8)
-      python3 -m "bench.bench_$step" --out "$OUT" --no-chart 2>&1 | tee "$OUT/bench_$step.log" \
+      python3 -m "bench.bench_$step" --out "$OUT" --no-chart ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_$step.log" \
         | grep -v "^  \[" | tail -60 ;;
     *) echo "unknown step $step" ;;
   esac
 done
-ls -la "$OUT"

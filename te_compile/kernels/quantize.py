@@ -168,8 +168,12 @@ def _to_fp8_bits(
     nearest even."""
     if not SOFTWARE:
         if E4M3:
-            return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-        return y.to(tl.float8e5).to(tl.uint8, bitcast=True)
+            hw = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        else:
+            hw = y.to(tl.float8e5).to(tl.uint8, bitcast=True)
+        # NaN stays NaN whatever the conversion instruction makes of it: on the H100 (Triton
+        # 3.6, 2026-11-22) its NaN results differed from torch's. 0x7F is torch's encoding.
+        return tl.where(y != y, 0x7F, hw).to(tl.uint8)
     bits = y.to(tl.uint32, bitcast=True)
     a = bits & 0x7FFFFFFF
     # Normal results: round the fp32 bits to MBITS mantissa bits (a carry out of the mantissa

@@ -80,55 +80,16 @@ class TestMoEGraph(expecttest.TestCase):
         torch.compile(model, backend=rec, fullgraph=True)(x).sum().backward()
         for op in (*rec.forward, *rec.backward):
             assert not any(s in op for s in HOST_SYNC_OPS), f"host sync in the graph: {op}"
+        # Only our ops: the aten ops around them decompose differently across torch versions.
         self.assertExpectedInline(
-            rec.summary(),
+            rec.summary(te_only=True),
             """\
 forward:
-  aten.t.default
-  aten.mm.default
-  aten._softmax.default
-  aten.detach.default
-  aten.topk.default
-  aten.view.default
-  aten.sort.stable
-  aten.floor_divide.default
-  aten.zeros.default
-  aten.ones_like.default
-  aten.index_add.default
-  aten.index.Tensor
   te.grouped_linear_fwd.default
   te.gated_activation_fwd.default
   te.grouped_linear_fwd.default
-  aten.view.default
-  aten.unsqueeze.default
-  aten.index.Tensor
-  aten.mul.Tensor
-  aten.zeros_like.default
-  aten.index_add.default
 backward:
-  aten.index_select.default
-  aten.expand.default
-  aten.mul.Tensor
-  aten.mul.Tensor
-  aten.sum.dim_IntList
-  aten.new_zeros.default
-  aten.index_put.default
-  aten.squeeze.dim
-  aten.view.default
   auto_functionalized_v2(te.grouped_linear_bwd.default)
   te.gated_activation_bwd.default
-  auto_functionalized_v2(te.grouped_linear_bwd.default)
-  aten.new_zeros.default
-  aten.index_put.default
-  aten.new_zeros.default
-  aten.scatter.src
-  aten.detach.default
-  aten._softmax_backward_data.default
-  aten.t.default
-  aten.mm.default
-  aten.t.default
-  aten.t.default
-  aten.mm.default
-  aten.add.Tensor
-  aten.t.default""",
+  auto_functionalized_v2(te.grouped_linear_bwd.default)""",
         )
