@@ -5,10 +5,11 @@ NVFP4 and FP8-blockwise recipes (Transformer Engine's ``MXFP8BlockScaling``,
 Hopper has no tensor-core instructions for MX (32-element blocks, E8M0 scales) or NVFP4
 (16-element blocks, E4M3 scales, a global scale) operands, so off Blackwell those GEMMs are
 *emulated*; ``Float8BlockScaling`` (1x128 blocks for activations and gradients, 128x128 for
-weights, fp32 scales) runs natively on Hopper through blockwise-scaled ``_scaled_mm``, which is
-not wired yet, so it is emulated here too (``kind="block"``). Emulated means: every operand is
-quantised exactly as the native recipe would (the quantisation ops of
-``te_compile.functional.quantize_mx`` and ``quantize``), dequantised and multiplied in fp32
+weights, fp32 scales) runs natively on Hopper through blockwise-scaled ``torch._scaled_mm``
+(cuBLAS, CUDA 12.9+) when the caller asks for it (``native=True``; the modules do so where
+``te.is_fp8_block_scaling_available()``); otherwise it is emulated too (``kind="block"``).
+Emulated means: every operand is quantised exactly as the native recipe would (the quantisation
+ops of ``te_compile.functional.quantize_mx`` and ``quantize``), dequantised and multiplied in fp32
 (where every dequantised value is exact; the output is rounded once to the input's dtype).
 The numerics are those of the recipe up to the GEMM's accumulation order; the speed is that of
 an fp32 GEMM plus the quantisation passes, i.e. slower than bf16. Use it to test recipes and
@@ -24,6 +25,13 @@ of ``W``, ``dY``) yields both directions (``rowwise`` and ``columnwise``). The f
 dequantised columnwise copies the backward GEMMs need (fp32: emulation does not save memory).
 NVFP4's stochastic rounding and random Hadamard transform of the gradient (TE's options) are not
 emulated: gradients are rounded to nearest.
+
+Native blockwise (``native=True``, ``kind="block"`` only): the same quantisation ops, then the
+three GEMMs read the FP8 data and the fp32 block scales directly (1x128 x 128x128 for the
+forward and dgrad, 1x128 x 1x128 for wgrad); the forward saves the FP8 columnwise copies of
+``X`` and ``W`` with their scales (as uint8 bytes), not dequantised ones. On CPU (the tests) the
+same path runs with its GEMMs emulated by :func:`_block_scaled_mm`, so its plumbing (which
+copy, which scale layout) is checked everywhere; on an H100 the GEMMs are cuBLAS's.
 
 Shapes: in_features, out_features and the number of tokens must be multiples of 32 for MXFP8
 and of 16 for NVFP4 and FP8 blockwise (partial 128-blocks are scaled on their own).
@@ -114,6 +122,50 @@ def _check(inp: Tensor, weight: Tensor, bias: Tensor | None, kind: str) -> None:
     raise ValueError(p + f"bias must be [{weight.shape[0]}] of dtype {inp.dtype}")
 
 
+def _block_scaled_mm(
+    a: Tensor,
+    sa: Tensor,
+    a_rows: int,
+    b: Tensor,
+    sb: Tensor,
+    b_rows: int,
+    out_dtype: torch.dtype,
+    bias: Tensor | None = None,
+) -> Tensor:
+    """``dequant(a) @ dequant(b)^T``: ``a`` ``[M, K]`` and ``b`` ``[N, K]`` FP8 data, both
+    quantised in blocks along K (``a_rows`` / ``b_rows`` x 128 elements, compact fp32 scale
+    layout of ``quantize_blockwise``). CUDA: one blockwise-scaled ``torch._scaled_mm`` (its
+    layouts: 1x128 scales outer-dim-major, 128x128 scales as ``[K/128, N/128]``, ``mat2``
+    column-major). Elsewhere: dequantised in fp32 (exact) and multiplied in fp32. ``bias`` is
+    added before the one rounding to ``out_dtype`` (in the GEMM's epilogue on CUDA)."""
+    if a.device.type != "cuda":
+        deq = torch.ops.te.dequantize_blockwise
+        u8, f32 = torch.uint8, torch.float32
+        a32 = deq(a.contiguous().view(u8), sa, a_rows, a.dtype, f32)
+        b32 = deq(b.contiguous().view(u8), sb, b_rows, b.dtype, f32)
+        return torch.nn.functional.linear(a32, b32, None if bias is None else bias.float()).to(
+            out_dtype
+        )
+    scale_a = sa.t().contiguous().t() if a_rows == 1 else sa
+    scale_b = sb.t().contiguous() if b_rows == 1 else sb.t()
+    args = (a.contiguous(), b.contiguous().t(), scale_a, scale_b)
+    if bias is None:
+        return torch._scaled_mm(*args, out_dtype=out_dtype)
+    try:  # the bias in cuBLAS's epilogue, where the blockwise kernels take one
+        return torch._scaled_mm(*args, bias=bias, out_dtype=out_dtype)
+    except RuntimeError:
+        out = torch._scaled_mm(*args, out_dtype=torch.float32)
+        return (out + bias.float()).to(out_dtype)
+
+
+def _quantize_block(x2: Tensor, fp8_dtype: torch.dtype, block_rows: int, power_2_scale: bool):
+    """``(data, scale_inv, data_t, scale_inv_t)`` of ``x2`` (contiguous copies)."""
+    data, s, data_t, s_t = torch.ops.te.quantize_blockwise(
+        x2, fp8_dtype, block_rows, power_2_scale, True
+    )
+    return data, s, data_t.contiguous(), s_t.contiguous()
+
+
 @op("linear_block_scaled_fwd")
 def linear_block_scaled_fwd(
     inp: Tensor,
@@ -124,11 +176,22 @@ def linear_block_scaled_fwd(
     bwd_dtype: torch.dtype,
     power_2_scale: bool,
     weight_block_rows: int,
+    native: bool,
 ) -> tuple[Tensor, list[Tensor]]:
-    """``(out, [Q_M(X)^T, Q_N(W)^T])`` (see the module docstring); the same on every device.
-    ``power_2_scale`` and ``weight_block_rows`` (1: 1x128, 128: 128x128) apply to ``block``."""
+    """``(out, saved)``: emulated, ``saved = [Q_M(X)^T, Q_N(W)^T]`` dequantised (see the module
+    docstring); ``native`` (``kind="block"``), ``saved = [X^T data, its scales, W^T data, its
+    scales]`` (FP8 bytes as uint8). ``power_2_scale`` and ``weight_block_rows`` (1: 1x128,
+    128: 128x128) apply to ``block``."""
     _check(inp, weight, bias, kind)
+    _check_native(native, kind)
     x = inp.reshape(-1, inp.shape[-1])
+    if native:
+        u8 = torch.uint8
+        xd, xs, xd_t, xs_t = _quantize_block(x, fwd_dtype, 1, power_2_scale)
+        wd, ws, wd_t, ws_t = _quantize_block(weight, fwd_dtype, weight_block_rows, power_2_scale)
+        out = _block_scaled_mm(xd, xs, 1, wd, ws, weight_block_rows, inp.dtype, bias)
+        out = out.reshape(*inp.shape[:-1], weight.shape[0])
+        return out, [xd_t.view(u8), xs_t, wd_t.view(u8), ws_t]
     x_row, x_col_t = qdq_both(x, kind, fwd_dtype, 1, power_2_scale)
     w_row, w_col_t = qdq_both(weight, kind, fwd_dtype, weight_block_rows, power_2_scale)
     out = torch.nn.functional.linear(x_row, w_row, None if bias is None else bias.float())
@@ -136,12 +199,34 @@ def linear_block_scaled_fwd(
     return out, [x_col_t, w_col_t]
 
 
+def _check_native(native: bool, kind: str) -> None:
+    if native and kind != "block":
+        raise ValueError(f"te.linear_block_scaled: native GEMMs exist for kind='block' only, "
+                         f"got kind={kind!r}")  # fmt: skip
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
 @linear_block_scaled_fwd.register_fake
-def _fwd_fake(inp, weight, bias, kind, fwd_dtype, bwd_dtype, power_2_scale, weight_block_rows):
+def _fwd_fake(
+    inp, weight, bias, kind, fwd_dtype, bwd_dtype, power_2_scale, weight_block_rows, native
+):
     _check(inp, weight, bias, kind)
+    _check_native(native, kind)
     m, k, n = inp.numel() // inp.shape[-1], weight.shape[1], weight.shape[0]
-    saved = [inp.new_empty(k, m, dtype=torch.float32), inp.new_empty(k, n, dtype=torch.float32)]
-    return inp.new_empty(*inp.shape[:-1], n), saved
+    out = inp.new_empty(*inp.shape[:-1], n)
+    f32, u8 = torch.float32, torch.uint8
+    if native:
+        saved = [
+            inp.new_empty(k, m, dtype=u8),
+            inp.new_empty(k, _cdiv(m, 128), dtype=f32),
+            inp.new_empty(k, n, dtype=u8),
+            inp.new_empty(_cdiv(k, weight_block_rows), _cdiv(n, 128), dtype=f32),
+        ]
+        return out, saved
+    return out, [inp.new_empty(k, m, dtype=f32), inp.new_empty(k, n, dtype=f32)]
 
 
 @op("linear_block_scaled_bwd")
@@ -155,7 +240,11 @@ def linear_block_scaled_bwd(
     need_dgrad: bool,
     need_wgrad: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dinp, dweight, dbias)``, 0-element where not computed."""
+    """``(dinp, dweight, dbias)``, 0-element where not computed. ``saved`` is the forward's:
+    two dequantised copies (emulated) or four (data, scales) tensors (native)."""
+    if len(saved) == 4:
+        return _native_bwd(grad_out, saved, bwd_dtype, power_2_scale, has_bias, need_dgrad,
+                           need_wgrad)  # fmt: skip
     x_col_t, w_col_t = saved
     dy = grad_out.reshape(-1, grad_out.shape[-1])
     g_row, g_col_t = qdq_both(dy, kind, bwd_dtype, 1, power_2_scale)
@@ -169,9 +258,36 @@ def linear_block_scaled_bwd(
     return dinp, dweight, dbias
 
 
+def _native_bwd(grad_out, saved, bwd_dtype, power_2_scale, has_bias, need_dgrad, need_wgrad):
+    """dgrad ``dY @ W`` (1x128 x 128x128 blocks along N) and wgrad ``dY^T @ X`` (1x128 x 1x128
+    along M) from the FP8 copies the forward saved."""
+    xd_t, xs_t, wd_t, ws_t = saved
+    k, n = wd_t.shape
+    w_rows = 1 if ws_t.shape[0] == k else 128  # the weight's block rows (k >= 16)
+    dy = grad_out.reshape(-1, n)
+    dtype = grad_out.dtype
+    gd, gs, gd_t, gs_t = _quantize_block(dy, bwd_dtype, 1, power_2_scale)
+    fwd_dtype = _SAVED_FP8[0]
+    empty = grad_out.new_empty(0)
+    dinp = empty
+    if need_dgrad:
+        w_t = wd_t.view(fwd_dtype)  # [K, N]: W^T in blocks along N
+        dinp = _block_scaled_mm(gd, gs, 1, w_t, ws_t, w_rows, dtype)
+        dinp = dinp.reshape(*grad_out.shape[:-1], k)
+    dweight = empty.clone()
+    if need_wgrad:
+        dweight = _block_scaled_mm(gd_t, gs_t, 1, xd_t.view(fwd_dtype), xs_t, 1, dtype)
+    dbias = dy.float().sum(0).to(dtype) if has_bias else empty.clone()
+    return dinp, dweight, dbias
+
+
+# The forward's FP8 format (E4M3): the native path is taken only when both directions use it.
+_SAVED_FP8 = (torch.float8_e4m3fn,)
+
+
 @linear_block_scaled_bwd.register_fake
 def _bwd_fake(grad_out, saved, kind, bwd_dtype, power_2_scale, has_bias, need_dgrad, need_wgrad):
-    _x_col_t, w_col_t = saved
+    w_col_t = saved[-2] if len(saved) == 4 else saved[1]
     k, n = w_col_t.shape
     dinp = grad_out.new_empty(*grad_out.shape[:-1], k) if need_dgrad else grad_out.new_empty(0)
     dweight = grad_out.new_empty(n, k) if need_wgrad else grad_out.new_empty(0)
@@ -180,7 +296,7 @@ def _bwd_fake(grad_out, saved, kind, bwd_dtype, power_2_scale, has_bias, need_dg
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    _inp, _weight, bias, kind, _fwd, bwd_dtype, power_2_scale, _w_rows = inputs
+    _inp, _weight, bias, kind, _fwd, bwd_dtype, power_2_scale, _w_rows, _native = inputs
     _out, saved = output
     ctx.mark_non_differentiable(*saved)
     ctx.save_for_backward(*saved)
@@ -204,7 +320,7 @@ def _backward(ctx, bwd, grad_out, _grad_saved):
         dinp if need_dgrad else None,
         dweight if need_wgrad else None,
         dbias if ctx.has_bias and need_bgrad else None,
-        *(None,) * 5,
+        *(None,) * 6,
     )
 
 
@@ -213,12 +329,15 @@ def _samples(device: torch.device):
         return torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
 
     e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
-    yield SampleInput((t(32, 64), t(32, 64), t(32), "mxfp8", e4m3, e4m3, False, 1))
+    yield SampleInput((t(32, 64), t(32, 64), t(32), "mxfp8", e4m3, e4m3, False, 1, False))
     yield SampleInput((t(2, 16, 32, dtype=torch.float32), t(64, 32, dtype=torch.float32), None,
-                       "mxfp8", e4m3, e5m2, False, 1))  # fmt: skip
-    yield SampleInput((t(16, 32), t(48, 32), t(48), "nvfp4", e4m3, e4m3, False, 1))
+                       "mxfp8", e4m3, e5m2, False, 1, False))  # fmt: skip
+    yield SampleInput((t(16, 32), t(48, 32), t(48), "nvfp4", e4m3, e4m3, False, 1, False))
     # Float8BlockScaling: 1x128 activations (a partial block: K=144), 128x128 weight tiles.
-    yield SampleInput((t(32, 144), t(160, 144), None, "block", e4m3, e4m3, True, 128))
+    yield SampleInput((t(32, 144), t(160, 144), None, "block", e4m3, e4m3, True, 128, False))
+    # The native path (GEMMs emulated off CUDA), with a bias and 1x128 weight blocks too.
+    yield SampleInput((t(32, 144), t(160, 144), t(160), "block", e4m3, e4m3, False, 128, True))
+    yield SampleInput((t(48, 256), t(32, 256), None, "block", e4m3, e4m3, True, 1, True))
 
 
 class _Reference(torch.autograd.Function):
@@ -227,7 +346,7 @@ class _Reference(torch.autograd.Function):
     different dim than the forward did."""
 
     @staticmethod
-    def forward(ctx, inp, weight, bias, kind, fwd_dtype, bwd_dtype, power_2_scale, w_rows):
+    def forward(ctx, inp, weight, bias, kind, fwd_dtype, bwd_dtype, power_2_scale, w_rows, _nat):
         x = inp.reshape(-1, inp.shape[-1])
         x_row, x_col_t = qdq_both(x, kind, fwd_dtype, 1, power_2_scale)
         w_row, w_col_t = qdq_both(weight, kind, fwd_dtype, w_rows, power_2_scale)
@@ -249,11 +368,14 @@ class _Reference(torch.autograd.Function):
         g_row, g_col_t = qdq_both(dy, ctx.kind, ctx.bwd_dtype, 1, ctx.power_2_scale)
         dinp = (g_row @ w_col_t.t()).reshape(ctx.shape)
         dbias = dy.sum(0) if ctx.has_bias else None
-        return dinp, g_col_t @ x_col_t.t(), dbias, *(None,) * 5
+        return dinp, g_col_t @ x_col_t.t(), dbias, *(None,) * 6
 
 
-def _reference(inp, weight, bias, kind, fwd_dtype, bwd_dtype, power_2_scale, w_rows):
-    return _Reference.apply(inp, weight, bias, kind, fwd_dtype, bwd_dtype, power_2_scale, w_rows)
+def _reference(inp, weight, bias, kind, fwd_dtype, bwd_dtype, power_2_scale, w_rows, native):
+    """The emulation (the native path quantises identically; only its GEMMs differ)."""
+    return _Reference.apply(
+        inp, weight, bias, kind, fwd_dtype, bwd_dtype, power_2_scale, w_rows, native
+    )
 
 
 _linear_block_scaled = differentiable(
@@ -276,10 +398,19 @@ def linear_block_scaled(
     bwd_dtype: torch.dtype = torch.float8_e4m3fn,
     power_2_scale: bool = False,
     weight_block_rows: int = 128,
+    native: bool = False,
 ) -> Tensor:
     """``inp @ weight.T + bias`` with MXFP8 (``kind="mxfp8"``, element formats ``fwd_dtype`` /
-    ``bwd_dtype``) or NVFP4 (``kind="nvfp4"``) operands, emulated (module docstring)."""
+    ``bwd_dtype``) or NVFP4 (``kind="nvfp4"``) operands, emulated, or FP8 blockwise
+    (``kind="block"``): native GEMMs with ``native=True`` (the caller checks
+    ``te.is_fp8_block_scaling_available()``; E4M3 both ways, cuBLAS's blockwise kernels take
+    E4M3 operands), else emulated (module docstring)."""
+    if native and (fwd_dtype != _SAVED_FP8[0] or bwd_dtype != _SAVED_FP8[0]):
+        raise ValueError(
+            f"te.linear_block_scaled: native blockwise GEMMs take E4M3 operands; got fwd_dtype="
+            f"{fwd_dtype}, bwd_dtype={bwd_dtype}"
+        )
     out, _saved = _linear_block_scaled(
-        inp, weight, bias, kind, fwd_dtype, bwd_dtype, power_2_scale, weight_block_rows
+        inp, weight, bias, kind, fwd_dtype, bwd_dtype, power_2_scale, weight_block_rows, native
     )
     return out

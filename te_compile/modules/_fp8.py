@@ -28,11 +28,17 @@ the history at the next forward.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor, nn
 
 from te_compile import functional as F
+from te_compile.quantization.device import is_fp8_block_scaling_available
 from te_compile.quantization.state import AutocastState, get_autocast_state
+
+# TE_COMPILE_NATIVE_BLOCK_GEMM=0: Float8BlockScaling GEMMs emulated even where native ones exist.
+_NATIVE_BLOCK = os.environ.get("TE_COMPILE_NATIVE_BLOCK_GEMM", "1") != "0"
 
 __all__ = ["MAX_AMAX_HISTORY", "FP8GemmState", "linear", "non_finite_amaxes"]
 
@@ -134,8 +140,10 @@ def linear(
 
 
 def _block_scaled(owner, recipe, inp, weight, bias, main_grad) -> Tensor:
-    """MXFP8 / NVFP4 / FP8 blockwise: exact quantisation, GEMMs emulated
-    (``te::linear_block_scaled_*``; blockwise is native on Hopper, not wired yet)."""
+    """MXFP8 / NVFP4 / FP8 blockwise: exact quantisation (``te::linear_block_scaled_*``); the
+    GEMMs are emulated, except FP8 blockwise with E4M3 both ways on a GPU with blockwise-scaled
+    ``_scaled_mm`` (Hopper, CUDA 12.9+), which runs natively (``TE_COMPILE_NATIVE_BLOCK_GEMM=0``
+    forces the emulation)."""
     if main_grad is not None:
         raise NotImplementedError(
             f"{owner}: fuse_wgrad_accumulation is not implemented with {type(recipe).__name__}"
@@ -149,6 +157,13 @@ def _block_scaled(owner, recipe, inp, weight, bias, main_grad) -> Tensor:
                 f"{owner}: Float8BlockScaling with 128x128 activation or gradient blocks is not "
                 "implemented (1x128, the default, is)"
             )
+        e4m3 = fmt.fwd_dtype == fmt.bwd_dtype == torch.float8_e4m3fn
+        native = (
+            e4m3
+            and inp.device.type == "cuda"
+            and _NATIVE_BLOCK
+            and is_fp8_block_scaling_available()
+        )
         return F.linear_block_scaled(
             inp,
             weight,
@@ -158,6 +173,7 @@ def _block_scaled(owner, recipe, inp, weight, bias, main_grad) -> Tensor:
             bwd_dtype=fmt.bwd_dtype,
             power_2_scale=not recipe.use_f32_scales,
             weight_block_rows=128 if recipe.w_block_scaling_dim == 2 else 1,
+            native=bool(native),
         )
     return F.linear_block_scaled(
         inp, weight, bias, kind="mxfp8", fwd_dtype=fmt.fwd_dtype, bwd_dtype=fmt.bwd_dtype

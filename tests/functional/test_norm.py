@@ -15,6 +15,7 @@ from tests.utils import (
     DEVICES,
     assert_close,
     compile_counted,
+    dtype_tols,
     make_reference_and_test_tensors,
     to_reference,
 )
@@ -87,7 +88,16 @@ def test_matches_float64_reference(device, dtype, shape, kind, zero_centered_gam
     y.backward(dy)
     assert y.shape == x.shape and y.dtype == dtype
     assert_close(y, y_ref, dtype)
-    assert_close(x.grad, x_ref.grad, dtype)
+    if kind == "layernorm" and shape[-1] == 1:
+        # One element per row: dx = rsigma * (g - mean(g)) is 0 by the cancellation of two terms
+        # of size |g| * rsigma with rsigma = eps**-0.5, so a GPU kernel's fp32 rounding of g
+        # (fused multiply-adds) shows up at one fp32 rounding of those terms, not at 0.
+        gamma = w_ref + 1 if zero_centered_gamma else w_ref
+        terms = (dy_ref * gamma).abs().max().item() * eps**-0.5
+        bound = dtype_tols(torch.float32)["rtol"] * terms
+        assert x.grad.detach().abs().max().item() <= bound
+    else:
+        assert_close(x.grad, x_ref.grad, dtype)
     if w is not None:
         assert w.grad.dtype == weight_dtype
         assert_close(w.grad, w_ref.grad, weight_dtype)

@@ -1,0 +1,68 @@
+"""FP8 blockwise linear beyond the registry test (which compares the emulated and the native
+paths, GEMMs emulated on CPU, with the exact fake-quantised reference): on a GPU with
+blockwise-scaled ``_scaled_mm``, cuBLAS's GEMMs against the emulation of the same quantised
+operands, and the errors of the native path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import te_compile as te
+from te_compile import functional as F
+from tests.utils import DEVICES, assert_close, requires_cuda
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _run(native, x, w, b, power_2_scale, weight_block_rows):
+    x = x.detach().clone().requires_grad_()
+    w = w.detach().clone().requires_grad_()
+    b = None if b is None else b.detach().clone().requires_grad_()
+    out = F.linear_block_scaled(
+        x,
+        w,
+        b,
+        kind="block",
+        power_2_scale=power_2_scale,
+        weight_block_rows=weight_block_rows,
+        native=native,
+    )
+    torch.manual_seed(1)
+    out.backward(torch.randn_like(out))
+    return out, x.grad, w.grad, None if b is None else b.grad
+
+
+@requires_cuda
+@pytest.mark.skipif(
+    torch.cuda.is_available() and not te.is_fp8_block_scaling_available(),
+    reason="needs blockwise-scaled _scaled_mm (compute capability 9.0+, CUDA 12.9+)",
+)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("power_2_scale, weight_block_rows", [(True, 128), (False, 128), (True, 1)])
+@pytest.mark.parametrize("m, k, n", [(256, 512, 384), (160, 272, 128)], ids=str)
+def test_native_gemms_match_the_emulation(m, k, n, power_2_scale, weight_block_rows, bias):
+    """Both paths quantise identically (same ops); the GEMMs differ only in accumulation order,
+    each result rounded once to bf16: so they agree within two bf16 roundings, relative to the
+    largest term (a sum of products cancels)."""
+    torch.manual_seed(0)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
+    native = _run(True, x, w, b, power_2_scale, weight_block_rows)
+    emulated = _run(False, x, w, b, power_2_scale, weight_block_rows)
+    for a, e in zip(native, emulated, strict=True):
+        if e is None:
+            assert a is None
+            continue
+        assert_close(a, e.double(), torch.bfloat16, roundings=2, reduced=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_native_needs_block_kind_and_e4m3(device):
+    x = torch.randn(32, 64, device=device, dtype=torch.bfloat16)
+    w = torch.randn(32, 64, device=device, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="kind='block' only"):
+        F.linear_block_scaled(x, w, kind="mxfp8", native=True)
+    with pytest.raises(ValueError, match="E4M3 operands"):
+        F.linear_block_scaled(x, w, kind="block", bwd_dtype=E5M2, native=True)
