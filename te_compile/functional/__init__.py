@@ -20,6 +20,7 @@ from te_compile.functional.activation import (
 )
 from te_compile.functional.allocate import bulk_allocate
 from te_compile.functional.dropout import dropout
+from te_compile.functional.fake_quantize import fake_quantize
 from te_compile.functional.fp8_scaling import delayed_scaling_update
 from te_compile.functional.fused_linear import branch_linear, linear_add, linear_bias_activation
 from te_compile.functional.fused_norm import branch_rmsnorm
@@ -51,6 +52,7 @@ __all__ = [
     "dequantize_mxfp8",
     "dequantize_nvfp4",
     "dropout",
+    "fake_quantize",
     "geglu",
     "gelu",
     "glu",

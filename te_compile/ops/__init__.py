@@ -40,6 +40,7 @@ from te_compile.ops.fused import (
 from te_compile.ops.linear import BasicLinear, Bias, GroupedLinear
 from te_compile.ops.norm import L2Normalization, LayerNorm, RMSNorm
 from te_compile.ops.op import BasicOperation, FusedOperation
+from te_compile.ops.quantize import Quantize
 from te_compile.ops.sequential import Sequential
 from te_compile.ops.structural import (
     AddExtraInput,
@@ -77,6 +78,7 @@ __all__ = [
     "L2Normalization",
     "LayerNorm",
     "MakeExtraOutput",
+    "Quantize",
     "RMSNorm",
     "ReGLU",
     "ReLU",
