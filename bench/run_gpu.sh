@@ -5,7 +5,7 @@
 #   bash bench/run_gpu.sh tests:functional      # one part of the suite (tests/functional)
 #   bash bench/run_gpu.sh activation mlp demo   # ...
 #
-# Steps: tests, demo, linear, overhead, norm, activation, mlp, grouped, fp8 (default: all, in that
+# Steps: tests, demo, linear, overhead, norm, activation, mlp, grouped, fp8, ops (default: all, in that
 # order; split them over calls to stay inside the 10-minute limit of one call). At most 8 files come
 # back from $OUT, so each step writes one log and its bench writes its .md/.json there
 # (--no-chart). Carry `.whl` (expecttest, liger-kernel: not on the GPU image; bench/README.md).
@@ -14,7 +14,7 @@ OUT=${OUT:-bench/results/latest}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 steps=("$@")
-[ ${#steps[@]} -gt 0 ] || steps=(tests demo linear overhead norm activation mlp grouped fp8)
+[ ${#steps[@]} -gt 0 ] || steps=(tests demo linear overhead norm activation mlp grouped fp8 ops)
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
@@ -35,7 +35,7 @@ for step in "${steps[@]}"; do
         | tee "$OUT/tests_${part//\//_}.log" | tail -25 ;;
     demo) timeout 240 python3 examples/train_gpt.py 2>&1 | tr '\r' '\n' | grep -v "it/s\]$" \
             | tee "$OUT/demo.log" | tail -12 ;;
-    linear|overhead|norm|activation|mlp|grouped|fp8)
+    linear|overhead|norm|activation|mlp|grouped|fp8|ops)
       python3 -m "bench.bench_$step" --out "$OUT" --no-chart 2>&1 | tee "$OUT/bench_$step.log" \
         | grep -v "^  \[" | tail -60 ;;
     *) echo "unknown step $step" ;;
