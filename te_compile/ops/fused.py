@@ -30,7 +30,9 @@ add). Runs are matched greedily from the left.
 
 Fallbacks, taken at call time (so that ``torch.compile`` guards on them): under an enabled FP8
 ``te_compile.autocast`` the linear fusions run their basic ops (the FP8 path of ``BasicLinear``);
-``ForwardLinear*Add`` also runs unfused when the residual's shape or dtype is not the output's.
+``ForwardLinear*Add`` also runs unfused when the residual's shape or dtype is not the output's,
+and a fusion with a ``Bias`` when the bias's dtype is not the input's or weight's (the unfused
+add promotes mixed dtypes; the fused ops require one dtype).
 """
 
 from __future__ import annotations
@@ -78,6 +80,8 @@ class ForwardLinearBiasActivation(FusedOperation):
 
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
         bias = None if self.bias is None else self.bias.bias
+        if bias is not None and bias.dtype != self.linear.weight.dtype:
+            return self.unfused(x, extra_inputs)  # the unfused add promotes mixed dtypes
         act = self.activation
         if act is None:  # te::linear_fwd with the bias (or the FP8 linear with the bias)
             return self.linear.linear(x, bias), ()
@@ -116,6 +120,7 @@ class ForwardLinearBiasAdd(FusedOperation):
             or residual.shape != (*x.shape[:-1], w.shape[0])
             or residual.dtype != x.dtype
             or x.dtype != w.dtype
+            or (self.bias is not None and self.bias.bias.dtype != w.dtype)
         ):
             return self.unfused(x, extra_inputs)
         bias = None if self.bias is None else self.bias.bias
@@ -136,9 +141,9 @@ class BackwardLinearAdd(FusedOperation):
         self.bias: Bias | None = _find(basic_ops, Bias)
 
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
-        if _fp8():
-            return self.unfused(x, extra_inputs)
         bias = None if self.bias is None else self.bias.bias
+        if _fp8() or (bias is not None and bias.dtype != self.linear.weight.dtype):
+            return self.unfused(x, extra_inputs)
         main_grad = self.linear.main_grad()
         y, branch = F.branch_linear(x, self.linear.weight, bias, main_grad=main_grad)
         return y, (branch,)
@@ -150,6 +155,8 @@ class BackwardActivationBias(FusedOperation):
 
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
         bias, act = self.basic_ops
+        if bias.bias.dtype != x.dtype:
+            return self.unfused(x, extra_inputs)  # the unfused add promotes mixed dtypes
         return act.apply(x, bias.bias), ()
 
 

@@ -325,3 +325,29 @@ def test_linear_add_with_a_broadcast_residual_runs_unfused(device):
     assert rec.names == ["te.linear_fwd"]
     w, b = seq[0].weight, seq[1].bias
     assert_close(y, x.double() @ w.double().t() + b.double() + residual.double(), torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "modules",
+    [
+        lambda: [ops.BasicLinear(8, 4), ops.Bias(4, dtype=torch.float64), ops.GELU()],
+        lambda: [ops.BasicLinear(8, 4), ops.Bias(4, dtype=torch.float64), ops.AddExtraInput()],
+        lambda: [ops.MakeExtraOutput(), ops.BasicLinear(8, 4), ops.Bias(4, dtype=torch.float64)],
+        lambda: [ops.Bias(8, dtype=torch.float64), ops.SiLU()],
+    ],
+    ids=["linear-bias-act", "linear-bias-add", "branch-linear-bias", "bias-act"],
+)
+def test_a_bias_of_another_dtype_runs_unfused_and_promotes(modules, device):
+    torch.manual_seed(0)
+    fused = ops.Sequential(*modules()).to(device)
+    unfused = ops.Sequential(*modules(), fuse=False).to(device)
+    unfused.load_state_dict(fused.state_dict())
+    assert fused.fusions()
+    x = torch.randn(3, 8, device=device)
+    extra = [torch.randn(3, 4, device=device)] if isinstance(fused[-1], ops.AddExtraInput) else []
+    outs = [seq(x, *extra) for seq in (fused, unfused)]
+    outs = [o if isinstance(o, tuple) else (o,) for o in outs]
+    assert outs[0][0].dtype == torch.float64  # promoted by the bias
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)
