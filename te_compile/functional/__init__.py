@@ -22,7 +22,8 @@ from te_compile.functional.allocate import bulk_allocate
 from te_compile.functional.dropout import dropout
 from te_compile.functional.fake_quantize import fake_quantize
 from te_compile.functional.fp8_scaling import delayed_scaling_update
-from te_compile.functional.fused_linear import branch_linear, linear_add, linear_bias_activation
+from te_compile.functional.fused_linear import linear_bias_activation
+from te_compile.functional.fused_linear_add import branch_linear, linear_add
 from te_compile.functional.fused_norm import branch_rmsnorm
 from te_compile.functional.glu import deinterleave_glu_tensor, interleave_glu_tensor
 from te_compile.functional.grouped_linear import as_splits_tensor, grouped_linear

@@ -7,11 +7,12 @@ returns the main output and this op's extra outputs; on its own it is called lik
 ``op(x, *extra_inputs)``, returning ``y`` or ``(y, *extra_outputs)``.
 
 A **fused operation** stands for a run of consecutive basic ops whose composition has one te op
-pair (``te_compile.functional.fused_linear`` / ``fused_norm``). It is a plain object, not a
-module: it owns nothing and reads the basic ops' parameters when called, so ``state_dict``,
-``.to()``, optimizers and parameter replacement all see the basic ops only, exactly as if
-nothing had been fused. Under an enabled FP8 ``te_compile.autocast`` a fused op containing a
-linear runs its basic ops one by one (the FP8 linear ops have no fused epilogues yet).
+pair (``te_compile.functional.fused_linear``, ``fused_linear_add``, ``fused_norm``). It is a
+plain object, not a module: it owns nothing and reads the basic ops' parameters when called, so
+``state_dict``, ``.to()``, optimizers and parameter replacement all see the basic ops only,
+exactly as if nothing had been fused. Under an enabled FP8 ``te_compile.autocast`` a fused op
+containing a linear takes the FP8 path of ``BasicLinear`` (the FP8 linear ops have no fused
+epilogues yet).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The fused linear / norm ops of ``te_compile.functional.fused_linear`` and ``fused_norm``
+"""The fused ops of ``te_compile.functional.fused_linear``, ``fused_linear_add`` and ``fused_norm``
 beyond the registry test: weight-gradient accumulation into ``main_grad``, an unused branch
 output, and bad input raising a ValueError that names the argument, in eager and under
 compile."""
