@@ -6,7 +6,7 @@
 #   bash bench/run_gpu.sh activation mlp demo   # ...
 #
 # Steps: tests, tests:<part>, tune_norm (diagnostics), demo, linear, overhead, norm, activation,
-# mlp, grouped, fp8 (default: all but tune_norm, in that order; split them over calls to stay
+# mlp, grouped, fp8, ops (default: all but tune_norm, in that order; split them over calls to stay
 # inside the 10-minute limit of one call). Each step writes one log and its bench its .md/.json
 # under $OUT (--no-chart), packed into $OUT/results.tgz. Carry `.whl` (expecttest, liger-kernel,
 # torchao, pytest-xdist + execnet: not on the GPU image; bench/README.md).
@@ -20,7 +20,7 @@ steps=("$@")
 pack() { (cd "$OUT" && ls && tar czf results.tgz --remove-files --exclude results.tgz -- *.*); }
 trap pack EXIT
 trap 'exit 124' TERM INT
-[ ${#steps[@]} -gt 0 ] || steps=(tests demo linear overhead norm activation mlp grouped fp8)
+[ ${#steps[@]} -gt 0 ] || steps=(tests demo linear overhead norm activation mlp grouped fp8 ops)
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
@@ -46,8 +46,9 @@ for step in "${steps[@]}"; do
     demo) timeout 240 python3 examples/train_gpt.py 2>&1 | tr '\r' '\n' | grep -v "it/s\]$" \
             | tee "$OUT/demo.log" | tail -12 ;;
     tune_norm) python3 -m bench.tune_norm 2>&1 | tee "$OUT/tune_norm.log" ;;
-    linear|overhead|norm|activation|mlp|grouped|fp8)
-      python3 -m "bench.bench_$step" --out "$OUT" --no-chart ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_$step.log" \
+    linear|overhead|norm|activation|mlp|grouped|fp8|ops)
+      python3 -m "bench.bench_$step" --out "$OUT" --no-chart ${BENCH_ARGS:-} 2>&1 \
+        | tee "$OUT/bench_$step.log" \
         | grep -v "^  \[" | tail -60 ;;
     *) echo "unknown step $step" ;;
   esac

@@ -5,6 +5,7 @@ op is callable as ``torch.ops.te.<name>`` and compiles with ``torch.compile(full
 """
 
 from te_compile import functional, quantization, recipe
+from te_compile import ops as ops
 from te_compile._library import eager_fast_path_enabled, list_ops, set_eager_fast_path
 from te_compile.functional import bulk_allocate, deinterleave_glu_tensor, interleave_glu_tensor
 from te_compile.modules import (

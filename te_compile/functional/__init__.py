@@ -19,7 +19,12 @@ from te_compile.functional.activation import (
     swiglu,
 )
 from te_compile.functional.allocate import bulk_allocate
+from te_compile.functional.dropout import dropout
+from te_compile.functional.fake_quantize import fake_quantize
 from te_compile.functional.fp8_scaling import delayed_scaling_update
+from te_compile.functional.fused_linear import linear_bias_activation
+from te_compile.functional.fused_linear_add import branch_linear, linear_add
+from te_compile.functional.fused_norm import branch_rmsnorm
 from te_compile.functional.glu import deinterleave_glu_tensor, interleave_glu_tensor
 from te_compile.functional.grouped_linear import as_splits_tensor, grouped_linear
 from te_compile.functional.grouped_linear_fp8 import grouped_linear_fp8
@@ -39,12 +44,16 @@ __all__ = [
     "GATED_ACTIVATIONS",
     "as_splits_tensor",
     "bias_activation",
+    "branch_linear",
+    "branch_rmsnorm",
     "bulk_allocate",
     "clamped_swiglu",
     "deinterleave_glu_tensor",
     "delayed_scaling_update",
     "dequantize_mxfp8",
     "dequantize_nvfp4",
+    "dropout",
+    "fake_quantize",
     "geglu",
     "gelu",
     "glu",
@@ -54,6 +63,8 @@ __all__ = [
     "l2normalization",
     "layernorm",
     "linear",
+    "linear_add",
+    "linear_bias_activation",
     "linear_block_scaled",
     "linear_fp8",
     "linear_ref",

@@ -1,12 +1,12 @@
 """nn.Modules with Transformer Engine's names; forward() calls te_compile.functional only."""
 
-from te_compile.modules._fp8 import non_finite_amaxes
 from te_compile.modules.grouped_linear import GroupedLinear
 from te_compile.modules.grouped_mlp import GroupedMLP, convert_glu_layout
 from te_compile.modules.layernorm_linear import LayerNormLinear
 from te_compile.modules.layernorm_mlp import LayerNormMLP
 from te_compile.modules.linear import Linear
 from te_compile.modules.norm import LayerNorm, RMSNorm
+from te_compile.quantization.fp8_gemm import non_finite_amaxes
 
 __all__ = [
     "GroupedLinear",

@@ -13,13 +13,13 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from te_compile.modules import _fp8
 from te_compile.modules._common import (
     check_positive,
     default_init_method,
     params_dtype_or_default,
 )
 from te_compile.modules.norm import PreNorm
+from te_compile.quantization import fp8_gemm as _fp8
 
 __all__ = ["LayerNormLinear"]
 

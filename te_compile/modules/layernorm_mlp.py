@@ -24,7 +24,6 @@ from torch import Tensor, nn
 
 from te_compile import functional as F
 from te_compile.functional.activation import ACTIVATIONS, GATED_ACTIVATIONS
-from te_compile.modules import _fp8
 from te_compile.modules._common import (
     check_choice,
     check_positive,
@@ -32,6 +31,7 @@ from te_compile.modules._common import (
     params_dtype_or_default,
 )
 from te_compile.modules.norm import PreNorm
+from te_compile.quantization import fp8_gemm as _fp8
 
 __all__ = ["LayerNormMLP"]
 

@@ -9,7 +9,7 @@ Unlike Transformer Engine, ``device=None`` means torch's current default device,
 
 Inside ``te_compile.autocast(recipe=...)`` the GEMMs run in FP8 (``te::linear_fp8_fwd``) with
 the recipe's scaling; the delayed-scaling state lives in the ``fp8_meta`` child module's buffers
-(see ``te_compile/modules/_fp8.py``), so it is part of the state_dict.
+(see ``te_compile/quantization/fp8_gemm.py``), so it is part of the state_dict.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from te_compile.modules import _fp8
 from te_compile.modules._common import (
     check_positive,
     default_init_method,
     params_dtype_or_default,
 )
+from te_compile.quantization import fp8_gemm as _fp8
 
 __all__ = ["Linear"]
 

@@ -61,6 +61,16 @@ class FP8GemmState(nn.Module):
         """True while delayed scaling never ran (a host sync: for state_dict, not forward)."""
         return not bool(self.amax_history.any()) and bool((self.scale == 1).all())
 
+    def _apply(self, fn, recurse=True):
+        # The scaling state stays float32 when the model is cast (``.to(torch.bfloat16)``,
+        # ``.half()``): the delayed-scaling update needs fp32, and a bf16 amax history would
+        # round the scales. Only the device follows.
+        def keep_float32(t: Tensor) -> Tensor:
+            out = fn(t)
+            return out if out.dtype == t.dtype else t.to(out.device)
+
+        return super()._apply(keep_float32, recurse)
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         names = ("amax_history", "scale", "fwd_amax", "grad_amax")
         if not any(prefix + n in state_dict for n in names):

@@ -1,0 +1,251 @@
+r"""Dropout with a counter-based RNG: ``te::dropout_fwd`` / ``te::dropout_bwd``.
+
+.. math::
+    y_i = \frac{m_i\,x_i}{1 - p}, \qquad dx_i = \frac{m_i\,dy_i}{1 - p}, \qquad
+    m_i = [\,u_i \ge \lfloor p\,2^{32} \rfloor\,]
+
+where :math:`u_i` is a 32-bit random word that is a pure function of ``rng_state`` and the
+element's index :math:`i` in ``inp``'s logical (row-major) order. ``rng_state`` is an int64
+tensor ``[2]`` = ``(seed, offset)`` on ``inp``'s device, an explicit *input* of both ops. Hence:
+
+* the backward recomputes the mask from ``rng_state`` instead of saving it (no mask in memory);
+* activation checkpointing reproduces the mask: the recomputed forward gets the same
+  ``rng_state`` (``torch.utils.checkpoint`` restores the RNG state that drew it; under
+  ``torch.compile`` the partitioner saves, never recomputes, the random draw), eager and compiled;
+* the ops are pure: no global RNG is read inside them, which opcheck and torch.compile require.
+
+The words come from Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3",
+SC 2011): key ``(seed mod 2^32, seed >> 32)``, counter ``(g mod 2^32, g >> 32, offset mod 2^32,
+offset >> 32)`` with :math:`g = \lfloor i/4 \rfloor`, and element :math:`i` takes output word
+:math:`i \bmod 4`: one Philox evaluation per four elements. Philox needs 32x32->64-bit products;
+the CPU implementation below forms them from 16-bit halves in int64 (no overflow anywhere), and
+the Triton kernel (``te_compile.kernels.dropout``) uses native uint32 arithmetic; the two agree
+bit for bit (tests run the kernel under ``TRITON_INTERPRET=1``). The keep test compares integers
+(no float conversion of the random word) and the scaling is one fp32 multiply (fp64 for fp64
+input), so the CPU and the kernel agree on the output bits as well.
+
+``offset`` selects an independent stream for the same seed (e.g. per tensor-parallel rank).
+``p`` is in ``[0, 1]``; ``p == 1`` drops everything (output zeros).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from te_compile._library import SampleInput, differentiable, op
+
+__all__ = ["dropout", "dropout_mask", "dropout_ref", "new_rng_state", "philox4x32"]
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_MASK32 = 0xFFFFFFFF
+_PHILOX_M = (0xD2511F53, 0xCD9E8D57)  # round multipliers
+_PHILOX_W = (0x9E3779B9, 0xBB67AE85)  # key increments (golden ratio, sqrt(3) - 1)
+PHILOX_ROUNDS = 10
+
+
+# 1. Reference math ----------------------------------------------------------------------------
+
+
+def _mulhilo(a: int, b: Tensor) -> tuple[Tensor, Tensor]:
+    """``(hi, lo)`` 32-bit words of ``a * b`` for a 32-bit constant ``a`` and int64 ``b`` holding
+    32-bit values, from 16-bit halves of ``b`` so that no int64 product overflows."""
+    t_lo = b & 0xFFFF
+    t_hi = b >> 16
+    p_lo = t_lo * a  # < 2^48
+    p_hi = t_hi * a  # < 2^48
+    mid = p_lo + ((p_hi & 0xFFFF) << 16)  # < 2^49
+    return (p_hi >> 16) + (mid >> 32), mid & _MASK32
+
+
+def philox4x32(
+    counter: tuple[Tensor, Tensor, Tensor, Tensor],
+    key: tuple[Tensor, Tensor],
+    rounds: int = PHILOX_ROUNDS,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Philox4x32 on int64 tensors holding 32-bit words (broadcasting); returns four words."""
+    c0, c1, c2, c3 = counter
+    k0, k1 = key
+    for _ in range(rounds):
+        hi0, lo0 = _mulhilo(_PHILOX_M[0], c0)
+        hi1, lo1 = _mulhilo(_PHILOX_M[1], c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0 = (k0 + _PHILOX_W[0]) & _MASK32
+        k1 = (k1 + _PHILOX_W[1]) & _MASK32
+    return c0, c1, c2, c3
+
+
+def random_words(rng_state: Tensor, numel: int) -> Tensor:
+    """The ``numel`` 32-bit words (int64) of the stream ``rng_state = (seed, offset)``."""
+    seed, offset = rng_state[0], rng_state[1]
+    g = torch.arange((numel + 3) // 4, device=rng_state.device, dtype=torch.int64)
+    counter = (g & _MASK32, g >> 32, offset & _MASK32, (offset >> 32) & _MASK32)
+    words = philox4x32(counter, (seed & _MASK32, (seed >> 32) & _MASK32))
+    return torch.stack(words, dim=-1).reshape(-1)[:numel]
+
+
+def threshold(p: float) -> int:
+    """Words below this are dropped: ``floor(p * 2^32)``."""
+    return min(int(p * 4294967296.0), 4294967296)
+
+
+def scale(p: float) -> float:
+    return 0.0 if p >= 1.0 else 1.0 / (1.0 - p)
+
+
+def dropout_mask(rng_state: Tensor, shape: torch.Size | tuple[int, ...], p: float) -> Tensor:
+    """The keep mask (bool, ``shape``) of the stream ``rng_state`` with drop probability ``p``."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    return (random_words(rng_state, numel) >= threshold(p)).reshape(shape)
+
+
+def dropout_ref(inp: Tensor, rng_state: Tensor, p: float) -> Tensor:
+    """``inp * mask / (1 - p)``: the scaling in fp32 (fp64 stays fp64), rounded once."""
+    acc = torch.float64 if inp.dtype == torch.float64 else torch.float32
+    keep = dropout_mask(rng_state, inp.shape, p)
+    x = inp.to(acc)
+    return torch.where(keep, x * scale(p), torch.zeros((), dtype=acc, device=x.device)).to(
+        inp.dtype
+    )
+
+
+def _check_args(inp: Tensor, rng_state: Tensor, p: float) -> None:
+    """One cheap compound test; the per-argument diagnosis only on failure (same message in
+    eager and at trace time)."""
+    if (
+        0.0 <= p <= 1.0
+        and inp.dtype in _FLOAT_DTYPES
+        and rng_state.dtype is torch.int64
+        and rng_state.shape == (2,)
+        and rng_state.device == inp.device
+    ):
+        return
+    prefix = "te.dropout: "
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(prefix + f"p must be in [0, 1], got {p}")
+    if inp.dtype not in _FLOAT_DTYPES:
+        raise ValueError(prefix + f"inp.dtype must be a floating type, got {inp.dtype}")
+    raise ValueError(
+        prefix + f"rng_state must be an int64 tensor [2] = (seed, offset) on inp's device "
+        f"({inp.device}), got {rng_state.dtype} {list(rng_state.shape)} on {rng_state.device}"
+    )
+
+
+def _kernels():
+    # Imported on first CUDA use: Triton is not a dependency of the CPU-only package.
+    from te_compile.kernels import dropout
+
+    return dropout
+
+
+# 2. Forward op --------------------------------------------------------------------------------
+
+
+@op("dropout_fwd")
+def dropout_fwd(inp: Tensor, rng_state: Tensor, p: float) -> Tensor:
+    """``inp * mask / (1 - p)``. Default (CPU) implementation: the reference math."""
+    _check_args(inp, rng_state, p)
+    return dropout_ref(inp.contiguous(), rng_state, p)
+
+
+@dropout_fwd.register_kernel("cuda")
+def _dropout_fwd_cuda(inp: Tensor, rng_state: Tensor, p: float) -> Tensor:
+    _check_args(inp, rng_state, p)
+    if inp.dtype is torch.float64:
+        return dropout_ref(inp.contiguous(), rng_state, p)
+    return _kernels().dropout(inp, rng_state, threshold(p), scale(p))
+
+
+# 3. Fake --------------------------------------------------------------------------------------
+
+
+@dropout_fwd.register_fake
+def _dropout_fwd_fake(inp: Tensor, rng_state: Tensor, p: float) -> Tensor:
+    _check_args(inp, rng_state, p)
+    return inp.new_empty(inp.shape)
+
+
+# 4. Backward op -------------------------------------------------------------------------------
+
+
+@op("dropout_bwd")
+def dropout_bwd(grad: Tensor, rng_state: Tensor, p: float) -> Tensor:
+    """``grad * mask / (1 - p)`` with the mask recomputed from ``rng_state``."""
+    return dropout_ref(grad.contiguous(), rng_state, p)
+
+
+@dropout_bwd.register_kernel("cuda")
+def _dropout_bwd_cuda(grad: Tensor, rng_state: Tensor, p: float) -> Tensor:
+    if grad.dtype is torch.float64:
+        return dropout_ref(grad.contiguous(), rng_state, p)
+    return _kernels().dropout(grad, rng_state, threshold(p), scale(p))
+
+
+@dropout_bwd.register_fake
+def _dropout_bwd_fake(grad: Tensor, rng_state: Tensor, p: float) -> Tensor:
+    return grad.new_empty(grad.shape)
+
+
+# 5. setup_context + autograd ------------------------------------------------------------------
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    _inp, rng_state, p = inputs
+    ctx.save_for_backward(rng_state)
+    ctx.p = p
+
+
+def _backward(ctx, bwd, grad):
+    (rng_state,) = ctx.saved_tensors
+    return bwd(grad.contiguous(), rng_state, ctx.p), None, None
+
+
+def _samples(device: torch.device):
+    def t(*shape, dtype=torch.float32):
+        return torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
+
+    def state(seed, offset):
+        return torch.tensor([seed, offset], dtype=torch.int64, device=device)
+
+    yield SampleInput((t(5, 16), state(1234, 0), 0.1))
+    # Odd sizes (not a multiple of 4 elements), a 64-bit seed, a large offset.
+    yield SampleInput((t(2, 3, 7, dtype=torch.bfloat16), state(2**40 + 7, 2**33 + 5), 0.5))
+    yield SampleInput((t(33, dtype=torch.float16), state(-5, 3), 0.9))
+    yield SampleInput((t(4, 8), state(99, 1), 0.0))
+    yield SampleInput((t(3, 5), state(7, 7), 1.0))
+
+
+_dropout = differentiable(
+    dropout_fwd,
+    dropout_bwd,
+    setup_context=_setup_context,
+    backward=_backward,
+    sample_inputs=_samples,
+    reference=dropout_ref,
+)
+
+
+# Public functions -----------------------------------------------------------------------------
+
+
+def new_rng_state(device: torch.device | str | None = None) -> Tensor:
+    """A fresh ``(seed, offset)`` drawn from torch's default generator of ``device``: seeded by
+    ``torch.manual_seed``, and restored by ``torch.utils.checkpoint`` for the recompute."""
+    return torch.randint(0, 2**62, (2,), dtype=torch.int64, device=device)
+
+
+def dropout(
+    inp: Tensor, p: float = 0.5, *, rng_state: Tensor | None = None, training: bool = True
+) -> Tensor:
+    """Dropout through ``te::dropout_fwd``: each element zeroed with probability ``p``, the rest
+    scaled by ``1 / (1 - p)``. ``rng_state`` (int64 ``[2]``, ``(seed, offset)``) fixes the mask;
+    None draws one with :func:`new_rng_state`. Not ``training`` or ``p == 0``: ``inp`` itself."""
+    if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0.0 <= p <= 1.0:
+        raise ValueError(f"te.dropout: p must be a float in [0, 1], got {p!r}")
+    if not training or p == 0:
+        return inp
+    if rng_state is None:
+        rng_state = new_rng_state(inp.device)
+    return _dropout(inp, rng_state, float(p))

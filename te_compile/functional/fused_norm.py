@@ -1,0 +1,175 @@
+r"""Branch + RMSNorm fused: ``te::branch_rmsnorm_fwd`` / ``te::branch_rmsnorm_bwd``.
+
+The pre-norm residual pattern of a transformer block, ``MakeExtraOutput, RMSNorm`` in
+``te_compile.ops``: the block input :math:`x` leaves as the residual branch and is normalised.
+
+.. math::
+    y = x\,r\,\gamma, \quad r = \big(\tfrac1N \textstyle\sum_j x_j^2 + \varepsilon\big)^{-1/2},
+    \qquad dx = dB + \mathrm{RMSNorm}'(x)^\top dy
+
+The forward returns ``(out, branch, rsigma)``: ``te::rmsnorm_fwd``'s implementation for the
+device, ``branch`` a copy of ``inp`` (an op's output may not alias its input) and the fp32
+statistics. The backward adds the branch's gradient :math:`dB` to the norm's input gradient
+before the single rounding (CPU: fp32 math, as ``te::rmsnorm_bwd``), where unfused the norm
+backward rounds :math:`dx` and autograd adds the branch gradient in a second pass. On CUDA the
+norm kernel runs and the add is a separate pass for now (the Triton norm backward does not take
+a branch gradient yet), so there the fusion saves op dispatch, not memory traffic.
+
+Argument conventions (dtypes, ``zero_centered_gamma``, ``eps``) are those of
+``te_compile.functional.norm``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from te_compile._library import SampleInput, differentiable, op
+from te_compile.functional.norm import _check_args as _check_norm
+from te_compile.functional.norm import rmsnorm_bwd, rmsnorm_bwd_ref, rmsnorm_fwd, rmsnorm_ref
+
+__all__ = ["branch_rmsnorm", "branch_rmsnorm_ref"]
+
+
+# 1. Reference math ----------------------------------------------------------------------------
+
+
+def branch_rmsnorm_ref(
+    inp: Tensor, weight: Tensor, eps: float = 1e-5, zero_centered_gamma: bool = False
+) -> tuple[Tensor, Tensor]:
+    """``(rmsnorm(inp), inp)``."""
+    out, _rsigma = rmsnorm_ref(inp, weight, eps, zero_centered_gamma)
+    return out, inp
+
+
+def _check_branch(inp: Tensor, grad_branch: Tensor) -> None:
+    if grad_branch.shape != inp.shape or grad_branch.dtype != inp.dtype:
+        raise ValueError(
+            f"te.branch_rmsnorm: grad_branch must have inp's shape {list(inp.shape)} and dtype "
+            f"{inp.dtype}, got {list(grad_branch.shape)} {grad_branch.dtype}"
+        )
+
+
+# 2. Forward op --------------------------------------------------------------------------------
+
+
+@op("branch_rmsnorm_fwd")
+def branch_rmsnorm_fwd(
+    inp: Tensor, weight: Tensor, eps: float, zero_centered_gamma: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Returns ``(out, branch, rsigma)``: ``te::rmsnorm_fwd``'s implementation for the device and
+    a copy of ``inp``."""
+    _check_norm("rmsnorm", inp, weight, None, eps)
+    out, rsigma = rmsnorm_fwd.eager(inp, weight, eps, zero_centered_gamma)
+    return out, inp.clone(memory_format=torch.contiguous_format), rsigma
+
+
+# 3. Fake --------------------------------------------------------------------------------------
+
+
+@branch_rmsnorm_fwd.register_fake
+def _branch_rmsnorm_fwd_fake(inp, weight, eps, zero_centered_gamma):
+    _check_norm("rmsnorm", inp, weight, None, eps)
+    acc = torch.float64 if inp.dtype == torch.float64 else torch.float32
+    stat = inp.new_empty(inp.shape[:-1], dtype=acc)
+    return inp.new_empty(inp.shape), inp.new_empty(inp.shape), stat
+
+
+# 4. Backward op -------------------------------------------------------------------------------
+
+
+@op("branch_rmsnorm_bwd")
+def branch_rmsnorm_bwd(
+    grad_out: Tensor,
+    grad_branch: Tensor,
+    inp: Tensor,
+    rsigma: Tensor,
+    weight: Tensor,
+    zero_centered_gamma: bool,
+) -> tuple[Tensor, Tensor]:
+    """``(dinp, dweight)`` with the branch gradient in ``dinp``. Default (CPU) implementation:
+    the norm's reference backward in fp32 (fp64 stays fp64) plus ``grad_branch``, rounded once."""
+    _check_branch(inp, grad_branch)
+    acc = rsigma.dtype  # fp32, or fp64 for fp64 input
+    dx, dweight = rmsnorm_bwd_ref(
+        grad_out.to(acc), inp.to(acc), rsigma, weight, zero_centered_gamma
+    )
+    return (dx + grad_branch.to(acc)).to(inp.dtype), dweight
+
+
+@branch_rmsnorm_bwd.register_kernel("cuda")
+def _branch_rmsnorm_bwd_cuda(grad_out, grad_branch, inp, rsigma, weight, zero_centered_gamma):
+    _check_branch(inp, grad_branch)
+    if inp.dtype is torch.float64:
+        return branch_rmsnorm_bwd.__wrapped__(
+            grad_out, grad_branch, inp, rsigma, weight, zero_centered_gamma
+        )
+    dx, dweight = rmsnorm_bwd.eager(grad_out, inp, rsigma, weight, zero_centered_gamma)
+    return dx.add_(grad_branch), dweight
+
+
+@branch_rmsnorm_bwd.register_fake
+def _branch_rmsnorm_bwd_fake(grad_out, grad_branch, inp, rsigma, weight, zero_centered_gamma):
+    _check_branch(inp, grad_branch)
+    return inp.new_empty(inp.shape), weight.new_empty(weight.shape)
+
+
+# 5. setup_context + autograd ------------------------------------------------------------------
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    inp, weight, _eps, zero_centered_gamma = inputs
+    rsigma = output[2]
+    ctx.mark_non_differentiable(rsigma)
+    ctx.save_for_backward(inp, weight, rsigma)
+    ctx.zero_centered_gamma = zero_centered_gamma
+
+
+def _backward(ctx, bwd, grad_out, grad_branch, _grad_rsigma):
+    inp, weight, rsigma = ctx.saved_tensors
+    if grad_out is None:  # the norm output was not used
+        grad_out = torch.zeros_like(inp)
+    if grad_branch is None:  # the branch was not used
+        grad_branch = torch.zeros_like(inp)
+    dinp, dweight = bwd(
+        grad_out.contiguous(),
+        grad_branch.contiguous(),
+        inp,
+        rsigma,
+        weight,
+        ctx.zero_centered_gamma,
+    )
+    need_dgrad, need_wgrad = ctx.needs_input_grad[:2]
+    return dinp if need_dgrad else None, dweight if need_wgrad else None, None, None
+
+
+def _samples(device: torch.device):
+    def t(*shape, dtype=torch.float32):
+        return torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
+
+    yield SampleInput((t(5, 16), t(16), 1e-5, False))
+    yield SampleInput((t(2, 3, 24, dtype=torch.bfloat16), t(24), 1e-5, True))
+    yield SampleInput((t(7, 33, dtype=torch.bfloat16), t(33, dtype=torch.bfloat16), 1e-3, False))
+    yield SampleInput((t(3, 4, 8, dtype=torch.float16), t(8, dtype=torch.float16), 1e-5, True))
+
+
+_branch_rmsnorm = differentiable(
+    branch_rmsnorm_fwd,
+    branch_rmsnorm_bwd,
+    setup_context=_setup_context,
+    backward=_backward,
+    sample_inputs=_samples,
+    reference=branch_rmsnorm_ref,
+)
+
+
+# Public function ------------------------------------------------------------------------------
+
+
+def branch_rmsnorm(
+    inp: Tensor, weight: Tensor, eps: float = 1e-5, zero_centered_gamma: bool = False
+) -> tuple[Tensor, Tensor]:
+    """``(rmsnorm(inp), branch)`` through ``te::branch_rmsnorm_fwd``: ``branch`` holds ``inp``'s
+    values, and its gradient is added inside the norm's backward."""
+    out, branch, _rsigma = _branch_rmsnorm(inp, weight, eps, zero_centered_gamma)
+    return out, branch

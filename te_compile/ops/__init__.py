@@ -1,0 +1,92 @@
+"""The fusible-op API: ``te_compile.ops.Sequential`` of basic ops, with known patterns fused.
+
+Basic ops (``nn.Module``\\ s, Transformer Engine's names) and what they compute::
+
+    BasicLinear (x W^T)   Bias (x + b)   GroupedLinear (per-group x_g W_g^T + b_g; m_splits extra)
+    GELU QGELU ReLU SReLU SiLU   GLU GEGLU QGEGLU ReGLU SReGLU SwiGLU ClampedSwiGLU
+    LayerNorm RMSNorm L2Normalization   Dropout(p)   Quantize
+    Identity Reshape ConstantScale   AddExtraInput (residual add)   MakeExtraOutput (branch)
+    AllGather AllReduce ReduceScatter (functional collectives; identity without a group)
+
+Fused ops and the fuser: ``te_compile.ops.fused``; the container: ``te_compile.ops.Sequential``.
+See ``docs/ops.md``.
+"""
+
+from te_compile.ops.activation import (
+    GEGLU,
+    GELU,
+    GLU,
+    QGEGLU,
+    QGELU,
+    ClampedSwiGLU,
+    ReGLU,
+    ReLU,
+    SiLU,
+    SReGLU,
+    SReLU,
+    SwiGLU,
+)
+from te_compile.ops.comm import AllGather, AllReduce, ReduceScatter
+from te_compile.ops.dropout import Dropout
+from te_compile.ops.fused import (
+    FUSIONS,
+    BackwardActivationBias,
+    BackwardAddRMSNorm,
+    BackwardLinearAdd,
+    ForwardLinearBiasActivation,
+    ForwardLinearBiasAdd,
+    ForwardLinearScaleAdd,
+)
+from te_compile.ops.linear import BasicLinear, Bias, GroupedLinear
+from te_compile.ops.norm import L2Normalization, LayerNorm, RMSNorm
+from te_compile.ops.op import BasicOperation, FusedOperation
+from te_compile.ops.quantize import Quantize
+from te_compile.ops.sequential import Sequential
+from te_compile.ops.structural import (
+    AddExtraInput,
+    ConstantScale,
+    Identity,
+    MakeExtraOutput,
+    Reshape,
+)
+
+__all__ = [
+    "FUSIONS",
+    "GEGLU",
+    "GELU",
+    "GLU",
+    "QGEGLU",
+    "QGELU",
+    "AddExtraInput",
+    "AllGather",
+    "AllReduce",
+    "BackwardActivationBias",
+    "BackwardAddRMSNorm",
+    "BackwardLinearAdd",
+    "BasicLinear",
+    "BasicOperation",
+    "Bias",
+    "ClampedSwiGLU",
+    "ConstantScale",
+    "Dropout",
+    "ForwardLinearBiasActivation",
+    "ForwardLinearBiasAdd",
+    "ForwardLinearScaleAdd",
+    "FusedOperation",
+    "GroupedLinear",
+    "Identity",
+    "L2Normalization",
+    "LayerNorm",
+    "MakeExtraOutput",
+    "Quantize",
+    "RMSNorm",
+    "ReGLU",
+    "ReLU",
+    "ReduceScatter",
+    "Reshape",
+    "SReGLU",
+    "SReLU",
+    "Sequential",
+    "SiLU",
+    "SwiGLU",
+]

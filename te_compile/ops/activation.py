@@ -1,0 +1,180 @@
+r"""Activation basic ops, through ``te::activation_fwd`` / ``te::gated_activation_fwd``.
+
+Element-wise: ``GELU`` (tanh approximation), ``QGELU`` (:math:`x\sigma(1.702x)`), ``ReLU``,
+``SReLU`` (:math:`\max(x, 0)^2`), ``SiLU``. Gated, over the halves :math:`a, l` of the last dim
+(which halves halve the last dim): ``GLU`` (:math:`\sigma(a)\,l`), ``GEGLU``, ``QGEGLU``,
+``ReGLU``, ``SReGLU``, ``SwiGLU``, ``ClampedSwiGLU`` (GPT-OSS). ``glu_interleave_size=k``
+reads the halves from alternating blocks of ``k`` columns (the layout of an interleaved FC1;
+``te_compile.functional.activation`` has the details).
+
+After a ``Bias`` (or ``BasicLinear, Bias``) the fuser gives the bias to the activation kernel,
+whose backward returns the bias gradient from the same pass.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from torch import Tensor
+
+from te_compile import functional as F
+from te_compile.ops.op import BasicOperation, OpOutput
+
+__all__ = [
+    "GEGLU",
+    "GELU",
+    "GLU",
+    "QGEGLU",
+    "QGELU",
+    "ClampedSwiGLU",
+    "ReGLU",
+    "ReLU",
+    "SReGLU",
+    "SReLU",
+    "SiLU",
+    "SwiGLU",
+]
+
+
+class _Activation(BasicOperation):
+    """Base of the activation ops: ``activation`` names the te activation."""
+
+    activation: ClassVar[str]
+    gated: ClassVar[bool] = False
+
+    def config(self) -> tuple[int, float, float, float]:
+        """``(glu_interleave_size, limit, alpha, glu_linear_offset)`` of the te op."""
+        return (0, 7.0, 1.702, 1.0)
+
+    def apply(self, x: Tensor, bias: Tensor | None) -> Tensor:
+        """This activation of ``x + bias`` in one fused op."""
+        k, limit, alpha, offset = self.config()
+        return F.bias_activation(
+            x, bias, self.activation, k, limit=limit, alpha=alpha, glu_linear_offset=offset
+        )
+
+    def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
+        return self.apply(x, None), ()
+
+
+class _GatedActivation(_Activation):
+    gated = True
+
+    def __init__(self, *, glu_interleave_size: int | None = None) -> None:
+        super().__init__()
+        k = glu_interleave_size
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k <= 0):
+            raise ValueError(
+                f"{type(self).__name__}: glu_interleave_size must be a positive int or None, "
+                f"got {k!r}"
+            )
+        self.glu_interleave_size = k
+
+    def config(self) -> tuple[int, float, float, float]:
+        return (self.glu_interleave_size or 0, 7.0, 1.702, 1.0)
+
+    def extra_repr(self) -> str:
+        k = self.glu_interleave_size
+        return "" if k is None else f"glu_interleave_size={k}"
+
+
+class GELU(_Activation):
+    r""":math:`\tfrac12 x(1 + \tanh(\sqrt{2/\pi}(x + 0.044715x^3)))`."""
+
+    activation = "gelu"
+
+
+class QGELU(_Activation):
+    r""":math:`x\,\sigma(1.702x)`."""
+
+    activation = "qgelu"
+
+
+class ReLU(_Activation):
+    r""":math:`\max(x, 0)`."""
+
+    activation = "relu"
+
+
+class SReLU(_Activation):
+    r""":math:`\max(x, 0)^2`."""
+
+    activation = "srelu"
+
+
+class SiLU(_Activation):
+    r""":math:`x\,\sigma(x)`."""
+
+    activation = "silu"
+
+
+class GLU(_GatedActivation):
+    r""":math:`\sigma(a)\,l`."""
+
+    activation = "glu"
+
+
+class GEGLU(_GatedActivation):
+    r""":math:`\mathrm{gelu}(a)\,l`."""
+
+    activation = "geglu"
+
+
+class QGEGLU(_GatedActivation):
+    r""":math:`\mathrm{qgelu}(a)\,l`."""
+
+    activation = "qgeglu"
+
+
+class ReGLU(_GatedActivation):
+    r""":math:`\max(a, 0)\,l`."""
+
+    activation = "reglu"
+
+
+class SReGLU(_GatedActivation):
+    r""":math:`\max(a, 0)^2\,l`."""
+
+    activation = "sreglu"
+
+
+class SwiGLU(_GatedActivation):
+    r""":math:`\mathrm{silu}(a)\,l`."""
+
+    activation = "swiglu"
+
+
+class ClampedSwiGLU(_GatedActivation):
+    r"""GPT-OSS SwiGLU: :math:`c\,\sigma(\alpha c)\,(\mathrm{clamp}(l, -L, L) + o)` with
+    :math:`c = \min(a, L)`, ``limit`` :math:`L`, ``alpha`` :math:`\alpha`,
+    ``glu_linear_offset`` :math:`o`."""
+
+    activation = "clamped_swiglu"
+
+    def __init__(
+        self,
+        *,
+        limit: float = 7.0,
+        alpha: float = 1.702,
+        glu_linear_offset: float = 1.0,
+        glu_interleave_size: int | None = None,
+    ) -> None:
+        super().__init__(glu_interleave_size=glu_interleave_size)
+        for name, value in (("limit", limit), ("alpha", alpha)):
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise ValueError(f"ClampedSwiGLU: {name} must be a positive float, got {value!r}")
+        if not isinstance(glu_linear_offset, (int, float)) or isinstance(glu_linear_offset, bool):
+            raise ValueError(
+                f"ClampedSwiGLU: glu_linear_offset must be a float, got {glu_linear_offset!r}"
+            )
+        self.limit, self.alpha = float(limit), float(alpha)
+        self.glu_linear_offset = float(glu_linear_offset)
+
+    def config(self) -> tuple[int, float, float, float]:
+        k = self.glu_interleave_size or 0
+        return (k, self.limit, self.alpha, self.glu_linear_offset)
+
+    def extra_repr(self) -> str:
+        base = super().extra_repr()
+        own = f"limit={self.limit}, alpha={self.alpha}, glu_linear_offset={self.glu_linear_offset}"
+        return f"{own}, {base}" if base else own

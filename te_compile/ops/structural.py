@@ -1,0 +1,88 @@
+r"""Basic ops that move, scale or route tensors: ``Identity``, ``Reshape``, ``ConstantScale``,
+``AddExtraInput`` (residual add) and ``MakeExtraOutput`` (branch output).
+
+Each is one torch view or element-wise op: a te custom op would have to copy its output (an op's
+output may not alias its input) and would hide the op from Inductor's fusion, for nothing. Where
+one of them sits next to a GEMM or a norm, the fuser folds it into that op's te op pair
+(``ConstantScale`` and ``AddExtraInput`` into ``te::linear_add``, ``MakeExtraOutput`` into
+``te::branch_linear`` / ``te::branch_rmsnorm``).
+
+Extra inputs and outputs, as in Transformer Engine: ``Sequential.forward(x, *extra_inputs)``
+hands each ``AddExtraInput`` the next extra input, in order, and returns
+``(y, *extra_outputs)`` with one extra output per ``MakeExtraOutput``, in order (just ``y`` when
+there is none).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import Tensor
+
+from te_compile.ops.op import BasicOperation, OpOutput
+
+__all__ = ["AddExtraInput", "ConstantScale", "Identity", "MakeExtraOutput", "Reshape"]
+
+
+class Identity(BasicOperation):
+    """:math:`y = x` (the input itself, no copy)."""
+
+    def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
+        return x, ()
+
+
+class Reshape(BasicOperation):
+    """``x.reshape(shape)`` (a view when the layout allows); one dim may be -1."""
+
+    def __init__(self, shape: Sequence[int]) -> None:
+        super().__init__()
+        shape = tuple(shape)
+        if any(not isinstance(s, int) or isinstance(s, bool) or s < -1 for s in shape) or (
+            shape.count(-1) > 1
+        ):
+            raise ValueError(
+                f"Reshape: shape must be a sequence of ints >= 0 with at most one -1, got {shape!r}"
+            )
+        self.shape = shape
+
+    def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
+        return x.reshape(self.shape), ()
+
+    def extra_repr(self) -> str:
+        return f"shape={list(self.shape)}"
+
+
+class ConstantScale(BasicOperation):
+    r""":math:`y = \alpha x` for a constant ``scale`` :math:`\alpha`."""
+
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+            raise ValueError(f"ConstantScale: scale must be a float, got {scale!r}")
+        self.scale = float(scale)
+
+    def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
+        return x * self.scale, ()
+
+    def extra_repr(self) -> str:
+        return f"scale={self.scale}"
+
+
+class AddExtraInput(BasicOperation):
+    """:math:`y = x + r` with :math:`r` the next extra input of the ``Sequential`` (a residual)."""
+
+    num_extra_inputs = 1
+
+    def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
+        (residual,) = extra_inputs
+        return x + residual, ()
+
+
+class MakeExtraOutput(BasicOperation):
+    """:math:`y = x`, and :math:`x` also leaves the ``Sequential`` as its next extra output (a
+    residual branch). The two gradients add up in the backward."""
+
+    num_extra_outputs = 1
+
+    def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
+        return x, (x,)

@@ -1,0 +1,291 @@
+"""Every basic op of ``te_compile.ops`` on its own: forward and backward (input and parameter
+gradients) against float64 references written here with plain torch ops; Identity and Reshape
+exact; bad arguments raise ValueError naming the argument."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from te_compile import ops
+from tests.utils import DEVICES, assert_close, make_reference_and_test_tensors, to_reference
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+# float64 references --------------------------------------------------------------------------
+
+
+def _split(x, k):
+    """(activation half, linear half) of the last dim; ``k``: blocks of k columns alternate."""
+    h = x.shape[-1] // 2
+    if not k:
+        return x[..., :h], x[..., h:]
+    blocks = x.reshape(*x.shape[:-1], h // k, 2, k)
+    return blocks[..., 0, :].reshape(*x.shape[:-1], h), blocks[..., 1, :].reshape(*x.shape[:-1], h)
+
+
+def _gelu(x):
+    return F.gelu(x, approximate="tanh")
+
+
+def _qgelu(x):
+    return x * torch.sigmoid(1.702 * x)
+
+
+def _srelu(x):
+    return torch.relu(x).square()
+
+
+ELEMENTWISE = {
+    "GELU": _gelu,
+    "QGELU": _qgelu,
+    "ReLU": torch.relu,
+    "SReLU": _srelu,
+    "SiLU": F.silu,
+}
+GATED = {
+    "GLU": torch.sigmoid,
+    "GEGLU": _gelu,
+    "QGEGLU": _qgelu,
+    "ReGLU": torch.relu,
+    "SReGLU": _srelu,
+    "SwiGLU": F.silu,
+}
+
+
+def _clamped_swiglu(x, k, limit, alpha, offset):
+    a, lin = _split(x, k)
+    c = a.clamp(max=limit)
+    return c * torch.sigmoid(alpha * c) * (lin.clamp(-limit, limit) + offset)
+
+
+def _grouped(x, m_splits, weight, bias):
+    outs, start = [], 0
+    for g, m in enumerate(m_splits):
+        outs.append(x[start : start + m] @ weight[g].t() + bias[g])
+        start += m
+    return torch.cat(outs)
+
+
+# (name, make op, reference(params, x, *extra), input shape, extra input shapes)
+CASES = [
+    ("Identity", lambda: ops.Identity(), lambda p, x: x, (5, 3, 16), ()),
+    ("Reshape", lambda: ops.Reshape((-1, 8)), lambda p, x: x.reshape(-1, 8), (5, 3, 16), ()),
+    ("ConstantScale", lambda: ops.ConstantScale(-0.37), lambda p, x: x * -0.37, (5, 3, 16), ()),
+    *[
+        (name, getattr(ops, name), lambda p, x, fn=fn: fn(x), (5, 3, 16), ())
+        for name, fn in ELEMENTWISE.items()
+    ],
+    *[
+        (
+            f"{name}-k{k}",
+            lambda name=name, k=k: getattr(ops, name)(glu_interleave_size=k),
+            lambda p, x, fn=fn, k=k: (lambda a, lin: fn(a) * lin)(*_split(x, k)),
+            (5, 3, 16),
+            (),
+        )
+        for name, fn in GATED.items()
+        for k in (None, 4)
+    ],
+    (
+        "ClampedSwiGLU",
+        lambda: ops.ClampedSwiGLU(
+            limit=0.75, alpha=1.5, glu_linear_offset=0.5, glu_interleave_size=2
+        ),
+        lambda p, x: _clamped_swiglu(x, 2, 0.75, 1.5, 0.5),
+        (5, 3, 16),
+        (),
+    ),
+    (
+        "LayerNorm",
+        lambda: ops.LayerNorm(16, eps=1e-3),
+        lambda p, x: F.layer_norm(x, (16,), p["weight"], p["bias"], 1e-3),
+        (5, 3, 16),
+        (),
+    ),
+    (
+        "LayerNorm-2d",
+        lambda: ops.LayerNorm((3, 16), zero_centered_gamma=True),
+        lambda p, x: F.layer_norm(x, (3, 16), p["weight"] + 1, p["bias"], 1e-5),
+        (5, 3, 16),
+        (),
+    ),
+    (
+        "RMSNorm",
+        lambda: ops.RMSNorm(16, zero_centered_gamma=True),
+        lambda p, x: F.rms_norm(x, (16,), p["weight"] + 1, 1e-5),
+        (5, 3, 16),
+        (),
+    ),
+    (
+        "L2Normalization",
+        lambda: ops.L2Normalization(eps=1e-4),
+        lambda p, x: x / (x.square().sum(-1, keepdim=True) + 1e-4).sqrt(),
+        (5, 3, 16),
+        (),
+    ),
+    (
+        "BasicLinear",
+        lambda: ops.BasicLinear(16, 24),
+        lambda p, x: x @ p["weight"].t(),
+        (5, 3, 16),
+        (),
+    ),
+    ("Bias", lambda: ops.Bias(16), lambda p, x: x + p["bias"], (5, 3, 16), ()),
+    (
+        "AddExtraInput",
+        lambda: ops.AddExtraInput(),
+        lambda p, x, r: x + r,
+        (5, 3, 16),
+        ((5, 3, 16),),
+    ),
+]
+
+
+def _make(make, dtype, device):
+    torch.manual_seed(1)
+    op = make().to(device=device, dtype=dtype)
+    with torch.no_grad():  # random parameters (biases start at zero, norm weights at one)
+        for p in op.parameters():
+            p.copy_(torch.randn(p.shape) / math.sqrt(p.shape[-1]))
+    return op
+
+
+def _params64(op):
+    return {name: to_reference(p) for name, p in op.named_parameters()}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("name", "make", "ref", "shape", "extra"), CASES, ids=[c[0] for c in CASES]
+)
+def test_basic_op_vs_float64_reference(name, make, ref, shape, extra, dtype, device):
+    op = _make(make, dtype, device)
+    x64, x = make_reference_and_test_tensors(shape, dtype=dtype, device=device)
+    extras = [make_reference_and_test_tensors(s, dtype=dtype, device=device) for s in extra]
+    p64 = _params64(op)
+    y = op(x, *(e for _, e in extras))
+    y64 = ref(p64, x64, *(r for r, _ in extras))
+    assert y.dtype == dtype and y.shape == y64.shape
+    assert_close(y, y64, dtype)
+    dy = torch.randn(y64.shape).to(dtype)
+    y.backward(dy.to(device))
+    y64.backward(dy.double())
+    assert_close(x.grad, x64.grad, dtype, reduced=True)
+    for r, e in extras:
+        assert_close(e.grad, r.grad, dtype)
+    grads = 0
+    for pname, p in op.named_parameters():
+        assert_close(p.grad, p64[pname].grad, dtype, reduced=True)
+        grads += 1
+    assert grads == len(p64)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("make", [lambda: ops.Identity(), lambda: ops.Reshape((3, -1))])
+def test_identity_and_reshape_are_exact(make, device):
+    x = torch.randn(4, 6, dtype=torch.bfloat16, device=device, requires_grad=True)
+    y = make()(x)
+    assert torch.equal(y.reshape(x.shape), x)
+    assert y.data_ptr() == x.data_ptr(), "a view, not a copy"
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    assert torch.equal(x.grad, dy.reshape(x.shape))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_make_extra_output_returns_the_input_and_adds_the_gradients(device):
+    x = torch.randn(3, 8, device=device, requires_grad=True)
+    y, branch = ops.MakeExtraOutput()(x)
+    assert y is x and branch is x
+    g1, g2 = torch.randn(3, 8, device=device), torch.randn(3, 8, device=device)
+    torch.autograd.backward((y, branch), (g1, g2))
+    assert torch.equal(x.grad, g1 + g2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grouped_linear_with_m_splits_as_extra_input(dtype, device):
+    op = _make(lambda: ops.GroupedLinear(3, 16, 8), dtype, device)
+    assert op.num_extra_inputs == 1
+    m_splits = [3, 0, 7]
+    x64, x = make_reference_and_test_tensors((10, 16), dtype=dtype, device=device)
+    p64 = _params64(op)
+    y = op(x, torch.tensor(m_splits))
+    y64 = _grouped(x64, m_splits, p64["weight"], p64["bias"])
+    assert_close(y, y64, dtype)
+    dy = torch.randn(10, 8).to(dtype)
+    y.backward(dy.to(device))
+    y64.backward(dy.double())
+    assert_close(x.grad, x64.grad, dtype, reduced=True)
+    assert_close(op.weight.grad, p64["weight"].grad, dtype, reduced=True)
+    assert_close(op.bias.grad, p64["bias"].grad, dtype, reduced=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_basic_linear_accumulates_into_main_grad(device):
+    op = ops.BasicLinear(16, 8, device=device, accumulate_into_main_grad=True)
+    x = torch.randn(5, 16, device=device)
+    with pytest.raises(RuntimeError, match=r"weight\.main_grad"):
+        op(x)
+    op.weight.main_grad = torch.ones(8, 16, device=device)
+    dy = torch.randn(5, 8, device=device)
+    op(x).backward(dy)
+    assert op.weight.grad is None
+    assert_close(op.weight.main_grad, 1 + dy.double().t() @ x.double(), torch.float32, reduced=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_comm_ops_are_the_identity_without_a_group(device):
+    x = torch.randn(4, 8, device=device, requires_grad=True)
+    for op in (ops.AllGather(), ops.AllReduce(), ops.ReduceScatter()):
+        assert op.world_size == 1
+        y = op(x)
+        assert y is x
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: ops.BasicLinear(0, 4), "BasicLinear: in_features must be a positive int"),
+        (lambda: ops.BasicLinear(4, 2.5), "BasicLinear: out_features must be a positive int"),
+        (lambda: ops.BasicLinear(4, 4, dtype=torch.int32), "BasicLinear: dtype must be a floating"),
+        (lambda: ops.Bias(-1), "Bias: size must be a positive int"),
+        (lambda: ops.GroupedLinear(0, 4, 4), "GroupedLinear: num_groups must be a positive int"),
+        (lambda: ops.SwiGLU(glu_interleave_size=0), "SwiGLU: glu_interleave_size must be"),
+        (lambda: ops.ClampedSwiGLU(limit=-1.0), "ClampedSwiGLU: limit must be a positive float"),
+        (lambda: ops.ClampedSwiGLU(alpha=0), "ClampedSwiGLU: alpha must be a positive float"),
+        (lambda: ops.ClampedSwiGLU(glu_linear_offset="1"), "glu_linear_offset must be a float"),
+        (lambda: ops.LayerNorm(0), "LayerNorm: normalized_shape must be a positive int"),
+        (lambda: ops.RMSNorm((4, 0)), "RMSNorm: normalized_shape must be"),
+        (lambda: ops.RMSNorm(8, eps=0.0), "RMSNorm: eps must be a positive float"),
+        (lambda: ops.L2Normalization(eps=-1e-6), "L2Normalization: eps must be a positive"),
+        (lambda: ops.Dropout(1.5), r"Dropout: p must be a float in \[0, 1\]"),
+        (lambda: ops.Reshape((2, -1, -1)), "Reshape: shape must be a sequence of ints"),
+        (lambda: ops.ConstantScale("2"), "ConstantScale: scale must be a float"),
+        (lambda: ops.AllReduce(process_group="tp"), "AllReduce: process_group must be a"),
+    ],
+)
+def test_bad_constructor_arguments_name_the_argument(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+@pytest.mark.parametrize(
+    ("op", "x", "match"),
+    [
+        (ops.Bias(8), torch.randn(2, 6), r"Bias: input's last dim \(6\) must equal size \(8\)"),
+        (ops.RMSNorm((3, 8)), torch.randn(2, 4, 8), r"RMSNorm: the input's trailing dims"),
+        (ops.BasicLinear(8, 4), torch.randn(2, 6), r"inp.shape\[-1\] \(6\) must equal in_features"),
+        (ops.SwiGLU(), torch.randn(2, 7), r"inp.shape\[-1\] \(7\) must be even"),
+        (ops.AddExtraInput(), torch.randn(2, 7), "AddExtraInput: expected 1 extra input"),
+    ],
+)
+def test_bad_inputs_name_the_argument(op, x, match):
+    with pytest.raises(ValueError, match=match):
+        op(x)

@@ -1,0 +1,187 @@
+"""FP8 through ``te_compile.ops``: ``BasicLinear`` inside ``te_compile.autocast`` (current and
+delayed scaling, state in buffers, compiled step equals eager), the linear fusions falling back
+to the FP8 path, and ``Quantize`` for every recipe it supports."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import te_compile as te
+from te_compile import ops
+from te_compile.functional.linear_fp8 import linear_fp8_ref
+from te_compile.quantization import (
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
+    autocast,
+)
+from tests.ops.test_fusions import _TeOps
+from tests.utils import DEVICES, assert_close, compile_counted, to_reference
+
+
+def _x(device, rows=32, cols=32, step=0):
+    g = torch.Generator().manual_seed(step)
+    return (torch.randn(rows, cols, generator=g) * (1 + step)).to(device, torch.bfloat16)
+
+
+def _linear(device, *more):
+    torch.manual_seed(0)
+    return ops.Sequential(ops.BasicLinear(32, 48), *more).to(device, torch.bfloat16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_basic_linear_runs_the_fp8_op_inside_autocast(device):
+    seq = _linear(device)
+    x = _x(device)
+    with autocast(recipe=Float8CurrentScaling()):
+        y = seq(x)
+    assert torch.equal(y, te.functional.linear_fp8(x, seq[0].weight, None, recipe="current"))
+    assert not torch.equal(y, seq(x)), "outside autocast the GEMM is bf16 again"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_basic_linear_delayed_scaling_state_and_compiled_step(device):
+    recipe = DelayedScaling(amax_history_len=4)
+    eager, compiled_model = _linear(device), _linear(device)
+    assert set(eager.state_dict()) == {"0.weight"}, "unused FP8 state stays out"
+
+    def step(model, x):
+        with autocast(recipe=recipe):
+            return model(x)
+
+    compiled, counter = compile_counted(lambda x: step(compiled_model, x))
+    for i in range(3):
+        x = _x(device, step=i)
+        y_c, y_e = compiled(x), step(eager, x)
+        assert torch.equal(y_c, y_e)
+        y_c.float().square().mean().backward()
+        y_e.float().square().mean().backward()
+        for a, b in zip(compiled_model.buffers(), eager.buffers(), strict=True):
+            assert torch.equal(a, b)
+    assert counter.frame_count == 1
+    meta = eager[0].fp8_meta
+    assert meta.amax_history[0, 0].item() == _x(device, step=1).abs().max().float().item()
+    assert "0.fp8_meta.amax_history" in eager.state_dict()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    ("more", "reference_tail", "fp8_ops", "residual"),
+    [
+        (
+            lambda: [ops.Bias(48), ops.GELU()],
+            lambda y, p: F.gelu(y + p["1.bias"], approximate="tanh"),
+            ["te.linear_fp8_fwd", "te.activation_fwd"],
+            False,
+        ),
+        (lambda: [ops.Bias(48)], lambda y, p: y + p["1.bias"], ["te.linear_fp8_fwd"], False),
+        (
+            lambda: [ops.Bias(48), ops.AddExtraInput()],
+            lambda y, p, r: y + p["1.bias"] + r,
+            ["te.linear_fp8_fwd"],
+            True,
+        ),
+    ],
+    ids=["linear-bias-gelu", "linear-bias", "linear-bias-add"],
+)
+def test_linear_fusions_take_the_fp8_path_inside_autocast(
+    more, reference_tail, fp8_ops, residual, device
+):
+    seq = _linear(device, *more())
+    with torch.no_grad():
+        seq[1].bias.normal_()
+    assert seq.fusions()
+    x = _x(device)
+    extra = [torch.randn(32, 48).to(device, torch.bfloat16)] if residual else []
+    with _TeOps() as rec, autocast(recipe=Float8CurrentScaling()):
+        y = seq(x, *extra)
+    for name in fp8_ops:
+        assert name in rec.names
+    assert not any(n in rec.names for n in ("te.linear_fwd", "te.linear_bias_activation_fwd"))
+    p64 = {n: to_reference(p) for n, p in seq.named_parameters()}
+    y64 = linear_fp8_ref(to_reference(x), p64["0.weight"], None)
+    expected = reference_tail(y64, p64, *(to_reference(e) for e in extra))
+    assert_close(y, expected, torch.bfloat16, roundings=3, reduced=True)
+
+
+RECIPES = [
+    Float8CurrentScaling(),
+    Float8BlockScaling(),
+    Float8BlockScaling(x_block_scaling_dim=2, w_block_scaling_dim=1),
+    MXFP8BlockScaling(),
+    NVFP4BlockScaling(),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "recipe", RECIPES, ids=["current", "block1x128", "block128x128", "mxfp8", "nvfp4"]
+)
+@pytest.mark.parametrize("backward", [False, True], ids=["fwd", "fwd+bwd"])
+def test_quantize_is_the_recipe_quantiser(recipe, backward, device):
+    x = torch.randn(128, 128).to(device, torch.bfloat16).requires_grad_()
+    op = ops.Quantize(backward=backward)
+    with autocast(recipe=recipe):
+        y = op(x)
+    expected = te.dequantize(te.quantize(x.detach(), recipe, role="input"), torch.bfloat16)
+    assert torch.equal(y, expected)
+    assert not torch.equal(y, x), "quantisation changed the values"
+    dy = torch.randn(128, 128).to(device, torch.bfloat16)
+    y.backward(dy)
+    if backward:
+        dq = te.dequantize(te.quantize(dy, recipe, role="grad"), torch.bfloat16)
+        assert torch.equal(x.grad, dq) and not torch.equal(x.grad, dy)
+    else:
+        assert torch.equal(x.grad, dy), "straight-through gradient"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_quantize_outside_autocast_and_backward_only(device):
+    x = torch.randn(16, 64, device=device, requires_grad=True)
+    assert ops.Quantize()(x) is x
+    with autocast(enabled=False):
+        assert ops.Quantize(backward=True)(x) is x
+    recipe = Float8CurrentScaling()
+    with autocast(recipe=recipe):
+        y = ops.Quantize(forward=False, backward=True)(x)
+    assert torch.equal(y, x) and y is not x
+    dy = torch.randn_like(x)
+    y.backward(dy)
+    assert torch.equal(x.grad, te.dequantize(te.quantize(dy, recipe, role="grad"), torch.float32))
+
+
+def test_quantize_errors():
+    with pytest.raises(ValueError, match="Quantize: forward must be a bool"):
+        ops.Quantize(forward=1)
+    with (
+        autocast(recipe=DelayedScaling()),
+        pytest.raises(NotImplementedError, match="DelayedScaling needs an amax history"),
+    ):
+        ops.Quantize()(torch.randn(4, 32))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_sequential_compiles_without_graph_breaks(device):
+    seq = _linear(device, ops.Bias(48), ops.GELU(), ops.Quantize(backward=True))
+
+    def step(x):
+        with autocast(recipe=Float8CurrentScaling()):
+            return seq(x)
+
+    x = _x(device)
+    explanation = torch._dynamo.explain(step)(x)
+    assert explanation.graph_count == 1 and explanation.graph_break_count == 0
+    compiled = torch.compile(step, fullgraph=True)
+    assert torch.equal(compiled(x), step(x))
+
+
+def test_casting_the_model_keeps_the_fp8_state_in_float32():
+    seq = ops.Sequential(ops.BasicLinear(32, 16)).to(torch.bfloat16)
+    linear = te.Linear(32, 16).half()
+    for meta in (seq[0].fp8_meta, linear.fp8_meta):
+        assert {b.dtype for b in meta.buffers()} == {torch.float32}
+    assert seq[0].weight.dtype == torch.bfloat16 and linear.weight.dtype == torch.float16
