@@ -147,7 +147,7 @@ def _block_scaled_mm(
             out_dtype
         )
     scale_a = sa.t().contiguous().t() if a_rows == 1 else sa
-    scale_b = sb.t().contiguous() if b_rows == 1 else sb.t()
+    scale_b = sb.t().contiguous() if b_rows == 1 else _ld_multiple_of_4(sb).t()
     args = (a.contiguous(), b.contiguous().t(), scale_a, scale_b)
     if bias is None:
         return torch._scaled_mm(*args, out_dtype=out_dtype)
@@ -156,6 +156,18 @@ def _block_scaled_mm(
     except RuntimeError:
         out = torch._scaled_mm(*args, out_dtype=torch.float32)
         return (out + bias.float()).to(out_dtype)
+
+
+def _ld_multiple_of_4(s: Tensor) -> Tensor:
+    """``s`` (a 128x128 operand's ``[rows, K / 128]`` scales) as a view whose row stride is a
+    multiple of 4, the padded layout cuBLAS's blockwise kernels read (on the H100, 2026-11-22,
+    the native GEMMs disagreed with the emulation exactly where K / 128 was not a multiple of 4,
+    with the compact layout). Input already of such a width is returned as is."""
+    cols = s.shape[1]
+    ld = -(-cols // 4) * 4
+    if ld == cols:
+        return s
+    return torch.nn.functional.pad(s, (0, ld - cols))[:, :cols]
 
 
 def _quantize_block(x2: Tensor, fp8_dtype: torch.dtype, block_rows: int, power_2_scale: bool):

@@ -44,7 +44,6 @@ The kernels run on CPU tensors under ``TRITON_INTERPRET=1`` (the tests do, at sm
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 import triton
@@ -230,7 +229,6 @@ def _rows_bwd_kernel(
     M,
     N,
     K,
-    rows_per_program,
     limit,
     alpha,
     offset,
@@ -240,7 +238,10 @@ def _rows_bwd_kernel(
     DBIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    TILES: tl.constexpr,
 ):
+    # Each program owns TILES row tiles, unrolled at compile time so that the loads of every
+    # tile are in flight together (a runtime-length loop serialised them: see rows_config).
     pid_m = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -253,8 +254,8 @@ def _rows_bwd_kernel(
             b_l = tl.load(b_ptr + l_col, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     acc_a = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc_l = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for r in range(0, rows_per_program, BLOCK_M):
-        rows = pid_m * rows_per_program + r + tl.arange(0, BLOCK_M)
+    for t in tl.static_range(TILES):
+        rows = (pid_m * TILES + t) * BLOCK_M + tl.arange(0, BLOCK_M)
         mask = (rows < M)[:, None] & col_mask[None, :]
         x_row = rows.to(tl.int64)[:, None] * n_in
         g_off = rows.to(tl.int64)[:, None] * N + cols[None, :]
@@ -325,28 +326,25 @@ def flat_config(numel: int, device: torch.device) -> FlatConfig:
     return FlatConfig(block=2048, num_warps=4)
 
 
-@functools.lru_cache(maxsize=8)
-def _num_sms(index: int | None) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def rows_config(m: int, n: int, device: torch.device, *, dbias: bool) -> RowsConfig:
     """Tiles of ~4096 output elements, at most 256 columns wide: a row segment of 256 bf16 is 512
     contiguous bytes (full 128-byte lines, 16-byte vectors), and 16 rows per tile keep enough
-    loads in flight. With dbias, each program sums the rows of several tiles into its row of an
-    fp32 ``[programs, N]`` partial buffer; the row programs are capped so that the grid is about
-    32 programs per SM (66 x N partials at 16384 x 16384 on an H100, 4 MiB). Fewer, longer
-    programs (4 per SM, tried first) left the loop latency-bound: gelu backward with dbias ran
-    at a third of copy bandwidth on the H100 (1.68 ms at 16384 x 16384, 2026-11-22)."""
+    loads in flight. With dbias, each program sums the rows of ``_DBIAS_TILES`` tiles (64 rows)
+    into its row of an fp32 ``[programs, N]`` partial buffer (1/32 of the input's bytes at bf16,
+    summed by a small reduction afterwards). Long programs walking hundreds of rows in a
+    runtime-length loop were latency-bound on the H100 (2026-11-22): gelu backward with dbias at
+    16384 x 16384 took 1.68 ms (4 programs per SM) and 1.46 ms (32 per SM), about 3x copy time;
+    the tiles are now a compile-time unrolled loop."""
     block_n = min(256, triton.next_power_of_2(max(n, 1)))
     block_m = min(max(1, 4096 // block_n), triton.next_power_of_2(max(m, 1)))
     num_warps = 8 if block_m * block_n >= 4096 else 4
-    row_blocks = triton.cdiv(m, block_m)
     if not dbias:
         return RowsConfig(block_m, block_n, num_warps, block_m)
-    target = 32 * _num_sms(device.index) if device.type == "cuda" else 4
-    programs = max(1, min(row_blocks, target // triton.cdiv(n, block_n)))
-    return RowsConfig(block_m, block_n, num_warps, triton.cdiv(row_blocks, programs) * block_m)
+    tiles = min(_DBIAS_TILES, triton.cdiv(m, block_m))
+    return RowsConfig(block_m, block_n, num_warps, tiles * block_m)
+
+
+_DBIAS_TILES = 4
 
 
 # Launch wrappers -----------------------------------------------------------------------------
@@ -452,7 +450,6 @@ def activation_backward(
         m,
         n,
         (glu_interleave_size or n) if gated else 1,
-        rows_per_program,
         limit,
         alpha,
         glu_linear_offset,
@@ -462,6 +459,7 @@ def activation_backward(
         dbias,
         cfg.block_m,
         cfg.block_n,
+        rows_per_program // cfg.block_m,
         num_warps=cfg.num_warps,
     )
     return dx, (part.sum(0).to(bias.dtype) if dbias else None)
