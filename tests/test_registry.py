@@ -98,6 +98,13 @@ def test_backward_op_opcheck(name, device):
 def test_forward_backward_vs_reference_eager_and_compiled(name, device):
     dop = ENTRIES[name].differentiable
     compiled, counter = compile_counted(lambda *a: dop(*a), dynamic=True)
+    # A GPU GEMM or reduction accumulates in fp32 in its own order before its one rounding, so
+    # next to a rounding boundary it lands one step away from the rounded float64 result, and
+    # where a sum cancels the difference is relative to its terms (seen on the H100 for the
+    # bf16 GEMM ops, 2026-11-22): two roundings, relative to the largest value, there. The CPU
+    # implementations, the definition of the op, keep the strict one-rounding check.
+    cuda = torch.device(device).type == "cuda"
+    tols = {"roundings": 2, "reduced": True} if cuda else {}
     for sample in _samples(name, device):
         ref_args = to_reference(sample.args)
         ref_out = _tensors(dop.reference(*ref_args))
@@ -109,12 +116,12 @@ def test_forward_backward_vs_reference_eager_and_compiled(name, device):
             args = _clone(sample.args)
             out = _tensors(run(*args))
             for o, r in zip(out, ref_out, strict=False):
-                assert_close(o, r, dtype)
+                assert_close(o, r, dtype, **tols)
             out[0].backward(grad.to(device=out[0].device, dtype=out[0].dtype))
             checked = 0
             for a, r in zip(args, ref_args, strict=True):
                 if isinstance(a, torch.Tensor) and a.grad is not None:
-                    assert_close(a.grad, r.grad, dtype)
+                    assert_close(a.grad, r.grad, dtype, **tols)
                     checked += 1
             assert checked > 0, "no gradient reached any input"
     assert counter.frame_count >= 1

@@ -50,7 +50,7 @@ from te_compile.functional.quantize_mx import (
     quantize_nvfp4,
 )
 
-__all__ = ["BLOCK_SCALED_KINDS", "linear_block_scaled", "qdq_both"]
+__all__ = ["BLOCK_SCALED_KINDS", "linear_block_scaled", "native_block_shapes", "qdq_both"]
 
 BLOCK_SCALED_KINDS = {"mxfp8": 32, "nvfp4": 16, "block": 16}
 _HIGH = (torch.float32, torch.bfloat16, torch.float16)
@@ -147,7 +147,7 @@ def _block_scaled_mm(
             out_dtype
         )
     scale_a = sa.t().contiguous().t() if a_rows == 1 else sa
-    scale_b = sb.t().contiguous() if b_rows == 1 else _ld_multiple_of_4(sb).t()
+    scale_b = sb.t().contiguous() if b_rows == 1 else sb.t()
     args = (a.contiguous(), b.contiguous().t(), scale_a, scale_b)
     if bias is None:
         return torch._scaled_mm(*args, out_dtype=out_dtype)
@@ -156,18 +156,6 @@ def _block_scaled_mm(
     except RuntimeError:
         out = torch._scaled_mm(*args, out_dtype=torch.float32)
         return (out + bias.float()).to(out_dtype)
-
-
-def _ld_multiple_of_4(s: Tensor) -> Tensor:
-    """``s`` (a 128x128 operand's ``[rows, K / 128]`` scales) as a view whose row stride is a
-    multiple of 4, the padded layout cuBLAS's blockwise kernels read (on the H100, 2026-11-22,
-    the native GEMMs disagreed with the emulation exactly where K / 128 was not a multiple of 4,
-    with the compact layout). Input already of such a width is returned as is."""
-    cols = s.shape[1]
-    ld = -(-cols // 4) * 4
-    if ld == cols:
-        return s
-    return torch.nn.functional.pad(s, (0, ld - cols))[:, :cols]
 
 
 def _quantize_block(x2: Tensor, fp8_dtype: torch.dtype, block_rows: int, power_2_scale: bool):
@@ -195,7 +183,7 @@ def linear_block_scaled_fwd(
     scales]`` (FP8 bytes as uint8). ``power_2_scale`` and ``weight_block_rows`` (1: 1x128,
     128: 128x128) apply to ``block``."""
     _check(inp, weight, bias, kind)
-    _check_native(native, kind)
+    _check_native(native, kind, weight, weight_block_rows)
     x = inp.reshape(-1, inp.shape[-1])
     if native:
         u8 = torch.uint8
@@ -211,10 +199,26 @@ def linear_block_scaled_fwd(
     return out, [x_col_t, w_col_t]
 
 
-def _check_native(native: bool, kind: str) -> None:
-    if native and kind != "block":
+def native_block_shapes(weight: Tensor, weight_block_rows: int) -> bool:
+    """Whether the native blockwise GEMMs take this weight: with 128x128 weight blocks, both
+    feature counts must be multiples of 512 (the weight's K / 128 scale dimension, in_features
+    for the forward and out_features for dgrad, a multiple of 4). On the H100 (torch 2.11,
+    2026-11-22) other widths gave wrong dgrad products with the compact scale layout, and a
+    padded one was refused; 1x128 weight blocks have no such limit."""
+    return weight_block_rows == 1 or (weight.shape[0] % 512 == 0 and weight.shape[1] % 512 == 0)
+
+
+def _check_native(native: bool, kind: str, weight: Tensor, weight_block_rows: int) -> None:
+    if not native:
+        return
+    if kind != "block":
         raise ValueError(f"te.linear_block_scaled: native GEMMs exist for kind='block' only, "
                          f"got kind={kind!r}")  # fmt: skip
+    if not native_block_shapes(weight, weight_block_rows):
+        raise ValueError(
+            "te.linear_block_scaled: native GEMMs with 128x128 weight blocks need in_features and "
+            f"out_features to be multiples of 512; weight is {list(weight.shape)}"
+        )
 
 
 def _cdiv(a, b):
@@ -226,7 +230,7 @@ def _fwd_fake(
     inp, weight, bias, kind, fwd_dtype, bwd_dtype, power_2_scale, weight_block_rows, native
 ):
     _check(inp, weight, bias, kind)
-    _check_native(native, kind)
+    _check_native(native, kind, weight, weight_block_rows)
     m, k, n = inp.numel() // inp.shape[-1], weight.shape[1], weight.shape[0]
     out = inp.new_empty(*inp.shape[:-1], n)
     f32, u8 = torch.float32, torch.uint8
@@ -348,7 +352,7 @@ def _samples(device: torch.device):
     # Float8BlockScaling: 1x128 activations (a partial block: K=144), 128x128 weight tiles.
     yield SampleInput((t(32, 144), t(160, 144), None, "block", e4m3, e4m3, True, 128, False))
     # The native path (GEMMs emulated off CUDA), with a bias and 1x128 weight blocks too.
-    yield SampleInput((t(32, 144), t(160, 144), t(160), "block", e4m3, e4m3, False, 128, True))
+    yield SampleInput((t(32, 512), t(512, 512), t(512), "block", e4m3, e4m3, False, 128, True))
     yield SampleInput((t(48, 256), t(32, 256), None, "block", e4m3, e4m3, True, 1, True))
 
 

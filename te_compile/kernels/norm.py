@@ -423,9 +423,10 @@ def _norm_bwd(
         )
     if weight is None:
         return dx.view(inp.shape), None, None
-    # Stage 2: sum the per-program partials (fp32), round once to the weight's dtype.
-    sums = partial.sum(1).to(weight.dtype)
-    return dx.view(inp.shape), sums[0], sums[1] if has_bias else None
+    # Stage 2: sum the per-program partials (fp32), round once to the weight's dtype. One
+    # reduction per output: views of one result would alias (custom ops' outputs must not).
+    dw = partial[0].sum(0).to(weight.dtype)
+    return dx.view(inp.shape), dw, partial[1].sum(0).to(weight.dtype) if has_bias else None
 
 
 def layernorm_fwd(

@@ -173,6 +173,7 @@ def _block_scaled(owner, recipe, inp, weight, bias, main_grad) -> Tensor:
             and inp.device.type == "cuda"
             and _NATIVE_BLOCK
             and is_fp8_block_scaling_available()
+            and F.native_block_shapes(weight, 128 if recipe.w_block_scaling_dim == 2 else 1)
         )
         return F.linear_block_scaled(
             inp,

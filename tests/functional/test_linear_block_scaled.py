@@ -40,7 +40,7 @@ def _run(native, x, w, b, power_2_scale, weight_block_rows):
 )
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("power_2_scale, weight_block_rows", [(True, 128), (False, 128), (True, 1)])
-@pytest.mark.parametrize("m, k, n", [(256, 512, 384), (160, 272, 128)], ids=str)
+@pytest.mark.parametrize("m, k, n", [(256, 512, 1024), (160, 1024, 512)], ids=str)
 def test_native_gemms_match_the_emulation(m, k, n, power_2_scale, weight_block_rows, bias):
     """Both paths quantise identically (same ops); the GEMMs differ only in accumulation order,
     each result rounded once to bf16: so they agree within two bf16 roundings, relative to the
@@ -66,3 +66,7 @@ def test_native_needs_block_kind_and_e4m3(device):
         F.linear_block_scaled(x, w, kind="mxfp8", native=True)
     with pytest.raises(ValueError, match="E4M3 operands"):
         F.linear_block_scaled(x, w, kind="block", bwd_dtype=E5M2, native=True)
+    # 128x128 weight blocks: the weight's K / 128 scale dims must be multiples of 4.
+    with pytest.raises(ValueError, match="multiples of 512"):
+        F.linear_block_scaled(x, w, kind="block", native=True)
+    assert F.native_block_shapes(w, 1) and not F.native_block_shapes(w, 128)
