@@ -93,6 +93,14 @@ def test_backward_op_opcheck(name, device):
             torch.library.opcheck(func, bargs, bkwargs)
 
 
+# Ops whose CUDA implementation multiplies FP8 operands on tensor cores.
+_FP8_TENSOR_CORE_OPS = {
+    "te::linear_fp8_fwd",
+    "te::grouped_linear_fp8_fwd",
+    "te::linear_block_scaled_fwd",
+}
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", DIFFERENTIABLE)
 def test_forward_backward_vs_reference_eager_and_compiled(name, device):
@@ -105,6 +113,12 @@ def test_forward_backward_vs_reference_eager_and_compiled(name, device):
     # implementations, the definition of the op, keep the strict one-rounding check.
     cuda = torch.device(device).type == "cuda"
     tols = {"roundings": 2, "reduced": True} if cuda else {}
+    # Hopper's FP8 tensor cores accumulate with fewer bits than fp32 (the partial sums are
+    # promoted to fp32 only every so often): an fp32-output FP8 GEMM differed from the exact
+    # sum by up to 5e-3 relative on the H100. Its outputs are judged at bf16's tolerance there.
+    tol_dtype = (lambda d: torch.bfloat16 if d == torch.float32 else d) if (
+        cuda and name in _FP8_TENSOR_CORE_OPS
+    ) else (lambda d: d)  # fmt: skip
     for sample in _samples(name, device):
         ref_args = to_reference(sample.args)
         ref_out = _tensors(dop.reference(*ref_args))
@@ -116,12 +130,12 @@ def test_forward_backward_vs_reference_eager_and_compiled(name, device):
             args = _clone(sample.args)
             out = _tensors(run(*args))
             for o, r in zip(out, ref_out, strict=False):
-                assert_close(o, r, dtype, **tols)
+                assert_close(o, r, tol_dtype(dtype), **tols)
             out[0].backward(grad.to(device=out[0].device, dtype=out[0].dtype))
             checked = 0
             for a, r in zip(args, ref_args, strict=True):
                 if isinstance(a, torch.Tensor) and a.grad is not None:
-                    assert_close(a.grad, r.grad, dtype, **tols)
+                    assert_close(a.grad, r.grad, tol_dtype(dtype), **tols)
                     checked += 1
             assert checked > 0, "no gradient reached any input"
     assert counter.frame_count >= 1
