@@ -13,6 +13,7 @@ gloo on CPU runs everywhere; NCCL needs ``WORLD`` CUDA GPUs (``BACKENDS`` skips 
 
 from __future__ import annotations
 
+import datetime
 import os
 import tempfile
 import traceback
@@ -29,6 +30,9 @@ from te_compile.distributed import shard_state_dict
 from tests.utils import assert_close
 
 WORLD = 2
+# A check that fails on one rank only leaves the other waiting in a collective: fail after this
+# instead of hanging the test run.
+TIMEOUT = datetime.timedelta(seconds=90)
 
 BACKENDS = [
     pytest.param("gloo", id="gloo"),
@@ -51,7 +55,9 @@ def device_for(backend: str, rank: int) -> torch.device:
 def _entry(rank, worker, backend, init_file, results, errors) -> None:
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    dist.init_process_group(
+        backend, init_method=f"file://{init_file}", rank=rank, world_size=WORLD, timeout=TIMEOUT
+    )
     try:
         out = worker(rank, dist.group.WORLD, backend)
         if rank == 0:
