@@ -59,6 +59,7 @@ def _entry(rank, worker, backend, init_file, results, errors) -> None:
         backend, init_method=f"file://{init_file}", rank=rank, world_size=WORLD, timeout=TIMEOUT
     )
     try:
+        torch.manual_seed(0)  # fresh processes do not start from the same RNG state
         out = worker(rank, dist.group.WORLD, backend)
         if rank == 0:
             results["out"] = out
