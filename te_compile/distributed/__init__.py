@@ -12,6 +12,7 @@ from te_compile.distributed.collectives import (
     all_reduce_grad,
     reduce_scatter,
     resolve_group,
+    scatter,
 )
 from te_compile.distributed.tensor_parallel import (
     PARALLEL_MODES,
@@ -29,6 +30,7 @@ __all__ = [
     "all_reduce_grad",
     "reduce_scatter",
     "resolve_group",
+    "scatter",
     "set_parallel_attributes",
     "shard_state_dict",
     "shard_tensor",

@@ -11,6 +11,7 @@ function                      forward                               backward
 :func:`reduce_scatter`        rank r's slice of :math:`\sum_r x_r`  all-gather
 :func:`all_reduce`            :math:`\sum_r x_r`                    identity
 :func:`all_reduce_grad`       identity                              all-reduce (sum)
+:func:`scatter`               rank r's chunk of (replicated) x      all-gather
 ============================  ====================================  ==========================
 
 ``all_reduce`` is the row-parallel output (every rank holds a partial product; the sum is
@@ -51,6 +52,7 @@ __all__ = [
     "all_reduce_grad",
     "reduce_scatter",
     "resolve_group",
+    "scatter",
 ]
 
 GroupLike = Union["dist.ProcessGroup", Any, None]  # ProcessGroup | DeviceMesh | (mesh, dim)
@@ -163,6 +165,23 @@ class _AllReduceGrad(torch.autograd.Function):
         return _reduce(grad, ctx.group), None
 
 
+class _Scatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, group: Any, dim: int) -> Tensor:
+        ctx.group, ctx.dim = group, dim
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        if x.shape[dim] % size:
+            raise ValueError(
+                f"te_compile.distributed.scatter: dim {dim} of the tensor ({x.shape[dim]}) must "
+                f"be divisible by the group size ({size})"
+            )
+        return x.chunk(size, dim)[rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _gather(grad, ctx.group, ctx.dim), None, None
+
+
 def all_gather(x: Tensor, group: Any, dim: int = 0) -> Tensor:
     """Concatenate the ranks' ``x`` along ``dim`` (rank order); backward: reduce-scatter."""
     if group is None:
@@ -176,6 +195,15 @@ def reduce_scatter(x: Tensor, group: Any, dim: int = 0) -> Tensor:
     if group is None:
         return x
     return _ReduceScatter.apply(x, group, dim)
+
+
+def scatter(x: Tensor, group: Any, dim: int = 0) -> Tensor:
+    """This rank's chunk along ``dim`` of the replicated ``x`` (e.g. entering the sequence-
+    parallel region after an embedding); backward: all-gather. ``x.shape[dim]`` must be
+    divisible by the group size."""
+    if group is None:
+        return x
+    return _Scatter.apply(x, group, dim)
 
 
 def all_reduce(x: Tensor, group: Any) -> Tensor:

@@ -16,9 +16,10 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import te_compile as te
+from te_compile import distributed as tedist
 from te_compile.distributed import shard_tensor
 from tests.distributed.harness import BACKENDS, WORLD, Case, compare, device_for, run_checks, spawn
-from tests.utils import GraphRecorder, compile_counted
+from tests.utils import GraphRecorder, compile_counted, count_graph_breaks
 
 S, B, H, FFN = 8, 2, 16, 32  # sequence (dim 0, split by sequence parallelism), batch, widths
 SPLITS = [3, 0, 7]  # tokens per expert: an empty expert, odd counts
@@ -150,6 +151,53 @@ COMPILED = {
 }
 
 
+def _per_rank(shape, device, salt):
+    """Every rank's tensor (rank r's drawn from seed ``salt + r``): each rank knows them all."""
+    gens = [torch.Generator().manual_seed(salt + r) for r in range(WORLD)]
+    return [torch.randn(*shape, generator=g, dtype=torch.float64).to(device) for g in gens]
+
+
+def _collective_cases(rank):
+    """name: (function, replicated input?, output shape, expected output from every rank's
+    input, expected input gradient from every rank's output gradient)."""
+    cat, chunk = torch.cat, lambda t, d: t.chunk(WORLD, d)[rank]
+    return {
+        "all_gather": (functools.partial(tedist.all_gather, dim=1), False, (4, 6 * WORLD),
+                       lambda xs: cat(xs, 1), lambda gs: chunk(sum(gs), 1)),
+        "reduce_scatter": (tedist.reduce_scatter, False, (4 // WORLD, 6),
+                           lambda xs: chunk(sum(xs), 0), lambda gs: cat(gs, 0)),
+        "all_reduce": (tedist.all_reduce, False, (4, 6),
+                       lambda xs: sum(xs), lambda gs: gs[rank]),
+        "all_reduce_grad": (tedist.all_reduce_grad, False, (4, 6),
+                            lambda xs: xs[rank], lambda gs: sum(gs)),
+        "scatter": (tedist.scatter, True, (4 // WORLD, 6),
+                    lambda xs: chunk(xs[0], 0), lambda gs: cat(gs, 0)),
+    }  # fmt: skip
+
+
+def _collectives(rank, group, device, compiled):
+    """Each collective's forward and backward against the values it must produce; compiled:
+    all of them in one ``fullgraph=True`` function, with zero graph breaks (dynamo's explain)."""
+    cases = _collective_cases(rank)
+    xs = _per_rank((4, 6), device, 0)
+    inputs = {n: (xs[0] if rep else xs[rank]).clone().requires_grad_(True)
+              for n, (_, rep, *_) in cases.items()}  # fmt: skip
+    grads = {n: _per_rank(shape, device, 100) for n, (_, _, shape, *_) in cases.items()}
+
+    def run(inputs):
+        return {n: fn(inputs[n], group) for n, (fn, *_) in cases.items()}
+
+    if compiled:
+        detached = {n: x.detach() for n, x in inputs.items()}
+        assert count_graph_breaks(run, detached) == (1, 0)
+        run = compile_counted(run, backend="aot_eager")[0]
+    outs = run(inputs)
+    torch.autograd.backward([outs[n] for n in cases], [grads[n][rank] for n in cases])
+    for name, (_, _, _, out, grad) in cases.items():
+        assert torch.equal(outs[name], out(xs)), name
+        torch.testing.assert_close(inputs[name].grad, grad(grads[name]), msg=name)
+
+
 def _eager_worker(rank, group, backend):
     device = device_for(backend, rank)
     checks = {}
@@ -167,6 +215,7 @@ def _eager_worker(rank, group, backend):
             compare, Case(build, 0, 0, case.inputs, roundings=4), rank, group, device, dtype
         )
     checks.update(_error_checks(group))
+    checks["collectives"] = functools.partial(_collectives, rank, group, device, False)
     return run_checks(checks)
 
 
@@ -181,6 +230,7 @@ def _compiled_worker(rank, group, backend):
         case = CASES[name]
         build = functools.partial(_build, case.build, torch.float64, device)
         checks[name] = functools.partial(_compiled_check, name, build, rank, group, device)
+    checks["collectives"] = functools.partial(_collectives, rank, group, device, True)
     return run_checks(checks)
 
 
@@ -251,6 +301,12 @@ EAGER_NAMES = [*CASES, *MESH_CASES, "layernorm_mlp_sp_swiglu_torch.float32",
                "layernorm_mlp_sp_swiglu_torch.bfloat16"]  # fmt: skip
 ERROR_NAMES = ["error_tp_size_mismatch", "error_two_d_mesh", "error_set_group_of_other_size",
                "error_sequence_not_divisible"]  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["eager", "compiled"])
+def test_collectives_forward_and_backward(backend, kind):
+    _check(kind, backend, "collectives")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
