@@ -31,8 +31,9 @@ their ``wait_tensor``, which Inductor may reorder to overlap communication with 
 there is no graph break.
 
 A group is a ``ProcessGroup``, a 1-D ``DeviceMesh`` (``mesh["tp"]``), or ``(mesh, "tp")`` for a
-named dim of a larger mesh; :func:`resolve_group` turns each into a ``ProcessGroup`` once, at
-module construction, so that the traced code holds a constant. ``group=None`` means no
+named dim of a larger mesh; :func:`resolve_group` turns each into a ``ProcessGroup``. Modules
+resolve their group once, at construction, so that the traced code holds a constant; code that
+calls these functions inside a compiled region should do the same. ``group=None`` means no
 communication: every function returns its input.
 """
 
@@ -95,6 +96,10 @@ def resolve_group(group: GroupLike, owner: str = "te_compile.distributed") -> An
         f"{owner}: tp_group must be a torch.distributed.ProcessGroup, a 1-D DeviceMesh or "
         f"(DeviceMesh, dim name), got {group!r}"
     )
+
+
+def _group(group: GroupLike) -> Any:
+    return group if isinstance(group, dist.ProcessGroup) else resolve_group(group)
 
 
 def _wait(t: Tensor) -> Tensor:
@@ -186,7 +191,7 @@ def all_gather(x: Tensor, group: Any, dim: int = 0) -> Tensor:
     """Concatenate the ranks' ``x`` along ``dim`` (rank order); backward: reduce-scatter."""
     if group is None:
         return x
-    return _AllGather.apply(x, group, dim)
+    return _AllGather.apply(x, _group(group), dim)
 
 
 def reduce_scatter(x: Tensor, group: Any, dim: int = 0) -> Tensor:
@@ -194,7 +199,7 @@ def reduce_scatter(x: Tensor, group: Any, dim: int = 0) -> Tensor:
     ``x.shape[dim]`` must be divisible by the group size."""
     if group is None:
         return x
-    return _ReduceScatter.apply(x, group, dim)
+    return _ReduceScatter.apply(x, _group(group), dim)
 
 
 def scatter(x: Tensor, group: Any, dim: int = 0) -> Tensor:
@@ -203,14 +208,14 @@ def scatter(x: Tensor, group: Any, dim: int = 0) -> Tensor:
     divisible by the group size."""
     if group is None:
         return x
-    return _Scatter.apply(x, group, dim)
+    return _Scatter.apply(x, _group(group), dim)
 
 
 def all_reduce(x: Tensor, group: Any) -> Tensor:
     """The sum of the ranks' ``x``; backward: identity (the sum is replicated)."""
     if group is None:
         return x
-    return _AllReduce.apply(x, group)
+    return _AllReduce.apply(x, _group(group))
 
 
 def all_reduce_grad(x: Tensor, group: Any) -> Tensor:
@@ -218,4 +223,4 @@ def all_reduce_grad(x: Tensor, group: Any) -> Tensor:
     uses it for a different part of the computation)."""
     if group is None:
         return x
-    return _AllReduceGrad.apply(x, group)
+    return _AllReduceGrad.apply(x, _group(group))
