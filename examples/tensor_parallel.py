@@ -127,6 +127,23 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
+@torch.no_grad()
+def init_weights(model: nn.Module, tp_rank: int, tp: int, seed: int) -> None:
+    """Each parameter is drawn whole (N(0, 0.02); norm weights 1, biases 0) from a generator
+    seeded by its index, and every rank keeps its tensor-parallel shard of it: all ``--tp``
+    settings start from the same model, and the shards on different ranks differ (the modules'
+    own init would give every rank the same shard)."""
+    for i, (name, p) in enumerate(model.named_parameters()):
+        dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else -1
+        shape = [n * tp if d == dim else n for d, n in enumerate(p.shape)]
+        if p.dim() > 1:
+            gen = torch.Generator().manual_seed(seed * 10_007 + i)
+            full = torch.randn(shape, generator=gen) * 0.02
+        else:
+            full = torch.full(shape, 1.0 if name.endswith("weight") else 0.0)
+        p.copy_(tedist.shard_tensor(full, dim, getattr(p, "partition_stride", 1), tp_rank, tp))
+
+
 def batch(args, step: int, dp_rank: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """This DP rank's share of the global batch of step ``step`` (the same on its TP ranks)."""
     gen = torch.Generator().manual_seed(args.seed * 100_003 + step)
@@ -237,8 +254,8 @@ def main(argv=None) -> int:
     mesh = init_device_mesh(device_type, (args.dp, args.tp), mesh_dim_names=("dp", "tp"))
     dp_rank = mesh.get_local_rank("dp")
 
-    torch.manual_seed(args.seed)  # the same replicated weights on every rank
     model = GPT(args, (mesh, "tp"), dtype, device)
+    init_weights(model, mesh.get_local_rank("tp"), args.tp, args.seed)
     counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
     for block in model.blocks:
         if not args.no_compile:

@@ -3,11 +3,14 @@ sizes (the same script runs NCCL on GPUs)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "tensor_parallel.py"
@@ -15,10 +18,10 @@ TINY = ["--steps", "8", "--warmup", "2", "--layers", "1", "--width", "32", "--he
         "--seq-len", "16", "--batch-size", "4", "--lr", "1e-2"]  # fmt: skip
 
 
-def run_example(*extra: str) -> str:
+def run_example(*extra: str, nproc: int = 2) -> str:
     env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")  # this checkout, CPU
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
          "--standalone", str(SCRIPT), *TINY, *extra],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
@@ -51,12 +54,23 @@ def test_fsdp2_with_fp8_delayed_scaling_eager():
     assert last < first
 
 
+def test_tensor_parallel_trains_the_same_model_as_one_process():
+    """Every rank initialises its shard of the same full model, so TP=2 with sequence
+    parallelism follows TP=1's loss curve (printed to 4 decimals)."""
+    losses = {}
+    for nproc, extra in ((1, ()), (2, ("--tp", "2", "--sequence-parallel"))):
+        stdout = run_example("--no-compile", *extra, nproc=nproc)
+        losses[nproc] = re.search(r"^loss: (\S+ -> \S+)", stdout, re.M).group(1)
+    assert losses[1] == losses[2]
+
+
 def test_bad_mesh_is_reported():
-    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--standalone", str(SCRIPT), *TINY, "--tp", "2", "--dp", "2"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode != 0
-    assert "--tp (2) x --dp (2) must equal the number of processes (2)" in result.stderr
+    spec = importlib.util.spec_from_file_location("tensor_parallel_example", SCRIPT)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    args = example.parse_args([*TINY, "--tp", "2", "--dp", "2"])
+    with pytest.raises(SystemExit, match=r"--tp \(2\) x --dp \(2\) must equal the number of"):
+        example.check_args(args, world=2)
+    args = example.parse_args([*TINY, "--tp", "2", "--recipe", "delayed", "--width", "48"])
+    with pytest.raises(SystemExit, match=r"FP8 GEMMs need --width / --tp \(24\) to be a multiple"):
+        example.check_args(args, world=2)
