@@ -71,6 +71,19 @@ class TensorParallel:
     group: Any = None
     rank: int = 0
 
+    # A ProcessGroup is a process-wide handle that cannot be pickled: a deep copy of a module
+    # (EMA weights, ...) shares it (the settings are immutable), and a pickled module (torch.save
+    # of a whole model) leaves it out; set it again with ``set_tensor_parallel_group``.
+    def __deepcopy__(self, memo: dict) -> TensorParallel:
+        return self
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "group": None}
+
+    def __setstate__(self, state: dict) -> None:
+        for key, value in state.items():
+            object.__setattr__(self, key, value)
+
     @staticmethod
     def create(
         owner: str,

@@ -9,7 +9,9 @@ each pytest case then reports its own check.
 
 from __future__ import annotations
 
+import copy
 import functools
+import io
 
 import pytest
 import torch
@@ -214,7 +216,7 @@ def _eager_worker(rank, group, backend):
         checks[f"layernorm_mlp_sp_swiglu_{dtype}"] = functools.partial(
             compare, Case(build, 0, 0, case.inputs, roundings=4), rank, group, device, dtype
         )
-    checks.update(_error_checks(group))
+    checks.update(_error_checks(group, device))
     checks["collectives"] = functools.partial(_collectives, rank, group, device, False)
     return run_checks(checks)
 
@@ -254,7 +256,7 @@ def _compiled_check(name, build, rank, group, device):
         assert any(op.startswith("te.") or "(te." in op for op in graph), recorder.summary()
 
 
-def _error_checks(group):
+def _error_checks(group, device):
     """Configuration errors that need an initialised group."""
 
     def tp_size_mismatch():
@@ -262,7 +264,7 @@ def _error_checks(group):
             te.Linear(H, 24, parallel_mode="column", tp_group=group, tp_size=3)
 
     def two_d_mesh():
-        mesh = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("dp", "tp"))
+        mesh = init_device_mesh(device.type, (1, WORLD), mesh_dim_names=("dp", "tp"))
         with pytest.raises(ValueError, match=r"tp_group must be a 1-D DeviceMesh.*mesh\['tp'\]"):
             te.Linear(H, 24, parallel_mode="column", tp_group=mesh)
         with pytest.raises(ValueError, match=r"'cp' is not a dim of the mesh"):
@@ -278,8 +280,22 @@ def _error_checks(group):
         with pytest.raises(ValueError, match=r"dim 0 of the tensor \(3\) must be divisible"):
             m(torch.randn(3, 12))
 
+    def deepcopy_and_pickle():
+        m = te.Linear(H, 24, parallel_mode="row", tp_group=group)
+        x = torch.randn(4, H // WORLD)
+        assert torch.equal(copy.deepcopy(m)(x), m(x)), "a deep copy shares the group"
+        buffer = io.BytesIO()
+        torch.save(m, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+        with pytest.raises(RuntimeError, match=r"set_tensor_parallel_group"):
+            loaded(x)
+        loaded.set_tensor_parallel_group(group)
+        assert torch.equal(loaded(x), m(x))
+
     return {
         "error_tp_size_mismatch": tp_size_mismatch,
+        "deepcopy_and_pickle": deepcopy_and_pickle,
         "error_two_d_mesh": two_d_mesh,
         "error_set_group_of_other_size": set_group_of_other_size,
         "error_sequence_not_divisible": sequence_not_divisible,
@@ -299,8 +315,8 @@ def _check(kind: str, backend: str, name: str) -> None:
 
 EAGER_NAMES = [*CASES, *MESH_CASES, "layernorm_mlp_sp_swiglu_torch.float32",
                "layernorm_mlp_sp_swiglu_torch.bfloat16"]  # fmt: skip
-ERROR_NAMES = ["error_tp_size_mismatch", "error_two_d_mesh", "error_set_group_of_other_size",
-               "error_sequence_not_divisible"]  # fmt: skip
+ERROR_NAMES = ["deepcopy_and_pickle", "error_tp_size_mismatch", "error_two_d_mesh",
+               "error_set_group_of_other_size", "error_sequence_not_divisible"]  # fmt: skip
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
