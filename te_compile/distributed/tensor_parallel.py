@@ -70,6 +70,12 @@ class TensorParallel:
     size: int = 1
     group: Any = None
     rank: int = 0
+    # Communicates: tensor-parallel with more than one rank (a field, not a property: forward
+    # reads it on every call).
+    active: bool = dataclasses.field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "active", self.mode is not None and self.size > 1)
 
     # A ProcessGroup is a process-wide handle that cannot be pickled: a deep copy of a module
     # (EMA weights, ...) shares it (the settings are immutable), and a pickled module (torch.save
@@ -142,11 +148,6 @@ class TensorParallel:
                 f"tp_size the module was built with ({self.size})"
             )
         return dataclasses.replace(self, group=group, rank=dist.get_rank(group))
-
-    @property
-    def active(self) -> bool:
-        """Communicates: tensor-parallel with more than one rank."""
-        return self.mode is not None and self.size > 1
 
     def divide(self, owner: str, name: str, value: int, multiple: int = 1) -> int:
         """``value / size``, checking that the shard is a whole number of ``multiple``."""
