@@ -96,6 +96,11 @@ class GroupedMLP(nn.Module):
             ffn_hidden_size=ffn_hidden_size,
         )
         check_choice(owner, "activation", activation, (*GATED_ACTIVATIONS, *ACTIVATIONS))
+        if sequence_parallel is True:
+            raise ValueError(
+                f"{owner}: sequence_parallel=True is not supported (tokens grouped by expert "
+                "cannot be gathered along dim 0); shard the tokens in the MoE token dispatcher"
+            )
         gated = activation in GATED_ACTIVATIONS
         if glu_interleave_size is not None:
             if not gated:
@@ -127,7 +132,7 @@ class GroupedMLP(nn.Module):
             "device": device,
         }
         parallel = tp_group is not None or (tp_size or 1) > 1
-        tp_kw = {"sequence_parallel": sequence_parallel, "tp_group": tp_group, "tp_size": tp_size}
+        tp_kw = {"tp_group": tp_group, "tp_size": tp_size}
         fc1_out = 2 * ffn_hidden_size if gated else ffn_hidden_size
         self.fc1 = GroupedLinear(
             num_experts, hidden_size, fc1_out, parallel_mode="column" if parallel else None,

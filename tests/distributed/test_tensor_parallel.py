@@ -373,6 +373,8 @@ def test_bad_group_configuration_raises(backend, name):
          r"LayerNormMLP: sequence_parallel=True needs a tensor-parallel group"),
         (lambda: te.GroupedLinear(2, 16, 16, parallel_mode="column", sequence_parallel=True),
          r"GroupedLinear: sequence_parallel=True is not supported"),
+        (lambda: te.GroupedMLP(2, 16, 32, sequence_parallel=True, tp_size=2),
+         r"GroupedMLP: sequence_parallel=True is not supported"),
         (lambda: te.GroupedLinear(2, 16, 18, parallel_mode="column", tp_size=4),
          r"GroupedLinear: out_features \(18\) must be divisible by tp_size \(4\)"),
         (lambda: te.GroupedMLP(2, 16, 32, glu_interleave_size=16, tp_size=4),
