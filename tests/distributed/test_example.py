@@ -38,7 +38,7 @@ def report(stdout: str, label: str) -> str:
 
 def test_compiled_tensor_and_sequence_parallel_with_profile():
     stdout = run_example("--tp", "2", "--sequence-parallel", "--profile")
-    assert re.search(r"graphs compiled: 1 \(one per block\); graph breaks: 0", stdout), stdout
+    assert re.search(r"graphs compiled: 1 .*; graph breaks: 0$", stdout, re.M), stdout
     first, last = (float(v) for v in re.search(r"loss: (\S+) -> (\S+)", stdout).groups())
     assert last < first
     assert float(report(stdout, "tokens/s")) > 0
