@@ -276,13 +276,14 @@ def _error_checks(group, device):
             m.set_tensor_parallel_group(group)
 
     def sequence_not_divisible():
-        m = te.Linear(24, H, parallel_mode="row", sequence_parallel=True, tp_group=group)
+        m = te.Linear(24, H, parallel_mode="row", sequence_parallel=True, tp_group=group,
+                      device=device)  # fmt: skip
         with pytest.raises(ValueError, match=r"dim 0 of the tensor \(3\) must be divisible"):
-            m(torch.randn(3, 12))
+            m(torch.randn(3, 12, device=device))
 
     def deepcopy_and_pickle():
-        m = te.Linear(H, 24, parallel_mode="row", tp_group=group)
-        x = torch.randn(4, H // WORLD)
+        m = te.Linear(H, 24, parallel_mode="row", tp_group=group, device=device)
+        x = torch.randn(4, H // WORLD, device=device)
         assert torch.equal(copy.deepcopy(m)(x), m(x)), "a deep copy shares the group"
         buffer = io.BytesIO()
         torch.save(m, buffer)
