@@ -8,7 +8,8 @@
 # Steps: tests, demo, linear, overhead, norm, activation, mlp, grouped, fp8 (default: all, in that
 # order; split them over calls to stay inside the 10-minute limit of one call). At most 8 files come
 # back from $OUT, so each step writes one log and its bench writes its .md/.json there
-# (--no-chart). Carry `.whl` (expecttest, liger-kernel: not on the GPU image; bench/README.md).
+# (--no-chart). Not in the default list: tp (bench_tp, needs 2 GPUs; tests:distributed runs the
+# NCCL tests there). Carry `.whl` (expecttest, liger-kernel: not on the GPU image; bench/README.md).
 set -uo pipefail
 OUT=${OUT:-bench/results/latest}
 mkdir -p "$OUT"
@@ -38,6 +39,8 @@ for step in "${steps[@]}"; do
     linear|overhead|norm|activation|mlp|grouped|fp8)
       python3 -m "bench.bench_$step" --out "$OUT" --no-chart 2>&1 | tee "$OUT/bench_$step.log" \
         | grep -v "^  \[" | tail -60 ;;
+    tp)  # TP=1 vs TP=2 (+SP) through examples/tensor_parallel.py under torchrun: needs 2 GPUs
+      python3 -m bench.bench_tp --out "$OUT" 2>&1 | tee "$OUT/bench_tp.log" | tail -30 ;;
     *) echo "unknown step $step" ;;
   esac
 done
