@@ -9,7 +9,8 @@
 # mlp, grouped, fp8, ops (default: all but tune_norm, in that order; split them over calls to stay
 # inside the 10-minute limit of one call). Each step writes one log and its bench its .md/.json
 # under $OUT (--no-chart), packed into $OUT/results.tgz. Carry `.whl` (expecttest, liger-kernel,
-# torchao, pytest-xdist + execnet: not on the GPU image; bench/README.md).
+# torchao, pytest-xdist + execnet: not on the GPU image; bench/README.md). Not in the default
+# list: tp (bench_tp, needs 2 GPUs; tests:distributed runs the NCCL tests there).
 set -uo pipefail
 OUT=${OUT:-bench/results/latest}
 mkdir -p "$OUT"
@@ -50,6 +51,8 @@ for step in "${steps[@]}"; do
       python3 -m "bench.bench_$step" --out "$OUT" --no-chart ${BENCH_ARGS:-} 2>&1 \
         | tee "$OUT/bench_$step.log" \
         | grep -v "^  \[" | tail -60 ;;
+    tp)  # TP=1 vs TP=2 (+SP) through examples/tensor_parallel.py under torchrun: needs 2 GPUs
+      python3 -m bench.bench_tp --out "$OUT" 2>&1 | tee "$OUT/bench_tp.log" | tail -30 ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -25,6 +25,12 @@ wgrad in high precision; other recipes raise NotImplementedError.
 ``main_grad`` instead of producing ``.grad``: ``weight.main_grad`` ``[num_gemms, out, in]`` in the
 single layout; in the default layout ``weight{i}.main_grad`` must be ``buffer[i]`` of one fp32
 ``[num_gemms, out, in]`` buffer, which :meth:`GroupedLinear.allocate_main_grad` creates.
+
+Tensor parallelism (expert tensor parallelism; ``parallel_mode``, ``tp_group``, ``tp_size`` as
+in :class:`~te_compile.Linear`): "column" shards every expert's ``out_features``, "row" its
+``in_features`` and all-reduces the output, adding the biases after the sum. Sequence
+parallelism is not supported: the tokens arrive grouped by expert, and gathering the ranks'
+token shards would interleave the groups (shard tokens in the MoE token dispatcher instead).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from te_compile import functional as F
+from te_compile.distributed.tensor_parallel import TensorParallel, set_parallel_attributes
 from te_compile.modules._common import check_positive, default_init_method, params_dtype_or_default
 from te_compile.quantization.state import get_autocast_state
 
@@ -53,6 +60,8 @@ class GroupedLinear(nn.Module):
         params_dtype, device: of the parameters (defaults: torch's defaults).
         fuse_wgrad_accumulation: accumulate weight gradients into ``main_grad`` (fp32).
         init_method: initialises each group's ``[out, in]`` weight (default: N(0, 0.023)).
+        parallel_mode, tp_group, tp_size: as in :class:`~te_compile.Linear`;
+            ``sequence_parallel=True`` raises (see the module docstring).
     """
 
     def __init__(
@@ -67,6 +76,10 @@ class GroupedLinear(nn.Module):
         device: torch.device | str | None = None,
         fuse_wgrad_accumulation: bool = False,
         init_method: Callable[[Tensor], None] | None = None,
+        parallel_mode: str | None = None,
+        sequence_parallel: bool = False,
+        tp_group: object = None,
+        tp_size: int | None = None,
     ) -> None:
         super().__init__()
         owner = "GroupedLinear"
@@ -74,6 +87,16 @@ class GroupedLinear(nn.Module):
             owner, num_gemms=num_gemms, in_features=in_features, out_features=out_features
         )
         dtype = params_dtype_or_default(owner, params_dtype)
+        if sequence_parallel is True:
+            raise ValueError(
+                f"{owner}: sequence_parallel=True is not supported (tokens grouped by expert "
+                "cannot be gathered along dim 0); shard the tokens in the MoE token dispatcher"
+            )
+        self.tp = TensorParallel.create(owner, parallel_mode, False, tp_group, tp_size)
+        if self.tp.mode == "column":
+            out_features = self.tp.divide(owner, "out_features", out_features)
+        elif self.tp.mode == "row":
+            in_features = self.tp.divide(owner, "in_features", in_features)
         self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
         self.use_bias = bias
         self.single_grouped_parameter = single_grouped_parameter
@@ -91,7 +114,30 @@ class GroupedLinear(nn.Module):
                 self.register_parameter(f"weight{i}", w)
                 b = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
                 self.register_parameter(f"bias{i}", b)
+        if self.tp.mode is not None:
+            self.set_partition_stride(1)
         self.reset_parameters()
+
+    @property
+    def parallel_mode(self) -> str | None:
+        return self.tp.mode
+
+    def set_tensor_parallel_group(self, tp_group: object) -> None:
+        """Set the group of a module built with ``tp_size > 1`` and no ``tp_group``."""
+        self.tp = self.tp.with_group("GroupedLinear", tp_group)
+
+    def set_partition_stride(self, stride: int) -> None:
+        """(Re)mark the parameters' tensor-parallel attributes; ``stride`` 2 for the FC1 of a
+        gated activation (see ``te_compile/distributed/tensor_parallel.py``)."""
+        column = self.tp.mode == "column"
+        single = self.single_grouped_parameter
+        w_dim = (0 if column else 1) + (1 if single else 0)
+        b_dim = (1 if single else 0) if column else -1
+        for name, p in self.named_parameters(recurse=False):
+            if name.startswith("weight"):
+                set_parallel_attributes(p, w_dim, stride if column else 1)
+            else:
+                set_parallel_attributes(p, b_dim, stride if column else 1)
 
     # Parameters in either layout ---------------------------------------------------------------
 
@@ -153,6 +199,21 @@ class GroupedLinear(nn.Module):
             biases = self.biases()
             bias = None if biases is None else torch.stack(biases)
         main_grad = self._main_grad() if self.fuse_wgrad_accumulation else None
+        tp = self.tp
+        if not tp.active:
+            return self._gemm(inp, m_splits, weight, bias, main_grad)
+        if tp.mode == "column":
+            inp = tp.column_input("GroupedLinear", inp)
+            return self._gemm(inp, m_splits, weight, bias, main_grad)
+        # Row-parallel: sum the partial products, then add each row's expert bias once.
+        out = tp.row_output("GroupedLinear", self._gemm(inp, m_splits, weight, None, main_grad))
+        if bias is None:
+            return out
+        splits = F.as_splits_tensor(m_splits).to(bias.device)
+        return out + bias.repeat_interleave(splits, dim=0, output_size=out.shape[0])
+
+    @staticmethod
+    def _gemm(inp, m_splits, weight, bias, main_grad) -> Tensor:
         state = get_autocast_state()
         if state.enabled:
             return _fp8_grouped(state.recipe, inp, m_splits, weight, bias, main_grad)
@@ -168,7 +229,7 @@ class GroupedLinear(nn.Module):
         return (
             f"num_gemms={self.num_gemms}, in_features={self.in_features}, "
             f"out_features={self.out_features}, bias={self.use_bias}, "
-            f"single_grouped_parameter={self.single_grouped_parameter}"
+            f"single_grouped_parameter={self.single_grouped_parameter}" + self.tp.describe()
         )
 
 

@@ -30,6 +30,13 @@ dim; for the default parameter layout apply them per expert, ``fc1.weight{i}`` w
 
 (and the same for ``"fc1.bias"`` when ``bias=True``); :func:`convert_glu_layout` does exactly
 this for a whole state_dict.
+
+Tensor parallelism (expert tensor parallelism): with a ``tp_group`` (or ``tp_size > 1``) FC1 is
+column-parallel and FC2 row-parallel, each rank holding ``ffn_hidden_size / tp_size`` of every
+expert's intermediate features; the output is all-reduced over the group. For gated
+activations each rank holds its shard of both halves of FC1 (``partition_stride`` 2 in the
+contiguous layout; the interleaved layout shards contiguously, and needs
+``ffn_hidden_size / tp_size`` to be a multiple of ``glu_interleave_size``).
 """
 
 from __future__ import annotations
@@ -60,6 +67,8 @@ class GroupedMLP(nn.Module):
         bias: learn per-expert biases in FC1 and FC2.
         single_grouped_parameter: FC1/FC2 each hold one ``[num_experts, out, in]`` weight.
         params_dtype, device: of the parameters.
+        tp_group, tp_size: expert tensor parallelism (see the module docstring);
+            ``sequence_parallel=True`` raises, as in :class:`~te_compile.GroupedLinear`.
     """
 
     def __init__(
@@ -74,6 +83,9 @@ class GroupedMLP(nn.Module):
         single_grouped_parameter: bool = True,
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        sequence_parallel: bool = False,
+        tp_group: object = None,
+        tp_size: int | None = None,
     ) -> None:
         super().__init__()
         owner = "GroupedMLP"
@@ -84,6 +96,11 @@ class GroupedMLP(nn.Module):
             ffn_hidden_size=ffn_hidden_size,
         )
         check_choice(owner, "activation", activation, (*GATED_ACTIVATIONS, *ACTIVATIONS))
+        if sequence_parallel is True:
+            raise ValueError(
+                f"{owner}: sequence_parallel=True is not supported (tokens grouped by expert "
+                "cannot be gathered along dim 0); shard the tokens in the MoE token dispatcher"
+            )
         gated = activation in GATED_ACTIVATIONS
         if glu_interleave_size is not None:
             if not gated:
@@ -114,9 +131,31 @@ class GroupedMLP(nn.Module):
             "params_dtype": params_dtype,
             "device": device,
         }
+        parallel = tp_group is not None or (tp_size or 1) > 1
+        tp_kw = {"tp_group": tp_group, "tp_size": tp_size}
         fc1_out = 2 * ffn_hidden_size if gated else ffn_hidden_size
-        self.fc1 = GroupedLinear(num_experts, hidden_size, fc1_out, **kw)
-        self.fc2 = GroupedLinear(num_experts, ffn_hidden_size, hidden_size, **kw)
+        self.fc1 = GroupedLinear(
+            num_experts, hidden_size, fc1_out, parallel_mode="column" if parallel else None,
+            **kw, **tp_kw,
+        )  # fmt: skip
+        self.fc2 = GroupedLinear(
+            num_experts, ffn_hidden_size, hidden_size, parallel_mode="row" if parallel else None,
+            **kw, **tp_kw,
+        )  # fmt: skip
+        tp = self.fc1.tp
+        if glu_interleave_size is not None and (ffn_hidden_size // tp.size) % glu_interleave_size:
+            raise ValueError(
+                f"GroupedMLP: ffn_hidden_size / tp_size ({ffn_hidden_size} / {tp.size}) must be "
+                f"a multiple of glu_interleave_size ({glu_interleave_size}): each rank holds "
+                "whole interleaved blocks"
+            )
+        if gated and glu_interleave_size is None and tp.mode is not None:
+            self.fc1.set_partition_stride(2)
+
+    def set_tensor_parallel_group(self, tp_group: object) -> None:
+        """Set the group of a module built with ``tp_size > 1`` and no ``tp_group``."""
+        self.fc1.set_tensor_parallel_group(tp_group)
+        self.fc2.set_tensor_parallel_group(tp_group)
 
     def forward(self, inp: Tensor, m_splits: Tensor | Sequence[int]) -> Tensor:
         splits = F.as_splits_tensor(m_splits)  # a list becomes a tensor once, not twice

@@ -4,6 +4,13 @@ Parameters: ``layer_norm_weight`` (and ``layer_norm_bias`` for LayerNorm), ``wei
 ``[out_features, in_features]``, ``bias``. ``forward`` returns ``out``, then ``bias`` if
 ``return_bias`` (not added, so the caller can fuse the add), then the norm's output if
 ``return_layernorm_output`` — the order Transformer Engine uses.
+
+Tensor parallelism: ``parallel_mode="column"`` only (the norm needs every input feature, so a
+row-parallel LayerNormLinear would normalise a shard of them). The norm runs on the replicated
+input, or with ``sequence_parallel=True`` on this rank's sequence shard (dim 0), whose output is
+then all-gathered before the GEMM; the norm's parameters are marked ``sequence_parallel`` and
+their gradients all-reduced over the group (see ``te_compile/distributed/tensor_parallel.py``).
+The layer-norm output returned by ``return_layernorm_output`` is the local (not gathered) one.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from te_compile.distributed.tensor_parallel import TensorParallel, set_parallel_attributes
 from te_compile.modules._common import (
     check_positive,
     default_init_method,
@@ -37,6 +45,8 @@ class LayerNormLinear(PreNorm):
         return_bias: return the bias instead of adding it.
         params_dtype, device: of the parameters (defaults: torch's defaults).
         init_method: called as ``init_method(weight)`` (default: normal, std 0.023).
+        parallel_mode: "column" or None; sequence_parallel, tp_group, tp_size: as in
+            :class:`~te_compile.Linear`.
     """
 
     def __init__(
@@ -53,11 +63,20 @@ class LayerNormLinear(PreNorm):
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         init_method: Callable[[Tensor], None] | None = None,
+        parallel_mode: str | None = None,
+        sequence_parallel: bool = False,
+        tp_group: object = None,
+        tp_size: int | None = None,
     ) -> None:
         super().__init__()
         owner = "LayerNormLinear"
         check_positive(owner, in_features=in_features, out_features=out_features)
         dtype = params_dtype_or_default(owner, params_dtype)
+        self.tp = TensorParallel.create(
+            owner, parallel_mode, sequence_parallel, tp_group, tp_size, modes=("column", None)
+        )
+        if self.tp.mode == "column":
+            out_features = self.tp.divide(owner, "out_features", out_features)
         self.in_features, self.out_features = in_features, out_features
         self.return_layernorm_output = return_layernorm_output
         self.return_bias = return_bias
@@ -67,7 +86,23 @@ class LayerNormLinear(PreNorm):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
         self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
         self.fp8_meta = _fp8.FP8GemmState(device)
+        if self.tp.mode is not None:
+            set_parallel_attributes(self.weight, 0)
+            set_parallel_attributes(self.bias, 0)
+            self._mark_norm_parallel(self.tp.sequence_parallel)
         self.reset_parameters()
+
+    @property
+    def parallel_mode(self) -> str | None:
+        return self.tp.mode
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.tp.sequence_parallel
+
+    def set_tensor_parallel_group(self, tp_group: object) -> None:
+        """Set the group of a module built with ``tp_size > 1`` and no ``tp_group``."""
+        self.tp = self.tp.with_group("LayerNormLinear", tp_group)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -77,9 +112,11 @@ class LayerNormLinear(PreNorm):
             self.bias.zero_()
 
     def forward(self, inp: Tensor) -> Tensor | tuple[Tensor, ...]:
-        ln_out = self._norm(inp)
+        owner = "LayerNormLinear"
+        ln_out = self._norm(inp, self.tp, owner)
+        gemm_in = self.tp.column_input(owner, ln_out)
         bias = None if self.return_bias else self.bias
-        out = _fp8.linear("LayerNormLinear", self.fp8_meta, ln_out, self.weight, bias)
+        out = _fp8.linear(owner, self.fp8_meta, gemm_in, self.weight, bias)
         extra: tuple[Tensor | None, ...] = ()
         if self.return_bias:
             extra += (self.bias,)
@@ -91,4 +128,5 @@ class LayerNormLinear(PreNorm):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, normalization={self.normalization}, eps={self.eps}"
+            + self.tp.describe()
         )

@@ -13,6 +13,14 @@ activation in one kernel (``te::activation_fwd`` or ``te::gated_activation_fwd``
 ``bias`` argument); the backward returns the activation gradient and ``dbias`` from the same pass.
 The compiled graph therefore reads ``te.layernorm_fwd`` (or ``te.rmsnorm_fwd``),
 ``te.linear_fwd``, ``te.(gated_)activation_fwd``, ``te.linear_fwd``.
+
+Tensor parallelism: with a ``tp_group`` (or ``tp_size > 1``) FC1 is column-parallel and FC2
+row-parallel, as Transformer Engine's ``set_parallel_mode=True``: each rank holds
+``ffn_hidden_size / tp_size`` of the intermediate features (for gated activations its shard of
+both halves: ``fc1_weight`` is ``[2 * ffn / tp, hidden]`` = [activation shard; linear shard],
+``partition_stride`` 2), and the output is all-reduced over the group, or reduce-scattered
+along dim 0 with ``sequence_parallel=True`` (the norm then runs on the sequence shard and the
+input of FC1 is all-gathered). FC2's bias is added after the reduction.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from te_compile import functional as F
+from te_compile.distributed.tensor_parallel import TensorParallel, set_parallel_attributes
 from te_compile.functional.activation import ACTIVATIONS, GATED_ACTIVATIONS
 from te_compile.modules._common import (
     check_choice,
@@ -51,6 +60,8 @@ class LayerNormMLP(PreNorm):
         return_bias: return FC2's bias instead of adding it.
         params_dtype, device: of the parameters (defaults: torch's defaults).
         init_method, output_layer_init_method: initialise FC1's and FC2's weights.
+        sequence_parallel, tp_group, tp_size: as in :class:`~te_compile.Linear`; FC1 is
+            column-parallel and FC2 row-parallel when there is more than one shard.
     """
 
     def __init__(
@@ -69,12 +80,22 @@ class LayerNormMLP(PreNorm):
         device: torch.device | str | None = None,
         init_method: Callable[[Tensor], None] | None = None,
         output_layer_init_method: Callable[[Tensor], None] | None = None,
+        sequence_parallel: bool = False,
+        tp_group: object = None,
+        tp_size: int | None = None,
     ) -> None:
         super().__init__()
         owner = "LayerNormMLP"
         check_positive(owner, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
         check_choice(owner, "activation", activation, (*ACTIVATIONS, *GATED_ACTIVATIONS))
         dtype = params_dtype_or_default(owner, params_dtype)
+        parallel = tp_group is not None or (tp_size or 1) > 1 or sequence_parallel
+        # "column" stands for the pair: FC1 column-parallel, FC2 row-parallel.
+        self.tp = TensorParallel.create(
+            owner, "column" if parallel else None, sequence_parallel, tp_group, tp_size
+        )
+        if self.tp.mode is not None:
+            ffn_hidden_size = self.tp.divide(owner, "ffn_hidden_size", ffn_hidden_size)
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
         self.activation = activation
         self.gated = activation in GATED_ACTIVATIONS
@@ -91,7 +112,22 @@ class LayerNormMLP(PreNorm):
         self.fc2_bias = nn.Parameter(torch.empty(hidden_size, **factory)) if bias else None
         self.fc1_fp8_meta = _fp8.FP8GemmState(device)
         self.fc2_fp8_meta = _fp8.FP8GemmState(device)
+        if self.tp.mode is not None:
+            stride = 2 if self.gated else 1
+            set_parallel_attributes(self.fc1_weight, 0, stride)
+            set_parallel_attributes(self.fc1_bias, 0, stride)
+            set_parallel_attributes(self.fc2_weight, 1)
+            set_parallel_attributes(self.fc2_bias, sequence_parallel=self.tp.sequence_parallel)
+            self._mark_norm_parallel(self.tp.sequence_parallel)
         self.reset_parameters()
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.tp.sequence_parallel
+
+    def set_tensor_parallel_group(self, tp_group: object) -> None:
+        """Set the group of a module built with ``tp_size > 1`` and no ``tp_group``."""
+        self.tp = self.tp.with_group("LayerNormMLP", tp_group)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -103,15 +139,25 @@ class LayerNormMLP(PreNorm):
                 bias.zero_()
 
     def forward(self, inp: Tensor) -> Tensor | tuple[Tensor, ...]:
-        ln_out = self._norm(inp)
         owner = "LayerNormMLP"
-        fc1_out = _fp8.linear(owner, self.fc1_fp8_meta, ln_out, self.fc1_weight, None)
+        tp = self.tp
+        ln_out = self._norm(inp, tp, owner)
+        fc1_in = tp.column_input(owner, ln_out)
+        fc1_out = _fp8.linear(owner, self.fc1_fp8_meta, fc1_in, self.fc1_weight, None)
         act = F.bias_activation(fc1_out, self.fc1_bias, self.activation)
-        fc2_bias = None if self.return_bias else self.fc2_bias
-        out = _fp8.linear(owner, self.fc2_fp8_meta, act, self.fc2_weight, fc2_bias)
+        if tp.active:
+            out = _fp8.linear(owner, self.fc2_fp8_meta, act, self.fc2_weight, None)
+            out = tp.row_output(owner, out)
+            fc2_bias = tp.sequence_parallel_param(owner, self.fc2_bias)
+            if fc2_bias is not None and not self.return_bias:
+                out = out + fc2_bias
+        else:
+            fc2_bias = self.fc2_bias
+            gemm_bias = None if self.return_bias else fc2_bias
+            out = _fp8.linear(owner, self.fc2_fp8_meta, act, self.fc2_weight, gemm_bias)
         extra: tuple[Tensor | None, ...] = ()
         if self.return_bias:
-            extra += (self.fc2_bias,)
+            extra += (fc2_bias,)
         if self.return_layernorm_output:
             extra += (ln_out,)
         return (out, *extra) if extra else out
@@ -120,4 +166,5 @@ class LayerNormMLP(PreNorm):
         return (
             f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
             f"activation={self.activation}, normalization={self.normalization}, eps={self.eps}"
+            + self.tp.describe().replace("parallel_mode='column', ", "")
         )

@@ -7,6 +7,14 @@ Differences from ``nn.Linear`` that come from Transformer Engine: the weight is 
 allocated by the caller, e.g. a Megatron-style distributed optimizer) instead of ``weight.grad``.
 Unlike Transformer Engine, ``device=None`` means torch's current default device, not "cuda".
 
+Tensor parallelism (``parallel_mode``, ``sequence_parallel``, ``tp_group``, ``tp_size``), as in
+Transformer Engine: "column" shards ``out_features`` (the weight and bias hold this rank's rows;
+the output is this rank's slice of the features), "row" shards ``in_features`` (the input is this
+rank's slice, the output is summed over the group, then the full bias is added). ``in_features``
+and ``out_features`` are the full sizes; the attributes of the same names hold the local ones,
+as in Transformer Engine. See ``te_compile/distributed/tensor_parallel.py`` for the
+communication and the parameter attributes.
+
 Inside ``te_compile.autocast(recipe=...)`` the GEMMs run in FP8 (``te::linear_fp8_fwd``) with
 the recipe's scaling; the delayed-scaling state lives in the ``fp8_meta`` child module's buffers
 (see ``te_compile/quantization/fp8_gemm.py``), so it is part of the state_dict.
@@ -19,6 +27,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from te_compile.distributed.tensor_parallel import TensorParallel, set_parallel_attributes
 from te_compile.modules._common import (
     check_positive,
     default_init_method,
@@ -41,6 +50,12 @@ class Linear(nn.Module):
         return_bias: return ``(out, bias)`` without adding the bias.
         init_method: called as ``init_method(weight)`` to initialise the weight.
         fuse_wgrad_accumulation: accumulate the weight gradient into ``weight.main_grad``.
+        parallel_mode: "column", "row" or None (not tensor-parallel).
+        sequence_parallel: the input ("column") or output ("row") is sharded along dim 0.
+        tp_group: the tensor-parallel group: a ProcessGroup, a 1-D DeviceMesh or
+            ``(mesh, dim_name)``. None: no communication (``tp_size`` must then be 1, or the
+            group is set later with :meth:`set_tensor_parallel_group`).
+        tp_size: number of shards; None: the group's size (1 without a group).
     """
 
     def __init__(
@@ -54,10 +69,21 @@ class Linear(nn.Module):
         return_bias: bool = False,
         init_method: Callable[[Tensor], None] | None = None,
         fuse_wgrad_accumulation: bool = False,
+        parallel_mode: str | None = None,
+        sequence_parallel: bool = False,
+        tp_group: object = None,
+        tp_size: int | None = None,
     ) -> None:
         super().__init__()
         check_positive("Linear", in_features=in_features, out_features=out_features)
         dtype = params_dtype_or_default("Linear", params_dtype)
+        self.tp = TensorParallel.create(
+            "Linear", parallel_mode, sequence_parallel, tp_group, tp_size
+        )
+        if self.tp.mode == "column":
+            out_features = self.tp.divide("Linear", "out_features", out_features)
+        elif self.tp.mode == "row":
+            in_features = self.tp.divide("Linear", "in_features", in_features)
         self.in_features = in_features
         self.out_features = out_features
         self.return_bias = return_bias
@@ -67,7 +93,24 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
         self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
         self.fp8_meta = _fp8.FP8GemmState(device)
+        if self.tp.mode is not None:
+            column = self.tp.mode == "column"
+            set_parallel_attributes(self.weight, 0 if column else 1)
+            row_sp = not column and self.tp.sequence_parallel
+            set_parallel_attributes(self.bias, 0 if column else -1, sequence_parallel=row_sp)
         self.reset_parameters()
+
+    @property
+    def parallel_mode(self) -> str | None:
+        return self.tp.mode
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.tp.sequence_parallel
+
+    def set_tensor_parallel_group(self, tp_group: object) -> None:
+        """Set the group of a module built with ``tp_size > 1`` and no ``tp_group``."""
+        self.tp = self.tp.with_group("Linear", tp_group)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -87,6 +130,17 @@ class Linear(nn.Module):
 
     def forward(self, inp: Tensor) -> Tensor | tuple[Tensor, Tensor | None]:
         main_grad = self._main_grad() if self.fuse_wgrad_accumulation else None
+        tp = self.tp
+        if tp.active and tp.mode == "row":
+            # The bias is added once, to the sum of the partial products.
+            out = _fp8.linear("Linear", self.fp8_meta, inp, self.weight, None, main_grad)
+            out = tp.row_output("Linear", out)
+            bias = tp.sequence_parallel_param("Linear", self.bias)
+            if self.return_bias:
+                return out, bias
+            return out if bias is None else out + bias
+        if tp.mode == "column":
+            inp = tp.column_input("Linear", inp)
         bias = None if self.return_bias else self.bias
         out = _fp8.linear("Linear", self.fp8_meta, inp, self.weight, bias, main_grad)
         return (out, self.bias) if self.return_bias else out
@@ -97,4 +151,5 @@ class Linear(nn.Module):
             f"bias={self.bias is not None}, params_dtype={self.weight.dtype}"
             + (", return_bias=True" if self.return_bias else "")
             + (", fuse_wgrad_accumulation=True" if self.fuse_wgrad_accumulation else "")
+            + self.tp.describe()
         )

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from te_compile import functional as F
+from te_compile.distributed.tensor_parallel import TensorParallel, set_parallel_attributes
 from te_compile.modules._common import (
     check_choice,
     check_eps,
@@ -128,12 +129,18 @@ class PreNorm(nn.Module):
         if self.layer_norm_bias is not None:
             self.layer_norm_bias.zero_()
 
-    def _norm(self, inp: Tensor) -> Tensor:
+    def _mark_norm_parallel(self, sequence_parallel: bool) -> None:
+        """Tensor-parallel attributes of the (replicated) norm parameters."""
+        for p in (self.layer_norm_weight, self.layer_norm_bias):
+            set_parallel_attributes(p, sequence_parallel=sequence_parallel)
+
+    def _norm(self, inp: Tensor, tp: TensorParallel, owner: str) -> Tensor:
+        """The norm; under sequence parallelism its parameters' gradients are all-reduced."""
         return apply_normalization(
             inp,
             self.normalization,
-            self.layer_norm_weight,
-            self.layer_norm_bias,
+            tp.sequence_parallel_param(owner, self.layer_norm_weight),
+            tp.sequence_parallel_param(owner, self.layer_norm_bias),
             self.eps,
             self.zero_centered_gamma,
         )

@@ -1,0 +1,252 @@
+"""Tensor and sequence parallelism for the modules: configuration, sharding, communication.
+
+A module built with ``parallel_mode="column"`` holds rows ``[r * n/p, (r+1) * n/p)`` of its
+``[out_features, in_features]`` weight (and bias) on rank ``r`` of a ``p``-rank group; its input
+is replicated and its output sharded along the last dim. ``parallel_mode="row"`` holds the
+columns ``[r * k/p, (r+1) * k/p)`` of the weight, takes an input sharded along its last dim
+(a column-parallel layer's output) and sums the partial outputs over the group; the bias is
+replicated and added after the sum. A column layer followed by a row layer is the Megatron MLP:
+one all-reduce forward, one backward.
+
+``sequence_parallel=True`` keeps the activations *between* such pairs sharded along dim 0 (the
+sequence dim of ``[s, b, h]``, or the token dim of ``[tokens, h]``): a column layer all-gathers
+its input along dim 0 before the GEMM (backward: reduce-scatter of the input gradient), a row
+layer reduce-scatters its output along dim 0 instead of all-reducing it (backward: all-gather).
+Layer norms then run on the sequence shard: their weights see only local tokens, so their
+gradients are partial sums. Transformer Engine marks such parameters ``sequence_parallel=True``
+and leaves the all-reduce to the framework (Megatron's optimizer); te_compile does it in the
+backward graph (:func:`~te_compile.distributed.all_reduce_grad` on the parameter before use), so
+a plain optimizer sees correct gradients, and still sets the attribute, which therefore means
+"reduced already". The row-parallel bias under sequence parallelism is treated the same way.
+
+Parameter attributes (Megatron's names, which checkpoint converters and optimizers read), set on
+every parameter of a module with ``parallel_mode`` set (``LayerNormMLP``/``GroupedMLP``: with a
+tensor-parallel group or ``tp_size > 1``):
+
+* ``tensor_model_parallel``: True when the parameter is a shard;
+* ``partition_dim``: the dim it is sharded along (-1 when replicated);
+* ``partition_stride``: 1, or 2 for the FC1 weight/bias of a gated activation: the full tensor
+  is ``[activation half; linear half]`` and each rank holds ``[its activation shard; its linear
+  shard]``, so the shard is chunks ``r`` and ``r + p`` of the ``2p`` chunks along the dim;
+* ``sequence_parallel``: the replicated parameters whose gradient is all-reduced over the group
+  because they see a sequence shard (norm weights and biases, the row-parallel bias).
+
+:func:`shard_state_dict` uses them to cut a full (single-process) state_dict into a rank's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from te_compile.distributed import collectives as C
+
+__all__ = [
+    "PARALLEL_MODES",
+    "TensorParallel",
+    "set_parallel_attributes",
+    "shard_state_dict",
+    "shard_tensor",
+]
+
+PARALLEL_MODES = ("column", "row", None)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallel:
+    """One module's tensor-parallel settings, validated by :meth:`create`.
+
+    ``mode``: "column", "row" or None. ``size``: number of shards. ``group``: the resolved
+    ProcessGroup (None: no communication; ``size > 1`` without a group means the group is set
+    later with ``set_tensor_parallel_group``). ``rank``: this rank in the group (0 without one).
+    """
+
+    mode: str | None = None
+    sequence_parallel: bool = False
+    size: int = 1
+    group: Any = None
+    rank: int = 0
+    # Communicates: tensor-parallel with more than one rank (a field, not a property: forward
+    # reads it on every call).
+    active: bool = dataclasses.field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "active", self.mode is not None and self.size > 1)
+
+    # A ProcessGroup is a process-wide handle that cannot be pickled: a deep copy of a module
+    # (EMA weights, ...) shares it (the settings are immutable), and a pickled module (torch.save
+    # of a whole model) leaves it out; set it again with ``set_tensor_parallel_group``.
+    def __deepcopy__(self, memo: dict) -> TensorParallel:
+        return self
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "group": None}
+
+    def __setstate__(self, state: dict) -> None:
+        for key, value in state.items():
+            object.__setattr__(self, key, value)
+
+    @staticmethod
+    def create(
+        owner: str,
+        parallel_mode: str | None,
+        sequence_parallel: bool,
+        tp_group: C.GroupLike,
+        tp_size: int | None,
+        modes: tuple[str | None, ...] = PARALLEL_MODES,
+    ) -> TensorParallel:
+        if parallel_mode not in modes:
+            raise ValueError(
+                f"{owner}: parallel_mode must be one of {modes}, got {parallel_mode!r}"
+            )
+        if not isinstance(sequence_parallel, bool):
+            raise ValueError(
+                f"{owner}: sequence_parallel must be a bool, got {sequence_parallel!r}"
+            )
+        if tp_size is not None and (
+            isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1
+        ):
+            raise ValueError(f"{owner}: tp_size must be a positive int or None, got {tp_size!r}")
+        group = C.resolve_group(tp_group, owner)
+        size, rank = 1 if tp_size is None else tp_size, 0
+        if group is not None:
+            group_size = dist.get_world_size(group)
+            if tp_size is not None and tp_size != group_size:
+                raise ValueError(
+                    f"{owner}: tp_size ({tp_size}) must equal the size of tp_group "
+                    f"({group_size}); leave tp_size=None to take the group's size"
+                )
+            size, rank = group_size, dist.get_rank(group)
+        if sequence_parallel:
+            if parallel_mode is None:
+                raise ValueError(
+                    f"{owner}: sequence_parallel=True needs parallel_mode 'column' or 'row' "
+                    "(it changes the collectives of a tensor-parallel layer)"
+                )
+            if group is None and size == 1:
+                raise ValueError(
+                    f"{owner}: sequence_parallel=True needs a tensor-parallel group: pass "
+                    "tp_group (a ProcessGroup or DeviceMesh dim)"
+                )
+        if parallel_mode is None:
+            # Not tensor-parallel: no shards and no communication, whatever the group.
+            return TensorParallel()
+        return TensorParallel(parallel_mode, sequence_parallel, size, group, rank)
+
+    def with_group(self, owner: str, tp_group: C.GroupLike) -> TensorParallel:
+        """The same settings with ``tp_group`` (its size must equal :attr:`size`)."""
+        group = C.resolve_group(tp_group, owner)
+        if group is None:
+            raise ValueError(f"{owner}: set_tensor_parallel_group needs a group, got None")
+        if dist.get_world_size(group) != self.size:
+            raise ValueError(
+                f"{owner}: the group's size ({dist.get_world_size(group)}) must equal the "
+                f"tp_size the module was built with ({self.size})"
+            )
+        return dataclasses.replace(self, group=group, rank=dist.get_rank(group))
+
+    def divide(self, owner: str, name: str, value: int, multiple: int = 1) -> int:
+        """``value / size``, checking that the shard is a whole number of ``multiple``."""
+        if value % (self.size * multiple):
+            what = f"tp_size ({self.size})"
+            if multiple > 1:
+                what = f"tp_size * {multiple} ({self.size * multiple})"
+            raise ValueError(
+                f"{owner}: {name} ({value}) must be divisible by {what} with "
+                f"parallel_mode={self.mode!r}"
+            )
+        return value // self.size
+
+    def group_or_raise(self, owner: str) -> Any:
+        if self.group is None:
+            raise RuntimeError(
+                f"{owner} was built with tp_size={self.size} and no tp_group: call "
+                "module.set_tensor_parallel_group(group) before the forward"
+            )
+        return self.group
+
+    # Communication around the GEMMs --------------------------------------------------------
+
+    def column_input(self, owner: str, x: Tensor) -> Tensor:
+        """A column-parallel GEMM's input: all-gathered along dim 0 with sequence parallelism,
+        else replicated (its gradient all-reduced)."""
+        if not self.active:
+            return x
+        group = self.group_or_raise(owner)
+        if self.sequence_parallel:
+            return C.all_gather(x, group, 0)
+        return C.all_reduce_grad(x, group)
+
+    def row_output(self, owner: str, y: Tensor) -> Tensor:
+        """A row-parallel GEMM's partial output: reduce-scattered along dim 0 with sequence
+        parallelism, else all-reduced."""
+        if not self.active:
+            return y
+        group = self.group_or_raise(owner)
+        if self.sequence_parallel:
+            return C.reduce_scatter(y, group, 0)
+        return C.all_reduce(y, group)
+
+    def sequence_parallel_param(self, owner: str, p: Tensor | None) -> Tensor | None:
+        """A replicated parameter used on the sequence shard: its gradient is all-reduced."""
+        if p is None or not (self.active and self.sequence_parallel):
+            return p
+        return C.all_reduce_grad(p, self.group_or_raise(owner))
+
+    def describe(self) -> str:
+        """For ``extra_repr``: empty when not tensor-parallel."""
+        if self.mode is None:
+            return ""
+        sp = ", sequence_parallel=True" if self.sequence_parallel else ""
+        return f", parallel_mode={self.mode!r}, tp_size={self.size}{sp}"
+
+
+def set_parallel_attributes(
+    param: Tensor | None, partition_dim: int = -1, stride: int = 1, sequence_parallel: bool = False
+) -> None:
+    """Mark ``param`` as sharded along ``partition_dim`` (-1: replicated)."""
+    if param is None:
+        return
+    param.tensor_model_parallel = partition_dim >= 0
+    param.partition_dim = partition_dim
+    param.partition_stride = stride
+    param.sequence_parallel = sequence_parallel
+
+
+def shard_tensor(full: Tensor, partition_dim: int, stride: int, rank: int, size: int) -> Tensor:
+    """Rank ``rank``'s shard of ``full`` along ``partition_dim`` (see ``partition_stride`` in
+    the module docstring): chunks ``rank, rank + size, ...`` of ``size * stride`` chunks."""
+    if partition_dim < 0:
+        return full
+    chunks = full.chunk(size * stride, dim=partition_dim)
+    if len(chunks) != size * stride or full.shape[partition_dim] % (size * stride):
+        raise ValueError(
+            f"shard_tensor: dim {partition_dim} ({full.shape[partition_dim]}) does not split "
+            f"into {size * stride} equal chunks"
+        )
+    return torch.cat(chunks[rank::size], dim=partition_dim)
+
+
+def shard_state_dict(module: nn.Module, full_state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Cut ``full_state_dict`` (of the same model built without tensor parallelism) into this
+    rank's state_dict for ``module``, following each parameter's ``partition_dim`` and
+    ``partition_stride``. Entries that are not sharded parameters are passed through."""
+    sizes = {}
+    for sub in module.modules():
+        tp = getattr(sub, "tp", None)
+        if isinstance(tp, TensorParallel):
+            sizes[id(sub)] = (tp.rank, tp.size)
+    out = dict(full_state_dict)
+    for mod_name, sub in module.named_modules():
+        if id(sub) not in sizes:
+            continue
+        rank, size = sizes[id(sub)]
+        for name, p in sub.named_parameters(recurse=False):
+            key = f"{mod_name}.{name}" if mod_name else name
+            if key in out and getattr(p, "tensor_model_parallel", False):
+                out[key] = shard_tensor(out[key], p.partition_dim, p.partition_stride, rank, size)
+    return out
