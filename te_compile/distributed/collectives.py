@@ -59,13 +59,16 @@ __all__ = [
 GroupLike = Union["dist.ProcessGroup", Any, None]  # ProcessGroup | DeviceMesh | (mesh, dim)
 
 
-def resolve_group(group: GroupLike, owner: str = "te_compile.distributed") -> Any:
+def resolve_group(
+    group: GroupLike, owner: str = "te_compile.distributed", arg: str = "tp_group"
+) -> Any:
     """The ``ProcessGroup`` of ``group`` (a ProcessGroup, a 1-D DeviceMesh, or ``(mesh, dim)``
-    with ``dim`` a name or index of ``mesh``), or None for None."""
+    with ``dim`` a name or index of ``mesh``), or None for None. Errors name ``owner`` and the
+    argument ``arg``."""
     if group is None:
         return None
     if not dist.is_available():
-        raise ValueError(f"{owner}: tp_group needs torch.distributed, which this build lacks")
+        raise ValueError(f"{owner}: {arg} needs torch.distributed, which this build lacks")
     from torch.distributed.device_mesh import DeviceMesh
 
     if isinstance(group, dist.ProcessGroup):
@@ -74,7 +77,7 @@ def resolve_group(group: GroupLike, owner: str = "te_compile.distributed") -> An
         if group.ndim != 1:
             names = group.mesh_dim_names
             raise ValueError(
-                f"{owner}: tp_group must be a 1-D DeviceMesh, got a {group.ndim}-D mesh "
+                f"{owner}: {arg} must be a 1-D DeviceMesh, got a {group.ndim}-D mesh "
                 f"(dims {names}); pass mesh['tp'] or (mesh, 'tp') to name the tensor-parallel dim"
             )
         return group.get_group()
@@ -89,11 +92,11 @@ def resolve_group(group: GroupLike, owner: str = "te_compile.distributed") -> An
             return mesh.get_group(dim)
         except (KeyError, IndexError, RuntimeError, ValueError) as err:
             raise ValueError(
-                f"{owner}: tp_group ({type(mesh).__name__}, {dim!r}): {dim!r} is not a dim of the "
+                f"{owner}: {arg} ({type(mesh).__name__}, {dim!r}): {dim!r} is not a dim of the "
                 f"mesh (dims {mesh.mesh_dim_names})"
             ) from err
     raise ValueError(
-        f"{owner}: tp_group must be a torch.distributed.ProcessGroup, a 1-D DeviceMesh or "
+        f"{owner}: {arg} must be a torch.distributed.ProcessGroup, a 1-D DeviceMesh or "
         f"(DeviceMesh, dim name), got {group!r}"
     )
 
