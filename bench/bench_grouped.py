@@ -348,6 +348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
     args = parser.parse_args(argv)
+    harness.PROFILE = args.profile  # harness.start sets it for the other scripts
 
     device = harness.resolve_device(args)
     if device.type != "cuda" and not args.smoke:
