@@ -151,7 +151,7 @@ class GraphRecorder:
         decompositions differ between torch versions."""
 
         def keep(ops):
-            return [op for op in ops if not te_only or "te." in op]
+            return [op for op in ops if not te_only or op.startswith("te.") or "(te." in op]
 
         lines = ["forward:", *(f"  {op}" for op in keep(self.forward))]
         return "\n".join([*lines, "backward:", *(f"  {op}" for op in keep(self.backward))])
