@@ -294,7 +294,10 @@ def main(argv=None) -> int:
     dist.all_reduce(ends, group=mesh.get_group("dp"))
     first, last = (ends / args.dp).tolist()
     if rank == 0:
-        print(f"loss: {first:.4f} -> {last:.4f} (uniform guess {math.log(args.vocab):.4f})")
+        print(
+            f"loss: {first:.4f} -> {last:.4f} (uniform guess {math.log(args.vocab):.4f})",
+            flush=True,
+        )
         print(f"tokens/s: {tok_s:.1f}")
         if fraction is not None:
             print(f"comm fraction: {fraction:.4f}")
@@ -302,6 +305,7 @@ def main(argv=None) -> int:
             breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
             print(f"graphs compiled: {counter.frame_count} (blocks share one when their guards "
                   f"pass); graph breaks: {breaks}")  # fmt: skip
+        sys.stdout.flush()
     dist.destroy_process_group()
     if not last < first:
         print("FAILED: the loss did not fall", file=sys.stderr)

@@ -19,7 +19,8 @@ TINY = ["--steps", "8", "--warmup", "2", "--layers", "1", "--width", "32", "--he
 
 
 def run_example(*extra: str, nproc: int = 2) -> str:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")  # this checkout, CPU
+    # This checkout, on CPU; unbuffered, so every rank's lines reach the pipe as printed.
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
          "--standalone", str(SCRIPT), *TINY, *extra],
@@ -60,7 +61,9 @@ def test_tensor_parallel_trains_the_same_model_as_one_process():
     losses = {}
     for nproc, extra in ((1, ()), (2, ("--tp", "2", "--sequence-parallel"))):
         stdout = run_example("--no-compile", *extra, nproc=nproc)
-        losses[nproc] = re.search(r"^loss: (\S+ -> \S+)", stdout, re.M).group(1)
+        found = re.search(r"^loss: (\S+ -> \S+)", stdout, re.M)
+        assert found, f"no loss line from {nproc} process(es):\n{stdout}"
+        losses[nproc] = found.group(1)
     assert losses[1] == losses[2]
 
 
