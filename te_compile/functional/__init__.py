@@ -29,7 +29,7 @@ from te_compile.functional.glu import deinterleave_glu_tensor, interleave_glu_te
 from te_compile.functional.grouped_linear import as_splits_tensor, grouped_linear
 from te_compile.functional.grouped_linear_fp8 import grouped_linear_fp8
 from te_compile.functional.linear import linear, linear_ref
-from te_compile.functional.linear_block_scaled import linear_block_scaled, native_block_shapes
+from te_compile.functional.linear_block_scaled import linear_block_scaled, native_block_supported
 from te_compile.functional.linear_fp8 import linear_fp8
 from te_compile.functional.norm import l2normalization, layernorm, rmsnorm
 from te_compile.functional.quantize_mx import (
@@ -68,7 +68,7 @@ __all__ = [
     "linear_block_scaled",
     "linear_fp8",
     "linear_ref",
-    "native_block_shapes",
+    "native_block_supported",
     "qgeglu",
     "qgelu",
     "quantize_mxfp8",

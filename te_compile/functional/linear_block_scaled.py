@@ -50,7 +50,7 @@ from te_compile.functional.quantize_mx import (
     quantize_nvfp4,
 )
 
-__all__ = ["BLOCK_SCALED_KINDS", "linear_block_scaled", "native_block_shapes", "qdq_both"]
+__all__ = ["BLOCK_SCALED_KINDS", "linear_block_scaled", "native_block_supported", "qdq_both"]
 
 BLOCK_SCALED_KINDS = {"mxfp8": 32, "nvfp4": 16, "block": 16}
 _HIGH = (torch.float32, torch.bfloat16, torch.float16)
@@ -183,7 +183,7 @@ def linear_block_scaled_fwd(
     scales]`` (FP8 bytes as uint8). ``power_2_scale`` and ``weight_block_rows`` (1: 1x128,
     128: 128x128) apply to ``block``."""
     _check(inp, weight, bias, kind)
-    _check_native(native, kind, weight, weight_block_rows)
+    _check_native(native, kind, weight, weight_block_rows, fwd_dtype, bwd_dtype)
     x = inp.reshape(-1, inp.shape[-1])
     if native:
         u8 = torch.uint8
@@ -199,22 +199,49 @@ def linear_block_scaled_fwd(
     return out, [x_col_t, w_col_t]
 
 
-def native_block_shapes(weight: Tensor, weight_block_rows: int) -> bool:
-    """Whether the native blockwise GEMMs take this weight: with 128x128 weight blocks, both
-    feature counts must be multiples of 512 (the weight's K / 128 scale dimension, in_features
-    for the forward and out_features for dgrad, a multiple of 4). On the H100 (torch 2.11,
+def native_block_supported(
+    weight: Tensor, weight_block_rows: int, fwd_dtype: torch.dtype, bwd_dtype: torch.dtype
+) -> bool:
+    """Whether the native blockwise GEMMs take these operands (the device aside): E4M3 in both
+    directions (cuBLAS's blockwise kernels take E4M3 operands) and, with 128x128 weight blocks,
+    both feature counts multiples of 512 (the weight's K / 128 scale dimension, in_features for
+    the forward and out_features for dgrad, a multiple of 4). On the H100 (torch 2.11,
     2026-11-22) other widths gave wrong dgrad products with the compact scale layout, and a
     padded one was refused; 1x128 weight blocks have no such limit."""
+    return _native_dtypes_ok(fwd_dtype, bwd_dtype) and _native_shapes_ok(weight, weight_block_rows)
+
+
+def _native_dtypes_ok(fwd_dtype: torch.dtype, bwd_dtype: torch.dtype) -> bool:
+    return fwd_dtype == bwd_dtype == _NATIVE_FP8
+
+
+def _native_shapes_ok(weight: Tensor, weight_block_rows: int) -> bool:
     return weight_block_rows == 1 or (weight.shape[0] % 512 == 0 and weight.shape[1] % 512 == 0)
 
 
-def _check_native(native: bool, kind: str, weight: Tensor, weight_block_rows: int) -> None:
+# The FP8 format of the native path (the forward's, saved as bytes, and the gradient's).
+_NATIVE_FP8 = torch.float8_e4m3fn
+
+
+def _check_native(
+    native: bool,
+    kind: str,
+    weight: Tensor,
+    weight_block_rows: int,
+    fwd_dtype: torch.dtype,
+    bwd_dtype: torch.dtype,
+) -> None:
     if not native:
         return
     if kind != "block":
         raise ValueError(f"te.linear_block_scaled: native GEMMs exist for kind='block' only, "
                          f"got kind={kind!r}")  # fmt: skip
-    if not native_block_shapes(weight, weight_block_rows):
+    if not _native_dtypes_ok(fwd_dtype, bwd_dtype):
+        raise ValueError(
+            f"te.linear_block_scaled: native blockwise GEMMs take E4M3 operands; got fwd_dtype="
+            f"{fwd_dtype}, bwd_dtype={bwd_dtype}"
+        )
+    if not _native_shapes_ok(weight, weight_block_rows):
         raise ValueError(
             "te.linear_block_scaled: native GEMMs with 128x128 weight blocks need in_features and "
             f"out_features to be multiples of 512; weight is {list(weight.shape)}"
@@ -230,7 +257,7 @@ def _fwd_fake(
     inp, weight, bias, kind, fwd_dtype, bwd_dtype, power_2_scale, weight_block_rows, native
 ):
     _check(inp, weight, bias, kind)
-    _check_native(native, kind, weight, weight_block_rows)
+    _check_native(native, kind, weight, weight_block_rows, fwd_dtype, bwd_dtype)
     m, k, n = inp.numel() // inp.shape[-1], weight.shape[1], weight.shape[0]
     out = inp.new_empty(*inp.shape[:-1], n)
     f32, u8 = torch.float32, torch.uint8
@@ -283,7 +310,7 @@ def _native_bwd(grad_out, saved, bwd_dtype, power_2_scale, has_bias, need_dgrad,
     dy = grad_out.reshape(-1, n)
     dtype = grad_out.dtype
     gd, gs, gd_t, gs_t = _quantize_block(dy, bwd_dtype, 1, power_2_scale)
-    fwd_dtype = _SAVED_FP8[0]
+    fwd_dtype = _NATIVE_FP8
     empty = grad_out.new_empty(0)
     dinp = empty
     if need_dgrad:
@@ -295,10 +322,6 @@ def _native_bwd(grad_out, saved, bwd_dtype, power_2_scale, has_bias, need_dgrad,
         dweight = _block_scaled_mm(gd_t, gs_t, 1, xd_t.view(fwd_dtype), xs_t, 1, dtype)
     dbias = dy.float().sum(0).to(dtype) if has_bias else empty.clone()
     return dinp, dweight, dbias
-
-
-# The forward's FP8 format (E4M3): the native path is taken only when both directions use it.
-_SAVED_FP8 = (torch.float8_e4m3fn,)
 
 
 @linear_block_scaled_bwd.register_fake
@@ -421,11 +444,6 @@ def linear_block_scaled(
     (``kind="block"``): native GEMMs with ``native=True`` (the caller checks
     ``te.is_fp8_block_scaling_available()``; E4M3 both ways, cuBLAS's blockwise kernels take
     E4M3 operands), else emulated (module docstring)."""
-    if native and (fwd_dtype != _SAVED_FP8[0] or bwd_dtype != _SAVED_FP8[0]):
-        raise ValueError(
-            f"te.linear_block_scaled: native blockwise GEMMs take E4M3 operands; got fwd_dtype="
-            f"{fwd_dtype}, bwd_dtype={bwd_dtype}"
-        )
     out, _saved = _linear_block_scaled(
         inp, weight, bias, kind, fwd_dtype, bwd_dtype, power_2_scale, weight_block_rows, native
     )

@@ -167,13 +167,12 @@ def _block_scaled(owner, recipe, inp, weight, bias, main_grad) -> Tensor:
                 f"{owner}: Float8BlockScaling with 128x128 activation or gradient blocks is not "
                 "implemented (1x128, the default, is)"
             )
-        e4m3 = fmt.fwd_dtype == fmt.bwd_dtype == torch.float8_e4m3fn
+        w_rows = 128 if recipe.w_block_scaling_dim == 2 else 1
         native = (
-            e4m3
-            and inp.device.type == "cuda"
+            inp.device.type == "cuda"
             and _NATIVE_BLOCK
             and is_fp8_block_scaling_available()
-            and F.native_block_shapes(weight, 128 if recipe.w_block_scaling_dim == 2 else 1)
+            and F.native_block_supported(weight, w_rows, fmt.fwd_dtype, fmt.bwd_dtype)
         )
         return F.linear_block_scaled(
             inp,
@@ -183,7 +182,7 @@ def _block_scaled(owner, recipe, inp, weight, bias, main_grad) -> Tensor:
             fwd_dtype=fmt.fwd_dtype,
             bwd_dtype=fmt.bwd_dtype,
             power_2_scale=not recipe.use_f32_scales,
-            weight_block_rows=128 if recipe.w_block_scaling_dim == 2 else 1,
+            weight_block_rows=w_rows,
             native=bool(native),
         )
     return F.linear_block_scaled(

@@ -69,4 +69,6 @@ def test_native_needs_block_kind_and_e4m3(device):
     # 128x128 weight blocks: the weight's K / 128 scale dims must be multiples of 4.
     with pytest.raises(ValueError, match="multiples of 512"):
         F.linear_block_scaled(x, w, kind="block", native=True)
-    assert F.native_block_shapes(w, 1) and not F.native_block_shapes(w, 128)
+    assert F.native_block_supported(w, 1, E4M3, E4M3)
+    assert not F.native_block_supported(w, 128, E4M3, E4M3)
+    assert not F.native_block_supported(w, 1, E4M3, E5M2)
