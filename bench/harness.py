@@ -265,28 +265,38 @@ def time_kernels(
     repeat: int = 5,
 ) -> Timing:
     """GPU busy time per call: summed CUDA kernel durations recorded by torch.profiler."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
     per_call_ms = []
     for _ in range(repeat):
-        torch.cuda.synchronize()
-        with (
-            warnings.catch_warnings(),
-            profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof,
-        ):
-            warnings.filterwarnings("ignore", message=".*Profiler clears events.*")
-            for _ in range(calls):
-                _clear_grads(grad_to_none)
-                fn()
-            torch.cuda.synchronize()
-        total_us = sum(
-            e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA
-        )
+        total_us = sum(us for _name, us in _cuda_kernels(fn, grad_to_none, calls))
         if total_us <= 0:
             raise RuntimeError("torch.profiler recorded no CUDA kernels (is CUPTI available?)")
         per_call_ms.append(total_us / calls / 1e3)
     return _timing_of(per_call_ms, timer="kernels", calls_per_sample=calls)
+
+
+def _cuda_kernels(
+    fn: Callable[[], object], grad_to_none: Sequence[torch.Tensor], calls: int
+) -> list[tuple[str, float]]:
+    """``(name, us)`` of every CUDA kernel of ``calls`` calls of ``fn`` (torch.profiler); the
+    ``.grad`` of ``grad_to_none`` is cleared before each call."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with (
+        warnings.catch_warnings(),
+        profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof,
+    ):
+        warnings.filterwarnings("ignore", message=".*Profiler clears events.*")
+        for _ in range(calls):
+            _clear_grads(grad_to_none)
+            fn()
+        torch.cuda.synchronize()
+    return [
+        (e.name, e.time_range.elapsed_us())
+        for e in prof.events()
+        if e.device_type == DeviceType.CUDA
+    ]
 
 
 def _calibrate(trial: Callable[[int], float], min_trial_s: float, min_number: int) -> int:
@@ -515,20 +525,10 @@ def kernel_breakdown(
     top: int = 8,
 ) -> str:
     """The ``top`` CUDA kernels by total time, as ``name xN: us/call`` (one line)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            _clear_grads(grad_to_none)
-            fn()
-        torch.cuda.synchronize()
+    fn()  # warm: compiles and autotuning stay out of the profile
     per_kernel: dict[str, list[float]] = {}
-    for e in prof.events():
-        if e.device_type == DeviceType.CUDA:
-            per_kernel.setdefault(e.name, []).append(e.time_range.elapsed_us())
+    for name, us in _cuda_kernels(fn, grad_to_none, calls):
+        per_kernel.setdefault(name, []).append(us)
     total = sum(sum(v) for v in per_kernel.values()) / calls
     ranked = sorted(per_kernel.items(), key=lambda kv: -sum(kv[1]))[:top]
     parts = [f"{name[:60]} x{len(v) // calls}: {sum(v) / calls:.0f} us" for name, v in ranked]
