@@ -33,7 +33,7 @@ def sweep_bwd(kind: str, m: int, n: int) -> None:
     default = K.launch_config(n, True)
     rows = []
     for block_m, warps, per_sm in itertools.product((1, 2, 4), (4, 8, 16), (1, 2, 4, 8)):
-        block_n = min(triton_next_pow2(n), 8192)
+        block_n = default.block_n
         if block_m * block_n > 16384:
             continue
         cfg = K.NormLaunchConfig(block_m, block_n, warps, chunked=n > block_n)
@@ -65,10 +65,6 @@ def sweep_bwd(kind: str, m: int, n: int) -> None:
             f"  block_m={bm} warps={wp} programs/SM={ps}: {ms * 1e3:.1f} us "
             f"{nbytes / ms / 1e6:.0f} GB/s"
         )
-
-
-def triton_next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 def host_overhead() -> None:
