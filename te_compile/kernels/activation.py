@@ -44,6 +44,7 @@ The kernels run on CPU tensors under ``TRITON_INTERPRET=1`` (the tests do, at sm
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import triton
@@ -229,6 +230,7 @@ def _rows_bwd_kernel(
     M,
     N,
     K,
+    rows_per_program,
     limit,
     alpha,
     offset,
@@ -238,10 +240,10 @@ def _rows_bwd_kernel(
     DBIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    TILES: tl.constexpr,
 ):
-    # Each program owns TILES row tiles, unrolled at compile time so that the loads of every
-    # tile are in flight together (a runtime-length loop serialised them: see rows_config).
+    # With DBIAS each program walks rows_per_program rows, adding its tiles into [BLOCK_M,
+    # BLOCK_N] accumulators (element-wise, in registers) and reduces them over rows once at the
+    # end: a reduction across warps per tile made the loop latency-bound (see rows_config).
     pid_m = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -252,10 +254,10 @@ def _rows_bwd_kernel(
         b_a = tl.load(b_ptr + a_col, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         if GATED:
             b_l = tl.load(b_ptr + l_col, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    acc_a = tl.zeros([BLOCK_N], dtype=tl.float32)
-    acc_l = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for t in tl.static_range(TILES):
-        rows = (pid_m * TILES + t) * BLOCK_M + tl.arange(0, BLOCK_M)
+    acc_a = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_l = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for r in range(0, rows_per_program, BLOCK_M):
+        rows = pid_m * rows_per_program + r + tl.arange(0, BLOCK_M)
         mask = (rows < M)[:, None] & col_mask[None, :]
         x_row = rows.to(tl.int64)[:, None] * n_in
         g_off = rows.to(tl.int64)[:, None] * N + cols[None, :]
@@ -274,17 +276,17 @@ def _rows_bwd_kernel(
             da = g * lin * _dact(a, FN, limit, alpha)
             tl.store(dx_ptr + x_row + l_col[None, :], dl.to(dx_ptr.dtype.element_ty), mask=mask)
             if DBIAS:
-                acc_l += tl.sum(tl.where(mask, dl, 0.0), axis=0)
+                acc_l += tl.where(mask, dl, 0.0)
         else:
             da = g * _dact(a, FN, limit, alpha)
         tl.store(dx_ptr + x_row + a_col[None, :], da.to(dx_ptr.dtype.element_ty), mask=mask)
         if DBIAS:
-            acc_a += tl.sum(tl.where(mask, da, 0.0), axis=0)
+            acc_a += tl.where(mask, da, 0.0)
     if DBIAS:
         part_row = part_ptr + pid_m.to(tl.int64) * n_in
-        tl.store(part_row + a_col, acc_a, mask=col_mask)
+        tl.store(part_row + a_col, tl.sum(acc_a, axis=0), mask=col_mask)
         if GATED:
-            tl.store(part_row + l_col, acc_l, mask=col_mask)
+            tl.store(part_row + l_col, tl.sum(acc_l, axis=0), mask=col_mask)
 
 
 # Launch configurations -----------------------------------------------------------------------
@@ -329,22 +331,31 @@ def flat_config(numel: int, device: torch.device) -> FlatConfig:
 def rows_config(m: int, n: int, device: torch.device, *, dbias: bool) -> RowsConfig:
     """Tiles of ~4096 output elements, at most 256 columns wide: a row segment of 256 bf16 is 512
     contiguous bytes (full 128-byte lines, 16-byte vectors), and 16 rows per tile keep enough
-    loads in flight. With dbias, each program sums the rows of ``_DBIAS_TILES`` tiles (64 rows)
-    into its row of an fp32 ``[programs, N]`` partial buffer (1/32 of the input's bytes at bf16,
-    summed by a small reduction afterwards). Long programs walking hundreds of rows in a
-    runtime-length loop were latency-bound on the H100 (2026-11-22): gelu backward with dbias at
-    16384 x 16384 took 1.68 ms (4 programs per SM) and 1.46 ms (32 per SM), about 3x copy time;
-    the tiles are now a compile-time unrolled loop."""
+    loads in flight. With dbias, each program walks many row tiles, accumulating element-wise
+    into register tiles and reducing over rows once, into its row of an fp32 ``[programs, N]``
+    partial buffer summed afterwards; the row programs are capped at about ``_DBIAS_PER_SM``
+    programs per SM in all, the launch the norm backward runs at 80% of copy bandwidth with.
+    History (H100, 2026-11-22): with a cross-warp row reduction per tile, gelu backward with
+    dbias at 16384 x 16384 took 1.68 ms (4 programs per SM), 1.46 ms (32 per SM) and 1.65 ms
+    (4 tiles per program, unrolled), about 3x its copy time; the per-tile reduction, common to
+    all three, was the suspect. This layout is not yet measured on a GPU."""
     block_n = min(256, triton.next_power_of_2(max(n, 1)))
     block_m = min(max(1, 4096 // block_n), triton.next_power_of_2(max(m, 1)))
     num_warps = 8 if block_m * block_n >= 4096 else 4
+    row_blocks = triton.cdiv(m, block_m)
     if not dbias:
         return RowsConfig(block_m, block_n, num_warps, block_m)
-    tiles = min(_DBIAS_TILES, triton.cdiv(m, block_m))
-    return RowsConfig(block_m, block_n, num_warps, tiles * block_m)
+    target = _DBIAS_PER_SM * _num_sms(device.index) if device.type == "cuda" else 4
+    programs = max(1, min(row_blocks, target // triton.cdiv(n, block_n)))
+    return RowsConfig(block_m, block_n, num_warps, triton.cdiv(row_blocks, programs) * block_m)
 
 
-_DBIAS_TILES = 4
+_DBIAS_PER_SM = 4
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 # Launch wrappers -----------------------------------------------------------------------------
@@ -450,6 +461,7 @@ def activation_backward(
         m,
         n,
         (glu_interleave_size or n) if gated else 1,
+        rows_per_program,
         limit,
         alpha,
         glu_linear_offset,
@@ -459,7 +471,6 @@ def activation_backward(
         dbias,
         cfg.block_m,
         cfg.block_n,
-        rows_per_program // cfg.block_m,
         num_warps=cfg.num_warps,
     )
     return dx, (part.sum(0).to(bias.dtype) if dbias else None)
