@@ -5,9 +5,10 @@
 #   bash bench/run_gpu.sh tests:functional      # one part of the suite (tests/functional)
 #   bash bench/run_gpu.sh activation mlp demo   # ...
 #
-# Steps: tests, tests:<part>, tune_norm (diagnostics), demo, linear, overhead, norm, activation,
-# mlp, grouped, fp8, ops (default: all but tune_norm, in that order; split them over calls to stay
-# inside the 10-minute limit of one call). Each step writes one log and its bench its .md/.json
+# Steps: tests, tests:<part>, tune_norm (diagnostics), demo, fp8_loss (train_gpt 300 steps per
+# FP8 recipe), linear, overhead, norm, activation, mlp, grouped, fp8, ops (default: all but
+# tune_norm and fp8_loss, in that order; split them over calls to stay inside the 10-minute limit
+# of one call). Each step writes one log and its bench its .md/.json
 # under $OUT (--no-chart), packed into $OUT/results.tgz. Carry `.whl` (expecttest, liger-kernel,
 # torchao, pytest-xdist + execnet: not on the GPU image; bench/README.md). Not in the default
 # list: tp (bench_tp, needs 2 GPUs; tests:distributed runs the NCCL tests there).
@@ -46,6 +47,16 @@ for step in "${steps[@]}"; do
         | tee "$OUT/tests_${part//\//_}.log" | tail -25 ;;
     demo) timeout 240 python3 examples/train_gpt.py 2>&1 | tr '\r' '\n' | grep -v "it/s\]$" \
             | tee "$OUT/demo.log" | tail -12 ;;
+    fp8_loss)  # issue 5: examples/train_gpt.py 300 steps per native recipe, run side by side
+      for r in none current delayed block; do
+        python3 examples/train_gpt.py --steps 300 --recipe $r --sample-chars 0 \
+          > "$OUT/fp8_loss_$r.log" 2>&1 &
+      done
+      wait
+      for r in none current delayed block; do
+        echo "$r: $(grep -E '^(final val loss|graph breaks)' "$OUT/fp8_loss_$r.log" | tr -s ' ' \
+          | paste -sd ';')"
+      done | tee "$OUT/fp8_loss.log" ;;
     tune_norm) python3 -m bench.tune_norm 2>&1 | tee "$OUT/tune_norm.log" ;;
     linear|overhead|norm|activation|mlp|grouped|fp8|ops)
       python3 -m "bench.bench_$step" --out "$OUT" --no-chart ${BENCH_ARGS:-} 2>&1 \
