@@ -213,7 +213,15 @@ def _from_fp8_bits(
         v = tl.where((e == 15) & (m == 7), float("nan"), v)
     else:
         v = tl.where(e == 31, tl.where(m == 0, float("inf"), float("nan")), v)
-    return tl.where((b >> 7) != 0, -v, v)
+    return _signed(v, (b >> 7) != 0)
+
+
+@triton.jit
+def _signed(v, negative):
+    """``v`` (>= 0 or NaN) with its sign bit set where ``negative``: ``-0.0`` for a zero. (Triton
+    compiles ``-v`` as ``0 - v`` on the GPU, which is ``+0.0`` for ``v = 0``.)"""
+    bits = v.to(tl.uint32, bitcast=True) | (negative.to(tl.uint32) << 31)
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -32,6 +32,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from te_compile.kernels.quantize import _signed
+
 __all__ = ["dequantize_mxfp8", "dequantize_nvfp4", "quantize_mxfp8", "quantize_nvfp4"]
 
 MXFP8_BLOCK = 32
@@ -102,7 +104,7 @@ def _decode_fp8(code, MBITS: tl.constexpr, EMIN: tl.constexpr):
         v = tl.where(mag == 0x7F, float("nan"), v)
     else:
         v = tl.where(mag >= 0x7C, tl.where(mag == 0x7C, float("inf"), float("nan")), v)
-    return tl.where((code & 0x80) != 0, -v, v)
+    return _signed(v, (code & 0x80) != 0)
 
 
 @triton.jit
@@ -377,7 +379,7 @@ def _nvfp4_dequantize_kernel(
     for half in tl.static_range(2):
         code = (byte >> (4 * half)) & 0xF
         v = _decode(code & 7, 1, 0)
-        v = tl.where((code & 8) != 0, -v, v)
+        v = _signed(v, (code & 8) != 0)
         _store_out(out, half, tl.div_rn(v * s_val, g), mask, OUT_BF16)
 
 
