@@ -205,7 +205,7 @@ def nvfp4_global_scale(amax: Tensor) -> Tensor:
     0, inf or NaN."""
     amax = amax.float().reshape(())
     # A tensor numerator: `2688.0 / amax` would be computed as 2688 * (1 / amax), rounding twice.
-    g = torch.div(amax.new_tensor(_E4M3_MAX * _E2M1_MAX), amax).clamp(max=_FLT_MAX)
+    g = torch.div(torch.full_like(amax, _E4M3_MAX * _E2M1_MAX), amax).clamp(max=_FLT_MAX)
     return torch.where((amax == 0) | ~amax.isfinite(), 1.0, g)
 
 

@@ -33,6 +33,9 @@ Kernels:
   :math:`x^T`, whose blocks run along ``M``), over the whole tile for 128x128 blocks, where the
   columnwise copy is the transposed tile with the same scale.
 * ``_dequant_kernel``: ``fp32(q) * scale_inv`` (one per tensor, or per block) to ``out_dtype``.
+* ``_delayed_update_kernel``: delayed scaling's state update (``te::delayed_scaling_update``):
+  roll the ``[len, slots]`` amax history by one row, insert the last amaxes, recompute the
+  scales, in one program and one launch (the plain-torch version is ~8 tiny kernels).
 
 Storage: fp8 outputs and inputs cross the kernel boundary as their ``torch.uint8`` bit pattern
 (``tensor.view(torch.uint8)``). On CUDA the conversion is the hardware's (``cvt.rn.satfinite``,
@@ -396,6 +399,49 @@ def _dequant_kernel(
         tl.store(OUT + offs, y.to(OUT.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _delayed_update_kernel(
+    HIST,
+    SCALE,
+    AMAX,
+    LIMIT,
+    length,
+    slots,
+    row_stride,
+    margin_factor,
+    MAX_ALGO: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """One program: ``HIST[r] <- HIST[r - 1]`` (r >= 1), ``HIST[0] <- AMAX``, then
+    ``SCALE <- LIMIT / (window * margin_factor)`` where the window (max over the new history, or
+    its row 0) is positive and finite; NaN anywhere in the window keeps the old scale, as torch's
+    NaN-propagating ``amax`` does in the reference."""
+    rows = tl.arange(0, BLOCK_L)[:, None]
+    cols = tl.arange(0, BLOCK_S)[None, :]
+    in_cols = cols < slots
+    shifted = (rows >= 1) & (rows < length) & in_cols
+    old = tl.load(HIST + (rows - 1) * row_stride + cols, mask=shifted, other=0.0)
+    last = tl.load(AMAX + cols, mask=in_cols, other=0.0)
+    new = tl.where(rows == 0, last, old)
+    if MAX_ALGO:
+        live = (rows < length) & in_cols
+        window = tl.max(tl.where(live, new, 0.0), axis=0)
+        has_nan = tl.max((live & (new != new)).to(tl.int32), axis=0) > 0
+        window = tl.where(has_nan, float("nan"), window)
+    else:  # row 0 alone (a sum of one value per column: NaN and inf pass through)
+        window = tl.sum(tl.where(rows == 0, new, 0.0), axis=0)
+    c = tl.arange(0, BLOCK_S)
+    limit = tl.load(LIMIT + c, mask=c < slots, other=1.0)
+    old_scale = tl.load(SCALE + c, mask=c < slots, other=1.0)
+    ok = (window > 0) & (window < float("inf"))  # False for NaN
+    new_scale = tl.where(ok, tl.div_rn(limit, window * margin_factor), old_scale)
+    # Every thread has loaded its rows before any row is overwritten.
+    tl.debug_barrier()
+    tl.store(HIST + rows * row_stride + cols, new, mask=(rows < length) & in_cols)
+    tl.store(SCALE + c, new_scale, mask=c < slots)
+
+
 # Launch wrappers -----------------------------------------------------------------------------
 
 
@@ -604,3 +650,33 @@ def dequantize_blockwise(
 ) -> Tensor:
     """``fp32(data) * scale_inv`` per ``block_rows x 128`` block of the ``[M, K]`` view."""
     return _dequantize(data, scale_inv, block_rows, out_dtype, config or _DEFAULT)
+
+
+def delayed_scaling_update(
+    amax_history: Tensor,
+    scale: Tensor,
+    amax: Tensor,
+    limits: Tensor,
+    margin: int,
+    max_algo: bool,
+) -> None:
+    """In place, one launch: see ``_delayed_update_kernel``. ``amax_history`` ``[len, slots]``
+    with unit column stride (a leading-rows slice of a larger buffer is fine); ``scale``,
+    ``amax`` and ``limits`` (the formats' largest values) contiguous fp32 ``[slots]``."""
+    length, slots = amax_history.shape
+    if amax_history.stride(1) != 1 or not (scale.is_contiguous() and amax.is_contiguous()):
+        raise ValueError("delayed_scaling_update: expects unit column stride / contiguous slots")
+    _delayed_update_kernel[(1,)](
+        amax_history,
+        scale,
+        amax,
+        limits,
+        length,
+        slots,
+        amax_history.stride(0),
+        2.0**margin,
+        MAX_ALGO=max_algo,
+        BLOCK_L=triton.next_power_of_2(length),
+        BLOCK_S=triton.next_power_of_2(slots),
+        num_warps=4,
+    )

@@ -236,3 +236,29 @@ def test_software_conversion_matches_hardware_on_cuda(fp8):
         a = kernels.dequantize_tensorwise(data, s, out_dtype, config=soft)
         b = kernels.dequantize_tensorwise(data, s, out_dtype, config=hard)
         assert_bits_equal(a, b.cpu())
+
+
+@pytest.mark.parametrize("length", [1, 3, 16])
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("margin", [0, 2])
+def test_delayed_scaling_update_kernel_matches_reference(length, algo, margin):
+    """The one-launch update of the delayed-scaling state equals the plain-torch definition on
+    a leading-rows slice of a larger history holding zero, inf and NaN amaxes: history rows and
+    scales bit for bit; an untouched row below the slice stays as it was."""
+    from te_compile.functional.fp8_scaling import delayed_scaling_update_ref
+
+    torch.manual_seed(length + margin)
+    limits = [448.0, 448.0, 57344.0]
+    history = torch.rand(20, 3) * 10
+    history[2, 0], history[1, 2], history[0, 1] = float("nan"), float("inf"), 0.0
+    last = torch.tensor([0.0, 3.5, 1e-30])
+    scale = torch.rand(3) + 0.5
+    h_ref, s_ref = history.clone(), scale.clone()
+    delayed_scaling_update_ref(h_ref[:length], s_ref, last, limits, margin, algo)
+    h, s = _dev(history.clone()), _dev(scale.clone())
+    kernels.delayed_scaling_update(
+        h[:length], s, _dev(last), _dev(torch.tensor(limits)), margin, algo == "max"
+    )
+    assert_bits_equal(h, h_ref)
+    assert_bits_equal(s, s_ref)
+    assert not torch.equal(s_ref, scale)  # the case does change some scales
