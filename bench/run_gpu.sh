@@ -11,7 +11,8 @@
 # of one call). Each step writes one log and its bench its .md/.json
 # under $OUT (--no-chart), packed into $OUT/results.tgz. Carry `.whl` (expecttest, liger-kernel,
 # torchao, pytest-xdist + execnet: not on the GPU image; bench/README.md). Not in the default
-# list: tp (bench_tp, needs 2 GPUs; tests:distributed runs the NCCL tests there).
+# list: tp (bench_tp, needs 2 GPUs; TP_ARGS="--mesh 1x1 4x1 2x2 --recipe none current" for more;
+# tests:distributed runs the NCCL tests there, on TE_COMPILE_TEST_WORLD GPUs, default 2).
 set -uo pipefail
 OUT=${OUT:-bench/results/latest}
 mkdir -p "$OUT"
@@ -63,7 +64,7 @@ for step in "${steps[@]}"; do
         | tee "$OUT/bench_$step.log" \
         | grep -v "^  \[" | tail -60 ;;
     tp)  # TP=1 vs TP=2 (+SP) through examples/tensor_parallel.py under torchrun: needs 2 GPUs
-      python3 -m bench.bench_tp --out "$OUT" 2>&1 | tee "$OUT/bench_tp.log" | tail -30 ;;
+      python3 -m bench.bench_tp --out "$OUT" ${TP_ARGS:-} 2>&1 | tee "$OUT/bench_tp.log" | tail -30 ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -1,4 +1,5 @@
-"""Run a function on two ranks spawned by the test itself, and compare a tensor-parallel module
+"""Run a function on ``WORLD`` ranks (2; ``TE_COMPILE_TEST_WORLD=4`` for all GPUs of a 4-GPU
+machine) spawned by the test itself, and compare a tensor-parallel module
 with the single-process module of the same (full) weights.
 
 ``spawn(worker, backend)`` starts ``WORLD`` processes (torch.multiprocessing, ``spawn`` start
@@ -29,7 +30,7 @@ import torch.multiprocessing as mp
 from te_compile.distributed import shard_state_dict
 from tests.utils import assert_close
 
-WORLD = 2
+WORLD = int(os.environ.get("TE_COMPILE_TEST_WORLD", "2"))
 # A check that fails on one rank only leaves the other waiting in a collective: fail after this
 # instead of hanging the test run.
 TIMEOUT = datetime.timedelta(seconds=90)
