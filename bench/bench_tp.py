@@ -131,6 +131,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-sequence-parallel", action="store_true", help="skip the TP+SP runs")
     p.add_argument("--timeout", type=int, default=900, help="seconds per configuration")
     p.add_argument("--out", type=Path, default=None, help="results directory")
+    p.add_argument("--tag", default="", help="file names bench_tp_TAG.md/.json (several runs)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes; CPU is fine")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None)
     args, extra = p.parse_known_args(argv)  # anything else goes to the example (--layers ...)
@@ -139,6 +140,12 @@ def main(argv=None) -> int:
         extra = SMOKE + extra
         args.batch_size = SMOKE_BATCH
     meshes = args.mesh or [(tp, 1) for tp in args.tp]
+    meta = harness.collect_metadata(args.device)
+    out = None
+    if args.out is not None or not args.smoke:
+        out = args.out or harness.default_out_dir(meta)
+        out.mkdir(parents=True, exist_ok=True)
+    stem = f"bench_tp_{args.tag}" if args.tag else "bench_tp"
     rows = []
     for recipe in args.recipe:
         for tp, dp in meshes:
@@ -148,15 +155,14 @@ def main(argv=None) -> int:
                 rows.append(run_config(tp, sp, args, extra, dp=dp, recipe=recipe))
                 print(f"recipe={recipe} tp={tp} dp={dp} sp={sp}: "
                       f"{rows[-1]['tokens_per_s']:,.0f} tokens/s", flush=True)  # fmt: skip
-    meta = harness.collect_metadata(args.device)
-    text = markdown(rows, meta)
-    print(text)
-    if args.out is not None or not args.smoke:
-        out = args.out or harness.default_out_dir(meta)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "bench_tp.md").write_text(text)
-        (out / "bench_tp.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-        print(f"wrote {out / 'bench_tp.md'} and bench_tp.json")
+                if out is not None:  # after every configuration: a cut-off run keeps its rows
+                    (out / f"{stem}.md").write_text(markdown(rows, meta))
+                    (out / f"{stem}.json").write_text(
+                        json.dumps({"meta": meta, "rows": rows}, indent=2)
+                    )
+    print(markdown(rows, meta))
+    if out is not None:
+        print(f"wrote {out / stem}.md and {stem}.json")
     return 0
 
 

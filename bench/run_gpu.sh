@@ -11,8 +11,9 @@
 # of one call). Each step writes one log and its bench its .md/.json
 # under $OUT (--no-chart), packed into $OUT/results.tgz. Carry `.whl` (expecttest, liger-kernel,
 # torchao, pytest-xdist + execnet: not on the GPU image; bench/README.md). Not in the default
-# list: tp (bench_tp, needs 2 GPUs; TP_ARGS="--mesh 1x1 4x1 2x2 --recipe none current" for more;
-# tests:distributed runs the NCCL tests there, on TE_COMPILE_TEST_WORLD GPUs, default 2).
+# list: tp (bench_tp, needs 2 GPUs; TP_ARGS="--mesh 1x1 4x1 2x2 --recipe none current" for more),
+# tp_fp8 (FP8 current scaling on 1 GPU, all GPUs, and a TP x FSDP2 mesh), nccl_tests
+# (tests/distributed -k nccl on 2 GPUs and on all GPUs at once).
 set -uo pipefail
 OUT=${OUT:-bench/results/latest}
 mkdir -p "$OUT"
@@ -65,6 +66,21 @@ for step in "${steps[@]}"; do
         | grep -v "^  \[" | tail -60 ;;
     tp)  # TP=1 vs TP=2 (+SP) through examples/tensor_parallel.py under torchrun: needs 2 GPUs
       python3 -m bench.bench_tp --out "$OUT" ${TP_ARGS:-} 2>&1 | tee "$OUT/bench_tp.log" | tail -30 ;;
+    tp_fp8)  # FP8 (current scaling) on 1 GPU, TP=all GPUs and a TP x FSDP2 mesh
+      n=$(nvidia-smi -L | wc -l)
+      python3 -m bench.bench_tp --out "$OUT" --tag fp8 --recipe current --no-sequence-parallel \
+        --mesh 1x1 "${n}x1" $([ "$n" -ge 4 ] && echo "$((n / 2))x2") 2>&1 \
+        | tee "$OUT/bench_tp_fp8.log" | tail -30 ;;
+    nccl_tests)  # tests/distributed with NCCL on 2 GPUs and, at the same time, on all of them
+      n=$(nvidia-smi -L | wc -l)
+      nccl=(python3 -m pytest -q -rf -p no:cacheprovider -k "nccl or example" tests/distributed)
+      CUDA_VISIBLE_DEVICES=0,1 TE_COMPILE_TEST_WORLD=2 "${nccl[@]}" \
+        > "$OUT/tests_nccl_2gpus.log" 2>&1 &
+      if [ "$n" -gt 2 ]; then
+        TE_COMPILE_TEST_WORLD=$n "${nccl[@]}" > "$OUT/tests_nccl_${n}gpus.log" 2>&1
+      fi
+      wait
+      tail -n 4 "$OUT"/tests_nccl_*.log ;;
     *) echo "unknown step $step" ;;
   esac
 done

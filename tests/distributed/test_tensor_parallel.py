@@ -271,7 +271,7 @@ def _error_checks(group, device):
             te.Linear(H, 24, parallel_mode="column", tp_group=(mesh, "cp"))
 
     def set_group_of_other_size():
-        m = te.Linear(H, 24, parallel_mode="row", tp_size=4)
+        m = te.Linear(H, 24, parallel_mode="row", tp_size=2 * WORLD)
         with pytest.raises(ValueError, match=r"must equal the tp_size the module was built with"):
             m.set_tensor_parallel_group(group)
 
