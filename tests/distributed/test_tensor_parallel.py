@@ -196,7 +196,8 @@ def _collectives(rank, group, device, compiled):
     outs = run(inputs)
     torch.autograd.backward([outs[n] for n in cases], [grads[n][rank] for n in cases])
     for name, (_, _, _, out, grad) in cases.items():
-        assert torch.equal(outs[name], out(xs)), name
+        # float64 sums of more than two ranks' tensors depend on the order of the additions
+        torch.testing.assert_close(outs[name], out(xs), msg=name)
         torch.testing.assert_close(inputs[name].grad, grad(grads[name]), msg=name)
 
 
@@ -279,7 +280,7 @@ def _error_checks(group, device):
         m = te.Linear(24, H, parallel_mode="row", sequence_parallel=True, tp_group=group,
                       device=device)  # fmt: skip
         with pytest.raises(ValueError, match=r"dim 0 of the tensor \(3\) must be divisible"):
-            m(torch.randn(3, 12, device=device))
+            m(torch.randn(3, 24 // WORLD, device=device))
 
     def deepcopy_and_pickle():
         m = te.Linear(H, 24, parallel_mode="row", tp_group=group, device=device)
