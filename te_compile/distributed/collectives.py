@@ -112,7 +112,7 @@ def _wait(t: Tensor) -> Tensor:
 
 
 def _gather(x: Tensor, group: Any, dim: int) -> Tensor:
-    return _wait(funcol.all_gather_single(x.contiguous(), dim, group))
+    return _wait(funcol.all_gather_tensor(x.contiguous(), dim, group))
 
 
 def _scatter(x: Tensor, group: Any, dim: int) -> Tensor:
@@ -123,7 +123,7 @@ def _scatter(x: Tensor, group: Any, dim: int) -> Tensor:
             f"must be divisible by the group size ({size}); with sequence_parallel the sequence "
             "(token) dim 0 must split evenly over the tensor-parallel ranks"
         )
-    return _wait(funcol.reduce_scatter_single(x.contiguous(), "sum", dim, group))
+    return _wait(funcol.reduce_scatter_tensor(x.contiguous(), "sum", dim, group))
 
 
 def _reduce(x: Tensor, group: Any) -> Tensor:
