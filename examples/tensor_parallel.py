@@ -179,7 +179,11 @@ def peak_memory_mib(device: torch.device) -> tuple[float, str]:
 
 
 def comm_fraction(model, opt, args, dp_rank, device, step0: int) -> float:
-    """Fraction of the wall time of ``--profile-steps`` steps spent in communication."""
+    """Fraction of the wall time of ``--profile-steps`` steps spent in communication: NCCL kernel
+    time over wall time (CUDA), or time in gloo collectives and waits (CPU). FSDP2's collectives
+    run on their own streams and overlap compute, so this is not the exposed (un-overlapped)
+    communication time."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]
@@ -195,7 +199,10 @@ def comm_fraction(model, opt, args, dp_rank, device, step0: int) -> float:
     for event in prof.key_averages():
         name = event.key.lower()
         if device.type == "cuda":
-            if "nccl" in name:
+            # The NCCL kernels only: the CPU-side "nccl:*" events that launch them carry the
+            # same kernel time as their own device time, and counting both doubled it (H200 run,
+            # 2026-11-22: fractions above 100%).
+            if event.device_type == DeviceType.CUDA and "nccl" in name:
                 comm_us += event.self_device_time_total
         elif any(k in name for k in COMM_EVENTS):
             comm_us += event.self_cpu_time_total

@@ -112,7 +112,13 @@ def _wait(t: Tensor) -> Tensor:
 
 
 def _gather(x: Tensor, group: Any, dim: int) -> Tensor:
-    return _wait(funcol.all_gather_tensor(x.contiguous(), dim, group))
+    # Always along dim 0, the dim moved there and back: funcol's own handling of another dim
+    # calls torch._utils._maybe_view_chunk_cat on torch 2.11, which dynamo refuses to trace (a
+    # graph break, seen on the GPU machine 2026-11-22).
+    if dim == 0:
+        return _wait(funcol.all_gather_tensor(x.contiguous(), 0, group))
+    y = _wait(funcol.all_gather_tensor(x.movedim(dim, 0).contiguous(), 0, group))
+    return y.movedim(0, dim).contiguous()
 
 
 def _scatter(x: Tensor, group: Any, dim: int) -> Tensor:
@@ -123,7 +129,10 @@ def _scatter(x: Tensor, group: Any, dim: int) -> Tensor:
             f"must be divisible by the group size ({size}); with sequence_parallel the sequence "
             "(token) dim 0 must split evenly over the tensor-parallel ranks"
         )
-    return _wait(funcol.reduce_scatter_tensor(x.contiguous(), "sum", dim, group))
+    if dim == 0:
+        return _wait(funcol.reduce_scatter_tensor(x.contiguous(), "sum", 0, group))
+    moved = x.movedim(dim, 0).contiguous()  # as in _gather
+    return _wait(funcol.reduce_scatter_tensor(moved, "sum", 0, group)).movedim(0, dim).contiguous()
 
 
 def _reduce(x: Tensor, group: Any) -> Tensor:
