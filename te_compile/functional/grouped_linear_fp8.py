@@ -73,14 +73,25 @@ def quantize_rowwise(x: Tensor, fp8_dtype: torch.dtype, dim: int = -1) -> tuple[
     """``(data, scale_inv)``: ``x`` cast to ``fp8_dtype`` with one current scale per slice along
     ``dim`` (``fp8_max / amax`` over ``dim``; 1 for an all-zero or non-finite slice);
     ``scale_inv`` fp32 has ``x``'s shape without ``dim``. Computed in fp32 whatever ``x``'s
-    dtype, so a float64 copy of a bf16/fp32 tensor gets the same bytes and scales."""
+    dtype, so a float64 copy of a bf16/fp32 tensor gets the same bytes and scales. CUDA
+    (float32/bfloat16/float16): one Triton kernel per call (``kernels.quantize.quantize_rowwise``,
+    bit-identical, the kernel tests check it), the quantised dim moved last first."""
+    if x.is_cuda and x.dtype in _HIGH:
+        from te_compile.kernels import quantize
+
+        moved = dim not in (-1, x.ndim - 1)
+        data, scale_inv = quantize.quantize_rowwise(x.movedim(dim, -1) if moved else x, fp8_dtype)
+        return (data.movedim(-1, dim).contiguous() if moved else data), scale_inv
     xf = x.float()
     limit = torch.finfo(fp8_dtype).max
     amax = xf.abs().amax(dim, keepdim=True)
-    scale = torch.where(amax > 0, limit / amax, torch.ones_like(amax))
-    scale = torch.where(torch.isfinite(scale), scale, torch.ones_like(scale))
+    # Tensor divisions, correctly rounded: `limit / amax` would be reciprocal(amax) * limit in
+    # torch (two roundings), and reciprocal() on the CPU is not correctly rounded either.
+    one = torch.ones_like(amax)
+    scale = torch.where(amax > 0, torch.div(torch.full_like(amax, limit), amax), one)
+    scale = torch.where(torch.isfinite(scale), scale, one)
     data = (xf * scale).clamp(-limit, limit).to(fp8_dtype)
-    return data, scale.reciprocal().squeeze(dim)
+    return data, torch.div(one, scale).squeeze(dim)
 
 
 def _dequantize(data: Tensor, scale_inv: Tensor, dim: int, dtype: torch.dtype) -> Tensor:
@@ -247,6 +258,8 @@ def _quantize_weight_dgrad(weight: Tensor, fwd_dtype: torch.dtype) -> tuple[Tens
     """``weight`` ``[G, N, K]`` quantised per (group, input column), amax over ``N``: data
     transposed to ``[G, K, N]`` (row-major along ``N``, the dgrad GEMM's contraction dim) and
     inverse scales ``[G, K]``."""
+    if weight.is_cuda:  # quantise the transposed copy along its last dim: [G, K, N] directly
+        return quantize_rowwise(weight.transpose(1, 2), fwd_dtype)
     data, scale_inv = quantize_rowwise(weight, fwd_dtype, dim=1)
     return data.transpose(1, 2).contiguous(), scale_inv
 

@@ -33,6 +33,9 @@ Kernels:
   :math:`x^T`, whose blocks run along ``M``), over the whole tile for 128x128 blocks, where the
   columnwise copy is the transposed tile with the same scale.
 * ``_dequant_kernel``: ``fp32(q) * scale_inv`` (one per tensor, or per block) to ``out_dtype``.
+* ``_rowwise_kernel``: one scale per row (``fp8_max / amax`` of the row; 1 for a zero or
+  non-finite result), for the rowwise-scaled grouped FP8 GEMMs: ``BLOCK_M`` rows per program,
+  the amax loop over the row, then the cast loop over it again (a re-read from L2).
 * ``_delayed_update_kernel``: delayed scaling's state update (``te::delayed_scaling_update``):
   roll the ``[len, slots]`` amax history by one row, insert the last amaxes, recompute the
   scales, in one program and one launch (the plain-torch version is ~8 tiny kernels).
@@ -400,6 +403,46 @@ def _dequant_kernel(
 
 
 @triton.jit
+def _rowwise_kernel(
+    X,
+    DATA,
+    SCALE_INV,
+    M,
+    K,
+    fp8_max,
+    E4M3: tl.constexpr,
+    MBITS: tl.constexpr,
+    BIAS: tl.constexpr,
+    SOFTWARE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Rows ``[pid * BLOCK_M, ...)``: amax over each row (NaN-propagating, on the int bits),
+    ``scale = fp8_max / amax`` where ``amax > 0`` else 1, and 1 where that is not finite; then
+    ``DATA = fp8(clamp(x * scale))`` and ``SCALE_INV = 1 / scale`` (both divisions correctly
+    rounded: the same bytes as the torch definition in ``functional.grouped_linear_fp8``)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    in_rows = rows < M
+    base = rows.to(tl.int64)[:, None] * K
+    acc = tl.zeros([BLOCK_M], dtype=tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        mask = in_rows[:, None] & (cols[None, :] < K)
+        x = tl.load(X + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        acc = tl.maximum(acc, tl.max(_abs_bits(x), axis=1))
+    amax = acc.to(tl.float32, bitcast=True)
+    scale = tl.where(amax > 0, tl.math.div_rn(fp8_max, tl.where(amax > 0, amax, 1.0)), 1.0)
+    scale = tl.where(tl.abs(scale) < float("inf"), scale, 1.0)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        mask = in_rows[:, None] & (cols[None, :] < K)
+        x = tl.load(X + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        q = _to_fp8_bits(_saturate(x * scale[:, None], fp8_max), E4M3, MBITS, BIAS, SOFTWARE)
+        tl.store(DATA + base + cols[None, :], q, mask=mask)
+    tl.store(SCALE_INV + rows, tl.math.div_rn(1.0, scale), mask=in_rows)
+
+
+@triton.jit
 def _delayed_update_kernel(
     HIST,
     SCALE,
@@ -680,3 +723,31 @@ def delayed_scaling_update(
         BLOCK_S=triton.next_power_of_2(slots),
         num_warps=4,
     )
+
+
+def quantize_rowwise(
+    x: Tensor, fp8_dtype: torch.dtype, *, block_m: int = 4, block_k: int = 1024
+) -> tuple[Tensor, Tensor]:
+    """``(data, scale_inv)``: every row of ``x`` (``[..., K]``, the last dim) cast to
+    ``fp8_dtype`` with its own current scale; ``scale_inv`` fp32 of ``x``'s shape without the
+    last dim. One launch, ``x`` read from memory once (see ``_rowwise_kernel``)."""
+    x2, m, k = _rows(x)
+    data = torch.empty(x.shape, device=x.device, dtype=fp8_dtype)
+    scale_inv = torch.empty(x.shape[:-1], device=x.device, dtype=torch.float32)
+    if m * k:
+        bk = min(block_k, triton.next_power_of_2(k))
+        _rowwise_kernel[(triton.cdiv(m, block_m),)](
+            x2,
+            _bits(data),
+            scale_inv,
+            m,
+            k,
+            _FORMATS[fp8_dtype].max,
+            **_fp8_args(fp8_dtype, _software(x.device, _DEFAULT)),
+            BLOCK_M=block_m,
+            BLOCK_K=bk,
+            num_warps=4,
+        )
+    elif m:
+        scale_inv.fill_(1.0)  # an empty row: amax 0, scale 1
+    return data, scale_inv
