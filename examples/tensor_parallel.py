@@ -16,7 +16,9 @@ blocks (activations ``[seq, batch, width]``, sequence first): each all-reduce be
 all-gather plus a reduce-scatter, and norms, residual adds and dropout-free element-wise work
 run on ``seq / tp`` tokens. With ``--dp > 1`` every block (then the root) is wrapped with FSDP2
 ``fully_shard`` over the "dp" dim, after ``torch.compile(fullgraph=True)`` per block, the order
-torchtitan uses. Embeddings, the final norm and the LM head are replicated over "tp".
+torchtitan uses. Embeddings and the final norm are replicated over "tp"; the LM head is
+column-parallel over the vocabulary and the loss a vocabulary-parallel cross-entropy
+(``te_compile.distributed.vocab_parallel_cross_entropy``: no gather of the logits).
 
 The data is synthetic and learnable: sequence ``i`` is ``(start_i + stride_i * t)`` modulo a
 quarter of the vocabulary (the loss falls within a few steps from ``ln(vocab)`` towards
@@ -111,7 +113,10 @@ class GPT(nn.Module):
         blocks = (Block(args, tp_group, dtype, device) for _ in range(args.layers))
         self.blocks = nn.ModuleList(blocks)
         self.ln_f = te.LayerNorm(args.width, params_dtype=dtype, device=device)
-        self.head = te.Linear(args.width, args.vocab, bias=False, params_dtype=dtype, device=device)
+        # Column-parallel over the vocabulary: each rank holds vocab / tp rows of the head and
+        # its logits; the loss is reduced across the shards without gathering them.
+        self.head = te.Linear(args.width, args.vocab, bias=False, parallel_mode="column",
+                              tp_group=tp_group, params_dtype=dtype, device=device)  # fmt: skip
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(idx.shape[1], device=idx.device)
@@ -123,8 +128,8 @@ class GPT(nn.Module):
                 x = block(x)
         if self.sequence_parallel:
             x = tedist.all_gather(x, self.tp_group, 0)
-        logits = self.head(self.ln_f(x)).transpose(0, 1)
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        logits = self.head(self.ln_f(x)).transpose(0, 1)  # [batch, seq, vocab / tp]
+        return tedist.vocab_parallel_cross_entropy(logits, targets, self.tp_group)
 
 
 @torch.no_grad()
@@ -162,6 +167,8 @@ def check_args(args, world: int) -> None:
 
     if args.tp * args.dp != world:
         fail(f"--tp ({args.tp}) x --dp ({args.dp}) must equal the number of processes ({world})")
+    if args.vocab is not None and args.vocab % args.tp:
+        fail(f"--vocab ({args.vocab}) must be divisible by --tp ({args.tp}): the LM head is split")
     if args.heads % args.tp or args.width % args.heads:
         fail(f"--heads ({args.heads}) must divide --width and be divisible by --tp ({args.tp})")
     if args.batch_size % args.dp:

@@ -10,10 +10,12 @@ from te_compile.distributed.collectives import (
     all_gather,
     all_reduce,
     all_reduce_grad,
+    all_reduce_max,
     reduce_scatter,
     resolve_group,
     scatter,
 )
+from te_compile.distributed.cross_entropy import vocab_parallel_cross_entropy
 from te_compile.distributed.tensor_parallel import (
     PARALLEL_MODES,
     TensorParallel,
@@ -28,10 +30,12 @@ __all__ = [
     "all_gather",
     "all_reduce",
     "all_reduce_grad",
+    "all_reduce_max",
     "reduce_scatter",
     "resolve_group",
     "scatter",
     "set_parallel_attributes",
     "shard_state_dict",
     "shard_tensor",
+    "vocab_parallel_cross_entropy",
 ]

@@ -51,6 +51,7 @@ __all__ = [
     "all_gather",
     "all_reduce",
     "all_reduce_grad",
+    "all_reduce_max",
     "reduce_scatter",
     "resolve_group",
     "scatter",
@@ -236,3 +237,12 @@ def all_reduce_grad(x: Tensor, group: Any) -> Tensor:
     if group is None:
         return x
     return _AllReduceGrad.apply(x, _group(group))
+
+
+def all_reduce_max(x: Tensor, group: Any) -> Tensor:
+    """The element-wise max of the ranks' ``x``, not differentiable (``x`` is detached first):
+    for stabilising shifts such as the logits' max in a sharded softmax."""
+    x = x.detach()
+    if group is None:
+        return x
+    return _wait(funcol.all_reduce(x.contiguous(), "max", _group(group)))

@@ -77,3 +77,6 @@ def test_bad_mesh_is_reported():
     args = example.parse_args([*TINY, "--tp", "2", "--recipe", "delayed", "--width", "48"])
     with pytest.raises(SystemExit, match=r"FP8 GEMMs need --width / --tp \(24\) to be a multiple"):
         example.check_args(args, world=2)
+    args = example.parse_args([*TINY, "--tp", "2", "--vocab", "101"])
+    with pytest.raises(SystemExit, match=r"--vocab \(101\) must be divisible by --tp \(2\)"):
+        example.check_args(args, world=2)
