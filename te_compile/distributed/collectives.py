@@ -112,14 +112,18 @@ def _wait(t: Tensor) -> Tensor:
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
-def _gather(x: Tensor, group: Any, dim: int) -> Tensor:
-    # Always along dim 0, the dim moved there and back: funcol's own handling of another dim
-    # calls torch._utils._maybe_view_chunk_cat on torch 2.11, which dynamo refuses to trace (a
-    # graph break, seen on the GPU machine 2026-11-22).
+def _along_dim0(collective, x: Tensor, dim: int) -> Tensor:
+    """``collective`` (a gather or scatter along dim 0 of a contiguous tensor) applied along
+    ``dim``: the dim moved to the front and back. funcol's own handling of another dim calls
+    torch._utils._maybe_view_chunk_cat on torch 2.11, which dynamo refuses to trace (a graph
+    break, seen on the GPU machine 2026-11-22)."""
     if dim == 0:
-        return _wait(funcol.all_gather_tensor(x.contiguous(), 0, group))
-    y = _wait(funcol.all_gather_tensor(x.movedim(dim, 0).contiguous(), 0, group))
-    return y.movedim(0, dim).contiguous()
+        return collective(x.contiguous())
+    return collective(x.movedim(dim, 0).contiguous()).movedim(0, dim).contiguous()
+
+
+def _gather(x: Tensor, group: Any, dim: int) -> Tensor:
+    return _along_dim0(lambda t: _wait(funcol.all_gather_tensor(t, 0, group)), x, dim)
 
 
 def _scatter(x: Tensor, group: Any, dim: int) -> Tensor:
@@ -130,14 +134,11 @@ def _scatter(x: Tensor, group: Any, dim: int) -> Tensor:
             f"must be divisible by the group size ({size}); with sequence_parallel the sequence "
             "(token) dim 0 must split evenly over the tensor-parallel ranks"
         )
-    if dim == 0:
-        return _wait(funcol.reduce_scatter_tensor(x.contiguous(), "sum", 0, group))
-    moved = x.movedim(dim, 0).contiguous()  # as in _gather
-    return _wait(funcol.reduce_scatter_tensor(moved, "sum", 0, group)).movedim(0, dim).contiguous()
+    return _along_dim0(lambda t: _wait(funcol.reduce_scatter_tensor(t, "sum", 0, group)), x, dim)
 
 
-def _reduce(x: Tensor, group: Any) -> Tensor:
-    return _wait(funcol.all_reduce(x.contiguous(), "sum", group))
+def _reduce(x: Tensor, group: Any, op: str = "sum") -> Tensor:
+    return _wait(funcol.all_reduce(x.contiguous(), op, group))
 
 
 class _AllGather(torch.autograd.Function):
@@ -245,4 +246,4 @@ def all_reduce_max(x: Tensor, group: Any) -> Tensor:
     x = x.detach()
     if group is None:
         return x
-    return _wait(funcol.all_reduce(x.contiguous(), "max", _group(group)))
+    return _reduce(x, _group(group), "max")
