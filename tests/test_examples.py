@@ -11,6 +11,8 @@ import pytest
 
 pytest.importorskip("tqdm")  # the demo's progress bar; installed with the `demo` extra
 
+from tests.utils import load_script, requires_cuda
+
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_GPT = ROOT / "examples" / "train_gpt.py"
 TINY = [
@@ -62,17 +64,7 @@ def test_train_gpt_trains_in_fp8_with_delayed_scaling():
     assert float(report(stdout, "final val loss")) < float(report(stdout, "initial val loss"))
 
 
-def _load_train_gpt():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("train_gpt_example", TRAIN_GPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+@requires_cuda
 @pytest.mark.parametrize("recipe", ["none", "block"])
 def test_train_gpt_gradients_on_the_gpu_match_float64(recipe):
     """The GPU demo's model at its GPU shapes (64 x 256 tokens, width 384; 2 of its 6 layers),
@@ -84,7 +76,7 @@ def test_train_gpt_gradients_on_the_gpu_match_float64(recipe):
 
     import torch
 
-    gpt = _load_train_gpt()
+    gpt = load_script("train_gpt_example", TRAIN_GPT)
     torch.manual_seed(0)
     cfg = gpt.GPTConfig(vocab_size=73, block_size=256, layers=2, width=384, heads=6, recipe=recipe)
     model = gpt.GPT(cfg, torch.bfloat16, torch.device("cuda"))

@@ -3,7 +3,6 @@ sizes (the same script runs NCCL on GPUs)."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -11,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.utils import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "tensor_parallel.py"
@@ -68,9 +69,7 @@ def test_tensor_parallel_trains_the_same_model_as_one_process():
 
 
 def test_bad_mesh_is_reported():
-    spec = importlib.util.spec_from_file_location("tensor_parallel_example", SCRIPT)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = load_script("tensor_parallel_example", SCRIPT)
     args = example.parse_args([*TINY, "--tp", "2", "--dp", "2"])
     with pytest.raises(SystemExit, match=r"--tp \(2\) x --dp \(2\) must equal the number of"):
         example.check_args(args, world=2)

@@ -22,7 +22,7 @@ import te_compile as te
 from te_compile import distributed as tedist
 from te_compile.distributed import shard_tensor
 from tests.distributed.harness import BACKENDS, WORLD, Case, compare, device_for, run_checks, spawn
-from tests.utils import GraphRecorder, compile_counted
+from tests.utils import GraphRecorder, assert_single_graph, compile_counted
 
 S, B, H, FFN = 8, 2, 16, 32  # sequence (dim 0, split by sequence parallelism), batch, widths
 SPLITS = [3, 0, 7]  # tokens per expert: an empty expert, odd counts
@@ -192,10 +192,7 @@ def _collectives(rank, group, device, compiled):
 
     if compiled:
         detached = {n: x.detach() for n, x in inputs.items()}
-        torch._dynamo.reset()
-        explained = torch._dynamo.explain(run)(detached)
-        reasons = [r.reason for r in explained.break_reasons]
-        assert (explained.graph_count, explained.graph_break_count) == (1, 0), reasons
+        assert_single_graph(run, detached)
         run = compile_counted(run, backend="aot_eager")[0]
     outs = run(inputs)
     torch.autograd.backward([outs[n] for n in cases], [grads[n][rank] for n in cases])
@@ -243,11 +240,7 @@ def _vocab_ce(rank, group, device, compiled):
     shard = full.chunk(WORLD, -1)[rank].clone().requires_grad_(True)
     fn = functools.partial(tedist.vocab_parallel_cross_entropy, group=group)
     if compiled:
-        torch._dynamo.reset()
-        explained = torch._dynamo.explain(fn)(shard.detach(), target)
-        assert (explained.graph_count, explained.graph_break_count) == (1, 0), [
-            r.reason for r in explained.break_reasons
-        ]
+        assert_single_graph(fn, shard.detach(), target)
         fn, counter = compile_counted(fn, backend="aot_eager")
     loss = fn(shard, target)
     loss.backward()

@@ -108,6 +108,28 @@ def count_graph_breaks(fn: Callable, *args: Any, **kwargs: Any) -> tuple[int, in
     return explanation.graph_count, explanation.graph_break_count
 
 
+def assert_single_graph(fn: Callable, *args: Any, **kwargs: Any) -> None:
+    """``fn(*args)`` traces as one graph with zero breaks; on failure the message lists
+    dynamo's break reasons (torch versions differ in what they trace)."""
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(fn)(*args, **kwargs)
+    reasons = [r.reason for r in explanation.break_reasons]
+    assert (explanation.graph_count, explanation.graph_break_count) == (1, 0), reasons
+
+
+def load_script(name: str, path: Any) -> Any:
+    """The Python file ``path`` (an example script) imported as module ``name``, registered in
+    ``sys.modules`` (dataclasses look their module up there)."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def compile_counted(fn: Callable, backend: str = "inductor", **compile_kwargs: Any):
     """``torch.compile(fn, fullgraph=True, ...)`` and a counter of frames compiled."""
     counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
