@@ -258,10 +258,8 @@ def _quantize_weight_dgrad(weight: Tensor, fwd_dtype: torch.dtype) -> tuple[Tens
     """``weight`` ``[G, N, K]`` quantised per (group, input column), amax over ``N``: data
     transposed to ``[G, K, N]`` (row-major along ``N``, the dgrad GEMM's contraction dim) and
     inverse scales ``[G, K]``."""
-    if weight.is_cuda:  # quantise the transposed copy along its last dim: [G, K, N] directly
-        return quantize_rowwise(weight.transpose(1, 2), fwd_dtype)
-    data, scale_inv = quantize_rowwise(weight, fwd_dtype, dim=1)
-    return data.transpose(1, 2).contiguous(), scale_inv
+    data, scale_inv = quantize_rowwise(weight.transpose(1, 2), fwd_dtype)  # along N, last
+    return data.contiguous(), scale_inv
 
 
 # 2. Forward op -------------------------------------------------------------------------------
