@@ -44,11 +44,12 @@ The kernels run on CPU tensors under ``TRITON_INTERPRET=1`` (the tests do, at sm
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 import triton
 import triton.language as tl
+
+from te_compile.kernels import programs_per_sm
 
 __all__ = [
     "FUNCTION_OF",
@@ -346,17 +347,12 @@ def rows_config(m: int, n: int, device: torch.device, *, dbias: bool) -> RowsCon
     row_blocks = triton.cdiv(m, block_m)
     if not dbias:
         return RowsConfig(block_m, block_n, num_warps, block_m)
-    target = _DBIAS_PER_SM * _num_sms(device.index) if device.type == "cuda" else 4
+    target = programs_per_sm(device, _DBIAS_PER_SM)
     programs = max(1, min(row_blocks, target // triton.cdiv(n, block_n)))
     return RowsConfig(block_m, block_n, num_warps, triton.cdiv(row_blocks, programs) * block_m)
 
 
 _DBIAS_PER_SM = 4
-
-
-@functools.lru_cache(maxsize=8)
-def _num_sms(index: int | None) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 # Launch wrappers -----------------------------------------------------------------------------

@@ -54,6 +54,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from te_compile.kernels import programs_per_sm
+
 __all__ = [
     "NormLaunchConfig",
     "l2normalization_bwd",
@@ -118,14 +120,10 @@ def _config(n: int, backward: bool, config: NormLaunchConfig | None) -> NormLaun
     return config
 
 
-@functools.lru_cache(maxsize=16)
 def _max_bwd_programs(device: torch.device) -> int:
     """Stage-1 programs of the backward: two per SM fills an H100 with the 16-warp tiles of
-    large rows while keeping the partial buffer small. Off CUDA (the interpreter) a fixed 4,
-    so that tests exercise programs owning several row tiles."""
-    if device.type == "cuda":
-        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
+    large rows while keeping the partial buffer small."""
+    return programs_per_sm(device, 2)
 
 
 # Kernels -------------------------------------------------------------------------------------

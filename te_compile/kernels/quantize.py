@@ -54,13 +54,14 @@ conversion paths agree.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from te_compile.kernels import programs_per_sm
 
 __all__ = [
     "QuantizeLaunchConfig",
@@ -125,13 +126,6 @@ class QuantizeLaunchConfig:
 
 
 _DEFAULT = QuantizeLaunchConfig()
-
-
-@functools.lru_cache(maxsize=16)
-def _default_amax_programs(device: torch.device) -> int:
-    if device.type == "cuda":
-        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
 
 
 def _software(device: torch.device, cfg: QuantizeLaunchConfig) -> bool:
@@ -515,7 +509,7 @@ def amax(x: Tensor, *, config: QuantizeLaunchConfig | None = None) -> Tensor:
     out = torch.zeros(1, device=x.device, dtype=torch.float32)
     n = x.numel()
     if n:
-        cap = cfg.amax_programs or _default_amax_programs(x.device)
+        cap = cfg.amax_programs or programs_per_sm(x.device, 4)
         programs = min(triton.cdiv(n, cfg.amax_block), cap)
         chunk = triton.cdiv(triton.cdiv(n, programs), cfg.amax_block) * cfg.amax_block
         _amax_kernel[(triton.cdiv(n, chunk),)](
