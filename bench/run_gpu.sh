@@ -50,12 +50,13 @@ for step in "${steps[@]}"; do
     demo) timeout 240 python3 examples/train_gpt.py 2>&1 | tr '\r' '\n' | grep -v "it/s\]$" \
             | tee "$OUT/demo.log" | tail -12 ;;
     fp8_loss)  # issue 5: examples/train_gpt.py 300 steps per native recipe, run side by side
-      for r in none current delayed block; do
+      recipes=(none current delayed block)
+      for r in "${recipes[@]}"; do
         python3 examples/train_gpt.py --steps 300 --recipe $r --sample-chars 0 \
           > "$OUT/fp8_loss_$r.log" 2>&1 &
       done
       wait
-      for r in none current delayed block; do
+      for r in "${recipes[@]}"; do
         echo "$r: $(grep -E '^(final val loss|graph breaks)' "$OUT/fp8_loss_$r.log" | tr -s ' ' \
           | paste -sd ';')"
       done | tee "$OUT/fp8_loss.log" ;;
