@@ -69,6 +69,9 @@ def run_config(
         "sequence_parallel": sequence_parallel,
         "tokens_per_s": float(re.search(r"^tokens/s: (\S+)", out, re.M).group(1)),
         "comm_fraction": float(re.search(r"^comm fraction: (\S+)", out, re.M).group(1)),
+        "exposed_comm_fraction": float(
+            re.search(r"^exposed comm fraction: (\S+)", out, re.M).group(1)
+        ),
         "peak_memory_mib": max(float(m.replace(",", "")) for _, _, m in ranks),
         "loss": re.search(r"^loss: (.+?) \(", out, re.M).group(1),
         "config": out.splitlines()[0] if out else "",
@@ -86,8 +89,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "replica); scaling efficiency: speed-up / GPUs.",
         "",
         "| GPUs | TP | DP (FSDP2) | SP | recipe | tokens/s | speed-up vs 1 GPU "
-        "| scaling efficiency | peak MiB / rank | comm % of step | loss |",
-        "| ---: | ---: | ---: | :---: | --- | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| scaling efficiency | peak MiB / rank | comm % of step | exposed comm % | loss |",
+        "| ---: | ---: | ---: | :---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in rows:
         gpus = r["tp"] * r["dp"]
@@ -96,7 +99,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
         lines.append(
             f"| {gpus} | {r['tp']} | {r['dp']} | {'yes' if r['sequence_parallel'] else 'no'} | "
             f"{r['recipe']} | {r['tokens_per_s']:,.0f} | {speedup:.2f}x | {speedup / gpus:.0%} | "
-            f"{r['peak_memory_mib']:,.0f} | {100 * r['comm_fraction']:.1f} | {r['loss']} |"
+            f"{r['peak_memory_mib']:,.0f} | {100 * r['comm_fraction']:.1f} | "
+            f"{100 * r['exposed_comm_fraction']:.1f} | {r['loss']} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -185,11 +185,43 @@ def peak_memory_mib(device: torch.device) -> tuple[float, str]:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "peak RSS"  # KiB on Linux
 
 
-def comm_fraction(model, opt, args, dp_rank, device, step0: int) -> float:
-    """Fraction of the wall time of ``--profile-steps`` steps spent in communication: NCCL kernel
-    time over wall time (CUDA), or time in gloo collectives and waits (CPU). FSDP2's collectives
-    run on their own streams and overlap compute, so this is not the exposed (un-overlapped)
-    communication time."""
+def _merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of ``(start, end)`` intervals as sorted, disjoint intervals."""
+    merged: list[tuple[float, float]] = []
+    for lo, hi in sorted(intervals):
+        if merged and lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    return merged
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(hi - lo for lo, hi in intervals)
+
+
+def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length of the intersection of two merged interval lists."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def comm_fraction(model, opt, args, dp_rank, device, step0: int) -> tuple[float, float]:
+    """``(busy, exposed)``: fractions of the wall time of ``--profile-steps`` steps during which
+    communication runs, and during which it runs with nothing else to overlap it.
+
+    CUDA: busy is the union of the NCCL kernels' intervals on the timeline (a sum of their times
+    counts concurrent kernels on FSDP2's and the tensor-parallel streams twice, and exceeded the
+    wall time on 4 H200s, 2026-11-22); exposed is the part of that union in which no other kernel
+    runs. An NCCL kernel is busy from its launch until its peers arrive, so busy includes the
+    wait for the slowest rank. CPU (gloo, collectives on gloo's own threads): busy is the union
+    of the c10d / gloo events, exposed the union of the waits for them on the training thread."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -202,18 +234,20 @@ def comm_fraction(model, opt, args, dp_rank, device, step0: int) -> float:
             train_step(model, opt, args, step, dp_rank, device)
         synchronize(device)
         wall_us = (time.perf_counter() - start) * 1e6
-    comm_us = 0.0
-    for event in prof.key_averages():
-        name = event.key.lower()
+    comm, other = [], []
+    for event in prof.events():
+        name, span = event.name.lower(), (event.time_range.start, event.time_range.end)
         if device.type == "cuda":
-            # The NCCL kernels only: the CPU-side "nccl:*" events that launch them carry the
-            # same kernel time as their own device time, and counting both doubled it (H200 run,
-            # 2026-11-22: fractions above 100%).
-            if event.device_type == DeviceType.CUDA and "nccl" in name:
-                comm_us += event.self_device_time_total
+            if event.device_type == DeviceType.CUDA:
+                (comm if "nccl" in name else other).append(span)
         elif any(k in name for k in COMM_EVENTS):
-            comm_us += event.self_cpu_time_total
-    return comm_us / wall_us
+            (other if "wait" in name else comm).append(span)
+    comm, other = _merge(comm), _merge(other)
+    if device.type == "cuda":
+        busy, exposed = _length(comm), _length(comm) - _overlap(comm, other)
+    else:  # the waits are exposed; the collectives themselves ran on gloo's threads
+        busy, exposed = _length(_merge(comm + other)), _length(other)
+    return busy / wall_us, exposed / wall_us
 
 
 def synchronize(device: torch.device) -> None:
@@ -298,10 +332,13 @@ def main(argv=None) -> int:
     memory, kind = peak_memory_mib(device)
     fraction = None
     if args.profile:
-        fraction = comm_fraction(model, opt, args, dp_rank, device, args.steps)
+        fraction, exposed = comm_fraction(model, opt, args, dp_rank, device, args.steps)
     line = f"rank {rank}: tokens/s {tok_s:,.0f}, peak memory {memory:,.1f} MiB ({kind})"
     if fraction is not None:
-        line += f", communication {100 * fraction:.1f}% of step time"
+        line += (
+            f", communication {100 * fraction:.1f}% of step time "
+            f"({100 * exposed:.1f}% not overlapped)"
+        )
     print(line, flush=True)
     # The loss of the global batch: the mean of the DP ranks' losses (equal-sized shares).
     ends = torch.stack([losses[0], losses[-1]]).float()
@@ -315,6 +352,7 @@ def main(argv=None) -> int:
         print(f"tokens/s: {tok_s:.1f}")
         if fraction is not None:
             print(f"comm fraction: {fraction:.4f}")
+            print(f"exposed comm fraction: {exposed:.4f}")
         if not args.no_compile:
             breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
             print(f"graphs compiled: {counter.frame_count} (blocks share one when their guards "

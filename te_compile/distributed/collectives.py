@@ -194,7 +194,11 @@ class _Scatter(torch.autograd.Function):
                 f"te_compile.distributed.scatter: dim {dim} of the tensor ({x.shape[dim]}) must "
                 f"be divisible by the group size ({size})"
             )
-        return x.chunk(size, dim)[rank].contiguous()
+        # A copy, never a view of ``x``: AOTAutograd regenerates an output that aliases an input
+        # as a view outside the compiled graph, and the gradient then skips this backward (the
+        # all-gather): wrong input gradients under torch.compile with NCCL on torch 2.11 (4x H200,
+        # 2026-11-22). ``contiguous()`` returns the view itself for a dim-0 chunk.
+        return x.chunk(size, dim)[rank].clone(memory_format=torch.contiguous_format)
 
     @staticmethod
     def backward(ctx, grad: Tensor):

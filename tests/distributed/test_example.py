@@ -44,7 +44,9 @@ def test_compiled_tensor_and_sequence_parallel_with_profile():
     first, last = (float(v) for v in re.search(r"loss: (\S+) -> (\S+)", stdout).groups())
     assert last < first
     assert float(report(stdout, "tokens/s")) > 0
-    assert 0 < float(report(stdout, "comm fraction")) < 1
+    busy = float(report(stdout, "comm fraction"))
+    assert 0 < busy < 1
+    assert 0 < float(report(stdout, "exposed comm fraction")) <= busy
     for rank in range(2):
         assert re.search(rf"^rank {rank}: tokens/s [\d,]+, peak memory [\d,.]+ MiB", stdout, re.M)
 
@@ -79,3 +81,15 @@ def test_bad_mesh_is_reported():
     args = example.parse_args([*TINY, "--tp", "2", "--vocab", "101"])
     with pytest.raises(SystemExit, match=r"--vocab \(101\) must be divisible by --tp \(2\)"):
         example.check_args(args, world=2)
+
+
+def test_comm_fraction_interval_arithmetic():
+    """Concurrent collectives count once (their union), and the exposed part is what no other
+    kernel overlaps: a sum of kernel times exceeded the wall time on 4 GPUs."""
+    example = load_script("tensor_parallel_example", SCRIPT)
+    comm = example._merge([(0, 4), (2, 6), (10, 12), (11, 11.5)])
+    assert comm == [(0, 6), (10, 12)]
+    assert example._length(comm) == 8
+    other = example._merge([(5, 11), (1, 2)])
+    assert example._overlap(comm, other) == 1 + 1 + 1  # (1, 2), (5, 6), (10, 11)
+    assert example._overlap(comm, []) == 0

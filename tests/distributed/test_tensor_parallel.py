@@ -198,8 +198,10 @@ def _collectives(rank, group, device, compiled):
     torch.autograd.backward([outs[n] for n in cases], [grads[n][rank] for n in cases])
     for name, (_, _, _, out, grad) in cases.items():
         # float64 sums of more than two ranks' tensors depend on the order of the additions
-        torch.testing.assert_close(outs[name], out(xs), msg=name)
-        torch.testing.assert_close(inputs[name].grad, grad(grads[name]), msg=name)
+        torch.testing.assert_close(outs[name], out(xs), msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            inputs[name].grad, grad(grads[name]), msg=lambda m, n=name: f"{n} gradient: {m}"
+        )
 
 
 def _eager_worker(rank, group, backend):
