@@ -5,7 +5,7 @@
 #   bash bench/run_gpu.sh tests:functional      # one part of the suite (tests/functional)
 #   bash bench/run_gpu.sh activation mlp demo   # ...
 #
-# Steps: tests, tests:<part>, tune_norm (diagnostics), demo, fp8_loss (train_gpt 300 steps per
+# Steps: tests, tests:<part>, tune_norm and loss_diag (diagnostics), demo, fp8_loss (train_gpt 300 steps per
 # FP8 recipe), linear, overhead, norm, activation, mlp, grouped, fp8, ops (default: all but
 # tune_norm and fp8_loss, in that order; split them over calls to stay inside the 10-minute limit
 # of one call). Each step writes one log and its bench its .md/.json
@@ -60,6 +60,27 @@ for step in "${steps[@]}"; do
         echo "$r: $(grep -E '^(final val loss|graph breaks)' "$OUT/fp8_loss_$r.log" | tr -s ' ' \
           | paste -sd ';')"
       done | tee "$OUT/fp8_loss.log" ;;
+    loss_diag)  # issue 5's bf16 loss question: per-parameter gradient errors against float64,
+                # then 300-step runs of train_gpt in variants side by side (one GPU)
+      python3 -m bench.diag_gpt_grads --out "$OUT" 2>&1 | tail -12
+      tg=(examples/train_gpt.py --steps 300 --sample-chars 0)
+      declare -A variants=(
+        [bf16]="" [fp32]="--dtype float32" [current]="--recipe current"
+        [current_fp32]="--recipe current --dtype float32" [bf16_eager]="--no-compile"
+      )
+      for v in "${!variants[@]}"; do
+        python3 "${tg[@]}" ${variants[$v]} > "$OUT/loss_diag_$v.log" 2>&1 &
+      done
+      python3 -c "import runpy, sys, torch
+torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+sys.argv = ['train_gpt.py', *sys.argv[1:]]
+runpy.run_path('examples/train_gpt.py', run_name='__main__')" "${tg[@]:1}" \
+        > "$OUT/loss_diag_bf16_no_reduced_precision.log" 2>&1 &
+      wait
+      for f in "$OUT"/loss_diag_*.log; do
+        echo "$(basename "$f" .log): $(grep -E '^(final val loss|graph breaks)' "$f" \
+          | tr -s ' ' | paste -sd ';')"
+      done | tee "$OUT/loss_diag.log" ;;
     tune_norm) python3 -m bench.tune_norm 2>&1 | tee "$OUT/tune_norm.log" ;;
     linear|overhead|norm|activation|mlp|grouped|fp8|ops)
       python3 -m "bench.bench_$step" --out "$OUT" --no-chart ${BENCH_ARGS:-} 2>&1 \
