@@ -183,7 +183,12 @@ def _pad_rows(t2: Tensor) -> Tensor:
 
 
 def _gemm(a: Tensor, b_t: Tensor, sa: Tensor, sb: Tensor, out_dtype, bias=None) -> Tensor:
-    """``(sa a) @ (sb b_t.t())^T``... i.e. ``a @ b`` with ``b = b_t.t()`` column-major."""
+    """``(sa a) @ (sb b_t.t())^T``... i.e. ``a @ b`` with ``b = b_t.t()`` column-major.
+    ``torch._scaled_mm`` takes a bias only for a bf16/fp16 output; for fp32 (float32
+    parameters) the bias is added to the fp32 result, which is the same sum."""
+    if bias is not None and out_dtype is torch.float32:
+        out = torch._scaled_mm(a, b_t.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+        return out.add_(bias)
     return torch._scaled_mm(a, b_t.t(), scale_a=sa, scale_b=sb, bias=bias, out_dtype=out_dtype)
 
 
@@ -339,6 +344,12 @@ def _samples(device: torch.device):
     yield SampleInput(
         (t(16, 32, dtype=torch.float32), t(16, 32, dtype=torch.float32), None,
          torch.zeros(16, 32, device=device), None, None, "current", e4m3, e4m3)
+    )  # fmt: skip
+    # float32 with a bias: _scaled_mm refuses a bias with an fp32 output (added after it).
+    f32 = torch.float32
+    yield SampleInput(
+        (t(16, 32, dtype=f32), t(32, 32, dtype=f32), t(32, dtype=f32), None, None, None,
+         "current", e4m3, e5m2)
     )  # fmt: skip
 
 
