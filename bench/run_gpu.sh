@@ -49,14 +49,18 @@ for step in "${steps[@]}"; do
         | tee "$OUT/tests_${part//\//_}.log" | tail -25 ;;
     demo) timeout 240 python3 examples/train_gpt.py 2>&1 | tr '\r' '\n' | grep -v "it/s\]$" \
             | tee "$OUT/demo.log" | tail -12 ;;
-    fp8_loss)  # issue 5: examples/train_gpt.py 300 steps per native recipe, run side by side
-      recipes=(none current delayed block)
-      for r in "${recipes[@]}"; do
+    fp8_loss)  # issue 5: examples/train_gpt.py 300 steps per native recipe, run side by side,
+               # with bf16 parameters and with fp32 master weights + bf16 autocast ("amp")
+      runs=()
+      for r in none current delayed block; do
         python3 examples/train_gpt.py --steps 300 --recipe $r --sample-chars 0 \
           > "$OUT/fp8_loss_$r.log" 2>&1 &
+        python3 examples/train_gpt.py --steps 300 --recipe $r --sample-chars 0 \
+          --dtype float32 --autocast bfloat16 > "$OUT/fp8_loss_amp_$r.log" 2>&1 &
+        runs+=("$r" "amp_$r")
       done
       wait
-      for r in "${recipes[@]}"; do
+      for r in "${runs[@]}"; do
         echo "$r: $(grep -E '^(final val loss|graph breaks)' "$OUT/fp8_loss_$r.log" | tr -s ' ' \
           | paste -sd ';')"
       done | tee "$OUT/fp8_loss.log" ;;

@@ -35,6 +35,7 @@ Usage::
     python examples/train_gpt.py --steps 50 --layers 1 --width 32
     python examples/train_gpt.py --device cuda --dtype float32 --no-compile
     python examples/train_gpt.py --recipe delayed     # FP8 GEMMs in the transformer blocks
+    python examples/train_gpt.py --dtype float32 --autocast bfloat16   # fp32 master weights
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ class GPTConfig:
     normalization: str = "LayerNorm"
     activation: str = "gelu"
     recipe: str = "none"
+    autocast: str | None = None  # torch.autocast dtype name: fp32 master weights, bf16 math
 
 
 class CausalSelfAttention(nn.Module):
@@ -178,10 +180,12 @@ class GPT(nn.Module):
         # logits hurt), and so does evaluation: sampling feeds prompts of any length, which the
         # per-tensor recipes pad but the block-scaled ones need in multiples of their block.
         fp8 = self.recipe is not None and self.training
-        with te_compile.autocast(enabled=fp8, recipe=self.recipe):
-            for block in self.blocks:
-                x = block(x)
-        logits = self.lm_head(self.ln_f(x))
+        amp = self.cfg.autocast
+        with torch.autocast(idx.device.type, dtype=DTYPES.get(amp), enabled=amp is not None):
+            with te_compile.autocast(enabled=fp8, recipe=self.recipe):
+                for block in self.blocks:
+                    x = block(x)
+            logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
@@ -285,6 +289,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="parameter and activation dtype, passed to te_compile.Linear as params_dtype\n"
         "(default: bfloat16 on CUDA, float32 on CPU)",
     )
+    p.add_argument(
+        "--autocast",
+        choices=("bfloat16",),
+        default=None,
+        help="mixed precision: torch.autocast to this dtype around the model, the parameters\n"
+        "(and AdamW's update) in --dtype (use with --dtype float32: fp32 master weights)",
+    )
     p.add_argument("--steps", type=int, help="training steps")
     p.add_argument("--layers", type=int, help="transformer blocks")
     p.add_argument("--width", type=int, help="model width (embedding dimension)")
@@ -349,6 +360,7 @@ def main(argv=None) -> int:
         normalization=args.normalization,
         activation=args.activation,
         recipe=args.recipe,
+        autocast=args.autocast,
     )
     model = GPT(cfg, dtype, device)
     n_params = sum(p.numel() for p in model.parameters())
@@ -360,6 +372,7 @@ def main(argv=None) -> int:
         f"model: {cfg.layers} layers, width {cfg.width}, {cfg.heads} heads, "
         f"block {cfg.block_size}, {cfg.normalization}, {cfg.activation} MLP, "
         f"{n_params / 1e6:.2f}M params, {args.dtype} on {device}"
+        + (f", autocast {args.autocast}" if args.autocast else "")
     )
     print(f"training: {args.steps} steps of {args.batch_size} x {args.block_size} tokens")
 

@@ -64,6 +64,37 @@ def test_train_gpt_trains_in_fp8_with_delayed_scaling():
     assert float(report(stdout, "final val loss")) < float(report(stdout, "initial val loss"))
 
 
+def test_train_gpt_mixed_precision_with_fp8_compiles_and_learns():
+    stdout = run_train_gpt("--dtype", "float32", "--autocast", "bfloat16", "--recipe", "current")
+    assert "float32 on cpu, autocast bfloat16" in stdout
+    assert report(stdout, "graph breaks") == "0"
+    assert float(report(stdout, "final val loss")) < float(report(stdout, "initial val loss"))
+
+
+@pytest.mark.parametrize("recipe", ["none", "current"])
+def test_train_gpt_autocast_runs_the_blocks_in_bf16_with_fp32_master_weights(recipe):
+    """--autocast bfloat16 with --dtype float32: the te modules compute in bf16 (their outputs
+    are bf16), the parameters and their gradients stay fp32 for AdamW."""
+    import torch
+
+    gpt = load_script("train_gpt_example", TRAIN_GPT)
+    torch.manual_seed(0)
+    cfg = gpt.GPTConfig(
+        vocab_size=37, block_size=16, layers=1, width=32, heads=2, recipe=recipe,
+        autocast="bfloat16",
+    )  # fmt: skip
+    model = gpt.GPT(cfg, torch.float32, torch.device("cpu"))
+    seen = {}
+    for name in ("attn.qkv", "attn.proj", "mlp"):
+        module = model.blocks[0].get_submodule(name)
+        module.register_forward_hook(lambda m, a, out, n=name: seen.update({n: out.dtype}))
+    idx = torch.randint(0, 37, (2, 16))
+    model(idx, idx).backward()
+    assert seen == dict.fromkeys(("attn.qkv", "attn.proj", "mlp"), torch.bfloat16)
+    for name, p in model.named_parameters():
+        assert p.dtype is torch.float32 and p.grad.dtype is torch.float32, name
+
+
 @requires_cuda
 @pytest.mark.parametrize("recipe", ["none", "block"])
 def test_train_gpt_gradients_on_the_gpu_match_float64(recipe):
