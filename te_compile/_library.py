@@ -221,10 +221,32 @@ def _autocast_eligible(t: Any, device_type: str) -> bool:
     )
 
 
-def _autocast_args(args: Sequence[Any], device_type: str) -> tuple[Any, ...]:
-    """Cast floating args the way ``nn.Linear`` is cast under autocast: to the autocast dtype."""
+# Arguments autocast leaves alone: fp32 accumulators and FP8 scaling state. Casting them would
+# hand the op a copy: a write into it (main_grad's wgrad accumulation, grad_amax) would be lost
+# silently, and a delayed scale would be rounded to bf16 (found by train_gpt --autocast bfloat16
+# --recipe delayed, 2026-11-22). Arguments the schema marks as written are kept as well.
+_AUTOCAST_KEEP = frozenset({"main_grad", "scale", "grad_amax", "amax_history"})
+
+
+def _autocast_kept(overload: Any) -> frozenset[int]:
+    """Positions of the arguments of ``overload`` that autocast must not cast."""
+    return frozenset(
+        i
+        for i, arg in enumerate(overload._schema.arguments)
+        if arg.name in _AUTOCAST_KEEP or (arg.alias_info is not None and arg.alias_info.is_write)
+    )
+
+
+def _autocast_args(
+    args: Sequence[Any], device_type: str, keep: frozenset[int] = frozenset()
+) -> tuple[Any, ...]:
+    """Cast floating args the way ``nn.Linear`` is cast under autocast: to the autocast dtype;
+    the positions in ``keep`` (state and written arguments) keep theirs."""
     dtype = torch.get_autocast_dtype(device_type)
-    return tuple(a.to(dtype) if _autocast_eligible(a, device_type) else a for a in args)
+    return tuple(
+        a.to(dtype) if i not in keep and _autocast_eligible(a, device_type) else a
+        for i, a in enumerate(args)
+    )
 
 
 class DifferentiableOp:
@@ -252,6 +274,7 @@ class DifferentiableOp:
         self.sample_inputs, self.reference = sample_inputs, reference
         self._setup_context, self._backward = setup_context, backward
         self._autocast = autocast
+        self._autocast_keep = _autocast_kept(fwd.overload)
         self._layout = _returns_layout(fwd.overload)
         self._single = len(self._layout) == 1 and not self._layout[0]
         self._n_fixed = sum(1 for is_list in self._layout if not is_list)
@@ -272,11 +295,11 @@ class DifferentiableOp:
     def _register_autocast(self, device_type: str) -> None:
         key_name = "Autocast" + torch._C._dispatch_key_for_device(device_type)
         exclude = DispatchKeySet(getattr(DispatchKey, key_name))
-        overload = self.fwd.overload
+        overload, keep = self.fwd.overload, self._autocast_keep
 
         def kernel(*args: Any) -> Any:
             with torch._C._ExcludeDispatchKeyGuard(exclude):
-                return overload(*_autocast_args(args, device_type))
+                return overload(*_autocast_args(args, device_type, keep))
 
         _LIB.impl(self.fwd.name, kernel, key_name)
 
@@ -308,7 +331,7 @@ class DifferentiableOp:
         if self._autocast and torch._C._is_any_autocast_enabled():
             t = _first_tensor(args)
             if t is not None and torch.is_autocast_enabled(t.device.type):
-                args = _autocast_args(args, t.device.type)
+                args = _autocast_args(args, t.device.type, self._autocast_keep)
         if self._native_autograd is not None and self._native_autograd(*args):
             return self.fwd.eager(*args)
         out = self._function.apply(*args)

@@ -91,6 +91,25 @@ def test_autocast_matches_nn_linear(device):
     assert m.weight.grad.dtype == torch.float32
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_main_grad_accumulates_under_autocast(compiled):
+    """Autocast casts the compute arguments, never main_grad: a bf16 copy of it would take
+    the weight gradient and be thrown away (weight.grad None, main_grad unchanged)."""
+    x = torch.randn(4, 16, requires_grad=True)
+    w = torch.randn(8, 16, requires_grad=True)
+    main_grad = torch.zeros(8, 16)
+    fn = lambda x, w, mg: tef.linear(x, w, None, main_grad=mg)  # noqa: E731
+    if compiled:
+        fn = compile_counted(fn)[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = fn(x, w, main_grad)
+    assert y.dtype is torch.bfloat16
+    y.float().sum().backward()
+    assert main_grad.dtype is torch.float32
+    expected = x.detach().bfloat16().double().sum(0).expand(8, 16)  # d(sum y)/dW = 1^T X
+    assert_close(main_grad, expected, torch.float32, reduced=True)
+
+
 def test_outputs_and_saved_tensors_alias_nothing():
     x = torch.randn(4, 8, requires_grad=True)
     w = torch.randn(3, 8, requires_grad=True)

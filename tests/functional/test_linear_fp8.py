@@ -140,3 +140,25 @@ def test_bad_recipe_and_missing_delayed_scale():
         F.linear_fp8(x, w, recipe="mxfp8")
     with pytest.raises(ValueError, match='recipe="delayed" needs scale'):
         F.linear_fp8(x, w, recipe="delayed")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_delayed_scaling_state_keeps_fp32_under_autocast(device):
+    """Under torch.autocast the FP8 op computes from bf16 operands but takes the delayed scale
+    and the gradient-amax buffer as they are (fp32): the amax of the gradient reaches the
+    caller's buffer, and the result equals the op called with bf16 operands directly."""
+    torch.manual_seed(0)
+    x = torch.randn(32, 64, device=device, requires_grad=True)
+    w = torch.randn(48, 64, device=device, requires_grad=True)
+    scale = torch.tensor([64.0, 128.0, 2.0**10], device=device)
+    grad_amax = torch.zeros(1, device=device)
+    grad = torch.randn(32, 48, device=device)
+    kw = dict(recipe="delayed", scale=scale)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        y = F.linear_fp8(x, w, grad_amax=grad_amax, **kw)
+    assert y.dtype is torch.bfloat16
+    y.backward(grad.bfloat16())
+    assert grad_amax.dtype is torch.float32
+    assert grad_amax.item() == grad.bfloat16().abs().max().float().item()
+    expected = F.linear_fp8(x.detach().bfloat16(), w.detach().bfloat16(), **kw)
+    assert torch.equal(y.detach(), expected)
