@@ -68,6 +68,7 @@ __all__ = [
     "amax",
     "dequantize_blockwise",
     "dequantize_tensorwise",
+    "grouped_scale",
     "quantize_blockwise",
     "quantize_current",
     "quantize_tensorwise",
@@ -437,6 +438,43 @@ def _rowwise_kernel(
 
 
 @triton.jit
+def _grouped_scale_kernel(
+    ACC,
+    ROW_SCALE,
+    COL_SCALE,
+    OFFS,
+    OUT,
+    M,
+    N,
+    G,
+    BF16_BITS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """``OUT[m, n] = (fp32(ACC[m, n]) * ROW_SCALE[m]) * COL_SCALE[g(m), n]``, rounded once to
+    ``OUT``'s dtype, where ``g(m)`` is the group of row ``m``: the number of group end offsets
+    ``OFFS[0..G)`` at or below ``m`` (rows past the last offset take the last group)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_rows = rows < M
+    mask = in_rows[:, None] & (cols[None, :] < N)
+    group = tl.zeros([BLOCK_M], dtype=tl.int32)
+    for g in range(G):
+        group += (tl.load(OFFS + g) <= rows).to(tl.int32)
+    group = tl.minimum(group, G - 1)
+    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    acc = tl.load(ACC + offs, mask=mask, other=0.0).to(tl.float32)
+    row_scale = tl.load(ROW_SCALE + rows, mask=in_rows, other=0.0)
+    col_offs = group.to(tl.int64)[:, None] * N + cols[None, :]
+    col_scale = tl.load(COL_SCALE + col_offs, mask=mask, other=0.0)
+    y = acc * row_scale[:, None] * col_scale
+    if BF16_BITS:
+        tl.store(OUT + offs, _to_bf16_bits(y), mask=mask)
+    else:
+        tl.store(OUT + offs, y.to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _delayed_update_kernel(
     HIST,
     SCALE,
@@ -687,6 +725,45 @@ def dequantize_blockwise(
 ) -> Tensor:
     """``fp32(data) * scale_inv`` per ``block_rows x 128`` block of the ``[M, K]`` view."""
     return _dequantize(data, scale_inv, block_rows, out_dtype, config or _DEFAULT)
+
+
+def grouped_scale(
+    acc: Tensor,
+    row_scale: Tensor,
+    col_scale: Tensor,
+    offs: Tensor,
+    out_dtype: torch.dtype,
+    *,
+    block_m: int = 32,
+    block_n: int = 128,
+) -> Tensor:
+    """The scales of a rowwise-scaled grouped GEMM applied to its unscaled output, one pass:
+    ``acc`` ``[M, N]`` (the GEMM of the FP8 values), ``row_scale`` ``[M]`` fp32 (the left
+    operand's, per token row), ``col_scale`` ``[G, N]`` fp32 (the right operand's, per group and
+    output column), ``offs`` ``[G]`` int32 group end offsets along ``M``. Returns
+    ``(fp32(acc) * row_scale[:, None]) * col_scale[group(m)]`` rounded once to ``out_dtype``:
+    the same values as that torch expression with the column scales repeated per row, without
+    its three fp32 ``[M, N]`` temporaries."""
+    m, n = acc.shape
+    groups = col_scale.shape[0]
+    out = torch.empty((m, n), device=acc.device, dtype=out_dtype)
+    bf16_bits = _software(acc.device, _DEFAULT) and out_dtype == torch.bfloat16
+    if m * n and groups:
+        _grouped_scale_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+            acc.contiguous(),
+            row_scale.contiguous(),
+            col_scale.contiguous(),
+            offs.contiguous(),
+            out.view(torch.uint16) if bf16_bits else out,
+            m,
+            n,
+            groups,
+            BF16_BITS=bf16_bits,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            num_warps=4,
+        )
+    return out
 
 
 def delayed_scaling_update(

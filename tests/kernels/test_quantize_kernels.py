@@ -288,3 +288,25 @@ def test_rowwise_kernel_matches_reference(fp8, dtype, shape):
     want_data, want_scale_inv = reference(x, fp8)
     assert_bits_equal(data, want_data)
     assert_bits_equal(scale_inv, want_scale_inv)
+
+
+@pytest.mark.parametrize(
+    "splits", [[9, 0, 20, 3], [40], [0, 0, 17]], ids=["uneven", "one", "leading_empty"]
+)
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_grouped_scale_kernel_matches_the_torch_expression(splits, out_dtype):
+    """The scale pass of the E5M2 grouped GEMM: ``(fp32(acc) * row_scale) * col_scale`` of each
+    row's group, rounded once, bit for bit against the torch expression with the column scales
+    repeated per row (rows cut by the 32 x 128 tile; empty groups; trailing rows past the
+    offsets take the last group, as torch._grouped_mm leaves them)."""
+    torch.manual_seed(len(splits))
+    m, n, groups = sum(splits) + 3, 150, len(splits)
+    acc = (torch.randn(m, n) * 50).to(torch.bfloat16)
+    row_scale = torch.rand(m) * 1e-2 + 1e-4
+    col_scale = torch.rand(groups, n) * 1e-3 + 1e-5
+    offs = torch.tensor(splits).cumsum(0).to(torch.int32)
+    per_row = torch.tensor(splits[:-1] + [splits[-1] + 3])  # the 3 extra rows: last group
+    col = torch.repeat_interleave(col_scale, per_row, dim=0)
+    want = (acc.float() * row_scale[:, None] * col).to(out_dtype)
+    got = kernels.grouped_scale(_dev(acc), _dev(row_scale), _dev(col_scale), _dev(offs), out_dtype)
+    assert_bits_equal(got, want)
