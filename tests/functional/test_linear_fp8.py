@@ -49,6 +49,22 @@ def test_current_scaling_accuracy_against_high_precision(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_float32_parameters_with_a_bias(device):
+    """fp32 operands and a bias: the fp32 GEMM output takes the bias after the GEMM on CUDA
+    (torch._scaled_mm refuses a bias with an fp32 output); the result is the reference's."""
+    x, w = _tensors(device, dtype=torch.float32)
+    b = torch.randn(48, device=device, requires_grad=True)
+    y = F.linear_fp8(x, w, b, recipe="current")
+    assert y.dtype is torch.float32
+    from te_compile.functional.linear_fp8 import linear_fp8_ref
+
+    y_ref = linear_fp8_ref(x.detach().double(), w.detach().double(), b.detach().double())
+    torch.testing.assert_close(y.double(), y_ref, rtol=1e-5, atol=1e-4)
+    y.sum().backward()
+    assert b.grad is not None and torch.equal(b.grad, torch.full_like(b, x.shape[0]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_amaxes_are_reported_forward_and_backward(device):
     x, w = _tensors(device)
     grad_amax = torch.zeros(1, device=device)
