@@ -36,6 +36,9 @@ Kernels:
 * ``_rowwise_kernel``: one scale per row (``fp8_max / amax`` of the row; 1 for a zero or
   non-finite result), for the rowwise-scaled grouped FP8 GEMMs: ``BLOCK_M`` rows per program,
   the amax loop over the row, then the cast loop over it again (a re-read from L2).
+* ``_grouped_scale_kernel``: the row and per-group column scales of a rowwise-scaled grouped GEMM
+  applied to its unscaled bf16 output (the E5M2 grouped dgrad, which runs as a bf16 GEMM of the
+  FP8 values); each row finds its group by counting the group end offsets at or below it.
 * ``_delayed_update_kernel``: delayed scaling's state update (``te::delayed_scaling_update``):
   roll the ``[len, slots]`` amax history by one row, insert the last amaxes, recompute the
   scales, in one program and one launch (the plain-torch version is ~8 tiny kernels).
