@@ -5,10 +5,10 @@
 #   bash bench/run_gpu.sh tests:functional      # one part of the suite (tests/functional)
 #   bash bench/run_gpu.sh activation mlp demo   # ...
 #
-# Steps: tests, tests:<part>, tune_norm and loss_diag (diagnostics), demo, fp8_loss (train_gpt 300 steps per
-# FP8 recipe), linear, overhead, norm, activation, mlp, grouped, fp8, ops (default: all but
-# tune_norm and fp8_loss, in that order; split them over calls to stay inside the 10-minute limit
-# of one call). Each step writes one log and its bench its .md/.json
+# Steps: tests, tests:<part>, tune_norm and loss_diag (diagnostics), demo, fp8_loss (train_gpt
+# 300 steps per FP8 recipe), linear, overhead, norm, activation, mlp, grouped, fp8, ops (default:
+# all but the diagnostics and fp8_loss, in that order; split them over calls to stay inside the
+# 10-minute limit of one call). Each step writes one log and its bench its .md/.json
 # under $OUT (--no-chart), packed into $OUT/results.tgz. Carry `.whl` (expecttest, liger-kernel,
 # torchao, pytest-xdist + execnet: not on the GPU image; bench/README.md). Not in the default
 # list: tp (bench_tp, needs 2 GPUs; TP_ARGS="--mesh 1x1 4x1 2x2 --recipe none current" for more),
