@@ -5,10 +5,10 @@
 #   bash bench/run_gpu.sh tests:functional      # one part of the suite (tests/functional)
 #   bash bench/run_gpu.sh activation mlp demo   # ...
 #
-# Steps: tests, tests:<part>, tune_norm and loss_diag (diagnostics), demo, fp8_loss (train_gpt
-# 300 steps per FP8 recipe), linear, overhead, norm, activation, mlp, grouped, fp8, ops (default:
-# all but the diagnostics and fp8_loss, in that order; split them over calls to stay inside the
-# 10-minute limit of one call). Each step writes one log and its bench its .md/.json
+# Steps: tests, tests:<part>, tune_norm, loss_diag and fp8_loss_seeds (diagnostics), demo,
+# fp8_loss (train_gpt 300 steps per FP8 recipe), linear, overhead, norm, activation, mlp,
+# grouped, fp8, ops (default: all but the diagnostics and fp8_loss, in that order; split them
+# over calls to stay inside the 10-minute limit of one call). Each step writes one log and its bench its .md/.json
 # under $OUT (--no-chart), packed into $OUT/results.tgz. Carry `.whl` (expecttest, liger-kernel,
 # torchao, pytest-xdist + execnet: not on the GPU image; bench/README.md). Not in the default
 # list: tp (bench_tp, needs 2 GPUs; TP_ARGS="--mesh 1x1 4x1 2x2 --recipe none current" for more),
@@ -64,6 +64,26 @@ for step in "${steps[@]}"; do
         echo "$r: $(grep -E '^(final val loss|graph breaks)' "$OUT/fp8_loss_$r.log" | tr -s ' ' \
           | paste -sd ';')"
       done | tee "$OUT/fp8_loss.log" ;;
+    fp8_loss_seeds)  # issue 5's open loss gap (fp32 master weights): seed spread of none and
+                     # current, and current / delayed with the FP8 GEMMs emulated in fp32
+      amp=(examples/train_gpt.py --steps 300 --sample-chars 0 --dtype float32 --autocast bfloat16)
+      runs=()
+      for seed in 1337 1 2; do
+        for r in none current; do
+          python3 "${amp[@]}" --recipe $r --seed $seed > "$OUT/fp8_seed_${r}_$seed.log" 2>&1 &
+          runs+=("${r}_$seed")
+        done
+      done
+      for r in current delayed; do
+        TE_COMPILE_EMULATE_FP8_GEMM=1 python3 "${amp[@]}" --recipe $r \
+          > "$OUT/fp8_seed_${r}_emulated.log" 2>&1 &
+        runs+=("${r}_emulated")
+      done
+      wait
+      for r in "${runs[@]}"; do
+        echo "$r: $(grep -E '^(final val loss|graph breaks)' "$OUT/fp8_seed_$r.log" \
+          | tr -s ' ' | paste -sd ';')"
+      done | tee "$OUT/fp8_loss_seeds.log" ;;
     loss_diag)  # issue 5's bf16 loss question: per-parameter gradient errors against float64,
                 # then 300-step runs of train_gpt in variants side by side (one GPU)
       python3 -m bench.diag_gpt_grads --out "$OUT" 2>&1 | tail -12

@@ -36,6 +36,8 @@ delayed-scaling update ignores (keeps the old scale) and the caller can check.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
@@ -182,14 +184,29 @@ def _pad_rows(t2: Tensor) -> Tensor:
 # Forward op -----------------------------------------------------------------------------------
 
 
-def _gemm(a: Tensor, b_t: Tensor, sa: Tensor, sb: Tensor, out_dtype, bias=None) -> Tensor:
-    """``(sa a) @ (sb b_t.t())^T``... i.e. ``a @ b`` with ``b = b_t.t()`` column-major.
-    ``torch._scaled_mm`` takes a bias only for a bf16/fp16 output; for fp32 (float32
-    parameters) the bias is added to the fp32 result, which is the same sum."""
+# TE_COMPILE_EMULATE_FP8_GEMM=1: every per-tensor FP8 GEMM runs as an fp32 GEMM of the exact
+# FP8 values with the scales applied after (same quantisation, no FP8 tensor-core arithmetic);
+# a diagnostic, to separate the GEMM's arithmetic from the quantisation in a training run.
+_EMULATE = os.environ.get("TE_COMPILE_EMULATE_FP8_GEMM", "0") == "1"
+
+
+def _scaled_mm(a: Tensor, b: Tensor, sa: Tensor, sb: Tensor, out_dtype, bias=None) -> Tensor:
+    """``(sa a) @ (sb b) + bias`` rounded to ``out_dtype`` (``a`` row-major, ``b``
+    column-major, FP8; ``sa`` / ``sb`` one-element fp32 inverse scales). ``torch._scaled_mm``
+    takes a bias only for a bf16/fp16 output; for fp32 (float32 parameters) the bias is added to
+    the fp32 result, which is the same sum."""
+    if _EMULATE:
+        out = (a.float() @ b.float()) * (sa * sb)
+        return (out if bias is None else out + bias.float()).to(out_dtype)
     if bias is not None and out_dtype is torch.float32:
-        out = torch._scaled_mm(a, b_t.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+        out = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
         return out.add_(bias)
-    return torch._scaled_mm(a, b_t.t(), scale_a=sa, scale_b=sb, bias=bias, out_dtype=out_dtype)
+    return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, bias=bias, out_dtype=out_dtype)
+
+
+def _gemm(a: Tensor, b_t: Tensor, sa: Tensor, sb: Tensor, out_dtype, bias=None) -> Tensor:
+    """``(sa a) @ (sb b_t.t())^T``... i.e. ``a @ b`` with ``b = b_t.t()`` column-major."""
+    return _scaled_mm(a, b_t.t(), sa, sb, out_dtype, bias)
 
 
 @op("linear_fp8_fwd")
@@ -263,7 +280,7 @@ def linear_fp8_bwd(
     dinp = _empty(grad_out)
     if need_dgrad:
         # dX [M, K] = dY_8 [M, N] @ W_8 [N, K]; W_8 as column-major = (W_8^T [K, N]).t()
-        dinp = torch._scaled_mm(gq, w_t.t(), scale_a=gs, scale_b=ws, out_dtype=dtype)
+        dinp = _scaled_mm(gq, w_t.t(), gs, ws, dtype)
         dinp = (dinp[:m].clone() if dinp.shape[0] != m else dinp).reshape(
             *grad_out.shape[:-1], w_t.shape[0]
         )
@@ -271,7 +288,7 @@ def linear_fp8_bwd(
     if need_wgrad:
         # dW [N, K] = dY_8^T [N, M] @ X_8 [M, K]; X_8 as column-major = (X_8^T [K, M]).t()
         out_dtype = torch.float32 if main_grad is not None else dtype
-        dw = torch._scaled_mm(gq_t, x_t.t(), scale_a=gs, scale_b=xs, out_dtype=out_dtype)
+        dw = _scaled_mm(gq_t, x_t.t(), gs, xs, out_dtype)
         if main_grad is not None:
             main_grad.add_(dw)
         else:

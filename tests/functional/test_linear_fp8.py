@@ -182,3 +182,25 @@ def test_delayed_scaling_state_keeps_fp32_under_autocast(device):
     assert grad_amax.item() == grad.bfloat16().abs().max().float().item()
     expected = F.linear_fp8(x.detach().bfloat16(), w.detach().bfloat16(), **kw)
     assert torch.equal(y.detach(), expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_emulated_gemms_match_the_scaled_mm_ones(device, monkeypatch):
+    """TE_COMPILE_EMULATE_FP8_GEMM=1 (the diagnostic switch): the three GEMMs as fp32 GEMMs of
+    the same FP8 values give the same output and gradients as torch._scaled_mm, to fp32
+    accumulation-order error on the CPU (and Hopper's FP8 accumulation on CUDA)."""
+    import importlib
+
+    mod = importlib.import_module("te_compile.functional.linear_fp8")
+    x, w = _tensors(device)
+    b = torch.randn(48, device=device, dtype=torch.bfloat16, requires_grad=True)
+    runs = []
+    for emulate in (False, True):
+        monkeypatch.setattr(mod, "_EMULATE", emulate)
+        for t in (x, w, b):
+            t.grad = None
+        y = F.linear_fp8(x, w, b, recipe="current")
+        y.backward(torch.ones_like(y))
+        runs.append([t.detach().float() for t in (y, x.grad, w.grad, b.grad)])
+    for native, emulated in zip(*runs, strict=True):
+        torch.testing.assert_close(emulated, native, rtol=2e-2, atol=2e-2)
