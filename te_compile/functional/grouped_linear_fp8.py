@@ -264,7 +264,15 @@ def _gemm_grouped(
 def _quantize_weight_dgrad(weight: Tensor, fwd_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """``weight`` ``[G, N, K]`` quantised per (group, input column), amax over ``N``: data
     transposed to ``[G, K, N]`` (row-major along ``N``, the dgrad GEMM's contraction dim) and
-    inverse scales ``[G, K]``."""
+    inverse scales ``[G, K]``. CUDA: one Triton kernel reads ``weight`` along ``K`` and writes
+    the FP8 data transposed (``kernels.quantize.quantize_columnwise_transposed``, bit-identical
+    to the path below: the kernel tests check it); the path below first copies the transposed
+    bf16 weight (a strided copy: most likely the 0.5 ms element-wise kernel of the H100 profile,
+    2026-11-22)."""
+    if weight.is_cuda and weight.dtype in _HIGH:
+        from te_compile.kernels import quantize
+
+        return quantize.quantize_columnwise_transposed(weight, fwd_dtype)
     data, scale_inv = quantize_rowwise(weight.transpose(1, 2), fwd_dtype)  # along N, last
     return data.contiguous(), scale_inv
 

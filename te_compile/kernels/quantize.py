@@ -36,6 +36,9 @@ Kernels:
 * ``_rowwise_kernel``: one scale per row (``fp8_max / amax`` of the row; 1 for a zero or
   non-finite result), for the rowwise-scaled grouped FP8 GEMMs: ``BLOCK_M`` rows per program,
   the amax loop over the row, then the cast loop over it again (a re-read from L2).
+* ``_columnwise_kernel``: the same per-slice quantisation along the *rows* of each matrix of a
+  ``[B, N, K]`` tensor (one scale per column), stored transposed ``[B, K, N]``: the grouped
+  dgrad's weight copy without a strided transpose of the high-precision weight first.
 * ``_grouped_scale_kernel``: the row and per-group column scales of a rowwise-scaled grouped GEMM
   applied to its unscaled bf16 output (the E5M2 grouped dgrad, which runs as a bf16 GEMM of the
   FP8 values); each row finds its group by counting the group end offsets at or below it.
@@ -73,6 +76,7 @@ __all__ = [
     "dequantize_tensorwise",
     "grouped_scale",
     "quantize_blockwise",
+    "quantize_columnwise_transposed",
     "quantize_current",
     "quantize_tensorwise",
 ]
@@ -441,6 +445,51 @@ def _rowwise_kernel(
 
 
 @triton.jit
+def _columnwise_kernel(
+    X,
+    DATA_T,
+    SCALE_INV,
+    N,
+    K,
+    fp8_max,
+    E4M3: tl.constexpr,
+    MBITS: tl.constexpr,
+    BIAS: tl.constexpr,
+    SOFTWARE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Matrix ``pid(0)`` of ``X`` ``[B, N, K]``, columns ``[pid(1) * BLOCK_K, ...)``: the
+    ``_rowwise_kernel`` quantisation of each *column* (amax over ``N``), written transposed:
+    ``DATA_T`` ``[B, K, N]``, ``SCALE_INV`` ``[B, K]``. The same bytes as ``_rowwise_kernel`` on
+    ``X.transpose(1, 2)`` made contiguous, without that strided copy: the tiles are read along
+    ``K`` and stored along ``N``."""
+    b = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    in_cols = cols < K
+    src = X + b * N * K
+    acc = tl.zeros([BLOCK_K], dtype=tl.int32)
+    for n0 in range(0, N, BLOCK_N):
+        rows = n0 + tl.arange(0, BLOCK_N)
+        mask = (rows[:, None] < N) & in_cols[None, :]
+        x = tl.load(src + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask, other=0.0)
+        acc = tl.maximum(acc, tl.max(_abs_bits(x.to(tl.float32)), axis=0))
+    amax = acc.to(tl.float32, bitcast=True)
+    scale = tl.where(amax > 0, tl.math.div_rn(fp8_max, tl.where(amax > 0, amax, 1.0)), 1.0)
+    scale = tl.where(tl.abs(scale) < float("inf"), scale, 1.0)
+    dst = DATA_T + b * N * K
+    for n0 in range(0, N, BLOCK_N):
+        rows = n0 + tl.arange(0, BLOCK_N)
+        mask = (rows[:, None] < N) & in_cols[None, :]
+        x = tl.load(src + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask, other=0.0)
+        y = _saturate(x.to(tl.float32) * scale[None, :], fp8_max)
+        q = tl.trans(_to_fp8_bits(y, E4M3, MBITS, BIAS, SOFTWARE))  # [BLOCK_K, BLOCK_N]
+        out = cols.to(tl.int64)[:, None] * N + rows[None, :]
+        tl.store(dst + out, q, mask=in_cols[:, None] & (rows[None, :] < N))
+    tl.store(SCALE_INV + b * K + cols, tl.math.div_rn(1.0, scale), mask=in_cols)
+
+
+@triton.jit
 def _grouped_scale_kernel(
     ACC,
     ROW_SCALE,
@@ -728,6 +777,38 @@ def dequantize_blockwise(
 ) -> Tensor:
     """``fp32(data) * scale_inv`` per ``block_rows x 128`` block of the ``[M, K]`` view."""
     return _dequantize(data, scale_inv, block_rows, out_dtype, config or _DEFAULT)
+
+
+def quantize_columnwise_transposed(
+    x: Tensor, fp8_dtype: torch.dtype, *, block_n: int = 64, block_k: int = 64
+) -> tuple[Tensor, Tensor]:
+    """``(data_t, scale_inv)`` of ``x`` ``[..., N, K]``: every column (a slice along ``N``)
+    cast to ``fp8_dtype`` with its own current scale, the data written transposed,
+    ``[..., K, N]``, and ``scale_inv`` fp32 ``[..., K]``. Bit-identical to
+    ``quantize_rowwise(x.transpose(-2, -1))`` (what a grouped dgrad GEMM's weight copy needs)
+    in one launch, without materialising the transposed high-precision copy."""
+    *lead, n, k = x.shape
+    batch = math.prod(lead)
+    x3 = x.contiguous().view(batch, n, k)
+    data_t = torch.empty((*lead, k, n), device=x.device, dtype=fp8_dtype)
+    scale_inv = torch.empty((*lead, k), device=x.device, dtype=torch.float32)
+    if batch * k == 0:
+        return data_t, scale_inv
+    if n == 0:
+        return data_t, scale_inv.fill_(1.0)  # an empty column: amax 0, scale 1
+    _columnwise_kernel[(batch, triton.cdiv(k, block_k))](
+        x3,
+        _bits(data_t),
+        scale_inv,
+        n,
+        k,
+        _FORMATS[fp8_dtype].max,
+        **_fp8_args(fp8_dtype, _software(x.device, _DEFAULT)),
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=4,
+    )
+    return data_t, scale_inv
 
 
 def grouped_scale(

@@ -310,3 +310,32 @@ def test_grouped_scale_kernel_matches_the_torch_expression(splits, out_dtype):
     want = (acc.float() * row_scale[:, None] * col).to(out_dtype)
     got = kernels.grouped_scale(_dev(acc), _dev(row_scale), _dev(col_scale), _dev(offs), out_dtype)
     assert_bits_equal(got, want)
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(3, 70, 45), (2, 16, 130), (40, 9), (2, 0, 8)])
+def test_columnwise_transposed_kernel_matches_rowwise_of_the_transpose(fp8, dtype, shape):
+    """``quantize_columnwise_transposed(x)`` equals ``quantize_rowwise(x.transpose(-2, -1))`` (the
+    torch definition) bit for bit: tiles cut along N and K (64 x 64), an all-zero column, one
+    holding inf, one NaN, one of subnormal-sized values, a saturating one."""
+    from te_compile.functional.grouped_linear_fp8 import quantize_rowwise as reference
+
+    torch.manual_seed(sum(shape))
+    x = torch.randn(shape) * 3
+    if shape[-2] >= 2 and shape[-1] >= 5:
+        x[..., 0] = 0.0
+        x[..., 3, 1] = float("inf") if shape[-2] > 3 else 0.0
+        x[..., 1, 2] = float("nan")
+        x[..., 3] = torch.randn(x[..., 3].shape) * 1e-30
+        x[..., -1, 4] = 1e6
+    x = x.to(dtype)
+    data_t, scale_inv = kernels.quantize_columnwise_transposed(_dev(x), fp8)
+    if shape[-2] == 0:  # empty columns: amax 0, scale 1 (torch's amax refuses an empty dim)
+        assert data_t.shape == (*shape[:-2], shape[-1], 0)
+        assert torch.equal(scale_inv.cpu(), torch.ones(*shape[:-2], shape[-1]))
+        return
+    want_data, want_scale_inv = reference(x.transpose(-2, -1).contiguous(), fp8)
+    assert data_t.shape == want_data.shape
+    assert_bits_equal(data_t, want_data)
+    assert_bits_equal(scale_inv, want_scale_inv)
