@@ -252,11 +252,18 @@ def _gemm_grouped(
             aq, bq.transpose(-2, -1), sa, sb, offs=offs, out_dtype=torch.bfloat16
         )
     bf16 = torch.bfloat16
-    acc = torch._grouped_mm(aq.to(bf16), bq.to(bf16).transpose(-2, -1), offs=offs)
-    if acc.is_cuda:
+    if aq.is_cuda:
         from te_compile.kernels import quantize
 
+        # The FP8 values as bf16 (exact) by the dequantisation kernel with scale 1: torch's
+        # fp8 -> bf16 cast runs an unvectorised kernel (most likely the 0.41 ms of
+        # unrolled_elementwise_kernel for two such casts in the H100 profile, 2026-11-22).
+        one = torch.ones(1, device=aq.device)
+        a = quantize.dequantize_tensorwise(aq, one, bf16)
+        b = quantize.dequantize_tensorwise(bq, one, bf16)
+        acc = torch._grouped_mm(a, b.transpose(-2, -1), offs=offs)
         return quantize.grouped_scale(acc, sa, sb, offs, bf16)
+    acc = torch._grouped_mm(aq.to(bf16), bq.to(bf16).transpose(-2, -1), offs=offs)
     col = torch.repeat_interleave(sb, splits, dim=0, output_size=aq.shape[0])
     return (acc.float() * sa[:, None] * col).to(bf16)
 
