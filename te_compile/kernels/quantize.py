@@ -164,6 +164,15 @@ def _scale_from_amax(amax, fp8_max, eps, POW2: tl.constexpr):
 
 
 @triton.jit
+def _slice_scale(amax_bits, fp8_max):
+    """Current scale of a row or column from its amax (``_abs_bits`` max): ``fp8_max / amax``
+    correctly rounded where ``amax > 0``, else 1, and 1 where that is not finite."""
+    amax = amax_bits.to(tl.float32, bitcast=True)
+    scale = tl.where(amax > 0, tl.math.div_rn(fp8_max, tl.where(amax > 0, amax, 1.0)), 1.0)
+    return tl.where(tl.abs(scale) < float("inf"), scale, 1.0)
+
+
+@triton.jit
 def _saturate(y, fp8_max):
     return tl.clamp(y, -fp8_max, fp8_max, propagate_nan=tl.PropagateNan.ALL)
 
@@ -432,9 +441,7 @@ def _rowwise_kernel(
         mask = in_rows[:, None] & (cols[None, :] < K)
         x = tl.load(X + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         acc = tl.maximum(acc, tl.max(_abs_bits(x), axis=1))
-    amax = acc.to(tl.float32, bitcast=True)
-    scale = tl.where(amax > 0, tl.math.div_rn(fp8_max, tl.where(amax > 0, amax, 1.0)), 1.0)
-    scale = tl.where(tl.abs(scale) < float("inf"), scale, 1.0)
+    scale = _slice_scale(acc, fp8_max)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         mask = in_rows[:, None] & (cols[None, :] < K)
@@ -474,9 +481,7 @@ def _columnwise_kernel(
         mask = (rows[:, None] < N) & in_cols[None, :]
         x = tl.load(src + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask, other=0.0)
         acc = tl.maximum(acc, tl.max(_abs_bits(x.to(tl.float32)), axis=0))
-    amax = acc.to(tl.float32, bitcast=True)
-    scale = tl.where(amax > 0, tl.math.div_rn(fp8_max, tl.where(amax > 0, amax, 1.0)), 1.0)
-    scale = tl.where(tl.abs(scale) < float("inf"), scale, 1.0)
+    scale = _slice_scale(acc, fp8_max)
     dst = DATA_T + b * N * K
     for n0 in range(0, N, BLOCK_N):
         rows = n0 + tl.arange(0, BLOCK_N)
