@@ -339,7 +339,10 @@ def main(argv=None) -> int:
             f", communication {100 * fraction:.1f}% of step time "
             f"({100 * exposed:.1f}% not overlapped)"
         )
-    print(line, flush=True)
+    # One write with its newline: with unbuffered stdout print() writes the text and the "\n"
+    # separately, and another rank's line could land between them (seen in CI, 2026-11-22).
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
     # The loss of the global batch: the mean of the DP ranks' losses (equal-sized shares).
     ends = torch.stack([losses[0], losses[-1]]).float()
     dist.all_reduce(ends, group=mesh.get_group("dp"))
