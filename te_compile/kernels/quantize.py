@@ -249,6 +249,16 @@ def _to_bf16_bits(y):
     return tl.where((bits & 0x7FFFFFFF) > 0x7F800000, (bits >> 16) | 0x40, rounded).to(tl.uint16)
 
 
+@triton.jit
+def _store_rounded(ptr, y, mask, BF16_BITS: tl.constexpr):
+    """Store fp32 ``y`` rounded once to the output's dtype; ``BF16_BITS``: the output is bf16
+    seen as uint16 and rounded here (the interpreter truncates fp32 to bf16; module docstring)."""
+    if BF16_BITS:
+        tl.store(ptr, _to_bf16_bits(y), mask=mask)
+    else:
+        tl.store(ptr, y.to(ptr.dtype.element_ty), mask=mask)
+
+
 # Kernels -------------------------------------------------------------------------------------
 
 
@@ -407,10 +417,7 @@ def _dequant_kernel(
         s_offs = (rows // BLOCK_ROWS).to(tl.int64)[:, None] * n_kb + (cols // 128)[None, :]
         s = tl.load(SCALE_INV + s_offs, mask=mask, other=0.0)
     y = v * s
-    if BF16_BITS:
-        tl.store(OUT + offs, _to_bf16_bits(y), mask=mask)
-    else:
-        tl.store(OUT + offs, y.to(OUT.dtype.element_ty), mask=mask)
+    _store_rounded(OUT + offs, y, mask, BF16_BITS)
 
 
 @triton.jit
@@ -525,10 +532,7 @@ def _grouped_scale_kernel(
     col_offs = group.to(tl.int64)[:, None] * N + cols[None, :]
     col_scale = tl.load(COL_SCALE + col_offs, mask=mask, other=0.0)
     y = acc * row_scale[:, None] * col_scale
-    if BF16_BITS:
-        tl.store(OUT + offs, _to_bf16_bits(y), mask=mask)
-    else:
-        tl.store(OUT + offs, y.to(OUT.dtype.element_ty), mask=mask)
+    _store_rounded(OUT + offs, y, mask, BF16_BITS)
 
 
 @triton.jit
@@ -590,6 +594,13 @@ def _fp8_args(fp8_dtype: torch.dtype, software: bool) -> dict[str, object]:
 
 def _bits(t: Tensor) -> Tensor:
     return t.view(torch.uint8)
+
+
+def _rounded_out(out: Tensor, software: bool) -> tuple[Tensor, bool]:
+    """The output argument of a kernel that ends in ``_store_rounded`` and its ``BF16_BITS``:
+    under software conversion a bf16 output is passed as its uint16 bits."""
+    bf16_bits = software and out.dtype == torch.bfloat16
+    return (out.view(torch.uint16) if bf16_bits else out), bf16_bits
 
 
 def _grid(m: int, k: int, bm: int, bk: int) -> tuple[int, int]:
@@ -743,12 +754,12 @@ def _dequantize(
     q, m, k = _rows(data)
     out = torch.empty(data.shape, device=data.device, dtype=out_dtype)
     software = _software(data.device, cfg)
-    bf16_bits = software and out_dtype == torch.bfloat16
+    out_arg, bf16_bits = _rounded_out(out, software)
     if m * k:
         _dequant_kernel[_grid(m, k, cfg.block_m, cfg.block_k)](
             _bits(q),
             scale_inv.contiguous(),
-            out.view(torch.uint16) if bf16_bits else out,
+            out_arg,
             m,
             k,
             **_fp8_args(data.dtype, software),
@@ -836,14 +847,14 @@ def grouped_scale(
     m, n = acc.shape
     groups = col_scale.shape[0]
     out = torch.empty((m, n), device=acc.device, dtype=out_dtype)
-    bf16_bits = _software(acc.device, _DEFAULT) and out_dtype == torch.bfloat16
+    out_arg, bf16_bits = _rounded_out(out, _software(acc.device, _DEFAULT))
     if m * n and groups:
         _grouped_scale_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
             acc.contiguous(),
             row_scale.contiguous(),
             col_scale.contiguous(),
             offs.contiguous(),
-            out.view(torch.uint16) if bf16_bits else out,
+            out_arg,
             m,
             n,
             groups,
