@@ -64,20 +64,21 @@ for step in "${steps[@]}"; do
         echo "$r: $(grep -E '^(final val loss|graph breaks)' "$OUT/fp8_loss_$r.log" | tr -s ' ' \
           | paste -sd ';')"
       done | tee "$OUT/fp8_loss.log" ;;
-    fp8_loss_seeds)  # issue 5's open loss gap (fp32 master weights): seed spread of none and
-                     # current, and current / delayed with the FP8 GEMMs emulated in fp32
+    fp8_loss_seeds)  # issue 5's loss criterion over seeds (fp32 master weights + bf16 autocast):
+                     # none and current for three seeds, delayed and block for the default one;
+                     # LOSS_ARGS (e.g. "--lr 2e-3") is added to every run
       amp=(examples/train_gpt.py --steps 300 --sample-chars 0 --dtype float32 --autocast bfloat16)
       runs=()
       for seed in 1337 1 2; do
         for r in none current; do
-          python3 "${amp[@]}" --recipe $r --seed $seed > "$OUT/fp8_seed_${r}_$seed.log" 2>&1 &
+          python3 "${amp[@]}" --recipe $r --seed $seed ${LOSS_ARGS:-} \
+            > "$OUT/fp8_seed_${r}_$seed.log" 2>&1 &
           runs+=("${r}_$seed")
         done
       done
-      for r in current delayed; do
-        TE_COMPILE_EMULATE_FP8_GEMM=1 python3 "${amp[@]}" --recipe $r \
-          > "$OUT/fp8_seed_${r}_emulated.log" 2>&1 &
-        runs+=("${r}_emulated")
+      for r in delayed block; do
+        python3 "${amp[@]}" --recipe $r ${LOSS_ARGS:-} > "$OUT/fp8_seed_${r}_1337.log" 2>&1 &
+        runs+=("${r}_1337")
       done
       wait
       for r in "${runs[@]}"; do

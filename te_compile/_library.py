@@ -225,7 +225,18 @@ def _autocast_eligible(t: Any, device_type: str) -> bool:
 # hand the op a copy: a write into it (main_grad's wgrad accumulation, grad_amax) would be lost
 # silently, and a delayed scale would be rounded to bf16 (found by train_gpt --autocast bfloat16
 # --recipe delayed, 2026-11-22). Arguments the schema marks as written are kept as well.
-_AUTOCAST_KEEP = frozenset({"main_grad", "scale", "grad_amax", "amax_history"})
+_AUTOCAST_KEEP = frozenset(
+    {
+        "main_grad",
+        "scale",
+        "grad_amax",
+        "amax_history",
+        "scale1",
+        "scale2",
+        "grad_amax1",
+        "grad_amax2",
+    }
+)
 
 
 def _autocast_kept(overload: Any) -> frozenset[int]:

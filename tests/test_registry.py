@@ -96,9 +96,17 @@ def test_backward_op_opcheck(name, device):
 # Ops whose CUDA implementation multiplies FP8 operands on tensor cores.
 _FP8_TENSOR_CORE_OPS = {
     "te::linear_fp8_fwd",
+    "te::mlp_fp8_fwd",
     "te::grouped_linear_fp8_fwd",
     "te::linear_block_scaled_fwd",
 }
+
+
+# Ops that quantise an intermediate they compute (te::mlp_fp8 quantises the activation of its
+# first GEMM's output, and the gradient of that activation): the op computes it in fp32, the
+# reference in float64, so a value within an fp32 rounding of an FP8 rounding boundary lands one
+# FP8 step away (seen: one activation code of 1024 on the CPU). Judged like a reduction.
+_REQUANTISING_OPS = {"te::mlp_fp8_fwd"}
 
 
 def _tolerance(name: str, device: str, dtype: torch.dtype) -> dict:
@@ -108,9 +116,12 @@ def _tolerance(name: str, device: str, dtype: torch.dtype) -> dict:
     reduction accumulates in fp32 in its own order before its one rounding, so next to a rounding
     boundary it lands one step away from the rounded float64 result, and where a sum cancels the
     difference is relative to its terms (seen on the H100 for the bf16 GEMM ops, 2026-11-22):
-    two roundings, relative to the largest value. Hopper's FP8 tensor cores accumulate with fewer
+    two roundings, relative to the largest value (so are the ``_REQUANTISING_OPS`` everywhere,
+    at bf16's tolerance). Hopper's FP8 tensor cores accumulate with fewer
     bits than fp32 (partial sums are promoted only every so often; an fp32-output FP8 GEMM was
     5e-3 relative off on the H100): those ops' fp32 results are judged at bf16's tolerance."""
+    if name in _REQUANTISING_OPS and dtype == torch.float32:
+        return {"dtype": torch.bfloat16, "roundings": 2, "reduced": True}
     if torch.device(device).type != "cuda":
         return {"dtype": dtype}
     if name in _FP8_TENSOR_CORE_OPS and dtype == torch.float32:

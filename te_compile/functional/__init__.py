@@ -31,6 +31,8 @@ from te_compile.functional.grouped_linear_fp8 import grouped_linear_fp8
 from te_compile.functional.linear import linear, linear_ref
 from te_compile.functional.linear_block_scaled import linear_block_scaled, native_block_supported
 from te_compile.functional.linear_fp8 import linear_fp8
+from te_compile.functional.mlp_fp8 import FUSED_ACTIVATIONS as FP8_FUSED_ACTIVATIONS
+from te_compile.functional.mlp_fp8 import mlp_fp8
 from te_compile.functional.norm import l2normalization, layernorm, rmsnorm
 from te_compile.functional.quantize_mx import (
     dequantize_mxfp8,
@@ -41,6 +43,7 @@ from te_compile.functional.quantize_mx import (
 
 __all__ = [
     "ACTIVATIONS",
+    "FP8_FUSED_ACTIVATIONS",
     "GATED_ACTIVATIONS",
     "as_splits_tensor",
     "bias_activation",
@@ -68,6 +71,7 @@ __all__ = [
     "linear_block_scaled",
     "linear_fp8",
     "linear_ref",
+    "mlp_fp8",
     "native_block_supported",
     "qgeglu",
     "qgelu",

@@ -143,24 +143,32 @@ class LayerNormMLP(PreNorm):
         tp = self.tp
         ln_out = self._norm(inp, tp, owner)
         fc1_in = tp.column_input(owner, ln_out)
-        fc1_out = _fp8.linear(owner, self.fc1_fp8_meta, fc1_in, self.fc1_weight, None)
-        act = F.bias_activation(fc1_out, self.fc1_bias, self.activation)
         if tp.active:
-            out = _fp8.linear(owner, self.fc2_fp8_meta, act, self.fc2_weight, None)
-            out = tp.row_output(owner, out)
+            out = tp.row_output(owner, self._fc1_act_fc2(owner, fc1_in, None))
             fc2_bias = tp.sequence_parallel_param(owner, self.fc2_bias)
             if fc2_bias is not None and not self.return_bias:
                 out = out + fc2_bias
         else:
             fc2_bias = self.fc2_bias
-            gemm_bias = None if self.return_bias else fc2_bias
-            out = _fp8.linear(owner, self.fc2_fp8_meta, act, self.fc2_weight, gemm_bias)
+            out = self._fc1_act_fc2(owner, fc1_in, None if self.return_bias else fc2_bias)
         extra: tuple[Tensor | None, ...] = ()
         if self.return_bias:
             extra += (fc2_bias,)
         if self.return_layernorm_output:
             extra += (ln_out,)
         return (out, *extra) if extra else out
+
+    def _fc1_act_fc2(self, owner: str, fc1_in: Tensor, fc2_bias: Tensor | None) -> Tensor:
+        """The two GEMMs and the activation: one FP8 op with the activation fused into the
+        quantisations where that applies (``quantization.fp8_gemm.mlp``), else op by op."""
+        metas = (self.fc1_fp8_meta, self.fc2_fp8_meta)
+        w1, b1, w2 = self.fc1_weight, self.fc1_bias, self.fc2_weight
+        out = _fp8.mlp(owner, metas, fc1_in, w1, b1, self.activation, w2, fc2_bias)
+        if out is None:
+            fc1_out = _fp8.linear(owner, self.fc1_fp8_meta, fc1_in, w1, None)
+            act = F.bias_activation(fc1_out, b1, self.activation)
+            out = _fp8.linear(owner, self.fc2_fp8_meta, act, w2, fc2_bias)
+        return out
 
     def extra_repr(self) -> str:
         return (

@@ -39,8 +39,11 @@ from te_compile.quantization.state import AutocastState, get_autocast_state
 
 # TE_COMPILE_NATIVE_BLOCK_GEMM=0: Float8BlockScaling GEMMs emulated even where native ones exist.
 _NATIVE_BLOCK = os.environ.get("TE_COMPILE_NATIVE_BLOCK_GEMM", "1") != "0"
+# TE_COMPILE_FUSED_FP8_MLP=0: LayerNormMLP runs its FP8 GEMMs one by one (te::linear_fp8) instead
+# of te::mlp_fp8 (same bytes; for comparisons).
+_FUSE_MLP = os.environ.get("TE_COMPILE_FUSED_FP8_MLP", "1") != "0"
 
-__all__ = ["MAX_AMAX_HISTORY", "FP8GemmState", "linear", "non_finite_amaxes"]
+__all__ = ["MAX_AMAX_HISTORY", "FP8GemmState", "linear", "mlp", "non_finite_amaxes"]
 
 MAX_AMAX_HISTORY = 1024
 
@@ -94,13 +97,26 @@ class FP8GemmState(nn.Module):
             return _block_scaled(owner, recipe, inp, weight, bias, main_grad)
         fmt = recipe.fp8_format
         kw = {"fwd_dtype": fmt.fwd_dtype, "bwd_dtype": fmt.bwd_dtype, "main_grad": main_grad}
+        scale = self.delayed_scale(owner, state)
+        out, amax = F.linear_fp8(
+            inp,
+            weight,
+            bias,
+            recipe="current" if scale is None else "delayed",
+            scale=scale,
+            grad_amax=self.grad_amax,
+            return_amax=True,
+            **kw,
+        )
+        self.record(amax, state)
+        return out
+
+    def delayed_scale(self, owner: str, state: AutocastState) -> Tensor | None:
+        """None under current scaling; under delayed scaling, fold the last amaxes into the
+        history, recompute the scales and return a copy of them (the ``[3]`` the FP8 ops take)."""
+        recipe = state.recipe
         if recipe.float8_current():
-            out, amax = F.linear_fp8(
-                inp, weight, bias, recipe="current", grad_amax=self.grad_amax, return_amax=True,
-                **kw,
-            )  # fmt: skip
-            self.fwd_amax.copy_(amax)  # not scaling state: kept for non_finite_amaxes()
-            return out
+            return None
         if not recipe.delayed():
             raise NotImplementedError(
                 f"{owner}: the {type(recipe).__name__} recipe is not implemented"
@@ -111,6 +127,7 @@ class FP8GemmState(nn.Module):
                 f"{owner}: DelayedScaling.amax_history_len ({length}) must be <= "
                 f"{MAX_AMAX_HISTORY}, the history these buffers hold"
             )
+        fmt = recipe.fp8_format
         limits = [fmt.max_fwd, fmt.max_fwd, fmt.max_bwd]
         history = self.amax_history[:length]
         # The gradient amax of the last backward is reduced here, when it is folded in (the
@@ -119,18 +136,15 @@ class FP8GemmState(nn.Module):
         torch.ops.te.delayed_scaling_update(
             history, self.scale, last, limits, recipe.margin, recipe.amax_compute_algo
         )
-        out, amax = F.linear_fp8(
-            inp,
-            weight,
-            bias,
-            recipe="delayed",
-            scale=self.scale.clone(),
-            grad_amax=self.grad_amax,
-            return_amax=True,
-            **kw,
-        )
-        self.fwd_amax.copy_(_reduce_amax(amax, state, recipe))
-        return out
+        return self.scale.clone()
+
+    def record(self, amax: Tensor, state: AutocastState) -> None:
+        """Keep the forward's ``[amax(input), amax(weight)]``: delayed scaling folds them into
+        the history at the next forward (reduced over the amax group first); under current
+        scaling they are kept for :func:`non_finite_amaxes`."""
+        if state.recipe.delayed():
+            amax = _reduce_amax(amax, state, state.recipe)
+        self.fwd_amax.copy_(amax)
 
 
 def linear(
@@ -147,6 +161,41 @@ def linear(
     if state.enabled:
         return meta.linear(owner, state, inp, weight, bias, main_grad)
     return F.linear(inp, weight, bias, main_grad=main_grad)
+
+
+def mlp(
+    owner: str,
+    metas: tuple[FP8GemmState, FP8GemmState],
+    inp: Tensor,
+    fc1_weight: Tensor,
+    fc1_bias: Tensor | None,
+    activation: str,
+    fc2_weight: Tensor,
+    fc2_bias: Tensor | None,
+) -> Tensor | None:
+    """``fc2(activation(fc1(inp)))`` as one FP8 op (``te::mlp_fp8_fwd``: the activation and its
+    gradient fused into the quantisations) inside an enabled ``te_compile.autocast`` with a
+    per-tensor recipe (current or delayed scaling) and an element-wise activation; None where
+    that does not apply (the caller runs the GEMMs one by one). ``metas``: the two GEMMs'
+    states, used exactly as two :func:`linear` calls would use them."""
+    state = get_autocast_state()
+    if not state.enabled or activation not in F.FP8_FUSED_ACTIVATIONS or not _FUSE_MLP:
+        return None
+    recipe = state.recipe
+    if not (recipe.float8_current() or recipe.delayed()):
+        return None
+    fc1, fc2 = metas
+    scale1, scale2 = fc1.delayed_scale(owner, state), fc2.delayed_scale(owner, state)
+    fmt = recipe.fp8_format
+    out, amax = F.mlp_fp8(
+        inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation,
+        recipe="current" if scale1 is None else "delayed",
+        fwd_dtype=fmt.fwd_dtype, bwd_dtype=fmt.bwd_dtype, scale1=scale1, scale2=scale2,
+        grad_amax1=fc1.grad_amax, grad_amax2=fc2.grad_amax, return_amax=True,
+    )  # fmt: skip
+    fc1.record(amax[:2], state)
+    fc2.record(amax[2:], state)
+    return out
 
 
 def _block_scaled(owner, recipe, inp, weight, bias, main_grad) -> Tensor:

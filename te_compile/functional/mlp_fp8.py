@@ -1,0 +1,361 @@
+r"""FP8 MLP with per-tensor scaling: ``te::mlp_fp8_fwd`` / ``te::mlp_fp8_bwd``.
+
+.. math::
+    z = X W_1^\top,\quad h = f(z + b_1),\quad Y = h W_2^\top + b_2
+
+with the four GEMMs of :func:`linear_fp8` (forward, dgrad, wgrad of each linear; FP8 through
+``torch._scaled_mm``, E4M3 forward, the gradient format backward) and the same bytes as
+``linear_fp8 -> bias_activation -> linear_fp8``, but one op pair for the whole block, so that the
+activation and its gradient are never written in high precision between two quantisations: on
+CUDA ``kernels.act_quantize`` computes :math:`h` from :math:`z` inside the quantisation of the
+second GEMM's input, and :math:`dz = dh \odot f'(z + b_1)` (with :math:`db_1`) inside the
+quantisation of the first GEMM's gradient. What that saves per step, for ``z`` ``[T, F]``: the
+write and two reads of :math:`h` and of :math:`dz` (current scaling reads :math:`z` twice
+instead; delayed scaling once).
+
+Saved for the backward: the FP8 transposed copies of ``X``, ``W_1``, ``h``, ``W_2`` with their
+inverse scales, and ``z`` (the activation's input, as the unfused path saves it).
+
+Element-wise activations only (gelu, qgelu, relu, srelu, silu); the modules take this path for
+those and the unfused one for gated activations. ``scale1`` / ``scale2`` (delayed scaling,
+``[3]`` each: input, weight, gradient of each GEMM) and the written ``grad_amax1`` /
+``grad_amax2`` are those of ``linear_fp8`` per GEMM; the forward returns ``[amax(X), amax(W_1),
+amax(h), amax(W_2)]``. Token counts that are not multiples of 16 are padded inside the ops, as
+in ``linear_fp8``.
+
+The default (CPU) implementation composes the unfused ops' CPU implementations; the two paths
+are compared bit for bit in the tests (the bias gradient, a sum in another order, closely).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from te_compile._library import SampleInput, differentiable, op
+from te_compile.functional.activation import activation_ref
+from te_compile.functional.linear_fp8 import (
+    _FP8_DTYPES,
+    _HIGH,
+    FP8_RECIPES,
+    _gemm,
+    _pad_rows,
+    _padded,
+    _quantize_both,
+    _scaled_mm,
+    linear_fp8_ref,
+)
+
+__all__ = ["FUSED_ACTIVATIONS", "mlp_fp8", "mlp_fp8_ref"]
+
+FUSED_ACTIVATIONS = ("gelu", "qgelu", "relu", "srelu", "silu")
+
+
+def mlp_fp8_ref(
+    inp: Tensor,
+    fc1_weight: Tensor,
+    fc1_bias: Tensor | None,
+    fc2_weight: Tensor,
+    fc2_bias: Tensor | None,
+    activation: str,
+    fwd_dtype: torch.dtype = torch.float8_e4m3fn,
+    bwd_dtype: torch.dtype = torch.float8_e5m2,
+    scale1: Tensor | None = None,
+    scale2: Tensor | None = None,
+) -> Tensor:
+    """Definition of correctness, differentiable: ``linear_fp8_ref`` twice around the
+    activation reference (in the input's dtype: fp64 in the tests)."""
+    z = linear_fp8_ref(inp, fc1_weight, None, fwd_dtype, bwd_dtype, scale1)
+    h = activation_ref(z, fc1_bias, activation)
+    return linear_fp8_ref(h, fc2_weight, fc2_bias, fwd_dtype, bwd_dtype, scale2)
+
+
+def _check(inp, w1, b1, w2, b2, scale1, scale2, ga1, ga2, activation, recipe, fwd, bwd) -> None:
+    p = "te.mlp_fp8: "
+    if activation not in FUSED_ACTIVATIONS:
+        raise ValueError(p + f"activation must be one of {FUSED_ACTIVATIONS}, got {activation!r}")
+    if recipe not in FP8_RECIPES:
+        raise ValueError(p + f"recipe must be one of {FP8_RECIPES}, got {recipe!r}")
+    if fwd not in _FP8_DTYPES or bwd not in _FP8_DTYPES:
+        raise ValueError(p + f"fwd_dtype/bwd_dtype must be FP8 dtypes, got {fwd}/{bwd}")
+    if inp.dtype not in _HIGH or w1.dtype != inp.dtype or w2.dtype != inp.dtype:
+        raise ValueError(
+            p + f"inp, fc1_weight and fc2_weight must share a float32/bfloat16/float16 dtype, "
+            f"got {inp.dtype}, {w1.dtype}, {w2.dtype}"
+        )
+    if (
+        w1.ndim != 2
+        or w2.ndim != 2
+        or inp.ndim < 1
+        or inp.shape[-1] != w1.shape[1]
+        or w2.shape[1] != w1.shape[0]
+    ):
+        raise ValueError(
+            p + "inp [..., hidden], fc1_weight [ffn, hidden] and fc2_weight [out, ffn] do not "
+            f"match: {list(inp.shape)}, {list(w1.shape)}, {list(w2.shape)}"
+        )
+    if w1.shape[0] % 16 or w1.shape[1] % 16 or w2.shape[0] % 16:
+        raise ValueError(
+            p + f"FP8 GEMMs need hidden ({w1.shape[1]}), ffn ({w1.shape[0]}) and out "
+            f"({w2.shape[0]}) sizes that are multiples of 16"
+        )
+    for name, b, n in (("fc1_bias", b1, w1.shape[0]), ("fc2_bias", b2, w2.shape[0])):
+        if b is not None and (b.shape != (n,) or b.dtype != inp.dtype):
+            raise ValueError(p + f"{name} must be [{n}] of dtype {inp.dtype}")
+    for name, s in (("scale1", scale1), ("scale2", scale2)):
+        if recipe == "delayed" and (s is None or s.shape != (3,)):
+            raise ValueError(p + f'recipe="delayed" needs {name} [3] (input, weight, grad)')
+    for name, g in (("grad_amax1", ga1), ("grad_amax2", ga2)):
+        if g is not None and g.shape != (1,):
+            raise ValueError(p + f"{name} must be [1], got {list(g.shape)}")
+
+
+def _act_quantize(z, bias, grad, activation, fp8_dtype, scale, rows, need_dbias):
+    """``(data, data_t, scale_inv, amax, dbias)`` of the activation of ``z + bias`` (forward) or
+    of its gradient ``grad * f'(z + bias)`` (backward), rows past ``rows`` zero: on CUDA in the
+    fused kernels; elsewhere the unfused ops' implementations (activation, rounded to ``z``'s
+    dtype, zero rows appended, quantised)."""
+    if z.device.type == "cuda":
+        from te_compile.kernels.act_quantize import act_quantize
+
+        return act_quantize(z, bias, grad, activation, fp8_dtype, scale, rows, True, need_dbias)
+    dbias = None
+    if grad is None:
+        v = torch.ops.te.activation_fwd(z[:rows], bias, activation)
+    else:
+        v, dbias = torch.ops.te.activation_bwd(grad[:rows], z[:rows], bias, activation, need_dbias)
+    data, data_t, scale_inv, amax = _quantize_both(_pad_rows(v), fp8_dtype, scale, True)
+    return data, data_t, scale_inv, amax, dbias if need_dbias else None
+
+
+def _u8(t: Tensor) -> Tensor:
+    return t.view(torch.uint8)
+
+
+# Forward op -----------------------------------------------------------------------------------
+
+
+@op("mlp_fp8_fwd")
+def mlp_fp8_fwd(
+    inp: Tensor,
+    fc1_weight: Tensor,
+    fc1_bias: Tensor | None,
+    fc2_weight: Tensor,
+    fc2_bias: Tensor | None,
+    scale1: Tensor | None,
+    scale2: Tensor | None,
+    grad_amax1: Tensor | None,
+    grad_amax2: Tensor | None,
+    activation: str,
+    recipe: str,
+    fwd_dtype: torch.dtype,
+    bwd_dtype: torch.dtype,
+) -> tuple[Tensor, list[Tensor], Tensor]:
+    """``(out, saved, amax)``: ``saved = [X_8^T, s_x^-1, W1_8^T, s_w1^-1, z, h_8^T, s_h^-1,
+    W2_8^T, s_w2^-1]``, ``amax = [amax(X), amax(W1), amax(h), amax(W2)]`` (fp32)."""
+    args = (scale1, scale2, grad_amax1, grad_amax2, activation, recipe, fwd_dtype, bwd_dtype)
+    _check(inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, *args)
+    delayed = recipe == "delayed"
+    x = inp.reshape(-1, inp.shape[-1])
+    m = x.shape[0]
+    dtype = inp.dtype
+    xq, xq_t, xs, xa = _quantize_both(
+        _pad_rows(x), fwd_dtype, scale1[0:1] if delayed else None, True
+    )
+    w1q, w1q_t, w1s, w1a = _quantize_both(
+        fc1_weight, fwd_dtype, scale1[1:2] if delayed else None, True
+    )
+    z = _gemm(xq, w1q, xs, w1s, dtype)
+    hq, hq_t, hs, ha, _ = _act_quantize(
+        z, fc1_bias, None, activation, fwd_dtype, scale2[0:1] if delayed else None, m, False
+    )
+    w2q, w2q_t, w2s, w2a = _quantize_both(
+        fc2_weight, fwd_dtype, scale2[1:2] if delayed else None, True
+    )
+    out = _gemm(hq, w2q, hs, w2s, dtype, fc2_bias)
+    out = out[:m].clone() if out.shape[0] != m else out
+    saved = [_u8(xq_t), xs, _u8(w1q_t), w1s, z, _u8(hq_t), hs, _u8(w2q_t), w2s]
+    amax = torch.cat([xa, w1a, ha, w2a])
+    return out.reshape(*inp.shape[:-1], fc2_weight.shape[0]), saved, amax
+
+
+@mlp_fp8_fwd.register_fake
+def _mlp_fp8_fwd_fake(inp, w1, b1, w2, b2, scale1, scale2, ga1, ga2, activation, recipe, fwd, bwd):
+    _check(inp, w1, b1, w2, b2, scale1, scale2, ga1, ga2, activation, recipe, fwd, bwd)
+    m = _padded(inp.numel() // inp.shape[-1])
+    d, f, n = w1.shape[1], w1.shape[0], w2.shape[0]
+    u8, f32 = torch.uint8, torch.float32
+
+    def scalar():
+        return inp.new_empty(1, dtype=f32)
+
+    saved = [
+        inp.new_empty(d, m, dtype=u8), scalar(), inp.new_empty(d, f, dtype=u8), scalar(),
+        inp.new_empty(m, f), inp.new_empty(f, m, dtype=u8), scalar(),
+        inp.new_empty(f, n, dtype=u8), scalar(),
+    ]  # fmt: skip
+    return inp.new_empty(*inp.shape[:-1], n), saved, inp.new_empty(4, dtype=f32)
+
+
+# Backward op ----------------------------------------------------------------------------------
+
+
+@op("mlp_fp8_bwd", mutates_args=("grad_amax1", "grad_amax2"))
+def mlp_fp8_bwd(
+    grad_out: Tensor,
+    saved: list[Tensor],
+    fc1_bias: Tensor | None,
+    scale1: Tensor | None,
+    scale2: Tensor | None,
+    grad_amax1: Tensor | None,
+    grad_amax2: Tensor | None,
+    activation: str,
+    recipe: str,
+    fwd_dtype: torch.dtype,
+    bwd_dtype: torch.dtype,
+    has_fc2_bias: bool,
+    need_dgrad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(dinp, dfc1_weight, dfc1_bias, dfc2_weight, dfc2_bias)`` (0-element where not
+    computed); writes ``amax(dz)`` / ``amax(dY)`` into ``grad_amax1`` / ``grad_amax2``."""
+    x_t, xs, w1_t, w1s, z, h_t, hs, w2_t, w2s = saved
+    x_t, w1_t, h_t, w2_t = (t.view(fwd_dtype) for t in (x_t, w1_t, h_t, w2_t))
+    delayed = recipe == "delayed"
+    dtype = grad_out.dtype
+    dy = grad_out.reshape(-1, grad_out.shape[-1])
+    m = dy.shape[0]
+    gq, gq_t, gs, ga = _quantize_both(
+        _pad_rows(dy), bwd_dtype, scale2[2:3] if delayed else None, True
+    )
+    if grad_amax2 is not None:
+        grad_amax2.copy_(ga)
+    # fc2: dh [M, F] = dY_8 @ W2_8; dW2 [N, F] = dY_8^T @ h_8
+    dh = _scaled_mm(gq, w2_t.t(), gs, w2s, dtype)
+    dw2 = _scaled_mm(gq_t, h_t.t(), gs, hs, dtype)
+    db2 = dy.float().sum(0).to(dtype) if has_fc2_bias else dy.new_empty(0)
+    dq, dq_t, ds, da, db1 = _act_quantize(
+        z, fc1_bias, dh, activation, bwd_dtype, scale1[2:3] if delayed else None, m,
+        fc1_bias is not None,
+    )  # fmt: skip
+    if grad_amax1 is not None:
+        grad_amax1.copy_(da)
+    # fc1: dX [M, D] = dz_8 @ W1_8; dW1 [F, D] = dz_8^T @ X_8
+    dinp = dy.new_empty(0)
+    if need_dgrad:
+        dinp = _scaled_mm(dq, w1_t.t(), ds, w1s, dtype)
+        dinp = (dinp[:m].clone() if dinp.shape[0] != m else dinp).reshape(
+            *grad_out.shape[:-1], w1_t.shape[0]
+        )
+    dw1 = _scaled_mm(dq_t, x_t.t(), ds, xs, dtype)
+    return dinp, dw1, dy.new_empty(0) if db1 is None else db1, dw2, db2
+
+
+@mlp_fp8_bwd.register_fake
+def _mlp_fp8_bwd_fake(
+    grad_out, saved, fc1_bias, scale1, scale2, ga1, ga2, activation, recipe, fwd_dtype,
+    bwd_dtype, has_fc2_bias, need_dgrad,
+):  # fmt: skip
+    w1_t, w2_t = saved[2], saved[7]
+    d, f, n = w1_t.shape[0], w1_t.shape[1], w2_t.shape[1]
+    empty = grad_out.new_empty(0)
+    dinp = grad_out.new_empty(*grad_out.shape[:-1], d) if need_dgrad else empty
+    db1 = grad_out.new_empty(f) if fc1_bias is not None else grad_out.new_empty(0)
+    db2 = grad_out.new_empty(n) if has_fc2_bias else grad_out.new_empty(0)
+    return dinp, grad_out.new_empty(f, d), db1, grad_out.new_empty(n, f), db2
+
+
+# setup_context + autograd --------------------------------------------------------------------
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    _inp, _w1, b1, _w2, b2, scale1, scale2, ga1, ga2, *config = inputs
+    _out, saved, amax = output
+    ctx.mark_non_differentiable(amax, *saved)
+    ctx.save_for_backward(b1, scale1, scale2, ga1, ga2, *saved)
+    ctx.config, ctx.has_fc2_bias = config, b2 is not None
+
+
+def _backward(ctx, bwd, grad_out, _grad_saved, _grad_amax):
+    b1, scale1, scale2, ga1, ga2, *saved = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    dinp, dw1, db1, dw2, db2 = bwd(
+        grad_out.contiguous(), saved, b1, scale1, scale2, ga1, ga2, *ctx.config,
+        ctx.has_fc2_bias, need[0],
+    )  # fmt: skip
+    return (
+        dinp if need[0] else None,
+        dw1 if need[1] else None,
+        db1 if b1 is not None and need[2] else None,
+        dw2 if need[3] else None,
+        db2 if ctx.has_fc2_bias and need[4] else None,
+        *(None,) * 8,
+    )
+
+
+def _samples(device: torch.device):
+    # float32: a bf16 sample's intermediate roundings (z, h, dh) would move some FP8 codes of
+    # the float64 reference by one step; the bf16 path is checked bit for bit against the
+    # unfused ops in tests/functional/test_mlp_fp8.py.
+    def t(*shape, grad=True):
+        return torch.randn(*shape, device=device, dtype=torch.float32, requires_grad=grad)
+
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+    pending = [torch.zeros(1, device=device), torch.zeros(1, device=device)]
+    yield SampleInput(
+        (t(32, 16), t(64, 16), t(64), t(32, 64), t(32), None, None, *pending, "gelu", "current",
+         e4m3, e5m2)
+    )  # fmt: skip
+    # 10 tokens (padded to 16 inside the ops), no biases, relu, E4M3 gradients.
+    yield SampleInput(
+        (t(2, 5, 32), t(32, 32), None, t(16, 32), None, None, None, None, None, "relu",
+         "current", e4m3, e4m3)
+    )  # fmt: skip
+    s1 = torch.tensor([64.0, 128.0, 2.0], device=device)
+    s2 = torch.tensor([32.0, 64.0, 1.0], device=device)
+    yield SampleInput(
+        (t(2, 16, 16), t(48, 16), t(48), t(16, 48), None, s1, s2, *pending, "silu", "delayed",
+         e4m3, e5m2)
+    )  # fmt: skip
+
+
+def _reference(inp, w1, b1, w2, b2, scale1, scale2, ga1, ga2, activation, recipe, fwd, bwd):
+    delayed = recipe == "delayed"
+    s1, s2 = (scale1, scale2) if delayed else (None, None)
+    return mlp_fp8_ref(inp, w1, b1, w2, b2, activation, fwd, bwd, s1, s2)
+
+
+_mlp_fp8 = differentiable(
+    mlp_fp8_fwd,
+    mlp_fp8_bwd,
+    setup_context=_setup_context,
+    backward=_backward,
+    sample_inputs=_samples,
+    reference=_reference,
+)
+
+
+def mlp_fp8(
+    inp: Tensor,
+    fc1_weight: Tensor,
+    fc1_bias: Tensor | None,
+    fc2_weight: Tensor,
+    fc2_bias: Tensor | None,
+    activation: str = "gelu",
+    *,
+    recipe: str = "current",
+    fwd_dtype: torch.dtype = torch.float8_e4m3fn,
+    bwd_dtype: torch.dtype = torch.float8_e5m2,
+    scale1: Tensor | None = None,
+    scale2: Tensor | None = None,
+    grad_amax1: Tensor | None = None,
+    grad_amax2: Tensor | None = None,
+    return_amax: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """``activation(inp @ fc1_weight.T + fc1_bias) @ fc2_weight.T + fc2_bias`` with FP8 GEMMs and
+    the activation fused into the quantisations (module docstring). ``return_amax=True`` also
+    returns ``[amax(inp), amax(fc1_weight), amax(h), amax(fc2_weight)]``."""
+    out, _saved, amax = _mlp_fp8(
+        inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, scale1, scale2, grad_amax1, grad_amax2,
+        activation, recipe, fwd_dtype, bwd_dtype,
+    )  # fmt: skip
+    return (out, amax) if return_amax else out

@@ -1,0 +1,214 @@
+r"""Triton kernels that quantise an activation, or an activation's gradient, without writing it.
+
+In an FP8 MLP the second GEMM's input is :math:`h = f(z + b)` and the first GEMM's gradient is
+:math:`dz = dh \odot f'(z + b)`. Unfused, each is written in high precision by the activation
+kernel, read back for its amax (current scaling) and read again by the cast. These kernels
+compute :math:`h` (or :math:`dz`) in registers from :math:`z` (and :math:`dh`), round it to the
+model's dtype exactly as the activation kernel's store would, and quantise it per tensor:
+
+* ``_act_amax_kernel`` (current scaling, first pass): the amax of the rounded values, and with
+  ``DBIAS`` the fp32 column sums of the unrounded :math:`dz` (the bias gradient), one row of a
+  ``[row tiles, N]`` buffer per program row (summed afterwards: deterministic, no atomics);
+* ``_act_cast_kernel``: the cast, rowwise and transposed from the same registers (the layouts
+  the forward and backward GEMMs take); with the scale from the first pass's amax (current) or
+  a given one (delayed scaling, one pass: it also folds the amax and the bias-gradient partial
+  sums).
+
+So :math:`h` costs one read of :math:`z` per pass instead of a write and two reads of a
+tensor of its size, and the bytes are those of the unfused ops (activation kernel, then
+``quantize_current`` / ``quantize_tensorwise``): same activation code (``kernels.activation``),
+same rounding, same cast (``kernels.quantize``). Rows ``M <= r < M_OUT`` (the token padding to
+a multiple of 16 the FP8 GEMMs need) are written as zeros and do not enter the amax.
+
+Element-wise activations only (no gated ones). The tensors are ``[M, N]`` contiguous.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from te_compile.kernels.activation import FUNCTION_OF, GATED, _act, _dact
+from te_compile.kernels.quantize import (
+    _FORMATS,
+    QuantizeLaunchConfig,
+    _abs_bits,
+    _bits,
+    _fp8_args,
+    _saturate,
+    _scale_from_amax,
+    _software,
+    _to_bf16_bits,
+    _to_fp8_bits,
+)
+
+__all__ = ["act_quantize"]
+
+# Rounding of the activation to the model's dtype before the cast.
+_ROUND_NONE = 0
+_ROUND_BF16 = 1
+_ROUND_FP16 = 2
+_ROUND = {torch.float32: _ROUND_NONE, torch.bfloat16: _ROUND_BF16, torch.float16: _ROUND_FP16}
+
+
+@triton.jit
+def _round(y, ROUND: tl.constexpr, SOFTWARE: tl.constexpr):
+    """``y`` (fp32) rounded to nearest even to bf16 / fp16 and back (exact fp32 values)."""
+    if ROUND == 1:
+        if SOFTWARE:  # the interpreter truncates fp32 to bf16 (kernels.quantize docstring)
+            y = (_to_bf16_bits(y).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        else:
+            y = y.to(tl.bfloat16).to(tl.float32)
+    elif ROUND == 2:
+        y = y.to(tl.float16).to(tl.float32)
+    return y
+
+
+@triton.jit
+def _tile(
+    Z, B, G, rows, cols, M, N,
+    FN: tl.constexpr, BWD: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ROUND: tl.constexpr, SOFTWARE: tl.constexpr,
+):  # fmt: skip
+    """``(v, r, valid)``: the unrounded fp32 activation (or gradient) of the tile, the value
+    rounded to the model's dtype, and the mask of real elements; 0 outside it."""
+    valid = (rows[:, None] < M) & (cols[None, :] < N)
+    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    a = tl.load(Z + offs, mask=valid, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        a += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    if BWD:
+        g = tl.load(G + offs, mask=valid, other=0.0).to(tl.float32)
+        v = g * _dact(a, FN, 0.0, 0.0)
+    else:
+        v = _act(a, FN, 0.0, 0.0)
+    v = tl.where(valid, v, 0.0)
+    return v, _round(v, ROUND, SOFTWARE), valid
+
+
+@triton.jit
+def _act_amax_kernel(
+    Z, B, G, AMAX_BITS, PART, M, N,
+    FN: tl.constexpr, BWD: tl.constexpr, HAS_BIAS: tl.constexpr, DBIAS: tl.constexpr,
+    ROUND: tl.constexpr, SOFTWARE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    v, r, _ = _tile(Z, B, G, rows, cols, M, N, FN, BWD, HAS_BIAS, ROUND, SOFTWARE)
+    tl.atomic_max(AMAX_BITS, tl.max(tl.max(_abs_bits(r), axis=1), axis=0))
+    if DBIAS:
+        tl.store(PART + pid_m.to(tl.int64) * N + cols, tl.sum(v, axis=0), mask=cols < N)
+
+
+@triton.jit
+def _act_cast_kernel(
+    Z, B, G, SCALE, AMAX_BITS, DATA, DATA_T, SCALE_INV, PART, M, M_OUT, N, fp8_max, eps,
+    FN: tl.constexpr, BWD: tl.constexpr, HAS_BIAS: tl.constexpr, DBIAS: tl.constexpr,
+    ROUND: tl.constexpr, E4M3: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
+    SOFTWARE: tl.constexpr, FROM_AMAX: tl.constexpr, COLUMNWISE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """``_cast_kernel`` of ``kernels.quantize`` with the activation as its load. ``FROM_AMAX``:
+    current scaling (the scale from ``AMAX_BITS``; program (0, 0) writes ``SCALE_INV``); else
+    ``SCALE`` is given and the tile's amax (and, with ``DBIAS``, its column sums) are folded."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    v, x, _ = _tile(Z, B, G, rows, cols, M, N, FN, BWD, HAS_BIAS, ROUND, SOFTWARE)
+    if FROM_AMAX:
+        amax = tl.load(AMAX_BITS).to(tl.float32, bitcast=True)
+        scale = _scale_from_amax(amax, fp8_max, eps, False)
+        if (pid_m == 0) & (pid_n == 0):
+            tl.store(SCALE_INV, tl.math.div_rn(1.0, scale))
+    else:
+        scale = tl.load(SCALE)
+        tl.atomic_max(AMAX_BITS, tl.max(tl.max(_abs_bits(x), axis=1), axis=0))
+        if DBIAS:
+            tl.store(PART + pid_m.to(tl.int64) * N + cols, tl.sum(v, axis=0), mask=cols < N)
+    q = _to_fp8_bits(_saturate(x * scale, fp8_max), E4M3, MBITS, BIAS, SOFTWARE)
+    mask = (rows[:, None] < M_OUT) & (cols[None, :] < N)
+    tl.store(DATA + rows.to(tl.int64)[:, None] * N + cols[None, :], q, mask=mask)
+    if COLUMNWISE:
+        mask_t = (cols[:, None] < N) & (rows[None, :] < M_OUT)
+        offs_t = cols.to(tl.int64)[:, None] * M_OUT + rows[None, :]
+        tl.store(DATA_T + offs_t, tl.trans(q), mask=mask_t)
+
+
+def act_quantize(
+    z: Tensor,
+    bias: Tensor | None,
+    grad: Tensor | None,
+    activation: str,
+    fp8_dtype: torch.dtype,
+    scale: Tensor | None,
+    rows: int,
+    columnwise: bool,
+    need_dbias: bool,
+    *,
+    config: QuantizeLaunchConfig | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+    """Quantise ``activation(z + bias)``, or with ``grad`` its gradient ``grad *
+    activation'(z + bias)``, per tensor, without writing it: ``(data, data_t, scale_inv, amax,
+    dbias)``.
+
+    ``z`` / ``grad``: ``[M_OUT, N]`` contiguous, of the model's dtype (the value is rounded to it
+    before the cast); only the first ``rows`` rows are real, the rest are written as zero codes.
+    ``scale=None``: current scaling (two passes), else the 1-element delayed scale (one pass).
+    ``dbias`` (with ``need_dbias``, backward only): fp32 column sums of the unrounded gradient,
+    cast to ``bias``'s dtype. Arguments are trusted (``functional.mlp_fp8`` checks them)."""
+    if activation not in FUNCTION_OF or activation in GATED:
+        raise ValueError(f"act_quantize: element-wise activation expected, got {activation!r}")
+    cfg = config or QuantizeLaunchConfig()
+    m_out, n = z.shape
+    software = _software(z.device, cfg)
+    data = torch.empty((m_out, n), device=z.device, dtype=fp8_dtype)
+    data_t = z.new_empty((n, m_out) if columnwise else (0,), dtype=fp8_dtype)
+    amax = torch.zeros(1, device=z.device, dtype=torch.float32)
+    scale_inv = torch.empty(1, device=z.device, dtype=torch.float32)
+    grid = (max(triton.cdiv(m_out, cfg.block_m), 1), max(triton.cdiv(n, cfg.block_k), 1))
+    dbias = need_dbias and bias is not None and grad is not None
+    part = z.new_empty((grid[0], n), dtype=torch.float32) if dbias else amax
+    common = {
+        "FN": FUNCTION_OF[activation],
+        "BWD": grad is not None,
+        "HAS_BIAS": bias is not None,
+        "DBIAS": dbias,
+        "ROUND": _ROUND[z.dtype],
+        "BLOCK_M": cfg.block_m,
+        "BLOCK_N": cfg.block_k,
+        "num_warps": cfg.num_warps,
+    }
+    b = z if bias is None else bias
+    g = z if grad is None else grad
+    if scale is None:
+        _act_amax_kernel[grid](
+            z, b, g, amax.view(torch.int32), part, rows, n, SOFTWARE=software, **common
+        )
+    _act_cast_kernel[grid](
+        z,
+        b,
+        g,
+        amax if scale is None else scale.reshape(1),
+        amax.view(torch.int32),
+        _bits(data),
+        _bits(data_t),
+        scale_inv,
+        part,
+        rows,
+        m_out,
+        n,
+        _FORMATS[fp8_dtype].max,
+        0.0,
+        **_fp8_args(fp8_dtype, software),
+        FROM_AMAX=scale is None,
+        COLUMNWISE=columnwise,
+        **common,
+    )
+    if scale is not None:
+        scale_inv = scale.reshape(1).reciprocal()
+    db = part.sum(0).to(bias.dtype) if dbias else None
+    return data, data_t, scale_inv, amax, db

@@ -1,0 +1,184 @@
+"""The FP8 MLP op (``te::mlp_fp8``: the activation and its gradient fused into the FP8
+quantisations) beyond the registry test: the same bytes as the unfused ops
+(``linear_fp8 -> bias_activation -> linear_fp8``) in every output, gradient, amax and written
+gradient amax; LayerNormMLP takes it and matches its op-by-op path; errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import te_compile
+from te_compile import functional as F
+from te_compile.quantization import fp8_gemm
+from tests.utils import DEVICES, assert_bits_equal, assert_close, compile_counted
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _params(device, dtype, d=64, f=128, n=48, bias=True):
+    def t(*shape, std=1.0):
+        return (torch.randn(*shape, device=device) * std).to(dtype).requires_grad_()
+
+    w1, w2 = t(f, d, std=0.2), t(n, f, std=0.1)
+    b1, b2 = (t(f, std=0.5), t(n)) if bias else (None, None)
+    return w1, b1, w2, b2
+
+
+def _unfused(x, w1, b1, w2, b2, act, recipe, s1, s2, ga1, ga2, bwd):
+    z, a1 = F.linear_fp8(
+        x, w1, None, recipe=recipe, scale=s1, grad_amax=ga1, return_amax=True, bwd_dtype=bwd
+    )
+    h = F.bias_activation(z, b1, act)
+    out, a2 = F.linear_fp8(
+        h, w2, b2, recipe=recipe, scale=s2, grad_amax=ga2, return_amax=True, bwd_dtype=bwd
+    )
+    return out, torch.cat([a1, a2])
+
+
+CASES = [
+    pytest.param("gelu", "current", torch.bfloat16, True, E5M2, id="gelu-current-bf16"),
+    pytest.param("silu", "delayed", torch.bfloat16, True, E5M2, id="silu-delayed-bf16"),
+    pytest.param("relu", "current", torch.float32, False, E4M3, id="relu-current-fp32-e4m3"),
+    pytest.param("srelu", "delayed", torch.float16, True, E5M2, id="srelu-delayed-fp16"),
+]
+
+
+@pytest.mark.parametrize("act,recipe,dtype,bias,bwd", CASES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_same_bytes_as_the_unfused_ops(device, act, recipe, dtype, bias, bwd):
+    w1, b1, w2, b2 = _params(device, dtype, bias=bias)
+    x = torch.randn(3, 7, 64, device=device).to(dtype).requires_grad_()  # 21 tokens: padded
+    delayed = recipe == "delayed"
+    s1 = torch.tensor([40.0, 900.0, 2e3], device=device) if delayed else None
+    s2 = torch.tensor([100.0, 2e3, 5e3], device=device) if delayed else None
+    pending = [torch.zeros(1, device=device) for _ in range(4)]
+    out, amax = F.mlp_fp8(
+        x, w1, b1, w2, b2, act, recipe=recipe, bwd_dtype=bwd, scale1=s1, scale2=s2,
+        grad_amax1=pending[0], grad_amax2=pending[1], return_amax=True,
+    )  # fmt: skip
+    ref, ref_amax = _unfused(x, w1, b1, w2, b2, act, recipe, s1, s2, *pending[2:], bwd)
+    assert_bits_equal(out, ref)
+    assert_bits_equal(amax, ref_amax)
+    grad = torch.randn_like(out)
+    params = [p for p in (x, w1, b1, w2, b2) if p is not None]
+    grads = torch.autograd.grad(out, params, grad)
+    ref_grads = torch.autograd.grad(ref, params, grad)
+    assert_bits_equal(pending[0], pending[2])  # amax(dz), written by the backward
+    assert_bits_equal(pending[1], pending[3])  # amax(dY)
+    assert pending[0].item() > 0 and pending[1].item() > 0
+    for p, g, r in zip(params, grads, ref_grads, strict=True):
+        if p is b1 and device != "cpu":
+            # The fused kernel sums the bias gradient in another order than the activation's.
+            assert_close(g, r.double(), dtype=dtype, roundings=2, reduced=True)
+        else:
+            assert_bits_equal(g, r)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiles_without_graph_breaks_and_matches_eager(device):
+    w1, b1, w2, b2 = _params(device, torch.bfloat16)
+    x = torch.randn(32, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+
+    def step(x, w1, b1, w2, b2):
+        out = F.mlp_fp8(x, w1, b1, w2, b2, "gelu")
+        out.float().square().sum().backward()
+        return out.detach()
+
+    compiled, counter = compile_counted(lambda *a: F.mlp_fp8(*a, "gelu"))
+    eager_out = step(x, w1, b1, w2, b2)
+    eager_grads = [t.grad.clone() for t in (x, w1, b1, w2, b2)]
+    for t in (x, w1, b1, w2, b2):
+        t.grad = None
+    out = compiled(x, w1, b1, w2, b2)
+    out.float().square().sum().backward()
+    assert counter.frame_count == 1
+    assert_bits_equal(out, eager_out)
+    for t, g in zip((x, w1, b1, w2, b2), eager_grads, strict=True):
+        assert_close(t.grad, g.double(), dtype=torch.bfloat16, roundings=2, reduced=True)
+
+
+def test_errors_name_the_argument():
+    x, w1, w2 = torch.randn(16, 32), torch.randn(64, 32), torch.randn(16, 64)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        F.mlp_fp8(x, w1, None, w2, None, "swiglu")
+    with pytest.raises(ValueError, match="multiples of 16"):
+        F.mlp_fp8(torch.randn(16, 24), torch.randn(64, 24), None, w2, None, "gelu")
+    with pytest.raises(ValueError, match="do not match"):
+        F.mlp_fp8(x, w1, None, torch.randn(16, 48), None, "gelu")
+    with pytest.raises(ValueError, match="fc1_bias must be"):
+        F.mlp_fp8(x, w1, torch.randn(32), w2, None, "gelu")
+    with pytest.raises(ValueError, match=r"needs scale1 \[3\]"):
+        F.mlp_fp8(x, w1, None, w2, None, "gelu", recipe="delayed")
+    with pytest.raises(ValueError, match="recipe must be one of"):
+        F.mlp_fp8(x, w1, None, w2, None, "gelu", recipe="block")
+
+
+RECIPES = [
+    pytest.param(te_compile.recipe.Float8CurrentScaling, id="current"),
+    pytest.param(te_compile.recipe.DelayedScaling, id="delayed"),
+]
+
+
+@pytest.mark.parametrize("recipe_cls", RECIPES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_layernorm_mlp_takes_the_fused_op_with_the_same_results(device, recipe_cls, monkeypatch):
+    """Three training steps of LayerNormMLP under each per-tensor recipe, fused and op by op
+    (``TE_COMPILE_FUSED_FP8_MLP=0``): the same outputs, gradients and scaling state."""
+    torch.manual_seed(0)
+    kw = {"device": device, "params_dtype": torch.bfloat16}
+    fused = te_compile.LayerNormMLP(64, 128, activation="gelu", **kw)
+    plain = te_compile.LayerNormMLP(64, 128, activation="gelu", **kw)
+    plain.load_state_dict(fused.state_dict())
+    calls = []
+    real = fp8_gemm.F.mlp_fp8
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    results = {}
+    for name, module, fuse in (("fused", fused, True), ("plain", plain, False)):
+        monkeypatch.setattr(fp8_gemm, "_FUSE_MLP", fuse)
+        monkeypatch.setattr(fp8_gemm.F, "mlp_fp8", counted)
+        torch.manual_seed(1)
+        outs = []
+        for _ in range(3):
+            x = torch.randn(2, 24, 64, device=device, dtype=torch.bfloat16)
+            with te_compile.autocast(recipe=recipe_cls()):
+                out = module(x)
+            out.float().square().mean().backward()
+            outs.append(out.detach())
+        grads = [p.grad for p in module.parameters()]
+        results[name] = (outs, grads, [b.clone() for b in module.buffers()])
+    assert len(calls) == 3  # the fused run only
+    for a, b in zip(results["fused"][0], results["plain"][0], strict=True):
+        assert_bits_equal(a, b)
+    for a, b in zip(results["fused"][2], results["plain"][2], strict=True):
+        assert_bits_equal(a, b)
+    for p, a, b in zip(fused.parameters(), results["fused"][1], results["plain"][1], strict=True):
+        if p is fused.fc1_bias and device != "cpu":
+            assert_close(a, b.double(), dtype=torch.bfloat16, roundings=2, reduced=True)
+        else:
+            assert_bits_equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_layernorm_mlp_calls_the_fused_op_only_where_it_applies(device, monkeypatch):
+    seen = []
+    real = fp8_gemm.F.mlp_fp8
+
+    def spy(*args, **kwargs):
+        seen.append(args[5])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fp8_gemm.F, "mlp_fp8", spy)
+    x = torch.randn(16, 32, device=device, dtype=torch.bfloat16)
+    for act in ("gelu", "swiglu"):
+        m = te_compile.LayerNormMLP(
+            32, 64, activation=act, device=device, params_dtype=torch.bfloat16
+        )
+        with te_compile.autocast(recipe=te_compile.recipe.Float8CurrentScaling()):
+            m(x)
+        m(x)  # outside autocast: bf16, no FP8 op
+    assert seen == ["gelu"]

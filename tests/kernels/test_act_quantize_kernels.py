@@ -1,0 +1,102 @@
+"""``te_compile.kernels.act_quantize`` (activation fused into the FP8 per-tensor cast) against
+the unfused kernels: the activation kernel in fp32, rounded to the model's dtype by torch,
+zero rows appended, then the quantisation kernels; bit for bit (data, transposed data, scale,
+amax), the bias gradient closely (a sum in another order).
+
+Run on CUDA, or on CPU tensors with ``TRITON_INTERPRET=1`` (small sizes, small tiles: many
+programs, tiles cut by the ends of the input and by the padding rows).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.utils import TRITON_DEVICE, assert_bits_equal, assert_close, requires_triton
+
+act_q = pytest.importorskip("te_compile.kernels.act_quantize")
+activation = pytest.importorskip("te_compile.kernels.activation")
+quantize = pytest.importorskip("te_compile.kernels.quantize")
+
+pytestmark = [pytest.mark.triton, requires_triton]
+
+SMALL = quantize.QuantizeLaunchConfig(block_m=16, block_k=16)
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _dev(t):
+    return None if t is None else t.to(TRITON_DEVICE)
+
+
+def _unfused(z, bias, grad, act, fp8, scale, rows):
+    """The unfused path: activation (or its gradient) in fp32, rounded once, zero-padded, then
+    ``quantize_current`` / ``quantize_tensorwise``; plus the fp32 bias gradient."""
+    zf = z[:rows].float()
+    bf = None if bias is None else bias.float()
+    dbias = None
+    if grad is None:
+        v = activation.activation_forward(zf, bf, act)
+    else:
+        v, dbias = activation.activation_backward(
+            grad[:rows].float(), zf, bf, act, need_dbias=bias is not None
+        )
+    v = torch.cat([v, v.new_zeros(z.shape[0] - rows, z.shape[1])]).to(z.dtype)
+    if scale is None:
+        data, data_t, scale_inv, amax = quantize.quantize_current(v, fp8, True)
+    else:
+        data, data_t, amax = quantize.quantize_tensorwise(v, scale, fp8, True)
+        scale_inv = scale.reciprocal()
+    return (data, data_t, scale_inv, amax), dbias
+
+
+CASES = [
+    pytest.param("gelu", torch.bfloat16, True, None, id="gelu-bf16-bias-current"),
+    pytest.param("silu", torch.float32, False, 4.0, id="silu-fp32-delayed"),
+    pytest.param("srelu", torch.float16, True, 16.0, id="srelu-fp16-bias-delayed"),
+    pytest.param("qgelu", torch.bfloat16, False, None, id="qgelu-bf16-current"),
+    pytest.param("relu", torch.bfloat16, True, 0.5, id="relu-bf16-bias-delayed"),
+]
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["fwd", "bwd"])
+@pytest.mark.parametrize("act,dtype,has_bias,scale", CASES)
+@pytest.mark.parametrize("config", [None, SMALL], ids=["default", "small"])
+def test_act_quantize_matches_unfused_kernels(act, dtype, has_bias, scale, backward, config):
+    m_out, rows, n = 48, 37, 40
+    z = (torch.randn(m_out, n) * 2).to(dtype)
+    bias = (torch.randn(n) * 0.5).to(dtype) if has_bias else None
+    grad = (torch.randn(m_out, n) * 3).to(dtype) if backward else None
+    s = None if scale is None else torch.tensor([scale])
+    fp8 = E5M2 if backward else E4M3
+    expected, dbias = _unfused(*map(_dev, (z, bias, grad)), act, fp8, _dev(s), rows)
+    *actual, actual_dbias = act_q.act_quantize(
+        *map(_dev, (z, bias, grad)), act, fp8, _dev(s), rows, True, True, config=config
+    )
+    for a, e in zip(actual, expected, strict=True):
+        assert a.device.type == TRITON_DEVICE
+        assert_bits_equal(a, e)
+    if backward and has_bias:
+        assert actual_dbias.dtype == dtype
+        assert_close(actual_dbias, dbias.double(), dtype=dtype)
+    else:
+        assert actual_dbias is None
+
+
+def test_act_quantize_padding_rows_are_zero_and_outside_the_amax():
+    # relu(0 + bias) of a padding row would be the largest value: it must not set the scale.
+    z = torch.zeros(32, 16)
+    bias = torch.full((16,), 100.0)
+    z[:5] = 1.0
+    data, data_t, scale_inv, amax, _ = act_q.act_quantize(
+        _dev(z), _dev(bias), None, "relu", E4M3, None, 5, True, False, config=SMALL
+    )
+    assert amax.item() == 101.0
+    assert scale_inv.item() == pytest.approx(101.0 / 448.0)
+    assert (data.view(torch.uint8)[5:] == 0).all() and (data.view(torch.uint8)[:5] != 0).all()
+    assert torch.equal(data_t.view(torch.uint8), data.view(torch.uint8).t())
+
+
+def test_act_quantize_rejects_gated_activations():
+    z = _dev(torch.zeros(16, 16))
+    with pytest.raises(ValueError, match="element-wise activation"):
+        act_q.act_quantize(z, None, None, "swiglu", E4M3, None, 16, True, False)
