@@ -171,14 +171,10 @@ class TestFP8Graph(expecttest.TestCase):
             """\
 te.layernorm_fwd.default
 auto_functionalized_v2(te.delayed_scaling_update.default)
-te.linear_fp8_fwd.default
-te.activation_fwd.default
 auto_functionalized_v2(te.delayed_scaling_update.default)
-te.linear_fp8_fwd.default
+te.mlp_fp8_fwd.default
 |
-auto_functionalized_v2(te.linear_fp8_bwd.default)
-te.activation_bwd.default
-auto_functionalized_v2(te.linear_fp8_bwd.default)
+auto_functionalized_v2(te.mlp_fp8_bwd.default)
 te.layernorm_bwd.default""",
         )
 
