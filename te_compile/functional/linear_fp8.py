@@ -190,23 +190,28 @@ def _pad_rows(t2: Tensor) -> Tensor:
 _EMULATE = os.environ.get("TE_COMPILE_EMULATE_FP8_GEMM", "0") == "1"
 
 
-def _scaled_mm(a: Tensor, b: Tensor, sa: Tensor, sb: Tensor, out_dtype, bias=None) -> Tensor:
+def _scaled_mm(
+    a: Tensor, b: Tensor, sa: Tensor, sb: Tensor, out_dtype, bias=None, fast_accum=False
+) -> Tensor:
     """``(sa a) @ (sb b) + bias`` rounded to ``out_dtype`` (``a`` row-major, ``b``
     column-major, FP8; ``sa`` / ``sb`` one-element fp32 inverse scales). ``torch._scaled_mm``
     takes a bias only for a bf16/fp16 output; for fp32 (float32 parameters) the bias is added to
-    the fp32 result, which is the same sum."""
+    the fp32 result, which is the same sum. ``fast_accum``: Hopper's FP8 tensor-core accumulation
+    without the periodic promotion to fp32 (faster, less exact; see :func:`_gemm`)."""
     if _EMULATE:
         out = (a.float() @ b.float()) * (sa * sb)
         return (out if bias is None else out + bias.float()).to(out_dtype)
+    kw = {"scale_a": sa, "scale_b": sb, "out_dtype": out_dtype, "use_fast_accum": fast_accum}
     if bias is not None and out_dtype is torch.float32:
-        out = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
-        return out.add_(bias)
-    return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, bias=bias, out_dtype=out_dtype)
+        return torch._scaled_mm(a, b, **kw).add_(bias)
+    return torch._scaled_mm(a, b, bias=bias, **kw)
 
 
 def _gemm(a: Tensor, b_t: Tensor, sa: Tensor, sb: Tensor, out_dtype, bias=None) -> Tensor:
-    """``(sa a) @ (sb b_t.t())^T``... i.e. ``a @ b`` with ``b = b_t.t()`` column-major."""
-    return _scaled_mm(a, b_t.t(), sa, sb, out_dtype, bias)
+    """The forward GEMM, ``a @ b_t.t()`` (``b_t.t()`` is column-major), with fast accumulation:
+    Transformer Engine's default for the forward GEMM (its gradient GEMMs, like ours, promote
+    the partial sums to fp32: a gradient is a long sum of small terms)."""
+    return _scaled_mm(a, b_t.t(), sa, sb, out_dtype, bias, fast_accum=True)
 
 
 @op("linear_fp8_fwd")

@@ -113,13 +113,15 @@ class QuantizeLaunchConfig:
     also the rows per program of a rowwise-only 1x128 blockwise cast (other blockwise casts
     use 128 rows). ``amax_block``: elements per step of the amax reduction. ``amax_programs``:
     at most this many amax programs (None: 4 per SM on CUDA, 4 otherwise). ``software_convert``:
-    integer fp8/bf16 conversion (None: exactly when not on CUDA; see the module docstring)."""
+    integer fp8/bf16 conversion (None: exactly when not on CUDA; see the module docstring).
+    ``block_num_warps``: warps of a blockwise cast with 128-row tiles."""
 
     block_m: int = 64
     block_k: int = 64
     amax_block: int = 4096
     amax_programs: int | None = None
     num_warps: int = 4
+    block_num_warps: int = 8
     software_convert: bool | None = None
 
     def __post_init__(self) -> None:
@@ -739,7 +741,7 @@ def quantize_blockwise(
             COLUMNWISE=columnwise,
             BLOCK_M=block_m,
             BLOCK_K=BLOCK,
-            num_warps=8 if block_m == BLOCK else cfg.num_warps,
+            num_warps=cfg.block_num_warps if block_m == BLOCK else cfg.num_warps,
         )
     return data, scale_inv, data_t, scale_inv_t
 

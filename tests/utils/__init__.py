@@ -193,7 +193,7 @@ def assert_bits_equal(actual, expected):
     """Same dtype, shape and bits (signed zeros count); NaN where ``expected`` is NaN, whatever
     its payload (torch on CPU and the GPU's conversions may encode NaN differently)."""
     assert actual.dtype == expected.dtype and actual.shape == expected.shape
-    actual, expected = actual.detach().cpu().contiguous(), expected.contiguous()
+    actual, expected = actual.detach().cpu().contiguous(), expected.detach().cpu().contiguous()
     nan = expected.float().isnan()
     bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[actual.element_size()]
     differ = (actual.float().isnan() != nan) | (~nan & (actual.view(bits) != expected.view(bits)))
