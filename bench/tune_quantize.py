@@ -47,58 +47,52 @@ def main(m: int = 16384, n: int = 16384) -> None:
         lambda: A.activation_backward(g, z, b, "gelu", need_dbias=True),
         6 * numel,
     )
-    print("cast kernel (quantize_current, quantize_tensorwise), defaults and 64x128 w8:")
-    for cfg in (Q.QuantizeLaunchConfig(), Q.QuantizeLaunchConfig(block_k=128, num_warps=8)):
-        tag = f"{cfg.block_m}x{cfg.block_k} w{cfg.num_warps}"
-        row(
-            f"quantize_current {tag}",
-            lambda cfg=cfg: Q.quantize_current(z, E4M3, True, config=cfg),
-            6 * numel,
-        )
-        row(
-            f"quantize_tensorwise {tag}",
-            lambda cfg=cfg: Q.quantize_tensorwise(z, scale, E4M3, True, config=cfg),
-            4 * numel,
-        )
-    print("act_quantize sweep (block_m x block_k, warps, programs per SM; None: a tile each):")
+    print("sweep (block_m x block_k, warps):")
     results = []
-    for (bm, bk), warps, per_sm in itertools.product(
-        ((64, 64), (64, 128), (128, 64)), (4, 8), (4, 8, None)
-    ):
+    for bm, bk, warps in itertools.product((64, 128), (64, 128), (4, 8)):
         cfg = Q.QuantizeLaunchConfig(block_m=bm, block_k=bk, num_warps=warps)
-        tag = f"{bm}x{bk} w{warps} p{per_sm}"
-
-        def aq(grad, fp8, s, dbias, cfg=cfg, per_sm=per_sm):
-            return AQ.act_quantize(
-                z, b, grad, "gelu", fp8, s, m, True, dbias, config=cfg, programs_per_sm=per_sm
-            )
-
+        tag = f"{bm}x{bk} w{warps}"
         try:
-            t_af = row(f"gelu fwd current {tag}", lambda: aq(None, E4M3, None, False), 6 * numel)
-            t_df = row(f"gelu fwd delayed {tag}", lambda: aq(None, E4M3, scale, False), 4 * numel)
+            t_cur = row(
+                f"quantize_current {tag}",
+                lambda cfg=cfg: Q.quantize_current(z, E4M3, True, config=cfg),
+                6 * numel,
+            )
+            t_del = row(
+                f"quantize_tensorwise {tag}",
+                lambda cfg=cfg: Q.quantize_tensorwise(z, scale, E4M3, True, config=cfg),
+                4 * numel,
+            )
+            t_af = row(
+                f"act_quantize gelu fwd current {tag}",
+                lambda cfg=cfg: AQ.act_quantize(
+                    z, b, None, "gelu", E4M3, None, m, True, False, config=cfg
+                ),
+                6 * numel,
+            )
             t_ab = row(
-                f"gelu bwd current + dbias {tag}", lambda: aq(g, E5M2, None, True), 10 * numel
+                f"act_quantize gelu bwd current + dbias {tag}",
+                lambda cfg=cfg: AQ.act_quantize(
+                    z, b, g, "gelu", E5M2, None, m, True, True, config=cfg
+                ),
+                10 * numel,
             )
             t_ad = row(
-                f"gelu bwd delayed + dbias {tag}", lambda: aq(g, E5M2, scale, True), 6 * numel
+                f"act_quantize gelu bwd delayed + dbias {tag}",
+                lambda cfg=cfg: AQ.act_quantize(
+                    z, b, g, "gelu", E5M2, scale, m, True, True, config=cfg
+                ),
+                6 * numel,
             )
         except Exception as e:  # a tile too large for the registers / shared memory
             print(f"  {tag}: {type(e).__name__}: {str(e)[:80]}")
             continue
-        results.append((t_af + t_ab, t_df + t_ad, tag))
-    print("blockwise 1x128 with the columnwise copy (128x128 tiles), by warps:")
-    for warps in (4, 8, 16):
-        cfg = Q.QuantizeLaunchConfig(block_num_warps=warps)
-        row(
-            f"quantize_blockwise 1x128 columnwise w{warps}",
-            lambda cfg=cfg: Q.quantize_blockwise(z, E4M3, 1, False, True, config=cfg),
-            4 * numel,
+        results.append((t_cur + t_af + t_ab, tag, t_cur, t_del, t_af, t_ab, t_ad))
+    print("best by current (cast + fused fwd + fused bwd):")
+    for total, tag, *ts in sorted(results)[:5]:
+        print(
+            f"  {tag:<12} total {total * 1e3:7.0f} us  " + " ".join(f"{t * 1e3:6.0f}" for t in ts)
         )
-    print("best by current (fused fwd + bwd), then by delayed:")
-    for total, delayed, tag in sorted(results)[:4]:
-        print(f"  {tag:<16} current {total * 1e3:7.0f} us  delayed {delayed * 1e3:7.0f} us")
-    for total, delayed, tag in sorted(results, key=lambda r: r[1])[:4]:
-        print(f"  {tag:<16} current {total * 1e3:7.0f} us  delayed {delayed * 1e3:7.0f} us")
 
 
 if __name__ == "__main__":

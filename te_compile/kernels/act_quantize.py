@@ -6,21 +6,25 @@ kernel, read back for its amax (current scaling) and read again by the cast. The
 compute :math:`h` (or :math:`dz`) in registers from :math:`z` (and :math:`dh`), round it to the
 model's dtype exactly as the activation kernel's store would, and quantise it per tensor:
 
-One kernel, ``_act_quant_kernel``, in two roles: current scaling launches it twice, first for
-the amax of the rounded values (and, backward, the fp32 column sums of the unrounded
-:math:`dz`: the bias gradient, one row of partial sums per program row, summed afterwards:
-deterministic, no atomics), then for the cast, rowwise and transposed from the same registers
-(the layouts the forward and backward GEMMs take) with the scale from that amax; delayed
-scaling launches it once, with the given scale, folding the amax and the partial sums into the
-same pass. Each program walks many row tiles of one column block and does one atomic at the
-end (a tile per program made ~65k same-address atomics at 16384 x 16384, and the amax pass ran
-at half the copy bandwidth on the H100).
+* ``_act_amax_kernel`` (current scaling, first pass): the amax of the rounded values, and with
+  ``DBIAS`` the fp32 column sums of the unrounded :math:`dz` (the bias gradient), one row of a
+  ``[row tiles, N]`` buffer per program row (summed afterwards: deterministic, no atomics);
+* ``_act_cast_kernel``: the cast, rowwise and transposed from the same registers (the layouts
+  the forward and backward GEMMs take); with the scale from the first pass's amax (current) or
+  a given one (delayed scaling, one pass: it also folds the amax and the bias-gradient partial
+  sums).
 
 So :math:`h` costs one read of :math:`z` per pass instead of a write and two reads of a
 tensor of its size, and the bytes are those of the unfused ops (activation kernel, then
 ``quantize_current`` / ``quantize_tensorwise``): same activation code (``kernels.activation``),
 same rounding, same cast (``kernels.quantize``). Rows ``M <= r < M_OUT`` (the token padding to
 a multiple of 16 the FP8 GEMMs need) are written as zeros and do not enter the amax.
+
+One tile per program, as in ``kernels.quantize``. A persistent variant (each program walking
+many row tiles of a column block, one atomic and one partial-sum row at the end) was measured on
+the H100 (``bench/tune_quantize.py``, 2026-11-22) and was slower for current scaling (2.03 ms
+for the forward and backward passes at its best launch against 1.85 ms) and faster only for the
+delayed backward (0.82 ms against 0.86 ms): not kept.
 
 Element-wise activations only (no gated ones). The tensors are ``[M, N]`` contiguous.
 """
@@ -32,7 +36,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from te_compile import kernels
 from te_compile.kernels.activation import FUNCTION_OF, GATED, _act, _dact
 from te_compile.kernels.quantize import (
     _FORMATS,
@@ -92,55 +95,53 @@ def _tile(
 
 
 @triton.jit
-def _act_quant_kernel(
-    Z, B, G, SCALE, AMAX_BITS, DATA, DATA_T, SCALE_INV, PART, M, M_OUT, N, rows_per_program,
-    fp8_max, eps,
+def _act_amax_kernel(
+    Z, B, G, AMAX_BITS, PART, M, N,
+    FN: tl.constexpr, BWD: tl.constexpr, HAS_BIAS: tl.constexpr, DBIAS: tl.constexpr,
+    ROUND: tl.constexpr, SOFTWARE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    v, r, _ = _tile(Z, B, G, rows, cols, M, N, FN, BWD, HAS_BIAS, ROUND, SOFTWARE)
+    tl.atomic_max(AMAX_BITS, tl.max(tl.max(_abs_bits(r), axis=1), axis=0))
+    if DBIAS:
+        tl.store(PART + pid_m.to(tl.int64) * N + cols, tl.sum(v, axis=0), mask=cols < N)
+
+
+@triton.jit
+def _act_cast_kernel(
+    Z, B, G, SCALE, AMAX_BITS, DATA, DATA_T, SCALE_INV, PART, M, M_OUT, N, fp8_max, eps,
     FN: tl.constexpr, BWD: tl.constexpr, HAS_BIAS: tl.constexpr, DBIAS: tl.constexpr,
     ROUND: tl.constexpr, E4M3: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
-    SOFTWARE: tl.constexpr, AMAX: tl.constexpr, CAST: tl.constexpr, FROM_AMAX: tl.constexpr,
-    COLUMNWISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SOFTWARE: tl.constexpr, FROM_AMAX: tl.constexpr, COLUMNWISE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Program ``(p, c)`` walks rows ``[p * rows_per_program, ...)`` of the ``BLOCK_N`` columns
-    ``c``, one ``BLOCK_M``-row tile at a time. ``AMAX``: fold the rounded values' amax (one
-    atomic max per program, after the loop); ``DBIAS``: their unrounded column sums into row
-    ``p`` of ``PART``; ``CAST``: the cast of ``kernels.quantize._cast_kernel``, rowwise into
-    ``DATA`` and (``COLUMNWISE``) transposed into ``DATA_T``, with the scale from the amax in
-    ``AMAX_BITS`` (``FROM_AMAX``: current scaling, whose first pass was this kernel with
-    ``AMAX`` alone; program (0, 0) writes ``SCALE_INV``) or from ``SCALE`` (delayed scaling, one
-    pass with ``AMAX``). Accumulators are element-wise over the tile and reduced once at the end
-    (a cross-warp reduction per tile would make the loop latency-bound; see
-    ``kernels.activation.rows_config``)."""
+    """``_cast_kernel`` of ``kernels.quantize`` with the activation as its load. ``FROM_AMAX``:
+    current scaling (the scale from ``AMAX_BITS``; program (0, 0) writes ``SCALE_INV``); else
+    ``SCALE`` is given and the tile's amax (and, with ``DBIAS``, its column sums) are folded."""
     pid_m = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    if CAST:
-        if FROM_AMAX:
-            amax = tl.load(AMAX_BITS).to(tl.float32, bitcast=True)
-            scale = _scale_from_amax(amax, fp8_max, eps, False)
-            if (pid_m == 0) & (tl.program_id(1) == 0):
-                tl.store(SCALE_INV, tl.math.div_rn(1.0, scale))
-        else:
-            scale = tl.load(SCALE)
-    acc_amax = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
-    acc_sum = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for r in range(0, rows_per_program, BLOCK_M):
-        rows = pid_m * rows_per_program + r + tl.arange(0, BLOCK_M)
-        v, x, _ = _tile(Z, B, G, rows, cols, M, N, FN, BWD, HAS_BIAS, ROUND, SOFTWARE)
-        if AMAX:
-            acc_amax = tl.maximum(acc_amax, _abs_bits(x))
+    pid_n = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    v, x, _ = _tile(Z, B, G, rows, cols, M, N, FN, BWD, HAS_BIAS, ROUND, SOFTWARE)
+    if FROM_AMAX:
+        amax = tl.load(AMAX_BITS).to(tl.float32, bitcast=True)
+        scale = _scale_from_amax(amax, fp8_max, eps, False)
+        if (pid_m == 0) & (pid_n == 0):
+            tl.store(SCALE_INV, tl.math.div_rn(1.0, scale))
+    else:
+        scale = tl.load(SCALE)
+        tl.atomic_max(AMAX_BITS, tl.max(tl.max(_abs_bits(x), axis=1), axis=0))
         if DBIAS:
-            acc_sum += v
-        if CAST:
-            q = _to_fp8_bits(_saturate(x * scale, fp8_max), E4M3, MBITS, BIAS, SOFTWARE)
-            mask = (rows[:, None] < M_OUT) & (cols[None, :] < N)
-            tl.store(DATA + rows.to(tl.int64)[:, None] * N + cols[None, :], q, mask=mask)
-            if COLUMNWISE:
-                mask_t = (cols[:, None] < N) & (rows[None, :] < M_OUT)
-                offs_t = cols.to(tl.int64)[:, None] * M_OUT + rows[None, :]
-                tl.store(DATA_T + offs_t, tl.trans(q), mask=mask_t)
-    if AMAX:
-        tl.atomic_max(AMAX_BITS, tl.max(tl.max(acc_amax, axis=1), axis=0))
-    if DBIAS:
-        tl.store(PART + pid_m.to(tl.int64) * N + cols, tl.sum(acc_sum, axis=0), mask=cols < N)
+            tl.store(PART + pid_m.to(tl.int64) * N + cols, tl.sum(v, axis=0), mask=cols < N)
+    q = _to_fp8_bits(_saturate(x * scale, fp8_max), E4M3, MBITS, BIAS, SOFTWARE)
+    mask = (rows[:, None] < M_OUT) & (cols[None, :] < N)
+    tl.store(DATA + rows.to(tl.int64)[:, None] * N + cols[None, :], q, mask=mask)
+    if COLUMNWISE:
+        mask_t = (cols[:, None] < N) & (rows[None, :] < M_OUT)
+        offs_t = cols.to(tl.int64)[:, None] * M_OUT + rows[None, :]
+        tl.store(DATA_T + offs_t, tl.trans(q), mask=mask_t)
 
 
 def act_quantize(
@@ -155,7 +156,6 @@ def act_quantize(
     need_dbias: bool,
     *,
     config: QuantizeLaunchConfig | None = None,
-    programs_per_sm: int | None = 4,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
     """Quantise ``activation(z + bias)``, or with ``grad`` its gradient ``grad *
     activation'(z + bias)``, per tensor, without writing it: ``(data, data_t, scale_inv, amax,
@@ -165,9 +165,7 @@ def act_quantize(
     before the cast); only the first ``rows`` rows are real, the rest are written as zero codes.
     ``scale=None``: current scaling (two passes), else the 1-element delayed scale (one pass).
     ``dbias`` (with ``need_dbias``, backward only): fp32 column sums of the unrounded gradient,
-    cast to ``bias``'s dtype. ``config``: tile (``block_m`` x ``block_k``) and warps;
-    ``programs_per_sm``: programs per SM over the whole grid, each walking many row tiles (None:
-    one tile per program). Arguments are trusted (``functional.mlp_fp8`` checks them)."""
+    cast to ``bias``'s dtype. Arguments are trusted (``functional.mlp_fp8`` checks them)."""
     if activation not in FUNCTION_OF or activation in GATED:
         raise ValueError(f"act_quantize: element-wise activation expected, got {activation!r}")
     cfg = config or QuantizeLaunchConfig()
@@ -177,38 +175,46 @@ def act_quantize(
     data_t = z.new_empty((n, m_out) if columnwise else (0,), dtype=fp8_dtype)
     amax = torch.zeros(1, device=z.device, dtype=torch.float32)
     scale_inv = torch.empty(1, device=z.device, dtype=torch.float32)
-    bm, bn = cfg.block_m, cfg.block_k
-    row_tiles, col_tiles = max(triton.cdiv(m_out, bm), 1), max(triton.cdiv(n, bn), 1)
-    if programs_per_sm is None:
-        row_programs = row_tiles
-    else:
-        target = kernels.programs_per_sm(z.device, programs_per_sm)
-        row_programs = max(1, min(row_tiles, target // col_tiles))
-    rows_per_program = triton.cdiv(row_tiles, row_programs) * bm
-    grid = (triton.cdiv(m_out, rows_per_program) if m_out else 1, col_tiles)
+    grid = (max(triton.cdiv(m_out, cfg.block_m), 1), max(triton.cdiv(n, cfg.block_k), 1))
     dbias = need_dbias and bias is not None and grad is not None
     part = z.new_empty((grid[0], n), dtype=torch.float32) if dbias else amax
-    b = z if bias is None else bias
-    g = z if grad is None else grad
-    args = [z, b, g, amax if scale is None else scale.reshape(1), amax.view(torch.int32)]
-    args += [_bits(data), _bits(data_t), scale_inv, part, rows, m_out, n, rows_per_program]
-    args += [_FORMATS[fp8_dtype].max, 0.0]
     common = {
         "FN": FUNCTION_OF[activation],
         "BWD": grad is not None,
         "HAS_BIAS": bias is not None,
+        "DBIAS": dbias,
         "ROUND": _ROUND[z.dtype],
-        **_fp8_args(fp8_dtype, software),
-        "COLUMNWISE": columnwise,
-        "BLOCK_M": bm,
-        "BLOCK_N": bn,
+        "BLOCK_M": cfg.block_m,
+        "BLOCK_N": cfg.block_k,
         "num_warps": cfg.num_warps,
     }
-    if scale is None:  # current scaling: the amax (and the bias gradient) first
-        _act_quant_kernel[grid](*args, DBIAS=dbias, AMAX=True, CAST=False, FROM_AMAX=True, **common)
-        _act_quant_kernel[grid](*args, DBIAS=False, AMAX=False, CAST=True, FROM_AMAX=True, **common)
-    else:
-        _act_quant_kernel[grid](*args, DBIAS=dbias, AMAX=True, CAST=True, FROM_AMAX=False, **common)
+    b = z if bias is None else bias
+    g = z if grad is None else grad
+    if scale is None:
+        _act_amax_kernel[grid](
+            z, b, g, amax.view(torch.int32), part, rows, n, SOFTWARE=software, **common
+        )
+    _act_cast_kernel[grid](
+        z,
+        b,
+        g,
+        amax if scale is None else scale.reshape(1),
+        amax.view(torch.int32),
+        _bits(data),
+        _bits(data_t),
+        scale_inv,
+        part,
+        rows,
+        m_out,
+        n,
+        _FORMATS[fp8_dtype].max,
+        0.0,
+        **_fp8_args(fp8_dtype, software),
+        FROM_AMAX=scale is None,
+        COLUMNWISE=columnwise,
+        **common,
+    )
+    if scale is not None:
         scale_inv = scale.reshape(1).reciprocal()
     db = part.sum(0).to(bias.dtype) if dbias else None
     return data, data_t, scale_inv, amax, db

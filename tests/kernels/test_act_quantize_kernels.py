@@ -60,14 +60,8 @@ CASES = [
 
 @pytest.mark.parametrize("backward", [False, True], ids=["fwd", "bwd"])
 @pytest.mark.parametrize("act,dtype,has_bias,scale", CASES)
-@pytest.mark.parametrize(
-    "config,per_sm",
-    [(None, 4), (SMALL, 4), (SMALL, None)],
-    ids=["default", "small", "small-tile-per-program"],
-)
-def test_act_quantize_matches_unfused_kernels(
-    act, dtype, has_bias, scale, backward, config, per_sm
-):
+@pytest.mark.parametrize("config", [None, SMALL], ids=["default", "small"])
+def test_act_quantize_matches_unfused_kernels(act, dtype, has_bias, scale, backward, config):
     m_out, rows, n = 48, 37, 40
     z = (torch.randn(m_out, n) * 2).to(dtype)
     bias = (torch.randn(n) * 0.5).to(dtype) if has_bias else None
@@ -76,9 +70,8 @@ def test_act_quantize_matches_unfused_kernels(
     fp8 = E5M2 if backward else E4M3
     expected, dbias = _unfused(*map(_dev, (z, bias, grad)), act, fp8, _dev(s), rows)
     *actual, actual_dbias = act_q.act_quantize(
-        *map(_dev, (z, bias, grad)), act, fp8, _dev(s), rows, True, True, config=config,
-        programs_per_sm=per_sm,
-    )  # fmt: skip
+        *map(_dev, (z, bias, grad)), act, fp8, _dev(s), rows, True, True, config=config
+    )
     for a, e in zip(actual, expected, strict=True):
         assert a.device.type == TRITON_DEVICE
         assert_bits_equal(a, e)
