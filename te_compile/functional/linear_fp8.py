@@ -67,6 +67,14 @@ def quantize_per_tensor(
     return data, scale.reciprocal(), amax
 
 
+def _slots(scale: Tensor | None, recipe: str) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """The delayed scales of a GEMM's input, weight and gradient as ``[1]`` tensors (``scale``
+    ``[3]``), or three Nones under current scaling."""
+    if recipe != "delayed":
+        return None, None, None
+    return scale[0:1], scale[1:2], scale[2:3]
+
+
 def _quantize_both(
     x: Tensor, fp8_dtype: torch.dtype, scale: Tensor | None, columnwise: bool
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -229,12 +237,12 @@ def linear_fp8_fwd(
     """``(out, saved, amax)``: ``saved = [X_8^T, s_x^-1, W_8^T, s_w^-1]`` for the backward and
     ``amax = [amax(X), amax(W)]`` (fp32) for the delayed-scaling history."""
     _check(inp, weight, bias, scale, grad_amax, recipe, fwd_dtype, bwd_dtype)
-    delayed = recipe == "delayed"
+    s_x, s_w, _ = _slots(scale, recipe)
     x = inp.reshape(-1, inp.shape[-1])
     m = x.shape[0]
     x = _pad_rows(x)
-    xq, xq_t, xs, xa = _quantize_both(x, fwd_dtype, scale[0:1] if delayed else None, True)
-    wq, wq_t, ws, wa = _quantize_both(weight, fwd_dtype, scale[1:2] if delayed else None, True)
+    xq, xq_t, xs, xa = _quantize_both(x, fwd_dtype, s_x, True)
+    wq, wq_t, ws, wa = _quantize_both(weight, fwd_dtype, s_w, True)
     out = _gemm(xq, wq, xs, ws, inp.dtype, bias)
     out = out[:m].clone() if out.shape[0] != m else out
     saved = [xq_t.view(torch.uint8), xs, wq_t.view(torch.uint8), ws]
@@ -278,8 +286,9 @@ def linear_fp8_bwd(
     dtype = grad_out.dtype
     dy = grad_out.reshape(-1, grad_out.shape[-1])
     m = dy.shape[0]
-    g_scale = scale[2:3] if recipe == "delayed" else None
-    gq, gq_t, gs, ga = _quantize_both(_pad_rows(dy), bwd_dtype, g_scale, need_wgrad)
+    gq, gq_t, gs, ga = _quantize_both(
+        _pad_rows(dy), bwd_dtype, _slots(scale, recipe)[2], need_wgrad
+    )
     if grad_amax is not None:
         grad_amax.copy_(ga)
     dinp = _empty(grad_out)

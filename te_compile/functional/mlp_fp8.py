@@ -43,6 +43,7 @@ from te_compile.functional.linear_fp8 import (
     _padded,
     _quantize_both,
     _scaled_mm,
+    _slots,
     linear_fp8_ref,
 )
 
@@ -155,23 +156,15 @@ def mlp_fp8_fwd(
     W2_8^T, s_w2^-1]``, ``amax = [amax(X), amax(W1), amax(h), amax(W2)]`` (fp32)."""
     args = (scale1, scale2, grad_amax1, grad_amax2, activation, recipe, fwd_dtype, bwd_dtype)
     _check(inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, *args)
-    delayed = recipe == "delayed"
+    (s_x, s_w1, _), (s_h, s_w2, _) = _slots(scale1, recipe), _slots(scale2, recipe)
     x = inp.reshape(-1, inp.shape[-1])
     m = x.shape[0]
     dtype = inp.dtype
-    xq, xq_t, xs, xa = _quantize_both(
-        _pad_rows(x), fwd_dtype, scale1[0:1] if delayed else None, True
-    )
-    w1q, w1q_t, w1s, w1a = _quantize_both(
-        fc1_weight, fwd_dtype, scale1[1:2] if delayed else None, True
-    )
+    xq, xq_t, xs, xa = _quantize_both(_pad_rows(x), fwd_dtype, s_x, True)
+    w1q, w1q_t, w1s, w1a = _quantize_both(fc1_weight, fwd_dtype, s_w1, True)
     z = _gemm(xq, w1q, xs, w1s, dtype)
-    hq, hq_t, hs, ha, _ = _act_quantize(
-        z, fc1_bias, None, activation, fwd_dtype, scale2[0:1] if delayed else None, m, False
-    )
-    w2q, w2q_t, w2s, w2a = _quantize_both(
-        fc2_weight, fwd_dtype, scale2[1:2] if delayed else None, True
-    )
+    hq, hq_t, hs, ha, _ = _act_quantize(z, fc1_bias, None, activation, fwd_dtype, s_h, m, False)
+    w2q, w2q_t, w2s, w2a = _quantize_both(fc2_weight, fwd_dtype, s_w2, True)
     out = _gemm(hq, w2q, hs, w2s, dtype, fc2_bias)
     out = out[:m].clone() if out.shape[0] != m else out
     saved = [_u8(xq_t), xs, _u8(w1q_t), w1s, z, _u8(hq_t), hs, _u8(w2q_t), w2s]
@@ -220,13 +213,11 @@ def mlp_fp8_bwd(
     computed); writes ``amax(dz)`` / ``amax(dY)`` into ``grad_amax1`` / ``grad_amax2``."""
     x_t, xs, w1_t, w1s, z, h_t, hs, w2_t, w2s = saved
     x_t, w1_t, h_t, w2_t = (t.view(fwd_dtype) for t in (x_t, w1_t, h_t, w2_t))
-    delayed = recipe == "delayed"
+    s_dz, s_dy = _slots(scale1, recipe)[2], _slots(scale2, recipe)[2]
     dtype = grad_out.dtype
     dy = grad_out.reshape(-1, grad_out.shape[-1])
     m = dy.shape[0]
-    gq, gq_t, gs, ga = _quantize_both(
-        _pad_rows(dy), bwd_dtype, scale2[2:3] if delayed else None, True
-    )
+    gq, gq_t, gs, ga = _quantize_both(_pad_rows(dy), bwd_dtype, s_dy, True)
     if grad_amax2 is not None:
         grad_amax2.copy_(ga)
     # fc2: dh [M, F] = dY_8 @ W2_8; dW2 [N, F] = dY_8^T @ h_8
@@ -234,9 +225,8 @@ def mlp_fp8_bwd(
     dw2 = _scaled_mm(gq_t, h_t.t(), gs, hs, dtype)
     db2 = dy.float().sum(0).to(dtype) if has_fc2_bias else dy.new_empty(0)
     dq, dq_t, ds, da, db1 = _act_quantize(
-        z, fc1_bias, dh, activation, bwd_dtype, scale1[2:3] if delayed else None, m,
-        fc1_bias is not None,
-    )  # fmt: skip
+        z, fc1_bias, dh, activation, bwd_dtype, s_dz, m, fc1_bias is not None
+    )
     if grad_amax1 is not None:
         grad_amax1.copy_(da)
     # fc1: dX [M, D] = dz_8 @ W1_8; dW1 [F, D] = dz_8^T @ X_8
@@ -319,8 +309,7 @@ def _samples(device: torch.device):
 
 
 def _reference(inp, w1, b1, w2, b2, scale1, scale2, ga1, ga2, activation, recipe, fwd, bwd):
-    delayed = recipe == "delayed"
-    s1, s2 = (scale1, scale2) if delayed else (None, None)
+    s1, s2 = (scale1, scale2) if recipe == "delayed" else (None, None)
     return mlp_fp8_ref(inp, w1, b1, w2, b2, activation, fwd, bwd, s1, s2)
 
 

@@ -44,8 +44,8 @@ from te_compile.kernels.quantize import (
     _bits,
     _fp8_args,
     _saturate,
-    _scale_from_amax,
     _software,
+    _tile_scale,
     _to_bf16_bits,
     _to_fp8_bits,
 )
@@ -125,16 +125,10 @@ def _act_cast_kernel(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     v, x, _ = _tile(Z, B, G, rows, cols, M, N, FN, BWD, HAS_BIAS, ROUND, SOFTWARE)
-    if FROM_AMAX:
-        amax = tl.load(AMAX_BITS).to(tl.float32, bitcast=True)
-        scale = _scale_from_amax(amax, fp8_max, eps, False)
-        if (pid_m == 0) & (pid_n == 0):
-            tl.store(SCALE_INV, tl.math.div_rn(1.0, scale))
-    else:
-        scale = tl.load(SCALE)
-        tl.atomic_max(AMAX_BITS, tl.max(tl.max(_abs_bits(x), axis=1), axis=0))
-        if DBIAS:
-            tl.store(PART + pid_m.to(tl.int64) * N + cols, tl.sum(v, axis=0), mask=cols < N)
+    first = (pid_m == 0) & (pid_n == 0)
+    scale = _tile_scale(SCALE, AMAX_BITS, SCALE_INV, x, first, fp8_max, eps, FROM_AMAX, False)
+    if DBIAS and not FROM_AMAX:
+        tl.store(PART + pid_m.to(tl.int64) * N + cols, tl.sum(v, axis=0), mask=cols < N)
     q = _to_fp8_bits(_saturate(x * scale, fp8_max), E4M3, MBITS, BIAS, SOFTWARE)
     mask = (rows[:, None] < M_OUT) & (cols[None, :] < N)
     tl.store(DATA + rows.to(tl.int64)[:, None] * N + cols[None, :], q, mask=mask)

@@ -175,6 +175,25 @@ def _slice_scale(amax_bits, fp8_max):
 
 
 @triton.jit
+def _tile_scale(
+    SCALE, AMAX_BITS, SCALE_INV, x, first, fp8_max, eps, FROM_AMAX: tl.constexpr,
+    POW2: tl.constexpr,
+):  # fmt: skip
+    """The per-tensor scale a cast tile ``x`` uses. ``FROM_AMAX`` (current scaling): from the
+    tensor's amax in ``AMAX_BITS``, and the ``first`` program writes ``SCALE_INV``; otherwise
+    (delayed scaling) ``SCALE`` as given, and the tile's amax is folded into ``AMAX_BITS``."""
+    if FROM_AMAX:
+        amax = tl.load(AMAX_BITS).to(tl.float32, bitcast=True)
+        scale = _scale_from_amax(amax, fp8_max, eps, POW2)
+        if first:
+            tl.store(SCALE_INV, tl.math.div_rn(1.0, scale))
+    else:
+        scale = tl.load(SCALE)
+        tl.atomic_max(AMAX_BITS, tl.max(tl.max(_abs_bits(x), axis=1), axis=0))
+    return scale
+
+
+@triton.jit
 def _saturate(y, fp8_max):
     return tl.clamp(y, -fp8_max, fp8_max, propagate_nan=tl.PropagateNan.ALL)
 
@@ -309,14 +328,8 @@ def _cast_kernel(
     mask = (rows[:, None] < M) & (cols[None, :] < K)
     x = tl.load(X + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask, other=0.0)
     x = x.to(tl.float32)
-    if FROM_AMAX:
-        amax = tl.load(AMAX_BITS).to(tl.float32, bitcast=True)
-        scale = _scale_from_amax(amax, fp8_max, eps, POW2)
-        if (pid_m == 0) & (pid_k == 0):
-            tl.store(SCALE_INV, tl.math.div_rn(1.0, scale))
-    else:
-        scale = tl.load(SCALE)
-        tl.atomic_max(AMAX_BITS, tl.max(tl.max(_abs_bits(x), axis=1), axis=0))
+    first = (pid_m == 0) & (pid_k == 0)
+    scale = _tile_scale(SCALE, AMAX_BITS, SCALE_INV, x, first, fp8_max, eps, FROM_AMAX, POW2)
     q = _to_fp8_bits(_saturate(x * scale, fp8_max), E4M3, MBITS, BIAS, SOFTWARE)
     tl.store(DATA + rows.to(tl.int64)[:, None] * K + cols[None, :], q, mask=mask)
     if COLUMNWISE:
