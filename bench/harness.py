@@ -38,6 +38,7 @@ import inspect
 import itertools
 import json
 import math
+import os
 import platform
 import re
 import socket
@@ -522,9 +523,11 @@ def kernel_breakdown(
     fn: Callable[[], object],
     grad_to_none: Sequence[torch.Tensor] = (),
     calls: int = 5,
-    top: int = 8,
+    top: int | None = None,
 ) -> str:
-    """The ``top`` CUDA kernels by total time, as ``name xN: us/call`` (one line)."""
+    """The ``top`` CUDA kernels by total time (default: ``$BENCH_PROFILE_TOP`` or 8), as
+    ``name xN: us/call`` (one line)."""
+    top = int(os.environ.get("BENCH_PROFILE_TOP", "8")) if top is None else top
     fn()  # warm: compiles and autotuning stay out of the profile
     per_kernel: dict[str, list[float]] = {}
     for name, us in _cuda_kernels(fn, grad_to_none, calls):

@@ -256,7 +256,7 @@ def _bwd_loop(grad_out, inp, splits, weight, main_grad, has_bias, need_dgrad, ne
         elif need_wgrad:
             dweight[g] = (cast(dy).t() @ cast(x)).to(dtype)
         if has_bias:
-            dbias[g] = dy.to(acc or torch.float32).sum(0).to(dtype)
+            dbias[g] = dy.sum(0, dtype=acc or torch.float32).to(dtype)
         start += rows
     return dinp, dweight, dbias
 

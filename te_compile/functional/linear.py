@@ -175,7 +175,7 @@ def _linear_bwd_impl(
             dweight = (dy.t().to(acc) @ x.to(acc)).to(dtype) if acc else dy.t() @ x
     dbias = _empty(grad_out)
     if has_bias:
-        dbias = dy.to(acc).sum(0).to(dtype) if acc else dy.sum(0)
+        dbias = dy.sum(0, dtype=acc).to(dtype) if acc else dy.sum(0)
     return dinp, dweight, dbias
 
 

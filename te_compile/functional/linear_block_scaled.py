@@ -297,7 +297,7 @@ def linear_block_scaled_bwd(
     if need_dgrad:  # [M, N] @ [N, K]
         dinp = (g_row @ w_col_t.t()).to(dtype).reshape(*grad_out.shape[:-1], w_col_t.shape[0])
     dweight = (g_col_t @ x_col_t.t()).to(dtype) if need_wgrad else empty.clone()  # [N, M] @ [M, K]
-    dbias = dy.float().sum(0).to(dy.dtype) if has_bias else empty.clone()
+    dbias = dy.sum(0, dtype=torch.float32).to(dy.dtype) if has_bias else empty.clone()
     return dinp, dweight, dbias
 
 
@@ -320,7 +320,7 @@ def _native_bwd(grad_out, saved, bwd_dtype, power_2_scale, has_bias, need_dgrad,
     dweight = empty.clone()
     if need_wgrad:
         dweight = _block_scaled_mm(gd_t, gs_t, 1, xd_t.view(fwd_dtype), xs_t, 1, dtype)
-    dbias = dy.float().sum(0).to(dtype) if has_bias else empty.clone()
+    dbias = dy.sum(0, dtype=torch.float32).to(dtype) if has_bias else empty.clone()
     return dinp, dweight, dbias
 
 

@@ -307,7 +307,7 @@ def linear_fp8_bwd(
             main_grad.add_(dw)
         else:
             dweight = dw
-    dbias = dy.float().sum(0).to(dtype) if has_bias else _empty(grad_out)
+    dbias = dy.sum(0, dtype=torch.float32).to(dtype) if has_bias else _empty(grad_out)
     return dinp, dweight, dbias
 
 

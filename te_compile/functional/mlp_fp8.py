@@ -223,7 +223,7 @@ def mlp_fp8_bwd(
     # fc2: dh [M, F] = dY_8 @ W2_8; dW2 [N, F] = dY_8^T @ h_8
     dh = _scaled_mm(gq, w2_t.t(), gs, w2s, dtype)
     dw2 = _scaled_mm(gq_t, h_t.t(), gs, hs, dtype)
-    db2 = dy.float().sum(0).to(dtype) if has_fc2_bias else dy.new_empty(0)
+    db2 = dy.sum(0, dtype=torch.float32).to(dtype) if has_fc2_bias else dy.new_empty(0)
     dq, dq_t, ds, da, db1 = _act_quantize(
         z, fc1_bias, dh, activation, bwd_dtype, s_dz, m, fc1_bias is not None
     )

@@ -42,12 +42,11 @@ from te_compile.kernels.quantize import (
     QuantizeLaunchConfig,
     _abs_bits,
     _bits,
+    _cast_fp8,
     _fp8_args,
-    _saturate,
     _software,
     _tile_scale,
     _to_bf16_bits,
-    _to_fp8_bits,
 )
 
 __all__ = ["act_quantize"]
@@ -74,36 +73,52 @@ def _round(y, ROUND: tl.constexpr, SOFTWARE: tl.constexpr):
 
 @triton.jit
 def _tile(
-    Z, B, G, rows, cols, M, N,
-    FN: tl.constexpr, BWD: tl.constexpr, HAS_BIAS: tl.constexpr,
-    ROUND: tl.constexpr, SOFTWARE: tl.constexpr,
+    Z, B, G, pid_m, pid_n, M, N,
+    FN: tl.constexpr, BWD: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND: tl.constexpr,
+    SOFTWARE: tl.constexpr, EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """``(v, r, valid)``: the unrounded fp32 activation (or gradient) of the tile, the value
-    rounded to the model's dtype, and the mask of real elements; 0 outside it."""
-    valid = (rows[:, None] < M) & (cols[None, :] < N)
-    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-    a = tl.load(Z + offs, mask=valid, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        a += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    if BWD:
-        g = tl.load(G + offs, mask=valid, other=0.0).to(tl.float32)
-        v = g * _dact(a, FN, 0.0, 0.0)
+    """``(v, r, cols)``: the unrounded fp32 activation (or gradient) of tile ``(pid_m, pid_n)``,
+    the value rounded to the model's dtype (both 0 outside the real ``[M, N]``) and the tile's
+    columns. ``EVEN``: the tile is inside the tensor, no masks. Addresses are a 64-bit tile base
+    plus 32-bit offsets inside the tile (the wrapper checks they fit)."""
+    r_in = tl.arange(0, BLOCK_M)
+    c_in = tl.arange(0, BLOCK_N)
+    cols = pid_n * BLOCK_N + c_in
+    offs = pid_m.to(tl.int64) * BLOCK_M * N + pid_n * BLOCK_N + (r_in[:, None] * N + c_in[None, :])
+    if EVEN:
+        a = tl.load(Z + offs).to(tl.float32)
+        if HAS_BIAS:
+            a += tl.load(B + cols).to(tl.float32)[None, :]
+        if BWD:
+            v = tl.load(G + offs).to(tl.float32) * _dact(a, FN, 0.0, 0.0)
+        else:
+            v = _act(a, FN, 0.0, 0.0)
     else:
-        v = _act(a, FN, 0.0, 0.0)
-    v = tl.where(valid, v, 0.0)
-    return v, _round(v, ROUND, SOFTWARE), valid
+        valid = ((pid_m * BLOCK_M + r_in)[:, None] < M) & (cols[None, :] < N)
+        a = tl.load(Z + offs, mask=valid, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            a += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        if BWD:
+            g = tl.load(G + offs, mask=valid, other=0.0).to(tl.float32)
+            v = g * _dact(a, FN, 0.0, 0.0)
+        else:
+            v = _act(a, FN, 0.0, 0.0)
+        v = tl.where(valid, v, 0.0)
+    return v, _round(v, ROUND, SOFTWARE), cols
 
 
 @triton.jit
 def _act_amax_kernel(
     Z, B, G, AMAX_BITS, PART, M, N,
     FN: tl.constexpr, BWD: tl.constexpr, HAS_BIAS: tl.constexpr, DBIAS: tl.constexpr,
-    ROUND: tl.constexpr, SOFTWARE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ROUND: tl.constexpr, SOFTWARE: tl.constexpr, EVEN: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    v, r, _ = _tile(Z, B, G, rows, cols, M, N, FN, BWD, HAS_BIAS, ROUND, SOFTWARE)
+    v, r, cols = _tile(
+        Z, B, G, pid_m, tl.program_id(1), M, N, FN, BWD, HAS_BIAS, ROUND, SOFTWARE, EVEN,
+        BLOCK_M, BLOCK_N,
+    )  # fmt: skip
     tl.atomic_max(AMAX_BITS, tl.max(tl.max(_abs_bits(r), axis=1), axis=0))
     if DBIAS:
         tl.store(PART + pid_m.to(tl.int64) * N + cols, tl.sum(v, axis=0), mask=cols < N)
@@ -115,27 +130,36 @@ def _act_cast_kernel(
     FN: tl.constexpr, BWD: tl.constexpr, HAS_BIAS: tl.constexpr, DBIAS: tl.constexpr,
     ROUND: tl.constexpr, E4M3: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
     SOFTWARE: tl.constexpr, FROM_AMAX: tl.constexpr, COLUMNWISE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """``_cast_kernel`` of ``kernels.quantize`` with the activation as its load. ``FROM_AMAX``:
     current scaling (the scale from ``AMAX_BITS``; program (0, 0) writes ``SCALE_INV``); else
     ``SCALE`` is given and the tile's amax (and, with ``DBIAS``, its column sums) are folded."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    v, x, _ = _tile(Z, B, G, rows, cols, M, N, FN, BWD, HAS_BIAS, ROUND, SOFTWARE)
+    v, x, cols = _tile(
+        Z, B, G, pid_m, pid_n, M, N, FN, BWD, HAS_BIAS, ROUND, SOFTWARE, EVEN, BLOCK_M, BLOCK_N
+    )
     first = (pid_m == 0) & (pid_n == 0)
     scale = _tile_scale(SCALE, AMAX_BITS, SCALE_INV, x, first, fp8_max, eps, FROM_AMAX, False)
     if DBIAS and not FROM_AMAX:
         tl.store(PART + pid_m.to(tl.int64) * N + cols, tl.sum(v, axis=0), mask=cols < N)
-    q = _to_fp8_bits(_saturate(x * scale, fp8_max), E4M3, MBITS, BIAS, SOFTWARE)
-    mask = (rows[:, None] < M_OUT) & (cols[None, :] < N)
-    tl.store(DATA + rows.to(tl.int64)[:, None] * N + cols[None, :], q, mask=mask)
-    if COLUMNWISE:
-        mask_t = (cols[:, None] < N) & (rows[None, :] < M_OUT)
-        offs_t = cols.to(tl.int64)[:, None] * M_OUT + rows[None, :]
-        tl.store(DATA_T + offs_t, tl.trans(q), mask=mask_t)
+    q = _cast_fp8(x * scale, fp8_max, E4M3, MBITS, BIAS, SOFTWARE)
+    r_in = tl.arange(0, BLOCK_M)
+    c_in = tl.arange(0, BLOCK_N)
+    offs = pid_m.to(tl.int64) * BLOCK_M * N + pid_n * BLOCK_N + (r_in[:, None] * N + c_in[None, :])
+    offs_t = pid_n.to(tl.int64) * BLOCK_N * M_OUT + pid_m * BLOCK_M
+    offs_t += c_in[:, None] * M_OUT + r_in[None, :]
+    if EVEN:
+        tl.store(DATA + offs, q)
+        if COLUMNWISE:
+            tl.store(DATA_T + offs_t, tl.trans(q))
+    else:
+        rows = pid_m * BLOCK_M + r_in
+        tl.store(DATA + offs, q, mask=(rows[:, None] < M_OUT) & (cols[None, :] < N))
+        if COLUMNWISE:
+            mask_t = (cols[:, None] < N) & (rows[None, :] < M_OUT)
+            tl.store(DATA_T + offs_t, tl.trans(q), mask=mask_t)
 
 
 def act_quantize(
@@ -170,6 +194,8 @@ def act_quantize(
     amax = torch.zeros(1, device=z.device, dtype=torch.float32)
     scale_inv = torch.empty(1, device=z.device, dtype=torch.float32)
     grid = (max(triton.cdiv(m_out, cfg.block_m), 1), max(triton.cdiv(n, cfg.block_k), 1))
+    if cfg.block_m * n >= 2**31 or cfg.block_k * m_out >= 2**31:
+        raise ValueError(f"act_quantize: [{m_out}, {n}] is too large for 32-bit tile offsets")
     dbias = need_dbias and bias is not None and grad is not None
     part = z.new_empty((grid[0], n), dtype=torch.float32) if dbias else amax
     common = {
@@ -178,6 +204,7 @@ def act_quantize(
         "HAS_BIAS": bias is not None,
         "DBIAS": dbias,
         "ROUND": _ROUND[z.dtype],
+        "EVEN": rows == m_out and m_out % cfg.block_m == 0 and n % cfg.block_k == 0,
         "BLOCK_M": cfg.block_m,
         "BLOCK_N": cfg.block_k,
         "num_warps": cfg.num_warps,

@@ -44,6 +44,7 @@ The kernels run on CPU tensors under ``TRITON_INTERPRET=1`` (the tests do, at sm
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 import triton
@@ -92,17 +93,57 @@ GATED = frozenset({"glu", "geglu", "qgeglu", "reglu", "sreglu", "swiglu", "clamp
 # Device functions ----------------------------------------------------------------------------
 
 
+# On the GPU the sigmoid is two MUFU instructions with flush-to-zero (``ex2.approx.ftz``,
+# ``rcp.approx.ftz``): the default ``exp`` and ``/`` of Triton lower to the same approximations
+# wrapped in denormal range fix-ups, about eight more instructions an element, and the
+# activation-quantise kernels (``kernels.act_quantize``) are bound by instruction issue, not
+# memory (bench/results/2026-11-22_h100/sass_act_quantize.md). The fix-ups only matter where the
+# result is a denormal: never here (the reciprocal's argument is at least 1, an ``exp2`` that
+# small leaves ``1 + e == 1``). The interpreter (CPU) has no PTX: the portable form there.
+_PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1" and torch.version.hip is None)
+_LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _exp2_neg_recip(t):
+    """``1 / (1 + 2^t)`` in fp32; ``2^t`` overflows to inf for ``t > 128``: ``1 / inf = 0``, the
+    right limit, no NaN."""
+    if _PTX:
+        e = tl.inline_asm_elementwise(
+            "ex2.approx.ftz.f32 $0, $1;", "=f,f", [t], dtype=tl.float32, is_pure=True, pack=1
+        )
+        r = tl.inline_asm_elementwise(
+            "rcp.approx.ftz.f32 $0, $1;",
+            "=f,f",
+            [1.0 + e],
+            dtype=tl.float32,
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        r = 1.0 / (1.0 + tl.exp2(t))
+    return r
+
+
 @triton.jit
 def _sigmoid(x):
-    # exp(-x) overflows to inf for x < -88: 1 / inf = 0, the right limit, no NaN.
-    return 1.0 / (1.0 + tl.exp(-x))
+    return _exp2_neg_recip(x * -_LOG2E)
+
+
+@triton.jit
+def _gelu_sigmoid(x):
+    """``sigmoid(2u)`` of gelu, ``2u = 2 sqrt(2/pi) (x + 0.044715 x^3)``, with the constants
+    folded into the exponent: ``2^(x (k0 + k1 x^2))``."""
+    K0: tl.constexpr = -1.5957691216057308 * 1.4426950408889634
+    K1: tl.constexpr = -1.5957691216057308 * 1.4426950408889634 * 0.044715
+    return _exp2_neg_recip(x * (K0 + K1 * (x * x)))
 
 
 @triton.jit
 def _act(x, FN: tl.constexpr, limit, alpha):
     """f(x) in fp32."""
     if FN == FN_GELU:
-        y = x * _sigmoid(1.5957691216057308 * x * (1.0 + 0.044715 * x * x))
+        y = x * _gelu_sigmoid(x)
     elif FN == FN_QGELU:
         y = x * _sigmoid(1.702 * x)
     elif FN == FN_RELU:
@@ -123,20 +164,23 @@ def _act(x, FN: tl.constexpr, limit, alpha):
 @triton.jit
 def _dact(x, FN: tl.constexpr, limit, alpha):
     """f'(x) in fp32."""
+    # Written as fused multiply-adds (s (1 - s) = s - s^2; d = p s (1 - s) + s) with the
+    # constants gathered: a third fewer instructions than the textbook order.
     if FN == FN_GELU:
         # d/dx [x s(v)] = s + x s (1 - s) v',  v = 2u = 2c (x + 0.044715 x^3)
-        s = _sigmoid(1.5957691216057308 * x * (1.0 + 0.044715 * x * x))
-        d = s + x * s * (1.0 - s) * 1.5957691216057308 * (1.0 + 0.134145 * x * x)
+        s = _gelu_sigmoid(x)
+        p = x * (1.5957691216057308 + (1.5957691216057308 * 0.134145) * (x * x))
+        d = p * (s - s * s) + s
     elif FN == FN_QGELU:
         s = _sigmoid(1.702 * x)
-        d = s + 1.702 * x * s * (1.0 - s)
+        d = (1.702 * x) * (s - s * s) + s
     elif FN == FN_RELU:
         d = tl.where(x > 0.0, 1.0, 0.0)
     elif FN == FN_SRELU:
         d = 2.0 * tl.maximum(x, 0.0)
     elif FN == FN_SILU:
         s = _sigmoid(x)
-        d = s + x * s * (1.0 - s)
+        d = x * (s - s * s) + s
     elif FN == FN_SIGMOID:
         s = _sigmoid(x)
         d = s * (1.0 - s)
