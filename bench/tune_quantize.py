@@ -93,6 +93,17 @@ def main(m: int = 16384, n: int = 16384) -> None:
         print(
             f"  {tag:<12} total {total * 1e3:7.0f} us  " + " ".join(f"{t * 1e3:6.0f}" for t in ts)
         )
+    print("blockwise (Float8BlockScaling) casts, both layouts, by warps of a 128-row tile:")
+    for warps in (4, 8, 16):
+        cfg = Q.QuantizeLaunchConfig(block_num_warps=warps)
+        for rows, what in ((1, "1x128"), (128, "128x128")):
+            row(
+                f"quantize_blockwise {what} w{warps}",
+                lambda cfg=cfg, rows=rows: Q.quantize_blockwise(
+                    z, E4M3, rows, False, True, config=cfg
+                ),
+                6 * numel,
+            )
 
 
 if __name__ == "__main__":

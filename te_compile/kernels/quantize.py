@@ -200,8 +200,9 @@ def _saturate(y, fp8_max):
 
 @triton.jit
 def _cast_fp8(
-    y, fp8_max, E4M3: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, SOFTWARE: tl.constexpr
-):
+    y, fp8_max, E4M3: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
+    SOFTWARE: tl.constexpr, GUARD: tl.constexpr,
+):  # fmt: skip
     """fp32 ``y`` saturated to ``[-fp8_max, fp8_max]`` (NaN stays NaN) and cast to the uint8
     bits of fp8, round to nearest even. ``fp8_max`` is the format's largest finite value.
 
@@ -209,8 +210,13 @@ def _cast_fp8(
     ``cvt.rn.satfinite.{e4m3,e5m2}x2.f32``, which saturates overflow and infinities to the
     largest finite value and keeps NaN a NaN (its NaN code may differ from torch's 0x7F; any
     NaN code decodes to NaN). A clamp and a NaN fix-up around it cost three instructions an
-    element in kernels bound by instruction issue."""
-    if SOFTWARE:
+    element in kernels bound by instruction issue (``bench/sass_quantize.py``).
+
+    ``GUARD`` (the kernels pass it for fp32 sources): keep the clamp and the fix-up. On the
+    H100 with Triton 3.6 (2026-11-22) the bare conversion of tiles loaded from fp32 tensors
+    wrote a quarter of the codes as zeros (tests/kernels, fp32 cases); from bf16 / fp16 it is
+    exact, and those are the sources of the training hot path."""
+    if SOFTWARE or GUARD:
         return _to_fp8_bits(_saturate(y, fp8_max), E4M3, MBITS, BIAS, SOFTWARE)
     if E4M3:
         return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
@@ -222,11 +228,13 @@ def _to_fp8_bits(
     y, E4M3: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, SOFTWARE: tl.constexpr
 ):
     """fp32 ``y``, already in ``[-max, max]`` or NaN, to the uint8 bits of fp8, round to
-    nearest even (the reference rounding the interpreter runs; ``_cast_fp8`` is the cast)."""
+    nearest even; NaN as torch encodes it (0x7F)."""
     if not SOFTWARE:
         if E4M3:
-            return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-        return y.to(tl.float8e5).to(tl.uint8, bitcast=True)
+            hw = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        else:
+            hw = y.to(tl.float8e5).to(tl.uint8, bitcast=True)
+        return tl.where(y != y, 0x7F, hw).to(tl.uint8)
     bits = y.to(tl.uint32, bitcast=True)
     a = bits & 0x7FFFFFFF
     # Normal results: round the fp32 bits to MBITS mantissa bits (a carry out of the mantissa
@@ -345,7 +353,8 @@ def _cast_kernel(
     x = x.to(tl.float32)
     first = (pid_m == 0) & (pid_k == 0)
     scale = _tile_scale(SCALE, AMAX_BITS, SCALE_INV, x, first, fp8_max, eps, FROM_AMAX, POW2)
-    q = _cast_fp8(x * scale, fp8_max, E4M3, MBITS, BIAS, SOFTWARE)
+    f32 = X.dtype.element_ty == tl.float32  # see _cast_fp8
+    q = _cast_fp8(x * scale, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, f32)
     tl.store(DATA + rows.to(tl.int64)[:, None] * K + cols[None, :], q, mask=mask)
     if COLUMNWISE:
         mask_t = (cols[:, None] < K) & (rows[None, :] < M)
@@ -383,20 +392,21 @@ def _block_kernel(
     offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
     x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
     a = _abs_bits(x)  # padding lanes are 0 and never raise a block's amax
+    f32 = X.dtype.element_ty == tl.float32  # see _cast_fp8
     n_kb = tl.cdiv(K, BLOCK_K)
     mask_t = (cols[:, None] < K) & (rows[None, :] < M)
     offs_t = cols.to(tl.int64)[:, None] * M + rows[None, :]
     if BLOCK_ROWS == 1:
         amax = tl.max(a, axis=1).to(tl.float32, bitcast=True)
         scale = _scale_from_amax(amax, fp8_max, 0.0, POW2)
-        q = _cast_fp8(x * scale[:, None], fp8_max, E4M3, MBITS, BIAS, SOFTWARE)
+        q = _cast_fp8(x * scale[:, None], fp8_max, E4M3, MBITS, BIAS, SOFTWARE, f32)
         scale_inv = tl.math.div_rn(1.0, scale)
         tl.store(SCALE_INV + rows.to(tl.int64) * n_kb + pid_k, scale_inv, mask=rows < M)
         if COLUMNWISE:
             # x^T in 1x128 blocks along M: one block per column of this tile.
             amax_t = tl.max(a, axis=0).to(tl.float32, bitcast=True)
             scale_t = _scale_from_amax(amax_t, fp8_max, 0.0, POW2)
-            q_t = _cast_fp8(x * scale_t[None, :], fp8_max, E4M3, MBITS, BIAS, SOFTWARE)
+            q_t = _cast_fp8(x * scale_t[None, :], fp8_max, E4M3, MBITS, BIAS, SOFTWARE, f32)
             tl.store(DATA_T + offs_t, tl.trans(q_t), mask=mask_t)
             scale_inv_t = tl.math.div_rn(1.0, scale_t)
             n_mb = tl.cdiv(M, BLOCK_M)
@@ -404,7 +414,7 @@ def _block_kernel(
     else:
         amax = tl.max(tl.max(a, axis=1), axis=0).to(tl.float32, bitcast=True)
         scale = _scale_from_amax(amax, fp8_max, 0.0, POW2)
-        q = _cast_fp8(x * scale, fp8_max, E4M3, MBITS, BIAS, SOFTWARE)
+        q = _cast_fp8(x * scale, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, f32)
         scale_inv = tl.math.div_rn(1.0, scale)
         tl.store(SCALE_INV + pid_m * n_kb + pid_k, scale_inv)
         if COLUMNWISE:
@@ -481,7 +491,8 @@ def _rowwise_kernel(
         cols = k0 + tl.arange(0, BLOCK_K)
         mask = in_rows[:, None] & (cols[None, :] < K)
         x = tl.load(X + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        q = _cast_fp8(x * scale[:, None], fp8_max, E4M3, MBITS, BIAS, SOFTWARE)
+        f32 = X.dtype.element_ty == tl.float32  # see _cast_fp8
+        q = _cast_fp8(x * scale[:, None], fp8_max, E4M3, MBITS, BIAS, SOFTWARE, f32)
         tl.store(DATA + base + cols[None, :], q, mask=mask)
     tl.store(SCALE_INV + rows, tl.math.div_rn(1.0, scale), mask=in_rows)
 
@@ -518,12 +529,13 @@ def _columnwise_kernel(
         acc = tl.maximum(acc, tl.max(_abs_bits(x.to(tl.float32)), axis=0))
     scale = _slice_scale(acc, fp8_max)
     dst = DATA_T + b * N * K
+    f32 = X.dtype.element_ty == tl.float32  # see _cast_fp8
     for n0 in range(0, N, BLOCK_N):
         rows = n0 + tl.arange(0, BLOCK_N)
         mask = (rows[:, None] < N) & in_cols[None, :]
         x = tl.load(src + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask, other=0.0)
         y = x.to(tl.float32) * scale[None, :]
-        q = tl.trans(_cast_fp8(y, fp8_max, E4M3, MBITS, BIAS, SOFTWARE))  # [BLOCK_K, BLOCK_N]
+        q = tl.trans(_cast_fp8(y, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, f32))  # [BLOCK_K, BLOCK_N]
         out = cols.to(tl.int64)[:, None] * N + rows[None, :]
         tl.store(dst + out, q, mask=in_cols[:, None] & (rows[None, :] < N))
     tl.store(SCALE_INV + b * K + cols, tl.math.div_rn(1.0, scale), mask=in_cols)
