@@ -69,7 +69,7 @@ def main() -> int:
     )  # fmt: skip
     e4m3 = dict(E4M3=True, MBITS=3, BIAS=7)
     e5m2 = dict(E4M3=False, MBITS=2, BIAS=15)
-    act = dict(FN=0, HAS_BIAS=True, ROUND=1, SOFTWARE=False, EVEN=True)
+    act = dict(FN=0, HAS_BIAS=True, ROUND=1, SOFTWARE=False, GUARD=False, EVEN=True)
     rows = []
     for bm, bn in ((64, 64), (64, 128), (128, 64)):
         tile = dict(BLOCK_M=bm, BLOCK_N=bn)
@@ -90,7 +90,7 @@ def main() -> int:
         types = act_types
         cases.append(
             ("cast (quantize_tensorwise)", Q._cast_kernel,
-             dict(SOFTWARE=False, FROM_AMAX=False, POW2=False, COLUMNWISE=True, **e4m3,
+             dict(SOFTWARE=False, GUARD=False, FROM_AMAX=False, POW2=False, COLUMNWISE=True, **e4m3,
                   BLOCK_M=bm, BLOCK_K=bn))
         )  # fmt: skip
         for name, fn, consts in cases:

@@ -34,6 +34,14 @@ from torch import Tensor
 
 from te_compile._library import SampleInput, differentiable, op
 from te_compile.functional.activation import activation_ref
+from te_compile.functional.linear_block_scaled import (
+    _block_scaled_mm,
+    _quantize_block,
+    native_block_supported,
+)
+from te_compile.functional.linear_block_scaled import (
+    _reference as _block_reference,
+)
 from te_compile.functional.linear_fp8 import (
     _FP8_DTYPES,
     _HIGH,
@@ -47,9 +55,12 @@ from te_compile.functional.linear_fp8 import (
     linear_fp8_ref,
 )
 
-__all__ = ["FUSED_ACTIVATIONS", "mlp_fp8", "mlp_fp8_ref"]
+__all__ = ["FUSED_ACTIVATIONS", "MLP_FP8_RECIPES", "mlp_fp8", "mlp_fp8_ref"]
 
 FUSED_ACTIVATIONS = ("gelu", "qgelu", "relu", "srelu", "silu")
+# "block": Float8BlockScaling's native GEMMs (1x128 blocks for X, h and the gradients, 128x128
+# for the weights, E4M3 both ways), as ``linear_block_scaled(..., native=True)`` runs them.
+MLP_FP8_RECIPES = (*FP8_RECIPES, "block")
 
 
 def mlp_fp8_ref(
@@ -75,8 +86,8 @@ def _check(inp, w1, b1, w2, b2, scale1, scale2, ga1, ga2, activation, recipe, fw
     p = "te.mlp_fp8: "
     if activation not in FUSED_ACTIVATIONS:
         raise ValueError(p + f"activation must be one of {FUSED_ACTIVATIONS}, got {activation!r}")
-    if recipe not in FP8_RECIPES:
-        raise ValueError(p + f"recipe must be one of {FP8_RECIPES}, got {recipe!r}")
+    if recipe not in MLP_FP8_RECIPES:
+        raise ValueError(p + f"recipe must be one of {MLP_FP8_RECIPES}, got {recipe!r}")
     if fwd not in _FP8_DTYPES or bwd not in _FP8_DTYPES:
         raise ValueError(p + f"fwd_dtype/bwd_dtype must be FP8 dtypes, got {fwd}/{bwd}")
     if inp.dtype not in _HIGH or w1.dtype != inp.dtype or w2.dtype != inp.dtype:
@@ -99,6 +110,14 @@ def _check(inp, w1, b1, w2, b2, scale1, scale2, ga1, ga2, activation, recipe, fw
         raise ValueError(
             p + f"FP8 GEMMs need hidden ({w1.shape[1]}), ffn ({w1.shape[0]}) and out "
             f"({w2.shape[0]}) sizes that are multiples of 16"
+        )
+    if recipe == "block" and not (
+        native_block_supported(w1, 128, fwd, bwd) and native_block_supported(w2, 128, fwd, bwd)
+    ):
+        raise ValueError(
+            p + 'recipe="block" runs the native blockwise GEMMs: fwd_dtype and bwd_dtype must be '
+            f"float8_e4m3fn (got {fwd}/{bwd}) and hidden, ffn and out multiples of 512 (got "
+            f"{w1.shape[1]}, {w1.shape[0]}, {w2.shape[0]})"
         )
     for name, b, n in (("fc1_bias", b1, w1.shape[0]), ("fc2_bias", b2, w2.shape[0])):
         if b is not None and (b.shape != (n,) or b.dtype != inp.dtype):
@@ -129,6 +148,24 @@ def _act_quantize(z, bias, grad, activation, fp8_dtype, scale, rows, need_dbias)
     return data, data_t, scale_inv, amax, dbias if need_dbias else None
 
 
+def _act_quantize_block(z, bias, grad, activation, fp8_dtype, rows, need_dbias, power_2_scale):
+    """``(data, scale_inv, data_t, scale_inv_t, dbias)``: :func:`_act_quantize` in 1x128 blocks
+    (``kernels.act_quantize.act_quantize_block`` on CUDA; elsewhere the unfused ops)."""
+    if z.device.type == "cuda":
+        from te_compile.kernels.act_quantize import act_quantize_block
+
+        return act_quantize_block(
+            z, bias, grad, activation, fp8_dtype, rows, need_dbias, power_2_scale
+        )
+    dbias = None
+    if grad is None:
+        v = torch.ops.te.activation_fwd(z[:rows], bias, activation)
+    else:
+        v, dbias = torch.ops.te.activation_bwd(grad[:rows], z[:rows], bias, activation, need_dbias)
+    data, s, data_t, s_t = _quantize_block(_pad_rows(v), fp8_dtype, 1, power_2_scale)
+    return data, s, data_t, s_t, dbias if need_dbias else None
+
+
 def _u8(t: Tensor) -> Tensor:
     return t.view(torch.uint8)
 
@@ -151,11 +188,17 @@ def mlp_fp8_fwd(
     recipe: str,
     fwd_dtype: torch.dtype,
     bwd_dtype: torch.dtype,
+    power_2_scale: bool = False,
 ) -> tuple[Tensor, list[Tensor], Tensor]:
     """``(out, saved, amax)``: ``saved = [X_8^T, s_x^-1, W1_8^T, s_w1^-1, z, h_8^T, s_h^-1,
-    W2_8^T, s_w2^-1]``, ``amax = [amax(X), amax(W1), amax(h), amax(W2)]`` (fp32)."""
+    W2_8^T, s_w2^-1]``, ``amax = [amax(X), amax(W1), amax(h), amax(W2)]`` (fp32; 0 elements
+    for ``recipe="block"``, whose inverse scales are the block scales of the transposed copies;
+    ``power_2_scale`` applies to it)."""
     args = (scale1, scale2, grad_amax1, grad_amax2, activation, recipe, fwd_dtype, bwd_dtype)
     _check(inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, *args)
+    if recipe == "block":
+        return _block_fwd(inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, fwd_dtype,
+                          power_2_scale)  # fmt: skip
     (s_x, s_w1, _), (s_h, s_w2, _) = _slots(scale1, recipe), _slots(scale2, recipe)
     x = inp.reshape(-1, inp.shape[-1])
     m = x.shape[0]
@@ -172,22 +215,41 @@ def mlp_fp8_fwd(
     return out.reshape(*inp.shape[:-1], fc2_weight.shape[0]), saved, amax
 
 
+def _block_fwd(inp, w1, b1, w2, b2, activation, fwd_dtype, pow2):
+    """The forward of ``recipe="block"``: 1x128-block X and h, 128x128-block weights."""
+    x = inp.reshape(-1, inp.shape[-1])
+    m = x.shape[0]
+    xq, xs, xq_t, xs_t = _quantize_block(_pad_rows(x), fwd_dtype, 1, pow2)
+    w1q, w1s, w1q_t, w1s_t = _quantize_block(w1, fwd_dtype, 128, pow2)
+    z = _block_scaled_mm(xq, xs, 1, w1q, w1s, 128, inp.dtype)
+    hq, hs, hq_t, hs_t, _ = _act_quantize_block(z, b1, None, activation, fwd_dtype, m, False, pow2)
+    w2q, w2s, w2q_t, w2s_t = _quantize_block(w2, fwd_dtype, 128, pow2)
+    out = _block_scaled_mm(hq, hs, 1, w2q, w2s, 128, inp.dtype, b2)
+    out = out[:m].clone() if out.shape[0] != m else out
+    saved = [_u8(xq_t), xs_t, _u8(w1q_t), w1s_t, z, _u8(hq_t), hs_t, _u8(w2q_t), w2s_t]
+    return out.reshape(*inp.shape[:-1], w2.shape[0]), saved, inp.new_empty(0, dtype=torch.float32)
+
+
 @mlp_fp8_fwd.register_fake
-def _mlp_fp8_fwd_fake(inp, w1, b1, w2, b2, scale1, scale2, ga1, ga2, activation, recipe, fwd, bwd):
+def _mlp_fp8_fwd_fake(
+    inp, w1, b1, w2, b2, scale1, scale2, ga1, ga2, activation, recipe, fwd, bwd, pow2=False
+):
     _check(inp, w1, b1, w2, b2, scale1, scale2, ga1, ga2, activation, recipe, fwd, bwd)
     m = _padded(inp.numel() // inp.shape[-1])
     d, f, n = w1.shape[1], w1.shape[0], w2.shape[0]
     u8, f32 = torch.uint8, torch.float32
+    block = recipe == "block"
 
-    def scalar():
-        return inp.new_empty(1, dtype=f32)
+    def scales(rows, cols):  # [rows, cols / 128] block scales of a transposed copy, or a scalar
+        return inp.new_empty(*((rows, -(-cols // 128)) if block else (1,)), dtype=f32)
 
+    w_scales = [scales(d // 128, f), scales(f // 128, n)] if block else [scales(0, 0)] * 2
     saved = [
-        inp.new_empty(d, m, dtype=u8), scalar(), inp.new_empty(d, f, dtype=u8), scalar(),
-        inp.new_empty(m, f), inp.new_empty(f, m, dtype=u8), scalar(),
-        inp.new_empty(f, n, dtype=u8), scalar(),
+        inp.new_empty(d, m, dtype=u8), scales(d, m), inp.new_empty(d, f, dtype=u8),
+        w_scales[0].clone(), inp.new_empty(m, f), inp.new_empty(f, m, dtype=u8), scales(f, m),
+        inp.new_empty(f, n, dtype=u8), w_scales[1].clone(),
     ]  # fmt: skip
-    return inp.new_empty(*inp.shape[:-1], n), saved, inp.new_empty(4, dtype=f32)
+    return inp.new_empty(*inp.shape[:-1], n), saved, inp.new_empty(0 if block else 4, dtype=f32)
 
 
 # Backward op ----------------------------------------------------------------------------------
@@ -206,11 +268,16 @@ def mlp_fp8_bwd(
     recipe: str,
     fwd_dtype: torch.dtype,
     bwd_dtype: torch.dtype,
+    power_2_scale: bool,
     has_fc2_bias: bool,
     need_dgrad: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(dinp, dfc1_weight, dfc1_bias, dfc2_weight, dfc2_bias)`` (0-element where not
-    computed); writes ``amax(dz)`` / ``amax(dY)`` into ``grad_amax1`` / ``grad_amax2``."""
+    computed); writes ``amax(dz)`` / ``amax(dY)`` into ``grad_amax1`` / ``grad_amax2`` (per-tensor
+    recipes)."""
+    if recipe == "block":
+        return _block_bwd(grad_out, saved, fc1_bias, activation, fwd_dtype, bwd_dtype,
+                          power_2_scale, has_fc2_bias, need_dgrad)  # fmt: skip
     x_t, xs, w1_t, w1s, z, h_t, hs, w2_t, w2s = saved
     x_t, w1_t, h_t, w2_t = (t.view(fwd_dtype) for t in (x_t, w1_t, h_t, w2_t))
     s_dz, s_dy = _slots(scale1, recipe)[2], _slots(scale2, recipe)[2]
@@ -240,10 +307,38 @@ def mlp_fp8_bwd(
     return dinp, dw1, dy.new_empty(0) if db1 is None else db1, dw2, db2
 
 
+def _block_bwd(grad_out, saved, b1, activation, fwd_dtype, bwd_dtype, pow2, has_b2, need_dgrad):
+    """The backward of ``recipe="block"``: the GEMMs of ``linear_block_scaled``'s native
+    backward, twice, with ``dz`` quantised by the fused kernel."""
+    x_t, xs_t, w1_t, w1s_t, z, h_t, hs_t, w2_t, w2s_t = saved
+    x_t, w1_t, h_t, w2_t = (t.view(fwd_dtype) for t in (x_t, w1_t, h_t, w2_t))
+    dtype = grad_out.dtype
+    dy = grad_out.reshape(-1, grad_out.shape[-1])
+    m = dy.shape[0]
+    gq, gs, gq_t, gs_t = _quantize_block(_pad_rows(dy), bwd_dtype, 1, pow2)
+    # fc2: dh [M, F] = dY @ W2 (W2^T in 128x128 blocks along N); dW2 [N, F] = dY^T @ h
+    dh = _block_scaled_mm(gq, gs, 1, w2_t, w2s_t, 128, dtype)
+    dw2 = _block_scaled_mm(gq_t, gs_t, 1, h_t, hs_t, 1, dtype)
+    db2 = dy.sum(0, dtype=torch.float32).to(dtype) if has_b2 else dy.new_empty(0)
+    need_db1 = b1 is not None
+    dq, ds, dq_t, ds_t, db1 = _act_quantize_block(
+        z, b1, dh, activation, bwd_dtype, m, need_db1, pow2
+    )
+    # fc1: dX [M, D] = dz @ W1; dW1 [F, D] = dz^T @ X
+    dinp = dy.new_empty(0)
+    if need_dgrad:
+        dinp = _block_scaled_mm(dq, ds, 1, w1_t, w1s_t, 128, dtype)
+        dinp = (dinp[:m].clone() if dinp.shape[0] != m else dinp).reshape(
+            *grad_out.shape[:-1], w1_t.shape[0]
+        )
+    dw1 = _block_scaled_mm(dq_t, ds_t, 1, x_t, xs_t, 1, dtype)
+    return dinp, dw1, dy.new_empty(0) if db1 is None else db1, dw2, db2
+
+
 @mlp_fp8_bwd.register_fake
 def _mlp_fp8_bwd_fake(
     grad_out, saved, fc1_bias, scale1, scale2, ga1, ga2, activation, recipe, fwd_dtype,
-    bwd_dtype, has_fc2_bias, need_dgrad,
+    bwd_dtype, power_2_scale, has_fc2_bias, need_dgrad,
 ):  # fmt: skip
     w1_t, w2_t = saved[2], saved[7]
     d, f, n = w1_t.shape[0], w1_t.shape[1], w2_t.shape[1]
@@ -262,7 +357,8 @@ def _setup_context(ctx, inputs, output) -> None:
     _out, saved, amax = output
     ctx.mark_non_differentiable(amax, *saved)
     ctx.save_for_backward(b1, scale1, scale2, ga1, ga2, *saved)
-    ctx.config, ctx.has_fc2_bias = config, b2 is not None
+    ctx.config = (*config, False)[:5]  # power_2_scale defaults to False
+    ctx.has_fc2_bias = b2 is not None
 
 
 def _backward(ctx, bwd, grad_out, _grad_saved, _grad_amax):
@@ -278,7 +374,7 @@ def _backward(ctx, bwd, grad_out, _grad_saved, _grad_amax):
         db1 if b1 is not None and need[2] else None,
         dw2 if need[3] else None,
         db2 if ctx.has_fc2_bias and need[4] else None,
-        *(None,) * 8,
+        *(None,) * (len(need) - 5),
     )
 
 
@@ -300,6 +396,11 @@ def _samples(device: torch.device):
         (t(2, 5, 32), t(32, 32), None, t(16, 32), None, None, None, None, None, "relu",
          "current", e4m3, e4m3)
     )  # fmt: skip
+    # Float8BlockScaling's native GEMMs (feature sizes multiples of 512), power-of-two scales.
+    yield SampleInput(
+        (t(24, 512), t(512, 512), t(512), t(512, 512), t(512), None, None, None, None, "gelu",
+         "block", e4m3, e4m3, True)
+    )  # fmt: skip
     s1 = torch.tensor([64.0, 128.0, 2.0], device=device)
     s2 = torch.tensor([32.0, 64.0, 1.0], device=device)
     yield SampleInput(
@@ -308,7 +409,13 @@ def _samples(device: torch.device):
     )  # fmt: skip
 
 
-def _reference(inp, w1, b1, w2, b2, scale1, scale2, ga1, ga2, activation, recipe, fwd, bwd):
+def _reference(
+    inp, w1, b1, w2, b2, scale1, scale2, ga1, ga2, activation, recipe, fwd, bwd, pow2=False
+):
+    if recipe == "block":  # linear_block_scaled's reference twice around the activation's
+        z = _block_reference(inp, w1, None, "block", fwd, bwd, pow2, 128, True)
+        h = activation_ref(z, b1, activation)
+        return _block_reference(h, w2, b2, "block", fwd, bwd, pow2, 128, True)
     s1, s2 = (scale1, scale2) if recipe == "delayed" else (None, None)
     return mlp_fp8_ref(inp, w1, b1, w2, b2, activation, fwd, bwd, s1, s2)
 
@@ -338,6 +445,7 @@ def mlp_fp8(
     scale2: Tensor | None = None,
     grad_amax1: Tensor | None = None,
     grad_amax2: Tensor | None = None,
+    power_2_scale: bool = False,
     return_amax: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """``activation(inp @ fc1_weight.T + fc1_bias) @ fc2_weight.T + fc2_bias`` with FP8 GEMMs and
@@ -345,6 +453,6 @@ def mlp_fp8(
     returns ``[amax(inp), amax(fc1_weight), amax(h), amax(fc2_weight)]``."""
     out, _saved, amax = _mlp_fp8(
         inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, scale1, scale2, grad_amax1, grad_amax2,
-        activation, recipe, fwd_dtype, bwd_dtype,
+        activation, recipe, fwd_dtype, bwd_dtype, power_2_scale,
     )  # fmt: skip
     return (out, amax) if return_amax else out

@@ -39,9 +39,11 @@ from torch import Tensor
 from te_compile.kernels.activation import FUNCTION_OF, GATED, _act, _dact
 from te_compile.kernels.quantize import (
     _FORMATS,
+    BLOCK,
     QuantizeLaunchConfig,
     _abs_bits,
     _bits,
+    _cast_1x128,
     _cast_fp8,
     _fp8_args,
     _software,
@@ -49,7 +51,7 @@ from te_compile.kernels.quantize import (
     _to_bf16_bits,
 )
 
-__all__ = ["act_quantize"]
+__all__ = ["act_quantize", "act_quantize_block"]
 
 # Rounding of the activation to the model's dtype before the cast.
 _ROUND_NONE = 0
@@ -129,7 +131,7 @@ def _act_cast_kernel(
     Z, B, G, SCALE, AMAX_BITS, DATA, DATA_T, SCALE_INV, PART, M, M_OUT, N, fp8_max, eps,
     FN: tl.constexpr, BWD: tl.constexpr, HAS_BIAS: tl.constexpr, DBIAS: tl.constexpr,
     ROUND: tl.constexpr, E4M3: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
-    SOFTWARE: tl.constexpr, FROM_AMAX: tl.constexpr, COLUMNWISE: tl.constexpr,
+    SOFTWARE: tl.constexpr, GUARD: tl.constexpr, FROM_AMAX: tl.constexpr, COLUMNWISE: tl.constexpr,
     EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """``_cast_kernel`` of ``kernels.quantize`` with the activation as its load. ``FROM_AMAX``:
@@ -144,8 +146,7 @@ def _act_cast_kernel(
     scale = _tile_scale(SCALE, AMAX_BITS, SCALE_INV, x, first, fp8_max, eps, FROM_AMAX, False)
     if DBIAS and not FROM_AMAX:
         tl.store(PART + pid_m.to(tl.int64) * N + cols, tl.sum(v, axis=0), mask=cols < N)
-    f32 = Z.dtype.element_ty == tl.float32  # see _cast_fp8
-    q = _cast_fp8(x * scale, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, f32)
+    q = _cast_fp8(x * scale, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, GUARD)
     r_in = tl.arange(0, BLOCK_M)
     c_in = tl.arange(0, BLOCK_N)
     offs = pid_m.to(tl.int64) * BLOCK_M * N + pid_n * BLOCK_N + (r_in[:, None] * N + c_in[None, :])
@@ -161,6 +162,47 @@ def _act_cast_kernel(
         if COLUMNWISE:
             mask_t = (cols[:, None] < N) & (rows[None, :] < M_OUT)
             tl.store(DATA_T + offs_t, tl.trans(q), mask=mask_t)
+
+
+@triton.jit
+def _act_block_kernel(
+    Z, B, G, DATA, SCALE_INV, DATA_T, SCALE_INV_T, PART, M, M_OUT, N, fp8_max,
+    FN: tl.constexpr, BWD: tl.constexpr, HAS_BIAS: tl.constexpr, DBIAS: tl.constexpr,
+    ROUND: tl.constexpr, E4M3: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
+    SOFTWARE: tl.constexpr, GUARD: tl.constexpr, POW2: tl.constexpr, EVEN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """``_block_kernel`` of ``kernels.quantize`` (1x128 blocks, rowwise and columnwise: one
+    ``BLOCK_M`` = ``BLOCK_N`` = 128 tile) with the activation as its load; with ``DBIAS`` the
+    tile's column sums of the unrounded gradient go to row ``pid_m`` of ``PART``."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    v, x, cols = _tile(
+        Z, B, G, pid_m, pid_n, M, N, FN, BWD, HAS_BIAS, ROUND, SOFTWARE, EVEN, BLOCK_M, BLOCK_N
+    )
+    if DBIAS:
+        tl.store(PART + pid_m.to(tl.int64) * N + cols, tl.sum(v, axis=0), mask=cols < N)
+    a = _abs_bits(x)  # rows past M are 0: they never raise a block's amax
+    q, s = _cast_1x128(x, a, 1, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, POW2, GUARD)
+    q_t, s_t = _cast_1x128(x, a, 0, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, POW2, GUARD)
+    r_in = tl.arange(0, BLOCK_M)
+    c_in = tl.arange(0, BLOCK_N)
+    rows = pid_m * BLOCK_M + r_in
+    offs = pid_m.to(tl.int64) * BLOCK_M * N + pid_n * BLOCK_N + (r_in[:, None] * N + c_in[None, :])
+    offs_t = pid_n.to(tl.int64) * BLOCK_N * M_OUT + pid_m * BLOCK_M
+    offs_t += c_in[:, None] * M_OUT + r_in[None, :]
+    n_nb = tl.cdiv(N, BLOCK_N)
+    n_mb = tl.cdiv(M_OUT, BLOCK_M)
+    if EVEN:
+        tl.store(DATA + offs, q)
+        tl.store(DATA_T + offs_t, tl.trans(q_t))
+        tl.store(SCALE_INV + rows.to(tl.int64) * n_nb + pid_n, s)
+        tl.store(SCALE_INV_T + cols.to(tl.int64) * n_mb + pid_m, s_t)
+    else:
+        tl.store(DATA + offs, q, mask=(rows[:, None] < M_OUT) & (cols[None, :] < N))
+        tl.store(DATA_T + offs_t, tl.trans(q_t), mask=(cols[:, None] < N) & (rows[None, :] < M_OUT))
+        tl.store(SCALE_INV + rows.to(tl.int64) * n_nb + pid_n, s, mask=rows < M_OUT)
+        tl.store(SCALE_INV_T + cols.to(tl.int64) * n_mb + pid_m, s_t, mask=cols < N)
 
 
 def act_quantize(
@@ -232,6 +274,7 @@ def act_quantize(
         _FORMATS[fp8_dtype].max,
         0.0,
         **_fp8_args(fp8_dtype, software),
+        GUARD=z.dtype == torch.float32,
         FROM_AMAX=scale is None,
         COLUMNWISE=columnwise,
         **common,
@@ -240,3 +283,67 @@ def act_quantize(
         scale_inv = scale.reshape(1).reciprocal()
     db = part.sum(0).to(bias.dtype) if dbias else None
     return data, data_t, scale_inv, amax, db
+
+
+def act_quantize_block(
+    z: Tensor,
+    bias: Tensor | None,
+    grad: Tensor | None,
+    activation: str,
+    fp8_dtype: torch.dtype,
+    rows: int,
+    need_dbias: bool,
+    power_2_scale: bool,
+    *,
+    config: QuantizeLaunchConfig | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+    """``act_quantize`` for Float8BlockScaling's 1x128 blocks: ``(data, scale_inv, data_t,
+    scale_inv_t, dbias)`` in the layouts of ``quantize_blockwise(..., block_rows=1,
+    columnwise=True)`` (scale_inv ``[M_OUT, cdiv(N, 128)]``, scale_inv_t ``[N, cdiv(M_OUT,
+    128)]``). Rows past ``rows`` are quantised as zeros. Arguments are trusted."""
+    if activation not in FUNCTION_OF or activation in GATED:
+        raise ValueError(
+            f"act_quantize_block: element-wise activation expected, got {activation!r}"
+        )
+    cfg = config or QuantizeLaunchConfig()
+    m_out, n = z.shape
+    blk = BLOCK
+    if blk * n >= 2**31 or blk * m_out >= 2**31:
+        raise ValueError(f"act_quantize_block: [{m_out}, {n}] is too large for 32-bit tile offsets")
+    f32 = torch.float32
+    data = torch.empty((m_out, n), device=z.device, dtype=fp8_dtype)
+    data_t = torch.empty((n, m_out), device=z.device, dtype=fp8_dtype)
+    scale_inv = z.new_empty((m_out, triton.cdiv(n, blk)), dtype=f32)
+    scale_inv_t = z.new_empty((n, triton.cdiv(m_out, blk)), dtype=f32)
+    grid = (max(triton.cdiv(m_out, blk), 1), max(triton.cdiv(n, blk), 1))
+    dbias = need_dbias and bias is not None and grad is not None
+    part = z.new_empty((grid[0], n), dtype=f32) if dbias else scale_inv
+    if m_out * n:
+        _act_block_kernel[grid](
+            z,
+            z if bias is None else bias,
+            z if grad is None else grad,
+            _bits(data),
+            scale_inv,
+            _bits(data_t),
+            scale_inv_t,
+            part,
+            rows,
+            m_out,
+            n,
+            _FORMATS[fp8_dtype].max,
+            FN=FUNCTION_OF[activation],
+            BWD=grad is not None,
+            HAS_BIAS=bias is not None,
+            DBIAS=dbias,
+            ROUND=_ROUND[z.dtype],
+            **_fp8_args(fp8_dtype, _software(z.device, cfg)),
+            GUARD=z.dtype == torch.float32,
+            POW2=power_2_scale,
+            EVEN=rows == m_out and m_out % blk == 0 and n % blk == 0,
+            BLOCK_M=blk,
+            BLOCK_N=blk,
+            num_warps=cfg.block_num_warps,
+        )
+    db = part.sum(0).to(bias.dtype) if dbias else None
+    return data, scale_inv, data_t, scale_inv_t, db

@@ -335,6 +335,7 @@ def _cast_kernel(
     MBITS: tl.constexpr,
     BIAS: tl.constexpr,
     SOFTWARE: tl.constexpr,
+    GUARD: tl.constexpr,
     FROM_AMAX: tl.constexpr,
     POW2: tl.constexpr,
     COLUMNWISE: tl.constexpr,
@@ -353,13 +354,28 @@ def _cast_kernel(
     x = x.to(tl.float32)
     first = (pid_m == 0) & (pid_k == 0)
     scale = _tile_scale(SCALE, AMAX_BITS, SCALE_INV, x, first, fp8_max, eps, FROM_AMAX, POW2)
-    f32 = X.dtype.element_ty == tl.float32  # see _cast_fp8
-    q = _cast_fp8(x * scale, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, f32)
+    q = _cast_fp8(x * scale, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, GUARD)
     tl.store(DATA + rows.to(tl.int64)[:, None] * K + cols[None, :], q, mask=mask)
     if COLUMNWISE:
         mask_t = (cols[:, None] < K) & (rows[None, :] < M)
         offs_t = cols.to(tl.int64)[:, None] * M + rows[None, :]
         tl.store(DATA_T + offs_t, tl.trans(q), mask=mask_t)
+
+
+@triton.jit
+def _cast_1x128(
+    x, a, AXIS: tl.constexpr, fp8_max, E4M3: tl.constexpr, MBITS: tl.constexpr,
+    BIAS: tl.constexpr, SOFTWARE: tl.constexpr, POW2: tl.constexpr, GUARD: tl.constexpr,
+):  # fmt: skip
+    """A tile ``x`` (``a = _abs_bits(x)``) cast in blocks along ``AXIS`` (1: each row of the
+    tile is one block, 0: each column): ``(codes, inverse scale of each block)``."""
+    amax = tl.max(a, axis=AXIS).to(tl.float32, bitcast=True)
+    scale = _scale_from_amax(amax, fp8_max, 0.0, POW2)
+    if AXIS == 1:
+        q = _cast_fp8(x * scale[:, None], fp8_max, E4M3, MBITS, BIAS, SOFTWARE, GUARD)
+    else:
+        q = _cast_fp8(x * scale[None, :], fp8_max, E4M3, MBITS, BIAS, SOFTWARE, GUARD)
+    return q, tl.math.div_rn(1.0, scale)
 
 
 @triton.jit
@@ -376,6 +392,7 @@ def _block_kernel(
     MBITS: tl.constexpr,
     BIAS: tl.constexpr,
     SOFTWARE: tl.constexpr,
+    GUARD: tl.constexpr,
     POW2: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     COLUMNWISE: tl.constexpr,
@@ -392,29 +409,22 @@ def _block_kernel(
     offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
     x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
     a = _abs_bits(x)  # padding lanes are 0 and never raise a block's amax
-    f32 = X.dtype.element_ty == tl.float32  # see _cast_fp8
     n_kb = tl.cdiv(K, BLOCK_K)
     mask_t = (cols[:, None] < K) & (rows[None, :] < M)
     offs_t = cols.to(tl.int64)[:, None] * M + rows[None, :]
     if BLOCK_ROWS == 1:
-        amax = tl.max(a, axis=1).to(tl.float32, bitcast=True)
-        scale = _scale_from_amax(amax, fp8_max, 0.0, POW2)
-        q = _cast_fp8(x * scale[:, None], fp8_max, E4M3, MBITS, BIAS, SOFTWARE, f32)
-        scale_inv = tl.math.div_rn(1.0, scale)
+        q, scale_inv = _cast_1x128(x, a, 1, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, POW2, GUARD)
         tl.store(SCALE_INV + rows.to(tl.int64) * n_kb + pid_k, scale_inv, mask=rows < M)
         if COLUMNWISE:
             # x^T in 1x128 blocks along M: one block per column of this tile.
-            amax_t = tl.max(a, axis=0).to(tl.float32, bitcast=True)
-            scale_t = _scale_from_amax(amax_t, fp8_max, 0.0, POW2)
-            q_t = _cast_fp8(x * scale_t[None, :], fp8_max, E4M3, MBITS, BIAS, SOFTWARE, f32)
+            q_t, s_t = _cast_1x128(x, a, 0, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, POW2, GUARD)
             tl.store(DATA_T + offs_t, tl.trans(q_t), mask=mask_t)
-            scale_inv_t = tl.math.div_rn(1.0, scale_t)
             n_mb = tl.cdiv(M, BLOCK_M)
-            tl.store(SCALE_INV_T + cols.to(tl.int64) * n_mb + pid_m, scale_inv_t, mask=cols < K)
+            tl.store(SCALE_INV_T + cols.to(tl.int64) * n_mb + pid_m, s_t, mask=cols < K)
     else:
         amax = tl.max(tl.max(a, axis=1), axis=0).to(tl.float32, bitcast=True)
         scale = _scale_from_amax(amax, fp8_max, 0.0, POW2)
-        q = _cast_fp8(x * scale, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, f32)
+        q = _cast_fp8(x * scale, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, GUARD)
         scale_inv = tl.math.div_rn(1.0, scale)
         tl.store(SCALE_INV + pid_m * n_kb + pid_k, scale_inv)
         if COLUMNWISE:
@@ -470,6 +480,7 @@ def _rowwise_kernel(
     MBITS: tl.constexpr,
     BIAS: tl.constexpr,
     SOFTWARE: tl.constexpr,
+    GUARD: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -491,8 +502,7 @@ def _rowwise_kernel(
         cols = k0 + tl.arange(0, BLOCK_K)
         mask = in_rows[:, None] & (cols[None, :] < K)
         x = tl.load(X + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        f32 = X.dtype.element_ty == tl.float32  # see _cast_fp8
-        q = _cast_fp8(x * scale[:, None], fp8_max, E4M3, MBITS, BIAS, SOFTWARE, f32)
+        q = _cast_fp8(x * scale[:, None], fp8_max, E4M3, MBITS, BIAS, SOFTWARE, GUARD)
         tl.store(DATA + base + cols[None, :], q, mask=mask)
     tl.store(SCALE_INV + rows, tl.math.div_rn(1.0, scale), mask=in_rows)
 
@@ -509,6 +519,7 @@ def _columnwise_kernel(
     MBITS: tl.constexpr,
     BIAS: tl.constexpr,
     SOFTWARE: tl.constexpr,
+    GUARD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -529,13 +540,14 @@ def _columnwise_kernel(
         acc = tl.maximum(acc, tl.max(_abs_bits(x.to(tl.float32)), axis=0))
     scale = _slice_scale(acc, fp8_max)
     dst = DATA_T + b * N * K
-    f32 = X.dtype.element_ty == tl.float32  # see _cast_fp8
     for n0 in range(0, N, BLOCK_N):
         rows = n0 + tl.arange(0, BLOCK_N)
         mask = (rows[:, None] < N) & in_cols[None, :]
         x = tl.load(src + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask, other=0.0)
         y = x.to(tl.float32) * scale[None, :]
-        q = tl.trans(_cast_fp8(y, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, f32))  # [BLOCK_K, BLOCK_N]
+        q = tl.trans(
+            _cast_fp8(y, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, GUARD)
+        )  # [BLOCK_K, BLOCK_N]
         out = cols.to(tl.int64)[:, None] * N + rows[None, :]
         tl.store(dst + out, q, mask=in_cols[:, None] & (rows[None, :] < N))
     tl.store(SCALE_INV + b * K + cols, tl.math.div_rn(1.0, scale), mask=in_cols)
@@ -695,6 +707,7 @@ def quantize_tensorwise(
             _FORMATS[fp8_dtype].max,
             0.0,
             **_fp8_args(fp8_dtype, _software(x.device, cfg)),
+            GUARD=x.dtype == torch.float32,
             FROM_AMAX=False,
             POW2=False,
             COLUMNWISE=columnwise,
@@ -734,6 +747,7 @@ def quantize_current(
         _FORMATS[fp8_dtype].max,
         amax_epsilon,
         **_fp8_args(fp8_dtype, _software(x.device, cfg)),
+        GUARD=x.dtype == torch.float32,
         FROM_AMAX=True,
         POW2=power_2_scale,
         COLUMNWISE=columnwise,
@@ -774,6 +788,7 @@ def quantize_blockwise(
             k,
             _FORMATS[fp8_dtype].max,
             **_fp8_args(fp8_dtype, _software(x.device, cfg)),
+            GUARD=x.dtype == torch.float32,
             POW2=power_2_scale,
             BLOCK_ROWS=block_rows,
             COLUMNWISE=columnwise,
@@ -860,6 +875,7 @@ def quantize_columnwise_transposed(
         k,
         _FORMATS[fp8_dtype].max,
         **_fp8_args(fp8_dtype, _software(x.device, _DEFAULT)),
+        GUARD=x.dtype == torch.float32,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         num_warps=4,
@@ -955,6 +971,7 @@ def quantize_rowwise(
             k,
             _FORMATS[fp8_dtype].max,
             **_fp8_args(fp8_dtype, _software(x.device, _DEFAULT)),
+            GUARD=x.dtype == torch.float32,
             BLOCK_M=block_m,
             BLOCK_K=bk,
             num_warps=4,

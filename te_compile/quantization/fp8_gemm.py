@@ -175,13 +175,16 @@ def mlp(
 ) -> Tensor | None:
     """``fc2(activation(fc1(inp)))`` as one FP8 op (``te::mlp_fp8_fwd``: the activation and its
     gradient fused into the quantisations) inside an enabled ``te_compile.autocast`` with a
-    per-tensor recipe (current or delayed scaling) and an element-wise activation; None where
-    that does not apply (the caller runs the GEMMs one by one). ``metas``: the two GEMMs'
-    states, used exactly as two :func:`linear` calls would use them."""
+    per-tensor recipe (current or delayed scaling), or Float8BlockScaling where its GEMMs run
+    natively with 128x128 weight blocks (as :func:`linear` would run them), and an element-wise
+    activation; None where that does not apply (the caller runs the GEMMs one by one).
+    ``metas``: the two GEMMs' states, used exactly as two :func:`linear` calls would use them."""
     state = get_autocast_state()
     if not state.enabled or activation not in F.FP8_FUSED_ACTIVATIONS or not _FUSE_MLP:
         return None
     recipe = state.recipe
+    if recipe.float8_block_scaling():
+        return _block_mlp(recipe, inp, fc1_weight, fc1_bias, activation, fc2_weight, fc2_bias)
     if not (recipe.float8_current() or recipe.delayed()):
         return None
     fc1, fc2 = metas
@@ -196,6 +199,30 @@ def mlp(
     fc1.record(amax[:2], state)
     fc2.record(amax[2:], state)
     return out
+
+
+def _block_mlp(recipe, inp, fc1_weight, fc1_bias, activation, fc2_weight, fc2_bias):
+    """:func:`mlp` under Float8BlockScaling: the fused op where both GEMMs would run natively
+    (1x128 activation and gradient blocks, 128x128 weight blocks), else None."""
+    fmt = recipe.fp8_format
+    dims = (recipe.x_block_scaling_dim, recipe.w_block_scaling_dim, recipe.grad_block_scaling_dim)
+    native = (
+        inp.device.type == "cuda"
+        and _NATIVE_BLOCK
+        and dims == (1, 2, 1)
+        and is_fp8_block_scaling_available()
+        and all(
+            F.native_block_supported(w, 128, fmt.fwd_dtype, fmt.bwd_dtype)
+            for w in (fc1_weight, fc2_weight)
+        )
+    )
+    if not native:
+        return None
+    return F.mlp_fp8(
+        inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, recipe="block",
+        fwd_dtype=fmt.fwd_dtype, bwd_dtype=fmt.bwd_dtype,
+        power_2_scale=not recipe.use_f32_scales,
+    )  # fmt: skip
 
 
 def _block_scaled(owner, recipe, inp, weight, bias, main_grad) -> Tensor:

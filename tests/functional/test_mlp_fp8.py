@@ -75,6 +75,48 @@ def test_same_bytes_as_the_unfused_ops(device, act, recipe, dtype, bias, bwd):
             assert_bits_equal(g, r)
 
 
+def _block_unfused(x, w1, b1, w2, b2, act, pow2):
+    kw = dict(kind="block", fwd_dtype=E4M3, bwd_dtype=E4M3, power_2_scale=pow2,
+              weight_block_rows=128, native=True)  # fmt: skip
+    h = F.bias_activation(F.linear_block_scaled(x, w1, None, **kw), b1, act)
+    return F.linear_block_scaled(h, w2, b2, **kw)
+
+
+@pytest.mark.parametrize("act,pow2", [("gelu", False), ("srelu", True)])
+@pytest.mark.parametrize("device", DEVICES)
+def test_block_recipe_same_bytes_as_the_unfused_ops(device, act, pow2):
+    """recipe="block" against linear_block_scaled(native=True) -> bias_activation ->
+    linear_block_scaled(native=True): on the CPU its GEMMs are emulated the same way."""
+    if device == "cuda" and not te_compile.is_fp8_block_scaling_available():
+        pytest.skip("no native blockwise FP8 GEMMs on this GPU")
+    w1, b1, w2, b2 = _params(device, torch.bfloat16, d=512, f=1024, n=512)
+    x = torch.randn(3, 16, 512, device=device).to(torch.bfloat16).requires_grad_()
+    out = F.mlp_fp8(
+        x, w1, b1, w2, b2, act, recipe="block", fwd_dtype=E4M3, bwd_dtype=E4M3,
+        power_2_scale=pow2,
+    )  # fmt: skip
+    ref = _block_unfused(x, w1, b1, w2, b2, act, pow2)
+    assert_bits_equal(out, ref)
+    grad = torch.randn_like(out)
+    params = [x, w1, b1, w2, b2]
+    for p, g, r in zip(
+        params,
+        torch.autograd.grad(out, params, grad),
+        torch.autograd.grad(ref, params, grad),
+        strict=True,
+    ):
+        if p is b1 and device != "cpu":
+            assert_close(g, r.double(), dtype=torch.bfloat16, roundings=2, reduced=True)
+        else:
+            assert_bits_equal(g, r)
+    # 40 tokens are padded to 48 inside the op: the same rows as with 8 zero rows appended.
+    x40 = x.detach().reshape(-1, 512)[:40]
+    x48 = torch.cat([x40.detach(), x40.new_zeros(8, 512)])
+    kw = dict(recipe="block", fwd_dtype=E4M3, bwd_dtype=E4M3, power_2_scale=pow2)
+    out40 = F.mlp_fp8(x40, w1, b1, w2, b2, act, **kw)
+    assert_bits_equal(out40, F.mlp_fp8(x48, w1, b1, w2, b2, act, **kw)[:40])
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_compiles_without_graph_breaks_and_matches_eager(device):
     w1, b1, w2, b2 = _params(device, torch.bfloat16)
@@ -111,7 +153,9 @@ def test_errors_name_the_argument():
     with pytest.raises(ValueError, match=r"needs scale1 \[3\]"):
         F.mlp_fp8(x, w1, None, w2, None, "gelu", recipe="delayed")
     with pytest.raises(ValueError, match="recipe must be one of"):
-        F.mlp_fp8(x, w1, None, w2, None, "gelu", recipe="block")
+        F.mlp_fp8(x, w1, None, w2, None, "gelu", recipe="mxfp8")
+    with pytest.raises(ValueError, match=r"recipe=\"block\" runs the native blockwise GEMMs.*512"):
+        F.mlp_fp8(x, w1, None, w2, None, "gelu", recipe="block", bwd_dtype=E4M3)
 
 
 RECIPES = [
@@ -125,10 +169,22 @@ RECIPES = [
 def test_layernorm_mlp_takes_the_fused_op_with_the_same_results(device, recipe_cls, monkeypatch):
     """Three training steps of LayerNormMLP under each per-tensor recipe, fused and op by op
     (``TE_COMPILE_FUSED_FP8_MLP=0``): the same outputs, gradients and scaling state."""
+    _fused_and_plain_steps(device, recipe_cls(), 64, 128, monkeypatch)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or not te_compile.is_fp8_block_scaling_available(),
+    reason="Float8BlockScaling's fused MLP runs where its GEMMs are native (Hopper, CUDA 12.9+)",
+)
+def test_layernorm_mlp_takes_the_fused_op_under_block_scaling(monkeypatch):
+    _fused_and_plain_steps("cuda", te_compile.recipe.Float8BlockScaling(), 512, 1024, monkeypatch)
+
+
+def _fused_and_plain_steps(device, recipe, hidden, ffn, monkeypatch):
     torch.manual_seed(0)
     kw = {"device": device, "params_dtype": torch.bfloat16}
-    fused = te_compile.LayerNormMLP(64, 128, activation="gelu", **kw)
-    plain = te_compile.LayerNormMLP(64, 128, activation="gelu", **kw)
+    fused = te_compile.LayerNormMLP(hidden, ffn, activation="gelu", **kw)
+    plain = te_compile.LayerNormMLP(hidden, ffn, activation="gelu", **kw)
     plain.load_state_dict(fused.state_dict())
     calls = []
     real = fp8_gemm.F.mlp_fp8
@@ -144,8 +200,8 @@ def test_layernorm_mlp_takes_the_fused_op_with_the_same_results(device, recipe_c
         torch.manual_seed(1)
         outs = []
         for _ in range(3):
-            x = torch.randn(2, 24, 64, device=device, dtype=torch.bfloat16)
-            with te_compile.autocast(recipe=recipe_cls()):
+            x = torch.randn(2, 24, hidden, device=device, dtype=torch.bfloat16)
+            with te_compile.autocast(recipe=recipe):
                 out = module(x)
             out.float().square().mean().backward()
             outs.append(out.detach())

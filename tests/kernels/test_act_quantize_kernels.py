@@ -104,3 +104,45 @@ def test_act_quantize_rejects_gated_activations():
     z = _dev(torch.zeros(16, 16))
     with pytest.raises(ValueError, match="element-wise activation"):
         act_q.act_quantize(z, None, None, "swiglu", E4M3, None, 16, True, False)
+
+
+BLOCK_CASES = [
+    pytest.param("gelu", torch.bfloat16, True, False, id="gelu-bf16-bias"),
+    pytest.param("silu", torch.float32, False, True, id="silu-fp32-pow2"),
+    pytest.param("srelu", torch.float16, True, False, id="srelu-fp16-bias"),
+]
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["fwd", "bwd"])
+@pytest.mark.parametrize("act,dtype,has_bias,pow2", BLOCK_CASES)
+# Padding rows and 128-blocks cut at both edges; and whole 128x128 tiles (the EVEN path).
+@pytest.mark.parametrize("m_out,rows,n", [(160, 150, 200), (256, 256, 128)], ids=["ragged", "even"])
+def test_act_quantize_block_matches_unfused_kernels(
+    act, dtype, has_bias, pow2, backward, m_out, rows, n
+):
+    z = (torch.randn(m_out, n) * 2).to(dtype)
+    z[3, :40] *= 300  # a block with a large amax next to ordinary ones
+    bias = (torch.randn(n) * 0.5).to(dtype) if has_bias else None
+    grad = (torch.randn(m_out, n) * 3).to(dtype) if backward else None
+    fp8 = E4M3
+    zf = _dev(z)[:rows].float()
+    bf = None if bias is None else _dev(bias).float()
+    if grad is None:
+        v, dbias = activation.activation_forward(zf, bf, act), None
+    else:
+        v, dbias = activation.activation_backward(
+            _dev(grad)[:rows].float(), zf, bf, act, need_dbias=has_bias
+        )
+    v = torch.cat([v, v.new_zeros(m_out - rows, n)]).to(dtype)
+    expected = quantize.quantize_blockwise(v, fp8, 1, pow2, True)
+    *actual, actual_dbias = act_q.act_quantize_block(
+        *map(_dev, (z, bias, grad)), act, fp8, rows, True, pow2
+    )
+    for a, e in zip(actual, expected, strict=True):
+        assert a.device.type == TRITON_DEVICE
+        assert_bits_equal(a, e)
+    if backward and has_bias:
+        assert actual_dbias.dtype == dtype
+        assert_close(actual_dbias, dbias.double(), dtype=dtype)
+    else:
+        assert actual_dbias is None
