@@ -28,9 +28,9 @@ def _dev(t):
     return None if t is None else t.to(TRITON_DEVICE)
 
 
-def _unfused(z, bias, grad, act, fp8, scale, rows):
-    """The unfused path: activation (or its gradient) in fp32, rounded once, zero-padded, then
-    ``quantize_current`` / ``quantize_tensorwise``; plus the fp32 bias gradient."""
+def _activation_padded(z, bias, grad, act, rows):
+    """The activation (or its gradient) by the activation kernels in fp32, rounded once to
+    ``z``'s dtype and zero-padded to ``z``'s rows; plus the fp32 bias gradient."""
     zf = z[:rows].float()
     bf = None if bias is None else bias.float()
     dbias = None
@@ -40,13 +40,30 @@ def _unfused(z, bias, grad, act, fp8, scale, rows):
         v, dbias = activation.activation_backward(
             grad[:rows].float(), zf, bf, act, need_dbias=bias is not None
         )
-    v = torch.cat([v, v.new_zeros(z.shape[0] - rows, z.shape[1])]).to(z.dtype)
+    return torch.cat([v, v.new_zeros(z.shape[0] - rows, z.shape[1])]).to(z.dtype), dbias
+
+
+def _unfused(z, bias, grad, act, fp8, scale, rows):
+    """The unfused path: ``_activation_padded``, then ``quantize_current`` /
+    ``quantize_tensorwise``; plus the fp32 bias gradient."""
+    v, dbias = _activation_padded(z, bias, grad, act, rows)
     if scale is None:
         data, data_t, scale_inv, amax = quantize.quantize_current(v, fp8, True)
     else:
         data, data_t, amax = quantize.quantize_tensorwise(v, scale, fp8, True)
         scale_inv = scale.reciprocal()
     return (data, data_t, scale_inv, amax), dbias
+
+
+def _check(actual, expected, actual_dbias, dbias, backward, has_bias, dtype):
+    for a, e in zip(actual, expected, strict=True):
+        assert a.device.type == TRITON_DEVICE
+        assert_bits_equal(a, e)
+    if backward and has_bias:
+        assert actual_dbias.dtype == dtype
+        assert_close(actual_dbias, dbias.double(), dtype=dtype)
+    else:
+        assert actual_dbias is None
 
 
 CASES = [
@@ -76,14 +93,7 @@ def test_act_quantize_matches_unfused_kernels(
     *actual, actual_dbias = act_q.act_quantize(
         *map(_dev, (z, bias, grad)), act, fp8, _dev(s), rows, True, True, config=config
     )
-    for a, e in zip(actual, expected, strict=True):
-        assert a.device.type == TRITON_DEVICE
-        assert_bits_equal(a, e)
-    if backward and has_bias:
-        assert actual_dbias.dtype == dtype
-        assert_close(actual_dbias, dbias.double(), dtype=dtype)
-    else:
-        assert actual_dbias is None
+    _check(actual, expected, actual_dbias, dbias, backward, has_bias, dtype)
 
 
 def test_act_quantize_padding_rows_are_zero_and_outside_the_amax():
@@ -124,25 +134,9 @@ def test_act_quantize_block_matches_unfused_kernels(
     z[3, :40] *= 300  # a block with a large amax next to ordinary ones
     bias = (torch.randn(n) * 0.5).to(dtype) if has_bias else None
     grad = (torch.randn(m_out, n) * 3).to(dtype) if backward else None
-    fp8 = E4M3
-    zf = _dev(z)[:rows].float()
-    bf = None if bias is None else _dev(bias).float()
-    if grad is None:
-        v, dbias = activation.activation_forward(zf, bf, act), None
-    else:
-        v, dbias = activation.activation_backward(
-            _dev(grad)[:rows].float(), zf, bf, act, need_dbias=has_bias
-        )
-    v = torch.cat([v, v.new_zeros(m_out - rows, n)]).to(dtype)
-    expected = quantize.quantize_blockwise(v, fp8, 1, pow2, True)
+    v, dbias = _activation_padded(*map(_dev, (z, bias, grad)), act, rows)
+    expected = quantize.quantize_blockwise(v, E4M3, 1, pow2, True)
     *actual, actual_dbias = act_q.act_quantize_block(
-        *map(_dev, (z, bias, grad)), act, fp8, rows, True, pow2
+        *map(_dev, (z, bias, grad)), act, E4M3, rows, True, pow2
     )
-    for a, e in zip(actual, expected, strict=True):
-        assert a.device.type == TRITON_DEVICE
-        assert_bits_equal(a, e)
-    if backward and has_bias:
-        assert actual_dbias.dtype == dtype
-        assert_close(actual_dbias, dbias.double(), dtype=dtype)
-    else:
-        assert actual_dbias is None
+    _check(actual, expected, actual_dbias, dbias, backward, has_bias, dtype)
