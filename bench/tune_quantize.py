@@ -25,7 +25,8 @@ def _gbps(nbytes: int, ms: float) -> float:
     return nbytes / ms / 1e6
 
 
-def main(m: int = 16384, n: int = 16384) -> None:
+def main(m: int = 16384, n: int = 16384, parts: str = "all") -> None:
+    """``parts``: "all", "pertensor" (the per-tensor sweep) or "block" (the blockwise ones)."""
     torch.manual_seed(0)
     z = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     g = torch.randn_like(z)
@@ -39,6 +40,13 @@ def main(m: int = 16384, n: int = 16384) -> None:
         print(f"  {name:<52} {ms * 1e3:8.0f} us  {_gbps(nbytes, ms):7.0f} GB/s")
         return ms
 
+    if parts in ("all", "pertensor"):
+        _per_tensor(z, g, b, scale, m, numel, row)
+    if parts in ("all", "block"):
+        _blockwise(z, g, b, m, numel, row)
+
+
+def _per_tensor(z, g, b, scale, m, numel, row) -> None:
     print("reference launches (defaults):")
     row("amax", lambda: Q.amax(z), 2 * numel)
     row("gelu+bias fwd (activation kernel)", lambda: A.activation_forward(z, b, "gelu"), 4 * numel)
@@ -93,6 +101,9 @@ def main(m: int = 16384, n: int = 16384) -> None:
         print(
             f"  {tag:<12} total {total * 1e3:7.0f} us  " + " ".join(f"{t * 1e3:6.0f}" for t in ts)
         )
+
+
+def _blockwise(z, g, b, m, numel, row) -> None:
     print("blockwise (Float8BlockScaling) casts, both layouts, by warps of a 128-row tile:")
     for warps in (4, 8, 16):
         cfg = Q.QuantizeLaunchConfig(block_num_warps=warps)
@@ -104,7 +115,34 @@ def main(m: int = 16384, n: int = 16384) -> None:
                 ),
                 6 * numel,
             )
+    print("fused gelu + 1x128 cast (act_quantize_block), by programs per SM / stages / warps:")
+    variants = [(None, 1, 8), (None, 1, 4), (None, 1, 16)]
+    variants += [(p, s, w) for p in (1, 2, 4) for s in (1, 2) for w in (4, 8)]
+    for per_sm, stages, warps in variants:
+        cfg = Q.QuantizeLaunchConfig(
+            block_num_warps=warps, block_programs_per_sm=per_sm, block_stages=stages
+        )
+        tag = f"{'tile' if per_sm is None else f'{per_sm}/SM'} s{stages} w{warps}"
+        try:
+            row(
+                f"act_quantize_block gelu fwd {tag}",
+                lambda cfg=cfg: AQ.act_quantize_block(
+                    z, b, None, "gelu", E4M3, m, False, False, config=cfg
+                ),
+                6 * numel,
+            )
+            row(
+                f"act_quantize_block gelu bwd + dbias {tag}",
+                lambda cfg=cfg: AQ.act_quantize_block(
+                    z, b, g, "gelu", E4M3, m, True, False, config=cfg
+                ),
+                8 * numel,
+            )
+        except Exception as e:  # registers / shared memory
+            print(f"  {tag}: {type(e).__name__}: {str(e)[:80]}")
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    main(parts=sys.argv[1] if len(sys.argv) > 1 else "all")
