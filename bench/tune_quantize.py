@@ -115,31 +115,27 @@ def _blockwise(z, g, b, m, numel, row) -> None:
                 ),
                 6 * numel,
             )
-    print("fused gelu + 1x128 cast (act_quantize_block), by programs per SM / stages / warps:")
-    variants = [(None, 1, 8), (None, 1, 4), (None, 1, 16)]
-    variants += [(p, s, w) for p in (1, 2, 4) for s in (1, 2) for w in (4, 8)]
-    for per_sm, stages, warps in variants:
-        cfg = Q.QuantizeLaunchConfig(
-            block_num_warps=warps, block_programs_per_sm=per_sm, block_stages=stages
+    # One 128x128 tile per program. Programs walking a column of tiles, with and without
+    # software pipelining (tl.range num_stages=2), were measured on the H100 (2026-11-22,
+    # bench/results/2026-11-22_h100/tune_quantize_block.log): no faster (941 against 968 us
+    # forward at best), pipelined much slower; not kept.
+    print("fused gelu + 1x128 cast (act_quantize_block), by warps:")
+    for warps in (4, 8, 16):
+        cfg = Q.QuantizeLaunchConfig(block_num_warps=warps)
+        row(
+            f"act_quantize_block gelu fwd w{warps}",
+            lambda cfg=cfg: AQ.act_quantize_block(
+                z, b, None, "gelu", E4M3, m, False, False, config=cfg
+            ),
+            6 * numel,
         )
-        tag = f"{'tile' if per_sm is None else f'{per_sm}/SM'} s{stages} w{warps}"
-        try:
-            row(
-                f"act_quantize_block gelu fwd {tag}",
-                lambda cfg=cfg: AQ.act_quantize_block(
-                    z, b, None, "gelu", E4M3, m, False, False, config=cfg
-                ),
-                6 * numel,
-            )
-            row(
-                f"act_quantize_block gelu bwd + dbias {tag}",
-                lambda cfg=cfg: AQ.act_quantize_block(
-                    z, b, g, "gelu", E4M3, m, True, False, config=cfg
-                ),
-                8 * numel,
-            )
-        except Exception as e:  # registers / shared memory
-            print(f"  {tag}: {type(e).__name__}: {str(e)[:80]}")
+        row(
+            f"act_quantize_block gelu bwd + dbias w{warps}",
+            lambda cfg=cfg: AQ.act_quantize_block(
+                z, b, g, "gelu", E4M3, m, True, False, config=cfg
+            ),
+            8 * numel,
+        )
 
 
 if __name__ == "__main__":

@@ -36,7 +36,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from te_compile.kernels import programs_per_sm
 from te_compile.kernels.activation import FUNCTION_OF, GATED, _act, _dact
 from te_compile.kernels.quantize import (
     _FORMATS,
@@ -171,51 +170,39 @@ def _act_block_kernel(
     FN: tl.constexpr, BWD: tl.constexpr, HAS_BIAS: tl.constexpr, DBIAS: tl.constexpr,
     ROUND: tl.constexpr, E4M3: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
     SOFTWARE: tl.constexpr, GUARD: tl.constexpr, POW2: tl.constexpr, EVEN: tl.constexpr,
-    STAGES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """``_block_kernel`` of ``kernels.quantize`` (1x128 blocks, rowwise and columnwise: one
-    ``BLOCK_M`` = ``BLOCK_N`` = 128 tile at a time) with the activation as its load. Program
-    ``(p, j)`` walks the row tiles ``p, p + P, ...`` of column tile ``j`` (``P`` programs along
-    the rows; ``STAGES`` > 1 pipelines the next tile's loads behind this one's math); with
-    ``DBIAS`` its column sums of the unrounded gradient go to row ``p`` of ``PART``."""
-    pid_p = tl.program_id(0)
+    ``BLOCK_M`` = ``BLOCK_N`` = 128 tile) with the activation as its load; with ``DBIAS`` the
+    tile's column sums of the unrounded gradient go to row ``pid_m`` of ``PART``."""
+    pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    n_programs = tl.num_programs(0)
+    v, x, cols = _tile(
+        Z, B, G, pid_m, pid_n, M, N, FN, BWD, HAS_BIAS, ROUND, SOFTWARE, EVEN, BLOCK_M, BLOCK_N
+    )
+    if DBIAS:
+        tl.store(PART + pid_m.to(tl.int64) * N + cols, tl.sum(v, axis=0), mask=cols < N)
+    a = _abs_bits(x)  # rows past M are 0: they never raise a block's amax
+    q, s = _cast_1x128(x, a, 1, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, POW2, GUARD)
+    q_t, s_t = _cast_1x128(x, a, 0, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, POW2, GUARD)
     r_in = tl.arange(0, BLOCK_M)
     c_in = tl.arange(0, BLOCK_N)
-    cols = pid_n * BLOCK_N + c_in
+    rows = pid_m * BLOCK_M + r_in
+    offs = pid_m.to(tl.int64) * BLOCK_M * N + pid_n * BLOCK_N + (r_in[:, None] * N + c_in[None, :])
+    offs_t = pid_n.to(tl.int64) * BLOCK_N * M_OUT + pid_m * BLOCK_M
+    offs_t += c_in[:, None] * M_OUT + r_in[None, :]
     n_nb = tl.cdiv(N, BLOCK_N)
     n_mb = tl.cdiv(M_OUT, BLOCK_M)
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for i in tl.range(0, tl.cdiv(n_mb - pid_p, n_programs), num_stages=STAGES):
-        pid_m = pid_p + i * n_programs
-        v, x, _ = _tile(
-            Z, B, G, pid_m, pid_n, M, N, FN, BWD, HAS_BIAS, ROUND, SOFTWARE, EVEN, BLOCK_M,
-            BLOCK_N,
-        )  # fmt: skip
-        if DBIAS:
-            acc += tl.sum(v, axis=0)
-        a = _abs_bits(x)  # rows past M are 0: they never raise a block's amax
-        q, s = _cast_1x128(x, a, 1, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, POW2, GUARD)
-        q_t, s_t = _cast_1x128(x, a, 0, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, POW2, GUARD)
-        rows = pid_m * BLOCK_M + r_in
-        offs = pid_m.to(tl.int64) * BLOCK_M * N + pid_n * BLOCK_N
-        offs += r_in[:, None] * N + c_in[None, :]
-        offs_t = pid_n.to(tl.int64) * BLOCK_N * M_OUT + pid_m * BLOCK_M
-        offs_t += c_in[:, None] * M_OUT + r_in[None, :]
-        if EVEN:
-            tl.store(DATA + offs, q)
-            tl.store(DATA_T + offs_t, tl.trans(q_t))
-            tl.store(SCALE_INV + rows.to(tl.int64) * n_nb + pid_n, s)
-            tl.store(SCALE_INV_T + cols.to(tl.int64) * n_mb + pid_m, s_t)
-        else:
-            mask = (rows[:, None] < M_OUT) & (cols[None, :] < N)
-            tl.store(DATA + offs, q, mask=mask)
-            tl.store(DATA_T + offs_t, tl.trans(q_t), mask=tl.trans(mask))
-            tl.store(SCALE_INV + rows.to(tl.int64) * n_nb + pid_n, s, mask=rows < M_OUT)
-            tl.store(SCALE_INV_T + cols.to(tl.int64) * n_mb + pid_m, s_t, mask=cols < N)
-    if DBIAS:
-        tl.store(PART + pid_p.to(tl.int64) * N + cols, acc, mask=cols < N)
+    if EVEN:
+        tl.store(DATA + offs, q)
+        tl.store(DATA_T + offs_t, tl.trans(q_t))
+        tl.store(SCALE_INV + rows.to(tl.int64) * n_nb + pid_n, s)
+        tl.store(SCALE_INV_T + cols.to(tl.int64) * n_mb + pid_m, s_t)
+    else:
+        tl.store(DATA + offs, q, mask=(rows[:, None] < M_OUT) & (cols[None, :] < N))
+        tl.store(DATA_T + offs_t, tl.trans(q_t), mask=(cols[:, None] < N) & (rows[None, :] < M_OUT))
+        tl.store(SCALE_INV + rows.to(tl.int64) * n_nb + pid_n, s, mask=rows < M_OUT)
+        tl.store(SCALE_INV_T + cols.to(tl.int64) * n_mb + pid_m, s_t, mask=cols < N)
 
 
 def act_quantize(
@@ -328,13 +315,7 @@ def act_quantize_block(
     data_t = torch.empty((n, m_out), device=z.device, dtype=fp8_dtype)
     scale_inv = z.new_empty((m_out, triton.cdiv(n, blk)), dtype=f32)
     scale_inv_t = z.new_empty((n, triton.cdiv(m_out, blk)), dtype=f32)
-    n_mb, n_nb = max(triton.cdiv(m_out, blk), 1), max(triton.cdiv(n, blk), 1)
-    programs = n_mb  # one row tile per program, or cfg.block_programs_per_sm per SM in all
-    if cfg.block_programs_per_sm is not None:
-        programs = min(
-            n_mb, triton.cdiv(programs_per_sm(z.device, cfg.block_programs_per_sm), n_nb)
-        )
-    grid = (programs, n_nb)
+    grid = (max(triton.cdiv(m_out, blk), 1), max(triton.cdiv(n, blk), 1))
     dbias = need_dbias and bias is not None and grad is not None
     part = z.new_empty((grid[0], n), dtype=f32) if dbias else scale_inv
     if m_out * n:
@@ -360,7 +341,6 @@ def act_quantize_block(
             GUARD=z.dtype == torch.float32,
             POW2=power_2_scale,
             EVEN=rows == m_out and m_out % blk == 0 and n % blk == 0,
-            STAGES=cfg.block_stages,
             BLOCK_M=blk,
             BLOCK_N=blk,
             num_warps=cfg.block_num_warps,

@@ -114,10 +114,7 @@ class QuantizeLaunchConfig:
     use 128 rows). ``amax_block``: elements per step of the amax reduction. ``amax_programs``:
     at most this many amax programs (None: 4 per SM on CUDA, 4 otherwise). ``software_convert``:
     integer fp8/bf16 conversion (None: exactly when not on CUDA; see the module docstring).
-    ``block_num_warps``: warps of a blockwise cast with 128-row tiles. ``block_programs_per_sm``
-    (fused activation + 1x128 cast, ``kernels.act_quantize.act_quantize_block``): None, one
-    128x128 tile per program; else about this many programs per SM, each walking a column of
-    tiles, with ``block_stages`` software-pipelining stages."""
+    ``block_num_warps``: warps of a blockwise cast with 128-row tiles."""
 
     block_m: int = 64
     block_k: int = 64
@@ -125,8 +122,6 @@ class QuantizeLaunchConfig:
     amax_programs: int | None = None
     num_warps: int = 4
     block_num_warps: int = 8
-    block_programs_per_sm: int | None = None
-    block_stages: int = 1
     software_convert: bool | None = None
 
     def __post_init__(self) -> None:
