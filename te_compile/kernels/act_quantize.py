@@ -26,6 +26,12 @@ the H100 (``bench/tune_quantize.py``, 2026-11-22) and was slower for current sca
 for the forward and backward passes at its best launch against 1.85 ms) and faster only for the
 delayed backward (0.82 ms against 0.86 ms): not kept.
 
+``_act_block_kernel`` (``act_quantize_block``) is the same for Float8BlockScaling: one
+128x128 tile per program, cast in 1x128 blocks rowwise and columnwise from the same registers,
+as ``kernels.quantize._block_kernel`` casts a tensor (one 128x128 tile at one program per SM is
+latency-bound on the H100: ~1.0 / 1.4 ms forward / backward at 16384 x 16384; programs walking
+many tiles were no faster and software pipelining slower, ``bench/tune_quantize.py``).
+
 Element-wise activations only (no gated ones). The tensors are ``[M, N]`` contiguous.
 """
 

@@ -97,7 +97,7 @@ GATED = frozenset({"glu", "geglu", "qgeglu", "reglu", "sreglu", "swiglu", "clamp
 # ``rcp.approx.ftz``): the default ``exp`` and ``/`` of Triton lower to the same approximations
 # wrapped in denormal range fix-ups, about eight more instructions an element, and the
 # activation-quantise kernels (``kernels.act_quantize``) are bound by instruction issue, not
-# memory (bench/results/2026-11-22_h100/sass_act_quantize.md). The fix-ups only matter where the
+# memory (bench/results/2026-11-22_h100/sass_quantize.md). The fix-ups only matter where the
 # result is a denormal: never here (the reciprocal's argument is at least 1, an ``exp2`` that
 # small leaves ``1 + e == 1``). The interpreter (CPU) has no PTX: the portable form there.
 _PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1" and torch.version.hip is None)
@@ -165,7 +165,8 @@ def _act(x, FN: tl.constexpr, limit, alpha):
 def _dact(x, FN: tl.constexpr, limit, alpha):
     """f'(x) in fp32."""
     # Written as fused multiply-adds (s (1 - s) = s - s^2; d = p s (1 - s) + s) with the
-    # constants gathered: a third fewer instructions than the textbook order.
+    # constants gathered: a third fewer instructions than the textbook order. s - s^2 is one
+    # FMA on the GPU (Triton contracts it), rounded once: no cancellation where s is near 1.
     if FN == FN_GELU:
         # d/dx [x s(v)] = s + x s (1 - s) v',  v = 2u = 2c (x + 0.044715 x^3)
         s = _gelu_sigmoid(x)
