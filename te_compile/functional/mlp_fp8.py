@@ -17,11 +17,15 @@ Saved for the backward: the FP8 transposed copies of ``X``, ``W_1``, ``h``, ``W_
 inverse scales, and ``z`` (the activation's input, as the unfused path saves it).
 
 Element-wise activations only (gelu, qgelu, relu, srelu, silu); the modules take this path for
-those and the unfused one for gated activations. ``scale1`` / ``scale2`` (delayed scaling,
-``[3]`` each: input, weight, gradient of each GEMM) and the written ``grad_amax1`` /
-``grad_amax2`` are those of ``linear_fp8`` per GEMM; the forward returns ``[amax(X), amax(W_1),
-amax(h), amax(W_2)]``. Token counts that are not multiples of 16 are padded inside the ops, as
-in ``linear_fp8``.
+those and the unfused one for gated activations. ``recipe="block"`` is Float8BlockScaling with
+native blockwise GEMMs (1x128 blocks for ``X``, ``h`` and the gradients, 128x128 for the
+weights, E4M3 both ways, feature sizes multiples of 512; ``power_2_scale`` as the recipe's
+``use_f32_scales=False``): the same structure with ``kernels.act_quantize.act_quantize_block``
+and the GEMMs of ``linear_block_scaled(native=True)``; its inverse scales are block scales.
+``scale1`` / ``scale2`` (delayed scaling, ``[3]`` each: input, weight, gradient of each GEMM)
+and the written ``grad_amax1`` / ``grad_amax2`` are those of ``linear_fp8`` per GEMM; the
+forward returns ``[amax(X), amax(W_1), amax(h), amax(W_2)]`` (per-tensor recipes). Token counts
+that are not multiples of 16 are padded inside the ops, as in ``linear_fp8``.
 
 The default (CPU) implementation composes the unfused ops' CPU implementations; the two paths
 are compared bit for bit in the tests (the bias gradient, a sum in another order, closely).
@@ -82,7 +86,9 @@ def mlp_fp8_ref(
     return linear_fp8_ref(h, fc2_weight, fc2_bias, fwd_dtype, bwd_dtype, scale2)
 
 
-def _check(inp, w1, b1, w2, b2, scale1, scale2, ga1, ga2, activation, recipe, fwd, bwd) -> None:
+def _check(
+    inp, w1, b1, w2, b2, scale1, scale2, ga1, ga2, activation, recipe, fwd, bwd, pow2=False
+) -> None:
     p = "te.mlp_fp8: "
     if activation not in FUSED_ACTIVATIONS:
         raise ValueError(p + f"activation must be one of {FUSED_ACTIVATIONS}, got {activation!r}")
@@ -111,6 +117,12 @@ def _check(inp, w1, b1, w2, b2, scale1, scale2, ga1, ga2, activation, recipe, fw
             p + f"FP8 GEMMs need hidden ({w1.shape[1]}), ffn ({w1.shape[0]}) and out "
             f"({w2.shape[0]}) sizes that are multiples of 16"
         )
+    if recipe == "block" and any(t is not None for t in (scale1, scale2, ga1, ga2)):
+        raise ValueError(
+            p + 'recipe="block" takes no scale1/scale2/grad_amax1/grad_amax2 (per-tensor state)'
+        )
+    if pow2 and recipe != "block":
+        raise ValueError(p + f'power_2_scale applies to recipe="block", got recipe={recipe!r}')
     if recipe == "block" and not (
         native_block_supported(w1, 128, fwd, bwd) and native_block_supported(w2, 128, fwd, bwd)
     ):
@@ -195,7 +207,7 @@ def mlp_fp8_fwd(
     for ``recipe="block"``, whose inverse scales are the block scales of the transposed copies;
     ``power_2_scale`` applies to it)."""
     args = (scale1, scale2, grad_amax1, grad_amax2, activation, recipe, fwd_dtype, bwd_dtype)
-    _check(inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, *args)
+    _check(inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, *args, power_2_scale)
     if recipe == "block":
         return _block_fwd(inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, fwd_dtype,
                           power_2_scale)  # fmt: skip
@@ -234,7 +246,7 @@ def _block_fwd(inp, w1, b1, w2, b2, activation, fwd_dtype, pow2):
 def _mlp_fp8_fwd_fake(
     inp, w1, b1, w2, b2, scale1, scale2, ga1, ga2, activation, recipe, fwd, bwd, pow2=False
 ):
-    _check(inp, w1, b1, w2, b2, scale1, scale2, ga1, ga2, activation, recipe, fwd, bwd)
+    _check(inp, w1, b1, w2, b2, scale1, scale2, ga1, ga2, activation, recipe, fwd, bwd, pow2)
     m = _padded(inp.numel() // inp.shape[-1])
     d, f, n = w1.shape[1], w1.shape[0], w2.shape[0]
     u8, f32 = torch.uint8, torch.float32

@@ -156,6 +156,10 @@ def test_errors_name_the_argument():
         F.mlp_fp8(x, w1, None, w2, None, "gelu", recipe="mxfp8")
     with pytest.raises(ValueError, match=r"recipe=\"block\" runs the native blockwise GEMMs.*512"):
         F.mlp_fp8(x, w1, None, w2, None, "gelu", recipe="block", bwd_dtype=E4M3)
+    with pytest.raises(ValueError, match=r"recipe=\"block\" takes no scale1"):
+        F.mlp_fp8(x, w1, None, w2, None, "gelu", recipe="block", scale1=torch.ones(3))
+    with pytest.raises(ValueError, match='power_2_scale applies to recipe="block"'):
+        F.mlp_fp8(x, w1, None, w2, None, "gelu", power_2_scale=True)
 
 
 RECIPES = [
