@@ -176,11 +176,13 @@ def _act_block_kernel(
     FN: tl.constexpr, BWD: tl.constexpr, HAS_BIAS: tl.constexpr, DBIAS: tl.constexpr,
     ROUND: tl.constexpr, E4M3: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
     SOFTWARE: tl.constexpr, GUARD: tl.constexpr, POW2: tl.constexpr, EVEN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    AXES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """``_block_kernel`` of ``kernels.quantize`` (1x128 blocks, rowwise and columnwise: one
-    ``BLOCK_M`` = ``BLOCK_N`` = 128 tile) with the activation as its load; with ``DBIAS`` the
-    tile's column sums of the unrounded gradient go to row ``pid_m`` of ``PART``."""
+    """``_block_kernel`` of ``kernels.quantize`` (1x128 blocks) with the activation as its load,
+    one tile per program. ``AXES`` 2: both layouts from one 128x128 tile; 1: the rowwise copy
+    only (``BLOCK_N`` = 128: each tile row is one block; ``BLOCK_M`` free); 0: the transposed
+    copy only (``BLOCK_M`` = 128, ``BLOCK_N`` free). With ``DBIAS`` the tile's column sums of the
+    unrounded gradient go to row ``pid_m`` of ``PART``."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     v, x, cols = _tile(
@@ -189,26 +191,32 @@ def _act_block_kernel(
     if DBIAS:
         tl.store(PART + pid_m.to(tl.int64) * N + cols, tl.sum(v, axis=0), mask=cols < N)
     a = _abs_bits(x)  # rows past M are 0: they never raise a block's amax
-    q, s = _cast_1x128(x, a, 1, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, POW2, GUARD)
-    q_t, s_t = _cast_1x128(x, a, 0, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, POW2, GUARD)
     r_in = tl.arange(0, BLOCK_M)
     c_in = tl.arange(0, BLOCK_N)
     rows = pid_m * BLOCK_M + r_in
-    offs = pid_m.to(tl.int64) * BLOCK_M * N + pid_n * BLOCK_N + (r_in[:, None] * N + c_in[None, :])
-    offs_t = pid_n.to(tl.int64) * BLOCK_N * M_OUT + pid_m * BLOCK_M
-    offs_t += c_in[:, None] * M_OUT + r_in[None, :]
-    n_nb = tl.cdiv(N, BLOCK_N)
-    n_mb = tl.cdiv(M_OUT, BLOCK_M)
-    if EVEN:
-        tl.store(DATA + offs, q)
-        tl.store(DATA_T + offs_t, tl.trans(q_t))
-        tl.store(SCALE_INV + rows.to(tl.int64) * n_nb + pid_n, s)
-        tl.store(SCALE_INV_T + cols.to(tl.int64) * n_mb + pid_m, s_t)
-    else:
-        tl.store(DATA + offs, q, mask=(rows[:, None] < M_OUT) & (cols[None, :] < N))
-        tl.store(DATA_T + offs_t, tl.trans(q_t), mask=(cols[:, None] < N) & (rows[None, :] < M_OUT))
-        tl.store(SCALE_INV + rows.to(tl.int64) * n_nb + pid_n, s, mask=rows < M_OUT)
-        tl.store(SCALE_INV_T + cols.to(tl.int64) * n_mb + pid_m, s_t, mask=cols < N)
+    if AXES != 0:
+        q, s = _cast_1x128(x, a, 1, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, POW2, GUARD)
+        offs = pid_m.to(tl.int64) * BLOCK_M * N + pid_n * BLOCK_N
+        offs += r_in[:, None] * N + c_in[None, :]
+        s_offs = rows.to(tl.int64) * tl.cdiv(N, BLOCK_N) + pid_n
+        if EVEN:
+            tl.store(DATA + offs, q)
+            tl.store(SCALE_INV + s_offs, s)
+        else:
+            tl.store(DATA + offs, q, mask=(rows[:, None] < M_OUT) & (cols[None, :] < N))
+            tl.store(SCALE_INV + s_offs, s, mask=rows < M_OUT)
+    if AXES != 1:
+        q_t, s_t = _cast_1x128(x, a, 0, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, POW2, GUARD)
+        offs_t = pid_n.to(tl.int64) * BLOCK_N * M_OUT + pid_m * BLOCK_M
+        offs_t += c_in[:, None] * M_OUT + r_in[None, :]
+        s_offs_t = cols.to(tl.int64) * tl.cdiv(M_OUT, BLOCK_M) + pid_m
+        if EVEN:
+            tl.store(DATA_T + offs_t, tl.trans(q_t))
+            tl.store(SCALE_INV_T + s_offs_t, s_t)
+        else:
+            mask_t = (cols[:, None] < N) & (rows[None, :] < M_OUT)
+            tl.store(DATA_T + offs_t, tl.trans(q_t), mask=mask_t)
+            tl.store(SCALE_INV_T + s_offs_t, s_t, mask=cols < N)
 
 
 def act_quantize(
@@ -321,11 +329,18 @@ def act_quantize_block(
     data_t = torch.empty((n, m_out), device=z.device, dtype=fp8_dtype)
     scale_inv = z.new_empty((m_out, triton.cdiv(n, blk)), dtype=f32)
     scale_inv_t = z.new_empty((n, triton.cdiv(m_out, blk)), dtype=f32)
-    grid = (max(triton.cdiv(m_out, blk), 1), max(triton.cdiv(n, blk), 1))
     dbias = need_dbias and bias is not None and grad is not None
-    part = z.new_empty((grid[0], n), dtype=f32) if dbias else scale_inv
-    if m_out * n:
-        _act_block_kernel[grid](
+    # One 128x128 tile for both layouts, or (block_split) a rowwise pass over [split_m, 128]
+    # tiles and a columnwise one over [128, split_n] tiles: two reads of the input, but small
+    # tiles keep many programs per SM (the one-tile form runs one, latency-bound).
+    if cfg.block_split:
+        w = cfg.num_warps
+        passes = [(1, cfg.block_split_m, blk, w), (0, blk, cfg.block_split_n, w)]
+    else:
+        passes = [(2, blk, blk, cfg.block_num_warps)]
+    part = z.new_empty((triton.cdiv(m_out, passes[0][1]), n), dtype=f32) if dbias else scale_inv
+    for axes, bm, bn, warps in passes if m_out * n else ():
+        _act_block_kernel[(triton.cdiv(m_out, bm), triton.cdiv(n, bn))](
             z,
             z if bias is None else bias,
             z if grad is None else grad,
@@ -341,15 +356,16 @@ def act_quantize_block(
             FN=FUNCTION_OF[activation],
             BWD=grad is not None,
             HAS_BIAS=bias is not None,
-            DBIAS=dbias,
+            DBIAS=dbias and axes != 0,
             ROUND=_ROUND[z.dtype],
             **_fp8_args(fp8_dtype, _software(z.device, cfg)),
             GUARD=z.dtype == torch.float32,
             POW2=power_2_scale,
-            EVEN=rows == m_out and m_out % blk == 0 and n % blk == 0,
-            BLOCK_M=blk,
-            BLOCK_N=blk,
-            num_warps=cfg.block_num_warps,
+            EVEN=rows == m_out and m_out % bm == 0 and n % bn == 0,
+            AXES=axes,
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            num_warps=warps,
         )
     db = part.sum(0).to(bias.dtype) if dbias else None
     return data, scale_inv, data_t, scale_inv_t, db

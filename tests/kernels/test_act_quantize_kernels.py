@@ -127,8 +127,15 @@ BLOCK_CASES = [
 @pytest.mark.parametrize("act,dtype,has_bias,pow2", BLOCK_CASES)
 # Padding rows and 128-blocks cut at both edges; and whole 128x128 tiles (the EVEN path).
 @pytest.mark.parametrize("m_out,rows,n", [(160, 150, 200), (256, 256, 128)], ids=["ragged", "even"])
+# The default launch (a rowwise and a columnwise pass over 32-wide tiles) and one 128x128 tile
+# for both layouts.
+@pytest.mark.parametrize(
+    "config",
+    [None, quantize.QuantizeLaunchConfig(block_split=False)],
+    ids=["split", "one-tile"],
+)
 def test_act_quantize_block_matches_unfused_kernels(
-    act, dtype, has_bias, pow2, backward, m_out, rows, n
+    act, dtype, has_bias, pow2, backward, m_out, rows, n, config
 ):
     z = (torch.randn(m_out, n) * 2).to(dtype)
     z[3, :40] *= 300  # a block with a large amax next to ordinary ones
@@ -137,6 +144,6 @@ def test_act_quantize_block_matches_unfused_kernels(
     v, dbias = _activation_padded(*map(_dev, (z, bias, grad)), act, rows)
     expected = quantize.quantize_blockwise(v, E4M3, 1, pow2, True)
     *actual, actual_dbias = act_q.act_quantize_block(
-        *map(_dev, (z, bias, grad)), act, E4M3, rows, True, pow2
+        *map(_dev, (z, bias, grad)), act, E4M3, rows, True, pow2, config=config
     )
     _check(actual, expected, actual_dbias, dbias, backward, has_bias, dtype)
