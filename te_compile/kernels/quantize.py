@@ -127,7 +127,7 @@ class QuantizeLaunchConfig:
     block_num_warps: int = 8
     block_split: bool = True
     block_split_m: int = 32
-    block_split_n: int = 32
+    block_split_n: int = 64
     software_convert: bool | None = None
 
     def __post_init__(self) -> None:

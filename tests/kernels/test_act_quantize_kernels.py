@@ -127,8 +127,8 @@ BLOCK_CASES = [
 @pytest.mark.parametrize("act,dtype,has_bias,pow2", BLOCK_CASES)
 # Padding rows and 128-blocks cut at both edges; and whole 128x128 tiles (the EVEN path).
 @pytest.mark.parametrize("m_out,rows,n", [(160, 150, 200), (256, 256, 128)], ids=["ragged", "even"])
-# The default launch (a rowwise and a columnwise pass over 32-wide tiles) and one 128x128 tile
-# for both layouts.
+# The default launch (a rowwise pass over [32, 128] tiles, a columnwise one over [128, 64]
+# tiles) and one 128x128 tile for both layouts.
 @pytest.mark.parametrize(
     "config",
     [None, quantize.QuantizeLaunchConfig(block_split=False)],
