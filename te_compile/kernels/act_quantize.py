@@ -26,11 +26,13 @@ the H100 (``bench/tune_quantize.py``, 2026-11-22) and was slower for current sca
 for the forward and backward passes at its best launch against 1.85 ms) and faster only for the
 delayed backward (0.82 ms against 0.86 ms): not kept.
 
-``_act_block_kernel`` (``act_quantize_block``) is the same for Float8BlockScaling: one
-128x128 tile per program, cast in 1x128 blocks rowwise and columnwise from the same registers,
-as ``kernels.quantize._block_kernel`` casts a tensor (one 128x128 tile at one program per SM is
-latency-bound on the H100: ~1.0 / 1.4 ms forward / backward at 16384 x 16384; programs walking
-many tiles were no faster and software pipelining slower, ``bench/tune_quantize.py``).
+``_act_block_kernel`` (``act_quantize_block``) is the same for Float8BlockScaling's 1x128
+blocks, as ``kernels.quantize._block_kernel`` casts a tensor, by default in two passes that each
+compute the activation: rowwise over ``[32, 128]`` tiles, columnwise over ``[128, 64]`` tiles.
+One 128x128 tile for both layouts (``block_split=False``) runs one program per SM and is
+latency-bound: on the H100 at 16384 x 16384 the forward took 0.995 ms against 0.649 ms split,
+the backward 1.145 against 1.105 ms (``bench/tune_quantize.py``; programs walking many tiles
+were no faster, software pipelining slower).
 
 Element-wise activations only (no gated ones). The tensors are ``[M, N]`` contiguous.
 """
