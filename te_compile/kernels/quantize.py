@@ -218,7 +218,7 @@ def _cast_fp8(
     NaN code decodes to NaN). A clamp and a NaN fix-up around it cost three instructions an
     element in kernels bound by instruction issue (``bench/sass_quantize.py``).
 
-    ``GUARD`` (the kernels pass it for fp32 sources): keep the clamp and the fix-up. On the
+    ``GUARD`` (set by ``_cast_args`` for fp32 sources): keep the clamp and the fix-up. On the
     H100 with Triton 3.6 (2026-11-22) the bare conversion of tiles loaded from fp32 tensors
     wrote a quarter of the codes as zeros (tests/kernels, fp32 cases); from bf16 / fp16 it is
     exact, and those are the sources of the training hot path."""
@@ -650,6 +650,12 @@ def _fp8_args(fp8_dtype: torch.dtype, software: bool) -> dict[str, object]:
     return {"E4M3": f.e4m3, "MBITS": f.mbits, "BIAS": f.bias, "SOFTWARE": software}
 
 
+def _cast_args(fp8_dtype: torch.dtype, software: bool, source: torch.dtype) -> dict[str, object]:
+    """``_fp8_args`` of a kernel that casts to FP8 with ``_cast_fp8``, plus its ``GUARD``: set
+    for fp32 sources (see ``_cast_fp8``)."""
+    return {**_fp8_args(fp8_dtype, software), "GUARD": source == torch.float32}
+
+
 def _bits(t: Tensor) -> Tensor:
     return t.view(torch.uint8)
 
@@ -712,8 +718,7 @@ def quantize_tensorwise(
             k,
             _FORMATS[fp8_dtype].max,
             0.0,
-            **_fp8_args(fp8_dtype, _software(x.device, cfg)),
-            GUARD=x.dtype == torch.float32,
+            **_cast_args(fp8_dtype, _software(x.device, cfg), x.dtype),
             FROM_AMAX=False,
             POW2=False,
             COLUMNWISE=columnwise,
@@ -752,8 +757,7 @@ def quantize_current(
         k,
         _FORMATS[fp8_dtype].max,
         amax_epsilon,
-        **_fp8_args(fp8_dtype, _software(x.device, cfg)),
-        GUARD=x.dtype == torch.float32,
+        **_cast_args(fp8_dtype, _software(x.device, cfg), x.dtype),
         FROM_AMAX=True,
         POW2=power_2_scale,
         COLUMNWISE=columnwise,
@@ -793,8 +797,7 @@ def quantize_blockwise(
             m,
             k,
             _FORMATS[fp8_dtype].max,
-            **_fp8_args(fp8_dtype, _software(x.device, cfg)),
-            GUARD=x.dtype == torch.float32,
+            **_cast_args(fp8_dtype, _software(x.device, cfg), x.dtype),
             POW2=power_2_scale,
             BLOCK_ROWS=block_rows,
             COLUMNWISE=columnwise,
@@ -880,8 +883,7 @@ def quantize_columnwise_transposed(
         n,
         k,
         _FORMATS[fp8_dtype].max,
-        **_fp8_args(fp8_dtype, _software(x.device, _DEFAULT)),
-        GUARD=x.dtype == torch.float32,
+        **_cast_args(fp8_dtype, _software(x.device, _DEFAULT), x.dtype),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         num_warps=4,
@@ -976,8 +978,7 @@ def quantize_rowwise(
             m,
             k,
             _FORMATS[fp8_dtype].max,
-            **_fp8_args(fp8_dtype, _software(x.device, _DEFAULT)),
-            GUARD=x.dtype == torch.float32,
+            **_cast_args(fp8_dtype, _software(x.device, _DEFAULT), x.dtype),
             BLOCK_M=block_m,
             BLOCK_K=bk,
             num_warps=4,
