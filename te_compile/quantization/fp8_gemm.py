@@ -206,23 +206,26 @@ def _block_mlp(recipe, inp, fc1_weight, fc1_bias, activation, fc2_weight, fc2_bi
     (1x128 activation and gradient blocks, 128x128 weight blocks), else None."""
     fmt = recipe.fp8_format
     dims = (recipe.x_block_scaling_dim, recipe.w_block_scaling_dim, recipe.grad_block_scaling_dim)
-    native = (
-        inp.device.type == "cuda"
-        and _NATIVE_BLOCK
-        and dims == (1, 2, 1)
-        and is_fp8_block_scaling_available()
-        and all(
-            F.native_block_supported(w, 128, fmt.fwd_dtype, fmt.bwd_dtype)
-            for w in (fc1_weight, fc2_weight)
-        )
-    )
-    if not native:
+    if dims != (1, 2, 1) or not _native_block(recipe, inp, (fc1_weight, fc2_weight), 128):
         return None
     return F.mlp_fp8(
         inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, recipe="block",
         fwd_dtype=fmt.fwd_dtype, bwd_dtype=fmt.bwd_dtype,
         power_2_scale=not recipe.use_f32_scales,
     )  # fmt: skip
+
+
+def _native_block(recipe, inp: Tensor, weights: tuple[Tensor, ...], w_rows: int) -> bool:
+    """Whether Float8BlockScaling's GEMMs with these weights (``w_rows``: 1 for 1x128, 128 for
+    128x128 weight blocks) run natively: on a GPU with blockwise-scaled ``_scaled_mm``, unless
+    ``TE_COMPILE_NATIVE_BLOCK_GEMM=0``, with operands cuBLAS takes."""
+    fmt = recipe.fp8_format
+    return (
+        inp.device.type == "cuda"
+        and _NATIVE_BLOCK
+        and is_fp8_block_scaling_available()
+        and all(F.native_block_supported(w, w_rows, fmt.fwd_dtype, fmt.bwd_dtype) for w in weights)
+    )
 
 
 def _block_scaled(owner, recipe, inp, weight, bias, main_grad) -> Tensor:
@@ -244,12 +247,7 @@ def _block_scaled(owner, recipe, inp, weight, bias, main_grad) -> Tensor:
                 "implemented (1x128, the default, is)"
             )
         w_rows = 128 if recipe.w_block_scaling_dim == 2 else 1
-        native = (
-            inp.device.type == "cuda"
-            and _NATIVE_BLOCK
-            and is_fp8_block_scaling_available()
-            and F.native_block_supported(weight, w_rows, fmt.fwd_dtype, fmt.bwd_dtype)
-        )
+        native = _native_block(recipe, inp, (weight,), w_rows)
         return F.linear_block_scaled(
             inp,
             weight,
@@ -259,7 +257,7 @@ def _block_scaled(owner, recipe, inp, weight, bias, main_grad) -> Tensor:
             bwd_dtype=fmt.bwd_dtype,
             power_2_scale=not recipe.use_f32_scales,
             weight_block_rows=w_rows,
-            native=bool(native),
+            native=native,
         )
     return F.linear_block_scaled(
         inp, weight, bias, kind="mxfp8", fwd_dtype=fmt.fwd_dtype, bwd_dtype=fmt.bwd_dtype
