@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from te_compile._library import SampleInput, differentiable, op
+from te_compile.functional.norm import layernorm_ref, rmsnorm_ref
 from te_compile.functional.quantize import quantize_current_ref, quantize_tensorwise_ref
 
 __all__ = ["FP8_RECIPES", "linear_fp8", "linear_fp8_ref", "quantize_per_tensor"]
@@ -88,6 +89,72 @@ def _quantize_both(
     return data, data_t, scale.reciprocal(), amax
 
 
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+
+
+def _norm_fwd(x, weight, bias, normalization, eps, zero_centered_gamma):
+    """``(out, mean, rsigma)`` of ``te::layernorm_fwd`` / ``te::rmsnorm_fwd`` (``mean``
+    0-element for RMSNorm)."""
+    if normalization == "LayerNorm":
+        return torch.ops.te.layernorm_fwd(x, weight, bias, eps, zero_centered_gamma)
+    out, rsigma = torch.ops.te.rmsnorm_fwd(x, weight, eps, zero_centered_gamma)
+    return out, rsigma.new_empty(0), rsigma
+
+
+def _norm_quantize(
+    x: Tensor, norm: tuple, fp8_dtype: torch.dtype, scale: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``_quantize_both`` (columnwise) of the norm of the 2-D ``x`` padded to a multiple of 16
+    rows, and the norm's statistics: ``(data, data_t, scale_inv, amax, mean, rsigma)``.
+    ``norm``: ``(weight, bias, normalization, eps, zero_centered_gamma)``. On CUDA the norm is
+    never written (``kernels.act_quantize.norm_quantize``); elsewhere the norm op's output,
+    padded, is quantised: the same values (the kernel rounds the norm to ``x``'s dtype)."""
+    weight, bias, normalization, eps, zcg = norm
+    if x.device.type == "cuda":
+        from te_compile.kernels.act_quantize import norm_quantize
+
+        return norm_quantize(
+            x.contiguous(), weight, bias, normalization, eps, zcg, fp8_dtype, scale,
+            _padded(x.shape[0]),
+        )  # fmt: skip
+    y, mean, rsigma = _norm_fwd(x, weight, bias, normalization, eps, zcg)
+    data, data_t, scale_inv, amax = _quantize_both(_pad_rows(y), fp8_dtype, scale, True)
+    return data, data_t, scale_inv, amax, mean, rsigma
+
+
+def _norm_bwd(dout, x, weight, mean, rsigma, normalization, zero_centered_gamma, has_bias):
+    """``(dx, dweight, dbias)`` of the norm (``dbias`` 0-element without a bias)."""
+    if normalization == "LayerNorm":
+        return torch.ops.te.layernorm_bwd(
+            dout, x, mean, rsigma, weight, zero_centered_gamma, has_bias
+        )
+    dx, dw = torch.ops.te.rmsnorm_bwd(dout, x, rsigma, weight, zero_centered_gamma)
+    return dx, dw, dw.new_empty(0)
+
+
+def _check_norm(p: str, inp: Tensor, norm: tuple) -> None:
+    """The norm prologue's arguments (``norm`` as in :func:`_norm_quantize`)."""
+    weight, bias, normalization, eps, _ = norm
+    if normalization == "":
+        if weight is not None or bias is not None:
+            raise ValueError(p + 'norm_weight/norm_bias given with normalization="" (no norm)')
+        return
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(
+            p + f'normalization must be "", "LayerNorm" or "RMSNorm", got {normalization!r}'
+        )
+    k = inp.shape[-1]
+    if weight is None or weight.shape != (k,) or weight.dtype not in _HIGH:
+        raise ValueError(
+            p + f"{normalization} needs norm_weight [{k}] (the input's last dim) of a float "
+            f"dtype, got {None if weight is None else (list(weight.shape), weight.dtype)}"
+        )
+    if bias is not None and (normalization != "LayerNorm" or bias.shape != (k,)):
+        raise ValueError(p + f"norm_bias must be None for RMSNorm and [{k}] for LayerNorm")
+    if not eps > 0:
+        raise ValueError(p + f"norm_eps must be > 0, got {eps}")
+
+
 def _fake_quant(x: Tensor, fp8_dtype: torch.dtype, scale: Tensor | None) -> Tensor:
     """``dequantize(quantize(x))`` in ``x``'s dtype with a straight-through gradient."""
     q, s_inv, _ = quantize_per_tensor(x, fp8_dtype, scale)
@@ -130,7 +197,8 @@ def linear_fp8_ref(
     return out.reshape(*inp.shape[:-1], weight.shape[0])
 
 
-def _check(inp, weight, bias, scale, grad_amax, recipe, fwd_dtype, bwd_dtype) -> None:
+def _check(inp, weight, bias, scale, grad_amax, recipe, fwd_dtype, bwd_dtype, norm) -> None:
+    _check_norm("te.linear_fp8: ", inp, norm)
     if (
         weight.ndim == 2
         and inp.ndim >= 1
@@ -172,6 +240,15 @@ def _check(inp, weight, bias, scale, grad_amax, recipe, fwd_dtype, bwd_dtype) ->
     raise ValueError(
         p + 'recipe="delayed" needs scale [3] (input, weight, grad); grad_amax must be [1]'
     )
+
+
+def _fake_stats(inp: Tensor, rows: int, normalization: str) -> list[Tensor]:
+    """The norm statistics a forward op with a norm prologue saves (none without one)."""
+    if not normalization:
+        return []
+    f32 = torch.float32
+    mean = inp.new_empty(rows if normalization == "LayerNorm" else 0, dtype=f32)
+    return [mean, inp.new_empty(rows, dtype=f32)]
 
 
 def _empty(like: Tensor) -> Tensor:
@@ -233,31 +310,47 @@ def linear_fp8_fwd(
     recipe: str,
     fwd_dtype: torch.dtype,
     bwd_dtype: torch.dtype,
+    norm_weight: Tensor | None = None,
+    norm_bias: Tensor | None = None,
+    normalization: str = "",
+    norm_eps: float = 1e-5,
+    zero_centered_gamma: bool = False,
 ) -> tuple[Tensor, list[Tensor], Tensor]:
     """``(out, saved, amax)``: ``saved = [X_8^T, s_x^-1, W_8^T, s_w^-1]`` for the backward and
-    ``amax = [amax(X), amax(W)]`` (fp32) for the delayed-scaling history."""
-    _check(inp, weight, bias, scale, grad_amax, recipe, fwd_dtype, bwd_dtype)
+    ``amax = [amax(X), amax(W)]`` (fp32) for the delayed-scaling history. With a
+    ``normalization``, ``X`` is the norm of ``inp`` (never written on CUDA) and ``saved`` ends
+    with the norm's ``mean, rsigma``."""
+    norm = (norm_weight, norm_bias, normalization, norm_eps, zero_centered_gamma)
+    _check(inp, weight, bias, scale, grad_amax, recipe, fwd_dtype, bwd_dtype, norm)
     s_x, s_w, _ = _slots(scale, recipe)
     x = inp.reshape(-1, inp.shape[-1])
     m = x.shape[0]
-    x = _pad_rows(x)
-    xq, xq_t, xs, xa = _quantize_both(x, fwd_dtype, s_x, True)
+    stats = []
+    if normalization:
+        xq, xq_t, xs, xa, *stats = _norm_quantize(x, norm, fwd_dtype, s_x)
+    else:
+        xq, xq_t, xs, xa = _quantize_both(_pad_rows(x), fwd_dtype, s_x, True)
     wq, wq_t, ws, wa = _quantize_both(weight, fwd_dtype, s_w, True)
     out = _gemm(xq, wq, xs, ws, inp.dtype, bias)
     out = out[:m].clone() if out.shape[0] != m else out
-    saved = [xq_t.view(torch.uint8), xs, wq_t.view(torch.uint8), ws]
+    saved = [xq_t.view(torch.uint8), xs, wq_t.view(torch.uint8), ws, *stats]
     return out.reshape(*inp.shape[:-1], weight.shape[0]), saved, torch.cat([xa, wa])
 
 
 @linear_fp8_fwd.register_fake
-def _linear_fp8_fwd_fake(inp, weight, bias, main_grad, scale, grad_amax, recipe, fwd, bwd):
-    _check(inp, weight, bias, scale, grad_amax, recipe, fwd, bwd)
-    m, k, n = inp.numel() // inp.shape[-1], weight.shape[1], weight.shape[0]
-    m = _padded(m)
+def _linear_fp8_fwd_fake(
+    inp, weight, bias, main_grad, scale, grad_amax, recipe, fwd, bwd, norm_weight=None,
+    norm_bias=None, normalization="", norm_eps=1e-5, zero_centered_gamma=False,
+):  # fmt: skip
+    norm = (norm_weight, norm_bias, normalization, norm_eps, zero_centered_gamma)
+    _check(inp, weight, bias, scale, grad_amax, recipe, fwd, bwd, norm)
+    rows, k, n = inp.numel() // inp.shape[-1], weight.shape[1], weight.shape[0]
+    m = _padded(rows)
     scalar = inp.new_empty(1, dtype=torch.float32)
     u8 = torch.uint8
     saved = [inp.new_empty(k, m, dtype=u8), scalar, inp.new_empty(k, n, dtype=u8)]
     saved.append(inp.new_empty(1, dtype=torch.float32))
+    saved += _fake_stats(inp, rows, normalization)
     return inp.new_empty(*inp.shape[:-1], n), saved, inp.new_empty(2, dtype=torch.float32)
 
 
@@ -278,10 +371,18 @@ def linear_fp8_bwd(
     has_bias: bool,
     need_dgrad: bool,
     need_wgrad: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dinp, dweight, dbias)`` (0-element where not computed, dweight also when it went
-    into ``main_grad``); writes ``amax(dY)`` into ``grad_amax`` when given."""
-    x_t, xs, w_t, ws = saved
+    norm_inp: Tensor | None = None,
+    norm_weight: Tensor | None = None,
+    normalization: str = "",
+    zero_centered_gamma: bool = False,
+    has_norm_bias: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(dinp, dweight, dbias, dnorm_weight, dnorm_bias)`` (0-element where not computed,
+    dweight also when it went into ``main_grad``); writes ``amax(dY)`` into ``grad_amax`` when
+    given. With a ``normalization``, ``norm_inp`` is the forward's input and ``dinp`` goes
+    through the norm's backward (``need_dgrad``: any of the input and the norm's parameters
+    needs a gradient)."""
+    x_t, xs, w_t, ws, *stats = saved
     x_t, w_t = x_t.view(fwd_dtype), w_t.view(fwd_dtype)
     dtype = grad_out.dtype
     dy = grad_out.reshape(-1, grad_out.shape[-1])
@@ -295,9 +396,12 @@ def linear_fp8_bwd(
     if need_dgrad:
         # dX [M, K] = dY_8 [M, N] @ W_8 [N, K]; W_8 as column-major = (W_8^T [K, N]).t()
         dinp = _scaled_mm(gq, w_t.t(), gs, ws, dtype)
-        dinp = (dinp[:m].clone() if dinp.shape[0] != m else dinp).reshape(
-            *grad_out.shape[:-1], w_t.shape[0]
-        )
+        dinp = dinp[:m].clone() if dinp.shape[0] != m else dinp
+        dinp, *dnorm = _through_norm(dinp, norm_inp, norm_weight, stats, normalization,
+                                     zero_centered_gamma, has_norm_bias)  # fmt: skip
+        dinp = dinp.reshape(*grad_out.shape[:-1], w_t.shape[0])
+    else:
+        dnorm = [_empty(grad_out), _empty(grad_out)]
     dweight = _empty(grad_out)
     if need_wgrad:
         # dW [N, K] = dY_8^T [N, M] @ X_8 [M, K]; X_8 as column-major = (X_8^T [K, M]).t()
@@ -308,38 +412,64 @@ def linear_fp8_bwd(
         else:
             dweight = dw
     dbias = dy.sum(0, dtype=torch.float32).to(dtype) if has_bias else _empty(grad_out)
-    return dinp, dweight, dbias
+    return dinp, dweight, dbias, *dnorm
+
+
+def _through_norm(dout, x, weight, stats, normalization, zcg, has_bias) -> list[Tensor]:
+    """``[dx, dweight, dbias]`` of a norm prologue from the gradient of its output ``dout``
+    (2-D), or ``[dout, empty, empty]`` without one."""
+    if not normalization:
+        return [dout, _empty(dout), _empty(dout)]
+    x2 = x.reshape(-1, x.shape[-1])
+    mean, rsigma = stats
+    return list(_norm_bwd(dout, x2, weight, mean, rsigma, normalization, zcg, has_bias))
+
+
+def _fake_dnorm(like: Tensor, norm_weight, normalization, has_norm_bias, need) -> list[Tensor]:
+    if not (normalization and need):
+        return [_empty(like), _empty(like)]
+    dbias = norm_weight.new_empty(norm_weight.shape) if has_norm_bias else _empty(norm_weight)
+    return [norm_weight.new_empty(norm_weight.shape), dbias]
 
 
 @linear_fp8_bwd.register_fake
 def _linear_fp8_bwd_fake(
     grad_out, saved, weight, main_grad, scale, grad_amax, recipe, fwd_dtype, bwd_dtype,
-    has_bias, need_dgrad, need_wgrad,
+    has_bias, need_dgrad, need_wgrad, norm_inp=None, norm_weight=None, normalization="",
+    zero_centered_gamma=False, has_norm_bias=False,
 ):  # fmt: skip
     k = weight.shape[1]
     dinp = grad_out.new_empty(*grad_out.shape[:-1], k) if need_dgrad else _empty(grad_out)
     want_dw = need_wgrad and main_grad is None
     dweight = grad_out.new_empty(weight.shape) if want_dw else _empty(grad_out)
     dbias = grad_out.new_empty(weight.shape[0]) if has_bias else _empty(grad_out)
-    return dinp, dweight, dbias
+    dnorm = _fake_dnorm(grad_out, norm_weight, normalization, has_norm_bias, need_dgrad)
+    return dinp, dweight, dbias, *dnorm
 
 
 # setup_context + autograd --------------------------------------------------------------------
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    _inp, weight, bias, main_grad, scale, grad_amax, recipe, fwd_dtype, bwd_dtype = inputs
+    inp, weight, bias, main_grad, scale, grad_amax, recipe, fwd_dtype, bwd_dtype, *norm = inputs
+    norm_weight, norm_bias, normalization, _eps, zcg = (*norm, None, None, "", 0.0, False)[:5]
     _out, saved, amax = output
     ctx.mark_non_differentiable(amax, *saved)
-    ctx.save_for_backward(weight, main_grad, scale, grad_amax, *saved)
+    normed = (inp, norm_weight) if normalization else (None, None)
+    ctx.save_for_backward(weight, main_grad, scale, grad_amax, *normed, *saved)
     ctx.recipe, ctx.has_bias = recipe, bias is not None
     ctx.fwd_dtype, ctx.bwd_dtype = fwd_dtype, bwd_dtype
+    ctx.norm = (normalization, zcg, norm_bias is not None)
 
 
 def _backward(ctx, bwd, grad_out, _grad_saved, _grad_amax):
-    weight, main_grad, scale, grad_amax, *saved = ctx.saved_tensors
-    need_dgrad, need_wgrad, need_bgrad = ctx.needs_input_grad[:3]
-    dinp, dweight, dbias = bwd(
+    weight, main_grad, scale, grad_amax, norm_inp, norm_weight, *saved = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    need_wgrad, need_bgrad = need[1:3]
+    normalization, zcg, has_norm_bias = ctx.norm
+    # With a norm prologue the GEMM's input gradient also feeds the norm parameters'.
+    need_dgrad = need[0] or (bool(normalization) and any(need[9:11]))
+    dinp, dweight, dbias, dnorm_w, dnorm_b = bwd(
         grad_out.contiguous(),
         saved,
         weight,
@@ -352,13 +482,25 @@ def _backward(ctx, bwd, grad_out, _grad_saved, _grad_amax):
         ctx.has_bias and need_bgrad,
         need_dgrad,
         need_wgrad,
+        norm_inp,
+        norm_weight,
+        normalization,
+        zcg,
+        has_norm_bias,
     )
-    return (
-        dinp if need_dgrad else None,
+    grads = [
+        dinp if need[0] else None,
         dweight if need_wgrad and main_grad is None else None,
         dbias if ctx.has_bias and need_bgrad else None,
         *(None,) * 6,
-    )
+    ]
+    if len(need) > 9:
+        grads += [
+            dnorm_w if need[9] else None,
+            dnorm_b if has_norm_bias and need[10] else None,
+            *(None,) * (len(need) - 11),
+        ]
+    return tuple(grads)
 
 
 def _samples(device: torch.device):
@@ -382,11 +524,35 @@ def _samples(device: torch.device):
         (t(16, 32, dtype=f32), t(32, 32, dtype=f32), t(32, dtype=f32), None, None, None,
          "current", e4m3, e5m2)
     )  # fmt: skip
+    # Norm prologues (LayerNormLinear): LayerNorm, 10 tokens, current scaling; zero-centred
+    # RMSNorm, delayed scaling. float32: see _REQUANTISING_OPS in tests/test_registry.py.
+    yield SampleInput(
+        (t(2, 5, 32, dtype=f32), t(16, 32, dtype=f32), t(16, dtype=f32), None, None, None,
+         "current", e4m3, e5m2, t(32, dtype=f32), t(32, dtype=f32), "LayerNorm", 1e-5, False)
+    )  # fmt: skip
+    yield SampleInput(
+        (t(16, 32, dtype=f32), t(32, 32, dtype=f32), None, None, scale.clone(), pending.clone(),
+         "delayed", e4m3, e5m2, t(32, dtype=f32), None, "RMSNorm", 1e-6, True)
+    )  # fmt: skip
 
 
-def _reference(inp, weight, bias, main_grad, scale, grad_amax, recipe, fwd_dtype, bwd_dtype):
+def norm_ref(inp: Tensor, norm: tuple) -> Tensor:
+    """The output of a norm prologue (``norm`` as in :func:`_norm_quantize`; ``inp`` itself
+    when ``normalization`` is ""), by the norm references, differentiable."""
+    weight, bias, normalization, eps, zcg = (*norm, None, None, "", 1e-5, False)[:5]
+    if normalization == "LayerNorm":
+        return layernorm_ref(inp, weight, bias, eps, zcg)[0]
+    if normalization == "RMSNorm":
+        return rmsnorm_ref(inp, weight, eps, zcg)[0]
+    return inp
+
+
+def _reference(
+    inp, weight, bias, main_grad, scale, grad_amax, recipe, fwd_dtype, bwd_dtype, *norm
+):  # fmt: skip
     delayed_scale = scale if recipe == "delayed" else None
-    return linear_fp8_ref(inp, weight, bias, fwd_dtype, bwd_dtype, delayed_scale)
+    x = norm_ref(inp, norm)
+    return linear_fp8_ref(x, weight, bias, fwd_dtype, bwd_dtype, delayed_scale)
 
 
 _linear_fp8 = differentiable(
@@ -411,11 +577,21 @@ def linear_fp8(
     grad_amax: Tensor | None = None,
     main_grad: Tensor | None = None,
     return_amax: bool = False,
+    normalization: str = "",
+    norm_weight: Tensor | None = None,
+    norm_bias: Tensor | None = None,
+    norm_eps: float = 1e-5,
+    zero_centered_gamma: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """``inp @ weight.T + bias`` with FP8 GEMMs (module docstring). ``grad_amax`` (``[1]``
     fp32) receives the gradient's amax in the backward; ``return_amax=True`` also returns
-    ``[amax(inp), amax(weight)]``."""
+    ``[amax(inp), amax(weight)]``. ``normalization`` ("LayerNorm" or "RMSNorm", with
+    ``norm_weight`` and for LayerNorm optionally ``norm_bias``): ``norm(inp) @ weight.T + bias``,
+    the norm written straight into FP8 (module docstring); the amax is the norm's."""
+    norm = ()
+    if normalization or norm_weight is not None or norm_bias is not None:
+        norm = (norm_weight, norm_bias, normalization, norm_eps, zero_centered_gamma)
     out, _saved, amax = _linear_fp8(
-        inp, weight, bias, main_grad, scale, grad_amax, recipe, fwd_dtype, bwd_dtype
+        inp, weight, bias, main_grad, scale, grad_amax, recipe, fwd_dtype, bwd_dtype, *norm
     )
     return (out, amax) if return_amax else out

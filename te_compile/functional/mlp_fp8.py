@@ -50,13 +50,20 @@ from te_compile.functional.linear_fp8 import (
     _FP8_DTYPES,
     _HIGH,
     FP8_RECIPES,
+    _check_norm,
+    _fake_dnorm,
+    _fake_stats,
     _gemm,
+    _norm_fwd,
+    _norm_quantize,
     _pad_rows,
     _padded,
     _quantize_both,
     _scaled_mm,
     _slots,
+    _through_norm,
     linear_fp8_ref,
+    norm_ref,
 )
 
 __all__ = ["FUSED_ACTIVATIONS", "MLP_FP8_RECIPES", "mlp_fp8", "mlp_fp8_ref"]
@@ -87,9 +94,10 @@ def mlp_fp8_ref(
 
 
 def _check(
-    inp, w1, b1, w2, b2, scale1, scale2, ga1, ga2, activation, recipe, fwd, bwd, pow2=False
+    inp, w1, b1, w2, b2, scale1, scale2, ga1, ga2, activation, recipe, fwd, bwd, pow2, norm
 ) -> None:
     p = "te.mlp_fp8: "
+    _check_norm(p, inp, norm)
     if activation not in FUSED_ACTIVATIONS:
         raise ValueError(p + f"activation must be one of {FUSED_ACTIVATIONS}, got {activation!r}")
     if recipe not in MLP_FP8_RECIPES:
@@ -178,6 +186,23 @@ def _act_quantize_block(z, bias, grad, activation, fp8_dtype, rows, need_dbias, 
     return data, s, data_t, s_t, dbias if need_dbias else None
 
 
+def _norm_quantize_block(x, norm, fp8_dtype, power_2_scale):
+    """``(data, scale_inv, data_t, scale_inv_t, mean, rsigma)``: ``_norm_quantize`` in 1x128
+    blocks (``kernels.act_quantize.norm_quantize_block`` on CUDA; elsewhere the norm op's
+    output, padded, quantised)."""
+    weight, bias, normalization, eps, zcg = norm
+    if x.device.type == "cuda":
+        from te_compile.kernels.act_quantize import norm_quantize_block
+
+        return norm_quantize_block(
+            x.contiguous(), weight, bias, normalization, eps, zcg, fp8_dtype,
+            _padded(x.shape[0]), power_2_scale,
+        )  # fmt: skip
+    y, mean, rsigma = _norm_fwd(x, weight, bias, normalization, eps, zcg)
+    data, s, data_t, s_t = _quantize_block(_pad_rows(y), fp8_dtype, 1, power_2_scale)
+    return data, s, data_t, s_t, mean, rsigma
+
+
 def _u8(t: Tensor) -> Tensor:
     return t.view(torch.uint8)
 
@@ -201,53 +226,72 @@ def mlp_fp8_fwd(
     fwd_dtype: torch.dtype,
     bwd_dtype: torch.dtype,
     power_2_scale: bool = False,
+    norm_weight: Tensor | None = None,
+    norm_bias: Tensor | None = None,
+    normalization: str = "",
+    norm_eps: float = 1e-5,
+    zero_centered_gamma: bool = False,
 ) -> tuple[Tensor, list[Tensor], Tensor]:
     """``(out, saved, amax)``: ``saved = [X_8^T, s_x^-1, W1_8^T, s_w1^-1, z, h_8^T, s_h^-1,
     W2_8^T, s_w2^-1]``, ``amax = [amax(X), amax(W1), amax(h), amax(W2)]`` (fp32; 0 elements
     for ``recipe="block"``, whose inverse scales are the block scales of the transposed copies;
-    ``power_2_scale`` applies to it)."""
+    ``power_2_scale`` applies to it). With a ``normalization`` (LayerNormMLP), ``X`` is the
+    norm of ``inp`` (never written on CUDA) and ``saved`` ends with its ``mean, rsigma``."""
+    norm = (norm_weight, norm_bias, normalization, norm_eps, zero_centered_gamma)
     args = (scale1, scale2, grad_amax1, grad_amax2, activation, recipe, fwd_dtype, bwd_dtype)
-    _check(inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, *args, power_2_scale)
+    _check(inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, *args, power_2_scale, norm)
     if recipe == "block":
         return _block_fwd(inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, fwd_dtype,
-                          power_2_scale)  # fmt: skip
+                          power_2_scale, norm)  # fmt: skip
     (s_x, s_w1, _), (s_h, s_w2, _) = _slots(scale1, recipe), _slots(scale2, recipe)
     x = inp.reshape(-1, inp.shape[-1])
     m = x.shape[0]
     dtype = inp.dtype
-    xq, xq_t, xs, xa = _quantize_both(_pad_rows(x), fwd_dtype, s_x, True)
+    stats = []
+    if normalization:
+        xq, xq_t, xs, xa, *stats = _norm_quantize(x, norm, fwd_dtype, s_x)
+    else:
+        xq, xq_t, xs, xa = _quantize_both(_pad_rows(x), fwd_dtype, s_x, True)
     w1q, w1q_t, w1s, w1a = _quantize_both(fc1_weight, fwd_dtype, s_w1, True)
     z = _gemm(xq, w1q, xs, w1s, dtype)
     hq, hq_t, hs, ha, _ = _act_quantize(z, fc1_bias, None, activation, fwd_dtype, s_h, m, False)
     w2q, w2q_t, w2s, w2a = _quantize_both(fc2_weight, fwd_dtype, s_w2, True)
     out = _gemm(hq, w2q, hs, w2s, dtype, fc2_bias)
     out = out[:m].clone() if out.shape[0] != m else out
-    saved = [_u8(xq_t), xs, _u8(w1q_t), w1s, z, _u8(hq_t), hs, _u8(w2q_t), w2s]
+    saved = [_u8(xq_t), xs, _u8(w1q_t), w1s, z, _u8(hq_t), hs, _u8(w2q_t), w2s, *stats]
     amax = torch.cat([xa, w1a, ha, w2a])
     return out.reshape(*inp.shape[:-1], fc2_weight.shape[0]), saved, amax
 
 
-def _block_fwd(inp, w1, b1, w2, b2, activation, fwd_dtype, pow2):
+def _block_fwd(inp, w1, b1, w2, b2, activation, fwd_dtype, pow2, norm):
     """The forward of ``recipe="block"``: 1x128-block X and h, 128x128-block weights."""
     x = inp.reshape(-1, inp.shape[-1])
     m = x.shape[0]
-    xq, xs, xq_t, xs_t = _quantize_block(_pad_rows(x), fwd_dtype, 1, pow2)
+    stats = []
+    if norm[2]:
+        xq, xs, xq_t, xs_t, *stats = _norm_quantize_block(x, norm, fwd_dtype, pow2)
+    else:
+        xq, xs, xq_t, xs_t = _quantize_block(_pad_rows(x), fwd_dtype, 1, pow2)
     w1q, w1s, w1q_t, w1s_t = _quantize_block(w1, fwd_dtype, 128, pow2)
     z = _block_scaled_mm(xq, xs, 1, w1q, w1s, 128, inp.dtype)
     hq, hs, hq_t, hs_t, _ = _act_quantize_block(z, b1, None, activation, fwd_dtype, m, False, pow2)
     w2q, w2s, w2q_t, w2s_t = _quantize_block(w2, fwd_dtype, 128, pow2)
     out = _block_scaled_mm(hq, hs, 1, w2q, w2s, 128, inp.dtype, b2)
     out = out[:m].clone() if out.shape[0] != m else out
-    saved = [_u8(xq_t), xs_t, _u8(w1q_t), w1s_t, z, _u8(hq_t), hs_t, _u8(w2q_t), w2s_t]
+    saved = [_u8(xq_t), xs_t, _u8(w1q_t), w1s_t, z, _u8(hq_t), hs_t, _u8(w2q_t), w2s_t, *stats]
     return out.reshape(*inp.shape[:-1], w2.shape[0]), saved, inp.new_empty(0, dtype=torch.float32)
 
 
 @mlp_fp8_fwd.register_fake
 def _mlp_fp8_fwd_fake(
-    inp, w1, b1, w2, b2, scale1, scale2, ga1, ga2, activation, recipe, fwd, bwd, pow2=False
-):
-    _check(inp, w1, b1, w2, b2, scale1, scale2, ga1, ga2, activation, recipe, fwd, bwd, pow2)
-    m = _padded(inp.numel() // inp.shape[-1])
+    inp, w1, b1, w2, b2, scale1, scale2, ga1, ga2, activation, recipe, fwd, bwd, pow2=False,
+    norm_weight=None, norm_bias=None, normalization="", norm_eps=1e-5, zero_centered_gamma=False,
+):  # fmt: skip
+    norm = (norm_weight, norm_bias, normalization, norm_eps, zero_centered_gamma)
+    args = (scale1, scale2, ga1, ga2, activation, recipe, fwd, bwd, pow2, norm)
+    _check(inp, w1, b1, w2, b2, *args)
+    rows = inp.numel() // inp.shape[-1]
+    m = _padded(rows)
     d, f, n = w1.shape[1], w1.shape[0], w2.shape[0]
     u8, f32 = torch.uint8, torch.float32
     block = recipe == "block"
@@ -260,6 +304,7 @@ def _mlp_fp8_fwd_fake(
         inp.new_empty(d, m, dtype=u8), scales(d, m), inp.new_empty(d, f, dtype=u8),
         w_scales[0].clone(), inp.new_empty(m, f), inp.new_empty(f, m, dtype=u8), scales(f, m),
         inp.new_empty(f, n, dtype=u8), w_scales[1].clone(),
+        *_fake_stats(inp, rows, normalization),
     ]  # fmt: skip
     return inp.new_empty(*inp.shape[:-1], n), saved, inp.new_empty(0 if block else 4, dtype=f32)
 
@@ -283,14 +328,22 @@ def mlp_fp8_bwd(
     power_2_scale: bool,
     has_fc2_bias: bool,
     need_dgrad: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``(dinp, dfc1_weight, dfc1_bias, dfc2_weight, dfc2_bias)`` (0-element where not
-    computed); writes ``amax(dz)`` / ``amax(dY)`` into ``grad_amax1`` / ``grad_amax2`` (per-tensor
-    recipes)."""
+    norm_inp: Tensor | None = None,
+    norm_weight: Tensor | None = None,
+    normalization: str = "",
+    zero_centered_gamma: bool = False,
+    has_norm_bias: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(dinp, dfc1_weight, dfc1_bias, dfc2_weight, dfc2_bias, dnorm_weight, dnorm_bias)``
+    (0-element where not computed); writes ``amax(dz)`` / ``amax(dY)`` into ``grad_amax1`` /
+    ``grad_amax2`` (per-tensor recipes). With a ``normalization``, ``norm_inp`` is the
+    forward's input and ``dinp`` goes through the norm's backward (``need_dgrad``: any of the
+    input and the norm's parameters needs a gradient)."""
+    norm = (norm_inp, norm_weight, saved[9:], normalization, zero_centered_gamma, has_norm_bias)
     if recipe == "block":
-        return _block_bwd(grad_out, saved, fc1_bias, activation, fwd_dtype, bwd_dtype,
-                          power_2_scale, has_fc2_bias, need_dgrad)  # fmt: skip
-    x_t, xs, w1_t, w1s, z, h_t, hs, w2_t, w2s = saved
+        return _block_bwd(grad_out, saved[:9], fc1_bias, activation, fwd_dtype, bwd_dtype,
+                          power_2_scale, has_fc2_bias, need_dgrad, norm)  # fmt: skip
+    x_t, xs, w1_t, w1s, z, h_t, hs, w2_t, w2s = saved[:9]
     x_t, w1_t, h_t, w2_t = (t.view(fwd_dtype) for t in (x_t, w1_t, h_t, w2_t))
     s_dz, s_dy = _slots(scale1, recipe)[2], _slots(scale2, recipe)[2]
     dtype = grad_out.dtype
@@ -309,17 +362,27 @@ def mlp_fp8_bwd(
     if grad_amax1 is not None:
         grad_amax1.copy_(da)
     # fc1: dX [M, D] = dz_8 @ W1_8; dW1 [F, D] = dz_8^T @ X_8
-    dinp = dy.new_empty(0)
-    if need_dgrad:
-        dinp = _scaled_mm(dq, w1_t.t(), ds, w1s, dtype)
-        dinp = (dinp[:m].clone() if dinp.shape[0] != m else dinp).reshape(
-            *grad_out.shape[:-1], w1_t.shape[0]
-        )
+    dinp, dnorm = _dgrad_through_norm(
+        need_dgrad, lambda: _scaled_mm(dq, w1_t.t(), ds, w1s, dtype), m, grad_out, norm
+    )
     dw1 = _scaled_mm(dq_t, x_t.t(), ds, xs, dtype)
-    return dinp, dw1, dy.new_empty(0) if db1 is None else db1, dw2, db2
+    return dinp, dw1, dy.new_empty(0) if db1 is None else db1, dw2, db2, *dnorm
 
 
-def _block_bwd(grad_out, saved, b1, activation, fwd_dtype, bwd_dtype, pow2, has_b2, need_dgrad):
+def _dgrad_through_norm(need_dgrad, dgrad, m, grad_out, norm) -> tuple[Tensor, list[Tensor]]:
+    """``(dinp, [dnorm_weight, dnorm_bias])``: the first GEMM's dgrad (``dgrad()``, padded
+    rows dropped) through the norm prologue's backward when there is one."""
+    if not need_dgrad:
+        return grad_out.new_empty(0), [grad_out.new_empty(0), grad_out.new_empty(0)]
+    dinp = dgrad()
+    dinp = dinp[:m].clone() if dinp.shape[0] != m else dinp
+    dinp, *dnorm = _through_norm(dinp, *norm)
+    return dinp.reshape(*grad_out.shape[:-1], dinp.shape[-1]), dnorm
+
+
+def _block_bwd(
+    grad_out, saved, b1, activation, fwd_dtype, bwd_dtype, pow2, has_b2, need_dgrad, norm
+):  # fmt: skip
     """The backward of ``recipe="block"``: the GEMMs of ``linear_block_scaled``'s native
     backward, twice, with ``dz`` quantised by the fused kernel."""
     x_t, xs_t, w1_t, w1s_t, z, h_t, hs_t, w2_t, w2s_t = saved
@@ -337,20 +400,18 @@ def _block_bwd(grad_out, saved, b1, activation, fwd_dtype, bwd_dtype, pow2, has_
         z, b1, dh, activation, bwd_dtype, m, need_db1, pow2
     )
     # fc1: dX [M, D] = dz @ W1; dW1 [F, D] = dz^T @ X
-    dinp = dy.new_empty(0)
-    if need_dgrad:
-        dinp = _block_scaled_mm(dq, ds, 1, w1_t, w1s_t, 128, dtype)
-        dinp = (dinp[:m].clone() if dinp.shape[0] != m else dinp).reshape(
-            *grad_out.shape[:-1], w1_t.shape[0]
-        )
+    dinp, dnorm = _dgrad_through_norm(
+        need_dgrad, lambda: _block_scaled_mm(dq, ds, 1, w1_t, w1s_t, 128, dtype), m, grad_out, norm
+    )
     dw1 = _block_scaled_mm(dq_t, ds_t, 1, x_t, xs_t, 1, dtype)
-    return dinp, dw1, dy.new_empty(0) if db1 is None else db1, dw2, db2
+    return dinp, dw1, dy.new_empty(0) if db1 is None else db1, dw2, db2, *dnorm
 
 
 @mlp_fp8_bwd.register_fake
 def _mlp_fp8_bwd_fake(
     grad_out, saved, fc1_bias, scale1, scale2, ga1, ga2, activation, recipe, fwd_dtype,
-    bwd_dtype, power_2_scale, has_fc2_bias, need_dgrad,
+    bwd_dtype, power_2_scale, has_fc2_bias, need_dgrad, norm_inp=None, norm_weight=None,
+    normalization="", zero_centered_gamma=False, has_norm_bias=False,
 ):  # fmt: skip
     w1_t, w2_t = saved[2], saved[7]
     d, f, n = w1_t.shape[0], w1_t.shape[1], w2_t.shape[1]
@@ -358,36 +419,47 @@ def _mlp_fp8_bwd_fake(
     dinp = grad_out.new_empty(*grad_out.shape[:-1], d) if need_dgrad else empty
     db1 = grad_out.new_empty(f) if fc1_bias is not None else grad_out.new_empty(0)
     db2 = grad_out.new_empty(n) if has_fc2_bias else grad_out.new_empty(0)
-    return dinp, grad_out.new_empty(f, d), db1, grad_out.new_empty(n, f), db2
+    dnorm = _fake_dnorm(grad_out, norm_weight, normalization, has_norm_bias, need_dgrad)
+    return dinp, grad_out.new_empty(f, d), db1, grad_out.new_empty(n, f), db2, *dnorm
 
 
 # setup_context + autograd --------------------------------------------------------------------
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    _inp, _w1, b1, _w2, b2, scale1, scale2, ga1, ga2, *config = inputs
+    inp, _w1, b1, _w2, b2, scale1, scale2, ga1, ga2, *config = inputs
+    config = (*config, False, None, None, "", 1e-5, False)[:10]  # the defaults, when not given
+    norm_weight, norm_bias, normalization, _eps, zcg = config[5:]
     _out, saved, amax = output
     ctx.mark_non_differentiable(amax, *saved)
-    ctx.save_for_backward(b1, scale1, scale2, ga1, ga2, *saved)
-    ctx.config = (*config, False)[:5]  # power_2_scale defaults to False
+    normed = (inp, norm_weight) if normalization else (None, None)
+    ctx.save_for_backward(b1, scale1, scale2, ga1, ga2, *normed, *saved)
+    ctx.config = config[:5]
     ctx.has_fc2_bias = b2 is not None
+    ctx.norm = (normalization, zcg, norm_bias is not None)
 
 
 def _backward(ctx, bwd, grad_out, _grad_saved, _grad_amax):
-    b1, scale1, scale2, ga1, ga2, *saved = ctx.saved_tensors
+    b1, scale1, scale2, ga1, ga2, norm_inp, norm_weight, *saved = ctx.saved_tensors
     need = ctx.needs_input_grad
-    dinp, dw1, db1, dw2, db2 = bwd(
+    normalization, zcg, has_norm_bias = ctx.norm
+    # With a norm prologue the first GEMM's input gradient also feeds the norm parameters'.
+    need_dgrad = need[0] or (bool(normalization) and any(need[14:16]))
+    dinp, dw1, db1, dw2, db2, dnw, dnb = bwd(
         grad_out.contiguous(), saved, b1, scale1, scale2, ga1, ga2, *ctx.config,
-        ctx.has_fc2_bias, need[0],
+        ctx.has_fc2_bias, need_dgrad, norm_inp, norm_weight, normalization, zcg, has_norm_bias,
     )  # fmt: skip
-    return (
+    grads = [
         dinp if need[0] else None,
         dw1 if need[1] else None,
         db1 if b1 is not None and need[2] else None,
         dw2 if need[3] else None,
         db2 if ctx.has_fc2_bias and need[4] else None,
-        *(None,) * (len(need) - 5),
-    )
+        *(None,) * 9,
+    ]
+    if len(need) > 14:
+        grads += [dnw if need[14] else None, dnb if has_norm_bias and need[15] else None]
+    return tuple(grads[: len(need)]) + (None,) * (len(need) - len(grads))
 
 
 def _samples(device: torch.device):
@@ -419,11 +491,23 @@ def _samples(device: torch.device):
         (t(2, 16, 16), t(48, 16), t(48), t(16, 48), None, s1, s2, *pending, "silu", "delayed",
          e4m3, e5m2)
     )  # fmt: skip
+    # Norm prologues (LayerNormMLP): LayerNorm, 10 tokens, current scaling; RMSNorm under the
+    # native blockwise recipe.
+    yield SampleInput(
+        (t(2, 5, 32), t(64, 32), t(64), t(32, 64), t(32), None, None, *pending, "gelu",
+         "current", e4m3, e5m2, False, t(32), t(32), "LayerNorm", 1e-5, False)
+    )  # fmt: skip
+    yield SampleInput(
+        (t(24, 512), t(512, 512), None, t(512, 512), None, None, None, None, None, "relu",
+         "block", e4m3, e4m3, False, t(512), None, "RMSNorm", 1e-6, True)
+    )  # fmt: skip
 
 
 def _reference(
-    inp, w1, b1, w2, b2, scale1, scale2, ga1, ga2, activation, recipe, fwd, bwd, pow2=False
-):
+    inp, w1, b1, w2, b2, scale1, scale2, ga1, ga2, activation, recipe, fwd, bwd, pow2=False,
+    *norm,
+):  # fmt: skip
+    inp = norm_ref(inp, norm)
     if recipe == "block":  # linear_block_scaled's reference twice around the activation's
         z = _block_reference(inp, w1, None, "block", fwd, bwd, pow2, 128, True)
         h = activation_ref(z, b1, activation)
@@ -459,12 +543,23 @@ def mlp_fp8(
     grad_amax2: Tensor | None = None,
     power_2_scale: bool = False,
     return_amax: bool = False,
+    normalization: str = "",
+    norm_weight: Tensor | None = None,
+    norm_bias: Tensor | None = None,
+    norm_eps: float = 1e-5,
+    zero_centered_gamma: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """``activation(inp @ fc1_weight.T + fc1_bias) @ fc2_weight.T + fc2_bias`` with FP8 GEMMs and
     the activation fused into the quantisations (module docstring). ``return_amax=True`` also
-    returns ``[amax(inp), amax(fc1_weight), amax(h), amax(fc2_weight)]``."""
+    returns ``[amax(inp), amax(fc1_weight), amax(h), amax(fc2_weight)]``. ``normalization``
+    ("LayerNorm" or "RMSNorm", with ``norm_weight`` and for LayerNorm optionally
+    ``norm_bias``): ``inp`` is normalised first, the norm written straight into FP8 (as
+    ``linear_fp8``'s); the first amax is then the norm's."""
+    norm = ()
+    if normalization or norm_weight is not None or norm_bias is not None:
+        norm = (norm_weight, norm_bias, normalization, norm_eps, zero_centered_gamma)
     out, _saved, amax = _mlp_fp8(
         inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, scale1, scale2, grad_amax1, grad_amax2,
-        activation, recipe, fwd_dtype, bwd_dtype, power_2_scale,
+        activation, recipe, fwd_dtype, bwd_dtype, power_2_scale, *norm,
     )  # fmt: skip
     return (out, amax) if return_amax else out

@@ -45,8 +45,10 @@ import triton.language as tl
 from torch import Tensor
 
 from te_compile.kernels.activation import FUNCTION_OF, GATED, _act, _dact
+from te_compile.kernels.norm import norm_stats
 from te_compile.kernels.quantize import (
     _FORMATS,
+    _ROUND,
     BLOCK,
     QuantizeLaunchConfig,
     _abs_bits,
@@ -54,48 +56,65 @@ from te_compile.kernels.quantize import (
     _cast_1x128,
     _cast_args,
     _cast_fp8,
+    _round,
     _software,
     _tile_scale,
-    _to_bf16_bits,
 )
 
-__all__ = ["act_quantize", "act_quantize_block"]
+__all__ = ["act_quantize", "act_quantize_block", "norm_quantize", "norm_quantize_block"]
 
-# Rounding of the activation to the model's dtype before the cast.
-_ROUND_NONE = 0
-_ROUND_BF16 = 1
-_ROUND_FP16 = 2
-_ROUND = {torch.float32: _ROUND_NONE, torch.bfloat16: _ROUND_BF16, torch.float16: _ROUND_FP16}
-
-
-@triton.jit
-def _round(y, ROUND: tl.constexpr, SOFTWARE: tl.constexpr):
-    """``y`` (fp32) rounded to nearest even to bf16 / fp16 and back (exact fp32 values)."""
-    if ROUND == 1:
-        if SOFTWARE:  # the interpreter truncates fp32 to bf16 (kernels.quantize docstring)
-            y = (_to_bf16_bits(y).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-        else:
-            y = y.to(tl.bfloat16).to(tl.float32)
-    elif ROUND == 2:
-        y = y.to(tl.float16).to(tl.float32)
-    return y
+# Norm prologues (``norm_quantize``): FN codes past the activations'. A LayerNorm / RMSNorm output
+# from the statistics of ``kernels.norm.norm_stats``; ``+ 1``: zero-centred gamma.
+_NORM_LN = 64
+_NORM_RMS = 66
 
 
 @triton.jit
 def _tile(
-    Z, B, G, pid_m, pid_n, M, N,
+    Z, B, G, MEAN, RSIG, pid_m, pid_n, M, N,
     FN: tl.constexpr, BWD: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND: tl.constexpr,
     SOFTWARE: tl.constexpr, EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """``(v, r, cols)``: the unrounded fp32 activation (or gradient) of tile ``(pid_m, pid_n)``,
     the value rounded to the model's dtype (both 0 outside the real ``[M, N]``) and the tile's
     columns. ``EVEN``: the tile is inside the tensor, no masks. Addresses are a 64-bit tile base
-    plus 32-bit offsets inside the tile (the wrapper checks they fit)."""
+    plus 32-bit offsets inside the tile (the wrapper checks they fit).
+
+    ``FN >= _NORM_LN``: a norm's output instead, ``Z`` the norm's input, ``G`` / ``B`` its gamma
+    / beta, ``MEAN`` / ``RSIG`` the row statistics (``[M]``), in the order of operations of
+    ``kernels.norm._norm_fwd_kernel`` (so the values are those its store would round)."""
     r_in = tl.arange(0, BLOCK_M)
     c_in = tl.arange(0, BLOCK_N)
     cols = pid_n * BLOCK_N + c_in
     offs = pid_m.to(tl.int64) * BLOCK_M * N + pid_n * BLOCK_N + (r_in[:, None] * N + c_in[None, :])
-    if EVEN:
+    if FN >= 64:
+        rows = pid_m * BLOCK_M + r_in
+        if EVEN:
+            a = tl.load(Z + offs).to(tl.float32)
+            rs = tl.load(RSIG + rows)
+            w = tl.load(G + cols).to(tl.float32)
+        else:
+            valid = (rows[:, None] < M) & (cols[None, :] < N)
+            a = tl.load(Z + offs, mask=valid, other=0.0).to(tl.float32)
+            rs = tl.load(RSIG + rows, mask=rows < M, other=0.0)
+            w = tl.load(G + cols, mask=cols < N, other=0.0).to(tl.float32)
+        if FN == 64 or FN == 65:
+            if EVEN:
+                a = a - tl.load(MEAN + rows)[:, None]
+            else:
+                a = a - tl.load(MEAN + rows, mask=rows < M, other=0.0)[:, None]
+        if FN == 65 or FN == 67:
+            w += 1.0
+        v = a * rs[:, None]
+        v = v * w[None, :]
+        if HAS_BIAS:
+            if EVEN:
+                v += tl.load(B + cols).to(tl.float32)[None, :]
+            else:
+                v += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        if not EVEN:
+            v = tl.where(valid, v, 0.0)
+    elif EVEN:
         a = tl.load(Z + offs).to(tl.float32)
         if HAS_BIAS:
             a += tl.load(B + cols).to(tl.float32)[None, :]
@@ -119,15 +138,15 @@ def _tile(
 
 @triton.jit
 def _act_amax_kernel(
-    Z, B, G, AMAX_BITS, PART, M, N,
+    Z, B, G, MEAN, RSIG, AMAX_BITS, PART, M, N,
     FN: tl.constexpr, BWD: tl.constexpr, HAS_BIAS: tl.constexpr, DBIAS: tl.constexpr,
     ROUND: tl.constexpr, SOFTWARE: tl.constexpr, EVEN: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     v, r, cols = _tile(
-        Z, B, G, pid_m, tl.program_id(1), M, N, FN, BWD, HAS_BIAS, ROUND, SOFTWARE, EVEN,
-        BLOCK_M, BLOCK_N,
+        Z, B, G, MEAN, RSIG, pid_m, tl.program_id(1), M, N, FN, BWD, HAS_BIAS, ROUND, SOFTWARE,
+        EVEN, BLOCK_M, BLOCK_N,
     )  # fmt: skip
     tl.atomic_max(AMAX_BITS, tl.max(tl.max(_abs_bits(r), axis=1), axis=0))
     if DBIAS:
@@ -136,7 +155,7 @@ def _act_amax_kernel(
 
 @triton.jit
 def _act_cast_kernel(
-    Z, B, G, SCALE, AMAX_BITS, DATA, DATA_T, SCALE_INV, PART, M, M_OUT, N, fp8_max, eps,
+    Z, B, G, MEAN, RSIG, SCALE, AMAX_BITS, DATA, DATA_T, SCALE_INV, PART, M, M_OUT, N, fp8_max, eps,
     FN: tl.constexpr, BWD: tl.constexpr, HAS_BIAS: tl.constexpr, DBIAS: tl.constexpr,
     ROUND: tl.constexpr, E4M3: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
     SOFTWARE: tl.constexpr, GUARD: tl.constexpr, FROM_AMAX: tl.constexpr, COLUMNWISE: tl.constexpr,
@@ -148,8 +167,9 @@ def _act_cast_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     v, x, cols = _tile(
-        Z, B, G, pid_m, pid_n, M, N, FN, BWD, HAS_BIAS, ROUND, SOFTWARE, EVEN, BLOCK_M, BLOCK_N
-    )
+        Z, B, G, MEAN, RSIG, pid_m, pid_n, M, N, FN, BWD, HAS_BIAS, ROUND, SOFTWARE, EVEN,
+        BLOCK_M, BLOCK_N,
+    )  # fmt: skip
     first = (pid_m == 0) & (pid_n == 0)
     scale = _tile_scale(SCALE, AMAX_BITS, SCALE_INV, x, first, fp8_max, eps, FROM_AMAX, False)
     if DBIAS and not FROM_AMAX:
@@ -174,7 +194,7 @@ def _act_cast_kernel(
 
 @triton.jit
 def _act_block_kernel(
-    Z, B, G, DATA, SCALE_INV, DATA_T, SCALE_INV_T, PART, M, M_OUT, N, fp8_max,
+    Z, B, G, MEAN, RSIG, DATA, SCALE_INV, DATA_T, SCALE_INV_T, PART, M, M_OUT, N, fp8_max,
     FN: tl.constexpr, BWD: tl.constexpr, HAS_BIAS: tl.constexpr, DBIAS: tl.constexpr,
     ROUND: tl.constexpr, E4M3: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
     SOFTWARE: tl.constexpr, GUARD: tl.constexpr, POW2: tl.constexpr, EVEN: tl.constexpr,
@@ -188,8 +208,9 @@ def _act_block_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     v, x, cols = _tile(
-        Z, B, G, pid_m, pid_n, M, N, FN, BWD, HAS_BIAS, ROUND, SOFTWARE, EVEN, BLOCK_M, BLOCK_N
-    )
+        Z, B, G, MEAN, RSIG, pid_m, pid_n, M, N, FN, BWD, HAS_BIAS, ROUND, SOFTWARE, EVEN,
+        BLOCK_M, BLOCK_N,
+    )  # fmt: skip
     if DBIAS:
         tl.store(PART + pid_m.to(tl.int64) * N + cols, tl.sum(v, axis=0), mask=cols < N)
     a = _abs_bits(x)  # rows past M are 0: they never raise a block's amax
@@ -221,44 +242,43 @@ def _act_block_kernel(
             tl.store(SCALE_INV_T + s_offs_t, s_t, mask=cols < N)
 
 
-def act_quantize(
+def _per_tensor(
     z: Tensor,
     bias: Tensor | None,
     grad: Tensor | None,
-    activation: str,
+    norm: tuple[Tensor, Tensor, Tensor] | None,
+    fn: int,
     fp8_dtype: torch.dtype,
     scale: Tensor | None,
     rows: int,
+    m_out: int,
     columnwise: bool,
     need_dbias: bool,
-    *,
-    config: QuantizeLaunchConfig | None = None,
+    amax: Tensor | None,
+    cfg: QuantizeLaunchConfig,
+    name: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
-    """Quantise ``activation(z + bias)``, or with ``grad`` its gradient ``grad *
-    activation'(z + bias)``, per tensor, without writing it: ``(data, data_t, scale_inv, amax,
-    dbias)``.
-
-    ``z`` / ``grad``: ``[M_OUT, N]`` contiguous, of the model's dtype (the value is rounded to it
-    before the cast); only the first ``rows`` rows are real, the rest are written as zero codes.
-    ``scale=None``: current scaling (two passes), else the 1-element delayed scale (one pass).
-    ``dbias`` (with ``need_dbias``, backward only): fp32 column sums of the unrounded gradient,
-    cast to ``bias``'s dtype. Arguments are trusted (``functional.mlp_fp8`` checks them)."""
-    if activation not in FUNCTION_OF or activation in GATED:
-        raise ValueError(f"act_quantize: element-wise activation expected, got {activation!r}")
-    cfg = config or QuantizeLaunchConfig()
-    m_out, n = z.shape
+    """The launches of :func:`act_quantize` / :func:`norm_quantize`: ``z`` ``[>= rows, N]``
+    read up to row ``rows``, outputs of ``m_out`` rows. ``amax``: the first pass of current
+    scaling already ran (the norm statistics kernel folds it), else ``_act_amax_kernel`` runs
+    it. ``norm``: the norm's ``(gamma, mean, rsigma)`` (``bias`` is its beta)."""
+    n = z.shape[1]
     software = _software(z.device, cfg)
     data = torch.empty((m_out, n), device=z.device, dtype=fp8_dtype)
     data_t = z.new_empty((n, m_out) if columnwise else (0,), dtype=fp8_dtype)
-    amax = torch.zeros(1, device=z.device, dtype=torch.float32)
+    amax_pass = amax is None and scale is None
+    if amax is None:
+        amax = torch.zeros(1, device=z.device, dtype=torch.float32)
     scale_inv = torch.empty(1, device=z.device, dtype=torch.float32)
     grid = (max(triton.cdiv(m_out, cfg.block_m), 1), max(triton.cdiv(n, cfg.block_k), 1))
     if cfg.block_m * n >= 2**31 or cfg.block_k * m_out >= 2**31:
-        raise ValueError(f"act_quantize: [{m_out}, {n}] is too large for 32-bit tile offsets")
+        raise ValueError(f"{name}: [{m_out}, {n}] is too large for 32-bit tile offsets")
     dbias = need_dbias and bias is not None and grad is not None
     part = z.new_empty((grid[0], n), dtype=torch.float32) if dbias else amax
+    g = z if grad is None else grad
+    gamma, mean, rsig = norm if norm is not None else (g, z, z)
     common = {
-        "FN": FUNCTION_OF[activation],
+        "FN": fn,
         "BWD": grad is not None,
         "HAS_BIAS": bias is not None,
         "DBIAS": dbias,
@@ -269,15 +289,17 @@ def act_quantize(
         "num_warps": cfg.num_warps,
     }
     b = z if bias is None else bias
-    g = z if grad is None else grad
-    if scale is None:
+    if amax_pass:
         _act_amax_kernel[grid](
-            z, b, g, amax.view(torch.int32), part, rows, n, SOFTWARE=software, **common
-        )
+            z, b, gamma, mean, rsig, amax.view(torch.int32), part, rows, n, SOFTWARE=software,
+            **common,
+        )  # fmt: skip
     _act_cast_kernel[grid](
         z,
         b,
-        g,
+        gamma,
+        mean,
+        rsig,
         amax if scale is None else scale.reshape(1),
         amax.view(torch.int32),
         _bits(data),
@@ -300,6 +322,112 @@ def act_quantize(
     return data, data_t, scale_inv, amax, db
 
 
+def _blockwise(
+    z: Tensor,
+    bias: Tensor | None,
+    grad: Tensor | None,
+    norm: tuple[Tensor, Tensor, Tensor] | None,
+    fn: int,
+    fp8_dtype: torch.dtype,
+    rows: int,
+    m_out: int,
+    need_dbias: bool,
+    power_2_scale: bool,
+    cfg: QuantizeLaunchConfig,
+    name: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+    """The launches of :func:`act_quantize_block` / :func:`norm_quantize_block` (arguments as
+    in :func:`_per_tensor`)."""
+    n = z.shape[1]
+    blk = BLOCK
+    if blk * n >= 2**31 or blk * m_out >= 2**31:
+        raise ValueError(f"{name}: [{m_out}, {n}] is too large for 32-bit tile offsets")
+    f32 = torch.float32
+    data = torch.empty((m_out, n), device=z.device, dtype=fp8_dtype)
+    data_t = torch.empty((n, m_out), device=z.device, dtype=fp8_dtype)
+    scale_inv = z.new_empty((m_out, triton.cdiv(n, blk)), dtype=f32)
+    scale_inv_t = z.new_empty((n, triton.cdiv(m_out, blk)), dtype=f32)
+    dbias = need_dbias and bias is not None and grad is not None
+    # One 128x128 tile for both layouts, or (block_split) a rowwise pass over [split_m, 128]
+    # tiles and a columnwise one over [128, split_n] tiles: two reads of the input, but small
+    # tiles keep many programs per SM (the one-tile form runs one, latency-bound).
+    if cfg.block_split:
+        w = cfg.num_warps
+        passes = [(1, cfg.block_split_m, blk, w), (0, blk, cfg.block_split_n, w)]
+    else:
+        passes = [(2, blk, blk, cfg.block_num_warps)]
+    part = z.new_empty((triton.cdiv(m_out, passes[0][1]), n), dtype=f32) if dbias else scale_inv
+    g = z if grad is None else grad
+    gamma, mean, rsig = norm if norm is not None else (g, z, z)
+    for axes, bm, bn, warps in passes if m_out * n else ():
+        _act_block_kernel[(triton.cdiv(m_out, bm), triton.cdiv(n, bn))](
+            z,
+            z if bias is None else bias,
+            gamma,
+            mean,
+            rsig,
+            _bits(data),
+            scale_inv,
+            _bits(data_t),
+            scale_inv_t,
+            part,
+            rows,
+            m_out,
+            n,
+            _FORMATS[fp8_dtype].max,
+            FN=fn,
+            BWD=grad is not None,
+            HAS_BIAS=bias is not None,
+            DBIAS=dbias and axes != 0,
+            ROUND=_ROUND[z.dtype],
+            **_cast_args(fp8_dtype, _software(z.device, cfg), z.dtype),
+            POW2=power_2_scale,
+            EVEN=rows == m_out and m_out % bm == 0 and n % bn == 0,
+            AXES=axes,
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            num_warps=warps,
+        )
+    db = part.sum(0).to(bias.dtype) if dbias else None
+    return data, scale_inv, data_t, scale_inv_t, db
+
+
+def _activation_fn(name: str, activation: str) -> int:
+    if activation not in FUNCTION_OF or activation in GATED:
+        raise ValueError(f"{name}: element-wise activation expected, got {activation!r}")
+    return FUNCTION_OF[activation]
+
+
+def act_quantize(
+    z: Tensor,
+    bias: Tensor | None,
+    grad: Tensor | None,
+    activation: str,
+    fp8_dtype: torch.dtype,
+    scale: Tensor | None,
+    rows: int,
+    columnwise: bool,
+    need_dbias: bool,
+    *,
+    config: QuantizeLaunchConfig | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+    """Quantise ``activation(z + bias)``, or with ``grad`` its gradient ``grad *
+    activation'(z + bias)``, per tensor, without writing it: ``(data, data_t, scale_inv, amax,
+    dbias)``.
+
+    ``z`` / ``grad``: ``[M_OUT, N]`` contiguous, of the model's dtype (the value is rounded to it
+    before the cast); only the first ``rows`` rows are real, the rest are written as zero codes.
+    ``scale=None``: current scaling (two passes), else the 1-element delayed scale (one pass).
+    ``dbias`` (with ``need_dbias``, backward only): fp32 column sums of the unrounded gradient,
+    cast to ``bias``'s dtype. Arguments are trusted (``functional.mlp_fp8`` checks them)."""
+    fn = _activation_fn("act_quantize", activation)
+    cfg = config or QuantizeLaunchConfig()
+    return _per_tensor(
+        z, bias, grad, None, fn, fp8_dtype, scale, rows, z.shape[0], columnwise, need_dbias,
+        None, cfg, "act_quantize",
+    )  # fmt: skip
+
+
 def act_quantize_block(
     z: Tensor,
     bias: Tensor | None,
@@ -316,56 +444,75 @@ def act_quantize_block(
     scale_inv_t, dbias)`` in the layouts of ``quantize_blockwise(..., block_rows=1,
     columnwise=True)`` (scale_inv ``[M_OUT, cdiv(N, 128)]``, scale_inv_t ``[N, cdiv(M_OUT,
     128)]``). Rows past ``rows`` are quantised as zeros. Arguments are trusted."""
-    if activation not in FUNCTION_OF or activation in GATED:
-        raise ValueError(
-            f"act_quantize_block: element-wise activation expected, got {activation!r}"
-        )
+    fn = _activation_fn("act_quantize_block", activation)
     cfg = config or QuantizeLaunchConfig()
-    m_out, n = z.shape
-    blk = BLOCK
-    if blk * n >= 2**31 or blk * m_out >= 2**31:
-        raise ValueError(f"act_quantize_block: [{m_out}, {n}] is too large for 32-bit tile offsets")
-    f32 = torch.float32
-    data = torch.empty((m_out, n), device=z.device, dtype=fp8_dtype)
-    data_t = torch.empty((n, m_out), device=z.device, dtype=fp8_dtype)
-    scale_inv = z.new_empty((m_out, triton.cdiv(n, blk)), dtype=f32)
-    scale_inv_t = z.new_empty((n, triton.cdiv(m_out, blk)), dtype=f32)
-    dbias = need_dbias and bias is not None and grad is not None
-    # One 128x128 tile for both layouts, or (block_split) a rowwise pass over [split_m, 128]
-    # tiles and a columnwise one over [128, split_n] tiles: two reads of the input, but small
-    # tiles keep many programs per SM (the one-tile form runs one, latency-bound).
-    if cfg.block_split:
-        w = cfg.num_warps
-        passes = [(1, cfg.block_split_m, blk, w), (0, blk, cfg.block_split_n, w)]
-    else:
-        passes = [(2, blk, blk, cfg.block_num_warps)]
-    part = z.new_empty((triton.cdiv(m_out, passes[0][1]), n), dtype=f32) if dbias else scale_inv
-    for axes, bm, bn, warps in passes if m_out * n else ():
-        _act_block_kernel[(triton.cdiv(m_out, bm), triton.cdiv(n, bn))](
-            z,
-            z if bias is None else bias,
-            z if grad is None else grad,
-            _bits(data),
-            scale_inv,
-            _bits(data_t),
-            scale_inv_t,
-            part,
-            rows,
-            m_out,
-            n,
-            _FORMATS[fp8_dtype].max,
-            FN=FUNCTION_OF[activation],
-            BWD=grad is not None,
-            HAS_BIAS=bias is not None,
-            DBIAS=dbias and axes != 0,
-            ROUND=_ROUND[z.dtype],
-            **_cast_args(fp8_dtype, _software(z.device, cfg), z.dtype),
-            POW2=power_2_scale,
-            EVEN=rows == m_out and m_out % bm == 0 and n % bn == 0,
-            AXES=axes,
-            BLOCK_M=bm,
-            BLOCK_N=bn,
-            num_warps=warps,
-        )
-    db = part.sum(0).to(bias.dtype) if dbias else None
-    return data, scale_inv, data_t, scale_inv_t, db
+    return _blockwise(
+        z, bias, grad, None, fn, fp8_dtype, rows, z.shape[0], need_dbias, power_2_scale, cfg,
+        "act_quantize_block",
+    )  # fmt: skip
+
+
+def _norm_fn(normalization: str, zero_centered_gamma: bool) -> int:
+    return (_NORM_LN if normalization == "LayerNorm" else _NORM_RMS) + int(zero_centered_gamma)
+
+
+def norm_quantize(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    normalization: str,
+    eps: float,
+    zero_centered_gamma: bool,
+    fp8_dtype: torch.dtype,
+    scale: Tensor | None,
+    m_out: int,
+    *,
+    config: QuantizeLaunchConfig | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Quantise the output of a LayerNorm / RMSNorm of ``x`` (``[M, N]`` contiguous) per tensor
+    without writing it: ``(data, data_t, scale_inv, amax, mean, rsigma)``, ``data`` ``[m_out,
+    N]`` and ``data_t`` ``[N, m_out]`` with rows ``M..m_out`` zero codes; ``mean`` / ``rsigma``
+    as ``te::layernorm_fwd`` / ``te::rmsnorm_fwd`` return them (``mean`` 0-element for
+    RMSNorm). The output is the one ``kernels.norm``'s forward would store, rounded to ``x``'s
+    dtype. Current scaling (``scale=None``): a statistics pass that also takes the amax
+    (``kernels.norm.norm_stats``), then the cast; delayed scaling: the statistics, then a cast
+    that folds the amax. Two reads of ``x`` against a read, a write and two reads of a tensor
+    of its size unfused. Arguments are trusted (``functional.linear_fp8`` checks them)."""
+    cfg = config or QuantizeLaunchConfig()
+    amax = torch.zeros(1, device=x.device, dtype=torch.float32)
+    mean, rsigma = norm_stats(
+        normalization, x, weight, bias, eps, zero_centered_gamma, amax if scale is None else None
+    )
+    norm = (weight, rsigma if mean.numel() == 0 else mean, rsigma)
+    fn = _norm_fn(normalization, zero_centered_gamma)
+    data, data_t, scale_inv, amax, _ = _per_tensor(
+        x, bias, None, norm, fn, fp8_dtype, scale, x.shape[0], m_out, True, False,
+        amax if scale is None else None, cfg, "norm_quantize",
+    )  # fmt: skip
+    return data, data_t, scale_inv, amax, mean, rsigma
+
+
+def norm_quantize_block(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    normalization: str,
+    eps: float,
+    zero_centered_gamma: bool,
+    fp8_dtype: torch.dtype,
+    m_out: int,
+    power_2_scale: bool,
+    *,
+    config: QuantizeLaunchConfig | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """:func:`norm_quantize` in Float8BlockScaling's 1x128 blocks: ``(data, scale_inv, data_t,
+    scale_inv_t, mean, rsigma)``, layouts as :func:`act_quantize_block`'s."""
+    cfg = config or QuantizeLaunchConfig()
+    mean, rsigma = norm_stats(normalization, x, weight, bias, eps, zero_centered_gamma, None)
+    norm = (weight, rsigma if mean.numel() == 0 else mean, rsigma)
+    fn = _norm_fn(normalization, zero_centered_gamma)
+    data, s, data_t, s_t, _ = _blockwise(
+        x, bias, None, norm, fn, fp8_dtype, x.shape[0], m_out, False, power_2_scale, cfg,
+        "norm_quantize_block",
+    )  # fmt: skip
+    return data, s, data_t, s_t, mean, rsigma

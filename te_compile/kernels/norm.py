@@ -55,6 +55,7 @@ import triton.language as tl
 from torch import Tensor
 
 from te_compile.kernels import programs_per_sm
+from te_compile.kernels.quantize import _ROUND, _abs_bits, _round
 
 __all__ = [
     "NormLaunchConfig",
@@ -63,6 +64,7 @@ __all__ = [
     "launch_config",
     "layernorm_bwd",
     "layernorm_fwd",
+    "norm_stats",
     "rmsnorm_bwd",
     "rmsnorm_fwd",
 ]
@@ -144,6 +146,7 @@ def _norm_fwd_kernel(
     Y,
     MEAN,
     RSIGMA,
+    AMAX_BITS,
     M,
     N,
     eps,
@@ -153,7 +156,15 @@ def _norm_fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CHUNKED: tl.constexpr,
+    STORE_Y: tl.constexpr,
+    AMAX: tl.constexpr,
+    ROUND: tl.constexpr,
+    SOFTWARE: tl.constexpr,
 ):
+    """``STORE_Y``: write the output (else only the statistics). ``AMAX``: fold the amax of
+    the output, rounded to the model's dtype (``ROUND``), into ``AMAX_BITS`` (``_abs_bits``
+    max): the first pass of a current-scaling FP8 cast of the output that is never written
+    (``kernels.act_quantize.norm_quantize``)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
     row_off = rows.to(tl.int64)[:, None] * N
@@ -175,7 +186,11 @@ def _norm_fwd_kernel(
             y = y * w[None, :]
         if HAS_BIAS:
             y += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(Y + row_off + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+        if STORE_Y:
+            tl.store(Y + row_off + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+        if AMAX:
+            a = tl.where(mask, _abs_bits(_round(y, ROUND, SOFTWARE)), 0)
+            tl.atomic_max(AMAX_BITS, tl.max(tl.max(a, axis=1), axis=0))
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if KIND == LAYERNORM:
@@ -192,19 +207,27 @@ def _norm_fwd_kernel(
             x = tl.where(mask, x - mean[:, None], 0.0)
             acc += x * x
         rsigma = _inv_sigma(tl.sum(acc, axis=1), N, eps, KIND)
-        for start in range(0, N, BLOCK_N):
-            c = start + cols
-            mask = row_mask[:, None] & (c[None, :] < N)
-            x = tl.load(X + row_off + c[None, :], mask=mask, other=0.0).to(tl.float32)
-            y = (x - mean[:, None]) * rsigma[:, None]
-            if KIND != L2NORM:
-                w = tl.load(W + c, mask=c < N, other=0.0).to(tl.float32)
-                if ZERO_CENTERED_GAMMA:
-                    w += 1.0
-                y = y * w[None, :]
-            if HAS_BIAS:
-                y += tl.load(B + c, mask=c < N, other=0.0).to(tl.float32)[None, :]
-            tl.store(Y + row_off + c[None, :], y.to(Y.dtype.element_ty), mask=mask)
+        if STORE_Y or AMAX:  # else only the statistics
+            amax = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+            for start in range(0, N, BLOCK_N):
+                c = start + cols
+                mask = row_mask[:, None] & (c[None, :] < N)
+                x = tl.load(X + row_off + c[None, :], mask=mask, other=0.0).to(tl.float32)
+                y = (x - mean[:, None]) * rsigma[:, None]
+                if KIND != L2NORM:
+                    w = tl.load(W + c, mask=c < N, other=0.0).to(tl.float32)
+                    if ZERO_CENTERED_GAMMA:
+                        w += 1.0
+                    y = y * w[None, :]
+                if HAS_BIAS:
+                    y += tl.load(B + c, mask=c < N, other=0.0).to(tl.float32)[None, :]
+                if STORE_Y:
+                    tl.store(Y + row_off + c[None, :], y.to(Y.dtype.element_ty), mask=mask)
+                if AMAX:
+                    a = tl.where(mask, _abs_bits(_round(y, ROUND, SOFTWARE)), 0)
+                    amax = tl.maximum(amax, a)
+            if AMAX:
+                tl.atomic_max(AMAX_BITS, tl.max(tl.max(amax, axis=1), axis=0))
     if KIND == LAYERNORM:
         tl.store(MEAN + rows, mean, mask=row_mask)
     tl.store(RSIGMA + rows, rsigma, mask=row_mask)
@@ -339,10 +362,15 @@ def _norm_fwd(
     zero_centered_gamma: bool,
     *,
     config: NormLaunchConfig | None = None,
+    store_y: bool = True,
+    amax: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
+    """``(out, mean, rsigma)``; without ``store_y`` ``out`` is a 0-element tensor (statistics
+    only). ``amax`` (``[1]`` fp32, zero or a running max): the output's amax, rounded to the
+    input's dtype, is folded into it."""
     x = _rows(inp)
     m, n = x.shape
-    out = torch.empty_like(x)
+    out = torch.empty_like(x) if store_y else x.new_empty(0)
     rsigma = torch.empty(m, device=x.device, dtype=torch.float32)
     mean = torch.empty(m if kind == LAYERNORM else 0, device=x.device, dtype=torch.float32)
     cfg = _config(n, False, config)
@@ -354,6 +382,7 @@ def _norm_fwd(
             out,
             mean if kind == LAYERNORM else rsigma,
             rsigma,
+            rsigma if amax is None else amax.view(torch.int32),
             m,
             n,
             eps,
@@ -363,10 +392,37 @@ def _norm_fwd(
             BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n,
             CHUNKED=cfg.chunked,
+            STORE_Y=store_y,
+            AMAX=amax is not None,
+            ROUND=_ROUND.get(x.dtype, 0),
+            SOFTWARE=x.device.type != "cuda",
             num_warps=cfg.num_warps,
         )
     stats = inp.shape[:-1]
-    return out.view(inp.shape), mean.view(stats if kind == LAYERNORM else (0,)), rsigma.view(stats)
+    mean = mean.view(stats if kind == LAYERNORM else (0,))
+    return (out.view(inp.shape) if store_y else out), mean, rsigma.view(stats)
+
+
+def norm_stats(
+    normalization: str,
+    inp: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    eps: float,
+    zero_centered_gamma: bool,
+    amax: Tensor | None,
+    *,
+    config: NormLaunchConfig | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``(mean, rsigma)`` of "LayerNorm" or "RMSNorm" (``mean`` 0-element for RMSNorm) as the
+    forward kernels compute them, without writing the output; with ``amax`` (``[1]`` fp32) the
+    amax of the output rounded to ``inp``'s dtype is folded into it. The statistics pass of
+    the norm fused into an FP8 cast (``kernels.act_quantize.norm_quantize``)."""
+    kind = LAYERNORM.value if normalization == "LayerNorm" else RMSNORM.value
+    _, mean, rsigma = _norm_fwd(
+        kind, inp, weight, bias, eps, zero_centered_gamma, config=config, store_y=False, amax=amax
+    )
+    return mean, rsigma
 
 
 def _norm_bwd(

@@ -299,6 +299,27 @@ def _to_bf16_bits(y):
     return tl.where((bits & 0x7FFFFFFF) > 0x7F800000, (bits >> 16) | 0x40, rounded).to(tl.uint16)
 
 
+# Rounding of a value computed in fp32 (an activation, a norm's output) to the model's dtype
+# before a cast, as the kernel that would have stored it in that dtype rounds it.
+_ROUND_NONE = 0
+_ROUND_BF16 = 1
+_ROUND_FP16 = 2
+_ROUND = {torch.float32: _ROUND_NONE, torch.bfloat16: _ROUND_BF16, torch.float16: _ROUND_FP16}
+
+
+@triton.jit
+def _round(y, ROUND: tl.constexpr, SOFTWARE: tl.constexpr):
+    """``y`` (fp32) rounded to nearest even to bf16 / fp16 and back (exact fp32 values)."""
+    if ROUND == 1:
+        if SOFTWARE:  # the interpreter truncates fp32 to bf16 (kernels.quantize docstring)
+            y = (_to_bf16_bits(y).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        else:
+            y = y.to(tl.bfloat16).to(tl.float32)
+    elif ROUND == 2:
+        y = y.to(tl.float16).to(tl.float32)
+    return y
+
+
 @triton.jit
 def _store_rounded(ptr, y, mask, BF16_BITS: tl.constexpr):
     """Store fp32 ``y`` rounded once to the output's dtype; ``BF16_BITS``: the output is bf16

@@ -113,10 +113,15 @@ class LayerNormLinear(PreNorm):
 
     def forward(self, inp: Tensor) -> Tensor | tuple[Tensor, ...]:
         owner = "LayerNormLinear"
-        ln_out = self._norm(inp, self.tp, owner)
-        gemm_in = self.tp.column_input(owner, ln_out)
         bias = None if self.return_bias else self.bias
-        out = _fp8.linear(owner, self.fp8_meta, gemm_in, self.weight, bias)
+        out = None
+        if not (self.tp.active or self.return_layernorm_output):
+            # FP8 with a per-tensor recipe: the norm writes the GEMM's FP8 input directly.
+            out = _fp8.norm_linear(owner, self.fp8_meta, inp, self._norm_spec(), self.weight, bias)
+        if out is None:
+            ln_out = self._norm(inp, self.tp, owner)
+            gemm_in = self.tp.column_input(owner, ln_out)
+            out = _fp8.linear(owner, self.fp8_meta, gemm_in, self.weight, bias)
         extra: tuple[Tensor | None, ...] = ()
         if self.return_bias:
             extra += (self.bias,)

@@ -141,6 +141,16 @@ class LayerNormMLP(PreNorm):
     def forward(self, inp: Tensor) -> Tensor | tuple[Tensor, ...]:
         owner = "LayerNormMLP"
         tp = self.tp
+        if not (tp.active or self.return_layernorm_output):
+            # FP8 (per-tensor or native blockwise recipe, element-wise activation): one op with
+            # the norm writing fc1's FP8 input directly.
+            fc2_bias = None if self.return_bias else self.fc2_bias
+            metas = (self.fc1_fp8_meta, self.fc2_fp8_meta)
+            w1, b1, w2 = self.fc1_weight, self.fc1_bias, self.fc2_weight
+            out = _fp8.mlp(owner, metas, inp, w1, b1, self.activation, w2, fc2_bias,
+                           self._norm_spec())  # fmt: skip
+            if out is not None:
+                return (out, self.fc2_bias) if self.return_bias else out
         ln_out = self._norm(inp, tp, owner)
         fc1_in = tp.column_input(owner, ln_out)
         if tp.active:

@@ -134,6 +134,16 @@ class PreNorm(nn.Module):
         for p in (self.layer_norm_weight, self.layer_norm_bias):
             set_parallel_attributes(p, sequence_parallel=sequence_parallel)
 
+    def _norm_spec(self) -> tuple[Tensor, Tensor | None, str, float, bool]:
+        """The norm as an FP8 GEMM's prologue (``quantization.fp8_gemm.Norm``)."""
+        return (
+            self.layer_norm_weight,
+            self.layer_norm_bias,
+            self.normalization,
+            self.eps,
+            self.zero_centered_gamma,
+        )
+
     def _norm(self, inp: Tensor, tp: TensorParallel, owner: str) -> Tensor:
         """The norm; under sequence parallelism its parameters' gradients are all-reduced."""
         return apply_normalization(

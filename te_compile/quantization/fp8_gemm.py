@@ -43,9 +43,20 @@ _NATIVE_BLOCK = os.environ.get("TE_COMPILE_NATIVE_BLOCK_GEMM", "1") != "0"
 # of te::mlp_fp8 (same bytes; for comparisons).
 _FUSE_MLP = os.environ.get("TE_COMPILE_FUSED_FP8_MLP", "1") != "0"
 
-__all__ = ["MAX_AMAX_HISTORY", "FP8GemmState", "linear", "mlp", "non_finite_amaxes"]
+__all__ = [
+    "MAX_AMAX_HISTORY",
+    "FP8GemmState",
+    "Norm",
+    "linear",
+    "mlp",
+    "non_finite_amaxes",
+    "norm_linear",
+]
 
 MAX_AMAX_HISTORY = 1024
+
+# A norm prologue: (weight, bias, normalization, eps, zero_centered_gamma).
+Norm = tuple[Tensor, Tensor | None, str, float, bool]
 
 
 class FP8GemmState(nn.Module):
@@ -90,13 +101,16 @@ class FP8GemmState(nn.Module):
         weight: Tensor,
         bias: Tensor | None,
         main_grad: Tensor | None,
+        norm: Norm | None = None,
     ) -> Tensor:
-        """``inp @ weight.T + bias`` with the FP8 recipe of ``state`` (which is enabled)."""
+        """``inp @ weight.T + bias`` with the FP8 recipe of ``state`` (which is enabled); with
+        ``norm`` (per-tensor recipes only), ``norm(inp)`` written straight into FP8."""
         recipe = state.recipe
         if recipe.mxfp8() or recipe.nvfp4() or recipe.float8_block_scaling():
             return _block_scaled(owner, recipe, inp, weight, bias, main_grad)
         fmt = recipe.fp8_format
         kw = {"fwd_dtype": fmt.fwd_dtype, "bwd_dtype": fmt.bwd_dtype, "main_grad": main_grad}
+        kw.update(_norm_kwargs(norm))
         scale = self.delayed_scale(owner, state)
         out, amax = F.linear_fp8(
             inp,
@@ -163,6 +177,33 @@ def linear(
     return F.linear(inp, weight, bias, main_grad=main_grad)
 
 
+def norm_linear(
+    owner: str,
+    meta: FP8GemmState,
+    inp: Tensor,
+    norm: Norm,
+    weight: Tensor,
+    bias: Tensor | None,
+) -> Tensor | None:
+    """``norm(inp) @ weight.T + bias`` as one FP8 op, the norm written straight into FP8
+    (``te::linear_fp8_fwd`` with a norm prologue), inside an enabled ``te_compile.autocast``
+    with a per-tensor recipe (current or delayed scaling); None elsewhere (the caller runs the
+    norm, then :func:`linear`). ``norm``: ``(weight, bias, normalization, eps,
+    zero_centered_gamma)``."""
+    state = get_autocast_state()
+    if not (state.enabled and (state.recipe.float8_current() or state.recipe.delayed())):
+        return None
+    return meta.linear(owner, state, inp, weight, bias, None, norm)
+
+
+def _norm_kwargs(norm: Norm | None) -> dict:
+    if norm is None:
+        return {}
+    weight, bias, normalization, eps, zcg = norm
+    return {"normalization": normalization, "norm_weight": weight, "norm_bias": bias,
+            "norm_eps": eps, "zero_centered_gamma": zcg}  # fmt: skip
+
+
 def mlp(
     owner: str,
     metas: tuple[FP8GemmState, FP8GemmState],
@@ -172,19 +213,22 @@ def mlp(
     activation: str,
     fc2_weight: Tensor,
     fc2_bias: Tensor | None,
+    norm: Norm | None = None,
 ) -> Tensor | None:
     """``fc2(activation(fc1(inp)))`` as one FP8 op (``te::mlp_fp8_fwd``: the activation and its
     gradient fused into the quantisations) inside an enabled ``te_compile.autocast`` with a
     per-tensor recipe (current or delayed scaling), or Float8BlockScaling where its GEMMs run
     natively with 128x128 weight blocks (as :func:`linear` would run them), and an element-wise
     activation; None where that does not apply (the caller runs the GEMMs one by one).
-    ``metas``: the two GEMMs' states, used exactly as two :func:`linear` calls would use them."""
+    ``metas``: the two GEMMs' states, used exactly as two :func:`linear` calls would use them.
+    ``norm`` (as in :func:`norm_linear`): ``inp`` is normalised inside the op, written straight
+    into FP8 (LayerNormMLP)."""
     state = get_autocast_state()
     if not state.enabled or activation not in F.FP8_FUSED_ACTIVATIONS or not _FUSE_MLP:
         return None
     recipe = state.recipe
     if recipe.float8_block_scaling():
-        return _block_mlp(recipe, inp, fc1_weight, fc1_bias, activation, fc2_weight, fc2_bias)
+        return _block_mlp(recipe, inp, fc1_weight, fc1_bias, activation, fc2_weight, fc2_bias, norm)
     if not (recipe.float8_current() or recipe.delayed()):
         return None
     fc1, fc2 = metas
@@ -195,13 +239,14 @@ def mlp(
         recipe="current" if scale1 is None else "delayed",
         fwd_dtype=fmt.fwd_dtype, bwd_dtype=fmt.bwd_dtype, scale1=scale1, scale2=scale2,
         grad_amax1=fc1.grad_amax, grad_amax2=fc2.grad_amax, return_amax=True,
+        **_norm_kwargs(norm),
     )  # fmt: skip
     fc1.record(amax[:2], state)
     fc2.record(amax[2:], state)
     return out
 
 
-def _block_mlp(recipe, inp, fc1_weight, fc1_bias, activation, fc2_weight, fc2_bias):
+def _block_mlp(recipe, inp, fc1_weight, fc1_bias, activation, fc2_weight, fc2_bias, norm):
     """:func:`mlp` under Float8BlockScaling: the fused op where both GEMMs would run natively
     (1x128 activation and gradient blocks, 128x128 weight blocks), else None."""
     fmt = recipe.fp8_format
@@ -211,7 +256,7 @@ def _block_mlp(recipe, inp, fc1_weight, fc1_bias, activation, fc2_weight, fc2_bi
     return F.mlp_fp8(
         inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, recipe="block",
         fwd_dtype=fmt.fwd_dtype, bwd_dtype=fmt.bwd_dtype,
-        power_2_scale=not recipe.use_f32_scales,
+        power_2_scale=not recipe.use_f32_scales, **_norm_kwargs(norm),
     )  # fmt: skip
 
 

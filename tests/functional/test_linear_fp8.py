@@ -204,3 +204,95 @@ def test_emulated_gemms_match_the_scaled_mm_ones(device, monkeypatch):
         runs.append([t.detach().float() for t in (y, x.grad, w.grad, b.grad)])
     for native, emulated in zip(*runs, strict=True):
         torch.testing.assert_close(emulated, native, rtol=2e-2, atol=2e-2)
+
+
+# Norm prologue (LayerNormLinear): the norm written straight into FP8. --------------------------
+
+NORM_CASES = [
+    pytest.param("LayerNorm", "current", False, True, id="layernorm-current"),
+    pytest.param("LayerNorm", "delayed", True, False, id="layernorm-zc-delayed-no-beta"),
+    pytest.param("RMSNorm", "current", True, False, id="rmsnorm-zc-current"),
+    pytest.param("RMSNorm", "delayed", False, False, id="rmsnorm-delayed"),
+]
+
+
+def _norm_then_linear(x, gamma, beta, normalization, zcg, w, b, **kw):
+    if normalization == "LayerNorm":
+        ln = F.layernorm(x, gamma, beta, 1e-5, zero_centered_gamma=zcg)
+    else:
+        ln = F.rmsnorm(x, gamma, 1e-5, zero_centered_gamma=zcg)
+    return F.linear_fp8(ln, w, b, return_amax=True, **kw)
+
+
+@pytest.mark.parametrize("normalization,recipe,zcg,has_beta", NORM_CASES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_norm_prologue_same_bytes_as_the_norm_then_the_linear(
+    device, normalization, recipe, zcg, has_beta
+):
+    """``linear_fp8(..., normalization=...)`` (the norm never written on CUDA) against the norm
+    op followed by ``linear_fp8``: every output, amax, written gradient amax and gradient
+    (input, weight, bias, gamma, beta) bit for bit; 21 tokens (padded inside)."""
+    torch.manual_seed(0)
+
+    def t(*shape, std=1.0, mean=0.0):
+        return (torch.randn(*shape, device=device) * std + mean).bfloat16().requires_grad_()
+
+    x = t(3, 7, 64, std=2.0, mean=0.5)
+    gamma = t(64, std=0.2, mean=0.0 if zcg else 1.0)
+    beta = t(64, std=0.3) if has_beta and normalization == "LayerNorm" else None
+    w, b = t(48, 64, std=0.2), t(48)
+    pending = [torch.zeros(1, device=device) for _ in range(2)]
+    kw = {"recipe": recipe}
+    if recipe == "delayed":
+        kw["scale"] = torch.tensor([30.0, 900.0, 2e3], device=device)
+    out, amax = F.linear_fp8(
+        x, w, b, normalization=normalization, norm_weight=gamma, norm_bias=beta, norm_eps=1e-5,
+        zero_centered_gamma=zcg, return_amax=True, grad_amax=pending[0], **kw,
+    )  # fmt: skip
+    ref, ref_amax = _norm_then_linear(x, gamma, beta, normalization, zcg, w, b,
+                                      grad_amax=pending[1], **kw)  # fmt: skip
+    assert torch.equal(out, ref) and torch.equal(amax, ref_amax)
+    params = [p for p in (x, gamma, beta, w, b) if p is not None]
+    grad = torch.randn_like(out)
+    for g, r in zip(
+        torch.autograd.grad(out, params, grad),
+        torch.autograd.grad(ref, params, grad),
+        strict=True,
+    ):
+        assert torch.equal(g, r)
+    assert torch.equal(pending[0], pending[1]) and pending[0].item() > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_norm_prologue_compiles_and_only_the_needed_gradients(device):
+    x, w = _tensors(device)
+    b = torch.randn(48, device=device, dtype=torch.bfloat16, requires_grad=True)
+    gamma = torch.ones(32, device=device, dtype=torch.bfloat16, requires_grad=True)
+
+    def fn(x, w, b, gamma):
+        return F.linear_fp8(x, w, b, normalization="RMSNorm", norm_weight=gamma)
+
+    compiled, counter = compile_counted(fn)
+    out = compiled(x, w, b, gamma)
+    assert torch.equal(out, fn(x, w, b, gamma))
+    assert counter.frame_count == 1
+    # Only gamma needs a gradient: the GEMM's dgrad still runs (the norm's backward needs it).
+    (g,) = torch.autograd.grad(fn(x.detach(), w.detach(), None, gamma).sum(), [gamma])
+    assert g.abs().sum() > 0
+
+
+def test_norm_prologue_errors_name_the_argument():
+    x, w = torch.randn(16, 32), torch.randn(16, 32)
+    g = torch.ones(32)
+    with pytest.raises(ValueError, match="normalization must be"):
+        F.linear_fp8(x, w, normalization="BatchNorm", norm_weight=g)
+    with pytest.raises(ValueError, match=r"LayerNorm needs norm_weight \[32\]"):
+        F.linear_fp8(x, w, normalization="LayerNorm")
+    with pytest.raises(ValueError, match=r"RMSNorm needs norm_weight \[32\]"):
+        F.linear_fp8(x, w, normalization="RMSNorm", norm_weight=torch.ones(16))
+    with pytest.raises(ValueError, match="norm_bias must be None for RMSNorm"):
+        F.linear_fp8(x, w, normalization="RMSNorm", norm_weight=g, norm_bias=g)
+    with pytest.raises(ValueError, match='normalization="" '):
+        F.linear_fp8(x, w, norm_weight=g)
+    with pytest.raises(ValueError, match="norm_eps must be > 0"):
+        F.linear_fp8(x, w, normalization="RMSNorm", norm_weight=g, norm_eps=0.0)

@@ -242,3 +242,67 @@ def test_layernorm_mlp_calls_the_fused_op_only_where_it_applies(device, monkeypa
             m(x)
         m(x)  # outside autocast: bf16, no FP8 op
     assert seen == ["gelu"]
+
+
+# Norm prologue (LayerNormMLP): the norm written straight into FC1's FP8 input. ------------------
+
+NORM_CASES = [
+    pytest.param("LayerNorm", "current", False, id="layernorm-current"),
+    pytest.param("RMSNorm", "delayed", True, id="rmsnorm-zc-delayed"),
+    pytest.param("LayerNorm", "block", True, id="layernorm-zc-block"),
+    pytest.param("RMSNorm", "block", False, id="rmsnorm-block"),
+]
+
+
+@pytest.mark.parametrize("normalization,recipe,zcg", NORM_CASES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_norm_prologue_same_bytes_as_the_norm_then_the_mlp(device, normalization, recipe, zcg):
+    """``mlp_fp8(..., normalization=...)`` against the norm op followed by ``mlp_fp8``: output,
+    amaxes and every gradient (the norm's parameters included) bit for bit (the first bias
+    gradient closely on CUDA, as above)."""
+    block = recipe == "block"
+    if block and device == "cuda" and not te_compile.is_fp8_block_scaling_available():
+        pytest.skip("no native blockwise FP8 GEMMs on this GPU")
+    d, f = (512, 1024) if block else (64, 128)
+    w1, b1, w2, b2 = _params(device, torch.bfloat16, d=d, f=f, n=d)
+    x = (torch.randn(3, 7, d, device=device) * 2 + 0.5).bfloat16().requires_grad_()
+    gamma = (torch.randn(d, device=device) * 0.2 + (0 if zcg else 1)).bfloat16().requires_grad_()
+    beta = (torch.randn(d, device=device) * 0.3).bfloat16().requires_grad_()
+    beta = beta if normalization == "LayerNorm" else None
+    kw = {"recipe": recipe, "return_amax": True}
+    if block:
+        kw.update(fwd_dtype=E4M3, bwd_dtype=E4M3)
+    if recipe == "delayed":
+        kw.update(scale1=torch.tensor([30.0, 900.0, 2e3], device=device),
+                  scale2=torch.tensor([100.0, 2e3, 5e3], device=device))  # fmt: skip
+    out, amax = F.mlp_fp8(
+        x, w1, b1, w2, b2, "gelu", normalization=normalization, norm_weight=gamma,
+        norm_bias=beta, zero_centered_gamma=zcg, **kw,
+    )  # fmt: skip
+    if normalization == "LayerNorm":
+        ln = F.layernorm(x, gamma, beta, zero_centered_gamma=zcg)
+    else:
+        ln = F.rmsnorm(x, gamma, zero_centered_gamma=zcg)
+    ref, ref_amax = F.mlp_fp8(ln, w1, b1, w2, b2, "gelu", **kw)
+    assert_bits_equal(out, ref)
+    assert_bits_equal(amax, ref_amax)
+    params = [p for p in (x, gamma, beta, w1, b1, w2, b2) if p is not None]
+    grad = torch.randn_like(out)
+    for p, g, r in zip(
+        params,
+        torch.autograd.grad(out, params, grad),
+        torch.autograd.grad(ref, params, grad),
+        strict=True,
+    ):
+        if p is b1 and device != "cpu":
+            assert_close(g, r.double(), dtype=torch.bfloat16, roundings=2, reduced=True)
+        else:
+            assert_bits_equal(g, r)
+
+
+def test_norm_prologue_errors_name_the_argument():
+    x, w1, w2 = torch.randn(16, 32), torch.randn(64, 32), torch.randn(16, 64)
+    with pytest.raises(ValueError, match=r"te\.mlp_fp8: normalization must be"):
+        F.mlp_fp8(x, w1, None, w2, None, "gelu", normalization="L2", norm_weight=torch.ones(32))
+    with pytest.raises(ValueError, match=r"te\.mlp_fp8: LayerNorm needs norm_weight \[32\]"):
+        F.mlp_fp8(x, w1, None, w2, None, "gelu", normalization="LayerNorm")

@@ -147,3 +147,99 @@ def test_act_quantize_block_matches_unfused_kernels(
         *map(_dev, (z, bias, grad)), act, E4M3, rows, True, pow2, config=config
     )
     _check(actual, expected, actual_dbias, dbias, backward, has_bias, dtype)
+
+
+# Norm prologues (norm_quantize): the norm kernels' output, never written, quantised. -----------
+
+norm_k = pytest.importorskip("te_compile.kernels.norm")
+
+NORM_CASES = [
+    pytest.param("LayerNorm", torch.bfloat16, True, False, None, id="ln-bf16-beta-current"),
+    pytest.param("LayerNorm", torch.float16, False, True, 4.0, id="ln-fp16-zc-delayed"),
+    pytest.param("RMSNorm", torch.bfloat16, False, True, None, id="rms-bf16-zc-current"),
+    pytest.param("RMSNorm", torch.float32, False, False, 8.0, id="rms-fp32-delayed"),
+]
+
+
+def _norm_padded(x, weight, bias, normalization, zcg, m_out, config=None):
+    """The norm by the forward kernel in fp32 (same statistics: the kernel reads ``x``'s
+    values into fp32 either way), rounded once to ``x``'s dtype by torch, zero-padded to
+    ``m_out`` rows; and ``(mean, rsigma)``."""
+    xf = x.float()
+    if normalization == "LayerNorm":
+        y, mean, rsigma = norm_k.layernorm_fwd(xf, weight, bias, 1e-5, zcg, config=config)
+    else:
+        y, rsigma = norm_k.rmsnorm_fwd(xf, weight, 1e-5, zcg, config=config)
+        mean = rsigma.new_empty(0)
+    y = torch.cat([y, y.new_zeros(m_out - x.shape[0], x.shape[1])]).to(x.dtype)
+    return y, mean, rsigma
+
+
+def _norm_inputs(normalization, dtype, has_beta, zcg, rows, n):
+    x = (torch.randn(rows, n) * 3 + 1).to(dtype)
+    x[2, :7] *= 40  # one row with a large spread
+    w = torch.randn(n) * 0.3 + (0.0 if zcg else 1.0)  # an fp32 gamma with a low-precision x
+    b = (torch.randn(n) * 0.5).to(dtype) if has_beta else None
+    return _dev(x), _dev(w), _dev(b)
+
+
+@pytest.mark.parametrize("normalization,dtype,has_beta,zcg,scale", NORM_CASES)
+@pytest.mark.parametrize("config", [None, SMALL], ids=["default", "small"])
+@pytest.mark.parametrize("m_out,rows,n", [(48, 37, 40), (32, 32, 48)], ids=["ragged", "even"])
+def test_norm_quantize_matches_unfused_kernels(
+    normalization, dtype, has_beta, zcg, scale, config, m_out, rows, n
+):
+    x, w, b = _norm_inputs(normalization, dtype, has_beta, zcg, rows, n)
+    s = None if scale is None else _dev(torch.tensor([scale]))
+    y, mean, rsigma = _norm_padded(x, w, b, normalization, zcg, m_out)
+    if s is None:
+        expected = quantize.quantize_current(y, E4M3, True)
+    else:
+        data, data_t, amax = quantize.quantize_tensorwise(y, s, E4M3, True)
+        expected = (data, data_t, s.reciprocal(), amax)
+    *actual, a_mean, a_rsigma = act_q.norm_quantize(
+        x, w, b, normalization, 1e-5, zcg, E4M3, s, m_out, config=config
+    )
+    for a, e in zip(actual, expected, strict=True):
+        assert a.device.type == TRITON_DEVICE
+        assert_bits_equal(a, e)
+    assert_bits_equal(a_mean, mean)
+    assert_bits_equal(a_rsigma, rsigma)
+
+
+@pytest.mark.parametrize("normalization,dtype,has_beta,zcg,scale", NORM_CASES[:3])
+@pytest.mark.parametrize("m_out,rows,n", [(160, 150, 256), (128, 128, 128)], ids=["ragged", "even"])
+@pytest.mark.parametrize(
+    "config",
+    [None, quantize.QuantizeLaunchConfig(block_split=False)],
+    ids=["split", "one-tile"],
+)
+def test_norm_quantize_block_matches_unfused_kernels(
+    normalization, dtype, has_beta, zcg, scale, m_out, rows, n, config
+):
+    pow2 = scale is not None  # power-of-two scales in the delayed-scaling case
+    x, w, b = _norm_inputs(normalization, dtype, has_beta, zcg, rows, n)
+    y, mean, rsigma = _norm_padded(x, w, b, normalization, zcg, m_out)
+    expected = quantize.quantize_blockwise(y, E4M3, 1, pow2, True)
+    *actual, a_mean, a_rsigma = act_q.norm_quantize_block(
+        x, w, b, normalization, 1e-5, zcg, E4M3, m_out, pow2, config=config
+    )
+    for a, e in zip(actual, expected, strict=True):
+        assert_bits_equal(a, e)
+    assert_bits_equal(a_mean, mean)
+    assert_bits_equal(a_rsigma, rsigma)
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["one-tile-rows", "chunked-rows"])
+def test_norm_stats_amax_is_that_of_the_rounded_output(chunked):
+    # Rows longer than one tile take the kernel's chunked path (its amax accumulates across
+    # chunks); the statistics equal those of the kernel that writes the output.
+    config = norm_k.NormLaunchConfig(4, 16, 4, chunked=True) if chunked else None
+    x, w, b = _norm_inputs("LayerNorm", torch.bfloat16, True, False, 19, 40)
+    _, mean, rsigma = norm_k.layernorm_fwd(x, w, b, 1e-5, False, config=config)
+    amax = _dev(torch.zeros(1))
+    s_mean, s_rsigma = norm_k.norm_stats("LayerNorm", x, w, b, 1e-5, False, amax, config=config)
+    assert_bits_equal(s_mean, mean)
+    assert_bits_equal(s_rsigma, rsigma)
+    expected = _norm_padded(x, w, b, "LayerNorm", False, 19, config)[0].float().abs().max()
+    assert amax.item() == expected.item()

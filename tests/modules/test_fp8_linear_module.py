@@ -169,13 +169,11 @@ class TestFP8Graph(expecttest.TestCase):
         self.assertExpectedInline(
             "\n".join(te_ops),
             """\
-te.layernorm_fwd.default
 auto_functionalized_v2(te.delayed_scaling_update.default)
 auto_functionalized_v2(te.delayed_scaling_update.default)
 te.mlp_fp8_fwd.default
 |
-auto_functionalized_v2(te.mlp_fp8_bwd.default)
-te.layernorm_bwd.default""",
+auto_functionalized_v2(te.mlp_fp8_bwd.default)""",
         )
 
 
@@ -247,3 +245,53 @@ def test_non_finite_amaxes_are_reported(recipe):
     # The inf saturates in the FP8 cast of layer 0's input; the report names it.
     assert te.non_finite_amaxes(model) == {"0.fp8_meta": ["input"]}
     assert torch.isfinite(y).all()
+
+
+@pytest.mark.parametrize("recipe_cls", [Float8CurrentScaling, DelayedScaling])
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_layernorm_linear_writes_the_norm_into_fp8(device, normalization, recipe_cls, monkeypatch):
+    """LayerNormLinear under a per-tensor recipe runs one op with the norm as its prologue
+    (``te::linear_fp8_fwd`` with ``normalization``); three training steps give the same bytes
+    (outputs, every gradient, the delayed-scaling state) as the norm op followed by the FP8
+    linear, which it still takes where the norm's output is asked for."""
+    from te_compile.quantization import fp8_gemm
+
+    kw = {"normalization": normalization, "params_dtype": torch.bfloat16, "device": device}
+    torch.manual_seed(0)
+    fused = te.LayerNormLinear(64, 48, zero_centered_gamma=True, **kw)
+    plain = te.LayerNormLinear(64, 48, zero_centered_gamma=True, **kw)
+    with torch.no_grad():
+        fused.layer_norm_weight.normal_(0, 0.2)
+    plain.load_state_dict(fused.state_dict())
+    seen = []
+    real = fp8_gemm.F.linear_fp8
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("normalization", ""))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fp8_gemm.F, "linear_fp8", spy)
+    results = []
+    for module, fuse in ((fused, True), (plain, False)):
+        if not fuse:
+            monkeypatch.setattr(fp8_gemm, "norm_linear", lambda *a: None)
+        outs = []
+        torch.manual_seed(1)
+        for step in range(3):
+            x = (torch.randn(2, 20, 64, device=device) * (1 + step) + 0.3).bfloat16()
+            with autocast(recipe=recipe_cls()):
+                out = module(x)
+            out.float().square().mean().backward()
+            outs.append(out.detach())
+        grads = [p.grad for p in module.parameters()]
+        results.append((outs, grads, [b.clone() for b in module.buffers()]))
+    assert seen == [normalization] * 3 + [""] * 3
+    for a, b in zip(*(r[0] + r[1] + r[2] for r in results), strict=True):
+        assert torch.equal(a, b)
+    # return_layernorm_output needs the norm's output: the op-by-op path.
+    monkeypatch.undo()
+    m = te.LayerNormLinear(64, 48, return_layernorm_output=True, **kw)
+    with autocast(recipe=recipe_cls()):
+        out, ln_out = m(torch.randn(8, 64, device=device, dtype=torch.bfloat16))
+    assert ln_out.shape == (8, 64) and out.shape == (8, 48)
