@@ -524,16 +524,27 @@ def _samples(device: torch.device):
         (t(16, 32, dtype=f32), t(32, 32, dtype=f32), t(32, dtype=f32), None, None, None,
          "current", e4m3, e5m2)
     )  # fmt: skip
-    # Norm prologues (LayerNormLinear): LayerNorm, 10 tokens, current scaling; zero-centred
-    # RMSNorm, delayed scaling. float32: see _REQUANTISING_OPS in tests/test_registry.py.
+    # Norm prologues (LayerNormLinear): LayerNorm, 10 tokens, current scaling; RMSNorm,
+    # delayed scaling. Inputs whose norm is exact in fp32 and float64 alike (``unit_rows``; the
+    # FP8 codes of a computed value one fp32 rounding from a code boundary would differ).
     yield SampleInput(
-        (t(2, 5, 32, dtype=f32), t(16, 32, dtype=f32), t(16, dtype=f32), None, None, None,
-         "current", e4m3, e5m2, t(32, dtype=f32), t(32, dtype=f32), "LayerNorm", 1e-5, False)
+        (unit_rows(2, 5, 32, device=device), t(16, 32, dtype=f32), t(16, dtype=f32), None,
+         None, None, "current", e4m3, e5m2, t(32, dtype=f32),
+         torch.zeros(32, device=device, requires_grad=True), "LayerNorm", 1e-30, False)
     )  # fmt: skip
     yield SampleInput(
-        (t(16, 32, dtype=f32), t(32, 32, dtype=f32), None, None, scale.clone(), pending.clone(),
-         "delayed", e4m3, e5m2, t(32, dtype=f32), None, "RMSNorm", 1e-6, True)
+        (unit_rows(16, 32, device=device), t(32, 32, dtype=f32), None, None, scale.clone(),
+         pending.clone(), "delayed", e4m3, e5m2, t(32, dtype=f32), None, "RMSNorm", 1e-30, False)
     )  # fmt: skip
+
+
+def unit_rows(*shape: int, device) -> Tensor:
+    """float32 ``±1`` with each row summing to 0 (requires grad): LayerNorm / RMSNorm of it with
+    ``eps=1e-30`` is exactly ``x * gamma + beta`` (mean 0, variance 1 and ``rsigma`` 1 in fp32
+    and float64), for registry samples of ops that quantise a norm's output."""
+    half = torch.randint(0, 2, (*shape[:-1], shape[-1] // 2), device=device) * 2.0 - 1.0
+    perm = torch.randperm(shape[-1], device=device)
+    return torch.cat([half, -half], -1)[..., perm].contiguous().requires_grad_()
 
 
 def norm_ref(inp: Tensor, norm: tuple) -> Tensor:

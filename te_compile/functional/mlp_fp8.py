@@ -64,6 +64,7 @@ from te_compile.functional.linear_fp8 import (
     _through_norm,
     linear_fp8_ref,
     norm_ref,
+    unit_rows,
 )
 
 __all__ = ["FUSED_ACTIVATIONS", "MLP_FP8_RECIPES", "mlp_fp8", "mlp_fp8_ref"]
@@ -491,15 +492,16 @@ def _samples(device: torch.device):
         (t(2, 16, 16), t(48, 16), t(48), t(16, 48), None, s1, s2, *pending, "silu", "delayed",
          e4m3, e5m2)
     )  # fmt: skip
-    # Norm prologues (LayerNormMLP): LayerNorm, 10 tokens, current scaling; RMSNorm under the
-    # native blockwise recipe.
+    # Norm prologues (LayerNormMLP), norms exact in fp32 (``unit_rows``): LayerNorm, 10 tokens,
+    # current scaling; RMSNorm under the native blockwise recipe.
     yield SampleInput(
-        (t(2, 5, 32), t(64, 32), t(64), t(32, 64), t(32), None, None, *pending, "gelu",
-         "current", e4m3, e5m2, False, t(32), t(32), "LayerNorm", 1e-5, False)
+        (unit_rows(2, 5, 32, device=device), t(64, 32), t(64), t(32, 64), t(32), None, None,
+         *pending, "gelu", "current", e4m3, e5m2, False, t(32),
+         torch.zeros(32, device=device, requires_grad=True), "LayerNorm", 1e-30, False)
     )  # fmt: skip
     yield SampleInput(
-        (t(24, 512), t(512, 512), None, t(512, 512), None, None, None, None, None, "relu",
-         "block", e4m3, e4m3, False, t(512), None, "RMSNorm", 1e-6, True)
+        (unit_rows(24, 512, device=device), t(512, 512), None, t(512, 512), None, None, None,
+         None, None, "relu", "block", e4m3, e4m3, False, t(512), None, "RMSNorm", 1e-30, False)
     )  # fmt: skip
 
 

@@ -162,16 +162,22 @@ NORM_CASES = [
 
 
 def _norm_padded(x, weight, bias, normalization, zcg, m_out, config=None):
-    """The norm by the forward kernel in fp32 (same statistics: the kernel reads ``x``'s
-    values into fp32 either way), rounded once to ``x``'s dtype by torch, zero-padded to
-    ``m_out`` rows; and ``(mean, rsigma)``."""
-    xf = x.float()
-    if normalization == "LayerNorm":
-        y, mean, rsigma = norm_k.layernorm_fwd(xf, weight, bias, 1e-5, zcg, config=config)
-    else:
-        y, rsigma = norm_k.rmsnorm_fwd(xf, weight, 1e-5, zcg, config=config)
-        mean = rsigma.new_empty(0)
-    y = torch.cat([y, y.new_zeros(m_out - x.shape[0], x.shape[1])]).to(x.dtype)
+    """The norm forward kernel's output, zero-padded to ``m_out`` rows, and ``(mean, rsigma)``.
+    On the GPU the kernel's own store (the unfused path); the interpreter truncates fp32 to
+    bf16 in its store, so there the kernel runs in fp32 and torch rounds to nearest even as the
+    GPU does (the statistics always come from ``x``'s dtype: the reduction order of a compiled
+    kernel depends on how many elements a thread loads)."""
+
+    def run(t):
+        if normalization == "LayerNorm":
+            return norm_k.layernorm_fwd(t, weight, bias, 1e-5, zcg, config=config)
+        y, rsigma = norm_k.rmsnorm_fwd(t, weight, 1e-5, zcg, config=config)
+        return y, rsigma.new_empty(0), rsigma
+
+    y, mean, rsigma = run(x)
+    if TRITON_DEVICE != "cuda":
+        y = run(x.float())[0].to(x.dtype)
+    y = torch.cat([y, y.new_zeros(m_out - x.shape[0], x.shape[1])])
     return y, mean, rsigma
 
 
