@@ -119,22 +119,16 @@ def _blockwise(z, g, b, m, numel, row) -> None:
     # software pipelining (tl.range num_stages=2), were measured on the H100 (2026-11-22,
     # bench/results/2026-11-22_h100/tune_quantize_block.log): no faster (941 against 968 us
     # forward at best), pipelined much slower; not kept.
-    print("fused gelu + 1x128 cast (act_quantize_block): one tile, split passes, reload:")
-    variants = [dict(block_mode="tile", block_num_warps=8)]
+    print("fused gelu + 1x128 cast (act_quantize_block): one 128x128 tile, or split passes:")
+    variants = [dict(block_split=False, block_num_warps=8)]
     variants += [
         dict(block_split_m=bm, block_split_n=bn, num_warps=w)
-        for bm, bn, w in ((32, 32, 4), (32, 64, 4), (64, 32, 4))
-    ]
-    variants += [
-        dict(block_mode="reload", block_reload_m=bm, num_warps=w)
-        for bm, w in ((16, 4), (32, 4), (32, 8), (64, 8), (64, 16))
+        for bm, bn, w in ((32, 32, 4), (16, 32, 4), (32, 64, 4), (64, 32, 4), (32, 32, 8))
     ]
     for kw in variants:
         cfg = Q.QuantizeLaunchConfig(**kw)
-        if cfg.block_mode == "split":
+        if cfg.block_split:
             tag = f"split {cfg.block_split_m}/{cfg.block_split_n} w{cfg.num_warps}"
-        elif cfg.block_mode == "reload":
-            tag = f"reload {cfg.block_reload_m} w{cfg.num_warps}"
         else:
             tag = f"one tile w{cfg.block_num_warps}"
         row(

@@ -57,7 +57,6 @@ from te_compile.kernels.quantize import (
     _cast_args,
     _cast_fp8,
     _round,
-    _scale_from_amax,
     _software,
     _tile_scale,
 )
@@ -243,72 +242,6 @@ def _act_block_kernel(
             tl.store(SCALE_INV_T + s_offs_t, s_t, mask=cols < N)
 
 
-@triton.jit
-def _act_block_reload_kernel(
-    Z, B, G, MEAN, RSIG, DATA, SCALE_INV, DATA_T, SCALE_INV_T, PART, M, M_OUT, N, fp8_max,
-    FN: tl.constexpr, BWD: tl.constexpr, HAS_BIAS: tl.constexpr, DBIAS: tl.constexpr,
-    ROUND: tl.constexpr, E4M3: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
-    SOFTWARE: tl.constexpr, GUARD: tl.constexpr, POW2: tl.constexpr, EVEN: tl.constexpr,
-    SUB_M: tl.constexpr,
-):  # fmt: skip
-    """Both layouts of one 128x128 tile, read ``SUB_M`` rows at a time in two passes: the
-    first casts each row block and takes the columns' amaxes, the second reads the tile again
-    (from L2: the program touched it just before) and casts the columns. One read of the input
-    from memory, as the one-tile form, with the registers of a ``[SUB_M, 128]`` tile, as the
-    split passes. Same values as both (``DBIAS``: the tile's column sums to row ``pid_m``)."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    SUBS: tl.constexpr = 128 // SUB_M
-    r_in = tl.arange(0, SUB_M)
-    c_in = tl.arange(0, 128)
-    cmax = tl.zeros([128], dtype=tl.int32)
-    dsum = tl.zeros([128], dtype=tl.float32)
-    for i in tl.static_range(SUBS):
-        sub = pid_m * SUBS + i
-        v, x, cols = _tile(
-            Z, B, G, MEAN, RSIG, sub, pid_n, M, N, FN, BWD, HAS_BIAS, ROUND, SOFTWARE, EVEN,
-            SUB_M, 128,
-        )  # fmt: skip
-        if DBIAS:
-            dsum += tl.sum(v, axis=0)
-        a = _abs_bits(x)  # rows past M are 0: they never raise a block's amax
-        cmax = tl.maximum(cmax, tl.max(a, axis=0))
-        q, s = _cast_1x128(x, a, 1, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, POW2, GUARD)
-        rows = sub * SUB_M + r_in
-        offs = sub.to(tl.int64) * SUB_M * N + pid_n * 128 + (r_in[:, None] * N + c_in[None, :])
-        s_offs = rows.to(tl.int64) * tl.cdiv(N, 128) + pid_n
-        if EVEN:
-            tl.store(DATA + offs, q)
-            tl.store(SCALE_INV + s_offs, s)
-        else:
-            tl.store(DATA + offs, q, mask=(rows[:, None] < M_OUT) & (cols[None, :] < N))
-            tl.store(SCALE_INV + s_offs, s, mask=rows < M_OUT)
-    cols = pid_n * 128 + c_in
-    if DBIAS:
-        tl.store(PART + pid_m.to(tl.int64) * N + cols, dsum, mask=cols < N)
-    scale = _scale_from_amax(cmax.to(tl.float32, bitcast=True), fp8_max, 0.0, POW2)
-    s_offs_t = cols.to(tl.int64) * tl.cdiv(M_OUT, 128) + pid_m
-    if EVEN:
-        tl.store(SCALE_INV_T + s_offs_t, tl.math.div_rn(1.0, scale))
-    else:
-        tl.store(SCALE_INV_T + s_offs_t, tl.math.div_rn(1.0, scale), mask=cols < N)
-    for i in tl.static_range(SUBS):
-        sub = pid_m * SUBS + i
-        v, x, cols = _tile(
-            Z, B, G, MEAN, RSIG, sub, pid_n, M, N, FN, BWD, HAS_BIAS, ROUND, SOFTWARE, EVEN,
-            SUB_M, 128,
-        )  # fmt: skip
-        q_t = _cast_fp8(x * scale[None, :], fp8_max, E4M3, MBITS, BIAS, SOFTWARE, GUARD)
-        rows = sub * SUB_M + r_in
-        offs_t = pid_n.to(tl.int64) * 128 * M_OUT + sub * SUB_M
-        offs_t += c_in[:, None] * M_OUT + r_in[None, :]
-        if EVEN:
-            tl.store(DATA_T + offs_t, tl.trans(q_t))
-        else:
-            mask_t = (cols[:, None] < N) & (rows[None, :] < M_OUT)
-            tl.store(DATA_T + offs_t, tl.trans(q_t), mask=mask_t)
-
-
 def _per_tensor(
     z: Tensor,
     bias: Tensor | None,
@@ -415,47 +348,46 @@ def _blockwise(
     scale_inv = z.new_empty((m_out, triton.cdiv(n, blk)), dtype=f32)
     scale_inv_t = z.new_empty((n, triton.cdiv(m_out, blk)), dtype=f32)
     dbias = need_dbias and bias is not None and grad is not None
-    # How the two layouts are made (QuantizeLaunchConfig.block_mode): "split", a rowwise pass
-    # over [split_m, 128] tiles and a columnwise one over [128, split_n] tiles (two reads of
-    # the input from memory, many programs per SM); "tile", one 128x128 tile for both (one
-    # read, one latency-bound program per SM); "reload", one 128x128 tile a program in
-    # [reload_m, 128] pieces, its second pass reading it again from L2.
-    mode = cfg.block_mode
-    w = cfg.num_warps
-    if mode == "split":
+    # One 128x128 tile for both layouts, or (block_split) a rowwise pass over [split_m, 128]
+    # tiles and a columnwise one over [128, split_n] tiles: two reads of the input, but small
+    # tiles keep many programs per SM (the one-tile form runs one, latency-bound).
+    if cfg.block_split:
+        w = cfg.num_warps
         passes = [(1, cfg.block_split_m, blk, w), (0, blk, cfg.block_split_n, w)]
-    elif mode == "tile":
-        passes = [(2, blk, blk, cfg.block_num_warps)]
     else:
-        passes = [(3, blk, blk, w)]
+        passes = [(2, blk, blk, cfg.block_num_warps)]
     part = z.new_empty((triton.cdiv(m_out, passes[0][1]), n), dtype=f32) if dbias else scale_inv
     g = z if grad is None else grad
     gamma, mean, rsig = norm if norm is not None else (g, z, z)
-    common = {
-        "FN": fn,
-        "BWD": grad is not None,
-        "HAS_BIAS": bias is not None,
-        "ROUND": _ROUND[z.dtype],
-        **_cast_args(fp8_dtype, _software(z.device, cfg), z.dtype),
-        "POW2": power_2_scale,
-    }
     for axes, bm, bn, warps in passes if m_out * n else ():
-        args = (
-            z, z if bias is None else bias, gamma, mean, rsig, _bits(data), scale_inv,
-            _bits(data_t), scale_inv_t, part, rows, m_out, n, _FORMATS[fp8_dtype].max,
-        )  # fmt: skip
-        even = rows == m_out and m_out % bm == 0 and n % bn == 0
-        grid = (triton.cdiv(m_out, bm), triton.cdiv(n, bn))
-        if axes == 3:
-            _act_block_reload_kernel[grid](
-                *args, **common, DBIAS=dbias, EVEN=even, SUB_M=cfg.block_reload_m,
-                num_warps=warps,
-            )  # fmt: skip
-            continue
-        _act_block_kernel[grid](
-            *args, **common, DBIAS=dbias and axes != 0, EVEN=even, AXES=axes, BLOCK_M=bm,
-            BLOCK_N=bn, num_warps=warps,
-        )  # fmt: skip
+        _act_block_kernel[(triton.cdiv(m_out, bm), triton.cdiv(n, bn))](
+            z,
+            z if bias is None else bias,
+            gamma,
+            mean,
+            rsig,
+            _bits(data),
+            scale_inv,
+            _bits(data_t),
+            scale_inv_t,
+            part,
+            rows,
+            m_out,
+            n,
+            _FORMATS[fp8_dtype].max,
+            FN=fn,
+            BWD=grad is not None,
+            HAS_BIAS=bias is not None,
+            DBIAS=dbias and axes != 0,
+            ROUND=_ROUND[z.dtype],
+            **_cast_args(fp8_dtype, _software(z.device, cfg), z.dtype),
+            POW2=power_2_scale,
+            EVEN=rows == m_out and m_out % bm == 0 and n % bn == 0,
+            AXES=axes,
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            num_warps=warps,
+        )
     db = part.sum(0).to(bias.dtype) if dbias else None
     return data, scale_inv, data_t, scale_inv_t, db
 

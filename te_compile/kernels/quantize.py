@@ -114,12 +114,10 @@ class QuantizeLaunchConfig:
     use 128 rows). ``amax_block``: elements per step of the amax reduction. ``amax_programs``:
     at most this many amax programs (None: 4 per SM on CUDA, 4 otherwise). ``software_convert``:
     integer fp8/bf16 conversion (None: exactly when not on CUDA; see the module docstring).
-    ``block_num_warps``: warps of a blockwise cast with 128-row tiles. ``block_mode``, how the
-    fused 1x128 casts (``kernels.act_quantize.act_quantize_block`` / ``norm_quantize_block``)
-    make both layouts: "split", a rowwise pass over ``[block_split_m, 128]`` tiles and a
-    columnwise one over ``[128, block_split_n]`` tiles (``num_warps`` each); "tile", one
-    128x128 tile for both (``block_num_warps``); "reload", one 128x128 tile a program taken
-    ``block_reload_m`` rows at a time, twice (``num_warps``)."""
+    ``block_num_warps``: warps of a blockwise cast with 128-row tiles. ``block_split`` (the
+    fused activation + 1x128 cast, ``kernels.act_quantize.act_quantize_block``): a rowwise pass
+    over ``[block_split_m, 128]`` tiles and a columnwise one over ``[128, block_split_n]`` tiles
+    (``num_warps`` each) instead of one 128x128 tile for both."""
 
     block_m: int = 64
     block_k: int = 64
@@ -127,24 +125,13 @@ class QuantizeLaunchConfig:
     amax_programs: int | None = None
     num_warps: int = 4
     block_num_warps: int = 8
-    block_mode: str = "split"
+    block_split: bool = True
     block_split_m: int = 32
     block_split_n: int = 64
-    block_reload_m: int = 32
     software_convert: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.block_mode not in ("split", "tile", "reload"):
-            raise ValueError(
-                'QuantizeLaunchConfig: block_mode must be "split", "tile" or "reload", got '
-                f"{self.block_mode!r}"
-            )
-        if self.block_reload_m > 128:
-            raise ValueError(
-                f"QuantizeLaunchConfig: block_reload_m must be <= 128, got {self.block_reload_m}"
-            )
-        names = ("block_m", "block_k", "amax_block", "block_split_m", "block_split_n")
-        for name in (*names, "block_reload_m"):
+        for name in ("block_m", "block_k", "amax_block", "block_split_m", "block_split_n"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"QuantizeLaunchConfig: {name} must be a power of two, got {v}")

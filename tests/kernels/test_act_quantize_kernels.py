@@ -128,16 +128,11 @@ BLOCK_CASES = [
 # Padding rows and 128-blocks cut at both edges; and whole 128x128 tiles (the EVEN path).
 @pytest.mark.parametrize("m_out,rows,n", [(160, 150, 200), (256, 256, 128)], ids=["ragged", "even"])
 # The default launch (a rowwise pass over [32, 128] tiles, a columnwise one over [128, 64]
-# tiles), one 128x128 tile for both layouts, and one tile read in row pieces twice (reload).
+# tiles) and one 128x128 tile for both layouts.
 @pytest.mark.parametrize(
     "config",
-    [
-        None,
-        quantize.QuantizeLaunchConfig(block_mode="tile"),
-        quantize.QuantizeLaunchConfig(block_mode="reload"),
-        quantize.QuantizeLaunchConfig(block_mode="reload", block_reload_m=64, num_warps=8),
-    ],
-    ids=["split", "one-tile", "reload", "reload-64"],
+    [None, quantize.QuantizeLaunchConfig(block_split=False)],
+    ids=["split", "one-tile"],
 )
 def test_act_quantize_block_matches_unfused_kernels(
     act, dtype, has_bias, pow2, backward, m_out, rows, n, config
@@ -222,13 +217,8 @@ def test_norm_quantize_matches_unfused_kernels(
 @pytest.mark.parametrize("m_out,rows,n", [(160, 150, 256), (128, 128, 128)], ids=["ragged", "even"])
 @pytest.mark.parametrize(
     "config",
-    [
-        None,
-        quantize.QuantizeLaunchConfig(block_mode="tile"),
-        quantize.QuantizeLaunchConfig(block_mode="reload"),
-        quantize.QuantizeLaunchConfig(block_mode="reload", block_reload_m=64, num_warps=8),
-    ],
-    ids=["split", "one-tile", "reload", "reload-64"],
+    [None, quantize.QuantizeLaunchConfig(block_split=False)],
+    ids=["split", "one-tile"],
 )
 def test_norm_quantize_block_matches_unfused_kernels(
     normalization, dtype, has_beta, zcg, scale, m_out, rows, n, config
