@@ -43,6 +43,17 @@ import torch
 from torch import Tensor
 
 from te_compile._library import SampleInput, differentiable, op
+from te_compile.functional.linear_fp8 import (
+    _check_norm,
+    _fake_dnorm,
+    _fake_stats,
+    _norm_fwd,
+    _pad_rows,
+    _padded,
+    _through_norm,
+    norm_ref,
+    unit_rows,
+)
 from te_compile.functional.quantize_mx import (
     dequantize_mxfp8,
     dequantize_nvfp4,
@@ -86,7 +97,9 @@ def qdq_both(
     return row, col_t
 
 
-def _check(inp: Tensor, weight: Tensor, bias: Tensor | None, kind: str) -> None:
+def _check(inp: Tensor, weight: Tensor, bias: Tensor | None, kind: str, norm=()) -> None:
+    if norm:
+        _check_norm("te.linear_block_scaled: ", inp, norm)
     block = BLOCK_SCALED_KINDS.get(kind, 0)
     m = inp.numel() // inp.shape[-1] if inp.ndim >= 1 and inp.shape[-1] else 0
     if (
@@ -166,6 +179,24 @@ def _quantize_block(x2: Tensor, fp8_dtype: torch.dtype, block_rows: int, power_2
     return data, s, data_t.contiguous(), s_t.contiguous()
 
 
+def _norm_quantize_block(x, norm, fp8_dtype, power_2_scale):
+    """``(data, scale_inv, data_t, scale_inv_t, mean, rsigma)``: the norm prologue (``norm`` as
+    in ``linear_fp8._norm_quantize``) in 1x128 blocks, rows padded to a multiple of 16
+    (``kernels.act_quantize.norm_quantize_block`` on CUDA: the norm is never written; elsewhere
+    the norm op's output, padded, quantised: the same bytes)."""
+    weight, bias, normalization, eps, zcg = norm
+    if x.device.type == "cuda":
+        from te_compile.kernels.act_quantize import norm_quantize_block
+
+        return norm_quantize_block(
+            x.contiguous(), weight, bias, normalization, eps, zcg, fp8_dtype,
+            _padded(x.shape[0]), power_2_scale,
+        )  # fmt: skip
+    y, mean, rsigma = _norm_fwd(x, weight, bias, normalization, eps, zcg)
+    data, s, data_t, s_t = _quantize_block(_pad_rows(y), fp8_dtype, 1, power_2_scale)
+    return data, s, data_t, s_t, mean, rsigma
+
+
 @op("linear_block_scaled_fwd")
 def linear_block_scaled_fwd(
     inp: Tensor,
@@ -177,26 +208,41 @@ def linear_block_scaled_fwd(
     power_2_scale: bool,
     weight_block_rows: int,
     native: bool,
+    norm_weight: Tensor | None = None,
+    norm_bias: Tensor | None = None,
+    normalization: str = "",
+    norm_eps: float = 1e-5,
+    zero_centered_gamma: bool = False,
 ) -> tuple[Tensor, list[Tensor]]:
     """``(out, saved)``: emulated, ``saved = [Q_M(X)^T, Q_N(W)^T]`` dequantised (see the module
     docstring); ``native`` (``kind="block"``), ``saved = [X^T data, its scales, W^T data, its
     scales]`` (FP8 bytes as uint8). ``power_2_scale`` and ``weight_block_rows`` (1: 1x128,
-    128: 128x128) apply to ``block``."""
-    _check(inp, weight, bias, kind)
+    128: 128x128) apply to ``block``. With a ``normalization`` (LayerNormLinear), ``X`` is the
+    norm of ``inp`` (natively: quantised without being written, on CUDA) and ``saved`` ends with
+    its ``mean, rsigma``."""
+    norm = (norm_weight, norm_bias, normalization, norm_eps, zero_centered_gamma)
+    _check(inp, weight, bias, kind, norm)
     _check_native(native, kind, weight, weight_block_rows, fwd_dtype, bwd_dtype)
     x = inp.reshape(-1, inp.shape[-1])
+    stats = []
     if native:
         u8 = torch.uint8
-        xd, xs, xd_t, xs_t = _quantize_block(x, fwd_dtype, 1, power_2_scale)
+        if normalization:
+            xd, xs, xd_t, xs_t, *stats = _norm_quantize_block(x, norm, fwd_dtype, power_2_scale)
+        else:
+            xd, xs, xd_t, xs_t = _quantize_block(x, fwd_dtype, 1, power_2_scale)
         wd, ws, wd_t, ws_t = _quantize_block(weight, fwd_dtype, weight_block_rows, power_2_scale)
         out = _block_scaled_mm(xd, xs, 1, wd, ws, weight_block_rows, inp.dtype, bias)
         out = out.reshape(*inp.shape[:-1], weight.shape[0])
-        return out, [xd_t.view(u8), xs_t, wd_t.view(u8), ws_t]
+        return out, [xd_t.view(u8), xs_t, wd_t.view(u8), ws_t, *stats]
+    if normalization:
+        x, *stats = _norm_fwd(x, norm_weight, norm_bias, normalization, norm_eps,
+                              zero_centered_gamma)  # fmt: skip
     x_row, x_col_t = qdq_both(x, kind, fwd_dtype, 1, power_2_scale)
     w_row, w_col_t = qdq_both(weight, kind, fwd_dtype, weight_block_rows, power_2_scale)
     out = torch.nn.functional.linear(x_row, w_row, None if bias is None else bias.float())
     out = out.to(inp.dtype).reshape(*inp.shape[:-1], weight.shape[0])
-    return out, [x_col_t, w_col_t]
+    return out, [x_col_t, w_col_t, *stats]
 
 
 def native_block_supported(
@@ -254,13 +300,16 @@ def _cdiv(a, b):
 
 @linear_block_scaled_fwd.register_fake
 def _fwd_fake(
-    inp, weight, bias, kind, fwd_dtype, bwd_dtype, power_2_scale, weight_block_rows, native
-):
-    _check(inp, weight, bias, kind)
+    inp, weight, bias, kind, fwd_dtype, bwd_dtype, power_2_scale, weight_block_rows, native,
+    norm_weight=None, norm_bias=None, normalization="", norm_eps=1e-5, zero_centered_gamma=False,
+):  # fmt: skip
+    norm = (norm_weight, norm_bias, normalization, norm_eps, zero_centered_gamma)
+    _check(inp, weight, bias, kind, norm)
     _check_native(native, kind, weight, weight_block_rows, fwd_dtype, bwd_dtype)
     m, k, n = inp.numel() // inp.shape[-1], weight.shape[1], weight.shape[0]
     out = inp.new_empty(*inp.shape[:-1], n)
     f32, u8 = torch.float32, torch.uint8
+    stats = _fake_stats(inp, m, normalization)
     if native:
         saved = [
             inp.new_empty(k, m, dtype=u8),
@@ -268,8 +317,8 @@ def _fwd_fake(
             inp.new_empty(k, n, dtype=u8),
             inp.new_empty(_cdiv(k, weight_block_rows), _cdiv(n, 128), dtype=f32),
         ]
-        return out, saved
-    return out, [inp.new_empty(k, m, dtype=f32), inp.new_empty(k, n, dtype=f32)]
+        return out, saved + stats
+    return out, [inp.new_empty(k, m, dtype=f32), inp.new_empty(k, n, dtype=f32), *stats]
 
 
 @op("linear_block_scaled_bwd")
@@ -282,12 +331,34 @@ def linear_block_scaled_bwd(
     has_bias: bool,
     need_dgrad: bool,
     need_wgrad: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dinp, dweight, dbias)``, 0-element where not computed. ``saved`` is the forward's:
-    two dequantised copies (emulated) or four (data, scales) tensors (native)."""
+    norm_inp: Tensor | None = None,
+    norm_weight: Tensor | None = None,
+    normalization: str = "",
+    zero_centered_gamma: bool = False,
+    has_norm_bias: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(dinp, dweight, dbias, dnorm_weight, dnorm_bias)``, 0-element where not computed.
+    ``saved`` is the forward's: two dequantised copies (emulated) or four (data, scales) tensors
+    (native), then the norm's statistics with a ``normalization`` (``norm_inp``: the forward's
+    input; ``dinp`` goes through the norm's backward)."""
+    n_stats = 2 if normalization else 0
+    saved, stats = saved[: len(saved) - n_stats], saved[len(saved) - n_stats :]
     if len(saved) == 4:
-        return _native_bwd(grad_out, saved, bwd_dtype, power_2_scale, has_bias, need_dgrad,
-                           need_wgrad)  # fmt: skip
+        dinp, dweight, dbias = _native_bwd(grad_out, saved, bwd_dtype, power_2_scale, has_bias,
+                                           need_dgrad, need_wgrad)  # fmt: skip
+    else:
+        dinp, dweight, dbias = _emulated_bwd(grad_out, saved, kind, bwd_dtype, power_2_scale,
+                                             has_bias, need_dgrad, need_wgrad)  # fmt: skip
+    dnorm = [grad_out.new_empty(0), grad_out.new_empty(0)]
+    if need_dgrad and normalization:
+        norm = (norm_weight, stats, normalization, zero_centered_gamma, has_norm_bias)
+        dx, *dnorm = _through_norm(dinp.reshape(-1, dinp.shape[-1]), norm_inp, *norm)
+        dinp = dx.reshape(dinp.shape)
+    return dinp, dweight, dbias, *dnorm
+
+
+def _emulated_bwd(grad_out, saved, kind, bwd_dtype, power_2_scale, has_bias, need_dgrad,
+                  need_wgrad):  # fmt: skip
     x_col_t, w_col_t = saved
     dy = grad_out.reshape(-1, grad_out.shape[-1])
     g_row, g_col_t = qdq_both(dy, kind, bwd_dtype, 1, power_2_scale)
@@ -325,42 +396,55 @@ def _native_bwd(grad_out, saved, bwd_dtype, power_2_scale, has_bias, need_dgrad,
 
 
 @linear_block_scaled_bwd.register_fake
-def _bwd_fake(grad_out, saved, kind, bwd_dtype, power_2_scale, has_bias, need_dgrad, need_wgrad):
+def _bwd_fake(
+    grad_out, saved, kind, bwd_dtype, power_2_scale, has_bias, need_dgrad, need_wgrad,
+    norm_inp=None, norm_weight=None, normalization="", zero_centered_gamma=False,
+    has_norm_bias=False,
+):  # fmt: skip
+    saved = saved[: len(saved) - (2 if normalization else 0)]
     w_col_t = saved[-2] if len(saved) == 4 else saved[1]
     k, n = w_col_t.shape
     dinp = grad_out.new_empty(*grad_out.shape[:-1], k) if need_dgrad else grad_out.new_empty(0)
     dweight = grad_out.new_empty(n, k) if need_wgrad else grad_out.new_empty(0)
     dbias = grad_out.new_empty(n) if has_bias else grad_out.new_empty(0)
-    return dinp, dweight, dbias
+    dnorm = _fake_dnorm(grad_out, norm_weight, normalization, has_norm_bias, need_dgrad)
+    return dinp, dweight, dbias, *dnorm
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    _inp, _weight, bias, kind, _fwd, bwd_dtype, power_2_scale, _w_rows, _native = inputs
+    inp, _weight, bias, kind, _fwd, bwd_dtype, power_2_scale, _w_rows, _native, *norm = inputs
+    norm_weight, norm_bias, normalization, _eps, zcg = (*norm, None, None, "", 0.0, False)[:5]
     _out, saved = output
     ctx.mark_non_differentiable(*saved)
-    ctx.save_for_backward(*saved)
+    normed = (inp, norm_weight) if normalization else (None, None)
+    ctx.save_for_backward(*normed, *saved)
     ctx.kind, ctx.bwd_dtype, ctx.has_bias = kind, bwd_dtype, bias is not None
     ctx.power_2_scale = power_2_scale
+    ctx.norm = (normalization, zcg, norm_bias is not None)
 
 
 def _backward(ctx, bwd, grad_out, _grad_saved):
-    need_dgrad, need_wgrad, need_bgrad = ctx.needs_input_grad[:3]
-    dinp, dweight, dbias = bwd(
-        grad_out.contiguous(),
-        list(ctx.saved_tensors),
-        ctx.kind,
-        ctx.bwd_dtype,
-        ctx.power_2_scale,
-        ctx.has_bias and need_bgrad,
-        need_dgrad,
-        need_wgrad,
-    )
-    return (
-        dinp if need_dgrad else None,
+    norm_inp, norm_weight, *saved = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    need_wgrad, need_bgrad = need[1:3]
+    normalization, zcg, has_norm_bias = ctx.norm
+    # With a norm prologue the GEMM's input gradient also feeds the norm parameters'.
+    need_dgrad = need[0] or (bool(normalization) and any(need[9:11]))
+    dinp, dweight, dbias, dnorm_w, dnorm_b = bwd(
+        grad_out.contiguous(), saved, ctx.kind, ctx.bwd_dtype, ctx.power_2_scale,
+        ctx.has_bias and need_bgrad, need_dgrad, need_wgrad, norm_inp, norm_weight,
+        normalization, zcg, has_norm_bias,
+    )  # fmt: skip
+    grads = [
+        dinp if need[0] else None,
         dweight if need_wgrad else None,
         dbias if ctx.has_bias and need_bgrad else None,
         *(None,) * 6,
-    )
+    ]
+    if len(need) > 9:
+        grads += [dnorm_w if need[9] else None, dnorm_b if has_norm_bias and need[10] else None]
+        grads += [None] * (len(need) - 11)
+    return tuple(grads)
 
 
 def _samples(device: torch.device):
@@ -377,6 +461,18 @@ def _samples(device: torch.device):
     # The native path (GEMMs emulated off CUDA), with a bias and 1x128 weight blocks too.
     yield SampleInput((t(32, 512), t(512, 512), t(512), "block", e4m3, e4m3, False, 128, True))
     yield SampleInput((t(48, 256), t(32, 256), None, "block", e4m3, e4m3, True, 1, True))
+    # Norm prologues (LayerNormLinear), norms exact in fp32 and float64 (``unit_rows``): native
+    # blockwise with RMSNorm, emulated MXFP8 with LayerNorm.
+    f32 = torch.float32
+    yield SampleInput(
+        (unit_rows(32, 512, device=device), t(512, 512, dtype=f32), t(512, dtype=f32), "block",
+         e4m3, e4m3, False, 128, True, t(512, dtype=f32), None, "RMSNorm", 1e-30, False)
+    )  # fmt: skip
+    yield SampleInput(
+        (unit_rows(32, 64, device=device), t(32, 64, dtype=f32), None, "mxfp8", e4m3, e4m3,
+         False, 1, False, t(64, dtype=f32), torch.zeros(64, device=device, requires_grad=True),
+         "LayerNorm", 1e-30, False)
+    )  # fmt: skip
 
 
 class _Reference(torch.autograd.Function):
@@ -410,11 +506,15 @@ class _Reference(torch.autograd.Function):
         return dinp, g_col_t @ x_col_t.t(), dbias, *(None,) * 6
 
 
-def _reference(inp, weight, bias, kind, fwd_dtype, bwd_dtype, power_2_scale, w_rows, native):
-    """The emulation (the native path quantises identically; only its GEMMs differ)."""
+def _reference(
+    inp, weight, bias, kind, fwd_dtype, bwd_dtype, power_2_scale, w_rows, native, *norm
+):  # fmt: skip
+    """The emulation (the native path quantises identically; only its GEMMs differ), after the
+    norm's reference when there is a norm prologue."""
     return _Reference.apply(
-        inp, weight, bias, kind, fwd_dtype, bwd_dtype, power_2_scale, w_rows, native
-    )
+        norm_ref(inp, norm), weight, bias, kind, fwd_dtype, bwd_dtype, power_2_scale, w_rows,
+        native,
+    )  # fmt: skip
 
 
 _linear_block_scaled = differentiable(
@@ -438,13 +538,24 @@ def linear_block_scaled(
     power_2_scale: bool = False,
     weight_block_rows: int = 128,
     native: bool = False,
+    normalization: str = "",
+    norm_weight: Tensor | None = None,
+    norm_bias: Tensor | None = None,
+    norm_eps: float = 1e-5,
+    zero_centered_gamma: bool = False,
 ) -> Tensor:
     """``inp @ weight.T + bias`` with MXFP8 (``kind="mxfp8"``, element formats ``fwd_dtype`` /
     ``bwd_dtype``) or NVFP4 (``kind="nvfp4"``) operands, emulated, or FP8 blockwise
     (``kind="block"``): native GEMMs with ``native=True`` (the caller checks
     ``te.is_fp8_block_scaling_available()``; E4M3 both ways, cuBLAS's blockwise kernels take
-    E4M3 operands), else emulated (module docstring)."""
+    E4M3 operands), else emulated (module docstring). ``normalization`` ("LayerNorm" /
+    "RMSNorm", with ``norm_weight`` and for LayerNorm optionally ``norm_bias``): ``norm(inp)``
+    is the GEMM's input, quantised without being written on the native CUDA path."""
+    norm = ()
+    if normalization or norm_weight is not None or norm_bias is not None:
+        norm = (norm_weight, norm_bias, normalization, norm_eps, zero_centered_gamma)
     out, _saved = _linear_block_scaled(
-        inp, weight, bias, kind, fwd_dtype, bwd_dtype, power_2_scale, weight_block_rows, native
-    )
+        inp, weight, bias, kind, fwd_dtype, bwd_dtype, power_2_scale, weight_block_rows, native,
+        *norm,
+    )  # fmt: skip
     return out

@@ -40,6 +40,7 @@ from te_compile._library import SampleInput, differentiable, op
 from te_compile.functional.activation import activation_ref
 from te_compile.functional.linear_block_scaled import (
     _block_scaled_mm,
+    _norm_quantize_block,
     _quantize_block,
     native_block_supported,
 )
@@ -54,7 +55,6 @@ from te_compile.functional.linear_fp8 import (
     _fake_dnorm,
     _fake_stats,
     _gemm,
-    _norm_fwd,
     _norm_quantize,
     _pad_rows,
     _padded,
@@ -185,23 +185,6 @@ def _act_quantize_block(z, bias, grad, activation, fp8_dtype, rows, need_dbias, 
         v, dbias = torch.ops.te.activation_bwd(grad[:rows], z[:rows], bias, activation, need_dbias)
     data, s, data_t, s_t = _quantize_block(_pad_rows(v), fp8_dtype, 1, power_2_scale)
     return data, s, data_t, s_t, dbias if need_dbias else None
-
-
-def _norm_quantize_block(x, norm, fp8_dtype, power_2_scale):
-    """``(data, scale_inv, data_t, scale_inv_t, mean, rsigma)``: ``_norm_quantize`` in 1x128
-    blocks (``kernels.act_quantize.norm_quantize_block`` on CUDA; elsewhere the norm op's
-    output, padded, quantised)."""
-    weight, bias, normalization, eps, zcg = norm
-    if x.device.type == "cuda":
-        from te_compile.kernels.act_quantize import norm_quantize_block
-
-        return norm_quantize_block(
-            x.contiguous(), weight, bias, normalization, eps, zcg, fp8_dtype,
-            _padded(x.shape[0]), power_2_scale,
-        )  # fmt: skip
-    y, mean, rsigma = _norm_fwd(x, weight, bias, normalization, eps, zcg)
-    data, s, data_t, s_t = _quantize_block(_pad_rows(y), fp8_dtype, 1, power_2_scale)
-    return data, s, data_t, s_t, mean, rsigma
 
 
 def _u8(t: Tensor) -> Tensor:

@@ -104,10 +104,11 @@ class FP8GemmState(nn.Module):
         norm: Norm | None = None,
     ) -> Tensor:
         """``inp @ weight.T + bias`` with the FP8 recipe of ``state`` (which is enabled); with
-        ``norm`` (per-tensor recipes only), ``norm(inp)`` written straight into FP8."""
+        ``norm``, ``norm(inp)`` quantised inside the op (written straight into FP8 on CUDA by
+        the per-tensor recipes and native Float8BlockScaling)."""
         recipe = state.recipe
         if recipe.mxfp8() or recipe.nvfp4() or recipe.float8_block_scaling():
-            return _block_scaled(owner, recipe, inp, weight, bias, main_grad)
+            return _block_scaled(owner, recipe, inp, weight, bias, main_grad, norm)
         fmt = recipe.fp8_format
         kw = {"fwd_dtype": fmt.fwd_dtype, "bwd_dtype": fmt.bwd_dtype, "main_grad": main_grad}
         kw.update(_norm_kwargs(norm))
@@ -185,13 +186,14 @@ def norm_linear(
     weight: Tensor,
     bias: Tensor | None,
 ) -> Tensor | None:
-    """``norm(inp) @ weight.T + bias`` as one FP8 op, the norm written straight into FP8
-    (``te::linear_fp8_fwd`` with a norm prologue), inside an enabled ``te_compile.autocast``
-    with a per-tensor recipe (current or delayed scaling); None elsewhere (the caller runs the
-    norm, then :func:`linear`). ``norm``: ``(weight, bias, normalization, eps,
+    """``norm(inp) @ weight.T + bias`` as one op inside an enabled ``te_compile.autocast``: the
+    recipe's FP8 op with the norm as its prologue (``te::linear_fp8_fwd`` /
+    ``te::linear_block_scaled_fwd`` with ``normalization``; per-tensor recipes and native
+    Float8BlockScaling write the norm straight into FP8 on CUDA); None outside autocast (the
+    caller runs the norm, then :func:`linear`). ``norm``: ``(weight, bias, normalization, eps,
     zero_centered_gamma)``."""
     state = get_autocast_state()
-    if not (state.enabled and (state.recipe.float8_current() or state.recipe.delayed())):
+    if not state.enabled:
         return None
     return meta.linear(owner, state, inp, weight, bias, None, norm)
 
@@ -273,7 +275,7 @@ def _native_block(recipe, inp: Tensor, weights: tuple[Tensor, ...], w_rows: int)
     )
 
 
-def _block_scaled(owner, recipe, inp, weight, bias, main_grad) -> Tensor:
+def _block_scaled(owner, recipe, inp, weight, bias, main_grad, norm=None) -> Tensor:
     """MXFP8 / NVFP4 / FP8 blockwise: exact quantisation (``te::linear_block_scaled_*``); the
     GEMMs are emulated, except FP8 blockwise with E4M3 both ways on a GPU with blockwise-scaled
     ``_scaled_mm`` (Hopper, CUDA 12.9+), which runs natively (``TE_COMPILE_NATIVE_BLOCK_GEMM=0``
@@ -283,7 +285,7 @@ def _block_scaled(owner, recipe, inp, weight, bias, main_grad) -> Tensor:
             f"{owner}: fuse_wgrad_accumulation is not implemented with {type(recipe).__name__}"
         )
     if recipe.nvfp4():
-        return F.linear_block_scaled(inp, weight, bias, kind="nvfp4")
+        return F.linear_block_scaled(inp, weight, bias, kind="nvfp4", **_norm_kwargs(norm))
     fmt = recipe.fp8_format
     if recipe.float8_block_scaling():
         if recipe.x_block_scaling_dim != 1 or recipe.grad_block_scaling_dim != 1:
@@ -303,10 +305,12 @@ def _block_scaled(owner, recipe, inp, weight, bias, main_grad) -> Tensor:
             power_2_scale=not recipe.use_f32_scales,
             weight_block_rows=w_rows,
             native=native,
+            **_norm_kwargs(norm),
         )
     return F.linear_block_scaled(
-        inp, weight, bias, kind="mxfp8", fwd_dtype=fmt.fwd_dtype, bwd_dtype=fmt.bwd_dtype
-    )
+        inp, weight, bias, kind="mxfp8", fwd_dtype=fmt.fwd_dtype, bwd_dtype=fmt.bwd_dtype,
+        **_norm_kwargs(norm),
+    )  # fmt: skip
 
 
 def non_finite_amaxes(model: nn.Module) -> dict[str, list[str]]:

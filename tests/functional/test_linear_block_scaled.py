@@ -72,3 +72,40 @@ def test_native_needs_block_kind_and_e4m3(device):
     assert F.native_block_supported(w, 1, E4M3, E4M3)
     assert not F.native_block_supported(w, 128, E4M3, E4M3)
     assert not F.native_block_supported(w, 1, E4M3, E5M2)
+
+
+@pytest.mark.parametrize(
+    "kind,native,normalization",
+    [("block", True, "RMSNorm"), ("block", True, "LayerNorm"), ("mxfp8", False, "LayerNorm")],
+    ids=["block-native-rmsnorm", "block-native-layernorm", "mxfp8-layernorm"],
+)
+@pytest.mark.parametrize("device", DEVICES)
+def test_norm_prologue_same_bytes_as_the_norm_then_the_linear(device, kind, native, normalization):
+    """``linear_block_scaled(..., normalization=...)`` (natively on CUDA the norm is quantised in
+    1x128 blocks without being written) against the norm op followed by the linear: output and
+    every gradient bit for bit."""
+    if native and device == "cuda" and not te.is_fp8_block_scaling_available():
+        pytest.skip("no native blockwise FP8 GEMMs on this GPU")
+    torch.manual_seed(0)
+
+    def t(*shape, std=1.0, mean=0.0):
+        return (torch.randn(*shape, device=device) * std + mean).bfloat16().requires_grad_()
+
+    x, w, b = t(2, 32, 512, std=2.0, mean=0.5), t(512, 512, std=0.05), t(512)
+    gamma, beta = t(512, std=0.2, mean=1.0), t(512, std=0.3)
+    beta = beta if normalization == "LayerNorm" else None
+    kw = dict(kind=kind, native=native, weight_block_rows=128 if kind == "block" else 1)
+    out = F.linear_block_scaled(
+        x, w, b, normalization=normalization, norm_weight=gamma, norm_bias=beta, **kw
+    )
+    ln = F.layernorm(x, gamma, beta) if normalization == "LayerNorm" else F.rmsnorm(x, gamma)
+    ref = F.linear_block_scaled(ln, w, b, **kw)
+    assert torch.equal(out, ref)
+    params = [p for p in (x, gamma, beta, w, b) if p is not None]
+    grad = torch.randn_like(out)
+    for g, r in zip(
+        torch.autograd.grad(out, params, grad),
+        torch.autograd.grad(ref, params, grad),
+        strict=True,
+    ):
+        assert torch.equal(g, r)

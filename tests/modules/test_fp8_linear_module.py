@@ -247,31 +247,42 @@ def test_non_finite_amaxes_are_reported(recipe):
     assert torch.isfinite(y).all()
 
 
-@pytest.mark.parametrize("recipe_cls", [Float8CurrentScaling, DelayedScaling])
+@pytest.mark.parametrize(
+    "recipe_cls",
+    [
+        Float8CurrentScaling,
+        DelayedScaling,
+        te.recipe.Float8BlockScaling,
+        te.recipe.MXFP8BlockScaling,
+    ],
+)
 @pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_layernorm_linear_writes_the_norm_into_fp8(device, normalization, recipe_cls, monkeypatch):
-    """LayerNormLinear under a per-tensor recipe runs one op with the norm as its prologue
-    (``te::linear_fp8_fwd`` with ``normalization``); three training steps give the same bytes
-    (outputs, every gradient, the delayed-scaling state) as the norm op followed by the FP8
-    linear, which it still takes where the norm's output is asked for."""
+    """LayerNormLinear under an FP8 recipe runs one op with the norm as its prologue
+    (``te::linear_fp8_fwd`` / ``te::linear_block_scaled_fwd`` with ``normalization``); three
+    training steps give the same bytes (outputs, every gradient, the delayed-scaling state) as
+    the norm op followed by the FP8 linear, which it still takes where the norm's output is
+    asked for."""
     from te_compile.quantization import fp8_gemm
 
     kw = {"normalization": normalization, "params_dtype": torch.bfloat16, "device": device}
     torch.manual_seed(0)
-    fused = te.LayerNormLinear(64, 48, zero_centered_gamma=True, **kw)
-    plain = te.LayerNormLinear(64, 48, zero_centered_gamma=True, **kw)
+    fused = te.LayerNormLinear(64, 64, zero_centered_gamma=True, **kw)
+    plain = te.LayerNormLinear(64, 64, zero_centered_gamma=True, **kw)
     with torch.no_grad():
         fused.layer_norm_weight.normal_(0, 0.2)
     plain.load_state_dict(fused.state_dict())
     seen = []
-    real = fp8_gemm.F.linear_fp8
+    per_tensor = recipe_cls in (Float8CurrentScaling, DelayedScaling)
+    op_name = "linear_fp8" if per_tensor else "linear_block_scaled"
+    real = getattr(fp8_gemm.F, op_name)
 
     def spy(*args, **kwargs):
         seen.append(kwargs.get("normalization", ""))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(fp8_gemm.F, "linear_fp8", spy)
+    monkeypatch.setattr(fp8_gemm.F, op_name, spy)
     results = []
     for module, fuse in ((fused, True), (plain, False)):
         if not fuse:
@@ -279,7 +290,7 @@ def test_layernorm_linear_writes_the_norm_into_fp8(device, normalization, recipe
         outs = []
         torch.manual_seed(1)
         for step in range(3):
-            x = (torch.randn(2, 20, 64, device=device) * (1 + step) + 0.3).bfloat16()
+            x = (torch.randn(2, 16, 64, device=device) * (1 + step) + 0.3).bfloat16()
             with autocast(recipe=recipe_cls()):
                 out = module(x)
             out.float().square().mean().backward()
@@ -291,7 +302,7 @@ def test_layernorm_linear_writes_the_norm_into_fp8(device, normalization, recipe
         assert torch.equal(a, b)
     # return_layernorm_output needs the norm's output: the op-by-op path.
     monkeypatch.undo()
-    m = te.LayerNormLinear(64, 48, return_layernorm_output=True, **kw)
+    m = te.LayerNormLinear(64, 64, return_layernorm_output=True, **kw)
     with autocast(recipe=recipe_cls()):
-        out, ln_out = m(torch.randn(8, 64, device=device, dtype=torch.bfloat16))
-    assert ln_out.shape == (8, 64) and out.shape == (8, 48)
+        out, ln_out = m(torch.randn(32, 64, device=device, dtype=torch.bfloat16))
+    assert ln_out.shape == (32, 64) and out.shape == (32, 64)
