@@ -65,20 +65,17 @@ for step in "${steps[@]}"; do
           | paste -sd ';')"
       done | tee "$OUT/fp8_loss.log" ;;
     fp8_loss_seeds)  # issue 5's loss criterion over seeds (fp32 master weights + bf16 autocast):
-                     # none and current for three seeds, delayed and block for the default one;
-                     # LOSS_ARGS (e.g. "--lr 2e-3") is added to every run
+                     # every native recipe and none for three seeds (LOSS_RECIPES to choose),
+                     # side by side on one GPU; LOSS_ARGS (e.g. "--batch-size 256") goes to
+                     # every run
       amp=(examples/train_gpt.py --steps 300 --sample-chars 0 --dtype float32 --autocast bfloat16)
       runs=()
       for seed in 1337 1 2; do
-        for r in none current; do
+        for r in ${LOSS_RECIPES:-none current delayed block}; do
           python3 "${amp[@]}" --recipe $r --seed $seed ${LOSS_ARGS:-} \
             > "$OUT/fp8_seed_${r}_$seed.log" 2>&1 &
           runs+=("${r}_$seed")
         done
-      done
-      for r in delayed block; do
-        python3 "${amp[@]}" --recipe $r ${LOSS_ARGS:-} > "$OUT/fp8_seed_${r}_1337.log" 2>&1 &
-        runs+=("${r}_1337")
       done
       wait
       for r in "${runs[@]}"; do
