@@ -70,11 +70,14 @@ for step in "${steps[@]}"; do
                      # every run
       amp=(examples/train_gpt.py --steps 300 --sample-chars 0 --dtype float32 --autocast bfloat16)
       runs=()
+      # An entry of LOSS_RECIPES may carry flags for its runs: "delayed:--fp8-margin=1".
       for seed in 1337 1 2; do
-        for r in ${LOSS_RECIPES:-none current delayed block}; do
-          python3 "${amp[@]}" --recipe $r --seed $seed ${LOSS_ARGS:-} \
-            > "$OUT/fp8_seed_${r}_$seed.log" 2>&1 &
-          runs+=("${r}_$seed")
+        for v in ${LOSS_RECIPES:-none current delayed block}; do
+          r=${v%%:*}; extra=""; [ "$r" != "$v" ] && extra=${v#*:}
+          name=$(echo "${v}" | tr -c 'A-Za-z0-9_\n' '_')
+          python3 "${amp[@]}" --recipe $r --seed $seed ${extra//,/ } ${LOSS_ARGS:-} \
+            > "$OUT/fp8_seed_${name}_$seed.log" 2>&1 &
+          runs+=("${name}_$seed")
         done
       done
       wait

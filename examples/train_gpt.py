@@ -41,6 +41,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 import time
@@ -88,6 +89,8 @@ class GPTConfig:
     activation: str = "gelu"
     recipe: str = "none"
     autocast: str | None = None  # torch.autocast dtype name: fp32 master weights, bf16 math
+    fp8_margin: int = 0  # DelayedScaling.margin (--recipe delayed)
+    amax_compute_algo: str = "max"  # DelayedScaling.amax_compute_algo (--recipe delayed)
 
 
 class CausalSelfAttention(nn.Module):
@@ -153,6 +156,10 @@ class GPT(nn.Module):
             cfg.width, cfg.vocab_size, bias=False, params_dtype=dtype, device=device
         )
         self.recipe = RECIPES[cfg.recipe]()
+        if cfg.recipe == "delayed":
+            self.recipe = dataclasses.replace(
+                self.recipe, margin=cfg.fp8_margin, amax_compute_algo=cfg.amax_compute_algo
+            )
         self.reset_parameters()
 
     @torch.no_grad()
@@ -315,6 +322,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         choices=tuple(RECIPES),
         help="FP8 recipe for the transformer blocks' GEMMs (default: none, high precision)",
     )
+    p.add_argument("--fp8-margin", type=int, default=0, help="DelayedScaling's margin (default: 0)")
+    p.add_argument(
+        "--amax-compute-algo",
+        default="max",
+        choices=("max", "most_recent"),
+        help="DelayedScaling's amax_compute_algo (default: max, over 16 steps of history)",
+    )
     p.add_argument(
         "--activation",
         default="gelu",
@@ -361,6 +375,8 @@ def main(argv=None) -> int:
         activation=args.activation,
         recipe=args.recipe,
         autocast=args.autocast,
+        fp8_margin=args.fp8_margin,
+        amax_compute_algo=args.amax_compute_algo,
     )
     model = GPT(cfg, dtype, device)
     n_params = sum(p.numel() for p in model.parameters())
