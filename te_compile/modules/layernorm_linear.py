@@ -116,7 +116,7 @@ class LayerNormLinear(PreNorm):
         bias = None if self.return_bias else self.bias
         out = None
         if not (self.tp.active or self.return_layernorm_output):
-            # FP8 with a per-tensor recipe: the norm writes the GEMM's FP8 input directly.
+            # FP8: the norm is the FP8 op's prologue (written straight into FP8 on CUDA).
             out = _fp8.norm_linear(owner, self.fp8_meta, inp, self._norm_spec(), self.weight, bias)
         if out is None:
             ln_out = self._norm(inp, self.tp, owner)
