@@ -48,9 +48,12 @@ from te_compile.functional.linear_fp8 import (
     _fake_dnorm,
     _fake_stats,
     _norm_fwd,
+    _norm_needs_dgrad,
     _pad_rows,
     _padded,
+    _save_norm,
     _through_norm,
+    _with_norm_grads,
     norm_ref,
     unit_rows,
 )
@@ -413,14 +416,11 @@ def _bwd_fake(
 
 def _setup_context(ctx, inputs, output) -> None:
     inp, _weight, bias, kind, _fwd, bwd_dtype, power_2_scale, _w_rows, _native, *norm = inputs
-    norm_weight, norm_bias, normalization, _eps, zcg = (*norm, None, None, "", 0.0, False)[:5]
     _out, saved = output
     ctx.mark_non_differentiable(*saved)
-    normed = (inp, norm_weight) if normalization else (None, None)
-    ctx.save_for_backward(*normed, *saved)
+    ctx.save_for_backward(*_save_norm(ctx, inp, norm), *saved)
     ctx.kind, ctx.bwd_dtype, ctx.has_bias = kind, bwd_dtype, bias is not None
     ctx.power_2_scale = power_2_scale
-    ctx.norm = (normalization, zcg, norm_bias is not None)
 
 
 def _backward(ctx, bwd, grad_out, _grad_saved):
@@ -428,8 +428,7 @@ def _backward(ctx, bwd, grad_out, _grad_saved):
     need = ctx.needs_input_grad
     need_wgrad, need_bgrad = need[1:3]
     normalization, zcg, has_norm_bias = ctx.norm
-    # With a norm prologue the GEMM's input gradient also feeds the norm parameters'.
-    need_dgrad = need[0] or (bool(normalization) and any(need[9:11]))
+    need_dgrad = need[0] or _norm_needs_dgrad(ctx, 9)
     dinp, dweight, dbias, dnorm_w, dnorm_b = bwd(
         grad_out.contiguous(), saved, ctx.kind, ctx.bwd_dtype, ctx.power_2_scale,
         ctx.has_bias and need_bgrad, need_dgrad, need_wgrad, norm_inp, norm_weight,
@@ -441,10 +440,7 @@ def _backward(ctx, bwd, grad_out, _grad_saved):
         dbias if ctx.has_bias and need_bgrad else None,
         *(None,) * 6,
     ]
-    if len(need) > 9:
-        grads += [dnorm_w if need[9] else None, dnorm_b if has_norm_bias and need[10] else None]
-        grads += [None] * (len(need) - 11)
-    return tuple(grads)
+    return _with_norm_grads(ctx, grads, dnorm_w, dnorm_b)
 
 
 def _samples(device: torch.device):

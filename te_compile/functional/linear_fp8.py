@@ -425,6 +425,38 @@ def _through_norm(dout, x, weight, stats, normalization, zcg, has_bias) -> list[
     return list(_norm_bwd(dout, x2, weight, mean, rsigma, normalization, zcg, has_bias))
 
 
+def _save_norm(ctx, inp: Tensor, norm_args) -> tuple[Tensor | None, Tensor | None]:
+    """setup_context's share of a norm prologue. ``norm_args``: the op's inputs from
+    ``norm_weight`` on (fewer where the defaults were not passed). Sets ``ctx.norm =
+    (normalization, zero_centered_gamma, has_norm_bias)`` and returns the two tensors to save:
+    ``(inp, norm_weight)``, or two Nones without a norm."""
+    weight, bias, normalization, _eps, zcg = (*norm_args, None, None, "", 0.0, False)[:5]
+    ctx.norm = (normalization, zcg, bias is not None)
+    return (inp, weight) if normalization else (None, None)
+
+
+def _norm_needs_dgrad(ctx, first: int) -> bool:
+    """Whether a norm's parameters (the inputs at ``first`` and ``first + 1``) need a gradient:
+    the GEMM's input gradient feeds theirs."""
+    return bool(ctx.norm[0]) and any(ctx.needs_input_grad[first : first + 2])
+
+
+def _with_norm_grads(ctx, grads: list, dnorm_weight: Tensor, dnorm_bias: Tensor) -> tuple:
+    """``grads`` (one per input before ``norm_weight``) completed to one per input: the norm
+    parameters' gradients where needed (``ctx.norm`` as :func:`_save_norm` set it), None
+    after them."""
+    need = ctx.needs_input_grad
+    first = len(grads)
+    if len(need) > first:
+        has_bias = ctx.norm[2]
+        grads = [
+            *grads,
+            dnorm_weight if need[first] else None,
+            dnorm_bias if has_bias and need[first + 1] else None,
+        ]
+    return tuple(grads[: len(need)]) + (None,) * (len(need) - len(grads))
+
+
 def _fake_dnorm(like: Tensor, norm_weight, normalization, has_norm_bias, need) -> list[Tensor]:
     if not (normalization and need):
         return [_empty(like), _empty(like)]
@@ -452,14 +484,12 @@ def _linear_fp8_bwd_fake(
 
 def _setup_context(ctx, inputs, output) -> None:
     inp, weight, bias, main_grad, scale, grad_amax, recipe, fwd_dtype, bwd_dtype, *norm = inputs
-    norm_weight, norm_bias, normalization, _eps, zcg = (*norm, None, None, "", 0.0, False)[:5]
     _out, saved, amax = output
     ctx.mark_non_differentiable(amax, *saved)
-    normed = (inp, norm_weight) if normalization else (None, None)
+    normed = _save_norm(ctx, inp, norm)
     ctx.save_for_backward(weight, main_grad, scale, grad_amax, *normed, *saved)
     ctx.recipe, ctx.has_bias = recipe, bias is not None
     ctx.fwd_dtype, ctx.bwd_dtype = fwd_dtype, bwd_dtype
-    ctx.norm = (normalization, zcg, norm_bias is not None)
 
 
 def _backward(ctx, bwd, grad_out, _grad_saved, _grad_amax):
@@ -467,8 +497,7 @@ def _backward(ctx, bwd, grad_out, _grad_saved, _grad_amax):
     need = ctx.needs_input_grad
     need_wgrad, need_bgrad = need[1:3]
     normalization, zcg, has_norm_bias = ctx.norm
-    # With a norm prologue the GEMM's input gradient also feeds the norm parameters'.
-    need_dgrad = need[0] or (bool(normalization) and any(need[9:11]))
+    need_dgrad = need[0] or _norm_needs_dgrad(ctx, 9)
     dinp, dweight, dbias, dnorm_w, dnorm_b = bwd(
         grad_out.contiguous(),
         saved,
@@ -494,13 +523,7 @@ def _backward(ctx, bwd, grad_out, _grad_saved, _grad_amax):
         dbias if ctx.has_bias and need_bgrad else None,
         *(None,) * 6,
     ]
-    if len(need) > 9:
-        grads += [
-            dnorm_w if need[9] else None,
-            dnorm_b if has_norm_bias and need[10] else None,
-            *(None,) * (len(need) - 11),
-        ]
-    return tuple(grads)
+    return _with_norm_grads(ctx, grads, dnorm_w, dnorm_b)
 
 
 def _samples(device: torch.device):

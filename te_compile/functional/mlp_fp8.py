@@ -55,13 +55,16 @@ from te_compile.functional.linear_fp8 import (
     _fake_dnorm,
     _fake_stats,
     _gemm,
+    _norm_needs_dgrad,
     _norm_quantize,
     _pad_rows,
     _padded,
     _quantize_both,
+    _save_norm,
     _scaled_mm,
     _slots,
     _through_norm,
+    _with_norm_grads,
     linear_fp8_ref,
     norm_ref,
     unit_rows,
@@ -412,23 +415,19 @@ def _mlp_fp8_bwd_fake(
 
 def _setup_context(ctx, inputs, output) -> None:
     inp, _w1, b1, _w2, b2, scale1, scale2, ga1, ga2, *config = inputs
-    config = (*config, False, None, None, "", 1e-5, False)[:10]  # the defaults, when not given
-    norm_weight, norm_bias, normalization, _eps, zcg = config[5:]
     _out, saved, amax = output
     ctx.mark_non_differentiable(amax, *saved)
-    normed = (inp, norm_weight) if normalization else (None, None)
+    normed = _save_norm(ctx, inp, config[5:])
     ctx.save_for_backward(b1, scale1, scale2, ga1, ga2, *normed, *saved)
-    ctx.config = config[:5]
+    ctx.config = (*config[:5], False)[:5]  # power_2_scale defaults to False
     ctx.has_fc2_bias = b2 is not None
-    ctx.norm = (normalization, zcg, norm_bias is not None)
 
 
 def _backward(ctx, bwd, grad_out, _grad_saved, _grad_amax):
     b1, scale1, scale2, ga1, ga2, norm_inp, norm_weight, *saved = ctx.saved_tensors
     need = ctx.needs_input_grad
     normalization, zcg, has_norm_bias = ctx.norm
-    # With a norm prologue the first GEMM's input gradient also feeds the norm parameters'.
-    need_dgrad = need[0] or (bool(normalization) and any(need[14:16]))
+    need_dgrad = need[0] or _norm_needs_dgrad(ctx, 14)
     dinp, dw1, db1, dw2, db2, dnw, dnb = bwd(
         grad_out.contiguous(), saved, b1, scale1, scale2, ga1, ga2, *ctx.config,
         ctx.has_fc2_bias, need_dgrad, norm_inp, norm_weight, normalization, zcg, has_norm_bias,
@@ -441,9 +440,7 @@ def _backward(ctx, bwd, grad_out, _grad_saved, _grad_amax):
         db2 if ctx.has_fc2_bias and need[4] else None,
         *(None,) * 9,
     ]
-    if len(need) > 14:
-        grads += [dnw if need[14] else None, dnb if has_norm_bias and need[15] else None]
-    return tuple(grads[: len(need)]) + (None,) * (len(need) - len(grads))
+    return _with_norm_grads(ctx, grads, dnw, dnb)
 
 
 def _samples(device: torch.device):
