@@ -453,8 +453,14 @@ def act_quantize_block(
     )  # fmt: skip
 
 
-def _norm_fn(normalization: str, zero_centered_gamma: bool) -> int:
-    return (_NORM_LN if normalization == "LayerNorm" else _NORM_RMS) + int(zero_centered_gamma)
+def _norm_pass(x, weight, bias, normalization, eps, zero_centered_gamma, amax):
+    """The statistics pass of a norm prologue (``kernels.norm.norm_stats``, folding the output's
+    amax into ``amax`` when given) and what the cast kernels take for it: ``(fn, (gamma, mean,
+    rsigma), mean, rsigma)``; ``mean`` is 0-element for RMSNorm (``rsigma`` stands in for its
+    pointer)."""
+    mean, rsigma = norm_stats(normalization, x, weight, bias, eps, zero_centered_gamma, amax)
+    fn = (_NORM_LN if normalization == "LayerNorm" else _NORM_RMS) + int(zero_centered_gamma)
+    return fn, (weight, rsigma if mean.numel() == 0 else mean, rsigma), mean, rsigma
 
 
 def norm_quantize(
@@ -480,15 +486,14 @@ def norm_quantize(
     that folds the amax. Two reads of ``x`` against a read, a write and two reads of a tensor
     of its size unfused. Arguments are trusted (``functional.linear_fp8`` checks them)."""
     cfg = config or QuantizeLaunchConfig()
-    amax = torch.zeros(1, device=x.device, dtype=torch.float32)
-    mean, rsigma = norm_stats(
-        normalization, x, weight, bias, eps, zero_centered_gamma, amax if scale is None else None
+    # Current scaling: the statistics pass takes the amax (delayed: the cast folds it).
+    amax = torch.zeros(1, device=x.device, dtype=torch.float32) if scale is None else None
+    fn, norm, mean, rsigma = _norm_pass(
+        x, weight, bias, normalization, eps, zero_centered_gamma, amax
     )
-    norm = (weight, rsigma if mean.numel() == 0 else mean, rsigma)
-    fn = _norm_fn(normalization, zero_centered_gamma)
     data, data_t, scale_inv, amax, _ = _per_tensor(
-        x, bias, None, norm, fn, fp8_dtype, scale, x.shape[0], m_out, True, False,
-        amax if scale is None else None, cfg, "norm_quantize",
+        x, bias, None, norm, fn, fp8_dtype, scale, x.shape[0], m_out, True, False, amax, cfg,
+        "norm_quantize",
     )  # fmt: skip
     return data, data_t, scale_inv, amax, mean, rsigma
 
@@ -509,9 +514,9 @@ def norm_quantize_block(
     """:func:`norm_quantize` in Float8BlockScaling's 1x128 blocks: ``(data, scale_inv, data_t,
     scale_inv_t, mean, rsigma)``, layouts as :func:`act_quantize_block`'s."""
     cfg = config or QuantizeLaunchConfig()
-    mean, rsigma = norm_stats(normalization, x, weight, bias, eps, zero_centered_gamma, None)
-    norm = (weight, rsigma if mean.numel() == 0 else mean, rsigma)
-    fn = _norm_fn(normalization, zero_centered_gamma)
+    fn, norm, mean, rsigma = _norm_pass(
+        x, weight, bias, normalization, eps, zero_centered_gamma, None
+    )
     data, s, data_t, s_t, _ = _blockwise(
         x, bias, None, norm, fn, fp8_dtype, x.shape[0], m_out, False, power_2_scale, cfg,
         "norm_quantize_block",
