@@ -145,10 +145,7 @@ class LayerNormMLP(PreNorm):
             # FP8 (per-tensor or native blockwise recipe, element-wise activation): one op with
             # the norm writing fc1's FP8 input directly.
             fc2_bias = None if self.return_bias else self.fc2_bias
-            metas = (self.fc1_fp8_meta, self.fc2_fp8_meta)
-            w1, b1, w2 = self.fc1_weight, self.fc1_bias, self.fc2_weight
-            out = _fp8.mlp(owner, metas, inp, w1, b1, self.activation, w2, fc2_bias,
-                           self._norm_spec())  # fmt: skip
+            out = self._fused(owner, inp, fc2_bias, self._norm_spec())
             if out is not None:
                 return (out, self.fc2_bias) if self.return_bias else out
         ln_out = self._norm(inp, tp, owner)
@@ -171,14 +168,21 @@ class LayerNormMLP(PreNorm):
     def _fc1_act_fc2(self, owner: str, fc1_in: Tensor, fc2_bias: Tensor | None) -> Tensor:
         """The two GEMMs and the activation: one FP8 op with the activation fused into the
         quantisations where that applies (``quantization.fp8_gemm.mlp``), else op by op."""
+        out = self._fused(owner, fc1_in, fc2_bias)
+        if out is None:
+            fc1_out = _fp8.linear(owner, self.fc1_fp8_meta, fc1_in, self.fc1_weight, None)
+            act = F.bias_activation(fc1_out, self.fc1_bias, self.activation)
+            out = _fp8.linear(owner, self.fc2_fp8_meta, act, self.fc2_weight, fc2_bias)
+        return out
+
+    def _fused(
+        self, owner: str, inp: Tensor, fc2_bias: Tensor | None, norm: _fp8.Norm | None = None
+    ) -> Tensor | None:
+        """The block as one FP8 op (``quantization.fp8_gemm.mlp``; with ``norm``, ``inp`` is
+        normalised inside it), or None where that does not apply."""
         metas = (self.fc1_fp8_meta, self.fc2_fp8_meta)
         w1, b1, w2 = self.fc1_weight, self.fc1_bias, self.fc2_weight
-        out = _fp8.mlp(owner, metas, fc1_in, w1, b1, self.activation, w2, fc2_bias)
-        if out is None:
-            fc1_out = _fp8.linear(owner, self.fc1_fp8_meta, fc1_in, w1, None)
-            act = F.bias_activation(fc1_out, b1, self.activation)
-            out = _fp8.linear(owner, self.fc2_fp8_meta, act, w2, fc2_bias)
-        return out
+        return _fp8.mlp(owner, metas, inp, w1, b1, self.activation, w2, fc2_bias, norm)
 
     def extra_repr(self) -> str:
         return (
