@@ -5,7 +5,7 @@
 #   bash bench/run_gpu.sh tests:functional      # one part of the suite (tests/functional)
 #   bash bench/run_gpu.sh activation mlp demo   # ...
 #
-# Steps: tests, tests:<part>, tune_norm, tune_quantize[:part], loss_diag, fp8_loss_seeds and diag_host (diagnostics), demo,
+# Steps: tests, tests:<part>, tune_norm, tune_quantize[:part], tune_act_block, loss_diag, fp8_loss_seeds and diag_host (diagnostics), demo,
 # fp8_loss (train_gpt 300 steps per FP8 recipe), linear, overhead, norm, activation, mlp,
 # grouped, fp8, ops (default: all but the diagnostics and fp8_loss, in that order; split them
 # over calls to stay inside the 10-minute limit of one call). Each step writes one log and its bench its .md/.json
@@ -109,6 +109,8 @@ runpy.run_path('examples/train_gpt.py', run_name='__main__')" "${tg[@]:1}" \
     diag_host)  # where the FP8 MLP step's time goes beyond its kernels (bench/diag_host.py)
       python3 -m bench.diag_host 2>&1 | tee "$OUT/diag_host.log" ;;
     tune_norm) python3 -m bench.tune_norm 2>&1 | tee "$OUT/tune_norm.log" ;;
+    tune_act_block)  # one-read layouts of the fused activation + 1x128 cast (bench/tune_act_block.py)
+      python3 -m bench.tune_act_block 2>&1 | tee "$OUT/tune_act_block.log" ;;
     tune_quantize) python3 -m bench.tune_quantize 2>&1 | tee "$OUT/tune_quantize.log" ;;
     tune_quantize:*)  # one part of the sweep: tune_quantize:pertensor or tune_quantize:block
       python3 -m bench.tune_quantize "${step#tune_quantize:}" 2>&1 \

@@ -33,7 +33,8 @@ One 128x128 tile for both layouts (``block_split=False``) runs one program per S
 latency-bound: on the H100 at 16384 x 16384 the forward took 0.995 ms against 0.649 ms split,
 the backward 1.145 against 1.105 ms (``bench/tune_quantize.py``; programs walking many tiles
 were no faster, software pipelining slower, and one tile read in row pieces twice, the second
-time from L2, slower still: 0.89 / 1.82 ms at best).
+time from L2, slower still: 0.89 / 1.82 ms at best; the columnwise blocks cast from the
+transposed tile, fp32 or bf16: 0.85 / 1.17 ms at best, ``bench/tune_act_block.py``).
 
 Element-wise activations only (no gated ones). The tensors are ``[M, N]`` contiguous.
 """
