@@ -69,6 +69,7 @@ TE_MULTI_EAGER = "te_compile.GroupedLinear (weight0..) eager"
 TE_FP8_EAGER = "te_compile.GroupedLinear FP8 current eager"
 TE_FP8_COMPILED = "te_compile.GroupedLinear FP8 current compiled"
 TE_FP8_E4M3_COMPILED = "te_compile.GroupedLinear FP8 current E4M3 compiled"
+TE_FP8_DELAYED_COMPILED = "te_compile.GroupedLinear FP8 delayed compiled"
 FP8_EXPERTS = 8  # the FP8 rows run at this expert count (issue 5's target)
 FP8_RTOL = 0.125  # Transformer Engine's e4m3 tolerance
 
@@ -209,13 +210,14 @@ def _bind(module: Callable[..., torch.Tensor], splits: object) -> Callable[..., 
 
 
 def _under_fp8(
-    call: Callable[[torch.Tensor], torch.Tensor], fp8_format: str = "HYBRID"
+    call: Callable[[torch.Tensor], torch.Tensor],
+    fp8_format: str = "HYBRID",
+    kind: str = "Float8CurrentScaling",
 ) -> Callable[..., torch.Tensor]:
-    """``call`` inside ``te_compile.autocast(recipe=Float8CurrentScaling(fp8_format=...))``
-    (HYBRID: E5M2 gradients; E4M3: every GEMM E4M3, all three in ``torch._scaled_grouped_mm``'s
-    reach)."""
+    """``call`` inside ``te_compile.autocast(recipe=<kind>(fp8_format=...))`` (HYBRID: E5M2
+    gradients; E4M3: every GEMM E4M3, all three in ``torch._scaled_grouped_mm``'s reach)."""
     fmt = getattr(te_compile.recipe.Format, fp8_format)
-    recipe = te_compile.recipe.Float8CurrentScaling(fp8_format=fmt)
+    recipe = getattr(te_compile.recipe, kind)(fp8_format=fmt)
 
     def fp8_call(x: torch.Tensor) -> torch.Tensor:
         with te_compile.autocast(recipe=recipe):
@@ -311,6 +313,10 @@ def run_case(
                 _under_fp8(_bind(te_fp8_c, splits_t), "E4M3"),
                 te_fp8,
             )
+            modules[TE_FP8_DELAYED_COMPILED] = (
+                _under_fp8(_bind(te_fp8_c, splits_t), kind="DelayedScaling"),
+                te_fp8,
+            )
     baseline = GMM_COMPILED if compile_ else GMM_EAGER
 
     esize = torch.empty((), dtype=DTYPE).element_size()
@@ -331,7 +337,12 @@ def run_case(
         grads[0],
         experts,
         CHECK_RTOL,
-        {TE_FP8_EAGER: FP8_RTOL, TE_FP8_COMPILED: FP8_RTOL, TE_FP8_E4M3_COMPILED: FP8_RTOL},
+        {
+            TE_FP8_EAGER: FP8_RTOL,
+            TE_FP8_COMPILED: FP8_RTOL,
+            TE_FP8_E4M3_COMPILED: FP8_RTOL,
+            TE_FP8_DELAYED_COMPILED: FP8_RTOL,
+        },
     )
     for note in check_notes:
         if note.startswith("WARNING"):
@@ -379,9 +390,10 @@ def run_case(
             result.notes.append(
                 target_note(result, TE_FP8_COMPILED, TE_COMPILED, 1 / MIN_FP8_SPEEDUP, what)
             )
-            result.notes.append(
-                target_note(result, TE_FP8_E4M3_COMPILED, TE_COMPILED, 1 / MIN_FP8_SPEEDUP, what)
-            )
+            for row in (TE_FP8_E4M3_COMPILED, TE_FP8_DELAYED_COMPILED):
+                result.notes.append(
+                    target_note(result, row, TE_COMPILED, 1 / MIN_FP8_SPEEDUP, what)
+                )
         result.notes.append(target_note(result, TE_FP8_EAGER, TE_EAGER, 1 / MIN_FP8_SPEEDUP, what))
 
     del competitors, modules, xs, grads, sets, gmm, loop, te, te_multi, te_fp8

@@ -1,4 +1,4 @@
-r"""FP8 grouped linear with rowwise current scaling: ``te::grouped_linear_fp8_fwd`` / ``_bwd``.
+r"""FP8 grouped linear, rowwise current or per-tensor delayed scaling: ``te::grouped_linear_fp8_*``.
 
 The same math as ``te::grouped_linear_fwd`` (rows of ``inp`` split into groups by ``m_splits``,
 group ``g`` times ``weight[g].T`` plus ``bias[g]``) with the forward and the dgrad GEMMs in FP8,
@@ -21,6 +21,14 @@ each from the amax over the GEMM's contraction dim (current scaling: measured no
   rowwise-scaled wgrad would need scales along the token dim, whose groups the splits change
   from step to step (per-group column scales, as torchao does); that is the next step.
   The bias gradient is the per-group sum of the high-precision ``dY``.
+
+``recipe="delayed"`` (``DelayedScaling``): one given scale per tensor instead, ``scale`` ``[3]``
+(input, weight, gradient) from ``te::delayed_scaling_update`` as in ``te::linear_fp8``: ``X`` and
+``W`` (all groups) cast with ``scale[0]`` / ``scale[1]``, ``dY`` with ``scale[2]``, each inverse
+scale broadcast to the rowwise vectors the grouped GEMM takes (the dgrad copy of ``W`` is the
+same bytes transposed). The forward returns ``[amax(X), amax(W)]``, the backward writes
+``amax(dY)`` into ``grad_amax`` ``[1]`` (a mutated argument). Under ``recipe="rowwise"`` the amax
+output is 0-element and ``scale`` / ``grad_amax`` are None.
 
 FP8 data crosses op boundaries as ``uint8`` views (see ``docs/fp8.md``). The input is saved in
 high precision for the wgrad.
@@ -59,10 +67,17 @@ from te_compile.functional.grouped_linear import (
     _row_bias,
     as_splits_tensor,
 )
+from te_compile.functional.linear_fp8 import quantize_per_tensor
 
-__all__ = ["grouped_linear_fp8", "grouped_linear_fp8_ref", "quantize_rowwise"]
+__all__ = [
+    "GROUPED_FP8_RECIPES",
+    "grouped_linear_fp8",
+    "grouped_linear_fp8_ref",
+    "quantize_rowwise",
+]
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+GROUPED_FP8_RECIPES = ("rowwise", "delayed")
 _HIGH = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -100,8 +115,18 @@ def _dequantize(data: Tensor, scale_inv: Tensor, dim: int, dtype: torch.dtype) -
     return (data.to(acc) * scale_inv.unsqueeze(dim).to(acc)).to(dtype)
 
 
-def _fake_quant(x: Tensor, fp8_dtype: torch.dtype, dim: int) -> Tensor:
-    return _dequantize(*quantize_rowwise(x, fp8_dtype, dim), dim, x.dtype)
+def _fake_quant(x: Tensor, fp8_dtype: torch.dtype, dim: int, scale: Tensor | None = None) -> Tensor:
+    """Quantised-dequantised ``x``: rowwise along ``dim``, or with the given per-tensor
+    ``scale`` (``[1]``, delayed scaling)."""
+    if scale is None:
+        return _dequantize(*quantize_rowwise(x, fp8_dtype, dim), dim, x.dtype)
+    data, scale_inv, _ = quantize_per_tensor(x.reshape(-1, x.shape[-1]), fp8_dtype, scale)
+    acc = torch.float64 if x.dtype is torch.float64 else torch.float32
+    return (data.to(acc) * scale_inv.to(acc)).to(x.dtype).reshape(x.shape)
+
+
+def _slot(scale: Tensor | None, i: int) -> Tensor | None:
+    return None if scale is None else scale[i : i + 1]
 
 
 class _RefGroupedGemm(torch.autograd.Function):
@@ -109,23 +134,25 @@ class _RefGroupedGemm(torch.autograd.Function):
     gradient and the weight quantised along ``N``; wgrad from the unquantised ``dY`` and ``X``."""
 
     @staticmethod
-    def forward(ctx, x, w, splits, fwd_dtype, bwd_dtype):
+    def forward(ctx, x, w, splits, fwd_dtype, bwd_dtype, scale):
         ctx.save_for_backward(x, w)
-        ctx.splits, ctx.fwd_dtype, ctx.bwd_dtype = splits, fwd_dtype, bwd_dtype
-        xq, wq = _fake_quant(x, fwd_dtype, -1), _fake_quant(w, fwd_dtype, -1)
+        ctx.splits, ctx.fwd_dtype, ctx.bwd_dtype, ctx.scale = splits, fwd_dtype, bwd_dtype, scale
+        xq = _fake_quant(x, fwd_dtype, -1, _slot(scale, 0))
+        wq = _fake_quant(w, fwd_dtype, -1, _slot(scale, 1))
         outs = [x_g @ wq[g].t() for g, x_g in enumerate(xq.split(splits))]
         return torch.cat(outs) if outs else x.new_empty(0, w.shape[1])
 
     @staticmethod
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
-        dyq = _fake_quant(dy, ctx.bwd_dtype, -1)
-        wq_n = _fake_quant(w, ctx.fwd_dtype, 1)
+        dyq = _fake_quant(dy, ctx.bwd_dtype, -1, _slot(ctx.scale, 2))
+        # Along N (rowwise), or the same per-tensor values as the forward's (delayed).
+        wq_n = _fake_quant(w, ctx.fwd_dtype, 1, _slot(ctx.scale, 1))
         dx = torch.cat([d @ wq_n[g] for g, d in enumerate(dyq.split(ctx.splits))])
         dw = torch.stack(
             [d.t() @ x_g for d, x_g in zip(dy.split(ctx.splits), x.split(ctx.splits), strict=True)]
         )
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, None
 
 
 def grouped_linear_fp8_ref(
@@ -135,13 +162,14 @@ def grouped_linear_fp8_ref(
     bias: Tensor | None = None,
     fwd_dtype: torch.dtype = torch.float8_e4m3fn,
     bwd_dtype: torch.dtype = torch.float8_e5m2,
+    scale: Tensor | None = None,
 ) -> Tensor:
     """Definition of correctness, differentiable: exact fake-quant emulation in the input's
-    dtype (float64 in the tests). Operands quantised-dequantised as the op does; the incoming
-    gradient quantised for the dgrad GEMM only (wgrad and the bias gradient use the
-    high-precision gradient and input)."""
+    dtype (float64 in the tests). Operands quantised-dequantised as the op does (rowwise, or
+    with the per-tensor delayed ``scale`` ``[3]``); the incoming gradient quantised for the
+    dgrad GEMM only (wgrad and the bias gradient use the high-precision gradient and input)."""
     splits = m_splits.tolist() if isinstance(m_splits, Tensor) else list(m_splits)
-    out = _RefGroupedGemm.apply(inp, weight, splits, fwd_dtype, bwd_dtype)
+    out = _RefGroupedGemm.apply(inp, weight, splits, fwd_dtype, bwd_dtype, scale)
     if bias is not None:
         out = out + torch.repeat_interleave(bias, torch.tensor(splits), dim=0)
     return out
@@ -150,8 +178,33 @@ def grouped_linear_fp8_ref(
 # Argument checks -------------------------------------------------------------------------------
 
 
-def _check(inp, m_splits, weight, bias, fwd_dtype, bwd_dtype) -> None:
+def _check(
+    inp, m_splits, weight, bias, main_grad, scale, grad_amax, recipe, fwd_dtype, bwd_dtype
+) -> None:
     """Static constraints shared by the implementations (eager) and the fake (trace time)."""
+    p = "te.grouped_linear_fp8: "
+    if main_grad is not None and (
+        main_grad.dtype is not torch.float32 or main_grad.shape != weight.shape
+    ):
+        raise ValueError(
+            p + f"main_grad must be float32 with weight's shape {list(weight.shape)}, got "
+            f"{main_grad.dtype} {list(main_grad.shape)}"
+        )
+    if recipe not in GROUPED_FP8_RECIPES:
+        raise ValueError(p + f"recipe must be one of {GROUPED_FP8_RECIPES}, got {recipe!r}")
+    delayed = recipe == "delayed"
+    if delayed and (
+        scale is None
+        or scale.shape != (3,)
+        or scale.dtype is not torch.float32
+        or (grad_amax is not None and (grad_amax.shape != (1,) or grad_amax.dtype != scale.dtype))
+    ):
+        raise ValueError(
+            p + 'recipe="delayed" needs scale: a [3] float32 tensor (input, weight, gradient); '
+            "grad_amax, if given, a [1] float32 tensor"
+        )
+    if not delayed and (scale is not None or grad_amax is not None):
+        raise ValueError(p + 'scale and grad_amax are for recipe="delayed" only')
     if (
         inp.ndim == 2
         and weight.ndim == 3
@@ -287,9 +340,33 @@ def _quantize_weight_dgrad(weight: Tensor, fwd_dtype: torch.dtype) -> tuple[Tens
 # 2. Forward op -------------------------------------------------------------------------------
 
 
-def _forward(inp, m_splits, weight, bias, fwd_dtype, native: bool):
-    xq, xs = quantize_rowwise(inp, fwd_dtype)
-    wq, ws = quantize_rowwise(weight, fwd_dtype)
+def _quantize_delayed(
+    x: Tensor, fp8_dtype: torch.dtype, scale: Tensor, rows: tuple[int, ...]
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``x`` (viewed 2-D over its last dim) cast with the per-tensor ``scale`` ``[1]``:
+    ``(data of x's shape, inverse scale broadcast to rows, amax [1])`` (the quantisation op:
+    one Triton pass on CUDA)."""
+    data, _, amax = torch.ops.te.quantize_tensorwise(
+        x.reshape(-1, x.shape[-1]), scale, fp8_dtype, False
+    )
+    scale_inv = scale.reciprocal().expand(rows).contiguous()
+    return data.view(x.shape), scale_inv, amax
+
+
+def _forward(inp, m_splits, weight, bias, scale, fwd_dtype, native: bool):
+    g, n, k = weight.shape
+    if scale is None:
+        xq, xs = quantize_rowwise(inp, fwd_dtype)
+        wq, ws = quantize_rowwise(weight, fwd_dtype)
+        wq_t, ws_t = _quantize_weight_dgrad(weight, fwd_dtype)
+        amax = inp.new_empty(0, dtype=torch.float32)
+    else:
+        xq, xs, x_amax = _quantize_delayed(inp, fwd_dtype, scale[0:1], (inp.shape[0],))
+        wq, ws, w_amax = _quantize_delayed(weight, fwd_dtype, scale[1:2], (g, n))
+        # Per-tensor: the dgrad copy is the same codes transposed, with the same scale.
+        wq_t = wq.view(torch.uint8).transpose(1, 2).contiguous().view(fwd_dtype)
+        ws_t = ws[:, :1].expand(g, k).contiguous()
+        amax = torch.cat([x_amax, w_amax])
     if native:
         splits, offs = _device_splits(m_splits, inp)
         out = _gemm_grouped(xq, xs, wq, ws, splits, offs)
@@ -298,8 +375,7 @@ def _forward(inp, m_splits, weight, bias, fwd_dtype, native: bool):
     else:
         splits = _host_splits(m_splits, inp.shape[0])
         out = _gemm_loop(xq, xs, wq, ws, splits, inp.dtype, bias)
-    wq_t, ws_t = _quantize_weight_dgrad(weight, fwd_dtype)
-    return out, [wq_t.view(torch.uint8), ws_t]
+    return out, amax, [wq_t.view(torch.uint8), ws_t]
 
 
 @op("grouped_linear_fp8_fwd")
@@ -308,53 +384,81 @@ def grouped_linear_fp8_fwd(
     m_splits: Tensor,
     weight: Tensor,
     bias: Tensor | None,
+    main_grad: Tensor | None,
+    scale: Tensor | None,
+    grad_amax: Tensor | None,
+    recipe: str,
     fwd_dtype: torch.dtype,
     bwd_dtype: torch.dtype,
-) -> tuple[Tensor, list[Tensor]]:
-    """``(out, saved)``: ``out`` ``[M, out_features]``; ``saved = [W_8 [G, K, N] (uint8 bytes
-    of fwd_dtype, quantised along N), its inverse scales [G, K] fp32]`` for the dgrad.
-    Default (CPU): exact emulation (module docstring)."""
-    _check(inp, m_splits, weight, bias, fwd_dtype, bwd_dtype)
-    return _forward(inp, m_splits, weight, bias, fwd_dtype, native=False)
+) -> tuple[Tensor, Tensor, list[Tensor]]:
+    """``(out, amax, saved)``: ``out`` ``[M, out_features]``; ``amax`` ``[amax(inp),
+    amax(weight)]`` under ``recipe="delayed"`` (0-element under "rowwise"); ``saved = [W_8
+    [G, K, N] (uint8 bytes of fwd_dtype, quantised along N or per tensor), its inverse scales
+    [G, K] fp32]`` for the dgrad. ``main_grad`` and ``grad_amax`` are only carried to the
+    backward. Default (CPU): exact emulation (module docstring)."""
+    _check(inp, m_splits, weight, bias, main_grad, scale, grad_amax, recipe, fwd_dtype, bwd_dtype)
+    return _forward(inp, m_splits, weight, bias, scale, fwd_dtype, native=False)
 
 
 @grouped_linear_fp8_fwd.register_kernel("cuda")
-def _grouped_linear_fp8_fwd_cuda(inp, m_splits, weight, bias, fwd_dtype, bwd_dtype):
-    _check(inp, m_splits, weight, bias, fwd_dtype, bwd_dtype)
-    return _forward(inp, m_splits, weight, bias, fwd_dtype, native=_use_native(inp))
+def _grouped_linear_fp8_fwd_cuda(
+    inp, m_splits, weight, bias, main_grad, scale, grad_amax, recipe, fwd_dtype, bwd_dtype
+):
+    _check(inp, m_splits, weight, bias, main_grad, scale, grad_amax, recipe, fwd_dtype, bwd_dtype)
+    return _forward(inp, m_splits, weight, bias, scale, fwd_dtype, native=_use_native(inp))
 
 
 # 3. Fake ---------------------------------------------------------------------------------------
 
 
 @grouped_linear_fp8_fwd.register_fake
-def _grouped_linear_fp8_fwd_fake(inp, m_splits, weight, bias, fwd_dtype, bwd_dtype):
-    _check(inp, m_splits, weight, bias, fwd_dtype, bwd_dtype)
+def _grouped_linear_fp8_fwd_fake(
+    inp, m_splits, weight, bias, main_grad, scale, grad_amax, recipe, fwd_dtype, bwd_dtype
+):
+    _check(inp, m_splits, weight, bias, main_grad, scale, grad_amax, recipe, fwd_dtype, bwd_dtype)
     g, n, k = weight.shape
     saved = [inp.new_empty(g, k, n, dtype=torch.uint8), inp.new_empty(g, k, dtype=torch.float32)]
-    return inp.new_empty(inp.shape[0], n), saved
+    amax = inp.new_empty(2 if recipe == "delayed" else 0, dtype=torch.float32)
+    return inp.new_empty(inp.shape[0], n), amax, saved
 
 
 # 4. Backward op --------------------------------------------------------------------------------
 
 
+def _quantize_grad(grad_out, scale, grad_amax, bwd_dtype):
+    """The dgrad operand: rowwise, or per tensor with ``scale[2]`` (writing its amax into
+    ``grad_amax`` when given)."""
+    if scale is None:
+        return quantize_rowwise(grad_out, bwd_dtype)
+    gq, gs, amax = _quantize_delayed(grad_out, bwd_dtype, scale[2:3], (grad_out.shape[0],))
+    if grad_amax is not None:
+        grad_amax.copy_(amax)
+    return gq, gs
+
+
 def _backward_impl(
-    grad_out, saved, inp, m_splits, fwd_dtype, bwd_dtype, has_bias, need_dgrad, need_wgrad, native
-):
+    grad_out, saved, inp, m_splits, main_grad, scale, grad_amax, fwd_dtype, bwd_dtype, has_bias,
+    need_dgrad, need_wgrad, native,
+):  # fmt: skip
     wq_t, ws_t = saved
     wq_t = wq_t.view(fwd_dtype)
     dtype = grad_out.dtype
     groups, k, n = wq_t.shape
     rows = grad_out.shape[0]
     dinp, dweight, dbias = _empty(grad_out), _empty(grad_out), _empty(grad_out)
+    if need_dgrad or grad_amax is not None:
+        gq, gs = _quantize_grad(grad_out, scale, grad_amax, bwd_dtype)
     if native:
         splits, offs = _device_splits(m_splits, grad_out)
         if need_dgrad:
-            gq, gs = quantize_rowwise(grad_out, bwd_dtype)
             dinp = _gemm_grouped(gq, gs, wq_t, ws_t, splits, offs)
         if need_wgrad:
-            # [N, M] x [M, K] -> [G, N, K], grouped along the reduction dim, high precision.
+            # [N, M] x [M, K] -> [G, N, K], grouped along the reduction dim, high precision
+            # (bf16 out: torch's grouped GEMM has no fp32 output; added to main_grad in fp32).
             dweight = torch._grouped_mm(grad_out.t(), inp, offs=offs)
+            if main_grad is not None:
+                main_grad.add_(dweight)
+                dweight = _empty(grad_out)
         if has_bias:
             group_ids = torch.arange(groups, device=grad_out.device)
             row_group = torch.repeat_interleave(group_ids, splits, output_size=rows)
@@ -363,16 +467,17 @@ def _backward_impl(
         return dinp, dweight, dbias
     splits = _host_splits(m_splits, rows)
     if need_dgrad:
-        gq, gs = quantize_rowwise(grad_out, bwd_dtype)
         dinp = _gemm_loop(gq, gs, wq_t, ws_t, splits, dtype)
-    if need_wgrad:
+    if need_wgrad and main_grad is None:
         dweight = grad_out.new_zeros(groups, n, k)
     if has_bias:
         dbias = grad_out.new_zeros(groups, n)
     start = 0
     for g, m in enumerate(splits):
         dy = grad_out[start : start + m].float()
-        if need_wgrad:
+        if need_wgrad and main_grad is not None:
+            main_grad[g].addmm_(dy.t(), inp[start : start + m].float())
+        elif need_wgrad:
             dweight[g] = (dy.t() @ inp[start : start + m].float()).to(dtype)
         if has_bias:
             dbias[g] = dy.sum(0).to(dtype)
@@ -380,46 +485,55 @@ def _backward_impl(
     return dinp, dweight, dbias
 
 
-@op("grouped_linear_fp8_bwd")
+@op("grouped_linear_fp8_bwd", mutates_args=("main_grad", "grad_amax"))
 def grouped_linear_fp8_bwd(
     grad_out: Tensor,
     saved: list[Tensor],
     inp: Tensor | None,
     m_splits: Tensor,
+    main_grad: Tensor | None,
+    scale: Tensor | None,
+    grad_amax: Tensor | None,
     fwd_dtype: torch.dtype,
     bwd_dtype: torch.dtype,
     has_bias: bool,
     need_dgrad: bool,
     need_wgrad: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dinp, dweight, dbias)``, 0-element where not computed. ``inp`` (high precision) is
-    needed only for the wgrad (None otherwise). Default (CPU): exact emulation for the dgrad,
-    fp32 per-group loop for the wgrad and dbias, each rounded once."""
+    """``(dinp, dweight, dbias)``, 0-element where not computed (dweight also when it went
+    into ``main_grad``, fp32, added to); with ``scale`` (delayed) the
+    gradient is cast with ``scale[2]`` and ``amax(grad_out)`` written into ``grad_amax`` when
+    given. ``inp`` (high precision) is needed only for the wgrad (None otherwise). Default
+    (CPU): exact emulation for the dgrad, fp32 per-group loop for the wgrad and dbias, each
+    rounded once."""
     return _backward_impl(
-        grad_out, saved, inp, m_splits, fwd_dtype, bwd_dtype, has_bias, need_dgrad, need_wgrad,
-        native=False,
+        grad_out, saved, inp, m_splits, main_grad, scale, grad_amax, fwd_dtype, bwd_dtype,
+        has_bias, need_dgrad, need_wgrad, native=False,
     )  # fmt: skip
 
 
 @grouped_linear_fp8_bwd.register_kernel("cuda")
 def _grouped_linear_fp8_bwd_cuda(
-    grad_out, saved, inp, m_splits, fwd_dtype, bwd_dtype, has_bias, need_dgrad, need_wgrad
-):
+    grad_out, saved, inp, m_splits, main_grad, scale, grad_amax, fwd_dtype, bwd_dtype, has_bias,
+    need_dgrad, need_wgrad,
+):  # fmt: skip
     return _backward_impl(
-        grad_out, saved, inp, m_splits, fwd_dtype, bwd_dtype, has_bias, need_dgrad, need_wgrad,
-        native=_use_native(grad_out),
+        grad_out, saved, inp, m_splits, main_grad, scale, grad_amax, fwd_dtype, bwd_dtype,
+        has_bias, need_dgrad, need_wgrad, native=_use_native(grad_out),
     )  # fmt: skip
 
 
 @grouped_linear_fp8_bwd.register_fake
 def _grouped_linear_fp8_bwd_fake(
-    grad_out, saved, inp, m_splits, fwd_dtype, bwd_dtype, has_bias, need_dgrad, need_wgrad
-):
+    grad_out, saved, inp, m_splits, main_grad, scale, grad_amax, fwd_dtype, bwd_dtype, has_bias,
+    need_dgrad, need_wgrad,
+):  # fmt: skip
     groups, k, n = saved[0].shape
     if need_wgrad:
         torch._check(inp is not None, lambda: "te.grouped_linear_fp8_bwd: wgrad needs inp")
     dinp = grad_out.new_empty(grad_out.shape[0], k) if need_dgrad else _empty(grad_out)
-    dweight = grad_out.new_empty(groups, n, k) if need_wgrad else _empty(grad_out)
+    want_dw = need_wgrad and main_grad is None
+    dweight = grad_out.new_empty(groups, n, k) if want_dw else _empty(grad_out)
     dbias = grad_out.new_empty(groups, n) if has_bias else _empty(grad_out)
     return dinp, dweight, dbias
 
@@ -428,16 +542,16 @@ def _grouped_linear_fp8_bwd_fake(
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    inp, m_splits, _weight, bias, fwd_dtype, bwd_dtype = inputs
-    _out, saved = output
-    ctx.mark_non_differentiable(*saved)
-    ctx.save_for_backward(inp, m_splits, *saved)
+    inp, m_splits, _weight, bias, main_grad, scale, grad_amax, _recipe, fwd, bwd = inputs
+    _out, amax, saved = output
+    ctx.mark_non_differentiable(amax, *saved)
+    ctx.save_for_backward(inp, m_splits, main_grad, scale, grad_amax, *saved)
     ctx.has_bias = bias is not None
-    ctx.fwd_dtype, ctx.bwd_dtype = fwd_dtype, bwd_dtype
+    ctx.fwd_dtype, ctx.bwd_dtype = fwd, bwd
 
 
-def _backward(ctx, bwd, grad_out, _grad_saved):
-    inp, m_splits, *saved = ctx.saved_tensors
+def _backward(ctx, bwd, grad_out, _grad_amax, _grad_saved):
+    inp, m_splits, main_grad, scale, grad_amax, *saved = ctx.saved_tensors
     need_dgrad, _, need_wgrad, need_bgrad = ctx.needs_input_grad[:4]
     has_bias = ctx.has_bias and need_bgrad
     dinp, dweight, dbias = bwd(
@@ -445,6 +559,9 @@ def _backward(ctx, bwd, grad_out, _grad_saved):
         saved,
         inp if need_wgrad else None,
         m_splits,
+        main_grad,
+        scale,
+        grad_amax,
         ctx.fwd_dtype,
         ctx.bwd_dtype,
         has_bias,
@@ -454,10 +571,9 @@ def _backward(ctx, bwd, grad_out, _grad_saved):
     return (
         dinp if need_dgrad else None,
         None,
-        dweight if need_wgrad else None,
+        dweight if need_wgrad and main_grad is None else None,
         dbias if has_bias else None,
-        None,
-        None,
+        *(None,) * 6,
     )
 
 
@@ -469,19 +585,39 @@ def _samples(device: torch.device):
         return torch.tensor(values, device=on, dtype=torch.int64)
 
     e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+    rowwise = (None, None, None, "rowwise")
     # A zero-size group in the middle, bias.
-    yield SampleInput((t(40, 16), splits(11, 0, 29), t(3, 32, 16), t(3, 32), e4m3, e5m2))
+    yield SampleInput((t(40, 16), splits(11, 0, 29), t(3, 32, 16), t(3, 32), *rowwise, e4m3, e5m2))
     # A CPU m_splits tensor (int32), first and last groups empty, no input gradient.
     yield SampleInput(
         (t(20, 32, grad=False), torch.tensor([0, 7, 13, 0], dtype=torch.int32), t(4, 16, 32),
-         None, e4m3, e5m2)
+         None, *rowwise, e4m3, e5m2)
     )  # fmt: skip
     # float32, one group, E4M3 gradient.
     f32 = torch.float32
     yield SampleInput(
         (t(24, 32, dtype=f32), splits(24, on="cpu"), t(1, 16, 32, dtype=f32), t(1, 16, dtype=f32),
-         e4m3, e4m3)
+         *rowwise, e4m3, e4m3)
     )  # fmt: skip
+    # Delayed scaling: given per-tensor scales (powers of two: exact in every dtype), the
+    # gradient's amax written into grad_amax.
+    scale = torch.tensor([8.0, 16.0, 2048.0], device=device)
+    grad_amax = torch.zeros(1, device=device)
+    yield SampleInput(
+        (t(40, 16), splits(11, 0, 29), t(3, 32, 16), t(3, 32), None, scale, grad_amax, "delayed",
+         e4m3, e5m2)
+    )  # fmt: skip
+    # Weight gradient accumulated into main_grad (fp32), rowwise.
+    yield SampleInput(
+        (t(24, 16), splits(8, 16), t(2, 32, 16), None, torch.zeros(2, 32, 16, device=device),
+         None, None, "rowwise", e4m3, e5m2)
+    )  # fmt: skip
+
+
+def _reference(
+    inp, m_splits, weight, bias, main_grad, scale, grad_amax, recipe, fwd_dtype, bwd_dtype
+):
+    return grouped_linear_fp8_ref(inp, m_splits, weight, bias, fwd_dtype, bwd_dtype, scale)
 
 
 _grouped_linear_fp8 = differentiable(
@@ -490,7 +626,7 @@ _grouped_linear_fp8 = differentiable(
     setup_context=_setup_context,
     backward=_backward,
     sample_inputs=_samples,
-    reference=grouped_linear_fp8_ref,
+    reference=_reference,
 )
 
 
@@ -503,12 +639,23 @@ def grouped_linear_fp8(
     weight: Tensor,
     bias: Tensor | None = None,
     *,
+    recipe: str = "rowwise",
     fwd_dtype: torch.dtype = torch.float8_e4m3fn,
     bwd_dtype: torch.dtype = torch.float8_e5m2,
-) -> Tensor:
-    """:func:`te_compile.functional.grouped_linear` with rowwise-scaled FP8 forward and dgrad
-    GEMMs (module docstring), through ``te::grouped_linear_fp8_fwd``."""
-    out, _saved = _grouped_linear_fp8(
-        inp, as_splits_tensor(m_splits), weight, bias, fwd_dtype, bwd_dtype
-    )
-    return out
+    scale: Tensor | None = None,
+    grad_amax: Tensor | None = None,
+    main_grad: Tensor | None = None,
+    return_amax: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """:func:`te_compile.functional.grouped_linear` with FP8 forward and dgrad GEMMs (module
+    docstring), through ``te::grouped_linear_fp8_fwd``: ``recipe="rowwise"`` (current scaling
+    with rowwise scales) or ``"delayed"`` (per-tensor ``scale`` ``[3]``; ``grad_amax`` ``[1]``
+    receives the gradient's amax in the backward). ``main_grad`` (fp32, ``weight``'s shape):
+    the weight gradient is added to it instead of being returned. ``return_amax=True`` also
+    returns the
+    forward's ``[amax(inp), amax(weight)]`` (0-element under "rowwise")."""
+    out, amax, _saved = _grouped_linear_fp8(
+        inp, as_splits_tensor(m_splits), weight, bias, main_grad, scale, grad_amax, recipe,
+        fwd_dtype, bwd_dtype,
+    )  # fmt: skip
+    return (out, amax) if return_amax else out

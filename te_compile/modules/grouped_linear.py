@@ -17,9 +17,11 @@ Two parameter layouts, with one state_dict format conversion between them:
 A state_dict saved in either layout loads into a module of the other (``_load_from_state_dict``
 converts exactly: stacking or unbinding).
 
-Inside ``te_compile.autocast(recipe=Float8CurrentScaling())`` the forward and dgrad GEMMs run in
-FP8 with rowwise scales (``te::grouped_linear_fp8_*``, ``torch._scaled_grouped_mm`` on CUDA), the
-wgrad in high precision; other recipes raise NotImplementedError.
+Inside ``te_compile.autocast`` the forward and dgrad GEMMs run in FP8 (``te::grouped_linear_fp8_*``,
+``torch._scaled_grouped_mm`` on CUDA), the wgrad in high precision: ``Float8CurrentScaling`` with
+rowwise scales, ``DelayedScaling`` with per-tensor scales from the ``fp8_meta`` child's amax
+history (input, weight and gradient of all groups; saved in the state_dict once used, as in
+:class:`~te_compile.Linear`); the block-scaled recipes raise NotImplementedError.
 
 ``fuse_wgrad_accumulation=True``: the weight gradient is accumulated in fp32 into a
 ``main_grad`` instead of producing ``.grad``: ``weight.main_grad`` ``[num_gemms, out, in]`` in the
@@ -43,7 +45,7 @@ from torch import Tensor, nn
 from te_compile import functional as F
 from te_compile.distributed.tensor_parallel import TensorParallel, set_parallel_attributes
 from te_compile.modules._common import check_positive, default_init_method, params_dtype_or_default
-from te_compile.quantization.state import get_autocast_state
+from te_compile.quantization import fp8_gemm as _fp8
 
 __all__ = ["GroupedLinear"]
 
@@ -116,6 +118,8 @@ class GroupedLinear(nn.Module):
                 self.register_parameter(f"bias{i}", b)
         if self.tp.mode is not None:
             self.set_partition_stride(1)
+        # Delayed-scaling state of the grouped GEMM (in the state_dict once delayed scaling ran).
+        self.fp8_meta = _fp8.FP8GemmState(device)
         self.reset_parameters()
 
     @property
@@ -212,12 +216,10 @@ class GroupedLinear(nn.Module):
         splits = F.as_splits_tensor(m_splits).to(bias.device)
         return out + bias.repeat_interleave(splits, dim=0, output_size=out.shape[0])
 
-    @staticmethod
-    def _gemm(inp, m_splits, weight, bias, main_grad) -> Tensor:
-        state = get_autocast_state()
-        if state.enabled:
-            return _fp8_grouped(state.recipe, inp, m_splits, weight, bias, main_grad)
-        return F.grouped_linear(inp, m_splits, weight, bias, main_grad=main_grad)
+    def _gemm(self, inp, m_splits, weight, bias, main_grad) -> Tensor:
+        return _fp8.grouped_linear(
+            "GroupedLinear", self.fp8_meta, inp, m_splits, weight, bias, main_grad
+        )
 
     # state_dict in either layout ---------------------------------------------------------------
 
@@ -231,24 +233,6 @@ class GroupedLinear(nn.Module):
             f"out_features={self.out_features}, bias={self.use_bias}, "
             f"single_grouped_parameter={self.single_grouped_parameter}" + self.tp.describe()
         )
-
-
-def _fp8_grouped(recipe, inp, m_splits, weight, bias, main_grad) -> Tensor:
-    """FP8 grouped GEMMs: ``Float8CurrentScaling`` with rowwise scales (what Hopper's grouped FP8
-    GEMM takes), forward and dgrad in FP8, wgrad in high precision."""
-    if not recipe.float8_current():
-        raise NotImplementedError(
-            f"GroupedLinear: the {type(recipe).__name__} recipe is not implemented "
-            "(Float8CurrentScaling is, with rowwise scales)"
-        )
-    if main_grad is not None:
-        raise NotImplementedError(
-            "GroupedLinear: fuse_wgrad_accumulation is not implemented with FP8"
-        )
-    fmt = recipe.fp8_format
-    return F.grouped_linear_fp8(
-        inp, m_splits, weight, bias, fwd_dtype=fmt.fwd_dtype, bwd_dtype=fmt.bwd_dtype
-    )
 
 
 def _convert_layout(state_dict: dict, prefix: str, num_gemms: int, single: bool) -> None:

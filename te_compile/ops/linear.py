@@ -18,10 +18,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from te_compile import functional as F
 from te_compile.ops.op import BasicOperation, OpOutput
 from te_compile.quantization import fp8_gemm
-from te_compile.quantization.state import get_autocast_state
 
 __all__ = ["BasicLinear", "Bias", "GroupedLinear"]
 
@@ -153,8 +151,9 @@ class GroupedLinear(BasicOperation):
     or the CPU, or a list of ints), as Transformer Engine's ``te.ops.GroupedLinear`` does:
     ``Sequential(..., GroupedLinear(...), ...)(x, m_splits)``. Parameters in the single grouped
     layout: ``weight`` ``[num_groups, out_features, in_features]``, ``bias``
-    ``[num_groups, out_features]``. Inside ``te_compile.autocast(recipe=Float8CurrentScaling())``
-    the forward and dgrad GEMMs run in FP8 with rowwise scales (``te::grouped_linear_fp8_*``).
+    ``[num_groups, out_features]``. Inside ``te_compile.autocast`` the forward and dgrad GEMMs run
+    in FP8 (``te::grouped_linear_fp8_*``): rowwise scales under ``Float8CurrentScaling``,
+    per-tensor delayed scales (``fp8_meta``) under ``DelayedScaling``.
     """
 
     num_extra_inputs = 1
@@ -183,6 +182,7 @@ class GroupedLinear(BasicOperation):
         kw = {"dtype": dtype, "device": device}
         self.weight = nn.Parameter(torch.empty(num_groups, out_features, in_features, **kw))
         self.bias = nn.Parameter(torch.empty(num_groups, out_features, **kw)) if bias else None
+        self.fp8_meta = fp8_gemm.FP8GemmState(device)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -194,18 +194,8 @@ class GroupedLinear(BasicOperation):
 
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
         (m_splits,) = extra_inputs
-        state = get_autocast_state()
-        if not state.enabled:
-            return F.grouped_linear(x, m_splits, self.weight, self.bias), ()
-        recipe = state.recipe
-        if not recipe.float8_current():
-            raise NotImplementedError(
-                f"GroupedLinear: the {type(recipe).__name__} recipe is not implemented "
-                "(Float8CurrentScaling is, with rowwise scales)"
-            )
-        fmt = recipe.fp8_format
-        out = F.grouped_linear_fp8(
-            x, m_splits, self.weight, self.bias, fwd_dtype=fmt.fwd_dtype, bwd_dtype=fmt.bwd_dtype
+        out = fp8_gemm.grouped_linear(
+            "GroupedLinear", self.fp8_meta, x, m_splits, self.weight, self.bias
         )
         return out, ()
 

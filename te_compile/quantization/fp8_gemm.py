@@ -29,6 +29,7 @@ the history at the next forward.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -47,6 +48,7 @@ __all__ = [
     "MAX_AMAX_HISTORY",
     "FP8GemmState",
     "Norm",
+    "grouped_linear",
     "linear",
     "mlp",
     "non_finite_amaxes",
@@ -126,6 +128,39 @@ class FP8GemmState(nn.Module):
         self.record(amax, state)
         return out
 
+    def grouped_linear(
+        self,
+        owner: str,
+        state: AutocastState,
+        inp: Tensor,
+        m_splits: Tensor | Sequence[int],
+        weight: Tensor,
+        bias: Tensor | None,
+        main_grad: Tensor | None = None,
+    ) -> Tensor:
+        """The grouped GEMM of a GroupedLinear (``weight`` ``[G, N, K]``, the weight gradient
+        added to ``main_grad`` when given) with the FP8 recipe of ``state``:
+        ``Float8CurrentScaling`` with rowwise scales (what Hopper's grouped FP8 GEMM takes),
+        ``DelayedScaling`` with this state's per-tensor scales (input, weight and gradient of
+        all groups); forward and dgrad GEMMs in FP8, wgrad in high precision."""
+        recipe = state.recipe
+        if not (recipe.float8_current() or recipe.delayed()):
+            raise NotImplementedError(
+                f"{owner}: the {type(recipe).__name__} recipe is not implemented for grouped "
+                "GEMMs (Float8CurrentScaling and DelayedScaling are)"
+            )
+        fmt = recipe.fp8_format
+        kw = {"fwd_dtype": fmt.fwd_dtype, "bwd_dtype": fmt.bwd_dtype, "main_grad": main_grad}
+        scale = self.delayed_scale(owner, state)
+        if scale is None:
+            return F.grouped_linear_fp8(inp, m_splits, weight, bias, **kw)
+        out, amax = F.grouped_linear_fp8(
+            inp, m_splits, weight, bias, recipe="delayed", scale=scale,
+            grad_amax=self.grad_amax, return_amax=True, **kw,
+        )  # fmt: skip
+        self.record(amax, state)
+        return out
+
     def delayed_scale(self, owner: str, state: AutocastState) -> Tensor | None:
         """None under current scaling; under delayed scaling, fold the last amaxes into the
         history, recompute the scales and return a copy of them (the ``[3]`` the FP8 ops take)."""
@@ -176,6 +211,24 @@ def linear(
     if state.enabled:
         return meta.linear(owner, state, inp, weight, bias, main_grad)
     return F.linear(inp, weight, bias, main_grad=main_grad)
+
+
+def grouped_linear(
+    owner: str,
+    meta: FP8GemmState,
+    inp: Tensor,
+    m_splits: Tensor | Sequence[int],
+    weight: Tensor,
+    bias: Tensor | None,
+    main_grad: Tensor | None = None,
+) -> Tensor:
+    """A module's grouped GEMM: FP8 with ``meta``'s state inside an enabled
+    ``te_compile.autocast`` (:meth:`FP8GemmState.grouped_linear`), else
+    ``te::grouped_linear_fwd``."""
+    state = get_autocast_state()
+    if not state.enabled:
+        return F.grouped_linear(inp, m_splits, weight, bias, main_grad=main_grad)
+    return meta.grouped_linear(owner, state, inp, m_splits, weight, bias, main_grad)
 
 
 def norm_linear(

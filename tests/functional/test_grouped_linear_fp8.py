@@ -115,6 +115,66 @@ def test_matches_fake_quant_reference(device, fast):
     assert_close(b.grad, b_ref.grad, dtype, reduced=True)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_delayed_scaling(device, dtype):
+    """recipe="delayed": the op equals the fake-quant reference with the given per-tensor scales,
+    reports the forward's [amax(x), amax(w)] and writes amax(dY) into grad_amax; a scale that
+    is too large saturates instead of overflowing."""
+    splits = [5, 0, 11, 16]
+    (x_ref, w_ref, b_ref), (x, w, b) = _make(splits, 32, 16, dtype, device)
+    scale = torch.tensor([16.0, 64.0, 2.0**12], device=device)
+    # bf16 on CUDA: the grouped kernel, whose output is rounded before the bias is added.
+    bf16 = dtype is torch.bfloat16
+    y_ref = GF.grouped_linear_fp8_ref(x_ref, splits, w_ref, b_ref, scale=scale.cpu())
+    dy_ref, dy = make_reference_and_test_tensors(y_ref.shape, dtype=dtype, device=device)
+    y_ref.backward(dy_ref)
+    grad_amax = torch.zeros(1, device=device)
+    y, amax = GF.grouped_linear_fp8(
+        x, splits, w, b, recipe="delayed", scale=scale, grad_amax=grad_amax, return_amax=True
+    )
+    y.backward(dy)
+    assert_close(y, y_ref, dtype, reduced=bf16)
+    assert_close(x.grad, x_ref.grad, dtype, reduced=bf16)
+    assert_close(w.grad, w_ref.grad, dtype, reduced=True)
+    assert_close(b.grad, b_ref.grad, dtype, reduced=True)
+    expected = torch.stack([x.detach().abs().max(), w.detach().abs().max()])
+    assert torch.equal(amax, expected.float())
+    assert torch.equal(grad_amax, dy.abs().max().float().reshape(1))
+    # Per-tensor, not rowwise: a rescaled row changes every row's rounding under rowwise
+    # scaling only; here the other rows' outputs stay bit-identical.
+    x2 = x.detach().clone()
+    x2[0] *= 4
+    y2 = GF.grouped_linear_fp8(x2, splits, w.detach(), b.detach(), recipe="delayed", scale=scale)
+    assert torch.equal(y2[1:], y.detach()[1:])
+    # Overflow saturates at the format's largest value (448 for E4M3), no inf.
+    big = GF.grouped_linear_fp8(
+        x.detach(), splits, w.detach(), None, recipe="delayed",
+        scale=torch.tensor([1e6, 1e6, 1.0], device=device),
+    )  # fmt: skip
+    assert torch.isfinite(big).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_main_grad_accumulation(device, dtype):
+    """main_grad (fp32): the weight gradient is added to it (twice: accumulated), no .grad."""
+    splits = [7, 0, 25]
+    _ref, (x, w, b) = _make(splits, 32, 16, dtype, device)
+    dy = torch.randn(sum(splits), 16, device=device, dtype=dtype)
+    expected = GF.grouped_linear_fp8(x, splits, w, b)
+    expected.backward(dy)
+    main_grad = torch.ones(w.shape, device=device)
+    for _ in range(2):
+        y = GF.grouped_linear_fp8(x, splits, w.detach().requires_grad_(), b, main_grad=main_grad)
+        y.backward(dy)
+    assert torch.equal(y, expected)
+    # bf16 on CUDA: the grouped wgrad is rounded to bf16 before the fp32 add.
+    assert_close(main_grad, 1 + 2 * w.grad.double(), dtype, reduced=True)
+    with pytest.raises(ValueError, match="main_grad must be float32"):
+        GF.grouped_linear_fp8(x, splits, w, b, main_grad=main_grad.to(dtype=torch.float16))
+
+
 # 2. The quantisation and GEMM helpers of the CUDA path, on CPU tensors ------------------------
 
 
@@ -174,20 +234,24 @@ def test_grouped_gemm_path_matches_loop(fp8):
     assert_close(grouped, loop, torch.bfloat16, roundings=2)
 
 
+@pytest.mark.parametrize("delayed", [False, True], ids=["rowwise", "delayed"])
 @pytest.mark.parametrize("bias", [True, False])
-def test_native_path_on_cpu_tensors(bias):
+def test_native_path_on_cpu_tensors(bias, delayed):
     """The whole grouped (no host sync) forward and backward of the CUDA kernel, run on CPU bf16
     tensors, against the exact emulation."""
     splits = [6, 0, 17, 9]
     _ref, (x, w, b) = _make(splits, 32, 16, torch.bfloat16, "cpu", bias=bias)
     s = torch.tensor(splits)
-    out_n, saved_n = GF._forward(x, s, w, b, E4M3, native=True)
-    out_l, saved_l = GF._forward(x, s, w, b, E4M3, native=False)
-    for a, e in zip(saved_n, saved_l, strict=True):
+    scale = torch.tensor([4.0, 32.0, 512.0]) if delayed else None
+    out_n, amax_n, saved_n = GF._forward(x, s, w, b, scale, E4M3, native=True)
+    out_l, amax_l, saved_l = GF._forward(x, s, w, b, scale, E4M3, native=False)
+    for a, e in zip([amax_n, *saved_n], [amax_l, *saved_l], strict=True):
         assert torch.equal(a, e)
-    assert_close(out_n, out_l.double(), torch.bfloat16, roundings=2 + bias)
+    # The native path adds the bias to the GEMM's rounded bf16 output: an error of the GEMM's
+    # magnitude, which a cancelling sum leaves large relative to the result (hence `reduced`).
+    assert_close(out_n, out_l.double(), torch.bfloat16, roundings=2 + bias, reduced=bias)
     dy = torch.randn_like(out_l)
-    args = (dy, saved_l, x, s, E4M3, E5M2, bias, True, True)
+    args = (dy, saved_l, x, s, None, scale, None, E4M3, E5M2, bias, True, True)
     grads_n = GF._backward_impl(*args, native=True)
     grads_l = GF._backward_impl(*args, native=False)
     assert_close(grads_n[0], grads_l[0].double(), torch.bfloat16, roundings=2)

@@ -11,7 +11,12 @@ import torch
 
 import te_compile as te
 from te_compile import functional as F
-from te_compile.quantization import DelayedScaling, Float8CurrentScaling, autocast
+from te_compile.quantization import (
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    autocast,
+)
 from tests.utils import DEVICES, GraphRecorder, compile_counted
 
 
@@ -227,8 +232,62 @@ def test_grouped_linear_fp8_current_scaling(device):
     assert torch.equal(y, expected) and torch.equal(y_c, expected)
     assert _sqnr_db(y, m(x, splits)) > 25.0  # vs the bf16 grouped GEMM
     assert counter.frame_count == 1
-    with autocast(recipe=DelayedScaling()), pytest.raises(NotImplementedError, match="Delayed"):
+    assert m.fp8_meta.is_unused() and set(m.state_dict()) == {"weight", "bias"}
+    with autocast(recipe=Float8BlockScaling()), pytest.raises(NotImplementedError, match="Block"):
         m(x, splits)
+
+
+def _grouped(device, single=True):
+    torch.manual_seed(0)
+    return te.GroupedLinear(4, 32, 48, single_grouped_parameter=single,
+                            params_dtype=torch.bfloat16, device=device)  # fmt: skip
+
+
+def _train_grouped(m, steps, recipe, start=0, call=None):
+    call = m if call is None else call
+    splits = torch.tensor([16, 0, 8, 40], device=m.fp8_meta.scale.device)
+    outs = []
+    for step in range(start, start + steps):
+        x = _x(m.fp8_meta.scale.device, step)
+        with autocast(recipe=recipe):
+            y = call(x, splits)
+        y.float().square().mean().backward()
+        outs.append(y.detach())
+    return outs
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grouped_linear_delayed_scaling(device):
+    """DelayedScaling on GroupedLinear: the per-tensor state follows the amaxes (input, weight
+    and gradient of all groups), the compiled training step matches eager with zero graph
+    breaks (the state updated in place), and a state_dict resumes training exactly."""
+    recipe = DelayedScaling(amax_history_len=4)
+    eager, other = _grouped(device), _grouped(device, single=False)
+    compiled, counter = compile_counted(other)
+    for step, (y_e, y_c) in enumerate(
+        zip(_train_grouped(eager, 3, recipe), _train_grouped(other, 3, recipe, call=compiled),
+            strict=True)
+    ):  # fmt: skip
+        assert torch.equal(y_e, y_c), step
+    assert counter.frame_count == 1
+    for name in ("amax_history", "scale", "fwd_amax", "grad_amax"):
+        assert torch.equal(getattr(eager.fp8_meta, name), getattr(other.fp8_meta, name)), name
+    assert torch.equal(eager.weight.grad, torch.stack([w.grad for w in other.weights()]))
+    meta = eager.fp8_meta
+    x_amaxes = [_x(device, s).abs().max().float().item() for s in range(3)]
+    assert meta.amax_history[:4, 0].tolist() == [x_amaxes[1], x_amaxes[0], 0.0, 0.0]
+    assert meta.fwd_amax[0].item() == x_amaxes[2]
+    w_amax = eager.weight.detach().abs().max().float().cpu()
+    assert meta.scale[1].item() == (torch.tensor(448.0) / w_amax).item()
+    assert meta.grad_amax.item() > 0
+    # Resume from a state_dict exactly.
+    state = {k: v.clone() for k, v in eager.state_dict().items()}
+    assert "fp8_meta.amax_history" in state
+    resumed = _grouped(device)
+    resumed.load_state_dict(state)
+    a = _train_grouped(eager, 1, recipe, start=3)[0]
+    b = _train_grouped(resumed, 1, recipe, start=3)[0]
+    assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=["delayed", "current"])
@@ -306,3 +365,26 @@ def test_layernorm_linear_writes_the_norm_into_fp8(device, normalization, recipe
     with autocast(recipe=recipe_cls()):
         out, ln_out = m(torch.randn(32, 64, device=device, dtype=torch.bfloat16))
     assert ln_out.shape == (32, 64) and out.shape == (32, 64)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("single", [True, False], ids=["single", "per_expert"])
+def test_grouped_linear_fp8_accumulates_into_main_grad(device, single):
+    """fuse_wgrad_accumulation under FP8 (compiled, delayed scaling): the weight gradients go
+    into main_grad, as the module without the fusion computes them."""
+    recipe = DelayedScaling(amax_history_len=4)
+    plain = _grouped(device, single)
+    torch.manual_seed(0)
+    fused = te.GroupedLinear(4, 32, 48, single_grouped_parameter=single,
+                             params_dtype=torch.bfloat16, device=device,
+                             fuse_wgrad_accumulation=True)  # fmt: skip
+    main_grad = fused.allocate_main_grad()
+    compiled, counter = compile_counted(fused)
+    outs = _train_grouped(fused, 2, recipe, call=compiled)
+    for a, b in zip(_train_grouped(plain, 2, recipe), outs, strict=True):
+        assert torch.equal(a, b)
+    grads = [plain.weight.grad] if single else [w.grad for w in plain.weights()]
+    summed = (grads[0] if single else torch.stack(grads)).float()
+    torch.testing.assert_close(main_grad, summed, rtol=1e-2, atol=1e-2 * summed.abs().max().item())
+    assert all(w.grad is None for w in ([fused.weight] if single else fused.weights()))
+    assert counter.frame_count == 1

@@ -185,3 +185,35 @@ def test_casting_the_model_keeps_the_fp8_state_in_float32():
     for meta in (seq[0].fp8_meta, linear.fp8_meta):
         assert {b.dtype for b in meta.buffers()} == {torch.float32}
     assert seq[0].weight.dtype == torch.bfloat16 and linear.weight.dtype == torch.float16
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "recipe",
+    [Float8CurrentScaling(), DelayedScaling(amax_history_len=4)],
+    ids=["current", "delayed"],
+)
+def test_grouped_linear_op_matches_the_module_under_fp8(device, recipe):
+    """ops.GroupedLinear inside autocast runs the module's FP8 grouped GEMM: the same outputs,
+    gradients and (delayed) scaling state as te.GroupedLinear over three compiled steps."""
+    torch.manual_seed(0)
+    seq = ops.Sequential(ops.GroupedLinear(3, 32, 48)).to(device, torch.bfloat16)
+    module = te.GroupedLinear(3, 32, 48, single_grouped_parameter=True,
+                              params_dtype=torch.bfloat16, device=device)  # fmt: skip
+    with torch.no_grad():
+        module.weight.copy_(seq[0].weight)
+        module.bias.copy_(seq[0].bias)
+    compiled, counter = compile_counted(seq)
+    splits = torch.tensor([8, 0, 24], device=device)
+    for step in range(3):
+        x = _x(device, step=step)
+        with autocast(recipe=recipe):
+            y_op, y_mod = compiled(x, splits), module(x, splits)
+        assert torch.equal(y_op, y_mod), step
+        y_op.float().square().mean().backward()
+        y_mod.float().square().mean().backward()
+    assert torch.equal(seq[0].weight.grad, module.weight.grad)
+    for a, b in zip(seq[0].fp8_meta.buffers(), module.fp8_meta.buffers(), strict=True):
+        assert torch.equal(a, b)
+    assert seq[0].fp8_meta.is_unused() == isinstance(recipe, Float8CurrentScaling)
+    assert counter.frame_count == 1
