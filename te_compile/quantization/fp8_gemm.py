@@ -142,13 +142,11 @@ class FP8GemmState(nn.Module):
         added to ``main_grad`` when given) with the FP8 recipe of ``state``:
         ``Float8CurrentScaling`` with rowwise scales (what Hopper's grouped FP8 GEMM takes),
         ``DelayedScaling`` with this state's per-tensor scales (input, weight and gradient of
-        all groups); forward and dgrad GEMMs in FP8, wgrad in high precision."""
+        all groups); forward and dgrad GEMMs in FP8, wgrad in high precision. The block-scaled
+        recipes are emulated (:func:`_grouped_block_emulated`)."""
         recipe = state.recipe
-        if not (recipe.float8_current() or recipe.delayed()):
-            raise NotImplementedError(
-                f"{owner}: the {type(recipe).__name__} recipe is not implemented for grouped "
-                "GEMMs (Float8CurrentScaling and DelayedScaling are)"
-            )
+        if recipe.mxfp8() or recipe.nvfp4() or recipe.float8_block_scaling():
+            return _grouped_block_emulated(owner, recipe, inp, m_splits, weight, bias, main_grad)
         fmt = recipe.fp8_format
         kw = {"fwd_dtype": fmt.fwd_dtype, "bwd_dtype": fmt.bwd_dtype, "main_grad": main_grad}
         scale = self.delayed_scale(owner, state)
@@ -364,6 +362,53 @@ def _block_scaled(owner, recipe, inp, weight, bias, main_grad, norm=None) -> Ten
         inp, weight, bias, kind="mxfp8", fwd_dtype=fmt.fwd_dtype, bwd_dtype=fmt.bwd_dtype,
         **_norm_kwargs(norm),
     )  # fmt: skip
+
+
+def _grouped_block_emulated(owner, recipe, inp, m_splits, weight, bias, main_grad) -> Tensor:
+    """Float8BlockScaling / MXFP8BlockScaling on a grouped GEMM, emulated: torch has no grouped
+    block-scaled GEMM, so the operands are quantised exactly and dequantised to the model's
+    dtype (``te::fake_quantize``), and the bf16 / fp32 grouped GEMMs (``te::grouped_linear``)
+    run on those values. The input in blocks along ``in_features`` (1x128 or 32 elements),
+    each expert's weight in the recipe's weight blocks (128x128 by default for
+    Float8BlockScaling), the incoming gradient in blocks along ``out_features``; the dgrad and
+    the wgrad both see that gradient and the forward's quantised input and weight (Transformer
+    Engine quantises the wgrad's operands along the tokens instead). The bias and its gradient
+    stay in high precision. Numerics, not speed."""
+    fwd, bwd = recipe.fp8_format.fwd_dtype, recipe.fp8_format.bwd_dtype
+    w_rows, power_2 = 1, False
+    if recipe.nvfp4():
+        # Its second-level scale is per tensor: per expert in Transformer Engine, which needs
+        # each group's amax (host splits or a grouped NVFP4 quantiser, not built).
+        raise NotImplementedError(
+            f"{owner}: NVFP4BlockScaling is not implemented for grouped GEMMs (per-expert "
+            "global scales); Float8BlockScaling and MXFP8BlockScaling are (emulated)"
+        )
+    if recipe.mxfp8():
+        kind = "mxfp8"
+    else:
+        kind = "block"
+        if recipe.x_block_scaling_dim != 1 or recipe.grad_block_scaling_dim != 1:
+            raise NotImplementedError(
+                f"{owner}: Float8BlockScaling with 128x128 activation or gradient blocks is not "
+                "implemented (1x128, the default, is)"
+            )
+        w_rows = 128 if recipe.w_block_scaling_dim == 2 else 1
+        power_2 = not recipe.use_f32_scales
+    kw = {"fp8_dtype": fwd, "power_2_scale": power_2}
+    x = F.fake_quantize(inp, kind, block_rows=1, **kw)
+    g, n, k = weight.shape
+    if w_rows == 1 or n % w_rows == 0:  # no block of rows straddles two experts
+        w = F.fake_quantize(weight.reshape(g * n, k), kind, block_rows=w_rows, **kw).view(g, n, k)
+    else:
+        w = torch.stack([F.fake_quantize(w_g, kind, block_rows=w_rows, **kw) for w_g in weight])
+    out = F.grouped_linear(x, m_splits, w, None, main_grad=main_grad)
+    out = F.fake_quantize(
+        out, "none", grad_kind=kind, grad_fp8_dtype=bwd, grad_block_rows=1, power_2_scale=power_2
+    )
+    if bias is None:
+        return out
+    splits = F.as_splits_tensor(m_splits).to(bias.device)
+    return out + bias.repeat_interleave(splits, dim=0, output_size=out.shape[0])
 
 
 def non_finite_amaxes(model: nn.Module) -> dict[str, list[str]]:
