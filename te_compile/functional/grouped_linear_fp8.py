@@ -362,10 +362,18 @@ def _forward(inp, m_splits, weight, bias, scale, fwd_dtype, native: bool):
         amax = inp.new_empty(0, dtype=torch.float32)
     else:
         xq, xs, x_amax = _quantize_delayed(inp, fwd_dtype, scale[0:1], (inp.shape[0],))
-        wq, ws, w_amax = _quantize_delayed(weight, fwd_dtype, scale[1:2], (g, n))
-        # Per-tensor: the dgrad copy is the same codes transposed, with the same scale.
-        wq_t = wq.view(torch.uint8).transpose(1, 2).contiguous().view(fwd_dtype)
-        ws_t = ws[:, :1].expand(g, k).contiguous()
+        # Per tensor: the dgrad copy is the same codes transposed. One cast per expert writes
+        # both (a strided uint8 transpose of the codes took 0.48 ms at 8 x 2048 x 4096 on the
+        # H100, 2026-11-22), the amax is the experts' max.
+        parts = [
+            torch.ops.te.quantize_tensorwise(w_g, scale[1:2], fwd_dtype, True)
+            for w_g in weight.unbind(0)
+        ]
+        wq = torch.stack([data for data, _, _ in parts])
+        wq_t = torch.stack([data_t for _, data_t, _ in parts])
+        w_amax = torch.stack([a for _, _, a in parts]).amax(0)
+        w_inv = scale[1:2].reciprocal()
+        ws, ws_t = w_inv.expand(g, n).contiguous(), w_inv.expand(g, k).contiguous()
         amax = torch.cat([x_amax, w_amax])
     if native:
         splits, offs = _device_splits(m_splits, inp)
