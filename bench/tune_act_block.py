@@ -34,6 +34,7 @@ import triton.language as tl
 from triton.testing import do_bench
 
 from te_compile.kernels import act_quantize as AQ
+from te_compile.kernels import quantize as Q
 from te_compile.kernels.activation import FUNCTION_OF
 from te_compile.kernels.quantize import (
     _FORMATS,
@@ -45,6 +46,7 @@ from te_compile.kernels.quantize import (
 )
 
 E4M3 = torch.float8_e4m3fn
+TRITON = Q.QuantizeLaunchConfig(cuda_kernels=False)
 
 
 @triton.jit
@@ -115,10 +117,25 @@ def main(m: int = 16384, n: int = 16384, device: str = "cuda") -> None:
         nbytes = (8 if bwd else 6) * numel
 
         def ref(grad=grad):
-            return AQ.act_quantize_block(z, b, grad, "gelu", E4M3, m, grad is not None, False)
+            return AQ.act_quantize_block(
+                z, b, grad, "gelu", E4M3, m, grad is not None, False, config=TRITON
+            )
 
         want = ref()
-        row(f"{what} split (default)", ref, nbytes)
+        row(f"{what} split (Triton)", ref, nbytes)
+        if AQ._cuda_act_cast() is not None:
+            cuda_cfg = Q.QuantizeLaunchConfig(cuda_kernels=True)
+
+            def cuda(grad=grad, cfg=cuda_cfg):
+                return AQ.act_quantize_block(
+                    z, b, grad, "gelu", E4M3, m, grad is not None, False, config=cfg
+                )
+
+            got = cuda()
+            same = all(torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+                       for x, y in zip(got[:4], want[:4], strict=True))  # fmt: skip
+            print(f"  {what} CUDA (csrc/act_cast_1x128.cu): bytes equal to Triton's: {same}")
+            row(f"{what} CUDA one read", cuda, nbytes)
         for half in (False, True):
             for warps in (4, 8, 16):
                 tag = f"{what} {'trans16' if half else 'trans32'} w{warps}"

@@ -41,12 +41,15 @@ Element-wise activations only (no gated ones). The tensors are ``[M, N]`` contig
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from te_compile.kernels.activation import FUNCTION_OF, GATED, _act, _dact
+from te_compile import _csrc
+from te_compile.kernels.activation import FN_GELU, FUNCTION_OF, GATED, _act, _dact
 from te_compile.kernels.norm import norm_stats
 from te_compile.kernels.quantize import (
     _FORMATS,
@@ -350,6 +353,28 @@ def _blockwise(
     scale_inv = z.new_empty((m_out, triton.cdiv(n, blk)), dtype=f32)
     scale_inv_t = z.new_empty((n, triton.cdiv(m_out, blk)), dtype=f32)
     dbias = need_dbias and bias is not None and grad is not None
+    cuda = _cuda_act_cast() if cfg.cuda_kernels else None
+    if (
+        cuda is not None
+        and norm is None
+        and fn == FN_GELU.value
+        and z.is_cuda
+        and z.dtype is torch.bfloat16
+        and (bias is None or bias.dtype is torch.bfloat16)
+        and (grad is None or grad.dtype is torch.bfloat16)
+        and rows == m_out
+        and m_out % blk == 0
+        and n % blk == 0
+        and 0 < m_out // blk <= 65535
+    ):
+        # One read of the input, both layouts (csrc/act_cast_1x128.cu; same bytes).
+        part = z.new_empty((m_out // blk, n), dtype=f32) if dbias else None
+        cuda(
+            z, bias, grad, _bits(data), scale_inv, _bits(data_t), scale_inv_t, part,
+            _FORMATS[fp8_dtype].max, fp8_dtype is torch.float8_e4m3fn, power_2_scale,
+        )  # fmt: skip
+        db = part.sum(0).to(bias.dtype) if dbias else None
+        return data, scale_inv, data_t, scale_inv_t, db
     # One 128x128 tile for both layouts, or (block_split) a rowwise pass over [split_m, 128]
     # tiles and a columnwise one over [128, split_n] tiles: two reads of the input, but small
     # tiles keep many programs per SM (the one-tile form runs one, latency-bound).
@@ -392,6 +417,17 @@ def _blockwise(
         )
     db = part.sum(0).to(bias.dtype) if dbias else None
     return data, scale_inv, data_t, scale_inv_t, db
+
+
+@functools.cache
+def _cuda_act_cast():
+    """``torch.ops.te_cuda.act_cast_1x128`` when the C++ extension was built with CUDA, else
+    None (a CPU build, or no extension: the Triton kernels run)."""
+    try:
+        _csrc.load()
+    except ImportError:
+        return None
+    return getattr(torch.ops.te_cuda, "act_cast_1x128", None)
 
 
 def _activation_fn(name: str, activation: str) -> int:

@@ -1,0 +1,302 @@
+// te_cuda::act_cast_1x128 — GELU (or its gradient) cast to FP8 in 1x128 blocks, both layouts,
+// from one read of the input.
+//
+// The fused activation + Float8BlockScaling cast of te::mlp_fp8 (kernels/act_quantize.py,
+// act_quantize_block) needs, from h = gelu(z + b) (forward) or dz = dh * gelu'(z + b)
+// (backward), a rowwise copy in 1x128 blocks along the features and a transposed copy in 1x128
+// blocks along the tokens. In Triton the one-tile form of that kernel (a 128x128 tile reduced
+// along both axes) ran at ~1.7 TB/s on the H100 and the default reads the input twice (one
+// pass per layout). Here one CTA owns a 128x128 tile: a row pass computes the values, casts
+// each row's block and keeps the rounded values in shared memory; a column pass casts each
+// column's block from there. The input is read once.
+//
+// The arithmetic is the Triton kernels', operation for operation, so the bytes are identical
+// (tests/kernels/test_act_cast_cuda.py checks that on the GPU):
+//   a = z + b (fp32); gelu: s = rcp.approx(1 + ex2.approx(a * fma(K1, a*a, K0))), h = a * s;
+//   gelu': p = a * fma(C1, a*a, C0), d = fma(p, fma(-s, s, s), s), dz = dh * d;
+//   the value rounded to bf16 (RNE); block amax = integer max of |x| bits (NaN propagates);
+//   scale = fp8_max / amax correctly rounded (1 for amax 0 or inf, FLT_MAX for an overflow,
+//   optionally truncated to a power of two); code = cvt.rn.satfinite(x * scale);
+//   scale_inv = 1 / scale correctly rounded. The bias gradient partial sums are of the unrounded
+//   dz, per 128-row tile (summed in another order than Triton's: equal to rounding).
+//
+// Scope: bf16 input, whole 128x128 tiles (M and N multiples of 128, no padding rows). Other
+// cases stay on the Triton kernels. Registered in its own namespace: it is a kernel called by
+// te:: ops' CUDA implementations, not an op of the library.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <torch/library.h>
+
+#include <cstdint>
+
+namespace {
+
+constexpr int kTile = 128;
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+constexpr int kRowsPerWarp = kTile / kWarps;  // 16
+// Shared row stride in bf16: 65 words, so the 32 rows a warp reads for one column pair fall in
+// 32 different banks.
+constexpr int kStride = kTile + 2;
+
+// The Triton kernels' constants, folded in double and rounded to fp32 (kernels/activation.py).
+constexpr float kK0 = static_cast<float>(-1.5957691216057308 * 1.4426950408889634);
+constexpr float kK1 = static_cast<float>(-1.5957691216057308 * 1.4426950408889634 * 0.044715);
+constexpr float kC0 = static_cast<float>(1.5957691216057308);
+constexpr float kC1 = static_cast<float>(1.5957691216057308 * 0.134145);
+
+__device__ __forceinline__ float ex2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float rcp_approx(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// sigmoid(2u) of gelu's tanh form, as kernels/activation.py's _gelu_sigmoid.
+__device__ __forceinline__ float gelu_sigmoid(float a, float aa) {
+  return rcp_approx(__fadd_rn(1.0f, ex2_approx(__fmul_rn(a, __fmaf_rn(kK1, aa, kK0)))));
+}
+
+template <bool kBwd>
+__device__ __forceinline__ float activation(float a, float g) {
+  const float aa = __fmul_rn(a, a);
+  const float s = gelu_sigmoid(a, aa);
+  if (!kBwd) return __fmul_rn(a, s);
+  const float p = __fmul_rn(a, __fmaf_rn(kC1, aa, kC0));
+  const float d = __fmaf_rn(p, __fmaf_rn(-s, s, s), s);
+  return __fmul_rn(g, d);
+}
+
+__device__ __forceinline__ float round_bf16(float v) {
+  return __bfloat162float(__float2bfloat16_rn(v));
+}
+
+__device__ __forceinline__ int abs_bits(float x) {
+  return __float_as_int(x) & 0x7FFFFFFF;
+}
+
+__device__ __forceinline__ int warp_max(int v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
+  return v;
+}
+
+// kernels/quantize.py's _scale_from_amax with eps 0.
+__device__ __forceinline__ float scale_from_amax(float amax, float fp8_max, bool pow2) {
+  const bool unit = amax == 0.0f || amax == __int_as_float(0x7F800000);
+  float s = __fdiv_rn(fp8_max, unit ? 1.0f : amax);
+  if (s == __int_as_float(0x7F800000)) s = 3.4028234663852886e38f;
+  if (pow2 && s == s) s = __int_as_float(__float_as_int(s) & static_cast<int>(0xFF800000u));
+  return unit ? 1.0f : s;
+}
+
+__device__ __forceinline__ uint8_t to_fp8(float y, bool e4m3) {
+  return e4m3 ? __nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E4M3)
+              : __nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E5M2);
+}
+
+__device__ __forceinline__ float bf16_lo(uint32_t w) {
+  return __uint_as_float(w << 16);
+}
+
+__device__ __forceinline__ float bf16_hi(uint32_t w) {
+  return __uint_as_float(w & 0xFFFF0000u);
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  // Both already bf16 values: their top halves are exact.
+  return (__float_as_uint(lo) >> 16) | (__float_as_uint(hi) & 0xFFFF0000u);
+}
+
+template <bool kBwd, bool kDbias>
+__global__ void __launch_bounds__(kThreads) act_cast_1x128_kernel(
+    const __nv_bfloat16* __restrict__ z,
+    const __nv_bfloat16* __restrict__ bias,
+    const __nv_bfloat16* __restrict__ grad,
+    uint8_t* __restrict__ data,
+    float* __restrict__ scale_inv,
+    uint8_t* __restrict__ data_t,
+    float* __restrict__ scale_inv_t,
+    float* __restrict__ part,
+    int64_t m,
+    int64_t n,
+    float fp8_max,
+    bool has_bias,
+    bool e4m3,
+    bool pow2) {
+  __shared__ __align__(16) __nv_bfloat16 tile[kTile * kStride];
+  __shared__ float colsum[kDbias ? kWarps : 1][kTile];
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kTile;
+  const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kTile;
+  const int64_t n_blocks = n / kTile;
+  const int64_t m_blocks = m / kTile;
+  uint32_t* tile_words = reinterpret_cast<uint32_t*>(tile);
+
+  float b[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  if (has_bias) {
+    const uint2 bv = *reinterpret_cast<const uint2*>(bias + col0 + 4 * lane);
+    b[0] = bf16_lo(bv.x), b[1] = bf16_hi(bv.x), b[2] = bf16_lo(bv.y), b[3] = bf16_hi(bv.y);
+  }
+  float csum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+
+  // Row pass: warp w owns rows 16w .. 16w + 15, lane l columns 4l .. 4l + 3 of each.
+#pragma unroll 4
+  for (int i = 0; i < kRowsPerWarp; ++i) {
+    const int r = warp * kRowsPerWarp + i;
+    const int64_t off = (row0 + r) * n + col0 + 4 * lane;
+    const uint2 zv = *reinterpret_cast<const uint2*>(z + off);
+    float zf[4] = {bf16_lo(zv.x), bf16_hi(zv.x), bf16_lo(zv.y), bf16_hi(zv.y)};
+    float gf[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (kBwd) {
+      const uint2 gv = *reinterpret_cast<const uint2*>(grad + off);
+      gf[0] = bf16_lo(gv.x), gf[1] = bf16_hi(gv.x), gf[2] = bf16_lo(gv.y), gf[3] = bf16_hi(gv.y);
+    }
+    float x[4];
+    int amax = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float a = has_bias ? __fadd_rn(zf[j], b[j]) : zf[j];
+      const float v = activation<kBwd>(a, gf[j]);
+      if (kDbias) csum[j] += v;
+      x[j] = round_bf16(v);
+      amax = max(amax, abs_bits(x[j]));
+    }
+    amax = warp_max(amax);
+    const float s = scale_from_amax(__int_as_float(amax), fp8_max, pow2);
+    uint32_t q = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) q |= static_cast<uint32_t>(to_fp8(__fmul_rn(x[j], s), e4m3)) << (8 * j);
+    *reinterpret_cast<uint32_t*>(data + off) = q;
+    if (lane == 0) scale_inv[(row0 + r) * n_blocks + blockIdx.x] = __fdiv_rn(1.0f, s);
+    const int w = (r * kStride + 4 * lane) / 2;
+    tile_words[w] = pack_bf16(x[0], x[1]);
+    tile_words[w + 1] = pack_bf16(x[2], x[3]);
+  }
+  if (kDbias) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) colsum[warp][4 * lane + j] = csum[j];
+  }
+  __syncthreads();
+  if (kDbias && threadIdx.x < kTile) {
+    float t = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kWarps; ++k) t += colsum[k][threadIdx.x];
+    part[static_cast<int64_t>(blockIdx.y) * n + col0 + threadIdx.x] = t;
+  }
+
+  // Column pass: warp w owns columns 16w .. 16w + 15, two at a time (one shared word); lane l
+  // rows l, l + 32, l + 64, l + 96.
+#pragma unroll 2
+  for (int p = 0; p < kTile / kWarps / 2; ++p) {
+    const int c = warp * (kTile / kWarps) + 2 * p;
+    float lo[4], hi[4];
+    int amax_lo = 0, amax_hi = 0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint32_t word = tile_words[((lane + 32 * k) * kStride + c) / 2];
+      lo[k] = bf16_lo(word), hi[k] = bf16_hi(word);
+      amax_lo = max(amax_lo, abs_bits(lo[k]));
+      amax_hi = max(amax_hi, abs_bits(hi[k]));
+    }
+    amax_lo = warp_max(amax_lo);
+    amax_hi = warp_max(amax_hi);
+    const float s_lo = scale_from_amax(__int_as_float(amax_lo), fp8_max, pow2);
+    const float s_hi = scale_from_amax(__int_as_float(amax_hi), fp8_max, pow2);
+    uint8_t* out_lo = data_t + (col0 + c) * m + row0 + lane;
+    uint8_t* out_hi = out_lo + m;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      out_lo[32 * k] = to_fp8(__fmul_rn(lo[k], s_lo), e4m3);
+      out_hi[32 * k] = to_fp8(__fmul_rn(hi[k], s_hi), e4m3);
+    }
+    if (lane == 0) {
+      scale_inv_t[(col0 + c) * m_blocks + blockIdx.y] = __fdiv_rn(1.0f, s_lo);
+      scale_inv_t[(col0 + c + 1) * m_blocks + blockIdx.y] = __fdiv_rn(1.0f, s_hi);
+    }
+  }
+}
+
+void check_2d(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t rows,
+              int64_t cols) {
+  TORCH_CHECK_VALUE(t.is_cuda() && t.scalar_type() == dtype && t.is_contiguous() &&
+                        t.dim() == 2 && t.size(0) == rows && t.size(1) == cols,
+                    "te_cuda::act_cast_1x128: ", name, " must be a contiguous CUDA ", dtype,
+                    " tensor [", rows, ", ", cols, "], got ", t.scalar_type(), " ", t.sizes());
+}
+
+void act_cast_1x128(const at::Tensor& z, const std::optional<at::Tensor>& bias,
+                    const std::optional<at::Tensor>& grad, const at::Tensor& data,
+                    const at::Tensor& scale_inv, const at::Tensor& data_t,
+                    const at::Tensor& scale_inv_t, const std::optional<at::Tensor>& part,
+                    double fp8_max, bool e4m3, bool pow2) {
+  const int64_t m = z.size(0), n = z.dim() == 2 ? z.size(1) : -1;
+  TORCH_CHECK_VALUE(z.dim() == 2 && m % kTile == 0 && n % kTile == 0,
+                    "te_cuda::act_cast_1x128: z must be [M, N] with M and N multiples of 128, got ",
+                    z.sizes());
+  TORCH_CHECK_VALUE(m / kTile <= 65535, "te_cuda::act_cast_1x128: M / 128 must be <= 65535");
+  check_2d(z, "z", at::kBFloat16, m, n);
+  if (grad) check_2d(*grad, "grad", at::kBFloat16, m, n);
+  if (bias) {
+    TORCH_CHECK_VALUE(bias->is_cuda() && bias->scalar_type() == at::kBFloat16 &&
+                          bias->is_contiguous() && bias->dim() == 1 && bias->size(0) == n,
+                      "te_cuda::act_cast_1x128: bias must be a contiguous CUDA bfloat16 [", n,
+                      "] tensor");
+  }
+  check_2d(data, "data", at::kByte, m, n);
+  check_2d(data_t, "data_t", at::kByte, n, m);
+  check_2d(scale_inv, "scale_inv", at::kFloat, m, n / kTile);
+  check_2d(scale_inv_t, "scale_inv_t", at::kFloat, n, m / kTile);
+  if (part) {
+    TORCH_CHECK_VALUE(grad.has_value(), "te_cuda::act_cast_1x128: part (dbias) needs grad");
+    check_2d(*part, "part", at::kFloat, m / kTile, n);
+  }
+  if (m == 0 || n == 0) return;
+  const c10::cuda::CUDAGuard guard(z.device());
+  const dim3 blocks(static_cast<unsigned>(n / kTile), static_cast<unsigned>(m / kTile));
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  const auto* zp = reinterpret_cast<const __nv_bfloat16*>(z.data_ptr());
+  const auto* bp = bias ? reinterpret_cast<const __nv_bfloat16*>(bias->data_ptr()) : nullptr;
+  const auto* gp = grad ? reinterpret_cast<const __nv_bfloat16*>(grad->data_ptr()) : nullptr;
+  auto* dp = data.data_ptr<uint8_t>();
+  auto* dtp = data_t.data_ptr<uint8_t>();
+  auto* sp = scale_inv.data_ptr<float>();
+  auto* stp = scale_inv_t.data_ptr<float>();
+  auto* pp = part ? part->data_ptr<float>() : nullptr;
+  const float mx = static_cast<float>(fp8_max);
+  const bool hb = bias.has_value();
+  if (!grad) {
+    act_cast_1x128_kernel<false, false><<<blocks, kThreads, 0, stream>>>(
+        zp, bp, gp, dp, sp, dtp, stp, pp, m, n, mx, hb, e4m3, pow2);
+  } else if (part) {
+    act_cast_1x128_kernel<true, true><<<blocks, kThreads, 0, stream>>>(
+        zp, bp, gp, dp, sp, dtp, stp, pp, m, n, mx, hb, e4m3, pow2);
+  } else {
+    act_cast_1x128_kernel<true, false><<<blocks, kThreads, 0, stream>>>(
+        zp, bp, gp, dp, sp, dtp, stp, pp, m, n, mx, hb, e4m3, pow2);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+TORCH_LIBRARY(te_cuda, m) {
+  m.def(
+      "act_cast_1x128(Tensor z, Tensor? bias, Tensor? grad, Tensor(a!) data, "
+      "Tensor(b!) scale_inv, Tensor(c!) data_t, Tensor(d!) scale_inv_t, Tensor(e!)? part, "
+      "float fp8_max, bool e4m3, bool pow2) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(te_cuda, CUDA, m) {
+  m.impl("act_cast_1x128", &act_cast_1x128);
+}

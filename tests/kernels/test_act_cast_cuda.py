@@ -1,0 +1,64 @@
+"""csrc/act_cast_1x128.cu (``te_cuda::act_cast_1x128``): the one-read CUDA form of the fused gelu +
+Float8BlockScaling 1x128 cast writes the same bytes as the Triton kernels it stands in for
+(``kernels.act_quantize.act_quantize_block`` with ``cuda_kernels=False``). CUDA only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU; none on this machine", allow_module_level=True)
+
+from te_compile.kernels import act_quantize as act_q
+from te_compile.kernels import quantize
+
+if act_q._cuda_act_cast() is None:
+    pytest.skip(
+        "te_compile._C was built without CUDA (no nvcc at install)", allow_module_level=True
+    )
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+TRITON = quantize.QuantizeLaunchConfig(cuda_kernels=False)
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["fwd", "bwd"])
+@pytest.mark.parametrize("has_bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("fp8,pow2", [(E4M3, False), (E4M3, True), (E5M2, False)],
+                         ids=["e4m3", "e4m3-pow2", "e5m2"])  # fmt: skip
+@pytest.mark.parametrize("m,n", [(256, 384), (384, 128)])
+def test_cuda_cast_matches_triton(backward, has_bias, fp8, pow2, m, n):
+    torch.manual_seed(0)
+    z = (torch.randn(m, n, device="cuda") * 2).to(torch.bfloat16)
+    z[3, :40] *= 300  # a block with a large amax next to ordinary ones
+    z[128:256, 128:256] = 0  # an all-zero tile: scale 1, zero codes
+    z[5, 7] = float("inf")  # overflow saturates; the block's scale is 1
+    bias = (torch.randn(n, device="cuda") * 0.5).to(torch.bfloat16) if has_bias else None
+    grad = (torch.randn(m, n, device="cuda") * 3).to(torch.bfloat16) if backward else None
+    need_dbias = backward and has_bias
+    args = (z, bias, grad, "gelu", fp8, m, need_dbias, pow2)
+    *want, want_db = act_q.act_quantize_block(*args, config=TRITON)
+    *got, got_db = act_q.act_quantize_block(*args)
+    for name, a, b in zip(("data", "scale_inv", "data_t", "scale_inv_t"), got, want, strict=True):
+        a, b = (a.view(torch.uint8), b.view(torch.uint8)) if a.dtype == fp8 else (a, b)
+        assert torch.equal(a, b), name
+    if need_dbias:  # fp32 partial sums over other row tiles: same to rounding
+        torch.testing.assert_close(got_db, want_db, rtol=1e-2, atol=1e-2)
+    else:
+        assert got_db is None and want_db is None
+
+
+def test_cuda_cast_is_used_only_where_it_applies(monkeypatch):
+    """Ragged shapes, fp32 inputs and other activations stay on Triton; whole bf16 gelu tiles
+    take the CUDA kernel."""
+    calls = []
+    real = act_q._cuda_act_cast()
+    monkeypatch.setattr(act_q, "_cuda_act_cast", lambda: lambda *a: calls.append(1) or real(*a))
+    z = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+    act_q.act_quantize_block(z, None, None, "gelu", E4M3, 256, False, False)
+    assert len(calls) == 1
+    act_q.act_quantize_block(z, None, None, "silu", E4M3, 256, False, False)
+    act_q.act_quantize_block(z, None, None, "gelu", E4M3, 200, False, False)
+    act_q.act_quantize_block(z.float(), None, None, "gelu", E4M3, 256, False, False)
+    assert len(calls) == 1
