@@ -544,6 +544,7 @@ def _columnwise_kernel(
     X,
     DATA_T,
     SCALE_INV,
+    SCALE,
     N,
     K,
     fp8_max,
@@ -552,6 +553,7 @@ def _columnwise_kernel(
     BIAS: tl.constexpr,
     SOFTWARE: tl.constexpr,
     GUARD: tl.constexpr,
+    GIVEN: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -559,18 +561,22 @@ def _columnwise_kernel(
     ``_rowwise_kernel`` quantisation of each *column* (amax over ``N``), written transposed:
     ``DATA_T`` ``[B, K, N]``, ``SCALE_INV`` ``[B, K]``. The same bytes as ``_rowwise_kernel`` on
     ``X.transpose(1, 2)`` made contiguous, without that strided copy: the tiles are read along
-    ``K`` and stored along ``N``."""
+    ``K`` and stored along ``N``. ``GIVEN``: every column cast with the one scale ``SCALE``
+    instead (per tensor, delayed scaling: the bytes of ``_cast_kernel``, transposed)."""
     b = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     in_cols = cols < K
     src = X + b * N * K
-    acc = tl.zeros([BLOCK_K], dtype=tl.int32)
-    for n0 in range(0, N, BLOCK_N):
-        rows = n0 + tl.arange(0, BLOCK_N)
-        mask = (rows[:, None] < N) & in_cols[None, :]
-        x = tl.load(src + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask, other=0.0)
-        acc = tl.maximum(acc, tl.max(_abs_bits(x.to(tl.float32)), axis=0))
-    scale = _slice_scale(acc, fp8_max)
+    if GIVEN:
+        scale = tl.load(SCALE) + tl.zeros([BLOCK_K], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_K], dtype=tl.int32)
+        for n0 in range(0, N, BLOCK_N):
+            rows = n0 + tl.arange(0, BLOCK_N)
+            mask = (rows[:, None] < N) & in_cols[None, :]
+            x = tl.load(src + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask, other=0.0)
+            acc = tl.maximum(acc, tl.max(_abs_bits(x.to(tl.float32)), axis=0))
+        scale = _slice_scale(acc, fp8_max)
     dst = DATA_T + b * N * K
     for n0 in range(0, N, BLOCK_N):
         rows = n0 + tl.arange(0, BLOCK_N)
@@ -886,13 +892,20 @@ def dequantize_blockwise(
 
 
 def quantize_columnwise_transposed(
-    x: Tensor, fp8_dtype: torch.dtype, *, block_n: int = 64, block_k: int = 64
+    x: Tensor,
+    fp8_dtype: torch.dtype,
+    *,
+    scale: Tensor | None = None,
+    block_n: int = 64,
+    block_k: int = 64,
 ) -> tuple[Tensor, Tensor]:
     """``(data_t, scale_inv)`` of ``x`` ``[..., N, K]``: every column (a slice along ``N``)
     cast to ``fp8_dtype`` with its own current scale, the data written transposed,
     ``[..., K, N]``, and ``scale_inv`` fp32 ``[..., K]``. Bit-identical to
     ``quantize_rowwise(x.transpose(-2, -1))`` (what a grouped dgrad GEMM's weight copy needs)
-    in one launch, without materialising the transposed high-precision copy."""
+    in one launch, without materialising the transposed high-precision copy. ``scale``
+    (``[1]`` fp32): every column cast with it instead (delayed scaling; the bytes of
+    ``quantize_tensorwise``, transposed)."""
     *lead, n, k = x.shape
     batch = math.prod(lead)
     x3 = x.contiguous().view(batch, n, k)
@@ -906,10 +919,12 @@ def quantize_columnwise_transposed(
         x3,
         _bits(data_t),
         scale_inv,
+        scale_inv if scale is None else scale,
         n,
         k,
         _FORMATS[fp8_dtype].max,
         **_cast_args(fp8_dtype, _software(x.device, _DEFAULT), x.dtype),
+        GIVEN=scale is not None,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         num_warps=4,

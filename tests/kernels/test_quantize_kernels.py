@@ -339,3 +339,18 @@ def test_columnwise_transposed_kernel_matches_rowwise_of_the_transpose(fp8, dtyp
     assert data_t.shape == want_data.shape
     assert_bits_equal(data_t, want_data)
     assert_bits_equal(scale_inv, want_scale_inv)
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_columnwise_transposed_kernel_with_a_given_scale(fp8, dtype):
+    """With ``scale`` (delayed scaling) the transposed copy is the per-tensor cast's codes,
+    transposed: ``quantize_tensorwise`` of each matrix, bit for bit (saturation included)."""
+    torch.manual_seed(0)
+    x = (torch.randn(3, 70, 45) * 3).to(dtype)
+    x[1, 5, 7] = 1e4  # saturates at this scale
+    scale = torch.tensor([64.0])
+    data_t, _ = kernels.quantize_columnwise_transposed(_dev(x), fp8, scale=_dev(scale))
+    for b in range(3):
+        want, _, _ = kernels.quantize_tensorwise(_dev(x[b]), _dev(scale), fp8, False)
+        assert_bits_equal(data_t[b], want.t().contiguous())
