@@ -6,9 +6,10 @@
 // (backward), a rowwise copy in 1x128 blocks along the features and a transposed copy in 1x128
 // blocks along the tokens. In Triton the one-tile form of that kernel (a 128x128 tile reduced
 // along both axes) ran at ~1.7 TB/s on the H100 and the default reads the input twice (one
-// pass per layout). Here one CTA owns a 128x128 tile: a row pass computes the values, casts
-// each row's block and keeps the rounded values in shared memory; a column pass casts each
-// column's block from there. The input is read once.
+// pass per layout). Here one CTA owns a 128x128 tile: a row pass (16-byte loads, half a warp a
+// row) computes the values, casts each row's block and keeps the rounded values in shared
+// memory; a column pass casts each column's block from there (32-bit stores of four tokens'
+// codes). The input is read once.
 //
 // The arithmetic is the Triton kernels', operation for operation, so the bytes are identical
 // (tests/kernels/test_act_cast_cuda.py checks that on the GPU):
@@ -39,9 +40,15 @@ constexpr int kTile = 128;
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 constexpr int kRowsPerWarp = kTile / kWarps;  // 16
-// Shared row stride in bf16: 65 words, so the 32 rows a warp reads for one column pair fall in
-// 32 different banks.
-constexpr int kStride = kTile + 2;
+// The tile in shared memory as bf16 pairs (32-bit words), 64 words a row, word w of row r at
+// r * 64 + (w ^ ((r / 4) % 32)): the column pass, where lane l reads rows 4l .. 4l + 3 of one
+// word column, hits 32 different banks (and each lane can store its four rows' codes as one
+// 32-bit word); the row pass's writes stay within their row.
+constexpr int kWordsPerRow = kTile / 2;
+
+__device__ __forceinline__ int tile_word(int r, int w) {
+  return r * kWordsPerRow + (w ^ ((r >> 2) & 31));
+}
 
 // The Triton kernels' constants, folded in double and rounded to fp32 (kernels/activation.py).
 constexpr float kK0 = static_cast<float>(-1.5957691216057308 * 1.4426950408889634);
@@ -133,70 +140,78 @@ __global__ void __launch_bounds__(kThreads) act_cast_1x128_kernel(
     bool has_bias,
     bool e4m3,
     bool pow2) {
-  __shared__ __align__(16) __nv_bfloat16 tile[kTile * kStride];
-  __shared__ float colsum[kDbias ? kWarps : 1][kTile];
+  __shared__ __align__(16) uint32_t tile_words[kTile * kWordsPerRow];
+  __shared__ float colsum[kDbias ? 2 * kWarps : 1][kTile];
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kTile;
   const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kTile;
   const int64_t n_blocks = n / kTile;
   const int64_t m_blocks = m / kTile;
-  uint32_t* tile_words = reinterpret_cast<uint32_t*>(tile);
 
-  float b[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  // Row pass: lane l of warp w takes columns 8 (l % 16) .. 8 (l % 16) + 7 of rows 16w + l / 16,
+  // 16w + 2 + l / 16, ...: one 16-byte load a row piece, two rows a warp instruction.
+  const int half = lane / 16;
+  const int l16 = lane % 16;
+  float b[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
   if (has_bias) {
-    const uint2 bv = *reinterpret_cast<const uint2*>(bias + col0 + 4 * lane);
-    b[0] = bf16_lo(bv.x), b[1] = bf16_hi(bv.x), b[2] = bf16_lo(bv.y), b[3] = bf16_hi(bv.y);
+    const uint4 bv = *reinterpret_cast<const uint4*>(bias + col0 + 8 * l16);
+    const uint32_t bw[4] = {bv.x, bv.y, bv.z, bv.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) b[2 * j] = bf16_lo(bw[j]), b[2 * j + 1] = bf16_hi(bw[j]);
   }
-  float csum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  float csum[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
 
-  // Row pass: warp w owns rows 16w .. 16w + 15, lane l columns 4l .. 4l + 3 of each.
 #pragma unroll 4
-  for (int i = 0; i < kRowsPerWarp; ++i) {
-    const int r = warp * kRowsPerWarp + i;
-    const int64_t off = (row0 + r) * n + col0 + 4 * lane;
-    const uint2 zv = *reinterpret_cast<const uint2*>(z + off);
-    float zf[4] = {bf16_lo(zv.x), bf16_hi(zv.x), bf16_lo(zv.y), bf16_hi(zv.y)};
-    float gf[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int i = 0; i < kRowsPerWarp; i += 2) {
+    const int r = warp * kRowsPerWarp + i + half;
+    const int64_t off = (row0 + r) * n + col0 + 8 * l16;
+    const uint4 zv = *reinterpret_cast<const uint4*>(z + off);
+    const uint32_t zw[4] = {zv.x, zv.y, zv.z, zv.w};
+    uint32_t gw[4] = {0, 0, 0, 0};
     if (kBwd) {
-      const uint2 gv = *reinterpret_cast<const uint2*>(grad + off);
-      gf[0] = bf16_lo(gv.x), gf[1] = bf16_hi(gv.x), gf[2] = bf16_lo(gv.y), gf[3] = bf16_hi(gv.y);
+      const uint4 gv = *reinterpret_cast<const uint4*>(grad + off);
+      gw[0] = gv.x, gw[1] = gv.y, gw[2] = gv.z, gw[3] = gv.w;
     }
-    float x[4];
+    float x[8];
     int amax = 0;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float a = has_bias ? __fadd_rn(zf[j], b[j]) : zf[j];
-      const float v = activation<kBwd>(a, gf[j]);
+    for (int j = 0; j < 8; ++j) {
+      const float zf = j % 2 ? bf16_hi(zw[j / 2]) : bf16_lo(zw[j / 2]);
+      const float gf = j % 2 ? bf16_hi(gw[j / 2]) : bf16_lo(gw[j / 2]);
+      const float a = has_bias ? __fadd_rn(zf, b[j]) : zf;
+      const float v = activation<kBwd>(a, gf);
       if (kDbias) csum[j] += v;
       x[j] = round_bf16(v);
       amax = max(amax, abs_bits(x[j]));
     }
-    amax = warp_max(amax);
-    const float s = scale_from_amax(__int_as_float(amax), fp8_max, pow2);
-    uint32_t q = 0;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) q |= static_cast<uint32_t>(to_fp8(__fmul_rn(x[j], s), e4m3)) << (8 * j);
-    *reinterpret_cast<uint32_t*>(data + off) = q;
-    if (lane == 0) scale_inv[(row0 + r) * n_blocks + blockIdx.x] = __fdiv_rn(1.0f, s);
-    const int w = (r * kStride + 4 * lane) / 2;
-    tile_words[w] = pack_bf16(x[0], x[1]);
-    tile_words[w + 1] = pack_bf16(x[2], x[3]);
+    for (int o = 8; o > 0; o >>= 1) amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+    const float s = scale_from_amax(__int_as_float(amax), fp8_max, pow2);
+    uint32_t q[2] = {0, 0};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      q[j / 4] |= static_cast<uint32_t>(to_fp8(__fmul_rn(x[j], s), e4m3)) << (8 * (j % 4));
+    }
+    *reinterpret_cast<uint2*>(data + off) = make_uint2(q[0], q[1]);
+    if (l16 == 0) scale_inv[(row0 + r) * n_blocks + blockIdx.x] = __fdiv_rn(1.0f, s);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) tile_words[tile_word(r, 4 * l16 + j)] = pack_bf16(x[2 * j], x[2 * j + 1]);
   }
   if (kDbias) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) colsum[warp][4 * lane + j] = csum[j];
+    for (int j = 0; j < 8; ++j) colsum[2 * warp + half][8 * l16 + j] = csum[j];
   }
   __syncthreads();
   if (kDbias && threadIdx.x < kTile) {
     float t = 0.0f;
 #pragma unroll
-    for (int k = 0; k < kWarps; ++k) t += colsum[k][threadIdx.x];
+    for (int k = 0; k < 2 * kWarps; ++k) t += colsum[k][threadIdx.x];
     part[static_cast<int64_t>(blockIdx.y) * n + col0 + threadIdx.x] = t;
   }
 
   // Column pass: warp w owns columns 16w .. 16w + 15, two at a time (one shared word); lane l
-  // rows l, l + 32, l + 64, l + 96.
+  // rows 4l .. 4l + 3, whose codes it stores as one 32-bit word per column.
 #pragma unroll 2
   for (int p = 0; p < kTile / kWarps / 2; ++p) {
     const int c = warp * (kTile / kWarps) + 2 * p;
@@ -204,7 +219,7 @@ __global__ void __launch_bounds__(kThreads) act_cast_1x128_kernel(
     int amax_lo = 0, amax_hi = 0;
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      const uint32_t word = tile_words[((lane + 32 * k) * kStride + c) / 2];
+      const uint32_t word = tile_words[tile_word(4 * lane + k, c / 2)];
       lo[k] = bf16_lo(word), hi[k] = bf16_hi(word);
       amax_lo = max(amax_lo, abs_bits(lo[k]));
       amax_hi = max(amax_hi, abs_bits(hi[k]));
@@ -213,13 +228,15 @@ __global__ void __launch_bounds__(kThreads) act_cast_1x128_kernel(
     amax_hi = warp_max(amax_hi);
     const float s_lo = scale_from_amax(__int_as_float(amax_lo), fp8_max, pow2);
     const float s_hi = scale_from_amax(__int_as_float(amax_hi), fp8_max, pow2);
-    uint8_t* out_lo = data_t + (col0 + c) * m + row0 + lane;
-    uint8_t* out_hi = out_lo + m;
+    uint32_t q_lo = 0, q_hi = 0;
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      out_lo[32 * k] = to_fp8(__fmul_rn(lo[k], s_lo), e4m3);
-      out_hi[32 * k] = to_fp8(__fmul_rn(hi[k], s_hi), e4m3);
+      q_lo |= static_cast<uint32_t>(to_fp8(__fmul_rn(lo[k], s_lo), e4m3)) << (8 * k);
+      q_hi |= static_cast<uint32_t>(to_fp8(__fmul_rn(hi[k], s_hi), e4m3)) << (8 * k);
     }
+    uint8_t* out_lo = data_t + (col0 + c) * m + row0 + 4 * lane;
+    *reinterpret_cast<uint32_t*>(out_lo) = q_lo;
+    *reinterpret_cast<uint32_t*>(out_lo + m) = q_hi;
     if (lane == 0) {
       scale_inv_t[(col0 + c) * m_blocks + blockIdx.y] = __fdiv_rn(1.0f, s_lo);
       scale_inv_t[(col0 + c + 1) * m_blocks + blockIdx.y] = __fdiv_rn(1.0f, s_hi);

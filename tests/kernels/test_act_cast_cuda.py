@@ -41,8 +41,10 @@ def test_cuda_cast_matches_triton(backward, has_bias, fp8, pow2, m, n):
     *want, want_db = act_q.act_quantize_block(*args, config=TRITON)
     *got, got_db = act_q.act_quantize_block(*args)
     for name, a, b in zip(("data", "scale_inv", "data_t", "scale_inv_t"), got, want, strict=True):
-        a, b = (a.view(torch.uint8), b.view(torch.uint8)) if a.dtype == fp8 else (a, b)
-        assert torch.equal(a, b), name
+        if a.dtype == fp8:
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+        else:  # the block holding inf has a NaN gradient, amax and scale: NaN == NaN here
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=name)
     if need_dbias:  # fp32 partial sums over other row tiles: same to rounding
         torch.testing.assert_close(got_db, want_db, rtol=1e-2, atol=1e-2)
     else:
