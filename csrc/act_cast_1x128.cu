@@ -270,6 +270,10 @@ void act_cast_1x128(const at::Tensor& z, const std::optional<at::Tensor>& bias,
                       "te_cuda::act_cast_1x128: bias must be a contiguous CUDA bfloat16 [", n,
                       "] tensor");
   }
+  for (const at::Tensor* t : {&z, grad ? &*grad : nullptr, bias ? &*bias : nullptr}) {
+    TORCH_CHECK_VALUE(t == nullptr || reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0,
+                      "te_cuda::act_cast_1x128: z, grad and bias must be 16-byte aligned");
+  }
   check_2d(data, "data", at::kByte, m, n);
   check_2d(data_t, "data_t", at::kByte, n, m);
   check_2d(scale_inv, "scale_inv", at::kFloat, m, n / kTile);

@@ -366,6 +366,7 @@ def _blockwise(
         and m_out % blk == 0
         and n % blk == 0
         and 0 < m_out // blk <= 65535
+        and all(t.data_ptr() % 16 == 0 for t in (z, bias, grad) if t is not None)  # 16-B loads
     ):
         # One read of the input, both layouts (csrc/act_cast_1x128.cu; same bytes).
         part = z.new_empty((m_out // blk, n), dtype=f32) if dbias else None

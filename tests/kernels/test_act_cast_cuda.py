@@ -52,8 +52,8 @@ def test_cuda_cast_matches_triton(backward, has_bias, fp8, pow2, m, n):
 
 
 def test_cuda_cast_is_used_only_where_it_applies(monkeypatch):
-    """Ragged shapes, fp32 inputs and other activations stay on Triton; whole bf16 gelu tiles
-    take the CUDA kernel."""
+    """Ragged shapes, fp32 inputs, other activations and inputs not 16-byte aligned stay on
+    Triton; whole bf16 gelu tiles take the CUDA kernel."""
     calls = []
     real = act_q._cuda_act_cast()
     monkeypatch.setattr(act_q, "_cuda_act_cast", lambda: lambda *a: calls.append(1) or real(*a))
@@ -63,4 +63,6 @@ def test_cuda_cast_is_used_only_where_it_applies(monkeypatch):
     act_q.act_quantize_block(z, None, None, "silu", E4M3, 256, False, False)
     act_q.act_quantize_block(z, None, None, "gelu", E4M3, 200, False, False)
     act_q.act_quantize_block(z.float(), None, None, "gelu", E4M3, 256, False, False)
-    assert len(calls) == 1
+    shifted = torch.empty(256 * 256 + 1, device="cuda", dtype=torch.bfloat16)[1:].view(256, 256)
+    act_q.act_quantize_block(shifted.copy_(z), None, None, "gelu", E4M3, 256, False, False)
+    assert len(calls) == 1  # not 16-byte aligned: Triton
