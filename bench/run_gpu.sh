@@ -106,6 +106,8 @@ runpy.run_path('examples/train_gpt.py', run_name='__main__')" "${tg[@]:1}" \
         echo "$(basename "$f" .log): $(grep -E '^(final val loss|graph breaks)' "$f" \
           | tr -s ' ' | paste -sd ';')"
       done | tee "$OUT/loss_diag.log" ;;
+    diag_first_launch)  # host ops before each FP8 row's first GEMM (bench/diag_first_launch.py)
+      python3 -m bench.diag_first_launch 2>&1 | tee "$OUT/diag_first_launch.log" ;;
     diag_gemm_host)  # host time per FP8 GEMM call by scaling kind (bench/diag_gemm_host.py)
       python3 -m bench.diag_gemm_host 2>&1 | tee "$OUT/diag_gemm_host.log" ;;
     diag_host)  # where the FP8 MLP step's time goes beyond its kernels (bench/diag_host.py)
