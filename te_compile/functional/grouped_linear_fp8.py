@@ -68,6 +68,7 @@ from te_compile.functional.grouped_linear import (
     as_splits_tensor,
 )
 from te_compile.functional.linear_fp8 import quantize_per_tensor
+from te_compile.functional.quantize import quantize_tensorwise
 
 __all__ = [
     "GROUPED_FP8_RECIPES",
@@ -346,9 +347,7 @@ def _quantize_delayed(
     """``x`` (viewed 2-D over its last dim) cast with the per-tensor ``scale`` ``[1]``:
     ``(data of x's shape, inverse scale broadcast to rows, amax [1])`` (the quantisation op:
     one Triton pass on CUDA)."""
-    data, _, amax = torch.ops.te.quantize_tensorwise(
-        x.reshape(-1, x.shape[-1]), scale, fp8_dtype, False
-    )
+    data, _, amax = quantize_tensorwise.eager(x.reshape(-1, x.shape[-1]), scale, fp8_dtype, False)
     scale_inv = scale.reciprocal().expand(rows).contiguous()
     return data.view(x.shape), scale_inv, amax
 

@@ -57,6 +57,7 @@ from te_compile.functional.linear_fp8 import (
     norm_ref,
     unit_rows,
 )
+from te_compile.functional.quantize import dequantize_blockwise, quantize_blockwise
 from te_compile.functional.quantize_mx import (
     dequantize_mxfp8,
     dequantize_nvfp4,
@@ -81,10 +82,10 @@ def qdq_both(
     x = x2.float() if x2.dtype == torch.float64 else x2
     f32 = torch.float32
     if kind == "block":  # 1 x 128 (block_rows=1) or 128 x 128 blocks, fp32 scales
-        data, s, data_t, s_t = torch.ops.te.quantize_blockwise(
+        data, s, data_t, s_t = quantize_blockwise.eager(
             x, fp8_dtype, block_rows, power_2_scale, True
         )
-        deq = torch.ops.te.dequantize_blockwise
+        deq = dequantize_blockwise.eager
         u8 = torch.uint8
         row = deq(data.view(u8), s, block_rows, fp8_dtype, f32)
         col_t = deq(data_t.view(u8), s_t, block_rows, fp8_dtype, f32)
@@ -155,7 +156,7 @@ def _block_scaled_mm(
     column-major). Elsewhere: dequantised in fp32 (exact) and multiplied in fp32. ``bias`` is
     added before the one rounding to ``out_dtype`` (in the GEMM's epilogue on CUDA)."""
     if a.device.type != "cuda":
-        deq = torch.ops.te.dequantize_blockwise
+        deq = dequantize_blockwise.eager
         u8, f32 = torch.uint8, torch.float32
         a32 = deq(a.contiguous().view(u8), sa, a_rows, a.dtype, f32)
         b32 = deq(b.contiguous().view(u8), sb, b_rows, b.dtype, f32)
@@ -176,9 +177,7 @@ def _block_scaled_mm(
 
 def _quantize_block(x2: Tensor, fp8_dtype: torch.dtype, block_rows: int, power_2_scale: bool):
     """``(data, scale_inv, data_t, scale_inv_t)`` of ``x2`` (contiguous copies)."""
-    data, s, data_t, s_t = torch.ops.te.quantize_blockwise(
-        x2, fp8_dtype, block_rows, power_2_scale, True
-    )
+    data, s, data_t, s_t = quantize_blockwise.eager(x2, fp8_dtype, block_rows, power_2_scale, True)
     return data, s, data_t.contiguous(), s_t.contiguous()
 
 

@@ -42,8 +42,20 @@ import torch
 from torch import Tensor
 
 from te_compile._library import SampleInput, differentiable, op
-from te_compile.functional.norm import layernorm_ref, rmsnorm_ref
-from te_compile.functional.quantize import quantize_current_ref, quantize_tensorwise_ref
+from te_compile.functional.norm import (
+    layernorm_bwd,
+    layernorm_fwd,
+    layernorm_ref,
+    rmsnorm_bwd,
+    rmsnorm_fwd,
+    rmsnorm_ref,
+)
+from te_compile.functional.quantize import (
+    quantize_current,
+    quantize_current_ref,
+    quantize_tensorwise,
+    quantize_tensorwise_ref,
+)
 
 __all__ = ["FP8_RECIPES", "linear_fp8", "linear_fp8_ref", "quantize_per_tensor"]
 
@@ -84,8 +96,8 @@ def _quantize_both(
     quantisation ops: on CUDA their Triton kernels write both copies in one pass, elsewhere
     the reference quantiser runs."""
     if scale is None:
-        return torch.ops.te.quantize_current(x, fp8_dtype, columnwise)
-    data, data_t, amax = torch.ops.te.quantize_tensorwise(x, scale, fp8_dtype, columnwise)
+        return quantize_current.eager(x, fp8_dtype, columnwise)
+    data, data_t, amax = quantize_tensorwise.eager(x, scale, fp8_dtype, columnwise)
     return data, data_t, scale.reciprocal(), amax
 
 
@@ -96,8 +108,8 @@ def _norm_fwd(x, weight, bias, normalization, eps, zero_centered_gamma):
     """``(out, mean, rsigma)`` of ``te::layernorm_fwd`` / ``te::rmsnorm_fwd`` (``mean``
     0-element for RMSNorm)."""
     if normalization == "LayerNorm":
-        return torch.ops.te.layernorm_fwd(x, weight, bias, eps, zero_centered_gamma)
-    out, rsigma = torch.ops.te.rmsnorm_fwd(x, weight, eps, zero_centered_gamma)
+        return layernorm_fwd.eager(x, weight, bias, eps, zero_centered_gamma)
+    out, rsigma = rmsnorm_fwd.eager(x, weight, eps, zero_centered_gamma)
     return out, rsigma.new_empty(0), rsigma
 
 
@@ -125,10 +137,8 @@ def _norm_quantize(
 def _norm_bwd(dout, x, weight, mean, rsigma, normalization, zero_centered_gamma, has_bias):
     """``(dx, dweight, dbias)`` of the norm (``dbias`` 0-element without a bias)."""
     if normalization == "LayerNorm":
-        return torch.ops.te.layernorm_bwd(
-            dout, x, mean, rsigma, weight, zero_centered_gamma, has_bias
-        )
-    dx, dw = torch.ops.te.rmsnorm_bwd(dout, x, rsigma, weight, zero_centered_gamma)
+        return layernorm_bwd.eager(dout, x, mean, rsigma, weight, zero_centered_gamma, has_bias)
+    dx, dw = rmsnorm_bwd.eager(dout, x, rsigma, weight, zero_centered_gamma)
     return dx, dw, dw.new_empty(0)
 
 

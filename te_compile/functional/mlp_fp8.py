@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from te_compile._library import SampleInput, differentiable, op
-from te_compile.functional.activation import activation_ref
+from te_compile.functional.activation import activation_bwd, activation_fwd, activation_ref
 from te_compile.functional.linear_block_scaled import (
     _block_scaled_mm,
     _norm_quantize_block,
@@ -165,9 +165,9 @@ def _act_quantize(z, bias, grad, activation, fp8_dtype, scale, rows, need_dbias)
         return act_quantize(z, bias, grad, activation, fp8_dtype, scale, rows, True, need_dbias)
     dbias = None
     if grad is None:
-        v = torch.ops.te.activation_fwd(z[:rows], bias, activation)
+        v = activation_fwd.eager(z[:rows], bias, activation)
     else:
-        v, dbias = torch.ops.te.activation_bwd(grad[:rows], z[:rows], bias, activation, need_dbias)
+        v, dbias = activation_bwd.eager(grad[:rows], z[:rows], bias, activation, need_dbias)
     data, data_t, scale_inv, amax = _quantize_both(_pad_rows(v), fp8_dtype, scale, True)
     return data, data_t, scale_inv, amax, dbias if need_dbias else None
 
@@ -183,9 +183,9 @@ def _act_quantize_block(z, bias, grad, activation, fp8_dtype, rows, need_dbias, 
         )
     dbias = None
     if grad is None:
-        v = torch.ops.te.activation_fwd(z[:rows], bias, activation)
+        v = activation_fwd.eager(z[:rows], bias, activation)
     else:
-        v, dbias = torch.ops.te.activation_bwd(grad[:rows], z[:rows], bias, activation, need_dbias)
+        v, dbias = activation_bwd.eager(grad[:rows], z[:rows], bias, activation, need_dbias)
     data, s, data_t, s_t = _quantize_block(_pad_rows(v), fp8_dtype, 1, power_2_scale)
     return data, s, data_t, s_t, dbias if need_dbias else None
 
