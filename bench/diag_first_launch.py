@@ -21,10 +21,7 @@ if __package__ in (None, ""):
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import te_compile
-from bench.bench_fp8 import TE_RECIPES, _under_autocast
-from bench.bench_mlp import FULL, TorchMLP, _copy_weights
-from bench.diag_host import ROWS, _step
+from bench.diag_host import ROWS, compiled_rows
 
 _LAUNCH = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
 _GEMM = ("_scaled_mm", "aten::mm", "aten::addmm", "aten::_scaled_mm", "cublas")
@@ -74,25 +71,9 @@ def _timeline(run) -> None:
 
 
 def main() -> int:
-    device = torch.device("cuda")
-    t, d, f = FULL
-    torch.manual_seed(0)
-    dtype = torch.bfloat16
-    ref = TorchMLP(d, f, "gelu", device, dtype)
-    x = torch.randn(t, d, device=device, dtype=dtype, requires_grad=True)
-    grad = torch.randn(t, d, device=device, dtype=dtype)
-    for row in ROWS:
-        torch._dynamo.reset()
-        te = te_compile.LayerNormMLP(d, f, activation="gelu", normalization="LayerNorm",
-                                     params_dtype=dtype, device=device)  # fmt: skip
-        _copy_weights(te, ref)
-        call = torch.compile(te, fullgraph=True, dynamic=False)
-        if ROWS[row] is not None:
-            call = _under_autocast(TE_RECIPES[ROWS[row]](), call)
+    for row, step, _params in compiled_rows(ROWS):
         print(f"\n## {row}")
-        _timeline(_step(call, x, grad))
-        del te, call
-        torch.cuda.empty_cache()
+        _timeline(step)
     return 0
 
 

@@ -116,10 +116,9 @@ def report(name: str, run, params, flush) -> None:
     print(table)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
-    args = parser.parse_args()
+def compiled_rows(rows):
+    """``(row, step, parameters)`` for each of ``rows``: the bench_fp8 LayerNormMLP case, compiled,
+    under the row's recipe; ``step()`` runs one forward + backward. One module at a time."""
     device = torch.device("cuda")
     t, d, f = FULL
     torch.manual_seed(0)
@@ -127,19 +126,26 @@ def main() -> int:
     ref = TorchMLP(d, f, "gelu", device, dtype)
     x = torch.randn(t, d, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn(t, d, device=device, dtype=dtype)
-    flush = torch.empty(256 * 2**20, dtype=torch.int8, device=device)
-    kw = {"fullgraph": True, "dynamic": False}
-    for row in args.rows:
+    for row in rows:
         torch._dynamo.reset()
         te = te_compile.LayerNormMLP(d, f, activation="gelu", normalization="LayerNorm",
                                      params_dtype=dtype, device=device)  # fmt: skip
         _copy_weights(te, ref)
-        call = torch.compile(te, **kw)
+        call = torch.compile(te, fullgraph=True, dynamic=False)
         if ROWS[row] is not None:
             call = _under_autocast(TE_RECIPES[ROWS[row]](), call)
-        report(row, _step(call, x, grad), list(te.parameters()), flush)
+        yield row, _step(call, x, grad), list(te.parameters())
         del te, call
         torch.cuda.empty_cache()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
+    args = parser.parse_args()
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+    for row, step, params in compiled_rows(args.rows):
+        report(row, step, params, flush)
     return 0
 
 
