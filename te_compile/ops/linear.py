@@ -153,7 +153,8 @@ class GroupedLinear(BasicOperation):
     layout: ``weight`` ``[num_groups, out_features, in_features]``, ``bias``
     ``[num_groups, out_features]``. Inside ``te_compile.autocast`` the forward and dgrad GEMMs run
     in FP8 (``te::grouped_linear_fp8_*``): rowwise scales under ``Float8CurrentScaling``,
-    per-tensor delayed scales (``fp8_meta``) under ``DelayedScaling``.
+    per-tensor delayed scales (``fp8_meta``) under ``DelayedScaling``; Float8BlockScaling and
+    MXFP8BlockScaling are emulated (see :class:`te_compile.GroupedLinear`).
     """
 
     num_extra_inputs = 1
