@@ -11,7 +11,7 @@ import torch
 import te_compile
 from te_compile import functional as F
 from te_compile.quantization import fp8_gemm
-from tests.utils import DEVICES, assert_bits_equal, assert_close, compile_counted
+from tests.utils import DEVICES, assert_bits_equal, assert_close, compile_counted, paired_grads
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -23,6 +23,16 @@ def _params(device, dtype, d=64, f=128, n=48, bias=True):
     w1, w2 = t(f, d, std=0.2), t(n, f, std=0.1)
     b1, b2 = (t(f, std=0.5), t(n)) if bias else (None, None)
     return w1, b1, w2, b2
+
+
+def _assert_grads_match(out, ref, params, b1, device, dtype=torch.bfloat16):
+    """Every gradient bit-identical to the reference's, except ``b1``'s on the GPU: the fused
+    kernel sums the bias gradient in another order than the activation's."""
+    for p, g, r in paired_grads(out, ref, params):
+        if p is b1 and device != "cpu":
+            assert_close(g, r.double(), dtype=dtype, roundings=2, reduced=True)
+        else:
+            assert_bits_equal(g, r)
 
 
 def _unfused(x, w1, b1, w2, b2, act, recipe, s1, s2, ga1, ga2, bwd):
@@ -60,19 +70,11 @@ def test_same_bytes_as_the_unfused_ops(device, act, recipe, dtype, bias, bwd):
     ref, ref_amax = _unfused(x, w1, b1, w2, b2, act, recipe, s1, s2, *pending[2:], bwd)
     assert_bits_equal(out, ref)
     assert_bits_equal(amax, ref_amax)
-    grad = torch.randn_like(out)
     params = [p for p in (x, w1, b1, w2, b2) if p is not None]
-    grads = torch.autograd.grad(out, params, grad)
-    ref_grads = torch.autograd.grad(ref, params, grad)
+    _assert_grads_match(out, ref, params, b1, device, dtype)
     assert_bits_equal(pending[0], pending[2])  # amax(dz), written by the backward
     assert_bits_equal(pending[1], pending[3])  # amax(dY)
     assert pending[0].item() > 0 and pending[1].item() > 0
-    for p, g, r in zip(params, grads, ref_grads, strict=True):
-        if p is b1 and device != "cpu":
-            # The fused kernel sums the bias gradient in another order than the activation's.
-            assert_close(g, r.double(), dtype=dtype, roundings=2, reduced=True)
-        else:
-            assert_bits_equal(g, r)
 
 
 def _block_unfused(x, w1, b1, w2, b2, act, pow2):
@@ -97,18 +99,7 @@ def test_block_recipe_same_bytes_as_the_unfused_ops(device, act, pow2):
     )  # fmt: skip
     ref = _block_unfused(x, w1, b1, w2, b2, act, pow2)
     assert_bits_equal(out, ref)
-    grad = torch.randn_like(out)
-    params = [x, w1, b1, w2, b2]
-    for p, g, r in zip(
-        params,
-        torch.autograd.grad(out, params, grad),
-        torch.autograd.grad(ref, params, grad),
-        strict=True,
-    ):
-        if p is b1 and device != "cpu":
-            assert_close(g, r.double(), dtype=torch.bfloat16, roundings=2, reduced=True)
-        else:
-            assert_bits_equal(g, r)
+    _assert_grads_match(out, ref, [x, w1, b1, w2, b2], b1, device)
     # 40 tokens are padded to 48 inside the op: the same rows as with 8 zero rows appended.
     x40 = x.detach().reshape(-1, 512)[:40]
     x48 = torch.cat([x40.detach(), x40.new_zeros(8, 512)])
@@ -287,17 +278,7 @@ def test_norm_prologue_same_bytes_as_the_norm_then_the_mlp(device, normalization
     assert_bits_equal(out, ref)
     assert_bits_equal(amax, ref_amax)
     params = [p for p in (x, gamma, beta, w1, b1, w2, b2) if p is not None]
-    grad = torch.randn_like(out)
-    for p, g, r in zip(
-        params,
-        torch.autograd.grad(out, params, grad),
-        torch.autograd.grad(ref, params, grad),
-        strict=True,
-    ):
-        if p is b1 and device != "cpu":
-            assert_close(g, r.double(), dtype=torch.bfloat16, roundings=2, reduced=True)
-        else:
-            assert_bits_equal(g, r)
+    _assert_grads_match(out, ref, params, b1, device)
 
 
 def test_norm_prologue_errors_name_the_argument():

@@ -116,6 +116,15 @@ def test_act_quantize_rejects_gated_activations():
         act_q.act_quantize(z, None, None, "swiglu", E4M3, None, 16, True, False)
 
 
+# The default launch (a rowwise pass over [32, 128] tiles, a columnwise one over [128, 64]
+# tiles; on a GPU whose extension has CUDA, whole bf16 gelu tiles take csrc/act_cast_1x128.cu)
+# and one 128x128 tile for both layouts.
+BLOCK_LAUNCHES = pytest.mark.parametrize(
+    "config",
+    [None, quantize.QuantizeLaunchConfig(block_split=False)],
+    ids=["split", "one-tile"],
+)
+
 BLOCK_CASES = [
     pytest.param("gelu", torch.bfloat16, True, False, id="gelu-bf16-bias"),
     pytest.param("silu", torch.float32, False, True, id="silu-fp32-pow2"),
@@ -127,13 +136,7 @@ BLOCK_CASES = [
 @pytest.mark.parametrize("act,dtype,has_bias,pow2", BLOCK_CASES)
 # Padding rows and 128-blocks cut at both edges; and whole 128x128 tiles (the EVEN path).
 @pytest.mark.parametrize("m_out,rows,n", [(160, 150, 200), (256, 256, 128)], ids=["ragged", "even"])
-# The default launch (a rowwise pass over [32, 128] tiles, a columnwise one over [128, 64]
-# tiles) and one 128x128 tile for both layouts.
-@pytest.mark.parametrize(
-    "config",
-    [None, quantize.QuantizeLaunchConfig(block_split=False)],
-    ids=["split", "one-tile"],
-)
+@BLOCK_LAUNCHES
 def test_act_quantize_block_matches_unfused_kernels(
     act, dtype, has_bias, pow2, backward, m_out, rows, n, config
 ):
@@ -215,11 +218,7 @@ def test_norm_quantize_matches_unfused_kernels(
 
 @pytest.mark.parametrize("normalization,dtype,has_beta,zcg,scale", NORM_CASES[:3])
 @pytest.mark.parametrize("m_out,rows,n", [(160, 150, 256), (128, 128, 128)], ids=["ragged", "even"])
-@pytest.mark.parametrize(
-    "config",
-    [None, quantize.QuantizeLaunchConfig(block_split=False)],
-    ids=["split", "one-tile"],
-)
+@BLOCK_LAUNCHES
 def test_norm_quantize_block_matches_unfused_kernels(
     normalization, dtype, has_beta, zcg, scale, m_out, rows, n, config
 ):

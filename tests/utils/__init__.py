@@ -189,6 +189,18 @@ requires_triton = pytest.mark.skipif(
 TRITON_DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 
+def paired_grads(out, ref, params):
+    """``(param, d out / d param, d ref / d param)`` for each of ``params``, both backwards fed
+    the same random incoming gradient: two implementations' gradients side by side."""
+    grad = torch.randn_like(out)
+    return zip(
+        params,
+        torch.autograd.grad(out, params, grad),
+        torch.autograd.grad(ref, params, grad),
+        strict=True,
+    )
+
+
 def assert_bits_equal(actual, expected):
     """Same dtype, shape and bits (signed zeros count); NaN where ``expected`` is NaN, whatever
     its payload (torch on CPU and the GPU's conversions may encode NaN differently)."""
