@@ -132,6 +132,27 @@ def _max_bwd_programs(device: torch.device) -> int:
 
 
 @triton.jit
+def _gamma(W, c, N, ZERO_CENTERED_GAMMA: tl.constexpr):
+    """The norm's weight for columns ``c`` in fp32 (``+ 1`` when zero-centred; 0 past ``N``)."""
+    w = tl.load(W + c, mask=c < N, other=0.0).to(tl.float32)
+    if ZERO_CENTERED_GAMMA:
+        w += 1.0
+    return w
+
+
+@triton.jit
+def _gamma_beta(
+    y, W, B, c, N, KIND: tl.constexpr, ZERO_CENTERED_GAMMA: tl.constexpr, HAS_BIAS: tl.constexpr
+):
+    """The normalised tile ``y`` (columns ``c``) times gamma, plus beta: the forward's output."""
+    if KIND != L2NORM:
+        y = y * _gamma(W, c, N, ZERO_CENTERED_GAMMA)[None, :]
+    if HAS_BIAS:
+        y += tl.load(B + c, mask=c < N, other=0.0).to(tl.float32)[None, :]
+    return y
+
+
+@triton.jit
 def _inv_sigma(sum_sq, N, eps, KIND: tl.constexpr):
     if KIND == L2NORM:
         return 1.0 / tl.sqrt(sum_sq + eps)
@@ -178,14 +199,7 @@ def _norm_fwd_kernel(
             mean = tl.sum(x, axis=1) / N
             x = tl.where(mask, x - mean[:, None], 0.0)
         rsigma = _inv_sigma(tl.sum(x * x, axis=1), N, eps, KIND)
-        y = x * rsigma[:, None]
-        if KIND != L2NORM:
-            w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
-            if ZERO_CENTERED_GAMMA:
-                w += 1.0
-            y = y * w[None, :]
-        if HAS_BIAS:
-            y += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        y = _gamma_beta(x * rsigma[:, None], W, B, cols, N, KIND, ZERO_CENTERED_GAMMA, HAS_BIAS)
         if STORE_Y:
             tl.store(Y + row_off + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
         if AMAX:
@@ -214,13 +228,7 @@ def _norm_fwd_kernel(
                 mask = row_mask[:, None] & (c[None, :] < N)
                 x = tl.load(X + row_off + c[None, :], mask=mask, other=0.0).to(tl.float32)
                 y = (x - mean[:, None]) * rsigma[:, None]
-                if KIND != L2NORM:
-                    w = tl.load(W + c, mask=c < N, other=0.0).to(tl.float32)
-                    if ZERO_CENTERED_GAMMA:
-                        w += 1.0
-                    y = y * w[None, :]
-                if HAS_BIAS:
-                    y += tl.load(B + c, mask=c < N, other=0.0).to(tl.float32)[None, :]
+                y = _gamma_beta(y, W, B, c, N, KIND, ZERO_CENTERED_GAMMA, HAS_BIAS)
                 if STORE_Y:
                     tl.store(Y + row_off + c[None, :], y.to(Y.dtype.element_ty), mask=mask)
                 if AMAX:
@@ -242,10 +250,7 @@ def _load_tile(X, DY, W, row_off, c, N, mask, mean, rsigma, KIND: tl.constexpr, 
     x_hat = (x - mean[:, None]) * rsigma[:, None]
     g = dy
     if KIND != L2NORM:
-        w = tl.load(W + c, mask=c < N, other=0.0).to(tl.float32)
-        if ZCG:
-            w += 1.0
-        g = dy * w[None, :]
+        g = dy * _gamma(W, c, N, ZCG)[None, :]
     return dy, x_hat, g
 
 
