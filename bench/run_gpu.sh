@@ -114,7 +114,7 @@ runpy.run_path('examples/train_gpt.py', run_name='__main__')" "${tg[@]:1}" \
       python3 -m bench.diag_host 2>&1 | tee "$OUT/diag_host.log" ;;
     tune_norm) python3 -m bench.tune_norm 2>&1 | tee "$OUT/tune_norm.log" ;;
     tune_act_block)  # one-read layouts of the fused activation + 1x128 cast (bench/tune_act_block.py)
-      python3 -m bench.tune_act_block 2>&1 | tee "$OUT/tune_act_block.log" ;;
+      python3 -m bench.tune_act_block ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune_act_block.log" ;;
     tune_quantize) python3 -m bench.tune_quantize 2>&1 | tee "$OUT/tune_quantize.log" ;;
     tune_quantize:*)  # one part of the sweep: tune_quantize:pertensor or tune_quantize:block
       python3 -m bench.tune_quantize "${step#tune_quantize:}" 2>&1 \

@@ -99,7 +99,7 @@ def variant(z, b, g, half: bool, warps: int):
     return data, s, data_t, s_t, db
 
 
-def main(m: int = 16384, n: int = 16384, device: str = "cuda") -> None:
+def main(m: int = 16384, n: int = 16384, device: str = "cuda", variants: bool = True) -> None:
     torch.manual_seed(0)
     z = torch.randn(m, n, device=device, dtype=torch.bfloat16)
     g = torch.randn_like(z)
@@ -123,7 +123,7 @@ def main(m: int = 16384, n: int = 16384, device: str = "cuda") -> None:
 
         want = ref()
         row(f"{what} split (Triton)", ref, nbytes)
-        if AQ._cuda_act_cast() is not None:
+        if Q._cuda_act_cast() is not None:
             cuda_cfg = Q.QuantizeLaunchConfig(cuda_kernels=True)
 
             def cuda(grad=grad, cfg=cuda_cfg):
@@ -136,22 +136,36 @@ def main(m: int = 16384, n: int = 16384, device: str = "cuda") -> None:
                        for x, y in zip(got[:4], want[:4], strict=True))  # fmt: skip
             print(f"  {what} CUDA (csrc/act_cast_1x128.cu): bytes equal to Triton's: {same}")
             row(f"{what} CUDA one read", cuda, nbytes)
-        for half in (False, True):
-            for warps in (4, 8, 16):
-                tag = f"{what} {'trans16' if half else 'trans32'} w{warps}"
-                got = variant(z, b, grad, half, warps)
-                same = all(
-                    torch.equal(x.view(torch.uint8), y.view(torch.uint8))
-                    for x, y in zip(got[:4], want[:4], strict=True)
-                )
-                if bwd:  # column sums over other row tiles: same values, other order
-                    same &= torch.allclose(got[4].float(), want[4].float(), rtol=1e-2, atol=1e-2)
-                if not same:
-                    print(f"  {tag}: MISMATCH against the default launch")
-                    continue
-                row(tag, lambda half=half, warps=warps, grad=grad: variant(z, b, grad, half, warps),
-                    nbytes)  # fmt: skip
+        for half, warps in [(h, w) for h in (False, True) for w in (4, 8, 16)] * variants:
+            tag = f"{what} {'trans16' if half else 'trans32'} w{warps}"
+            got = variant(z, b, grad, half, warps)
+            same = all(
+                torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+                for x, y in zip(got[:4], want[:4], strict=True)
+            )
+            if bwd:  # column sums over other row tiles: same values, other order
+                same &= torch.allclose(got[4].float(), want[4].float(), rtol=1e-2, atol=1e-2)
+            if not same:
+                print(f"  {tag}: MISMATCH against the default launch")
+                continue
+            row(tag, lambda half=half, warps=warps, grad=grad: variant(z, b, grad, half, warps),
+                nbytes)  # fmt: skip
+
+    if Q._cuda_act_cast() is None:
+        return
+    # The plain 1x128 cast of an output gradient [m, n / 4] (both layouts), and with its column
+    # sums (the bias gradient): Triton (+ torch's sum) against the CUDA kernel's one read.
+    dy = z[:, : n // 4]
+    nbytes = 4 * dy.numel()
+    print(f"tensor [{m}, {n // 4}] bf16, E4M3 1x128 blocks, both layouts (one read: {nbytes} B)")
+    cuda_cfg = Q.QuantizeLaunchConfig(cuda_kernels=True)
+    dy = dy.contiguous()
+    for tag, cfg in (("Triton", TRITON), ("CUDA", cuda_cfg)):
+        row(f"cast {tag}", lambda c=cfg: Q.quantize_blockwise(dy, E4M3, 1, False, True, config=c),
+            nbytes)  # fmt: skip
+        row(f"cast + column sums {tag}",
+            lambda c=cfg: Q.quantize_blockwise_sums(dy, E4M3, False, config=c), nbytes)  # fmt: skip
 
 
 if __name__ == "__main__":
-    main()
+    main(variants="--cuda-only" not in sys.argv)

@@ -73,6 +73,10 @@ __device__ __forceinline__ float gelu_sigmoid(float a, float aa) {
   return rcp_approx(__fadd_rn(1.0f, ex2_approx(__fmul_rn(a, __fmaf_rn(kK1, aa, kK0)))));
 }
 
+// What a kernel casts: gelu(z + b), its gradient dh * gelu'(z + b), or z itself (a plain
+// 1x128 cast of a bf16 tensor, e.g. the output gradient, its column sums the bias gradient).
+enum Mode : int { kGeluFwd = 0, kGeluBwd = 1, kIdentity = 2 };
+
 template <bool kBwd>
 __device__ __forceinline__ float activation(float a, float g) {
   const float aa = __fmul_rn(a, a);
@@ -124,7 +128,7 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return (__float_as_uint(lo) >> 16) | (__float_as_uint(hi) & 0xFFFF0000u);
 }
 
-template <bool kBwd, bool kDbias>
+template <int kMode, bool kDbias>
 __global__ void __launch_bounds__(kThreads) act_cast_1x128_kernel(
     const __nv_bfloat16* __restrict__ z,
     const __nv_bfloat16* __restrict__ bias,
@@ -142,6 +146,7 @@ __global__ void __launch_bounds__(kThreads) act_cast_1x128_kernel(
     bool pow2) {
   __shared__ __align__(16) uint32_t tile_words[kTile * kWordsPerRow];
   __shared__ float colsum[kDbias ? 2 * kWarps : 1][kTile];
+  constexpr bool kBwd = kMode == kGeluBwd;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kTile;
@@ -162,17 +167,25 @@ __global__ void __launch_bounds__(kThreads) act_cast_1x128_kernel(
   }
   float csum[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
 
-#pragma unroll 4
-  for (int i = 0; i < kRowsPerWarp; i += 2) {
-    const int r = warp * kRowsPerWarp + i + half;
+  // All of this thread's row pieces are loaded before any is used: the whole tile (and the
+  // gradient's) in flight at once, so one CTA's loads overlap another's arithmetic.
+  constexpr int kIters = kRowsPerWarp / 2;
+  uint4 zv[kIters];
+  uint4 gv[kBwd ? kIters : 1];
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int64_t off = (row0 + warp * kRowsPerWarp + 2 * it + half) * n + col0 + 8 * l16;
+    zv[it] = __ldg(reinterpret_cast<const uint4*>(z + off));
+    if (kBwd) gv[it] = __ldg(reinterpret_cast<const uint4*>(grad + off));
+  }
+
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int r = warp * kRowsPerWarp + 2 * it + half;
     const int64_t off = (row0 + r) * n + col0 + 8 * l16;
-    const uint4 zv = *reinterpret_cast<const uint4*>(z + off);
-    const uint32_t zw[4] = {zv.x, zv.y, zv.z, zv.w};
+    const uint32_t zw[4] = {zv[it].x, zv[it].y, zv[it].z, zv[it].w};
     uint32_t gw[4] = {0, 0, 0, 0};
-    if (kBwd) {
-      const uint4 gv = *reinterpret_cast<const uint4*>(grad + off);
-      gw[0] = gv.x, gw[1] = gv.y, gw[2] = gv.z, gw[3] = gv.w;
-    }
+    if (kBwd) gw[0] = gv[it].x, gw[1] = gv[it].y, gw[2] = gv[it].z, gw[3] = gv[it].w;
     float x[8];
     int amax = 0;
 #pragma unroll
@@ -180,9 +193,9 @@ __global__ void __launch_bounds__(kThreads) act_cast_1x128_kernel(
       const float zf = j % 2 ? bf16_hi(zw[j / 2]) : bf16_lo(zw[j / 2]);
       const float gf = j % 2 ? bf16_hi(gw[j / 2]) : bf16_lo(gw[j / 2]);
       const float a = has_bias ? __fadd_rn(zf, b[j]) : zf;
-      const float v = activation<kBwd>(a, gf);
+      const float v = kMode == kIdentity ? a : activation<kBwd>(a, gf);
       if (kDbias) csum[j] += v;
-      x[j] = round_bf16(v);
+      x[j] = kMode == kIdentity ? v : round_bf16(v);
       amax = max(amax, abs_bits(x[j]));
     }
 #pragma unroll
@@ -256,7 +269,13 @@ void act_cast_1x128(const at::Tensor& z, const std::optional<at::Tensor>& bias,
                     const std::optional<at::Tensor>& grad, const at::Tensor& data,
                     const at::Tensor& scale_inv, const at::Tensor& data_t,
                     const at::Tensor& scale_inv_t, const std::optional<at::Tensor>& part,
-                    double fp8_max, bool e4m3, bool pow2) {
+                    double fp8_max, bool e4m3, bool pow2, c10::string_view activation) {
+  TORCH_CHECK_VALUE(activation == "gelu" || activation == "identity",
+                    "te_cuda::act_cast_1x128: activation must be 'gelu' or 'identity', got '",
+                    activation, "'");
+  const bool identity = activation == "identity";
+  TORCH_CHECK_VALUE(!identity || (!bias && !grad),
+                    "te_cuda::act_cast_1x128: activation 'identity' takes no bias and no grad");
   const int64_t m = z.size(0), n = z.dim() == 2 ? z.size(1) : -1;
   TORCH_CHECK_VALUE(z.dim() == 2 && m % kTile == 0 && n % kTile == 0,
                     "te_cuda::act_cast_1x128: z must be [M, N] with M and N multiples of 128, got ",
@@ -279,7 +298,8 @@ void act_cast_1x128(const at::Tensor& z, const std::optional<at::Tensor>& bias,
   check_2d(scale_inv, "scale_inv", at::kFloat, m, n / kTile);
   check_2d(scale_inv_t, "scale_inv_t", at::kFloat, n, m / kTile);
   if (part) {
-    TORCH_CHECK_VALUE(grad.has_value(), "te_cuda::act_cast_1x128: part (dbias) needs grad");
+    TORCH_CHECK_VALUE(grad.has_value() || identity,
+                      "te_cuda::act_cast_1x128: part (dbias) needs grad or 'identity'");
     check_2d(*part, "part", at::kFloat, m / kTile, n);
   }
   if (m == 0 || n == 0) return;
@@ -296,15 +316,18 @@ void act_cast_1x128(const at::Tensor& z, const std::optional<at::Tensor>& bias,
   auto* pp = part ? part->data_ptr<float>() : nullptr;
   const float mx = static_cast<float>(fp8_max);
   const bool hb = bias.has_value();
-  if (!grad) {
-    act_cast_1x128_kernel<false, false><<<blocks, kThreads, 0, stream>>>(
-        zp, bp, gp, dp, sp, dtp, stp, pp, m, n, mx, hb, e4m3, pow2);
-  } else if (part) {
-    act_cast_1x128_kernel<true, true><<<blocks, kThreads, 0, stream>>>(
-        zp, bp, gp, dp, sp, dtp, stp, pp, m, n, mx, hb, e4m3, pow2);
+  const auto launch = [&](auto kernel) {
+    kernel<<<blocks, kThreads, 0, stream>>>(zp, bp, gp, dp, sp, dtp, stp, pp, m, n, mx, hb,
+                                             e4m3, pow2);
+  };
+  if (identity) {
+    part ? launch(act_cast_1x128_kernel<kIdentity, true>)
+         : launch(act_cast_1x128_kernel<kIdentity, false>);
+  } else if (!grad) {
+    launch(act_cast_1x128_kernel<kGeluFwd, false>);
   } else {
-    act_cast_1x128_kernel<true, false><<<blocks, kThreads, 0, stream>>>(
-        zp, bp, gp, dp, sp, dtp, stp, pp, m, n, mx, hb, e4m3, pow2);
+    part ? launch(act_cast_1x128_kernel<kGeluBwd, true>)
+         : launch(act_cast_1x128_kernel<kGeluBwd, false>);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -315,7 +338,7 @@ TORCH_LIBRARY(te_cuda, m) {
   m.def(
       "act_cast_1x128(Tensor z, Tensor? bias, Tensor? grad, Tensor(a!) data, "
       "Tensor(b!) scale_inv, Tensor(c!) data_t, Tensor(d!) scale_inv_t, Tensor(e!)? part, "
-      "float fp8_max, bool e4m3, bool pow2) -> ()");
+      "float fp8_max, bool e4m3, bool pow2, str activation=\"gelu\") -> ()");
 }
 
 TORCH_LIBRARY_IMPL(te_cuda, CUDA, m) {

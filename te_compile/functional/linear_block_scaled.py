@@ -181,6 +181,18 @@ def _quantize_block(x2: Tensor, fp8_dtype: torch.dtype, block_rows: int, power_2
     return data, s, data_t.contiguous(), s_t.contiguous()
 
 
+def _quantize_block_sums(dy: Tensor, fp8_dtype: torch.dtype, power_2_scale: bool, sums: bool):
+    """``(*_quantize_block(dy, fp8_dtype, 1, power_2_scale), column sums)``: with ``sums``,
+    ``dy``'s fp32 column sums (the bias gradient), else None. On CUDA one kernel reads ``dy``
+    once for the casts and the sums (``kernels.quantize.quantize_blockwise_sums``)."""
+    if sums and dy.is_cuda:
+        from te_compile.kernels.quantize import quantize_blockwise_sums
+
+        return quantize_blockwise_sums(dy, fp8_dtype, power_2_scale)
+    data, s, data_t, s_t = _quantize_block(dy, fp8_dtype, 1, power_2_scale)
+    return data, s, data_t, s_t, dy.sum(0, dtype=torch.float32) if sums else None
+
+
 def _norm_quantize_block(x, norm, fp8_dtype, power_2_scale):
     """``(data, scale_inv, data_t, scale_inv_t, mean, rsigma)``: the norm prologue (``norm`` as
     in ``linear_fp8._norm_quantize``) in 1x128 blocks, rows padded to a multiple of 16
@@ -382,7 +394,7 @@ def _native_bwd(grad_out, saved, bwd_dtype, power_2_scale, has_bias, need_dgrad,
     w_rows = 1 if ws_t.shape[0] == k else 128  # the weight's block rows (k >= 16)
     dy = grad_out.reshape(-1, n)
     dtype = grad_out.dtype
-    gd, gs, gd_t, gs_t = _quantize_block(dy, bwd_dtype, 1, power_2_scale)
+    gd, gs, gd_t, gs_t, db = _quantize_block_sums(dy, bwd_dtype, power_2_scale, has_bias)
     fwd_dtype = _NATIVE_FP8
     empty = grad_out.new_empty(0)
     dinp = empty
@@ -393,7 +405,7 @@ def _native_bwd(grad_out, saved, bwd_dtype, power_2_scale, has_bias, need_dgrad,
     dweight = empty.clone()
     if need_wgrad:
         dweight = _block_scaled_mm(gd_t, gs_t, 1, xd_t.view(fwd_dtype), xs_t, 1, dtype)
-    dbias = dy.sum(0, dtype=torch.float32).to(dtype) if has_bias else empty.clone()
+    dbias = db.to(dtype) if has_bias else empty.clone()
     return dinp, dweight, dbias
 
 

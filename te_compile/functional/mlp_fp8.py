@@ -42,6 +42,7 @@ from te_compile.functional.linear_block_scaled import (
     _block_scaled_mm,
     _norm_quantize_block,
     _quantize_block,
+    _quantize_block_sums,
     native_block_supported,
 )
 from te_compile.functional.linear_block_scaled import (
@@ -377,11 +378,11 @@ def _block_bwd(
     dtype = grad_out.dtype
     dy = grad_out.reshape(-1, grad_out.shape[-1])
     m = dy.shape[0]
-    gq, gs, gq_t, gs_t = _quantize_block(_pad_rows(dy), bwd_dtype, 1, pow2)
+    gq, gs, gq_t, gs_t, db2 = _quantize_block_sums(_pad_rows(dy), bwd_dtype, pow2, has_b2)
     # fc2: dh [M, F] = dY @ W2 (W2^T in 128x128 blocks along N); dW2 [N, F] = dY^T @ h
     dh = _block_scaled_mm(gq, gs, 1, w2_t, w2s_t, 128, dtype)
     dw2 = _block_scaled_mm(gq_t, gs_t, 1, h_t, hs_t, 1, dtype)
-    db2 = dy.sum(0, dtype=torch.float32).to(dtype) if has_b2 else dy.new_empty(0)
+    db2 = db2.to(dtype) if has_b2 else dy.new_empty(0)
     need_db1 = b1 is not None
     dq, ds, dq_t, ds_t, db1 = _act_quantize_block(
         z, b1, dh, activation, bwd_dtype, m, need_db1, pow2

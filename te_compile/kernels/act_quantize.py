@@ -41,14 +41,11 @@ Element-wise activations only (no gated ones). The tensors are ``[M, N]`` contig
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from te_compile import _csrc
 from te_compile.kernels.activation import FN_GELU, FUNCTION_OF, GATED, _act, _dact
 from te_compile.kernels.norm import norm_stats
 from te_compile.kernels.quantize import (
@@ -61,6 +58,7 @@ from te_compile.kernels.quantize import (
     _cast_1x128,
     _cast_args,
     _cast_fp8,
+    _cuda_1x128,
     _round,
     _software,
     _tile_scale,
@@ -353,21 +351,8 @@ def _blockwise(
     scale_inv = z.new_empty((m_out, triton.cdiv(n, blk)), dtype=f32)
     scale_inv_t = z.new_empty((n, triton.cdiv(m_out, blk)), dtype=f32)
     dbias = need_dbias and bias is not None and grad is not None
-    cuda = _cuda_act_cast() if cfg.cuda_kernels else None
-    if (
-        cuda is not None
-        and norm is None
-        and fn == FN_GELU.value
-        and z.is_cuda
-        and z.dtype is torch.bfloat16
-        and (bias is None or bias.dtype is torch.bfloat16)
-        and (grad is None or grad.dtype is torch.bfloat16)
-        and rows == m_out
-        and m_out % blk == 0
-        and n % blk == 0
-        and 0 < m_out // blk <= 65535
-        and all(t.data_ptr() % 16 == 0 for t in (z, bias, grad) if t is not None)  # 16-B loads
-    ):
+    cuda = _cuda_1x128(cfg, m_out, n, z, bias, grad)
+    if cuda is not None and norm is None and fn == FN_GELU.value and rows == m_out:
         # One read of the input, both layouts (csrc/act_cast_1x128.cu; same bytes).
         part = z.new_empty((m_out // blk, n), dtype=f32) if dbias else None
         cuda(
@@ -418,17 +403,6 @@ def _blockwise(
         )
     db = part.sum(0).to(bias.dtype) if dbias else None
     return data, scale_inv, data_t, scale_inv_t, db
-
-
-@functools.cache
-def _cuda_act_cast():
-    """``torch.ops.te_cuda.act_cast_1x128`` when the C++ extension was built with CUDA, else
-    None (a CPU build, or no extension: the Triton kernels run)."""
-    try:
-        _csrc.load()
-    except ImportError:
-        return None
-    return getattr(torch.ops.te_cuda, "act_cast_1x128", None)
 
 
 def _activation_fn(name: str, activation: str) -> int:

@@ -60,6 +60,7 @@ conversion paths agree.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 
@@ -68,6 +69,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from te_compile import _csrc
 from te_compile.kernels import programs_per_sm
 
 __all__ = [
@@ -720,6 +722,29 @@ def amax(x: Tensor, *, config: QuantizeLaunchConfig | None = None) -> Tensor:
     return out
 
 
+@functools.cache
+def _cuda_act_cast():
+    """``torch.ops.te_cuda.act_cast_1x128`` (csrc/act_cast_1x128.cu) when the C++ extension was
+    built with CUDA, else None (a CPU build, or no extension: the Triton kernels run)."""
+    try:
+        _csrc.load()
+    except ImportError:
+        return None
+    return getattr(torch.ops.te_cuda, "act_cast_1x128", None)
+
+
+def _cuda_1x128(cfg: QuantizeLaunchConfig, m: int, n: int, *tensors: Tensor | None):
+    """The CUDA 1x128 cast (both layouts, one read) when it covers a ``[m, n]`` call on
+    ``tensors`` (the input, and the bias / gradient where given): CUDA bf16 tensors, 16-byte
+    aligned, ``m`` and ``n`` whole 128x128 tiles; else None (the Triton kernels run)."""
+    if not cfg.cuda_kernels or not (0 < m // BLOCK <= 65535 and m % BLOCK == 0 and n % BLOCK == 0):
+        return None
+    given = [t for t in tensors if t is not None]
+    if not all(t.is_cuda and t.dtype is torch.bfloat16 and t.data_ptr() % 16 == 0 for t in given):
+        return None
+    return _cuda_act_cast()
+
+
 def _transposed(x: Tensor, m: int, k: int, dtype: torch.dtype, columnwise: bool) -> Tensor:
     return x.new_empty((k, m) if columnwise else (0,), dtype=dtype)
 
@@ -819,7 +844,12 @@ def quantize_blockwise(
     data_t = _transposed(x, m, k, fp8_dtype, columnwise)
     t_shape = (triton.cdiv(k, block_rows), triton.cdiv(m, BLOCK)) if columnwise else (0,)
     scale_inv_t = x.new_empty(t_shape, dtype=f32)
-    if m * k:
+    cuda = _cuda_1x128(cfg, m, k, x2) if block_rows == 1 and columnwise else None
+    if cuda is not None:  # one read, both layouts (csrc/act_cast_1x128.cu; same bytes)
+        f = _FORMATS[fp8_dtype]
+        cuda(x2, None, None, _bits(data).view(m, k), scale_inv, _bits(data_t), scale_inv_t, None,
+             f.max, f.e4m3, power_2_scale, "identity")  # fmt: skip
+    elif m * k:
         _block_kernel[(triton.cdiv(m, block_m), triton.cdiv(k, BLOCK))](
             x2,
             _bits(data),
@@ -838,6 +868,36 @@ def quantize_blockwise(
             num_warps=cfg.block_num_warps if block_m == BLOCK else cfg.num_warps,
         )
     return data, scale_inv, data_t, scale_inv_t
+
+
+def quantize_blockwise_sums(
+    x: Tensor,
+    fp8_dtype: torch.dtype,
+    power_2_scale: bool,
+    *,
+    config: QuantizeLaunchConfig | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``quantize_blockwise(x, fp8_dtype, 1, power_2_scale, True)`` and the fp32 column sums
+    of ``x`` (``[K]``; a bias gradient when ``x`` is an output gradient): ``(data, scale_inv,
+    data_t, scale_inv_t, sums)``. Where the CUDA kernel covers ``x``, one read of it: the sums
+    are per-128-row-tile partials added afterwards (another order than ``x.sum(0)``: equal to
+    rounding)."""
+    cfg = config or _DEFAULT
+    x2, m, k = _rows(x)
+    cuda = _cuda_1x128(cfg, m, k, x2)
+    if cuda is None:
+        return (*quantize_blockwise(x, fp8_dtype, 1, power_2_scale, True, config=cfg),
+                x2.sum(0, dtype=torch.float32))  # fmt: skip
+    f32 = torch.float32
+    data = torch.empty(x.shape, device=x.device, dtype=fp8_dtype)
+    data_t = x.new_empty((k, m), dtype=fp8_dtype)
+    scale_inv = x.new_empty((m, k // BLOCK), dtype=f32)
+    scale_inv_t = x.new_empty((k, m // BLOCK), dtype=f32)
+    part = x.new_empty((m // BLOCK, k), dtype=f32)
+    f = _FORMATS[fp8_dtype]
+    cuda(x2, None, None, _bits(data).view(m, k), scale_inv, _bits(data_t), scale_inv_t, part,
+         f.max, f.e4m3, power_2_scale, "identity")  # fmt: skip
+    return data, scale_inv, data_t, scale_inv_t, part.sum(0)
 
 
 def _dequantize(

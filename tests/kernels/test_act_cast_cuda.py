@@ -1,6 +1,8 @@
 """csrc/act_cast_1x128.cu (``te_cuda::act_cast_1x128``): the one-read CUDA form of the fused gelu +
-Float8BlockScaling 1x128 cast writes the same bytes as the Triton kernels it stands in for
-(``kernels.act_quantize.act_quantize_block`` with ``cuda_kernels=False``). CUDA only."""
+Float8BlockScaling 1x128 cast, and of the plain 1x128 cast of a bf16 tensor ("identity", with
+the column sums a bias gradient needs), writes the same bytes as the Triton kernels it stands in
+for (``kernels.act_quantize.act_quantize_block`` / ``kernels.quantize.quantize_blockwise`` with
+``cuda_kernels=False``). CUDA only."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ if not torch.cuda.is_available():
 from te_compile.kernels import act_quantize as act_q
 from te_compile.kernels import quantize
 
-if act_q._cuda_act_cast() is None:
+if quantize._cuda_act_cast() is None:
     pytest.skip(
         "te_compile._C was built without CUDA (no nvcc at install)", allow_module_level=True
     )
@@ -55,8 +57,8 @@ def test_cuda_cast_is_used_only_where_it_applies(monkeypatch):
     """Ragged shapes, fp32 inputs, other activations and inputs not 16-byte aligned stay on
     Triton; whole bf16 gelu tiles take the CUDA kernel."""
     calls = []
-    real = act_q._cuda_act_cast()
-    monkeypatch.setattr(act_q, "_cuda_act_cast", lambda: lambda *a: calls.append(1) or real(*a))
+    real = quantize._cuda_act_cast()
+    monkeypatch.setattr(quantize, "_cuda_act_cast", lambda: lambda *a: calls.append(1) or real(*a))
     z = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
     act_q.act_quantize_block(z, None, None, "gelu", E4M3, 256, False, False)
     assert len(calls) == 1
@@ -66,3 +68,52 @@ def test_cuda_cast_is_used_only_where_it_applies(monkeypatch):
     shifted = torch.empty(256 * 256 + 1, device="cuda", dtype=torch.bfloat16)[1:].view(256, 256)
     act_q.act_quantize_block(shifted.copy_(z), None, None, "gelu", E4M3, 256, False, False)
     assert len(calls) == 1  # not 16-byte aligned: Triton
+
+
+def _assert_same_cast(got, want, fp8):
+    for name, a, b in zip(("data", "scale_inv", "data_t", "scale_inv_t"), got, want, strict=True):
+        if a.dtype == fp8:
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+        else:
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=name)
+
+
+@pytest.mark.parametrize("fp8,pow2", [(E4M3, False), (E4M3, True), (E5M2, False)],
+                         ids=["e4m3", "e4m3-pow2", "e5m2"])  # fmt: skip
+@pytest.mark.parametrize("shape", [(256, 384), (2, 128, 256)])
+def test_identity_cast_matches_triton(fp8, pow2, shape):
+    """``quantize_blockwise(x, 1x128, columnwise)`` of a bf16 tensor in whole tiles: the CUDA
+    kernel's bytes equal the Triton kernel's; ``quantize_blockwise_sums`` adds x's column
+    sums (fp32, to rounding)."""
+    torch.manual_seed(1)
+    x = (torch.randn(*shape, device="cuda") * 3).to(torch.bfloat16)
+    x2 = x.view(-1, shape[-1])
+    x2[7, :100] *= 1000
+    x2[128:, :128] = 0
+    x2[9, 3] = float("-inf")
+    args = (x, fp8, 1, pow2, True)
+    want = quantize.quantize_blockwise(*args, config=TRITON)
+    _assert_same_cast(quantize.quantize_blockwise(*args), want, fp8)
+    *got, sums = quantize.quantize_blockwise_sums(x, fp8, pow2)
+    _assert_same_cast(got, want, fp8)
+    torch.testing.assert_close(sums, x2.float().sum(0), rtol=1e-5, atol=1e-3, equal_nan=True)
+    *got_t, sums_t = quantize.quantize_blockwise_sums(x, fp8, pow2, config=TRITON)
+    _assert_same_cast(got_t, want, fp8)
+    torch.testing.assert_close(sums_t, sums, rtol=1e-5, atol=1e-3, equal_nan=True)
+
+
+def test_identity_cast_is_used_only_where_it_applies(monkeypatch):
+    """1x128 columnwise casts of bf16 whole tiles take the CUDA kernel; 128x128 blocks, rowwise
+    only, fp32 and ragged shapes stay on Triton."""
+    calls = []
+    real = quantize._cuda_act_cast()
+    monkeypatch.setattr(quantize, "_cuda_act_cast", lambda: lambda *a: calls.append(1) or real(*a))
+    x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+    quantize.quantize_blockwise(x, E4M3, 1, False, True)
+    quantize.quantize_blockwise_sums(x, E4M3, False)
+    assert len(calls) == 2
+    quantize.quantize_blockwise(x, E4M3, 128, False, True)
+    quantize.quantize_blockwise(x, E4M3, 1, False, False)
+    quantize.quantize_blockwise(x.float(), E4M3, 1, False, True)
+    quantize.quantize_blockwise_sums(x[:200], E4M3, False)
+    assert len(calls) == 2

@@ -165,6 +165,19 @@ def test_blockwise(shape, fp8, pow2, block_rows):
         _assert_all_equal(actual, Q.quantize_blockwise_ref(x, fp8, block_rows, pow2, columnwise))
 
 
+@pytest.mark.parametrize("fp8, pow2", FP8_POW2)
+@pytest.mark.parametrize("shape", [(256, 384), (3, 50, 129)], ids=str)
+def test_blockwise_sums(shape, fp8, pow2):
+    """``quantize_blockwise_sums``: the 1x128 cast in both layouts (on CUDA, whole bf16 tiles
+    take the one-read CUDA kernel) and the fp32 column sums of the input."""
+    x = _x(shape) * torch.logspace(-3, 3, shape[-1]).to(torch.bfloat16)
+    *actual, sums = kernels.quantize_blockwise_sums(_dev(x), fp8, pow2)
+    _assert_all_equal(actual, Q.quantize_blockwise_ref(x, fp8, 1, pow2, True))
+    want = x.reshape(-1, shape[-1]).double().sum(0)
+    assert sums.dtype == torch.float32 and sums.shape == want.shape
+    torch.testing.assert_close(sums.cpu().double(), want, rtol=1e-5, atol=1e-3)
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered in divide:RuntimeWarning")  # amax 1e-44
 @pytest.mark.parametrize("fp8, pow2", FP8_POW2)
 def test_special_values_blockwise(fp8, pow2):
