@@ -110,6 +110,11 @@ runpy.run_path('examples/train_gpt.py', run_name='__main__')" "${tg[@]:1}" \
       python3 -m bench.diag_first_launch 2>&1 | tee "$OUT/diag_first_launch.log" ;;
     diag_gemm_host)  # host time per FP8 GEMM call by scaling kind (bench/diag_gemm_host.py)
       python3 -m bench.diag_gemm_host 2>&1 | tee "$OUT/diag_gemm_host.log" ;;
+    diag_sync)  # does the FP8 MLP step make the host wait (bench/diag_sync.py), default
+                # allocator and expandable segments
+      python3 -m bench.diag_sync 2>&1 | tee "$OUT/diag_sync.log"
+      PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -m bench.diag_sync --rows bf16 block \
+        2>&1 | tee "$OUT/diag_sync_expandable.log" ;;
     diag_host)  # where the FP8 MLP step's time goes beyond its kernels (bench/diag_host.py)
       python3 -m bench.diag_host 2>&1 | tee "$OUT/diag_host.log" ;;
     tune_norm) python3 -m bench.tune_norm 2>&1 | tee "$OUT/tune_norm.log" ;;

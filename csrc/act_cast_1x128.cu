@@ -128,8 +128,14 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return (__float_as_uint(lo) >> 16) | (__float_as_uint(hi) & 0xFFFF0000u);
 }
 
+// CTAs a multiprocessor must hold (the register budget): more CTAs overlap one's loads with
+// another's arithmetic; the backward's larger state spills below ~85 registers.
+constexpr int min_ctas(int mode) {
+  return mode == kGeluFwd ? 4 : 3;
+}
+
 template <int kMode, bool kDbias>
-__global__ void __launch_bounds__(kThreads) act_cast_1x128_kernel(
+__global__ void __launch_bounds__(kThreads, min_ctas(kMode)) act_cast_1x128_kernel(
     const __nv_bfloat16* __restrict__ z,
     const __nv_bfloat16* __restrict__ bias,
     const __nv_bfloat16* __restrict__ grad,
@@ -167,49 +173,57 @@ __global__ void __launch_bounds__(kThreads) act_cast_1x128_kernel(
   }
   float csum[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
 
-  // All of this thread's row pieces are loaded before any is used: the whole tile (and the
-  // gradient's) in flight at once, so one CTA's loads overlap another's arithmetic.
+  // A thread's row pieces are loaded kGroup at a time before any of them is used (the forward
+  // the whole tile, the backward half of it and half of the gradient's): many loads in flight
+  // per CTA at a register count that keeps min_ctas CTAs on a multiprocessor.
   constexpr int kIters = kRowsPerWarp / 2;
-  uint4 zv[kIters];
-  uint4 gv[kBwd ? kIters : 1];
+  constexpr int kGroup = kBwd ? kIters / 2 : kIters;
 #pragma unroll
-  for (int it = 0; it < kIters; ++it) {
-    const int64_t off = (row0 + warp * kRowsPerWarp + 2 * it + half) * n + col0 + 8 * l16;
-    zv[it] = __ldg(reinterpret_cast<const uint4*>(z + off));
-    if (kBwd) gv[it] = __ldg(reinterpret_cast<const uint4*>(grad + off));
-  }
+  for (int i0 = 0; i0 < kIters; i0 += kGroup) {
+    uint4 zv[kGroup];
+    uint4 gv[kBwd ? kGroup : 1];
+#pragma unroll
+    for (int it = 0; it < kGroup; ++it) {
+      const int64_t off =
+          (row0 + warp * kRowsPerWarp + 2 * (i0 + it) + half) * n + col0 + 8 * l16;
+      zv[it] = __ldg(reinterpret_cast<const uint4*>(z + off));
+      if (kBwd) gv[it] = __ldg(reinterpret_cast<const uint4*>(grad + off));
+    }
 
 #pragma unroll
-  for (int it = 0; it < kIters; ++it) {
-    const int r = warp * kRowsPerWarp + 2 * it + half;
-    const int64_t off = (row0 + r) * n + col0 + 8 * l16;
-    const uint32_t zw[4] = {zv[it].x, zv[it].y, zv[it].z, zv[it].w};
-    uint32_t gw[4] = {0, 0, 0, 0};
-    if (kBwd) gw[0] = gv[it].x, gw[1] = gv[it].y, gw[2] = gv[it].z, gw[3] = gv[it].w;
-    float x[8];
-    int amax = 0;
+    for (int it = 0; it < kGroup; ++it) {
+      const int r = warp * kRowsPerWarp + 2 * (i0 + it) + half;
+      const int64_t off = (row0 + r) * n + col0 + 8 * l16;
+      const uint32_t zw[4] = {zv[it].x, zv[it].y, zv[it].z, zv[it].w};
+      uint32_t gw[4] = {0, 0, 0, 0};
+      if (kBwd) gw[0] = gv[it].x, gw[1] = gv[it].y, gw[2] = gv[it].z, gw[3] = gv[it].w;
+      float x[8];
+      int amax = 0;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const float zf = j % 2 ? bf16_hi(zw[j / 2]) : bf16_lo(zw[j / 2]);
-      const float gf = j % 2 ? bf16_hi(gw[j / 2]) : bf16_lo(gw[j / 2]);
-      const float a = has_bias ? __fadd_rn(zf, b[j]) : zf;
-      const float v = kMode == kIdentity ? a : activation<kBwd>(a, gf);
-      if (kDbias) csum[j] += v;
-      x[j] = kMode == kIdentity ? v : round_bf16(v);
-      amax = max(amax, abs_bits(x[j]));
+      for (int j = 0; j < 8; ++j) {
+        const float zf = j % 2 ? bf16_hi(zw[j / 2]) : bf16_lo(zw[j / 2]);
+        const float gf = j % 2 ? bf16_hi(gw[j / 2]) : bf16_lo(gw[j / 2]);
+        const float a = has_bias ? __fadd_rn(zf, b[j]) : zf;
+        const float v = kMode == kIdentity ? a : activation<kBwd>(a, gf);
+        if (kDbias) csum[j] += v;
+        x[j] = kMode == kIdentity ? v : round_bf16(v);
+        amax = max(amax, abs_bits(x[j]));
+      }
+#pragma unroll
+      for (int o = 8; o > 0; o >>= 1) amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+      const float s = scale_from_amax(__int_as_float(amax), fp8_max, pow2);
+      uint32_t q[2] = {0, 0};
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        q[j / 4] |= static_cast<uint32_t>(to_fp8(__fmul_rn(x[j], s), e4m3)) << (8 * (j % 4));
+      }
+      *reinterpret_cast<uint2*>(data + off) = make_uint2(q[0], q[1]);
+      if (l16 == 0) scale_inv[(row0 + r) * n_blocks + blockIdx.x] = __fdiv_rn(1.0f, s);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        tile_words[tile_word(r, 4 * l16 + j)] = pack_bf16(x[2 * j], x[2 * j + 1]);
+      }
     }
-#pragma unroll
-    for (int o = 8; o > 0; o >>= 1) amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
-    const float s = scale_from_amax(__int_as_float(amax), fp8_max, pow2);
-    uint32_t q[2] = {0, 0};
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      q[j / 4] |= static_cast<uint32_t>(to_fp8(__fmul_rn(x[j], s), e4m3)) << (8 * (j % 4));
-    }
-    *reinterpret_cast<uint2*>(data + off) = make_uint2(q[0], q[1]);
-    if (l16 == 0) scale_inv[(row0 + r) * n_blocks + blockIdx.x] = __fdiv_rn(1.0f, s);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) tile_words[tile_word(r, 4 * l16 + j)] = pack_bf16(x[2 * j], x[2 * j + 1]);
   }
   if (kDbias) {
 #pragma unroll
