@@ -149,7 +149,11 @@ __global__ void __launch_bounds__(kThreads, min_ctas(kMode)) act_cast_1x128_kern
     float fp8_max,
     bool has_bias,
     bool e4m3,
-    bool pow2) {
+    bool pow2,
+    int64_t s_row,
+    int64_t s_blk,
+    int64_t t_row,
+    int64_t t_blk) {
   __shared__ __align__(16) uint32_t tile_words[kTile * kWordsPerRow];
   __shared__ float colsum[kDbias ? 2 * kWarps : 1][kTile];
   constexpr bool kBwd = kMode == kGeluBwd;
@@ -157,8 +161,6 @@ __global__ void __launch_bounds__(kThreads, min_ctas(kMode)) act_cast_1x128_kern
   const int lane = threadIdx.x % 32;
   const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kTile;
   const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kTile;
-  const int64_t n_blocks = n / kTile;
-  const int64_t m_blocks = m / kTile;
 
   // Row pass: lane l of warp w takes columns 8 (l % 16) .. 8 (l % 16) + 7 of rows 16w + l / 16,
   // 16w + 2 + l / 16, ...: one 16-byte load a row piece, two rows a warp instruction.
@@ -218,7 +220,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas(kMode)) act_cast_1x128_kern
         q[j / 4] |= static_cast<uint32_t>(to_fp8(__fmul_rn(x[j], s), e4m3)) << (8 * (j % 4));
       }
       *reinterpret_cast<uint2*>(data + off) = make_uint2(q[0], q[1]);
-      if (l16 == 0) scale_inv[(row0 + r) * n_blocks + blockIdx.x] = __fdiv_rn(1.0f, s);
+      if (l16 == 0) scale_inv[(row0 + r) * s_row + blockIdx.x * s_blk] = __fdiv_rn(1.0f, s);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         tile_words[tile_word(r, 4 * l16 + j)] = pack_bf16(x[2 * j], x[2 * j + 1]);
@@ -265,8 +267,8 @@ __global__ void __launch_bounds__(kThreads, min_ctas(kMode)) act_cast_1x128_kern
     *reinterpret_cast<uint32_t*>(out_lo) = q_lo;
     *reinterpret_cast<uint32_t*>(out_lo + m) = q_hi;
     if (lane == 0) {
-      scale_inv_t[(col0 + c) * m_blocks + blockIdx.y] = __fdiv_rn(1.0f, s_lo);
-      scale_inv_t[(col0 + c + 1) * m_blocks + blockIdx.y] = __fdiv_rn(1.0f, s_hi);
+      scale_inv_t[(col0 + c) * t_row + blockIdx.y * t_blk] = __fdiv_rn(1.0f, s_lo);
+      scale_inv_t[(col0 + c + 1) * t_row + blockIdx.y * t_blk] = __fdiv_rn(1.0f, s_hi);
     }
   }
 }
@@ -277,6 +279,19 @@ void check_2d(const at::Tensor& t, const char* name, at::ScalarType dtype, int64
                         t.dim() == 2 && t.size(0) == rows && t.size(1) == cols,
                     "te_cuda::act_cast_1x128: ", name, " must be a contiguous CUDA ", dtype,
                     " tensor [", rows, ", ", cols, "], got ", t.scalar_type(), " ", t.sizes());
+}
+
+// Block scales [rows, blocks]: compact (row-major), or rows-major (strides (1, rows)): the layout
+// cuBLAS's blockwise-scaled GEMM takes for a 1x128-scaled operand, written directly so that the
+// GEMM needs no copy.
+void check_scales(const at::Tensor& t, const char* name, int64_t rows, int64_t blocks) {
+  const bool layout =
+      t.dim() == 2 && (t.is_contiguous() || (t.stride(0) == 1 && t.stride(1) == rows));
+  TORCH_CHECK_VALUE(t.is_cuda() && t.scalar_type() == at::kFloat && layout &&
+                        t.size(0) == rows && t.size(1) == blocks,
+                    "te_cuda::act_cast_1x128: ", name, " must be a CUDA float32 tensor [", rows,
+                    ", ", blocks, "], contiguous or with strides (1, ", rows, "), got ",
+                    t.scalar_type(), " ", t.sizes(), " strides ", t.strides());
 }
 
 void act_cast_1x128(const at::Tensor& z, const std::optional<at::Tensor>& bias,
@@ -309,8 +324,8 @@ void act_cast_1x128(const at::Tensor& z, const std::optional<at::Tensor>& bias,
   }
   check_2d(data, "data", at::kByte, m, n);
   check_2d(data_t, "data_t", at::kByte, n, m);
-  check_2d(scale_inv, "scale_inv", at::kFloat, m, n / kTile);
-  check_2d(scale_inv_t, "scale_inv_t", at::kFloat, n, m / kTile);
+  check_scales(scale_inv, "scale_inv", m, n / kTile);
+  check_scales(scale_inv_t, "scale_inv_t", n, m / kTile);
   if (part) {
     TORCH_CHECK_VALUE(grad.has_value() || identity,
                       "te_cuda::act_cast_1x128: part (dbias) needs grad or 'identity'");
@@ -332,7 +347,9 @@ void act_cast_1x128(const at::Tensor& z, const std::optional<at::Tensor>& bias,
   const bool hb = bias.has_value();
   const auto launch = [&](auto kernel) {
     kernel<<<blocks, kThreads, 0, stream>>>(zp, bp, gp, dp, sp, dtp, stp, pp, m, n, mx, hb,
-                                             e4m3, pow2);
+                                             e4m3, pow2, scale_inv.stride(0),
+                                             scale_inv.stride(1), scale_inv_t.stride(0),
+                                             scale_inv_t.stride(1));
   };
   if (identity) {
     part ? launch(act_cast_1x128_kernel<kIdentity, true>)

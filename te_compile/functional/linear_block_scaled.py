@@ -181,14 +181,15 @@ def _quantize_block(x2: Tensor, fp8_dtype: torch.dtype, block_rows: int, power_2
     return data, s, data_t.contiguous(), s_t.contiguous()
 
 
-def _quantize_block_sums(dy: Tensor, fp8_dtype: torch.dtype, power_2_scale: bool, sums: bool):
+def _quantize_block_sums(dy: Tensor, fp8_dtype, power_2_scale: bool, sums: bool, mn_major=False):
     """``(*_quantize_block(dy, fp8_dtype, 1, power_2_scale), column sums)``: with ``sums``,
     ``dy``'s fp32 column sums (the bias gradient), else None. On CUDA one kernel reads ``dy``
-    once for the casts and the sums (``kernels.quantize.quantize_blockwise_sums``)."""
+    once for the casts and the sums (``kernels.quantize.quantize_blockwise_sums``; with
+    ``mn_major``, both scale tensors in the GEMM's layout where its CUDA kernel runs)."""
     if sums and dy.is_cuda:
         from te_compile.kernels.quantize import quantize_blockwise_sums
 
-        return quantize_blockwise_sums(dy, fp8_dtype, power_2_scale)
+        return quantize_blockwise_sums(dy, fp8_dtype, power_2_scale, mn_major=(mn_major,) * 2)
     data, s, data_t, s_t = _quantize_block(dy, fp8_dtype, 1, power_2_scale)
     return data, s, data_t, s_t, dy.sum(0, dtype=torch.float32) if sums else None
 
@@ -394,7 +395,7 @@ def _native_bwd(grad_out, saved, bwd_dtype, power_2_scale, has_bias, need_dgrad,
     w_rows = 1 if ws_t.shape[0] == k else 128  # the weight's block rows (k >= 16)
     dy = grad_out.reshape(-1, n)
     dtype = grad_out.dtype
-    gd, gs, gd_t, gs_t, db = _quantize_block_sums(dy, bwd_dtype, power_2_scale, has_bias)
+    gd, gs, gd_t, gs_t, db = _quantize_block_sums(dy, bwd_dtype, power_2_scale, has_bias, True)
     fwd_dtype = _NATIVE_FP8
     empty = grad_out.new_empty(0)
     dinp = empty

@@ -173,15 +173,19 @@ def _act_quantize(z, bias, grad, activation, fp8_dtype, scale, rows, need_dbias)
     return data, data_t, scale_inv, amax, dbias if need_dbias else None
 
 
-def _act_quantize_block(z, bias, grad, activation, fp8_dtype, rows, need_dbias, power_2_scale):
+def _act_quantize_block(
+    z, bias, grad, activation, fp8_dtype, rows, need_dbias, power_2_scale, mn_major
+):  # fmt: skip
     """``(data, scale_inv, data_t, scale_inv_t, dbias)``: :func:`_act_quantize` in 1x128 blocks
-    (``kernels.act_quantize.act_quantize_block`` on CUDA; elsewhere the unfused ops)."""
+    (``kernels.act_quantize.act_quantize_block`` on CUDA, scales M-major where ``mn_major``
+    asks and its CUDA kernel runs; elsewhere the unfused ops)."""
     if z.device.type == "cuda":
         from te_compile.kernels.act_quantize import act_quantize_block
 
         return act_quantize_block(
-            z, bias, grad, activation, fp8_dtype, rows, need_dbias, power_2_scale
-        )
+            z, bias, grad, activation, fp8_dtype, rows, need_dbias, power_2_scale,
+            mn_major=mn_major,
+        )  # fmt: skip
     dbias = None
     if grad is None:
         v = activation_fwd.eager(z[:rows], bias, activation)
@@ -262,7 +266,10 @@ def _block_fwd(inp, w1, b1, w2, b2, activation, fwd_dtype, pow2, norm):
         xq, xs, xq_t, xs_t = _quantize_block(_pad_rows(x), fwd_dtype, 1, pow2)
     w1q, w1s, w1q_t, w1s_t = _quantize_block(w1, fwd_dtype, 128, pow2)
     z = _block_scaled_mm(xq, xs, 1, w1q, w1s, 128, inp.dtype)
-    hq, hs, hq_t, hs_t, _ = _act_quantize_block(z, b1, None, activation, fwd_dtype, m, False, pow2)
+    # h's rowwise scales feed the next GEMM only: written in its layout; hs_t is saved (compact)
+    hq, hs, hq_t, hs_t, _ = _act_quantize_block(
+        z, b1, None, activation, fwd_dtype, m, False, pow2, (True, False)
+    )
     w2q, w2s, w2q_t, w2s_t = _quantize_block(w2, fwd_dtype, 128, pow2)
     out = _block_scaled_mm(hq, hs, 1, w2q, w2s, 128, inp.dtype, b2)
     out = out[:m].clone() if out.shape[0] != m else out
@@ -378,14 +385,14 @@ def _block_bwd(
     dtype = grad_out.dtype
     dy = grad_out.reshape(-1, grad_out.shape[-1])
     m = dy.shape[0]
-    gq, gs, gq_t, gs_t, db2 = _quantize_block_sums(_pad_rows(dy), bwd_dtype, pow2, has_b2)
+    gq, gs, gq_t, gs_t, db2 = _quantize_block_sums(_pad_rows(dy), bwd_dtype, pow2, has_b2, True)
     # fc2: dh [M, F] = dY @ W2 (W2^T in 128x128 blocks along N); dW2 [N, F] = dY^T @ h
     dh = _block_scaled_mm(gq, gs, 1, w2_t, w2s_t, 128, dtype)
     dw2 = _block_scaled_mm(gq_t, gs_t, 1, h_t, hs_t, 1, dtype)
     db2 = db2.to(dtype) if has_b2 else dy.new_empty(0)
     need_db1 = b1 is not None
     dq, ds, dq_t, ds_t, db1 = _act_quantize_block(
-        z, b1, dh, activation, bwd_dtype, m, need_db1, pow2
+        z, b1, dh, activation, bwd_dtype, m, need_db1, pow2, (True, True)
     )
     # fc1: dX [M, D] = dz @ W1; dW1 [F, D] = dz^T @ X
     dinp, dnorm = _dgrad_through_norm(

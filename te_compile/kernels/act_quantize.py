@@ -62,6 +62,7 @@ from te_compile.kernels.quantize import (
     _round,
     _software,
     _tile_scale,
+    block_scales,
 )
 
 __all__ = ["act_quantize", "act_quantize_block", "norm_quantize", "norm_quantize_block"]
@@ -338,9 +339,10 @@ def _blockwise(
     power_2_scale: bool,
     cfg: QuantizeLaunchConfig,
     name: str,
+    mn_major: tuple[bool, bool] = (False, False),
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
     """The launches of :func:`act_quantize_block` / :func:`norm_quantize_block` (arguments as
-    in :func:`_per_tensor`)."""
+    in :func:`_per_tensor`; ``mn_major`` as in :func:`act_quantize_block`)."""
     n = z.shape[1]
     blk = BLOCK
     if blk * n >= 2**31 or blk * m_out >= 2**31:
@@ -348,11 +350,12 @@ def _blockwise(
     f32 = torch.float32
     data = torch.empty((m_out, n), device=z.device, dtype=fp8_dtype)
     data_t = torch.empty((n, m_out), device=z.device, dtype=fp8_dtype)
-    scale_inv = z.new_empty((m_out, triton.cdiv(n, blk)), dtype=f32)
-    scale_inv_t = z.new_empty((n, triton.cdiv(m_out, blk)), dtype=f32)
     dbias = need_dbias and bias is not None and grad is not None
     cuda = _cuda_1x128(cfg, m_out, n, z, bias, grad)
-    if cuda is not None and norm is None and fn == FN_GELU.value and rows == m_out:
+    cuda = cuda if norm is None and fn == FN_GELU.value and rows == m_out else None
+    scale_inv = block_scales(z, m_out, triton.cdiv(n, blk), cuda is not None and mn_major[0])
+    scale_inv_t = block_scales(z, n, triton.cdiv(m_out, blk), cuda is not None and mn_major[1])
+    if cuda is not None:
         # One read of the input, both layouts (csrc/act_cast_1x128.cu; same bytes).
         part = z.new_empty((m_out // blk, n), dtype=f32) if dbias else None
         cuda(
@@ -451,17 +454,21 @@ def act_quantize_block(
     need_dbias: bool,
     power_2_scale: bool,
     *,
+    mn_major: tuple[bool, bool] = (False, False),
     config: QuantizeLaunchConfig | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
     """``act_quantize`` for Float8BlockScaling's 1x128 blocks: ``(data, scale_inv, data_t,
     scale_inv_t, dbias)`` in the layouts of ``quantize_blockwise(..., block_rows=1,
     columnwise=True)`` (scale_inv ``[M_OUT, cdiv(N, 128)]``, scale_inv_t ``[N, cdiv(M_OUT,
-    128)]``). Rows past ``rows`` are quantised as zeros. Arguments are trusted."""
+    128)]``). Rows past ``rows`` are quantised as zeros. Where the CUDA kernel runs,
+    ``mn_major`` asks for ``scale_inv`` / ``scale_inv_t`` in the blockwise GEMM's layout
+    (``kernels.quantize.block_scales``; elsewhere compact: callers take either). Arguments are
+    trusted."""
     fn = _activation_fn("act_quantize_block", activation)
     cfg = config or QuantizeLaunchConfig()
     return _blockwise(
         z, bias, grad, None, fn, fp8_dtype, rows, z.shape[0], need_dbias, power_2_scale, cfg,
-        "act_quantize_block",
+        "act_quantize_block", mn_major,
     )  # fmt: skip
 
 

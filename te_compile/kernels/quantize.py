@@ -870,30 +870,41 @@ def quantize_blockwise(
     return data, scale_inv, data_t, scale_inv_t
 
 
+def block_scales(x: Tensor, rows: int, blocks: int, mn_major: bool) -> Tensor:
+    """An fp32 ``[rows, blocks]`` block-scale tensor on ``x``'s device: compact, or with
+    ``mn_major`` rows-major (strides ``(1, rows)``), the layout cuBLAS's blockwise-scaled GEMM
+    takes for a 1x128-scaled operand (``functional.linear_block_scaled._block_scaled_mm`` then
+    passes it without a copy)."""
+    if mn_major:
+        return x.new_empty((blocks, rows), dtype=torch.float32).t()
+    return x.new_empty((rows, blocks), dtype=torch.float32)
+
+
 def quantize_blockwise_sums(
     x: Tensor,
     fp8_dtype: torch.dtype,
     power_2_scale: bool,
     *,
+    mn_major: tuple[bool, bool] = (False, False),
     config: QuantizeLaunchConfig | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``quantize_blockwise(x, fp8_dtype, 1, power_2_scale, True)`` and the fp32 column sums
     of ``x`` (``[K]``; a bias gradient when ``x`` is an output gradient): ``(data, scale_inv,
     data_t, scale_inv_t, sums)``. Where the CUDA kernel covers ``x``, one read of it: the sums
     are per-128-row-tile partials added afterwards (another order than ``x.sum(0)``: equal to
-    rounding)."""
+    rounding), and ``mn_major`` asks for ``scale_inv`` / ``scale_inv_t`` in the GEMM's layout
+    (:func:`block_scales`; elsewhere they are compact: callers take either)."""
     cfg = config or _DEFAULT
     x2, m, k = _rows(x)
     cuda = _cuda_1x128(cfg, m, k, x2)
     if cuda is None:
         return (*quantize_blockwise(x, fp8_dtype, 1, power_2_scale, True, config=cfg),
                 x2.sum(0, dtype=torch.float32))  # fmt: skip
-    f32 = torch.float32
     data = torch.empty(x.shape, device=x.device, dtype=fp8_dtype)
     data_t = x.new_empty((k, m), dtype=fp8_dtype)
-    scale_inv = x.new_empty((m, k // BLOCK), dtype=f32)
-    scale_inv_t = x.new_empty((k, m // BLOCK), dtype=f32)
-    part = x.new_empty((m // BLOCK, k), dtype=f32)
+    scale_inv = block_scales(x, m, k // BLOCK, mn_major[0])
+    scale_inv_t = block_scales(x, k, m // BLOCK, mn_major[1])
+    part = x.new_empty((m // BLOCK, k), dtype=torch.float32)
     f = _FORMATS[fp8_dtype]
     cuda(x2, None, None, _bits(data).view(m, k), scale_inv, _bits(data_t), scale_inv_t, part,
          f.max, f.e4m3, power_2_scale, "identity")  # fmt: skip

@@ -47,6 +47,12 @@ def test_cuda_cast_matches_triton(backward, has_bias, fp8, pow2, m, n):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
         else:  # the block holding inf has a NaN gradient, amax and scale: NaN == NaN here
             torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=name)
+    # the scales written in the blockwise GEMM's layout (strides (1, rows)): same values
+    *mn, _ = act_q.act_quantize_block(*args, mn_major=(True, True))
+    for a, b, rows in ((mn[1], want[1], m), (mn[3], want[3], n)):
+        assert a.stride() == (1, rows)
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(mn[0].view(torch.uint8), want[0].view(torch.uint8))
     if need_dbias:  # fp32 partial sums over other row tiles: same to rounding
         torch.testing.assert_close(got_db, want_db, rtol=1e-2, atol=1e-2, equal_nan=True)
     else:
@@ -97,6 +103,9 @@ def test_identity_cast_matches_triton(fp8, pow2, shape):
     *got, sums = quantize.quantize_blockwise_sums(x, fp8, pow2)
     _assert_same_cast(got, want, fp8)
     torch.testing.assert_close(sums, x2.float().sum(0), rtol=1e-5, atol=1e-3, equal_nan=True)
+    *mn, _ = quantize.quantize_blockwise_sums(x, fp8, pow2, mn_major=(True, False))
+    assert mn[1].stride() == (1, x2.shape[0]) and mn[3].is_contiguous()
+    _assert_same_cast(mn, want, fp8)
     *got_t, sums_t = quantize.quantize_blockwise_sums(x, fp8, pow2, config=TRITON)
     _assert_same_cast(got_t, want, fp8)
     torch.testing.assert_close(sums_t, sums, rtol=1e-5, atol=1e-3, equal_nan=True)
