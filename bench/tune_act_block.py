@@ -123,7 +123,7 @@ def main(m: int = 16384, n: int = 16384, device: str = "cuda", variants: bool = 
 
         want = ref()
         row(f"{what} split (Triton)", ref, nbytes)
-        if Q._cuda_act_cast() is not None:
+        if Q._cuda_op("act_cast_1x128") is not None:
             cuda_cfg = Q.QuantizeLaunchConfig(cuda_kernels=True)
 
             def cuda(grad=grad, cfg=cuda_cfg):
@@ -134,7 +134,7 @@ def main(m: int = 16384, n: int = 16384, device: str = "cuda", variants: bool = 
             got = cuda()
             same = all(torch.equal(x.view(torch.uint8), y.view(torch.uint8))
                        for x, y in zip(got[:4], want[:4], strict=True))  # fmt: skip
-            print(f"  {what} CUDA (csrc/act_cast_1x128.cu): bytes equal to Triton's: {same}")
+            print(f"  {what} CUDA (csrc/block_cast.cu): bytes equal to Triton's: {same}")
             row(f"{what} CUDA one read", cuda, nbytes)
         for half, warps in [(h, w) for h in (False, True) for w in (4, 8, 16)] * variants:
             tag = f"{what} {'trans16' if half else 'trans32'} w{warps}"
@@ -151,7 +151,7 @@ def main(m: int = 16384, n: int = 16384, device: str = "cuda", variants: bool = 
             row(tag, lambda half=half, warps=warps, grad=grad: variant(z, b, grad, half, warps),
                 nbytes)  # fmt: skip
 
-    if Q._cuda_act_cast() is None:
+    if Q._cuda_op("act_cast_1x128") is None:
         return
     # The plain 1x128 cast of an output gradient [m, n / 4] (both layouts), and with its column
     # sums (the bias gradient): Triton (+ torch's sum) against the CUDA kernel's one read.
@@ -165,6 +165,12 @@ def main(m: int = 16384, n: int = 16384, device: str = "cuda", variants: bool = 
             nbytes)  # fmt: skip
         row(f"cast + column sums {tag}",
             lambda c=cfg: Q.quantize_blockwise_sums(dy, E4M3, False, config=c), nbytes)  # fmt: skip
+    # A weight [n, n / 4] in 128x128 blocks, both layouts.
+    w = dy.t().contiguous()
+    print(f"weight [{n // 4}, {m}] bf16, E4M3 128x128 blocks, both layouts")
+    for tag, cfg in (("Triton", TRITON), ("CUDA", cuda_cfg)):
+        row(f"cast {tag}", lambda c=cfg: Q.quantize_blockwise(w, E4M3, 128, False, True, config=c),
+            nbytes)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ from te_compile.kernels.quantize import (
     _cast_1x128,
     _cast_args,
     _cast_fp8,
-    _cuda_1x128,
+    _cuda_cast,
     _round,
     _software,
     _tile_scale,
@@ -351,12 +351,12 @@ def _blockwise(
     data = torch.empty((m_out, n), device=z.device, dtype=fp8_dtype)
     data_t = torch.empty((n, m_out), device=z.device, dtype=fp8_dtype)
     dbias = need_dbias and bias is not None and grad is not None
-    cuda = _cuda_1x128(cfg, m_out, n, z, bias, grad)
+    cuda = _cuda_cast(cfg, "act_cast_1x128", m_out, n, z, bias, grad)
     cuda = cuda if norm is None and fn == FN_GELU.value and rows == m_out else None
     scale_inv = block_scales(z, m_out, triton.cdiv(n, blk), cuda is not None and mn_major[0])
     scale_inv_t = block_scales(z, n, triton.cdiv(m_out, blk), cuda is not None and mn_major[1])
     if cuda is not None:
-        # One read of the input, both layouts (csrc/act_cast_1x128.cu; same bytes).
+        # One read of the input, both layouts (csrc/block_cast.cu; same bytes).
         part = z.new_empty((m_out // blk, n), dtype=f32) if dbias else None
         cuda(
             z, bias, grad, _bits(data), scale_inv, _bits(data_t), scale_inv_t, part,

@@ -723,26 +723,27 @@ def amax(x: Tensor, *, config: QuantizeLaunchConfig | None = None) -> Tensor:
 
 
 @functools.cache
-def _cuda_act_cast():
-    """``torch.ops.te_cuda.act_cast_1x128`` (csrc/act_cast_1x128.cu) when the C++ extension was
-    built with CUDA, else None (a CPU build, or no extension: the Triton kernels run)."""
+def _cuda_op(name: str):
+    """``torch.ops.te_cuda.<name>`` (csrc/block_cast.cu) when the C++ extension was built with
+    CUDA, else None (a CPU build, or no extension: the Triton kernels run)."""
     try:
         _csrc.load()
     except ImportError:
         return None
-    return getattr(torch.ops.te_cuda, "act_cast_1x128", None)
+    return getattr(torch.ops.te_cuda, name, None)
 
 
-def _cuda_1x128(cfg: QuantizeLaunchConfig, m: int, n: int, *tensors: Tensor | None):
-    """The CUDA 1x128 cast (both layouts, one read) when it covers a ``[m, n]`` call on
-    ``tensors`` (the input, and the bias / gradient where given): CUDA bf16 tensors, 16-byte
-    aligned, ``m`` and ``n`` whole 128x128 tiles; else None (the Triton kernels run)."""
+def _cuda_cast(cfg: QuantizeLaunchConfig, name: str, m: int, n: int, *tensors: Tensor | None):
+    """The CUDA block cast ``name`` (``act_cast_1x128`` or ``cast_128x128``: both layouts, one
+    read) when it covers a ``[m, n]`` call on ``tensors`` (the input, and the bias / gradient
+    where given): CUDA bf16 tensors, 16-byte aligned, ``m`` and ``n`` whole 128x128 tiles; else
+    None (the Triton kernels run)."""
     if not cfg.cuda_kernels or not (0 < m // BLOCK <= 65535 and m % BLOCK == 0 and n % BLOCK == 0):
         return None
     given = [t for t in tensors if t is not None]
     if not all(t.is_cuda and t.dtype is torch.bfloat16 and t.data_ptr() % 16 == 0 for t in given):
         return None
-    return _cuda_act_cast()
+    return _cuda_op(name)
 
 
 def _transposed(x: Tensor, m: int, k: int, dtype: torch.dtype, columnwise: bool) -> Tensor:
@@ -844,11 +845,15 @@ def quantize_blockwise(
     data_t = _transposed(x, m, k, fp8_dtype, columnwise)
     t_shape = (triton.cdiv(k, block_rows), triton.cdiv(m, BLOCK)) if columnwise else (0,)
     scale_inv_t = x.new_empty(t_shape, dtype=f32)
-    cuda = _cuda_1x128(cfg, m, k, x2) if block_rows == 1 and columnwise else None
-    if cuda is not None:  # one read, both layouts (csrc/act_cast_1x128.cu; same bytes)
-        f = _FORMATS[fp8_dtype]
+    name = "act_cast_1x128" if block_rows == 1 else "cast_128x128"
+    cuda = _cuda_cast(cfg, name, m, k, x2) if columnwise else None
+    f = _FORMATS[fp8_dtype]
+    if cuda is not None and block_rows == 1:  # one read, both layouts (csrc/block_cast.cu)
         cuda(x2, None, None, _bits(data).view(m, k), scale_inv, _bits(data_t), scale_inv_t, None,
              f.max, f.e4m3, power_2_scale, "identity")  # fmt: skip
+    elif cuda is not None:
+        cuda(x2, _bits(data).view(m, k), scale_inv, _bits(data_t), scale_inv_t, f.max, f.e4m3,
+             power_2_scale)  # fmt: skip
     elif m * k:
         _block_kernel[(triton.cdiv(m, block_m), triton.cdiv(k, BLOCK))](
             x2,
@@ -896,7 +901,7 @@ def quantize_blockwise_sums(
     (:func:`block_scales`; elsewhere they are compact: callers take either)."""
     cfg = config or _DEFAULT
     x2, m, k = _rows(x)
-    cuda = _cuda_1x128(cfg, m, k, x2)
+    cuda = _cuda_cast(cfg, "act_cast_1x128", m, k, x2)
     if cuda is None:
         return (*quantize_blockwise(x, fp8_dtype, 1, power_2_scale, True, config=cfg),
                 x2.sum(0, dtype=torch.float32))  # fmt: skip

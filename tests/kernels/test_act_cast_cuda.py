@@ -1,8 +1,9 @@
-"""csrc/act_cast_1x128.cu (``te_cuda::act_cast_1x128``): the one-read CUDA form of the fused gelu +
-Float8BlockScaling 1x128 cast, and of the plain 1x128 cast of a bf16 tensor ("identity", with
-the column sums a bias gradient needs), writes the same bytes as the Triton kernels it stands in
-for (``kernels.act_quantize.act_quantize_block`` / ``kernels.quantize.quantize_blockwise`` with
-``cuda_kernels=False``). CUDA only."""
+"""csrc/block_cast.cu: the one-read CUDA forms of the Float8BlockScaling casts write the same bytes
+as the Triton kernels they stand in for (``cuda_kernels=False``): ``te_cuda::act_cast_1x128``,
+the fused gelu + 1x128 cast (``kernels.act_quantize.act_quantize_block``) and the plain 1x128
+cast of a bf16 tensor ("identity", with the column sums a bias gradient needs;
+``kernels.quantize.quantize_blockwise`` / ``quantize_blockwise_sums``), and
+``te_cuda::cast_128x128``, a weight's 128x128 cast with its transpose. CUDA only."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ if not torch.cuda.is_available():
 from te_compile.kernels import act_quantize as act_q
 from te_compile.kernels import quantize
 
-if quantize._cuda_act_cast() is None:
+if quantize._cuda_op("act_cast_1x128") is None:
     pytest.skip(
         "te_compile._C was built without CUDA (no nvcc at install)", allow_module_level=True
     )
@@ -63,8 +64,8 @@ def test_cuda_cast_is_used_only_where_it_applies(monkeypatch):
     """Ragged shapes, fp32 inputs, other activations and inputs not 16-byte aligned stay on
     Triton; whole bf16 gelu tiles take the CUDA kernel."""
     calls = []
-    real = quantize._cuda_act_cast()
-    monkeypatch.setattr(quantize, "_cuda_act_cast", lambda: lambda *a: calls.append(1) or real(*a))
+    real = quantize._cuda_op("act_cast_1x128")
+    monkeypatch.setattr(quantize, "_cuda_op", lambda name: lambda *a: calls.append(1) or real(*a))
     z = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
     act_q.act_quantize_block(z, None, None, "gelu", E4M3, 256, False, False)
     assert len(calls) == 1
@@ -112,17 +113,48 @@ def test_identity_cast_matches_triton(fp8, pow2, shape):
 
 
 def test_identity_cast_is_used_only_where_it_applies(monkeypatch):
-    """1x128 columnwise casts of bf16 whole tiles take the CUDA kernel; 128x128 blocks, rowwise
-    only, fp32 and ragged shapes stay on Triton."""
+    """1x128 columnwise casts of bf16 whole tiles take the CUDA kernel; rowwise only, fp32 and
+    ragged shapes stay on Triton."""
     calls = []
-    real = quantize._cuda_act_cast()
-    monkeypatch.setattr(quantize, "_cuda_act_cast", lambda: lambda *a: calls.append(1) or real(*a))
+    real = quantize._cuda_op("act_cast_1x128")
+    monkeypatch.setattr(quantize, "_cuda_op", lambda name: lambda *a: calls.append(1) or real(*a))
     x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
     quantize.quantize_blockwise(x, E4M3, 1, False, True)
     quantize.quantize_blockwise_sums(x, E4M3, False)
     assert len(calls) == 2
-    quantize.quantize_blockwise(x, E4M3, 128, False, True)
     quantize.quantize_blockwise(x, E4M3, 1, False, False)
     quantize.quantize_blockwise(x.float(), E4M3, 1, False, True)
     quantize.quantize_blockwise_sums(x[:200], E4M3, False)
     assert len(calls) == 2
+
+
+@pytest.mark.parametrize("fp8,pow2", [(E4M3, False), (E4M3, True), (E5M2, False)],
+                         ids=["e4m3", "e4m3-pow2", "e5m2"])  # fmt: skip
+@pytest.mark.parametrize("shape", [(256, 384), (384, 128)])
+def test_cast_128x128_matches_triton(fp8, pow2, shape):
+    """A weight's 128x128 cast with its transpose: CUDA bytes equal to the Triton kernel's (an
+    all-zero block, a block with inf, one with NaN, blocks of very different magnitudes)."""
+    torch.manual_seed(2)
+    x = torch.randn(*shape, device="cuda") * torch.logspace(-3, 3, shape[1], device="cuda")
+    x = x.to(torch.bfloat16)
+    x[:128, :128] = 0
+    x[130, 5] = float("inf")
+    x[200, 100] = float("nan")
+    args = (x, fp8, 128, pow2, True)
+    want = quantize.quantize_blockwise(*args, config=TRITON)
+    _assert_same_cast(quantize.quantize_blockwise(*args), want, fp8)
+
+
+def test_cast_128x128_is_used_only_where_it_applies(monkeypatch):
+    calls = []
+    real = quantize._cuda_op("cast_128x128")
+    monkeypatch.setattr(
+        quantize, "_cuda_op", lambda name: lambda *a: calls.append(name) or real(*a)
+    )
+    w = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    quantize.quantize_blockwise(w, E4M3, 128, False, True)
+    assert calls == ["cast_128x128"]
+    quantize.quantize_blockwise(w[:, :200], E4M3, 128, False, True)  # ragged: Triton
+    quantize.quantize_blockwise(w.half(), E4M3, 128, False, True)  # fp16: Triton
+    quantize.quantize_blockwise(w, E4M3, 128, False, False)  # rowwise only: Triton
+    assert calls == ["cast_128x128"]

@@ -1,5 +1,9 @@
-// te_cuda::act_cast_1x128 — GELU (or its gradient) cast to FP8 in 1x128 blocks, both layouts,
-// from one read of the input.
+// Float8BlockScaling casts in CUDA, both layouts from one read of the input:
+//
+// te_cuda::act_cast_1x128 — GELU (or its gradient, or the input itself) cast to FP8 in 1x128
+// blocks.
+// te_cuda::cast_128x128 — a bf16 matrix (a weight) cast in 128x128 blocks and its transpose
+// (same blocks, same scales), as kernels/quantize.py's _block_kernel with BLOCK_ROWS=128.
 //
 // The fused activation + Float8BlockScaling cast of te::mlp_fp8 (kernels/act_quantize.py,
 // act_quantize_block) needs, from h = gelu(z + b) (forward) or dz = dh * gelu'(z + b)
@@ -273,23 +277,110 @@ __global__ void __launch_bounds__(kThreads, min_ctas(kMode)) act_cast_1x128_kern
   }
 }
 
-void check_2d(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t rows,
-              int64_t cols) {
+// 128x128 blocks: one CTA a tile. The tile's bf16 pairs go to shared memory as they arrive and
+// its amax is reduced over the CTA; the rowwise codes are cast from the registers, the
+// transposed ones from shared memory (the column pass of act_cast_1x128_kernel, one scale).
+__global__ void __launch_bounds__(kThreads, 4) cast_128x128_kernel(
+    const __nv_bfloat16* __restrict__ x,
+    uint8_t* __restrict__ data,
+    float* __restrict__ scale_inv,
+    uint8_t* __restrict__ data_t,
+    float* __restrict__ scale_inv_t,
+    int64_t m,
+    int64_t n,
+    float fp8_max,
+    bool e4m3,
+    bool pow2,
+    int64_t s_row,
+    int64_t s_blk,
+    int64_t t_row,
+    int64_t t_blk) {
+  __shared__ __align__(16) uint32_t tile_words[kTile * kWordsPerRow];
+  __shared__ int warp_amax[kWarps];
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int half = lane / 16;
+  const int l16 = lane % 16;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kTile;
+  const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kTile;
+  constexpr int kIters = kRowsPerWarp / 2;
+  uint4 v[kIters];
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int64_t off = (row0 + warp * kRowsPerWarp + 2 * it + half) * n + col0 + 8 * l16;
+    v[it] = __ldg(reinterpret_cast<const uint4*>(x + off));
+  }
+  int amax = 0;
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int r = warp * kRowsPerWarp + 2 * it + half;
+    const uint32_t w[4] = {v[it].x, v[it].y, v[it].z, v[it].w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      tile_words[tile_word(r, 4 * l16 + j)] = w[j];
+      amax = max(amax, max(abs_bits(bf16_lo(w[j])), abs_bits(bf16_hi(w[j]))));
+    }
+  }
+  amax = warp_max(amax);
+  if (lane == 0) warp_amax[warp] = amax;
+  __syncthreads();
+#pragma unroll
+  for (int k = 0; k < kWarps; ++k) amax = max(amax, warp_amax[k]);
+  const float s = scale_from_amax(__int_as_float(amax), fp8_max, pow2);
+
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int64_t off = (row0 + warp * kRowsPerWarp + 2 * it + half) * n + col0 + 8 * l16;
+    const uint32_t w[4] = {v[it].x, v[it].y, v[it].z, v[it].w};
+    uint32_t q[2] = {0, 0};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float xf = j % 2 ? bf16_hi(w[j / 2]) : bf16_lo(w[j / 2]);
+      q[j / 4] |= static_cast<uint32_t>(to_fp8(__fmul_rn(xf, s), e4m3)) << (8 * (j % 4));
+    }
+    *reinterpret_cast<uint2*>(data + off) = make_uint2(q[0], q[1]);
+  }
+
+#pragma unroll 2
+  for (int p = 0; p < kTile / kWarps / 2; ++p) {
+    const int c = warp * (kTile / kWarps) + 2 * p;
+    uint32_t q_lo = 0, q_hi = 0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint32_t word = tile_words[tile_word(4 * lane + k, c / 2)];
+      q_lo |= static_cast<uint32_t>(to_fp8(__fmul_rn(bf16_lo(word), s), e4m3)) << (8 * k);
+      q_hi |= static_cast<uint32_t>(to_fp8(__fmul_rn(bf16_hi(word), s), e4m3)) << (8 * k);
+    }
+    uint8_t* out_lo = data_t + (col0 + c) * m + row0 + 4 * lane;
+    *reinterpret_cast<uint32_t*>(out_lo) = q_lo;
+    *reinterpret_cast<uint32_t*>(out_lo + m) = q_hi;
+  }
+  if (threadIdx.x == 0) {
+    const float inv = __fdiv_rn(1.0f, s);
+    scale_inv[blockIdx.y * s_row + blockIdx.x * s_blk] = inv;
+    scale_inv_t[blockIdx.x * t_row + blockIdx.y * t_blk] = inv;
+  }
+}
+
+
+void check_2d(const char* op, const at::Tensor& t, const char* name, at::ScalarType dtype,
+              int64_t rows, int64_t cols) {
   TORCH_CHECK_VALUE(t.is_cuda() && t.scalar_type() == dtype && t.is_contiguous() &&
                         t.dim() == 2 && t.size(0) == rows && t.size(1) == cols,
-                    "te_cuda::act_cast_1x128: ", name, " must be a contiguous CUDA ", dtype,
+                    "te_cuda::", op, ": ", name, " must be a contiguous CUDA ", dtype,
                     " tensor [", rows, ", ", cols, "], got ", t.scalar_type(), " ", t.sizes());
 }
 
 // Block scales [rows, blocks]: compact (row-major), or rows-major (strides (1, rows)): the layout
 // cuBLAS's blockwise-scaled GEMM takes for a 1x128-scaled operand, written directly so that the
 // GEMM needs no copy.
-void check_scales(const at::Tensor& t, const char* name, int64_t rows, int64_t blocks) {
+void check_scales(const char* op, const at::Tensor& t, const char* name, int64_t rows,
+                  int64_t blocks) {
   const bool layout =
       t.dim() == 2 && (t.is_contiguous() || (t.stride(0) == 1 && t.stride(1) == rows));
   TORCH_CHECK_VALUE(t.is_cuda() && t.scalar_type() == at::kFloat && layout &&
                         t.size(0) == rows && t.size(1) == blocks,
-                    "te_cuda::act_cast_1x128: ", name, " must be a CUDA float32 tensor [", rows,
+                    "te_cuda::", op, ": ", name, " must be a CUDA float32 tensor [", rows,
                     ", ", blocks, "], contiguous or with strides (1, ", rows, "), got ",
                     t.scalar_type(), " ", t.sizes(), " strides ", t.strides());
 }
@@ -310,8 +401,8 @@ void act_cast_1x128(const at::Tensor& z, const std::optional<at::Tensor>& bias,
                     "te_cuda::act_cast_1x128: z must be [M, N] with M and N multiples of 128, got ",
                     z.sizes());
   TORCH_CHECK_VALUE(m / kTile <= 65535, "te_cuda::act_cast_1x128: M / 128 must be <= 65535");
-  check_2d(z, "z", at::kBFloat16, m, n);
-  if (grad) check_2d(*grad, "grad", at::kBFloat16, m, n);
+  check_2d("act_cast_1x128", z, "z", at::kBFloat16, m, n);
+  if (grad) check_2d("act_cast_1x128", *grad, "grad", at::kBFloat16, m, n);
   if (bias) {
     TORCH_CHECK_VALUE(bias->is_cuda() && bias->scalar_type() == at::kBFloat16 &&
                           bias->is_contiguous() && bias->dim() == 1 && bias->size(0) == n,
@@ -322,14 +413,14 @@ void act_cast_1x128(const at::Tensor& z, const std::optional<at::Tensor>& bias,
     TORCH_CHECK_VALUE(t == nullptr || reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0,
                       "te_cuda::act_cast_1x128: z, grad and bias must be 16-byte aligned");
   }
-  check_2d(data, "data", at::kByte, m, n);
-  check_2d(data_t, "data_t", at::kByte, n, m);
-  check_scales(scale_inv, "scale_inv", m, n / kTile);
-  check_scales(scale_inv_t, "scale_inv_t", n, m / kTile);
+  check_2d("act_cast_1x128", data, "data", at::kByte, m, n);
+  check_2d("act_cast_1x128", data_t, "data_t", at::kByte, n, m);
+  check_scales("act_cast_1x128", scale_inv, "scale_inv", m, n / kTile);
+  check_scales("act_cast_1x128", scale_inv_t, "scale_inv_t", n, m / kTile);
   if (part) {
     TORCH_CHECK_VALUE(grad.has_value() || identity,
                       "te_cuda::act_cast_1x128: part (dbias) needs grad or 'identity'");
-    check_2d(*part, "part", at::kFloat, m / kTile, n);
+    check_2d("act_cast_1x128", *part, "part", at::kFloat, m / kTile, n);
   }
   if (m == 0 || n == 0) return;
   const c10::cuda::CUDAGuard guard(z.device());
@@ -363,6 +454,32 @@ void act_cast_1x128(const at::Tensor& z, const std::optional<at::Tensor>& bias,
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+void cast_128x128(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scale_inv,
+                  const at::Tensor& data_t, const at::Tensor& scale_inv_t, double fp8_max,
+                  bool e4m3, bool pow2) {
+  const int64_t m = x.size(0), n = x.dim() == 2 ? x.size(1) : -1;
+  TORCH_CHECK_VALUE(x.dim() == 2 && m % kTile == 0 && n % kTile == 0,
+                    "te_cuda::cast_128x128: x must be [M, N] with M and N multiples of 128, got ",
+                    x.sizes());
+  TORCH_CHECK_VALUE(m / kTile <= 65535, "te_cuda::cast_128x128: M / 128 must be <= 65535");
+  check_2d("cast_128x128", x, "x", at::kBFloat16, m, n);
+  TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
+                    "te_cuda::cast_128x128: x must be 16-byte aligned");
+  check_2d("cast_128x128", data, "data", at::kByte, m, n);
+  check_2d("cast_128x128", data_t, "data_t", at::kByte, n, m);
+  check_scales("cast_128x128", scale_inv, "scale_inv", m / kTile, n / kTile);
+  check_scales("cast_128x128", scale_inv_t, "scale_inv_t", n / kTile, m / kTile);
+  if (m == 0 || n == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  const dim3 blocks(static_cast<unsigned>(n / kTile), static_cast<unsigned>(m / kTile));
+  cast_128x128_kernel<<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), data.data_ptr<uint8_t>(),
+      scale_inv.data_ptr<float>(), data_t.data_ptr<uint8_t>(), scale_inv_t.data_ptr<float>(), m,
+      n, static_cast<float>(fp8_max), e4m3, pow2, scale_inv.stride(0), scale_inv.stride(1),
+      scale_inv_t.stride(0), scale_inv_t.stride(1));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace
 
 TORCH_LIBRARY(te_cuda, m) {
@@ -370,8 +487,12 @@ TORCH_LIBRARY(te_cuda, m) {
       "act_cast_1x128(Tensor z, Tensor? bias, Tensor? grad, Tensor(a!) data, "
       "Tensor(b!) scale_inv, Tensor(c!) data_t, Tensor(d!) scale_inv_t, Tensor(e!)? part, "
       "float fp8_max, bool e4m3, bool pow2, str activation=\"gelu\") -> ()");
+  m.def(
+      "cast_128x128(Tensor x, Tensor(a!) data, Tensor(b!) scale_inv, Tensor(c!) data_t, "
+      "Tensor(d!) scale_inv_t, float fp8_max, bool e4m3, bool pow2) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(te_cuda, CUDA, m) {
   m.impl("act_cast_1x128", &act_cast_1x128);
+  m.impl("cast_128x128", &cast_128x128);
 }
