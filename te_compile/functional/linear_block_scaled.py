@@ -194,18 +194,19 @@ def _quantize_block_sums(dy: Tensor, fp8_dtype, power_2_scale: bool, sums: bool,
     return data, s, data_t, s_t, dy.sum(0, dtype=torch.float32) if sums else None
 
 
-def _norm_quantize_block(x, norm, fp8_dtype, power_2_scale):
+def _norm_quantize_block(x, norm, fp8_dtype, power_2_scale, mn_major=(False, False)):
     """``(data, scale_inv, data_t, scale_inv_t, mean, rsigma)``: the norm prologue (``norm`` as
     in ``linear_fp8._norm_quantize``) in 1x128 blocks, rows padded to a multiple of 16
-    (``kernels.act_quantize.norm_quantize_block`` on CUDA: the norm is never written; elsewhere
-    the norm op's output, padded, quantised: the same bytes)."""
+    (``kernels.act_quantize.norm_quantize_block`` on CUDA: the norm is never written, and
+    ``mn_major`` asks for its scales in the GEMM's layout; elsewhere the norm op's output,
+    padded, quantised: the same bytes, compact scales)."""
     weight, bias, normalization, eps, zcg = norm
     if x.device.type == "cuda":
         from te_compile.kernels.act_quantize import norm_quantize_block
 
         return norm_quantize_block(
             x.contiguous(), weight, bias, normalization, eps, zcg, fp8_dtype,
-            _padded(x.shape[0]), power_2_scale,
+            _padded(x.shape[0]), power_2_scale, mn_major=mn_major,
         )  # fmt: skip
     y, mean, rsigma = _norm_fwd(x, weight, bias, normalization, eps, zcg)
     data, s, data_t, s_t = _quantize_block(_pad_rows(y), fp8_dtype, 1, power_2_scale)

@@ -226,7 +226,8 @@ def mlp_fp8_fwd(
 ) -> tuple[Tensor, list[Tensor], Tensor]:
     """``(out, saved, amax)``: ``saved = [X_8^T, s_x^-1, W1_8^T, s_w1^-1, z, h_8^T, s_h^-1,
     W2_8^T, s_w2^-1]``, ``amax = [amax(X), amax(W1), amax(h), amax(W2)]`` (fp32; 0 elements
-    for ``recipe="block"``, whose inverse scales are the block scales of the transposed copies;
+    for ``recipe="block"``, whose inverse scales are the block scales of the transposed copies,
+    X's and h's as the wgrad GEMMs take them, ``[M / 128, K]``;
     ``power_2_scale`` applies to it). With a ``normalization`` (LayerNormMLP), ``X`` is the
     norm of ``inp`` (never written on CUDA) and ``saved`` ends with its ``mean, rsigma``."""
     norm = (norm_weight, norm_bias, normalization, norm_eps, zero_centered_gamma)
@@ -261,18 +262,20 @@ def _block_fwd(inp, w1, b1, w2, b2, activation, fwd_dtype, pow2, norm):
     m = x.shape[0]
     stats = []
     if norm[2]:
-        xq, xs, xq_t, xs_t, *stats = _norm_quantize_block(x, norm, fwd_dtype, pow2)
+        xq, xs, xq_t, xs_t, *stats = _norm_quantize_block(x, norm, fwd_dtype, pow2, (True, True))
     else:
         xq, xs, xq_t, xs_t = _quantize_block(_pad_rows(x), fwd_dtype, 1, pow2)
     w1q, w1s, w1q_t, w1s_t = _quantize_block(w1, fwd_dtype, 128, pow2)
     z = _block_scaled_mm(xq, xs, 1, w1q, w1s, 128, inp.dtype)
-    # h's rowwise scales feed the next GEMM only: written in its layout; hs_t is saved (compact)
     hq, hs, hq_t, hs_t, _ = _act_quantize_block(
-        z, b1, None, activation, fwd_dtype, m, False, pow2, (True, False)
+        z, b1, None, activation, fwd_dtype, m, False, pow2, (True, True)
     )
     w2q, w2s, w2q_t, w2s_t = _quantize_block(w2, fwd_dtype, 128, pow2)
     out = _block_scaled_mm(hq, hs, 1, w2q, w2s, 128, inp.dtype, b2)
     out = out[:m].clone() if out.shape[0] != m else out
+    # The transposed copies' scales are saved as the wgrad GEMMs take them: [M / 128, K]
+    # (no copy when the kernels wrote them rows-major).
+    xs_t, hs_t = xs_t.t().contiguous(), hs_t.t().contiguous()
     saved = [_u8(xq_t), xs_t, _u8(w1q_t), w1s_t, z, _u8(hq_t), hs_t, _u8(w2q_t), w2s_t, *stats]
     return out.reshape(*inp.shape[:-1], w2.shape[0]), saved, inp.new_empty(0, dtype=torch.float32)
 
@@ -291,10 +294,10 @@ def _mlp_fp8_fwd_fake(
     u8, f32 = torch.uint8, torch.float32
     block = recipe == "block"
 
-    def scales(rows, cols):  # [rows, cols / 128] block scales of a transposed copy, or a scalar
-        return inp.new_empty(*((rows, -(-cols // 128)) if block else (1,)), dtype=f32)
+    def scales(rows, cols):  # [cols / 128, rows] block scales of a transposed copy, or a scalar
+        return inp.new_empty(*((-(-cols // 128), rows) if block else (1,)), dtype=f32)
 
-    w_scales = [scales(d // 128, f), scales(f // 128, n)] if block else [scales(0, 0)] * 2
+    w_scales = [scales(f // 128, d), scales(n // 128, f)] if block else [scales(0, 0)] * 2
     saved = [
         inp.new_empty(d, m, dtype=u8), scales(d, m), inp.new_empty(d, f, dtype=u8),
         w_scales[0].clone(), inp.new_empty(m, f), inp.new_empty(f, m, dtype=u8), scales(f, m),
@@ -388,7 +391,7 @@ def _block_bwd(
     gq, gs, gq_t, gs_t, db2 = _quantize_block_sums(_pad_rows(dy), bwd_dtype, pow2, has_b2, True)
     # fc2: dh [M, F] = dY @ W2 (W2^T in 128x128 blocks along N); dW2 [N, F] = dY^T @ h
     dh = _block_scaled_mm(gq, gs, 1, w2_t, w2s_t, 128, dtype)
-    dw2 = _block_scaled_mm(gq_t, gs_t, 1, h_t, hs_t, 1, dtype)
+    dw2 = _block_scaled_mm(gq_t, gs_t, 1, h_t, hs_t.t(), 1, dtype)
     db2 = db2.to(dtype) if has_b2 else dy.new_empty(0)
     need_db1 = b1 is not None
     dq, ds, dq_t, ds_t, db1 = _act_quantize_block(
@@ -398,7 +401,7 @@ def _block_bwd(
     dinp, dnorm = _dgrad_through_norm(
         need_dgrad, lambda: _block_scaled_mm(dq, ds, 1, w1_t, w1s_t, 128, dtype), m, grad_out, norm
     )
-    dw1 = _block_scaled_mm(dq_t, ds_t, 1, x_t, xs_t, 1, dtype)
+    dw1 = _block_scaled_mm(dq_t, ds_t, 1, x_t, xs_t.t(), 1, dtype)
     return dinp, dw1, dy.new_empty(0) if db1 is None else db1, dw2, db2, *dnorm
 
 

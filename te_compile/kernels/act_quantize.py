@@ -199,6 +199,7 @@ def _act_cast_kernel(
 @triton.jit
 def _act_block_kernel(
     Z, B, G, MEAN, RSIG, DATA, SCALE_INV, DATA_T, SCALE_INV_T, PART, M, M_OUT, N, fp8_max,
+    S_ROW, S_BLK, T_ROW, T_BLK,
     FN: tl.constexpr, BWD: tl.constexpr, HAS_BIAS: tl.constexpr, DBIAS: tl.constexpr,
     ROUND: tl.constexpr, E4M3: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
     SOFTWARE: tl.constexpr, GUARD: tl.constexpr, POW2: tl.constexpr, EVEN: tl.constexpr,
@@ -208,7 +209,8 @@ def _act_block_kernel(
     one tile per program. ``AXES`` 2: both layouts from one 128x128 tile; 1: the rowwise copy
     only (``BLOCK_N`` = 128: each tile row is one block; ``BLOCK_M`` free); 0: the transposed
     copy only (``BLOCK_M`` = 128, ``BLOCK_N`` free). With ``DBIAS`` the tile's column sums of the
-    unrounded gradient go to row ``pid_m`` of ``PART``."""
+    unrounded gradient go to row ``pid_m`` of ``PART``. ``S_*`` / ``T_*``: the strides (row,
+    block) of ``SCALE_INV`` / ``SCALE_INV_T`` (compact or rows-major)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     v, x, cols = _tile(
@@ -225,7 +227,7 @@ def _act_block_kernel(
         q, s = _cast_1x128(x, a, 1, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, POW2, GUARD)
         offs = pid_m.to(tl.int64) * BLOCK_M * N + pid_n * BLOCK_N
         offs += r_in[:, None] * N + c_in[None, :]
-        s_offs = rows.to(tl.int64) * tl.cdiv(N, BLOCK_N) + pid_n
+        s_offs = rows.to(tl.int64) * S_ROW + pid_n * S_BLK
         if EVEN:
             tl.store(DATA + offs, q)
             tl.store(SCALE_INV + s_offs, s)
@@ -236,7 +238,7 @@ def _act_block_kernel(
         q_t, s_t = _cast_1x128(x, a, 0, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, POW2, GUARD)
         offs_t = pid_n.to(tl.int64) * BLOCK_N * M_OUT + pid_m * BLOCK_M
         offs_t += c_in[:, None] * M_OUT + r_in[None, :]
-        s_offs_t = cols.to(tl.int64) * tl.cdiv(M_OUT, BLOCK_M) + pid_m
+        s_offs_t = cols.to(tl.int64) * T_ROW + pid_m * T_BLK
         if EVEN:
             tl.store(DATA_T + offs_t, tl.trans(q_t))
             tl.store(SCALE_INV_T + s_offs_t, s_t)
@@ -353,8 +355,8 @@ def _blockwise(
     dbias = need_dbias and bias is not None and grad is not None
     cuda = _cuda_cast(cfg, "act_cast_1x128", m_out, n, z, bias, grad)
     cuda = cuda if norm is None and fn == FN_GELU.value and rows == m_out else None
-    scale_inv = block_scales(z, m_out, triton.cdiv(n, blk), cuda is not None and mn_major[0])
-    scale_inv_t = block_scales(z, n, triton.cdiv(m_out, blk), cuda is not None and mn_major[1])
+    scale_inv = block_scales(z, m_out, triton.cdiv(n, blk), mn_major[0])
+    scale_inv_t = block_scales(z, n, triton.cdiv(m_out, blk), mn_major[1])
     if cuda is not None:
         # One read of the input, both layouts (csrc/block_cast.cu; same bytes).
         part = z.new_empty((m_out // blk, n), dtype=f32) if dbias else None
@@ -391,6 +393,8 @@ def _blockwise(
             m_out,
             n,
             _FORMATS[fp8_dtype].max,
+            *scale_inv.stride(),
+            *scale_inv_t.stride(),
             FN=fn,
             BWD=grad is not None,
             HAS_BIAS=bias is not None,
@@ -460,10 +464,9 @@ def act_quantize_block(
     """``act_quantize`` for Float8BlockScaling's 1x128 blocks: ``(data, scale_inv, data_t,
     scale_inv_t, dbias)`` in the layouts of ``quantize_blockwise(..., block_rows=1,
     columnwise=True)`` (scale_inv ``[M_OUT, cdiv(N, 128)]``, scale_inv_t ``[N, cdiv(M_OUT,
-    128)]``). Rows past ``rows`` are quantised as zeros. Where the CUDA kernel runs,
+    128)]``). Rows past ``rows`` are quantised as zeros.
     ``mn_major`` asks for ``scale_inv`` / ``scale_inv_t`` in the blockwise GEMM's layout
-    (``kernels.quantize.block_scales``; elsewhere compact: callers take either). Arguments are
-    trusted."""
+    (``kernels.quantize.block_scales``). Arguments are trusted."""
     fn = _activation_fn("act_quantize_block", activation)
     cfg = config or QuantizeLaunchConfig()
     return _blockwise(
@@ -528,16 +531,17 @@ def norm_quantize_block(
     m_out: int,
     power_2_scale: bool,
     *,
+    mn_major: tuple[bool, bool] = (False, False),
     config: QuantizeLaunchConfig | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """:func:`norm_quantize` in Float8BlockScaling's 1x128 blocks: ``(data, scale_inv, data_t,
-    scale_inv_t, mean, rsigma)``, layouts as :func:`act_quantize_block`'s."""
+    scale_inv_t, mean, rsigma)``, layouts as :func:`act_quantize_block`'s (``mn_major`` too)."""
     cfg = config or QuantizeLaunchConfig()
     fn, norm, mean, rsigma = _norm_pass(
         x, weight, bias, normalization, eps, zero_centered_gamma, None
     )
     data, s, data_t, s_t, _ = _blockwise(
         x, bias, None, norm, fn, fp8_dtype, x.shape[0], m_out, False, power_2_scale, cfg,
-        "norm_quantize_block",
+        "norm_quantize_block", mn_major,
     )  # fmt: skip
     return data, s, data_t, s_t, mean, rsigma
