@@ -1,7 +1,9 @@
 """What the host does before the GPU gets its first GEMM, per FP8 MLP row (GPU only; diagnostic).
 
-bench_fp8 times each call with an empty queue (``do_bench``): host work that precedes the first
-long kernel is GPU idle time in the result. The FP8 rows spend 0.4-0.8 ms more outside their
+Written on the guess that bench_fp8's ``do_bench`` starts each call with an empty queue, so that
+host work before the first long kernel would be GPU idle time in the result; the tenth session's
+``bench/diag_sync.py`` showed the host issues a step in ~3 ms, never waits and stays ahead, so
+that time is hidden there. The FP8 rows spend 0.4-0.8 ms more outside their
 kernels than bf16 (H100, 2026-11-22). This profiles one call per row (CPU activity only) and
 prints, from the call's start: when the first kernel and the first GEMM are launched, and the
 outermost host ops up to the first GEMM launch with their durations (profiler overhead

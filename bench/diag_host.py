@@ -7,7 +7,8 @@ diagnostic separates, per recipe row (same module and case as ``bench.bench_fp8`
 * ``host ms``: the host's time to issue one step while the GPU is held busy (a
   ``torch.cuda._sleep`` queued first, so the host never waits for the device): pure launch
   and Python cost;
-* ``do_bench ms``: bench_fp8's timer (L2 flushed, queue empty at the start of each call);
+* ``do_bench ms``: bench_fp8's timer (L2 flushed before each call; the queue is not empty
+  between calls: ``bench/diag_sync.py`` found the host never waits);
 * ``kernels ms`` / ``span ms`` / ``idle ms``: from a profiler trace of one call started on an
   empty queue, the sum of kernel times, first-kernel-start to last-kernel-end, and the
   difference; the largest gaps with the kernels on both sides;
