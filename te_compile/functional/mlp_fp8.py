@@ -178,7 +178,7 @@ def _act_quantize_block(
 ):  # fmt: skip
     """``(data, scale_inv, data_t, scale_inv_t, dbias)``: :func:`_act_quantize` in 1x128 blocks
     (``kernels.act_quantize.act_quantize_block`` on CUDA, scales M-major where ``mn_major``
-    asks and its CUDA kernel runs; elsewhere the unfused ops)."""
+    asks; elsewhere the unfused ops, compact scales)."""
     if z.device.type == "cuda":
         from te_compile.kernels.act_quantize import act_quantize_block
 
