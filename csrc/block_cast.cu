@@ -119,6 +119,25 @@ __device__ __forceinline__ uint8_t to_fp8(float y, bool e4m3) {
               : __nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E5M2);
 }
 
+// v[0..3] times s as FP8 codes, packed into one word (v[0] in the low byte).
+__device__ __forceinline__ uint32_t fp8x4(const float* v, float s, bool e4m3) {
+  uint32_t q = 0;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    q |= static_cast<uint32_t>(to_fp8(__fmul_rn(v[k], s), e4m3)) << (8 * k);
+  }
+  return q;
+}
+
+// A column pass step's codes (four rows of columns col and col + 1) into the transposed copy.
+__device__ __forceinline__ void store_column_pair(uint8_t* __restrict__ data_t, int64_t col,
+                                                  int64_t row, int64_t m, uint32_t q_lo,
+                                                  uint32_t q_hi) {
+  uint8_t* out = data_t + col * m + row;
+  *reinterpret_cast<uint32_t*>(out) = q_lo;
+  *reinterpret_cast<uint32_t*>(out + m) = q_hi;
+}
+
 __device__ __forceinline__ float bf16_lo(uint32_t w) {
   return __uint_as_float(w << 16);
 }
@@ -218,12 +237,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas(kMode)) act_cast_1x128_kern
 #pragma unroll
       for (int o = 8; o > 0; o >>= 1) amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
       const float s = scale_from_amax(__int_as_float(amax), fp8_max, pow2);
-      uint32_t q[2] = {0, 0};
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        q[j / 4] |= static_cast<uint32_t>(to_fp8(__fmul_rn(x[j], s), e4m3)) << (8 * (j % 4));
-      }
-      *reinterpret_cast<uint2*>(data + off) = make_uint2(q[0], q[1]);
+      *reinterpret_cast<uint2*>(data + off) = make_uint2(fp8x4(x, s, e4m3), fp8x4(x + 4, s, e4m3));
       if (l16 == 0) scale_inv[(row0 + r) * s_row + blockIdx.x * s_blk] = __fdiv_rn(1.0f, s);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
@@ -261,15 +275,8 @@ __global__ void __launch_bounds__(kThreads, min_ctas(kMode)) act_cast_1x128_kern
     amax_hi = warp_max(amax_hi);
     const float s_lo = scale_from_amax(__int_as_float(amax_lo), fp8_max, pow2);
     const float s_hi = scale_from_amax(__int_as_float(amax_hi), fp8_max, pow2);
-    uint32_t q_lo = 0, q_hi = 0;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      q_lo |= static_cast<uint32_t>(to_fp8(__fmul_rn(lo[k], s_lo), e4m3)) << (8 * k);
-      q_hi |= static_cast<uint32_t>(to_fp8(__fmul_rn(hi[k], s_hi), e4m3)) << (8 * k);
-    }
-    uint8_t* out_lo = data_t + (col0 + c) * m + row0 + 4 * lane;
-    *reinterpret_cast<uint32_t*>(out_lo) = q_lo;
-    *reinterpret_cast<uint32_t*>(out_lo + m) = q_hi;
+    store_column_pair(data_t, col0 + c, row0 + 4 * lane, m, fp8x4(lo, s_lo, e4m3),
+                      fp8x4(hi, s_hi, e4m3));
     if (lane == 0) {
       scale_inv_t[(col0 + c) * t_row + blockIdx.y * t_blk] = __fdiv_rn(1.0f, s_lo);
       scale_inv_t[(col0 + c + 1) * t_row + blockIdx.y * t_blk] = __fdiv_rn(1.0f, s_hi);
@@ -332,28 +339,23 @@ __global__ void __launch_bounds__(kThreads, 4) cast_128x128_kernel(
   for (int it = 0; it < kIters; ++it) {
     const int64_t off = (row0 + warp * kRowsPerWarp + 2 * it + half) * n + col0 + 8 * l16;
     const uint32_t w[4] = {v[it].x, v[it].y, v[it].z, v[it].w};
-    uint32_t q[2] = {0, 0};
+    float xf[8];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const float xf = j % 2 ? bf16_hi(w[j / 2]) : bf16_lo(w[j / 2]);
-      q[j / 4] |= static_cast<uint32_t>(to_fp8(__fmul_rn(xf, s), e4m3)) << (8 * (j % 4));
-    }
-    *reinterpret_cast<uint2*>(data + off) = make_uint2(q[0], q[1]);
+    for (int j = 0; j < 8; ++j) xf[j] = j % 2 ? bf16_hi(w[j / 2]) : bf16_lo(w[j / 2]);
+    *reinterpret_cast<uint2*>(data + off) = make_uint2(fp8x4(xf, s, e4m3), fp8x4(xf + 4, s, e4m3));
   }
 
 #pragma unroll 2
   for (int p = 0; p < kTile / kWarps / 2; ++p) {
     const int c = warp * (kTile / kWarps) + 2 * p;
-    uint32_t q_lo = 0, q_hi = 0;
+    float lo[4], hi[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       const uint32_t word = tile_words[tile_word(4 * lane + k, c / 2)];
-      q_lo |= static_cast<uint32_t>(to_fp8(__fmul_rn(bf16_lo(word), s), e4m3)) << (8 * k);
-      q_hi |= static_cast<uint32_t>(to_fp8(__fmul_rn(bf16_hi(word), s), e4m3)) << (8 * k);
+      lo[k] = bf16_lo(word), hi[k] = bf16_hi(word);
     }
-    uint8_t* out_lo = data_t + (col0 + c) * m + row0 + 4 * lane;
-    *reinterpret_cast<uint32_t*>(out_lo) = q_lo;
-    *reinterpret_cast<uint32_t*>(out_lo + m) = q_hi;
+    store_column_pair(data_t, col0 + c, row0 + 4 * lane, m, fp8x4(lo, s, e4m3),
+                      fp8x4(hi, s, e4m3));
   }
   if (threadIdx.x == 0) {
     const float inv = __fdiv_rn(1.0f, s);
