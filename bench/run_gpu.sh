@@ -110,6 +110,8 @@ runpy.run_path('examples/train_gpt.py', run_name='__main__')" "${tg[@]:1}" \
       python3 -m bench.diag_first_launch 2>&1 | tee "$OUT/diag_first_launch.log" ;;
     diag_gemm_host)  # host time per FP8 GEMM call by scaling kind (bench/diag_gemm_host.py)
       python3 -m bench.diag_gemm_host 2>&1 | tee "$OUT/diag_gemm_host.log" ;;
+    diag_grouped_wgrad)  # torch's grouped FP8 GEMM on the grouped wgrad (bench/diag_grouped_wgrad.py)
+      python3 -m bench.diag_grouped_wgrad 2>&1 | tee "$OUT/diag_grouped_wgrad.log" ;;
     diag_sync)  # does the FP8 MLP step make the host wait (bench/diag_sync.py), default
                 # allocator and expandable segments
       python3 -m bench.diag_sync 2>&1 | tee "$OUT/diag_sync.log"

@@ -1,37 +1,48 @@
 r"""FP8 grouped linear, rowwise current or per-tensor delayed scaling: ``te::grouped_linear_fp8_*``.
 
 The same math as ``te::grouped_linear_fwd`` (rows of ``inp`` split into groups by ``m_splits``,
-group ``g`` times ``weight[g].T`` plus ``bias[g]``) with the forward and the dgrad GEMMs in FP8,
-scaled the way Hopper's grouped FP8 GEMM ``torch._scaled_grouped_mm`` takes them: one fp32 scale
-per row of the left operand and one per (group, output column) of the 3-D right operand,
-each from the amax over the GEMM's contraction dim (current scaling: measured now):
+group ``g`` times ``weight[g].T`` plus ``bias[g]``) with the forward and the dgrad GEMMs in FP8
+(and the wgrad with ``fp8_wgrad``), scaled the way Hopper's grouped FP8 GEMM
+``torch._scaled_grouped_mm`` takes them: one fp32 scale per row of the left operand and one per
+(group, output column) of the 3-D right operand, each from the amax over the GEMM's
+contraction dim (current scaling: measured now):
 
 .. math::
     Y_g = \mathrm{diag}(s_x^{-1})\, X_8\, W_{8,g}^\top\, \mathrm{diag}(s_{w,g}^{-1}) + b_g,\qquad
     dX_g = \mathrm{diag}(s_{dy}^{-1})\, dY_8\, \tilde W_{8,g}\, \mathrm{diag}(\tilde s_{w,g}^{-1}),
     \qquad
-    dW_g = dY_g^\top X_g
+    dW_g = dY_g^\top X_g \;\text{or}\;
+    dW_g = \big(dY_{8,g}\, \mathrm{diag}(\hat s_{dy,g}^{-1})\big)^\top
+           X_{8,g}\, \mathrm{diag}(\hat s_{x,g}^{-1})
 
 * forward: ``X`` quantised per token row (amax over ``K``) and ``W`` per (group, output row)
   (amax over ``K``), both to ``fwd_dtype``;
 * dgrad ``dX_g = dY_g W_g``: ``dY`` quantised per token row (amax over ``N``) to ``bwd_dtype``,
   ``W`` per (group, input column), i.e. amax over ``N``, the contraction dim of this GEMM, to
   ``fwd_dtype`` (the forward writes this copy, transposed to ``[G, K, N]``, and saves it);
-* wgrad ``dW_g = dY_g^T X_g`` stays in high precision (``torch._grouped_mm`` on CUDA): a
-  rowwise-scaled wgrad would need scales along the token dim, whose groups the splits change
-  from step to step (per-group column scales, as torchao does); that is the next step.
+* wgrad ``dW_g = dY_g^T X_g``: high precision (``torch._grouped_mm`` on CUDA), or with
+  ``fp8_wgrad=True`` in FP8 with scales along the token dim: ``X`` per (group, input column)
+  to ``fwd_dtype`` and ``dY`` per (group, output column) to ``bwd_dtype``, amax over the
+  group's tokens (:math:`\hat s`), both written transposed with every group padded to a
+  multiple of 16 tokens (zeros; the grouped GEMM's groups along its contraction dim must start
+  at 16-byte offsets; :func:`quantize_group_columns`). The forward makes the input's copy and
+  saves it instead of the input (half the bytes of bf16); the GEMM is
+  ``torch._scaled_grouped_mm`` with offsets along the contraction dim and the promoted
+  accumulation of a gradient GEMM (E4M3 both ways; an E5M2 gradient runs as a bf16 grouped
+  GEMM of the FP8 values, scales after).
   The bias gradient is the per-group sum of the high-precision ``dY``.
 
 ``recipe="delayed"`` (``DelayedScaling``): one given scale per tensor instead, ``scale`` ``[3]``
 (input, weight, gradient) from ``te::delayed_scaling_update`` as in ``te::linear_fp8``: ``X`` and
-``W`` (all groups) cast with ``scale[0]`` / ``scale[1]``, ``dY`` with ``scale[2]``, each inverse
+``W`` (all groups) cast with ``scale[0]`` / ``scale[1]``, ``dY`` with ``scale[2]`` (the FP8
+wgrad's copies too), each inverse
 scale broadcast to the rowwise vectors the grouped GEMM takes (the dgrad copy of ``W`` is the
 same bytes transposed). The forward returns ``[amax(X), amax(W)]``, the backward writes
 ``amax(dY)`` into ``grad_amax`` ``[1]`` (a mutated argument). Under ``recipe="rowwise"`` the amax
 output is 0-element and ``scale`` / ``grad_amax`` are None.
 
 FP8 data crosses op boundaries as ``uint8`` views (see ``docs/fp8.md``). The input is saved in
-high precision for the wgrad.
+high precision for the wgrad, or as its FP8 wgrad copy with ``fp8_wgrad``.
 
 CUDA: ``torch._scaled_grouped_mm(a_8, b_8.transpose(-2, -1), scale_a [M], scale_b [G, N],
 offs=offs, out_dtype=bfloat16)`` on device offsets (no host sync; ``a`` row-major, ``b``
@@ -130,14 +141,22 @@ def _slot(scale: Tensor | None, i: int) -> Tensor | None:
     return None if scale is None else scale[i : i + 1]
 
 
+def _fake_quant_columns(x_g: Tensor, fp8_dtype: torch.dtype, scale: Tensor | None) -> Tensor:
+    """A token group's wgrad operand: each column quantised over the group's rows (or with the
+    per-tensor ``scale``), dequantised; an empty group stays empty."""
+    return x_g if x_g.shape[0] == 0 else _fake_quant(x_g, fp8_dtype, 0, scale)
+
+
 class _RefGroupedGemm(torch.autograd.Function):
     """``Y_g = fq(X_g) fq(W_g)^T`` with the FP8 op's gradients: dgrad from the rowwise-quantised
-    gradient and the weight quantised along ``N``; wgrad from the unquantised ``dY`` and ``X``."""
+    gradient and the weight quantised along ``N``; wgrad from the unquantised ``dY`` and ``X``,
+    or with ``fp8_wgrad`` from both quantised per (group, column) along the group's tokens."""
 
     @staticmethod
-    def forward(ctx, x, w, splits, fwd_dtype, bwd_dtype, scale):
+    def forward(ctx, x, w, splits, fwd_dtype, bwd_dtype, scale, fp8_wgrad):
         ctx.save_for_backward(x, w)
         ctx.splits, ctx.fwd_dtype, ctx.bwd_dtype, ctx.scale = splits, fwd_dtype, bwd_dtype, scale
+        ctx.fp8_wgrad = fp8_wgrad
         xq = _fake_quant(x, fwd_dtype, -1, _slot(scale, 0))
         wq = _fake_quant(w, fwd_dtype, -1, _slot(scale, 1))
         outs = [x_g @ wq[g].t() for g, x_g in enumerate(xq.split(splits))]
@@ -150,10 +169,16 @@ class _RefGroupedGemm(torch.autograd.Function):
         # Along N (rowwise), or the same per-tensor values as the forward's (delayed).
         wq_n = _fake_quant(w, ctx.fwd_dtype, 1, _slot(ctx.scale, 1))
         dx = torch.cat([d @ wq_n[g] for g, d in enumerate(dyq.split(ctx.splits))])
-        dw = torch.stack(
-            [d.t() @ x_g for d, x_g in zip(dy.split(ctx.splits), x.split(ctx.splits), strict=True)]
-        )
-        return dx, dw, None, None, None, None
+        pairs = zip(dy.split(ctx.splits), x.split(ctx.splits), strict=True)
+        if ctx.fp8_wgrad:
+            x_scale, g_scale = _slot(ctx.scale, 0), _slot(ctx.scale, 2)
+            pairs = [
+                (_fake_quant_columns(d, ctx.bwd_dtype, g_scale),
+                 _fake_quant_columns(x_g, ctx.fwd_dtype, x_scale))
+                for d, x_g in pairs
+            ]  # fmt: skip
+        dw = torch.stack([d.t() @ x_g for d, x_g in pairs])
+        return dx, dw, None, None, None, None, None
 
 
 def grouped_linear_fp8_ref(
@@ -164,13 +189,17 @@ def grouped_linear_fp8_ref(
     fwd_dtype: torch.dtype = torch.float8_e4m3fn,
     bwd_dtype: torch.dtype = torch.float8_e5m2,
     scale: Tensor | None = None,
+    fp8_wgrad: bool = False,
 ) -> Tensor:
     """Definition of correctness, differentiable: exact fake-quant emulation in the input's
     dtype (float64 in the tests). Operands quantised-dequantised as the op does (rowwise, or
     with the per-tensor delayed ``scale`` ``[3]``); the incoming gradient quantised for the
-    dgrad GEMM only (wgrad and the bias gradient use the high-precision gradient and input)."""
+    dgrad GEMM; the wgrad from the high-precision gradient and input, or with ``fp8_wgrad``
+    from both quantised per (group, column) over the group's tokens (``bwd_dtype`` /
+    ``fwd_dtype``; per tensor under delayed scaling). The bias gradient is always the
+    high-precision gradient's."""
     splits = m_splits.tolist() if isinstance(m_splits, Tensor) else list(m_splits)
-    out = _RefGroupedGemm.apply(inp, weight, splits, fwd_dtype, bwd_dtype, scale)
+    out = _RefGroupedGemm.apply(inp, weight, splits, fwd_dtype, bwd_dtype, scale, fp8_wgrad)
     if bias is not None:
         out = out + torch.repeat_interleave(bias, torch.tensor(splits), dim=0)
     return out
@@ -290,32 +319,41 @@ def _use_native(inp: Tensor) -> bool:
     return inp.dtype is torch.bfloat16
 
 
+def _as_bf16(q: Tensor) -> Tensor:
+    """FP8 values as bf16 (exact). CUDA: the dequantisation kernel with scale 1, since torch's
+    fp8 -> bf16 cast runs an unvectorised kernel (most likely the 0.41 ms of
+    unrolled_elementwise_kernel for two such casts in the H100 profile, 2026-11-22)."""
+    if not q.is_cuda:
+        return q.to(torch.bfloat16)
+    from te_compile.kernels import quantize
+
+    one = torch.ones(1, device=q.device)
+    return quantize.dequantize_tensorwise(q, one, torch.bfloat16)
+
+
 def _gemm_grouped(
-    aq: Tensor, sa: Tensor, bq: Tensor, sb: Tensor, splits: Tensor, offs: Tensor
+    aq: Tensor, sa: Tensor, bq: Tensor, sb: Tensor, splits: Tensor, offs: Tensor, fast_accum=False
 ) -> Tensor:
     """The grouped GEMM of :func:`_gemm_loop` on device offsets, bf16 output, no host sync.
     E4M3 x E4M3: ``torch._scaled_grouped_mm`` (``a`` row-major, ``b`` column-major, scales
-    ``[M]`` and ``[G, P]`` fp32). Otherwise (E5M2, which that kernel refuses): a bf16
-    ``torch._grouped_mm`` of the FP8 values (exact in bf16), then the scales in fp32 (on CUDA
-    one Triton pass, ``kernels.quantize.grouped_scale``; the torch expression below made three
-    fp32 temporaries of the output's size, ~2 ms of the 5.3 ms FP8 grouped step at
-    32768 x 4096 -> 2048 on an H100, 2026-11-22)."""
+    ``[M]`` and ``[G, P]`` fp32; ``fast_accum``: Hopper's fast FP8 accumulation, which the
+    forward GEMM uses as in ``te::linear_fp8``, ~20% faster at 32768 x 4096 -> 2048 on the H100,
+    2026-11-23; the dgrad promotes its partial sums to fp32). Otherwise (E5M2, which that
+    kernel refuses): a bf16 ``torch._grouped_mm`` of the FP8 values (exact in bf16), then the
+    scales in fp32 (on CUDA one Triton pass, ``kernels.quantize.grouped_scale``; the torch
+    expression below made three fp32 temporaries of the output's size, ~2 ms of the 5.3 ms FP8
+    grouped step at 32768 x 4096 -> 2048 on an H100, 2026-11-22)."""
     e4m3 = torch.float8_e4m3fn
     if aq.dtype is e4m3 and bq.dtype is e4m3 and aq.is_cuda:
         return torch._scaled_grouped_mm(
-            aq, bq.transpose(-2, -1), sa, sb, offs=offs, out_dtype=torch.bfloat16
-        )
+            aq, bq.transpose(-2, -1), sa, sb, offs=offs, out_dtype=torch.bfloat16,
+            use_fast_accum=fast_accum,
+        )  # fmt: skip
     bf16 = torch.bfloat16
     if aq.is_cuda:
         from te_compile.kernels import quantize
 
-        # The FP8 values as bf16 (exact) by the dequantisation kernel with scale 1: torch's
-        # fp8 -> bf16 cast runs an unvectorised kernel (most likely the 0.41 ms of
-        # unrolled_elementwise_kernel for two such casts in the H100 profile, 2026-11-22).
-        one = torch.ones(1, device=aq.device)
-        a = quantize.dequantize_tensorwise(aq, one, bf16)
-        b = quantize.dequantize_tensorwise(bq, one, bf16)
-        acc = torch._grouped_mm(a, b.transpose(-2, -1), offs=offs)
+        acc = torch._grouped_mm(_as_bf16(aq), _as_bf16(bq).transpose(-2, -1), offs=offs)
         return quantize.grouped_scale(acc, sa, sb, offs, bf16)
     acc = torch._grouped_mm(aq.to(bf16), bq.to(bf16).transpose(-2, -1), offs=offs)
     col = torch.repeat_interleave(sb, splits, dim=0, output_size=aq.shape[0])
@@ -336,6 +374,97 @@ def _quantize_weight_dgrad(weight: Tensor, fwd_dtype: torch.dtype) -> tuple[Tens
         return quantize.quantize_columnwise_transposed(weight, fwd_dtype)
     data, scale_inv = quantize_rowwise(weight.transpose(1, 2), fwd_dtype)  # along N, last
     return data.contiguous(), scale_inv
+
+
+def _wgrad_capacity(rows: int, groups: int) -> int:
+    """Columns of a wgrad operand's transposed copy: every group's rows rounded up to a multiple
+    of 16 fit in ``rows + 15 * groups``, rounded up to 16 (a static shape)."""
+    return (rows + 15 * groups + 15) // 16 * 16
+
+
+def quantize_group_columns(
+    x: Tensor, m_splits: Tensor, fp8_dtype: torch.dtype, scale: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """A grouped wgrad operand: ``(data_t, scale_inv, pad_ends)``. Every column of every token
+    group of ``x`` ``[M, C]`` cast with its own current scale (amax over the group's rows;
+    with ``scale`` ``[1]``: that per-tensor scale), written transposed into ``data_t``
+    ``[C, capacity]`` (:func:`_wgrad_capacity`) with each group's columns starting at a
+    multiple of 16 (zero padding); ``scale_inv`` fp32 ``[G, C]`` (current scaling: 1 for an
+    empty group) and
+    ``pad_ends`` int32 ``[G]``, the padded groups' end offsets: the grouped GEMM's ``offs``.
+    CUDA (float32/bfloat16/float16): one Triton launch on device offsets
+    (``kernels.quantize.quantize_group_columns``, the same bytes as the loop below)."""
+    groups, c = m_splits.shape[0], x.shape[1]
+    capacity = _wgrad_capacity(x.shape[0], groups)
+    if x.is_cuda and x.dtype in _HIGH:
+        from te_compile.kernels import quantize
+
+        splits, ends = _device_splits(m_splits, x)
+        pad_ends = torch.cumsum((splits + 15) // 16 * 16, 0, dtype=torch.int32)
+        data_t, scale_inv = quantize.quantize_group_columns(
+            x, ends, pad_ends, capacity, fp8_dtype, scale=scale
+        )
+        return data_t, scale_inv, pad_ends
+    splits = _host_splits(m_splits, x.shape[0])
+    data_t = torch.zeros(c, capacity, dtype=torch.uint8, device=x.device)
+    scale_inv = torch.ones(groups, c, dtype=torch.float32, device=x.device)
+    if scale is not None:  # every group's, empty ones too (correctly rounded, as the kernel's)
+        scale_inv.copy_(torch.div(torch.ones_like(scale), scale).expand(groups, c))
+    padded = [(m + 15) // 16 * 16 for m in splits]
+    start = dst = 0
+    for g, (m, p) in enumerate(zip(splits, padded, strict=True)):
+        if m:
+            x_g = x[start : start + m]
+            if scale is None:
+                data, scale_inv[g] = quantize_rowwise(x_g.t(), fp8_dtype)
+            else:
+                data, inv, _ = quantize_per_tensor(x_g, fp8_dtype, scale)
+                data, scale_inv[g] = data.t(), inv.reshape(())
+            data_t[:, dst : dst + m] = data.view(torch.uint8)
+        start, dst = start + m, dst + p
+    pad_ends = torch.tensor(padded, dtype=torch.int64).cumsum(0).to(torch.int32)
+    return data_t.view(fp8_dtype), scale_inv, pad_ends.to(x.device)
+
+
+def _gemm_wgrad(
+    dyt: Tensor, dys: Tensor, xt: Tensor, xs: Tensor, pad_ends: Tensor, native: bool, dtype,
+    main_grad: Tensor | None,
+):  # fmt: skip
+    """The FP8 wgrad ``dW_g = (dY_g^T diag(dys_g)) (diag(xs_g) X_g)`` from the operands of
+    :func:`quantize_group_columns` (``dyt`` ``[N, P]``, ``xt`` ``[K, P]``, grouped along ``P``
+    by ``pad_ends``): ``[G, N, K]`` in ``dtype``, or added to ``main_grad`` (fp32; None is
+    returned then). ``native`` (bf16 on CUDA): E4M3 x E4M3 is ``torch._scaled_grouped_mm``
+    with the scales ``[G*N]`` / ``[G*K]`` and the promoted (not fast) accumulation of a
+    gradient GEMM, bf16 out; an E5M2 operand, which that kernel refuses, runs as a bf16
+    ``torch._grouped_mm`` of the FP8 values (exact in bf16) with the scales applied to its
+    bf16 output in fp32. Otherwise exact emulation per group: the fp32 GEMM of the FP8 values,
+    the scales applied, rounded once (added in fp32 to ``main_grad``)."""
+    e4m3 = torch.float8_e4m3fn
+    if native:
+        if dyt.dtype is e4m3 and xt.dtype is e4m3 and dyt.is_cuda:
+            dw = torch._scaled_grouped_mm(
+                dyt, xt.t(), dys.reshape(-1), xs.reshape(-1), offs=pad_ends,
+                out_dtype=torch.bfloat16, use_fast_accum=False,
+            )  # fmt: skip
+        else:
+            a, b = _as_bf16(dyt), _as_bf16(xt)
+            acc = torch._grouped_mm(a, b.t(), offs=pad_ends)
+            dw = (acc.float() * dys[:, :, None] * xs[:, None, :]).to(torch.bfloat16)
+        if main_grad is None:
+            return dw
+        main_grad.add_(dw)
+        return None
+    ends = [0, *pad_ends.tolist()]
+    groups, n = dys.shape
+    out = None if main_grad is not None else dys.new_empty(groups, n, xs.shape[1], dtype=dtype)
+    for g in range(groups):
+        cols = slice(ends[g], ends[g + 1])
+        acc = (dyt[:, cols].float() @ xt[:, cols].float().t()) * dys[g][:, None] * xs[g]
+        if main_grad is not None:
+            main_grad[g].add_(acc)
+        else:
+            out[g] = acc.to(dtype)
+    return out
 
 
 # 2. Forward op -------------------------------------------------------------------------------
@@ -364,7 +493,7 @@ def _transposed_codes(weight: Tensor, wq: Tensor, scale: Tensor, fp8_dtype) -> T
     return wq.view(torch.uint8).transpose(1, 2).contiguous().view(fp8_dtype)
 
 
-def _forward(inp, m_splits, weight, bias, scale, fwd_dtype, native: bool):
+def _forward(inp, m_splits, weight, bias, scale, fwd_dtype, fp8_wgrad: bool, native: bool):
     g, n, k = weight.shape
     if scale is None:
         xq, xs = quantize_rowwise(inp, fwd_dtype)
@@ -379,13 +508,17 @@ def _forward(inp, m_splits, weight, bias, scale, fwd_dtype, native: bool):
         amax = torch.cat([x_amax, w_amax])
     if native:
         splits, offs = _device_splits(m_splits, inp)
-        out = _gemm_grouped(xq, xs, wq, ws, splits, offs)
+        out = _gemm_grouped(xq, xs, wq, ws, splits, offs, fast_accum=True)
         if bias is not None:
             out += _row_bias(bias, splits, inp.shape[0])
     else:
         splits = _host_splits(m_splits, inp.shape[0])
         out = _gemm_loop(xq, xs, wq, ws, splits, inp.dtype, bias)
-    return out, amax, [wq_t.view(torch.uint8), ws_t]
+    saved = [wq_t.view(torch.uint8), ws_t]
+    if fp8_wgrad:
+        xt, xs_t, _ = quantize_group_columns(inp, m_splits, fwd_dtype, _slot(scale, 0))
+        saved += [xt.view(torch.uint8), xs_t]
+    return out, amax, saved
 
 
 @op("grouped_linear_fp8_fwd")
@@ -400,22 +533,28 @@ def grouped_linear_fp8_fwd(
     recipe: str,
     fwd_dtype: torch.dtype,
     bwd_dtype: torch.dtype,
+    fp8_wgrad: bool = False,
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
     """``(out, amax, saved)``: ``out`` ``[M, out_features]``; ``amax`` ``[amax(inp),
     amax(weight)]`` under ``recipe="delayed"`` (0-element under "rowwise"); ``saved = [W_8
     [G, K, N] (uint8 bytes of fwd_dtype, quantised along N or per tensor), its inverse scales
-    [G, K] fp32]`` for the dgrad. ``main_grad`` and ``grad_amax`` are only carried to the
-    backward. Default (CPU): exact emulation (module docstring)."""
+    [G, K] fp32]`` for the dgrad, and with ``fp8_wgrad`` also the input's wgrad operand ``[X_8^T
+    [K, capacity] (uint8, per group and column along the tokens, or per tensor), its inverse
+    scales [G, K]]`` (:func:`quantize_group_columns`; the backward then needs no ``inp``).
+    ``main_grad`` and ``grad_amax`` are only carried to the backward. Default (CPU): exact
+    emulation (module docstring)."""
     _check(inp, m_splits, weight, bias, main_grad, scale, grad_amax, recipe, fwd_dtype, bwd_dtype)
-    return _forward(inp, m_splits, weight, bias, scale, fwd_dtype, native=False)
+    return _forward(inp, m_splits, weight, bias, scale, fwd_dtype, fp8_wgrad, native=False)
 
 
 @grouped_linear_fp8_fwd.register_kernel("cuda")
 def _grouped_linear_fp8_fwd_cuda(
-    inp, m_splits, weight, bias, main_grad, scale, grad_amax, recipe, fwd_dtype, bwd_dtype
-):
+    inp, m_splits, weight, bias, main_grad, scale, grad_amax, recipe, fwd_dtype, bwd_dtype,
+    fp8_wgrad=False,
+):  # fmt: skip
     _check(inp, m_splits, weight, bias, main_grad, scale, grad_amax, recipe, fwd_dtype, bwd_dtype)
-    return _forward(inp, m_splits, weight, bias, scale, fwd_dtype, native=_use_native(inp))
+    native = _use_native(inp)
+    return _forward(inp, m_splits, weight, bias, scale, fwd_dtype, fp8_wgrad, native=native)
 
 
 # 3. Fake ---------------------------------------------------------------------------------------
@@ -423,11 +562,18 @@ def _grouped_linear_fp8_fwd_cuda(
 
 @grouped_linear_fp8_fwd.register_fake
 def _grouped_linear_fp8_fwd_fake(
-    inp, m_splits, weight, bias, main_grad, scale, grad_amax, recipe, fwd_dtype, bwd_dtype
-):
+    inp, m_splits, weight, bias, main_grad, scale, grad_amax, recipe, fwd_dtype, bwd_dtype,
+    fp8_wgrad=False,
+):  # fmt: skip
     _check(inp, m_splits, weight, bias, main_grad, scale, grad_amax, recipe, fwd_dtype, bwd_dtype)
     g, n, k = weight.shape
     saved = [inp.new_empty(g, k, n, dtype=torch.uint8), inp.new_empty(g, k, dtype=torch.float32)]
+    if fp8_wgrad:
+        capacity = _wgrad_capacity(inp.shape[0], g)
+        saved += [
+            inp.new_empty(k, capacity, dtype=torch.uint8),
+            inp.new_empty(g, k, dtype=torch.float32),
+        ]
     amax = inp.new_empty(2 if recipe == "delayed" else 0, dtype=torch.float32)
     return inp.new_empty(inp.shape[0], n), amax, saved
 
@@ -450,7 +596,7 @@ def _backward_impl(
     grad_out, saved, inp, m_splits, main_grad, scale, grad_amax, fwd_dtype, bwd_dtype, has_bias,
     need_dgrad, need_wgrad, native,
 ):  # fmt: skip
-    wq_t, ws_t = saved
+    wq_t, ws_t = saved[:2]
     wq_t = wq_t.view(fwd_dtype)
     dtype = grad_out.dtype
     groups, k, n = wq_t.shape
@@ -458,6 +604,13 @@ def _backward_impl(
     dinp, dweight, dbias = _empty(grad_out), _empty(grad_out), _empty(grad_out)
     if need_dgrad or grad_amax is not None:
         gq, gs = _quantize_grad(grad_out, scale, grad_amax, bwd_dtype)
+    if need_wgrad and len(saved) == 4:  # the forward saved the FP8 wgrad operand of the input
+        dyt, dys, pad_ends = quantize_group_columns(grad_out, m_splits, bwd_dtype, _slot(scale, 2))
+        dw = _gemm_wgrad(
+            dyt, dys, saved[2].view(fwd_dtype), saved[3], pad_ends, native, dtype, main_grad
+        )
+        dweight = _empty(grad_out) if dw is None else dw
+        need_wgrad = False
     if native:
         splits, offs = _device_splits(m_splits, grad_out)
         if need_dgrad:
@@ -513,9 +666,11 @@ def grouped_linear_fp8_bwd(
     """``(dinp, dweight, dbias)``, 0-element where not computed (dweight also when it went
     into ``main_grad``, fp32, added to); with ``scale`` (delayed) the
     gradient is cast with ``scale[2]`` and ``amax(grad_out)`` written into ``grad_amax`` when
-    given. ``inp`` (high precision) is needed only for the wgrad (None otherwise). Default
-    (CPU): exact emulation for the dgrad, fp32 per-group loop for the wgrad and dbias, each
-    rounded once."""
+    given. The wgrad is FP8 when ``saved`` holds the forward's four tensors (``fp8_wgrad``:
+    ``grad_out`` quantised per group and column along the tokens in ``bwd_dtype``, or with
+    ``scale[2]``; :func:`_gemm_wgrad`), else high precision from ``inp`` (needed only then;
+    None otherwise). Default (CPU): exact emulation for the FP8 GEMMs, fp32 per-group loop for
+    a high-precision wgrad and dbias, each rounded once."""
     return _backward_impl(
         grad_out, saved, inp, m_splits, main_grad, scale, grad_amax, fwd_dtype, bwd_dtype,
         has_bias, need_dgrad, need_wgrad, native=False,
@@ -539,7 +694,7 @@ def _grouped_linear_fp8_bwd_fake(
     need_dgrad, need_wgrad,
 ):  # fmt: skip
     groups, k, n = saved[0].shape
-    if need_wgrad:
+    if need_wgrad and len(saved) == 2:
         torch._check(inp is not None, lambda: "te.grouped_linear_fp8_bwd: wgrad needs inp")
     dinp = grad_out.new_empty(grad_out.shape[0], k) if need_dgrad else _empty(grad_out)
     want_dw = need_wgrad and main_grad is None
@@ -552,10 +707,14 @@ def _grouped_linear_fp8_bwd_fake(
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    inp, m_splits, _weight, bias, main_grad, scale, grad_amax, _recipe, fwd, bwd = inputs
+    inp, m_splits, _weight, bias, main_grad, scale, grad_amax, _recipe, fwd, bwd, *fp8_wgrad = (
+        inputs
+    )
     _out, amax, saved = output
     ctx.mark_non_differentiable(amax, *saved)
-    ctx.save_for_backward(inp, m_splits, main_grad, scale, grad_amax, *saved)
+    # With the FP8 wgrad the forward saved the input's FP8 copy: the input itself is not kept.
+    kept = None if fp8_wgrad and fp8_wgrad[0] else inp
+    ctx.save_for_backward(kept, m_splits, main_grad, scale, grad_amax, *saved)
     ctx.has_bias = bias is not None
     ctx.fwd_dtype, ctx.bwd_dtype = fwd, bwd
 
@@ -567,7 +726,7 @@ def _backward(ctx, bwd, grad_out, _grad_amax, _grad_saved):
     dinp, dweight, dbias = bwd(
         grad_out.contiguous(),
         saved,
-        inp if need_wgrad else None,
+        inp if need_wgrad and len(saved) == 2 else None,
         m_splits,
         main_grad,
         scale,
@@ -583,7 +742,9 @@ def _backward(ctx, bwd, grad_out, _grad_amax, _grad_saved):
         None,
         dweight if need_wgrad and main_grad is None else None,
         dbias if has_bias else None,
-        *(None,) * 6,
+        # main_grad .. bwd_dtype, and fp8_wgrad where the call passed it (a trailing argument
+        # left at its default does not reach the autograd function).
+        *(None,) * (len(ctx.needs_input_grad) - 4),
     )
 
 
@@ -622,12 +783,25 @@ def _samples(device: torch.device):
         (t(24, 16), splits(8, 16), t(2, 32, 16), None, torch.zeros(2, 32, 16, device=device),
          None, None, "rowwise", e4m3, e5m2)
     )  # fmt: skip
+    # FP8 wgrad: E4M3 both ways (torch's grouped FP8 GEMM on CUDA), groups of 17 / 0 / 23 rows
+    # (padded to 32 / 0 / 32 in the transposed operands), bias.
+    yield SampleInput(
+        (t(40, 16), splits(17, 0, 23), t(3, 32, 16), t(3, 32), *rowwise, e4m3, e4m3, True)
+    )  # fmt: skip
+    # FP8 wgrad with an E5M2 gradient, delayed scaling, into main_grad.
+    yield SampleInput(
+        (t(40, 16), splits(11, 29, 0), t(3, 32, 16), None, torch.zeros(3, 32, 16, device=device),
+         scale.clone(), torch.zeros(1, device=device), "delayed", e4m3, e5m2, True)
+    )  # fmt: skip
 
 
 def _reference(
-    inp, m_splits, weight, bias, main_grad, scale, grad_amax, recipe, fwd_dtype, bwd_dtype
-):
-    return grouped_linear_fp8_ref(inp, m_splits, weight, bias, fwd_dtype, bwd_dtype, scale)
+    inp, m_splits, weight, bias, main_grad, scale, grad_amax, recipe, fwd_dtype, bwd_dtype,
+    fp8_wgrad=False,
+):  # fmt: skip
+    return grouped_linear_fp8_ref(
+        inp, m_splits, weight, bias, fwd_dtype, bwd_dtype, scale, fp8_wgrad
+    )
 
 
 _grouped_linear_fp8 = differentiable(
@@ -655,17 +829,20 @@ def grouped_linear_fp8(
     scale: Tensor | None = None,
     grad_amax: Tensor | None = None,
     main_grad: Tensor | None = None,
+    fp8_wgrad: bool = False,
     return_amax: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """:func:`te_compile.functional.grouped_linear` with FP8 forward and dgrad GEMMs (module
     docstring), through ``te::grouped_linear_fp8_fwd``: ``recipe="rowwise"`` (current scaling
     with rowwise scales) or ``"delayed"`` (per-tensor ``scale`` ``[3]``; ``grad_amax`` ``[1]``
     receives the gradient's amax in the backward). ``main_grad`` (fp32, ``weight``'s shape):
-    the weight gradient is added to it instead of being returned. ``return_amax=True`` also
-    returns the
-    forward's ``[amax(inp), amax(weight)]`` (0-element under "rowwise")."""
+    the weight gradient is added to it instead of being returned. ``fp8_wgrad=True``: the
+    wgrad GEMM in FP8 too, its operands quantised per (group, column) along the tokens (the
+    input's in the forward, which then keeps that FP8 copy instead of the input; the
+    gradient's in ``bwd_dtype``); native on CUDA with E4M3 both ways. ``return_amax=True``
+    also returns the forward's ``[amax(inp), amax(weight)]`` (0-element under "rowwise")."""
     out, amax, _saved = _grouped_linear_fp8(
         inp, as_splits_tensor(m_splits), weight, bias, main_grad, scale, grad_amax, recipe,
-        fwd_dtype, bwd_dtype,
+        fwd_dtype, bwd_dtype, fp8_wgrad,
     )  # fmt: skip
     return (out, amax) if return_amax else out

@@ -38,7 +38,9 @@ Kernels:
   the amax loop over the row, then the cast loop over it again (a re-read from L2).
 * ``_columnwise_kernel``: the same per-slice quantisation along the *rows* of each matrix of a
   ``[B, N, K]`` tensor (one scale per column), stored transposed ``[B, K, N]``: the grouped
-  dgrad's weight copy without a strided transpose of the high-precision weight first.
+  dgrad's weight copy without a strided transpose of the high-precision weight first. Or along
+  the rows of each token group of an ``[M, K]`` tensor, stored transposed with every group
+  padded to a multiple of 16 rows: the grouped FP8 wgrad's operands.
 * ``_grouped_scale_kernel``: the row and per-group column scales of a rowwise-scaled grouped GEMM
   applied to its unscaled bf16 output (the E5M2 grouped dgrad, which runs as a bf16 GEMM of the
   FP8 values); each row finds its group by counting the group end offsets at or below it.
@@ -81,6 +83,7 @@ __all__ = [
     "quantize_blockwise",
     "quantize_columnwise_transposed",
     "quantize_current",
+    "quantize_group_columns",
     "quantize_tensorwise",
 ]
 
@@ -547,6 +550,8 @@ def _columnwise_kernel(
     DATA_T,
     SCALE_INV,
     SCALE,
+    ENDS,
+    PAD_ENDS,
     N,
     K,
     fp8_max,
@@ -556,40 +561,61 @@ def _columnwise_kernel(
     SOFTWARE: tl.constexpr,
     GUARD: tl.constexpr,
     GIVEN: tl.constexpr,
+    GROUPED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """Matrix ``pid(0)`` of ``X`` ``[B, N, K]``, columns ``[pid(1) * BLOCK_K, ...)``: the
-    ``_rowwise_kernel`` quantisation of each *column* (amax over ``N``), written transposed:
-    ``DATA_T`` ``[B, K, N]``, ``SCALE_INV`` ``[B, K]``. The same bytes as ``_rowwise_kernel`` on
-    ``X.transpose(1, 2)`` made contiguous, without that strided copy: the tiles are read along
-    ``K`` and stored along ``N``. ``GIVEN``: every column cast with the one scale ``SCALE``
-    instead (per tensor, delayed scaling: the bytes of ``_cast_kernel``, transposed)."""
-    b = tl.program_id(0).to(tl.int64)
+    """Slice ``pid(0)`` of ``X``'s rows, columns ``[pid(1) * BLOCK_K, ...)``: the
+    ``_rowwise_kernel`` quantisation of each *column* of the slice (amax over its rows), written
+    transposed, and ``SCALE_INV`` ``[slices, K]``. ``GIVEN``: every column cast with the one
+    scale ``SCALE`` instead (per tensor, delayed scaling: the bytes of ``_cast_kernel``,
+    transposed). The tiles are read along ``K`` and stored along the slice's rows.
+
+    * Not ``GROUPED``: ``X`` is ``[B, N, K]``, slice ``b`` its matrix ``b``, ``DATA_T``
+      ``[B, K, N]`` (the grouped dgrad's weight copy without a strided transpose of the
+      high-precision weight first).
+    * ``GROUPED``: ``X`` is ``[M, K]`` and slice ``g`` its rows ``[ENDS[g-1], ENDS[g])`` (a
+      token group); ``DATA_T`` is ``[K, N]`` with ``N`` its row stride, and the group's
+      columns start at ``PAD_ENDS[g-1]``: its row count rounded up to a multiple of 16, the
+      padding written as zeros, as are the columns after the last group (the grouped wgrad's
+      operands, whose groups along the contraction dim must start at 16-byte offsets)."""
+    b = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     in_cols = cols < K
-    src = X + b * N * K
+    if GROUPED:
+        start = tl.load(ENDS + b - 1, mask=b > 0, other=0).to(tl.int64)
+        rows_in = tl.load(ENDS + b).to(tl.int64) - start
+        dst_col = tl.load(PAD_ENDS + b - 1, mask=b > 0, other=0).to(tl.int64)
+        rows_out = (rows_in + 15) // 16 * 16
+        # The last group also zeroes the columns after it: the whole output is defined.
+        rows_out = tl.where(b == tl.num_programs(0) - 1, N - dst_col, rows_out)
+        dst = DATA_T + dst_col
+    else:
+        start = b.to(tl.int64) * N
+        rows_in = N
+        rows_out = N
+        dst = DATA_T + start * K
+    src = X + start * K
     if GIVEN:
         scale = tl.load(SCALE) + tl.zeros([BLOCK_K], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_K], dtype=tl.int32)
-        for n0 in range(0, N, BLOCK_N):
+        for n0 in range(0, rows_in, BLOCK_N):
             rows = n0 + tl.arange(0, BLOCK_N)
-            mask = (rows[:, None] < N) & in_cols[None, :]
+            mask = (rows[:, None] < rows_in) & in_cols[None, :]
             x = tl.load(src + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask, other=0.0)
             acc = tl.maximum(acc, tl.max(_abs_bits(x.to(tl.float32)), axis=0))
         scale = _slice_scale(acc, fp8_max)
-    dst = DATA_T + b * N * K
-    for n0 in range(0, N, BLOCK_N):
+    for n0 in range(0, rows_out, BLOCK_N):
         rows = n0 + tl.arange(0, BLOCK_N)
-        mask = (rows[:, None] < N) & in_cols[None, :]
+        mask = (rows[:, None] < rows_in) & in_cols[None, :]
         x = tl.load(src + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask, other=0.0)
         y = x.to(tl.float32) * scale[None, :]
         q = tl.trans(
             _cast_fp8(y, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, GUARD)
         )  # [BLOCK_K, BLOCK_N]
         out = cols.to(tl.int64)[:, None] * N + rows[None, :]
-        tl.store(dst + out, q, mask=in_cols[:, None] & (rows[None, :] < N))
+        tl.store(dst + out, q, mask=in_cols[:, None] & (rows[None, :] < rows_out))
     tl.store(SCALE_INV + b * K + cols, tl.math.div_rn(1.0, scale), mask=in_cols)
 
 
@@ -996,11 +1022,62 @@ def quantize_columnwise_transposed(
         _bits(data_t),
         scale_inv,
         scale_inv if scale is None else scale,
+        scale_inv,  # ENDS, PAD_ENDS: unused
+        scale_inv,
         n,
         k,
         _FORMATS[fp8_dtype].max,
         **_cast_args(fp8_dtype, _software(x.device, _DEFAULT), x.dtype),
         GIVEN=scale is not None,
+        GROUPED=False,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=4,
+    )
+    return data_t, scale_inv
+
+
+def quantize_group_columns(
+    x: Tensor,
+    ends: Tensor,
+    pad_ends: Tensor,
+    capacity: int,
+    fp8_dtype: torch.dtype,
+    *,
+    scale: Tensor | None = None,
+    block_n: int = 64,
+    block_k: int = 64,
+) -> tuple[Tensor, Tensor]:
+    """``(data_t, scale_inv)`` of ``x`` ``[M, K]`` whose rows form groups ending at ``ends``
+    (``[G]`` int32, on ``x``'s device): every column of every group cast to ``fp8_dtype`` with
+    its own current scale (amax over the group's rows), written transposed into ``data_t``
+    ``[K, capacity]``, group ``g`` from column ``pad_ends[g-1]`` (``pad_ends``: the ends of the
+    groups' row counts rounded up to multiples of 16; the padding and the columns after the
+    last group are zeros), and ``scale_inv`` fp32 ``[G, K]`` (1 for an empty group; ``1 /
+    scale`` for every group with ``scale``). ``scale``
+    (``[1]`` fp32): every group cast with it instead (delayed scaling). One launch, no host
+    sync; ``capacity`` must hold the padded groups (``M + 15 G`` always does)."""
+    k = x.shape[1]
+    groups = ends.shape[0]
+    data_t = torch.empty((k, capacity), device=x.device, dtype=fp8_dtype)
+    scale_inv = torch.empty((groups, k), device=x.device, dtype=torch.float32)
+    if k == 0:
+        return data_t, scale_inv
+    if groups == 0:
+        return data_t.view(torch.uint8).zero_().view(fp8_dtype), scale_inv
+    _columnwise_kernel[(groups, triton.cdiv(k, block_k))](
+        x.contiguous(),
+        _bits(data_t),
+        scale_inv,
+        scale_inv if scale is None else scale,
+        ends,
+        pad_ends,
+        capacity,
+        k,
+        _FORMATS[fp8_dtype].max,
+        **_cast_args(fp8_dtype, _software(x.device, _DEFAULT), x.dtype),
+        GIVEN=scale is not None,
+        GROUPED=True,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         num_warps=4,

@@ -175,6 +175,75 @@ def test_main_grad_accumulation(device, dtype):
         GF.grouped_linear_fp8(x, splits, w, b, main_grad=main_grad.to(dtype=torch.float16))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("delayed", [False, True], ids=["rowwise", "delayed"])
+@pytest.mark.parametrize("bwd_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_fp8_wgrad_matches_reference(device, dtype, delayed, bwd_dtype):
+    """fp8_wgrad=True: the wgrad from both operands quantised per (group, column) along the
+    tokens (or per tensor, delayed) equals the fake-quant reference; groups of 17 / 0 / 23 / 5
+    tokens (padded to multiples of 16 inside); it is not the high-precision wgrad, but close
+    to it (SQNR); dgrad, output and bias gradient are unchanged by the flag. On CUDA in bf16,
+    E4M3 runs torch's grouped FP8 GEMM, E5M2 its bf16 emulation (one more rounding)."""
+    splits = [17, 0, 23, 5]
+    (x_ref, w_ref, b_ref), (x, w, b) = _make(splits, 32, 48, dtype, device)
+    # Delayed: scales that keep Gaussian data inside E4M3's range (|x| * 64 < 448).
+    scale = torch.tensor([16.0, 64.0, 64.0], device=device) if delayed else None
+    y_ref = GF.grouped_linear_fp8_ref(
+        x_ref, splits, w_ref, b_ref, E4M3, bwd_dtype, None if scale is None else scale.cpu(), True
+    )
+    dy_ref, dy = make_reference_and_test_tensors(y_ref.shape, dtype=dtype, device=device)
+    y_ref.backward(dy_ref)
+    kw = {"recipe": "delayed", "scale": scale} if delayed else {}
+    grads = {}
+    for fp8_wgrad in (True, False):
+        x_, w_, b_ = (t.detach().requires_grad_() for t in (x, w, b))
+        y = GF.grouped_linear_fp8(
+            x_, splits, w_, b_, bwd_dtype=bwd_dtype, fp8_wgrad=fp8_wgrad, **kw
+        )
+        y.backward(dy)
+        grads[fp8_wgrad] = (y, x_.grad, w_.grad, b_.grad)
+    y, dx, dw, db = grads[True]
+    native = device == "cuda" and dtype is torch.bfloat16
+    assert_close(y, y_ref, dtype, reduced=native)
+    assert_close(dx, x_ref.grad, dtype, reduced=native)
+    assert_close(dw, w_ref.grad, dtype, reduced=True, roundings=2 if native else 1)
+    assert_close(db, b_ref.grad, dtype, reduced=True)
+    assert not dw[1].any()  # the empty group
+    for i in (0, 1, 3):  # output, dgrad, bias gradient
+        assert torch.equal(grads[True][i], grads[False][i])
+    hp = grads[False][2]
+    assert not torch.equal(dw, hp)
+    assert sqnr(dw, hp) > (20.0 if bwd_dtype is E5M2 else 24.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_wgrad_keeps_the_fp8_copy_not_the_input(device):
+    """With fp8_wgrad the autograd graph holds the input's FP8 copy (uint8, [K, capacity]),
+    not the input; without it, the input itself."""
+    from torch.autograd.graph import saved_tensors_hooks
+
+    splits = [17, 0, 23, 5]
+    _ref, (x, w, b) = _make(splits, 32, 48, torch.bfloat16, device)
+    saved = []
+
+    def keep(t):
+        saved.append(t)
+        return t
+
+    for fp8_wgrad in (False, True):
+        saved.clear()
+        with saved_tensors_hooks(keep, lambda t: t):
+            y = GF.grouped_linear_fp8(x, splits, w, b, bwd_dtype=E4M3, fp8_wgrad=fp8_wgrad)
+        kept_input = any(t.dtype is x.dtype and t.shape == x.shape for t in saved)
+        fp8_copy = [t for t in saved if t.dtype is torch.uint8 and t.shape[0] == 32]
+        assert kept_input is not fp8_wgrad
+        assert bool(fp8_copy) is fp8_wgrad
+        if fp8_wgrad:
+            assert fp8_copy[0].shape == (32, (45 + 15 * 4 + 15) // 16 * 16)
+        y.sum().backward()
+
+
 # 2. The quantisation and GEMM helpers of the CUDA path, on CPU tensors ------------------------
 
 
@@ -234,17 +303,20 @@ def test_grouped_gemm_path_matches_loop(fp8):
     assert_close(grouped, loop, torch.bfloat16, roundings=2)
 
 
+@pytest.mark.parametrize("fp8_wgrad", [False, True], ids=["hp_wgrad", "fp8_wgrad"])
 @pytest.mark.parametrize("delayed", [False, True], ids=["rowwise", "delayed"])
 @pytest.mark.parametrize("bias", [True, False])
-def test_native_path_on_cpu_tensors(bias, delayed):
+def test_native_path_on_cpu_tensors(bias, delayed, fp8_wgrad):
     """The whole grouped (no host sync) forward and backward of the CUDA kernel, run on CPU bf16
-    tensors, against the exact emulation."""
+    tensors, against the exact emulation (the FP8 wgrad with an E5M2 gradient: the bf16
+    grouped GEMM of the FP8 values, scales after)."""
     splits = [6, 0, 17, 9]
     _ref, (x, w, b) = _make(splits, 32, 16, torch.bfloat16, "cpu", bias=bias)
     s = torch.tensor(splits)
     scale = torch.tensor([4.0, 32.0, 512.0]) if delayed else None
-    out_n, amax_n, saved_n = GF._forward(x, s, w, b, scale, E4M3, native=True)
-    out_l, amax_l, saved_l = GF._forward(x, s, w, b, scale, E4M3, native=False)
+    out_n, amax_n, saved_n = GF._forward(x, s, w, b, scale, E4M3, fp8_wgrad, native=True)
+    out_l, amax_l, saved_l = GF._forward(x, s, w, b, scale, E4M3, fp8_wgrad, native=False)
+    assert len(saved_n) == (4 if fp8_wgrad else 2)
     for a, e in zip([amax_n, *saved_n], [amax_l, *saved_l], strict=True):
         assert torch.equal(a, e)
     # The native path adds the bias to the GEMM's rounded bf16 output: an error of the GEMM's
@@ -323,12 +395,15 @@ def test_bad_input_raises_clear_error(case, mode):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_compiled_changing_splits_do_not_recompile(device):
+@pytest.mark.parametrize("fp8_wgrad", [False, True], ids=["hp_wgrad", "fp8_wgrad"])
+def test_compiled_changing_splits_do_not_recompile(device, fp8_wgrad):
     """A device-tensor m_splits whose values change reuses the one fullgraph graph (fixed and,
-    with dynamic shapes, changing row counts); compiled equals eager."""
+    with dynamic shapes, changing row counts; the FP8 wgrad's padded operands have a static
+    capacity); compiled equals eager."""
+    kw = {"fwd_dtype": E4M3, "bwd_dtype": E4M3, "fp8_wgrad": True} if fp8_wgrad else {}
 
     def fn(x, s, w, b):
-        return GF.grouped_linear_fp8(x, s, w, b)
+        return GF.grouped_linear_fp8(x, s, w, b, **kw)
 
     compiled, counter = compile_counted(fn, dynamic=True)
     # Row counts differ from every feature size (dynamic shapes would duck-size equal ones).

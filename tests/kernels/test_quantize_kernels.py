@@ -367,3 +367,46 @@ def test_columnwise_transposed_kernel_with_a_given_scale(fp8, dtype):
     for b in range(3):
         want, _, _ = kernels.quantize_tensorwise(_dev(x[b]), _dev(scale), fp8, False)
         assert_bits_equal(data_t[b], want.t().contiguous())
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("given", [False, True], ids=["current", "delayed"])
+@pytest.mark.parametrize(
+    "splits", [[17, 0, 40, 5], [0, 0], [16, 32], [70]], ids=["uneven", "empty", "aligned", "one"]
+)
+def test_group_columns_kernel_matches_the_torch_loop(fp8, dtype, given, splits):
+    """``quantize_group_columns`` (the grouped FP8 wgrad's operands: each token group's columns
+    quantised over its rows, written transposed into 16-aligned column ranges) equals the torch
+    loop of ``functional.grouped_linear_fp8`` bit for bit: data including the zero padding and
+    the unused tail, scales, padded offsets. Groups cut by the 16 x 16 tiles, an all-zero
+    column, inf / NaN / subnormal-sized / saturating columns, empty groups."""
+    from te_compile.functional.grouped_linear_fp8 import quantize_group_columns as reference
+
+    torch.manual_seed(len(splits) + sum(splits))
+    m, k = sum(splits), 45
+    x = torch.randn(m, k) * 3
+    if m > 20:
+        x[:, 0] = 0.0
+        x[3, 1] = float("inf")
+        x[1, 2] = float("nan")
+        x[:, 3] = torch.randn(m) * 1e-30
+        x[-1, 4] = 1e6
+    x = x.to(dtype)
+    m_splits = torch.tensor(splits)
+    scale = torch.tensor([64.0]) if given else None
+    want_data, want_inv, want_ends = reference(x, m_splits, fp8, scale)
+    ends = _dev(m_splits.cumsum(0).to(torch.int32))
+    data_t, scale_inv = kernels.quantize_group_columns(
+        _dev(x), ends, _dev(want_ends), want_data.shape[1], fp8,
+        scale=None if scale is None else _dev(scale), block_n=16, block_k=16,
+    )  # fmt: skip
+    assert data_t.shape == (k, (m + 15 * len(splits) + 15) // 16 * 16)
+    assert_bits_equal(data_t, want_data)
+    assert_bits_equal(scale_inv, want_inv)
+    # Group g starts at a multiple of 16; its padding and the tail are zero codes.
+    starts = [0, *want_ends.tolist()]
+    for g, rows in enumerate(splits):
+        assert starts[g] % 16 == 0 and starts[g + 1] - starts[g] == (rows + 15) // 16 * 16
+        assert not data_t[:, starts[g] + rows : starts[g + 1]].view(torch.uint8).any()
+    assert not data_t[:, starts[-1] :].view(torch.uint8).any()

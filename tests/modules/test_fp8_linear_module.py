@@ -238,6 +238,30 @@ def test_grouped_linear_fp8_current_scaling(device):
         pytest.raises(NotImplementedError, match="128x128 activation"),
     ):
         m(x, splits)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grouped_linear_fp8_wgrad_under_e4m3(device):
+    """Under an E4M3-only format the module's wgrad is FP8 too (the functional op with
+    ``fp8_wgrad=True``, bit for bit, eager and compiled); under HYBRID it is high precision."""
+    torch.manual_seed(0)
+    m = te.GroupedLinear(4, 32, 48, single_grouped_parameter=True, params_dtype=torch.bfloat16,
+                         device=device)  # fmt: skip
+    x = torch.randn(40, 32, device=device, dtype=torch.bfloat16)
+    dy = torch.randn(40, 48, device=device, dtype=torch.bfloat16)
+    splits = torch.tensor([16, 0, 9, 15], device=device)
+    compiled, counter = compile_counted(m)
+    e4m3 = torch.float8_e4m3fn
+    for fmt, fp8_wgrad in ((te.recipe.Format.E4M3, True), (te.recipe.Format.HYBRID, False)):
+        bwd = e4m3 if fp8_wgrad else torch.float8_e5m2
+        w = m.weight.detach().requires_grad_()
+        F.grouped_linear_fp8(x, splits, w, m.bias, bwd_dtype=bwd, fp8_wgrad=fp8_wgrad).backward(dy)
+        for call in (m, compiled):
+            m.zero_grad(set_to_none=True)
+            with autocast(recipe=Float8CurrentScaling(fp8_format=fmt)):
+                call(x, splits).backward(dy)
+            assert torch.equal(m.weight.grad, w.grad)
+    assert counter.frame_count == 2  # one graph per recipe
     with (
         autocast(recipe=te.recipe.NVFP4BlockScaling()),
         pytest.raises(NotImplementedError, match="NVFP4BlockScaling is not implemented"),
