@@ -1045,8 +1045,9 @@ def quantize_group_columns(
     fp8_dtype: torch.dtype,
     *,
     scale: Tensor | None = None,
-    block_n: int = 64,
-    block_k: int = 64,
+    block_n: int = 128,
+    block_k: int = 32,
+    num_warps: int = 4,
 ) -> tuple[Tensor, Tensor]:
     """``(data_t, scale_inv)`` of ``x`` ``[M, K]`` whose rows form groups ending at ``ends``
     (``[G]`` int32, on ``x``'s device): every column of every group cast to ``fp8_dtype`` with
@@ -1056,7 +1057,10 @@ def quantize_group_columns(
     last group are zeros), and ``scale_inv`` fp32 ``[G, K]`` (1 for an empty group; ``1 /
     scale`` for every group with ``scale``). ``scale``
     (``[1]`` fp32): every group cast with it instead (delayed scaling). One launch, no host
-    sync; ``capacity`` must hold the padded groups (``M + 15 G`` always does)."""
+    sync; ``capacity`` must hold the padded groups (``M + 15 G`` always does). Launch:
+    ``bench/tune_group_columns.py``; 128 x 32 tiles, 4 warps ran 330 / 177 us at 32768 x 4096 /
+    2048 in 8 groups on the H100 (2026-11-23; ~2.0 TB/s of its minimal traffic against 2.9 for a
+    copy; 64 x 64 took 443 / 352 us)."""
     k = x.shape[1]
     groups = ends.shape[0]
     data_t = torch.empty((k, capacity), device=x.device, dtype=fp8_dtype)
@@ -1080,7 +1084,7 @@ def quantize_group_columns(
         GROUPED=True,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        num_warps=4,
+        num_warps=num_warps,
     )
     return data_t, scale_inv
 
