@@ -1017,24 +1017,32 @@ def quantize_columnwise_transposed(
         return data_t, scale_inv
     if n == 0:
         return data_t, scale_inv.fill_(1.0)  # an empty column: amax 0, scale 1
-    _columnwise_kernel[(batch, triton.cdiv(k, block_k))](
-        x3,
+    _launch_columnwise(x3, data_t, scale_inv, scale, None, n, batch, (block_n, block_k, 4))
+    return data_t, scale_inv
+
+
+def _launch_columnwise(x, data_t, scale_inv, scale, ends, n, slices, launch) -> None:
+    """``_columnwise_kernel`` over ``slices`` slices of ``x`` (``ends``: ``(ENDS, PAD_ENDS)``
+    for token groups, None for the matrices of a batch); ``launch``: ``(BLOCK_N, BLOCK_K,
+    num_warps)``."""
+    block_n, block_k, num_warps = launch
+    k = x.shape[-1]
+    _columnwise_kernel[(slices, triton.cdiv(k, block_k))](
+        x,
         _bits(data_t),
         scale_inv,
         scale_inv if scale is None else scale,
-        scale_inv,  # ENDS, PAD_ENDS: unused
-        scale_inv,
+        *((scale_inv, scale_inv) if ends is None else ends),  # unused without groups
         n,
         k,
-        _FORMATS[fp8_dtype].max,
-        **_cast_args(fp8_dtype, _software(x.device, _DEFAULT), x.dtype),
+        _FORMATS[data_t.dtype].max,
+        **_cast_args(data_t.dtype, _software(x.device, _DEFAULT), x.dtype),
         GIVEN=scale is not None,
-        GROUPED=False,
+        GROUPED=ends is not None,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        num_warps=4,
+        num_warps=num_warps,
     )
-    return data_t, scale_inv
 
 
 def quantize_group_columns(
@@ -1069,23 +1077,9 @@ def quantize_group_columns(
         return data_t, scale_inv
     if groups == 0:
         return data_t.view(torch.uint8).zero_().view(fp8_dtype), scale_inv
-    _columnwise_kernel[(groups, triton.cdiv(k, block_k))](
-        x.contiguous(),
-        _bits(data_t),
-        scale_inv,
-        scale_inv if scale is None else scale,
-        ends,
-        pad_ends,
-        capacity,
-        k,
-        _FORMATS[fp8_dtype].max,
-        **_cast_args(fp8_dtype, _software(x.device, _DEFAULT), x.dtype),
-        GIVEN=scale is not None,
-        GROUPED=True,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        num_warps=num_warps,
-    )
+    launch = (block_n, block_k, num_warps)
+    _launch_columnwise(x.contiguous(), data_t, scale_inv, scale, (ends, pad_ends), capacity,
+                       groups, launch)  # fmt: skip
     return data_t, scale_inv
 
 
