@@ -383,7 +383,11 @@ def _wgrad_capacity(rows: int, groups: int) -> int:
 
 
 def quantize_group_columns(
-    x: Tensor, m_splits: Tensor, fp8_dtype: torch.dtype, scale: Tensor | None = None
+    x: Tensor,
+    m_splits: Tensor,
+    fp8_dtype: torch.dtype,
+    scale: Tensor | None = None,
+    device_splits: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """A grouped wgrad operand: ``(data_t, scale_inv, pad_ends)``. Every column of every token
     group of ``x`` ``[M, C]`` cast with its own current scale (amax over the group's rows;
@@ -393,13 +397,15 @@ def quantize_group_columns(
     empty group) and
     ``pad_ends`` int32 ``[G]``, the padded groups' end offsets: the grouped GEMM's ``offs``.
     CUDA (float32/bfloat16/float16): one Triton launch on device offsets
-    (``kernels.quantize.quantize_group_columns``, the same bytes as the loop below)."""
+    (``kernels.quantize.quantize_group_columns``, the same bytes as the loop below);
+    ``device_splits``: the ``(splits, ends)`` of :func:`_device_splits` when the caller has
+    them already."""
     groups, c = m_splits.shape[0], x.shape[1]
     capacity = _wgrad_capacity(x.shape[0], groups)
     if x.is_cuda and x.dtype in _HIGH:
         from te_compile.kernels import quantize
 
-        splits, ends = _device_splits(m_splits, x)
+        splits, ends = device_splits or _device_splits(m_splits, x)
         pad_ends = torch.cumsum((splits + 15) // 16 * 16, 0, dtype=torch.int32)
         data_t, scale_inv = quantize.quantize_group_columns(
             x, ends, pad_ends, capacity, fp8_dtype, scale=scale
@@ -506,8 +512,9 @@ def _forward(inp, m_splits, weight, bias, scale, fwd_dtype, fp8_wgrad: bool, nat
         wq_t = _transposed_codes(weight, wq, scale[1:2], fwd_dtype)
         ws_t = ws[:, :1].expand(g, k).contiguous()
         amax = torch.cat([x_amax, w_amax])
+    device_splits = None
     if native:
-        splits, offs = _device_splits(m_splits, inp)
+        device_splits = splits, offs = _device_splits(m_splits, inp)
         out = _gemm_grouped(xq, xs, wq, ws, splits, offs, fast_accum=True)
         if bias is not None:
             out += _row_bias(bias, splits, inp.shape[0])
@@ -516,7 +523,8 @@ def _forward(inp, m_splits, weight, bias, scale, fwd_dtype, fp8_wgrad: bool, nat
         out = _gemm_loop(xq, xs, wq, ws, splits, inp.dtype, bias)
     saved = [wq_t.view(torch.uint8), ws_t]
     if fp8_wgrad:
-        xt, xs_t, _ = quantize_group_columns(inp, m_splits, fwd_dtype, _slot(scale, 0))
+        x_scale = _slot(scale, 0)
+        xt, xs_t, _ = quantize_group_columns(inp, m_splits, fwd_dtype, x_scale, device_splits)
         saved += [xt.view(torch.uint8), xs_t]
     return out, amax, saved
 
@@ -604,15 +612,18 @@ def _backward_impl(
     dinp, dweight, dbias = _empty(grad_out), _empty(grad_out), _empty(grad_out)
     if need_dgrad or grad_amax is not None:
         gq, gs = _quantize_grad(grad_out, scale, grad_amax, bwd_dtype)
+    device_splits = _device_splits(m_splits, grad_out) if native else None
     if need_wgrad and len(saved) == 4:  # the forward saved the FP8 wgrad operand of the input
-        dyt, dys, pad_ends = quantize_group_columns(grad_out, m_splits, bwd_dtype, _slot(scale, 2))
+        dyt, dys, pad_ends = quantize_group_columns(
+            grad_out, m_splits, bwd_dtype, _slot(scale, 2), device_splits
+        )
         dw = _gemm_wgrad(
             dyt, dys, saved[2].view(fwd_dtype), saved[3], pad_ends, native, dtype, main_grad
         )
         dweight = _empty(grad_out) if dw is None else dw
         need_wgrad = False
     if native:
-        splits, offs = _device_splits(m_splits, grad_out)
+        splits, offs = device_splits
         if need_dgrad:
             dinp = _gemm_grouped(gq, gs, wq_t, ws_t, splits, offs)
         if need_wgrad:

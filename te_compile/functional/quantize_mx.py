@@ -118,6 +118,7 @@ __all__ = [
     "dequantize_nvfp4",
     "dequantize_nvfp4_ref",
     "nvfp4_global_scale",
+    "nvfp4_qdq_row_groups",
     "quantize_mxfp8",
     "quantize_mxfp8_ref",
     "quantize_nvfp4",
@@ -203,7 +204,11 @@ def dequantize_mxfp8_ref(data: Tensor, scale: Tensor, out_dtype: torch.dtype) ->
 def nvfp4_global_scale(amax: Tensor) -> Tensor:
     """The 0-dim fp32 NVFP4 encode scale ``min(448 * 6 / amax, FLT_MAX)``; 1 where ``amax`` is
     0, inf or NaN."""
-    amax = amax.float().reshape(())
+    return _global_scales(amax.float().reshape(()))
+
+
+def _global_scales(amax: Tensor) -> Tensor:
+    """:func:`nvfp4_global_scale` of every element of the fp32 ``amax``."""
     # A tensor numerator: `2688.0 / amax` would be computed as 2688 * (1 / amax), rounding twice.
     g = torch.div(torch.full_like(amax, _E4M3_MAX * _E2M1_MAX), amax).clamp(max=_FLT_MAX)
     return torch.where((amax == 0) | ~amax.isfinite(), 1.0, g)
@@ -269,12 +274,41 @@ def dequantize_nvfp4_ref(
     """``e2m1 * scale / global_scale`` per 16-element block: ``[..., K/2]`` bytes to
     ``[..., K]`` values."""
     k = 2 * data.shape[-1]
-    codes = torch.stack([data & 0xF, data >> 4], -1).reshape(scale.shape[0], k)
+    rows = data.reshape(scale.shape[0], data.shape[-1])
+    out = _nvfp4_values(rows, scale, global_scale.float().reshape(()))
+    return out.view(*data.shape[:-1], k).to(out_dtype)
+
+
+def _nvfp4_values(data: Tensor, scale: Tensor, g: Tensor) -> Tensor:
+    """fp32 ``[M, K]`` values of the NVFP4 rows ``data`` ``[M, K/2]`` (E4M3 ``scale``) over the
+    global scale ``g`` (0-dim, or ``[M, 1]``: one a row)."""
+    m, k = data.shape[0], 2 * data.shape[1]
+    codes = torch.stack([data & 0xF, data >> 4], -1).reshape(m, k)
     values = data.new_tensor(_E2M1_VALUES, dtype=torch.float32)[(codes & 7).long()]
     values = torch.where((codes & 8) != 0, -values, values)
     s = scale.float().repeat_interleave(NVFP4_BLOCK, 1)[:, :k]
-    out = torch.div(values * s, global_scale.float().reshape(()))
-    return out.view(*data.shape[:-1], k).to(out_dtype)
+    return torch.div(values * s, g)
+
+
+def nvfp4_qdq_row_groups(x: Tensor, row_splits: Tensor) -> Tensor:
+    """NVFP4 quantised and dequantised (fp32) in blocks along the rows of ``x`` ``[..., K]``, every
+    group of consecutive rows (``row_splits[i]`` rows, flattening the leading dims; they must
+    sum to the row count) with the global scale of its own amax: what quantising each group as
+    its own tensor gives (Transformer Engine's grouped NVFP4 quantisation of a mixture of
+    experts' tokens or weights), in one pass of torch ops on any device with no host sync: the
+    group amaxes are a ``scatter_reduce`` over the row amaxes (a group holding a NaN gets
+    ``g = 1``, as a tensor does). ``K`` must be even."""
+    x2 = _rows(x)
+    m, groups = x2.shape[0], row_splits.numel()
+    ids = torch.repeat_interleave(
+        torch.arange(groups, device=x2.device), row_splits.to(x2.device), output_size=m
+    )
+    rows = x2.abs().amax(1).float() if x2.shape[1] else x2.new_zeros(m, dtype=torch.float32)
+    amax = rows.new_zeros(groups).scatter_reduce(0, ids, rows, "amax")
+    has_nan = rows.new_zeros(groups).index_add(0, ids, rows.isnan().float()) > 0
+    g = _global_scales(torch.where(has_nan, math.nan, amax))[ids, None]
+    data, scale = _nvfp4_rows(x2, g)
+    return _nvfp4_values(data, scale, g).view(x.shape)
 
 
 # Argument checks (eager and fakes: shapes and dtypes only) -----------------------------------

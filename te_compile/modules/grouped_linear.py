@@ -21,9 +21,9 @@ Inside ``te_compile.autocast`` the forward and dgrad GEMMs run in FP8 (``te::gro
 ``torch._scaled_grouped_mm`` on CUDA), the wgrad in high precision: ``Float8CurrentScaling`` with
 rowwise scales, ``DelayedScaling`` with per-tensor scales from the ``fp8_meta`` child's amax
 history (input, weight and gradient of all groups; saved in the state_dict once used, as in
-:class:`~te_compile.Linear`); Float8BlockScaling and MXFP8BlockScaling emulated (exact
-quantisation, grouped GEMMs of the dequantised values); NVFP4BlockScaling raises
-NotImplementedError.
+:class:`~te_compile.Linear`); Float8BlockScaling, MXFP8BlockScaling and NVFP4BlockScaling
+emulated (exact quantisation, grouped GEMMs of the dequantised values; NVFP4 with a global
+scale per expert for the tokens, the weight and the gradient, as each expert's own tensor).
 
 ``fuse_wgrad_accumulation=True``: the weight gradient is accumulated in fp32 into a
 ``main_grad`` instead of producing ``.grad``: ``weight.main_grad`` ``[num_gemms, out, in]`` in the

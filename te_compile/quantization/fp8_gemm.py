@@ -385,12 +385,7 @@ def _grouped_block_emulated(owner, recipe, inp, m_splits, weight, bias, main_gra
     fwd, bwd = recipe.fp8_format.fwd_dtype, recipe.fp8_format.bwd_dtype
     w_rows, power_2 = 1, False
     if recipe.nvfp4():
-        # Its second-level scale is per tensor: per expert in Transformer Engine, which needs
-        # each group's amax (host splits or a grouped NVFP4 quantiser, not built).
-        raise NotImplementedError(
-            f"{owner}: NVFP4BlockScaling is not implemented for grouped GEMMs (per-expert "
-            "global scales); Float8BlockScaling and MXFP8BlockScaling are (emulated)"
-        )
+        return _grouped_nvfp4_emulated(inp, m_splits, weight, bias, main_grad)
     if recipe.mxfp8():
         kind = "mxfp8"
     else:
@@ -413,6 +408,27 @@ def _grouped_block_emulated(owner, recipe, inp, m_splits, weight, bias, main_gra
     out = F.fake_quantize(
         out, "none", grad_kind=kind, grad_fp8_dtype=bwd, grad_block_rows=1, power_2_scale=power_2
     )
+    return _plus_expert_bias(out, bias, m_splits)
+
+
+def _grouped_nvfp4_emulated(inp, m_splits, weight, bias, main_grad) -> Tensor:
+    """NVFP4 on a grouped GEMM, emulated as :func:`_grouped_block_emulated` does, with the
+    global scale per expert as Transformer Engine's grouped quantisation has it: each expert's
+    tokens, weight and gradient rows are quantised as a tensor of their own (``row_splits``:
+    group amaxes on the device, no host sync)."""
+    splits = F.as_splits_tensor(m_splits)
+    g, n, k = weight.shape
+    per_expert = torch.full((g,), n, dtype=torch.int64, device=weight.device)
+    x = F.fake_quantize(inp, "nvfp4", row_splits=splits)
+    w = F.fake_quantize(weight.reshape(g * n, k), "nvfp4", row_splits=per_expert).view(g, n, k)
+    out = F.grouped_linear(x, splits, w, None, main_grad=main_grad)
+    e4m3 = torch.float8_e4m3fn
+    out = F.fake_quantize(out, "none", grad_kind="nvfp4", grad_fp8_dtype=e4m3, row_splits=splits)
+    return _plus_expert_bias(out, bias, splits)
+
+
+def _plus_expert_bias(out: Tensor, bias: Tensor | None, m_splits) -> Tensor:
+    """``out`` plus every row's expert bias, in high precision (no host sync)."""
     if bias is None:
         return out
     splits = F.as_splits_tensor(m_splits).to(bias.device)

@@ -349,6 +349,45 @@ def test_nonfinite_inputs_make_their_block_nan():
     assert y[nan16].isnan().all() and y[~nan16].isfinite().all()
 
 
+# NVFP4 in row groups (the grouped GEMMs' operands) ------------------------------------------
+
+
+def _nvfp4_values_expected(x2):
+    """fp32 values of ``x2`` quantised as one NVFP4 tensor, by the independent reference
+    (dequantised in fp32: ``e2m1 * scale`` is exact, the division by ``g`` rounds once)."""
+    g = _nvfp4_global(float(x2.double().abs().max()) if x2.numel() else 0.0)
+    packed, scale = _nvfp4_expected(x2, g)
+    codes = torch.stack([packed & 0xF, packed >> 4], -1).reshape(x2.shape)
+    mag = torch.tensor(E2M1, dtype=torch.float64)[(codes & 7).long()]
+    e2m1 = torch.where((codes & 8) != 0, -mag, mag)
+    s = scale.view(E4M3).double().repeat_interleave(16, 1)[:, : x2.shape[1]]
+    return (e2m1 * s).float() / torch.tensor(g, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_nvfp4_row_groups_quantise_every_group_as_its_own_tensor(dtype, device):
+    """Groups of very different magnitude (one all-zero, one empty, one holding inf / NaN):
+    every group's values are those of quantising it alone, by the independent reference."""
+    splits = [6, 0, 10, 4, 12, 2]
+    x = _x((34, 48), spread=3)
+    gains = [2.0**-20, 1.0, 2.0**12, 0.0, 2.0**-3, 1.0]
+    x = x * torch.tensor(gains).repeat_interleave(torch.tensor(splits))[:, None]
+    x[30, 5], x[31, 20] = float("inf"), float("nan")  # the last group: g falls back to 1
+    x = x.to(dtype)
+    split_t = torch.tensor(splits, device=device)
+    got = qmx.nvfp4_qdq_row_groups(x.to(device), split_t).cpu()
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    want = torch.cat([_nvfp4_values_expected(x_g) for x_g in x.split(splits)])
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    # A single tensor-wide global scale would flush the small group to zero.
+    whole = qmx.dequantize_nvfp4(*qmx.quantize_nvfp4(x.float().nan_to_num(0, 0, 0))[:3])
+    assert not whole[:6].any() and (got[:6] != 0).float().mean() > 0.5
+    # Leading dims flatten into rows.
+    got3 = qmx.nvfp4_qdq_row_groups(x[:32].reshape(4, 8, 48).to(device), split_t[:5].clone())
+    torch.testing.assert_close(got3.reshape(32, 48).cpu(), got[:32], rtol=0, atol=0, equal_nan=True)
+
+
 # Compile ------------------------------------------------------------------------------------
 
 

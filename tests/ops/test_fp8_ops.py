@@ -164,6 +164,35 @@ def test_quantize_errors():
         ops.Quantize()(torch.randn(4, 32))
 
 
+_ROW_SPLITS_ERRORS = [
+    ({"kind": "current"}, "which kind='current' does not have"),
+    ({"kind": "block", "block_rows": 128}, "which kind='block' with block_rows=128 does not"),
+    ({"kind": "none", "grad_kind": "current"}, "which grad_kind='current' does not have"),
+    ({"kind": "nvfp4", "splits": torch.tensor([2.0, 2.0])}, "row_splits must be a 1-D int32"),
+]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("case", range(len(_ROW_SPLITS_ERRORS)))
+def test_fake_quantize_row_splits_errors(case, compiled):
+    """Row groups need quantisers whose scales are per block of one row (or per group, NVFP4's
+    global scale): the per-tensor ones raise, naming the argument, eager and compiled."""
+    kw, message = _ROW_SPLITS_ERRORS[case]
+    kw = dict(kw)
+    splits = kw.pop("splits", torch.tensor([2, 2]))
+
+    def call(x, s):
+        return te.functional.fake_quantize(x, row_splits=s, **kw)
+
+    fn = torch.compile(call, fullgraph=True, backend="aot_eager") if compiled else call
+    with pytest.raises(Exception, match=r"te\.fake_quantize: ") as info:
+        fn(torch.randn(4, 32), splits)
+    assert message in str(info.value)
+    # Groups that do not cover the rows: a device-side assertion (no host sync).
+    with pytest.raises(RuntimeError, match="row_splits must be >= 0 and sum to the row count"):
+        te.functional.fake_quantize(torch.randn(4, 32), "nvfp4", row_splits=torch.tensor([1, 2]))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_fp8_sequential_compiles_without_graph_breaks(device):
     seq = _linear(device, ops.Bias(48), ops.GELU(), ops.Quantize(backward=True))
