@@ -85,23 +85,6 @@ for step in "${steps[@]}"; do
         echo "$r: $(grep -E '^(final val loss|graph breaks)' "$OUT/fp8_seed_$r.log" \
           | tr -s ' ' | paste -sd ';')"
       done | tee "$OUT/fp8_loss_seeds.log" ;;
-    delayed_first_step)  # issue 5: DelayedScaling with its first step under current scaling
-                         # (bench/diag_delayed_first_step.py) against delayed, current and none,
-                         # three seeds side by side; LOSS_ARGS goes to every run
-      amp=(--steps 300 --sample-chars 0 --dtype float32 --autocast bfloat16)
-      for seed in 1337 1 2; do
-        python3 -m bench.diag_delayed_first_step "${amp[@]}" --seed $seed ${LOSS_ARGS:-} \
-          > "$OUT/first_step_calibrated_$seed.log" 2>&1 &
-        for r in delayed current none; do
-          python3 examples/train_gpt.py "${amp[@]}" --recipe $r --seed $seed ${LOSS_ARGS:-} \
-            > "$OUT/first_step_${r}_$seed.log" 2>&1 &
-        done
-      done
-      wait
-      for f in "$OUT"/first_step_*.log; do
-        echo "$(basename "$f" .log): $(grep -E '^(final val loss|graph breaks)' "$f" \
-          | tr -s ' ' | paste -sd ';')"
-      done | tee "$OUT/delayed_first_step.log" ;;
     loss_diag)  # issue 5's bf16 loss question: per-parameter gradient errors against float64,
                 # then 300-step runs of train_gpt in variants side by side (one GPU)
       python3 -m bench.diag_gpt_grads --out "$OUT" 2>&1 | tail -12

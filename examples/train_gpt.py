@@ -41,6 +41,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import math
 import sys
@@ -234,8 +235,10 @@ class CharDataset:
 
 
 def count_graph_breaks(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:
-    """Trace forward + loss with Dynamo and print how many graphs and breaks it found."""
-    explanation = torch._dynamo.explain(model)(x, y)
+    """Trace forward + loss with Dynamo and print how many graphs and breaks it found. On a
+    copy of the model: the traced forward runs, and would otherwise leave its FP8 state behind
+    (DelayedScaling would take it for its calibration step)."""
+    explanation = torch._dynamo.explain(copy.deepcopy(model))(x, y)
     print(
         f"torch._dynamo.explain: {explanation.graph_count} graph(s), "
         f"{explanation.graph_break_count} graph break(s)"

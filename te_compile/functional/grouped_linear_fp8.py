@@ -38,8 +38,10 @@ contraction dim (current scaling: measured now):
 wgrad's copies too), each inverse
 scale broadcast to the rowwise vectors the grouped GEMM takes (the dgrad copy of ``W`` is the
 same bytes transposed). The forward returns ``[amax(X), amax(W)]``, the backward writes
-``amax(dY)`` into ``grad_amax`` ``[1]`` (a mutated argument). Under ``recipe="rowwise"`` the amax
-output is 0-element and ``scale`` / ``grad_amax`` are None.
+``amax(dY)`` into ``grad_amax`` ``[1]`` (a mutated argument). Under ``recipe="rowwise"``
+``scale`` is None, and the amaxes are measured (extra reads) only when ``grad_amax`` is given:
+the first step of a delayed-scaling state runs current scaling and records them; else the amax
+output is 0-element.
 
 FP8 data crosses op boundaries as ``uint8`` views (see ``docs/fp8.md``). The input is saved in
 high precision for the wgrad, or as its FP8 wgrad copy with ``fp8_wgrad``.
@@ -223,18 +225,17 @@ def _check(
     if recipe not in GROUPED_FP8_RECIPES:
         raise ValueError(p + f"recipe must be one of {GROUPED_FP8_RECIPES}, got {recipe!r}")
     delayed = recipe == "delayed"
-    if delayed and (
-        scale is None
-        or scale.shape != (3,)
-        or scale.dtype is not torch.float32
-        or (grad_amax is not None and (grad_amax.shape != (1,) or grad_amax.dtype != scale.dtype))
-    ):
+    if delayed and (scale is None or scale.shape != (3,) or scale.dtype is not torch.float32):
         raise ValueError(
-            p + 'recipe="delayed" needs scale: a [3] float32 tensor (input, weight, gradient); '
-            "grad_amax, if given, a [1] float32 tensor"
+            p + 'recipe="delayed" needs scale: a [3] float32 tensor (input, weight, gradient)'
         )
-    if not delayed and (scale is not None or grad_amax is not None):
-        raise ValueError(p + 'scale and grad_amax are for recipe="delayed" only')
+    if grad_amax is not None and (grad_amax.shape != (1,) or grad_amax.dtype is not torch.float32):
+        raise ValueError(
+            p + f"grad_amax, if given, must be a [1] float32 tensor, got {grad_amax.dtype} "
+            f"{list(grad_amax.shape)}"
+        )
+    if not delayed and scale is not None:
+        raise ValueError(p + 'scale is for recipe="delayed" only')
     if (
         inp.ndim == 2
         and weight.ndim == 3
@@ -499,13 +500,18 @@ def _transposed_codes(weight: Tensor, wq: Tensor, scale: Tensor, fp8_dtype) -> T
     return wq.view(torch.uint8).transpose(1, 2).contiguous().view(fp8_dtype)
 
 
-def _forward(inp, m_splits, weight, bias, scale, fwd_dtype, fp8_wgrad: bool, native: bool):
+def _forward(
+    inp, m_splits, weight, bias, scale, fwd_dtype, fp8_wgrad: bool, native: bool, measure: bool
+):
     g, n, k = weight.shape
     if scale is None:
         xq, xs = quantize_rowwise(inp, fwd_dtype)
         wq, ws = quantize_rowwise(weight, fwd_dtype)
         wq_t, ws_t = _quantize_weight_dgrad(weight, fwd_dtype)
+        # Measured only when asked for (grad_amax given): a read of each operand more.
         amax = inp.new_empty(0, dtype=torch.float32)
+        if measure:
+            amax = torch.stack([_amax(inp), _amax(weight)])
     else:
         xq, xs, x_amax = _quantize_delayed(inp, fwd_dtype, scale[0:1], (inp.shape[0],))
         wq, ws, w_amax = _quantize_delayed(weight, fwd_dtype, scale[1:2], (g, n))
@@ -544,7 +550,8 @@ def grouped_linear_fp8_fwd(
     fp8_wgrad: bool = False,
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
     """``(out, amax, saved)``: ``out`` ``[M, out_features]``; ``amax`` ``[amax(inp),
-    amax(weight)]`` under ``recipe="delayed"`` (0-element under "rowwise"); ``saved = [W_8
+    amax(weight)]`` under ``recipe="delayed"``, and under "rowwise" when ``grad_amax`` is given
+    (measured for a delayed-scaling state's first step), else 0-element; ``saved = [W_8
     [G, K, N] (uint8 bytes of fwd_dtype, quantised along N or per tensor), its inverse scales
     [G, K] fp32]`` for the dgrad, and with ``fp8_wgrad`` also the input's wgrad operand ``[X_8^T
     [K, capacity] (uint8, per group and column along the tokens, or per tensor), its inverse
@@ -552,7 +559,8 @@ def grouped_linear_fp8_fwd(
     ``main_grad`` and ``grad_amax`` are only carried to the backward. Default (CPU): exact
     emulation (module docstring)."""
     _check(inp, m_splits, weight, bias, main_grad, scale, grad_amax, recipe, fwd_dtype, bwd_dtype)
-    return _forward(inp, m_splits, weight, bias, scale, fwd_dtype, fp8_wgrad, native=False)
+    measure = grad_amax is not None
+    return _forward(inp, m_splits, weight, bias, scale, fwd_dtype, fp8_wgrad, False, measure)
 
 
 @grouped_linear_fp8_fwd.register_kernel("cuda")
@@ -561,8 +569,8 @@ def _grouped_linear_fp8_fwd_cuda(
     fp8_wgrad=False,
 ):  # fmt: skip
     _check(inp, m_splits, weight, bias, main_grad, scale, grad_amax, recipe, fwd_dtype, bwd_dtype)
-    native = _use_native(inp)
-    return _forward(inp, m_splits, weight, bias, scale, fwd_dtype, fp8_wgrad, native=native)
+    native, measure = _use_native(inp), grad_amax is not None
+    return _forward(inp, m_splits, weight, bias, scale, fwd_dtype, fp8_wgrad, native, measure)
 
 
 # 3. Fake ---------------------------------------------------------------------------------------
@@ -582,17 +590,25 @@ def _grouped_linear_fp8_fwd_fake(
             inp.new_empty(k, capacity, dtype=torch.uint8),
             inp.new_empty(g, k, dtype=torch.float32),
         ]
-    amax = inp.new_empty(2 if recipe == "delayed" else 0, dtype=torch.float32)
+    measured = recipe == "delayed" or grad_amax is not None
+    amax = inp.new_empty(2 if measured else 0, dtype=torch.float32)
     return inp.new_empty(inp.shape[0], n), amax, saved
 
 
 # 4. Backward op --------------------------------------------------------------------------------
 
 
+def _amax(x: Tensor) -> Tensor:
+    """``max |x|`` as a 0-dim fp32 tensor (0 for an empty ``x``, NaN if it holds one)."""
+    return x.abs().amax().float() if x.numel() else x.new_zeros((), dtype=torch.float32)
+
+
 def _quantize_grad(grad_out, scale, grad_amax, bwd_dtype):
-    """The dgrad operand: rowwise, or per tensor with ``scale[2]`` (writing its amax into
-    ``grad_amax`` when given)."""
+    """The dgrad operand: rowwise, or per tensor with ``scale[2]``; its amax written into
+    ``grad_amax`` when given."""
     if scale is None:
+        if grad_amax is not None:
+            grad_amax.copy_(_amax(grad_out).reshape(1))
         return quantize_rowwise(grad_out, bwd_dtype)
     gq, gs, amax = _quantize_delayed(grad_out, bwd_dtype, scale[2:3], (grad_out.shape[0],))
     if grad_amax is not None:
@@ -845,13 +861,15 @@ def grouped_linear_fp8(
 ) -> Tensor | tuple[Tensor, Tensor]:
     """:func:`te_compile.functional.grouped_linear` with FP8 forward and dgrad GEMMs (module
     docstring), through ``te::grouped_linear_fp8_fwd``: ``recipe="rowwise"`` (current scaling
-    with rowwise scales) or ``"delayed"`` (per-tensor ``scale`` ``[3]``; ``grad_amax`` ``[1]``
-    receives the gradient's amax in the backward). ``main_grad`` (fp32, ``weight``'s shape):
+    with rowwise scales) or ``"delayed"`` (per-tensor ``scale`` ``[3]``); ``grad_amax`` ``[1]``
+    receives the gradient's amax in the backward (under "rowwise" it also makes the forward
+    measure its amaxes: a read of each operand more). ``main_grad`` (fp32, ``weight``'s shape):
     the weight gradient is added to it instead of being returned. ``fp8_wgrad=True``: the
     wgrad GEMM in FP8 too, its operands quantised per (group, column) along the tokens (the
     input's in the forward, which then keeps that FP8 copy instead of the input; the
     gradient's in ``bwd_dtype``); native on CUDA with E4M3 both ways. ``return_amax=True``
-    also returns the forward's ``[amax(inp), amax(weight)]`` (0-element under "rowwise")."""
+    also returns the forward's ``[amax(inp), amax(weight)]`` (0-element under "rowwise" without
+    ``grad_amax``)."""
     out, amax, _saved = _grouped_linear_fp8(
         inp, as_splits_tensor(m_splits), weight, bias, main_grad, scale, grad_amax, recipe,
         fwd_dtype, bwd_dtype, fp8_wgrad,

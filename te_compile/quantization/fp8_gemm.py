@@ -20,6 +20,17 @@ never ran in FP8 keeps the state_dict of its ``torch.nn`` counterpart (``te.Line
 Under ``DelayedScaling`` each forward first folds the last amaxes into the history and
 recomputes the scales (``te::delayed_scaling_update``, a mutating op: compiled steps update the
 buffers with zero graph breaks), then runs ``te::linear_fp8_fwd`` with a copy of the scales.
+
+**The first delayed step is calibrated.** With an empty history every scale would be 1 (what
+Transformer Engine does): a typical model's gradients (~1e-5 and below) then mostly underflow
+E5M2 and its weights sit in E4M3's subnormals, so the first optimizer step, and Adam's moments
+for many steps after it, see a wrong gradient (the demo GPT's first-step gradients are 100%
+off, and its 300-step loss ended 0.7-8.6% above bf16 at every seed; calibrated, it tracks current
+scaling: ``bench/results/2026-11-23_h100/README.md``). So a state's first step under
+``DelayedScaling`` runs current scaling and records the amaxes it measured; the next step folds
+them into the history. ``calibrated`` (a Python bool, saved with the buffers: a loaded
+state_dict that holds them is calibrated) is what a compiled step specialises on: one
+recompile after the first step.
 With ``amax_reduction_group`` (or ``reduce_amax`` and an initialised default process group)
 the amaxes are max-reduced over the group with a functional all-reduce (traced by
 torch.compile): the forward's before they are recorded, the gradient's when it is folded into
@@ -74,10 +85,14 @@ class FP8GemmState(nn.Module):
         self.register_buffer("scale", torch.ones(3, **kw))
         self.register_buffer("fwd_amax", torch.zeros(2, **kw))
         self.register_buffer("grad_amax", torch.zeros(1, **kw))
+        # Whether a delayed-scaling step ran here (module docstring): the first one is current.
+        self.calibrated = False
         self._register_state_dict_hook(_drop_if_unused)
 
     def is_unused(self) -> bool:
         """True while delayed scaling never ran (a host sync: for state_dict, not forward)."""
+        if self.calibrated:
+            return False
         return not bool(self.amax_history.any()) and bool((self.scale == 1).all())
 
     def _apply(self, fn, recurse=True):
@@ -92,7 +107,9 @@ class FP8GemmState(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         names = ("amax_history", "scale", "fwd_amax", "grad_amax")
-        if not any(prefix + n in state_dict for n in names):
+        # Saved only once used, so a state_dict that holds the state is calibrated.
+        self.calibrated = any(prefix + n in state_dict for n in names)
+        if not self.calibrated:
             fresh = FP8GemmState(self.scale.device)
             for n in names:
                 state_dict[prefix + n] = getattr(fresh, n)
@@ -158,8 +175,14 @@ class FP8GemmState(nn.Module):
         kw = {"fwd_dtype": fmt.fwd_dtype, "bwd_dtype": fmt.bwd_dtype, "main_grad": main_grad}
         kw["fp8_wgrad"] = _GROUPED_FP8_WGRAD and fmt.fwd_dtype is e4m3 and fmt.bwd_dtype is e4m3
         scale = self.delayed_scale(owner, state)
-        if scale is None:
+        if scale is None and not recipe.delayed():
             return F.grouped_linear_fp8(inp, m_splits, weight, bias, **kw)
+        if scale is None:  # the calibration step: rowwise current scaling, amaxes recorded
+            out, amax = F.grouped_linear_fp8(
+                inp, m_splits, weight, bias, grad_amax=self.grad_amax, return_amax=True, **kw
+            )
+            self.record(amax, state)
+            return out
         out, amax = F.grouped_linear_fp8(
             inp, m_splits, weight, bias, recipe="delayed", scale=scale,
             grad_amax=self.grad_amax, return_amax=True, **kw,
@@ -168,7 +191,8 @@ class FP8GemmState(nn.Module):
         return out
 
     def delayed_scale(self, owner: str, state: AutocastState) -> Tensor | None:
-        """None under current scaling; under delayed scaling, fold the last amaxes into the
+        """None under current scaling and at the first delayed step (the calibration step: the
+        caller runs current scaling and records the amaxes); else fold the last amaxes into the
         history, recompute the scales and return a copy of them (the ``[3]`` the FP8 ops take)."""
         recipe = state.recipe
         if recipe.float8_current():
@@ -183,6 +207,9 @@ class FP8GemmState(nn.Module):
                 f"{owner}: DelayedScaling.amax_history_len ({length}) must be <= "
                 f"{MAX_AMAX_HISTORY}, the history these buffers hold"
             )
+        if not self.calibrated:
+            self.calibrated = True
+            return None
         fmt = recipe.fp8_format
         limits = [fmt.max_fwd, fmt.max_fwd, fmt.max_bwd]
         history = self.amax_history[:length]
@@ -294,6 +321,8 @@ def mlp(
         return None
     fc1, fc2 = metas
     scale1, scale2 = fc1.delayed_scale(owner, state), fc2.delayed_scale(owner, state)
+    if scale1 is None or scale2 is None:  # current scaling, or either state's calibration step
+        scale1 = scale2 = None
     fmt = recipe.fp8_format
     out, amax = F.mlp_fp8(
         inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation,

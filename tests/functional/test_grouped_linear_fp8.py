@@ -116,6 +116,36 @@ def test_matches_fake_quant_reference(device, fast):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_rowwise_measures_the_amaxes_when_given_grad_amax(device, compiled):
+    """Under "rowwise" a grad_amax makes the op measure [amax(x), amax(w)] and amax(dY) (a
+    delayed-scaling state's calibration step) without changing any result; without it the amax
+    output is 0-element."""
+    splits = [5, 0, 11, 16]
+    _, (x, w, b) = _make(splits, 32, 16, torch.bfloat16, device)
+    dy = torch.randn(32, 16, device=device, dtype=torch.bfloat16)
+    s = torch.tensor(splits, device=device)
+
+    def forward(grad_amax):
+        return GF.grouped_linear_fp8(x, s, w, b, grad_amax=grad_amax, return_amax=True)
+
+    def run(fn, grad_amax):
+        x.grad = w.grad = b.grad = None
+        y, amax = fn(grad_amax)
+        y.backward(dy)
+        return y.detach(), amax, x.grad, w.grad, b.grad
+
+    fn = compile_counted(forward, backend="aot_eager")[0] if compiled else forward
+    grad_amax = torch.zeros(1, device=device)
+    y, amax, *grads = run(fn, grad_amax)
+    y0, amax0, *grads0 = run(forward, None)
+    assert torch.equal(y, y0) and all(map(torch.equal, grads, grads0))
+    assert amax0.numel() == 0
+    assert torch.equal(amax, torch.stack([x.detach().abs().max(), w.detach().abs().max()]).float())
+    assert torch.equal(grad_amax, dy.abs().max().float().reshape(1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_delayed_scaling(device, dtype):
     """recipe="delayed": the op equals the fake-quant reference with the given per-tensor scales,
@@ -314,8 +344,8 @@ def test_native_path_on_cpu_tensors(bias, delayed, fp8_wgrad):
     _ref, (x, w, b) = _make(splits, 32, 16, torch.bfloat16, "cpu", bias=bias)
     s = torch.tensor(splits)
     scale = torch.tensor([4.0, 32.0, 512.0]) if delayed else None
-    out_n, amax_n, saved_n = GF._forward(x, s, w, b, scale, E4M3, fp8_wgrad, native=True)
-    out_l, amax_l, saved_l = GF._forward(x, s, w, b, scale, E4M3, fp8_wgrad, native=False)
+    out_n, amax_n, saved_n = GF._forward(x, s, w, b, scale, E4M3, fp8_wgrad, True, False)
+    out_l, amax_l, saved_l = GF._forward(x, s, w, b, scale, E4M3, fp8_wgrad, False, False)
     assert len(saved_n) == (4 if fp8_wgrad else 2)
     for a, e in zip([amax_n, *saved_n], [amax_l, *saved_l], strict=True):
         assert torch.equal(a, e)
@@ -343,6 +373,7 @@ def _args(**override):
         "w": torch.randn(3, 16, 16),
         "b": torch.randn(3, 16),
         "fwd": E4M3,
+        "kw": {},
     }
     args.update(override)
     return args
@@ -361,6 +392,11 @@ BAD_INPUTS = [
      "must share"),
     ("fwd_dtype", lambda: _args(fwd=torch.bfloat16), "FP8 dtypes"),
     ("splits_sum", lambda: _args(s=torch.tensor([3, 0, 6])), "sum to inp.shape[0] (10)"),
+    ("scale_rowwise", lambda: _args(kw={"scale": torch.ones(3)}),
+     'scale is for recipe="delayed" only'),
+    ("delayed_no_scale", lambda: _args(kw={"recipe": "delayed"}), 'recipe="delayed" needs scale'),
+    ("grad_amax_shape", lambda: _args(kw={"grad_amax": torch.zeros(2)}),
+     "grad_amax, if given, must be a [1] float32 tensor, got torch.float32 [2]"),
 ]  # fmt: skip
 
 
@@ -371,15 +407,15 @@ def test_bad_input_raises_clear_error(case, mode):
     a = make()
     a["x"].requires_grad_()
 
-    def call(x, s, w, b, fwd):
-        return GF.grouped_linear_fp8(x, s, w, b, fwd_dtype=fwd)
+    def call(x, s, w, b, fwd, kw):
+        return GF.grouped_linear_fp8(x, s, w, b, fwd_dtype=fwd, **kw)
 
     previous = te_compile.eager_fast_path_enabled()
     te_compile.set_eager_fast_path(mode == "fast")
     fn = compile_counted(call, backend="aot_eager")[0] if mode == "compiled" else call
     try:
         with pytest.raises(Exception) as info:
-            fn(a["x"], a["s"], a["w"], a["b"], a["fwd"])
+            fn(a["x"], a["s"], a["w"], a["b"], a["fwd"], a["kw"])
     finally:
         te_compile.set_eager_fast_path(previous)
     assert message in str(info.value)

@@ -70,6 +70,41 @@ def test_delayed_scaling_state_follows_the_amaxes(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_first_delayed_step_is_calibrated_with_current_scaling(device):
+    """A fresh state's first step under DelayedScaling is current scaling (not unit scales):
+    the same output and gradients as Float8CurrentScaling, with the amaxes it measured
+    recorded; the second step's scales come from them. A state_dict saved right after it holds
+    the state and resumes exactly."""
+    recipe = DelayedScaling(amax_history_len=4)
+    m, ref = _linear(device), _linear(device)
+    assert not m.fp8_meta.calibrated
+    x, dy = _x(device), torch.randn(64, 48, device=device, dtype=torch.bfloat16)
+    with autocast(recipe=recipe):
+        y = m(x)
+    with autocast(recipe=Float8CurrentScaling()):
+        y_ref = ref(x)
+    y.backward(dy)
+    y_ref.backward(dy)
+    assert torch.equal(y, y_ref) and torch.equal(m.weight.grad, ref.weight.grad)
+    meta = m.fp8_meta
+    assert meta.calibrated and not meta.is_unused()
+    assert not meta.amax_history.any() and torch.equal(meta.scale, torch.ones_like(meta.scale))
+    w_amax = m.weight.detach().abs().max().float()
+    assert torch.equal(meta.fwd_amax, torch.stack([x.abs().max().float(), w_amax]))
+    assert meta.grad_amax.item() > 0
+    # Saved now: the state is in the state_dict, and a module that loads it resumes exactly.
+    state = {k: v.clone() for k, v in m.state_dict().items()}
+    assert "fp8_meta.grad_amax" in state
+    b = _linear(device)
+    b.load_state_dict(state)
+    assert b.fp8_meta.calibrated
+    assert torch.equal(_train(m, 1, recipe, start=1)[0], _train(b, 1, recipe, start=1)[0])
+    fp32 = torch.tensor
+    assert meta.scale[0].item() == (fp32(448.0) / x.abs().max().float().cpu()).item()
+    assert meta.scale[2].item() == (fp32(57344.0) / state["fp8_meta.grad_amax"].cpu()).item()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_compiled_delayed_step_matches_eager_with_autocast_inside(device):
     recipe = DelayedScaling(amax_history_len=8)
     eager, compiled_model = _linear(device), _linear(device)
@@ -89,7 +124,7 @@ def test_compiled_delayed_step_matches_eager_with_autocast_inside(device):
         for a, b in zip(compiled_model.buffers(), eager.buffers(), strict=True):
             assert torch.equal(a, b)
         assert torch.equal(compiled_model.weight.grad, eager.weight.grad)
-    assert counter.frame_count == 1
+    assert counter.frame_count == 2  # the calibration step (current scaling), then delayed
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -159,7 +194,8 @@ def test_fp8_modules_compile_and_match_eager(device, recipe, make):
             assert torch.equal(a.grad, b.grad), name
         for a, b in zip(compiled_model.buffers(), eager.buffers(), strict=True):
             assert torch.equal(a, b)
-    assert counter.frame_count == 1
+    # Delayed scaling: the calibration step (current scaling), then the delayed steps.
+    assert counter.frame_count == (2 if isinstance(recipe, DelayedScaling) else 1)
 
 
 class TestFP8Graph(expecttest.TestCase):
@@ -169,6 +205,7 @@ class TestFP8Graph(expecttest.TestCase):
         rec = GraphRecorder()
         x = _x("cpu").requires_grad_(True)
         with autocast(recipe=DelayedScaling(amax_history_len=4)):
+            m(x).float().sum().backward()  # the calibration step, eager
             torch.compile(m, backend=rec, fullgraph=True)(x).float().sum().backward()
         te_ops = [op for op in (*rec.forward, "|", *rec.backward) if "te." in op or op == "|"]
         self.assertExpectedInline(
@@ -334,6 +371,28 @@ def _train_grouped(m, steps, recipe, start=0, call=None):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_grouped_linear_first_delayed_step_is_calibrated(device):
+    """GroupedLinear's first DelayedScaling step runs the rowwise current-scaling op, with the
+    input, weight and gradient amaxes of all groups measured into the state."""
+    m = _grouped(device)
+    x = _x(device)
+    dy = torch.randn(64, 48, device=device, dtype=torch.bfloat16)
+    splits = torch.tensor([16, 0, 8, 40], device=device)
+    w = m.weight.detach().clone().requires_grad_()
+    with autocast(recipe=DelayedScaling(amax_history_len=4)):
+        y = m(x, splits)
+    y.backward(dy)
+    y_ref = F.grouped_linear_fp8(x, splits, w, m.bias)
+    y_ref.backward(dy)
+    assert torch.equal(y, y_ref) and torch.equal(m.weight.grad, w.grad)
+    meta = m.fp8_meta
+    assert meta.calibrated and not meta.amax_history.any()
+    expected = torch.stack([x.abs().max(), m.weight.detach().abs().max()]).float()
+    assert torch.equal(meta.fwd_amax, expected)
+    assert torch.equal(meta.grad_amax, dy.abs().max().float().reshape(1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_grouped_linear_delayed_scaling(device):
     """DelayedScaling on GroupedLinear: the per-tensor state follows the amaxes (input, weight
     and gradient of all groups), the compiled training step matches eager with zero graph
@@ -346,7 +405,7 @@ def test_grouped_linear_delayed_scaling(device):
             strict=True)
     ):  # fmt: skip
         assert torch.equal(y_e, y_c), step
-    assert counter.frame_count == 1
+    assert counter.frame_count == 2  # the calibration step (current scaling), then delayed
     for name in ("amax_history", "scale", "fwd_amax", "grad_amax"):
         assert torch.equal(getattr(eager.fp8_meta, name), getattr(other.fp8_meta, name)), name
     assert torch.equal(eager.weight.grad, torch.stack([w.grad for w in other.weights()]))
@@ -464,4 +523,4 @@ def test_grouped_linear_fp8_accumulates_into_main_grad(device, single):
     summed = (grads[0] if single else torch.stack(grads)).float()
     torch.testing.assert_close(main_grad, summed, rtol=1e-2, atol=1e-2 * summed.abs().max().item())
     assert all(w.grad is None for w in ([fused.weight] if single else fused.weights()))
-    assert counter.frame_count == 1
+    assert counter.frame_count == 2  # the calibration step (current scaling), then delayed

@@ -62,7 +62,7 @@ def test_basic_linear_delayed_scaling_state_and_compiled_step(device):
         y_e.float().square().mean().backward()
         for a, b in zip(compiled_model.buffers(), eager.buffers(), strict=True):
             assert torch.equal(a, b)
-    assert counter.frame_count == 1
+    assert counter.frame_count == 2  # the calibration step (current scaling), then delayed
     meta = eager[0].fp8_meta
     assert meta.amax_history[0, 0].item() == _x(device, step=1).abs().max().float().item()
     assert "0.fp8_meta.amax_history" in eager.state_dict()
@@ -245,4 +245,5 @@ def test_grouped_linear_op_matches_the_module_under_fp8(device, recipe):
     for a, b in zip(seq[0].fp8_meta.buffers(), module.fp8_meta.buffers(), strict=True):
         assert torch.equal(a, b)
     assert seq[0].fp8_meta.is_unused() == isinstance(recipe, Float8CurrentScaling)
-    assert counter.frame_count == 1
+    # Delayed scaling: the calibration step (current scaling), then the delayed steps.
+    assert counter.frame_count == (1 if isinstance(recipe, Float8CurrentScaling) else 2)
