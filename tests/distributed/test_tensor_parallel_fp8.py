@@ -47,6 +47,10 @@ def _step(module, x, dy, recipe):
 
 def _delayed(rank, group, device, compiled):
     full, tp = _pair(group, device)
+    # Past the calibration step (a fresh state's first delayed step runs current scaling, whose
+    # per-shard weight scales differ from the full model's): the delayed machinery from step 0.
+    for module in (full, tp):
+        module.fc1_fp8_meta.calibrated = module.fc2_fp8_meta.calibrated = True
     run = compile_counted(tp, backend="aot_eager")[0] if compiled else tp
     recipe = te.recipe.DelayedScaling(amax_history_len=4)
     steps = []  # compared after the last step: a rank that failed early would hang the other
