@@ -36,7 +36,11 @@ were no faster, software pipelining slower, and one tile read in row pieces twic
 time from L2, slower still: 0.89 / 1.82 ms at best; the columnwise blocks cast from the
 transposed tile, fp32 or bf16: 0.85 / 1.17 ms at best, ``bench/tune_act_block.py``).
 
-Element-wise activations only (no gated ones). The tensors are ``[M, N]`` contiguous.
+Gated activations (contiguous halves, ``z`` ``[M, 2N]``): the forward quantises :math:`h =
+f(a) \odot l` ``[M, N]``; the backward (``_gated_bwd_tile``) computes both halves of
+:math:`dz` ``[M, 2N]`` from one read of a tile of :math:`dh` and the two tiles of ``z`` under it,
+and casts both (per tensor: one scale for the whole of :math:`dz`; 1x128 blocks: ``N`` a multiple
+of 128, so that no block straddles the halves). The tensors are contiguous.
 """
 
 from __future__ import annotations
@@ -46,7 +50,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from te_compile.kernels.activation import FN_GELU, FUNCTION_OF, GATED, _act, _dact
+from te_compile.kernels.activation import (
+    FN_CLAMPED_SILU,
+    FN_GELU,
+    FUNCTION_OF,
+    GATED,
+    _act,
+    _dact,
+)
 from te_compile.kernels.norm import norm_stats
 from te_compile.kernels.quantize import (
     _FORMATS,
@@ -73,11 +84,25 @@ _NORM_LN = 64
 _NORM_RMS = 66
 
 
+# LayerNormMLP's clamped SwiGLU takes ``te.functional.bias_activation``'s defaults: limit 7.0,
+# alpha 1.702, glu_linear_offset 1.0 (written as literals in the kernels: the interpreter does
+# not multiply a tensor by a global constexpr float).
+@triton.jit
+def _load_cols(B, cols, N, EVEN: tl.constexpr):
+    """``B[cols]`` in fp32 as a ``[1, BLOCK_N]`` row (0 past ``N``)."""
+    if EVEN:  # noqa: SIM108 (a constexpr branch)
+        b = tl.load(B + cols)
+    else:
+        b = tl.load(B + cols, mask=cols < N, other=0.0)
+    return b.to(tl.float32)[None, :]
+
+
 @triton.jit
 def _tile(
     Z, B, G, MEAN, RSIG, pid_m, pid_n, M, N,
-    FN: tl.constexpr, BWD: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND: tl.constexpr,
-    SOFTWARE: tl.constexpr, EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    FN: tl.constexpr, BWD: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ROUND: tl.constexpr, SOFTWARE: tl.constexpr, EVEN: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """``(v, r, cols)``: the unrounded fp32 activation (or gradient) of tile ``(pid_m, pid_n)``,
     the value rounded to the model's dtype (both 0 outside the real ``[M, N]``) and the tile's
@@ -118,71 +143,134 @@ def _tile(
                 v += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
         if not EVEN:
             v = tl.where(valid, v, 0.0)
-    elif EVEN:
-        a = tl.load(Z + offs).to(tl.float32)
-        if HAS_BIAS:
-            a += tl.load(B + cols).to(tl.float32)[None, :]
-        if BWD:
-            v = tl.load(G + offs).to(tl.float32) * _dact(a, FN, 0.0, 0.0)
-        else:
-            v = _act(a, FN, 0.0, 0.0)
     else:
-        valid = ((pid_m * BLOCK_M + r_in)[:, None] < M) & (cols[None, :] < N)
-        a = tl.load(Z + offs, mask=valid, other=0.0).to(tl.float32)
+        # An activation (forward) or its gradient; gated: Z is [M, 2N], the activation half
+        # then the linear half (``_gated_bwd_tile`` is the gated backward).
+        offs_z = offs
+        if GATED:
+            offs_z = pid_m.to(tl.int64) * BLOCK_M * 2 * N + pid_n * BLOCK_N
+            offs_z += r_in[:, None] * 2 * N + c_in[None, :]
+        if EVEN:
+            a = tl.load(Z + offs_z).to(tl.float32)
+        else:
+            valid = ((pid_m * BLOCK_M + r_in)[:, None] < M) & (cols[None, :] < N)
+            a = tl.load(Z + offs_z, mask=valid, other=0.0).to(tl.float32)
         if HAS_BIAS:
-            a += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        if BWD:
-            g = tl.load(G + offs, mask=valid, other=0.0).to(tl.float32)
+            a += _load_cols(B, cols, N, EVEN)
+        if GATED:
+            if EVEN:
+                lin = tl.load(Z + offs_z + N).to(tl.float32)
+            else:
+                lin = tl.load(Z + offs_z + N, mask=valid, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                lin += _load_cols(B + N, cols, N, EVEN)
+            if FN == FN_CLAMPED_SILU:
+                lin = tl.minimum(tl.maximum(lin, -7.0), 7.0) + 1.0
+            v = _act(a, FN, 7.0, 1.702) * lin
+        elif BWD:
+            if EVEN:
+                g = tl.load(G + offs).to(tl.float32)
+            else:
+                g = tl.load(G + offs, mask=valid, other=0.0).to(tl.float32)
             v = g * _dact(a, FN, 0.0, 0.0)
         else:
             v = _act(a, FN, 0.0, 0.0)
-        v = tl.where(valid, v, 0.0)
+        if not EVEN:
+            v = tl.where(valid, v, 0.0)
     return v, _round(v, ROUND, SOFTWARE), cols
+
+
+@triton.jit
+def _gated_bwd_tile(
+    Z, B, G, pid_m, pid_n, M, N,
+    FN: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND: tl.constexpr, SOFTWARE: tl.constexpr,
+    EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """The gated backward of tile ``(pid_m, pid_n)`` of ``G`` (``dh``, ``[M, N]``) with ``Z``
+    ``[M, 2N]``: ``(da, da rounded, dl, dl rounded, cols)``, the gradients of the activation
+    half's columns ``cols`` and of the linear half's ``N + cols``, in the order of operations of
+    ``kernels.activation._rows_bwd_kernel`` (0 outside the real rows and columns)."""
+    r_in = tl.arange(0, BLOCK_M)
+    c_in = tl.arange(0, BLOCK_N)
+    cols = pid_n * BLOCK_N + c_in
+    offs_g = pid_m.to(tl.int64) * BLOCK_M * N + pid_n * BLOCK_N
+    offs_g += r_in[:, None] * N + c_in[None, :]
+    offs_z = pid_m.to(tl.int64) * BLOCK_M * 2 * N + pid_n * BLOCK_N
+    offs_z += r_in[:, None] * 2 * N + c_in[None, :]
+    if EVEN:
+        g = tl.load(G + offs_g).to(tl.float32)
+        a = tl.load(Z + offs_z).to(tl.float32)
+        lin = tl.load(Z + offs_z + N).to(tl.float32)
+    else:
+        valid = ((pid_m * BLOCK_M + r_in)[:, None] < M) & (cols[None, :] < N)
+        g = tl.load(G + offs_g, mask=valid, other=0.0).to(tl.float32)
+        a = tl.load(Z + offs_z, mask=valid, other=0.0).to(tl.float32)
+        lin = tl.load(Z + offs_z + N, mask=valid, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        a += _load_cols(B, cols, N, EVEN)
+        lin += _load_cols(B + N, cols, N, EVEN)
+    dl = g * _act(a, FN, 7.0, 1.702)
+    if FN == FN_CLAMPED_SILU:
+        dl = tl.where((lin >= -7.0) & (lin <= 7.0), dl, 0.0)
+        lin = tl.minimum(tl.maximum(lin, -7.0), 7.0) + 1.0
+    da = g * lin * _dact(a, FN, 7.0, 1.702)
+    if not EVEN:
+        da = tl.where(valid, da, 0.0)
+        dl = tl.where(valid, dl, 0.0)
+    return da, _round(da, ROUND, SOFTWARE), dl, _round(dl, ROUND, SOFTWARE), cols
+
+
+@triton.jit
+def _max_abs_bits(r):
+    return tl.max(tl.max(_abs_bits(r), axis=1), axis=0)
 
 
 @triton.jit
 def _act_amax_kernel(
     Z, B, G, MEAN, RSIG, AMAX_BITS, PART, M, N,
-    FN: tl.constexpr, BWD: tl.constexpr, HAS_BIAS: tl.constexpr, DBIAS: tl.constexpr,
-    ROUND: tl.constexpr, SOFTWARE: tl.constexpr, EVEN: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    FN: tl.constexpr, BWD: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    DBIAS: tl.constexpr, ROUND: tl.constexpr, SOFTWARE: tl.constexpr, EVEN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
+    """The gated backward's ``PART`` rows are ``2N`` wide: the activation half's sums, then the
+    linear half's."""
     pid_m = tl.program_id(0)
-    v, r, cols = _tile(
-        Z, B, G, MEAN, RSIG, pid_m, tl.program_id(1), M, N, FN, BWD, HAS_BIAS, ROUND, SOFTWARE,
-        EVEN, BLOCK_M, BLOCK_N,
-    )  # fmt: skip
-    tl.atomic_max(AMAX_BITS, tl.max(tl.max(_abs_bits(r), axis=1), axis=0))
-    if DBIAS:
-        tl.store(PART + pid_m.to(tl.int64) * N + cols, tl.sum(v, axis=0), mask=cols < N)
+    pid_n = tl.program_id(1)
+    if GATED and BWD:
+        va, ra, vl, rl, cols = _gated_bwd_tile(
+            Z, B, G, pid_m, pid_n, M, N, FN, HAS_BIAS, ROUND, SOFTWARE, EVEN, BLOCK_M, BLOCK_N
+        )
+        tl.atomic_max(AMAX_BITS, tl.maximum(_max_abs_bits(ra), _max_abs_bits(rl)))
+        if DBIAS:
+            part = PART + pid_m.to(tl.int64) * 2 * N + cols
+            tl.store(part, tl.sum(va, axis=0), mask=cols < N)
+            tl.store(part + N, tl.sum(vl, axis=0), mask=cols < N)
+    else:
+        v, r, cols = _tile(
+            Z, B, G, MEAN, RSIG, pid_m, pid_n, M, N, FN, BWD, GATED, HAS_BIAS, ROUND, SOFTWARE,
+            EVEN, BLOCK_M, BLOCK_N,
+        )  # fmt: skip
+        tl.atomic_max(AMAX_BITS, _max_abs_bits(r))
+        if DBIAS:
+            tl.store(PART + pid_m.to(tl.int64) * N + cols, tl.sum(v, axis=0), mask=cols < N)
 
 
 @triton.jit
-def _act_cast_kernel(
-    Z, B, G, MEAN, RSIG, SCALE, AMAX_BITS, DATA, DATA_T, SCALE_INV, PART, M, M_OUT, N, fp8_max, eps,
-    FN: tl.constexpr, BWD: tl.constexpr, HAS_BIAS: tl.constexpr, DBIAS: tl.constexpr,
-    ROUND: tl.constexpr, E4M3: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
-    SOFTWARE: tl.constexpr, GUARD: tl.constexpr, FROM_AMAX: tl.constexpr, COLUMNWISE: tl.constexpr,
-    EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _cast_store(
+    x, scale, DATA, DATA_T, pid_m, pid_n, M_OUT, N, ROW, COL0, fp8_max,
+    E4M3: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, SOFTWARE: tl.constexpr,
+    GUARD: tl.constexpr, COLUMNWISE: tl.constexpr, EVEN: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """``_cast_kernel`` of ``kernels.quantize`` with the activation as its load. ``FROM_AMAX``:
-    current scaling (the scale from ``AMAX_BITS``; program (0, 0) writes ``SCALE_INV``); else
-    ``SCALE`` is given and the tile's amax (and, with ``DBIAS``, its column sums) are folded."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    v, x, cols = _tile(
-        Z, B, G, MEAN, RSIG, pid_m, pid_n, M, N, FN, BWD, HAS_BIAS, ROUND, SOFTWARE, EVEN,
-        BLOCK_M, BLOCK_N,
-    )  # fmt: skip
-    first = (pid_m == 0) & (pid_n == 0)
-    scale = _tile_scale(SCALE, AMAX_BITS, SCALE_INV, x, first, fp8_max, eps, FROM_AMAX, False)
-    if DBIAS and not FROM_AMAX:
-        tl.store(PART + pid_m.to(tl.int64) * N + cols, tl.sum(v, axis=0), mask=cols < N)
+    """Cast tile ``x`` with ``scale`` and store it at columns ``COL0 + pid_n * BLOCK_N + ...``
+    (of ``N`` valid) of ``DATA`` ``[M_OUT, ROW]``, and transposed into ``DATA_T`` ``[ROW,
+    M_OUT]``."""
     q = _cast_fp8(x * scale, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, GUARD)
     r_in = tl.arange(0, BLOCK_M)
     c_in = tl.arange(0, BLOCK_N)
-    offs = pid_m.to(tl.int64) * BLOCK_M * N + pid_n * BLOCK_N + (r_in[:, None] * N + c_in[None, :])
-    offs_t = pid_n.to(tl.int64) * BLOCK_N * M_OUT + pid_m * BLOCK_M
+    offs = pid_m.to(tl.int64) * BLOCK_M * ROW + COL0 + pid_n * BLOCK_N
+    offs += r_in[:, None] * ROW + c_in[None, :]
+    offs_t = (COL0 + pid_n * BLOCK_N).to(tl.int64) * M_OUT + pid_m * BLOCK_M
     offs_t += c_in[:, None] * M_OUT + r_in[None, :]
     if EVEN:
         tl.store(DATA + offs, q)
@@ -190,6 +278,7 @@ def _act_cast_kernel(
             tl.store(DATA_T + offs_t, tl.trans(q))
     else:
         rows = pid_m * BLOCK_M + r_in
+        cols = pid_n * BLOCK_N + c_in
         tl.store(DATA + offs, q, mask=(rows[:, None] < M_OUT) & (cols[None, :] < N))
         if COLUMNWISE:
             mask_t = (cols[:, None] < N) & (rows[None, :] < M_OUT)
@@ -197,37 +286,74 @@ def _act_cast_kernel(
 
 
 @triton.jit
-def _act_block_kernel(
-    Z, B, G, MEAN, RSIG, DATA, SCALE_INV, DATA_T, SCALE_INV_T, PART, M, M_OUT, N, fp8_max,
-    S_ROW, S_BLK, T_ROW, T_BLK,
-    FN: tl.constexpr, BWD: tl.constexpr, HAS_BIAS: tl.constexpr, DBIAS: tl.constexpr,
-    ROUND: tl.constexpr, E4M3: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
-    SOFTWARE: tl.constexpr, GUARD: tl.constexpr, POW2: tl.constexpr, EVEN: tl.constexpr,
-    AXES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _act_cast_kernel(
+    Z, B, G, MEAN, RSIG, SCALE, AMAX_BITS, DATA, DATA_T, SCALE_INV, PART, M, M_OUT, N, fp8_max, eps,
+    FN: tl.constexpr, BWD: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    DBIAS: tl.constexpr, ROUND: tl.constexpr, E4M3: tl.constexpr, MBITS: tl.constexpr,
+    BIAS: tl.constexpr, SOFTWARE: tl.constexpr, GUARD: tl.constexpr, FROM_AMAX: tl.constexpr,
+    COLUMNWISE: tl.constexpr, EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """``_block_kernel`` of ``kernels.quantize`` (1x128 blocks) with the activation as its load,
-    one tile per program. ``AXES`` 2: both layouts from one 128x128 tile; 1: the rowwise copy
-    only (``BLOCK_N`` = 128: each tile row is one block; ``BLOCK_M`` free); 0: the transposed
-    copy only (``BLOCK_M`` = 128, ``BLOCK_N`` free). With ``DBIAS`` the tile's column sums of the
-    unrounded gradient go to row ``pid_m`` of ``PART``. ``S_*`` / ``T_*``: the strides (row,
-    block) of ``SCALE_INV`` / ``SCALE_INV_T`` (compact or rows-major)."""
+    """``_cast_kernel`` of ``kernels.quantize`` with the activation as its load. ``FROM_AMAX``:
+    current scaling (the scale from ``AMAX_BITS``; program (0, 0) writes ``SCALE_INV``); else
+    ``SCALE`` is given and the tile's amax (and, with ``DBIAS``, its column sums) are folded.
+    The gated backward casts both halves of ``dz`` (``[M_OUT, 2N]``) from one read."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    v, x, cols = _tile(
-        Z, B, G, MEAN, RSIG, pid_m, pid_n, M, N, FN, BWD, HAS_BIAS, ROUND, SOFTWARE, EVEN,
-        BLOCK_M, BLOCK_N,
-    )  # fmt: skip
-    if DBIAS:
-        tl.store(PART + pid_m.to(tl.int64) * N + cols, tl.sum(v, axis=0), mask=cols < N)
+    first = (pid_m == 0) & (pid_n == 0)
+    if GATED and BWD:
+        va, xa, vl, xl, cols = _gated_bwd_tile(
+            Z, B, G, pid_m, pid_n, M, N, FN, HAS_BIAS, ROUND, SOFTWARE, EVEN, BLOCK_M, BLOCK_N
+        )
+        scale = _tile_scale(SCALE, AMAX_BITS, SCALE_INV, xa, first, fp8_max, eps, FROM_AMAX, False)
+        _tile_scale(SCALE, AMAX_BITS, SCALE_INV, xl, first, fp8_max, eps, FROM_AMAX, False)
+        if DBIAS and not FROM_AMAX:
+            part = PART + pid_m.to(tl.int64) * 2 * N + cols
+            tl.store(part, tl.sum(va, axis=0), mask=cols < N)
+            tl.store(part + N, tl.sum(vl, axis=0), mask=cols < N)
+        _cast_store(
+            xa, scale, DATA, DATA_T, pid_m, pid_n, M_OUT, N, 2 * N, 0, fp8_max, E4M3, MBITS,
+            BIAS, SOFTWARE, GUARD, COLUMNWISE, EVEN, BLOCK_M, BLOCK_N,
+        )  # fmt: skip
+        _cast_store(
+            xl, scale, DATA, DATA_T, pid_m, pid_n, M_OUT, N, 2 * N, N, fp8_max, E4M3, MBITS,
+            BIAS, SOFTWARE, GUARD, COLUMNWISE, EVEN, BLOCK_M, BLOCK_N,
+        )  # fmt: skip
+    else:
+        v, x, cols = _tile(
+            Z, B, G, MEAN, RSIG, pid_m, pid_n, M, N, FN, BWD, GATED, HAS_BIAS, ROUND, SOFTWARE,
+            EVEN, BLOCK_M, BLOCK_N,
+        )  # fmt: skip
+        scale = _tile_scale(SCALE, AMAX_BITS, SCALE_INV, x, first, fp8_max, eps, FROM_AMAX, False)
+        if DBIAS and not FROM_AMAX:
+            tl.store(PART + pid_m.to(tl.int64) * N + cols, tl.sum(v, axis=0), mask=cols < N)
+        _cast_store(
+            x, scale, DATA, DATA_T, pid_m, pid_n, M_OUT, N, N, 0, fp8_max, E4M3, MBITS,
+            BIAS, SOFTWARE, GUARD, COLUMNWISE, EVEN, BLOCK_M, BLOCK_N,
+        )  # fmt: skip
+
+
+@triton.jit
+def _block_store(
+    x, DATA, SCALE_INV, DATA_T, SCALE_INV_T, pid_m, pid_n, M_OUT, N, ROW, COL0, fp8_max,
+    S_ROW, S_BLK, T_ROW, T_BLK,
+    E4M3: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, SOFTWARE: tl.constexpr,
+    GUARD: tl.constexpr, POW2: tl.constexpr, EVEN: tl.constexpr, AXES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Cast tile ``x`` in 1x128 blocks (``AXES`` as in ``_act_block_kernel``) and store it at
+    columns ``COL0 + pid_n * BLOCK_N + ...`` (of ``N`` valid; ``COL0`` a multiple of 128) of
+    ``DATA`` ``[M_OUT, ROW]`` and transposed into ``DATA_T`` ``[ROW, M_OUT]``, with the blocks'
+    inverse scales."""
     a = _abs_bits(x)  # rows past M are 0: they never raise a block's amax
     r_in = tl.arange(0, BLOCK_M)
     c_in = tl.arange(0, BLOCK_N)
     rows = pid_m * BLOCK_M + r_in
+    cols = pid_n * BLOCK_N + c_in
     if AXES != 0:
         q, s = _cast_1x128(x, a, 1, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, POW2, GUARD)
-        offs = pid_m.to(tl.int64) * BLOCK_M * N + pid_n * BLOCK_N
-        offs += r_in[:, None] * N + c_in[None, :]
-        s_offs = rows.to(tl.int64) * S_ROW + pid_n * S_BLK
+        offs = pid_m.to(tl.int64) * BLOCK_M * ROW + COL0 + pid_n * BLOCK_N
+        offs += r_in[:, None] * ROW + c_in[None, :]
+        s_offs = rows.to(tl.int64) * S_ROW + (COL0 // 128 + pid_n) * S_BLK
         if EVEN:
             tl.store(DATA + offs, q)
             tl.store(SCALE_INV + s_offs, s)
@@ -236,9 +362,9 @@ def _act_block_kernel(
             tl.store(SCALE_INV + s_offs, s, mask=rows < M_OUT)
     if AXES != 1:
         q_t, s_t = _cast_1x128(x, a, 0, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, POW2, GUARD)
-        offs_t = pid_n.to(tl.int64) * BLOCK_N * M_OUT + pid_m * BLOCK_M
+        offs_t = (COL0 + pid_n * BLOCK_N).to(tl.int64) * M_OUT + pid_m * BLOCK_M
         offs_t += c_in[:, None] * M_OUT + r_in[None, :]
-        s_offs_t = cols.to(tl.int64) * T_ROW + pid_m * T_BLK
+        s_offs_t = (COL0 + cols).to(tl.int64) * T_ROW + pid_m * T_BLK
         if EVEN:
             tl.store(DATA_T + offs_t, tl.trans(q_t))
             tl.store(SCALE_INV_T + s_offs_t, s_t)
@@ -248,12 +374,63 @@ def _act_block_kernel(
             tl.store(SCALE_INV_T + s_offs_t, s_t, mask=cols < N)
 
 
+@triton.jit
+def _act_block_kernel(
+    Z, B, G, MEAN, RSIG, DATA, SCALE_INV, DATA_T, SCALE_INV_T, PART, M, M_OUT, N, fp8_max,
+    S_ROW, S_BLK, T_ROW, T_BLK,
+    FN: tl.constexpr, BWD: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    DBIAS: tl.constexpr, ROUND: tl.constexpr, E4M3: tl.constexpr, MBITS: tl.constexpr,
+    BIAS: tl.constexpr, SOFTWARE: tl.constexpr, GUARD: tl.constexpr, POW2: tl.constexpr,
+    EVEN: tl.constexpr, AXES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """``_block_kernel`` of ``kernels.quantize`` (1x128 blocks) with the activation as its load,
+    one tile per program. ``AXES`` 2: both layouts from one 128x128 tile; 1: the rowwise copy
+    only (``BLOCK_N`` = 128: each tile row is one block; ``BLOCK_M`` free); 0: the transposed
+    copy only (``BLOCK_M`` = 128, ``BLOCK_N`` free). With ``DBIAS`` the tile's column sums of the
+    unrounded gradient go to row ``pid_m`` of ``PART``. ``S_*`` / ``T_*``: the strides (row,
+    block) of ``SCALE_INV`` / ``SCALE_INV_T`` (compact or rows-major). The gated backward
+    (``N`` a multiple of 128) casts both halves of ``dz`` (``[M_OUT, 2N]``) from one read."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if GATED and BWD:
+        va, xa, vl, xl, cols = _gated_bwd_tile(
+            Z, B, G, pid_m, pid_n, M, N, FN, HAS_BIAS, ROUND, SOFTWARE, EVEN, BLOCK_M, BLOCK_N
+        )
+        if DBIAS:
+            part = PART + pid_m.to(tl.int64) * 2 * N + cols
+            tl.store(part, tl.sum(va, axis=0), mask=cols < N)
+            tl.store(part + N, tl.sum(vl, axis=0), mask=cols < N)
+        _block_store(
+            xa, DATA, SCALE_INV, DATA_T, SCALE_INV_T, pid_m, pid_n, M_OUT, N, 2 * N, 0,
+            fp8_max, S_ROW, S_BLK, T_ROW, T_BLK, E4M3, MBITS, BIAS, SOFTWARE, GUARD, POW2, EVEN,
+            AXES, BLOCK_M, BLOCK_N,
+        )  # fmt: skip
+        _block_store(
+            xl, DATA, SCALE_INV, DATA_T, SCALE_INV_T, pid_m, pid_n, M_OUT, N, 2 * N, N,
+            fp8_max, S_ROW, S_BLK, T_ROW, T_BLK, E4M3, MBITS, BIAS, SOFTWARE, GUARD, POW2, EVEN,
+            AXES, BLOCK_M, BLOCK_N,
+        )  # fmt: skip
+    else:
+        v, x, cols = _tile(
+            Z, B, G, MEAN, RSIG, pid_m, pid_n, M, N, FN, BWD, GATED, HAS_BIAS, ROUND, SOFTWARE,
+            EVEN, BLOCK_M, BLOCK_N,
+        )  # fmt: skip
+        if DBIAS:
+            tl.store(PART + pid_m.to(tl.int64) * N + cols, tl.sum(v, axis=0), mask=cols < N)
+        _block_store(
+            x, DATA, SCALE_INV, DATA_T, SCALE_INV_T, pid_m, pid_n, M_OUT, N, N, 0,
+            fp8_max, S_ROW, S_BLK, T_ROW, T_BLK, E4M3, MBITS, BIAS, SOFTWARE, GUARD, POW2, EVEN,
+            AXES, BLOCK_M, BLOCK_N,
+        )  # fmt: skip
+
+
 def _per_tensor(
     z: Tensor,
     bias: Tensor | None,
     grad: Tensor | None,
     norm: tuple[Tensor, Tensor, Tensor] | None,
     fn: int,
+    gated: bool,
     fp8_dtype: torch.dtype,
     scale: Tensor | None,
     rows: int,
@@ -267,25 +444,27 @@ def _per_tensor(
     """The launches of :func:`act_quantize` / :func:`norm_quantize`: ``z`` ``[>= rows, N]``
     read up to row ``rows``, outputs of ``m_out`` rows. ``amax``: the first pass of current
     scaling already ran (the norm statistics kernel folds it), else ``_act_amax_kernel`` runs
-    it. ``norm``: the norm's ``(gamma, mean, rsigma)`` (``bias`` is its beta)."""
-    n = z.shape[1]
+    it. ``norm``: the norm's ``(gamma, mean, rsigma)`` (``bias`` is its beta). ``gated``:
+    ``z`` is ``[>= rows, 2N]`` (:func:`act_quantize`)."""
+    n, n_out = _gated_widths(z, grad, gated)
     software = _software(z.device, cfg)
-    data = torch.empty((m_out, n), device=z.device, dtype=fp8_dtype)
-    data_t = z.new_empty((n, m_out) if columnwise else (0,), dtype=fp8_dtype)
+    data = torch.empty((m_out, n_out), device=z.device, dtype=fp8_dtype)
+    data_t = z.new_empty((n_out, m_out) if columnwise else (0,), dtype=fp8_dtype)
     amax_pass = amax is None and scale is None
     if amax is None:
         amax = torch.zeros(1, device=z.device, dtype=torch.float32)
     scale_inv = torch.empty(1, device=z.device, dtype=torch.float32)
     grid = (max(triton.cdiv(m_out, cfg.block_m), 1), max(triton.cdiv(n, cfg.block_k), 1))
-    if cfg.block_m * n >= 2**31 or cfg.block_k * m_out >= 2**31:
-        raise ValueError(f"{name}: [{m_out}, {n}] is too large for 32-bit tile offsets")
+    if cfg.block_m * z.shape[1] >= 2**31 or cfg.block_k * m_out >= 2**31:
+        raise ValueError(f"{name}: [{m_out}, {z.shape[1]}] is too large for 32-bit tile offsets")
     dbias = need_dbias and bias is not None and grad is not None
-    part = z.new_empty((grid[0], n), dtype=torch.float32) if dbias else amax
+    part = z.new_empty((grid[0], n_out), dtype=torch.float32) if dbias else amax
     g = z if grad is None else grad
     gamma, mean, rsig = norm if norm is not None else (g, z, z)
     common = {
         "FN": fn,
         "BWD": grad is not None,
+        "GATED": gated,
         "HAS_BIAS": bias is not None,
         "DBIAS": dbias,
         "ROUND": _ROUND[z.dtype],
@@ -334,6 +513,7 @@ def _blockwise(
     grad: Tensor | None,
     norm: tuple[Tensor, Tensor, Tensor] | None,
     fn: int,
+    gated: bool,
     fp8_dtype: torch.dtype,
     rows: int,
     m_out: int,
@@ -345,18 +525,23 @@ def _blockwise(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
     """The launches of :func:`act_quantize_block` / :func:`norm_quantize_block` (arguments as
     in :func:`_per_tensor`; ``mn_major`` as in :func:`act_quantize_block`)."""
-    n = z.shape[1]
+    n, n_out = _gated_widths(z, grad, gated)
     blk = BLOCK
-    if blk * n >= 2**31 or blk * m_out >= 2**31:
-        raise ValueError(f"{name}: [{m_out}, {n}] is too large for 32-bit tile offsets")
+    if n_out != n and n % blk:
+        raise ValueError(
+            f"{name}: a gated gradient in 1x128 blocks needs a half width that is a multiple of "
+            f"{blk} (a block must not straddle the halves), got {n}"
+        )
+    if blk * z.shape[1] >= 2**31 or blk * m_out >= 2**31:
+        raise ValueError(f"{name}: [{m_out}, {z.shape[1]}] is too large for 32-bit tile offsets")
     f32 = torch.float32
-    data = torch.empty((m_out, n), device=z.device, dtype=fp8_dtype)
-    data_t = torch.empty((n, m_out), device=z.device, dtype=fp8_dtype)
+    data = torch.empty((m_out, n_out), device=z.device, dtype=fp8_dtype)
+    data_t = torch.empty((n_out, m_out), device=z.device, dtype=fp8_dtype)
     dbias = need_dbias and bias is not None and grad is not None
     cuda = _cuda_cast(cfg, "act_cast_1x128", m_out, n, z, bias, grad)
-    cuda = cuda if norm is None and fn == FN_GELU.value and rows == m_out else None
-    scale_inv = block_scales(z, m_out, triton.cdiv(n, blk), mn_major[0])
-    scale_inv_t = block_scales(z, n, triton.cdiv(m_out, blk), mn_major[1])
+    cuda = cuda if norm is None and fn == FN_GELU.value and not gated and rows == m_out else None
+    scale_inv = block_scales(z, m_out, triton.cdiv(n_out, blk), mn_major[0])
+    scale_inv_t = block_scales(z, n_out, triton.cdiv(m_out, blk), mn_major[1])
     if cuda is not None:
         # One read of the input, both layouts (csrc/block_cast.cu; same bytes).
         part = z.new_empty((m_out // blk, n), dtype=f32) if dbias else None
@@ -374,7 +559,8 @@ def _blockwise(
         passes = [(1, cfg.block_split_m, blk, w), (0, blk, cfg.block_split_n, w)]
     else:
         passes = [(2, blk, blk, cfg.block_num_warps)]
-    part = z.new_empty((triton.cdiv(m_out, passes[0][1]), n), dtype=f32) if dbias else scale_inv
+    part = z.new_empty((triton.cdiv(m_out, passes[0][1]), n_out), dtype=f32) if dbias else None
+    part = scale_inv if part is None else part
     g = z if grad is None else grad
     gamma, mean, rsig = norm if norm is not None else (g, z, z)
     for axes, bm, bn, warps in passes if m_out * n else ():
@@ -397,6 +583,7 @@ def _blockwise(
             *scale_inv_t.stride(),
             FN=fn,
             BWD=grad is not None,
+            GATED=gated,
             HAS_BIAS=bias is not None,
             DBIAS=dbias and axes != 0,
             ROUND=_ROUND[z.dtype],
@@ -412,10 +599,18 @@ def _blockwise(
     return data, scale_inv, data_t, scale_inv_t, db
 
 
-def _activation_fn(name: str, activation: str) -> int:
-    if activation not in FUNCTION_OF or activation in GATED:
-        raise ValueError(f"{name}: element-wise activation expected, got {activation!r}")
-    return FUNCTION_OF[activation]
+def _gated_widths(z: Tensor, grad: Tensor | None, gated: bool) -> tuple[int, int]:
+    """``(N, width of the quantised tensor)``: ``N`` the activation's output columns (half of
+    ``z``'s for a gated one); the quantised tensor is ``[., N]``, or ``[., 2N]`` for a gated
+    gradient (``dz``)."""
+    n = z.shape[1] // 2 if gated else z.shape[1]
+    return n, 2 * n if gated and grad is not None else n
+
+
+def _activation_fn(name: str, activation: str) -> tuple[int, bool]:
+    if activation not in FUNCTION_OF:
+        raise ValueError(f"{name}: unknown activation {activation!r}")
+    return FUNCTION_OF[activation], activation in GATED
 
 
 def act_quantize(
@@ -437,14 +632,18 @@ def act_quantize(
 
     ``z`` / ``grad``: ``[M_OUT, N]`` contiguous, of the model's dtype (the value is rounded to it
     before the cast); only the first ``rows`` rows are real, the rest are written as zero codes.
+    A gated activation (contiguous halves, clamped SwiGLU with its default ``limit`` / ``alpha``
+    / ``glu_linear_offset``): ``z`` (and ``bias``) hold ``2N`` columns, activation half first;
+    the forward quantises ``h`` ``[M_OUT, N]``, the backward (``grad`` ``[M_OUT, N]``) ``dz``
+    ``[M_OUT, 2N]``, both halves under one scale, from one read of ``z`` and ``grad``.
     ``scale=None``: current scaling (two passes), else the 1-element delayed scale (one pass).
     ``dbias`` (with ``need_dbias``, backward only): fp32 column sums of the unrounded gradient,
     cast to ``bias``'s dtype. Arguments are trusted (``functional.mlp_fp8`` checks them)."""
-    fn = _activation_fn("act_quantize", activation)
+    fn, gated = _activation_fn("act_quantize", activation)
     cfg = config or QuantizeLaunchConfig()
     return _per_tensor(
-        z, bias, grad, None, fn, fp8_dtype, scale, rows, z.shape[0], columnwise, need_dbias,
-        None, cfg, "act_quantize",
+        z, bias, grad, None, fn, gated, fp8_dtype, scale, rows, z.shape[0], columnwise,
+        need_dbias, None, cfg, "act_quantize",
     )  # fmt: skip
 
 
@@ -463,15 +662,16 @@ def act_quantize_block(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
     """``act_quantize`` for Float8BlockScaling's 1x128 blocks: ``(data, scale_inv, data_t,
     scale_inv_t, dbias)`` in the layouts of ``quantize_blockwise(..., block_rows=1,
-    columnwise=True)`` (scale_inv ``[M_OUT, cdiv(N, 128)]``, scale_inv_t ``[N, cdiv(M_OUT,
-    128)]``). Rows past ``rows`` are quantised as zeros.
+    columnwise=True)`` (scale_inv ``[M_OUT, cdiv(C, 128)]``, scale_inv_t ``[C, cdiv(M_OUT,
+    128)]``, ``C`` the quantised tensor's columns). Rows past ``rows`` are quantised as zeros.
+    A gated gradient needs ``N`` (half of ``z``'s columns) a multiple of 128.
     ``mn_major`` asks for ``scale_inv`` / ``scale_inv_t`` in the blockwise GEMM's layout
     (``kernels.quantize.block_scales``). Arguments are trusted."""
-    fn = _activation_fn("act_quantize_block", activation)
+    fn, gated = _activation_fn("act_quantize_block", activation)
     cfg = config or QuantizeLaunchConfig()
     return _blockwise(
-        z, bias, grad, None, fn, fp8_dtype, rows, z.shape[0], need_dbias, power_2_scale, cfg,
-        "act_quantize_block", mn_major,
+        z, bias, grad, None, fn, gated, fp8_dtype, rows, z.shape[0], need_dbias, power_2_scale,
+        cfg, "act_quantize_block", mn_major,
     )  # fmt: skip
 
 
@@ -514,7 +714,7 @@ def norm_quantize(
         x, weight, bias, normalization, eps, zero_centered_gamma, amax
     )
     data, data_t, scale_inv, amax, _ = _per_tensor(
-        x, bias, None, norm, fn, fp8_dtype, scale, x.shape[0], m_out, True, False, amax, cfg,
+        x, bias, None, norm, fn, False, fp8_dtype, scale, x.shape[0], m_out, True, False, amax, cfg,
         "norm_quantize",
     )  # fmt: skip
     return data, data_t, scale_inv, amax, mean, rsigma
@@ -541,7 +741,7 @@ def norm_quantize_block(
         x, weight, bias, normalization, eps, zero_centered_gamma, None
     )
     data, s, data_t, s_t, _ = _blockwise(
-        x, bias, None, norm, fn, fp8_dtype, x.shape[0], m_out, False, power_2_scale, cfg,
+        x, bias, None, norm, fn, False, fp8_dtype, x.shape[0], m_out, False, power_2_scale, cfg,
         "norm_quantize_block", mn_major,
     )  # fmt: skip
     return data, s, data_t, s_t, mean, rsigma

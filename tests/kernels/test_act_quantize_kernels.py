@@ -30,7 +30,8 @@ def _dev(t):
 
 def _activation_padded(z, bias, grad, act, rows):
     """The activation (or its gradient) by the activation kernels in fp32, rounded once to
-    ``z``'s dtype and zero-padded to ``z``'s rows; plus the fp32 bias gradient."""
+    ``z``'s dtype and zero-padded to ``z``'s rows; plus the fp32 bias gradient. A gated
+    activation's output has half of ``z``'s columns, its gradient all of them."""
     zf = z[:rows].float()
     bf = None if bias is None else bias.float()
     dbias = None
@@ -40,7 +41,7 @@ def _activation_padded(z, bias, grad, act, rows):
         v, dbias = activation.activation_backward(
             grad[:rows].float(), zf, bf, act, need_dbias=bias is not None
         )
-    return torch.cat([v, v.new_zeros(z.shape[0] - rows, z.shape[1])]).to(z.dtype), dbias
+    return torch.cat([v, v.new_zeros(z.shape[0] - rows, v.shape[1])]).to(z.dtype), dbias
 
 
 def _unfused(z, bias, grad, act, fp8, scale, rows):
@@ -72,7 +73,26 @@ CASES = [
     pytest.param("srelu", torch.float16, True, 16.0, id="srelu-fp16-bias-delayed"),
     pytest.param("qgelu", torch.bfloat16, False, None, id="qgelu-bf16-current"),
     pytest.param("relu", torch.bfloat16, True, 0.5, id="relu-bf16-bias-delayed"),
+    # Gated (z [M, 2N]): h [M, N] forward, dz [M, 2N] (both halves, one scale) backward.
+    pytest.param("swiglu", torch.bfloat16, True, None, id="swiglu-bf16-bias-current"),
+    pytest.param("geglu", torch.float32, False, 4.0, id="geglu-fp32-delayed"),
+    pytest.param("clamped_swiglu", torch.bfloat16, True, None, id="clamped-swiglu-bf16-bias"),
+    pytest.param("reglu", torch.float16, True, 16.0, id="reglu-fp16-bias-delayed"),
+    pytest.param("qgeglu", torch.bfloat16, False, None, id="qgeglu-bf16-current"),
+    pytest.param("sreglu", torch.bfloat16, True, 2.0, id="sreglu-bf16-bias-delayed"),
+    pytest.param("glu", torch.bfloat16, False, None, id="glu-bf16-current"),
 ]
+
+
+def _inputs(act, dtype, has_bias, backward, m_out, n):
+    """``(z, bias, grad)`` for an activation with ``n`` output columns (``z`` has ``2n`` for a
+    gated one, some of its entries past clamped SwiGLU's limit of 7)."""
+    n_in = 2 * n if act in activation.GATED else n
+    z = torch.randn(m_out, n_in) * 2
+    z[1] *= 6
+    bias = (torch.randn(n_in) * 0.5).to(dtype) if has_bias else None
+    grad = (torch.randn(m_out, n) * 3).to(dtype) if backward else None
+    return z.to(dtype), bias, grad
 
 
 @pytest.mark.parametrize("backward", [False, True], ids=["fwd", "bwd"])
@@ -84,9 +104,7 @@ CASES = [
 def test_act_quantize_matches_unfused_kernels(
     act, dtype, has_bias, scale, backward, config, m_out, rows, n
 ):
-    z = (torch.randn(m_out, n) * 2).to(dtype)
-    bias = (torch.randn(n) * 0.5).to(dtype) if has_bias else None
-    grad = (torch.randn(m_out, n) * 3).to(dtype) if backward else None
+    z, bias, grad = _inputs(act, dtype, has_bias, backward, m_out, n)
     s = None if scale is None else torch.tensor([scale])
     fp8 = E5M2 if backward else E4M3
     expected, dbias = _unfused(*map(_dev, (z, bias, grad)), act, fp8, _dev(s), rows)
@@ -110,10 +128,31 @@ def test_act_quantize_padding_rows_are_zero_and_outside_the_amax():
     assert torch.equal(data_t.view(torch.uint8), data.view(torch.uint8).t())
 
 
-def test_act_quantize_rejects_gated_activations():
-    z = _dev(torch.zeros(16, 16))
-    with pytest.raises(ValueError, match="element-wise activation"):
-        act_q.act_quantize(z, None, None, "swiglu", E4M3, None, 16, True, False)
+def test_act_quantize_gated_backward_scales_both_halves_together():
+    # dz's linear half (dh * f(a)) is far larger than its activation half: one tensor scale
+    # from the amax of both, and the codes of each half where dz's columns are.
+    m, n = 32, 16
+    z = torch.cat([torch.full((m, n), 3.0), torch.full((m, n), 0.01)], 1)
+    grad = torch.ones(m, n)
+    data, data_t, scale_inv, amax, _ = act_q.act_quantize(
+        _dev(z), None, _dev(grad), "swiglu", E4M3, None, m, True, False, config=SMALL
+    )
+    silu3 = 3.0 * torch.sigmoid(torch.tensor(3.0)).item()
+    assert data.shape == (m, 2 * n) and data_t.shape == (2 * n, m)
+    assert amax.item() == pytest.approx(silu3, rel=1e-6)
+    assert scale_inv.item() == pytest.approx(silu3 / 448.0, rel=1e-6)
+    values = data.float().cpu() * scale_inv.item()
+    assert torch.allclose(values[:, n:], torch.full((m, n), silu3), rtol=2**-3)
+    assert (values[:, :n] > 0).all() and (values[:, :n] < 0.1).all()
+    assert torch.equal(data_t.view(torch.uint8), data.view(torch.uint8).t())
+
+
+def test_act_quantize_block_gated_backward_needs_whole_blocks_per_half():
+    z, grad = _dev(torch.zeros(128, 2 * 192)), _dev(torch.zeros(128, 192))
+    with pytest.raises(ValueError, match=r"half width that is a multiple of 128 .*, got 192"):
+        act_q.act_quantize_block(z, None, grad, "swiglu", E4M3, 128, False, False)
+    with pytest.raises(ValueError, match="unknown activation 'swish'"):
+        act_q.act_quantize(z, None, None, "swish", E4M3, None, 128, True, False)
 
 
 # The default launch (a rowwise pass over [32, 128] tiles, a columnwise one over [128, 64]
@@ -129,6 +168,8 @@ BLOCK_CASES = [
     pytest.param("gelu", torch.bfloat16, True, False, id="gelu-bf16-bias"),
     pytest.param("silu", torch.float32, False, True, id="silu-fp32-pow2"),
     pytest.param("srelu", torch.float16, True, False, id="srelu-fp16-bias"),
+    pytest.param("swiglu", torch.bfloat16, True, False, id="swiglu-bf16-bias"),
+    pytest.param("clamped_swiglu", torch.float32, False, True, id="clamped-swiglu-fp32-pow2"),
 ]
 
 
@@ -140,10 +181,10 @@ BLOCK_CASES = [
 def test_act_quantize_block_matches_unfused_kernels(
     act, dtype, has_bias, pow2, backward, m_out, rows, n, config
 ):
-    z = (torch.randn(m_out, n) * 2).to(dtype)
+    if act in activation.GATED and backward and n % 128:
+        n = 256  # a gated gradient's halves are whole blocks (the ragged edge is in the rows)
+    z, bias, grad = _inputs(act, dtype, has_bias, backward, m_out, n)
     z[3, :40] *= 300  # a block with a large amax next to ordinary ones
-    bias = (torch.randn(n) * 0.5).to(dtype) if has_bias else None
-    grad = (torch.randn(m_out, n) * 3).to(dtype) if backward else None
     v, dbias = _activation_padded(*map(_dev, (z, bias, grad)), act, rows)
     expected = quantize.quantize_blockwise(v, E4M3, 1, pow2, True)
     *actual, actual_dbias = act_q.act_quantize_block(
