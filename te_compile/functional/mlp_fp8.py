@@ -16,8 +16,13 @@ instead; delayed scaling once).
 Saved for the backward: the FP8 transposed copies of ``X``, ``W_1``, ``h``, ``W_2`` with their
 inverse scales, and ``z`` (the activation's input, as the unfused path saves it).
 
-Element-wise activations only (gelu, qgelu, relu, srelu, silu); the modules take this path for
-those and the unfused one for gated activations. ``recipe="block"`` is Float8BlockScaling with
+Element-wise activations (gelu, qgelu, relu, srelu, silu) and gated ones (``GATED_ACTIVATIONS``,
+as LayerNormMLP lays them out: ``fc1_weight`` ``[2 * ffn, hidden]``, the activation half's rows
+first; clamped SwiGLU with ``bias_activation``'s default ``limit`` / ``alpha`` /
+``glu_linear_offset``). For a gated one :math:`h = f(a) \odot l` is quantised from ``z``'s two
+halves, and both halves of :math:`dz` (``[T, 2F]``) are quantised from one read of :math:`dh`
+and ``z`` under one scale (per tensor) or in 1x128 blocks that never straddle the halves.
+``recipe="block"`` is Float8BlockScaling with
 native blockwise GEMMs (1x128 blocks for ``X``, ``h`` and the gradients, 128x128 for the
 weights, E4M3 both ways, feature sizes multiples of 512; ``power_2_scale`` as the recipe's
 ``use_f32_scales=False``): the same structure with ``kernels.act_quantize.act_quantize_block``
@@ -37,7 +42,15 @@ import torch
 from torch import Tensor
 
 from te_compile._library import SampleInput, differentiable, op
-from te_compile.functional.activation import activation_bwd, activation_fwd, activation_ref
+from te_compile.functional.activation import (
+    GATED_ACTIVATIONS,
+    activation_bwd,
+    activation_fwd,
+    activation_ref,
+    gated_activation_bwd,
+    gated_activation_fwd,
+    gated_activation_ref,
+)
 from te_compile.functional.linear_block_scaled import (
     _block_scaled_mm,
     _norm_quantize_block,
@@ -73,7 +86,7 @@ from te_compile.functional.linear_fp8 import (
 
 __all__ = ["FUSED_ACTIVATIONS", "MLP_FP8_RECIPES", "mlp_fp8", "mlp_fp8_ref"]
 
-FUSED_ACTIVATIONS = ("gelu", "qgelu", "relu", "srelu", "silu")
+FUSED_ACTIVATIONS = ("gelu", "qgelu", "relu", "srelu", "silu", *GATED_ACTIVATIONS)
 # "block": Float8BlockScaling's native GEMMs (1x128 blocks for X, h and the gradients, 128x128
 # for the weights, E4M3 both ways), as ``linear_block_scaled(..., native=True)`` runs them.
 MLP_FP8_RECIPES = (*FP8_RECIPES, "block")
@@ -94,8 +107,19 @@ def mlp_fp8_ref(
     """Definition of correctness, differentiable: ``linear_fp8_ref`` twice around the
     activation reference (in the input's dtype: fp64 in the tests)."""
     z = linear_fp8_ref(inp, fc1_weight, None, fwd_dtype, bwd_dtype, scale1)
-    h = activation_ref(z, fc1_bias, activation)
+    h = _activation_ref(z, fc1_bias, activation)
     return linear_fp8_ref(h, fc2_weight, fc2_bias, fwd_dtype, bwd_dtype, scale2)
+
+
+def _activation_ref(z: Tensor, bias: Tensor | None, activation: str) -> Tensor:
+    if activation in GATED_ACTIVATIONS:
+        return gated_activation_ref(z, bias, activation)
+    return activation_ref(z, bias, activation)
+
+
+def _ffn(w1: Tensor, activation: str) -> int:
+    """The activation's output features: FC1's, or half of them for a gated activation."""
+    return w1.shape[0] // 2 if activation in GATED_ACTIVATIONS else w1.shape[0]
 
 
 def _check(
@@ -114,21 +138,24 @@ def _check(
             p + f"inp, fc1_weight and fc2_weight must share a float32/bfloat16/float16 dtype, "
             f"got {inp.dtype}, {w1.dtype}, {w2.dtype}"
         )
+    gated = activation in GATED_ACTIVATIONS
     if (
         w1.ndim != 2
         or w2.ndim != 2
         or inp.ndim < 1
         or inp.shape[-1] != w1.shape[1]
-        or w2.shape[1] != w1.shape[0]
+        or (gated and w1.shape[0] % 2)
+        or w2.shape[1] != _ffn(w1, activation)
     ):
+        fc1 = "[2 * ffn, hidden] (gated activation)" if gated else "[ffn, hidden]"
         raise ValueError(
-            p + "inp [..., hidden], fc1_weight [ffn, hidden] and fc2_weight [out, ffn] do not "
+            p + f"inp [..., hidden], fc1_weight {fc1} and fc2_weight [out, ffn] do not "
             f"match: {list(inp.shape)}, {list(w1.shape)}, {list(w2.shape)}"
         )
-    if w1.shape[0] % 16 or w1.shape[1] % 16 or w2.shape[0] % 16:
+    if w1.shape[0] % 16 or w1.shape[1] % 16 or w2.shape[0] % 16 or w2.shape[1] % 16:
         raise ValueError(
-            p + f"FP8 GEMMs need hidden ({w1.shape[1]}), ffn ({w1.shape[0]}) and out "
-            f"({w2.shape[0]}) sizes that are multiples of 16"
+            p + f"FP8 GEMMs need hidden ({w1.shape[1]}), ffn ({w2.shape[1]}), fc1 out "
+            f"({w1.shape[0]}) and out ({w2.shape[0]}) sizes that are multiples of 16"
         )
     if recipe == "block" and any(t is not None for t in (scale1, scale2, ga1, ga2)):
         raise ValueError(
@@ -155,6 +182,18 @@ def _check(
             raise ValueError(p + f"{name} must be [1], got {list(g.shape)}")
 
 
+def _activation_eager(z, bias, grad, activation, need_dbias):
+    """``(activation of z + bias, None)`` or with ``grad`` ``(its gradient, dbias)`` by the
+    activation ops' implementations (gated: contiguous halves, clamped SwiGLU's defaults)."""
+    if activation in GATED_ACTIVATIONS:
+        if grad is None:
+            return gated_activation_fwd.eager(z, bias, activation), None
+        return gated_activation_bwd.eager(grad, z, bias, activation, 0, 7.0, 1.702, 1.0, need_dbias)
+    if grad is None:
+        return activation_fwd.eager(z, bias, activation), None
+    return activation_bwd.eager(grad, z, bias, activation, need_dbias)
+
+
 def _act_quantize(z, bias, grad, activation, fp8_dtype, scale, rows, need_dbias):
     """``(data, data_t, scale_inv, amax, dbias)`` of the activation of ``z + bias`` (forward) or
     of its gradient ``grad * f'(z + bias)`` (backward), rows past ``rows`` zero: on CUDA in the
@@ -164,11 +203,8 @@ def _act_quantize(z, bias, grad, activation, fp8_dtype, scale, rows, need_dbias)
         from te_compile.kernels.act_quantize import act_quantize
 
         return act_quantize(z, bias, grad, activation, fp8_dtype, scale, rows, True, need_dbias)
-    dbias = None
-    if grad is None:
-        v = activation_fwd.eager(z[:rows], bias, activation)
-    else:
-        v, dbias = activation_bwd.eager(grad[:rows], z[:rows], bias, activation, need_dbias)
+    v, dbias = _activation_eager(z[:rows], bias, None if grad is None else grad[:rows], activation,
+                                 need_dbias)  # fmt: skip
     data, data_t, scale_inv, amax = _quantize_both(_pad_rows(v), fp8_dtype, scale, True)
     return data, data_t, scale_inv, amax, dbias if need_dbias else None
 
@@ -186,11 +222,8 @@ def _act_quantize_block(
             z, bias, grad, activation, fp8_dtype, rows, need_dbias, power_2_scale,
             mn_major=mn_major,
         )  # fmt: skip
-    dbias = None
-    if grad is None:
-        v = activation_fwd.eager(z[:rows], bias, activation)
-    else:
-        v, dbias = activation_bwd.eager(grad[:rows], z[:rows], bias, activation, need_dbias)
+    v, dbias = _activation_eager(z[:rows], bias, None if grad is None else grad[:rows], activation,
+                                 need_dbias)  # fmt: skip
     data, s, data_t, s_t = _quantize_block(_pad_rows(v), fp8_dtype, 1, power_2_scale)
     return data, s, data_t, s_t, dbias if need_dbias else None
 
@@ -290,17 +323,17 @@ def _mlp_fp8_fwd_fake(
     _check(inp, w1, b1, w2, b2, *args)
     rows = inp.numel() // inp.shape[-1]
     m = _padded(rows)
-    d, f, n = w1.shape[1], w1.shape[0], w2.shape[0]
+    d, f1, f, n = w1.shape[1], w1.shape[0], w2.shape[1], w2.shape[0]
     u8, f32 = torch.uint8, torch.float32
     block = recipe == "block"
 
     def scales(rows, cols):  # [cols / 128, rows] block scales of a transposed copy, or a scalar
         return inp.new_empty(*((-(-cols // 128), rows) if block else (1,)), dtype=f32)
 
-    w_scales = [scales(f // 128, d), scales(n // 128, f)] if block else [scales(0, 0)] * 2
+    w_scales = [scales(f1 // 128, d), scales(n // 128, f)] if block else [scales(0, 0)] * 2
     saved = [
-        inp.new_empty(d, m, dtype=u8), scales(d, m), inp.new_empty(d, f, dtype=u8),
-        w_scales[0].clone(), inp.new_empty(m, f), inp.new_empty(f, m, dtype=u8), scales(f, m),
+        inp.new_empty(d, m, dtype=u8), scales(d, m), inp.new_empty(d, f1, dtype=u8),
+        w_scales[0].clone(), inp.new_empty(m, f1), inp.new_empty(f, m, dtype=u8), scales(f, m),
         inp.new_empty(f, n, dtype=u8), w_scales[1].clone(),
         *_fake_stats(inp, rows, normalization),
     ]  # fmt: skip
@@ -412,13 +445,13 @@ def _mlp_fp8_bwd_fake(
     normalization="", zero_centered_gamma=False, has_norm_bias=False,
 ):  # fmt: skip
     w1_t, w2_t = saved[2], saved[7]
-    d, f, n = w1_t.shape[0], w1_t.shape[1], w2_t.shape[1]
+    d, f1, f, n = w1_t.shape[0], w1_t.shape[1], w2_t.shape[0], w2_t.shape[1]
     empty = grad_out.new_empty(0)
     dinp = grad_out.new_empty(*grad_out.shape[:-1], d) if need_dgrad else empty
-    db1 = grad_out.new_empty(f) if fc1_bias is not None else grad_out.new_empty(0)
+    db1 = grad_out.new_empty(f1) if fc1_bias is not None else grad_out.new_empty(0)
     db2 = grad_out.new_empty(n) if has_fc2_bias else grad_out.new_empty(0)
     dnorm = _fake_dnorm(grad_out, norm_weight, normalization, has_norm_bias, need_dgrad)
-    return dinp, grad_out.new_empty(f, d), db1, grad_out.new_empty(n, f), db2, *dnorm
+    return dinp, grad_out.new_empty(f1, d), db1, grad_out.new_empty(n, f), db2, *dnorm
 
 
 # setup_context + autograd --------------------------------------------------------------------
@@ -494,6 +527,21 @@ def _samples(device: torch.device):
         (unit_rows(24, 512, device=device), t(512, 512), None, t(512, 512), None, None, None,
          None, None, "relu", "block", e4m3, e4m3, False, t(512), None, "RMSNorm", 1e-30, False)
     )  # fmt: skip
+    # Gated: fc1_weight [2 * ffn, hidden]; SwiGLU under current scaling, clamped SwiGLU under
+    # delayed scaling (z = x W^T over 16 features, std 4: entries past its limit of 7), GEGLU
+    # in 1x128 blocks.
+    yield SampleInput(
+        (t(2, 5, 32), t(64, 32), t(64), t(16, 32), t(16), None, None, *pending, "swiglu",
+         "current", e4m3, e5m2)
+    )  # fmt: skip
+    yield SampleInput(
+        (t(32, 16), t(96, 16), t(96), t(32, 48), None, s1, s2, *pending, "clamped_swiglu", "delayed",
+         e4m3, e5m2)
+    )  # fmt: skip
+    yield SampleInput(
+        (t(24, 512), t(1024, 512), t(1024), t(512, 512), t(512), None, None, None, None, "geglu",
+         "block", e4m3, e4m3)
+    )  # fmt: skip
 
 
 def _reference(
@@ -503,7 +551,7 @@ def _reference(
     inp = norm_ref(inp, norm)
     if recipe == "block":  # linear_block_scaled's reference twice around the activation's
         z = _block_reference(inp, w1, None, "block", fwd, bwd, pow2, 128, True)
-        h = activation_ref(z, b1, activation)
+        h = _activation_ref(z, b1, activation)
         return _block_reference(h, w2, b2, "block", fwd, bwd, pow2, 128, True)
     s1, s2 = (scale1, scale2) if recipe == "delayed" else (None, None)
     return mlp_fp8_ref(inp, w1, b1, w2, b2, activation, fwd, bwd, s1, s2)

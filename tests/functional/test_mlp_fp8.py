@@ -16,12 +16,15 @@ from tests.utils import DEVICES, assert_bits_equal, assert_close, compile_counte
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
-def _params(device, dtype, d=64, f=128, n=48, bias=True):
+def _params(device, dtype, d=64, f=128, n=48, bias=True, gated=False):
+    """``fc1_weight [f1, d]`` (``f1 = 2f`` for a gated activation), ``fc2_weight [n, f]``."""
+
     def t(*shape, std=1.0):
         return (torch.randn(*shape, device=device) * std).to(dtype).requires_grad_()
 
-    w1, w2 = t(f, d, std=0.2), t(n, f, std=0.1)
-    b1, b2 = (t(f, std=0.5), t(n)) if bias else (None, None)
+    f1 = 2 * f if gated else f
+    w1, w2 = t(f1, d, std=0.2), t(n, f, std=0.1)
+    b1, b2 = (t(f1, std=0.5), t(n)) if bias else (None, None)
     return w1, b1, w2, b2
 
 
@@ -51,14 +54,20 @@ CASES = [
     pytest.param("silu", "delayed", torch.bfloat16, True, E5M2, id="silu-delayed-bf16"),
     pytest.param("relu", "current", torch.float32, False, E4M3, id="relu-current-fp32-e4m3"),
     pytest.param("srelu", "delayed", torch.float16, True, E5M2, id="srelu-delayed-fp16"),
+    pytest.param("swiglu", "current", torch.bfloat16, True, E5M2, id="swiglu-current-bf16"),
+    pytest.param("geglu", "delayed", torch.bfloat16, False, E5M2, id="geglu-delayed-bf16"),
+    pytest.param("clamped_swiglu", "current", torch.float32, True, E4M3, id="clamped-swiglu-fp32"),
+    pytest.param("reglu", "delayed", torch.float16, True, E5M2, id="reglu-delayed-fp16"),
 ]
 
 
 @pytest.mark.parametrize("act,recipe,dtype,bias,bwd", CASES)
 @pytest.mark.parametrize("device", DEVICES)
 def test_same_bytes_as_the_unfused_ops(device, act, recipe, dtype, bias, bwd):
-    w1, b1, w2, b2 = _params(device, dtype, bias=bias)
+    w1, b1, w2, b2 = _params(device, dtype, bias=bias, gated=act in F.GATED_ACTIVATIONS)
     x = torch.randn(3, 7, 64, device=device).to(dtype).requires_grad_()  # 21 tokens: padded
+    if act == "clamped_swiglu":
+        x = x.detach().mul(4).requires_grad_()  # z past the clamps' limit of 7 on both halves
     delayed = recipe == "delayed"
     s1 = torch.tensor([40.0, 900.0, 2e3], device=device) if delayed else None
     s2 = torch.tensor([100.0, 2e3, 5e3], device=device) if delayed else None
@@ -84,14 +93,16 @@ def _block_unfused(x, w1, b1, w2, b2, act, pow2):
     return F.linear_block_scaled(h, w2, b2, **kw)
 
 
-@pytest.mark.parametrize("act,pow2", [("gelu", False), ("srelu", True)])
+@pytest.mark.parametrize("act,pow2", [("gelu", False), ("srelu", True), ("swiglu", False)])
 @pytest.mark.parametrize("device", DEVICES)
 def test_block_recipe_same_bytes_as_the_unfused_ops(device, act, pow2):
     """recipe="block" against linear_block_scaled(native=True) -> bias_activation ->
     linear_block_scaled(native=True): on the CPU its GEMMs are emulated the same way."""
     if device == "cuda" and not te_compile.is_fp8_block_scaling_available():
         pytest.skip("no native blockwise FP8 GEMMs on this GPU")
-    w1, b1, w2, b2 = _params(device, torch.bfloat16, d=512, f=1024, n=512)
+    gated = act in F.GATED_ACTIVATIONS
+    w1, b1, w2, b2 = _params(device, torch.bfloat16, d=512, f=512 if gated else 1024, n=512,
+                             gated=gated)  # fmt: skip
     x = torch.randn(3, 16, 512, device=device).to(torch.bfloat16).requires_grad_()
     out = F.mlp_fp8(
         x, w1, b1, w2, b2, act, recipe="block", fwd_dtype=E4M3, bwd_dtype=E4M3,
@@ -134,7 +145,9 @@ def test_compiles_without_graph_breaks_and_matches_eager(device):
 def test_errors_name_the_argument():
     x, w1, w2 = torch.randn(16, 32), torch.randn(64, 32), torch.randn(16, 64)
     with pytest.raises(ValueError, match="activation must be one of"):
-        F.mlp_fp8(x, w1, None, w2, None, "swiglu")
+        F.mlp_fp8(x, w1, None, w2, None, "swish")
+    with pytest.raises(ValueError, match=r"fc1_weight \[2 \* ffn, hidden\] \(gated activation\)"):
+        F.mlp_fp8(x, w1, None, w2, None, "swiglu")  # fc2_weight takes 64 features, not 32
     with pytest.raises(ValueError, match="multiples of 16"):
         F.mlp_fp8(torch.randn(16, 24), torch.randn(64, 24), None, w2, None, "gelu")
     with pytest.raises(ValueError, match="do not match"):
@@ -159,27 +172,32 @@ RECIPES = [
 ]
 
 
+@pytest.mark.parametrize("act", ["gelu", "swiglu"])
 @pytest.mark.parametrize("recipe_cls", RECIPES)
 @pytest.mark.parametrize("device", DEVICES)
-def test_layernorm_mlp_takes_the_fused_op_with_the_same_results(device, recipe_cls, monkeypatch):
+def test_layernorm_mlp_takes_the_fused_op_with_the_same_results(
+    device, recipe_cls, act, monkeypatch
+):
     """Three training steps of LayerNormMLP under each per-tensor recipe, fused and op by op
     (``TE_COMPILE_FUSED_FP8_MLP=0``): the same outputs, gradients and scaling state."""
-    _fused_and_plain_steps(device, recipe_cls(), 64, 128, monkeypatch)
+    _fused_and_plain_steps(device, recipe_cls(), 64, 128, monkeypatch, act)
 
 
 @pytest.mark.skipif(
     not torch.cuda.is_available() or not te_compile.is_fp8_block_scaling_available(),
     reason="Float8BlockScaling's fused MLP runs where its GEMMs are native (Hopper, CUDA 12.9+)",
 )
-def test_layernorm_mlp_takes_the_fused_op_under_block_scaling(monkeypatch):
-    _fused_and_plain_steps("cuda", te_compile.recipe.Float8BlockScaling(), 512, 1024, monkeypatch)
+@pytest.mark.parametrize("act", ["gelu", "swiglu"])
+def test_layernorm_mlp_takes_the_fused_op_under_block_scaling(act, monkeypatch):
+    recipe = te_compile.recipe.Float8BlockScaling()
+    _fused_and_plain_steps("cuda", recipe, 512, 1024, monkeypatch, act)
 
 
-def _fused_and_plain_steps(device, recipe, hidden, ffn, monkeypatch):
+def _fused_and_plain_steps(device, recipe, hidden, ffn, monkeypatch, act):
     torch.manual_seed(0)
     kw = {"device": device, "params_dtype": torch.bfloat16}
-    fused = te_compile.LayerNormMLP(hidden, ffn, activation="gelu", **kw)
-    plain = te_compile.LayerNormMLP(hidden, ffn, activation="gelu", **kw)
+    fused = te_compile.LayerNormMLP(hidden, ffn, activation=act, **kw)
+    plain = te_compile.LayerNormMLP(hidden, ffn, activation=act, **kw)
     plain.load_state_dict(fused.state_dict())
     calls = []
     real = fp8_gemm.F.mlp_fp8
@@ -224,15 +242,17 @@ def test_layernorm_mlp_calls_the_fused_op_only_where_it_applies(device, monkeypa
         return real(*args, **kwargs)
 
     monkeypatch.setattr(fp8_gemm.F, "mlp_fp8", spy)
-    x = torch.randn(16, 32, device=device, dtype=torch.bfloat16)
+    x = torch.randn(32, 64, device=device, dtype=torch.bfloat16)
     for act in ("gelu", "swiglu"):
         m = te_compile.LayerNormMLP(
-            32, 64, activation=act, device=device, params_dtype=torch.bfloat16
+            64, 64, activation=act, device=device, params_dtype=torch.bfloat16
         )
         with te_compile.autocast(recipe=te_compile.recipe.Float8CurrentScaling()):
             m(x)
         m(x)  # outside autocast: bf16, no FP8 op
-    assert seen == ["gelu"]
+        with te_compile.autocast(recipe=te_compile.recipe.MXFP8BlockScaling()):
+            m(x)  # emulated block formats: op by op
+    assert seen == ["gelu", "swiglu"]
 
 
 # Norm prologue (LayerNormMLP): the norm written straight into FC1's FP8 input. ------------------
