@@ -15,6 +15,10 @@ Rows, all ``torch.compile(fullgraph=True, dynamic=False)``, ratios against ``bf1
 - ``te FP8 current|delayed|block compiled``: LayerNormMLP (each its own instance, same weights)
   called inside ``te_compile.autocast(recipe=Float8CurrentScaling() | DelayedScaling() |
   Float8BlockScaling())``; a recipe the modules do not implement yet shows as an error row;
+- with ``--unfused``, ``te FP8 current|block op-by-op compiled``: the same recipes with
+  LayerNormMLP's one-op FP8 path turned off (``quantization.fp8_gemm._FUSE_MLP``, as
+  ``TE_COMPILE_FUSED_FP8_MLP=0`` sets it) around every call: linear, activation, linear, the
+  activation written in bf16 between two quantisations (what the fused op saves);
 - ``torchao tensorwise|rowwise``: a copy of the PyTorch block converted with torchao's
   ``convert_to_float8_training(Float8LinearConfig.from_recipe_name(...))`` (skipped with a note
   when torchao is not importable).
@@ -25,7 +29,7 @@ the bf16 rows' largest relative differences, and each FP8 row's SQNR (dB) of the
 the input gradient against ``bf16 torch compiled``.
 
     python -m bench.bench_fp8                        # CUDA, GELU
-    python -m bench.bench_fp8 --activation swiglu
+    python -m bench.bench_fp8 --activation swiglu --unfused
     python -m bench.bench_fp8 --smoke                # tiny shapes, runs on CPU
 """
 
@@ -66,6 +70,11 @@ TE_RECIPES: dict[str, Callable[[], Recipe]] = {
     TE_BLOCK: te_compile.recipe.Float8BlockScaling,
 }
 TORCHAO_RECIPES = {AO_TENSORWISE: "tensorwise", AO_ROWWISE: "rowwise"}
+# --unfused: LayerNormMLP's FP8 block op by op.
+UNFUSED = {
+    TE_CURRENT: "te FP8 current op-by-op compiled",
+    TE_BLOCK: "te FP8 block op-by-op compiled",
+}
 
 # The issue's targets: (row, minimum speedup, over which row): t_row / t_against <= 1 / speedup.
 TARGETS: list[tuple[str, float, str]] = [
@@ -92,6 +101,20 @@ def _under_autocast(recipe: Recipe, fn: Call) -> Call:
                 if exc.__cause__ is None:
                     raise
                 raise RuntimeError(f"under torch.compile: {exc.__cause__}") from exc
+
+    return call
+
+
+def _op_by_op(fn: Call) -> Call:
+    """``fn(x)`` with the fused FP8 MLP op turned off (every call: compiled code guards on it)."""
+    from te_compile.quantization import fp8_gemm
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        fused, fp8_gemm._FUSE_MLP = fp8_gemm._FUSE_MLP, False
+        try:
+            return fn(x)
+        finally:
+            fp8_gemm._FUSE_MLP = fused
 
     return call
 
@@ -182,7 +205,9 @@ def target_notes(result: harness.CaseResult) -> list[str]:
     return lines
 
 
-def run_case(activation: str, t: int, d: int, f: int, *, device, timing) -> harness.CaseResult:
+def run_case(
+    activation: str, t: int, d: int, f: int, *, device, timing, unfused: bool = False
+) -> harness.CaseResult:
     torch._dynamo.reset()
     torch.manual_seed(0)
     dtype = torch.bfloat16
@@ -211,6 +236,10 @@ def run_case(activation: str, t: int, d: int, f: int, *, device, timing) -> harn
     for name, recipe in TE_RECIPES.items():
         te = new_te()  # one instance per recipe: delayed scaling keeps state in its buffers
         modules[name] = (_under_autocast(recipe(), torch.compile(te, **kw)), te)
+    for name, row in UNFUSED.items() if unfused else ():
+        te = new_te()
+        call = _under_autocast(TE_RECIPES[name](), torch.compile(te, **kw))
+        modules[row] = (_op_by_op(call), te)
     ao_modules, ao_note = _torchao_modules(ref, kw)
     modules.update(ao_modules)
     fp8_rows = [n for n in modules if n not in (BF16_TORCH, BF16_TE)]
@@ -258,6 +287,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--activation", default="gelu", choices=["gelu", "swiglu"], help="default: gelu"
     )
+    parser.add_argument(
+        "--unfused", action="store_true", help="also the op-by-op FP8 block (current, block)"
+    )
     args, device, timing, report = harness.start(
         parser, argv, "bench_fp8", full_timing=harness.GEMM_TIMING
     )
@@ -268,7 +300,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         report.metadata["torchao"] = torchao.__version__
     except ImportError:
         report.metadata["torchao"] = None
-    report.add(run_case(args.activation, t, d, f, device=device, timing=timing))
+    report.add(
+        run_case(args.activation, t, d, f, device=device, timing=timing, unfused=args.unfused)
+    )
     report.finish(harness.resolve_out_dir(args, report.metadata), chart=not args.no_chart)
     return 0
 
