@@ -52,6 +52,7 @@ import te_compile
 from bench import harness
 from bench.bench_linear import check_against_reference, fwd_bwd
 from bench.bench_mlp import CHECK_RTOL, FULL, TorchMLP, _copy_weights
+from te_compile.quantization import fp8_gemm
 from te_compile.quantization.recipe import Recipe
 
 SMOKE = (64, 32, 64)  # multiples of 16, as FP8 GEMMs need
@@ -101,20 +102,6 @@ def _under_autocast(recipe: Recipe, fn: Call) -> Call:
                 if exc.__cause__ is None:
                     raise
                 raise RuntimeError(f"under torch.compile: {exc.__cause__}") from exc
-
-    return call
-
-
-def _op_by_op(fn: Call) -> Call:
-    """``fn(x)`` with the fused FP8 MLP op turned off (every call: compiled code guards on it)."""
-    from te_compile.quantization import fp8_gemm
-
-    def call(x: torch.Tensor) -> torch.Tensor:
-        fused, fp8_gemm._FUSE_MLP = fp8_gemm._FUSE_MLP, False
-        try:
-            return fn(x)
-        finally:
-            fp8_gemm._FUSE_MLP = fused
 
     return call
 
@@ -239,7 +226,7 @@ def run_case(
     for name, row in UNFUSED.items() if unfused else ():
         te = new_te()
         call = _under_autocast(TE_RECIPES[name](), torch.compile(te, **kw))
-        modules[row] = (_op_by_op(call), te)
+        modules[row] = (harness.with_setting(fp8_gemm, "_FUSE_MLP", False, call), te)
     ao_modules, ao_note = _torchao_modules(ref, kw)
     modules.update(ao_modules)
     fp8_rows = [n for n in modules if n not in (BF16_TORCH, BF16_TE)]

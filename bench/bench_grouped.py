@@ -54,6 +54,7 @@ from torch import nn
 import te_compile
 from bench import harness
 from bench.bench_linear import _rel_err, fwd_bwd
+from te_compile.quantization import fp8_gemm
 
 TOKENS, IN_FEATURES, OUT_FEATURES = 32768, 4096, 2048
 EXPERTS = [8, 64]
@@ -230,22 +231,6 @@ def _under_fp8(
     return fp8_call
 
 
-def _high_precision_wgrad(call: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """``call`` with the grouped FP8 wgrad off (``TE_COMPILE_GROUPED_FP8_WGRAD=0``): E4M3's
-    forward and dgrad in FP8, the wgrad in bf16 from the input kept in bf16. The flag is read
-    while tracing, so the compiled module keeps one graph per setting."""
-    from te_compile.quantization import fp8_gemm
-
-    def hp_call(x: torch.Tensor) -> torch.Tensor:
-        previous, fp8_gemm._GROUPED_FP8_WGRAD = fp8_gemm._GROUPED_FP8_WGRAD, False
-        try:
-            return call(x)
-        finally:
-            fp8_gemm._GROUPED_FP8_WGRAD = previous
-
-    return hp_call
-
-
 def _make_te(experts: int, k: int, n: int, *, single: bool, device) -> nn.Module:
     return te_compile.GroupedLinear(
         experts,
@@ -333,8 +318,11 @@ def run_case(
                 _under_fp8(_bind(te_fp8_c, splits_t), "E4M3"),
                 te_fp8,
             )
+            # TE_COMPILE_GROUPED_FP8_WGRAD=0's setting: E4M3's forward and dgrad in FP8, the
+            # wgrad in bf16 from the input kept in bf16.
+            e4m3 = _under_fp8(_bind(te_fp8_c, splits_t), "E4M3")
             modules[TE_FP8_E4M3_HPW_COMPILED] = (
-                _high_precision_wgrad(_under_fp8(_bind(te_fp8_c, splits_t), "E4M3")),
+                harness.with_setting(fp8_gemm, "_GROUPED_FP8_WGRAD", False, e4m3),
                 te_fp8,
             )
             modules[TE_FP8_DELAYED_COMPILED] = (

@@ -139,6 +139,21 @@ def rotating(
     return lambda: fn(*next(it))
 
 
+def with_setting(obj: object, name: str, value: object, fn: Callable[..., Any]) -> Callable:
+    """``fn`` called with ``obj.name`` set to ``value`` (restored after every call): a module
+    flag read while tracing, so a compiled ``fn`` guards on it and keeps its own graph."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        previous = getattr(obj, name)
+        setattr(obj, name, value)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            setattr(obj, name, previous)
+
+    return call
+
+
 def l2_cache_bytes(device: torch.device | str | None = None) -> int:
     """L2 size of the CUDA device (50 MiB, H100's size, when unknown or not CUDA)."""
     default = 50 * 2**20

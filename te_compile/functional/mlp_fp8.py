@@ -535,8 +535,8 @@ def _samples(device: torch.device):
          "current", e4m3, e5m2)
     )  # fmt: skip
     yield SampleInput(
-        (t(32, 16), t(96, 16), t(96), t(32, 48), None, s1, s2, *pending, "clamped_swiglu", "delayed",
-         e4m3, e5m2)
+        (t(32, 16), t(96, 16), t(96), t(32, 48), None, s1, s2, *pending, "clamped_swiglu",
+         "delayed", e4m3, e5m2)
     )  # fmt: skip
     yield SampleInput(
         (t(24, 512), t(1024, 512), t(1024), t(512, 512), t(512), None, None, None, None, "geglu",

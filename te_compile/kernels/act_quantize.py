@@ -221,6 +221,13 @@ def _gated_bwd_tile(
 
 
 @triton.jit
+def _store_sums(PART, v, pid_m, ROW, COL0, cols, N):
+    """The column sums of tile ``v`` into row ``pid_m`` of ``PART`` (``ROW`` wide), columns
+    ``COL0 + cols`` (of ``N`` valid): a bias gradient's partial sums."""
+    tl.store(PART + pid_m.to(tl.int64) * ROW + COL0 + cols, tl.sum(v, axis=0), mask=cols < N)
+
+
+@triton.jit
 def _max_abs_bits(r):
     return tl.max(tl.max(_abs_bits(r), axis=1), axis=0)
 
@@ -242,9 +249,8 @@ def _act_amax_kernel(
         )
         tl.atomic_max(AMAX_BITS, tl.maximum(_max_abs_bits(ra), _max_abs_bits(rl)))
         if DBIAS:
-            part = PART + pid_m.to(tl.int64) * 2 * N + cols
-            tl.store(part, tl.sum(va, axis=0), mask=cols < N)
-            tl.store(part + N, tl.sum(vl, axis=0), mask=cols < N)
+            _store_sums(PART, va, pid_m, 2 * N, 0, cols, N)
+            _store_sums(PART, vl, pid_m, 2 * N, N, cols, N)
     else:
         v, r, cols = _tile(
             Z, B, G, MEAN, RSIG, pid_m, pid_n, M, N, FN, BWD, GATED, HAS_BIAS, ROUND, SOFTWARE,
@@ -252,7 +258,7 @@ def _act_amax_kernel(
         )  # fmt: skip
         tl.atomic_max(AMAX_BITS, _max_abs_bits(r))
         if DBIAS:
-            tl.store(PART + pid_m.to(tl.int64) * N + cols, tl.sum(v, axis=0), mask=cols < N)
+            _store_sums(PART, v, pid_m, N, 0, cols, N)
 
 
 @triton.jit
@@ -307,9 +313,8 @@ def _act_cast_kernel(
         scale = _tile_scale(SCALE, AMAX_BITS, SCALE_INV, xa, first, fp8_max, eps, FROM_AMAX, False)
         _tile_scale(SCALE, AMAX_BITS, SCALE_INV, xl, first, fp8_max, eps, FROM_AMAX, False)
         if DBIAS and not FROM_AMAX:
-            part = PART + pid_m.to(tl.int64) * 2 * N + cols
-            tl.store(part, tl.sum(va, axis=0), mask=cols < N)
-            tl.store(part + N, tl.sum(vl, axis=0), mask=cols < N)
+            _store_sums(PART, va, pid_m, 2 * N, 0, cols, N)
+            _store_sums(PART, vl, pid_m, 2 * N, N, cols, N)
         _cast_store(
             xa, scale, DATA, DATA_T, pid_m, pid_n, M_OUT, N, 2 * N, 0, fp8_max, E4M3, MBITS,
             BIAS, SOFTWARE, GUARD, COLUMNWISE, EVEN, BLOCK_M, BLOCK_N,
@@ -325,7 +330,7 @@ def _act_cast_kernel(
         )  # fmt: skip
         scale = _tile_scale(SCALE, AMAX_BITS, SCALE_INV, x, first, fp8_max, eps, FROM_AMAX, False)
         if DBIAS and not FROM_AMAX:
-            tl.store(PART + pid_m.to(tl.int64) * N + cols, tl.sum(v, axis=0), mask=cols < N)
+            _store_sums(PART, v, pid_m, N, 0, cols, N)
         _cast_store(
             x, scale, DATA, DATA_T, pid_m, pid_n, M_OUT, N, N, 0, fp8_max, E4M3, MBITS,
             BIAS, SOFTWARE, GUARD, COLUMNWISE, EVEN, BLOCK_M, BLOCK_N,
@@ -397,9 +402,8 @@ def _act_block_kernel(
             Z, B, G, pid_m, pid_n, M, N, FN, HAS_BIAS, ROUND, SOFTWARE, EVEN, BLOCK_M, BLOCK_N
         )
         if DBIAS:
-            part = PART + pid_m.to(tl.int64) * 2 * N + cols
-            tl.store(part, tl.sum(va, axis=0), mask=cols < N)
-            tl.store(part + N, tl.sum(vl, axis=0), mask=cols < N)
+            _store_sums(PART, va, pid_m, 2 * N, 0, cols, N)
+            _store_sums(PART, vl, pid_m, 2 * N, N, cols, N)
         _block_store(
             xa, DATA, SCALE_INV, DATA_T, SCALE_INV_T, pid_m, pid_n, M_OUT, N, 2 * N, 0,
             fp8_max, S_ROW, S_BLK, T_ROW, T_BLK, E4M3, MBITS, BIAS, SOFTWARE, GUARD, POW2, EVEN,
@@ -416,7 +420,7 @@ def _act_block_kernel(
             EVEN, BLOCK_M, BLOCK_N,
         )  # fmt: skip
         if DBIAS:
-            tl.store(PART + pid_m.to(tl.int64) * N + cols, tl.sum(v, axis=0), mask=cols < N)
+            _store_sums(PART, v, pid_m, N, 0, cols, N)
         _block_store(
             x, DATA, SCALE_INV, DATA_T, SCALE_INV_T, pid_m, pid_n, M_OUT, N, N, 0,
             fp8_max, S_ROW, S_BLK, T_ROW, T_BLK, E4M3, MBITS, BIAS, SOFTWARE, GUARD, POW2, EVEN,
