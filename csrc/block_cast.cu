@@ -1,7 +1,7 @@
 // Float8BlockScaling casts in CUDA, both layouts from one read of the input:
 //
-// te_cuda::act_cast_1x128 — GELU (or its gradient, or the input itself) cast to FP8 in 1x128
-// blocks.
+// te_cuda::act_cast_1x128 — GELU or SwiGLU (or its gradient, or the input itself) cast to FP8
+// in 1x128 blocks.
 // te_cuda::cast_128x128 — a bf16 matrix (a weight) cast in 128x128 blocks and its transpose
 // (same blocks, same scales), as kernels/quantize.py's _block_kernel with BLOCK_ROWS=128.
 //
@@ -24,6 +24,11 @@
 //   optionally truncated to a power of two); code = cvt.rn.satfinite(x * scale);
 //   scale_inv = 1 / scale correctly rounded. The bias gradient partial sums are of the unrounded
 //   dz, per 128-row tile (summed in another order than Triton's: equal to rounding).
+//
+//   swiglu (z = [a | l], contiguous halves): s = rcp.approx(1 + ex2.approx(a * -log2 e)),
+//   h = (a * s) * l; backward dl = dh * (a * s), da = (dh * l) * fma(a, fma(-s, s, s), s), one
+//   CTA per 128x128 tile of dz (an activation-half tile or a linear-half tile of the same rows,
+//   the dh and z tiles under it read once each; the linear-half CTA does not read l).
 //
 // Scope: bf16 input, whole 128x128 tiles (M and N multiples of 128, no padding rows). Other
 // cases stay on the Triton kernels. Registered in its own namespace: it is a kernel called by
@@ -79,7 +84,24 @@ __device__ __forceinline__ float gelu_sigmoid(float a, float aa) {
 
 // What a kernel casts: gelu(z + b), its gradient dh * gelu'(z + b), or z itself (a plain
 // 1x128 cast of a bf16 tensor, e.g. the output gradient, its column sums the bias gradient).
-enum Mode : int { kGeluFwd = 0, kGeluBwd = 1, kIdentity = 2 };
+enum Mode : int { kGeluFwd = 0, kGeluBwd = 1, kIdentity = 2, kSwigluFwd = 3, kSwigluBwd = 4 };
+
+constexpr float kNegLog2e = static_cast<float>(-1.4426950408889634);
+
+// sigmoid(a) as kernels/activation.py's _sigmoid.
+__device__ __forceinline__ float sigmoid(float a) {
+  return rcp_approx(__fadd_rn(1.0f, ex2_approx(__fmul_rn(a, kNegLog2e))));
+}
+
+// SwiGLU's value at one element: h = silu(a) * l (forward); dz's element of the activation half
+// (da = dh * l * silu'(a)) or, with lin_half, of the linear half (dl = dh * silu(a)).
+template <bool kBwd>
+__device__ __forceinline__ float swiglu(float a, float l, float g, bool lin_half) {
+  const float s = sigmoid(a);
+  if (!kBwd) return __fmul_rn(__fmul_rn(a, s), l);
+  if (lin_half) return __fmul_rn(g, __fmul_rn(a, s));
+  return __fmul_rn(__fmul_rn(g, l), __fmaf_rn(a, __fmaf_rn(-s, s, s), s));
+}
 
 template <bool kBwd>
 __device__ __forceinline__ float activation(float a, float g) {
@@ -177,51 +199,75 @@ __global__ void __launch_bounds__(kThreads, min_ctas(kMode)) act_cast_1x128_kern
     int64_t s_blk,
     int64_t t_row,
     int64_t t_blk) {
+  // n: the activation's output columns (dh's); z (and the bias) hold 2n for SwiGLU, as does the
+  // cast tensor of its backward (dz). CTA (x, y) casts the cast tensor's tile (y, x).
   __shared__ __align__(16) uint32_t tile_words[kTile * kWordsPerRow];
   __shared__ float colsum[kDbias ? 2 * kWarps : 1][kTile];
-  constexpr bool kBwd = kMode == kGeluBwd;
+  constexpr bool kBwd = kMode == kGeluBwd || kMode == kSwigluBwd;
+  constexpr bool kGated = kMode == kSwigluFwd || kMode == kSwigluBwd;
+  const int64_t zn = kGated ? 2 * n : n;             // z's row stride
+  const int64_t on = kMode == kSwigluBwd ? 2 * n : n;  // the cast tensor's
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kTile;
-  const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kTile;
+  const int64_t ocol0 = static_cast<int64_t>(blockIdx.x) * kTile;  // in the cast tensor
+  const bool lin_half = kMode == kSwigluBwd && ocol0 >= n;
+  const int64_t col0 = lin_half ? ocol0 - n : ocol0;  // in dh (and z's activation half)
 
   // Row pass: lane l of warp w takes columns 8 (l % 16) .. 8 (l % 16) + 7 of rows 16w + l / 16,
   // 16w + 2 + l / 16, ...: one 16-byte load a row piece, two rows a warp instruction.
   const int half = lane / 16;
   const int l16 = lane % 16;
   float b[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  float bl[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
   if (has_bias) {
     const uint4 bv = *reinterpret_cast<const uint4*>(bias + col0 + 8 * l16);
     const uint32_t bw[4] = {bv.x, bv.y, bv.z, bv.w};
 #pragma unroll
     for (int j = 0; j < 4; ++j) b[2 * j] = bf16_lo(bw[j]), b[2 * j + 1] = bf16_hi(bw[j]);
+    if (kGated) {
+      const uint4 lv = *reinterpret_cast<const uint4*>(bias + n + col0 + 8 * l16);
+      const uint32_t lw[4] = {lv.x, lv.y, lv.z, lv.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) bl[2 * j] = bf16_lo(lw[j]), bl[2 * j + 1] = bf16_hi(lw[j]);
+    }
   }
   float csum[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
 
-  // A thread's row pieces are loaded kGroup at a time before any of them is used (the forward
-  // the whole tile, the backward half of it and half of the gradient's): many loads in flight
-  // per CTA at a register count that keeps min_ctas CTAs on a multiprocessor.
+  // A thread's row pieces are loaded kGroup at a time before any of them is used (GELU's
+  // forward the whole tile, the others a half or, SwiGLU's backward with three inputs, a
+  // quarter): many loads in flight per CTA at a register count that keeps min_ctas CTAs on a
+  // multiprocessor.
   constexpr int kIters = kRowsPerWarp / 2;
-  constexpr int kGroup = kBwd ? kIters / 2 : kIters;
+  constexpr int kGroup = kMode == kSwigluBwd ? kIters / 4
+                         : (kBwd || kGated)   ? kIters / 2
+                                              : kIters;
+  const bool load_lin = kMode == kSwigluFwd || (kMode == kSwigluBwd && !lin_half);
 #pragma unroll
   for (int i0 = 0; i0 < kIters; i0 += kGroup) {
     uint4 zv[kGroup];
     uint4 gv[kBwd ? kGroup : 1];
+    uint4 lv[kGated ? kGroup : 1];
 #pragma unroll
     for (int it = 0; it < kGroup; ++it) {
-      const int64_t off =
-          (row0 + warp * kRowsPerWarp + 2 * (i0 + it) + half) * n + col0 + 8 * l16;
-      zv[it] = __ldg(reinterpret_cast<const uint4*>(z + off));
-      if (kBwd) gv[it] = __ldg(reinterpret_cast<const uint4*>(grad + off));
+      const int64_t r = row0 + warp * kRowsPerWarp + 2 * (i0 + it) + half;
+      const int64_t zoff = r * zn + col0 + 8 * l16;
+      zv[it] = __ldg(reinterpret_cast<const uint4*>(z + zoff));
+      if (kGated) {
+        lv[it] = load_lin ? __ldg(reinterpret_cast<const uint4*>(z + zoff + n)) : zv[it];
+      }
+      if (kBwd) gv[it] = __ldg(reinterpret_cast<const uint4*>(grad + r * n + col0 + 8 * l16));
     }
 
 #pragma unroll
     for (int it = 0; it < kGroup; ++it) {
       const int r = warp * kRowsPerWarp + 2 * (i0 + it) + half;
-      const int64_t off = (row0 + r) * n + col0 + 8 * l16;
+      const int64_t off = (row0 + r) * on + ocol0 + 8 * l16;
       const uint32_t zw[4] = {zv[it].x, zv[it].y, zv[it].z, zv[it].w};
       uint32_t gw[4] = {0, 0, 0, 0};
+      uint32_t lw[4] = {0, 0, 0, 0};
       if (kBwd) gw[0] = gv[it].x, gw[1] = gv[it].y, gw[2] = gv[it].z, gw[3] = gv[it].w;
+      if (kGated) lw[0] = lv[it].x, lw[1] = lv[it].y, lw[2] = lv[it].z, lw[3] = lv[it].w;
       float x[8];
       int amax = 0;
 #pragma unroll
@@ -229,7 +275,13 @@ __global__ void __launch_bounds__(kThreads, min_ctas(kMode)) act_cast_1x128_kern
         const float zf = j % 2 ? bf16_hi(zw[j / 2]) : bf16_lo(zw[j / 2]);
         const float gf = j % 2 ? bf16_hi(gw[j / 2]) : bf16_lo(gw[j / 2]);
         const float a = has_bias ? __fadd_rn(zf, b[j]) : zf;
-        const float v = kMode == kIdentity ? a : activation<kBwd>(a, gf);
+        float v;
+        if (kGated) {
+          const float lf = j % 2 ? bf16_hi(lw[j / 2]) : bf16_lo(lw[j / 2]);
+          v = swiglu<kBwd>(a, has_bias ? __fadd_rn(lf, bl[j]) : lf, gf, lin_half);
+        } else {
+          v = kMode == kIdentity ? a : activation<kBwd>(a, gf);
+        }
         if (kDbias) csum[j] += v;
         x[j] = kMode == kIdentity ? v : round_bf16(v);
         amax = max(amax, abs_bits(x[j]));
@@ -254,7 +306,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas(kMode)) act_cast_1x128_kern
     float t = 0.0f;
 #pragma unroll
     for (int k = 0; k < 2 * kWarps; ++k) t += colsum[k][threadIdx.x];
-    part[static_cast<int64_t>(blockIdx.y) * n + col0 + threadIdx.x] = t;
+    part[static_cast<int64_t>(blockIdx.y) * on + ocol0 + threadIdx.x] = t;
   }
 
   // Column pass: warp w owns columns 16w .. 16w + 15, two at a time (one shared word); lane l
@@ -275,11 +327,11 @@ __global__ void __launch_bounds__(kThreads, min_ctas(kMode)) act_cast_1x128_kern
     amax_hi = warp_max(amax_hi);
     const float s_lo = scale_from_amax(__int_as_float(amax_lo), fp8_max, pow2);
     const float s_hi = scale_from_amax(__int_as_float(amax_hi), fp8_max, pow2);
-    store_column_pair(data_t, col0 + c, row0 + 4 * lane, m, fp8x4(lo, s_lo, e4m3),
+    store_column_pair(data_t, ocol0 + c, row0 + 4 * lane, m, fp8x4(lo, s_lo, e4m3),
                       fp8x4(hi, s_hi, e4m3));
     if (lane == 0) {
-      scale_inv_t[(col0 + c) * t_row + blockIdx.y * t_blk] = __fdiv_rn(1.0f, s_lo);
-      scale_inv_t[(col0 + c + 1) * t_row + blockIdx.y * t_blk] = __fdiv_rn(1.0f, s_hi);
+      scale_inv_t[(ocol0 + c) * t_row + blockIdx.y * t_blk] = __fdiv_rn(1.0f, s_lo);
+      scale_inv_t[(ocol0 + c + 1) * t_row + blockIdx.y * t_blk] = __fdiv_rn(1.0f, s_hi);
     }
   }
 }
@@ -392,41 +444,47 @@ void act_cast_1x128(const at::Tensor& z, const std::optional<at::Tensor>& bias,
                     const at::Tensor& scale_inv, const at::Tensor& data_t,
                     const at::Tensor& scale_inv_t, const std::optional<at::Tensor>& part,
                     double fp8_max, bool e4m3, bool pow2, c10::string_view activation) {
-  TORCH_CHECK_VALUE(activation == "gelu" || activation == "identity",
-                    "te_cuda::act_cast_1x128: activation must be 'gelu' or 'identity', got '",
-                    activation, "'");
+  TORCH_CHECK_VALUE(activation == "gelu" || activation == "swiglu" || activation == "identity",
+                    "te_cuda::act_cast_1x128: activation must be 'gelu', 'swiglu' or 'identity', "
+                    "got '", activation, "'");
   const bool identity = activation == "identity";
+  const bool glu = activation == "swiglu";
   TORCH_CHECK_VALUE(!identity || (!bias && !grad),
                     "te_cuda::act_cast_1x128: activation 'identity' takes no bias and no grad");
-  const int64_t m = z.size(0), n = z.dim() == 2 ? z.size(1) : -1;
-  TORCH_CHECK_VALUE(z.dim() == 2 && m % kTile == 0 && n % kTile == 0,
-                    "te_cuda::act_cast_1x128: z must be [M, N] with M and N multiples of 128, got ",
+  // n: the activation's output columns; SwiGLU's z (and bias) hold 2n, its dz (the backward's
+  // cast tensor, `on` columns) too.
+  const int64_t m = z.size(0), zn = z.dim() == 2 ? z.size(1) : -1;
+  const int64_t n = glu ? zn / 2 : zn;
+  const int64_t on = glu && grad ? zn : n;
+  TORCH_CHECK_VALUE(z.dim() == 2 && m % kTile == 0 && n % kTile == 0 && (!glu || zn % 2 == 0),
+                    "te_cuda::act_cast_1x128: z must be [M, N] (swiglu: [M, 2N]) with M and N "
+                    "multiples of 128, got ",
                     z.sizes());
   TORCH_CHECK_VALUE(m / kTile <= 65535, "te_cuda::act_cast_1x128: M / 128 must be <= 65535");
-  check_2d("act_cast_1x128", z, "z", at::kBFloat16, m, n);
+  check_2d("act_cast_1x128", z, "z", at::kBFloat16, m, zn);
   if (grad) check_2d("act_cast_1x128", *grad, "grad", at::kBFloat16, m, n);
   if (bias) {
     TORCH_CHECK_VALUE(bias->is_cuda() && bias->scalar_type() == at::kBFloat16 &&
-                          bias->is_contiguous() && bias->dim() == 1 && bias->size(0) == n,
-                      "te_cuda::act_cast_1x128: bias must be a contiguous CUDA bfloat16 [", n,
+                          bias->is_contiguous() && bias->dim() == 1 && bias->size(0) == zn,
+                      "te_cuda::act_cast_1x128: bias must be a contiguous CUDA bfloat16 [", zn,
                       "] tensor");
   }
   for (const at::Tensor* t : {&z, grad ? &*grad : nullptr, bias ? &*bias : nullptr}) {
     TORCH_CHECK_VALUE(t == nullptr || reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0,
                       "te_cuda::act_cast_1x128: z, grad and bias must be 16-byte aligned");
   }
-  check_2d("act_cast_1x128", data, "data", at::kByte, m, n);
-  check_2d("act_cast_1x128", data_t, "data_t", at::kByte, n, m);
-  check_scales("act_cast_1x128", scale_inv, "scale_inv", m, n / kTile);
-  check_scales("act_cast_1x128", scale_inv_t, "scale_inv_t", n, m / kTile);
+  check_2d("act_cast_1x128", data, "data", at::kByte, m, on);
+  check_2d("act_cast_1x128", data_t, "data_t", at::kByte, on, m);
+  check_scales("act_cast_1x128", scale_inv, "scale_inv", m, on / kTile);
+  check_scales("act_cast_1x128", scale_inv_t, "scale_inv_t", on, m / kTile);
   if (part) {
     TORCH_CHECK_VALUE(grad.has_value() || identity,
                       "te_cuda::act_cast_1x128: part (dbias) needs grad or 'identity'");
-    check_2d("act_cast_1x128", *part, "part", at::kFloat, m / kTile, n);
+    check_2d("act_cast_1x128", *part, "part", at::kFloat, m / kTile, on);
   }
   if (m == 0 || n == 0) return;
   const c10::cuda::CUDAGuard guard(z.device());
-  const dim3 blocks(static_cast<unsigned>(n / kTile), static_cast<unsigned>(m / kTile));
+  const dim3 blocks(static_cast<unsigned>(on / kTile), static_cast<unsigned>(m / kTile));
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const auto* zp = reinterpret_cast<const __nv_bfloat16*>(z.data_ptr());
   const auto* bp = bias ? reinterpret_cast<const __nv_bfloat16*>(bias->data_ptr()) : nullptr;
@@ -448,7 +506,11 @@ void act_cast_1x128(const at::Tensor& z, const std::optional<at::Tensor>& bias,
     part ? launch(act_cast_1x128_kernel<kIdentity, true>)
          : launch(act_cast_1x128_kernel<kIdentity, false>);
   } else if (!grad) {
-    launch(act_cast_1x128_kernel<kGeluFwd, false>);
+    glu ? launch(act_cast_1x128_kernel<kSwigluFwd, false>)
+        : launch(act_cast_1x128_kernel<kGeluFwd, false>);
+  } else if (glu) {
+    part ? launch(act_cast_1x128_kernel<kSwigluBwd, true>)
+         : launch(act_cast_1x128_kernel<kSwigluBwd, false>);
   } else {
     part ? launch(act_cast_1x128_kernel<kGeluBwd, true>)
          : launch(act_cast_1x128_kernel<kGeluBwd, false>);

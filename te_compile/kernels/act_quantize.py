@@ -53,6 +53,7 @@ from torch import Tensor
 from te_compile.kernels.activation import (
     FN_CLAMPED_SILU,
     FN_GELU,
+    FN_SILU,
     FUNCTION_OF,
     GATED,
     _act,
@@ -542,16 +543,18 @@ def _blockwise(
     data = torch.empty((m_out, n_out), device=z.device, dtype=fp8_dtype)
     data_t = torch.empty((n_out, m_out), device=z.device, dtype=fp8_dtype)
     dbias = need_dbias and bias is not None and grad is not None
+    # csrc/block_cast.cu's activations: gelu and (gated) swiglu.
+    cuda_act = {(FN_GELU.value, False): "gelu", (FN_SILU.value, True): "swiglu"}.get((fn, gated))
     cuda = _cuda_cast(cfg, "act_cast_1x128", m_out, n, z, bias, grad)
-    cuda = cuda if norm is None and fn == FN_GELU.value and not gated and rows == m_out else None
+    cuda = cuda if norm is None and cuda_act and rows == m_out else None
     scale_inv = block_scales(z, m_out, triton.cdiv(n_out, blk), mn_major[0])
     scale_inv_t = block_scales(z, n_out, triton.cdiv(m_out, blk), mn_major[1])
     if cuda is not None:
         # One read of the input, both layouts (csrc/block_cast.cu; same bytes).
-        part = z.new_empty((m_out // blk, n), dtype=f32) if dbias else None
+        part = z.new_empty((m_out // blk, n_out), dtype=f32) if dbias else None
         cuda(
             z, bias, grad, _bits(data), scale_inv, _bits(data_t), scale_inv_t, part,
-            _FORMATS[fp8_dtype].max, fp8_dtype is torch.float8_e4m3fn, power_2_scale,
+            _FORMATS[fp8_dtype].max, fp8_dtype is torch.float8_e4m3fn, power_2_scale, cuda_act,
         )  # fmt: skip
         db = part.sum(0).to(bias.dtype) if dbias else None
         return data, scale_inv, data_t, scale_inv_t, db

@@ -1,6 +1,7 @@
 """csrc/block_cast.cu: the one-read CUDA forms of the Float8BlockScaling casts write the same bytes
 as the Triton kernels they stand in for (``cuda_kernels=False``): ``te_cuda::act_cast_1x128``,
-the fused gelu + 1x128 cast (``kernels.act_quantize.act_quantize_block``) and the plain 1x128
+the fused gelu or swiglu + 1x128 cast (``kernels.act_quantize.act_quantize_block``; swiglu's
+backward casts both halves of dz, one CTA per half's tile) and the plain 1x128
 cast of a bf16 tensor ("identity", with the column sums a bias gradient needs;
 ``kernels.quantize.quantize_blockwise`` / ``quantize_blockwise_sums``), and
 ``te_cuda::cast_128x128``, a weight's 128x128 cast with its transpose. CUDA only."""
@@ -26,21 +27,26 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 TRITON = quantize.QuantizeLaunchConfig(cuda_kernels=False)
 
 
+@pytest.mark.parametrize("act", ["gelu", "swiglu"])
 @pytest.mark.parametrize("backward", [False, True], ids=["fwd", "bwd"])
 @pytest.mark.parametrize("has_bias", [True, False], ids=["bias", "no_bias"])
 @pytest.mark.parametrize("fp8,pow2", [(E4M3, False), (E4M3, True), (E5M2, False)],
                          ids=["e4m3", "e4m3-pow2", "e5m2"])  # fmt: skip
 @pytest.mark.parametrize("m,n", [(256, 384), (384, 128)])
-def test_cuda_cast_matches_triton(backward, has_bias, fp8, pow2, m, n):
+def test_cuda_cast_matches_triton(act, backward, has_bias, fp8, pow2, m, n):
     torch.manual_seed(0)
-    z = (torch.randn(m, n, device="cuda") * 2).to(torch.bfloat16)
+    n_in = 2 * n if act == "swiglu" else n  # swiglu: z = [a | l]
+    z = (torch.randn(m, n_in, device="cuda") * 2).to(torch.bfloat16)
     z[3, :40] *= 300  # a block with a large amax next to ordinary ones
     z[128:256, 128:256] = 0  # an all-zero tile: scale 1, zero codes
     z[5, 7] = float("inf")  # overflow saturates; the block's scale is 1
-    bias = (torch.randn(n, device="cuda") * 0.5).to(torch.bfloat16) if has_bias else None
+    if act == "swiglu":  # the linear half: an all-zero tile, an inf
+        z[128:256, n : n + 128] = 0
+        z[9, n + 3] = float("-inf")
+    bias = (torch.randn(n_in, device="cuda") * 0.5).to(torch.bfloat16) if has_bias else None
     grad = (torch.randn(m, n, device="cuda") * 3).to(torch.bfloat16) if backward else None
     need_dbias = backward and has_bias
-    args = (z, bias, grad, "gelu", fp8, m, need_dbias, pow2)
+    args = (z, bias, grad, act, fp8, m, need_dbias, pow2)
     *want, want_db = act_q.act_quantize_block(*args, config=TRITON)
     *got, got_db = act_q.act_quantize_block(*args)
     for name, a, b in zip(("data", "scale_inv", "data_t", "scale_inv_t"), got, want, strict=True):
@@ -50,7 +56,7 @@ def test_cuda_cast_matches_triton(backward, has_bias, fp8, pow2, m, n):
             torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=name)
     # the scales written in the blockwise GEMM's layout (strides (1, rows)): same values
     *mn, _ = act_q.act_quantize_block(*args, mn_major=(True, True))
-    for a, b, rows in ((mn[1], want[1], m), (mn[3], want[3], n)):
+    for a, b, rows in ((mn[1], want[1], m), (mn[3], want[3], want[2].shape[0])):
         assert a.stride() == (1, rows)
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
     assert torch.equal(mn[0].view(torch.uint8), want[0].view(torch.uint8))
@@ -62,19 +68,22 @@ def test_cuda_cast_matches_triton(backward, has_bias, fp8, pow2, m, n):
 
 def test_cuda_cast_is_used_only_where_it_applies(monkeypatch):
     """Ragged shapes, fp32 inputs, other activations and inputs not 16-byte aligned stay on
-    Triton; whole bf16 gelu tiles take the CUDA kernel."""
+    Triton; whole bf16 gelu and swiglu tiles take the CUDA kernel."""
     calls = []
     real = quantize._cuda_op("act_cast_1x128")
     monkeypatch.setattr(quantize, "_cuda_op", lambda name: lambda *a: calls.append(1) or real(*a))
     z = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
     act_q.act_quantize_block(z, None, None, "gelu", E4M3, 256, False, False)
     assert len(calls) == 1
+    act_q.act_quantize_block(z, None, None, "swiglu", E4M3, 256, False, False)
+    assert len(calls) == 2
     act_q.act_quantize_block(z, None, None, "silu", E4M3, 256, False, False)
+    act_q.act_quantize_block(z, None, None, "clamped_swiglu", E4M3, 256, False, False)
     act_q.act_quantize_block(z, None, None, "gelu", E4M3, 200, False, False)
     act_q.act_quantize_block(z.float(), None, None, "gelu", E4M3, 256, False, False)
     shifted = torch.empty(256 * 256 + 1, device="cuda", dtype=torch.bfloat16)[1:].view(256, 256)
     act_q.act_quantize_block(shifted.copy_(z), None, None, "gelu", E4M3, 256, False, False)
-    assert len(calls) == 1  # not 16-byte aligned: Triton
+    assert len(calls) == 2  # not 16-byte aligned: Triton
 
 
 def _assert_same_cast(got, want, fp8):
