@@ -173,6 +173,19 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return (__float_as_uint(lo) >> 16) | (__float_as_uint(hi) & 0xFFFF0000u);
 }
 
+// Where a cast writes (both layouts' codes and block inverse scales, the scales' strides: row,
+// block) and its FP8 format: one kernel parameter for both kernels.
+struct CastOut {
+  uint8_t* data;
+  float* scale_inv;
+  uint8_t* data_t;
+  float* scale_inv_t;
+  int64_t s_row, s_blk, t_row, t_blk;
+  float fp8_max;
+  bool e4m3;
+  bool pow2;
+};
+
 // CTAs a multiprocessor must hold (the register budget): more CTAs overlap one's loads with
 // another's arithmetic; the backward's larger state spills below ~85 registers.
 constexpr int min_ctas(int mode) {
@@ -184,21 +197,11 @@ __global__ void __launch_bounds__(kThreads, min_ctas(kMode)) act_cast_1x128_kern
     const __nv_bfloat16* __restrict__ z,
     const __nv_bfloat16* __restrict__ bias,
     const __nv_bfloat16* __restrict__ grad,
-    uint8_t* __restrict__ data,
-    float* __restrict__ scale_inv,
-    uint8_t* __restrict__ data_t,
-    float* __restrict__ scale_inv_t,
+    const CastOut out,
     float* __restrict__ part,
     int64_t m,
     int64_t n,
-    float fp8_max,
-    bool has_bias,
-    bool e4m3,
-    bool pow2,
-    int64_t s_row,
-    int64_t s_blk,
-    int64_t t_row,
-    int64_t t_blk) {
+    bool has_bias) {
   // n: the activation's output columns (dh's); z (and the bias) hold 2n for SwiGLU, as does the
   // cast tensor of its backward (dz). CTA (x, y) casts the cast tensor's tile (y, x).
   __shared__ __align__(16) uint32_t tile_words[kTile * kWordsPerRow];
@@ -288,9 +291,12 @@ __global__ void __launch_bounds__(kThreads, min_ctas(kMode)) act_cast_1x128_kern
       }
 #pragma unroll
       for (int o = 8; o > 0; o >>= 1) amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
-      const float s = scale_from_amax(__int_as_float(amax), fp8_max, pow2);
-      *reinterpret_cast<uint2*>(data + off) = make_uint2(fp8x4(x, s, e4m3), fp8x4(x + 4, s, e4m3));
-      if (l16 == 0) scale_inv[(row0 + r) * s_row + blockIdx.x * s_blk] = __fdiv_rn(1.0f, s);
+      const float s = scale_from_amax(__int_as_float(amax), out.fp8_max, out.pow2);
+      *reinterpret_cast<uint2*>(out.data + off) =
+          make_uint2(fp8x4(x, s, out.e4m3), fp8x4(x + 4, s, out.e4m3));
+      if (l16 == 0) {
+        out.scale_inv[(row0 + r) * out.s_row + blockIdx.x * out.s_blk] = __fdiv_rn(1.0f, s);
+      }
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         tile_words[tile_word(r, 4 * l16 + j)] = pack_bf16(x[2 * j], x[2 * j + 1]);
@@ -325,13 +331,13 @@ __global__ void __launch_bounds__(kThreads, min_ctas(kMode)) act_cast_1x128_kern
     }
     amax_lo = warp_max(amax_lo);
     amax_hi = warp_max(amax_hi);
-    const float s_lo = scale_from_amax(__int_as_float(amax_lo), fp8_max, pow2);
-    const float s_hi = scale_from_amax(__int_as_float(amax_hi), fp8_max, pow2);
-    store_column_pair(data_t, ocol0 + c, row0 + 4 * lane, m, fp8x4(lo, s_lo, e4m3),
-                      fp8x4(hi, s_hi, e4m3));
+    const float s_lo = scale_from_amax(__int_as_float(amax_lo), out.fp8_max, out.pow2);
+    const float s_hi = scale_from_amax(__int_as_float(amax_hi), out.fp8_max, out.pow2);
+    store_column_pair(out.data_t, ocol0 + c, row0 + 4 * lane, m, fp8x4(lo, s_lo, out.e4m3),
+                      fp8x4(hi, s_hi, out.e4m3));
     if (lane == 0) {
-      scale_inv_t[(ocol0 + c) * t_row + blockIdx.y * t_blk] = __fdiv_rn(1.0f, s_lo);
-      scale_inv_t[(ocol0 + c + 1) * t_row + blockIdx.y * t_blk] = __fdiv_rn(1.0f, s_hi);
+      out.scale_inv_t[(ocol0 + c) * out.t_row + blockIdx.y * out.t_blk] = __fdiv_rn(1.0f, s_lo);
+      out.scale_inv_t[(ocol0 + c + 1) * out.t_row + blockIdx.y * out.t_blk] = __fdiv_rn(1.0f, s_hi);
     }
   }
 }
@@ -341,19 +347,9 @@ __global__ void __launch_bounds__(kThreads, min_ctas(kMode)) act_cast_1x128_kern
 // transposed ones from shared memory (the column pass of act_cast_1x128_kernel, one scale).
 __global__ void __launch_bounds__(kThreads, 4) cast_128x128_kernel(
     const __nv_bfloat16* __restrict__ x,
-    uint8_t* __restrict__ data,
-    float* __restrict__ scale_inv,
-    uint8_t* __restrict__ data_t,
-    float* __restrict__ scale_inv_t,
+    const CastOut out,
     int64_t m,
-    int64_t n,
-    float fp8_max,
-    bool e4m3,
-    bool pow2,
-    int64_t s_row,
-    int64_t s_blk,
-    int64_t t_row,
-    int64_t t_blk) {
+    int64_t n) {
   __shared__ __align__(16) uint32_t tile_words[kTile * kWordsPerRow];
   __shared__ int warp_amax[kWarps];
   const int warp = threadIdx.x / 32;
@@ -385,7 +381,7 @@ __global__ void __launch_bounds__(kThreads, 4) cast_128x128_kernel(
   __syncthreads();
 #pragma unroll
   for (int k = 0; k < kWarps; ++k) amax = max(amax, warp_amax[k]);
-  const float s = scale_from_amax(__int_as_float(amax), fp8_max, pow2);
+  const float s = scale_from_amax(__int_as_float(amax), out.fp8_max, out.pow2);
 
 #pragma unroll
   for (int it = 0; it < kIters; ++it) {
@@ -394,7 +390,8 @@ __global__ void __launch_bounds__(kThreads, 4) cast_128x128_kernel(
     float xf[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) xf[j] = j % 2 ? bf16_hi(w[j / 2]) : bf16_lo(w[j / 2]);
-    *reinterpret_cast<uint2*>(data + off) = make_uint2(fp8x4(xf, s, e4m3), fp8x4(xf + 4, s, e4m3));
+    *reinterpret_cast<uint2*>(out.data + off) =
+        make_uint2(fp8x4(xf, s, out.e4m3), fp8x4(xf + 4, s, out.e4m3));
   }
 
 #pragma unroll 2
@@ -406,13 +403,13 @@ __global__ void __launch_bounds__(kThreads, 4) cast_128x128_kernel(
       const uint32_t word = tile_words[tile_word(4 * lane + k, c / 2)];
       lo[k] = bf16_lo(word), hi[k] = bf16_hi(word);
     }
-    store_column_pair(data_t, col0 + c, row0 + 4 * lane, m, fp8x4(lo, s, e4m3),
-                      fp8x4(hi, s, e4m3));
+    store_column_pair(out.data_t, col0 + c, row0 + 4 * lane, m, fp8x4(lo, s, out.e4m3),
+                      fp8x4(hi, s, out.e4m3));
   }
   if (threadIdx.x == 0) {
     const float inv = __fdiv_rn(1.0f, s);
-    scale_inv[blockIdx.y * s_row + blockIdx.x * s_blk] = inv;
-    scale_inv_t[blockIdx.x * t_row + blockIdx.y * t_blk] = inv;
+    out.scale_inv[blockIdx.y * out.s_row + blockIdx.x * out.s_blk] = inv;
+    out.scale_inv_t[blockIdx.x * out.t_row + blockIdx.y * out.t_blk] = inv;
   }
 }
 
@@ -437,6 +434,16 @@ void check_scales(const char* op, const at::Tensor& t, const char* name, int64_t
                     "te_cuda::", op, ": ", name, " must be a CUDA float32 tensor [", rows,
                     ", ", blocks, "], contiguous or with strides (1, ", rows, "), got ",
                     t.scalar_type(), " ", t.sizes(), " strides ", t.strides());
+}
+
+CastOut cast_out(const at::Tensor& data, const at::Tensor& scale_inv, const at::Tensor& data_t,
+                 const at::Tensor& scale_inv_t, double fp8_max, bool e4m3, bool pow2) {
+  return CastOut{data.data_ptr<uint8_t>(),  scale_inv.data_ptr<float>(),
+                 data_t.data_ptr<uint8_t>(), scale_inv_t.data_ptr<float>(),
+                 scale_inv.stride(0),        scale_inv.stride(1),
+                 scale_inv_t.stride(0),      scale_inv_t.stride(1),
+                 static_cast<float>(fp8_max), e4m3,
+                 pow2};
 }
 
 void act_cast_1x128(const at::Tensor& z, const std::optional<at::Tensor>& bias,
@@ -489,18 +496,11 @@ void act_cast_1x128(const at::Tensor& z, const std::optional<at::Tensor>& bias,
   const auto* zp = reinterpret_cast<const __nv_bfloat16*>(z.data_ptr());
   const auto* bp = bias ? reinterpret_cast<const __nv_bfloat16*>(bias->data_ptr()) : nullptr;
   const auto* gp = grad ? reinterpret_cast<const __nv_bfloat16*>(grad->data_ptr()) : nullptr;
-  auto* dp = data.data_ptr<uint8_t>();
-  auto* dtp = data_t.data_ptr<uint8_t>();
-  auto* sp = scale_inv.data_ptr<float>();
-  auto* stp = scale_inv_t.data_ptr<float>();
+  const CastOut out = cast_out(data, scale_inv, data_t, scale_inv_t, fp8_max, e4m3, pow2);
   auto* pp = part ? part->data_ptr<float>() : nullptr;
-  const float mx = static_cast<float>(fp8_max);
   const bool hb = bias.has_value();
   const auto launch = [&](auto kernel) {
-    kernel<<<blocks, kThreads, 0, stream>>>(zp, bp, gp, dp, sp, dtp, stp, pp, m, n, mx, hb,
-                                             e4m3, pow2, scale_inv.stride(0),
-                                             scale_inv.stride(1), scale_inv_t.stride(0),
-                                             scale_inv_t.stride(1));
+    kernel<<<blocks, kThreads, 0, stream>>>(zp, bp, gp, out, pp, m, n, hb);
   };
   if (identity) {
     part ? launch(act_cast_1x128_kernel<kIdentity, true>)
@@ -537,10 +537,8 @@ void cast_128x128(const at::Tensor& x, const at::Tensor& data, const at::Tensor&
   const c10::cuda::CUDAGuard guard(x.device());
   const dim3 blocks(static_cast<unsigned>(n / kTile), static_cast<unsigned>(m / kTile));
   cast_128x128_kernel<<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), data.data_ptr<uint8_t>(),
-      scale_inv.data_ptr<float>(), data_t.data_ptr<uint8_t>(), scale_inv_t.data_ptr<float>(), m,
-      n, static_cast<float>(fp8_max), e4m3, pow2, scale_inv.stride(0), scale_inv.stride(1),
-      scale_inv_t.stride(0), scale_inv_t.stride(1));
+      reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()),
+      cast_out(data, scale_inv, data_t, scale_inv_t, fp8_max, e4m3, pow2), m, n);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
