@@ -47,6 +47,14 @@ Where this module departs from Transformer Engine, and why:
   te_compile has no attention module, so only ``False`` is accepted.
 - ``NVFP4BlockScaling`` leaves out TE's experimental ``row_scaled_activation`` and ``nvfp4_4over6*``
   fields.
+- What the modules do not implement is refused, not ignored: ``backward_override`` must be
+  ``None``; ``Float8CurrentScaling``'s ``fp8_gemm_*`` must be TE's defaults (fast accumulation
+  forward, split accumulation backward: what the per-tensor GEMMs run); and
+  ``autocast(recipe=Float8CurrentScaling(use_power_2_scales=True))`` raises
+  (``te_compile.quantize`` applies power-of-two scales, the modules' kernels do not).
+- Accepted and documented as not applied (the emulated formats, docs/fp8.md): NVFP4's random
+  Hadamard transform, stochastic rounding and 16x16 weight blocks (the emulation quantises
+  1x16 blocks with round-to-nearest), MXFP8's ``margin``.
 """
 
 from __future__ import annotations
@@ -70,6 +78,9 @@ __all__ = [
 ]
 
 _BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
+# use_split_accumulator of each GEMM under the per-tensor recipes (te::linear_fp8, te::mlp_fp8,
+# te::grouped_linear_fp8 run these).
+_PER_TENSOR_GEMMS = {"fp8_gemm_fprop": False, "fp8_gemm_dgrad": True, "fp8_gemm_wgrad": True}
 _AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 
 
@@ -226,6 +237,14 @@ class Recipe:
                 _fail(self, name, "must be False (te_compile has no FP8 attention)")
         if self.backward_override not in _BACKWARD_OVERRIDES:
             _fail(self, "backward_override", f"must be one of {_BACKWARD_OVERRIDES}")
+        if self.backward_override is not None and not self.delayed():
+            # TE's values, not implemented here: rejected rather than silently ignored.
+            _fail(
+                self,
+                "backward_override",
+                "must be None (te_compile runs the backward GEMMs on the recipe's quantised "
+                "operands; 'high_precision' and 'dequantized' are not implemented)",
+            )
 
     def _check_fp8_format(self) -> None:
         if self.fp8_format in (Format.E5M2, Format.E2M1):
@@ -316,9 +335,10 @@ class Float8CurrentScaling(Recipe):
     """Per-tensor scales from each tensor's own amax, measured just before the cast.
 
     ``use_power_2_scales``: round scales down to powers of two. ``fp8_format``: ``E4M3`` or
-    ``HYBRID``. ``fp8_gemm_*``: split accumulation (TE: off for the forward GEMM, on for the
-    two backward GEMMs). ``backward_override``: ``None``, ``"high_precision"`` (backward GEMMs
-    use the unquantised operands) or ``"dequantized"`` (they use the dequantised FP8 operands).
+    ``HYBRID``. ``fp8_gemm_*``: split accumulation, TE's defaults only (off for the forward
+    GEMM, on for the two backward GEMMs: what te_compile's per-tensor GEMMs run; other settings
+    raise rather than being ignored). ``backward_override``: ``None`` only (TE's
+    ``"high_precision"`` and ``"dequantized"`` are not implemented and raise).
     """
 
     kind: ClassVar[str] = "current"
@@ -335,6 +355,15 @@ class Float8CurrentScaling(Recipe):
     def __post_init__(self) -> None:
         super().__post_init__()
         self._check_fp8_format()
+        for name, split in _PER_TENSOR_GEMMS.items():
+            if getattr(self, name).use_split_accumulator != split:
+                _fail(
+                    self,
+                    name,
+                    f"must be MMParams(use_split_accumulator={split}): te_compile's per-tensor "
+                    "FP8 GEMMs run Transformer Engine's defaults (fast accumulation forward, "
+                    "split accumulation backward)",
+                )
 
     @property
     def fp8_quant_fwd_inp(self) -> QParams:

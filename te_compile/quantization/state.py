@@ -107,6 +107,15 @@ class autocast:
             )
         self.enabled = enabled
         self.recipe = get_default_fp8_recipe() if recipe is None else recipe
+        if self.recipe.float8_current() and self.recipe.use_power_2_scales:
+            # te_compile.quantize applies it; the modules' per-tensor kernels do not: refused
+            # rather than ignored.
+            raise NotImplementedError(
+                "autocast: Float8CurrentScaling(use_power_2_scales=True) is not implemented in "
+                "the modules' FP8 GEMMs (te_compile.quantize takes it); use "
+                "use_power_2_scales=False, or Float8BlockScaling (power-of-two block scales by "
+                "default)"
+            )
         self.amax_reduction_group = amax_reduction_group
         # States saved on entry, innermost last: one instance may be entered again before it
         # exits (``with cm: ... with cm: ...``), and each exit restores its own entry's state.

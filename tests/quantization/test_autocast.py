@@ -161,6 +161,23 @@ def test_invalid_arguments(kwargs, message):
         autocast(**kwargs)
 
 
+def test_recipe_settings_the_modules_do_not_implement_raise():
+    """Float8CurrentScaling's power-of-two scales reach te_compile.quantize, not the modules'
+    FP8 GEMMs: autocast refuses the recipe (eager and inside a compiled region) instead of
+    quantising with other scales than it asks for."""
+    recipe = Float8CurrentScaling(use_power_2_scales=True)
+    message = "autocast: Float8CurrentScaling(use_power_2_scales=True) is not implemented"
+    with pytest.raises(NotImplementedError, match=re.escape(message)):
+        autocast(recipe=recipe)
+
+    def fn(x):
+        with autocast(recipe=Float8CurrentScaling(use_power_2_scales=True)):
+            return x + 1
+
+    with pytest.raises(Exception, match=re.escape(message)):
+        torch.compile(fn, fullgraph=True, backend="eager")(torch.ones(2))
+
+
 def test_recipe_is_keyword_only():
     # TE's second positional parameter is `calibrating`: a positional recipe must not bind.
     with pytest.raises(TypeError):

@@ -226,6 +226,25 @@ BAD = [
     ),
     (Float8CurrentScaling, {"fp8_gemm_fprop": False}, "fp8_gemm_fprop must be of type MMParams"),
     (
+        Float8CurrentScaling,
+        {"backward_override": "high_precision"},
+        "backward_override must be None (te_compile runs the backward GEMMs on the recipe's "
+        "quantised operands; 'high_precision' and 'dequantized' are not implemented), got "
+        "'high_precision'",
+    ),
+    (Float8BlockScaling, {"backward_override": "dequantized"}, "backward_override must be None"),
+    (
+        Float8CurrentScaling,
+        {"fp8_gemm_fprop": MMParams(use_split_accumulator=True)},
+        "fp8_gemm_fprop must be MMParams(use_split_accumulator=False): te_compile's per-tensor "
+        "FP8 GEMMs run Transformer Engine's defaults",
+    ),
+    (
+        Float8CurrentScaling,
+        {"fp8_gemm_wgrad": MMParams(use_split_accumulator=False)},
+        "fp8_gemm_wgrad must be MMParams(use_split_accumulator=True)",
+    ),
+    (
         Float8BlockScaling,
         {"x_block_scaling_dim": 3},
         "x_block_scaling_dim must be 1 (1x128 blocks) or 2 (128x128 blocks), got 3",
@@ -285,11 +304,11 @@ def test_invalid_fields_raise_naming_field_and_constraint(cls, kwargs, message):
     [
         (DelayedScaling, {"fp8_format": Format.E4M3, "amax_compute_algo": "most_recent"}),
         (DelayedScaling, {"margin": 2, "amax_history_len": 1, "reduce_amax": False}),
-        (Float8CurrentScaling, {"fp8_format": Format.E4M3, "backward_override": "dequantized"}),
+        (Float8CurrentScaling, {"fp8_format": Format.E4M3, "use_power_2_scales": True}),
         (Float8BlockScaling, {"x_block_scaling_dim": 2, "w_block_scaling_dim": 1}),
         (Float8BlockScaling, {"fp8_format": Format.HYBRID, "use_f32_scales": True}),
         (MXFP8BlockScaling, {"fp8_format": Format.HYBRID, "margin": 1}),
-        (NVFP4BlockScaling, {"backward_override": "high_precision"}),
+        (NVFP4BlockScaling, {"disable_rht": True, "disable_stochastic_rounding": True}),
         (QParams, {"amax_epsilon": 0}),
     ],
 )
