@@ -85,9 +85,6 @@ _NORM_LN = 64
 _NORM_RMS = 66
 
 
-# LayerNormMLP's clamped SwiGLU takes ``te.functional.bias_activation``'s defaults: limit 7.0,
-# alpha 1.702, glu_linear_offset 1.0 (written as literals in the kernels: the interpreter does
-# not multiply a tensor by a global constexpr float).
 @triton.jit
 def _load_cols(B, cols, N, EVEN: tl.constexpr):
     """``B[cols]`` in fp32 as a ``[1, BLOCK_N]`` row (0 past ``N``)."""
@@ -165,6 +162,9 @@ def _tile(
                 lin = tl.load(Z + offs_z + N, mask=valid, other=0.0).to(tl.float32)
             if HAS_BIAS:
                 lin += _load_cols(B + N, cols, N, EVEN)
+            # Clamped SwiGLU with LayerNormMLP's parameters, te.functional.bias_activation's
+            # defaults: limit 7.0, alpha 1.702, glu_linear_offset 1.0 (literals: the interpreter
+            # does not multiply a tensor by a global constexpr float).
             if FN == FN_CLAMPED_SILU:
                 lin = tl.minimum(tl.maximum(lin, -7.0), 7.0) + 1.0
             v = _act(a, FN, 7.0, 1.702) * lin
@@ -210,7 +210,7 @@ def _gated_bwd_tile(
     if HAS_BIAS:
         a += _load_cols(B, cols, N, EVEN)
         lin += _load_cols(B + N, cols, N, EVEN)
-    dl = g * _act(a, FN, 7.0, 1.702)
+    dl = g * _act(a, FN, 7.0, 1.702)  # clamped SwiGLU's parameters as in _tile
     if FN == FN_CLAMPED_SILU:
         dl = tl.where((lin >= -7.0) & (lin <= 7.0), dl, 0.0)
         lin = tl.minimum(tl.maximum(lin, -7.0), 7.0) + 1.0

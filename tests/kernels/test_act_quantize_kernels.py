@@ -156,7 +156,7 @@ def test_act_quantize_block_gated_backward_needs_whole_blocks_per_half():
 
 
 # The default launch (a rowwise pass over [32, 128] tiles, a columnwise one over [128, 64]
-# tiles; on a GPU whose extension has CUDA, whole bf16 gelu tiles take csrc/block_cast.cu)
+# tiles; on a GPU whose extension has CUDA, whole bf16 gelu / swiglu tiles take csrc/block_cast.cu)
 # and one 128x128 tile for both layouts.
 BLOCK_LAUNCHES = pytest.mark.parametrize(
     "config",
