@@ -82,8 +82,9 @@ __device__ __forceinline__ float gelu_sigmoid(float a, float aa) {
   return rcp_approx(__fadd_rn(1.0f, ex2_approx(__fmul_rn(a, __fmaf_rn(kK1, aa, kK0)))));
 }
 
-// What a kernel casts: gelu(z + b), its gradient dh * gelu'(z + b), or z itself (a plain
-// 1x128 cast of a bf16 tensor, e.g. the output gradient, its column sums the bias gradient).
+// What a kernel casts: gelu(z + b), its gradient dh * gelu'(z + b), swiglu of z + b = [a | l]
+// or its gradient (both halves of dz), or z itself (a plain 1x128 cast of a bf16 tensor, e.g.
+// the output gradient, its column sums the bias gradient).
 enum Mode : int { kGeluFwd = 0, kGeluBwd = 1, kIdentity = 2, kSwigluFwd = 3, kSwigluBwd = 4 };
 
 constexpr float kNegLog2e = static_cast<float>(-1.4426950408889634);
