@@ -177,15 +177,11 @@ class FP8GemmState(nn.Module):
         scale = self.delayed_scale(owner, state)
         if scale is None and not recipe.delayed():
             return F.grouped_linear_fp8(inp, m_splits, weight, bias, **kw)
-        if scale is None:  # the calibration step: rowwise current scaling, amaxes recorded
-            out, amax = F.grouped_linear_fp8(
-                inp, m_splits, weight, bias, grad_amax=self.grad_amax, return_amax=True, **kw
-            )
-            self.record(amax, state)
-            return out
+        # Delayed scaling; its calibration step (no scale yet) runs rowwise current scaling and
+        # records the amaxes it measures.
         out, amax = F.grouped_linear_fp8(
-            inp, m_splits, weight, bias, recipe="delayed", scale=scale,
-            grad_amax=self.grad_amax, return_amax=True, **kw,
+            inp, m_splits, weight, bias, recipe="rowwise" if scale is None else "delayed",
+            scale=scale, grad_amax=self.grad_amax, return_amax=True, **kw,
         )  # fmt: skip
         self.record(amax, state)
         return out
