@@ -91,11 +91,9 @@ class _Reference(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad_kind, grad_dtype, grad_rows, power_2, splits = ctx.config
-        if grad_kind == "none":
-            return grad, *(None for _ in range(8))
-        return _qdq_groups(grad, grad_kind, grad_dtype, grad_rows, power_2, splits), *(
-            None for _ in range(8)
-        )
+        if grad_kind != "none":
+            grad = _qdq_groups(grad, grad_kind, grad_dtype, grad_rows, power_2, splits)
+        return grad, *(None for _ in range(8))
 
 
 def fake_quantize_ref(
