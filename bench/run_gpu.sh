@@ -66,8 +66,9 @@ for step in "${steps[@]}"; do
       done | tee "$OUT/fp8_loss.log" ;;
     fp8_loss_seeds)  # issue 5's loss criterion over seeds (fp32 master weights + bf16 autocast):
                      # every native recipe and none for three seeds (LOSS_RECIPES to choose),
-                     # side by side on one GPU; LOSS_ARGS (e.g. "--batch-size 256") goes to
-                     # every run
+                     # side by side on one GPU; LOSS_ARGS goes to every run (default: the
+                     # criterion's config, 128 sequences a step at a peak lr of 5e-4; set it
+                     # to "" for train_gpt's defaults)
       amp=(examples/train_gpt.py --steps 300 --sample-chars 0 --dtype float32 --autocast bfloat16)
       runs=()
       # An entry of LOSS_RECIPES may carry flags for its runs: "delayed:--fp8-margin=1".
@@ -75,7 +76,7 @@ for step in "${steps[@]}"; do
         for v in ${LOSS_RECIPES:-none current delayed block}; do
           r=${v%%:*}; extra=""; [ "$r" != "$v" ] && extra=${v#*:}
           name=$(echo "${v}" | tr -c 'A-Za-z0-9_\n' '_')
-          python3 "${amp[@]}" --recipe $r --seed $seed ${extra//,/ } ${LOSS_ARGS:-} \
+          python3 "${amp[@]}" --recipe $r --seed $seed ${extra//,/ } ${LOSS_ARGS---batch-size 128 --lr 5e-4} \
             > "$OUT/fp8_seed_${name}_$seed.log" 2>&1 &
           runs+=("${name}_$seed")
         done
@@ -112,6 +113,8 @@ runpy.run_path('examples/train_gpt.py', run_name='__main__')" "${tg[@]:1}" \
       python3 -m bench.diag_gemm_host 2>&1 | tee "$OUT/diag_gemm_host.log" ;;
     diag_grouped_wgrad)  # torch's grouped FP8 GEMM on the grouped wgrad (bench/diag_grouped_wgrad.py)
       python3 -m bench.diag_grouped_wgrad 2>&1 | tee "$OUT/diag_grouped_wgrad.log" ;;
+    diag_grouped_gemm)  # the GEMM ceiling of the FP8 GroupedLinear (bench/diag_grouped_gemm.py)
+      python3 -m bench.diag_grouped_gemm 2>&1 | tee "$OUT/diag_grouped_gemm.log" ;;
     diag_sync)  # does the FP8 MLP step make the host wait (bench/diag_sync.py), default
                 # allocator and expandable segments
       python3 -m bench.diag_sync 2>&1 | tee "$OUT/diag_sync.log"
