@@ -28,8 +28,7 @@ contraction dim (current scaling: measured now):
   at 16-byte offsets; :func:`quantize_group_columns`). The forward makes the input's copy and
   saves it instead of the input (half the bytes of bf16); the GEMM is
   ``torch._scaled_grouped_mm`` with offsets along the contraction dim and the promoted
-  accumulation of a gradient GEMM (E4M3 both ways; an E5M2 gradient runs as a bf16 grouped
-  GEMM of the FP8 values, scales after).
+  accumulation of a gradient GEMM.
   The bias gradient is the per-group sum of the high-precision ``dY``.
 
 ``recipe="delayed"`` (``DelayedScaling``): one given scale per tensor instead, ``scale`` ``[3]``
@@ -48,12 +47,17 @@ high precision for the wgrad, or as its FP8 wgrad copy with ``fp8_wgrad``.
 
 CUDA: ``torch._scaled_grouped_mm(a_8, b_8.transpose(-2, -1), scale_a [M], scale_b [G, N],
 offs=offs, out_dtype=bfloat16)`` on device offsets (no host sync; ``a`` row-major, ``b``
-column-major, fp32 inverse scales). That kernel takes E4M3 operands and gives a bf16 output
-only, so: a GEMM with an E5M2 operand (the gradient under ``HYBRID``) runs as a bf16
-``torch._grouped_mm`` of the FP8 values (exact in bf16) with the scales applied to its bf16
-output in fp32 (one more rounding than the native kernel, still no host sync); float32 / float16
-inputs use the per-group loop below (it reads the splits on the host). The bias is added to the
-GEMM's bf16 output (one more rounding, as in ``te::grouped_linear_fwd`` on CUDA).
+column-major, fp32 inverse scales). That kernel takes E4M3 operands only and gives a bf16
+output only. An E5M2 operand (the gradient under ``HYBRID``; both under ``Format.E5M2``) goes
+in as the E4M3 codes of its values times ``2**-7``, its inverse scales times 128: E5M2's
+largest value 57344 becomes E4M3's 448 and its 2 mantissa bits fit in E4M3's 3, so every E5M2
+value down to ``amax / 57344`` of its slice is exact and the smaller ones are rounded to E4M3's
+subnormal grid (a step of 0.25 in E5M2's scaled units: an error of at most ``amax * 2**-18.8``
+on elements below ``amax * 2**-15.8``). One table-lookup pass over the FP8 bytes
+(``kernels.quantize.recode_e5m2_as_e4m3``); the emulation below applies the same recoding, so
+the two paths see the same codes. float32 / float16 inputs use the per-group loop below (it
+reads the splits on the host). The bias is added to the GEMM's bf16 output (one more rounding,
+as in ``te::grouped_linear_fwd`` on CUDA).
 
 CPU (and the definition of the FP8 GEMMs): exact emulation. The same FP8 values and scales,
 the GEMM of the FP8 values in fp32 per group, the scales applied to the fp32 accumulator, the
@@ -131,10 +135,12 @@ def _dequantize(data: Tensor, scale_inv: Tensor, dim: int, dtype: torch.dtype) -
 
 def _fake_quant(x: Tensor, fp8_dtype: torch.dtype, dim: int, scale: Tensor | None = None) -> Tensor:
     """Quantised-dequantised ``x``: rowwise along ``dim``, or with the given per-tensor
-    ``scale`` (``[1]``, delayed scaling)."""
+    ``scale`` (``[1]``, delayed scaling); E5M2 values as the grouped GEMMs take them, recoded
+    to E4M3 (:func:`_as_e4m3`)."""
     if scale is None:
-        return _dequantize(*quantize_rowwise(x, fp8_dtype, dim), dim, x.dtype)
+        return _dequantize(*_as_e4m3(*quantize_rowwise(x, fp8_dtype, dim)), dim, x.dtype)
     data, scale_inv, _ = quantize_per_tensor(x.reshape(-1, x.shape[-1]), fp8_dtype, scale)
+    data, scale_inv = _as_e4m3(data, scale_inv)
     acc = torch.float64 if x.dtype is torch.float64 else torch.float32
     return (data.to(acc) * scale_inv.to(acc)).to(x.dtype).reshape(x.shape)
 
@@ -302,7 +308,10 @@ def _gemm_loop(
 ) -> Tensor:
     """Exact emulation: rows of group ``g`` get ``(aq_g @ bq[g]^T) * sa_g[:, None] * sb[g]``
     (+ ``bias[g]``), in fp32, rounded once to ``dtype``. ``aq`` ``[M, C]`` and ``bq``
-    ``[G, P, C]`` FP8, ``sa`` ``[M]`` and ``sb`` ``[G, P]`` fp32 inverse scales."""
+    ``[G, P, C]`` FP8 (E5M2 as its E4M3 codes, :func:`_as_e4m3`, as on the GPU), ``sa`` ``[M]``
+    and ``sb`` ``[G, P]`` fp32 inverse scales."""
+    aq, sa = _as_e4m3(aq, sa)
+    bq, sb = _as_e4m3(bq, sb)
     out = torch.empty(aq.shape[0], bq.shape[1], dtype=dtype, device=aq.device)
     start = 0
     for g, rows in enumerate(splits):
@@ -320,42 +329,43 @@ def _use_native(inp: Tensor) -> bool:
     return inp.dtype is torch.bfloat16
 
 
-def _as_bf16(q: Tensor) -> Tensor:
-    """FP8 values as bf16 (exact). CUDA: the dequantisation kernel with scale 1, since torch's
-    fp8 -> bf16 cast runs an unvectorised kernel (most likely the 0.41 ms of
-    unrolled_elementwise_kernel for two such casts in the H100 profile, 2026-11-22)."""
-    if not q.is_cuda:
-        return q.to(torch.bfloat16)
+def _as_e4m3(q: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
+    """A GEMM operand in E4M3 codes: E4M3 ``q`` as is; E5M2 ``q`` recoded to the E4M3 codes of
+    its values times ``2**-7`` with its inverse scales ``s`` times 128 (exact for every value
+    of magnitude 1 or more, i.e. down to ``amax / 57344`` of its slice; smaller ones are
+    rounded to E4M3's subnormal grid: ``kernels.quantize.e5m2_to_e4m3_table``). Hopper's grouped
+    FP8 GEMM takes E4M3 operands only; every grouped GEMM here, on any device, sees the same
+    codes."""
+    if q.dtype is not torch.float8_e5m2:
+        return q, s
     from te_compile.kernels import quantize
 
-    one = torch.ones(1, device=q.device)
-    return quantize.dequantize_tensorwise(q, one, torch.bfloat16)
+    if q.is_cuda:
+        codes = quantize.recode_e5m2_as_e4m3(q)
+    else:
+        table = quantize.e5m2_to_e4m3_table(q.device)
+        codes = table[q.view(torch.uint8).long()].view(torch.float8_e4m3fn)
+    return codes, s * 128.0
 
 
 def _gemm_grouped(
     aq: Tensor, sa: Tensor, bq: Tensor, sb: Tensor, splits: Tensor, offs: Tensor, fast_accum=False
 ) -> Tensor:
-    """The grouped GEMM of :func:`_gemm_loop` on device offsets, bf16 output, no host sync.
-    E4M3 x E4M3: ``torch._scaled_grouped_mm`` (``a`` row-major, ``b`` column-major, scales
-    ``[M]`` and ``[G, P]`` fp32; ``fast_accum``: Hopper's fast FP8 accumulation, which the
-    forward GEMM uses as in ``te::linear_fp8``, ~20% faster at 32768 x 4096 -> 2048 on the H100,
-    2026-11-23; the dgrad promotes its partial sums to fp32). Otherwise (E5M2, which that
-    kernel refuses): a bf16 ``torch._grouped_mm`` of the FP8 values (exact in bf16), then the
-    scales in fp32 (on CUDA one Triton pass, ``kernels.quantize.grouped_scale``; the torch
-    expression below made three fp32 temporaries of the output's size, ~2 ms of the 5.3 ms FP8
-    grouped step at 32768 x 4096 -> 2048 on an H100, 2026-11-22)."""
-    e4m3 = torch.float8_e4m3fn
-    if aq.dtype is e4m3 and bq.dtype is e4m3 and aq.is_cuda:
+    """The grouped GEMM of :func:`_gemm_loop` on device offsets, bf16 output, no host sync:
+    ``torch._scaled_grouped_mm`` on the E4M3 codes of the operands (:func:`_as_e4m3`; ``a``
+    row-major, ``b`` column-major, scales ``[M]`` and ``[G, P]`` fp32; ``fast_accum``: Hopper's
+    fast FP8 accumulation, which the forward GEMM uses as in ``te::linear_fp8``, ~20% faster at
+    32768 x 4096 -> 2048 on the H100, 2026-11-23; the dgrad promotes its partial sums to fp32).
+    CPU tensors (tests of this path): the bf16 grouped GEMM of the same FP8 values, scales
+    after in fp32."""
+    aq, sa = _as_e4m3(aq, sa)
+    bq, sb = _as_e4m3(bq, sb)
+    if aq.is_cuda:
         return torch._scaled_grouped_mm(
             aq, bq.transpose(-2, -1), sa, sb, offs=offs, out_dtype=torch.bfloat16,
             use_fast_accum=fast_accum,
         )  # fmt: skip
     bf16 = torch.bfloat16
-    if aq.is_cuda:
-        from te_compile.kernels import quantize
-
-        acc = torch._grouped_mm(_as_bf16(aq), _as_bf16(bq).transpose(-2, -1), offs=offs)
-        return quantize.grouped_scale(acc, sa, sb, offs, bf16)
     acc = torch._grouped_mm(aq.to(bf16), bq.to(bf16).transpose(-2, -1), offs=offs)
     col = torch.repeat_interleave(sb, splits, dim=0, output_size=aq.shape[0])
     return (acc.float() * sa[:, None] * col).to(bf16)
@@ -440,22 +450,24 @@ def _gemm_wgrad(
     """The FP8 wgrad ``dW_g = (dY_g^T diag(dys_g)) (diag(xs_g) X_g)`` from the operands of
     :func:`quantize_group_columns` (``dyt`` ``[N, P]``, ``xt`` ``[K, P]``, grouped along ``P``
     by ``pad_ends``): ``[G, N, K]`` in ``dtype``, or added to ``main_grad`` (fp32; None is
-    returned then). ``native`` (bf16 on CUDA): E4M3 x E4M3 is ``torch._scaled_grouped_mm``
-    with the scales ``[G*N]`` / ``[G*K]`` and the promoted (not fast) accumulation of a
-    gradient GEMM, bf16 out; an E5M2 operand, which that kernel refuses, runs as a bf16
-    ``torch._grouped_mm`` of the FP8 values (exact in bf16) with the scales applied to its
-    bf16 output in fp32. Otherwise exact emulation per group: the fp32 GEMM of the FP8 values,
-    the scales applied, rounded once (added in fp32 to ``main_grad``)."""
-    e4m3 = torch.float8_e4m3fn
+    returned then), both operands as E4M3 codes (:func:`_as_e4m3`). ``native`` (bf16):
+    ``torch._scaled_grouped_mm`` with the scales ``[G*N]`` / ``[G*K]`` and the promoted (not
+    fast) accumulation of a gradient GEMM, bf16 out (CPU tensors, tests of this path: the bf16
+    grouped GEMM of the FP8 values, scales after in fp32). Otherwise exact emulation per group:
+    the fp32 GEMM of the FP8 values, the scales applied, rounded once (added in fp32 to
+    ``main_grad``)."""
+    dyt, dys = _as_e4m3(dyt, dys)
+    xt, xs = _as_e4m3(xt, xs)
     if native:
-        if dyt.dtype is e4m3 and xt.dtype is e4m3 and dyt.is_cuda:
+        if dyt.is_cuda:
             dw = torch._scaled_grouped_mm(
                 dyt, xt.t(), dys.reshape(-1), xs.reshape(-1), offs=pad_ends,
                 out_dtype=torch.bfloat16, use_fast_accum=False,
             )  # fmt: skip
         else:
-            a, b = _as_bf16(dyt), _as_bf16(xt)
-            acc = torch._grouped_mm(a, b.t(), offs=pad_ends)
+            acc = torch._grouped_mm(
+                dyt.to(torch.bfloat16), xt.to(torch.bfloat16).t(), offs=pad_ends
+            )
             dw = (acc.float() * dys[:, :, None] * xs[:, None, :]).to(torch.bfloat16)
         if main_grad is None:
             return dw

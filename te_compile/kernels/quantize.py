@@ -41,9 +41,8 @@ Kernels:
   dgrad's weight copy without a strided transpose of the high-precision weight first. Or along
   the rows of each token group of an ``[M, K]`` tensor, stored transposed with every group
   padded to a multiple of 16 rows: the grouped FP8 wgrad's operands.
-* ``_grouped_scale_kernel``: the row and per-group column scales of a rowwise-scaled grouped GEMM
-  applied to its unscaled bf16 output (the E5M2 grouped dgrad, which runs as a bf16 GEMM of the
-  FP8 values); each row finds its group by counting the group end offsets at or below it.
+* ``_recode_kernel``: FP8 bytes through a 256-entry table: E5M2 codes as the E4M3 codes of
+  their values times ``2**-7``, for the grouped GEMM that takes E4M3 only.
 * ``_delayed_update_kernel``: delayed scaling's state update (``te::delayed_scaling_update``):
   roll the ``[len, slots]`` amax history by one row, insert the last amaxes, recompute the
   scales, in one program and one launch (the plain-torch version is ~8 tiny kernels).
@@ -79,12 +78,13 @@ __all__ = [
     "amax",
     "dequantize_blockwise",
     "dequantize_tensorwise",
-    "grouped_scale",
+    "e5m2_to_e4m3_table",
     "quantize_blockwise",
     "quantize_columnwise_transposed",
     "quantize_current",
     "quantize_group_columns",
     "quantize_tensorwise",
+    "recode_e5m2_as_e4m3",
 ]
 
 BLOCK = 128  # the quantisation block: 1x128 or 128x128 elements of the [M, K] view
@@ -620,37 +620,12 @@ def _columnwise_kernel(
 
 
 @triton.jit
-def _grouped_scale_kernel(
-    ACC,
-    ROW_SCALE,
-    COL_SCALE,
-    OFFS,
-    OUT,
-    M,
-    N,
-    G,
-    BF16_BITS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """``OUT[m, n] = (fp32(ACC[m, n]) * ROW_SCALE[m]) * COL_SCALE[g(m), n]``, rounded once to
-    ``OUT``'s dtype, where ``g(m)`` is the group of row ``m``: the number of group end offsets
-    ``OFFS[0..G)`` at or below ``m`` (rows past the last offset take the last group)."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    in_rows = rows < M
-    mask = in_rows[:, None] & (cols[None, :] < N)
-    group = tl.zeros([BLOCK_M], dtype=tl.int32)
-    for g in range(G):
-        group += (tl.load(OFFS + g) <= rows).to(tl.int32)
-    group = tl.minimum(group, G - 1)
-    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-    acc = tl.load(ACC + offs, mask=mask, other=0.0).to(tl.float32)
-    row_scale = tl.load(ROW_SCALE + rows, mask=in_rows, other=0.0)
-    col_offs = group.to(tl.int64)[:, None] * N + cols[None, :]
-    col_scale = tl.load(COL_SCALE + col_offs, mask=mask, other=0.0)
-    y = acc * row_scale[:, None] * col_scale
-    _store_rounded(OUT + offs, y, mask, BF16_BITS)
+def _recode_kernel(SRC, DST, TABLE, N, BLOCK_SIZE: tl.constexpr):
+    """``DST[i] = TABLE[SRC[i]]``: FP8 bytes mapped through a 256-entry code table."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    mask = offs < N
+    codes = tl.load(SRC + offs, mask=mask, other=0)
+    tl.store(DST + offs, tl.load(TABLE + codes.to(tl.int32)), mask=mask)
 
 
 @triton.jit
@@ -1083,43 +1058,35 @@ def quantize_group_columns(
     return data_t, scale_inv
 
 
-def grouped_scale(
-    acc: Tensor,
-    row_scale: Tensor,
-    col_scale: Tensor,
-    offs: Tensor,
-    out_dtype: torch.dtype,
-    *,
-    block_m: int = 32,
-    block_n: int = 128,
-) -> Tensor:
-    """The scales of a rowwise-scaled grouped GEMM applied to its unscaled output, one pass:
-    ``acc`` ``[M, N]`` (the GEMM of the FP8 values), ``row_scale`` ``[M]`` fp32 (the left
-    operand's, per token row), ``col_scale`` ``[G, N]`` fp32 (the right operand's, per group and
-    output column), ``offs`` ``[G]`` int32 group end offsets along ``M``. Returns
-    ``(fp32(acc) * row_scale[:, None]) * col_scale[group(m)]`` rounded once to ``out_dtype``:
-    the same values as that torch expression with the column scales repeated per row, without
-    its three fp32 ``[M, N]`` temporaries."""
-    m, n = acc.shape
-    groups = col_scale.shape[0]
-    out = torch.empty((m, n), device=acc.device, dtype=out_dtype)
-    out_arg, bf16_bits = _rounded_out(out, _software(acc.device, _DEFAULT))
-    if m * n and groups:
-        _grouped_scale_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
-            acc.contiguous(),
-            row_scale.contiguous(),
-            col_scale.contiguous(),
-            offs.contiguous(),
-            out_arg,
-            m,
-            n,
-            groups,
-            BF16_BITS=bf16_bits,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            num_warps=4,
-        )
-    return out
+@functools.cache
+def e5m2_to_e4m3_table(device: torch.device) -> Tensor:
+    """The E4M3 code of each E5M2 value times ``2**-7`` (round to nearest even), as a uint8
+    ``[256]`` table indexed by the E5M2 code. ``2**-7`` maps E5M2's largest finite value,
+    57344, onto E4M3's, 448, and E5M2's 2 mantissa bits fit E4M3's 3, so every E5M2 value of
+    magnitude 1 or more is exact; smaller ones land on E4M3's subnormal grid (steps of
+    ``2**-9`` after the shift, i.e. 0.0625 before it); inf and NaN become NaN."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    e5m2 = codes.view(torch.float8_e5m2).float()
+    table = (e5m2 * 2.0**-7).to(torch.float8_e4m3fn).view(torch.uint8)
+    # Spelled out: torch's conversion saturates inf to 448 (CPU, torch 2.13).
+    nan = (codes & 0x80) | 0x7F
+    return torch.where(torch.isfinite(e5m2), table, nan).to(device)
+
+
+def recode_e5m2_as_e4m3(data: Tensor, *, block: int = 4096) -> Tensor:
+    """E5M2 ``data`` as E4M3 codes of its values times ``2**-7``
+    (:func:`e5m2_to_e4m3_table`), one read and one write: a scale that multiplied the E5M2
+    values is multiplied by 128 for the codes. Lets a GEMM that takes E4M3 operands only
+    (``torch._scaled_grouped_mm`` on Hopper) run an E5M2 gradient."""
+    if data.dtype is not torch.float8_e5m2:
+        raise ValueError(f"recode_e5m2_as_e4m3: data must be float8_e5m2, got {data.dtype}")
+    src = data.contiguous().view(torch.uint8)
+    out = torch.empty_like(src)
+    if src.numel():
+        table = e5m2_to_e4m3_table(src.device)
+        grid = (triton.cdiv(src.numel(), block),)
+        _recode_kernel[grid](src, out, table, src.numel(), BLOCK_SIZE=block, num_warps=4)
+    return out.view(torch.float8_e4m3fn)
 
 
 def delayed_scaling_update(

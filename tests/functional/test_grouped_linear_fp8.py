@@ -213,8 +213,8 @@ def test_fp8_wgrad_matches_reference(device, dtype, delayed, bwd_dtype):
     """fp8_wgrad=True: the wgrad from both operands quantised per (group, column) along the
     tokens (or per tensor, delayed) equals the fake-quant reference; groups of 17 / 0 / 23 / 5
     tokens (padded to multiples of 16 inside); it is not the high-precision wgrad, but close
-    to it (SQNR); dgrad, output and bias gradient are unchanged by the flag. On CUDA in bf16,
-    E4M3 runs torch's grouped FP8 GEMM, E5M2 its bf16 emulation (one more rounding)."""
+    to it (SQNR); dgrad, output and bias gradient are unchanged by the flag. On CUDA in bf16
+    both formats run torch's grouped FP8 GEMM (E5M2 as its E4M3 recoding)."""
     splits = [17, 0, 23, 5]
     (x_ref, w_ref, b_ref), (x, w, b) = _make(splits, 32, 48, dtype, device)
     # Delayed: scales that keep Gaussian data inside E4M3's range (|x| * 64 < 448).
@@ -318,10 +318,40 @@ def test_weight_scales_per_group_and_dim():
         assert torch.equal(s_t[g], ref_s)
 
 
+@pytest.mark.parametrize("delayed", [False, True], ids=["rowwise", "per_tensor"])
+def test_e5m2_operand_recoded_to_e4m3(delayed):
+    """An E5M2 operand goes into the grouped GEMMs as E4M3 codes of its values times 2**-7, its
+    inverse scales times 128: the dequantised values are the E5M2 ones wherever the scaled
+    value is 1 or more (down to amax / 57344 of a row), within 2**-3 scaled units below (E4M3's
+    subnormal grid), NaN stays NaN; E4M3 operands pass through untouched."""
+    torch.manual_seed(3)
+    x = torch.randn(6, 64) * torch.logspace(-12, 0, 64, base=2.0)  # down to 2**-12 of amax
+    x[5, 7] = float("nan")
+    if delayed:
+        data, s, _ = GF.quantize_per_tensor(x, E5M2, torch.tensor([2.0**10]))
+        s_rows = s.expand(6)
+    else:
+        data, s_rows = GF.quantize_rowwise(x, E5M2)
+    codes, s4 = GF._as_e4m3(data, s_rows)
+    assert codes.dtype is E4M3 and torch.equal(s4, s_rows * 128)
+    want = data.double() * s_rows.double()[:, None]
+    got = codes.double() * s4.double()[:, None]
+    scaled = data.double().abs()
+    big = scaled >= 1
+    assert torch.equal(got[big], want[big]) and big.sum() > 100
+    small = ~big & ~torch.isnan(want)
+    err = (got[small] - want[small]).abs() / s_rows.double()[:, None].expand_as(want)[small]
+    assert (~big).sum() > 10 and err.max() <= 2.0**-3
+    assert torch.isnan(got[5, 7])
+    e4 = GF.quantize_rowwise(x, E4M3)
+    assert GF._as_e4m3(*e4)[0] is e4[0]
+
+
 @pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 def test_grouped_gemm_path_matches_loop(fp8):
     """The device-offset GEMM (``torch._grouped_mm`` of the FP8 values in bf16, scales after;
-    on CUDA E4M3 goes to ``torch._scaled_grouped_mm``) equals the exact loop to 2 roundings."""
+    on CUDA ``torch._scaled_grouped_mm``) equals the exact loop to 2 roundings, E5M2 operands
+    recoded to E4M3 in both."""
     splits = [9, 0, 20, 3]
     a, sa = GF.quantize_rowwise(torch.randn(32, 48), fp8)
     b, sb = GF.quantize_rowwise(torch.randn(4, 16, 48), E4M3)
@@ -338,8 +368,8 @@ def test_grouped_gemm_path_matches_loop(fp8):
 @pytest.mark.parametrize("bias", [True, False])
 def test_native_path_on_cpu_tensors(bias, delayed, fp8_wgrad):
     """The whole grouped (no host sync) forward and backward of the CUDA kernel, run on CPU bf16
-    tensors, against the exact emulation (the FP8 wgrad with an E5M2 gradient: the bf16
-    grouped GEMM of the FP8 values, scales after)."""
+    tensors, against the exact emulation (the FP8 wgrad with an E5M2 gradient too: the bf16
+    grouped GEMM of the recoded FP8 values, scales after)."""
     splits = [6, 0, 17, 9]
     _ref, (x, w, b) = _make(splits, 32, 16, torch.bfloat16, "cpu", bias=bias)
     s = torch.tensor(splits)

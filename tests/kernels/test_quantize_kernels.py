@@ -303,26 +303,37 @@ def test_rowwise_kernel_matches_reference(fp8, dtype, shape):
     assert_bits_equal(scale_inv, want_scale_inv)
 
 
-@pytest.mark.parametrize(
-    "splits", [[9, 0, 20, 3], [40], [0, 0, 17]], ids=["uneven", "one", "leading_empty"]
-)
-@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
-def test_grouped_scale_kernel_matches_the_torch_expression(splits, out_dtype):
-    """The scale pass of the E5M2 grouped GEMM: ``(fp32(acc) * row_scale) * col_scale`` of each
-    row's group, rounded once, bit for bit against the torch expression with the column scales
-    repeated per row (rows cut by the 32 x 128 tile; empty groups; trailing rows past the
-    offsets take the last group, as torch._grouped_mm leaves them)."""
-    torch.manual_seed(len(splits))
-    m, n, groups = sum(splits) + 3, 150, len(splits)
-    acc = (torch.randn(m, n) * 50).to(torch.bfloat16)
-    row_scale = torch.rand(m) * 1e-2 + 1e-4
-    col_scale = torch.rand(groups, n) * 1e-3 + 1e-5
-    offs = torch.tensor(splits).cumsum(0).to(torch.int32)
-    per_row = torch.tensor(splits[:-1] + [splits[-1] + 3])  # the 3 extra rows: last group
-    col = torch.repeat_interleave(col_scale, per_row, dim=0)
-    want = (acc.float() * row_scale[:, None] * col).to(out_dtype)
-    got = kernels.grouped_scale(_dev(acc), _dev(row_scale), _dev(col_scale), _dev(offs), out_dtype)
-    assert_bits_equal(got, want)
+def test_e5m2_to_e4m3_table_is_exact_down_to_one():
+    """Every finite E5M2 value of magnitude 1 or more times ``2**-7`` is an E4M3 value (the code
+    holds it exactly, 57344 -> 448), smaller ones are E4M3's round-to-nearest-even of it (on the
+    subnormal grid, steps of ``2**-9``), inf and NaN give NaN."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    e5m2 = codes.view(E5M2).double()
+    got = kernels.e5m2_to_e4m3_table(torch.device("cpu")).view(E4M3).double()
+    finite = torch.isfinite(e5m2)
+    assert torch.isnan(got[~finite]).all() and finite.sum() == 256 - 8  # inf, 3 NaNs a sign
+    shifted = e5m2[finite] * 2.0**-7
+    exact = e5m2[finite].abs() >= 1
+    assert torch.equal(got[finite][exact], shifted[exact])
+    assert got[finite].abs().max() == 448
+    small = got[finite][~exact]
+    assert torch.equal(small, (shifted[~exact] * 2.0**9).round() * 2.0**-9)  # round half even
+
+
+@pytest.mark.parametrize("numel", [0, 1, 255, 4096 * 3 + 17])
+def test_recode_e5m2_kernel_matches_the_table(numel):
+    """``recode_e5m2_as_e4m3`` maps every byte through the table (all 256 codes, a tail cut by
+    the block), and refuses a non-E5M2 input by name."""
+    torch.manual_seed(numel)
+    codes = torch.randint(0, 256, (numel,), dtype=torch.int32).to(torch.uint8)
+    codes[: min(numel, 256)] = torch.arange(min(numel, 256), dtype=torch.int32).to(torch.uint8)
+    data = codes.view(E5M2)
+    got = kernels.recode_e5m2_as_e4m3(_dev(data), block=1024)
+    table = kernels.e5m2_to_e4m3_table(torch.device("cpu"))
+    assert got.dtype is E4M3
+    assert torch.equal(got.cpu().view(torch.uint8), table[codes.long()])
+    with pytest.raises(ValueError, match="data must be float8_e5m2"):
+        kernels.recode_e5m2_as_e4m3(_dev(data.view(E4M3)))
 
 
 @pytest.mark.parametrize("fp8", FP8)
