@@ -54,8 +54,8 @@ _NATIVE_BLOCK = os.environ.get("TE_COMPILE_NATIVE_BLOCK_GEMM", "1") != "0"
 # TE_COMPILE_FUSED_FP8_MLP=0: LayerNormMLP runs its FP8 GEMMs one by one (te::linear_fp8) instead
 # of te::mlp_fp8 (same bytes; for comparisons).
 _FUSE_MLP = os.environ.get("TE_COMPILE_FUSED_FP8_MLP", "1") != "0"
-# GroupedLinear under an E4M3-only format: the wgrad GEMM in FP8 too (=0: high precision, and
-# the input kept in high precision for it instead of its FP8 copy).
+# GroupedLinear: the wgrad GEMM in FP8 too (=0: high precision, and the input kept in high
+# precision for it instead of its FP8 copy).
 _GROUPED_FP8_WGRAD = os.environ.get("TE_COMPILE_GROUPED_FP8_WGRAD", "1") != "0"
 
 __all__ = [
@@ -162,18 +162,17 @@ class FP8GemmState(nn.Module):
         added to ``main_grad`` when given) with the FP8 recipe of ``state``:
         ``Float8CurrentScaling`` with rowwise scales (what Hopper's grouped FP8 GEMM takes),
         ``DelayedScaling`` with this state's per-tensor scales (input, weight and gradient of
-        all groups); forward and dgrad GEMMs in FP8. The wgrad is FP8 too when the format is
-        E4M3 both ways (its operands quantised per expert and column along the tokens; torch's
-        grouped FP8 GEMM takes E4M3 only), else high precision (``HYBRID``: an E5M2 wgrad
-        would run as an emulated bf16 GEMM, slower than the high-precision one). The
-        block-scaled recipes are emulated (:func:`_grouped_block_emulated`)."""
+        all groups); the forward, dgrad and wgrad GEMMs in FP8 (the wgrad's operands quantised
+        per expert and column along the tokens; ``TE_COMPILE_GROUPED_FP8_WGRAD=0``: the wgrad in
+        high precision). Torch's grouped FP8 GEMM takes E4M3 only: an E5M2 gradient goes in as
+        E4M3 codes (``functional.grouped_linear_fp8``). The block-scaled recipes are emulated
+        (:func:`_grouped_block_emulated`)."""
         recipe = state.recipe
         if recipe.mxfp8() or recipe.nvfp4() or recipe.float8_block_scaling():
             return _grouped_block_emulated(owner, recipe, inp, m_splits, weight, bias, main_grad)
         fmt = recipe.fp8_format
-        e4m3 = torch.float8_e4m3fn
         kw = {"fwd_dtype": fmt.fwd_dtype, "bwd_dtype": fmt.bwd_dtype, "main_grad": main_grad}
-        kw["fp8_wgrad"] = _GROUPED_FP8_WGRAD and fmt.fwd_dtype is e4m3 and fmt.bwd_dtype is e4m3
+        kw["fp8_wgrad"] = _GROUPED_FP8_WGRAD
         scale = self.delayed_scale(owner, state)
         if scale is None and not recipe.delayed():
             return F.grouped_linear_fp8(inp, m_splits, weight, bias, **kw)

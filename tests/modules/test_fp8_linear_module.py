@@ -4,6 +4,7 @@ delayed-scaling state in buffers updated by a compiled step, recipe changes, sta
 from __future__ import annotations
 
 import math
+from unittest import mock
 
 import expecttest
 import pytest
@@ -16,6 +17,7 @@ from te_compile.quantization import (
     Float8BlockScaling,
     Float8CurrentScaling,
     autocast,
+    fp8_gemm,
 )
 from tests.utils import DEVICES, GraphRecorder, compile_counted
 
@@ -278,9 +280,10 @@ def test_grouped_linear_fp8_current_scaling(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_grouped_linear_fp8_wgrad_under_e4m3(device):
-    """Under an E4M3-only format the module's wgrad is FP8 too (the functional op with
-    ``fp8_wgrad=True``, bit for bit, eager and compiled); under HYBRID it is high precision."""
+def test_grouped_linear_fp8_wgrad(device):
+    """The module's wgrad is FP8 under every format (the functional op with
+    ``fp8_wgrad=True``, bit for bit, eager and compiled; HYBRID's E5M2 gradient as E4M3 codes),
+    and high precision with the setting off (``TE_COMPILE_GROUPED_FP8_WGRAD=0``)."""
     torch.manual_seed(0)
     m = te.GroupedLinear(4, 32, 48, single_grouped_parameter=True, params_dtype=torch.bfloat16,
                          device=device)  # fmt: skip
@@ -288,17 +291,24 @@ def test_grouped_linear_fp8_wgrad_under_e4m3(device):
     dy = torch.randn(40, 48, device=device, dtype=torch.bfloat16)
     splits = torch.tensor([16, 0, 9, 15], device=device)
     compiled, counter = compile_counted(m)
-    e4m3 = torch.float8_e4m3fn
-    for fmt, fp8_wgrad in ((te.recipe.Format.E4M3, True), (te.recipe.Format.HYBRID, False)):
-        bwd = e4m3 if fp8_wgrad else torch.float8_e5m2
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+    fmts = te.recipe.Format
+    cases = ((fmts.E4M3, e4m3, True), (fmts.HYBRID, e5m2, True), (fmts.HYBRID, e5m2, False))
+    grads = []
+    for fmt, bwd, fp8_wgrad in cases:
         w = m.weight.detach().requires_grad_()
         F.grouped_linear_fp8(x, splits, w, m.bias, bwd_dtype=bwd, fp8_wgrad=fp8_wgrad).backward(dy)
+        grads.append(w.grad)
         for call in (m, compiled):
             m.zero_grad(set_to_none=True)
-            with autocast(recipe=Float8CurrentScaling(fp8_format=fmt)):
+            with (
+                mock.patch.object(fp8_gemm, "_GROUPED_FP8_WGRAD", fp8_wgrad),
+                autocast(recipe=Float8CurrentScaling(fp8_format=fmt)),
+            ):
                 call(x, splits).backward(dy)
             assert torch.equal(m.weight.grad, w.grad)
-    assert counter.frame_count == 2  # one graph per recipe
+    assert not torch.equal(grads[1], grads[2])  # HYBRID: the FP8 wgrad is not the bf16 one
+    assert counter.frame_count == 3  # one graph per recipe and setting
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -382,7 +392,7 @@ def test_grouped_linear_first_delayed_step_is_calibrated(device):
     with autocast(recipe=DelayedScaling(amax_history_len=4)):
         y = m(x, splits)
     y.backward(dy)
-    y_ref = F.grouped_linear_fp8(x, splits, w, m.bias)
+    y_ref = F.grouped_linear_fp8(x, splits, w, m.bias, fp8_wgrad=True)
     y_ref.backward(dy)
     assert torch.equal(y, y_ref) and torch.equal(m.weight.grad, w.grad)
     meta = m.fp8_meta
