@@ -1,0 +1,105 @@
+"""Why the FP8 GroupedLinear's DelayedScaling row of bench_grouped spreads (2.45 to 3.56 ms
+for the same code in two calls, its kernels ~2.3 ms), GPU only.
+
+Times one compiled module's DelayedScaling training step (fwd+bwd, bench_grouped's 8-expert
+shape) three ways: alone on a fresh module, after the same compiled module has also run the
+current-scaling variants bench_grouped compiles before it (more cache entries for the
+compiled frame), and then host time per call (CPU time to issue a step, the GPU synchronised
+first and after), so a host-bound step shows as host time above GPU time.
+
+    python -m bench.diag_grouped_delayed
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+from triton.testing import do_bench
+
+from bench import harness
+from bench.bench_grouped import (
+    DTYPE,
+    FP8_EXPERTS,
+    IN_FEATURES,
+    OUT_FEATURES,
+    TOKENS,
+    _bind,
+    _make_te,
+    _under_fp8,
+    make_splits,
+)
+from te_compile.quantization import fp8_gemm
+
+
+def _host_ms(step, x, dy, calls: int = 20) -> float:
+    """Milliseconds of host time to issue one step (median over ``calls``)."""
+    times = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step(x).backward(dy)
+        times.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+def _report(name: str, step, x, dy) -> None:
+    ms = do_bench(lambda: step(x).backward(dy), warmup=200, rep=1000, return_mode="median")
+    print(f"  {name:48s} do_bench {ms:6.3f} ms   host {_host_ms(step, x, dy):6.3f} ms")
+
+
+def main() -> int:
+    device = torch.device("cuda")
+    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    splits = torch.tensor(make_splits(TOKENS, FP8_EXPERTS, 0), device=device)
+    x = torch.randn(TOKENS, IN_FEATURES, device=device, dtype=DTYPE, requires_grad=True)
+    dy = torch.randn(TOKENS, OUT_FEATURES, device=device, dtype=DTYPE)
+    kw = {"fullgraph": True, "dynamic": False}
+
+    fresh = torch.compile(_make_te(FP8_EXPERTS, IN_FEATURES, OUT_FEATURES, single=True,
+                                   device=device), **kw)  # fmt: skip
+    delayed = _under_fp8(_bind(fresh, splits), kind="DelayedScaling")
+    _report("delayed, fresh module", delayed, x, dy)
+
+    te = _make_te(FP8_EXPERTS, IN_FEATURES, OUT_FEATURES, single=True, device=device)
+    shared = torch.compile(te, **kw)
+    current = _under_fp8(_bind(shared, splits))
+    hpw = harness.with_setting(fp8_gemm, "_GROUPED_FP8_WGRAD", False, current)
+    e4m3 = _under_fp8(_bind(shared, splits), "E4M3")
+    for call in (current, hpw, e4m3):
+        call(x).backward(dy)
+    delayed_shared = _under_fp8(_bind(shared, splits), kind="DelayedScaling")
+    _report("delayed, after the current-scaling variants", delayed_shared, x, dy)
+    _report("current (HYBRID), same module", current, x, dy)
+    _report("delayed again", delayed_shared, x, dy)
+    for name, step in (("delayed", delayed), ("current", current)):
+        _profile_host(name, step, x, dy)
+    return 0
+
+
+def _profile_host(name: str, step, x, dy, calls: int = 20) -> None:
+    """Where the host time of ``calls`` steps goes (cProfile, top functions by own time)."""
+    import cProfile
+    import pstats
+
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        step(x).backward(dy)
+    prof.disable()
+    torch.cuda.synchronize()
+    print(f"host profile of {calls} {name} steps, by own time:")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    print(f"host profile of {calls} {name} steps, by cumulative time:")
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(35)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
