@@ -1064,7 +1064,7 @@ def e5m2_to_e4m3_table(device: torch.device) -> Tensor:
     ``[256]`` table indexed by the E5M2 code. ``2**-7`` maps E5M2's largest finite value,
     57344, onto E4M3's, 448, and E5M2's 2 mantissa bits fit E4M3's 3, so every E5M2 value of
     magnitude 1 or more is exact; smaller ones land on E4M3's subnormal grid (steps of
-    ``2**-9`` after the shift, i.e. 0.0625 before it); inf and NaN become NaN."""
+    ``2**-9`` after the shift, i.e. 0.25 before it); inf and NaN become NaN."""
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     e5m2 = codes.view(torch.float8_e5m2).float()
     table = (e5m2 * 2.0**-7).to(torch.float8_e4m3fn).view(torch.uint8)
