@@ -102,19 +102,27 @@ _HIGH = (torch.float32, torch.bfloat16, torch.float16)
 # 1. Quantisation and reference math ----------------------------------------------------------
 
 
-def quantize_rowwise(x: Tensor, fp8_dtype: torch.dtype, dim: int = -1) -> tuple[Tensor, Tensor]:
+def quantize_rowwise(
+    x: Tensor, fp8_dtype: torch.dtype, dim: int = -1, e4m3_codes: bool = False
+) -> tuple[Tensor, Tensor]:
     """``(data, scale_inv)``: ``x`` cast to ``fp8_dtype`` with one current scale per slice along
     ``dim`` (``fp8_max / amax`` over ``dim``; 1 for an all-zero or non-finite slice);
     ``scale_inv`` fp32 has ``x``'s shape without ``dim``. Computed in fp32 whatever ``x``'s
     dtype, so a float64 copy of a bf16/fp32 tensor gets the same bytes and scales. CUDA
     (float32/bfloat16/float16): one Triton kernel per call (``kernels.quantize.quantize_rowwise``,
-    bit-identical, the kernel tests check it), the quantised dim moved last first."""
+    bit-identical, the kernel tests check it), the quantised dim moved last first.
+    ``e4m3_codes``: an E5M2 result as the grouped GEMM takes it (:func:`_as_e4m3`; on CUDA
+    written so by the same kernel)."""
     if x.is_cuda and x.dtype in _HIGH:
         from te_compile.kernels import quantize
 
         moved = dim not in (-1, x.ndim - 1)
-        data, scale_inv = quantize.quantize_rowwise(x.movedim(dim, -1) if moved else x, fp8_dtype)
+        data, scale_inv = quantize.quantize_rowwise(
+            x.movedim(dim, -1) if moved else x, fp8_dtype, e4m3_codes=e4m3_codes
+        )
         return (data.movedim(-1, dim).contiguous() if moved else data), scale_inv
+    if e4m3_codes:
+        return _as_e4m3(*quantize_rowwise(x, fp8_dtype, dim))
     xf = x.float()
     limit = torch.finfo(fp8_dtype).max
     amax = xf.abs().amax(dim, keepdim=True)
@@ -399,6 +407,7 @@ def quantize_group_columns(
     fp8_dtype: torch.dtype,
     scale: Tensor | None = None,
     device_splits: tuple[Tensor, Tensor] | None = None,
+    e4m3_codes: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """A grouped wgrad operand: ``(data_t, scale_inv, pad_ends)``. Every column of every token
     group of ``x`` ``[M, C]`` cast with its own current scale (amax over the group's rows;
@@ -410,7 +419,7 @@ def quantize_group_columns(
     CUDA (float32/bfloat16/float16): one Triton launch on device offsets
     (``kernels.quantize.quantize_group_columns``, the same bytes as the loop below);
     ``device_splits``: the ``(splits, ends)`` of :func:`_device_splits` when the caller has
-    them already."""
+    them already; ``e4m3_codes``: as in :func:`quantize_rowwise`."""
     groups, c = m_splits.shape[0], x.shape[1]
     capacity = _wgrad_capacity(x.shape[0], groups)
     if x.is_cuda and x.dtype in _HIGH:
@@ -419,7 +428,7 @@ def quantize_group_columns(
         splits, ends = device_splits or _device_splits(m_splits, x)
         pad_ends = torch.cumsum((splits + 15) // 16 * 16, 0, dtype=torch.int32)
         data_t, scale_inv = quantize.quantize_group_columns(
-            x, ends, pad_ends, capacity, fp8_dtype, scale=scale
+            x, ends, pad_ends, capacity, fp8_dtype, scale=scale, e4m3_codes=e4m3_codes
         )
         return data_t, scale_inv, pad_ends
     splits = _host_splits(m_splits, x.shape[0])
@@ -440,7 +449,10 @@ def quantize_group_columns(
             data_t[:, dst : dst + m] = data.view(torch.uint8)
         start, dst = start + m, dst + p
     pad_ends = torch.tensor(padded, dtype=torch.int64).cumsum(0).to(torch.int32)
-    return data_t.view(fp8_dtype), scale_inv, pad_ends.to(x.device)
+    data_t = data_t.view(fp8_dtype)
+    if e4m3_codes:
+        data_t, scale_inv = _as_e4m3(data_t, scale_inv)
+    return data_t, scale_inv, pad_ends.to(x.device)
 
 
 def _gemm_wgrad(
@@ -616,12 +628,12 @@ def _amax(x: Tensor) -> Tensor:
 
 
 def _quantize_grad(grad_out, scale, grad_amax, bwd_dtype):
-    """The dgrad operand: rowwise, or per tensor with ``scale[2]``; its amax written into
-    ``grad_amax`` when given."""
+    """The dgrad operand: rowwise (E5M2 as E4M3 codes), or per tensor with ``scale[2]``; its
+    amax written into ``grad_amax`` when given."""
     if scale is None:
         if grad_amax is not None:
             grad_amax.copy_(_amax(grad_out).reshape(1))
-        return quantize_rowwise(grad_out, bwd_dtype)
+        return quantize_rowwise(grad_out, bwd_dtype, e4m3_codes=True)
     gq, gs, amax = _quantize_delayed(grad_out, bwd_dtype, scale[2:3], (grad_out.shape[0],))
     if grad_amax is not None:
         grad_amax.copy_(amax)
@@ -643,7 +655,7 @@ def _backward_impl(
     device_splits = _device_splits(m_splits, grad_out) if native else None
     if need_wgrad and len(saved) == 4:  # the forward saved the FP8 wgrad operand of the input
         dyt, dys, pad_ends = quantize_group_columns(
-            grad_out, m_splits, bwd_dtype, _slot(scale, 2), device_splits
+            grad_out, m_splits, bwd_dtype, _slot(scale, 2), device_splits, e4m3_codes=True
         )
         dw = _gemm_wgrad(
             dyt, dys, saved[2].view(fwd_dtype), saved[3], pad_ends, native, dtype, main_grad

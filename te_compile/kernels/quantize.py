@@ -506,6 +506,24 @@ def _dequant_kernel(
 
 
 @triton.jit
+def _recoded(q, TABLE, RECODE: tl.constexpr):
+    """FP8 bits ``q``, or with ``RECODE`` their E4M3 codes through ``TABLE``
+    (:func:`e5m2_to_e4m3_table`: E5M2 values times ``2**-7``)."""
+    if RECODE:
+        q = tl.load(TABLE + q.to(tl.int32))
+    return q
+
+
+@triton.jit
+def _inverse(scale, RECODE: tl.constexpr):
+    """``1 / scale`` correctly rounded; times 128 (exact) for recoded E4M3 codes."""
+    inv = tl.math.div_rn(1.0, scale)
+    if RECODE:
+        inv = inv * 128.0
+    return inv
+
+
+@triton.jit
 def _rowwise_kernel(
     X,
     DATA,
@@ -513,18 +531,21 @@ def _rowwise_kernel(
     M,
     K,
     fp8_max,
+    TABLE,
     E4M3: tl.constexpr,
     MBITS: tl.constexpr,
     BIAS: tl.constexpr,
     SOFTWARE: tl.constexpr,
     GUARD: tl.constexpr,
+    RECODE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """Rows ``[pid * BLOCK_M, ...)``: amax over each row (NaN-propagating, on the int bits),
     ``scale = fp8_max / amax`` where ``amax > 0`` else 1, and 1 where that is not finite; then
     ``DATA = fp8(clamp(x * scale))`` and ``SCALE_INV = 1 / scale`` (both divisions correctly
-    rounded: the same bytes as the torch definition in ``functional.grouped_linear_fp8``)."""
+    rounded: the same bytes as the torch definition in ``functional.grouped_linear_fp8``).
+    ``RECODE``: E5M2 stored as its E4M3 codes, ``SCALE_INV`` times 128 (:func:`_recoded`)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     in_rows = rows < M
     base = rows.to(tl.int64)[:, None] * K
@@ -540,8 +561,8 @@ def _rowwise_kernel(
         mask = in_rows[:, None] & (cols[None, :] < K)
         x = tl.load(X + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         q = _cast_fp8(x * scale[:, None], fp8_max, E4M3, MBITS, BIAS, SOFTWARE, GUARD)
-        tl.store(DATA + base + cols[None, :], q, mask=mask)
-    tl.store(SCALE_INV + rows, tl.math.div_rn(1.0, scale), mask=in_rows)
+        tl.store(DATA + base + cols[None, :], _recoded(q, TABLE, RECODE), mask=mask)
+    tl.store(SCALE_INV + rows, _inverse(scale, RECODE), mask=in_rows)
 
 
 @triton.jit
@@ -555,11 +576,13 @@ def _columnwise_kernel(
     N,
     K,
     fp8_max,
+    TABLE,
     E4M3: tl.constexpr,
     MBITS: tl.constexpr,
     BIAS: tl.constexpr,
     SOFTWARE: tl.constexpr,
     GUARD: tl.constexpr,
+    RECODE: tl.constexpr,
     GIVEN: tl.constexpr,
     GROUPED: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -569,7 +592,8 @@ def _columnwise_kernel(
     ``_rowwise_kernel`` quantisation of each *column* of the slice (amax over its rows), written
     transposed, and ``SCALE_INV`` ``[slices, K]``. ``GIVEN``: every column cast with the one
     scale ``SCALE`` instead (per tensor, delayed scaling: the bytes of ``_cast_kernel``,
-    transposed). The tiles are read along ``K`` and stored along the slice's rows.
+    transposed). The tiles are read along ``K`` and stored along the slice's rows. ``RECODE``:
+    E5M2 stored as its E4M3 codes, ``SCALE_INV`` times 128 (:func:`_recoded`).
 
     * Not ``GROUPED``: ``X`` is ``[B, N, K]``, slice ``b`` its matrix ``b``, ``DATA_T``
       ``[B, K, N]`` (the grouped dgrad's weight copy without a strided transpose of the
@@ -615,8 +639,9 @@ def _columnwise_kernel(
             _cast_fp8(y, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, GUARD)
         )  # [BLOCK_K, BLOCK_N]
         out = cols.to(tl.int64)[:, None] * N + rows[None, :]
+        q = _recoded(q, TABLE, RECODE)
         tl.store(dst + out, q, mask=in_cols[:, None] & (rows[None, :] < rows_out))
-    tl.store(SCALE_INV + b * K + cols, tl.math.div_rn(1.0, scale), mask=in_cols)
+    tl.store(SCALE_INV + b * K + cols, _inverse(scale, RECODE), mask=in_cols)
 
 
 @triton.jit
@@ -693,6 +718,18 @@ def _cast_args(fp8_dtype: torch.dtype, software: bool, source: torch.dtype) -> d
 
 def _bits(t: Tensor) -> Tensor:
     return t.view(torch.uint8)
+
+
+def _recode_args(fp8_dtype: torch.dtype, data: Tensor, unused: Tensor) -> dict[str, object]:
+    """``TABLE`` / ``RECODE`` of a kernel casting to ``fp8_dtype`` into ``data``: recoded when
+    an E5M2 cast is stored into an E4M3 tensor (``unused``: any tensor, for no recoding)."""
+    recode = fp8_dtype is torch.float8_e5m2 and data.dtype is torch.float8_e4m3fn
+    return {"TABLE": e5m2_to_e4m3_table(data.device) if recode else unused, "RECODE": recode}
+
+
+def _codes_dtype(fp8_dtype: torch.dtype, e4m3_codes: bool) -> torch.dtype:
+    """The storage dtype of a cast to ``fp8_dtype``: E4M3 for E5M2 with ``e4m3_codes``."""
+    return torch.float8_e4m3fn if e4m3_codes else fp8_dtype
 
 
 def _rounded_out(out: Tensor, software: bool) -> tuple[Tensor, bool]:
@@ -996,12 +1033,16 @@ def quantize_columnwise_transposed(
     return data_t, scale_inv
 
 
-def _launch_columnwise(x, data_t, scale_inv, scale, ends, n, slices, launch) -> None:
+def _launch_columnwise(
+    x, data_t, scale_inv, scale, ends, n, slices, launch, fp8_dtype=None
+) -> None:
     """``_columnwise_kernel`` over ``slices`` slices of ``x`` (``ends``: ``(ENDS, PAD_ENDS)``
     for token groups, None for the matrices of a batch); ``launch``: ``(BLOCK_N, BLOCK_K,
-    num_warps)``."""
+    num_warps)``; ``fp8_dtype``: the cast's format when it is not ``data_t``'s (E5M2 into E4M3
+    codes, :func:`_recode_args`)."""
     block_n, block_k, num_warps = launch
     k = x.shape[-1]
+    fp8_dtype = fp8_dtype or data_t.dtype
     _columnwise_kernel[(slices, triton.cdiv(k, block_k))](
         x,
         _bits(data_t),
@@ -1010,8 +1051,9 @@ def _launch_columnwise(x, data_t, scale_inv, scale, ends, n, slices, launch) -> 
         *((scale_inv, scale_inv) if ends is None else ends),  # unused without groups
         n,
         k,
-        _FORMATS[data_t.dtype].max,
-        **_cast_args(data_t.dtype, _software(x.device, _DEFAULT), x.dtype),
+        _FORMATS[fp8_dtype].max,
+        **_recode_args(fp8_dtype, data_t, scale_inv),
+        **_cast_args(fp8_dtype, _software(x.device, _DEFAULT), x.dtype),
         GIVEN=scale is not None,
         GROUPED=ends is not None,
         BLOCK_N=block_n,
@@ -1028,6 +1070,7 @@ def quantize_group_columns(
     fp8_dtype: torch.dtype,
     *,
     scale: Tensor | None = None,
+    e4m3_codes: bool = False,
     block_n: int = 128,
     block_k: int = 32,
     num_warps: int = 4,
@@ -1043,18 +1086,18 @@ def quantize_group_columns(
     sync; ``capacity`` must hold the padded groups (``M + 15 G`` always does). Launch:
     ``bench/tune_group_columns.py``; 128 x 32 tiles, 4 warps ran 330 / 177 us at 32768 x 4096 /
     2048 in 8 groups on the H100 (2026-11-23; ~2.0 TB/s of its minimal traffic against 2.9 for a
-    copy; 64 x 64 took 443 / 352 us)."""
+    copy; 64 x 64 took 443 / 352 us). ``e4m3_codes``: as in :func:`quantize_rowwise`."""
     k = x.shape[1]
     groups = ends.shape[0]
-    data_t = torch.empty((k, capacity), device=x.device, dtype=fp8_dtype)
+    data_t = torch.empty((k, capacity), device=x.device, dtype=_codes_dtype(fp8_dtype, e4m3_codes))
     scale_inv = torch.empty((groups, k), device=x.device, dtype=torch.float32)
     if k == 0:
         return data_t, scale_inv
     if groups == 0:
-        return data_t.view(torch.uint8).zero_().view(fp8_dtype), scale_inv
+        return data_t.view(torch.uint8).zero_().view(data_t.dtype), scale_inv
     launch = (block_n, block_k, num_warps)
     _launch_columnwise(x.contiguous(), data_t, scale_inv, scale, (ends, pad_ends), capacity,
-                       groups, launch)  # fmt: skip
+                       groups, launch, fp8_dtype)  # fmt: skip
     return data_t, scale_inv
 
 
@@ -1120,13 +1163,20 @@ def delayed_scaling_update(
 
 
 def quantize_rowwise(
-    x: Tensor, fp8_dtype: torch.dtype, *, block_m: int = 4, block_k: int = 1024
+    x: Tensor,
+    fp8_dtype: torch.dtype,
+    *,
+    e4m3_codes: bool = False,
+    block_m: int = 4,
+    block_k: int = 1024,
 ) -> tuple[Tensor, Tensor]:
     """``(data, scale_inv)``: every row of ``x`` (``[..., K]``, the last dim) cast to
     ``fp8_dtype`` with its own current scale; ``scale_inv`` fp32 of ``x``'s shape without the
-    last dim. One launch, ``x`` read from memory once (see ``_rowwise_kernel``)."""
+    last dim. One launch, ``x`` read from memory once (see ``_rowwise_kernel``).
+    ``e4m3_codes``: an E5M2 cast stored as E4M3 codes with ``scale_inv`` times 128, the bytes
+    of :func:`recode_e5m2_as_e4m3` without its pass."""
     x2, m, k = _rows(x)
-    data = torch.empty(x.shape, device=x.device, dtype=fp8_dtype)
+    data = torch.empty(x.shape, device=x.device, dtype=_codes_dtype(fp8_dtype, e4m3_codes))
     scale_inv = torch.empty(x.shape[:-1], device=x.device, dtype=torch.float32)
     if m * k:
         bk = min(block_k, triton.next_power_of_2(k))
@@ -1137,11 +1187,12 @@ def quantize_rowwise(
             m,
             k,
             _FORMATS[fp8_dtype].max,
+            **_recode_args(fp8_dtype, data, scale_inv),
             **_cast_args(fp8_dtype, _software(x.device, _DEFAULT), x.dtype),
             BLOCK_M=block_m,
             BLOCK_K=bk,
             num_warps=4,
         )
     elif m:
-        scale_inv.fill_(1.0)  # an empty row: amax 0, scale 1
+        scale_inv.fill_(128.0 if data.dtype != fp8_dtype else 1.0)  # an empty row: scale 1
     return data, scale_inv

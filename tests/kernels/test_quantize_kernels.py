@@ -336,6 +336,47 @@ def test_recode_e5m2_kernel_matches_the_table(numel):
         kernels.recode_e5m2_as_e4m3(_dev(data.view(E4M3)))
 
 
+@pytest.mark.parametrize("given", [False, True], ids=["current", "delayed"])
+@pytest.mark.parametrize("rows", [37, 0])
+def test_kernels_write_e5m2_as_e4m3_codes(rows, given):
+    """``e4m3_codes=True``: the rowwise and the group-column casts store an E5M2 result as its
+    E4M3 codes with the inverse scales times 128, bit for bit the torch definition followed by
+    the recoding (``functional.grouped_linear_fp8._as_e4m3``); inf / NaN / subnormal-sized /
+    saturating entries, empty rows and groups; E4M3 casts are unchanged by the flag."""
+    import importlib
+
+    GF = importlib.import_module("te_compile.functional.grouped_linear_fp8")
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 45) * 3
+    if rows:
+        x[0] = 0.0
+        x[1, 3], x[2, 1] = float("inf"), float("nan")
+        x[3] = torch.randn(45) * 1e-30
+        x[4, -1] = 1e6
+        x[:, 5] = torch.randn(rows) * 1e-4  # values below 1 in E5M2's scaled units
+    x = x.to(torch.bfloat16)
+    if not given:
+        data, inv = kernels.quantize_rowwise(_dev(x), E5M2, e4m3_codes=True, block_k=32)
+        want_data, want_inv = GF._as_e4m3(*GF.quantize_rowwise(x, E5M2))
+        assert data.dtype is E4M3
+        assert_bits_equal(data, want_data)
+        assert_bits_equal(inv, want_inv)
+        e4 = kernels.quantize_rowwise(_dev(x), E4M3, e4m3_codes=True, block_k=32)
+        _assert_all_equal(e4, GF.quantize_rowwise(x, E4M3))
+    splits = torch.tensor([rows - rows // 2, 0, rows // 2])
+    scale = torch.tensor([2.0**12]) if given else None
+    want_data, want_inv, want_ends = GF.quantize_group_columns(x, splits, E5M2, scale)
+    want_data, want_inv = GF._as_e4m3(want_data, want_inv)
+    data_t, scale_inv = kernels.quantize_group_columns(
+        _dev(x), _dev(splits.cumsum(0).to(torch.int32)), _dev(want_ends), want_data.shape[1],
+        E5M2, scale=None if scale is None else _dev(scale), e4m3_codes=True, block_n=16,
+        block_k=16,
+    )  # fmt: skip
+    assert data_t.dtype is E4M3
+    assert_bits_equal(data_t, want_data)
+    assert_bits_equal(scale_inv, want_inv)
+
+
 @pytest.mark.parametrize("fp8", FP8)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(3, 70, 45), (2, 16, 130), (40, 9), (2, 0, 8)])
