@@ -41,9 +41,9 @@ Kernels:
   dgrad's weight copy without a strided transpose of the high-precision weight first. Or along
   the rows of each token group of an ``[M, K]`` tensor, stored transposed with every group
   padded to a multiple of 16 rows: the grouped FP8 wgrad's operands.
-* ``_recode_kernel``: E5M2 codes as the E4M3 codes of their values times ``2**-7`` (the bytes
-  of ``e5m2_to_e4m3_table``), for the grouped GEMM that takes E4M3 only; the rowwise and
-  columnwise kernels can write them directly (``RECODE``).
+* ``_recode_kernel``: E5M2 codes as the E4M3 codes of their values times ``2**-7`` (integer
+  arithmetic, the bytes of ``e5m2_to_e4m3_table``), for the grouped GEMM that takes E4M3 only;
+  the rowwise and columnwise kernels can write them directly (``RECODE``).
 * ``_delayed_update_kernel``: delayed scaling's state update (``te::delayed_scaling_update``):
   roll the ``[len, slots]`` amax history by one row, insert the last amaxes, recompute the
   scales, in one program and one launch (the plain-torch version is ~8 tiny kernels).
@@ -507,32 +507,27 @@ def _dequant_kernel(
 
 
 @triton.jit
-def _recoded(q, RECODE: tl.constexpr, SOFTWARE: tl.constexpr):
+def _recoded(q, RECODE: tl.constexpr):
     """FP8 bits ``q``, or with ``RECODE`` (E5M2 bits) the E4M3 codes of their values times
-    ``2**-7`` (the bytes of :func:`e5m2_to_e4m3_table`; the sign kept, inf and NaN give NaN).
-    On the GPU through the conversion instructions (E5M2 -> fp16 is exact, so is the scaling;
-    fp16 -> E4M3 rounds to nearest even). ``SOFTWARE``: in integer arithmetic (biased exponent
+    ``2**-7``, in integer arithmetic (the bytes of :func:`e5m2_to_e4m3_table`): biased exponent
     ``e >= 16`` moves to ``e - 15`` with the 2 mantissa bits on top of E4M3's 3; below, the
     value ``(4 + m) * 2**(e - 15)`` units of E4M3's smallest subnormal is rounded to nearest
-    even)."""
+    even; ``e == 31`` (inf, NaN) gives NaN; the sign is kept."""
     if RECODE:
         c = q.to(tl.int32)
         sign = c & 0x80
-        if SOFTWARE:
-            e = (c >> 2) & 0x1F
-            m = c & 3
-            normal = sign | ((e - 15) << 3) | (m << 1)
-            sh = tl.maximum(15 - e, 0)
-            v = 4 + m
-            kept = v >> sh
-            rest = v - (kept << sh)
-            half = ((v * 0 + 1) << sh) >> 1
-            up = (rest > half) | ((rest == half) & (half > 0) & ((kept & 1) == 1))
-            out = tl.where(e >= 16, normal, sign | (kept + up.to(tl.int32)))
-        else:
-            h = q.to(tl.float8e5, bitcast=True).to(tl.float16) * 0.0078125
-            out = h.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
-        q = tl.where((c & 0x7C) == 0x7C, sign | 0x7F, out).to(tl.uint8)
+        e = (c >> 2) & 0x1F
+        m = c & 3
+        normal = sign | ((e - 15) << 3) | (m << 1)
+        sh = tl.maximum(15 - e, 0)
+        v = 4 + m
+        kept = v >> sh
+        rest = v - (kept << sh)
+        half = ((v * 0 + 1) << sh) >> 1
+        up = (rest > half) | ((rest == half) & (half > 0) & ((kept & 1) == 1))
+        small = sign | (kept + up.to(tl.int32))
+        out = tl.where(e >= 16, normal, small)
+        q = tl.where(e == 31, sign | 0x7F, out).to(tl.uint8)
     return q
 
 
@@ -582,7 +577,7 @@ def _rowwise_kernel(
         mask = in_rows[:, None] & (cols[None, :] < K)
         x = tl.load(X + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         q = _cast_fp8(x * scale[:, None], fp8_max, E4M3, MBITS, BIAS, SOFTWARE, GUARD)
-        tl.store(DATA + base + cols[None, :], _recoded(q, RECODE, SOFTWARE), mask=mask)
+        tl.store(DATA + base + cols[None, :], _recoded(q, RECODE), mask=mask)
     tl.store(SCALE_INV + rows, _inverse(scale, RECODE), mask=in_rows)
 
 
@@ -659,18 +654,18 @@ def _columnwise_kernel(
             _cast_fp8(y, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, GUARD)
         )  # [BLOCK_K, BLOCK_N]
         out = cols.to(tl.int64)[:, None] * N + rows[None, :]
-        q = _recoded(q, RECODE, SOFTWARE)
+        q = _recoded(q, RECODE)
         tl.store(dst + out, q, mask=in_cols[:, None] & (rows[None, :] < rows_out))
     tl.store(SCALE_INV + b * K + cols, _inverse(scale, RECODE), mask=in_cols)
 
 
 @triton.jit
-def _recode_kernel(SRC, DST, N, SOFTWARE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+def _recode_kernel(SRC, DST, N, BLOCK_SIZE: tl.constexpr):
     """E5M2 bytes ``SRC`` as E4M3 codes ``DST`` (:func:`_recoded`)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offs < N
     codes = tl.load(SRC + offs, mask=mask, other=0)
-    tl.store(DST + offs, _recoded(codes, True, SOFTWARE), mask=mask)
+    tl.store(DST + offs, _recoded(codes, True), mask=mask)
 
 
 @triton.jit
@@ -1146,10 +1141,7 @@ def recode_e5m2_as_e4m3(data: Tensor, *, block: int = 4096) -> Tensor:
     out = torch.empty_like(src)
     if src.numel():
         grid = (triton.cdiv(src.numel(), block),)
-        software = _software(src.device, _DEFAULT)
-        _recode_kernel[grid](
-            src, out, src.numel(), SOFTWARE=software, BLOCK_SIZE=block, num_warps=4
-        )
+        _recode_kernel[grid](src, out, src.numel(), BLOCK_SIZE=block, num_warps=4)
     return out.view(torch.float8_e4m3fn)
 
 
