@@ -41,9 +41,8 @@ Kernels:
   dgrad's weight copy without a strided transpose of the high-precision weight first. Or along
   the rows of each token group of an ``[M, K]`` tensor, stored transposed with every group
   padded to a multiple of 16 rows: the grouped FP8 wgrad's operands.
-* ``_recode_kernel``: E5M2 codes as the E4M3 codes of their values times ``2**-7`` (integer
-  arithmetic, the bytes of ``e5m2_to_e4m3_table``), for the grouped GEMM that takes E4M3 only;
-  the rowwise and columnwise kernels can write them directly (``RECODE``).
+* ``_recode_kernel``: FP8 bytes through a 256-entry table: E5M2 codes as the E4M3 codes of
+  their values times ``2**-7``, for the grouped GEMM that takes E4M3 only.
 * ``_delayed_update_kernel``: delayed scaling's state update (``te::delayed_scaling_update``):
   roll the ``[len, slots]`` amax history by one row, insert the last amaxes, recompute the
   scales, in one program and one launch (the plain-torch version is ~8 tiny kernels).
@@ -507,27 +506,11 @@ def _dequant_kernel(
 
 
 @triton.jit
-def _recoded(q, RECODE: tl.constexpr):
-    """FP8 bits ``q``, or with ``RECODE`` (E5M2 bits) the E4M3 codes of their values times
-    ``2**-7``, in integer arithmetic (the bytes of :func:`e5m2_to_e4m3_table`): biased exponent
-    ``e >= 16`` moves to ``e - 15`` with the 2 mantissa bits on top of E4M3's 3; below, the
-    value ``(4 + m) * 2**(e - 15)`` units of E4M3's smallest subnormal is rounded to nearest
-    even; ``e == 31`` (inf, NaN) gives NaN; the sign is kept."""
+def _recoded(q, TABLE, RECODE: tl.constexpr):
+    """FP8 bits ``q``, or with ``RECODE`` their E4M3 codes through ``TABLE``
+    (:func:`e5m2_to_e4m3_table`: E5M2 values times ``2**-7``)."""
     if RECODE:
-        c = q.to(tl.int32)
-        sign = c & 0x80
-        e = (c >> 2) & 0x1F
-        m = c & 3
-        normal = sign | ((e - 15) << 3) | (m << 1)
-        sh = tl.maximum(15 - e, 0)
-        v = 4 + m
-        kept = v >> sh
-        rest = v - (kept << sh)
-        half = ((v * 0 + 1) << sh) >> 1
-        up = (rest > half) | ((rest == half) & (half > 0) & ((kept & 1) == 1))
-        small = sign | (kept + up.to(tl.int32))
-        out = tl.where(e >= 16, normal, small)
-        q = tl.where(e == 31, sign | 0x7F, out).to(tl.uint8)
+        q = tl.load(TABLE + q.to(tl.int32))
     return q
 
 
@@ -548,6 +531,7 @@ def _rowwise_kernel(
     M,
     K,
     fp8_max,
+    TABLE,
     E4M3: tl.constexpr,
     MBITS: tl.constexpr,
     BIAS: tl.constexpr,
@@ -577,7 +561,7 @@ def _rowwise_kernel(
         mask = in_rows[:, None] & (cols[None, :] < K)
         x = tl.load(X + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         q = _cast_fp8(x * scale[:, None], fp8_max, E4M3, MBITS, BIAS, SOFTWARE, GUARD)
-        tl.store(DATA + base + cols[None, :], _recoded(q, RECODE), mask=mask)
+        tl.store(DATA + base + cols[None, :], _recoded(q, TABLE, RECODE), mask=mask)
     tl.store(SCALE_INV + rows, _inverse(scale, RECODE), mask=in_rows)
 
 
@@ -592,6 +576,7 @@ def _columnwise_kernel(
     N,
     K,
     fp8_max,
+    TABLE,
     E4M3: tl.constexpr,
     MBITS: tl.constexpr,
     BIAS: tl.constexpr,
@@ -654,18 +639,18 @@ def _columnwise_kernel(
             _cast_fp8(y, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, GUARD)
         )  # [BLOCK_K, BLOCK_N]
         out = cols.to(tl.int64)[:, None] * N + rows[None, :]
-        q = _recoded(q, RECODE)
+        q = _recoded(q, TABLE, RECODE)
         tl.store(dst + out, q, mask=in_cols[:, None] & (rows[None, :] < rows_out))
     tl.store(SCALE_INV + b * K + cols, _inverse(scale, RECODE), mask=in_cols)
 
 
 @triton.jit
-def _recode_kernel(SRC, DST, N, BLOCK_SIZE: tl.constexpr):
-    """E5M2 bytes ``SRC`` as E4M3 codes ``DST`` (:func:`_recoded`)."""
+def _recode_kernel(SRC, DST, TABLE, N, BLOCK_SIZE: tl.constexpr):
+    """``DST[i] = TABLE[SRC[i]]``: FP8 bytes mapped through a 256-entry code table."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offs < N
     codes = tl.load(SRC + offs, mask=mask, other=0)
-    tl.store(DST + offs, _recoded(codes, True), mask=mask)
+    tl.store(DST + offs, tl.load(TABLE + codes.to(tl.int32)), mask=mask)
 
 
 @triton.jit
@@ -735,10 +720,11 @@ def _bits(t: Tensor) -> Tensor:
     return t.view(torch.uint8)
 
 
-def _recode_args(fp8_dtype: torch.dtype, data: Tensor) -> dict[str, object]:
-    """``RECODE`` of a kernel casting to ``fp8_dtype`` into ``data``: set when an E5M2 cast is
-    stored into an E4M3 tensor (:func:`_recoded`)."""
-    return {"RECODE": fp8_dtype is torch.float8_e5m2 and data.dtype is torch.float8_e4m3fn}
+def _recode_args(fp8_dtype: torch.dtype, data: Tensor, unused: Tensor) -> dict[str, object]:
+    """``TABLE`` / ``RECODE`` of a kernel casting to ``fp8_dtype`` into ``data``: recoded when
+    an E5M2 cast is stored into an E4M3 tensor (``unused``: any tensor, for no recoding)."""
+    recode = fp8_dtype is torch.float8_e5m2 and data.dtype is torch.float8_e4m3fn
+    return {"TABLE": e5m2_to_e4m3_table(data.device) if recode else unused, "RECODE": recode}
 
 
 def _codes_dtype(fp8_dtype: torch.dtype, e4m3_codes: bool) -> torch.dtype:
@@ -1066,7 +1052,7 @@ def _launch_columnwise(
         n,
         k,
         _FORMATS[fp8_dtype].max,
-        **_recode_args(fp8_dtype, data_t),
+        **_recode_args(fp8_dtype, data_t, scale_inv),
         **_cast_args(fp8_dtype, _software(x.device, _DEFAULT), x.dtype),
         GIVEN=scale is not None,
         GROUPED=ends is not None,
@@ -1131,17 +1117,18 @@ def e5m2_to_e4m3_table(device: torch.device) -> Tensor:
 
 
 def recode_e5m2_as_e4m3(data: Tensor, *, block: int = 4096) -> Tensor:
-    """E5M2 ``data`` as E4M3 codes of its values times ``2**-7`` (the bytes of
-    :func:`e5m2_to_e4m3_table`, computed in the kernel), one read and one write: a scale that
-    multiplied the E5M2 values is multiplied by 128 for the codes. Lets a GEMM that takes E4M3
-    operands only (``torch._scaled_grouped_mm`` on Hopper) run an E5M2 gradient."""
+    """E5M2 ``data`` as E4M3 codes of its values times ``2**-7``
+    (:func:`e5m2_to_e4m3_table`), one read and one write: a scale that multiplied the E5M2
+    values is multiplied by 128 for the codes. Lets a GEMM that takes E4M3 operands only
+    (``torch._scaled_grouped_mm`` on Hopper) run an E5M2 gradient."""
     if data.dtype is not torch.float8_e5m2:
         raise ValueError(f"recode_e5m2_as_e4m3: data must be float8_e5m2, got {data.dtype}")
     src = data.contiguous().view(torch.uint8)
     out = torch.empty_like(src)
     if src.numel():
+        table = e5m2_to_e4m3_table(src.device)
         grid = (triton.cdiv(src.numel(), block),)
-        _recode_kernel[grid](src, out, src.numel(), BLOCK_SIZE=block, num_warps=4)
+        _recode_kernel[grid](src, out, table, src.numel(), BLOCK_SIZE=block, num_warps=4)
     return out.view(torch.float8_e4m3fn)
 
 
@@ -1200,7 +1187,7 @@ def quantize_rowwise(
             m,
             k,
             _FORMATS[fp8_dtype].max,
-            **_recode_args(fp8_dtype, data),
+            **_recode_args(fp8_dtype, data, scale_inv),
             **_cast_args(fp8_dtype, _software(x.device, _DEFAULT), x.dtype),
             BLOCK_M=block_m,
             BLOCK_K=bk,
