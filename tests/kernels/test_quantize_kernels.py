@@ -377,6 +377,28 @@ def test_kernels_write_e5m2_as_e4m3_codes(rows, given):
     assert_bits_equal(scale_inv, want_inv)
 
 
+def test_kernels_write_e5m2_as_e4m3_codes_at_default_launch():
+    """The same at the launch parameters the grouped op uses (1024-wide row blocks, 128 x 32
+    column tiles) on a 300 x 2048 gradient, values over the whole E5M2 range."""
+    import importlib
+
+    GF = importlib.import_module("te_compile.functional.grouped_linear_fp8")
+    torch.manual_seed(7)
+    x = torch.randn(300, 2048) * torch.logspace(-14, 2, 2048, base=2.0)
+    x = x.to(torch.bfloat16)
+    data, inv = kernels.quantize_rowwise(_dev(x), E5M2, e4m3_codes=True)
+    want = GF._as_e4m3(*GF.quantize_rowwise(x, E5M2))
+    _assert_all_equal((data, inv), want)
+    splits = torch.tensor([100, 0, 200])
+    want_data, want_inv, want_ends = GF.quantize_group_columns(x, splits, E5M2)
+    want_data, want_inv = GF._as_e4m3(want_data, want_inv)
+    got = kernels.quantize_group_columns(
+        _dev(x), _dev(splits.cumsum(0).to(torch.int32)), _dev(want_ends), want_data.shape[1],
+        E5M2, e4m3_codes=True,
+    )  # fmt: skip
+    _assert_all_equal(got, (want_data, want_inv))
+
+
 @pytest.mark.parametrize("fp8", FP8)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(3, 70, 45), (2, 16, 130), (40, 9), (2, 0, 8)])
