@@ -53,9 +53,10 @@ in as the E4M3 codes of its values times ``2**-7``, its inverse scales times 128
 largest value 57344 becomes E4M3's 448 and its 2 mantissa bits fit in E4M3's 3, so every E5M2
 value down to ``amax / 57344`` of its slice is exact and the smaller ones are rounded to E4M3's
 subnormal grid (a step of 0.25 in E5M2's scaled units: an error of at most ``amax * 2**-18.8``
-on elements below ``amax * 2**-15.8``). One table-lookup pass over the FP8 bytes
-(``kernels.quantize.recode_e5m2_as_e4m3``); the emulation below applies the same recoding, so
-the two paths see the same codes. float32 / float16 inputs use the per-group loop below (it
+on elements below ``amax * 2**-15.8``). The gradient's rowwise and per-group-column casts
+write those codes directly (``e4m3_codes=True``); any other E5M2 operand is recoded by one
+table-lookup pass over its bytes (``kernels.quantize.recode_e5m2_as_e4m3``). The emulation
+below applies the same recoding, so the two paths see the same codes. float32 / float16 inputs use the per-group loop below (it
 reads the splits on the host). The bias is added to the GEMM's bf16 output (one more rounding,
 as in ``te::grouped_linear_fwd`` on CUDA).
 
