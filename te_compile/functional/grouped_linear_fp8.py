@@ -56,9 +56,9 @@ subnormal grid (a step of 0.25 in E5M2's scaled units: an error of at most ``ama
 on elements below ``amax * 2**-15.8``). The gradient's rowwise and per-group-column casts
 write those codes directly (``e4m3_codes=True``); any other E5M2 operand is recoded by one
 table-lookup pass over its bytes (``kernels.quantize.recode_e5m2_as_e4m3``). The emulation
-below applies the same recoding, so the two paths see the same codes. float32 / float16 inputs use the per-group loop below (it
-reads the splits on the host). The bias is added to the GEMM's bf16 output (one more rounding,
-as in ``te::grouped_linear_fwd`` on CUDA).
+below applies the same recoding, so the two paths see the same codes. float32 / float16 inputs
+use the per-group loop below (it reads the splits on the host). The bias is added to the GEMM's
+bf16 output (one more rounding, as in ``te::grouped_linear_fwd`` on CUDA).
 
 CPU (and the definition of the FP8 GEMMs): exact emulation. The same FP8 values and scales,
 the GEMM of the FP8 values in fp32 per group, the scales applied to the fp32 accumulator, the
