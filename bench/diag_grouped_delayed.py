@@ -5,7 +5,9 @@ Times one compiled module's DelayedScaling training step (fwd+bwd, bench_grouped
 shape) three ways: alone on a fresh module, after the same compiled module has also run the
 current-scaling variants bench_grouped compiles before it (more cache entries for the
 compiled frame), and then host time per call (CPU time to issue a step, the GPU synchronised
-first and after), so a host-bound step shows as host time above GPU time.
+first and after), so a host-bound step shows as host time above GPU time; then both recipes
+compiled with ``mode="reduce-overhead"`` (CUDA graphs). ``--no-profile`` skips the cProfile
+listings.
 
     python -m bench.diag_grouped_delayed
 """
@@ -78,9 +80,29 @@ def main() -> int:
     _report("delayed, after the current-scaling variants", delayed_shared, x, dy)
     _report("current (HYBRID), same module", current, x, dy)
     _report("delayed again", delayed_shared, x, dy)
-    for name, step in (("delayed", delayed), ("current", current)):
-        _profile_host(name, step, x, dy)
+    if "--no-profile" not in sys.argv:
+        for name, step in (("delayed", delayed), ("current", current)):
+            _profile_host(name, step, x, dy)
+    _cuda_graphs(splits, x, dy)
     return 0
+
+
+def _cuda_graphs(splits, x, dy) -> None:
+    """The same steps compiled with ``mode="reduce-overhead"`` (CUDA graphs replay the step's
+    kernels without the host issuing each one)."""
+    device = x.device
+    for kind in ("DelayedScaling", "Float8CurrentScaling"):
+        te = _make_te(FP8_EXPERTS, IN_FEATURES, OUT_FEATURES, single=True, device=device)
+        graphed = torch.compile(te, mode="reduce-overhead", fullgraph=True, dynamic=False)
+        call = _under_fp8(_bind(graphed, splits), kind=kind)
+
+        def step(x, call=call):
+            torch.compiler.cudagraph_mark_step_begin()
+            return call(x)
+
+        for _ in range(3):  # the calibration step, recording, first replays
+            step(x).backward(dy)
+        _report(f"{kind}, reduce-overhead (CUDA graphs)", step, x, dy)
 
 
 def _profile_host(name: str, step, x, dy, calls: int = 20) -> None:

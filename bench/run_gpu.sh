@@ -116,7 +116,7 @@ runpy.run_path('examples/train_gpt.py', run_name='__main__')" "${tg[@]:1}" \
     diag_grouped_gemm)  # the GEMM ceiling of the FP8 GroupedLinear (bench/diag_grouped_gemm.py)
       python3 -m bench.diag_grouped_gemm 2>&1 | tee "$OUT/diag_grouped_gemm.log" ;;
     diag_grouped_delayed)  # the spread of the FP8 GroupedLinear's delayed row (bench/diag_grouped_delayed.py)
-      python3 -m bench.diag_grouped_delayed 2>&1 | tee "$OUT/diag_grouped_delayed.log" ;;
+      python3 -m bench.diag_grouped_delayed ${DIAG_ARGS:-} 2>&1 | tee "$OUT/diag_grouped_delayed.log" ;;
     diag_sync)  # does the FP8 MLP step make the host wait (bench/diag_sync.py), default
                 # allocator and expandable segments
       python3 -m bench.diag_sync 2>&1 | tee "$OUT/diag_sync.log"
