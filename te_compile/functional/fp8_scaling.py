@@ -25,8 +25,6 @@ functionalises, so a compiled training step updates the buffers with zero graph 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
 
@@ -124,12 +122,14 @@ def delayed_scaling_update(
     )
 
 
-@functools.lru_cache(maxsize=64)
 def _limits(fp8_max: tuple[float, ...], device: torch.device) -> Tensor:
-    """``fp8_max`` as a device tensor, made once: a fresh ``torch.tensor(..., device=cuda)`` per
-    call is a host-to-device copy that waits for the GPU (the stream is synchronised), which
-    left the GPU idle in every delayed-scaling forward (H100, 2026-11-22)."""
-    return torch.tensor(fp8_max, dtype=torch.float32, device=device)
+    """``fp8_max`` as a device tensor (``kernels.device_constant``: no host wait, no cached
+    device tensor). A fresh ``torch.tensor(..., device=cuda)`` per call is a host-to-device
+    copy that waits for the GPU, which left the GPU idle in every delayed-scaling forward (H100,
+    2026-11-22); the device tensor cached since then broke CUDA graphs."""
+    from te_compile.kernels import device_constant
+
+    return device_constant(fp8_max, torch.float32, device)
 
 
 @delayed_scaling_update.register_fake
