@@ -19,7 +19,7 @@ from te_compile.quantization import (
     autocast,
     fp8_gemm,
 )
-from tests.utils import DEVICES, GraphRecorder, compile_counted
+from tests.utils import DEVICES, GraphRecorder, compile_counted, requires_cuda
 
 
 def _linear(device, bias=True):
@@ -534,3 +534,32 @@ def test_grouped_linear_fp8_accumulates_into_main_grad(device, single):
     torch.testing.assert_close(main_grad, summed, rtol=1e-2, atol=1e-2 * summed.abs().max().item())
     assert all(w.grad is None for w in ([fused.weight] if single else fused.weights()))
     assert counter.frame_count == 2  # the calibration step (current scaling), then delayed
+
+
+@requires_cuda
+@pytest.mark.parametrize(
+    "recipe",
+    [Float8CurrentScaling(), DelayedScaling(amax_history_len=4)],
+    ids=["current", "delayed"],
+)
+def test_grouped_linear_fp8_under_cuda_graphs(recipe):
+    """GroupedLinear's FP8 training step compiled with ``mode="reduce-overhead"`` (CUDA graphs):
+    it runs (no device tensor of the ops is kept alive in the graphs' memory pool, e.g. a cached
+    constant) and replays the eager step's outputs and weight gradients."""
+    eager, graphed = _grouped("cuda"), _grouped("cuda")
+    call = torch.compile(graphed, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    splits = torch.tensor([16, 0, 8, 40], device="cuda")
+    for step in range(4):
+        x = _x("cuda", step)
+        dy = torch.randn(64, 48, device="cuda", dtype=torch.bfloat16)
+        for m, fn in ((eager, eager), (graphed, call)):
+            m.zero_grad(set_to_none=True)
+            torch.compiler.cudagraph_mark_step_begin()
+            with autocast(recipe=recipe):
+                y = fn(x, splits)
+            y.backward(dy)
+            if m is eager:
+                y_ref = y.detach().clone()
+            else:
+                torch.testing.assert_close(y.detach(), y_ref, rtol=0, atol=0)
+        torch.testing.assert_close(graphed.weight.grad, eager.weight.grad, rtol=0, atol=0)
