@@ -77,3 +77,18 @@ def test_bad_arguments(kwargs, match):
     args = {"limits": [E4M3_MAX, E4M3_MAX], "margin": 0, "algo": "max", **kwargs}
     with pytest.raises(ValueError, match=match):
         _update(torch.zeros(2, 2), torch.ones(2), torch.zeros(2), **args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_limits_are_made_per_call_from_a_host_copy(device):
+    """The format limits the update kernel reads (``kernels.device_constant``): the values on
+    the device; on CUDA a fresh tensor per call (copied from pinned memory), never one cached
+    device tensor, which a CUDA graph's memory pool would hold untracked."""
+    from te_compile.functional.fp8_scaling import _limits
+
+    dev = torch.device(device)
+    a, b = _limits((448.0, 448.0, 57344.0), dev), _limits((448.0, 448.0, 57344.0), dev)
+    assert a.device.type == dev.type and a.dtype is torch.float32
+    assert a.tolist() == [448.0, 448.0, 57344.0] and torch.equal(a, b)
+    if dev.type == "cuda":
+        assert a.data_ptr() != b.data_ptr()  # two live allocations, not one cached tensor
