@@ -147,7 +147,7 @@ def _fake_quant(x: Tensor, fp8_dtype: torch.dtype, dim: int, scale: Tensor | Non
     ``scale`` (``[1]``, delayed scaling); E5M2 values as the grouped GEMMs take them, recoded
     to E4M3 (:func:`_as_e4m3`)."""
     if scale is None:
-        return _dequantize(*_as_e4m3(*quantize_rowwise(x, fp8_dtype, dim)), dim, x.dtype)
+        return _dequantize(*quantize_rowwise(x, fp8_dtype, dim, e4m3_codes=True), dim, x.dtype)
     data, scale_inv, _ = quantize_per_tensor(x.reshape(-1, x.shape[-1]), fp8_dtype, scale)
     data, scale_inv = _as_e4m3(data, scale_inv)
     acc = torch.float64 if x.dtype is torch.float64 else torch.float32
