@@ -26,7 +26,9 @@ Competitors, all holding the same weights, all ratios against ``torch._grouped_m
   the wgrad's operands quantised per expert and column along the tokens), eager and compiled,
   at 8 experts (issue 5's case); compiled also with the FP8 wgrad off
   (``TE_COMPILE_GROUPED_FP8_WGRAD=0``'s setting: bf16 wgrad), under ``Format.E4M3``, and under
-  ``DelayedScaling`` with and without the FP8 wgrad. Checked against the bf16 reference at
+  ``DelayedScaling`` with and without the FP8 wgrad; and under ``Float8BlockScaling`` (E4M3,
+  1x128 / 128x128 blocks: a blockwise GEMM per expert, ``te::grouped_linear_block``, the splits
+  given as a CPU tensor as Transformer Engine takes them). Checked against the bf16 reference at
   Transformer Engine's e4m3 tolerance (rtol 0.125) instead of 2e-2.
 
 Targets (checked and stated under each table): te_compile.GroupedLinear reaches >= 0.97x the
@@ -77,6 +79,7 @@ TE_FP8_HPW_COMPILED = "te_compile.GroupedLinear FP8 current, bf16 wgrad, compile
 TE_FP8_E4M3_COMPILED = "te_compile.GroupedLinear FP8 current E4M3 compiled"
 TE_FP8_DELAYED_COMPILED = "te_compile.GroupedLinear FP8 delayed compiled"
 TE_FP8_DELAYED_HPW_COMPILED = "te_compile.GroupedLinear FP8 delayed, bf16 wgrad, compiled"
+TE_FP8_BLOCK_COMPILED = "te_compile.GroupedLinear FP8 block compiled"
 FP8_EXPERTS = 8  # the FP8 rows run at this expert count (issue 5's target)
 FP8_RTOL = 0.125  # Transformer Engine's e4m3 tolerance
 
@@ -325,6 +328,12 @@ def run_case(
             delayed = _under_fp8(_bind(te_fp8_c, splits_t), kind="DelayedScaling")
             modules[TE_FP8_DELAYED_COMPILED] = (delayed, te_fp8)
             modules[TE_FP8_DELAYED_HPW_COMPILED] = (hpw(delayed), te_fp8)
+            # Float8BlockScaling (E4M3, 1x128 tokens, 128x128 weight blocks): a blockwise
+            # GEMM per expert (te::grouped_linear_block), which reads the splits on the host:
+            # given as a CPU tensor, as Transformer Engine takes them (no device sync).
+            host_splits = torch.tensor(splits, dtype=torch.int64)
+            block = _under_fp8(_bind(te_fp8_c, host_splits), "E4M3", kind="Float8BlockScaling")
+            modules[TE_FP8_BLOCK_COMPILED] = (block, te_fp8)
     baseline = GMM_COMPILED if compile_ else GMM_EAGER
 
     esize = torch.empty((), dtype=DTYPE).element_size()
@@ -352,6 +361,7 @@ def run_case(
             TE_FP8_HPW_COMPILED: FP8_RTOL,
             TE_FP8_DELAYED_COMPILED: FP8_RTOL,
             TE_FP8_DELAYED_HPW_COMPILED: FP8_RTOL,
+            TE_FP8_BLOCK_COMPILED: FP8_RTOL,
         },
     )
     for note in check_notes:
@@ -401,7 +411,7 @@ def run_case(
                 target_note(result, TE_FP8_COMPILED, TE_COMPILED, 1 / MIN_FP8_SPEEDUP, what)
             )
             rows = (TE_FP8_HPW_COMPILED, TE_FP8_E4M3_COMPILED, TE_FP8_DELAYED_COMPILED,
-                    TE_FP8_DELAYED_HPW_COMPILED)  # fmt: skip
+                    TE_FP8_DELAYED_HPW_COMPILED, TE_FP8_BLOCK_COMPILED)  # fmt: skip
             for row in rows:
                 result.notes.append(
                     target_note(result, row, TE_COMPILED, 1 / MIN_FP8_SPEEDUP, what)

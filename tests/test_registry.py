@@ -99,6 +99,7 @@ _FP8_TENSOR_CORE_OPS = {
     "te::mlp_fp8_fwd",
     "te::grouped_linear_fp8_fwd",
     "te::linear_block_scaled_fwd",
+    "te::grouped_linear_block_fwd",
 }
 
 

@@ -27,6 +27,7 @@ from te_compile.functional.fused_linear_add import branch_linear, linear_add
 from te_compile.functional.fused_norm import branch_rmsnorm
 from te_compile.functional.glu import deinterleave_glu_tensor, interleave_glu_tensor
 from te_compile.functional.grouped_linear import as_splits_tensor, grouped_linear
+from te_compile.functional.grouped_linear_block import grouped_linear_block
 from te_compile.functional.grouped_linear_fp8 import grouped_linear_fp8
 from te_compile.functional.linear import linear, linear_ref
 from te_compile.functional.linear_block_scaled import linear_block_scaled, native_block_supported
@@ -61,6 +62,7 @@ __all__ = [
     "gelu",
     "glu",
     "grouped_linear",
+    "grouped_linear_block",
     "grouped_linear_fp8",
     "interleave_glu_tensor",
     "l2normalization",

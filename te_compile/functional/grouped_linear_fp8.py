@@ -226,10 +226,12 @@ def grouped_linear_fp8_ref(
 
 
 def _check(
-    inp, m_splits, weight, bias, main_grad, scale, grad_amax, recipe, fwd_dtype, bwd_dtype
-) -> None:
-    """Static constraints shared by the implementations (eager) and the fake (trace time)."""
-    p = "te.grouped_linear_fp8: "
+    inp, m_splits, weight, bias, main_grad, scale, grad_amax, recipe, fwd_dtype, bwd_dtype,
+    name: str = "te.grouped_linear_fp8",
+) -> None:  # fmt: skip
+    """Static constraints shared by the implementations (eager) and the fake (trace time);
+    ``name`` begins the error messages."""
+    p = f"{name}: "
     if main_grad is not None and (
         main_grad.dtype is not torch.float32 or main_grad.shape != weight.shape
     ):
@@ -268,11 +270,10 @@ def _check(
         and bwd_dtype in _FP8_DTYPES
     ):
         return
-    raise ValueError(_diagnose(inp, m_splits, weight, bias, fwd_dtype, bwd_dtype))
+    raise ValueError(_diagnose(inp, m_splits, weight, bias, fwd_dtype, bwd_dtype, p))
 
 
-def _diagnose(inp, m_splits, weight, bias, fwd_dtype, bwd_dtype) -> str:
-    p = "te.grouped_linear_fp8: "
+def _diagnose(inp, m_splits, weight, bias, fwd_dtype, bwd_dtype, p: str) -> str:
     if fwd_dtype not in _FP8_DTYPES or bwd_dtype not in _FP8_DTYPES:
         return p + f"fwd_dtype/bwd_dtype must be FP8 dtypes, got {fwd_dtype}/{bwd_dtype}"
     if inp.ndim != 2 or weight.ndim != 3 or inp.shape[1] != weight.shape[2]:

@@ -148,31 +148,34 @@ def _block_scaled_mm(
     b_rows: int,
     out_dtype: torch.dtype,
     bias: Tensor | None = None,
+    out: Tensor | None = None,
 ) -> Tensor:
     """``dequant(a) @ dequant(b)^T``: ``a`` ``[M, K]`` and ``b`` ``[N, K]`` FP8 data, both
     quantised in blocks along K (``a_rows`` / ``b_rows`` x 128 elements, compact fp32 scale
-    layout of ``quantize_blockwise``). CUDA: one blockwise-scaled ``torch._scaled_mm`` (its
-    layouts: 1x128 scales outer-dim-major, 128x128 scales as ``[K/128, N/128]``, ``mat2``
-    column-major). Elsewhere: dequantised in fp32 (exact) and multiplied in fp32. ``bias`` is
-    added before the one rounding to ``out_dtype`` (in the GEMM's epilogue on CUDA)."""
+    layout of ``quantize_blockwise``, or for 1x128 scales already outer-dim-major). CUDA: one
+    blockwise-scaled ``torch._scaled_mm`` (its layouts: 1x128 scales outer-dim-major, 128x128
+    scales as ``[K/128, N/128]``, ``mat2`` column-major). Elsewhere: dequantised in fp32 (exact)
+    and multiplied in fp32. ``bias`` is added before the one rounding to ``out_dtype`` (in the
+    GEMM's epilogue on CUDA). ``out``: a contiguous ``[M, N]`` tensor of ``out_dtype`` to
+    write the result into (returned)."""
     if a.device.type != "cuda":
         deq = dequantize_blockwise.eager
         u8, f32 = torch.uint8, torch.float32
-        a32 = deq(a.contiguous().view(u8), sa, a_rows, a.dtype, f32)
-        b32 = deq(b.contiguous().view(u8), sb, b_rows, b.dtype, f32)
-        return torch.nn.functional.linear(a32, b32, None if bias is None else bias.float()).to(
-            out_dtype
-        )
+        a32 = deq(a.contiguous().view(u8), sa.contiguous(), a_rows, a.dtype, f32)
+        b32 = deq(b.contiguous().view(u8), sb.contiguous(), b_rows, b.dtype, f32)
+        res = torch.nn.functional.linear(a32, b32, None if bias is None else bias.float())
+        return res.to(out_dtype) if out is None else out.copy_(res)
     scale_a = sa.t().contiguous().t() if a_rows == 1 else sa
     scale_b = sb.t().contiguous() if b_rows == 1 else sb.t()
     args = (a.contiguous(), b.contiguous().t(), scale_a, scale_b)
+    into = {} if out is None else {"out": out}
     if bias is None:
-        return torch._scaled_mm(*args, out_dtype=out_dtype)
+        return torch._scaled_mm(*args, out_dtype=out_dtype, **into)
     try:  # the bias in cuBLAS's epilogue, where the blockwise kernels take one
-        return torch._scaled_mm(*args, bias=bias, out_dtype=out_dtype)
+        return torch._scaled_mm(*args, bias=bias, out_dtype=out_dtype, **into)
     except RuntimeError:
-        out = torch._scaled_mm(*args, out_dtype=torch.float32)
-        return (out + bias.float()).to(out_dtype)
+        res = torch._scaled_mm(*args, out_dtype=torch.float32) + bias.float()
+        return res.to(out_dtype) if out is None else out.copy_(res)
 
 
 def _quantize_block(x2: Tensor, fp8_dtype: torch.dtype, block_rows: int, power_2_scale: bool):

@@ -871,18 +871,39 @@ def quantize_blockwise(
     power_2_scale: bool,
     columnwise: bool,
     *,
+    out_t: tuple[Tensor, Tensor] | None = None,
     config: QuantizeLaunchConfig | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Blockwise: ``(data, scale_inv, data_t, scale_inv_t)``, one read of ``x`` (see the op)."""
+    """Blockwise: ``(data, scale_inv, data_t, scale_inv_t)``, one read of ``x`` (see the op).
+    ``out_t`` (with ``columnwise``): contiguous ``(data_t, scale_inv_t)`` to write the
+    transposed copy into (``data_t`` ``[K, M]`` of ``fp8_dtype`` or uint8, ``scale_inv_t`` fp32
+    in the compact layout), e.g. views of a larger buffer; they are returned."""
     cfg = config or _DEFAULT
     x2, m, k = _rows(x)
     block_m = cfg.block_m if block_rows == 1 and not columnwise else BLOCK
     data = torch.empty(x.shape, device=x.device, dtype=fp8_dtype)
     f32 = torch.float32
     scale_inv = x.new_empty((triton.cdiv(m, block_rows), triton.cdiv(k, BLOCK)), dtype=f32)
-    data_t = _transposed(x, m, k, fp8_dtype, columnwise)
     t_shape = (triton.cdiv(k, block_rows), triton.cdiv(m, BLOCK)) if columnwise else (0,)
-    scale_inv_t = x.new_empty(t_shape, dtype=f32)
+    if out_t is None:
+        data_t = _transposed(x, m, k, fp8_dtype, columnwise)
+        scale_inv_t = x.new_empty(t_shape, dtype=f32)
+    else:
+        data_t, scale_inv_t = out_t
+        if not (
+            columnwise
+            and data_t.shape == (k, m)
+            and data_t.dtype in (fp8_dtype, torch.uint8)
+            and scale_inv_t.shape == t_shape
+            and scale_inv_t.dtype is f32
+            and data_t.is_contiguous()
+            and scale_inv_t.is_contiguous()
+        ):
+            raise ValueError(
+                f"quantize_blockwise: out_t must be contiguous ([{k}, {m}] {fp8_dtype} or uint8, "
+                f"{list(t_shape)} float32) with columnwise=True"
+            )
+        data_t = data_t.view(fp8_dtype)
     name = "act_cast_1x128" if block_rows == 1 else "cast_128x128"
     cuda = _cuda_cast(cfg, name, m, k, x2) if columnwise else None
     f = _FORMATS[fp8_dtype]

@@ -165,9 +165,15 @@ class FP8GemmState(nn.Module):
         all groups); the forward, dgrad and wgrad GEMMs in FP8 (the wgrad's operands quantised
         per expert and column along the tokens; ``TE_COMPILE_GROUPED_FP8_WGRAD=0``: the wgrad in
         high precision). Torch's grouped FP8 GEMM takes E4M3 only: an E5M2 gradient goes in as
-        E4M3 codes (``functional.grouped_linear_fp8``). The block-scaled recipes are emulated
+        E4M3 codes (``functional.grouped_linear_fp8``). ``Float8BlockScaling`` runs natively
+        where the dense one does (:func:`_native_block`; ``te::grouped_linear_block``: a
+        blockwise GEMM per expert, host splits), the other block-scaled recipes are emulated
         (:func:`_grouped_block_emulated`)."""
         recipe = state.recipe
+        if recipe.float8_block_scaling():
+            native = _native_grouped_block(owner, recipe, inp, m_splits, weight, bias, main_grad)
+            if native is not None:
+                return native
         if recipe.mxfp8() or recipe.nvfp4() or recipe.float8_block_scaling():
             return _grouped_block_emulated(owner, recipe, inp, m_splits, weight, bias, main_grad)
         fmt = recipe.fp8_format
@@ -371,12 +377,7 @@ def _block_scaled(owner, recipe, inp, weight, bias, main_grad, norm=None) -> Ten
         return F.linear_block_scaled(inp, weight, bias, kind="nvfp4", **_norm_kwargs(norm))
     fmt = recipe.fp8_format
     if recipe.float8_block_scaling():
-        if recipe.x_block_scaling_dim != 1 or recipe.grad_block_scaling_dim != 1:
-            raise NotImplementedError(
-                f"{owner}: Float8BlockScaling with 128x128 activation or gradient blocks is not "
-                "implemented (1x128, the default, is)"
-            )
-        w_rows = 128 if recipe.w_block_scaling_dim == 2 else 1
+        w_rows, _ = _block_dims(owner, recipe)
         native = _native_block(recipe, inp, (weight,), w_rows)
         return F.linear_block_scaled(
             inp,
@@ -393,6 +394,30 @@ def _block_scaled(owner, recipe, inp, weight, bias, main_grad, norm=None) -> Ten
     return F.linear_block_scaled(
         inp, weight, bias, kind="mxfp8", fwd_dtype=fmt.fwd_dtype, bwd_dtype=fmt.bwd_dtype,
         **_norm_kwargs(norm),
+    )  # fmt: skip
+
+
+def _block_dims(owner: str, recipe) -> tuple[int, bool]:
+    """Float8BlockScaling's ``(weight block rows, power-of-two scales)``; 128x128 activation or
+    gradient blocks are refused."""
+    if recipe.x_block_scaling_dim != 1 or recipe.grad_block_scaling_dim != 1:
+        raise NotImplementedError(
+            f"{owner}: Float8BlockScaling with 128x128 activation or gradient blocks is not "
+            "implemented (1x128, the default, is)"
+        )
+    return (128 if recipe.w_block_scaling_dim == 2 else 1), not recipe.use_f32_scales
+
+
+def _native_grouped_block(owner, recipe, inp, m_splits, weight, bias, main_grad) -> Tensor | None:
+    """Float8BlockScaling on a grouped GEMM with native blockwise GEMMs (one per expert,
+    ``te::grouped_linear_block``) where the dense op would run natively and the input is bf16
+    (cuBLAS's blockwise GEMMs give bf16); None otherwise (the caller emulates)."""
+    w_rows, power_2 = _block_dims(owner, recipe)
+    if inp.dtype is not torch.bfloat16 or not _native_block(recipe, inp, (weight[0],), w_rows):
+        return None
+    return F.grouped_linear_block(
+        inp, m_splits, weight, bias, power_2_scale=power_2, weight_block_rows=w_rows,
+        main_grad=main_grad,
     )  # fmt: skip
 
 
@@ -414,13 +439,7 @@ def _grouped_block_emulated(owner, recipe, inp, m_splits, weight, bias, main_gra
         kind = "mxfp8"
     else:
         kind = "block"
-        if recipe.x_block_scaling_dim != 1 or recipe.grad_block_scaling_dim != 1:
-            raise NotImplementedError(
-                f"{owner}: Float8BlockScaling with 128x128 activation or gradient blocks is not "
-                "implemented (1x128, the default, is)"
-            )
-        w_rows = 128 if recipe.w_block_scaling_dim == 2 else 1
-        power_2 = not recipe.use_f32_scales
+        w_rows, power_2 = _block_dims(owner, recipe)
     kw = {"fp8_dtype": fwd, "power_2_scale": power_2}
     x = F.fake_quantize(inp, kind, block_rows=1, **kw)
     g, n, k = weight.shape

@@ -165,6 +165,29 @@ def test_blockwise(shape, fp8, pow2, block_rows):
         _assert_all_equal(actual, Q.quantize_blockwise_ref(x, fp8, block_rows, pow2, columnwise))
 
 
+@pytest.mark.parametrize("block_rows", [1, 128])
+@pytest.mark.parametrize("shape", [(256, 384), (48, 144)], ids=str)
+def test_blockwise_writes_the_transposed_copy_into_given_views(shape, block_rows):
+    """``out_t``: the transposed copy and its scales land in views of larger flat buffers (the
+    grouped blockwise op packs experts so), the same bytes as a fresh call; the rest of the
+    buffers is untouched; views of another shape are refused."""
+    fp8, (m, k) = torch.float8_e4m3fn, shape
+    x = _dev(_x(shape) * torch.logspace(-3, 3, k).to(torch.bfloat16))
+    want = kernels.quantize_blockwise(x, fp8, block_rows, False, True)
+    s_shape = want[3].shape
+    data_buf = torch.full((k * m + 32,), 7, dtype=torch.uint8, device=x.device)
+    scale_buf = torch.full((s_shape.numel() + 8,), -1.0, device=x.device)
+    views = (data_buf[16 : 16 + k * m].view(k, m), scale_buf[8:].view(s_shape))
+    actual = kernels.quantize_blockwise(x, fp8, block_rows, False, True, out_t=views)
+    _assert_all_equal(actual, want)
+    assert actual[2].data_ptr() == views[0].data_ptr()
+    assert_bits_equal(views[0].view(fp8), want[2])
+    assert (data_buf[:16] == 7).all() and (data_buf[16 + k * m :] == 7).all()
+    assert (scale_buf[:8] == -1).all()
+    with pytest.raises(ValueError, match="out_t must be contiguous"):
+        kernels.quantize_blockwise(x, fp8, block_rows, False, True, out_t=(views[0].t(), views[1]))
+
+
 @pytest.mark.parametrize("fp8, pow2", FP8_POW2)
 @pytest.mark.parametrize("shape", [(256, 384), (3, 50, 129)], ids=str)
 def test_blockwise_sums(shape, fp8, pow2):

@@ -1,0 +1,178 @@
+"""Native FP8 blockwise grouped linear beyond the registry test (which checks it against the dense
+op's reference, expert by expert): the same bytes as the dense native op on each expert, blocks
+that restart at every expert, padding of ragged experts, main_grad, errors, and the module's
+dispatch to it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import te_compile as te
+from te_compile import functional as F
+from te_compile.quantization import fp8_gemm
+from tests.utils import DEVICES, assert_bits_equal, compile_counted, requires_cuda
+
+E4M3 = torch.float8_e4m3fn
+native_block = pytest.mark.skipif(
+    torch.cuda.is_available() and not te.is_fp8_block_scaling_available(),
+    reason="needs blockwise-scaled _scaled_mm (compute capability 9.0+, CUDA 12.9+)",
+)
+
+
+def _leaves(device, tokens, k, n, groups, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def t(*shape, scale=1.0):
+        x = torch.randn(*shape, generator=g) * scale
+        return x.to(device=device, dtype=torch.bfloat16).requires_grad_()
+
+    return t(tokens, k), t(groups, n, k, scale=0.05), t(groups, n) if bias else None
+
+
+def _grads(out, dy, *leaves):
+    out.backward(dy)
+    return [None if t is None else t.grad for t in leaves]
+
+
+@native_block
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "splits, k, n, w_rows, power_2",
+    [([32, 0, 160, 64], 256, 128, 1, True), ([128, 256], 512, 512, 128, False)],
+    ids=["1x128", "128x128"],
+)
+def test_each_expert_is_the_dense_native_op(device, splits, k, n, w_rows, power_2):
+    """Every expert's rows, output and gradients are bit for bit those of
+    ``linear_block_scaled(native=True)`` on that expert alone (the same quantisation and GEMM
+    calls: cuBLAS's on a GPU)."""
+    x, w, b = _leaves(device, sum(splits), k, n, len(splits))
+    kw = {"power_2_scale": power_2, "weight_block_rows": w_rows}
+    out = F.grouped_linear_block(x, splits, w, b, **kw)
+    dy = torch.randn_like(out)
+    dx, dw, db = _grads(out, dy, x, w, b)
+    row = 0
+    for g, m in enumerate(splits):
+        x_g = x.detach()[row : row + m].clone().requires_grad_()
+        w_g = w.detach()[g].clone().requires_grad_()
+        b_g = b.detach()[g].clone().requires_grad_()
+        if m:
+            ref = F.linear_block_scaled(x_g, w_g, b_g, kind="block", native=True, **kw)
+            assert_bits_equal(out[row : row + m], ref)
+            assert_bits_equal(dx[row : row + m], _grads(ref, dy[row : row + m], x_g)[0])
+            assert_bits_equal(dw[g], w_g.grad)
+            assert_bits_equal(db[g], b_g.grad)
+        else:  # an expert without tokens: zero weight and bias gradients
+            assert not dw[g].any() and not db[g].any()
+        row += m
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_ragged_experts_are_padded_on_their_own(device):
+    """Experts of 17 and 45 tokens: each is padded with zero rows to a multiple of 16 in its own
+    pass, which is the dense op on those padded rows (zero rows change no block)."""
+    splits = [17, 45]
+    x, w, b = _leaves(device, sum(splits), 128, 64, 2)
+    out = F.grouped_linear_block(x, splits, w, b, weight_block_rows=1)
+    dy = torch.randn_like(out)
+    dx, dw, db = _grads(out, dy, x, w, b)
+    row = 0
+    for g, m in enumerate(splits):
+        pad = -m % 16
+        x_g = torch.nn.functional.pad(x.detach()[row : row + m], (0, 0, 0, pad)).requires_grad_()
+        w_g = w.detach()[g].clone().requires_grad_()
+        ref = F.linear_block_scaled(x_g, w_g, b.detach()[g], kind="block", native=True,
+                                    weight_block_rows=1)  # fmt: skip
+        assert_bits_equal(out[row : row + m], ref[:m])
+        ref.backward(torch.nn.functional.pad(dy[row : row + m], (0, 0, 0, pad)))
+        assert_bits_equal(dx[row : row + m], x_g.grad[:m])
+        assert_bits_equal(dw[g], w_g.grad)
+        torch.testing.assert_close(db[g], dy[row : row + m].float().sum(0).to(db.dtype))
+        row += m
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_wgrad_blocks_start_at_each_expert(device):
+    """Two experts of 64 tokens: one 128-token block along the tokens would hold both. Expert 0's
+    tokens are 1e6 times larger; if its block scale reached expert 1's tokens they would fall
+    into E4M3's subnormals. Expert 1's weight gradient keeps the error of its own blocks."""
+    x, w, _ = _leaves(device, 128, 128, 64, 2, bias=False)
+    with torch.no_grad():
+        x[:64] *= 1e6
+    out = F.grouped_linear_block(x, [64, 64], w, weight_block_rows=1)
+    dy = torch.randn_like(out)
+    (dw,) = _grads(out, dy, w)
+    exact = dy[64:].double().t() @ x.detach()[64:].double()
+    err = (dw[1].double() - exact).norm() / exact.norm()
+    assert err < 0.06, f"relative error {err:.3f}: the wgrad blocks crossed experts"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_main_grad_accumulates(device):
+    """With main_grad (fp32) the weight gradient is added to it, twice, and not returned."""
+    splits = [16, 48]
+    x, w, _ = _leaves(device, 64, 64, 32, 2, bias=False)
+    out = F.grouped_linear_block(x, splits, w, weight_block_rows=1)
+    (dw,) = _grads(out, torch.ones_like(out), w)
+    main_grad = torch.ones(w.shape, device=device)
+    w2 = w.detach().requires_grad_()
+    for _ in range(2):
+        y = F.grouped_linear_block(x.detach(), splits, w2, weight_block_rows=1,
+                                   main_grad=main_grad)  # fmt: skip
+        y.backward(torch.ones_like(y))
+    assert w2.grad is None
+    torch.testing.assert_close(main_grad, 1 + 2 * dw.float(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_errors_name_the_argument(device):
+    x = torch.randn(32, 64, device=device, dtype=torch.bfloat16)
+    w = torch.randn(2, 32, 64, device=device, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="grouped_linear_block: weight_block_rows must be 1"):
+        F.grouped_linear_block(x, [16, 16], w, weight_block_rows=64)
+    with pytest.raises(ValueError, match="multiples of 512"):
+        F.grouped_linear_block(x, [16, 16], w)  # 128x128 weight blocks by default
+    with pytest.raises(ValueError, match=r"grouped_linear_block: .*multiples of 16"):
+        F.grouped_linear_block(x[:, :40], [16, 16], w[..., :40], weight_block_rows=1)
+    with pytest.raises(ValueError, match=r"sum to inp\.shape"):
+        F.grouped_linear_block(x, [16, 8], w, weight_block_rows=1)
+    with pytest.raises(ValueError, match="m_splits has 3 groups"):
+        F.grouped_linear_block(x, [16, 8, 8], w, weight_block_rows=1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiles_without_graph_breaks(device):
+    """Under torch.compile(fullgraph=True) with list and tensor splits: the eager bytes."""
+    x, w, b = _leaves(device, 80, 64, 32, 3)
+    splits = [16, 0, 64]
+
+    def step(x, splits, w, b):
+        return F.grouped_linear_block(x, splits, w, b, weight_block_rows=1)
+
+    eager = step(x, splits, w, b)
+    compiled, counter = compile_counted(step)
+    assert_bits_equal(compiled(x, splits, w, b), eager)
+    assert_bits_equal(compiled(x, torch.tensor(splits), w, b), eager)
+    assert counter.frame_count >= 1
+
+
+@requires_cuda
+@native_block
+def test_module_runs_the_native_op_under_float8_block_scaling():
+    """GroupedLinear under Float8BlockScaling (1x128 weight blocks) on a GPU: the native grouped
+    op, the same bytes as calling it; with TE_COMPILE_NATIVE_BLOCK_GEMM=0 the emulation."""
+    torch.manual_seed(0)
+    m = te.GroupedLinear(
+        2, 256, 128, single_grouped_parameter=True, params_dtype=torch.bfloat16, device="cuda"
+    )
+    x = torch.randn(96, 256, device="cuda", dtype=torch.bfloat16)
+    splits = [32, 64]
+    recipe = te.recipe.Float8BlockScaling(w_block_scaling_dim=1)
+    with te.autocast(recipe=recipe):
+        y = m(x, splits)
+    assert_bits_equal(y, F.grouped_linear_block(x, splits, m.weight, m.bias, weight_block_rows=1))
+    from unittest import mock
+
+    with mock.patch.object(fp8_gemm, "_NATIVE_BLOCK", False), te.autocast(recipe=recipe):
+        emulated = m(x, splits)
+    torch.testing.assert_close(emulated, y, rtol=0.07, atol=0.07 * y.abs().amax().item())
