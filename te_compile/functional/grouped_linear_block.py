@@ -37,7 +37,7 @@ Constraints: E4M3 both ways (cuBLAS's blockwise kernels take E4M3 only); ``in_fe
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -45,15 +45,13 @@ from torch import Tensor
 from te_compile._library import SampleInput, differentiable, op
 from te_compile.functional.grouped_linear import _empty, _host_splits, as_splits_tensor
 from te_compile.functional.grouped_linear_fp8 import _check as _check_grouped
-from te_compile.functional.grouped_linear_fp8 import _wgrad_capacity
 from te_compile.functional.linear_block_scaled import (
     _block_scaled_mm,
     _cdiv,
     _native_shapes_ok,
-    _quantize_block_sums,
     _Reference,
 )
-from te_compile.functional.linear_fp8 import _pad_rows, _padded
+from te_compile.functional.linear_fp8 import _padded
 from te_compile.functional.quantize import quantize_blockwise
 
 __all__ = ["grouped_linear_block"]
@@ -78,25 +76,42 @@ def _check(inp, m_splits, weight, bias, main_grad, weight_block_rows) -> None:
         )
 
 
-def _capacities(rows: int, groups: int) -> tuple[int, int]:
-    """Static sizes of the packed wgrad copy of ``X^T``: columns (every expert's tokens rounded
-    up to 16) and 1x128 scale blocks (``sum cdiv(m_g, 128) <= cdiv(rows, 128) + groups``)."""
-    return _wgrad_capacity(rows, groups), _cdiv(rows, 128) + groups
+def _capacity(rows: int, groups: int) -> int:
+    """Static token capacity of the padded layout: every expert's tokens rounded up to 128 fit
+    in ``128 * (rows // 128 + groups)``."""
+    return 128 * (rows // 128 + groups)
 
 
-def _layout(splits: Sequence[int]) -> Iterator[tuple[int, int, int, int, int, int]]:
-    """Per expert: ``(index, first row, rows, rows padded to 16, first column and first scale
-    block in the packed buffers)``."""
-    row = col = block = 0
-    for g, m in enumerate(splits):
-        m16 = _padded(m)
-        yield g, row, m, m16, col, block
-        row, col, block = row + m, col + m16, block + _cdiv(m16, 128)
+def _plan(splits: Sequence[int], rows: int) -> tuple[list[int], list[int], int]:
+    """``(first row of each expert in inp, first row in the padded layout, padded rows)``. When
+    every expert's tokens are a multiple of 128 the padded layout is ``inp`` itself; otherwise
+    each expert starts at a multiple of 128 of a ``_capacity`` layout (zero rows between)."""
+    firsts, starts, row, pos = [], [], 0, 0
+    for m in splits:
+        firsts.append(row)
+        starts.append(pos)
+        row, pos = row + m, pos + _cdiv(m, 128) * 128
+    if all(m % 128 == 0 for m in splits):
+        return firsts, firsts, rows
+    return firsts, starts, _capacity(rows, len(splits))
+
+
+def _padded_rows(x: Tensor, splits, firsts, starts, width: int) -> Tensor:
+    """``x`` in the padded layout (one scatter; the original when they coincide)."""
+    if width == x.shape[0] and starts == firsts:
+        return x
+    index = torch.cat(
+        [torch.arange(p, p + m) for p, m in zip(starts, splits, strict=True)]
+        + [torch.empty(0, dtype=torch.int64)]
+    )
+    out = x.new_zeros(width, x.shape[1])
+    return out.index_copy_(0, index.to(x.device, non_blocking=True), x)
 
 
 def _quantize(x: Tensor, power_2_scale: bool, block_rows: int = 1, out_t=None):
-    """``(data, scale_inv, data_t, scale_inv_t)`` of ``x`` in E4M3 (one pass, both directions),
-    the transposed copy written into ``out_t`` when given (on CUDA by the kernel itself)."""
+    """``(data, scale_inv, data_t, scale_inv_t)`` of ``x`` in E4M3, one pass for both directions;
+    the transposed copy written into ``out_t`` when given (its scales may be rows-major, the
+    GEMM's layout; on CUDA the kernel writes them in place)."""
     if x.is_cuda:
         from te_compile.kernels.quantize import quantize_blockwise as kernel
 
@@ -109,9 +124,31 @@ def _quantize(x: Tensor, power_2_scale: bool, block_rows: int = 1, out_t=None):
     return data, s, out_t[0].view(_E4M3), out_t[1]
 
 
-def _packed(buffer: Tensor, width: int, start: int, count: int) -> Tensor:
-    """Expert slice ``[width, count]`` (contiguous) of a flat packed buffer."""
-    return buffer[width * start : width * (start + count)].view(width, count)
+def _transposed_views(codes: Tensor, scales: Tensor, width: int, k: int):
+    """``[K, width]`` codes and their ``[K, width / 128]`` scales, rows-major (strides
+    ``(1, K)``: an expert's columns are then in cuBLAS's layout without a copy), over the
+    first elements of flat buffers."""
+    return codes[: k * width].view(k, width), scales[: k * width // 128].view(-1, k).t()
+
+
+# Whether cuBLAS's blockwise GEMM takes a row count that is not a multiple of 16 (seen on the
+# H100, torch 2.11: see _gemm_rows); cleared at the first refusal.
+_ANY_ROWS = [True]
+
+
+def _gemm_rows(a, sa, b, sb, b_rows, dtype, bias, out):
+    """``out`` ``[m, N]`` (a row slice of the result) from the first ``m`` rows of ``a``, whose
+    rows beyond ``m`` up to a multiple of 16 are zeros (the padded layout)."""
+    m = out.shape[0]
+    if _ANY_ROWS[0] or m % 16 == 0:
+        try:
+            return _block_scaled_mm(a[:m], sa[:m], 1, b, sb, b_rows, dtype, bias, out=out)
+        except RuntimeError:
+            if m % 16 == 0:
+                raise
+            _ANY_ROWS[0] = False
+    m16 = _padded(m)
+    return out.copy_(_block_scaled_mm(a[:m16], sa[:m16], 1, b, sb, b_rows, dtype, bias)[:m])
 
 
 # Forward op ------------------------------------------------------------------------------------
@@ -127,35 +164,32 @@ def grouped_linear_block_fwd(
     power_2_scale: bool,
     weight_block_rows: int,
 ) -> tuple[Tensor, list[Tensor]]:
-    """``(out, saved)``: ``out`` ``[M, out_features]``; ``saved = [X^T codes (uint8, packed:
-    expert ``g``'s ``[K, m_g rounded up to 16]`` after the one before), their 1x128 scales
-    (fp32, packed ``[K, cdiv(m_g, 128)]``), W_g^T codes ``[K, N]`` (uint8) for each expert, their
-    scales for each expert]``. ``main_grad`` is only carried to the backward."""
+    """``(out, saved)``: ``out`` ``[M, out_features]``; ``saved = [X^T codes (uint8, flat: the
+    first ``K * width`` bytes are ``[K, width]``, every expert's tokens from a multiple of 128),
+    their 1x128 scales (fp32, flat, ``[width / 128, K]``), W_g^T codes ``[K, N]`` (uint8) for
+    each expert, their scales for each expert]``; ``width`` is ``M`` when every expert's tokens
+    are a multiple of 128, else the static capacity ``128 * (M // 128 + G)``. ``main_grad`` is
+    only carried to the backward."""
     _check(inp, m_splits, weight, bias, main_grad, weight_block_rows)
     groups, n, k = weight.shape
     rows = inp.shape[0]
     splits = _host_splits(m_splits, rows)
-    cap, blocks = _capacities(rows, groups)
+    firsts, starts, width = _plan(splits, rows)
+    cap = _capacity(rows, groups)
+    x_t = inp.new_empty(k * cap, dtype=torch.uint8)
+    x_s = inp.new_empty(k * cap // 128, dtype=torch.float32)
+    x = _padded_rows(inp, splits, firsts, starts, width)
+    xd, xs, _, _ = _quantize(x, power_2_scale, 1, _transposed_views(x_t, x_s, width, k))
     out = inp.new_empty(rows, n)
-    x_t = inp.new_zeros(k * cap, dtype=torch.uint8)
-    x_s = inp.new_zeros(k * blocks, dtype=torch.float32)
     w_t, w_s = [], []
-    for g, row, m, m16, col, block in _layout(splits):
+    for g, (m, row, pos) in enumerate(zip(splits, firsts, starts, strict=True)):
         wd, ws, wd_t, ws_t = _quantize(weight[g], power_2_scale, weight_block_rows)
         w_t.append(wd_t.view(torch.uint8))
         w_s.append(ws_t)
-        if not m:
-            continue
-        nb = _cdiv(m16, 128)
-        into = (_packed(x_t, k, col, m16), _packed(x_s, k, block, nb))
-        xd, xs, _, _ = _quantize(_pad_rows(inp[row : row + m]), power_2_scale, 1, into)
-        b = None if bias is None else bias[g]
-        if m == m16:
-            _block_scaled_mm(xd, xs, 1, wd, ws, weight_block_rows, inp.dtype, b,
-                             out=out[row : row + m])  # fmt: skip
-        else:
-            out[row : row + m] = _block_scaled_mm(xd, xs, 1, wd, ws, weight_block_rows,
-                                                  inp.dtype, b)[:m]  # fmt: skip
+        if m:
+            b = None if bias is None else bias[g]
+            _gemm_rows(xd[pos:], xs[pos:], wd, ws, weight_block_rows, inp.dtype, b,
+                       out[row : row + m])  # fmt: skip
     return out, [x_t, x_s, *w_t, *w_s]
 
 
@@ -165,14 +199,13 @@ def _grouped_linear_block_fwd_fake(
 ):  # fmt: skip
     _check(inp, m_splits, weight, bias, main_grad, weight_block_rows)
     groups, n, k = weight.shape
-    cap, blocks = _capacities(inp.shape[0], groups)
+    cap = _capacity(inp.shape[0], groups)
     u8, f32 = torch.uint8, torch.float32
     w_t = [inp.new_empty(k, n, dtype=u8) for _ in range(groups)]
-    w_s = [
-        inp.new_empty(_cdiv(k, weight_block_rows), _cdiv(n, 128), dtype=f32) for _ in range(groups)
-    ]
-    saved = [inp.new_empty(k * cap, dtype=u8), inp.new_empty(k * blocks, dtype=f32), *w_t, *w_s]
-    return inp.new_empty(inp.shape[0], n), saved
+    w_rows = _cdiv(k, weight_block_rows)
+    w_s = [inp.new_empty(w_rows, _cdiv(n, 128), dtype=f32) for _ in range(groups)]
+    saved = [inp.new_empty(k * cap, dtype=u8), inp.new_empty(k * cap // 128, dtype=f32)]
+    return inp.new_empty(inp.shape[0], n), saved + w_t + w_s
 
 
 # Backward op -----------------------------------------------------------------------------------
@@ -190,10 +223,9 @@ def grouped_linear_block_bwd(
     need_wgrad: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dinp, dweight, dbias)``, 0-element where not computed (``dweight`` also when it was
-    added to ``main_grad``, fp32). Per expert: ``dY_g`` quantised once in 1x128 blocks both
-    ways (with its column sums, the bias gradient, in the same read where the CUDA kernel
-    covers it), the dgrad against the saved ``W_g^T`` and the wgrad against the saved
-    ``X_g^T``."""
+    added to ``main_grad``, fp32). ``dY`` in the forward's padded layout, quantised once in
+    1x128 blocks both ways; per expert the dgrad against the saved ``W_g^T`` and the wgrad
+    against the saved ``X^T`` columns of the expert (blocks along its own tokens)."""
     x_t, x_s = saved[:2]
     groups = (len(saved) - 2) // 2
     w_t, w_s = saved[2 : 2 + groups], saved[2 + groups :]
@@ -202,31 +234,36 @@ def grouped_linear_block_bwd(
     dtype = grad_out.dtype
     rows = grad_out.shape[0]
     splits = _host_splits(m_splits, rows)
+    firsts, starts, width = _plan(splits, rows)
+    dy = _padded_rows(grad_out, splits, firsts, starts, width)
+    codes = grad_out.new_empty(n * width, dtype=torch.uint8)
+    scales = grad_out.new_empty(n * width // 128, dtype=torch.float32)
+    gd, gs, gd_t, gs_t = _quantize(dy, power_2_scale, 1, _transposed_views(codes, scales, width, n))
+    xd_t, xs_t = _transposed_views(x_t, x_s, width, k)
+    xd_t = xd_t.view(_E4M3)
     dinp = grad_out.new_empty(rows, k) if need_dgrad else _empty(grad_out)
     into_weight = need_wgrad and main_grad is None
     dweight = grad_out.new_zeros(groups, n, k) if into_weight else _empty(grad_out)
     dbias = grad_out.new_zeros(groups, n) if has_bias else _empty(grad_out)
-    for g, row, m, m16, col, block in _layout(splits):
+    for g, (m, row, pos) in enumerate(zip(splits, firsts, starts, strict=True)):
         if not m:
             continue
-        dy = _pad_rows(grad_out[row : row + m])
-        gd, gs, gd_t, gs_t, sums = _quantize_block_sums(dy, _E4M3, power_2_scale, has_bias, True)
         if need_dgrad:
             w = w_t[g].view(_E4M3)
-            if m == m16:
-                _block_scaled_mm(gd, gs, 1, w, w_s[g], w_rows, dtype, out=dinp[row : row + m])
-            else:
-                dinp[row : row + m] = _block_scaled_mm(gd, gs, 1, w, w_s[g], w_rows, dtype)[:m]
+            _gemm_rows(gd[pos:], gs[pos:], w, w_s[g], w_rows, dtype, None, dinp[row : row + m])
         if need_wgrad:
-            nb = _cdiv(m16, 128)
-            xd_t = _packed(x_t, k, col, m16).view(_E4M3)
-            xs_t = _packed(x_s, k, block, nb)
+            cols, blocks = (
+                slice(pos, pos + _padded(m)),
+                slice(pos // 128, pos // 128 + _cdiv(m, 128)),
+            )
+            a, sa = gd_t[:, cols], gs_t[:, blocks]
+            b, sb = xd_t[:, cols], xs_t[:, blocks]
             if into_weight:
-                _block_scaled_mm(gd_t, gs_t, 1, xd_t, xs_t, 1, dtype, out=dweight[g])
+                _block_scaled_mm(a, sa, 1, b, sb, 1, dtype, out=dweight[g])
             else:
-                main_grad[g].add_(_block_scaled_mm(gd_t, gs_t, 1, xd_t, xs_t, 1, dtype))
+                main_grad[g].add_(_block_scaled_mm(a, sa, 1, b, sb, 1, dtype))
         if has_bias:
-            dbias[g] = sums.to(dtype)
+            dbias[g] = grad_out[row : row + m].sum(0, dtype=torch.float32).to(dtype)
     return dinp, dweight, dbias
 
 

@@ -167,15 +167,28 @@ def _block_scaled_mm(
         return res.to(out_dtype) if out is None else out.copy_(res)
     scale_a = sa.t().contiguous().t() if a_rows == 1 else sa
     scale_b = sb.t().contiguous() if b_rows == 1 else sb.t()
-    args = (a.contiguous(), b.contiguous().t(), scale_a, scale_b)
+    # Row-major operands with a leading dimension (column slices of a wider matrix) go in as
+    # they are; cuBLAS reads the leading dimension.
+    mat1, mat2 = _row_major(a), _row_major(b).t()
     into = {} if out is None else {"out": out}
-    if bias is None:
-        return torch._scaled_mm(*args, out_dtype=out_dtype, **into)
     try:  # the bias in cuBLAS's epilogue, where the blockwise kernels take one
-        return torch._scaled_mm(*args, bias=bias, out_dtype=out_dtype, **into)
+        return torch._scaled_mm(mat1, mat2, scale_a, scale_b, bias=bias, out_dtype=out_dtype,
+                                **into)  # fmt: skip
     except RuntimeError:
-        res = torch._scaled_mm(*args, out_dtype=torch.float32) + bias.float()
-        return res.to(out_dtype) if out is None else out.copy_(res)
+        if bias is None and mat1.is_contiguous() and mat2.t().is_contiguous():
+            raise
+    # Refused: the bias after an fp32 GEMM, contiguous operands.
+    mat1, mat2 = a.contiguous(), b.contiguous().t()
+    if bias is None:
+        return torch._scaled_mm(mat1, mat2, scale_a, scale_b, out_dtype=out_dtype, **into)
+    res = torch._scaled_mm(mat1, mat2, scale_a, scale_b, out_dtype=torch.float32) + bias.float()
+    return res.to(out_dtype) if out is None else out.copy_(res)
+
+
+def _row_major(t: Tensor) -> Tensor:
+    """``t`` when its rows are contiguous and 16-byte aligned (a leading dimension is fine),
+    else a contiguous copy."""
+    return t if t.stride(-1) == 1 and t.data_ptr() % 16 == 0 else t.contiguous()
 
 
 def _quantize_block(x2: Tensor, fp8_dtype: torch.dtype, block_rows: int, power_2_scale: bool):

@@ -875,9 +875,11 @@ def quantize_blockwise(
     config: QuantizeLaunchConfig | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Blockwise: ``(data, scale_inv, data_t, scale_inv_t)``, one read of ``x`` (see the op).
-    ``out_t`` (with ``columnwise``): contiguous ``(data_t, scale_inv_t)`` to write the
-    transposed copy into (``data_t`` ``[K, M]`` of ``fp8_dtype`` or uint8, ``scale_inv_t`` fp32
-    in the compact layout), e.g. views of a larger buffer; they are returned."""
+    ``out_t`` (with ``columnwise``): ``(data_t, scale_inv_t)`` to write the transposed copy
+    into, e.g. views of a larger buffer, returned: ``data_t`` contiguous ``[K, M]`` of
+    ``fp8_dtype`` or uint8, ``scale_inv_t`` fp32, compact or rows-major (strides ``(1, K)``,
+    the GEMM's layout, :func:`block_scales`; written in place by the CUDA kernel, else
+    through a compact copy)."""
     cfg = config or _DEFAULT
     x2, m, k = _rows(x)
     block_m = cfg.block_m if block_rows == 1 and not columnwise else BLOCK
@@ -889,23 +891,27 @@ def quantize_blockwise(
         data_t = _transposed(x, m, k, fp8_dtype, columnwise)
         scale_inv_t = x.new_empty(t_shape, dtype=f32)
     else:
-        data_t, scale_inv_t = out_t
+        data_t, given_scale_t = out_t
         if not (
             columnwise
             and data_t.shape == (k, m)
             and data_t.dtype in (fp8_dtype, torch.uint8)
-            and scale_inv_t.shape == t_shape
-            and scale_inv_t.dtype is f32
+            and given_scale_t.shape == t_shape
+            and given_scale_t.dtype is f32
             and data_t.is_contiguous()
-            and scale_inv_t.is_contiguous()
+            and (given_scale_t.is_contiguous() or given_scale_t.stride() == (1, t_shape[0]))
         ):
             raise ValueError(
-                f"quantize_blockwise: out_t must be contiguous ([{k}, {m}] {fp8_dtype} or uint8, "
-                f"{list(t_shape)} float32) with columnwise=True"
+                f"quantize_blockwise: out_t must be ([{k}, {m}] {fp8_dtype} or uint8, contiguous; "
+                f"{list(t_shape)} float32, compact or with strides (1, {t_shape[0]})) with "
+                "columnwise=True"
             )
         data_t = data_t.view(fp8_dtype)
+        scale_inv_t = given_scale_t
     name = "act_cast_1x128" if block_rows == 1 else "cast_128x128"
     cuda = _cuda_cast(cfg, name, m, k, x2) if columnwise else None
+    if cuda is None and not scale_inv_t.is_contiguous():  # the Triton kernel writes compact
+        scale_inv_t = x.new_empty(t_shape, dtype=f32)
     f = _FORMATS[fp8_dtype]
     if cuda is not None and block_rows == 1:  # one read, both layouts (csrc/block_cast.cu)
         cuda(x2, None, None, _bits(data).view(m, k), scale_inv, _bits(data_t), scale_inv_t, None,
@@ -931,6 +937,8 @@ def quantize_blockwise(
             BLOCK_K=BLOCK,
             num_warps=cfg.block_num_warps if block_m == BLOCK else cfg.num_warps,
         )
+    if out_t is not None and scale_inv_t is not out_t[1]:
+        scale_inv_t = out_t[1].copy_(scale_inv_t)
     return data, scale_inv, data_t, scale_inv_t
 
 

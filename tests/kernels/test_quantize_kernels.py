@@ -184,7 +184,13 @@ def test_blockwise_writes_the_transposed_copy_into_given_views(shape, block_rows
     assert_bits_equal(views[0].view(fp8), want[2])
     assert (data_buf[:16] == 7).all() and (data_buf[16 + k * m :] == 7).all()
     assert (scale_buf[:8] == -1).all()
-    with pytest.raises(ValueError, match="out_t must be contiguous"):
+    # The scales rows-major (strides (1, K)), the layout cuBLAS's blockwise GEMM reads.
+    rows_major = torch.empty(s_shape[1], s_shape[0], device=x.device).t()
+    actual = kernels.quantize_blockwise(x, fp8, block_rows, False, True,
+                                        out_t=(views[0], rows_major))  # fmt: skip
+    assert actual[3] is rows_major and actual[3].stride() == (1, s_shape[0])
+    assert_bits_equal(rows_major, want[3])
+    with pytest.raises(ValueError, match="out_t must be"):
         kernels.quantize_blockwise(x, fp8, block_rows, False, True, out_t=(views[0].t(), views[1]))
 
 
