@@ -28,7 +28,8 @@ Competitors, all holding the same weights, all ratios against ``torch._grouped_m
   (``TE_COMPILE_GROUPED_FP8_WGRAD=0``'s setting: bf16 wgrad), under ``Format.E4M3``, and under
   ``DelayedScaling`` with and without the FP8 wgrad; and under ``Float8BlockScaling`` (E4M3,
   1x128 / 128x128 blocks: a blockwise GEMM per expert, ``te::grouped_linear_block``, the splits
-  given as a CPU tensor as Transformer Engine takes them). Checked against the bf16 reference at
+  given as a CPU tensor as Transformer Engine takes them), also emulated
+  (``TE_COMPILE_NATIVE_BLOCK_GEMM=0``'s setting). Checked against the bf16 reference at
   Transformer Engine's e4m3 tolerance (rtol 0.125) instead of 2e-2.
 
 Targets (checked and stated under each table): te_compile.GroupedLinear reaches >= 0.97x the
@@ -80,6 +81,7 @@ TE_FP8_E4M3_COMPILED = "te_compile.GroupedLinear FP8 current E4M3 compiled"
 TE_FP8_DELAYED_COMPILED = "te_compile.GroupedLinear FP8 delayed compiled"
 TE_FP8_DELAYED_HPW_COMPILED = "te_compile.GroupedLinear FP8 delayed, bf16 wgrad, compiled"
 TE_FP8_BLOCK_COMPILED = "te_compile.GroupedLinear FP8 block compiled"
+TE_FP8_BLOCK_EMULATED_COMPILED = "te_compile.GroupedLinear FP8 block emulated compiled"
 FP8_EXPERTS = 8  # the FP8 rows run at this expert count (issue 5's target)
 FP8_RTOL = 0.125  # Transformer Engine's e4m3 tolerance
 
@@ -334,6 +336,10 @@ def run_case(
             host_splits = torch.tensor(splits, dtype=torch.int64)
             block = _under_fp8(_bind(te_fp8_c, host_splits), "E4M3", kind="Float8BlockScaling")
             modules[TE_FP8_BLOCK_COMPILED] = (block, te_fp8)
+            # TE_COMPILE_NATIVE_BLOCK_GEMM=0's setting: the same quantisation, bf16 grouped
+            # GEMMs of the dequantised values.
+            emulated = functools.partial(harness.with_setting, fp8_gemm, "_NATIVE_BLOCK", False)
+            modules[TE_FP8_BLOCK_EMULATED_COMPILED] = (emulated(block), te_fp8)
     baseline = GMM_COMPILED if compile_ else GMM_EAGER
 
     esize = torch.empty((), dtype=DTYPE).element_size()
@@ -362,6 +368,7 @@ def run_case(
             TE_FP8_DELAYED_COMPILED: FP8_RTOL,
             TE_FP8_DELAYED_HPW_COMPILED: FP8_RTOL,
             TE_FP8_BLOCK_COMPILED: FP8_RTOL,
+            TE_FP8_BLOCK_EMULATED_COMPILED: FP8_RTOL,
         },
     )
     for note in check_notes:
@@ -411,7 +418,8 @@ def run_case(
                 target_note(result, TE_FP8_COMPILED, TE_COMPILED, 1 / MIN_FP8_SPEEDUP, what)
             )
             rows = (TE_FP8_HPW_COMPILED, TE_FP8_E4M3_COMPILED, TE_FP8_DELAYED_COMPILED,
-                    TE_FP8_DELAYED_HPW_COMPILED, TE_FP8_BLOCK_COMPILED)  # fmt: skip
+                    TE_FP8_DELAYED_HPW_COMPILED, TE_FP8_BLOCK_COMPILED,
+                    TE_FP8_BLOCK_EMULATED_COMPILED)  # fmt: skip
             for row in rows:
                 result.notes.append(
                     target_note(result, row, TE_COMPILED, 1 / MIN_FP8_SPEEDUP, what)
