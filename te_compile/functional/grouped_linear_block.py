@@ -15,13 +15,19 @@ where :math:`Q_D` quantises to E4M3 in blocks along dim :math:`D`: 1x128 for ``X
 ``power_2_scale``). The wgrad's blocks run along the expert's own tokens: the first block of
 each expert starts at its first row, so an expert's scales never mix in another's tokens.
 
-One quantisation pass per operand and expert writes both directions (``quantize_blockwise``
-with its transposed copy): the forward saves ``X_g``'s transposed FP8 copy and scales, packed
-expert after expert into two flat buffers of static size, and each ``W_g``'s transposed copy;
-the backward needs neither ``inp`` nor ``weight``. An expert whose token count is not a
-multiple of 16 (``_scaled_mm``'s constraint) is padded with zero rows (which change no amax,
-no block and no result) in its own quantisation pass; zero-size experts are skipped (their
-weight and bias gradients are zero).
+One quantisation pass per operand writes both directions for all experts (``quantize_blockwise``
+with its transposed copy, the CUDA cast where it applies) over a layout in which every expert
+starts at a multiple of 128 rows: ``inp`` itself when every expert's tokens are a multiple of
+128, else one scatter into a static capacity of ``128 * (M // 128 + G)`` rows with zero rows
+between experts (zero rows change no amax, no block and no result). So the transposed copy's
+1x128 blocks along the tokens start at each expert, and each expert's GEMM operands are slices
+of the copies, given to cuBLAS with a leading dimension and their scales already rows-major (no
+copies). The forward saves the input's transposed FP8 copy and its scales (flat buffers of that
+static size: the fake needs no splits) and each ``W_g``'s transposed copy; the backward needs
+neither ``inp`` nor ``weight``. cuBLAS's blockwise GEMM refuses a row count that is not a
+multiple of 16 (H100, torch 2.11): such an expert's forward and dgrad GEMMs run on its rows
+padded to 16 (zeros of the layout) and copy the result's first rows. Zero-size experts are
+skipped (their weight and bias gradients are zero).
 
 The splits are read on the host: ``m_splits`` on the GPU costs a device sync (Transformer
 Engine's grouped GEMMs take host splits; pass a list or a CPU tensor to avoid it). On CPU (the
@@ -131,8 +137,8 @@ def _transposed_views(codes: Tensor, scales: Tensor, width: int, k: int):
     return codes[: k * width].view(k, width), scales[: k * width // 128].view(-1, k).t()
 
 
-# Whether cuBLAS's blockwise GEMM takes a row count that is not a multiple of 16 (seen on the
-# H100, torch 2.11: see _gemm_rows); cleared at the first refusal.
+# Whether cuBLAS's blockwise GEMM takes a row count that is not a multiple of 16; cleared at
+# the first refusal (on the H100 with torch 2.11 it refuses: seen as the fallback's copies).
 _ANY_ROWS = [True]
 
 
@@ -317,8 +323,8 @@ def _samples(device: torch.device):
     def splits(*values, on=device):
         return torch.tensor(values, device=on, dtype=torch.int64)
 
-    # Experts of 17 / 0 / 40 tokens (padded to 32 and 48), a partial 128-block of features
-    # (K = 144), 1x128 weight blocks, power-of-two scales, bias.
+    # Experts of 17 / 0 / 40 tokens (the padded layout: experts from rows 0 and 128), a partial
+    # 128-block of features (K = 144), 1x128 weight blocks, power-of-two scales, bias.
     yield SampleInput((t(57, 144), splits(17, 0, 40), t(3, 32, 144), t(3, 32), None, True, 1))
     # 128x128 weight blocks (features multiples of 512), an expert of 130 tokens (two blocks
     # along the tokens for the wgrad, the second partial), a CPU int32 m_splits.
