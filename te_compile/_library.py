@@ -98,9 +98,24 @@ def _use_fast_path() -> bool:
 
 
 class Op:
-    """A ``te::<name>`` op: schema inferred from the implementation's type hints."""
+    """A ``te::<name>`` op: schema inferred from the implementation's type hints.
 
-    def __init__(self, name: str, fn: Callable, mutates_args: Sequence[str]) -> None:
+    Unless ``opaque`` gives the reason it cannot be, the op is *traced through* under
+    ``torch.compile``: AOTAutograd runs its implementation for the inputs' device (the same
+    function eager calls) on functional tensors instead of recording a call of the op, so
+    Inductor sees the aten calls and the Triton kernels inside (``kernels.launch`` hands them to
+    ``torch.library.wrap_triton`` while tracing) and launches them itself. This is the mechanism
+    of ``torch.library.triton_op`` applied to ``Library``-defined ops; dynamo's graph and
+    ``torch.export`` keep the op by name."""
+
+    def __init__(
+        self,
+        name: str,
+        fn: Callable,
+        mutates_args: Sequence[str],
+        opaque: str | None = None,
+        kept_whole: Callable[..., str | None] | None = None,
+    ) -> None:
         self.name = name
         self.qualname = f"{NAMESPACE}::{name}"
         schema = torch.library.infer_schema(fn, mutates_args=tuple(mutates_args))
@@ -109,6 +124,10 @@ class Op:
         self._default = fn
         _LIB.impl(name, fn, "CompositeExplicitAutograd")
         self.overload: torch._ops.OpOverload = getattr(getattr(torch.ops, NAMESPACE), name).default
+        self.opaque = opaque
+        self.kept_whole = kept_whole
+        if opaque is None:
+            _register_trace_through(self)
         self.__doc__ = fn.__doc__
         self.__wrapped__ = fn
 
@@ -131,13 +150,13 @@ class Op:
         torch.library.register_fake(self.qualname, fn, lib=_LIB)
         return fn
 
-    def eager(self, *args: Any) -> Any:
+    def eager(self, *args: Any, **kwargs: Any) -> Any:
         """Call the implementation for the inputs' device directly, bypassing the dispatcher."""
         if self._impls:
             t = _first_tensor(args)
             if t is not None:
-                return self._impls.get(t.device.type, self._default)(*args)
-        return self._default(*args)
+                return self._impls.get(t.device.type, self._default)(*args, **kwargs)
+        return self._default(*args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.overload(*args, **kwargs)
@@ -147,22 +166,82 @@ class Op:
 
 
 def op(
-    name: str, *, mutates_args: Sequence[str] = (), sample_inputs: SampleFn | None = None
+    name: str,
+    *,
+    mutates_args: Sequence[str] = (),
+    sample_inputs: SampleFn | None = None,
+    opaque: str | None = None,
+    kept_whole: Callable[..., str | None] | None = None,
 ) -> Callable[[Callable], Op]:
     """Decorator defining ``te::<name>`` from its default (CPU / reference) implementation.
 
     A non-differentiable op passes its ``sample_inputs`` here; a forward/backward pair gets
-    them from :func:`differentiable` instead."""
+    them from :func:`differentiable` instead. ``opaque="<reason>"`` keeps the op a call that
+    Inductor does not trace into (an implementation that reads tensor data on the host, or
+    calls code the compiler cannot trace); ``opaque_ops()`` lists them with their reasons.
+    ``kept_whole(*args)``: for the arguments of one call, the reason to keep this call opaque
+    (None: trace through), for a case known to break under tracing."""
 
     def deco(fn: Callable) -> Op:
         qualname = f"{NAMESPACE}::{name}"
         if qualname in _REGISTRY:
             raise RuntimeError(f"{qualname} is already registered")
-        new = Op(name, fn, mutates_args)
-        _REGISTRY[qualname] = RegistryEntry(qualname, new.overload, sample_inputs, None)
+        new = Op(name, fn, mutates_args, opaque, kept_whole)
+        _REGISTRY[qualname] = RegistryEntry(qualname, new.overload, sample_inputs, None, new.opaque)
         return new
 
     return deco
+
+
+def _trace_through_kernels() -> list[object]:
+    """Every Triton kernel of ``te_compile.kernels``: what AOTAutograd's cache key must cover for
+    a traced-through op (``torch._library.triton`` reads this table). Empty without Triton."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return []
+    from te_compile.kernels import all_kernels
+
+    return all_kernels()
+
+
+def _register_trace_through(new: Op) -> None:
+    from torch._library import triton as library_triton
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+
+    known = (torch.Tensor, FunctionalTensor)
+
+    def decompose(mode: Any, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        from torch.export._trace import custom_triton_ops_decomposition_disabled
+
+        if custom_triton_ops_decomposition_disabled():  # torch.export keeps the op by name
+            return mode.__torch_dispatch__(func, types, args, kwargs)
+        if any(not (t in known or issubclass(t, FakeTensor)) for t in types):
+            return NotImplemented
+        if new.kept_whole is not None and new.kept_whole(*args, **kwargs):
+            return mode.__torch_dispatch__(func, types, args, kwargs)
+        with mode:
+            return new.eager(*args, **kwargs)
+
+    torch.library.register_torch_dispatch(new.qualname, FunctionalTensorMode, decompose, lib=_LIB)
+    # Looked up lazily by AOTAutograd's cache: a list filled on first use.
+    library_triton.triton_ops_to_kernels[new.qualname] = _LazyKernels()
+
+
+class _LazyKernels(list):
+    """The kernel list of a traced-through op, filled when first read (importing Triton at op
+    definition would make it a dependency of the CPU-only package)."""
+
+    def __iter__(self):
+        if not self:
+            self.extend(_trace_through_kernels())
+        return super().__iter__()
+
+
+def opaque_ops() -> dict[str, str]:
+    """The ops Inductor does not trace into, with the reason for each."""
+    return {name: e.opaque for name, e in _REGISTRY.items() if e.opaque is not None}
 
 
 def _first_tensor(args: Sequence[Any]) -> torch.Tensor | None:
@@ -393,8 +472,10 @@ def differentiable(
         autocast=autocast,
         native_autograd=native_autograd,
     )
-    _REGISTRY[fwd.qualname] = RegistryEntry(fwd.qualname, fwd.overload, sample_inputs, dop)
-    _REGISTRY[bwd.qualname] = RegistryEntry(bwd.qualname, bwd.overload, None, dop)
+    _REGISTRY[fwd.qualname] = RegistryEntry(
+        fwd.qualname, fwd.overload, sample_inputs, dop, fwd.opaque
+    )
+    _REGISTRY[bwd.qualname] = RegistryEntry(bwd.qualname, bwd.overload, None, dop, bwd.opaque)
     return dop
 
 
@@ -403,12 +484,15 @@ def differentiable(
 # ---------------------------------------------------------------------------------------------
 
 
-def extern_op(name: str, *, fake: Callable, sample_inputs: SampleFn) -> torch._ops.OpOverload:
-    """Register the fake and the sample inputs of a C++ op already loaded from ``te_compile._C``."""
+def extern_op(
+    name: str, *, fake: Callable, sample_inputs: SampleFn, opaque: str
+) -> torch._ops.OpOverload:
+    """Register the fake and the sample inputs of a C++ op already loaded from ``te_compile._C``.
+    Inductor cannot trace C++: ``opaque`` says why the op needs to be C++."""
     qualname = f"{NAMESPACE}::{name}"
     torch.library.register_fake(qualname, fake, lib=_LIB)
     overload = getattr(getattr(torch.ops, NAMESPACE), name).default
-    _REGISTRY[qualname] = RegistryEntry(qualname, overload, sample_inputs, None)
+    _REGISTRY[qualname] = RegistryEntry(qualname, overload, sample_inputs, None, opaque)
     return overload
 
 
@@ -426,6 +510,7 @@ class RegistryEntry:
     overload: torch._ops.OpOverload
     sample_inputs: SampleFn | None
     differentiable: DifferentiableOp | None
+    opaque: str | None = None
 
 
 _REGISTRY: dict[str, RegistryEntry] = {}

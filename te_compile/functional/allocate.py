@@ -126,7 +126,13 @@ def bulk_allocate_samples(device: torch.device) -> list[SampleInput]:
     ]
 
 
-_op = extern_op("bulk_allocate", fake=_bulk_allocate_fake, sample_inputs=bulk_allocate_samples)
+_op = extern_op(
+    "bulk_allocate",
+    fake=_bulk_allocate_fake,
+    sample_inputs=bulk_allocate_samples,
+    opaque="C++ (csrc/bulk_allocate.cpp): one host call allocates many tensors; under "
+    "torch.compile Inductor plans the same buffers itself, so the op is never on a compiled path",
+)
 
 
 def bulk_allocate(

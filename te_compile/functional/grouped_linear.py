@@ -209,7 +209,13 @@ def _fwd_loop(
 # 2. Forward op ------------------------------------------------------------------------------
 
 
-@op("grouped_linear_fwd")
+_HOST_SPLITS = (
+    "reads the group sizes (m_splits) on the host to split the GEMMs, which a traced graph "
+    "cannot do without a data-dependent shape per group"
+)
+
+
+@op("grouped_linear_fwd", opaque=_HOST_SPLITS)
 def grouped_linear_fwd(
     inp: Tensor, m_splits: Tensor, weight: Tensor, bias: Tensor | None, main_grad: Tensor | None
 ) -> Tensor:
@@ -283,7 +289,7 @@ def _bwd_cuda(grad_out, inp, m_splits, weight, main_grad, has_bias, need_dgrad, 
     return dinp, dweight, dbias
 
 
-@op("grouped_linear_bwd", mutates_args=("main_grad",))
+@op("grouped_linear_bwd", mutates_args=("main_grad",), opaque=_HOST_SPLITS)
 def grouped_linear_bwd(
     grad_out: Tensor,
     inp: Tensor,

@@ -153,7 +153,13 @@ def _gemm_rows(a, sa, b, sb, b_rows, dtype, bias, out):
 # Forward op ------------------------------------------------------------------------------------
 
 
-@op("grouped_linear_block_fwd")
+_HOST_SPLITS = (
+    "reads the group sizes (m_splits) on the host to split the GEMMs, which a traced graph "
+    "cannot do without a data-dependent shape per group"
+)
+
+
+@op("grouped_linear_block_fwd", opaque=_HOST_SPLITS)
 def grouped_linear_block_fwd(
     inp: Tensor,
     m_splits: Tensor,
@@ -210,7 +216,7 @@ def _grouped_linear_block_fwd_fake(
 # Backward op -----------------------------------------------------------------------------------
 
 
-@op("grouped_linear_block_bwd", mutates_args=("main_grad",))
+@op("grouped_linear_block_bwd", mutates_args=("main_grad",), opaque=_HOST_SPLITS)
 def grouped_linear_block_bwd(
     grad_out: Tensor,
     saved: list[Tensor],

@@ -561,7 +561,13 @@ def _forward(
     return out, amax, saved
 
 
-@op("grouped_linear_fp8_fwd")
+_HOST_SPLITS = (
+    "reads the group sizes (m_splits) on the host to split the GEMMs, which a traced graph "
+    "cannot do without a data-dependent shape per group"
+)
+
+
+@op("grouped_linear_fp8_fwd", opaque=_HOST_SPLITS)
 def grouped_linear_fp8_fwd(
     inp: Tensor,
     m_splits: Tensor,
@@ -701,7 +707,7 @@ def _backward_impl(
     return dinp, dweight, dbias
 
 
-@op("grouped_linear_fp8_bwd", mutates_args=("main_grad", "grad_amax"))
+@op("grouped_linear_fp8_bwd", mutates_args=("main_grad", "grad_amax"), opaque=_HOST_SPLITS)
 def grouped_linear_fp8_bwd(
     grad_out: Tensor,
     saved: list[Tensor],

@@ -188,7 +188,9 @@ def _block_scaled_mm(
 def _row_major(t: Tensor) -> Tensor:
     """``t`` when its rows are contiguous and 16-byte aligned (a leading dimension is fine),
     else a contiguous copy."""
-    return t if t.stride(-1) == 1 and t.data_ptr() % 16 == 0 else t.contiguous()
+    from te_compile.kernels import aligned16
+
+    return t if t.stride(-1) == 1 and aligned16(t) else t.contiguous()
 
 
 def _quantize_block(x2: Tensor, fp8_dtype: torch.dtype, block_rows: int, power_2_scale: bool):

@@ -227,11 +227,14 @@ def dequantize_blockwise_ref(
     data: Tensor, scale_inv: Tensor, block_rows: int, out_dtype: torch.dtype
 ) -> Tensor:
     """``fp32(data) * scale_inv`` of each ``block_rows x 128`` block, rounded to ``out_dtype``."""
-    q = _rows(data)
+    q = _rows(data).float()
     m, k = q.shape
-    s = scale_inv.float().repeat_interleave(block_rows, 0)[:m]
-    s = s.repeat_interleave(BLOCK, 1)[:, :k]
-    return (q * s).to(out_dtype).view(data.shape)
+    mb, kb = scale_inv.shape
+    # Each block times its scale by broadcasting over a blocked view (no index arithmetic:
+    # Inductor's CPU code generator fails on the fused division indexing repeat_interleave makes).
+    blocks = F.pad(q, (0, kb * BLOCK - k, 0, mb * block_rows - m)).view(mb, block_rows, kb, BLOCK)
+    out = (blocks * scale_inv.float()[:, None, :, None]).view(mb * block_rows, kb * BLOCK)
+    return out[:m, :k].to(out_dtype).contiguous().view(data.shape)
 
 
 # Argument checks: the same ValueError in eager (implementations) and at trace time (fakes).

@@ -158,6 +158,15 @@ def _unblock(t: Tensor, k: int) -> Tensor:
     return t.reshape(t.shape[0], t.shape[1] * t.shape[2])[:, :k]
 
 
+def e8m0_to_float(biased: Tensor) -> Tensor:
+    """The fp32 value ``2**(b - 127)`` of E8M0 codes ``b`` (255 is NaN), built from the float's
+    bits: what ``.view(torch.float8_e8m0fnu).float()`` gives, in operations that Inductor's CPU
+    code generator also knows (it has no E8M0 type)."""
+    b = biased.to(torch.int32)
+    bits = torch.where(b == 0, 1 << 22, b << 23)  # 2**-127 is the subnormal 0x00400000
+    return torch.where(b == 255, float("nan"), bits.view(torch.float32))
+
+
 def _mxfp8_rows(x2: Tensor, fp8_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """MXFP8 of the rows of ``x2`` ``[M, K]``: ``(data [M, K], scale [M, ceil(K/32)])``."""
     max_value, emax = _FP8_LIMITS[fp8_dtype]
@@ -170,7 +179,7 @@ def _mxfp8_rows(x2: Tensor, fp8_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     biased = torch.where(amax == 0, 127, biased)
     scale = torch.where(finite, biased, _E8M0_NAN).to(torch.uint8)
     # 1 / 2**(b - 127) = 2**(127 - b), which is the E8M0 value of 254 - b.
-    inv = (254 - biased.clamp(max=254)).to(torch.uint8).view(torch.float8_e8m0fnu).float()
+    inv = e8m0_to_float(254 - biased.clamp(max=254))
     q = (xb * inv[..., None]).clamp(-max_value, max_value).to(fp8_dtype).view(torch.uint8)
     q = torch.where(finite[..., None], q, 0x7F)  # NaN code; the NaN scale decides anyway
     return _unblock(q, x2.shape[1]).contiguous().view(fp8_dtype), scale
@@ -197,8 +206,8 @@ def quantize_mxfp8_ref(
 def dequantize_mxfp8_ref(data: Tensor, scale: Tensor, out_dtype: torch.dtype) -> Tensor:
     """``data * 2**(scale - 127)`` per 32-element block of the last dim (E8M0 255 is NaN)."""
     k = data.shape[-1]
-    s = scale.view(torch.float8_e8m0fnu).float().repeat_interleave(MXFP8_BLOCK, 1)[:, :k]
-    return (data.reshape(scale.shape[0], k).float() * s).view(data.shape).to(out_dtype)
+    values = _blocks(data.reshape(scale.shape[0], k), MXFP8_BLOCK) * e8m0_to_float(scale)[..., None]
+    return _unblock(values, k).to(out_dtype).contiguous().view(data.shape)
 
 
 def nvfp4_global_scale(amax: Tensor) -> Tensor:
@@ -286,8 +295,8 @@ def _nvfp4_values(data: Tensor, scale: Tensor, g: Tensor) -> Tensor:
     codes = torch.stack([data & 0xF, data >> 4], -1).reshape(m, k)
     values = data.new_tensor(_E2M1_VALUES, dtype=torch.float32)[(codes & 7).long()]
     values = torch.where((codes & 8) != 0, -values, values)
-    s = scale.float().repeat_interleave(NVFP4_BLOCK, 1)[:, :k]
-    return torch.div(values * s, g)
+    scaled = _blocks(values, NVFP4_BLOCK) * scale.float()[..., None]
+    return torch.div(_unblock(scaled, k), g)
 
 
 def nvfp4_qdq_row_groups(x: Tensor, row_splits: Tensor) -> Tensor:

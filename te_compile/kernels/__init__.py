@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 
@@ -30,6 +31,51 @@ def device_constant(values: tuple, dtype: torch.dtype, device: torch.device) -> 
     the graph's memory pool untracked, which its CUDA graphs refuse; a copy from pageable memory
     would make the host wait for the GPU. The copy from pinned memory does neither and is
     captured into the graph."""
+    if tracing():  # a constant of the compiled graph, made when it is compiled
+        return torch.tensor(values, dtype=dtype, device=device)
     if device.type != "cuda":
         return _host_constant(values, dtype, False)
     return _host_constant(values, dtype, True).to(device, non_blocking=True)
+
+
+def launch(kernel: Any, grid: Any) -> Any:
+    """``kernel[grid]``, the launcher every kernel call of this package goes through.
+
+    Under a dispatch mode — AOTAutograd tracing a te op's implementation for Inductor above
+    all — the kernel is handed to ``torch.library.wrap_triton``, which records the launch in the
+    graph (Inductor then launches the kernel itself; no Python runs per call). With no mode the
+    kernel is launched directly: the HOP that ``wrap_triton`` dispatches to costs host time that
+    eager calls should not pay."""
+    if tracing():
+        return torch.library.wrap_triton(kernel)[grid]
+    return kernel[grid]
+
+
+def tracing() -> bool:
+    """True under a dispatch mode (AOTAutograd's functional tracing, fake tensors, ...): the
+    tensors may have no data, so nothing may read a data pointer, call a C++ kernel, or cache a
+    tensor made now."""
+    return torch._C._len_torch_dispatch_stack() > 0
+
+
+def aligned16(t: torch.Tensor) -> bool:
+    """``t``'s data starts on a 16-byte boundary. While tracing, judged from the storage offset
+    (the compiler's buffers are aligned)."""
+    if tracing():
+        return t.storage_offset() * t.element_size() % 16 == 0
+    return t.data_ptr() % 16 == 0
+
+
+def all_kernels() -> list[Any]:
+    """Every Triton kernel defined in ``te_compile.kernels``: the sources AOTAutograd's cache key
+    must cover for a traced-through op."""
+    import importlib
+    import pkgutil
+
+    from triton.runtime.jit import KernelInterface
+
+    found: list[Any] = []
+    for info in pkgutil.iter_modules(__path__):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        found.extend(v for v in vars(module).values() if isinstance(v, KernelInterface))
+    return found

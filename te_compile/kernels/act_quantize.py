@@ -50,6 +50,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from te_compile.kernels import launch
 from te_compile.kernels.activation import (
     FN_CLAMPED_SILU,
     FN_GELU,
@@ -304,6 +305,9 @@ def _act_cast_kernel(
     current scaling (the scale from ``AMAX_BITS``; program (0, 0) writes ``SCALE_INV``); else
     ``SCALE`` is given and the tile's amax (and, with ``DBIAS``, its column sums) are folded.
     The gated backward casts both halves of ``dz`` (``[M_OUT, 2N]``) from one read."""
+    # Inductor passes Python floats as fp64; Triton's own launcher as fp32.
+    fp8_max = tl.cast(fp8_max, tl.float32)
+    eps = tl.cast(eps, tl.float32)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     first = (pid_m == 0) & (pid_n == 0)
@@ -396,6 +400,8 @@ def _act_block_kernel(
     unrounded gradient go to row ``pid_m`` of ``PART``. ``S_*`` / ``T_*``: the strides (row,
     block) of ``SCALE_INV`` / ``SCALE_INV_T`` (compact or rows-major). The gated backward
     (``N`` a multiple of 128) casts both halves of ``dz`` (``[M_OUT, 2N]``) from one read."""
+    # Inductor passes Python floats as fp64; Triton's own launcher as fp32.
+    fp8_max = tl.cast(fp8_max, tl.float32)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if GATED and BWD:
@@ -480,11 +486,11 @@ def _per_tensor(
     }
     b = z if bias is None else bias
     if amax_pass:
-        _act_amax_kernel[grid](
+        launch(_act_amax_kernel, grid)(
             z, b, gamma, mean, rsig, amax.view(torch.int32), part, rows, n, SOFTWARE=software,
             **common,
         )  # fmt: skip
-    _act_cast_kernel[grid](
+    launch(_act_cast_kernel, grid)(
         z,
         b,
         gamma,
@@ -571,7 +577,7 @@ def _blockwise(
     g = z if grad is None else grad
     gamma, mean, rsig = norm if norm is not None else (g, z, z)
     for axes, bm, bn, warps in passes if m_out * n else ():
-        _act_block_kernel[(triton.cdiv(m_out, bm), triton.cdiv(n, bn))](
+        launch(_act_block_kernel, (triton.cdiv(m_out, bm), triton.cdiv(n, bn)))(
             z,
             z if bias is None else bias,
             gamma,

@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from te_compile.kernels import programs_per_sm
+from te_compile.kernels import launch, programs_per_sm
 
 __all__ = [
     "FUNCTION_OF",
@@ -243,6 +243,10 @@ def _rows_fwd_kernel(
     BLOCK_N: tl.constexpr,
 ):
     # N output columns; the input has 2N columns when GATED, else N.
+    # Inductor passes Python floats as fp64; Triton's own launcher as fp32.
+    limit = tl.cast(limit, tl.float32)
+    alpha = tl.cast(alpha, tl.float32)
+    offset = tl.cast(offset, tl.float32)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < M
@@ -290,6 +294,10 @@ def _rows_bwd_kernel(
     # With DBIAS each program walks rows_per_program rows, adding its tiles into [BLOCK_M,
     # BLOCK_N] accumulators (element-wise, in registers) and reduces them over rows once at the
     # end: a reduction across warps per tile made the loop latency-bound (see rows_config).
+    # Inductor passes Python floats as fp64; Triton's own launcher as fp32.
+    limit = tl.cast(limit, tl.float32)
+    alpha = tl.cast(alpha, tl.float32)
+    offset = tl.cast(offset, tl.float32)
     pid_m = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -432,14 +440,16 @@ def activation_forward(
         if x.numel():
             cfg = config or flat_config(x.numel(), x.device)
             grid = (triton.cdiv(x.numel(), cfg.block),)
-            _flat_fwd_kernel[grid](x, out, x.numel(), fn, cfg.block, num_warps=cfg.num_warps)
+            launch(_flat_fwd_kernel, grid)(
+                x, out, x.numel(), fn, cfg.block, num_warps=cfg.num_warps
+            )
         return out
     m, n, _ = _rows_shape(x, gated)
     out = x.new_empty((*x.shape[:-1], n))
     if out.numel():
         cfg = config or rows_config(m, n, x.device, dbias=False)
         grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
-        _rows_fwd_kernel[grid](
+        launch(_rows_fwd_kernel, grid)(
             x,
             x if bias is None else bias.contiguous(),
             out,
@@ -484,7 +494,9 @@ def activation_backward(
         if x.numel():
             cfg = config or flat_config(x.numel(), x.device)
             grid = (triton.cdiv(x.numel(), cfg.block),)
-            _flat_bwd_kernel[grid](g, x, dx, x.numel(), fn, cfg.block, num_warps=cfg.num_warps)
+            launch(_flat_bwd_kernel, grid)(
+                g, x, dx, x.numel(), fn, cfg.block, num_warps=cfg.num_warps
+            )
         return dx, None
     m, n, n_in = _rows_shape(x, gated)
     dbias = need_dbias and bias is not None
@@ -494,7 +506,7 @@ def activation_backward(
     rows_per_program = cfg.rows_per_program if dbias else cfg.block_m
     programs = triton.cdiv(m, rows_per_program)
     part = torch.empty((programs, n_in), device=x.device, dtype=torch.float32) if dbias else dx
-    _rows_bwd_kernel[(programs, triton.cdiv(n, cfg.block_n))](
+    launch(_rows_bwd_kernel, (programs, triton.cdiv(n, cfg.block_n)))(
         g,
         x,
         x if bias is None else bias.contiguous(),

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from te_compile.kernels import launch
 from te_compile.kernels.quantize_mx import _load_x, _store_out
 
 __all__ = ["BLOCK", "dropout", "random_words"]
@@ -83,6 +84,8 @@ def _dropout_kernel(
     BLOCK: tl.constexpr,
     ROUNDS: tl.constexpr,
 ):
+    # Inductor passes Python floats as fp64; Triton's own launcher as fp32.
+    scale = tl.cast(scale, tl.float32)
     pid = tl.program_id(0)
     words = _block_words(state_ptr, pid, BLOCK, ROUNDS)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -111,7 +114,9 @@ def dropout(
         bf16 = x.dtype == torch.bfloat16
         xs, outs = (x.view(torch.int16), out.view(torch.int16)) if bf16 else (x, out)
         grid = (triton.cdiv(x.numel(), BLOCK),)
-        _dropout_kernel[grid](xs, outs, rng_state, x.numel(), threshold, scale, bf16, BLOCK, rounds)
+        launch(_dropout_kernel, grid)(
+            xs, outs, rng_state, x.numel(), threshold, scale, bf16, BLOCK, rounds
+        )
     return out
 
 
@@ -119,5 +124,5 @@ def random_words(rng_state: torch.Tensor, numel: int, rounds: int = 10) -> torch
     """The first ``numel`` words of the stream, as int64 (to compare with the CPU reference)."""
     out = torch.empty(numel, dtype=torch.int64, device=rng_state.device)
     if numel:
-        _words_kernel[(triton.cdiv(numel, BLOCK),)](out, rng_state, numel, BLOCK, rounds)
+        launch(_words_kernel, (triton.cdiv(numel, BLOCK),))(out, rng_state, numel, BLOCK, rounds)
     return out

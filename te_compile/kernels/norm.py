@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from te_compile.kernels import programs_per_sm
+from te_compile.kernels import launch, programs_per_sm
 from te_compile.kernels.quantize import _ROUND, _abs_bits, _round
 
 __all__ = [
@@ -186,6 +186,8 @@ def _norm_fwd_kernel(
     the output, rounded to the model's dtype (``ROUND``), into ``AMAX_BITS`` (``_abs_bits``
     max): the first pass of a current-scaling FP8 cast of the output that is never written
     (``kernels.act_quantize.norm_quantize``)."""
+    # Inductor passes Python floats as fp64; Triton's own launcher as fp32.
+    eps = tl.cast(eps, tl.float32)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
     row_off = rows.to(tl.int64)[:, None] * N
@@ -380,7 +382,7 @@ def _norm_fwd(
     mean = torch.empty(m if kind == LAYERNORM else 0, device=x.device, dtype=torch.float32)
     cfg = _config(n, False, config)
     if m > 0:
-        _norm_fwd_kernel[(triton.cdiv(m, cfg.block_m),)](
+        launch(_norm_fwd_kernel, (triton.cdiv(m, cfg.block_m),))(
             x,
             x if weight is None else weight.contiguous(),
             x if bias is None else bias.contiguous(),
@@ -460,7 +462,7 @@ def _norm_bwd(
     partial = alloc(n_partial, programs, n, device=x.device, dtype=torch.float32)
     if m > 0:
         rsigma = rsigma.contiguous()
-        _norm_bwd_kernel[(programs,)](
+        launch(_norm_bwd_kernel, (programs,))(
             dy,
             x,
             x if weight is None else weight.contiguous(),

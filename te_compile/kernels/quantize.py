@@ -71,7 +71,7 @@ import triton.language as tl
 from torch import Tensor
 
 from te_compile import _csrc
-from te_compile.kernels import device_constant, programs_per_sm
+from te_compile.kernels import aligned16, device_constant, launch, programs_per_sm, tracing
 
 __all__ = [
     "QuantizeLaunchConfig",
@@ -382,6 +382,9 @@ def _cast_kernel(
     """Per-tensor cast of one tile. ``FROM_AMAX`` (current scaling): the scale comes from the
     amax in ``AMAX_BITS`` and program (0, 0) writes ``SCALE_INV``; otherwise (delayed scaling)
     ``SCALE`` is given and the tile's amax is folded into ``AMAX_BITS``."""
+    # Inductor passes Python floats as fp64; Triton's own launcher as fp32.
+    fp8_max = tl.cast(fp8_max, tl.float32)
+    eps = tl.cast(eps, tl.float32)
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -438,6 +441,8 @@ def _block_kernel(
 ):
     """Blockwise cast of a ``BLOCK_M x BLOCK_K`` tile (``BLOCK_K`` = 128; ``BLOCK_M`` = 128
     for 128x128 blocks and with ``COLUMNWISE``)."""
+    # Inductor passes Python floats as fp64; Triton's own launcher as fp32.
+    fp8_max = tl.cast(fp8_max, tl.float32)
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -546,6 +551,8 @@ def _rowwise_kernel(
     ``DATA = fp8(clamp(x * scale))`` and ``SCALE_INV = 1 / scale`` (both divisions correctly
     rounded: the same bytes as the torch definition in ``functional.grouped_linear_fp8``).
     ``RECODE``: E5M2 stored as its E4M3 codes, ``SCALE_INV`` times 128 (:func:`_recoded`)."""
+    # Inductor passes Python floats as fp64; Triton's own launcher as fp32.
+    fp8_max = tl.cast(fp8_max, tl.float32)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     in_rows = rows < M
     base = rows.to(tl.int64)[:, None] * K
@@ -603,6 +610,8 @@ def _columnwise_kernel(
       columns start at ``PAD_ENDS[g-1]``: its row count rounded up to a multiple of 16, the
       padding written as zeros, as are the columns after the last group (the grouped wgrad's
       operands, whose groups along the contraction dim must start at 16-byte offsets)."""
+    # Inductor passes Python floats as fp64; Triton's own launcher as fp32.
+    fp8_max = tl.cast(fp8_max, tl.float32)
     b = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     in_cols = cols < K
@@ -671,6 +680,8 @@ def _delayed_update_kernel(
     ``SCALE <- LIMIT / (window * margin_factor)`` where the window (max over the new history, or
     its row 0) is positive and finite; NaN anywhere in the window keeps the old scale, as torch's
     NaN-propagating ``amax`` does in the reference."""
+    # Inductor passes Python floats as fp64; Triton's own launcher as fp32.
+    margin_factor = tl.cast(margin_factor, tl.float32)
     rows = tl.arange(0, BLOCK_L)[:, None]
     cols = tl.arange(0, BLOCK_S)[None, :]
     in_cols = cols < slots
@@ -754,7 +765,7 @@ def amax(x: Tensor, *, config: QuantizeLaunchConfig | None = None) -> Tensor:
         cap = cfg.amax_programs or programs_per_sm(x.device, 4)
         programs = min(triton.cdiv(n, cfg.amax_block), cap)
         chunk = triton.cdiv(triton.cdiv(n, programs), cfg.amax_block) * cfg.amax_block
-        _amax_kernel[(triton.cdiv(n, chunk),)](
+        launch(_amax_kernel, (triton.cdiv(n, chunk),))(
             x, out.view(torch.int32), n, chunk, BLOCK_SIZE=cfg.amax_block, num_warps=cfg.num_warps
         )
     return out
@@ -779,8 +790,10 @@ def _cuda_cast(cfg: QuantizeLaunchConfig, name: str, m: int, n: int, *tensors: T
     if not cfg.cuda_kernels or not (0 < m // BLOCK <= 65535 and m % BLOCK == 0 and n % BLOCK == 0):
         return None
     given = [t for t in tensors if t is not None]
-    if not all(t.is_cuda and t.dtype is torch.bfloat16 and t.data_ptr() % 16 == 0 for t in given):
-        return None
+    if tracing() or not all(
+        t.is_cuda and t.dtype is torch.bfloat16 and aligned16(t) for t in given
+    ):
+        return None  # the C++ kernel has no fake: traced code launches the Triton kernels
     return _cuda_op(name)
 
 
@@ -803,7 +816,7 @@ def quantize_tensorwise(
     data_t = _transposed(x, m, k, fp8_dtype, columnwise)
     amax_out = torch.zeros(1, device=x.device, dtype=torch.float32)
     if m * k:
-        _cast_kernel[_grid(m, k, cfg.block_m, cfg.block_k)](
+        launch(_cast_kernel, _grid(m, k, cfg.block_m, cfg.block_k))(
             x2,
             scale.reshape(1).contiguous(),
             amax_out.view(torch.int32),
@@ -842,7 +855,7 @@ def quantize_current(
     data_t = _transposed(x, m, k, fp8_dtype, columnwise)
     amax_out = amax(x2, config=cfg)
     scale_inv = torch.empty(1, device=x.device, dtype=torch.float32)
-    _cast_kernel[_grid(m, k, cfg.block_m, cfg.block_k)](
+    launch(_cast_kernel, _grid(m, k, cfg.block_m, cfg.block_k))(
         x2,
         amax_out,  # SCALE: unused
         amax_out.view(torch.int32),
@@ -920,7 +933,7 @@ def quantize_blockwise(
         cuda(x2, _bits(data).view(m, k), scale_inv, _bits(data_t), scale_inv_t, f.max, f.e4m3,
              power_2_scale)  # fmt: skip
     elif m * k:
-        _block_kernel[(triton.cdiv(m, block_m), triton.cdiv(k, BLOCK))](
+        launch(_block_kernel, (triton.cdiv(m, block_m), triton.cdiv(k, BLOCK)))(
             x2,
             _bits(data),
             scale_inv,
@@ -995,7 +1008,7 @@ def _dequantize(
     software = _software(data.device, cfg)
     out_arg, bf16_bits = _rounded_out(out, software)
     if m * k:
-        _dequant_kernel[_grid(m, k, cfg.block_m, cfg.block_k)](
+        launch(_dequant_kernel, _grid(m, k, cfg.block_m, cfg.block_k))(
             _bits(q),
             scale_inv.contiguous(),
             out_arg,
@@ -1063,16 +1076,16 @@ def quantize_columnwise_transposed(
 
 
 def _launch_columnwise(
-    x, data_t, scale_inv, scale, ends, n, slices, launch, fp8_dtype=None
+    x, data_t, scale_inv, scale, ends, n, slices, tiling, fp8_dtype=None
 ) -> None:
     """``_columnwise_kernel`` over ``slices`` slices of ``x`` (``ends``: ``(ENDS, PAD_ENDS)``
-    for token groups, None for the matrices of a batch); ``launch``: ``(BLOCK_N, BLOCK_K,
+    for token groups, None for the matrices of a batch); ``tiling``: ``(BLOCK_N, BLOCK_K,
     num_warps)``; ``fp8_dtype``: the cast's format when it is not ``data_t``'s (E5M2 into E4M3
     codes, :func:`_recode_args`)."""
-    block_n, block_k, num_warps = launch
+    block_n, block_k, num_warps = tiling
     k = x.shape[-1]
     fp8_dtype = fp8_dtype or data_t.dtype
-    _columnwise_kernel[(slices, triton.cdiv(k, block_k))](
+    launch(_columnwise_kernel, (slices, triton.cdiv(k, block_k)))(
         x,
         _bits(data_t),
         scale_inv,
@@ -1124,9 +1137,9 @@ def quantize_group_columns(
         return data_t, scale_inv
     if groups == 0:
         return data_t.view(torch.uint8).zero_().view(data_t.dtype), scale_inv
-    launch = (block_n, block_k, num_warps)
+    tiling = (block_n, block_k, num_warps)
     _launch_columnwise(x.contiguous(), data_t, scale_inv, scale, (ends, pad_ends), capacity,
-                       groups, launch, fp8_dtype)  # fmt: skip
+                       groups, tiling, fp8_dtype)  # fmt: skip
     return data_t, scale_inv
 
 
@@ -1161,7 +1174,7 @@ def recode_e5m2_as_e4m3(data: Tensor, *, block: int = 4096) -> Tensor:
     if src.numel():
         table = e5m2_to_e4m3_table(src.device)
         grid = (triton.cdiv(src.numel(), block),)
-        _recode_kernel[grid](src, out, table, src.numel(), BLOCK_SIZE=block, num_warps=4)
+        launch(_recode_kernel, grid)(src, out, table, src.numel(), BLOCK_SIZE=block, num_warps=4)
     return out.view(torch.float8_e4m3fn)
 
 
@@ -1179,7 +1192,7 @@ def delayed_scaling_update(
     length, slots = amax_history.shape
     if amax_history.stride(1) != 1 or not (scale.is_contiguous() and amax.is_contiguous()):
         raise ValueError("delayed_scaling_update: expects unit column stride / contiguous slots")
-    _delayed_update_kernel[(1,)](
+    launch(_delayed_update_kernel, (1,))(
         amax_history,
         scale,
         amax,
@@ -1213,7 +1226,7 @@ def quantize_rowwise(
     scale_inv = torch.empty(x.shape[:-1], device=x.device, dtype=torch.float32)
     if m * k:
         bk = min(block_k, triton.next_power_of_2(k))
-        _rowwise_kernel[(triton.cdiv(m, block_m),)](
+        launch(_rowwise_kernel, (triton.cdiv(m, block_m),))(
             x2,
             _bits(data),
             scale_inv,

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from te_compile.kernels import launch
 from te_compile.kernels.quantize import _signed
 
 __all__ = ["dequantize_mxfp8", "dequantize_nvfp4", "quantize_mxfp8", "quantize_nvfp4"]
@@ -412,7 +413,7 @@ def quantize_mxfp8(
     scale_t = x2.new_empty((k, triton.cdiv(m, MXFP8_BLOCK)), dtype=torch.uint8)
     scale_t = scale_t if columnwise else empty.clone()
     if m and k:
-        _mxfp8_quantize_kernel[(triton.cdiv(m, _TILE), triton.cdiv(k, _TILE))](
+        launch(_mxfp8_quantize_kernel, (triton.cdiv(m, _TILE), triton.cdiv(k, _TILE)))(
             _bf16_as_int16(x2),
             data,
             scale,
@@ -442,7 +443,7 @@ def dequantize_mxfp8(data: Tensor, scale: Tensor, out_dtype: torch.dtype) -> Ten
     m, k = d2.shape
     out = d2.new_empty((m, k), dtype=out_dtype)
     if m and k:
-        _mxfp8_dequantize_kernel[(triton.cdiv(m, _TILE), triton.cdiv(k, _TILE))](
+        launch(_mxfp8_dequantize_kernel, (triton.cdiv(m, _TILE), triton.cdiv(k, _TILE)))(
             d2,
             scale.contiguous(),
             _bf16_as_int16(out),
@@ -473,7 +474,7 @@ def quantize_nvfp4(
     scale_t = x2.new_empty((k, triton.cdiv(m, NVFP4_BLOCK)), dtype=torch.uint8)
     scale_t = scale_t if columnwise else empty.clone()
     if m and k:
-        _nvfp4_quantize_kernel[(triton.cdiv(m, _TILE), triton.cdiv(k, _TILE))](
+        launch(_nvfp4_quantize_kernel, (triton.cdiv(m, _TILE), triton.cdiv(k, _TILE)))(
             _bf16_as_int16(x2),
             global_scale.to(torch.float32).contiguous(),
             data,
@@ -503,7 +504,7 @@ def dequantize_nvfp4(
     m, p = d2.shape
     out = d2.new_empty((m, 2 * p), dtype=out_dtype)
     if m and p:
-        _nvfp4_dequantize_kernel[(triton.cdiv(m, _TILE), triton.cdiv(p, _TILE))](
+        launch(_nvfp4_dequantize_kernel, (triton.cdiv(m, _TILE), triton.cdiv(p, _TILE)))(
             d2,
             scale.contiguous().view(torch.uint8),
             global_scale.to(torch.float32).contiguous(),

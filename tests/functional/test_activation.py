@@ -17,6 +17,7 @@ from te_compile.functional import activation
 from tests.utils import (
     DEVICES,
     assert_close,
+    assert_matches_eager,
     compile_counted,
     make_reference_and_test_tensors,
     to_reference,
@@ -428,10 +429,10 @@ def test_public_functions_compile_in_one_graph(device, layout):
     twin = x.detach().clone().requires_grad_()
     y = compiled(x)
     y_eager = fn(twin)
-    assert torch.equal(y, y_eager)
+    assert_matches_eager(y, y_eager)
     y.square().sum().backward()
     y_eager.square().sum().backward()
-    assert torch.equal(x.grad, twin.grad)
+    assert_matches_eager(x.grad, twin.grad, roundings=4)
     assert counter.frame_count == 1
 
 
@@ -454,7 +455,9 @@ def test_autocast_runs_in_autocast_dtype(device, name):
     expected = _expected(name, *to_reference((x.to(low), b.to(low))))
     for out in (y, y_compiled):
         assert out.dtype == low
-        assert_close(out, expected, low)
+    assert_close(y, expected, low)
+    # Inductor keeps fused intermediates in fp32 (the autocast casts of the inputs included).
+    assert_close(y_compiled, expected, low, roundings=2, reduced=True)
     y.float().sum().backward()
     assert x.grad.dtype == torch.float32 and b.grad.dtype == torch.float32
 

@@ -86,7 +86,9 @@ def test_autocast_matches_nn_linear(device):
         compiled = compiled_fn(x)
     for y in (fast, compiled):
         assert y.dtype == expected.dtype == low
-        assert_close(y, expected.double(), low)
+    assert_close(fast, expected.double(), low)
+    # Inductor keeps fused intermediates in fp32 (the autocast casts of the inputs included).
+    assert_close(compiled, expected.double(), low, roundings=2, reduced=True)
     fast.float().sum().backward()
     assert m.weight.grad.dtype == torch.float32
 
@@ -107,7 +109,8 @@ def test_main_grad_accumulates_under_autocast(compiled):
     y.float().sum().backward()
     assert main_grad.dtype is torch.float32
     expected = x.detach().bfloat16().double().sum(0).expand(8, 16)  # d(sum y)/dW = 1^T X
-    assert_close(main_grad, expected, torch.float32, reduced=True)
+    # Compiled, Inductor may fuse the wgrad with the autocast cast of x and skip its rounding.
+    assert_close(main_grad, expected, torch.bfloat16 if compiled else torch.float32, reduced=True)
 
 
 def test_outputs_and_saved_tensors_alias_nothing():

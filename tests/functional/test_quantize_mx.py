@@ -404,7 +404,9 @@ def _round_trip(x):
 @pytest.mark.parametrize("device", DEVICES)
 def test_compiled_fullgraph_equals_eager(device):
     fn, counter = compile_counted(_round_trip, dynamic=True)
-    for shape in [(6, 40), (10, 64)]:
+    # Inductor traces the implementation, which pads K to whole blocks: one graph serves every
+    # shape whose K needs padding (a K of whole blocks compiles a second, padding-free graph).
+    for shape in [(6, 40), (10, 72)]:
         x = _x(shape, torch.bfloat16, device, spread=4)
         for got, want in zip(fn(x), _round_trip(x), strict=True):
             _assert_same_bits(got, want)

@@ -184,7 +184,9 @@ def test_fp8_modules_compile_and_match_eager(device, recipe, make):
     eager = make(device)
     compiled_model = make(device)
     compiled_model.load_state_dict(eager.state_dict())
-    compiled, counter = compile_counted(compiled_model)
+    # aot_eager: the traced program (our ops' implementations, traced through) against eager, bit
+    # for bit; tests/test_trace_through.py checks Inductor's code for every recipe.
+    compiled, counter = compile_counted(compiled_model, backend="aot_eager")
     for i in range(2):
         x = _x(device, i)
         with autocast(recipe=recipe):

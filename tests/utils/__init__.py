@@ -72,6 +72,16 @@ def assert_close(
     )
 
 
+def assert_matches_eager(compiled: torch.Tensor, eager: torch.Tensor, roundings: int = 2) -> None:
+    """A compiled result against the eager one, within ``roundings`` roundoffs of the dtype.
+    Not bit for bit: Inductor traces into our ops and generates its own code for the aten math
+    around the kernels (on CPU all of it: the reference math), so its vectorised ``exp`` and
+    ``tanh``, fused multiply-adds, reduction orders and GEMM epilogues (a bias added after the
+    GEMM instead of in cuBLAS's epilogue) may differ from eager by an ulp, as they do for any
+    compiled PyTorch code."""
+    torch.testing.assert_close(compiled, eager, **dtype_tols(eager.dtype, roundings))
+
+
 def to_reference(value: Any) -> Any:
     """float64 CPU copy of a tensor (keeping requires_grad), or of each tensor in a tuple/list."""
     if isinstance(value, torch.Tensor):
@@ -138,11 +148,16 @@ def compile_counted(fn: Callable, backend: str = "inductor", **compile_kwargs: A
 
 class GraphRecorder:
     """A torch.compile backend that records the op sequence of the forward and backward graphs
-    AOTAutograd produces, then runs them unchanged (eager)."""
+    AOTAutograd produces, then runs them unchanged (eager).
 
-    def __init__(self) -> None:
+    By default AOTAutograd keeps our ops by name here (``decompose_custom_triton_ops`` off, as
+    ``torch.export`` does): the snapshots are of te ops. With ``trace_through=True`` the graphs
+    are the ones Inductor receives, every traced-through te op replaced by its implementation."""
+
+    def __init__(self, trace_through: bool = False) -> None:
         self.forward: list[str] = []
         self.backward: list[str] = []
+        self.trace_through = trace_through
 
     @staticmethod
     def _ops(gm: torch.fx.GraphModule) -> list[str]:
@@ -165,7 +180,8 @@ class GraphRecorder:
             self.backward = self._ops(g)
             return g
 
-        return aot_module_simplified(gm, example_inputs, fw_compiler=fw, bw_compiler=bw)
+        with torch._functorch.config.patch(decompose_custom_triton_ops=self.trace_through):
+            return aot_module_simplified(gm, example_inputs, fw_compiler=fw, bw_compiler=bw)
 
     def summary(self, te_only: bool = False) -> str:
         """One op per line (snapshots stay within the line length and diff line by line).

@@ -1,0 +1,128 @@
+"""Inductor traces into our ops: a compiled model of our modules runs no ``te`` op.
+
+Every op except those ``te_compile._library.opaque_ops()`` lists (each with its reason) is
+traced through by AOTAutograd: Inductor receives the op's implementation — the reference math
+on CPU, the Triton kernels and cuBLAS calls on CUDA — and generates code that launches them
+itself. Dynamo's graph keeps the ops by name (``test_dynamo_graph_names_the_ops``), as does
+``torch.export``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch import nn
+from torch._inductor.utils import run_and_get_code
+
+import te_compile as te
+from te_compile._library import opaque_ops, registry
+from tests.utils import DEVICES, assert_matches_eager
+
+HIDDEN, FFN, TOKENS = 64, 128, 32
+
+RECIPES = {
+    "bf16": None,
+    "current": te.recipe.Float8CurrentScaling,
+    "delayed": te.recipe.DelayedScaling,
+    "block": te.recipe.Float8BlockScaling,
+    "mxfp8": te.recipe.MXFP8BlockScaling,
+    "nvfp4": te.recipe.NVFP4BlockScaling,
+}
+
+# The ops whose implementation reads tensor data on the host or runs C++: their names, so that
+# a new opaque op is a decision this file records.
+EXPECTED_OPAQUE = {
+    "te::bulk_allocate",
+    *(f"te::grouped_linear{kind}_{d}" for kind in ("", "_fp8", "_block") for d in ("fwd", "bwd")),
+}
+
+
+class Block(nn.Module):
+    """Every dense module of the library in one residual block."""
+
+    def __init__(self, device: str) -> None:
+        super().__init__()
+        kw = {"device": device}
+        self.norm = te.RMSNorm(HIDDEN, **kw)
+        self.qkv = te.LayerNormLinear(HIDDEN, 3 * HIDDEN, bias=False, **kw)
+        self.proj = te.Linear(3 * HIDDEN, HIDDEN, **kw)
+        self.mlp = te.LayerNormMLP(
+            HIDDEN, FFN, bias=False, normalization="RMSNorm", activation="swiglu", **kw
+        )
+        self.out_norm = te.LayerNorm(HIDDEN, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.proj(self.qkv(self.norm(x)))
+        return self.out_norm(x + self.mlp(x))
+
+
+def _te_calls(code: str) -> set[str]:
+    return set(re.findall(r"torch\.ops\.te\.\w+", code))
+
+
+def _step(model, x, recipe):
+    def run():
+        with te.autocast(enabled=recipe is not None, recipe=recipe):
+            y = model(x)
+        y.float().square().sum().backward()
+        return y
+
+    return run
+
+
+def test_opaque_ops_are_the_expected_ones():
+    assert set(opaque_ops()) == EXPECTED_OPAQUE, opaque_ops()
+    assert all(reason for reason in opaque_ops().values())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_compiled_block_calls_no_te_op(device, recipe):
+    factory = RECIPES[recipe]
+    if factory is not None and device == "cuda":
+        available = {
+            "mxfp8": te.is_mxfp8_available,
+            "nvfp4": te.is_nvfp4_available,
+            "block": te.is_fp8_block_scaling_available,
+        }.get(recipe, te.is_fp8_available)
+        if not available():
+            pytest.skip(f"{recipe} is emulated on this GPU; the CPU case covers the emulation")
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Block(device)
+    twin = Block(device)
+    twin.load_state_dict(model.state_dict())
+    x = torch.randn(TOKENS, HIDDEN, device=device, requires_grad=True)
+    x_twin = x.detach().clone().requires_grad_()
+    rec = factory() if factory is not None else None
+    compiled = torch.compile(model, fullgraph=True)
+    out, codes = run_and_get_code(_step(compiled, x, rec))
+    assert len(codes) == 2, "one forward and one backward graph"
+    for code in codes:
+        assert _te_calls(code) == set(), "Inductor's code enters te ops through the dispatcher"
+    twin_rec = factory() if factory is not None else None
+    expected = _step(twin, x_twin, twin_rec)()
+    assert_matches_eager(out, expected, roundings=4)
+    assert_matches_eager(x.grad, x_twin.grad, roundings=16)
+
+
+def test_dynamo_graph_names_the_ops():
+    """Dynamo's graph (what graph-break tests and selective checkpointing see) keeps te ops."""
+    graphs = []
+
+    def backend(gm, _inputs):
+        graphs.append(gm)
+        return gm
+
+    torch._dynamo.reset()
+    model = Block("cpu")
+    torch.compile(model, backend=backend, fullgraph=True)(torch.randn(4, HIDDEN))
+    targets = {str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"}
+    assert {"te.rmsnorm_fwd.default", "te.linear_fwd.default"} <= targets, targets
+
+
+def test_every_traced_op_has_no_opaque_reason():
+    for name, entry in registry().items():
+        assert (entry.opaque is None) == (name not in EXPECTED_OPAQUE), name
