@@ -274,26 +274,33 @@ class RowSpec:
     impl: str  # "torch" | "te" | "torchao"
     precision: str  # one of PRECISIONS
     mode: str  # one of MODES
+    opaque: bool = False  # te ops kept as opaque calls (not traced through by Inductor)
 
     @property
     def name(self) -> str:
         te_fp8 = self.impl == "te" and self.precision != "bf16"
         label = f"FP8 {self.precision}" if te_fp8 else self.precision
-        return f"{self.impl} {label} {self.mode}"
+        return f"{self.impl} {label} {self.mode}" + (" (opaque ops)" if self.opaque else "")
 
     @property
     def baseline(self) -> str:
         return RowSpec("torch", "bf16", self.mode).name
 
 
-def row_specs(modes: Sequence[str], precisions: Sequence[str], *, torchao: bool) -> list[RowSpec]:
-    """Every row, grouped by mode; ``torch bf16`` always (the mode's baseline)."""
+def row_specs(
+    modes: Sequence[str], precisions: Sequence[str], *, torchao: bool, opaque: bool = False
+) -> list[RowSpec]:
+    """Every row, grouped by mode; ``torch bf16`` always (the mode's baseline). ``opaque``: each
+    compiled te row also with the te ops kept opaque (what Inductor gets without tracing into
+    them: the cost of a dispatcher call per op, measured side by side)."""
     specs = []
     for mode in modes:
         specs.append(RowSpec("torch", "bf16", mode))
         for p in precisions:
             if p == "bf16" or p in TE_RECIPES:
                 specs.append(RowSpec("te", p, mode))
+                if opaque and mode != "eager":
+                    specs.append(RowSpec("te", p, mode, opaque=True))
             elif p in TORCHAO_RECIPES and torchao:
                 specs.append(RowSpec("torchao", p, mode))
     return specs
@@ -417,8 +424,10 @@ def run_row(
     )
     print(f"  [{size.name}] {spec.name} ...", file=sys.stderr, flush=True)
     reset_between_rows(device)
+    # te ops are traced through unless AOTAutograd is told to keep custom Triton ops whole.
+    ops_mode = torch._functorch.config.patch(decompose_custom_triton_ops=not spec.opaque)
     try:
-        with cache:
+        with cache, ops_mode:
             return _measure_row(spec, size, weights, inputs, reference, device, timing)
     except Exception as exc:  # report and keep going: one broken row != no data
         msg = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
@@ -658,8 +667,9 @@ def run_size(
     inputs = (x.requires_grad_(True), torch.randn_like(x))
     reset_between_rows(device)
     reference = reference_outputs(size, weights, inputs, device)
-    outcomes = [
-        run_row(
+    outcomes = []
+    for spec in specs:
+        outcome = run_row(
             spec,
             size,
             weights,
@@ -669,8 +679,11 @@ def run_size(
             timing=timing,
             warm_cache=warm_cache,
         )
-        for spec in specs
-    ]
+        outcomes.append(outcome)
+        # Each row's time as soon as it is measured: a run stopped by a time limit keeps them.
+        ms = outcome.row.median_ms
+        done = f"{ms:.3f} ms" if ms is not None else f"error: {outcome.row.error}"
+        print(f"  [{size.name}] {spec.name}: {done}", file=sys.stderr, flush=True)
     notes = case_notes(size, skipped)
     for o in outcomes:
         notes += o.notes
@@ -730,6 +743,11 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, torch.de
         "(default: all; torch bf16 always runs as the baseline)",
     )
     parser.add_argument(
+        "--opaque",
+        action="store_true",
+        help="also run each compiled te row with the te ops opaque (not traced through)",
+    )
+    parser.add_argument(
         "--warm-cache",
         action="store_true",
         help="keep the Inductor / Triton caches (default: an empty cache dir per compiled row, "
@@ -758,7 +776,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         skipped.append(torchao_note)
     for note in skipped:
         print(f"  {note}", file=sys.stderr)
-    specs = row_specs(modes, args.precisions, torchao=has_torchao)
+    specs = row_specs(modes, args.precisions, torchao=has_torchao, opaque=args.opaque)
     sizes = [SMOKE_SIZE] if args.smoke else [SIZES[name] for name in args.size]
     report.metadata.update(
         sizes=[s.name for s in sizes], modes=modes, precisions=list(args.precisions)

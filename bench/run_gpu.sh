@@ -11,7 +11,8 @@
 # over calls to stay inside the 10-minute limit of one call). Each step writes one log and its bench its .md/.json
 # under $OUT (--no-chart), packed into $OUT/results.tgz. Carry `.whl` (expecttest, liger-kernel,
 # torchao, pytest-xdist + execnet: not on the GPU image; bench/README.md). Not in the default
-# list: tp (bench_tp, needs 2 GPUs; TP_ARGS="--mesh 1x1 4x1 2x2 --recipe none current" for more),
+# list: block (bench_block, the transformer block step; one size per call, BENCH_ARGS="--size
+# h1024"), tp (bench_tp, needs 2 GPUs; TP_ARGS="--mesh 1x1 4x1 2x2 --recipe none current" for more),
 # tp_fp8 (FP8 current scaling on 1 GPU, all GPUs, and a TP x FSDP2 mesh), nccl_tests
 # (tests/distributed -k nccl on 2 GPUs and on all GPUs at once).
 set -uo pipefail
@@ -134,6 +135,11 @@ runpy.run_path('examples/train_gpt.py', run_name='__main__')" "${tg[@]:1}" \
     linear|overhead|norm|activation|mlp|grouped|fp8|ops)
       python3 -m "bench.bench_$step" --out "$OUT" --no-chart ${BENCH_ARGS:-} 2>&1 \
         | tee "$OUT/bench_$step.log" \
+        | grep -v "^  \[" | tail -60 ;;
+    block)  # Llama-style stack fwd+bwd + compile time (bench/bench_block.py); all three sizes
+            # outlast one call: BENCH_ARGS="--size h1024" (or --modes / --precisions) per call
+      python3 -m bench.bench_block --out "$OUT" --no-chart ${BENCH_ARGS:-} 2>&1 \
+        | tee "$OUT/bench_block.log" \
         | grep -v "^  \[" | tail -60 ;;
     tp)  # TP=1 vs TP=2 (+SP) through examples/tensor_parallel.py under torchrun: needs 2 GPUs
       python3 -m bench.bench_tp --out "$OUT" ${TP_ARGS:-} 2>&1 | tee "$OUT/bench_tp.log" | tail -30 ;;
