@@ -25,7 +25,7 @@ from te_compile.functional.fp8_scaling import delayed_scaling_update
 from te_compile.functional.fused_linear import linear_bias_activation
 from te_compile.functional.fused_linear_add import branch_linear, linear_add
 from te_compile.functional.fused_norm import branch_rmsnorm
-from te_compile.functional.glu import deinterleave_glu_tensor, interleave_glu_tensor
+from te_compile.functional.glu_layout import deinterleave_glu_tensor, interleave_glu_tensor
 from te_compile.functional.grouped_linear import as_splits_tensor, grouped_linear
 from te_compile.functional.grouped_linear_block import grouped_linear_block
 from te_compile.functional.grouped_linear_fp8 import grouped_linear_fp8

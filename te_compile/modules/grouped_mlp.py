@@ -48,7 +48,7 @@ from torch import Tensor, nn
 
 from te_compile import functional as F
 from te_compile.functional.activation import ACTIVATIONS, GATED_ACTIVATIONS
-from te_compile.functional.glu import deinterleave_glu_tensor, interleave_glu_tensor
+from te_compile.functional.glu_layout import deinterleave_glu_tensor, interleave_glu_tensor
 from te_compile.modules._common import check_choice, check_positive
 from te_compile.modules.grouped_linear import GroupedLinear
 

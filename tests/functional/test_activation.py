@@ -611,3 +611,16 @@ def test_bad_input_raises_clear_error(case, mode):
         assert "ValueError" in str(info.value)
     else:
         assert info.type is ValueError
+
+
+def test_package_names_are_the_functions():
+    """``te.functional.<name>`` is the activation function for every public activation name (a
+    submodule of the same name once shadowed ``glu``)."""
+    import te_compile as te
+
+    x = torch.randn(3, 8)
+    for name in (*ELEMENTWISE, *GATED):
+        fn = getattr(te.functional, name)
+        assert callable(fn) and fn is getattr(activation, name), name
+    a, lin = x.chunk(2, -1)
+    assert_close(te.functional.glu(x), *to_reference((torch.sigmoid(a) * lin,)), torch.float32)

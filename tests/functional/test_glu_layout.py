@@ -1,4 +1,4 @@
-"""GLU weight layouts (``te_compile.functional.glu``): interleave/deinterleave are inverse
+"""GLU weight layouts (``te_compile.functional.glu_layout``): interleave/deinterleave are inverse
 permutations along the GLU dim, with the blocks written out on small examples; over ranks, dims,
 interleave sizes, dtypes and strided inputs; autograd through them; bad input in eager and under
 compile; compiled equals eager in one graph; and the interleaved weight is the layout that the
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from te_compile.functional import activation
-from te_compile.functional.glu import deinterleave_glu_tensor, interleave_glu_tensor
+from te_compile.functional.glu_layout import deinterleave_glu_tensor, interleave_glu_tensor
 from tests.utils import DEVICES, assert_close, compile_counted, make_reference_and_test_tensors
 
 H = 12
