@@ -17,7 +17,7 @@ Rows, all ``torch.compile(fullgraph=True, dynamic=False)``, ratios against ``bf1
   Float8BlockScaling())``; a recipe the modules do not implement yet shows as an error row;
 - with ``--unfused``, ``te FP8 current|block op-by-op compiled``: the same recipes with
   LayerNormMLP's one-op FP8 path turned off (``quantization.fp8_gemm._FUSE_MLP``, as
-  ``TE_COMPILE_FUSED_FP8_MLP=0`` sets it) around every call: linear, activation, linear, the
+  ``fp8_gemm._FUSE_MLP = False`` sets it) around every call: linear, activation, linear, the
   activation written in bf16 between two quantisations (what the fused op saves);
 - ``torchao tensorwise|rowwise``: a copy of the PyTorch block converted with torchao's
   ``convert_to_float8_training(Float8LinearConfig.from_recipe_name(...))`` (skipped with a note

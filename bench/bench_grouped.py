@@ -25,11 +25,11 @@ Competitors, all holding the same weights, all ratios against ``torch._grouped_m
   with rowwise scales through ``torch._scaled_grouped_mm``, the E5M2 gradient as E4M3 codes,
   the wgrad's operands quantised per expert and column along the tokens), eager and compiled,
   at 8 experts (issue 5's case); compiled also with the FP8 wgrad off
-  (``TE_COMPILE_GROUPED_FP8_WGRAD=0``'s setting: bf16 wgrad), under ``Format.E4M3``, and under
+  (``fp8_gemm._GROUPED_FP8_WGRAD = False``'s setting: bf16 wgrad), under ``Format.E4M3``, and under
   ``DelayedScaling`` with and without the FP8 wgrad; and under ``Float8BlockScaling`` (E4M3,
   1x128 / 128x128 blocks: a blockwise GEMM per expert, ``te::grouped_linear_block``, the splits
   given as a CPU tensor as Transformer Engine takes them), also emulated
-  (``TE_COMPILE_NATIVE_BLOCK_GEMM=0``'s setting). Checked against the bf16 reference at
+  (``fp8_gemm._NATIVE_BLOCK = False``'s setting). Checked against the bf16 reference at
   Transformer Engine's e4m3 tolerance (rtol 0.125) instead of 2e-2.
 
 Targets (checked and stated under each table): te_compile.GroupedLinear reaches >= 0.97x the
@@ -330,7 +330,7 @@ def run_case(
         if compile_:
             te_fp8_c = torch.compile(te_fp8, **kw)
             modules[TE_FP8_COMPILED] = (_under_fp8(_bind(te_fp8_c, splits_t)), te_fp8)
-            # TE_COMPILE_GROUPED_FP8_WGRAD=0's setting: the forward and dgrad in FP8, the
+            # fp8_gemm._GROUPED_FP8_WGRAD = False's setting: the forward and dgrad in FP8, the
             # wgrad in bf16 from the input kept in bf16.
             hpw = functools.partial(harness.with_setting, fp8_gemm, "_GROUPED_FP8_WGRAD", False)
             current = _under_fp8(_bind(te_fp8_c, splits_t))
@@ -345,7 +345,7 @@ def run_case(
             host_splits = torch.tensor(splits, dtype=torch.int64)
             block = _under_fp8(_bind(te_fp8_c, host_splits), "E4M3", kind="Float8BlockScaling")
             modules[TE_FP8_BLOCK_COMPILED] = (block, te_fp8)
-            # TE_COMPILE_NATIVE_BLOCK_GEMM=0's setting: the same quantisation, bf16 grouped
+            # fp8_gemm._NATIVE_BLOCK = False's setting: the same quantisation, bf16 grouped
             # GEMMs of the dequantised values.
             emulated = functools.partial(harness.with_setting, fp8_gemm, "_NATIVE_BLOCK", False)
             modules[TE_FP8_BLOCK_EMULATED_COMPILED] = (emulated(block), te_fp8)

@@ -32,13 +32,12 @@ functions, ``setup_context`` and ``backward``:
   under PyTorch's native autograd, which costs what ``nn.Linear`` costs.
 
 ``tests/test_library.py`` proves both paths give identical results; ``set_eager_fast_path(False)``
-(or ``TE_COMPILE_EAGER_FAST_PATH=0``) forces the op path everywhere.
+forces the op path everywhere.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -68,7 +67,7 @@ SampleFn = Callable[[torch.device], Iterable[SampleInput]]
 # Eager fast-path switch
 # ---------------------------------------------------------------------------------------------
 
-_fast_path_enabled = os.environ.get("TE_COMPILE_EAGER_FAST_PATH", "1") != "0"
+_fast_path_enabled = True
 
 
 def set_eager_fast_path(enabled: bool) -> None:

@@ -36,8 +36,6 @@ delayed-scaling update ignores (keeps the old scale) and the caller can check.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
@@ -295,10 +293,11 @@ def _pad_rows(t2: Tensor) -> Tensor:
 # Forward op -----------------------------------------------------------------------------------
 
 
-# TE_COMPILE_EMULATE_FP8_GEMM=1: every per-tensor FP8 GEMM runs as an fp32 GEMM of the exact
-# FP8 values with the scales applied after (same quantisation, no FP8 tensor-core arithmetic);
-# a diagnostic, to separate the GEMM's arithmetic from the quantisation in a training run.
-_EMULATE = os.environ.get("TE_COMPILE_EMULATE_FP8_GEMM", "0") == "1"
+# A test and diagnostic override, not configuration (tests patch it): True runs every per-tensor
+# FP8 GEMM as an fp32 GEMM of the exact FP8 values with the scales applied after (same
+# quantisation, no FP8 tensor-core arithmetic), to separate the GEMM's arithmetic from the
+# quantisation in a training run.
+_EMULATE = False
 
 
 def _scaled_mm(

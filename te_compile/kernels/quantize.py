@@ -63,7 +63,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 
 import torch
 import triton
@@ -125,8 +124,7 @@ class QuantizeLaunchConfig:
     over ``[block_split_m, 128]`` tiles and a columnwise one over ``[128, block_split_n]`` tiles
     (``num_warps`` each) instead of one 128x128 tile for both. ``cuda_kernels``: use the
     C++/CUDA kernel of ``csrc/`` where one covers the call (``act_quantize_block``: gelu, bf16,
-    whole 128x128 tiles), when the extension was built with CUDA; ``TE_COMPILE_CUDA_KERNELS=0``
-    turns the default off."""
+    whole 128x128 tiles), when the extension was built with CUDA."""
 
     block_m: int = 64
     block_k: int = 64
@@ -138,7 +136,7 @@ class QuantizeLaunchConfig:
     block_split_m: int = 32
     block_split_n: int = 64
     software_convert: bool | None = None
-    cuda_kernels: bool = os.environ.get("TE_COMPILE_CUDA_KERNELS", "1") != "0"
+    cuda_kernels: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_k", "amax_block", "block_split_m", "block_split_n"):

@@ -39,7 +39,6 @@ the history at the next forward.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
@@ -49,14 +48,16 @@ from te_compile import functional as F
 from te_compile.quantization.device import is_fp8_block_scaling_available
 from te_compile.quantization.state import AutocastState, get_autocast_state
 
-# TE_COMPILE_NATIVE_BLOCK_GEMM=0: Float8BlockScaling GEMMs emulated even where native ones exist.
-_NATIVE_BLOCK = os.environ.get("TE_COMPILE_NATIVE_BLOCK_GEMM", "1") != "0"
-# TE_COMPILE_FUSED_FP8_MLP=0: LayerNormMLP runs its FP8 GEMMs one by one (te::linear_fp8) instead
-# of te::mlp_fp8 (same bytes; for comparisons).
-_FUSE_MLP = os.environ.get("TE_COMPILE_FUSED_FP8_MLP", "1") != "0"
-# GroupedLinear: the wgrad GEMM in FP8 too (=0: high precision, and the input kept in high
-# precision for it instead of its FP8 copy).
-_GROUPED_FP8_WGRAD = os.environ.get("TE_COMPILE_GROUPED_FP8_WGRAD", "1") != "0"
+# Test and benchmark overrides, not configuration: tests/ and bench/ patch them to compare one
+# path against another (mock.patch.object / harness.with_setting); users never set them.
+# False: Float8BlockScaling GEMMs emulated even where native ones exist.
+_NATIVE_BLOCK = True
+# False: LayerNormMLP runs its FP8 GEMMs one by one (te::linear_fp8) instead of te::mlp_fp8 (same
+# bytes).
+_FUSE_MLP = True
+# False: GroupedLinear's wgrad GEMM in high precision, the input kept in high precision for it
+# instead of its FP8 copy.
+_GROUPED_FP8_WGRAD = True
 
 __all__ = [
     "MAX_AMAX_HISTORY",
@@ -163,7 +164,7 @@ class FP8GemmState(nn.Module):
         ``Float8CurrentScaling`` with rowwise scales (what Hopper's grouped FP8 GEMM takes),
         ``DelayedScaling`` with this state's per-tensor scales (input, weight and gradient of
         all groups); the forward, dgrad and wgrad GEMMs in FP8 (the wgrad's operands quantised
-        per expert and column along the tokens; ``TE_COMPILE_GROUPED_FP8_WGRAD=0``: the wgrad in
+        per expert and column along the tokens; ``_GROUPED_FP8_WGRAD = False``: the wgrad in
         high precision). Torch's grouped FP8 GEMM takes E4M3 only: an E5M2 gradient goes in as
         E4M3 codes (``functional.grouped_linear_fp8``). ``Float8BlockScaling`` runs natively
         where the dense one does (:func:`_native_block`; ``te::grouped_linear_block``: a
@@ -354,7 +355,7 @@ def _block_mlp(recipe, inp, fc1_weight, fc1_bias, activation, fc2_weight, fc2_bi
 def _native_block(recipe, inp: Tensor, weights: tuple[Tensor, ...], w_rows: int) -> bool:
     """Whether Float8BlockScaling's GEMMs with these weights (``w_rows``: 1 for 1x128, 128 for
     128x128 weight blocks) run natively: on a GPU with blockwise-scaled ``_scaled_mm``, unless
-    ``TE_COMPILE_NATIVE_BLOCK_GEMM=0``, with operands cuBLAS takes."""
+    ``_NATIVE_BLOCK = False``, with operands cuBLAS takes."""
     fmt = recipe.fp8_format
     return (
         inp.device.type == "cuda"
@@ -367,7 +368,7 @@ def _native_block(recipe, inp: Tensor, weights: tuple[Tensor, ...], w_rows: int)
 def _block_scaled(owner, recipe, inp, weight, bias, main_grad, norm=None) -> Tensor:
     """MXFP8 / NVFP4 / FP8 blockwise: exact quantisation (``te::linear_block_scaled_*``); the
     GEMMs are emulated, except FP8 blockwise with E4M3 both ways on a GPU with blockwise-scaled
-    ``_scaled_mm`` (Hopper, CUDA 12.9+), which runs natively (``TE_COMPILE_NATIVE_BLOCK_GEMM=0``
+    ``_scaled_mm`` (Hopper, CUDA 12.9+), which runs natively (``_NATIVE_BLOCK = False``
     forces the emulation)."""
     if main_grad is not None:
         raise NotImplementedError(

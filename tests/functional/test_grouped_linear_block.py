@@ -160,7 +160,7 @@ def test_compiles_without_graph_breaks(device):
 @native_block
 def test_module_runs_the_native_op_under_float8_block_scaling():
     """GroupedLinear under Float8BlockScaling (1x128 weight blocks) on a GPU: the native grouped
-    op, the same bytes as calling it; with TE_COMPILE_NATIVE_BLOCK_GEMM=0 the emulation."""
+    op, the same bytes as calling it; with fp8_gemm._NATIVE_BLOCK = False the emulation."""
     torch.manual_seed(0)
     m = te.GroupedLinear(
         2, 256, 128, single_grouped_parameter=True, params_dtype=torch.bfloat16, device="cuda"

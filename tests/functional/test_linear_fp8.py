@@ -186,7 +186,7 @@ def test_delayed_scaling_state_keeps_fp32_under_autocast(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_emulated_gemms_match_the_scaled_mm_ones(device, monkeypatch):
-    """TE_COMPILE_EMULATE_FP8_GEMM=1 (the diagnostic switch): the three GEMMs as fp32 GEMMs of
+    """linear_fp8._EMULATE = True (the diagnostic switch): the three GEMMs as fp32 GEMMs of
     the same FP8 values give the same output and gradients as torch._scaled_mm, to fp32
     accumulation-order error on the CPU (and Hopper's FP8 accumulation on CUDA)."""
     import importlib

@@ -179,7 +179,7 @@ def test_layernorm_mlp_takes_the_fused_op_with_the_same_results(
     device, recipe_cls, act, monkeypatch
 ):
     """Three training steps of LayerNormMLP under each per-tensor recipe, fused and op by op
-    (``TE_COMPILE_FUSED_FP8_MLP=0``): the same outputs, gradients and scaling state."""
+    (``fp8_gemm._FUSE_MLP = False``): the same outputs, gradients and scaling state."""
     _fused_and_plain_steps(device, recipe_cls(), 64, 128, monkeypatch, act)
 
 

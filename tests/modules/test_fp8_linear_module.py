@@ -285,7 +285,7 @@ def test_grouped_linear_fp8_current_scaling(device):
 def test_grouped_linear_fp8_wgrad(device):
     """The module's wgrad is FP8 under every format (the functional op with
     ``fp8_wgrad=True``, bit for bit, eager and compiled; HYBRID's E5M2 gradient as E4M3 codes),
-    and high precision with the setting off (``TE_COMPILE_GROUPED_FP8_WGRAD=0``)."""
+    and high precision with the setting off (``fp8_gemm._GROUPED_FP8_WGRAD = False``)."""
     torch.manual_seed(0)
     m = te.GroupedLinear(4, 32, 48, single_grouped_parameter=True, params_dtype=torch.bfloat16,
                          device=device)  # fmt: skip
