@@ -40,7 +40,7 @@ EXPECTED_OPAQUE = {
 
 
 class Block(nn.Module):
-    """Every dense module of the library in one residual block."""
+    """Every dense module of the library, and a fused te.ops run, in one residual block."""
 
     def __init__(self, device: str) -> None:
         super().__init__()
@@ -51,10 +51,17 @@ class Block(nn.Module):
         self.mlp = te.LayerNormMLP(
             HIDDEN, FFN, bias=False, normalization="RMSNorm", activation="swiglu", **kw
         )
+        self.fused = te.ops.Sequential(  # te.ops: norm, then linear + bias + GELU as one op
+            te.ops.LayerNorm(HIDDEN, **kw),
+            te.ops.BasicLinear(HIDDEN, HIDDEN, **kw),
+            te.ops.Bias(HIDDEN, **kw),
+            te.ops.GELU(),
+        )
         self.out_norm = te.LayerNorm(HIDDEN, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.proj(self.qkv(self.norm(x)))
+        x = x + self.fused(x)
         return self.out_norm(x + self.mlp(x))
 
 
