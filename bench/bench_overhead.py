@@ -15,6 +15,13 @@ through ``F.linear``, ``nn.Linear`` / ``te_compile.Linear`` modules and the te_c
 returned by ``extra_entries()``. Each table is run with inputs that do not and that do require
 grad. Part 2 is a host measurement and is meaningful on CPU too.
 
+Part 3, "host time per op in a compiled graph": a chain of ``CHAIN`` calls of one op (RMSNorm,
+SwiGLU, Linear) on tiny tensors, fwd+bwd, compiled with ``fullgraph=True``: the aten / torch
+version, te_compile's op traced through by Inductor (the default), and te_compile's op kept
+opaque (``torch._functorch.config.decompose_custom_triton_ops=False``: one dispatcher call per
+op, as before ops were traced through). Host clock per step, divided by ``CHAIN``: what one op
+costs the host in a compiled step. Target (issue 24): te <= aten + 5 us per op.
+
     python -m bench.bench_overhead            # CUDA if present; results in bench/results/...
     python -m bench.bench_overhead --smoke    # tiny and short; nothing written without --out
 """
@@ -39,6 +46,8 @@ from bench import harness
 from bench.bench_linear import NN_EAGER, TE_EAGER, run_shape
 
 OVERHEAD_SHAPE = (2048, 1024, 1024)  # tokens, in, out
+CHAIN = 16  # ops per compiled graph in part 3
+COMPILED_TARGET_US = 5.0
 TINY_SHAPE = (16, 64, 64)
 TARGET_RATIO = 1.25
 
@@ -217,6 +226,98 @@ def run_entry_tables(device: torch.device, timing: dict) -> list[harness.CaseRes
 
 
 # --------------------------------------------------------------------------------------------
+# Part 3: host time per op inside a compiled graph
+# --------------------------------------------------------------------------------------------
+
+
+def _chains(device: torch.device) -> dict[str, tuple[Callable, Callable, tuple]]:
+    """Per op kind: ``(aten_step, te_step, inputs)``; each step maps the inputs through CHAIN
+    calls of the op (weights shared along the chain)."""
+    tef = te_compile.functional
+    h = 64
+    x = torch.randn(16, h, device=device, requires_grad=True)
+    g = torch.randn(h, device=device, requires_grad=True)
+    w = (torch.randn(h, h, device=device) / h**0.5).requires_grad_()
+    x2 = torch.randn(16, 2 * h, device=device, requires_grad=True)
+
+    def chain(op):
+        def step(t, p):
+            for _ in range(CHAIN):
+                t = op(t, p)
+            return t
+
+        return step
+
+    def swiglu_torch(t, _p):
+        a, lin = t.chunk(2, -1)
+        return torch.cat([F.silu(a) * lin] * 2, -1)
+
+    def swiglu_te(t, _p):
+        return torch.cat([tef.swiglu(t)] * 2, -1)
+
+    return {
+        "RMSNorm": (
+            chain(lambda t, p: F.rms_norm(t, (h,), p, 1e-5)),
+            chain(lambda t, p: tef.rmsnorm(t, p, 1e-5)),
+            (x, g),
+        ),
+        "SwiGLU": (chain(swiglu_torch), chain(swiglu_te), (x2, g)),
+        "Linear": (
+            chain(lambda t, p: F.linear(t, p)),
+            chain(lambda t, p: tef.linear(t, p)),
+            (x, w),
+        ),
+    }
+
+
+def run_compiled_op_tables(device: torch.device, timing: dict) -> list[harness.CaseResult]:
+    results = []
+    for kind, (aten_step, te_step, inputs) in _chains(device).items():
+
+        def compiled(step, inputs=inputs, *, opaque=False):
+            """Compiled on its first call, which is the competitor's first warm-up call: the
+            harness times competitors one after the other, and all chains share one code object
+            (Dynamo's cache key), so each starts from a reset and compiles in its own setting."""
+            fn = None
+
+            def call():
+                nonlocal fn
+                if fn is None:
+                    torch._dynamo.reset()
+                    fn = torch.compile(step, fullgraph=True)
+                    with torch._functorch.config.patch(decompose_custom_triton_ops=not opaque):
+                        fn(*inputs).sum().backward()
+                fn(*inputs).sum().backward()
+
+            return call
+
+        entries = {
+            f"torch {kind}, compiled": compiled(aten_step),
+            f"te {kind}, compiled (traced through)": compiled(te_step),
+            f"te {kind}, compiled (opaque ops)": compiled(te_step, opaque=True),
+        }
+        case = harness.Case(
+            f"host time per op in a compiled graph: {kind}",
+            f"{CHAIN} chained calls, fwd+bwd, float32 tiny tensors",
+        )
+        result = harness.run_case(
+            case, entries, baseline=f"torch {kind}, compiled", device=device, timer="wall", **timing
+        )
+        base = result.row(f"torch {kind}, compiled").median_ms
+        for name in list(entries)[1:]:
+            t = result.row(name).median_ms
+            if base is not None and t is not None:
+                extra_us = (t - base) * 1e3 / CHAIN
+                ok = "meets" if extra_us <= COMPILED_TARGET_US else "MISSES"
+                result.notes.append(
+                    f"{name}: {extra_us:+.2f} us per op over torch ({ok} <= "
+                    f"{COMPILED_TARGET_US} us)"
+                )
+        results.append(result)
+    return results
+
+
+# --------------------------------------------------------------------------------------------
 # Part 1: Linear fwd+bwd, eager
 # --------------------------------------------------------------------------------------------
 
@@ -263,6 +364,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     harness.add_common_args(parser)
     parser.add_argument("--skip-linear", action="store_true", help="only the op-entry tables")
     parser.add_argument("--skip-entry", action="store_true", help="only the Linear case")
+    parser.add_argument(
+        "--skip-compiled", action="store_true", help="without part 3 (compiled graphs)"
+    )
     args = parser.parse_args(argv)
 
     device = harness.resolve_device(args)
@@ -286,6 +390,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             report.add(result)
     if not args.skip_entry:
         for result in run_entry_tables(device, entry_timing):
+            report.add(result)
+    if not args.skip_compiled:
+        for result in run_compiled_op_tables(device, wall_timing):
             report.add(result)
     report.finish(harness.resolve_out_dir(args, meta), chart=not args.no_chart)
     return 0
