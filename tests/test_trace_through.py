@@ -14,11 +14,12 @@ import re
 import pytest
 import torch
 from torch import nn
+from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 import te_compile as te
 from te_compile._library import opaque_ops, registry
-from tests.utils import DEVICES, assert_matches_eager
+from tests.utils import DEVICES, assert_matches_eager, requires_cuda
 
 HIDDEN, FFN, TOKENS = 64, 128, 32
 
@@ -133,3 +134,30 @@ def test_dynamo_graph_names_the_ops():
 def test_every_traced_op_has_no_opaque_reason():
     for name, entry in registry().items():
         assert (entry.opaque is None) == (name not in EXPECTED_OPAQUE), name
+
+
+@requires_cuda
+@pytest.mark.parametrize("recipe", ["bf16", "current", "delayed", "block"])
+def test_block_trains_under_cuda_graphs(recipe):
+    """``mode="reduce-overhead"``: the block's training steps are captured in CUDA graphs (no
+    skip: no host sync, no CPU tensor, no allocation outside the graphs' pool) and match eager."""
+    factory = RECIPES[recipe]
+    if factory is not None and recipe == "block" and not te.is_fp8_block_scaling_available():
+        pytest.skip("Float8BlockScaling is emulated on this GPU")
+    if factory is not None and not te.is_fp8_available():
+        pytest.skip("no FP8 on this GPU")
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    eager, graphed = Block("cuda"), Block("cuda")
+    graphed.load_state_dict(eager.state_dict())
+    call = torch.compile(graphed, mode="reduce-overhead", fullgraph=True)
+    rec_eager = factory() if factory is not None else None
+    rec_graphed = factory() if factory is not None else None
+    for step in range(4):
+        x = torch.randn(TOKENS, HIDDEN, device="cuda")
+        torch.compiler.cudagraph_mark_step_begin()
+        out = _step(call, x.clone().requires_grad_(), rec_graphed)().detach().clone()
+        expected = _step(eager, x.clone().requires_grad_(), rec_eager)()
+        assert_matches_eager(out, expected, roundings=4 if step == 0 else 8)
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
