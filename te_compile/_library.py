@@ -38,6 +38,7 @@ forces the op path everywhere.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -192,16 +193,18 @@ def op(
     return deco
 
 
-def _trace_through_kernels() -> list[object]:
+@functools.cache
+def _trace_through_kernels() -> tuple[object, ...]:
     """Every Triton kernel of ``te_compile.kernels``: what AOTAutograd's cache key must cover for
-    a traced-through op (``torch._library.triton`` reads this table). Empty without Triton."""
+    a traced-through op (``torch._library.triton`` reads this table). Empty without Triton.
+    Found once for all ops."""
     try:
         import triton  # noqa: F401
     except ImportError:
-        return []
+        return ()
     from te_compile.kernels import all_kernels
 
-    return all_kernels()
+    return tuple(all_kernels())
 
 
 def _register_trace_through(new: Op) -> None:
