@@ -193,6 +193,13 @@ def op(
     return deco
 
 
+# The ``opaque`` reason of the grouped-GEMM op families.
+HOST_SPLITS = (
+    "reads the group sizes (m_splits) on the host to split the GEMMs, which a traced graph "
+    "cannot do without a data-dependent shape per group"
+)
+
+
 @functools.cache
 def _trace_through_kernels() -> tuple[object, ...]:
     """Every Triton kernel of ``te_compile.kernels``: what AOTAutograd's cache key must cover for

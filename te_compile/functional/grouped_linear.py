@@ -40,7 +40,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from te_compile._library import SampleInput, differentiable, op
+from te_compile._library import HOST_SPLITS, SampleInput, differentiable, op
 
 __all__ = ["grouped_linear", "grouped_linear_ref"]
 
@@ -209,13 +209,7 @@ def _fwd_loop(
 # 2. Forward op ------------------------------------------------------------------------------
 
 
-_HOST_SPLITS = (
-    "reads the group sizes (m_splits) on the host to split the GEMMs, which a traced graph "
-    "cannot do without a data-dependent shape per group"
-)
-
-
-@op("grouped_linear_fwd", opaque=_HOST_SPLITS)
+@op("grouped_linear_fwd", opaque=HOST_SPLITS)
 def grouped_linear_fwd(
     inp: Tensor, m_splits: Tensor, weight: Tensor, bias: Tensor | None, main_grad: Tensor | None
 ) -> Tensor:
@@ -289,7 +283,7 @@ def _bwd_cuda(grad_out, inp, m_splits, weight, main_grad, has_bias, need_dgrad, 
     return dinp, dweight, dbias
 
 
-@op("grouped_linear_bwd", mutates_args=("main_grad",), opaque=_HOST_SPLITS)
+@op("grouped_linear_bwd", mutates_args=("main_grad",), opaque=HOST_SPLITS)
 def grouped_linear_bwd(
     grad_out: Tensor,
     inp: Tensor,

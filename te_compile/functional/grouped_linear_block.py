@@ -48,7 +48,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from te_compile._library import SampleInput, differentiable, op
+from te_compile._library import HOST_SPLITS, SampleInput, differentiable, op
 from te_compile.functional.grouped_linear import _empty, _host_splits, as_splits_tensor
 from te_compile.functional.grouped_linear_fp8 import _check as _check_grouped
 from te_compile.functional.linear_block_scaled import (
@@ -153,13 +153,7 @@ def _gemm_rows(a, sa, b, sb, b_rows, dtype, bias, out):
 # Forward op ------------------------------------------------------------------------------------
 
 
-_HOST_SPLITS = (
-    "reads the group sizes (m_splits) on the host to split the GEMMs, which a traced graph "
-    "cannot do without a data-dependent shape per group"
-)
-
-
-@op("grouped_linear_block_fwd", opaque=_HOST_SPLITS)
+@op("grouped_linear_block_fwd", opaque=HOST_SPLITS)
 def grouped_linear_block_fwd(
     inp: Tensor,
     m_splits: Tensor,
@@ -216,7 +210,7 @@ def _grouped_linear_block_fwd_fake(
 # Backward op -----------------------------------------------------------------------------------
 
 
-@op("grouped_linear_block_bwd", mutates_args=("main_grad",), opaque=_HOST_SPLITS)
+@op("grouped_linear_block_bwd", mutates_args=("main_grad",), opaque=HOST_SPLITS)
 def grouped_linear_block_bwd(
     grad_out: Tensor,
     saved: list[Tensor],

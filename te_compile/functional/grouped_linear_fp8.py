@@ -76,7 +76,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from te_compile._library import SampleInput, differentiable, op
+from te_compile._library import HOST_SPLITS, SampleInput, differentiable, op
 from te_compile.functional.grouped_linear import (
     _INT_DTYPES,
     _device_splits,
@@ -561,13 +561,7 @@ def _forward(
     return out, amax, saved
 
 
-_HOST_SPLITS = (
-    "reads the group sizes (m_splits) on the host to split the GEMMs, which a traced graph "
-    "cannot do without a data-dependent shape per group"
-)
-
-
-@op("grouped_linear_fp8_fwd", opaque=_HOST_SPLITS)
+@op("grouped_linear_fp8_fwd", opaque=HOST_SPLITS)
 def grouped_linear_fp8_fwd(
     inp: Tensor,
     m_splits: Tensor,
@@ -707,7 +701,7 @@ def _backward_impl(
     return dinp, dweight, dbias
 
 
-@op("grouped_linear_fp8_bwd", mutates_args=("main_grad", "grad_amax"), opaque=_HOST_SPLITS)
+@op("grouped_linear_fp8_bwd", mutates_args=("main_grad", "grad_amax"), opaque=HOST_SPLITS)
 def grouped_linear_fp8_bwd(
     grad_out: Tensor,
     saved: list[Tensor],
