@@ -29,7 +29,7 @@ Competitors, all holding the same weights, all ratios against ``torch._grouped_m
   ``DelayedScaling`` with and without the FP8 wgrad; and under ``Float8BlockScaling`` (E4M3,
   1x128 / 128x128 blocks: a blockwise GEMM per expert, ``te::grouped_linear_block``, the splits
   given as a CPU tensor as Transformer Engine takes them), also emulated
-  (``fp8_gemm._NATIVE_BLOCK = False``'s setting). Checked against the bf16 reference at
+  (``quantization.gemm._NATIVE_BLOCK = False``'s setting). Checked against the bf16 reference at
   Transformer Engine's e4m3 tolerance (rtol 0.125) instead of 2e-2.
 
 Targets (checked and stated under each table): te_compile.GroupedLinear reaches >= 0.97x the
@@ -58,7 +58,7 @@ from torch import nn
 import te_compile
 from bench import harness
 from bench.bench_linear import _rel_err, fwd_bwd
-from te_compile.quantization import fp8_gemm
+from te_compile.quantization import fp8_gemm, gemm
 
 TOKENS, IN_FEATURES, OUT_FEATURES = 32768, 4096, 2048
 EXPERTS = [8, 64]
@@ -345,9 +345,9 @@ def run_case(
             host_splits = torch.tensor(splits, dtype=torch.int64)
             block = _under_fp8(_bind(te_fp8_c, host_splits), "E4M3", kind="Float8BlockScaling")
             modules[TE_FP8_BLOCK_COMPILED] = (block, te_fp8)
-            # fp8_gemm._NATIVE_BLOCK = False's setting: the same quantisation, bf16 grouped
+            # quantization.gemm._NATIVE_BLOCK = False's setting: the same quantisation, bf16 grouped
             # GEMMs of the dequantised values.
-            emulated = functools.partial(harness.with_setting, fp8_gemm, "_NATIVE_BLOCK", False)
+            emulated = functools.partial(harness.with_setting, gemm, "_NATIVE_BLOCK", False)
             modules[TE_FP8_BLOCK_EMULATED_COMPILED] = (emulated(block), te_fp8)
     baseline = GMM_COMPILED if compile_ else GMM_EAGER
 

@@ -19,7 +19,7 @@ if __package__ in (None, ""):
 import torch
 from triton.testing import do_bench
 
-from te_compile.functional.linear_block_scaled import _block_scaled_mm
+from te_compile.functional.gemm import block_scaled_mm
 
 E4M3 = torch.float8_e4m3fn
 
@@ -47,25 +47,23 @@ def main() -> int:
     dy_t, h_t = _operand(d, t, 1), _operand(f, t, 1)
     dz_t, x_t = _operand(f, t, 1), _operand(d, t, 1)
     fl = 2.0 * t * d * f
-    _time("fprop fc1 z = X W1^T", lambda: _block_scaled_mm(*x, 1, *w1, 128, bf16), fl)
-    _time("dgrad fc1 dX = dz W1", lambda: _block_scaled_mm(*h, 1, *w1t, 128, bf16), fl)
+    _time("fprop fc1 z = X W1^T", lambda: block_scaled_mm(*x, *w1, 128, bf16), fl)
+    _time("dgrad fc1 dX = dz W1", lambda: block_scaled_mm(*h, *w1t, 128, bf16), fl)
     for name, a, b in (("fc2", dy_t, h_t), ("fc1", dz_t, x_t)):
-        _time(
-            f"wgrad {name} dW = dY^T X", lambda a=a, b=b: _block_scaled_mm(*a, 1, *b, 1, bf16), fl
-        )
+        _time(f"wgrad {name} dW = dY^T X", lambda a=a, b=b: block_scaled_mm(*a, *b, 1, bf16), fl)
         _time(
             f"wgrad {name} dW^T = X^T dY",
-            lambda a=a, b=b: _block_scaled_mm(*b, 1, *a, 1, bf16),
+            lambda a=a, b=b: block_scaled_mm(*b, *a, 1, bf16),
             fl,
         )
         _time(
             f"wgrad {name} dW^T = X^T dY, then .t().contiguous()",
-            lambda a=a, b=b: _block_scaled_mm(*b, 1, *a, 1, bf16).t().contiguous(),
+            lambda a=a, b=b: block_scaled_mm(*b, *a, 1, bf16).t().contiguous(),
             fl,
         )
         _time(
             f"wgrad {name} as fp32 out",
-            lambda a=a, b=b: _block_scaled_mm(*a, 1, *b, 1, torch.float32),
+            lambda a=a, b=b: block_scaled_mm(*a, *b, 1, torch.float32),
             fl,
         )
     # per-tensor reference: the same wgrad shape with one scale each

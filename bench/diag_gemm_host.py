@@ -3,8 +3,8 @@
 bench_fp8's block row spends ~1.4 ms per step outside its kernels against ~0.6 ms for bf16
 (H100, 2026-11-22). This times the host side of each ``torch._scaled_mm`` flavour the FP8 MLP
 uses, with the GPU held busy (a ``torch.cuda._sleep`` queued first: the host never waits), and
-whether the blockwise GEMM with a bias raises (``_block_scaled_mm`` then falls back to an fp32
-output plus a separate bias add).
+whether the blockwise GEMM with a bias raises (``functional.gemm.block_scaled_mm`` then falls
+back to an fp32 output plus a separate bias add).
 
     python -m bench.diag_gemm_host
 """
@@ -20,7 +20,7 @@ if __package__ in (None, ""):
 import torch
 
 from bench.diag_host import _host_ms
-from te_compile.functional.linear_block_scaled import _block_scaled_mm
+from te_compile.functional.gemm import block_scaled_mm
 
 E4M3 = torch.float8_e4m3fn
 
@@ -49,12 +49,10 @@ def main() -> int:
         "tensorwise _scaled_mm + bias": lambda: torch._scaled_mm(
             x, w.t(), one, one, bias=bias, out_dtype=bf16
         ),
-        "blockwise _block_scaled_mm": lambda: _block_scaled_mm(x, sx, 1, w, sw, 128, bf16),
-        "blockwise _block_scaled_mm + bias": lambda: _block_scaled_mm(
-            x, sx, 1, w, sw, 128, bf16, bias
-        ),
-        "blockwise 1x128 x 1x128 (wgrad)": lambda: _block_scaled_mm(
-            x[:d], sx[:d], 1, w[:, :], sx[:f], 1, bf16
+        "blockwise block_scaled_mm": lambda: block_scaled_mm(x, sx, w, sw, 128, bf16),
+        "blockwise block_scaled_mm + bias": lambda: block_scaled_mm(x, sx, w, sw, 128, bf16, bias),
+        "blockwise 1x128 x 1x128 (wgrad)": lambda: block_scaled_mm(
+            x[:d], sx[:d], w[:, :], sx[:f], 1, bf16
         ),
     }
     for name, fn in rows.items():

@@ -9,16 +9,18 @@ makes them from the recipe object): ``recipe`` (the kind, ``""`` for high precis
 GEMM operand goes through :data:`QUANTIZERS` (keyed by the recipe kind) and each GEMM through
 :data:`GEMMS` (keyed by :func:`gemm_kind`):
 
-==========  ============================================  =========================================
-kind        operand quantiser                             GEMM (``emulate``: ``"dequantized"``)
-==========  ============================================  =========================================
-``""``      none (the operands in high precision)         ``"mm"``: ``F.linear`` / ``addmm``
-current     per tensor, scale from this tensor's amax     ``"tensorwise"``: ``torch._scaled_mm``
-delayed     per tensor, the given scale (amax history)    ``"tensorwise"``
-block       1x128 / 128x128 blocks, fp32 scales           ``"blockwise"``: block-scaled ``_scaled_mm``
-mxfp8       32-element blocks, E8M0 scales                ``"dequantized"`` (native needs Blackwell)
-nvfp4       16-element E4M3 blocks and a global scale     ``"dequantized"``
-==========  ============================================  =========================================
+==========  ==========================================  ===========================================
+kind        operand quantiser                           GEMM (with ``emulate``)
+==========  ==========================================  ===========================================
+``""``      none (the operands in high precision)       ``"mm"``: ``F.linear`` / ``addmm``
+current     per tensor, scale from this tensor's amax   ``"tensorwise"``: ``torch._scaled_mm``
+                                                        (``"tensorwise_emulated"``)
+delayed     per tensor, the given scale (amax history)  as current
+block       1x128 / 128x128 blocks, fp32 scales         ``"blockwise"``: block-scaled
+                                                        ``_scaled_mm`` (``"dequantized"``)
+mxfp8       32-element blocks, E8M0 scales              ``"dequantized"`` only (native: Blackwell)
+nvfp4       16-element E4M3 blocks and a global scale   ``"dequantized"`` only
+==========  ==========================================  ===========================================
 
 (the grouped family adds ``"grouped_mm"`` and ``"scaled_grouped_mm"``, ``torch._grouped_mm`` and
 ``torch._scaled_grouped_mm`` on device offsets, in ``functional.grouped_gemm``).

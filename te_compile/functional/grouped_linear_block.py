@@ -49,20 +49,22 @@ import torch
 from torch import Tensor
 
 from te_compile._library import HOST_SPLITS, SampleInput, differentiable, op
+from te_compile.functional.gemm import block_scaled_mm, blockwise_supported
+from te_compile.functional.gemm import padded as _padded
 from te_compile.functional.grouped_linear import _empty, _host_splits, as_splits_tensor
 from te_compile.functional.grouped_linear_fp8 import _check as _check_grouped
-from te_compile.functional.linear_block_scaled import (
-    _block_scaled_mm,
-    _cdiv,
-    _native_shapes_ok,
-    _Reference,
-)
-from te_compile.functional.linear_fp8 import _padded
+from te_compile.functional.linear import quantized_linear_ref
 from te_compile.functional.quantize import quantize_blockwise
 
 __all__ = ["grouped_linear_block"]
 
 _E4M3 = torch.float8_e4m3fn
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 _NAME = "te.grouped_linear_block"
 
 
@@ -75,7 +77,7 @@ def _check(inp, m_splits, weight, bias, main_grad, weight_block_rows) -> None:
             f"{_NAME}: weight_block_rows must be 1 (1x128 blocks) or 128 (128x128), got "
             f"{weight_block_rows}"
         )
-    if not _native_shapes_ok(weight[0], weight_block_rows):
+    if not blockwise_supported(weight[0], weight_block_rows, _E4M3, _E4M3):
         raise ValueError(
             f"{_NAME}: 128x128 weight blocks need in_features and out_features to be multiples "
             f"of 512 (cuBLAS's blockwise GEMM); weight is {list(weight.shape)}"
@@ -145,9 +147,9 @@ def _gemm_rows(a, sa, b, sb, b_rows, dtype, bias, out):
     such an expert runs on its rows padded to 16 and the first ``m`` rows are copied out."""
     m = out.shape[0]
     if m % 16 == 0:
-        return _block_scaled_mm(a[:m], sa[:m], 1, b, sb, b_rows, dtype, bias, out=out)
+        return block_scaled_mm(a[:m], sa[:m], b, sb, b_rows, dtype, bias, out=out)
     m16 = _padded(m)
-    return out.copy_(_block_scaled_mm(a[:m16], sa[:m16], 1, b, sb, b_rows, dtype, bias)[:m])
+    return out.copy_(block_scaled_mm(a[:m16], sa[:m16], b, sb, b_rows, dtype, bias)[:m])
 
 
 # Forward op ------------------------------------------------------------------------------------
@@ -258,9 +260,9 @@ def grouped_linear_block_bwd(
             a, sa = gd_t[:, cols], gs_t[:, blocks]
             b, sb = xd_t[:, cols], xs_t[:, blocks]
             if into_weight:
-                _block_scaled_mm(a, sa, 1, b, sb, 1, dtype, out=dweight[g])
+                block_scaled_mm(a, sa, b, sb, 1, dtype, out=dweight[g])
             else:
-                main_grad[g].add_(_block_scaled_mm(a, sa, 1, b, sb, 1, dtype))
+                main_grad[g].add_(block_scaled_mm(a, sa, b, sb, 1, dtype))
         if has_bias:
             dbias[g] = grad_out[row : row + m].sum(0, dtype=torch.float32).to(dtype)
     return dinp, dweight, dbias
@@ -344,8 +346,9 @@ def _reference(inp, m_splits, weight, bias, main_grad, power_2_scale, weight_blo
     for g, m in enumerate(m_splits.tolist()):
         if m:
             b = None if bias is None else bias[g]
-            outs.append(_Reference.apply(inp[row : row + m], weight[g], b, "block", _E4M3, _E4M3,
-                                         power_2_scale, weight_block_rows, True))  # fmt: skip
+            y = quantized_linear_ref(inp[row : row + m], weight[g], "block", _E4M3, _E4M3,
+                                     power_2_scale, weight_block_rows)  # fmt: skip
+            outs.append(y if b is None else y + b)
         row += m
     return torch.cat(outs)
 

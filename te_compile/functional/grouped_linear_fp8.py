@@ -77,6 +77,7 @@ import torch
 from torch import Tensor
 
 from te_compile._library import HOST_SPLITS, SampleInput, differentiable, op
+from te_compile.functional.gemm import quantize_per_tensor
 from te_compile.functional.grouped_linear import (
     _INT_DTYPES,
     _device_splits,
@@ -85,7 +86,6 @@ from te_compile.functional.grouped_linear import (
     _row_bias,
     as_splits_tensor,
 )
-from te_compile.functional.linear_fp8 import quantize_per_tensor
 from te_compile.functional.quantize import quantize_tensorwise
 
 __all__ = [

@@ -62,7 +62,6 @@ from torch import Tensor
 
 from te_compile._library import SampleInput, differentiable, op
 from te_compile.functional.activation import (
-    ACTIVATIONS,
     GATED_ACTIVATIONS,
     activation_backward,
     activation_forward,
@@ -334,19 +333,26 @@ def _check(a: _Args) -> None:
     n, k = weight.shape
     if recipe:
         if inp.dtype not in HIGH_DTYPES:
-            raise ValueError(p + f"FP8 recipes take float32/bfloat16/float16 inputs, got {inp.dtype}")
+            raise ValueError(
+                p + f"FP8 recipes take float32/bfloat16/float16 inputs, got {inp.dtype}"
+            )
         if recipe in PER_TENSOR and (n % 16 or k % 16):
             raise ValueError(p + f"FP8 GEMMs need in_features ({k}) and out_features ({n}) to be "
                              "multiples of 16")  # fmt: skip
         block = BLOCK_KINDS.get(recipe, 0)
         m = inp.numel() // k if k else 0
-        if block and (n % block or k % block or m % block):
+        if block and (n % block or k % block or (recipe != "block" and m % block)):
             raise ValueError(
-                p + f"{recipe} needs in_features ({k}), out_features ({n}) and the number of "
-                f"tokens ({m}) to be multiples of its block ({block})"
+                p
+                + f"{recipe} needs in_features ({k}), out_features ({n})"
+                + ("" if recipe == "block" else f" and the number of tokens ({m})")
+                + f" to be multiples of its block ({block})"
             )
-        if recipe == "block" and not a.emulate and a.weight_block_rows == 128 and (
-            n % 512 or k % 512
+        if (
+            recipe == "block"
+            and not a.emulate
+            and a.weight_block_rows == 128
+            and (n % 512 or k % 512)
         ):
             raise ValueError(
                 p + "native GEMMs with 128x128 weight blocks need in_features and out_features "
@@ -387,7 +393,9 @@ def _forward(a: _Args, cuda: bool) -> tuple[Tensor, Tensor, list[Tensor]]:
     dtype, n = inp.dtype, weight.shape[0]
     branch = inp.clone(memory_format=torch.contiguous_format) if a.branch else empty(inp)
     if a.plain:  # te.Linear in high precision: the hot path
-        out = torch.nn.functional.linear(inp, weight, bias) if cuda else linear_ref(inp, weight, bias)
+        out = (
+            torch.nn.functional.linear(inp, weight, bias) if cuda else linear_ref(inp, weight, bias)
+        )
         return out, branch, []
     x2 = inp.reshape(-1, inp.shape[-1])
     m, acc = x2.shape[0], None
@@ -696,7 +704,7 @@ def _linear_bwd_cuda(*args):
 
 @linear_bwd.register_fake
 def _linear_bwd_fake(*args):
-    grad, _gb, saved, inp, weight, bias, main_grad, *_, norm_weight = args[: len(_BWD_TENSORS)]
+    grad, _, saved, _, weight, _, main_grad, *_, norm_weight = args[: len(_BWD_TENSORS)]
     c = _Bwd(*args[len(_BWD_TENSORS) :])
     n, k = weight.shape if weight is not None else saved[2].shape[::-1]
     dinp = grad.new_empty(*grad.shape[:-1], k) if c.need_dgrad else empty(grad)
@@ -762,14 +770,14 @@ def _call(inp, weight, bias=None, main_grad=None, **kw) -> SampleInput:
     """A sample: the four tensors, or every argument when any other is given."""
     if not kw:
         return SampleInput((inp, weight, bias, main_grad))
-    return SampleInput(_Args(inp, weight, bias, main_grad, **kw))
+    return SampleInput(tuple(_Args(inp, weight, bias, main_grad, **kw)))
 
 
 def _samples(device: torch.device):
     def t(*shape, dtype=torch.float32, grad=True):
         return torch.randn(*shape, device=device, dtype=dtype, requires_grad=grad)
 
-    bf16, fp16, f32 = torch.bfloat16, torch.float16, torch.float32
+    bf16, fp16 = torch.bfloat16, torch.float16
     # High precision.
     yield _call(t(5, 16), t(8, 16), t(8))
     yield _call(t(2, 3, 16), t(24, 16))
@@ -834,8 +842,15 @@ def _samples(device: torch.device):
     # Native blockwise (its GEMMs emulated off CUDA), a bias, 1x128 weight blocks, main_grad.
     yield _call(t(32, 512, dtype=bf16), t(512, 512, dtype=bf16), t(512, dtype=bf16),
                 recipe="block", weight_block_rows=128, **e4)  # fmt: skip
-    yield _call(t(48, 256, dtype=bf16), t(32, 256, dtype=bf16), None,
-                torch.zeros(32, 256, device=device), recipe="block", power_2_scale=True, **e4)
+    yield _call(
+        t(48, 256, dtype=bf16),
+        t(32, 256, dtype=bf16),
+        None,
+        torch.zeros(32, 256, device=device),
+        recipe="block",
+        power_2_scale=True,
+        **e4,
+    )
     # Norm prologues: native blockwise with RMSNorm, emulated MXFP8 with LayerNorm.
     yield _call(unit_rows(32, 512, device=device), t(512, 512), t(512), recipe="block",
                 weight_block_rows=128, **e4, norm_weight=t(512), normalization="RMSNorm",

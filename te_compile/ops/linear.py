@@ -6,9 +6,9 @@ cheapest: in the GEMM's epilogue after a ``BasicLinear``, in the activation kern
 activation, in the residual add's GEMM. ``Bias`` on its own is a broadcast add through torch
 (a te op would only add a copy and hide the add from Inductor's fusion).
 
-``BasicLinear`` goes through ``te::linear_fwd`` / ``te::linear_bwd``, and inside an enabled
-``te_compile.autocast`` through the FP8 linear ops of the recipe, with its FP8 scaling state in
-the ``fp8_meta`` child module (left out of the state_dict while unused, as for ``te.Linear``).
+``BasicLinear`` goes through ``te::linear_fwd`` / ``te::linear_bwd`` with the recipe of an
+enabled ``te_compile.autocast`` as data, its FP8 scaling state in the ``fp8_meta`` child module
+(left out of the state_dict while unused, as for ``te.Linear``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from te_compile.ops.op import BasicOperation, OpOutput
-from te_compile.quantization import fp8_gemm
+from te_compile.quantization import fp8_gemm, gemm
 
 __all__ = ["BasicLinear", "Bias", "GroupedLinear"]
 
@@ -93,9 +93,15 @@ class BasicLinear(BasicOperation):
             )
         return main_grad
 
-    def linear(self, x: Tensor, bias: Tensor | None) -> Tensor:
-        """``x W^T + bias``: FP8 inside an enabled ``te_compile.autocast``, else ``te::linear``."""
-        return fp8_gemm.linear("BasicLinear", self.fp8_meta, x, self.weight, bias, self.main_grad())
+    def linear(self, x: Tensor, bias: Tensor | None, **epilogue) -> Tensor | tuple[Tensor, ...]:
+        """``x W^T + bias`` through ``te::linear`` with the recipe of the autocast state (high
+        precision outside one) and the epilogue arguments of ``functional.linear``
+        (``activation``, ``residual``, ``out_scale``, ``return_branch``): what the fused ops
+        call, in every precision."""
+        main_grad = self.main_grad()
+        return gemm.linear(
+            "BasicLinear", self.fp8_meta, x, self.weight, bias, main_grad, **epilogue
+        )
 
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
         return self.linear(x, None), ()

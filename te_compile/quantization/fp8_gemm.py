@@ -48,32 +48,14 @@ from te_compile import functional as F
 from te_compile.quantization.device import is_fp8_block_scaling_available
 from te_compile.quantization.state import AutocastState, get_autocast_state
 
-# Test and benchmark overrides, not configuration: tests/ and bench/ patch them to compare one
-# path against another (mock.patch.object / harness.with_setting); users never set them.
-# False: Float8BlockScaling GEMMs emulated even where native ones exist.
-_NATIVE_BLOCK = True
-# False: LayerNormMLP runs its FP8 GEMMs one by one (te::linear_fp8) instead of te::mlp_fp8 (same
-# bytes).
-_FUSE_MLP = True
-# False: GroupedLinear's wgrad GEMM in high precision, the input kept in high precision for it
+# A test and benchmark override, not configuration (tests/ and bench/ patch it); False:
+# GroupedLinear's wgrad GEMM in high precision, the input kept in high precision for it
 # instead of its FP8 copy.
 _GROUPED_FP8_WGRAD = True
 
-__all__ = [
-    "MAX_AMAX_HISTORY",
-    "FP8GemmState",
-    "Norm",
-    "grouped_linear",
-    "linear",
-    "mlp",
-    "non_finite_amaxes",
-    "norm_linear",
-]
+__all__ = ["MAX_AMAX_HISTORY", "FP8GemmState", "grouped_linear", "non_finite_amaxes"]
 
 MAX_AMAX_HISTORY = 1024
-
-# A norm prologue: (weight, bias, normalization, eps, zero_centered_gamma).
-Norm = tuple[Tensor, Tensor | None, str, float, bool]
 
 
 class FP8GemmState(nn.Module):
@@ -115,39 +97,6 @@ class FP8GemmState(nn.Module):
             for n in names:
                 state_dict[prefix + n] = getattr(fresh, n)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-
-    def linear(
-        self,
-        owner: str,
-        state: AutocastState,
-        inp: Tensor,
-        weight: Tensor,
-        bias: Tensor | None,
-        main_grad: Tensor | None,
-        norm: Norm | None = None,
-    ) -> Tensor:
-        """``inp @ weight.T + bias`` with the FP8 recipe of ``state`` (which is enabled); with
-        ``norm``, ``norm(inp)`` quantised inside the op (written straight into FP8 on CUDA by
-        the per-tensor recipes and native Float8BlockScaling)."""
-        recipe = state.recipe
-        if recipe.mxfp8() or recipe.nvfp4() or recipe.float8_block_scaling():
-            return _block_scaled(owner, recipe, inp, weight, bias, main_grad, norm)
-        fmt = recipe.fp8_format
-        kw = {"fwd_dtype": fmt.fwd_dtype, "bwd_dtype": fmt.bwd_dtype, "main_grad": main_grad}
-        kw.update(_norm_kwargs(norm))
-        scale = self.delayed_scale(owner, state)
-        out, amax = F.linear_fp8(
-            inp,
-            weight,
-            bias,
-            recipe="current" if scale is None else "delayed",
-            scale=scale,
-            grad_amax=self.grad_amax,
-            return_amax=True,
-            **kw,
-        )
-        self.record(amax, state)
-        return out
 
     def grouped_linear(
         self,
@@ -232,22 +181,6 @@ class FP8GemmState(nn.Module):
         self.fwd_amax.copy_(amax)
 
 
-def linear(
-    owner: str,
-    meta: FP8GemmState,
-    inp: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    main_grad: Tensor | None = None,
-) -> Tensor:
-    """A module GEMM: FP8 with ``meta``'s state inside an enabled ``te_compile.autocast``,
-    else ``te::linear_fwd``."""
-    state = get_autocast_state()
-    if state.enabled:
-        return meta.linear(owner, state, inp, weight, bias, main_grad)
-    return F.linear(inp, weight, bias, main_grad=main_grad)
-
-
 def grouped_linear(
     owner: str,
     meta: FP8GemmState,
@@ -266,136 +199,18 @@ def grouped_linear(
     return meta.grouped_linear(owner, state, inp, m_splits, weight, bias, main_grad)
 
 
-def norm_linear(
-    owner: str,
-    meta: FP8GemmState,
-    inp: Tensor,
-    norm: Norm,
-    weight: Tensor,
-    bias: Tensor | None,
-) -> Tensor | None:
-    """``norm(inp) @ weight.T + bias`` as one op inside an enabled ``te_compile.autocast``: the
-    recipe's FP8 op with the norm as its prologue (``te::linear_fp8_fwd`` /
-    ``te::linear_block_scaled_fwd`` with ``normalization``; per-tensor recipes and native
-    Float8BlockScaling write the norm straight into FP8 on CUDA); None outside autocast (the
-    caller runs the norm, then :func:`linear`). ``norm``: ``(weight, bias, normalization, eps,
-    zero_centered_gamma)``."""
-    state = get_autocast_state()
-    if not state.enabled:
-        return None
-    return meta.linear(owner, state, inp, weight, bias, None, norm)
-
-
-def _norm_kwargs(norm: Norm | None) -> dict:
-    if norm is None:
-        return {}
-    weight, bias, normalization, eps, zcg = norm
-    return {"normalization": normalization, "norm_weight": weight, "norm_bias": bias,
-            "norm_eps": eps, "zero_centered_gamma": zcg}  # fmt: skip
-
-
-def mlp(
-    owner: str,
-    metas: tuple[FP8GemmState, FP8GemmState],
-    inp: Tensor,
-    fc1_weight: Tensor,
-    fc1_bias: Tensor | None,
-    activation: str,
-    fc2_weight: Tensor,
-    fc2_bias: Tensor | None,
-    norm: Norm | None = None,
-) -> Tensor | None:
-    """``fc2(activation(fc1(inp)))`` as one FP8 op (``te::mlp_fp8_fwd``: the activation and its
-    gradient fused into the quantisations) inside an enabled ``te_compile.autocast`` with a
-    per-tensor recipe (current or delayed scaling), or Float8BlockScaling where its GEMMs run
-    natively with 128x128 weight blocks (as :func:`linear` would run them), and an element-wise
-    activation; None where that does not apply (the caller runs the GEMMs one by one).
-    ``metas``: the two GEMMs' states, used exactly as two :func:`linear` calls would use them.
-    ``norm`` (as in :func:`norm_linear`): ``inp`` is normalised inside the op, written straight
-    into FP8 (LayerNormMLP)."""
-    state = get_autocast_state()
-    if not state.enabled or activation not in F.FP8_FUSED_ACTIVATIONS or not _FUSE_MLP:
-        return None
-    recipe = state.recipe
-    if recipe.float8_block_scaling():
-        return _block_mlp(recipe, inp, fc1_weight, fc1_bias, activation, fc2_weight, fc2_bias, norm)
-    if not (recipe.float8_current() or recipe.delayed()):
-        return None
-    fc1, fc2 = metas
-    scale1, scale2 = fc1.delayed_scale(owner, state), fc2.delayed_scale(owner, state)
-    if scale1 is None or scale2 is None:  # current scaling, or either state's calibration step
-        scale1 = scale2 = None
-    fmt = recipe.fp8_format
-    out, amax = F.mlp_fp8(
-        inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation,
-        recipe="current" if scale1 is None else "delayed",
-        fwd_dtype=fmt.fwd_dtype, bwd_dtype=fmt.bwd_dtype, scale1=scale1, scale2=scale2,
-        grad_amax1=fc1.grad_amax, grad_amax2=fc2.grad_amax, return_amax=True,
-        **_norm_kwargs(norm),
-    )  # fmt: skip
-    fc1.record(amax[:2], state)
-    fc2.record(amax[2:], state)
-    return out
-
-
-def _block_mlp(recipe, inp, fc1_weight, fc1_bias, activation, fc2_weight, fc2_bias, norm):
-    """:func:`mlp` under Float8BlockScaling: the fused op where both GEMMs would run natively
-    (1x128 activation and gradient blocks, 128x128 weight blocks), else None."""
-    fmt = recipe.fp8_format
-    dims = (recipe.x_block_scaling_dim, recipe.w_block_scaling_dim, recipe.grad_block_scaling_dim)
-    if dims != (1, 2, 1) or not _native_block(recipe, inp, (fc1_weight, fc2_weight), 128):
-        return None
-    return F.mlp_fp8(
-        inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, recipe="block",
-        fwd_dtype=fmt.fwd_dtype, bwd_dtype=fmt.bwd_dtype,
-        power_2_scale=not recipe.use_f32_scales, **_norm_kwargs(norm),
-    )  # fmt: skip
-
-
 def _native_block(recipe, inp: Tensor, weights: tuple[Tensor, ...], w_rows: int) -> bool:
-    """Whether Float8BlockScaling's GEMMs with these weights (``w_rows``: 1 for 1x128, 128 for
-    128x128 weight blocks) run natively: on a GPU with blockwise-scaled ``_scaled_mm``, unless
-    ``_NATIVE_BLOCK = False``, with operands cuBLAS takes."""
+    """Whether Float8BlockScaling's GEMMs with these weights run natively (as
+    ``quantization.gemm.gemm_args`` decides it)."""
+    from te_compile.quantization import gemm
+
     fmt = recipe.fp8_format
     return (
         inp.device.type == "cuda"
-        and _NATIVE_BLOCK
+        and gemm._NATIVE_BLOCK
         and is_fp8_block_scaling_available()
-        and all(F.native_block_supported(w, w_rows, fmt.fwd_dtype, fmt.bwd_dtype) for w in weights)
+        and all(F.blockwise_supported(w, w_rows, fmt.fwd_dtype, fmt.bwd_dtype) for w in weights)
     )
-
-
-def _block_scaled(owner, recipe, inp, weight, bias, main_grad, norm=None) -> Tensor:
-    """MXFP8 / NVFP4 / FP8 blockwise: exact quantisation (``te::linear_block_scaled_*``); the
-    GEMMs are emulated, except FP8 blockwise with E4M3 both ways on a GPU with blockwise-scaled
-    ``_scaled_mm`` (Hopper, CUDA 12.9+), which runs natively (``_NATIVE_BLOCK = False``
-    forces the emulation)."""
-    if main_grad is not None:
-        raise NotImplementedError(
-            f"{owner}: fuse_wgrad_accumulation is not implemented with {type(recipe).__name__}"
-        )
-    if recipe.nvfp4():
-        return F.linear_block_scaled(inp, weight, bias, kind="nvfp4", **_norm_kwargs(norm))
-    fmt = recipe.fp8_format
-    if recipe.float8_block_scaling():
-        w_rows, _ = _block_dims(owner, recipe)
-        native = _native_block(recipe, inp, (weight,), w_rows)
-        return F.linear_block_scaled(
-            inp,
-            weight,
-            bias,
-            kind="block",
-            fwd_dtype=fmt.fwd_dtype,
-            bwd_dtype=fmt.bwd_dtype,
-            power_2_scale=not recipe.use_f32_scales,
-            weight_block_rows=w_rows,
-            native=native,
-            **_norm_kwargs(norm),
-        )
-    return F.linear_block_scaled(
-        inp, weight, bias, kind="mxfp8", fwd_dtype=fmt.fwd_dtype, bwd_dtype=fmt.bwd_dtype,
-        **_norm_kwargs(norm),
-    )  # fmt: skip
 
 
 def _block_dims(owner: str, recipe) -> tuple[int, bool]:

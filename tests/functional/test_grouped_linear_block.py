@@ -10,10 +10,11 @@ import torch
 
 import te_compile as te
 from te_compile import functional as F
-from te_compile.quantization import fp8_gemm
+from te_compile.quantization import gemm
 from tests.utils import DEVICES, assert_bits_equal, compile_counted, requires_cuda
 
 E4M3 = torch.float8_e4m3fn
+E4 = {"fwd_dtype": E4M3, "bwd_dtype": E4M3}
 native_block = pytest.mark.skipif(
     torch.cuda.is_available() and not te.is_fp8_block_scaling_available(),
     reason="needs blockwise-scaled _scaled_mm (compute capability 9.0+, CUDA 12.9+)",
@@ -44,7 +45,7 @@ def _grads(out, dy, *leaves):
 )
 def test_each_expert_is_the_dense_native_op(device, splits, k, n, w_rows, power_2):
     """Every expert's rows, output and gradients are bit for bit those of
-    ``linear_block_scaled(native=True)`` on that expert alone (the same quantisation and GEMM
+    ``linear(recipe="block")`` (native GEMMs) on that expert alone (the same quantisation and GEMM
     calls: cuBLAS's on a GPU)."""
     x, w, b = _leaves(device, sum(splits), k, n, len(splits))
     kw = {"power_2_scale": power_2, "weight_block_rows": w_rows}
@@ -57,7 +58,7 @@ def test_each_expert_is_the_dense_native_op(device, splits, k, n, w_rows, power_
         w_g = w.detach()[g].clone().requires_grad_()
         b_g = b.detach()[g].clone().requires_grad_()
         if m:
-            ref = F.linear_block_scaled(x_g, w_g, b_g, kind="block", native=True, **kw)
+            ref = F.linear(x_g, w_g, b_g, recipe="block", **E4, **kw)
             assert_bits_equal(out[row : row + m], ref)
             assert_bits_equal(dx[row : row + m], _grads(ref, dy[row : row + m], x_g)[0])
             assert_bits_equal(dw[g], w_g.grad)
@@ -81,8 +82,7 @@ def test_ragged_experts_are_padded_on_their_own(device):
         pad = -m % 16
         x_g = torch.nn.functional.pad(x.detach()[row : row + m], (0, 0, 0, pad)).requires_grad_()
         w_g = w.detach()[g].clone().requires_grad_()
-        ref = F.linear_block_scaled(x_g, w_g, b.detach()[g], kind="block", native=True,
-                                    weight_block_rows=1)  # fmt: skip
+        ref = F.linear(x_g, w_g, b.detach()[g], recipe="block", weight_block_rows=1, **E4)
         assert_bits_equal(out[row : row + m], ref[:m])
         ref.backward(torch.nn.functional.pad(dy[row : row + m], (0, 0, 0, pad)))
         assert_bits_equal(dx[row : row + m], x_g.grad[:m])
@@ -160,7 +160,7 @@ def test_compiles_without_graph_breaks(device):
 @native_block
 def test_module_runs_the_native_op_under_float8_block_scaling():
     """GroupedLinear under Float8BlockScaling (1x128 weight blocks) on a GPU: the native grouped
-    op, the same bytes as calling it; with fp8_gemm._NATIVE_BLOCK = False the emulation."""
+    op, the same bytes as calling it; with quantization.gemm._NATIVE_BLOCK = False the emulation."""
     torch.manual_seed(0)
     m = te.GroupedLinear(
         2, 256, 128, single_grouped_parameter=True, params_dtype=torch.bfloat16, device="cuda"
@@ -177,6 +177,6 @@ def test_module_runs_the_native_op_under_float8_block_scaling():
     assert_bits_equal(y, direct)
     from unittest import mock
 
-    with mock.patch.object(fp8_gemm, "_NATIVE_BLOCK", False), te.autocast(recipe=recipe):
+    with mock.patch.object(gemm, "_NATIVE_BLOCK", False), te.autocast(recipe=recipe):
         emulated = m(x, splits)
     torch.testing.assert_close(emulated, y, rtol=0.07, atol=0.07 * y.abs().amax().item())

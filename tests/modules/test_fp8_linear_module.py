@@ -38,7 +38,7 @@ def test_current_scaling_runs_the_fp8_op(device):
     x = _x(device)
     with autocast(recipe=Float8CurrentScaling()):
         y = m(x)
-    expected = F.linear_fp8(x, m.weight, m.bias, recipe="current")
+    expected = F.linear(x, m.weight, m.bias, recipe="current")
     assert torch.equal(y, expected)
     assert not torch.equal(y, m(x)), "outside autocast the GEMM is bf16 again"
 
@@ -217,9 +217,9 @@ class TestFP8Graph(expecttest.TestCase):
             """\
 auto_functionalized_v2(te.delayed_scaling_update.default)
 auto_functionalized_v2(te.delayed_scaling_update.default)
-te.mlp_fp8_fwd.default
+te.mlp_fwd.default
 |
-auto_functionalized_v2(te.mlp_fp8_bwd.default)""",
+auto_functionalized_v2(te.mlp_bwd.default)""",
         )
 
 
@@ -467,11 +467,10 @@ def test_non_finite_amaxes_are_reported(recipe):
 @pytest.mark.parametrize("device", DEVICES)
 def test_layernorm_linear_writes_the_norm_into_fp8(device, normalization, recipe_cls, monkeypatch):
     """LayerNormLinear under an FP8 recipe runs one op with the norm as its prologue
-    (``te::linear_fp8_fwd`` / ``te::linear_block_scaled_fwd`` with ``normalization``); three
-    training steps give the same bytes (outputs, every gradient, the delayed-scaling state) as
-    the norm op followed by the FP8 linear, which it still takes where the norm's output is
-    asked for."""
-    from te_compile.quantization import fp8_gemm
+    (``te::linear_fwd`` with ``normalization``); three training steps give the same bytes
+    (outputs, every gradient, the delayed-scaling state) as the norm op followed by the FP8
+    linear, which it still takes where the norm's output is asked for."""
+    from te_compile.quantization import gemm
 
     kw = {"normalization": normalization, "params_dtype": torch.bfloat16, "device": device}
     torch.manual_seed(0)
@@ -481,19 +480,17 @@ def test_layernorm_linear_writes_the_norm_into_fp8(device, normalization, recipe
         fused.layer_norm_weight.normal_(0, 0.2)
     plain.load_state_dict(fused.state_dict())
     seen = []
-    per_tensor = recipe_cls in (Float8CurrentScaling, DelayedScaling)
-    op_name = "linear_fp8" if per_tensor else "linear_block_scaled"
-    real = getattr(fp8_gemm.F, op_name)
+    real = gemm.F.linear
 
     def spy(*args, **kwargs):
         seen.append(kwargs.get("normalization", ""))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(fp8_gemm.F, op_name, spy)
+    monkeypatch.setattr(gemm.F, "linear", spy)
     results = []
     for module, fuse in ((fused, True), (plain, False)):
-        if not fuse:
-            monkeypatch.setattr(fp8_gemm, "norm_linear", lambda *a: None)
+        if not fuse:  # the op-by-op path the module takes in high precision
+            monkeypatch.setattr(gemm, "quantized", lambda: False)
         outs = []
         torch.manual_seed(1)
         for step in range(3):
