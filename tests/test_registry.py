@@ -93,18 +93,14 @@ def test_backward_op_opcheck(name, device):
             torch.library.opcheck(func, bargs, bkwargs)
 
 
-# The recipe kinds a sample of a GEMM family op can name (a string argument), and the ops
-# whose every sample is quantised.
-_QUANTISED_KINDS = {"current", "delayed", "rowwise", "block", "mxfp8", "nvfp4"}
+# The recipe kinds a sample of a GEMM family op can name (a string argument).
+_QUANTISED_KINDS = {"current", "delayed", "block", "mxfp8", "nvfp4"}
 _BLOCK_KINDS = {"block", "mxfp8", "nvfp4"}
-_ALWAYS_QUANTISED = {"te::grouped_linear_fp8_fwd", "te::grouped_linear_block_fwd"}
 _ACTIVATIONS = set(te_compile.functional.ACTIVATIONS + te_compile.functional.GATED_ACTIVATIONS)
 
 
 def _recipe_kind(name: str, sample) -> str | None:
     """The quantised recipe kind a sample of op ``name`` runs, or None (high precision)."""
-    if name in _ALWAYS_QUANTISED:
-        return "block"
     kinds = {a for a in sample.args if isinstance(a, str)} & _QUANTISED_KINDS
     return next(iter(kinds), None)
 

@@ -26,8 +26,6 @@ from te_compile.functional.fused_norm import branch_rmsnorm
 from te_compile.functional.gemm import blockwise_supported
 from te_compile.functional.glu_layout import deinterleave_glu_tensor, interleave_glu_tensor
 from te_compile.functional.grouped_linear import as_splits_tensor, grouped_linear
-from te_compile.functional.grouped_linear_block import grouped_linear_block
-from te_compile.functional.grouped_linear_fp8 import grouped_linear_fp8
 from te_compile.functional.linear import linear, linear_ref
 from te_compile.functional.mlp import MLP_ACTIVATIONS, mlp
 from te_compile.functional.norm import l2normalization, layernorm, rmsnorm
@@ -58,8 +56,6 @@ __all__ = [
     "gelu",
     "glu",
     "grouped_linear",
-    "grouped_linear_block",
-    "grouped_linear_fp8",
     "interleave_glu_tensor",
     "l2normalization",
     "layernorm",

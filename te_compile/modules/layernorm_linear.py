@@ -114,17 +114,20 @@ class LayerNormLinear(PreNorm):
 
     def forward(self, inp: Tensor) -> Tensor | tuple[Tensor, ...]:
         owner = "LayerNormLinear"
-        bias = None if self.return_bias else self.bias
+        add_bias = not self.return_bias
         if not (self.tp.active or self.return_layernorm_output) and _gemm.quantized():
             # FP8: one op, the norm its prologue (written straight into FP8 on CUDA). In high
             # precision the norm stays an op of its own, which selective activation
             # checkpointing can recompute without recomputing the GEMM.
-            norm = self._norm_spec()
+            norm, bias = self._norm_spec(), self.bias if add_bias else None
             out = _gemm.linear(owner, self.fp8_meta, inp, self.weight, bias, norm=norm)
         else:
+
+            def gemm(x: Tensor, bias: Tensor | None) -> Tensor:
+                return _gemm.linear(owner, self.fp8_meta, x, self.weight, bias)
+
             ln_out = self._norm(inp, self.tp, owner)
-            gemm_in = self.tp.column_input(owner, ln_out)
-            out = _gemm.linear(owner, self.fp8_meta, gemm_in, self.weight, bias)
+            out, _ = self.tp.linear(owner, gemm, ln_out, self.bias, add_bias=add_bias)
         extra: tuple[Tensor | None, ...] = ()
         if self.return_bias:
             extra += (self.bias,)

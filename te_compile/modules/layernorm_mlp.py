@@ -153,15 +153,11 @@ class LayerNormMLP(PreNorm):
             out = self._fc1_act_fc2(owner, inp, fc2_bias, self._norm_spec())
             return (out, self.fc2_bias) if self.return_bias else out
         ln_out = self._norm(inp, tp, owner)
-        fc1_in = tp.column_input(owner, ln_out)
-        if tp.active:
-            out = tp.row_output(owner, self._fc1_act_fc2(owner, fc1_in, None))
-            fc2_bias = tp.sequence_parallel_param(owner, self.fc2_bias)
-            if fc2_bias is not None and not self.return_bias:
-                out = out + fc2_bias
-        else:
-            fc2_bias = self.fc2_bias
-            out = self._fc1_act_fc2(owner, fc1_in, None if self.return_bias else fc2_bias)
+        # FC1 column-parallel, FC2 row-parallel: the input gathered, the output reduced.
+        out, fc2_bias = tp.pair(
+            owner, lambda x, b: self._fc1_act_fc2(owner, x, b), ln_out, self.fc2_bias,
+            add_bias=not self.return_bias,
+        )  # fmt: skip
         extra: tuple[Tensor | None, ...] = ()
         if self.return_bias:
             extra += (fc2_bias,)

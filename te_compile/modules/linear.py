@@ -132,20 +132,14 @@ class Linear(nn.Module):
 
     def forward(self, inp: Tensor) -> Tensor | tuple[Tensor, Tensor | None]:
         main_grad = self._main_grad() if self.fuse_wgrad_accumulation else None
-        tp = self.tp
-        if tp.active and tp.mode == "row":
-            # The bias is added once, to the sum of the partial products.
-            out = _gemm.linear("Linear", self.fp8_meta, inp, self.weight, None, main_grad)
-            out = tp.row_output("Linear", out)
-            bias = tp.sequence_parallel_param("Linear", self.bias)
-            if self.return_bias:
-                return out, bias
-            return out if bias is None else out + bias
-        if tp.mode == "column":
-            inp = tp.column_input("Linear", inp)
-        bias = None if self.return_bias else self.bias
-        out = _gemm.linear("Linear", self.fp8_meta, inp, self.weight, bias, main_grad)
-        return (out, self.bias) if self.return_bias else out
+
+        def gemm(x: Tensor, bias: Tensor | None) -> Tensor:
+            return _gemm.linear("Linear", self.fp8_meta, x, self.weight, bias, main_grad)
+
+        # Row-parallel: the bias is added once, to the sum of the partial products.
+        add_bias = not self.return_bias
+        out, bias = self.tp.linear("Linear", gemm, inp, self.bias, add_bias=add_bias)
+        return (out, bias) if self.return_bias else out
 
     def extra_repr(self) -> str:
         return (

@@ -157,8 +157,8 @@ class GroupedLinear(BasicOperation):
     or the CPU, or a list of ints), as Transformer Engine's ``te.ops.GroupedLinear`` does:
     ``Sequential(..., GroupedLinear(...), ...)(x, m_splits)``. Parameters in the single grouped
     layout: ``weight`` ``[num_groups, out_features, in_features]``, ``bias``
-    ``[num_groups, out_features]``. Inside ``te_compile.autocast`` the forward and dgrad GEMMs run
-    in FP8 (``te::grouped_linear_fp8_*``): rowwise scales under ``Float8CurrentScaling``,
+    ``[num_groups, out_features]``. Inside ``te_compile.autocast`` the GEMMs run with the recipe
+    as data (``te::grouped_linear``): rowwise scales under ``Float8CurrentScaling``,
     per-tensor delayed scales (``fp8_meta``) under ``DelayedScaling``; Float8BlockScaling and
     MXFP8BlockScaling are emulated (see :class:`te_compile.GroupedLinear`).
     """
@@ -201,7 +201,7 @@ class GroupedLinear(BasicOperation):
 
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
         (m_splits,) = extra_inputs
-        out = fp8_gemm.grouped_linear(
+        out = gemm.grouped_linear(
             "GroupedLinear", self.fp8_meta, x, m_splits, self.weight, self.bias
         )
         return out, ()

@@ -27,7 +27,7 @@ from te_compile.quantization.fp8_gemm import FP8GemmState
 from te_compile.quantization.recipe import Recipe
 from te_compile.quantization.state import AutocastState, get_autocast_state
 
-__all__ = ["GemmArgs", "Norm", "gemm_args", "linear", "mlp", "quantized"]
+__all__ = ["GemmArgs", "Norm", "gemm_args", "grouped_linear", "linear", "mlp", "quantized"]
 
 # Test and benchmark overrides, not configuration: tests/ and bench/ patch them to compare one
 # path against another (mock.patch.object / harness.with_setting); users never set them.
@@ -40,6 +40,9 @@ _EMULATE = False
 # False: LayerNormMLP runs its GEMMs one by one (te::linear twice around the activation)
 # instead of te::mlp (same bytes).
 _FUSE_MLP = True
+# False: GroupedLinear's wgrad GEMM in high precision under the per-tensor recipes, the input
+# kept in high precision for it instead of its FP8 copy.
+_GROUPED_FP8_WGRAD = True
 
 # A norm prologue: (weight, bias, normalization, eps, zero_centered_gamma).
 Norm = tuple[Tensor, Tensor | None, str, float, bool]
@@ -204,4 +207,37 @@ def mlp(
     )  # fmt: skip
     metas[0].record(amax[:2], state)
     metas[1].record(amax[2:], state)
+    return out
+
+
+def grouped_linear(
+    owner: str,
+    meta: FP8GemmState,
+    inp: Tensor,
+    m_splits: Tensor | Sequence[int],
+    weight: Tensor,
+    bias: Tensor | None,
+    main_grad: Tensor | None = None,
+) -> Tensor:
+    """A module's grouped GEMM (``weight`` ``[G, N, K]``) through ``te::grouped_linear`` with
+    the autocast state's recipe (high precision outside it). Under the per-tensor recipes the
+    forward, dgrad and wgrad GEMMs run in FP8 (``_GROUPED_FP8_WGRAD = False``: the wgrad in high
+    precision): ``Float8CurrentScaling`` with rowwise scales (what Hopper's grouped FP8 GEMM
+    takes), ``DelayedScaling`` with ``meta``'s per-tensor scales (input, weight and gradient of
+    all groups; its calibration step runs rowwise current scaling and records the amaxes it
+    measures). Float8BlockScaling runs natively where the dense GEMMs do and the input is bf16;
+    the block-scaled recipes are emulated elsewhere."""
+    state = get_autocast_state()
+    args = gemm_args(owner, state, inp, (weight,), (meta,), grouped=True)
+    kw = args.scalars()
+    if args.recipe not in PER_TENSOR:
+        return F.grouped_linear(inp, m_splits, weight, bias, main_grad=main_grad, **kw)
+    kw["fp8_wgrad"] = _GROUPED_FP8_WGRAD
+    if not state.recipe.delayed():  # current scaling measures no amaxes (a read each)
+        return F.grouped_linear(inp, m_splits, weight, bias, main_grad=main_grad, **kw)
+    out, amax = F.grouped_linear(
+        inp, m_splits, weight, bias, main_grad=main_grad, scale=args.scales[0],
+        grad_amax=meta.grad_amax, return_amax=True, **kw,
+    )  # fmt: skip
+    meta.record(amax, state)
     return out

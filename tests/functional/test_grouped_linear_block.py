@@ -15,6 +15,15 @@ from tests.utils import DEVICES, assert_bits_equal, compile_counted, requires_cu
 
 E4M3 = torch.float8_e4m3fn
 E4 = {"fwd_dtype": E4M3, "bwd_dtype": E4M3}
+
+
+def _block(x, splits, w, b=None, **kw):
+    """The grouped family under Float8BlockScaling with native GEMMs (128x128 weight blocks
+    unless ``weight_block_rows`` says otherwise)."""
+    kw = {"recipe": "block", "weight_block_rows": 128, **E4, **kw}
+    return F.grouped_linear(x, splits, w, b, **kw)
+
+
 native_block = pytest.mark.skipif(
     torch.cuda.is_available() and not te.is_fp8_block_scaling_available(),
     reason="needs blockwise-scaled _scaled_mm (compute capability 9.0+, CUDA 12.9+)",
@@ -49,7 +58,7 @@ def test_each_expert_is_the_dense_native_op(device, splits, k, n, w_rows, power_
     calls: cuBLAS's on a GPU)."""
     x, w, b = _leaves(device, sum(splits), k, n, len(splits))
     kw = {"power_2_scale": power_2, "weight_block_rows": w_rows}
-    out = F.grouped_linear_block(x, splits, w, b, **kw)
+    out = _block(x, splits, w, b, **kw)
     dy = torch.randn_like(out)
     dx, dw, db = _grads(out, dy, x, w, b)
     row = 0
@@ -74,7 +83,7 @@ def test_ragged_experts_are_padded_on_their_own(device):
     pass, which is the dense op on those padded rows (zero rows change no block)."""
     splits = [17, 45]
     x, w, b = _leaves(device, sum(splits), 128, 64, 2)
-    out = F.grouped_linear_block(x, splits, w, b, weight_block_rows=1)
+    out = _block(x, splits, w, b, weight_block_rows=1)
     dy = torch.randn_like(out)
     dx, dw, db = _grads(out, dy, x, w, b)
     row = 0
@@ -99,7 +108,7 @@ def test_wgrad_blocks_start_at_each_expert(device):
     x, w, _ = _leaves(device, 128, 128, 64, 2, bias=False)
     with torch.no_grad():
         x[:64] *= 1e6
-    out = F.grouped_linear_block(x, [64, 64], w, weight_block_rows=1)
+    out = _block(x, [64, 64], w, weight_block_rows=1)
     dy = torch.randn_like(out)
     (dw,) = _grads(out, dy, w)
     exact = dy[64:].double().t() @ x.detach()[64:].double()
@@ -112,12 +121,12 @@ def test_main_grad_accumulates(device):
     """With main_grad (fp32) the weight gradient is added to it, twice, and not returned."""
     splits = [16, 48]
     x, w, _ = _leaves(device, 64, 64, 32, 2, bias=False)
-    out = F.grouped_linear_block(x, splits, w, weight_block_rows=1)
+    out = _block(x, splits, w, weight_block_rows=1)
     (dw,) = _grads(out, torch.ones_like(out), w)
     main_grad = torch.ones(w.shape, device=device)
     w2 = w.detach().requires_grad_()
     for _ in range(2):
-        y = F.grouped_linear_block(x.detach(), splits, w2, weight_block_rows=1,
+        y = _block(x.detach(), splits, w2, weight_block_rows=1,
                                    main_grad=main_grad)  # fmt: skip
         y.backward(torch.ones_like(y))
     assert w2.grad is None
@@ -128,16 +137,16 @@ def test_main_grad_accumulates(device):
 def test_errors_name_the_argument(device):
     x = torch.randn(32, 64, device=device, dtype=torch.bfloat16)
     w = torch.randn(2, 32, 64, device=device, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="grouped_linear_block: weight_block_rows must be 1"):
-        F.grouped_linear_block(x, [16, 16], w, weight_block_rows=64)
+    with pytest.raises(ValueError, match=r"te\.grouped_linear: weight_block_rows must be 1"):
+        _block(x, [16, 16], w, weight_block_rows=64)
     with pytest.raises(ValueError, match="multiples of 512"):
-        F.grouped_linear_block(x, [16, 16], w)  # 128x128 weight blocks by default
-    with pytest.raises(ValueError, match=r"grouped_linear_block: .*multiples of 16"):
-        F.grouped_linear_block(x[:, :40], [16, 16], w[..., :40], weight_block_rows=1)
+        _block(x, [16, 16], w)  # 128x128 weight blocks by default
+    with pytest.raises(ValueError, match=r"te.grouped_linear: .*multiples of 16"):
+        _block(x[:, :40], [16, 16], w[..., :40], weight_block_rows=1)
     with pytest.raises(ValueError, match=r"sum to inp\.shape"):
-        F.grouped_linear_block(x, [16, 8], w, weight_block_rows=1)
+        _block(x, [16, 8], w, weight_block_rows=1)
     with pytest.raises(ValueError, match="m_splits has 3 groups"):
-        F.grouped_linear_block(x, [16, 8, 8], w, weight_block_rows=1)
+        _block(x, [16, 8, 8], w, weight_block_rows=1)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -147,7 +156,7 @@ def test_compiles_without_graph_breaks(device):
     splits = [16, 0, 64]
 
     def step(x, splits, w, b):
-        return F.grouped_linear_block(x, splits, w, b, weight_block_rows=1)
+        return _block(x, splits, w, b, weight_block_rows=1)
 
     eager = step(x, splits, w, b)
     compiled, counter = compile_counted(step)
@@ -171,9 +180,7 @@ def test_module_runs_the_native_op_under_float8_block_scaling():
     with te.autocast(recipe=recipe):
         y = m(x, splits)
     power_2 = not recipe.use_f32_scales  # Transformer Engine's default: power-of-two scales
-    direct = F.grouped_linear_block(
-        x, splits, m.weight, m.bias, power_2_scale=power_2, weight_block_rows=1
-    )
+    direct = _block(x, splits, m.weight, m.bias, power_2_scale=power_2, weight_block_rows=1)
     assert_bits_equal(y, direct)
     from unittest import mock
 

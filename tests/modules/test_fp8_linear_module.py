@@ -17,7 +17,7 @@ from te_compile.quantization import (
     Float8BlockScaling,
     Float8CurrentScaling,
     autocast,
-    fp8_gemm,
+    gemm,
 )
 from tests.utils import DEVICES, GraphRecorder, compile_counted, requires_cuda
 
@@ -269,7 +269,7 @@ def test_grouped_linear_fp8_current_scaling(device):
     compiled, counter = compile_counted(m)
     with autocast(recipe=Float8CurrentScaling()):
         y, y_c = m(x, splits), compiled(x, splits)
-    expected = F.grouped_linear_fp8(x, splits, m.weight, m.bias)
+    expected = F.grouped_linear(x, splits, m.weight, m.bias, recipe="current", fp8_wgrad=True)
     assert torch.equal(y, expected) and torch.equal(y_c, expected)
     assert _sqnr_db(y, m(x, splits)) > 25.0  # vs the bf16 grouped GEMM
     assert counter.frame_count == 1
@@ -285,7 +285,7 @@ def test_grouped_linear_fp8_current_scaling(device):
 def test_grouped_linear_fp8_wgrad(device):
     """The module's wgrad is FP8 under every format (the functional op with
     ``fp8_wgrad=True``, bit for bit, eager and compiled; HYBRID's E5M2 gradient as E4M3 codes),
-    and high precision with the setting off (``fp8_gemm._GROUPED_FP8_WGRAD = False``)."""
+    and high precision with the setting off (``quantization.gemm._GROUPED_FP8_WGRAD = False``)."""
     torch.manual_seed(0)
     m = te.GroupedLinear(4, 32, 48, single_grouped_parameter=True, params_dtype=torch.bfloat16,
                          device=device)  # fmt: skip
@@ -299,12 +299,14 @@ def test_grouped_linear_fp8_wgrad(device):
     grads = []
     for fmt, bwd, fp8_wgrad in cases:
         w = m.weight.detach().requires_grad_()
-        F.grouped_linear_fp8(x, splits, w, m.bias, bwd_dtype=bwd, fp8_wgrad=fp8_wgrad).backward(dy)
+        F.grouped_linear(
+            x, splits, w, m.bias, recipe="current", bwd_dtype=bwd, fp8_wgrad=fp8_wgrad
+        ).backward(dy)
         grads.append(w.grad)
         for call in (m, compiled):
             m.zero_grad(set_to_none=True)
             with (
-                mock.patch.object(fp8_gemm, "_GROUPED_FP8_WGRAD", fp8_wgrad),
+                mock.patch.object(gemm, "_GROUPED_FP8_WGRAD", fp8_wgrad),
                 autocast(recipe=Float8CurrentScaling(fp8_format=fmt)),
             ):
                 call(x, splits).backward(dy)
@@ -394,7 +396,7 @@ def test_grouped_linear_first_delayed_step_is_calibrated(device):
     with autocast(recipe=DelayedScaling(amax_history_len=4)):
         y = m(x, splits)
     y.backward(dy)
-    y_ref = F.grouped_linear_fp8(x, splits, w, m.bias, fp8_wgrad=True)
+    y_ref = F.grouped_linear(x, splits, w, m.bias, recipe="current", fp8_wgrad=True)
     y_ref.backward(dy)
     assert torch.equal(y, y_ref) and torch.equal(m.weight.grad, w.grad)
     meta = m.fp8_meta
