@@ -80,6 +80,7 @@ __all__ = [
     "qdq_both",
     "quantize_operand",
     "quantize_per_tensor",
+    "quantized_linear_ref",
     "scale_slots",
     "unpad",
 ]
@@ -473,3 +474,76 @@ def accumulate_wgrad(main_grad: Tensor, dy: Tensor, x: Tensor) -> None:
         torch.addmm(main_grad, dy.t(), x, out_dtype=torch.float32, out=main_grad)
     else:
         main_grad.addmm_(dy.t().float(), x.float())
+
+
+# The definition of every kind's GEMM ----------------------------------------------------------
+
+
+def _fake_quant(x: Tensor, fp8_dtype: torch.dtype, scale: Tensor | None) -> Tensor:
+    """``dequantize(quantize(x))`` per tensor in ``x``'s dtype, straight-through gradient."""
+    q, s_inv, _ = quantize_per_tensor(x, fp8_dtype, scale)
+    return x + ((q.float() * s_inv).to(x.dtype) - x).detach()
+
+
+class _FakeQuantGrad(torch.autograd.Function):
+    """Identity forward; the backward quantises the incoming gradient per tensor (current
+    scaling, or the given scale), as the backward GEMMs of the FP8 op see it."""
+
+    @staticmethod
+    def forward(ctx, y, fp8_dtype, scale):
+        ctx.fp8_dtype, ctx.scale = fp8_dtype, scale
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        g = grad.reshape(-1, grad.shape[-1])
+        q, s_inv, _ = quantize_per_tensor(g, ctx.fp8_dtype, ctx.scale)
+        return (q.float() * s_inv).to(grad.dtype).reshape(grad.shape), None, None
+
+
+class _BlockReference(torch.autograd.Function):
+    """A block-scaled GEMM written out in the input's dtype (fp64 in the tests): autograd alone
+    cannot express it, since each backward GEMM quantises its operands along a different dim
+    than the forward did (``Q_K`` forward, ``Q_N`` for dgrad, ``Q_M`` for wgrad)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, kind, fwd_dtype, bwd_dtype, power_2_scale, w_rows):
+        x_row, x_col_t = qdq_both(x, kind, fwd_dtype, 1, power_2_scale)
+        w_row, w_col_t = qdq_both(weight, kind, fwd_dtype, w_rows, power_2_scale)
+        ctx.save_for_backward(x_col_t, w_col_t)
+        ctx.config = (kind, bwd_dtype, power_2_scale)
+        return x_row @ w_row.t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        x_col_t, w_col_t = ctx.saved_tensors
+        kind, bwd_dtype, power_2_scale = ctx.config
+        g_row, g_col_t = qdq_both(grad, kind, bwd_dtype, 1, power_2_scale)
+        return g_row @ w_col_t.t(), g_col_t @ x_col_t.t(), *(None,) * 5
+
+
+def quantized_linear_ref(
+    inp: Tensor,
+    weight: Tensor,
+    recipe: str,
+    fwd_dtype: torch.dtype = torch.float8_e4m3fn,
+    bwd_dtype: torch.dtype = torch.float8_e5m2,
+    power_2_scale: bool = False,
+    weight_block_rows: int = 1,
+    scale: Tensor | None = None,
+) -> Tensor:
+    """Definition of correctness of the GEMM of a recipe, differentiable: ``inp @ weight.T`` of
+    the quantised-dequantised operands in the input's dtype (fp64 in the tests), the incoming
+    gradient quantised on its way back (``bwd_dtype``) as the backward GEMMs see it. ``inp``
+    ``[..., K]``; ``scale`` ``[3]`` for ``"delayed"``."""
+    x = inp.reshape(-1, inp.shape[-1])
+    if not recipe:
+        out = x @ weight.t()
+    elif recipe in PER_TENSOR:
+        s_x, s_w, s_g = scale_slots(scale, recipe)
+        w = _fake_quant(weight, fwd_dtype, s_w)
+        out = _FakeQuantGrad.apply(_fake_quant(x, fwd_dtype, s_x) @ w.t(), bwd_dtype, s_g)
+    else:
+        config = (recipe, fwd_dtype, bwd_dtype, power_2_scale, weight_block_rows)
+        out = _BlockReference.apply(x, weight, *config)
+    return out.reshape(*inp.shape[:-1], weight.shape[0])

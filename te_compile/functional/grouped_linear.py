@@ -22,10 +22,11 @@ After the five tensors the op takes the recipe as data, as the linear family doe
 ``weight_block_rows``, ``emulate``, the delayed-scaling ``scale`` ``[3]`` and ``grad_amax``
 ``[1]`` (into which the backward writes the gradient's amax), and ``fp8_wgrad`` (per-tensor
 recipes: the wgrad GEMM in FP8 too, the input kept as its FP8 wgrad operand instead of in high
-precision). The GEMMs of each recipe are a row of ``functional.grouped_gemm.GROUPED_GEMMS``:
+precision). The GEMMs of each recipe are a row of :data:`GROUPED_GEMMS`:
 ``torch._grouped_mm`` and ``torch._scaled_grouped_mm`` on device offsets (no host sync, no
 recompilation when the splits change), a blockwise-scaled ``_scaled_mm`` per expert, or the
-emulation of the block-scaled recipes; that file's docstring has the details.
+emulation of the block-scaled recipes: the rows of :data:`GROUPED_GEMMS`, one table
+(``functional.grouped_gemm`` and ``functional.grouped_fp8`` have the details).
 
 ``saved`` (the tensors the backward needs that are not inputs): per-tensor recipes ``[W_8
 [G, K, N] (uint8 bytes, quantised along N or per tensor), its inverse scales [G, K]]`` and
@@ -42,7 +43,7 @@ instead of a ``dweight`` output, as in ``te::linear_bwd``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -58,23 +59,56 @@ from te_compile.functional.gemm import (
     check_recipe,
     empty,
     quantize_per_tensor,
+    quantized_linear_ref,
 )
-from te_compile.functional.grouped_gemm import (
-    GROUPED_GEMMS,
-    GroupedRecipe,
+from te_compile.functional.grouped_fp8 import (
     as_e4m3,
-    as_splits_tensor,
-    grouped_gemm_kind,
+    per_tensor_backward,
+    per_tensor_forward,
     quantize_rowwise,
     wgrad_capacity,
 )
-from te_compile.functional.linear import quantized_linear_ref
+from te_compile.functional.grouped_gemm import (
+    GroupedRecipe,
+    as_splits_tensor,
+    blockwise_backward,
+    blockwise_forward,
+    dequantized_backward,
+    dequantized_forward,
+    high_precision_backward,
+    high_precision_forward,
+)
 
-__all__ = ["as_splits_tensor", "grouped_linear", "grouped_linear_ref", "scaled_grouped_linear_ref"]
+__all__ = [
+    "GROUPED_GEMMS",
+    "as_splits_tensor",
+    "grouped_gemm_kind",
+    "grouped_linear",
+    "grouped_linear_ref",
+    "scaled_grouped_linear_ref",
+]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _INT_DTYPES = (torch.int32, torch.int64)
 _E4M3, _E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+# The GEMMs of each recipe: one table (``functional.grouped_gemm`` describes the rows).
+GROUPED_GEMMS: dict[str, tuple[Callable, Callable]] = {
+    "grouped_mm": (high_precision_forward, high_precision_backward),
+    "scaled_grouped_mm": (per_tensor_forward, per_tensor_backward),
+    "blockwise": (blockwise_forward, blockwise_backward),
+    "dequantized": (dequantized_forward, dequantized_backward),
+}
+
+
+def grouped_gemm_kind(recipe: str, emulate: bool) -> str:
+    """The :data:`GROUPED_GEMMS` row of a recipe kind."""
+    if not recipe:
+        return "grouped_mm"
+    if recipe in PER_TENSOR:
+        return "scaled_grouped_mm"
+    return "blockwise" if recipe == "block" and not emulate else "dequantized"
 
 
 class _Args(NamedTuple):

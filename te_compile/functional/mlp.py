@@ -61,10 +61,11 @@ from te_compile.functional.gemm import (
     pad_rows,
     padded,
     quantize_operand,
+    quantized_linear_ref,
     scale_slots,
     unpad,
 )
-from te_compile.functional.linear import linear_bwd, linear_fwd, quantized_linear_ref
+from te_compile.functional.linear import linear_bwd, linear_fwd
 from te_compile.functional.prologue import (
     Norm,
     check_norm,

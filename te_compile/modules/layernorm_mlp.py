@@ -30,7 +30,6 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from te_compile import functional as F
 from te_compile.distributed.tensor_parallel import TensorParallel, set_parallel_attributes
 from te_compile.functional.activation import ACTIVATIONS, GATED_ACTIVATIONS
 from te_compile.modules._common import (
@@ -142,11 +141,7 @@ class LayerNormMLP(PreNorm):
     def forward(self, inp: Tensor) -> Tensor | tuple[Tensor, ...]:
         owner = "LayerNormMLP"
         tp = self.tp
-        if (
-            not (tp.active or self.return_layernorm_output)
-            and _gemm.quantized()
-            and _gemm._FUSE_MLP
-        ):
+        if not (tp.active or self.return_layernorm_output) and _gemm.quantized():
             # FP8: one op, the norm its prologue (written straight into FP8 on CUDA). In high
             # precision the norm stays an op of its own (LayerNormLinear says why).
             fc2_bias = None if self.return_bias else self.fc2_bias
@@ -169,15 +164,10 @@ class LayerNormMLP(PreNorm):
         self, owner: str, inp: Tensor, fc2_bias: Tensor | None, norm: _gemm.Norm | None = None
     ) -> Tensor:
         """The two GEMMs and the activation as one op (``te::mlp``, the activation fused into
-        the quantisations under FP8; with ``norm``, ``inp`` is normalised inside it), or op by
-        op with ``quantization.gemm._FUSE_MLP = False`` (the same bytes)."""
+        the quantisations under FP8; with ``norm``, ``inp`` is normalised inside it)."""
         metas = (self.fc1_fp8_meta, self.fc2_fp8_meta)
         w1, b1, w2 = self.fc1_weight, self.fc1_bias, self.fc2_weight
-        if _gemm._FUSE_MLP:
-            return _gemm.mlp(owner, metas, inp, w1, b1, self.activation, w2, fc2_bias, norm)
-        fc1_out = _gemm.linear(owner, metas[0], inp, w1, None)
-        act = F.bias_activation(fc1_out, b1, self.activation)
-        return _gemm.linear(owner, metas[1], act, w2, fc2_bias)
+        return _gemm.mlp(owner, metas, inp, w1, b1, self.activation, w2, fc2_bias, norm)
 
     def extra_repr(self) -> str:
         return (

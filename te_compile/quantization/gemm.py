@@ -27,7 +27,17 @@ from te_compile.quantization.fp8_gemm import FP8GemmState
 from te_compile.quantization.recipe import Recipe
 from te_compile.quantization.state import AutocastState, get_autocast_state
 
-__all__ = ["GemmArgs", "Norm", "gemm_args", "grouped_linear", "linear", "mlp", "quantized"]
+__all__ = [
+    "ROLES",
+    "GemmArgs",
+    "Norm",
+    "gemm_args",
+    "grouped_linear",
+    "linear",
+    "mlp",
+    "quantize_args",
+    "quantized",
+]
 
 # Test and benchmark overrides, not configuration: tests/ and bench/ patch them to compare one
 # path against another (mock.patch.object / harness.with_setting); users never set them.
@@ -80,15 +90,35 @@ class GemmArgs(NamedTuple):
         }
 
 
-def _block_rows(owner: str, recipe: Recipe) -> int:
-    """Float8BlockScaling's weight block rows (1 for 1x128, 128 for 128x128 weight blocks);
-    128x128 activation or gradient blocks are refused."""
-    if recipe.x_block_scaling_dim != 1 or recipe.grad_block_scaling_dim != 1:
-        raise NotImplementedError(
-            f"{owner}: Float8BlockScaling with 128x128 activation or gradient blocks is not "
-            "implemented (1x128, the default, is)"
-        )
-    return 128 if recipe.w_block_scaling_dim == 2 else 1
+ROLES = ("input", "weight", "grad")
+
+
+def quantize_args(recipe: Recipe, role: str) -> tuple[str, dict[str, Any]]:
+    """How ``recipe`` quantises a linear layer's ``role`` operand (``"input"``, ``"weight"``,
+    ``"grad"``): the recipe kind and the quantiser's settings (``fp8_dtype``: the forward format
+    for inputs and weights, the backward one for gradients; ``block_rows``: 1 for 1x128 or 128
+    for 128x128 blocks; ``power_2_scale``), as ``functional.quantize.quantize`` takes them. The
+    one place a recipe's fields are read: :func:`gemm_args` and ``te_compile.quantize`` build
+    on it."""
+    if role not in ROLES:
+        raise ValueError(f"te.quantize: role must be one of {ROLES}, got {role!r}")
+    if recipe.nvfp4():
+        return "nvfp4", {}
+    fmt = recipe.fp8_format
+    kw: dict[str, Any] = {"fp8_dtype": fmt.bwd_dtype if role == "grad" else fmt.fwd_dtype}
+    if recipe.mxfp8():
+        return "mxfp8", kw
+    if recipe.delayed():
+        return "delayed", kw
+    if recipe.float8_current_scaling():
+        return "current", {**kw, "power_2_scale": recipe.use_power_2_scales}
+    dim = {
+        "input": recipe.x_block_scaling_dim,
+        "weight": recipe.w_block_scaling_dim,
+        "grad": recipe.grad_block_scaling_dim,
+    }[role]
+    return "block", {**kw, "block_rows": 128 if dim == 2 else 1,
+                     "power_2_scale": not recipe.use_f32_scales}  # fmt: skip
 
 
 def gemm_args(
@@ -106,30 +136,36 @@ def gemm_args(
     computes the scales, ``FP8GemmState.delayed_scale``; at a state's first delayed step, the
     calibration, every GEMM of the call runs current scaling and records its amaxes).
 
-    Float8BlockScaling runs native blockwise GEMMs on a GPU with blockwise-scaled
+    The formats, block sizes and power-of-two scales are those :func:`quantize_args` gives
+    each operand. Float8BlockScaling runs native blockwise GEMMs on a GPU with blockwise-scaled
     ``_scaled_mm`` (Hopper, CUDA 12.9+) where cuBLAS takes the operands
     (``functional.blockwise_supported``; a grouped GEMM also needs a bf16 input), and is
     emulated elsewhere; MXFP8 and NVFP4 are emulated (native GEMMs need Blackwell)."""
     if not state.enabled:
         return GemmArgs()
     recipe = state.recipe
-    if recipe.nvfp4():
-        return GemmArgs("nvfp4", _E4M3, _E4M3, emulate=True)
-    fmt = recipe.fp8_format
-    fwd, bwd = fmt.fwd_dtype, fmt.bwd_dtype
-    if recipe.mxfp8():
-        return GemmArgs("mxfp8", fwd, bwd, emulate=True)
-    if recipe.float8_block_scaling():
-        rows = _block_rows(owner, recipe)
-        w2d = [w[0] if grouped else w for w in weights]
+    kind, x = quantize_args(recipe, "input")
+    _, w = quantize_args(recipe, "weight")
+    _, g = quantize_args(recipe, "grad")
+    fwd, bwd = x.get("fp8_dtype", _E4M3), g.get("fp8_dtype", _E4M3)
+    if kind in ("mxfp8", "nvfp4"):
+        return GemmArgs(kind, fwd, bwd, emulate=True)
+    if kind == "block":
+        if x["block_rows"] != 1 or g["block_rows"] != 1:
+            raise NotImplementedError(
+                f"{owner}: Float8BlockScaling with 128x128 activation or gradient blocks is not "
+                "implemented (1x128, the default, is)"
+            )
+        rows, p2 = w["block_rows"], w["power_2_scale"]
+        w2d = [t[0] if grouped else t for t in weights]
         native = (
             inp.device.type == "cuda"
             and _NATIVE_BLOCK
             and is_fp8_block_scaling_available()
             and (not grouped or inp.dtype is torch.bfloat16)
-            and all(blockwise_supported(w, rows, fwd, bwd) for w in w2d)
+            and all(blockwise_supported(t, rows, fwd, bwd) for t in w2d)
         )
-        return GemmArgs("block", fwd, bwd, not recipe.use_f32_scales, rows, emulate=not native)
+        return GemmArgs("block", fwd, bwd, p2, rows, emulate=not native)
     scales = tuple(meta.delayed_scale(owner, state) for meta in metas)
     kind = "delayed" if scales and all(s is not None for s in scales) else "current"
     if kind == "current":  # current scaling, or a state's calibration step
@@ -141,6 +177,13 @@ def gemm_args(
 def quantized() -> bool:
     """Whether the GEMMs run now are quantised: inside an enabled ``te_compile.autocast``."""
     return get_autocast_state().enabled
+
+
+def _apply_norm(inp: Tensor, norm: Norm) -> Tensor:
+    weight, bias, normalization, eps, zcg = norm
+    if normalization == "LayerNorm":
+        return F.layernorm(inp, weight, bias, eps, zero_centered_gamma=zcg)
+    return F.rmsnorm(inp, weight, eps, zero_centered_gamma=zcg)
 
 
 def _norm_kwargs(norm: Norm | None) -> dict[str, Any]:
@@ -193,7 +236,14 @@ def mlp(
 ) -> Tensor:
     """``fc2(activation(fc1(norm(inp))))`` through ``te::mlp`` with the autocast state's
     recipe (high precision outside it); ``metas``: the two GEMMs' FP8 states, used as two
-    :func:`linear` calls would use them."""
+    :func:`linear` calls would use them (``_FUSE_MLP = False``: two :func:`linear` calls around
+    the activation op)."""
+    if not _FUSE_MLP:  # op by op: the same bytes
+        if norm is not None:
+            inp = _apply_norm(inp, norm)
+        fc1_out = linear(owner, metas[0], inp, fc1_weight, None)
+        act = F.bias_activation(fc1_out, fc1_bias, activation)
+        return linear(owner, metas[1], act, fc2_weight, fc2_bias)
     state = get_autocast_state()
     weights = (fc1_weight, fc2_weight)
     args = gemm_args(owner, state, inp, weights, metas)

@@ -15,7 +15,7 @@ import te_compile
 from tests.utils import DEVICES, assert_close, compile_counted, make_reference_and_test_tensors
 
 # The modules, not the function of the same name that te_compile.functional exports.
-GF = importlib.import_module("te_compile.functional.grouped_gemm")
+GF = importlib.import_module("te_compile.functional.grouped_fp8")
 GL = importlib.import_module("te_compile.functional.grouped_linear")
 
 
