@@ -223,9 +223,13 @@ def _gated_bwd_tile(
 
 
 @triton.jit
-def _store_sums(PART, v, pid_m, ROW, COL0, cols, N):
-    """The column sums of tile ``v`` into row ``pid_m`` of ``PART`` (``ROW`` wide), columns
-    ``COL0 + cols`` (of ``N`` valid): a bias gradient's partial sums."""
+def _store_sums(PART, v, pid_m, pid_n, ROW, COL0, N, BLOCK_N: tl.constexpr):
+    """The column sums of tile ``(pid_m, pid_n)`` ``v`` into row ``pid_m`` of ``PART`` (``ROW``
+    wide), columns ``COL0 + pid_n * BLOCK_N + ...`` (of ``N`` valid): a bias gradient's partial
+    sums. The columns are computed here, not taken from the tile helpers: PyTorch's analysis of
+    what a kernel writes (``wrap_triton`` under ``torch.compile``) takes a store address built
+    from a helper's result as one that may point into every tensor given to the helper."""
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(PART + pid_m.to(tl.int64) * ROW + COL0 + cols, tl.sum(v, axis=0), mask=cols < N)
 
 
@@ -246,21 +250,21 @@ def _act_amax_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if GATED and BWD:
-        va, ra, vl, rl, cols = _gated_bwd_tile(
+        va, ra, vl, rl, _ = _gated_bwd_tile(
             Z, B, G, pid_m, pid_n, M, N, FN, HAS_BIAS, ROUND, SOFTWARE, EVEN, BLOCK_M, BLOCK_N
         )
         tl.atomic_max(AMAX_BITS, tl.maximum(_max_abs_bits(ra), _max_abs_bits(rl)))
         if DBIAS:
-            _store_sums(PART, va, pid_m, 2 * N, 0, cols, N)
-            _store_sums(PART, vl, pid_m, 2 * N, N, cols, N)
+            _store_sums(PART, va, pid_m, pid_n, 2 * N, 0, N, BLOCK_N)
+            _store_sums(PART, vl, pid_m, pid_n, 2 * N, N, N, BLOCK_N)
     else:
-        v, r, cols = _tile(
+        v, r, _ = _tile(
             Z, B, G, MEAN, RSIG, pid_m, pid_n, M, N, FN, BWD, GATED, HAS_BIAS, ROUND, SOFTWARE,
             EVEN, BLOCK_M, BLOCK_N,
         )  # fmt: skip
         tl.atomic_max(AMAX_BITS, _max_abs_bits(r))
         if DBIAS:
-            _store_sums(PART, v, pid_m, N, 0, cols, N)
+            _store_sums(PART, v, pid_m, pid_n, N, 0, N, BLOCK_N)
 
 
 @triton.jit
@@ -312,14 +316,14 @@ def _act_cast_kernel(
     pid_n = tl.program_id(1)
     first = (pid_m == 0) & (pid_n == 0)
     if GATED and BWD:
-        va, xa, vl, xl, cols = _gated_bwd_tile(
+        va, xa, vl, xl, _ = _gated_bwd_tile(
             Z, B, G, pid_m, pid_n, M, N, FN, HAS_BIAS, ROUND, SOFTWARE, EVEN, BLOCK_M, BLOCK_N
         )
         scale = _tile_scale(SCALE, AMAX_BITS, SCALE_INV, xa, first, fp8_max, eps, FROM_AMAX, False)
         _tile_scale(SCALE, AMAX_BITS, SCALE_INV, xl, first, fp8_max, eps, FROM_AMAX, False)
         if DBIAS and not FROM_AMAX:
-            _store_sums(PART, va, pid_m, 2 * N, 0, cols, N)
-            _store_sums(PART, vl, pid_m, 2 * N, N, cols, N)
+            _store_sums(PART, va, pid_m, pid_n, 2 * N, 0, N, BLOCK_N)
+            _store_sums(PART, vl, pid_m, pid_n, 2 * N, N, N, BLOCK_N)
         _cast_store(
             xa, scale, DATA, DATA_T, pid_m, pid_n, M_OUT, N, 2 * N, 0, fp8_max, E4M3, MBITS,
             BIAS, SOFTWARE, GUARD, COLUMNWISE, EVEN, BLOCK_M, BLOCK_N,
@@ -329,13 +333,13 @@ def _act_cast_kernel(
             BIAS, SOFTWARE, GUARD, COLUMNWISE, EVEN, BLOCK_M, BLOCK_N,
         )  # fmt: skip
     else:
-        v, x, cols = _tile(
+        v, x, _ = _tile(
             Z, B, G, MEAN, RSIG, pid_m, pid_n, M, N, FN, BWD, GATED, HAS_BIAS, ROUND, SOFTWARE,
             EVEN, BLOCK_M, BLOCK_N,
         )  # fmt: skip
         scale = _tile_scale(SCALE, AMAX_BITS, SCALE_INV, x, first, fp8_max, eps, FROM_AMAX, False)
         if DBIAS and not FROM_AMAX:
-            _store_sums(PART, v, pid_m, N, 0, cols, N)
+            _store_sums(PART, v, pid_m, pid_n, N, 0, N, BLOCK_N)
         _cast_store(
             x, scale, DATA, DATA_T, pid_m, pid_n, M_OUT, N, N, 0, fp8_max, E4M3, MBITS,
             BIAS, SOFTWARE, GUARD, COLUMNWISE, EVEN, BLOCK_M, BLOCK_N,
@@ -405,12 +409,12 @@ def _act_block_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if GATED and BWD:
-        va, xa, vl, xl, cols = _gated_bwd_tile(
+        va, xa, vl, xl, _ = _gated_bwd_tile(
             Z, B, G, pid_m, pid_n, M, N, FN, HAS_BIAS, ROUND, SOFTWARE, EVEN, BLOCK_M, BLOCK_N
         )
         if DBIAS:
-            _store_sums(PART, va, pid_m, 2 * N, 0, cols, N)
-            _store_sums(PART, vl, pid_m, 2 * N, N, cols, N)
+            _store_sums(PART, va, pid_m, pid_n, 2 * N, 0, N, BLOCK_N)
+            _store_sums(PART, vl, pid_m, pid_n, 2 * N, N, N, BLOCK_N)
         _block_store(
             xa, DATA, SCALE_INV, DATA_T, SCALE_INV_T, pid_m, pid_n, M_OUT, N, 2 * N, 0,
             fp8_max, S_ROW, S_BLK, T_ROW, T_BLK, E4M3, MBITS, BIAS, SOFTWARE, GUARD, POW2, EVEN,
@@ -422,12 +426,12 @@ def _act_block_kernel(
             AXES, BLOCK_M, BLOCK_N,
         )  # fmt: skip
     else:
-        v, x, cols = _tile(
+        v, x, _ = _tile(
             Z, B, G, MEAN, RSIG, pid_m, pid_n, M, N, FN, BWD, GATED, HAS_BIAS, ROUND, SOFTWARE,
             EVEN, BLOCK_M, BLOCK_N,
         )  # fmt: skip
         if DBIAS:
-            _store_sums(PART, v, pid_m, N, 0, cols, N)
+            _store_sums(PART, v, pid_m, pid_n, N, 0, N, BLOCK_N)
         _block_store(
             x, DATA, SCALE_INV, DATA_T, SCALE_INV_T, pid_m, pid_n, M_OUT, N, N, 0,
             fp8_max, S_ROW, S_BLK, T_ROW, T_BLK, E4M3, MBITS, BIAS, SOFTWARE, GUARD, POW2, EVEN,
