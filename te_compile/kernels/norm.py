@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from te_compile.kernels import launch, programs_per_sm
+from te_compile.kernels import launch, programs_per_sm, size_hint
 from te_compile.kernels.quantize import _ROUND, _abs_bits, _round
 
 __all__ = [
@@ -452,8 +452,9 @@ def _norm_bwd(
     cfg = _config(n, True, config)
     # Stage 1 grid: at most `programs`, each owning whole tiles of rows (at least one tile, so
     # that 0 rows give 0 programs, not a division by 0).
-    programs = min(triton.cdiv(m, cfg.block_m), programs or _max_bwd_programs(x.device))
-    rows_per_program = triton.cdiv(triton.cdiv(m, max(programs, 1)), cfg.block_m) * cfg.block_m
+    rows = size_hint(m)
+    programs = min(triton.cdiv(rows, cfg.block_m), programs or _max_bwd_programs(x.device))
+    rows_per_program = triton.cdiv(triton.cdiv(rows, max(programs, 1)), cfg.block_m) * cfg.block_m
     rows_per_program = max(rows_per_program, cfg.block_m)
     programs = triton.cdiv(m, rows_per_program)
     n_partial = 0 if kind == L2NORM else 1 + has_bias
