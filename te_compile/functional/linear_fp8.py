@@ -78,18 +78,28 @@ def quantize_per_tensor(
     return data, scale.reciprocal(), amax
 
 
+def delayed_on_cuda(*args: object) -> str | None:
+    """``kept_whole`` of the FP8 GEMM ops: DelayedScaling on CUDA stays an opaque call. Traced
+    through, the partitioner saved a slice of the recipe's scale state for the backward and
+    Inductor reused that graph input as scratch memory for an inverse scale (writing into the
+    state; cuBLAS refused the scale pointer 8 bytes into the buffer with
+    CUBLAS_STATUS_NOT_SUPPORTED on the H100)."""
+    first = next((a for a in args if isinstance(a, Tensor)), None)
+    delayed = any(isinstance(a, str) and a == "delayed" for a in args)
+    if delayed and first is not None and first.device.type == "cuda":
+        return "DelayedScaling on CUDA: Inductor reuses a saved view of the scale state"
+    return None
+
+
 def _slots(scale: Tensor | None, recipe: str) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """The delayed scales of a GEMM's input, weight and gradient as ``[1]`` tensors (``scale``
     ``[3]``), or three Nones under current scaling.
 
-    Copies, not views of the recipe state: traced through by Inductor, a view of ``scale``
-    saved for the backward was donated to the backward graph as a buffer it may reuse, and
-    Inductor wrote an inverse scale into the state (the H100's cuBLAS then refused the scale
-    pointer 8 bytes into the buffer, CUBLAS_STATUS_NOT_SUPPORTED). A copy is a buffer of its
-    own (3 floats)."""
+    Views: on CPU the traced code reads them; on CUDA the ops are kept whole under delayed
+    scaling (:func:`delayed_on_cuda`)."""
     if recipe != "delayed":
         return None, None, None
-    return scale[0:1].clone(), scale[1:2].clone(), scale[2:3].clone()
+    return scale[0:1], scale[1:2], scale[2:3]
 
 
 def _quantize_both(
@@ -314,7 +324,7 @@ def _gemm(a: Tensor, b_t: Tensor, sa: Tensor, sb: Tensor, out_dtype, bias=None) 
     return _scaled_mm(a, b_t.t(), sa, sb, out_dtype, bias, fast_accum=True)
 
 
-@op("linear_fp8_fwd")
+@op("linear_fp8_fwd", kept_whole=delayed_on_cuda)
 def linear_fp8_fwd(
     inp: Tensor,
     weight: Tensor,
@@ -372,7 +382,7 @@ def _linear_fp8_fwd_fake(
 # Backward op ----------------------------------------------------------------------------------
 
 
-@op("linear_fp8_bwd", mutates_args=("main_grad", "grad_amax"))
+@op("linear_fp8_bwd", mutates_args=("main_grad", "grad_amax"), kept_whole=delayed_on_cuda)
 def linear_fp8_bwd(
     grad_out: Tensor,
     saved: list[Tensor],

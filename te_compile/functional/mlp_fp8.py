@@ -79,6 +79,7 @@ from te_compile.functional.linear_fp8 import (
     _slots,
     _through_norm,
     _with_norm_grads,
+    delayed_on_cuda,
     linear_fp8_ref,
     norm_ref,
     unit_rows,
@@ -235,7 +236,7 @@ def _u8(t: Tensor) -> Tensor:
 # Forward op -----------------------------------------------------------------------------------
 
 
-@op("mlp_fp8_fwd")
+@op("mlp_fp8_fwd", kept_whole=delayed_on_cuda)
 def mlp_fp8_fwd(
     inp: Tensor,
     fc1_weight: Tensor,
@@ -343,7 +344,7 @@ def _mlp_fp8_fwd_fake(
 # Backward op ----------------------------------------------------------------------------------
 
 
-@op("mlp_fp8_bwd", mutates_args=("grad_amax1", "grad_amax2"))
+@op("mlp_fp8_bwd", mutates_args=("grad_amax1", "grad_amax2"), kept_whole=delayed_on_cuda)
 def mlp_fp8_bwd(
     grad_out: Tensor,
     saved: list[Tensor],
