@@ -44,16 +44,16 @@ class _Sm90:
 
 def _writes(kernel, args: tuple, kwargs: dict) -> dict[str, torch.Tensor]:
     """The tensors PyTorch's analysis says ``kernel(*args, **kwargs)`` writes, by name."""
-    from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
+    from torch._higher_order_ops import triton_kernel_wrap as wrap
 
     named = dict(zip(kernel.arg_names, args, strict=False))
     named.update({k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")})
-    accesses = identify_accessed_tensors(kernel, named, {})
-    return {
-        d.name: named[d.name]
-        for d in accesses.read_writes.writes
-        if isinstance(named.get(d.name), torch.Tensor)
-    }
+    if hasattr(wrap, "identify_accessed_tensors"):  # torch 2.13
+        accesses = wrap.identify_accessed_tensors(kernel, named, {})
+        names = [d.name for d in accesses.read_writes.writes]
+    else:  # torch 2.11
+        names = wrap.identify_mutated_tensors(kernel, named, {})
+    return {name: named[name] for name in names if isinstance(named.get(name), torch.Tensor)}
 
 
 @pytest.fixture
