@@ -20,21 +20,22 @@ tensor of its size, and the bytes are those of the unfused ops (activation kerne
 same rounding, same cast (``kernels.quantize``). Rows ``M <= r < M_OUT`` (the token padding to
 a multiple of 16 the FP8 GEMMs need) are written as zeros and do not enter the amax.
 
-One tile per program, as in ``kernels.quantize``. A persistent variant (each program walking
-many row tiles of a column block, one atomic and one partial-sum row at the end) was measured on
-the H100 (``bench/tune_quantize.py``, 2026-11-22) and was slower for current scaling (2.03 ms
-for the forward and backward passes at its best launch against 1.85 ms) and faster only for the
-delayed backward (0.82 ms against 0.86 ms): not kept.
+One tile per program, as in ``kernels.quantize``: a persistent form (each program walking many
+row tiles of a column block, one atomic and one partial-sum row at the end) is slower on the
+H100 for current scaling (2.03 ms for the forward and backward passes at its best launch against
+1.85 ms) and faster only for the delayed backward (0.82 ms against 0.86 ms;
+``bench/results/2026-11-22_h100/tune_quantize_persistent.log``).
 
 ``_act_block_kernel`` (``act_quantize_block``) is the same for Float8BlockScaling's 1x128
 blocks, as ``kernels.quantize._block_kernel`` casts a tensor, by default in two passes that each
 compute the activation: rowwise over ``[32, 128]`` tiles, columnwise over ``[128, 64]`` tiles.
 One 128x128 tile for both layouts (``block_split=False``) runs one program per SM and is
 latency-bound: on the H100 at 16384 x 16384 the forward took 0.995 ms against 0.649 ms split,
-the backward 1.145 against 1.105 ms (``bench/tune_quantize.py``; programs walking many tiles
-were no faster, software pipelining slower, and one tile read in row pieces twice, the second
-time from L2, slower still: 0.89 / 1.82 ms at best; the columnwise blocks cast from the
-transposed tile, fp32 or bf16: 0.85 / 1.17 ms at best, ``bench/tune_act_block.py``).
+the backward 1.145 against 1.105 ms (``bench/diag/tune_quantize.py``). Programs walking many
+tiles are no faster, software pipelining is slower, and one tile read in row pieces twice, the
+second time from L2, slower still: 0.89 / 1.82 ms at best; the columnwise blocks cast from the
+transposed tile, fp32 or bf16: 0.85 / 1.17 ms at best (``bench/results/2026-11-22_h100/``:
+``tune_quantize_block.log``, ``tune_quantize_block_reload.log``, ``s9/tune_act_block.log``).
 
 Gated activations (contiguous halves, ``z`` ``[M, 2N]``): the forward quantises :math:`h =
 f(a) \odot l` ``[M, N]``; the backward (``_gated_bwd_tile``) computes both halves of

@@ -224,7 +224,7 @@ def _cast_fp8(
     ``cvt.rn.satfinite.{e4m3,e5m2}x2.f32``, which saturates overflow and infinities to the
     largest finite value and keeps NaN a NaN (its NaN code may differ from torch's 0x7F; any
     NaN code decodes to NaN). A clamp and a NaN fix-up around it cost three instructions an
-    element in kernels bound by instruction issue (``bench/sass_quantize.py``).
+    element in kernels bound by instruction issue (``bench/diag/sass_quantize.py``).
 
     ``GUARD`` (set by ``_cast_args`` for fp32 sources): keep the clamp and the fix-up. On the
     H100 with Triton 3.6 (2026-11-22) the bare conversion of tiles loaded from fp32 tensors
@@ -1124,7 +1124,7 @@ def quantize_group_columns(
     scale`` for every group with ``scale``). ``scale``
     (``[1]`` fp32): every group cast with it instead (delayed scaling). One launch, no host
     sync; ``capacity`` must hold the padded groups (``M + 15 G`` always does). Launch:
-    ``bench/tune_group_columns.py``; 128 x 32 tiles, 4 warps ran 330 / 177 us at 32768 x 4096 /
+    ``bench/diag/tune_group_columns.py``; 128 x 32 tiles, 4 warps ran 330 / 177 us at 32768 x 4096 /
     2048 in 8 groups on the H100 (2026-11-23; ~2.0 TB/s of its minimal traffic against 2.9 for a
     copy; 64 x 64 took 443 / 352 us). ``e4m3_codes``: as in :func:`quantize_rowwise`."""
     k = x.shape[1]
