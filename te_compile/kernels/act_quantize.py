@@ -76,6 +76,7 @@ from te_compile.kernels.quantize import (
     _round,
     _software,
     _tile_scale,
+    amax_bits,
     block_scales,
 )
 
@@ -458,9 +459,10 @@ def _per_tensor(
     name: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
     """The launches of :func:`act_quantize` / :func:`norm_quantize`: ``z`` ``[>= rows, N]``
-    read up to row ``rows``, outputs of ``m_out`` rows. ``amax``: the first pass of current
-    scaling already ran (the norm statistics kernel folds it), else ``_act_amax_kernel`` runs
-    it. ``norm``: the norm's ``(gamma, mean, rsigma)`` (``bias`` is its beta). ``gated``:
+    read up to row ``rows``, outputs of ``m_out`` rows. ``amax`` (int32 bits,
+    ``kernels.quantize.amax_bits``): the first pass of current scaling already ran (the norm
+    statistics kernel folds it), else ``_act_amax_kernel`` runs it. ``norm``: the norm's
+    ``(gamma, mean, rsigma)`` (``bias`` is its beta). ``gated``:
     ``z`` is ``[>= rows, 2N]`` (:func:`act_quantize`)."""
     n, n_out = _gated_widths(z, grad, gated)
     software = _software(z.device, cfg)
@@ -468,7 +470,7 @@ def _per_tensor(
     data_t = z.new_empty((n_out, m_out) if columnwise else (0,), dtype=fp8_dtype)
     amax_pass = amax is None and scale is None
     if amax is None:
-        amax = torch.zeros(1, device=z.device, dtype=torch.float32)
+        amax = amax_bits(z.device)
     scale_inv = torch.empty(1, device=z.device, dtype=torch.float32)
     grid = (max(triton.cdiv(m_out, cfg.block_m), 1), max(triton.cdiv(n, cfg.block_k), 1))
     if cfg.block_m * z.shape[1] >= 2**31 or cfg.block_k * m_out >= 2**31:
@@ -492,7 +494,7 @@ def _per_tensor(
     b = z if bias is None else bias
     if amax_pass:
         launch(_act_amax_kernel, grid)(
-            z, b, gamma, mean, rsig, amax.view(torch.int32), part, rows, n, SOFTWARE=software,
+            z, b, gamma, mean, rsig, amax, part, rows, n, SOFTWARE=software,
             **common,
         )  # fmt: skip
     launch(_act_cast_kernel, grid)(
@@ -501,8 +503,8 @@ def _per_tensor(
         gamma,
         mean,
         rsig,
-        amax if scale is None else scale.reshape(1),
-        amax.view(torch.int32),
+        amax if scale is None else scale.reshape(1),  # current scaling: SCALE unused
+        amax,
         _bits(data),
         _bits(data_t),
         scale_inv,
@@ -520,7 +522,7 @@ def _per_tensor(
     if scale is not None:
         scale_inv = scale.reshape(1).reciprocal()
     db = part.sum(0).to(bias.dtype) if dbias else None
-    return data, data_t, scale_inv, amax, db
+    return data, data_t, scale_inv, amax.view(torch.float32), db
 
 
 def _blockwise(
@@ -727,7 +729,7 @@ def norm_quantize(
     of its size unfused. Arguments are trusted (``functional.linear_fp8`` checks them)."""
     cfg = config or QuantizeLaunchConfig()
     # Current scaling: the statistics pass takes the amax (delayed: the cast folds it).
-    amax = torch.zeros(1, device=x.device, dtype=torch.float32) if scale is None else None
+    amax = amax_bits(x.device) if scale is None else None
     fn, norm, mean, rsigma = _norm_pass(
         x, weight, bias, normalization, eps, zero_centered_gamma, amax
     )

@@ -373,8 +373,9 @@ def _norm_fwd(
     amax: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(out, mean, rsigma)``; without ``store_y`` ``out`` is a 0-element tensor (statistics
-    only). ``amax`` (``[1]`` fp32, zero or a running max): the output's amax, rounded to the
-    input's dtype, is folded into it."""
+    only). ``amax`` (``[1]`` int32, the bits of a zero or running fp32 max,
+    ``kernels.quantize.amax_bits``): the output's amax, rounded to the input's dtype, is folded
+    into it."""
     x = _rows(inp)
     m, n = x.shape
     out = torch.empty_like(x) if store_y else x.new_empty(0)
@@ -389,7 +390,7 @@ def _norm_fwd(
             out,
             mean if kind == LAYERNORM else rsigma,
             rsigma,
-            rsigma if amax is None else amax.view(torch.int32),
+            rsigma if amax is None else amax,
             m,
             n,
             eps,
@@ -422,7 +423,8 @@ def norm_stats(
     config: NormLaunchConfig | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``(mean, rsigma)`` of "LayerNorm" or "RMSNorm" (``mean`` 0-element for RMSNorm) as the
-    forward kernels compute them, without writing the output; with ``amax`` (``[1]`` fp32) the
+    forward kernels compute them, without writing the output; with ``amax`` (``[1]`` int32 bits,
+    ``kernels.quantize.amax_bits``) the
     amax of the output rounded to ``inp``'s dtype is folded into it. The statistics pass of
     the norm fused into an FP8 cast (``kernels.act_quantize.norm_quantize``)."""
     kind = LAYERNORM.value if normalization == "LayerNorm" else RMSNORM.value
