@@ -5,16 +5,18 @@
 #   bash bench/run_gpu.sh tests:functional      # one part of the suite (tests/functional)
 #   bash bench/run_gpu.sh activation mlp demo   # ...
 #
-# Steps: tests, tests:<part>, tune_norm, tune_quantize[:part], tune_act_block, loss_diag, fp8_loss_seeds and diag_host (diagnostics), demo,
-# fp8_loss (train_gpt 300 steps per FP8 recipe), linear, overhead, norm, activation, mlp,
-# grouped, fp8, ops (default: all but the diagnostics and fp8_loss, in that order; split them
-# over calls to stay inside the 10-minute limit of one call). Each step writes one log and its bench its .md/.json
-# under $OUT (--no-chart), packed into $OUT/results.tgz. Carry `.whl` (expecttest, liger-kernel,
-# torchao, pytest-xdist + execnet: not on the GPU image; bench/README.md). Not in the default
-# list: block (bench_block, the transformer block step; one size per call, BENCH_ARGS="--size
-# h1024"), tp (bench_tp, needs 2 GPUs; TP_ARGS="--mesh 1x1 4x1 2x2 --recipe none current" for more),
-# tp_fp8 (FP8 current scaling on 1 GPU, all GPUs, and a TP x FSDP2 mesh), nccl_tests
-# (tests/distributed -k nccl on 2 GPUs and on all GPUs at once).
+# Steps: tests, tests:<part>, demo, linear, overhead, norm, activation, mlp, grouped, fp8, ops
+# (the default list, in that order; split them over calls to stay inside the 10-minute limit of
+# one call); fp8_loss (train_gpt 300 steps per FP8 recipe), fp8_loss_seeds (the FP8 loss
+# criterion over three seeds); the diagnostics of bench/diag/: loss_diag, diag_host,
+# diag_grouped_gemm, diag_grouped_delayed, tune_norm, tune_quantize[:part], tune_group_columns.
+# Each step writes one log under $OUT (a bench step also its .md/.json, --no-chart), packed into
+# $OUT/results.tgz. Carry `.whl` (expecttest, liger-kernel, torchao, pytest-xdist + execnet: not
+# on the GPU image; bench/README.md). Not in the default list: block (bench_block, the
+# transformer block step; one size per call, BENCH_ARGS="--size h1024"), tp (bench_tp, needs 2
+# GPUs; TP_ARGS="--mesh 1x1 4x1 2x2 --recipe none current" for more), tp_fp8 (FP8 current scaling
+# on 1 GPU, all GPUs, and a TP x FSDP2 mesh), nccl_tests (tests/distributed -k nccl on 2 GPUs and
+# on all GPUs at once).
 set -uo pipefail
 OUT=${OUT:-bench/results/latest}
 mkdir -p "$OUT"
@@ -50,7 +52,7 @@ for step in "${steps[@]}"; do
         | tee "$OUT/tests_${part//\//_}.log" | tail -25 ;;
     demo) timeout 240 python3 examples/train_gpt.py 2>&1 | tr '\r' '\n' | grep -v "it/s\]$" \
             | tee "$OUT/demo.log" | tail -12 ;;
-    fp8_loss)  # issue 5: examples/train_gpt.py 300 steps per native recipe, run side by side,
+    fp8_loss)  # examples/train_gpt.py 300 steps per native recipe, run side by side,
                # with bf16 parameters and with fp32 master weights + bf16 autocast ("amp")
       runs=()
       for r in none current delayed block; do
@@ -65,7 +67,7 @@ for step in "${steps[@]}"; do
         echo "$r: $(grep -E '^(final val loss|graph breaks)' "$OUT/fp8_loss_$r.log" | tr -s ' ' \
           | paste -sd ';')"
       done | tee "$OUT/fp8_loss.log" ;;
-    fp8_loss_seeds)  # issue 5's loss criterion over seeds (fp32 master weights + bf16 autocast):
+    fp8_loss_seeds)  # the FP8 loss criterion over seeds (fp32 master weights + bf16 autocast):
                      # every native recipe and none for three seeds (LOSS_RECIPES to choose),
                      # side by side on one GPU; LOSS_ARGS goes to every run (default: the
                      # criterion's config, 128 sequences a step at a peak lr of 5e-4; set it
@@ -87,9 +89,9 @@ for step in "${steps[@]}"; do
         echo "$r: $(grep -E '^(final val loss|graph breaks)' "$OUT/fp8_seed_$r.log" \
           | tr -s ' ' | paste -sd ';')"
       done | tee "$OUT/fp8_loss_seeds.log" ;;
-    loss_diag)  # issue 5's bf16 loss question: per-parameter gradient errors against float64,
+    loss_diag)  # is a loss gap a gradient error: per-parameter gradient errors against float64,
                 # then 300-step runs of train_gpt in variants side by side (one GPU)
-      python3 -m bench.diag_gpt_grads --out "$OUT" 2>&1 | tail -12
+      python3 -m bench.diag.diag_gpt_grads --out "$OUT" 2>&1 | tail -12
       tg=(examples/train_gpt.py --steps 300 --sample-chars 0)
       declare -A variants=(
         [bf16]="" [fp32]="--dtype float32" [current]="--recipe current"
@@ -108,29 +110,18 @@ runpy.run_path('examples/train_gpt.py', run_name='__main__')" "${tg[@]:1}" \
         echo "$(basename "$f" .log): $(grep -E '^(final val loss|graph breaks)' "$f" \
           | tr -s ' ' | paste -sd ';')"
       done | tee "$OUT/loss_diag.log" ;;
-    diag_first_launch)  # host ops before each FP8 row's first GEMM (bench/diag_first_launch.py)
-      python3 -m bench.diag_first_launch 2>&1 | tee "$OUT/diag_first_launch.log" ;;
-    diag_gemm_host)  # host time per FP8 GEMM call by scaling kind (bench/diag_gemm_host.py)
-      python3 -m bench.diag_gemm_host 2>&1 | tee "$OUT/diag_gemm_host.log" ;;
-    diag_grouped_wgrad)  # torch's grouped FP8 GEMM on the grouped wgrad (bench/diag_grouped_wgrad.py)
-      python3 -m bench.diag_grouped_wgrad 2>&1 | tee "$OUT/diag_grouped_wgrad.log" ;;
-    diag_grouped_gemm)  # the GEMM ceiling of the FP8 GroupedLinear (bench/diag_grouped_gemm.py)
-      python3 -m bench.diag_grouped_gemm 2>&1 | tee "$OUT/diag_grouped_gemm.log" ;;
-    diag_grouped_delayed)  # the spread of the FP8 GroupedLinear's delayed row (bench/diag_grouped_delayed.py)
-      python3 -m bench.diag_grouped_delayed ${DIAG_ARGS:-} 2>&1 | tee "$OUT/diag_grouped_delayed.log" ;;
-    diag_sync)  # does the FP8 MLP step make the host wait (bench/diag_sync.py), default
-                # allocator and expandable segments
-      python3 -m bench.diag_sync 2>&1 | tee "$OUT/diag_sync.log"
-      PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -m bench.diag_sync --rows bf16 block \
-        2>&1 | tee "$OUT/diag_sync_expandable.log" ;;
-    diag_host)  # where the FP8 MLP step's time goes beyond its kernels (bench/diag_host.py)
-      python3 -m bench.diag_host 2>&1 | tee "$OUT/diag_host.log" ;;
-    tune_norm) python3 -m bench.tune_norm 2>&1 | tee "$OUT/tune_norm.log" ;;
-    tune_act_block)  # one-read layouts of the fused activation + 1x128 cast (bench/tune_act_block.py)
-      python3 -m bench.tune_act_block ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune_act_block.log" ;;
-    tune_quantize) python3 -m bench.tune_quantize 2>&1 | tee "$OUT/tune_quantize.log" ;;
+    diag_grouped_gemm)  # the GEMM ceiling of the FP8 GroupedLinear (bench/diag/diag_grouped_gemm.py)
+      python3 -m bench.diag.diag_grouped_gemm 2>&1 | tee "$OUT/diag_grouped_gemm.log" ;;
+    diag_grouped_delayed)  # the spread of the FP8 GroupedLinear's delayed row (bench/diag/diag_grouped_delayed.py)
+      python3 -m bench.diag.diag_grouped_delayed ${DIAG_ARGS:-} 2>&1 | tee "$OUT/diag_grouped_delayed.log" ;;
+    diag_host)  # where the FP8 MLP step's time goes beyond its kernels (bench/diag/diag_host.py)
+      python3 -m bench.diag.diag_host 2>&1 | tee "$OUT/diag_host.log" ;;
+    tune_norm) python3 -m bench.diag.tune_norm 2>&1 | tee "$OUT/tune_norm.log" ;;
+    tune_group_columns)  # launches of the grouped FP8 wgrad's column cast (bench/diag/tune_group_columns.py)
+      python3 -m bench.diag.tune_group_columns 2>&1 | tee "$OUT/tune_group_columns.log" ;;
+    tune_quantize) python3 -m bench.diag.tune_quantize 2>&1 | tee "$OUT/tune_quantize.log" ;;
     tune_quantize:*)  # one part of the sweep: tune_quantize:pertensor or tune_quantize:block
-      python3 -m bench.tune_quantize "${step#tune_quantize:}" 2>&1 \
+      python3 -m bench.diag.tune_quantize "${step#tune_quantize:}" 2>&1 \
         | tee "$OUT/tune_quantize_${step#tune_quantize:}.log" ;;
     linear|overhead|norm|activation|mlp|grouped|fp8|ops)
       python3 -m "bench.bench_$step" --out "$OUT" --no-chart ${BENCH_ARGS:-} 2>&1 \

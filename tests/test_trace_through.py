@@ -156,6 +156,11 @@ def test_block_trains_under_cuda_graphs(recipe):
     rec_eager = factory() if factory is not None else None
     rec_graphed = factory() if factory is not None else None
     for step in range(4):
+        # Gradients are set to None before each step, as an optimizer's zero_grad does: a
+        # gradient accumulated into across replays would be a CUDA-graph output that the next
+        # replay overwrites (PyTorch's CUDA graph trees refuse that access).
+        for p in (*eager.parameters(), *graphed.parameters()):
+            p.grad = None
         x = torch.randn(TOKENS, HIDDEN, device="cuda")
         torch.compiler.cudagraph_mark_step_begin()
         out = _step(call, x.clone().requires_grad_(), rec_graphed)().detach().clone()

@@ -51,6 +51,17 @@ def launch(kernel: Any, grid: Any) -> Any:
     return kernel[grid]
 
 
+def size_hint(n: int | torch.SymInt) -> int:
+    """``n`` as an int to choose a launch configuration by (tile sizes, programs per launch).
+    A symbolic size (``torch.compile`` with dynamic shapes tracing a te op's implementation)
+    gives the example size it was traced with and installs no guard, so that new sizes reuse
+    the compiled graph: what is chosen with it must change only speed, never results."""
+    if isinstance(n, torch.SymInt):
+        hint = n.node.hint
+        return int(hint) if hint is not None else 8192
+    return n
+
+
 def tracing() -> bool:
     """True under a dispatch mode (AOTAutograd's functional tracing, fake tensors, ...): the
     tensors may have no data, so nothing may read a data pointer, call a C++ kernel, or cache a

@@ -20,21 +20,22 @@ tensor of its size, and the bytes are those of the unfused ops (activation kerne
 same rounding, same cast (``kernels.quantize``). Rows ``M <= r < M_OUT`` (the token padding to
 a multiple of 16 the FP8 GEMMs need) are written as zeros and do not enter the amax.
 
-One tile per program, as in ``kernels.quantize``. A persistent variant (each program walking
-many row tiles of a column block, one atomic and one partial-sum row at the end) was measured on
-the H100 (``bench/tune_quantize.py``, 2026-11-22) and was slower for current scaling (2.03 ms
-for the forward and backward passes at its best launch against 1.85 ms) and faster only for the
-delayed backward (0.82 ms against 0.86 ms): not kept.
+One tile per program, as in ``kernels.quantize``: a persistent form (each program walking many
+row tiles of a column block, one atomic and one partial-sum row at the end) is slower on the
+H100 for current scaling (2.03 ms for the forward and backward passes at its best launch against
+1.85 ms) and faster only for the delayed backward (0.82 ms against 0.86 ms;
+``bench/results/2026-11-22_h100/tune_quantize_persistent.log``).
 
 ``_act_block_kernel`` (``act_quantize_block``) is the same for Float8BlockScaling's 1x128
 blocks, as ``kernels.quantize._block_kernel`` casts a tensor, by default in two passes that each
 compute the activation: rowwise over ``[32, 128]`` tiles, columnwise over ``[128, 64]`` tiles.
 One 128x128 tile for both layouts (``block_split=False``) runs one program per SM and is
 latency-bound: on the H100 at 16384 x 16384 the forward took 0.995 ms against 0.649 ms split,
-the backward 1.145 against 1.105 ms (``bench/tune_quantize.py``; programs walking many tiles
-were no faster, software pipelining slower, and one tile read in row pieces twice, the second
-time from L2, slower still: 0.89 / 1.82 ms at best; the columnwise blocks cast from the
-transposed tile, fp32 or bf16: 0.85 / 1.17 ms at best, ``bench/tune_act_block.py``).
+the backward 1.145 against 1.105 ms (``bench/diag/tune_quantize.py``). Programs walking many
+tiles are no faster, software pipelining is slower, and one tile read in row pieces twice, the
+second time from L2, slower still: 0.89 / 1.82 ms at best; the columnwise blocks cast from the
+transposed tile, fp32 or bf16: 0.85 / 1.17 ms at best (``bench/results/2026-11-22_h100/``:
+``tune_quantize_block.log``, ``tune_quantize_block_reload.log``, ``s9/tune_act_block.log``).
 
 Gated activations (contiguous halves, ``z`` ``[M, 2N]``): the forward quantises :math:`h =
 f(a) \odot l` ``[M, N]``; the backward (``_gated_bwd_tile``) computes both halves of
@@ -75,6 +76,7 @@ from te_compile.kernels.quantize import (
     _round,
     _software,
     _tile_scale,
+    amax_bits,
     block_scales,
 )
 
@@ -223,9 +225,13 @@ def _gated_bwd_tile(
 
 
 @triton.jit
-def _store_sums(PART, v, pid_m, ROW, COL0, cols, N):
-    """The column sums of tile ``v`` into row ``pid_m`` of ``PART`` (``ROW`` wide), columns
-    ``COL0 + cols`` (of ``N`` valid): a bias gradient's partial sums."""
+def _store_sums(PART, v, pid_m, pid_n, ROW, COL0, N, BLOCK_N: tl.constexpr):
+    """The column sums of tile ``(pid_m, pid_n)`` ``v`` into row ``pid_m`` of ``PART`` (``ROW``
+    wide), columns ``COL0 + pid_n * BLOCK_N + ...`` (of ``N`` valid): a bias gradient's partial
+    sums. The columns are computed here, not taken from the tile helpers: PyTorch's analysis of
+    what a kernel writes (``wrap_triton`` under ``torch.compile``) takes a store address built
+    from a helper's result as one that may point into every tensor given to the helper."""
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(PART + pid_m.to(tl.int64) * ROW + COL0 + cols, tl.sum(v, axis=0), mask=cols < N)
 
 
@@ -246,21 +252,21 @@ def _act_amax_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if GATED and BWD:
-        va, ra, vl, rl, cols = _gated_bwd_tile(
+        va, ra, vl, rl, _ = _gated_bwd_tile(
             Z, B, G, pid_m, pid_n, M, N, FN, HAS_BIAS, ROUND, SOFTWARE, EVEN, BLOCK_M, BLOCK_N
         )
         tl.atomic_max(AMAX_BITS, tl.maximum(_max_abs_bits(ra), _max_abs_bits(rl)))
         if DBIAS:
-            _store_sums(PART, va, pid_m, 2 * N, 0, cols, N)
-            _store_sums(PART, vl, pid_m, 2 * N, N, cols, N)
+            _store_sums(PART, va, pid_m, pid_n, 2 * N, 0, N, BLOCK_N)
+            _store_sums(PART, vl, pid_m, pid_n, 2 * N, N, N, BLOCK_N)
     else:
-        v, r, cols = _tile(
+        v, r, _ = _tile(
             Z, B, G, MEAN, RSIG, pid_m, pid_n, M, N, FN, BWD, GATED, HAS_BIAS, ROUND, SOFTWARE,
             EVEN, BLOCK_M, BLOCK_N,
         )  # fmt: skip
         tl.atomic_max(AMAX_BITS, _max_abs_bits(r))
         if DBIAS:
-            _store_sums(PART, v, pid_m, N, 0, cols, N)
+            _store_sums(PART, v, pid_m, pid_n, N, 0, N, BLOCK_N)
 
 
 @triton.jit
@@ -312,14 +318,14 @@ def _act_cast_kernel(
     pid_n = tl.program_id(1)
     first = (pid_m == 0) & (pid_n == 0)
     if GATED and BWD:
-        va, xa, vl, xl, cols = _gated_bwd_tile(
+        va, xa, vl, xl, _ = _gated_bwd_tile(
             Z, B, G, pid_m, pid_n, M, N, FN, HAS_BIAS, ROUND, SOFTWARE, EVEN, BLOCK_M, BLOCK_N
         )
         scale = _tile_scale(SCALE, AMAX_BITS, SCALE_INV, xa, first, fp8_max, eps, FROM_AMAX, False)
         _tile_scale(SCALE, AMAX_BITS, SCALE_INV, xl, first, fp8_max, eps, FROM_AMAX, False)
         if DBIAS and not FROM_AMAX:
-            _store_sums(PART, va, pid_m, 2 * N, 0, cols, N)
-            _store_sums(PART, vl, pid_m, 2 * N, N, cols, N)
+            _store_sums(PART, va, pid_m, pid_n, 2 * N, 0, N, BLOCK_N)
+            _store_sums(PART, vl, pid_m, pid_n, 2 * N, N, N, BLOCK_N)
         _cast_store(
             xa, scale, DATA, DATA_T, pid_m, pid_n, M_OUT, N, 2 * N, 0, fp8_max, E4M3, MBITS,
             BIAS, SOFTWARE, GUARD, COLUMNWISE, EVEN, BLOCK_M, BLOCK_N,
@@ -329,13 +335,13 @@ def _act_cast_kernel(
             BIAS, SOFTWARE, GUARD, COLUMNWISE, EVEN, BLOCK_M, BLOCK_N,
         )  # fmt: skip
     else:
-        v, x, cols = _tile(
+        v, x, _ = _tile(
             Z, B, G, MEAN, RSIG, pid_m, pid_n, M, N, FN, BWD, GATED, HAS_BIAS, ROUND, SOFTWARE,
             EVEN, BLOCK_M, BLOCK_N,
         )  # fmt: skip
         scale = _tile_scale(SCALE, AMAX_BITS, SCALE_INV, x, first, fp8_max, eps, FROM_AMAX, False)
         if DBIAS and not FROM_AMAX:
-            _store_sums(PART, v, pid_m, N, 0, cols, N)
+            _store_sums(PART, v, pid_m, pid_n, N, 0, N, BLOCK_N)
         _cast_store(
             x, scale, DATA, DATA_T, pid_m, pid_n, M_OUT, N, N, 0, fp8_max, E4M3, MBITS,
             BIAS, SOFTWARE, GUARD, COLUMNWISE, EVEN, BLOCK_M, BLOCK_N,
@@ -405,12 +411,12 @@ def _act_block_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if GATED and BWD:
-        va, xa, vl, xl, cols = _gated_bwd_tile(
+        va, xa, vl, xl, _ = _gated_bwd_tile(
             Z, B, G, pid_m, pid_n, M, N, FN, HAS_BIAS, ROUND, SOFTWARE, EVEN, BLOCK_M, BLOCK_N
         )
         if DBIAS:
-            _store_sums(PART, va, pid_m, 2 * N, 0, cols, N)
-            _store_sums(PART, vl, pid_m, 2 * N, N, cols, N)
+            _store_sums(PART, va, pid_m, pid_n, 2 * N, 0, N, BLOCK_N)
+            _store_sums(PART, vl, pid_m, pid_n, 2 * N, N, N, BLOCK_N)
         _block_store(
             xa, DATA, SCALE_INV, DATA_T, SCALE_INV_T, pid_m, pid_n, M_OUT, N, 2 * N, 0,
             fp8_max, S_ROW, S_BLK, T_ROW, T_BLK, E4M3, MBITS, BIAS, SOFTWARE, GUARD, POW2, EVEN,
@@ -422,12 +428,12 @@ def _act_block_kernel(
             AXES, BLOCK_M, BLOCK_N,
         )  # fmt: skip
     else:
-        v, x, cols = _tile(
+        v, x, _ = _tile(
             Z, B, G, MEAN, RSIG, pid_m, pid_n, M, N, FN, BWD, GATED, HAS_BIAS, ROUND, SOFTWARE,
             EVEN, BLOCK_M, BLOCK_N,
         )  # fmt: skip
         if DBIAS:
-            _store_sums(PART, v, pid_m, N, 0, cols, N)
+            _store_sums(PART, v, pid_m, pid_n, N, 0, N, BLOCK_N)
         _block_store(
             x, DATA, SCALE_INV, DATA_T, SCALE_INV_T, pid_m, pid_n, M_OUT, N, N, 0,
             fp8_max, S_ROW, S_BLK, T_ROW, T_BLK, E4M3, MBITS, BIAS, SOFTWARE, GUARD, POW2, EVEN,
@@ -453,9 +459,10 @@ def _per_tensor(
     name: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
     """The launches of :func:`act_quantize` / :func:`norm_quantize`: ``z`` ``[>= rows, N]``
-    read up to row ``rows``, outputs of ``m_out`` rows. ``amax``: the first pass of current
-    scaling already ran (the norm statistics kernel folds it), else ``_act_amax_kernel`` runs
-    it. ``norm``: the norm's ``(gamma, mean, rsigma)`` (``bias`` is its beta). ``gated``:
+    read up to row ``rows``, outputs of ``m_out`` rows. ``amax`` (int32 bits,
+    ``kernels.quantize.amax_bits``): the first pass of current scaling already ran (the norm
+    statistics kernel folds it), else ``_act_amax_kernel`` runs it. ``norm``: the norm's
+    ``(gamma, mean, rsigma)`` (``bias`` is its beta). ``gated``:
     ``z`` is ``[>= rows, 2N]`` (:func:`act_quantize`)."""
     n, n_out = _gated_widths(z, grad, gated)
     software = _software(z.device, cfg)
@@ -463,7 +470,7 @@ def _per_tensor(
     data_t = z.new_empty((n_out, m_out) if columnwise else (0,), dtype=fp8_dtype)
     amax_pass = amax is None and scale is None
     if amax is None:
-        amax = torch.zeros(1, device=z.device, dtype=torch.float32)
+        amax = amax_bits(z.device)
     scale_inv = torch.empty(1, device=z.device, dtype=torch.float32)
     grid = (max(triton.cdiv(m_out, cfg.block_m), 1), max(triton.cdiv(n, cfg.block_k), 1))
     if cfg.block_m * z.shape[1] >= 2**31 or cfg.block_k * m_out >= 2**31:
@@ -487,7 +494,7 @@ def _per_tensor(
     b = z if bias is None else bias
     if amax_pass:
         launch(_act_amax_kernel, grid)(
-            z, b, gamma, mean, rsig, amax.view(torch.int32), part, rows, n, SOFTWARE=software,
+            z, b, gamma, mean, rsig, amax, part, rows, n, SOFTWARE=software,
             **common,
         )  # fmt: skip
     launch(_act_cast_kernel, grid)(
@@ -496,8 +503,8 @@ def _per_tensor(
         gamma,
         mean,
         rsig,
-        amax if scale is None else scale.reshape(1),
-        amax.view(torch.int32),
+        amax if scale is None else scale.reshape(1),  # current scaling: SCALE unused
+        amax,
         _bits(data),
         _bits(data_t),
         scale_inv,
@@ -515,7 +522,7 @@ def _per_tensor(
     if scale is not None:
         scale_inv = scale.reshape(1).reciprocal()
     db = part.sum(0).to(bias.dtype) if dbias else None
-    return data, data_t, scale_inv, amax, db
+    return data, data_t, scale_inv, amax.view(torch.float32), db
 
 
 def _blockwise(
@@ -722,7 +729,7 @@ def norm_quantize(
     of its size unfused. Arguments are trusted (``functional.linear_fp8`` checks them)."""
     cfg = config or QuantizeLaunchConfig()
     # Current scaling: the statistics pass takes the amax (delayed: the cast folds it).
-    amax = torch.zeros(1, device=x.device, dtype=torch.float32) if scale is None else None
+    amax = amax_bits(x.device) if scale is None else None
     fn, norm, mean, rsigma = _norm_pass(
         x, weight, bias, normalization, eps, zero_centered_gamma, amax
     )

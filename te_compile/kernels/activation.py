@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from te_compile.kernels import launch, programs_per_sm
+from te_compile.kernels import launch, programs_per_sm, size_hint
 
 __all__ = [
     "FUNCTION_OF",
@@ -447,7 +447,7 @@ def activation_forward(
     m, n, _ = _rows_shape(x, gated)
     out = x.new_empty((*x.shape[:-1], n))
     if out.numel():
-        cfg = config or rows_config(m, n, x.device, dbias=False)
+        cfg = config or rows_config(size_hint(m), n, x.device, dbias=False)
         grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
         launch(_rows_fwd_kernel, grid)(
             x,
@@ -502,7 +502,7 @@ def activation_backward(
     dbias = need_dbias and bias is not None
     if m == 0 or n == 0:
         return dx, (torch.zeros_like(bias) if dbias else None)
-    cfg = config or rows_config(m, n, x.device, dbias=dbias)
+    cfg = config or rows_config(size_hint(m), n, x.device, dbias=dbias)
     rows_per_program = cfg.rows_per_program if dbias else cfg.block_m
     programs = triton.cdiv(m, rows_per_program)
     part = torch.empty((programs, n_in), device=x.device, dtype=torch.float32) if dbias else dx

@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from te_compile.kernels import launch, programs_per_sm
+from te_compile.kernels import launch, programs_per_sm, size_hint
 from te_compile.kernels.quantize import _ROUND, _abs_bits, _round
 
 __all__ = [
@@ -373,8 +373,9 @@ def _norm_fwd(
     amax: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(out, mean, rsigma)``; without ``store_y`` ``out`` is a 0-element tensor (statistics
-    only). ``amax`` (``[1]`` fp32, zero or a running max): the output's amax, rounded to the
-    input's dtype, is folded into it."""
+    only). ``amax`` (``[1]`` int32, the bits of a zero or running fp32 max,
+    ``kernels.quantize.amax_bits``): the output's amax, rounded to the input's dtype, is folded
+    into it."""
     x = _rows(inp)
     m, n = x.shape
     out = torch.empty_like(x) if store_y else x.new_empty(0)
@@ -389,7 +390,7 @@ def _norm_fwd(
             out,
             mean if kind == LAYERNORM else rsigma,
             rsigma,
-            rsigma if amax is None else amax.view(torch.int32),
+            rsigma if amax is None else amax,
             m,
             n,
             eps,
@@ -422,7 +423,8 @@ def norm_stats(
     config: NormLaunchConfig | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``(mean, rsigma)`` of "LayerNorm" or "RMSNorm" (``mean`` 0-element for RMSNorm) as the
-    forward kernels compute them, without writing the output; with ``amax`` (``[1]`` fp32) the
+    forward kernels compute them, without writing the output; with ``amax`` (``[1]`` int32 bits,
+    ``kernels.quantize.amax_bits``) the
     amax of the output rounded to ``inp``'s dtype is folded into it. The statistics pass of
     the norm fused into an FP8 cast (``kernels.act_quantize.norm_quantize``)."""
     kind = LAYERNORM.value if normalization == "LayerNorm" else RMSNORM.value
@@ -452,8 +454,9 @@ def _norm_bwd(
     cfg = _config(n, True, config)
     # Stage 1 grid: at most `programs`, each owning whole tiles of rows (at least one tile, so
     # that 0 rows give 0 programs, not a division by 0).
-    programs = min(triton.cdiv(m, cfg.block_m), programs or _max_bwd_programs(x.device))
-    rows_per_program = triton.cdiv(triton.cdiv(m, max(programs, 1)), cfg.block_m) * cfg.block_m
+    rows = size_hint(m)
+    programs = min(triton.cdiv(rows, cfg.block_m), programs or _max_bwd_programs(x.device))
+    rows_per_program = triton.cdiv(triton.cdiv(rows, max(programs, 1)), cfg.block_m) * cfg.block_m
     rows_per_program = max(rows_per_program, cfg.block_m)
     programs = triton.cdiv(m, rows_per_program)
     n_partial = 0 if kind == L2NORM else 1 + has_bias

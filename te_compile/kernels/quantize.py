@@ -224,7 +224,7 @@ def _cast_fp8(
     ``cvt.rn.satfinite.{e4m3,e5m2}x2.f32``, which saturates overflow and infinities to the
     largest finite value and keeps NaN a NaN (its NaN code may differ from torch's 0x7F; any
     NaN code decodes to NaN). A clamp and a NaN fix-up around it cost three instructions an
-    element in kernels bound by instruction issue (``bench/sass_quantize.py``).
+    element in kernels bound by instruction issue (``bench/diag/sass_quantize.py``).
 
     ``GUARD`` (set by ``_cast_args`` for fp32 sources): keep the clamp and the fix-up. On the
     H100 with Triton 3.6 (2026-11-22) the bare conversion of tiles loaded from fp32 tensors
@@ -753,18 +753,31 @@ def _grid(m: int, k: int, bm: int, bk: int) -> tuple[int, int]:
     return max(triton.cdiv(m, bm), 1), max(triton.cdiv(k, bk), 1)
 
 
+def amax_bits(device: torch.device) -> Tensor:
+    """A zeroed ``[1]`` int32 buffer that kernels fold an amax into (``tl.atomic_max`` over the
+    int32 bits of ``|x|``, module docstring); ``.view(torch.float32)`` reads it as the amax.
+    Kernels are given this int32 buffer itself, never an int32 view of an fp32 one: Inductor
+    (torch 2.11) cannot lower a kernel's write through a dtype view of a buffer the graph made
+    (``make_reindexer NYI on DtypeView``)."""
+    return torch.zeros(1, device=device, dtype=torch.int32)
+
+
 def amax(x: Tensor, *, config: QuantizeLaunchConfig | None = None) -> Tensor:
     """``max|x|`` as a 1-element fp32 tensor (0 for an empty ``x``; NaN if any is NaN)."""
-    cfg = config or _DEFAULT
+    return _amax_bits(x, config or _DEFAULT).view(torch.float32)
+
+
+def _amax_bits(x: Tensor, cfg: QuantizeLaunchConfig) -> Tensor:
+    """:func:`amax` as its int32 bits (:func:`amax_bits`)."""
     x = x.contiguous()
-    out = torch.zeros(1, device=x.device, dtype=torch.float32)
+    out = amax_bits(x.device)
     n = x.numel()
     if n:
         cap = cfg.amax_programs or programs_per_sm(x.device, 4)
         programs = min(triton.cdiv(n, cfg.amax_block), cap)
         chunk = triton.cdiv(triton.cdiv(n, programs), cfg.amax_block) * cfg.amax_block
         launch(_amax_kernel, (triton.cdiv(n, chunk),))(
-            x, out.view(torch.int32), n, chunk, BLOCK_SIZE=cfg.amax_block, num_warps=cfg.num_warps
+            x, out, n, chunk, BLOCK_SIZE=cfg.amax_block, num_warps=cfg.num_warps
         )
     return out
 
@@ -812,15 +825,15 @@ def quantize_tensorwise(
     x2, m, k = _rows(x)
     data = torch.empty(x.shape, device=x.device, dtype=fp8_dtype)
     data_t = _transposed(x, m, k, fp8_dtype, columnwise)
-    amax_out = torch.zeros(1, device=x.device, dtype=torch.float32)
+    bits = amax_bits(x.device)
     if m * k:
         launch(_cast_kernel, _grid(m, k, cfg.block_m, cfg.block_k))(
             x2,
             scale.reshape(1).contiguous(),
-            amax_out.view(torch.int32),
+            bits,
             _bits(data),
             _bits(data_t),
-            amax_out,  # SCALE_INV: unused
+            bits,  # SCALE_INV: unused
             m,
             k,
             _FORMATS[fp8_dtype].max,
@@ -833,7 +846,7 @@ def quantize_tensorwise(
             BLOCK_K=cfg.block_k,
             num_warps=cfg.num_warps,
         )
-    return data, data_t, amax_out
+    return data, data_t, bits.view(torch.float32)
 
 
 def quantize_current(
@@ -851,12 +864,12 @@ def quantize_current(
     x2, m, k = _rows(x)
     data = torch.empty(x.shape, device=x.device, dtype=fp8_dtype)
     data_t = _transposed(x, m, k, fp8_dtype, columnwise)
-    amax_out = amax(x2, config=cfg)
+    bits = _amax_bits(x2, cfg)
     scale_inv = torch.empty(1, device=x.device, dtype=torch.float32)
     launch(_cast_kernel, _grid(m, k, cfg.block_m, cfg.block_k))(
         x2,
-        amax_out,  # SCALE: unused
-        amax_out.view(torch.int32),
+        bits,  # SCALE: unused
+        bits,
         _bits(data),
         _bits(data_t),
         scale_inv,
@@ -872,7 +885,7 @@ def quantize_current(
         BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps,
     )
-    return data, data_t, scale_inv, amax_out
+    return data, data_t, scale_inv, bits.view(torch.float32)
 
 
 def quantize_blockwise(
@@ -1124,7 +1137,7 @@ def quantize_group_columns(
     scale`` for every group with ``scale``). ``scale``
     (``[1]`` fp32): every group cast with it instead (delayed scaling). One launch, no host
     sync; ``capacity`` must hold the padded groups (``M + 15 G`` always does). Launch:
-    ``bench/tune_group_columns.py``; 128 x 32 tiles, 4 warps ran 330 / 177 us at 32768 x 4096 /
+    ``bench/diag/tune_group_columns.py``; 128 x 32 tiles, 4 warps ran 330 / 177 us at 32768 x 4096 /
     2048 in 8 groups on the H100 (2026-11-23; ~2.0 TB/s of its minimal traffic against 2.9 for a
     copy; 64 x 64 took 443 / 352 us). ``e4m3_codes``: as in :func:`quantize_rowwise`."""
     k = x.shape[1]

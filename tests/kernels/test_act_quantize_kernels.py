@@ -283,9 +283,9 @@ def test_norm_stats_amax_is_that_of_the_rounded_output(chunked):
     config = norm_k.NormLaunchConfig(4, 16, 4, chunked=True) if chunked else None
     x, w, b = _norm_inputs("LayerNorm", torch.bfloat16, True, False, 19, 40)
     _, mean, rsigma = norm_k.layernorm_fwd(x, w, b, 1e-5, False, config=config)
-    amax = _dev(torch.zeros(1))
-    s_mean, s_rsigma = norm_k.norm_stats("LayerNorm", x, w, b, 1e-5, False, amax, config=config)
+    bits = _dev(torch.zeros(1, dtype=torch.int32))  # kernels.quantize.amax_bits
+    s_mean, s_rsigma = norm_k.norm_stats("LayerNorm", x, w, b, 1e-5, False, bits, config=config)
     assert_bits_equal(s_mean, mean)
     assert_bits_equal(s_rsigma, rsigma)
     expected = _norm_padded(x, w, b, "LayerNorm", False, 19, config)[0].float().abs().max()
-    assert amax.item() == expected.item()
+    assert bits.view(torch.float32).item() == expected.item()

@@ -1,9 +1,10 @@
-"""Diagnostics for the demo GPT on the GPU (issue 5's loss question): per-parameter gradient
-error of the GPU model (bf16 and fp32, eager and compiled, FP8 recipes) against the same model in
-float64 on the CPU, and a check that a forward + backward leaves every parameter and the input
-untouched (a kernel writing into a saved buffer or a weight would not show in one gradient).
+"""Gradient check of the demo GPT on the GPU: per-parameter gradient error of the GPU model
+(bf16 and fp32, eager and compiled, FP8 recipes) against the same model in float64 on the CPU
+(is a loss gap a gradient error?), and a check that a forward + backward leaves every parameter
+and the input untouched (a kernel writing into a saved buffer or a weight would not show in one
+gradient). ``--device cpu`` runs the script itself on the CPU.
 
-    python -m bench.diag_gpt_grads [--layers 2] [--out DIR]
+    python -m bench.diag.diag_gpt_grads [--layers 2] [--out DIR]
 
 Prints one table: rows are parameters, columns the runs, entries the norm-wise relative error
 ``|g - g_ref| / |g_ref|``; the last lines give the worst entry per run and whether anything was
@@ -20,7 +21,7 @@ import torch
 
 from tests.utils import load_script
 
-TRAIN_GPT = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
+TRAIN_GPT = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
 
 
 def main(argv=None) -> int:

@@ -1,21 +1,21 @@
 """Where the FP8 MLP step's time goes beyond its kernels: host time, GPU idle gaps, host ops.
 
-bench_fp8's do_bench median of a compiled LayerNormMLP step exceeds the sum of its kernels
-(H100, 2026-11-22: block 15.2 ms against 13.5 ms of kernels, current 12.7 against 11.5). This
-diagnostic separates, per recipe row (same module and case as ``bench.bench_fp8``):
+When bench_fp8's do_bench median of a compiled LayerNormMLP step exceeds the sum of its kernels,
+this separates, per recipe row (same module and case as ``bench.bench_fp8``):
 
 * ``host ms``: the host's time to issue one step while the GPU is held busy (a
   ``torch.cuda._sleep`` queued first, so the host never waits for the device): pure launch
   and Python cost;
 * ``do_bench ms``: bench_fp8's timer (L2 flushed before each call; the queue is not empty
-  between calls: ``bench/diag_sync.py`` found the host never waits);
+  between calls: the host issues a step faster than the GPU runs it and never waits,
+  ``bench/results/2026-11-22_h100/s10/diag_sync.log``);
 * ``kernels ms`` / ``span ms`` / ``idle ms``: from a profiler trace of one call started on an
   empty queue, the sum of kernel times, first-kernel-start to last-kernel-end, and the
   difference; the largest gaps with the kernels on both sides;
 * the host ops with the most self time over the profiled calls.
 
-    python -m bench.diag_host                  # CUDA; writes to stdout
-    python -m bench.diag_host --rows block current
+    python -m bench.diag.diag_host                  # CUDA; writes to stdout
+    python -m bench.diag.diag_host --rows block current
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import itertools
 

@@ -4,7 +4,7 @@ bench_grouped's shapes: 32768 tokens in 8 uneven groups, 4096 columns (the input
 (the gradient), bf16. Prints us per call and the bandwidth of its minimal traffic (the input
 read twice, the FP8 copy written once) next to a device copy of the input. GPU only.
 
-    python -m bench.tune_group_columns
+    python -m bench.diag.tune_group_columns
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 from triton.testing import do_bench

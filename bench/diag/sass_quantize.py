@@ -7,7 +7,7 @@ kernel of ``n`` instructions an element over ``E`` elements needs at least ``E *
 seconds whatever its bytes: for the MLP benchmark's ``[16384, 16384]`` activation, 9 us per
 instruction an element; the same tensor's bytes (read 2, write 1 + 1 an element) take ~340 us.
 
-    python -m bench.sass_quantize            # prints a table; CPU is fine
+    python -m bench.diag.sass_quantize            # prints a table; CPU is fine
 """
 
 from __future__ import annotations
@@ -59,9 +59,9 @@ def main() -> int:
     from te_compile.kernels import quantize as Q
 
     act_types = dict(
-        Z="*bf16", B="*bf16", G="*bf16", SCALE="*fp32", AMAX_BITS="*i32", DATA="*u8",
-        DATA_T="*u8", SCALE_INV="*fp32", PART="*fp32", M="i32", M_OUT="i32", N="i32",
-        fp8_max="fp32", eps="fp32",
+        Z="*bf16", B="*bf16", G="*bf16", MEAN="*fp32", RSIG="*fp32", SCALE="*fp32",
+        AMAX_BITS="*i32", DATA="*u8", DATA_T="*u8", SCALE_INV="*fp32", PART="*fp32", M="i32",
+        M_OUT="i32", N="i32", fp8_max="fp32", eps="fp32",
     )  # fmt: skip
     cast_types = dict(
         X="*bf16", SCALE="*fp32", AMAX_BITS="*i32", DATA="*u8", DATA_T="*u8", SCALE_INV="*fp32",
@@ -69,7 +69,7 @@ def main() -> int:
     )  # fmt: skip
     e4m3 = dict(E4M3=True, MBITS=3, BIAS=7)
     e5m2 = dict(E4M3=False, MBITS=2, BIAS=15)
-    act = dict(FN=0, HAS_BIAS=True, ROUND=1, SOFTWARE=False, GUARD=False, EVEN=True)
+    act = dict(FN=0, GATED=False, HAS_BIAS=True, ROUND=1, SOFTWARE=False, GUARD=False, EVEN=True)
     rows = []
     for bm, bn in ((64, 64), (64, 128), (128, 64)):
         tile = dict(BLOCK_M=bm, BLOCK_N=bn)

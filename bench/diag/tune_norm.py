@@ -1,7 +1,7 @@
 """Diagnostics for the norm kernels on a GPU (not a benchmark of record): a sweep of the
 backward's launch parameters, and the host-side cost per call of the eager and compiled paths.
 
-    python -m bench.tune_norm            # prints tables; GPU only
+    python -m bench.diag.tune_norm            # prints tables; GPU only
 """
 
 from __future__ import annotations

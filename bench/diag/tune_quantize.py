@@ -4,7 +4,7 @@ effective bandwidth of each launch, for ``quantize_current`` (amax pass + cast w
 transposed copy), ``quantize_tensorwise`` (delayed: one pass) and ``act_quantize`` (gelu fused,
 forward and backward), and the activation kernel they replace, for comparison.
 
-    python -m bench.tune_quantize            # prints tables; GPU only
+    python -m bench.diag.tune_quantize            # prints tables; GPU only
 """
 
 from __future__ import annotations
@@ -115,13 +115,13 @@ def _blockwise(z, g, b, m, numel, row) -> None:
                 ),
                 6 * numel,
             )
-    # One 128x128 tile per program. Programs walking a column of tiles, with and without
-    # software pipelining (tl.range num_stages=2), were measured on the H100 (2026-11-22,
-    # bench/results/2026-11-22_h100/tune_quantize_block.log): no faster (941 against 968 us
-    # forward at best), pipelined much slower; not kept. Nor one 128x128 tile a program read in
-    # [16..64, 128] row pieces twice, the columnwise pass re-reading from L2 (one read from
-    # memory): 889-1563 us forward, 1819-4382 us backward against 649 / 1105 split
-    # (tune_quantize_block_reload.log, eighth session).
+    # One 128x128 tile per program, or the split passes (the default). Programs walking a column
+    # of tiles, with and without software pipelining (tl.range num_stages=2), are no faster (941
+    # against 968 us forward at best on the H100), pipelined much slower; one 128x128 tile a
+    # program read in [16..64, 128] row pieces twice, the columnwise pass re-reading from L2, is
+    # slower than the split passes (889-1563 / 1819-4382 us against 649 / 1105). Those variants
+    # are not in the library; their runs: bench/results/2026-11-22_h100/tune_quantize_block.log
+    # and tune_quantize_block_reload.log.
     print("fused gelu + 1x128 cast (act_quantize_block): one 128x128 tile, or split passes:")
     variants = [dict(block_split=False, block_num_warps=8)]
     variants += [

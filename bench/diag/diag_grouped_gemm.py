@@ -1,4 +1,4 @@
-"""The GEMM ceiling of the FP8 GroupedLinear target (issue 5: 1.3x faster than bf16, 8 experts),
+"""The GEMM ceiling of the FP8 GroupedLinear (its target: 1.3x faster than bf16 at 8 experts),
 GPU only.
 
 At bench_grouped's shape (8 experts, 32768 tokens in its uneven splits, 4096 -> 2048) this
@@ -9,7 +9,7 @@ kernel?), and a bf16 copy of the input (the bandwidth the FP8 casts can reach). 
 prints the best speedup an FP8 step can have: bf16 GEMMs / (FP8 GEMMs + the least bytes the
 casts must move at copy bandwidth), for each choice of accumulation and wgrad precision.
 
-    python -m bench.diag_grouped_gemm
+    python -m bench.diag.diag_grouped_gemm
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 from triton.testing import do_bench

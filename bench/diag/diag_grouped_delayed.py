@@ -1,5 +1,5 @@
-"""Why the FP8 GroupedLinear's DelayedScaling row of bench_grouped spreads (2.45 to 3.56 ms
-for the same code in two calls, its kernels ~2.3 ms), GPU only.
+"""Host time against GPU time of the FP8 GroupedLinear's compiled training step (the
+DelayedScaling row of bench_grouped spreads from call to call while its kernels do not), GPU only.
 
 Times one compiled module's DelayedScaling training step (fwd+bwd, bench_grouped's 8-expert
 shape) three ways: alone on a fresh module, after the same compiled module has also run the
@@ -9,7 +9,7 @@ first and after), so a host-bound step shows as host time above GPU time; then b
 compiled with ``mode="reduce-overhead"`` (CUDA graphs). ``--no-profile`` skips the cProfile
 listings, ``--graphs-only`` runs only the CUDA-graph part.
 
-    python -m bench.diag_grouped_delayed
+    python -m bench.diag.diag_grouped_delayed
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 from triton.testing import do_bench
