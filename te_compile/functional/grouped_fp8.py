@@ -150,8 +150,9 @@ def _gemm_grouped(
     """The grouped GEMM of :func:`_gemm_loop` on device offsets, bf16 output, no host sync:
     ``torch._scaled_grouped_mm`` on the E4M3 codes of the operands (:func:`as_e4m3`; ``a``
     row-major, ``b`` column-major, scales ``[M]`` and ``[G, P]`` fp32; ``fast_accum``: Hopper's
-    fast FP8 accumulation, which the forward GEMM uses as in ``te::linear_fp8``, ~20% faster at
-    32768 x 4096 -> 2048 on the H100, 2026-11-23; the dgrad promotes its partial sums to fp32).
+    fast FP8 accumulation, which the forward GEMM uses as ``te::linear``'s per-tensor one does,
+    ~20% faster at 32768 x 4096 -> 2048 on the H100, 2026-11-23; the dgrad promotes its partial
+    sums to fp32).
     CPU tensors (tests of this path): the bf16 grouped GEMM of the same FP8 values, scales
     after in fp32."""
     aq, sa = as_e4m3(aq, sa)
