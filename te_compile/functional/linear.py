@@ -403,15 +403,30 @@ def linear_fwd(
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
     """``(out, branch, saved)`` (module docstring). The default (CPU) implementation computes
     high precision in fp32 (fp64 stays fp64), rounded once."""
-    return _forward(_Args(*_locals_args(locals())), cuda=False)
+    if (
+        recipe == "" and normalization == "" and activation == "" and residual is None
+        and out_scale == 1.0 and not branch and scale is None and grad_amax is None
+        and norm_weight is None and norm_bias is None
+    ):  # fmt: skip
+        return _plain_forward(inp, weight, bias, main_grad, cuda=False)
+    args = (inp, weight, bias, main_grad, recipe, fwd_dtype, bwd_dtype, power_2_scale,
+            weight_block_rows, emulate, scale, grad_amax, norm_weight, norm_bias, normalization,
+            norm_eps, zero_centered_gamma, activation, glu_interleave_size, limit, alpha,
+            glu_linear_offset, residual, out_scale, branch)  # fmt: skip
+    return _forward(_Args(*args), cuda=False)
 
 
-def _locals_args(values: dict) -> tuple:
-    return tuple(values[name] for name in _Args._fields)
+def _plain_forward(inp, weight, bias, main_grad, cuda: bool) -> tuple[Tensor, Tensor, list]:
+    """te.Linear's hot path: high precision, no prologue or epilogue (cheap to enter)."""
+    _check_args(inp, weight, bias, main_grad)
+    out = torch.nn.functional.linear(inp, weight, bias) if cuda else linear_ref(inp, weight, bias)
+    return out, inp.new_empty(0), []
 
 
 @linear_fwd.register_kernel("cuda")
 def _linear_fwd_cuda(*args):
+    if len(args) == 4:  # the eager fast path passes only the tensors of a plain call
+        return _plain_forward(*args, cuda=True)
     return _forward(_Args(*args), cuda=True)
 
 
@@ -532,7 +547,7 @@ def _backward_impl(grad, grad_branch, saved, inp, weight, bias, main_grad, scale
         dinp, dweight, db = _quantized_backward(dy, copies, main_grad, scale, grad_amax, c, m)
         if db is not None:
             dbias = db.to(dtype)
-    dnorm = [empty(grad), empty(grad)]
+    dnorm: list[Tensor] = []
     if dinp is not None:
         if c.normalization:
             x2 = inp.reshape(-1, inp.shape[-1])
@@ -541,7 +556,7 @@ def _backward_impl(grad, grad_branch, saved, inp, weight, bias, main_grad, scale
         if b2 is not None and not fused_branch:
             dinp = dinp + b2
         dinp = dinp.reshape(*grad.shape[:-1], dinp.shape[-1])
-    return dinp if dinp is not None else empty(grad), dweight, dbias, *dnorm
+    return dinp if dinp is not None else empty(grad), dweight, dbias, dnorm
 
 
 def _quantized_backward(dy, copies, main_grad, scale, grad_amax, c: _Bwd, m: int):
@@ -604,17 +619,49 @@ def linear_bwd(
     need_dbias: bool,
     need_dgrad: bool,
     need_wgrad: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``(dinp, dweight, dbias, dnorm_weight, dnorm_bias)``, a 0-element tensor where not
-    computed (``dweight`` also when it went into ``main_grad``). ``saved``: the forward's,
-    without the amaxes; ``inp`` is needed in high precision and with a norm (the norm's
-    backward), ``weight`` in high precision, ``bias`` with an activation. ``need_dgrad``: any
-    of the input and the norm's parameters needs a gradient. Writes ``amax(dY)`` into
-    ``grad_amax`` when given. Default (CPU): high precision in fp32 (fp64 stays fp64), each
-    gradient rounded once."""
+) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+    """``(dinp, dweight, dbias, dnorm)``, a 0-element tensor where not computed (``dweight``
+    also when it went into ``main_grad``); ``dnorm``: ``[dnorm_weight, dnorm_bias]`` (the
+    latter 0-element without a norm bias) with a norm prologue and ``need_dgrad``, else empty.
+    ``saved``: the forward's, without the amaxes; ``inp`` is needed in high precision and with
+    a norm (the norm's backward), ``weight`` in high precision, ``bias`` with an activation.
+    ``need_dgrad``: any of the input and the norm's parameters needs a gradient. Writes
+    ``amax(dY)`` into ``grad_amax`` when given. Default (CPU): high precision in fp32 (fp64
+    stays fp64), each gradient rounded once."""
+    if (
+        recipe == ""
+        and normalization == ""
+        and activation == ""
+        and out_scale == 1.0
+        and (grad_branch is None)
+    ):
+        acc = torch.float64 if grad.dtype == torch.float64 else torch.float32
+        return _plain_backward(grad, inp, weight, main_grad, need_dbias, need_dgrad, need_wgrad,
+                               acc)  # fmt: skip
     c = _Bwd(*_locals_args_bwd(locals()))
     return _backward_impl(grad, grad_branch, saved, inp, weight, bias, main_grad, scale,
                           grad_amax, norm_weight, c, cuda=False)  # fmt: skip
+
+
+def _plain_backward(grad, inp, weight, main_grad, need_dbias, need_dgrad, need_wgrad, acc):
+    """The backward of :func:`_plain_forward`: the three GEMMs / reductions in ``acc`` (None:
+    the input dtype, cuBLAS with fp32 accumulation), each rounded once."""
+    dtype = grad.dtype
+    dy = grad.reshape(-1, grad.shape[-1])
+    dinp = empty(grad)
+    if need_dgrad:
+        dinp = (grad.to(acc) @ weight.to(acc)).to(dtype) if acc else grad @ weight
+    dweight = empty(grad)
+    if need_wgrad:
+        x = inp.reshape(-1, inp.shape[-1])
+        if main_grad is not None:
+            accumulate_wgrad(main_grad, dy, x)
+        else:
+            dweight = (dy.t().to(acc) @ x.to(acc)).to(dtype) if acc else dy.t() @ x
+    dbias = empty(grad)
+    if need_dbias:
+        dbias = dy.sum(0, dtype=acc).to(dtype) if acc else dy.sum(0)
+    return dinp, dweight, dbias, []
 
 
 _BWD_TENSORS = ("grad", "grad_branch", "saved", "inp", "weight", "bias", "main_grad", "scale",
@@ -628,6 +675,14 @@ def _locals_args_bwd(values: dict) -> tuple:
 @linear_bwd.register_kernel("cuda")
 def _linear_bwd_cuda(*args):
     tensors, c = args[: len(_BWD_TENSORS)], _Bwd(*args[len(_BWD_TENSORS) :])
+    if (
+        not (c.recipe or c.normalization or c.activation)
+        and c.out_scale == 1.0
+        and (tensors[1] is None)
+    ):
+        grad, _, _, inp, weight, _, main_grad = tensors[:7]
+        return _plain_backward(grad, inp, weight, main_grad, c.need_dbias, c.need_dgrad,
+                               c.need_wgrad, None)  # fmt: skip
     return _backward_impl(*tensors, c, cuda=True)
 
 
@@ -640,17 +695,30 @@ def _linear_bwd_fake(*args):
     want_dw = c.need_wgrad and main_grad is None
     dweight = grad.new_empty(n, k) if want_dw else empty(grad)
     dbias = grad.new_empty(n) if c.need_dbias else empty(grad)
-    dnorm = fake_dnorm(grad, norm_weight, c.normalization, c.has_norm_bias, c.need_dgrad)
-    return dinp, dweight, dbias, *dnorm
+    dnorm = []
+    if c.normalization and c.need_dgrad:
+        dnorm = fake_dnorm(grad, norm_weight, c.normalization, c.has_norm_bias, True)
+    return dinp, dweight, dbias, dnorm
 
 
 # 5. setup_context + autograd ------------------------------------------------------------------
 
 
+_PLAIN_SCALARS = (
+    "", _E4M3, _E5M2, False, 1, False, "", False, False, "", 0, 7.0, 1.702, 1.0, 1.0,
+)  # fmt: skip
+
+
 def _setup_context(ctx, inputs, output) -> None:
+    if len(inputs) == 4:  # a plain call (the eager fast path passes the tensors only)
+        inp, weight, bias, main_grad = inputs
+        ctx.mark_non_differentiable(output[1])  # no branch: no gradient to make for it
+        ctx.save_for_backward(inp, weight, None, main_grad, None, None, None)
+        ctx.scalars, ctx.has_bias, ctx.branch = _PLAIN_SCALARS, bias is not None, False
+        return
     a = _Args(*inputs)
-    _out, _branch, saved = output
-    ctx.mark_non_differentiable(*saved)
+    _out, branch, saved = output
+    ctx.mark_non_differentiable(*saved, *(() if a.branch else (branch,)))
     if a.recipe in PER_TENSOR:
         saved = saved[:-1]  # the amaxes: for the caller, not the backward
     hp, normed = not a.recipe, bool(a.normalization)
@@ -678,7 +746,7 @@ def _backward(ctx, bwd, grad, grad_branch, _grad_saved):
     need_dbias = ctx.has_bias and need[2]
     need_dgrad = need[0] or need_norm
     grad_branch = grad_branch.contiguous() if ctx.branch and grad_branch is not None else None
-    dinp, dweight, dbias, dnorm_w, dnorm_b = bwd(
+    dinp, dweight, dbias, dnorm = bwd(
         grad.contiguous(), grad_branch, saved, inp, weight, bias, main_grad, scale, grad_amax,
         norm_weight, *ctx.scalars, need_dbias, need_dgrad, need[1],
     )  # fmt: skip
@@ -687,6 +755,7 @@ def _backward(ctx, bwd, grad, grad_branch, _grad_saved):
     grads[1] = dweight if need[1] and main_grad is None else None
     grads[2] = dbias if need_dbias else None
     if need_norm:
+        dnorm_w, dnorm_b = dnorm
         grads[_NORM_WEIGHT] = dnorm_w if need[_NORM_WEIGHT] else None
         has_norm_bias = ctx.scalars[8]
         grads[_NORM_WEIGHT + 1] = dnorm_b if has_norm_bias and need[_NORM_WEIGHT + 1] else None

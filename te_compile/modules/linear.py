@@ -132,6 +132,10 @@ class Linear(nn.Module):
 
     def forward(self, inp: Tensor) -> Tensor | tuple[Tensor, Tensor | None]:
         main_grad = self._main_grad() if self.fuse_wgrad_accumulation else None
+        if self.tp.mode is None:  # no tensor parallelism: the GEMM alone (the hot path)
+            bias = None if self.return_bias else self.bias
+            out = _gemm.linear("Linear", self.fp8_meta, inp, self.weight, bias, main_grad)
+            return (out, self.bias) if self.return_bias else out
 
         def gemm(x: Tensor, bias: Tensor | None) -> Tensor:
             return _gemm.linear("Linear", self.fp8_meta, x, self.weight, bias, main_grad)

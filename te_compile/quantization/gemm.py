@@ -211,6 +211,8 @@ def linear(
     ``functional.linear`` (``activation``, ``residual``, ``out_scale``, ``return_branch``, ...).
     The forward's amaxes go into ``meta`` (per-tensor recipes)."""
     state = get_autocast_state()
+    if not (state.enabled or norm or epilogue):  # te.Linear's hot path in high precision
+        return F.linear(inp, weight, bias, main_grad=main_grad)
     args = gemm_args(owner, state, inp, (weight,), (meta,))
     kw = {**_norm_kwargs(norm), **epilogue}
     if args.recipe not in PER_TENSOR:
