@@ -547,7 +547,7 @@ def _backward_impl(grad, grad_branch, saved, inp, weight, bias, main_grad, scale
         dinp, dweight, db = _quantized_backward(dy, copies, main_grad, scale, grad_amax, c, m)
         if db is not None:
             dbias = db.to(dtype)
-    dnorm: list[Tensor] = []
+    dnorm = [empty(grad), empty(grad)]
     if dinp is not None:
         if c.normalization:
             x2 = inp.reshape(-1, inp.shape[-1])
@@ -556,7 +556,7 @@ def _backward_impl(grad, grad_branch, saved, inp, weight, bias, main_grad, scale
         if b2 is not None and not fused_branch:
             dinp = dinp + b2
         dinp = dinp.reshape(*grad.shape[:-1], dinp.shape[-1])
-    return dinp if dinp is not None else empty(grad), dweight, dbias, dnorm
+    return dinp if dinp is not None else empty(grad), dweight, dbias, *dnorm
 
 
 def _quantized_backward(dy, copies, main_grad, scale, grad_amax, c: _Bwd, m: int):
@@ -619,10 +619,10 @@ def linear_bwd(
     need_dbias: bool,
     need_dgrad: bool,
     need_wgrad: bool,
-) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
-    """``(dinp, dweight, dbias, dnorm)``, a 0-element tensor where not computed (``dweight``
-    also when it went into ``main_grad``); ``dnorm``: ``[dnorm_weight, dnorm_bias]`` (the
-    latter 0-element without a norm bias) with a norm prologue and ``need_dgrad``, else empty.
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(dinp, dweight, dbias, dnorm_weight, dnorm_bias)``, a 0-element tensor where not
+    computed (``dweight`` also when it went into ``main_grad``). Tensors, not a list: a
+    mutating op's list return cannot be functionalised (torch 2.13).
     ``saved``: the forward's, without the amaxes; ``inp`` is needed in high precision and with
     a norm (the norm's backward), ``weight`` in high precision, ``bias`` with an activation.
     ``need_dgrad``: any of the input and the norm's parameters needs a gradient. Writes
@@ -661,7 +661,7 @@ def _plain_backward(grad, inp, weight, main_grad, need_dbias, need_dgrad, need_w
     dbias = empty(grad)
     if need_dbias:
         dbias = dy.sum(0, dtype=acc).to(dtype) if acc else dy.sum(0)
-    return dinp, dweight, dbias, []
+    return dinp, dweight, dbias, empty(grad), empty(grad)
 
 
 _BWD_TENSORS = ("grad", "grad_branch", "saved", "inp", "weight", "bias", "main_grad", "scale",
@@ -695,10 +695,8 @@ def _linear_bwd_fake(*args):
     want_dw = c.need_wgrad and main_grad is None
     dweight = grad.new_empty(n, k) if want_dw else empty(grad)
     dbias = grad.new_empty(n) if c.need_dbias else empty(grad)
-    dnorm = []
-    if c.normalization and c.need_dgrad:
-        dnorm = fake_dnorm(grad, norm_weight, c.normalization, c.has_norm_bias, True)
-    return dinp, dweight, dbias, dnorm
+    dnorm = fake_dnorm(grad, norm_weight, c.normalization, c.has_norm_bias, c.need_dgrad)
+    return dinp, dweight, dbias, *dnorm
 
 
 # 5. setup_context + autograd ------------------------------------------------------------------
@@ -746,7 +744,7 @@ def _backward(ctx, bwd, grad, grad_branch, _grad_saved):
     need_dbias = ctx.has_bias and need[2]
     need_dgrad = need[0] or need_norm
     grad_branch = grad_branch.contiguous() if ctx.branch and grad_branch is not None else None
-    dinp, dweight, dbias, dnorm = bwd(
+    dinp, dweight, dbias, *dnorm = bwd(
         grad.contiguous(), grad_branch, saved, inp, weight, bias, main_grad, scale, grad_amax,
         norm_weight, *ctx.scalars, need_dbias, need_dgrad, need[1],
     )  # fmt: skip
