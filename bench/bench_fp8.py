@@ -16,8 +16,8 @@ Rows, all ``torch.compile(fullgraph=True, dynamic=False)``, ratios against ``bf1
   called inside ``te_compile.autocast(recipe=Float8CurrentScaling() | DelayedScaling() |
   Float8BlockScaling())``; a recipe the modules do not implement yet shows as an error row;
 - with ``--unfused``, ``te FP8 current|block op-by-op compiled``: the same recipes with
-  LayerNormMLP's one-op FP8 path turned off (``quantization.fp8_gemm._FUSE_MLP``, as
-  ``fp8_gemm._FUSE_MLP = False`` sets it) around every call: linear, activation, linear, the
+  LayerNormMLP's one-op path turned off (``quantization.gemm._FUSE_MLP = False``'s setting)
+  around every call: linear, activation, linear, the
   activation written in bf16 between two quantisations (what the fused op saves);
 - ``torchao tensorwise|rowwise``: a copy of the PyTorch block converted with torchao's
   ``convert_to_float8_training(Float8LinearConfig.from_recipe_name(...))`` (skipped with a note
@@ -52,7 +52,7 @@ import te_compile
 from bench import harness
 from bench.bench_linear import check_against_reference, fwd_bwd
 from bench.bench_mlp import CHECK_RTOL, FULL, TorchMLP, _copy_weights
-from te_compile.quantization import fp8_gemm
+from te_compile.quantization import gemm
 from te_compile.quantization.recipe import Recipe
 
 SMOKE = (64, 32, 64)  # multiples of 16, as FP8 GEMMs need
@@ -226,7 +226,7 @@ def run_case(
     for name, row in UNFUSED.items() if unfused else ():
         te = new_te()
         call = _under_autocast(TE_RECIPES[name](), torch.compile(te, **kw))
-        modules[row] = (harness.with_setting(fp8_gemm, "_FUSE_MLP", False, call), te)
+        modules[row] = (harness.with_setting(gemm, "_FUSE_MLP", False, call), te)
     ao_modules, ao_note = _torchao_modules(ref, kw)
     modules.update(ao_modules)
     fp8_rows = [n for n in modules if n not in (BF16_TORCH, BF16_TE)]

@@ -25,11 +25,12 @@ Competitors, all holding the same weights, all ratios against ``torch._grouped_m
   with rowwise scales through ``torch._scaled_grouped_mm``, the E5M2 gradient as E4M3 codes,
   the wgrad's operands quantised per expert and column along the tokens), eager and compiled,
   at 8 experts (issue 5's case); compiled also with the FP8 wgrad off
-  (``fp8_gemm._GROUPED_FP8_WGRAD = False``'s setting: bf16 wgrad), under ``Format.E4M3``, and under
-  ``DelayedScaling`` with and without the FP8 wgrad; and under ``Float8BlockScaling`` (E4M3,
-  1x128 / 128x128 blocks: a blockwise GEMM per expert, ``te::grouped_linear_block``, the splits
+  (``quantization.gemm._GROUPED_FP8_WGRAD = False``'s setting: bf16 wgrad), under
+  ``Format.E4M3``, and under ``DelayedScaling`` with and without the FP8 wgrad; and under
+  ``Float8BlockScaling`` (E4M3, 1x128 / 128x128 blocks: a blockwise GEMM per expert,
+  ``te::grouped_linear`` with ``recipe="block"``, the splits
   given as a CPU tensor as Transformer Engine takes them), also emulated
-  (``fp8_gemm._NATIVE_BLOCK = False``'s setting). Checked against the bf16 reference at
+  (``quantization.gemm._NATIVE_BLOCK = False``'s setting). Checked against the bf16 reference at
   Transformer Engine's e4m3 tolerance (rtol 0.125) instead of 2e-2.
 
 Targets (checked and stated under each table): te_compile.GroupedLinear reaches >= 0.97x the
@@ -58,7 +59,7 @@ from torch import nn
 import te_compile
 from bench import harness
 from bench.bench_linear import _rel_err, fwd_bwd
-from te_compile.quantization import fp8_gemm
+from te_compile.quantization import gemm
 
 TOKENS, IN_FEATURES, OUT_FEATURES = 32768, 4096, 2048
 EXPERTS = [8, 64]
@@ -330,9 +331,9 @@ def run_case(
         if compile_:
             te_fp8_c = torch.compile(te_fp8, **kw)
             modules[TE_FP8_COMPILED] = (_under_fp8(_bind(te_fp8_c, splits_t)), te_fp8)
-            # fp8_gemm._GROUPED_FP8_WGRAD = False's setting: the forward and dgrad in FP8, the
-            # wgrad in bf16 from the input kept in bf16.
-            hpw = functools.partial(harness.with_setting, fp8_gemm, "_GROUPED_FP8_WGRAD", False)
+            # quantization.gemm._GROUPED_FP8_WGRAD = False's setting: the forward and dgrad in
+            # FP8, the wgrad in bf16 from the input kept in bf16.
+            hpw = functools.partial(harness.with_setting, gemm, "_GROUPED_FP8_WGRAD", False)
             current = _under_fp8(_bind(te_fp8_c, splits_t))
             modules[TE_FP8_HPW_COMPILED] = (hpw(current), te_fp8)
             modules[TE_FP8_E4M3_COMPILED] = (_under_fp8(_bind(te_fp8_c, splits_t), "E4M3"), te_fp8)
@@ -340,14 +341,15 @@ def run_case(
             modules[TE_FP8_DELAYED_COMPILED] = (delayed, te_fp8)
             modules[TE_FP8_DELAYED_HPW_COMPILED] = (hpw(delayed), te_fp8)
             # Float8BlockScaling (E4M3, 1x128 tokens, 128x128 weight blocks): a blockwise
-            # GEMM per expert (te::grouped_linear_block), which reads the splits on the host:
+            # GEMM per expert (te::grouped_linear, recipe="block"), which reads the splits on
+            # the host:
             # given as a CPU tensor, as Transformer Engine takes them (no device sync).
             host_splits = torch.tensor(splits, dtype=torch.int64)
             block = _under_fp8(_bind(te_fp8_c, host_splits), "E4M3", kind="Float8BlockScaling")
             modules[TE_FP8_BLOCK_COMPILED] = (block, te_fp8)
-            # fp8_gemm._NATIVE_BLOCK = False's setting: the same quantisation, bf16 grouped
+            # quantization.gemm._NATIVE_BLOCK = False's setting: the same quantisation, bf16 grouped
             # GEMMs of the dequantised values.
-            emulated = functools.partial(harness.with_setting, fp8_gemm, "_NATIVE_BLOCK", False)
+            emulated = functools.partial(harness.with_setting, gemm, "_NATIVE_BLOCK", False)
             modules[TE_FP8_BLOCK_EMULATED_COMPILED] = (emulated(block), te_fp8)
     baseline = GMM_COMPILED if compile_ else GMM_EAGER
 

@@ -4,10 +4,11 @@ fwd+bwd, eager and torch.compile.
 Cases (issue 6): T=16384 tokens, 4096 -> 16384, bf16, one ``te_compile.ops.Sequential`` built
 twice from the same basic ops, ``fuse=True`` (the default) and ``fuse=False``:
 
-* ``BasicLinear, Bias, GELU``: fused into ``te::linear_bias_activation`` (GEMM, then the bias +
-  GELU kernel; backward: GELU backward with dbias in one pass, then the GEMMs);
-* ``BasicLinear, Bias, AddExtraInput``: fused into ``te::linear_add`` (the residual added in the
-  GEMM's epilogue); the residual ``[T, 16384]`` requires grad, as the residual stream does.
+* ``BasicLinear, Bias, GELU``: fused into ``te::linear`` with the activation epilogue (GEMM,
+  then the bias + GELU kernel; backward: GELU backward with dbias in one pass, then the GEMMs);
+* ``BasicLinear, Bias, AddExtraInput``: fused into ``te::linear`` with the residual epilogue
+  (the residual added in the GEMM's epilogue); the residual ``[T, 16384]`` requires grad, as
+  the residual stream does.
 
 One timed call is ``seq(x[, residual]).backward(grad)``; parameter (and residual) gradients are
 set to None before every call. FLOPs = 3 GEMM passes x 2 x T x 4096 x 16384. Targets: fused

@@ -37,6 +37,7 @@ tensor-parallel group or ``tp_size > 1``):
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -190,6 +191,59 @@ class TensorParallel:
         if self.sequence_parallel:
             return C.reduce_scatter(y, group, 0)
         return C.all_reduce(y, group)
+
+    def linear(
+        self,
+        owner: str,
+        gemm: Callable[[Tensor, Tensor | None], Tensor],
+        inp: Tensor,
+        bias: Tensor | None,
+        *,
+        add_bias: bool = True,
+        add: Callable[[Tensor, Tensor], Tensor] = torch.add,
+    ) -> tuple[Tensor, Tensor | None]:
+        """A GEMM with this module's tensor parallelism, the one place the choreography is
+        written: ``gemm(inp, bias)`` runs the GEMM (any family op, any recipe).
+
+        * column-parallel (or none): the input all-gathered along dim 0 with sequence
+          parallelism, else replicated (its gradient all-reduced); the bias (this rank's shard)
+          in the GEMM;
+        * row-parallel: the GEMM without the bias, the partial outputs summed over the group
+          (reduce-scattered along dim 0 with sequence parallelism), then the full bias added
+          once (``add(out, bias)``; under sequence parallelism its gradient all-reduced).
+
+        ``add_bias=False`` (a module's ``return_bias``): the bias is returned, not added.
+        Returns ``(out, bias)``, the bias as such a module returns it. :meth:`pair` is the
+        same for a column-parallel GEMM followed by a row-parallel one inside one op."""
+        if self.active and self.mode == "row":
+            return self._reduced(owner, gemm(inp, None), bias, add_bias, add)
+        if self.mode == "column":
+            inp = self.column_input(owner, inp)
+        return gemm(inp, bias if add_bias else None), bias
+
+    def pair(
+        self,
+        owner: str,
+        block: Callable[[Tensor, Tensor | None], Tensor],
+        inp: Tensor,
+        bias: Tensor | None,
+        *,
+        add_bias: bool = True,
+    ) -> tuple[Tensor, Tensor | None]:
+        """A column-parallel GEMM followed by a row-parallel one inside ``block(inp, bias)``
+        (FC1 then FC2 of an MLP, ``bias`` the second's): the input gathered or replicated, the
+        block's partial outputs reduced, the bias added once after the reduction."""
+        inp = self.column_input(owner, inp)
+        if not self.active:
+            return block(inp, bias if add_bias else None), bias
+        return self._reduced(owner, block(inp, None), bias, add_bias, torch.add)
+
+    def _reduced(self, owner, partial, bias, add_bias, add) -> tuple[Tensor, Tensor | None]:
+        out = self.row_output(owner, partial)
+        bias = self.sequence_parallel_param(owner, bias)
+        if add_bias and bias is not None:
+            out = add(out, bias)
+        return out, bias
 
     def sequence_parallel_param(self, owner: str, p: Tensor | None) -> Tensor | None:
         """A replicated parameter used on the sequence shard: its gradient is all-reduced."""

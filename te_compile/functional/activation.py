@@ -71,8 +71,11 @@ from te_compile._library import SampleInput, differentiable, op
 __all__ = [
     "ACTIVATIONS",
     "GATED_ACTIVATIONS",
+    "activation_backward",
+    "activation_forward",
     "activation_ref",
     "bias_activation",
+    "check_activation",
     "clamped_swiglu",
     "gated_activation_ref",
     "geglu",
@@ -222,6 +225,17 @@ def _check_args(inp: Tensor, bias: Tensor | None, activation: str, gated: bool, 
     ):
         return
     raise ValueError(_diagnose(inp, bias, activation, gated, k))
+
+
+def check_activation(
+    inp: Tensor, bias: Tensor | None, activation: str, glu_interleave_size: int = 0
+) -> None:
+    """The checks of the activation ops for ``activation`` of ``inp + bias`` (any name of
+    ``ACTIVATIONS`` or ``GATED_ACTIVATIONS``): a ValueError naming the argument, as the ops
+    raise it. For ops that apply an activation in an epilogue (``inp`` may be a stand-in with
+    the GEMM output's shape and dtype on the meta device)."""
+    gated = activation in GATED_ACTIVATIONS
+    _check_args(inp, bias, activation, gated, glu_interleave_size)
 
 
 def _diagnose(inp: Tensor, bias: Tensor | None, activation: str, gated: bool, k: int) -> str:
@@ -415,6 +429,43 @@ def _activation_bwd_fake(grad, inp, bias, activation, need_dbias):
 @gated_activation_bwd.register_fake
 def _gated_activation_bwd_fake(grad, inp, bias, activation, k, limit, alpha, offset, need_dbias):
     return _bwd_fake(inp, bias, need_dbias)
+
+
+def activation_forward(
+    inp: Tensor,
+    bias: Tensor | None,
+    activation: str,
+    glu_interleave_size: int = 0,
+    limit: float = 7.0,
+    alpha: float = 1.702,
+    glu_linear_offset: float = 1.0,
+) -> Tensor:
+    """``activation(inp + bias)`` by the forward op's implementation for ``inp``'s device
+    (element-wise or gated by name), for ops that apply an activation inside their own
+    implementation."""
+    if activation in GATED_ACTIVATIONS:
+        config = (glu_interleave_size, limit, alpha, glu_linear_offset)
+        return gated_activation_fwd.eager(inp, bias, activation, *config)
+    return activation_fwd.eager(inp, bias, activation)
+
+
+def activation_backward(
+    grad: Tensor,
+    inp: Tensor,
+    bias: Tensor | None,
+    activation: str,
+    glu_interleave_size: int = 0,
+    limit: float = 7.0,
+    alpha: float = 1.702,
+    glu_linear_offset: float = 1.0,
+    need_dbias: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """``(dinp, dbias)`` of :func:`activation_forward` by the backward op's implementation
+    (``dbias`` from the same pass; 0-element unless ``need_dbias`` and a bias)."""
+    if activation in GATED_ACTIVATIONS:
+        config = (glu_interleave_size, limit, alpha, glu_linear_offset)
+        return gated_activation_bwd.eager(grad, inp, bias, activation, *config, need_dbias)
+    return activation_bwd.eager(grad, inp, bias, activation, need_dbias)
 
 
 # 5. setup_context + autograd ------------------------------------------------------------------

@@ -34,7 +34,7 @@ from te_compile._library import SampleInput, differentiable, op
 from te_compile.functional import quantize as _q
 from te_compile.functional.quantize_mx import nvfp4_qdq_row_groups
 
-__all__ = ["FAKE_QUANTIZE_KINDS", "fake_quantize", "fake_quantize_ref"]
+__all__ = ["FAKE_QUANTIZE_KINDS", "fake_quantize", "fake_quantize_ref", "qdq"]
 
 FAKE_QUANTIZE_KINDS = ("none", "current", "block", "mxfp8", "nvfp4")
 _HIGH = (torch.float32, torch.bfloat16, torch.float16)
@@ -43,7 +43,7 @@ _HIGH = (torch.float32, torch.bfloat16, torch.float16)
 # 1. Reference math ----------------------------------------------------------------------------
 
 
-def _qdq(
+def qdq(
     x: Tensor,
     kind: str,
     fp8_dtype: torch.dtype,
@@ -68,12 +68,12 @@ def _qdq(
 
 
 def _qdq_groups(x: Tensor, kind: str, fp8_dtype, block_rows, power_2, splits) -> Tensor:
-    """:func:`_qdq` of every group of rows on its own (host splits): the reference for
+    """:func:`qdq` of every group of rows on its own (host splits): the reference for
     ``row_splits``."""
     if splits is None:
-        return _qdq(x, kind, fp8_dtype, block_rows, power_2)
+        return qdq(x, kind, fp8_dtype, block_rows, power_2)
     rows = x.reshape(-1, x.shape[-1])
-    parts = [_qdq(g, kind, fp8_dtype, block_rows, power_2) for g in rows.split(splits.tolist())]
+    parts = [qdq(g, kind, fp8_dtype, block_rows, power_2) for g in rows.split(splits.tolist())]
     return torch.cat(parts).view(x.shape) if parts else x.clone()
 
 
@@ -183,7 +183,7 @@ def fake_quantize_fwd(
     config = ((kind, block_rows), (grad_kind, grad_block_rows))
     _check(inp, kind, grad_kind, config, row_splits)
     _assert_splits_cover(row_splits, inp)
-    return _qdq(inp, kind, fp8_dtype, block_rows, power_2_scale, row_splits)
+    return qdq(inp, kind, fp8_dtype, block_rows, power_2_scale, row_splits)
 
 
 @fake_quantize_fwd.register_fake
@@ -207,7 +207,7 @@ def fake_quantize_bwd(
     row_splits: Tensor | None,
 ) -> Tensor:
     """``dequantize(quantize(grad))`` with the gradient's quantiser."""
-    return _qdq(grad, grad_kind, grad_fp8_dtype, grad_block_rows, power_2, row_splits)
+    return qdq(grad, grad_kind, grad_fp8_dtype, grad_block_rows, power_2, row_splits)
 
 
 @fake_quantize_bwd.register_fake

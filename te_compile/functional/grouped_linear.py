@@ -1,4 +1,5 @@
-r"""Grouped linear (mixture of experts): ``te::grouped_linear_fwd`` / ``te::grouped_linear_bwd``.
+r"""The grouped linear family (mixture of experts): ``te::grouped_linear_fwd`` /
+``te::grouped_linear_bwd``, every recipe.
 
 The rows of ``inp`` ``[M, in_features]`` are split into ``G`` consecutive groups of
 ``m_splits[g]`` rows (``sum(m_splits) == M``; zero-size groups allowed) and group ``g`` is
@@ -10,45 +11,135 @@ multiplied by its own weight:
 
 ``weight`` is ``[G, out_features, in_features]`` (one tensor: the layout of
 ``GroupedLinear(single_grouped_parameter=True)``, and what a grouped GEMM consumes without a
-copy), ``bias`` ``[G, out_features]``.
+copy), ``bias`` ``[G, out_features]``. ``m_splits`` is an integer tensor of ``G`` elements, on
+the input's device or on the CPU; the public function also takes a Python list (converted to a
+CPU tensor; under ``torch.compile`` a list is a constant, so pass a tensor when the splits change
+from step to step).
 
-``m_splits`` is an integer tensor of ``G`` elements, on the input's device or on the CPU. On CUDA
-nothing here reads its values on the host: the group offsets are a device ``cumsum``, the GEMMs
-are ``torch._grouped_mm`` with those offsets, the per-row bias is a ``repeat_interleave`` with a
-static ``output_size``, ``dbias`` an ``index_add_``; a training step therefore never waits for
-the GPU, and under ``torch.compile`` new splits are new *values*, not new shapes (no
-recompilation). ``sum(m_splits) == M`` and ``m_splits >= 0`` are checked on the device
-(``torch._assert_async``) on CUDA and on the host on the CPU. The public function also takes a
-Python list (converted to a CPU tensor; under ``torch.compile`` a list is a constant, so pass a
-tensor when the splits change from step to step).
+After the five tensors the op takes the recipe as data, as the linear family does
+(``functional.gemm``): ``recipe`` (``""`` high precision, ``"current"``, ``"delayed"``,
+``"block"``, ``"mxfp8"``, ``"nvfp4"``), ``fwd_dtype``, ``bwd_dtype``, ``power_2_scale``,
+``weight_block_rows``, ``emulate``, the delayed-scaling ``scale`` ``[3]`` and ``grad_amax``
+``[1]`` (into which the backward writes the gradient's amax), and ``fp8_wgrad`` (per-tensor
+recipes: the wgrad GEMM in FP8 too, the input kept as its FP8 wgrad operand instead of in high
+precision). The GEMMs of each recipe are a row of :data:`GROUPED_GEMMS`:
+``torch._grouped_mm`` and ``torch._scaled_grouped_mm`` on device offsets (no host sync, no
+recompilation when the splits change), a blockwise-scaled ``_scaled_mm`` per expert, or the
+emulation of the block-scaled recipes: the rows of :data:`GROUPED_GEMMS`, one table
+(``functional.grouped_gemm`` and ``functional.grouped_fp8`` have the details).
 
-``torch._grouped_mm`` needs bf16 operands with ``in_features`` and ``out_features`` multiples of
-8 on Hopper; other dtypes and shapes run a per-group loop of GEMMs on CUDA, which reads the
-splits on the host (one device sync per call).
+``saved`` (the tensors the backward needs that are not inputs): per-tensor recipes ``[W_8
+[G, K, N] (uint8 bytes, quantised along N or per tensor), its inverse scales [G, K]]`` and
+with ``fp8_wgrad`` ``[X_8^T [K, capacity], its inverse scales [G, K]]``, then ``[amax(X),
+amax(W)]`` under delayed scaling (and under current scaling when ``grad_amax`` is given: a
+delayed state's calibration step); native blockwise the FP8 copies of ``X^T`` (every expert's
+tokens from a multiple of 128) and of each ``W_g^T`` with their 1x128 scales; the emulated
+recipes the dequantised ``X`` and ``W``; nothing in high precision.
 
-CPU: the reference loop, fp32 (fp64 stays fp64) math rounded once.
-
-Weight-gradient fusion: ``main_grad`` (fp32, weight's shape) receives ``+= dW`` instead of a
-``dweight`` output, as in ``te::linear_bwd``. On the grouped-GEMM path ``dW`` itself comes out
-of ``torch._grouped_mm`` in bf16 (it has no fp32 output) and is added to ``main_grad`` in fp32.
+The op reads the splits on the host in its loops (``opaque``: Inductor calls it rather than
+tracing into it). Weight-gradient fusion: ``main_grad`` (fp32, weight's shape) receives ``+= dW``
+instead of a ``dweight`` output, as in ``te::linear_bwd``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from te_compile._library import HOST_SPLITS, SampleInput, differentiable, op
+from te_compile.functional.fake_quantize import qdq
+from te_compile.functional.gemm import (
+    BLOCK_KINDS,
+    HIGH_DTYPES,
+    PER_TENSOR,
+    blockwise_supported,
+    check_recipe,
+    empty,
+    quantize_per_tensor,
+    quantized_linear_ref,
+)
+from te_compile.functional.grouped_fp8 import (
+    as_e4m3,
+    per_tensor_backward,
+    per_tensor_forward,
+    quantize_rowwise,
+    wgrad_capacity,
+)
+from te_compile.functional.grouped_gemm import (
+    GroupedRecipe,
+    as_splits_tensor,
+    blockwise_backward,
+    blockwise_forward,
+    dequantized_backward,
+    dequantized_forward,
+    high_precision_backward,
+    high_precision_forward,
+)
 
-__all__ = ["grouped_linear", "grouped_linear_ref"]
+__all__ = [
+    "GROUPED_GEMMS",
+    "as_splits_tensor",
+    "grouped_gemm_kind",
+    "grouped_linear",
+    "grouped_linear_ref",
+    "scaled_grouped_linear_ref",
+]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _INT_DTYPES = (torch.int32, torch.int64)
+_E4M3, _E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
-# 1. Reference math --------------------------------------------------------------------------
+# The GEMMs of each recipe: one table (``functional.grouped_gemm`` describes the rows).
+GROUPED_GEMMS: dict[str, tuple[Callable, Callable]] = {
+    "grouped_mm": (high_precision_forward, high_precision_backward),
+    "scaled_grouped_mm": (per_tensor_forward, per_tensor_backward),
+    "blockwise": (blockwise_forward, blockwise_backward),
+    "dequantized": (dequantized_forward, dequantized_backward),
+}
+
+
+def grouped_gemm_kind(recipe: str, emulate: bool) -> str:
+    """The :data:`GROUPED_GEMMS` row of a recipe kind."""
+    if not recipe:
+        return "grouped_mm"
+    if recipe in PER_TENSOR:
+        return "scaled_grouped_mm"
+    return "blockwise" if recipe == "block" and not emulate else "dequantized"
+
+
+class _Args(NamedTuple):
+    """The forward op's arguments, by name (a call passes the first five, or all)."""
+
+    inp: Tensor
+    m_splits: Tensor
+    weight: Tensor
+    bias: Tensor | None = None
+    main_grad: Tensor | None = None
+    recipe: str = ""
+    fwd_dtype: torch.dtype = _E4M3
+    bwd_dtype: torch.dtype = _E5M2
+    power_2_scale: bool = False
+    weight_block_rows: int = 1
+    emulate: bool = False
+    scale: Tensor | None = None
+    grad_amax: Tensor | None = None
+    fp8_wgrad: bool = False
+
+    @property
+    def grouped_recipe(self) -> GroupedRecipe:
+        return GroupedRecipe(*self[5:])
+
+
+def _measured(recipe: str, grad_amax: Tensor | None) -> bool:
+    """Whether the forward appends the amaxes of its operands to ``saved``."""
+    return recipe == "delayed" or (recipe == "current" and grad_amax is not None)
+
+
+# 1. Reference math ----------------------------------------------------------------------------
 
 
 def _acc(t: Tensor) -> torch.dtype:
@@ -58,7 +149,7 @@ def _acc(t: Tensor) -> torch.dtype:
 def grouped_linear_ref(
     inp: Tensor, m_splits: Tensor | Sequence[int], weight: Tensor, bias: Tensor | None = None
 ) -> Tensor:
-    """Definition of correctness: a loop over groups in fp32 (fp64 stays fp64), rounded once."""
+    """High precision's definition: a loop over groups in fp32 (fp64 stays fp64), rounded once."""
     splits = m_splits.tolist() if isinstance(m_splits, Tensor) else list(m_splits)
     acc = _acc(inp)
     outs = []
@@ -67,6 +158,157 @@ def grouped_linear_ref(
         outs.append(y if bias is None else y + bias[g].to(acc))
     out = torch.cat(outs) if outs else inp.new_empty(0, weight.shape[1], dtype=acc)
     return out.to(inp.dtype)
+
+
+def _slot(scale: Tensor | None, i: int) -> Tensor | None:
+    return None if scale is None else scale[i : i + 1]
+
+
+def _dequantize(data: Tensor, scale_inv: Tensor, dim: int, dtype: torch.dtype) -> Tensor:
+    """``data * scale_inv`` (broadcast along ``dim``) in ``dtype``; exact in float64."""
+    acc = torch.float64 if dtype is torch.float64 else torch.float32
+    return (data.to(acc) * scale_inv.unsqueeze(dim).to(acc)).to(dtype)
+
+
+def _fake_quant(x: Tensor, fp8_dtype: torch.dtype, dim: int, scale: Tensor | None = None) -> Tensor:
+    """Quantised-dequantised ``x``: rowwise along ``dim``, or with the given per-tensor
+    ``scale`` (``[1]``, delayed scaling); E5M2 values as the grouped GEMMs take them, recoded
+    to E4M3 (:func:`as_e4m3`)."""
+    if scale is None:
+        return _dequantize(*quantize_rowwise(x, fp8_dtype, dim, e4m3_codes=True), dim, x.dtype)
+    data, scale_inv, _ = quantize_per_tensor(x.reshape(-1, x.shape[-1]), fp8_dtype, scale)
+    data, scale_inv = as_e4m3(data, scale_inv)
+    acc = torch.float64 if x.dtype is torch.float64 else torch.float32
+    return (data.to(acc) * scale_inv.to(acc)).to(x.dtype).reshape(x.shape)
+
+
+def _fake_quant_columns(x_g: Tensor, fp8_dtype: torch.dtype, scale: Tensor | None) -> Tensor:
+    """A token group's wgrad operand: each column quantised over the group's rows (or with the
+    per-tensor ``scale``), dequantised; an empty group stays empty."""
+    return x_g if x_g.shape[0] == 0 else _fake_quant(x_g, fp8_dtype, 0, scale)
+
+
+class _RefGroupedGemm(torch.autograd.Function):
+    """``Y_g = fq(X_g) fq(W_g)^T`` with the FP8 op's gradients: dgrad from the rowwise-quantised
+    gradient and the weight quantised along ``N``; wgrad from the unquantised ``dY`` and ``X``,
+    or with ``fp8_wgrad`` from both quantised per (group, column) along the group's tokens."""
+
+    @staticmethod
+    def forward(ctx, x, w, splits, fwd_dtype, bwd_dtype, scale, fp8_wgrad):
+        ctx.save_for_backward(x, w)
+        ctx.splits, ctx.fwd_dtype, ctx.bwd_dtype, ctx.scale = splits, fwd_dtype, bwd_dtype, scale
+        ctx.fp8_wgrad = fp8_wgrad
+        xq = _fake_quant(x, fwd_dtype, -1, _slot(scale, 0))
+        wq = _fake_quant(w, fwd_dtype, -1, _slot(scale, 1))
+        outs = [x_g @ wq[g].t() for g, x_g in enumerate(xq.split(splits))]
+        return torch.cat(outs) if outs else x.new_empty(0, w.shape[1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        dyq = _fake_quant(dy, ctx.bwd_dtype, -1, _slot(ctx.scale, 2))
+        # Along N (rowwise), or the same per-tensor values as the forward's (delayed).
+        wq_n = _fake_quant(w, ctx.fwd_dtype, 1, _slot(ctx.scale, 1))
+        dx = torch.cat([d @ wq_n[g] for g, d in enumerate(dyq.split(ctx.splits))])
+        pairs = zip(dy.split(ctx.splits), x.split(ctx.splits), strict=True)
+        if ctx.fp8_wgrad:
+            x_scale, g_scale = _slot(ctx.scale, 0), _slot(ctx.scale, 2)
+            pairs = [
+                (_fake_quant_columns(d, ctx.bwd_dtype, g_scale),
+                 _fake_quant_columns(x_g, ctx.fwd_dtype, x_scale))
+                for d, x_g in pairs
+            ]  # fmt: skip
+        dw = torch.stack([d.t() @ x_g for d, x_g in pairs])
+        return dx, dw, None, None, None, None, None
+
+
+def scaled_grouped_linear_ref(
+    inp: Tensor,
+    m_splits: Tensor | Sequence[int],
+    weight: Tensor,
+    bias: Tensor | None = None,
+    fwd_dtype: torch.dtype = _E4M3,
+    bwd_dtype: torch.dtype = _E5M2,
+    scale: Tensor | None = None,
+    fp8_wgrad: bool = False,
+) -> Tensor:
+    """The per-tensor recipes' definition, differentiable: exact fake-quant emulation in the
+    input's dtype (float64 in the tests). Operands quantised-dequantised as the op does
+    (rowwise, or with the per-tensor delayed ``scale`` ``[3]``); the incoming gradient quantised
+    for the dgrad GEMM; the wgrad from the high-precision gradient and input, or with
+    ``fp8_wgrad`` from both quantised per (group, column) over the group's tokens (per tensor
+    under delayed scaling). The bias gradient is always the high-precision gradient's."""
+    splits = m_splits.tolist() if isinstance(m_splits, Tensor) else list(m_splits)
+    out = _RefGroupedGemm.apply(inp, weight, splits, fwd_dtype, bwd_dtype, scale, fp8_wgrad)
+    if bias is not None:
+        out = out + torch.repeat_interleave(bias, torch.tensor(splits), dim=0)
+    return out
+
+
+class _RefDequantized(torch.autograd.Function):
+    """The emulated block-scaled recipes: the GEMMs of the quantised-dequantised operands, the
+    incoming gradient quantised in blocks along ``out_features`` (per expert for NVFP4), the
+    operands' gradients straight through."""
+
+    @staticmethod
+    def forward(ctx, x, w, splits, r: GroupedRecipe):
+        g, n, k = w.shape
+        p2 = r.power_2_scale if r.recipe == "block" else False
+        if r.recipe == "nvfp4":
+            per_expert = torch.full((g,), n, dtype=torch.int64)
+            xq = qdq(x, "nvfp4", _E4M3, 1, False, torch.tensor(splits))
+            wq = qdq(w.reshape(g * n, k), "nvfp4", _E4M3, 1, False, per_expert).view(g, n, k)
+        else:
+            rows = r.weight_block_rows if r.recipe == "block" else 1
+            xq = qdq(x, r.recipe, r.fwd_dtype, 1, p2)
+            wq = torch.stack([qdq(w_g, r.recipe, r.fwd_dtype, rows, p2) for w_g in w])
+        ctx.save_for_backward(xq, wq)
+        ctx.splits, ctx.r, ctx.p2 = splits, r, p2
+        outs = [x_g @ wq[g].t() for g, x_g in enumerate(xq.split(splits))]
+        return torch.cat(outs) if outs else x.new_empty(0, n)
+
+    @staticmethod
+    def backward(ctx, dy):
+        xq, wq = ctx.saved_tensors
+        r, splits = ctx.r, ctx.splits
+        if r.recipe == "nvfp4":
+            dyq = qdq(dy, "nvfp4", _E4M3, 1, False, torch.tensor(splits))
+        else:
+            dyq = qdq(dy, r.recipe, r.bwd_dtype, 1, ctx.p2)
+        parts = list(zip(dyq.split(splits), xq.split(splits), strict=True))
+        dx = torch.cat([d @ wq[g] for g, (d, _) in enumerate(parts)])
+        dw = torch.stack([d.t() @ x_g for d, x_g in parts])
+        return dx, dw, None, None
+
+
+def _reference(*args):
+    """Every recipe's definition, in the inputs' dtype (float64 in the tests)."""
+    a = _Args(*args)
+    inp, weight, bias = a.inp, a.weight, a.bias
+    if not a.recipe:
+        return grouped_linear_ref(inp, a.m_splits, weight, bias)
+    splits = a.m_splits.tolist()
+    if a.recipe in PER_TENSOR:
+        scale = a.scale if a.recipe == "delayed" else None
+        config = (a.fwd_dtype, a.bwd_dtype, scale, a.fp8_wgrad)
+        return scaled_grouped_linear_ref(inp, splits, weight, bias, *config)
+    if grouped_gemm_kind(a.recipe, a.emulate) == "blockwise":
+        outs, row = [inp.new_zeros(0, weight.shape[1])], 0
+        for g, m in enumerate(splits):
+            if m:
+                outs.append(quantized_linear_ref(inp[row : row + m], weight[g], "block",
+                                                 _E4M3, _E4M3, a.power_2_scale,
+                                                 a.weight_block_rows))  # fmt: skip
+            row += m
+        out = torch.cat(outs)
+    else:
+        out = _RefDequantized.apply(inp, weight, splits, a.grouped_recipe)
+    if bias is not None:
+        out = out + torch.repeat_interleave(bias, torch.tensor(splits), dim=0)
+    return out
+
+
+# Checks, shared by the implementations (eager) and the fake (trace time) ---------------------
 
 
 def _check_args(
@@ -140,190 +382,184 @@ def _diagnose(
     )
 
 
-def _host_splits(m_splits: Tensor, rows: int) -> list[int]:
-    """The splits as Python ints, checked (CPU tensors: no device sync)."""
-    splits = m_splits.tolist()
-    if any(s < 0 for s in splits) or sum(splits) != rows:
+def _check(a: _Args) -> None:
+    _check_args(a.inp, a.m_splits, a.weight, a.bias, a.main_grad)
+    recipe = a.recipe
+    if not recipe and a.scale is None and a.grad_amax is None and not a.fp8_wgrad:
+        return
+    p = "te.grouped_linear: "
+    check_recipe(p, recipe, a.fwd_dtype, a.bwd_dtype, a.weight_block_rows, a.emulate, a.scale,
+                 a.grad_amax)  # fmt: skip
+    if recipe and a.inp.dtype not in HIGH_DTYPES:
+        raise ValueError(p + f"FP8 recipes take float32/bfloat16/float16 inputs, got "
+                         f"{a.inp.dtype}")  # fmt: skip
+    _, n, k = a.weight.shape
+    multiple = BLOCK_KINDS.get(recipe, 16)
+    if recipe and (n % multiple or k % multiple):
         raise ValueError(
-            f"te.grouped_linear: m_splits must be >= 0 and sum to inp.shape[0] ({rows}), got "
-            f"{splits if len(splits) <= 16 else '[...]'} (sum {sum(splits)})"
+            p + f"{recipe} grouped GEMMs need in_features ({k}) and out_features ({n}) to be "
+            f"multiples of {multiple}"
         )
-    return splits
-
-
-def _empty(like: Tensor) -> Tensor:
-    """A gradient that is not computed: a fresh 0-element tensor (outputs may not alias)."""
-    return like.new_empty(0)
-
-
-# CUDA: grouped GEMMs on device offsets ------------------------------------------------------
-
-
-def _use_grouped_mm(inp: Tensor, weight: Tensor) -> bool:
-    return inp.dtype is torch.bfloat16 and inp.shape[1] % 8 == 0 and weight.shape[1] % 8 == 0
-
-
-def _device_splits(m_splits: Tensor, inp: Tensor) -> tuple[Tensor, Tensor]:
-    """``(splits, offsets)`` on ``inp``'s device, offsets int32 (end of each group), with the
-    constraints asserted on the device (no host sync)."""
-    splits = m_splits.to(inp.device, non_blocking=True)
-    offs = torch.cumsum(splits, 0, dtype=torch.int32)
-    if splits.numel():
-        ok = (offs[-1] == inp.shape[0]) & (splits >= 0).all()
-        torch._assert_async(ok, "te.grouped_linear: m_splits must be >= 0 and sum to inp.shape[0]")
-    return splits, offs
-
-
-def _row_bias(bias: Tensor, splits: Tensor, rows: int) -> Tensor:
-    """``bias[group of row]`` for every row: ``[rows, out_features]``, no host sync."""
-    return torch.repeat_interleave(bias, splits, dim=0, output_size=rows)
-
-
-def _fwd_cuda(inp: Tensor, m_splits: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    if not _use_grouped_mm(inp, weight):
-        return _fwd_loop(inp, _host_splits(m_splits, inp.shape[0]), weight, bias, None)
-    splits, offs = _device_splits(m_splits, inp)
-    out = torch._grouped_mm(inp, weight.transpose(-2, -1), offs=offs)
-    if bias is not None:
-        out += _row_bias(bias, splits, inp.shape[0])
-    return out
-
-
-def _fwd_loop(
-    inp: Tensor, splits: list[int], weight: Tensor, bias: Tensor | None, acc: torch.dtype | None
-) -> Tensor:
-    """One GEMM per group, in ``acc`` (None: the input dtype), rounded once."""
-    out = inp.new_empty(inp.shape[0], weight.shape[1])
-    start = 0
-    for g, rows in enumerate(splits):
-        x = inp[start : start + rows]
-        w = weight[g] if acc is None else weight[g].to(acc)
-        y = (x if acc is None else x.to(acc)) @ w.t()
-        if bias is not None:
-            y = y + (bias[g] if acc is None else bias[g].to(acc))
-        out[start : start + rows] = y
-        start += rows
-    return out
+    if grouped_gemm_kind(recipe, a.emulate) == "blockwise" and not blockwise_supported(
+        a.weight[0], a.weight_block_rows, a.fwd_dtype, a.bwd_dtype
+    ):
+        raise ValueError(
+            p + "128x128 weight blocks need in_features and out_features to be multiples of 512 "
+            f"(cuBLAS's blockwise GEMM); weight is {list(a.weight.shape)}"
+        )
+    if (a.grad_amax is not None or a.fp8_wgrad) and recipe not in PER_TENSOR:
+        raise ValueError(p + "grad_amax and fp8_wgrad are for the per-tensor recipes")
 
 
 # 2. Forward op ------------------------------------------------------------------------------
 
 
+def _forward(a: _Args, cuda: bool) -> tuple[Tensor, list[Tensor]]:
+    _check(a)
+    forward, _ = GROUPED_GEMMS[grouped_gemm_kind(a.recipe, a.emulate)]
+    return forward(a.inp, a.m_splits, a.weight, a.bias, a.grouped_recipe, cuda)
+
+
 @op("grouped_linear_fwd", opaque=HOST_SPLITS)
 def grouped_linear_fwd(
-    inp: Tensor, m_splits: Tensor, weight: Tensor, bias: Tensor | None, main_grad: Tensor | None
-) -> Tensor:
-    """``[M, out_features]``. Default (CPU) implementation: the reference loop, fp32 math."""
-    _check_args(inp, m_splits, weight, bias, main_grad)
-    return _fwd_loop(inp, _host_splits(m_splits, inp.shape[0]), weight, bias, _acc(inp))
+    inp: Tensor,
+    m_splits: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    main_grad: Tensor | None,
+    recipe: str = "",
+    fwd_dtype: torch.dtype = _E4M3,
+    bwd_dtype: torch.dtype = _E5M2,
+    power_2_scale: bool = False,
+    weight_block_rows: int = 1,
+    emulate: bool = False,
+    scale: Tensor | None = None,
+    grad_amax: Tensor | None = None,
+    fp8_wgrad: bool = False,
+) -> tuple[Tensor, list[Tensor]]:
+    """``(out [M, out_features], saved)`` (module docstring). ``main_grad`` is only carried to
+    the backward. Default (CPU): fp32 math (fp64 stays fp64) in high precision, the exact
+    emulation of the FP8 GEMMs."""
+    values = locals()
+    return _forward(_Args(*(values[name] for name in _Args._fields)), cuda=False)
 
 
 @grouped_linear_fwd.register_kernel("cuda")
-def _grouped_linear_fwd_cuda(inp, m_splits, weight, bias, main_grad):
-    _check_args(inp, m_splits, weight, bias, main_grad)
-    if inp.dtype is torch.float64:
-        return _fwd_loop(inp, _host_splits(m_splits, inp.shape[0]), weight, bias, torch.float64)
-    return _fwd_cuda(inp, m_splits, weight, bias)
+def _grouped_linear_fwd_cuda(*args):
+    return _forward(_Args(*args), cuda=True)
 
 
 # 3. Fake ------------------------------------------------------------------------------------
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 @grouped_linear_fwd.register_fake
-def _grouped_linear_fwd_fake(inp, m_splits, weight, bias, main_grad):
-    _check_args(inp, m_splits, weight, bias, main_grad)
-    return inp.new_empty(inp.shape[0], weight.shape[1])
+def _grouped_linear_fwd_fake(*args):
+    a = _Args(*args)
+    _check(a)
+    inp = a.inp
+    g, n, k = a.weight.shape
+    out = inp.new_empty(inp.shape[0], n)
+    u8, f32 = torch.uint8, torch.float32
+    kind = grouped_gemm_kind(a.recipe, a.emulate)
+    saved = []
+    if kind == "scaled_grouped_mm":
+        saved = [inp.new_empty(g, k, n, dtype=u8), inp.new_empty(g, k, dtype=f32)]
+        if a.fp8_wgrad:
+            cap = wgrad_capacity(inp.shape[0], g)
+            saved += [inp.new_empty(k, cap, dtype=u8), inp.new_empty(g, k, dtype=f32)]
+        if _measured(a.recipe, a.grad_amax):
+            saved.append(inp.new_empty(2, dtype=f32))
+    elif kind == "blockwise":
+        cap = 128 * (inp.shape[0] // 128 + g)
+        w_rows = _cdiv(k, a.weight_block_rows)
+        saved = [inp.new_empty(k * cap, dtype=u8), inp.new_empty(k * cap // 128, dtype=f32)]
+        saved += [inp.new_empty(k, n, dtype=u8) for _ in range(g)]
+        saved += [inp.new_empty(w_rows, _cdiv(n, 128), dtype=f32) for _ in range(g)]
+    elif kind == "dequantized":
+        saved = [inp.new_empty(inp.shape), a.weight.new_empty(a.weight.shape)]
+    return out, saved
 
 
 # 4. Backward op -----------------------------------------------------------------------------
 
 
-def _bwd_loop(grad_out, inp, splits, weight, main_grad, has_bias, need_dgrad, need_wgrad, acc):
-    """Per-group GEMMs in ``acc`` (None: the input dtype); dW and db summed in fp32 at least."""
-    dtype = grad_out.dtype
-    cast = (lambda t: t) if acc is None else (lambda t: t.to(acc))
-    dinp = grad_out.new_empty(inp.shape) if need_dgrad else _empty(grad_out)
-    want_dw = need_wgrad and main_grad is None
-    dweight = grad_out.new_zeros(weight.shape) if want_dw else _empty(grad_out)
-    dbias = grad_out.new_zeros(weight.shape[:2]) if has_bias else _empty(grad_out)
-    start = 0
-    for g, rows in enumerate(splits):
-        dy, x = grad_out[start : start + rows], inp[start : start + rows]
-        if need_dgrad:
-            dinp[start : start + rows] = (cast(dy) @ cast(weight[g])).to(dtype)
-        if need_wgrad and main_grad is not None:
-            main_grad[g].addmm_(dy.t().float(), x.float())
-        elif need_wgrad:
-            dweight[g] = (cast(dy).t() @ cast(x)).to(dtype)
-        if has_bias:
-            dbias[g] = dy.sum(0, dtype=acc or torch.float32).to(dtype)
-        start += rows
-    return dinp, dweight, dbias
+class _Bwd(NamedTuple):
+    recipe: str
+    fwd_dtype: torch.dtype
+    bwd_dtype: torch.dtype
+    power_2_scale: bool
+    weight_block_rows: int
+    emulate: bool
+    fp8_wgrad: bool
+    has_bias: bool
+    need_dgrad: bool
+    need_wgrad: bool
 
 
-def _bwd_cuda(grad_out, inp, m_splits, weight, main_grad, has_bias, need_dgrad, need_wgrad):
-    splits, offs = _device_splits(m_splits, inp)
-    dinp = torch._grouped_mm(grad_out, weight, offs=offs) if need_dgrad else _empty(grad_out)
-    dweight = _empty(grad_out)
-    if need_wgrad:
-        # Grouped along the reduction dim: [N, M] x [M, K] -> [G, N, K]. torch._grouped_mm only
-        # outputs its operands' dtype (an fp32 out_dtype is refused, eager and meta), so with
-        # main_grad dW is rounded to bf16 once and then accumulated in fp32 (no host sync).
-        dw = torch._grouped_mm(grad_out.t(), inp, offs=offs)
-        if main_grad is not None:
-            main_grad.add_(dw)
-        else:
-            dweight = dw
-    dbias = _empty(grad_out)
-    if has_bias:
-        groups = torch.arange(weight.shape[0], device=inp.device)
-        row_group = torch.repeat_interleave(groups, splits, output_size=inp.shape[0])
-        dbias = grad_out.new_zeros(weight.shape[:2], dtype=torch.float32)
-        dbias = dbias.index_add_(0, row_group, grad_out.float()).to(grad_out.dtype)
-    return dinp, dweight, dbias
+_BWD_TENSORS = ("grad_out", "saved", "inp", "m_splits", "weight", "main_grad", "scale",
+                "grad_amax")  # fmt: skip
 
 
-@op("grouped_linear_bwd", mutates_args=("main_grad",), opaque=HOST_SPLITS)
+def _backward_impl(grad_out, saved, inp, m_splits, weight, main_grad, scale, grad_amax,
+                   c: _Bwd, cuda: bool):  # fmt: skip
+    r = GroupedRecipe(c.recipe, c.fwd_dtype, c.bwd_dtype, c.power_2_scale, c.weight_block_rows,
+                      c.emulate, scale, grad_amax, c.fp8_wgrad)  # fmt: skip
+    _, backward = GROUPED_GEMMS[grouped_gemm_kind(c.recipe, c.emulate)]
+    return backward(grad_out, saved, inp, m_splits, weight, main_grad, r, c.has_bias,
+                    c.need_dgrad, c.need_wgrad, cuda)  # fmt: skip
+
+
+@op("grouped_linear_bwd", mutates_args=("main_grad", "grad_amax"), opaque=HOST_SPLITS)
 def grouped_linear_bwd(
     grad_out: Tensor,
-    inp: Tensor,
+    saved: list[Tensor],
+    inp: Tensor | None,
     m_splits: Tensor,
     weight: Tensor,
     main_grad: Tensor | None,
+    scale: Tensor | None,
+    grad_amax: Tensor | None,
+    recipe: str,
+    fwd_dtype: torch.dtype,
+    bwd_dtype: torch.dtype,
+    power_2_scale: bool,
+    weight_block_rows: int,
+    emulate: bool,
+    fp8_wgrad: bool,
     has_bias: bool,
     need_dgrad: bool,
     need_wgrad: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dinp, dweight, dbias)``; a gradient not computed is a 0-element tensor (dweight also
-    when it went into ``main_grad``). Default (CPU): the reference loop, fp32 math."""
-    splits = _host_splits(m_splits, inp.shape[0])
-    acc = _acc(inp)
-    return _bwd_loop(
-        grad_out, inp, splits, weight, main_grad, has_bias, need_dgrad, need_wgrad, acc
-    )
+    when it went into ``main_grad``). ``saved``: the forward's, without the amaxes; ``inp`` is
+    needed (and passed) only where a high-precision wgrad reads it. Writes ``amax(dY)`` into
+    ``grad_amax`` when given. Default (CPU): fp32 math, the exact emulation of the FP8 GEMMs."""
+    values = locals()
+    c = _Bwd(*(values[name] for name in _Bwd._fields))
+    return _backward_impl(*(values[name] for name in _BWD_TENSORS), c, cuda=False)
 
 
 @grouped_linear_bwd.register_kernel("cuda")
-def _grouped_linear_bwd_cuda(
-    grad_out, inp, m_splits, weight, main_grad, has_bias, need_dgrad, need_wgrad
-):
-    if inp.dtype is torch.float64 or not _use_grouped_mm(inp, weight):
-        splits = _host_splits(m_splits, inp.shape[0])
-        acc = torch.float64 if inp.dtype is torch.float64 else None
-        return _bwd_loop(
-            grad_out, inp, splits, weight, main_grad, has_bias, need_dgrad, need_wgrad, acc
-        )
-    return _bwd_cuda(grad_out, inp, m_splits, weight, main_grad, has_bias, need_dgrad, need_wgrad)
+def _grouped_linear_bwd_cuda(*args):
+    n = len(_BWD_TENSORS)
+    return _backward_impl(*args[:n], _Bwd(*args[n:]), cuda=True)
 
 
 @grouped_linear_bwd.register_fake
-def _grouped_linear_bwd_fake(
-    grad_out, inp, m_splits, weight, main_grad, has_bias, need_dgrad, need_wgrad
-):
-    dinp = grad_out.new_empty(inp.shape) if need_dgrad else _empty(grad_out)
-    want_dw = need_wgrad and main_grad is None
-    dweight = grad_out.new_empty(weight.shape) if want_dw else _empty(grad_out)
-    dbias = grad_out.new_empty(weight.shape[:2]) if has_bias else _empty(grad_out)
+def _grouped_linear_bwd_fake(*args):
+    grad_out, _saved, inp, _splits, weight, main_grad, _scale, _amax = args[: len(_BWD_TENSORS)]
+    c = _Bwd(*args[len(_BWD_TENSORS) :])
+    g, n, k = weight.shape
+    if c.need_wgrad and c.recipe in ("", *PER_TENSOR) and not c.fp8_wgrad:
+        torch._check(inp is not None, lambda: "te.grouped_linear_bwd: the wgrad needs inp")
+    dinp = grad_out.new_empty(grad_out.shape[0], k) if c.need_dgrad else empty(grad_out)
+    want_dw = c.need_wgrad and main_grad is None
+    dweight = grad_out.new_empty(g, n, k) if want_dw else empty(grad_out)
+    dbias = grad_out.new_empty(g, n) if c.has_bias else empty(grad_out)
     return dinp, dweight, dbias
 
 
@@ -331,59 +567,108 @@ def _grouped_linear_bwd_fake(
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    inp, m_splits, weight, bias, main_grad = inputs
-    ctx.save_for_backward(inp, m_splits, weight, main_grad)
-    ctx.has_bias = bias is not None
+    a = _Args(*inputs)
+    _out, saved = output
+    ctx.mark_non_differentiable(*saved)
+    if a.recipe in PER_TENSOR and _measured(a.recipe, a.grad_amax):
+        saved = saved[:-1]  # the amaxes: for the caller
+    # The input is read by a high-precision wgrad only (not by FP8 wgrads, the native blockwise
+    # GEMMs or the emulation, which saved their own copies).
+    keeps_inp = not a.recipe or (a.recipe in PER_TENSOR and not a.fp8_wgrad)
+    ctx.save_for_backward(
+        a.inp if keeps_inp else None, a.m_splits, a.weight, a.main_grad, a.scale, a.grad_amax,
+        *saved,
+    )  # fmt: skip
+    ctx.scalars = tuple(a[5:11]) + (a.fp8_wgrad,)
+    ctx.has_bias = a.bias is not None
 
 
-def _backward(ctx, bwd, grad_out):
-    inp, m_splits, weight, main_grad = ctx.saved_tensors
-    need_dgrad, _, need_wgrad, need_bgrad = ctx.needs_input_grad[:4]
+def _backward(ctx, bwd, grad_out, _grad_saved):
+    inp, m_splits, weight, main_grad, scale, grad_amax, *saved = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    need_dgrad, need_wgrad = need[0], need[2]
+    has_bias = ctx.has_bias and need[3]
     dinp, dweight, dbias = bwd(
-        grad_out.contiguous(),
-        inp,
-        m_splits,
-        weight,
-        main_grad,
-        ctx.has_bias and need_bgrad,
-        need_dgrad,
-        need_wgrad,
-    )
-    return (
-        dinp if need_dgrad else None,
-        None,
-        dweight if need_wgrad and main_grad is None else None,
-        dbias if ctx.has_bias and need_bgrad else None,
-        None,
-    )
+        grad_out.contiguous(), saved, inp, m_splits, weight, main_grad,
+        scale, grad_amax, *ctx.scalars, has_bias, need_dgrad, need_wgrad,
+    )  # fmt: skip
+    grads = [None] * len(need)
+    grads[0] = dinp if need_dgrad else None
+    grads[2] = dweight if need_wgrad and main_grad is None else None
+    grads[3] = dbias if has_bias else None
+    return tuple(grads)
 
 
-def _sample_inputs(device: torch.device):
+def _samples(device: torch.device):
     def t(*shape, dtype=torch.float32, grad=True):
         return torch.randn(*shape, device=device, dtype=dtype, requires_grad=grad)
 
     def splits(*values, on=device):
         return torch.tensor(values, device=on, dtype=torch.int64)
 
-    yield SampleInput((t(10, 16), splits(3, 0, 7), t(3, 8, 16), t(3, 8), None))
-    yield SampleInput((t(9, 16), splits(9, on="cpu"), t(1, 8, 16), None, None))
-    bf16 = torch.bfloat16
-    yield SampleInput(
-        (t(12, 32, dtype=bf16), splits(5, 4, 3, 0), t(4, 16, 32, dtype=bf16), None, None)
-    )
-    yield SampleInput(
-        (
-            t(6, 8, dtype=torch.float16, grad=False),
-            splits(2, 4),
-            t(2, 8, 8, dtype=torch.float16),
-            t(2, 8, dtype=torch.float16),
-            None,
-        )
-    )
-    # Weight gradient into main_grad.
-    yield SampleInput(
-        (t(7, 16), splits(4, 3), t(2, 8, 16), None, torch.zeros(2, 8, 16, device=device))
-    )
+    def call(*args, **kw):
+        return SampleInput(tuple(_Args(*args, **kw)) if kw else args)
+
+    bf16, f16 = torch.bfloat16, torch.float16
+    # High precision: a zero-size group, a CPU m_splits, bf16 (the grouped GEMM on CUDA), fp16
+    # with no input gradient, the weight gradient into main_grad.
+    yield call(t(10, 16), splits(3, 0, 7), t(3, 8, 16), t(3, 8), None)
+    yield call(t(9, 16), splits(9, on="cpu"), t(1, 8, 16), None, None)
+    yield call(t(12, 32, dtype=bf16), splits(5, 4, 3, 0), t(4, 16, 32, dtype=bf16), None, None)
+    yield call(t(6, 8, dtype=f16, grad=False), splits(2, 4), t(2, 8, 8, dtype=f16),
+               t(2, 8, dtype=f16), None)  # fmt: skip
+    yield call(t(7, 16), splits(4, 3), t(2, 8, 16), None, torch.zeros(2, 8, 16, device=device))
+    # Per-tensor FP8: current scaling rowwise (a zero-size group; a CPU int32 m_splits with
+    # empty first and last groups and no input gradient; float32, one group, E4M3 gradients).
+    cur = {"recipe": "current"}
+    yield call(t(40, 16, dtype=bf16), splits(11, 0, 29), t(3, 32, 16, dtype=bf16),
+               t(3, 32, dtype=bf16), None, **cur)  # fmt: skip
+    yield call(t(20, 32, dtype=bf16, grad=False), torch.tensor([0, 7, 13, 0], dtype=torch.int32),
+               t(4, 16, 32, dtype=bf16), None, None, **cur)  # fmt: skip
+    yield call(t(24, 32), splits(24, on="cpu"), t(1, 16, 32), t(1, 16), None, bwd_dtype=_E4M3,
+               **cur)  # fmt: skip
+    # Delayed scaling: given per-tensor scales (powers of two: exact in every dtype), the
+    # gradient's amax written into grad_amax.
+    scale = torch.tensor([8.0, 16.0, 2048.0], device=device)
+    yield call(t(40, 16, dtype=bf16), splits(11, 0, 29), t(3, 32, 16, dtype=bf16),
+               t(3, 32, dtype=bf16), None, recipe="delayed", scale=scale,
+               grad_amax=torch.zeros(1, device=device))  # fmt: skip
+    # Weight gradient accumulated into main_grad (fp32), current scaling with the amaxes
+    # measured (a delayed state's calibration step).
+    yield call(t(24, 16, dtype=bf16), splits(8, 16), t(2, 32, 16, dtype=bf16), None,
+               torch.zeros(2, 32, 16, device=device), **cur,
+               grad_amax=torch.zeros(1, device=device))  # fmt: skip
+    # FP8 wgrad: E4M3 both ways, groups of 17 / 0 / 23 rows (padded to 32 / 0 / 32 in the
+    # transposed operands), bias; with an E5M2 gradient, delayed scaling, into main_grad.
+    yield call(t(40, 16, dtype=bf16), splits(17, 0, 23), t(3, 32, 16, dtype=bf16),
+               t(3, 32, dtype=bf16), None, **cur, bwd_dtype=_E4M3, fp8_wgrad=True)  # fmt: skip
+    yield call(t(40, 16, dtype=bf16), splits(11, 29, 0), t(3, 32, 16, dtype=bf16), None,
+               torch.zeros(3, 32, 16, device=device), recipe="delayed", scale=scale.clone(),
+               grad_amax=torch.zeros(1, device=device), fp8_wgrad=True)  # fmt: skip
+    # Float8BlockScaling, native (its GEMMs emulated off CUDA): experts of 17 / 0 / 40 tokens
+    # (the padded layout: experts from rows 0 and 128), a partial 128-block of features
+    # (K = 144), 1x128 weight blocks, power-of-two scales, bias; 128x128 weight blocks (features
+    # multiples of 512), an expert of 130 tokens, a CPU int32 m_splits; main_grad, no input
+    # gradient, the first expert empty; float32.
+    block = {"recipe": "block", "fwd_dtype": _E4M3, "bwd_dtype": _E4M3}
+    yield call(t(57, 144, dtype=bf16), splits(17, 0, 40), t(3, 32, 144, dtype=bf16),
+               t(3, 32, dtype=bf16), None, **block, power_2_scale=True)  # fmt: skip
+    yield call(t(146, 512, dtype=bf16), torch.tensor([16, 130], dtype=torch.int32),
+               t(2, 512, 512, dtype=bf16), None, None, **block,
+               weight_block_rows=128)  # fmt: skip
+    yield call(t(24, 32, dtype=bf16, grad=False), splits(0, 24, 0), t(3, 48, 32, dtype=bf16),
+               t(3, 48, dtype=bf16), torch.zeros(3, 48, 32, device=device), **block)  # fmt: skip
+    yield call(t(40, 32), splits(8, 32, on="cpu"), t(2, 16, 32), None, None, **block,
+               power_2_scale=True)  # fmt: skip
+    # The emulated recipes: MXFP8 (E5M2 gradients), NVFP4 (a global scale per expert),
+    # Float8BlockScaling with 128x128 weight blocks that straddle two experts (N = 32).
+    yield call(t(40, 64), splits(11, 0, 29), t(3, 32, 64), t(3, 32), None, recipe="mxfp8",
+               emulate=True)  # fmt: skip
+    yield call(t(24, 32), splits(8, 16), t(2, 16, 32), None, None, recipe="nvfp4",
+               emulate=True, bwd_dtype=_E4M3)  # fmt: skip
+    yield call(t(24, 32), splits(16, 8), t(2, 32, 32), t(2, 32),
+               torch.zeros(2, 32, 32, device=device), **block, emulate=True,
+               weight_block_rows=128)  # fmt: skip
 
 
 _grouped_linear = differentiable(
@@ -391,27 +676,12 @@ _grouped_linear = differentiable(
     grouped_linear_bwd,
     setup_context=_setup_context,
     backward=_backward,
-    sample_inputs=_sample_inputs,
-    reference=lambda inp, m_splits, weight, bias, main_grad: grouped_linear_ref(
-        inp, m_splits, weight, bias
-    ),
+    sample_inputs=_samples,
+    reference=_reference,
 )
 
 
 # Public function ------------------------------------------------------------------------------
-
-
-def as_splits_tensor(m_splits: Tensor | Sequence[int]) -> Tensor:
-    """``m_splits`` as an integer tensor: tensors pass through, a list of ints becomes a CPU
-    int64 tensor (a constant under ``torch.compile``)."""
-    if isinstance(m_splits, Tensor):
-        return m_splits
-    if not all(isinstance(s, int) and not isinstance(s, bool) for s in m_splits):
-        raise ValueError(
-            f"te.grouped_linear: m_splits must be a list of ints or an integer tensor, got "
-            f"{m_splits!r}"
-        )
-    return torch.tensor(list(m_splits), dtype=torch.int64)
 
 
 def grouped_linear(
@@ -421,8 +691,29 @@ def grouped_linear(
     bias: Tensor | None = None,
     *,
     main_grad: Tensor | None = None,
-) -> Tensor:
+    recipe: str = "",
+    fwd_dtype: torch.dtype = _E4M3,
+    bwd_dtype: torch.dtype = _E5M2,
+    power_2_scale: bool = False,
+    weight_block_rows: int = 1,
+    emulate: bool = False,
+    scale: Tensor | None = None,
+    grad_amax: Tensor | None = None,
+    fp8_wgrad: bool = False,
+    return_amax: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Rows of ``inp`` split into groups by ``m_splits``; group ``g`` gets
-    ``inp_g @ weight[g].T + bias[g]`` (see the module docstring), through
-    ``te::grouped_linear_fwd``."""
-    return _grouped_linear(inp, as_splits_tensor(m_splits), weight, bias, main_grad)
+    ``inp_g @ weight[g].T + bias[g]`` through ``te::grouped_linear_fwd`` with the recipe as data
+    (module docstring; by default high precision). ``main_grad`` (fp32, ``weight``'s shape): the
+    weight gradient is added to it instead of being returned. ``return_amax=True`` also returns
+    ``[amax(inp), amax(weight)]`` (delayed scaling, or current scaling given ``grad_amax``;
+    0-element otherwise)."""
+    args = (inp, as_splits_tensor(m_splits), weight, bias, main_grad)
+    if recipe or scale is not None or grad_amax is not None or fp8_wgrad:
+        args += (recipe, fwd_dtype, bwd_dtype, power_2_scale, weight_block_rows, emulate, scale,
+                 grad_amax, fp8_wgrad)  # fmt: skip
+    out, saved = _grouped_linear(*args)
+    if not return_amax:
+        return out
+    amax = saved[-1] if _measured(recipe, grad_amax) else inp.new_empty(0, dtype=torch.float32)
+    return out, amax

@@ -17,7 +17,7 @@ Schemas (public functions of the same names, with defaults, below)::
         -> Tensor
 
 The dequantise *ops* take fp8 inputs as their uint8 bytes (MXFP8 ``data``, with its
-``fp8_dtype``; NVFP4's E4M3 ``scale``), as ``te::linear_fp8_*`` do: ``opcheck``'s schema test
+``fp8_dtype``; NVFP4's E4M3 ``scale``), as the GEMM family ops do: ``opcheck``'s schema test
 compares every input before and after the call with ``torch.allclose``, which has no fp8 kernel
 on the CPU. The public :func:`dequantize_mxfp8` / :func:`dequantize_nvfp4` take the fp8 tensors
 that quantisation returns and pass ``.view(torch.uint8)`` (free, and traced by the compiler).

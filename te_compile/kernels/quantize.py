@@ -547,7 +547,7 @@ def _rowwise_kernel(
     """Rows ``[pid * BLOCK_M, ...)``: amax over each row (NaN-propagating, on the int bits),
     ``scale = fp8_max / amax`` where ``amax > 0`` else 1, and 1 where that is not finite; then
     ``DATA = fp8(clamp(x * scale))`` and ``SCALE_INV = 1 / scale`` (both divisions correctly
-    rounded: the same bytes as the torch definition in ``functional.grouped_linear_fp8``).
+    rounded: the same bytes as the torch definition in ``functional.grouped_fp8``).
     ``RECODE``: E5M2 stored as its E4M3 codes, ``SCALE_INV`` times 128 (:func:`_recoded`)."""
     # Inductor passes Python floats as fp64; Triton's own launcher as fp32.
     fp8_max = tl.cast(fp8_max, tl.float32)
@@ -969,7 +969,7 @@ def quantize_blockwise(
 def block_scales(x: Tensor, rows: int, blocks: int, mn_major: bool) -> Tensor:
     """An fp32 ``[rows, blocks]`` block-scale tensor on ``x``'s device: compact, or with
     ``mn_major`` rows-major (strides ``(1, rows)``), the layout cuBLAS's blockwise-scaled GEMM
-    takes for a 1x128-scaled operand (``functional.linear_block_scaled._block_scaled_mm`` then
+    takes for a 1x128-scaled operand (``functional.gemm.block_scaled_mm`` then
     passes it without a copy)."""
     if mn_major:
         return x.new_empty((blocks, rows), dtype=torch.float32).t()

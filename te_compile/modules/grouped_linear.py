@@ -17,8 +17,8 @@ Two parameter layouts, with one state_dict format conversion between them:
 A state_dict saved in either layout loads into a module of the other (``_load_from_state_dict``
 converts exactly: stacking or unbinding).
 
-Inside ``te_compile.autocast`` the forward and dgrad GEMMs run in FP8 (``te::grouped_linear_fp8_*``,
-``torch._scaled_grouped_mm`` on CUDA), the wgrad in high precision: ``Float8CurrentScaling`` with
+Inside ``te_compile.autocast`` the GEMMs run with the recipe (``te::grouped_linear`` with the
+recipe as data; ``torch._scaled_grouped_mm`` on CUDA): ``Float8CurrentScaling`` with
 rowwise scales, ``DelayedScaling`` with per-tensor scales from the ``fp8_meta`` child's amax
 history (input, weight and gradient of all groups; saved in the state_dict once used, as in
 :class:`~te_compile.Linear`); Float8BlockScaling, MXFP8BlockScaling and NVFP4BlockScaling
@@ -48,6 +48,7 @@ from te_compile import functional as F
 from te_compile.distributed.tensor_parallel import TensorParallel, set_parallel_attributes
 from te_compile.modules._common import check_positive, default_init_method, params_dtype_or_default
 from te_compile.quantization import fp8_gemm as _fp8
+from te_compile.quantization import gemm as _gemm
 
 __all__ = ["GroupedLinear"]
 
@@ -205,21 +206,20 @@ class GroupedLinear(nn.Module):
             biases = self.biases()
             bias = None if biases is None else torch.stack(biases)
         main_grad = self._main_grad() if self.fuse_wgrad_accumulation else None
-        tp = self.tp
-        if not tp.active:
-            return self._gemm(inp, m_splits, weight, bias, main_grad)
-        if tp.mode == "column":
-            inp = tp.column_input("GroupedLinear", inp)
-            return self._gemm(inp, m_splits, weight, bias, main_grad)
-        # Row-parallel: sum the partial products, then add each row's expert bias once.
-        out = tp.row_output("GroupedLinear", self._gemm(inp, m_splits, weight, None, main_grad))
-        if bias is None:
-            return out
-        splits = F.as_splits_tensor(m_splits).to(bias.device)
-        return out + bias.repeat_interleave(splits, dim=0, output_size=out.shape[0])
+
+        def gemm(x: Tensor, b: Tensor | None) -> Tensor:
+            return self._gemm(x, m_splits, weight, b, main_grad)
+
+        def add_expert_bias(out: Tensor, b: Tensor) -> Tensor:
+            splits = F.as_splits_tensor(m_splits).to(b.device)
+            return out + b.repeat_interleave(splits, dim=0, output_size=out.shape[0])
+
+        # Row-parallel: each row's expert bias is added once, to the sum of the partial products.
+        out, _ = self.tp.linear("GroupedLinear", gemm, inp, bias, add=add_expert_bias)
+        return out
 
     def _gemm(self, inp, m_splits, weight, bias, main_grad) -> Tensor:
-        return _fp8.grouped_linear(
+        return _gemm.grouped_linear(
             "GroupedLinear", self.fp8_meta, inp, m_splits, weight, bias, main_grad
         )
 

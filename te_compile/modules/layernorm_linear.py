@@ -28,6 +28,7 @@ from te_compile.modules._common import (
 )
 from te_compile.modules.norm import PreNorm
 from te_compile.quantization import fp8_gemm as _fp8
+from te_compile.quantization import gemm as _gemm
 
 __all__ = ["LayerNormLinear"]
 
@@ -113,15 +114,20 @@ class LayerNormLinear(PreNorm):
 
     def forward(self, inp: Tensor) -> Tensor | tuple[Tensor, ...]:
         owner = "LayerNormLinear"
-        bias = None if self.return_bias else self.bias
-        out = None
-        if not (self.tp.active or self.return_layernorm_output):
-            # FP8: the norm is the FP8 op's prologue (written straight into FP8 on CUDA).
-            out = _fp8.norm_linear(owner, self.fp8_meta, inp, self._norm_spec(), self.weight, bias)
-        if out is None:
+        add_bias = not self.return_bias
+        if not (self.tp.active or self.return_layernorm_output) and _gemm.quantized():
+            # FP8: one op, the norm its prologue (written straight into FP8 on CUDA). In high
+            # precision the norm stays an op of its own, which selective activation
+            # checkpointing can recompute without recomputing the GEMM.
+            norm, bias = self._norm_spec(), self.bias if add_bias else None
+            out = _gemm.linear(owner, self.fp8_meta, inp, self.weight, bias, norm=norm)
+        else:
+
+            def gemm(x: Tensor, bias: Tensor | None) -> Tensor:
+                return _gemm.linear(owner, self.fp8_meta, x, self.weight, bias)
+
             ln_out = self._norm(inp, self.tp, owner)
-            gemm_in = self.tp.column_input(owner, ln_out)
-            out = _fp8.linear(owner, self.fp8_meta, gemm_in, self.weight, bias)
+            out, _ = self.tp.linear(owner, gemm, ln_out, self.bias, add_bias=add_bias)
         extra: tuple[Tensor | None, ...] = ()
         if self.return_bias:
             extra += (self.bias,)

@@ -8,11 +8,11 @@ Parameters: ``layer_norm_weight`` (and ``layer_norm_bias`` for LayerNorm), ``fc1
 activation input, second half: linear input, as in Transformer Engine), ``fc1_bias``,
 ``fc2_weight`` ``[hidden_size, ffn_hidden_size]``, ``fc2_bias``.
 
-Fusion: FC1 runs without its bias, and the activation op adds the bias and applies the
-activation in one kernel (``te::activation_fwd`` or ``te::gated_activation_fwd`` with its
-``bias`` argument); the backward returns the activation gradient and ``dbias`` from the same pass.
-The compiled graph therefore reads ``te.layernorm_fwd`` (or ``te.rmsnorm_fwd``),
-``te.linear_fwd``, ``te.(gated_)activation_fwd``, ``te.linear_fwd``.
+One op for the block, ``te::mlp_fwd`` (``functional.mlp``), under FP8 with the norm as its
+prologue (without tensor parallelism and ``return_layernorm_output``), the autocast recipe as
+data:
+FC1 runs without its bias, the activation adds it (and returns ``dbias`` from its backward's
+pass); under FP8 the activation and its gradient are fused into the quantisations.
 
 Tensor parallelism: with a ``tp_group`` (or ``tp_size > 1``) FC1 is column-parallel and FC2
 row-parallel, as Transformer Engine's ``set_parallel_mode=True``: each rank holds
@@ -30,7 +30,6 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from te_compile import functional as F
 from te_compile.distributed.tensor_parallel import TensorParallel, set_parallel_attributes
 from te_compile.functional.activation import ACTIVATIONS, GATED_ACTIVATIONS
 from te_compile.modules._common import (
@@ -41,6 +40,7 @@ from te_compile.modules._common import (
 )
 from te_compile.modules.norm import PreNorm
 from te_compile.quantization import fp8_gemm as _fp8
+from te_compile.quantization import gemm as _gemm
 
 __all__ = ["LayerNormMLP"]
 
@@ -141,23 +141,18 @@ class LayerNormMLP(PreNorm):
     def forward(self, inp: Tensor) -> Tensor | tuple[Tensor, ...]:
         owner = "LayerNormMLP"
         tp = self.tp
-        if not (tp.active or self.return_layernorm_output):
-            # FP8 (per-tensor or native blockwise recipe, element-wise activation): one op with
-            # the norm writing fc1's FP8 input directly.
+        if not (tp.active or self.return_layernorm_output) and _gemm.quantized():
+            # FP8: one op, the norm its prologue (written straight into FP8 on CUDA). In high
+            # precision the norm stays an op of its own (LayerNormLinear says why).
             fc2_bias = None if self.return_bias else self.fc2_bias
-            out = self._fused(owner, inp, fc2_bias, self._norm_spec())
-            if out is not None:
-                return (out, self.fc2_bias) if self.return_bias else out
+            out = self._fc1_act_fc2(owner, inp, fc2_bias, self._norm_spec())
+            return (out, self.fc2_bias) if self.return_bias else out
         ln_out = self._norm(inp, tp, owner)
-        fc1_in = tp.column_input(owner, ln_out)
-        if tp.active:
-            out = tp.row_output(owner, self._fc1_act_fc2(owner, fc1_in, None))
-            fc2_bias = tp.sequence_parallel_param(owner, self.fc2_bias)
-            if fc2_bias is not None and not self.return_bias:
-                out = out + fc2_bias
-        else:
-            fc2_bias = self.fc2_bias
-            out = self._fc1_act_fc2(owner, fc1_in, None if self.return_bias else fc2_bias)
+        # FC1 column-parallel, FC2 row-parallel: the input gathered, the output reduced.
+        out, fc2_bias = tp.pair(
+            owner, lambda x, b: self._fc1_act_fc2(owner, x, b), ln_out, self.fc2_bias,
+            add_bias=not self.return_bias,
+        )  # fmt: skip
         extra: tuple[Tensor | None, ...] = ()
         if self.return_bias:
             extra += (fc2_bias,)
@@ -165,24 +160,14 @@ class LayerNormMLP(PreNorm):
             extra += (ln_out,)
         return (out, *extra) if extra else out
 
-    def _fc1_act_fc2(self, owner: str, fc1_in: Tensor, fc2_bias: Tensor | None) -> Tensor:
-        """The two GEMMs and the activation: one FP8 op with the activation fused into the
-        quantisations where that applies (``quantization.fp8_gemm.mlp``), else op by op."""
-        out = self._fused(owner, fc1_in, fc2_bias)
-        if out is None:
-            fc1_out = _fp8.linear(owner, self.fc1_fp8_meta, fc1_in, self.fc1_weight, None)
-            act = F.bias_activation(fc1_out, self.fc1_bias, self.activation)
-            out = _fp8.linear(owner, self.fc2_fp8_meta, act, self.fc2_weight, fc2_bias)
-        return out
-
-    def _fused(
-        self, owner: str, inp: Tensor, fc2_bias: Tensor | None, norm: _fp8.Norm | None = None
-    ) -> Tensor | None:
-        """The block as one FP8 op (``quantization.fp8_gemm.mlp``; with ``norm``, ``inp`` is
-        normalised inside it), or None where that does not apply."""
+    def _fc1_act_fc2(
+        self, owner: str, inp: Tensor, fc2_bias: Tensor | None, norm: _gemm.Norm | None = None
+    ) -> Tensor:
+        """The two GEMMs and the activation as one op (``te::mlp``, the activation fused into
+        the quantisations under FP8; with ``norm``, ``inp`` is normalised inside it)."""
         metas = (self.fc1_fp8_meta, self.fc2_fp8_meta)
         w1, b1, w2 = self.fc1_weight, self.fc1_bias, self.fc2_weight
-        return _fp8.mlp(owner, metas, inp, w1, b1, self.activation, w2, fc2_bias, norm)
+        return _gemm.mlp(owner, metas, inp, w1, b1, self.activation, w2, fc2_bias, norm)
 
     def extra_repr(self) -> str:
         return (

@@ -15,9 +15,10 @@ and ``out_features`` are the full sizes; the attributes of the same names hold t
 as in Transformer Engine. See ``te_compile/distributed/tensor_parallel.py`` for the
 communication and the parameter attributes.
 
-Inside ``te_compile.autocast(recipe=...)`` the GEMMs run in FP8 (``te::linear_fp8_fwd``) with
-the recipe's scaling; the delayed-scaling state lives in the ``fp8_meta`` child module's buffers
-(see ``te_compile/quantization/fp8_gemm.py``), so it is part of the state_dict.
+Inside ``te_compile.autocast(recipe=...)`` the GEMMs run with the recipe (``te::linear_fwd``
+with the recipe as data, ``quantization.gemm``); the delayed-scaling state lives in the
+``fp8_meta`` child module's buffers (see ``te_compile/quantization/fp8_gemm.py``), so it is part
+of the state_dict.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from te_compile.modules._common import (
     params_dtype_or_default,
 )
 from te_compile.quantization import fp8_gemm as _fp8
+from te_compile.quantization import gemm as _gemm
 
 __all__ = ["Linear"]
 
@@ -130,20 +132,18 @@ class Linear(nn.Module):
 
     def forward(self, inp: Tensor) -> Tensor | tuple[Tensor, Tensor | None]:
         main_grad = self._main_grad() if self.fuse_wgrad_accumulation else None
-        tp = self.tp
-        if tp.active and tp.mode == "row":
-            # The bias is added once, to the sum of the partial products.
-            out = _fp8.linear("Linear", self.fp8_meta, inp, self.weight, None, main_grad)
-            out = tp.row_output("Linear", out)
-            bias = tp.sequence_parallel_param("Linear", self.bias)
-            if self.return_bias:
-                return out, bias
-            return out if bias is None else out + bias
-        if tp.mode == "column":
-            inp = tp.column_input("Linear", inp)
-        bias = None if self.return_bias else self.bias
-        out = _fp8.linear("Linear", self.fp8_meta, inp, self.weight, bias, main_grad)
-        return (out, self.bias) if self.return_bias else out
+        if self.tp.mode is None:  # no tensor parallelism: the GEMM alone (the hot path)
+            bias = None if self.return_bias else self.bias
+            out = _gemm.linear("Linear", self.fp8_meta, inp, self.weight, bias, main_grad)
+            return (out, self.bias) if self.return_bias else out
+
+        def gemm(x: Tensor, bias: Tensor | None) -> Tensor:
+            return _gemm.linear("Linear", self.fp8_meta, x, self.weight, bias, main_grad)
+
+        # Row-parallel: the bias is added once, to the sum of the partial products.
+        add_bias = not self.return_bias
+        out, bias = self.tp.linear("Linear", gemm, inp, self.bias, add_bias=add_bias)
+        return (out, bias) if self.return_bias else out
 
     def extra_repr(self) -> str:
         return (

@@ -135,7 +135,7 @@ class PreNorm(nn.Module):
             set_parallel_attributes(p, sequence_parallel=sequence_parallel)
 
     def _norm_spec(self) -> tuple[Tensor, Tensor | None, str, float, bool]:
-        """The norm as an FP8 GEMM's prologue (``quantization.fp8_gemm.Norm``)."""
+        """The norm as an FP8 GEMM's prologue (``quantization.gemm.Norm``)."""
         return (
             self.layer_norm_weight,
             self.layer_norm_bias,

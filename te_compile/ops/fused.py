@@ -2,15 +2,16 @@ r"""The fused operations and the one list of fusions the fuser tries.
 
 Each fusion replaces a run of consecutive basic ops (in forward order) with one te op pair:
 
-* ``ForwardLinearBiasActivation``: ``BasicLinear, [Bias], <activation>`` ->
-  ``te::linear_bias_activation_fwd/_bwd``
+* ``ForwardLinearBiasActivation``: ``BasicLinear, [Bias], <activation>`` -> ``te::linear``
+  with the activation epilogue
 * ``ForwardLinearScaleAdd``: ``BasicLinear, [Bias], ConstantScale, AddExtraInput`` ->
-  ``te::linear_add_fwd/_bwd``
-* ``ForwardLinearBiasAdd``: ``BasicLinear, [Bias], AddExtraInput`` -> ``te::linear_add_fwd/_bwd``
-* ``BackwardLinearAdd``: ``MakeExtraOutput, BasicLinear, [Bias]`` ->
-  ``te::branch_linear_fwd/_bwd``
-* ``ForwardLinearBiasActivation``: ``BasicLinear, Bias`` -> ``te::linear_fwd/_bwd`` (the bias in
-  the GEMM's epilogue)
+  ``te::linear`` with the residual epilogue and ``out_scale``
+* ``ForwardLinearBiasAdd``: ``BasicLinear, [Bias], AddExtraInput`` -> ``te::linear`` with the
+  residual epilogue
+* ``BackwardLinearAdd``: ``MakeExtraOutput, BasicLinear, [Bias]`` -> ``te::linear`` with
+  ``branch`` (the branch's gradient joins the dgrad GEMM)
+* ``ForwardLinearBiasActivation``: ``BasicLinear, Bias`` -> ``te::linear`` (the bias in the
+  GEMM's epilogue)
 * ``BackwardActivationBias``: ``Bias, <activation>`` -> ``te::(gated_)activation_fwd/_bwd``
 * ``BackwardAddRMSNorm``: ``MakeExtraOutput, RMSNorm`` -> ``te::branch_rmsnorm_fwd/_bwd``
 
@@ -28,11 +29,12 @@ earlier one wins where two overlap (``MakeExtraOutput, BasicLinear, Bias, GELU``
 ``MakeExtraOutput`` and linear + bias + GELU: the forward fusion saves more than the branch
 add). Runs are matched greedily from the left.
 
-Fallbacks, taken at call time (so that ``torch.compile`` guards on them): under an enabled FP8
-``te_compile.autocast`` the linear fusions run their basic ops (the FP8 path of ``BasicLinear``);
-``ForwardLinear*Add`` also runs unfused when the residual's shape or dtype is not the output's,
-and a fusion with a ``Bias`` when the bias's dtype is not the input's or weight's (the unfused
-add promotes mixed dtypes; the fused ops require one dtype).
+Every linear fusion is one ``te::linear`` call with an epilogue, with the recipe of an enabled
+``te_compile.autocast`` as data (FP8 and the fusions combine on the same op). Fallbacks, taken
+at call time (so that ``torch.compile`` guards on them): ``ForwardLinear*Add`` runs unfused
+when the residual's shape or dtype is not the output's, and a fusion with a ``Bias`` when the
+bias's dtype is not the input's or weight's (the unfused add promotes mixed dtypes; the fused
+op requires one dtype).
 """
 
 from __future__ import annotations
@@ -47,7 +49,6 @@ from te_compile.ops.linear import BasicLinear, Bias
 from te_compile.ops.norm import RMSNorm
 from te_compile.ops.op import BasicOperation, FusedOperation, OpOutput
 from te_compile.ops.structural import AddExtraInput, ConstantScale, MakeExtraOutput
-from te_compile.quantization.state import get_autocast_state
 
 __all__ = [
     "FUSIONS",
@@ -65,10 +66,6 @@ def _find(ops: Sequence[BasicOperation], cls: type) -> BasicOperation | None:
     return next((op for op in ops if isinstance(op, cls)), None)
 
 
-def _fp8() -> bool:
-    return get_autocast_state().enabled
-
-
 class ForwardLinearBiasActivation(FusedOperation):
     """``BasicLinear, [Bias], [activation]`` (at least one of the two)."""
 
@@ -83,22 +80,13 @@ class ForwardLinearBiasActivation(FusedOperation):
         if bias is not None and bias.dtype != self.linear.weight.dtype:
             return self.unfused(x, extra_inputs)  # the unfused add promotes mixed dtypes
         act = self.activation
-        if act is None:  # te::linear_fwd with the bias (or the FP8 linear with the bias)
+        if act is None:  # the bias in the GEMM's epilogue
             return self.linear.linear(x, bias), ()
-        if _fp8():  # the FP8 GEMM, then the bias in the activation kernel
-            return act.apply(self.linear.linear(x, None), bias), ()
         k, limit, alpha, offset = act.config()
-        y = F.linear_bias_activation(
-            x,
-            self.linear.weight,
-            bias,
-            act.activation,
-            k,
-            limit=limit,
-            alpha=alpha,
+        y = self.linear.linear(
+            x, bias, activation=act.activation, glu_interleave_size=k, limit=limit, alpha=alpha,
             glu_linear_offset=offset,
-            main_grad=self.linear.main_grad(),
-        )
+        )  # fmt: skip
         return y, ()
 
 
@@ -116,16 +104,14 @@ class ForwardLinearBiasAdd(FusedOperation):
         (residual,) = extra_inputs
         w = self.linear.weight
         if (
-            _fp8()
-            or residual.shape != (*x.shape[:-1], w.shape[0])
+            residual.shape != (*x.shape[:-1], w.shape[0])
             or residual.dtype != x.dtype
             or x.dtype != w.dtype
             or (self.bias is not None and self.bias.bias.dtype != w.dtype)
         ):
             return self.unfused(x, extra_inputs)
         bias = None if self.bias is None else self.bias.bias
-        y = F.linear_add(x, w, bias, residual, self.alpha, main_grad=self.linear.main_grad())
-        return y, ()
+        return self.linear.linear(x, bias, residual=residual, out_scale=self.alpha), ()
 
 
 class ForwardLinearScaleAdd(ForwardLinearBiasAdd):
@@ -142,10 +128,9 @@ class BackwardLinearAdd(FusedOperation):
 
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
         bias = None if self.bias is None else self.bias.bias
-        if _fp8() or (bias is not None and bias.dtype != self.linear.weight.dtype):
+        if bias is not None and bias.dtype != self.linear.weight.dtype:
             return self.unfused(x, extra_inputs)
-        main_grad = self.linear.main_grad()
-        y, branch = F.branch_linear(x, self.linear.weight, bias, main_grad=main_grad)
+        y, branch = self.linear.linear(x, bias, return_branch=True)
         return y, (branch,)
 
 

@@ -6,9 +6,9 @@ cheapest: in the GEMM's epilogue after a ``BasicLinear``, in the activation kern
 activation, in the residual add's GEMM. ``Bias`` on its own is a broadcast add through torch
 (a te op would only add a copy and hide the add from Inductor's fusion).
 
-``BasicLinear`` goes through ``te::linear_fwd`` / ``te::linear_bwd``, and inside an enabled
-``te_compile.autocast`` through the FP8 linear ops of the recipe, with its FP8 scaling state in
-the ``fp8_meta`` child module (left out of the state_dict while unused, as for ``te.Linear``).
+``BasicLinear`` goes through ``te::linear_fwd`` / ``te::linear_bwd`` with the recipe of an
+enabled ``te_compile.autocast`` as data, its FP8 scaling state in the ``fp8_meta`` child module
+(left out of the state_dict while unused, as for ``te.Linear``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from te_compile.ops.op import BasicOperation, OpOutput
-from te_compile.quantization import fp8_gemm
+from te_compile.quantization import fp8_gemm, gemm
 
 __all__ = ["BasicLinear", "Bias", "GroupedLinear"]
 
@@ -93,9 +93,15 @@ class BasicLinear(BasicOperation):
             )
         return main_grad
 
-    def linear(self, x: Tensor, bias: Tensor | None) -> Tensor:
-        """``x W^T + bias``: FP8 inside an enabled ``te_compile.autocast``, else ``te::linear``."""
-        return fp8_gemm.linear("BasicLinear", self.fp8_meta, x, self.weight, bias, self.main_grad())
+    def linear(self, x: Tensor, bias: Tensor | None, **epilogue) -> Tensor | tuple[Tensor, ...]:
+        """``x W^T + bias`` through ``te::linear`` with the recipe of the autocast state (high
+        precision outside one) and the epilogue arguments of ``functional.linear``
+        (``activation``, ``residual``, ``out_scale``, ``return_branch``): what the fused ops
+        call, in every precision."""
+        main_grad = self.main_grad()
+        return gemm.linear(
+            "BasicLinear", self.fp8_meta, x, self.weight, bias, main_grad, **epilogue
+        )
 
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
         return self.linear(x, None), ()
@@ -151,8 +157,8 @@ class GroupedLinear(BasicOperation):
     or the CPU, or a list of ints), as Transformer Engine's ``te.ops.GroupedLinear`` does:
     ``Sequential(..., GroupedLinear(...), ...)(x, m_splits)``. Parameters in the single grouped
     layout: ``weight`` ``[num_groups, out_features, in_features]``, ``bias``
-    ``[num_groups, out_features]``. Inside ``te_compile.autocast`` the forward and dgrad GEMMs run
-    in FP8 (``te::grouped_linear_fp8_*``): rowwise scales under ``Float8CurrentScaling``,
+    ``[num_groups, out_features]``. Inside ``te_compile.autocast`` the GEMMs run with the recipe
+    as data (``te::grouped_linear``): rowwise scales under ``Float8CurrentScaling``,
     per-tensor delayed scales (``fp8_meta``) under ``DelayedScaling``; Float8BlockScaling and
     MXFP8BlockScaling are emulated (see :class:`te_compile.GroupedLinear`).
     """
@@ -195,7 +201,7 @@ class GroupedLinear(BasicOperation):
 
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
         (m_splits,) = extra_inputs
-        out = fp8_gemm.grouped_linear(
+        out = gemm.grouped_linear(
             "GroupedLinear", self.fp8_meta, x, m_splits, self.weight, self.bias
         )
         return out, ()

@@ -6,13 +6,12 @@ thing through ``te_compile.functional``. Inside a ``Sequential`` it is called th
 returns the main output and this op's extra outputs; on its own it is called like any module,
 ``op(x, *extra_inputs)``, returning ``y`` or ``(y, *extra_outputs)``.
 
-A **fused operation** stands for a run of consecutive basic ops whose composition has one te op
-pair (``te_compile.functional.fused_linear``, ``fused_linear_add``, ``fused_norm``). It is a
-plain object, not a module: it owns nothing and reads the basic ops' parameters when called, so
+A **fused operation** stands for a run of consecutive basic ops whose composition is one te op
+call (``te_compile.functional.linear`` with an epilogue, ``fused_norm``). It is a plain object,
+not a module: it owns nothing and reads the basic ops' parameters when called, so
 ``state_dict``, ``.to()``, optimizers and parameter replacement all see the basic ops only,
-exactly as if nothing had been fused. Under an enabled FP8 ``te_compile.autocast`` a fused op
-containing a linear takes the FP8 path of ``BasicLinear`` (the FP8 linear ops have no fused
-epilogues yet).
+exactly as if nothing had been fused. Under an enabled ``te_compile.autocast`` a fused op
+containing a linear runs the same op with the recipe as data.
 """
 
 from __future__ import annotations

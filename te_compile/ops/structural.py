@@ -4,8 +4,8 @@ r"""Basic ops that move, scale or route tensors: ``Identity``, ``Reshape``, ``Co
 Each is one torch view or element-wise op: a te custom op would have to copy its output (an op's
 output may not alias its input) and would hide the op from Inductor's fusion, for nothing. Where
 one of them sits next to a GEMM or a norm, the fuser folds it into that op's te op pair
-(``ConstantScale`` and ``AddExtraInput`` into ``te::linear_add``, ``MakeExtraOutput`` into
-``te::branch_linear`` / ``te::branch_rmsnorm``).
+(``ConstantScale`` and ``AddExtraInput`` into ``te::linear``'s residual epilogue,
+``MakeExtraOutput`` into ``te::linear``'s branch or ``te::branch_rmsnorm``).
 
 Extra inputs and outputs, as in Transformer Engine: ``Sequential.forward(x, *extra_inputs)``
 hands each ``AddExtraInput`` the next extra input, in order, and returns

@@ -16,11 +16,10 @@ import torch
 from torch import Tensor
 
 from te_compile.functional import quantize as _q
+from te_compile.quantization.gemm import ROLES, quantize_args
 from te_compile.quantization.recipe import Recipe
 
 __all__ = ["ROLES", "dequantize", "quantize"]
-
-ROLES = ("input", "weight", "grad")
 
 
 def quantize(
@@ -31,34 +30,12 @@ def quantize(
     scale: Tensor | None = None,
     columnwise: bool = False,
 ) -> _q.Quantized:
-    """``tensor`` quantised as ``recipe`` quantises a linear layer's ``role`` operand."""
-    if role not in ROLES:
-        raise ValueError(f"te.quantize: role must be one of {ROLES}, got {role!r}")
+    """``tensor`` quantised as ``recipe`` quantises a linear layer's ``role`` operand
+    (``quantization.gemm.quantize_args``)."""
     if not isinstance(recipe, Recipe):
         raise ValueError(f"te.quantize: recipe must be a te_compile.recipe recipe, got {recipe!r}")
-    kw = {"scale": scale, "columnwise": columnwise}
-    if recipe.nvfp4():
-        return _q.quantize(tensor, "nvfp4", **kw)
-    fmt = recipe.fp8_format
-    kw["fp8_dtype"] = fmt.bwd_dtype if role == "grad" else fmt.fwd_dtype
-    if recipe.mxfp8():
-        return _q.quantize(tensor, "mxfp8", **kw)
-    if recipe.delayed():
-        return _q.quantize(tensor, "delayed", **kw)
-    if recipe.float8_current_scaling():
-        return _q.quantize(tensor, "current", power_2_scale=recipe.use_power_2_scales, **kw)
-    dim = {
-        "input": recipe.x_block_scaling_dim,
-        "weight": recipe.w_block_scaling_dim,
-        "grad": recipe.grad_block_scaling_dim,
-    }[role]
-    return _q.quantize(
-        tensor,
-        "block",
-        block_rows=128 if dim == 2 else 1,
-        power_2_scale=not recipe.use_f32_scales,
-        **kw,
-    )
+    kind, kw = quantize_args(recipe, role)
+    return _q.quantize(tensor, kind, scale=scale, columnwise=columnwise, **kw)
 
 
 def dequantize(

@@ -1,4 +1,4 @@
-"""FP8 state of one GEMM and the dispatch from the autocast recipe to the FP8 linear ops.
+"""The FP8 state of one GEMM: the delayed-scaling buffers and their update.
 
 Every module GEMM that can run in FP8 owns an :class:`FP8GemmState` child module. Its buffers
 are the delayed-scaling state (Transformer Engine's "fp8 meta"), persistent so that a
@@ -19,7 +19,8 @@ never ran in FP8 keeps the state_dict of its ``torch.nn`` counterpart (``te.Line
 
 Under ``DelayedScaling`` each forward first folds the last amaxes into the history and
 recomputes the scales (``te::delayed_scaling_update``, a mutating op: compiled steps update the
-buffers with zero graph breaks), then runs ``te::linear_fp8_fwd`` with a copy of the scales.
+buffers with zero graph breaks), then the GEMM family op takes a copy of the scales
+(``quantization.gemm.gemm_args``, the one place a recipe becomes the ops' arguments).
 
 **The first delayed step is calibrated.** With an empty history every scale would be 1 (what
 Transformer Engine does): a typical model's gradients (~1e-5 and below) then mostly underflow
@@ -39,41 +40,14 @@ the history at the next forward.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch import Tensor, nn
 
-from te_compile import functional as F
-from te_compile.quantization.device import is_fp8_block_scaling_available
-from te_compile.quantization.state import AutocastState, get_autocast_state
+from te_compile.quantization.state import AutocastState
 
-# Test and benchmark overrides, not configuration: tests/ and bench/ patch them to compare one
-# path against another (mock.patch.object / harness.with_setting); users never set them.
-# False: Float8BlockScaling GEMMs emulated even where native ones exist.
-_NATIVE_BLOCK = True
-# False: LayerNormMLP runs its FP8 GEMMs one by one (te::linear_fp8) instead of te::mlp_fp8 (same
-# bytes).
-_FUSE_MLP = True
-# False: GroupedLinear's wgrad GEMM in high precision, the input kept in high precision for it
-# instead of its FP8 copy.
-_GROUPED_FP8_WGRAD = True
-
-__all__ = [
-    "MAX_AMAX_HISTORY",
-    "FP8GemmState",
-    "Norm",
-    "grouped_linear",
-    "linear",
-    "mlp",
-    "non_finite_amaxes",
-    "norm_linear",
-]
+__all__ = ["MAX_AMAX_HISTORY", "FP8GemmState", "non_finite_amaxes"]
 
 MAX_AMAX_HISTORY = 1024
-
-# A norm prologue: (weight, bias, normalization, eps, zero_centered_gamma).
-Norm = tuple[Tensor, Tensor | None, str, float, bool]
 
 
 class FP8GemmState(nn.Module):
@@ -116,82 +90,6 @@ class FP8GemmState(nn.Module):
                 state_dict[prefix + n] = getattr(fresh, n)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-    def linear(
-        self,
-        owner: str,
-        state: AutocastState,
-        inp: Tensor,
-        weight: Tensor,
-        bias: Tensor | None,
-        main_grad: Tensor | None,
-        norm: Norm | None = None,
-    ) -> Tensor:
-        """``inp @ weight.T + bias`` with the FP8 recipe of ``state`` (which is enabled); with
-        ``norm``, ``norm(inp)`` quantised inside the op (written straight into FP8 on CUDA by
-        the per-tensor recipes and native Float8BlockScaling)."""
-        recipe = state.recipe
-        if recipe.mxfp8() or recipe.nvfp4() or recipe.float8_block_scaling():
-            return _block_scaled(owner, recipe, inp, weight, bias, main_grad, norm)
-        fmt = recipe.fp8_format
-        kw = {"fwd_dtype": fmt.fwd_dtype, "bwd_dtype": fmt.bwd_dtype, "main_grad": main_grad}
-        kw.update(_norm_kwargs(norm))
-        scale = self.delayed_scale(owner, state)
-        out, amax = F.linear_fp8(
-            inp,
-            weight,
-            bias,
-            recipe="current" if scale is None else "delayed",
-            scale=scale,
-            grad_amax=self.grad_amax,
-            return_amax=True,
-            **kw,
-        )
-        self.record(amax, state)
-        return out
-
-    def grouped_linear(
-        self,
-        owner: str,
-        state: AutocastState,
-        inp: Tensor,
-        m_splits: Tensor | Sequence[int],
-        weight: Tensor,
-        bias: Tensor | None,
-        main_grad: Tensor | None = None,
-    ) -> Tensor:
-        """The grouped GEMM of a GroupedLinear (``weight`` ``[G, N, K]``, the weight gradient
-        added to ``main_grad`` when given) with the FP8 recipe of ``state``:
-        ``Float8CurrentScaling`` with rowwise scales (what Hopper's grouped FP8 GEMM takes),
-        ``DelayedScaling`` with this state's per-tensor scales (input, weight and gradient of
-        all groups); the forward, dgrad and wgrad GEMMs in FP8 (the wgrad's operands quantised
-        per expert and column along the tokens; ``_GROUPED_FP8_WGRAD = False``: the wgrad in
-        high precision). Torch's grouped FP8 GEMM takes E4M3 only: an E5M2 gradient goes in as
-        E4M3 codes (``functional.grouped_linear_fp8``). ``Float8BlockScaling`` runs natively
-        where the dense one does (:func:`_native_block`; ``te::grouped_linear_block``: a
-        blockwise GEMM per expert, host splits), the other block-scaled recipes are emulated
-        (:func:`_grouped_block_emulated`)."""
-        recipe = state.recipe
-        if recipe.float8_block_scaling():
-            native = _native_grouped_block(owner, recipe, inp, m_splits, weight, bias, main_grad)
-            if native is not None:
-                return native
-        if recipe.mxfp8() or recipe.nvfp4() or recipe.float8_block_scaling():
-            return _grouped_block_emulated(owner, recipe, inp, m_splits, weight, bias, main_grad)
-        fmt = recipe.fp8_format
-        kw = {"fwd_dtype": fmt.fwd_dtype, "bwd_dtype": fmt.bwd_dtype, "main_grad": main_grad}
-        kw["fp8_wgrad"] = _GROUPED_FP8_WGRAD
-        scale = self.delayed_scale(owner, state)
-        if scale is None and not recipe.delayed():
-            return F.grouped_linear_fp8(inp, m_splits, weight, bias, **kw)
-        # Delayed scaling; its calibration step (no scale yet) runs rowwise current scaling and
-        # records the amaxes it measures.
-        out, amax = F.grouped_linear_fp8(
-            inp, m_splits, weight, bias, recipe="rowwise" if scale is None else "delayed",
-            scale=scale, grad_amax=self.grad_amax, return_amax=True, **kw,
-        )  # fmt: skip
-        self.record(amax, state)
-        return out
-
     def delayed_scale(self, owner: str, state: AutocastState) -> Tensor | None:
         """None under current scaling and at the first delayed step (the calibration step: the
         caller runs current scaling and records the amaxes); else fold the last amaxes into the
@@ -230,253 +128,6 @@ class FP8GemmState(nn.Module):
         if state.recipe.delayed():
             amax = _reduce_amax(amax, state, state.recipe)
         self.fwd_amax.copy_(amax)
-
-
-def linear(
-    owner: str,
-    meta: FP8GemmState,
-    inp: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    main_grad: Tensor | None = None,
-) -> Tensor:
-    """A module GEMM: FP8 with ``meta``'s state inside an enabled ``te_compile.autocast``,
-    else ``te::linear_fwd``."""
-    state = get_autocast_state()
-    if state.enabled:
-        return meta.linear(owner, state, inp, weight, bias, main_grad)
-    return F.linear(inp, weight, bias, main_grad=main_grad)
-
-
-def grouped_linear(
-    owner: str,
-    meta: FP8GemmState,
-    inp: Tensor,
-    m_splits: Tensor | Sequence[int],
-    weight: Tensor,
-    bias: Tensor | None,
-    main_grad: Tensor | None = None,
-) -> Tensor:
-    """A module's grouped GEMM: FP8 with ``meta``'s state inside an enabled
-    ``te_compile.autocast`` (:meth:`FP8GemmState.grouped_linear`), else
-    ``te::grouped_linear_fwd``."""
-    state = get_autocast_state()
-    if not state.enabled:
-        return F.grouped_linear(inp, m_splits, weight, bias, main_grad=main_grad)
-    return meta.grouped_linear(owner, state, inp, m_splits, weight, bias, main_grad)
-
-
-def norm_linear(
-    owner: str,
-    meta: FP8GemmState,
-    inp: Tensor,
-    norm: Norm,
-    weight: Tensor,
-    bias: Tensor | None,
-) -> Tensor | None:
-    """``norm(inp) @ weight.T + bias`` as one op inside an enabled ``te_compile.autocast``: the
-    recipe's FP8 op with the norm as its prologue (``te::linear_fp8_fwd`` /
-    ``te::linear_block_scaled_fwd`` with ``normalization``; per-tensor recipes and native
-    Float8BlockScaling write the norm straight into FP8 on CUDA); None outside autocast (the
-    caller runs the norm, then :func:`linear`). ``norm``: ``(weight, bias, normalization, eps,
-    zero_centered_gamma)``."""
-    state = get_autocast_state()
-    if not state.enabled:
-        return None
-    return meta.linear(owner, state, inp, weight, bias, None, norm)
-
-
-def _norm_kwargs(norm: Norm | None) -> dict:
-    if norm is None:
-        return {}
-    weight, bias, normalization, eps, zcg = norm
-    return {"normalization": normalization, "norm_weight": weight, "norm_bias": bias,
-            "norm_eps": eps, "zero_centered_gamma": zcg}  # fmt: skip
-
-
-def mlp(
-    owner: str,
-    metas: tuple[FP8GemmState, FP8GemmState],
-    inp: Tensor,
-    fc1_weight: Tensor,
-    fc1_bias: Tensor | None,
-    activation: str,
-    fc2_weight: Tensor,
-    fc2_bias: Tensor | None,
-    norm: Norm | None = None,
-) -> Tensor | None:
-    """``fc2(activation(fc1(inp)))`` as one FP8 op (``te::mlp_fp8_fwd``: the activation and its
-    gradient fused into the quantisations) inside an enabled ``te_compile.autocast`` with a
-    per-tensor recipe (current or delayed scaling), or Float8BlockScaling where its GEMMs run
-    natively with 128x128 weight blocks (as :func:`linear` would run them), and an element-wise
-    activation; None where that does not apply (the caller runs the GEMMs one by one).
-    ``metas``: the two GEMMs' states, used exactly as two :func:`linear` calls would use them.
-    ``norm`` (as in :func:`norm_linear`): ``inp`` is normalised inside the op, written straight
-    into FP8 (LayerNormMLP)."""
-    state = get_autocast_state()
-    if not state.enabled or activation not in F.FP8_FUSED_ACTIVATIONS or not _FUSE_MLP:
-        return None
-    recipe = state.recipe
-    if recipe.float8_block_scaling():
-        return _block_mlp(recipe, inp, fc1_weight, fc1_bias, activation, fc2_weight, fc2_bias, norm)
-    if not (recipe.float8_current() or recipe.delayed()):
-        return None
-    fc1, fc2 = metas
-    scale1, scale2 = fc1.delayed_scale(owner, state), fc2.delayed_scale(owner, state)
-    if scale1 is None or scale2 is None:  # current scaling, or either state's calibration step
-        scale1 = scale2 = None
-    fmt = recipe.fp8_format
-    out, amax = F.mlp_fp8(
-        inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation,
-        recipe="current" if scale1 is None else "delayed",
-        fwd_dtype=fmt.fwd_dtype, bwd_dtype=fmt.bwd_dtype, scale1=scale1, scale2=scale2,
-        grad_amax1=fc1.grad_amax, grad_amax2=fc2.grad_amax, return_amax=True,
-        **_norm_kwargs(norm),
-    )  # fmt: skip
-    fc1.record(amax[:2], state)
-    fc2.record(amax[2:], state)
-    return out
-
-
-def _block_mlp(recipe, inp, fc1_weight, fc1_bias, activation, fc2_weight, fc2_bias, norm):
-    """:func:`mlp` under Float8BlockScaling: the fused op where both GEMMs would run natively
-    (1x128 activation and gradient blocks, 128x128 weight blocks), else None."""
-    fmt = recipe.fp8_format
-    dims = (recipe.x_block_scaling_dim, recipe.w_block_scaling_dim, recipe.grad_block_scaling_dim)
-    if dims != (1, 2, 1) or not _native_block(recipe, inp, (fc1_weight, fc2_weight), 128):
-        return None
-    return F.mlp_fp8(
-        inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, recipe="block",
-        fwd_dtype=fmt.fwd_dtype, bwd_dtype=fmt.bwd_dtype,
-        power_2_scale=not recipe.use_f32_scales, **_norm_kwargs(norm),
-    )  # fmt: skip
-
-
-def _native_block(recipe, inp: Tensor, weights: tuple[Tensor, ...], w_rows: int) -> bool:
-    """Whether Float8BlockScaling's GEMMs with these weights (``w_rows``: 1 for 1x128, 128 for
-    128x128 weight blocks) run natively: on a GPU with blockwise-scaled ``_scaled_mm``, unless
-    ``_NATIVE_BLOCK = False``, with operands cuBLAS takes."""
-    fmt = recipe.fp8_format
-    return (
-        inp.device.type == "cuda"
-        and _NATIVE_BLOCK
-        and is_fp8_block_scaling_available()
-        and all(F.native_block_supported(w, w_rows, fmt.fwd_dtype, fmt.bwd_dtype) for w in weights)
-    )
-
-
-def _block_scaled(owner, recipe, inp, weight, bias, main_grad, norm=None) -> Tensor:
-    """MXFP8 / NVFP4 / FP8 blockwise: exact quantisation (``te::linear_block_scaled_*``); the
-    GEMMs are emulated, except FP8 blockwise with E4M3 both ways on a GPU with blockwise-scaled
-    ``_scaled_mm`` (Hopper, CUDA 12.9+), which runs natively (``_NATIVE_BLOCK = False``
-    forces the emulation)."""
-    if main_grad is not None:
-        raise NotImplementedError(
-            f"{owner}: fuse_wgrad_accumulation is not implemented with {type(recipe).__name__}"
-        )
-    if recipe.nvfp4():
-        return F.linear_block_scaled(inp, weight, bias, kind="nvfp4", **_norm_kwargs(norm))
-    fmt = recipe.fp8_format
-    if recipe.float8_block_scaling():
-        w_rows, _ = _block_dims(owner, recipe)
-        native = _native_block(recipe, inp, (weight,), w_rows)
-        return F.linear_block_scaled(
-            inp,
-            weight,
-            bias,
-            kind="block",
-            fwd_dtype=fmt.fwd_dtype,
-            bwd_dtype=fmt.bwd_dtype,
-            power_2_scale=not recipe.use_f32_scales,
-            weight_block_rows=w_rows,
-            native=native,
-            **_norm_kwargs(norm),
-        )
-    return F.linear_block_scaled(
-        inp, weight, bias, kind="mxfp8", fwd_dtype=fmt.fwd_dtype, bwd_dtype=fmt.bwd_dtype,
-        **_norm_kwargs(norm),
-    )  # fmt: skip
-
-
-def _block_dims(owner: str, recipe) -> tuple[int, bool]:
-    """Float8BlockScaling's ``(weight block rows, power-of-two scales)``; 128x128 activation or
-    gradient blocks are refused."""
-    if recipe.x_block_scaling_dim != 1 or recipe.grad_block_scaling_dim != 1:
-        raise NotImplementedError(
-            f"{owner}: Float8BlockScaling with 128x128 activation or gradient blocks is not "
-            "implemented (1x128, the default, is)"
-        )
-    return (128 if recipe.w_block_scaling_dim == 2 else 1), not recipe.use_f32_scales
-
-
-def _native_grouped_block(owner, recipe, inp, m_splits, weight, bias, main_grad) -> Tensor | None:
-    """Float8BlockScaling on a grouped GEMM with native blockwise GEMMs (one per expert,
-    ``te::grouped_linear_block``) where the dense op would run natively and the input is bf16
-    (cuBLAS's blockwise GEMMs give bf16); None otherwise (the caller emulates)."""
-    w_rows, power_2 = _block_dims(owner, recipe)
-    if inp.dtype is not torch.bfloat16 or not _native_block(recipe, inp, (weight[0],), w_rows):
-        return None
-    return F.grouped_linear_block(
-        inp, m_splits, weight, bias, power_2_scale=power_2, weight_block_rows=w_rows,
-        main_grad=main_grad,
-    )  # fmt: skip
-
-
-def _grouped_block_emulated(owner, recipe, inp, m_splits, weight, bias, main_grad) -> Tensor:
-    """Float8BlockScaling / MXFP8BlockScaling on a grouped GEMM, emulated: torch has no grouped
-    block-scaled GEMM, so the operands are quantised exactly and dequantised to the model's
-    dtype (``te::fake_quantize``), and the bf16 / fp32 grouped GEMMs (``te::grouped_linear``)
-    run on those values. The input in blocks along ``in_features`` (1x128 or 32 elements),
-    each expert's weight in the recipe's weight blocks (128x128 by default for
-    Float8BlockScaling), the incoming gradient in blocks along ``out_features``; the dgrad and
-    the wgrad both see that gradient and the forward's quantised input and weight (Transformer
-    Engine quantises the wgrad's operands along the tokens instead). The bias and its gradient
-    stay in high precision. Numerics, not speed."""
-    fwd, bwd = recipe.fp8_format.fwd_dtype, recipe.fp8_format.bwd_dtype
-    w_rows, power_2 = 1, False
-    if recipe.nvfp4():
-        return _grouped_nvfp4_emulated(inp, m_splits, weight, bias, main_grad)
-    if recipe.mxfp8():
-        kind = "mxfp8"
-    else:
-        kind = "block"
-        w_rows, power_2 = _block_dims(owner, recipe)
-    kw = {"fp8_dtype": fwd, "power_2_scale": power_2}
-    x = F.fake_quantize(inp, kind, block_rows=1, **kw)
-    g, n, k = weight.shape
-    if w_rows == 1 or n % w_rows == 0:  # no block of rows straddles two experts
-        w = F.fake_quantize(weight.reshape(g * n, k), kind, block_rows=w_rows, **kw).view(g, n, k)
-    else:
-        w = torch.stack([F.fake_quantize(w_g, kind, block_rows=w_rows, **kw) for w_g in weight])
-    out = F.grouped_linear(x, m_splits, w, None, main_grad=main_grad)
-    out = F.fake_quantize(
-        out, "none", grad_kind=kind, grad_fp8_dtype=bwd, grad_block_rows=1, power_2_scale=power_2
-    )
-    return _plus_expert_bias(out, bias, m_splits)
-
-
-def _grouped_nvfp4_emulated(inp, m_splits, weight, bias, main_grad) -> Tensor:
-    """NVFP4 on a grouped GEMM, emulated as :func:`_grouped_block_emulated` does, with the
-    global scale per expert as Transformer Engine's grouped quantisation has it: each expert's
-    tokens, weight and gradient rows are quantised as a tensor of their own (``row_splits``:
-    group amaxes on the device, no host sync)."""
-    splits = F.as_splits_tensor(m_splits)
-    g, n, k = weight.shape
-    per_expert = torch.full((g,), n, dtype=torch.int64, device=weight.device)
-    x = F.fake_quantize(inp, "nvfp4", row_splits=splits)
-    w = F.fake_quantize(weight.reshape(g * n, k), "nvfp4", row_splits=per_expert).view(g, n, k)
-    out = F.grouped_linear(x, splits, w, None, main_grad=main_grad)
-    e4m3 = torch.float8_e4m3fn
-    out = F.fake_quantize(out, "none", grad_kind="nvfp4", grad_fp8_dtype=e4m3, row_splits=splits)
-    return _plus_expert_bias(out, bias, splits)
-
-
-def _plus_expert_bias(out: Tensor, bias: Tensor | None, m_splits) -> Tensor:
-    """``out`` plus every row's expert bias, in high precision (no host sync)."""
-    if bias is None:
-        return out
-    splits = F.as_splits_tensor(m_splits).to(bias.device)
-    return out + bias.repeat_interleave(splits, dim=0, output_size=out.shape[0])
 
 
 def non_finite_amaxes(model: nn.Module) -> dict[str, list[str]]:

@@ -78,8 +78,8 @@ __all__ = [
 ]
 
 _BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
-# use_split_accumulator of each GEMM under the per-tensor recipes (te::linear_fp8, te::mlp_fp8,
-# te::grouped_linear_fp8 run these).
+# use_split_accumulator of each GEMM under the per-tensor recipes (what te::linear, te::mlp and
+# te::grouped_linear run).
 _PER_TENSOR_GEMMS = {"fp8_gemm_fprop": False, "fp8_gemm_dgrad": True, "fp8_gemm_wgrad": True}
 _AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 

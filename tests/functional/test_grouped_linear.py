@@ -18,8 +18,11 @@ from tests.utils import (
     to_reference,
 )
 
-# ``te_compile.functional.grouped_linear`` is the public function; the module holds the helpers.
+# ``te_compile.functional.grouped_linear`` is the public function; the modules hold the helpers.
 GL = importlib.import_module("te_compile.functional.grouped_linear")
+GG = importlib.import_module("te_compile.functional.grouped_gemm")
+# The backward op's recipe arguments in high precision (recipe "", ..., fp8_wgrad False).
+_HP = ("", torch.float8_e4m3fn, torch.float8_e5m2, False, 1, False, False)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -200,7 +203,12 @@ def test_backward_op_skips_gradients_not_needed(device):
     """A gradient not needed (or one that went into main_grad) is a 0-element tensor."""
     x, dy = torch.randn(5, 8, device=device), torch.randn(5, 4, device=device)
     w, splits = torch.randn(3, 4, 8, device=device), torch.tensor([2, 0, 3])
-    bwd = torch.ops.te.grouped_linear_bwd
+
+    def bwd(dy, x, splits, w, main_grad, has_bias, need_dgrad, need_wgrad):
+        return torch.ops.te.grouped_linear_bwd(
+            dy, [], x, splits, w, main_grad, None, None, *_HP, has_bias, need_dgrad, need_wgrad
+        )
+
     dinp, dweight, dbias = bwd(dy, x, splits, w, None, False, False, True)
     assert dinp.numel() == 0 and dbias.numel() == 0 and dweight.shape == w.shape
     dinp, dweight, dbias = bwd(dy, x, splits, w, None, True, True, False)
@@ -212,7 +220,8 @@ def test_backward_op_skips_gradients_not_needed(device):
 
 # 3. The grouped-GEMM (CUDA) path, on CPU tensors ---------------------------------------------
 #
-# On CUDA, bf16 with in/out features multiples of 8 runs ``_fwd_cuda`` / ``_bwd_cuda``:
+# On CUDA, bf16 with in/out features multiples of 8 runs ``grouped_gemm._grouped_mm_forward`` /
+# ``_grouped_mm_backward``:
 # ``torch._grouped_mm`` on device offsets, a ``repeat_interleave`` row bias and an ``index_add_``
 # dbias, with no host sync. ``torch._grouped_mm`` also runs on CPU bf16 tensors, so calling these
 # helpers (and the registered CUDA kernels) directly on CPU tensors checks that path's logic —
@@ -239,7 +248,7 @@ def _cuda_path_case(splits, split_dtype, bias, in_features=24, out_features=16):
     y_ref = ref_grouped_linear(x_ref, splits, w_ref, b_ref)
     dy_ref, dy = make_reference_and_test_tensors(y_ref.shape, dtype=bf16)
     y_ref.backward(dy_ref)
-    assert GL._use_grouped_mm(x, w)
+    assert GG._use_grouped_mm(x, w)
     args = (x.detach(), torch.tensor(splits, dtype=split_dtype), w.detach())
     return args, b, dy, (y_ref, x_ref, w_ref, b_ref)
 
@@ -251,12 +260,12 @@ def test_cuda_path_helpers_match_reference_on_cpu(splits, split_dtype, bias):
     bf16 = torch.bfloat16
     (x, s, w), b, dy, (y_ref, x_ref, w_ref, b_ref) = _cuda_path_case(splits, split_dtype, bias)
     b = None if b is None else b.detach()
-    y = GL._fwd_cuda(x, s, w, b)
+    y = GG._grouped_mm_forward(x, s, w, b)
     assert y.shape == y_ref.shape and y.dtype == bf16
     # The bias is added to the bf16 GEMM output: two roundings, the first relative to the GEMM
     # output, not to the sum (which can cancel), hence ``reduced``.
     assert_close(y, y_ref, bf16, roundings=2 if bias else 1, reduced=bias)
-    dinp, dweight, dbias = GL._bwd_cuda(dy, x, s, w, None, bias, True, True)
+    dinp, dweight, dbias = GG._grouped_mm_backward(dy, x, s, w, None, bias, True, True)
     assert_close(dinp, x_ref.grad, bf16)
     assert_close(dweight, w_ref.grad, bf16, reduced=True)
     if bias:
@@ -274,8 +283,10 @@ def test_cuda_path_many_groups_on_cpu():
         splits, torch.int64, True, 8, 8
     )
     bf16 = torch.bfloat16
-    assert_close(GL._fwd_cuda(x, s, w, b.detach()), y_ref, bf16, roundings=2, reduced=True)
-    dinp, dweight, dbias = GL._bwd_cuda(dy, x, s, w, None, True, True, True)
+    assert_close(
+        GG._grouped_mm_forward(x, s, w, b.detach()), y_ref, bf16, roundings=2, reduced=True
+    )
+    dinp, dweight, dbias = GG._grouped_mm_backward(dy, x, s, w, None, True, True, True)
     assert_close(dinp, x_ref.grad, bf16)
     assert_close(dweight, w_ref.grad, bf16, reduced=True)
     assert_close(dbias, b_ref.grad, bf16, reduced=True)
@@ -287,13 +298,13 @@ def test_cuda_path_main_grad_and_gradient_subsets_on_cpu():
     )
     main_grad = torch.zeros(w.shape, dtype=torch.float32)
     for _step in range(2):
-        dinp, dweight, dbias = GL._bwd_cuda(dy, x, s, w, main_grad, False, False, True)
+        dinp, dweight, dbias = GG._grouped_mm_backward(dy, x, s, w, main_grad, False, False, True)
         assert dinp.numel() == 0 and dweight.numel() == 0 and dbias.numel() == 0
     # torch._grouped_mm has no fp32 output: dW is rounded to bf16 once, then accumulated in fp32.
-    _, dweight, _ = GL._bwd_cuda(dy, x, s, w, None, False, False, True)
+    _, dweight, _ = GG._grouped_mm_backward(dy, x, s, w, None, False, False, True)
     assert torch.equal(main_grad, 2 * dweight.float())
     assert_close(main_grad / 2, w_ref.grad, torch.bfloat16, reduced=True)
-    dinp, dweight, dbias = GL._bwd_cuda(dy, x, s, w, None, False, True, False)
+    dinp, dweight, dbias = GG._grouped_mm_backward(dy, x, s, w, None, False, True, False)
     assert dweight.numel() == 0 and dbias.numel() == 0
     assert_close(dinp, x_ref.grad, torch.bfloat16)
 
@@ -315,9 +326,11 @@ def test_registered_cuda_kernels_on_cpu(dtype, features):
     y_ref.backward(dy_ref)
     s = torch.tensor(splits)
     x, w, b = x.detach(), w.detach(), b.detach()
-    y = GL._grouped_linear_fwd_cuda(x, s, w, b, None)
+    y, _saved = GL._grouped_linear_fwd_cuda(x, s, w, b, None)
     assert_close(y, y_ref, dtype, roundings=2, reduced=True)
-    dinp, dweight, dbias = GL._grouped_linear_bwd_cuda(dy, x, s, w, None, True, True, True)
+    dinp, dweight, dbias = GL._grouped_linear_bwd_cuda(
+        dy, [], x, s, w, None, None, None, *_HP, True, True, True
+    )
     assert_close(dinp, x_ref.grad, dtype, roundings=2)
     assert_close(dweight, w_ref.grad, dtype, roundings=2, reduced=True)
     assert_close(dbias, b_ref.grad, dtype, roundings=2, reduced=True)

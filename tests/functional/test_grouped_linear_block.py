@@ -10,10 +10,20 @@ import torch
 
 import te_compile as te
 from te_compile import functional as F
-from te_compile.quantization import fp8_gemm
+from te_compile.quantization import gemm
 from tests.utils import DEVICES, assert_bits_equal, compile_counted, requires_cuda
 
 E4M3 = torch.float8_e4m3fn
+E4 = {"fwd_dtype": E4M3, "bwd_dtype": E4M3}
+
+
+def _block(x, splits, w, b=None, **kw):
+    """The grouped family under Float8BlockScaling with native GEMMs (128x128 weight blocks
+    unless ``weight_block_rows`` says otherwise)."""
+    kw = {"recipe": "block", "weight_block_rows": 128, **E4, **kw}
+    return F.grouped_linear(x, splits, w, b, **kw)
+
+
 native_block = pytest.mark.skipif(
     torch.cuda.is_available() and not te.is_fp8_block_scaling_available(),
     reason="needs blockwise-scaled _scaled_mm (compute capability 9.0+, CUDA 12.9+)",
@@ -44,11 +54,11 @@ def _grads(out, dy, *leaves):
 )
 def test_each_expert_is_the_dense_native_op(device, splits, k, n, w_rows, power_2):
     """Every expert's rows, output and gradients are bit for bit those of
-    ``linear_block_scaled(native=True)`` on that expert alone (the same quantisation and GEMM
+    ``linear(recipe="block")`` (native GEMMs) on that expert alone (the same quantisation and GEMM
     calls: cuBLAS's on a GPU)."""
     x, w, b = _leaves(device, sum(splits), k, n, len(splits))
     kw = {"power_2_scale": power_2, "weight_block_rows": w_rows}
-    out = F.grouped_linear_block(x, splits, w, b, **kw)
+    out = _block(x, splits, w, b, **kw)
     dy = torch.randn_like(out)
     dx, dw, db = _grads(out, dy, x, w, b)
     row = 0
@@ -57,7 +67,7 @@ def test_each_expert_is_the_dense_native_op(device, splits, k, n, w_rows, power_
         w_g = w.detach()[g].clone().requires_grad_()
         b_g = b.detach()[g].clone().requires_grad_()
         if m:
-            ref = F.linear_block_scaled(x_g, w_g, b_g, kind="block", native=True, **kw)
+            ref = F.linear(x_g, w_g, b_g, recipe="block", **E4, **kw)
             assert_bits_equal(out[row : row + m], ref)
             assert_bits_equal(dx[row : row + m], _grads(ref, dy[row : row + m], x_g)[0])
             assert_bits_equal(dw[g], w_g.grad)
@@ -73,7 +83,7 @@ def test_ragged_experts_are_padded_on_their_own(device):
     pass, which is the dense op on those padded rows (zero rows change no block)."""
     splits = [17, 45]
     x, w, b = _leaves(device, sum(splits), 128, 64, 2)
-    out = F.grouped_linear_block(x, splits, w, b, weight_block_rows=1)
+    out = _block(x, splits, w, b, weight_block_rows=1)
     dy = torch.randn_like(out)
     dx, dw, db = _grads(out, dy, x, w, b)
     row = 0
@@ -81,8 +91,7 @@ def test_ragged_experts_are_padded_on_their_own(device):
         pad = -m % 16
         x_g = torch.nn.functional.pad(x.detach()[row : row + m], (0, 0, 0, pad)).requires_grad_()
         w_g = w.detach()[g].clone().requires_grad_()
-        ref = F.linear_block_scaled(x_g, w_g, b.detach()[g], kind="block", native=True,
-                                    weight_block_rows=1)  # fmt: skip
+        ref = F.linear(x_g, w_g, b.detach()[g], recipe="block", weight_block_rows=1, **E4)
         assert_bits_equal(out[row : row + m], ref[:m])
         ref.backward(torch.nn.functional.pad(dy[row : row + m], (0, 0, 0, pad)))
         assert_bits_equal(dx[row : row + m], x_g.grad[:m])
@@ -99,7 +108,7 @@ def test_wgrad_blocks_start_at_each_expert(device):
     x, w, _ = _leaves(device, 128, 128, 64, 2, bias=False)
     with torch.no_grad():
         x[:64] *= 1e6
-    out = F.grouped_linear_block(x, [64, 64], w, weight_block_rows=1)
+    out = _block(x, [64, 64], w, weight_block_rows=1)
     dy = torch.randn_like(out)
     (dw,) = _grads(out, dy, w)
     exact = dy[64:].double().t() @ x.detach()[64:].double()
@@ -112,12 +121,12 @@ def test_main_grad_accumulates(device):
     """With main_grad (fp32) the weight gradient is added to it, twice, and not returned."""
     splits = [16, 48]
     x, w, _ = _leaves(device, 64, 64, 32, 2, bias=False)
-    out = F.grouped_linear_block(x, splits, w, weight_block_rows=1)
+    out = _block(x, splits, w, weight_block_rows=1)
     (dw,) = _grads(out, torch.ones_like(out), w)
     main_grad = torch.ones(w.shape, device=device)
     w2 = w.detach().requires_grad_()
     for _ in range(2):
-        y = F.grouped_linear_block(x.detach(), splits, w2, weight_block_rows=1,
+        y = _block(x.detach(), splits, w2, weight_block_rows=1,
                                    main_grad=main_grad)  # fmt: skip
         y.backward(torch.ones_like(y))
     assert w2.grad is None
@@ -128,16 +137,16 @@ def test_main_grad_accumulates(device):
 def test_errors_name_the_argument(device):
     x = torch.randn(32, 64, device=device, dtype=torch.bfloat16)
     w = torch.randn(2, 32, 64, device=device, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="grouped_linear_block: weight_block_rows must be 1"):
-        F.grouped_linear_block(x, [16, 16], w, weight_block_rows=64)
+    with pytest.raises(ValueError, match=r"te\.grouped_linear: weight_block_rows must be 1"):
+        _block(x, [16, 16], w, weight_block_rows=64)
     with pytest.raises(ValueError, match="multiples of 512"):
-        F.grouped_linear_block(x, [16, 16], w)  # 128x128 weight blocks by default
-    with pytest.raises(ValueError, match=r"grouped_linear_block: .*multiples of 16"):
-        F.grouped_linear_block(x[:, :40], [16, 16], w[..., :40], weight_block_rows=1)
+        _block(x, [16, 16], w)  # 128x128 weight blocks by default
+    with pytest.raises(ValueError, match=r"te.grouped_linear: .*multiples of 16"):
+        _block(x[:, :40], [16, 16], w[..., :40], weight_block_rows=1)
     with pytest.raises(ValueError, match=r"sum to inp\.shape"):
-        F.grouped_linear_block(x, [16, 8], w, weight_block_rows=1)
+        _block(x, [16, 8], w, weight_block_rows=1)
     with pytest.raises(ValueError, match="m_splits has 3 groups"):
-        F.grouped_linear_block(x, [16, 8, 8], w, weight_block_rows=1)
+        _block(x, [16, 8, 8], w, weight_block_rows=1)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -147,7 +156,7 @@ def test_compiles_without_graph_breaks(device):
     splits = [16, 0, 64]
 
     def step(x, splits, w, b):
-        return F.grouped_linear_block(x, splits, w, b, weight_block_rows=1)
+        return _block(x, splits, w, b, weight_block_rows=1)
 
     eager = step(x, splits, w, b)
     compiled, counter = compile_counted(step)
@@ -160,7 +169,7 @@ def test_compiles_without_graph_breaks(device):
 @native_block
 def test_module_runs_the_native_op_under_float8_block_scaling():
     """GroupedLinear under Float8BlockScaling (1x128 weight blocks) on a GPU: the native grouped
-    op, the same bytes as calling it; with fp8_gemm._NATIVE_BLOCK = False the emulation."""
+    op, the same bytes as calling it; with quantization.gemm._NATIVE_BLOCK = False the emulation."""
     torch.manual_seed(0)
     m = te.GroupedLinear(
         2, 256, 128, single_grouped_parameter=True, params_dtype=torch.bfloat16, device="cuda"
@@ -171,12 +180,10 @@ def test_module_runs_the_native_op_under_float8_block_scaling():
     with te.autocast(recipe=recipe):
         y = m(x, splits)
     power_2 = not recipe.use_f32_scales  # Transformer Engine's default: power-of-two scales
-    direct = F.grouped_linear_block(
-        x, splits, m.weight, m.bias, power_2_scale=power_2, weight_block_rows=1
-    )
+    direct = _block(x, splits, m.weight, m.bias, power_2_scale=power_2, weight_block_rows=1)
     assert_bits_equal(y, direct)
     from unittest import mock
 
-    with mock.patch.object(fp8_gemm, "_NATIVE_BLOCK", False), te.autocast(recipe=recipe):
+    with mock.patch.object(gemm, "_NATIVE_BLOCK", False), te.autocast(recipe=recipe):
         emulated = m(x, splits)
     torch.testing.assert_close(emulated, y, rtol=0.07, atol=0.07 * y.abs().amax().item())

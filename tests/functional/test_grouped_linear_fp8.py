@@ -1,4 +1,5 @@
-"""te::grouped_linear_fp8_fwd / _bwd (rowwise current scaling): accuracy against the
+"""The grouped linear family under the per-tensor recipes (rowwise current scaling, delayed
+scaling) and Float8BlockScaling: accuracy against the
 high-precision grouped linear (SQNR floors), the high-precision wgrad, zero-size groups, exact
 agreement with the fake-quant reference, the CUDA path's helpers on CPU tensors, bad input, and
 compilation without recompiles when device m_splits values change."""
@@ -13,8 +14,15 @@ import torch
 import te_compile
 from tests.utils import DEVICES, assert_close, compile_counted, make_reference_and_test_tensors
 
-# The module, not the function of the same name that te_compile.functional exports.
-GF = importlib.import_module("te_compile.functional.grouped_linear_fp8")
+# The modules, not the function of the same name that te_compile.functional exports.
+GF = importlib.import_module("te_compile.functional.grouped_fp8")
+GL = importlib.import_module("te_compile.functional.grouped_linear")
+
+
+def grouped_linear_fp8(x, s, w, b=None, **kw):
+    """The family op under current (rowwise) scaling unless ``kw`` names a recipe."""
+    return te_compile.functional.grouped_linear(x, s, w, b, **{"recipe": "current", **kw})
+
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -64,7 +72,7 @@ def test_sqnr_and_high_precision_wgrad(device, bwd_dtype, dtype):
     dy_ref, dy = make_reference_and_test_tensors(y_ref.shape, dtype=dtype, device=device)
     y_ref.backward(dy_ref)
 
-    y = GF.grouped_linear_fp8(x, splits, w, b, bwd_dtype=bwd_dtype)
+    y = grouped_linear_fp8(x, splits, w, b, bwd_dtype=bwd_dtype)
     y.backward(dy)
     assert y.shape == y_ref.shape and y.dtype == dtype
     assert sqnr(y, y_ref) > SQNR_FLOOR_OUT
@@ -83,7 +91,7 @@ def test_sqnr_and_high_precision_wgrad(device, bwd_dtype, dtype):
 def test_zero_size_groups_and_partial_grads(device, splits):
     _ref, (x, w, b) = _make(splits, 32, 16, torch.bfloat16, device)
     x.requires_grad_(False)
-    y = GF.grouped_linear_fp8(x, torch.tensor(splits, device=device), w, b)
+    y = grouped_linear_fp8(x, torch.tensor(splits, device=device), w, b)
     y.sum().backward()
     assert x.grad is None
     for g, rows in enumerate(splits):
@@ -99,13 +107,13 @@ def test_matches_fake_quant_reference(device, fast):
     splits = [5, 0, 11]
     dtype = torch.float32
     (x_ref, w_ref, b_ref), (x, w, b) = _make(splits, 32, 16, dtype, device)
-    y_ref = GF.grouped_linear_fp8_ref(x_ref, splits, w_ref, b_ref)
+    y_ref = GL.scaled_grouped_linear_ref(x_ref, splits, w_ref, b_ref)
     dy_ref, dy = make_reference_and_test_tensors(y_ref.shape, dtype=dtype, device=device)
     y_ref.backward(dy_ref)
     previous = te_compile.eager_fast_path_enabled()
     te_compile.set_eager_fast_path(fast)
     try:
-        y = GF.grouped_linear_fp8(x, splits, w, b)
+        y = grouped_linear_fp8(x, splits, w, b)
         y.backward(dy)
     finally:
         te_compile.set_eager_fast_path(previous)
@@ -127,7 +135,7 @@ def test_rowwise_measures_the_amaxes_when_given_grad_amax(device, compiled):
     s = torch.tensor(splits, device=device)
 
     def forward(grad_amax):
-        return GF.grouped_linear_fp8(x, s, w, b, grad_amax=grad_amax, return_amax=True)
+        return grouped_linear_fp8(x, s, w, b, grad_amax=grad_amax, return_amax=True)
 
     def run(fn, grad_amax):
         x.grad = w.grad = b.grad = None
@@ -156,11 +164,11 @@ def test_delayed_scaling(device, dtype):
     scale = torch.tensor([16.0, 64.0, 2.0**12], device=device)
     # bf16 on CUDA: the grouped kernel, whose output is rounded before the bias is added.
     bf16 = dtype is torch.bfloat16
-    y_ref = GF.grouped_linear_fp8_ref(x_ref, splits, w_ref, b_ref, scale=scale.cpu())
+    y_ref = GL.scaled_grouped_linear_ref(x_ref, splits, w_ref, b_ref, scale=scale.cpu())
     dy_ref, dy = make_reference_and_test_tensors(y_ref.shape, dtype=dtype, device=device)
     y_ref.backward(dy_ref)
     grad_amax = torch.zeros(1, device=device)
-    y, amax = GF.grouped_linear_fp8(
+    y, amax = grouped_linear_fp8(
         x, splits, w, b, recipe="delayed", scale=scale, grad_amax=grad_amax, return_amax=True
     )
     y.backward(dy)
@@ -175,10 +183,10 @@ def test_delayed_scaling(device, dtype):
     # scaling only; here the other rows' outputs stay bit-identical.
     x2 = x.detach().clone()
     x2[0] *= 4
-    y2 = GF.grouped_linear_fp8(x2, splits, w.detach(), b.detach(), recipe="delayed", scale=scale)
+    y2 = grouped_linear_fp8(x2, splits, w.detach(), b.detach(), recipe="delayed", scale=scale)
     assert torch.equal(y2[1:], y.detach()[1:])
     # Overflow saturates at the format's largest value (448 for E4M3), no inf.
-    big = GF.grouped_linear_fp8(
+    big = grouped_linear_fp8(
         x.detach(), splits, w.detach(), None, recipe="delayed",
         scale=torch.tensor([1e6, 1e6, 1.0], device=device),
     )  # fmt: skip
@@ -192,17 +200,17 @@ def test_main_grad_accumulation(device, dtype):
     splits = [7, 0, 25]
     _ref, (x, w, b) = _make(splits, 32, 16, dtype, device)
     dy = torch.randn(sum(splits), 16, device=device, dtype=dtype)
-    expected = GF.grouped_linear_fp8(x, splits, w, b)
+    expected = grouped_linear_fp8(x, splits, w, b)
     expected.backward(dy)
     main_grad = torch.ones(w.shape, device=device)
     for _ in range(2):
-        y = GF.grouped_linear_fp8(x, splits, w.detach().requires_grad_(), b, main_grad=main_grad)
+        y = grouped_linear_fp8(x, splits, w.detach().requires_grad_(), b, main_grad=main_grad)
         y.backward(dy)
     assert torch.equal(y, expected)
     # bf16 on CUDA: the grouped wgrad is rounded to bf16 before the fp32 add.
     assert_close(main_grad, 1 + 2 * w.grad.double(), dtype, reduced=True)
     with pytest.raises(ValueError, match="main_grad must be float32"):
-        GF.grouped_linear_fp8(x, splits, w, b, main_grad=main_grad.to(dtype=torch.float16))
+        grouped_linear_fp8(x, splits, w, b, main_grad=main_grad.to(dtype=torch.float16))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -219,7 +227,7 @@ def test_fp8_wgrad_matches_reference(device, dtype, delayed, bwd_dtype):
     (x_ref, w_ref, b_ref), (x, w, b) = _make(splits, 32, 48, dtype, device)
     # Delayed: scales that keep Gaussian data inside E4M3's range (|x| * 64 < 448).
     scale = torch.tensor([16.0, 64.0, 64.0], device=device) if delayed else None
-    y_ref = GF.grouped_linear_fp8_ref(
+    y_ref = GL.scaled_grouped_linear_ref(
         x_ref, splits, w_ref, b_ref, E4M3, bwd_dtype, None if scale is None else scale.cpu(), True
     )
     dy_ref, dy = make_reference_and_test_tensors(y_ref.shape, dtype=dtype, device=device)
@@ -228,9 +236,7 @@ def test_fp8_wgrad_matches_reference(device, dtype, delayed, bwd_dtype):
     grads = {}
     for fp8_wgrad in (True, False):
         x_, w_, b_ = (t.detach().requires_grad_() for t in (x, w, b))
-        y = GF.grouped_linear_fp8(
-            x_, splits, w_, b_, bwd_dtype=bwd_dtype, fp8_wgrad=fp8_wgrad, **kw
-        )
+        y = grouped_linear_fp8(x_, splits, w_, b_, bwd_dtype=bwd_dtype, fp8_wgrad=fp8_wgrad, **kw)
         y.backward(dy)
         grads[fp8_wgrad] = (y, x_.grad, w_.grad, b_.grad)
     y, dx, dw, db = grads[True]
@@ -264,7 +270,7 @@ def test_fp8_wgrad_keeps_the_fp8_copy_not_the_input(device):
     for fp8_wgrad in (False, True):
         saved.clear()
         with saved_tensors_hooks(keep, lambda t: t):
-            y = GF.grouped_linear_fp8(x, splits, w, b, bwd_dtype=E4M3, fp8_wgrad=fp8_wgrad)
+            y = grouped_linear_fp8(x, splits, w, b, bwd_dtype=E4M3, fp8_wgrad=fp8_wgrad)
         kept_input = any(t.dtype is x.dtype and t.shape == x.shape for t in saved)
         fp8_copy = [t for t in saved if t.dtype is torch.uint8 and t.shape[0] == 32]
         assert kept_input is not fp8_wgrad
@@ -332,7 +338,7 @@ def test_e5m2_operand_recoded_to_e4m3(delayed):
         s_rows = s.expand(6)
     else:
         data, s_rows = GF.quantize_rowwise(x, E5M2)
-    codes, s4 = GF._as_e4m3(data, s_rows)
+    codes, s4 = GF.as_e4m3(data, s_rows)
     assert codes.dtype is E4M3 and torch.equal(s4, s_rows * 128)
     want = data.double() * s_rows.double()[:, None]
     got = codes.double() * s4.double()[:, None]
@@ -344,7 +350,7 @@ def test_e5m2_operand_recoded_to_e4m3(delayed):
     assert (~big).sum() > 10 and err.max() <= 2.0**-3
     assert torch.isnan(got[5, 7])
     e4 = GF.quantize_rowwise(x, E4M3)
-    assert GF._as_e4m3(*e4)[0] is e4[0]
+    assert GF.as_e4m3(*e4)[0] is e4[0]
 
 
 @pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=["e4m3", "e5m2"])
@@ -356,7 +362,7 @@ def test_grouped_gemm_path_matches_loop(fp8):
     a, sa = GF.quantize_rowwise(torch.randn(32, 48), fp8)
     b, sb = GF.quantize_rowwise(torch.randn(4, 16, 48), E4M3)
     s = torch.tensor(splits)
-    split_t, offs = GF._device_splits(s, a)
+    split_t, offs = GF.device_splits(s, a)
     grouped = GF._gemm_grouped(a, sa, b, sb, split_t, offs)
     loop = GF._gemm_loop(a, sa, b, sb, splits, torch.float64)
     assert grouped.dtype is torch.bfloat16
@@ -374,8 +380,8 @@ def test_native_path_on_cpu_tensors(bias, delayed, fp8_wgrad):
     _ref, (x, w, b) = _make(splits, 32, 16, torch.bfloat16, "cpu", bias=bias)
     s = torch.tensor(splits)
     scale = torch.tensor([4.0, 32.0, 512.0]) if delayed else None
-    out_n, amax_n, saved_n = GF._forward(x, s, w, b, scale, E4M3, fp8_wgrad, True, False)
-    out_l, amax_l, saved_l = GF._forward(x, s, w, b, scale, E4M3, fp8_wgrad, False, False)
+    out_n, amax_n, saved_n = GF._scaled_forward(x, s, w, b, scale, E4M3, fp8_wgrad, True, False)
+    out_l, amax_l, saved_l = GF._scaled_forward(x, s, w, b, scale, E4M3, fp8_wgrad, False, False)
     assert len(saved_n) == (4 if fp8_wgrad else 2)
     for a, e in zip([amax_n, *saved_n], [amax_l, *saved_l], strict=True):
         assert torch.equal(a, e)
@@ -384,8 +390,8 @@ def test_native_path_on_cpu_tensors(bias, delayed, fp8_wgrad):
     assert_close(out_n, out_l.double(), torch.bfloat16, roundings=2 + bias, reduced=bias)
     dy = torch.randn_like(out_l)
     args = (dy, saved_l, x, s, None, scale, None, E4M3, E5M2, bias, True, True)
-    grads_n = GF._backward_impl(*args, native=True)
-    grads_l = GF._backward_impl(*args, native=False)
+    grads_n = GF._scaled_backward(*args, native=True)
+    grads_l = GF._scaled_backward(*args, native=False)
     assert_close(grads_n[0], grads_l[0].double(), torch.bfloat16, roundings=2)
     assert_close(grads_n[1], grads_l[1].double(), torch.bfloat16, reduced=True)
     if bias:
@@ -412,21 +418,22 @@ def _args(**override):
 BAD_INPUTS = [
     ("in_features_16", lambda: _args(x=torch.randn(10, 24), w=torch.randn(3, 16, 24)), "16"),
     ("out_features_16", lambda: _args(w=torch.randn(3, 8, 16), b=torch.randn(3, 8)), "16"),
-    ("in_features", lambda: _args(w=torch.randn(3, 16, 32)), "do not match"),
-    ("weight_rank", lambda: _args(w=torch.randn(16, 16)), "do not match"),
+    ("in_features", lambda: _args(w=torch.randn(3, 16, 32)), "must equal in_features"),
+    ("weight_rank", lambda: _args(w=torch.randn(16, 16)), "weight must be 3-D"),
     ("num_gemms", lambda: _args(s=torch.tensor([3, 7])), "m_splits has 2 groups but weight"),
     ("splits_float", lambda: _args(s=torch.tensor([3.0, 0.0, 7.0])), "m_splits must be a 1-D"),
-    ("bias_shape", lambda: _args(b=torch.randn(3, 8)), "bias must be"),
-    ("dtype_mix", lambda: _args(w=torch.randn(3, 16, 16).half()), "must share"),
-    ("fp64", lambda: _args(x=torch.randn(10, 16).double(), w=torch.randn(3, 16, 16).double()),
-     "must share"),
+    ("bias_shape", lambda: _args(b=torch.randn(3, 8)), "bias must have shape"),
+    ("dtype_mix", lambda: _args(w=torch.randn(3, 16, 16).half()), "must equal weight.dtype"),
+    ("fp64", lambda: _args(x=torch.randn(10, 16).double(), w=torch.randn(3, 16, 16).double(),
+                           b=torch.randn(3, 16).double()),
+     "FP8 recipes take float32/bfloat16/float16 inputs"),
     ("fwd_dtype", lambda: _args(fwd=torch.bfloat16), "FP8 dtypes"),
     ("splits_sum", lambda: _args(s=torch.tensor([3, 0, 6])), "sum to inp.shape[0] (10)"),
     ("scale_rowwise", lambda: _args(kw={"scale": torch.ones(3)}),
      'scale is for recipe="delayed" only'),
     ("delayed_no_scale", lambda: _args(kw={"recipe": "delayed"}), 'recipe="delayed" needs scale'),
     ("grad_amax_shape", lambda: _args(kw={"grad_amax": torch.zeros(2)}),
-     "grad_amax, if given, must be a [1] float32 tensor, got torch.float32 [2]"),
+     "grad_amax must be a [1] float32 tensor"),
 ]  # fmt: skip
 
 
@@ -438,7 +445,7 @@ def test_bad_input_raises_clear_error(case, mode):
     a["x"].requires_grad_()
 
     def call(x, s, w, b, fwd, kw):
-        return GF.grouped_linear_fp8(x, s, w, b, fwd_dtype=fwd, **kw)
+        return grouped_linear_fp8(x, s, w, b, fwd_dtype=fwd, **kw)
 
     previous = te_compile.eager_fast_path_enabled()
     te_compile.set_eager_fast_path(mode == "fast")
@@ -450,7 +457,7 @@ def test_bad_input_raises_clear_error(case, mode):
         te_compile.set_eager_fast_path(previous)
     assert message in str(info.value)
     if _id != "splits_sum":  # the splits' values are checked by the grouped_linear helper
-        assert "te.grouped_linear_fp8: " in str(info.value)
+        assert "te.grouped_linear: " in str(info.value)
     if mode == "compiled":
         assert info.type is ValueError or "ValueError" in str(info.value)
     else:
@@ -469,7 +476,7 @@ def test_compiled_changing_splits_do_not_recompile(device, fp8_wgrad):
     kw = {"fwd_dtype": E4M3, "bwd_dtype": E4M3, "fp8_wgrad": True} if fp8_wgrad else {}
 
     def fn(x, s, w, b):
-        return GF.grouped_linear_fp8(x, s, w, b, **kw)
+        return grouped_linear_fp8(x, s, w, b, **kw)
 
     compiled, counter = compile_counted(fn, dynamic=True)
     # Row counts differ from every feature size (dynamic shapes would duck-size equal ones).
@@ -493,6 +500,6 @@ def test_compiled_graph_has_the_fp8_ops():
     x = torch.randn(16, 32, requires_grad=True)
     w = torch.randn(2, 16, 32, requires_grad=True)
     graphs, breaks = count_graph_breaks(
-        lambda x, s, w: GF.grouped_linear_fp8(x, s, w), x, torch.tensor([10, 6]), w
+        lambda x, s, w: grouped_linear_fp8(x, s, w), x, torch.tensor([10, 6]), w
     )
     assert (graphs, breaks) == (1, 0)

@@ -1,13 +1,30 @@
-"""te::linear_fwd / te::linear_bwd beyond the registry test: shapes, gradient subsets,
-main_grad accumulation, autocast, aliasing, and bad input in eager and under compile."""
+"""The linear family (``te::linear_fwd`` / ``te::linear_bwd``) beyond the registry test, which
+compares every recipe, prologue and epilogue with its float64 reference: in high precision
+shapes, gradient subsets, main_grad accumulation, autocast, aliasing, bad input in eager and
+under compile; per-tensor FP8 accuracy against the high-precision linear (SQNR), amaxes,
+saturation, zeros and non-finite input; native blockwise GEMMs against their emulation; the
+norm prologue bit for bit against the norm op then the linear; the epilogues' main_grad and
+errors."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
+import te_compile as te
 import te_compile.functional as tef
-from tests.utils import DEVICES, assert_close, compile_counted, make_reference_and_test_tensors
+from te_compile import functional as F
+from te_compile.functional.gemm import quantized_linear_ref
+from tests.utils import (
+    DEVICES,
+    assert_close,
+    compile_counted,
+    make_reference_and_test_tensors,
+    paired_grads,
+    requires_cuda,
+)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -117,13 +134,15 @@ def test_outputs_and_saved_tensors_alias_nothing():
     x = torch.randn(4, 8, requires_grad=True)
     w = torch.randn(3, 8, requires_grad=True)
     b = torch.randn(3, requires_grad=True)
-    out, saved = torch.ops.te.linear_fwd(x, w, b, None)
-    assert saved == []
+    out, branch, saved = torch.ops.te.linear_fwd(x, w, b, None)
+    assert saved == [] and branch.numel() == 0
     storages = {t.untyped_storage().data_ptr() for t in (x, w, b)}
     assert out.untyped_storage().data_ptr() not in storages
+    hp = ("", torch.float8_e4m3fn, torch.float8_e5m2, False, 1, False, "", False, False, "", 0)
     grads = torch.ops.te.linear_bwd(
-        torch.randn(4, 3), x.detach(), w.detach(), None, True, True, True
-    )
+        torch.randn(4, 3), None, [], x.detach(), w.detach(), None, None, None, None, None,
+        *hp, 7.0, 1.702, 1.0, 1.0, True, True, True,
+    )[:3]  # fmt: skip
     ptrs = [g.untyped_storage().data_ptr() for g in grads]
     assert len(set(ptrs)) == 3 and not storages & set(ptrs)
 
@@ -168,3 +187,482 @@ def test_bad_input_raises_clear_error(case, mode):
 def test_main_grad_bad_shape_raises():
     with pytest.raises(ValueError, match="main_grad must be float32"):
         tef.linear(torch.randn(2, 4), torch.randn(3, 4), main_grad=torch.zeros(3, 4).half())
+
+
+# Per-tensor FP8 (current and delayed scaling) -------------------------------------------------
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+# Signal-to-quantisation-noise floors (dB) of a GEMM of two E4M3 operands (3 mantissa bits,
+# ~1/16 relative step): measured ~31 dB on Gaussian data; the floor leaves margin.
+SQNR_E4M3_DB = 25.0
+SQNR_E5M2_DB = 18.0
+
+
+def sqnr_db(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    noise = (actual.double() - expected.double()).square().sum()
+    return 10 * math.log10(expected.double().square().sum().item() / max(noise.item(), 1e-300))
+
+
+def _tensors(device, m=64, k=32, n=48, dtype=torch.bfloat16):
+    torch.manual_seed(0)
+    x = torch.randn(m, k, device=device, dtype=dtype, requires_grad=True)
+    w = torch.randn(n, k, device=device, dtype=dtype, requires_grad=True)
+    return x, w
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_current_scaling_accuracy_against_high_precision(device):
+    x, w = _tensors(device)
+    b = torch.randn(48, device=device, dtype=torch.bfloat16, requires_grad=True)
+    y = F.linear(x, w, b, recipe="current")
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    x_ref, w_ref, b_ref = (t.detach().double().requires_grad_() for t in (x, w, b))
+    y_ref = x_ref @ w_ref.t() + b_ref
+    y_ref.backward(dy.double())
+    assert sqnr_db(y, y_ref) > SQNR_E4M3_DB
+    # dgrad and wgrad: an E5M2 gradient times an E4M3 operand.
+    assert sqnr_db(x.grad, x_ref.grad) > SQNR_E5M2_DB
+    assert sqnr_db(w.grad, w_ref.grad) > SQNR_E5M2_DB
+    assert sqnr_db(b.grad, b_ref.grad) > 40.0  # dbias is a high-precision sum
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_float32_parameters_with_a_bias(device):
+    """fp32 operands and a bias: the fp32 GEMM output takes the bias after the GEMM on CUDA
+    (torch._scaled_mm refuses a bias with an fp32 output); the result is the reference's
+    within Transformer Engine's e4m3 GEMM tolerances (Hopper's FP8 tensor cores accumulate with
+    fewer bits than fp32: 2e-3 off at K=32 on an H100, 2026-11-22)."""
+    x, w = _tensors(device, dtype=torch.float32)
+    b = torch.randn(48, device=device, requires_grad=True)
+    y = F.linear(x, w, b, recipe="current")
+    assert y.dtype is torch.float32
+    y_ref = quantized_linear_ref(x.detach().double(), w.detach().double(), "current")
+    y_ref = y_ref + b.detach().double()
+    torch.testing.assert_close(y.double(), y_ref, rtol=0.125, atol=0.0675)
+    without_bias = F.linear(x.detach(), w.detach(), None, recipe="current")
+    torch.testing.assert_close(y.detach() - without_bias, b.detach().expand_as(y))
+    y.sum().backward()
+    assert b.grad is not None and torch.equal(b.grad, torch.full_like(b, x.shape[0]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_amaxes_are_reported_forward_and_backward(device):
+    x, w = _tensors(device)
+    grad_amax = torch.zeros(1, device=device)
+    y, amax = F.linear(x, w, recipe="current", grad_amax=grad_amax, return_amax=True)
+    assert amax[0].item() == x.detach().abs().max().float().item()
+    assert amax[1].item() == w.detach().abs().max().float().item()
+    assert grad_amax.item() == 0.0
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    assert grad_amax.item() == dy.abs().max().float().item()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_delayed_scaling_uses_the_given_scales_and_saturates(device):
+    x, w = _tensors(device)
+    amax_x = x.detach().abs().max().float().item()
+    fitting = torch.tensor([448.0 / amax_x, 1.0, 1.0], device=device)
+    y_fit = F.linear(x, w, recipe="delayed", scale=fitting)
+    y_cur = F.linear(x, w, recipe="current")
+    # The weight scale 1 vs current scaling: different rounding, same accuracy class.
+    assert not torch.equal(y_fit, y_cur)
+    # A scale 100x too large saturates x at +-448/scale instead of producing inf.
+    too_large = fitting * torch.tensor([100.0, 1.0, 1.0], device=device)
+    y_sat = F.linear(x, w, recipe="delayed", scale=too_large)
+    assert torch.isfinite(y_sat).all()
+    clipped = x.detach().float().clamp(-amax_x / 100, amax_x / 100)
+    expected = clipped @ w.detach().float().t()
+    assert sqnr_db(y_sat, expected) > SQNR_E4M3_DB - 10
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_zero_tensors_give_zero_without_nan(device):
+    x = torch.zeros(32, 16, device=device, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.zeros(16, 16, device=device, dtype=torch.bfloat16, requires_grad=True)
+    y = F.linear(x, w, recipe="current")
+    y.backward(torch.zeros_like(y))
+    for t in (y, x.grad, w.grad):
+        assert torch.equal(t, torch.zeros_like(t))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_finite_input_is_reported_in_the_amax(device):
+    x, w = _tensors(device)
+    x = x.detach().clone()
+    x[3, 5] = math.inf
+    _, amax = F.linear(x, w.detach(), recipe="current", return_amax=True)
+    assert math.isinf(amax[0].item())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_matches_eager(device):
+    x, w = _tensors(device)
+    fn = lambda x, w: F.linear(x, w, recipe="current")  # noqa: E731
+    compiled, counter = compile_counted(fn)
+    assert torch.equal(compiled(x, w), fn(x, w))
+    assert counter.frame_count == 1
+
+
+def test_feature_sizes_fp8_gemms_cannot_take_raise():
+    x = torch.randn(32, 24, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="in_features \\(24\\)"):
+        F.linear(x, torch.randn(16, 24, dtype=torch.bfloat16), recipe="current")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recipe", ["current", "delayed"])
+def test_token_counts_are_padded_to_16(device, recipe):
+    """30 tokens run as 32 (two zero rows): the same values as the 30 rows of a padded call."""
+    torch.manual_seed(0)
+    x = torch.randn(30, 32, device=device, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(16, 32, device=device, dtype=torch.bfloat16, requires_grad=True)
+    kw = {"recipe": recipe, "scale": torch.tensor([50.0, 50.0, 1000.0], device=device)}
+    if recipe == "current":
+        kw.pop("scale")
+    y = F.linear(x, w, **kw)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    x_pad = torch.cat([x.detach(), x.new_zeros(2, 32)]).requires_grad_(True)
+    w2 = w.detach().clone().requires_grad_(True)
+    y_pad = F.linear(x_pad, w2, **kw)
+    y_pad.backward(torch.cat([dy, dy.new_zeros(2, 16)]))
+    assert y.shape == (30, 16) and torch.equal(y, y_pad[:30])
+    assert torch.equal(x.grad, x_pad.grad[:30]) and torch.equal(w.grad, w2.grad)
+
+
+def test_bad_recipe_and_missing_delayed_scale():
+    x, w = torch.randn(16, 16), torch.randn(16, 16)
+    with pytest.raises(ValueError, match="recipe must be one of"):
+        F.linear(x, w, recipe="fp8")
+    with pytest.raises(ValueError, match="mxfp8 GEMMs are emulated here"):
+        F.linear(x, w, recipe="mxfp8")
+    with pytest.raises(ValueError, match='recipe="delayed" needs scale'):
+        F.linear(x, w, recipe="delayed")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_delayed_scaling_state_keeps_fp32_under_autocast(device):
+    """Under torch.autocast the FP8 op computes from bf16 operands but takes the delayed scale
+    and the gradient-amax buffer as they are (fp32): the amax of the gradient reaches the
+    caller's buffer, and the result equals the op called with bf16 operands directly."""
+    torch.manual_seed(0)
+    x = torch.randn(32, 64, device=device, requires_grad=True)
+    w = torch.randn(48, 64, device=device, requires_grad=True)
+    scale = torch.tensor([64.0, 128.0, 2.0**10], device=device)
+    grad_amax = torch.zeros(1, device=device)
+    grad = torch.randn(32, 48, device=device)
+    kw = dict(recipe="delayed", scale=scale)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        y = F.linear(x, w, grad_amax=grad_amax, **kw)
+    assert y.dtype is torch.bfloat16
+    y.backward(grad.bfloat16())
+    assert grad_amax.dtype is torch.float32
+    assert grad_amax.item() == grad.bfloat16().abs().max().float().item()
+    expected = F.linear(x.detach().bfloat16(), w.detach().bfloat16(), **kw)
+    assert torch.equal(y.detach(), expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_emulated_gemms_match_the_scaled_mm_ones(device):
+    """``emulate=True`` with a per-tensor recipe (the diagnostic ``quantization.gemm._EMULATE``
+    sets): the three GEMMs as fp32 GEMMs of the same FP8 values give the same output and
+    gradients as torch._scaled_mm, to fp32 accumulation-order error on the CPU (and Hopper's
+    FP8 accumulation on CUDA)."""
+    x, w = _tensors(device)
+    b = torch.randn(48, device=device, dtype=torch.bfloat16, requires_grad=True)
+    runs = []
+    for emulate in (False, True):
+        for t in (x, w, b):
+            t.grad = None
+        y = F.linear(x, w, b, recipe="current", emulate=emulate)
+        y.backward(torch.ones_like(y))
+        runs.append([t.detach().float() for t in (y, x.grad, w.grad, b.grad)])
+    for native, emulated in zip(*runs, strict=True):
+        torch.testing.assert_close(emulated, native, rtol=2e-2, atol=2e-2)
+
+
+# Norm prologue (LayerNormLinear): the norm written straight into FP8. --------------------------
+
+NORM_CASES = [
+    pytest.param("LayerNorm", "current", False, True, id="layernorm-current"),
+    pytest.param("LayerNorm", "delayed", True, False, id="layernorm-zc-delayed-no-beta"),
+    pytest.param("RMSNorm", "current", True, False, id="rmsnorm-zc-current"),
+    pytest.param("RMSNorm", "delayed", False, False, id="rmsnorm-delayed"),
+]
+
+
+def _norm_then_linear(x, gamma, beta, normalization, zcg, w, b, **kw):
+    if normalization == "LayerNorm":
+        ln = F.layernorm(x, gamma, beta, 1e-5, zero_centered_gamma=zcg)
+    else:
+        ln = F.rmsnorm(x, gamma, 1e-5, zero_centered_gamma=zcg)
+    return F.linear(ln, w, b, return_amax=True, **kw)
+
+
+@pytest.mark.parametrize("normalization,recipe,zcg,has_beta", NORM_CASES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_norm_prologue_same_bytes_as_the_norm_then_the_linear(
+    device, normalization, recipe, zcg, has_beta
+):
+    """``linear(..., normalization=...)`` (the norm never written on CUDA) against the norm
+    op followed by ``linear``: every output, amax, written gradient amax and gradient
+    (input, weight, bias, gamma, beta) bit for bit; 21 tokens (padded inside)."""
+    torch.manual_seed(0)
+
+    def t(*shape, std=1.0, mean=0.0):
+        return (torch.randn(*shape, device=device) * std + mean).bfloat16().requires_grad_()
+
+    x = t(3, 7, 64, std=2.0, mean=0.5)
+    gamma = t(64, std=0.2, mean=0.0 if zcg else 1.0)
+    beta = t(64, std=0.3) if has_beta and normalization == "LayerNorm" else None
+    w, b = t(48, 64, std=0.2), t(48)
+    pending = [torch.zeros(1, device=device) for _ in range(2)]
+    kw = {"recipe": recipe}
+    if recipe == "delayed":
+        kw["scale"] = torch.tensor([30.0, 900.0, 2e3], device=device)
+    out, amax = F.linear(
+        x, w, b, normalization=normalization, norm_weight=gamma, norm_bias=beta, norm_eps=1e-5,
+        zero_centered_gamma=zcg, return_amax=True, grad_amax=pending[0], **kw,
+    )  # fmt: skip
+    ref, ref_amax = _norm_then_linear(x, gamma, beta, normalization, zcg, w, b,
+                                      grad_amax=pending[1], **kw)  # fmt: skip
+    assert torch.equal(out, ref) and torch.equal(amax, ref_amax)
+    params = [p for p in (x, gamma, beta, w, b) if p is not None]
+    for _p, g, r in paired_grads(out, ref, params):
+        assert torch.equal(g, r)
+    assert torch.equal(pending[0], pending[1]) and pending[0].item() > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_norm_prologue_compiles_and_only_the_needed_gradients(device):
+    x, w = _tensors(device)
+    b = torch.randn(48, device=device, dtype=torch.bfloat16, requires_grad=True)
+    gamma = torch.ones(32, device=device, dtype=torch.bfloat16, requires_grad=True)
+
+    def fn(x, w, b, gamma):
+        return F.linear(x, w, b, recipe="current", normalization="RMSNorm", norm_weight=gamma)
+
+    compiled, counter = compile_counted(fn, backend="aot_eager")
+    out = compiled(x, w, b, gamma)
+    assert torch.equal(out, fn(x, w, b, gamma))
+    assert counter.frame_count == 1
+    # Only gamma needs a gradient: the GEMM's dgrad still runs (the norm's backward needs it).
+    (g,) = torch.autograd.grad(fn(x.detach(), w.detach(), None, gamma).sum(), [gamma])
+    assert g.abs().sum() > 0
+
+
+def test_norm_prologue_errors_name_the_argument():
+    x, w = torch.randn(16, 32), torch.randn(16, 32)
+    g = torch.ones(32)
+    with pytest.raises(ValueError, match="normalization must be"):
+        F.linear(x, w, normalization="BatchNorm", norm_weight=g)
+    with pytest.raises(ValueError, match=r"LayerNorm needs norm_weight \[32\]"):
+        F.linear(x, w, normalization="LayerNorm")
+    with pytest.raises(ValueError, match=r"RMSNorm needs norm_weight \[32\]"):
+        F.linear(x, w, normalization="RMSNorm", norm_weight=torch.ones(16))
+    with pytest.raises(ValueError, match="norm_bias must be None for RMSNorm"):
+        F.linear(x, w, normalization="RMSNorm", norm_weight=g, norm_bias=g)
+    with pytest.raises(ValueError, match='normalization="" '):
+        F.linear(x, w, norm_weight=g)
+    with pytest.raises(ValueError, match="norm_eps must be > 0"):
+        F.linear(x, w, normalization="RMSNorm", norm_weight=g, norm_eps=0.0)
+
+
+# Float8BlockScaling: native GEMMs against their emulation ---------------------------------------
+
+
+def _run(native, x, w, b, power_2_scale, weight_block_rows):
+    x = x.detach().clone().requires_grad_()
+    w = w.detach().clone().requires_grad_()
+    b = None if b is None else b.detach().clone().requires_grad_()
+    out = F.linear(
+        x, w, b, recipe="block", fwd_dtype=E4M3, bwd_dtype=E4M3, power_2_scale=power_2_scale,
+        weight_block_rows=weight_block_rows, emulate=not native,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    out.backward(torch.randn_like(out))
+    return out, x.grad, w.grad, None if b is None else b.grad
+
+
+@requires_cuda
+@pytest.mark.skipif(
+    torch.cuda.is_available() and not te.is_fp8_block_scaling_available(),
+    reason="needs blockwise-scaled _scaled_mm (compute capability 9.0+, CUDA 12.9+)",
+)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("power_2_scale, weight_block_rows", [(True, 128), (False, 128), (True, 1)])
+@pytest.mark.parametrize("m, k, n", [(256, 512, 1024), (160, 1024, 512)], ids=str)
+def test_native_gemms_match_the_emulation(m, k, n, power_2_scale, weight_block_rows, bias):
+    """Both paths quantise identically (same ops); the GEMMs differ only in accumulation order,
+    each result rounded once to bf16: so they agree within two bf16 roundings, relative to the
+    largest term (a sum of products cancels)."""
+    torch.manual_seed(0)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
+    native = _run(True, x, w, b, power_2_scale, weight_block_rows)
+    emulated = _run(False, x, w, b, power_2_scale, weight_block_rows)
+    for a, e in zip(native, emulated, strict=True):
+        if e is None:
+            assert a is None
+            continue
+        assert_close(a, e.double(), torch.bfloat16, roundings=2, reduced=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_native_blockwise_needs_e4m3_and_shapes_cublas_takes(device):
+    x = torch.randn(32, 64, device=device, dtype=torch.bfloat16)
+    w = torch.randn(32, 64, device=device, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="E4M3 operands"):
+        F.linear(x, w, recipe="block", bwd_dtype=E5M2)
+    # 128x128 weight blocks: the weight's K / 128 scale dims must be multiples of 4.
+    with pytest.raises(ValueError, match="multiples of 512"):
+        F.linear(x, w, recipe="block", bwd_dtype=E4M3, weight_block_rows=128)
+    assert F.blockwise_supported(w, 1, E4M3, E4M3)
+    assert not F.blockwise_supported(w, 128, E4M3, E4M3)
+    assert not F.blockwise_supported(w, 1, E4M3, E5M2)
+
+
+@pytest.mark.parametrize(
+    "kind,native,normalization",
+    [("block", True, "RMSNorm"), ("block", True, "LayerNorm"), ("mxfp8", False, "LayerNorm")],
+    ids=["block-native-rmsnorm", "block-native-layernorm", "mxfp8-layernorm"],
+)
+@pytest.mark.parametrize("device", DEVICES)
+def test_block_norm_prologue_same_bytes_as_the_norm_then_the_linear(
+    device, kind, native, normalization
+):
+    """``linear(..., normalization=...)`` (natively on CUDA the norm is quantised in
+    1x128 blocks without being written) against the norm op followed by the linear: output and
+    every gradient bit for bit."""
+    if native and device == "cuda" and not te.is_fp8_block_scaling_available():
+        pytest.skip("no native blockwise FP8 GEMMs on this GPU")
+    torch.manual_seed(0)
+
+    def t(*shape, std=1.0, mean=0.0):
+        return (torch.randn(*shape, device=device) * std + mean).bfloat16().requires_grad_()
+
+    x, w, b = t(2, 32, 512, std=2.0, mean=0.5), t(512, 512, std=0.05), t(512)
+    gamma, beta = t(512, std=0.2, mean=1.0), t(512, std=0.3)
+    beta = beta if normalization == "LayerNorm" else None
+    kw = dict(recipe=kind, emulate=not native, weight_block_rows=128 if kind == "block" else 1,
+              fwd_dtype=E4M3, bwd_dtype=E4M3)  # fmt: skip
+    out = F.linear(x, w, b, normalization=normalization, norm_weight=gamma, norm_bias=beta, **kw)
+    ln = F.layernorm(x, gamma, beta) if normalization == "LayerNorm" else F.rmsnorm(x, gamma)
+    ref = F.linear(ln, w, b, **kw)
+    assert torch.equal(out, ref)
+    params = [p for p in (x, gamma, beta, w, b) if p is not None]
+    for _p, g, r in paired_grads(out, ref, params):
+        assert torch.equal(g, r)
+
+
+# Epilogues: main_grad, an unused branch, errors --------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda x, w, b, mg: F.linear(x, w, b, activation="srelu", main_grad=mg),
+        lambda x, w, b, mg: F.linear(
+            x, w, b, residual=torch.zeros_like(x[:, :8]), out_scale=2.0, main_grad=mg
+        ),
+        lambda x, w, b, mg: F.linear(x, w, b, main_grad=mg, return_branch=True)[0],
+    ],
+    ids=["activation", "residual", "branch"],
+)
+def test_weight_gradient_goes_into_main_grad_with_an_epilogue(call, device):
+    x = torch.randn(6, 16, device=device)
+    w = torch.randn(8, 16, device=device, requires_grad=True)
+    b = torch.randn(8, device=device, requires_grad=True)
+    main_grad = torch.ones(8, 16, device=device)
+    y = call(x, w, b, main_grad)
+    y.backward(torch.ones_like(y))
+    assert w.grad is None and b.grad is not None
+    w_ref = w.detach().clone().requires_grad_()
+    call(x, w_ref, b.detach(), None).backward(torch.ones_like(y))
+    assert_close(main_grad, 1 + w_ref.grad.double(), torch.float32, reduced=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_unused_branch_outputs_get_a_zero_gradient(device):
+    x = torch.randn(6, 16, device=device, requires_grad=True)
+    w = torch.randn(8, 16, device=device)
+    out, _branch = F.linear(x, w, return_branch=True)
+    out.backward(torch.ones_like(out))
+    assert_close(x.grad, torch.ones(6, 8, dtype=torch.float64) @ w.double().cpu(), torch.float32)
+    x.grad = None
+    weight = torch.ones(16, device=device)
+    _out, branch = F.branch_rmsnorm(x, weight)
+    branch.backward(torch.full_like(branch, 3.0))
+    assert torch.equal(x.grad, torch.full_like(x, 3.0))
+
+
+def _x(*shape):
+    return torch.randn(*shape)
+
+
+BAD = [
+    (
+        lambda: F.linear(_x(4, 16), _x(8, 16), None, residual=_x(4, 6)),
+        r"te.linear: residual must have the output's shape \[4, 8\]",
+    ),
+    (
+        lambda: F.linear(_x(4, 16), _x(8, 16), None, residual=_x(4, 8).double()),
+        "te.linear: residual must have .* inp's dtype torch.float32",
+    ),
+    (
+        lambda: F.linear(_x(4, 12), _x(8, 16), None, residual=_x(4, 8)),
+        r"te.linear: inp.shape\[-1\] \(12\) must equal in_features",
+    ),
+    (
+        lambda: F.linear(_x(4, 16), _x(8, 16), _x(6), activation="gelu"),
+        r"te.linear: bias must have shape \[out_features\] = \[8\]",
+    ),
+    (
+        lambda: F.linear(_x(4, 16), _x(7, 16), None, activation="swiglu"),
+        r"te.gated_activation: inp.shape\[-1\] \(7\) must be even",
+    ),
+    (
+        lambda: F.linear(_x(4, 16), _x(8, 16), None, activation="swiglu", glu_interleave_size=3),
+        r"glu_interleave_size \(3\) must divide half the last dim",
+    ),
+    (
+        lambda: F.linear(_x(4, 16), _x(8, 16), None, activation="tanh"),
+        "te.activation: unknown activation 'tanh'",
+    ),
+    (
+        lambda: F.linear(_x(4, 16), _x(8, 16), None, activation="gelu", residual=_x(4, 8)),
+        "te.linear: activation cannot be combined with residual or branch",
+    ),
+    (
+        lambda: F.linear(_x(4, 16), _x(8, 16), _x(8).half(), return_branch=True),
+        r"te.linear: bias.dtype \(torch.float16\) must equal weight.dtype",
+    ),
+    (
+        lambda: F.branch_rmsnorm(_x(4, 16), _x(15)),
+        r"te.rmsnorm: weight must have shape \[inp.shape\[-1\]\] = \[16\]",
+    ),
+    (
+        lambda: F.branch_rmsnorm(_x(4, 16), _x(16), eps=0.0),
+        "te.rmsnorm: eps must be > 0",
+    ),
+]
+
+
+@pytest.mark.parametrize(("call", "match"), BAD)
+def test_bad_epilogue_input_names_the_argument_eager_and_compiled(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=match):
+        torch.compile(call, fullgraph=True)()
+
+
+def test_branch_rmsnorm_backward_checks_the_branch_gradient():
+    x, w = _x(4, 16), _x(16)
+    _out, _branch, rsigma = torch.ops.te.branch_rmsnorm_fwd(x, w, 1e-5, False)
+    with pytest.raises(ValueError, match=r"te\.branch_rmsnorm: grad_branch must have inp's shape"):
+        torch.ops.te.branch_rmsnorm_bwd(_x(4, 16), _x(4, 8), x, rsigma, w, False)

@@ -311,10 +311,10 @@ def test_delayed_scaling_update_kernel_matches_reference(length, algo, margin):
 @pytest.mark.parametrize("shape", [(37, 45), (2, 3, 1100), (5, 16), (0, 32)])
 def test_rowwise_kernel_matches_reference(fp8, dtype, shape):
     """The one-launch rowwise quantisation (grouped FP8 GEMMs) equals the torch definition in
-    ``functional.grouped_linear_fp8.quantize_rowwise`` bit for bit: rows cut by the block
+    ``functional.grouped_fp8.quantize_rowwise`` bit for bit: rows cut by the block
     (45, 1100 > one 1024-wide block), an all-zero row, a row holding inf, one holding NaN, one
     holding only subnormal-sized values, and a saturating row."""
-    from te_compile.functional.grouped_linear_fp8 import quantize_rowwise as reference
+    from te_compile.functional.grouped_fp8 import quantize_rowwise as reference
 
     torch.manual_seed(sum(shape))
     x = torch.randn(shape) * 3
@@ -370,11 +370,11 @@ def test_recode_e5m2_kernel_matches_the_table(numel):
 def test_kernels_write_e5m2_as_e4m3_codes(rows, given):
     """``e4m3_codes=True``: the rowwise and the group-column casts store an E5M2 result as its
     E4M3 codes with the inverse scales times 128, bit for bit the torch definition followed by
-    the recoding (``functional.grouped_linear_fp8._as_e4m3``); inf / NaN / subnormal-sized /
+    the recoding (``functional.grouped_fp8.as_e4m3``); inf / NaN / subnormal-sized /
     saturating entries, empty rows and groups; E4M3 casts are unchanged by the flag."""
     import importlib
 
-    GF = importlib.import_module("te_compile.functional.grouped_linear_fp8")
+    GF = importlib.import_module("te_compile.functional.grouped_fp8")
     torch.manual_seed(rows)
     x = torch.randn(rows, 45) * 3
     if rows:
@@ -386,7 +386,7 @@ def test_kernels_write_e5m2_as_e4m3_codes(rows, given):
     x = x.to(torch.bfloat16)
     if not given:
         data, inv = kernels.quantize_rowwise(_dev(x), E5M2, e4m3_codes=True, block_k=32)
-        want_data, want_inv = GF._as_e4m3(*GF.quantize_rowwise(x, E5M2))
+        want_data, want_inv = GF.as_e4m3(*GF.quantize_rowwise(x, E5M2))
         assert data.dtype is E4M3
         assert_bits_equal(data, want_data)
         assert_bits_equal(inv, want_inv)
@@ -395,7 +395,7 @@ def test_kernels_write_e5m2_as_e4m3_codes(rows, given):
     splits = torch.tensor([rows - rows // 2, 0, rows // 2])
     scale = torch.tensor([2.0**12]) if given else None
     want_data, want_inv, want_ends = GF.quantize_group_columns(x, splits, E5M2, scale)
-    want_data, want_inv = GF._as_e4m3(want_data, want_inv)
+    want_data, want_inv = GF.as_e4m3(want_data, want_inv)
     data_t, scale_inv = kernels.quantize_group_columns(
         _dev(x), _dev(splits.cumsum(0).to(torch.int32)), _dev(want_ends), want_data.shape[1],
         E5M2, scale=None if scale is None else _dev(scale), e4m3_codes=True, block_n=16,
@@ -411,16 +411,16 @@ def test_kernels_write_e5m2_as_e4m3_codes_at_default_launch():
     column tiles) on a 300 x 2048 gradient, values over the whole E5M2 range."""
     import importlib
 
-    GF = importlib.import_module("te_compile.functional.grouped_linear_fp8")
+    GF = importlib.import_module("te_compile.functional.grouped_fp8")
     torch.manual_seed(7)
     x = torch.randn(300, 2048) * torch.logspace(-14, 2, 2048, base=2.0)
     x = x.to(torch.bfloat16)
     data, inv = kernels.quantize_rowwise(_dev(x), E5M2, e4m3_codes=True)
-    want = GF._as_e4m3(*GF.quantize_rowwise(x, E5M2))
+    want = GF.as_e4m3(*GF.quantize_rowwise(x, E5M2))
     _assert_all_equal((data, inv), want)
     splits = torch.tensor([100, 0, 200])
     want_data, want_inv, want_ends = GF.quantize_group_columns(x, splits, E5M2)
-    want_data, want_inv = GF._as_e4m3(want_data, want_inv)
+    want_data, want_inv = GF.as_e4m3(want_data, want_inv)
     got = kernels.quantize_group_columns(
         _dev(x), _dev(splits.cumsum(0).to(torch.int32)), _dev(want_ends), want_data.shape[1],
         E5M2, e4m3_codes=True,
@@ -435,7 +435,7 @@ def test_columnwise_transposed_kernel_matches_rowwise_of_the_transpose(fp8, dtyp
     """``quantize_columnwise_transposed(x)`` equals ``quantize_rowwise(x.transpose(-2, -1))`` (the
     torch definition) bit for bit: tiles cut along N and K (64 x 64), an all-zero column, one
     holding inf, one NaN, one of subnormal-sized values, a saturating one."""
-    from te_compile.functional.grouped_linear_fp8 import quantize_rowwise as reference
+    from te_compile.functional.grouped_fp8 import quantize_rowwise as reference
 
     torch.manual_seed(sum(shape))
     x = torch.randn(shape) * 3
@@ -481,10 +481,10 @@ def test_columnwise_transposed_kernel_with_a_given_scale(fp8, dtype):
 def test_group_columns_kernel_matches_the_torch_loop(fp8, dtype, given, splits):
     """``quantize_group_columns`` (the grouped FP8 wgrad's operands: each token group's columns
     quantised over its rows, written transposed into 16-aligned column ranges) equals the torch
-    loop of ``functional.grouped_linear_fp8`` bit for bit: data including the zero padding and
+    loop of ``functional.grouped_fp8`` bit for bit: data including the zero padding and
     the unused tail, scales, padded offsets. Groups cut by the 16 x 16 tiles, an all-zero
     column, inf / NaN / subnormal-sized / saturating columns, empty groups."""
-    from te_compile.functional.grouped_linear_fp8 import quantize_group_columns as reference
+    from te_compile.functional.grouped_fp8 import quantize_group_columns as reference
 
     torch.manual_seed(len(splits) + sum(splits))
     m, k = sum(splits), 45

@@ -47,9 +47,12 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+_GEMMS = (torch.ops.te.linear_fwd.default, torch.ops.te.mlp_fwd.default)
+
+
 def _save_te_gemms(ctx, op, *args, **kwargs):
-    """Keep the GEMM outputs (te::linear_fwd), recompute the norms and activations."""
-    if op is torch.ops.te.linear_fwd.default:
+    """Keep the GEMM outputs (te::linear_fwd, te::mlp_fwd), recompute the norms."""
+    if op in _GEMMS:
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -86,7 +89,7 @@ def test_checkpoint_recomputes_the_same_gradients_with_dropout(context_fn):
 
 
 @pytest.mark.parametrize(
-    ("context_fn", "recomputed_gemms"), [(None, 3), (SAC, 0)], ids=["full", "selective"]
+    ("context_fn", "recomputed_gemms"), [(None, 1), (SAC, 0)], ids=["full", "selective"]
 )
 def test_selective_policy_saves_the_te_ops_it_names(context_fn, recomputed_gemms):
     block = Block()
@@ -95,12 +98,15 @@ def test_selective_policy_saves_the_te_ops_it_names(context_fn, recomputed_gemms
         y = _checkpointed(block, x, context_fn)
     with OpCounter() as backward:
         y.sum().backward()
-    assert forward.calls["te.linear_fwd.default"] == 3
+    assert forward.calls["te.linear_fwd.default"] == 1
+    assert forward.calls["te.mlp_fwd.default"] == 1
     # The norms are recomputed either way; the GEMMs only without the selective policy.
     assert backward.calls.get("te.linear_fwd.default", 0) == recomputed_gemms
+    assert backward.calls.get("te.mlp_fwd.default", 0) == recomputed_gemms
     assert backward.calls["te.layernorm_fwd.default"] == 1
     assert backward.calls["te.rmsnorm_fwd.default"] == 1
-    assert backward.calls["te.linear_bwd.default"] == 3
+    assert backward.calls["te.linear_bwd.default"] == 1
+    assert backward.calls["te.mlp_bwd.default"] == 1
 
 
 def test_compiled_selective_checkpoint_recomputes_norms_not_gemms():
@@ -116,8 +122,9 @@ def test_compiled_selective_checkpoint_recomputes_norms_not_gemms():
     for a, e in zip(actual, expected, strict=True):
         assert torch.equal(a, e)
     backward = recorder.backward
-    assert "te.linear_fwd.default" in recorder.forward
+    assert {"te.linear_fwd.default", "te.mlp_fwd.default"} <= set(recorder.forward)
     assert "te.linear_fwd.default" not in backward, recorder.summary()
+    assert "te.mlp_fwd.default" not in backward, recorder.summary()
     assert {"te.layernorm_fwd.default", "te.rmsnorm_fwd.default"} <= set(backward), (
         recorder.summary()
     )

@@ -17,7 +17,7 @@ from te_compile.quantization import (
     Float8BlockScaling,
     Float8CurrentScaling,
     autocast,
-    fp8_gemm,
+    gemm,
 )
 from tests.utils import DEVICES, GraphRecorder, compile_counted, requires_cuda
 
@@ -38,7 +38,7 @@ def test_current_scaling_runs_the_fp8_op(device):
     x = _x(device)
     with autocast(recipe=Float8CurrentScaling()):
         y = m(x)
-    expected = F.linear_fp8(x, m.weight, m.bias, recipe="current")
+    expected = F.linear(x, m.weight, m.bias, recipe="current")
     assert torch.equal(y, expected)
     assert not torch.equal(y, m(x)), "outside autocast the GEMM is bf16 again"
 
@@ -217,9 +217,9 @@ class TestFP8Graph(expecttest.TestCase):
             """\
 auto_functionalized_v2(te.delayed_scaling_update.default)
 auto_functionalized_v2(te.delayed_scaling_update.default)
-te.mlp_fp8_fwd.default
+te.mlp_fwd.default
 |
-auto_functionalized_v2(te.mlp_fp8_bwd.default)""",
+auto_functionalized_v2(te.mlp_bwd.default)""",
         )
 
 
@@ -269,7 +269,7 @@ def test_grouped_linear_fp8_current_scaling(device):
     compiled, counter = compile_counted(m)
     with autocast(recipe=Float8CurrentScaling()):
         y, y_c = m(x, splits), compiled(x, splits)
-    expected = F.grouped_linear_fp8(x, splits, m.weight, m.bias)
+    expected = F.grouped_linear(x, splits, m.weight, m.bias, recipe="current", fp8_wgrad=True)
     assert torch.equal(y, expected) and torch.equal(y_c, expected)
     assert _sqnr_db(y, m(x, splits)) > 25.0  # vs the bf16 grouped GEMM
     assert counter.frame_count == 1
@@ -285,7 +285,7 @@ def test_grouped_linear_fp8_current_scaling(device):
 def test_grouped_linear_fp8_wgrad(device):
     """The module's wgrad is FP8 under every format (the functional op with
     ``fp8_wgrad=True``, bit for bit, eager and compiled; HYBRID's E5M2 gradient as E4M3 codes),
-    and high precision with the setting off (``fp8_gemm._GROUPED_FP8_WGRAD = False``)."""
+    and high precision with the setting off (``quantization.gemm._GROUPED_FP8_WGRAD = False``)."""
     torch.manual_seed(0)
     m = te.GroupedLinear(4, 32, 48, single_grouped_parameter=True, params_dtype=torch.bfloat16,
                          device=device)  # fmt: skip
@@ -299,12 +299,14 @@ def test_grouped_linear_fp8_wgrad(device):
     grads = []
     for fmt, bwd, fp8_wgrad in cases:
         w = m.weight.detach().requires_grad_()
-        F.grouped_linear_fp8(x, splits, w, m.bias, bwd_dtype=bwd, fp8_wgrad=fp8_wgrad).backward(dy)
+        F.grouped_linear(
+            x, splits, w, m.bias, recipe="current", bwd_dtype=bwd, fp8_wgrad=fp8_wgrad
+        ).backward(dy)
         grads.append(w.grad)
         for call in (m, compiled):
             m.zero_grad(set_to_none=True)
             with (
-                mock.patch.object(fp8_gemm, "_GROUPED_FP8_WGRAD", fp8_wgrad),
+                mock.patch.object(gemm, "_GROUPED_FP8_WGRAD", fp8_wgrad),
                 autocast(recipe=Float8CurrentScaling(fp8_format=fmt)),
             ):
                 call(x, splits).backward(dy)
@@ -400,7 +402,7 @@ def test_grouped_linear_first_delayed_step_is_calibrated(device):
     with autocast(recipe=DelayedScaling(amax_history_len=4)):
         y = m(x, splits)
     y.backward(dy)
-    y_ref = F.grouped_linear_fp8(x, splits, w, m.bias, fp8_wgrad=True)
+    y_ref = F.grouped_linear(x, splits, w, m.bias, recipe="current", fp8_wgrad=True)
     y_ref.backward(dy)
     assert torch.equal(y, y_ref) and torch.equal(m.weight.grad, w.grad)
     meta = m.fp8_meta
@@ -473,11 +475,10 @@ def test_non_finite_amaxes_are_reported(recipe):
 @pytest.mark.parametrize("device", DEVICES)
 def test_layernorm_linear_writes_the_norm_into_fp8(device, normalization, recipe_cls, monkeypatch):
     """LayerNormLinear under an FP8 recipe runs one op with the norm as its prologue
-    (``te::linear_fp8_fwd`` / ``te::linear_block_scaled_fwd`` with ``normalization``); three
-    training steps give the same bytes (outputs, every gradient, the delayed-scaling state) as
-    the norm op followed by the FP8 linear, which it still takes where the norm's output is
-    asked for."""
-    from te_compile.quantization import fp8_gemm
+    (``te::linear_fwd`` with ``normalization``); three training steps give the same bytes
+    (outputs, every gradient, the delayed-scaling state) as the norm op followed by the FP8
+    linear, which it still takes where the norm's output is asked for."""
+    from te_compile.quantization import gemm
 
     kw = {"normalization": normalization, "params_dtype": torch.bfloat16, "device": device}
     torch.manual_seed(0)
@@ -487,19 +488,17 @@ def test_layernorm_linear_writes_the_norm_into_fp8(device, normalization, recipe
         fused.layer_norm_weight.normal_(0, 0.2)
     plain.load_state_dict(fused.state_dict())
     seen = []
-    per_tensor = recipe_cls in (Float8CurrentScaling, DelayedScaling)
-    op_name = "linear_fp8" if per_tensor else "linear_block_scaled"
-    real = getattr(fp8_gemm.F, op_name)
+    real = gemm.F.linear
 
     def spy(*args, **kwargs):
         seen.append(kwargs.get("normalization", ""))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(fp8_gemm.F, op_name, spy)
+    monkeypatch.setattr(gemm.F, "linear", spy)
     results = []
     for module, fuse in ((fused, True), (plain, False)):
-        if not fuse:
-            monkeypatch.setattr(fp8_gemm, "norm_linear", lambda *a: None)
+        if not fuse:  # the op-by-op path the module takes in high precision
+            monkeypatch.setattr(gemm, "quantized", lambda: False)
         outs = []
         torch.manual_seed(1)
         for step in range(3):

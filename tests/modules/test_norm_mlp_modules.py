@@ -204,12 +204,8 @@ class TestLayerNormMLPGraph(expecttest.TestCase):
             """\
 forward:
   te.layernorm_fwd.default
-  te.linear_fwd.default
-  te.activation_fwd.default
-  te.linear_fwd.default
+  te.mlp_fwd.default
 backward:
-  auto_functionalized_v2(te.linear_bwd.default)
-  te.activation_bwd.default
-  auto_functionalized_v2(te.linear_bwd.default)
+  auto_functionalized_v2(te.mlp_bwd.default)
   te.layernorm_bwd.default""",
         )

@@ -96,9 +96,9 @@ class TestFusedGraphs(expecttest.TestCase):
             _graphs(seq, (4, 16)),
             """\
 forward:
-  te.linear_bias_activation_fwd.default
+  te.linear_fwd.default
 backward:
-  auto_functionalized_v2(te.linear_bias_activation_bwd.default)""",
+  auto_functionalized_v2(te.linear_bwd.default)""",
         )
 
     def test_linear_bias_add(self):
@@ -107,9 +107,9 @@ backward:
             _graphs(seq, (4, 16), (4, 8)),
             """\
 forward:
-  te.linear_add_fwd.default
+  te.linear_fwd.default
 backward:
-  auto_functionalized_v2(te.linear_add_bwd.default)""",
+  auto_functionalized_v2(te.linear_bwd.default)""",
         )
 
     def test_linear_scale_add(self):
@@ -118,9 +118,9 @@ backward:
             _graphs(seq, (4, 16), (4, 8)),
             """\
 forward:
-  te.linear_add_fwd.default
+  te.linear_fwd.default
 backward:
-  auto_functionalized_v2(te.linear_add_bwd.default)""",
+  auto_functionalized_v2(te.linear_bwd.default)""",
         )
 
     def test_branch_linear(self):
@@ -129,9 +129,9 @@ backward:
             _graphs(seq, (4, 16)),
             """\
 forward:
-  te.branch_linear_fwd.default
+  te.linear_fwd.default
 backward:
-  auto_functionalized_v2(te.branch_linear_bwd.default)""",
+  auto_functionalized_v2(te.linear_bwd.default)""",
         )
 
     def test_bias_activation(self):
@@ -189,7 +189,7 @@ backward:
             """\
 forward:
   te.branch_rmsnorm_fwd.default
-  te.linear_bias_activation_fwd.default
+  te.linear_fwd.default
   te.linear_fwd.default
   aten.randint.low
   te.dropout_fwd.default
@@ -197,6 +197,6 @@ forward:
 backward:
   te.dropout_bwd.default
   auto_functionalized_v2(te.linear_bwd.default)
-  auto_functionalized_v2(te.linear_bias_activation_bwd.default)
+  auto_functionalized_v2(te.linear_bwd.default)
   te.branch_rmsnorm_bwd.default""",
         )

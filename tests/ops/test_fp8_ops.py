@@ -1,6 +1,6 @@
 """FP8 through ``te_compile.ops``: ``BasicLinear`` inside ``te_compile.autocast`` (current and
-delayed scaling, state in buffers, compiled step equals eager), the linear fusions falling back
-to the FP8 path, and ``Quantize`` for every recipe it supports."""
+delayed scaling, state in buffers, compiled step equals eager), the linear fusions running the
+same ``te::linear`` with the recipe as data, and ``Quantize`` for every recipe it supports."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import te_compile as te
 from te_compile import ops
-from te_compile.functional.linear_fp8 import linear_fp8_ref
+from te_compile.functional.gemm import quantized_linear_ref
 from te_compile.quantization import (
     DelayedScaling,
     Float8BlockScaling,
@@ -19,6 +19,7 @@ from te_compile.quantization import (
     NVFP4BlockScaling,
     autocast,
 )
+from tests.ops.test_fusions import _linear_args as _linear_call_args
 from tests.ops.test_fusions import _TeOps
 from tests.utils import DEVICES, assert_close, compile_counted, to_reference
 
@@ -26,6 +27,10 @@ from tests.utils import DEVICES, assert_close, compile_counted, to_reference
 def _x(device, rows=32, cols=32, step=0):
     g = torch.Generator().manual_seed(step)
     return (torch.randn(rows, cols, generator=g) * (1 + step)).to(device, torch.bfloat16)
+
+
+def _linear_args(rec: _TeOps) -> dict:
+    return _linear_call_args((None, None, rec.names, rec.args))
 
 
 def _linear(device, *more):
@@ -39,7 +44,7 @@ def test_basic_linear_runs_the_fp8_op_inside_autocast(device):
     x = _x(device)
     with autocast(recipe=Float8CurrentScaling()):
         y = seq(x)
-    assert torch.equal(y, te.functional.linear_fp8(x, seq[0].weight, None, recipe="current"))
+    assert torch.equal(y, te.functional.linear(x, seq[0].weight, None, recipe="current"))
     assert not torch.equal(y, seq(x)), "outside autocast the GEMM is bf16 again"
 
 
@@ -70,26 +75,26 @@ def test_basic_linear_delayed_scaling_state_and_compiled_step(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
-    ("more", "reference_tail", "fp8_ops", "residual"),
+    ("more", "reference_tail", "epilogue", "residual"),
     [
         (
             lambda: [ops.Bias(48), ops.GELU()],
             lambda y, p: F.gelu(y + p["1.bias"], approximate="tanh"),
-            ["te.linear_fp8_fwd", "te.activation_fwd"],
+            {"activation": "gelu"},
             False,
         ),
-        (lambda: [ops.Bias(48)], lambda y, p: y + p["1.bias"], ["te.linear_fp8_fwd"], False),
+        (lambda: [ops.Bias(48)], lambda y, p: y + p["1.bias"], {}, False),
         (
             lambda: [ops.Bias(48), ops.AddExtraInput()],
             lambda y, p, r: y + p["1.bias"] + r,
-            ["te.linear_fp8_fwd"],
+            {"out_scale": 1.0},
             True,
         ),
     ],
     ids=["linear-bias-gelu", "linear-bias", "linear-bias-add"],
 )
-def test_linear_fusions_take_the_fp8_path_inside_autocast(
-    more, reference_tail, fp8_ops, residual, device
+def test_linear_fusions_run_fp8_with_their_epilogue_inside_autocast(
+    more, reference_tail, epilogue, residual, device
 ):
     seq = _linear(device, *more())
     with torch.no_grad():
@@ -99,13 +104,34 @@ def test_linear_fusions_take_the_fp8_path_inside_autocast(
     extra = [torch.randn(32, 48).to(device, torch.bfloat16)] if residual else []
     with _TeOps() as rec, autocast(recipe=Float8CurrentScaling()):
         y = seq(x, *extra)
-    for name in fp8_ops:
-        assert name in rec.names
-    assert not any(n in rec.names for n in ("te.linear_fwd", "te.linear_bias_activation_fwd"))
+    assert rec.names == ["te.linear_fwd"]  # one op: the GEMM in FP8 and the epilogue
+    linear = _linear_args(rec)
+    assert linear["recipe"] == "current"
+    for name, value in epilogue.items():
+        assert linear[name] == value
+    assert (linear["residual"] is not None) == residual
     p64 = {n: to_reference(p) for n, p in seq.named_parameters()}
-    y64 = linear_fp8_ref(to_reference(x), p64["0.weight"], None)
+    y64 = quantized_linear_ref(to_reference(x), p64["0.weight"], "current")
     expected = reference_tail(y64, p64, *(to_reference(e) for e in extra))
     assert_close(y, expected, torch.bfloat16, roundings=3, reduced=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_branch_linear_runs_fp8_with_the_branch_inside_autocast(device):
+    torch.manual_seed(0)
+    seq = ops.Sequential(ops.MakeExtraOutput(), ops.BasicLinear(32, 48), ops.Bias(48))
+    seq = seq.to(device, torch.bfloat16)
+    x = _x(device).requires_grad_()
+    with _TeOps() as rec, autocast(recipe=Float8CurrentScaling()):
+        y, branch = seq(x)
+    assert seq.fusions() and rec.names == ["te.linear_fwd"]
+    assert _linear_args(rec)["branch"] is True and torch.equal(branch, x)
+    (y.float().sum() + 2 * branch.float().sum()).backward()
+    x2 = x.detach().clone().requires_grad_()
+    with autocast(recipe=Float8CurrentScaling()):
+        y2 = te.functional.linear(x2, seq[1].weight, seq[2].bias, recipe="current")
+    (y2.float().sum() + 2 * x2.float().sum()).backward()
+    assert torch.equal(y, y2) and torch.equal(x.grad, x2.grad)
 
 
 RECIPES = [

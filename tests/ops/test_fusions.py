@@ -124,7 +124,16 @@ def check_fusion(
     return results
 
 
-LBA_OPS = ["te.linear_bias_activation_fwd", "te.linear_bias_activation_bwd"]
+LINEAR_OPS = ["te.linear_fwd", "te.linear_bwd"]
+
+
+def _linear_args(result) -> dict:
+    """The arguments, by name, of the first ``te::linear_fwd`` call of a recorded run."""
+    names, args = result[2], result[3]
+    call = args[names.index("te.linear_fwd")]
+    schema = torch.ops.te.linear_fwd.default._schema
+    values = {a.name: a.default_value for a in schema.arguments}  # trailing defaults not passed
+    return values | {a.name: v for a, v in zip(schema.arguments, call, strict=False)}
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -143,15 +152,18 @@ def test_linear_bias_activation(act, k, bias, dtype, device):
         return act_ref(h + p["1.bias"] if bias else h)
 
     names = ("0", "1", "2") if bias else ("0", "1")
-    check_fusion(
+    results = check_fusion(
         modules,
         reference,
         [(5, 3, 24)],
         dtype,
         device,
         [("ForwardLinearBiasActivation", names)],
-        LBA_OPS,
+        [],
     )
+    # One te::linear with the activation (and the bias) in its epilogue.
+    assert results["fused"][2] == LINEAR_OPS
+    assert _linear_args(results["fused"])["activation"] == _act_case(act, k)[0].activation
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -199,15 +211,20 @@ def test_linear_add(bias, scale, fused_name, dtype, device):
         return residual + (y if scale is None else scale * y)
 
     n = 2 + bias + (scale is not None)
-    check_fusion(
+    results = check_fusion(
         modules,
         reference,
         [(5, 3, 24), (5, 3, 16)],
         dtype,
         device,
         [(fused_name, tuple(str(i) for i in range(n)))],
-        ["te.linear_add_fwd", "te.linear_add_bwd"],
+        [],
     )
+    # One te::linear with the residual (and the scale) in its epilogue.
+    assert results["fused"][2] == LINEAR_OPS
+    linear = _linear_args(results["fused"])
+    assert linear["residual"] is not None
+    assert linear["out_scale"] == (1.0 if scale is None else scale)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -218,16 +235,18 @@ def test_branch_linear_adds_the_branch_gradient_in_the_dgrad(bias, dtype, device
         y = x @ p["1.weight"].t()
         return (y + p["2.bias"] if bias else y), x
 
-    check_fusion(
+    results = check_fusion(
         lambda: [ops.MakeExtraOutput(), ops.BasicLinear(24, 16), *([ops.Bias(16)] if bias else [])],
         reference,
         [(5, 3, 24)],
         dtype,
         device,
         [("BackwardLinearAdd", ("0", "1", "2") if bias else ("0", "1"))],
-        ["te.branch_linear_fwd", "te.branch_linear_bwd"],
+        [],
         n_out=2,
     )
+    assert results["fused"][2] == LINEAR_OPS
+    assert _linear_args(results["fused"])["branch"] is True
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -310,7 +329,7 @@ def test_transformer_mlp_block(device):
             ("ForwardLinearBiasActivation", ("2", "3", "4")),
             ("ForwardLinearBiasAdd", ("5", "6", "7")),
         ],
-        ["te.branch_rmsnorm_bwd", "te.linear_bias_activation_bwd", "te.linear_add_bwd"],
+        ["te.branch_rmsnorm_bwd"],
         n_out=2,
         single_rounding=False,
     )

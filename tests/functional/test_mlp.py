@@ -1,6 +1,6 @@
-"""The FP8 MLP op (``te::mlp_fp8``: the activation and its gradient fused into the FP8
-quantisations) beyond the registry test: the same bytes as the unfused ops
-(``linear_fp8 -> bias_activation -> linear_fp8``) in every output, gradient, amax and written
+"""The MLP family (``te::mlp``: under FP8 the activation and its gradient fused into the
+quantisations) beyond the registry test: the same bytes as the unfused ops (``linear ->
+bias_activation -> linear``) in every precision, in every output, gradient, amax and written
 gradient amax; LayerNormMLP takes it and matches its op-by-op path; errors."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 import te_compile
 from te_compile import functional as F
-from te_compile.quantization import fp8_gemm
+from te_compile.quantization import gemm
 from tests.utils import DEVICES, assert_bits_equal, assert_close, compile_counted, paired_grads
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -39,11 +39,11 @@ def _assert_grads_match(out, ref, params, b1, device, dtype=torch.bfloat16):
 
 
 def _unfused(x, w1, b1, w2, b2, act, recipe, s1, s2, ga1, ga2, bwd):
-    z, a1 = F.linear_fp8(
+    z, a1 = F.linear(
         x, w1, None, recipe=recipe, scale=s1, grad_amax=ga1, return_amax=True, bwd_dtype=bwd
     )
     h = F.bias_activation(z, b1, act)
-    out, a2 = F.linear_fp8(
+    out, a2 = F.linear(
         h, w2, b2, recipe=recipe, scale=s2, grad_amax=ga2, return_amax=True, bwd_dtype=bwd
     )
     return out, torch.cat([a1, a2])
@@ -72,7 +72,7 @@ def test_same_bytes_as_the_unfused_ops(device, act, recipe, dtype, bias, bwd):
     s1 = torch.tensor([40.0, 900.0, 2e3], device=device) if delayed else None
     s2 = torch.tensor([100.0, 2e3, 5e3], device=device) if delayed else None
     pending = [torch.zeros(1, device=device) for _ in range(4)]
-    out, amax = F.mlp_fp8(
+    out, amax = F.mlp(
         x, w1, b1, w2, b2, act, recipe=recipe, bwd_dtype=bwd, scale1=s1, scale2=s2,
         grad_amax1=pending[0], grad_amax2=pending[1], return_amax=True,
     )  # fmt: skip
@@ -87,26 +87,26 @@ def test_same_bytes_as_the_unfused_ops(device, act, recipe, dtype, bias, bwd):
 
 
 def _block_unfused(x, w1, b1, w2, b2, act, pow2):
-    kw = dict(kind="block", fwd_dtype=E4M3, bwd_dtype=E4M3, power_2_scale=pow2,
-              weight_block_rows=128, native=True)  # fmt: skip
-    h = F.bias_activation(F.linear_block_scaled(x, w1, None, **kw), b1, act)
-    return F.linear_block_scaled(h, w2, b2, **kw)
+    kw = dict(recipe="block", fwd_dtype=E4M3, bwd_dtype=E4M3, power_2_scale=pow2,
+              weight_block_rows=128)  # fmt: skip
+    h = F.bias_activation(F.linear(x, w1, None, **kw), b1, act)
+    return F.linear(h, w2, b2, **kw)
 
 
 @pytest.mark.parametrize("act,pow2", [("gelu", False), ("srelu", True), ("swiglu", False)])
 @pytest.mark.parametrize("device", DEVICES)
 def test_block_recipe_same_bytes_as_the_unfused_ops(device, act, pow2):
-    """recipe="block" against linear_block_scaled(native=True) -> bias_activation ->
-    linear_block_scaled(native=True): on the CPU its GEMMs are emulated the same way."""
+    """recipe="block" (native GEMMs) against linear -> bias_activation -> linear with the same
+    recipe: on the CPU their GEMMs are emulated the same way."""
     if device == "cuda" and not te_compile.is_fp8_block_scaling_available():
         pytest.skip("no native blockwise FP8 GEMMs on this GPU")
     gated = act in F.GATED_ACTIVATIONS
     w1, b1, w2, b2 = _params(device, torch.bfloat16, d=512, f=512 if gated else 1024, n=512,
                              gated=gated)  # fmt: skip
     x = torch.randn(3, 16, 512, device=device).to(torch.bfloat16).requires_grad_()
-    out = F.mlp_fp8(
+    out = F.mlp(
         x, w1, b1, w2, b2, act, recipe="block", fwd_dtype=E4M3, bwd_dtype=E4M3,
-        power_2_scale=pow2,
+        power_2_scale=pow2, weight_block_rows=128,
     )  # fmt: skip
     ref = _block_unfused(x, w1, b1, w2, b2, act, pow2)
     assert_bits_equal(out, ref)
@@ -114,9 +114,36 @@ def test_block_recipe_same_bytes_as_the_unfused_ops(device, act, pow2):
     # 40 tokens are padded to 48 inside the op: the same rows as with 8 zero rows appended.
     x40 = x.detach().reshape(-1, 512)[:40]
     x48 = torch.cat([x40.detach(), x40.new_zeros(8, 512)])
-    kw = dict(recipe="block", fwd_dtype=E4M3, bwd_dtype=E4M3, power_2_scale=pow2)
-    out40 = F.mlp_fp8(x40, w1, b1, w2, b2, act, **kw)
-    assert_bits_equal(out40, F.mlp_fp8(x48, w1, b1, w2, b2, act, **kw)[:40])
+    kw = dict(recipe="block", fwd_dtype=E4M3, bwd_dtype=E4M3, power_2_scale=pow2,
+              weight_block_rows=128)  # fmt: skip
+    out40 = F.mlp(x40, w1, b1, w2, b2, act, **kw)
+    assert_bits_equal(out40, F.mlp(x48, w1, b1, w2, b2, act, **kw)[:40])
+
+
+EMULATED = [
+    pytest.param("", {}, torch.bfloat16, id="bf16"),
+    pytest.param("", {}, torch.float32, id="fp32"),
+    pytest.param("mxfp8", {"emulate": True}, torch.bfloat16, id="mxfp8"),
+    pytest.param("nvfp4", {"emulate": True, "bwd_dtype": E4M3}, torch.bfloat16, id="nvfp4"),
+    pytest.param("block", {"emulate": True, "bwd_dtype": E4M3}, torch.bfloat16, id="block-emu"),
+]
+
+
+@pytest.mark.parametrize("act", ["gelu", "swiglu"])
+@pytest.mark.parametrize("recipe,kw,dtype", EMULATED)
+@pytest.mark.parametrize("device", DEVICES)
+def test_composed_recipes_same_bytes_as_the_unfused_ops(device, recipe, kw, dtype, act):
+    """High precision and the emulated recipes, where the op composes the implementations of
+    the linear family and the activation ops: the same bytes as the ops called one by one."""
+    gated = act in F.GATED_ACTIVATIONS
+    w1, b1, w2, b2 = _params(device, dtype, d=64, f=64, n=32, gated=gated)
+    x = torch.randn(2, 16, 64, device=device).to(dtype).requires_grad_()
+    out = F.mlp(x, w1, b1, w2, b2, act, recipe=recipe, **kw)
+    h = F.bias_activation(F.linear(x, w1, None, recipe=recipe, **kw), b1, act)
+    ref = F.linear(h, w2, b2, recipe=recipe, **kw)
+    assert_bits_equal(out, ref)
+    for _p, g, r in paired_grads(out, ref, [x, w1, b1, w2, b2]):
+        assert_bits_equal(g, r)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -125,11 +152,13 @@ def test_compiles_without_graph_breaks_and_matches_eager(device):
     x = torch.randn(32, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
 
     def step(x, w1, b1, w2, b2):
-        out = F.mlp_fp8(x, w1, b1, w2, b2, "gelu")
+        out = F.mlp(x, w1, b1, w2, b2, "gelu", recipe="current")
         out.float().square().sum().backward()
         return out.detach()
 
-    compiled, counter = compile_counted(lambda *a: F.mlp_fp8(*a, "gelu"), backend="aot_eager")
+    compiled, counter = compile_counted(
+        lambda *a: F.mlp(*a, "gelu", recipe="current"), backend="aot_eager"
+    )
     eager_out = step(x, w1, b1, w2, b2)
     eager_grads = [t.grad.clone() for t in (x, w1, b1, w2, b2)]
     for t in (x, w1, b1, w2, b2):
@@ -144,26 +173,29 @@ def test_compiles_without_graph_breaks_and_matches_eager(device):
 
 def test_errors_name_the_argument():
     x, w1, w2 = torch.randn(16, 32), torch.randn(64, 32), torch.randn(16, 64)
-    with pytest.raises(ValueError, match="activation must be one of"):
-        F.mlp_fp8(x, w1, None, w2, None, "swish")
+    cur = {"recipe": "current"}
+    with pytest.raises(ValueError, match=r"te\.mlp: activation must be one of"):
+        F.mlp(x, w1, None, w2, None, "swish")
     with pytest.raises(ValueError, match=r"fc1_weight \[2 \* ffn, hidden\] \(gated activation\)"):
-        F.mlp_fp8(x, w1, None, w2, None, "swiglu")  # fc2_weight takes 64 features, not 32
+        F.mlp(x, w1, None, w2, None, "swiglu")  # fc2_weight takes 64 features, not 32
     with pytest.raises(ValueError, match="multiples of 16"):
-        F.mlp_fp8(torch.randn(16, 24), torch.randn(64, 24), None, w2, None, "gelu")
+        F.mlp(torch.randn(16, 24), torch.randn(64, 24), None, w2, None, "gelu", **cur)
     with pytest.raises(ValueError, match="do not match"):
-        F.mlp_fp8(x, w1, None, torch.randn(16, 48), None, "gelu")
+        F.mlp(x, w1, None, torch.randn(16, 48), None, "gelu")
     with pytest.raises(ValueError, match="fc1_bias must be"):
-        F.mlp_fp8(x, w1, torch.randn(32), w2, None, "gelu")
-    with pytest.raises(ValueError, match=r"needs scale1 \[3\]"):
-        F.mlp_fp8(x, w1, None, w2, None, "gelu", recipe="delayed")
+        F.mlp(x, w1, torch.randn(32), w2, None, "gelu")
+    with pytest.raises(ValueError, match=r"recipe=\"delayed\" needs scale1 \[3\]"):
+        F.mlp(x, w1, None, w2, None, "gelu", recipe="delayed")
     with pytest.raises(ValueError, match="recipe must be one of"):
-        F.mlp_fp8(x, w1, None, w2, None, "gelu", recipe="mxfp8")
-    with pytest.raises(ValueError, match=r"recipe=\"block\" runs the native blockwise GEMMs.*512"):
-        F.mlp_fp8(x, w1, None, w2, None, "gelu", recipe="block", bwd_dtype=E4M3)
-    with pytest.raises(ValueError, match=r"recipe=\"block\" takes no scale1"):
-        F.mlp_fp8(x, w1, None, w2, None, "gelu", recipe="block", scale1=torch.ones(3))
-    with pytest.raises(ValueError, match='power_2_scale applies to recipe="block"'):
-        F.mlp_fp8(x, w1, None, w2, None, "gelu", power_2_scale=True)
+        F.mlp(x, w1, None, w2, None, "gelu", recipe="fp8")
+    with pytest.raises(ValueError, match="mxfp8 GEMMs are emulated here"):
+        F.mlp(x, w1, None, w2, None, "gelu", recipe="mxfp8")
+    with pytest.raises(ValueError, match=r"native GEMMs \(emulate=False\).*512"):
+        F.mlp(x, w1, None, w2, None, "gelu", recipe="block", bwd_dtype=E4M3, weight_block_rows=128)
+    with pytest.raises(ValueError, match=r"scale1 is for recipe=\"delayed\" only"):
+        F.mlp(x, w1, None, w2, None, "gelu", recipe="block", bwd_dtype=E4M3, scale1=torch.ones(3))
+    with pytest.raises(ValueError, match="native blockwise GEMMs take E4M3 operands"):
+        F.mlp(x, w1, None, w2, None, "gelu", recipe="block")
 
 
 RECIPES = [
@@ -179,7 +211,8 @@ def test_layernorm_mlp_takes_the_fused_op_with_the_same_results(
     device, recipe_cls, act, monkeypatch
 ):
     """Three training steps of LayerNormMLP under each per-tensor recipe, fused and op by op
-    (``fp8_gemm._FUSE_MLP = False``): the same outputs, gradients and scaling state."""
+    (``quantization.gemm._FUSE_MLP = False``): the same outputs, gradients and scaling
+    state."""
     _fused_and_plain_steps(device, recipe_cls(), 64, 128, monkeypatch, act)
 
 
@@ -200,7 +233,7 @@ def _fused_and_plain_steps(device, recipe, hidden, ffn, monkeypatch, act):
     plain = te_compile.LayerNormMLP(hidden, ffn, activation=act, **kw)
     plain.load_state_dict(fused.state_dict())
     calls = []
-    real = fp8_gemm.F.mlp_fp8
+    real = gemm.F.mlp
 
     def counted(*args, **kwargs):
         calls.append(1)
@@ -208,8 +241,8 @@ def _fused_and_plain_steps(device, recipe, hidden, ffn, monkeypatch, act):
 
     results = {}
     for name, module, fuse in (("fused", fused, True), ("plain", plain, False)):
-        monkeypatch.setattr(fp8_gemm, "_FUSE_MLP", fuse)
-        monkeypatch.setattr(fp8_gemm.F, "mlp_fp8", counted)
+        monkeypatch.setattr(gemm, "_FUSE_MLP", fuse)
+        monkeypatch.setattr(gemm.F, "mlp", counted)
         torch.manual_seed(1)
         outs = []
         for _ in range(3):
@@ -233,15 +266,15 @@ def _fused_and_plain_steps(device, recipe, hidden, ffn, monkeypatch, act):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_layernorm_mlp_calls_the_fused_op_only_where_it_applies(device, monkeypatch):
+def test_layernorm_mlp_calls_the_mlp_op_in_every_precision(device, monkeypatch):
     seen = []
-    real = fp8_gemm.F.mlp_fp8
+    real = gemm.F.mlp
 
     def spy(*args, **kwargs):
-        seen.append(args[5])
+        seen.append((args[5], kwargs["recipe"]))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(fp8_gemm.F, "mlp_fp8", spy)
+    monkeypatch.setattr(gemm.F, "mlp", spy)
     x = torch.randn(32, 64, device=device, dtype=torch.bfloat16)
     for act in ("gelu", "swiglu"):
         m = te_compile.LayerNormMLP(
@@ -249,10 +282,10 @@ def test_layernorm_mlp_calls_the_fused_op_only_where_it_applies(device, monkeypa
         )
         with te_compile.autocast(recipe=te_compile.recipe.Float8CurrentScaling()):
             m(x)
-        m(x)  # outside autocast: bf16, no FP8 op
+        m(x)  # outside autocast: bf16
         with te_compile.autocast(recipe=te_compile.recipe.MXFP8BlockScaling()):
-            m(x)  # emulated block formats: op by op
-    assert seen == ["gelu", "swiglu"]
+            m(x)  # emulated block formats: the same op
+    assert seen == [(a, r) for a in ("gelu", "swiglu") for r in ("current", "", "mxfp8")]
 
 
 # Norm prologue (LayerNormMLP): the norm written straight into FC1's FP8 input. ------------------
@@ -268,7 +301,7 @@ NORM_CASES = [
 @pytest.mark.parametrize("normalization,recipe,zcg", NORM_CASES)
 @pytest.mark.parametrize("device", DEVICES)
 def test_norm_prologue_same_bytes_as_the_norm_then_the_mlp(device, normalization, recipe, zcg):
-    """``mlp_fp8(..., normalization=...)`` against the norm op followed by ``mlp_fp8``: output,
+    """``mlp(..., normalization=...)`` against the norm op followed by ``mlp``: output,
     amaxes and every gradient (the norm's parameters included) bit for bit (the first bias
     gradient closely on CUDA, as above)."""
     block = recipe == "block"
@@ -282,11 +315,11 @@ def test_norm_prologue_same_bytes_as_the_norm_then_the_mlp(device, normalization
     beta = beta if normalization == "LayerNorm" else None
     kw = {"recipe": recipe, "return_amax": True}
     if block:
-        kw.update(fwd_dtype=E4M3, bwd_dtype=E4M3)
+        kw.update(fwd_dtype=E4M3, bwd_dtype=E4M3, weight_block_rows=128)
     if recipe == "delayed":
         kw.update(scale1=torch.tensor([30.0, 900.0, 2e3], device=device),
                   scale2=torch.tensor([100.0, 2e3, 5e3], device=device))  # fmt: skip
-    out, amax = F.mlp_fp8(
+    out, amax = F.mlp(
         x, w1, b1, w2, b2, "gelu", normalization=normalization, norm_weight=gamma,
         norm_bias=beta, zero_centered_gamma=zcg, **kw,
     )  # fmt: skip
@@ -294,7 +327,7 @@ def test_norm_prologue_same_bytes_as_the_norm_then_the_mlp(device, normalization
         ln = F.layernorm(x, gamma, beta, zero_centered_gamma=zcg)
     else:
         ln = F.rmsnorm(x, gamma, zero_centered_gamma=zcg)
-    ref, ref_amax = F.mlp_fp8(ln, w1, b1, w2, b2, "gelu", **kw)
+    ref, ref_amax = F.mlp(ln, w1, b1, w2, b2, "gelu", **kw)
     assert_bits_equal(out, ref)
     assert_bits_equal(amax, ref_amax)
     params = [p for p in (x, gamma, beta, w1, b1, w2, b2) if p is not None]
@@ -303,7 +336,7 @@ def test_norm_prologue_same_bytes_as_the_norm_then_the_mlp(device, normalization
 
 def test_norm_prologue_errors_name_the_argument():
     x, w1, w2 = torch.randn(16, 32), torch.randn(64, 32), torch.randn(16, 64)
-    with pytest.raises(ValueError, match=r"te\.mlp_fp8: normalization must be"):
-        F.mlp_fp8(x, w1, None, w2, None, "gelu", normalization="L2", norm_weight=torch.ones(32))
-    with pytest.raises(ValueError, match=r"te\.mlp_fp8: LayerNorm needs norm_weight \[32\]"):
-        F.mlp_fp8(x, w1, None, w2, None, "gelu", normalization="LayerNorm")
+    with pytest.raises(ValueError, match=r"te\.mlp: normalization must be"):
+        F.mlp(x, w1, None, w2, None, "gelu", normalization="L2", norm_weight=torch.ones(32))
+    with pytest.raises(ValueError, match=r"te\.mlp: LayerNorm needs norm_weight \[32\]"):
+        F.mlp(x, w1, None, w2, None, "gelu", normalization="LayerNorm")

@@ -1,0 +1,549 @@
+r"""What the GEMM op families (``linear``, ``mlp``, ``grouped_linear``) share: the recipe kinds,
+the one table of operand quantisers and the one table of GEMM calls.
+
+A family op takes the quantisation recipe as plain arguments (``quantization.gemm.gemm_args``
+makes them from the recipe object): ``recipe`` (the kind, ``""`` for high precision),
+``fwd_dtype`` / ``bwd_dtype`` (the FP8 formats of forward and gradient operands),
+``power_2_scale``, ``weight_block_rows`` (1: 1x128 weight blocks, 128: 128x128) and ``emulate``
+(multiply the dequantised operands in fp32 instead of calling the scaled GEMM). Inside, each
+GEMM operand goes through :data:`QUANTIZERS` (keyed by the recipe kind) and each GEMM through
+:data:`GEMMS` (keyed by :func:`gemm_kind`):
+
+==========  ==========================================  ===========================================
+kind        operand quantiser                           GEMM (with ``emulate``)
+==========  ==========================================  ===========================================
+``""``      none (the operands in high precision)       ``"mm"``: ``F.linear`` / ``addmm``
+current     per tensor, scale from this tensor's amax   ``"tensorwise"``: ``torch._scaled_mm``
+                                                        (``"tensorwise_emulated"``)
+delayed     per tensor, the given scale (amax history)  as current
+block       1x128 / 128x128 blocks, fp32 scales         ``"blockwise"``: block-scaled
+                                                        ``_scaled_mm`` (``"dequantized"``)
+mxfp8       32-element blocks, E8M0 scales              ``"dequantized"`` only (native: Blackwell)
+nvfp4       16-element E4M3 blocks and a global scale   ``"dequantized"`` only
+==========  ==========================================  ===========================================
+
+(the grouped family adds ``"grouped_mm"`` and ``"scaled_grouped_mm"``, ``torch._grouped_mm`` and
+``torch._scaled_grouped_mm`` on device offsets, in ``functional.grouped_gemm``).
+
+An :class:`Operand` is one GEMM operand quantised along its contraction dim (``data`` ``[M,
+K]``, row-major) and, for the backward GEMMs, along the other dim, transposed (``data_t`` ``[K,
+M]``): FP8 codes with their inverse scales, or, for an emulated GEMM of a block-scaled kind, the
+dequantised fp32 values (exact: the quantisation is the recipe's) with 0-element scales. Rows of
+the quantised operands are padded with zeros to a multiple of 16 (``_scaled_mm``'s constraint;
+zero rows change neither an amax nor another row of a GEMM's result).
+
+A new recipe kind is one row in each table here, one branch in ``gemm_args``, and the recipe
+class (``docs/op_mechanism.md``, "Adding a recipe").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from te_compile.functional.quantize import (
+    dequantize_blockwise,
+    quantize_blockwise,
+    quantize_current,
+    quantize_current_ref,
+    quantize_tensorwise,
+    quantize_tensorwise_ref,
+)
+from te_compile.functional.quantize_mx import (
+    dequantize_mxfp8,
+    dequantize_nvfp4,
+    quantize_mxfp8,
+    quantize_nvfp4,
+)
+
+__all__ = [
+    "BLOCK_KINDS",
+    "FP8_DTYPES",
+    "GEMMS",
+    "HIGH_DTYPES",
+    "PER_TENSOR",
+    "QUANTIZERS",
+    "RECIPES",
+    "Operand",
+    "accumulate_wgrad",
+    "blockwise_supported",
+    "check_recipe",
+    "delayed_on_cuda",
+    "empty",
+    "gemm",
+    "gemm_kind",
+    "pad_rows",
+    "padded",
+    "qdq_both",
+    "quantize_operand",
+    "quantize_per_tensor",
+    "quantized_linear_ref",
+    "scale_slots",
+    "unpad",
+]
+
+RECIPES = ("", "current", "delayed", "block", "mxfp8", "nvfp4")
+PER_TENSOR = ("current", "delayed")
+# Block-scaled kinds and the multiple every GEMM dim (tokens included) must be of.
+BLOCK_KINDS = {"block": 16, "mxfp8": 32, "nvfp4": 16}
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+HIGH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# cuBLAS's blockwise-scaled GEMMs take E4M3 operands only.
+_BLOCKWISE_FP8 = torch.float8_e4m3fn
+
+
+def empty(like: Tensor) -> Tensor:
+    """A fresh 0-element tensor: an output that is not computed (outputs may not alias)."""
+    return like.new_empty(0)
+
+
+def padded(rows: int) -> int:
+    return (rows + 15) // 16 * 16
+
+
+def pad_rows(t2: Tensor) -> Tensor:
+    """``[M, K]`` with zero rows appended up to a multiple of 16 (``_scaled_mm``'s constraint);
+    zero rows change neither an amax nor any other row of a GEMM's result."""
+    extra = padded(t2.shape[0]) - t2.shape[0]
+    return torch.nn.functional.pad(t2, (0, 0, 0, extra)) if extra else t2
+
+
+def unpad(t2: Tensor, rows: int) -> Tensor:
+    """The first ``rows`` rows of a GEMM result computed on padded operands (a copy: an op's
+    output may not be a view of a buffer it made bigger)."""
+    return t2[:rows].clone() if t2.shape[0] != rows else t2
+
+
+def scale_slots(scale: Tensor | None, recipe: str) -> tuple[Tensor | None, ...]:
+    """The delayed scales of a GEMM's input, weight and gradient as ``[1]`` views of ``scale``
+    ``[3]``, or three Nones (every other kind). Views: on CPU the traced code reads them; on
+    CUDA the ops are kept whole under delayed scaling (:func:`delayed_on_cuda`)."""
+    if recipe != "delayed":
+        return None, None, None
+    return scale[0:1], scale[1:2], scale[2:3]
+
+
+def delayed_on_cuda(*args: object) -> str | None:
+    """``kept_whole`` of the GEMM family ops: DelayedScaling on CUDA stays an opaque call.
+    Traced through, the partitioner saved a slice of the recipe's scale state for the backward
+    and Inductor reused that graph input as scratch memory for an inverse scale (writing into
+    the state; cuBLAS refused the scale pointer 8 bytes into the buffer with
+    CUBLAS_STATUS_NOT_SUPPORTED on the H100)."""
+    first = next((a for a in args if isinstance(a, Tensor)), None)
+    delayed = any(isinstance(a, str) and a == "delayed" for a in args)
+    if delayed and first is not None and first.device.type == "cuda":
+        return "DelayedScaling on CUDA: Inductor reuses a saved view of the scale state"
+    return None
+
+
+def check_recipe(
+    p: str,
+    recipe: str,
+    fwd_dtype: torch.dtype,
+    bwd_dtype: torch.dtype,
+    weight_block_rows: int,
+    emulate: bool,
+    scale: Tensor | None,
+    grad_amax: Tensor | None,
+) -> None:
+    """The recipe arguments of a family op (``p`` begins the messages)."""
+    if recipe not in RECIPES:
+        raise ValueError(p + f"recipe must be one of {RECIPES}, got {recipe!r}")
+    if recipe and (fwd_dtype not in FP8_DTYPES or bwd_dtype not in FP8_DTYPES):
+        raise ValueError(p + f"fwd_dtype/bwd_dtype must be FP8 dtypes, got {fwd_dtype}/{bwd_dtype}")
+    if weight_block_rows not in (1, 128):
+        raise ValueError(
+            p + f"weight_block_rows must be 1 (1x128 blocks) or 128, got {weight_block_rows}"
+        )
+    if recipe in ("mxfp8", "nvfp4") and not emulate:
+        raise ValueError(p + f"{recipe} GEMMs are emulated here (native ones need Blackwell): "
+                         "pass emulate=True")  # fmt: skip
+    if recipe == "block" and not emulate and not (fwd_dtype == bwd_dtype == _BLOCKWISE_FP8):
+        raise ValueError(
+            p + f"native blockwise GEMMs take E4M3 operands; got fwd_dtype={fwd_dtype}, "
+            f"bwd_dtype={bwd_dtype} (emulate=True runs other formats)"
+        )
+    if recipe == "delayed" and (
+        scale is None or scale.shape != (3,) or scale.dtype is not torch.float32
+    ):
+        raise ValueError(p + 'recipe="delayed" needs scale: a [3] float32 tensor (input, weight, '
+                         "grad)")  # fmt: skip
+    if recipe != "delayed" and scale is not None:
+        raise ValueError(p + 'scale is for recipe="delayed" only')
+    if grad_amax is not None and (grad_amax.shape != (1,) or grad_amax.dtype is not torch.float32):
+        raise ValueError(p + "grad_amax must be a [1] float32 tensor")
+
+
+def blockwise_supported(
+    weight: Tensor, weight_block_rows: int, fwd_dtype: torch.dtype, bwd_dtype: torch.dtype
+) -> bool:
+    """Whether the native blockwise GEMMs take these operands (the device aside): E4M3 in both
+    directions (cuBLAS's blockwise kernels take E4M3 operands) and, with 128x128 weight blocks,
+    both feature counts multiples of 512 (the weight's K / 128 scale dimension, in_features for
+    the forward and out_features for dgrad, a multiple of 4). On the H100 (torch 2.11,
+    2026-11-22) other widths gave wrong dgrad products with the compact scale layout, and a
+    padded one was refused; 1x128 weight blocks have no such limit."""
+    return fwd_dtype == bwd_dtype == _BLOCKWISE_FP8 and (
+        weight_block_rows == 1 or (weight.shape[-2] % 512 == 0 and weight.shape[-1] % 512 == 0)
+    )
+
+
+# Operand quantisation: one table, keyed by the recipe kind ------------------------------------
+
+
+class Operand(NamedTuple):
+    """A GEMM operand (module docstring): ``data`` ``[M, K]`` and its inverse ``scale``,
+    ``data_t`` ``[K, M]`` (0-element without ``columnwise``) and ``scale_t``, ``amax`` ``[1]``
+    (per-tensor kinds; 0-element otherwise), ``sums``: with ``sums=True`` the fp32 column sums
+    of the input (a bias gradient, when the operand is an output gradient), else None."""
+
+    data: Tensor
+    scale: Tensor
+    data_t: Tensor
+    scale_t: Tensor
+    amax: Tensor
+    sums: Tensor | None = None
+
+
+def quantize_per_tensor(
+    x: Tensor, fp8_dtype: torch.dtype, scale: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(data, scale_inv, amax)`` of a 2-D tensor by the reference quantisers on its fp32
+    values (what the float64 references of the tests quantise with: the same bytes as the ops).
+    ``scale=None``: current scaling with Transformer Engine's edge rules; else the given
+    1-element scale (delayed scaling)."""
+    xf = x.float()
+    if scale is None:
+        data, _, scale_inv, amax = quantize_current_ref(xf, fp8_dtype, False)
+        return data, scale_inv, amax
+    data, _, amax = quantize_tensorwise_ref(xf, scale, fp8_dtype, False)
+    return data, scale.reciprocal(), amax
+
+
+def qdq_both(
+    x2: Tensor, kind: str, fp8_dtype: torch.dtype, block_rows: int = 1, power_2_scale: bool = False
+) -> tuple[Tensor, Tensor]:
+    """``(rowwise, columnwise^T)``: ``x2`` ``[M, K]`` quantised by a block-scaled kind in blocks
+    along K and along M (the latter returned transposed, ``[K, M]``), both dequantised to fp32,
+    where every dequantised value is exact (an NVFP4 value times its E4M3 scale over the global
+    scale is not always a bf16 number). fp64 input (the tests' references) is quantised from
+    its fp32 values and returned as fp64."""
+    x = x2.float() if x2.dtype == torch.float64 else x2
+    f32 = torch.float32
+    if kind == "block":  # 1 x 128 (block_rows=1) or 128 x 128 blocks, fp32 scales
+        data, s, data_t, s_t = quantize_blockwise.eager(
+            x, fp8_dtype, block_rows, power_2_scale, True
+        )
+        deq = dequantize_blockwise.eager
+        u8 = torch.uint8
+        row = deq(data.view(u8), s, block_rows, fp8_dtype, f32)
+        col_t = deq(data_t.view(u8), s_t, block_rows, fp8_dtype, f32)
+    elif kind == "mxfp8":
+        data, scale, data_t, scale_t = quantize_mxfp8(x, fp8_dtype)
+        row, col_t = dequantize_mxfp8(data, scale, f32), dequantize_mxfp8(data_t, scale_t, f32)
+    else:
+        data, scale, g, data_t, scale_t = quantize_nvfp4(x)
+        row = dequantize_nvfp4(data, scale, g, f32)
+        col_t = dequantize_nvfp4(data_t, scale_t, g, f32)
+    if x2.dtype == torch.float64:
+        return row.double(), col_t.double()
+    return row, col_t
+
+
+def _col_sums(x2: Tensor, sums: bool) -> Tensor | None:
+    return x2.sum(0, dtype=torch.float32) if sums else None
+
+
+def _quantize_per_tensor(x2, fp8_dtype, scale, block_rows, power_2_scale, emulate, columnwise,
+                         mn_major, sums) -> Operand:  # fmt: skip
+    """Current (``scale`` None) or delayed scaling, both copies in one pass (the quantisation
+    ops: one Triton kernel on CUDA, the reference elsewhere); the GEMM's emulation reads the
+    same codes."""
+    if scale is None:
+        data, data_t, scale_inv, amax = quantize_current.eager(x2, fp8_dtype, columnwise)
+    else:
+        data, data_t, amax = quantize_tensorwise.eager(x2, scale, fp8_dtype, columnwise)
+        scale_inv = scale.reciprocal()
+    return Operand(data, scale_inv, data_t, scale_inv, amax, _col_sums(x2, sums))
+
+
+def _quantize_dequantized(kind, x2, fp8_dtype, block_rows, power_2_scale, sums) -> Operand:
+    row, col_t = qdq_both(x2, kind, fp8_dtype, block_rows, power_2_scale)
+    f32 = torch.float32
+    none = x2.new_empty(0, dtype=f32)
+    return Operand(row, none, col_t, none.clone(), none.clone(), _col_sums(x2, sums))
+
+
+def _quantize_block(x2, fp8_dtype, scale, block_rows, power_2_scale, emulate, columnwise,
+                    mn_major, sums) -> Operand:  # fmt: skip
+    """Float8BlockScaling: FP8 codes and fp32 block scales (emulated: dequantised). With
+    ``sums`` on CUDA one kernel reads ``x2`` once for the casts and the column sums (both scale
+    tensors in the GEMM's layout with ``mn_major``)."""
+    if emulate:
+        return _quantize_dequantized("block", x2, fp8_dtype, block_rows, power_2_scale, sums)
+    none = x2.new_empty(0, dtype=torch.float32)
+    if sums and x2.is_cuda and block_rows == 1:
+        from te_compile.kernels.quantize import quantize_blockwise_sums
+
+        data, s, data_t, s_t, total = quantize_blockwise_sums(
+            x2, fp8_dtype, power_2_scale, mn_major=(mn_major, mn_major)
+        )
+        return Operand(data, s, data_t, s_t, none, total)
+    data, s, data_t, s_t = quantize_blockwise.eager(x2, fp8_dtype, block_rows, power_2_scale, True)
+    return Operand(data, s, data_t.contiguous(), s_t.contiguous(), none, _col_sums(x2, sums))
+
+
+def _quantize_mx(kind: str) -> Callable[..., Operand]:
+    def quantize(x2, fp8_dtype, scale, block_rows, power_2_scale, emulate, columnwise, mn_major,
+                 sums) -> Operand:  # fmt: skip
+        return _quantize_dequantized(kind, x2, fp8_dtype, 1, False, sums)
+
+    quantize.__doc__ = f"{kind}: always dequantised (the GEMM is emulated)."
+    return quantize
+
+
+QUANTIZERS: dict[str, Callable[..., Operand]] = {
+    "current": _quantize_per_tensor,
+    "delayed": _quantize_per_tensor,
+    "block": _quantize_block,
+    "mxfp8": _quantize_mx("mxfp8"),
+    "nvfp4": _quantize_mx("nvfp4"),
+}
+
+
+def quantize_operand(
+    recipe: str,
+    x2: Tensor,
+    fp8_dtype: torch.dtype,
+    *,
+    scale: Tensor | None = None,
+    block_rows: int = 1,
+    power_2_scale: bool = False,
+    emulate: bool = False,
+    columnwise: bool = True,
+    mn_major: bool = False,
+    sums: bool = False,
+) -> Operand:
+    """``x2`` ``[M, K]`` as an :class:`Operand` of ``recipe``'s kind (``scale``: the ``[1]``
+    delayed scale; ``block_rows``: the block's rows for ``"block"``; ``mn_major``: 1x128 block
+    scales in the blockwise GEMM's layout where a CUDA kernel writes them)."""
+    return QUANTIZERS[recipe](x2, fp8_dtype, scale, block_rows, power_2_scale, emulate,
+                              columnwise, mn_major, sums)  # fmt: skip
+
+
+# GEMMs: one table, keyed by gemm_kind(recipe, emulate) ----------------------------------------
+
+
+def _scaled_mm(a, b, sa, sb, out_dtype, bias=None, fast_accum=False) -> Tensor:
+    """``(sa a) @ (sb b) + bias`` rounded to ``out_dtype`` (``a`` row-major, ``b``
+    column-major, FP8; ``sa`` / ``sb`` one-element fp32 inverse scales). ``torch._scaled_mm``
+    takes a bias only for a bf16/fp16 output; for fp32 the bias is added to the fp32 result,
+    which is the same sum. ``fast_accum``: Hopper's FP8 tensor-core accumulation without the
+    periodic promotion to fp32 (Transformer Engine's default for the forward GEMM; gradient
+    GEMMs, long sums of small terms, promote)."""
+    kw = {"scale_a": sa, "scale_b": sb, "out_dtype": out_dtype, "use_fast_accum": fast_accum}
+    if bias is not None and out_dtype is torch.float32:
+        return torch._scaled_mm(a, b, **kw).add_(bias)
+    return torch._scaled_mm(a, b, bias=bias, **kw)
+
+
+def _row_major(t: Tensor) -> Tensor:
+    """``t`` when its rows are contiguous and 16-byte aligned (a leading dimension is fine),
+    else a contiguous copy."""
+    from te_compile.kernels import aligned16
+
+    return t if t.stride(-1) == 1 and aligned16(t) else t.contiguous()
+
+
+def block_scaled_mm(
+    a: Tensor,
+    sa: Tensor,
+    b: Tensor,
+    sb: Tensor,
+    b_rows: int,
+    out_dtype: torch.dtype,
+    bias: Tensor | None = None,
+    out: Tensor | None = None,
+) -> Tensor:
+    """``dequant(a) @ dequant(b)^T``: ``a`` ``[M, K]`` in 1x128 blocks along K, ``b`` ``[N, K]``
+    in ``b_rows`` x 128 blocks (compact fp32 scale layout of ``quantize_blockwise``, or for 1x128
+    scales already outer-dim-major). CUDA: one blockwise-scaled ``torch._scaled_mm`` (its
+    layouts: 1x128 scales outer-dim-major, 128x128 scales as ``[K/128, N/128]``, ``mat2``
+    column-major). Elsewhere: dequantised in fp32 (exact) and multiplied in fp32. ``bias`` is
+    added before the one rounding to ``out_dtype`` (in the GEMM's epilogue on CUDA). ``out``: a
+    contiguous ``[M, N]`` tensor of ``out_dtype`` to write the result into (returned)."""
+    if a.device.type != "cuda":
+        deq = dequantize_blockwise.eager
+        u8, f32 = torch.uint8, torch.float32
+        a32 = deq(a.contiguous().view(u8), sa.contiguous(), 1, a.dtype, f32)
+        b32 = deq(b.contiguous().view(u8), sb.contiguous(), b_rows, b.dtype, f32)
+        res = torch.nn.functional.linear(a32, b32, None if bias is None else bias.float())
+        return res.to(out_dtype) if out is None else out.copy_(res)
+    scale_a = sa.t().contiguous().t()
+    scale_b = sb.t().contiguous() if b_rows == 1 else sb.t()
+    # Row-major operands with a leading dimension (column slices of a wider matrix) go in as
+    # they are; cuBLAS reads the leading dimension.
+    mat1, mat2 = _row_major(a), _row_major(b).t()
+    into = {} if out is None else {"out": out}
+    try:  # the bias in cuBLAS's epilogue, where the blockwise kernels take one
+        return torch._scaled_mm(mat1, mat2, scale_a, scale_b, bias=bias, out_dtype=out_dtype,
+                                **into)  # fmt: skip
+    except RuntimeError:
+        if bias is None and mat1.is_contiguous() and mat2.t().is_contiguous():
+            raise
+    # Refused: the bias after an fp32 GEMM, contiguous operands.
+    mat1, mat2 = a.contiguous(), b.contiguous().t()
+    if bias is None:
+        return torch._scaled_mm(mat1, mat2, scale_a, scale_b, out_dtype=out_dtype, **into)
+    res = torch._scaled_mm(mat1, mat2, scale_a, scale_b, out_dtype=torch.float32) + bias.float()
+    return res.to(out_dtype) if out is None else out.copy_(res)
+
+
+# Every entry computes ``a @ b.T (+ bias)``: ``a`` [M, K] and ``b`` [N, K] row-major operands of
+# the kind (their inverse scales ``sa`` / ``sb``), the result rounded once to ``out_dtype``.
+def _mm(a, sa, b, sb, out_dtype, bias, fast_accum, b_rows) -> Tensor:
+    """High precision (or the caller's fp32 accumulation type on the CPU): cuBLAS through
+    ``F.linear``, the bias in the GEMM's epilogue."""
+    return torch.nn.functional.linear(a, b, bias)
+
+
+def _tensorwise(a, sa, b, sb, out_dtype, bias, fast_accum, b_rows) -> Tensor:
+    return _scaled_mm(a, b.t(), sa, sb, out_dtype, bias, fast_accum)
+
+
+def _tensorwise_emulated(a, sa, b, sb, out_dtype, bias, fast_accum, b_rows) -> Tensor:
+    """The per-tensor GEMM as an fp32 GEMM of the exact FP8 values with the scales applied
+    after: the same quantisation, no FP8 tensor-core arithmetic (separates the GEMM's
+    arithmetic from the quantisation in a training run)."""
+    out = (a.float() @ b.float().t()) * (sa * sb)
+    return (out if bias is None else out + bias.float()).to(out_dtype)
+
+
+def _blockwise(a, sa, b, sb, out_dtype, bias, fast_accum, b_rows) -> Tensor:
+    return block_scaled_mm(a, sa, b, sb, b_rows, out_dtype, bias)
+
+
+def _dequantized(a, sa, b, sb, out_dtype, bias, fast_accum, b_rows) -> Tensor:
+    """Emulation of a block-scaled GEMM: the dequantised (exact) operands multiplied in fp32 (or
+    fp64, the tests' references), the bias added before the one rounding."""
+    b_ = None if bias is None else bias.to(a.dtype)
+    return torch.nn.functional.linear(a, b, b_).to(out_dtype)
+
+
+GEMMS: dict[str, Callable[..., Tensor]] = {
+    "mm": _mm,
+    "tensorwise": _tensorwise,
+    "tensorwise_emulated": _tensorwise_emulated,
+    "blockwise": _blockwise,
+    "dequantized": _dequantized,
+}
+
+
+def gemm_kind(recipe: str, emulate: bool) -> str:
+    """The :data:`GEMMS` entry of a recipe kind."""
+    if not recipe:
+        return "mm"
+    if recipe in PER_TENSOR:
+        return "tensorwise_emulated" if emulate else "tensorwise"
+    return "dequantized" if emulate else "blockwise"
+
+
+def gemm(
+    kind: str,
+    a: Tensor,
+    sa: Tensor | None,
+    b: Tensor,
+    sb: Tensor | None,
+    out_dtype: torch.dtype,
+    *,
+    bias: Tensor | None = None,
+    fast_accum: bool = False,
+    b_block_rows: int = 1,
+) -> Tensor:
+    """``a @ b.T (+ bias)`` through the :data:`GEMMS` entry ``kind`` (see the table)."""
+    return GEMMS[kind](a, sa, b, sb, out_dtype, bias, fast_accum, b_block_rows)
+
+
+def accumulate_wgrad(main_grad: Tensor, dy: Tensor, x: Tensor) -> None:
+    """``main_grad += dy^T x`` for high-precision operands, accumulated in fp32: one cuBLAS call
+    with fp32 output and beta=1 on CUDA."""
+    if main_grad.is_cuda and dy.dtype != torch.float32:
+        torch.addmm(main_grad, dy.t(), x, out_dtype=torch.float32, out=main_grad)
+    else:
+        main_grad.addmm_(dy.t().float(), x.float())
+
+
+# The definition of every kind's GEMM ----------------------------------------------------------
+
+
+def _fake_quant(x: Tensor, fp8_dtype: torch.dtype, scale: Tensor | None) -> Tensor:
+    """``dequantize(quantize(x))`` per tensor in ``x``'s dtype, straight-through gradient."""
+    q, s_inv, _ = quantize_per_tensor(x, fp8_dtype, scale)
+    return x + ((q.float() * s_inv).to(x.dtype) - x).detach()
+
+
+class _FakeQuantGrad(torch.autograd.Function):
+    """Identity forward; the backward quantises the incoming gradient per tensor (current
+    scaling, or the given scale), as the backward GEMMs of the FP8 op see it."""
+
+    @staticmethod
+    def forward(ctx, y, fp8_dtype, scale):
+        ctx.fp8_dtype, ctx.scale = fp8_dtype, scale
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        g = grad.reshape(-1, grad.shape[-1])
+        q, s_inv, _ = quantize_per_tensor(g, ctx.fp8_dtype, ctx.scale)
+        return (q.float() * s_inv).to(grad.dtype).reshape(grad.shape), None, None
+
+
+class _BlockReference(torch.autograd.Function):
+    """A block-scaled GEMM written out in the input's dtype (fp64 in the tests): autograd alone
+    cannot express it, since each backward GEMM quantises its operands along a different dim
+    than the forward did (``Q_K`` forward, ``Q_N`` for dgrad, ``Q_M`` for wgrad)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, kind, fwd_dtype, bwd_dtype, power_2_scale, w_rows):
+        x_row, x_col_t = qdq_both(x, kind, fwd_dtype, 1, power_2_scale)
+        w_row, w_col_t = qdq_both(weight, kind, fwd_dtype, w_rows, power_2_scale)
+        ctx.save_for_backward(x_col_t, w_col_t)
+        ctx.config = (kind, bwd_dtype, power_2_scale)
+        return x_row @ w_row.t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        x_col_t, w_col_t = ctx.saved_tensors
+        kind, bwd_dtype, power_2_scale = ctx.config
+        g_row, g_col_t = qdq_both(grad, kind, bwd_dtype, 1, power_2_scale)
+        return g_row @ w_col_t.t(), g_col_t @ x_col_t.t(), *(None,) * 5
+
+
+def quantized_linear_ref(
+    inp: Tensor,
+    weight: Tensor,
+    recipe: str,
+    fwd_dtype: torch.dtype = torch.float8_e4m3fn,
+    bwd_dtype: torch.dtype = torch.float8_e5m2,
+    power_2_scale: bool = False,
+    weight_block_rows: int = 1,
+    scale: Tensor | None = None,
+) -> Tensor:
+    """Definition of correctness of the GEMM of a recipe, differentiable: ``inp @ weight.T`` of
+    the quantised-dequantised operands in the input's dtype (fp64 in the tests), the incoming
+    gradient quantised on its way back (``bwd_dtype``) as the backward GEMMs see it. ``inp``
+    ``[..., K]``; ``scale`` ``[3]`` for ``"delayed"``."""
+    x = inp.reshape(-1, inp.shape[-1])
+    if not recipe:
+        out = x @ weight.t()
+    elif recipe in PER_TENSOR:
+        s_x, s_w, s_g = scale_slots(scale, recipe)
+        w = _fake_quant(weight, fwd_dtype, s_w)
+        out = _FakeQuantGrad.apply(_fake_quant(x, fwd_dtype, s_x) @ w.t(), bwd_dtype, s_g)
+    else:
+        config = (recipe, fwd_dtype, bwd_dtype, power_2_scale, weight_block_rows)
+        out = _BlockReference.apply(x, weight, *config)
+    return out.reshape(*inp.shape[:-1], weight.shape[0])

@@ -1,0 +1,462 @@
+r"""The grouped GEMMs of the grouped linear family (``functional.grouped_linear``): the
+splits, and the forward and backward of every group's GEMMs for the recipes other than the
+per-tensor ones (those are ``functional.grouped_fp8``). ``grouped_linear.GROUPED_GEMMS`` is the
+table of them, keyed by the GEMM kind:
+
+=======================  ===================================================================
+kind                     GEMMs
+=======================  ===================================================================
+``"grouped_mm"``         high precision: ``torch._grouped_mm`` on device offsets (CUDA, bf16,
+                         dims multiples of 8), else a GEMM per group (fp32 math on the CPU)
+``"scaled_grouped_mm"``  per-tensor recipes (``functional.grouped_fp8``)
+``"blockwise"``          Float8BlockScaling, native: a blockwise-scaled ``torch._scaled_mm`` per
+                         expert (host splits; every expert's tokens padded to 128 in one
+                         layout)
+``"dequantized"``        the block-scaled recipes emulated: the operands quantised exactly and
+                         dequantised to the model's dtype (NVFP4: a global scale per expert for
+                         each expert's tokens, weight and gradient), the high-precision grouped
+                         GEMMs on those values
+=======================  ===================================================================
+
+Every row is ``forward(inp, m_splits, weight, bias, r, cuda) -> (out, saved)`` and
+``backward(grad, saved, inp, m_splits, weight, main_grad, r, has_bias, need_dgrad, need_wgrad,
+cuda) -> (dinp, dweight, dbias)`` (0-element where not computed; ``dweight`` also when it went
+into ``main_grad``; ``saved`` without the amaxes a forward appends), ``r`` a
+:class:`GroupedRecipe`.
+
+The rows of ``inp`` ``[M, K]`` are split into ``G`` consecutive groups of ``m_splits[g]`` rows
+(zero-size groups allowed). ``m_splits`` is an integer tensor on the input's device or the CPU;
+the device-offset paths never read it on the host (``torch._assert_async`` checks ``sum == M``
+and ``>= 0``), the loops do (one sync on CUDA).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from te_compile.functional.fake_quantize import qdq
+from te_compile.functional.gemm import (
+    block_scaled_mm,
+    empty,
+    padded,
+)
+from te_compile.functional.quantize import quantize_blockwise
+
+__all__ = [
+    "GroupedRecipe",
+    "as_splits_tensor",
+    "blockwise_backward",
+    "blockwise_forward",
+    "dequantized_backward",
+    "dequantized_forward",
+    "device_splits",
+    "high_precision_backward",
+    "high_precision_forward",
+    "host_splits",
+    "row_bias",
+]
+
+_INT_DTYPES = (torch.int32, torch.int64)
+_E4M3 = torch.float8_e4m3fn
+
+
+class GroupedRecipe(NamedTuple):
+    """The recipe arguments of a grouped linear op (``functional.gemm``'s, plus the delayed
+    state and ``fp8_wgrad``)."""
+
+    recipe: str = ""
+    fwd_dtype: torch.dtype = _E4M3
+    bwd_dtype: torch.dtype = torch.float8_e5m2
+    power_2_scale: bool = False
+    weight_block_rows: int = 1
+    emulate: bool = False
+    scale: Tensor | None = None
+    grad_amax: Tensor | None = None
+    fp8_wgrad: bool = False
+
+
+# Splits ------------------------------------------------------------------------------------------
+
+
+def as_splits_tensor(m_splits: Tensor | Sequence[int]) -> Tensor:
+    """``m_splits`` as an integer tensor: tensors pass through, a list of ints becomes a CPU
+    int64 tensor (a constant under ``torch.compile``)."""
+    if isinstance(m_splits, Tensor):
+        return m_splits
+    if not all(isinstance(s, int) and not isinstance(s, bool) for s in m_splits):
+        raise ValueError(
+            f"te.grouped_linear: m_splits must be a list of ints or an integer tensor, got "
+            f"{m_splits!r}"
+        )
+    return torch.tensor(list(m_splits), dtype=torch.int64)
+
+
+# High precision ("grouped_mm") ------------------------------------------------------------------
+
+
+def _acc(t: Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def host_splits(m_splits: Tensor, rows: int) -> list[int]:
+    """The splits as Python ints, checked (CPU tensors: no device sync)."""
+    splits = m_splits.tolist()
+    if any(s < 0 for s in splits) or sum(splits) != rows:
+        raise ValueError(
+            f"te.grouped_linear: m_splits must be >= 0 and sum to inp.shape[0] ({rows}), got "
+            f"{splits if len(splits) <= 16 else '[...]'} (sum {sum(splits)})"
+        )
+    return splits
+
+
+def _use_grouped_mm(inp: Tensor, weight: Tensor) -> bool:
+    return inp.dtype is torch.bfloat16 and inp.shape[1] % 8 == 0 and weight.shape[1] % 8 == 0
+
+
+def device_splits(m_splits: Tensor, inp: Tensor) -> tuple[Tensor, Tensor]:
+    """``(splits, offsets)`` on ``inp``'s device, offsets int32 (end of each group), with the
+    constraints asserted on the device (no host sync)."""
+    splits = m_splits.to(inp.device, non_blocking=True)
+    offs = torch.cumsum(splits, 0, dtype=torch.int32)
+    if splits.numel():
+        ok = (offs[-1] == inp.shape[0]) & (splits >= 0).all()
+        torch._assert_async(ok, "te.grouped_linear: m_splits must be >= 0 and sum to inp.shape[0]")
+    return splits, offs
+
+
+def row_bias(bias: Tensor, splits: Tensor, rows: int) -> Tensor:
+    """``bias[group of row]`` for every row: ``[rows, out_features]``, no host sync."""
+    return torch.repeat_interleave(bias, splits, dim=0, output_size=rows)
+
+
+def _grouped_mm_forward(
+    inp: Tensor, m_splits: Tensor, weight: Tensor, bias: Tensor | None
+) -> Tensor:
+    if not _use_grouped_mm(inp, weight):
+        return _fwd_loop(inp, host_splits(m_splits, inp.shape[0]), weight, bias, None)
+    splits, offs = device_splits(m_splits, inp)
+    out = torch._grouped_mm(inp, weight.transpose(-2, -1), offs=offs)
+    if bias is not None:
+        out += row_bias(bias, splits, inp.shape[0])
+    return out
+
+
+def _fwd_loop(
+    inp: Tensor, splits: list[int], weight: Tensor, bias: Tensor | None, acc: torch.dtype | None
+) -> Tensor:
+    """One GEMM per group, in ``acc`` (None: the input dtype), rounded once."""
+    out = inp.new_empty(inp.shape[0], weight.shape[1])
+    start = 0
+    for g, rows in enumerate(splits):
+        x = inp[start : start + rows]
+        w = weight[g] if acc is None else weight[g].to(acc)
+        y = (x if acc is None else x.to(acc)) @ w.t()
+        if bias is not None:
+            y = y + (bias[g] if acc is None else bias[g].to(acc))
+        out[start : start + rows] = y
+        start += rows
+    return out
+
+
+def _bwd_loop(grad_out, inp, splits, weight, main_grad, has_bias, need_dgrad, need_wgrad, acc):
+    """Per-group GEMMs in ``acc`` (None: the input dtype); dW and db summed in fp32 at least."""
+    dtype = grad_out.dtype
+    cast = (lambda t: t) if acc is None else (lambda t: t.to(acc))
+    dinp = grad_out.new_empty(inp.shape) if need_dgrad else empty(grad_out)
+    want_dw = need_wgrad and main_grad is None
+    dweight = grad_out.new_zeros(weight.shape) if want_dw else empty(grad_out)
+    dbias = grad_out.new_zeros(weight.shape[:2]) if has_bias else empty(grad_out)
+    start = 0
+    for g, rows in enumerate(splits):
+        dy, x = grad_out[start : start + rows], inp[start : start + rows]
+        if need_dgrad:
+            dinp[start : start + rows] = (cast(dy) @ cast(weight[g])).to(dtype)
+        if need_wgrad and main_grad is not None:
+            main_grad[g].addmm_(dy.t().float(), x.float())
+        elif need_wgrad:
+            dweight[g] = (cast(dy).t() @ cast(x)).to(dtype)
+        if has_bias:
+            dbias[g] = dy.sum(0, dtype=acc or torch.float32).to(dtype)
+        start += rows
+    return dinp, dweight, dbias
+
+
+def _grouped_mm_backward(
+    grad_out, inp, m_splits, weight, main_grad, has_bias, need_dgrad, need_wgrad
+):
+    splits, offs = device_splits(m_splits, inp)
+    dinp = torch._grouped_mm(grad_out, weight, offs=offs) if need_dgrad else empty(grad_out)
+    dweight = empty(grad_out)
+    if need_wgrad:
+        # Grouped along the reduction dim: [N, M] x [M, K] -> [G, N, K]. torch._grouped_mm only
+        # outputs its operands' dtype (an fp32 out_dtype is refused, eager and meta), so with
+        # main_grad dW is rounded to bf16 once and then accumulated in fp32 (no host sync).
+        dw = torch._grouped_mm(grad_out.t(), inp, offs=offs)
+        if main_grad is not None:
+            main_grad.add_(dw)
+        else:
+            dweight = dw
+    dbias = empty(grad_out)
+    if has_bias:
+        groups = torch.arange(weight.shape[0], device=inp.device)
+        row_group = torch.repeat_interleave(groups, splits, output_size=inp.shape[0])
+        dbias = grad_out.new_zeros(weight.shape[:2], dtype=torch.float32)
+        dbias = dbias.index_add_(0, row_group, grad_out.float()).to(grad_out.dtype)
+    return dinp, dweight, dbias
+
+
+# Float8BlockScaling, native ("blockwise") ------------------------------------------------------
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _capacity(rows: int, groups: int) -> int:
+    """Static token capacity of the padded layout: every expert's tokens rounded up to 128 fit
+    in ``128 * (rows // 128 + groups)``."""
+    return 128 * (rows // 128 + groups)
+
+
+def _plan(splits: Sequence[int], rows: int) -> tuple[list[int], list[int], int]:
+    """``(first row of each expert in inp, first row in the padded layout, padded rows)``. When
+    every expert's tokens are a multiple of 128 the padded layout is ``inp`` itself; otherwise
+    each expert starts at a multiple of 128 of a ``_capacity`` layout (zero rows between)."""
+    firsts, starts, row, pos = [], [], 0, 0
+    for m in splits:
+        firsts.append(row)
+        starts.append(pos)
+        row, pos = row + m, pos + _cdiv(m, 128) * 128
+    if all(m % 128 == 0 for m in splits):
+        return firsts, firsts, rows
+    return firsts, starts, _capacity(rows, len(splits))
+
+
+def _padded_rows(x: Tensor, splits, firsts, starts, width: int) -> Tensor:
+    """``x`` in the padded layout (one scatter; the original when they coincide)."""
+    if width == x.shape[0] and starts == firsts:
+        return x
+    index = torch.cat(
+        [torch.arange(p, p + m) for p, m in zip(starts, splits, strict=True)]
+        + [torch.empty(0, dtype=torch.int64)]
+    )
+    out = x.new_zeros(width, x.shape[1])
+    return out.index_copy_(0, index.to(x.device, non_blocking=True), x)
+
+
+def _quantize_block(x: Tensor, power_2_scale: bool, block_rows: int = 1, out_t=None):
+    """``(data, scale_inv, data_t, scale_inv_t)`` of ``x`` in E4M3, one pass for both directions;
+    the transposed copy written into ``out_t`` when given (its scales may be rows-major, the
+    GEMM's layout; on CUDA the kernel writes them in place)."""
+    if x.is_cuda:
+        from te_compile.kernels.quantize import quantize_blockwise as kernel
+
+        return kernel(x, _E4M3, block_rows, power_2_scale, True, out_t=out_t)
+    data, s, data_t, s_t = quantize_blockwise.eager(x, _E4M3, block_rows, power_2_scale, True)
+    if out_t is None:
+        return data, s, data_t, s_t
+    out_t[0].copy_(data_t.view(out_t[0].dtype))
+    out_t[1].copy_(s_t)
+    return data, s, out_t[0].view(_E4M3), out_t[1]
+
+
+def _transposed_views(codes: Tensor, scales: Tensor, width: int, k: int):
+    """``[K, width]`` codes and their ``[K, width / 128]`` scales, rows-major (strides
+    ``(1, K)``: an expert's columns are then in cuBLAS's layout without a copy), over the
+    first elements of flat buffers."""
+    return codes[: k * width].view(k, width), scales[: k * width // 128].view(-1, k).t()
+
+
+def _gemm_rows(a, sa, b, sb, b_rows, dtype, bias, out):
+    """``out`` ``[m, N]`` (a row slice of the result) from the first ``m`` rows of ``a``, whose
+    rows beyond ``m`` up to a multiple of 16 are zeros (the padded layout). cuBLAS's blockwise
+    GEMM refuses a row count that is not a multiple of 16 (H100, torch 2.11: the 8-expert
+    benchmark's 7 such experts gave 14 refusals, seen as the fallback's 14 device copies), so
+    such an expert runs on its rows padded to 16 and the first ``m`` rows are copied out."""
+    m = out.shape[0]
+    if m % 16 == 0:
+        return block_scaled_mm(a[:m], sa[:m], b, sb, b_rows, dtype, bias, out=out)
+    m16 = padded(m)
+    return out.copy_(block_scaled_mm(a[:m16], sa[:m16], b, sb, b_rows, dtype, bias)[:m])
+
+
+def _native_forward(inp, m_splits, weight, bias, power_2_scale, weight_block_rows):
+    """``(out, saved)``: ``out`` ``[M, out_features]``; ``saved = [X^T codes (uint8, flat: the
+    first ``K * width`` bytes are ``[K, width]``, every expert's tokens from a multiple of 128),
+    their 1x128 scales (fp32, flat, ``[width / 128, K]``), W_g^T codes ``[K, N]`` (uint8) for
+    each expert, their scales for each expert]``; ``width`` is ``M`` when every expert's tokens
+    are a multiple of 128, else the static capacity ``128 * (M // 128 + G)``. ``main_grad`` is
+    only carried to the backward."""
+    groups, n, k = weight.shape
+    rows = inp.shape[0]
+    splits = host_splits(m_splits, rows)
+    firsts, starts, width = _plan(splits, rows)
+    cap = _capacity(rows, groups)
+    x_t = inp.new_empty(k * cap, dtype=torch.uint8)
+    x_s = inp.new_empty(k * cap // 128, dtype=torch.float32)
+    x = _padded_rows(inp, splits, firsts, starts, width)
+    xd, xs, _, _ = _quantize_block(x, power_2_scale, 1, _transposed_views(x_t, x_s, width, k))
+    out = inp.new_empty(rows, n)
+    w_t, w_s = [], []
+    for g, (m, row, pos) in enumerate(zip(splits, firsts, starts, strict=True)):
+        wd, ws, wd_t, ws_t = _quantize_block(weight[g], power_2_scale, weight_block_rows)
+        w_t.append(wd_t.view(torch.uint8))
+        w_s.append(ws_t)
+        if m:
+            b = None if bias is None else bias[g]
+            _gemm_rows(xd[pos:], xs[pos:], wd, ws, weight_block_rows, inp.dtype, b,
+                       out[row : row + m])  # fmt: skip
+    return out, [x_t, x_s, *w_t, *w_s]
+
+
+def _native_backward(
+    grad_out, saved, m_splits, main_grad, power_2_scale, w_rows, has_bias, need_dgrad, need_wgrad
+):  # fmt: skip
+    """``(dinp, dweight, dbias)``, 0-element where not computed (``dweight`` also when it was
+    added to ``main_grad``, fp32). ``dY`` in the forward's padded layout, quantised once in
+    1x128 blocks both ways; per expert the dgrad against the saved ``W_g^T`` and the wgrad
+    against the saved ``X^T`` columns of the expert (blocks along its own tokens)."""
+    x_t, x_s = saved[:2]
+    groups = (len(saved) - 2) // 2
+    w_t, w_s = saved[2 : 2 + groups], saved[2 + groups :]
+    k, n = w_t[0].shape
+    dtype = grad_out.dtype
+    rows = grad_out.shape[0]
+    splits = host_splits(m_splits, rows)
+    firsts, starts, width = _plan(splits, rows)
+    dy = _padded_rows(grad_out, splits, firsts, starts, width)
+    codes = grad_out.new_empty(n * width, dtype=torch.uint8)
+    scales = grad_out.new_empty(n * width // 128, dtype=torch.float32)
+    gd, gs, gd_t, gs_t = _quantize_block(
+        dy, power_2_scale, 1, _transposed_views(codes, scales, width, n)
+    )
+    xd_t, xs_t = _transposed_views(x_t, x_s, width, k)
+    xd_t = xd_t.view(_E4M3)
+    dinp = grad_out.new_empty(rows, k) if need_dgrad else empty(grad_out)
+    into_weight = need_wgrad and main_grad is None
+    dweight = grad_out.new_zeros(groups, n, k) if into_weight else empty(grad_out)
+    dbias = grad_out.new_zeros(groups, n) if has_bias else empty(grad_out)
+    for g, (m, row, pos) in enumerate(zip(splits, firsts, starts, strict=True)):
+        if not m:
+            continue
+        if need_dgrad:
+            w = w_t[g].view(_E4M3)
+            _gemm_rows(gd[pos:], gs[pos:], w, w_s[g], w_rows, dtype, None, dinp[row : row + m])
+        if need_wgrad:
+            cols, blocks = (
+                slice(pos, pos + padded(m)),
+                slice(pos // 128, pos // 128 + _cdiv(m, 128)),
+            )
+            a, sa = gd_t[:, cols], gs_t[:, blocks]
+            b, sb = xd_t[:, cols], xs_t[:, blocks]
+            if into_weight:
+                block_scaled_mm(a, sa, b, sb, 1, dtype, out=dweight[g])
+            else:
+                main_grad[g].add_(block_scaled_mm(a, sa, b, sb, 1, dtype))
+        if has_bias:
+            dbias[g] = grad_out[row : row + m].sum(0, dtype=torch.float32).to(dtype)
+    return dinp, dweight, dbias
+
+
+# Emulated block-scaled recipes ("dequantized") --------------------------------------------------
+
+
+def _qdq_operands(inp, m_splits, weight, r: GroupedRecipe) -> tuple[Tensor, Tensor]:
+    """``(X, W)`` quantised exactly and dequantised to their dtype: ``X`` in blocks along
+    ``in_features`` (1x128 or 32 elements), each expert's weight in the recipe's weight blocks;
+    NVFP4 with a global scale per expert for its tokens and its weight (``row_splits``: group
+    amaxes on the device, no host sync)."""
+    g, n, k = weight.shape
+    if r.recipe == "nvfp4":
+        per_expert = torch.full((g,), n, dtype=torch.int64, device=weight.device)
+        x = qdq(inp, "nvfp4", _E4M3, 1, False, m_splits)
+        return x, qdq(weight.reshape(g * n, k), "nvfp4", _E4M3, 1, False, per_expert).view(g, n, k)
+    w_rows = r.weight_block_rows if r.recipe == "block" else 1
+    p2 = r.power_2_scale if r.recipe == "block" else False
+    x = qdq(inp, r.recipe, r.fwd_dtype, 1, p2)
+    if w_rows == 1 or n % w_rows == 0:  # no block of rows straddles two experts
+        w = qdq(weight.reshape(g * n, k), r.recipe, r.fwd_dtype, w_rows, p2).view(g, n, k)
+    else:
+        w = torch.stack([qdq(w_g, r.recipe, r.fwd_dtype, w_rows, p2) for w_g in weight])
+    return x, w
+
+
+def _group_sums(grad: Tensor, m_splits: Tensor, groups: int, cuda: bool) -> Tensor:
+    """Every group's column sums of ``grad`` (a bias gradient), fp32 accumulation: on CUDA an
+    ``index_add_`` over the device splits (no host sync), else a sum per group."""
+    rows, n = grad.shape
+    if cuda:
+        splits, _ = device_splits(m_splits, grad)
+        row_group = torch.repeat_interleave(
+            torch.arange(groups, device=grad.device), splits, output_size=rows
+        )
+        out = grad.new_zeros(groups, n, dtype=torch.float32)
+        return out.index_add_(0, row_group, grad.float()).to(grad.dtype)
+    out, start = grad.new_zeros(groups, n), 0
+    for g, m in enumerate(host_splits(m_splits, rows)):
+        out[g] = grad[start : start + m].sum(0, dtype=torch.float32).to(grad.dtype)
+        start += m
+    return out
+
+
+# The rows of grouped_linear.GROUPED_GEMMS (module docstring) ---------------------------------
+
+
+def high_precision_forward(inp, m_splits, weight, bias, r, cuda):
+    if not cuda or inp.dtype is torch.float64:
+        splits = host_splits(m_splits, inp.shape[0])
+        return _fwd_loop(inp, splits, weight, bias, _acc(inp)), []
+    return _grouped_mm_forward(inp, m_splits, weight, bias), []
+
+
+def high_precision_backward(
+    grad, saved, inp, m_splits, weight, main_grad, r, has_bias, dgrad, wgrad, cuda
+):
+    if not cuda or inp.dtype is torch.float64 or not _use_grouped_mm(inp, weight):
+        splits = host_splits(m_splits, inp.shape[0])
+        acc = None if cuda and inp.dtype is not torch.float64 else _acc(inp)
+        return _bwd_loop(grad, inp, splits, weight, main_grad, has_bias, dgrad, wgrad, acc)
+    return _grouped_mm_backward(grad, inp, m_splits, weight, main_grad, has_bias, dgrad, wgrad)
+
+
+def blockwise_forward(inp, m_splits, weight, bias, r, cuda):
+    return _native_forward(inp, m_splits, weight, bias, r.power_2_scale, r.weight_block_rows)
+
+
+def blockwise_backward(grad, saved, inp, m_splits, weight, main_grad, r, has_bias, dgrad,
+                           wgrad, cuda):  # fmt: skip
+    return _native_backward(grad, saved, m_splits, main_grad, r.power_2_scale,
+                               r.weight_block_rows, has_bias, dgrad, wgrad)  # fmt: skip
+
+
+def dequantized_forward(inp, m_splits, weight, bias, r, cuda):
+    """The high-precision grouped GEMM of the quantised-dequantised operands; the bias added to
+    its rounded output in high precision; ``saved = [X, W]`` (dequantised)."""
+    x, w = _qdq_operands(inp, m_splits, weight, r)
+    out, _ = high_precision_forward(x, m_splits, w, None, r, cuda)
+    if bias is not None:
+        splits = m_splits.to(bias.device)
+        out = out + bias.repeat_interleave(splits, dim=0, output_size=out.shape[0])
+    return out, [x, w]
+
+
+def dequantized_backward(grad, saved, inp, m_splits, weight, main_grad, r, has_bias, dgrad,
+                          wgrad, cuda):  # fmt: skip
+    """The gradient quantised in blocks along ``out_features`` (NVFP4: per expert), then the
+    high-precision grouped backward against the forward's dequantised operands; the bias
+    gradient from the high-precision gradient."""
+    x, w = saved
+    p2 = r.power_2_scale if r.recipe == "block" else False
+    if r.recipe == "nvfp4":
+        g = qdq(grad, "nvfp4", _E4M3, 1, False, m_splits)
+    else:
+        g = qdq(grad, r.recipe, r.bwd_dtype, 1, p2)
+    dinp, dweight, _ = high_precision_backward(
+        g, [], x, m_splits, w, main_grad, r, False, dgrad, wgrad, cuda
+    )
+    dbias = _group_sums(grad, m_splits, w.shape[0], cuda) if has_bias else empty(grad)
+    return dinp, dweight, dbias

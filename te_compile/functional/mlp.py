@@ -1,0 +1,683 @@
+r"""The MLP family: ``te::mlp_fwd`` / ``te::mlp_bwd``, every recipe, an optional norm prologue.
+
+.. math::
+    z = \mathrm{norm}(X) W_1^\top,\quad h = f(z + b_1),\quad Y = h W_2^\top + b_2
+
+``inp`` ``[..., hidden]``, ``fc1_weight`` ``[F1, hidden]`` with ``F1 = 2 * ffn`` for a gated
+activation (``GATED_ACTIVATIONS``, as LayerNormMLP lays them out: the activation half's rows
+first; clamped SwiGLU with ``bias_activation``'s defaults), ``fc2_weight`` ``[out, ffn]``. The
+recipe arguments and the prologue are the linear family's (``functional.linear``; the delayed
+state per GEMM: ``scale1`` / ``scale2`` ``[3]``, ``grad_amax1`` / ``grad_amax2`` ``[1]``).
+
+One op pair for the whole block, so that the activation and its gradient are never written in
+high precision between two quantisations: on CUDA, for the per-tensor recipes and native
+Float8BlockScaling, ``kernels.act_quantize`` computes :math:`h` from :math:`z` inside the
+quantisation of the second GEMM's input, and :math:`dz = dh \odot f'(z + b_1)` (with
+:math:`db_1`) inside the quantisation of the first GEMM's gradient. What that saves per step,
+for ``z`` ``[T, F]``: the write and two reads of :math:`h` and of :math:`dz` (current scaling
+reads :math:`z` twice instead; delayed scaling once). For a gated activation :math:`h` is
+quantised from ``z``'s two halves, and both halves of :math:`dz` (``[T, 2F]``) from one read of
+:math:`dh` and ``z``, under one scale (per tensor) or in 1x128 blocks that never straddle the
+halves. Elsewhere (the CPU, the emulated recipes, high precision) the op composes the
+implementations of the linear family's GEMMs and of the activation ops: the same bytes as
+``linear -> bias_activation -> linear`` (compared bit for bit in the tests).
+
+``saved``: quantised recipes ``[X^T, s_x, W_1^T, s_w1, z, h^T, s_h, W_2^T, s_w2]`` (FP8 bytes
+and inverse scales as the linear family saves them; ``z`` with its rows padded to a multiple
+of 16; native blockwise keeps the 1x128 scales of ``X^T`` and ``h^T`` as the wgrad GEMMs take
+them, ``[M / 128, K]``), high precision ``[norm output (with a norm), z, h]``; then the norm's
+``mean, rsigma``, then for the per-tensor recipes ``[amax(X), amax(W_1), amax(h),
+amax(W_2)]`` (fp32).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from te_compile._library import SampleInput, differentiable, op
+from te_compile.functional.activation import (
+    ACTIVATIONS,
+    GATED_ACTIVATIONS,
+    activation_backward,
+    activation_forward,
+    activation_ref,
+    gated_activation_ref,
+)
+from te_compile.functional.gemm import (
+    BLOCK_KINDS,
+    FP8_DTYPES,
+    HIGH_DTYPES,
+    PER_TENSOR,
+    Operand,
+    blockwise_supported,
+    check_recipe,
+    delayed_on_cuda,
+    empty,
+    gemm,
+    gemm_kind,
+    pad_rows,
+    padded,
+    quantize_operand,
+    quantized_linear_ref,
+    scale_slots,
+    unpad,
+)
+from te_compile.functional.linear import linear_bwd, linear_fwd
+from te_compile.functional.prologue import (
+    Norm,
+    check_norm,
+    fake_dnorm,
+    fake_stats,
+    norm_backward,
+    norm_forward,
+    norm_quantize,
+    norm_ref,
+    unit_rows,
+)
+
+__all__ = ["MLP_ACTIVATIONS", "mlp", "mlp_ref"]
+
+MLP_ACTIVATIONS = (*ACTIVATIONS, *GATED_ACTIVATIONS)
+_E4M3, _E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+class _Args(NamedTuple):
+    """The forward op's arguments, by name."""
+
+    inp: Tensor
+    fc1_weight: Tensor
+    fc1_bias: Tensor | None
+    fc2_weight: Tensor
+    fc2_bias: Tensor | None
+    activation: str
+    recipe: str = ""
+    fwd_dtype: torch.dtype = _E4M3
+    bwd_dtype: torch.dtype = _E5M2
+    power_2_scale: bool = False
+    weight_block_rows: int = 1
+    emulate: bool = False
+    scale1: Tensor | None = None
+    scale2: Tensor | None = None
+    grad_amax1: Tensor | None = None
+    grad_amax2: Tensor | None = None
+    norm_weight: Tensor | None = None
+    norm_bias: Tensor | None = None
+    normalization: str = ""
+    norm_eps: float = 1e-5
+    zero_centered_gamma: bool = False
+
+    @property
+    def norm(self) -> Norm:
+        return Norm(self.norm_weight, self.norm_bias, self.normalization, self.norm_eps,
+                    self.zero_centered_gamma)  # fmt: skip
+
+
+_NORM_WEIGHT = _Args._fields.index("norm_weight")
+# The kinds whose token count must be a multiple of the block (the others pad to 16 rows).
+_TOKEN_BLOCKS = ("mxfp8", "nvfp4")
+
+
+def _ffn(w1: Tensor, activation: str) -> int:
+    """The activation's output features: FC1's, or half of them for a gated activation."""
+    return w1.shape[0] // 2 if activation in GATED_ACTIVATIONS else w1.shape[0]
+
+
+# 1. Reference math ----------------------------------------------------------------------------
+
+
+def _activation_ref(z: Tensor, bias: Tensor | None, activation: str) -> Tensor:
+    if activation in GATED_ACTIVATIONS:
+        return gated_activation_ref(z, bias, activation)
+    return activation_ref(z, bias, activation)
+
+
+def mlp_ref(*args) -> Tensor:
+    """Definition of correctness, differentiable, in the inputs' dtype (fp64 in the tests): the
+    norm's reference, the recipe's GEMM (``functional.linear.quantized_linear_ref``) twice
+    around the activation's reference."""
+    a = _Args(*args)
+    x = norm_ref(a.inp, a.norm)
+    s1 = a.scale1 if a.recipe == "delayed" else None
+    s2 = a.scale2 if a.recipe == "delayed" else None
+    config = (a.fwd_dtype, a.bwd_dtype, a.power_2_scale, a.weight_block_rows)
+    z = quantized_linear_ref(x, a.fc1_weight, a.recipe, *config, s1)
+    h = _activation_ref(z, a.fc1_bias, a.activation)
+    out = quantized_linear_ref(h, a.fc2_weight, a.recipe, *config, s2)
+    return out if a.fc2_bias is None else out + a.fc2_bias
+
+
+# Checks -----------------------------------------------------------------------------------------
+
+
+def _check(a: _Args) -> None:
+    p = "te.mlp: "
+    inp, w1, w2 = a.inp, a.fc1_weight, a.fc2_weight
+    check_norm(p, inp, a.norm)
+    if a.activation not in MLP_ACTIVATIONS:
+        raise ValueError(p + f"activation must be one of {MLP_ACTIVATIONS}, got {a.activation!r}")
+    recipe = a.recipe
+    for name, s in (("scale1", a.scale1), ("scale2", a.scale2)):
+        if recipe == "delayed" and (s is None or s.shape != (3,) or s.dtype != torch.float32):
+            raise ValueError(p + f'recipe="delayed" needs {name} [3] (input, weight, grad)')
+        if recipe != "delayed" and s is not None:
+            raise ValueError(p + f'{name} is for recipe="delayed" only')
+    check_recipe(p, recipe, a.fwd_dtype, a.bwd_dtype, a.weight_block_rows, a.emulate, a.scale1,
+                 a.grad_amax1)  # fmt: skip
+    dtypes = HIGH_DTYPES if recipe else (*HIGH_DTYPES, torch.float64)
+    if inp.dtype not in dtypes or w1.dtype != inp.dtype or w2.dtype != inp.dtype:
+        raise ValueError(
+            p + f"inp, fc1_weight and fc2_weight must share a float dtype "
+            f"({'float32/bfloat16/float16 with an FP8 recipe' if recipe else 'any'}), got "
+            f"{inp.dtype}, {w1.dtype}, {w2.dtype}"
+        )
+    gated = a.activation in GATED_ACTIVATIONS
+    if (
+        w1.ndim != 2
+        or w2.ndim != 2
+        or inp.ndim < 1
+        or inp.shape[-1] != w1.shape[1]
+        or (gated and w1.shape[0] % 2)
+        or w2.shape[1] != _ffn(w1, a.activation)
+    ):
+        fc1 = "[2 * ffn, hidden] (gated activation)" if gated else "[ffn, hidden]"
+        raise ValueError(
+            p + f"inp [..., hidden], fc1_weight {fc1} and fc2_weight [out, ffn] do not "
+            f"match: {list(inp.shape)}, {list(w1.shape)}, {list(w2.shape)}"
+        )
+    dims = (w1.shape[1], w2.shape[1], w1.shape[0], w2.shape[0])
+    multiple = 16 if recipe in PER_TENSOR else BLOCK_KINDS.get(recipe, 1)
+    if any(d % multiple for d in dims):
+        raise ValueError(
+            p + f"{recipe} GEMMs need hidden ({dims[0]}), ffn ({dims[1]}), fc1 out ({dims[2]}) "
+            f"and out ({dims[3]}) sizes that are multiples of {multiple}"
+        )
+    rows = inp.numel() // inp.shape[-1] if inp.shape[-1] else 0
+    if recipe in _TOKEN_BLOCKS and rows % multiple:
+        raise ValueError(p + f"{recipe} needs the number of tokens ({rows}) to be a multiple of "
+                         f"{multiple}")  # fmt: skip
+    if (
+        recipe == "block"
+        and not a.emulate
+        and not all(
+            blockwise_supported(w, a.weight_block_rows, a.fwd_dtype, a.bwd_dtype) for w in (w1, w2)
+        )
+    ):
+        raise ValueError(
+            p + 'recipe="block" with native GEMMs (emulate=False) and 128x128 weight blocks '
+            f"needs hidden, ffn and out multiples of 512 (got {dims[0]}, {dims[2]}, {dims[3]})"
+        )
+    for name, b, n in (
+        ("fc1_bias", a.fc1_bias, w1.shape[0]),
+        ("fc2_bias", a.fc2_bias, w2.shape[0]),
+    ):
+        if b is not None and (b.shape != (n,) or b.dtype != inp.dtype):
+            raise ValueError(p + f"{name} must be [{n}] of dtype {inp.dtype}")
+    for name, g in (("grad_amax1", a.grad_amax1), ("grad_amax2", a.grad_amax2)):
+        if g is not None and (g.shape != (1,) or recipe not in PER_TENSOR):
+            raise ValueError(p + f"{name} must be [1] and is for the per-tensor recipes")
+
+
+# 2. Forward op ----------------------------------------------------------------------------------
+
+
+def _bytes(t: Tensor) -> Tensor:
+    return t.view(torch.uint8) if t.dtype in FP8_DTYPES else t
+
+
+def _codes(t: Tensor, fp8_dtype: torch.dtype) -> Tensor:
+    return t.view(fp8_dtype) if t.dtype is torch.uint8 else t
+
+
+def _native_block(recipe: str, emulate: bool) -> bool:
+    return recipe == "block" and not emulate
+
+
+def _act_operand(recipe, z, bias, grad, activation, fp8_dtype, scale, rows, need_dbias,
+                 power_2_scale, emulate) -> tuple[Operand, Tensor | None]:  # fmt: skip
+    """``(operand, dbias)``: the activation of ``z + bias`` (forward) or its gradient ``grad *
+    f'(z + bias)`` (backward, ``dbias`` with ``need_dbias``) as the next GEMM's operand, rows
+    past ``rows`` zero. On CUDA in the fused kernels (per-tensor, native 1x128 blocks with the
+    scales in the GEMM's layout); elsewhere the activation op's implementation, rounded to
+    ``z``'s dtype, zero rows appended, quantised."""
+    if z.is_cuda and recipe in PER_TENSOR:
+        from te_compile.kernels.act_quantize import act_quantize
+
+        data, data_t, s, amax, dbias = act_quantize(
+            z, bias, grad, activation, fp8_dtype, scale, rows, True, need_dbias
+        )
+        return Operand(data, s, data_t, s, amax), dbias
+    if z.is_cuda and _native_block(recipe, emulate):
+        from te_compile.kernels.act_quantize import act_quantize_block
+
+        data, s, data_t, s_t, dbias = act_quantize_block(
+            z, bias, grad, activation, fp8_dtype, rows, need_dbias, power_2_scale,
+            mn_major=(True, True),
+        )  # fmt: skip
+        return Operand(data, s, data_t, s_t, z.new_empty(0, dtype=torch.float32)), dbias
+    if grad is None:
+        v, dbias = activation_forward(z[:rows], bias, activation), None
+    else:
+        v, dbias = activation_backward(grad[:rows], z[:rows], bias, activation,
+                                       need_dbias=need_dbias)  # fmt: skip
+    operand = quantize_operand(recipe, pad_rows(v), fp8_dtype, scale=scale,
+                               power_2_scale=power_2_scale, emulate=emulate)  # fmt: skip
+    return operand, dbias if need_dbias else None
+
+
+def _saved_scale(recipe: str, emulate: bool, s_t: Tensor) -> Tensor:
+    """Native blockwise keeps the 1x128 scales of a transposed copy as the wgrad GEMM takes
+    them, ``[M / 128, K]`` (no copy when the kernels wrote them rows-major)."""
+    return s_t.t().contiguous() if _native_block(recipe, emulate) else s_t
+
+
+def _wgrad_scale(recipe: str, emulate: bool, saved: Tensor) -> Tensor:
+    return saved.t() if _native_block(recipe, emulate) else saved
+
+
+def _hp_linear(x2: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+    """The high-precision GEMM of the linear family (the implementation for the device)."""
+    return linear_fwd.eager(x2, w, b, None)[0]
+
+
+def _forward(a: _Args) -> tuple[Tensor, list[Tensor]]:
+    _check(a)
+    inp, w1, b1, w2, b2 = a.inp, a.fc1_weight, a.fc1_bias, a.fc2_weight, a.fc2_bias
+    x2 = inp.reshape(-1, inp.shape[-1])
+    m, dtype, recipe = x2.shape[0], inp.dtype, a.recipe
+    stats, saved = [], []
+    if not recipe:
+        if a.normalization:
+            x2, *stats = norm_forward(x2, a.norm)
+            saved.append(x2)
+        z = _hp_linear(x2, w1, None)
+        h = activation_forward(z, b1, a.activation)
+        out = _hp_linear(h, w2, b2)
+        return out.reshape(*inp.shape[:-1], w2.shape[0]), [*saved, z, h, *stats]
+    p2, em, rows = a.power_2_scale, a.emulate, a.weight_block_rows
+    kind = gemm_kind(recipe, em)
+    (s_x, s_w1, _), (s_h, s_w2, _) = scale_slots(a.scale1, recipe), scale_slots(a.scale2, recipe)
+    native = _native_block(recipe, em)
+    if a.normalization:
+        xq, *stats = norm_quantize(recipe, x2, a.norm, a.fwd_dtype, scale=s_x, power_2_scale=p2,
+                                   emulate=em, mn_major=native)  # fmt: skip
+    else:
+        xq = quantize_operand(recipe, pad_rows(x2), a.fwd_dtype, scale=s_x, power_2_scale=p2,
+                              emulate=em)  # fmt: skip
+    w1q = quantize_operand(recipe, w1, a.fwd_dtype, scale=s_w1, block_rows=rows,
+                           power_2_scale=p2, emulate=em)  # fmt: skip
+    z = gemm(kind, xq.data, xq.scale, w1q.data, w1q.scale, dtype, fast_accum=True,
+             b_block_rows=rows)  # fmt: skip
+    hq, _ = _act_operand(recipe, z, b1, None, a.activation, a.fwd_dtype, s_h, m, False, p2, em)
+    w2q = quantize_operand(recipe, w2, a.fwd_dtype, scale=s_w2, block_rows=rows,
+                           power_2_scale=p2, emulate=em)  # fmt: skip
+    out = gemm(kind, hq.data, hq.scale, w2q.data, w2q.scale, dtype, bias=b2, fast_accum=True,
+               b_block_rows=rows)  # fmt: skip
+    out = unpad(out, m)
+    saved = [
+        _bytes(xq.data_t), _saved_scale(recipe, em, xq.scale_t), _bytes(w1q.data_t),
+        w1q.scale_t, z, _bytes(hq.data_t), _saved_scale(recipe, em, hq.scale_t),
+        _bytes(w2q.data_t), w2q.scale_t, *stats,
+    ]  # fmt: skip
+    if recipe in PER_TENSOR:
+        saved.append(torch.cat([xq.amax, w1q.amax, hq.amax, w2q.amax]))
+    return out.reshape(*inp.shape[:-1], w2.shape[0]), saved
+
+
+@op("mlp_fwd", kept_whole=delayed_on_cuda)
+def mlp_fwd(
+    inp: Tensor,
+    fc1_weight: Tensor,
+    fc1_bias: Tensor | None,
+    fc2_weight: Tensor,
+    fc2_bias: Tensor | None,
+    activation: str,
+    recipe: str = "",
+    fwd_dtype: torch.dtype = _E4M3,
+    bwd_dtype: torch.dtype = _E5M2,
+    power_2_scale: bool = False,
+    weight_block_rows: int = 1,
+    emulate: bool = False,
+    scale1: Tensor | None = None,
+    scale2: Tensor | None = None,
+    grad_amax1: Tensor | None = None,
+    grad_amax2: Tensor | None = None,
+    norm_weight: Tensor | None = None,
+    norm_bias: Tensor | None = None,
+    normalization: str = "",
+    norm_eps: float = 1e-5,
+    zero_centered_gamma: bool = False,
+) -> tuple[Tensor, list[Tensor]]:
+    """``(out, saved)`` (module docstring)."""
+    values = locals()
+    return _forward(_Args(*(values[name] for name in _Args._fields)))
+
+
+@mlp_fwd.register_fake
+def _mlp_fwd_fake(*args):
+    a = _Args(*args)
+    _check(a)
+    inp, w1, w2 = a.inp, a.fc1_weight, a.fc2_weight
+    rows = inp.numel() // inp.shape[-1]
+    d, f1, f, n = w1.shape[1], w1.shape[0], w2.shape[1], w2.shape[0]
+    out = inp.new_empty(*inp.shape[:-1], n)
+    stats = fake_stats(inp, rows, a.normalization)
+    if not a.recipe:
+        normed = [inp.new_empty(rows, d)] if a.normalization else []
+        return out, [*normed, inp.new_empty(rows, f1), inp.new_empty(rows, f), *stats]
+    m = padded(rows)
+    u8, f32 = torch.uint8, torch.float32
+    kind = gemm_kind(a.recipe, a.emulate)
+    w_rows = a.weight_block_rows
+
+    def copy(k, cols):  # a transposed copy [k, cols] and its scales
+        if kind == "dequantized":
+            return [inp.new_empty(k, cols, dtype=f32), inp.new_empty(0, dtype=f32)]
+        if a.recipe in PER_TENSOR:
+            return [inp.new_empty(k, cols, dtype=u8), inp.new_empty(1, dtype=f32)]
+        return [inp.new_empty(k, cols, dtype=u8), inp.new_empty(-(-cols // 128), k, dtype=f32)]
+
+    def weight(k, cols):  # a weight's transposed copy [k, cols] (cols: its out features)
+        if kind == "blockwise":
+            scales = inp.new_empty(-(-k // w_rows), -(-cols // 128), dtype=f32)
+            return [inp.new_empty(k, cols, dtype=u8), scales]
+        return copy(k, cols)
+
+    saved = [*copy(d, m), *weight(d, f1), inp.new_empty(m, f1), *copy(f, m), *weight(f, n),
+             *stats]  # fmt: skip
+    if a.recipe in PER_TENSOR:
+        saved.append(inp.new_empty(4, dtype=f32))
+    return out, saved
+
+
+# 3. Backward op ---------------------------------------------------------------------------------
+
+
+class _Bwd(NamedTuple):
+    activation: str
+    recipe: str
+    fwd_dtype: torch.dtype
+    bwd_dtype: torch.dtype
+    power_2_scale: bool
+    weight_block_rows: int
+    emulate: bool
+    normalization: str
+    zero_centered_gamma: bool
+    has_norm_bias: bool
+    need_db2: bool
+    need_dgrad: bool
+
+
+_BWD_TENSORS = ("grad", "saved", "inp", "fc1_weight", "fc1_bias", "fc2_weight", "scale1",
+                "scale2", "grad_amax1", "grad_amax2", "norm_weight")  # fmt: skip
+
+
+def _hp_linear_bwd(grad: Tensor, x2: Tensor, w: Tensor, need_dbias: bool, need_dgrad: bool):
+    """``(dx, dw, db)`` by the linear family's high-precision backward."""
+    dx, dw, db, _, _ = linear_bwd.eager(
+        grad, None, [], x2, w, None, None, None, None, None, "", _E4M3, _E5M2, False, 1, False,
+        "", False, False, "", 0, 7.0, 1.702, 1.0, 1.0, need_dbias, need_dgrad, True,
+    )  # fmt: skip
+    return dx, dw, db
+
+
+def _backward_impl(grad, saved, inp, w1, b1, w2, scale1, scale2, grad_amax1, grad_amax2,
+                   norm_weight, c: _Bwd):  # fmt: skip
+    dtype = grad.dtype
+    dy = grad.reshape(-1, grad.shape[-1])
+    m = dy.shape[0]
+    n_stats = 2 if c.normalization else 0
+    stats = saved[len(saved) - n_stats :]
+    need_db1 = b1 is not None
+    if not c.recipe:
+        z, h = saved[-2 - n_stats], saved[-1 - n_stats]
+        x2 = saved[0] if c.normalization else inp.reshape(-1, inp.shape[-1])
+        dh, dw2, db2 = _hp_linear_bwd(dy, h, w2, c.need_db2, True)
+        dz, db1 = activation_backward(dh, z, b1, c.activation, need_dbias=need_db1)
+        dx, dw1, _ = _hp_linear_bwd(dz, x2, w1, False, c.need_dgrad)
+        dinp = dx if c.need_dgrad else None
+    else:
+        x_t, xs, w1_t, w1s, z, h_t, hs, w2_t, w2s = saved[:9]
+        x_t, w1_t, h_t, w2_t = (_codes(t, c.fwd_dtype) for t in (x_t, w1_t, h_t, w2_t))
+        kind, em, p2 = gemm_kind(c.recipe, c.emulate), c.emulate, c.power_2_scale
+        rows = c.weight_block_rows
+        (_, _, s_dz), (_, _, s_dy) = scale_slots(scale1, c.recipe), scale_slots(scale2, c.recipe)
+        sums = c.need_db2 and _native_block(c.recipe, em)
+        g = quantize_operand(c.recipe, pad_rows(dy), c.bwd_dtype, scale=s_dy, power_2_scale=p2,
+                             emulate=em, mn_major=True, sums=sums)  # fmt: skip
+        if grad_amax2 is not None:
+            grad_amax2.copy_(g.amax)
+        # fc2: dh [M, F] = dY @ W2 (W2^T is the GEMM's b); dW2 [N, F] = dY^T @ h
+        dh = gemm(kind, g.data, g.scale, w2_t, w2s, dtype, b_block_rows=rows)
+        dw2 = gemm(kind, g.data_t, g.scale_t, h_t, _wgrad_scale(c.recipe, em, hs), dtype)
+        db2 = g.sums if sums else (dy.sum(0, dtype=torch.float32) if c.need_db2 else None)
+        dq, db1 = _act_operand(c.recipe, z, b1, dh, c.activation, c.bwd_dtype, s_dz, m,
+                               need_db1, p2, em)  # fmt: skip
+        if grad_amax1 is not None:
+            grad_amax1.copy_(dq.amax)
+        # fc1: dX [M, D] = dz @ W1; dW1 [F1, D] = dz^T @ X
+        dinp = None
+        if c.need_dgrad:
+            dinp = unpad(gemm(kind, dq.data, dq.scale, w1_t, w1s, dtype, b_block_rows=rows), m)
+        dw1 = gemm(kind, dq.data_t, dq.scale_t, x_t, _wgrad_scale(c.recipe, em, xs), dtype)
+    dnorm = [empty(grad), empty(grad)]
+    if dinp is not None and c.normalization:
+        x2 = inp.reshape(-1, inp.shape[-1])
+        dinp, *dnorm = norm_backward(dinp, x2, norm_weight, stats, c.normalization,
+                                     c.zero_centered_gamma, c.has_norm_bias)  # fmt: skip
+    dinp = empty(grad) if dinp is None else dinp.reshape(*grad.shape[:-1], dinp.shape[-1])
+    db1 = empty(grad) if db1 is None else db1.to(dtype)
+    db2 = empty(grad) if db2 is None or not c.need_db2 else db2.to(dtype)
+    return dinp, dw1, db1, dw2, db2, *dnorm
+
+
+@op("mlp_bwd", mutates_args=("grad_amax1", "grad_amax2"), kept_whole=delayed_on_cuda)
+def mlp_bwd(
+    grad: Tensor,
+    saved: list[Tensor],
+    inp: Tensor | None,
+    fc1_weight: Tensor | None,
+    fc1_bias: Tensor | None,
+    fc2_weight: Tensor | None,
+    scale1: Tensor | None,
+    scale2: Tensor | None,
+    grad_amax1: Tensor | None,
+    grad_amax2: Tensor | None,
+    norm_weight: Tensor | None,
+    activation: str,
+    recipe: str,
+    fwd_dtype: torch.dtype,
+    bwd_dtype: torch.dtype,
+    power_2_scale: bool,
+    weight_block_rows: int,
+    emulate: bool,
+    normalization: str,
+    zero_centered_gamma: bool,
+    has_norm_bias: bool,
+    need_db2: bool,
+    need_dgrad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(dinp, dfc1_weight, dfc1_bias, dfc2_weight, dfc2_bias, dnorm_weight, dnorm_bias)``
+    (0-element where not computed); writes ``amax(dz)`` / ``amax(dY)`` into ``grad_amax1`` /
+    ``grad_amax2`` (per-tensor recipes). ``inp``: with a norm or in high precision;
+    ``fc1_weight`` / ``fc2_weight``: in high precision. ``need_dgrad``: any of the input and
+    the norm's parameters needs a gradient."""
+    values = locals()
+    c = _Bwd(*(values[name] for name in _Bwd._fields))
+    tensors = (values[name] for name in _BWD_TENSORS)
+    return _backward_impl(*tensors, c)
+
+
+@mlp_bwd.register_fake
+def _mlp_bwd_fake(*args):
+    grad, saved, _inp, w1, b1, w2, *_, norm_weight = args[: len(_BWD_TENSORS)]
+    c = _Bwd(*args[len(_BWD_TENSORS) :])
+    if c.recipe:
+        (d, f1), (f, n) = saved[2].shape, saved[7].shape
+    else:
+        (f1, d), (n, f) = w1.shape, w2.shape
+    dinp = grad.new_empty(*grad.shape[:-1], d) if c.need_dgrad else empty(grad)
+    db1 = grad.new_empty(f1) if b1 is not None else empty(grad)
+    db2 = grad.new_empty(n) if c.need_db2 else empty(grad)
+    dnorm = fake_dnorm(grad, norm_weight, c.normalization, c.has_norm_bias, c.need_dgrad)
+    return dinp, grad.new_empty(f1, d), db1, grad.new_empty(n, f), db2, *dnorm
+
+
+# 4. setup_context + autograd ----------------------------------------------------------------------
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    a = _Args(*inputs)
+    _out, saved = output
+    ctx.mark_non_differentiable(*saved)
+    if a.recipe in PER_TENSOR:
+        saved = saved[:-1]  # the amaxes: for the caller
+    hp, normed = not a.recipe, bool(a.normalization)
+    ctx.save_for_backward(
+        a.inp if hp or normed else None, a.fc1_weight if hp else None, a.fc1_bias,
+        a.fc2_weight if hp else None, a.scale1, a.scale2, a.grad_amax1, a.grad_amax2,
+        a.norm_weight if normed else None, *saved,
+    )  # fmt: skip
+    ctx.scalars = (
+        a.activation, a.recipe, a.fwd_dtype, a.bwd_dtype, a.power_2_scale, a.weight_block_rows,
+        a.emulate, a.normalization, a.zero_centered_gamma, a.norm_bias is not None,
+    )  # fmt: skip
+    ctx.has_fc2_bias = a.fc2_bias is not None
+
+
+def _backward(ctx, bwd, grad, _grad_saved):
+    inp, w1, b1, w2, s1, s2, ga1, ga2, norm_weight, *saved = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    normalization = ctx.scalars[7]
+    need_norm = bool(normalization) and any(need[_NORM_WEIGHT : _NORM_WEIGHT + 2])
+    need_db2 = ctx.has_fc2_bias and need[4]
+    dinp, dw1, db1, dw2, db2, dnw, dnb = bwd(
+        grad.contiguous(), saved, inp, w1, b1, w2, s1, s2, ga1, ga2, norm_weight, *ctx.scalars,
+        need_db2, need[0] or need_norm,
+    )  # fmt: skip
+    grads = [None] * len(need)
+    grads[:5] = [
+        dinp if need[0] else None,
+        dw1 if need[1] else None,
+        db1 if b1 is not None and need[2] else None,
+        dw2 if need[3] else None,
+        db2 if need_db2 else None,
+    ]
+    if need_norm:
+        grads[_NORM_WEIGHT] = dnw if need[_NORM_WEIGHT] else None
+        grads[_NORM_WEIGHT + 1] = dnb if ctx.scalars[9] and need[_NORM_WEIGHT + 1] else None
+    return tuple(grads)
+
+
+def _samples(device: torch.device):
+    # float32: a bf16 sample's intermediate roundings (z, h, dh) would move some FP8 codes of
+    # the float64 reference by one step; the bf16 path is checked bit for bit against the
+    # unfused ops in tests/functional/test_mlp.py.
+    def t(*shape, grad=True):
+        return torch.randn(*shape, device=device, dtype=torch.float32, requires_grad=grad)
+
+    def call(*args, **kw):
+        return SampleInput(tuple(_Args(*args, **kw)))
+
+    e4 = {"fwd_dtype": _E4M3, "bwd_dtype": _E4M3}
+    pending = {"grad_amax1": torch.zeros(1, device=device),
+               "grad_amax2": torch.zeros(1, device=device)}  # fmt: skip
+    # High precision: element-wise and gated, a norm prologue.
+    yield call(t(2, 5, 16), t(24, 16), t(24), t(8, 24), t(8), "gelu")
+    yield call(t(6, 16), t(32, 16), None, t(16, 16), None, "swiglu", norm_weight=t(16),
+               norm_bias=t(16), normalization="LayerNorm")  # fmt: skip
+    cur = {"recipe": "current"}
+    yield call(t(32, 16), t(64, 16), t(64), t(32, 64), t(32), "gelu", **cur, **pending)
+    # 10 tokens (padded to 16 inside the ops), no biases, relu, E4M3 gradients.
+    yield call(t(2, 5, 32), t(32, 32), None, t(16, 32), None, "relu", **cur, **e4)
+    # Float8BlockScaling's native GEMMs (feature sizes multiples of 512), power-of-two scales.
+    block = {"recipe": "block", "weight_block_rows": 128, **e4}
+    yield call(t(24, 512), t(512, 512), t(512), t(512, 512), t(512), "gelu", **block,
+               power_2_scale=True)  # fmt: skip
+    s1 = torch.tensor([64.0, 128.0, 2.0], device=device)
+    s2 = torch.tensor([32.0, 64.0, 1.0], device=device)
+    yield call(t(2, 16, 16), t(48, 16), t(48), t(16, 48), None, "silu", recipe="delayed",
+               scale1=s1, scale2=s2, **pending)  # fmt: skip
+    # Norm prologues, norms exact in fp32 (``unit_rows``): LayerNorm, 10 tokens, current
+    # scaling; RMSNorm under the native blockwise recipe.
+    yield call(unit_rows(2, 5, 32, device=device), t(64, 32), t(64), t(32, 64), t(32), "gelu",
+               **cur, **pending, norm_weight=t(32),
+               norm_bias=torch.zeros(32, device=device, requires_grad=True),
+               normalization="LayerNorm", norm_eps=1e-30)  # fmt: skip
+    yield call(
+        unit_rows(24, 512, device=device),
+        t(512, 512),
+        None,
+        t(512, 512),
+        None,
+        "relu",
+        **block,
+        norm_weight=t(512),
+        normalization="RMSNorm",
+        norm_eps=1e-30,
+    )
+    # Gated: fc1_weight [2 * ffn, hidden]; SwiGLU under current scaling, clamped SwiGLU under
+    # delayed scaling (z = x W^T over 16 features, std 4: entries past its limit of 7), GEGLU
+    # in 1x128 blocks.
+    yield call(t(2, 5, 32), t(64, 32), t(64), t(16, 32), t(16), "swiglu", **cur, **pending)
+    yield call(t(32, 16), t(96, 16), t(96), t(32, 48), None, "clamped_swiglu", recipe="delayed",
+               scale1=s1.clone(), scale2=s2.clone(), **pending)  # fmt: skip
+    yield call(t(24, 512), t(1024, 512), t(1024), t(512, 512), t(512), "geglu", **block)
+    # Emulated: MXFP8 (E5M2 gradients), NVFP4, Float8BlockScaling 1x128 weight blocks.
+    yield call(t(32, 64), t(64, 64), t(64), t(32, 64), t(32), "gelu", recipe="mxfp8",
+               emulate=True)  # fmt: skip
+    yield call(t(16, 32), t(64, 32), None, t(16, 32), t(16), "swiglu", recipe="nvfp4",
+               emulate=True, **e4)  # fmt: skip
+    yield call(t(16, 32), t(32, 32), t(32), t(16, 32), None, "relu", recipe="block",
+               emulate=True, power_2_scale=True, **e4)  # fmt: skip
+
+
+_mlp = differentiable(
+    mlp_fwd,
+    mlp_bwd,
+    setup_context=_setup_context,
+    backward=_backward,
+    sample_inputs=_samples,
+    reference=mlp_ref,
+)
+
+
+def mlp(
+    inp: Tensor,
+    fc1_weight: Tensor,
+    fc1_bias: Tensor | None,
+    fc2_weight: Tensor,
+    fc2_bias: Tensor | None,
+    activation: str = "gelu",
+    *,
+    recipe: str = "",
+    fwd_dtype: torch.dtype = _E4M3,
+    bwd_dtype: torch.dtype = _E5M2,
+    power_2_scale: bool = False,
+    weight_block_rows: int = 1,
+    emulate: bool = False,
+    scale1: Tensor | None = None,
+    scale2: Tensor | None = None,
+    grad_amax1: Tensor | None = None,
+    grad_amax2: Tensor | None = None,
+    normalization: str = "",
+    norm_weight: Tensor | None = None,
+    norm_bias: Tensor | None = None,
+    norm_eps: float = 1e-5,
+    zero_centered_gamma: bool = False,
+    return_amax: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """``activation(norm(inp) @ fc1_weight.T + fc1_bias) @ fc2_weight.T + fc2_bias`` through
+    ``te::mlp_fwd`` (module docstring). ``return_amax=True`` also returns ``[amax(X),
+    amax(fc1_weight), amax(h), amax(fc2_weight)]`` (per-tensor recipes; X is the norm's output
+    with a prologue; 0-element otherwise)."""
+    out, saved = _mlp(
+        inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, recipe, fwd_dtype,
+        bwd_dtype, power_2_scale, weight_block_rows, emulate, scale1, scale2, grad_amax1,
+        grad_amax2, norm_weight, norm_bias, normalization, norm_eps, zero_centered_gamma,
+    )  # fmt: skip
+    if not return_amax:
+        return out
+    return out, saved[-1] if recipe in PER_TENSOR else inp.new_empty(0, dtype=torch.float32)

@@ -1,0 +1,222 @@
+r"""The normalisation prologue of the GEMM op families (LayerNormLinear, LayerNormMLP): a
+LayerNorm or RMSNorm of the op's input, in front of its first GEMM.
+
+A family op takes the prologue as five trailing arguments, ``norm_weight``, ``norm_bias``,
+``normalization`` (``""``: none, ``"LayerNorm"``, ``"RMSNorm"``), ``norm_eps`` and
+``zero_centered_gamma``; :class:`Norm` holds them. Per-tensor recipes and native
+Float8BlockScaling write the norm straight into FP8 on CUDA (``kernels.act_quantize``: the norm
+is never written in high precision); everywhere else the norm op's implementation runs and its
+output, rows padded, is quantised: the same values (the kernel rounds the norm to the input's
+dtype first). The forward saves the norm's ``mean, rsigma`` (``mean`` 0-element for RMSNorm) at
+the end of its saved list; the backward runs the norm's backward on the GEMM's input gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from te_compile.functional.gemm import (
+    HIGH_DTYPES,
+    Operand,
+    empty,
+    pad_rows,
+    padded,
+    quantize_operand,
+)
+from te_compile.functional.norm import (
+    layernorm_bwd,
+    layernorm_fwd,
+    layernorm_ref,
+    rmsnorm_bwd,
+    rmsnorm_fwd,
+    rmsnorm_ref,
+)
+
+__all__ = [
+    "NORMALIZATIONS",
+    "Norm",
+    "check_norm",
+    "fake_dnorm",
+    "fake_stats",
+    "norm_backward",
+    "norm_forward",
+    "norm_needs_dgrad",
+    "norm_quantize",
+    "norm_ref",
+    "save_norm",
+    "unit_rows",
+    "with_norm_grads",
+]
+
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+
+
+class Norm(NamedTuple):
+    """A norm prologue: the op's arguments from ``norm_weight`` to ``zero_centered_gamma``."""
+
+    weight: Tensor | None = None
+    bias: Tensor | None = None
+    normalization: str = ""
+    eps: float = 1e-5
+    zero_centered_gamma: bool = False
+
+
+def check_norm(p: str, inp: Tensor, norm: Norm) -> None:
+    """The prologue's arguments (``p`` begins the messages)."""
+    weight, bias, normalization, eps, _ = norm
+    if normalization == "":
+        if weight is not None or bias is not None:
+            raise ValueError(p + 'norm_weight/norm_bias given with normalization="" (no norm)')
+        return
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(
+            p + f'normalization must be "", "LayerNorm" or "RMSNorm", got {normalization!r}'
+        )
+    k = inp.shape[-1]
+    if weight is None or weight.shape != (k,) or weight.dtype not in HIGH_DTYPES:
+        raise ValueError(
+            p + f"{normalization} needs norm_weight [{k}] (the input's last dim) of a float "
+            f"dtype, got {None if weight is None else (list(weight.shape), weight.dtype)}"
+        )
+    if bias is not None and (normalization != "LayerNorm" or bias.shape != (k,)):
+        raise ValueError(p + f"norm_bias must be None for RMSNorm and [{k}] for LayerNorm")
+    if not eps > 0:
+        raise ValueError(p + f"norm_eps must be > 0, got {eps}")
+
+
+def norm_forward(x2: Tensor, norm: Norm) -> tuple[Tensor, Tensor, Tensor]:
+    """``(out, mean, rsigma)`` of ``te::layernorm_fwd`` / ``te::rmsnorm_fwd``'s implementation
+    (``mean`` 0-element for RMSNorm)."""
+    weight, bias, normalization, eps, zcg = norm
+    if normalization == "LayerNorm":
+        return layernorm_fwd.eager(x2, weight, bias, eps, zcg)
+    out, rsigma = rmsnorm_fwd.eager(x2, weight, eps, zcg)
+    return out, rsigma.new_empty(0), rsigma
+
+
+def norm_quantize(
+    recipe: str,
+    x2: Tensor,
+    norm: Norm,
+    fp8_dtype: torch.dtype,
+    *,
+    scale: Tensor | None = None,
+    power_2_scale: bool = False,
+    emulate: bool = False,
+    mn_major: bool = False,
+) -> tuple[Operand, Tensor, Tensor]:
+    """``(operand, mean, rsigma)``: the norm of ``x2`` ``[M, K]``, rows padded to a multiple of
+    16, as the first GEMM's input operand (``gemm.quantize_operand``'s arguments). On CUDA the
+    per-tensor kinds and native 1x128 blocks quantise the norm without writing it
+    (``kernels.act_quantize.norm_quantize(_block)``; ``mn_major``: the block scales in the GEMM's
+    layout); elsewhere the norm op's output is quantised."""
+    weight, bias, normalization, eps, zcg = norm
+    m_out = padded(x2.shape[0])
+    if x2.device.type == "cuda" and recipe in ("current", "delayed"):
+        from te_compile.kernels.act_quantize import norm_quantize as kernel
+
+        data, data_t, scale_inv, amax, mean, rsigma = kernel(
+            x2.contiguous(), weight, bias, normalization, eps, zcg, fp8_dtype, scale, m_out
+        )
+        return Operand(data, scale_inv, data_t, scale_inv, amax), mean, rsigma
+    if x2.device.type == "cuda" and recipe == "block" and not emulate:
+        from te_compile.kernels.act_quantize import norm_quantize_block
+
+        data, s, data_t, s_t, mean, rsigma = norm_quantize_block(
+            x2.contiguous(), weight, bias, normalization, eps, zcg, fp8_dtype, m_out,
+            power_2_scale, mn_major=(mn_major, mn_major),
+        )  # fmt: skip
+        return Operand(data, s, data_t, s_t, x2.new_empty(0, dtype=torch.float32)), mean, rsigma
+    y, mean, rsigma = norm_forward(x2, norm)
+    operand = quantize_operand(
+        recipe, pad_rows(y), fp8_dtype, scale=scale, power_2_scale=power_2_scale,
+        emulate=emulate,
+    )  # fmt: skip
+    return operand, mean, rsigma
+
+
+def norm_backward(
+    dout: Tensor,
+    x2: Tensor,
+    weight: Tensor,
+    stats: list[Tensor],
+    normalization: str,
+    zero_centered_gamma: bool,
+    has_bias: bool,
+) -> list[Tensor]:
+    """``[dx, dweight, dbias]`` of the norm from the gradient of its output ``dout`` (2-D;
+    ``dbias`` 0-element without a bias); ``stats``: the forward's ``[mean, rsigma]``."""
+    mean, rsigma = stats
+    if normalization == "LayerNorm":
+        return list(
+            layernorm_bwd.eager(dout, x2, mean, rsigma, weight, zero_centered_gamma, has_bias)
+        )
+    dx, dw = rmsnorm_bwd.eager(dout, x2, rsigma, weight, zero_centered_gamma)
+    return [dx, dw, empty(dw)]
+
+
+def norm_ref(inp: Tensor, norm: Norm) -> Tensor:
+    """The prologue's output by the norm references, differentiable (``inp`` itself without a
+    norm)."""
+    weight, bias, normalization, eps, zcg = norm
+    if normalization == "LayerNorm":
+        return layernorm_ref(inp, weight, bias, eps, zcg)[0]
+    if normalization == "RMSNorm":
+        return rmsnorm_ref(inp, weight, eps, zcg)[0]
+    return inp
+
+
+def fake_stats(inp: Tensor, rows: int, normalization: str) -> list[Tensor]:
+    """The statistics a forward op with a norm prologue saves (none without one)."""
+    if not normalization:
+        return []
+    f32 = torch.float32
+    mean = inp.new_empty(rows if normalization == "LayerNorm" else 0, dtype=f32)
+    return [mean, inp.new_empty(rows, dtype=f32)]
+
+
+def fake_dnorm(like: Tensor, norm_weight, normalization, has_norm_bias, need) -> list[Tensor]:
+    if not (normalization and need):
+        return [empty(like), empty(like)]
+    dbias = norm_weight.new_empty(norm_weight.shape) if has_norm_bias else empty(norm_weight)
+    return [norm_weight.new_empty(norm_weight.shape), dbias]
+
+
+# setup_context / backward plumbing --------------------------------------------------------------
+
+
+def save_norm(ctx: Any, inp: Tensor, norm: Norm) -> tuple[Tensor | None, Tensor | None]:
+    """setup_context's share of a prologue: sets ``ctx.norm = (normalization,
+    zero_centered_gamma, has_norm_bias)`` and returns the two tensors to save, ``(inp,
+    norm_weight)``, or two Nones without a norm."""
+    ctx.norm = (norm.normalization, norm.zero_centered_gamma, norm.bias is not None)
+    return (inp, norm.weight) if norm.normalization else (None, None)
+
+
+def norm_needs_dgrad(ctx: Any, first: int) -> bool:
+    """Whether the norm's parameters (the inputs at ``first`` and ``first + 1``) need a
+    gradient: the GEMM's input gradient feeds theirs."""
+    need = ctx.needs_input_grad
+    return bool(ctx.norm[0]) and any(need[first : first + 2])
+
+
+def with_norm_grads(ctx: Any, grads: list, first: int, dnorm_weight, dnorm_bias) -> list:
+    """``grads`` (one per forward input) with the norm parameters' gradients at ``first`` and
+    ``first + 1`` where needed (``ctx.norm`` as :func:`save_norm` set it)."""
+    need = ctx.needs_input_grad
+    if ctx.norm[0] and len(need) > first + 1:
+        grads[first] = dnorm_weight if need[first] else None
+        grads[first + 1] = dnorm_bias if ctx.norm[2] and need[first + 1] else None
+    return grads
+
+
+def unit_rows(*shape: int, device, dtype: torch.dtype = torch.float32) -> Tensor:
+    """``±1`` with each row summing to 0 (requires grad): LayerNorm / RMSNorm of it with
+    ``eps=1e-30`` is exactly ``x * gamma + beta`` (mean 0, variance 1 and ``rsigma`` 1 in fp32
+    and float64), for registry samples of ops that quantise a norm's output."""
+    half = torch.randint(0, 2, (*shape[:-1], shape[-1] // 2), device=device) * 2.0 - 1.0
+    perm = torch.randperm(shape[-1], device=device)
+    return torch.cat([half, -half], -1)[..., perm].to(dtype).contiguous().requires_grad_()

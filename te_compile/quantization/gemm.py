@@ -1,0 +1,295 @@
+"""The recipe as data: where a recipe object becomes the GEMM families' arguments.
+
+:func:`gemm_args` is the one place that reads a recipe for a GEMM: from the autocast state, the
+GEMM's input and weights and the FP8 states of its GEMMs it makes a :class:`GemmArgs`, plain
+scalars (the recipe kind, the FP8 formats, block sizes, power-of-two scales, whether the GEMM
+is emulated) and the delayed-scaling state tensors of each GEMM. The module entry points below
+(:func:`linear`, :func:`mlp`, :func:`grouped_linear`) flatten, call the family op of
+``te_compile.functional`` and record the amaxes the op measured; none of them chooses an op per
+recipe: there is one op per GEMM shape (``functional.gemm`` has the tables inside it).
+
+Outside an enabled ``te_compile.autocast`` the arguments are those of high precision
+(``recipe=""``), so a module's forward reads the same with and without FP8.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from te_compile import functional as F
+from te_compile.functional.gemm import PER_TENSOR, blockwise_supported
+from te_compile.quantization.device import is_fp8_block_scaling_available
+from te_compile.quantization.fp8_gemm import FP8GemmState
+from te_compile.quantization.recipe import Recipe
+from te_compile.quantization.state import AutocastState, get_autocast_state
+
+__all__ = [
+    "ROLES",
+    "GemmArgs",
+    "Norm",
+    "gemm_args",
+    "grouped_linear",
+    "linear",
+    "mlp",
+    "quantize_args",
+    "quantized",
+]
+
+# Test and benchmark overrides, not configuration: tests/ and bench/ patch them to compare one
+# path against another (mock.patch.object / harness.with_setting); users never set them.
+# False: Float8BlockScaling GEMMs emulated even where native ones exist.
+_NATIVE_BLOCK = True
+# True: every per-tensor FP8 GEMM runs as an fp32 GEMM of the exact FP8 values with the scales
+# applied after (same quantisation, no FP8 tensor-core arithmetic), to separate the GEMM's
+# arithmetic from the quantisation in a training run.
+_EMULATE = False
+# False: LayerNormMLP runs its GEMMs one by one (te::linear twice around the activation)
+# instead of te::mlp (same bytes).
+_FUSE_MLP = True
+# False: GroupedLinear's wgrad GEMM in high precision under the per-tensor recipes, the input
+# kept in high precision for it instead of its FP8 copy.
+_GROUPED_FP8_WGRAD = True
+
+# A norm prologue: (weight, bias, normalization, eps, zero_centered_gamma).
+Norm = tuple[Tensor, Tensor | None, str, float, bool]
+
+_E4M3, _E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+class GemmArgs(NamedTuple):
+    """A recipe as the GEMM family ops take it. ``recipe``: ``""`` (high precision),
+    ``"current"``, ``"delayed"``, ``"block"``, ``"mxfp8"``, ``"nvfp4"``; ``fwd_dtype`` /
+    ``bwd_dtype``: the FP8 formats of forward operands and of gradients; ``power_2_scale``,
+    ``weight_block_rows`` (1: 1x128 weight blocks, 128: 128x128): Float8BlockScaling's;
+    ``emulate``: dequantise and multiply in fp32 instead of the scaled GEMM. ``scales`` /
+    ``grad_amaxes``: per GEMM, the delayed scale ``[3]`` (None but under delayed scaling) and
+    the ``[1]`` buffer the backward writes the gradient's amax into (per-tensor recipes)."""
+
+    recipe: str = ""
+    fwd_dtype: torch.dtype = _E4M3
+    bwd_dtype: torch.dtype = _E5M2
+    power_2_scale: bool = False
+    weight_block_rows: int = 1
+    emulate: bool = False
+    scales: tuple[Tensor | None, ...] = ()
+    grad_amaxes: tuple[Tensor | None, ...] = ()
+
+    def scalars(self) -> dict[str, Any]:
+        """The scalar arguments, by the ops' names."""
+        return {
+            "recipe": self.recipe,
+            "fwd_dtype": self.fwd_dtype,
+            "bwd_dtype": self.bwd_dtype,
+            "power_2_scale": self.power_2_scale,
+            "weight_block_rows": self.weight_block_rows,
+            "emulate": self.emulate,
+        }
+
+
+ROLES = ("input", "weight", "grad")
+
+
+def quantize_args(recipe: Recipe, role: str) -> tuple[str, dict[str, Any]]:
+    """How ``recipe`` quantises a linear layer's ``role`` operand (``"input"``, ``"weight"``,
+    ``"grad"``): the recipe kind and the quantiser's settings (``fp8_dtype``: the forward format
+    for inputs and weights, the backward one for gradients; ``block_rows``: 1 for 1x128 or 128
+    for 128x128 blocks; ``power_2_scale``), as ``functional.quantize.quantize`` takes them. The
+    one place a recipe's fields are read: :func:`gemm_args` and ``te_compile.quantize`` build
+    on it."""
+    if role not in ROLES:
+        raise ValueError(f"te.quantize: role must be one of {ROLES}, got {role!r}")
+    if recipe.nvfp4():
+        return "nvfp4", {}
+    fmt = recipe.fp8_format
+    kw: dict[str, Any] = {"fp8_dtype": fmt.bwd_dtype if role == "grad" else fmt.fwd_dtype}
+    if recipe.mxfp8():
+        return "mxfp8", kw
+    if recipe.delayed():
+        return "delayed", kw
+    if recipe.float8_current_scaling():
+        return "current", {**kw, "power_2_scale": recipe.use_power_2_scales}
+    dim = {
+        "input": recipe.x_block_scaling_dim,
+        "weight": recipe.w_block_scaling_dim,
+        "grad": recipe.grad_block_scaling_dim,
+    }[role]
+    return "block", {**kw, "block_rows": 128 if dim == 2 else 1,
+                     "power_2_scale": not recipe.use_f32_scales}  # fmt: skip
+
+
+def gemm_args(
+    owner: str,
+    state: AutocastState,
+    inp: Tensor,
+    weights: Sequence[Tensor],
+    metas: Sequence[FP8GemmState] = (),
+    *,
+    grouped: bool = False,
+) -> GemmArgs:
+    """The GEMM family arguments of ``state``'s recipe for GEMMs with these ``weights`` (2-D,
+    or ``[G, N, K]`` with ``grouped``) and input, with the delayed-scaling state of ``metas``
+    (one per GEMM: under DelayedScaling this folds the last amaxes into the history and
+    computes the scales, ``FP8GemmState.delayed_scale``; at a state's first delayed step, the
+    calibration, every GEMM of the call runs current scaling and records its amaxes).
+
+    The formats, block sizes and power-of-two scales are those :func:`quantize_args` gives
+    each operand. Float8BlockScaling runs native blockwise GEMMs on a GPU with blockwise-scaled
+    ``_scaled_mm`` (Hopper, CUDA 12.9+) where cuBLAS takes the operands
+    (``functional.blockwise_supported``; a grouped GEMM also needs a bf16 input), and is
+    emulated elsewhere; MXFP8 and NVFP4 are emulated (native GEMMs need Blackwell)."""
+    if not state.enabled:
+        return GemmArgs()
+    recipe = state.recipe
+    kind, x = quantize_args(recipe, "input")
+    _, w = quantize_args(recipe, "weight")
+    _, g = quantize_args(recipe, "grad")
+    fwd, bwd = x.get("fp8_dtype", _E4M3), g.get("fp8_dtype", _E4M3)
+    if kind in ("mxfp8", "nvfp4"):
+        return GemmArgs(kind, fwd, bwd, emulate=True)
+    if kind == "block":
+        if x["block_rows"] != 1 or g["block_rows"] != 1:
+            raise NotImplementedError(
+                f"{owner}: Float8BlockScaling with 128x128 activation or gradient blocks is not "
+                "implemented (1x128, the default, is)"
+            )
+        rows, p2 = w["block_rows"], w["power_2_scale"]
+        w2d = [t[0] if grouped else t for t in weights]
+        native = (
+            inp.device.type == "cuda"
+            and _NATIVE_BLOCK
+            and is_fp8_block_scaling_available()
+            and (not grouped or inp.dtype is torch.bfloat16)
+            and all(blockwise_supported(t, rows, fwd, bwd) for t in w2d)
+        )
+        return GemmArgs("block", fwd, bwd, p2, rows, emulate=not native)
+    scales = tuple(meta.delayed_scale(owner, state) for meta in metas)
+    kind = "delayed" if scales and all(s is not None for s in scales) else "current"
+    if kind == "current":  # current scaling, or a state's calibration step
+        scales = (None,) * len(scales)
+    grad_amaxes = tuple(meta.grad_amax for meta in metas)
+    return GemmArgs(kind, fwd, bwd, emulate=_EMULATE, scales=scales, grad_amaxes=grad_amaxes)
+
+
+def quantized() -> bool:
+    """Whether the GEMMs run now are quantised: inside an enabled ``te_compile.autocast``."""
+    return get_autocast_state().enabled
+
+
+def _apply_norm(inp: Tensor, norm: Norm) -> Tensor:
+    weight, bias, normalization, eps, zcg = norm
+    if normalization == "LayerNorm":
+        return F.layernorm(inp, weight, bias, eps, zero_centered_gamma=zcg)
+    return F.rmsnorm(inp, weight, eps, zero_centered_gamma=zcg)
+
+
+def _norm_kwargs(norm: Norm | None) -> dict[str, Any]:
+    if norm is None:
+        return {}
+    weight, bias, normalization, eps, zcg = norm
+    return {"normalization": normalization, "norm_weight": weight, "norm_bias": bias,
+            "norm_eps": eps, "zero_centered_gamma": zcg}  # fmt: skip
+
+
+def linear(
+    owner: str,
+    meta: FP8GemmState,
+    inp: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    main_grad: Tensor | None = None,
+    *,
+    norm: Norm | None = None,
+    **epilogue: Any,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """A module's linear through ``te::linear``: the recipe of the autocast state (high
+    precision outside it) with ``meta``'s FP8 state, an optional ``norm`` prologue ``(weight,
+    bias, normalization, eps, zero_centered_gamma)`` and the epilogue arguments of
+    ``functional.linear`` (``activation``, ``residual``, ``out_scale``, ``return_branch``, ...).
+    The forward's amaxes go into ``meta`` (per-tensor recipes)."""
+    state = get_autocast_state()
+    if not (state.enabled or norm or epilogue):  # te.Linear's hot path in high precision
+        return F.linear(inp, weight, bias, main_grad=main_grad)
+    args = gemm_args(owner, state, inp, (weight,), (meta,))
+    kw = {**_norm_kwargs(norm), **epilogue}
+    if args.recipe not in PER_TENSOR:
+        return F.linear(inp, weight, bias, main_grad=main_grad, **args.scalars(), **kw)
+    out, *rest, amax = F.linear(
+        inp, weight, bias, main_grad=main_grad, **args.scalars(), scale=args.scales[0],
+        grad_amax=args.grad_amaxes[0], return_amax=True, **kw,
+    )  # fmt: skip
+    meta.record(amax, state)
+    return (out, *rest) if rest else out
+
+
+def mlp(
+    owner: str,
+    metas: tuple[FP8GemmState, FP8GemmState],
+    inp: Tensor,
+    fc1_weight: Tensor,
+    fc1_bias: Tensor | None,
+    activation: str,
+    fc2_weight: Tensor,
+    fc2_bias: Tensor | None,
+    norm: Norm | None = None,
+) -> Tensor:
+    """``fc2(activation(fc1(norm(inp))))`` through ``te::mlp`` with the autocast state's
+    recipe (high precision outside it); ``metas``: the two GEMMs' FP8 states, used as two
+    :func:`linear` calls would use them (``_FUSE_MLP = False``: two :func:`linear` calls around
+    the activation op)."""
+    if not _FUSE_MLP:  # op by op: the same bytes
+        if norm is not None:
+            inp = _apply_norm(inp, norm)
+        fc1_out = linear(owner, metas[0], inp, fc1_weight, None)
+        act = F.bias_activation(fc1_out, fc1_bias, activation)
+        return linear(owner, metas[1], act, fc2_weight, fc2_bias)
+    state = get_autocast_state()
+    weights = (fc1_weight, fc2_weight)
+    args = gemm_args(owner, state, inp, weights, metas)
+    kw = {**_norm_kwargs(norm), **args.scalars()}
+    if args.recipe not in PER_TENSOR:
+        return F.mlp(inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, **kw)
+    (s1, s2), (g1, g2) = args.scales, args.grad_amaxes
+    out, amax = F.mlp(
+        inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, scale1=s1, scale2=s2,
+        grad_amax1=g1, grad_amax2=g2, return_amax=True, **kw,
+    )  # fmt: skip
+    metas[0].record(amax[:2], state)
+    metas[1].record(amax[2:], state)
+    return out
+
+
+def grouped_linear(
+    owner: str,
+    meta: FP8GemmState,
+    inp: Tensor,
+    m_splits: Tensor | Sequence[int],
+    weight: Tensor,
+    bias: Tensor | None,
+    main_grad: Tensor | None = None,
+) -> Tensor:
+    """A module's grouped GEMM (``weight`` ``[G, N, K]``) through ``te::grouped_linear`` with
+    the autocast state's recipe (high precision outside it). Under the per-tensor recipes the
+    forward, dgrad and wgrad GEMMs run in FP8 (``_GROUPED_FP8_WGRAD = False``: the wgrad in high
+    precision): ``Float8CurrentScaling`` with rowwise scales (what Hopper's grouped FP8 GEMM
+    takes), ``DelayedScaling`` with ``meta``'s per-tensor scales (input, weight and gradient of
+    all groups; its calibration step runs rowwise current scaling and records the amaxes it
+    measures). Float8BlockScaling runs natively where the dense GEMMs do and the input is bf16;
+    the block-scaled recipes are emulated elsewhere."""
+    state = get_autocast_state()
+    args = gemm_args(owner, state, inp, (weight,), (meta,), grouped=True)
+    kw = args.scalars()
+    if args.recipe not in PER_TENSOR:
+        return F.grouped_linear(inp, m_splits, weight, bias, main_grad=main_grad, **kw)
+    kw["fp8_wgrad"] = _GROUPED_FP8_WGRAD
+    if not state.recipe.delayed():  # current scaling measures no amaxes (a read each)
+        return F.grouped_linear(inp, m_splits, weight, bias, main_grad=main_grad, **kw)
+    out, amax = F.grouped_linear(
+        inp, m_splits, weight, bias, main_grad=main_grad, scale=args.scales[0],
+        grad_amax=meta.grad_amax, return_amax=True, **kw,
+    )  # fmt: skip
+    meta.record(amax, state)
+    return out
