@@ -361,6 +361,10 @@ def main(argv=None) -> int:
             print(f"graphs compiled: {counter.frame_count} (blocks share one when their guards "
                   f"pass); graph breaks: {breaks}")  # fmt: skip
         sys.stdout.flush()
+    # Every rank's collectives (FSDP2's reduce-scatters included) finish before any rank tears
+    # down its process group: a gloo rank that left early aborted its peer once ("terminate
+    # called without an active exception", a CI run on 2 loaded cores).
+    dist.barrier()
     dist.destroy_process_group()
     if not last < first:
         print("FAILED: the loss did not fall", file=sys.stderr)
