@@ -15,7 +15,9 @@ from te_compile.modules import (
     LayerNormLinear,
     LayerNormMLP,
     Linear,
+    MultiheadAttention,
     RMSNorm,
+    TransformerLayer,
     non_finite_amaxes,
 )
 from te_compile.quantization import (
@@ -37,7 +39,9 @@ __all__ = [
     "LayerNormLinear",
     "LayerNormMLP",
     "Linear",
+    "MultiheadAttention",
     "RMSNorm",
+    "TransformerLayer",
     "__version__",
     "autocast",
     "bulk_allocate",

@@ -5,7 +5,9 @@ from te_compile.modules.grouped_mlp import GroupedMLP, convert_glu_layout
 from te_compile.modules.layernorm_linear import LayerNormLinear
 from te_compile.modules.layernorm_mlp import LayerNormMLP
 from te_compile.modules.linear import Linear
+from te_compile.modules.multi_head_attention import MultiheadAttention
 from te_compile.modules.norm import LayerNorm, RMSNorm
+from te_compile.modules.transformer_layer import TransformerLayer
 from te_compile.quantization.fp8_gemm import non_finite_amaxes
 
 __all__ = [
@@ -15,7 +17,9 @@ __all__ = [
     "LayerNormLinear",
     "LayerNormMLP",
     "Linear",
+    "MultiheadAttention",
     "RMSNorm",
+    "TransformerLayer",
     "convert_glu_layout",
     "non_finite_amaxes",
 ]

@@ -22,9 +22,11 @@ from torch import Tensor, nn
 
 from te_compile.distributed.tensor_parallel import TensorParallel, set_parallel_attributes
 from te_compile.modules._common import (
+    NamedSlices,
     check_positive,
     default_init_method,
     params_dtype_or_default,
+    parse_parameters_split,
 )
 from te_compile.modules.norm import PreNorm
 from te_compile.quantization import fp8_gemm as _fp8
@@ -33,7 +35,7 @@ from te_compile.quantization import gemm as _gemm
 __all__ = ["LayerNormLinear"]
 
 
-class LayerNormLinear(PreNorm):
+class LayerNormLinear(NamedSlices, PreNorm):
     r""":math:`y = \mathrm{norm}(x) W^\top + b`, the norm over ``in_features``.
 
     Args:
@@ -48,6 +50,7 @@ class LayerNormLinear(PreNorm):
         init_method: called as ``init_method(weight)`` (default: normal, std 0.023).
         parallel_mode: "column" or None; sequence_parallel, tp_group, tp_size: as in
             :class:`~te_compile.Linear`.
+        parameters_split: named row blocks of the weight, as in :class:`~te_compile.Linear`.
     """
 
     def __init__(
@@ -68,6 +71,7 @@ class LayerNormLinear(PreNorm):
         sequence_parallel: bool = False,
         tp_group: object = None,
         tp_size: int | None = None,
+        parameters_split: dict[str, int] | tuple[str, ...] | None = None,
     ) -> None:
         super().__init__()
         owner = "LayerNormLinear"
@@ -76,6 +80,8 @@ class LayerNormLinear(PreNorm):
         self.tp = TensorParallel.create(
             owner, parallel_mode, sequence_parallel, tp_group, tp_size, modes=("column", None)
         )
+        split_tp = self.tp.size if self.tp.mode == "column" else 1
+        parts = parse_parameters_split(owner, parameters_split, out_features, split_tp)
         if self.tp.mode == "column":
             out_features = self.tp.divide(owner, "out_features", out_features)
         self.in_features, self.out_features = in_features, out_features
@@ -87,6 +93,7 @@ class LayerNormLinear(PreNorm):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
         self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
         self.fp8_meta = _fp8.FP8GemmState(device)
+        self._init_slices(parts)
         if self.tp.mode is not None:
             set_parallel_attributes(self.weight, 0)
             set_parallel_attributes(self.bias, 0)

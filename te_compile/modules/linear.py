@@ -30,9 +30,11 @@ from torch import Tensor, nn
 
 from te_compile.distributed.tensor_parallel import TensorParallel, set_parallel_attributes
 from te_compile.modules._common import (
+    NamedSlices,
     check_positive,
     default_init_method,
     params_dtype_or_default,
+    parse_parameters_split,
 )
 from te_compile.quantization import fp8_gemm as _fp8
 from te_compile.quantization import gemm as _gemm
@@ -40,7 +42,7 @@ from te_compile.quantization import gemm as _gemm
 __all__ = ["Linear"]
 
 
-class Linear(nn.Module):
+class Linear(NamedSlices, nn.Module):
     r"""Applies :math:`y = x W^\top + b` over the last dimension of ``inp``.
 
     Args:
@@ -58,6 +60,10 @@ class Linear(nn.Module):
             ``(mesh, dim_name)``. None: no communication (``tp_size`` must then be 1, or the
             group is set later with :meth:`set_tensor_parallel_group`).
         tp_size: number of shards; None: the group's size (1 without a group).
+        parameters_split: named row blocks of the weight (a dict of names to sizes, or names
+            that split ``out_features`` evenly), e.g. ``{"query": q, "key": k, "value": v}``:
+            state_dict keys and attributes ``<name>_weight`` / ``<name>_bias``, as in
+            Transformer Engine; the module keeps one fused Parameter (``NamedSlices``).
     """
 
     def __init__(
@@ -75,6 +81,7 @@ class Linear(nn.Module):
         sequence_parallel: bool = False,
         tp_group: object = None,
         tp_size: int | None = None,
+        parameters_split: dict[str, int] | tuple[str, ...] | None = None,
     ) -> None:
         super().__init__()
         check_positive("Linear", in_features=in_features, out_features=out_features)
@@ -82,6 +89,8 @@ class Linear(nn.Module):
         self.tp = TensorParallel.create(
             "Linear", parallel_mode, sequence_parallel, tp_group, tp_size
         )
+        split_tp = self.tp.size if self.tp.mode == "column" else 1
+        parts = parse_parameters_split("Linear", parameters_split, out_features, split_tp)
         if self.tp.mode == "column":
             out_features = self.tp.divide("Linear", "out_features", out_features)
         elif self.tp.mode == "row":
@@ -95,6 +104,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
         self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
         self.fp8_meta = _fp8.FP8GemmState(device)
+        self._init_slices(parts)
         if self.tp.mode is not None:
             column = self.tp.mode == "column"
             set_parallel_attributes(self.weight, 0 if column else 1)
