@@ -14,7 +14,7 @@ $(STAMP): $(SOURCES)
 	  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then $(PIP) install torch; \
 	  else $(PIP) install "$(TORCH_CPU)"; fi; }
 	$(PIP) install "setuptools>=64" wheel
-	$(PIP) install --no-build-isolation -e ".[test,demo]"
+	$(PIP) install --no-build-isolation -e ".[test,demo,hf]"
 	@mkdir -p build && touch $@
 
 install: $(STAMP)

@@ -4,7 +4,7 @@
 op is callable as ``torch.ops.te.<name>`` and compiles with ``torch.compile(fullgraph=True)``.
 """
 
-from te_compile import functional, quantization, recipe
+from te_compile import convert, functional, quantization, recipe
 from te_compile import ops as ops
 from te_compile._library import eager_fast_path_enabled, list_ops, set_eager_fast_path
 from te_compile.functional import bulk_allocate, deinterleave_glu_tensor, interleave_glu_tensor
@@ -44,6 +44,7 @@ __all__ = [
     "TransformerLayer",
     "__version__",
     "autocast",
+    "convert",
     "bulk_allocate",
     "deinterleave_glu_tensor",
     "dequantize",
