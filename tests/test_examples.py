@@ -131,3 +131,16 @@ def test_train_gpt_gradients_on_the_gpu_match_float64(recipe):
             if not err < tol:
                 bad[name] = f"{err.item():.3g}"
         assert not bad, f"gradients off by more than {tol} (norm-wise relative): {bad}"
+
+
+def test_convert_hf_llama_matches_and_trains_without_breaks():
+    pytest.importorskip("transformers", reason="transformers is not installed (the 'hf' extra)")
+    script = ROOT / "examples" / "convert_hf_llama.py"
+    result = subprocess.run(
+        [sys.executable, str(script), "--device", "cpu", "--steps", "2", "--iters", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, f"convert_hf_llama.py exited with {result.returncode}:\n{output}"
+    assert report(result.stdout, "graph breaks in our forward \\+ loss") == "0"
+    assert float(report(result.stdout, "llama").split()[3]) <= 1e-4
