@@ -7,7 +7,12 @@ op is callable as ``torch.ops.te.<name>`` and compiles with ``torch.compile(full
 from te_compile import functional, quantization, recipe
 from te_compile import ops as ops
 from te_compile._library import eager_fast_path_enabled, list_ops, set_eager_fast_path
-from te_compile.functional import bulk_allocate, deinterleave_glu_tensor, interleave_glu_tensor
+from te_compile.functional import (
+    apply_rotary_pos_emb,
+    bulk_allocate,
+    deinterleave_glu_tensor,
+    interleave_glu_tensor,
+)
 from te_compile.modules import (
     GroupedLinear,
     GroupedMLP,
@@ -16,6 +21,7 @@ from te_compile.modules import (
     LayerNormMLP,
     Linear,
     RMSNorm,
+    RotaryPositionEmbedding,
     non_finite_amaxes,
 )
 from te_compile.quantization import (
@@ -38,7 +44,9 @@ __all__ = [
     "LayerNormMLP",
     "Linear",
     "RMSNorm",
+    "RotaryPositionEmbedding",
     "__version__",
+    "apply_rotary_pos_emb",
     "autocast",
     "bulk_allocate",
     "deinterleave_glu_tensor",

@@ -6,6 +6,7 @@ from te_compile.modules.layernorm_linear import LayerNormLinear
 from te_compile.modules.layernorm_mlp import LayerNormMLP
 from te_compile.modules.linear import Linear
 from te_compile.modules.norm import LayerNorm, RMSNorm
+from te_compile.modules.rotary import RotaryPositionEmbedding
 from te_compile.quantization.fp8_gemm import non_finite_amaxes
 
 __all__ = [
@@ -16,6 +17,7 @@ __all__ = [
     "LayerNormMLP",
     "Linear",
     "RMSNorm",
+    "RotaryPositionEmbedding",
     "convert_glu_layout",
     "non_finite_amaxes",
 ]
