@@ -98,7 +98,8 @@ def rotary_frequencies(
             seq = seq * (1 / (max_seq_len / pretrained_max_position_embeddings))
         else:
             seq = seq * (1 / seq_len_interpolation_factor)
-    freqs = torch.outer(seq, inv_freq)
+    # An element-wise product: autocast leaves it in fp32 (an einsum would be a GEMM, cast).
+    freqs = seq[:, None] * inv_freq[None, :]
     if interleaved:
         emb = torch.stack((freqs, freqs), dim=-1).flatten(-2)
     else:

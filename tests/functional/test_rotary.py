@@ -190,11 +190,12 @@ def test_freqs_get_a_gradient_only_unfused():
 def test_autocast_leaves_dtypes_alone(device):
     """No autocast rule: the op runs in ``t``'s dtype, like Transformer Engine's RoPE."""
     t = torch.randn(SEQ, BATCH, HEADS, HEAD_DIM, device=device)
-    freqs = te.RotaryPositionEmbedding(HEAD_DIM, device=device)(SEQ)
-    expected = te.apply_rotary_pos_emb(t, freqs)
+    rope = te.RotaryPositionEmbedding(HEAD_DIM, device=device)
+    expected = te.apply_rotary_pos_emb(t, rope(SEQ))
     with torch.autocast(device_type=device, dtype=torch.bfloat16):
+        freqs = rope(SEQ)  # no GEMM inside that autocast would run in bf16
         out = te.apply_rotary_pos_emb(t, freqs)
-    assert out.dtype == torch.float32
+    assert freqs.dtype == out.dtype == torch.float32
     assert torch.equal(out, expected)
 
 
