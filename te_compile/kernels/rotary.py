@@ -27,9 +27,13 @@ read on the host. Context parallelism maps local indices to global positions as
 ``te_compile.functional.rotary`` describes. Rows in no sequence and positions past ``freqs``'s
 rows read angle 0 (unrotated).
 
-Arithmetic in fp32 (``tl.cos``/``tl.sin``); bf16 crosses the kernel boundary as int16 bits,
-widened and rounded to nearest even by hand (``quantize_mx``'s helpers), so that Triton's
-interpreter rounds as the GPU does. Runs on CPU tensors under ``TRITON_INTERPRET=1``.
+Arithmetic in fp32. ``tl.cos``/``tl.sin`` compile to libdevice's ``__nv_cosf``/``__nv_sinf`` on
+NVIDIA GPUs (read in the PTX for sm_90, Triton 3.9), not to ``sin.approx``: full range reduction,
+so angles of many thousands of radians (long contexts) keep fp32 accuracy. With 16-element
+aligned strides (what Triton's launcher specialises on) the rotate_half layout moves 16-byte
+vectors; the interleaved tile mixes 16- and 4-byte accesses. bf16 crosses the kernel boundary as
+int16 bits, widened and rounded to nearest even by hand (``quantize_mx``'s helpers), so that
+Triton's interpreter rounds as the GPU does. Runs on CPU tensors under ``TRITON_INTERPRET=1``.
 """
 
 from __future__ import annotations
