@@ -9,7 +9,8 @@
 # (the default list, in that order; split them over calls to stay inside the 10-minute limit of
 # one call); fp8_loss (train_gpt 300 steps per FP8 recipe), fp8_loss_seeds (the FP8 loss
 # criterion over three seeds); the diagnostics of bench/diag/: loss_diag, diag_host,
-# diag_grouped_gemm, diag_grouped_delayed, tune_norm, tune_quantize[:part], tune_group_columns.
+# diag_grouped_gemm, diag_grouped_delayed, tune_norm, tune_quantize[:part], tune_group_columns;
+# rope (bench_rope, not in the default list).
 # Each step writes one log under $OUT (a bench step also its .md/.json, --no-chart), packed into
 # $OUT/results.tgz. Carry `.whl` (expecttest, liger-kernel, torchao, pytest-xdist + execnet: not
 # on the GPU image; bench/README.md). Not in the default list: block (bench_block, the
@@ -123,7 +124,7 @@ runpy.run_path('examples/train_gpt.py', run_name='__main__')" "${tg[@]:1}" \
     tune_quantize:*)  # one part of the sweep: tune_quantize:pertensor or tune_quantize:block
       python3 -m bench.diag.tune_quantize "${step#tune_quantize:}" 2>&1 \
         | tee "$OUT/tune_quantize_${step#tune_quantize:}.log" ;;
-    linear|overhead|norm|activation|mlp|grouped|fp8|ops)
+    linear|overhead|norm|activation|rope|mlp|grouped|fp8|ops)
       python3 -m "bench.bench_$step" --out "$OUT" --no-chart ${BENCH_ARGS:-} 2>&1 \
         | tee "$OUT/bench_$step.log" \
         | grep -v "^  \[" | tail -60 ;;

@@ -7,7 +7,12 @@ op is callable as ``torch.ops.te.<name>`` and compiles with ``torch.compile(full
 from te_compile import convert, functional, quantization, recipe
 from te_compile import ops as ops
 from te_compile._library import eager_fast_path_enabled, list_ops, set_eager_fast_path
-from te_compile.functional import bulk_allocate, deinterleave_glu_tensor, interleave_glu_tensor
+from te_compile.functional import (
+    apply_rotary_pos_emb,
+    bulk_allocate,
+    deinterleave_glu_tensor,
+    interleave_glu_tensor,
+)
 from te_compile.modules import (
     GroupedLinear,
     GroupedMLP,
@@ -17,6 +22,7 @@ from te_compile.modules import (
     Linear,
     MultiheadAttention,
     RMSNorm,
+    RotaryPositionEmbedding,
     TransformerLayer,
     non_finite_amaxes,
 )
@@ -41,11 +47,13 @@ __all__ = [
     "Linear",
     "MultiheadAttention",
     "RMSNorm",
+    "RotaryPositionEmbedding",
     "TransformerLayer",
     "__version__",
+    "apply_rotary_pos_emb",
     "autocast",
-    "convert",
     "bulk_allocate",
+    "convert",
     "deinterleave_glu_tensor",
     "dequantize",
     "eager_fast_path_enabled",

@@ -26,8 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from te_compile.modules import Linear, RMSNorm, TransformerLayer
-from te_compile.modules.rotary import RotaryPositionEmbedding
+from te_compile.modules import Linear, RMSNorm, RotaryPositionEmbedding, TransformerLayer
 
 __all__ = ["CausalLM", "from_hf"]
 

@@ -35,11 +35,13 @@ from te_compile.functional.quantize_mx import (
     quantize_mxfp8,
     quantize_nvfp4,
 )
+from te_compile.functional.rotary import apply_rotary_pos_emb, rotary_frequencies
 
 __all__ = [
     "ACTIVATIONS",
     "GATED_ACTIVATIONS",
     "MLP_ACTIVATIONS",
+    "apply_rotary_pos_emb",
     "as_splits_tensor",
     "bias_activation",
     "blockwise_supported",
@@ -69,6 +71,7 @@ __all__ = [
     "reglu",
     "relu",
     "rmsnorm",
+    "rotary_frequencies",
     "silu",
     "sreglu",
     "srelu",

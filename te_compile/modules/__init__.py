@@ -7,6 +7,7 @@ from te_compile.modules.layernorm_mlp import LayerNormMLP
 from te_compile.modules.linear import Linear
 from te_compile.modules.multi_head_attention import MultiheadAttention
 from te_compile.modules.norm import LayerNorm, RMSNorm
+from te_compile.modules.rotary import RotaryPositionEmbedding
 from te_compile.modules.transformer_layer import TransformerLayer
 from te_compile.quantization.fp8_gemm import non_finite_amaxes
 
@@ -19,6 +20,7 @@ __all__ = [
     "Linear",
     "MultiheadAttention",
     "RMSNorm",
+    "RotaryPositionEmbedding",
     "TransformerLayer",
     "convert_glu_layout",
     "non_finite_amaxes",

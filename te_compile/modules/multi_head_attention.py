@@ -31,12 +31,12 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from te_compile.functional import apply_rotary_pos_emb
 from te_compile.modules._common import check_choice, check_positive
 from te_compile.modules.attention import DotProductAttention
 from te_compile.modules.layernorm_linear import LayerNormLinear
 from te_compile.modules.linear import Linear
 from te_compile.modules.norm import LayerNorm, RMSNorm
-from te_compile.modules.rotary import apply_rotary_pos_emb
 
 __all__ = ["MultiheadAttention"]
 

@@ -30,9 +30,16 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime import driver  # noqa: E402
 
 from te_compile.kernels import act_quantize as act_q  # noqa: E402
-from te_compile.kernels import activation, dropout, norm, quantize, quantize_mx  # noqa: E402
+from te_compile.kernels import (  # noqa: E402
+    activation,
+    dropout,
+    norm,
+    quantize,
+    quantize_mx,
+    rotary,
+)
 
-KERNEL_MODULES = (act_q, activation, dropout, norm, quantize, quantize_mx)
+KERNEL_MODULES = (act_q, activation, dropout, norm, quantize, quantize_mx, rotary)
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 BF16 = torch.bfloat16
 
@@ -143,6 +150,20 @@ def _cases() -> dict[str, tuple[Callable, tuple, dict]]:
         "quantize_nvfp4": (quantize_mx.quantize_nvfp4, (x.float(), one, True, True), {}),
         "dropout": (dropout.dropout, (x, torch.zeros(2, dtype=torch.int64), 2**31, 2.0), {}),
     }
+    q, packed, freqs = _t(16, 2, 4, 64), _t(24, 4, 64), torch.randn(32, 1, 1, 48)
+    cu = torch.tensor([0, 16, 48], dtype=torch.int32)
+    for interleaved in (False, True):
+        for backward in (False, True):
+            tag = f"{'interleaved' if interleaved else 'half'}-{'bwd' if backward else 'fwd'}"
+            kw = {"backward": backward}
+            cases |= {
+                f"rotary-sbhd-{tag}": (
+                    rotary.rotary, (q, freqs, None, "sbhd", interleaved, 1, 0), kw
+                ),
+                f"rotary-thd-cp-{tag}": (
+                    rotary.rotary, (packed, freqs, cu, "thd", interleaved, 2, 1), kw
+                ),
+            }  # fmt: skip
     return cases
 
 

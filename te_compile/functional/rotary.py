@@ -1,0 +1,540 @@
+r"""Rotary position embeddings (RoPE) with Transformer Engine's semantics:
+``te::rotary_fwd`` / ``te::rotary_bwd``.
+
+``freqs`` (``[s2, 1, 1, d2]``, see :func:`rotary_frequencies`) holds one angle per position and
+rotary channel. A token at position :math:`p` of a head of ``d`` channels becomes, with
+:math:`f = \mathrm{freqs}[p]`,
+
+.. math::
+    y_j = x_j \cos f_j + r_j(x) \sin f_j \quad (j < d_2), \qquad
+    y_j = x_j \quad (d_2 \le j < d)
+
+where :math:`r` pairs every rotary channel with a partner: ``interleaved=False``
+(``rotate_half``, GPT-NeoX / Llama) :math:`r(x) = [-x_{h:d_2},\ x_{0:h}]` with
+:math:`h = d_2/2`; ``interleaved=True`` (GPT-J) :math:`r(x)_{2i} = -x_{2i+1},\
+r(x)_{2i+1} = x_{2i}`. With the frequency layout :func:`rotary_frequencies` makes (both members
+of a pair share their angle), each pair is rotated by its angle. Each channel uses its own
+``freqs`` entry, as Transformer Engine's fused kernel does, so any ``freqs`` is allowed.
+
+The backward is the transpose of that linear map, :math:`dx = dy \cos f - r(dy \sin f)`: the
+rotation by :math:`-\theta` (``r`` is antisymmetric). ``freqs`` gets no gradient from the op
+(Transformer Engine's fused path gives none either); ``fused=False`` differentiates it by autograd.
+
+Positions:
+
+* ``sbhd`` ``[s, b, h, d]`` / ``bshd`` ``[b, s, h, d]``: a token's index along ``s``;
+* ``thd`` ``[t, h, d]`` with ``cu_seqlens`` (int32/int64 ``[n + 1]``): tokens
+  ``cu_seqlens[i] // cp_size <= k < cu_seqlens[i + 1] // cp_size`` form sequence ``i`` and are
+  numbered from 0 within it. Tokens in no sequence pass through unchanged;
+* context parallelism (``cp_size > 1``; ``thd``'s ``cu_seqlens`` are then the global, padded
+  ones): each rank holds two chunks of every sequence of global length :math:`L c`, its local
+  index :math:`j` of a local length :math:`L` (even) standing for position
+  :math:`j + r L/2` in the first half and :math:`L c - (r + 1) L/2 + (j - L/2)` in the second
+  (rank :math:`r` of :math:`c`: the load-balanced split of Transformer Engine and Megatron).
+
+A position past the last row of ``freqs`` is left unrotated where it cannot be checked. The checks
+that need the data of ``cu_seqlens`` (non-decreasing, within ``t``, lengths a multiple of
+``2 cp_size``, no sequence longer than ``freqs``) run where it can be read without a device sync:
+eagerly, on the CPU; on a GPU or under ``torch.compile`` they would cost a host sync or a graph
+break, and are skipped.
+
+Numerics: ``cos``/``sin`` and the products in fp32 (fp64 for fp64 input), rounded once to
+``t``'s dtype; ``freqs`` is read in fp32 whatever its dtype (Transformer Engine's fused path
+casts it so). Implementations: the CPU one is the reference math below; CUDA runs the Triton
+kernel of ``te_compile.kernels.rotary`` (one read and one write of ``t``, forward and backward;
+fp64 takes the reference math). No autocast rule: like torch's element-wise ops and Transformer
+Engine's RoPE, the op runs in ``t``'s dtype, and an autocast cast would round ``freqs`` (angles
+of thousands of radians) to bf16.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from te_compile._library import SampleInput, differentiable, op
+
+__all__ = [
+    "TENSOR_FORMATS",
+    "apply_rotary_pos_emb",
+    "rotary_bwd_ref",
+    "rotary_frequencies",
+    "rotary_ref",
+    "token_positions",
+]
+
+TENSOR_FORMATS = ("sbhd", "bshd", "thd")
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_PREFIX = "te.apply_rotary_pos_emb: "
+
+
+# Frequencies ----------------------------------------------------------------------------------
+
+
+def rotary_frequencies(
+    inv_freq: Tensor,
+    max_seq_len: int,
+    offset: int = 0,
+    *,
+    interleaved: bool = False,
+    seq_len_interpolation_factor: float | None = None,
+    pretrained_max_position_embeddings: int | None = None,
+) -> Tensor:
+    """``freqs [max_seq_len, 1, 1, 2 * len(inv_freq)]`` (fp32) for positions
+    ``offset .. offset + max_seq_len - 1``, as Transformer Engine's ``RotaryPositionEmbedding``.
+
+    Position interpolation (Chen et al., arXiv:2306.15595) applies when both
+    ``seq_len_interpolation_factor`` and ``pretrained_max_position_embeddings`` are given:
+    positions are divided by the factor, or, for ``max_seq_len`` beyond
+    ``pretrained_max_position_embeddings * factor``, by
+    ``max_seq_len / pretrained_max_position_embeddings`` (dynamic scaling). Layout of the last
+    dim: ``[f_0 .. f_{n-1}, f_0 .. f_{n-1}]``, or ``[f_0, f_0, f_1, f_1, ...]`` when
+    ``interleaved``."""
+    inv_freq = inv_freq.to(torch.float32)
+    seq = torch.arange(max_seq_len, device=inv_freq.device, dtype=torch.float32) + offset
+    if seq_len_interpolation_factor is not None and pretrained_max_position_embeddings is not None:
+        if max_seq_len > pretrained_max_position_embeddings * seq_len_interpolation_factor:
+            seq = seq * (1 / (max_seq_len / pretrained_max_position_embeddings))
+        else:
+            seq = seq * (1 / seq_len_interpolation_factor)
+    # An element-wise product: autocast leaves it in fp32 (an einsum would be a GEMM, cast).
+    freqs = seq[:, None] * inv_freq[None, :]
+    if interleaved:
+        emb = torch.stack((freqs, freqs), dim=-1).flatten(-2)
+    else:
+        emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.reshape(emb.shape[0], 1, 1, emb.shape[1])
+
+
+# 1. Reference math ----------------------------------------------------------------------------
+
+
+def _cp_position(j: Tensor, length: Tensor | int, cp_size: int, cp_rank: int) -> Tensor:
+    """The global position of local index ``j`` in a local sequence of ``length`` tokens."""
+    if cp_size == 1:
+        return j
+    half = length // 2
+    second = length * cp_size - (cp_rank + 1) * half + (j - half)
+    return torch.where(j < half, j + cp_rank * half, second)
+
+
+def token_positions(
+    tensor_format: str,
+    seq_len: int,
+    cu_seqlens: Tensor | None,
+    cp_size: int,
+    cp_rank: int,
+    device: torch.device,
+) -> tuple[Tensor, Tensor]:
+    """``(position, in_sequence)`` (int64, bool), one per index along ``s`` (sbhd / bshd, where
+    ``seq_len`` is that dim's size) or per token (thd, ``seq_len`` = number of tokens)."""
+    index = torch.arange(seq_len, device=device, dtype=torch.int64)
+    if tensor_format != "thd":
+        return _cp_position(index, seq_len, cp_size, cp_rank), torch.ones_like(index, dtype=bool)
+    cu = cu_seqlens.to(torch.int64) // cp_size
+    n = cu.shape[0] - 1
+    seq = torch.searchsorted(cu, index, right=True) - 1  # last sequence starting at or before
+    inside = (seq >= 0) & (seq < n)
+    seq = seq.clamp(0, n - 1)
+    start = cu[seq]
+    length = cu[seq + 1] - start
+    return _cp_position(index - start, length, cp_size, cp_rank), inside
+
+
+def _rotate(x: Tensor, interleaved: bool) -> Tensor:
+    """:math:`r(x)` over the last dim (see the module docstring)."""
+    if interleaved:
+        pairs = x.unflatten(-1, (-1, 2))
+        return torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _cos_sin(
+    t: Tensor,
+    freqs: Tensor,
+    cu_seqlens: Tensor | None,
+    tensor_format: str,
+    cp_size: int,
+    cp_rank: int,
+    acc: torch.dtype,
+) -> tuple[Tensor, Tensor]:
+    """cos and sin of each token's frequencies, shaped to broadcast against ``t[..., :d2]``."""
+    seq_len = t.shape[1] if tensor_format == "bshd" else t.shape[0]
+    pos, inside = token_positions(tensor_format, seq_len, cu_seqlens, cp_size, cp_rank, t.device)
+    table = freqs.reshape(freqs.shape[0], freqs.shape[-1]).to(acc)
+    rows = table.shape[0]
+    f = table[pos.clamp(0, rows - 1)]
+    f = torch.where((inside & (pos >= 0) & (pos < rows))[:, None], f, 0.0)  # unrotated
+    shape = {"sbhd": (-1, 1, 1, f.shape[-1]), "bshd": (1, -1, 1, f.shape[-1])}
+    f = f.view(shape.get(tensor_format, (-1, 1, f.shape[-1])))
+    return f.cos(), f.sin()
+
+
+def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def rotary_ref(
+    t: Tensor,
+    freqs: Tensor,
+    cu_seqlens: Tensor | None,
+    tensor_format: str,
+    interleaved: bool,
+    cp_size: int,
+    cp_rank: int,
+) -> Tensor:
+    """``y = x cos f + r(x) sin f`` on the first ``d2`` channels, the rest copied; in fp32
+    (fp64 for fp64 ``t``), rounded once. Differentiable by autograd (``t`` and ``freqs``)."""
+    acc = _accumulate_dtype(t.dtype)
+    d2 = freqs.shape[-1]
+    cos, sin = _cos_sin(t, freqs, cu_seqlens, tensor_format, cp_size, cp_rank, acc)
+    x = t.to(acc)
+    xr = x[..., :d2]
+    y = torch.cat((xr * cos + _rotate(xr, interleaved) * sin, x[..., d2:]), dim=-1)
+    return y.to(t.dtype).contiguous()
+
+
+def rotary_bwd_ref(
+    grad: Tensor,
+    freqs: Tensor,
+    cu_seqlens: Tensor | None,
+    tensor_format: str,
+    interleaved: bool,
+    cp_size: int,
+    cp_rank: int,
+) -> Tensor:
+    """The gradient of :func:`rotary_ref` with respect to ``t``: ``dy cos f - r(dy sin f)``
+    (``r`` is antisymmetric), the rest of the channels copied; fp32, rounded once."""
+    acc = _accumulate_dtype(grad.dtype)
+    d2 = freqs.shape[-1]
+    cos, sin = _cos_sin(grad, freqs, cu_seqlens, tensor_format, cp_size, cp_rank, acc)
+    g = grad.to(acc)
+    gr = g[..., :d2]
+    dx = torch.cat((gr * cos - _rotate(gr * sin, interleaved), g[..., d2:]), dim=-1)
+    return dx.to(grad.dtype).contiguous()
+
+
+def _seq_len(t: Tensor, tensor_format: str) -> int:
+    return t.shape[1] if tensor_format == "bshd" else t.shape[0]
+
+
+def _check_args(
+    t: Tensor,
+    freqs: Tensor,
+    cu_seqlens: Tensor | None,
+    tensor_format: str,
+    cp_size: int,
+    cp_rank: int,
+) -> None:
+    """Shapes, dtypes and scalars: one cheap compound test, the per-argument diagnosis only on
+    failure (the same message in eager and at trace time)."""
+    thd = tensor_format == "thd"
+    if (
+        tensor_format in TENSOR_FORMATS
+        and t.dtype in _FLOAT_DTYPES
+        and freqs.is_floating_point()
+        and t.dim() == (3 if thd else 4)
+        and freqs.dim() == 4
+        and freqs.shape[1] == 1
+        and freqs.shape[2] == 1
+        and freqs.shape[0] >= 1
+        and 2 <= freqs.shape[3] <= t.shape[-1]
+        and freqs.shape[3] % 2 == 0
+        and freqs.device == t.device
+        and cp_size >= 1
+        and 0 <= cp_rank < cp_size
+        and (
+            (
+                cu_seqlens is not None
+                and cu_seqlens.dtype in _INDEX_DTYPES
+                and cu_seqlens.dim() == 1
+                and cu_seqlens.shape[0] >= 2
+                and cu_seqlens.device == t.device
+            )
+            if thd
+            else (
+                cu_seqlens is None
+                and _seq_len(t, tensor_format) * cp_size <= freqs.shape[0]
+                and (cp_size == 1 or _seq_len(t, tensor_format) % 2 == 0)
+            )
+        )
+    ):
+        return
+    _diagnose(t, freqs, cu_seqlens, tensor_format, cp_size, cp_rank)
+
+
+def _diagnose(t, freqs, cu_seqlens, tensor_format, cp_size, cp_rank) -> None:
+    def fail(message: str) -> None:
+        raise ValueError(_PREFIX + message)
+
+    if tensor_format not in TENSOR_FORMATS:
+        fail(f"tensor_format must be one of {TENSOR_FORMATS}, got {tensor_format!r}")
+    if t.dtype not in _FLOAT_DTYPES:
+        fail(f"t.dtype must be float32, bfloat16, float16 or float64, got {t.dtype}")
+    if not freqs.is_floating_point():
+        fail(f"freqs.dtype must be a floating type (read in fp32), got {freqs.dtype}")
+    thd = tensor_format == "thd"
+    rank = 3 if thd else 4
+    if t.dim() != rank:
+        layout = "[t, h, d]" if thd else f"[{', '.join(tensor_format)}]"
+        fail(f"t must be {rank}-D {layout} for tensor_format={tensor_format!r}, got {t.dim()}-D")
+    if freqs.dim() != 4 or freqs.shape[1] != 1 or freqs.shape[2] != 1 or freqs.shape[0] < 1:
+        fail(f"freqs must be [s2, 1, 1, d2] with s2 >= 1, got {list(freqs.shape)}")
+    d2, d = freqs.shape[3], t.shape[-1]
+    if not (2 <= d2 <= d and d2 % 2 == 0):
+        fail(
+            f"freqs.shape[-1] (the rotary dim, {d2}) must be even, at least 2 and at most "
+            f"t.shape[-1] ({d})"
+        )
+    if freqs.device != t.device:
+        fail(f"freqs must be on t's device ({t.device}), got {freqs.device}")
+    if cp_size < 1:
+        fail(f"cp_size must be >= 1, got {cp_size}")
+    if not 0 <= cp_rank < cp_size:
+        fail(f"cp_rank must be in [0, cp_size) = [0, {cp_size}), got {cp_rank}")
+    if thd:
+        if cu_seqlens is None:
+            fail("cu_seqlens is required for tensor_format='thd'")
+        if (
+            cu_seqlens.dtype not in _INDEX_DTYPES
+            or cu_seqlens.dim() != 1
+            or cu_seqlens.shape[0] < 2
+            or cu_seqlens.device != t.device
+        ):
+            fail(
+                f"cu_seqlens must be an int32 or int64 tensor [n + 1] (n >= 1) on t's device "
+                f"({t.device}), got {cu_seqlens.dtype} {list(cu_seqlens.shape)} on "
+                f"{cu_seqlens.device}"
+            )
+        return
+    if cu_seqlens is not None:
+        fail(f"cu_seqlens is only for tensor_format='thd', got tensor_format={tensor_format!r}")
+    s = _seq_len(t, tensor_format)
+    if s * cp_size > freqs.shape[0]:
+        fail(
+            f"freqs has {freqs.shape[0]} positions, fewer than the sequence length {s} times "
+            f"cp_size {cp_size}"
+        )
+    fail(f"with cp_size > 1 the local sequence length must be even, got {s}")
+
+
+def _check_cu_seqlens_values(t: Tensor, freqs: Tensor, cu_seqlens: Tensor, cp_size: int) -> None:
+    """The checks that read ``cu_seqlens`` (CPU eager only: elsewhere a host sync)."""
+    cu = cu_seqlens.to(torch.int64)
+    lengths = cu[1:] - cu[:-1]
+    if bool(cu[0] < 0) or bool((lengths < 0).any()):
+        raise ValueError(
+            _PREFIX + f"cu_seqlens must be non-decreasing from 0, got {cu_seqlens.tolist()}"
+        )
+    if int(cu[-1]) // cp_size > t.shape[0]:
+        raise ValueError(
+            _PREFIX + f"cu_seqlens[-1] // cp_size ({int(cu[-1]) // cp_size}) exceeds the "
+            f"{t.shape[0]} tokens of t"
+        )
+    if cp_size > 1 and bool((lengths % (2 * cp_size) != 0).any()):
+        raise ValueError(
+            _PREFIX + f"with cp_size={cp_size} every sequence length in cu_seqlens must be a "
+            f"multiple of 2 * cp_size, got {lengths.tolist()}"
+        )
+    if int(lengths.max()) > freqs.shape[0]:
+        raise ValueError(
+            _PREFIX + f"freqs has {freqs.shape[0]} positions, fewer than the longest sequence "
+            f"in cu_seqlens ({int(lengths.max())})"
+        )
+
+
+def _kernels():
+    # Imported on first CUDA use: Triton is not a dependency of the CPU-only package.
+    from te_compile.kernels import rotary
+
+    return rotary
+
+
+# 2. Forward op --------------------------------------------------------------------------------
+
+
+@op("rotary_fwd")
+def rotary_fwd(
+    t: Tensor,
+    freqs: Tensor,
+    cu_seqlens: Tensor | None,
+    tensor_format: str,
+    interleaved: bool,
+    cp_size: int,
+    cp_rank: int,
+) -> Tensor:
+    """RoPE of ``t``. Default (CPU) implementation: the reference math."""
+    _check_args(t, freqs, cu_seqlens, tensor_format, cp_size, cp_rank)
+    return rotary_ref(t, freqs, cu_seqlens, tensor_format, interleaved, cp_size, cp_rank)
+
+
+@rotary_fwd.register_kernel("cuda")
+def _rotary_fwd_cuda(
+    t: Tensor,
+    freqs: Tensor,
+    cu_seqlens: Tensor | None,
+    tensor_format: str,
+    interleaved: bool,
+    cp_size: int,
+    cp_rank: int,
+) -> Tensor:
+    _check_args(t, freqs, cu_seqlens, tensor_format, cp_size, cp_rank)
+    if t.dtype is torch.float64:
+        return rotary_ref(t, freqs, cu_seqlens, tensor_format, interleaved, cp_size, cp_rank)
+    return _kernels().rotary(t, freqs, cu_seqlens, tensor_format, interleaved, cp_size, cp_rank)
+
+
+# 3. Fake --------------------------------------------------------------------------------------
+
+
+@rotary_fwd.register_fake
+def _rotary_fwd_fake(
+    t: Tensor,
+    freqs: Tensor,
+    cu_seqlens: Tensor | None,
+    tensor_format: str,
+    interleaved: bool,
+    cp_size: int,
+    cp_rank: int,
+) -> Tensor:
+    _check_args(t, freqs, cu_seqlens, tensor_format, cp_size, cp_rank)
+    return t.new_empty(t.shape)
+
+
+# 4. Backward op -------------------------------------------------------------------------------
+
+
+@op("rotary_bwd")
+def rotary_bwd(
+    grad: Tensor,
+    freqs: Tensor,
+    cu_seqlens: Tensor | None,
+    tensor_format: str,
+    interleaved: bool,
+    cp_size: int,
+    cp_rank: int,
+) -> Tensor:
+    """The gradient of ``te::rotary_fwd`` with respect to ``t``: the rotation by ``-theta``."""
+    return rotary_bwd_ref(grad, freqs, cu_seqlens, tensor_format, interleaved, cp_size, cp_rank)
+
+
+@rotary_bwd.register_kernel("cuda")
+def _rotary_bwd_cuda(
+    grad: Tensor,
+    freqs: Tensor,
+    cu_seqlens: Tensor | None,
+    tensor_format: str,
+    interleaved: bool,
+    cp_size: int,
+    cp_rank: int,
+) -> Tensor:
+    if grad.dtype is torch.float64:
+        return rotary_bwd_ref(grad, freqs, cu_seqlens, tensor_format, interleaved, cp_size, cp_rank)
+    return _kernels().rotary(
+        grad, freqs, cu_seqlens, tensor_format, interleaved, cp_size, cp_rank, backward=True
+    )
+
+
+@rotary_bwd.register_fake
+def _rotary_bwd_fake(
+    grad: Tensor,
+    freqs: Tensor,
+    cu_seqlens: Tensor | None,
+    tensor_format: str,
+    interleaved: bool,
+    cp_size: int,
+    cp_rank: int,
+) -> Tensor:
+    return grad.new_empty(grad.shape)
+
+
+# 5. setup_context + autograd ------------------------------------------------------------------
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    _t, freqs, cu_seqlens, tensor_format, interleaved, cp_size, cp_rank = inputs
+    ctx.save_for_backward(freqs, cu_seqlens)
+    ctx.config = (tensor_format, interleaved, cp_size, cp_rank)
+
+
+def _backward(ctx, bwd, grad):
+    freqs, cu_seqlens = ctx.saved_tensors
+    return bwd(grad, freqs, cu_seqlens, *ctx.config), None, None, None, None, None, None
+
+
+def _samples(device: torch.device):
+    def t(*shape, dtype=torch.float32):
+        return torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
+
+    def freqs(rows, d2, interleaved=False):
+        inv_freq = 1.0 / 10000.0 ** (torch.arange(0, d2, 2, dtype=torch.float32) / d2)
+        return rotary_frequencies(inv_freq.to(device), rows, interleaved=interleaved)
+
+    def cu(*values, dtype=torch.int32):
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    yield SampleInput((t(5, 2, 3, 8), freqs(7, 8), None, "sbhd", False, 1, 0))
+    # bshd, interleaved, partial rotary (8 of 12 channels), a transposed (strided) input.
+    bshd = torch.randn(5, 2, 3, 12, device=device, dtype=torch.bfloat16).transpose(0, 1)
+    yield SampleInput((bshd.requires_grad_(), freqs(6, 8, True), None, "bshd", True, 1, 0))
+    # thd, uneven sequences, freqs whose pair members differ (the backward's partner sines).
+    rand = torch.randn(6, 1, 1, 6, device=device) * 3
+    yield SampleInput((t(11, 2, 8, dtype=torch.float16), rand, cu(0, 3, 7, 11), "thd", False, 1, 0))
+    # Context parallelism: rank 1 of 2 (sbhd), rank 0 of 2 (thd, interleaved, int64 offsets).
+    yield SampleInput((t(4, 2, 2, 8), freqs(8, 8), None, "sbhd", False, 2, 1))
+    thd_cp = (t(8, 2, 6), freqs(8, 4, True), cu(0, 4, 12, 16, dtype=torch.int64))
+    yield SampleInput((*thd_cp, "thd", True, 2, 0))
+
+
+_rotary = differentiable(
+    rotary_fwd,
+    rotary_bwd,
+    setup_context=_setup_context,
+    backward=_backward,
+    sample_inputs=_samples,
+    reference=rotary_ref,
+    autocast=False,
+)
+
+
+# Public function ------------------------------------------------------------------------------
+
+
+def apply_rotary_pos_emb(
+    t: Tensor,
+    freqs: Tensor,
+    tensor_format: str = "sbhd",
+    interleaved: bool = False,
+    fused: bool = True,
+    cu_seqlens: Tensor | None = None,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+) -> Tensor:
+    """Rotary position embeddings applied to ``t`` (Transformer Engine's
+    ``apply_rotary_pos_emb``; see the module docstring for the math and the layouts).
+
+    ``t``: ``[s, b, h, d]`` (``tensor_format="sbhd"``), ``[b, s, h, d]`` (``"bshd"``) or
+    ``[t, h, d]`` (``"thd"``, packed sequences delimited by ``cu_seqlens``). ``freqs``:
+    ``[s2, 1, 1, d2]`` from :class:`te_compile.RotaryPositionEmbedding`; the first ``d2``
+    channels of each head are rotated, the rest pass through. ``fused=True``: ``te::rotary_fwd``
+    (the Triton kernel on CUDA); ``fused=False``: the same math in plain torch ops (autograd
+    differentiates ``freqs`` too). ``cp_size`` / ``cp_rank``: context parallelism.
+
+    Unlike Transformer Engine (``fused=False`` by default there, and ``start_positions`` fourth),
+    the fused op is the default and there is no ``start_positions`` (inference offsets)."""
+    for name, value in (("cp_size", cp_size), ("cp_rank", cp_rank)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(_PREFIX + f"{name} must be an int, got {value!r}")
+    _check_args(t, freqs, cu_seqlens, tensor_format, cp_size, cp_rank)
+    if (
+        cu_seqlens is not None
+        and cu_seqlens.device.type == "cpu"
+        and not torch.compiler.is_compiling()
+        and torch._C._len_torch_dispatch_stack() == 0
+    ):
+        _check_cu_seqlens_values(t, freqs, cu_seqlens, cp_size)
+    if not fused:
+        return rotary_ref(t, freqs, cu_seqlens, tensor_format, bool(interleaved), cp_size, cp_rank)
+    return _rotary(t, freqs, cu_seqlens, tensor_format, bool(interleaved), cp_size, cp_rank)
