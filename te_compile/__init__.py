@@ -9,6 +9,7 @@ from te_compile import ops as ops
 from te_compile._library import eager_fast_path_enabled, list_ops, set_eager_fast_path
 from te_compile.functional import bulk_allocate, deinterleave_glu_tensor, interleave_glu_tensor
 from te_compile.modules import (
+    DotProductAttention,
     GroupedLinear,
     GroupedMLP,
     LayerNorm,
@@ -31,6 +32,7 @@ from te_compile.quantization import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "DotProductAttention",
     "GroupedLinear",
     "GroupedMLP",
     "LayerNorm",
