@@ -179,6 +179,13 @@ def _scores(a: _Args, rel: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return s, q, k
 
 
+def _no_autocast(t: Tensor) -> torch.autocast:
+    """The math runs in the dtypes written here: the op path runs an implementation with
+    autocast's dispatch key excluded, and the eager fast path, which enters it while autocast
+    is on (after casting the op's arguments), must compute the same."""
+    return torch.autocast(t.device.type, enabled=False)
+
+
 def _in_layout(x: Tensor, sbhd: bool) -> Tensor:
     """``x`` ``[b, s, h, d]`` laid out ``[s, b, h, d]`` in memory (``sbhd``) or contiguous; no
     copy when it already is."""
@@ -188,6 +195,11 @@ def _in_layout(x: Tensor, sbhd: bool) -> Tensor:
 
 
 def _forward_ref(a: _Args) -> tuple[Tensor, list[Tensor]]:
+    with _no_autocast(a.query):
+        return _forward_math(a)
+
+
+def _forward_math(a: _Args) -> tuple[Tensor, list[Tensor]]:
     visible, rel = _visible(a)
     s, _, _ = _scores(a, rel)
     row = visible.any(-1, keepdim=True)
@@ -225,6 +237,13 @@ def _sum_groups(dx: Tensor, kv_heads: int) -> Tensor:
 
 
 def attention_bwd_ref(
+    a: _Args, grad_out: Tensor, saved: list[Tensor], bias_grad: bool
+) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+    with _no_autocast(a.query):
+        return _backward_math(a, grad_out, saved, bias_grad)
+
+
+def _backward_math(
     a: _Args, grad_out: Tensor, saved: list[Tensor], bias_grad: bool
 ) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
     r"""``(dq, dk, dv, [dbias])`` from the saved logsumexp: :math:`P = e^{S - \mathrm{lse}}`,

@@ -375,6 +375,19 @@ def test_default_alibi_slopes_for_six_heads():
     torch.testing.assert_close(got, torch.tensor(expected))
 
 
+def test_autocast_casts_qkv_and_keeps_alibi_slopes_fp32():
+    """Under autocast q, k and v run in the autocast dtype; ALiBi slopes stay fp32 (the op
+    requires them so)."""
+    (_, q), (_, k), (_, v) = make_qkv(2, 5, 5, 2, 2, 8, seed=19)
+    slopes = torch.tensor([0.5, 0.25])
+    kwargs = {"qkv_format": "bshd", "core_attention_bias_type": "alibi", "alibi_slopes": slopes}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = F.dot_product_attention(q, k, v, **kwargs)
+    assert y.dtype == torch.bfloat16
+    expected = F.dot_product_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), **kwargs)
+    assert torch.equal(y, expected)
+
+
 # Dropout and recomputation -------------------------------------------------------------------
 
 
