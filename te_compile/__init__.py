@@ -14,6 +14,7 @@ from te_compile.functional import (
     interleave_glu_tensor,
 )
 from te_compile.modules import (
+    DotProductAttention,
     GroupedLinear,
     GroupedMLP,
     LayerNorm,
@@ -39,6 +40,7 @@ from te_compile.quantization import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "DotProductAttention",
     "GroupedLinear",
     "GroupedMLP",
     "LayerNorm",

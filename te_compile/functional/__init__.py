@@ -19,6 +19,7 @@ from te_compile.functional.activation import (
     swiglu,
 )
 from te_compile.functional.allocate import bulk_allocate
+from te_compile.functional.attention import dot_product_attention
 from te_compile.functional.dropout import dropout
 from te_compile.functional.fake_quantize import fake_quantize
 from te_compile.functional.fp8_scaling import delayed_scaling_update
@@ -52,6 +53,7 @@ __all__ = [
     "delayed_scaling_update",
     "dequantize_mxfp8",
     "dequantize_nvfp4",
+    "dot_product_attention",
     "dropout",
     "fake_quantize",
     "geglu",

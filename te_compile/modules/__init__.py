@@ -1,5 +1,6 @@
 """nn.Modules with Transformer Engine's names; forward() calls te_compile.functional only."""
 
+from te_compile.modules.attention import DotProductAttention
 from te_compile.modules.grouped_linear import GroupedLinear
 from te_compile.modules.grouped_mlp import GroupedMLP, convert_glu_layout
 from te_compile.modules.layernorm_linear import LayerNormLinear
@@ -12,6 +13,7 @@ from te_compile.modules.transformer_layer import TransformerLayer
 from te_compile.quantization.fp8_gemm import non_finite_amaxes
 
 __all__ = [
+    "DotProductAttention",
     "GroupedLinear",
     "GroupedMLP",
     "LayerNorm",

@@ -1,0 +1,655 @@
+r"""Scaled dot-product attention: ``te::attention_fwd`` / ``te::attention_bwd``, the core of
+:class:`te_compile.DotProductAttention`.
+
+For each batch entry and query head :math:`n` (served by key/value head :math:`\lfloor n/g
+\rfloor`, :math:`g` query heads per key/value head: GQA, and MQA with one key/value head):
+
+.. math::
+    S_{ij} = \sigma\, q_i \cdot k_j + B_{ij} - m_n\,|i + o - j|, \qquad
+    P_{ij} = \frac{[\,j \in V_i\,]\, e^{S_{ij}}}{\sum_{l \in V_i} e^{S_{il}}}, \qquad
+    y_i = \sum_j \frac{M_{ij}}{1-p}\, P_{ij}\, v_j
+
+with :math:`\sigma` the softmax scale, :math:`B` the post-scale bias, :math:`m` the ALiBi slopes,
+:math:`M` the dropout keep mask and :math:`V_i` the keys query :math:`i` may see. A query that
+sees no key (a padded query; bottom-right causal with more queries than keys) outputs zeros and
+gets zero gradients, as Transformer Engine's fused backends do.
+
+Masks, in Transformer Engine's terms (positions local to a sequence, :math:`o` the diagonal
+offset): the window ``(left, right)`` lets query :math:`i` see keys :math:`j` with
+:math:`i + o - \text{left} \le j \le i + o + \text{right}`, ``-1`` meaning unbounded; a causal
+mask is the window ``(left, 0)``. The diagonal is aligned to the top left (:math:`o = 0`) for
+``causal`` and ``padding_causal`` and to the bottom right (:math:`o = s_{kv} - s_q`, per
+sequence for padded and packed batches) for every other mask type; ALiBi uses the same
+diagonal. Padding masks (True = padded) remove padded queries and keys; a ``thd`` batch packs
+sequences given by ``cu_seqlens`` (a query sees keys of its own sequence only; tokens past
+``cu_seqlens[-1]`` are padding); an ``arbitrary`` mask (True = masked out) broadcasts to
+``[b, h, s_q, s_kv]``. ``functional/attention_args.py`` turns Transformer Engine's arguments
+into the op's.
+
+The op's tensors are ``[b, s, h, d]`` (``thd``: ``b = 1``); ``sbhd`` says that the output and
+the gradients are laid out ``[s, b, h, d]`` in memory, so that the module's ``[s, b, h*d]``
+output is a view. Arguments: see :class:`_Args`.
+
+Implementations. CPU (and fp64 on CUDA): the reference math below, in fp32 (fp64 for fp64)
+rounded once at the end; the forward saves the logsumexp (``+inf`` for a row that sees no key)
+and the backward recomputes the probabilities from it, as the fused kernels do. CUDA: PyTorch's
+fused flash and memory-efficient attention kernels, chosen per case (``attention_cuda.py`` holds
+the table); causal, no-mask, padding and GQA attention never materialise the softmax there.
+
+Dropout: on CPU the keep mask is te_compile's Philox stream (``functional.dropout``) of the
+``rng_state = (seed, offset)`` input over the probabilities in ``[b, h, s_q, s_kv]`` order, so the
+backward and a checkpointed recompute regenerate it from that input. On CUDA the fused kernels
+draw their own Philox seed and offset and return them for the backward (``attention_cuda``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from te_compile._library import SampleInput, differentiable, op
+from te_compile.functional import attention_args, attention_cuda
+from te_compile.functional.dropout import dropout_mask
+
+__all__ = ["attention_bwd_ref", "attention_ref", "dot_product_attention"]
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+class _Args(NamedTuple):
+    """``te::attention_fwd``'s arguments, by name.
+
+    ``bias``: post-scale bias ``[b|1, h|1, sq, skv]``; ``alibi_slopes``: fp32 ``[h]`` or
+    ``[b, h]``; ``q_padding`` / ``kv_padding``: bool ``[b, sq]`` / ``[b, skv]``, True = padded
+    (both or neither); ``mask``: bool ``[b|1, h|1, sq, skv]``, True = masked out;
+    ``cu_seqlens_q`` / ``cu_seqlens_kv``: int32 ``[n + 1]`` for packed tokens (``b = 1``;
+    ``cu_seqlens_kv`` None: the keys share the queries' layout); ``rng_state``: int64
+    ``(seed, offset)``, needed when ``dropout_p > 0``; ``window_left`` / ``window_right``: ``-1``
+    unbounded; ``bottom_right``: the diagonal's alignment; ``max_seqlen_q`` / ``max_seqlen_kv``:
+    bounds on the packed sequences' lengths (the CUDA varlen kernels')."""
+
+    query: Tensor
+    key: Tensor
+    value: Tensor
+    bias: Tensor | None
+    alibi_slopes: Tensor | None
+    q_padding: Tensor | None
+    kv_padding: Tensor | None
+    mask: Tensor | None
+    cu_seqlens_q: Tensor | None
+    cu_seqlens_kv: Tensor | None
+    rng_state: Tensor | None
+    scale: float
+    window_left: int
+    window_right: int
+    bottom_right: bool
+    dropout_p: float
+    max_seqlen_q: int
+    max_seqlen_kv: int
+    sbhd: bool
+
+
+_N_TENSORS = 11  # query .. rng_state
+
+
+# 1. Reference math ----------------------------------------------------------------------------
+
+
+def _acc(t: Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _token_layout(a: _Args) -> tuple[Tensor | None, Tensor]:
+    """``(valid, rel)``: ``valid`` ``[b|1, 1, sq, skv]`` (None: every pair) says that query and
+    key are real tokens of one sequence; ``rel`` = :math:`i + o - j` in local positions. No host
+    reads: sequence ids come from ``searchsorted`` on ``cu_seqlens``."""
+    sq, skv, device = a.query.shape[1], a.key.shape[1], a.query.device
+    iq = torch.arange(sq, device=device)
+    ik = torch.arange(skv, device=device)
+    if a.cu_seqlens_q is not None:
+        cq = a.cu_seqlens_q.long()
+        ck = cq if a.cu_seqlens_kv is None else a.cu_seqlens_kv.long()
+        n = cq.shape[0] - 1
+        seq_q = torch.searchsorted(cq, iq, right=True) - 1  # n: past the last sequence
+        seq_k = torch.searchsorted(ck, ik, right=True) - 1
+        valid = (seq_q[:, None] == seq_k[None, :]) & (seq_q < n)[:, None]
+        seq_q, seq_k = seq_q.clamp(max=n - 1), seq_k.clamp(max=n - 1)
+        pos_q, pos_k = iq - cq[seq_q], ik - ck[seq_k]
+        if a.bottom_right:
+            pos_q = pos_q + (ck[1:] - ck[:-1] - cq[1:] + cq[:-1])[seq_q]
+        return valid[None, None], (pos_q[:, None] - pos_k[None, :])[None, None]
+    rel = (iq[:, None] - ik[None, :])[None, None]
+    if a.q_padding is None:
+        return None, rel + (skv - sq) if a.bottom_right else rel
+    keep_q, keep_k = ~a.q_padding, ~a.kv_padding
+    valid = (keep_q[:, :, None] & keep_k[:, None, :])[:, None]
+    if a.bottom_right:
+        rel = rel + (keep_k.sum(-1) - keep_q.sum(-1))[:, None, None, None]
+    return valid, rel
+
+
+def _visible(a: _Args) -> tuple[Tensor, Tensor]:
+    """``(visible, rel)``: ``visible`` ``[b|1, h|1, sq, skv]`` bool, True where key ``j`` may be
+    seen by query ``i``."""
+    valid, rel = _token_layout(a)
+    visible = torch.ones((1, 1) + rel.shape[2:], dtype=torch.bool, device=rel.device)
+    if valid is not None:
+        visible = visible & valid
+    if a.window_left >= 0:
+        visible = visible & (rel <= a.window_left)
+    if a.window_right >= 0:
+        visible = visible & (rel >= -a.window_right)
+    if a.mask is not None:
+        visible = visible & ~a.mask
+    return visible, rel
+
+
+def _alibi(slopes: Tensor, rel: Tensor, dtype: torch.dtype) -> Tensor:
+    """:math:`-m_n |i + o - j|`, ``[b|1, h, sq, skv]``."""
+    m = slopes.to(dtype)
+    m = m.view(1, -1, 1, 1) if m.dim() == 1 else m[:, :, None, None]
+    return -m * rel.abs().to(dtype)
+
+
+def _heads(x: Tensor, heads: int, dtype: torch.dtype) -> Tensor:
+    """``[b, s, hk, d]`` -> ``[b, heads, s, d]`` in ``dtype``, each key/value head serving its
+    group of query heads."""
+    b, s, hk, d = x.shape
+    x = x.to(dtype).transpose(1, 2)
+    if hk == heads:
+        return x
+    return x[:, :, None].expand(b, hk, heads // hk, s, d).reshape(b, heads, s, d)
+
+
+def _scores(a: _Args, rel: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(S, q, k)``: ``S = scale q k^T + bias + alibi`` ``[b, h, sq, skv]`` in the compute dtype,
+    with ``q`` and ``k`` as ``[b, h, s, d]`` in that dtype."""
+    acc, h = _acc(a.query), a.query.shape[2]
+    q, k = _heads(a.query, h, acc), _heads(a.key, h, acc)
+    s = (q @ k.transpose(-1, -2)) * a.scale
+    if a.bias is not None:
+        s = s + a.bias.to(acc)
+    if a.alibi_slopes is not None:
+        s = s + _alibi(a.alibi_slopes, rel, acc)
+    return s, q, k
+
+
+def _no_autocast(t: Tensor) -> torch.autocast:
+    """The math runs in the dtypes written here: the op path runs an implementation with
+    autocast's dispatch key excluded, and the eager fast path, which enters it while autocast
+    is on (after casting the op's arguments), must compute the same."""
+    return torch.autocast(t.device.type, enabled=False)
+
+
+def _in_layout(x: Tensor, sbhd: bool) -> Tensor:
+    """``x`` ``[b, s, h, d]`` laid out ``[s, b, h, d]`` in memory (``sbhd``) or contiguous; no
+    copy when it already is."""
+    if sbhd:
+        return x.transpose(0, 1).contiguous().transpose(0, 1)
+    return x.contiguous()
+
+
+def _forward_ref(a: _Args) -> tuple[Tensor, list[Tensor]]:
+    with _no_autocast(a.query):
+        return _forward_math(a)
+
+
+def _forward_math(a: _Args) -> tuple[Tensor, list[Tensor]]:
+    visible, rel = _visible(a)
+    s, _, _ = _scores(a, rel)
+    row = visible.any(-1, keepdim=True)
+    # A row that sees no key gets finite scores, then zero probabilities: no inf - inf anywhere.
+    s = s.masked_fill(~visible, -math.inf).masked_fill(~row, 0.0)
+    lse = torch.logsumexp(s, -1, keepdim=True)
+    probs = torch.exp(s - lse).masked_fill(~row, 0.0)
+    if a.dropout_p > 0:
+        keep = dropout_mask(a.rng_state, probs.shape, a.dropout_p)
+        probs = torch.where(keep, probs * (1.0 / (1.0 - a.dropout_p)), 0.0)
+    out = (probs @ _heads(a.value, a.query.shape[2], s.dtype)).transpose(1, 2)
+    lse = lse.masked_fill(~row, math.inf).squeeze(-1)
+    return _in_layout(out.to(a.query.dtype), a.sbhd), [lse.contiguous()]
+
+
+def attention_ref(*args) -> tuple[Tensor, list[Tensor]]:
+    """``(out, [lse])`` for ``te::attention_fwd``'s arguments in plain, differentiable PyTorch:
+    the CPU implementation and the float64 reference of the registry test. ``lse``
+    ``[b, h, sq]``, ``+inf`` for a row that sees no key."""
+    return _forward_ref(_Args(*args))
+
+
+def _reduce_to(x: Tensor, shape: Sequence[int]) -> Tensor:
+    """``x`` ``[b, h, sq, skv]`` summed over the broadcast dims of a ``shape`` bias."""
+    dims = [i for i in (0, 1) if shape[i] == 1 and x.shape[i] != 1]
+    return x.sum(dims, keepdim=True) if dims else x
+
+
+def _sum_groups(dx: Tensor, kv_heads: int) -> Tensor:
+    """``[b, h, s, d]`` gradient of the expanded key/value heads -> ``[b, s, hk, d]``."""
+    b, h, s, d = dx.shape
+    if h != kv_heads:
+        dx = dx.reshape(b, kv_heads, h // kv_heads, s, d).sum(2)
+    return dx.transpose(1, 2)
+
+
+def attention_bwd_ref(
+    a: _Args, grad_out: Tensor, saved: list[Tensor], bias_grad: bool
+) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+    with _no_autocast(a.query):
+        return _backward_math(a, grad_out, saved, bias_grad)
+
+
+def _backward_math(
+    a: _Args, grad_out: Tensor, saved: list[Tensor], bias_grad: bool
+) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+    r"""``(dq, dk, dv, [dbias])`` from the saved logsumexp: :math:`P = e^{S - \mathrm{lse}}`,
+    :math:`dV = \tilde P^T dO` (:math:`\tilde P` with dropout applied),
+    :math:`dP = M \circ dO\, V^T / (1-p)`, :math:`dS = P \circ (dP - \textstyle\sum_j P\, dP)`,
+    :math:`dQ = \sigma\, dS\, K`, :math:`dK = \sigma\, dS^T Q`, :math:`dB = dS`; fp32 (fp64)
+    math, each result rounded once."""
+    visible, rel = _visible(a)
+    s, q, k = _scores(a, rel)
+    acc, hk = s.dtype, a.key.shape[2]
+    probs = torch.exp(s.masked_fill(~visible, -math.inf) - saved[0][..., None].to(acc))
+    g = grad_out.to(acc).transpose(1, 2)
+    dprobs = g @ _heads(a.value, a.query.shape[2], acc).transpose(-1, -2)
+    if a.dropout_p > 0:
+        keep, c = dropout_mask(a.rng_state, probs.shape, a.dropout_p), 1.0 / (1.0 - a.dropout_p)
+        dv = torch.where(keep, probs * c, 0.0).transpose(-1, -2) @ g
+        dprobs = torch.where(keep, dprobs * c, 0.0)
+    else:
+        dv = probs.transpose(-1, -2) @ g
+    ds = probs * (dprobs - (probs * dprobs).sum(-1, keepdim=True))
+    dq = ((ds @ k) * a.scale).transpose(1, 2)
+    dk = (ds.transpose(-1, -2) @ q) * a.scale
+    dbias = [_reduce_to(ds, a.bias.shape).to(a.bias.dtype).contiguous()] if bias_grad else []
+    return (
+        _in_layout(dq.to(a.query.dtype), a.sbhd),
+        _in_layout(_sum_groups(dk, hk).to(a.key.dtype), a.sbhd),
+        _in_layout(_sum_groups(dv, hk).to(a.value.dtype), a.sbhd),
+        dbias,
+    )
+
+
+def _kernel_bias(a: _Args) -> tuple[Tensor, Tensor]:
+    """CUDA's memory-efficient kernel takes the masks as an additive bias: ``[b, h, sq, skv]`` in
+    the query's dtype (rows 16-element aligned, broadcast dims expanded without a copy), and
+    ``row`` ``[b|1, h|1, sq, 1]``, False for a row that sees no key; such a row gets an all-zero
+    bias (finite for the kernel) and is zeroed around it."""
+    b, sq, h = a.query.shape[:3]
+    skv = a.key.shape[1]
+    visible, rel = _visible(a)
+    row = visible.any(-1, keepdim=True)
+    total = torch.zeros((1, 1, 1, 1), dtype=torch.float32, device=a.query.device)
+    if a.bias is not None:
+        total = total + a.bias.float()
+    if a.alibi_slopes is not None:
+        total = total + _alibi(a.alibi_slopes, rel, torch.float32)
+    total = total.masked_fill(~(visible | ~row), -math.inf).to(a.query.dtype)
+    aligned = (skv + 15) // 16 * 16
+    total = F.pad(total, (0, aligned - skv))[..., :skv]
+    return total.expand(b, h, sq, skv), row
+
+
+def _plan(a: _Args) -> attention_cuda.Plan:
+    plain = a.bias is None and a.alibi_slopes is None and a.q_padding is None and a.mask is None
+    return attention_cuda.plan(
+        a.query, a.key, a.value, plain, a.cu_seqlens_q is not None, a.cu_seqlens_kv is None,
+        a.window_left, a.window_right, a.bottom_right, a.dropout_p,
+    )  # fmt: skip
+
+
+def _broadcasts(t: Tensor, b: int, h: int, sq: int, skv: int) -> bool:
+    return (
+        t.dim() == 4
+        and t.shape[0] in (1, b)
+        and t.shape[1] in (1, h)
+        and t.shape[2] == sq
+        and t.shape[3] == skv
+    )
+
+
+def _check(a: _Args) -> None:
+    """The op's constraints, each a ValueError naming the argument, the same in eager and at
+    trace time (the public function checks the user's arguments first, in Transformer Engine's
+    terms)."""
+    q, k, v = a.query, a.key, a.value
+
+    def fail(message: str) -> ValueError:
+        return ValueError("te.attention_fwd: " + message)
+
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise fail(f"query, key and value must be [b, s, h, d], got {list(q.shape)}, "
+                   f"{list(k.shape)}, {list(v.shape)}")  # fmt: skip
+    if q.dtype not in _FLOAT_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise fail(f"query, key and value must share a floating dtype, got {q.dtype}, "
+                   f"{k.dtype}, {v.dtype}")  # fmt: skip
+    b, sq, h, d = q.shape
+    skv = k.shape[1]
+    if k.shape[0] != b or k.shape[3] != d or v.shape[:3] != k.shape[:3]:
+        raise fail(f"key must be [{b}, s_kv, h_kv, {d}] and value [{b}, s_kv, h_kv, d_v], got "
+                   f"{list(k.shape)}, {list(v.shape)}")  # fmt: skip
+    if h % k.shape[2]:
+        raise fail(f"query heads ({h}) must be a multiple of key/value heads ({k.shape[2]})")
+    broadcast = f"[1 or {b}, 1 or {h}, {sq}, {skv}]"
+    if a.bias is not None and not _broadcasts(a.bias, b, h, sq, skv):
+        raise fail(f"bias must be {broadcast}, got {list(a.bias.shape)}")
+    slopes = a.alibi_slopes
+    if slopes is not None and (
+        slopes.dtype != torch.float32 or tuple(slopes.shape) not in ((h,), (b, h))
+    ):
+        raise fail(f"alibi_slopes must be float32 [{h}] or [{b}, {h}], got {slopes.dtype} "
+                   f"{list(slopes.shape)}")  # fmt: skip
+    qp, kvp = a.q_padding, a.kv_padding
+    if (qp is None) != (kvp is None) or (
+        qp is not None
+        and not (
+            qp.dtype == kvp.dtype == torch.bool
+            and tuple(qp.shape) == (b, sq)
+            and tuple(kvp.shape) == (b, skv)
+        )
+    ):
+        raise fail(f"q_padding and kv_padding must both be bool [{b}, {sq}] and [{b}, {skv}]")
+    if a.mask is not None and (
+        a.mask.dtype != torch.bool or not _broadcasts(a.mask, b, h, sq, skv)
+    ):
+        raise fail(f"mask must be bool {broadcast}, got {a.mask.dtype} {list(a.mask.shape)}")
+    cu_q, cu_kv = a.cu_seqlens_q, a.cu_seqlens_kv
+    if cu_q is not None and not (
+        cu_q.dtype == torch.int32 and cu_q.dim() == 1 and cu_q.shape[0] >= 2
+    ):
+        raise fail(f"cu_seqlens_q must be int32 [n + 1], n >= 1, got {cu_q.dtype} "
+                   f"{list(cu_q.shape)}")  # fmt: skip
+    if cu_q is not None and (b != 1 or qp is not None):
+        raise fail(f"cu_seqlens_q needs packed tokens (b == 1, got {b}) and no padding masks")
+    if cu_kv is not None and (
+        cu_q is None or cu_kv.dtype != torch.int32 or cu_kv.shape != cu_q.shape
+    ):
+        raise fail("cu_seqlens_kv must be int32 with cu_seqlens_q's shape")
+    if a.window_left < -1 or a.window_right < -1:
+        raise fail(f"window_left and window_right must be >= -1, got ({a.window_left}, "
+                   f"{a.window_right})")  # fmt: skip
+    if not 0.0 <= a.dropout_p < 1.0:
+        raise fail(f"dropout_p must be in [0, 1), got {a.dropout_p}")
+    rng = a.rng_state
+    if a.dropout_p > 0 and (rng is None or rng.dtype != torch.int64 or tuple(rng.shape) != (2,)):
+        raise fail("rng_state must be an int64 tensor [2] = (seed, offset) when dropout_p > 0")
+
+
+def _empty_out(like: Tensor, d: int, sbhd: bool) -> Tensor:
+    """A ``[b, s, h, d]`` result laid out as :func:`_in_layout` lays it out."""
+    b, s, h = like.shape[:3]
+    if sbhd:
+        return like.new_empty((s, b, h, d)).transpose(0, 1)
+    return like.new_empty((b, s, h, d))
+
+
+# 2. Forward op --------------------------------------------------------------------------------
+
+
+@op("attention_fwd")
+def attention_fwd(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    bias: Tensor | None,
+    alibi_slopes: Tensor | None,
+    q_padding: Tensor | None,
+    kv_padding: Tensor | None,
+    mask: Tensor | None,
+    cu_seqlens_q: Tensor | None,
+    cu_seqlens_kv: Tensor | None,
+    rng_state: Tensor | None,
+    scale: float,
+    window_left: int,
+    window_right: int,
+    bottom_right: bool,
+    dropout_p: float,
+    max_seqlen_q: int,
+    max_seqlen_kv: int,
+    sbhd: bool,
+) -> tuple[Tensor, list[Tensor]]:
+    """``(out, saved)``; ``saved``: what the backward needs (the logsumexp; with dropout on CUDA
+    also the kernel's Philox seed and offset). CPU implementation: the reference math."""
+    a = _Args(query, key, value, bias, alibi_slopes, q_padding, kv_padding, mask, cu_seqlens_q,
+              cu_seqlens_kv, rng_state, scale, window_left, window_right, bottom_right,
+              dropout_p, max_seqlen_q, max_seqlen_kv, sbhd)  # fmt: skip
+    _check(a)
+    return _forward_ref(a)
+
+
+@attention_fwd.register_kernel("cuda")
+def _attention_fwd_cuda(*args):
+    """CUDA only: the fused kernel ``attention_cuda.plan`` picks; fp64 and the cases no kernel
+    expresses run the reference math."""
+    a = _Args(*args)
+    _check(a)
+    plan = _plan(a)
+    if plan.kind == "math":
+        return _forward_ref(a)
+    bias, row = _kernel_bias(a) if plan.uses_bias else (None, None)
+    out, saved = attention_cuda.forward(
+        plan, a.query, a.key, a.value, bias, row, a.cu_seqlens_q, a.cu_seqlens_kv, a.scale,
+        a.window_left, a.window_right, a.dropout_p, a.max_seqlen_q, a.max_seqlen_kv,
+    )  # fmt: skip
+    return _in_layout(out, a.sbhd), saved
+
+
+# 3. Fake --------------------------------------------------------------------------------------
+
+
+@attention_fwd.register_fake
+def _attention_fwd_fake(*args):
+    a = _Args(*args)
+    _check(a)
+    q = a.query
+    out = _empty_out(q, a.value.shape[-1], a.sbhd)
+    if q.device.type == "cuda":
+        plan = _plan(a)
+        if plan.kind != "math":
+            shape = attention_cuda.lse_shape(plan, q, a.cu_seqlens_q, a.max_seqlen_q)
+            saved = [q.new_empty(shape, dtype=torch.float32)]
+            if a.dropout_p > 0 and plan.kind.startswith("efficient"):
+                # aten returns the Philox seed and offset as CPU scalars (as CUDA ones only while
+                # a CUDA graph is being captured).
+                saved += [torch.empty((), dtype=torch.int64), torch.empty((), dtype=torch.int64)]
+            return out, saved
+    b, sq, h = q.shape[:3]
+    return out, [q.new_empty((b, h, sq), dtype=_acc(q))]
+
+
+# 4. Backward op -------------------------------------------------------------------------------
+
+
+@op("attention_bwd")
+def attention_bwd(
+    grad_out: Tensor,
+    out: Tensor,
+    saved: list[Tensor],
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    bias: Tensor | None,
+    alibi_slopes: Tensor | None,
+    q_padding: Tensor | None,
+    kv_padding: Tensor | None,
+    mask: Tensor | None,
+    cu_seqlens_q: Tensor | None,
+    cu_seqlens_kv: Tensor | None,
+    rng_state: Tensor | None,
+    scale: float,
+    window_left: int,
+    window_right: int,
+    bottom_right: bool,
+    dropout_p: float,
+    max_seqlen_q: int,
+    max_seqlen_kv: int,
+    sbhd: bool,
+    bias_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+    """``(dq, dk, dv, dbias)``: ``dbias`` is ``[d bias]`` when ``bias_grad``, else empty; the
+    forward's arguments follow ``grad_out``, ``out`` and ``saved``. CPU implementation: the
+    reference math (``out`` is for the fused kernels)."""
+    a = _Args(query, key, value, bias, alibi_slopes, q_padding, kv_padding, mask, cu_seqlens_q,
+              cu_seqlens_kv, rng_state, scale, window_left, window_right, bottom_right,
+              dropout_p, max_seqlen_q, max_seqlen_kv, sbhd)  # fmt: skip
+    return attention_bwd_ref(a, grad_out, saved, bias_grad)
+
+
+@attention_bwd.register_kernel("cuda")
+def _attention_bwd_cuda(grad_out, out, saved, *args):
+    """CUDA only: the backward of the forward's kernel (the same plan, from the same args)."""
+    a, bias_grad = _Args(*args[:-1]), args[-1]
+    plan = _plan(a)
+    if plan.kind == "math":
+        return attention_bwd_ref(a, grad_out, saved, bias_grad)
+    bias, row = _kernel_bias(a) if plan.uses_bias else (None, None)
+    dq, dk, dv, dbias = attention_cuda.backward(
+        plan, grad_out, a.query, a.key, a.value, out, saved, bias, row, bias_grad,
+        a.cu_seqlens_q, a.cu_seqlens_kv, a.scale, a.window_left, a.window_right, a.dropout_p,
+        a.max_seqlen_q, a.max_seqlen_kv,
+    )  # fmt: skip
+    if bias_grad:
+        dbias = [_reduce_to(dbias.float(), a.bias.shape).to(a.bias.dtype).contiguous()]
+    sbhd = a.sbhd
+    return _in_layout(dq, sbhd), _in_layout(dk, sbhd), _in_layout(dv, sbhd), dbias or []
+
+
+@attention_bwd.register_fake
+def _attention_bwd_fake(grad_out, out, saved, *args):
+    a, bias_grad = _Args(*args[:-1]), args[-1]
+    return (
+        _empty_out(a.query, a.query.shape[-1], a.sbhd),
+        _empty_out(a.key, a.key.shape[-1], a.sbhd),
+        _empty_out(a.value, a.value.shape[-1], a.sbhd),
+        [a.bias.new_empty(a.bias.shape)] if bias_grad else [],
+    )
+
+
+# 5. setup_context + autograd ------------------------------------------------------------------
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    out, saved = output
+    ctx.mark_non_differentiable(*saved)
+    ctx.save_for_backward(out, *inputs[:_N_TENSORS], *saved)
+    ctx.scalars = tuple(inputs[_N_TENSORS:])
+
+
+def _backward(ctx, bwd, grad_out, _grad_saved):
+    out, *tensors = ctx.saved_tensors
+    args, saved = tensors[:_N_TENSORS], tensors[_N_TENSORS:]
+    need = ctx.needs_input_grad
+    bias_grad = args[3] is not None and need[3]
+    dq, dk, dv, dbias = bwd(grad_out, out, saved, *args, *ctx.scalars, bias_grad)
+    grads = [None] * len(need)
+    for i, grad in enumerate((dq, dk, dv)):
+        grads[i] = grad if need[i] else None
+    grads[3] = dbias[0] if bias_grad else None
+    return tuple(grads)
+
+
+def _samples(device: torch.device):
+    """Small odd shapes covering each mask family, GQA and MQA, cross attention, bias, ALiBi,
+    padding, sliding windows, packed ``thd`` and (CPU only) dropout."""
+
+    def t(*shape, dtype=torch.float32):
+        return torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
+
+    def call(q, k, v, window, bottom_right=True, sbhd=False, p=0.0, **tensors):
+        names = ("bias", "slopes", "q_pad", "kv_pad", "mask", "cu_q", "cu_kv", "rng")
+        extra = tuple(tensors.get(name) for name in names)
+        scale = q.shape[-1] ** -0.5
+        return SampleInput(
+            (q, k, v, *extra, scale, *window, bottom_right, p, q.shape[1], k.shape[1], sbhd)
+        )
+
+    def padding(s, lengths):
+        return torch.arange(s, device=device)[None] >= torch.tensor(lengths, device=device)[:, None]
+
+    bf16 = torch.bfloat16
+    # causal top-left, GQA 4:2, results laid out sbhd
+    yield call(t(2, 5, 4, 8), t(2, 5, 2, 8), t(2, 5, 2, 8), (-1, 0), False, sbhd=True)
+    # causal bottom-right, cross attention with sq < skv, MQA, bf16
+    yield call(t(2, 3, 4, 8, dtype=bf16), t(2, 6, 1, 8, dtype=bf16), t(2, 6, 1, 8, dtype=bf16),
+               (-1, 0))  # fmt: skip
+    # no mask, post-scale bias with a gradient, v's head dim != q's
+    yield call(t(1, 4, 2, 6), t(1, 6, 2, 6), t(1, 6, 2, 10), (-1, -1), bias=t(1, 2, 4, 6))
+    # padding, sliding window, per-batch ALiBi; diagonal bottom-right per sequence
+    slopes = torch.tensor([[0.5, 0.25], [0.125, 1.0]], device=device)
+    yield call(t(2, 6, 2, 8), t(2, 7, 2, 8), t(2, 7, 2, 8), (2, 1), slopes=slopes,
+               q_pad=padding(6, [4, 6]), kv_pad=padding(7, [7, 3]))  # fmt: skip
+    # arbitrary mask per head, with a row that sees no key
+    mask = torch.rand(2, 3, 5, 4, device=device) < 0.4
+    mask[0, 1, 2] = True
+    yield call(t(2, 5, 3, 8), t(2, 4, 3, 8), t(2, 4, 3, 8), (-1, -1), mask=mask)
+    # packed thd: uneven sequences, two padding tokens at the end, padding_causal, GQA
+    cu = torch.tensor([0, 3, 4, 8], dtype=torch.int32, device=device)
+    yield call(t(1, 10, 4, 8), t(1, 10, 2, 8), t(1, 10, 2, 8), (-1, 0), False, cu_q=cu)
+    if device.type == "cpu":  # CUDA's kernels draw their own Philox state (attention_cuda)
+        rng = torch.tensor([1234, 5], dtype=torch.int64, device=device)
+        yield call(t(2, 5, 2, 8), t(2, 5, 2, 8), t(2, 5, 2, 8), (-1, 0), False, p=0.25, rng=rng)
+
+
+_attention = differentiable(
+    attention_fwd,
+    attention_bwd,
+    setup_context=_setup_context,
+    backward=_backward,
+    sample_inputs=_samples,
+    reference=attention_ref,
+)
+
+
+# Public function ------------------------------------------------------------------------------
+
+
+def dot_product_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | tuple[Tensor, Tensor] | None = None,
+    *,
+    qkv_format: str = "sbhd",
+    attn_mask_type: str = "causal",
+    window_size: tuple[int, int] | None = None,
+    cu_seqlens_q: Tensor | None = None,
+    cu_seqlens_kv: Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_kv: int | None = None,
+    core_attention_bias_type: str = "no_bias",
+    core_attention_bias: Tensor | None = None,
+    alibi_slopes: Tensor | None = None,
+    softmax_scale: float | None = None,
+    dropout_p: float = 0.0,
+    rng_state: Tensor | None = None,
+) -> Tensor:
+    """Attention with the conventions of Transformer Engine's ``DotProductAttention.forward``,
+    through ``te::attention_fwd``. ``query`` is ``[s, b, h, d]`` (``sbhd``), ``[b, s, h, d]``
+    (``bshd``) or ``[t, h, d]`` (``thd``: packed sequences given by ``cu_seqlens_q`` /
+    ``cu_seqlens_kv``); ``key`` and ``value`` have ``h_kv`` heads dividing ``h`` (GQA). Returns
+    ``[s, b, h*d_v]``, ``[b, s, h*d_v]`` or ``[t, h*d_v]``.
+
+    ``attention_mask`` (True = masked out) is read for the padding mask types (``[b, 1, 1, s]``
+    for self attention or a ``(q_mask, kv_mask)`` pair; ``cu_seqlens`` may give the lengths
+    instead) and for ``"arbitrary"`` (broadcastable to ``[b, h, s_q, s_kv]``), and ignored
+    otherwise, as in Transformer Engine. ``softmax_scale`` defaults to ``1/sqrt(d)``;
+    ``core_attention_bias_type="alibi"`` without ``alibi_slopes`` uses the standard slopes.
+    ``dropout_p > 0`` draws ``rng_state`` (int64 ``(seed, offset)``) from torch's generator
+    unless given. Bad arguments raise ValueError naming them."""
+    args = attention_args.op_arguments(
+        query, key, value, attention_mask, qkv_format, attn_mask_type, window_size, cu_seqlens_q,
+        cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, core_attention_bias_type,
+        core_attention_bias, alibi_slopes, softmax_scale, dropout_p, rng_state,
+    )  # fmt: skip
+    out, _ = _attention(*args)
+    b, s, h, dv = out.shape
+    if qkv_format == "thd":
+        return out[0].reshape(s, h * dv)
+    if qkv_format == "sbhd":
+        return out.transpose(0, 1).reshape(s, b, h * dv)
+    return out.reshape(b, s, h * dv)

@@ -1,0 +1,340 @@
+"""Transformer Engine's attention arguments -> those of ``te::attention_fwd`` (``attention.py``).
+
+Transformer Engine's conventions, checked here with a ValueError naming the argument:
+
+* ``qkv_format``: ``sbhd`` ``[s, b, h, d]``, ``bshd`` ``[b, s, h, d]`` or ``thd`` ``[t, h, d]``
+  (packed sequences; ``cu_seqlens_q`` / ``cu_seqlens_kv`` int32 ``[n + 1]`` are required and a
+  padding mask type). The op takes ``[b, s, h, d]``; ``sbhd`` and ``thd`` are views of it.
+* ``attn_mask_type``: ``no_mask``, ``causal``, ``causal_bottom_right``, ``padding``,
+  ``padding_causal`` (also spelt ``"padding,causal"``, ``"causal,padding"``,
+  ``"causal_padding"``), ``padding_causal_bottom_right``, ``arbitrary``. Padding masks come from
+  ``attention_mask`` (``[b, 1, 1, s]``, True = padded; a ``(q, kv)`` pair for cross attention) or
+  from ``cu_seqlens`` (lengths, right padding); ``arbitrary`` reads ``attention_mask`` (True =
+  masked out, broadcastable to ``[b, h, s_q, s_kv]``); the others ignore ``attention_mask``.
+* ``window_size = (left, right)``: causal types take ``(-1, 0)`` or ``(>=0, 0)``, the others
+  ``(-1, -1)`` or ``(>=0, >=0)``; ``None`` is the mask type's default. Where Transformer Engine
+  warns and replaces an incompatible window, this raises.
+* ``core_attention_bias_type``: ``no_bias``, ``post_scale_bias`` / ``pre_scale_bias`` with
+  ``core_attention_bias`` in ``[b|1, h|1, s_q|1, s_kv]`` (not with ``thd``), ``alibi`` with
+  ``alibi_slopes`` fp32 ``[h]`` or ``[b, h]`` (``[h]`` with ``thd``) or, without them, the
+  standard slopes of ``h`` heads.
+* ``max_seqlen_q`` / ``max_seqlen_kv`` (``thd`` only): bounds for the CUDA varlen kernels,
+  capped at the token count; unset, the token count (never read from ``cu_seqlens``: no host
+  synchronisation).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from te_compile.functional.dropout import new_rng_state
+
+__all__ = [
+    "ATTN_MASK_TYPES",
+    "BIAS_TYPES",
+    "QKV_FORMATS",
+    "default_alibi_slopes",
+    "normalize_mask_type",
+    "normalize_window",
+    "op_arguments",
+]
+
+QKV_FORMATS = ("sbhd", "bshd", "thd")
+ATTN_MASK_TYPES = (
+    "no_mask",
+    "padding",
+    "causal",
+    "padding_causal",
+    "causal_bottom_right",
+    "padding_causal_bottom_right",
+    "arbitrary",
+)
+BIAS_TYPES = ("no_bias", "pre_scale_bias", "post_scale_bias", "alibi")
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_OWNER = "te.dot_product_attention"
+
+
+def _fail(message: str) -> ValueError:
+    return ValueError(f"{_OWNER}: {message}")
+
+
+def normalize_mask_type(attn_mask_type: str, owner: str = _OWNER) -> str:
+    """The canonical spelling of ``attn_mask_type``; ValueError for an unknown type."""
+    if not isinstance(attn_mask_type, str):
+        raise ValueError(f"{owner}: attn_mask_type must be a str, got {attn_mask_type!r}")
+    normalized = attn_mask_type.replace(",", "_")
+    if normalized == "causal_padding":
+        normalized = "padding_causal"
+    if normalized not in ATTN_MASK_TYPES:
+        raise ValueError(
+            f"{owner}: attn_mask_type must be one of {ATTN_MASK_TYPES}, got {attn_mask_type!r}"
+        )
+    return normalized
+
+
+def normalize_window(attn_mask_type: str, window_size, owner: str = _OWNER) -> tuple[int, int]:
+    """``(left, right)`` for a normalized mask type (the rules above)."""
+    causal = "causal" in attn_mask_type
+    if window_size is None:
+        return (-1, 0) if causal else (-1, -1)
+    if (
+        not isinstance(window_size, (tuple, list))
+        or len(window_size) != 2
+        or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)
+    ):
+        raise ValueError(f"{owner}: window_size must be a pair of ints, got {window_size!r}")
+    left, right = window_size
+    if causal:
+        if (left, right) == (-1, -1):
+            return (-1, 0)
+        if right == 0 and left >= -1:
+            return (left, right)
+        allowed = "(-1, 0) or (>=0, 0)"
+    else:
+        if (left, right) == (-1, -1) or (left >= 0 and right >= 0):
+            return (left, right)
+        allowed = "(-1, -1) or (>=0, >=0)"
+    raise ValueError(
+        f"{owner}: window_size must be {allowed} for attn_mask_type={attn_mask_type!r}, got "
+        f"{tuple(window_size)}"
+    )
+
+
+def _slope_values(heads: int) -> tuple[float, ...]:
+    """Press et al.'s ALiBi slopes as Transformer Engine computes them: the geometric sequence
+    from 2^(-8/n) for the largest power of two n <= heads, then every other slope of 2n heads."""
+    n = 2 ** math.floor(math.log2(heads))
+    slopes = [(2.0 ** (-8.0 / n)) ** i for i in range(1, n + 1)]
+    slopes += [(2.0 ** (-4.0 / n)) ** i for i in range(1, 2 * (heads - n), 2)]
+    return tuple(slopes)
+
+
+def default_alibi_slopes(heads: int, device: torch.device | str = "cpu") -> Tensor:
+    """The standard ALiBi slopes of ``heads`` heads: float32 ``[heads]`` (a graph constant under
+    ``torch.compile``; no cached device tensor)."""
+    from te_compile.kernels import device_constant
+
+    return device_constant(_slope_values(heads), torch.float32, torch.device(device))
+
+
+def _check_qkv(query, key, value, qkv_format: str) -> None:
+    if not all(isinstance(x, Tensor) for x in (query, key, value)):
+        raise _fail("query, key and value must be tensors")
+    rank = 3 if qkv_format == "thd" else 4
+    shapes = f"{list(query.shape)}, {list(key.shape)}, {list(value.shape)}"
+    if query.dim() != rank or key.dim() != rank or value.dim() != rank:
+        raise _fail(f"query, key and value must be {rank}-D for qkv_format={qkv_format!r}, got "
+                    f"{shapes}")  # fmt: skip
+    if query.dtype not in _FLOAT_DTYPES or key.dtype != query.dtype or value.dtype != query.dtype:
+        raise _fail(f"query, key and value must share a floating dtype, got {query.dtype}, "
+                    f"{key.dtype}, {value.dtype}")  # fmt: skip
+    if key.device != query.device or value.device != query.device:
+        raise _fail("query, key and value must be on one device")
+    if key.shape[:-1] != value.shape[:-1]:
+        raise _fail(f"key and value must agree in all but the head dim, got {shapes}")
+    if query.shape[-1] != key.shape[-1]:
+        raise _fail(f"query and key must have one head dim, got {shapes}")
+    if query.shape[-2] % key.shape[-2]:
+        raise _fail(f"query heads ({query.shape[-2]}) must be a multiple of key/value heads "
+                    f"({key.shape[-2]}), got {shapes}")  # fmt: skip
+    batch = {"sbhd": 1, "bshd": 0}.get(qkv_format)
+    if batch is not None and query.shape[batch] != key.shape[batch]:
+        raise _fail(f"query and key must have one batch size ({qkv_format}), got {shapes}")
+
+
+def _check_cu_seqlens(name: str, cu, device: torch.device, batch: int | None) -> None:
+    if not isinstance(cu, Tensor) or cu.dtype != torch.int32 or cu.dim() != 1:
+        got = f"{cu.dtype} {list(cu.shape)}" if isinstance(cu, Tensor) else repr(cu)
+        raise _fail(f"{name} must be an int32 tensor [batch_size + 1], got {got}")
+    if cu.device != device:
+        raise _fail(f"{name} must be on {device}, got {cu.device}")
+    if cu.shape[0] < 2 or (batch is not None and cu.shape[0] != batch + 1):
+        want = "at least 2" if batch is None else f"batch_size + 1 = {batch + 1}"
+        raise _fail(f"{name} must have {want} entries, got {cu.shape[0]}")
+
+
+def _padding(mask, which: str, b: int, s: int) -> Tensor:
+    if (
+        not isinstance(mask, Tensor)
+        or mask.dtype != torch.bool
+        or tuple(mask.shape) != (b, 1, 1, s)
+    ):
+        got = f"{mask.dtype} {list(mask.shape)}" if isinstance(mask, Tensor) else repr(mask)
+        raise _fail(f"attention_mask ({which}) must be a bool tensor [{b}, 1, 1, {s}] "
+                    f"(True = padded), got {got}")  # fmt: skip
+    return mask[:, 0, 0, :]
+
+
+def _padding_masks(attention_mask, cu_q, cu_kv, b: int, sq: int, skv: int, device):
+    """``(q_padding, kv_padding)``, bool ``[b, s]``, of a padded sbhd / bshd batch."""
+    if attention_mask is not None:
+        if isinstance(attention_mask, (tuple, list)):
+            if len(attention_mask) != 2:
+                raise _fail("attention_mask must be a tensor or a (q_mask, kv_mask) pair")
+            q_mask, kv_mask = attention_mask
+        elif sq != skv:
+            raise _fail(f"attention_mask must be a (q_mask, kv_mask) pair when the query and "
+                        f"key/value sequence lengths differ ({sq} != {skv})")  # fmt: skip
+        else:
+            q_mask = kv_mask = attention_mask
+        return _padding(q_mask, "query", b, sq), _padding(kv_mask, "key/value", b, skv)
+    if cu_q is None or cu_kv is None:
+        raise _fail("padding mask types need attention_mask, or cu_seqlens_q and cu_seqlens_kv")
+    _check_cu_seqlens("cu_seqlens_q", cu_q, device, b)
+    _check_cu_seqlens("cu_seqlens_kv", cu_kv, device, b)
+
+    def from_lengths(cu: Tensor, s: int) -> Tensor:
+        return torch.arange(s, device=device)[None, :] >= (cu[1:] - cu[:-1]).long()[:, None]
+
+    return from_lengths(cu_q, sq), from_lengths(cu_kv, skv)
+
+
+def _arbitrary(mask, b: int, h: int, sq: int, skv: int) -> Tensor:
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+        raise _fail("attention_mask must be a bool tensor (True = masked out) for "
+                    "attn_mask_type='arbitrary'")  # fmt: skip
+    want = (b, h, sq, skv)
+    if mask.dim() != 4 or any(m not in (1, w) for m, w in zip(mask.shape, want, strict=True)):
+        raise _fail(f"attention_mask must broadcast to [b, h, s_q, s_kv] = {list(want)}, got "
+                    f"{list(mask.shape)}")  # fmt: skip
+    return mask.expand(mask.shape[0], mask.shape[1], sq, skv)
+
+
+def _bias(bias, b: int, h: int, sq: int, skv: int) -> Tensor:
+    """Transformer Engine's bias shapes (bhss, 1hss, b1ss, 11ss, 111s) as [b|1, h|1, sq, skv]."""
+    if not isinstance(bias, Tensor) or not bias.is_floating_point():
+        raise _fail("core_attention_bias must be a floating tensor")
+    if (
+        bias.dim() != 4
+        or bias.shape[0] not in (1, b)
+        or bias.shape[1] not in (1, h)
+        or bias.shape[2] not in (1, sq)
+        or bias.shape[3] != skv
+    ):
+        raise _fail(f"core_attention_bias must be [1 or {b}, 1 or {h}, 1 or {sq}, {skv}], got "
+                    f"{list(bias.shape)}")  # fmt: skip
+    return bias.expand(bias.shape[0], bias.shape[1], sq, skv)
+
+
+def _slopes(alibi_slopes, b: int, h: int, thd: bool, device) -> Tensor:
+    if alibi_slopes is None:
+        return default_alibi_slopes(h, device)
+    shapes = ((h,),) if thd else ((h,), (b, h))
+    if (
+        not isinstance(alibi_slopes, Tensor)
+        or alibi_slopes.dtype != torch.float32
+        or tuple(alibi_slopes.shape) not in shapes
+    ):
+        got = alibi_slopes
+        if isinstance(got, Tensor):
+            got = f"{got.dtype} {list(got.shape)}"
+        raise _fail(f"alibi_slopes must be a float32 tensor {' or '.join(map(str, shapes))}, "
+                    f"got {got}")  # fmt: skip
+    if alibi_slopes.device != device:
+        raise _fail(f"alibi_slopes must be on {device}, got {alibi_slopes.device}")
+    return alibi_slopes
+
+
+def _max_seqlen(name: str, value, tokens):
+    if value is None:
+        return tokens
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise _fail(f"{name} must be a positive int, got {value!r}")
+    return torch.sym_min(value, tokens)
+
+
+def op_arguments(
+    query, key, value, attention_mask, qkv_format, attn_mask_type, window_size, cu_seqlens_q,
+    cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, core_attention_bias_type, core_attention_bias,
+    alibi_slopes, softmax_scale, dropout_p, rng_state,
+) -> tuple:  # fmt: skip
+    """``te::attention_fwd``'s arguments for a call of
+    :func:`te_compile.functional.dot_product_attention` (its arguments, in order)."""
+    if qkv_format not in QKV_FORMATS:
+        raise _fail(f"qkv_format must be one of {QKV_FORMATS}, got {qkv_format!r}")
+    mask_type = normalize_mask_type(attn_mask_type)
+    left, right = normalize_window(mask_type, window_size)
+    _check_qkv(query, key, value, qkv_format)
+    if core_attention_bias_type not in BIAS_TYPES:
+        raise _fail(f"core_attention_bias_type must be one of {BIAS_TYPES}, got "
+                    f"{core_attention_bias_type!r}")  # fmt: skip
+    if (
+        not isinstance(dropout_p, (int, float))
+        or isinstance(dropout_p, bool)
+        or not 0.0 <= dropout_p < 1.0
+    ):
+        raise _fail(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    if softmax_scale is not None and (
+        not isinstance(softmax_scale, (int, float)) or isinstance(softmax_scale, bool)
+    ):
+        raise _fail(f"softmax_scale must be a float, got {softmax_scale!r}")
+
+    thd = qkv_format == "thd"
+    if thd:
+        q, k, v = query[None], key[None], value[None]
+    elif qkv_format == "sbhd":
+        q, k, v = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
+    else:
+        q, k, v = query, key, value
+    b, sq, h, d = q.shape
+    skv, device = k.shape[1], query.device
+
+    q_pad = kv_pad = mask = cu_q = cu_kv = None
+    if thd:
+        if "padding" not in mask_type:
+            raise _fail(f"qkv_format='thd' needs a padding mask type, got attn_mask_type="
+                        f"{mask_type!r}")  # fmt: skip
+        if cu_seqlens_q is None or cu_seqlens_kv is None:
+            raise _fail("qkv_format='thd' needs cu_seqlens_q and cu_seqlens_kv")
+        if attention_mask is not None:
+            raise _fail("attention_mask is not supported with qkv_format='thd': use cu_seqlens")
+        _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, device, None)
+        _check_cu_seqlens("cu_seqlens_kv", cu_seqlens_kv, device, None)
+        if cu_seqlens_q.shape != cu_seqlens_kv.shape:
+            raise _fail(f"cu_seqlens_q and cu_seqlens_kv must have one length, got "
+                        f"{cu_seqlens_q.shape[0]} and {cu_seqlens_kv.shape[0]}")  # fmt: skip
+        # The same tensor on both sides tells the CUDA kernels that q and kv share one layout.
+        cu_q, cu_kv = cu_seqlens_q, None if cu_seqlens_kv is cu_seqlens_q else cu_seqlens_kv
+    elif "padding" in mask_type:
+        q_pad, kv_pad = _padding_masks(attention_mask, cu_seqlens_q, cu_seqlens_kv, b, sq, skv,
+                                       device)  # fmt: skip
+    elif mask_type == "arbitrary":
+        if attention_mask is None:
+            raise _fail("attn_mask_type='arbitrary' needs attention_mask")
+        mask = _arbitrary(attention_mask, b, h, sq, skv)
+
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    bias = slopes = None
+    if core_attention_bias_type in ("pre_scale_bias", "post_scale_bias"):
+        if core_attention_bias is None:
+            raise _fail(f"core_attention_bias_type={core_attention_bias_type!r} needs "
+                        "core_attention_bias")  # fmt: skip
+        if thd:
+            raise _fail("core_attention_bias is not supported with qkv_format='thd'")
+        bias = _bias(core_attention_bias, b, h, sq, skv)
+        if core_attention_bias_type == "pre_scale_bias":
+            bias = bias * scale  # softmax((QK^T + B) * scale)
+    elif core_attention_bias is not None:
+        raise _fail(f"core_attention_bias must be None for core_attention_bias_type="
+                    f"{core_attention_bias_type!r}")  # fmt: skip
+    if core_attention_bias_type == "alibi":
+        slopes = _slopes(alibi_slopes, b, h, thd, device)
+    elif alibi_slopes is not None:
+        raise _fail("alibi_slopes needs core_attention_bias_type='alibi'")
+
+    p = float(dropout_p)
+    if p > 0 and rng_state is None:
+        rng_state = new_rng_state(device)
+    if thd:
+        max_q = _max_seqlen("max_seqlen_q", max_seqlen_q, sq)
+        max_kv = _max_seqlen("max_seqlen_kv", max_seqlen_kv, skv)
+    else:
+        max_q, max_kv = sq, skv
+    bottom_right = mask_type not in ("causal", "padding_causal")
+    return (
+        q, k, v, bias, slopes, q_pad, kv_pad, mask, cu_q, cu_kv, rng_state if p > 0 else None,
+        scale, left, right, bottom_right, p, max_q, max_kv, qkv_format == "sbhd",
+    )  # fmt: skip

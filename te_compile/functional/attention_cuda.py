@@ -1,0 +1,316 @@
+"""PyTorch's fused attention kernels on CUDA: which one runs each case of ``te::attention_fwd/_bwd``
+and how it is called. **CUDA only; not run on a GPU yet** (written against the aten schemas of
+torch 2.11 - 2.13, which match).
+
+The table, first match wins (``plan``):
+
+=================== ========================================= ===================================
+kernel              used when                                 aten forward / backward
+=================== ========================================= ===================================
+``flash``           bf16/fp16, head dims <= 256, no dropout,  ``_flash_attention_forward`` /
+                    no bias / ALiBi / mask / padding; causal  ``_flash_attention_backward``
+                    and sliding windows aligned bottom-right  (dense [b, s, h, d]; GQA native;
+                    or sq == skv                              window_size_left/right)
+``flash_varlen``    same, ``thd`` (cu_seqlens); top-left      the same ops with ``cum_seq_q/k``
+                    windows only when q and kv share          (3-D [t, h, d])
+                    cu_seqlens
+``efficient``       everything else dense: fp32, dropout,     ``_efficient_attention_forward`` /
+                    post-scale bias, ALiBi, padding,          ``_efficient_attention_backward``
+                    arbitrary masks, windows                  (GQA by expanding K/V)
+``efficient_varlen`` ``thd`` with dropout (or fp32) and plain  the same ops with ``cu_seqlens_q/k``
+                    causal / no mask                          (batch 1)
+``math``            fp64, and ``thd`` with sliding windows,   the reference math (the CPU
+                    ALiBi or a layout the kernels cannot      implementation)
+                    express
+=================== ========================================= ===================================
+
+``efficient`` takes masks as an additive bias (``custom_mask_type`` 1 / 2 = causal from the top
+left / bottom right when the mask is only causal): the bias path materialises one
+``[b|1, h|1, sq, skv]`` tensor in the query's dtype (-inf where masked, user bias and ALiBi added,
+last dim padded to 16 elements as the kernel's loads need) and expands it to ``[b, h, sq, skv]``
+(stride 0, no copy). A query row that sees no key (a padded query, bottom-right causal with
+sq > skv) is given an all-zero bias row instead, and its output and incoming gradient are zeroed
+around the kernel: the kernels' behaviour on an all ``-inf`` row is not relied on.
+
+Dropout on CUDA: the fused kernels draw their Philox seed and offset from the CUDA generator
+(aten's kernels take no seed) and return them; they are saved for the backward, so the backward
+regenerates the forward's mask. ``torch.utils.checkpoint`` restores the CUDA generator before a
+recompute, so the recomputed forward draws the same seed. The ``rng_state`` input of the op is
+used by the ``math`` path only. Under ``torch.compile`` the aten ops are traced (they are tagged
+``nondeterministic_seeded``) as they are for ``F.scaled_dot_product_attention``.
+
+Head dims: flash needs q, k and v with one head dim, a multiple of 8; the mem-efficient kernel's
+vectorised loads want multiples of 8 too. Inputs are zero-padded (zeros add nothing to QK^T; a
+zero column of V gives a zero output column, sliced off) when needed, and gradients sliced back.
+Tokens of a ``thd`` batch past ``cu_seqlens[-1]`` are not written by the varlen kernels: their
+outputs and gradients are set to zero here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["Plan", "backward", "forward", "plan"]
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The kernel for one call: ``kind`` (a row of the table above) and, for ``efficient``,
+    ``mask_type``: aten's ``custom_mask_type`` (0 none, 1 causal top-left, 2 causal bottom-right)
+    or -1 for the bias path."""
+
+    kind: str
+    mask_type: int = 0
+
+    @property
+    def uses_bias(self) -> bool:
+        return self.kind == "efficient" and self.mask_type < 0
+
+
+def _flash_ok(q: Tensor, v: Tensor, dropout_p: float) -> bool:
+    return (
+        q.dtype in _HALF
+        and max(q.shape[-1], v.shape[-1]) <= 256
+        and dropout_p == 0.0
+        and torch.backends.cuda.flash_sdp_enabled()
+        and torch.backends.cuda.is_flash_attention_available()
+        and torch.cuda.get_device_capability(q.device) >= (8, 0)
+    )
+
+
+def _causal_type(window_left: int, window_right: int, bottom_right: bool) -> int | None:
+    """aten's ``custom_mask_type`` for a window the mem-efficient kernel expresses without a
+    bias (no left bound; right bound none or the diagonal), else None."""
+    if window_left >= 0 or window_right > 0:
+        return None
+    if window_right < 0:
+        return 0
+    return 2 if bottom_right else 1
+
+
+def plan(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    plain: bool,
+    varlen: bool,
+    same_layout: bool,
+    window_left: int,
+    window_right: int,
+    bottom_right: bool,
+    dropout_p: float,
+) -> Plan:
+    """The kernel for these arguments (shapes, dtypes and flags only: the fake makes the same
+    choice). ``plain``: no bias, ALiBi, mask or padding; ``same_layout``: q and kv share
+    cu_seqlens, so top-left and bottom-right alignment coincide per sequence."""
+    if q.dtype == torch.float64:
+        return Plan("math")
+    sq, skv = q.shape[1], k.shape[1]
+    windowed = window_left >= 0 or window_right >= 0
+    aligned = bottom_right or not windowed or (same_layout if varlen else sq == skv)
+    if plain and aligned and _flash_ok(q, v, dropout_p):
+        return Plan("flash_varlen" if varlen else "flash")
+    efficient = torch.backends.cuda.mem_efficient_sdp_enabled()
+    causal_type = _causal_type(window_left, window_right, bottom_right)
+    if varlen:
+        # Bottom-right rows with no key (a sequence with more queries than keys) only where the
+        # layouts differ; the kernel's handling of such rows is not relied on.
+        if efficient and plain and causal_type is not None and (causal_type < 2 or same_layout):
+            return Plan("efficient_varlen", causal_type)
+        return Plan("math")
+    if not efficient:
+        return Plan("math")
+    if plain and causal_type is not None and (causal_type < 2 or sq <= skv):
+        return Plan("efficient", causal_type)
+    return Plan("efficient", -1)
+
+
+def lse_shape(p: Plan, q: Tensor, cu_seqlens_q: Tensor | None, max_seqlen_q: int) -> tuple:
+    """Shape of the fp32 logsumexp each kernel returns (and its backward takes)."""
+    b, sq, h = q.shape[0], q.shape[1], q.shape[2]
+    if p.kind == "flash_varlen":
+        return (h, sq)
+    if p.kind == "efficient_varlen":
+        return (cu_seqlens_q.shape[0] - 1, h, (max_seqlen_q + 31) // 32 * 32)
+    if p.kind == "efficient":
+        return (b, h, (sq + 31) // 32 * 32)
+    return (b, h, sq)
+
+
+def _round8(n: int) -> int:
+    return (n + 7) // 8 * 8
+
+
+def _pad_last(x: Tensor, size: int) -> Tensor:
+    return x if x.shape[-1] == size else F.pad(x, (0, size - x.shape[-1]))
+
+
+def _expand_heads(x: Tensor, heads: int) -> Tensor:
+    """GQA for the mem-efficient kernel (equal head counts): kv head ``j`` serves query heads
+    ``j*g .. j*g+g-1``."""
+    b, s, hk, d = x.shape
+    if hk == heads:
+        return x
+    return x[:, :, :, None].expand(b, s, hk, heads // hk, d).reshape(b, s, heads, d)
+
+
+def _sum_heads(dx: Tensor, kv_heads: int) -> Tensor:
+    b, s, h, d = dx.shape
+    if h == kv_heads:
+        return dx
+    return dx.reshape(b, s, kv_heads, h // kv_heads, d).sum(3)
+
+
+def _flash_window(window_left: int, window_right: int) -> dict:
+    return {"window_size_left": window_left, "window_size_right": window_right}
+
+
+def _padded(p: Plan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Zero-padded head dims: one common dim for flash, each a multiple of 8 for efficient."""
+    if p.kind.startswith("flash"):
+        d = _round8(max(q.shape[-1], v.shape[-1]))
+        return _pad_last(q, d), _pad_last(k, d), _pad_last(v, d)
+    dqk = _round8(q.shape[-1])
+    return _pad_last(q, dqk), _pad_last(k, dqk), _pad_last(v, _round8(v.shape[-1]))
+
+
+def _valid_tokens(cu_seqlens: Tensor, n: int) -> Tensor:
+    """[n, 1, 1] bool: the token lies inside some sequence (before ``cu_seqlens[-1]``)."""
+    return (torch.arange(n, device=cu_seqlens.device) < cu_seqlens[-1])[:, None, None]
+
+
+def forward(
+    p: Plan,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    bias: Tensor | None,
+    row_valid: Tensor | None,
+    cu_seqlens_q: Tensor | None,
+    cu_seqlens_kv: Tensor | None,
+    scale: float,
+    window_left: int,
+    window_right: int,
+    dropout_p: float,
+    max_seqlen_q: int,
+    max_seqlen_kv: int,
+) -> tuple[Tensor, list[Tensor]]:
+    """``(out [b, sq, h, dv], saved)``; ``saved`` = ``[lse]`` (+ the Philox seed and offset the
+    mem-efficient kernel drew, with dropout). ``bias``: the kernel bias of the bias path
+    (``[b, h, sq, skv]``, q's dtype), ``row_valid``: ``[b|1, h|1, sq, 1]``, False for rows that
+    see no key."""
+    dv = v.shape[-1]
+    qp, kp, vp = _padded(p, q, k, v)
+    causal = window_right == 0
+    if p.kind == "flash":
+        out, lse, *_ = torch.ops.aten._flash_attention_forward(
+            qp, kp, vp, None, None, q.shape[1], k.shape[1], 0.0, causal, False,
+            scale=scale, **_flash_window(window_left, window_right),
+        )  # fmt: skip
+        return out[..., :dv], [lse]
+    if p.kind == "flash_varlen":
+        cu_kv = cu_seqlens_q if cu_seqlens_kv is None else cu_seqlens_kv
+        out, lse, *_ = torch.ops.aten._flash_attention_forward(
+            qp[0], kp[0], vp[0], cu_seqlens_q, cu_kv, max_seqlen_q, max_seqlen_kv, 0.0, causal,
+            False, scale=scale, **_flash_window(window_left, window_right),
+        )  # fmt: skip
+        out = torch.where(_valid_tokens(cu_seqlens_q, out.shape[0]), out[..., :dv], 0.0)
+        return out[None], [lse]
+    heads = q.shape[2]
+    kp, vp = _expand_heads(kp, heads), _expand_heads(vp, heads)
+    if p.kind == "efficient_varlen":
+        cu_kv = cu_seqlens_q if cu_seqlens_kv is None else cu_seqlens_kv
+        out, lse, seed, offset, *_ = torch.ops.aten._efficient_attention_forward(
+            qp, kp, vp, None, cu_seqlens_q, cu_kv, max_seqlen_q, max_seqlen_kv, dropout_p,
+            p.mask_type, True, scale=scale,
+        )  # fmt: skip
+        out = torch.where(_valid_tokens(cu_seqlens_q, out.shape[1])[None], out[..., :dv], 0.0)
+        return out, [lse, seed, offset] if dropout_p > 0 else [lse]
+    out, lse, seed, offset, *_ = torch.ops.aten._efficient_attention_forward(
+        qp, kp, vp, bias, None, None, None, None, dropout_p, max(p.mask_type, 0), True,
+        scale=scale,
+    )  # fmt: skip
+    out = out[..., :dv]
+    if row_valid is not None:
+        out = torch.where(row_valid.transpose(1, 2), out, 0.0)
+    return out, [lse, seed, offset] if dropout_p > 0 else [lse]
+
+
+def backward(
+    p: Plan,
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    saved: list[Tensor],
+    bias: Tensor | None,
+    row_valid: Tensor | None,
+    bias_grad: bool,
+    cu_seqlens_q: Tensor | None,
+    cu_seqlens_kv: Tensor | None,
+    scale: float,
+    window_left: int,
+    window_right: int,
+    dropout_p: float,
+    max_seqlen_q: int,
+    max_seqlen_kv: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """``(dq, dk, dv, dbias)`` through the backward of the forward's kernel; ``dbias`` is the
+    gradient of the kernel bias (``[b, h, sq, skv]``) when ``bias_grad``, else None."""
+    d, dv, hk = q.shape[-1], v.shape[-1], k.shape[2]
+    qp, kp, vp = _padded(p, q, k, v)
+    outp, gp = _pad_last(out, vp.shape[-1]), _pad_last(grad_out, vp.shape[-1])
+    causal = window_right == 0
+    lse = saved[0]
+    if p.kind.startswith("flash"):
+        # No dropout on this path: the kernel reads no RNG state; placeholders of the forward's.
+        rng = torch.empty(2, dtype=torch.int64, device=q.device)
+        unused = torch.empty((), dtype=torch.int64, device=q.device)
+        window = _flash_window(window_left, window_right)
+        if p.kind == "flash":
+            dq, dk, dvv = torch.ops.aten._flash_attention_backward(
+                gp, qp, kp, vp, outp, lse, None, None, q.shape[1], k.shape[1], 0.0, causal,
+                rng, unused, scale=scale, **window,
+            )  # fmt: skip
+            return dq[..., :d], dk[..., :d], dvv[..., :dv], None
+        cu_kv = cu_seqlens_q if cu_seqlens_kv is None else cu_seqlens_kv
+        dq, dk, dvv = torch.ops.aten._flash_attention_backward(
+            gp[0], qp[0], kp[0], vp[0], outp[0], lse, cu_seqlens_q, cu_kv, max_seqlen_q,
+            max_seqlen_kv, 0.0, causal, rng, unused, scale=scale, **window,
+        )  # fmt: skip
+        vq, vk = _valid_tokens(cu_seqlens_q, dq.shape[0]), _valid_tokens(cu_kv, dk.shape[0])
+        dq = torch.where(vq, dq[..., :d], 0.0)
+        dk, dvv = torch.where(vk, dk[..., :d], 0.0), torch.where(vk, dvv[..., :dv], 0.0)
+        return dq[None], dk[None], dvv[None], None
+    heads = q.shape[2]
+    kp, vp = _expand_heads(kp, heads), _expand_heads(vp, heads)
+    if dropout_p > 0:
+        seed, offset = saved[1], saved[2]
+    else:  # not read by the kernel without dropout
+        seed = offset = torch.empty((), dtype=torch.int64, device=q.device)
+    if p.kind == "efficient_varlen":
+        cu_kv = cu_seqlens_q if cu_seqlens_kv is None else cu_seqlens_kv
+        dq, dk, dvv, _ = torch.ops.aten._efficient_attention_backward(
+            gp, qp, kp, vp, None, outp, cu_seqlens_q, cu_kv, max_seqlen_q, max_seqlen_kv, lse,
+            dropout_p, seed, offset, p.mask_type, False, scale=scale,
+        )  # fmt: skip
+        vq, vk = _valid_tokens(cu_seqlens_q, dq.shape[1]), _valid_tokens(cu_kv, dk.shape[1])
+        dq = torch.where(vq[None], dq[..., :d], 0.0)
+        dk = torch.where(vk[None], _sum_heads(dk, hk)[..., :d], 0.0)
+        dvv = torch.where(vk[None], _sum_heads(dvv, hk)[..., :dv], 0.0)
+        return dq, dk, dvv, None
+    if row_valid is not None:
+        gp = torch.where(row_valid.transpose(1, 2), gp, 0.0)
+    dq, dk, dvv, dbias = torch.ops.aten._efficient_attention_backward(
+        gp, qp, kp, vp, bias, outp, None, None, q.shape[1], k.shape[1], lse, dropout_p, seed,
+        offset, max(p.mask_type, 0), bias_grad, scale=scale,
+    )  # fmt: skip
+    dk, dvv = _sum_heads(dk, hk), _sum_heads(dvv, hk)
+    return dq[..., :d], dk[..., :d], dvv[..., :dv], dbias if bias_grad else None

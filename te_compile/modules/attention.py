@@ -1,0 +1,175 @@
+"""``te_compile.DotProductAttention``: Transformer Engine's core attention module (no projections:
+``query``, ``key`` and ``value`` come in already split into heads).
+
+The constructor and ``forward`` take Transformer Engine's arguments with its defaults and meaning
+(``attn_mask_type="causal"``, ``qkv_format="sbhd"``, ``softmax_scale = 1/sqrt(kv_channels)``,
+``window_size`` / ``attn_mask_type`` overridable per call); the math, the masks and the kernels
+are those of :func:`te_compile.functional.dot_product_attention` (``functional/attention.py``).
+With tensor parallelism each rank holds ``num_attention_heads / tp_size`` query heads and
+``num_gqa_groups / tp_size`` key/value heads: attention needs no communication. Not supported:
+context parallelism, FP8 attention, KV caching (``inference_params``), packed ``qkv_layer``
+inputs, ``cu_seqlens_*_padded`` and sink softmax types.
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch import Tensor, nn
+
+from te_compile.functional import attention_args as A
+from te_compile.functional.attention import dot_product_attention
+from te_compile.modules._common import check_choice, check_positive
+
+__all__ = ["DotProductAttention"]
+
+_NAME = "te.DotProductAttention"
+
+
+def _tp_size(tp_size: int, tp_group) -> int:
+    if tp_group is None:
+        return tp_size
+    import torch.distributed as dist
+
+    return dist.get_world_size(tp_group)
+
+
+class DotProductAttention(nn.Module):
+    """Scaled dot-product attention with Transformer Engine's API. ``kv_channels`` is the head
+    dim of keys and values, or a ``(k, v)`` pair when they differ. Output: ``[s, b, h*d_v]``
+    (``sbhd``), ``[b, s, h*d_v]`` (``bshd``) or ``[t, h*d_v]`` (``thd``), ``h`` the local heads.
+    Dropout (``attention_dropout``) applies in training mode only."""
+
+    def __init__(
+        self,
+        num_attention_heads: int,
+        kv_channels: int | tuple[int, int],
+        num_gqa_groups: int | None = None,
+        attention_dropout: float = 0.0,
+        qkv_format: str = "sbhd",
+        attn_mask_type: str = "causal",
+        window_size: tuple[int, int] | None = None,
+        attention_type: str = "self",
+        layer_number: int | None = None,
+        softmax_scale: float | None = None,
+        tp_size: int = 1,
+        tp_group=None,
+        sequence_parallel: bool = False,
+    ) -> None:
+        super().__init__()
+        check_positive(_NAME, num_attention_heads=num_attention_heads)
+        if isinstance(kv_channels, (tuple, list)) and len(kv_channels) == 2:
+            channels_k, channels_v = kv_channels
+        else:
+            channels_k = channels_v = kv_channels
+        check_positive(_NAME, kv_channels=channels_k)
+        check_positive(_NAME, kv_channels=channels_v)
+        gqa = num_attention_heads if num_gqa_groups is None else num_gqa_groups
+        check_positive(_NAME, num_gqa_groups=gqa)
+        if num_attention_heads % gqa:
+            raise ValueError(
+                f"{_NAME}: num_attention_heads ({num_attention_heads}) must be divisible by "
+                f"num_gqa_groups ({gqa})"
+            )
+        tp = _tp_size(tp_size, tp_group)
+        check_positive(_NAME, tp_size=tp)
+        if num_attention_heads % tp or gqa % tp:
+            raise ValueError(
+                f"{_NAME}: num_attention_heads ({num_attention_heads}) and num_gqa_groups "
+                f"({gqa}) must be divisible by tp_size ({tp})"
+            )
+        if (
+            not isinstance(attention_dropout, (int, float))
+            or isinstance(attention_dropout, bool)
+            or not 0.0 <= attention_dropout < 1.0
+        ):
+            raise ValueError(
+                f"{_NAME}: attention_dropout must be a float in [0, 1), got {attention_dropout!r}"
+            )
+        check_choice(_NAME, "qkv_format", qkv_format, A.QKV_FORMATS)
+        check_choice(_NAME, "attention_type", attention_type, ("self", "cross"))
+        self.attn_mask_type = A.normalize_mask_type(attn_mask_type, _NAME)
+        A.normalize_window(self.attn_mask_type, window_size, _NAME)  # checked, kept as given
+        if softmax_scale is not None and not isinstance(softmax_scale, (int, float)):
+            raise ValueError(f"{_NAME}: softmax_scale must be a float, got {softmax_scale!r}")
+
+        self.num_attention_heads = num_attention_heads
+        self.num_gqa_groups = gqa
+        self.hidden_size_per_attention_head_k = channels_k
+        self.hidden_size_per_attention_head_v = channels_v
+        self.tp_size, self.tp_group, self.sequence_parallel = tp, tp_group, sequence_parallel
+        self.num_attention_heads_per_partition = num_attention_heads // tp
+        self.num_gqa_groups_per_partition = gqa // tp
+        self.attention_dropout = float(attention_dropout)
+        self.qkv_format = qkv_format
+        self.window_size = None if window_size is None else tuple(window_size)
+        self.attention_type = attention_type
+        self.layer_number = 1 if layer_number is None else layer_number
+        self.softmax_scale = (
+            1.0 / math.sqrt(channels_k) if softmax_scale is None else float(softmax_scale)
+        )
+
+    def _check_shapes(self, query: Tensor, key: Tensor, value: Tensor) -> None:
+        if not all(isinstance(x, Tensor) and x.dim() >= 2 for x in (query, key, value)):
+            raise ValueError(f"{_NAME}: query, key and value must be tensors [..., h, d]")
+        checks = (
+            ("kv_channels", query.shape[-1], self.hidden_size_per_attention_head_k, "query"),
+            ("kv_channels", key.shape[-1], self.hidden_size_per_attention_head_k, "key"),
+            ("kv_channels", value.shape[-1], self.hidden_size_per_attention_head_v, "value"),
+            ("num_attention_heads", query.shape[-2], self.num_attention_heads_per_partition,
+             "query"),
+            ("num_gqa_groups", key.shape[-2], self.num_gqa_groups_per_partition, "key"),
+            ("num_gqa_groups", value.shape[-2], self.num_gqa_groups_per_partition, "value"),
+        )  # fmt: skip
+        for name, got, want, tensor in checks:
+            if got != want:
+                dim = "head dim" if name == "kv_channels" else "head count"
+                raise ValueError(
+                    f"{_NAME}: {tensor} has {dim} {got}, but {name} gives {want} per rank "
+                    f"(tp_size={self.tp_size})"
+                )
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | tuple[Tensor, Tensor] | None = None,
+        cu_seqlens_q: Tensor | None = None,
+        cu_seqlens_kv: Tensor | None = None,
+        max_seqlen_q: int | None = None,
+        max_seqlen_kv: int | None = None,
+        attn_mask_type: str | None = None,
+        window_size: tuple[int, int] | None = None,
+        core_attention_bias_type: str = "no_bias",
+        core_attention_bias: Tensor | None = None,
+        alibi_slopes: Tensor | None = None,
+    ) -> Tensor:
+        self._check_shapes(query, key, value)
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        return dot_product_attention(
+            query,
+            key,
+            value,
+            attention_mask,
+            qkv_format=self.qkv_format,
+            attn_mask_type=mask_type,
+            window_size=self.window_size if window_size is None else window_size,
+            cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_kv=cu_seqlens_kv,
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_kv=max_seqlen_kv,
+            core_attention_bias_type=core_attention_bias_type,
+            core_attention_bias=core_attention_bias,
+            alibi_slopes=alibi_slopes,
+            softmax_scale=self.softmax_scale,
+            dropout_p=self.attention_dropout if self.training else 0.0,
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_attention_heads={self.num_attention_heads}, kv_channels="
+            f"({self.hidden_size_per_attention_head_k}, {self.hidden_size_per_attention_head_v})"
+            f", num_gqa_groups={self.num_gqa_groups}, qkv_format={self.qkv_format!r}, "
+            f"attn_mask_type={self.attn_mask_type!r}, attention_dropout={self.attention_dropout}"
+        )

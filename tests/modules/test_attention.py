@@ -1,0 +1,206 @@
+"""``te.DotProductAttention``: Transformer Engine's constructor and forward arguments (defaults,
+kv_channels pairs, GQA, tensor-parallel head counts, per-call overrides), dropout in training only
+and under activation checkpointing, a compiled module without graph breaks or recompiles, and
+bad arguments named in the error."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.utils.checkpoint
+
+import te_compile as te
+from tests.utils import assert_matches_eager, compile_counted
+
+
+def _qkv(s=5, b=2, h=4, hk=2, d=8, dv=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(s, b, h, d, generator=gen).requires_grad_(),
+        torch.randn(s, b, hk, d, generator=gen).requires_grad_(),
+        torch.randn(s, b, hk, dv or d, generator=gen).requires_grad_(),
+    )
+
+
+def test_defaults_follow_transformer_engine():
+    attn = te.DotProductAttention(4, 8)
+    assert attn.qkv_format == "sbhd" and attn.attn_mask_type == "causal"
+    assert attn.num_gqa_groups == 4 and attn.attention_dropout == 0.0
+    assert attn.softmax_scale == pytest.approx(1 / math.sqrt(8))
+    assert attn.layer_number == 1 and attn.attention_type == "self"
+    assert te.DotProductAttention(4, 8, attn_mask_type="causal,padding").attn_mask_type == (
+        "padding_causal"
+    )
+
+
+def test_forward_equals_functional_and_output_shape():
+    q, k, v = _qkv()
+    attn = te.DotProductAttention(4, 8, num_gqa_groups=2)
+    y = attn(q, k, v)
+    assert y.shape == (5, 2, 32)
+    expected = te.functional.dot_product_attention(q, k, v, attn_mask_type="causal")
+    assert torch.equal(y, expected)
+
+
+def test_kv_channels_pair_and_softmax_scale():
+    q, k, v = _qkv(hk=4, d=8, dv=12)
+    attn = te.DotProductAttention(4, (8, 12), qkv_format="sbhd", attn_mask_type="no_mask")
+    y = attn(q, k, v)
+    assert y.shape == (5, 2, 4 * 12)
+    scaled = te.DotProductAttention(4, (8, 12), attn_mask_type="no_mask", softmax_scale=0.1)
+    expected = te.functional.dot_product_attention(
+        q, k, v, attn_mask_type="no_mask", softmax_scale=0.1
+    )
+    assert torch.equal(scaled(q, k, v), expected)
+
+
+def test_forward_overrides_mask_type_and_window():
+    q, k, v = _qkv(hk=4)
+    attn = te.DotProductAttention(4, 8)  # causal: window (-1, 0)
+    y = attn(q, k, v, attn_mask_type="no_mask", window_size=(1, 1))
+    expected = te.functional.dot_product_attention(
+        q, k, v, attn_mask_type="no_mask", window_size=(1, 1)
+    )
+    assert torch.equal(y, expected)
+    # The constructor's window is checked against the mask type of each call.
+    windowed = te.DotProductAttention(4, 8, window_size=(2, 0))
+    assert torch.equal(
+        windowed(q, k, v),
+        te.functional.dot_product_attention(q, k, v, window_size=(2, 0)),
+    )
+    with pytest.raises(ValueError, match="window_size must be"):
+        windowed(q, k, v, attn_mask_type="no_mask", window_size=(-1, 0))
+
+
+def test_tensor_parallel_heads_per_rank():
+    attn = te.DotProductAttention(8, 8, num_gqa_groups=4, tp_size=2)
+    assert attn.num_attention_heads_per_partition == 4
+    assert attn.num_gqa_groups_per_partition == 2
+    q, k, v = _qkv(h=4, hk=2)
+    assert attn(q, k, v).shape == (5, 2, 32)
+    with pytest.raises(ValueError, match=r"query has head count 8, but num_attention_heads"):
+        attn(*_qkv(h=8, hk=2))
+
+
+def test_bshd_and_thd_formats():
+    q, k, v = (x.detach().transpose(0, 1).contiguous() for x in _qkv(hk=4))
+    assert te.DotProductAttention(4, 8, qkv_format="bshd")(q, k, v).shape == (2, 5, 32)
+    attn = te.DotProductAttention(4, 8, qkv_format="thd", attn_mask_type="padding_causal")
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    t = torch.randn(8, 4, 8)
+    y = attn(t, t, t, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=4, max_seqlen_kv=4)
+    assert y.shape == (8, 32) and not y[7:].any()
+
+
+def test_dropout_in_training_only():
+    q, k, v = _qkv(hk=4)
+    attn = te.DotProductAttention(4, 8, attention_dropout=0.5)
+    plain = te.functional.dot_product_attention(q, k, v)
+    torch.manual_seed(0)
+    assert not torch.equal(attn(q, k, v), plain)
+    attn.eval()
+    assert torch.equal(attn(q, k, v), plain)
+
+
+def test_checkpointed_module_gives_identical_gradients():
+    attn = te.DotProductAttention(4, 8, num_gqa_groups=2, attention_dropout=0.3)
+
+    def grads(checkpoint):
+        q, k, v = _qkv(seed=3)
+        torch.manual_seed(11)
+        if checkpoint:
+            y = torch.utils.checkpoint.checkpoint(attn, q, k, v, use_reentrant=False)
+        else:
+            y = attn(q, k, v)
+        y.backward(torch.ones_like(y))
+        return y.detach(), q.grad, k.grad, v.grad
+
+    for a, b in zip(grads(False), grads(True), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_compiled_module_one_frame_for_new_sizes():
+    torch._dynamo.reset()
+    attn = te.DotProductAttention(4, 8, num_gqa_groups=2, attn_mask_type="causal_bottom_right")
+    compiled, counter = compile_counted(attn, dynamic=True)
+    # The first call's sizes differ from the head counts and dims: dynamo's duck sizing would tie
+    # a size equal to a (guarded, static) head count to it.
+    for s_q, s_kv, b in ((5, 7, 3), (6, 9, 2), (3, 4, 5)):
+        gen = torch.Generator().manual_seed(s_q)
+        q = torch.randn(s_q, b, 4, 8, generator=gen, requires_grad=True)
+        k = torch.randn(s_kv, b, 2, 8, generator=gen, requires_grad=True)
+        v = torch.randn(s_kv, b, 2, 8, generator=gen, requires_grad=True)
+        y = compiled(q, k, v)
+        y.sum().backward()
+        qe, ke, ve = (x.detach().requires_grad_() for x in (q, k, v))
+        ye = attn(qe, ke, ve)
+        ye.sum().backward()
+        assert_matches_eager(y, ye)
+        for a, e in ((q, qe), (k, ke), (v, ve)):
+            assert_matches_eager(a.grad, e.grad)
+    assert counter.frame_count == 1
+
+
+BAD_CONSTRUCTOR = [
+    (
+        dict(num_attention_heads=6, kv_channels=8, num_gqa_groups=4),
+        "num_attention_heads (6) must be divisible by num_gqa_groups (4)",
+    ),
+    (
+        dict(num_attention_heads=8, kv_channels=8, num_gqa_groups=2, tp_size=4),
+        "must be divisible by tp_size (4)",
+    ),
+    (dict(num_attention_heads=0, kv_channels=8), "num_attention_heads must be a positive int"),
+    (dict(num_attention_heads=4, kv_channels=(8, 0)), "kv_channels must be a positive int"),
+    (dict(num_attention_heads=4, kv_channels=8, qkv_format="bhsd"), "qkv_format must be one of"),
+    (
+        dict(num_attention_heads=4, kv_channels=8, attn_mask_type="full"),
+        "attn_mask_type must be one of",
+    ),
+    (
+        dict(num_attention_heads=4, kv_channels=8, window_size=(3, 3)),
+        "window_size must be (-1, 0) or (>=0, 0) for attn_mask_type='causal'",
+    ),
+    (
+        dict(num_attention_heads=4, kv_channels=8, attention_dropout=1.5),
+        "attention_dropout must be a float in [0, 1)",
+    ),
+    (
+        dict(num_attention_heads=4, kv_channels=8, attention_type="encoder"),
+        "attention_type must be one of",
+    ),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), BAD_CONSTRUCTOR)
+def test_bad_constructor_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=r"te\.DotProductAttention: ") as info:
+        te.DotProductAttention(**kwargs)
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+@pytest.mark.parametrize(
+    ("qkv", "message"),
+    [
+        (dict(d=6), "query has head dim 6, but kv_channels gives 8"),
+        (dict(dv=4), "value has head dim 4, but kv_channels gives 8"),
+        (dict(h=2), "query has head count 2, but num_attention_heads gives 4"),
+        (dict(hk=4), "key has head count 4, but num_gqa_groups gives 2"),
+    ],
+)
+def test_bad_forward_arguments(qkv, message, mode):
+    attn = te.DotProductAttention(4, 8, num_gqa_groups=2)
+    shape = {"h": 4, "hk": 2, "d": 8, **qkv}
+    q, k, v = _qkv(**shape)
+    fn = attn
+    if mode == "compiled":
+        torch._dynamo.reset()
+        fn = torch.compile(attn, fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match=r"te\.DotProductAttention: ") as info:
+        fn(q, k, v)
+    assert message in str(info.value)
+    if mode == "eager":
+        assert info.type is ValueError
