@@ -199,8 +199,11 @@ def _block_cast(
     scale = scale_from_amax(
         blocks.abs().amax(dim=(1, 3)), torch.finfo(fp8_dtype).max, 0.0, power_2_scale
     )
-    q = _cast(blocks, scale[:, None, :, None], fp8_dtype).view(mb * block_rows, kb * BLOCK)
-    return q[:m, :k].contiguous(), _reciprocal(scale)
+    # Each element cast with its block's scale expanded to [M, K]: the codes are one pointwise
+    # op's fresh output. (Cast on the padded blocks, then sliced, the partitioner saved the
+    # slice for the backward and Inductor fixed its strides at the first compile's shape.)
+    expanded = scale.repeat_interleave(block_rows, 0)[:m].repeat_interleave(BLOCK, 1)[:, :k]
+    return _cast(x2, expanded, fp8_dtype), _reciprocal(scale)
 
 
 def quantize_blockwise_ref(
@@ -234,7 +237,11 @@ def dequantize_blockwise_ref(
     # Inductor's CPU code generator fails on the fused division indexing repeat_interleave makes).
     blocks = F.pad(q, (0, kb * BLOCK - k, 0, mb * block_rows - m)).view(mb, block_rows, kb, BLOCK)
     out = (blocks * scale_inv.float()[:, None, :, None]).view(mb * block_rows, kb * BLOCK)
-    return out[:m, :k].to(out_dtype).contiguous().view(data.shape)
+    # Always a fresh contiguous copy: `.contiguous()` on the slice branches on whether it
+    # already is one, and traced with symbolic sizes that fixed the strides of the first
+    # compile's shape (a saved operand then failed Inductor's stride check at the next size).
+    fresh = out[:m, :k].to(out_dtype, memory_format=torch.contiguous_format, copy=True)
+    return fresh.view(data.shape)
 
 
 # Argument checks: the same ValueError in eager (implementations) and at trace time (fakes).
