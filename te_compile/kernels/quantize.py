@@ -70,7 +70,7 @@ import triton.language as tl
 from torch import Tensor
 
 from te_compile import _csrc
-from te_compile.kernels import aligned16, device_constant, launch, programs_per_sm, tracing
+from te_compile.kernels import aligned16, e5m2_to_e4m3_table, launch, programs_per_sm, tracing
 
 __all__ = [
     "QuantizeLaunchConfig",
@@ -1152,25 +1152,6 @@ def quantize_group_columns(
     _launch_columnwise(x.contiguous(), data_t, scale_inv, scale, (ends, pad_ends), capacity,
                        groups, tiling, fp8_dtype)  # fmt: skip
     return data_t, scale_inv
-
-
-def e5m2_to_e4m3_table(device: torch.device) -> Tensor:
-    """The E4M3 code of each E5M2 value times ``2**-7`` (round to nearest even), as a uint8
-    ``[256]`` table indexed by the E5M2 code. ``2**-7`` maps E5M2's largest finite value,
-    57344, onto E4M3's, 448, and E5M2's 2 mantissa bits fit E4M3's 3, so every E5M2 value of
-    magnitude 1 or more is exact; smaller ones land on E4M3's subnormal grid (steps of
-    ``2**-9`` after the shift, i.e. 0.25 before it); inf and NaN become NaN."""
-    return device_constant(_e5m2_to_e4m3_codes(), torch.uint8, device)
-
-
-@functools.cache
-def _e5m2_to_e4m3_codes() -> tuple[int, ...]:
-    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    e5m2 = codes.view(torch.float8_e5m2).float()
-    table = (e5m2 * 2.0**-7).to(torch.float8_e4m3fn).view(torch.uint8)
-    # Spelled out: torch's conversion saturates inf to 448 (CPU, torch 2.13).
-    nan = (codes & 0x80) | 0x7F
-    return tuple(torch.where(torch.isfinite(e5m2), table, nan).tolist())
 
 
 def recode_e5m2_as_e4m3(data: Tensor, *, block: int = 4096) -> Tensor:
