@@ -55,12 +55,18 @@ its ``fp8_dtype`` (the project's rule, ``docs/fp8.md``: ``opcheck``'s schema tes
 input before and after a call with ``torch.allclose``, which has no FP8 kernel on the CPU).
 :func:`dequantize` passes ``data.view(torch.uint8)``, which is free and traced by the compiler.
 
-Edge semantics: an inf or NaN in ``x`` propagates to ``amax`` (inf or NaN: the caller reports
-it, as Transformer Engine's recipes do); finite overflow, and inf, saturate to :math:`\pm F`;
-NaN stays NaN. Under current scaling an inf amax gives ``s = 1`` (the rest of the tensor is
-cast unscaled, saturating), and a NaN amax gives a NaN scale. Shapes: quantisation works for
-any ``K`` (and ``M``, including 0); only an FP8 *GEMM* needs its operand dims to be multiples of
-16, and the GEMM's caller checks that with :func:`check_fp8_gemm_dims`.
+Edge semantics: per tensor, an inf or NaN in ``x`` propagates to ``amax`` (inf or NaN: the
+caller reports it, as Transformer Engine's recipes do: ``te.non_finite_amaxes``); finite
+overflow, and inf, saturate to :math:`\pm F`; NaN stays NaN. Under current scaling an inf amax
+gives ``s = 1`` (the rest of the tensor is cast unscaled, saturating), and a NaN amax gives a
+NaN scale. Blockwise ops return no amax for a caller to report, so a block holding inf or NaN
+gets a NaN scale (its codes and ``scale_inv`` are NaN): the whole block dequantises to NaN and
+the GEMMs that read it give NaN, as MXFP8 and NVFP4 blocks do (``quantize_mx``), where
+Transformer Engine saturates the inf to :math:`\pm F` and nothing reports it.
+
+Shapes: quantisation works for any ``K`` (and ``M``, including 0); only an FP8 *GEMM* needs its
+operand dims to be multiples of 16, and the GEMM's caller checks that with
+:func:`check_fp8_gemm_dims`.
 
 Implementations: on CPU the reference math below (``*_ref``); on CUDA the Triton kernels of
 ``te_compile.kernels.quantize``, bit-identical to it (the kernel tests check it, under the
@@ -196,9 +202,10 @@ def _block_cast(
     # Zero padding to whole blocks: it never raises a block's amax.
     blocks = F.pad(x2, (0, kb * BLOCK - k, 0, mb * block_rows - m))
     blocks = blocks.view(mb, block_rows, kb, BLOCK)
-    scale = scale_from_amax(
-        blocks.abs().amax(dim=(1, 3)), torch.finfo(fp8_dtype).max, 0.0, power_2_scale
-    )
+    amax = blocks.abs().amax(dim=(1, 3))
+    scale = scale_from_amax(amax, torch.finfo(fp8_dtype).max, 0.0, power_2_scale)
+    # A block holding inf gets a NaN scale, as one holding NaN does (module docstring).
+    scale = torch.where(torch.isinf(amax), math.nan, scale)
     q = _cast(blocks, scale[:, None, :, None], fp8_dtype).view(mb * block_rows, kb * BLOCK)
     return q[:m, :k].contiguous(), _reciprocal(scale)
 

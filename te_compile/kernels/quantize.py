@@ -11,7 +11,9 @@ storage dtype; for a scale :math:`s` and the format's largest finite value :math
 rounded to nearest even; NaN stays NaN, everything else saturates to :math:`\pm F`. The scale
 rule is Transformer Engine's ``compute_scale_from_amax``: an fp32 overflow of :math:`F/a` (a
 subnormal ``a``) becomes ``FLT_MAX``; with power-of-two scales the fp32 mantissa is cleared
-(:math:`2^{\lfloor\log_2 s\rfloor}`); a NaN amax gives a NaN scale. Division is
+(:math:`2^{\lfloor\log_2 s\rfloor}`); a NaN amax gives a NaN scale, and so does a block's
+inf amax (``functional.quantize``'s edge semantics: blockwise casts report nothing, so such a
+block dequantises to NaN instead of saturating). Division is
 ``div_rn`` (correctly rounded; Triton's ``/`` on CUDA is not), so the results match torch.
 
 Kernels:
@@ -177,6 +179,14 @@ def _scale_from_amax(amax, fp8_max, eps, POW2: tl.constexpr):
         pow2 = (scale.to(tl.int32, bitcast=True) & -8388608).to(tl.float32, bitcast=True)
         scale = tl.where(scale == scale, pow2, scale)
     return tl.where(unit, 1.0, scale)
+
+
+@triton.jit
+def _block_scale(amax, fp8_max, POW2: tl.constexpr):
+    """The scale of a block: ``_scale_from_amax`` (eps 0), NaN where the block holds inf (or
+    NaN): the block dequantises to NaN rather than saturating unreported
+    (``functional.quantize``'s edge semantics)."""
+    return tl.where(amax == float("inf"), float("nan"), _scale_from_amax(amax, fp8_max, 0.0, POW2))
 
 
 @triton.jit
@@ -408,7 +418,7 @@ def _cast_1x128(
     """A tile ``x`` (``a = _abs_bits(x)``) cast in blocks along ``AXIS`` (1: each row of the
     tile is one block, 0: each column): ``(codes, inverse scale of each block)``."""
     amax = tl.max(a, axis=AXIS).to(tl.float32, bitcast=True)
-    scale = _scale_from_amax(amax, fp8_max, 0.0, POW2)
+    scale = _block_scale(amax, fp8_max, POW2)
     if AXIS == 1:
         q = _cast_fp8(x * scale[:, None], fp8_max, E4M3, MBITS, BIAS, SOFTWARE, GUARD)
     else:
@@ -463,7 +473,7 @@ def _block_kernel(
             tl.store(SCALE_INV_T + cols.to(tl.int64) * n_mb + pid_m, s_t, mask=cols < K)
     else:
         amax = tl.max(tl.max(a, axis=1), axis=0).to(tl.float32, bitcast=True)
-        scale = _scale_from_amax(amax, fp8_max, 0.0, POW2)
+        scale = _block_scale(amax, fp8_max, POW2)
         q = _cast_fp8(x * scale, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, GUARD)
         scale_inv = tl.math.div_rn(1.0, scale)
         tl.store(SCALE_INV + pid_m * n_kb + pid_k, scale_inv)
