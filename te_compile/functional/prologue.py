@@ -67,6 +67,8 @@ class Norm(NamedTuple):
 def check_norm(p: str, inp: Tensor, norm: Norm) -> None:
     """The prologue's arguments (``p`` begins the messages)."""
     weight, bias, normalization, eps, _ = norm
+    if inp.ndim < 1:
+        raise ValueError(p + "inp must have at least 1 dimension [..., hidden], got a 0-dim tensor")
     if normalization == "":
         if weight is not None or bias is not None:
             raise ValueError(p + 'norm_weight/norm_bias given with normalization="" (no norm)')
