@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 
+import te_compile as te
 from te_compile import _library
 from te_compile.functional import quantize as Q
 from tests.utils import DEVICES, assert_bits_equal, compile_counted, count_graph_breaks
@@ -546,6 +547,36 @@ BAD_INPUTS = [
         lambda: Q.dequantize(Q.quantize(_x(4, 8), "current"), torch.float32, columnwise=True),
         "columnwise=True needs q.data_t",
     ),
+    (
+        "columnwise not a bool",
+        "quantize",
+        lambda: Q.quantize(_x(4, 8), "current", columnwise="yes"),
+        "columnwise must be a bool (True or False), got 'yes'",
+    ),
+    (
+        "power_2_scale not a bool",
+        "quantize",
+        lambda: Q.quantize(_x(4, 8), "block", power_2_scale=1),
+        "power_2_scale must be a bool (True or False), got 1",
+    ),
+    (
+        "dequantize columnwise not a bool",
+        "dequantize",
+        lambda: Q.dequantize(Q.quantize(_x(4, 8), "current"), torch.float32, columnwise="no"),
+        "columnwise must be a bool (True or False), got 'no'",
+    ),
+    (
+        "fp8_max zero",
+        "scale_from_amax",
+        lambda: Q.scale_from_amax(torch.ones(3), 0.0),
+        "fp8_max must be finite and > 0, got 0.0",
+    ),
+    (
+        "fp8_max nan",
+        "scale_from_amax",
+        lambda: Q.scale_from_amax(torch.ones(3), math.nan),
+        "fp8_max must be finite and > 0, got nan",
+    ),
 ]
 
 
@@ -559,3 +590,15 @@ def test_bad_input_raises_clear_error(case, mode):
     assert message in str(info.value)
     if mode == "eager":
         assert info.type is ValueError
+
+
+@pytest.mark.parametrize("value", [0.0, -2.0, math.nan, math.inf])
+def test_quantize_refuses_a_scale_that_is_not_finite_and_positive(value):
+    """A delayed scale of 0 / inf would cast everything to 0 / +-fp8_max, NaN everything to
+    NaN, a negative one flip the signs: refused by name (read on the host in eager)."""
+    scale = torch.tensor([value])
+    message = rf"te\.quantize: scale must be finite and > 0, got {value}"
+    with pytest.raises(ValueError, match=message):
+        Q.quantize(_x(4, 8), "delayed", scale=scale)
+    with pytest.raises(ValueError, match=message):
+        te.quantize(_x(4, 8), te.recipe.DelayedScaling(), scale=scale)
