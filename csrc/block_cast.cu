@@ -20,8 +20,8 @@
 //   a = z + b (fp32); gelu: s = rcp.approx(1 + ex2.approx(a * fma(K1, a*a, K0))), h = a * s;
 //   gelu': p = a * fma(C1, a*a, C0), d = fma(p, fma(-s, s, s), s), dz = dh * d;
 //   the value rounded to bf16 (RNE); block amax = integer max of |x| bits (NaN propagates);
-//   scale = fp8_max / amax correctly rounded (1 for amax 0 or inf, FLT_MAX for an overflow,
-//   optionally truncated to a power of two); code = cvt.rn.satfinite(x * scale);
+//   scale = fp8_max / amax correctly rounded (1 for amax 0, NaN for inf or NaN, FLT_MAX for an
+//   overflow, optionally truncated to a power of two); code = cvt.rn.satfinite(x * scale);
 //   scale_inv = 1 / scale correctly rounded. The bias gradient partial sums are of the unrounded
 //   dz, per 128-row tile (summed in another order than Triton's: equal to rounding).
 //
@@ -128,9 +128,11 @@ __device__ __forceinline__ int warp_max(int v) {
   return v;
 }
 
-// kernels/quantize.py's _scale_from_amax with eps 0.
+// kernels/quantize.py's _block_scale: _scale_from_amax with eps 0, NaN for a block holding inf
+// (a NaN amax gives NaN already): the block dequantises to NaN instead of saturating.
 __device__ __forceinline__ float scale_from_amax(float amax, float fp8_max, bool pow2) {
-  const bool unit = amax == 0.0f || amax == __int_as_float(0x7F800000);
+  if (amax == __int_as_float(0x7F800000)) return __int_as_float(0x7FC00000);
+  const bool unit = amax == 0.0f;
   float s = __fdiv_rn(fp8_max, unit ? 1.0f : amax);
   if (s == __int_as_float(0x7F800000)) s = 3.4028234663852886e38f;
   if (pow2 && s == s) s = __int_as_float(__float_as_int(s) & static_cast<int>(0xFF800000u));

@@ -66,6 +66,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from te_compile._checks import check_finite, check_positive_finite
 from te_compile._library import SampleInput, differentiable, op
 
 __all__ = [
@@ -76,6 +77,7 @@ __all__ = [
     "activation_ref",
     "bias_activation",
     "check_activation",
+    "check_gated_params",
     "clamped_swiglu",
     "gated_activation_ref",
     "geglu",
@@ -91,6 +93,7 @@ __all__ = [
     "swiglu",
 ]
 
+_INF = float("inf")
 ACTIVATIONS = ("gelu", "qgelu", "relu", "srelu", "silu")
 GATED_ACTIVATIONS = ("glu", "geglu", "qgeglu", "reglu", "sreglu", "swiglu", "clamped_swiglu")
 
@@ -227,6 +230,19 @@ def _check_args(inp: Tensor, bias: Tensor | None, activation: str, gated: bool, 
     raise ValueError(_diagnose(inp, bias, activation, gated, k))
 
 
+def check_gated_params(owner: str, limit: float, alpha: float, glu_linear_offset: float) -> None:
+    """``limit`` and ``alpha`` finite and > 0, ``glu_linear_offset`` finite (``clamped_swiglu``'s
+    parameters; every gated op takes them): a ValueError naming the argument, from Python
+    scalars only, so eager and trace time raise the same."""
+    if (
+        type(limit) is float and type(alpha) is float and type(glu_linear_offset) is float
+        and 0 < limit < _INF and 0 < alpha < _INF and -_INF < glu_linear_offset < _INF
+    ):  # fmt: skip
+        return  # the hot path: one compound test (0.1 us against 1 us for the diagnosis)
+    check_positive_finite(owner, limit=limit, alpha=alpha)
+    check_finite(owner, glu_linear_offset=glu_linear_offset)
+
+
 def check_activation(
     inp: Tensor, bias: Tensor | None, activation: str, glu_interleave_size: int = 0
 ) -> None:
@@ -314,6 +330,7 @@ def gated_activation_fwd(
 ) -> Tensor:
     """Gated ``activation`` of ``inp + bias``; default (CPU) implementation: the reference math."""
     _check_args(inp, bias, activation, True, glu_interleave_size)
+    check_gated_params("te.gated_activation", limit, alpha, glu_linear_offset)
     return gated_activation_ref(
         inp.contiguous(), bias, activation, glu_interleave_size, limit, alpha, glu_linear_offset
     )
@@ -322,6 +339,7 @@ def gated_activation_fwd(
 @gated_activation_fwd.register_kernel("cuda")
 def _gated_activation_fwd_cuda(inp, bias, activation, k=0, limit=7.0, alpha=1.702, offset=1.0):
     _check_args(inp, bias, activation, True, k)
+    check_gated_params("te.gated_activation", limit, alpha, offset)
     if inp.dtype == torch.float64:
         return gated_activation_ref(inp.contiguous(), bias, activation, k, limit, alpha, offset)
     return _kernels().activation_forward(inp, bias, activation, k, limit, alpha, offset)
@@ -339,6 +357,7 @@ def _activation_fwd_fake(inp, bias, activation):
 @gated_activation_fwd.register_fake
 def _gated_activation_fwd_fake(inp, bias, activation, k=0, limit=7.0, alpha=1.702, offset=1.0):
     _check_args(inp, bias, activation, True, k)
+    check_gated_params("te.gated_activation", limit, alpha, offset)
     return inp.new_empty((*inp.shape[:-1], inp.shape[-1] // 2))
 
 
@@ -616,6 +635,7 @@ def clamped_swiglu(
 ) -> Tensor:
     """GPT-OSS SwiGLU: ``c * sigmoid(alpha c) * (clamp(l, -limit, limit) + glu_linear_offset)``
     with ``c = min(a, limit)``."""
+    check_gated_params("te.clamped_swiglu", limit, alpha, glu_linear_offset)
     return _gated(inp, None, "clamped_swiglu", glu_interleave_size, limit, alpha, glu_linear_offset)
 
 
@@ -633,6 +653,7 @@ def bias_activation(
     fused pass; the backward returns ``dbias`` from the same pass. ``bias`` (or None) has
     ``inp``'s last dim and dtype; ``limit``/``alpha``/``glu_linear_offset`` are used by
     ``clamped_swiglu`` only. This is what LayerNormMLP calls after its FC1 GEMM."""
+    check_gated_params("te.bias_activation", limit, alpha, glu_linear_offset)
     if activation in ACTIVATIONS and not glu_interleave_size:
         return _activation(inp, bias, activation)
     # Gated names; also element-wise ones given an interleave size and unknown names, which the

@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from te_compile._checks import check_bool
 from te_compile._library import SampleInput, differentiable, op
 
 __all__ = ["dropout", "dropout_mask", "dropout_ref", "new_rng_state", "philox4x32"]
@@ -244,6 +245,8 @@ def dropout(
     None draws one with :func:`new_rng_state`. Not ``training`` or ``p == 0``: ``inp`` itself."""
     if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0.0 <= p <= 1.0:
         raise ValueError(f"te.dropout: p must be a float in [0, 1], got {p!r}")
+    if training is not True and training is not False:
+        check_bool("te.dropout", training=training)
     if not training or p == 0:
         return inp
     if rng_state is None:

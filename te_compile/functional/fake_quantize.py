@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from te_compile._checks import check_bool
 from te_compile._library import SampleInput, differentiable, op
 from te_compile.functional import quantize as _q
 from te_compile.functional.quantize_mx import nvfp4_qdq_row_groups
@@ -283,6 +284,7 @@ def fake_quantize(
     """``inp`` quantised and dequantised with ``kind`` (see the module docstring); the gradient
     straight through (``grad_kind="none"``) or quantised and dequantised with ``grad_kind``;
     ``row_splits``: groups of rows quantised as separate tensors."""
+    check_bool("te.fake_quantize", power_2_scale=power_2_scale)
     args = (inp, kind, fp8_dtype, block_rows, power_2_scale, grad_kind, grad_fp8_dtype)
     if row_splits is None:
         return _fake_quantize(*args, grad_block_rows)

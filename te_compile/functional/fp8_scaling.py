@@ -25,6 +25,8 @@ functionalises, so a compiled training step updates the buffers with zero graph 
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -63,6 +65,7 @@ def _check(amax_history, scale, amax, fp8_max, margin, amax_compute_algo) -> Non
         and amax_history.shape[0] >= 1
         and amax.shape == scale.shape
         and len(fp8_max) == slots
+        and all(0 < m < math.inf for m in fp8_max)
         and all(t.dtype is torch.float32 for t in (amax_history, scale, amax))
         and margin >= 0
         and amax_compute_algo in AMAX_COMPUTE_ALGOS
@@ -73,6 +76,10 @@ def _check(amax_history, scale, amax, fp8_max, margin, amax_compute_algo) -> Non
         raise ValueError(p + f"amax_compute_algo must be one of {AMAX_COMPUTE_ALGOS}")
     if margin < 0:
         raise ValueError(p + f"margin must be >= 0, got {margin}")
+    if len(fp8_max) == slots and not all(0 < m < math.inf for m in fp8_max):
+        raise ValueError(
+            p + f"fp8_max (the formats' largest values) must be finite and > 0, got {fp8_max}"
+        )
     raise ValueError(
         p + "expected float32 amax_history [len >= 1, slots], scale [slots], amax "
         f"[slots] and fp8_max of length slots; got {list(amax_history.shape)}, "

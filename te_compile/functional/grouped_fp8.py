@@ -55,6 +55,7 @@ from te_compile.functional.grouped_gemm import (
     row_bias,
 )
 from te_compile.functional.quantize import quantize_tensorwise
+from te_compile.kernels import e5m2_to_e4m3_table
 
 __all__ = [
     "as_e4m3",
@@ -129,17 +130,17 @@ def as_e4m3(q: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
     """A GEMM operand in E4M3 codes: E4M3 ``q`` as is; E5M2 ``q`` recoded to the E4M3 codes of
     its values times ``2**-7`` with its inverse scales ``s`` times 128 (exact for every value
     of magnitude 1 or more, i.e. down to ``amax / 57344`` of its slice; smaller ones are
-    rounded to E4M3's subnormal grid: ``kernels.quantize.e5m2_to_e4m3_table``). Hopper's grouped
+    rounded to E4M3's subnormal grid: ``kernels.e5m2_to_e4m3_table``). Hopper's grouped
     FP8 GEMM takes E4M3 operands only; every grouped GEMM here, on any device, sees the same
     codes."""
     if q.dtype is not torch.float8_e5m2:
         return q, s
-    from te_compile.kernels import quantize
-
     if q.is_cuda:
+        from te_compile.kernels import quantize
+
         codes = quantize.recode_e5m2_as_e4m3(q)
     else:
-        table = quantize.e5m2_to_e4m3_table(q.device)
+        table = e5m2_to_e4m3_table(q.device)
         codes = table[q.view(torch.uint8).long()].view(torch.float8_e4m3fn)
     return codes, s * 128.0
 

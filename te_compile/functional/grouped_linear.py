@@ -49,6 +49,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from te_compile._checks import check_bool
 from te_compile._library import HOST_SPLITS, SampleInput, differentiable, op
 from te_compile.functional.fake_quantize import qdq
 from te_compile.functional.gemm import (
@@ -710,10 +711,15 @@ def grouped_linear(
     0-element otherwise)."""
     args = (inp, as_splits_tensor(m_splits), weight, bias, main_grad)
     if recipe or scale is not None or grad_amax is not None or fp8_wgrad:
+        check_bool(
+            "te.grouped_linear", power_2_scale=power_2_scale, emulate=emulate,
+            fp8_wgrad=fp8_wgrad,
+        )  # fmt: skip
         args += (recipe, fwd_dtype, bwd_dtype, power_2_scale, weight_block_rows, emulate, scale,
                  grad_amax, fp8_wgrad)  # fmt: skip
     out, saved = _grouped_linear(*args)
     if not return_amax:
         return out
+    check_bool("te.grouped_linear", return_amax=return_amax)
     amax = saved[-1] if _measured(recipe, grad_amax) else inp.new_empty(0, dtype=torch.float32)
     return out, amax

@@ -60,6 +60,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from te_compile._checks import check_bool, check_finite
 from te_compile._library import SampleInput, differentiable, op
 from te_compile.functional.activation import (
     GATED_ACTIVATIONS,
@@ -67,6 +68,7 @@ from te_compile.functional.activation import (
     activation_forward,
     activation_ref,
     check_activation,
+    check_gated_params,
     gated_activation_ref,
 )
 from te_compile.functional.gemm import (
@@ -289,12 +291,14 @@ def _check(a: _Args) -> None:
             )
     if a.grad_amax is not None and recipe not in PER_TENSOR:
         raise ValueError(p + "grad_amax is for the per-tensor recipes (current, delayed)")
+    check_finite("te.linear", out_scale=a.out_scale)
     check_norm(p, inp, a.norm)
     if a.activation:
         if a.residual is not None or a.branch:
             raise ValueError(p + "activation cannot be combined with residual or branch")
         gemm_out = torch.empty((*inp.shape[:-1], n), dtype=inp.dtype, device="meta")
         check_activation(gemm_out, a.bias, a.activation, a.glu_interleave_size)
+        check_gated_params("te.linear", a.limit, a.alpha, a.glu_linear_offset)
     if a.residual is not None:
         shape = (*inp.shape[:-1], _out_features(n, a.activation))
         if a.residual.shape != shape or a.residual.dtype != inp.dtype:
@@ -918,6 +922,10 @@ def linear(
         or out_scale != 1.0 or norm_weight is not None or norm_bias is not None
         or scale is not None or grad_amax is not None
     ):  # fmt: skip
+        check_bool(
+            "te.linear", power_2_scale=power_2_scale, emulate=emulate,
+            zero_centered_gamma=zero_centered_gamma, return_branch=return_branch,
+        )  # fmt: skip
         args += (
             recipe, fwd_dtype, bwd_dtype, power_2_scale, weight_block_rows, emulate, scale,
             grad_amax, norm_weight, norm_bias, normalization, norm_eps, zero_centered_gamma,
@@ -927,6 +935,7 @@ def linear(
     out, branch, saved = _linear(*args)
     if not (return_branch or return_amax):
         return out
+    check_bool("te.linear", return_amax=return_amax)
     result = (out, branch) if return_branch else (out,)
     if return_amax:
         result += (saved[-1] if recipe in PER_TENSOR else inp.new_empty(0, dtype=torch.float32),)

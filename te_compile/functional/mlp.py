@@ -37,6 +37,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from te_compile._checks import check_bool
 from te_compile._library import SampleInput, differentiable, op
 from te_compile.functional.activation import (
     ACTIVATIONS,
@@ -673,6 +674,10 @@ def mlp(
     ``te::mlp_fwd`` (module docstring). ``return_amax=True`` also returns ``[amax(X),
     amax(fc1_weight), amax(h), amax(fc2_weight)]`` (per-tensor recipes; X is the norm's output
     with a prologue; 0-element otherwise)."""
+    check_bool(
+        "te.mlp", power_2_scale=power_2_scale, emulate=emulate,
+        zero_centered_gamma=zero_centered_gamma, return_amax=return_amax,
+    )  # fmt: skip
     out, saved = _mlp(
         inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, recipe, fwd_dtype,
         bwd_dtype, power_2_scale, weight_block_rows, emulate, scale1, scale2, grad_amax1,

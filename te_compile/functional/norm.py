@@ -47,9 +47,12 @@ defaults after ``zero_centered_gamma`` (``eps`` for L2).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
+from te_compile._checks import check_bool
 from te_compile._library import SampleInput, differentiable, op
 
 __all__ = [
@@ -170,7 +173,7 @@ def _check_args(
     fails, so eager and compile raise the same ValueError naming the argument."""
     dtype = inp.dtype
     if (
-        eps > 0
+        0 < eps < math.inf
         and dtype in _FLOAT_DTYPES
         and inp.ndim >= 1
         and inp.shape[-1] >= 1
@@ -192,8 +195,8 @@ def _diagnose(
     name: str, inp: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
 ) -> str:
     prefix = f"te.{name}: "
-    if not eps > 0:
-        return prefix + f"eps must be > 0, got {eps}"
+    if not 0 < eps < math.inf:
+        return prefix + f"eps must be > 0 and finite, got {eps}"
     if inp.dtype not in _FLOAT_DTYPES:
         return prefix + f"inp.dtype must be a floating type, got {inp.dtype}"
     if inp.ndim < 1 or inp.shape[-1] < 1:
@@ -528,6 +531,8 @@ def layernorm(
 
     ``weight`` and ``bias`` are ``[inp.shape[-1]]``, fp32 or ``inp``'s dtype. With
     ``zero_centered_gamma`` the scale applied is ``weight + 1``."""
+    if zero_centered_gamma is not True and zero_centered_gamma is not False:
+        check_bool("te.layernorm", zero_centered_gamma=zero_centered_gamma)
     out, _mean, _rsigma = _layernorm(inp, weight, bias, eps, zero_centered_gamma)
     return out
 
@@ -539,6 +544,8 @@ def rmsnorm(
 
     ``weight`` is ``[inp.shape[-1]]``, fp32 or ``inp``'s dtype. With ``zero_centered_gamma``
     the scale applied is ``weight + 1``."""
+    if zero_centered_gamma is not True and zero_centered_gamma is not False:
+        check_bool("te.rmsnorm", zero_centered_gamma=zero_centered_gamma)
     out, _rsigma = _rmsnorm(inp, weight, eps, zero_centered_gamma)
     return out
 

@@ -13,6 +13,7 @@ the end of its saved list; the backward runs the norm's backward on the GEMM's i
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import torch
@@ -67,6 +68,8 @@ class Norm(NamedTuple):
 def check_norm(p: str, inp: Tensor, norm: Norm) -> None:
     """The prologue's arguments (``p`` begins the messages)."""
     weight, bias, normalization, eps, _ = norm
+    if inp.ndim < 1:
+        raise ValueError(p + "inp must have at least 1 dimension [..., hidden], got a 0-dim tensor")
     if normalization == "":
         if weight is not None or bias is not None:
             raise ValueError(p + 'norm_weight/norm_bias given with normalization="" (no norm)')
@@ -83,8 +86,8 @@ def check_norm(p: str, inp: Tensor, norm: Norm) -> None:
         )
     if bias is not None and (normalization != "LayerNorm" or bias.shape != (k,)):
         raise ValueError(p + f"norm_bias must be None for RMSNorm and [{k}] for LayerNorm")
-    if not eps > 0:
-        raise ValueError(p + f"norm_eps must be > 0, got {eps}")
+    if not 0 < eps < math.inf:
+        raise ValueError(p + f"norm_eps must be > 0 and finite, got {eps}")
 
 
 def norm_forward(x2: Tensor, norm: Norm) -> tuple[Tensor, Tensor, Tensor]:

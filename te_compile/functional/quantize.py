@@ -55,12 +55,18 @@ its ``fp8_dtype`` (the project's rule, ``docs/fp8.md``: ``opcheck``'s schema tes
 input before and after a call with ``torch.allclose``, which has no FP8 kernel on the CPU).
 :func:`dequantize` passes ``data.view(torch.uint8)``, which is free and traced by the compiler.
 
-Edge semantics: an inf or NaN in ``x`` propagates to ``amax`` (inf or NaN: the caller reports
-it, as Transformer Engine's recipes do); finite overflow, and inf, saturate to :math:`\pm F`;
-NaN stays NaN. Under current scaling an inf amax gives ``s = 1`` (the rest of the tensor is
-cast unscaled, saturating), and a NaN amax gives a NaN scale. Shapes: quantisation works for
-any ``K`` (and ``M``, including 0); only an FP8 *GEMM* needs its operand dims to be multiples of
-16, and the GEMM's caller checks that with :func:`check_fp8_gemm_dims`.
+Edge semantics: per tensor, an inf or NaN in ``x`` propagates to ``amax`` (inf or NaN: the
+caller reports it, as Transformer Engine's recipes do: ``te.non_finite_amaxes``); finite
+overflow, and inf, saturate to :math:`\pm F`; NaN stays NaN. Under current scaling an inf amax
+gives ``s = 1`` (the rest of the tensor is cast unscaled, saturating), and a NaN amax gives a
+NaN scale. Blockwise ops return no amax for a caller to report, so a block holding inf or NaN
+gets a NaN scale (its codes and ``scale_inv`` are NaN): the whole block dequantises to NaN and
+the GEMMs that read it give NaN, as MXFP8 and NVFP4 blocks do (``quantize_mx``), where
+Transformer Engine saturates the inf to :math:`\pm F` and nothing reports it.
+
+Shapes: quantisation works for any ``K`` (and ``M``, including 0); only an FP8 *GEMM* needs its
+operand dims to be multiples of 16, and the GEMM's caller checks that with
+:func:`check_fp8_gemm_dims`.
 
 Implementations: on CPU the reference math below (``*_ref``); on CUDA the Triton kernels of
 ``te_compile.kernels.quantize``, bit-identical to it (the kernel tests check it, under the
@@ -81,8 +87,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from te_compile._checks import check_bool
 from te_compile._library import SampleInput, op
 from te_compile.functional import quantize_mx
+from te_compile.kernels import tracing
 
 __all__ = [
     "FP8_DTYPES",
@@ -121,7 +129,10 @@ def scale_from_amax(
 ) -> Tensor:
     """Transformer Engine's ``compute_scale_from_amax``, elementwise on fp32 ``amax``:
     ``fp8_max / max(amax, amax_epsilon)``; 1 where that is a division by 0 or by inf; ``FLT_MAX``
-    where it overflows; rounded down to a power of two with ``power_2_scale``; NaN for NaN."""
+    where it overflows; rounded down to a power of two with ``power_2_scale``; NaN for NaN.
+    ``fp8_max`` (the format's largest finite value) must be finite and > 0."""
+    if not 0 < fp8_max < math.inf:
+        raise ValueError(f"te.scale_from_amax: fp8_max must be finite and > 0, got {fp8_max}")
     amax = amax.float()
     eps = _fp32(amax_epsilon, amax)
     amax = torch.where(amax < eps, eps, amax)  # not clamp_min: a NaN amax stays NaN
@@ -196,9 +207,10 @@ def _block_cast(
     # Zero padding to whole blocks: it never raises a block's amax.
     blocks = F.pad(x2, (0, kb * BLOCK - k, 0, mb * block_rows - m))
     blocks = blocks.view(mb, block_rows, kb, BLOCK)
-    scale = scale_from_amax(
-        blocks.abs().amax(dim=(1, 3)), torch.finfo(fp8_dtype).max, 0.0, power_2_scale
-    )
+    amax = blocks.abs().amax(dim=(1, 3))
+    scale = scale_from_amax(amax, torch.finfo(fp8_dtype).max, 0.0, power_2_scale)
+    # A block holding inf gets a NaN scale, as one holding NaN does (module docstring).
+    scale = torch.where(torch.isinf(amax), math.nan, scale)
     # Each element cast with its block's scale expanded to [M, K]: the codes are one pointwise
     # op's fresh output. (Cast on the padded blocks, then sliced, the partitioner saved the
     # slice for the backward and Inductor fixed its strides at the first compile's shape.)
@@ -673,10 +685,24 @@ def _quantize_delayed(
             'te.quantize: recipe_kind "delayed" needs scale= (a 1-element torch.float32 tensor, '
             "the scale derived from the amax history)"
         )
+    _check_scale_value(scale)
     data, data_t, amax = quantize_tensorwise(x, scale, fp8_dtype, columnwise)
     scale_inv = _reciprocal(scale.reshape(1))
     t = (data_t, scale_inv) if columnwise else (None, None)
     return Quantized(data, scale_inv, *t, amax, "delayed")
+
+
+def _check_scale_value(scale: Tensor) -> None:
+    """A given scale must be finite and > 0: 0 or inf would cast every value to 0 or to the
+    format's largest, NaN every value to NaN, a negative one flip the signs. One host read of a
+    1-element tensor: :func:`quantize` is a utility, not a step of the modules (their delayed
+    scales come from the amax history, which keeps a scale finite and > 0). Not while tracing
+    (``torch.compile``, fake tensors): there is no data to read, and the scale is not checked."""
+    if scale.numel() != 1 or torch.compiler.is_compiling() or tracing():
+        return  # a wrong shape is the op's to refuse, with its message
+    value = scale.detach().reshape(()).item()
+    if not 0 < value < math.inf:
+        raise ValueError(f"te.quantize: scale must be finite and > 0, got {value}")
 
 
 def _no_scale(kind: str, scale: Tensor | None) -> None:
@@ -798,7 +824,9 @@ def quantize(
     * ``"nvfp4"``: E2M1 elements (two per byte), 16-element E4M3 block scales, a global scale.
 
     ``columnwise=True`` also makes the ``[K, M]`` copy for the backward GEMMs. Returns a
-    :class:`Quantized`; :func:`dequantize` inverts it."""
+    :class:`Quantized`; :func:`dequantize` inverts it. ``scale`` must be finite and > 0 (read
+    on the host in eager; not checked while ``torch.compile`` traces)."""
+    check_bool("te.quantize", power_2_scale=power_2_scale, columnwise=columnwise)
     quantizer = _QUANTIZERS.get(recipe_kind)
     if quantizer is None:
         raise ValueError(
@@ -818,6 +846,7 @@ def quantize(
 def dequantize(q: Quantized, out_dtype: torch.dtype, *, columnwise: bool = False) -> Tensor:
     """``q``'s values in ``out_dtype`` (fp32, bf16 or fp16): ``data``'s shape, or with
     ``columnwise=True`` the ``[K, M]`` copy ``data_t``'s."""
+    check_bool("te.dequantize", columnwise=columnwise)
     if columnwise and q.data_t is None:
         raise ValueError(
             "te.dequantize: columnwise=True needs q.data_t (quantize(..., columnwise=True))"

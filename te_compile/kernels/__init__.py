@@ -1,4 +1,11 @@
-"""Device code only: Triton kernels and their launch wrappers (no torch.library here)."""
+"""Device code only: Triton kernels and their launch wrappers (no torch.library here).
+
+The submodules (``kernels.quantize``, ``kernels.norm``, ...) import Triton: a caller imports one
+only where it launches a kernel (CUDA tensors, or the Triton interpreter in tests), never on a
+CPU path, because Triton is not a dependency of the package. This file imports no Triton: it
+holds what the kernels and the CPU implementations share (launch helpers, device constants,
+the E5M2-to-E4M3 recoding table).
+"""
 
 from __future__ import annotations
 
@@ -90,3 +97,22 @@ def all_kernels() -> list[Any]:
         module = importlib.import_module(f"{__name__}.{info.name}")
         found.extend(v for v in vars(module).values() if isinstance(v, KernelInterface))
     return found
+
+
+def e5m2_to_e4m3_table(device: torch.device) -> torch.Tensor:
+    """The E4M3 code of each E5M2 value times ``2**-7`` (round to nearest even), as a uint8
+    ``[256]`` table indexed by the E5M2 code. ``2**-7`` maps E5M2's largest finite value,
+    57344, onto E4M3's, 448, and E5M2's 2 mantissa bits fit E4M3's 3, so every E5M2 value of
+    magnitude 1 or more is exact; smaller ones land on E4M3's subnormal grid (steps of
+    ``2**-9`` after the shift, i.e. 0.25 before it); inf and NaN become NaN."""
+    return device_constant(_e5m2_to_e4m3_codes(), torch.uint8, device)
+
+
+@functools.cache
+def _e5m2_to_e4m3_codes() -> tuple[int, ...]:
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    e5m2 = codes.view(torch.float8_e5m2).float()
+    table = (e5m2 * 2.0**-7).to(torch.float8_e4m3fn).view(torch.uint8)
+    # Spelled out: torch's conversion saturates inf to 448 (CPU, torch 2.13).
+    nan = (codes & 0x80) | 0x7F
+    return tuple(torch.where(torch.isfinite(e5m2), table, nan).tolist())

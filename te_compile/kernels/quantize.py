@@ -11,7 +11,9 @@ storage dtype; for a scale :math:`s` and the format's largest finite value :math
 rounded to nearest even; NaN stays NaN, everything else saturates to :math:`\pm F`. The scale
 rule is Transformer Engine's ``compute_scale_from_amax``: an fp32 overflow of :math:`F/a` (a
 subnormal ``a``) becomes ``FLT_MAX``; with power-of-two scales the fp32 mantissa is cleared
-(:math:`2^{\lfloor\log_2 s\rfloor}`); a NaN amax gives a NaN scale. Division is
+(:math:`2^{\lfloor\log_2 s\rfloor}`); a NaN amax gives a NaN scale, and so does a block's
+inf amax (``functional.quantize``'s edge semantics: blockwise casts report nothing, so such a
+block dequantises to NaN instead of saturating). Division is
 ``div_rn`` (correctly rounded; Triton's ``/`` on CUDA is not), so the results match torch.
 
 Kernels:
@@ -70,7 +72,7 @@ import triton.language as tl
 from torch import Tensor
 
 from te_compile import _csrc
-from te_compile.kernels import aligned16, device_constant, launch, programs_per_sm, tracing
+from te_compile.kernels import aligned16, e5m2_to_e4m3_table, launch, programs_per_sm, tracing
 
 __all__ = [
     "QuantizeLaunchConfig",
@@ -177,6 +179,14 @@ def _scale_from_amax(amax, fp8_max, eps, POW2: tl.constexpr):
         pow2 = (scale.to(tl.int32, bitcast=True) & -8388608).to(tl.float32, bitcast=True)
         scale = tl.where(scale == scale, pow2, scale)
     return tl.where(unit, 1.0, scale)
+
+
+@triton.jit
+def _block_scale(amax, fp8_max, POW2: tl.constexpr):
+    """The scale of a block: ``_scale_from_amax`` (eps 0), NaN where the block holds inf (or
+    NaN): the block dequantises to NaN rather than saturating unreported
+    (``functional.quantize``'s edge semantics)."""
+    return tl.where(amax == float("inf"), float("nan"), _scale_from_amax(amax, fp8_max, 0.0, POW2))
 
 
 @triton.jit
@@ -408,7 +418,7 @@ def _cast_1x128(
     """A tile ``x`` (``a = _abs_bits(x)``) cast in blocks along ``AXIS`` (1: each row of the
     tile is one block, 0: each column): ``(codes, inverse scale of each block)``."""
     amax = tl.max(a, axis=AXIS).to(tl.float32, bitcast=True)
-    scale = _scale_from_amax(amax, fp8_max, 0.0, POW2)
+    scale = _block_scale(amax, fp8_max, POW2)
     if AXIS == 1:
         q = _cast_fp8(x * scale[:, None], fp8_max, E4M3, MBITS, BIAS, SOFTWARE, GUARD)
     else:
@@ -463,7 +473,7 @@ def _block_kernel(
             tl.store(SCALE_INV_T + cols.to(tl.int64) * n_mb + pid_m, s_t, mask=cols < K)
     else:
         amax = tl.max(tl.max(a, axis=1), axis=0).to(tl.float32, bitcast=True)
-        scale = _scale_from_amax(amax, fp8_max, 0.0, POW2)
+        scale = _block_scale(amax, fp8_max, POW2)
         q = _cast_fp8(x * scale, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, GUARD)
         scale_inv = tl.math.div_rn(1.0, scale)
         tl.store(SCALE_INV + pid_m * n_kb + pid_k, scale_inv)
@@ -1152,25 +1162,6 @@ def quantize_group_columns(
     _launch_columnwise(x.contiguous(), data_t, scale_inv, scale, (ends, pad_ends), capacity,
                        groups, tiling, fp8_dtype)  # fmt: skip
     return data_t, scale_inv
-
-
-def e5m2_to_e4m3_table(device: torch.device) -> Tensor:
-    """The E4M3 code of each E5M2 value times ``2**-7`` (round to nearest even), as a uint8
-    ``[256]`` table indexed by the E5M2 code. ``2**-7`` maps E5M2's largest finite value,
-    57344, onto E4M3's, 448, and E5M2's 2 mantissa bits fit E4M3's 3, so every E5M2 value of
-    magnitude 1 or more is exact; smaller ones land on E4M3's subnormal grid (steps of
-    ``2**-9`` after the shift, i.e. 0.25 before it); inf and NaN become NaN."""
-    return device_constant(_e5m2_to_e4m3_codes(), torch.uint8, device)
-
-
-@functools.cache
-def _e5m2_to_e4m3_codes() -> tuple[int, ...]:
-    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    e5m2 = codes.view(torch.float8_e5m2).float()
-    table = (e5m2 * 2.0**-7).to(torch.float8_e4m3fn).view(torch.uint8)
-    # Spelled out: torch's conversion saturates inf to 448 (CPU, torch 2.13).
-    nan = (codes & 0x80) | 0x7F
-    return tuple(torch.where(torch.isfinite(e5m2), table, nan).tolist())
 
 
 def recode_e5m2_as_e4m3(data: Tensor, *, block: int = 4096) -> Tensor:

@@ -4,6 +4,18 @@ from __future__ import annotations
 
 import torch
 
+from te_compile._checks import check_bool, check_positive_finite
+
+__all__ = [
+    "DEFAULT_INIT_STD",
+    "check_bool",
+    "check_choice",
+    "check_eps",
+    "check_positive",
+    "default_init_method",
+    "params_dtype_or_default",
+]
+
 DEFAULT_INIT_STD = 0.023  # Transformer Engine's default weight init std
 
 
@@ -19,8 +31,7 @@ def check_positive(owner: str, **sizes: int) -> None:
 
 
 def check_eps(owner: str, eps: float) -> None:
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps > 0:
-        raise ValueError(f"{owner}: eps must be a positive float, got {eps!r}")
+    check_positive_finite(owner, eps=eps)
 
 
 def params_dtype_or_default(owner: str, params_dtype: torch.dtype | None) -> torch.dtype:

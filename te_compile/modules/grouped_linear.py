@@ -46,7 +46,12 @@ from torch import Tensor, nn
 
 from te_compile import functional as F
 from te_compile.distributed.tensor_parallel import TensorParallel, set_parallel_attributes
-from te_compile.modules._common import check_positive, default_init_method, params_dtype_or_default
+from te_compile.modules._common import (
+    check_bool,
+    check_positive,
+    default_init_method,
+    params_dtype_or_default,
+)
 from te_compile.quantization import fp8_gemm as _fp8
 from te_compile.quantization import gemm as _gemm
 
@@ -91,6 +96,10 @@ class GroupedLinear(nn.Module):
         check_positive(
             owner, num_gemms=num_gemms, in_features=in_features, out_features=out_features
         )
+        check_bool(
+            owner, bias=bias, single_grouped_parameter=single_grouped_parameter,
+            fuse_wgrad_accumulation=fuse_wgrad_accumulation, sequence_parallel=sequence_parallel,
+        )  # fmt: skip
         dtype = params_dtype_or_default(owner, params_dtype)
         if sequence_parallel is True:
             raise ValueError(

@@ -49,7 +49,7 @@ from torch import Tensor, nn
 from te_compile import functional as F
 from te_compile.functional.activation import ACTIVATIONS, GATED_ACTIVATIONS
 from te_compile.functional.glu_layout import deinterleave_glu_tensor, interleave_glu_tensor
-from te_compile.modules._common import check_choice, check_positive
+from te_compile.modules._common import check_bool, check_choice, check_positive
 from te_compile.modules.grouped_linear import GroupedLinear
 
 __all__ = ["GroupedMLP", "convert_glu_layout"]
@@ -96,6 +96,10 @@ class GroupedMLP(nn.Module):
             ffn_hidden_size=ffn_hidden_size,
         )
         check_choice(owner, "activation", activation, (*GATED_ACTIVATIONS, *ACTIVATIONS))
+        check_bool(
+            owner, bias=bias, single_grouped_parameter=single_grouped_parameter,
+            sequence_parallel=sequence_parallel,
+        )  # fmt: skip
         if sequence_parallel is True:
             raise ValueError(
                 f"{owner}: sequence_parallel=True is not supported (tokens grouped by expert "

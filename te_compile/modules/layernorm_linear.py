@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from te_compile.distributed.tensor_parallel import TensorParallel, set_parallel_attributes
 from te_compile.modules._common import (
     NamedSlices,
+    check_bool,
     check_positive,
     default_init_method,
     params_dtype_or_default,
@@ -76,6 +77,11 @@ class LayerNormLinear(NamedSlices, PreNorm):
         super().__init__()
         owner = "LayerNormLinear"
         check_positive(owner, in_features=in_features, out_features=out_features)
+        check_bool(
+            owner, bias=bias, zero_centered_gamma=zero_centered_gamma,
+            return_layernorm_output=return_layernorm_output, return_bias=return_bias,
+            sequence_parallel=sequence_parallel,
+        )  # fmt: skip
         dtype = params_dtype_or_default(owner, params_dtype)
         self.tp = TensorParallel.create(
             owner, parallel_mode, sequence_parallel, tp_group, tp_size, modes=("column", None)

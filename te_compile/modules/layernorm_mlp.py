@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from te_compile.distributed.tensor_parallel import TensorParallel, set_parallel_attributes
 from te_compile.functional.activation import ACTIVATIONS, GATED_ACTIVATIONS
 from te_compile.modules._common import (
+    check_bool,
     check_choice,
     check_positive,
     default_init_method,
@@ -87,6 +88,11 @@ class LayerNormMLP(PreNorm):
         super().__init__()
         owner = "LayerNormMLP"
         check_positive(owner, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
+        check_bool(
+            owner, bias=bias, zero_centered_gamma=zero_centered_gamma,
+            return_layernorm_output=return_layernorm_output, return_bias=return_bias,
+            sequence_parallel=sequence_parallel,
+        )  # fmt: skip
         check_choice(owner, "activation", activation, (*ACTIVATIONS, *GATED_ACTIVATIONS))
         dtype = params_dtype_or_default(owner, params_dtype)
         parallel = tp_group is not None or (tp_size or 1) > 1 or sequence_parallel

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from te_compile.distributed.tensor_parallel import TensorParallel, set_parallel_attributes
 from te_compile.modules._common import (
     NamedSlices,
+    check_bool,
     check_positive,
     default_init_method,
     params_dtype_or_default,
@@ -85,6 +86,10 @@ class Linear(NamedSlices, nn.Module):
     ) -> None:
         super().__init__()
         check_positive("Linear", in_features=in_features, out_features=out_features)
+        check_bool(
+            "Linear", bias=bias, return_bias=return_bias,
+            fuse_wgrad_accumulation=fuse_wgrad_accumulation, sequence_parallel=sequence_parallel,
+        )  # fmt: skip
         dtype = params_dtype_or_default("Linear", params_dtype)
         self.tp = TensorParallel.create(
             "Linear", parallel_mode, sequence_parallel, tp_group, tp_size

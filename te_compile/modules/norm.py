@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from te_compile import functional as F
 from te_compile.distributed.tensor_parallel import TensorParallel, set_parallel_attributes
 from te_compile.modules._common import (
+    check_bool,
     check_choice,
     check_eps,
     check_positive,
@@ -55,6 +56,7 @@ class _Norm(nn.Module):
         name = type(self).__name__
         check_positive(name, hidden_size=hidden_size)
         check_eps(name, eps)
+        check_bool(name, zero_centered_gamma=zero_centered_gamma)
         dtype = params_dtype_or_default(name, params_dtype)
         self.hidden_size = hidden_size
         self.eps = float(eps)

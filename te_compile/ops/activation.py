@@ -18,6 +18,7 @@ from typing import ClassVar
 from torch import Tensor
 
 from te_compile import functional as F
+from te_compile._checks import check_finite, check_positive_finite
 from te_compile.ops.op import BasicOperation, OpOutput
 
 __all__ = [
@@ -160,13 +161,8 @@ class ClampedSwiGLU(_GatedActivation):
         glu_interleave_size: int | None = None,
     ) -> None:
         super().__init__(glu_interleave_size=glu_interleave_size)
-        for name, value in (("limit", limit), ("alpha", alpha)):
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-                raise ValueError(f"ClampedSwiGLU: {name} must be a positive float, got {value!r}")
-        if not isinstance(glu_linear_offset, (int, float)) or isinstance(glu_linear_offset, bool):
-            raise ValueError(
-                f"ClampedSwiGLU: glu_linear_offset must be a float, got {glu_linear_offset!r}"
-            )
+        check_positive_finite("ClampedSwiGLU", limit=limit, alpha=alpha)
+        check_finite("ClampedSwiGLU", glu_linear_offset=glu_linear_offset)
         self.limit, self.alpha = float(limit), float(alpha)
         self.glu_linear_offset = float(glu_linear_offset)
 

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from te_compile._checks import check_bool
 from te_compile.ops.op import BasicOperation, OpOutput
 from te_compile.quantization import fp8_gemm, gemm
 
@@ -66,6 +67,7 @@ class BasicLinear(BasicOperation):
     ) -> None:
         super().__init__()
         _check_size("BasicLinear", in_features=in_features, out_features=out_features)
+        check_bool("BasicLinear", accumulate_into_main_grad=accumulate_into_main_grad)
         dtype = _dtype("BasicLinear", dtype)
         self.in_features, self.out_features = in_features, out_features
         self.accumulate_into_main_grad = accumulate_into_main_grad
@@ -183,6 +185,7 @@ class GroupedLinear(BasicOperation):
             in_features=in_features,
             out_features=out_features,
         )
+        check_bool("GroupedLinear", bias=bias)
         dtype = _dtype("GroupedLinear", dtype)
         self.num_groups, self.in_features, self.out_features = num_groups, in_features, out_features
         self.init_method = init_method or _init

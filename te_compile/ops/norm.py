@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from te_compile import functional as F
+from te_compile._checks import check_bool, check_positive_finite
 from te_compile.ops.op import BasicOperation, OpOutput
 
 __all__ = ["L2Normalization", "LayerNorm", "RMSNorm"]
@@ -32,8 +33,7 @@ def _shape(owner: str, normalized_shape: int | Sequence[int]) -> tuple[int, ...]
 
 
 def _eps(owner: str, eps: float) -> float:
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps > 0:
-        raise ValueError(f"{owner}: eps must be a positive float, got {eps!r}")
+    check_positive_finite(owner, eps=eps)
     return float(eps)
 
 
@@ -63,7 +63,8 @@ class _Norm(BasicOperation):
         name = type(self).__name__
         self.normalized_shape = _shape(name, normalized_shape)
         self.eps = _eps(name, eps)
-        self.zero_centered_gamma = bool(zero_centered_gamma)
+        check_bool(name, zero_centered_gamma=zero_centered_gamma)
+        self.zero_centered_gamma = zero_centered_gamma
         dtype = torch.get_default_dtype() if dtype is None else dtype
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"{name}: dtype must be a floating torch.dtype, got {dtype!r}")

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
+from te_compile._checks import check_finite
 from te_compile.ops.op import BasicOperation, OpOutput
 
 __all__ = ["AddExtraInput", "ConstantScale", "Identity", "MakeExtraOutput", "Reshape"]
@@ -57,8 +58,7 @@ class ConstantScale(BasicOperation):
 
     def __init__(self, scale: float) -> None:
         super().__init__()
-        if not isinstance(scale, (int, float)) or isinstance(scale, bool):
-            raise ValueError(f"ConstantScale: scale must be a float, got {scale!r}")
+        check_finite("ConstantScale", scale=scale)
         self.scale = float(scale)
 
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:

@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from typing import Any, ClassVar, NamedTuple, TypeVar
 
 import torch
@@ -201,6 +202,8 @@ class QParams:
         _check_field_types(self)
         if self.amax_epsilon < 0:
             _fail(self, "amax_epsilon", "must be >= 0")
+        if not self.amax_epsilon < math.inf:  # inf or NaN
+            _fail(self, "amax_epsilon", "must be finite")
 
 
 @_with_field_types

@@ -6,6 +6,8 @@ compile."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -584,6 +586,33 @@ BAD_INPUTS = [
         lambda x, b: activation.sreglu(x),
         lambda: (torch.tensor(1.0), None),
         _GATED + "inp must have at least 1 dimension",
+    ),
+    # clamped_swiglu's parameters: limit and alpha finite and > 0, glu_linear_offset finite.
+    *(
+        (
+            f"clamped {arg}={value}",
+            lambda x, b, arg=arg, value=value: activation.clamped_swiglu(x, **{arg: value}),
+            lambda: (_t(4, 8), None),
+            f"te.clamped_swiglu: {arg} must be a {kind}, got {value}",
+        )
+        for arg, kind, values in (
+            ("limit", "positive float (finite, > 0)", (0.0, -1.0, math.nan, math.inf)),
+            ("alpha", "positive float (finite, > 0)", (0.0, math.nan)),
+            ("glu_linear_offset", "float (finite)", (math.nan, -math.inf)),
+        )
+        for value in values
+    ),
+    (
+        "bias_activation limit nan",
+        lambda x, b: ba(x, b, "clamped_swiglu", limit=math.nan),
+        lambda: (_t(4, 8), _t(8)),
+        "te.bias_activation: limit must be a positive float (finite, > 0), got nan",
+    ),
+    (
+        "gated op limit 0",
+        lambda x, b: torch.ops.te.gated_activation_fwd(x, b, "clamped_swiglu", 0, 0.0, 1.7, 1.0),
+        lambda: (_t(4, 8), None),
+        _GATED + "limit must be a positive float (finite, > 0), got 0.0",
     ),
 ]
 

@@ -169,6 +169,7 @@ def test_checkpoint_recomputes_the_same_mask_compiled():
         ({"p": 1.5}, r"te.dropout: p must be a float in \[0, 1\], got 1.5"),
         ({"p": 0.5, "rng_state": torch.zeros(2, dtype=torch.int32)}, "rng_state must be an int64"),
         ({"p": 0.5, "rng_state": torch.zeros(3, dtype=torch.int64)}, r"tensor \[2\] = \(seed"),
+        ({"p": 0.5, "training": "no"}, r"te.dropout: training must be a bool \(True or False\)"),
     ],
 )
 def test_bad_arguments_name_the_argument_eager_and_compiled(kwargs, match):

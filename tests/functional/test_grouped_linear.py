@@ -402,6 +402,14 @@ def test_bad_input_raises_clear_error(case, mode):
         assert info.type is ValueError
 
 
+@pytest.mark.parametrize("switch", ["power_2_scale", "emulate", "fp8_wgrad", "return_amax"])
+def test_switches_must_be_bools(switch):
+    a = _args(w=torch.randn(3, 16, 16), b=torch.randn(3, 16))  # FP8 GEMMs: multiples of 16
+    kw = {"recipe": "current", switch: "yes"}
+    with pytest.raises(ValueError, match=rf"te\.grouped_linear: {switch} must be a bool"):
+        tef.grouped_linear(a["x"], a["s"], a["w"], a["b"], **kw)
+
+
 # 5. Compilation --------------------------------------------------------------------------------
 
 

@@ -649,6 +649,44 @@ BAD = [
         lambda: F.branch_rmsnorm(_x(4, 16), _x(16), eps=0.0),
         "te.rmsnorm: eps must be > 0",
     ),
+    (
+        lambda: F.branch_rmsnorm(_x(4, 16), _x(16), zero_centered_gamma="no"),
+        r"te.branch_rmsnorm: zero_centered_gamma must be a bool \(True or False\), got 'no'",
+    ),
+    (
+        lambda: F.linear(_x(4, 16), _x(8, 16), None, out_scale=math.nan),
+        r"te.linear: out_scale must be a float \(finite\), got nan",
+    ),
+    (
+        lambda: F.linear(_x(4, 16), _x(8, 16), None, activation="clamped_swiglu", limit=0.0),
+        r"te.linear: limit must be a positive float \(finite, > 0\), got 0.0",
+    ),
+    (
+        lambda: F.linear(
+            _x(4, 16),
+            _x(8, 16),
+            None,
+            normalization="RMSNorm",
+            norm_weight=_x(16),
+            norm_eps=math.inf,
+        ),
+        "te.linear: norm_eps must be > 0 and finite, got inf",
+    ),
+    (
+        lambda: F.linear(
+            _x(4, 16),
+            _x(8, 16),
+            None,
+            normalization="RMSNorm",
+            norm_weight=_x(16),
+            zero_centered_gamma="no",
+        ),
+        r"te.linear: zero_centered_gamma must be a bool \(True or False\), got 'no'",
+    ),
+    (
+        lambda: F.linear(_x(4, 16), _x(8, 16), None, return_branch="yes"),
+        r"te.linear: return_branch must be a bool \(True or False\), got 'yes'",
+    ),
 ]
 
 

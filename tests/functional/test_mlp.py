@@ -5,6 +5,8 @@ gradient amax; LayerNormMLP takes it and matches its op-by-op path; errors."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -196,6 +198,9 @@ def test_errors_name_the_argument():
         F.mlp(x, w1, None, w2, None, "gelu", recipe="block", bwd_dtype=E4M3, scale1=torch.ones(3))
     with pytest.raises(ValueError, match="native blockwise GEMMs take E4M3 operands"):
         F.mlp(x, w1, None, w2, None, "gelu", recipe="block")
+    for switch in ("power_2_scale", "emulate", "zero_centered_gamma", "return_amax"):
+        with pytest.raises(ValueError, match=rf"te\.mlp: {switch} must be a bool .*, got 'yes'"):
+            F.mlp(x, w1, None, w2, None, "gelu", **{switch: "yes"})
 
 
 RECIPES = [
@@ -340,3 +345,6 @@ def test_norm_prologue_errors_name_the_argument():
         F.mlp(x, w1, None, w2, None, "gelu", normalization="L2", norm_weight=torch.ones(32))
     with pytest.raises(ValueError, match=r"te\.mlp: LayerNorm needs norm_weight \[32\]"):
         F.mlp(x, w1, None, w2, None, "gelu", normalization="LayerNorm")
+    with pytest.raises(ValueError, match=r"te\.mlp: norm_eps must be > 0 and finite, got inf"):
+        F.mlp(x, w1, None, w2, None, "gelu", normalization="RMSNorm", norm_weight=torch.ones(32),
+              norm_eps=math.inf)  # fmt: skip

@@ -4,6 +4,8 @@ eager; autocast; bad input in eager and under compile."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -228,6 +230,9 @@ BAD_INPUTS = [
     ("eps zero", "layernorm", lambda: (_t(4, 8), _t(8), None, 0.0), "eps must be > 0"),
     ("eps negative", "rmsnorm", lambda: (_t(4, 8), _t(8), None, -1e-5), "eps must be > 0"),
     ("l2 eps", "l2normalization", lambda: (_t(4, 8), None, None, 0.0), "eps must be > 0"),
+    ("eps inf", "layernorm", lambda: (_t(4, 8), _t(8), None, math.inf), "finite, got inf"),
+    ("eps nan", "rmsnorm", lambda: (_t(4, 8), _t(8), None, math.nan), "finite, got nan"),
+    ("l2 eps inf", "l2normalization", lambda: (_t(4, 8), None, None, math.inf), "finite, got inf"),
     ("weight shape", "layernorm", lambda: (_t(4, 8), _t(7), None, 1e-5), "weight must have shape"),
     ("weight rank", "rmsnorm", lambda: (_t(4, 8), _t(1, 8), None, 1e-5), "weight must have shape"),
     (
@@ -265,6 +270,18 @@ def _op_call(kind, x, w, b, eps):
     if kind == "rmsnorm":
         return torch.ops.te.rmsnorm_fwd(x, w, eps, False)
     return torch.ops.te.l2normalization_fwd(x, eps)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
+def test_zero_centered_gamma_must_be_a_bool(kind, compiled):
+    """A truthy string would switch the weight offset on silently."""
+    fn = lambda x, w: _call(kind, x, w, None, 1e-5, "no")  # noqa: E731
+    if compiled:
+        fn = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    match = rf"te\.{kind}: zero_centered_gamma must be a bool \(True or False\), got 'no'"
+    with pytest.raises(Exception if compiled else ValueError, match=match):
+        fn(_t(4, 8), _t(8))
 
 
 @pytest.mark.parametrize("case", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])

@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 
+import te_compile as te
 from te_compile import _library
 from te_compile.functional import quantize as Q
 from tests.utils import DEVICES, assert_bits_equal, compile_counted, count_graph_breaks
@@ -85,7 +86,9 @@ def _ref_blocks(x2, fp8, block_rows, pow2):
     for i in range(scale_inv.shape[0]):
         for j in range(scale_inv.shape[1]):
             rows, cols = slice(i * block_rows, (i + 1) * block_rows), slice(j * 128, (j + 1) * 128)
-            scale = _te_scale(_amax(x2[rows, cols]), fp8, pow2=pow2)
+            amax = _amax(x2[rows, cols])
+            # A block holding inf: a NaN scale (it dequantises to NaN), not TE's 1.
+            scale = math.nan if math.isinf(amax) else _te_scale(amax, fp8, pow2=pow2)
             data[rows, cols] = _cast(x2[rows, cols], scale, fp8)
             scale_inv[i, j] = _inv(scale)
     return data, scale_inv
@@ -302,16 +305,28 @@ def test_inf_and_nan(fp8, device):
     _, _, scale_inv, amax = torch.ops.te.quantize_current(x, fp8, False)
     assert math.isnan(amax.item()) and math.isnan(scale_inv.item())
 
-    # Blockwise: each block on its own. Row 0 (inf) gets scale 1, row 2's NaN block a NaN
-    # scale, every other block a finite scale.
-    data, scale_inv, _, _ = torch.ops.te.quantize_blockwise(x, fp8, 1, False, False)
-    s = scale_inv.cpu()
-    assert s[0, 0].item() == 1.0 and math.isnan(s[2, 1].item())
-    finite = torch.ones_like(s, dtype=torch.bool)
-    finite[0, 0] = finite[2, 1] = False
-    assert s[finite].isfinite().all() and (s[finite] != 1).all()
-    d = data.float().cpu()
-    assert d[0, 5].item() == fmax and d[0, 6].item() == -fmax and not d[:2].isnan().any()
+    # Blockwise: each block on its own, and a blockwise cast returns no amax to report, so a
+    # block holding inf (row 0's first) or NaN (row 2's second) gets a NaN scale and NaN
+    # codes: it dequantises to NaN, never to +-fmax; every other block stays finite. 1x128:
+    # scales [3, 2]; 128x128: [1, 2], both blocks bad; the transposed 1x128 copy: blocks of
+    # x^T along M, bad for the columns that hold inf or NaN.
+    bad_cols = x.cpu().isfinite().logical_not().any(0)  # [256]
+    for block_rows, bad_scales in ((1, [[1, 0], [0, 0], [0, 1]]), (128, [[1, 1]])):
+        data, scale_inv, data_t, scale_inv_t = torch.ops.te.quantize_blockwise(
+            x, fp8, block_rows, False, True
+        )
+        bad_scales = torch.tensor(bad_scales, dtype=torch.bool)
+        assert torch.equal(scale_inv.cpu().isnan(), bad_scales), block_rows
+        assert scale_inv.cpu()[~bad_scales].isfinite().all()
+        bad = bad_scales.repeat_interleave(block_rows, 0)[:3].repeat_interleave(128, 1)
+        for d, s, want in ((data, scale_inv, bad), (data_t, scale_inv_t, None)):
+            out = torch.ops.te.dequantize_blockwise(
+                d.view(torch.uint8), s, block_rows, fp8, torch.float32
+            ).cpu()
+            if want is None:  # x^T
+                want = bad.t() if block_rows == 128 else bad_cols[:, None].expand(256, 3)
+            assert torch.equal(out.isnan(), want), block_rows
+            assert torch.equal(d.float().cpu().isnan(), want), block_rows
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -532,6 +547,36 @@ BAD_INPUTS = [
         lambda: Q.dequantize(Q.quantize(_x(4, 8), "current"), torch.float32, columnwise=True),
         "columnwise=True needs q.data_t",
     ),
+    (
+        "columnwise not a bool",
+        "quantize",
+        lambda: Q.quantize(_x(4, 8), "current", columnwise="yes"),
+        "columnwise must be a bool (True or False), got 'yes'",
+    ),
+    (
+        "power_2_scale not a bool",
+        "quantize",
+        lambda: Q.quantize(_x(4, 8), "block", power_2_scale=1),
+        "power_2_scale must be a bool (True or False), got 1",
+    ),
+    (
+        "dequantize columnwise not a bool",
+        "dequantize",
+        lambda: Q.dequantize(Q.quantize(_x(4, 8), "current"), torch.float32, columnwise="no"),
+        "columnwise must be a bool (True or False), got 'no'",
+    ),
+    (
+        "fp8_max zero",
+        "scale_from_amax",
+        lambda: Q.scale_from_amax(torch.ones(3), 0.0),
+        "fp8_max must be finite and > 0, got 0.0",
+    ),
+    (
+        "fp8_max nan",
+        "scale_from_amax",
+        lambda: Q.scale_from_amax(torch.ones(3), math.nan),
+        "fp8_max must be finite and > 0, got nan",
+    ),
 ]
 
 
@@ -545,3 +590,15 @@ def test_bad_input_raises_clear_error(case, mode):
     assert message in str(info.value)
     if mode == "eager":
         assert info.type is ValueError
+
+
+@pytest.mark.parametrize("value", [0.0, -2.0, math.nan, math.inf])
+def test_quantize_refuses_a_scale_that_is_not_finite_and_positive(value):
+    """A delayed scale of 0 / inf would cast everything to 0 / +-fp8_max, NaN everything to
+    NaN, a negative one flip the signs: refused by name (read on the host in eager)."""
+    scale = torch.tensor([value])
+    message = rf"te\.quantize: scale must be finite and > 0, got {value}"
+    with pytest.raises(ValueError, match=message):
+        Q.quantize(_x(4, 8), "delayed", scale=scale)
+    with pytest.raises(ValueError, match=message):
+        te.quantize(_x(4, 8), te.recipe.DelayedScaling(), scale=scale)

@@ -39,7 +39,7 @@ def test_cuda_cast_matches_triton(act, backward, has_bias, fp8, pow2, m, n):
     z = (torch.randn(m, n_in, device="cuda") * 2).to(torch.bfloat16)
     z[3, :40] *= 300  # a block with a large amax next to ordinary ones
     z[128:256, 128:256] = 0  # an all-zero tile: scale 1, zero codes
-    z[5, 7] = float("inf")  # overflow saturates; the block's scale is 1
+    z[5, 7] = float("inf")  # the block holding it: a NaN scale, NaN codes
     if act == "swiglu":  # the linear half: an all-zero tile, an inf
         z[128:256, n : n + 128] = 0
         z[9, n + 3] = float("-inf")

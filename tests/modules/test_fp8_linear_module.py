@@ -462,6 +462,50 @@ def test_non_finite_amaxes_are_reported(recipe):
     assert torch.isfinite(y).all()
 
 
+_EVERY_RECIPE = {
+    "current": Float8CurrentScaling(),
+    "delayed": DelayedScaling(amax_history_len=4),
+    "block": Float8BlockScaling(),
+    "mxfp8": te.recipe.MXFP8BlockScaling(),
+    "nvfp4": te.recipe.NVFP4BlockScaling(),
+}
+_SPLITS = [8, 0, 24]
+_GEMM_MODULES = {
+    "Linear": lambda: te.Linear(32, 32, params_dtype=torch.bfloat16),
+    "LayerNormLinear": lambda: te.LayerNormLinear(32, 32, params_dtype=torch.bfloat16),
+    "LayerNormMLP": lambda: te.LayerNormMLP(32, 64, params_dtype=torch.bfloat16),
+    "GroupedLinear": lambda: te.GroupedLinear(3, 32, 32, params_dtype=torch.bfloat16),
+    "GroupedMLP": lambda: te.GroupedMLP(3, 32, 32, params_dtype=torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan], ids=["inf", "-inf", "nan"])
+@pytest.mark.parametrize("recipe", _EVERY_RECIPE.values(), ids=_EVERY_RECIPE.keys())
+@pytest.mark.parametrize("name", _GEMM_MODULES)
+def test_non_finite_values_propagate_or_are_reported(name, recipe, value):
+    """An inf or NaN in the input, or in the output gradient, of an FP8 GEMM module is never
+    silently clipped to a finite value: it reaches the output (the input's row) / the input
+    gradient, or ``te.non_finite_amaxes`` names the slot (the per-tensor recipes, whose cast
+    saturates and records the amax). Both steps of delayed scaling (calibration, delayed)."""
+    torch.manual_seed(0)
+    module = _GEMM_MODULES[name]()
+    call = (lambda x: module(x, _SPLITS)) if name.startswith("Grouped") else module
+    for step in range(2):
+        x = torch.randn(32, 32, dtype=torch.bfloat16)
+        x[9, 5] = value
+        x.requires_grad_()
+        with autocast(recipe=recipe):
+            y = call(x)
+        grad = torch.randn_like(y)
+        grad[20, 3] = value
+        y.backward(grad)
+        report = te.non_finite_amaxes(module)
+        reported = {slot for slots in report.values() for slot in slots}
+        where = f"{name}, step {step}: {report}"
+        assert not y[9].isfinite().all() or "input" in reported, where
+        assert not x.grad.isfinite().all() or "grad" in reported, where
+
+
 @pytest.mark.parametrize(
     "recipe_cls",
     [

@@ -238,6 +238,36 @@ def test_grouped_linear_bad_arguments(case):
     assert message in str(info.value)
 
 
+_BLOCKED_SIZES = {
+    "GroupedLinear": lambda: te.GroupedLinear(2, 24, 32),
+    "ops.GroupedLinear": lambda: te.ops.Sequential(te.ops.GroupedLinear(2, 24, 32)),
+    "GroupedMLP": lambda: te.GroupedMLP(2, 24, 32),
+}
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize(
+    ("recipe", "multiple"),
+    [(te.recipe.NVFP4BlockScaling(), 16), (te.recipe.MXFP8BlockScaling(), 32)],
+    ids=["nvfp4", "mxfp8"],
+)
+@pytest.mark.parametrize("name", _BLOCKED_SIZES)
+def test_grouped_in_features_the_format_cannot_take(name, recipe, multiple, compiled):
+    """in_features = 24 is no multiple of the format's block: a ValueError naming in_features
+    and the constraint, as the dense path gives, in eager and at trace time (never a shape
+    mismatch from inside torch)."""
+    module = _BLOCKED_SIZES[name]()
+    fn = torch.compile(module, fullgraph=True) if compiled else module
+    match = (
+        rf"te\.grouped_linear: \w+ grouped GEMMs need in_features \(24\) .* multiples of {multiple}"
+    )
+    with (
+        pytest.raises(Exception if compiled else ValueError, match=match),
+        te.autocast(recipe=recipe),
+    ):
+        fn(torch.randn(32, 24), torch.tensor([8, 24]))
+
+
 # 4. GroupedMLP --------------------------------------------------------------------------------
 
 

@@ -177,6 +177,42 @@ def test_bad_arguments():
         te.RMSNorm(0)
 
 
+_ZERO_DIM_RECIPES = {
+    "none": None,
+    "current": te.recipe.Float8CurrentScaling(),
+    "delayed": te.recipe.DelayedScaling(),
+    "block": te.recipe.Float8BlockScaling(),
+    "mxfp8": te.recipe.MXFP8BlockScaling(),
+    "nvfp4": te.recipe.NVFP4BlockScaling(),
+}
+_ZERO_DIM_MODULES = {
+    "LayerNormLinear": lambda: te.LayerNormLinear(32, 32),
+    "LayerNormMLP": lambda: te.LayerNormMLP(32, 64),
+    "Linear": lambda: te.Linear(32, 32),
+    "LayerNorm": lambda: te.LayerNorm(32),
+    "RMSNorm": lambda: te.RMSNorm(32),
+    "GroupedLinear": lambda: te.GroupedLinear(2, 32, 32),
+}
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("recipe", _ZERO_DIM_RECIPES.values(), ids=_ZERO_DIM_RECIPES.keys())
+@pytest.mark.parametrize("name", _ZERO_DIM_MODULES)
+def test_zero_dim_input_names_inp(name, recipe, compiled):
+    """A 0-dim input is refused with a ValueError naming ``inp`` (LayerNormMLP under an FP8
+    recipe raised IndexError), in eager and at trace time (dynamo wraps the error raised while
+    tracing, with the same message)."""
+    module = _ZERO_DIM_MODULES[name]()
+    fn = torch.compile(module, fullgraph=True) if compiled else module
+    args = (torch.tensor(1.0), [1, 0]) if name == "GroupedLinear" else (torch.tensor(1.0),)
+    with (
+        pytest.raises(Exception if compiled else ValueError, match=r"te\.\w+: inp must") as info,
+        te.autocast(enabled=recipe is not None, recipe=recipe),
+    ):
+        fn(*args)
+    assert "IndexError" not in str(info.value)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_layernorm_mlp_compiles_without_breaks(device):
     m = te.LayerNormMLP(16, 32, activation="swiglu", normalization="RMSNorm", device=device)

@@ -4,6 +4,7 @@ exact; bad arguments raise ValueError naming the argument."""
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
@@ -11,7 +12,13 @@ import torch
 import torch.nn.functional as F
 
 from te_compile import ops
-from tests.utils import DEVICES, assert_close, make_reference_and_test_tensors, to_reference
+from tests.utils import (
+    DEVICES,
+    assert_close,
+    bad_scalar_arguments,
+    make_reference_and_test_tensors,
+    to_reference,
+)
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -274,6 +281,36 @@ def test_comm_ops_are_the_identity_without_a_group(device):
 def test_bad_constructor_arguments_name_the_argument(make, match):
     with pytest.raises(ValueError, match=match):
         make()
+
+
+# The arguments every op needs, by name; the walker below tries bad scalars for the others.
+_GIVEN = {"in_features": 8, "out_features": 8, "size": 8, "num_groups": 2, "normalized_shape": 8}
+_OPS = {
+    name: getattr(ops, name)
+    for name in ops.__all__
+    if isinstance(getattr(ops, name), type)
+    and issubclass(getattr(ops, name), ops.BasicOperation)
+    and getattr(ops, name) is not ops.BasicOperation
+}
+_SCALAR_CASES = [
+    (name, arg, value)
+    for name, cls in _OPS.items()
+    for arg, value in bad_scalar_arguments(cls.__init__, _GIVEN)
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "arg", "value"), _SCALAR_CASES, ids=[f"{n}-{a}-{v}" for n, a, v in _SCALAR_CASES]
+)
+def test_bad_switch_or_float_names_the_argument(name, arg, value):
+    """A truthy non-bool for a switch, NaN or inf for a float: refused by name, for every op
+    (walked from the constructors' signatures)."""
+    cls = _OPS[name]
+    params = inspect.signature(cls.__init__).parameters
+    given = {k: v for k, v in _GIVEN.items() if k in params}
+    with pytest.raises(ValueError, match=rf"^{name}: {arg} must be a ") as info:
+        cls(**given, **{arg: value})
+    assert f"got {value!r}" in str(info.value)
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
 """Recipes: TE's defaults, validation messages, immutability, and device capability checks."""
 
 import dataclasses
+import math
 import re
 
 import pytest
@@ -286,6 +287,10 @@ BAD = [
     ),
     (NVFP4BlockScaling, {"disable_rht": "yes"}, "disable_rht must be of type bool, got 'yes'"),
     (QParams, {"amax_epsilon": -1.0}, "QParams: amax_epsilon must be >= 0, got -1.0"),
+    (QParams, {"amax_epsilon": math.inf}, "QParams: amax_epsilon must be finite, got inf"),
+    (QParams, {"amax_epsilon": math.nan}, "QParams: amax_epsilon must be finite, got nan"),
+    (DelayedScaling, {"reduce_amax": "no"}, "reduce_amax must be of type bool, got 'no'"),
+    (Float8CurrentScaling, {"use_power_2_scales": 1}, "use_power_2_scales must be of type bool"),
     (QParams, {"power_2_scale": None}, "QParams: power_2_scale must be of type bool, got None"),
     (MMParams, {"use_split_accumulator": 1}, "use_split_accumulator must be of type bool"),
 ]

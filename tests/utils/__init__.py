@@ -6,6 +6,8 @@ Every test takes its tolerances from :func:`dtype_tols` and builds its reference
 
 from __future__ import annotations
 
+import inspect
+import math
 import operator
 import os
 from collections.abc import Callable, Sequence
@@ -254,3 +256,20 @@ def assert_bits_equal(actual, expected):
         raise AssertionError(
             f"{int(differ.sum())} of {differ.numel()} elements differ; first: " + "; ".join(pairs)
         )
+
+
+def bad_scalar_arguments(fn: Callable, given: dict[str, Any]) -> list[tuple[str, Any]]:
+    """``(argument, bad value)`` for every scalar switch and float of ``fn``'s signature not in
+    ``given``: a bool (a bool default or annotation) gets a truthy non-bool (``"yes"``, ``1``),
+    a float (a float default or annotation) gets NaN and inf. Walkers over constructors assert
+    each is refused with a ValueError naming the argument: the walker reads the signatures, so
+    a new parameter cannot skip the check."""
+    cases = []
+    for name, p in inspect.signature(fn).parameters.items():
+        if name in given or name == "self":
+            continue
+        if isinstance(p.default, bool) or p.annotation in (bool, "bool"):
+            cases += [(name, "yes"), (name, 1)]
+        elif isinstance(p.default, float) or p.annotation in (float, "float"):
+            cases += [(name, math.nan), (name, math.inf)]
+    return cases
