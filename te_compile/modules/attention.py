@@ -17,13 +17,14 @@ import math
 
 from torch import Tensor, nn
 
+from te_compile._checks import check_bool
 from te_compile.functional import attention_args as A
 from te_compile.functional.attention import dot_product_attention
 from te_compile.modules._common import check_choice, check_positive
 
 __all__ = ["DotProductAttention"]
 
-_NAME = "te.DotProductAttention"
+_NAME = "DotProductAttention"
 
 
 def _tp_size(tp_size: int, tp_group) -> int:
@@ -58,6 +59,7 @@ class DotProductAttention(nn.Module):
     ) -> None:
         super().__init__()
         check_positive(_NAME, num_attention_heads=num_attention_heads)
+        check_bool(_NAME, sequence_parallel=sequence_parallel)
         if isinstance(kv_channels, (tuple, list)) and len(kv_channels) == 2:
             channels_k, channels_v = kv_channels
         else:

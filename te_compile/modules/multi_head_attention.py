@@ -31,6 +31,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from te_compile._checks import check_bool, check_positive_finite
 from te_compile.functional import apply_rotary_pos_emb
 from te_compile.modules._common import check_choice, check_positive
 from te_compile.modules.attention import DotProductAttention
@@ -43,6 +44,11 @@ __all__ = ["MultiheadAttention"]
 ATTENTION_TYPES = ("self", "cross")
 QK_NORM_TYPES = (None, "RMSNorm", "LayerNorm", "L2Normalization")
 _UNSUPPORTED_FORWARD = ("inference_params", "is_first_microbatch")
+
+
+def check_probability(owner: str, name: str, p: object) -> None:
+    if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0.0 <= p <= 1.0:
+        raise ValueError(f"{owner}: {name} must be a float in [0, 1], got {p!r}")
 
 
 def _positive_int(owner: str, name: str, value: object) -> None:
@@ -122,6 +128,16 @@ class MultiheadAttention(nn.Module):
         super().__init__()
         owner = "MultiheadAttention"
         check_positive(owner, hidden_size=hidden_size, num_attention_heads=num_attention_heads)
+        check_bool(owner, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+                   sequence_parallel=sequence_parallel, return_bias=return_bias,
+                   return_layernorm_output=return_layernorm_output,
+                   input_layernorm=input_layernorm, set_parallel_mode=set_parallel_mode,
+                   fuse_qkv_params=fuse_qkv_params, zero_centered_gamma=zero_centered_gamma,
+                   qkv_weight_interleaved=qkv_weight_interleaved,
+                   rotary_pos_interleaved=rotary_pos_interleaved, bias=bias,
+                   qk_norm_before_rope=qk_norm_before_rope, qk_layernorm=qk_layernorm)  # fmt: skip
+        check_probability(owner, "attention_dropout", attention_dropout)
+        check_positive_finite(owner, layernorm_epsilon=layernorm_epsilon, qk_norm_eps=qk_norm_eps)
         _positive_int(owner, "kv_channels", kv_channels)
         _positive_int(owner, "num_gqa_groups", num_gqa_groups)
         _positive_int(owner, "layer_number", layer_number)

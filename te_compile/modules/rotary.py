@@ -10,6 +10,8 @@ Transformer Engine's module of the same name: ``forward(max_seq_len, offset=0)``
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor, nn
 
@@ -55,12 +57,13 @@ class RotaryPositionEmbedding(nn.Module):
             ("rotary_percent", rotary_percent,
              _is_number(rotary_percent) and 0 < rotary_percent <= 1, "a float in (0, 1]"),
             ("seq_len_interpolation_factor", factor,
-             factor is None or (_is_number(factor) and factor > 0), "None or a positive number"),
+             factor is None or (_is_number(factor) and 0 < factor < math.inf),
+             "None or a positive number (finite)"),
             ("pretrained_max_position_embeddings", pretrained,
              pretrained is None or (_is_int(pretrained) and pretrained > 0),
              "None or a positive int"),
-            ("rotary_base", rotary_base, _is_number(rotary_base) and rotary_base > 0,
-             "a positive number"),
+            ("rotary_base", rotary_base, _is_number(rotary_base) and 0 < rotary_base < math.inf,
+             "a positive number (finite)"),
             ("interleaved", interleaved, isinstance(interleaved, bool), "a bool"),
         ):  # fmt: skip
             if not ok:

@@ -21,20 +21,16 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from te_compile.functional.dropout import dropout
+from te_compile._checks import check_bool, check_positive_finite
+from te_compile.functional import dropout
 from te_compile.modules._common import check_choice, check_positive
 from te_compile.modules.layernorm_mlp import LayerNormMLP
-from te_compile.modules.multi_head_attention import MultiheadAttention
+from te_compile.modules.multi_head_attention import MultiheadAttention, check_probability
 from te_compile.modules.norm import LayerNorm, RMSNorm
 
 __all__ = ["TransformerLayer"]
 
 LAYER_TYPES = ("encoder", "decoder")
-
-
-def _check_probability(owner: str, name: str, p: object) -> None:
-    if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0.0 <= p <= 1.0:
-        raise ValueError(f"{owner}: {name} must be a float in [0, 1], got {p!r}")
 
 
 class TransformerLayer(nn.Module):
@@ -101,8 +97,19 @@ class TransformerLayer(nn.Module):
         owner = "TransformerLayer"
         check_positive(owner, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
         check_choice(owner, "layer_type", layer_type, LAYER_TYPES)
-        _check_probability(owner, "hidden_dropout", hidden_dropout)
-        _check_probability(owner, "drop_path_rate", drop_path_rate)
+        check_bool(owner, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+                   sequence_parallel=sequence_parallel,
+                   apply_residual_connection_post_layernorm=apply_residual_connection_post_layernorm,
+                   output_layernorm=output_layernorm, parallel_attention_mlp=parallel_attention_mlp,
+                   set_parallel_mode=set_parallel_mode, fuse_qkv_params=fuse_qkv_params,
+                   zero_centered_gamma=zero_centered_gamma,
+                   qkv_weight_interleaved=qkv_weight_interleaved, bias=bias,
+                   rotary_pos_interleaved=rotary_pos_interleaved,
+                   qk_norm_before_rope=qk_norm_before_rope)  # fmt: skip
+        check_probability(owner, "hidden_dropout", hidden_dropout)
+        check_probability(owner, "attention_dropout", attention_dropout)
+        check_probability(owner, "drop_path_rate", drop_path_rate)
+        check_positive_finite(owner, layernorm_epsilon=layernorm_epsilon, qk_norm_eps=qk_norm_eps)
         if parallel_attention_mlp and (
             layer_type != "encoder" or apply_residual_connection_post_layernorm or output_layernorm
         ):

@@ -16,6 +16,13 @@ CONSTRUCTORS = {
     "RMSNorm": (te.RMSNorm, {"hidden_size": 16}),
     "GroupedLinear": (te.GroupedLinear, {"num_gemms": 2, "in_features": 16, "out_features": 16}),
     "GroupedMLP": (te.GroupedMLP, {"num_experts": 2, "hidden_size": 16, "ffn_hidden_size": 16}),
+    "DotProductAttention": (te.DotProductAttention, {"num_attention_heads": 2, "kv_channels": 8}),
+    "RotaryPositionEmbedding": (te.RotaryPositionEmbedding, {"dim": 8}),
+    "MultiheadAttention": (te.MultiheadAttention, {"hidden_size": 16, "num_attention_heads": 2}),
+    "TransformerLayer": (
+        te.TransformerLayer,
+        {"hidden_size": 16, "ffn_hidden_size": 32, "num_attention_heads": 2},
+    ),
 }
 CASES = [
     (name, arg, value)
