@@ -177,6 +177,7 @@ BAD_CONSTRUCTOR = [
 # A message that begins with the module's name (after dynamo's prefix, under compile).
 _NAMED = r"(^|[^.])DotProductAttention: "
 
+
 @pytest.mark.parametrize(("kwargs", "message"), BAD_CONSTRUCTOR)
 def test_bad_constructor_arguments(kwargs, message):
     with pytest.raises(ValueError, match=_NAMED) as info:
