@@ -260,22 +260,41 @@ class TensorParallel:
 
 
 def set_parallel_attributes(
-    param: Tensor | None, partition_dim: int = -1, stride: int = 1, sequence_parallel: bool = False
+    param: Tensor | None,
+    partition_dim: int = -1,
+    stride: int = 1,
+    sequence_parallel: bool = False,
+    parts: tuple[int, ...] | None = None,
 ) -> None:
-    """Mark ``param`` as sharded along ``partition_dim`` (-1: replicated)."""
+    """Mark ``param`` as sharded along ``partition_dim`` (-1: replicated). ``parts``: the full
+    sizes of named blocks along that dim, each sharded on its own (``parameters_split``: a
+    rank's fused QKV weight is its query rows, then its key rows, then its value rows)."""
     if param is None:
         return
     param.tensor_model_parallel = partition_dim >= 0
     param.partition_dim = partition_dim
     param.partition_stride = stride
+    param.partition_parts = parts
     param.sequence_parallel = sequence_parallel
 
 
-def shard_tensor(full: Tensor, partition_dim: int, stride: int, rank: int, size: int) -> Tensor:
+def shard_tensor(
+    full: Tensor,
+    partition_dim: int,
+    stride: int,
+    rank: int,
+    size: int,
+    parts: tuple[int, ...] | None = None,
+) -> Tensor:
     """Rank ``rank``'s shard of ``full`` along ``partition_dim`` (see ``partition_stride`` in
-    the module docstring): chunks ``rank, rank + size, ...`` of ``size * stride`` chunks."""
+    the module docstring): chunks ``rank, rank + size, ...`` of ``size * stride`` chunks; with
+    ``parts`` (full block sizes along the dim), each block's shard, concatenated."""
     if partition_dim < 0:
         return full
+    if parts:
+        blocks = full.split(list(parts), dim=partition_dim)
+        return torch.cat([shard_tensor(b, partition_dim, stride, rank, size) for b in blocks],
+                         dim=partition_dim)  # fmt: skip
     chunks = full.chunk(size * stride, dim=partition_dim)
     if len(chunks) != size * stride or full.shape[partition_dim] % (size * stride):
         raise ValueError(
@@ -299,8 +318,16 @@ def shard_state_dict(module: nn.Module, full_state_dict: dict[str, Tensor]) -> d
         if id(sub) not in sizes:
             continue
         rank, size = sizes[id(sub)]
+        prefix = f"{mod_name}." if mod_name else ""
         for name, p in sub.named_parameters(recurse=False):
-            key = f"{mod_name}.{name}" if mod_name else name
+            key = prefix + name
             if key in out and getattr(p, "tensor_model_parallel", False):
-                out[key] = shard_tensor(out[key], p.partition_dim, p.partition_stride, rank, size)
+                out[key] = shard_tensor(out[key], p.partition_dim, p.partition_stride, rank, size,
+                                        getattr(p, "partition_parts", None))  # fmt: skip
+        # parameters_split's named blocks (state_dict keys of their own), each sharded alone
+        for name, (kind, _start, _rows) in getattr(sub, "_slices", {}).items():
+            whole = getattr(sub, kind)
+            if prefix + name in out and getattr(whole, "tensor_model_parallel", False):
+                out[prefix + name] = shard_tensor(out[prefix + name], whole.partition_dim, 1,
+                                                  rank, size)  # fmt: skip
     return out

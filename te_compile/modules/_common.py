@@ -112,6 +112,11 @@ class NamedSlices:
         self.register_state_dict_post_hook(_split_state)
         self.register_load_state_dict_pre_hook(_fuse_state)
 
+    def _split_parts(self, tp_size: int) -> tuple[int, ...] | None:
+        """The full sizes of the named blocks (for sharding a full tensor), or None."""
+        rows = [r for _, (kind, _, r) in self._slices.items() if kind == "weight"]
+        return tuple(r * tp_size for r in rows) or None
+
     def __getattr__(self, name: str):
         slices = self.__dict__.get("_slices")
         if slices and name in slices:

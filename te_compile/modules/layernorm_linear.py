@@ -101,8 +101,9 @@ class LayerNormLinear(NamedSlices, PreNorm):
         self.fp8_meta = _fp8.FP8GemmState(device)
         self._init_slices(parts)
         if self.tp.mode is not None:
-            set_parallel_attributes(self.weight, 0)
-            set_parallel_attributes(self.bias, 0)
+            parts = self._split_parts(self.tp.size)
+            set_parallel_attributes(self.weight, 0, parts=parts)
+            set_parallel_attributes(self.bias, 0, parts=parts)
             self._mark_norm_parallel(self.tp.sequence_parallel)
         self.reset_parameters()
 

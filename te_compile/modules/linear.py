@@ -112,9 +112,12 @@ class Linear(NamedSlices, nn.Module):
         self._init_slices(parts)
         if self.tp.mode is not None:
             column = self.tp.mode == "column"
-            set_parallel_attributes(self.weight, 0 if column else 1)
+            parts = self._split_parts(self.tp.size) if column else None
+            set_parallel_attributes(self.weight, 0 if column else 1, parts=parts)
             row_sp = not column and self.tp.sequence_parallel
-            set_parallel_attributes(self.bias, 0 if column else -1, sequence_parallel=row_sp)
+            set_parallel_attributes(
+                self.bias, 0 if column else -1, sequence_parallel=row_sp, parts=parts
+            )
         self.reset_parameters()
 
     @property

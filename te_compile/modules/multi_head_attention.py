@@ -177,7 +177,7 @@ class MultiheadAttention(nn.Module):
         if set_parallel_mode:
             tp_kw = {
                 "tp_group": tp_group,
-                "tp_size": tp_size,
+                "tp_size": tp_size if tp_group is None else None,
                 "sequence_parallel": sequence_parallel,
             }
             tp = tp_size if tp_group is None else _group_size(tp_group)

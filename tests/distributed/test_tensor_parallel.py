@@ -108,6 +108,21 @@ CASES: dict[str, Case] = {
         ),
         in_dim=None, out_dim=None, inputs=_tokens(H),
     ),
+    "transformer_layer_gqa": Case(
+        lambda g, d, dev: te.TransformerLayer(
+            H, FFN, 4, num_gqa_groups=2, set_parallel_mode=True, hidden_dropout=0.0,
+            attention_dropout=0.0, **_kw(g, d, dev),
+        ),
+        in_dim=None, out_dim=None, inputs=_seq(H), roundings=4,
+    ),
+    "transformer_layer_sp_rmsnorm_swiglu": Case(
+        lambda g, d, dev: te.TransformerLayer(
+            H, FFN, 4, set_parallel_mode=True, sequence_parallel=g is not None,
+            normalization="RMSNorm", activation="swiglu", bias=False, hidden_dropout=0.0,
+            attention_dropout=0.0, **_kw(g, d, dev),
+        ),
+        in_dim=0, out_dim=0, inputs=_seq(H), roundings=4,
+    ),
 }  # fmt: skip
 
 
@@ -151,6 +166,7 @@ COMPILED = {
     "layernorm_linear_column": (set(), {AR}),
     "layernorm_mlp_sp_swiglu": ({AG, RS}, {AG, RS, AR}),
     "grouped_linear_row_single_parameter": ({AR}, set()),
+    "transformer_layer_sp_rmsnorm_swiglu": ({AG, RS}, {AG, RS, AR}),
 }
 
 
