@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import math
 
+import expecttest
 import pytest
 import torch
 import torch.nn.functional as F
 
 import te_compile as te
-from tests.utils import DEVICES, assert_close, compile_counted
+from tests.utils import DEVICES, GraphRecorder, assert_close, compile_counted
 
 H, FFN, HEADS = 32, 48, 4
 
@@ -310,6 +311,55 @@ def test_stack_compiles_without_breaks_or_recompiles(recipe):
         ref.backward()
         torch.testing.assert_close(loss, ref, rtol=1e-4, atol=1e-5)
     assert counter.frame_count == (2 if recipe == "delayed" else 1)
+
+
+class TestGraphSnapshot(expecttest.TestCase):
+    """The op sequence of a compiled Llama-style TransformerLayer (RMSNorm, GQA, RoPE, SwiGLU):
+    a new graph break, a decomposed te op or an extra copy shows up as a diff here."""
+
+    def test_llama_style_layer(self):
+        torch._dynamo.reset()
+        kw = {"normalization": "RMSNorm", "activation": "swiglu", "bias": False}
+        layer = _layer("cpu", num_gqa_groups=2, **kw).train()
+        freqs = te.RotaryPositionEmbedding(H // HEADS)(16)
+        rec = GraphRecorder()
+        x = torch.randn(2, 16, H, requires_grad=True)
+        torch.compile(layer, backend=rec, fullgraph=True)(x, rotary_pos_emb=freqs).sum().backward()
+        self.assertExpectedInline(rec.summary(), """\
+forward:
+  te.rmsnorm_fwd.default
+  te.linear_fwd.default
+  aten.split_with_sizes.default
+  aten.view.default
+  aten.view.default
+  aten.view.default
+  te.rotary_fwd.default
+  te.rotary_fwd.default
+  te.attention_fwd.default
+  aten.detach.default
+  aten.view.default
+  te.linear_fwd.default
+  aten.add.Tensor
+  te.rmsnorm_fwd.default
+  te.mlp_fwd.default
+  aten.add.Tensor
+backward:
+  auto_functionalized_v2(te.mlp_bwd.default)
+  te.rmsnorm_bwd.default
+  aten.add.Tensor
+  auto_functionalized_v2(te.linear_bwd.default)
+  aten.view.default
+  aten.detach.default
+  te.attention_bwd.default
+  te.rotary_bwd.default
+  te.rotary_bwd.default
+  aten.view.default
+  aten.view.default
+  aten.view.default
+  aten.cat.default
+  auto_functionalized_v2(te.linear_bwd.default)
+  te.rmsnorm_bwd.default
+  aten.add.Tensor""")
 
 
 # Bad input ----------------------------------------------------------------------------------
