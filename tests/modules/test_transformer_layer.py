@@ -325,7 +325,9 @@ class TestGraphSnapshot(expecttest.TestCase):
         rec = GraphRecorder()
         x = torch.randn(2, 16, H, requires_grad=True)
         torch.compile(layer, backend=rec, fullgraph=True)(x, rotary_pos_emb=freqs).sum().backward()
-        self.assertExpectedInline(rec.summary(), """\
+        self.assertExpectedInline(
+            rec.summary(),
+            """\
 forward:
   te.rmsnorm_fwd.default
   te.linear_fwd.default
@@ -359,7 +361,8 @@ backward:
   aten.cat.default
   auto_functionalized_v2(te.linear_bwd.default)
   te.rmsnorm_bwd.default
-  aten.add.Tensor""")
+  aten.add.Tensor""",
+        )
 
 
 # Bad input ----------------------------------------------------------------------------------
