@@ -214,8 +214,11 @@ def _block_cast(
     # Each element cast with its block's scale expanded to [M, K]: the codes are one pointwise
     # op's fresh output. (Cast on the padded blocks, then sliced, the partitioner saved the
     # slice for the backward and Inductor fixed its strides at the first compile's shape.)
+    # Written into a fresh row-major [M, K] (``x2`` may be a transposed view, whose layout a
+    # pointwise result would follow).
     expanded = scale.repeat_interleave(block_rows, 0)[:m].repeat_interleave(BLOCK, 1)[:, :k]
-    return _cast(x2, expanded, fp8_dtype), _reciprocal(scale)
+    q = torch.empty((m, k), dtype=fp8_dtype, device=x2.device)
+    return q.copy_(_cast(x2, expanded, fp8_dtype)), _reciprocal(scale)
 
 
 def quantize_blockwise_ref(
