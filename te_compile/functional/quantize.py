@@ -211,14 +211,8 @@ def _block_cast(
     scale = scale_from_amax(amax, torch.finfo(fp8_dtype).max, 0.0, power_2_scale)
     # A block holding inf gets a NaN scale, as one holding NaN does (module docstring).
     scale = torch.where(torch.isinf(amax), math.nan, scale)
-    # Each element cast with its block's scale expanded to [M, K]: the codes are one pointwise
-    # op's fresh output. (Cast on the padded blocks, then sliced, the partitioner saved the
-    # slice for the backward and Inductor fixed its strides at the first compile's shape.)
-    # Written into a fresh row-major [M, K] (``x2`` may be a transposed view, whose layout a
-    # pointwise result would follow).
-    expanded = scale.repeat_interleave(block_rows, 0)[:m].repeat_interleave(BLOCK, 1)[:, :k]
-    q = torch.empty((m, k), dtype=fp8_dtype, device=x2.device)
-    return q.copy_(_cast(x2, expanded, fp8_dtype)), _reciprocal(scale)
+    q = _cast(blocks, scale[:, None, :, None], fp8_dtype).view(mb * block_rows, kb * BLOCK)
+    return q[:m, :k].contiguous(), _reciprocal(scale)
 
 
 def quantize_blockwise_ref(
@@ -252,11 +246,7 @@ def dequantize_blockwise_ref(
     # Inductor's CPU code generator fails on the fused division indexing repeat_interleave makes).
     blocks = F.pad(q, (0, kb * BLOCK - k, 0, mb * block_rows - m)).view(mb, block_rows, kb, BLOCK)
     out = (blocks * scale_inv.float()[:, None, :, None]).view(mb * block_rows, kb * BLOCK)
-    # Always a fresh contiguous copy: `.contiguous()` on the slice branches on whether it
-    # already is one, and traced with symbolic sizes that fixed the strides of the first
-    # compile's shape (a saved operand then failed Inductor's stride check at the next size).
-    fresh = out[:m, :k].to(out_dtype, memory_format=torch.contiguous_format, copy=True)
-    return fresh.view(data.shape)
+    return out[:m, :k].to(out_dtype).contiguous().view(data.shape)
 
 
 # Argument checks: the same ValueError in eager (implementations) and at trace time (fakes).
