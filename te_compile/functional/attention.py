@@ -465,7 +465,19 @@ def _attention_fwd_fake(*args):
 # 4. Backward op -------------------------------------------------------------------------------
 
 
-@op("attention_bwd")
+def _efficient_bwd_on_cuda(grad_out, out, saved, *args) -> str | None:
+    """``kept_whole`` of ``te::attention_bwd``: the calls that run the memory-efficient kernel's
+    backward stay one opaque call under compile. Traced through, Inductor's fake tensors run
+    aten's meta of ``_efficient_attention_backward``, which lacks the op's ``out`` argument
+    (torch 2.11 - 2.13) and fails with "got multiple values for argument 'scale'"; our own
+    fake gives the shapes instead."""
+    a = _Args(*args[:-1])
+    if a.query.device.type == "cuda" and _plan(a).kind.startswith("efficient"):
+        return "aten's meta of _efficient_attention_backward does not match its schema"
+    return None
+
+
+@op("attention_bwd", kept_whole=_efficient_bwd_on_cuda)
 def attention_bwd(
     grad_out: Tensor,
     out: Tensor,

@@ -85,7 +85,8 @@ def test_positions_past_freqs_are_unrotated():
     cu = torch.tensor([0, 9], dtype=torch.int32)
     freqs = torch.randn(5, 1, 1, HEAD_DIM)
     _run_and_compare(t, freqs, cu, "thd", True, (1, 0), False, SMALL)
-    out = kernels.rotary(t, freqs, cu, "thd", True, 1, 0, config=SMALL)
+    args = (x.to(TRITON_DEVICE) for x in (t, freqs, cu))
+    out = kernels.rotary(*args, "thd", True, 1, 0, config=SMALL)
     assert torch.equal(out[5:].cpu(), t[5:])
 
 
