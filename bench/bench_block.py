@@ -6,16 +6,31 @@ Case (BENCHMARKS.md, "transformer block training step" and "compile time"). Per 
     x = x + proj(causal_sdpa(qkv(rmsnorm(x))))      # heads split, F.scaled_dot_product_attention
     x = x + fc2(silu(a) * b), [a, b] = fc1(rmsnorm(x)).chunk(2)     # SwiGLU MLP
 
-then a final RMSNorm. No biases; bf16 parameters and activations. The plain-PyTorch stack is
-``nn.RMSNorm`` + ``nn.Linear(bias=False)`` for QKV / proj / fc1 / fc2; the te_compile stack is
-``te.LayerNormLinear(normalization="RMSNorm")`` (norm + QKV), ``te.Linear`` (proj),
-``te.LayerNormMLP(normalization="RMSNorm", activation="swiglu")`` (norm + MLP) and ``te.RMSNorm``.
-SwiGLU follows te's convention: the first half of fc1's output goes through silu, the second
-half is the linear gate input.
+then a final RMSNorm (``te.RMSNorm`` in the te_compile stack). No biases; bf16 parameters and
+activations. SwiGLU follows te's convention: the first half of fc1's output goes through silu,
+the second half is the linear gate input. The plain-PyTorch stack is ``nn.RMSNorm`` +
+``nn.Linear(bias=False)`` for QKV (one fused Linear) / proj / fc1 / fc2. Two architectures
+(``--arch``):
 
-Sizes (hidden / heads / ffn / seq / batch / layers): h1024 1024 / 16 / 4096 / 1024 / 8 / 8,
-h2048 2048 / 16 / 8192 / 2048 / 4 / 4, h4096 4096 / 32 / 14336 / 2048 / 2 / 2; ``--smoke``:
-64 / 4 / 128 / 16 / 2 / 2.
+- ``block`` (default): multi-head attention, no RoPE, input [batch, seq, hidden]. The te_compile
+  stack is ``te.LayerNormLinear(normalization="RMSNorm")`` (norm + QKV), ``te.Linear`` (proj),
+  ``te.LayerNormMLP(normalization="RMSNorm", activation="swiglu")`` (norm + MLP).
+- ``layer``: grouped-query attention (``groups`` key/value heads of ``d = hidden / heads``
+  channels) with rotary embeddings on queries and keys, input [seq, batch, hidden]. The
+  te_compile stack is ``te.TransformerLayer(..., num_gqa_groups=groups,
+  normalization="RMSNorm", activation="swiglu", bias=False, self_attn_mask_type="causal")``
+  called as ``layer(x, rotary_pos_emb=freqs)``, ``freqs = te.RotaryPositionEmbedding(d)(seq)``
+  (base 10000). The plain layer splits its QKV output into queries, keys and values, applies
+  RoPE as ``x cos + rotate_half(x) sin`` in fp32 (rounded once to bf16, as te's RoPE), and runs
+  ``F.scaled_dot_product_attention(is_causal=True, enable_gqa=True)``. The weights map as
+  ``te_compile.convert`` maps a Hugging Face Llama's: the fused QKV weight's rows are te's
+  ``query_weight``, ``key_weight``, ``value_weight`` (``TE_NAMES``). Both RoPE tables (te's
+  ``freqs``; the plain cos / sin, fp32) are made once when the stack is built, outside the step.
+
+Sizes (hidden / heads / ffn / seq / batch / layers): block: h1024 1024 / 16 / 4096 / 1024 / 8 / 8,
+h2048 2048 / 16 / 8192 / 2048 / 4 / 4, h4096 4096 / 32 / 14336 / 2048 / 2 / 2; layer: l4096
+4096 / 32 (8 groups) / 14336 / 2048 / 2 / 2. ``--smoke``: 64 / 4 / 128 / 16 / 2 / 2 (layer: 2
+groups).
 
 Rows, per mode (``eager``; ``compiled``: ``torch.compile(dynamic=False)``, default mode, not
 fullgraph so that graph breaks are counted rather than fatal; ``reduce-overhead``:
@@ -31,22 +46,24 @@ before each step) and precision:
   ``torchao.float8.convert_to_float8_training(Float8LinearConfig.from_recipe_name(...))``
   (skipped with a note when torchao is not importable).
 
-One step is ``out = stack(x); out.backward(grad)`` with fixed random ``x`` [batch, seq, hidden]
-(requires grad, its grad cleared inside the step) and ``grad``; parameter grads are set to None
-before every step (outside the timed region with the ``do_bench`` timer). Columns:
+One step is ``out = stack(x); out.backward(grad)`` with fixed random ``x`` (requires grad, its
+grad cleared inside the step) and ``grad``; parameter grads are set to None before every step
+(outside the timed region with the ``do_bench`` timer). Columns:
 
 - median / p20 - p80 time per step (``bench/harness.py`` timers) and the ratio
   ``t / t(torch bf16, same mode)``;
 - TFLOP/s of the model FLOPs (the same count for every row, so an FP8 row's figure is
   bf16-equivalent throughput)::
 
-      FLOPs = layers * (6 * T * (4 * h^2 + 3 * h * ffn) + 6 * b * s^2 * h),  T = b * s
+      FLOPs = layers * (6 * T * (h * (h + 2 * g * d) + h^2 + 3 * h * ffn) + 6 * b * s^2 * h)
 
-  The first term is the GEMMs (QKV 3h^2, proj h^2, fc1 2*h*ffn, fc2 ffn*h per token; 2 FLOPs
-  per multiply-add, forward once and backward twice: dgrad + wgrad). The second is causal
-  attention: QK^T and PV are 2 * 2 * b * s^2 * h FLOPs forward over all heads, halved by the
+  with ``T = b * s``, ``g`` key/value heads of ``d`` channels (``g * d = h`` without GQA, the
+  block arch: ``4 * h^2 + 3 * h * ffn``). The first term is the GEMMs (QKV h * (h + 2gd), proj
+  h^2, fc1 2*h*ffn, fc2 ffn*h per token; 2 FLOPs per multiply-add, forward once and backward
+  twice: dgrad + wgrad). The second is causal attention: QK^T and PV are 2 * 2 * b * s^2 * h
+  FLOPs forward over all query heads (GQA shares keys and values, not the work), halved by the
   causal mask, and the backward's four GEMMs (dV, dP, dQ, dK) are twice the forward; no
-  recompute counted. Norms, SwiGLU, softmax and residuals are not counted;
+  recompute counted. Norms, SwiGLU, RoPE, softmax and residuals are not counted;
 - first step (s): wall time of the row's first step, compilation included for compiled modes
   (each compiled row runs under ``torch._inductor.utils.fresh_cache()``, an empty Inductor /
   Triton cache directory, unless ``--warm-cache``; te_compile's own Triton kernels stay
@@ -63,9 +80,10 @@ before every step (outside the timed region with the ``do_bench`` timer). Column
 
 ``--profile`` (CUDA) adds each row's top kernels under the table.
 
-    python -m bench.bench_block                                   # CUDA, all sizes, all rows
+    python -m bench.bench_block                                   # CUDA, block sizes, all rows
     python -m bench.bench_block --size h1024 --modes compiled --precisions bf16 current
     python -m bench.bench_block --smoke --device cpu              # tiny stack, runs on CPU
+    python -m bench.bench_block --arch layer --size l4096 --modes compiled --precisions bf16 current
 """
 
 from __future__ import annotations
@@ -117,6 +135,9 @@ BLOCK_TIMING = {"warmup_ms": 100, "rep_ms": 500, "repeat": 5, "min_trial_s": 0.1
 
 @dataclass(frozen=True)
 class Size:
+    """One stack's shape; ``groups``: key/value heads (None: as many as query heads, the block
+    arch's plain multi-head attention); ``arch``: the architecture it is a size of (ARCHS)."""
+
     name: str
     hidden: int
     heads: int
@@ -124,6 +145,30 @@ class Size:
     seq: int
     batch: int
     layers: int
+    groups: int | None = None
+    arch: str = "block"
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHS:
+            raise ValueError(f"Size {self.name}: arch must be one of {ARCHS}, got {self.arch!r}")
+        if self.hidden % self.heads or self.heads % self.kv_heads:
+            raise ValueError(f"Size {self.name}: heads must divide hidden, groups divide heads")
+        if self.arch == "block" and self.kv_heads != self.heads:
+            raise ValueError(f"Size {self.name}: the block arch has no GQA (groups=None)")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.heads if self.groups is None else self.groups
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def qkv_split(self) -> tuple[int, int, int]:
+        """Rows of the fused QKV weight: queries, keys, values."""
+        kv = self.kv_heads * self.head_dim
+        return self.hidden, kv, kv
 
     @property
     def tokens(self) -> int:
@@ -131,8 +176,8 @@ class Size:
 
     @property
     def gemm_params_per_layer(self) -> int:
-        """QKV 3h^2 + proj h^2 + fc1 2*h*ffn + fc2 ffn*h."""
-        return 4 * self.hidden**2 + 3 * self.hidden * self.ffn
+        """QKV h*(h + 2*g*d) + proj h^2 + fc1 2*h*ffn + fc2 ffn*h (g*d = h without GQA)."""
+        return self.hidden * sum(self.qkv_split) + self.hidden**2 + 3 * self.hidden * self.ffn
 
     @property
     def flops(self) -> int:
@@ -142,18 +187,30 @@ class Size:
         return self.layers * (gemms + attention)
 
     def describe(self) -> str:
+        gqa = f" (GQA, {self.kv_heads} groups), RoPE" if self.arch == "layer" else ""
         return (
-            f"hidden {self.hidden}, {self.heads} heads, ffn {self.ffn}, seq {self.seq}, "
+            f"hidden {self.hidden}, {self.heads} heads{gqa}, ffn {self.ffn}, seq {self.seq}, "
             f"batch {self.batch}, {self.layers} layers, bf16"
         )
 
 
+# The architectures (--arch), as the case titles name them.
+ARCHS = {
+    "block": "te.LayerNormLinear / te.Linear / te.LayerNormMLP stack",
+    "layer": "te.TransformerLayer stack",
+}
 SIZES = {
     "h1024": Size("h1024", 1024, 16, 4096, 1024, 8, 8),
     "h2048": Size("h2048", 2048, 16, 8192, 2048, 4, 4),
     "h4096": Size("h4096", 4096, 32, 14336, 2048, 2, 2),
+    "l4096": Size("l4096", 4096, 32, 14336, 2048, 2, 2, groups=8, arch="layer"),
 }
-SMOKE_SIZE = Size("smoke", 64, 4, 128, 16, 2, 2)  # multiples of 16, as FP8 GEMMs need
+# Multiples of 16, as FP8 GEMMs need (the layer's QKV: 64 + 2 * 2 * 16 = 128 rows).
+SMOKE_SIZES = {
+    "block": Size("smoke", 64, 4, 128, 16, 2, 2),
+    "layer": Size("smoke", 64, 4, 128, 16, 2, 2, groups=2, arch="layer"),
+}
+ROPE_BASE = 10000.0  # te.RotaryPositionEmbedding's default rotary_base
 
 
 # --------------------------------------------------------------------------------------------
@@ -171,13 +228,15 @@ def causal_attention(qkv: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 class TorchLayer(nn.Module):
+    """The block arch's layer in plain PyTorch, input [b, s, h]."""
+
     def __init__(self, size: Size, device: torch.device) -> None:
         super().__init__()
         kw = {"device": device, "dtype": DTYPE}
         h, f = size.hidden, size.ffn
         self.heads = size.heads
         self.attn_norm = nn.RMSNorm(h, eps=EPS, **kw)
-        self.qkv = nn.Linear(h, 3 * h, bias=False, **kw)
+        self.qkv = nn.Linear(h, sum(size.qkv_split), bias=False, **kw)
         self.proj = nn.Linear(h, h, bias=False, **kw)
         self.mlp_norm = nn.RMSNorm(h, eps=EPS, **kw)
         self.fc1 = nn.Linear(h, 2 * f, bias=False, **kw)
@@ -185,11 +244,103 @@ class TorchLayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.proj(causal_attention(self.qkv(self.attn_norm(x)), self.heads))
+        return x + self.mlp(x)
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
         a, gate = self.fc1(self.mlp_norm(x)).chunk(2, dim=-1)  # te's SwiGLU: silu(first half)
-        return x + self.fc2(F.silu(a) * gate)
+        return self.fc2(F.silu(a) * gate)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x cos + rotate_half(x) sin`` in fp32, rounded once to ``x``'s dtype (as te's RoPE)."""
+    xf = x.float()
+    return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
+
+
+class TorchRoPE(nn.Module):
+    """The plain stack's RoPE table, made once at construction: cos and sin (fp32,
+    [s, 1, 1, d]) of the angles ``p * base^(-2i/d)``, the ``d/2`` frequencies repeated for both
+    halves (``rotate_half``'s pairing; te.RotaryPositionEmbedding's frequencies and layout)."""
+
+    def __init__(self, size: Size, device: torch.device) -> None:
+        super().__init__()
+        d = size.head_dim
+        inv_freq = 1.0 / ROPE_BASE ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+        angles = torch.arange(size.seq, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat((angles, angles), dim=-1)[:, None, None, :].to(device)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos, self.sin
+
+
+class TorchTransformerLayer(TorchLayer):
+    """The layer arch's layer in plain PyTorch, input [s, b, h] (te.TransformerLayer's layout):
+    fused QKV (rows: queries, keys, values), RoPE on queries and keys, causal SDPA with
+    ``enable_gqa``; the MLP as the block arch's."""
+
+    def __init__(self, size: Size, device: torch.device) -> None:
+        super().__init__(size, device)
+        self.kv_heads, self.head_dim, self.split = size.kv_heads, size.head_dim, size.qkv_split
+
+    def forward(
+        self, x: torch.Tensor, rotary_pos_emb: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        s, b, h = x.shape
+        cos, sin = rotary_pos_emb
+        q, k, v = self.qkv(self.attn_norm(x)).split(self.split, dim=-1)
+        q = apply_rope(q.view(s, b, self.heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(s, b, self.kv_heads, self.head_dim), cos, sin)
+        v = v.view(s, b, self.kv_heads, self.head_dim)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        x = x + self.proj(y.permute(2, 0, 1, 3).reshape(s, b, h))
+        return x + self.mlp(x)
+
+
+class TeRoPE(nn.Module):
+    """The te stack's RoPE table, made once at construction:
+    ``te.RotaryPositionEmbedding(head_dim)(seq)``, fp32 [s, 1, 1, d]."""
+
+    def __init__(self, size: Size, device: torch.device) -> None:
+        super().__init__()
+        rope = te.RotaryPositionEmbedding(size.head_dim, rotary_base=ROPE_BASE, device=device)
+        self.register_buffer("freqs", rope(size.seq), persistent=False)
+
+    def forward(self) -> torch.Tensor:
+        return self.freqs
+
+
+def te_transformer_layer(size: Size, device: torch.device) -> te.TransformerLayer:
+    """The layer arch's te layer, configured as ``te_compile.convert`` builds a Llama's:
+    separate query / key / value weights (``fuse_qkv_params=False``: one fused Parameter, rows
+    ``[q; k; v]``), RMSNorm, SwiGLU, causal, [s, b, h]; no biases, no dropout."""
+    return te.TransformerLayer(
+        size.hidden,
+        size.ffn,
+        size.heads,
+        num_gqa_groups=size.kv_heads,
+        layernorm_epsilon=EPS,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        self_attn_mask_type="causal",
+        normalization="RMSNorm",
+        activation="swiglu",
+        bias=False,
+        params_dtype=DTYPE,
+        device=device,
+    )
 
 
 class TeLayer(nn.Module):
+    """The block arch's layer from te_compile modules, input [b, s, h]."""
+
     def __init__(self, size: Size, device: torch.device) -> None:
         super().__init__()
         kw = {"params_dtype": DTYPE, "device": device}
@@ -207,48 +358,79 @@ class TeLayer(nn.Module):
 
 
 class Stack(nn.Module):
-    """``layers`` decoder layers, then a final RMSNorm."""
+    """``layers`` decoder layers, then a final RMSNorm. ``rope`` (layer arch): a module whose
+    output (the RoPE table, a buffer) every layer gets as ``rotary_pos_emb``."""
 
-    def __init__(self, layers: list[nn.Module], norm: nn.Module) -> None:
+    def __init__(
+        self, layers: list[nn.Module], norm: nn.Module, rope: nn.Module | None = None
+    ) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)
         self.norm = norm
+        self.rope = rope
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kw = {} if self.rope is None else {"rotary_pos_emb": self.rope()}
         for layer in self.layers:
-            x = layer(x)
+            x = layer(x, **kw)
         return self.norm(x)
 
 
 def torch_stack(size: Size, device: torch.device) -> Stack:
-    layers = [TorchLayer(size, device) for _ in range(size.layers)]
-    return Stack(layers, nn.RMSNorm(size.hidden, eps=EPS, device=device, dtype=DTYPE))
+    norm = nn.RMSNorm(size.hidden, eps=EPS, device=device, dtype=DTYPE)
+    if size.arch == "layer":
+        layers = [TorchTransformerLayer(size, device) for _ in range(size.layers)]
+        return Stack(layers, norm, TorchRoPE(size, device))
+    return Stack([TorchLayer(size, device) for _ in range(size.layers)], norm)
 
 
 def te_stack(size: Size, device: torch.device) -> Stack:
-    layers = [TeLayer(size, device) for _ in range(size.layers)]
-    return Stack(layers, te.RMSNorm(size.hidden, eps=EPS, params_dtype=DTYPE, device=device))
+    norm = te.RMSNorm(size.hidden, eps=EPS, params_dtype=DTYPE, device=device)
+    if size.arch == "layer":
+        layers = [te_transformer_layer(size, device) for _ in range(size.layers)]
+        return Stack(layers, norm, TeRoPE(size, device))
+    return Stack([TeLayer(size, device) for _ in range(size.layers)], norm)
 
 
-# Plain-PyTorch parameter name (within a layer) -> te_compile's.
-TE_NAMES = {
-    "attn_norm.weight": "qkv.layer_norm_weight",
-    "qkv.weight": "qkv.weight",
-    "proj.weight": "proj.weight",
-    "mlp_norm.weight": "mlp.layer_norm_weight",
-    "fc1.weight": "mlp.fc1_weight",
-    "fc2.weight": "mlp.fc2_weight",
+# Plain-PyTorch parameter name (within a layer) -> te_compile's, per arch. A tuple splits the
+# tensor's rows (Size.qkv_split) over te's names: TransformerLayer's query / key / value
+# weights, as te_compile.convert maps a Hugging Face Llama's q/k/v_proj.
+_TE_QKV = "self_attention.layernorm_qkv."
+TE_NAMES: dict[str, dict[str, str | tuple[str, ...]]] = {
+    "block": {
+        "attn_norm.weight": "qkv.layer_norm_weight",
+        "qkv.weight": "qkv.weight",
+        "proj.weight": "proj.weight",
+        "mlp_norm.weight": "mlp.layer_norm_weight",
+        "fc1.weight": "mlp.fc1_weight",
+        "fc2.weight": "mlp.fc2_weight",
+    },
+    "layer": {
+        "attn_norm.weight": _TE_QKV + "layer_norm_weight",
+        "qkv.weight": tuple(_TE_QKV + f"{part}_weight" for part in ("query", "key", "value")),
+        "proj.weight": "self_attention.proj.weight",
+        "mlp_norm.weight": "layernorm_mlp.layer_norm_weight",
+        "fc1.weight": "layernorm_mlp.fc1_weight",  # silu half first, as te's SwiGLU
+        "fc2.weight": "layernorm_mlp.fc2_weight",
+    },
 }
 
 
-def te_state_dict(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def te_state_dict(weights: dict[str, torch.Tensor], size: Size) -> dict[str, torch.Tensor]:
     """The plain-PyTorch stack's parameters under the te_compile stack's names."""
+    names = TE_NAMES[size.arch]
     out = {}
     for name, tensor in weights.items():
-        if name.startswith("layers."):
-            _, index, rest = name.split(".", 2)
-            name = f"layers.{index}.{TE_NAMES[rest]}"
-        out[name] = tensor
+        if not name.startswith("layers."):
+            out[name] = tensor
+            continue
+        _, index, rest = name.split(".", 2)
+        target = names[rest]
+        if isinstance(target, str):
+            out[f"layers.{index}.{target}"] = tensor
+            continue
+        for part, rows in zip(target, tensor.split(size.qkv_split), strict=True):
+            out[f"layers.{index}.{part}"] = rows
     return out
 
 
@@ -320,7 +502,7 @@ def build_model(
     """The row's stack on ``device``, holding ``weights``."""
     if spec.impl == "te":
         model = te_stack(size, device)
-        model.load_state_dict(te_state_dict(weights), strict=True)
+        model.load_state_dict(te_state_dict(weights, size), strict=True)
         return model
     model = torch_stack(size, device)
     model.load_state_dict(weights, strict=True)
@@ -638,10 +820,14 @@ class BlockReport(harness.Report):
 
 def case_notes(size: Size, skipped: Sequence[str]) -> list[str]:
     h, s, b = size.hidden, size.seq, size.batch
+    if size.kv_heads == size.heads:
+        gemms = "4h^2 + 3h*ffn"
+    else:
+        gemms = f"h*(h + 2*g*d) + h^2 + 3h*ffn, g*d = {size.kv_heads}*{size.head_dim}"
     return [
-        f"FLOPs/step = layers * (6 * T * (4h^2 + 3h*ffn) + 6 * b * s^2 * h) = "
+        f"FLOPs/step = layers * (6 * T * ({gemms}) + 6 * b * s^2 * h) = "
         f"{size.flops / 1e9:.4g} GFLOP (T = b*s = {b * s}; causal attention, no recompute; "
-        f"norms / SwiGLU / softmax not counted)",
+        f"norms / SwiGLU / softmax / RoPE not counted)",
         "first step: compilation included for compiled rows (each under an empty Inductor / "
         "Triton cache dir unless --warm-cache); peak mem: max_memory_allocated over the "
         "warm-up and timed steps (this row's stack only)",
@@ -663,7 +849,8 @@ def run_size(
     """One table: every row on the same weights and input."""
     weights = make_weights(size, device)
     torch.manual_seed(1)
-    x = torch.randn(size.batch, size.seq, size.hidden, device=device, dtype=DTYPE)
+    shape = (size.seq, size.batch) if size.arch == "layer" else (size.batch, size.seq)
+    x = torch.randn(*shape, size.hidden, device=device, dtype=DTYPE)
     inputs = (x.requires_grad_(True), torch.randn_like(x))
     reset_between_rows(device)
     reference = reference_outputs(size, weights, inputs, device)
@@ -691,7 +878,7 @@ def run_size(
         if note.startswith("WARNING"):
             print(f"  [{size.name}] {note}", file=sys.stderr)
     case = harness.Case(
-        name=f"transformer block training step, {size.name}",
+        name=f"transformer block training step, {ARCHS[size.arch]}, {size.name}",
         shape=size.describe(),
         flops=size.flops,
     )
@@ -725,11 +912,18 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, torch.de
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
+        "--arch",
+        choices=list(ARCHS),
+        default="block",
+        help="block: te.LayerNormLinear / Linear / LayerNormMLP layers, no GQA, no RoPE; "
+        "layer: te.TransformerLayer with GQA and RoPE (default: block)",
+    )
+    parser.add_argument(
         "--size",
         nargs="+",
         choices=list(SIZES),
-        default=list(SIZES),
-        help="sizes to run (default: all; --smoke runs its tiny size instead)",
+        help="sizes to run, of the chosen arch (default: all of the arch; --smoke runs its "
+        "tiny size instead): " + ", ".join(f"{n} ({s.arch})" for n, s in SIZES.items()),
     )
     parser.add_argument(
         "--modes", nargs="+", choices=MODES, default=list(MODES), help="default: all"
@@ -753,7 +947,14 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, torch.de
         help="keep the Inductor / Triton caches (default: an empty cache dir per compiled row, "
         "so that the first step is a cold compile)",
     )
-    return harness.start(parser, argv, "bench_block", full_timing=BLOCK_TIMING)
+    started = harness.start(parser, argv, "bench_block", full_timing=BLOCK_TIMING)
+    args = started[0]
+    if args.size is None:
+        args.size = [name for name, size in SIZES.items() if size.arch == args.arch]
+    other = [name for name in args.size if SIZES[name].arch != args.arch]
+    if other:
+        parser.error(f"--size {' '.join(other)}: not a size of --arch {args.arch}")
+    return started
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -777,9 +978,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     for note in skipped:
         print(f"  {note}", file=sys.stderr)
     specs = row_specs(modes, args.precisions, torchao=has_torchao, opaque=args.opaque)
-    sizes = [SMOKE_SIZE] if args.smoke else [SIZES[name] for name in args.size]
+    sizes = [SMOKE_SIZES[args.arch]] if args.smoke else [SIZES[name] for name in args.size]
     report.metadata.update(
-        sizes=[s.name for s in sizes], modes=modes, precisions=list(args.precisions)
+        arch=args.arch,
+        sizes=[s.name for s in sizes],
+        modes=modes,
+        precisions=list(args.precisions),
     )
     for size in sizes:
         report.add(

@@ -14,7 +14,8 @@
 # Each step writes one log under $OUT (a bench step also its .md/.json, --no-chart), packed into
 # $OUT/results.tgz. Carry `.whl` (expecttest, liger-kernel, torchao, pytest-xdist + execnet: not
 # on the GPU image; bench/README.md). Not in the default list: block (bench_block, the
-# transformer block step; one size per call, BENCH_ARGS="--size h1024"), tp (bench_tp, needs 2
+# transformer block step; one size per call, BENCH_ARGS="--size h1024", or the
+# te.TransformerLayer stack: BENCH_ARGS="--arch layer --size l4096"), tp (bench_tp, needs 2
 # GPUs; TP_ARGS="--mesh 1x1 4x1 2x2 --recipe none current" for more), tp_fp8 (FP8 current scaling
 # on 1 GPU, all GPUs, and a TP x FSDP2 mesh), nccl_tests (tests/distributed -k nccl on 2 GPUs and
 # on all GPUs at once).
@@ -129,7 +130,8 @@ runpy.run_path('examples/train_gpt.py', run_name='__main__')" "${tg[@]:1}" \
         | tee "$OUT/bench_$step.log" \
         | grep -v "^  \[" | tail -60 ;;
     block)  # Llama-style stack fwd+bwd + compile time (bench/bench_block.py); all three sizes
-            # outlast one call: BENCH_ARGS="--size h1024" (or --modes / --precisions) per call
+            # outlast one call: BENCH_ARGS="--size h1024" (or --modes / --precisions) per call;
+            # the te.TransformerLayer stack (GQA, RoPE): BENCH_ARGS="--arch layer --size l4096"
       python3 -m bench.bench_block --out "$OUT" --no-chart ${BENCH_ARGS:-} 2>&1 \
         | tee "$OUT/bench_block.log" \
         | grep -v "^  \[" | tail -60 ;;

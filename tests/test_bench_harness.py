@@ -1,8 +1,10 @@
-"""CPU test of bench/harness.py: timing, ratios, markdown table, JSON. No CUDA, no matplotlib."""
+"""CPU test of bench/harness.py: timing, ratios, markdown table, JSON; and of bench_block's two
+stacks under its weight mapping. No CUDA, no matplotlib."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import sys
@@ -11,10 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.utils import assert_close
+
 _ROOT = Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:  # bench/ is not an installed package
     sys.path.insert(0, str(_ROOT))
 harness = importlib.import_module("bench.harness")
+bench_block = importlib.import_module("bench.bench_block")
 
 FAST = {"repeat": 3, "min_trial_s": 0.002, "warmup_calls": 1}
 
@@ -154,3 +159,27 @@ def test_formatting_and_paths():
     assert harness.resolve_timer("auto", torch.device("cpu")) == "wall"
     with pytest.raises(ValueError, match="baseline"):
         harness.run_case(harness.Case("c", "s"), {"a": lambda: None}, baseline="nope")
+
+
+@pytest.mark.parametrize("arch", ["block", "layer"])
+def test_block_stacks_agree_under_the_weight_mapping(arch):
+    """bench_block's te_compile stack, loaded with the plain-PyTorch stack's weights through
+    ``te_state_dict``, computes the same output and input gradient (fp32): the names, the QKV
+    split (layer: GQA), te's SwiGLU halves and the RoPE convention agree."""
+    bb, cpu = bench_block, torch.device("cpu")
+    size = dataclasses.replace(bb.SMOKE_SIZES[arch], seq=20)
+    weights = bb.make_weights(size, cpu)
+    ref = bb.torch_stack(size, cpu).float()
+    ref.load_state_dict(weights, strict=True)
+    ours = bb.te_stack(size, cpu).float()
+    ours.load_state_dict(bb.te_state_dict(weights, size), strict=True)
+    shape = (size.seq, size.batch) if arch == "layer" else (size.batch, size.seq)
+    x = torch.randn(*shape, size.hidden, requires_grad=True)
+    grad = torch.randn_like(x)
+    expected = ref(x)
+    expected.backward(grad)
+    expected_dx, x.grad = x.grad, None
+    actual = ours(x)
+    actual.backward(grad)
+    assert_close(actual, expected.double(), torch.float32, roundings=64)
+    assert_close(x.grad, expected_dx.double(), torch.float32, roundings=64)
