@@ -8,9 +8,10 @@ grid axis:
 
 * a rotary chunk of ``BLOCK_P`` channel pairs :math:`(a, b)` (``(i, i + d_2/2)``, or
   ``(2i, 2i + 1)`` interleaved, loaded as one ``[..., 2]`` tile and split): it computes the
-  rows' positions, loads their ``freqs`` once and evaluates ``cos``/``sin`` once for all
-  ``BLOCK_H`` heads (the trigonometry is the only arithmetic of note; sharing it over the heads
-  keeps the kernel memory-bound), then reads both members of its pairs and writes
+  rows' positions, loads their ``freqs`` once and evaluates ``cos``/``sin`` once on a
+  ``[BLOCK_T, BLOCK_P]`` tile for all ``BLOCK_H`` heads (the trigonometry is the only arithmetic
+  of note; sharing it over the heads keeps the kernel memory-bound), then, head by head, reads
+  both members of its pairs and writes
 
   .. math::
       y_a = x_a \cos f_a - x_b \sin f_a, \qquad y_b = x_b \cos f_b + x_a \sin f_b
@@ -59,13 +60,19 @@ _FORMATS = {"sbhd": SBHD.value, "bshd": BSHD.value, "thd": THD.value}
 
 @dataclasses.dataclass(frozen=True)
 class RotaryLaunchConfig:
-    """How a launch tiles ``[rows, h, d]``: ``block_t`` rows x ``block_h`` heads x ``block_p``
-    channel pairs per rotary program (``block_c`` channels per pass-through program).
+    """How a launch tiles ``[rows, h, d]``: a program owns ``block_t`` rows, ``block_h`` heads
+    and ``block_p`` channel pairs (``block_c`` channels of a pass-through program) and walks its
+    heads one at a time over 2-D ``[block_t, block_p]`` tiles.
 
-    About ``_TILE`` elements per program (16 KiB of bf16 read and written): heads first, so that
-    one evaluation of ``cos``/``sin`` serves as many heads as possible, then rows to fill the
-    tile when there are few heads (GQA keys). ``block_p`` up to 64 pairs: a head of 128 channels
-    in one chunk, each member of a pair a 128-byte bf16 run."""
+    ``cos``/``sin`` are evaluated once per program on a ``[block_t, block_p]`` tile laid out as
+    the data tiles, and serve all ``block_h`` heads: the trigonometry then costs about
+    ``2 / block_h`` evaluations per element and the kernel stays memory-bound. (Tiles of
+    ``[rows, heads, pairs]`` with the angles broadcast over the heads let Triton's layout
+    propagation give the angles the 3-D tile's layout, so every thread evaluated them for its
+    own heads again: compute-bound, about a third of copy bandwidth on an H200.) About
+    ``_TILE`` elements per head step; ``block_p`` up to 64 pairs, a head of 128 channels in one
+    chunk, each member of a pair a 128-byte bf16 run; up to ``_MAX_BLOCK_H`` heads a program,
+    unrolled, so that their loads are in flight together."""
 
     block_t: int
     block_h: int
@@ -74,8 +81,9 @@ class RotaryLaunchConfig:
     num_warps: int
 
 
-_TILE = 4096
+_TILE = 2048
 _MAX_BLOCK_P = 64
+_MAX_BLOCK_H = 8
 
 
 @functools.lru_cache(maxsize=256)
@@ -83,11 +91,10 @@ def launch_config(heads: int, pairs: int, passthrough: int) -> RotaryLaunchConfi
     """The tiling for ``heads`` heads of ``pairs`` rotary pairs and ``passthrough`` copied
     channels (sizes to choose a tiling by: any tiling is correct for any size)."""
     block_p = min(triton.next_power_of_2(max(pairs, 1)), _MAX_BLOCK_P)
-    block_h = min(triton.next_power_of_2(max(heads, 1)), max(1, _TILE // (2 * block_p)))
-    block_t = max(1, _TILE // (2 * block_p * block_h))
+    block_h = min(triton.next_power_of_2(max(heads, 1)), _MAX_BLOCK_H)
+    block_t = max(1, _TILE // (2 * block_p))
     block_c = min(triton.next_power_of_2(max(passthrough, 1)), 2 * block_p)
-    num_warps = 8 if 2 * block_t * block_h * block_p >= 4096 else 4
-    return RotaryLaunchConfig(block_t, block_h, block_p, block_c, num_warps)
+    return RotaryLaunchConfig(block_t, block_h, block_p, block_c, num_warps=4)
 
 
 @triton.jit
@@ -122,12 +129,8 @@ def _thd_index(CU, token, n_seqs, cp_size):
 
 
 @triton.jit
-def _rotate(xa, xb, fa, fb, BACKWARD: tl.constexpr):
-    """One pair's rotation; ``fa``/``fb`` ``[T, P]`` broadcast over the heads of ``[T, H, P]``."""
-    ca = tl.cos(fa)[:, None, :]
-    sa = tl.sin(fa)[:, None, :]
-    cb = tl.cos(fb)[:, None, :]
-    sb = tl.sin(fb)[:, None, :]
+def _rotate(xa, xb, ca, sa, cb, sb, BACKWARD: tl.constexpr):
+    """One pair's rotation, the angles' ``cos``/``sin`` given (``[T, P]``, as ``xa``/``xb``)."""
     if BACKWARD:
         return xa * ca + xb * sb, xb * cb - xa * sa
     return xa * ca - xb * sa, xb * cb + xa * sb
@@ -168,14 +171,16 @@ def _rotary_kernel(
     BLOCK_C: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    heads = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
+    head0 = tl.program_id(1).to(tl.int64) * BLOCK_H
     chunk = tl.program_id(2)
     outer = rows // n_inner
     inner = rows % n_inner
     row_ok = rows < n_rows
-    tile_ok = (row_ok[:, None] & (heads < n_heads)[None, :])[:, :, None]  # [T, H, 1]
-    x_row = (outer * sx_outer + inner * sx_inner)[:, None] + heads[None, :] * sx_head
-    o_row = (outer * so_outer + inner * so_inner)[:, None] + heads[None, :] * so_head
+    # A head's bounds as a [T] mask: Triton's interpreter refuses a mask that combines a tile
+    # with a scalar comparison.
+    rows_zero = rows * 0
+    x_row = outer * sx_outer + inner * sx_inner  # [T]
+    o_row = outer * so_outer + inner * so_inner
     if chunk < rot_chunks:
         if FORMAT == THD:
             j, length, valid = _thd_index(CU, outer, n_seqs, cp_size)
@@ -185,39 +190,51 @@ def _rotary_kernel(
             j, length, valid = inner, seq_len, row_ok
         pos = _cp_position(j, length, cp_size, cp_rank)
         valid = valid & row_ok & (pos >= 0) & (pos < freqs_rows)
-        f_row = (pos * freqs_stride)[:, None]  # [T, 1]
+        f_row = pos * freqs_stride  # [T]
         p = chunk * BLOCK_P + tl.arange(0, BLOCK_P)
         p_ok = p < pairs
         if INTERLEAVED:
             pair = tl.arange(0, 2)
-            c2 = (2 * p)[:, None] + pair[None, :]  # [P, 2]: channels 2i, 2i + 1
-            pair_ok = p_ok[:, None] & (pair < 2)[None, :]  # [P, 2]
-            f_mask = valid[:, None, None] & pair_ok[None, :, :]
-            f = tl.load(FREQS + f_row[:, :, None] + c2[None, :, :], mask=f_mask, other=0.0)
+            c2 = ((2 * p)[:, None] + pair[None, :])[None, :, :]  # [1, P, 2]: channels 2i, 2i + 1
+            pair_ok = (p_ok[:, None] & (pair < 2)[None, :])[None, :, :]
+            f_mask = valid[:, None, None] & pair_ok
+            f = tl.load(FREQS + f_row[:, None, None] + c2, mask=f_mask, other=0.0)
             fa, fb = tl.split(f.to(tl.float32))
-            x_mask = tile_ok[:, :, :, None] & pair_ok[None, None, :, :]
-            x_offs = x_row[:, :, None, None] + c2[None, None, :, :]
-            xa, xb = tl.split(_load_x(X, x_offs, x_mask, BF16))
-            ya, yb = _rotate(xa, xb, fa, fb, BACKWARD)
-            o_offs = o_row[:, :, None, None] + c2[None, None, :, :]
-            _store_out(OUT, o_offs, tl.join(ya, yb), x_mask, BF16)
+            ca, sa, cb, sb = tl.cos(fa), tl.sin(fa), tl.cos(fb), tl.sin(fb)
+            t_mask = row_ok[:, None, None] & pair_ok
+            for hh in tl.static_range(BLOCK_H):
+                head = head0 + hh
+                x_mask = t_mask & (rows_zero + head < n_heads)[:, None, None]
+                x_offs = x_row[:, None, None] + head * sx_head + c2
+                xa, xb = tl.split(_load_x(X, x_offs, x_mask, BF16))
+                ya, yb = _rotate(xa, xb, ca, sa, cb, sb, BACKWARD)
+                o_offs = o_row[:, None, None] + head * so_head + c2
+                _store_out(OUT, o_offs, tl.join(ya, yb), x_mask, BF16)
         else:
             f_mask = valid[:, None] & p_ok[None, :]
-            fa = tl.load(FREQS + f_row + p[None, :], mask=f_mask, other=0.0).to(tl.float32)
-            fb = tl.load(FREQS + f_row + (p + pairs)[None, :], mask=f_mask, other=0.0).to(
-                tl.float32
-            )
-            x_mask = tile_ok & p_ok[None, None, :]
-            xa = _load_x(X, x_row[:, :, None] + p[None, None, :], x_mask, BF16)
-            xb = _load_x(X, x_row[:, :, None] + (p + pairs)[None, None, :], x_mask, BF16)
-            ya, yb = _rotate(xa, xb, fa, fb, BACKWARD)
-            _store_out(OUT, o_row[:, :, None] + p[None, None, :], ya, x_mask, BF16)
-            _store_out(OUT, o_row[:, :, None] + (p + pairs)[None, None, :], yb, x_mask, BF16)
+            f_offs = f_row[:, None] + p[None, :]
+            fa = tl.load(FREQS + f_offs, mask=f_mask, other=0.0).to(tl.float32)
+            fb = tl.load(FREQS + f_offs + pairs, mask=f_mask, other=0.0).to(tl.float32)
+            ca, sa, cb, sb = tl.cos(fa), tl.sin(fa), tl.cos(fb), tl.sin(fb)
+            t_mask = row_ok[:, None] & p_ok[None, :]
+            for hh in tl.static_range(BLOCK_H):
+                head = head0 + hh
+                x_mask = t_mask & (rows_zero + head < n_heads)[:, None]
+                x_offs = x_row[:, None] + head * sx_head + p[None, :]
+                xa = _load_x(X, x_offs, x_mask, BF16)
+                xb = _load_x(X, x_offs + pairs, x_mask, BF16)
+                ya, yb = _rotate(xa, xb, ca, sa, cb, sb, BACKWARD)
+                o_offs = o_row[:, None] + head * so_head + p[None, :]
+                _store_out(OUT, o_offs, ya, x_mask, BF16)
+                _store_out(OUT, o_offs + pairs, yb, x_mask, BF16)
     else:
         c = d2 + (chunk - rot_chunks) * BLOCK_C + tl.arange(0, BLOCK_C)
-        c_mask = tile_ok & (c < d)[None, None, :]
-        v = tl.load(X + x_row[:, :, None] + c[None, None, :], mask=c_mask)
-        tl.store(OUT + o_row[:, :, None] + c[None, None, :], v, mask=c_mask)
+        c_tile = row_ok[:, None] & (c < d)[None, :]
+        for hh in tl.static_range(BLOCK_H):
+            head = head0 + hh
+            c_mask = c_tile & (rows_zero + head < n_heads)[:, None]
+            v = tl.load(X + x_row[:, None] + head * sx_head + c[None, :], mask=c_mask)
+            tl.store(OUT + o_row[:, None] + head * so_head + c[None, :], v, mask=c_mask)
 
 
 def _rows_view(t: Tensor, tensor_format: str) -> tuple[Tensor, int, int, int]:
