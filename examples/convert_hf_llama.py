@@ -2,7 +2,8 @@
 
 1. Builds the ``transformers`` model from a small config with random weights (no download).
 2. Converts it with ``te_compile.convert.from_hf`` and compares the logits of both models on
-   the same tokens (relative error; the script fails above the dtype's tolerance).
+   the same tokens: in fp32 directly; in bf16 each against the same weights in fp32, where ours
+   must be as close as the original (the script fails otherwise).
 3. Counts graph breaks of our model's training step with ``torch._dynamo.explain``, then trains
    it compiled with ``fullgraph=True`` for a few steps.
 4. Times a compiled training step (forward, cross-entropy, backward) of both models and prints
@@ -18,6 +19,7 @@ Needs ``transformers`` (``pip install 'te-compile[hf]'``). Usage::
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 import time
 
@@ -101,13 +103,27 @@ def main() -> int:
     ours = te.convert.from_hf(hf)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), device=args.device)
 
-    # 1. The same logits.
+    # 1. The same logits. In fp32 against the original directly. In bf16 two implementations
+    # of one model round differently at every op, and with random weights the difference grows
+    # with depth and width; so both are compared with the exact model (the original's weights
+    # in fp32) and ours must be as close to it as the original is (or within 2e-2).
     hf.eval(), ours.eval()
     with torch.no_grad():
-        expected, actual = hf(ids).logits.float(), ours(ids).float()
-    rel = ((actual - expected).norm() / expected.norm()).item()
-    tol = 2e-2 if args.dtype is torch.bfloat16 else 1e-4
-    print(f"{args.arch}: logits relative error {rel:.2e} (tolerance {tol:.0e})")
+        actual, original = ours(ids).float(), hf(ids).logits.float()
+        exact = copy.deepcopy(hf).float()(ids).logits if args.dtype != torch.float32 else None
+
+    def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+        return ((a - b).norm() / b.norm()).item()
+
+    if exact is None:
+        rel, tol = rel_err(actual, original), 1e-4
+        print(f"{args.arch}: logits relative error {rel:.2e} (tolerance {tol:.0e})")
+    else:
+        rel, theirs = rel_err(actual, exact), rel_err(original, exact)
+        tol = max(1.25 * theirs, 2e-2)
+        print(f"{args.arch}: logits relative error against the fp32 model: te_compile {rel:.2e}, "
+              f"transformers {theirs:.2e} (tolerance {tol:.2e}); between the two "
+              f"{rel_err(actual, original):.2e}")  # fmt: skip
 
     # 2. Graph breaks, then compiled training.
     hf.train(), ours.train()
