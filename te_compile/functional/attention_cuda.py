@@ -1,6 +1,6 @@
 """PyTorch's fused attention kernels on CUDA: which one runs each case of ``te::attention_fwd/_bwd``
-and how it is called. **CUDA only; not run on a GPU yet** (written against the aten schemas of
-torch 2.11 - 2.13, which match).
+and how it is called. CUDA only (written against the aten schemas of torch 2.11 - 2.13, which
+match; ``tests/functional/test_attention_cuda.py`` checks every row of the table on a GPU).
 
 The table, first match wins (``plan``):
 
