@@ -45,7 +45,7 @@ def sass_counts(
         f.write(kernel.asm["cubin"])
         f.flush()
         text = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
-    lines = [ln for ln in text.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln)]
+    lines = [ln for ln in text.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln)]
     ops = collections.Counter(
         re.sub(r"^\s+/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?", "", ln).split()[0].split(".")[0]
         for ln in lines
