@@ -24,10 +24,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 
-def sass_counts(
-    fn, types: dict, consts: dict, num_warps: int = 4
-) -> tuple[int, collections.Counter]:
-    """(instructions, opcode counts) of ``fn`` specialised with ``consts`` for sm90."""
+def compile_sm90(fn, types: dict, consts: dict, num_warps: int = 4):
+    """``fn`` specialised with ``consts`` and compiled for sm90 (``.asm["ptx"]``, ``["cubin"]``)."""
     sig = {p: "constexpr" if p in consts else types[p] for p in fn.arg_names}
     # Pointer and integer arguments divisible by 16, as Triton's launcher specialises them.
     attrs = {
@@ -35,11 +33,18 @@ def sass_counts(
         for i, p in enumerate(fn.arg_names)
         if p not in consts and not types[p].startswith("fp")
     }
-    kernel = triton.compile(
+    return triton.compile(
         ASTSource(fn, sig, constexprs=dict(consts), attrs=attrs),
         target=GPUTarget("cuda", 90, 128),
         options={"num_warps": num_warps},
     )
+
+
+def sass_counts(
+    fn, types: dict, consts: dict, num_warps: int = 4
+) -> tuple[int, collections.Counter]:
+    """(instructions, opcode counts) of ``fn`` specialised with ``consts`` for sm90."""
+    kernel = compile_sm90(fn, types, consts, num_warps)
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])

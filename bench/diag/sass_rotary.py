@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import sys
 
-from bench.diag.sass_quantize import sass_counts
+from bench.diag.sass_quantize import compile_sm90, sass_counts
 
 TYPES = dict(
     X="*i16", OUT="*i16", FREQS="*fp32", CU="*i32", n_rows="i32", n_inner="i32", n_heads="i32",
@@ -68,22 +68,7 @@ def main() -> int:
 
 def _range_reductions(R, consts: dict, cfg) -> int:
     """Multiplications by 2/pi (0f3F22F983) in the kernel's PTX: one per angle evaluated."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    fn = R._rotary_kernel
-    sig = {p: "constexpr" if p in consts else TYPES[p] for p in fn.arg_names}
-    attrs = {
-        (i,): [["tt.divisibility", 16]]
-        for i, p in enumerate(fn.arg_names)
-        if p not in consts and not TYPES[p].startswith("fp")
-    }
-    kernel = triton.compile(
-        ASTSource(fn, sig, constexprs=dict(consts), attrs=attrs),
-        target=GPUTarget("cuda", 90, 128),
-        options={"num_warps": cfg.num_warps},
-    )
+    kernel = compile_sm90(R._rotary_kernel, TYPES, consts, num_warps=cfg.num_warps)
     return kernel.asm["ptx"].count("0f3F22F983")
 
 
