@@ -65,8 +65,8 @@ class RotaryLaunchConfig:
     heads one at a time over 2-D ``[block_t, block_p]`` tiles.
 
     ``cos``/``sin`` are evaluated once per program on a ``[block_t, block_p]`` tile laid out as
-    the data tiles, and serve all ``block_h`` heads: the trigonometry then costs about
-    ``2 / block_h`` evaluations per element and the kernel stays memory-bound. (Tiles of
+    the data tiles, and serve all ``block_h`` heads: ``1 / block_h`` angles evaluated per element
+    (``python -m bench.diag.sass_rotary`` counts them in the sm90 code). (Tiles of
     ``[rows, heads, pairs]`` with the angles broadcast over the heads let Triton's layout
     propagation give the angles the 3-D tile's layout, so every thread evaluated them for its
     own heads again: compute-bound, about a third of copy bandwidth on an H200.) About
