@@ -171,6 +171,14 @@ class Size:
         return self.hidden, kv, kv
 
     @property
+    def input_shape(self) -> tuple[int, int, int]:
+        """The stacks' input: [seq, batch, hidden] (layer arch, TransformerLayer's layout) or
+        [batch, seq, hidden] (block arch)."""
+        if self.arch == "layer":
+            return self.seq, self.batch, self.hidden
+        return self.batch, self.seq, self.hidden
+
+    @property
     def tokens(self) -> int:
         return self.batch * self.seq
 
@@ -849,8 +857,7 @@ def run_size(
     """One table: every row on the same weights and input."""
     weights = make_weights(size, device)
     torch.manual_seed(1)
-    shape = (size.seq, size.batch) if size.arch == "layer" else (size.batch, size.seq)
-    x = torch.randn(*shape, size.hidden, device=device, dtype=DTYPE)
+    x = torch.randn(size.input_shape, device=device, dtype=DTYPE)
     inputs = (x.requires_grad_(True), torch.randn_like(x))
     reset_between_rows(device)
     reference = reference_outputs(size, weights, inputs, device)
