@@ -13,6 +13,12 @@ Minimum traffic: forward reads ``t`` and writes ``y``, backward reads ``dy`` and
 both also read the ``freqs`` rows they use (fp32). The target (issue 25) is 85% of copy bandwidth
 forward and backward on an H100.
 
+Timer: ``kernels`` by default (the summed duration of each call's CUDA kernels, and the copy's,
+from ``torch.profiler``): bandwidth is a property of the kernels. ``--timer do_bench`` times
+a call between CUDA events instead; a compiled call of a ~50 us kernel is then host-bound (its
+guards and autograd wrapper take longer to issue than the kernel runs), so that timer measures
+the host as much as the kernel.
+
     python -m bench.bench_rope            # CUDA
     python -m bench.bench_rope --smoke    # tiny shapes, runs on CPU
 """
@@ -138,9 +144,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--only", nargs="+", choices=list(FULL), default=list(FULL))
+    parser.add_argument("--timer", choices=("kernels", "do_bench"), default="kernels")
     args, device, timing, report = harness.start(
         parser, argv, "bench_rope", full_timing=harness.MEMORY_BOUND_TIMING
     )
+    timing = {**timing, "timer": args.timer}
     cases = SMOKE if args.smoke else FULL
     s, b, h = cases["q sbhd"]
     copy_gbps = membound.copy_bandwidth(device, 2 * s * b * h * HEAD_DIM * 2, timing)

@@ -228,7 +228,11 @@ def _register_trace_through(new: Op) -> None:
             return mode.__torch_dispatch__(func, types, args, kwargs)
         if any(not (t in known or issubclass(t, FakeTensor)) for t in types):
             return NotImplemented
-        if new.kept_whole is not None and new.kept_whole(*args, **kwargs):
+        # Under the mode: a kept_whole predicate may run ops on the FunctionalTensors (the
+        # attention plan asks SDPA's dispatcher, ``torch._fused_sdp_choice``).
+        with mode:
+            keep = new.kept_whole is not None and new.kept_whole(*args, **kwargs)
+        if keep:
             return mode.__torch_dispatch__(func, types, args, kwargs)
         with mode:
             return new.eager(*args, **kwargs)

@@ -21,7 +21,7 @@ import sys
 from bench.diag.sass_quantize import compile_sm90, sass_counts
 
 TYPES = dict(
-    X="*i16", OUT="*i16", FREQS="*fp32", CU="*i32", n_rows="i32", n_inner="i32", n_heads="i32",
+    X="*bf16", OUT="*bf16", FREQS="*fp32", CU="*i32", n_rows="i32", n_inner="i32", n_heads="i32",
     sx_outer="i64", sx_inner="i64", sx_head="i64", so_outer="i64", so_inner="i64",
     so_head="i64", freqs_rows="i32", freqs_stride="i32", pairs="i32", d2="i32", d="i32",
     seq_len="i32", n_seqs="i32", cp_size="i32", cp_rank="i32", rot_chunks="i32",
@@ -44,7 +44,7 @@ def main() -> int:
             ("sbhd", True, False),
         ):
             consts = dict(
-                FORMAT=fmts[fmt], INTERLEAVED=interleaved, BACKWARD=backward, BF16=True,
+                FORMAT=fmts[fmt], INTERLEAVED=interleaved, BACKWARD=backward, BF16=False,
                 BLOCK_T=cfg.block_t, BLOCK_H=cfg.block_h, BLOCK_P=cfg.block_p,
                 BLOCK_C=cfg.block_c,
             )  # fmt: skip

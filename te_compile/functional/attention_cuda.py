@@ -7,6 +7,13 @@ The table, first match wins (``plan``):
 =================== ========================================= ===================================
 kernel              used when                                 aten forward / backward
 =================== ========================================= ===================================
+``cudnn``           bf16/fp16, dense, head dims <= 128 and    ``_scaled_dot_product_cudnn_``
+                    multiples of 8, no dropout, no bias /     ``attention`` (+ ``_backward``;
+                    ALiBi / mask / padding / window; causal   [b, h, s, d] views of the op's
+                    only with sq == skv; and SDPA itself      tensors, any strides; GQA native)
+                    would pick cuDNN for these tensors
+                    (``torch._fused_sdp_choice``: cuDNN 9.15+
+                    on sm90 / sm100, unless disabled)
 ``flash``           bf16/fp16, head dims <= 256, no dropout,  ``_flash_attention_forward`` /
                     no bias / ALiBi / mask / padding; causal  ``_flash_attention_backward``
                     and sliding windows aligned bottom-right  (dense [b, s, h, d]; GQA native;
@@ -23,6 +30,12 @@ kernel              used when                                 aten forward / bac
                     ALiBi or a layout the kernels cannot      implementation)
                     express
 =================== ========================================= ===================================
+
+``cudnn`` follows SDPA: where PyTorch's own dispatcher prefers cuDNN's attention for these
+tensors (its priority order puts cuDNN first on Hopper and Blackwell with a recent cuDNN), the op
+runs it too; ``torch.nn.attention.sdpa_kernel`` and ``torch.backends.cuda.enable_cudnn_sdp``
+steer both alike. The choice reads shapes, dtypes and the device only, so the fake (on fake CUDA
+tensors) makes the same one.
 
 ``efficient`` takes masks as an additive bias (``custom_mask_type`` 1 / 2 = causal from the top
 left / bottom right when the mask is only causal): the bias path materialises one
@@ -53,10 +66,12 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend
 
 __all__ = ["Plan", "backward", "forward", "plan"]
 
 _HALF = (torch.float16, torch.bfloat16)
+_CUDNN = SDPBackend.CUDNN_ATTENTION.value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +97,28 @@ def _flash_ok(q: Tensor, v: Tensor, dropout_p: float) -> bool:
         and torch.backends.cuda.is_flash_attention_available()
         and torch.cuda.get_device_capability(q.device) >= (8, 0)
     )
+
+
+def _cudnn_ok(
+    q: Tensor, k: Tensor, v: Tensor, window_left: int, window_right: int, dropout_p: float
+) -> bool:
+    """SDPA's dispatcher would run cuDNN's attention for these dense tensors (no window; causal
+    only where top-left and bottom-right coincide); head dims this module's backward takes."""
+    if not (q.dtype in _HALF and dropout_p == 0.0 and window_left < 0 and window_right <= 0):
+        return False
+    d, dv = q.shape[-1], v.shape[-1]
+    if d % 8 or dv % 8 or max(d, dv) > 128:
+        return False
+    causal = window_right == 0
+    if causal and q.shape[1] != k.shape[1]:
+        return False
+    return _sdpa_choice(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal) == _CUDNN
+
+
+def _sdpa_choice(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> int:
+    """The backend SDPA's dispatcher picks for ``[b, h, s, d]`` tensors (an ``SDPBackend``
+    value), without dropout or mask."""
+    return torch._fused_sdp_choice(q, k, v, None, 0.0, causal, enable_gqa=True)
 
 
 def _causal_type(window_left: int, window_right: int, bottom_right: bool) -> int | None:
@@ -114,6 +151,8 @@ def plan(
     sq, skv = q.shape[1], k.shape[1]
     windowed = window_left >= 0 or window_right >= 0
     aligned = bottom_right or not windowed or (same_layout if varlen else sq == skv)
+    if plain and not varlen and _cudnn_ok(q, k, v, window_left, window_right, dropout_p):
+        return Plan("cudnn")
     if plain and aligned and _flash_ok(q, v, dropout_p):
         return Plan("flash_varlen" if varlen else "flash")
     efficient = torch.backends.cuda.mem_efficient_sdp_enabled()
@@ -140,6 +179,8 @@ def lse_shape(p: Plan, q: Tensor, cu_seqlens_q: Tensor | None, max_seqlen_q: int
         return (cu_seqlens_q.shape[0] - 1, h, (max_seqlen_q + 31) // 32 * 32)
     if p.kind == "efficient":
         return (b, h, (sq + 31) // 32 * 32)
+    if p.kind == "cudnn":
+        return (b, h, sq, 1)
     return (b, h, sq)
 
 
@@ -206,8 +247,14 @@ def forward(
     (``[b, h, sq, skv]``, q's dtype), ``row_valid``: ``[b|1, h|1, sq, 1]``, False for rows that
     see no key."""
     dv = v.shape[-1]
-    qp, kp, vp = _padded(p, q, k, v)
     causal = window_right == 0
+    if p.kind == "cudnn":
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, True, 0.0, causal,
+            False, scale=scale,
+        )  # fmt: skip
+        return out.transpose(1, 2), [lse]
+    qp, kp, vp = _padded(p, q, k, v)
     if p.kind == "flash":
         out, lse, *_ = torch.ops.aten._flash_attention_forward(
             qp, kp, vp, None, None, q.shape[1], k.shape[1], 0.0, causal, False,
@@ -265,9 +312,20 @@ def backward(
     """``(dq, dk, dv, dbias)`` through the backward of the forward's kernel; ``dbias`` is the
     gradient of the kernel bias (``[b, h, sq, skv]``) when ``bias_grad``, else None."""
     d, dv, hk = q.shape[-1], v.shape[-1], k.shape[2]
+    causal = window_right == 0
+    if p.kind == "cudnn":
+        # No dropout on this path: placeholders for the Philox seed and offset.
+        unused = torch.empty((), dtype=torch.int64, device=q.device)
+        if grad_out.stride() != out.stride():  # cuDNN reads dO laid out as O
+            grad_out = torch.empty_like(out).copy_(grad_out)
+        dq, dk, dvv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            grad_out.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            out.transpose(1, 2), saved[0], unused, unused, None, None, None, q.shape[1],
+            k.shape[1], 0.0, causal, scale=scale,
+        )  # fmt: skip
+        return dq.transpose(1, 2), dk.transpose(1, 2), dvv.transpose(1, 2), None
     qp, kp, vp = _padded(p, q, k, v)
     outp, gp = _pad_last(out, vp.shape[-1]), _pad_last(grad_out, vp.shape[-1])
-    causal = window_right == 0
     lse = saved[0]
     if p.kind.startswith("flash"):
         # No dropout on this path: the kernel reads no RNG state; placeholders of the forward's.

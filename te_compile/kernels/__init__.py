@@ -58,6 +58,21 @@ def launch(kernel: Any, grid: Any) -> Any:
     return kernel[grid]
 
 
+def bf16_bits(t: torch.Tensor) -> bool:
+    """Whether a kernel takes ``t`` (bf16) as int16 bits, widened and rounded to nearest even by
+    hand (``quantize_mx._load_x`` / ``_store_out``): under Triton's interpreter (CPU tensors)
+    only, whose own bf16 conversion flushes subnormals to zero. On the GPU a bf16 tensor goes to
+    the kernel as it is: Triton's conversions there widen exactly and round to nearest even, as
+    the by-hand code does, and a dtype view is no view Inductor hands to a kernel in place: under
+    ``torch.compile`` it would copy the input before the kernel and the output after it."""
+    return t.dtype == torch.bfloat16 and t.device.type != "cuda"
+
+
+def kernel_arg(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a kernel loads or stores it: an int16 view where :func:`bf16_bits`, else ``t``."""
+    return t.view(torch.int16) if bf16_bits(t) else t
+
+
 def size_hint(n: int | torch.SymInt) -> int:
     """``n`` as an int to choose a launch configuration by (tile sizes, programs per launch).
     A symbolic size (``torch.compile`` with dynamic shapes tracing a te op's implementation)

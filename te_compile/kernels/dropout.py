@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from te_compile.kernels import launch
+from te_compile.kernels import bf16_bits, kernel_arg, launch
 from te_compile.kernels.quantize_mx import _load_x, _store_out
 
 __all__ = ["BLOCK", "dropout", "random_words"]
@@ -111,12 +111,11 @@ def dropout(
     x = x.contiguous()
     out = torch.empty_like(x)
     if x.numel():
-        bf16 = x.dtype == torch.bfloat16
-        xs, outs = (x.view(torch.int16), out.view(torch.int16)) if bf16 else (x, out)
         grid = (triton.cdiv(x.numel(), BLOCK),)
         launch(_dropout_kernel, grid)(
-            xs, outs, rng_state, x.numel(), threshold, scale, bf16, BLOCK, rounds
-        )
+            kernel_arg(x), kernel_arg(out), rng_state, x.numel(), threshold, scale,
+            bf16_bits(x), BLOCK, rounds,
+        )  # fmt: skip
     return out
 
 

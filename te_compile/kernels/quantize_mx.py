@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from te_compile.kernels import launch
+from te_compile.kernels import bf16_bits, kernel_arg, launch
 from te_compile.kernels.quantize import _signed
 
 __all__ = ["dequantize_mxfp8", "dequantize_nvfp4", "quantize_mxfp8", "quantize_nvfp4"]
@@ -392,12 +392,6 @@ def _rows(x: Tensor) -> Tensor:
     return x.contiguous().view(-1, x.shape[-1]) if x.ndim != 2 else x.contiguous()
 
 
-def _bf16_as_int16(t: Tensor) -> Tensor:
-    """What a kernel loads from or stores into: bf16 through an int16 view (:func:`_load_x`,
-    :func:`_bf16_bits`), any other dtype as it is."""
-    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
-
-
 def quantize_mxfp8(
     x: Tensor, fp8_dtype: torch.dtype, rowwise: bool, columnwise: bool
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -414,7 +408,7 @@ def quantize_mxfp8(
     scale_t = scale_t if columnwise else empty.clone()
     if m and k:
         launch(_mxfp8_quantize_kernel, (triton.cdiv(m, _TILE), triton.cdiv(k, _TILE)))(
-            _bf16_as_int16(x2),
+            kernel_arg(x2),
             data,
             scale,
             data_t,
@@ -427,7 +421,7 @@ def quantize_mxfp8(
             EMIN=emin,
             MAXV=maxv,
             EMAX=emax,
-            IN_BF16=x2.dtype == torch.bfloat16,
+            IN_BF16=bf16_bits(x2),
             BLOCK_M=_TILE,
             BLOCK_K=_TILE,
             num_warps=_NUM_WARPS,
@@ -446,12 +440,12 @@ def dequantize_mxfp8(data: Tensor, scale: Tensor, out_dtype: torch.dtype) -> Ten
         launch(_mxfp8_dequantize_kernel, (triton.cdiv(m, _TILE), triton.cdiv(k, _TILE)))(
             d2,
             scale.contiguous(),
-            _bf16_as_int16(out),
+            kernel_arg(out),
             m,
             k,
             MBITS=mbits,
             EMIN=emin,
-            OUT_BF16=out_dtype == torch.bfloat16,
+            OUT_BF16=bf16_bits(out),
             BLOCK_M=_TILE,
             BLOCK_K=_TILE,
             num_warps=_NUM_WARPS,
@@ -475,7 +469,7 @@ def quantize_nvfp4(
     scale_t = scale_t if columnwise else empty.clone()
     if m and k:
         launch(_nvfp4_quantize_kernel, (triton.cdiv(m, _TILE), triton.cdiv(k, _TILE)))(
-            _bf16_as_int16(x2),
+            kernel_arg(x2),
             global_scale.to(torch.float32).contiguous(),
             data,
             scale,
@@ -485,7 +479,7 @@ def quantize_nvfp4(
             k,
             ROWWISE=rowwise,
             COLWISE=columnwise,
-            IN_BF16=x2.dtype == torch.bfloat16,
+            IN_BF16=bf16_bits(x2),
             BLOCK_M=_TILE,
             BLOCK_K=_TILE,
             num_warps=_NUM_WARPS,
@@ -508,10 +502,10 @@ def dequantize_nvfp4(
             d2,
             scale.contiguous().view(torch.uint8),
             global_scale.to(torch.float32).contiguous(),
-            _bf16_as_int16(out),
+            kernel_arg(out),
             m,
             2 * p,
-            OUT_BF16=out_dtype == torch.bfloat16,
+            OUT_BF16=bf16_bits(out),
             BLOCK_M=_TILE,
             BLOCK_P=_TILE,
             num_warps=_NUM_WARPS,

@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from te_compile.kernels import launch, size_hint
+from te_compile.kernels import bf16_bits, kernel_arg, launch, size_hint
 from te_compile.kernels.quantize_mx import _load_x, _store_out
 
 __all__ = ["RotaryLaunchConfig", "launch_config", "rotary"]
@@ -281,11 +281,9 @@ def rotary(
         rot_chunks + triton.cdiv(d - d2, cfg.block_c),
     )
     cu = table if cu_seqlens is None else cu_seqlens.contiguous()
-    bf16 = t.dtype == torch.bfloat16
-    xs, outs = (x4.view(torch.int16), o4.view(torch.int16)) if bf16 else (x4, o4)
     launch(_rotary_kernel, grid)(
-        xs,
-        outs,
+        kernel_arg(x4),
+        kernel_arg(o4),
         table,
         cu,
         n_rows,
@@ -310,7 +308,7 @@ def rotary(
         FORMAT=_FORMATS[tensor_format],
         INTERLEAVED=interleaved,
         BACKWARD=backward,
-        BF16=bf16,
+        BF16=bf16_bits(x4),
         BLOCK_T=cfg.block_t,
         BLOCK_H=cfg.block_h,
         BLOCK_P=cfg.block_p,

@@ -779,12 +779,16 @@ def _plan(
     window=(-1, 0),
     bottom_right=False,
     p=0.0,
+    cudnn=False,
 ):
     monkeypatch.setattr(
         attention_cuda,
         "_flash_ok",
         lambda q, v, p_: flash and p_ == 0.0 and q.dtype in (torch.float16, torch.bfloat16),
     )
+    B = torch.nn.attention.SDPBackend
+    choice = (B.CUDNN_ATTENTION if cudnn else B.FLASH_ATTENTION).value
+    monkeypatch.setattr(attention_cuda, "_sdpa_choice", lambda q, k, v, causal: choice)
     q, k, v = (
         torch.empty(1, sq, 4, d, dtype=dtype),
         torch.empty(1, skv, 2, d, dtype=dtype),
@@ -815,6 +819,29 @@ def test_cuda_kernel_choice(monkeypatch):
     )
     assert _plan(monkeypatch, False, varlen=True, window=(2, 0)) == P("math")
     assert _plan(monkeypatch, True, varlen=True, plain=False) == P("math")
+
+
+def test_cuda_kernel_choice_follows_sdpa_to_cudnn(monkeypatch):
+    """Where SDPA's dispatcher would pick cuDNN's attention, the dense cases cuDNN's kernel
+    expresses as SDPA does (no window, causal with sq == skv) run it; the rest keep the table."""
+    P = attention_cuda.Plan
+
+    def plan(**kw):
+        return _plan(monkeypatch, True, cudnn=True, **kw)
+
+    assert plan() == P("cudnn")
+    assert plan(window=(-1, -1), sq=4) == P("cudnn")  # no mask: any sq, skv
+    assert plan(d=128, dv=64) == P("cudnn")
+    assert plan(sq=4, bottom_right=True) == P("flash")  # causal, sq != skv
+    assert plan(sq=4) == P("efficient", 1)
+    assert plan(window=(3, 0)) == P("flash")
+    assert plan(d=256, dv=256) == P("flash")  # cuDNN's backward: head dims <= 128
+    assert plan(d=36, dv=36) == P("flash")  # padded to 40 for flash
+    assert plan(p=0.1) == P("efficient", 1)
+    assert plan(dtype=torch.float32) == P("efficient", 1)
+    assert plan(plain=False) == P("efficient", -1)
+    assert plan(varlen=True) == P("flash_varlen")
+    assert _plan(monkeypatch, True, cudnn=False) == P("flash")  # SDPA would pick flash
 
 
 def test_cuda_head_dim_padding_and_gqa_helpers():

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 import torch.utils.checkpoint
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import te_compile as te
 from tests.utils import HAS_CUDA, assert_close, assert_matches_eager, compile_counted
@@ -50,6 +51,9 @@ class Case:
 
 
 CASES = {
+    "cudnn-causal": Case("cudnn", sq=64, skv=64, hk=2),
+    "cudnn-sbhd-mqa-no-mask": Case("cudnn", mask_type="no_mask", qkv_format="sbhd", hk=1),
+    "cudnn-head-dims-128-64": Case("cudnn", d=128, dv=64),
     "flash-causal": Case("flash"),
     "flash-sbhd-gqa": Case("flash", qkv_format="sbhd", hk=2),
     "flash-mqa-no-mask": Case("flash", mask_type="no_mask", hk=1),
@@ -89,8 +93,20 @@ CASES = {
 }
 
 
+def _backends(kernel: str):
+    """The SDPA backends a case runs under: cuDNN first for the ``cudnn`` rows, cuDNN off for the
+    others (the op follows SDPA's preference, which puts cuDNN first on sm90 with cuDNN 9.15+)."""
+    B = SDPBackend
+    if kernel == "cudnn":
+        order = [B.CUDNN_ATTENTION, B.FLASH_ATTENTION, B.EFFICIENT_ATTENTION, B.MATH]
+        return sdpa_kernel(order, set_priority=True)
+    return sdpa_kernel([B.FLASH_ATTENTION, B.EFFICIENT_ATTENTION, B.MATH])
+
+
 def _kernel(case: Case, dtype: torch.dtype) -> str:
-    """The table's row for fp32: flash takes half precision only."""
+    """The table's row for fp32: cuDNN and flash take half precision only."""
+    if dtype == torch.float32 and case.kernel == "cudnn":
+        return "efficient"
     if dtype == torch.float32 and case.kernel.startswith("flash"):
         if case.kernel == "flash_varlen":  # the varlen kernel takes no window, nor empty rows
             empty_rows = case.lens_kv is not None and "bottom_right" in case.mask_type
@@ -182,8 +198,11 @@ def test_cuda_matches_float64_reference(name, dtype, kernels_run):
     case = CASES[name]
     if case.kernel.startswith("flash") and torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("flash attention needs sm_80 or newer")
-    out, grads = _run(case, dtype, "cuda")
+    with _backends(case.kernel):
+        out, grads = _run(case, dtype, "cuda")
     ref, ref_grads = _run(case, torch.float64, "cpu")
+    if case.kernel == "cudnn" and dtype != torch.float32 and set(kernels_run) == {"flash"}:
+        pytest.skip("SDPA does not run cuDNN attention here (needs cuDNN 9 on sm_80+)")
     expected = _kernel(case, dtype)
     assert kernels_run and set(kernels_run) == {expected}, kernels_run
     # Softmax, the P @ V sum and the backward's dS each round in the kernels' precision; an
@@ -194,12 +213,39 @@ def test_cuda_matches_float64_reference(name, dtype, kernels_run):
         assert_close(g, r, dtype, roundings=4, reduced=True)
 
 
-@pytest.mark.parametrize("name", ["flash-causal", "efficient-padding-causal", "flash-varlen"])
+def test_cuda_follows_sdpa_and_matches_it_bitwise(kernels_run):
+    """With PyTorch's default backends, a plain causal GQA call runs the kernel SDPA runs for the
+    same tensors, so output and gradients equal SDPA's bit for bit."""
+    case = Case("cudnn", qkv_format="bshd", sq=128, skv=128, hk=2)
+    (q, k, v), kw = _inputs(case, torch.bfloat16, "cuda")
+    out = F.dot_product_attention(q, k, v, **kw)  # [b, s, h * d]
+    g = torch.randn_like(out)
+    out.backward(g)
+    ref_qkv = [x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v)]
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        *ref_qkv, is_causal=True, enable_gqa=True
+    ).transpose(1, 2)  # [b, s, h, d]
+    ref.backward(g.view(ref.shape))
+    assert kernels_run[0] in ("cudnn", "flash"), kernels_run
+    assert torch.equal(out, ref.flatten(2))
+    for a, b in zip((q, k, v), ref_qkv, strict=True):
+        assert torch.equal(a.grad, b.grad.transpose(1, 2))
+
+
+@pytest.mark.parametrize(
+    "name", ["cudnn-causal", "flash-causal", "efficient-padding-causal", "flash-varlen"]
+)
 def test_cuda_compiled_matches_eager_without_recompiles(name, kernels_run):
     """fullgraph, dynamic shapes: one frame for two batch / sequence sizes; the compiled step
     runs the same kernel as eager and matches it."""
     torch._dynamo.reset()
     case = CASES[name]
+    with _backends(case.kernel):
+        _compiled_matches_eager(case)
+    assert set(kernels_run) == {case.kernel}
+
+
+def _compiled_matches_eager(case: Case) -> None:
     (q, k, v), kw = _inputs(case, torch.bfloat16, "cuda")
 
     def fn(q, k, v, kw):
@@ -213,7 +259,7 @@ def test_cuda_compiled_matches_eager_without_recompiles(name, kernels_run):
         variants.append(Case(case.kernel, case.mask_type, b=3, sq=53, skv=53,
                              padding=((53, 10, 40), (53, 53, 2))))  # fmt: skip
     else:
-        variants.append(Case(case.kernel, b=3, sq=53, skv=53))
+        variants.append(Case(case.kernel, b=3, sq=53, skv=53, hk=case.hk))
     for variant in variants:
         (q, k, v), kw = _inputs(variant, torch.bfloat16, "cuda")
         out = compiled(q, k, v, kw)
@@ -225,7 +271,6 @@ def test_cuda_compiled_matches_eager_without_recompiles(name, kernels_run):
         for a, b in zip((q, k, v), eager_qkv, strict=True):
             assert_matches_eager(a.grad, b.grad)
     assert counter.frame_count == 1
-    assert set(kernels_run) == {case.kernel}
 
 
 # Dropout on CUDA: the mem-efficient kernels draw from the CUDA generator -------------------------
