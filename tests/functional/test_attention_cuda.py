@@ -213,23 +213,26 @@ def test_cuda_matches_float64_reference(name, dtype, kernels_run):
         assert_close(g, r, dtype, roundings=4, reduced=True)
 
 
-def test_cuda_follows_sdpa_and_matches_it_bitwise(kernels_run):
-    """With PyTorch's default backends, a plain causal GQA call runs the kernel SDPA runs for the
-    same tensors, so output and gradients equal SDPA's bit for bit."""
+def test_cuda_follows_sdpa_and_matches_it(kernels_run):
+    """With PyTorch's default backends, a plain causal GQA call runs the kernel SDPA picks for
+    the same tensors: the same output bit for bit, the same gradients up to the order of the
+    backward's atomic adds (cuDNN accumulates dQ with atomics)."""
     case = Case("cudnn", qkv_format="bshd", sq=128, skv=128, hk=2)
     (q, k, v), kw = _inputs(case, torch.bfloat16, "cuda")
     out = F.dot_product_attention(q, k, v, **kw)  # [b, s, h * d]
     g = torch.randn_like(out)
     out.backward(g)
     ref_qkv = [x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v)]
+    sdpa = torch._fused_sdp_choice(*ref_qkv, None, 0.0, True, enable_gqa=True)
     ref = torch.nn.functional.scaled_dot_product_attention(
         *ref_qkv, is_causal=True, enable_gqa=True
     ).transpose(1, 2)  # [b, s, h, d]
     ref.backward(g.view(ref.shape))
-    assert kernels_run[0] in ("cudnn", "flash"), kernels_run
+    names = {SDPBackend.CUDNN_ATTENTION.value: "cudnn", SDPBackend.FLASH_ATTENTION.value: "flash"}
+    assert kernels_run == [names[sdpa]] * 2, (kernels_run, sdpa)
     assert torch.equal(out, ref.flatten(2))
     for a, b in zip((q, k, v), ref_qkv, strict=True):
-        assert torch.equal(a.grad, b.grad.transpose(1, 2))
+        assert_close(a.grad, b.grad.transpose(1, 2), torch.bfloat16, roundings=2)
 
 
 @pytest.mark.parametrize(
@@ -240,12 +243,14 @@ def test_cuda_compiled_matches_eager_without_recompiles(name, kernels_run):
     runs the same kernel as eager and matches it."""
     torch._dynamo.reset()
     case = CASES[name]
+    # cuDNN's backward accumulates dQ with atomic adds: two runs may differ in the last bits.
+    roundings = 4 if case.kernel == "cudnn" else 2
     with _backends(case.kernel):
-        _compiled_matches_eager(case)
+        _compiled_matches_eager(case, roundings)
     assert set(kernels_run) == {case.kernel}
 
 
-def _compiled_matches_eager(case: Case) -> None:
+def _compiled_matches_eager(case: Case, roundings: int) -> None:
     (q, k, v), kw = _inputs(case, torch.bfloat16, "cuda")
 
     def fn(q, k, v, kw):
@@ -267,9 +272,9 @@ def _compiled_matches_eager(case: Case) -> None:
         eager_qkv = [x.detach().requires_grad_() for x in (q, k, v)]
         expected = fn(*eager_qkv, kw)
         expected.float().square().sum().backward()
-        assert_matches_eager(out, expected)
+        assert_matches_eager(out, expected, roundings)
         for a, b in zip((q, k, v), eager_qkv, strict=True):
-            assert_matches_eager(a.grad, b.grad)
+            assert_matches_eager(a.grad, b.grad, roundings)
     assert counter.frame_count == 1
 
 

@@ -1,0 +1,58 @@
+"""Which fused kernel SDPA's dispatcher picks (``torch._fused_sdp_choice``) for the attention
+inputs of ``bench_block --arch layer`` in the layouts they reach the attention op: ``bshd`` (a
+plain PyTorch model's transposed projections), ``sbhd`` (TransformerLayer's default), and
+``sbhd`` with ``v`` a slice of the fused QKV projection's output (what the layer passes: RoPE
+makes q and k new tensors, v stays a view). On real and on fake CUDA tensors (what the op's
+fake sees under ``torch.compile``), and why cuDNN is not picked where it is not
+(``can_use_cudnn_attention(debug=True)``'s warnings).
+
+    python -m bench.diag.diag_sdpa_choice      # CUDA
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import torch
+from torch.backends.cuda import SDPAParams, can_use_cudnn_attention
+from torch.nn.attention import SDPBackend
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+B, S, H, HK, D = 2, 2048, 32, 8, 128
+
+
+def _inputs(layout: str) -> tuple[torch.Tensor, ...]:
+    """q, k, v as ``[b, h, s, d]`` views."""
+    kw = {"device": "cuda", "dtype": torch.bfloat16}
+    if layout == "bshd":
+        q, k, v = (torch.randn(B, S, n, D, **kw) for n in (H, HK, HK))
+    else:
+        q, k, v = (torch.randn(S, B, n, D, **kw).transpose(0, 1) for n in (H, HK, HK))
+        if layout == "sbhd, v a view":
+            qkv = torch.randn(S, B, (H + 2 * HK) * D, **kw)
+            v = qkv[..., (H + HK) * D :].view(S, B, HK, D).transpose(0, 1)
+    return tuple(x.transpose(1, 2) for x in (q, k, v))
+
+
+def main() -> int:
+    names = {b.value: b.name for b in SDPBackend}
+    print(f"{torch.cuda.get_device_name()} · torch {torch.__version__} · cuDNN "
+          f"{torch.backends.cudnn.version()}")  # fmt: skip
+    for layout in ("bshd", "sbhd", "sbhd, v a view"):
+        q, k, v = _inputs(layout)
+        real = torch._fused_sdp_choice(q, k, v, None, 0.0, True, enable_gqa=True)
+        with FakeTensorMode() as mode:
+            fq, fk, fv = (mode.from_tensor(x) for x in (q, k, v))
+            fake = torch._fused_sdp_choice(fq, fk, fv, None, 0.0, True, enable_gqa=True)
+        strides = [tuple(x.stride()) for x in (q, k, v)]
+        print(f"{layout}: real {names[real]}, fake {names[fake]}; strides {strides}")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ok = can_use_cudnn_attention(SDPAParams(q, k, v, None, 0.0, True, True), True)
+        print(f"  can_use_cudnn_attention: {ok}; " + " | ".join(str(w.message) for w in caught))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
