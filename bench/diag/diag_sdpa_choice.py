@@ -15,9 +15,9 @@ import sys
 import warnings
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.backends.cuda import SDPAParams, can_use_cudnn_attention
 from torch.nn.attention import SDPBackend
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 B, S, H, HK, D = 2, 2048, 32, 8, 128
 
