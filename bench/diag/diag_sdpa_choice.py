@@ -36,7 +36,7 @@ def _inputs(layout: str) -> tuple[torch.Tensor, ...]:
 
 
 def main() -> int:
-    names = {b.value: b.name for b in SDPBackend}
+    names = {b.value: name for name, b in SDPBackend.__members__.items()}
     print(f"{torch.cuda.get_device_name()} · torch {torch.__version__} · cuDNN "
           f"{torch.backends.cudnn.version()}")  # fmt: skip
     for layout in ("bshd", "sbhd", "sbhd, v a view"):
