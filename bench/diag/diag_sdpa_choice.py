@@ -4,7 +4,8 @@ plain PyTorch model's transposed projections), ``sbhd`` (TransformerLayer's defa
 ``sbhd`` with ``v`` a slice of the fused QKV projection's output (what the layer passes: RoPE
 makes q and k new tensors, v stays a view). On real and on fake CUDA tensors (what the op's
 fake sees under ``torch.compile``), and why cuDNN is not picked where it is not
-(``can_use_cudnn_attention(debug=True)``'s warnings).
+(``can_use_cudnn_attention(debug=True)``'s warnings). Then the kernels a small GQA + RoPE
+``te.TransformerLayer``'s attention op plans, eager and compiled.
 
     python -m bench.diag.diag_sdpa_choice      # CUDA
 """
@@ -51,7 +52,36 @@ def main() -> int:
             warnings.simplefilter("always")
             ok = can_use_cudnn_attention(SDPAParams(q, k, v, None, 0.0, True, True), True)
         print(f"  can_use_cudnn_attention: {ok}; " + " | ".join(str(w.message) for w in caught))
+    _layer_plans()
     return 0
+
+
+def _layer_plans() -> None:
+    import importlib
+
+    import te_compile as te
+
+    attention = importlib.import_module("te_compile.functional.attention")
+    seen: list[str] = []
+    plan = attention._plan
+
+    def recording(a):
+        p = plan(a)
+        seen.append(p.kind)
+        return p
+
+    attention._plan = recording
+    layer = te.TransformerLayer(
+        1024, 4096, 8, num_gqa_groups=2, hidden_dropout=0.0, attention_dropout=0.0,
+        normalization="RMSNorm", activation="swiglu", params_dtype=torch.bfloat16, device="cuda",
+    )  # fmt: skip
+    x = torch.randn(512, 2, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    freqs = te.RotaryPositionEmbedding(128, device="cuda")(512)
+    layer(x, rotary_pos_emb=freqs).sum().backward()
+    print(f"layer eager: {seen}")
+    seen.clear()
+    torch.compile(layer, fullgraph=True)(x, rotary_pos_emb=freqs).sum().backward()
+    print(f"layer compiled (trace time and run): {seen}")
 
 
 if __name__ == "__main__":
