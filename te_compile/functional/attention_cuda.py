@@ -34,8 +34,8 @@ kernel              used when                                 aten forward / bac
 ``cudnn`` follows SDPA: where PyTorch's own dispatcher prefers cuDNN's attention for these
 tensors (its priority order puts cuDNN first on Hopper and Blackwell with a recent cuDNN), the op
 runs it too; ``torch.nn.attention.sdpa_kernel`` and ``torch.backends.cuda.enable_cudnn_sdp``
-steer both alike. The choice reads shapes, dtypes and the device only, so the fake (on fake CUDA
-tensors) makes the same one.
+steer both alike. The dispatcher is asked about small real tensors of the same dtype, heads and
+head dims (``_sdpa_choice``), so the fake and the CUDA kernel make the same choice.
 
 ``efficient`` takes masks as an additive bias (``custom_mask_type`` 1 / 2 = causal from the top
 left / bottom right when the mask is only causal): the bias path materialises one
@@ -62,11 +62,14 @@ outputs and gradients are set to zero here.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.nn.attention import SDPBackend
+from torch.utils._python_dispatch import _disable_current_modes
 
 __all__ = ["Plan", "backward", "forward", "plan"]
 
@@ -106,19 +109,48 @@ def _cudnn_ok(
     only where top-left and bottom-right coincide); head dims this module's backward takes."""
     if not (q.dtype in _HALF and dropout_p == 0.0 and window_left < 0 and window_right <= 0):
         return False
-    d, dv = q.shape[-1], v.shape[-1]
-    if d % 8 or dv % 8 or max(d, dv) > 128:
+    b, sq, h, d = q.shape
+    skv, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
+    if d % 8 or dv % 8 or max(d, dv) > 128 or skv == 1 or max(b, h) > 65535:
         return False
     causal = window_right == 0
-    if causal and q.shape[1] != k.shape[1]:
+    if causal and sq != skv:
         return False
-    return _sdpa_choice(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal) == _CUDNN
+    return _sdpa_choice(q.device, q.dtype, int(h), int(hk), int(d), int(dv), causal) == _CUDNN
 
 
-def _sdpa_choice(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> int:
-    """The backend SDPA's dispatcher picks for ``[b, h, s, d]`` tensors (an ``SDPBackend``
-    value), without dropout or mask."""
-    return torch._fused_sdp_choice(q, k, v, None, 0.0, causal, enable_gqa=True)
+def _sdpa_choice(
+    device: torch.device, dtype: torch.dtype, h: int, hk: int, d: int, dv: int, causal: bool
+) -> int:
+    """The backend (an ``SDPBackend`` value) SDPA's dispatcher picks for dense ``[b, h, s, d]``
+    tensors of these dtype, heads and head dims, no dropout, no mask, under the current SDPA
+    settings (backends enabled, their priority order, deterministic mode).
+
+    Asked of small real tensors, never of the op's own: on fake tensors (the op's fake and its
+    trace under ``torch.compile``) ``torch._fused_sdp_choice`` answers from its meta kernel,
+    which picks the math backend, so the fake and the CUDA kernel would disagree. The choice
+    does not depend on the batch or the sequence lengths beyond what ``_cudnn_ok`` checks
+    (``skv != 1``, batch and heads <= 65535), nor on the strides (last dim contiguous)."""
+    state = (
+        torch.backends.cuda.cudnn_sdp_enabled(),
+        torch.backends.cuda.flash_sdp_enabled(),
+        torch.backends.cuda.mem_efficient_sdp_enabled(),
+        torch.backends.cuda.math_sdp_enabled(),
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        tuple(torch._C._get_sdp_priority_order()),
+    )
+    return _probe(torch.device(device), dtype, h, hk, d, dv, causal, state)
+
+
+@functools.lru_cache(maxsize=64)
+def _probe(device, dtype, h, hk, d, dv, causal, state) -> int:
+    del state  # a key only: torch reads the settings itself
+    with _disable_current_modes(), unset_fake_temporarily():
+        q = torch.empty(1, h, 64, d, device=device, dtype=dtype)
+        k = torch.empty(1, hk, 64, d, device=device, dtype=dtype)
+        v = torch.empty(1, hk, 64, dv, device=device, dtype=dtype)
+        return int(torch._fused_sdp_choice(q, k, v, None, 0.0, causal, enable_gqa=True))
 
 
 def _causal_type(window_left: int, window_right: int, bottom_right: bool) -> int | None:

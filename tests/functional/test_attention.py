@@ -788,7 +788,7 @@ def _plan(
     )
     B = torch.nn.attention.SDPBackend
     choice = (B.CUDNN_ATTENTION if cudnn else B.FLASH_ATTENTION).value
-    monkeypatch.setattr(attention_cuda, "_sdpa_choice", lambda q, k, v, causal: choice)
+    monkeypatch.setattr(attention_cuda, "_sdpa_choice", lambda *args: choice)
     q, k, v = (
         torch.empty(1, sq, 4, d, dtype=dtype),
         torch.empty(1, skv, 2, d, dtype=dtype),
