@@ -51,7 +51,7 @@ class Case:
 
 
 CASES = {
-    "cudnn-causal": Case("cudnn", sq=64, skv=64, hk=2),
+    "cudnn-causal": Case("cudnn", sq=40, skv=40, hk=2),
     "cudnn-sbhd-mqa-no-mask": Case("cudnn", mask_type="no_mask", qkv_format="sbhd", hk=1),
     "cudnn-head-dims-128-64": Case("cudnn", d=128, dv=64),
     "flash-causal": Case("flash"),
