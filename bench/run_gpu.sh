@@ -9,7 +9,8 @@
 # (the default list, in that order; split them over calls to stay inside the 10-minute limit of
 # one call); fp8_loss (train_gpt 300 steps per FP8 recipe), fp8_loss_seeds (the FP8 loss
 # criterion over three seeds); the diagnostics of bench/diag/: loss_diag, diag_host,
-# diag_grouped_gemm, diag_grouped_delayed, tune_norm, tune_quantize[:part], tune_group_columns;
+# diag_grouped_gemm, diag_grouped_delayed, diag_kernels, diag_sdpa_choice, tune_norm, tune_rotary,
+# tune_quantize[:part], tune_group_columns;
 # rope (bench_rope, not in the default list).
 # Each step writes one log under $OUT (a bench step also its .md/.json, --no-chart), packed into
 # $OUT/results.tgz. Carry `.whl` (expecttest, liger-kernel, torchao, pytest-xdist + execnet: not
@@ -119,6 +120,12 @@ runpy.run_path('examples/train_gpt.py', run_name='__main__')" "${tg[@]:1}" \
     diag_host)  # where the FP8 MLP step's time goes beyond its kernels (bench/diag/diag_host.py)
       python3 -m bench.diag.diag_host 2>&1 | tee "$OUT/diag_host.log" ;;
     tune_norm) python3 -m bench.diag.tune_norm 2>&1 | tee "$OUT/tune_norm.log" ;;
+    tune_rotary)  # the RoPE kernel's launch parameters (bench/diag/tune_rotary.py)
+      python3 -m bench.diag.tune_rotary 2>&1 | tee "$OUT/tune_rotary.log" ;;
+    diag_kernels)  # every kernel of eager vs compiled steps (bench/diag/diag_kernels.py)
+      python3 -m bench.diag.diag_kernels 2>&1 | tee "$OUT/diag_kernels.log" ;;
+    diag_sdpa_choice)  # SDPA's kernel choice per layout, real and fake (bench/diag/diag_sdpa_choice.py)
+      python3 -m bench.diag.diag_sdpa_choice 2>&1 | tee "$OUT/diag_sdpa_choice.log" ;;
     tune_group_columns)  # launches of the grouped FP8 wgrad's column cast (bench/diag/tune_group_columns.py)
       python3 -m bench.diag.tune_group_columns 2>&1 | tee "$OUT/tune_group_columns.log" ;;
     tune_quantize) python3 -m bench.diag.tune_quantize 2>&1 | tee "$OUT/tune_quantize.log" ;;
