@@ -29,6 +29,7 @@ from te_compile.modules import (
 )
 from te_compile.quantization import (
     autocast,
+    checkpoint,
     dequantize,
     is_fp8_available,
     is_fp8_block_scaling_available,
@@ -55,6 +56,7 @@ __all__ = [
     "apply_rotary_pos_emb",
     "autocast",
     "bulk_allocate",
+    "checkpoint",
     "convert",
     "deinterleave_glu_tensor",
     "dequantize",

@@ -23,6 +23,7 @@ from te_compile.distributed.tensor_parallel import (
     shard_state_dict,
     shard_tensor,
 )
+from te_compile.quantization.recompute import checkpoint
 
 __all__ = [
     "PARALLEL_MODES",
@@ -31,6 +32,7 @@ __all__ = [
     "all_reduce",
     "all_reduce_grad",
     "all_reduce_max",
+    "checkpoint",
     "reduce_scatter",
     "resolve_group",
     "scatter",

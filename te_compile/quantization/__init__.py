@@ -1,7 +1,8 @@
 """Low-precision recipes, the autocast state modules read, and device capability checks.
 
 ``recipe``: the frozen recipe dataclasses (TE's names and defaults). ``state``: ``autocast`` and
-``get_autocast_state``. ``device``: which recipes the GPU runs natively.
+``get_autocast_state``. ``recompute``: ``checkpoint``, activation checkpointing that recomputes
+FP8 modules exactly. ``device``: which recipes the GPU runs natively.
 """
 
 from te_compile.quantization.api import dequantize, quantize
@@ -23,6 +24,7 @@ from te_compile.quantization.recipe import (
     QParams,
     Recipe,
 )
+from te_compile.quantization.recompute import checkpoint
 from te_compile.quantization.state import AutocastState, autocast, get_autocast_state
 
 __all__ = [
@@ -37,6 +39,7 @@ __all__ = [
     "QParams",
     "Recipe",
     "autocast",
+    "checkpoint",
     "dequantize",
     "get_autocast_state",
     "get_default_fp8_recipe",

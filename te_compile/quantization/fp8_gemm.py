@@ -43,6 +43,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from te_compile.quantization.recompute import current_scope
 from te_compile.quantization.state import AutocastState
 
 __all__ = ["MAX_AMAX_HISTORY", "FP8GemmState", "non_finite_amaxes"]
@@ -63,6 +64,11 @@ class FP8GemmState(nn.Module):
         # Whether a delayed-scaling step ran here (module docstring): the first one is current.
         self.calibrated = False
         self._register_state_dict_hook(_drop_if_unused)
+
+    def forward_state(self) -> tuple[Tensor, Tensor, Tensor]:
+        """The buffers a forward writes: history, scales, forward amaxes (``grad_amax`` is the
+        backward's, and the forward saves it for the backward to write into)."""
+        return self.amax_history, self.scale, self.fwd_amax
 
     def is_unused(self) -> bool:
         """True while delayed scaling never ran (a host sync: for state_dict, not forward)."""
@@ -93,7 +99,9 @@ class FP8GemmState(nn.Module):
     def delayed_scale(self, owner: str, state: AutocastState) -> Tensor | None:
         """None under current scaling and at the first delayed step (the calibration step: the
         caller runs current scaling and records the amaxes); else fold the last amaxes into the
-        history, recompute the scales and return a copy of them (the ``[3]`` the FP8 ops take)."""
+        history, recompute the scales and return a copy of them (the ``[3]`` the FP8 ops take).
+        Inside ``te_compile.checkpoint`` the state is first snapshotted, so that the recompute
+        can start from it again."""
         recipe = state.recipe
         if recipe.float8_current():
             return None
@@ -107,6 +115,9 @@ class FP8GemmState(nn.Module):
                 f"{owner}: DelayedScaling.amax_history_len ({length}) must be <= "
                 f"{MAX_AMAX_HISTORY}, the history these buffers hold"
             )
+        scope = current_scope()
+        if scope is not None:  # te_compile.checkpoint: the state before this step's update
+            scope.snapshot(self)
         if not self.calibrated:
             self.calibrated = True
             return None

@@ -1,0 +1,150 @@
+"""Activation checkpointing that recomputes FP8 modules exactly: ``te_compile.checkpoint``.
+
+``torch.utils.checkpoint`` alone recomputes a region in the backward outside the region's
+``autocast``: the recompute would run in high precision (other saved tensors: checkpoint fails)
+and, under ``DelayedScaling``, fold the amaxes into the history a second time and quantise with
+other scales than the forward did. :func:`checkpoint` runs the function under
+``torch.utils.checkpoint`` with two additions:
+
+* the recompute runs under the autocast state the forward saw (recipe, enabled, group);
+* a :class:`RecomputeScope` is open while the function runs: in the forward every FP8 GEMM
+  state (``quantization.fp8_gemm.FP8GemmState``) is snapshotted before its first update; the
+  recompute starts from those snapshots, so it runs the forward's code path on the forward's
+  state (the same scales, the same calibration step: the same result bit for bit, and, around a
+  compiled module, the same compiled graph with the same saved tensors), and the state is put
+  back as the forward left it afterwards: it is updated once.
+
+Dropout masks come out the same because ``torch.utils.checkpoint`` restores torch's CPU and CUDA
+generators, from which every te dropout draws its seed. Under ``torch.compile`` the compiler does
+the recomputation itself (from the traced graph, where the autocast state and the scales are
+already fixed, and mutations are never recomputed): :func:`checkpoint` then calls
+``torch.utils.checkpoint.checkpoint`` as it is, and refuses ``DelayedScaling``, whose state
+update (a write) a compiled checkpoint region cannot hold; ``te.checkpoint`` around a compiled
+module works with every recipe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.utils.checkpoint
+
+from te_compile.quantization.state import _HOLDER, get_autocast_state
+
+__all__ = ["RecomputeScope", "checkpoint", "current_scope"]
+
+
+class RecomputeScope:
+    """The FP8 states one checkpointed call uses, each as it was before the forward's first
+    update of it, for the recompute to start from again."""
+
+    def __init__(self) -> None:
+        self.replay = False
+        self._before: dict[int, tuple[object, bool, list[torch.Tensor]]] = {}
+
+    def snapshot(self, state) -> None:
+        """Called by an FP8 state before it updates (``FP8GemmState.delayed_scale``): keeps
+        the buffers a forward writes and the calibration flag, the first time the forward
+        calls it."""
+        copies = [b.clone() for b in state.forward_state()]
+        if not self.replay and id(state) not in self._before:
+            self._before[id(state)] = (state, state.calibrated, copies)
+
+    def rewound(self) -> dict[int, tuple[object, bool, list[torch.Tensor]]]:
+        """Set every kept state back to its snapshot for a recompute; returns the states as
+        they are now, for :func:`_restore` after it."""
+        self.replay = True
+        now = {}
+        for key, (state, calibrated, copies) in self._before.items():
+            now[key] = (state, state.calibrated, [b.clone() for b in state.forward_state()])
+            _restore(state, calibrated, copies)
+        return now
+
+
+def _restore(state, calibrated: bool, copies: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for buffer, saved in zip(state.forward_state(), copies, strict=True):
+            buffer.copy_(saved)
+    state.calibrated = calibrated
+
+
+class _ScopeHolder:
+    def __init__(self) -> None:
+        self.current: RecomputeScope | None = None
+
+
+_SCOPE = _ScopeHolder()
+
+
+def current_scope() -> RecomputeScope | None:
+    """The scope of the checkpointed call running now, or None."""
+    return _SCOPE.current
+
+
+def checkpoint(
+    function: Callable[..., Any],
+    *args: Any,
+    distribute_saved_activations: bool = False,
+    get_rng_state_tracker: Callable[[], Any] | None = None,
+    tp_group: Any = None,
+    use_reentrant: bool = True,
+    **kwargs: Any,
+) -> Any:
+    """``function(*args, **kwargs)`` with its activations recomputed in the backward, FP8 state
+    included (module docstring); Transformer Engine's ``checkpoint``.
+
+    ``use_reentrant``: as ``torch.utils.checkpoint`` (TE's default, True, needs an input that
+    requires grad and no keyword arguments for ``function``). ``distribute_saved_activations``
+    (sharding the saved input over the tensor-parallel group) is not implemented: only False.
+    ``get_rng_state_tracker``: only None (te_compile's dropout draws from torch's generators,
+    which the checkpoint restores). ``tp_group``: used by TE only with
+    ``distribute_saved_activations``; any value is accepted and unused."""
+    if not callable(function):
+        raise ValueError(f"te.checkpoint: function must be callable, got {function!r}")
+    if distribute_saved_activations is not False:
+        raise ValueError(
+            "te.checkpoint: distribute_saved_activations must be False: sharding the saved "
+            f"activations over the tensor-parallel group is not implemented, got "
+            f"{distribute_saved_activations!r}"
+        )
+    if get_rng_state_tracker is not None:
+        raise ValueError(
+            "te.checkpoint: get_rng_state_tracker must be None: te_compile's dropout draws its "
+            "seeds from torch's generators, which the checkpoint restores for the recompute"
+        )
+    if not isinstance(use_reentrant, bool):
+        raise ValueError(f"te.checkpoint: use_reentrant must be a bool, got {use_reentrant!r}")
+    if torch.compiler.is_compiling():
+        recipe = get_autocast_state().recipe if get_autocast_state().enabled else None
+        if recipe is not None and recipe.delayed():
+            raise ValueError(
+                "te.checkpoint: under DelayedScaling, checkpointing inside a torch.compile "
+                "region is not supported: the delayed-scaling update writes the FP8 state, "
+                "which a compiled checkpoint region cannot hold. Checkpoint around the compiled "
+                "module instead (te.checkpoint(torch.compile(block), x)), or use "
+                "Float8CurrentScaling"
+            )
+        return torch.utils.checkpoint.checkpoint(
+            function, *args, use_reentrant=use_reentrant, **kwargs
+        )
+    state = get_autocast_state()
+    scope = RecomputeScope()
+    runs = [0]
+
+    def run(*a: Any, **kw: Any) -> Any:
+        # Each recompute (a second backward recomputes again) starts from the FP8 state the
+        # forward started from, and leaves the state as it found it.
+        after = scope.rewound() if runs[0] > 0 else {}
+        runs[0] += 1
+        outer_state, outer_scope = _HOLDER.current, _SCOPE.current
+        _HOLDER.current, _SCOPE.current = state, scope
+        try:
+            return function(*a, **kw)
+        finally:
+            _HOLDER.current, _SCOPE.current = outer_state, outer_scope
+            for fp8_state, calibrated, copies in after.values():
+                _restore(fp8_state, calibrated, copies)
+
+    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=use_reentrant, **kwargs)
