@@ -1,8 +1,9 @@
 """Low-precision recipes, the autocast state modules read, and device capability checks.
 
-``recipe``: the frozen recipe dataclasses (TE's names and defaults). ``state``: ``autocast`` and
-``get_autocast_state``. ``recompute``: ``checkpoint``, activation checkpointing that recomputes
-FP8 modules exactly. ``device``: which recipes the GPU runs natively.
+``recipe``: the recipe dataclasses (TE's names, defaults and mutability). ``state``:
+``autocast``, ``fp8_autocast`` and ``get_autocast_state``. ``recompute``: ``checkpoint``,
+activation checkpointing that recomputes FP8 modules exactly. ``device``: which recipes the GPU
+runs natively, the compute capability.
 """
 
 from te_compile.quantization.api import dequantize, quantize
