@@ -989,6 +989,8 @@ def linear(
     ``quantization.gemm.GemmArgs``. ``return_branch=True`` also returns ``branch``, a tensor
     with ``inp``'s values whose gradient joins the dgrad GEMM; ``return_amax=True`` also returns
     ``[amax(X), amax(W)]`` (per-tensor recipes; X is the norm's output with a prologue), last.
+    ``backward_override`` (with a recipe): ``"high_precision"`` or ``"dequantized"`` backward
+    GEMMs (module docstring).
     """
     args = (inp, weight, bias, main_grad)
     if (
