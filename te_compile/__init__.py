@@ -4,7 +4,7 @@
 op is callable as ``torch.ops.te.<name>`` and compiles with ``torch.compile(fullgraph=True)``.
 """
 
-from te_compile import convert, functional, quantization, recipe
+from te_compile import convert, distributed, functional, quantization, recipe
 from te_compile import ops as ops
 from te_compile._library import eager_fast_path_enabled, list_ops, set_eager_fast_path
 from te_compile.functional import (
@@ -58,6 +58,7 @@ __all__ = [
     "bulk_allocate",
     "checkpoint",
     "convert",
+    "distributed",
     "deinterleave_glu_tensor",
     "dequantize",
     "eager_fast_path_enabled",
