@@ -57,8 +57,9 @@ def _gather_sum_kernel(
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for s in range(slots):
         src = tl.load(INDEX + row * slots + s).to(tl.int64)
-        ok = src >= 0
-        x = _load_x(X, tl.maximum(src, 0) * sx_row + h, h_ok & ok, BF16)
+        # An empty slot (-1) masks the whole load; the mask is a block, as the loads need.
+        ok = h_ok & ((h * 0 + src) >= 0)
+        x = _load_x(X, tl.maximum(src, 0) * sx_row + h, ok, BF16)
         if HAS_WEIGHT:
             x = x * tl.load(WEIGHT + row * slots + s)
         acc += x

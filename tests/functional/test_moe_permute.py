@@ -224,7 +224,9 @@ def test_opcheck_every_moe_op(device):
     pk = torch.rand(TOKENS, TOPK, device=device, requires_grad=True)
     torch.library.opcheck(ops.moe_unpermute_fwd, (rows, row_id_map, pk))
     grad = torch.randn(TOKENS, HIDDEN, device=device)
-    torch.library.opcheck(ops.moe_unpermute_bwd, (grad, rows.detach(), row_id_map, pk.detach(), TOKENS * TOPK))
+    torch.library.opcheck(
+        ops.moe_unpermute_bwd, (grad, rows.detach(), row_id_map, pk.detach(), TOKENS * TOPK)
+    )
     torch.library.opcheck(ops.moe_permute_bwd, (rows.detach(), None, row_id_map, None))
     split = torch.tensor([4, 0, 5], device=device)
     order = torch.tensor([1, 2, 0], device=device)
