@@ -8,7 +8,8 @@ a mask ``routing_map [T, E]`` (``map_type="mask"``, nonzero = routed) or as expe
 ascending order, and within an expert in token order (for indices: the stable sort of the
 flattened ``[T * K]`` indices); a token routed to ``n`` experts appears ``n`` times. The output
 has ``num_out_tokens`` rows: the routed count for the mask (it must be given: it is
-``routing_map.sum()``, which would cost a host sync to read), ``T * K`` by default for indices.
+``routing_map.sum()``, which would cost a host sync to read), ``T * K`` for indices when not
+positive (the default).
 Rows past ``num_out_tokens`` are dropped (the last experts' tokens), rows past the routed count
 are 0. ``moe_permute_with_probs`` permutes ``probs [T, E]`` along: ``permuted_probs [n]``; a
 routed slot whose probability is 0 is a padding slot and its row is written as 0 (Transformer
@@ -645,14 +646,17 @@ def _int_arg(prefix: str, name: str, value, default: int) -> int:
 
 
 def _num_out(prefix: str, inp: Tensor, routing_map: Tensor, num_out_tokens, map_type: str) -> int:
-    """``num_out_tokens`` resolved: -1 / None is ``T * K`` for indices; the mask needs it."""
+    """``num_out_tokens`` resolved: for indices, ``T * K`` when not positive (None, -1, 0: as
+    Transformer Engine reads it); the mask needs it (0 is 0 rows there)."""
     n = _int_arg(prefix, "num_out_tokens", num_out_tokens, -1)
     if map_type not in MAP_TYPES:
         _fail(prefix, f"map_type must be one of {MAP_TYPES}, got {map_type!r}")
-    if n >= 0 or routing_map.dim() != 2:
+    if routing_map.dim() != 2:
         return n
     if map_type == "index":
-        return routing_map.shape[0] * routing_map.shape[1]
+        return n if n > 0 else routing_map.shape[0] * routing_map.shape[1]
+    if n >= 0:
+        return n
     _fail(
         prefix,
         "num_out_tokens must be given for map_type='mask': the number of routed tokens, "
@@ -669,9 +673,10 @@ def moe_permute(
 ) -> tuple[Tensor, Tensor]:
     """Tokens grouped by expert (Transformer Engine's ``moe_permute``): ``(permuted [n, H],
     row_id_map)``. ``routing_map``: ``[T, E]`` mask (``map_type="mask"``) or ``[T, K]`` expert
-    indices (``"index"``); ``num_out_tokens``: the output rows (required for the mask, default
-    ``T * K`` for indices; fewer drops the last rows). ``max_token_num`` (a workspace size in
-    Transformer Engine) is accepted and unused. See the module docstring."""
+    indices (``"index"``). ``num_out_tokens``: the output rows; required for the mask, and for
+    indices ``T * K`` when not positive (the default); fewer drops the last rows.
+    ``max_token_num`` (a workspace size in Transformer Engine) is accepted and unused. See the
+    module docstring."""
     prefix = "te.moe_permute"
     _int_arg(prefix, "max_token_num", max_token_num, -1)
     n = _num_out(prefix, inp, routing_map, num_out_tokens, map_type)

@@ -170,6 +170,10 @@ def test_index_map_keeps_duplicate_and_out_of_order_experts_stable(device):
     assert row_id_map.dtype == torch.int32 and row_id_map.shape == idx.shape
     y = te.moe_unpermute(out, row_id_map, map_type="index")
     torch.testing.assert_close(y, 2 * x)
+    # as Transformer Engine reads it, num_out_tokens <= 0 keeps every row for an index map
+    for n in (0, -1, None):
+        assert te.moe_permute(x, idx, n, map_type="index")[0].shape == (8, 3)
+    assert te.moe_permute(x, idx != 0, 0)[0].shape == (0, 3)  # the mask's 0 is 0 rows
 
 
 # Chunk sort ----------------------------------------------------------------------------------
