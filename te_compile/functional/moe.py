@@ -37,6 +37,8 @@ row written once); on CPU the same math in torch (``index_add_`` in fp32).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -58,6 +60,10 @@ _MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int32, torch.int64)
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# A row mover: ``(x, index, weight) -> rows``, the torch one (``*_ref``) or the Triton one.
+Mover = Callable[[Tensor, Tensor, "Tensor | None"], Tensor]
 
 
 # 1. Reference math ------------------------------------------------------------------------------
@@ -126,15 +132,22 @@ def _pad_mask(probs: Tensor | None) -> Tensor | None:
 
 
 def moe_permute_ref(
-    inp: Tensor, routing_map: Tensor, probs: Tensor | None, num_out_tokens: int, map_type: str
+    inp: Tensor,
+    routing_map: Tensor,
+    probs: Tensor | None,
+    num_out_tokens: int,
+    map_type: str,
+    *,
+    gather: Mover = _gather_ref,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Permuted tokens ``[num_out_tokens, H]``, the row_id_map and the permuted probabilities
-    (``[num_out_tokens]``, 0 elements without ``probs``). Differentiable by autograd."""
+    (``[num_out_tokens]``, 0 elements without ``probs``). Differentiable by autograd. (The ops
+    pass ``gather``: the Triton kernel on CUDA.)"""
     row_id_map = make_row_id_map(routing_map, num_out_tokens, map_type)
     token, slot = inverse_map(row_id_map, num_out_tokens)
     t, s = token.clamp(min=0), slot.clamp(min=0)
     mask = _pad_mask(probs)
-    out = _gather_ref(inp, token, None if mask is None else mask[t, s])
+    out = gather(inp, token, None if mask is None else mask[t, s])
     if probs is None:
         return out, row_id_map, inp.new_empty((0,))
     permuted = torch.where(token >= 0, probs[t, s], 0.0).to(probs.dtype)
@@ -154,16 +167,27 @@ def _permute_probs_grad(
 
 
 def moe_permute_bwd_ref(
-    grad: Tensor, grad_probs: Tensor | None, row_id_map: Tensor, probs: Tensor | None
+    grad: Tensor,
+    grad_probs: Tensor | None,
+    row_id_map: Tensor,
+    probs: Tensor | None,
+    *,
+    combine: Mover = _combine_ref,
 ) -> tuple[Tensor, Tensor]:
     """Gradients of :func:`moe_permute_ref` for ``inp`` and ``probs`` (0 elements without)."""
-    grad_inp = _combine_ref(grad, row_id_map, _pad_mask(probs))
+    grad_inp = combine(grad, row_id_map, _pad_mask(probs))
     return grad_inp, _permute_probs_grad(grad_probs, row_id_map, probs, grad)
 
 
-def moe_unpermute_ref(inp: Tensor, row_id_map: Tensor, merging_probs: Tensor | None) -> Tensor:
+def moe_unpermute_ref(
+    inp: Tensor,
+    row_id_map: Tensor,
+    merging_probs: Tensor | None,
+    *,
+    combine: Mover = _combine_ref,
+) -> Tensor:
     """``[T, H]``: each token's rows summed, weighted by ``merging_probs``. Differentiable."""
-    return _combine_ref(inp, row_id_map, merging_probs)
+    return combine(inp, row_id_map, merging_probs)
 
 
 def moe_unpermute_bwd_ref(
@@ -172,6 +196,8 @@ def moe_unpermute_bwd_ref(
     row_id_map: Tensor,
     merging_probs: Tensor | None,
     rows: int,
+    *,
+    gather: Mover = _gather_ref,
 ) -> tuple[Tensor, Tensor]:
     """Gradients of :func:`moe_unpermute_ref` for ``inp [rows, H]`` and ``merging_probs``:
     ``d inp[r] = p[t, s] * grad[t]`` for the slot ``(t, s)`` of row ``r``, and
@@ -179,7 +205,7 @@ def moe_unpermute_bwd_ref(
     token, slot = inverse_map(row_id_map, rows)
     t, s = token.clamp(min=0), slot.clamp(min=0)
     weight = None if merging_probs is None else merging_probs[t, s]
-    grad_inp = _gather_ref(grad, token, weight)
+    grad_inp = gather(grad, token, weight)
     if merging_probs is None or inp is None:
         return grad_inp, grad.new_empty((0,))
     acc = _acc(grad.dtype)
@@ -228,21 +254,31 @@ def _gather_probs(probs: Tensor, index: Tensor) -> Tensor:
 
 
 def moe_sort_chunks_ref(
-    inp: Tensor, split_sizes: Tensor, sorted_index: Tensor, probs: Tensor | None
+    inp: Tensor,
+    split_sizes: Tensor,
+    sorted_index: Tensor,
+    probs: Tensor | None,
+    *,
+    gather: Mover = _gather_ref,
 ) -> tuple[Tensor, Tensor]:
     """The chunks of ``inp`` (and ``probs``) in the order ``sorted_index``; probabilities 0
     elements without ``probs``. Differentiable by autograd."""
     src = chunk_sort_map(split_sizes, sorted_index, inp.shape[0])
-    out = _gather_ref(inp, src, None)
+    out = gather(inp, src, None)
     return out, (inp.new_empty((0,)) if probs is None else _gather_probs(probs, src))
 
 
 def moe_sort_chunks_bwd_ref(
-    grad: Tensor, grad_probs: Tensor | None, split_sizes: Tensor, sorted_index: Tensor
+    grad: Tensor,
+    grad_probs: Tensor | None,
+    split_sizes: Tensor,
+    sorted_index: Tensor,
+    *,
+    gather: Mover = _gather_ref,
 ) -> tuple[Tensor, Tensor]:
     """Gradients of :func:`moe_sort_chunks_ref`: the inverse row permutation."""
     dest = _invert_rows(chunk_sort_map(split_sizes, sorted_index, grad.shape[0]))
-    grad_inp = _gather_ref(grad, dest, None)
+    grad_inp = gather(grad, dest, None)
     return grad_inp, (
         grad.new_empty((0,)) if grad_probs is None else _gather_probs(grad_probs, dest)
     )
@@ -391,14 +427,7 @@ def moe_permute_fwd(
     """Tokens grouped by expert, the row_id_map, the permuted probabilities (0 elements
     without ``probs``)."""
     check_permute_args(inp, routing_map, probs, num_out_tokens, map_type)
-    row_id_map = make_row_id_map(routing_map, num_out_tokens, map_type)
-    token, slot = inverse_map(row_id_map, num_out_tokens)
-    t, s = token.clamp(min=0), slot.clamp(min=0)
-    mask = _pad_mask(probs)
-    out = _gather(inp, token, None if mask is None else mask[t, s])
-    if probs is None:
-        return out, row_id_map, inp.new_empty((0,))
-    return out, row_id_map, torch.where(token >= 0, probs[t, s], 0.0).to(probs.dtype)
+    return moe_permute_ref(inp, routing_map, probs, num_out_tokens, map_type, gather=_gather)
 
 
 @moe_permute_fwd.register_fake
@@ -416,8 +445,7 @@ def moe_permute_bwd(
 ) -> tuple[Tensor, Tensor]:
     """Gradients of ``te::moe_permute_fwd`` for ``inp`` (each token's rows summed) and
     ``probs`` (0 elements without)."""
-    grad_inp = _combine(grad, row_id_map, _pad_mask(probs))
-    return grad_inp, _permute_probs_grad(grad_probs, row_id_map, probs, grad)
+    return moe_permute_bwd_ref(grad, grad_probs, row_id_map, probs, combine=_combine)
 
 
 @moe_permute_bwd.register_fake
@@ -477,7 +505,7 @@ _moe_permute = differentiable(
 def moe_unpermute_fwd(inp: Tensor, row_id_map: Tensor, merging_probs: Tensor | None) -> Tensor:
     """Each token's permuted rows summed, weighted by ``merging_probs``."""
     check_unpermute_args(inp, row_id_map, merging_probs)
-    return _combine(inp, row_id_map, merging_probs)
+    return moe_unpermute_ref(inp, row_id_map, merging_probs, combine=_combine)
 
 
 @moe_unpermute_fwd.register_fake
@@ -492,17 +520,7 @@ def moe_unpermute_bwd(
 ) -> tuple[Tensor, Tensor]:
     """Gradients of ``te::moe_unpermute_fwd`` for ``inp`` and ``merging_probs`` (0 elements
     without)."""
-    token, slot = inverse_map(row_id_map, rows)
-    weight = None
-    if merging_probs is not None:
-        weight = merging_probs[token.clamp(min=0), slot.clamp(min=0)]
-    grad_inp = _gather(grad, token, weight)
-    if merging_probs is None or inp is None:
-        return grad_inp, grad.new_empty((0,))
-    acc = _acc(grad.dtype)
-    dots = (grad.to(acc)[token.clamp(min=0)] * inp.to(acc)).sum(-1)
-    grad_p = _scatter_slots(merging_probs.shape, token, slot, dots)
-    return grad_inp, grad_p.to(merging_probs.dtype)
+    return moe_unpermute_bwd_ref(grad, inp, row_id_map, merging_probs, rows, gather=_gather)
 
 
 @moe_unpermute_bwd.register_fake
@@ -566,9 +584,7 @@ def moe_sort_chunks_fwd(
 ) -> tuple[Tensor, Tensor]:
     """The chunks of ``inp`` (and ``probs``, 0 elements without) in ``sorted_index`` order."""
     check_sort_chunks_args(inp, split_sizes, sorted_index, probs)
-    src = chunk_sort_map(split_sizes, sorted_index, inp.shape[0])
-    out = _gather(inp, src, None)
-    return out, (inp.new_empty((0,)) if probs is None else _gather_probs(probs, src))
+    return moe_sort_chunks_ref(inp, split_sizes, sorted_index, probs, gather=_gather)
 
 
 @moe_sort_chunks_fwd.register_fake
@@ -585,11 +601,7 @@ def moe_sort_chunks_bwd(
 ) -> tuple[Tensor, Tensor]:
     """Gradients of ``te::moe_sort_chunks_fwd``: the inverse row permutation of ``grad`` (and
     of ``grad_probs``, 0 elements without)."""
-    dest = _invert_rows(chunk_sort_map(split_sizes, sorted_index, grad.shape[0]))
-    grad_inp = _gather(grad, dest, None)
-    return grad_inp, (
-        grad.new_empty((0,)) if grad_probs is None else _gather_probs(grad_probs, dest)
-    )
+    return moe_sort_chunks_bwd_ref(grad, grad_probs, split_sizes, sorted_index, gather=_gather)
 
 
 @moe_sort_chunks_bwd.register_fake
