@@ -12,6 +12,11 @@ from te_compile.functional import (
     bulk_allocate,
     deinterleave_glu_tensor,
     interleave_glu_tensor,
+    moe_permute,
+    moe_permute_with_probs,
+    moe_sort_chunks_by_index,
+    moe_sort_chunks_by_index_with_probs,
+    moe_unpermute,
 )
 from te_compile.modules import (
     DotProductAttention,
@@ -69,6 +74,11 @@ __all__ = [
     "is_mxfp8_available",
     "is_nvfp4_available",
     "list_ops",
+    "moe_permute",
+    "moe_permute_with_probs",
+    "moe_sort_chunks_by_index",
+    "moe_sort_chunks_by_index_with_probs",
+    "moe_unpermute",
     "non_finite_amaxes",
     "quantization",
     "quantize",
