@@ -11,7 +11,7 @@
 # criterion over three seeds); the diagnostics of bench/diag/: loss_diag, diag_host,
 # diag_grouped_gemm, diag_grouped_delayed, diag_kernels, diag_sdpa_choice, tune_norm, tune_rotary,
 # tune_quantize[:part], tune_group_columns;
-# rope (bench_rope, not in the default list).
+# rope (bench_rope) and moe (bench_moe, MoE token routing), not in the default list.
 # Each step writes one log under $OUT (a bench step also its .md/.json, --no-chart), packed into
 # $OUT/results.tgz. Carry `.whl` (expecttest, liger-kernel, torchao, pytest-xdist + execnet: not
 # on the GPU image; bench/README.md). Not in the default list: block (bench_block, the
@@ -132,7 +132,7 @@ runpy.run_path('examples/train_gpt.py', run_name='__main__')" "${tg[@]:1}" \
     tune_quantize:*)  # one part of the sweep: tune_quantize:pertensor or tune_quantize:block
       python3 -m bench.diag.tune_quantize "${step#tune_quantize:}" 2>&1 \
         | tee "$OUT/tune_quantize_${step#tune_quantize:}.log" ;;
-    linear|overhead|norm|activation|rope|mlp|grouped|fp8|ops)
+    linear|overhead|norm|activation|rope|moe|mlp|grouped|fp8|ops)
       python3 -m "bench.bench_$step" --out "$OUT" --no-chart ${BENCH_ARGS:-} 2>&1 \
         | tee "$OUT/bench_$step.log" \
         | grep -v "^  \[" | tail -60 ;;

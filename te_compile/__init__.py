@@ -4,7 +4,7 @@
 op is callable as ``torch.ops.te.<name>`` and compiles with ``torch.compile(fullgraph=True)``.
 """
 
-from te_compile import convert, functional, quantization, recipe
+from te_compile import convert, distributed, functional, quantization, recipe
 from te_compile import ops as ops
 from te_compile._library import eager_fast_path_enabled, list_ops, set_eager_fast_path
 from te_compile.functional import (
@@ -12,6 +12,11 @@ from te_compile.functional import (
     bulk_allocate,
     deinterleave_glu_tensor,
     interleave_glu_tensor,
+    moe_permute,
+    moe_permute_with_probs,
+    moe_sort_chunks_by_index,
+    moe_sort_chunks_by_index_with_probs,
+    moe_unpermute,
 )
 from te_compile.modules import (
     DotProductAttention,
@@ -63,6 +68,7 @@ __all__ = [
     "convert",
     "deinterleave_glu_tensor",
     "dequantize",
+    "distributed",
     "eager_fast_path_enabled",
     "fp8_autocast",
     "functional",
@@ -74,6 +80,11 @@ __all__ = [
     "is_mxfp8_available",
     "is_nvfp4_available",
     "list_ops",
+    "moe_permute",
+    "moe_permute_with_probs",
+    "moe_sort_chunks_by_index",
+    "moe_sort_chunks_by_index_with_probs",
+    "moe_unpermute",
     "non_finite_amaxes",
     "quantization",
     "quantize",

@@ -29,6 +29,13 @@ from te_compile.functional.glu_layout import deinterleave_glu_tensor, interleave
 from te_compile.functional.grouped_linear import as_splits_tensor, grouped_linear
 from te_compile.functional.linear import linear, linear_ref
 from te_compile.functional.mlp import MLP_ACTIVATIONS, mlp
+from te_compile.functional.moe import (
+    moe_permute,
+    moe_permute_with_probs,
+    moe_sort_chunks_by_index,
+    moe_sort_chunks_by_index_with_probs,
+    moe_unpermute,
+)
 from te_compile.functional.norm import l2normalization, layernorm, rmsnorm
 from te_compile.functional.quantize_mx import (
     dequantize_mxfp8,
@@ -66,6 +73,11 @@ __all__ = [
     "linear",
     "linear_ref",
     "mlp",
+    "moe_permute",
+    "moe_permute_with_probs",
+    "moe_sort_chunks_by_index",
+    "moe_sort_chunks_by_index_with_probs",
+    "moe_unpermute",
     "qgeglu",
     "qgelu",
     "quantize_mxfp8",

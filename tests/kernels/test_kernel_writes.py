@@ -33,13 +33,14 @@ from te_compile.kernels import act_quantize as act_q  # noqa: E402
 from te_compile.kernels import (  # noqa: E402
     activation,
     dropout,
+    moe,
     norm,
     quantize,
     quantize_mx,
     rotary,
 )
 
-KERNEL_MODULES = (act_q, activation, dropout, norm, quantize, quantize_mx, rotary)
+KERNEL_MODULES = (act_q, activation, dropout, moe, norm, quantize, quantize_mx, rotary)
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 BF16 = torch.bfloat16
 
@@ -149,6 +150,11 @@ def _cases() -> dict[str, tuple[Callable, tuple, dict]]:
         "quantize_mxfp8": (quantize_mx.quantize_mxfp8, (x, E4M3, True, True), {}),
         "quantize_nvfp4": (quantize_mx.quantize_nvfp4, (x.float(), one, True, True), {}),
         "dropout": (dropout.dropout, (x, torch.zeros(2, dtype=torch.int64), 2**31, 2.0), {}),
+    }
+    row_map = torch.tensor([[0, -1], [2, 1]], dtype=torch.int32)
+    cases |= {
+        "moe_gather_sum": (moe.gather_sum, (x, row_map, None), {}),
+        "moe_gather_sum_weighted": (moe.gather_sum, (x, row_map, torch.rand(2, 2)), {}),
     }
     q, packed, freqs = _t(16, 2, 4, 64), _t(24, 4, 64), torch.randn(32, 1, 1, 48)
     cu = torch.tensor([0, 16, 48], dtype=torch.int32)

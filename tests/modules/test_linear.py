@@ -148,3 +148,19 @@ backward:
   auto_functionalized_v2(te.linear_bwd.default)
   aten.copy_.default""",
         )
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: te.Linear(8, 8, True),
+        lambda: te.LayerNormLinear(8, 8, 1e-5, True),
+        lambda: te.LayerNormMLP(8, 16, 1e-5, True),
+    ],
+    ids=["Linear", "LayerNormLinear", "LayerNormMLP"],
+)
+def test_arguments_past_the_sizes_are_keyword_only(make):
+    """Transformer Engine's next positional argument is ``sequence_parallel``: passed
+    positionally it must fail loudly, not set ``bias``."""
+    with pytest.raises(TypeError):
+        make()

@@ -1,0 +1,756 @@
+r"""Mixture-of-experts token routing: Transformer Engine's ``moe_permute``, ``moe_unpermute``,
+``moe_permute_with_probs`` and ``moe_sort_chunks_by_index`` (``_with_probs``), as
+``te::moe_permute_fwd/_bwd``, ``te::moe_unpermute_fwd/_bwd`` and ``te::moe_sort_chunks_fwd/_bwd``.
+
+**Permute.** ``inp [T, H]`` holds ``T`` tokens; the router sends each to some experts, given as
+a mask ``routing_map [T, E]`` (``map_type="mask"``, nonzero = routed) or as expert indices
+``[T, K]`` (``map_type="index"``, top-K). The permuted tokens are grouped by expert, experts in
+ascending order, and within an expert in token order (for indices: the stable sort of the
+flattened ``[T * K]`` indices); a token routed to ``n`` experts appears ``n`` times. The output
+has ``num_out_tokens`` rows: the routed count for the mask (it must be given: it is
+``routing_map.sum()``, which would cost a host sync to read), ``T * K`` for indices when not
+positive (the default).
+Rows past ``num_out_tokens`` are dropped (the last experts' tokens), rows past the routed count
+are 0. ``moe_permute_with_probs`` permutes ``probs [T, E]`` along: ``permuted_probs [n]``; a
+routed slot whose probability is 0 is a padding slot and its row is written as 0 (Transformer
+Engine's convention for padded routing maps).
+
+**row_id_map.** One layout for both map types: ``[T, S]`` int32 (``S = E`` for the mask,
+``K`` for indices), ``row_id_map[t, s]`` the permuted row of token ``t``'s slot ``s``, or -1
+(not routed, or dropped). It is an internal layout (Transformer Engine's differs between map
+types); pass it back to :func:`moe_unpermute` only.
+
+**Unpermute.** ``out[t] = sum_s p[t, s] * inp[row_id_map[t, s]]`` over routed slots, ``p`` the
+``merging_probs [T, S]`` or 1; fp32 sums, rounded once. Without probabilities it is the adjoint
+of the permute: the backward of each is the other.
+
+**Chunk sort.** ``inp [N, H]`` cut into ``len(split_sizes)`` consecutive chunks; the output
+holds chunk ``sorted_index[0]``, then ``sorted_index[1]``, ... (expert-parallel all-to-all
+reordering). Rows past ``split_sizes.sum()`` keep their place.
+
+Nothing is read on the host: the maps are built with device ops (a cumulative sum for the mask,
+a stable sort for indices, ``searchsorted`` for chunks) and every data-dependent size comes from
+an argument, so the ops compile with ``dynamic=True`` once and run for any routing. On CUDA the
+row movement is one Triton kernel (``kernels.moe.gather_sum``: a weighted gather, each output
+row written once); on CPU the same math in torch (``index_add_`` in fp32).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from te_compile._library import SampleInput, differentiable, op
+
+__all__ = [
+    "moe_permute",
+    "moe_permute_with_probs",
+    "moe_sort_chunks_by_index",
+    "moe_sort_chunks_by_index_with_probs",
+    "moe_unpermute",
+]
+
+MAP_TYPES = ("mask", "index")
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int32, torch.int64)
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# A row mover: ``(x, index, weight) -> rows``, the torch one (``*_ref``) or the Triton one.
+Mover = Callable[[Tensor, Tensor, "Tensor | None"], Tensor]
+
+
+# 1. Reference math ------------------------------------------------------------------------------
+
+
+def make_row_id_map(routing_map: Tensor, num_out_tokens: int, map_type: str) -> Tensor:
+    """``[T, S]`` int32: the permuted row of each (token, slot), -1 where not routed or past
+    ``num_out_tokens`` (see the module docstring). Device ops only: no host sync."""
+    tokens, slots = routing_map.shape
+    if map_type == "mask":
+        routed = routing_map != 0
+        # Expert-major order: rows of expert e start after every token of experts < e.
+        counts = routed.to(torch.int64)
+        flat = counts.t().reshape(-1).cumsum(0).view(slots, tokens).t()
+        dest = torch.where(routed, flat - 1, -1)
+    else:
+        keys = routing_map.reshape(-1).to(torch.int64)
+        order = torch.argsort(keys, stable=True)
+        dest = torch.empty_like(order)
+        dest[order] = torch.arange(order.numel(), device=order.device)
+        dest = dest.view(tokens, slots)
+    return torch.where(dest < num_out_tokens, dest, -1).to(torch.int32)
+
+
+def inverse_map(row_id_map: Tensor, rows: int) -> tuple[Tensor, Tensor]:
+    """For each of ``rows`` permuted rows: its token and slot (int64), -1 for a row no slot
+    points at. Each row is pointed at by at most one slot."""
+    tokens, slots = row_id_map.shape
+    dest = row_id_map.reshape(-1).to(torch.int64)
+    where = torch.where(dest >= 0, dest, rows)  # a spare row takes the empty slots
+    flat = torch.full((rows + 1,), -1, dtype=torch.int64, device=row_id_map.device)
+    flat[where] = torch.arange(tokens * slots, device=row_id_map.device)
+    flat = flat[:rows]
+    found = flat >= 0
+    return torch.where(found, flat // max(slots, 1), -1), torch.where(found, flat % slots, -1)
+
+
+def _gather_ref(x: Tensor, index: Tensor, weight: Tensor | None) -> Tensor:
+    """``out[r] = weight[r] * x[index[r]]`` (0 where ``index[r] < 0``), in fp32, rounded once."""
+    acc = _acc(x.dtype)
+    ok = index >= 0
+    rows = x.to(acc)[index.clamp(min=0)]
+    w = ok.to(acc) if weight is None else torch.where(ok, weight.to(acc), 0.0)
+    return (rows * w[:, None]).to(x.dtype)
+
+
+def _combine_ref(x: Tensor, row_id_map: Tensor, weight: Tensor | None) -> Tensor:
+    """``out[t] = sum_s weight[t, s] * x[row_id_map[t, s]]`` (the routed slots), in fp32,
+    rounded once; through the inverse map, one ``index_add_`` of the rows of ``x``."""
+    acc = _acc(x.dtype)
+    tokens = row_id_map.shape[0]
+    token, slot = inverse_map(row_id_map, x.shape[0])
+    ok = token >= 0
+    xs = x.to(acc)
+    if weight is not None:
+        w = weight.to(acc)[token.clamp(min=0), slot.clamp(min=0)]
+        xs = xs * torch.where(ok, w, 0.0)[:, None]
+    out = xs.new_zeros((tokens + 1, x.shape[1]))
+    out = out.index_add(0, torch.where(ok, token, tokens), xs)
+    return out[:tokens].to(x.dtype)
+
+
+def _pad_mask(probs: Tensor | None) -> Tensor | None:
+    """The permute's row weights: 0 for a padding slot (probability 0), else 1."""
+    return None if probs is None else (probs != 0).to(_acc(probs.dtype))
+
+
+def moe_permute_ref(
+    inp: Tensor,
+    routing_map: Tensor,
+    probs: Tensor | None,
+    num_out_tokens: int,
+    map_type: str,
+    *,
+    gather: Mover = _gather_ref,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Permuted tokens ``[num_out_tokens, H]``, the row_id_map and the permuted probabilities
+    (``[num_out_tokens]``, 0 elements without ``probs``). Differentiable by autograd. (The ops
+    pass ``gather``: the Triton kernel on CUDA.)"""
+    row_id_map = make_row_id_map(routing_map, num_out_tokens, map_type)
+    token, slot = inverse_map(row_id_map, num_out_tokens)
+    t, s = token.clamp(min=0), slot.clamp(min=0)
+    mask = _pad_mask(probs)
+    out = gather(inp, token, None if mask is None else mask[t, s])
+    if probs is None:
+        return out, row_id_map, inp.new_empty((0,))
+    permuted = torch.where(token >= 0, probs[t, s], 0.0).to(probs.dtype)
+    return out, row_id_map, permuted
+
+
+def _permute_probs_grad(
+    grad_probs: Tensor | None, row_id_map: Tensor, probs: Tensor | None, like: Tensor
+) -> Tensor:
+    """The gradient for ``probs`` of the permute: each routed slot reads its row's gradient."""
+    if probs is None:
+        return like.new_empty((0,))
+    if grad_probs is None:
+        return torch.zeros_like(probs)
+    picked = grad_probs[row_id_map.clamp(min=0).to(torch.int64)]
+    return torch.where(row_id_map >= 0, picked, 0.0).to(probs.dtype)
+
+
+def moe_permute_bwd_ref(
+    grad: Tensor,
+    grad_probs: Tensor | None,
+    row_id_map: Tensor,
+    probs: Tensor | None,
+    *,
+    combine: Mover = _combine_ref,
+) -> tuple[Tensor, Tensor]:
+    """Gradients of :func:`moe_permute_ref` for ``inp`` and ``probs`` (0 elements without)."""
+    grad_inp = combine(grad, row_id_map, _pad_mask(probs))
+    return grad_inp, _permute_probs_grad(grad_probs, row_id_map, probs, grad)
+
+
+def moe_unpermute_ref(
+    inp: Tensor,
+    row_id_map: Tensor,
+    merging_probs: Tensor | None,
+    *,
+    combine: Mover = _combine_ref,
+) -> Tensor:
+    """``[T, H]``: each token's rows summed, weighted by ``merging_probs``. Differentiable."""
+    return combine(inp, row_id_map, merging_probs)
+
+
+def moe_unpermute_bwd_ref(
+    grad: Tensor,
+    inp: Tensor | None,
+    row_id_map: Tensor,
+    merging_probs: Tensor | None,
+    rows: int,
+    *,
+    gather: Mover = _gather_ref,
+) -> tuple[Tensor, Tensor]:
+    """Gradients of :func:`moe_unpermute_ref` for ``inp [rows, H]`` and ``merging_probs``:
+    ``d inp[r] = p[t, s] * grad[t]`` for the slot ``(t, s)`` of row ``r``, and
+    ``d p[t, s] = <grad[t], inp[row_id_map[t, s]]>`` (fp32 dots)."""
+    token, slot = inverse_map(row_id_map, rows)
+    t, s = token.clamp(min=0), slot.clamp(min=0)
+    weight = None if merging_probs is None else merging_probs[t, s]
+    grad_inp = gather(grad, token, weight)
+    if merging_probs is None or inp is None:
+        return grad_inp, grad.new_empty((0,))
+    acc = _acc(grad.dtype)
+    dots = (grad.to(acc)[t] * inp.to(acc)).sum(-1)
+    grad_p = _scatter_slots(merging_probs.shape, token, slot, dots)
+    return grad_inp, grad_p.to(merging_probs.dtype)
+
+
+def _scatter_slots(shape: torch.Size, token: Tensor, slot: Tensor, values: Tensor) -> Tensor:
+    """``[T, S]`` zeros with ``values[r]`` at ``(token[r], slot[r])`` for the rows with a slot."""
+    tokens, slots = shape
+    ok = token >= 0
+    flat = values.new_zeros((tokens * slots + 1,))
+    where = torch.where(ok, token * slots + slot, tokens * slots)  # a spare element for the rest
+    flat = flat.index_put((where,), torch.where(ok, values, 0.0))
+    return flat[: tokens * slots].view(tokens, slots)
+
+
+def chunk_sort_map(split_sizes: Tensor, sorted_index: Tensor, rows: int) -> Tensor:
+    """``[rows]`` int64: the input row each output row of the chunk sort reads (-1 where that
+    row would lie past ``rows``). Device ops only."""
+    sizes = split_sizes.to(torch.int64)
+    order = sorted_index.to(torch.int64)
+    in_start = sizes.cumsum(0) - sizes
+    out_sizes = sizes[order]
+    out_end = out_sizes.cumsum(0)
+    j = torch.arange(rows, device=sizes.device)
+    q = torch.searchsorted(out_end, j, right=True)  # the output chunk of row j
+    inside = q < sizes.numel()
+    qc = q.clamp(max=sizes.numel() - 1)
+    src = in_start[order[qc]] + j - (out_end[qc] - out_sizes[qc])
+    src = torch.where(inside, src, j)  # rows past the chunks keep their place
+    return torch.where(src < rows, src, -1)
+
+
+def _invert_rows(src: Tensor) -> Tensor:
+    """The inverse of a row map: ``dest[src[j]] = j`` (-1 for rows nothing reads)."""
+    rows = src.numel()
+    dest = torch.full((rows + 1,), -1, dtype=torch.int64, device=src.device)
+    dest[torch.where(src >= 0, src, rows)] = torch.arange(rows, device=src.device)
+    return dest[:rows]
+
+
+def _gather_probs(probs: Tensor, index: Tensor) -> Tensor:
+    return torch.where(index >= 0, probs[index.clamp(min=0)], 0.0).to(probs.dtype)
+
+
+def moe_sort_chunks_ref(
+    inp: Tensor,
+    split_sizes: Tensor,
+    sorted_index: Tensor,
+    probs: Tensor | None,
+    *,
+    gather: Mover = _gather_ref,
+) -> tuple[Tensor, Tensor]:
+    """The chunks of ``inp`` (and ``probs``) in the order ``sorted_index``; probabilities 0
+    elements without ``probs``. Differentiable by autograd."""
+    src = chunk_sort_map(split_sizes, sorted_index, inp.shape[0])
+    out = gather(inp, src, None)
+    return out, (inp.new_empty((0,)) if probs is None else _gather_probs(probs, src))
+
+
+def moe_sort_chunks_bwd_ref(
+    grad: Tensor,
+    grad_probs: Tensor | None,
+    split_sizes: Tensor,
+    sorted_index: Tensor,
+    *,
+    gather: Mover = _gather_ref,
+) -> tuple[Tensor, Tensor]:
+    """Gradients of :func:`moe_sort_chunks_ref`: the inverse row permutation."""
+    dest = _invert_rows(chunk_sort_map(split_sizes, sorted_index, grad.shape[0]))
+    grad_inp = gather(grad, dest, None)
+    return grad_inp, (
+        grad.new_empty((0,)) if grad_probs is None else _gather_probs(grad_probs, dest)
+    )
+
+
+# Checks -----------------------------------------------------------------------------------------
+
+
+def _fail(prefix: str, message: str) -> None:
+    raise ValueError(f"{prefix}: {message}")
+
+
+def _check_float(prefix: str, name: str, t: Tensor, dims: int) -> None:
+    if t.dtype not in _FLOAT_DTYPES:
+        _fail(prefix, f"{name}.dtype must be float32, bfloat16, float16 or float64, got {t.dtype}")
+    if t.dim() != dims:
+        _fail(prefix, f"{name} must be {dims}-D, got {t.dim()}-D {list(t.shape)}")
+
+
+def _check_probs(prefix: str, name: str, probs: Tensor | None, shape, device) -> None:
+    if probs is None:
+        return
+    if not probs.is_floating_point():
+        _fail(prefix, f"{name}.dtype must be a floating type, got {probs.dtype}")
+    if tuple(probs.shape) != tuple(shape):
+        _fail(prefix, f"{name} must have shape {list(shape)}, got {list(probs.shape)}")
+    if probs.device != device:
+        _fail(prefix, f"{name} must be on inp's device ({device}), got {probs.device}")
+
+
+def check_permute_args(
+    inp: Tensor,
+    routing_map: Tensor,
+    probs: Tensor | None,
+    num_out_tokens: int,
+    map_type: str,
+    prefix: str = "te.moe_permute",
+) -> None:
+    """Shapes, dtypes and scalars of a permute (the same message in eager and at trace time)."""
+    if map_type not in MAP_TYPES:
+        _fail(prefix, f"map_type must be one of {MAP_TYPES}, got {map_type!r}")
+    _check_float(prefix, "inp", inp, 2)
+    allowed = _MASK_DTYPES if map_type == "mask" else _INDEX_DTYPES
+    if routing_map.dtype not in allowed:
+        kinds = "bool or an integer type" if map_type == "mask" else "int32 or int64"
+        _fail(
+            prefix,
+            f"routing_map.dtype must be {kinds} for map_type={map_type!r}, got {routing_map.dtype}",
+        )
+    if routing_map.dim() != 2 or routing_map.shape[0] != inp.shape[0]:
+        what = "[num_tokens, num_experts]" if map_type == "mask" else "[num_tokens, topK]"
+        _fail(
+            prefix,
+            f"routing_map must be {what} with num_tokens = inp.shape[0] "
+            f"({inp.shape[0]}), got {list(routing_map.shape)}",
+        )
+    if routing_map.device != inp.device:
+        _fail(
+            prefix, f"routing_map must be on inp's device ({inp.device}), got {routing_map.device}"
+        )
+    _check_probs(prefix, "probs", probs, routing_map.shape, inp.device)
+    slots = routing_map.shape[0] * routing_map.shape[1]
+    if not 0 <= num_out_tokens <= slots:
+        _fail(
+            prefix,
+            f"num_out_tokens must be in [0, {slots}] (num_tokens * "
+            f"routing_map.shape[1]), got {num_out_tokens}",
+        )
+
+
+def check_unpermute_args(
+    inp: Tensor, row_id_map: Tensor, merging_probs: Tensor | None, prefix: str = "te.moe_unpermute"
+) -> None:
+    _check_float(prefix, "inp", inp, 2)
+    if row_id_map.dtype != torch.int32 or row_id_map.dim() != 2:
+        _fail(
+            prefix,
+            f"row_id_map must be the int32 [num_tokens, slots] map moe_permute "
+            f"returned, got {row_id_map.dtype} {list(row_id_map.shape)}",
+        )
+    if row_id_map.device != inp.device:
+        _fail(prefix, f"row_id_map must be on inp's device ({inp.device}), got {row_id_map.device}")
+    _check_probs(prefix, "merging_probs", merging_probs, row_id_map.shape, inp.device)
+
+
+def check_sort_chunks_args(
+    inp: Tensor,
+    split_sizes: Tensor,
+    sorted_index: Tensor,
+    probs: Tensor | None,
+    prefix: str = "te.moe_sort_chunks_by_index",
+) -> None:
+    _check_float(prefix, "inp", inp, 2)
+    for name, t in (("split_sizes", split_sizes), ("sorted_index", sorted_index)):
+        if t.dtype not in _INDEX_DTYPES or t.dim() != 1 or t.shape[0] < 1:
+            _fail(
+                prefix,
+                f"{name} must be a 1-D int32 or int64 tensor with at least one chunk, "
+                f"got {t.dtype} {list(t.shape)}",
+            )
+        if t.device != inp.device:
+            _fail(prefix, f"{name} must be on inp's device ({inp.device}), got {t.device}")
+    if sorted_index.shape[0] != split_sizes.shape[0]:
+        _fail(
+            prefix,
+            f"sorted_index must have one entry per chunk ({split_sizes.shape[0]}), "
+            f"got {sorted_index.shape[0]}",
+        )
+    _check_probs(prefix, "probs", probs, inp.shape[:1], inp.device)
+
+
+def _kernels():
+    # Imported on first CUDA use: Triton is not a dependency of the CPU-only package.
+    from te_compile.kernels import moe
+
+    return moe
+
+
+def _on_triton(x: Tensor) -> bool:
+    return x.device.type == "cuda" and x.dtype != torch.float64
+
+
+def _gather(x: Tensor, index: Tensor, weight: Tensor | None) -> Tensor:
+    """:func:`_gather_ref` with the Triton kernel on CUDA."""
+    if not _on_triton(x):
+        return _gather_ref(x, index, weight)
+    w = None if weight is None else weight.to(torch.float32)[:, None]
+    return _kernels().gather_sum(x, index.to(torch.int32)[:, None], w)
+
+
+def _combine(x: Tensor, row_id_map: Tensor, weight: Tensor | None) -> Tensor:
+    """:func:`_combine_ref` with the Triton kernel on CUDA."""
+    if not _on_triton(x):
+        return _combine_ref(x, row_id_map, weight)
+    w = None if weight is None else weight.to(torch.float32)
+    return _kernels().gather_sum(x, row_id_map, w)
+
+
+# 2-5. Permute: forward op, fake, backward op, autograd -----------------------------------------
+
+
+@op("moe_permute_fwd")
+def moe_permute_fwd(
+    inp: Tensor, routing_map: Tensor, probs: Tensor | None, num_out_tokens: int, map_type: str
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Tokens grouped by expert, the row_id_map, the permuted probabilities (0 elements
+    without ``probs``)."""
+    check_permute_args(inp, routing_map, probs, num_out_tokens, map_type)
+    return moe_permute_ref(inp, routing_map, probs, num_out_tokens, map_type, gather=_gather)
+
+
+@moe_permute_fwd.register_fake
+def _moe_permute_fwd_fake(inp, routing_map, probs, num_out_tokens, map_type):
+    check_permute_args(inp, routing_map, probs, num_out_tokens, map_type)
+    out = inp.new_empty((num_out_tokens, inp.shape[1]))
+    row_id_map = routing_map.new_empty(routing_map.shape, dtype=torch.int32)
+    permuted = inp.new_empty((0,)) if probs is None else probs.new_empty((num_out_tokens,))
+    return out, row_id_map, permuted
+
+
+@op("moe_permute_bwd")
+def moe_permute_bwd(
+    grad: Tensor, grad_probs: Tensor | None, row_id_map: Tensor, probs: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """Gradients of ``te::moe_permute_fwd`` for ``inp`` (each token's rows summed) and
+    ``probs`` (0 elements without)."""
+    return moe_permute_bwd_ref(grad, grad_probs, row_id_map, probs, combine=_combine)
+
+
+@moe_permute_bwd.register_fake
+def _moe_permute_bwd_fake(grad, grad_probs, row_id_map, probs):
+    grad_inp = grad.new_empty((row_id_map.shape[0], grad.shape[1]))
+    return grad_inp, (grad.new_empty((0,)) if probs is None else torch.empty_like(probs))
+
+
+def _permute_setup(ctx, inputs, output) -> None:
+    _inp, _routing_map, probs, _num_out, _map_type = inputs
+    ctx.save_for_backward(output[1], probs)
+
+
+def _permute_backward(ctx, bwd, grad, _grad_map, grad_probs):
+    row_id_map, probs = ctx.saved_tensors
+    if grad_probs is not None and grad_probs.numel() == 0:
+        grad_probs = None
+    grad_inp, grad_p = bwd(grad, grad_probs, row_id_map, probs)
+    return grad_inp, None, (grad_p if probs is not None else None), None, None
+
+
+def _index_map(tokens: int, k: int, experts: int, device) -> Tensor:
+    """Top-``k`` distinct experts per token, int32."""
+    return torch.rand(tokens, experts, device=device).topk(k, dim=1).indices.to(torch.int32)
+
+
+def _permute_samples(device: torch.device):
+    tokens, experts, hidden = 7, 4, 6
+    inp = torch.randn(tokens, hidden, device=device, requires_grad=True)
+    index = _index_map(tokens, 2, experts, device)
+    mask = torch.zeros(tokens, experts, dtype=torch.bool, device=device)
+    mask.scatter_(1, index.long(), True)
+    n = tokens * 2
+    yield SampleInput((inp, mask, None, n, "mask"))
+    probs = torch.rand(tokens, experts, device=device) * mask
+    probs[0, index[0, 0]] = 0.0  # a padding slot
+    yield SampleInput((inp, mask.int(), probs, n, "mask"))
+    yield SampleInput((inp.detach().bfloat16().requires_grad_(), index, None, n, "index"))
+    yield SampleInput((inp, index.long(), None, n - 3, "index"))  # the last 3 rows dropped
+
+
+_moe_permute = differentiable(
+    moe_permute_fwd,
+    moe_permute_bwd,
+    setup_context=_permute_setup,
+    backward=_permute_backward,
+    sample_inputs=_permute_samples,
+    reference=moe_permute_ref,
+    autocast=False,
+)
+
+
+# 2-5. Unpermute -----------------------------------------------------------------------------------
+
+
+@op("moe_unpermute_fwd")
+def moe_unpermute_fwd(inp: Tensor, row_id_map: Tensor, merging_probs: Tensor | None) -> Tensor:
+    """Each token's permuted rows summed, weighted by ``merging_probs``."""
+    check_unpermute_args(inp, row_id_map, merging_probs)
+    return moe_unpermute_ref(inp, row_id_map, merging_probs, combine=_combine)
+
+
+@moe_unpermute_fwd.register_fake
+def _moe_unpermute_fwd_fake(inp, row_id_map, merging_probs):
+    check_unpermute_args(inp, row_id_map, merging_probs)
+    return inp.new_empty((row_id_map.shape[0], inp.shape[1]))
+
+
+@op("moe_unpermute_bwd")
+def moe_unpermute_bwd(
+    grad: Tensor, inp: Tensor | None, row_id_map: Tensor, merging_probs: Tensor | None, rows: int
+) -> tuple[Tensor, Tensor]:
+    """Gradients of ``te::moe_unpermute_fwd`` for ``inp`` and ``merging_probs`` (0 elements
+    without)."""
+    return moe_unpermute_bwd_ref(grad, inp, row_id_map, merging_probs, rows, gather=_gather)
+
+
+@moe_unpermute_bwd.register_fake
+def _moe_unpermute_bwd_fake(grad, inp, row_id_map, merging_probs, rows):
+    grad_inp = grad.new_empty((rows, grad.shape[1]))
+    if merging_probs is None or inp is None:
+        return grad_inp, grad.new_empty((0,))
+    return grad_inp, torch.empty_like(merging_probs)
+
+
+def _unpermute_setup(ctx, inputs, output) -> None:
+    inp, row_id_map, merging_probs = inputs
+    # The forward input is needed only for the probabilities' gradient.
+    ctx.save_for_backward(inp if merging_probs is not None else None, row_id_map, merging_probs)
+    ctx.rows = inp.shape[0]
+
+
+def _unpermute_backward(ctx, bwd, grad):
+    inp, row_id_map, merging_probs = ctx.saved_tensors
+    grad_inp, grad_p = bwd(grad, inp, row_id_map, merging_probs, ctx.rows)
+    return grad_inp, None, (grad_p if merging_probs is not None else None)
+
+
+def _unpermute_samples(device: torch.device):
+    tokens, experts, hidden = 7, 4, 6
+    index = _index_map(tokens, 2, experts, device)
+    mask = torch.zeros(tokens, experts, dtype=torch.bool, device=device)
+    mask.scatter_(1, index.long(), True)
+    mask_map = make_row_id_map(mask, tokens * 2, "mask")
+    index_map = make_row_id_map(index, tokens * 2 - 3, "index")  # 3 rows dropped
+
+    def rows(n, dtype=torch.float32):
+        return torch.randn(n, hidden, device=device, dtype=dtype, requires_grad=True)
+
+    def probs(shape):
+        return torch.rand(*shape, device=device, requires_grad=True)
+
+    yield SampleInput((rows(tokens * 2), mask_map, None))
+    yield SampleInput((rows(tokens * 2), mask_map, probs((tokens, experts))))
+    yield SampleInput((rows(tokens * 2 - 3, torch.bfloat16), index_map, probs((tokens, 2))))
+    yield SampleInput((rows(tokens * 2 - 3), index_map, None))
+
+
+_moe_unpermute = differentiable(
+    moe_unpermute_fwd,
+    moe_unpermute_bwd,
+    setup_context=_unpermute_setup,
+    backward=_unpermute_backward,
+    sample_inputs=_unpermute_samples,
+    reference=moe_unpermute_ref,
+    autocast=False,
+)
+
+
+# 2-5. Chunk sort ----------------------------------------------------------------------------------
+
+
+@op("moe_sort_chunks_fwd")
+def moe_sort_chunks_fwd(
+    inp: Tensor, split_sizes: Tensor, sorted_index: Tensor, probs: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """The chunks of ``inp`` (and ``probs``, 0 elements without) in ``sorted_index`` order."""
+    check_sort_chunks_args(inp, split_sizes, sorted_index, probs)
+    return moe_sort_chunks_ref(inp, split_sizes, sorted_index, probs, gather=_gather)
+
+
+@moe_sort_chunks_fwd.register_fake
+def _moe_sort_chunks_fwd_fake(inp, split_sizes, sorted_index, probs):
+    check_sort_chunks_args(inp, split_sizes, sorted_index, probs)
+    return torch.empty_like(inp), (
+        inp.new_empty((0,)) if probs is None else torch.empty_like(probs)
+    )
+
+
+@op("moe_sort_chunks_bwd")
+def moe_sort_chunks_bwd(
+    grad: Tensor, grad_probs: Tensor | None, split_sizes: Tensor, sorted_index: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Gradients of ``te::moe_sort_chunks_fwd``: the inverse row permutation of ``grad`` (and
+    of ``grad_probs``, 0 elements without)."""
+    return moe_sort_chunks_bwd_ref(grad, grad_probs, split_sizes, sorted_index, gather=_gather)
+
+
+@moe_sort_chunks_bwd.register_fake
+def _moe_sort_chunks_bwd_fake(grad, grad_probs, split_sizes, sorted_index):
+    probs = grad.new_empty((0,)) if grad_probs is None else torch.empty_like(grad_probs)
+    return torch.empty_like(grad), probs
+
+
+def _sort_setup(ctx, inputs, output) -> None:
+    _inp, split_sizes, sorted_index, probs = inputs
+    ctx.save_for_backward(split_sizes, sorted_index)
+    ctx.has_probs = probs is not None
+
+
+def _sort_backward(ctx, bwd, grad, grad_probs):
+    split_sizes, sorted_index = ctx.saved_tensors
+    if not ctx.has_probs or (grad_probs is not None and grad_probs.numel() == 0):
+        grad_probs = None
+    grad_inp, grad_p = bwd(grad, grad_probs, split_sizes, sorted_index)
+    return grad_inp, None, None, (grad_p if ctx.has_probs and grad_probs is not None else None)
+
+
+def _sort_samples(device: torch.device):
+    def ints(*values):
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    inp = torch.randn(10, 5, device=device, requires_grad=True)
+    yield SampleInput((inp, ints(3, 0, 4, 3), ints(2, 0, 3, 1), None))
+    probs = torch.rand(10, device=device)
+    yield SampleInput((inp.detach().half().requires_grad_(), ints(4, 6), ints(1, 0), probs))
+    yield SampleInput((inp, ints(2, 5).long(), ints(1, 0).long(), None))  # 3 rows past the chunks
+
+
+_moe_sort_chunks = differentiable(
+    moe_sort_chunks_fwd,
+    moe_sort_chunks_bwd,
+    setup_context=_sort_setup,
+    backward=_sort_backward,
+    sample_inputs=_sort_samples,
+    reference=moe_sort_chunks_ref,
+    autocast=False,
+)
+
+
+# Public functions ---------------------------------------------------------------------------------
+
+
+def _int_arg(prefix: str, name: str, value, default: int) -> int:
+    if value is None:
+        return default
+    if not isinstance(value, (int, torch.SymInt)) or isinstance(value, bool):
+        _fail(prefix, f"{name} must be an int, got {value!r}")
+    return value
+
+
+def _num_out(prefix: str, inp: Tensor, routing_map: Tensor, num_out_tokens, map_type: str) -> int:
+    """``num_out_tokens`` resolved: for indices, ``T * K`` when not positive (None, -1, 0: as
+    Transformer Engine reads it); the mask needs it (0 is 0 rows there)."""
+    n = _int_arg(prefix, "num_out_tokens", num_out_tokens, -1)
+    if map_type not in MAP_TYPES:
+        _fail(prefix, f"map_type must be one of {MAP_TYPES}, got {map_type!r}")
+    if routing_map.dim() != 2:
+        return n
+    if map_type == "index":
+        return n if n > 0 else routing_map.shape[0] * routing_map.shape[1]
+    if n >= 0:
+        return n
+    _fail(
+        prefix,
+        "num_out_tokens must be given for map_type='mask': the number of routed tokens, "
+        "routing_map.sum() (not read here: that would synchronise with the device)",
+    )
+
+
+def moe_permute(
+    inp: Tensor,
+    routing_map: Tensor,
+    num_out_tokens: int | None = -1,
+    max_token_num: int | None = -1,
+    map_type: str = "mask",
+) -> tuple[Tensor, Tensor]:
+    """Tokens grouped by expert (Transformer Engine's ``moe_permute``): ``(permuted [n, H],
+    row_id_map)``. ``routing_map``: ``[T, E]`` mask (``map_type="mask"``) or ``[T, K]`` expert
+    indices (``"index"``). ``num_out_tokens``: the output rows; required for the mask, and for
+    indices ``T * K`` when not positive (the default); fewer drops the last rows.
+    ``max_token_num`` (a workspace size in Transformer Engine) is accepted and unused. See the
+    module docstring."""
+    prefix = "te.moe_permute"
+    _int_arg(prefix, "max_token_num", max_token_num, -1)
+    n = _num_out(prefix, inp, routing_map, num_out_tokens, map_type)
+    check_permute_args(inp, routing_map, None, n, map_type, prefix)
+    out, row_id_map, _ = _moe_permute(inp, routing_map, None, n, map_type)
+    return out, row_id_map
+
+
+def moe_permute_with_probs(
+    inp: Tensor, probs: Tensor, routing_map: Tensor, num_out_tokens: int | None = -1
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`moe_permute` for a mask ``routing_map [T, E]`` that also permutes ``probs
+    [T, E]``: ``(permuted, permuted_probs [n], row_id_map)``; a routed slot of probability 0
+    (padding) gives a zero row."""
+    prefix = "te.moe_permute_with_probs"
+    n = _num_out(prefix, inp, routing_map, num_out_tokens, "mask")
+    check_permute_args(inp, routing_map, probs, n, "mask", prefix)
+    out, row_id_map, permuted_probs = _moe_permute(inp, routing_map, probs, n, "mask")
+    return out, permuted_probs, row_id_map
+
+
+def moe_unpermute(
+    inp: Tensor,
+    row_id_map: Tensor,
+    merging_probs: Tensor | None = None,
+    restore_shape: torch.Size | tuple[int, ...] | None = None,
+    map_type: str = "mask",
+    probs: Tensor | None = None,
+) -> Tensor:
+    """The inverse of :func:`moe_permute` (Transformer Engine's ``moe_unpermute``): each token's
+    rows summed, weighted by ``merging_probs`` (``[T, E]`` for the mask, ``[T, K]`` for
+    indices) when given. ``restore_shape``: the output shape, ``(T, H)``. ``probs``: the old
+    name of ``merging_probs``."""
+    prefix = "te.moe_unpermute"
+    if probs is not None:
+        if merging_probs is not None:
+            _fail(prefix, "give merging_probs or its old name probs, not both")
+        merging_probs = probs
+    if map_type not in MAP_TYPES:
+        _fail(prefix, f"map_type must be one of {MAP_TYPES}, got {map_type!r}")
+    check_unpermute_args(inp, row_id_map, merging_probs, prefix)
+    shape = (row_id_map.shape[0], inp.shape[1])
+    if restore_shape is not None and tuple(restore_shape) != shape:
+        _fail(
+            prefix,
+            f"restore_shape must be (num_tokens, hidden) = {shape} for this row_id_map, got "
+            f"{tuple(restore_shape)}",
+        )
+    return _moe_unpermute(inp, row_id_map, merging_probs)
+
+
+def moe_sort_chunks_by_index(inp: Tensor, split_sizes: Tensor, sorted_index: Tensor) -> Tensor:
+    """``inp`` cut into chunks of ``split_sizes`` rows, reordered as ``sorted_index`` lists
+    them (Transformer Engine's ``moe_sort_chunks_by_index``)."""
+    check_sort_chunks_args(inp, split_sizes, sorted_index, None)
+    return _moe_sort_chunks(inp, split_sizes, sorted_index, None)[0]
+
+
+def moe_sort_chunks_by_index_with_probs(
+    inp: Tensor, probs: Tensor, split_sizes: Tensor, sorted_index: Tensor
+) -> tuple[Tensor, Tensor]:
+    """:func:`moe_sort_chunks_by_index` that moves ``probs [N]`` along: ``(out, probs)``."""
+    prefix = "te.moe_sort_chunks_by_index_with_probs"
+    check_sort_chunks_args(inp, split_sizes, sorted_index, probs, prefix)
+    return _moe_sort_chunks(inp, split_sizes, sorted_index, probs)
