@@ -99,6 +99,9 @@ _BLOCK_KINDS = {"block", "mxfp8", "nvfp4"}
 _ACTIVATIONS = set(te_compile.functional.ACTIVATIONS + te_compile.functional.GATED_ACTIVATIONS)
 
 
+_BACKWARD_OVERRIDES = {"high_precision", "dequantized"}
+
+
 def _recipe_kind(name: str, sample) -> str | None:
     """The quantised recipe kind a sample of op ``name`` runs, or None (high precision)."""
     kinds = {a for a in sample.args if isinstance(a, str)} & _QUANTISED_KINDS
@@ -138,6 +141,10 @@ def _tolerance(name: str, device: str, dtype: torch.dtype, sample) -> dict:
     tolerance."""
     if _requantising(name, sample) and dtype == torch.float32:
         return {"dtype": torch.bfloat16, "roundings": 2, "reduced": True}
+    if {a for a in sample.args if isinstance(a, str)} & _BACKWARD_OVERRIDES:
+        # The backward GEMMs multiply operands rounded to the input dtype (the dequantised FP8
+        # values, as in TE): each rounding is relative to a term of a sum that may cancel.
+        return {"dtype": dtype, "roundings": 2, "reduced": True}
     if name == "te::mlp_fwd":  # high precision: z and h rounded, as the unfused ops round them
         return {"dtype": dtype, "roundings": 2, "reduced": True}
     if torch.device(device).type != "cuda":

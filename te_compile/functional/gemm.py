@@ -60,6 +60,7 @@ from te_compile.functional.quantize_mx import (
 )
 
 __all__ = [
+    "BACKWARD_OVERRIDES",
     "BLOCK_KINDS",
     "FP8_DTYPES",
     "GEMMS",
@@ -87,6 +88,10 @@ __all__ = [
 
 RECIPES = ("", "current", "delayed", "block", "mxfp8", "nvfp4")
 PER_TENSOR = ("current", "delayed")
+# The backward GEMMs' operands: "" the recipe's quantised ones; "high_precision" the forward's
+# high-precision input and weight; "dequantized" the forward's quantised ones, dequantised. The
+# gradient is quantised only with "".
+BACKWARD_OVERRIDES = ("", "high_precision", "dequantized")
 # Block-scaled kinds and the multiple every GEMM dim (tokens included) must be of.
 BLOCK_KINDS = {"block": 16, "mxfp8": 32, "nvfp4": 16}
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -485,6 +490,11 @@ def _fake_quant(x: Tensor, fp8_dtype: torch.dtype, scale: Tensor | None) -> Tens
     return x + ((q.float() * s_inv).to(x.dtype) - x).detach()
 
 
+def _straight_through(x: Tensor, values: Tensor) -> Tensor:
+    """``values`` (``x``'s shape) in the forward, the identity's gradient to ``x``."""
+    return x + (values.to(x.dtype) - x).detach()
+
+
 class _FakeQuantGrad(torch.autograd.Function):
     """Identity forward; the backward quantises the incoming gradient per tensor (current
     scaling, or the given scale), as the backward GEMMs of the FP8 op see it."""
@@ -531,13 +541,34 @@ def quantized_linear_ref(
     power_2_scale: bool = False,
     weight_block_rows: int = 1,
     scale: Tensor | None = None,
+    backward_override: str = "",
 ) -> Tensor:
     """Definition of correctness of the GEMM of a recipe, differentiable: ``inp @ weight.T`` of
     the quantised-dequantised operands in the input's dtype (fp64 in the tests), the incoming
     gradient quantised on its way back (``bwd_dtype``) as the backward GEMMs see it. ``inp``
-    ``[..., K]``; ``scale`` ``[3]`` for ``"delayed"``."""
+    ``[..., K]``; ``scale`` ``[3]`` for ``"delayed"``. ``backward_override`` (
+    :data:`BACKWARD_OVERRIDES`): ``"high_precision"``, the quantised forward's value with the
+    gradients of ``inp @ weight.T``; ``"dequantized"``, the gradients of the product of the
+    forward's dequantised operands (straight through the quantisation), the gradient not
+    quantised."""
     x = inp.reshape(-1, inp.shape[-1])
-    if not recipe:
+    if recipe and backward_override == "high_precision":
+        config = (fwd_dtype, bwd_dtype, power_2_scale, weight_block_rows, scale)
+        quantized = quantized_linear_ref(x, weight, recipe, *config).detach()
+        high = x @ weight.t()
+        out = high + (quantized - high).detach()
+    elif recipe and backward_override == "dequantized":
+        s_x, s_w, _ = scale_slots(scale, recipe)
+        if recipe in PER_TENSOR:
+            xq, wq = _fake_quant(x, fwd_dtype, s_x), _fake_quant(weight, fwd_dtype, s_w)
+        else:
+            xq = _straight_through(x, qdq_both(x, recipe, fwd_dtype, 1, power_2_scale)[0])
+            w_rows = weight_block_rows
+            wq = _straight_through(
+                weight, qdq_both(weight, recipe, fwd_dtype, w_rows, power_2_scale)[0]
+            )
+        out = xq @ wq.t()
+    elif not recipe:
         out = x @ weight.t()
     elif recipe in PER_TENSOR:
         s_x, s_w, s_g = scale_slots(scale, recipe)

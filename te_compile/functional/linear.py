@@ -19,6 +19,13 @@ branch, saved)`` takes, after the four tensors:
   state: ``scale`` ``[3]`` (input, weight, gradient) from ``te::delayed_scaling_update``, and
   ``grad_amax`` ``[1]``, into which the backward writes the gradient's amax (per-tensor
   recipes; a buffer of its own: a saved tensor must not be modified between the passes);
+  ``backward_override`` (``functional.gemm.BACKWARD_OVERRIDES``, with a recipe only): ``""``,
+  the backward GEMMs on the recipe's quantised operands and gradient; ``"high_precision"``, the
+  forward saves the high-precision GEMM input (the norm's output with a prologue: the norm is
+  then computed, kept and quantised, not fused into the cast) and the backward is high
+  precision's on it and the weight; ``"dequantized"``, the forward saves its quantised operands
+  dequantised to the input dtype and the backward is high precision's on them (the gradient is
+  not quantised with either override, and ``grad_amax`` is not written);
 * the norm prologue (``functional.prologue``): ``norm_weight``, ``norm_bias``,
   ``normalization`` (``""``, ``"LayerNorm"``, ``"RMSNorm"``), ``norm_eps``,
   ``zero_centered_gamma``: ``inp`` is normalised first (written straight into FP8 on CUDA by the
@@ -72,6 +79,7 @@ from te_compile.functional.activation import (
     gated_activation_ref,
 )
 from te_compile.functional.gemm import (
+    BACKWARD_OVERRIDES,
     BLOCK_KINDS,
     FP8_DTYPES,
     HIGH_DTYPES,
@@ -100,6 +108,7 @@ from te_compile.functional.prologue import (
     norm_ref,
     unit_rows,
 )
+from te_compile.functional.quantize import dequantize_blockwise
 
 __all__ = ["linear", "linear_ref"]
 
@@ -135,12 +144,14 @@ class _Args(NamedTuple):
     residual: Tensor | None = None
     out_scale: float = 1.0
     branch: bool = False
+    backward_override: str = ""
 
     @property
     def plain(self) -> bool:
         """High precision without a prologue or an epilogue: ``te.Linear``'s hot path."""
         return not (
             self.recipe or self.normalization or self.activation or self.branch
+            or self.backward_override
             or self.residual is not None or self.out_scale != 1.0 or self.norm_weight is not None
             or self.norm_bias is not None or self.scale is not None
             or self.grad_amax is not None
@@ -186,7 +197,7 @@ def _reference(*args):
     a = _Args(*args)
     x = norm_ref(a.inp, a.norm)
     config = (a.fwd_dtype, a.bwd_dtype, a.power_2_scale, a.weight_block_rows, a.scale)
-    y = quantized_linear_ref(x, a.weight, a.recipe, *config)
+    y = quantized_linear_ref(x, a.weight, a.recipe, *config, a.backward_override)
     if a.activation in GATED_ACTIVATIONS:
         y = gated_activation_ref(y, a.bias, a.activation, *a.act)
     elif a.activation:
@@ -289,6 +300,13 @@ def _check(a: _Args) -> None:
                 p + "native GEMMs with 128x128 weight blocks need in_features and out_features "
                 f"to be multiples of 512; weight is {list(weight.shape)}"
             )
+    if a.backward_override not in BACKWARD_OVERRIDES:
+        raise ValueError(
+            p
+            + f"backward_override must be one of {BACKWARD_OVERRIDES}, got {a.backward_override!r}"
+        )
+    if a.backward_override and not recipe:
+        raise ValueError(p + "backward_override is for a quantised recipe (recipe is '')")
     if a.grad_amax is not None and recipe not in PER_TENSOR:
         raise ValueError(p + "grad_amax is for the per-tensor recipes (current, delayed)")
     check_finite("te.linear", out_scale=a.out_scale)
@@ -347,9 +365,13 @@ def _forward(a: _Args, cuda: bool) -> tuple[Tensor, Tensor, list[Tensor]]:
         c = (lambda t: t) if acc is None else (lambda t: None if t is None else t.to(acc))
         h = gemm("mm", c(x2), None, c(weight), None, dtype, bias=c(fuse_bias))
     else:
-        recipe, p2, em = a.recipe, a.power_2_scale, a.emulate
+        recipe, p2, em, override = a.recipe, a.power_2_scale, a.emulate, a.backward_override
         s_x, s_w, _ = scale_slots(a.scale, recipe)
-        if a.normalization:
+        if a.normalization and override == "high_precision":  # the norm's output is kept
+            x2, *stats = norm_forward(x2, a.norm)
+            xq = quantize_operand(recipe, pad_rows(x2), a.fwd_dtype, scale=s_x,
+                                  power_2_scale=p2, emulate=em)  # fmt: skip
+        elif a.normalization:
             xq, *stats = norm_quantize(recipe, x2, a.norm, a.fwd_dtype, scale=s_x,
                                        power_2_scale=p2, emulate=em)  # fmt: skip
         else:
@@ -360,7 +382,14 @@ def _forward(a: _Args, cuda: bool) -> tuple[Tensor, Tensor, list[Tensor]]:
         h = gemm(gemm_kind(recipe, em), xq.data, xq.scale, wq.data, wq.scale, dtype,
                  bias=fuse_bias, fast_accum=True, b_block_rows=a.weight_block_rows)  # fmt: skip
         h = unpad(h, m)
-        saved = [_bytes(xq.data_t), xq.scale_t, _bytes(wq.data_t), wq.scale_t]
+        if override == "high_precision":  # the GEMM input in high precision, with a norm
+            saved = [x2] if a.normalization else []
+        elif override == "dequantized":  # the forward's operands, dequantised
+            w_rows = a.weight_block_rows
+            saved = [_dequantized(recipe, xq, m, a.fwd_dtype, 1, em, dtype),
+                     _dequantized(recipe, wq, n, a.fwd_dtype, w_rows, em, dtype)]  # fmt: skip
+        else:
+            saved = [_bytes(xq.data_t), xq.scale_t, _bytes(wq.data_t), wq.scale_t]
         if recipe in PER_TENSOR:
             amax = [torch.cat([xq.amax, wq.amax])]
     y = h
@@ -375,6 +404,20 @@ def _forward(a: _Args, cuda: bool) -> tuple[Tensor, Tensor, list[Tensor]]:
         y = y * a.out_scale
     out = y.to(dtype).reshape(*inp.shape[:-1], y.shape[-1])
     return out, branch, saved + stats + amax
+
+
+def _dequantized(recipe, q, rows: int, fp8_dtype, block_rows: int, emulate: bool, dtype) -> Tensor:
+    """The rowwise operand ``q`` (what the forward GEMM multiplied) dequantised to ``dtype``,
+    its first ``rows`` rows (``backward_override="dequantized"``)."""
+    if gemm_kind(recipe, emulate) == "dequantized":  # already the dequantised fp32 values
+        values = q.data
+    elif recipe in PER_TENSOR:
+        values = q.data.float() * q.scale
+    else:
+        u8, f32 = torch.uint8, torch.float32
+        values = dequantize_blockwise.eager(q.data.view(u8), q.scale, block_rows, fp8_dtype, f32)
+    # A copy where the values are the operand's own tensor (an output may not alias another).
+    return values[:rows].to(dtype, copy=values is q.data)
 
 
 @op("linear_fwd", kept_whole=delayed_on_cuda)
@@ -404,19 +447,20 @@ def linear_fwd(
     residual: Tensor | None = None,
     out_scale: float = 1.0,
     branch: bool = False,
+    backward_override: str = "",
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
     """``(out, branch, saved)`` (module docstring). The default (CPU) implementation computes
     high precision in fp32 (fp64 stays fp64), rounded once."""
     if (
         recipe == "" and normalization == "" and activation == "" and residual is None
         and out_scale == 1.0 and not branch and scale is None and grad_amax is None
-        and norm_weight is None and norm_bias is None
+        and norm_weight is None and norm_bias is None and backward_override == ""
     ):  # fmt: skip
         return _plain_forward(inp, weight, bias, main_grad, cuda=False)
     args = (inp, weight, bias, main_grad, recipe, fwd_dtype, bwd_dtype, power_2_scale,
             weight_block_rows, emulate, scale, grad_amax, norm_weight, norm_bias, normalization,
             norm_eps, zero_centered_gamma, activation, glu_interleave_size, limit, alpha,
-            glu_linear_offset, residual, out_scale, branch)  # fmt: skip
+            glu_linear_offset, residual, out_scale, branch, backward_override)  # fmt: skip
     return _forward(_Args(*args), cuda=False)
 
 
@@ -451,7 +495,11 @@ def _linear_fwd_fake(*args):
     f32, u8 = torch.float32, torch.uint8
     saved = []
     recipe = a.recipe
-    if recipe:
+    if a.backward_override == "high_precision":
+        saved = [inp.new_empty(rows, k)] if a.normalization else []
+    elif a.backward_override == "dequantized":
+        saved = [inp.new_empty(rows, k), inp.new_empty(n, k)]
+    elif recipe:
         m = padded(rows)
         kind = gemm_kind(recipe, a.emulate)
         if kind == "dequantized":
@@ -723,17 +771,27 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.mark_non_differentiable(*saved, *(() if a.branch else (branch,)))
     if a.recipe in PER_TENSOR:
         saved = saved[:-1]  # the amaxes: for the caller, not the backward
-    hp, normed = not a.recipe, bool(a.normalization)
+    # backward_override: the backward is high precision's, on the forward's high-precision
+    # operands or on their dequantised copies (which take the input's and the weight's place).
+    hp, normed = not a.recipe or a.backward_override, bool(a.normalization)
+    inp, weight = a.inp, a.weight
+    if a.backward_override == "dequantized":
+        x_deq, weight, *saved = saved
+        if normed:  # the norm's backward takes the input, the wgrad GEMM the saved operand
+            saved = [x_deq, *saved]
+        else:
+            inp = x_deq
     ctx.save_for_backward(
-        a.inp if hp or normed else None,
-        a.weight if hp else None,
+        inp if hp or normed else None,
+        weight if hp else None,
         a.bias if a.activation else None,
         a.main_grad, a.scale, a.grad_amax,
         a.norm_weight if normed else None,
         *saved,
     )  # fmt: skip
     ctx.scalars = (
-        a.recipe, a.fwd_dtype, a.bwd_dtype, a.power_2_scale, a.weight_block_rows, a.emulate,
+        "" if a.backward_override else a.recipe, a.fwd_dtype, a.bwd_dtype, a.power_2_scale,
+        a.weight_block_rows, a.emulate,
         a.normalization, a.zero_centered_gamma, a.norm_bias is not None, a.activation, *a.act,
         a.out_scale,
     )  # fmt: skip
@@ -858,6 +916,21 @@ def _samples(device: torch.device):
     yield _call(unit_rows(32, 64, device=device), t(32, 64), recipe="mxfp8", emulate=True, **e4,
                 norm_weight=t(64), norm_bias=torch.zeros(64, device=device, requires_grad=True),
                 normalization="LayerNorm", norm_eps=1e-30)  # fmt: skip
+    # backward_override: high-precision backward GEMMs on the forward's high-precision operands
+    # (the norm's output saved) or on its dequantised FP8 operands.
+    yield _call(unit_rows(2, 8, 32, device=device), t(16, 32), t(16), **cur, norm_weight=t(32),
+                normalization="RMSNorm", norm_eps=1e-30, activation="gelu",
+                backward_override="high_precision")  # fmt: skip
+    yield _call(t(20, 32, dtype=bf16), t(16, 32, dtype=bf16), t(16, dtype=bf16), **cur,
+                backward_override="dequantized")  # fmt: skip
+    yield _call(unit_rows(32, 64, device=device), t(32, 64), recipe="mxfp8", emulate=True, **e4,
+                norm_weight=t(64), normalization="LayerNorm", norm_eps=1e-30,
+                backward_override="dequantized")  # fmt: skip
+    yield _call(t(32, 512, dtype=bf16), t(512, 512, dtype=bf16), None,
+                torch.zeros(512, 512, device=device), recipe="block", weight_block_rows=128,
+                **e4, backward_override="dequantized")  # fmt: skip
+    yield _call(t(16, 32), t(48, 32), recipe="nvfp4", emulate=True, **e4,
+                backward_override="high_precision")  # fmt: skip
 
 
 _linear = differentiable(
@@ -905,6 +978,7 @@ def linear(
     out_scale: float = 1.0,
     return_branch: bool = False,
     return_amax: bool = False,
+    backward_override: str = "",
 ) -> Tensor | tuple[Tensor, ...]:
     """``residual + out_scale * activation(norm(inp) @ weight.T + bias)`` through
     ``te::linear_fwd``, every part optional (module docstring); by default ``inp @ weight.T +
@@ -915,12 +989,14 @@ def linear(
     ``quantization.gemm.GemmArgs``. ``return_branch=True`` also returns ``branch``, a tensor
     with ``inp``'s values whose gradient joins the dgrad GEMM; ``return_amax=True`` also returns
     ``[amax(X), amax(W)]`` (per-tensor recipes; X is the norm's output with a prologue), last.
+    ``backward_override`` (with a recipe): ``"high_precision"`` or ``"dequantized"`` backward
+    GEMMs (module docstring).
     """
     args = (inp, weight, bias, main_grad)
     if (
         recipe or normalization or activation or return_branch or residual is not None
         or out_scale != 1.0 or norm_weight is not None or norm_bias is not None
-        or scale is not None or grad_amax is not None
+        or scale is not None or grad_amax is not None or backward_override
     ):  # fmt: skip
         check_bool(
             "te.linear", power_2_scale=power_2_scale, emulate=emulate,
@@ -930,7 +1006,7 @@ def linear(
             recipe, fwd_dtype, bwd_dtype, power_2_scale, weight_block_rows, emulate, scale,
             grad_amax, norm_weight, norm_bias, normalization, norm_eps, zero_centered_gamma,
             activation, glu_interleave_size or 0, limit, alpha, glu_linear_offset, residual,
-            float(out_scale), return_branch,
+            float(out_scale), return_branch, backward_override,
         )  # fmt: skip
     out, branch, saved = _linear(*args)
     if not (return_branch or return_amax):

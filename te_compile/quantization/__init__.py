@@ -1,13 +1,16 @@
 """Low-precision recipes, the autocast state modules read, and device capability checks.
 
-``recipe``: the frozen recipe dataclasses (TE's names and defaults). ``state``: ``autocast`` and
-``get_autocast_state``. ``recompute``: ``checkpoint``, activation checkpointing that recomputes
-FP8 modules exactly. ``device``: which recipes the GPU runs natively.
+``recipe``: the recipe dataclasses (TE's names, defaults and mutability). ``state``:
+``autocast``, ``fp8_autocast`` and ``get_autocast_state``. ``recompute``: ``checkpoint``,
+activation checkpointing that recomputes FP8 modules exactly. ``device``: which recipes the GPU
+runs natively, the compute capability.
 """
 
 from te_compile.quantization.api import dequantize, quantize
 from te_compile.quantization.device import (
     get_default_fp8_recipe,
+    get_device_compute_capability,
+    is_bf16_available,
     is_fp8_available,
     is_fp8_block_scaling_available,
     is_mxfp8_available,
@@ -25,7 +28,12 @@ from te_compile.quantization.recipe import (
     Recipe,
 )
 from te_compile.quantization.recompute import checkpoint
-from te_compile.quantization.state import AutocastState, autocast, get_autocast_state
+from te_compile.quantization.state import (
+    AutocastState,
+    autocast,
+    fp8_autocast,
+    get_autocast_state,
+)
 
 __all__ = [
     "AutocastState",
@@ -41,8 +49,11 @@ __all__ = [
     "autocast",
     "checkpoint",
     "dequantize",
+    "fp8_autocast",
     "get_autocast_state",
     "get_default_fp8_recipe",
+    "get_device_compute_capability",
+    "is_bf16_available",
     "is_fp8_available",
     "is_fp8_block_scaling_available",
     "is_mxfp8_available",

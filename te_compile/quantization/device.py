@@ -3,6 +3,8 @@
 =========================================  ==================================================
 function                                   native when
 =========================================  ==================================================
+``is_bf16_available``                      compute capability >= 8.0 (Ampere and later):
+                                           bf16 tensor-core GEMMs
 ``is_fp8_available``                       compute capability >= 8.9 (Ada, Hopper and later):
                                            DelayedScaling, Float8CurrentScaling
 ``is_fp8_block_scaling_available``         >= 9.0 (Hopper) and CUDA >= 12.9 (cuBLASLt's
@@ -11,9 +13,13 @@ function                                   native when
 ``is_nvfp4_available``                     >= 10.0 (Blackwell)
 =========================================  ==================================================
 
-Each returns a bool, or ``(available, reason)`` with ``return_reason=True``; ``reason`` is ""
-when available. Without a CUDA device every answer is ``(False, "no CUDA device")``. ROCm builds
-answer False as well: AMD's FP8 formats (``float8_e4m3fnuz``) are not the ones the recipes use.
+``get_device_compute_capability()`` is the current CUDA device's ``(major, minor)``, ``(0, 0)``
+without one (so ``get_device_compute_capability() >= (9, 0)`` reads "Hopper or later" on any
+machine). Each ``is_*_available`` returns a bool, or ``(available, reason)`` with
+``return_reason=True``; ``reason`` is "" when available, else why not (the capability needed
+and the device's). Without a CUDA device every answer is ``(False, "no CUDA device")``. ROCm
+builds answer False as well: AMD's FP8 formats (``float8_e4m3fnuz``) are not the ones the
+recipes use.
 
 "Not available" means "not native": te_compile still quantises exactly on any device and
 emulates the low-precision GEMM by dequantising and multiplying in high precision.
@@ -31,6 +37,8 @@ from te_compile.quantization.recipe import DelayedScaling, MXFP8BlockScaling, Re
 
 __all__ = [
     "get_default_fp8_recipe",
+    "get_device_compute_capability",
+    "is_bf16_available",
     "is_fp8_available",
     "is_fp8_block_scaling_available",
     "is_mxfp8_available",
@@ -38,10 +46,6 @@ __all__ = [
 ]
 
 NO_CUDA_REASON = "no CUDA device"
-
-# Recipes are immutable, so the defaults can be shared (and are never built in traced code).
-_DEFAULT_DELAYED = DelayedScaling()
-_DEFAULT_MXFP8 = MXFP8BlockScaling()
 
 
 @torch.compiler.assume_constant_result
@@ -62,6 +66,19 @@ def _native(minimum: tuple[int, int], what: str, return_reason: bool) -> bool | 
     else:
         ok, reason = True, ""
     return (ok, reason) if return_reason else ok
+
+
+def get_device_compute_capability() -> tuple[int, int]:
+    """``(major, minor)`` compute capability of the current CUDA device; ``(0, 0)`` without a
+    CUDA device (and on ROCm, as the ``is_*_available`` functions)."""
+    capability = _capability()
+    return (0, 0) if capability is None else tuple(capability)
+
+
+def is_bf16_available(return_reason: bool = False) -> bool | tuple[bool, str]:
+    """Whether bf16 GEMMs run natively: compute capability 8.0 or higher (Ampere and later).
+    With ``return_reason=True``: ``(available, reason)``."""
+    return _native((8, 0), "BF16", return_reason)
 
 
 def is_fp8_available(return_reason: bool = False) -> bool | tuple[bool, str]:
@@ -97,5 +114,7 @@ def is_nvfp4_available(return_reason: bool = False) -> bool | tuple[bool, str]:
 
 def get_default_fp8_recipe() -> Recipe:
     """The recipe ``autocast(recipe=None)`` uses, chosen as TE does: ``MXFP8BlockScaling()``
-    where MXFP8 is native (Blackwell), ``DelayedScaling()`` everywhere else (CPU included)."""
-    return _DEFAULT_MXFP8 if is_mxfp8_available() else _DEFAULT_DELAYED
+    where MXFP8 is native (Blackwell), ``DelayedScaling()`` everywhere else (CPU included). A
+    new recipe on each call (recipes are mutable: a shared default could be changed for every
+    later caller); it can be built inside a compiled region."""
+    return MXFP8BlockScaling() if is_mxfp8_available() else DelayedScaling()

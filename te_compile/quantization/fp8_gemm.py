@@ -32,6 +32,8 @@ scaling: ``bench/results/2026-11-23_h100/README.md``). So a state's first step u
 them into the history. ``calibrated`` (a Python bool, saved with the buffers: a loaded
 state_dict that holds them is calibrated) is what a compiled step specialises on: one
 recompile after the first step.
+A recipe with ``amax_compute_algo`` or ``scaling_factor_compute_algo`` callables runs the same
+update as plain torch code around them (:func:`_custom_update`), traced by torch.compile.
 With ``amax_reduction_group`` (or ``reduce_amax`` and an initialised default process group)
 the amaxes are max-reduced over the group with a functional all-reduce (traced by
 torch.compile): the forward's before they are recorded, the gradient's when it is folded into
@@ -127,9 +129,12 @@ class FP8GemmState(nn.Module):
         # The gradient amax of the last backward is reduced here, when it is folded in (the
         # backward op has no group); the forward amaxes were reduced when recorded.
         last = _reduce_amax(torch.cat([self.fwd_amax, self.grad_amax]), state, recipe)
-        torch.ops.te.delayed_scaling_update(
-            history, self.scale, last, limits, recipe.margin, recipe.amax_compute_algo
-        )
+        if callable(recipe.amax_compute_algo) or recipe.scaling_factor_compute_algo is not None:
+            _custom_update(history, self.scale, last, limits, recipe)
+        else:
+            torch.ops.te.delayed_scaling_update(
+                history, self.scale, last, limits, recipe.margin, recipe.amax_compute_algo
+            )
         return self.scale.clone()
 
     def record(self, amax: Tensor, state: AutocastState) -> None:
@@ -157,6 +162,40 @@ def non_finite_amaxes(model: nn.Module) -> dict[str, list[str]]:
             if bad:
                 report[name] = bad
     return report
+
+
+# The built-in amax choices, as functions of the history.
+_HISTORY_AMAX = {"max": lambda h: h.amax(0), "most_recent": lambda h: h[0]}
+
+
+def _custom_update(
+    history: Tensor, scale: Tensor, last: Tensor, limits: list[float], recipe
+) -> None:
+    """``te::delayed_scaling_update`` with the recipe's callables (``DelayedScaling``'s
+    ``amax_compute_algo`` / ``scaling_factor_compute_algo``) in place of the built-in amax choice
+    or scale formula, in plain torch (traced by ``torch.compile`` like any other code): roll the
+    history in, pick the amax, compute the scales."""
+    old = scale.clone()
+    rolled = torch.roll(history, 1, dims=0)
+    rolled[0] = last
+    history.copy_(rolled)
+    algo = recipe.amax_compute_algo
+    if not callable(algo):
+        algo = _HISTORY_AMAX[algo]
+    amax = algo(rolled)
+    if torch.compiler.is_compiling():  # a constant of the compiled graph
+        fp8_max = torch.tensor(limits, dtype=torch.float32, device=scale.device)
+    else:
+        from te_compile.kernels import device_constant
+
+        fp8_max = device_constant(tuple(limits), torch.float32, scale.device)
+    compute = recipe.scaling_factor_compute_algo
+    if compute is not None:
+        new = compute(amax, old, fp8_max, recipe)
+    else:  # the built-in formula: an amax of 0, inf or NaN keeps the old scale
+        ok = (amax > 0) & torch.isfinite(amax)
+        new = torch.where(ok, fp8_max / (amax * 2.0**recipe.margin), old)
+    scale.copy_(new)
 
 
 def _drop_if_unused(module: FP8GemmState, state_dict, prefix: str, local_metadata) -> None:

@@ -10,6 +10,18 @@ recipe: there is one op per GEMM shape (``functional.gemm`` has the tables insid
 
 Outside an enabled ``te_compile.autocast`` the arguments are those of high precision
 (``recipe=""``), so a module's forward reads the same with and without FP8.
+
+Calibration (``autocast(enabled=False, calibrating=True)``, ``quantization.state``): the entry
+points run the high-precision GEMMs and, under the per-tensor recipes, keep each GEMM's FP8
+state as an FP8 run would (:func:`calibrate`): delayed scaling folds the last amaxes into the
+history and updates the scales, then the amaxes of this call's GEMM input and weight are
+recorded. The GEMM input of a norm prologue is the norm's output, computed once more for its
+amax; ``mlp`` runs its two GEMMs one by one (``_FUSE_MLP = False``'s path) so that the second
+GEMM's input exists.
+
+``backward_override`` (a recipe field, ``quantization.recipe``) reaches ``te::linear`` as an
+argument; ``mlp`` honours it by running its GEMMs one by one through ``te::linear``; the grouped
+GEMM does not implement it and raises.
 """
 
 from __future__ import annotations
@@ -31,6 +43,7 @@ __all__ = [
     "ROLES",
     "GemmArgs",
     "Norm",
+    "calibrate",
     "gemm_args",
     "grouped_linear",
     "linear",
@@ -77,6 +90,7 @@ class GemmArgs(NamedTuple):
     emulate: bool = False
     scales: tuple[Tensor | None, ...] = ()
     grad_amaxes: tuple[Tensor | None, ...] = ()
+    backward_override: str = ""
 
     def scalars(self) -> dict[str, Any]:
         """The scalar arguments, by the ops' names."""
@@ -130,7 +144,8 @@ def gemm_args(
     *,
     grouped: bool = False,
 ) -> GemmArgs:
-    """The GEMM family arguments of ``state``'s recipe for GEMMs with these ``weights`` (2-D,
+    """The GEMM family arguments of ``state``'s recipe (``backward_override``: the recipe's, ``""``
+    for None) for GEMMs with these ``weights`` (2-D,
     or ``[G, N, K]`` with ``grouped``) and input, with the delayed-scaling state of ``metas``
     (one per GEMM: under DelayedScaling this folds the last amaxes into the history and
     computes the scales, ``FP8GemmState.delayed_scale``; at a state's first delayed step, the
@@ -143,6 +158,13 @@ def gemm_args(
     emulated elsewhere; MXFP8 and NVFP4 are emulated (native GEMMs need Blackwell)."""
     if not state.enabled:
         return GemmArgs()
+    override = state.recipe.backward_override or ""
+    return _recipe_args(owner, state, inp, weights, metas, grouped)._replace(
+        backward_override=override
+    )
+
+
+def _recipe_args(owner, state, inp, weights, metas, grouped) -> GemmArgs:
     recipe = state.recipe
     kind, x = quantize_args(recipe, "input")
     _, w = quantize_args(recipe, "weight")
@@ -172,6 +194,45 @@ def gemm_args(
         scales = (None,) * len(scales)
     grad_amaxes = tuple(meta.grad_amax for meta in metas)
     return GemmArgs(kind, fwd, bwd, emulate=_EMULATE, scales=scales, grad_amaxes=grad_amaxes)
+
+
+def calibrate(
+    owner: str,
+    state: AutocastState,
+    metas: Sequence[FP8GemmState],
+    inputs: Sequence[Tensor],
+    weights: Sequence[Tensor],
+) -> AutocastState:
+    """Under calibration (``state.calibration``) with a per-tensor recipe, keep each GEMM's FP8
+    state as an FP8 forward would: fold the last amaxes into the history and update the scales
+    (delayed scaling; its first step only marks the state calibrated), then record the amaxes of
+    the GEMM's input and weight (``inputs``, ``weights``: one per state). Returns the state the
+    GEMMs then run with: high precision, calibration done. Other recipes keep no amax state:
+    nothing is recorded."""
+    if not state.calibration:
+        return state
+    if state.recipe.float8_per_tensor_scaling():
+        for meta, x, w in zip(metas, inputs, weights, strict=True):
+            meta.delayed_scale(owner, state)
+            with torch.no_grad():
+                meta.record(torch.stack([_amax(x), _amax(w)]), state)
+    return state._replace(calibrating=False)
+
+
+def _amax(t: Tensor) -> Tensor:
+    """``max |t|`` as an fp32 scalar (0 for an empty tensor)."""
+    t = t.detach()
+    if t.numel() == 0:
+        return t.new_zeros((), dtype=torch.float32)
+    return t.abs().amax().float()
+
+
+def _no_grad_norm(inp: Tensor, norm: Norm | None) -> Tensor:
+    """The GEMM input of a prologue (the norm's output), for its amax only."""
+    if norm is None:
+        return inp
+    with torch.no_grad():
+        return _apply_norm(inp.detach(), norm)
 
 
 def quantized() -> bool:
@@ -211,10 +272,14 @@ def linear(
     ``functional.linear`` (``activation``, ``residual``, ``out_scale``, ``return_branch``, ...).
     The forward's amaxes go into ``meta`` (per-tensor recipes)."""
     state = get_autocast_state()
+    if state.calibration:
+        state = calibrate(owner, state, (meta,), (_no_grad_norm(inp, norm),), (weight,))
     if not (state.enabled or norm or epilogue):  # te.Linear's hot path in high precision
         return F.linear(inp, weight, bias, main_grad=main_grad)
     args = gemm_args(owner, state, inp, (weight,), (meta,))
     kw = {**_norm_kwargs(norm), **epilogue}
+    if args.backward_override:
+        kw["backward_override"] = args.backward_override
     if args.recipe not in PER_TENSOR:
         return F.linear(inp, weight, bias, main_grad=main_grad, **args.scalars(), **kw)
     out, *rest, amax = F.linear(
@@ -239,14 +304,15 @@ def mlp(
     """``fc2(activation(fc1(norm(inp))))`` through ``te::mlp`` with the autocast state's
     recipe (high precision outside it); ``metas``: the two GEMMs' FP8 states, used as two
     :func:`linear` calls would use them (``_FUSE_MLP = False``: two :func:`linear` calls around
-    the activation op)."""
-    if not _FUSE_MLP:  # op by op: the same bytes
+    the activation op; also under calibration and with a recipe's ``backward_override``)."""
+    state = get_autocast_state()
+    by_op = state.calibration or (state.enabled and state.recipe.backward_override is not None)
+    if not _FUSE_MLP or by_op:  # op by op: the same bytes
         if norm is not None:
             inp = _apply_norm(inp, norm)
         fc1_out = linear(owner, metas[0], inp, fc1_weight, None)
         act = F.bias_activation(fc1_out, fc1_bias, activation)
         return linear(owner, metas[1], act, fc2_weight, fc2_bias)
-    state = get_autocast_state()
     weights = (fc1_weight, fc2_weight)
     args = gemm_args(owner, state, inp, weights, metas)
     kw = {**_norm_kwargs(norm), **args.scalars()}
@@ -278,9 +344,19 @@ def grouped_linear(
     takes), ``DelayedScaling`` with ``meta``'s per-tensor scales (input, weight and gradient of
     all groups; its calibration step runs rowwise current scaling and records the amaxes it
     measures). Float8BlockScaling runs natively where the dense GEMMs do and the input is bf16;
-    the block-scaled recipes are emulated elsewhere."""
+    the block-scaled recipes are emulated elsewhere. Calibration records the amaxes of the
+    whole input and of every group's weight (one per-tensor state). A recipe's
+    ``backward_override`` raises: the grouped GEMM does not implement it."""
     state = get_autocast_state()
+    if state.calibration:
+        state = calibrate(owner, state, (meta,), (inp,), (weight,))
     args = gemm_args(owner, state, inp, (weight,), (meta,), grouped=True)
+    if args.backward_override:
+        raise ValueError(
+            f"{owner}: the recipe's backward_override must be None for grouped GEMMs "
+            f"(got {args.backward_override!r}: the grouped GEMM runs its backward on the "
+            "recipe's quantised operands only)"
+        )
     kw = args.scalars()
     if args.recipe not in PER_TENSOR:
         return F.grouped_linear(inp, m_splits, weight, bias, main_grad=main_grad, **kw)

@@ -28,16 +28,24 @@ maximum, or the most recent entry), so quantising needs no extra pass over the d
 overflow when a tensor grows quickly; current scaling measures this tensor's amax first. Block
 recipes give each block its own scale, which keeps outliers from crushing the rest of the tensor.
 
-Every recipe is a frozen, hashable dataclass, validated at construction: a bad field raises
-``ValueError`` naming the field and the constraint. Being immutable and hashable, a recipe is a
-compile-time constant: ``torch.compile`` guards on the recipe's type and on the fields the traced
-code reads, so a different recipe recompiles rather than reusing a stale graph.
+Every recipe is a dataclass, validated at construction and again whenever a field is set
+afterwards, as Transformer Engine code does (``recipe.backward_override = "high_precision"``):
+a bad value raises ``ValueError`` naming the field and the constraint and leaves the old value
+in place; a name that is not a field raises ``AttributeError``. Recipes compare by value and,
+being mutable, are not hashable (TE's are not either). ``torch.compile`` guards on the recipe's
+type and on every field the traced code read (``quantization.gemm.gemm_args`` reads them), so a
+compiled model never runs with a stale recipe: setting a field it read recompiles it at the next
+call, and setting it back reuses the first graph.
+
+``backward_override`` (not for ``DelayedScaling``, as in TE) chooses the backward GEMMs' operands:
+``None``, the recipe's quantised ones (the gradient quantised too); ``"high_precision"``, the
+original high-precision input and weight with the gradient unquantised (the forward saves the
+high-precision tensors instead of the FP8 copies); ``"dequantized"``, the forward's quantised
+input and weight dequantised to the input dtype, with the gradient unquantised. The forward is
+the recipe's either way.
 
 Where this module departs from Transformer Engine, and why:
 
-- Fields that take a callable in TE (``amax_compute_algo``, ``scaling_factor_compute_algo``)
-  accept only the built-in choices: a callable is not a value ``torch.compile`` can guard on, and
-  the amax/scale update is a custom op that takes strings and numbers only.
 - TE reads some defaults from ``NVTE_*`` environment variables when it is imported; here a
   default is always the value written below. Pass the field instead.
 - TE keeps the per-tensor ``QParams`` of ``Float8CurrentScaling`` / ``Float8BlockScaling`` as
@@ -47,11 +55,13 @@ Where this module departs from Transformer Engine, and why:
   te_compile has no attention module, so only ``False`` is accepted.
 - ``NVFP4BlockScaling`` leaves out TE's experimental ``row_scaled_activation`` and ``nvfp4_4over6*``
   fields.
-- What the modules do not implement is refused, not ignored: ``backward_override`` must be
-  ``None``; ``Float8CurrentScaling``'s ``fp8_gemm_*`` must be TE's defaults (fast accumulation
-  forward, split accumulation backward: what the per-tensor GEMMs run); and
+- What the modules do not implement is refused, not ignored: ``Float8CurrentScaling``'s
+  ``fp8_gemm_*`` must be TE's defaults (fast accumulation forward, split accumulation backward:
+  what the per-tensor GEMMs run); and
   ``autocast(recipe=Float8CurrentScaling(use_power_2_scales=True))`` raises
-  (``te_compile.quantize`` applies power-of-two scales, the modules' kernels do not).
+  (``te_compile.quantize`` applies power-of-two scales, the modules' kernels do not);
+  ``backward_override`` is implemented by the linear and MLP modules, and ``GroupedLinear``
+  refuses it.
 - Accepted and documented as not applied (the emulated formats, docs/fp8.md): NVFP4's random
   Hadamard transform, stochastic rounding and 16x16 weight blocks (the emulation quantises
   1x16 blocks with round-to-nearest), MXFP8's ``margin``.
@@ -62,6 +72,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from collections.abc import Callable
 from typing import Any, ClassVar, NamedTuple, TypeVar
 
 import torch
@@ -147,14 +158,18 @@ def _with_field_types(cls: _T) -> _T:
         if default is not None:
             types[f.name] = type(default)
     cls._field_types = types
+    cls._field_names = tuple(f.name for f in dataclasses.fields(cls))
     return cls
 
 
 def _check_field_types(obj: Any) -> None:
     """Each field must have its expected type; an int field rejects bool, a float field
     accepts int."""
+    callables = getattr(type(obj), "_callable_fields", ())
     for name, expected in type(obj)._field_types.items():
         value = getattr(obj, name)
+        if name in callables and callable(value):
+            continue
         if expected is float:
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         elif expected is int:
@@ -219,7 +234,7 @@ class MMParams:
 
 
 @_with_field_types
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class Recipe:
     """Base of all recipes; not constructed directly.
 
@@ -227,6 +242,9 @@ class Recipe:
     methods below are TE's predicates (``recipe.delayed()``, ``recipe.mxfp8()``, ...)."""
 
     kind: ClassVar[str]
+    # Set once construction validated the fields: from then on every field assignment is
+    # validated (``__setattr__``).
+    _constructed: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if type(self) is Recipe:
@@ -234,20 +252,36 @@ class Recipe:
                 "Recipe is a base class: construct DelayedScaling, Float8CurrentScaling, "
                 "Float8BlockScaling, MXFP8BlockScaling or NVFP4BlockScaling"
             )
+        self._validate()
+        object.__setattr__(self, "_constructed", True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Set a field after construction, as TE code does (``recipe.margin = 1``): the recipe
+        is validated again and keeps its old value when the new one is refused. A name that is
+        not a field raises ``AttributeError`` rather than being stored and ignored."""
+        if not self._constructed:  # the dataclass __init__
+            object.__setattr__(self, name, value)
+            return
+        if name not in type(self)._field_names:
+            raise AttributeError(
+                f"{type(self).__name__} has no field {name!r}; its fields are "
+                f"{', '.join(type(self)._field_names)}"
+            )
+        old = getattr(self, name)
+        object.__setattr__(self, name, value)
+        try:
+            self._validate()
+        except ValueError:
+            object.__setattr__(self, name, old)
+            raise
+
+    def _validate(self) -> None:
         _check_field_types(self)
         for name in ("fp8_dpa", "fp8_mha"):
             if getattr(self, name):
                 _fail(self, name, "must be False (te_compile has no FP8 attention)")
         if self.backward_override not in _BACKWARD_OVERRIDES:
             _fail(self, "backward_override", f"must be one of {_BACKWARD_OVERRIDES}")
-        if self.backward_override is not None and not self.delayed():
-            # TE's values, not implemented here: rejected rather than silently ignored.
-            _fail(
-                self,
-                "backward_override",
-                "must be None (te_compile runs the backward GEMMs on the recipe's quantised "
-                "operands; 'high_precision' and 'dequantized' are not implemented)",
-            )
 
     def _check_fp8_format(self) -> None:
         if self.fp8_format in (Format.E5M2, Format.E2M1):
@@ -290,58 +324,76 @@ class Recipe:
 
 
 @_with_field_types
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class DelayedScaling(Recipe):
     """Per-tensor scales from the amax history of past steps.
 
     ``margin`` (>= 0): the scale is divided by ``2**margin`` for headroom. ``fp8_format``:
     ``E4M3`` or ``HYBRID``. ``amax_history_len`` (>= 1): steps of amax history kept.
-    ``amax_compute_algo``: ``"max"`` (largest amax in the history) or ``"most_recent"``.
-    ``scaling_factor_compute_algo``: ``None`` only (the scale formula in the module docstring).
+    ``amax_compute_algo``: ``"max"`` (largest amax in the history), ``"most_recent"``, or a
+    callable ``amax_compute_algo(amax_history) -> amax``: ``amax_history`` is the
+    ``[amax_history_len, 3]`` history (newest in row 0; columns: input, weight, gradient), the
+    result one amax per column ``[3]``.
+    ``scaling_factor_compute_algo``: ``None`` (the scale formula in the module docstring) or a
+    callable ``scaling_factor_compute_algo(amax, old_scaling_factor, fp8_max, recipe) -> scale``,
+    TE's signature: ``amax``, ``old_scaling_factor`` and ``fp8_max`` are ``[3]`` fp32 tensors
+    (input, weight, gradient; ``fp8_max`` the largest value of each slot's format), ``recipe``
+    this recipe; the ``[3]`` result is stored as the new scales as it is (no guard against a zero
+    amax: the callable owns the formula). Callables run as plain torch code each forward (traced
+    by ``torch.compile``, which recompiles when a different function is set).
     ``reduce_amax``: all-reduce amaxes (MAX) over the autocast's ``amax_reduction_group`` so
     every rank uses the same scales; with ``False`` each rank keeps its own.
     ``backward_override``: ``None`` only, as in TE.
     """
 
     kind: ClassVar[str] = "delayed"
+    _callable_fields: ClassVar[tuple[str, ...]] = (
+        "amax_compute_algo",
+        "scaling_factor_compute_algo",
+    )
 
     margin: int = 0
     fp8_format: Format = Format.HYBRID
     amax_history_len: int = 1024
-    amax_compute_algo: str = "max"
-    scaling_factor_compute_algo: None = None
+    amax_compute_algo: str | Callable[[torch.Tensor], torch.Tensor] = "max"
+    scaling_factor_compute_algo: Callable[..., torch.Tensor] | None = None
     reduce_amax: bool = True
     fp8_dpa: bool = False
     fp8_mha: bool = False
     backward_override: str | None = None
 
-    def __post_init__(self) -> None:
-        if callable(self.amax_compute_algo):
-            _fail(self, "amax_compute_algo", f"must be one of {_AMAX_COMPUTE_ALGOS} (no callables)")
-        super().__post_init__()
+    def _validate(self) -> None:
+        super()._validate()
         self._check_fp8_format()
         if self.margin < 0:
             _fail(self, "margin", "must be >= 0")
         if self.amax_history_len < 1:
             _fail(self, "amax_history_len", "must be >= 1")
-        if self.amax_compute_algo not in _AMAX_COMPUTE_ALGOS:
-            _fail(self, "amax_compute_algo", f"must be one of {_AMAX_COMPUTE_ALGOS}")
-        if self.scaling_factor_compute_algo is not None:
-            _fail(self, "scaling_factor_compute_algo", "must be None (no callables)")
+        if not callable(self.amax_compute_algo) and (
+            self.amax_compute_algo not in _AMAX_COMPUTE_ALGOS
+        ):
+            _fail(self, "amax_compute_algo", f"must be one of {_AMAX_COMPUTE_ALGOS} or a callable")
+        algo = self.scaling_factor_compute_algo
+        if algo is not None and not callable(algo):
+            _fail(self, "scaling_factor_compute_algo", "must be None or a callable")
         if self.backward_override is not None:
-            _fail(self, "backward_override", "must be None for delayed scaling")
+            _fail(
+                self,
+                "backward_override",
+                "must be None for delayed scaling (as in Transformer Engine)",
+            )
 
 
 @_with_field_types
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class Float8CurrentScaling(Recipe):
     """Per-tensor scales from each tensor's own amax, measured just before the cast.
 
     ``use_power_2_scales``: round scales down to powers of two. ``fp8_format``: ``E4M3`` or
     ``HYBRID``. ``fp8_gemm_*``: split accumulation, TE's defaults only (off for the forward
     GEMM, on for the two backward GEMMs: what te_compile's per-tensor GEMMs run; other settings
-    raise rather than being ignored). ``backward_override``: ``None`` only (TE's
-    ``"high_precision"`` and ``"dequantized"`` are not implemented and raise).
+    raise rather than being ignored). ``backward_override``: ``None``, ``"high_precision"`` or
+    ``"dequantized"`` (module docstring).
     """
 
     kind: ClassVar[str] = "current"
@@ -355,8 +407,8 @@ class Float8CurrentScaling(Recipe):
     fp8_mha: bool = False
     backward_override: str | None = None
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def _validate(self) -> None:
+        super()._validate()
         self._check_fp8_format()
         for name, split in _PER_TENSOR_GEMMS.items():
             if getattr(self, name).use_split_accumulator != split:
@@ -382,7 +434,7 @@ class Float8CurrentScaling(Recipe):
 
 
 @_with_field_types
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class Float8BlockScaling(Recipe):
     """FP8 with one fp32 scale per block of ``block_len`` (128) values.
 
@@ -408,8 +460,8 @@ class Float8BlockScaling(Recipe):
     fp8_mha: bool = False
     backward_override: str | None = None
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def _validate(self) -> None:
+        super()._validate()
         self._check_fp8_format()
         dims = ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim")
         for name in dims:
@@ -437,7 +489,7 @@ class Float8BlockScaling(Recipe):
 
 
 @_with_field_types
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class MXFP8BlockScaling(Recipe):
     """MXFP8 (OCP microscaling): one E8M0 scale (a power of two) per ``block_len`` (32)
     consecutive values along the GEMM's reduction dimension.
@@ -457,15 +509,15 @@ class MXFP8BlockScaling(Recipe):
     fp8_mha: bool = False
     backward_override: str | None = None
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def _validate(self) -> None:
+        super()._validate()
         self._check_fp8_format()
         if self.margin < 0:
             _fail(self, "margin", "must be >= 0")
 
 
 @_with_field_types
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class NVFP4BlockScaling(Recipe):
     """NVFP4: E2M1 values, one E4M3 scale per ``block_len`` (16) values and one fp32 global
     scale per tensor (two levels, since E4M3 alone cannot span a tensor's range).
@@ -491,8 +543,8 @@ class NVFP4BlockScaling(Recipe):
     fp8_mha: bool = False
     backward_override: str | None = None
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def _validate(self) -> None:
+        super()._validate()
         if self.fp4_format is not Format.E2M1:
             _fail(self, "fp4_format", "must be Format.E2M1")
         if self.fp8_format is not Format.E4M3:

@@ -6,7 +6,9 @@ and, under ``DelayedScaling``, fold the amaxes into the history a second time an
 other scales than the forward did. :func:`checkpoint` runs the function under
 ``torch.utils.checkpoint`` with two additions:
 
-* the recompute runs under the autocast state the forward saw (recipe, enabled, group);
+* the recompute runs under the autocast state the forward saw (recipe, enabled, group,
+  calibrating), with a copy of the recipe as it was in the forward (recipes are mutable: a field
+  set between the forward and the backward must not change the recompute);
 * a :class:`RecomputeScope` is open while the function runs: in the forward every FP8 GEMM
   state (``quantization.fp8_gemm.FP8GemmState``) is snapshotted before its first update; the
   recompute starts from those snapshots, so it runs the forward's code path on the forward's
@@ -25,6 +27,7 @@ module works with every recipe.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -130,6 +133,8 @@ def checkpoint(
             function, *args, use_reentrant=use_reentrant, **kwargs
         )
     state = get_autocast_state()
+    if state.recipe is not None:
+        state = state._replace(recipe=copy.copy(state.recipe))
     scope = RecomputeScope()
     runs = [0]
 

@@ -1,10 +1,21 @@
 """The autocast state: which recipe modules quantise with, read in ``forward``.
 
-``autocast(enabled=True, recipe=..., amax_reduction_group=...)`` is a context manager (and a
-decorator) that replaces the current :class:`AutocastState` and restores the previous one on
-exit, exception or not. Modules call :func:`get_autocast_state` in ``forward`` and flatten the
-snapshot into the scalar arguments of their ops. Outside any autocast the state is
-``AutocastState(enabled=False, recipe=None, amax_reduction_group=None)``.
+``autocast(enabled=True, calibrating=False, recipe=None, amax_reduction_group=None)`` (Transformer
+Engine's signature; ``fp8_autocast(enabled, calibrating, fp8_recipe, fp8_group, _graph)`` is TE's
+older name for it) is a context manager (and a decorator) that replaces the current
+:class:`AutocastState` and restores the previous one on exit, exception or not. Modules call
+:func:`get_autocast_state` in ``forward`` and flatten the snapshot into the scalar arguments of
+their ops (``quantization.gemm.gemm_args``). Outside any autocast the state is
+``AutocastState(enabled=False, recipe=None, amax_reduction_group=None, calibrating=False)``.
+
+``calibrating=True`` with ``enabled=False`` is TE's calibration mode: the GEMMs compute in high
+precision (the outputs and gradients are those of no autocast at all) while the per-tensor
+recipes' FP8 state is kept as if they ran in FP8: each GEMM measures the amaxes of its input
+and weight, and under ``DelayedScaling`` folds them into the amax history and updates the
+scales at the next forward. A model trained (or run) in high precision then holds the scales
+an FP8 run or an FP8 inference checkpoint needs. The backward stays high precision and
+measures no gradient amax. With ``enabled=True`` the GEMMs run in FP8 and ``calibrating``
+changes nothing (TE's meaning).
 
 How this works with ``torch.compile`` (checked on torch 2.13, see tests/quantization):
 
@@ -39,7 +50,7 @@ import torch.distributed as dist
 from te_compile.quantization.device import get_default_fp8_recipe
 from te_compile.quantization.recipe import Recipe
 
-__all__ = ["AutocastState", "autocast", "get_autocast_state"]
+__all__ = ["AutocastState", "autocast", "fp8_autocast", "get_autocast_state"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -49,11 +60,19 @@ class AutocastState(NamedTuple):
 
     ``enabled``: quantise inside this region. ``recipe``: how (None outside any autocast).
     ``amax_reduction_group``: the process group amaxes are all-reduced over (None: the default
-    group, when ``torch.distributed`` is initialised)."""
+    group, when ``torch.distributed`` is initialised). ``calibrating``: measure amaxes and
+    update the scales of ``recipe`` while computing in high precision (module docstring)."""
 
     enabled: bool
     recipe: Recipe | None
     amax_reduction_group: Any
+    calibrating: bool = False
+
+    @property
+    def calibration(self) -> bool:
+        """Whether the GEMMs run now compute in high precision and calibrate the recipe's
+        scales: ``calibrating`` outside an enabled region."""
+        return self.calibrating and not self.enabled
 
 
 class _Holder:
@@ -74,12 +93,17 @@ def get_autocast_state() -> AutocastState:
 class autocast:
     """Quantise the modules run inside this region with ``recipe``.
 
-    ``enabled``: ``False`` turns quantisation off inside an enabled region. ``recipe``: a
+    ``enabled``: ``False`` turns quantisation off inside an enabled region. ``calibrating``:
+    with ``enabled=False``, compute in high precision while measuring amaxes and updating the
+    recipe's scales (module docstring); ``recipe``: a
     :class:`~te_compile.quantization.recipe.Recipe`; ``None`` picks
     :func:`~te_compile.quantization.device.get_default_fp8_recipe` (``DelayedScaling()`` except on
     Blackwell, as in TE). ``amax_reduction_group``: a ``torch.distributed`` process group for the
-    amax all-reduce, or ``None``. ``recipe`` and ``amax_reduction_group`` are keyword-only: TE's
-    second positional parameter is ``calibrating``, which te_compile does not have.
+    amax all-reduce, or ``None``. The parameters are TE's, in TE's order.
+
+    The recipe is read when a module runs, not copied on entry: a field set on it inside the
+    region (``recipe.backward_override = "high_precision"``) applies to the next forward, and a
+    compiled region recompiles for it (``te_compile.quantization.recipe``).
 
     Use as ``with autocast(recipe=r): ...`` or as a decorator ``@autocast(recipe=r)``; both work
     around and inside a ``torch.compile(fullgraph=True)`` region.
@@ -88,24 +112,13 @@ class autocast:
     def __init__(
         self,
         enabled: bool = True,
-        *,
+        calibrating: bool = False,
         recipe: Recipe | None = None,
         amax_reduction_group: dist.ProcessGroup | None = None,
     ) -> None:
-        if not isinstance(enabled, bool):
-            raise ValueError(f"autocast: enabled must be a bool, got {enabled!r}")
-        if recipe is not None and not isinstance(recipe, Recipe):
-            raise ValueError(
-                f"autocast: recipe must be a Recipe (e.g. DelayedScaling()) or None, got {recipe!r}"
-            )
-        if amax_reduction_group is not None and not (
-            dist.is_available() and isinstance(amax_reduction_group, dist.ProcessGroup)
-        ):
-            raise ValueError(
-                "autocast: amax_reduction_group must be a torch.distributed.ProcessGroup or None, "
-                f"got {amax_reduction_group!r}"
-            )
+        _check_args("autocast", "recipe", enabled, calibrating, recipe, amax_reduction_group)
         self.enabled = enabled
+        self.calibrating = calibrating
         self.recipe = get_default_fp8_recipe() if recipe is None else recipe
         if self.recipe.float8_current() and self.recipe.use_power_2_scales:
             # te_compile.quantize applies it; the modules' per-tensor kernels do not: refused
@@ -123,7 +136,9 @@ class autocast:
 
     def __enter__(self) -> None:
         self._saved.append(_HOLDER.current)
-        _HOLDER.current = AutocastState(self.enabled, self.recipe, self.amax_reduction_group)
+        _HOLDER.current = AutocastState(
+            self.enabled, self.recipe, self.amax_reduction_group, self.calibrating
+        )
 
     def __exit__(self, *exc_info: object) -> None:
         _HOLDER.current = self._saved.pop()
@@ -131,9 +146,41 @@ class autocast:
     def __call__(self, fn: _F) -> _F:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            with autocast(
-                self.enabled, recipe=self.recipe, amax_reduction_group=self.amax_reduction_group
-            ):
+            with autocast(self.enabled, self.calibrating, self.recipe, self.amax_reduction_group):
                 return fn(*args, **kwargs)
 
         return wrapper  # type: ignore[return-value]
+
+
+def fp8_autocast(
+    enabled: bool = True,
+    calibrating: bool = False,
+    fp8_recipe: Recipe | None = None,
+    fp8_group: dist.ProcessGroup | None = None,
+    _graph: bool = False,
+) -> autocast:
+    """Transformer Engine's older name for :class:`autocast`: ``fp8_recipe`` is ``recipe``,
+    ``fp8_group`` is ``amax_reduction_group``. ``_graph`` (TE: skip the amax reduction and
+    scale update TE runs when the region exits, for a region captured in a CUDA graph) takes
+    either value and changes nothing: te_compile reduces amaxes and updates scales inside each
+    module's forward, never on exit, so every region behaves as TE's graph-captured ones."""
+    _check_args("fp8_autocast", "fp8_recipe", enabled, calibrating, fp8_recipe, fp8_group)
+    if not isinstance(_graph, bool):
+        raise ValueError(f"fp8_autocast: _graph must be a bool, got {_graph!r}")
+    return autocast(enabled, calibrating, fp8_recipe, fp8_group)
+
+
+def _check_args(owner: str, recipe_name: str, enabled, calibrating, recipe, group) -> None:
+    for name, value in (("enabled", enabled), ("calibrating", calibrating)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{owner}: {name} must be a bool, got {value!r}")
+    if recipe is not None and not isinstance(recipe, Recipe):
+        raise ValueError(
+            f"{owner}: {recipe_name} must be a Recipe (e.g. DelayedScaling()) or None, "
+            f"got {recipe!r}"
+        )
+    if group is not None and not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+        raise ValueError(
+            f"{owner}: {'amax_reduction_group' if owner == 'autocast' else 'fp8_group'} must be a "
+            f"torch.distributed.ProcessGroup or None, got {group!r}"
+        )

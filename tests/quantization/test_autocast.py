@@ -15,6 +15,7 @@ from te_compile.quantization import (
     MXFP8BlockScaling,
     NVFP4BlockScaling,
     autocast,
+    fp8_autocast,
     get_autocast_state,
     get_default_fp8_recipe,
 )
@@ -178,10 +179,39 @@ def test_recipe_settings_the_modules_do_not_implement_raise():
         torch.compile(fn, fullgraph=True, backend="eager")(torch.ones(2))
 
 
-def test_recipe_is_keyword_only():
-    # TE's second positional parameter is `calibrating`: a positional recipe must not bind.
-    with pytest.raises(TypeError):
-        autocast(True, DELAYED)
+def test_parameters_are_te_positional_order():
+    # TE's order: enabled, calibrating, recipe, amax_reduction_group.
+    with autocast(True, False, CURRENT):
+        assert get_autocast_state() == AutocastState(True, CURRENT, None, False)
+    with autocast(False, True, DELAYED):
+        assert get_autocast_state() == AutocastState(False, DELAYED, None, True)
+        assert get_autocast_state().calibration
+
+
+def test_fp8_autocast_is_te_older_name():
+    with fp8_autocast(enabled=True, fp8_recipe=CURRENT):
+        assert get_autocast_state() == AutocastState(True, CURRENT, None, False)
+    with fp8_autocast(True, True, DELAYED, None, True):
+        assert get_autocast_state() == AutocastState(True, DELAYED, None, True)
+        assert not get_autocast_state().calibration  # enabled: FP8, not calibration
+    with pytest.raises(ValueError, match=re.escape("fp8_autocast: fp8_recipe must be a Recipe")):
+        fp8_autocast(fp8_recipe="delayed")
+    with pytest.raises(ValueError, match=re.escape("fp8_autocast: calibrating must be a bool")):
+        fp8_autocast(calibrating=1)
+    with pytest.raises(ValueError, match=re.escape("fp8_autocast: fp8_group must be a")):
+        fp8_autocast(fp8_group="world")
+    with pytest.raises(ValueError, match=re.escape("fp8_autocast: _graph must be a bool")):
+        fp8_autocast(_graph=None)
+
+
+def test_fp8_autocast_inside_compiled_region():
+    def fn(x):
+        with fp8_autocast(enabled=True, fp8_recipe=Float8CurrentScaling()):
+            return toy(x)
+
+    assert count_graph_breaks(fn, torch.ones(2)) == (1, 0)
+    torch.testing.assert_close(torch.compile(fn, fullgraph=True, backend="eager")(torch.ones(2)),
+                               3 * torch.ones(2))  # fmt: skip
 
 
 @pytest.mark.skipif(

@@ -204,20 +204,19 @@ BAD = [
     (
         DelayedScaling,
         {"amax_compute_algo": "mean"},
-        "amax_compute_algo must be one of ('max', 'most_recent'), got 'mean'",
+        "amax_compute_algo must be one of ('max', 'most_recent') or a callable, got 'mean'",
     ),
-    (DelayedScaling, {"amax_compute_algo": torch.amax}, "amax_compute_algo must be one of"),
     (
         DelayedScaling,
-        {"scaling_factor_compute_algo": lambda amax, scale, fp8_max, recipe: scale},
-        "scaling_factor_compute_algo must be None",
+        {"scaling_factor_compute_algo": "max"},
+        "scaling_factor_compute_algo must be None or a callable, got 'max'",
     ),
     (DelayedScaling, {"reduce_amax": 1}, "reduce_amax must be of type bool, got 1"),
     (DelayedScaling, {"fp8_dpa": True}, "fp8_dpa must be False (te_compile has no FP8 attention)"),
     (
         DelayedScaling,
         {"backward_override": "high_precision"},
-        "backward_override must be None for delayed scaling",
+        "backward_override must be None for delayed scaling (as in Transformer Engine)",
     ),
     (Float8CurrentScaling, {"fp8_format": Format.E5M2}, "fp8_format must be Format.E4M3 or"),
     (
@@ -226,14 +225,7 @@ BAD = [
         "backward_override must be one of (None, 'high_precision', 'dequantized'), got 'fast'",
     ),
     (Float8CurrentScaling, {"fp8_gemm_fprop": False}, "fp8_gemm_fprop must be of type MMParams"),
-    (
-        Float8CurrentScaling,
-        {"backward_override": "high_precision"},
-        "backward_override must be None (te_compile runs the backward GEMMs on the recipe's "
-        "quantised operands; 'high_precision' and 'dequantized' are not implemented), got "
-        "'high_precision'",
-    ),
-    (Float8BlockScaling, {"backward_override": "dequantized"}, "backward_override must be None"),
+    (Float8BlockScaling, {"backward_override": "fp8"}, "backward_override must be one of"),
     (
         Float8CurrentScaling,
         {"fp8_gemm_fprop": MMParams(use_split_accumulator=True)},
@@ -327,23 +319,89 @@ def test_base_recipe_is_not_constructible():
 
 
 # ---------------------------------------------------------------------------------------------
-# Frozen, hashable, a compile-time constant
+# Mutable as TE's dataclasses, validated on every assignment, guarded by torch.compile
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("cls", RECIPES, ids=lambda c: c.__name__)
-def test_frozen_and_hashable(cls):
+CHANGES = [
+    (DelayedScaling, "margin", 2),
+    (Float8CurrentScaling, "fp8_format", Format.E4M3),
+    (Float8BlockScaling, "use_f32_scales", True),
+    (MXFP8BlockScaling, "margin", 1),
+    (NVFP4BlockScaling, "disable_rht", True),
+]
+
+
+@pytest.mark.parametrize(("cls", "field", "value"), CHANGES, ids=[c[0].__name__ for c in CHANGES])
+def test_fields_can_be_set_after_construction(cls, field, value):
     recipe = cls()
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        recipe.fp8_format = Format.E4M3
-    assert recipe == cls() and hash(recipe) == hash(cls())
-    assert {recipe: "x"}[cls()] == "x"
+    setattr(recipe, field, value)
+    assert getattr(recipe, field) == value and recipe == cls(**{field: value})
+    assert recipe != cls()
+    with pytest.raises(TypeError):  # mutable: not hashable, as in TE
+        hash(recipe)
+
+
+@pytest.mark.parametrize("cls", RECIPES, ids=lambda c: c.__name__)
+def test_bad_assignment_raises_and_keeps_the_old_value(cls):
+    recipe = cls()
+    with pytest.raises(ValueError, match=re.escape(f"{cls.__name__}: fp8_format must be")):
+        recipe.fp8_format = Format.E5M2
+    assert recipe == cls()
+    with pytest.raises(AttributeError, match=f"{cls.__name__} has no field 'backwards_override'"):
+        recipe.backwards_override = "high_precision"  # a typo is not stored and ignored
+
+
+@pytest.mark.parametrize(
+    "cls", [Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling]
+)
+@pytest.mark.parametrize("value", ["high_precision", "dequantized", None])
+def test_backward_override_values(cls, value):
+    assert cls(backward_override=value).backward_override == value
+    recipe = cls()
+    recipe.backward_override = value
+    assert recipe == cls(backward_override=value)
+
+
+def test_delayed_scaling_refuses_backward_override_on_assignment():
+    recipe = DelayedScaling()
+    with pytest.raises(ValueError, match="backward_override must be None for delayed scaling"):
+        recipe.backward_override = "dequantized"
+    assert recipe.backward_override is None
+
+
+def test_delayed_scaling_takes_callables():
+    def scaling(amax, scale, fp8_max, recipe):
+        return fp8_max / amax
+
+    recipe = DelayedScaling(scaling_factor_compute_algo=scaling, amax_compute_algo=torch.amax)
+    assert recipe.scaling_factor_compute_algo is scaling and recipe.amax_compute_algo is torch.amax
+    recipe.scaling_factor_compute_algo = None
+    assert recipe == DelayedScaling(amax_compute_algo=torch.amax)
+
+
+def test_field_set_under_a_compiled_function_recompiles():
+    """A compiled function that read a field recompiles when the field is set, and reuses its
+    first graph when the field is set back: it never runs with a stale recipe."""
+    recipe = Float8CurrentScaling()
+
+    def fn(x):
+        return x * (2 if recipe.backward_override == "high_precision" else 3)
+
+    compiled, counter = compile_counted(fn, backend="eager")
+    x = torch.ones(2)
+    torch.testing.assert_close(compiled(x), 3 * x)
+    recipe.backward_override = "high_precision"
+    torch.testing.assert_close(compiled(x), 2 * x)
+    assert counter.frame_count == 2
+    recipe.backward_override = None
+    torch.testing.assert_close(compiled(x), 3 * x)
+    assert counter.frame_count == 2
 
 
 def test_equality_depends_on_class_and_fields():
     assert DelayedScaling() != DelayedScaling(margin=1)
     assert MXFP8BlockScaling() != Float8BlockScaling()  # no shared fields decide equality
-    assert len({DelayedScaling(), DelayedScaling(), Float8CurrentScaling()}) == 2
 
 
 def test_recipe_argument_guards_recompile():
