@@ -52,7 +52,8 @@ Where this module departs from Transformer Engine, and why:
   class attributes fixed at import time, so ``use_power_2_scales=True`` passed to the
   constructor does not reach them. Here they are properties derived from the instance's fields.
 - ``fp8_dpa`` / ``fp8_mha`` (FP8 attention) exist so that TE code constructs unchanged, but
-  te_compile has no attention module, so only ``False`` is accepted.
+  te_compile's attention (``DotProductAttention``, ``MultiheadAttention``) computes in high
+  precision only, so only ``False`` is accepted.
 - ``NVFP4BlockScaling`` leaves out TE's experimental ``row_scaled_activation`` and ``nvfp4_4over6*``
   fields.
 - What the modules do not implement is refused, not ignored: ``Float8CurrentScaling``'s
