@@ -506,6 +506,7 @@ def apply_rotary_pos_emb(
     t: Tensor,
     freqs: Tensor,
     tensor_format: str = "sbhd",
+    start_positions: Tensor | None = None,
     interleaved: bool = False,
     fused: bool = True,
     cu_seqlens: Tensor | None = None,
@@ -522,8 +523,14 @@ def apply_rotary_pos_emb(
     (the Triton kernel on CUDA); ``fused=False``: the same math in plain torch ops (autograd
     differentiates ``freqs`` too). ``cp_size`` / ``cp_rank``: context parallelism.
 
-    Unlike Transformer Engine (``fused=False`` by default there, and ``start_positions`` fourth),
-    the fused op is the default and there is no ``start_positions`` (inference offsets)."""
+    The arguments are Transformer Engine's, in its order. Unlike there, the fused op is the
+    default (``fused=False`` in TE), and ``start_positions`` (per-sequence offsets for inference
+    with a KV cache) must be None: it is not implemented."""
+    if start_positions is not None:
+        raise ValueError(
+            _PREFIX + "start_positions must be None: per-sequence position offsets (inference "
+            "with a KV cache) are not implemented"
+        )
     for name, value in (("cp_size", cp_size), ("cp_rank", cp_rank)):
         if not isinstance(value, int) or isinstance(value, bool):
             raise ValueError(_PREFIX + f"{name} must be an int, got {value!r}")

@@ -113,7 +113,9 @@ def test_forward_and_backward_match_float64_reference(
     rope = te.RotaryPositionEmbedding(HEAD_DIM, rotary_percent, interleaved=interleaved)
     freqs = rope(positions)
     kw = {"cu_seqlens": cu, "cp_size": cp_size, "cp_rank": cp_rank}
-    out = te.apply_rotary_pos_emb(t, freqs.to(device), tensor_format, interleaved, fused, **kw)
+    out = te.apply_rotary_pos_emb(
+        t, freqs.to(device), tensor_format, interleaved=interleaved, fused=fused, **kw
+    )
     expected = reference(t_ref, freqs, tensor_format, interleaved, **kw)
     assert out.dtype == dtype and out.shape == t.shape
     assert_close(out, expected, dtype)
@@ -147,8 +149,8 @@ def test_gradcheck_with_per_channel_frequencies(tensor_format, shape, cu, cp, in
 
     def f(x):
         return te.apply_rotary_pos_emb(
-            x, freqs, tensor_format, interleaved, cu_seqlens=cu_seqlens, cp_size=cp[0],
-            cp_rank=cp[1],
+            x, freqs, tensor_format, interleaved=interleaved, cu_seqlens=cu_seqlens,
+            cp_size=cp[0], cp_rank=cp[1],
         )  # fmt: skip
 
     assert torch.autograd.gradcheck(f, (t,))
@@ -276,7 +278,7 @@ def test_compiled_has_no_break_and_no_recompile(tensor_format, interleaved, devi
 
     def step(q):
         s = q.shape[0] if tensor_format == "sbhd" else q.shape[1]
-        return te.apply_rotary_pos_emb(q, rope(s), tensor_format, interleaved)
+        return te.apply_rotary_pos_emb(q, rope(s), tensor_format, interleaved=interleaved)
 
     compiled, counter = compile_counted(step, dynamic=True)
     for s, b in ((8, 2), (5, 3), (11, 4)):
@@ -344,6 +346,7 @@ def _bad_cases():
         ((t3, f), {"tensor_format": "thd", "cu_seqlens": cu.float()}, "cu_seqlens must be an int"),
         ((t3, f), {"tensor_format": "thd", "cu_seqlens": cu[:1]}, r"tensor \[n \+ 1\] \(n >= 1\)"),
         ((t4, f), {"cu_seqlens": cu}, "cu_seqlens is only for tensor_format='thd'"),
+        ((t4, f), {"start_positions": cu[:2]}, "start_positions must be None"),
     ]
 
 
@@ -384,3 +387,12 @@ def test_op_checks_its_arguments():
         torch.ops.te.rotary_fwd(
             torch.randn(2, 1, 1, 4), torch.randn(2, 1, 1, 4), None, "x", False, 1, 0
         )
+
+
+def test_positional_arguments_in_transformer_engines_order():
+    """TE's fourth positional argument is ``start_positions`` (None here), then
+    ``interleaved``, ``fused``: TE code that passes them positionally means the same here."""
+    t = torch.randn(SEQ, 2, 3, 8)
+    freqs = te.RotaryPositionEmbedding(8, interleaved=True)(SEQ)
+    by_keyword = te.apply_rotary_pos_emb(t, freqs, "sbhd", interleaved=True, fused=False)
+    assert torch.equal(te.apply_rotary_pos_emb(t, freqs, "sbhd", None, True, False), by_keyword)
