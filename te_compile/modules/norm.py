@@ -7,6 +7,8 @@ pulls the scale towards 1 instead of 0. ``device=None`` means torch's current de
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor, nn
 
@@ -39,22 +41,48 @@ def apply_normalization(
     return F.layernorm(inp, weight, bias, eps=eps, zero_centered_gamma=zero_centered_gamma)
 
 
+def _normalized_size(owner: str, normalized_shape: object, hidden_size: object) -> int:
+    """The last dimension's size from TE's ``normalized_shape`` or its older ``hidden_size``."""
+    if hidden_size is not None:
+        if normalized_shape is not None:
+            raise ValueError(
+                f"{owner}: pass normalized_shape or hidden_size (its older name), not both"
+            )
+        check_positive(owner, hidden_size=hidden_size)
+        return hidden_size
+    if normalized_shape is None:
+        raise ValueError(f"{owner}: normalized_shape is required (the last dimension's size)")
+    if isinstance(normalized_shape, (tuple, list, torch.Size)):
+        if len(normalized_shape) != 1:
+            raise ValueError(
+                f"{owner}: normalized_shape must be an int or a one-element shape (the "
+                f"normalisation is over the last dimension only), got {normalized_shape!r}"
+            )
+        (normalized_shape,) = normalized_shape
+    check_positive(owner, normalized_shape=normalized_shape)
+    return normalized_shape
+
+
 class _Norm(nn.Module):
     normalization: str
     has_bias: bool
 
     def __init__(
         self,
-        hidden_size: int,
+        normalized_shape: int | Sequence[int] | None = None,
         eps: float = 1e-5,
         *,
         zero_centered_gamma: bool = False,
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        hidden_size: int | None = None,
     ) -> None:
+        """``normalized_shape``: the size of the last dimension, normalised over (an int or a
+        one-element shape, as Transformer Engine takes it; ``hidden_size=`` is TE's older
+        keyword for it)."""
         super().__init__()
         name = type(self).__name__
-        check_positive(name, hidden_size=hidden_size)
+        hidden_size = _normalized_size(name, normalized_shape, hidden_size)
         check_eps(name, eps)
         check_bool(name, zero_centered_gamma=zero_centered_gamma)
         dtype = params_dtype_or_default(name, params_dtype)
@@ -86,7 +114,7 @@ class _Norm(nn.Module):
 
 class LayerNorm(_Norm):
     r""":math:`y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \varepsilon}} \gamma + \beta`
-    over the last dimension (``hidden_size``)."""
+    over the last dimension (``normalized_shape``)."""
 
     normalization = "LayerNorm"
     has_bias = True
@@ -94,7 +122,7 @@ class LayerNorm(_Norm):
 
 class RMSNorm(_Norm):
     r""":math:`y = \frac{x}{\sqrt{\mathrm{E}[x^2] + \varepsilon}} \gamma`
-    over the last dimension (``hidden_size``)."""
+    over the last dimension (``normalized_shape``)."""
 
     normalization = "RMSNorm"
     has_bias = False

@@ -173,8 +173,25 @@ def test_bad_arguments():
         te.LayerNormLinear(8, 16, normalization="BatchNorm")
     with pytest.raises(ValueError, match="eps must be a positive float"):
         te.LayerNorm(8, eps=0.0)
-    with pytest.raises(ValueError, match="hidden_size must be a positive int"):
+    with pytest.raises(ValueError, match="normalized_shape must be a positive int"):
         te.RMSNorm(0)
+    with pytest.raises(ValueError, match="hidden_size must be a positive int"):
+        te.RMSNorm(hidden_size=0)
+    with pytest.raises(ValueError, match="RMSNorm: normalized_shape is required"):
+        te.RMSNorm()
+    with pytest.raises(ValueError, match=r"normalized_shape or hidden_size .*not both"):
+        te.LayerNorm(8, hidden_size=8)
+    with pytest.raises(ValueError, match="normalized_shape must be an int or a one-element"):
+        te.LayerNorm((4, 8))
+
+
+@pytest.mark.parametrize("kind", ["LayerNorm", "RMSNorm"])
+def test_norm_takes_transformer_engines_normalized_shape(kind):
+    """TE's first parameter: an int, a one-element shape, or the older ``hidden_size=``."""
+    cls = getattr(te, kind)
+    for module in (cls(16), cls((16,)), cls(torch.Size([16])), cls(normalized_shape=16),
+                   cls(hidden_size=16)):  # fmt: skip
+        assert module.weight.shape == (16,) and module.hidden_size == 16
 
 
 _ZERO_DIM_RECIPES = {
