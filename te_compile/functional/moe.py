@@ -32,7 +32,8 @@ Nothing is read on the host: the maps are built with device ops (a cumulative su
 a stable sort for indices, ``searchsorted`` for chunks) and every data-dependent size comes from
 an argument, so the ops compile with ``dynamic=True`` once and run for any routing. On CUDA the
 row movement is one Triton kernel (``kernels.moe.gather_sum``: a weighted gather, each output
-row written once); on CPU the same math in torch (``index_add_`` in fp32).
+row written once); on CPU the same math in torch (``index_add_`` in fp32). The argument checks
+are in ``functional/moe_args.py``.
 """
 
 from __future__ import annotations
@@ -43,6 +44,15 @@ import torch
 from torch import Tensor
 
 from te_compile._library import SampleInput, differentiable, op
+from te_compile.functional.moe_args import (
+    MAP_TYPES,
+    check_permute_args,
+    check_sort_chunks_args,
+    check_unpermute_args,
+    fail,
+    int_arg,
+    num_out,
+)
 
 __all__ = [
     "moe_permute",
@@ -51,11 +61,6 @@ __all__ = [
     "moe_sort_chunks_by_index_with_probs",
     "moe_unpermute",
 ]
-
-MAP_TYPES = ("mask", "index")
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_INDEX_DTYPES = (torch.int32, torch.int64)
-_MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int32, torch.int64)
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -282,112 +287,6 @@ def moe_sort_chunks_bwd_ref(
     return grad_inp, (
         grad.new_empty((0,)) if grad_probs is None else _gather_probs(grad_probs, dest)
     )
-
-
-# Checks -----------------------------------------------------------------------------------------
-
-
-def _fail(prefix: str, message: str) -> None:
-    raise ValueError(f"{prefix}: {message}")
-
-
-def _check_float(prefix: str, name: str, t: Tensor, dims: int) -> None:
-    if t.dtype not in _FLOAT_DTYPES:
-        _fail(prefix, f"{name}.dtype must be float32, bfloat16, float16 or float64, got {t.dtype}")
-    if t.dim() != dims:
-        _fail(prefix, f"{name} must be {dims}-D, got {t.dim()}-D {list(t.shape)}")
-
-
-def _check_probs(prefix: str, name: str, probs: Tensor | None, shape, device) -> None:
-    if probs is None:
-        return
-    if not probs.is_floating_point():
-        _fail(prefix, f"{name}.dtype must be a floating type, got {probs.dtype}")
-    if tuple(probs.shape) != tuple(shape):
-        _fail(prefix, f"{name} must have shape {list(shape)}, got {list(probs.shape)}")
-    if probs.device != device:
-        _fail(prefix, f"{name} must be on inp's device ({device}), got {probs.device}")
-
-
-def check_permute_args(
-    inp: Tensor,
-    routing_map: Tensor,
-    probs: Tensor | None,
-    num_out_tokens: int,
-    map_type: str,
-    prefix: str = "te.moe_permute",
-) -> None:
-    """Shapes, dtypes and scalars of a permute (the same message in eager and at trace time)."""
-    if map_type not in MAP_TYPES:
-        _fail(prefix, f"map_type must be one of {MAP_TYPES}, got {map_type!r}")
-    _check_float(prefix, "inp", inp, 2)
-    allowed = _MASK_DTYPES if map_type == "mask" else _INDEX_DTYPES
-    if routing_map.dtype not in allowed:
-        kinds = "bool or an integer type" if map_type == "mask" else "int32 or int64"
-        _fail(
-            prefix,
-            f"routing_map.dtype must be {kinds} for map_type={map_type!r}, got {routing_map.dtype}",
-        )
-    if routing_map.dim() != 2 or routing_map.shape[0] != inp.shape[0]:
-        what = "[num_tokens, num_experts]" if map_type == "mask" else "[num_tokens, topK]"
-        _fail(
-            prefix,
-            f"routing_map must be {what} with num_tokens = inp.shape[0] "
-            f"({inp.shape[0]}), got {list(routing_map.shape)}",
-        )
-    if routing_map.device != inp.device:
-        _fail(
-            prefix, f"routing_map must be on inp's device ({inp.device}), got {routing_map.device}"
-        )
-    _check_probs(prefix, "probs", probs, routing_map.shape, inp.device)
-    slots = routing_map.shape[0] * routing_map.shape[1]
-    if not 0 <= num_out_tokens <= slots:
-        _fail(
-            prefix,
-            f"num_out_tokens must be in [0, {slots}] (num_tokens * "
-            f"routing_map.shape[1]), got {num_out_tokens}",
-        )
-
-
-def check_unpermute_args(
-    inp: Tensor, row_id_map: Tensor, merging_probs: Tensor | None, prefix: str = "te.moe_unpermute"
-) -> None:
-    _check_float(prefix, "inp", inp, 2)
-    if row_id_map.dtype != torch.int32 or row_id_map.dim() != 2:
-        _fail(
-            prefix,
-            f"row_id_map must be the int32 [num_tokens, slots] map moe_permute "
-            f"returned, got {row_id_map.dtype} {list(row_id_map.shape)}",
-        )
-    if row_id_map.device != inp.device:
-        _fail(prefix, f"row_id_map must be on inp's device ({inp.device}), got {row_id_map.device}")
-    _check_probs(prefix, "merging_probs", merging_probs, row_id_map.shape, inp.device)
-
-
-def check_sort_chunks_args(
-    inp: Tensor,
-    split_sizes: Tensor,
-    sorted_index: Tensor,
-    probs: Tensor | None,
-    prefix: str = "te.moe_sort_chunks_by_index",
-) -> None:
-    _check_float(prefix, "inp", inp, 2)
-    for name, t in (("split_sizes", split_sizes), ("sorted_index", sorted_index)):
-        if t.dtype not in _INDEX_DTYPES or t.dim() != 1 or t.shape[0] < 1:
-            _fail(
-                prefix,
-                f"{name} must be a 1-D int32 or int64 tensor with at least one chunk, "
-                f"got {t.dtype} {list(t.shape)}",
-            )
-        if t.device != inp.device:
-            _fail(prefix, f"{name} must be on inp's device ({inp.device}), got {t.device}")
-    if sorted_index.shape[0] != split_sizes.shape[0]:
-        _fail(
-            prefix,
-            f"sorted_index must have one entry per chunk ({split_sizes.shape[0]}), "
-            f"got {sorted_index.shape[0]}",
-        )
-    _check_probs(prefix, "probs", probs, inp.shape[:1], inp.device)
 
 
 def _kernels():
@@ -649,33 +548,6 @@ _moe_sort_chunks = differentiable(
 # Public functions ---------------------------------------------------------------------------------
 
 
-def _int_arg(prefix: str, name: str, value, default: int) -> int:
-    if value is None:
-        return default
-    if not isinstance(value, (int, torch.SymInt)) or isinstance(value, bool):
-        _fail(prefix, f"{name} must be an int, got {value!r}")
-    return value
-
-
-def _num_out(prefix: str, inp: Tensor, routing_map: Tensor, num_out_tokens, map_type: str) -> int:
-    """``num_out_tokens`` resolved: for indices, ``T * K`` when not positive (None, -1, 0: as
-    Transformer Engine reads it); the mask needs it (0 is 0 rows there)."""
-    n = _int_arg(prefix, "num_out_tokens", num_out_tokens, -1)
-    if map_type not in MAP_TYPES:
-        _fail(prefix, f"map_type must be one of {MAP_TYPES}, got {map_type!r}")
-    if routing_map.dim() != 2:
-        return n
-    if map_type == "index":
-        return n if n > 0 else routing_map.shape[0] * routing_map.shape[1]
-    if n >= 0:
-        return n
-    _fail(
-        prefix,
-        "num_out_tokens must be given for map_type='mask': the number of routed tokens, "
-        "routing_map.sum() (not read here: that would synchronise with the device)",
-    )
-
-
 def moe_permute(
     inp: Tensor,
     routing_map: Tensor,
@@ -690,8 +562,8 @@ def moe_permute(
     ``max_token_num`` (a workspace size in Transformer Engine) is accepted and unused. See the
     module docstring."""
     prefix = "te.moe_permute"
-    _int_arg(prefix, "max_token_num", max_token_num, -1)
-    n = _num_out(prefix, inp, routing_map, num_out_tokens, map_type)
+    int_arg(prefix, "max_token_num", max_token_num, -1)
+    n = num_out(prefix, inp, routing_map, num_out_tokens, map_type)
     check_permute_args(inp, routing_map, None, n, map_type, prefix)
     out, row_id_map, _ = _moe_permute(inp, routing_map, None, n, map_type)
     return out, row_id_map
@@ -704,7 +576,7 @@ def moe_permute_with_probs(
     [T, E]``: ``(permuted, permuted_probs [n], row_id_map)``; a routed slot of probability 0
     (padding) gives a zero row."""
     prefix = "te.moe_permute_with_probs"
-    n = _num_out(prefix, inp, routing_map, num_out_tokens, "mask")
+    n = num_out(prefix, inp, routing_map, num_out_tokens, "mask")
     check_permute_args(inp, routing_map, probs, n, "mask", prefix)
     out, row_id_map, permuted_probs = _moe_permute(inp, routing_map, probs, n, "mask")
     return out, permuted_probs, row_id_map
@@ -725,14 +597,14 @@ def moe_unpermute(
     prefix = "te.moe_unpermute"
     if probs is not None:
         if merging_probs is not None:
-            _fail(prefix, "give merging_probs or its old name probs, not both")
+            fail(prefix, "give merging_probs or its old name probs, not both")
         merging_probs = probs
     if map_type not in MAP_TYPES:
-        _fail(prefix, f"map_type must be one of {MAP_TYPES}, got {map_type!r}")
+        fail(prefix, f"map_type must be one of {MAP_TYPES}, got {map_type!r}")
     check_unpermute_args(inp, row_id_map, merging_probs, prefix)
     shape = (row_id_map.shape[0], inp.shape[1])
     if restore_shape is not None and tuple(restore_shape) != shape:
-        _fail(
+        fail(
             prefix,
             f"restore_shape must be (num_tokens, hidden) = {shape} for this row_id_map, got "
             f"{tuple(restore_shape)}",
