@@ -2,17 +2,20 @@
 another tiling bring the query tensor's forward and backward from ~76% of copy bandwidth
 (``bench_rope``, H200) to the 85% target?
 
-For ``q sbhd`` (``[4096, 2, 32, 128]`` bf16) and ``q thd`` (``[8192, 32, 128]``, 8 sequences),
-forward and backward, every ``RotaryLaunchConfig`` of ``block_t x block_h`` in a grid around the
-default, ``block_p`` 64 (a 128-channel head in one chunk), 4 or 8 warps: the kernel's time
-(``torch.profiler`` kernel durations, as ``bench_rope --timer kernels``) and its share of the copy
-bandwidth measured the same way on the same bytes. The default tiling's row is marked.
+For ``q sbhd`` (``[4096, 2, 32, 128]`` bf16), forward and backward, every ``RotaryLaunchConfig``
+of ``block_t x block_h`` in a grid around the default (up to all 32 heads a program, walked in
+unrolled groups of ``head_unroll``), ``block_p`` 64 (a 128-channel head in one chunk), 4 or 8
+warps: the kernel's time (``torch.profiler`` kernel durations, as ``bench_rope --timer
+kernels``) and its share of the copy bandwidth measured the same way on the same bytes. ``q thd``
+(``[8192, 32, 128]``, 8 sequences): the default and the best eight of ``q sbhd``. The default
+tiling's row is marked.
 
     python -m bench.diag.tune_rotary            # prints a table; GPU only
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import sys
 from pathlib import Path
@@ -44,26 +47,32 @@ def main() -> int:
         "| case | block_t x block_h x block_p | warps | fwd us | bwd us | % of copy (fwd / bwd) |"
     )
     print("| --- | --- | ---: | ---: | ---: | --- |")
-    for name in ("q sbhd", "q thd"):
-        _sweep(name)
+    best = _sweep("q sbhd", _grid())
+    _sweep("q thd", best[:8])
     return 0
 
 
-def _sweep(name: str) -> None:
+def _grid() -> list:
+    configs = []
+    for block_t, block_h, unroll, warps in itertools.product(
+        (8, 16, 32), (4, 8, 16, 32), (4, 8), (4, 8)
+    ):
+        if unroll <= block_h and 2 * block_t * block_h * 64 <= 65536 * 4:
+            configs.append(R.RotaryLaunchConfig(block_t, block_h, 64, 128, warps, unroll))
+    return configs
+
+
+def _sweep(name: str, grid: list) -> list:
+    """Prints the best twelve rows and the default's; returns the configs, fastest first."""
     x, freqs, cu, fmt = _case(name)
     src = x.view(-1).view(torch.uint8)
     dst = torch.empty_like(src)
     dst.copy_(src)
     copy_us = time_kernels(lambda: dst.copy_(src)).median_ms * 1e3
     default = R.launch_config(32, 64, 0)
-    configs = {default}
-    for block_t, block_h, block_p, warps in itertools.product(
-        (8, 16, 32, 64), (2, 4, 8), (64,), (4, 8)
-    ):
-        if 1024 <= 2 * block_t * block_h * block_p <= 65536:
-            configs.add(R.RotaryLaunchConfig(block_t, block_h, block_p, 2 * block_p, warps))
+    configs = {default, *grid}
     rows = []
-    for cfg in sorted(configs, key=lambda c: (c.block_t, c.block_h, c.block_p, c.num_warps)):
+    for cfg in sorted(configs, key=lambda c: dataclasses.astuple(c)):
         times = []
         for backward in (False, True):
 
@@ -73,14 +82,16 @@ def _sweep(name: str) -> None:
             fn()  # compile this specialisation outside the profile
             times.append(time_kernels(fn).median_ms * 1e3)
         rows.append((cfg, *times))
-    for cfg, fwd, bwd in sorted(rows, key=lambda r: r[1] + r[2])[:12]:
+    rows.sort(key=lambda r: r[1] + r[2])
+    for cfg, fwd, bwd in rows[:12]:
         mark = " (default)" if cfg == default else ""
-        tile = f"{cfg.block_t} x {cfg.block_h} x {cfg.block_p}{mark}"
+        tile = f"{cfg.block_t} x {cfg.block_h} (by {cfg.head_unroll}) x {cfg.block_p}{mark}"
         share = f"{100 * copy_us / fwd:.0f}% / {100 * copy_us / bwd:.0f}%"
         print(f"| {name} | {tile} | {cfg.num_warps} | {fwd:.1f} | {bwd:.1f} | {share} |")
     fwd, bwd = next((f, b) for c, f, b in rows if c == default)
     print(f"| {name} | default | {default.num_warps} | {fwd:.1f} | {bwd:.1f} | "
           f"{100 * copy_us / fwd:.0f}% / {100 * copy_us / bwd:.0f}% |")  # fmt: skip
+    return [cfg for cfg, *_ in rows]
 
 
 if __name__ == "__main__":

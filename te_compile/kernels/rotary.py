@@ -72,16 +72,23 @@ class RotaryLaunchConfig:
     own heads again: compute-bound, about a third of copy bandwidth on an H200.) About
     ``_TILE`` elements per head step; ``block_p`` up to 64 pairs, a head of 128 channels in one
     chunk, each member of a pair a 128-byte bf16 run; up to ``_MAX_BLOCK_H`` heads a program,
-    unrolled, so that their loads are in flight together."""
+    unrolled, so that their loads are in flight together. ``block_h`` beyond ``head_unroll``:
+    a loop of unrolled groups of ``head_unroll`` heads (fewer angles an element, one program
+    per row tile for all heads)."""
 
     block_t: int
     block_h: int
     block_p: int
     block_c: int
     num_warps: int
+    head_unroll: int = 8
 
 
-_TILE = 2048
+# From bench/diag/tune_rotary.py on an H100 (2026-11-27): [8, 64]-pair tiles, 8 heads, 8 warps
+# move 87% of copy bandwidth on the query tensors (sbhd and thd), 81 - 84% with [16, 64] tiles
+# and 4 warps; more heads a program (fewer angles an element) did not help.
+_TILE = 1024
+_NUM_WARPS = 8
 _MAX_BLOCK_P = 64
 _MAX_BLOCK_H = 8
 
@@ -94,7 +101,7 @@ def launch_config(heads: int, pairs: int, passthrough: int) -> RotaryLaunchConfi
     block_h = min(triton.next_power_of_2(max(heads, 1)), _MAX_BLOCK_H)
     block_t = max(1, _TILE // (2 * block_p))
     block_c = min(triton.next_power_of_2(max(passthrough, 1)), 2 * block_p)
-    return RotaryLaunchConfig(block_t, block_h, block_p, block_c, num_warps=4)
+    return RotaryLaunchConfig(block_t, block_h, block_p, block_c, num_warps=_NUM_WARPS)
 
 
 @triton.jit
@@ -169,6 +176,7 @@ def _rotary_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     head0 = tl.program_id(1).to(tl.int64) * BLOCK_H
@@ -202,14 +210,15 @@ def _rotary_kernel(
             fa, fb = tl.split(f.to(tl.float32))
             ca, sa, cb, sb = tl.cos(fa), tl.sin(fa), tl.cos(fb), tl.sin(fb)
             t_mask = row_ok[:, None, None] & pair_ok
-            for hh in tl.static_range(BLOCK_H):
-                head = head0 + hh
-                x_mask = t_mask & (rows_zero + head < n_heads)[:, None, None]
-                x_offs = x_row[:, None, None] + head * sx_head + c2
-                xa, xb = tl.split(_load_x(X, x_offs, x_mask, BF16))
-                ya, yb = _rotate(xa, xb, ca, sa, cb, sb, BACKWARD)
-                o_offs = o_row[:, None, None] + head * so_head + c2
-                _store_out(OUT, o_offs, tl.join(ya, yb), x_mask, BF16)
+            for hg in range(0, BLOCK_H, UNROLL):
+                for hh in tl.static_range(UNROLL):
+                    head = head0 + hg + hh
+                    x_mask = t_mask & (rows_zero + head < n_heads)[:, None, None]
+                    x_offs = x_row[:, None, None] + head * sx_head + c2
+                    xa, xb = tl.split(_load_x(X, x_offs, x_mask, BF16))
+                    ya, yb = _rotate(xa, xb, ca, sa, cb, sb, BACKWARD)
+                    o_offs = o_row[:, None, None] + head * so_head + c2
+                    _store_out(OUT, o_offs, tl.join(ya, yb), x_mask, BF16)
         else:
             f_mask = valid[:, None] & p_ok[None, :]
             f_offs = f_row[:, None] + p[None, :]
@@ -217,24 +226,26 @@ def _rotary_kernel(
             fb = tl.load(FREQS + f_offs + pairs, mask=f_mask, other=0.0).to(tl.float32)
             ca, sa, cb, sb = tl.cos(fa), tl.sin(fa), tl.cos(fb), tl.sin(fb)
             t_mask = row_ok[:, None] & p_ok[None, :]
-            for hh in tl.static_range(BLOCK_H):
-                head = head0 + hh
-                x_mask = t_mask & (rows_zero + head < n_heads)[:, None]
-                x_offs = x_row[:, None] + head * sx_head + p[None, :]
-                xa = _load_x(X, x_offs, x_mask, BF16)
-                xb = _load_x(X, x_offs + pairs, x_mask, BF16)
-                ya, yb = _rotate(xa, xb, ca, sa, cb, sb, BACKWARD)
-                o_offs = o_row[:, None] + head * so_head + p[None, :]
-                _store_out(OUT, o_offs, ya, x_mask, BF16)
-                _store_out(OUT, o_offs + pairs, yb, x_mask, BF16)
+            for hg in range(0, BLOCK_H, UNROLL):
+                for hh in tl.static_range(UNROLL):
+                    head = head0 + hg + hh
+                    x_mask = t_mask & (rows_zero + head < n_heads)[:, None]
+                    x_offs = x_row[:, None] + head * sx_head + p[None, :]
+                    xa = _load_x(X, x_offs, x_mask, BF16)
+                    xb = _load_x(X, x_offs + pairs, x_mask, BF16)
+                    ya, yb = _rotate(xa, xb, ca, sa, cb, sb, BACKWARD)
+                    o_offs = o_row[:, None] + head * so_head + p[None, :]
+                    _store_out(OUT, o_offs, ya, x_mask, BF16)
+                    _store_out(OUT, o_offs + pairs, yb, x_mask, BF16)
     else:
         c = d2 + (chunk - rot_chunks) * BLOCK_C + tl.arange(0, BLOCK_C)
         c_tile = row_ok[:, None] & (c < d)[None, :]
-        for hh in tl.static_range(BLOCK_H):
-            head = head0 + hh
-            c_mask = c_tile & (rows_zero + head < n_heads)[:, None]
-            v = tl.load(X + x_row[:, None] + head * sx_head + c[None, :], mask=c_mask)
-            tl.store(OUT + o_row[:, None] + head * so_head + c[None, :], v, mask=c_mask)
+        for hg in range(0, BLOCK_H, UNROLL):
+            for hh in tl.static_range(UNROLL):
+                head = head0 + hg + hh
+                c_mask = c_tile & (rows_zero + head < n_heads)[:, None]
+                v = tl.load(X + x_row[:, None] + head * sx_head + c[None, :], mask=c_mask)
+                tl.store(OUT + o_row[:, None] + head * so_head + c[None, :], v, mask=c_mask)
 
 
 def _rows_view(t: Tensor, tensor_format: str) -> tuple[Tensor, int, int, int]:
@@ -313,6 +324,7 @@ def rotary(
         BLOCK_H=cfg.block_h,
         BLOCK_P=cfg.block_p,
         BLOCK_C=cfg.block_c,
+        UNROLL=min(cfg.block_h, cfg.head_unroll),
         num_warps=cfg.num_warps,
     )
     return out

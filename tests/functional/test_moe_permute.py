@@ -144,7 +144,7 @@ def test_permute_with_probs_pads_and_permutes_probs(device):
     p_ref = probs.cpu().double().requires_grad_()
     p = probs.clone().requires_grad_()
     out, pp, row_id_map = te.moe_permute_with_probs(x, p, mask, num_out)
-    sort_idx = _experts_sorted(idx)
+    sort_idx = _experts_sorted(idx).cpu()  # the float64 reference lives on the CPU
     exp_out, exp_pp = ref_permute(x_ref, sort_idx, num_out, p_ref.gather(1, sort_idx.long()))
     assert_close(out, exp_out, torch.float32)
     assert_close(pp, exp_pp, torch.float32)

@@ -21,6 +21,9 @@ ref = importlib.import_module("te_compile.functional.rotary")
 pytestmark = [pytest.mark.triton, requires_triton]
 
 SMALL = kernels.RotaryLaunchConfig(block_t=2, block_h=2, block_p=2, block_c=4, num_warps=4)
+# Heads walked as a loop of unrolled groups: 4 heads a program, 2 at a time (3 heads: the second
+# group is half masked).
+LOOPED = kernels.RotaryLaunchConfig(2, 4, 2, 4, num_warps=4, head_unroll=2)
 HEADS, HEAD_DIM = 3, 12
 
 
@@ -60,6 +63,15 @@ def test_matches_the_cpu_implementation(tensor_format, interleaved, d2, cp, dtyp
     t, cu = _input(tensor_format, cp[0], dtype)
     freqs = torch.randn(12, 1, 1, d2) * 4  # pair members differ: the general per-channel rule
     _run_and_compare(t, freqs, cu, tensor_format, interleaved, cp, backward, SMALL)
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["fwd", "bwd"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+@pytest.mark.parametrize("tensor_format", ["sbhd", "thd"])
+def test_heads_in_a_loop_of_unrolled_groups(tensor_format, interleaved, backward):
+    t, cu = _input(tensor_format, 1, torch.bfloat16)
+    freqs = torch.randn(12, 1, 1, 8) * 4  # partial: pass-through programs walk the heads too
+    _run_and_compare(t, freqs, cu, tensor_format, interleaved, (1, 0), backward, LOOPED)
 
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
