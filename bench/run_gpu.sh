@@ -9,8 +9,8 @@
 # (the default list, in that order; split them over calls to stay inside the 10-minute limit of
 # one call); fp8_loss (train_gpt 300 steps per FP8 recipe), fp8_loss_seeds (the FP8 loss
 # criterion over three seeds); the diagnostics of bench/diag/: loss_diag, diag_host,
-# diag_grouped_gemm, diag_grouped_delayed, diag_kernels, diag_sdpa_choice, tune_norm, tune_rotary,
-# tune_quantize[:part], tune_group_columns;
+# diag_grouped_gemm, diag_grouped_delayed, diag_kernels, diag_hf_step, diag_sdpa_choice,
+# tune_norm, tune_rotary, tune_quantize[:part], tune_group_columns;
 # rope (bench_rope) and moe (bench_moe, MoE token routing), not in the default list.
 # Each step writes one log under $OUT (a bench step also its .md/.json, --no-chart), packed into
 # $OUT/results.tgz. Carry `.whl` (expecttest, liger-kernel, torchao, pytest-xdist + execnet: not
@@ -124,6 +124,8 @@ runpy.run_path('examples/train_gpt.py', run_name='__main__')" "${tg[@]:1}" \
       python3 -m bench.diag.tune_rotary 2>&1 | tee "$OUT/tune_rotary.log" ;;
     diag_kernels)  # every kernel of eager vs compiled steps (bench/diag/diag_kernels.py)
       python3 -m bench.diag.diag_kernels 2>&1 | tee "$OUT/diag_kernels.log" ;;
+    diag_hf_step)  # the HF Llama's compiled step against its conversion: wall vs kernel time
+      python3 -m bench.diag.diag_hf_step 2>&1 | tee "$OUT/diag_hf_step.log" ;;
     diag_sdpa_choice)  # SDPA's kernel choice per layout, real and fake (bench/diag/diag_sdpa_choice.py)
       python3 -m bench.diag.diag_sdpa_choice 2>&1 | tee "$OUT/diag_sdpa_choice.log" ;;
     tune_group_columns)  # launches of the grouped FP8 wgrad's column cast (bench/diag/tune_group_columns.py)
