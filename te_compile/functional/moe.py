@@ -308,12 +308,35 @@ def _gather(x: Tensor, index: Tensor, weight: Tensor | None) -> Tensor:
     return _kernels().gather_sum(x, index.to(torch.int32)[:, None], w)
 
 
+# Maps wider than this many slots (a mask's [T, E]) are compacted before the kernel.
+_COMPACT_SLOTS = 4
+
+
+def _compact(row_id_map: Tensor, weight: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor]:
+    """A sparse ``[T, S]`` map with each token's routed slots moved to its first columns, in
+    slot order (the same sum, in the same order), their weights along, and the routed count of
+    each token: the kernel then reads a token's routed slots only. Device ops, no host sync."""
+    tokens, slots = row_id_map.shape
+    routed = row_id_map >= 0
+    # Routed slots to their rank among the token's routed slots; the rest to a spare column.
+    col = torch.where(routed, routed.to(torch.int32).cumsum(1) - 1, slots).to(torch.int64)
+    index = row_id_map.new_full((tokens, slots + 1), -1).scatter(1, col, row_id_map)
+    w = None
+    if weight is not None:
+        w = weight.new_zeros((tokens, slots + 1)).scatter(1, col, torch.where(routed, weight, 0))
+        w = w[:, :slots]
+    return index[:, :slots], w, routed.sum(1, dtype=torch.int32)
+
+
 def _combine(x: Tensor, row_id_map: Tensor, weight: Tensor | None) -> Tensor:
     """:func:`_combine_ref` with the Triton kernel on CUDA."""
     if not _on_triton(x):
         return _combine_ref(x, row_id_map, weight)
     w = None if weight is None else weight.to(torch.float32)
-    return _kernels().gather_sum(x, row_id_map, w)
+    if row_id_map.shape[1] <= _COMPACT_SLOTS:
+        return _kernels().gather_sum(x, row_id_map, w)
+    index, w, count = _compact(row_id_map, w)
+    return _kernels().gather_sum(x, index, w, count)
 
 
 # 2-5. Permute: forward op, fake, backward op, autograd -----------------------------------------

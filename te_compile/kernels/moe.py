@@ -13,7 +13,9 @@ with ``index [R, S]`` (int32, ``-1`` for an empty slot) and optional fp32 weight
   expert rows, weighted by ``merging_probs``;
 * unpermute's backward: ``S = 1`` again, each permuted row reading its token's gradient.
 
-A program owns one output row and ``BLOCK_H`` channels and walks the row's slots; every output
+A program owns one output row and ``BLOCK_H`` channels and walks the row's slots (the first
+``count[r]`` of them where counts are given: a sparse map compacted, slots routed first, so that
+a row of a ``[T, 64]`` expert mask reads its two slots, not 64); every output
 element is written exactly once (no atomics, no zero-fill), so the result does not depend on the
 order programs run in. Empty slots are masked loads, not branches. Sums are in fp32, rounded once
 to ``x``'s dtype. bf16 crosses the kernel as int16 bits under ``TRITON_INTERPRET=1``
@@ -42,12 +44,14 @@ def _gather_sum_kernel(
     X,
     INDEX,
     WEIGHT,
+    COUNT,
     OUT,
     slots,
     hidden,
     sx_row,
     so_row,
     HAS_WEIGHT: tl.constexpr,
+    HAS_COUNT: tl.constexpr,
     BF16: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
@@ -55,7 +59,10 @@ def _gather_sum_kernel(
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < hidden
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for s in range(slots):
+    n = slots
+    if HAS_COUNT:
+        n = tl.load(COUNT + row)
+    for s in range(n):
         src = tl.load(INDEX + row * slots + s).to(tl.int64)
         # An empty slot (-1) masks the whole load; the mask is a block, as the loads need.
         ok = h_ok & ((h * 0 + src) >= 0)
@@ -67,13 +74,19 @@ def _gather_sum_kernel(
 
 
 def gather_sum(
-    x: Tensor, index: Tensor, weight: Tensor | None, *, block_h: int | None = None
+    x: Tensor,
+    index: Tensor,
+    weight: Tensor | None,
+    count: Tensor | None = None,
+    *,
+    block_h: int | None = None,
 ) -> Tensor:
     """``out[r] = sum_s weight[r, s] * x[index[r, s]]`` over the slots with ``index >= 0`` (rows
     with no slot are 0): ``x [M, H]`` (fp32 / bf16 / fp16, unit stride along ``H``), ``index
-    [R, S]`` int32, ``weight [R, S]`` fp32 or None (all ones); a new ``[R, H]`` tensor of
-    ``x``'s dtype. Arguments are trusted (``te_compile.functional.moe`` validates them);
-    ``block_h`` overrides the channel tile (tests use small tiles)."""
+    [R, S]`` int32, ``weight [R, S]`` fp32 or None (all ones), ``count [R]`` int32 or None:
+    only the first ``count[r]`` slots of row ``r`` are read. A new ``[R, H]`` tensor of ``x``'s
+    dtype. Arguments are trusted (``te_compile.functional.moe`` validates them); ``block_h``
+    overrides the channel tile (tests use small tiles)."""
     rows, slots = index.shape
     hidden = x.shape[1]
     out = x.new_empty((rows, hidden))
@@ -83,18 +96,21 @@ def gather_sum(
         x = x.contiguous()
     index = index.contiguous()
     weight = None if weight is None else weight.contiguous()
+    count = None if count is None else count.contiguous()
     block = block_h or min(_MAX_BLOCK_H, triton.next_power_of_2(size_hint(hidden)))
     grid = (rows, triton.cdiv(hidden, block))
     launch(_gather_sum_kernel, grid)(
         kernel_arg(x),
         index,
         index if weight is None else weight,
+        index if count is None else count,
         kernel_arg(out),
         slots,
         hidden,
         x.stride(0),
         out.stride(0),
         HAS_WEIGHT=weight is not None,
+        HAS_COUNT=count is not None,
         BF16=bf16_bits(x),
         BLOCK_H=block,
         num_warps=4,

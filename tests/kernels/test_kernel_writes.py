@@ -155,6 +155,11 @@ def _cases() -> dict[str, tuple[Callable, tuple, dict]]:
     cases |= {
         "moe_gather_sum": (moe.gather_sum, (x, row_map, None), {}),
         "moe_gather_sum_weighted": (moe.gather_sum, (x, row_map, torch.rand(2, 2)), {}),
+        "moe_gather_sum_counted": (
+            moe.gather_sum,
+            (x, row_map, None, torch.tensor([1, 2], dtype=torch.int32)),
+            {},
+        ),
     }
     q, packed, freqs = _t(16, 2, 4, 64), _t(24, 4, 64), torch.randn(32, 1, 1, 48)
     cu = torch.tensor([0, 16, 48], dtype=torch.int32)

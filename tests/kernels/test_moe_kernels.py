@@ -86,3 +86,36 @@ def test_op_paths_through_the_kernel_match_the_cpu_implementation(map_type, dtyp
     assert_close(s, es, dtype)
     sb, _ = ref.moe_sort_chunks_bwd.eager(s, None, split, order)
     assert_close(sb, x.double(), dtype)
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["plain", "weighted"])
+def test_a_compacted_wide_map_gives_the_same_sums(weighted):
+    """A mask-wide row_id_map (9 slots, most empty; a token with none, one with all): each
+    token's routed slots move to its first columns in slot order, the kernel reads ``count``
+    of them, and the sums equal the uncompacted map's."""
+    tokens, slots = 6, 9
+    routed = torch.rand(tokens, slots) < 0.3
+    routed[0] = False
+    routed[1] = True
+    rows = int(routed.sum())
+    row_id_map = torch.full((tokens, slots), -1, dtype=torch.int32)
+    row_id_map[routed] = torch.randperm(rows, dtype=torch.int32)
+    weight = torch.rand(tokens, slots) if weighted else None
+    index, w, count = ref._compact(row_id_map, weight)
+    for t in range(tokens):
+        kept = row_id_map[t][routed[t]]
+        assert int(count[t]) == kept.numel()
+        assert torch.equal(index[t, : kept.numel()], kept)
+        assert bool((index[t, kept.numel() :] == -1).all())
+        if weighted:
+            assert torch.equal(w[t, : kept.numel()], weight[t][routed[t]])
+    x = torch.randn(rows, 11)
+    dev = TRITON_DEVICE
+    out = kernels.gather_sum(
+        x.to(dev), index.to(dev), None if w is None else w.to(dev), count.to(dev), block_h=4
+    )
+    expected = ref._combine_ref(x.double(), row_id_map, None if w is None else weight.double())
+    assert_close(out, expected, torch.float32, roundings=3)
+    # Slots past a row's count are not read: a count of 0 gives a zero row.
+    out = kernels.gather_sum(x.to(dev), index.to(dev), None, torch.zeros_like(count).to(dev))
+    assert bool((out == 0).all())
