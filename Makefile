@@ -26,11 +26,15 @@ lint: install
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
 
+# One pytest worker per core (pytest-xdist, a test extra); idle workers take queued tests.
+PYTEST_WORKERS ?= auto
+PYTEST := $(PYTHON) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal
+
 test: install lint
-	$(PYTHON) -m pytest -q tests
+	$(PYTEST) tests
 	@# Triton kernels on the CPU through Triton's interpreter (tests marked `triton`);
 	@# exit code 5 means none are collected yet, which is not a failure.
-	TRITON_INTERPRET=1 $(PYTHON) -m pytest -q -m triton tests || [ $$? -eq 5 ]
+	TRITON_INTERPRET=1 $(PYTEST) -m triton tests || [ $$? -eq 5 ]
 
 bench-cpu: install
 	$(PYTHON) -m bench.bench_linear --smoke

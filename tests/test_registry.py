@@ -4,6 +4,9 @@ For each op with sample inputs, on every device: ``torch.library.opcheck`` (all 
 ``torch.compile(fullgraph=True, dynamic=True)`` with zero graph breaks, and forward and backward
 against the float64 reference. Backward ops get their inputs by recording the calls the forward's
 autograd makes, so they are opchecked with realistic arguments without a second sample list.
+
+An op's samples are checked in parts of at most ``_PART`` samples, a test each, so that the
+suite's workers (``pytest -n``) share an op with many samples.
 """
 
 from __future__ import annotations
@@ -20,10 +23,29 @@ from tests.utils import DEVICES, assert_close, compile_counted, to_reference
 ENTRIES = registry()
 FORWARD = sorted(name for name, e in ENTRIES.items() if e.sample_inputs is not None)
 DIFFERENTIABLE = sorted(name for name, e in ENTRIES.items() if e.differentiable and e.sample_inputs)
+_PART = 6
 
 
 def _samples(name: str, device: str):
     return list(ENTRIES[name].sample_inputs(torch.device(device)))
+
+
+def _parts(names: list[str]) -> list:
+    """``(name, part)`` parameters: each op's samples (counted on the CPU) in parts of
+    ``_PART``."""
+    params = []
+    for name in names:
+        n = max(1, -(-len(_samples(name, "cpu")) // _PART))
+        params += [pytest.param(name, i, id=name if n == 1 else f"{name}[{i}]") for i in range(n)]
+    return params
+
+
+def _part(name: str, device: str, part: int) -> list:
+    """Part ``part`` of op ``name``'s samples on ``device`` (the last part takes any samples
+    past the CPU's count)."""
+    samples = _samples(name, device)
+    last = -(-len(_samples(name, "cpu")) // _PART) - 1
+    return samples[part * _PART : None if part >= last else (part + 1) * _PART]
 
 
 def _clone(args):
@@ -57,9 +79,9 @@ def test_every_op_is_covered():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", FORWARD)
-def test_opcheck(name, device):
-    for sample in _samples(name, device):
+@pytest.mark.parametrize(("name", "part"), _parts(FORWARD))
+def test_opcheck(name, part, device):
+    for sample in _part(name, device, part):
         torch.library.opcheck(ENTRIES[name].overload, _clone(sample.args), sample.kwargs)
 
 
@@ -80,10 +102,10 @@ def _snapshot(x):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", DIFFERENTIABLE)
-def test_backward_op_opcheck(name, device):
+@pytest.mark.parametrize(("name", "part"), _parts(DIFFERENTIABLE))
+def test_backward_op_opcheck(name, part, device):
     dop = ENTRIES[name].differentiable
-    for sample in _samples(name, device):
+    for sample in _part(name, device, part):
         args = _clone(sample.args)
         with _RecordCalls({dop.bwd.overload}) as rec:  # an active mode forces the op path
             out = _tensors(dop(*args))
@@ -155,14 +177,14 @@ def _tolerance(name: str, device: str, dtype: torch.dtype, sample) -> dict:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", DIFFERENTIABLE)
+@pytest.mark.parametrize(("name", "part"), _parts(DIFFERENTIABLE))
 # Each sample with another signature (a string argument, a None pattern) is a graph of its own:
 # an op with many samples recompiles past dynamo's default limit of 8 by design.
 @torch._dynamo.config.patch(recompile_limit=64)
-def test_forward_backward_vs_reference_eager_and_compiled(name, device):
+def test_forward_backward_vs_reference_eager_and_compiled(name, part, device):
     dop = ENTRIES[name].differentiable
     compiled, counter = compile_counted(lambda *a: dop(*a), dynamic=True)
-    for sample in _samples(name, device):
+    for sample in _part(name, device, part):
         ref_args = to_reference(sample.args)
         ref_out = _tensors(dop.reference(*ref_args))
         dtype = _tensors(sample.args)[0].dtype
@@ -184,5 +206,6 @@ def test_forward_backward_vs_reference_eager_and_compiled(name, device):
             assert checked > 0, "no gradient reached any input"
     assert counter.frame_count >= 1
     # One graph per distinct input signature (dtype/rank/None pattern), never a break.
-    explanation = torch._dynamo.explain(lambda *a: dop(*a))(*_clone(_samples(name, device)[0].args))
+    sample = _part(name, device, part)[0]
+    explanation = torch._dynamo.explain(lambda *a: dop(*a))(*_clone(sample.args))
     assert explanation.graph_break_count == 0

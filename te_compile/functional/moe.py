@@ -195,6 +195,20 @@ def moe_unpermute_ref(
     return combine(inp, row_id_map, merging_probs)
 
 
+def _gather_dot_ref(
+    grad: Tensor, token: Tensor, weight: Tensor, inp: Tensor
+) -> tuple[Tensor, Tensor]:
+    """``(weight[r] * grad[token[r]], <grad[token[r]], inp[r]>)`` (fp32 dots; the dot of a row
+    with no token is not read)."""
+    acc = _acc(grad.dtype)
+    dots = (grad.to(acc)[token.clamp(min=0)] * inp.to(acc)).sum(-1)
+    return _gather_ref(grad, token, weight), dots
+
+
+# A row mover that also takes each gathered row's dot with a second tensor's row.
+DotMover = Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
+
+
 def moe_unpermute_bwd_ref(
     grad: Tensor,
     inp: Tensor | None,
@@ -203,6 +217,7 @@ def moe_unpermute_bwd_ref(
     rows: int,
     *,
     gather: Mover = _gather_ref,
+    gather_dot: DotMover = _gather_dot_ref,
 ) -> tuple[Tensor, Tensor]:
     """Gradients of :func:`moe_unpermute_ref` for ``inp [rows, H]`` and ``merging_probs``:
     ``d inp[r] = p[t, s] * grad[t]`` for the slot ``(t, s)`` of row ``r``, and
@@ -210,11 +225,9 @@ def moe_unpermute_bwd_ref(
     token, slot = inverse_map(row_id_map, rows)
     t, s = token.clamp(min=0), slot.clamp(min=0)
     weight = None if merging_probs is None else merging_probs[t, s]
-    grad_inp = gather(grad, token, weight)
     if merging_probs is None or inp is None:
-        return grad_inp, grad.new_empty((0,))
-    acc = _acc(grad.dtype)
-    dots = (grad.to(acc)[t] * inp.to(acc)).sum(-1)
+        return gather(grad, token, weight), grad.new_empty((0,))
+    grad_inp, dots = gather_dot(grad, token, weight, inp)
     grad_p = _scatter_slots(merging_probs.shape, token, slot, dots)
     return grad_inp, grad_p.to(merging_probs.dtype)
 
@@ -326,6 +339,14 @@ def _compact(row_id_map: Tensor, weight: Tensor | None) -> tuple[Tensor, Tensor 
         w = weight.new_zeros((tokens, slots + 1)).scatter(1, col, torch.where(routed, weight, 0))
         w = w[:, :slots]
     return index[:, :slots], w, routed.sum(1, dtype=torch.int32)
+
+
+def _gather_dot(grad: Tensor, token: Tensor, weight: Tensor, inp: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`_gather_dot_ref` with the Triton kernel on CUDA (one read of each row)."""
+    if not _on_triton(grad):
+        return _gather_dot_ref(grad, token, weight, inp)
+    w = weight.to(torch.float32)
+    return _kernels().gather_dot(grad, token.to(torch.int32), w, inp)
 
 
 def _combine(x: Tensor, row_id_map: Tensor, weight: Tensor | None) -> Tensor:
@@ -442,7 +463,9 @@ def moe_unpermute_bwd(
 ) -> tuple[Tensor, Tensor]:
     """Gradients of ``te::moe_unpermute_fwd`` for ``inp`` and ``merging_probs`` (0 elements
     without)."""
-    return moe_unpermute_bwd_ref(grad, inp, row_id_map, merging_probs, rows, gather=_gather)
+    return moe_unpermute_bwd_ref(
+        grad, inp, row_id_map, merging_probs, rows, gather=_gather, gather_dot=_gather_dot
+    )
 
 
 @moe_unpermute_bwd.register_fake

@@ -11,7 +11,9 @@ with ``index [R, S]`` (int32, ``-1`` for an empty slot) and optional fp32 weight
   the padding mask of ``moe_permute_with_probs`` (a slot whose probability is 0 is written as 0);
 * unpermute (and the permute's backward): ``index = row_id_map [T, S]``, each token summing its
   expert rows, weighted by ``merging_probs``;
-* unpermute's backward: ``S = 1`` again, each permuted row reading its token's gradient.
+* unpermute's backward: ``S = 1`` again, each permuted row reading its token's gradient; with
+  merging probabilities one pass also takes each row's dot product with the forward's input
+  (the probabilities' gradient), :func:`gather_dot`.
 
 A program owns one output row and ``BLOCK_H`` channels and walks the row's slots (the first
 ``count[r]`` of them where counts are given: a sparse map compacted, slots routed first, so that
@@ -25,6 +27,7 @@ the host. Runs on CPU tensors under ``TRITON_INTERPRET=1``.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -32,7 +35,7 @@ from torch import Tensor
 from te_compile.kernels import bf16_bits, kernel_arg, launch, size_hint
 from te_compile.kernels.quantize_mx import _load_x, _store_out
 
-__all__ = ["gather_sum"]
+__all__ = ["gather_dot", "gather_sum"]
 
 # Channels a program moves per slot: 1024 fp32 / bf16 elements is 4 / 2 KiB per load, enough
 # to keep a row's loads in flight; hidden sizes below it take the next power of two.
@@ -116,3 +119,69 @@ def gather_sum(
         num_warps=4,
     )
     return out
+
+
+@triton.jit
+def _gather_dot_kernel(
+    G,
+    INDEX,
+    WEIGHT,
+    X,
+    OUT,
+    DOT,
+    hidden,
+    sg_row,
+    sx_row,
+    so_row,
+    BF16: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    src = tl.load(INDEX + row).to(tl.int64)
+    w = tl.where(src >= 0, tl.load(WEIGHT + row), 0.0)
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for h0 in range(0, hidden, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        h_ok = h < hidden
+        g = _load_x(G, tl.maximum(src, 0) * sg_row + h, h_ok & ((h * 0 + src) >= 0), BF16)
+        x = _load_x(X, row * sx_row + h, h_ok, BF16)
+        _store_out(OUT, row * so_row + h, g * w, h_ok, BF16)
+        acc += g * x
+    tl.store(DOT + row, tl.sum(acc, axis=0))
+
+
+def gather_dot(
+    g: Tensor, index: Tensor, weight: Tensor, x: Tensor, *, block_h: int | None = None
+) -> tuple[Tensor, Tensor]:
+    """``(out, dot)``: ``out[r] = weight[r] * g[index[r]]`` and ``dot[r] = <g[index[r]], x[r]>``
+    (fp32) for ``index [R]`` int32 (``-1``: a zero row and a zero dot), ``weight [R]`` fp32,
+    ``g [T, H]`` and ``x [R, H]`` of one dtype (unit stride along ``H``); one read of each row.
+    ``out`` has ``g``'s dtype, ``dot`` is fp32. Arguments are trusted; ``block_h`` overrides the
+    channel tile (tests use small tiles)."""
+    rows, hidden = x.shape
+    out = g.new_empty((rows, hidden))
+    dot = g.new_empty((rows,), dtype=torch.float32)
+    if rows == 0:
+        return out, dot
+    if hidden == 0:
+        return out, dot.zero_()
+    g = g if g.stride(1) == 1 else g.contiguous()
+    x = x if x.stride(1) == 1 else x.contiguous()
+    index, weight = index.contiguous(), weight.contiguous()
+    block = block_h or min(_MAX_BLOCK_H, triton.next_power_of_2(size_hint(hidden)))
+    launch(_gather_dot_kernel, (rows,))(
+        kernel_arg(g),
+        index,
+        weight,
+        kernel_arg(x),
+        kernel_arg(out),
+        dot,
+        hidden,
+        g.stride(0),
+        x.stride(0),
+        out.stride(0),
+        BF16=bf16_bits(g),
+        BLOCK_H=block,
+        num_warps=4,
+    )
+    return out, dot

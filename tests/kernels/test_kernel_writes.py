@@ -155,6 +155,11 @@ def _cases() -> dict[str, tuple[Callable, tuple, dict]]:
     cases |= {
         "moe_gather_sum": (moe.gather_sum, (x, row_map, None), {}),
         "moe_gather_sum_weighted": (moe.gather_sum, (x, row_map, torch.rand(2, 2)), {}),
+        "moe_gather_dot": (
+            moe.gather_dot,
+            (x, torch.tensor([1, -1], dtype=torch.int32), torch.rand(2), x[:2].clone()),
+            {},
+        ),
         "moe_gather_sum_counted": (
             moe.gather_sum,
             (x, row_map, None, torch.tensor([1, 2], dtype=torch.int32)),

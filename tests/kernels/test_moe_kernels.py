@@ -119,3 +119,23 @@ def test_a_compacted_wide_map_gives_the_same_sums(weighted):
     # Slots past a row's count are not read: a count of 0 gives a zero row.
     out = kernels.gather_sum(x.to(dev), index.to(dev), None, torch.zeros_like(count).to(dev))
     assert bool((out == 0).all())
+
+
+@pytest.mark.parametrize("block_h", [None, 4], ids=["default", "block4"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gather_dot_matches_reference(dtype, block_h):
+    """The unpermute backward's one pass: each row its token's gradient times a weight, and
+    that gradient's dot with the row of the forward input; a row with no token is 0."""
+    g = torch.randn(5, 13).to(dtype)
+    x = torch.randn(6, 13).to(dtype)
+    index = torch.tensor([4, -1, 0, 2, 2, 1], dtype=torch.int32)
+    weight = torch.rand(6)
+    dev = TRITON_DEVICE
+    out, dot = kernels.gather_dot(
+        g.to(dev), index.to(dev), weight.to(dev), x.to(dev), block_h=block_h
+    )
+    exp_out, exp_dot = ref._gather_dot_ref(g.double(), index.long(), weight.double(), x.double())
+    assert out.dtype == dtype and dot.dtype == torch.float32
+    assert_close(out, exp_out, dtype)
+    assert_close(dot[index >= 0], exp_dot[index >= 0], torch.float32, roundings=13, reduced=True)
+    assert float(dot[1]) == 0.0
