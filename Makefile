@@ -27,8 +27,9 @@ lint: install
 	$(PYTHON) -m ruff format --check .
 
 # One pytest worker per core (pytest-xdist, a test extra); idle workers take queued tests.
+# pytest-benchmark, where a machine has it, warns once per worker that xdist disables it.
 PYTEST_WORKERS ?= auto
-PYTEST := $(PYTHON) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal
+PYTEST := $(PYTHON) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal -p no:benchmark
 
 test: install lint
 	$(PYTEST) tests
