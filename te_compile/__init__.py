@@ -20,6 +20,8 @@ from te_compile.functional import (
 )
 from te_compile.modules import (
     DotProductAttention,
+    Fp8Padding,
+    Fp8Unpadding,
     GroupedLinear,
     GroupedMLP,
     LayerNorm,
@@ -50,6 +52,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DotProductAttention",
+    "Fp8Padding",
+    "Fp8Unpadding",
     "GroupedLinear",
     "GroupedMLP",
     "LayerNorm",

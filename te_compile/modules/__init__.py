@@ -1,6 +1,7 @@
 """nn.Modules with Transformer Engine's names; forward() calls te_compile.functional only."""
 
 from te_compile.modules.attention import DotProductAttention
+from te_compile.modules.fp8_padding import Fp8Padding, Fp8Unpadding
 from te_compile.modules.grouped_linear import GroupedLinear
 from te_compile.modules.grouped_mlp import GroupedMLP, convert_glu_layout
 from te_compile.modules.layernorm_linear import LayerNormLinear
@@ -14,6 +15,8 @@ from te_compile.quantization.fp8_gemm import non_finite_amaxes
 
 __all__ = [
     "DotProductAttention",
+    "Fp8Padding",
+    "Fp8Unpadding",
     "GroupedLinear",
     "GroupedMLP",
     "LayerNorm",
