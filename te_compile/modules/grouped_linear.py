@@ -1,6 +1,7 @@
 """``te_compile.GroupedLinear``: one linear layer per group of rows (mixture-of-experts experts).
 
-``forward(inp, m_splits)``: ``inp`` is ``[sum(m_splits), in_features]``, rows grouped by expert;
+``forward(inp, m_splits)``: ``inp`` is ``[sum(m_splits), in_features]``, rows grouped by expert
+(or ``[..., in_features]``: its rows flattened, the output shaped ``[..., out_features]``);
 ``m_splits`` a list of ints or an integer tensor (on the input's device or the CPU; a device
 tensor never syncs and, under ``torch.compile``, never recompiles when the splits change).
 
@@ -12,7 +13,9 @@ Two parameter layouts, with one state_dict format conversion between them:
   the grouped weight-gradient GEMM's single output buffer (one allocation, no copy).
 * ``single_grouped_parameter=True``: one ``weight`` ``[num_gemms, out_features, in_features]``
   (and ``bias`` ``[num_gemms, out_features]``), passed to the op as is: no split or copy in the
-  forward or the backward. The fast layout.
+  forward or the backward. The fast layout. Transformer Engine's names choose the two
+  separately: ``single_grouped_weight`` (one ``weight``) and ``single_grouped_bias`` (one
+  ``bias``); ``single_grouped_parameter=True`` is both.
 
 A state_dict saved in either layout loads into a module of the other (``_load_from_state_dict``
 converts exactly: stacking or unbinding).
@@ -66,7 +69,9 @@ class GroupedLinear(nn.Module):
         in_features, out_features: sizes of every group's linear layer.
         bias: learn a bias per group.
         single_grouped_parameter: one ``[num_gemms, out, in]`` parameter instead of
-            ``weight0..weight{n-1}`` (see the module docstring).
+            ``weight0..weight{n-1}``, and one bias (see the module docstring).
+        single_grouped_weight, single_grouped_bias: Transformer Engine's names, the weight's
+            and the bias's layout each (None: ``single_grouped_parameter``).
         params_dtype, device: of the parameters (defaults: torch's defaults).
         fuse_wgrad_accumulation: accumulate weight gradients into ``main_grad`` (fp32).
         init_method: initialises each group's ``[out, in]`` weight (default: N(0, 0.023)).
@@ -82,6 +87,8 @@ class GroupedLinear(nn.Module):
         bias: bool = True,
         *,
         single_grouped_parameter: bool = False,
+        single_grouped_weight: bool | None = None,
+        single_grouped_bias: bool | None = None,
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         fuse_wgrad_accumulation: bool = False,
@@ -100,6 +107,14 @@ class GroupedLinear(nn.Module):
             owner, bias=bias, single_grouped_parameter=single_grouped_parameter,
             fuse_wgrad_accumulation=fuse_wgrad_accumulation, sequence_parallel=sequence_parallel,
         )  # fmt: skip
+        for name, flag in (("weight", single_grouped_weight), ("bias", single_grouped_bias)):
+            if flag is not None:
+                check_bool(owner, **{f"single_grouped_{name}": flag})
+                if single_grouped_parameter and not flag:
+                    raise ValueError(
+                        f"{owner}: single_grouped_parameter=True is single_grouped_weight=True "
+                        f"and single_grouped_bias=True; got single_grouped_{name}=False"
+                    )
         dtype = params_dtype_or_default(owner, params_dtype)
         if sequence_parallel is True:
             raise ValueError(
@@ -113,19 +128,26 @@ class GroupedLinear(nn.Module):
             in_features = self.tp.divide(owner, "in_features", in_features)
         self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
         self.use_bias = bias
-        self.single_grouped_parameter = single_grouped_parameter
+        self.single_weight = (
+            single_grouped_parameter if single_grouped_weight is None else single_grouped_weight
+        )
+        self.single_bias = (
+            single_grouped_parameter if single_grouped_bias is None else single_grouped_bias
+        )
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.init_method = init_method or default_init_method
         factory = {"dtype": dtype, "device": device}
-        if single_grouped_parameter:
+        if self.single_weight:
             self.weight = nn.Parameter(torch.empty(num_gemms, out_features, in_features, **factory))
+        if self.single_bias:
             self.bias = (
                 nn.Parameter(torch.empty(num_gemms, out_features, **factory)) if bias else None
             )
-        else:
-            for i in range(num_gemms):
+        for i in range(num_gemms):  # weight0, bias0, weight1, ... (Transformer Engine's order)
+            if not self.single_weight:
                 w = nn.Parameter(torch.empty(out_features, in_features, **factory))
                 self.register_parameter(f"weight{i}", w)
+            if not self.single_bias:
                 b = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
                 self.register_parameter(f"bias{i}", b)
         if self.tp.mode is not None:
@@ -138,6 +160,19 @@ class GroupedLinear(nn.Module):
     def parallel_mode(self) -> str | None:
         return self.tp.mode
 
+    @property
+    def single_grouped_parameter(self) -> bool:
+        """One ``weight`` and one ``bias`` (both single layouts)."""
+        return self.single_weight and self.single_bias
+
+    @property
+    def single_grouped_weight(self) -> bool:
+        return self.single_weight
+
+    @property
+    def single_grouped_bias(self) -> bool:
+        return self.single_bias
+
     def set_tensor_parallel_group(self, tp_group: object) -> None:
         """Set the group of a module built with ``tp_size > 1`` and no ``tp_group``."""
         self.tp = self.tp.with_group("GroupedLinear", tp_group)
@@ -146,9 +181,8 @@ class GroupedLinear(nn.Module):
         """(Re)mark the parameters' tensor-parallel attributes; ``stride`` 2 for the FC1 of a
         gated activation (see ``te_compile/distributed/tensor_parallel.py``)."""
         column = self.tp.mode == "column"
-        single = self.single_grouped_parameter
-        w_dim = (0 if column else 1) + (1 if single else 0)
-        b_dim = (1 if single else 0) if column else -1
+        w_dim = (0 if column else 1) + (1 if self.single_weight else 0)
+        b_dim = (1 if self.single_bias else 0) if column else -1
         for name, p in self.named_parameters(recurse=False):
             if name.startswith("weight"):
                 set_parallel_attributes(p, w_dim, stride if column else 1)
@@ -159,14 +193,14 @@ class GroupedLinear(nn.Module):
 
     def weights(self) -> list[Tensor]:
         """Every group's ``[out, in]`` weight (views of ``weight`` in the single layout)."""
-        if self.single_grouped_parameter:
+        if self.single_weight:
             return list(self.weight.unbind(0))
         return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
 
     def biases(self) -> list[Tensor] | None:
         if not self.use_bias:
             return None
-        if self.single_grouped_parameter:
+        if self.single_bias:
             return list(self.bias.unbind(0))
         return [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
 
@@ -184,7 +218,7 @@ class GroupedLinear(nn.Module):
         first = self.weights()[0]
         shape = (self.num_gemms, self.out_features, self.in_features)
         buffer = torch.zeros(shape, dtype=torch.float32, device=first.device)
-        if self.single_grouped_parameter:
+        if self.single_weight:
             self.weight.main_grad = buffer
         else:
             for i, w in enumerate(self.weights()):
@@ -193,7 +227,7 @@ class GroupedLinear(nn.Module):
         return buffer
 
     def _main_grad(self) -> Tensor:
-        if self.single_grouped_parameter:
+        if self.single_weight:
             main_grad = getattr(self.weight, "main_grad", None)
         else:
             main_grad = getattr(self, "_main_grad_buffer", None)
@@ -208,12 +242,10 @@ class GroupedLinear(nn.Module):
     # Forward -------------------------------------------------------------------------------------
 
     def forward(self, inp: Tensor, m_splits: Tensor | Sequence[int]) -> Tensor:
-        if self.single_grouped_parameter:
-            weight, bias = self.weight, self.bias
-        else:
-            weight = torch.stack(self.weights())
-            biases = self.biases()
-            bias = None if biases is None else torch.stack(biases)
+        weight = self.weight if self.single_weight else torch.stack(self.weights())
+        bias = None
+        if self.use_bias:
+            bias = self.bias if self.single_bias else torch.stack(self.biases())
         main_grad = self._main_grad() if self.fuse_wgrad_accumulation else None
 
         def gemm(x: Tensor, b: Tensor | None) -> Tensor:
@@ -223,9 +255,11 @@ class GroupedLinear(nn.Module):
             splits = F.as_splits_tensor(m_splits).to(b.device)
             return out + b.repeat_interleave(splits, dim=0, output_size=out.shape[0])
 
+        # [..., in_features] (Transformer Engine's [seq, batch, hidden]): the rows flattened.
+        rows = inp.reshape(-1, inp.shape[-1]) if inp.dim() > 2 else inp
         # Row-parallel: each row's expert bias is added once, to the sum of the partial products.
-        out, _ = self.tp.linear("GroupedLinear", gemm, inp, bias, add=add_expert_bias)
-        return out
+        out, _ = self.tp.linear("GroupedLinear", gemm, rows, bias, add=add_expert_bias)
+        return out.reshape(*inp.shape[:-1], out.shape[-1]) if inp.dim() > 2 else out
 
     def _gemm(self, inp, m_splits, weight, bias, main_grad) -> Tensor:
         return _gemm.grouped_linear(
@@ -235,21 +269,24 @@ class GroupedLinear(nn.Module):
     # state_dict in either layout ---------------------------------------------------------------
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        _convert_layout(state_dict, prefix, self.num_gemms, self.single_grouped_parameter)
+        _convert_layout(state_dict, prefix, self.num_gemms, self.single_weight, self.single_bias)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
         return (
             f"num_gemms={self.num_gemms}, in_features={self.in_features}, "
             f"out_features={self.out_features}, bias={self.use_bias}, "
-            f"single_grouped_parameter={self.single_grouped_parameter}" + self.tp.describe()
+            f"single_grouped_weight={self.single_weight}, "
+            f"single_grouped_bias={self.single_bias}" + self.tp.describe()
         )
 
 
-def _convert_layout(state_dict: dict, prefix: str, num_gemms: int, single: bool) -> None:
+def _convert_layout(
+    state_dict: dict, prefix: str, num_gemms: int, single_weight: bool, single_bias: bool
+) -> None:
     """Rewrite, in place, the entries of ``state_dict`` under ``prefix`` saved in the other
     layout into this module's layout (exact: stacking / unbinding copies values)."""
-    for name in ("weight", "bias"):
+    for name, single in (("weight", single_weight), ("bias", single_bias)):
         grouped = prefix + name
         per_group = [f"{prefix}{name}{i}" for i in range(num_gemms)]
         if single and grouped not in state_dict and all(k in state_dict for k in per_group):

@@ -166,6 +166,59 @@ def test_state_dict_round_trip_across_layouts(src_single, dst_single, bias, nest
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize(
+    ("single_weight", "single_bias"), [(True, False), (False, True)], ids=["weight", "bias"]
+)
+def test_transformer_engine_layout_names_choose_weight_and_bias_separately(
+    single_weight, single_bias
+):
+    """``single_grouped_weight`` / ``single_grouped_bias`` (Transformer Engine's names): one
+    parameter for the weights or for the biases alone; the same results and gradients as the
+    per-group layout, and state_dicts that load across the layouts."""
+    m = te.GroupedLinear(
+        3, 8, 4, single_grouped_weight=single_weight, single_grouped_bias=single_bias
+    )
+    names = [n for n, _ in m.named_parameters()]
+    weights = ["weight"] if single_weight else ["weight0", "weight1", "weight2"]
+    biases = ["bias"] if single_bias else ["bias0", "bias1", "bias2"]
+    assert sorted(names) == sorted(weights + biases)
+    assert (m.single_grouped_weight, m.single_grouped_bias) == (single_weight, single_bias)
+    assert not m.single_grouped_parameter
+    _random_params(m)
+    ref = te.GroupedLinear(3, 8, 4)
+    ref.load_state_dict(m.state_dict())  # converted to the per-group layout
+    x, splits = torch.randn(7, 8, requires_grad=True), [2, 5, 0]
+    x_ref = x.detach().clone().requires_grad_()
+    y, y_ref = m(x, splits), ref(x_ref, splits)
+    assert torch.equal(y, y_ref)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    y_ref.backward(dy)
+    assert torch.equal(x.grad, x_ref.grad)
+    w_grads = [m.weight.grad] if single_weight else [getattr(m, n).grad for n in weights]
+    torch.testing.assert_close(torch.stack(w_grads).reshape(3, 4, 8), _weight_grads(ref))
+    b_grads = [m.bias.grad] if single_bias else [getattr(m, n).grad for n in biases]
+    torch.testing.assert_close(torch.stack(b_grads).reshape(3, 4), _bias_grads(ref))
+    back = te.GroupedLinear(
+        3, 8, 4, single_grouped_weight=single_weight, single_grouped_bias=single_bias
+    )
+    back.load_state_dict(ref.state_dict())
+    assert torch.equal(back(x.detach(), splits), y.detach())
+    with pytest.raises(ValueError, match="single_grouped_parameter=True is single_grouped_weight"):
+        te.GroupedLinear(3, 8, 4, single_grouped_parameter=True, single_grouped_weight=False)
+    with pytest.raises(ValueError, match="single_grouped_bias must be a bool"):
+        te.GroupedLinear(3, 8, 4, single_grouped_bias="yes")
+
+
+def test_3d_input_is_rows_and_keeps_its_leading_dims():
+    """Transformer Engine's ``[seq, batch, hidden]`` input: its rows grouped by ``m_splits``."""
+    m = te.GroupedLinear(2, 8, 4, single_grouped_parameter=True)
+    x = torch.randn(3, 4, 8)
+    y = m(x, [5, 7])
+    assert y.shape == (3, 4, 4)
+    assert torch.equal(y, m(x.reshape(12, 8), [5, 7]).reshape(3, 4, 4))
+
+
 def test_state_dict_wrong_num_gemms_raises():
     state = te.GroupedLinear(2, 8, 4, single_grouped_parameter=True).state_dict()
     with pytest.raises(ValueError, match="expected dim 0 = num_gemms = 3"):

@@ -16,6 +16,8 @@ CONSTRUCTORS = {
     "RMSNorm": (te.RMSNorm, {"hidden_size": 16}),
     "GroupedLinear": (te.GroupedLinear, {"num_gemms": 2, "in_features": 16, "out_features": 16}),
     "GroupedMLP": (te.GroupedMLP, {"num_experts": 2, "hidden_size": 16, "ffn_hidden_size": 16}),
+    "Fp8Padding": (te.Fp8Padding, {"num_gemms": 2}),
+    "Fp8Unpadding": (te.Fp8Unpadding, {"num_gemms": 2}),
     "DotProductAttention": (te.DotProductAttention, {"num_attention_heads": 2, "kv_channels": 8}),
     "RotaryPositionEmbedding": (te.RotaryPositionEmbedding, {"dim": 8}),
     "MultiheadAttention": (te.MultiheadAttention, {"hidden_size": 16, "num_attention_heads": 2}),
