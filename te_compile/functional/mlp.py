@@ -45,6 +45,7 @@ from te_compile.functional.activation import (
     activation_backward,
     activation_forward,
     activation_ref,
+    check_gated_params,
     gated_activation_ref,
 )
 from te_compile.functional.gemm import (
@@ -83,6 +84,7 @@ __all__ = ["MLP_ACTIVATIONS", "mlp", "mlp_ref"]
 
 MLP_ACTIVATIONS = (*ACTIVATIONS, *GATED_ACTIVATIONS)
 _E4M3, _E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+_DEFAULT_PARAMS = (7.0, 1.702, 1.0)  # clamped_swiglu's (limit, alpha, glu_linear_offset)
 
 
 class _Args(NamedTuple):
@@ -109,6 +111,14 @@ class _Args(NamedTuple):
     normalization: str = ""
     norm_eps: float = 1e-5
     zero_centered_gamma: bool = False
+    limit: float = 7.0
+    alpha: float = 1.702
+    glu_linear_offset: float = 1.0
+
+    @property
+    def act_params(self) -> tuple[float, float, float]:
+        """``clamped_swiglu``'s ``(limit, alpha, glu_linear_offset)``."""
+        return (self.limit, self.alpha, self.glu_linear_offset)
 
     @property
     def norm(self) -> Norm:
@@ -129,9 +139,11 @@ def _ffn(w1: Tensor, activation: str) -> int:
 # 1. Reference math ----------------------------------------------------------------------------
 
 
-def _activation_ref(z: Tensor, bias: Tensor | None, activation: str) -> Tensor:
+def _activation_ref(
+    z: Tensor, bias: Tensor | None, activation: str, params: tuple[float, float, float]
+) -> Tensor:
     if activation in GATED_ACTIVATIONS:
-        return gated_activation_ref(z, bias, activation)
+        return gated_activation_ref(z, bias, activation, 0, *params)
     return activation_ref(z, bias, activation)
 
 
@@ -145,7 +157,7 @@ def mlp_ref(*args) -> Tensor:
     s2 = a.scale2 if a.recipe == "delayed" else None
     config = (a.fwd_dtype, a.bwd_dtype, a.power_2_scale, a.weight_block_rows)
     z = quantized_linear_ref(x, a.fc1_weight, a.recipe, *config, s1)
-    h = _activation_ref(z, a.fc1_bias, a.activation)
+    h = _activation_ref(z, a.fc1_bias, a.activation, a.act_params)
     out = quantized_linear_ref(h, a.fc2_weight, a.recipe, *config, s2)
     return out if a.fc2_bias is None else out + a.fc2_bias
 
@@ -159,6 +171,7 @@ def _check(a: _Args) -> None:
     check_norm(p, inp, a.norm)
     if a.activation not in MLP_ACTIVATIONS:
         raise ValueError(p + f"activation must be one of {MLP_ACTIVATIONS}, got {a.activation!r}")
+    check_gated_params("te.mlp", a.limit, a.alpha, a.glu_linear_offset)
     recipe = a.recipe
     for name, s in (("scale1", a.scale1), ("scale2", a.scale2)):
         if recipe == "delayed" and (s is None or s.shape != (3,) or s.dtype != torch.float32):
@@ -237,20 +250,23 @@ def _native_block(recipe: str, emulate: bool) -> bool:
 
 
 def _act_operand(recipe, z, bias, grad, activation, fp8_dtype, scale, rows, need_dbias,
-                 power_2_scale, emulate) -> tuple[Operand, Tensor | None]:  # fmt: skip
+                 power_2_scale, emulate, params) -> tuple[Operand, Tensor | None]:  # fmt: skip
     """``(operand, dbias)``: the activation of ``z + bias`` (forward) or its gradient ``grad *
     f'(z + bias)`` (backward, ``dbias`` with ``need_dbias``) as the next GEMM's operand, rows
     past ``rows`` zero. On CUDA in the fused kernels (per-tensor, native 1x128 blocks with the
     scales in the GEMM's layout); elsewhere the activation op's implementation, rounded to
-    ``z``'s dtype, zero rows appended, quantised."""
-    if z.is_cuda and recipe in PER_TENSOR:
+    ``z``'s dtype, zero rows appended, quantised. ``params``: ``clamped_swiglu``'s ``(limit,
+    alpha, glu_linear_offset)``; the fused kernels apply the defaults only, so other values take
+    the activation op's path."""
+    fused = z.is_cuda and (activation != "clamped_swiglu" or params == _DEFAULT_PARAMS)
+    if fused and recipe in PER_TENSOR:
         from te_compile.kernels.act_quantize import act_quantize
 
         data, data_t, s, amax, dbias = act_quantize(
             z, bias, grad, activation, fp8_dtype, scale, rows, True, need_dbias
         )
         return Operand(data, s, data_t, s, amax), dbias
-    if z.is_cuda and _native_block(recipe, emulate):
+    if fused and _native_block(recipe, emulate):
         from te_compile.kernels.act_quantize import act_quantize_block
 
         data, s, data_t, s_t, dbias = act_quantize_block(
@@ -259,9 +275,9 @@ def _act_operand(recipe, z, bias, grad, activation, fp8_dtype, scale, rows, need
         )  # fmt: skip
         return Operand(data, s, data_t, s_t, z.new_empty(0, dtype=torch.float32)), dbias
     if grad is None:
-        v, dbias = activation_forward(z[:rows], bias, activation), None
+        v, dbias = activation_forward(z[:rows], bias, activation, 0, *params), None
     else:
-        v, dbias = activation_backward(grad[:rows], z[:rows], bias, activation,
+        v, dbias = activation_backward(grad[:rows], z[:rows], bias, activation, 0, *params,
                                        need_dbias=need_dbias)  # fmt: skip
     operand = quantize_operand(recipe, pad_rows(v), fp8_dtype, scale=scale,
                                power_2_scale=power_2_scale, emulate=emulate)  # fmt: skip
@@ -294,7 +310,7 @@ def _forward(a: _Args) -> tuple[Tensor, list[Tensor]]:
             x2, *stats = norm_forward(x2, a.norm)
             saved.append(x2)
         z = _hp_linear(x2, w1, None)
-        h = activation_forward(z, b1, a.activation)
+        h = activation_forward(z, b1, a.activation, 0, *a.act_params)
         out = _hp_linear(h, w2, b2)
         return out.reshape(*inp.shape[:-1], w2.shape[0]), [*saved, z, h, *stats]
     p2, em, rows = a.power_2_scale, a.emulate, a.weight_block_rows
@@ -311,7 +327,8 @@ def _forward(a: _Args) -> tuple[Tensor, list[Tensor]]:
                            power_2_scale=p2, emulate=em)  # fmt: skip
     z = gemm(kind, xq.data, xq.scale, w1q.data, w1q.scale, dtype, fast_accum=True,
              b_block_rows=rows)  # fmt: skip
-    hq, _ = _act_operand(recipe, z, b1, None, a.activation, a.fwd_dtype, s_h, m, False, p2, em)
+    hq, _ = _act_operand(recipe, z, b1, None, a.activation, a.fwd_dtype, s_h, m, False, p2, em,
+                         a.act_params)  # fmt: skip
     w2q = quantize_operand(recipe, w2, a.fwd_dtype, scale=s_w2, block_rows=rows,
                            power_2_scale=p2, emulate=em)  # fmt: skip
     out = gemm(kind, hq.data, hq.scale, w2q.data, w2q.scale, dtype, bias=b2, fast_accum=True,
@@ -350,6 +367,9 @@ def mlp_fwd(
     normalization: str = "",
     norm_eps: float = 1e-5,
     zero_centered_gamma: bool = False,
+    limit: float = 7.0,
+    alpha: float = 1.702,
+    glu_linear_offset: float = 1.0,
 ) -> tuple[Tensor, list[Tensor]]:
     """``(out, saved)`` (module docstring)."""
     values = locals()
@@ -409,6 +429,9 @@ class _Bwd(NamedTuple):
     has_norm_bias: bool
     need_db2: bool
     need_dgrad: bool
+    limit: float = 7.0
+    alpha: float = 1.702
+    glu_linear_offset: float = 1.0
 
 
 _BWD_TENSORS = ("grad", "saved", "inp", "fc1_weight", "fc1_bias", "fc2_weight", "scale1",
@@ -429,6 +452,7 @@ def _backward_impl(grad, saved, inp, w1, b1, w2, scale1, scale2, grad_amax1, gra
     dtype = grad.dtype
     dy = grad.reshape(-1, grad.shape[-1])
     m = dy.shape[0]
+    params = (c.limit, c.alpha, c.glu_linear_offset)
     n_stats = 2 if c.normalization else 0
     stats = saved[len(saved) - n_stats :]
     need_db1 = b1 is not None
@@ -436,7 +460,7 @@ def _backward_impl(grad, saved, inp, w1, b1, w2, scale1, scale2, grad_amax1, gra
         z, h = saved[-2 - n_stats], saved[-1 - n_stats]
         x2 = saved[0] if c.normalization else inp.reshape(-1, inp.shape[-1])
         dh, dw2, db2 = _hp_linear_bwd(dy, h, w2, c.need_db2, True)
-        dz, db1 = activation_backward(dh, z, b1, c.activation, need_dbias=need_db1)
+        dz, db1 = activation_backward(dh, z, b1, c.activation, 0, *params, need_dbias=need_db1)
         dx, dw1, _ = _hp_linear_bwd(dz, x2, w1, False, c.need_dgrad)
         dinp = dx if c.need_dgrad else None
     else:
@@ -455,7 +479,7 @@ def _backward_impl(grad, saved, inp, w1, b1, w2, scale1, scale2, grad_amax1, gra
         dw2 = gemm(kind, g.data_t, g.scale_t, h_t, _wgrad_scale(c.recipe, em, hs), dtype)
         db2 = g.sums if sums else (dy.sum(0, dtype=torch.float32) if c.need_db2 else None)
         dq, db1 = _act_operand(c.recipe, z, b1, dh, c.activation, c.bwd_dtype, s_dz, m,
-                               need_db1, p2, em)  # fmt: skip
+                               need_db1, p2, em, params)  # fmt: skip
         if grad_amax1 is not None:
             grad_amax1.copy_(dq.amax)
         # fc1: dX [M, D] = dz @ W1; dW1 [F1, D] = dz^T @ X
@@ -499,6 +523,9 @@ def mlp_bwd(
     has_norm_bias: bool,
     need_db2: bool,
     need_dgrad: bool,
+    limit: float = 7.0,
+    alpha: float = 1.702,
+    glu_linear_offset: float = 1.0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(dinp, dfc1_weight, dfc1_bias, dfc2_weight, dfc2_bias, dnorm_weight, dnorm_bias)``
     (0-element where not computed); writes ``amax(dz)`` / ``amax(dY)`` into ``grad_amax1`` /
@@ -546,6 +573,7 @@ def _setup_context(ctx, inputs, output) -> None:
         a.emulate, a.normalization, a.zero_centered_gamma, a.norm_bias is not None,
     )  # fmt: skip
     ctx.has_fc2_bias = a.fc2_bias is not None
+    ctx.act_params = a.act_params
 
 
 def _backward(ctx, bwd, grad, _grad_saved):
@@ -556,7 +584,7 @@ def _backward(ctx, bwd, grad, _grad_saved):
     need_db2 = ctx.has_fc2_bias and need[4]
     dinp, dw1, db1, dw2, db2, dnw, dnb = bwd(
         grad.contiguous(), saved, inp, w1, b1, w2, s1, s2, ga1, ga2, norm_weight, *ctx.scalars,
-        need_db2, need[0] or need_norm,
+        need_db2, need[0] or need_norm, *ctx.act_params,
     )  # fmt: skip
     grads = [None] * len(need)
     grads[:5] = [
@@ -626,6 +654,12 @@ def _samples(device: torch.device):
     yield call(t(32, 16), t(96, 16), t(96), t(32, 48), None, "clamped_swiglu", recipe="delayed",
                scale1=s1.clone(), scale2=s2.clone(), **pending)  # fmt: skip
     yield call(t(24, 512), t(1024, 512), t(1024), t(512, 512), t(512), "geglu", **block)
+    # Clamped SwiGLU with other parameters (LayerNormMLP's activation_params): in high
+    # precision and under current scaling (the activation op's path, not the fused kernel's).
+    clamp = {"limit": 2.5, "alpha": 1.25, "glu_linear_offset": 0.5}
+    yield call(t(12, 16), t(64, 16), t(64), t(16, 32), t(16), "clamped_swiglu", **clamp)
+    yield call(t(32, 16), t(96, 16), None, t(32, 48), t(32), "clamped_swiglu", **cur, **pending,
+               **clamp)  # fmt: skip
     # Emulated: MXFP8 (E5M2 gradients), NVFP4, Float8BlockScaling 1x128 weight blocks.
     yield call(t(32, 64), t(64, 64), t(64), t(32, 64), t(32), "gelu", recipe="mxfp8",
                emulate=True)  # fmt: skip
@@ -668,12 +702,16 @@ def mlp(
     norm_bias: Tensor | None = None,
     norm_eps: float = 1e-5,
     zero_centered_gamma: bool = False,
+    limit: float = 7.0,
+    alpha: float = 1.702,
+    glu_linear_offset: float = 1.0,
     return_amax: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """``activation(norm(inp) @ fc1_weight.T + fc1_bias) @ fc2_weight.T + fc2_bias`` through
     ``te::mlp_fwd`` (module docstring). ``return_amax=True`` also returns ``[amax(X),
     amax(fc1_weight), amax(h), amax(fc2_weight)]`` (per-tensor recipes; X is the norm's output
-    with a prologue; 0-element otherwise)."""
+    with a prologue; 0-element otherwise). ``limit`` / ``alpha`` / ``glu_linear_offset``:
+    ``clamped_swiglu``'s parameters (as :func:`bias_activation` takes them)."""
     check_bool(
         "te.mlp", power_2_scale=power_2_scale, emulate=emulate,
         zero_centered_gamma=zero_centered_gamma, return_amax=return_amax,
@@ -681,7 +719,8 @@ def mlp(
     out, saved = _mlp(
         inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, recipe, fwd_dtype,
         bwd_dtype, power_2_scale, weight_block_rows, emulate, scale1, scale2, grad_amax1,
-        grad_amax2, norm_weight, norm_bias, normalization, norm_eps, zero_centered_gamma,
+        grad_amax2, norm_weight, norm_bias, normalization, norm_eps, zero_centered_gamma, limit,
+        alpha, glu_linear_offset,
     )  # fmt: skip
     if not return_amax:
         return out

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from te_compile.distributed.tensor_parallel import TensorParallel, set_parallel_attributes
-from te_compile.functional.activation import ACTIVATIONS, GATED_ACTIVATIONS
+from te_compile.functional.activation import ACTIVATIONS, GATED_ACTIVATIONS, check_gated_params
 from te_compile.modules._common import (
     check_bool,
     check_choice,
@@ -45,6 +45,31 @@ from te_compile.quantization import gemm as _gemm
 
 __all__ = ["LayerNormMLP"]
 
+_ACTIVATION_PARAMS = ("limit", "alpha", "glu_linear_offset")
+
+
+def _activation_params(owner: str, activation: str, params: object) -> dict[str, float]:
+    """``activation_params`` checked: a dict of ``clamped_swiglu``'s parameters (empty for
+    the other activations, which take none)."""
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise TypeError(f"{owner}: activation_params must be a dict or None, got {params!r}")
+    if params and activation != "clamped_swiglu":
+        raise ValueError(
+            f"{owner}: activation_params are for activation='clamped_swiglu' only (limit, "
+            f"alpha, glu_linear_offset); activation={activation!r} takes none, got {params!r}"
+        )
+    unknown = sorted(set(params) - set(_ACTIVATION_PARAMS))
+    if unknown:
+        raise ValueError(
+            f"{owner}: activation_params keys must be among {_ACTIVATION_PARAMS}, got {unknown}"
+        )
+    full = {"limit": 7.0, "alpha": 1.702, "glu_linear_offset": 1.0, **params}
+    check_gated_params(f"{owner}: activation_params", full["limit"], full["alpha"],
+                       full["glu_linear_offset"])  # fmt: skip
+    return {name: float(value) for name, value in params.items()}
+
 
 class LayerNormMLP(PreNorm):
     """A transformer MLP block with its pre-norm.
@@ -55,6 +80,9 @@ class LayerNormMLP(PreNorm):
         eps: the norm's epsilon.
         bias: learn FC1's and FC2's biases.
         activation: any name in ``te.functional.ACTIVATIONS`` or ``GATED_ACTIVATIONS``.
+        activation_params: the activation's parameters, for ``clamped_swiglu`` only:
+            ``{"limit": ..., "alpha": ...}`` (Transformer Engine's keys) and
+            ``"glu_linear_offset"`` (default 7.0, 1.702, 1.0).
         normalization: "LayerNorm" or "RMSNorm".
         zero_centered_gamma: store the norm's scale as gamma - 1.
         return_layernorm_output: also return the norm's output.
@@ -73,6 +101,7 @@ class LayerNormMLP(PreNorm):
         *,
         bias: bool = True,
         activation: str = "gelu",
+        activation_params: dict[str, float] | None = None,
         normalization: str = "LayerNorm",
         zero_centered_gamma: bool = False,
         return_layernorm_output: bool = False,
@@ -94,6 +123,7 @@ class LayerNormMLP(PreNorm):
             sequence_parallel=sequence_parallel,
         )  # fmt: skip
         check_choice(owner, "activation", activation, (*ACTIVATIONS, *GATED_ACTIVATIONS))
+        self.activation_params = _activation_params(owner, activation, activation_params)
         dtype = params_dtype_or_default(owner, params_dtype)
         parallel = tp_group is not None or (tp_size or 1) > 1 or sequence_parallel
         # "column" stands for the pair: FC1 column-parallel, FC2 row-parallel.
@@ -173,7 +203,8 @@ class LayerNormMLP(PreNorm):
         the quantisations under FP8; with ``norm``, ``inp`` is normalised inside it)."""
         metas = (self.fc1_fp8_meta, self.fc2_fp8_meta)
         w1, b1, w2 = self.fc1_weight, self.fc1_bias, self.fc2_weight
-        return _gemm.mlp(owner, metas, inp, w1, b1, self.activation, w2, fc2_bias, norm)
+        return _gemm.mlp(owner, metas, inp, w1, b1, self.activation, w2, fc2_bias, norm,
+                         self.activation_params)  # fmt: skip
 
     def extra_repr(self) -> str:
         return (

@@ -300,22 +300,26 @@ def mlp(
     fc2_weight: Tensor,
     fc2_bias: Tensor | None,
     norm: Norm | None = None,
+    activation_params: dict[str, float] | None = None,
 ) -> Tensor:
     """``fc2(activation(fc1(norm(inp))))`` through ``te::mlp`` with the autocast state's
     recipe (high precision outside it); ``metas``: the two GEMMs' FP8 states, used as two
     :func:`linear` calls would use them (``_FUSE_MLP = False``: two :func:`linear` calls around
-    the activation op; also under calibration and with a recipe's ``backward_override``)."""
+    the activation op; also under calibration and with a recipe's ``backward_override``).
+    ``activation_params``: keyword arguments of the activation (``clamped_swiglu``'s ``limit``,
+    ``alpha``, ``glu_linear_offset``)."""
+    act_kw = activation_params or {}
     state = get_autocast_state()
     by_op = state.calibration or (state.enabled and state.recipe.backward_override is not None)
     if not _FUSE_MLP or by_op:  # op by op: the same bytes
         if norm is not None:
             inp = _apply_norm(inp, norm)
         fc1_out = linear(owner, metas[0], inp, fc1_weight, None)
-        act = F.bias_activation(fc1_out, fc1_bias, activation)
+        act = F.bias_activation(fc1_out, fc1_bias, activation, **act_kw)
         return linear(owner, metas[1], act, fc2_weight, fc2_bias)
     weights = (fc1_weight, fc2_weight)
     args = gemm_args(owner, state, inp, weights, metas)
-    kw = {**_norm_kwargs(norm), **args.scalars()}
+    kw = {**_norm_kwargs(norm), **args.scalars(), **act_kw}
     if args.recipe not in PER_TENSOR:
         return F.mlp(inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, **kw)
     (s1, s2), (g1, g2) = args.scales, args.grad_amaxes

@@ -3,6 +3,8 @@ from plain PyTorch (independent of te's own reference functions)."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import expecttest
 import pytest
 import torch
@@ -164,6 +166,54 @@ def test_layernorm_mlp(device, dtype, activation, normalization):
     assert_close(x.grad, x_ref.grad, dtype, roundings=4)
     for p, r in ((m.fc1_weight, w1), (m.fc2_weight, w2), (m.fc1_bias, b1)):
         assert_close(p.grad, r.grad, dtype, roundings=4, reduced=True)
+
+
+@pytest.mark.parametrize("recipe", [None, "current"], ids=["bf16", "fp8_current"])
+def test_layernorm_mlp_activation_params(recipe):
+    """``activation_params`` (Transformer Engine's ``{"limit", "alpha"}``) reach clamped SwiGLU:
+    the module equals its op-by-op composition with the same parameters (fused ``te::mlp`` under
+    FP8 too), and differs from the defaults'."""
+    torch.manual_seed(0)
+    params = {"limit": 1.5, "alpha": 2.0, "glu_linear_offset": 0.25}
+    m = te.LayerNormMLP(16, 32, activation="clamped_swiglu", activation_params=params)
+    default = te.LayerNormMLP(16, 32, activation="clamped_swiglu")
+    _random_params(m)
+    default.load_state_dict(m.state_dict())
+    x = (torch.randn(2, 16, 16) * 3).requires_grad_()
+    x_ref = x.detach().clone().requires_grad_()
+    ctx = te.autocast(recipe=te.recipe.Float8CurrentScaling()) if recipe else nullcontext()
+    with ctx:
+        y = m(x)
+        ln = te.functional.layernorm(x_ref, m.layer_norm_weight, m.layer_norm_bias, m.eps)
+        h = te.Linear(16, 64, bias=False)
+        h.weight = m.fc1_weight
+        fc2 = te.Linear(32, 16)
+        fc2.weight, fc2.bias = m.fc2_weight, m.fc2_bias
+        act = te.functional.bias_activation(h(ln), m.fc1_bias, "clamped_swiglu", **params)
+        expected = fc2(act)
+        y_default = default(x.detach())
+    assert_close(y, expected.detach(), torch.float32, roundings=2)
+    assert (y - y_default).abs().max() > 1e-2
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    expected.backward(dy)
+    assert_close(x.grad, x_ref.grad, torch.float32, roundings=4)
+
+
+@pytest.mark.parametrize(
+    ("activation", "params", "match"),
+    [
+        ("gelu", {"limit": 2.0}, "activation_params are for activation='clamped_swiglu' only"),
+        ("clamped_swiglu", {"beta": 1.0}, "activation_params keys must be among"),
+        ("clamped_swiglu", {"limit": -1.0}, "limit must be"),
+        ("clamped_swiglu", {"alpha": float("nan")}, "alpha must be"),
+    ],
+)
+def test_layernorm_mlp_bad_activation_params(activation, params, match):
+    with pytest.raises(ValueError, match=match):
+        te.LayerNormMLP(16, 32, activation=activation, activation_params=params)
+    with pytest.raises(TypeError, match="activation_params must be a dict"):
+        te.LayerNormMLP(16, 32, activation="clamped_swiglu", activation_params=[("limit", 1.0)])
 
 
 def test_bad_arguments():
