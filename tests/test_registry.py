@@ -6,7 +6,11 @@ against the float64 reference. Backward ops get their inputs by recording the ca
 autograd makes, so they are opchecked with realistic arguments without a second sample list.
 
 An op's samples are checked in parts of at most ``_PART`` samples, a test each, so that the
-suite's workers (``pytest -n``) share an op with many samples.
+suite's workers (``pytest -n``) share an op with many samples. ``opcheck``'s
+``test_aot_dispatch_dynamic`` (AOTAutograd over the op with dynamic shapes, its costliest
+check) runs on the first sample of each recipe kind and dtype; every sample gets the schema,
+autograd-registration and fake-tensor checks, and every sample is traced by AOTAutograd with
+dynamic shapes anyway in ``test_forward_backward_vs_reference_eager_and_compiled``.
 """
 
 from __future__ import annotations
@@ -78,11 +82,28 @@ def test_every_op_is_covered():
         assert testable, f"{name} has no sample inputs and is not the backward of a tested op"
 
 
+_CHEAP_OPCHECKS = ("test_schema", "test_autograd_registration", "test_faketensor")
+_ALL_OPCHECKS = (*_CHEAP_OPCHECKS, "test_aot_dispatch_dynamic")
+
+
+def _first_of_each_kind(name: str, device: str) -> set[int]:
+    """Indices of the first sample of each recipe kind and dtype of op ``name``."""
+    first: dict[tuple, int] = {}
+    for i, sample in enumerate(_samples(name, device)):
+        tensors = _tensors(list(sample.args))
+        key = (_recipe_kind(name, sample), tensors[0].dtype if tensors else None)
+        first.setdefault(key, i)
+    return set(first.values())
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("name", "part"), _parts(FORWARD))
 def test_opcheck(name, part, device):
-    for sample in _part(name, device, part):
-        torch.library.opcheck(ENTRIES[name].overload, _clone(sample.args), sample.kwargs)
+    full = _first_of_each_kind(name, device)
+    for i, sample in enumerate(_part(name, device, part), start=part * _PART):
+        utils = _ALL_OPCHECKS if i in full else _CHEAP_OPCHECKS
+        args = _clone(sample.args)
+        torch.library.opcheck(ENTRIES[name].overload, args, sample.kwargs, test_utils=utils)
 
 
 class _RecordCalls(TorchDispatchMode):
@@ -105,14 +126,16 @@ def _snapshot(x):
 @pytest.mark.parametrize(("name", "part"), _parts(DIFFERENTIABLE))
 def test_backward_op_opcheck(name, part, device):
     dop = ENTRIES[name].differentiable
-    for sample in _part(name, device, part):
+    full = _first_of_each_kind(name, device)
+    for i, sample in enumerate(_part(name, device, part), start=part * _PART):
         args = _clone(sample.args)
         with _RecordCalls({dop.bwd.overload}) as rec:  # an active mode forces the op path
             out = _tensors(dop(*args))
             torch.autograd.backward(out[0], torch.randn_like(out[0]))
         assert rec.calls, f"backward of {name} did not call {dop.bwd.qualname}"
+        utils = _ALL_OPCHECKS if i in full else _CHEAP_OPCHECKS
         for func, bargs, bkwargs in rec.calls:
-            torch.library.opcheck(func, bargs, bkwargs)
+            torch.library.opcheck(func, bargs, bkwargs, test_utils=utils)
 
 
 # The recipe kinds a sample of a GEMM family op can name (a string argument).
