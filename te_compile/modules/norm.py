@@ -3,6 +3,12 @@
 With ``zero_centered_gamma=True`` the weight is stored as :math:`\\gamma - 1` (initialised to
 zeros) and the effective scale is ``weight + 1``, as in Transformer Engine: weight decay then
 pulls the scale towards 1 instead of 0. ``device=None`` means torch's current default device.
+
+``sequence_parallel=True``: the norm runs on a rank's shard of the sequence, so its parameters'
+gradients are partial sums over the tensor-parallel group. They are marked
+(``param.sequence_parallel = True``, the attribute Megatron-style code all-reduces by, as
+Transformer Engine marks them); with a ``tp_group`` the module all-reduces them itself, in the
+backward (traced under ``torch.compile``).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from te_compile import functional as F
+from te_compile.distributed import collectives as C
 from te_compile.distributed.tensor_parallel import TensorParallel, set_parallel_attributes
 from te_compile.modules._common import (
     check_bool,
@@ -76,15 +83,26 @@ class _Norm(nn.Module):
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         hidden_size: int | None = None,
+        sequence_parallel: bool = False,
+        tp_group: object = None,
     ) -> None:
         """``normalized_shape``: the size of the last dimension, normalised over (an int or a
         one-element shape, as Transformer Engine takes it; ``hidden_size=`` is TE's older
-        keyword for it)."""
+        keyword for it). ``sequence_parallel`` / ``tp_group``: see the module docstring."""
         super().__init__()
         name = type(self).__name__
         hidden_size = _normalized_size(name, normalized_shape, hidden_size)
         check_eps(name, eps)
-        check_bool(name, zero_centered_gamma=zero_centered_gamma)
+        check_bool(
+            name, zero_centered_gamma=zero_centered_gamma, sequence_parallel=sequence_parallel
+        )
+        if tp_group is not None and not sequence_parallel:
+            raise ValueError(
+                f"{name}: tp_group is for sequence_parallel=True (a norm has no shards: the "
+                "group only sums its parameters' gradients)"
+            )
+        self.sequence_parallel = sequence_parallel
+        self.tp_group = C.resolve_group(tp_group, name)
         dtype = params_dtype_or_default(name, params_dtype)
         self.hidden_size = hidden_size
         self.eps = float(eps)
@@ -95,6 +113,8 @@ class _Norm(nn.Module):
             if self.has_bias
             else None
         )
+        for p in (self.weight, self.bias):
+            set_parallel_attributes(p, sequence_parallel=sequence_parallel)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -104,12 +124,20 @@ class _Norm(nn.Module):
             self.bias.zero_()
 
     def forward(self, inp: Tensor) -> Tensor:
+        weight, bias = self.weight, self.bias
+        if self.sequence_parallel and self.tp_group is not None:
+            weight = C.all_reduce_grad(weight, self.tp_group)
+            bias = None if bias is None else C.all_reduce_grad(bias, self.tp_group)
         return apply_normalization(
-            inp, self.normalization, self.weight, self.bias, self.eps, self.zero_centered_gamma
+            inp, self.normalization, weight, bias, self.eps, self.zero_centered_gamma
         )
 
     def extra_repr(self) -> str:
-        return f"{self.hidden_size}, eps={self.eps}, zero_centered_gamma={self.zero_centered_gamma}"
+        sp = ", sequence_parallel=True" if self.sequence_parallel else ""
+        return (
+            f"{self.hidden_size}, eps={self.eps}, zero_centered_gamma={self.zero_centered_gamma}"
+            + sp
+        )
 
 
 class LayerNorm(_Norm):

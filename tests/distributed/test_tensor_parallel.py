@@ -78,6 +78,16 @@ CASES: dict[str, Case] = {
         ),
         in_dim=0, out_dim=-1, inputs=_seq(H),
     ),
+    "layernorm_sp": Case(
+        lambda g, d, dev: te.LayerNorm(H, sequence_parallel=g is not None, **_kw(g, d, dev)),
+        in_dim=0, out_dim=0, inputs=_seq(H),
+    ),
+    "rmsnorm_sp_zero_centered": Case(
+        lambda g, d, dev: te.RMSNorm(
+            H, zero_centered_gamma=True, sequence_parallel=g is not None, **_kw(g, d, dev)
+        ),
+        in_dim=0, out_dim=0, inputs=_seq(H),
+    ),
     "layernorm_mlp": Case(
         lambda g, d, dev: te.LayerNormMLP(H, FFN, **_kw(g, d, dev)),
         in_dim=None, out_dim=None, inputs=_seq(H),

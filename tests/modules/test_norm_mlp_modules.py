@@ -312,3 +312,23 @@ backward:
   auto_functionalized_v2(te.mlp_bwd.default)
   te.layernorm_bwd.default""",
         )
+
+
+@pytest.mark.parametrize("cls", [te.LayerNorm, te.RMSNorm])
+def test_norm_sequence_parallel_marks_its_parameters(cls):
+    """``sequence_parallel=True`` without a group marks the parameters as Transformer Engine
+    does (Megatron-style code all-reduces their gradients by that attribute); the forward is
+    the plain norm. With a group the module all-reduces them itself (tests/distributed)."""
+    m = cls(16, sequence_parallel=True)
+    for p in m.parameters():
+        assert getattr(p, "sequence_parallel", False) is True
+    assert "sequence_parallel=True" in repr(m)
+    plain = cls(16)
+    plain.load_state_dict(m.state_dict())
+    x = torch.randn(4, 16)
+    assert torch.equal(m(x), plain(x))
+    assert not any(getattr(p, "sequence_parallel", False) for p in plain.parameters())
+    with pytest.raises(ValueError, match="tp_group is for sequence_parallel=True"):
+        cls(16, tp_group=object())
+    with pytest.raises(ValueError, match="sequence_parallel must be a bool"):
+        cls(16, sequence_parallel="yes")
