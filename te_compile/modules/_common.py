@@ -24,6 +24,19 @@ def default_init_method(weight: torch.Tensor) -> None:
     torch.nn.init.normal_(weight, mean=0.0, std=DEFAULT_INIT_STD)
 
 
+def weight_main_grad(owner: str, weight: torch.Tensor) -> torch.Tensor:
+    """``weight.main_grad``, the fp32 buffer ``fuse_wgrad_accumulation=True`` accumulates the
+    weight gradient into (allocated by the caller, e.g. a Megatron-style optimizer)."""
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is None:
+        raise RuntimeError(
+            f"{owner}(fuse_wgrad_accumulation=True) needs weight.main_grad: a float32 tensor of "
+            "the weight's shape, e.g. "
+            "`m.weight.main_grad = torch.zeros_like(m.weight, dtype=torch.float32)`"
+        )
+    return main_grad
+
+
 def check_positive(owner: str, **sizes: int) -> None:
     for name, value in sizes.items():
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

@@ -28,6 +28,7 @@ from te_compile.modules._common import (
     default_init_method,
     params_dtype_or_default,
     parse_parameters_split,
+    weight_main_grad,
 )
 from te_compile.modules.norm import PreNorm
 from te_compile.quantization import fp8_gemm as _fp8
@@ -49,6 +50,9 @@ class LayerNormLinear(NamedSlices, PreNorm):
         return_bias: return the bias instead of adding it.
         params_dtype, device: of the parameters (defaults: torch's defaults).
         init_method: called as ``init_method(weight)`` (default: normal, std 0.023).
+        fuse_wgrad_accumulation: accumulate the weight gradient into ``weight.main_grad``
+            (fp32, allocated by the caller) instead of ``weight.grad``, as
+            :class:`~te_compile.Linear`.
         parallel_mode: "column" or None; sequence_parallel, tp_group, tp_size: as in
             :class:`~te_compile.Linear`.
         parameters_split: named row blocks of the weight, as in :class:`~te_compile.Linear`.
@@ -73,6 +77,7 @@ class LayerNormLinear(NamedSlices, PreNorm):
         tp_group: object = None,
         tp_size: int | None = None,
         parameters_split: dict[str, int] | tuple[str, ...] | None = None,
+        fuse_wgrad_accumulation: bool = False,
     ) -> None:
         super().__init__()
         owner = "LayerNormLinear"
@@ -80,8 +85,9 @@ class LayerNormLinear(NamedSlices, PreNorm):
         check_bool(
             owner, bias=bias, zero_centered_gamma=zero_centered_gamma,
             return_layernorm_output=return_layernorm_output, return_bias=return_bias,
-            sequence_parallel=sequence_parallel,
+            sequence_parallel=sequence_parallel, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
         )  # fmt: skip
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         dtype = params_dtype_or_default(owner, params_dtype)
         self.tp = TensorParallel.create(
             owner, parallel_mode, sequence_parallel, tp_group, tp_size, modes=("column", None)
@@ -129,16 +135,17 @@ class LayerNormLinear(NamedSlices, PreNorm):
     def forward(self, inp: Tensor) -> Tensor | tuple[Tensor, ...]:
         owner = "LayerNormLinear"
         add_bias = not self.return_bias
+        main_grad = weight_main_grad(owner, self.weight) if self.fuse_wgrad_accumulation else None
         if not (self.tp.active or self.return_layernorm_output) and _gemm.quantized():
             # FP8: one op, the norm its prologue (written straight into FP8 on CUDA). In high
             # precision the norm stays an op of its own, which selective activation
             # checkpointing can recompute without recomputing the GEMM.
             norm, bias = self._norm_spec(), self.bias if add_bias else None
-            out = _gemm.linear(owner, self.fp8_meta, inp, self.weight, bias, norm=norm)
+            out = _gemm.linear(owner, self.fp8_meta, inp, self.weight, bias, main_grad, norm=norm)
         else:
 
             def gemm(x: Tensor, bias: Tensor | None) -> Tensor:
-                return _gemm.linear(owner, self.fp8_meta, x, self.weight, bias)
+                return _gemm.linear(owner, self.fp8_meta, x, self.weight, bias, main_grad)
 
             ln_out = self._norm(inp, self.tp, owner)
             out, _ = self.tp.linear(owner, gemm, ln_out, self.bias, add_bias=add_bias)
@@ -153,5 +160,6 @@ class LayerNormLinear(NamedSlices, PreNorm):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, normalization={self.normalization}, eps={self.eps}"
+            + (", fuse_wgrad_accumulation=True" if self.fuse_wgrad_accumulation else "")
             + self.tp.describe()
         )

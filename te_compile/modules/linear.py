@@ -36,6 +36,7 @@ from te_compile.modules._common import (
     default_init_method,
     params_dtype_or_default,
     parse_parameters_split,
+    weight_main_grad,
 )
 from te_compile.quantization import fp8_gemm as _fp8
 from te_compile.quantization import gemm as _gemm
@@ -138,18 +139,9 @@ class Linear(NamedSlices, nn.Module):
         if self.bias is not None:
             self.bias.zero_()
 
-    def _main_grad(self) -> Tensor:
-        main_grad = getattr(self.weight, "main_grad", None)
-        if main_grad is None:
-            raise RuntimeError(
-                "Linear(fuse_wgrad_accumulation=True) needs weight.main_grad: a float32 tensor of "
-                "the weight's shape, e.g. "
-                "`m.weight.main_grad = torch.zeros_like(m.weight, dtype=torch.float32)`"
-            )
-        return main_grad
-
     def forward(self, inp: Tensor) -> Tensor | tuple[Tensor, Tensor | None]:
-        main_grad = self._main_grad() if self.fuse_wgrad_accumulation else None
+        wgrad_fusion = self.fuse_wgrad_accumulation
+        main_grad = weight_main_grad("Linear", self.weight) if wgrad_fusion else None
         if self.tp.mode is None:  # no tensor parallelism: the GEMM alone (the hot path)
             bias = None if self.return_bias else self.bias
             out = _gemm.linear("Linear", self.fp8_meta, inp, self.weight, bias, main_grad)

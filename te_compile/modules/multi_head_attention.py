@@ -222,9 +222,8 @@ class MultiheadAttention(nn.Module):
         if attention_type == "self":
             qkv_split = split(("query", hq), ("key", hkv), ("value", hkv))
             if input_layernorm:
-                _no_wgrad_fusion(owner, fuse_wgrad_accumulation, "input_layernorm=True")
                 self.layernorm_qkv = LayerNormLinear(
-                    hidden_size, hq + 2 * hkv, parameters_split=qkv_split, **norm, **gemm
+                    hidden_size, hq + 2 * hkv, parameters_split=qkv_split, **norm, **wgrad, **gemm
                 )
             else:
                 self.qkv = Linear(
@@ -232,10 +231,10 @@ class MultiheadAttention(nn.Module):
                 )
         else:
             if input_layernorm:
-                _no_wgrad_fusion(owner, fuse_wgrad_accumulation, "input_layernorm=True")
                 self.layernorm_query = LayerNormLinear(
-                    hidden_size, hq, parameters_split=split(("query", hq)), **norm, **gemm
-                )
+                    hidden_size, hq, parameters_split=split(("query", hq)), **norm, **wgrad,
+                    **gemm,
+                )  # fmt: skip
             else:
                 self.query_layer = Linear(hidden_size, hq, **wgrad, **gemm)
             self.key_value = Linear(
@@ -407,14 +406,6 @@ def _group_size(tp_group: object) -> int:
     from te_compile.distributed.tensor_parallel import TensorParallel
 
     return TensorParallel.create("MultiheadAttention", "column", False, tp_group, None).size
-
-
-def _no_wgrad_fusion(owner: str, fuse_wgrad_accumulation: bool, where: str) -> None:
-    if fuse_wgrad_accumulation:
-        raise ValueError(
-            f"{owner}: fuse_wgrad_accumulation=True is not supported with {where} (LayerNormLinear"
-            " does not accumulate into main_grad yet); use input_layernorm=False"
-        )
 
 
 def _unsupported(owner: str, **values: object) -> None:

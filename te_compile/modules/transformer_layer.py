@@ -119,8 +119,8 @@ class TransformerLayer(nn.Module):
             )
         if fuse_wgrad_accumulation:
             raise ValueError(
-                f"{owner}: fuse_wgrad_accumulation=True is not supported yet (LayerNormLinear "
-                "and LayerNormMLP do not accumulate into main_grad)"
+                f"{owner}: fuse_wgrad_accumulation=True is not supported yet (LayerNormMLP "
+                "does not accumulate into main_grad)"
             )
         tp_mlp = {"tp_group": tp_group, "tp_size": tp_size if tp_group is None else None}
         self.hidden_dropout = float(hidden_dropout)

@@ -208,3 +208,25 @@ def test_bad_forward_arguments(qkv, message, mode):
     assert message in str(info.value)
     if mode == "eager":
         assert info.type is ValueError
+
+
+def test_multihead_attention_with_input_layernorm_accumulates_into_main_grad():
+    """fuse_wgrad_accumulation=True with input_layernorm=True: the QKV LayerNormLinear and the
+    projection add their weight gradients into ``weight.main_grad``, as the module without the
+    fusion computes them into ``weight.grad``."""
+    torch.manual_seed(0)
+    kw = {"input_layernorm": True, "attention_dropout": 0.0}
+    plain = te.MultiheadAttention(32, 4, **kw)
+    fused = te.MultiheadAttention(32, 4, fuse_wgrad_accumulation=True, **kw)
+    fused.load_state_dict(plain.state_dict())
+    gemms = [m for m in fused.modules() if isinstance(m, (te.Linear, te.LayerNormLinear))]
+    assert len(gemms) == 2 and all(m.fuse_wgrad_accumulation for m in gemms)
+    for m in gemms:
+        m.weight.main_grad = torch.zeros_like(m.weight, dtype=torch.float32)
+    x = torch.randn(6, 2, 32)
+    fused(x).square().sum().backward()
+    plain(x).square().sum().backward()
+    plain_gemms = [m for m in plain.modules() if isinstance(m, (te.Linear, te.LayerNormLinear))]
+    for m, p in zip(gemms, plain_gemms, strict=True):
+        assert m.weight.grad is None
+        torch.testing.assert_close(m.weight.main_grad, p.weight.grad)

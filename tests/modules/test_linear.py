@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import expecttest
 import pytest
 import torch
@@ -164,3 +166,30 @@ def test_arguments_past_the_sizes_are_keyword_only(make):
     positionally it must fail loudly, not set ``bias``."""
     with pytest.raises(TypeError):
         make()
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("recipe", [None, "current"], ids=["hp", "fp8_current"])
+def test_layernorm_linear_accumulates_into_main_grad(recipe, compiled):
+    """LayerNormLinear(fuse_wgrad_accumulation=True), with the norm an op of its own (high
+    precision) or the FP8 GEMM's prologue: two steps add their weight gradients into
+    ``weight.main_grad`` (fp32), ``weight.grad`` stays None, and the sum equals the module
+    without the fusion; the norm's and the bias's gradients are as usual."""
+    torch.manual_seed(0)
+    plain = te.LayerNormLinear(16, 32)
+    fused = te.LayerNormLinear(16, 32, fuse_wgrad_accumulation=True)
+    fused.load_state_dict(plain.state_dict())
+    with pytest.raises(RuntimeError, match=r"LayerNormLinear\(fuse_wgrad_accumulation=True\)"):
+        fused(torch.randn(2, 16))
+    fused.weight.main_grad = torch.zeros(32, 16)
+    run = torch.compile(fused, fullgraph=True) if compiled else fused
+    ctx = (lambda: te.autocast(recipe=te.recipe.Float8CurrentScaling())) if recipe else nullcontext
+    for _ in range(2):
+        x = torch.randn(32, 16)
+        with ctx():
+            run(x).square().sum().backward()
+            plain(x).square().sum().backward()
+    assert fused.weight.grad is None
+    torch.testing.assert_close(fused.weight.main_grad, plain.weight.grad)
+    for name in ("bias", "layer_norm_weight", "layer_norm_bias"):
+        torch.testing.assert_close(getattr(fused, name).grad, getattr(plain, name).grad)
