@@ -38,6 +38,7 @@ from te_compile.modules._common import (
     check_positive,
     default_init_method,
     params_dtype_or_default,
+    weight_main_grad,
 )
 from te_compile.modules.norm import PreNorm
 from te_compile.quantization import fp8_gemm as _fp8
@@ -80,6 +81,10 @@ class LayerNormMLP(PreNorm):
         eps: the norm's epsilon.
         bias: learn FC1's and FC2's biases.
         activation: any name in ``te.functional.ACTIVATIONS`` or ``GATED_ACTIVATIONS``.
+        fuse_wgrad_accumulation: accumulate FC1's and FC2's weight gradients into
+            ``fc1_weight.main_grad`` / ``fc2_weight.main_grad`` (fp32, allocated by the caller)
+            instead of ``.grad`` (the two GEMMs then run as two linear ops around the
+            activation op: the same values, without ``te::mlp``'s fusion).
         activation_params: the activation's parameters, for ``clamped_swiglu`` only:
             ``{"limit": ..., "alpha": ...}`` (Transformer Engine's keys) and
             ``"glu_linear_offset"`` (default 7.0, 1.702, 1.0).
@@ -113,6 +118,7 @@ class LayerNormMLP(PreNorm):
         sequence_parallel: bool = False,
         tp_group: object = None,
         tp_size: int | None = None,
+        fuse_wgrad_accumulation: bool = False,
     ) -> None:
         super().__init__()
         owner = "LayerNormMLP"
@@ -120,8 +126,9 @@ class LayerNormMLP(PreNorm):
         check_bool(
             owner, bias=bias, zero_centered_gamma=zero_centered_gamma,
             return_layernorm_output=return_layernorm_output, return_bias=return_bias,
-            sequence_parallel=sequence_parallel,
+            sequence_parallel=sequence_parallel, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
         )  # fmt: skip
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         check_choice(owner, "activation", activation, (*ACTIVATIONS, *GATED_ACTIVATIONS))
         self.activation_params = _activation_params(owner, activation, activation_params)
         dtype = params_dtype_or_default(owner, params_dtype)
@@ -203,12 +210,16 @@ class LayerNormMLP(PreNorm):
         the quantisations under FP8; with ``norm``, ``inp`` is normalised inside it)."""
         metas = (self.fc1_fp8_meta, self.fc2_fp8_meta)
         w1, b1, w2 = self.fc1_weight, self.fc1_bias, self.fc2_weight
+        main_grads = None
+        if self.fuse_wgrad_accumulation:
+            main_grads = (weight_main_grad(owner, w1), weight_main_grad(owner, w2))
         return _gemm.mlp(owner, metas, inp, w1, b1, self.activation, w2, fc2_bias, norm,
-                         self.activation_params)  # fmt: skip
+                         self.activation_params, main_grads)  # fmt: skip
 
     def extra_repr(self) -> str:
         return (
             f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
             f"activation={self.activation}, normalization={self.normalization}, eps={self.eps}"
+            + (", fuse_wgrad_accumulation=True" if self.fuse_wgrad_accumulation else "")
             + self.tp.describe().replace("parallel_mode='column', ", "")
         )

@@ -117,11 +117,6 @@ class TransformerLayer(nn.Module):
                 f"{owner}: parallel_attention_mlp=True needs layer_type='encoder', "
                 "apply_residual_connection_post_layernorm=False and output_layernorm=False"
             )
-        if fuse_wgrad_accumulation:
-            raise ValueError(
-                f"{owner}: fuse_wgrad_accumulation=True is not supported yet (LayerNormMLP "
-                "does not accumulate into main_grad)"
-            )
         tp_mlp = {"tp_group": tp_group, "tp_size": tp_size if tp_group is None else None}
         self.hidden_dropout = float(hidden_dropout)
         self.drop_path_rate = float(drop_path_rate)
@@ -164,6 +159,7 @@ class TransformerLayer(nn.Module):
             "qk_norm_type": qk_norm_type,
             "qk_norm_eps": qk_norm_eps,
             "qk_norm_before_rope": qk_norm_before_rope,
+            "fuse_wgrad_accumulation": fuse_wgrad_accumulation,
         }
         self.self_attention = MultiheadAttention(
             hidden_size,
@@ -201,6 +197,7 @@ class TransformerLayer(nn.Module):
             init_method=init_method,
             output_layer_init_method=output_layer_init_method,
             sequence_parallel=sequence_parallel,
+            fuse_wgrad_accumulation=fuse_wgrad_accumulation,
             **(tp_mlp if set_parallel_mode else {}),
         )
         if output_layernorm:

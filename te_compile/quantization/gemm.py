@@ -301,22 +301,26 @@ def mlp(
     fc2_bias: Tensor | None,
     norm: Norm | None = None,
     activation_params: dict[str, float] | None = None,
+    main_grads: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """``fc2(activation(fc1(norm(inp))))`` through ``te::mlp`` with the autocast state's
     recipe (high precision outside it); ``metas``: the two GEMMs' FP8 states, used as two
     :func:`linear` calls would use them (``_FUSE_MLP = False``: two :func:`linear` calls around
     the activation op; also under calibration and with a recipe's ``backward_override``).
     ``activation_params``: keyword arguments of the activation (``clamped_swiglu``'s ``limit``,
-    ``alpha``, ``glu_linear_offset``)."""
+    ``alpha``, ``glu_linear_offset``). ``main_grads``: the two weights' fp32 ``main_grad``
+    buffers (``fuse_wgrad_accumulation``), which the two :func:`linear` calls accumulate into
+    (``te::mlp`` has no such outputs)."""
     act_kw = activation_params or {}
     state = get_autocast_state()
     by_op = state.calibration or (state.enabled and state.recipe.backward_override is not None)
-    if not _FUSE_MLP or by_op:  # op by op: the same bytes
+    if not _FUSE_MLP or by_op or main_grads is not None:  # op by op: the same bytes
+        g1, g2 = main_grads or (None, None)
         if norm is not None:
             inp = _apply_norm(inp, norm)
-        fc1_out = linear(owner, metas[0], inp, fc1_weight, None)
+        fc1_out = linear(owner, metas[0], inp, fc1_weight, None, g1)
         act = F.bias_activation(fc1_out, fc1_bias, activation, **act_kw)
-        return linear(owner, metas[1], act, fc2_weight, fc2_bias)
+        return linear(owner, metas[1], act, fc2_weight, fc2_bias, g2)
     weights = (fc1_weight, fc2_weight)
     args = gemm_args(owner, state, inp, weights, metas)
     kw = {**_norm_kwargs(norm), **args.scalars(), **act_kw}

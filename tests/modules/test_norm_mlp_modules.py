@@ -332,3 +332,31 @@ def test_norm_sequence_parallel_marks_its_parameters(cls):
         cls(16, tp_group=object())
     with pytest.raises(ValueError, match="sequence_parallel must be a bool"):
         cls(16, sequence_parallel="yes")
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("recipe", [None, "current"], ids=["hp", "fp8_current"])
+def test_layernorm_mlp_accumulates_into_main_grad(recipe, compiled):
+    """LayerNormMLP(fuse_wgrad_accumulation=True): two steps add FC1's and FC2's weight
+    gradients into their ``main_grad`` (fp32), ``.grad`` stays None, and the sums equal the
+    module without the fusion; the other parameters' gradients are as usual."""
+    torch.manual_seed(0)
+    plain = te.LayerNormMLP(32, 64, activation="swiglu")
+    fused = te.LayerNormMLP(32, 64, activation="swiglu", fuse_wgrad_accumulation=True)
+    fused.load_state_dict(plain.state_dict())
+    with pytest.raises(RuntimeError, match=r"LayerNormMLP\(fuse_wgrad_accumulation=True\)"):
+        fused(torch.randn(2, 32))
+    for w in (fused.fc1_weight, fused.fc2_weight):
+        w.main_grad = torch.zeros_like(w, dtype=torch.float32)
+    run = torch.compile(fused, fullgraph=True) if compiled else fused
+    ctx = (lambda: te.autocast(recipe=te.recipe.Float8CurrentScaling())) if recipe else nullcontext
+    for _ in range(2):
+        x = torch.randn(32, 32)
+        with ctx():
+            run(x).square().sum().backward()
+            plain(x).square().sum().backward()
+    for name in ("fc1_weight", "fc2_weight"):
+        assert getattr(fused, name).grad is None
+        torch.testing.assert_close(getattr(fused, name).main_grad, getattr(plain, name).grad)
+    for name in ("fc1_bias", "fc2_bias", "layer_norm_weight", "layer_norm_bias"):
+        torch.testing.assert_close(getattr(fused, name).grad, getattr(plain, name).grad)

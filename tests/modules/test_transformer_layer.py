@@ -263,6 +263,28 @@ def test_fused_interleaved_qkv_groups_heads_per_gqa_group():
     torch.testing.assert_close(a(x), b(x))
 
 
+def test_fuse_wgrad_accumulation_puts_every_gemm_weight_gradient_in_main_grad():
+    """TransformerLayer(fuse_wgrad_accumulation=True): QKV, the projection, FC1 and FC2 add
+    their weight gradients into ``main_grad``, as the layer without the fusion computes them."""
+    torch.manual_seed(0)
+    kw = {"hidden_dropout": 0.0, "attention_dropout": 0.0, "activation": "swiglu"}
+    plain = te.TransformerLayer(32, 64, 4, **kw)
+    fused = te.TransformerLayer(32, 64, 4, fuse_wgrad_accumulation=True, **kw)
+    fused.load_state_dict(plain.state_dict())
+    names = ["self_attention.layernorm_qkv.weight", "self_attention.proj.weight",
+             "layernorm_mlp.fc1_weight", "layernorm_mlp.fc2_weight"]  # fmt: skip
+    fused_params, plain_params = dict(fused.named_parameters()), dict(plain.named_parameters())
+    for name in names:
+        w = fused_params[name]
+        w.main_grad = torch.zeros_like(w, dtype=torch.float32)
+    x = torch.randn(6, 2, 32)
+    fused(x).square().sum().backward()
+    plain(x).square().sum().backward()
+    for name in names:
+        assert fused_params[name].grad is None, name
+        torch.testing.assert_close(fused_params[name].main_grad, plain_params[name].grad)
+
+
 def test_hidden_dropout_trains_and_eval_is_deterministic():
     layer = _layer("cpu", hidden_dropout=0.5)
     x = torch.randn(2, 5, H)
