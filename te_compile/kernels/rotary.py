@@ -284,6 +284,12 @@ def rotary(
     d2 = table.shape[1]
     pairs = d2 // 2
     cfg = config or launch_config(size_hint(heads), size_hint(pairs), size_hint(d - d2))
+    unroll = min(cfg.block_h, cfg.head_unroll)
+    if cfg.block_h % unroll:  # a program's last group would reach into the next one's heads
+        raise ValueError(
+            f"RotaryLaunchConfig: block_h ({cfg.block_h}) must be a multiple of head_unroll "
+            f"({cfg.head_unroll}) when larger"
+        )
     rot_chunks = triton.cdiv(pairs, cfg.block_p)
     n_rows = x4.shape[0] * x4.shape[1]
     grid = (
@@ -324,7 +330,7 @@ def rotary(
         BLOCK_H=cfg.block_h,
         BLOCK_P=cfg.block_p,
         BLOCK_C=cfg.block_c,
-        UNROLL=min(cfg.block_h, cfg.head_unroll),
+        UNROLL=unroll,
         num_warps=cfg.num_warps,
     )
     return out

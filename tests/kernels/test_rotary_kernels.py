@@ -120,3 +120,11 @@ def test_launch_config_tiles_are_powers_of_two_and_bounded():
             assert size >= 1 and size & (size - 1) == 0
         assert cfg.block_t * cfg.block_p * 2 <= 4096  # one head step's tile
         assert cfg.block_h <= min(max(heads, 1) * 2, 8) and cfg.block_p <= 64
+
+
+def test_a_head_group_reaching_past_the_program_is_refused():
+    t = torch.randn(4, 2, HEADS, HEAD_DIM)
+    bad = kernels.RotaryLaunchConfig(2, 6, 2, 4, num_warps=4, head_unroll=4)
+    with pytest.raises(ValueError, match=r"block_h \(6\) must be a multiple of head_unroll"):
+        kernels.rotary(t.to(TRITON_DEVICE), torch.randn(8, 1, 1, HEAD_DIM).to(TRITON_DEVICE),
+                       None, "sbhd", False, 1, 0, config=bad)  # fmt: skip
