@@ -85,6 +85,9 @@ class LayerNormMLP(PreNorm):
             ``fc1_weight.main_grad`` / ``fc2_weight.main_grad`` (fp32, allocated by the caller)
             instead of ``.grad`` (the two GEMMs then run as two linear ops around the
             activation op: the same values, without ``te::mlp``'s fusion).
+        checkpoint: recompute the norm, FC1 and the activation in the backward instead of
+            saving their outputs (FC2 is not recomputed); FP8 state included, as
+            :func:`~te_compile.checkpoint` does it.
         activation_params: the activation's parameters, for ``clamped_swiglu`` only:
             ``{"limit": ..., "alpha": ...}`` (Transformer Engine's keys) and
             ``"glu_linear_offset"`` (default 7.0, 1.702, 1.0).
@@ -119,6 +122,7 @@ class LayerNormMLP(PreNorm):
         tp_group: object = None,
         tp_size: int | None = None,
         fuse_wgrad_accumulation: bool = False,
+        checkpoint: bool = False,
     ) -> None:
         super().__init__()
         owner = "LayerNormMLP"
@@ -127,8 +131,10 @@ class LayerNormMLP(PreNorm):
             owner, bias=bias, zero_centered_gamma=zero_centered_gamma,
             return_layernorm_output=return_layernorm_output, return_bias=return_bias,
             sequence_parallel=sequence_parallel, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+            checkpoint=checkpoint,
         )  # fmt: skip
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        self.checkpoint = checkpoint
         check_choice(owner, "activation", activation, (*ACTIVATIONS, *GATED_ACTIVATIONS))
         self.activation_params = _activation_params(owner, activation, activation_params)
         dtype = params_dtype_or_default(owner, params_dtype)
@@ -214,12 +220,13 @@ class LayerNormMLP(PreNorm):
         if self.fuse_wgrad_accumulation:
             main_grads = (weight_main_grad(owner, w1), weight_main_grad(owner, w2))
         return _gemm.mlp(owner, metas, inp, w1, b1, self.activation, w2, fc2_bias, norm,
-                         self.activation_params, main_grads)  # fmt: skip
+                         self.activation_params, main_grads, self.checkpoint)  # fmt: skip
 
     def extra_repr(self) -> str:
         return (
             f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
             f"activation={self.activation}, normalization={self.normalization}, eps={self.eps}"
             + (", fuse_wgrad_accumulation=True" if self.fuse_wgrad_accumulation else "")
+            + (", checkpoint=True" if self.checkpoint else "")
             + self.tp.describe().replace("parallel_mode='column', ", "")
         )

@@ -37,6 +37,7 @@ from te_compile.functional.gemm import PER_TENSOR, blockwise_supported
 from te_compile.quantization.device import is_fp8_block_scaling_available
 from te_compile.quantization.fp8_gemm import FP8GemmState
 from te_compile.quantization.recipe import Recipe
+from te_compile.quantization.recompute import checkpoint
 from te_compile.quantization.state import AutocastState, get_autocast_state
 
 __all__ = [
@@ -302,6 +303,7 @@ def mlp(
     norm: Norm | None = None,
     activation_params: dict[str, float] | None = None,
     main_grads: tuple[Tensor, Tensor] | None = None,
+    recompute_fc1: bool = False,
 ) -> Tensor:
     """``fc2(activation(fc1(norm(inp))))`` through ``te::mlp`` with the autocast state's
     recipe (high precision outside it); ``metas``: the two GEMMs' FP8 states, used as two
@@ -310,16 +312,23 @@ def mlp(
     ``activation_params``: keyword arguments of the activation (``clamped_swiglu``'s ``limit``,
     ``alpha``, ``glu_linear_offset``). ``main_grads``: the two weights' fp32 ``main_grad``
     buffers (``fuse_wgrad_accumulation``), which the two :func:`linear` calls accumulate into
-    (``te::mlp`` has no such outputs)."""
+    (``te::mlp`` has no such outputs). ``recompute_fc1``: the norm, FC1 and the activation
+    are recomputed in the backward (:func:`~te_compile.checkpoint`, FP8 state included) rather
+    than their outputs saved; FC2 runs once."""
     act_kw = activation_params or {}
     state = get_autocast_state()
     by_op = state.calibration or (state.enabled and state.recipe.backward_override is not None)
-    if not _FUSE_MLP or by_op or main_grads is not None:  # op by op: the same bytes
+    by_op = by_op or main_grads is not None or recompute_fc1
+    if not _FUSE_MLP or by_op:  # op by op: the same bytes
         g1, g2 = main_grads or (None, None)
-        if norm is not None:
-            inp = _apply_norm(inp, norm)
-        fc1_out = linear(owner, metas[0], inp, fc1_weight, None, g1)
-        act = F.bias_activation(fc1_out, fc1_bias, activation, **act_kw)
+
+        def fc1_act(x: Tensor) -> Tensor:
+            if norm is not None:
+                x = _apply_norm(x, norm)
+            fc1_out = linear(owner, metas[0], x, fc1_weight, None, g1)
+            return F.bias_activation(fc1_out, fc1_bias, activation, **act_kw)
+
+        act = checkpoint(fc1_act, inp, use_reentrant=False) if recompute_fc1 else fc1_act(inp)
         return linear(owner, metas[1], act, fc2_weight, fc2_bias, g2)
     weights = (fc1_weight, fc2_weight)
     args = gemm_args(owner, state, inp, weights, metas)

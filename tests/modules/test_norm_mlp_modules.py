@@ -360,3 +360,48 @@ def test_layernorm_mlp_accumulates_into_main_grad(recipe, compiled):
         torch.testing.assert_close(getattr(fused, name).main_grad, getattr(plain, name).grad)
     for name in ("fc1_bias", "fc2_bias", "layer_norm_weight", "layer_norm_bias"):
         torch.testing.assert_close(getattr(fused, name).grad, getattr(plain, name).grad)
+
+
+def _saved_bytes(fn) -> int:
+    """Bytes of the tensors autograd saves while ``fn()`` runs."""
+    total = [0]
+
+    def pack(t):
+        total[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return total[0], out
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("recipe", [None, "current"], ids=["hp", "fp8_current"])
+def test_layernorm_mlp_checkpoint_recomputes_fc1(recipe, compiled):
+    """LayerNormMLP(checkpoint=True): the norm, FC1 and the activation are recomputed in the
+    backward, so the forward saves less (eagerly: only the input and what FC2 needs); output
+    and gradients equal the module without it."""
+    torch.manual_seed(0)
+    plain = te.LayerNormMLP(32, 128, activation="swiglu")
+    ckpt = te.LayerNormMLP(32, 128, activation="swiglu", checkpoint=True)
+    ckpt.load_state_dict(plain.state_dict())
+    assert "checkpoint=True" in repr(ckpt)
+    run = torch.compile(ckpt, fullgraph=True) if compiled else ckpt
+    ctx = (lambda: te.autocast(recipe=te.recipe.Float8CurrentScaling())) if recipe else nullcontext
+    x = torch.randn(64, 32, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    with ctx():
+        y_ref = plain(x_ref)
+        y = run(x)
+    torch.testing.assert_close(y, y_ref)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    y_ref.backward(dy)
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    for name, p in ckpt.named_parameters():
+        torch.testing.assert_close(p.grad, dict(plain.named_parameters())[name].grad)
+    if not compiled:
+        with ctx():
+            saved_plain, _ = _saved_bytes(lambda: plain(x_ref))
+            saved_ckpt, _ = _saved_bytes(lambda: ckpt(x))
+        assert saved_ckpt < saved_plain
