@@ -34,12 +34,16 @@ def _samples(name: str, device: str):
     return list(ENTRIES[name].sample_inputs(torch.device(device)))
 
 
+def _n_parts(name: str) -> int:
+    """How many parts op ``name``'s samples (counted on the CPU) make."""
+    return max(1, -(-len(_samples(name, "cpu")) // _PART))
+
+
 def _parts(names: list[str]) -> list:
-    """``(name, part)`` parameters: each op's samples (counted on the CPU) in parts of
-    ``_PART``."""
+    """``(name, part)`` parameters: each op's samples in parts of ``_PART``."""
     params = []
     for name in names:
-        n = max(1, -(-len(_samples(name, "cpu")) // _PART))
+        n = _n_parts(name)
         params += [pytest.param(name, i, id=name if n == 1 else f"{name}[{i}]") for i in range(n)]
     return params
 
@@ -47,9 +51,8 @@ def _parts(names: list[str]) -> list:
 def _part(name: str, device: str, part: int) -> list:
     """Part ``part`` of op ``name``'s samples on ``device`` (the last part takes any samples
     past the CPU's count)."""
-    samples = _samples(name, device)
-    last = -(-len(_samples(name, "cpu")) // _PART) - 1
-    return samples[part * _PART : None if part >= last else (part + 1) * _PART]
+    last = _n_parts(name) - 1
+    return _samples(name, device)[part * _PART : None if part >= last else (part + 1) * _PART]
 
 
 def _clone(args):

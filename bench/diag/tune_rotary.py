@@ -57,7 +57,7 @@ def _grid() -> list:
     for block_t, block_h, unroll, warps in itertools.product(
         (8, 16, 32), (4, 8, 16, 32), (4, 8), (4, 8)
     ):
-        if unroll <= block_h and 2 * block_t * block_h * 64 <= 65536 * 4:
+        if unroll <= block_h:
             configs.append(R.RotaryLaunchConfig(block_t, block_h, 64, 128, warps, unroll))
     return configs
 

@@ -71,6 +71,7 @@ from te_compile._library import SampleInput, differentiable, op
 
 __all__ = [
     "ACTIVATIONS",
+    "CLAMPED_SWIGLU_DEFAULTS",
     "GATED_ACTIVATIONS",
     "activation_backward",
     "activation_forward",
@@ -114,6 +115,8 @@ _FUNCTION = {
 }
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _QGELU_ALPHA = 1.702
+# clamped_swiglu's parameters by name, at their defaults (the ops' signatures spell them out).
+CLAMPED_SWIGLU_DEFAULTS = {"limit": 7.0, "alpha": 1.702, "glu_linear_offset": 1.0}
 _GELU_C = (2.0 / torch.pi) ** 0.5
 
 

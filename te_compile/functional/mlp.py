@@ -41,6 +41,7 @@ from te_compile._checks import check_bool
 from te_compile._library import SampleInput, differentiable, op
 from te_compile.functional.activation import (
     ACTIVATIONS,
+    CLAMPED_SWIGLU_DEFAULTS,
     GATED_ACTIVATIONS,
     activation_backward,
     activation_forward,
@@ -84,7 +85,7 @@ __all__ = ["MLP_ACTIVATIONS", "mlp", "mlp_ref"]
 
 MLP_ACTIVATIONS = (*ACTIVATIONS, *GATED_ACTIVATIONS)
 _E4M3, _E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-_DEFAULT_PARAMS = (7.0, 1.702, 1.0)  # clamped_swiglu's (limit, alpha, glu_linear_offset)
+_DEFAULT_PARAMS = tuple(CLAMPED_SWIGLU_DEFAULTS.values())  # (limit, alpha, glu_linear_offset)
 
 
 class _Args(NamedTuple):

@@ -31,7 +31,12 @@ import torch
 from torch import Tensor, nn
 
 from te_compile.distributed.tensor_parallel import TensorParallel, set_parallel_attributes
-from te_compile.functional.activation import ACTIVATIONS, GATED_ACTIVATIONS, check_gated_params
+from te_compile.functional.activation import (
+    ACTIVATIONS,
+    CLAMPED_SWIGLU_DEFAULTS,
+    GATED_ACTIVATIONS,
+    check_gated_params,
+)
 from te_compile.modules._common import (
     check_bool,
     check_choice,
@@ -46,8 +51,6 @@ from te_compile.quantization import gemm as _gemm
 
 __all__ = ["LayerNormMLP"]
 
-_ACTIVATION_PARAMS = ("limit", "alpha", "glu_linear_offset")
-
 
 def _activation_params(owner: str, activation: str, params: object) -> dict[str, float]:
     """``activation_params`` checked: a dict of ``clamped_swiglu``'s parameters (empty for
@@ -61,12 +64,11 @@ def _activation_params(owner: str, activation: str, params: object) -> dict[str,
             f"{owner}: activation_params are for activation='clamped_swiglu' only (limit, "
             f"alpha, glu_linear_offset); activation={activation!r} takes none, got {params!r}"
         )
-    unknown = sorted(set(params) - set(_ACTIVATION_PARAMS))
+    names = tuple(CLAMPED_SWIGLU_DEFAULTS)
+    unknown = sorted(set(params) - set(names))
     if unknown:
-        raise ValueError(
-            f"{owner}: activation_params keys must be among {_ACTIVATION_PARAMS}, got {unknown}"
-        )
-    full = {"limit": 7.0, "alpha": 1.702, "glu_linear_offset": 1.0, **params}
+        raise ValueError(f"{owner}: activation_params keys must be among {names}, got {unknown}")
+    full = {**CLAMPED_SWIGLU_DEFAULTS, **params}
     check_gated_params(f"{owner}: activation_params", full["limit"], full["alpha"],
                        full["glu_linear_offset"])  # fmt: skip
     return {name: float(value) for name, value in params.items()}
