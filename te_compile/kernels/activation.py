@@ -503,8 +503,16 @@ def activation_backward(
     if m == 0 or n == 0:
         return dx, (torch.zeros_like(bias) if dbias else None)
     cfg = config or rows_config(size_hint(m), n, x.device, dbias=dbias)
-    rows_per_program = cfg.rows_per_program if dbias else cfg.block_m
-    programs = triton.cdiv(m, rows_per_program)
+    if dbias:
+        # The partial buffer's row count comes from the size hint, so under torch.compile with
+        # dynamic shapes it is a constant: a symbolic count would be specialised where it is 1
+        # (a size-1 dim) and the next row count would recompile. The programs then share the
+        # actual rows (a multiple of block_m each); programs past the end write zero partials.
+        programs = max(1, triton.cdiv(size_hint(m), cfg.rows_per_program))
+        rows_per_program = triton.cdiv(triton.cdiv(m, programs), cfg.block_m) * cfg.block_m
+    else:
+        rows_per_program = cfg.block_m
+        programs = triton.cdiv(m, rows_per_program)
     part = torch.empty((programs, n_in), device=x.device, dtype=torch.float32) if dbias else dx
     launch(_rows_bwd_kernel, (programs, triton.cdiv(n, cfg.block_n)))(
         g,
