@@ -154,9 +154,20 @@ def _split_state(module: NamedSlices, state: dict, prefix: str, _metadata: objec
                 state[prefix + name] = whole[start : start + rows]
 
 
-def _fuse_state(module: NamedSlices, state: dict, prefix: str, *_args: object) -> None:
+def _fuse_state(module: NamedSlices, state: dict, prefix: str, *args: object) -> None:
+    error_msgs = args[-1]  # load_state_dict's list of errors (the pre-hook's last argument)
     for kind in ("weight", "bias"):
         names = [n for n, s in module._slices.items() if s[0] == kind]
         if prefix + kind in state or not all(prefix + n in state for n in names):
             continue  # the fused key, or missing parts (load_state_dict names them)
+        whole = getattr(module, kind)
+        bad = [n for n in names if state[prefix + n].shape != getattr(module, n).shape]
+        for n in bad:  # named as the checkpoint has it, not as the fused parameter
+            error_msgs.append(
+                f"size mismatch for {prefix}{n}: copying a param with shape "
+                f"{tuple(state[prefix + n].shape)} from checkpoint, the shape in current model "
+                f"is {tuple(getattr(module, n).shape)}."
+            )
+        if bad or whole is None:
+            continue
         state[prefix + kind] = torch.cat([state.pop(prefix + n) for n in names])
