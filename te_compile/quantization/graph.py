@@ -180,14 +180,13 @@ def make_graphed_callables(
                 f"{_NAME}: {name}={value!r} is not implemented (pipeline-parallel interleaving "
                 f"and capture-time hooks are not supported); pass {default!r}"
             )
-    if pool is not None and not (
-        isinstance(pool, tuple) and all(isinstance(p, int) for p in pool)
-    ):
+    if pool is not None and not (isinstance(pool, tuple) and all(isinstance(p, int) for p in pool)):
         raise TypeError(
             f"{_NAME}: pool must be None or a handle from torch.cuda.graph_pool_handle() "
             f"(a tuple of ints), got {pool!r}"
         )
-    for name, hook in (("pre_warmup_hook", pre_warmup_hook), ("post_warmup_hook", post_warmup_hook)):
+    warmup_hooks = (("pre_warmup_hook", pre_warmup_hook), ("post_warmup_hook", post_warmup_hook))
+    for name, hook in warmup_hooks:
         if hook is not None and not callable(hook):
             raise TypeError(f"{_NAME}: {name} must be callable or None, got {hook!r}")
     if capture_stream is not None and not isinstance(capture_stream, torch.cuda.Stream):
@@ -397,14 +396,16 @@ class _Spec:
 class _Graphs:
     """The captured graphs of one callable and their static tensors."""
 
-    def __init__(self, spec: _Spec, params: tuple[Tensor, ...], training: bool) -> None:
+    def __init__(
+        self, spec: _Spec, params: tuple[Tensor, ...], training: bool, fwd: Any, bwd: Any
+    ) -> None:
         self.spec = spec
         self.params = params
         self.param_ptrs = tuple(p.data_ptr() for p in params)
         self.training = training
         self.surface = spec.tensors + params
-        self.fwd = torch.cuda.CUDAGraph()
-        self.bwd = torch.cuda.CUDAGraph() if training else None
+        self.fwd = fwd  # torch.cuda.CUDAGraph: replay()
+        self.bwd = bwd  # the same, or None for a graph captured in eval mode
         self.outputs: tuple[Tensor, ...] = ()
         self.out_spec = None
         self.out_requires_grad: tuple[bool, ...] = ()
@@ -560,7 +561,8 @@ def _capture(
     graphs = []
     for c, spec in zip(callables, specs, strict=True):
         params = tuple(c.parameters()) if isinstance(c, nn.Module) else ()
-        g = _Graphs(spec, params, training)
+        bwd = torch.cuda.CUDAGraph() if training else None
+        g = _Graphs(spec, params, training, torch.cuda.CUDAGraph(), bwd)
         g.clone_param_grads = clone_param_grads
         graphs.append(g)
     states = _FP8States()
@@ -609,9 +611,9 @@ def _capture(
         gc.disable()  # a graph collected while another is being captured breaks the capture
         try:
             for c, spec, region, g in zip(callables, specs, regions, graphs, strict=True):
-                with torch.cuda.graph(g.fwd, pool=mempool, stream=side):
-                    with torch.set_grad_enabled(training), region:
-                        result = c(*spec.args, **spec.kwargs)
+                capture = torch.cuda.graph(g.fwd, pool=mempool, stream=side)
+                with capture, torch.set_grad_enabled(training), region:
+                    result = c(*spec.args, **spec.kwargs)
                 outs, g.out_spec = tree_flatten(result)
                 for o in outs:
                     if not isinstance(o, Tensor):
