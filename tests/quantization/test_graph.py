@@ -99,8 +99,10 @@ def _resolve(kwargs):
     samples = {"tensor": x, "one": ((x,),), "scalar": (x, 3)}
     if isinstance(call["sample_args"], str):
         call["sample_args"] = samples[call["sample_args"]]
-    if call["modules"] is not lin and isinstance(call["modules"], tuple) and "sample_args" not in (
-        kwargs
+    if (
+        call["modules"] is not lin
+        and isinstance(call["modules"], tuple)
+        and "sample_args" not in (kwargs)
     ):
         call["sample_args"] = tuple((_x(),) for _ in call["modules"])
     return call
@@ -125,9 +127,9 @@ def test_deprecated_names_warn():
         ("fp8_weight_caching", False),
     ):
         # _order stops the call after the renamed arguments are resolved.
-        with pytest.warns(DeprecationWarning, match=f"{old} is deprecated"):
-            with pytest.raises(NotImplementedError, match="_order"):
-                te.make_graphed_callables(_lin(), (_x(),), _order=[1, -1], **{old: value})
+        warns = pytest.warns(DeprecationWarning, match=f"{old} is deprecated")
+        with warns, pytest.raises(NotImplementedError, match="_order"):
+            te.make_graphed_callables(_lin(), (_x(),), _order=[1, -1], **{old: value})
 
 
 def test_module_checks():
@@ -358,8 +360,8 @@ def test_graphed_module_matches_eager(kind, recipe_name):
     out_features = 96 if kind == "Linear" else H
     dy_shape = (*shape[:-1], out_features)
     if recipe is not None:  # one eager step first: delayed scaling's calibration step
-        _step(model, torch.randn(shape, device="cuda", dtype=torch.bfloat16),
-              torch.randn(dy_shape, device="cuda", dtype=torch.bfloat16), kwargs, recipe)  # fmt: skip
+        x0 = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+        _step(model, x0, torch.randn(dy_shape, device="cuda", dtype=torch.bfloat16), kwargs, recipe)
     twin = copy.deepcopy(model)
     states, twin_states = _fp8_states(model), _fp8_states(twin)
     sample = torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
