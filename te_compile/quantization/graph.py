@@ -270,6 +270,11 @@ def _check_callables(callables: tuple, modules: Any) -> None:
                     f"{_NAME}: modules must have no hooks registered when graphed (register "
                     f"them afterwards), got {type(c).__name__} with hooks"
                 )
+            if getattr(c.forward, "_te_graphed", False):
+                raise ValueError(
+                    f"{_NAME}: {type(c).__name__} in modules is already graphed (its forward "
+                    "replays a CUDA graph); graph the original module once"
+                )
             if any(b.requires_grad for b in c.buffers()):
                 raise ValueError(
                     f"{_NAME}: only parameters may require grad in a graphed module; a buffer "
@@ -499,6 +504,7 @@ def _graphed_forward(module: nn.Module, training: bool, replay: Callable) -> Cal
             return replay(*args, **kwargs)
         return eager_forward(*args, **kwargs)
 
+    forward._te_graphed = True
     return forward
 
 
@@ -593,7 +599,7 @@ def _capture(
                     current[0] = i
                     for _ in range(num_warmup_iters):
                         with torch.set_grad_enabled(training), region:
-                            outs, _ = tree_flatten(c(*spec.args, **spec.kwargs))
+                            outs = _tensor_outputs(c(*spec.args, **spec.kwargs), spec)[0]
                         if training:
                             g.outputs = tuple(outs)
                             o, ins = g.grad_targets()
@@ -614,13 +620,7 @@ def _capture(
                 capture = torch.cuda.graph(g.fwd, pool=mempool, stream=side)
                 with capture, torch.set_grad_enabled(training), region:
                     result = c(*spec.args, **spec.kwargs)
-                outs, g.out_spec = tree_flatten(result)
-                for o in outs:
-                    if not isinstance(o, Tensor):
-                        raise TypeError(
-                            f"{_NAME}: callable {spec.index} must return tensors (or nested "
-                            f"tuples/lists/dicts of them), got {type(o).__name__}"
-                        )
+                outs, g.out_spec = _tensor_outputs(result, spec)
                 g.outputs = tuple(outs)
                 g.out_requires_grad = tuple(o.requires_grad for o in outs)
             for g in reversed(graphs) if training else ():
@@ -654,6 +654,17 @@ def _capture(
         else:
             out.append(replay)
     return out
+
+
+def _tensor_outputs(result: Any, spec: _Spec) -> tuple[list[Tensor], Any]:
+    outs, out_spec = tree_flatten(result)
+    for o in outs:
+        if not isinstance(o, Tensor):
+            raise TypeError(
+                f"{_NAME}: callable {spec.index} must return tensors (or nested tuples, lists or "
+                f"dicts of them), got {type(o).__name__}"
+            )
+    return outs, out_spec
 
 
 class _NoGraph:

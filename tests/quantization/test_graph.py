@@ -141,6 +141,10 @@ def test_module_checks():
     lin.register_buffer("extra", torch.zeros(2, requires_grad=True))
     with pytest.raises(ValueError, match="only parameters may require grad"):
         te.make_graphed_callables(lin, (_x(),))
+    lin = _lin()
+    lin.forward = graph_mod._graphed_forward(lin, True, lambda *a: None)
+    with pytest.raises(ValueError, match="already graphed"):
+        te.make_graphed_callables(lin, (_x(),))
     with pytest.raises(ValueError, match="all be in training mode or all in eval mode"):
         te.make_graphed_callables((_lin().train(), _lin().eval()), ((_x(),), (_x(),)))
 
