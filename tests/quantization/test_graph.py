@@ -301,6 +301,143 @@ def test_fp8_states_saved_and_restored():
             assert torch.equal(b, ref)
 
 
+class _FakeGraph:
+    """Stand-in for torch.cuda.CUDAGraph: 'capture' runs the code for real (on the CPU), replay
+    does nothing, so a call with the samples themselves returns what the capture computed."""
+
+    def __init__(self):
+        self.replays = 0
+
+    def replay(self):
+        self.replays += 1
+
+
+class _FakeStream:
+    def wait_stream(self, other):
+        pass
+
+
+@pytest.fixture
+def stand_in_cuda(monkeypatch):
+    """make_graphed_callables' capture path on the CPU: CUDA's graph, stream and RNG calls
+    replaced by stand-ins, so warm-up, capture order, FP8 state restore and the wrapping of the
+    results run here (the GPU tests check the values of real replays)."""
+    import contextlib
+
+    graphs = []
+
+    def fake_graph_class():
+        graphs.append(_FakeGraph())
+        return graphs[-1]
+
+    @contextlib.contextmanager
+    def fake_graph(graph, pool=None, stream=None):
+        yield
+
+    for name, value in (
+        ("is_available", lambda: True),
+        ("CUDAGraph", fake_graph_class),
+        ("graph", fake_graph),
+        ("graph_pool_handle", lambda: (0, 1)),
+        ("Stream", _FakeStream),
+        ("stream", lambda s: contextlib.nullcontext()),
+        ("current_stream", lambda: None),
+        ("synchronize", lambda: None),
+        ("get_rng_state", torch.get_rng_state),
+        ("set_rng_state", torch.set_rng_state),
+    ):
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr(graph_mod._Spec, "check_devices", lambda self: None)
+    # The default recipe asks the (absent) GPU for its compute capability.
+    monkeypatch.setattr(te.quantization.state, "get_default_fp8_recipe", te.recipe.DelayedScaling)
+    return graphs
+
+
+class _Counted(nn.Module):
+    """A te.Linear that notes the autocast state of each run of its Python forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = te.Linear(32, 32, device="cpu")
+        self.runs = []
+
+    def forward(self, x):
+        self.runs.append(te.quantization.get_autocast_state())
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("callable_kind", ["module", "function"])
+def test_capture_path_with_stand_ins(stand_in_cuda, callable_kind):
+    """Warm-up runs num_warmup_iters times under the recipe, then one capture; the FP8 buffers
+    come back as they were (same storage), the states are marked calibrated (delayed), the RNG
+    state is put back, the warm-up hooks run once each; a module comes back as itself with its
+    forward replaced, a function as a graphed function; replays run no Python forward."""
+    torch.manual_seed(0)
+    recipe = te.recipe.DelayedScaling(amax_history_len=4)
+    model = _Counted().train()
+    x = torch.randn(16, 32, requires_grad=True)
+    with te.autocast(recipe=recipe):  # the calibration step
+        model(x).sum().backward()
+    model.runs.clear()
+    (state,) = _fp8_states(model)
+    before = [b.clone() for b in graph_mod._buffers(state)]
+    ptrs = [b.data_ptr() for b in graph_mod._buffers(state)]
+    hooks = []
+    rng = torch.get_rng_state()
+    target = model if callable_kind == "module" else (lambda t: model(t))
+    graphed = te.make_graphed_callables(
+        target, (x,), num_warmup_iters=2, enabled=True, recipe=recipe,
+        pre_warmup_hook=lambda: hooks.append("pre"), post_warmup_hook=lambda: hooks.append("post"),
+    )  # fmt: skip
+    assert len(model.runs) == 3  # two warm-up runs and the capture
+    assert all(r.enabled and r.recipe is recipe for r in model.runs)
+    assert hooks == ["pre", "post"]
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert state.calibrated
+    for b, ref, ptr in zip(graph_mod._buffers(state), before, ptrs, strict=True):
+        assert b.data_ptr() == ptr
+        assert torch.equal(b, ref)
+    if callable_kind == "module":
+        assert graphed is model
+    else:
+        assert not isinstance(graphed, nn.Module)
+    fwd, bwd = stand_in_cuda
+    graphed(x).sum().backward()
+    assert (fwd.replays, bwd.replays) == (1, 1)
+    assert len(model.runs) == 3
+    if callable_kind == "module":
+        model.eval()  # the other mode: the module's own forward
+        model(x)
+        assert len(model.runs) == 4 and fwd.replays == 1
+
+
+def test_capture_failure_leaves_the_module_as_it_was(stand_in_cuda):
+    """An unused input without allow_unused_input: ValueError naming it, and the module keeps
+    its forward, its FP8 buffers and its calibration flag."""
+
+    class TwoInputs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = te.Linear(32, 32, device="cpu")
+
+        def forward(self, x, unused):
+            return self.lin(x)
+
+    module = TwoInputs().train()
+    (state,) = _fp8_states(module)
+    x, unused = torch.randn(16, 32, requires_grad=True), torch.randn(4, requires_grad=True)
+    forward = module.forward
+    with pytest.raises(ValueError, match="allow_unused_input=True"):
+        te.make_graphed_callables(module, (x, unused), enabled=True,
+                                  recipe=te.recipe.DelayedScaling())  # fmt: skip
+    assert module.forward == forward
+    assert not state.calibrated
+    assert not state.amax_history.any()
+    graphed = te.make_graphed_callables(module, (x, unused), allow_unused_input=True)
+    graphed(x, unused).sum().backward()
+    assert unused.grad is None
+
+
 # On a GPU ---------------------------------------------------------------------------------------
 
 RECIPES = {
