@@ -14,6 +14,7 @@ from torch import nn
 
 import te_compile as te
 from te_compile.quantization import graph as graph_mod
+from te_compile.quantization import graph_replay
 from te_compile.quantization.fp8_gemm import FP8GemmState
 from tests.utils import HAS_CUDA, assert_matches_eager, dtype_tols, requires_cuda
 
@@ -142,7 +143,7 @@ def test_module_checks():
     with pytest.raises(ValueError, match="only parameters may require grad"):
         te.make_graphed_callables(lin, (_x(),))
     lin = _lin()
-    lin.forward = graph_mod._graphed_forward(lin, True, lambda *a: None)
+    lin.forward = graph_replay.graphed_forward(lin, True, lambda *a: None)
     with pytest.raises(ValueError, match="already graphed"):
         te.make_graphed_callables(lin, (_x(),))
     with pytest.raises(ValueError, match="all be in training mode or all in eval mode"):
@@ -176,7 +177,7 @@ def _stand_in_graphs(training=True, clone=True):
     x = torch.randn(3, 4, requires_grad=True)
     gate = torch.randn(3, 4)
     w = nn.Parameter(torch.randn(3, 4))
-    spec = graph_mod._Spec(0, (x,), {"gate": gate, "mode": "add"})
+    spec = graph_replay.CallSpec(0, (x,), {"gate": gate, "mode": "add"})
     y = torch.empty(3, 4, requires_grad=True)
     gy, gx, gw = torch.empty(3, 4), torch.empty(3, 4), torch.empty(3, 4)
 
@@ -188,7 +189,7 @@ def _stand_in_graphs(training=True, clone=True):
         gx.copy_(gy * w.detach())
         gw.copy_(gy * x.detach())
 
-    g = graph_mod._Graphs(spec, (w,), training, _StandIn(fwd), _StandIn(bwd))
+    g = graph_replay.CapturedGraphs(spec, (w,), training, _StandIn(fwd), _StandIn(bwd))
     g.outputs, g.out_spec = (y,), torch.utils._pytree.tree_flatten(y)[1]
     g.out_requires_grad = (True,)
     g.grad_outputs = (gy,)
@@ -201,7 +202,7 @@ def test_replay_values_and_gradients():
     """Each call copies its tensors into the static inputs, replays, and its backward returns
     the gradients the backward 'graph' wrote, the parameter's as a copy."""
     g, w = _stand_in_graphs()
-    call = graph_mod._make_replay(g)
+    call = graph_replay.make_replay(g)
     for _ in range(3):
         x = torch.randn(3, 4, requires_grad=True)
         gate = torch.randn(3, 4)
@@ -218,14 +219,14 @@ def test_replay_values_and_gradients():
 
 def test_replay_param_grads_not_cloned():
     g, w = _stand_in_graphs(clone=False)
-    call = graph_mod._make_replay(g)
+    call = graph_replay.make_replay(g)
     call(torch.randn(3, 4, requires_grad=True), gate=torch.randn(3, 4), mode="add").sum().backward()
     assert w.grad.data_ptr() == g.grad_inputs[2].data_ptr()
 
 
 def test_replay_refuses_other_inputs():
     g, w = _stand_in_graphs()
-    call = graph_mod._make_replay(g)
+    call = graph_replay.make_replay(g)
     gate = torch.randn(3, 4)
     x = torch.randn(3, 4, requires_grad=True)
     with pytest.raises(ValueError, match=r"input 0 must match its sample \(shape \(3, 4\)"):
@@ -251,7 +252,7 @@ def test_replay_refuses_other_inputs():
 
 def test_replay_backward_of_an_overwritten_call_raises():
     g, _ = _stand_in_graphs()
-    call = graph_mod._make_replay(g)
+    call = graph_replay.make_replay(g)
     gate = torch.randn(3, 4)
     y1 = call(torch.randn(3, 4, requires_grad=True), gate=gate, mode="add")
     y2 = call(torch.randn(3, 4, requires_grad=True), gate=gate, mode="add")
@@ -270,7 +271,7 @@ def test_graphed_forward_falls_back_in_the_other_mode():
         calls.append(args)
         return "replayed"
 
-    lin.forward = graph_mod._graphed_forward(lin, True, replay)
+    lin.forward = graph_replay.graphed_forward(lin, True, replay)
     x = torch.randn(2, 16)
     assert lin(x) == "replayed"
     lin.eval()
@@ -347,7 +348,7 @@ def stand_in_cuda(monkeypatch):
         ("set_rng_state", torch.set_rng_state),
     ):
         monkeypatch.setattr(torch.cuda, name, value)
-    monkeypatch.setattr(graph_mod._Spec, "check_devices", lambda self: None)
+    monkeypatch.setattr(graph_replay.CallSpec, "check_devices", lambda self: None)
     # The default recipe asks the (absent) GPU for its compute capability.
     monkeypatch.setattr(te.quantization.state, "get_default_fp8_recipe", te.recipe.DelayedScaling)
     return graphs
