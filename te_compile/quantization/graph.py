@@ -140,11 +140,32 @@ def make_graphed_callables(
     callables = (modules,) if single else modules
     _check_callables(callables, modules)
     n = len(callables)
-    args_list = _per_callable("sample_args", sample_args, single, n, (tuple, list))
+    if not isinstance(_reuse_graph_input_output_buffers, bool):
+        raise TypeError(
+            f"{_NAME}: _reuse_graph_input_output_buffers must be a bool, got "
+            f"{_reuse_graph_input_output_buffers!r}"
+        )
+    if _reuse_graph_input_output_buffers:
+        raise NotImplementedError(
+            f"{_NAME}: _reuse_graph_input_output_buffers=True is not implemented (every forward "
+            "pass keeps its own input and output buffers); pass False"
+        )
+    if capture_time_hooks is not None:
+        raise NotImplementedError(
+            f"{_NAME}: capture_time_hooks is not implemented (register hooks on the modules "
+            f"after graphing: they run around each replay); pass None, got {capture_time_hooks!r}"
+        )
+    n_samples = 1 if single or not isinstance(sample_args, (tuple, list)) else len(sample_args)
+    schedule = _Schedule.build(_order, _num_layers_per_chunk, n, n_samples)
+    count = schedule.count_name
+    n_passes = len(schedule.callable_of)
+    args_list = _per_callable("sample_args", sample_args, single, n_passes, (tuple, list), count)
     if sample_kwargs is None:
-        kwargs_list = [{} for _ in range(n)]
+        kwargs_list = [{} for _ in range(n_passes)]
     else:
-        kwargs_list = _per_callable("sample_kwargs", sample_kwargs, single, n, (dict,))
+        kwargs_list = _per_callable(
+            "sample_kwargs", sample_kwargs, single, n_passes, (dict,), count
+        )
     for kwargs in kwargs_list:
         for key in kwargs:
             if not isinstance(key, str):
@@ -156,7 +177,6 @@ def make_graphed_callables(
         ("_clone_param_grads_on_return", _clone_param_grads_on_return),
         ("calibrating", calibrating),
         ("cache_quantized_params", cache_quantized_params),
-        ("_reuse_graph_input_output_buffers", _reuse_graph_input_output_buffers),
     ):
         if not isinstance(value, bool):
             raise TypeError(f"{_NAME}: {name} must be a bool, got {value!r}")
@@ -176,17 +196,6 @@ def make_graphed_callables(
             "te_compile modules keep no FP8 weight cache across micro-batches (their forward "
             "takes no is_first_microbatch); pass False"
         )
-    for name, value, default in (
-        ("_order", _order, None),
-        ("_num_layers_per_chunk", _num_layers_per_chunk, None),
-        ("_reuse_graph_input_output_buffers", _reuse_graph_input_output_buffers, False),
-        ("capture_time_hooks", capture_time_hooks, None),
-    ):
-        if value != default:
-            raise NotImplementedError(
-                f"{_NAME}: {name}={value!r} is not implemented (pipeline-parallel interleaving "
-                f"and capture-time hooks are not supported); pass {default!r}"
-            )
     if pool is not None and not (isinstance(pool, tuple) and all(isinstance(p, int) for p in pool)):
         raise TypeError(
             f"{_NAME}: pool must be None or a handle from torch.cuda.graph_pool_handle() "
@@ -226,6 +235,7 @@ def make_graphed_callables(
     calibrate_off = [delayed and (e or calibrating) for e in enabled_list]
     graphed = _capture(
         callables,
+        schedule,
         specs,
         regions,
         calibrate_off,
@@ -294,7 +304,9 @@ def _check_callables(callables: tuple, modules: Any) -> None:
         )
 
 
-def _per_callable(name: str, value: Any, single: bool, n: int, kinds: tuple) -> list:
+def _per_callable(
+    name: str, value: Any, single: bool, n: int, kinds: tuple, count: str = "callable"
+) -> list:
     if single:
         if not isinstance(value, kinds):
             raise TypeError(
@@ -304,7 +316,7 @@ def _per_callable(name: str, value: Any, single: bool, n: int, kinds: tuple) -> 
         return [value]
     if not isinstance(value, (tuple, list)) or len(value) != n:
         raise ValueError(
-            f"{_NAME}: {name} must be a tuple with one entry per callable ({n}), got {value!r}"
+            f"{_NAME}: {name} must be a tuple with one entry per {count} ({n}), got {value!r}"
         )
     for v in value:
         if not isinstance(v, kinds):
@@ -330,6 +342,113 @@ def _check_enabled(enabled: Any, single: bool, n: int) -> list[bool]:
             f"{_NAME}: enabled must have one entry per callable ({n}), got {len(enabled)}"
         )
     return list(enabled)
+
+
+class _Schedule:
+    """Which callable each forward pass runs, in which order the passes warm up, and the order
+    of the captures (``(True, p)``: forward of pass ``p``; ``(False, p)``: its backward).
+
+    Without ``_order`` each callable is one pass: forwards in order, then backwards in reverse
+    order (the order a chain of them runs in a step). With ``_order`` (Megatron's interleaved
+    pipeline schedule, Transformer Engine's layout): the callables are the layers of
+    ``max(_order)`` model chunks (``_num_layers_per_chunk`` each, or equal shares), every chunk
+    runs ``len(_order) / (2 * chunks)`` micro-batches, and each entry of ``_order`` is a chunk
+    number, positive for the forward of its next micro-batch (its layers in order), negative for
+    the backward of its next one (its layers in reverse order). Pass ``p`` of chunk ``m``,
+    micro-batch ``k``, layer ``l`` is ``first_layer[m] * microbatches + k * layers[m] + l``:
+    ``sample_args`` holds one entry per pass, and the result one graphed forward per pass."""
+
+    def __init__(self, callable_of, warmup, events, count_name) -> None:
+        self.callable_of: list[int] = callable_of
+        self.warmup: list[int] = warmup
+        self.events: list[tuple[bool, int]] = events
+        self.count_name: str = count_name
+        self.interleaved = count_name != "callable"
+
+    @classmethod
+    def build(cls, order: Any, layers: Any, n_callables: int, n_samples: int) -> _Schedule:
+        if order is None:
+            if layers is not None:
+                raise ValueError(
+                    f"{_NAME}: _num_layers_per_chunk is used with _order only, got {layers!r}"
+                )
+            passes = list(range(n_callables))
+            events = [(True, p) for p in passes] + [(False, p) for p in reversed(passes)]
+            return cls(passes, passes, events, "callable")
+        chunks, microbatches = _check_order(order)
+        layers = _layers_per_chunk(layers, chunks, microbatches, n_callables, n_samples)
+        first = [sum(layers[:m]) for m in range(chunks)]
+        callable_of = [0] * (sum(layers) * microbatches)
+        warmup, events = [], []
+        done = {True: [0] * chunks, False: [0] * chunks}
+        for entry in order:
+            forward, m = entry > 0, abs(entry) - 1
+            k = done[forward][m]
+            done[forward][m] += 1
+            steps = range(layers[m]) if forward else reversed(range(layers[m]))
+            for layer in steps:
+                p = first[m] * microbatches + k * layers[m] + layer
+                callable_of[p] = first[m] + layer
+                events.append((forward, p))
+                if forward:
+                    warmup.append(p)
+        return cls(callable_of, warmup, events, "forward pass")
+
+
+def _check_order(order: Any) -> tuple[int, int]:
+    """``(chunks, micro-batches)`` of a valid ``_order``; ValueError/TypeError otherwise."""
+    if not isinstance(order, (list, tuple)) or not order:
+        raise TypeError(f"{_NAME}: _order must be a non-empty list of ints, got {order!r}")
+    if any(isinstance(c, bool) or not isinstance(c, int) or c == 0 for c in order):
+        raise ValueError(
+            f"{_NAME}: _order entries must be non-zero ints (chunk numbers from 1, negative for a "
+            f"backward), got {order!r}"
+        )
+    chunks = max(abs(c) for c in order)
+    microbatches = len(order) // (2 * chunks)
+    counts = {c: order.count(c) for c in range(-chunks, chunks + 1) if c}
+    if microbatches == 0 or any(v != microbatches for v in counts.values()):
+        raise ValueError(
+            f"{_NAME}: _order must hold each chunk 1..{chunks} as often (once per micro-batch) "
+            f"forward (+) and backward (-), got {order!r}"
+        )
+    seen = [0] * (chunks + 1)
+    for c in order:
+        seen[abs(c)] += 1 if c > 0 else -1
+        if seen[abs(c)] < 0:
+            raise ValueError(
+                f"{_NAME}: _order runs a backward of chunk {abs(c)} before its forward: {order!r}"
+            )
+    return chunks, microbatches
+
+
+def _layers_per_chunk(
+    layers: Any, chunks: int, microbatches: int, n_callables: int, n_samples: int
+) -> list[int]:
+    if layers is None:
+        if n_samples % (chunks * microbatches):
+            raise ValueError(
+                f"{_NAME}: sample_args must hold one entry per forward pass, a multiple of "
+                f"{chunks} chunks x {microbatches} micro-batches of _order, got {n_samples}"
+            )
+        layers = [n_samples // (chunks * microbatches)] * chunks
+    elif isinstance(layers, int) and not isinstance(layers, bool):
+        layers = [layers] * chunks
+    if (
+        not isinstance(layers, (list, tuple))
+        or len(layers) != chunks
+        or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in layers)
+    ):
+        raise ValueError(
+            f"{_NAME}: _num_layers_per_chunk must be None, a positive int or {chunks} positive "
+            f"ints (one per chunk of _order), got {layers!r}"
+        )
+    if sum(layers) != n_callables:
+        raise ValueError(
+            f"{_NAME}: modules must hold one callable per layer of the chunks of _order "
+            f"({sum(layers)}), got {n_callables}"
+        )
+    return list(layers)
 
 
 class _FP8States:
@@ -384,12 +503,14 @@ def _grad(outs, ins, grad_outputs, allow_unused: bool, retain_graph: bool) -> tu
 
 
 def _capture(
-    callables, specs, regions, calibrate_off, *, num_warmup_iters, allow_unused_input, pool,
-    retain_graph, clone_param_grads, hooks, stream,
+    callables, schedule, specs, regions, calibrate_off, *, num_warmup_iters, allow_unused_input,
+    pool, retain_graph, clone_param_grads, hooks, stream,
 ) -> list[Callable]:  # fmt: skip
     training = all(c.training for c in callables if isinstance(c, nn.Module))
+    of = schedule.callable_of
     graphs = []
-    for c, spec in zip(callables, specs, strict=True):
+    for p, spec in enumerate(specs):
+        c = callables[of[p]]
         params = tuple(c.parameters()) if isinstance(c, nn.Module) else ()
         bwd = torch.cuda.CUDAGraph() if training else None
         g = CapturedGraphs(spec, params, training, torch.cuda.CUDAGraph(), bwd)
@@ -417,21 +538,11 @@ def _capture(
             if pre is not None:
                 pre()
             with torch.cuda.stream(side):
-                for i, (c, spec, region, g) in enumerate(
-                    zip(callables, specs, regions, graphs, strict=True)
-                ):
-                    current[0] = i
+                for p in schedule.warmup:
+                    current[0] = of[p]
                     for _ in range(num_warmup_iters):
-                        with torch.set_grad_enabled(training), region:
-                            outs = tensor_outputs(c(*spec.args, **spec.kwargs), spec)[0]
-                        if training:
-                            g.outputs = tuple(outs)
-                            o, ins = g.grad_targets()
-                            if o and ins:
-                                grads = tuple(torch.zeros_like(t) for t in o)
-                                _grad(o, ins, grads, allow_unused_input, False)
-                        del outs
-                        g.outputs = ()
+                        _warm_up(callables[of[p]], graphs[p], regions[of[p]], training,
+                                 allow_unused_input)  # fmt: skip
             if post is not None:
                 post()
         finally:
@@ -440,27 +551,12 @@ def _capture(
         gc_was_enabled = gc.isenabled()
         gc.disable()  # a graph collected while another is being captured breaks the capture
         try:
-            for c, spec, region, g in zip(callables, specs, regions, graphs, strict=True):
-                capture = torch.cuda.graph(g.fwd, pool=mempool, stream=side)
-                with capture, torch.set_grad_enabled(training), region:
-                    result = c(*spec.args, **spec.kwargs)
-                outs, g.out_spec = tensor_outputs(result, spec)
-                g.outputs = tuple(outs)
-                g.out_requires_grad = tuple(o.requires_grad for o in outs)
-            for g in reversed(graphs) if training else ():
-                o, ins = g.grad_targets()
-                g.grad_outputs = tuple(
-                    torch.empty_like(t) if t.requires_grad else None for t in g.outputs
-                )
-                grads: tuple = ()
-                if o and ins:
-                    static = tuple(t for t in g.grad_outputs if t is not None)
-                    with torch.cuda.graph(g.bwd, pool=mempool, stream=side):
-                        grads = _grad(o, ins, static, allow_unused_input, retain_graph)
-                it = iter(grads)
-                g.grad_inputs = tuple(next(it) if t.requires_grad else None for t in g.surface)
-                if not (o and ins):
-                    g.bwd = NoGraph()
+            for forward, p in schedule.events:
+                if forward:
+                    _capture_forward(callables[of[p]], graphs[p], regions[of[p]], training,
+                                     mempool, side)  # fmt: skip
+                elif training:
+                    _capture_backward(graphs[p], allow_unused_input, retain_graph, mempool, side)
         finally:
             if gc_was_enabled:
                 gc.enable()
@@ -469,6 +565,12 @@ def _capture(
         torch.cuda.synchronize()
         states.restore(flags=not done)
         torch.cuda.set_rng_state(rng)
+    if schedule.interleaved:  # one graphed forward per pass; the modules keep their forward
+        return [
+            graphed_forward(c, c.training, make_replay(g)) if isinstance(c, nn.Module)
+            else make_replay(g)
+            for c, g in ((callables[of[p]], g) for p, g in enumerate(graphs))
+        ]  # fmt: skip
     out = []
     for c, g in zip(callables, graphs, strict=True):
         replay = make_replay(g)
@@ -478,3 +580,39 @@ def _capture(
         else:
             out.append(replay)
     return out
+
+
+def _warm_up(c, g: CapturedGraphs, region, training: bool, allow_unused: bool) -> None:
+    spec = g.spec
+    with torch.set_grad_enabled(training), region:
+        outs = tensor_outputs(c(*spec.args, **spec.kwargs), spec)[0]
+    if training:
+        g.outputs = tuple(outs)
+        o, ins = g.grad_targets()
+        if o and ins:
+            _grad(o, ins, tuple(torch.zeros_like(t) for t in o), allow_unused, False)
+        g.outputs = ()
+
+
+def _capture_forward(c, g: CapturedGraphs, region, training: bool, mempool, side) -> None:
+    spec = g.spec
+    capture = torch.cuda.graph(g.fwd, pool=mempool, stream=side)
+    with capture, torch.set_grad_enabled(training), region:
+        result = c(*spec.args, **spec.kwargs)
+    outs, g.out_spec = tensor_outputs(result, spec)
+    g.outputs = tuple(outs)
+    g.out_requires_grad = tuple(o.requires_grad for o in outs)
+
+
+def _capture_backward(g: CapturedGraphs, allow_unused: bool, retain_graph: bool, mempool, side):
+    o, ins = g.grad_targets()
+    g.grad_outputs = tuple(torch.empty_like(t) if t.requires_grad else None for t in g.outputs)
+    grads: tuple = ()
+    if o and ins:
+        static = tuple(t for t in g.grad_outputs if t is not None)
+        with torch.cuda.graph(g.bwd, pool=mempool, stream=side):
+            grads = _grad(o, ins, static, allow_unused, retain_graph)
+    else:
+        g.bwd = NoGraph()
+    it = iter(grads)
+    g.grad_inputs = tuple(next(it) if t.requires_grad else None for t in g.surface)

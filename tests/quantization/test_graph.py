@@ -5,6 +5,7 @@ step by step) in bf16 and FP8, shared pools, unused inputs, keyword arguments, f
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 
@@ -69,9 +70,22 @@ BAD_ARGS = [
      "_clone_param_grads_on_return"),
     ("cache_quantized_params", {"cache_quantized_params": True}, NotImplementedError,
      "cache_quantized_params=True"),
-    ("order", {"_order": [1, -1]}, NotImplementedError, "_order="),
-    ("num_layers_per_chunk", {"_num_layers_per_chunk": [1]}, NotImplementedError,
-     "_num_layers_per_chunk"),
+    ("order_type", {"_order": "1,-1"}, TypeError, "_order must be a non-empty list"),
+    ("order_zero", {"_order": [1, 0, -1]}, ValueError, "_order entries must be non-zero"),
+    ("order_counts", {"_order": [1, 1, -1]}, ValueError, "_order must hold each chunk"),
+    ("order_backward_first", {"_order": [-1, 1]}, ValueError,
+     "backward of chunk 1 before its forward"),
+    ("order_samples", {"_order": [1, 2, -2, -1]}, ValueError,
+     "sample_args must hold one entry per forward pass, a multiple of 2 chunks"),
+    ("order_layers", {"_order": [1, -1], "_num_layers_per_chunk": [1, 1]}, ValueError,
+     "_num_layers_per_chunk must be None, a positive int or 1 positive"),
+    ("order_callables", {"_order": [1, -1], "_num_layers_per_chunk": 2}, ValueError,
+     "one callable per layer of the chunks of _order (2), got 1"),
+    ("order_sample_count", {"modules": "two", "_order": [1, -1, 1, -1], "sample_args": "two",
+                            "_num_layers_per_chunk": 2},
+     ValueError, "sample_args must be a tuple with one entry per forward pass (4)"),
+    ("num_layers_per_chunk", {"_num_layers_per_chunk": [1]}, ValueError,
+     "_num_layers_per_chunk is used with _order only"),
     ("reuse_buffers", {"_reuse_graph_input_output_buffers": True}, NotImplementedError,
      "_reuse_graph_input_output_buffers"),
     ("capture_time_hooks", {"capture_time_hooks": [{}]}, NotImplementedError,
@@ -97,7 +111,7 @@ def _resolve(kwargs):
     }
     if isinstance(call["modules"], str):
         call["modules"] = choices[call["modules"]]
-    samples = {"tensor": x, "one": ((x,),), "scalar": (x, 3)}
+    samples = {"tensor": x, "one": ((x,),), "two": ((x,), (_x(),)), "scalar": (x, 3)}
     if isinstance(call["sample_args"], str):
         call["sample_args"] = samples[call["sample_args"]]
     if (
@@ -127,10 +141,10 @@ def test_deprecated_names_warn():
         ("fp8_recipe", te.recipe.DelayedScaling()),
         ("fp8_weight_caching", False),
     ):
-        # _order stops the call after the renamed arguments are resolved.
+        # capture_time_hooks stops the call after the renamed arguments are resolved.
         warns = pytest.warns(DeprecationWarning, match=f"{old} is deprecated")
-        with warns, pytest.raises(NotImplementedError, match="_order"):
-            te.make_graphed_callables(_lin(), (_x(),), _order=[1, -1], **{old: value})
+        with warns, pytest.raises(NotImplementedError, match="capture_time_hooks"):
+            te.make_graphed_callables(_lin(), (_x(),), capture_time_hooks=[{}], **{old: value})
 
 
 def test_module_checks():
@@ -323,8 +337,6 @@ def stand_in_cuda(monkeypatch):
     """make_graphed_callables' capture path on the CPU: CUDA's graph, stream and RNG calls
     replaced by stand-ins, so warm-up, capture order, FP8 state restore and the wrapping of the
     results run here (the GPU tests check the values of real replays)."""
-    import contextlib
-
     graphs = []
 
     def fake_graph_class():
@@ -333,6 +345,7 @@ def stand_in_cuda(monkeypatch):
 
     @contextlib.contextmanager
     def fake_graph(graph, pool=None, stream=None):
+        graph.captured_at = sum(hasattr(g, "captured_at") for g in graphs)
         yield
 
     for name, value in (
@@ -402,7 +415,7 @@ def test_capture_path_with_stand_ins(stand_in_cuda, callable_kind):
         assert graphed is model
     else:
         assert not isinstance(graphed, nn.Module)
-    fwd, bwd = stand_in_cuda
+    bwd, fwd = stand_in_cuda  # made in this order
     graphed(x).sum().backward()
     assert (fwd.replays, bwd.replays) == (1, 1)
     assert len(model.runs) == 3
@@ -410,6 +423,50 @@ def test_capture_path_with_stand_ins(stand_in_cuda, callable_kind):
         model.eval()  # the other mode: the module's own forward
         model(x)
         assert len(model.runs) == 4 and fwd.replays == 1
+
+
+def test_interleaved_order_with_stand_ins(stand_in_cuda):
+    """``_order`` (Megatron's interleaved pipeline schedule): chunk 1 of one layer, chunk 2 of
+    two layers, two micro-batches. Warm-up runs the passes in forward order, the captures follow
+    ``_order`` (a chunk's layers forward in order, backward in reverse), the result is one
+    graphed forward per pass and the modules keep their own forward."""
+    torch.manual_seed(0)
+    layers = tuple(te.Linear(16, 16, device="cpu") for _ in range(3))
+    forwards = [m.forward for m in layers]
+    order = [1, 2, 1, -2, 2, -1, -2, -1]
+    samples = tuple((torch.randn(8, 16, requires_grad=True),) for _ in range(6))
+    seen = []
+
+    def noting(forward, i):
+        def run(t):
+            seen.append(i)
+            return forward(t)
+
+        return run
+
+    wrappers = [noting(f, i) for i, f in enumerate(forwards)]
+    for m, w in zip(layers, wrappers, strict=True):
+        m.forward = w
+    result = te.make_graphed_callables(layers, samples, num_warmup_iters=1, _order=order,
+                                       _num_layers_per_chunk=[1, 2])  # fmt: skip
+    assert len(result) == 6 and not any(isinstance(r, nn.Module) for r in result)
+    # Pass p of chunk m, micro-batch k, layer l: first_layer[m] * 2 + k * layers[m] + l.
+    layer_of_pass = [0, 0, 1, 2, 1, 2]
+    warm_order = [0, 2, 3, 1, 4, 5]
+    assert seen == [layer_of_pass[p] for p in warm_order + warm_order]  # warm-up, then capture
+    graphs = stand_in_cuda
+    bwd = {p: graphs[2 * p] for p in range(6)}
+    fwd = {p: graphs[2 * p + 1] for p in range(6)}
+    events = [("f", 0), ("f", 2), ("f", 3), ("f", 1), ("b", 3), ("b", 2), ("f", 4), ("f", 5),
+              ("b", 0), ("b", 5), ("b", 4), ("b", 1)]  # fmt: skip
+    captured = sorted((g.captured_at, kind, p) for kind, d in (("f", fwd), ("b", bwd))
+                      for p, g in d.items())  # fmt: skip
+    assert [(kind, p) for _, kind, p in captured] == events
+    for p, r in enumerate(result):
+        r(*samples[p]).sum().backward()
+        assert (fwd[p].replays, bwd[p].replays) == (1, 1)
+    assert [m.forward for m in layers] == wrappers  # not replaced under _order
+    assert len(seen) == 12  # replays run no Python forward
 
 
 def test_capture_failure_leaves_the_module_as_it_was(stand_in_cuda):
@@ -757,3 +814,51 @@ def test_eval_mode_graph():
 def test_cpu_samples_refused():
     with pytest.raises(ValueError, match="must be CUDA tensors"):
         te.make_graphed_callables(_lin(), (_x(),))
+
+
+@requires_cuda
+@pytest.mark.parametrize("recipe_name", ["bf16", "delayed"])
+def test_interleaved_pipeline_order(recipe_name):
+    """``_order``: a two-chunk pipeline (chunk 1 a Linear, chunk 2 a LayerNormMLP) with two
+    micro-batches, run in the schedule's order, gives the eager layers' outputs and gradients
+    (accumulated over the micro-batches), FP8 state included."""
+    _skip_without_fp8(recipe_name)
+    torch.manual_seed(0)
+    recipe = RECIPES[recipe_name]() if RECIPES[recipe_name] else None
+    first = te.Linear(H, H, params_dtype=torch.bfloat16, device="cuda").train()
+    second = _module("LayerNormMLP").train()
+
+    def rand(requires_grad=False):
+        return torch.randn(64, H, device="cuda", dtype=torch.bfloat16, requires_grad=requires_grad)
+
+    if recipe is not None:  # delayed scaling's calibration step, eagerly
+        with te.autocast(recipe=recipe):
+            second(first(rand())).backward(rand())
+    twins = copy.deepcopy(first), copy.deepcopy(second)
+    order = [1, 2, 1, 2, -2, -1, -2, -1]
+    # Pass p of chunk m, micro-batch k: m * 2 + k (one layer per chunk).
+    passes = te.make_graphed_callables(
+        (first, second), tuple((rand(True),) for _ in range(4)), _order=order,
+        enabled=recipe is not None, recipe=recipe,
+    )  # fmt: skip
+    chunk1, chunk2 = passes[:2], passes[2:]
+    for _ in range(2):
+        xs, dys = [rand() for _ in range(2)], [rand() for _ in range(2)]
+        results = []
+        eager_region = te.autocast(enabled=recipe is not None, recipe=recipe)
+        for f1, f2, region in (
+            (chunk1, chunk2, contextlib.nullcontext()),
+            ([twins[0]] * 2, [twins[1]] * 2, eager_region),
+        ):
+            for m in (first, second, *twins):
+                m.zero_grad(set_to_none=True)
+            ins = [x.clone().requires_grad_() for x in xs]
+            with region:
+                ys = [f2[k](f1[k](ins[k])) for k in range(2)]
+            for y, dy in zip(ys, dys, strict=True):
+                y.backward(dy)
+            layers = (first, second) if f1 is chunk1 else twins
+            grads = [p.grad.clone() for m in layers for p in m.parameters()]
+            results.append([*(y.detach().clone() for y in ys), *(i.grad for i in ins), *grads])
+        for a, b in zip(*results, strict=True):
+            assert_matches_eager(a, b)
