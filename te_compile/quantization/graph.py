@@ -34,12 +34,16 @@ warm-up), so a function under FP8 needs ``num_warmup_iters >= 1``. A function's 
 differentiates its tensor arguments only: parameters it reads are constants of the graph (graph
 the module to get their gradients).
 
+``_order`` (with ``_num_layers_per_chunk``) is Megatron's interleaved pipeline schedule in
+Transformer Engine's layout (:class:`_Schedule`): one pair of graphs per forward pass (layer x
+micro-batch), captured in the schedule's order, and one graphed forward per pass returned; the
+modules keep their own forward.
+
 Limits: the graphed callables replay fixed shapes and fixed parameter storage (an optimizer
 must update parameters in place); ``cache_quantized_params`` / ``fp8_weight_caching`` (te_compile
-modules keep no FP8 weight cache across micro-batches), ``_order`` / ``_num_layers_per_chunk`` /
-``_reuse_graph_input_output_buffers`` (pipeline-parallel interleaving) and
-``capture_time_hooks`` raise ``NotImplementedError``. Each call's backward must run before the
-next call's forward replays the graph again (the backward of an earlier call raises
+modules keep no FP8 weight cache across micro-batches), ``_reuse_graph_input_output_buffers``
+and ``capture_time_hooks`` raise ``NotImplementedError``. Each call's backward must run before
+the next call's forward replays the same graph (the backward of an earlier call raises
 ``RuntimeError``: the saved tensors it needs were overwritten).
 """
 
@@ -127,6 +131,10 @@ def make_graphed_callables(
     under; ``fp8_enabled``, ``fp8_calibrating``, ``fp8_recipe``, ``fp8_group`` and
     ``fp8_weight_caching`` are their older names (a ``DeprecationWarning``; giving both names of
     one argument raises ``ValueError``).
+
+    ``_order`` / ``_num_layers_per_chunk``: an interleaved pipeline schedule (:class:`_Schedule`);
+    ``sample_args`` then holds one entry per forward pass and the result is one graphed forward
+    per pass.
 
     Returns the graphed callable, or a tuple of them when ``modules`` is a tuple.
     """
