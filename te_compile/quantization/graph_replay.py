@@ -105,7 +105,12 @@ class CallSpec:
 
 
 class CapturedGraphs:
-    """The captured graphs of one callable and their static tensors."""
+    """The graphs of one forward pass (a callable, or under ``_order`` one micro-batch of a
+    layer) and their static tensors: ``surface`` is what the forward graph reads (the sample
+    tensors, then the module's parameters), ``outputs`` what it writes, ``grad_outputs`` /
+    ``grad_inputs`` what the backward graph reads and writes (None where nothing requires
+    grad). ``generation`` counts forward replays, so that a backward can tell whether its
+    forward's saved tensors are still there."""
 
     def __init__(
         self, spec: CallSpec, params: tuple[Tensor, ...], training: bool, fwd: Any, bwd: Any
@@ -182,6 +187,9 @@ class _Replay(torch.autograd.Function):
 
 
 def make_replay(graphs: CapturedGraphs) -> Callable:
+    """The graphed function: check the call against the samples and the parameters' storage,
+    then replay (through :class:`_Replay` when captured with autograd)."""
+
     @torch.compiler.disable
     def graphed(*args: Any, **kwargs: Any) -> Any:
         grad = torch.is_grad_enabled() and graphs.training
@@ -203,6 +211,8 @@ def make_replay(graphs: CapturedGraphs) -> Callable:
 
 
 def graphed_forward(module: nn.Module, training: bool, replay: Callable) -> Callable:
+    """A graphed module's forward: ``replay`` in the training mode the graphs were captured in,
+    the module's own forward in the other mode."""
     eager_forward = module.forward
 
     def forward(*args: Any, **kwargs: Any) -> Any:
@@ -215,6 +225,7 @@ def graphed_forward(module: nn.Module, training: bool, replay: Callable) -> Call
 
 
 def tensor_outputs(result: Any, spec: CallSpec) -> tuple[list[Tensor], Any]:
+    """The flattened outputs of a callable and their structure; TypeError for a non-tensor."""
     outs, out_spec = tree_flatten(result)
     for o in outs:
         if not isinstance(o, Tensor):
