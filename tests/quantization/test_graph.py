@@ -20,6 +20,7 @@ from te_compile.quantization.fp8_gemm import FP8GemmState
 from tests.utils import HAS_CUDA, assert_matches_eager, dtype_tols, requires_cuda
 
 H, FFN, HEADS = 64, 128, 4
+_CUDA_IS_AVAILABLE = torch.cuda.is_available
 
 
 def _fp8_states(module: nn.Module) -> list[FP8GemmState]:
@@ -423,6 +424,24 @@ def test_capture_path_with_stand_ins(stand_in_cuda, callable_kind):
         model.eval()  # the other mode: the module's own forward
         model(x)
         assert len(model.runs) == 4 and fwd.replays == 1
+
+
+def test_graphed_module_inside_a_compiled_region(stand_in_cuda, monkeypatch):
+    """A compiled function that calls a graphed module: the replay is left to eager (a graph
+    break at the call, ``torch.compiler.disable``) and runs, forward and backward."""
+    torch._dynamo.reset()
+    model = te.Linear(32, 32, device="cpu").train()
+    x = torch.randn(16, 32, requires_grad=True)
+    graphed = te.make_graphed_callables(model, (x,))
+    bwd, fwd = stand_in_cuda
+    monkeypatch.setattr(torch.cuda, "is_available", _CUDA_IS_AVAILABLE)  # dynamo asks
+
+    def step(t):
+        return (graphed(t) * 2).sum()
+
+    torch.compile(step, backend="aot_eager")(x).backward()
+    assert (fwd.replays, bwd.replays) == (1, 1)
+    assert x.grad is not None and model.weight.grad is not None
 
 
 def test_interleaved_order_with_stand_ins(stand_in_cuda):
