@@ -118,6 +118,7 @@ class CapturedGraphs:
         self.spec = spec
         self.params = params
         self.param_ptrs = tuple(p.data_ptr() for p in params)
+        self.param_requires_grad = tuple(p.requires_grad for p in params)
         self.training = training
         self.surface = spec.tensors + params
         self.fwd = fwd  # torch.cuda.CUDAGraph: replay()
@@ -194,12 +195,20 @@ def make_replay(graphs: CapturedGraphs) -> Callable:
     def graphed(*args: Any, **kwargs: Any) -> Any:
         grad = torch.is_grad_enabled() and graphs.training
         inputs = graphs.spec.flatten_call(args, kwargs, grad)
-        for p, ptr in zip(graphs.params, graphs.param_ptrs, strict=True):
+        for p, ptr, rg in zip(
+            graphs.params, graphs.param_ptrs, graphs.param_requires_grad, strict=True
+        ):
             if p.data_ptr() != ptr:
                 raise RuntimeError(
                     f"graphed callable {graphs.spec.index}: a parameter's storage changed since "
                     "capture (the graphs read the old one); update parameters in place "
                     "(optimizer.step, p.copy_), not by assigning new tensors"
+                )
+            if grad and p.requires_grad != rg:
+                raise RuntimeError(
+                    f"graphed callable {graphs.spec.index}: a parameter's requires_grad changed "
+                    f"since capture ({rg} -> {p.requires_grad}): the backward graph computes the "
+                    "gradients of the parameters that required grad then; graph the module again"
                 )
         if graphs.training:
             outs = _Replay.apply(graphs, *inputs, *graphs.params)

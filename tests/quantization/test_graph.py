@@ -260,6 +260,10 @@ def test_replay_refuses_other_inputs():
         call(x, gate=gate, mode="add", other=1)
     with pytest.raises(ValueError, match="positional arguments must have sample_args"):
         call(x, x, gate=gate, mode="add")
+    w.requires_grad_(False)
+    with pytest.raises(RuntimeError, match="requires_grad changed since capture"):
+        call(x, gate=gate, mode="add")
+    w.requires_grad_(True)
     w.data = torch.randn(3, 4)
     with pytest.raises(RuntimeError, match="parameter's storage changed"):
         call(x, gate=gate, mode="add")
