@@ -316,6 +316,11 @@ def _per_callable(
     name: str, value: Any, single: bool, n: int, kinds: tuple, count: str = "callable"
 ) -> list:
     if single:
+        if n != 1:
+            raise ValueError(
+                f"{_NAME}: {name} must hold one entry per {count} ({n}): pass modules as a "
+                "tuple and one entry each"
+            )
         if not isinstance(value, kinds):
             raise TypeError(
                 f"{_NAME}: {name} must be a {' or '.join(k.__name__ for k in kinds)} for one "

@@ -85,6 +85,8 @@ BAD_ARGS = [
     ("order_sample_count", {"modules": "two", "_order": [1, -1, 1, -1], "sample_args": "two",
                             "_num_layers_per_chunk": 2},
      ValueError, "sample_args must be a tuple with one entry per forward pass (4)"),
+    ("order_single", {"_order": [1, -1, 1, -1], "_num_layers_per_chunk": 1}, ValueError,
+     r"sample_args must hold one entry per forward pass (2): pass modules as a tuple"),
     ("num_layers_per_chunk", {"_num_layers_per_chunk": [1]}, ValueError,
      "_num_layers_per_chunk is used with _order only"),
     ("reuse_buffers", {"_reuse_graph_input_output_buffers": True}, NotImplementedError,
