@@ -45,6 +45,7 @@ from te_compile.quantization import (
     is_fp8_block_scaling_available,
     is_mxfp8_available,
     is_nvfp4_available,
+    make_graphed_callables,
     quantize,
 )
 
@@ -84,6 +85,7 @@ __all__ = [
     "is_mxfp8_available",
     "is_nvfp4_available",
     "list_ops",
+    "make_graphed_callables",
     "moe_permute",
     "moe_permute_with_probs",
     "moe_sort_chunks_by_index",

@@ -2,7 +2,9 @@
 
 ``recipe``: the recipe dataclasses (TE's names, defaults and mutability). ``state``:
 ``autocast``, ``fp8_autocast`` and ``get_autocast_state``. ``recompute``: ``checkpoint``,
-activation checkpointing that recomputes FP8 modules exactly. ``device``: which recipes the GPU
+activation checkpointing that recomputes FP8 modules exactly. ``graph``:
+``make_graphed_callables``, CUDA graphs of modules' forward and backward with their FP8 state
+updates inside. ``device``: which recipes the GPU
 runs natively, the compute capability.
 """
 
@@ -16,6 +18,7 @@ from te_compile.quantization.device import (
     is_mxfp8_available,
     is_nvfp4_available,
 )
+from te_compile.quantization.graph import make_graphed_callables
 from te_compile.quantization.recipe import (
     DelayedScaling,
     Float8BlockScaling,
@@ -58,5 +61,6 @@ __all__ = [
     "is_fp8_block_scaling_available",
     "is_mxfp8_available",
     "is_nvfp4_available",
+    "make_graphed_callables",
     "quantize",
 ]

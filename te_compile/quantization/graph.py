@@ -1,0 +1,631 @@
+"""CUDA graphs of modules' forward and backward: ``te_compile.make_graphed_callables``.
+
+Transformer Engine's ``make_graphed_callables`` (its signature, its return shape): each callable
+(an ``nn.Module`` or a function) is run ``num_warmup_iters`` times on ``sample_args`` /
+``sample_kwargs`` on a side stream, then its forward and its backward are captured in two CUDA
+graphs (forwards in order, backwards in reverse order, all in one memory pool). A graphed module
+is the same module object with its ``forward`` replaced: called in the training mode it was
+captured in, with tensors like the samples (same structure, shapes, dtypes, devices, and in a
+training step the same ``requires_grad``), it copies the new tensors into the captured inputs,
+replays the forward graph and returns the graph's outputs; its backward replays the backward
+graph. Called in the other mode it runs its original forward; called with other tensors it raises
+``ValueError``. Functions are returned as graphed functions.
+
+**FP8.** Each callable runs under ``te_compile.autocast(enabled, calibrating, recipe,
+amax_reduction_group)`` during warm-up and capture, so the graphs hold the recipe's casts. In
+te_compile every state update of a recipe is a tensor op on module buffers inside the forward
+(``quantization.fp8_gemm``: delayed scaling folds the last amaxes into the history and recomputes
+the scales at the start of each forward; the forward and the backward write their amaxes into
+buffers), so the updates are captured with the casts and happen on every replay, as in eager:
+there is no work left for the end of a step, and no autocast is needed around a replay (the
+recipe is the captured one, whatever autocast the call is made in).
+
+Warm-up and capture run the callables on the samples; like Transformer Engine, the FP8 state
+buffers (history, scales, amaxes) of the modules are saved first and restored after capture (in
+place: the graphs hold their addresses), and so is the CUDA RNG state, so building the graphs
+changes neither. One departure from te_compile's eager path: under ``DelayedScaling`` a fresh
+FP8 state's first step is not the calibration step (current scaling, ``quantization.fp8_gemm``):
+the graphs are captured on the delayed path, and a state that never ran starts, as in
+Transformer Engine, from scales of 1. Run one eager training step under ``te_compile.autocast``
+before graphing to start from measured scales.
+
+The states of a function's modules are found while it runs (a global forward pre-hook during
+warm-up), so a function under FP8 needs ``num_warmup_iters >= 1``. A function's backward graph
+differentiates its tensor arguments only: parameters it reads are constants of the graph (graph
+the module to get their gradients).
+
+``_order`` (with ``_num_layers_per_chunk``) is Megatron's interleaved pipeline schedule in
+Transformer Engine's layout (:class:`_Schedule`): one pair of graphs per forward pass (layer x
+micro-batch), captured in the schedule's order, and one graphed forward per pass returned; the
+modules keep their own forward.
+
+Limits: the graphed callables replay fixed shapes and fixed parameter storage (an optimizer
+must update parameters in place); ``cache_quantized_params`` / ``fp8_weight_caching`` (te_compile
+modules keep no FP8 weight cache across micro-batches), ``_reuse_graph_input_output_buffers``
+and ``capture_time_hooks`` raise ``NotImplementedError``. Each call's backward must run before
+the next call's forward replays the same graph (the backward of an earlier call raises
+``RuntimeError``: the saved tensors it needs were overwritten).
+"""
+
+from __future__ import annotations
+
+import gc
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from te_compile.quantization.device import get_default_fp8_recipe
+from te_compile.quantization.fp8_gemm import FP8GemmState
+from te_compile.quantization.graph_replay import (
+    CallSpec,
+    CapturedGraphs,
+    NoGraph,
+    graphed_forward,
+    make_replay,
+    tensor_outputs,
+)
+from te_compile.quantization.recipe import Recipe
+from te_compile.quantization.state import autocast
+
+__all__ = ["make_graphed_callables"]
+
+_NAME = "make_graphed_callables"
+
+# (older name, current name): TE deprecated the fp8_* arguments in favour of these.
+_RENAMED = (
+    ("fp8_enabled", "enabled"),
+    ("fp8_calibrating", "calibrating"),
+    ("fp8_recipe", "recipe"),
+    ("fp8_group", "amax_reduction_group"),
+    ("fp8_weight_caching", "cache_quantized_params"),
+)
+
+
+def make_graphed_callables(
+    modules: Callable | tuple[Callable, ...],
+    sample_args: tuple[Any, ...],
+    num_warmup_iters: int = 3,
+    allow_unused_input: bool = False,
+    sample_kwargs: dict[str, Any] | tuple[dict[str, Any], ...] | None = None,
+    fp8_enabled: bool | tuple[bool, ...] | None = None,
+    fp8_calibrating: bool | None = None,
+    fp8_recipe: Recipe | None = None,
+    fp8_group: dist.ProcessGroup | None = None,
+    fp8_weight_caching: bool | None = None,
+    enabled: bool | tuple[bool, ...] | None = None,
+    calibrating: bool | None = None,
+    recipe: Recipe | None = None,
+    amax_reduction_group: dist.ProcessGroup | None = None,
+    cache_quantized_params: bool | None = None,
+    _order: list[int] | None = None,
+    _num_layers_per_chunk: list[int] | None = None,
+    pool: tuple[int, ...] | None = None,
+    retain_graph_in_backward: bool = False,
+    _reuse_graph_input_output_buffers: bool = False,
+    _clone_param_grads_on_return: bool = True,
+    pre_warmup_hook: Callable[[], Any] | None = None,
+    post_warmup_hook: Callable[[], Any] | None = None,
+    capture_time_hooks: list[dict[str, dict]] | None = None,
+    capture_stream: torch.cuda.Stream | None = None,
+) -> Callable | tuple[Callable, ...]:
+    """CUDA-graphed versions of ``modules`` (module docstring); Transformer Engine's signature.
+
+    ``modules``: a callable or a tuple of callables (``nn.Module`` or function).
+    ``sample_args``: the positional arguments of the callable (a tuple of tensors), or a tuple of
+    such tuples, one per callable. ``sample_kwargs``: a dict, or a tuple of dicts, of keyword
+    arguments (tensors, or other values that every call must repeat). ``num_warmup_iters``: eager
+    runs before capture. ``allow_unused_input``: allow inputs (and parameters) that the outputs do
+    not depend on (their gradient is None). ``pool``: a ``torch.cuda.graph_pool_handle()`` to
+    share with other graphs. ``retain_graph_in_backward``: capture the backward with
+    ``retain_graph=True``. ``_clone_param_grads_on_return``: return parameter gradients as copies
+    (False: views of the graph's buffers, overwritten by the next replay). ``pre_warmup_hook`` /
+    ``post_warmup_hook``: called once before / after all warm-up runs. ``capture_stream``: the
+    stream warm-up and capture run on (default: a new one).
+
+    ``enabled`` (a bool, or one per callable), ``calibrating``, ``recipe`` (None: the default
+    recipe) and ``amax_reduction_group``: the ``te_compile.autocast`` the callables are captured
+    under; ``fp8_enabled``, ``fp8_calibrating``, ``fp8_recipe``, ``fp8_group`` and
+    ``fp8_weight_caching`` are their older names (a ``DeprecationWarning``; giving both names of
+    one argument raises ``ValueError``).
+
+    ``_order`` / ``_num_layers_per_chunk``: an interleaved pipeline schedule (:class:`_Schedule`);
+    ``sample_args`` then holds one entry per forward pass and the result is one graphed forward
+    per pass.
+
+    Returns the graphed callable, or a tuple of them when ``modules`` is a tuple.
+    """
+    given = locals()
+    resolved = _resolve_renamed(given)
+    enabled, calibrating = resolved["enabled"], resolved["calibrating"]
+    recipe, group = resolved["recipe"], resolved["amax_reduction_group"]
+    cache_quantized_params = resolved["cache_quantized_params"]
+
+    single = not isinstance(modules, tuple)
+    callables = (modules,) if single else modules
+    _check_callables(callables, modules)
+    n = len(callables)
+    if not isinstance(_reuse_graph_input_output_buffers, bool):
+        raise TypeError(
+            f"{_NAME}: _reuse_graph_input_output_buffers must be a bool, got "
+            f"{_reuse_graph_input_output_buffers!r}"
+        )
+    if _reuse_graph_input_output_buffers:
+        raise NotImplementedError(
+            f"{_NAME}: _reuse_graph_input_output_buffers=True is not implemented (every forward "
+            "pass keeps its own input and output buffers); pass False"
+        )
+    if capture_time_hooks is not None:
+        raise NotImplementedError(
+            f"{_NAME}: capture_time_hooks is not implemented (register hooks on the modules "
+            f"after graphing: they run around each replay); pass None, got {capture_time_hooks!r}"
+        )
+    n_samples = 1 if single or not isinstance(sample_args, (tuple, list)) else len(sample_args)
+    schedule = _Schedule.build(_order, _num_layers_per_chunk, n, n_samples)
+    count = schedule.count_name
+    n_passes = len(schedule.callable_of)
+    args_list = _per_callable("sample_args", sample_args, single, n_passes, (tuple, list), count)
+    if sample_kwargs is None:
+        kwargs_list = [{} for _ in range(n_passes)]
+    else:
+        kwargs_list = _per_callable(
+            "sample_kwargs", sample_kwargs, single, n_passes, (dict,), count
+        )
+    for kwargs in kwargs_list:
+        for key in kwargs:
+            if not isinstance(key, str):
+                raise TypeError(f"{_NAME}: sample_kwargs keys must be strings, got {key!r}")
+    _check_int("num_warmup_iters", num_warmup_iters)
+    for name, value in (
+        ("allow_unused_input", allow_unused_input),
+        ("retain_graph_in_backward", retain_graph_in_backward),
+        ("_clone_param_grads_on_return", _clone_param_grads_on_return),
+        ("calibrating", calibrating),
+        ("cache_quantized_params", cache_quantized_params),
+    ):
+        if not isinstance(value, bool):
+            raise TypeError(f"{_NAME}: {name} must be a bool, got {value!r}")
+    enabled_list = _check_enabled(enabled, single, n)
+    if recipe is not None and not isinstance(recipe, Recipe):
+        raise TypeError(
+            f"{_NAME}: recipe must be a Recipe (e.g. DelayedScaling()) or None, got {recipe!r}"
+        )
+    if group is not None and not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+        raise TypeError(
+            f"{_NAME}: amax_reduction_group must be a torch.distributed.ProcessGroup or None, "
+            f"got {group!r}"
+        )
+    if cache_quantized_params:
+        raise NotImplementedError(
+            f"{_NAME}: cache_quantized_params=True (fp8_weight_caching) is not implemented: "
+            "te_compile modules keep no FP8 weight cache across micro-batches (their forward "
+            "takes no is_first_microbatch); pass False"
+        )
+    if pool is not None and not (isinstance(pool, tuple) and all(isinstance(p, int) for p in pool)):
+        raise TypeError(
+            f"{_NAME}: pool must be None or a handle from torch.cuda.graph_pool_handle() "
+            f"(a tuple of ints), got {pool!r}"
+        )
+    warmup_hooks = (("pre_warmup_hook", pre_warmup_hook), ("post_warmup_hook", post_warmup_hook))
+    for name, hook in warmup_hooks:
+        if hook is not None and not callable(hook):
+            raise TypeError(f"{_NAME}: {name} must be callable or None, got {hook!r}")
+    if capture_stream is not None and not isinstance(capture_stream, torch.cuda.Stream):
+        raise TypeError(
+            f"{_NAME}: capture_stream must be a torch.cuda.Stream or None, got {capture_stream!r}"
+        )
+    specs = [CallSpec(i, a, k) for i, (a, k) in enumerate(zip(args_list, kwargs_list, strict=True))]
+    fp8_used = any(enabled_list) or calibrating
+    if fp8_used and num_warmup_iters == 0 and not all(isinstance(c, nn.Module) for c in callables):
+        raise ValueError(
+            f"{_NAME}: num_warmup_iters must be >= 1 when a function (not an nn.Module) runs "
+            "under FP8 (enabled or calibrating): its modules' FP8 state is found while it runs "
+            f"in warm-up, got {num_warmup_iters}"
+        )
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            f"{_NAME}: CUDA graphs need a CUDA GPU, and torch.cuda.is_available() is False"
+        )
+    for spec in specs:
+        spec.check_devices()
+    if torch.is_autocast_enabled("cuda") and torch.is_autocast_cache_enabled():
+        raise RuntimeError(
+            f"{_NAME}: torch.autocast's weight cast cache cannot be captured in a CUDA graph; "
+            "enter torch.autocast with cache_enabled=False"
+        )
+    if fp8_used and recipe is None:
+        recipe = get_default_fp8_recipe()
+    regions = [autocast(e, calibrating, recipe, group) for e in enabled_list]
+    delayed = recipe is not None and recipe.delayed()
+    calibrate_off = [delayed and (e or calibrating) for e in enabled_list]
+    graphed = _capture(
+        callables,
+        schedule,
+        specs,
+        regions,
+        calibrate_off,
+        num_warmup_iters=num_warmup_iters,
+        allow_unused_input=allow_unused_input,
+        pool=pool,
+        retain_graph=retain_graph_in_backward,
+        clone_param_grads=_clone_param_grads_on_return,
+        hooks=(pre_warmup_hook, post_warmup_hook),
+        stream=capture_stream,
+    )
+    return graphed[0] if single else tuple(graphed)
+
+
+def _resolve_renamed(given: dict[str, Any]) -> dict[str, Any]:
+    defaults = {"enabled": False, "calibrating": False, "cache_quantized_params": False}
+    out = {}
+    for old, new in _RENAMED:
+        value = given[new]
+        if given[old] is not None:
+            if value is not None:
+                raise ValueError(
+                    f"{_NAME}: {old} is the deprecated name of {new}; give one of them, "
+                    f"got {old}={given[old]!r} and {new}={value!r}"
+                )
+            warnings.warn(
+                f"{_NAME}: {old} is deprecated, use {new}", DeprecationWarning, stacklevel=3
+            )
+            value = given[old]
+        out[new] = defaults.get(new) if value is None else value
+    return out
+
+
+def _check_callables(callables: tuple, modules: Any) -> None:
+    if not callables:
+        raise ValueError(f"{_NAME}: modules must hold at least one callable, got ()")
+    seen = set()
+    for c in callables:
+        if not callable(c):
+            raise TypeError(
+                f"{_NAME}: modules must be a callable or a tuple of callables, got {modules!r}"
+            )
+        if id(c) in seen:
+            raise ValueError(f"{_NAME}: modules holds {c!r} twice; each callable is graphed once")
+        seen.add(id(c))
+        if isinstance(c, nn.Module):
+            if c._forward_hooks or c._forward_pre_hooks or c._backward_hooks:
+                raise ValueError(
+                    f"{_NAME}: modules must have no hooks registered when graphed (register "
+                    f"them afterwards), got {type(c).__name__} with hooks"
+                )
+            if getattr(c.forward, "_te_graphed", False):
+                raise ValueError(
+                    f"{_NAME}: {type(c).__name__} in modules is already graphed (its forward "
+                    "replays a CUDA graph); graph the original module once"
+                )
+            if any(b.requires_grad for b in c.buffers()):
+                raise ValueError(
+                    f"{_NAME}: only parameters may require grad in a graphed module; a buffer "
+                    f"of {type(c).__name__} has requires_grad=True"
+                )
+    modes = {c.training for c in callables if isinstance(c, nn.Module)}
+    if len(modes) > 1:
+        raise ValueError(
+            f"{_NAME}: the modules must all be in training mode or all in eval mode, got both"
+        )
+
+
+def _per_callable(
+    name: str, value: Any, single: bool, n: int, kinds: tuple, count: str = "callable"
+) -> list:
+    if single:
+        if n != 1:
+            raise ValueError(
+                f"{_NAME}: {name} must hold one entry per {count} ({n}): pass modules as a "
+                "tuple and one entry each"
+            )
+        if not isinstance(value, kinds):
+            raise TypeError(
+                f"{_NAME}: {name} must be a {' or '.join(k.__name__ for k in kinds)} for one "
+                f"callable, got {type(value).__name__}"
+            )
+        return [value]
+    if not isinstance(value, (tuple, list)) or len(value) != n:
+        raise ValueError(
+            f"{_NAME}: {name} must be a tuple with one entry per {count} ({n}), got {value!r}"
+        )
+    for v in value:
+        if not isinstance(v, kinds):
+            raise TypeError(
+                f"{_NAME}: each entry of {name} must be a "
+                f"{' or '.join(k.__name__ for k in kinds)}, got {type(v).__name__}"
+            )
+    return list(value)
+
+
+def _check_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{_NAME}: {name} must be an int >= 0, got {value!r}")
+
+
+def _check_enabled(enabled: Any, single: bool, n: int) -> list[bool]:
+    if isinstance(enabled, bool):
+        return [enabled] * n
+    if not isinstance(enabled, tuple) or not all(isinstance(e, bool) for e in enabled):
+        raise TypeError(f"{_NAME}: enabled must be a bool or a tuple of bools, got {enabled!r}")
+    if len(enabled) != n:
+        raise ValueError(
+            f"{_NAME}: enabled must have one entry per callable ({n}), got {len(enabled)}"
+        )
+    return list(enabled)
+
+
+class _Schedule:
+    """Which callable each forward pass runs, in which order the passes warm up, and the order
+    of the captures (``(True, p)``: forward of pass ``p``; ``(False, p)``: its backward).
+
+    Without ``_order`` each callable is one pass: forwards in order, then backwards in reverse
+    order (the order a chain of them runs in a step). With ``_order`` (Megatron's interleaved
+    pipeline schedule, Transformer Engine's layout): the callables are the layers of
+    ``max(_order)`` model chunks (``_num_layers_per_chunk`` each, or equal shares), every chunk
+    runs ``len(_order) / (2 * chunks)`` micro-batches, and each entry of ``_order`` is a chunk
+    number, positive for the forward of its next micro-batch (its layers in order), negative for
+    the backward of its next one (its layers in reverse order). Pass ``p`` of chunk ``m``,
+    micro-batch ``k``, layer ``l`` is ``first_layer[m] * microbatches + k * layers[m] + l``:
+    ``sample_args`` holds one entry per pass, and the result one graphed forward per pass."""
+
+    def __init__(self, callable_of, warmup, events, count_name) -> None:
+        self.callable_of: list[int] = callable_of
+        self.warmup: list[int] = warmup
+        self.events: list[tuple[bool, int]] = events
+        self.count_name: str = count_name
+        self.interleaved = count_name != "callable"
+
+    @classmethod
+    def build(cls, order: Any, layers: Any, n_callables: int, n_samples: int) -> _Schedule:
+        if order is None:
+            if layers is not None:
+                raise ValueError(
+                    f"{_NAME}: _num_layers_per_chunk is used with _order only, got {layers!r}"
+                )
+            passes = list(range(n_callables))
+            events = [(True, p) for p in passes] + [(False, p) for p in reversed(passes)]
+            return cls(passes, passes, events, "callable")
+        chunks, microbatches = _check_order(order)
+        layers = _layers_per_chunk(layers, chunks, microbatches, n_callables, n_samples)
+        first = [sum(layers[:m]) for m in range(chunks)]
+        callable_of = [0] * (sum(layers) * microbatches)
+        warmup, events = [], []
+        done = {True: [0] * chunks, False: [0] * chunks}
+        for entry in order:
+            forward, m = entry > 0, abs(entry) - 1
+            k = done[forward][m]
+            done[forward][m] += 1
+            steps = range(layers[m]) if forward else reversed(range(layers[m]))
+            for layer in steps:
+                p = first[m] * microbatches + k * layers[m] + layer
+                callable_of[p] = first[m] + layer
+                events.append((forward, p))
+                if forward:
+                    warmup.append(p)
+        return cls(callable_of, warmup, events, "forward pass")
+
+
+def _check_order(order: Any) -> tuple[int, int]:
+    """``(chunks, micro-batches)`` of a valid ``_order``; ValueError/TypeError otherwise."""
+    if not isinstance(order, (list, tuple)) or not order:
+        raise TypeError(f"{_NAME}: _order must be a non-empty list of ints, got {order!r}")
+    if any(isinstance(c, bool) or not isinstance(c, int) or c == 0 for c in order):
+        raise ValueError(
+            f"{_NAME}: _order entries must be non-zero ints (chunk numbers from 1, negative for a "
+            f"backward), got {order!r}"
+        )
+    chunks = max(abs(c) for c in order)
+    microbatches = len(order) // (2 * chunks)
+    counts = {c: order.count(c) for c in range(-chunks, chunks + 1) if c}
+    if microbatches == 0 or any(v != microbatches for v in counts.values()):
+        raise ValueError(
+            f"{_NAME}: _order must hold each chunk 1..{chunks} as often (once per micro-batch) "
+            f"forward (+) and backward (-), got {order!r}"
+        )
+    seen = [0] * (chunks + 1)
+    for c in order:
+        seen[abs(c)] += 1 if c > 0 else -1
+        if seen[abs(c)] < 0:
+            raise ValueError(
+                f"{_NAME}: _order runs a backward of chunk {abs(c)} before its forward: {order!r}"
+            )
+    return chunks, microbatches
+
+
+def _layers_per_chunk(
+    layers: Any, chunks: int, microbatches: int, n_callables: int, n_samples: int
+) -> list[int]:
+    if layers is None:
+        if n_samples % (chunks * microbatches):
+            raise ValueError(
+                f"{_NAME}: sample_args must hold one entry per forward pass, a multiple of "
+                f"{chunks} chunks x {microbatches} micro-batches of _order, got {n_samples}"
+            )
+        layers = [n_samples // (chunks * microbatches)] * chunks
+    elif isinstance(layers, int) and not isinstance(layers, bool):
+        layers = [layers] * chunks
+    if (
+        not isinstance(layers, (list, tuple))
+        or len(layers) != chunks
+        or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in layers)
+    ):
+        raise ValueError(
+            f"{_NAME}: _num_layers_per_chunk must be None, a positive int or {chunks} positive "
+            f"ints (one per chunk of _order), got {layers!r}"
+        )
+    if sum(layers) != n_callables:
+        raise ValueError(
+            f"{_NAME}: modules must hold one callable per layer of the chunks of _order "
+            f"({sum(layers)}), got {n_callables}"
+        )
+    return list(layers)
+
+
+class _FP8States:
+    """The FP8 states the callables use, saved before warm-up and put back after capture."""
+
+    def __init__(self) -> None:
+        self.saved: dict[int, tuple[FP8GemmState, bool, list[Tensor]]] = {}
+        self.seen: set[int] = set()
+
+    def add(self, root: nn.Module, calibrate_off: bool) -> None:
+        if id(root) in self.seen:
+            return
+        self.seen.add(id(root))
+        for m in root.modules():
+            if isinstance(m, FP8GemmState) and id(m) not in self.saved:
+                copies = [b.detach().clone() for b in _buffers(m)]
+                self.saved[id(m)] = (m, m.calibrated, copies)
+                # The graphs hold the delayed path (module docstring), never the calibration one.
+                if calibrate_off:
+                    m.calibrated = True
+
+    def restore(self, flags: bool) -> None:
+        with torch.no_grad():
+            for state, calibrated, copies in self.saved.values():
+                for buffer, saved in zip(_buffers(state), copies, strict=True):
+                    buffer.copy_(saved)
+                if flags:
+                    state.calibrated = calibrated
+
+
+def _buffers(state: FP8GemmState) -> tuple[Tensor, ...]:
+    return (state.amax_history, state.scale, state.fwd_amax, state.grad_amax)
+
+
+def _grad(outs, ins, grad_outputs, allow_unused: bool, retain_graph: bool) -> tuple:
+    try:
+        return torch.autograd.grad(
+            outs,
+            ins,
+            grad_outputs=grad_outputs,
+            only_inputs=True,
+            allow_unused=allow_unused,
+            retain_graph=retain_graph,
+        )
+    except RuntimeError as err:
+        if "appears to not have been used" in str(err):
+            raise ValueError(
+                f"{_NAME}: an input or parameter that requires grad is not used by the "
+                "callable's outputs; pass allow_unused_input=True (its gradient is then None)"
+            ) from err
+        raise
+
+
+def _capture(
+    callables, schedule, specs, regions, calibrate_off, *, num_warmup_iters, allow_unused_input,
+    pool, retain_graph, clone_param_grads, hooks, stream,
+) -> list[Callable]:  # fmt: skip
+    training = all(c.training for c in callables if isinstance(c, nn.Module))
+    of = schedule.callable_of
+    graphs = []
+    for p, spec in enumerate(specs):
+        c = callables[of[p]]
+        params = tuple(c.parameters()) if isinstance(c, nn.Module) else ()
+        bwd = torch.cuda.CUDAGraph() if training else None
+        g = CapturedGraphs(spec, params, training, torch.cuda.CUDAGraph(), bwd)
+        g.clone_param_grads = clone_param_grads
+        graphs.append(g)
+    states = _FP8States()
+    for c, off in zip(callables, calibrate_off, strict=True):
+        if isinstance(c, nn.Module):
+            states.add(c, off)
+    current = [0]
+
+    def discover(module: nn.Module, _args: Any) -> None:
+        states.add(module, calibrate_off[current[0]])
+
+    rng = torch.cuda.get_rng_state()
+    mempool = torch.cuda.graph_pool_handle() if pool is None else pool
+    side = torch.cuda.Stream() if stream is None else stream
+    done = False
+    try:
+        torch.cuda.synchronize()
+        side.wait_stream(torch.cuda.current_stream())
+        hook = nn.modules.module.register_module_forward_pre_hook(discover)
+        try:
+            pre, post = hooks
+            if pre is not None:
+                pre()
+            with torch.cuda.stream(side):
+                for p in schedule.warmup:
+                    current[0] = of[p]
+                    for _ in range(num_warmup_iters):
+                        _warm_up(callables[of[p]], graphs[p], regions[of[p]], training,
+                                 allow_unused_input)  # fmt: skip
+            if post is not None:
+                post()
+        finally:
+            hook.remove()
+        torch.cuda.synchronize()
+        gc_was_enabled = gc.isenabled()
+        gc.disable()  # a graph collected while another is being captured breaks the capture
+        try:
+            for forward, p in schedule.events:
+                if forward:
+                    _capture_forward(callables[of[p]], graphs[p], regions[of[p]], training,
+                                     mempool, side)  # fmt: skip
+                elif training:
+                    _capture_backward(graphs[p], allow_unused_input, retain_graph, mempool, side)
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+        done = True
+    finally:
+        torch.cuda.synchronize()
+        states.restore(flags=not done)
+        torch.cuda.set_rng_state(rng)
+    if schedule.interleaved:  # one graphed forward per pass; the modules keep their forward
+        return [
+            graphed_forward(c, c.training, make_replay(g)) if isinstance(c, nn.Module)
+            else make_replay(g)
+            for c, g in ((callables[of[p]], g) for p, g in enumerate(graphs))
+        ]  # fmt: skip
+    out = []
+    for c, g in zip(callables, graphs, strict=True):
+        replay = make_replay(g)
+        if isinstance(c, nn.Module):
+            c.forward = graphed_forward(c, c.training, replay)
+            out.append(c)
+        else:
+            out.append(replay)
+    return out
+
+
+def _warm_up(c, g: CapturedGraphs, region, training: bool, allow_unused: bool) -> None:
+    spec = g.spec
+    with torch.set_grad_enabled(training), region:
+        outs = tensor_outputs(c(*spec.args, **spec.kwargs), spec)[0]
+    if training:
+        g.outputs = tuple(outs)
+        o, ins = g.grad_targets()
+        if o and ins:
+            _grad(o, ins, tuple(torch.zeros_like(t) for t in o), allow_unused, False)
+        g.outputs = ()
+
+
+def _capture_forward(c, g: CapturedGraphs, region, training: bool, mempool, side) -> None:
+    spec = g.spec
+    capture = torch.cuda.graph(g.fwd, pool=mempool, stream=side)
+    with capture, torch.set_grad_enabled(training), region:
+        result = c(*spec.args, **spec.kwargs)
+    outs, g.out_spec = tensor_outputs(result, spec)
+    g.outputs = tuple(outs)
+    g.out_requires_grad = tuple(o.requires_grad for o in outs)
+
+
+def _capture_backward(g: CapturedGraphs, allow_unused: bool, retain_graph: bool, mempool, side):
+    o, ins = g.grad_targets()
+    g.grad_outputs = tuple(torch.empty_like(t) if t.requires_grad else None for t in g.outputs)
+    grads: tuple = ()
+    if o and ins:
+        static = tuple(t for t in g.grad_outputs if t is not None)
+        with torch.cuda.graph(g.bwd, pool=mempool, stream=side):
+            grads = _grad(o, ins, static, allow_unused, retain_graph)
+    else:
+        g.bwd = NoGraph()
+    it = iter(grads)
+    g.grad_inputs = tuple(next(it) if t.requires_grad else None for t in g.surface)
