@@ -2,6 +2,7 @@
 
 Basic ops (``nn.Module``\\ s, Transformer Engine's names) and what they compute::
 
+    Linear (BasicLinear + Bias container, TE's state_dict keys)
     BasicLinear (x W^T)   Bias (x + b)   GroupedLinear (per-group x_g W_g^T + b_g; m_splits extra)
     GELU QGELU ReLU SReLU SiLU   GLU GEGLU QGEGLU ReGLU SReGLU SwiGLU ClampedSwiGLU
     LayerNorm RMSNorm L2Normalization   Dropout(p)   Quantize
@@ -36,10 +37,18 @@ from te_compile.ops.fused import (
     ForwardLinearBiasActivation,
     ForwardLinearBiasAdd,
     ForwardLinearScaleAdd,
+    register_backward_fusion,
+    register_forward_backward_fusion,
+    register_forward_fusion,
 )
-from te_compile.ops.linear import BasicLinear, Bias, GroupedLinear
+from te_compile.ops.linear import BasicLinear, Bias, GroupedLinear, Linear
 from te_compile.ops.norm import L2Normalization, LayerNorm, RMSNorm
-from te_compile.ops.op import BasicOperation, FusedOperation
+from te_compile.ops.op import (
+    BasicOperation,
+    FusedOperation,
+    FusibleOperation,
+    OperationContext,
+)
 from te_compile.ops.quantize import Quantize
 from te_compile.ops.sequential import Sequential
 from te_compile.ops.structural import (
@@ -73,11 +82,14 @@ __all__ = [
     "ForwardLinearBiasAdd",
     "ForwardLinearScaleAdd",
     "FusedOperation",
+    "FusibleOperation",
     "GroupedLinear",
     "Identity",
     "L2Normalization",
     "LayerNorm",
+    "Linear",
     "MakeExtraOutput",
+    "OperationContext",
     "Quantize",
     "RMSNorm",
     "ReGLU",
@@ -89,4 +101,7 @@ __all__ = [
     "Sequential",
     "SiLU",
     "SwiGLU",
+    "register_backward_fusion",
+    "register_forward_backward_fusion",
+    "register_forward_fusion",
 ]

@@ -23,7 +23,15 @@ from typing import Any
 from torch import Tensor, nn
 
 from te_compile.ops.fused import fuse as _fuse
-from te_compile.ops.op import BasicOperation, FusedOperation, OpOutput
+from te_compile.ops.fused import user_fusions_version
+from te_compile.ops.op import (
+    BasicOperation,
+    FusedOperation,
+    FusibleOperation,
+    OpOutput,
+    step_forward,
+)
+from te_compile.quantization.state import get_autocast_state
 
 __all__ = ["Sequential"]
 
@@ -58,22 +66,44 @@ class Sequential(nn.Sequential):
 
     # The plan ------------------------------------------------------------------------------
 
-    def _replan(self) -> None:
+    def _plan(self, recipe: Any = None) -> tuple[Any, ...]:
         steps: list[Any] = []
         run: list[BasicOperation] = []
         for module in self._modules.values():
             if isinstance(module, BasicOperation):
                 run.append(module)
                 continue
-            steps.extend(_fuse(run) if self._fuse else run)
+            if isinstance(module, FusibleOperation) and module.is_fused_op:
+                run.extend(module.basic_ops)  # a container (ops.Linear): the fuser sees through
+                continue
+            steps.extend(_fuse(run, recipe) if self._fuse else run)
             run = []
             steps.append(_ModuleStep(module))
-        steps.extend(_fuse(run) if self._fuse else run)
+        steps.extend(_fuse(run, recipe) if self._fuse else run)
+        return tuple(steps)
+
+    def _replan(self) -> None:
+        steps = self._plan()
         # Plain attributes (not submodules): fused ops own nothing, and the basic ops stay the
-        # registered children, so state_dict, .to() and optimizers see only them.
-        object.__setattr__(self, "_steps", tuple(steps))
+        # registered children, so state_dict, .to() and optimizers see only them. Plans for
+        # other recipes (user fusions get the recipe) are made on first use.
+        object.__setattr__(self, "_steps", steps)
+        object.__setattr__(self, "_plans", {(None, user_fusions_version()): steps})
         object.__setattr__(self, "_num_extra_inputs", sum(s.num_extra_inputs for s in steps))
         object.__setattr__(self, "_planning", True)
+
+    def _steps_for_call(self) -> tuple[Any, ...]:
+        version = user_fusions_version()
+        if not version:
+            return self._steps
+        state = get_autocast_state()
+        recipe = state.recipe if state.enabled else None
+        key = (None if recipe is None else type(recipe), version)
+        steps = self._plans.get(key)
+        if steps is None:
+            steps = self._plan(recipe)
+            self._plans[key] = steps
+        return steps
 
     @property
     def fuse(self) -> bool:
@@ -88,10 +118,10 @@ class Sequential(nn.Sequential):
     def fusions(self) -> list[tuple[str, tuple[str, ...]]]:
         """The fused ops of the plan: ``[(fused op name, (names of its modules, ...)), ...]``,
         e.g. ``[("ForwardLinearBiasActivation", ("0", "1", "2"))]``; empty without fusion."""
-        names = {id(m): name for name, m in self._modules.items()}
+        names = {id(m): name for name, m in self.named_modules() if name}
         return [
             (step.name, tuple(names[id(op)] for op in step.basic_ops))
-            for step in self._steps
+            for step in self._steps_for_call()
             if isinstance(step, FusedOperation)
         ]
 
@@ -126,9 +156,9 @@ class Sequential(nn.Sequential):
                 f"(one per AddExtraInput, in order), got {len(extra_inputs)}"
             )
         x, pos, extra_outputs = input, 0, ()
-        for step in self._steps:
+        for step in self._steps_for_call():
             n = step.num_extra_inputs
-            x, extra = step.op_forward(x, extra_inputs[pos : pos + n])
+            x, extra = step_forward(step, x, extra_inputs[pos : pos + n])
             pos += n
             extra_outputs = extra_outputs + extra
         return (x, *extra_outputs) if extra_outputs else x
