@@ -32,6 +32,7 @@ around it, so the fuser sees through it, as in Transformer Engine.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -269,12 +270,15 @@ class _TEProtocol(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy: Tensor, *grad_extra_outputs: Tensor):
         saved = ctx.saved_tensors
+        # Fresh contexts carrying the forward's attributes (torch.compile traces the backward
+        # and does not let it mutate objects made in the forward).
+        op_ctxs = []
         for op_ctx, (start, end) in zip(ctx.op_ctxs, ctx.ranges, strict=True):
-            op_ctx.saved_tensors = tuple(saved[start:end])
+            fresh = copy.copy(op_ctx)
+            fresh.saved_tensors = tuple(saved[start:end])
+            op_ctxs.append(fresh)
         per_op = _split(grad_extra_outputs, ctx.extra_output_counts)
-        dx, dparams, dextra = _te_backward(ctx.step, ctx.op_ctxs, dy, per_op)
-        for op_ctx in ctx.op_ctxs:
-            op_ctx.saved_tensors = None
+        dx, dparams, dextra = _te_backward(ctx.step, op_ctxs, dy, per_op)
         grads_params = []
         for dp, n in zip(dparams, ctx.param_counts, strict=True):
             dp = tuple(dp) if dp is not None else (None,) * n
