@@ -5,6 +5,7 @@ Basic ops (``nn.Module``\\ s, Transformer Engine's names) and what they compute:
     Linear (BasicLinear + Bias container, TE's state_dict keys)
     BasicLinear (x W^T)   Bias (x + b)   GroupedLinear (per-group x_g W_g^T + b_g; m_splits extra)
     GELU QGELU ReLU SReLU SiLU   GLU GEGLU QGEGLU ReGLU SReGLU SwiGLU ClampedSwiGLU
+    ScaledSwiGLU ScaledClampedQGeGLU (gated, times the extra input scales)
     LayerNorm RMSNorm L2Normalization   Dropout(p)   Quantize
     Identity Reshape ConstantScale   AddExtraInput (residual add)   MakeExtraOutput (branch)
     AllGather AllReduce ReduceScatter (functional collectives; identity without a group)
@@ -22,6 +23,8 @@ from te_compile.ops.activation import (
     ClampedSwiGLU,
     ReGLU,
     ReLU,
+    ScaledClampedQGeGLU,
+    ScaledSwiGLU,
     SiLU,
     SReGLU,
     SReLU,
@@ -98,6 +101,8 @@ __all__ = [
     "Reshape",
     "SReGLU",
     "SReLU",
+    "ScaledClampedQGeGLU",
+    "ScaledSwiGLU",
     "Sequential",
     "SiLU",
     "SwiGLU",

@@ -9,6 +9,13 @@ reads the halves from alternating blocks of ``k`` columns (the layout of an inte
 
 After a ``Bias`` (or ``BasicLinear, Bias``) the fuser gives the bias to the activation kernel,
 whose backward returns the bias gradient from the same pass.
+
+Post-scaled gated activations (Transformer Engine's mixture-of-experts ops, one extra input
+``scales`` of the input's shape without its last dim, e.g. the router's per-token weights):
+``ScaledSwiGLU`` (:math:`\mathrm{silu}(a)\,l\,s`) and ``ScaledClampedQGeGLU`` (the
+``ClampedSwiGLU`` math times :math:`s`). The activation is the te op, the product with
+``scales`` a broadcast multiply that autograd differentiates (``scales`` gets
+:math:`\sum_j \mathrm{act}_j\,dy_j`).
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from typing import ClassVar
 from torch import Tensor
 
 from te_compile import functional as F
-from te_compile._checks import check_finite, check_positive_finite
+from te_compile._checks import check_bool, check_finite, check_positive_finite
 from te_compile.ops.op import BasicOperation, OpOutput
 
 __all__ = [
@@ -32,6 +39,8 @@ __all__ = [
     "ReLU",
     "SReGLU",
     "SReLU",
+    "ScaledClampedQGeGLU",
+    "ScaledSwiGLU",
     "SiLU",
     "SwiGLU",
 ]
@@ -174,3 +183,66 @@ class ClampedSwiGLU(_GatedActivation):
         base = super().extra_repr()
         own = f"limit={self.limit}, alpha={self.alpha}, glu_linear_offset={self.glu_linear_offset}"
         return f"{own}, {base}" if base else own
+
+
+class _ScaledGLU(_GatedActivation):
+    """A gated activation times the extra input ``scales`` (``[...]``: the input's shape without
+    its last dim), broadcast over the output's last dim."""
+
+    num_extra_inputs = 1
+
+    def __init__(
+        self,
+        glu_interleave_size: int | None = None,
+        activation_recompute_in_mlp: bool = False,
+    ) -> None:
+        super().__init__(glu_interleave_size=glu_interleave_size)
+        check_bool(type(self).__name__, activation_recompute_in_mlp=activation_recompute_in_mlp)
+        if activation_recompute_in_mlp:
+            raise NotImplementedError(
+                f"{type(self).__name__}: activation_recompute_in_mlp=True needs TE's fused "
+                "grouped-MLP kernels, which te_compile does not have; pass False"
+            )
+        self.activation_recompute_in_mlp = activation_recompute_in_mlp
+
+    def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
+        (scales,) = extra_inputs
+        if scales.shape != x.shape[:-1]:
+            raise ValueError(
+                f"{type(self).__name__}: scales (the extra input) must have the input's shape "
+                f"without its last dim, {tuple(x.shape[:-1])}, got {tuple(scales.shape)}"
+            )
+        y = self.apply(x, None)
+        return y * scales.unsqueeze(-1).to(y.dtype), ()
+
+
+class ScaledSwiGLU(_ScaledGLU):
+    r""":math:`\mathrm{silu}(a)\,l\,s` with ``scales`` :math:`s` the extra input."""
+
+    activation = "swiglu"
+
+
+class ScaledClampedQGeGLU(_ScaledGLU):
+    r"""``ClampedSwiGLU``'s :math:`c\,\sigma(\alpha c)\,(\mathrm{clamp}(l, -L, L) + o)` times
+    the extra input ``scales``; ``limit``, ``alpha``, ``glu_linear_offset`` as there."""
+
+    activation = "clamped_swiglu"
+
+    def __init__(
+        self,
+        glu_interleave_size: int | None = None,
+        activation_recompute_in_mlp: bool = False,
+        *,
+        limit: float = 7.0,
+        alpha: float = 1.702,
+        glu_linear_offset: float = 1.0,
+    ) -> None:
+        super().__init__(glu_interleave_size, activation_recompute_in_mlp)
+        check_positive_finite("ScaledClampedQGeGLU", limit=limit, alpha=alpha)
+        check_finite("ScaledClampedQGeGLU", glu_linear_offset=glu_linear_offset)
+        self.limit, self.alpha = float(limit), float(alpha)
+        self.glu_linear_offset = float(glu_linear_offset)
+
+    def config(self) -> tuple[int, float, float, float]:
+        k = self.glu_interleave_size or 0
+        return (k, self.limit, self.alpha, self.glu_linear_offset)

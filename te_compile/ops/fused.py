@@ -92,8 +92,11 @@ class ForwardLinearBiasActivation(FusedOperation):
 
     @classmethod
     def accepts(cls, basic_ops: Sequence[BasicOperation]) -> bool:
+        act = _find(basic_ops, _Activation)
+        if act is not None and act.num_extra_inputs:  # ScaledSwiGLU: scales are not fused
+            return False
         # Row-parallel: the activation applies to the reduced sum, after the collective.
-        return _tp_mode(basic_ops[0]) != "row" or _find(basic_ops, _Activation) is None
+        return _tp_mode(basic_ops[0]) != "row" or act is None
 
     def __init__(self, basic_ops: Sequence[BasicOperation]) -> None:
         super().__init__(basic_ops)
@@ -171,6 +174,10 @@ class BackwardLinearAdd(FusedOperation):
 class BackwardActivationBias(FusedOperation):
     """``Bias, activation``: one activation op with the bias; its backward returns the bias
     gradient from the activation backward's pass."""
+
+    @classmethod
+    def accepts(cls, basic_ops: Sequence[BasicOperation]) -> bool:
+        return not basic_ops[1].num_extra_inputs
 
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
         bias, act = self.basic_ops

@@ -346,3 +346,77 @@ def test_make_extra_output_in_place_gradients_add_up():
     (y.sum() + 2 * branch.sum()).backward()
     (torch.relu(x_ref).sum() + 2 * x_ref.sum()).backward()
     assert_close(x.grad, x_ref.grad, torch.float32)
+
+
+# ScaledSwiGLU / ScaledClampedQGeGLU ------------------------------------------------------------
+
+
+def _halves(x, k):
+    h = x.shape[-1] // 2
+    if not k:
+        return x[..., :h], x[..., h:]
+    blocks = x.reshape(*x.shape[:-1], h // k, 2, k)
+    return blocks[..., 0, :].reshape(*x.shape[:-1], h), blocks[..., 1, :].reshape(*x.shape[:-1], h)
+
+
+def _scaled_swiglu_ref(x, s, k):
+    a, lin = _halves(x, k)
+    return torch.nn.functional.silu(a) * lin * s.unsqueeze(-1)
+
+
+def _scaled_clamped_ref(x, s, k, limit=7.0, alpha=1.702, offset=1.0):
+    a, lin = _halves(x, k)
+    c = a.clamp(max=limit)
+    return c * torch.sigmoid(alpha * c) * (lin.clamp(-limit, limit) + offset) * s.unsqueeze(-1)
+
+
+SCALED = [
+    ("swiglu", lambda k: ops.ScaledSwiGLU(k), _scaled_swiglu_ref),
+    ("clamped", lambda k: ops.ScaledClampedQGeGLU(k), _scaled_clamped_ref),
+    (
+        "clamped_params",
+        lambda k: ops.ScaledClampedQGeGLU(k, limit=0.75, alpha=1.5, glu_linear_offset=0.5),
+        lambda x, s, k: _scaled_clamped_ref(x, s, k, 0.75, 1.5, 0.5),
+    ),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [None, 2])
+@pytest.mark.parametrize(("make", "ref"), [c[1:] for c in SCALED], ids=[c[0] for c in SCALED])
+def test_scaled_glu_matches_reference_with_scales_gradient(make, ref, k, dtype, device):
+    torch.manual_seed(0)
+    x_ref, x = make_reference_and_test_tensors((3, 5, 12), dtype=dtype, device=device)
+    x.data *= 3  # reach the clamps
+    x_ref.data = x.detach().to("cpu", torch.float64)
+    s_ref, s = make_reference_and_test_tensors((3, 5), dtype=dtype, device=device)
+    op = make(k)
+    y = ops.Sequential(op)(x, s)
+    y_ref = ref(x_ref, s_ref, k)
+    assert_close(y, y_ref, dtype, roundings=2)
+    _backward(y, y_ref)
+    assert_close(x.grad, x_ref.grad, dtype, roundings=3)
+    assert_close(s.grad, s_ref.grad, dtype, roundings=3, reduced=True)
+
+
+def test_scaled_glu_after_linear_bias_is_not_fused_with_its_scales_and_compiles():
+    torch.manual_seed(0)
+    seq = ops.Sequential(ops.BasicLinear(8, 12), ops.Bias(12), ops.ScaledSwiGLU())
+    assert seq.fusions() == [("ForwardLinearBiasActivation", ("0", "1"))]
+    x = torch.randn(4, 8, requires_grad=True)
+    s = torch.rand(4, requires_grad=True)
+    assert_single_graph(seq, x, s)
+    compiled, _ = compile_counted(seq, backend="aot_eager")
+    assert_close(compiled(x, s), seq(x, s).double(), torch.float32)
+
+
+def test_scaled_glu_bad_arguments():
+    with pytest.raises(ValueError, match="scales"):
+        ops.ScaledSwiGLU()(torch.randn(2, 4), torch.randn(2, 1))
+    with pytest.raises(NotImplementedError, match="activation_recompute_in_mlp"):
+        ops.ScaledSwiGLU(activation_recompute_in_mlp=True)
+    with pytest.raises(ValueError, match="limit"):
+        ops.ScaledClampedQGeGLU(limit=-1.0)
+    with pytest.raises(ValueError, match="glu_interleave_size"):
+        ops.ScaledSwiGLU(0)
