@@ -93,8 +93,8 @@ class ForwardLinearBiasActivation(FusedOperation):
     @classmethod
     def accepts(cls, basic_ops: Sequence[BasicOperation]) -> bool:
         act = _find(basic_ops, _Activation)
-        if act is not None and act.num_extra_inputs:  # ScaledSwiGLU: scales are not fused
-            return False
+        if act is not None and (act.num_extra_inputs or act.cache_quantized_input):
+            return False  # ScaledSwiGLU's scales; an FP8-cached input
         # Row-parallel: the activation applies to the reduced sum, after the collective.
         return _tp_mode(basic_ops[0]) != "row" or act is None
 
@@ -177,7 +177,8 @@ class BackwardActivationBias(FusedOperation):
 
     @classmethod
     def accepts(cls, basic_ops: Sequence[BasicOperation]) -> bool:
-        return not basic_ops[1].num_extra_inputs
+        act = basic_ops[1]
+        return not (act.num_extra_inputs or act.cache_quantized_input)
 
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
         bias, act = self.basic_ops

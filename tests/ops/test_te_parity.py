@@ -420,3 +420,86 @@ def test_scaled_glu_bad_arguments():
         ops.ScaledClampedQGeGLU(limit=-1.0)
     with pytest.raises(ValueError, match="glu_interleave_size"):
         ops.ScaledSwiGLU(0)
+
+
+# cache_quantized_input ---------------------------------------------------------------------------
+
+
+def _e4m3_current_qdq(x64: torch.Tensor) -> torch.Tensor:
+    """float64 reference of TE's cache quantiser: E4M3 with the tensor's current scale."""
+    scale = torch.tensor(448.0, dtype=torch.float32) / x64.abs().max().to(torch.float32)
+    q = (x64 * scale.double()).clamp(-448, 448).to(torch.float32).to(torch.float8_e4m3fn)
+    return q.double() * scale.reciprocal().double()
+
+
+CACHED = [
+    ("gelu", lambda: ops.GELU(cache_quantized_input=True), lambda x: torch.nn.functional.gelu(x, approximate="tanh")),  # noqa: E501
+    ("srelu", lambda: ops.SReLU(cache_quantized_input=True), lambda x: torch.relu(x).square()),
+    ("swiglu", lambda: ops.SwiGLU(cache_quantized_input=True), lambda x: _scaled_swiglu_ref(x, torch.ones(x.shape[:-1], dtype=x.dtype), None)),  # noqa: E501
+    ("clamped_k2", lambda: ops.ClampedSwiGLU(cache_quantized_input=True, glu_interleave_size=2), lambda x: _scaled_clamped_ref(x, torch.ones(x.shape[:-1], dtype=x.dtype), 2)),  # noqa: E501
+]  # fmt: skip
+
+
+def _saved_bytes(fn):
+    """Bytes of the tensors autograd saves while ``fn()`` runs, and its result."""
+    sizes = []
+
+    def pack(t):
+        sizes.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(sizes), out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("make", "ref"), [c[1:] for c in CACHED], ids=[c[0] for c in CACHED])
+def test_cache_quantized_input_saves_fp8_and_backward_uses_it(make, ref, dtype, device):
+    torch.manual_seed(0)
+    x_ref, x = make_reference_and_test_tensors((6, 5, 16), dtype=dtype, device=device)
+    x.data *= 3
+    x_ref.data = x.detach().to("cpu", torch.float64)
+    op = make()
+    saved, y = _saved_bytes(lambda: op(x))
+    assert saved <= x.numel() + 64, "one byte per element (+ the scale)"
+    plain = type(op)(**{k: v for k, v in _ctor(op).items() if k != "cache_quantized_input"})
+    plain_saved, y_plain = _saved_bytes(lambda: plain(x))
+    assert plain_saved >= x.numel() * x.element_size()
+    assert torch.equal(y, y_plain), "the forward is the exact activation"
+    assert_close(y, ref(x_ref), dtype)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    # the gradient at the dequantised FP8 input (rounded to the input's dtype), as in TE
+    xq = _e4m3_current_qdq(x_ref.detach()).to(dtype).double().requires_grad_()
+    ref(xq).backward(dy.double().cpu())
+    assert_close(x.grad, xq.grad, dtype, roundings=2)
+    x_exact = x_ref.detach().requires_grad_()
+    ref(x_exact).backward(dy.double().cpu())
+    assert not torch.allclose(x.grad.double().cpu(), x_exact.grad, rtol=1e-3, atol=1e-3)
+
+
+def _ctor(op):
+    kw = {"cache_quantized_input": op.cache_quantized_input}
+    if getattr(op, "glu_interleave_size", None):
+        kw["glu_interleave_size"] = op.glu_interleave_size
+    return kw
+
+
+def test_cache_quantized_input_compiles_and_is_not_fused():
+    torch.manual_seed(0)
+    seq = ops.Sequential(ops.BasicLinear(8, 16), ops.Bias(16), ops.GELU(cache_quantized_input=True))
+    assert seq.fusions() == [("ForwardLinearBiasActivation", ("0", "1"))]
+    x = torch.randn(4, 8, requires_grad=True)
+    assert_single_graph(seq, x)
+    compiled, _ = compile_counted(seq, backend="aot_eager")
+    y = compiled(x)
+    y.sum().backward()
+    g = x.grad.clone()
+    x.grad = None
+    seq(x).sum().backward()
+    assert_close(y, seq(x).double(), torch.float32)
+    assert_close(g, x.grad.double(), torch.float32)
+    with pytest.raises(ValueError, match="cache_quantized_input"):
+        ops.GELU(cache_quantized_input=1)
