@@ -78,6 +78,47 @@ class BasicOperation(FusibleOperation):
     num_extra_inputs: ClassVar[int] = 0
     num_extra_outputs: ClassVar[int] = 0
 
+    def __init__(self) -> None:
+        super().__init__()
+        # Extra tensor channels (TE's names): a channel name per extra input / output, or None
+        # (the caller's); whether each extra output is also returned to the caller.
+        self._extra_input_channels: list[str | None] = [None] * self.num_extra_inputs
+        self._extra_output_channels: list[str | None] = [None] * self.num_extra_outputs
+        self._extra_output_to_caller: list[bool] = [True] * self.num_extra_outputs
+        self._channels_locked = False
+
+    def _check_channel_call(self, what: str, index: int, count: int, channel: object) -> None:
+        name = f"{type(self).__name__}.set_extra_{what}_channel"
+        if self._channels_locked:
+            raise RuntimeError(
+                f"{name}: the channels were captured by a Sequential (or a direct call) "
+                "already; construct new operations for a different routing"
+            )
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < count:
+            raise ValueError(f"{name}: index must be in [0, {count}), got {index!r}")
+        if channel is not None and (not isinstance(channel, str) or not channel):
+            raise ValueError(f"{name}: channel must be a non-empty str or None, got {channel!r}")
+
+    def set_extra_input_channel(self, index: int, channel: str | None) -> None:
+        """Take extra input ``index`` from the extra output named ``channel`` of an earlier op
+        of the same ``Sequential`` instead of from the caller (None: from the caller)."""
+        self._check_channel_call("input", index, self.num_extra_inputs, channel)
+        self._extra_input_channels[index] = channel
+
+    def set_extra_output_channel(
+        self, index: int, channel: str | None, output_to_caller: bool = True
+    ) -> None:
+        """Name extra output ``index`` ``channel`` for later ops' extra inputs; with
+        ``output_to_caller=False`` it is not returned by the ``Sequential`` (None: public)."""
+        self._check_channel_call("output", index, self.num_extra_outputs, channel)
+        if not isinstance(output_to_caller, bool):
+            raise ValueError(
+                f"{type(self).__name__}.set_extra_output_channel: output_to_caller must be a "
+                f"bool, got {output_to_caller!r}"
+            )
+        self._extra_output_channels[index] = channel
+        self._extra_output_to_caller[index] = output_to_caller or channel is None
+
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
         """``(y, extra_outputs)`` for input ``x`` and this op's ``extra_inputs``."""
         raise NotImplementedError
@@ -104,6 +145,7 @@ class BasicOperation(FusibleOperation):
         )
 
     def forward(self, input: Tensor, *extra_inputs: Tensor) -> Tensor | tuple[Tensor, ...]:
+        self._channels_locked = True  # as TE's transient fuser captures them
         if len(extra_inputs) != self.num_extra_inputs:
             raise ValueError(
                 f"{type(self).__name__}: expected {self.num_extra_inputs} extra input(s) after "

@@ -503,3 +503,67 @@ def test_cache_quantized_input_compiles_and_is_not_fused():
     assert_close(g, x.grad.double(), torch.float32)
     with pytest.raises(ValueError, match="cache_quantized_input"):
         ops.GELU(cache_quantized_input=1)
+
+
+# Extra tensor channels -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_channel_routes_the_residual_inside_one_sequential(compiled):
+    torch.manual_seed(0)
+    make_residual, add_residual = ops.MakeExtraOutput(), ops.AddExtraInput()
+    make_residual.set_extra_output_channel(0, "residual", output_to_caller=False)
+    add_residual.set_extra_input_channel(0, "residual")
+    block = ops.Sequential(
+        ops.RMSNorm(8), make_residual, ops.Linear(8, 16), ops.GELU(), ops.Linear(16, 8),
+        add_residual,
+    )  # fmt: skip
+    x_ref, x = make_reference_and_test_tensors((4, 8))
+    p = {n: to_reference(t) for n, t in block.named_parameters()}
+    h = x_ref * torch.rsqrt(x_ref.square().mean(-1, keepdim=True) + block[0].eps) * p["0.weight"]
+    a = torch.nn.functional.gelu(
+        h @ p["2.basic_ops.0.weight"].T + p["2.basic_ops.1.bias"], approximate="tanh"
+    )
+    y_ref = a @ p["4.basic_ops.0.weight"].T + p["4.basic_ops.1.bias"] + h
+    run = torch.compile(block, backend="aot_eager", fullgraph=True) if compiled else block
+    y = run(x)  # no extra input, no extra output: the channel is internal
+    assert isinstance(y, torch.Tensor)
+    assert_close(y, y_ref, torch.float32, roundings=4, reduced=True)
+    _backward(y, y_ref)
+    assert_close(x.grad, x_ref.grad, torch.float32, roundings=6, reduced=True)
+
+
+def test_channel_public_output_fan_out_and_errors():
+    torch.manual_seed(0)
+    src = ops.MakeExtraOutput()
+    src.set_extra_output_channel(0, "r")  # also returned to the caller (default)
+    a, b = ops.AddExtraInput(), ops.AddExtraInput()
+    a.set_extra_input_channel(0, "r")
+    b.set_extra_input_channel(0, "r")
+    free = ops.AddExtraInput()  # unnamed: the caller's
+    seq = ops.Sequential(src, ops.ReLU(), a, b, free)
+    x_ref, x = make_reference_and_test_tensors((3, 4))
+    e_ref, e = make_reference_and_test_tensors((3, 4))
+    y, r = seq(x, e)
+    y_ref = torch.relu(x_ref) + 2 * x_ref + e_ref
+    assert_close(y, y_ref, torch.float32)
+    assert torch.equal(r, x)
+    (y.sum() + r.sum()).backward()
+    (y_ref.sum() + x_ref.sum()).backward()
+    assert_close(x.grad, x_ref.grad, torch.float32)
+    assert_close(e.grad, e_ref.grad, torch.float32)
+    with pytest.raises(RuntimeError, match="construct new operations"):
+        a.set_extra_input_channel(0, None)
+    orphan = ops.AddExtraInput()
+    orphan.set_extra_input_channel(0, "nowhere")
+    with pytest.raises(ValueError, match="no earlier producer"):
+        ops.Sequential(ops.ReLU(), orphan)
+    p1, p2 = ops.MakeExtraOutput(), ops.MakeExtraOutput()
+    p1.set_extra_output_channel(0, "dup")
+    p2.set_extra_output_channel(0, "dup")
+    with pytest.raises(ValueError, match="two producers"):
+        ops.Sequential(p1, p2)
+    with pytest.raises(ValueError, match="index"):
+        ops.AddExtraInput().set_extra_input_channel(1, "x")
+    with pytest.raises(ValueError, match="output_to_caller"):
+        ops.MakeExtraOutput().set_extra_output_channel(0, "x", output_to_caller=None)
