@@ -10,7 +10,11 @@ Basic ops (``nn.Module``\\ s, Transformer Engine's names) and what they compute:
     Identity Reshape ConstantScale   AddExtraInput (residual add)   MakeExtraOutput (branch)
     AllGather AllReduce ReduceScatter (functional collectives; identity without a group)
 
-Fused ops and the fuser: ``te_compile.ops.fused``; the container: ``te_compile.ops.Sequential``.
+Fused ops and the fuser: ``te_compile.ops.fused`` (user fusions: ``register_forward_fusion``,
+``register_backward_fusion``, ``register_forward_backward_fusion``); the container:
+``te_compile.ops.Sequential`` (extra tensor channels: ``set_extra_input_channel`` /
+``set_extra_output_channel``). User ops subclass ``BasicOperation`` in either protocol (TE's
+``op_forward(ctx, input_, ...)`` / ``op_backward``, or ours; ``te_compile.ops.op``).
 See ``docs/ops.md``.
 """
 

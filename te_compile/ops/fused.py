@@ -245,7 +245,10 @@ def _register(kind: str, func: FusionFunction, prepend: bool) -> None:
     if not isinstance(prepend, bool):
         raise TypeError(f"register_{kind}_fusion: prepend must be a bool, got {prepend!r}")
     funcs = _USER_FUSIONS[kind]
-    funcs.insert(0, func) if prepend else funcs.append(func)
+    if prepend:
+        funcs.insert(0, func)
+    else:
+        funcs.append(func)
 
 
 def register_forward_backward_fusion(op_fusion_func: FusionFunction, prepend: bool = False) -> None:
