@@ -2,13 +2,19 @@
 
 Basic ops (``nn.Module``\\ s, Transformer Engine's names) and what they compute::
 
+    Linear (BasicLinear + Bias container, TE's state_dict keys)
     BasicLinear (x W^T)   Bias (x + b)   GroupedLinear (per-group x_g W_g^T + b_g; m_splits extra)
     GELU QGELU ReLU SReLU SiLU   GLU GEGLU QGEGLU ReGLU SReGLU SwiGLU ClampedSwiGLU
+    ScaledSwiGLU ScaledClampedQGeGLU (gated, times the extra input scales)
     LayerNorm RMSNorm L2Normalization   Dropout(p)   Quantize
     Identity Reshape ConstantScale   AddExtraInput (residual add)   MakeExtraOutput (branch)
     AllGather AllReduce ReduceScatter (functional collectives; identity without a group)
 
-Fused ops and the fuser: ``te_compile.ops.fused``; the container: ``te_compile.ops.Sequential``.
+Fused ops and the fuser: ``te_compile.ops.fused`` (user fusions: ``register_forward_fusion``,
+``register_backward_fusion``, ``register_forward_backward_fusion``); the container:
+``te_compile.ops.Sequential`` (extra tensor channels: ``set_extra_input_channel`` /
+``set_extra_output_channel``). User ops subclass ``BasicOperation`` in either protocol (TE's
+``op_forward(ctx, input_, ...)`` / ``op_backward``, or ours; ``te_compile.ops.op``).
 See ``docs/ops.md``.
 """
 
@@ -21,6 +27,8 @@ from te_compile.ops.activation import (
     ClampedSwiGLU,
     ReGLU,
     ReLU,
+    ScaledClampedQGeGLU,
+    ScaledSwiGLU,
     SiLU,
     SReGLU,
     SReLU,
@@ -36,10 +44,18 @@ from te_compile.ops.fused import (
     ForwardLinearBiasActivation,
     ForwardLinearBiasAdd,
     ForwardLinearScaleAdd,
+    register_backward_fusion,
+    register_forward_backward_fusion,
+    register_forward_fusion,
 )
-from te_compile.ops.linear import BasicLinear, Bias, GroupedLinear
+from te_compile.ops.linear import BasicLinear, Bias, GroupedLinear, Linear
 from te_compile.ops.norm import L2Normalization, LayerNorm, RMSNorm
-from te_compile.ops.op import BasicOperation, FusedOperation
+from te_compile.ops.op import (
+    BasicOperation,
+    FusedOperation,
+    FusibleOperation,
+    OperationContext,
+)
 from te_compile.ops.quantize import Quantize
 from te_compile.ops.sequential import Sequential
 from te_compile.ops.structural import (
@@ -73,11 +89,14 @@ __all__ = [
     "ForwardLinearBiasAdd",
     "ForwardLinearScaleAdd",
     "FusedOperation",
+    "FusibleOperation",
     "GroupedLinear",
     "Identity",
     "L2Normalization",
     "LayerNorm",
+    "Linear",
     "MakeExtraOutput",
+    "OperationContext",
     "Quantize",
     "RMSNorm",
     "ReGLU",
@@ -86,7 +105,12 @@ __all__ = [
     "Reshape",
     "SReGLU",
     "SReLU",
+    "ScaledClampedQGeGLU",
+    "ScaledSwiGLU",
     "Sequential",
     "SiLU",
     "SwiGLU",
+    "register_backward_fusion",
+    "register_forward_backward_fusion",
+    "register_forward_fusion",
 ]

@@ -9,16 +9,33 @@ reads the halves from alternating blocks of ``k`` columns (the layout of an inte
 
 After a ``Bias`` (or ``BasicLinear, Bias``) the fuser gives the bias to the activation kernel,
 whose backward returns the bias gradient from the same pass.
+
+``cache_quantized_input=True`` (every activation, Transformer Engine's meaning): the forward
+output is the exact activation, but the input is saved for the backward as FP8 (E4M3, one
+current-scaling scale for the tensor, ``te::quantize_current``): one byte per element instead of
+two or four; the backward dequantises it (``te::dequantize_tensorwise``) and differentiates at
+the dequantised input, so the input gradient carries the FP8 rounding of the input, as in TE
+(whose quantiser is also E4M3 current scaling, whatever the autocast). Such an activation is not
+fused with a preceding ``Bias`` or ``BasicLinear`` (the fused ops save the high-precision input).
+
+Post-scaled gated activations (Transformer Engine's mixture-of-experts ops, one extra input
+``scales`` of the input's shape without its last dim, e.g. the router's per-token weights):
+``ScaledSwiGLU`` (:math:`\mathrm{silu}(a)\,l\,s`) and ``ScaledClampedQGeGLU`` (the
+``ClampedSwiGLU`` math times :math:`s`). The activation is the te op, the product with
+``scales`` a broadcast multiply that autograd differentiates (``scales`` gets
+:math:`\sum_j \mathrm{act}_j\,dy_j`).
 """
 
 from __future__ import annotations
 
 from typing import ClassVar
 
+import torch
 from torch import Tensor
 
 from te_compile import functional as F
-from te_compile._checks import check_finite, check_positive_finite
+from te_compile._checks import check_bool, check_finite, check_positive_finite
+from te_compile.functional.activation import check_activation
 from te_compile.ops.op import BasicOperation, OpOutput
 
 __all__ = [
@@ -32,9 +49,42 @@ __all__ = [
     "ReLU",
     "SReGLU",
     "SReLU",
+    "ScaledClampedQGeGLU",
+    "ScaledSwiGLU",
     "SiLU",
     "SwiGLU",
 ]
+
+
+_CACHE_FP8 = torch.float8_e4m3fn  # TE's cache quantiser: E4M3, current scaling
+
+
+class _CachedQuantizedInput(torch.autograd.Function):
+    """The activation of ``x``, with ``x`` saved for the backward as FP8 data and a scale."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, activation: str, gated: bool, config: tuple) -> Tensor:
+        te = torch.ops.te
+        if gated:
+            y = te.gated_activation_fwd(x, None, activation, *config)
+        else:
+            y = te.activation_fwd(x, None, activation)
+        data, _, scale_inv, _ = te.quantize_current(x, _CACHE_FP8, False)
+        ctx.save_for_backward(data, scale_inv)
+        ctx.activation, ctx.gated, ctx.config, ctx.dtype = activation, gated, config, x.dtype
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy: Tensor):
+        te = torch.ops.te
+        data, scale_inv = ctx.saved_tensors
+        x = te.dequantize_tensorwise(data.view(torch.uint8), scale_inv, _CACHE_FP8, ctx.dtype)
+        if ctx.gated:
+            dx, _ = te.gated_activation_bwd(dy, x, None, ctx.activation, *ctx.config, False)
+        else:
+            dx, _ = te.activation_bwd(dy, x, None, ctx.activation, False)
+        return dx, None, None, None
 
 
 class _Activation(BasicOperation):
@@ -43,6 +93,11 @@ class _Activation(BasicOperation):
     activation: ClassVar[str]
     gated: ClassVar[bool] = False
 
+    def __init__(self, *, cache_quantized_input: bool = False) -> None:
+        super().__init__()
+        check_bool(type(self).__name__, cache_quantized_input=cache_quantized_input)
+        self.cache_quantized_input = cache_quantized_input
+
     def config(self) -> tuple[int, float, float, float]:
         """``(glu_interleave_size, limit, alpha, glu_linear_offset)`` of the te op."""
         return (0, 7.0, 1.702, 1.0)
@@ -50,9 +105,16 @@ class _Activation(BasicOperation):
     def apply(self, x: Tensor, bias: Tensor | None) -> Tensor:
         """This activation of ``x + bias`` in one fused op."""
         k, limit, alpha, offset = self.config()
+        if self.cache_quantized_input and bias is None:
+            check_activation(x, None, self.activation, k)
+            config = (k, limit, alpha, offset)
+            return _CachedQuantizedInput.apply(x, self.activation, self.gated, config)
         return F.bias_activation(
             x, bias, self.activation, k, limit=limit, alpha=alpha, glu_linear_offset=offset
         )
+
+    def extra_repr(self) -> str:
+        return "cache_quantized_input=True" if self.cache_quantized_input else ""
 
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
         return self.apply(x, None), ()
@@ -61,8 +123,10 @@ class _Activation(BasicOperation):
 class _GatedActivation(_Activation):
     gated = True
 
-    def __init__(self, *, glu_interleave_size: int | None = None) -> None:
-        super().__init__()
+    def __init__(
+        self, *, cache_quantized_input: bool = False, glu_interleave_size: int | None = None
+    ) -> None:
+        super().__init__(cache_quantized_input=cache_quantized_input)
         k = glu_interleave_size
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k <= 0):
             raise ValueError(
@@ -76,7 +140,8 @@ class _GatedActivation(_Activation):
 
     def extra_repr(self) -> str:
         k = self.glu_interleave_size
-        return "" if k is None else f"glu_interleave_size={k}"
+        own = [super().extra_repr()] + ([] if k is None else [f"glu_interleave_size={k}"])
+        return ", ".join(p for p in own if p)
 
 
 class GELU(_Activation):
@@ -158,9 +223,12 @@ class ClampedSwiGLU(_GatedActivation):
         limit: float = 7.0,
         alpha: float = 1.702,
         glu_linear_offset: float = 1.0,
+        cache_quantized_input: bool = False,
         glu_interleave_size: int | None = None,
     ) -> None:
-        super().__init__(glu_interleave_size=glu_interleave_size)
+        super().__init__(
+            cache_quantized_input=cache_quantized_input, glu_interleave_size=glu_interleave_size
+        )
         check_positive_finite("ClampedSwiGLU", limit=limit, alpha=alpha)
         check_finite("ClampedSwiGLU", glu_linear_offset=glu_linear_offset)
         self.limit, self.alpha = float(limit), float(alpha)
@@ -174,3 +242,66 @@ class ClampedSwiGLU(_GatedActivation):
         base = super().extra_repr()
         own = f"limit={self.limit}, alpha={self.alpha}, glu_linear_offset={self.glu_linear_offset}"
         return f"{own}, {base}" if base else own
+
+
+class _ScaledGLU(_GatedActivation):
+    """A gated activation times the extra input ``scales`` (``[...]``: the input's shape without
+    its last dim), broadcast over the output's last dim."""
+
+    num_extra_inputs = 1
+
+    def __init__(
+        self,
+        glu_interleave_size: int | None = None,
+        activation_recompute_in_mlp: bool = False,
+    ) -> None:
+        super().__init__(glu_interleave_size=glu_interleave_size)
+        check_bool(type(self).__name__, activation_recompute_in_mlp=activation_recompute_in_mlp)
+        if activation_recompute_in_mlp:
+            raise NotImplementedError(
+                f"{type(self).__name__}: activation_recompute_in_mlp=True needs TE's fused "
+                "grouped-MLP kernels, which te_compile does not have; pass False"
+            )
+        self.activation_recompute_in_mlp = activation_recompute_in_mlp
+
+    def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
+        (scales,) = extra_inputs
+        if scales.shape != x.shape[:-1]:
+            raise ValueError(
+                f"{type(self).__name__}: scales (the extra input) must have the input's shape "
+                f"without its last dim, {tuple(x.shape[:-1])}, got {tuple(scales.shape)}"
+            )
+        y = self.apply(x, None)
+        return y * scales.unsqueeze(-1).to(y.dtype), ()
+
+
+class ScaledSwiGLU(_ScaledGLU):
+    r""":math:`\mathrm{silu}(a)\,l\,s` with ``scales`` :math:`s` the extra input."""
+
+    activation = "swiglu"
+
+
+class ScaledClampedQGeGLU(_ScaledGLU):
+    r"""``ClampedSwiGLU``'s :math:`c\,\sigma(\alpha c)\,(\mathrm{clamp}(l, -L, L) + o)` times
+    the extra input ``scales``; ``limit``, ``alpha``, ``glu_linear_offset`` as there."""
+
+    activation = "clamped_swiglu"
+
+    def __init__(
+        self,
+        glu_interleave_size: int | None = None,
+        activation_recompute_in_mlp: bool = False,
+        *,
+        limit: float = 7.0,
+        alpha: float = 1.702,
+        glu_linear_offset: float = 1.0,
+    ) -> None:
+        super().__init__(glu_interleave_size, activation_recompute_in_mlp)
+        check_positive_finite("ScaledClampedQGeGLU", limit=limit, alpha=alpha)
+        check_finite("ScaledClampedQGeGLU", glu_linear_offset=glu_linear_offset)
+        self.limit, self.alpha = float(limit), float(alpha)
+        self.glu_linear_offset = float(glu_linear_offset)
+
+    def config(self) -> tuple[int, float, float, float]:
+        k = self.glu_interleave_size or 0
+        return (k, self.limit, self.alpha, self.glu_linear_offset)

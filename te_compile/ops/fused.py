@@ -34,12 +34,26 @@ Every linear fusion is one ``te::linear`` call with an epilogue, with the recipe
 at call time (so that ``torch.compile`` guards on them): ``ForwardLinear*Add`` runs unfused
 when the residual's shape or dtype is not the output's, and a fusion with a ``Bias`` when the
 bias's dtype is not the input's or weight's (the unfused add promotes mixed dtypes; the fused
-op requires one dtype).
+op requires one dtype). Under tensor parallelism (``BasicLinear(tensor_parallel_mode=...)``)
+only the bias joins a row-parallel GEMM (added once, after the reduction), and no branch joins a
+tensor-parallel GEMM (its input is gathered or its gradient reduced around the GEMM).
+
+User fusions, as in Transformer Engine: ``register_forward_backward_fusion(func)``,
+``register_forward_fusion(func)`` and ``register_backward_fusion(func)`` add ``func(ops, *,
+recipe) -> ops`` (``prepend=True``: first). After the table above, the fuser calls the joint
+ones, then the forward ones, then the backward ones, each on the list the previous left, with the
+recipe of the enclosing autocast (None outside one); a function replaces runs of consecutive
+basic ops with fused ops (``FusedOperation(basic_ops)`` subclasses implementing
+``op_forward(x, extra_inputs)``, or TE's ``fuser_forward`` / ``fuser_backward``: a fused op
+with only ``fuser_forward`` runs its basic ops' ``op_backward`` in the backward, one with only
+``fuser_backward`` their ``op_forward`` in the forward). Here the forward and backward plans
+are one list, so a backward-only fusion sees the ops that no earlier fusion took.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from torch import Tensor
 
@@ -59,6 +73,9 @@ __all__ = [
     "ForwardLinearBiasAdd",
     "ForwardLinearScaleAdd",
     "fuse",
+    "register_backward_fusion",
+    "register_forward_backward_fusion",
+    "register_forward_fusion",
 ]
 
 
@@ -66,8 +83,20 @@ def _find(ops: Sequence[BasicOperation], cls: type) -> BasicOperation | None:
     return next((op for op in ops if isinstance(op, cls)), None)
 
 
+def _tp_mode(op: BasicLinear) -> str | None:
+    return op.tp.mode if op.tp.active else None
+
+
 class ForwardLinearBiasActivation(FusedOperation):
     """``BasicLinear, [Bias], [activation]`` (at least one of the two)."""
+
+    @classmethod
+    def accepts(cls, basic_ops: Sequence[BasicOperation]) -> bool:
+        act = _find(basic_ops, _Activation)
+        if act is not None and (act.num_extra_inputs or act.cache_quantized_input):
+            return False  # ScaledSwiGLU's scales; an FP8-cached input
+        # Row-parallel: the activation applies to the reduced sum, after the collective.
+        return _tp_mode(basic_ops[0]) != "row" or act is None
 
     def __init__(self, basic_ops: Sequence[BasicOperation]) -> None:
         super().__init__(basic_ops)
@@ -92,6 +121,10 @@ class ForwardLinearBiasActivation(FusedOperation):
 
 class ForwardLinearBiasAdd(FusedOperation):
     """``BasicLinear, [Bias], [ConstantScale], AddExtraInput``: ``r + alpha * (x W^T + b)``."""
+
+    @classmethod
+    def accepts(cls, basic_ops: Sequence[BasicOperation]) -> bool:
+        return _tp_mode(basic_ops[0]) != "row" and not _find(basic_ops, AddExtraInput).in_place
 
     def __init__(self, basic_ops: Sequence[BasicOperation]) -> None:
         super().__init__(basic_ops)
@@ -121,6 +154,10 @@ class ForwardLinearScaleAdd(ForwardLinearBiasAdd):
 class BackwardLinearAdd(FusedOperation):
     """``MakeExtraOutput, BasicLinear, [Bias]``: the branch's gradient joins the dgrad GEMM."""
 
+    @classmethod
+    def accepts(cls, basic_ops: Sequence[BasicOperation]) -> bool:
+        return _tp_mode(basic_ops[1]) is None
+
     def __init__(self, basic_ops: Sequence[BasicOperation]) -> None:
         super().__init__(basic_ops)
         self.linear: BasicLinear = basic_ops[1]
@@ -137,6 +174,11 @@ class BackwardLinearAdd(FusedOperation):
 class BackwardActivationBias(FusedOperation):
     """``Bias, activation``: one activation op with the bias; its backward returns the bias
     gradient from the activation backward's pass."""
+
+    @classmethod
+    def accepts(cls, basic_ops: Sequence[BasicOperation]) -> bool:
+        act = basic_ops[1]
+        return not (act.num_extra_inputs or act.cache_quantized_input)
 
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
         bias, act = self.basic_ops
@@ -188,8 +230,69 @@ def _match(pattern: tuple, ops: Sequence[object], start: int) -> int:
     return i - start
 
 
-def fuse(ops: Sequence[BasicOperation]) -> list[BasicOperation | FusedOperation]:
-    """``ops`` with every run that a fusion of :data:`FUSIONS` matches replaced by the fused op."""
+FusionFunction = Callable[..., list]
+# The user fusions by pass, in the order they are applied (see the module docstring).
+_USER_FUSIONS: dict[str, list[FusionFunction]] = {
+    "forward_backward": [],
+    "forward": [],
+    "backward": [],
+}
+
+
+def _register(kind: str, func: FusionFunction, prepend: bool) -> None:
+    if not callable(func):
+        raise TypeError(f"register_{kind}_fusion: op_fusion_func must be callable, got {func!r}")
+    if not isinstance(prepend, bool):
+        raise TypeError(f"register_{kind}_fusion: prepend must be a bool, got {prepend!r}")
+    funcs = _USER_FUSIONS[kind]
+    if prepend:
+        funcs.insert(0, func)
+    else:
+        funcs.append(func)
+
+
+def register_forward_backward_fusion(op_fusion_func: FusionFunction, prepend: bool = False) -> None:
+    """Add a joint fusion ``op_fusion_func(ops, *, recipe) -> ops`` (see the module docstring)."""
+    _register("forward_backward", op_fusion_func, prepend)
+
+
+def register_forward_fusion(op_fusion_func: FusionFunction, prepend: bool = False) -> None:
+    """Add a forward fusion ``op_fusion_func(ops, *, recipe) -> ops``: its fused ops implement
+    the forward (``fuser_forward``), the basic ops' backward runs unfused."""
+    _register("forward", op_fusion_func, prepend)
+
+
+def register_backward_fusion(op_fusion_func: FusionFunction, prepend: bool = False) -> None:
+    """Add a backward fusion ``op_fusion_func(ops, *, recipe) -> ops``: its fused ops implement
+    the backward (``fuser_backward``), the basic ops' forward runs unfused."""
+    _register("backward", op_fusion_func, prepend)
+
+
+def user_fusions_version() -> tuple[int, ...]:
+    """Changes when a fusion is registered (a Sequential re-plans then)."""
+    return tuple(id(f) for kind in _USER_FUSIONS.values() for f in kind)
+
+
+def _user_fuse(steps: list, recipe: Any) -> list:
+    basic = [op for s in steps for op in (s.basic_ops if isinstance(s, FusedOperation) else (s,))]
+    for kind in ("forward_backward", "forward", "backward"):
+        for func in _USER_FUSIONS[kind]:
+            steps = list(func(list(steps), recipe=recipe))
+    flat = [op for s in steps for op in (s.basic_ops if isinstance(s, FusedOperation) else (s,))]
+    if len(flat) != len(basic) or any(a is not b for a, b in zip(flat, basic, strict=True)):
+        raise RuntimeError(
+            "te_compile.ops: a registered fusion function returned ops that do not expand to "
+            f"the basic ops it was given (given {[type(o).__name__ for o in basic]}, got "
+            f"{[type(o).__name__ for o in steps]})"
+        )
+    return steps
+
+
+def fuse(
+    ops: Sequence[BasicOperation], recipe: Any = None
+) -> list[BasicOperation | FusedOperation]:
+    """``ops`` with every run that a fusion of :data:`FUSIONS` matches replaced by the fused op,
+    then the registered user fusions applied (with ``recipe``)."""
     steps: list[BasicOperation | FusedOperation] = list(ops)
     for fused_cls, pattern in FUSIONS:
         i, out = 0, []
@@ -202,4 +305,4 @@ def fuse(ops: Sequence[BasicOperation]) -> list[BasicOperation | FusedOperation]
                 out.append(steps[i])
                 i += 1
         steps = out
-    return steps
+    return _user_fuse(steps, recipe) if steps and user_fusions_version() else steps

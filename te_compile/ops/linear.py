@@ -9,20 +9,34 @@ activation, in the residual add's GEMM. ``Bias`` on its own is a broadcast add t
 ``BasicLinear`` goes through ``te::linear_fwd`` / ``te::linear_bwd`` with the recipe of an
 enabled ``te_compile.autocast`` as data, its FP8 scaling state in the ``fp8_meta`` child module
 (left out of the state_dict while unused, as for ``te.Linear``).
+
+Tensor parallelism, with Transformer Engine's arguments (``tensor_parallel_mode``,
+``tensor_parallel_group``, default the world group; ``sequence_parallel``): ``in_features`` and
+``out_features`` are the full sizes, the weight is this rank's shard (``"column"``: rows, the
+output sharded along its last dim; ``"row"``: columns, the input sharded along its last dim and
+the partial outputs summed over the group), with the communication of
+:class:`te_compile.distributed.TensorParallel` (sequence parallelism: the column input
+all-gathered along dim 0, the row output reduce-scattered). ``Bias(tensor_parallel=True)`` holds
+this rank's shard of a column-parallel bias. ``Linear`` is TE's ``BasicLinear`` + ``Bias``
+container; row-parallel, its bias is added once, after the reduction.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from te_compile._checks import check_bool
-from te_compile.ops.op import BasicOperation, OpOutput
+from te_compile.distributed.tensor_parallel import TensorParallel, set_parallel_attributes
+from te_compile.ops.op import BasicOperation, FusibleOperation, OpOutput
 from te_compile.quantization import fp8_gemm, gemm
 
-__all__ = ["BasicLinear", "Bias", "GroupedLinear"]
+__all__ = ["BasicLinear", "Bias", "GroupedLinear", "Linear"]
 
 DEFAULT_INIT_STD = 0.023  # Transformer Engine's default weight init std
 
@@ -44,14 +58,50 @@ def _init(weight: Tensor) -> None:
     nn.init.normal_(weight, mean=0.0, std=DEFAULT_INIT_STD)
 
 
+def _tensor_parallel(
+    owner: str, mode: str | None, group: Any, sequence_parallel: bool
+) -> TensorParallel:
+    """TE's canonicalisation: a mode without a group means the world group (no communication
+    when ``torch.distributed`` is not initialised)."""
+    if mode not in ("column", "row", None):
+        raise ValueError(
+            f"{owner}: tensor_parallel_mode must be 'column', 'row' or None, got {mode!r}"
+        )
+    check_bool(owner, sequence_parallel=sequence_parallel)
+    if mode is None:
+        if sequence_parallel:
+            raise ValueError(
+                f"{owner}: sequence_parallel=True needs tensor_parallel_mode 'column' or 'row'"
+            )
+        return TensorParallel()
+    if group is None and dist.is_available() and dist.is_initialized():
+        group = dist.group.WORLD
+    if group is None:
+        return TensorParallel(mode, sequence_parallel)  # one process: no communication
+    return TensorParallel.create(owner, mode, sequence_parallel, group, None)
+
+
+def _init_with_tracker(init: Callable[[], None], tracker: Callable[[], Any] | None) -> None:
+    """``init()`` inside ``tracker().fork()`` (Megatron's model-parallel RNG) when given."""
+    with tracker().fork() if tracker is not None else contextlib.nullcontext():
+        init()
+
+
 class BasicLinear(BasicOperation):
     r""":math:`y = x W^\top` over the last dim; ``weight`` is ``[out_features, in_features]``.
 
     Args:
-        in_features, out_features: sizes of the last dim of the input and the output.
+        in_features, out_features: sizes of the last dim of the input and the output (full
+            sizes under tensor parallelism).
         device, dtype: of the weight (defaults: torch's defaults).
+        tensor_parallel_mode: "column", "row" or None (see the module docstring).
+        tensor_parallel_group: the group (default: the world group).
+        sequence_parallel: the column input / row output sharded along dim 0.
+        rng_state_tracker_function: returns a tracker whose ``fork()`` context the weight is
+            initialised in (Megatron's ``CudaRNGStatesTracker``).
         accumulate_into_main_grad: accumulate the weight gradient into ``weight.main_grad``
             (fp32, set by the caller) instead of ``weight.grad``.
+        userbuffers_options: must be None (no userbuffers comm-GEMM overlap here).
         init_method: ``init_method(weight)`` (default: normal, std 0.023, TE's default).
     """
 
@@ -62,25 +112,62 @@ class BasicLinear(BasicOperation):
         *,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        tensor_parallel_mode: str | None = None,
+        tensor_parallel_group: Any = None,
+        sequence_parallel: bool = False,
+        rng_state_tracker_function: Callable[[], Any] | None = None,
         accumulate_into_main_grad: bool = False,
+        userbuffers_options: dict | None = None,
         init_method: Callable[[Tensor], None] | None = None,
     ) -> None:
         super().__init__()
         _check_size("BasicLinear", in_features=in_features, out_features=out_features)
         check_bool("BasicLinear", accumulate_into_main_grad=accumulate_into_main_grad)
+        if userbuffers_options is not None:
+            raise NotImplementedError(
+                "BasicLinear: userbuffers_options must be None (no userbuffers comm-GEMM "
+                f"overlap in te_compile), got {userbuffers_options!r}"
+            )
+        if rng_state_tracker_function is not None and not callable(rng_state_tracker_function):
+            raise TypeError(
+                "BasicLinear: rng_state_tracker_function must be callable or None, got "
+                f"{rng_state_tracker_function!r}"
+            )
         dtype = _dtype("BasicLinear", dtype)
+        self.tp = _tensor_parallel(
+            "BasicLinear", tensor_parallel_mode, tensor_parallel_group, sequence_parallel
+        )
         self.in_features, self.out_features = in_features, out_features
+        self.local_in_features, self.local_out_features = in_features, out_features
+        if self.tp.mode == "column":
+            self.local_out_features = self.tp.divide("BasicLinear", "out_features", out_features)
+        elif self.tp.mode == "row":
+            self.local_in_features = self.tp.divide("BasicLinear", "in_features", in_features)
         self.accumulate_into_main_grad = accumulate_into_main_grad
         self.init_method = init_method or _init
-        self.weight = nn.Parameter(
-            torch.empty(out_features, in_features, dtype=dtype, device=device)
-        )
+        self.rng_state_tracker_function = rng_state_tracker_function
+        shape = (self.local_out_features, self.local_in_features)
+        self.weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
+        if self.tp.mode is not None:
+            set_parallel_attributes(self.weight, 0 if self.tp.mode == "column" else 1)
         self.fp8_meta = fp8_gemm.FP8GemmState(device)
         self.reset_parameters()
 
+    @property
+    def tensor_parallel_mode(self) -> str | None:
+        return self.tp.mode
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.tp.size
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.tp.sequence_parallel
+
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        self.init_method(self.weight)
+        _init_with_tracker(lambda: self.init_method(self.weight), self.rng_state_tracker_function)
 
     def main_grad(self) -> Tensor | None:
         """``weight.main_grad`` with ``accumulate_into_main_grad``, else None."""
@@ -101,9 +188,14 @@ class BasicLinear(BasicOperation):
         (``activation``, ``residual``, ``out_scale``, ``return_branch``): what the fused ops
         call, in every precision."""
         main_grad = self.main_grad()
-        return gemm.linear(
-            "BasicLinear", self.fp8_meta, x, self.weight, bias, main_grad, **epilogue
-        )
+
+        def run(inp: Tensor, b: Tensor | None) -> Tensor | tuple[Tensor, ...]:
+            return gemm.linear("BasicLinear", self.fp8_meta, inp, self.weight, b, main_grad,
+                               **epilogue)  # fmt: skip
+
+        if self.tp.mode is None:
+            return run(x, bias)
+        return self.tp.linear("BasicLinear", run, x, bias)[0]
 
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
         return self.linear(x, None), ()
@@ -112,15 +204,18 @@ class BasicLinear(BasicOperation):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"dtype={self.weight.dtype}"
-        )
+        ) + self.tp.describe().replace("parallel_mode", "tensor_parallel_mode")
 
 
 class Bias(BasicOperation):
     """:math:`y = x + b` with ``bias`` ``[size]`` added along the last dim (initialised to zero).
 
     Args:
-        size: the last dim of the input.
+        size: the last dim of the input (the full size with ``tensor_parallel``).
         device, dtype: of the bias (defaults: torch's defaults).
+        tensor_parallel: the input and the bias are this rank's shard of the last dim (the
+            output of a column-parallel linear): the bias holds ``size / group size`` values.
+        tensor_parallel_group: the group (default: the world group).
     """
 
     def __init__(
@@ -129,11 +224,25 @@ class Bias(BasicOperation):
         *,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        tensor_parallel: bool = False,
+        tensor_parallel_group: Any = None,
     ) -> None:
         super().__init__()
         _check_size("Bias", size=size)
+        check_bool("Bias", tensor_parallel=tensor_parallel)
+        mode = "column" if tensor_parallel else None
+        self.tp = _tensor_parallel("Bias", mode, tensor_parallel_group, False)
         self.size = size
-        self.bias = nn.Parameter(torch.zeros(size, dtype=_dtype("Bias", dtype), device=device))
+        self.local_size = self.tp.divide("Bias", "size", size) if tensor_parallel else size
+        self.tensor_parallel = tensor_parallel
+        self.bias = nn.Parameter(
+            torch.zeros(self.local_size, dtype=_dtype("Bias", dtype), device=device)
+        )
+        if tensor_parallel:
+            set_parallel_attributes(self.bias, 0)
+        # Set by a row-parallel ``Linear`` under sequence parallelism: the bias is added to a
+        # sequence shard, so its gradient is all-reduced over that linear's group.
+        self._grad_reduce: TensorParallel | None = None
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -143,12 +252,16 @@ class Bias(BasicOperation):
         if x.shape[-1:] != self.bias.shape:
             raise ValueError(
                 f"Bias: input's last dim ({x.shape[-1] if x.dim() else None}) must equal "
-                f"size ({self.size})"
+                f"size ({self.size}){' / the group size' if self.tensor_parallel else ''}"
             )
-        return x + self.bias, ()
+        bias = self.bias
+        if self._grad_reduce is not None:
+            bias = self._grad_reduce.sequence_parallel_param("Bias", bias)
+        return x + bias, ()
 
     def extra_repr(self) -> str:
-        return f"size={self.size}, dtype={self.bias.dtype}"
+        tp = f", tensor_parallel=True, tp_size={self.tp.size}" if self.tensor_parallel else ""
+        return f"size={self.size}, dtype={self.bias.dtype}{tp}"
 
 
 class GroupedLinear(BasicOperation):
@@ -213,4 +326,92 @@ class GroupedLinear(BasicOperation):
         return (
             f"num_groups={self.num_groups}, in_features={self.in_features}, "
             f"out_features={self.out_features}, bias={self.bias is not None}"
+        )
+
+
+class Linear(FusibleOperation):
+    r""":math:`y = x W^\top + b`: Transformer Engine's ``ops.Linear``, a container of a
+    ``BasicLinear`` (``basic_ops[0]``) and, with ``bias``, a ``Bias`` (``basic_ops[1]``); the
+    state_dict keys are TE's (``basic_ops.0.weight``, ``basic_ops.1.bias``), ``weight`` and
+    ``bias`` are the basic ops' parameters. On its own it runs as one ``te::linear`` (the bias in
+    the GEMM's epilogue); inside a ``Sequential`` its basic ops join their neighbours' fusions.
+
+    Args: those of :class:`BasicLinear` and ``bias`` (default True). Tensor-parallel: column, the
+    bias is this rank's shard; row, the bias is replicated and added once after the reduction
+    (under sequence parallelism its gradient is all-reduced over the group).
+    """
+
+    is_fused_op = True
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        tensor_parallel_mode: str | None = None,
+        tensor_parallel_group: Any = None,
+        sequence_parallel: bool = False,
+        rng_state_tracker_function: Callable[[], Any] | None = None,
+        accumulate_into_main_grad: bool = False,
+    ) -> None:
+        super().__init__()
+        check_bool("Linear", bias=bias)
+        for name, value in (("tensor_parallel_mode", tensor_parallel_mode),):
+            if value not in ("column", "row", None):
+                raise ValueError(f"Linear: {name} must be 'column', 'row' or None, got {value!r}")
+        linear = BasicLinear(
+            in_features, out_features, device=device, dtype=dtype,
+            tensor_parallel_mode=tensor_parallel_mode, tensor_parallel_group=tensor_parallel_group,
+            sequence_parallel=sequence_parallel,
+            rng_state_tracker_function=rng_state_tracker_function,
+            accumulate_into_main_grad=accumulate_into_main_grad,
+        )  # fmt: skip
+        ops: list[BasicOperation] = [linear]
+        if bias:
+            column = linear.tp.mode == "column" and linear.tp.size > 1
+            group = linear.tp.group if column else None
+            b = Bias(out_features, device=device, dtype=dtype, tensor_parallel=column,
+                     tensor_parallel_group=group)  # fmt: skip
+            if linear.tp.mode == "row" and linear.tp.sequence_parallel:
+                b._grad_reduce = linear.tp
+                set_parallel_attributes(b.bias, -1, sequence_parallel=True)
+            elif linear.tp.mode == "row":
+                set_parallel_attributes(b.bias, -1)
+            ops.append(b)
+        self.basic_ops = nn.ModuleList(ops)
+        self.in_features, self.out_features = in_features, out_features
+
+    @property
+    def weight(self) -> nn.Parameter:
+        return self.basic_ops[0].weight
+
+    @property
+    def bias(self) -> nn.Parameter | None:
+        return self.basic_ops[1].bias if len(self.basic_ops) > 1 else None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Replacing ``weight`` / ``bias`` replaces the basic op's parameter (TE's behaviour).
+        if name == "weight" and "basic_ops" in self._modules:
+            self.basic_ops[0].weight = value
+        elif name == "bias" and "basic_ops" in self._modules:
+            if len(self.basic_ops) < 2:
+                raise ValueError("Linear: cannot set bias on a Linear built with bias=False")
+            self.basic_ops[1].bias = value
+        else:
+            super().__setattr__(name, value)
+
+    def forward(self, input: Tensor) -> Tensor:
+        bias = self.bias
+        if bias is not None and bias.dtype != self.weight.dtype:  # the add promotes
+            x, _ = self.basic_ops[0].op_forward(input, ())
+            return self.basic_ops[1].op_forward(x, ())[0]
+        return self.basic_ops[0].linear(input, bias)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}"
         )

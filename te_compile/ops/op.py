@@ -1,48 +1,157 @@
-"""The two kinds of step of a :class:`~te_compile.ops.Sequential`: basic and fused operations.
+"""The kinds of step of a :class:`~te_compile.ops.Sequential`: basic and fused operations.
 
-A **basic operation** is an ``nn.Module`` that owns its parameters (if any) and computes one
-thing through ``te_compile.functional``. Inside a ``Sequential`` it is called through
-:meth:`BasicOperation.op_forward`, which takes the main input and this op's extra inputs and
-returns the main output and this op's extra outputs; on its own it is called like any module,
-``op(x, *extra_inputs)``, returning ``y`` or ``(y, *extra_outputs)``.
+A **basic operation** is an ``nn.Module`` that owns its parameters (if any). It implements one of
+two protocols, told apart by which methods the subclass overrides:
+
+* **ours**: ``op_forward(x, extra_inputs) -> (y, extra_outputs)`` through ``te_compile.functional``
+  (te ops), differentiated by autograd;
+* **Transformer Engine's**: ``op_forward(ctx, input_, prev_op_grad_output_quantizer,
+  next_op_input_quantizer) -> y`` with ``ctx.save_for_backward(...)``, and
+  ``op_backward(ctx, grad_output) -> (grad_input, grad_params)`` (one gradient per tensor of
+  ``self.parameters()``, in that order); or, for an op with extra inputs/outputs, ``fuser_forward``
+  / ``fuser_backward`` as in TE. Such an op runs as one ``torch.autograd.Function``
+  (:func:`step_forward`); the quantizer arguments are None (quantised
+  data does not cross op boundaries here).
+
+On its own a basic op is called like any module, ``op(x, *extra_inputs)``, returning ``y`` or
+``(y, *extra_outputs)``.
 
 A **fused operation** stands for a run of consecutive basic ops whose composition is one te op
 call (``te_compile.functional.linear`` with an epilogue, ``fused_norm``). It is a plain object,
 not a module: it owns nothing and reads the basic ops' parameters when called, so
 ``state_dict``, ``.to()``, optimizers and parameter replacement all see the basic ops only,
 exactly as if nothing had been fused. Under an enabled ``te_compile.autocast`` a fused op
-containing a linear runs the same op with the recipe as data.
+containing a linear runs the same op with the recipe as data. A user fused op (from
+:func:`te_compile.ops.register_forward_fusion` and friends) implements either ``op_forward(x,
+extra_inputs)`` or TE's ``fuser_forward`` / ``fuser_backward``.
+
+A **container** (:class:`FusibleOperation` with ``is_fused_op`` True, e.g. ``ops.Linear``) is a
+module holding basic ops in ``basic_ops``; inside a ``Sequential`` its basic ops join the run
+around it, so the fuser sees through it, as in Transformer Engine.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
+import torch
 from torch import Tensor, nn
 
-__all__ = ["BasicOperation", "FusedOperation", "OpOutput"]
+__all__ = [
+    "BasicOperation",
+    "FusedOperation",
+    "FusibleOperation",
+    "OpOutput",
+    "OperationContext",
+    "step_forward",
+]
 
 OpOutput = tuple[Tensor, tuple[Tensor, ...]]
 
 
-class BasicOperation(nn.Module):
-    """Base of the basic ops: ``num_extra_inputs`` / ``num_extra_outputs`` and ``op_forward``."""
+@dataclasses.dataclass
+class OperationContext:
+    """Transformer Engine's per-op context: ``save_for_backward(*tensors)`` in the forward,
+    ``saved_tensors`` in the backward; other attributes may be set freely."""
+
+    saved_tensors: tuple[Tensor | None, ...] | None = None
+    to_save: tuple[Tensor | None, ...] | None = None
+    requires_grad: bool = True
+
+    def save_for_backward(self, *tensors: Tensor | None) -> None:
+        self.to_save = tensors
+
+
+class FusibleOperation(nn.Module):
+    """Base of everything a ``Sequential`` fuses: basic ops and containers of basic ops."""
+
+    is_fused_op: ClassVar[bool] = False
+
+
+class BasicOperation(FusibleOperation):
+    """Base of the basic ops: ``num_extra_inputs`` / ``num_extra_outputs`` and ``op_forward`` (in
+    either protocol; see the module docstring)."""
 
     num_extra_inputs: ClassVar[int] = 0
     num_extra_outputs: ClassVar[int] = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        # Extra tensor channels (TE's names): a channel name per extra input / output, or None
+        # (the caller's); whether each extra output is also returned to the caller.
+        self._extra_input_channels: list[str | None] = [None] * self.num_extra_inputs
+        self._extra_output_channels: list[str | None] = [None] * self.num_extra_outputs
+        self._extra_output_to_caller: list[bool] = [True] * self.num_extra_outputs
+        self._channels_locked = False
+
+    def _check_channel_call(self, what: str, index: int, count: int, channel: object) -> None:
+        name = f"{type(self).__name__}.set_extra_{what}_channel"
+        if self._channels_locked:
+            raise RuntimeError(
+                f"{name}: the channels were captured by a Sequential (or a direct call) "
+                "already; construct new operations for a different routing"
+            )
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < count:
+            raise ValueError(f"{name}: index must be in [0, {count}), got {index!r}")
+        if channel is not None and (not isinstance(channel, str) or not channel):
+            raise ValueError(f"{name}: channel must be a non-empty str or None, got {channel!r}")
+
+    def set_extra_input_channel(self, index: int, channel: str | None) -> None:
+        """Take extra input ``index`` from the extra output named ``channel`` of an earlier op
+        of the same ``Sequential`` instead of from the caller (None: from the caller)."""
+        self._check_channel_call("input", index, self.num_extra_inputs, channel)
+        self._extra_input_channels[index] = channel
+
+    def set_extra_output_channel(
+        self, index: int, channel: str | None, output_to_caller: bool = True
+    ) -> None:
+        """Name extra output ``index`` ``channel`` for later ops' extra inputs; with
+        ``output_to_caller=False`` it is not returned by the ``Sequential`` (None: public)."""
+        self._check_channel_call("output", index, self.num_extra_outputs, channel)
+        if not isinstance(output_to_caller, bool):
+            raise ValueError(
+                f"{type(self).__name__}.set_extra_output_channel: output_to_caller must be a "
+                f"bool, got {output_to_caller!r}"
+            )
+        self._extra_output_channels[index] = channel
+        self._extra_output_to_caller[index] = output_to_caller or channel is None
 
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
         """``(y, extra_outputs)`` for input ``x`` and this op's ``extra_inputs``."""
         raise NotImplementedError
 
+    def op_backward(self, ctx: OperationContext, grad_output: Tensor) -> Any:
+        """Transformer Engine's protocol only: ``(grad_input, grad_params)``."""
+        raise NotImplementedError
+
+    def fuser_forward(self, basic_op_ctxs, input_, **kwargs) -> Any:
+        """Transformer Engine's protocol only, for ops with extra inputs/outputs."""
+        raise NotImplementedError
+
+    def fuser_backward(self, basic_op_ctxs, grad_output, **kwargs) -> Any:
+        """Transformer Engine's protocol only, for ops with extra inputs/outputs."""
+        raise NotImplementedError
+
+    @classmethod
+    def te_protocol(cls) -> bool:
+        """Whether the subclass implements Transformer Engine's protocol (it overrides
+        ``op_backward`` or ``fuser_forward``) rather than ours."""
+        return (
+            cls.op_backward is not BasicOperation.op_backward
+            or cls.fuser_forward is not BasicOperation.fuser_forward
+        )
+
     def forward(self, input: Tensor, *extra_inputs: Tensor) -> Tensor | tuple[Tensor, ...]:
+        self._channels_locked = True  # as TE's transient fuser captures them
         if len(extra_inputs) != self.num_extra_inputs:
             raise ValueError(
                 f"{type(self).__name__}: expected {self.num_extra_inputs} extra input(s) after "
                 f"the input, got {len(extra_inputs)}"
             )
-        y, extra_outputs = self.op_forward(input, extra_inputs)
+        y, extra_outputs = step_forward(self, input, tuple(extra_inputs))
         return (y, *extra_outputs) if self.num_extra_outputs else y
 
 
@@ -52,8 +161,12 @@ class FusedOperation:
 
     def __init__(self, basic_ops: Sequence[BasicOperation]) -> None:
         self.basic_ops = tuple(basic_ops)
+        if not self.basic_ops:
+            raise ValueError("FusedOperation: basic_ops must not be empty")
         self.num_extra_inputs = sum(op.num_extra_inputs for op in self.basic_ops)
         self.num_extra_outputs = sum(op.num_extra_outputs for op in self.basic_ops)
+
+    is_fused_op: ClassVar[bool] = True
 
     @property
     def name(self) -> str:
@@ -65,6 +178,13 @@ class FusedOperation:
         cover); default: always."""
         return True
 
+    def te_protocol(self) -> bool:
+        """Whether this (user) fused op implements TE's ``fuser_forward`` / ``fuser_backward``."""
+        cls = type(self)
+        return cls.op_forward is FusedOperation.op_forward and (
+            hasattr(cls, "fuser_forward") or hasattr(cls, "fuser_backward")
+        )
+
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
         raise NotImplementedError
 
@@ -73,10 +193,143 @@ class FusedOperation:
         pos, extra_outputs = 0, ()
         for op in self.basic_ops:
             n = op.num_extra_inputs
-            x, extra = op.op_forward(x, extra_inputs[pos : pos + n])
+            x, extra = step_forward(op, x, extra_inputs[pos : pos + n])
             pos += n
             extra_outputs = extra_outputs + extra
         return x, extra_outputs
 
     def __repr__(self) -> str:
         return f"{self.name}({', '.join(type(op).__name__ for op in self.basic_ops)})"
+
+
+# Transformer Engine's protocol -----------------------------------------------------------------
+
+
+def _te_step(step: Any) -> bool:
+    if isinstance(step, BasicOperation):
+        return type(step).te_protocol()
+    return isinstance(step, FusedOperation) and step.te_protocol()
+
+
+def step_forward(step: Any, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
+    """Run one step of a plan (basic op, fused op, plain module) in its protocol."""
+    if not _te_step(step):
+        return step.op_forward(x, extra_inputs)
+    ops = step.basic_ops if isinstance(step, FusedOperation) else (step,)
+    for op in ops:
+        if not type(op).te_protocol():
+            raise TypeError(
+                f"{type(step).__name__}: a fused op in Transformer Engine's protocol "
+                f"(fuser_forward/fuser_backward) may only contain basic ops in that protocol; "
+                f"{type(op).__name__} implements op_forward(x, extra_inputs)"
+            )
+    params = [p for op in ops for p in op.parameters()]
+    requires_grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (x, *extra_inputs, *params)
+    )
+    outs = _TEProtocol.apply(x, step, requires_grad, len(extra_inputs), *extra_inputs, *params)
+    return outs[0], tuple(outs[1:])
+
+
+def _split(flat: Sequence[Any], counts: Sequence[int]) -> list[tuple[Any, ...]]:
+    out, pos = [], 0
+    for n in counts:
+        out.append(tuple(flat[pos : pos + n]))
+        pos += n
+    return out
+
+
+def _te_forward(step, ctxs, x, extra_inputs):
+    """``(y, [extra outputs of each basic op])`` through ``fuser_forward`` where the step (or an
+    op of it) has one, else each basic op's ``op_forward(ctx, input_, ...)``."""
+    none = {"prev_op_grad_output_quantizer": None, "next_op_input_quantizer": None}
+    if isinstance(step, FusedOperation) and hasattr(step, "fuser_forward"):
+        kwargs = [{} for _ in ctxs]
+        y, extra = step.fuser_forward(
+            ctxs, x, basic_op_extra_inputs=extra_inputs, basic_op_kwargs=kwargs, **none
+        )
+        return y, [tuple(e) for e in extra]
+    ops = step.basic_ops if isinstance(step, FusedOperation) else (step,)
+    extra_outputs = []
+    for op, ctx, xs in zip(ops, ctxs, extra_inputs, strict=True):
+        if type(op).fuser_forward is not BasicOperation.fuser_forward:
+            x, (extra,) = op.fuser_forward(
+                [ctx], x, basic_op_extra_inputs=[xs], basic_op_kwargs=[{}], **none
+            )
+        else:
+            x, extra = op.op_forward(ctx, x, **none), ()
+        extra_outputs.append(tuple(extra))
+    return x, extra_outputs
+
+
+def _te_backward(step, ctxs, dy, grad_extra_outputs):
+    """``(dx, [param grads of each op], [extra-input grads of each op])``, in reverse."""
+    if isinstance(step, FusedOperation) and hasattr(step, "fuser_backward"):
+        dx, dparams, dextra = step.fuser_backward(
+            ctxs, dy, basic_op_grad_extra_outputs=grad_extra_outputs
+        )
+        return dx, [tuple(d) for d in dparams], [tuple(d) for d in dextra]
+    ops = step.basic_ops if isinstance(step, FusedOperation) else (step,)
+    dparams, dextra = [None] * len(ops), [None] * len(ops)
+    for i in reversed(range(len(ops))):
+        op = ops[i]
+        if type(op).fuser_backward is not BasicOperation.fuser_backward:
+            dy, (dp,), (de,) = op.fuser_backward(
+                [ctxs[i]], dy, basic_op_grad_extra_outputs=[grad_extra_outputs[i]]
+            )
+        else:
+            dy, dp = op.op_backward(ctxs[i], dy)
+            de = ()
+        dparams[i], dextra[i] = tuple(dp), tuple(de)
+    return dy, dparams, dextra
+
+
+class _TEProtocol(torch.autograd.Function):
+    """One step in Transformer Engine's protocol as an autograd function: the forward and the
+    backward are the step's (or its basic ops') own; the tensors of every ``ctx.save_for_backward``
+    are saved through autograd."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, step: Any, requires_grad: bool, n_extra: int, *tensors: Tensor):
+        ops = step.basic_ops if isinstance(step, FusedOperation) else (step,)
+        extra_inputs = _split(tensors[:n_extra], [op.num_extra_inputs for op in ops])
+        op_ctxs = [OperationContext(requires_grad=requires_grad) for _ in ops]
+        y, extra_outputs = _te_forward(step, op_ctxs, x, extra_inputs)
+        to_save, ranges = [], []
+        for op_ctx in op_ctxs:
+            start = len(to_save)
+            to_save.extend(op_ctx.to_save or ())
+            op_ctx.to_save = None
+            ranges.append((start, len(to_save)))
+        ctx.save_for_backward(*to_save)
+        ctx.step, ctx.op_ctxs, ctx.ranges, ctx.n_extra = step, op_ctxs, ranges, n_extra
+        ctx.param_counts = [len(list(op.parameters())) for op in ops]
+        ctx.extra_output_counts = [op.num_extra_outputs for op in ops]
+        flat = [t for ts in extra_outputs for t in ts]
+        return (y, *flat)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy: Tensor, *grad_extra_outputs: Tensor):
+        saved = ctx.saved_tensors
+        # Fresh contexts carrying the forward's attributes (torch.compile traces the backward
+        # and does not let it mutate objects made in the forward).
+        op_ctxs = []
+        for op_ctx, (start, end) in zip(ctx.op_ctxs, ctx.ranges, strict=True):
+            fresh = copy.copy(op_ctx)
+            fresh.saved_tensors = tuple(saved[start:end])
+            op_ctxs.append(fresh)
+        per_op = _split(grad_extra_outputs, ctx.extra_output_counts)
+        dx, dparams, dextra = _te_backward(ctx.step, op_ctxs, dy, per_op)
+        grads_params = []
+        for dp, n in zip(dparams, ctx.param_counts, strict=True):
+            dp = tuple(dp) if dp is not None else (None,) * n
+            if len(dp) != n:
+                raise RuntimeError(
+                    f"{type(ctx.step).__name__}: op_backward returned {len(dp)} parameter "
+                    f"gradient(s) for {n} parameter(s)"
+                )
+            grads_params.extend(dp)
+        grads_extra = [g for de in dextra for g in (de or ())]
+        grads_extra += [None] * (ctx.n_extra - len(grads_extra))
+        return (dx, None, None, None, *grads_extra, *grads_params)

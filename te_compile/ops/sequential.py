@@ -11,6 +11,14 @@ on its own: the reference the fusions are tested against.
 ``forward(input, *extra_inputs)``: each ``AddExtraInput`` (and each op taking extra inputs, such
 as ``GroupedLinear``'s ``m_splits``) takes the next extra input in order; the result is the
 output, or ``(output, *extra_outputs)`` when ``MakeExtraOutput`` ops produced extra outputs.
+
+Extra tensor channels (Transformer Engine's): ``op.set_extra_output_channel(i, "name",
+output_to_caller=...)`` names an extra output, ``op.set_extra_input_channel(j, "name")`` makes a
+later op take it as an extra input; named inputs are not arguments of ``forward``, and outputs
+with ``output_to_caller=False`` are not returned. A name has one producer, which must come
+earlier; a channel may fan out to several consumers (autograd adds their gradients). The routing
+is captured when the ``Sequential`` is built (the ops' channels are then locked); here channels
+may also cross plain modules of the ``Sequential``.
 Inside a ``Sequential`` the basic ops are called through ``op_forward``, so module hooks
 registered on a *basic op* do not run (hooks on the ``Sequential`` and on plain modules do).
 """
@@ -23,7 +31,15 @@ from typing import Any
 from torch import Tensor, nn
 
 from te_compile.ops.fused import fuse as _fuse
-from te_compile.ops.op import BasicOperation, FusedOperation, OpOutput
+from te_compile.ops.fused import user_fusions_version
+from te_compile.ops.op import (
+    BasicOperation,
+    FusedOperation,
+    FusibleOperation,
+    OpOutput,
+    step_forward,
+)
+from te_compile.quantization.state import get_autocast_state
 
 __all__ = ["Sequential"]
 
@@ -58,22 +74,97 @@ class Sequential(nn.Sequential):
 
     # The plan ------------------------------------------------------------------------------
 
-    def _replan(self) -> None:
+    def _plan(self, recipe: Any = None) -> tuple[Any, ...]:
         steps: list[Any] = []
         run: list[BasicOperation] = []
         for module in self._modules.values():
             if isinstance(module, BasicOperation):
                 run.append(module)
                 continue
-            steps.extend(_fuse(run) if self._fuse else run)
+            if isinstance(module, FusibleOperation) and module.is_fused_op:
+                run.extend(module.basic_ops)  # a container (ops.Linear): the fuser sees through
+                continue
+            steps.extend(_fuse(run, recipe) if self._fuse else run)
             run = []
             steps.append(_ModuleStep(module))
-        steps.extend(_fuse(run) if self._fuse else run)
+        steps.extend(_fuse(run, recipe) if self._fuse else run)
+        return tuple(steps)
+
+    def _replan(self) -> None:
+        steps = self._plan()
         # Plain attributes (not submodules): fused ops own nothing, and the basic ops stay the
-        # registered children, so state_dict, .to() and optimizers see only them.
-        object.__setattr__(self, "_steps", tuple(steps))
-        object.__setattr__(self, "_num_extra_inputs", sum(s.num_extra_inputs for s in steps))
+        # registered children, so state_dict, .to() and optimizers see only them. Plans for
+        # other recipes (user fusions get the recipe) are made on first use.
+        object.__setattr__(self, "_steps", steps)
+        object.__setattr__(self, "_plans", {(None, user_fusions_version()): steps})
+        object.__setattr__(self, "_routes", self._route(steps))
         object.__setattr__(self, "_planning", True)
+
+    @staticmethod
+    def _route(steps: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        """Per step: ``(inputs, outputs)`` with inputs ``("caller", i)`` / ``("channel",
+        name)`` and outputs ``(channel name or None, returned to the caller)``; None when no
+        op uses a channel (the plain path). Validates the channel names."""
+
+        def ops_of(step: Any) -> tuple[BasicOperation, ...]:
+            if isinstance(step, FusedOperation):
+                return step.basic_ops
+            return (step,) if isinstance(step, BasicOperation) else ()
+
+        ops = [op for step in steps for op in ops_of(step)]
+        for op in ops:
+            op._channels_locked = True
+        if not any(any(op._extra_input_channels) or any(op._extra_output_channels) for op in ops):
+            return None
+        producers: dict[str, str] = {}
+        routes, n_caller = [], 0
+        for step in steps:
+            step_ops = ops_of(step)
+            inputs, outputs = [], []
+            for op in step_ops:
+                for ch in op._extra_input_channels:
+                    if ch is None:
+                        inputs.append(("caller", n_caller))
+                        n_caller += 1
+                    elif ch not in producers:
+                        raise ValueError(
+                            f"Sequential: extra input channel {ch!r} of {type(op).__name__} has "
+                            "no earlier producer (set_extra_output_channel on an earlier op)"
+                        )
+                    else:
+                        inputs.append(("channel", ch))
+            for op in step_ops:
+                for ch, public in zip(op._extra_output_channels, op._extra_output_to_caller,
+                                      strict=True):  # fmt: skip
+                    if ch is not None:
+                        if ch in producers:
+                            raise ValueError(
+                                f"Sequential: extra output channel {ch!r} has two producers "
+                                f"({producers[ch]} and {type(op).__name__})"
+                            )
+                        producers[ch] = type(op).__name__
+                    outputs.append((ch, public))
+            routes.append((tuple(inputs), tuple(outputs)))
+        return tuple(routes)
+
+    @property
+    def _num_extra_inputs(self) -> int:
+        if self._routes is None:
+            return sum(s.num_extra_inputs for s in self._steps)
+        return sum(src == "caller" for ins, _ in self._routes for src, _ in ins)
+
+    def _steps_for_call(self) -> tuple[Any, ...]:
+        version = user_fusions_version()
+        if not version:
+            return self._steps
+        state = get_autocast_state()
+        recipe = state.recipe if state.enabled else None
+        key = (None if recipe is None else type(recipe), version)
+        steps = self._plans.get(key)
+        if steps is None:
+            steps = self._plan(recipe)
+            self._plans[key] = steps
+        return steps
 
     @property
     def fuse(self) -> bool:
@@ -88,10 +179,10 @@ class Sequential(nn.Sequential):
     def fusions(self) -> list[tuple[str, tuple[str, ...]]]:
         """The fused ops of the plan: ``[(fused op name, (names of its modules, ...)), ...]``,
         e.g. ``[("ForwardLinearBiasActivation", ("0", "1", "2"))]``; empty without fusion."""
-        names = {id(m): name for name, m in self._modules.items()}
+        names = {id(m): name for name, m in self.named_modules() if name}
         return [
             (step.name, tuple(names[id(op)] for op in step.basic_ops))
-            for step in self._steps
+            for step in self._steps_for_call()
             if isinstance(step, FusedOperation)
         ]
 
@@ -125,13 +216,30 @@ class Sequential(nn.Sequential):
                 f"Sequential: expected {self._num_extra_inputs} extra input(s) after the input "
                 f"(one per AddExtraInput, in order), got {len(extra_inputs)}"
             )
+        steps = self._steps_for_call()
+        if self._routes is not None:
+            return self._forward_routed(steps, input, extra_inputs)
         x, pos, extra_outputs = input, 0, ()
-        for step in self._steps:
+        for step in steps:
             n = step.num_extra_inputs
-            x, extra = step.op_forward(x, extra_inputs[pos : pos + n])
+            x, extra = step_forward(step, x, extra_inputs[pos : pos + n])
             pos += n
             extra_outputs = extra_outputs + extra
         return (x, *extra_outputs) if extra_outputs else x
+
+    def _forward_routed(self, steps, x: Tensor, extra_inputs: tuple[Tensor, ...]):
+        routes = self._routes if steps is self._steps else self._route(steps)
+        channels: dict[str, Tensor] = {}
+        public: list[Tensor] = []
+        for step, (inputs, outputs) in zip(steps, routes, strict=True):
+            ins = tuple(extra_inputs[k] if src == "caller" else channels[k] for src, k in inputs)
+            x, extra = step_forward(step, x, ins)
+            for y, (ch, to_caller) in zip(extra, outputs, strict=True):
+                if ch is not None:
+                    channels[ch] = y
+                if to_caller:
+                    public.append(y)
+        return (x, *public) if public else x
 
     def extra_repr(self) -> str:
         return "" if self._fuse else "fuse=False"

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
-from te_compile._checks import check_finite
+from te_compile._checks import check_bool, check_finite
 from te_compile.ops.op import BasicOperation, OpOutput
 
 __all__ = ["AddExtraInput", "ConstantScale", "Identity", "MakeExtraOutput", "Reshape"]
@@ -69,20 +69,63 @@ class ConstantScale(BasicOperation):
 
 
 class AddExtraInput(BasicOperation):
-    """:math:`y = x + r` with :math:`r` the next extra input of the ``Sequential`` (a residual)."""
+    """:math:`y = x + r` with :math:`r` the next extra input of the ``Sequential`` (a residual).
+
+    ``in_place=True`` (Transformer Engine's meaning): the sum is written into :math:`r` itself
+    (``r += x``) and :math:`r` is the output: no new buffer; the caller's tensor holds the sum
+    afterwards. Autograd sees the in-place add (the gradient reaches both :math:`x` and the
+    tensor :math:`r` was computed from), and ``torch.compile`` functionalises it. As for any
+    in-place op, :math:`r` must have the output's shape and may not be a leaf that requires
+    grad; ``in_place`` runs the add unfused (it is what the residual-epilogue GEMM replaces).
+    """
 
     num_extra_inputs = 1
 
+    def __init__(self, *, in_place: bool = False) -> None:
+        super().__init__()
+        check_bool("AddExtraInput", in_place=in_place)
+        self.in_place = in_place
+
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
         (residual,) = extra_inputs
-        return x + residual, ()
+        if not self.in_place:
+            return x + residual, ()
+        if residual.is_leaf and residual.requires_grad:
+            raise ValueError(
+                "AddExtraInput(in_place=True): the extra input is a leaf tensor that requires "
+                "grad and cannot be written in place; pass in_place=False"
+            )
+        if residual.shape != x.shape:
+            raise ValueError(
+                f"AddExtraInput(in_place=True): the extra input's shape "
+                f"({tuple(residual.shape)}) must be the input's ({tuple(x.shape)})"
+            )
+        return residual.add_(x), ()
+
+    def extra_repr(self) -> str:
+        return "in_place=True" if self.in_place else ""
 
 
 class MakeExtraOutput(BasicOperation):
     """:math:`y = x`, and :math:`x` also leaves the ``Sequential`` as its next extra output (a
-    residual branch). The two gradients add up in the backward."""
+    residual branch). The two gradients add up in the backward.
+
+    ``in_place=True`` (Transformer Engine: the main gradient is accumulated into the extra
+    output's gradient buffer): here autograd forms that sum, and its gradient buffer already
+    accumulates in place when the buffer is not shared, so both settings compute the same values
+    with the same memory; the flag is kept (``in_place``) for TE code and for the fusions
+    (``BackwardLinearAdd`` adds the branch gradient in the dgrad GEMM's epilogue either way).
+    """
 
     num_extra_outputs = 1
 
+    def __init__(self, *, in_place: bool = False) -> None:
+        super().__init__()
+        check_bool("MakeExtraOutput", in_place=in_place)
+        self.in_place = in_place
+
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
         return x, (x,)
+
+    def extra_repr(self) -> str:
+        return "in_place=True" if self.in_place else ""

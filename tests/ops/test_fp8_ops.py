@@ -183,11 +183,44 @@ def test_quantize_outside_autocast_and_backward_only(device):
 def test_quantize_errors():
     with pytest.raises(ValueError, match="Quantize: forward must be a bool"):
         ops.Quantize(forward=1)
-    with (
-        autocast(recipe=DelayedScaling()),
-        pytest.raises(NotImplementedError, match="DelayedScaling needs an amax history"),
-    ):
-        ops.Quantize()(torch.randn(4, 32))
+
+
+def _qdq_ref(t: torch.Tensor, scale: float, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """float64 reference of a per-tensor cast with ``scale`` (saturating) and back."""
+    fmax = torch.finfo(fp8_dtype).max
+    q = (t.double() * scale).clamp(-fmax, fmax).to(torch.float32).to(fp8_dtype)
+    return q.double() / scale
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("compiled", [False, True])
+def test_quantize_delayed_scaling_uses_the_amax_history(device, compiled):
+    recipe = DelayedScaling(amax_history_len=4, amax_compute_algo="max")
+    op = ops.Quantize(backward=True).to(device)
+    run = torch.compile(op, backend="aot_eager", fullgraph=True) if compiled else op
+    gen = torch.Generator().manual_seed(0)
+    amax_x, amax_g = [], []
+    for step in range(3):
+        x = (torch.randn(32, 64, generator=gen) * (step + 1)).to(device).requires_grad_()
+        dy = (torch.randn(32, 64, generator=gen) * 10 ** (-step)).to(device)
+        with autocast(recipe=recipe):
+            y = run(x)
+        y.backward(dy)
+        if step == 0:  # calibration: this tensor's own scale
+            sx, sg = 448 / x.detach().abs().max().item(), 57344 / dy.abs().max().item()
+        else:  # the largest amax of the history of the earlier steps
+            sx, sg = 448 / max(amax_x), 57344 / max(amax_g)
+        torch.testing.assert_close(
+            y.double().cpu(), _qdq_ref(x.detach().cpu(), sx, torch.float8_e4m3fn), rtol=1e-6, atol=0
+        )
+        torch.testing.assert_close(
+            x.grad.double().cpu(), _qdq_ref(dy.cpu(), sg, torch.float8_e5m2), rtol=1e-6, atol=0
+        )
+        amax_x.append(x.detach().abs().max().item())
+        amax_g.append(dy.abs().max().item())
+    # step 2's input is larger than the history: it saturates at 448 / scale
+    assert y.abs().max().item() == pytest.approx(448 / sx)
+    assert "fp8_meta.amax_history" in op.state_dict()
 
 
 _ROW_SPLITS_ERRORS = [
