@@ -167,6 +167,7 @@ def _save_dcp(tmp_path):
     return save, load
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 @pytest.mark.parametrize("recipe", ["none", "delayed", "block"])
 @pytest.mark.parametrize("name", ["Linear_qkv_split", "GroupedLinear_single", "LayerNormMLP"])
 def test_resume_through_distributed_checkpoint(name, recipe, tmp_path):

@@ -19,9 +19,13 @@ from te_compile.distributed.cross_entropy import vocab_parallel_cross_entropy
 from te_compile.distributed.tensor_parallel import (
     PARALLEL_MODES,
     TensorParallel,
+    gather_optimizer_state_dict,
+    gather_state_dict,
     set_parallel_attributes,
+    shard_optimizer_state_dict,
     shard_state_dict,
     shard_tensor,
+    unshard_tensor,
 )
 from te_compile.quantization.recompute import checkpoint
 
@@ -33,11 +37,15 @@ __all__ = [
     "all_reduce_grad",
     "all_reduce_max",
     "checkpoint",
+    "gather_optimizer_state_dict",
+    "gather_state_dict",
     "reduce_scatter",
     "resolve_group",
     "scatter",
     "set_parallel_attributes",
+    "shard_optimizer_state_dict",
     "shard_state_dict",
     "shard_tensor",
+    "unshard_tensor",
     "vocab_parallel_cross_entropy",
 ]

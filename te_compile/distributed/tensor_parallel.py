@@ -49,9 +49,13 @@ from te_compile.distributed import collectives as C
 __all__ = [
     "PARALLEL_MODES",
     "TensorParallel",
+    "gather_optimizer_state_dict",
+    "gather_state_dict",
     "set_parallel_attributes",
+    "shard_optimizer_state_dict",
     "shard_state_dict",
     "shard_tensor",
+    "unshard_tensor",
 ]
 
 PARALLEL_MODES = ("column", "row", None)
@@ -304,30 +308,128 @@ def shard_tensor(
     return torch.cat(chunks[rank::size], dim=partition_dim)
 
 
+def _sharded_entries(module: nn.Module, slices: bool = True) -> dict[str, tuple]:
+    """``{key: (tp, partition_dim, partition_stride, parts)}`` for every tensor-parallel shard of
+    ``module``'s state: its sharded parameters by name and, with ``slices``, the named blocks of
+    ``parameters_split`` (state_dict keys of their own, each sharded alone)."""
+    out: dict[str, tuple] = {}
+    for mod_name, sub in module.named_modules():
+        tp = getattr(sub, "tp", None)
+        if not isinstance(tp, TensorParallel):
+            continue
+        prefix = f"{mod_name}." if mod_name else ""
+        for name, p in sub.named_parameters(recurse=False):
+            if getattr(p, "tensor_model_parallel", False):
+                parts = getattr(p, "partition_parts", None)
+                out[prefix + name] = (tp, p.partition_dim, p.partition_stride, parts)
+        for name, (kind, _start, _rows) in getattr(sub, "_slices", {}).items() if slices else ():
+            whole = getattr(sub, kind)
+            if getattr(whole, "tensor_model_parallel", False):
+                out[prefix + name] = (tp, whole.partition_dim, 1, None)
+    return out
+
+
 def shard_state_dict(module: nn.Module, full_state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
     """Cut ``full_state_dict`` (of the same model built without tensor parallelism) into this
     rank's state_dict for ``module``, following each parameter's ``partition_dim`` and
     ``partition_stride``. Entries that are not sharded parameters are passed through."""
-    sizes = {}
-    for sub in module.modules():
-        tp = getattr(sub, "tp", None)
-        if isinstance(tp, TensorParallel):
-            sizes[id(sub)] = (tp.rank, tp.size)
     out = dict(full_state_dict)
-    for mod_name, sub in module.named_modules():
-        if id(sub) not in sizes:
-            continue
-        rank, size = sizes[id(sub)]
-        prefix = f"{mod_name}." if mod_name else ""
-        for name, p in sub.named_parameters(recurse=False):
-            key = prefix + name
-            if key in out and getattr(p, "tensor_model_parallel", False):
-                out[key] = shard_tensor(out[key], p.partition_dim, p.partition_stride, rank, size,
-                                        getattr(p, "partition_parts", None))  # fmt: skip
-        # parameters_split's named blocks (state_dict keys of their own), each sharded alone
-        for name, (kind, _start, _rows) in getattr(sub, "_slices", {}).items():
-            whole = getattr(sub, kind)
-            if prefix + name in out and getattr(whole, "tensor_model_parallel", False):
-                out[prefix + name] = shard_tensor(out[prefix + name], whole.partition_dim, 1,
-                                                  rank, size)  # fmt: skip
+    for key, (tp, dim, stride, parts) in _sharded_entries(module).items():
+        if key in out:
+            out[key] = shard_tensor(out[key], dim, stride, tp.rank, tp.size, parts)
     return out
+
+
+def unshard_tensor(
+    pieces: list[Tensor], partition_dim: int, stride: int, parts: tuple[int, ...] | None = None
+) -> Tensor:
+    """The full tensor of every rank's shard (``pieces``, in rank order): the inverse of
+    :func:`shard_tensor`."""
+    size = len(pieces)
+    if parts:
+        split = [p.split([n // size for n in parts], dim=partition_dim) for p in pieces]
+        blocks = [unshard_tensor([s[i] for s in split], partition_dim, stride)
+                  for i in range(len(parts))]  # fmt: skip
+        return torch.cat(blocks, dim=partition_dim)
+    chunks = [p.chunk(stride, dim=partition_dim) for p in pieces]
+    # Rank r holds chunks r, r + size, ...: full chunk j is rank j % size's chunk j // size.
+    full = [chunks[j % size][j // size] for j in range(size * stride)]
+    return torch.cat(full, dim=partition_dim)
+
+
+def _gather(local: Tensor, tp: TensorParallel, dim: int, stride: int, parts) -> Tensor:
+    if tp.size == 1:
+        return local
+    if tp.group is None:
+        raise ValueError(
+            "gather_state_dict: a module has tp_size > 1 and no tp_group; set it with "
+            "set_tensor_parallel_group before gathering its state"
+        )
+    pieces = [torch.empty_like(local) for _ in range(tp.size)]
+    dist.all_gather(pieces, local.contiguous(), group=tp.group)
+    return unshard_tensor(pieces, dim, stride, parts)
+
+
+def gather_state_dict(
+    module: nn.Module, state_dict: dict[str, Tensor] | None = None
+) -> dict[str, Tensor]:
+    """The single-process state_dict of a tensor-parallel ``module``: every shard of
+    ``state_dict`` (default ``module.state_dict()``) all-gathered over its group into the full
+    tensor, the other entries as they are (the inverse of :func:`shard_state_dict`). Call it on
+    every rank of the group (a collective). This is the state to give
+    ``torch.distributed.checkpoint`` (or ``torch.save`` on one rank): a rank's shard is a plain
+    tensor that ``torch.distributed.checkpoint`` would take for a replica of the other ranks'
+    (and keep only one), while the full tensors are replicas indeed; load them back with
+    ``module.load_state_dict(shard_state_dict(module, full))``."""
+    state = module.state_dict() if state_dict is None else dict(state_dict)
+    for key, (tp, dim, stride, parts) in _sharded_entries(module).items():
+        if key in state:
+            state[key] = _gather(state[key], tp, dim, stride, parts)
+    return state
+
+
+def _optimizer_entries(module: nn.Module) -> tuple[dict[str, tuple], dict[str, torch.Size]]:
+    """The sharded parameters by name, and every parameter's (local) shape."""
+    shapes = {name: p.shape for name, p in module.named_parameters()}
+    return _sharded_entries(module, slices=False), shapes
+
+
+def gather_optimizer_state_dict(module: nn.Module, optim_state_dict: dict) -> dict:
+    """:func:`gather_state_dict` for an optimizer's state in the form
+    ``torch.distributed.checkpoint.state_dict.get_state_dict`` returns (``{"state": {parameter
+    name: {...}}, "param_groups": ...}``): each state tensor of a sharded parameter's shape
+    (Adam's moments, ...) all-gathered into the full tensor; scalars (``step``) as they are."""
+    entries, shapes = _optimizer_entries(module)
+    state = {}
+    for name, per_param in optim_state_dict["state"].items():
+        if name not in entries:
+            state[name] = per_param
+            continue
+        tp, dim, stride, parts = entries[name]
+        state[name] = {
+            k: _gather(v, tp, dim, stride, parts)
+            if isinstance(v, Tensor) and v.shape == shapes[name] else v
+            for k, v in per_param.items()
+        }  # fmt: skip
+    return {**optim_state_dict, "state": state}
+
+
+def shard_optimizer_state_dict(module: nn.Module, full_optim_state_dict: dict) -> dict:
+    """This rank's part of an optimizer state gathered by :func:`gather_optimizer_state_dict`
+    (for ``torch.distributed.checkpoint.state_dict.set_state_dict``)."""
+    entries, shapes = _optimizer_entries(module)
+    state = {}
+    for name, per_param in full_optim_state_dict["state"].items():
+        if name not in entries:
+            state[name] = per_param
+            continue
+        tp, dim, stride, parts = entries[name]
+        full_shape = list(shapes[name])
+        if dim >= 0:
+            full_shape[dim] *= tp.size
+        state[name] = {
+            k: shard_tensor(v, dim, stride, tp.rank, tp.size, parts)
+            if isinstance(v, Tensor) and list(v.shape) == full_shape else v
+            for k, v in per_param.items()
+        }  # fmt: skip
+    return {**full_optim_state_dict, "state": state}
