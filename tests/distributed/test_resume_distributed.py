@@ -81,7 +81,10 @@ def _tp_resume(rank, group, device, recipe, path):
     fresh, fresh_opt = build()
     _train(fresh, fresh_opt, recipe, range(7, 8))  # state of its own, to be replaced
     msd, osd = get_state_dict(fresh, fresh_opt)
-    full = {"model": gather_state_dict(fresh, msd), "optim": gather_optimizer_state_dict(fresh, osd)}
+    full = {
+        "model": gather_state_dict(fresh, msd),
+        "optim": gather_optimizer_state_dict(fresh, osd),
+    }
     dcp.load(full, checkpoint_id=path)
     set_state_dict(
         fresh, fresh_opt, model_state_dict=shard_state_dict(fresh, full["model"]),
