@@ -15,7 +15,8 @@ branch, saved)`` takes, after the four tensors:
 * the recipe as data (``functional.gemm``; ``quantization.gemm.gemm_args`` makes these from
   the autocast recipe): ``recipe`` (``""`` high precision, ``"current"``, ``"delayed"``,
   ``"block"``, ``"mxfp8"``, ``"nvfp4"``), ``fwd_dtype`` / ``bwd_dtype`` (E4M3 / E5M2),
-  ``power_2_scale``, ``weight_block_rows`` (1 or 128), ``emulate``, and the delayed-scaling
+  ``power_2_scale``, ``weight_block_rows`` (1 or 128; NVFP4: 1 or 16, 16x16 weight tiles),
+  ``emulate``, and the delayed-scaling
   state: ``scale`` ``[3]`` (input, weight, gradient) from ``te::delayed_scaling_update``, and
   ``grad_amax`` ``[1]``, into which the backward writes the gradient's amax (per-tensor
   recipes; a buffer of its own: a saved tensor must not be modified between the passes);
@@ -25,7 +26,12 @@ branch, saved)`` takes, after the four tensors:
   then computed, kept and quantised, not fused into the cast) and the backward is high
   precision's on it and the weight; ``"dequantized"``, the forward saves its quantised operands
   dequantised to the input dtype and the backward is high precision's on them (the gradient is
-  not quantised with either override, and ``grad_amax`` is not written);
+  not quantised with either override, and ``grad_amax`` is not written); NVFP4's options
+  (docs/fp8.md): ``rht`` (the random Hadamard transform of the wgrad GEMM's operands, the
+  input's and the gradient's columnwise copies), ``stochastic_rounding`` of the gradient with
+  ``rng_state`` (int64 ``[2]`` ``(seed, offset)``, saved for the backward op: its Philox
+  stream), ``row_scaled`` (the forward's input with a global scale per row; needs a
+  ``backward_override``);
 * the norm prologue (``functional.prologue``): ``norm_weight``, ``norm_bias``,
   ``normalization`` (``""``, ``"LayerNorm"``, ``"RMSNorm"``), ``norm_eps``,
   ``zero_centered_gamma``: ``inp`` is normalised first (written straight into FP8 on CUDA by the
