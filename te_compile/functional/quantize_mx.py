@@ -367,13 +367,12 @@ def random_hadamard_transform(x2: Tensor) -> Tensor:
     return v.reshape(r, c) * 0.25
 
 
-def _uniforms(rng_state: Tensor, numel: int, start: int, shape: tuple[int, ...]) -> Tensor:
-    """Words ``start .. start + numel`` of the stream ``rng_state`` as fp32 uniforms in [0, 1)
-    (their top 24 bits: exact in fp32)."""
+def _uniforms(rng_state: Tensor, numel: int) -> Tensor:
+    """The first ``numel`` words of the stream ``rng_state`` as fp32 uniforms in [0, 1) (their
+    top 24 bits: exact in fp32)."""
     from te_compile.functional.dropout import random_words
 
-    words = random_words(rng_state, start + numel)[start:]
-    return ((words >> 8).to(torch.float32) * 2.0**-24).reshape(shape)
+    return (random_words(rng_state, numel) >> 8).to(torch.float32) * 2.0**-24
 
 
 def _tile_amaxes(x2: Tensor) -> Tensor:
@@ -415,8 +414,9 @@ def nvfp4_qdq(
     x = x2.float()
     u_row = u_col = None
     if rng_state is not None:
-        u_row = _uniforms(rng_state, m * k, 0, (m, k))
-        u_col = _uniforms(rng_state, m * k, m * k, (k, m)) if columnwise else None
+        u = _uniforms(rng_state, (2 if columnwise else 1) * m * k)
+        u_row = u[: m * k].view(m, k)
+        u_col = u[m * k :].view(k, m) if columnwise else None
     amax = _tensor_amax(x)
     g = nvfp4_global_scale(amax)
     if row_scaled:
