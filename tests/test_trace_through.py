@@ -29,7 +29,9 @@ RECIPES = {
     "delayed": te.recipe.DelayedScaling,
     "block": te.recipe.Float8BlockScaling,
     "mxfp8": te.recipe.MXFP8BlockScaling,
-    "nvfp4": te.recipe.NVFP4BlockScaling,
+    # Stochastic rounding off: Inductor's generator draws other streams than eager's, and the
+    # compiled block is compared with the eager one.
+    "nvfp4": lambda: te.recipe.NVFP4BlockScaling(disable_stochastic_rounding=True),
 }
 
 # The ops whose implementation reads tensor data on the host or runs C++: their names, so that

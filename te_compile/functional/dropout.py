@@ -36,7 +36,14 @@ from torch import Tensor
 from te_compile._checks import check_bool
 from te_compile._library import SampleInput, differentiable, op
 
-__all__ = ["dropout", "dropout_mask", "dropout_ref", "new_rng_state", "philox4x32"]
+__all__ = [
+    "dropout",
+    "dropout_mask",
+    "dropout_ref",
+    "new_rng_state",
+    "philox4x32",
+    "random_words",
+]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _MASK32 = 0xFFFFFFFF

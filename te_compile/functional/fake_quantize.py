@@ -53,12 +53,13 @@ def qdq(
     row_splits: Tensor | None = None,
 ) -> Tensor:
     """``dequantize(quantize(x))`` in ``x``'s dtype (fp64 input is quantised from fp32); NVFP4
-    with ``row_splits``: a global scale per group of rows."""
+    with ``row_splits``: a global scale per group of rows (``block_rows=16``: 16x16 tiles)."""
     if kind == "none":
         return x.clone(memory_format=torch.contiguous_format)
     src = x if x.dtype in _HIGH else x.float()
     if kind == "nvfp4" and row_splits is not None:
-        return nvfp4_qdq_row_groups(src.contiguous(), row_splits).to(x.dtype)
+        tiles = block_rows == 16
+        return nvfp4_qdq_row_groups(src.contiguous(), row_splits, tiles).to(x.dtype)
     kw = {"fp8_dtype": fp8_dtype, "power_2_scale": power_2}
     if kind == "block":
         kw["block_rows"] = block_rows

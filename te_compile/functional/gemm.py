@@ -55,6 +55,7 @@ from te_compile.functional.quantize import (
 from te_compile.functional.quantize_mx import (
     dequantize_mxfp8,
     dequantize_nvfp4,
+    nvfp4_qdq,
     quantize_mxfp8,
     quantize_nvfp4,
 )
@@ -71,6 +72,7 @@ __all__ = [
     "Operand",
     "accumulate_wgrad",
     "blockwise_supported",
+    "check_nvfp4_options",
     "check_recipe",
     "delayed_on_cuda",
     "empty",
@@ -159,7 +161,12 @@ def check_recipe(
         raise ValueError(p + f"recipe must be one of {RECIPES}, got {recipe!r}")
     if recipe and (fwd_dtype not in FP8_DTYPES or bwd_dtype not in FP8_DTYPES):
         raise ValueError(p + f"fwd_dtype/bwd_dtype must be FP8 dtypes, got {fwd_dtype}/{bwd_dtype}")
-    if weight_block_rows not in (1, 128):
+    if recipe == "nvfp4" and weight_block_rows not in (1, 16):
+        raise ValueError(
+            p + "weight_block_rows must be 1 (1x16 blocks) or 16 (16x16 tiles) for "
+            f"recipe='nvfp4', got {weight_block_rows}"
+        )
+    if recipe != "nvfp4" and weight_block_rows not in (1, 128):
         raise ValueError(
             p + f"weight_block_rows must be 1 (1x128 blocks) or 128, got {weight_block_rows}"
         )
@@ -180,6 +187,51 @@ def check_recipe(
         raise ValueError(p + 'scale is for recipe="delayed" only')
     if grad_amax is not None and (grad_amax.shape != (1,) or grad_amax.dtype is not torch.float32):
         raise ValueError(p + "grad_amax must be a [1] float32 tensor")
+
+
+def check_nvfp4_options(
+    p: str,
+    recipe: str,
+    rht: bool,
+    stochastic_rounding: bool,
+    rng_state: Tensor | None,
+    like: Tensor,
+    row_scaled: bool = False,
+    backward_override: str = "",
+) -> None:
+    """NVFP4's option arguments of a family op: NVFP4 only; ``rng_state`` (int64 ``[2]`` on
+    ``like``'s device) with stochastic rounding; ``row_scaled`` with a ``backward_override``
+    (a row-scaled tensor has no columnwise copy for the wgrad GEMM)."""
+    if (rht or stochastic_rounding or row_scaled) and recipe != "nvfp4":
+        raise ValueError(
+            p + "rht, stochastic_rounding and row_scaled are NVFP4 options (recipe='nvfp4'), "
+            f"got recipe={recipe!r} with rht={rht}, stochastic_rounding={stochastic_rounding}, "
+            f"row_scaled={row_scaled}"
+        )
+    if row_scaled and backward_override not in ("high_precision", "dequantized"):
+        raise ValueError(
+            p + "row_scaled=True needs backward_override 'high_precision' or 'dequantized' (a "
+            f"row-scaled NVFP4 input has no columnwise copy), got {backward_override!r}"
+        )
+    if not stochastic_rounding:
+        if rng_state is not None:
+            raise ValueError(p + "rng_state is for stochastic_rounding=True only")
+        return
+    if (
+        rng_state is None
+        or rng_state.dtype is not torch.int64
+        or rng_state.shape != (2,)
+        or rng_state.device != like.device
+    ):
+        got = (
+            "None"
+            if rng_state is None
+            else (f"{rng_state.dtype} {list(rng_state.shape)} on {rng_state.device}")
+        )
+        raise ValueError(
+            p + "stochastic_rounding=True needs rng_state: an int64 tensor [2] = (seed, offset) "
+            f"on the input's device ({like.device}), got {got}"
+        )
 
 
 def blockwise_supported(
@@ -229,13 +281,24 @@ def quantize_per_tensor(
 
 
 def qdq_both(
-    x2: Tensor, kind: str, fp8_dtype: torch.dtype, block_rows: int = 1, power_2_scale: bool = False
+    x2: Tensor,
+    kind: str,
+    fp8_dtype: torch.dtype,
+    block_rows: int = 1,
+    power_2_scale: bool = False,
+    *,
+    rht: bool = False,
+    rng_state: Tensor | None = None,
+    row_scaled: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """``(rowwise, columnwise^T)``: ``x2`` ``[M, K]`` quantised by a block-scaled kind in blocks
     along K and along M (the latter returned transposed, ``[K, M]``), both dequantised to fp32,
     where every dequantised value is exact (an NVFP4 value times its E4M3 scale over the global
     scale is not always a bf16 number). fp64 input (the tests' references) is quantised from
-    its fp32 values and returned as fp64."""
+    its fp32 values and returned as fp64. NVFP4's recipe options
+    (``functional.quantize_mx.nvfp4_qdq``): ``block_rows=16``, 16x16 tiles; ``rht``, the random
+    Hadamard transform of the columnwise copy; ``rng_state``, stochastic rounding;
+    ``row_scaled``, one global scale per row for the rowwise copy."""
     x = x2.float() if x2.dtype == torch.float64 else x2
     f32 = torch.float32
     if kind == "block":  # 1 x 128 (block_rows=1) or 128 x 128 blocks, fp32 scales
@@ -249,6 +312,9 @@ def qdq_both(
     elif kind == "mxfp8":
         data, scale, data_t, scale_t = quantize_mxfp8(x, fp8_dtype)
         row, col_t = dequantize_mxfp8(data, scale, f32), dequantize_mxfp8(data_t, scale_t, f32)
+    elif block_rows != 1 or rht or rng_state is not None or row_scaled:
+        row, col_t = nvfp4_qdq(x, tiles=block_rows == 16, rht=rht, rng_state=rng_state,
+                               row_scaled=row_scaled)  # fmt: skip
     else:
         data, scale, g, data_t, scale_t = quantize_nvfp4(x)
         row = dequantize_nvfp4(data, scale, g, f32)
@@ -275,8 +341,8 @@ def _quantize_per_tensor(x2, fp8_dtype, scale, block_rows, power_2_scale, emulat
     return Operand(data, scale_inv, data_t, scale_inv, amax, _col_sums(x2, sums))
 
 
-def _quantize_dequantized(kind, x2, fp8_dtype, block_rows, power_2_scale, sums) -> Operand:
-    row, col_t = qdq_both(x2, kind, fp8_dtype, block_rows, power_2_scale)
+def _quantize_dequantized(kind, x2, fp8_dtype, block_rows, power_2_scale, sums, **nvfp4) -> Operand:
+    row, col_t = qdq_both(x2, kind, fp8_dtype, block_rows, power_2_scale, **nvfp4)
     f32 = torch.float32
     none = x2.new_empty(0, dtype=f32)
     return Operand(row, none, col_t, none.clone(), none.clone(), _col_sums(x2, sums))
@@ -301,21 +367,28 @@ def _quantize_block(x2, fp8_dtype, scale, block_rows, power_2_scale, emulate, co
     return Operand(data, s, data_t.contiguous(), s_t.contiguous(), none, _col_sums(x2, sums))
 
 
-def _quantize_mx(kind: str) -> Callable[..., Operand]:
-    def quantize(x2, fp8_dtype, scale, block_rows, power_2_scale, emulate, columnwise, mn_major,
-                 sums) -> Operand:  # fmt: skip
-        return _quantize_dequantized(kind, x2, fp8_dtype, 1, False, sums)
+def _quantize_mxfp8(x2, fp8_dtype, scale, block_rows, power_2_scale, emulate, columnwise,
+                    mn_major, sums) -> Operand:  # fmt: skip
+    """mxfp8: always dequantised (the GEMM is emulated)."""
+    return _quantize_dequantized("mxfp8", x2, fp8_dtype, 1, False, sums)
 
-    quantize.__doc__ = f"{kind}: always dequantised (the GEMM is emulated)."
-    return quantize
+
+def _quantize_nvfp4(x2, fp8_dtype, scale, block_rows, power_2_scale, emulate, columnwise,
+                    mn_major, sums, rht=False, rng_state=None, row_scaled=False
+                    ) -> Operand:  # fmt: skip
+    """nvfp4: always dequantised (the GEMM is emulated); ``block_rows`` 16: 16x16 tiles,
+    ``rht``: the random Hadamard transform of the columnwise copy, ``rng_state``: stochastic
+    rounding, ``row_scaled``: a global scale per row (rowwise copy)."""
+    return _quantize_dequantized("nvfp4", x2, fp8_dtype, block_rows, False, sums, rht=rht,
+                                 rng_state=rng_state, row_scaled=row_scaled)  # fmt: skip
 
 
 QUANTIZERS: dict[str, Callable[..., Operand]] = {
     "current": _quantize_per_tensor,
     "delayed": _quantize_per_tensor,
     "block": _quantize_block,
-    "mxfp8": _quantize_mx("mxfp8"),
-    "nvfp4": _quantize_mx("nvfp4"),
+    "mxfp8": _quantize_mxfp8,
+    "nvfp4": _quantize_nvfp4,
 }
 
 
@@ -331,12 +404,22 @@ def quantize_operand(
     columnwise: bool = True,
     mn_major: bool = False,
     sums: bool = False,
+    rht: bool = False,
+    rng_state: Tensor | None = None,
+    row_scaled: bool = False,
 ) -> Operand:
     """``x2`` ``[M, K]`` as an :class:`Operand` of ``recipe``'s kind (``scale``: the ``[1]``
-    delayed scale; ``block_rows``: the block's rows for ``"block"``; ``mn_major``: 1x128 block
-    scales in the blockwise GEMM's layout where a CUDA kernel writes them)."""
-    return QUANTIZERS[recipe](x2, fp8_dtype, scale, block_rows, power_2_scale, emulate,
-                              columnwise, mn_major, sums)  # fmt: skip
+    delayed scale; ``block_rows``: the block's rows for ``"block"`` (1 or 128) and ``"nvfp4"``
+    (1 or 16); ``mn_major``: 1x128 block scales in the blockwise GEMM's layout where a CUDA
+    kernel writes them; ``rht`` / ``rng_state`` / ``row_scaled``: NVFP4's random Hadamard
+    transform of the columnwise copy / stochastic rounding / a global scale per row)."""
+    quantize = QUANTIZERS[recipe]
+    if rht or rng_state is not None or row_scaled:
+        return quantize(x2, fp8_dtype, scale, block_rows, power_2_scale, emulate, columnwise,
+                        mn_major, sums, rht=rht, rng_state=rng_state,
+                        row_scaled=row_scaled)  # fmt: skip
+    return quantize(x2, fp8_dtype, scale, block_rows, power_2_scale, emulate, columnwise,
+                    mn_major, sums)  # fmt: skip
 
 
 # GEMMs: one table, keyed by gemm_kind(recipe, emulate) ----------------------------------------
@@ -517,19 +600,22 @@ class _BlockReference(torch.autograd.Function):
     than the forward did (``Q_K`` forward, ``Q_N`` for dgrad, ``Q_M`` for wgrad)."""
 
     @staticmethod
-    def forward(ctx, x, weight, kind, fwd_dtype, bwd_dtype, power_2_scale, w_rows):
-        x_row, x_col_t = qdq_both(x, kind, fwd_dtype, 1, power_2_scale)
+    def forward(ctx, x, weight, kind, fwd_dtype, bwd_dtype, power_2_scale, w_rows, rht,
+                rng_state, row_scaled):  # fmt: skip
+        x_row, x_col_t = qdq_both(x, kind, fwd_dtype, 1, power_2_scale, rht=rht,
+                                  row_scaled=row_scaled)  # fmt: skip
         w_row, w_col_t = qdq_both(weight, kind, fwd_dtype, w_rows, power_2_scale)
-        ctx.save_for_backward(x_col_t, w_col_t)
-        ctx.config = (kind, bwd_dtype, power_2_scale)
+        ctx.save_for_backward(x_col_t, w_col_t, rng_state)
+        ctx.config = (kind, bwd_dtype, power_2_scale, rht)
         return x_row @ w_row.t()
 
     @staticmethod
     def backward(ctx, grad):
-        x_col_t, w_col_t = ctx.saved_tensors
-        kind, bwd_dtype, power_2_scale = ctx.config
-        g_row, g_col_t = qdq_both(grad, kind, bwd_dtype, 1, power_2_scale)
-        return g_row @ w_col_t.t(), g_col_t @ x_col_t.t(), *(None,) * 5
+        x_col_t, w_col_t, rng_state = ctx.saved_tensors
+        kind, bwd_dtype, power_2_scale, rht = ctx.config
+        g_row, g_col_t = qdq_both(grad, kind, bwd_dtype, 1, power_2_scale, rht=rht,
+                                  rng_state=rng_state)  # fmt: skip
+        return g_row @ w_col_t.t(), g_col_t @ x_col_t.t(), *(None,) * 8
 
 
 def quantized_linear_ref(
@@ -542,6 +628,9 @@ def quantized_linear_ref(
     weight_block_rows: int = 1,
     scale: Tensor | None = None,
     backward_override: str = "",
+    rht: bool = False,
+    rng_state: Tensor | None = None,
+    row_scaled: bool = False,
 ) -> Tensor:
     """Definition of correctness of the GEMM of a recipe, differentiable: ``inp @ weight.T`` of
     the quantised-dequantised operands in the input's dtype (fp64 in the tests), the incoming
@@ -550,11 +639,14 @@ def quantized_linear_ref(
     :data:`BACKWARD_OVERRIDES`): ``"high_precision"``, the quantised forward's value with the
     gradients of ``inp @ weight.T``; ``"dequantized"``, the gradients of the product of the
     forward's dequantised operands (straight through the quantisation), the gradient not
-    quantised."""
+    quantised. NVFP4's options: ``weight_block_rows=16`` (16x16 weight tiles), ``rht`` (the
+    random Hadamard transform of the wgrad GEMM's operands, the input's and the gradient's
+    columnwise copies), ``rng_state`` (stochastic rounding of the gradient, the op's stream),
+    ``row_scaled`` (the input's rowwise copy with a global scale per row)."""
     x = inp.reshape(-1, inp.shape[-1])
     if recipe and backward_override == "high_precision":
         config = (fwd_dtype, bwd_dtype, power_2_scale, weight_block_rows, scale)
-        quantized = quantized_linear_ref(x, weight, recipe, *config).detach()
+        quantized = quantized_linear_ref(x, weight, recipe, *config, row_scaled=row_scaled).detach()
         high = x @ weight.t()
         out = high + (quantized - high).detach()
     elif recipe and backward_override == "dequantized":
@@ -562,7 +654,8 @@ def quantized_linear_ref(
         if recipe in PER_TENSOR:
             xq, wq = _fake_quant(x, fwd_dtype, s_x), _fake_quant(weight, fwd_dtype, s_w)
         else:
-            xq = _straight_through(x, qdq_both(x, recipe, fwd_dtype, 1, power_2_scale)[0])
+            row = qdq_both(x, recipe, fwd_dtype, 1, power_2_scale, row_scaled=row_scaled)[0]
+            xq = _straight_through(x, row)
             w_rows = weight_block_rows
             wq = _straight_through(
                 weight, qdq_both(weight, recipe, fwd_dtype, w_rows, power_2_scale)[0]
@@ -575,6 +668,7 @@ def quantized_linear_ref(
         w = _fake_quant(weight, fwd_dtype, s_w)
         out = _FakeQuantGrad.apply(_fake_quant(x, fwd_dtype, s_x) @ w.t(), bwd_dtype, s_g)
     else:
-        config = (recipe, fwd_dtype, bwd_dtype, power_2_scale, weight_block_rows)
+        config = (recipe, fwd_dtype, bwd_dtype, power_2_scale, weight_block_rows, rht, rng_state,
+                  row_scaled)  # fmt: skip
         out = _BlockReference.apply(x, weight, *config)
     return out.reshape(*inp.shape[:-1], weight.shape[0])

@@ -374,7 +374,9 @@ def _qdq_operands(inp, m_splits, weight, r: GroupedRecipe) -> tuple[Tensor, Tens
     if r.recipe == "nvfp4":
         per_expert = torch.full((g,), n, dtype=torch.int64, device=weight.device)
         x = qdq(inp, "nvfp4", _E4M3, 1, False, m_splits)
-        return x, qdq(weight.reshape(g * n, k), "nvfp4", _E4M3, 1, False, per_expert).view(g, n, k)
+        w_rows = r.weight_block_rows  # 16: 16x16 tiles (n is a multiple of 16)
+        w = qdq(weight.reshape(g * n, k), "nvfp4", _E4M3, w_rows, False, per_expert)
+        return x, w.view(g, n, k)
     w_rows = r.weight_block_rows if r.recipe == "block" else 1
     p2 = r.power_2_scale if r.recipe == "block" else False
     x = qdq(inp, r.recipe, r.fwd_dtype, 1, p2)

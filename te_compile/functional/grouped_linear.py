@@ -258,7 +258,9 @@ class _RefDequantized(torch.autograd.Function):
         if r.recipe == "nvfp4":
             per_expert = torch.full((g,), n, dtype=torch.int64)
             xq = qdq(x, "nvfp4", _E4M3, 1, False, torch.tensor(splits))
-            wq = qdq(w.reshape(g * n, k), "nvfp4", _E4M3, 1, False, per_expert).view(g, n, k)
+            w_rows = r.weight_block_rows  # 16: 16x16 tiles (n is a multiple of 16)
+            wq = qdq(w.reshape(g * n, k), "nvfp4", _E4M3, w_rows, False, per_expert)
+            wq = wq.view(g, n, k)
         else:
             rows = r.weight_block_rows if r.recipe == "block" else 1
             xq = qdq(x, r.recipe, r.fwd_dtype, 1, p2)

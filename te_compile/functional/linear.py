@@ -15,7 +15,8 @@ branch, saved)`` takes, after the four tensors:
 * the recipe as data (``functional.gemm``; ``quantization.gemm.gemm_args`` makes these from
   the autocast recipe): ``recipe`` (``""`` high precision, ``"current"``, ``"delayed"``,
   ``"block"``, ``"mxfp8"``, ``"nvfp4"``), ``fwd_dtype`` / ``bwd_dtype`` (E4M3 / E5M2),
-  ``power_2_scale``, ``weight_block_rows`` (1 or 128), ``emulate``, and the delayed-scaling
+  ``power_2_scale``, ``weight_block_rows`` (1 or 128; NVFP4: 1 or 16, 16x16 weight tiles),
+  ``emulate``, and the delayed-scaling
   state: ``scale`` ``[3]`` (input, weight, gradient) from ``te::delayed_scaling_update``, and
   ``grad_amax`` ``[1]``, into which the backward writes the gradient's amax (per-tensor
   recipes; a buffer of its own: a saved tensor must not be modified between the passes);
@@ -25,7 +26,12 @@ branch, saved)`` takes, after the four tensors:
   then computed, kept and quantised, not fused into the cast) and the backward is high
   precision's on it and the weight; ``"dequantized"``, the forward saves its quantised operands
   dequantised to the input dtype and the backward is high precision's on them (the gradient is
-  not quantised with either override, and ``grad_amax`` is not written);
+  not quantised with either override, and ``grad_amax`` is not written); NVFP4's options
+  (docs/fp8.md): ``rht`` (the random Hadamard transform of the wgrad GEMM's operands, the
+  input's and the gradient's columnwise copies), ``stochastic_rounding`` of the gradient with
+  ``rng_state`` (int64 ``[2]`` ``(seed, offset)``, saved for the backward op: its Philox
+  stream), ``row_scaled`` (the forward's input with a global scale per row; needs a
+  ``backward_override``);
 * the norm prologue (``functional.prologue``): ``norm_weight``, ``norm_bias``,
   ``normalization`` (``""``, ``"LayerNorm"``, ``"RMSNorm"``), ``norm_eps``,
   ``zero_centered_gamma``: ``inp`` is normalised first (written straight into FP8 on CUDA by the
@@ -78,6 +84,7 @@ from te_compile.functional.activation import (
     check_gated_params,
     gated_activation_ref,
 )
+from te_compile.functional.dropout import new_rng_state
 from te_compile.functional.gemm import (
     BACKWARD_OVERRIDES,
     BLOCK_KINDS,
@@ -85,6 +92,7 @@ from te_compile.functional.gemm import (
     HIGH_DTYPES,
     PER_TENSOR,
     accumulate_wgrad,
+    check_nvfp4_options,
     check_recipe,
     delayed_on_cuda,
     empty,
@@ -145,13 +153,18 @@ class _Args(NamedTuple):
     out_scale: float = 1.0
     branch: bool = False
     backward_override: str = ""
+    rht: bool = False
+    stochastic_rounding: bool = False
+    rng_state: Tensor | None = None
+    row_scaled: bool = False
 
     @property
     def plain(self) -> bool:
         """High precision without a prologue or an epilogue: ``te.Linear``'s hot path."""
         return not (
             self.recipe or self.normalization or self.activation or self.branch
-            or self.backward_override
+            or self.backward_override or self.rht or self.stochastic_rounding
+            or self.rng_state is not None or self.row_scaled
             or self.residual is not None or self.out_scale != 1.0 or self.norm_weight is not None
             or self.norm_bias is not None or self.scale is not None
             or self.grad_amax is not None
@@ -197,7 +210,9 @@ def _reference(*args):
     a = _Args(*args)
     x = norm_ref(a.inp, a.norm)
     config = (a.fwd_dtype, a.bwd_dtype, a.power_2_scale, a.weight_block_rows, a.scale)
-    y = quantized_linear_ref(x, a.weight, a.recipe, *config, a.backward_override)
+    rng_state = a.rng_state if a.stochastic_rounding else None
+    y = quantized_linear_ref(x, a.weight, a.recipe, *config, a.backward_override, a.rht,
+                             rng_state, a.row_scaled)  # fmt: skip
     if a.activation in GATED_ACTIVATIONS:
         y = gated_activation_ref(y, a.bias, a.activation, *a.act)
     elif a.activation:
@@ -270,6 +285,8 @@ def _check(a: _Args) -> None:
         return
     p = "te.linear: "
     recipe = a.recipe
+    check_nvfp4_options(p, recipe, a.rht, a.stochastic_rounding, a.rng_state, a.inp,
+                        a.row_scaled, a.backward_override)  # fmt: skip
     check_recipe(p, recipe, a.fwd_dtype, a.bwd_dtype, a.weight_block_rows, a.emulate, a.scale,
                  a.grad_amax)  # fmt: skip
     n, k = weight.shape
@@ -370,13 +387,16 @@ def _forward(a: _Args, cuda: bool) -> tuple[Tensor, Tensor, list[Tensor]]:
         if a.normalization and override == "high_precision":  # the norm's output is kept
             x2, *stats = norm_forward(x2, a.norm)
             xq = quantize_operand(recipe, pad_rows(x2), a.fwd_dtype, scale=s_x,
-                                  power_2_scale=p2, emulate=em)  # fmt: skip
+                                  power_2_scale=p2, emulate=em, rht=a.rht,
+                                  row_scaled=a.row_scaled)  # fmt: skip
         elif a.normalization:
             xq, *stats = norm_quantize(recipe, x2, a.norm, a.fwd_dtype, scale=s_x,
-                                       power_2_scale=p2, emulate=em)  # fmt: skip
+                                       power_2_scale=p2, emulate=em, rht=a.rht,
+                                       row_scaled=a.row_scaled)  # fmt: skip
         else:
             xq = quantize_operand(recipe, pad_rows(x2), a.fwd_dtype, scale=s_x,
-                                  power_2_scale=p2, emulate=em)  # fmt: skip
+                                  power_2_scale=p2, emulate=em, rht=a.rht,
+                                  row_scaled=a.row_scaled)  # fmt: skip
         wq = quantize_operand(recipe, weight, a.fwd_dtype, scale=s_w, power_2_scale=p2,
                               block_rows=a.weight_block_rows, emulate=em)  # fmt: skip
         h = gemm(gemm_kind(recipe, em), xq.data, xq.scale, wq.data, wq.scale, dtype,
@@ -448,6 +468,10 @@ def linear_fwd(
     out_scale: float = 1.0,
     branch: bool = False,
     backward_override: str = "",
+    rht: bool = False,
+    stochastic_rounding: bool = False,
+    rng_state: Tensor | None = None,
+    row_scaled: bool = False,
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
     """``(out, branch, saved)`` (module docstring). The default (CPU) implementation computes
     high precision in fp32 (fp64 stays fp64), rounded once."""
@@ -455,12 +479,14 @@ def linear_fwd(
         recipe == "" and normalization == "" and activation == "" and residual is None
         and out_scale == 1.0 and not branch and scale is None and grad_amax is None
         and norm_weight is None and norm_bias is None and backward_override == ""
+        and not rht and not stochastic_rounding and rng_state is None and not row_scaled
     ):  # fmt: skip
         return _plain_forward(inp, weight, bias, main_grad, cuda=False)
     args = (inp, weight, bias, main_grad, recipe, fwd_dtype, bwd_dtype, power_2_scale,
             weight_block_rows, emulate, scale, grad_amax, norm_weight, norm_bias, normalization,
             norm_eps, zero_centered_gamma, activation, glu_interleave_size, limit, alpha,
-            glu_linear_offset, residual, out_scale, branch, backward_override)  # fmt: skip
+            glu_linear_offset, residual, out_scale, branch, backward_override, rht,
+            stochastic_rounding, rng_state, row_scaled)  # fmt: skip
     return _forward(_Args(*args), cuda=False)
 
 
@@ -536,6 +562,8 @@ class _Bwd(NamedTuple):
     power_2_scale: bool
     weight_block_rows: int
     emulate: bool
+    rht: bool
+    stochastic_rounding: bool
     normalization: str
     zero_centered_gamma: bool
     has_norm_bias: bool
@@ -562,7 +590,7 @@ def _split_saved(saved: list[Tensor], c: _Bwd) -> tuple[list, Tensor | None, Ten
 
 
 def _backward_impl(grad, grad_branch, saved, inp, weight, bias, main_grad, scale, grad_amax,
-                   norm_weight, c: _Bwd, cuda: bool):  # fmt: skip
+                   norm_weight, rng_state, c: _Bwd, cuda: bool):  # fmt: skip
     dtype = grad.dtype
     copies, x_hp, h, stats = _split_saved(saved, c)
     g2 = grad.reshape(-1, grad.shape[-1])
@@ -596,7 +624,8 @@ def _backward_impl(grad, grad_branch, saved, inp, weight, bias, main_grad, scale
         elif c.need_wgrad:
             dweight = (dy.t() @ cast(x2)).to(dtype)
     else:
-        dinp, dweight, db = _quantized_backward(dy, copies, main_grad, scale, grad_amax, c, m)
+        dinp, dweight, db = _quantized_backward(dy, copies, main_grad, scale, grad_amax,
+                                                rng_state, c, m)  # fmt: skip
         if db is not None:
             dbias = db.to(dtype)
     dnorm = [empty(grad), empty(grad)]
@@ -611,7 +640,7 @@ def _backward_impl(grad, grad_branch, saved, inp, weight, bias, main_grad, scale
     return dinp if dinp is not None else empty(grad), dweight, dbias, *dnorm
 
 
-def _quantized_backward(dy, copies, main_grad, scale, grad_amax, c: _Bwd, m: int):
+def _quantized_backward(dy, copies, main_grad, scale, grad_amax, rng_state, c: _Bwd, m: int):
     """``(dinp 2-D or None, dweight, dbias or None)`` of a quantised recipe's GEMMs; ``dbias``
     only where the gradient's quantisation sums it (native blockwise)."""
     x_t, x_st, w_t, w_st = copies
@@ -621,7 +650,8 @@ def _quantized_backward(dy, copies, main_grad, scale, grad_amax, c: _Bwd, m: int
     _, _, s_g = scale_slots(scale, c.recipe)
     g = quantize_operand(c.recipe, pad_rows(dy), c.bwd_dtype, scale=s_g,
                          power_2_scale=c.power_2_scale, emulate=c.emulate,
-                         columnwise=c.need_wgrad, mn_major=True, sums=sums)  # fmt: skip
+                         columnwise=c.need_wgrad, mn_major=True, sums=sums, rht=c.rht,
+                         rng_state=rng_state if c.stochastic_rounding else None)  # fmt: skip
     if grad_amax is not None:
         grad_amax.copy_(g.amax)
     dinp = None
@@ -653,12 +683,15 @@ def linear_bwd(
     scale: Tensor | None,
     grad_amax: Tensor | None,
     norm_weight: Tensor | None,
+    rng_state: Tensor | None,
     recipe: str,
     fwd_dtype: torch.dtype,
     bwd_dtype: torch.dtype,
     power_2_scale: bool,
     weight_block_rows: int,
     emulate: bool,
+    rht: bool,
+    stochastic_rounding: bool,
     normalization: str,
     zero_centered_gamma: bool,
     has_norm_bias: bool,
@@ -692,7 +725,7 @@ def linear_bwd(
                                acc)  # fmt: skip
     c = _Bwd(*_locals_args_bwd(locals()))
     return _backward_impl(grad, grad_branch, saved, inp, weight, bias, main_grad, scale,
-                          grad_amax, norm_weight, c, cuda=False)  # fmt: skip
+                          grad_amax, norm_weight, rng_state, c, cuda=False)  # fmt: skip
 
 
 def _plain_backward(grad, inp, weight, main_grad, need_dbias, need_dgrad, need_wgrad, acc):
@@ -717,7 +750,7 @@ def _plain_backward(grad, inp, weight, main_grad, need_dbias, need_dgrad, need_w
 
 
 _BWD_TENSORS = ("grad", "grad_branch", "saved", "inp", "weight", "bias", "main_grad", "scale",
-                "grad_amax", "norm_weight")  # fmt: skip
+                "grad_amax", "norm_weight", "rng_state")  # fmt: skip
 
 
 def _locals_args_bwd(values: dict) -> tuple:
@@ -740,7 +773,7 @@ def _linear_bwd_cuda(*args):
 
 @linear_bwd.register_fake
 def _linear_bwd_fake(*args):
-    grad, _, saved, _, weight, _, main_grad, *_, norm_weight = args[: len(_BWD_TENSORS)]
+    grad, _, saved, _, weight, _, main_grad, *_, norm_weight, _ = args[: len(_BWD_TENSORS)]
     c = _Bwd(*args[len(_BWD_TENSORS) :])
     n, k = weight.shape if weight is not None else saved[2].shape[::-1]
     dinp = grad.new_empty(*grad.shape[:-1], k) if c.need_dgrad else empty(grad)
@@ -755,15 +788,21 @@ def _linear_bwd_fake(*args):
 
 
 _PLAIN_SCALARS = (
-    "", _E4M3, _E5M2, False, 1, False, "", False, False, "", 0, 7.0, 1.702, 1.0, 1.0,
+    "", _E4M3, _E5M2, False, 1, False, False, False, "", False, False, "", 0, 7.0, 1.702, 1.0,
+    1.0,
 )  # fmt: skip
+# Positions in ctx.scalars (the backward op's scalar arguments before the need_* flags).
+_NORMALIZATION, _HAS_NORM_BIAS = (
+    _Bwd._fields.index("normalization"),
+    _Bwd._fields.index("has_norm_bias"),
+)
 
 
 def _setup_context(ctx, inputs, output) -> None:
     if len(inputs) == 4:  # a plain call (the eager fast path passes the tensors only)
         inp, weight, bias, main_grad = inputs
         ctx.mark_non_differentiable(output[1])  # no branch: no gradient to make for it
-        ctx.save_for_backward(inp, weight, None, main_grad, None, None, None)
+        ctx.save_for_backward(inp, weight, None, main_grad, None, None, None, None)
         ctx.scalars, ctx.has_bias, ctx.branch = _PLAIN_SCALARS, bias is not None, False
         return
     a = _Args(*inputs)
@@ -787,11 +826,12 @@ def _setup_context(ctx, inputs, output) -> None:
         a.bias if a.activation else None,
         a.main_grad, a.scale, a.grad_amax,
         a.norm_weight if normed else None,
+        a.rng_state,
         *saved,
     )  # fmt: skip
     ctx.scalars = (
         "" if a.backward_override else a.recipe, a.fwd_dtype, a.bwd_dtype, a.power_2_scale,
-        a.weight_block_rows, a.emulate,
+        a.weight_block_rows, a.emulate, a.rht, a.stochastic_rounding,
         a.normalization, a.zero_centered_gamma, a.norm_bias is not None, a.activation, *a.act,
         a.out_scale,
     )  # fmt: skip
@@ -799,16 +839,18 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, bwd, grad, grad_branch, _grad_saved):
-    inp, weight, bias, main_grad, scale, grad_amax, norm_weight, *saved = ctx.saved_tensors
+    inp, weight, bias, main_grad, scale, grad_amax, norm_weight, rng_state, *saved = (
+        ctx.saved_tensors
+    )
     need = ctx.needs_input_grad
-    normalization = ctx.scalars[6]
+    normalization = ctx.scalars[_NORMALIZATION]
     need_norm = bool(normalization) and any(need[_NORM_WEIGHT : _NORM_WEIGHT + 2])
     need_dbias = ctx.has_bias and need[2]
     need_dgrad = need[0] or need_norm
     grad_branch = grad_branch.contiguous() if ctx.branch and grad_branch is not None else None
     dinp, dweight, dbias, *dnorm = bwd(
         grad.contiguous(), grad_branch, saved, inp, weight, bias, main_grad, scale, grad_amax,
-        norm_weight, *ctx.scalars, need_dbias, need_dgrad, need[1],
+        norm_weight, rng_state, *ctx.scalars, need_dbias, need_dgrad, need[1],
     )  # fmt: skip
     grads = [None] * len(need)
     grads[0] = dinp if need[0] else None
@@ -817,7 +859,7 @@ def _backward(ctx, bwd, grad, grad_branch, _grad_saved):
     if need_norm:
         dnorm_w, dnorm_b = dnorm
         grads[_NORM_WEIGHT] = dnorm_w if need[_NORM_WEIGHT] else None
-        has_norm_bias = ctx.scalars[8]
+        has_norm_bias = ctx.scalars[_HAS_NORM_BIAS]
         grads[_NORM_WEIGHT + 1] = dnorm_b if has_norm_bias and need[_NORM_WEIGHT + 1] else None
     if len(need) > _RESIDUAL and need[_RESIDUAL]:
         grads[_RESIDUAL] = grad
@@ -931,6 +973,17 @@ def _samples(device: torch.device):
                 **e4, backward_override="dequantized")  # fmt: skip
     yield _call(t(16, 32), t(48, 32), recipe="nvfp4", emulate=True, **e4,
                 backward_override="high_precision")  # fmt: skip
+    # NVFP4's recipe options: 16x16 weight tiles, the random Hadamard transform of the wgrad
+    # GEMM's operands, stochastic rounding of the gradient (a fixed stream); with a norm.
+    rng = torch.tensor([3, 5], device=device)
+    yield _call(t(32, 48, dtype=bf16), t(32, 48, dtype=bf16), t(32, dtype=bf16), recipe="nvfp4",
+                emulate=True, **e4, weight_block_rows=16, rht=True, stochastic_rounding=True,
+                rng_state=rng)  # fmt: skip
+    yield _call(unit_rows(16, 32, device=device), t(48, 32), recipe="nvfp4", emulate=True, **e4,
+                norm_weight=t(32), normalization="RMSNorm", norm_eps=1e-30, rht=True,
+                stochastic_rounding=True, rng_state=rng.clone())  # fmt: skip
+    yield _call(t(32, 32), t(16, 32), t(16), recipe="nvfp4", emulate=True, **e4, row_scaled=True,
+                weight_block_rows=16, backward_override="dequantized")  # fmt: skip
 
 
 _linear = differentiable(
@@ -979,6 +1032,10 @@ def linear(
     return_branch: bool = False,
     return_amax: bool = False,
     backward_override: str = "",
+    rht: bool = False,
+    stochastic_rounding: bool = False,
+    rng_state: Tensor | None = None,
+    row_scaled: bool = False,
 ) -> Tensor | tuple[Tensor, ...]:
     """``residual + out_scale * activation(norm(inp) @ weight.T + bias)`` through
     ``te::linear_fwd``, every part optional (module docstring); by default ``inp @ weight.T +
@@ -990,23 +1047,32 @@ def linear(
     with ``inp``'s values whose gradient joins the dgrad GEMM; ``return_amax=True`` also returns
     ``[amax(X), amax(W)]`` (per-tensor recipes; X is the norm's output with a prologue), last.
     ``backward_override`` (with a recipe): ``"high_precision"`` or ``"dequantized"`` backward
-    GEMMs (module docstring).
+    GEMMs (module docstring). NVFP4's options (``recipe="nvfp4"``): ``weight_block_rows=16``
+    (16x16 weight tiles), ``rht`` (the random Hadamard transform of the wgrad GEMM's operands),
+    ``stochastic_rounding`` (of the gradient; ``rng_state``, int64 ``(seed, offset)``, fixes its
+    draws, None draws one from torch's generator), ``row_scaled`` (the input's forward copy
+    with a global scale per row; needs ``backward_override``).
     """
     args = (inp, weight, bias, main_grad)
     if (
         recipe or normalization or activation or return_branch or residual is not None
         or out_scale != 1.0 or norm_weight is not None or norm_bias is not None
-        or scale is not None or grad_amax is not None or backward_override
+        or scale is not None or grad_amax is not None or backward_override or rht
+        or stochastic_rounding or rng_state is not None or row_scaled
     ):  # fmt: skip
         check_bool(
             "te.linear", power_2_scale=power_2_scale, emulate=emulate,
-            zero_centered_gamma=zero_centered_gamma, return_branch=return_branch,
+            zero_centered_gamma=zero_centered_gamma, return_branch=return_branch, rht=rht,
+            stochastic_rounding=stochastic_rounding, row_scaled=row_scaled,
         )  # fmt: skip
+        if stochastic_rounding and rng_state is None:
+            rng_state = new_rng_state(inp.device)
         args += (
             recipe, fwd_dtype, bwd_dtype, power_2_scale, weight_block_rows, emulate, scale,
             grad_amax, norm_weight, norm_bias, normalization, norm_eps, zero_centered_gamma,
             activation, glu_interleave_size or 0, limit, alpha, glu_linear_offset, residual,
-            float(out_scale), return_branch, backward_override,
+            float(out_scale), return_branch, backward_override, rht, stochastic_rounding,
+            rng_state, row_scaled,
         )  # fmt: skip
     out, branch, saved = _linear(*args)
     if not (return_branch or return_amax):

@@ -442,8 +442,9 @@ _BWD_TENSORS = ("grad", "saved", "inp", "fc1_weight", "fc1_bias", "fc2_weight", 
 def _hp_linear_bwd(grad: Tensor, x2: Tensor, w: Tensor, need_dbias: bool, need_dgrad: bool):
     """``(dx, dw, db)`` by the linear family's high-precision backward."""
     dx, dw, db, _, _ = linear_bwd.eager(
-        grad, None, [], x2, w, None, None, None, None, None, "", _E4M3, _E5M2, False, 1, False,
-        "", False, False, "", 0, 7.0, 1.702, 1.0, 1.0, need_dbias, need_dgrad, True,
+        grad, None, [], x2, w, None, None, None, None, None, None, "", _E4M3, _E5M2, False, 1,
+        False, False, False, "", False, False, "", 0, 7.0, 1.702, 1.0, 1.0, need_dbias,
+        need_dgrad, True,
     )  # fmt: skip
     return dx, dw, db
 

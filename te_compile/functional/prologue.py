@@ -110,6 +110,8 @@ def norm_quantize(
     power_2_scale: bool = False,
     emulate: bool = False,
     mn_major: bool = False,
+    rht: bool = False,
+    row_scaled: bool = False,
 ) -> tuple[Operand, Tensor, Tensor]:
     """``(operand, mean, rsigma)``: the norm of ``x2`` ``[M, K]``, rows padded to a multiple of
     16, as the first GEMM's input operand (``gemm.quantize_operand``'s arguments). On CUDA the
@@ -136,7 +138,7 @@ def norm_quantize(
     y, mean, rsigma = norm_forward(x2, norm)
     operand = quantize_operand(
         recipe, pad_rows(y), fp8_dtype, scale=scale, power_2_scale=power_2_scale,
-        emulate=emulate,
+        emulate=emulate, rht=rht, row_scaled=row_scaled,
     )  # fmt: skip
     return operand, mean, rsigma
 

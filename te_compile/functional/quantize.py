@@ -766,11 +766,24 @@ def _quantize_mxfp8(x: Tensor, *, fp8_dtype: torch.dtype, scale, columnwise, **_
     return Quantized(data, s, *t, None, "mxfp8", 1)
 
 
-def _quantize_nvfp4(x: Tensor, *, scale, columnwise, **_) -> Quantized:
+def _quantize_nvfp4(x: Tensor, *, scale, columnwise, block_rows, **_) -> Quantized:
+    """1x16 blocks (``block_rows=1``: the op) or 16x16 tiles (16: every scale of a tile the
+    same, from the tile's amax; the reference math, any device)."""
     _no_scale("nvfp4", scale)
-    data, s, g, data_t, s_t = quantize_mx.quantize_nvfp4(x, columnwise=columnwise)
+    if block_rows not in (1, 16):
+        raise ValueError(
+            "te.quantize: block_rows must be 1 (1x16 blocks) or 16 (16x16 tiles) for 'nvfp4', "
+            f"got {block_rows}"
+        )
+    if block_rows == 16:
+        quantize_mx.check_quantize_nvfp4(x, None, True, columnwise)
+        data, s, g, data_t, s_t = quantize_mx.quantize_nvfp4_ref(
+            x, rowwise=True, columnwise=columnwise, tiles=True
+        )
+    else:
+        data, s, g, data_t, s_t = quantize_mx.quantize_nvfp4(x, columnwise=columnwise)
     t = (data_t, s_t) if columnwise else (None, None)
-    return Quantized(data, s, *t, None, "nvfp4", 1, g)
+    return Quantized(data, s, *t, None, "nvfp4", block_rows, g)
 
 
 def _dequantize_mx(q: Quantized, out_dtype: torch.dtype, columnwise: bool) -> Tensor:

@@ -113,16 +113,20 @@ from torch import Tensor
 from te_compile._library import SampleInput, op
 
 __all__ = [
+    "RHT_SIGNS",
+    "check_quantize_nvfp4",
     "dequantize_mxfp8",
     "dequantize_mxfp8_ref",
     "dequantize_nvfp4",
     "dequantize_nvfp4_ref",
     "nvfp4_global_scale",
+    "nvfp4_qdq",
     "nvfp4_qdq_row_groups",
     "quantize_mxfp8",
     "quantize_mxfp8_ref",
     "quantize_nvfp4",
     "quantize_nvfp4_ref",
+    "random_hadamard_transform",
 ]
 
 MXFP8_BLOCK = 32
@@ -230,48 +234,65 @@ def _tensor_amax(x: Tensor) -> Tensor:
     return x.abs().amax().float()
 
 
-def _e2m1_codes(v: Tensor) -> Tensor:
+def _e2m1_codes(v: Tensor, u: Tensor | None = None) -> Tensor:
     """4-bit E2M1 codes (``sign << 3 | magnitude``) of ``v``, saturated to 6 and rounded to the
     nearest grid point, ties to even: the grid spacing is 0.5 below 2, 1 in [2, 4) and 2 in
-    [4, 6], and ``torch.round`` rounds half to even on ``|v| / spacing``."""
+    [4, 6], and ``torch.round`` rounds half to even on ``|v| / spacing``. With ``u`` (uniform in
+    [0, 1), ``v``'s shape): stochastic rounding, up to the next grid point with probability
+    ``(|v| - lo) / spacing`` from the grid point ``lo`` below, so the expected value is ``v``."""
     a = v.abs().clamp(max=_E2M1_MAX)
     spacing = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
-    r = torch.round(a / spacing) * spacing
+    if u is None:
+        r = torch.round(a / spacing) * spacing
+    else:
+        steps = torch.floor(a / spacing)
+        r = (steps + (u < a / spacing - steps).to(a.dtype)) * spacing
     magnitude = torch.searchsorted(a.new_tensor(_E2M1_VALUES), r)  # exact: r is a grid point
     return (torch.signbit(v).to(torch.uint8) << 3) | magnitude.to(torch.uint8)
 
 
-def _nvfp4_rows(x2: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+def _nvfp4_rows(
+    x2: Tensor, g: Tensor, amax: Tensor | None = None, u: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """NVFP4 of the rows of ``x2`` ``[M, K]`` (K even) with global scale ``g``:
-    ``(data [M, K/2] uint8, scale [M, ceil(K/16)] e4m3)``."""
+    ``(data [M, K/2] uint8, scale [M, ceil(K/16)] e4m3)``. ``amax``: each block's amax ``[M,
+    ceil(K/16)]`` when not its own (16x16 tiles); ``u``: uniforms ``[M, K]`` for stochastic
+    rounding (:func:`_e2m1_codes`)."""
     xb = _blocks(x2, NVFP4_BLOCK)
-    amax = xb.abs().amax(-1)
+    if amax is None:
+        amax = xb.abs().amax(-1)
     finite = amax.isfinite()
     s = (amax * (g * (1 / 6))).clamp(max=_E4M3_MAX)
     scale = torch.where(finite, s, math.nan).to(torch.float8_e4m3fn)
     s = scale.float()
     enc = (s * g.reciprocal()).reciprocal().clamp(max=_FLT_MAX)
     enc = torch.where(s == 0, 0.0, enc)
-    codes = torch.where(finite[..., None], _e2m1_codes(xb * enc[..., None]), 0)
+    ub = None if u is None else _blocks(u, NVFP4_BLOCK)
+    codes = torch.where(finite[..., None], _e2m1_codes(xb * enc[..., None], ub), 0)
     codes = _unblock(codes, x2.shape[1])
     return codes[:, 0::2] | (codes[:, 1::2] << 4), scale
 
 
 def quantize_nvfp4_ref(
-    x: Tensor, global_amax: Tensor | None = None, rowwise: bool = True, columnwise: bool = True
+    x: Tensor,
+    global_amax: Tensor | None = None,
+    rowwise: bool = True,
+    columnwise: bool = True,
+    tiles: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(data, scale, global_scale, data_t, scale_t)`` (module docstring); 0-element tensors
-    for a direction not asked for."""
+    for a direction not asked for. ``tiles``: every block's scale from its 16x16 tile's amax
+    (the columnwise copy is then the rowwise one transposed, value for value)."""
     g = nvfp4_global_scale(_tensor_amax(x) if global_amax is None else global_amax)
     x2 = _rows(x)
     e4m3 = torch.float8_e4m3fn
     if rowwise:
-        data, scale = _nvfp4_rows(x2, g)
+        data, scale = _nvfp4_rows(x2, g, _tile_amaxes(x2) if tiles else None)
         data = data.reshape(*x.shape[:-1], x.shape[-1] // 2)
     else:
         data, scale = x.new_empty(0, dtype=torch.uint8), x.new_empty(0, dtype=e4m3)
     if columnwise:
-        data_t, scale_t = _nvfp4_rows(x2.t(), g)
+        data_t, scale_t = _nvfp4_rows(x2.t(), g, _tile_amaxes(x2.t()) if tiles else None)
     else:
         data_t, scale_t = x.new_empty(0, dtype=torch.uint8), x.new_empty(0, dtype=e4m3)
     return data, scale, g, data_t, scale_t
@@ -299,14 +320,15 @@ def _nvfp4_values(data: Tensor, scale: Tensor, g: Tensor) -> Tensor:
     return torch.div(_unblock(scaled, k), g)
 
 
-def nvfp4_qdq_row_groups(x: Tensor, row_splits: Tensor) -> Tensor:
+def nvfp4_qdq_row_groups(x: Tensor, row_splits: Tensor, tiles: bool = False) -> Tensor:
     """NVFP4 quantised and dequantised (fp32) in blocks along the rows of ``x`` ``[..., K]``, every
     group of consecutive rows (``row_splits[i]`` rows, flattening the leading dims; they must
     sum to the row count) with the global scale of its own amax: what quantising each group as
     its own tensor gives (Transformer Engine's grouped NVFP4 quantisation of a mixture of
     experts' tokens or weights), in one pass of torch ops on any device with no host sync: the
     group amaxes are a ``scatter_reduce`` over the row amaxes (a group holding a NaN gets
-    ``g = 1``, as a tensor does). ``K`` must be even."""
+    ``g = 1``, as a tensor does). ``K`` must be even. ``tiles``: one block scale per 16x16 tile
+    (:func:`nvfp4_qdq`; groups of a multiple of 16 rows, so that no tile straddles two)."""
     x2 = _rows(x)
     m, groups = x2.shape[0], row_splits.numel()
     ids = torch.repeat_interleave(
@@ -316,8 +338,107 @@ def nvfp4_qdq_row_groups(x: Tensor, row_splits: Tensor) -> Tensor:
     amax = rows.new_zeros(groups).scatter_reduce(0, ids, rows, "amax")
     has_nan = rows.new_zeros(groups).index_add(0, ids, rows.isnan().float()) > 0
     g = _global_scales(torch.where(has_nan, math.nan, amax))[ids, None]
-    data, scale = _nvfp4_rows(x2, g)
+    data, scale = _nvfp4_rows(x2, g, _tile_amaxes(x2) if tiles else None)
     return _nvfp4_values(data, scale, g).view(x.shape)
+
+
+# Transformer Engine's NVFP4 recipe options, as the emulated GEMMs apply them ----------------
+
+# The random signs of the Hadamard transform: Transformer Engine's fixed wgrad sign vector.
+RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
+
+
+def random_hadamard_transform(x2: Tensor) -> Tensor:
+    """Every 16-element block along the rows of ``x2`` ``[R, C]`` (``C`` a multiple of 16)
+    times :math:`S H / 4`: ``S = diag(RHT_SIGNS)``, ``H`` the 16x16 Sylvester Hadamard matrix
+    (entries +-1, ``H[i, j] = (-1)^{popcount(i & j)}``), so ``S H / 4`` is orthogonal. Computed
+    in fp32 (fp64 stays fp64) as four add/subtract butterfly stages, no matrix product: the
+    same sums on every device, whatever TF32 setting."""
+    acc = torch.float64 if x2.dtype == torch.float64 else torch.float32
+    r, c = x2.shape
+    i = torch.arange(NVFP4_BLOCK, device=x2.device)
+    mask = sum(1 << j for j, s in enumerate(RHT_SIGNS) if s < 0)
+    signs = 1 - 2 * ((mask >> i) & 1).to(acc)
+    v = x2.to(acc).reshape(r, c // NVFP4_BLOCK, NVFP4_BLOCK) * signs
+    for h in (8, 4, 2, 1):  # x @ H = x @ (H2 kron H2 kron H2 kron H2): one stage per factor
+        v = v.reshape(r, c // NVFP4_BLOCK, NVFP4_BLOCK // (2 * h), 2, h)
+        a, b = v[..., 0, :], v[..., 1, :]
+        v = torch.stack([a + b, a - b], dim=-2)
+    return v.reshape(r, c) * 0.25
+
+
+def _uniforms(rng_state: Tensor, numel: int) -> Tensor:
+    """The first ``numel`` words of the stream ``rng_state`` as fp32 uniforms in [0, 1) (their
+    top 24 bits: exact in fp32)."""
+    from te_compile.functional.dropout import random_words
+
+    return (random_words(rng_state, numel) >> 8).to(torch.float32) * 2.0**-24
+
+
+def _tile_amaxes(x2: Tensor) -> Tensor:
+    """Each row block's amax ``[M, ceil(K/16)]`` taken over its 16x16 tile (zero-padded)."""
+    m, k = x2.shape
+    xp = F.pad(x2.float().abs(), (0, -k % NVFP4_BLOCK, 0, -m % NVFP4_BLOCK))
+    mt, kt = xp.shape[0] // NVFP4_BLOCK, xp.shape[1] // NVFP4_BLOCK
+    tiles = xp.view(mt, NVFP4_BLOCK, kt, NVFP4_BLOCK).amax((1, 3))
+    return tiles.repeat_interleave(NVFP4_BLOCK, 0)[:m]
+
+
+def nvfp4_qdq(
+    x2: Tensor,
+    *,
+    columnwise: bool = True,
+    tiles: bool = False,
+    rht: bool = False,
+    rng_state: Tensor | None = None,
+    row_scaled: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """``(row [M, K], col_t [K, M])``: ``x2`` quantised to NVFP4 and dequantised (fp32, exact),
+    in blocks along K and, transposed, along M, with Transformer Engine's recipe options:
+
+    * ``tiles``: one E4M3 scale per 16x16 tile (the tile's amax; weights), so the columnwise
+      copy is the rowwise one transposed (the same quantised weight for both GEMMs);
+    * ``rht``: the columnwise copy (the wgrad GEMM's operand) is that of
+      :func:`random_hadamard_transform` of ``x2^T`` along M, with the global scale of its own
+      amax; a wgrad GEMM of two such operands approximates the product, since ``S H / 4`` is
+      orthogonal (the values stay in the transformed basis);
+    * ``rng_state`` (int64 ``[2]``): stochastic rounding of the E2M1 values (gradients), the
+      rowwise copy with words ``[0, M K)`` of the stream and the columnwise one with words
+      ``[M K, 2 M K)``;
+    * ``row_scaled``: the rowwise copy with one global scale per row, from the row's amax
+      (row-scaled activations; their columnwise copy is the plain one).
+
+    ``columnwise=False``: ``col_t`` is 0-element. ``M`` and ``K`` even; with ``rht`` ``M`` a
+    multiple of 16."""
+    m, k = x2.shape
+    x = x2.float()
+    u_row = u_col = None
+    if rng_state is not None:
+        u = _uniforms(rng_state, (2 if columnwise else 1) * m * k)
+        u_row = u[: m * k].view(m, k)
+        u_col = u[m * k :].view(k, m) if columnwise else None
+    amax = _tensor_amax(x)
+    g = nvfp4_global_scale(amax)
+    if row_scaled:
+        rows = x.abs().amax(1) if k else x.new_zeros(m)
+        g_row = _global_scales(rows)[:, None]
+    else:
+        g_row = g
+    block_amax = _tile_amaxes(x) if tiles else None
+    data, scale = _nvfp4_rows(x, g_row, block_amax, u_row)
+    row = _nvfp4_values(data, scale, g_row)
+    if not columnwise:
+        return row, x.new_empty(0)
+    if tiles and not rht and u_col is None:
+        return row, row.t().contiguous()
+    xt = x.t()
+    g_t = g
+    if rht:
+        xt = random_hadamard_transform(xt)
+        g_t = nvfp4_global_scale(_tensor_amax(xt))
+    block_amax_t = _tile_amaxes(xt) if tiles else None
+    data_t, scale_t = _nvfp4_rows(xt, g_t, block_amax_t, u_col)
+    return row, _nvfp4_values(data_t, scale_t, g_t)
 
 
 # Argument checks (eager and fakes: shapes and dtypes only) -----------------------------------
@@ -341,7 +462,7 @@ def _check_quantize_mxfp8(x: Tensor, fp8_dtype: torch.dtype, rowwise: bool, colu
         )
 
 
-def _check_quantize_nvfp4(x: Tensor, global_amax: Tensor | None, rowwise: bool, columnwise: bool):
+def check_quantize_nvfp4(x: Tensor, global_amax: Tensor | None, rowwise: bool, columnwise: bool):
     _check_input("quantize_nvfp4", x, rowwise, columnwise)
     if rowwise and x.shape[-1] % 2:
         raise ValueError(
@@ -522,13 +643,13 @@ def quantize_nvfp4_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns ``(data, scale, global_scale, data_t, scale_t)``. Default (CPU) implementation:
     the reference."""
-    _check_quantize_nvfp4(x, global_amax, rowwise, columnwise)
+    check_quantize_nvfp4(x, global_amax, rowwise, columnwise)
     return quantize_nvfp4_ref(x, global_amax, rowwise, columnwise)
 
 
 @quantize_nvfp4_op.register_kernel("cuda")
 def _quantize_nvfp4_cuda(x, global_amax, rowwise, columnwise):
-    _check_quantize_nvfp4(x, global_amax, rowwise, columnwise)
+    check_quantize_nvfp4(x, global_amax, rowwise, columnwise)
     # The tensor amax is a reduction over all of x before any block can be scaled: torch's.
     g = nvfp4_global_scale(_tensor_amax(x) if global_amax is None else global_amax)
     data, scale, data_t, scale_t = _kernels().quantize_nvfp4(x, g, rowwise, columnwise)
@@ -575,7 +696,7 @@ def _dequantize_mxfp8_fake(data, scale, fp8_dtype, out_dtype):
 
 @quantize_nvfp4_op.register_fake
 def _quantize_nvfp4_fake(x, global_amax, rowwise, columnwise):
-    _check_quantize_nvfp4(x, global_amax, rowwise, columnwise)
+    check_quantize_nvfp4(x, global_amax, rowwise, columnwise)
     m, k, b = math.prod(x.shape[:-1]), x.shape[-1], NVFP4_BLOCK
     u8, e4m3 = torch.uint8, torch.float8_e4m3fn
     data = x.new_empty((*x.shape[:-1], k // 2) if rowwise else (0,), dtype=u8)

@@ -42,6 +42,16 @@ def quantizer_args(recipe: Recipe, role: str) -> tuple[str, torch.dtype, int, bo
     if recipe.delayed():
         raise ValueError("quantizer_args: DelayedScaling runs through Quantize's fp8_meta")
     if recipe.nvfp4():
+        # The recipe's options as the GEMMs take them: the Hadamard transform touches only the
+        # columnwise copy (not made here); stochastic rounding and row scaling are not done here.
+        _, kw = quantize_args(recipe, role)
+        for name, fix in (("stochastic_rounding", "disable_stochastic_rounding=True"),
+                          ("row_scaled", "row_scaled_activation=False")):  # fmt: skip
+            if kw.get(name):
+                raise NotImplementedError(
+                    f"Quantize: NVFP4's {name} is applied inside the GEMMs only; use "
+                    f"NVFP4BlockScaling({fix})"
+                )
         return "nvfp4", torch.float8_e4m3fn, 1, False
     fmt = recipe.fp8_format
     fp8_dtype = fmt.bwd_dtype if role == "grad" else fmt.fwd_dtype

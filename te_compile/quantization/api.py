@@ -31,10 +31,28 @@ def quantize(
     columnwise: bool = False,
 ) -> _q.Quantized:
     """``tensor`` quantised as ``recipe`` quantises a linear layer's ``role`` operand
-    (``quantization.gemm.quantize_args``)."""
+    (``quantization.gemm.quantize_args``). NVFP4: weights in 16x16 tiles unless
+    ``disable_2d_quantization``; the random Hadamard transform (of the columnwise copy),
+    stochastic rounding (gradients) and row-scaled activations are applied by the GEMMs only,
+    and raise NotImplementedError here where they would change the result."""
     if not isinstance(recipe, Recipe):
         raise ValueError(f"te.quantize: recipe must be a te_compile.recipe recipe, got {recipe!r}")
     kind, kw = quantize_args(recipe, role)
+    unsupported = {
+        "rht": ("disable_rht=True", kw.pop("rht", False) and columnwise),
+        "stochastic_rounding": (
+            "disable_stochastic_rounding=True",
+            kw.pop("stochastic_rounding", False),
+        ),
+        "row_scaled": ("row_scaled_activation=False", kw.pop("row_scaled", False)),
+    }
+    for name, (fix, on) in unsupported.items():
+        if on:
+            raise NotImplementedError(
+                f"te.quantize: NVFP4's {name} (role={role!r}) is applied inside the GEMMs only, "
+                f"not by te.quantize; use NVFP4BlockScaling({fix})"
+                + (" or columnwise=False" if name == "rht" else "")
+            )
     return _q.quantize(tensor, kind, scale=scale, columnwise=columnwise, **kw)
 
 

@@ -79,7 +79,9 @@ class GemmArgs(NamedTuple):
     ``"current"``, ``"delayed"``, ``"block"``, ``"mxfp8"``, ``"nvfp4"``; ``fwd_dtype`` /
     ``bwd_dtype``: the FP8 formats of forward operands and of gradients; ``power_2_scale``,
     ``weight_block_rows`` (1: 1x128 weight blocks, 128: 128x128): Float8BlockScaling's;
-    ``emulate``: dequantise and multiply in fp32 instead of the scaled GEMM. ``scales`` /
+    ``emulate``: dequantise and multiply in fp32 instead of the scaled GEMM; NVFP4:
+    ``weight_block_rows`` 16 for 16x16 weight tiles, ``rht``, ``stochastic_rounding`` and
+    ``row_scaled`` (the recipe's options, :meth:`nvfp4`). ``scales`` /
     ``grad_amaxes``: per GEMM, the delayed scale ``[3]`` (None but under delayed scaling) and
     the ``[1]`` buffer the backward writes the gradient's amax into (per-tensor recipes)."""
 
@@ -92,6 +94,17 @@ class GemmArgs(NamedTuple):
     scales: tuple[Tensor | None, ...] = ()
     grad_amaxes: tuple[Tensor | None, ...] = ()
     backward_override: str = ""
+    rht: bool = False
+    stochastic_rounding: bool = False
+    row_scaled: bool = False
+
+    def nvfp4(self) -> dict[str, Any]:
+        """NVFP4's options that are on (the random Hadamard transform of the wgrad GEMM's
+        operands, stochastic rounding of the gradient, row-scaled forward input), by the ops'
+        names; ``{}`` when none is (every recipe but NVFP4)."""
+        on = {"rht": self.rht, "stochastic_rounding": self.stochastic_rounding,
+              "row_scaled": self.row_scaled}  # fmt: skip
+        return {name: True for name, value in on.items() if value}
 
     def scalars(self) -> dict[str, Any]:
         """The scalar arguments, by the ops' names."""
@@ -118,7 +131,21 @@ def quantize_args(recipe: Recipe, role: str) -> tuple[str, dict[str, Any]]:
     if role not in ROLES:
         raise ValueError(f"te.quantize: role must be one of {ROLES}, got {role!r}")
     if recipe.nvfp4():
-        return "nvfp4", {}
+        if recipe.nvfp4_4over6 != "none":
+            raise NotImplementedError(
+                f"NVFP4BlockScaling: nvfp4_4over6={recipe.nvfp4_4over6!r} (4over6 adaptive block "
+                "scaling) is not implemented by te_compile; use nvfp4_4over6='none'"
+            )
+        q = {"input": recipe.fp4_quant_fwd_inp, "weight": recipe.fp4_quant_fwd_weight,
+             "grad": recipe.fp4_quant_bwd_grad}[role]  # fmt: skip
+        kw = {"block_rows": 16} if q.fp4_2d_quantization else {}
+        if q.random_hadamard_transform:
+            kw["rht"] = True
+        if q.stochastic_rounding:
+            kw["stochastic_rounding"] = True
+        if role == "input" and recipe.row_scaled_activation:
+            kw["row_scaled"] = True
+        return "nvfp4", kw
     fmt = recipe.fp8_format
     kw: dict[str, Any] = {"fp8_dtype": fmt.bwd_dtype if role == "grad" else fmt.fwd_dtype}
     if recipe.mxfp8():
@@ -171,7 +198,18 @@ def _recipe_args(owner, state, inp, weights, metas, grouped) -> GemmArgs:
     _, w = quantize_args(recipe, "weight")
     _, g = quantize_args(recipe, "grad")
     fwd, bwd = x.get("fp8_dtype", _E4M3), g.get("fp8_dtype", _E4M3)
-    if kind in ("mxfp8", "nvfp4"):
+    if kind == "nvfp4":
+        if x.get("row_scaled") and recipe.backward_override is None:
+            raise ValueError(
+                f"{owner}: NVFP4BlockScaling(row_scaled_activation=True) needs backward_override "
+                "'high_precision' or 'dequantized' (a row-scaled NVFP4 input has no columnwise "
+                "copy for the wgrad GEMM, as in Transformer Engine), got None"
+            )
+        return GemmArgs(kind, fwd, bwd, weight_block_rows=w.get("block_rows", 1), emulate=True,
+                        rht=x.get("rht", False) or g.get("rht", False),
+                        stochastic_rounding=g.get("stochastic_rounding", False),
+                        row_scaled=x.get("row_scaled", False))  # fmt: skip
+    if kind == "mxfp8":
         return GemmArgs(kind, fwd, bwd, emulate=True)
     if kind == "block":
         if x["block_rows"] != 1 or g["block_rows"] != 1:
@@ -282,7 +320,8 @@ def linear(
     if args.backward_override:
         kw["backward_override"] = args.backward_override
     if args.recipe not in PER_TENSOR:
-        return F.linear(inp, weight, bias, main_grad=main_grad, **args.scalars(), **kw)
+        return F.linear(inp, weight, bias, main_grad=main_grad, **args.scalars(), **args.nvfp4(),
+                        **kw)  # fmt: skip
     out, *rest, amax = F.linear(
         inp, weight, bias, main_grad=main_grad, **args.scalars(), scale=args.scales[0],
         grad_amax=args.grad_amaxes[0], return_amax=True, **kw,
@@ -308,7 +347,9 @@ def mlp(
     """``fc2(activation(fc1(norm(inp))))`` through ``te::mlp`` with the autocast state's
     recipe (high precision outside it); ``metas``: the two GEMMs' FP8 states, used as two
     :func:`linear` calls would use them (``_FUSE_MLP = False``: two :func:`linear` calls around
-    the activation op; also under calibration and with a recipe's ``backward_override``).
+    the activation op; also under calibration, with a recipe's ``backward_override`` and with
+    NVFP4's random Hadamard transform, stochastic rounding or row-scaled activations, which
+    ``te::linear`` implements).
     ``activation_params``: keyword arguments of the activation (``clamped_swiglu``'s ``limit``,
     ``alpha``, ``glu_linear_offset``). ``main_grads``: the two weights' fp32 ``main_grad``
     buffers (``fuse_wgrad_accumulation``), which the two :func:`linear` calls accumulate into
@@ -318,7 +359,7 @@ def mlp(
     act_kw = activation_params or {}
     state = get_autocast_state()
     by_op = state.calibration or (state.enabled and state.recipe.backward_override is not None)
-    by_op = by_op or main_grads is not None or recompute_fc1
+    by_op = by_op or main_grads is not None or recompute_fc1 or _nvfp4_options(state)
     if not _FUSE_MLP or by_op:  # op by op: the same bytes
         g1, g2 = main_grads or (None, None)
 
@@ -345,6 +386,15 @@ def mlp(
     return out
 
 
+def _nvfp4_options(state: AutocastState) -> bool:
+    """Whether the enabled recipe is NVFP4 with an option ``te::mlp`` does not take (the random
+    Hadamard transform, stochastic rounding, row-scaled activations; its 16x16 weight tiles
+    it does)."""
+    if not (state.enabled and state.recipe.nvfp4()):
+        return False
+    return any(set(quantize_args(state.recipe, role)[1]) - {"block_rows"} for role in ROLES)
+
+
 def grouped_linear(
     owner: str,
     meta: FP8GemmState,
@@ -363,7 +413,9 @@ def grouped_linear(
     measures). Float8BlockScaling runs natively where the dense GEMMs do and the input is bf16;
     the block-scaled recipes are emulated elsewhere. Calibration records the amaxes of the
     whole input and of every group's weight (one per-tensor state). A recipe's
-    ``backward_override`` raises: the grouped GEMM does not implement it."""
+    ``backward_override`` raises: the grouped GEMM does not implement it; so do NVFP4's random
+    Hadamard transform, stochastic rounding and row-scaled activations (NotImplementedError;
+    its 16x16 weight tiles are applied)."""
     state = get_autocast_state()
     if state.calibration:
         state = calibrate(owner, state, (meta,), (inp,), (weight,))
@@ -373,6 +425,17 @@ def grouped_linear(
             f"{owner}: the recipe's backward_override must be None for grouped GEMMs "
             f"(got {args.backward_override!r}: the grouped GEMM runs its backward on the "
             "recipe's quantised operands only)"
+        )
+    if args.nvfp4():
+        fields = {
+            "rht": "disable_rht=True",
+            "stochastic_rounding": "disable_stochastic_rounding=True",
+            "row_scaled": "row_scaled_activation=False",
+        }
+        raise NotImplementedError(
+            f"{owner}: the grouped GEMM does not implement NVFP4's "
+            f"{', '.join(sorted(args.nvfp4()))} (16x16 weight tiles it does); construct "
+            f"NVFP4BlockScaling({', '.join(fields[k] for k in sorted(args.nvfp4()))})"
         )
     kw = args.scalars()
     if args.recipe not in PER_TENSOR:

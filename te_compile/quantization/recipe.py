@@ -54,8 +54,8 @@ Where this module departs from Transformer Engine, and why:
 - ``fp8_dpa`` / ``fp8_mha`` (FP8 attention) exist so that TE code constructs unchanged, but
   te_compile's attention (``DotProductAttention``, ``MultiheadAttention``) computes in high
   precision only, so only ``False`` is accepted.
-- ``NVFP4BlockScaling`` leaves out TE's experimental ``row_scaled_activation`` and ``nvfp4_4over6*``
-  fields.
+- ``NVFP4BlockScaling``'s ``fp4_quant_*`` QParams are read-only, derived from the
+  ``disable_*`` fields (TE computes them once at construction and lets code replace them).
 - What the modules do not implement is refused, not ignored: ``Float8CurrentScaling``'s
   ``fp8_gemm_*`` must be TE's defaults (fast accumulation forward, split accumulation backward:
   what the per-tensor GEMMs run); and
@@ -63,9 +63,13 @@ Where this module departs from Transformer Engine, and why:
   (``te_compile.quantize`` applies power-of-two scales, the modules' kernels do not);
   ``backward_override`` is implemented by the linear and MLP modules, and ``GroupedLinear``
   refuses it.
-- Accepted and documented as not applied (the emulated formats, docs/fp8.md): NVFP4's random
-  Hadamard transform, stochastic rounding and 16x16 weight blocks (the emulation quantises
-  1x16 blocks with round-to-nearest), MXFP8's ``margin``.
+- NVFP4's ``nvfp4_4over6`` (4over6 adaptive block scaling) is validated but not implemented:
+  a value other than ``"none"`` raises NotImplementedError where a GEMM or ``te.quantize``
+  would use it. ``GroupedLinear`` / ``GroupedMLP`` apply NVFP4's 16x16 weight tiles but not its
+  random Hadamard transform, stochastic rounding or row-scaled activations: those raise
+  NotImplementedError there.
+- Accepted and documented as not applied (the emulated formats, docs/fp8.md): MXFP8's
+  ``margin``.
 """
 
 from __future__ import annotations
@@ -91,6 +95,8 @@ __all__ = [
 ]
 
 _BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
+_NVFP4_4OVER6_SCOPES = ("none", "weights", "activations", "all")
+_NVFP4_4OVER6_ERR_MODES = ("MAE", "MSE")
 # use_split_accumulator of each GEMM under the per-tensor recipes (what te::linear, te::mlp and
 # te::grouped_linear run).
 _PER_TENSOR_GEMMS = {"fp8_gemm_fprop": False, "fp8_gemm_dgrad": True, "fp8_gemm_wgrad": True}
@@ -523,11 +529,29 @@ class NVFP4BlockScaling(Recipe):
     """NVFP4: E2M1 values, one E4M3 scale per ``block_len`` (16) values and one fp32 global
     scale per tensor (two levels, since E4M3 alone cannot span a tensor's range).
 
-    TE's default training recipe adds three techniques, each with a switch to turn it off:
-    16x16 2D blocks for weights (``disable_2d_quantization``), a random Hadamard transform on
-    the wgrad operands (``disable_rht``), stochastic rounding of gradients
-    (``disable_stochastic_rounding``). ``fp4_format`` must be ``E2M1`` and ``fp8_format``
-    (the block scales) ``E4M3``. Native GEMMs need Blackwell; elsewhere the GEMM is emulated.
+    TE's default training recipe adds three techniques, each with a switch to turn it off, and
+    the emulated GEMMs apply all three as TE does (docs/fp8.md):
+
+    - ``disable_2d_quantization``: weights get one E4M3 scale per 16x16 tile, so the forward
+      and the dgrad GEMM see the same quantised weight (``fp4_quant_fwd_weight``);
+    - ``disable_rht``: the wgrad GEMM's operands (the input's and the gradient's columnwise
+      copies, blocks of 16 along the tokens) are multiplied by ``S H / 4`` (``H`` the 16x16
+      Hadamard matrix, ``S`` TE's fixed random signs) before they are quantised, with a global
+      scale of their own amax; the GEMM of two transformed operands approximates ``dY^T X``
+      since ``S H / 4`` is orthogonal (``fp4_quant_fwd_inp``, ``fp4_quant_bwd_grad``);
+    - ``disable_stochastic_rounding``: the gradient's E2M1 values round up or down with
+      probabilities that make the rounding unbiased, from a Philox stream drawn from torch's
+      generator at each forward (``fp4_quant_bwd_grad``).
+
+    ``row_scaled_activation``: the forward GEMM's input gets one global scale per row (its
+    amax) instead of one per tensor; such a tensor has no columnwise copy, so a
+    ``backward_override`` (``"high_precision"`` or ``"dequantized"``) is required when it is
+    used, as in TE. ``nvfp4_4over6`` (``"none"``, ``"weights"``, ``"activations"``, ``"all"``),
+    ``nvfp4_4over6_e4m3_use_256`` (same scopes) and ``nvfp4_4over6_err_mode`` (``"MAE"``,
+    ``"MSE"``) are validated as in TE, but 4over6 block scaling is not implemented: a recipe
+    with ``nvfp4_4over6 != "none"`` raises NotImplementedError when a GEMM or ``te.quantize``
+    uses it. ``fp4_format`` must be ``E2M1`` and ``fp8_format`` (the block scales) ``E4M3``.
+    Native GEMMs need Blackwell; elsewhere the GEMM is emulated.
     """
 
     kind: ClassVar[str] = "nvfp4"
@@ -538,6 +562,10 @@ class NVFP4BlockScaling(Recipe):
     disable_rht: bool = False
     disable_stochastic_rounding: bool = False
     disable_2d_quantization: bool = False
+    row_scaled_activation: bool = False
+    nvfp4_4over6: str = "none"
+    nvfp4_4over6_e4m3_use_256: str = "all"
+    nvfp4_4over6_err_mode: str = "MAE"
     fp4_format: Format = Format.E2M1
     fp8_format: Format = Format.E4M3
     fp8_dpa: bool = False
@@ -550,7 +578,14 @@ class NVFP4BlockScaling(Recipe):
             _fail(self, "fp4_format", "must be Format.E2M1")
         if self.fp8_format is not Format.E4M3:
             _fail(self, "fp8_format", "must be Format.E4M3 (the block-scale format)")
+        for name in ("nvfp4_4over6", "nvfp4_4over6_e4m3_use_256"):
+            if getattr(self, name) not in _NVFP4_4OVER6_SCOPES:
+                _fail(self, name, f"must be one of {_NVFP4_4OVER6_SCOPES}")
+        if self.nvfp4_4over6_err_mode not in _NVFP4_4OVER6_ERR_MODES:
+            _fail(self, "nvfp4_4over6_err_mode", f"must be one of {_NVFP4_4OVER6_ERR_MODES}")
 
+    # TE sets these three in __post_init__ from the disable_* fields; here they are derived from
+    # the fields whenever read, so a field set after construction reaches them.
     @property
     def fp4_quant_fwd_inp(self) -> QParams:
         return QParams(random_hadamard_transform=not self.disable_rht)

@@ -270,6 +270,10 @@ def test_zero_dim_input_names_inp(name, recipe, compiled):
     recipe raised IndexError), in eager and at trace time (dynamo wraps the error raised while
     tracing, with the same message)."""
     module = _ZERO_DIM_MODULES[name]()
+    if name == "GroupedLinear" and recipe is not None and recipe.nvfp4():
+        # NVFP4 as the grouped GEMM takes it (its Hadamard transform and stochastic rounding
+        # raise NotImplementedError first).
+        recipe = te.recipe.NVFP4BlockScaling(disable_rht=True, disable_stochastic_rounding=True)
     fn = torch.compile(module, fullgraph=True) if compiled else module
     args = (torch.tensor(1.0), [1, 0]) if name == "GroupedLinear" else (torch.tensor(1.0),)
     with (

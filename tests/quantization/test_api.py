@@ -20,7 +20,8 @@ CASES = [
     (te.recipe.Float8BlockScaling(), "input", "block", "e4m3", 1),
     (te.recipe.Float8BlockScaling(), "weight", "block", "e4m3", 128),
     (te.recipe.MXFP8BlockScaling(), "grad", "mxfp8", "e4m3", 1),
-    (te.recipe.NVFP4BlockScaling(), "weight", "nvfp4", "nvfp4", 1),
+    (te.recipe.NVFP4BlockScaling(), "weight", "nvfp4", "nvfp4", 16),
+    (te.recipe.NVFP4BlockScaling(disable_2d_quantization=True), "weight", "nvfp4", "nvfp4", 1),
 ]
 
 

@@ -175,6 +175,8 @@ def _ref_config(recipe):
         return {"fwd_dtype": e4, "bwd_dtype": e5}
     if isinstance(recipe, Float8BlockScaling):
         return {"fwd_dtype": e4, "bwd_dtype": e4, "power_2_scale": True, "weight_block_rows": 128}
+    if isinstance(recipe, NVFP4BlockScaling):  # 16x16 weight tiles by default
+        return {"fwd_dtype": e4, "bwd_dtype": e4, "weight_block_rows": 16}
     return {"fwd_dtype": e4, "bwd_dtype": e4}
 
 
