@@ -62,6 +62,7 @@ stays outside the op (``distributed.tensor_parallel``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -84,8 +85,10 @@ from te_compile.functional.gemm import (
     FP8_DTYPES,
     HIGH_DTYPES,
     PER_TENSOR,
+    WEIGHT_OPERAND,
     accumulate_wgrad,
     check_recipe,
+    check_weight_operand,
     delayed_on_cuda,
     empty,
     gemm,
@@ -95,7 +98,9 @@ from te_compile.functional.gemm import (
     quantize_operand,
     quantized_linear_ref,
     scale_slots,
+    quantize_weight,
     unpad,
+    weight_operand,
 )
 from te_compile.functional.prologue import (
     Norm,
@@ -145,6 +150,18 @@ class _Args(NamedTuple):
     out_scale: float = 1.0
     branch: bool = False
     backward_override: str = ""
+    weight_data: Tensor | None = None
+    weight_scale: Tensor | None = None
+    weight_data_t: Tensor | None = None
+    weight_scale_t: Tensor | None = None
+    weight_amax: Tensor | None = None
+
+    @property
+    def weight_q(self) -> tuple[Tensor | None, ...]:
+        """The pre-quantised weight (``functional.gemm.WEIGHT_OPERAND``; all None: quantise
+        ``weight`` inside)."""
+        return (self.weight_data, self.weight_scale, self.weight_data_t, self.weight_scale_t,
+                self.weight_amax)  # fmt: skip
 
     @property
     def plain(self) -> bool:
@@ -154,7 +171,7 @@ class _Args(NamedTuple):
             or self.backward_override
             or self.residual is not None or self.out_scale != 1.0 or self.norm_weight is not None
             or self.norm_bias is not None or self.scale is not None
-            or self.grad_amax is not None
+            or self.grad_amax is not None or self.weight_data is not None
         )  # fmt: skip
 
     @property
@@ -265,6 +282,19 @@ def _diagnose(inp: Tensor, weight: Tensor, bias: Tensor | None, main_grad: Tenso
 
 def _check(a: _Args) -> None:
     inp, weight = a.inp, a.weight
+    fp8_weight = weight.dtype in FP8_DTYPES
+    if fp8_weight:  # FP8 primary weights: the codes stand for the weight (module docstring)
+        if a.weight_data is None or a.main_grad is None:
+            raise ValueError(
+                f"te.linear: an FP8 weight ({weight.dtype}) needs its pre-quantised operand "
+                f"({', '.join(WEIGHT_OPERAND)}) and main_grad (its gradient's fp32 buffer)"
+            )
+        if a.backward_override == "high_precision":
+            raise ValueError(
+                "te.linear: backward_override='high_precision' needs a high-precision weight, "
+                f"got {weight.dtype} (FP8 primary weights)"
+            )
+        weight = torch.empty(weight.shape, dtype=inp.dtype, device="meta")
     _check_args(inp, weight, a.bias, a.main_grad)
     if a.plain:
         return
@@ -309,6 +339,7 @@ def _check(a: _Args) -> None:
         raise ValueError(p + "backward_override is for a quantised recipe (recipe is '')")
     if a.grad_amax is not None and recipe not in PER_TENSOR:
         raise ValueError(p + "grad_amax is for the per-tensor recipes (current, delayed)")
+    check_weight_operand(p, recipe, weight, a.weight_block_rows, a.emulate, a.weight_q)
     check_finite("te.linear", out_scale=a.out_scale)
     check_norm(p, inp, a.norm)
     if a.activation:
@@ -377,8 +408,11 @@ def _forward(a: _Args, cuda: bool) -> tuple[Tensor, Tensor, list[Tensor]]:
         else:
             xq = quantize_operand(recipe, pad_rows(x2), a.fwd_dtype, scale=s_x,
                                   power_2_scale=p2, emulate=em)  # fmt: skip
-        wq = quantize_operand(recipe, weight, a.fwd_dtype, scale=s_w, power_2_scale=p2,
-                              block_rows=a.weight_block_rows, emulate=em)  # fmt: skip
+        if a.weight_data is not None:  # pre-quantised: the saved copy is an input's
+            wq = weight_operand(a.weight_q, a.fwd_dtype)
+        else:
+            wq = quantize_operand(recipe, weight, a.fwd_dtype, scale=s_w, power_2_scale=p2,
+                                  block_rows=a.weight_block_rows, emulate=em)  # fmt: skip
         h = gemm(gemm_kind(recipe, em), xq.data, xq.scale, wq.data, wq.scale, dtype,
                  bias=fuse_bias, fast_accum=True, b_block_rows=a.weight_block_rows)  # fmt: skip
         h = unpad(h, m)
@@ -388,6 +422,8 @@ def _forward(a: _Args, cuda: bool) -> tuple[Tensor, Tensor, list[Tensor]]:
             w_rows = a.weight_block_rows
             saved = [_dequantized(recipe, xq, m, a.fwd_dtype, 1, em, dtype),
                      _dequantized(recipe, wq, n, a.fwd_dtype, w_rows, em, dtype)]  # fmt: skip
+        elif a.weight_data is not None:  # setup_context saves weight_data_t, weight_scale_t
+            saved = [_bytes(xq.data_t), xq.scale_t]
         else:
             saved = [_bytes(xq.data_t), xq.scale_t, _bytes(wq.data_t), wq.scale_t]
         if recipe in PER_TENSOR:
@@ -448,6 +484,11 @@ def linear_fwd(
     out_scale: float = 1.0,
     branch: bool = False,
     backward_override: str = "",
+    weight_data: Tensor | None = None,
+    weight_scale: Tensor | None = None,
+    weight_data_t: Tensor | None = None,
+    weight_scale_t: Tensor | None = None,
+    weight_amax: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
     """``(out, branch, saved)`` (module docstring). The default (CPU) implementation computes
     high precision in fp32 (fp64 stays fp64), rounded once."""
@@ -455,12 +496,14 @@ def linear_fwd(
         recipe == "" and normalization == "" and activation == "" and residual is None
         and out_scale == 1.0 and not branch and scale is None and grad_amax is None
         and norm_weight is None and norm_bias is None and backward_override == ""
+        and weight_data is None
     ):  # fmt: skip
         return _plain_forward(inp, weight, bias, main_grad, cuda=False)
     args = (inp, weight, bias, main_grad, recipe, fwd_dtype, bwd_dtype, power_2_scale,
             weight_block_rows, emulate, scale, grad_amax, norm_weight, norm_bias, normalization,
             norm_eps, zero_centered_gamma, activation, glu_interleave_size, limit, alpha,
-            glu_linear_offset, residual, out_scale, branch, backward_override)  # fmt: skip
+            glu_linear_offset, residual, out_scale, branch, backward_override, weight_data,
+            weight_scale, weight_data_t, weight_scale_t, weight_amax)  # fmt: skip
     return _forward(_Args(*args), cuda=False)
 
 
@@ -513,6 +556,8 @@ def _linear_fwd_fake(*args):
             saved = [inp.new_empty(k, m, dtype=u8), inp.new_empty(k, -(-m // 128), dtype=f32),
                      inp.new_empty(k, n, dtype=u8),
                      inp.new_empty(-(-k // w_rows), -(-n // 128), dtype=f32)]  # fmt: skip
+        if a.weight_data is not None:  # the weight's copies are inputs (setup_context)
+            saved = saved[:2]
     elif a.normalization:
         saved = [inp.new_empty(rows, k)]
     if a.activation:
@@ -771,6 +816,8 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.mark_non_differentiable(*saved, *(() if a.branch else (branch,)))
     if a.recipe in PER_TENSOR:
         saved = saved[:-1]  # the amaxes: for the caller, not the backward
+    if a.weight_data is not None and not a.backward_override:  # the dgrad GEMM's weight copy
+        saved = [*saved[:2], a.weight_data_t, a.weight_scale_t, *saved[2:]]
     # backward_override: the backward is high precision's, on the forward's high-precision
     # operands or on their dequantised copies (which take the input's and the weight's place).
     hp, normed = not a.recipe or a.backward_override, bool(a.normalization)
@@ -931,6 +978,24 @@ def _samples(device: torch.device):
                 **e4, backward_override="dequantized")  # fmt: skip
     yield _call(t(16, 32), t(48, 32), recipe="nvfp4", emulate=True, **e4,
                 backward_override="high_precision")  # fmt: skip
+    # A pre-quantised weight (functional.gemm.quantize_weight): per tensor, delayed (its weight
+    # slot), native blockwise with 128x128 blocks, emulated MXFP8, with a dequantised backward.
+    def pre(w, recipe, rows=1, emulate=False, scale=None, **kw):
+        q = quantize_weight(w.detach(), recipe, _E4M3, False, rows, emulate, scale)
+        return dict(zip(WEIGHT_OPERAND, q, strict=True), recipe=recipe, weight_block_rows=rows,
+                    emulate=emulate, scale=scale, **kw)  # fmt: skip
+
+    w = t(32, 16, dtype=bf16)
+    yield _call(t(2, 5, 16, dtype=bf16), w, t(32, dtype=bf16), **pre(w, "current"))
+    w = t(48, 32)
+    yield _call(t(16, 32), w, None, torch.zeros(48, 32, device=device),
+                **pre(w, "delayed", scale=scale.clone(), grad_amax=pending.clone()))  # fmt: skip
+    w = t(512, 512, dtype=bf16)
+    yield _call(t(32, 512, dtype=bf16), w, **pre(w, "block", 128, **e4))
+    w = t(32, 64)
+    yield _call(t(32, 64), w, t(32), **pre(w, "mxfp8", emulate=True, **e4))
+    w = t(16, 32, dtype=bf16)
+    yield _call(t(20, 32, dtype=bf16), w, **pre(w, "current", backward_override="dequantized"))
 
 
 _linear = differentiable(
@@ -979,6 +1044,7 @@ def linear(
     return_branch: bool = False,
     return_amax: bool = False,
     backward_override: str = "",
+    weight_quantized: Sequence[Tensor] | None = None,
 ) -> Tensor | tuple[Tensor, ...]:
     """``residual + out_scale * activation(norm(inp) @ weight.T + bias)`` through
     ``te::linear_fwd``, every part optional (module docstring); by default ``inp @ weight.T +
@@ -990,13 +1056,22 @@ def linear(
     with ``inp``'s values whose gradient joins the dgrad GEMM; ``return_amax=True`` also returns
     ``[amax(X), amax(W)]`` (per-tensor recipes; X is the norm's output with a prologue), last.
     ``backward_override`` (with a recipe): ``"high_precision"`` or ``"dequantized"`` backward
-    GEMMs (module docstring).
+    GEMMs (module docstring). ``weight_quantized``: ``weight`` already quantised by the recipe,
+    the five tensors of :func:`~te_compile.functional.quantize_weight`, used instead of
+    quantising ``weight`` (whose gradient is still computed); ``weight`` may then be the FP8
+    codes themselves (FP8 primary weights), with ``main_grad`` taking its gradient.
     """
+    if weight_quantized is not None and len(weight_quantized) != len(WEIGHT_OPERAND):
+        raise ValueError(
+            f"te.linear: weight_quantized must be the {len(WEIGHT_OPERAND)} tensors "
+            f"{WEIGHT_OPERAND} of quantize_weight, got {len(weight_quantized)}"
+        )
     args = (inp, weight, bias, main_grad)
     if (
         recipe or normalization or activation or return_branch or residual is not None
         or out_scale != 1.0 or norm_weight is not None or norm_bias is not None
         or scale is not None or grad_amax is not None or backward_override
+        or weight_quantized is not None
     ):  # fmt: skip
         check_bool(
             "te.linear", power_2_scale=power_2_scale, emulate=emulate,
@@ -1007,6 +1082,7 @@ def linear(
             grad_amax, norm_weight, norm_bias, normalization, norm_eps, zero_centered_gamma,
             activation, glu_interleave_size or 0, limit, alpha, glu_linear_offset, residual,
             float(out_scale), return_branch, backward_override,
+            *(weight_quantized if weight_quantized is not None else (None,) * 5),
         )  # fmt: skip
     out, branch, saved = _linear(*args)
     if not (return_branch or return_amax):
