@@ -96,9 +96,9 @@ from te_compile.functional.gemm import (
     pad_rows,
     padded,
     quantize_operand,
+    quantize_weight,
     quantized_linear_ref,
     scale_slots,
-    quantize_weight,
     unpad,
     weight_operand,
 )
@@ -978,6 +978,7 @@ def _samples(device: torch.device):
                 **e4, backward_override="dequantized")  # fmt: skip
     yield _call(t(16, 32), t(48, 32), recipe="nvfp4", emulate=True, **e4,
                 backward_override="high_precision")  # fmt: skip
+
     # A pre-quantised weight (functional.gemm.quantize_weight): per tensor, delayed (its weight
     # slot), native blockwise with 128x128 blocks, emulated MXFP8, with a dequantised backward.
     def pre(w, recipe, rows=1, emulate=False, scale=None, **kw):

@@ -105,6 +105,7 @@ class LayerNormLinear(NamedSlices, PreNorm):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
         self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
         self.fp8_meta = _fp8.FP8GemmState(device)
+        self._fp8_weights = _gemm.kept_weights("weight")  # is_first_microbatch
         self._init_slices(parts)
         if self.tp.mode is not None:
             parts = self._split_parts(self.tp.size)
@@ -132,20 +133,28 @@ class LayerNormLinear(NamedSlices, PreNorm):
         if self.bias is not None:
             self.bias.zero_()
 
-    def forward(self, inp: Tensor) -> Tensor | tuple[Tensor, ...]:
+    def forward(
+        self, inp: Tensor, is_first_microbatch: bool | None = None
+    ) -> Tensor | tuple[Tensor, ...]:
         owner = "LayerNormLinear"
         add_bias = not self.return_bias
         main_grad = weight_main_grad(owner, self.weight) if self.fuse_wgrad_accumulation else None
+        cache = None
+        if is_first_microbatch is not None:
+            _gemm.check_first_microbatch(owner, is_first_microbatch)
+            cache = _gemm.WeightCache(self._fp8_weights, is_first_microbatch)
         if not (self.tp.active or self.return_layernorm_output) and _gemm.quantized():
             # FP8: one op, the norm its prologue (written straight into FP8 on CUDA). In high
             # precision the norm stays an op of its own, which selective activation
             # checkpointing can recompute without recomputing the GEMM.
             norm, bias = self._norm_spec(), self.bias if add_bias else None
-            out = _gemm.linear(owner, self.fp8_meta, inp, self.weight, bias, main_grad, norm=norm)
+            out = _gemm.linear(owner, self.fp8_meta, inp, self.weight, bias, main_grad, norm=norm,
+                               cache=cache)  # fmt: skip
         else:
 
             def gemm(x: Tensor, bias: Tensor | None) -> Tensor:
-                return _gemm.linear(owner, self.fp8_meta, x, self.weight, bias, main_grad)
+                return _gemm.linear(owner, self.fp8_meta, x, self.weight, bias, main_grad,
+                                    cache=cache)  # fmt: skip
 
             ln_out = self._norm(inp, self.tp, owner)
             out, _ = self.tp.linear(owner, gemm, ln_out, self.bias, add_bias=add_bias)
