@@ -284,10 +284,10 @@ def _check(a: _Args) -> None:
     inp, weight = a.inp, a.weight
     fp8_weight = weight.dtype in FP8_DTYPES
     if fp8_weight:  # FP8 primary weights: the codes stand for the weight (module docstring)
-        if a.weight_data is None or a.main_grad is None:
+        if a.weight_data is None:
             raise ValueError(
                 f"te.linear: an FP8 weight ({weight.dtype}) needs its pre-quantised operand "
-                f"({', '.join(WEIGHT_OPERAND)}) and main_grad (its gradient's fp32 buffer)"
+                f"({', '.join(WEIGHT_OPERAND)}); its gradient goes to main_grad (fp32)"
             )
         if a.backward_override == "high_precision":
             raise ValueError(
@@ -843,11 +843,16 @@ def _setup_context(ctx, inputs, output) -> None:
         a.out_scale,
     )  # fmt: skip
     ctx.has_bias, ctx.branch = a.bias is not None, a.branch
+    ctx.fp8_weight = a.weight.dtype in FP8_DTYPES and a.main_grad is None
 
 
 def _backward(ctx, bwd, grad, grad_branch, _grad_saved):
     inp, weight, bias, main_grad, scale, grad_amax, norm_weight, *saved = ctx.saved_tensors
     need = ctx.needs_input_grad
+    if need[1] and getattr(ctx, "fp8_weight", False):
+        raise RuntimeError(
+            "te.linear: an FP8 weight's gradient goes to main_grad (fp32), and none was given"
+        )
     normalization = ctx.scalars[6]
     need_norm = bool(normalization) and any(need[_NORM_WEIGHT : _NORM_WEIGHT + 2])
     need_dbias = ctx.has_bias and need[2]

@@ -57,6 +57,7 @@ from te_compile.modules._common import (
 )
 from te_compile.quantization import fp8_gemm as _fp8
 from te_compile.quantization import gemm as _gemm
+from te_compile.quantization.primary import refuse_primary
 
 __all__ = ["GroupedLinear"]
 
@@ -99,6 +100,7 @@ class GroupedLinear(nn.Module):
         tp_size: int | None = None,
     ) -> None:
         super().__init__()
+        refuse_primary("GroupedLinear")  # no FP8 primary weights here
         owner = "GroupedLinear"
         check_positive(
             owner, num_gemms=num_gemms, in_features=in_features, out_features=out_features

@@ -33,6 +33,7 @@ from te_compile.modules._common import (
 from te_compile.modules.norm import PreNorm
 from te_compile.quantization import fp8_gemm as _fp8
 from te_compile.quantization import gemm as _gemm
+from te_compile.quantization import primary as _primary
 
 __all__ = ["LayerNormLinear"]
 
@@ -113,6 +114,7 @@ class LayerNormLinear(NamedSlices, PreNorm):
             set_parallel_attributes(self.bias, 0, parts=parts)
             self._mark_norm_parallel(self.tp.sequence_parallel)
         self.reset_parameters()
+        _primary.make_primary(self, ("weight",), "LayerNormLinear")  # in quantized_model_init
 
     @property
     def parallel_mode(self) -> str | None:
@@ -139,6 +141,9 @@ class LayerNormLinear(NamedSlices, PreNorm):
         owner = "LayerNormLinear"
         add_bias = not self.return_bias
         main_grad = weight_main_grad(owner, self.weight) if self.fuse_wgrad_accumulation else None
+        wq = _primary.primary_operand(self, "weight")  # FP8 primary weight
+        if wq is not None:
+            main_grad = _primary.primary_main_grad(owner, self.weight)
         cache = None
         if is_first_microbatch is not None:
             _gemm.check_first_microbatch(owner, is_first_microbatch)
@@ -149,12 +154,12 @@ class LayerNormLinear(NamedSlices, PreNorm):
             # checkpointing can recompute without recomputing the GEMM.
             norm, bias = self._norm_spec(), self.bias if add_bias else None
             out = _gemm.linear(owner, self.fp8_meta, inp, self.weight, bias, main_grad, norm=norm,
-                               cache=cache)  # fmt: skip
+                               cache=cache, weight_quantized=wq)  # fmt: skip
         else:
 
             def gemm(x: Tensor, bias: Tensor | None) -> Tensor:
                 return _gemm.linear(owner, self.fp8_meta, x, self.weight, bias, main_grad,
-                                    cache=cache)  # fmt: skip
+                                    cache=cache, weight_quantized=wq)  # fmt: skip
 
             ln_out = self._norm(inp, self.tp, owner)
             out, _ = self.tp.linear(owner, gemm, ln_out, self.bias, add_bias=add_bias)

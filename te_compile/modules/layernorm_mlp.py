@@ -48,6 +48,7 @@ from te_compile.modules._common import (
 from te_compile.modules.norm import PreNorm
 from te_compile.quantization import fp8_gemm as _fp8
 from te_compile.quantization import gemm as _gemm
+from te_compile.quantization import primary as _primary
 
 __all__ = ["LayerNormMLP"]
 
@@ -172,6 +173,7 @@ class LayerNormMLP(PreNorm):
             set_parallel_attributes(self.fc2_bias, sequence_parallel=self.tp.sequence_parallel)
             self._mark_norm_parallel(self.tp.sequence_parallel)
         self.reset_parameters()
+        _primary.make_primary(self, ("fc1_weight", "fc2_weight"), "LayerNormMLP")
 
     @property
     def sequence_parallel(self) -> bool:
@@ -233,8 +235,14 @@ class LayerNormMLP(PreNorm):
         main_grads = None
         if self.fuse_wgrad_accumulation:
             main_grads = (weight_main_grad(owner, w1), weight_main_grad(owner, w2))
+        wq = (_primary.primary_operand(self, "fc1_weight"),
+              _primary.primary_operand(self, "fc2_weight"))  # fmt: skip
+        if wq != (None, None):  # FP8 primary weights: their gradients go to main_grad
+            main_grads = (_primary.primary_main_grad(owner, w1),
+                          _primary.primary_main_grad(owner, w2))  # fmt: skip
         return _gemm.mlp(owner, metas, inp, w1, b1, self.activation, w2, fc2_bias, norm,
-                         self.activation_params, main_grads, self.checkpoint, cache)  # fmt: skip
+                         self.activation_params, main_grads, self.checkpoint, cache,
+                         wq)  # fmt: skip
 
     def extra_repr(self) -> str:
         return (

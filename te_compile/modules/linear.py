@@ -40,6 +40,7 @@ from te_compile.modules._common import (
 )
 from te_compile.quantization import fp8_gemm as _fp8
 from te_compile.quantization import gemm as _gemm
+from te_compile.quantization import primary as _primary
 
 __all__ = ["Linear"]
 
@@ -126,6 +127,7 @@ class Linear(NamedSlices, nn.Module):
                 self.bias, 0 if column else -1, sequence_parallel=row_sp, parts=parts
             )
         self.reset_parameters()
+        _primary.make_primary(self, ("weight",), "Linear")  # inside quantized_model_init
 
     @property
     def parallel_mode(self) -> str | None:
@@ -150,6 +152,9 @@ class Linear(NamedSlices, nn.Module):
     ) -> Tensor | tuple[Tensor, Tensor | None]:
         wgrad_fusion = self.fuse_wgrad_accumulation
         main_grad = weight_main_grad("Linear", self.weight) if wgrad_fusion else None
+        wq = _primary.primary_operand(self, "weight")  # FP8 primary weight
+        if wq is not None:
+            main_grad = _primary.primary_main_grad("Linear", self.weight)
         cache = None
         if is_first_microbatch is not None:
             _gemm.check_first_microbatch("Linear", is_first_microbatch)
@@ -157,12 +162,12 @@ class Linear(NamedSlices, nn.Module):
         if self.tp.mode is None:  # no tensor parallelism: the GEMM alone (the hot path)
             bias = None if self.return_bias else self.bias
             out = _gemm.linear("Linear", self.fp8_meta, inp, self.weight, bias, main_grad,
-                               cache=cache)  # fmt: skip
+                               cache=cache, weight_quantized=wq)  # fmt: skip
             return (out, self.bias) if self.return_bias else out
 
         def gemm(x: Tensor, bias: Tensor | None) -> Tensor:
             return _gemm.linear("Linear", self.fp8_meta, x, self.weight, bias, main_grad,
-                                cache=cache)  # fmt: skip
+                                cache=cache, weight_quantized=wq)  # fmt: skip
 
         # Row-parallel: the bias is added once, to the sum of the partial products.
         add_bias = not self.return_bias

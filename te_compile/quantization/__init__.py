@@ -16,6 +16,11 @@ from te_compile.quantization.device import (
     is_mxfp8_available,
     is_nvfp4_available,
 )
+from te_compile.quantization.primary import (
+    FP8MasterWeights,
+    fp8_model_init,
+    quantized_model_init,
+)
 from te_compile.quantization.recipe import (
     DelayedScaling,
     Float8BlockScaling,
@@ -38,6 +43,7 @@ from te_compile.quantization.state import (
 __all__ = [
     "AutocastState",
     "DelayedScaling",
+    "FP8MasterWeights",
     "Float8BlockScaling",
     "Float8CurrentScaling",
     "Format",
@@ -50,6 +56,7 @@ __all__ = [
     "checkpoint",
     "dequantize",
     "fp8_autocast",
+    "fp8_model_init",
     "get_autocast_state",
     "get_default_fp8_recipe",
     "get_device_compute_capability",
@@ -59,4 +66,5 @@ __all__ = [
     "is_mxfp8_available",
     "is_nvfp4_available",
     "quantize",
+    "quantized_model_init",
 ]

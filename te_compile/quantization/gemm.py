@@ -61,6 +61,7 @@ __all__ = [
     "cached_weight",
     "calibrate",
     "check_first_microbatch",
+    "check_primary",
     "gemm_args",
     "grouped_linear",
     "kept_weights",
@@ -155,6 +156,18 @@ def check_first_microbatch(owner: str, is_first_microbatch: object) -> None:
         raise ValueError(
             f"{owner}: is_first_microbatch must be None, True or False, got {is_first_microbatch!r}"
         )
+
+
+def check_primary(owner: str, state: AutocastState) -> None:
+    """A module with FP8 primary weights runs inside an FP8 autocast of a per-tensor recipe."""
+    if state.enabled and not state.calibration and state.recipe.float8_per_tensor_scaling():
+        return
+    now = "calibration" if state.calibration else (
+        type(state.recipe).__name__ if state.enabled else "no FP8 autocast")  # fmt: skip
+    raise NotImplementedError(
+        f"{owner}: FP8 primary weights (quantized_model_init) run inside te_compile.autocast "
+        f"with Float8CurrentScaling or DelayedScaling, got {now}"
+    )
 
 
 def cached_weight(
@@ -336,6 +349,7 @@ def linear(
     norm: Norm | None = None,
     cache: WeightCache | None = None,
     cache_name: str = "weight",
+    weight_quantized: Sequence[Tensor] | None = None,
     **epilogue: Any,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """A module's linear through ``te::linear``: the recipe of the autocast state (high
@@ -344,15 +358,18 @@ def linear(
     ``functional.linear`` (``activation``, ``residual``, ``out_scale``, ``return_branch``, ...).
     The forward's amaxes go into ``meta`` (per-tensor recipes). ``cache``: the module's kept
     FP8 weights and ``is_first_microbatch`` (module docstring), ``cache_name`` this weight's
-    entry."""
+    entry. ``weight_quantized``: ``weight``'s pre-quantised operand (FP8 primary weights,
+    ``quantization.primary``), for a per-tensor recipe's autocast only."""
     state = get_autocast_state()
+    if weight_quantized is not None:
+        check_primary(owner, state)
     if state.calibration:
         state = calibrate(owner, state, (meta,), (_no_grad_norm(inp, norm),), (weight,))
     if not (state.enabled or norm or epilogue):  # te.Linear's hot path in high precision
         return F.linear(inp, weight, bias, main_grad=main_grad)
     args = gemm_args(owner, state, inp, (weight,), (meta,))
     kw = {**_norm_kwargs(norm), **epilogue}
-    weight_q = cached_weight(args, weight, cache, cache_name)
+    weight_q = weight_quantized or cached_weight(args, weight, cache, cache_name)
     if weight_q is not None:
         kw["weight_quantized"] = weight_q
     if args.backward_override:
@@ -381,6 +398,7 @@ def mlp(
     main_grads: tuple[Tensor, Tensor] | None = None,
     recompute_fc1: bool = False,
     cache: WeightCache | None = None,
+    weights_quantized: tuple[Sequence[Tensor] | None, Sequence[Tensor] | None] = (None, None),
 ) -> Tensor:
     """``fc2(activation(fc1(norm(inp))))`` through ``te::mlp`` with the autocast state's
     recipe (high precision outside it); ``metas``: the two GEMMs' FP8 states, used as two
@@ -394,12 +412,15 @@ def mlp(
     than their outputs saved; FC2 runs once. ``cache``: the module's kept FP8 weights
     (``is_first_microbatch``, entries ``"fc1_weight"`` and ``"fc2_weight"``); with
     ``is_first_microbatch`` set under a recipe the two GEMMs run one by one (``te::linear`` takes
-    the pre-quantised weights)."""
+    the pre-quantised weights). ``weights_quantized``: the two weights' pre-quantised operands
+    (FP8 primary weights; the GEMMs then run one by one)."""
     act_kw = activation_params or {}
     state = get_autocast_state()
     by_op = state.calibration or (state.enabled and state.recipe.backward_override is not None)
     by_op = by_op or main_grads is not None or recompute_fc1
     by_op = by_op or (state.enabled and cache is not None and cache.first is not None)
+    by_op = by_op or weights_quantized != (None, None)
+    q1, q2 = weights_quantized
     if not _FUSE_MLP or by_op:  # op by op: the same bytes
         g1, g2 = main_grads or (None, None)
 
@@ -407,12 +428,12 @@ def mlp(
             if norm is not None:
                 x = _apply_norm(x, norm)
             fc1_out = linear(owner, metas[0], x, fc1_weight, None, g1, cache=cache,
-                             cache_name="fc1_weight")  # fmt: skip
+                             cache_name="fc1_weight", weight_quantized=q1)  # fmt: skip
             return F.bias_activation(fc1_out, fc1_bias, activation, **act_kw)
 
         act = checkpoint(fc1_act, inp, use_reentrant=False) if recompute_fc1 else fc1_act(inp)
         return linear(owner, metas[1], act, fc2_weight, fc2_bias, g2, cache=cache,
-                      cache_name="fc2_weight")  # fmt: skip
+                      cache_name="fc2_weight", weight_quantized=q2)  # fmt: skip
     weights = (fc1_weight, fc2_weight)
     args = gemm_args(owner, state, inp, weights, metas)
     kw = {**_norm_kwargs(norm), **args.scalars(), **act_kw}
