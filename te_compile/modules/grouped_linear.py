@@ -243,7 +243,19 @@ class GroupedLinear(nn.Module):
 
     # Forward -------------------------------------------------------------------------------------
 
-    def forward(self, inp: Tensor, m_splits: Tensor | Sequence[int]) -> Tensor:
+    def forward(
+        self,
+        inp: Tensor,
+        m_splits: Tensor | Sequence[int],
+        is_first_microbatch: bool | None = None,
+    ) -> Tensor:
+        if is_first_microbatch is not None:
+            _gemm.check_first_microbatch("GroupedLinear", is_first_microbatch)
+            if _gemm.quantized():  # outside an FP8 autocast it changes nothing (as in TE)
+                raise NotImplementedError(
+                    "GroupedLinear: is_first_microbatch (a kept FP8 weight) is not implemented "
+                    f"for grouped GEMMs; pass None, got {is_first_microbatch}"
+                )
         weight = self.weight if self.single_weight else torch.stack(self.weights())
         bias = None
         if self.use_bias:

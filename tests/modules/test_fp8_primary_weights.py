@@ -206,9 +206,11 @@ def test_refused_uses():
         y = m(_x("cpu"))
     with pytest.raises(RuntimeError, match="main_grad"):
         y.sum().backward()
-    with pytest.raises(ValueError, match="enabled must be a bool, got 1"):
-        with te.fp8_model_init(enabled=1):
-            pass
+    with (
+        pytest.raises(ValueError, match="enabled must be a bool, got 1"),
+        te.fp8_model_init(enabled=1),
+    ):
+        pass
     with te.fp8_model_init(enabled=False):
         assert _build("Linear", "cpu").weight.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="no FP8 primary weights"):

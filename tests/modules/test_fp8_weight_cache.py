@@ -201,3 +201,14 @@ def test_transformer_layer_passes_it_through():
     kept = [k for m in layer.modules() for k in getattr(m, "_fp8_weights", {}).values()]
     assert len(kept) == 4 and all(k.tensors is not None for k in kept)  # QKV, proj, FC1, FC2
     assert not torch.equal(y1, y2)  # the norms' weights changed; the GEMM weights are kept
+
+
+def test_grouped_linear_refuses_a_kept_weight():
+    m = te.GroupedLinear(2, 32, 32, params_dtype=torch.bfloat16)
+    x = torch.randn(32, 32, dtype=torch.bfloat16)
+    assert torch.equal(m(x, [16, 16], is_first_microbatch=True), m(x, [16, 16]))  # no FP8
+    with (
+        autocast(recipe=Float8CurrentScaling()),
+        pytest.raises(NotImplementedError, match="grouped"),
+    ):
+        m(x, [16, 16], is_first_microbatch=False)
