@@ -337,6 +337,16 @@ _AUTOCAST_KEEP = frozenset(
         "weight_data_t",
         "weight_scale_t",
         "weight_amax",
+        "fc1_weight_data",
+        "fc1_weight_scale",
+        "fc1_weight_data_t",
+        "fc1_weight_scale_t",
+        "fc1_weight_amax",
+        "fc2_weight_data",
+        "fc2_weight_scale",
+        "fc2_weight_data_t",
+        "fc2_weight_scale_t",
+        "fc2_weight_amax",
     }
 )
 

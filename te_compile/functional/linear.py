@@ -58,6 +58,15 @@ Weight-gradient fusion (``main_grad``): as in Transformer Engine, a module built
 accumulates into it (fp32 output) instead of producing ``weight.grad``; ``te::linear_bwd``
 declares it mutated, which torch.compile supports in the backward graph. Tensor parallelism
 stays outside the op (``distributed.tensor_parallel``).
+
+Pre-quantised weight (``functional.gemm``, "Pre-quantised weights"): the last arguments
+``weight_data``, ``weight_scale``, ``weight_data_t``, ``weight_scale_t``, ``weight_amax`` (all
+or none, with a recipe) are ``weight`` already quantised by ``te::quantize_weight``; the op does
+not quantise ``weight``, saves ``weight_data_t`` / ``weight_scale_t`` for the dgrad GEMM from
+its inputs (``saved`` then holds only the input's copy), and reports ``weight_amax``. ``weight``
+may then be the FP8 codes themselves (FP8 primary weights, ``quantization.primary``): its
+gradient must go to ``main_grad`` (the backward raises otherwise), and
+``backward_override="high_precision"`` is refused.
 """
 
 from __future__ import annotations

@@ -198,7 +198,7 @@ class LayerNormMLP(PreNorm):
         owner = "LayerNormMLP"
         tp = self.tp
         cache = None
-        if is_first_microbatch is not None:  # the GEMMs then run one by one under FP8
+        if is_first_microbatch is not None:
             _gemm.check_first_microbatch(owner, is_first_microbatch)
             cache = _gemm.WeightCache(self._fp8_weights, is_first_microbatch)
         if not (tp.active or self.return_layernorm_output) and _gemm.quantized():

@@ -410,15 +410,13 @@ def mlp(
     (``te::mlp`` has no such outputs). ``recompute_fc1``: the norm, FC1 and the activation
     are recomputed in the backward (:func:`~te_compile.checkpoint`, FP8 state included) rather
     than their outputs saved; FC2 runs once. ``cache``: the module's kept FP8 weights
-    (``is_first_microbatch``, entries ``"fc1_weight"`` and ``"fc2_weight"``); with
-    ``is_first_microbatch`` set under a recipe the two GEMMs run one by one (``te::linear`` takes
-    the pre-quantised weights). ``weights_quantized``: the two weights' pre-quantised operands
+    (``is_first_microbatch``, entries ``"fc1_weight"`` and ``"fc2_weight"``), handed to
+    ``te::mlp`` (or ``te::linear``) as pre-quantised weights. ``weights_quantized``: the two weights' pre-quantised operands
     (FP8 primary weights; the GEMMs then run one by one)."""
     act_kw = activation_params or {}
     state = get_autocast_state()
     by_op = state.calibration or (state.enabled and state.recipe.backward_override is not None)
     by_op = by_op or main_grads is not None or recompute_fc1
-    by_op = by_op or (state.enabled and cache is not None and cache.first is not None)
     by_op = by_op or weights_quantized != (None, None)
     q1, q2 = weights_quantized
     if not _FUSE_MLP or by_op:  # op by op: the same bytes
@@ -437,6 +435,8 @@ def mlp(
     weights = (fc1_weight, fc2_weight)
     args = gemm_args(owner, state, inp, weights, metas)
     kw = {**_norm_kwargs(norm), **args.scalars(), **act_kw}
+    kw["fc1_weight_quantized"] = cached_weight(args, fc1_weight, cache, "fc1_weight", 0)
+    kw["fc2_weight_quantized"] = cached_weight(args, fc2_weight, cache, "fc2_weight", 1)
     if args.recipe not in PER_TENSOR:
         return F.mlp(inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, **kw)
     (s1, s2), (g1, g2) = args.scales, args.grad_amaxes
