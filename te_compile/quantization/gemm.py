@@ -411,8 +411,8 @@ def mlp(
     are recomputed in the backward (:func:`~te_compile.checkpoint`, FP8 state included) rather
     than their outputs saved; FC2 runs once. ``cache``: the module's kept FP8 weights
     (``is_first_microbatch``, entries ``"fc1_weight"`` and ``"fc2_weight"``), handed to
-    ``te::mlp`` (or ``te::linear``) as pre-quantised weights. ``weights_quantized``: the two weights' pre-quantised operands
-    (FP8 primary weights; the GEMMs then run one by one)."""
+    ``te::mlp`` (or ``te::linear``) as pre-quantised weights. ``weights_quantized``: the two
+    weights' pre-quantised operands (FP8 primary weights; the GEMMs then run one by one)."""
     act_kw = activation_params or {}
     state = get_autocast_state()
     by_op = state.calibration or (state.enabled and state.recipe.backward_override is not None)
