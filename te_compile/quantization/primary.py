@@ -63,7 +63,9 @@ from te_compile.quantization.recipe import Recipe
 
 __all__ = [
     "FP8MasterWeights",
+    "clear_high_precision_init_val",
     "fp8_model_init",
+    "get_high_precision_init_val",
     "init_state",
     "make_primary",
     "primary_operand",
@@ -140,11 +142,12 @@ def _quantize(weight: Tensor, recipe: Recipe, owner: str) -> list[Tensor]:
     return F.quantize_weight(weight, "current", kw["fp8_dtype"], False, 1, False, None)
 
 
-def _get_init_val(param: nn.Parameter) -> Tensor | None:
+def get_high_precision_init_val(param: nn.Parameter) -> Tensor | None:
+    """The initial high-precision values of an FP8 weight (CPU), or None (not kept)."""
     return param.__dict__.get("_high_precision_init_val")
 
 
-def _clear_init_val(param: nn.Parameter) -> None:
+def clear_high_precision_init_val(param: nn.Parameter) -> None:
     param.__dict__.pop("_high_precision_init_val", None)
 
 
@@ -165,8 +168,10 @@ def make_primary(module: nn.Module, names: tuple[str, ...], owner: str) -> None:
             setattr(param, attr, value)
         if state.preserve:
             param._high_precision_init_val = hp.detach().to("cpu", copy=True)
-        param.get_high_precision_init_val = types.MethodType(_get_init_val, param)
-        param.clear_high_precision_init_val = types.MethodType(_clear_init_val, param)
+        # TE's methods on the weight (also module functions: a deep copy of a Parameter keeps
+        # neither its attributes nor these).
+        param.get_high_precision_init_val = types.MethodType(get_high_precision_init_val, param)
+        param.clear_high_precision_init_val = types.MethodType(clear_high_precision_init_val, param)
         setattr(module, name, param)
         module.register_buffer(f"{name}_scale_inv", scale_inv)
         module.register_buffer(f"{name}_amax", amax)
@@ -210,10 +215,10 @@ class FP8MasterWeights:
                 if not is_primary(param):
                     self._others.append(param)
                     continue
-                init = param.get_high_precision_init_val()
+                init = get_high_precision_init_val(param)
                 if init is not None:
                     master = init.to(param.device, torch.float32, copy=True)
-                    param.clear_high_precision_init_val()
+                    clear_high_precision_init_val(param)
                 else:
                     scale_inv = getattr(module, f"{name}_scale_inv")
                     master = param.detach().float() * scale_inv

@@ -215,3 +215,29 @@ def test_refused_uses():
         assert _build("Linear", "cpu").weight.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="no FP8 primary weights"):
         te.FP8MasterWeights(_build("Linear", "cpu"))
+
+
+def test_transformer_layer_trains_with_fp8_weights():
+    recipe = Float8CurrentScaling()
+    torch.manual_seed(0)
+    kw = {"params_dtype": torch.bfloat16, "hidden_dropout": 0.0, "attention_dropout": 0.0}
+    with te.quantized_model_init(recipe=recipe):
+        layer = te.TransformerLayer(128, 256, 4, **kw)
+    assert len(_fp8_names(layer)) == 4  # QKV, projection, FC1, FC2
+    masters = te.FP8MasterWeights(layer)
+    opt = torch.optim.AdamW([*masters.parameters(), *masters.other_parameters()], lr=1e-3)
+    x = torch.randn(16, 2, 128, dtype=torch.bfloat16)
+    before = [w.detach().clone() for w in masters.parameters()]
+    for _ in range(2):
+        with autocast(recipe=recipe):
+            loss = layer(x).float().square().mean()
+        loss.backward()
+        masters.step(opt)
+        opt.zero_grad()
+    assert all(not torch.equal(a, b) for a, b in zip(before, masters.parameters(), strict=True))
+    for module, name, master in masters._entries:  # the codes are the masters' casts
+        w = getattr(module, name)
+        codes = te.functional.quantize_weight(master, "current", E4M3, False, 1, False, None)
+        assert torch.equal(w.detach().view(torch.uint8), codes[0])
+        assert torch.equal(getattr(module, f"{name}_scale_inv"), codes[1])
+        assert not w.main_grad.any()
