@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from te_compile._checks import check_bool
 from te_compile.ops.op import BasicOperation, OpOutput
 from te_compile.quantization import fp8_gemm, gemm
+from te_compile.quantization.primary import refuse_primary
 
 __all__ = ["BasicLinear", "Bias", "GroupedLinear"]
 
@@ -66,6 +67,7 @@ class BasicLinear(BasicOperation):
         init_method: Callable[[Tensor], None] | None = None,
     ) -> None:
         super().__init__()
+        refuse_primary("te.ops.BasicLinear")  # no FP8 primary weights in the fusible ops
         _check_size("BasicLinear", in_features=in_features, out_features=out_features)
         check_bool("BasicLinear", accumulate_into_main_grad=accumulate_into_main_grad)
         dtype = _dtype("BasicLinear", dtype)
@@ -179,6 +181,7 @@ class GroupedLinear(BasicOperation):
         init_method: Callable[[Tensor], None] | None = None,
     ) -> None:
         super().__init__()
+        refuse_primary("te.ops.GroupedLinear")
         _check_size(
             "GroupedLinear",
             num_groups=num_groups,

@@ -197,8 +197,10 @@ def test_refused_uses():
     for other in (Float8BlockScaling(), MXFP8BlockScaling()):
         with pytest.raises(NotImplementedError, match=type(other).__name__):
             _primary("Linear", "cpu", other)
-    with te.quantized_model_init(recipe=recipe), pytest.raises(NotImplementedError, match="Group"):
-        te.GroupedLinear(2, 32, 32)
+    with te.quantized_model_init(recipe=recipe):
+        for build in (lambda: te.GroupedLinear(2, 32, 32), lambda: te.ops.BasicLinear(32, 32)):
+            with pytest.raises(NotImplementedError, match="not implemented for this module"):
+                build()
     m = _primary("Linear", "cpu", recipe)
     with pytest.raises(NotImplementedError, match="no FP8 autocast"):
         m(_x("cpu"))
