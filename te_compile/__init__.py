@@ -35,10 +35,12 @@ from te_compile.modules import (
     non_finite_amaxes,
 )
 from te_compile.quantization import (
+    FP8MasterWeights,
     autocast,
     checkpoint,
     dequantize,
     fp8_autocast,
+    fp8_model_init,
     get_device_compute_capability,
     is_bf16_available,
     is_fp8_available,
@@ -47,12 +49,14 @@ from te_compile.quantization import (
     is_nvfp4_available,
     make_graphed_callables,
     quantize,
+    quantized_model_init,
 )
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DotProductAttention",
+    "FP8MasterWeights",
     "Fp8Padding",
     "Fp8Unpadding",
     "GroupedLinear",
@@ -76,6 +80,7 @@ __all__ = [
     "distributed",
     "eager_fast_path_enabled",
     "fp8_autocast",
+    "fp8_model_init",
     "functional",
     "get_device_compute_capability",
     "interleave_glu_tensor",
@@ -94,6 +99,7 @@ __all__ = [
     "non_finite_amaxes",
     "quantization",
     "quantize",
+    "quantized_model_init",
     "recipe",
     "set_eager_fast_path",
 ]

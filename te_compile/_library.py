@@ -308,6 +308,7 @@ def _autocast_eligible(t: Any, device_type: str) -> bool:
     return (
         isinstance(t, torch.Tensor)
         and t.is_floating_point()
+        and t.element_size() > 1  # FP8 codes (FP8 primary weights) stay as they are
         and t.device.type == device_type
         and t.dtype != torch.float64
     )
@@ -329,6 +330,23 @@ _AUTOCAST_KEEP = frozenset(
         "scale2",
         "grad_amax1",
         "grad_amax2",
+        # A pre-quantised weight (functional.gemm.WEIGHT_OPERAND): FP8 codes, scales, or an
+        # emulated GEMM's exact dequantised values.
+        "weight_data",
+        "weight_scale",
+        "weight_data_t",
+        "weight_scale_t",
+        "weight_amax",
+        "fc1_weight_data",
+        "fc1_weight_scale",
+        "fc1_weight_data_t",
+        "fc1_weight_scale_t",
+        "fc1_weight_amax",
+        "fc2_weight_data",
+        "fc2_weight_scale",
+        "fc2_weight_data_t",
+        "fc2_weight_scale_t",
+        "fc2_weight_amax",
     }
 )
 

@@ -24,7 +24,7 @@ from te_compile.functional.dropout import dropout
 from te_compile.functional.fake_quantize import fake_quantize
 from te_compile.functional.fp8_scaling import delayed_scaling_update
 from te_compile.functional.fused_norm import branch_rmsnorm
-from te_compile.functional.gemm import blockwise_supported
+from te_compile.functional.gemm import WEIGHT_OPERAND, blockwise_supported, quantize_weight
 from te_compile.functional.glu_layout import deinterleave_glu_tensor, interleave_glu_tensor
 from te_compile.functional.grouped_linear import as_splits_tensor, grouped_linear
 from te_compile.functional.linear import linear, linear_ref
@@ -49,6 +49,7 @@ __all__ = [
     "ACTIVATIONS",
     "GATED_ACTIVATIONS",
     "MLP_ACTIVATIONS",
+    "WEIGHT_OPERAND",
     "apply_rotary_pos_emb",
     "as_splits_tensor",
     "bias_activation",
@@ -82,6 +83,7 @@ __all__ = [
     "qgelu",
     "quantize_mxfp8",
     "quantize_nvfp4",
+    "quantize_weight",
     "reglu",
     "relu",
     "rmsnorm",

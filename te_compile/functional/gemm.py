@@ -32,6 +32,15 @@ dequantised fp32 values (exact: the quantisation is the recipe's) with 0-element
 the quantised operands are padded with zeros to a multiple of 16 (``_scaled_mm``'s constraint;
 zero rows change neither an amax nor another row of a GEMM's result).
 
+**Pre-quantised weights.** A family op may take its weight operand already quantised, as five
+plain tensors (:data:`WEIGHT_OPERAND`, FP8 codes as their uint8 bytes) that
+:func:`quantize_weight` (``te::quantize_weight``) makes: the ``data`` ``[N, K]`` and ``scale``
+the forward GEMM reads, the ``data_t`` ``[K, N]`` and ``scale_t`` the dgrad GEMM reads, and the
+``amax`` ``[1]`` measured at the cast (per-tensor kinds; 0-element otherwise). The op then does
+not quantise ``weight`` (it still takes it: its shape, and its gradient). Modules use it to
+cast a weight once per optimizer step (``is_first_microbatch``) and for FP8 primary weights
+(``quantization.primary``).
+
 A new recipe kind is one row in each table here, one branch in ``gemm_args``, and the recipe
 class (``docs/op_mechanism.md``, "Adding a recipe").
 """
@@ -44,6 +53,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from te_compile._library import SampleInput, op
 from te_compile.functional.quantize import (
     dequantize_blockwise,
     quantize_blockwise,
@@ -69,11 +79,13 @@ __all__ = [
     "PER_TENSOR",
     "QUANTIZERS",
     "RECIPES",
+    "WEIGHT_OPERAND",
     "Operand",
     "accumulate_wgrad",
     "blockwise_supported",
     "check_nvfp4_options",
     "check_recipe",
+    "check_weight_operand",
     "delayed_on_cuda",
     "empty",
     "gemm",
@@ -83,9 +95,11 @@ __all__ = [
     "qdq_both",
     "quantize_operand",
     "quantize_per_tensor",
+    "quantize_weight",
     "quantized_linear_ref",
     "scale_slots",
     "unpad",
+    "weight_operand",
 ]
 
 RECIPES = ("", "current", "delayed", "block", "mxfp8", "nvfp4")
@@ -420,6 +434,126 @@ def quantize_operand(
                         row_scaled=row_scaled)  # fmt: skip
     return quantize(x2, fp8_dtype, scale, block_rows, power_2_scale, emulate, columnwise,
                     mn_major, sums)  # fmt: skip
+
+
+# Pre-quantised weight operands ----------------------------------------------------------------
+
+# The five tensors of a pre-quantised weight, by the family ops' argument names.
+WEIGHT_OPERAND = ("weight_data", "weight_scale", "weight_data_t", "weight_scale_t", "weight_amax")
+
+
+def _weight_shapes(recipe: str, n: int, k: int, block_rows: int, emulate: bool):
+    """``[(shape, dtype)]`` of the five tensors of a pre-quantised ``[n, k]`` weight."""
+    f32, u8 = torch.float32, torch.uint8
+    if recipe in PER_TENSOR:
+        return [((n, k), u8), ((1,), f32), ((k, n), u8), ((1,), f32), ((1,), f32)]
+    if emulate:  # dequantised values (every block-scaled kind when its GEMM is emulated)
+        return [((n, k), f32), ((0,), f32), ((k, n), f32), ((0,), f32), ((0,), f32)]
+    rows = block_rows
+    s, s_t = (-(-n // rows), -(-k // 128)), (-(-k // rows), -(-n // 128))
+    return [((n, k), u8), (s, f32), ((k, n), u8), (s_t, f32), ((0,), f32)]
+
+
+def check_weight_operand(
+    p: str, recipe: str, weight: Tensor, block_rows: int, emulate: bool, tensors
+) -> None:
+    """The pre-quantised weight ``tensors`` (five, or all None) of a family op whose weight is
+    ``weight`` (``[N, K]``, or ``[G, N, K]``: then each tensor has the leading ``G``)."""
+    given = [t is not None for t in tensors]
+    if not any(given):
+        return
+    if not all(given):
+        raise ValueError(p + f"the pre-quantised weight is all of {WEIGHT_OPERAND} or none")
+    if not recipe:
+        raise ValueError(p + "a pre-quantised weight needs a quantised recipe (recipe is '')")
+    *lead, n, k = weight.shape
+    for name, t, (shape, dtype) in zip(
+        WEIGHT_OPERAND, tensors, _weight_shapes(recipe, n, k, block_rows, emulate), strict=True
+    ):
+        want = (*lead, *shape)
+        codes = dtype is torch.uint8 and t.dtype in FP8_DTYPES
+        if tuple(t.shape) != want or not (t.dtype is dtype or codes):
+            raise ValueError(
+                p + f"{name} must be {dtype} {list(want)} for recipe {recipe!r} and weight "
+                f"{list(weight.shape)}, got {t.dtype} {list(t.shape)} (make it with "
+                "te_compile.functional.quantize_weight)"
+            )
+
+
+def weight_operand(tensors, fp8_dtype: torch.dtype) -> Operand:
+    """The :class:`Operand` of the five pre-quantised tensors (codes viewed as ``fp8_dtype``)."""
+    data, scale, data_t, scale_t, amax = tensors
+    if data.dtype is torch.uint8:
+        data, data_t = data.view(fp8_dtype), data_t.view(fp8_dtype)
+    return Operand(data, scale, data_t, scale_t, amax)
+
+
+def _quantize_weight_impl(weight, recipe, fwd_dtype, power_2_scale, weight_block_rows, emulate,
+                          scale) -> list[Tensor]:  # fmt: skip
+    p = "te.quantize_weight: "
+    check_recipe(p, recipe, fwd_dtype, fwd_dtype, weight_block_rows, emulate, scale, None)
+    if not recipe:
+        raise ValueError(p + "recipe must be a quantised kind, got ''")
+    if weight.dim() != 2 or weight.dtype not in HIGH_DTYPES + (torch.float64,):
+        raise ValueError(
+            p + f"weight must be a 2-D floating tensor, got {weight.dim()}-D {weight.dtype}"
+        )
+    s_w = scale_slots(scale, recipe)[1]
+    q = quantize_operand(recipe, weight, fwd_dtype, scale=s_w, power_2_scale=power_2_scale,
+                         block_rows=weight_block_rows, emulate=emulate)  # fmt: skip
+    data, data_t = (t.view(torch.uint8) if t.dtype in FP8_DTYPES else t for t in (q.data, q.data_t))
+    # Fresh outputs (an op's outputs may not alias): per tensor, the copies share one scale;
+    # 128x128 blocks give data_t and scale_t as transposed views of data and scale.
+    fmt = torch.contiguous_format
+    if recipe == "block" and weight_block_rows == 128 and not emulate:
+        data_t = data_t.clone(memory_format=fmt)
+    scale_t = q.scale_t.clone(memory_format=fmt)  # a few bytes
+    amax = q.amax if recipe in PER_TENSOR else weight.new_empty(0, dtype=torch.float32)
+    return [data, q.scale, data_t, scale_t, amax]
+
+
+def _quantize_weight_samples(device: torch.device):
+    def w(n, k, dtype=torch.bfloat16):
+        return torch.randn(n, k, device=device, dtype=dtype)
+
+    e4 = torch.float8_e4m3fn
+    yield SampleInput((w(32, 16), "current", e4, False, 1, False, None))
+    scale = torch.tensor([8.0, 16.0, 1.0], device=device)
+    yield SampleInput((w(16, 48, torch.float32), "delayed", e4, False, 1, False, scale))
+    yield SampleInput((w(512, 512), "block", e4, False, 128, False, None))
+    yield SampleInput((w(32, 256), "block", e4, True, 1, False, None))
+    yield SampleInput((w(64, 32), "mxfp8", e4, False, 1, True, None))
+    yield SampleInput((w(32, 48), "nvfp4", e4, False, 1, True, None))
+
+
+@op("quantize_weight", sample_inputs=_quantize_weight_samples)
+def quantize_weight(
+    weight: Tensor,
+    recipe: str,
+    fwd_dtype: torch.dtype,
+    power_2_scale: bool,
+    weight_block_rows: int,
+    emulate: bool,
+    scale: Tensor | None,
+) -> list[Tensor]:
+    """``weight`` ``[N, K]`` as the family ops' pre-quantised weight operand (module docstring):
+    ``[data, scale, data_t, scale_t, amax]``, quantised as the op would quantise it inside
+    (``scale``: the GEMM's delayed scales ``[3]``, whose weight slot is used, with
+    ``recipe="delayed"``)."""
+    return _quantize_weight_impl(weight, recipe, fwd_dtype, power_2_scale, weight_block_rows,
+                                 emulate, scale)  # fmt: skip
+
+
+@quantize_weight.register_fake
+def _quantize_weight_fake(weight, recipe, fwd_dtype, power_2_scale, weight_block_rows, emulate,
+                          scale):  # fmt: skip
+    check_recipe("te.quantize_weight: ", recipe, fwd_dtype, fwd_dtype, weight_block_rows, emulate,
+                 scale, None)  # fmt: skip
+    if not recipe or weight.dim() != 2:
+        raise ValueError("te.quantize_weight: needs a quantised recipe and a 2-D weight")
+    n, k = weight.shape
+    shapes = _weight_shapes(recipe, n, k, weight_block_rows, emulate)
+    return [weight.new_empty(shape, dtype=dtype) for shape, dtype in shapes]
 
 
 # GEMMs: one table, keyed by gemm_kind(recipe, emulate) ----------------------------------------

@@ -64,10 +64,20 @@ Weight-gradient fusion (``main_grad``): as in Transformer Engine, a module built
 accumulates into it (fp32 output) instead of producing ``weight.grad``; ``te::linear_bwd``
 declares it mutated, which torch.compile supports in the backward graph. Tensor parallelism
 stays outside the op (``distributed.tensor_parallel``).
+
+Pre-quantised weight (``functional.gemm``, "Pre-quantised weights"): the last arguments
+``weight_data``, ``weight_scale``, ``weight_data_t``, ``weight_scale_t``, ``weight_amax`` (all
+or none, with a recipe) are ``weight`` already quantised by ``te::quantize_weight``; the op does
+not quantise ``weight``, saves ``weight_data_t`` / ``weight_scale_t`` for the dgrad GEMM from
+its inputs (``saved`` then holds only the input's copy), and reports ``weight_amax``. ``weight``
+may then be the FP8 codes themselves (FP8 primary weights, ``quantization.primary``): its
+gradient must go to ``main_grad`` (the backward raises otherwise), and
+``backward_override="high_precision"`` is refused.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -91,9 +101,11 @@ from te_compile.functional.gemm import (
     FP8_DTYPES,
     HIGH_DTYPES,
     PER_TENSOR,
+    WEIGHT_OPERAND,
     accumulate_wgrad,
     check_nvfp4_options,
     check_recipe,
+    check_weight_operand,
     delayed_on_cuda,
     empty,
     gemm,
@@ -101,9 +113,11 @@ from te_compile.functional.gemm import (
     pad_rows,
     padded,
     quantize_operand,
+    quantize_weight,
     quantized_linear_ref,
     scale_slots,
     unpad,
+    weight_operand,
 )
 from te_compile.functional.prologue import (
     Norm,
@@ -157,6 +171,18 @@ class _Args(NamedTuple):
     stochastic_rounding: bool = False
     rng_state: Tensor | None = None
     row_scaled: bool = False
+    weight_data: Tensor | None = None
+    weight_scale: Tensor | None = None
+    weight_data_t: Tensor | None = None
+    weight_scale_t: Tensor | None = None
+    weight_amax: Tensor | None = None
+
+    @property
+    def weight_q(self) -> tuple[Tensor | None, ...]:
+        """The pre-quantised weight (``functional.gemm.WEIGHT_OPERAND``; all None: quantise
+        ``weight`` inside)."""
+        return (self.weight_data, self.weight_scale, self.weight_data_t, self.weight_scale_t,
+                self.weight_amax)  # fmt: skip
 
     @property
     def plain(self) -> bool:
@@ -167,7 +193,7 @@ class _Args(NamedTuple):
             or self.rng_state is not None or self.row_scaled
             or self.residual is not None or self.out_scale != 1.0 or self.norm_weight is not None
             or self.norm_bias is not None or self.scale is not None
-            or self.grad_amax is not None
+            or self.grad_amax is not None or self.weight_data is not None
         )  # fmt: skip
 
     @property
@@ -280,6 +306,19 @@ def _diagnose(inp: Tensor, weight: Tensor, bias: Tensor | None, main_grad: Tenso
 
 def _check(a: _Args) -> None:
     inp, weight = a.inp, a.weight
+    fp8_weight = weight.dtype in FP8_DTYPES
+    if fp8_weight:  # FP8 primary weights: the codes stand for the weight (module docstring)
+        if a.weight_data is None:
+            raise ValueError(
+                f"te.linear: an FP8 weight ({weight.dtype}) needs its pre-quantised operand "
+                f"({', '.join(WEIGHT_OPERAND)}); its gradient goes to main_grad (fp32)"
+            )
+        if a.backward_override == "high_precision":
+            raise ValueError(
+                "te.linear: backward_override='high_precision' needs a high-precision weight, "
+                f"got {weight.dtype} (FP8 primary weights)"
+            )
+        weight = torch.empty(weight.shape, dtype=inp.dtype, device="meta")
     _check_args(inp, weight, a.bias, a.main_grad)
     if a.plain:
         return
@@ -326,6 +365,7 @@ def _check(a: _Args) -> None:
         raise ValueError(p + "backward_override is for a quantised recipe (recipe is '')")
     if a.grad_amax is not None and recipe not in PER_TENSOR:
         raise ValueError(p + "grad_amax is for the per-tensor recipes (current, delayed)")
+    check_weight_operand(p, recipe, weight, a.weight_block_rows, a.emulate, a.weight_q)
     check_finite("te.linear", out_scale=a.out_scale)
     check_norm(p, inp, a.norm)
     if a.activation:
@@ -397,8 +437,11 @@ def _forward(a: _Args, cuda: bool) -> tuple[Tensor, Tensor, list[Tensor]]:
             xq = quantize_operand(recipe, pad_rows(x2), a.fwd_dtype, scale=s_x,
                                   power_2_scale=p2, emulate=em, rht=a.rht,
                                   row_scaled=a.row_scaled)  # fmt: skip
-        wq = quantize_operand(recipe, weight, a.fwd_dtype, scale=s_w, power_2_scale=p2,
-                              block_rows=a.weight_block_rows, emulate=em)  # fmt: skip
+        if a.weight_data is not None:  # pre-quantised: the saved copy is an input's
+            wq = weight_operand(a.weight_q, a.fwd_dtype)
+        else:
+            wq = quantize_operand(recipe, weight, a.fwd_dtype, scale=s_w, power_2_scale=p2,
+                                  block_rows=a.weight_block_rows, emulate=em)  # fmt: skip
         h = gemm(gemm_kind(recipe, em), xq.data, xq.scale, wq.data, wq.scale, dtype,
                  bias=fuse_bias, fast_accum=True, b_block_rows=a.weight_block_rows)  # fmt: skip
         h = unpad(h, m)
@@ -408,6 +451,8 @@ def _forward(a: _Args, cuda: bool) -> tuple[Tensor, Tensor, list[Tensor]]:
             w_rows = a.weight_block_rows
             saved = [_dequantized(recipe, xq, m, a.fwd_dtype, 1, em, dtype),
                      _dequantized(recipe, wq, n, a.fwd_dtype, w_rows, em, dtype)]  # fmt: skip
+        elif a.weight_data is not None:  # setup_context saves weight_data_t, weight_scale_t
+            saved = [_bytes(xq.data_t), xq.scale_t]
         else:
             saved = [_bytes(xq.data_t), xq.scale_t, _bytes(wq.data_t), wq.scale_t]
         if recipe in PER_TENSOR:
@@ -472,6 +517,11 @@ def linear_fwd(
     stochastic_rounding: bool = False,
     rng_state: Tensor | None = None,
     row_scaled: bool = False,
+    weight_data: Tensor | None = None,
+    weight_scale: Tensor | None = None,
+    weight_data_t: Tensor | None = None,
+    weight_scale_t: Tensor | None = None,
+    weight_amax: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
     """``(out, branch, saved)`` (module docstring). The default (CPU) implementation computes
     high precision in fp32 (fp64 stays fp64), rounded once."""
@@ -480,13 +530,15 @@ def linear_fwd(
         and out_scale == 1.0 and not branch and scale is None and grad_amax is None
         and norm_weight is None and norm_bias is None and backward_override == ""
         and not rht and not stochastic_rounding and rng_state is None and not row_scaled
+        and weight_data is None
     ):  # fmt: skip
         return _plain_forward(inp, weight, bias, main_grad, cuda=False)
     args = (inp, weight, bias, main_grad, recipe, fwd_dtype, bwd_dtype, power_2_scale,
             weight_block_rows, emulate, scale, grad_amax, norm_weight, norm_bias, normalization,
             norm_eps, zero_centered_gamma, activation, glu_interleave_size, limit, alpha,
             glu_linear_offset, residual, out_scale, branch, backward_override, rht,
-            stochastic_rounding, rng_state, row_scaled)  # fmt: skip
+            stochastic_rounding, rng_state, row_scaled, weight_data, weight_scale,
+            weight_data_t, weight_scale_t, weight_amax)  # fmt: skip
     return _forward(_Args(*args), cuda=False)
 
 
@@ -539,6 +591,8 @@ def _linear_fwd_fake(*args):
             saved = [inp.new_empty(k, m, dtype=u8), inp.new_empty(k, -(-m // 128), dtype=f32),
                      inp.new_empty(k, n, dtype=u8),
                      inp.new_empty(-(-k // w_rows), -(-n // 128), dtype=f32)]  # fmt: skip
+        if a.weight_data is not None:  # the weight's copies are inputs (setup_context)
+            saved = saved[:2]
     elif a.normalization:
         saved = [inp.new_empty(rows, k)]
     if a.activation:
@@ -810,6 +864,8 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.mark_non_differentiable(*saved, *(() if a.branch else (branch,)))
     if a.recipe in PER_TENSOR:
         saved = saved[:-1]  # the amaxes: for the caller, not the backward
+    if a.weight_data is not None and not a.backward_override:  # the dgrad GEMM's weight copy
+        saved = [*saved[:2], a.weight_data_t, a.weight_scale_t, *saved[2:]]
     # backward_override: the backward is high precision's, on the forward's high-precision
     # operands or on their dequantised copies (which take the input's and the weight's place).
     hp, normed = not a.recipe or a.backward_override, bool(a.normalization)
@@ -836,6 +892,7 @@ def _setup_context(ctx, inputs, output) -> None:
         a.out_scale,
     )  # fmt: skip
     ctx.has_bias, ctx.branch = a.bias is not None, a.branch
+    ctx.fp8_weight = a.weight.dtype in FP8_DTYPES and a.main_grad is None
 
 
 def _backward(ctx, bwd, grad, grad_branch, _grad_saved):
@@ -843,6 +900,10 @@ def _backward(ctx, bwd, grad, grad_branch, _grad_saved):
         ctx.saved_tensors
     )
     need = ctx.needs_input_grad
+    if need[1] and getattr(ctx, "fp8_weight", False):
+        raise RuntimeError(
+            "te.linear: an FP8 weight's gradient goes to main_grad (fp32), and none was given"
+        )
     normalization = ctx.scalars[_NORMALIZATION]
     need_norm = bool(normalization) and any(need[_NORM_WEIGHT : _NORM_WEIGHT + 2])
     need_dbias = ctx.has_bias and need[2]
@@ -985,6 +1046,25 @@ def _samples(device: torch.device):
     yield _call(t(32, 32), t(16, 32), t(16), recipe="nvfp4", emulate=True, **e4, row_scaled=True,
                 weight_block_rows=16, backward_override="dequantized")  # fmt: skip
 
+    # A pre-quantised weight (functional.gemm.quantize_weight): per tensor, delayed (its weight
+    # slot), native blockwise with 128x128 blocks, emulated MXFP8, with a dequantised backward.
+    def pre(w, recipe, rows=1, emulate=False, scale=None, **kw):
+        q = quantize_weight(w.detach(), recipe, _E4M3, False, rows, emulate, scale)
+        return dict(zip(WEIGHT_OPERAND, q, strict=True), recipe=recipe, weight_block_rows=rows,
+                    emulate=emulate, scale=scale, **kw)  # fmt: skip
+
+    w = t(32, 16, dtype=bf16)
+    yield _call(t(2, 5, 16, dtype=bf16), w, t(32, dtype=bf16), **pre(w, "current"))
+    w = t(48, 32)
+    yield _call(t(16, 32), w, None, torch.zeros(48, 32, device=device),
+                **pre(w, "delayed", scale=scale.clone(), grad_amax=pending.clone()))  # fmt: skip
+    w = t(512, 512, dtype=bf16)
+    yield _call(t(32, 512, dtype=bf16), w, **pre(w, "block", 128, **e4))
+    w = t(32, 64)
+    yield _call(t(32, 64), w, t(32), **pre(w, "mxfp8", emulate=True, **e4))
+    w = t(16, 32, dtype=bf16)
+    yield _call(t(20, 32, dtype=bf16), w, **pre(w, "current", backward_override="dequantized"))
+
 
 _linear = differentiable(
     linear_fwd,
@@ -1036,6 +1116,7 @@ def linear(
     stochastic_rounding: bool = False,
     rng_state: Tensor | None = None,
     row_scaled: bool = False,
+    weight_quantized: Sequence[Tensor] | None = None,
 ) -> Tensor | tuple[Tensor, ...]:
     """``residual + out_scale * activation(norm(inp) @ weight.T + bias)`` through
     ``te::linear_fwd``, every part optional (module docstring); by default ``inp @ weight.T +
@@ -1052,13 +1133,23 @@ def linear(
     ``stochastic_rounding`` (of the gradient; ``rng_state``, int64 ``(seed, offset)``, fixes its
     draws, None draws one from torch's generator), ``row_scaled`` (the input's forward copy
     with a global scale per row; needs ``backward_override``).
+    GEMMs (module docstring). ``weight_quantized``: ``weight`` already quantised by the recipe,
+    the five tensors of :func:`~te_compile.functional.quantize_weight`, used instead of
+    quantising ``weight`` (whose gradient is still computed); ``weight`` may then be the FP8
+    codes themselves (FP8 primary weights), with ``main_grad`` taking its gradient.
     """
+    if weight_quantized is not None and len(weight_quantized) != len(WEIGHT_OPERAND):
+        raise ValueError(
+            f"te.linear: weight_quantized must be the {len(WEIGHT_OPERAND)} tensors "
+            f"{WEIGHT_OPERAND} of quantize_weight, got {len(weight_quantized)}"
+        )
     args = (inp, weight, bias, main_grad)
     if (
         recipe or normalization or activation or return_branch or residual is not None
         or out_scale != 1.0 or norm_weight is not None or norm_bias is not None
         or scale is not None or grad_amax is not None or backward_override or rht
         or stochastic_rounding or rng_state is not None or row_scaled
+        or weight_quantized is not None
     ):  # fmt: skip
         check_bool(
             "te.linear", power_2_scale=power_2_scale, emulate=emulate,
@@ -1073,6 +1164,7 @@ def linear(
             activation, glu_interleave_size or 0, limit, alpha, glu_linear_offset, residual,
             float(out_scale), return_branch, backward_override, rht, stochastic_rounding,
             rng_state, row_scaled,
+            *(weight_quantized if weight_quantized is not None else (None,) * 5),
         )  # fmt: skip
     out, branch, saved = _linear(*args)
     if not (return_branch or return_amax):

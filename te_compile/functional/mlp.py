@@ -28,10 +28,16 @@ of 16; native blockwise keeps the 1x128 scales of ``X^T`` and ``h^T`` as the wgr
 them, ``[M / 128, K]``), high precision ``[norm output (with a norm), z, h]``; then the norm's
 ``mean, rsigma``, then for the per-tensor recipes ``[amax(X), amax(W_1), amax(h),
 amax(W_2)]`` (fp32).
+
+Pre-quantised weights (``functional.gemm``, "Pre-quantised weights"): ``fc1_weight_data`` ...
+``fc1_weight_amax`` and ``fc2_weight_data`` ... ``fc2_weight_amax``, the last arguments, each
+weight's five tensors or all None; a given weight is not quantised, its transposed copy is
+saved from the input (``saved`` then holds no copy of it) and its gradient still computed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -54,9 +60,11 @@ from te_compile.functional.gemm import (
     FP8_DTYPES,
     HIGH_DTYPES,
     PER_TENSOR,
+    WEIGHT_OPERAND,
     Operand,
     blockwise_supported,
     check_recipe,
+    check_weight_operand,
     delayed_on_cuda,
     empty,
     gemm,
@@ -64,9 +72,11 @@ from te_compile.functional.gemm import (
     pad_rows,
     padded,
     quantize_operand,
+    quantize_weight,
     quantized_linear_ref,
     scale_slots,
     unpad,
+    weight_operand,
 )
 from te_compile.functional.linear import linear_bwd, linear_fwd
 from te_compile.functional.prologue import (
@@ -115,6 +125,23 @@ class _Args(NamedTuple):
     limit: float = 7.0
     alpha: float = 1.702
     glu_linear_offset: float = 1.0
+    fc1_weight_data: Tensor | None = None
+    fc1_weight_scale: Tensor | None = None
+    fc1_weight_data_t: Tensor | None = None
+    fc1_weight_scale_t: Tensor | None = None
+    fc1_weight_amax: Tensor | None = None
+    fc2_weight_data: Tensor | None = None
+    fc2_weight_scale: Tensor | None = None
+    fc2_weight_data_t: Tensor | None = None
+    fc2_weight_scale_t: Tensor | None = None
+    fc2_weight_amax: Tensor | None = None
+
+    @property
+    def weights_q(self) -> tuple[tuple[Tensor | None, ...], tuple[Tensor | None, ...]]:
+        """The two pre-quantised weights (``functional.gemm.WEIGHT_OPERAND`` each; all None:
+        quantised inside)."""
+        values = tuple(self)[-10:]
+        return values[:5], values[5:]
 
     @property
     def act_params(self) -> tuple[float, float, float]:
@@ -233,6 +260,8 @@ def _check(a: _Args) -> None:
     for name, g in (("grad_amax1", a.grad_amax1), ("grad_amax2", a.grad_amax2)):
         if g is not None and (g.shape != (1,) or recipe not in PER_TENSOR):
             raise ValueError(p + f"{name} must be [1] and is for the per-tensor recipes")
+    for name, w, q in (("fc1_", w1, a.weights_q[0]), ("fc2_", w2, a.weights_q[1])):
+        check_weight_operand(p + name, recipe, w, a.weight_block_rows, a.emulate, q)
 
 
 # 2. Forward op ----------------------------------------------------------------------------------
@@ -324,21 +353,29 @@ def _forward(a: _Args) -> tuple[Tensor, list[Tensor]]:
     else:
         xq = quantize_operand(recipe, pad_rows(x2), a.fwd_dtype, scale=s_x, power_2_scale=p2,
                               emulate=em)  # fmt: skip
-    w1q = quantize_operand(recipe, w1, a.fwd_dtype, scale=s_w1, block_rows=rows,
-                           power_2_scale=p2, emulate=em)  # fmt: skip
+    q1, q2 = a.weights_q
+    if q1[0] is not None:  # pre-quantised: setup_context saves its transposed copy
+        w1q = weight_operand(q1, a.fwd_dtype)
+    else:
+        w1q = quantize_operand(recipe, w1, a.fwd_dtype, scale=s_w1, block_rows=rows,
+                               power_2_scale=p2, emulate=em)  # fmt: skip
     z = gemm(kind, xq.data, xq.scale, w1q.data, w1q.scale, dtype, fast_accum=True,
              b_block_rows=rows)  # fmt: skip
     hq, _ = _act_operand(recipe, z, b1, None, a.activation, a.fwd_dtype, s_h, m, False, p2, em,
                          a.act_params)  # fmt: skip
-    w2q = quantize_operand(recipe, w2, a.fwd_dtype, scale=s_w2, block_rows=rows,
-                           power_2_scale=p2, emulate=em)  # fmt: skip
+    if q2[0] is not None:
+        w2q = weight_operand(q2, a.fwd_dtype)
+    else:
+        w2q = quantize_operand(recipe, w2, a.fwd_dtype, scale=s_w2, block_rows=rows,
+                               power_2_scale=p2, emulate=em)  # fmt: skip
     out = gemm(kind, hq.data, hq.scale, w2q.data, w2q.scale, dtype, bias=b2, fast_accum=True,
                b_block_rows=rows)  # fmt: skip
     out = unpad(out, m)
+    w1_copy = [] if q1[0] is not None else [_bytes(w1q.data_t), w1q.scale_t]
+    w2_copy = [] if q2[0] is not None else [_bytes(w2q.data_t), w2q.scale_t]
     saved = [
-        _bytes(xq.data_t), _saved_scale(recipe, em, xq.scale_t), _bytes(w1q.data_t),
-        w1q.scale_t, z, _bytes(hq.data_t), _saved_scale(recipe, em, hq.scale_t),
-        _bytes(w2q.data_t), w2q.scale_t, *stats,
+        _bytes(xq.data_t), _saved_scale(recipe, em, xq.scale_t), *w1_copy, z,
+        _bytes(hq.data_t), _saved_scale(recipe, em, hq.scale_t), *w2_copy, *stats,
     ]  # fmt: skip
     if recipe in PER_TENSOR:
         saved.append(torch.cat([xq.amax, w1q.amax, hq.amax, w2q.amax]))
@@ -371,6 +408,16 @@ def mlp_fwd(
     limit: float = 7.0,
     alpha: float = 1.702,
     glu_linear_offset: float = 1.0,
+    fc1_weight_data: Tensor | None = None,
+    fc1_weight_scale: Tensor | None = None,
+    fc1_weight_data_t: Tensor | None = None,
+    fc1_weight_scale_t: Tensor | None = None,
+    fc1_weight_amax: Tensor | None = None,
+    fc2_weight_data: Tensor | None = None,
+    fc2_weight_scale: Tensor | None = None,
+    fc2_weight_data_t: Tensor | None = None,
+    fc2_weight_scale_t: Tensor | None = None,
+    fc2_weight_amax: Tensor | None = None,
 ) -> tuple[Tensor, list[Tensor]]:
     """``(out, saved)`` (module docstring)."""
     values = locals()
@@ -407,8 +454,10 @@ def _mlp_fwd_fake(*args):
             return [inp.new_empty(k, cols, dtype=u8), scales]
         return copy(k, cols)
 
-    saved = [*copy(d, m), *weight(d, f1), inp.new_empty(m, f1), *copy(f, m), *weight(f, n),
-             *stats]  # fmt: skip
+    q1, q2 = a.weights_q  # a pre-quantised weight's copy is its input's (setup_context)
+    w1_copy = weight(d, f1) if q1[0] is None else []
+    w2_copy = weight(f, n) if q2[0] is None else []
+    saved = [*copy(d, m), *w1_copy, inp.new_empty(m, f1), *copy(f, m), *w2_copy, *stats]
     if a.recipe in PER_TENSOR:
         saved.append(inp.new_empty(4, dtype=f32))
     return out, saved
@@ -564,6 +613,11 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.mark_non_differentiable(*saved)
     if a.recipe in PER_TENSOR:
         saved = saved[:-1]  # the amaxes: for the caller
+    (q1, q2), saved = a.weights_q, list(saved)
+    if q1[0] is not None:  # a pre-quantised weight: its transposed copy is an input
+        saved[2:2] = [q1[2], q1[3]]
+    if q2[0] is not None:
+        saved[7:7] = [q2[2], q2[3]]
     hp, normed = not a.recipe, bool(a.normalization)
     ctx.save_for_backward(
         a.inp if hp or normed else None, a.fc1_weight if hp else None, a.fc1_bias,
@@ -670,6 +724,25 @@ def _samples(device: torch.device):
     yield call(t(16, 32), t(32, 32), t(32), t(16, 32), None, "relu", recipe="block",
                emulate=True, power_2_scale=True, **e4)  # fmt: skip
 
+    # Pre-quantised weights (functional.quantize_weight): both under current scaling, FC2's
+    # only under delayed scaling (its weight slot), both in native 128x128 blocks.
+    def pre(w, recipe, rows=1, scale=None):
+        return quantize_weight(w.detach(), recipe, _E4M3, False, rows, False, scale)
+
+    def fields(fc, q):
+        return dict(zip((f"{fc}_{n}" for n in WEIGHT_OPERAND), q, strict=True))
+
+    w1, w2 = t(64, 32), t(16, 64)
+    both = {**fields("fc1", pre(w1, "current")), **fields("fc2", pre(w2, "current"))}
+    yield call(t(2, 8, 32), w1, t(64), w2, t(16), "gelu", **cur, **pending, **both)
+    w1, w2 = t(96, 16), t(32, 48)
+    fc2 = fields("fc2", pre(w2, "delayed", scale=s2))
+    yield call(t(32, 16), w1, t(96), w2, None, "swiglu", recipe="delayed", scale1=s1.clone(),
+               scale2=s2.clone(), **pending, **fc2)  # fmt: skip
+    w1, w2 = t(512, 512), t(512, 512)
+    both = {**fields("fc1", pre(w1, "block", 128)), **fields("fc2", pre(w2, "block", 128))}
+    yield call(t(24, 512), w1, None, w2, t(512), "relu", **block, **both)
+
 
 _mlp = differentiable(
     mlp_fwd,
@@ -708,12 +781,26 @@ def mlp(
     alpha: float = 1.702,
     glu_linear_offset: float = 1.0,
     return_amax: bool = False,
+    fc1_weight_quantized: Sequence[Tensor] | None = None,
+    fc2_weight_quantized: Sequence[Tensor] | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """``activation(norm(inp) @ fc1_weight.T + fc1_bias) @ fc2_weight.T + fc2_bias`` through
     ``te::mlp_fwd`` (module docstring). ``return_amax=True`` also returns ``[amax(X),
     amax(fc1_weight), amax(h), amax(fc2_weight)]`` (per-tensor recipes; X is the norm's output
     with a prologue; 0-element otherwise). ``limit`` / ``alpha`` / ``glu_linear_offset``:
-    ``clamped_swiglu``'s parameters (as :func:`bias_activation` takes them)."""
+    ``clamped_swiglu``'s parameters (as :func:`bias_activation` takes them).
+    ``fc1_weight_quantized`` / ``fc2_weight_quantized``: a weight already quantised by the
+    recipe (:func:`~te_compile.functional.quantize_weight`'s five tensors), used instead of
+    quantising it (its gradient is still computed)."""
+    pre = []
+    for name, q in (("fc1_weight_quantized", fc1_weight_quantized),
+                    ("fc2_weight_quantized", fc2_weight_quantized)):  # fmt: skip
+        if q is not None and len(q) != len(WEIGHT_OPERAND):
+            raise ValueError(
+                f"te.mlp: {name} must be the {len(WEIGHT_OPERAND)} tensors {WEIGHT_OPERAND} of "
+                f"quantize_weight, got {len(q)}"
+            )
+        pre += list(q) if q is not None else [None] * len(WEIGHT_OPERAND)
     check_bool(
         "te.mlp", power_2_scale=power_2_scale, emulate=emulate,
         zero_centered_gamma=zero_centered_gamma, return_amax=return_amax,
@@ -722,7 +809,7 @@ def mlp(
         inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, recipe, fwd_dtype,
         bwd_dtype, power_2_scale, weight_block_rows, emulate, scale1, scale2, grad_amax1,
         grad_amax2, norm_weight, norm_bias, normalization, norm_eps, zero_centered_gamma, limit,
-        alpha, glu_linear_offset,
+        alpha, glu_linear_offset, *pre,
     )  # fmt: skip
     if not return_amax:
         return out

@@ -57,6 +57,7 @@ from te_compile.modules._common import (
 )
 from te_compile.quantization import fp8_gemm as _fp8
 from te_compile.quantization import gemm as _gemm
+from te_compile.quantization.primary import refuse_primary
 
 __all__ = ["GroupedLinear"]
 
@@ -99,6 +100,7 @@ class GroupedLinear(nn.Module):
         tp_size: int | None = None,
     ) -> None:
         super().__init__()
+        refuse_primary("GroupedLinear")  # no FP8 primary weights here
         owner = "GroupedLinear"
         check_positive(
             owner, num_gemms=num_gemms, in_features=in_features, out_features=out_features
@@ -241,7 +243,19 @@ class GroupedLinear(nn.Module):
 
     # Forward -------------------------------------------------------------------------------------
 
-    def forward(self, inp: Tensor, m_splits: Tensor | Sequence[int]) -> Tensor:
+    def forward(
+        self,
+        inp: Tensor,
+        m_splits: Tensor | Sequence[int],
+        is_first_microbatch: bool | None = None,
+    ) -> Tensor:
+        if is_first_microbatch is not None:
+            _gemm.check_first_microbatch("GroupedLinear", is_first_microbatch)
+            if _gemm.quantized():  # outside an FP8 autocast it changes nothing (as in TE)
+                raise NotImplementedError(
+                    "GroupedLinear: is_first_microbatch (a kept FP8 weight) is not implemented "
+                    f"for grouped GEMMs; pass None, got {is_first_microbatch}"
+                )
         weight = self.weight if self.single_weight else torch.stack(self.weights())
         bias = None
         if self.use_bias:

@@ -51,6 +51,7 @@ from te_compile.functional.activation import ACTIVATIONS, GATED_ACTIVATIONS
 from te_compile.functional.glu_layout import deinterleave_glu_tensor, interleave_glu_tensor
 from te_compile.modules._common import check_bool, check_choice, check_positive
 from te_compile.modules.grouped_linear import GroupedLinear
+from te_compile.quantization.primary import refuse_primary
 
 __all__ = ["GroupedMLP", "convert_glu_layout"]
 
@@ -88,6 +89,7 @@ class GroupedMLP(nn.Module):
         tp_size: int | None = None,
     ) -> None:
         super().__init__()
+        refuse_primary("GroupedMLP")  # no FP8 primary weights here
         owner = "GroupedMLP"
         check_positive(
             owner,

@@ -33,6 +33,7 @@ from te_compile.modules._common import (
 from te_compile.modules.norm import PreNorm
 from te_compile.quantization import fp8_gemm as _fp8
 from te_compile.quantization import gemm as _gemm
+from te_compile.quantization import primary as _primary
 
 __all__ = ["LayerNormLinear"]
 
@@ -105,6 +106,7 @@ class LayerNormLinear(NamedSlices, PreNorm):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
         self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
         self.fp8_meta = _fp8.FP8GemmState(device)
+        self._fp8_weights = _gemm.kept_weights("weight")  # is_first_microbatch
         self._init_slices(parts)
         if self.tp.mode is not None:
             parts = self._split_parts(self.tp.size)
@@ -112,6 +114,7 @@ class LayerNormLinear(NamedSlices, PreNorm):
             set_parallel_attributes(self.bias, 0, parts=parts)
             self._mark_norm_parallel(self.tp.sequence_parallel)
         self.reset_parameters()
+        _primary.make_primary(self, ("weight",), "LayerNormLinear")  # in quantized_model_init
 
     @property
     def parallel_mode(self) -> str | None:
@@ -132,20 +135,31 @@ class LayerNormLinear(NamedSlices, PreNorm):
         if self.bias is not None:
             self.bias.zero_()
 
-    def forward(self, inp: Tensor) -> Tensor | tuple[Tensor, ...]:
+    def forward(
+        self, inp: Tensor, is_first_microbatch: bool | None = None
+    ) -> Tensor | tuple[Tensor, ...]:
         owner = "LayerNormLinear"
         add_bias = not self.return_bias
         main_grad = weight_main_grad(owner, self.weight) if self.fuse_wgrad_accumulation else None
+        wq = _primary.primary_operand(self, "weight")  # FP8 primary weight
+        if wq is not None:
+            main_grad = _primary.primary_main_grad(owner, self.weight)
+        cache = None
+        if is_first_microbatch is not None:
+            _gemm.check_first_microbatch(owner, is_first_microbatch)
+            cache = _gemm.WeightCache(self._fp8_weights, is_first_microbatch)
         if not (self.tp.active or self.return_layernorm_output) and _gemm.quantized():
             # FP8: one op, the norm its prologue (written straight into FP8 on CUDA). In high
             # precision the norm stays an op of its own, which selective activation
             # checkpointing can recompute without recomputing the GEMM.
             norm, bias = self._norm_spec(), self.bias if add_bias else None
-            out = _gemm.linear(owner, self.fp8_meta, inp, self.weight, bias, main_grad, norm=norm)
+            out = _gemm.linear(owner, self.fp8_meta, inp, self.weight, bias, main_grad, norm=norm,
+                               cache=cache, weight_quantized=wq)  # fmt: skip
         else:
 
             def gemm(x: Tensor, bias: Tensor | None) -> Tensor:
-                return _gemm.linear(owner, self.fp8_meta, x, self.weight, bias, main_grad)
+                return _gemm.linear(owner, self.fp8_meta, x, self.weight, bias, main_grad,
+                                    cache=cache, weight_quantized=wq)  # fmt: skip
 
             ln_out = self._norm(inp, self.tp, owner)
             out, _ = self.tp.linear(owner, gemm, ln_out, self.bias, add_bias=add_bias)

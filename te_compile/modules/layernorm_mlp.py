@@ -48,6 +48,7 @@ from te_compile.modules._common import (
 from te_compile.modules.norm import PreNorm
 from te_compile.quantization import fp8_gemm as _fp8
 from te_compile.quantization import gemm as _gemm
+from te_compile.quantization import primary as _primary
 
 __all__ = ["LayerNormMLP"]
 
@@ -163,6 +164,7 @@ class LayerNormMLP(PreNorm):
         self.fc2_bias = nn.Parameter(torch.empty(hidden_size, **factory)) if bias else None
         self.fc1_fp8_meta = _fp8.FP8GemmState(device)
         self.fc2_fp8_meta = _fp8.FP8GemmState(device)
+        self._fp8_weights = _gemm.kept_weights("fc1_weight", "fc2_weight")  # is_first_microbatch
         if self.tp.mode is not None:
             stride = 2 if self.gated else 1
             set_parallel_attributes(self.fc1_weight, 0, stride)
@@ -171,6 +173,7 @@ class LayerNormMLP(PreNorm):
             set_parallel_attributes(self.fc2_bias, sequence_parallel=self.tp.sequence_parallel)
             self._mark_norm_parallel(self.tp.sequence_parallel)
         self.reset_parameters()
+        _primary.make_primary(self, ("fc1_weight", "fc2_weight"), "LayerNormMLP")
 
     @property
     def sequence_parallel(self) -> bool:
@@ -189,19 +192,25 @@ class LayerNormMLP(PreNorm):
             if bias is not None:
                 bias.zero_()
 
-    def forward(self, inp: Tensor) -> Tensor | tuple[Tensor, ...]:
+    def forward(
+        self, inp: Tensor, is_first_microbatch: bool | None = None
+    ) -> Tensor | tuple[Tensor, ...]:
         owner = "LayerNormMLP"
         tp = self.tp
+        cache = None
+        if is_first_microbatch is not None:
+            _gemm.check_first_microbatch(owner, is_first_microbatch)
+            cache = _gemm.WeightCache(self._fp8_weights, is_first_microbatch)
         if not (tp.active or self.return_layernorm_output) and _gemm.quantized():
             # FP8: one op, the norm its prologue (written straight into FP8 on CUDA). In high
             # precision the norm stays an op of its own (LayerNormLinear says why).
             fc2_bias = None if self.return_bias else self.fc2_bias
-            out = self._fc1_act_fc2(owner, inp, fc2_bias, self._norm_spec())
+            out = self._fc1_act_fc2(owner, inp, fc2_bias, self._norm_spec(), cache)
             return (out, self.fc2_bias) if self.return_bias else out
         ln_out = self._norm(inp, tp, owner)
         # FC1 column-parallel, FC2 row-parallel: the input gathered, the output reduced.
         out, fc2_bias = tp.pair(
-            owner, lambda x, b: self._fc1_act_fc2(owner, x, b), ln_out, self.fc2_bias,
+            owner, lambda x, b: self._fc1_act_fc2(owner, x, b, None, cache), ln_out, self.fc2_bias,
             add_bias=not self.return_bias,
         )  # fmt: skip
         extra: tuple[Tensor | None, ...] = ()
@@ -212,7 +221,12 @@ class LayerNormMLP(PreNorm):
         return (out, *extra) if extra else out
 
     def _fc1_act_fc2(
-        self, owner: str, inp: Tensor, fc2_bias: Tensor | None, norm: _gemm.Norm | None = None
+        self,
+        owner: str,
+        inp: Tensor,
+        fc2_bias: Tensor | None,
+        norm: _gemm.Norm | None = None,
+        cache: _gemm.WeightCache | None = None,
     ) -> Tensor:
         """The two GEMMs and the activation as one op (``te::mlp``, the activation fused into
         the quantisations under FP8; with ``norm``, ``inp`` is normalised inside it)."""
@@ -221,8 +235,14 @@ class LayerNormMLP(PreNorm):
         main_grads = None
         if self.fuse_wgrad_accumulation:
             main_grads = (weight_main_grad(owner, w1), weight_main_grad(owner, w2))
+        wq = (_primary.primary_operand(self, "fc1_weight"),
+              _primary.primary_operand(self, "fc2_weight"))  # fmt: skip
+        if wq != (None, None):  # FP8 primary weights: their gradients go to main_grad
+            main_grads = (_primary.primary_main_grad(owner, w1),
+                          _primary.primary_main_grad(owner, w2))  # fmt: skip
         return _gemm.mlp(owner, metas, inp, w1, b1, self.activation, w2, fc2_bias, norm,
-                         self.activation_params, main_grads, self.checkpoint)  # fmt: skip
+                         self.activation_params, main_grads, self.checkpoint, cache,
+                         wq)  # fmt: skip
 
     def extra_repr(self) -> str:
         return (

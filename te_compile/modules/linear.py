@@ -40,6 +40,7 @@ from te_compile.modules._common import (
 )
 from te_compile.quantization import fp8_gemm as _fp8
 from te_compile.quantization import gemm as _gemm
+from te_compile.quantization import primary as _primary
 
 __all__ = ["Linear"]
 
@@ -66,6 +67,11 @@ class Linear(NamedSlices, nn.Module):
             that split ``out_features`` evenly), e.g. ``{"query": q, "key": k, "value": v}``:
             state_dict keys and attributes ``<name>_weight`` / ``<name>_bias``, as in
             Transformer Engine; the module keeps one fused Parameter (``NamedSlices``).
+
+    ``forward(inp, is_first_microbatch=None)``: under an FP8 autocast, ``None`` casts the weight
+    every call; ``True`` casts it and keeps the FP8 copy (plain tensors, not in the state_dict);
+    ``False`` reuses the kept copy without casting (gradient accumulation: one cast per
+    optimizer step), as in Transformer Engine (``quantization.gemm``, "Weight caching").
     """
 
     def __init__(
@@ -110,6 +116,7 @@ class Linear(NamedSlices, nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
         self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
         self.fp8_meta = _fp8.FP8GemmState(device)
+        self._fp8_weights = _gemm.kept_weights("weight")  # is_first_microbatch
         self._init_slices(parts)
         if self.tp.mode is not None:
             column = self.tp.mode == "column"
@@ -120,6 +127,7 @@ class Linear(NamedSlices, nn.Module):
                 self.bias, 0 if column else -1, sequence_parallel=row_sp, parts=parts
             )
         self.reset_parameters()
+        _primary.make_primary(self, ("weight",), "Linear")  # inside quantized_model_init
 
     @property
     def parallel_mode(self) -> str | None:
@@ -139,16 +147,27 @@ class Linear(NamedSlices, nn.Module):
         if self.bias is not None:
             self.bias.zero_()
 
-    def forward(self, inp: Tensor) -> Tensor | tuple[Tensor, Tensor | None]:
+    def forward(
+        self, inp: Tensor, is_first_microbatch: bool | None = None
+    ) -> Tensor | tuple[Tensor, Tensor | None]:
         wgrad_fusion = self.fuse_wgrad_accumulation
         main_grad = weight_main_grad("Linear", self.weight) if wgrad_fusion else None
+        wq = _primary.primary_operand(self, "weight")  # FP8 primary weight
+        if wq is not None:
+            main_grad = _primary.primary_main_grad("Linear", self.weight)
+        cache = None
+        if is_first_microbatch is not None:
+            _gemm.check_first_microbatch("Linear", is_first_microbatch)
+            cache = _gemm.WeightCache(self._fp8_weights, is_first_microbatch)
         if self.tp.mode is None:  # no tensor parallelism: the GEMM alone (the hot path)
             bias = None if self.return_bias else self.bias
-            out = _gemm.linear("Linear", self.fp8_meta, inp, self.weight, bias, main_grad)
+            out = _gemm.linear("Linear", self.fp8_meta, inp, self.weight, bias, main_grad,
+                               cache=cache, weight_quantized=wq)  # fmt: skip
             return (out, self.bias) if self.return_bias else out
 
         def gemm(x: Tensor, bias: Tensor | None) -> Tensor:
-            return _gemm.linear("Linear", self.fp8_meta, x, self.weight, bias, main_grad)
+            return _gemm.linear("Linear", self.fp8_meta, x, self.weight, bias, main_grad,
+                                cache=cache, weight_quantized=wq)  # fmt: skip
 
         # Row-parallel: the bias is added once, to the sum of the partial products.
         add_bias = not self.return_bias

@@ -43,7 +43,7 @@ __all__ = ["MultiheadAttention"]
 
 ATTENTION_TYPES = ("self", "cross")
 QK_NORM_TYPES = (None, "RMSNorm", "LayerNorm", "L2Normalization")
-_UNSUPPORTED_FORWARD = ("inference_params", "is_first_microbatch")
+_UNSUPPORTED_FORWARD = ("inference_params",)
 
 
 def check_probability(owner: str, name: str, p: object) -> None:
@@ -330,29 +330,29 @@ class MultiheadAttention(nn.Module):
         max_seqlen_kv: int | None = None,
     ) -> Tensor | tuple[Tensor, ...]:
         owner = "MultiheadAttention"
-        _unsupported(owner, inference_params=inference_params,
-                     is_first_microbatch=is_first_microbatch)  # fmt: skip
+        _unsupported(owner, inference_params=inference_params)
+        first = is_first_microbatch  # each projection's kept FP8 weight (Linear's forward)
         ln_out = None
         if self.attention_type == "self":
             if encoder_output is not None:
                 raise ValueError(f"{owner}: encoder_output is for attention_type='cross'")
             if self.input_layernorm:
-                mixed = self.layernorm_qkv(hidden_states)
+                mixed = self.layernorm_qkv(hidden_states, first)
                 if self.return_layernorm_output:
                     mixed, ln_out = mixed
             else:
-                mixed = self.qkv(hidden_states)
+                mixed = self.qkv(hidden_states, first)
             q, k, v = self._split_qkv(mixed)
         else:
             if encoder_output is None:
                 raise ValueError(f"{owner}: attention_type='cross' needs encoder_output")
-            k, v = self._split_kv(self.key_value(encoder_output))
+            k, v = self._split_kv(self.key_value(encoder_output, first))
             if self.input_layernorm:
-                query = self.layernorm_query(hidden_states)
+                query = self.layernorm_query(hidden_states, first)
                 if self.return_layernorm_output:
                     query, ln_out = query
             else:
-                query = self.query_layer(hidden_states)
+                query = self.query_layer(hidden_states, first)
             q = self._heads(query, self.heads_per_partition)
 
         if self.q_norm is not None and self.qk_norm_before_rope:
@@ -387,7 +387,7 @@ class MultiheadAttention(nn.Module):
         else:
             context = self.core_attention(q, k, v, **attn_kw)
 
-        out = self.proj(context)
+        out = self.proj(context, first)
         outputs = out if isinstance(out, tuple) else (out,)
         if self.input_layernorm and self.return_layernorm_output:
             outputs += (ln_out,)

@@ -276,7 +276,7 @@ class TransformerLayer(nn.Module):
         )
         if self.parallel_attention_mlp:  # both blocks on the input, one residual
             attn_out, attn_bias = attn
-            mlp_out, mlp_bias = self.layernorm_mlp(hidden_states)
+            mlp_out, mlp_bias = self.layernorm_mlp(hidden_states, is_first_microbatch)
             both = attn_out + mlp_out
             bias = None
             if attn_bias is not None or mlp_bias is not None:
@@ -298,6 +298,7 @@ class TransformerLayer(nn.Module):
                 window_size=enc_dec_window_size
                 if enc_dec_window_size is not None
                 else self.enc_dec_window_size,
+                is_first_microbatch=is_first_microbatch,
                 checkpoint_core_attention=checkpoint_core_attention,
                 core_attention_bias_type=core_attention_bias_type,
                 core_attention_bias=core_attention_bias,
@@ -309,7 +310,7 @@ class TransformerLayer(nn.Module):
                 (cross_out, cross_bias), residual = cross, hidden_states
             hidden_states = self._bias_dropout_add(cross_out, cross_bias, residual)
 
-        mlp = self.layernorm_mlp(hidden_states)
+        mlp = self.layernorm_mlp(hidden_states, is_first_microbatch)
         if self.apply_residual_connection_post_layernorm:
             mlp_out, mlp_bias, residual = mlp
         else:

@@ -35,6 +35,7 @@ from te_compile._checks import check_bool
 from te_compile.distributed.tensor_parallel import TensorParallel, set_parallel_attributes
 from te_compile.ops.op import BasicOperation, FusibleOperation, OpOutput
 from te_compile.quantization import fp8_gemm, gemm
+from te_compile.quantization.primary import refuse_primary
 
 __all__ = ["BasicLinear", "Bias", "GroupedLinear", "Linear"]
 
@@ -121,6 +122,7 @@ class BasicLinear(BasicOperation):
         init_method: Callable[[Tensor], None] | None = None,
     ) -> None:
         super().__init__()
+        refuse_primary("te.ops.BasicLinear")  # no FP8 primary weights in the fusible ops
         _check_size("BasicLinear", in_features=in_features, out_features=out_features)
         check_bool("BasicLinear", accumulate_into_main_grad=accumulate_into_main_grad)
         if userbuffers_options is not None:
@@ -292,6 +294,7 @@ class GroupedLinear(BasicOperation):
         init_method: Callable[[Tensor], None] | None = None,
     ) -> None:
         super().__init__()
+        refuse_primary("te.ops.GroupedLinear")
         _check_size(
             "GroupedLinear",
             num_groups=num_groups,

@@ -19,6 +19,11 @@ from te_compile.quantization.device import (
     is_nvfp4_available,
 )
 from te_compile.quantization.graph import make_graphed_callables
+from te_compile.quantization.primary import (
+    FP8MasterWeights,
+    fp8_model_init,
+    quantized_model_init,
+)
 from te_compile.quantization.recipe import (
     DelayedScaling,
     Float8BlockScaling,
@@ -41,6 +46,7 @@ from te_compile.quantization.state import (
 __all__ = [
     "AutocastState",
     "DelayedScaling",
+    "FP8MasterWeights",
     "Float8BlockScaling",
     "Float8CurrentScaling",
     "Format",
@@ -53,6 +59,7 @@ __all__ = [
     "checkpoint",
     "dequantize",
     "fp8_autocast",
+    "fp8_model_init",
     "get_autocast_state",
     "get_default_fp8_recipe",
     "get_device_compute_capability",
@@ -63,4 +70,5 @@ __all__ = [
     "is_nvfp4_available",
     "make_graphed_callables",
     "quantize",
+    "quantized_model_init",
 ]

@@ -19,6 +19,18 @@ recorded. The GEMM input of a norm prologue is the norm's output, computed once 
 amax; ``mlp`` runs its two GEMMs one by one (``_FUSE_MLP = False``'s path) so that the second
 GEMM's input exists.
 
+Weight caching (``is_first_microbatch``, Transformer Engine's semantics): a module hands the
+entry points a :class:`WeightCache`, its store of pre-quantised weights
+(``functional.quantize_weight``, plain tensors) and the forward's ``is_first_microbatch``.
+``None``: the op quantises the weight itself, every call; ``True``: the weight is quantised now
+(``te::quantize_weight``, with the GEMM's delayed weight scale under DelayedScaling, its amax
+measured at the cast) and kept; ``False``: the kept copy is used as it is, however the weight
+changed since (one cast per optimizer step over the micro-batches of gradient accumulation). A
+``False`` call with nothing kept, or a copy of another recipe kind (per-tensor / block /
+MXFP8 / NVFP4, formats, block shape), quantises and keeps, as Transformer Engine does. The
+amax recorded under DelayedScaling is then the one measured at the cast. Outside an FP8
+autocast the cache is not read.
+
 ``backward_override`` (a recipe field, ``quantization.recipe``) reaches ``te::linear`` as an
 argument; ``mlp`` honours it by running its GEMMs one by one through ``te::linear``; the grouped
 GEMM does not implement it and raises.
@@ -43,10 +55,16 @@ from te_compile.quantization.state import AutocastState, get_autocast_state
 __all__ = [
     "ROLES",
     "GemmArgs",
+    "KeptWeight",
     "Norm",
+    "WeightCache",
+    "cached_weight",
     "calibrate",
+    "check_first_microbatch",
+    "check_primary",
     "gemm_args",
     "grouped_linear",
+    "kept_weights",
     "linear",
     "mlp",
     "quantize_args",
@@ -119,6 +137,70 @@ class GemmArgs(NamedTuple):
 
 
 ROLES = ("input", "weight", "grad")
+
+
+class KeptWeight:
+    """One weight's kept pre-quantised copy: ``tensors`` (``functional.quantize_weight``'s) and
+    the ``key`` of the recipe settings it was cast with. An object whose attributes a True
+    call sets: a compiled step then guards on neither (a dict entry that changed would be
+    guarded on)."""
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.tensors: list[Tensor] | None = None
+
+
+def kept_weights(*names: str) -> dict[str, KeptWeight]:
+    """A module's store of kept FP8 weights (``is_first_microbatch``), one entry per weight."""
+    return {name: KeptWeight() for name in names}
+
+
+class WeightCache(NamedTuple):
+    """A module's kept pre-quantised weights (module docstring): ``store`` (from
+    :func:`kept_weights`), and ``first``, the forward's ``is_first_microbatch``."""
+
+    store: dict[str, KeptWeight]
+    first: bool | None
+
+
+def check_first_microbatch(owner: str, is_first_microbatch: object) -> None:
+    """``is_first_microbatch`` is None or a bool."""
+    if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
+        raise ValueError(
+            f"{owner}: is_first_microbatch must be None, True or False, got {is_first_microbatch!r}"
+        )
+
+
+def check_primary(owner: str, state: AutocastState) -> None:
+    """A module with FP8 primary weights runs inside an FP8 autocast of a per-tensor recipe."""
+    if state.enabled and not state.calibration and state.recipe.float8_per_tensor_scaling():
+        return
+    now = "calibration" if state.calibration else (
+        type(state.recipe).__name__ if state.enabled else "no FP8 autocast")  # fmt: skip
+    raise NotImplementedError(
+        f"{owner}: FP8 primary weights (quantized_model_init) run inside te_compile.autocast "
+        f"with Float8CurrentScaling or DelayedScaling, got {now}"
+    )
+
+
+def cached_weight(
+    args: GemmArgs, weight: Tensor, cache: WeightCache | None, name: str, index: int = 0
+) -> list[Tensor] | None:
+    """The pre-quantised ``weight`` (``functional.quantize_weight``) that ``cache`` gives for
+    GEMM ``index`` of ``args`` (module docstring), or None: the op quantises ``weight``."""
+    if cache is None or cache.first is None or not args.recipe:
+        return None
+    per_tensor = args.recipe in PER_TENSOR  # current and delayed casts are interchangeable
+    kind = "tensor" if per_tensor else args.recipe
+    key = (kind, args.fwd_dtype, args.power_2_scale, args.weight_block_rows, args.emulate)
+    kept = cache.store[name]
+    if not cache.first and kept.key == key:  # True never reads it (a compiled True step does
+        return kept.tensors  # not guard on it)
+    scale = args.scales[index] if args.recipe == "delayed" else None
+    tensors = F.quantize_weight(weight.detach(), args.recipe, args.fwd_dtype, args.power_2_scale,
+                                args.weight_block_rows, args.emulate, scale)  # fmt: skip
+    kept.key, kept.tensors = key, tensors
+    return tensors
 
 
 def quantize_args(recipe: Recipe, role: str) -> tuple[str, dict[str, Any]]:
@@ -303,20 +385,31 @@ def linear(
     main_grad: Tensor | None = None,
     *,
     norm: Norm | None = None,
+    cache: WeightCache | None = None,
+    cache_name: str = "weight",
+    weight_quantized: Sequence[Tensor] | None = None,
     **epilogue: Any,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """A module's linear through ``te::linear``: the recipe of the autocast state (high
     precision outside it) with ``meta``'s FP8 state, an optional ``norm`` prologue ``(weight,
     bias, normalization, eps, zero_centered_gamma)`` and the epilogue arguments of
     ``functional.linear`` (``activation``, ``residual``, ``out_scale``, ``return_branch``, ...).
-    The forward's amaxes go into ``meta`` (per-tensor recipes)."""
+    The forward's amaxes go into ``meta`` (per-tensor recipes). ``cache``: the module's kept
+    FP8 weights and ``is_first_microbatch`` (module docstring), ``cache_name`` this weight's
+    entry. ``weight_quantized``: ``weight``'s pre-quantised operand (FP8 primary weights,
+    ``quantization.primary``), for a per-tensor recipe's autocast only."""
     state = get_autocast_state()
+    if weight_quantized is not None:
+        check_primary(owner, state)
     if state.calibration:
         state = calibrate(owner, state, (meta,), (_no_grad_norm(inp, norm),), (weight,))
     if not (state.enabled or norm or epilogue):  # te.Linear's hot path in high precision
         return F.linear(inp, weight, bias, main_grad=main_grad)
     args = gemm_args(owner, state, inp, (weight,), (meta,))
     kw = {**_norm_kwargs(norm), **epilogue}
+    weight_q = weight_quantized or cached_weight(args, weight, cache, cache_name)
+    if weight_q is not None:
+        kw["weight_quantized"] = weight_q
     if args.backward_override:
         kw["backward_override"] = args.backward_override
     if args.recipe not in PER_TENSOR:
@@ -343,6 +436,8 @@ def mlp(
     activation_params: dict[str, float] | None = None,
     main_grads: tuple[Tensor, Tensor] | None = None,
     recompute_fc1: bool = False,
+    cache: WeightCache | None = None,
+    weights_quantized: tuple[Sequence[Tensor] | None, Sequence[Tensor] | None] = (None, None),
 ) -> Tensor:
     """``fc2(activation(fc1(norm(inp))))`` through ``te::mlp`` with the autocast state's
     recipe (high precision outside it); ``metas``: the two GEMMs' FP8 states, used as two
@@ -355,25 +450,34 @@ def mlp(
     buffers (``fuse_wgrad_accumulation``), which the two :func:`linear` calls accumulate into
     (``te::mlp`` has no such outputs). ``recompute_fc1``: the norm, FC1 and the activation
     are recomputed in the backward (:func:`~te_compile.checkpoint`, FP8 state included) rather
-    than their outputs saved; FC2 runs once."""
+    than their outputs saved; FC2 runs once. ``cache``: the module's kept FP8 weights
+    (``is_first_microbatch``, entries ``"fc1_weight"`` and ``"fc2_weight"``), handed to
+    ``te::mlp`` (or ``te::linear``) as pre-quantised weights. ``weights_quantized``: the two
+    weights' pre-quantised operands (FP8 primary weights; the GEMMs then run one by one)."""
     act_kw = activation_params or {}
     state = get_autocast_state()
     by_op = state.calibration or (state.enabled and state.recipe.backward_override is not None)
     by_op = by_op or main_grads is not None or recompute_fc1 or _nvfp4_options(state)
+    by_op = by_op or weights_quantized != (None, None)
+    q1, q2 = weights_quantized
     if not _FUSE_MLP or by_op:  # op by op: the same bytes
         g1, g2 = main_grads or (None, None)
 
         def fc1_act(x: Tensor) -> Tensor:
             if norm is not None:
                 x = _apply_norm(x, norm)
-            fc1_out = linear(owner, metas[0], x, fc1_weight, None, g1)
+            fc1_out = linear(owner, metas[0], x, fc1_weight, None, g1, cache=cache,
+                             cache_name="fc1_weight", weight_quantized=q1)  # fmt: skip
             return F.bias_activation(fc1_out, fc1_bias, activation, **act_kw)
 
         act = checkpoint(fc1_act, inp, use_reentrant=False) if recompute_fc1 else fc1_act(inp)
-        return linear(owner, metas[1], act, fc2_weight, fc2_bias, g2)
+        return linear(owner, metas[1], act, fc2_weight, fc2_bias, g2, cache=cache,
+                      cache_name="fc2_weight", weight_quantized=q2)  # fmt: skip
     weights = (fc1_weight, fc2_weight)
     args = gemm_args(owner, state, inp, weights, metas)
     kw = {**_norm_kwargs(norm), **args.scalars(), **act_kw}
+    kw["fc1_weight_quantized"] = cached_weight(args, fc1_weight, cache, "fc1_weight", 0)
+    kw["fc2_weight_quantized"] = cached_weight(args, fc2_weight, cache, "fc2_weight", 1)
     if args.recipe not in PER_TENSOR:
         return F.mlp(inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, **kw)
     (s1, s2), (g1, g2) = args.scales, args.grad_amaxes

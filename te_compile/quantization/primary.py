@@ -1,0 +1,260 @@
+"""FP8 primary weights: ``quantized_model_init`` / ``fp8_model_init`` and ``FP8MasterWeights``.
+
+Modules built inside ``te_compile.quantized_model_init(recipe=...)`` keep each GEMM weight in
+FP8 only: the ``weight`` Parameter holds the E4M3 codes (``torch.float8_e4m3fn``, one byte per
+parameter) with a persistent fp32 buffer ``weight_scale_inv`` ``[1]`` (the dequantisation
+scale) and ``weight_amax`` ``[1]`` (the amax measured at the cast), all plain tensors. The
+forward hands them to the GEMM op as its pre-quantised weight operand
+(``functional.quantize_weight``'s five tensors; the transposed codes the backward's dgrad GEMM
+reads are made from the codes each step, a byte per parameter alive until the backward), so no
+weight is cast per step.
+
+Gradients and the optimizer. A float8 Parameter cannot hold a bf16 gradient, so the weight
+gradient goes to ``weight.main_grad`` (fp32, as ``fuse_wgrad_accumulation``), and the weights
+the optimizer updates are fp32 masters kept next to it (Transformer Engine's FusedAdam
+``master_weights`` idea, written for any ``torch.optim`` optimizer):
+
+.. code-block:: python
+
+    with te.quantized_model_init(recipe=recipe, preserve_high_precision_init_val=True):
+        model = build_model()
+    masters = te.FP8MasterWeights(model)  # fp32 masters, main_grad buffers
+    optimizer = torch.optim.AdamW([*masters.parameters(), *masters.other_parameters()])
+    for x in data:
+        with te.autocast(recipe=recipe):
+            loss = model(x).float().square().mean()
+        loss.backward()
+        masters.step(optimizer)  # masters' grads = main_grad, optimizer.step(), FP8 refresh
+        optimizer.zero_grad()
+
+``masters.step`` hands each master its ``main_grad`` as ``.grad`` (the same tensor: no copy),
+runs ``optimizer.step()``, then re-quantises every master into its FP8 weight in one pass per
+weight (``te::quantize_weight``: amax, scale and cast; current scaling of the weight, as
+Transformer Engine does for its primary weights) and zeroes ``main_grad``.
+``preserve_high_precision_init_val=True`` keeps each weight's initial high-precision values on
+the CPU (``weight.get_high_precision_init_val()`` / ``clear_high_precision_init_val()``, as in
+Transformer Engine), from which ``FP8MasterWeights`` builds the masters (else from the
+dequantised FP8 values) and then clears them.
+
+Memory (tensor sizes, per weight parameter): the model holds 1 byte (bf16: 2), plus 4 bytes of
+``main_grad`` (bf16 grads: 2) and 4 of the master (a bf16 model trained with fp32 masters: 4).
+
+Supported: the per-tensor recipes (``Float8CurrentScaling``, ``DelayedScaling``) on
+``Linear``, ``LayerNormLinear`` and ``LayerNormMLP``; the weights run inside a
+``te_compile.autocast`` with a per-tensor recipe (outside it, or under calibration, a module
+with FP8 weights raises). Other recipes and modules raise ``NotImplementedError`` at
+construction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from te_compile import functional as F
+from te_compile.quantization.device import get_default_fp8_recipe
+from te_compile.quantization.gemm import quantize_args
+from te_compile.quantization.recipe import Recipe
+
+__all__ = [
+    "FP8MasterWeights",
+    "clear_high_precision_init_val",
+    "fp8_model_init",
+    "get_high_precision_init_val",
+    "init_state",
+    "make_primary",
+    "primary_operand",
+    "quantized_model_init",
+    "refuse_primary",
+]
+
+
+class _InitState(NamedTuple):
+    recipe: Recipe
+    preserve: bool
+
+
+_STATE: list[_InitState | None] = [None]
+
+
+@contextlib.contextmanager
+def quantized_model_init(
+    enabled: bool = True,
+    recipe: Recipe | None = None,
+    preserve_high_precision_init_val: bool = False,
+) -> Iterator[None]:
+    """Modules built inside keep their GEMM weights in FP8 only (module docstring). ``recipe``:
+    the recipe the weights are quantised for (None: ``get_default_fp8_recipe()``);
+    ``preserve_high_precision_init_val``: keep the initial high-precision values on the CPU."""
+    flags = {
+        "enabled": enabled,
+        "preserve_high_precision_init_val": preserve_high_precision_init_val,
+    }
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"te.quantized_model_init: {name} must be a bool, got {value!r}")
+    if recipe is not None and not isinstance(recipe, Recipe):
+        raise ValueError(
+            f"te.quantized_model_init: recipe must be a Recipe or None, got {recipe!r}"
+        )
+    previous = _STATE[0]
+    if enabled:
+        recipe = recipe if recipe is not None else get_default_fp8_recipe()
+        _STATE[0] = _InitState(recipe, preserve_high_precision_init_val)
+    else:
+        _STATE[0] = None
+    try:
+        yield
+    finally:
+        _STATE[0] = previous
+
+
+fp8_model_init = quantized_model_init  # Transformer Engine's older name, same arguments
+
+
+def init_state() -> _InitState | None:
+    """The enclosing ``quantized_model_init``'s recipe and preserve flag, or None."""
+    return _STATE[0]
+
+
+def refuse_primary(owner: str) -> None:
+    """For a module without FP8 primary weights: raise inside ``quantized_model_init``."""
+    if _STATE[0] is not None:
+        raise NotImplementedError(
+            f"{owner}: FP8 primary weights (quantized_model_init) are not implemented for this "
+            "module; build it outside quantized_model_init(enabled=True)"
+        )
+
+
+def _quantize(weight: Tensor, recipe: Recipe, owner: str) -> list[Tensor]:
+    kind, kw = quantize_args(recipe, "weight")
+    if kind not in ("current", "delayed"):
+        raise NotImplementedError(
+            f"{owner}: FP8 primary weights support the per-tensor recipes (Float8CurrentScaling, "
+            f"DelayedScaling); got {type(recipe).__name__}"
+        )
+    # Current scaling of the weight itself, whatever the per-tensor recipe.
+    return F.quantize_weight(weight, "current", kw["fp8_dtype"], False, 1, False, None)
+
+
+def get_high_precision_init_val(param: nn.Parameter) -> Tensor | None:
+    """The initial high-precision values of an FP8 weight (CPU), or None (not kept)."""
+    return param.__dict__.get("_high_precision_init_val")
+
+
+def clear_high_precision_init_val(param: nn.Parameter) -> None:
+    param.__dict__.pop("_high_precision_init_val", None)
+
+
+@torch.no_grad()
+def make_primary(module: nn.Module, names: tuple[str, ...], owner: str) -> None:
+    """Inside ``quantized_model_init``: replace ``module``'s weights ``names`` (initialised in
+    high precision) by FP8 Parameters with their ``<name>_scale_inv`` / ``<name>_amax`` buffers.
+    Outside it: nothing."""
+    state = _STATE[0]
+    if state is None:
+        return
+    for name in names:
+        hp = getattr(module, name)
+        data, scale_inv, _, _, amax = _quantize(hp.detach(), state.recipe, owner)
+        fp8_dtype = quantize_args(state.recipe, "weight")[1]["fp8_dtype"]
+        param = nn.Parameter(data.view(fp8_dtype), requires_grad=hp.requires_grad)
+        for attr, value in vars(hp).items():  # tensor-parallel attributes and the like
+            setattr(param, attr, value)
+        if state.preserve:
+            param._high_precision_init_val = hp.detach().to("cpu", copy=True)
+        # TE's methods on the weight (also module functions: a deep copy of a Parameter keeps
+        # neither its attributes nor these).
+        param.get_high_precision_init_val = types.MethodType(get_high_precision_init_val, param)
+        param.clear_high_precision_init_val = types.MethodType(clear_high_precision_init_val, param)
+        setattr(module, name, param)
+        module.register_buffer(f"{name}_scale_inv", scale_inv)
+        module.register_buffer(f"{name}_amax", amax)
+
+
+def is_primary(weight: Tensor) -> bool:
+    return weight.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def primary_operand(module: nn.Module, name: str) -> tuple[Tensor, ...] | None:
+    """The pre-quantised operand of ``module``'s FP8 weight ``name`` (None: not FP8)."""
+    weight = getattr(module, name)
+    if not is_primary(weight):
+        return None
+    scale_inv, amax = getattr(module, f"{name}_scale_inv"), getattr(module, f"{name}_amax")
+    codes_t = weight.detach().view(torch.uint8).t().contiguous()
+    return weight, scale_inv, codes_t, scale_inv, amax
+
+
+def primary_main_grad(owner: str, weight: Tensor) -> Tensor | None:
+    """``weight.main_grad`` of an FP8 weight, or None (a forward without ``FP8MasterWeights``
+    runs; its backward raises: the gradient has nowhere to go)."""
+    return getattr(weight, "main_grad", None)
+
+
+class FP8MasterWeights:
+    """fp32 master weights of a model's FP8 primary weights (module docstring): one master
+    Parameter and one fp32 ``main_grad`` per FP8 weight. ``parameters()``: the masters, for the
+    optimizer; ``other_parameters()``: the model's parameters that are not FP8 (biases, norms),
+    trained as usual; ``step(optimizer)``: one optimizer step and the FP8 refresh."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._entries: list[tuple[nn.Module, str, nn.Parameter]] = []
+        self._others: list[nn.Parameter] = []
+        seen: set[int] = set()
+        for module in model.modules():
+            for name, param in module.named_parameters(recurse=False):
+                if id(param) in seen:
+                    continue
+                seen.add(id(param))
+                if not is_primary(param):
+                    self._others.append(param)
+                    continue
+                init = get_high_precision_init_val(param)
+                if init is not None:
+                    master = init.to(param.device, torch.float32, copy=True)
+                    clear_high_precision_init_val(param)
+                else:
+                    scale_inv = getattr(module, f"{name}_scale_inv")
+                    master = param.detach().float() * scale_inv
+                master = nn.Parameter(master)
+                param.main_grad = torch.zeros_like(master)
+                self._entries.append((module, name, master))
+        if not self._entries:
+            raise ValueError(
+                "te.FP8MasterWeights: model has no FP8 primary weights (build it inside "
+                "te.quantized_model_init)"
+            )
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [master for _, _, master in self._entries]
+
+    def other_parameters(self) -> list[nn.Parameter]:
+        return list(self._others)
+
+    @torch.no_grad()
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        for module, name, master in self._entries:
+            master.grad = getattr(module, name).main_grad
+        optimizer.step()
+        self.refresh()
+        for module, name, master in self._entries:
+            getattr(module, name).main_grad.zero_()
+            master.grad = None
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Re-quantise every master into its FP8 weight (codes, scale, amax)."""
+        for module, name, master in self._entries:
+            weight = getattr(module, name)
+            data, scale_inv, _, _, amax = F.quantize_weight(
+                master, "current", weight.dtype, False, 1, False, None
+            )
+            weight.copy_(data.view(weight.dtype))
+            getattr(module, f"{name}_scale_inv").copy_(scale_inv)
+            getattr(module, f"{name}_amax").copy_(amax)

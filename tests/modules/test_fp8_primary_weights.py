@@ -1,0 +1,245 @@
+"""FP8 primary weights (``quantization.primary``): modules built inside
+``te.quantized_model_init`` keep their weights as FP8 codes with a scale, the forward uses them
+without a weight cast, the gradient goes to ``main_grad`` and ``te.FP8MasterWeights`` keeps the
+fp32 masters and refreshes the codes after each optimizer step."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+import te_compile as te
+from te_compile.quantization import (
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    MXFP8BlockScaling,
+    autocast,
+)
+from tests.utils import DEVICES, assert_close, assert_single_graph, compile_counted
+
+MODULES = ("Linear", "LayerNormLinear", "LayerNormMLP")
+E4M3 = torch.float8_e4m3fn
+
+
+def _build(name, device, **kw):
+    torch.manual_seed(0)
+    kw = {"params_dtype": torch.bfloat16, "device": device, **kw}
+    if name == "Linear":
+        return te.Linear(128, 64, **kw)
+    if name == "LayerNormLinear":
+        return te.LayerNormLinear(128, 64, **kw)
+    return te.LayerNormMLP(128, 256, **kw)
+
+
+def _primary(name, device, recipe, preserve=False):
+    with te.quantized_model_init(recipe=recipe, preserve_high_precision_init_val=preserve):
+        return _build(name, device)
+
+
+def _fp8_names(m):
+    return [n for n, p in m.named_parameters() if p.dtype == E4M3]
+
+
+def _x(device, step=0):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(96, 128, generator=g).to(device, torch.bfloat16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", MODULES)
+def test_weights_are_fp8_codes_of_the_initial_values(device, name):
+    recipe = Float8CurrentScaling()
+    hp, m = _build(name, device), _primary(name, device, recipe, preserve=True)
+    names = _fp8_names(m)
+    assert names == ([n for n in ("weight", "fc1_weight", "fc2_weight") if hasattr(m, n)])
+    for n in names:
+        w, init = getattr(m, n), getattr(hp, n)
+        assert torch.equal(w.get_high_precision_init_val(), init.detach().cpu())
+        codes = te.functional.quantize_weight(init.detach(), "current", E4M3, False, 1, False,
+                                              None)  # fmt: skip
+        assert torch.equal(w.detach().view(torch.uint8), codes[0])
+        assert torch.equal(getattr(m, f"{n}_scale_inv"), codes[1])
+        w.clear_high_precision_init_val()
+        assert w.get_high_precision_init_val() is None
+    plain = _primary(name, device, recipe)
+    assert all(getattr(plain, n).get_high_precision_init_val() is None for n in names)
+
+
+def _bytes(m):
+    return sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])
+
+
+def test_bytes_per_weight_parameter():
+    """1 byte per weight parameter (bf16: 2), plus 8 bytes of scale and amax per weight."""
+    hp, m = _build("Linear", "cpu"), _primary("Linear", "cpu", Float8CurrentScaling())
+    n = m.weight.numel()
+    assert _bytes(hp) - _bytes(m) == n - 8
+    assert m.weight.element_size() == 1 and hp.weight.element_size() == 2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", MODULES)
+def test_forward_and_gradients_match_the_high_precision_module(device, name):
+    """Under current scaling the FP8 weight is the cast the high-precision module makes each
+    step: the same output, input gradient and (fp32) weight gradient, exactly."""
+    recipe = Float8CurrentScaling()
+    hp = _build(name, device, fuse_wgrad_accumulation=True)
+    m = _primary(name, device, recipe)
+    te.FP8MasterWeights(m)  # main_grad buffers
+    for n in _fp8_names(m):
+        getattr(hp, n).main_grad = torch.zeros(getattr(hp, n).shape, device=device)
+    x = _x(device).requires_grad_()
+    x0 = x.detach().clone().requires_grad_()
+    with autocast(recipe=recipe):
+        y, y0 = m(x), hp(x0)
+    assert torch.equal(y, y0)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y0.backward(g)
+    assert torch.equal(x.grad, x0.grad)
+    for n in _fp8_names(m):
+        assert torch.equal(getattr(m, n).main_grad, getattr(hp, n).main_grad)
+        assert getattr(m, n).grad is None
+    for (n, p), p0 in zip(m.named_parameters(), hp.parameters(), strict=True):
+        if p.dtype != E4M3:
+            assert torch.equal(p.grad, p0.grad), n
+
+
+def _train(m, recipe, steps, primary):
+    """SGD with fp32 masters: FP8MasterWeights for FP8 weights; for high-precision weights the
+    same loop by hand (main_grad, fp32 master, the bf16 weight copied from it)."""
+    if primary:
+        masters = te.FP8MasterWeights(m)
+        opt = torch.optim.SGD([*masters.parameters(), *masters.other_parameters()], lr=0.5)
+    else:
+        hp = [p for n, p in m.named_parameters() if n.endswith("weight") and p.dim() == 2]
+        fp32 = [torch.nn.Parameter(p.detach().float()) for p in hp]
+        for p in hp:
+            p.main_grad = torch.zeros(p.shape)
+        others = [p for p in m.parameters() if all(p is not q for q in hp)]
+        opt = torch.optim.SGD([*fp32, *others], lr=0.5)
+    losses = []
+    for step in range(4):
+        with autocast(recipe=recipe):
+            loss = m(_x("cpu", step)).float().square().mean()
+        loss.backward()
+        losses.append(loss.detach())
+        if primary:
+            masters.step(opt)
+        else:
+            for p, master in zip(hp, fp32, strict=True):
+                master.grad = p.main_grad.clone()
+                p.main_grad.zero_()
+            opt.step()
+            with torch.no_grad():
+                for p, master in zip(hp, fp32, strict=True):
+                    p.copy_(master)
+        opt.zero_grad()
+    return torch.stack(losses)
+
+
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling, DelayedScaling])
+@pytest.mark.parametrize("name", MODULES)
+def test_training_tracks_high_precision_weights(name, recipe):
+    """A few SGD steps with FP8 primary weights track the same recipe on bf16 weights (the FP8
+    weight is cast from the fp32 master rather than from its bf16 rounding: FP8-level
+    differences only)."""
+    hp = _build(name, "cpu", fuse_wgrad_accumulation=True)
+    m = _primary(name, "cpu", recipe(), preserve=True)
+    losses = _train(m, recipe(), 4, primary=True)
+    ref = _train(hp, recipe(), 4, primary=False)
+    assert losses[-1] < losses[0]
+    assert_close(losses, ref, torch.bfloat16, roundings=4)
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_state_dict_round_trip(name):
+    recipe = Float8CurrentScaling()
+    m = _primary(name, "cpu", recipe)
+    _train(m, recipe, 2, primary=True)
+    buf = io.BytesIO()
+    torch.save(m.state_dict(), buf)
+    buf.seek(0)
+    fresh = _primary(name, "cpu", recipe)
+    torch.manual_seed(1)
+    fresh.load_state_dict(torch.load(buf))
+    with autocast(recipe=recipe), torch.no_grad():
+        assert torch.equal(fresh(_x("cpu", 7)), m(_x("cpu", 7)))
+
+
+@pytest.mark.parametrize("name", ["Linear", "LayerNormMLP"])
+def test_compiled_step_one_graph_values_as_eager(name):
+    recipe = Float8CurrentScaling()
+    eager, compiled = _primary(name, "cpu", recipe), _primary(name, "cpu", recipe)
+    te.FP8MasterWeights(eager), te.FP8MasterWeights(compiled)
+
+    def loss_fn(m, x):
+        with autocast(recipe=recipe):
+            return m(x).float().square().mean()
+
+    assert_single_graph(loss_fn, compiled, _x("cpu"))
+    fn, counter = compile_counted(loss_fn, backend="aot_eager")
+    for step in range(2):
+        loss, loss0 = fn(compiled, _x("cpu", step)), loss_fn(eager, _x("cpu", step))
+        assert torch.equal(loss, loss0)
+        loss.backward()
+        loss0.backward()
+    assert counter.frame_count == 1
+    for n in _fp8_names(eager):
+        assert torch.equal(getattr(compiled, n).main_grad, getattr(eager, n).main_grad)
+
+
+def test_refused_uses():
+    recipe = Float8CurrentScaling()
+    for other in (Float8BlockScaling(), MXFP8BlockScaling()):
+        with pytest.raises(NotImplementedError, match=type(other).__name__):
+            _primary("Linear", "cpu", other)
+    with te.quantized_model_init(recipe=recipe):
+        for build in (lambda: te.GroupedLinear(2, 32, 32), lambda: te.ops.BasicLinear(32, 32)):
+            with pytest.raises(NotImplementedError, match="not implemented for this module"):
+                build()
+    m = _primary("Linear", "cpu", recipe)
+    with pytest.raises(NotImplementedError, match="no FP8 autocast"):
+        m(_x("cpu"))
+    with autocast(recipe=recipe):
+        y = m(_x("cpu"))
+    with pytest.raises(RuntimeError, match="main_grad"):
+        y.sum().backward()
+    with (
+        pytest.raises(ValueError, match="enabled must be a bool, got 1"),
+        te.fp8_model_init(enabled=1),
+    ):
+        pass
+    with te.fp8_model_init(enabled=False):
+        assert _build("Linear", "cpu").weight.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="no FP8 primary weights"):
+        te.FP8MasterWeights(_build("Linear", "cpu"))
+
+
+def test_transformer_layer_trains_with_fp8_weights():
+    recipe = Float8CurrentScaling()
+    torch.manual_seed(0)
+    kw = {"params_dtype": torch.bfloat16, "hidden_dropout": 0.0, "attention_dropout": 0.0}
+    with te.quantized_model_init(recipe=recipe):
+        layer = te.TransformerLayer(128, 256, 4, **kw)
+    assert len(_fp8_names(layer)) == 4  # QKV, projection, FC1, FC2
+    masters = te.FP8MasterWeights(layer)
+    opt = torch.optim.AdamW([*masters.parameters(), *masters.other_parameters()], lr=1e-3)
+    x = torch.randn(16, 2, 128, dtype=torch.bfloat16)
+    before = [w.detach().clone() for w in masters.parameters()]
+    for _ in range(2):
+        with autocast(recipe=recipe):
+            loss = layer(x).float().square().mean()
+        loss.backward()
+        masters.step(opt)
+        opt.zero_grad()
+    assert all(not torch.equal(a, b) for a, b in zip(before, masters.parameters(), strict=True))
+    for module, name, master in masters._entries:  # the codes are the masters' casts
+        w = getattr(module, name)
+        codes = te.functional.quantize_weight(master, "current", E4M3, False, 1, False, None)
+        assert torch.equal(w.detach().view(torch.uint8), codes[0])
+        assert torch.equal(getattr(module, f"{name}_scale_inv"), codes[1])
+        assert not w.main_grad.any()

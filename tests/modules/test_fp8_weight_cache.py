@@ -1,0 +1,214 @@
+"""``forward(..., is_first_microbatch=...)``: the FP8 weight cast once per optimizer step and
+kept (``quantization.gemm``, "Weight caching"), on Linear, LayerNormLinear, LayerNormMLP and
+through MultiheadAttention / TransformerLayer. The kept copy gives the bytes of the per-call
+cast; with False the weight is not cast again (a changed weight is not seen until True)."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+
+import te_compile as te
+from te_compile.functional import gemm as fgemm
+from te_compile.quantization import (
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    MXFP8BlockScaling,
+    autocast,
+)
+from tests.utils import DEVICES, compile_counted
+
+RECIPES = {
+    "current": Float8CurrentScaling,
+    "delayed": lambda: DelayedScaling(amax_history_len=4),
+    "block": Float8BlockScaling,
+    "mxfp8": MXFP8BlockScaling,
+}
+MODULES = ("Linear", "LayerNormLinear", "LayerNormMLP")
+
+
+def _module(name, device):
+    torch.manual_seed(0)
+    kw = {"params_dtype": torch.bfloat16, "device": device}
+    if name == "Linear":
+        return te.Linear(128, 64, **kw)
+    if name == "LayerNormLinear":
+        return te.LayerNormLinear(128, 64, **kw)
+    return te.LayerNormMLP(128, 256, **kw)
+
+
+def _weights(m):
+    return [p for n, p in m.named_parameters() if n.endswith("weight") and p.dim() == 2]
+
+
+def _x(device, step=0):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(96, 128, generator=g).to(device, torch.bfloat16).requires_grad_()
+
+
+def _step(m, x, recipe, first):
+    with autocast(recipe=recipe):
+        y = m(x, is_first_microbatch=first)
+    y.float().square().mean().backward()
+    return y.detach(), x.grad, [p.grad for p in m.parameters()]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", RECIPES)
+@pytest.mark.parametrize("name", MODULES)
+def test_kept_weight_gives_the_per_call_cast(device, kind, name):
+    """True and False give exactly the output and gradients of None (same weights). Under
+    DelayedScaling a False step uses the scale of its cast, not the step's: compared with True
+    only."""
+    runs = {}
+    for first in (None, True, False):
+        m = _module(name, device)
+        recipe = RECIPES[kind]()
+        # A first step (a False call with nothing kept would cast and keep, as in TE).
+        _step(m, _x(device, 9), recipe, True if first is False else first)
+        m.zero_grad()
+        runs[first] = [_step(m, _x(device, s), recipe, first) for s in range(2)]
+    for first in (True, False) if kind != "delayed" else (True,):
+        for (y, dx, dps), (y0, dx0, dps0) in zip(runs[first], runs[None], strict=True):
+            assert torch.equal(y, y0) and torch.equal(dx, dx0)
+            assert all(torch.equal(a, b) for a, b in zip(dps, dps0, strict=True))
+
+
+class _Counter:
+    """Counts the quantisations of a tensor of the weight's shape (eager)."""
+
+    def __init__(self, shapes):
+        self.shapes, self.calls = {tuple(s) for s in shapes}, 0
+        self._table = dict(fgemm.QUANTIZERS)
+
+    def __enter__(self):
+        def wrap(fn):
+            def counted(x2, *args):
+                self.calls += tuple(x2.shape) in self.shapes
+                return fn(x2, *args)
+
+            return counted
+
+        wrapped = {k: wrap(v) for k, v in self._table.items()}
+        self._patch = mock.patch.dict(fgemm.QUANTIZERS, wrapped)
+        self._patch.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._patch.__exit__(*exc)
+
+
+@pytest.mark.parametrize("kind", ["current", "delayed"])
+@pytest.mark.parametrize("name", MODULES)
+def test_false_does_not_cast_again(kind, name):
+    """Gradient accumulation over micro-batches: one cast per weight with True, none with
+    False; a weight changed in between is not seen until the next True."""
+    m, recipe = _module(name, "cpu"), RECIPES[kind]()
+    x = _x("cpu")
+    shapes = [w.shape for w in _weights(m)]
+    with _Counter(shapes) as count:
+        y_true, *_ = _step(m, x, recipe, True)
+        assert count.calls == len(shapes)
+        y_false, *_ = _step(m, x, recipe, False)
+        assert count.calls == len(shapes)  # nothing cast
+        with torch.no_grad():
+            for w in _weights(m):
+                w.mul_(2.0)
+        y_stale, *_ = _step(m, x, recipe, False)
+        assert count.calls == len(shapes)
+        y_new, *_ = _step(m, x, recipe, True)
+        assert count.calls == 2 * len(shapes)
+        _step(m, x, recipe, None)
+        assert count.calls == 3 * len(shapes)  # None casts every call
+    if kind == "current":  # delayed: the scales move with the recorded amaxes
+        assert torch.equal(y_true, y_false) and torch.equal(y_true, y_stale)
+    assert not torch.equal(y_stale, y_new)
+
+
+def test_delayed_records_the_amax_of_the_cast():
+    m, recipe = _module("Linear", "cpu"), DelayedScaling(amax_history_len=4)
+    x = _x("cpu")
+    _step(m, x, recipe, True)
+    amax = m.weight.detach().abs().max().float()
+    with torch.no_grad():
+        m.weight.mul_(4.0)
+    _step(m, x, recipe, False)
+    assert torch.equal(m.fp8_meta.fwd_amax[1], amax)  # the kept cast's, not the new weight's
+    _step(m, x, recipe, True)
+    assert torch.equal(m.fp8_meta.fwd_amax[1], m.weight.detach().abs().max().float())
+
+
+def test_outside_autocast_nothing_is_kept():
+    m = _module("Linear", "cpu")
+    x = _x("cpu")
+    y = m(x, is_first_microbatch=True)
+    assert torch.equal(y, m(x)) and m._fp8_weights["weight"].tensors is None
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_bad_is_first_microbatch(name):
+    m = _module(name, "cpu")
+    with pytest.raises(ValueError, match="is_first_microbatch must be None, True or False, got 1"):
+        m(_x("cpu"), is_first_microbatch=1)
+
+
+@pytest.mark.parametrize("name", ["Linear", "LayerNormMLP"])
+def test_compiled_true_false_one_graph_each(name):
+    """Compiled fullgraph: one compile for True and one for False, values as eager."""
+    recipe = Float8CurrentScaling()
+    eager, compiled_m = _module(name, "cpu"), _module(name, "cpu")
+
+    def forward(m, x, first):
+        with autocast(recipe=recipe):
+            return m(x, is_first_microbatch=first)
+
+    fn, counter = compile_counted(forward, backend="aot_eager")
+    firsts = (True, False, False, True, False)
+    for s, first in enumerate(firsts):
+        x = _x("cpu", s)
+        y = fn(compiled_m, x, first)
+        y0 = forward(eager, x.detach().clone().requires_grad_(), first)
+        assert torch.equal(y, y0)
+        for out in (y, y0):
+            out.float().square().mean().backward()
+        if first:  # a new weight each optimizer step: the False steps must not see it
+            for m in (eager, compiled_m):
+                with torch.no_grad():
+                    for w in _weights(m):
+                        w.add_(0.01)
+    assert counter.frame_count == 2
+    for p, p0 in zip(compiled_m.parameters(), eager.parameters(), strict=True):
+        assert torch.equal(p.grad, p0.grad)
+
+
+def test_transformer_layer_passes_it_through():
+    torch.manual_seed(0)
+    layer = te.TransformerLayer(128, 256, 4, params_dtype=torch.bfloat16, hidden_dropout=0.0,
+                                attention_dropout=0.0)  # fmt: skip
+    x = torch.randn(16, 2, 128, dtype=torch.bfloat16)
+    recipe = Float8CurrentScaling()
+    with autocast(recipe=recipe):
+        y0 = layer(x)
+        y1 = layer(x, is_first_microbatch=True)
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.mul_(1.5)
+        y2 = layer(x, is_first_microbatch=False)
+    assert torch.equal(y0, y1)
+    kept = [k for m in layer.modules() for k in getattr(m, "_fp8_weights", {}).values()]
+    assert len(kept) == 4 and all(k.tensors is not None for k in kept)  # QKV, proj, FC1, FC2
+    assert not torch.equal(y1, y2)  # the norms' weights changed; the GEMM weights are kept
+
+
+def test_grouped_linear_refuses_a_kept_weight():
+    m = te.GroupedLinear(2, 32, 32, params_dtype=torch.bfloat16)
+    x = torch.randn(32, 32, dtype=torch.bfloat16)
+    assert torch.equal(m(x, [16, 16], is_first_microbatch=True), m(x, [16, 16]))  # no FP8
+    with (
+        autocast(recipe=Float8CurrentScaling()),
+        pytest.raises(NotImplementedError, match="grouped"),
+    ):
+        m(x, [16, 16], is_first_microbatch=False)
