@@ -138,11 +138,23 @@ def test_outputs_and_saved_tensors_alias_nothing():
     assert saved == [] and branch.numel() == 0
     storages = {t.untyped_storage().data_ptr() for t in (x, w, b)}
     assert out.untyped_storage().data_ptr() not in storages
-    hp = ("", torch.float8_e4m3fn, torch.float8_e5m2, False, 1, False, "", False, False, "", 0)
-    grads = torch.ops.te.linear_bwd(
-        torch.randn(4, 3), None, [], x.detach(), w.detach(), None, None, None, None, None,
-        *hp, 7.0, 1.702, 1.0, 1.0, True, True, True,
-    )[:3]  # fmt: skip
+    # By name: the backward op's trailing arguments grow with the features it serves.
+    schema = torch.ops.te.linear_bwd.default._schema
+    given = {"grad": torch.randn(4, 3), "saved": [], "inp": x.detach(), "weight": w.detach(),
+             "need_dbias": True, "need_dgrad": True, "need_wgrad": True}  # fmt: skip
+    hp = {"recipe": "", "fwd_dtype": torch.float8_e4m3fn, "bwd_dtype": torch.float8_e5m2,
+          "weight_block_rows": 1, "normalization": "", "activation": "", "limit": 7.0,
+          "alpha": 1.702, "glu_linear_offset": 1.0, "out_scale": 1.0,
+          "glu_interleave_size": 0}  # fmt: skip
+    kwargs = {}
+    for arg in schema.arguments:
+        if arg.name in given or arg.name in hp:
+            kwargs[arg.name] = given.get(arg.name, hp.get(arg.name))
+        elif str(arg.type) == "bool":
+            kwargs[arg.name] = False
+        else:
+            kwargs[arg.name] = None
+    grads = torch.ops.te.linear_bwd(**kwargs)[:3]
     ptrs = [g.untyped_storage().data_ptr() for g in grads]
     assert len(set(ptrs)) == 3 and not storages & set(ptrs)
 
