@@ -110,7 +110,7 @@ from te_compile.functional.prologue import (
 )
 from te_compile.functional.quantize import dequantize_blockwise
 
-__all__ = ["linear", "linear_ref"]
+__all__ = ["DeferredWgrad", "linear", "linear_ref"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _E4M3, _E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -145,6 +145,7 @@ class _Args(NamedTuple):
     out_scale: float = 1.0
     branch: bool = False
     backward_override: str = ""
+    wgrad_stash: Tensor | None = None
 
     @property
     def plain(self) -> bool:
@@ -154,7 +155,7 @@ class _Args(NamedTuple):
             or self.backward_override
             or self.residual is not None or self.out_scale != 1.0 or self.norm_weight is not None
             or self.norm_bias is not None or self.scale is not None
-            or self.grad_amax is not None
+            or self.grad_amax is not None or self.wgrad_stash is not None
         )  # fmt: skip
 
     @property
@@ -317,6 +318,14 @@ def _check(a: _Args) -> None:
         gemm_out = torch.empty((*inp.shape[:-1], n), dtype=inp.dtype, device="meta")
         check_activation(gemm_out, a.bias, a.activation, a.glu_interleave_size)
         check_gated_params("te.linear", a.limit, a.alpha, a.glu_linear_offset)
+    if a.wgrad_stash is not None:
+        shape = (*inp.shape[:-1], _out_features(n, a.activation))
+        stash = a.wgrad_stash
+        if stash.shape != shape or stash.dtype != inp.dtype or stash.device != inp.device:
+            raise ValueError(
+                p + f"wgrad_stash must have the output's shape {list(shape)}, inp's dtype "
+                f"{inp.dtype} and device, got {list(stash.shape)} {stash.dtype} {stash.device}"
+            )
     if a.residual is not None:
         shape = (*inp.shape[:-1], _out_features(n, a.activation))
         if a.residual.shape != shape or a.residual.dtype != inp.dtype:
@@ -448,6 +457,7 @@ def linear_fwd(
     out_scale: float = 1.0,
     branch: bool = False,
     backward_override: str = "",
+    wgrad_stash: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
     """``(out, branch, saved)`` (module docstring). The default (CPU) implementation computes
     high precision in fp32 (fp64 stays fp64), rounded once."""
@@ -455,12 +465,14 @@ def linear_fwd(
         recipe == "" and normalization == "" and activation == "" and residual is None
         and out_scale == 1.0 and not branch and scale is None and grad_amax is None
         and norm_weight is None and norm_bias is None and backward_override == ""
+        and wgrad_stash is None
     ):  # fmt: skip
         return _plain_forward(inp, weight, bias, main_grad, cuda=False)
     args = (inp, weight, bias, main_grad, recipe, fwd_dtype, bwd_dtype, power_2_scale,
             weight_block_rows, emulate, scale, grad_amax, norm_weight, norm_bias, normalization,
             norm_eps, zero_centered_gamma, activation, glu_interleave_size, limit, alpha,
-            glu_linear_offset, residual, out_scale, branch, backward_override)  # fmt: skip
+            glu_linear_offset, residual, out_scale, branch, backward_override,
+            wgrad_stash)  # fmt: skip
     return _forward(_Args(*args), cuda=False)
 
 
@@ -641,7 +653,11 @@ def _quantized_backward(dy, copies, main_grad, scale, grad_amax, c: _Bwd, m: int
     return dinp, dweight, g.sums
 
 
-@op("linear_bwd", mutates_args=("main_grad", "grad_amax"), kept_whole=delayed_on_cuda)
+@op(
+    "linear_bwd",
+    mutates_args=("main_grad", "grad_amax", "wgrad_stash"),
+    kept_whole=delayed_on_cuda,
+)
 def linear_bwd(
     grad: Tensor,
     grad_branch: Tensor | None,
@@ -671,6 +687,7 @@ def linear_bwd(
     need_dbias: bool,
     need_dgrad: bool,
     need_wgrad: bool,
+    wgrad_stash: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(dinp, dweight, dbias, dnorm_weight, dnorm_bias)``, a 0-element tensor where not
     computed (``dweight`` also when it went into ``main_grad``). Tensors, not a list: a
@@ -678,8 +695,13 @@ def linear_bwd(
     ``saved``: the forward's, without the amaxes; ``inp`` is needed in high precision and with
     a norm (the norm's backward), ``weight`` in high precision, ``bias`` with an activation.
     ``need_dgrad``: any of the input and the norm's parameters needs a gradient. Writes
-    ``amax(dY)`` into ``grad_amax`` when given. Default (CPU): high precision in fp32 (fp64
-    stays fp64), each gradient rounded once."""
+    ``amax(dY)`` into ``grad_amax`` when given. ``wgrad_stash`` (delayed weight gradient): the
+    incoming gradient is copied into it and the weight gradient is not computed (a later call
+    with ``grad=wgrad_stash`` and only ``need_wgrad`` computes it, ``DeferredWgrad``). Default
+    (CPU): high precision in fp32 (fp64 stays fp64), each gradient rounded once."""
+    if wgrad_stash is not None:
+        wgrad_stash.copy_(grad)
+        need_wgrad = False
     if (
         recipe == ""
         and normalization == ""
@@ -724,9 +746,20 @@ def _locals_args_bwd(values: dict) -> tuple:
     return tuple(values[name] for name in _Bwd._fields)
 
 
+def _bwd_args(args: tuple) -> tuple[tuple, _Bwd]:
+    """The tensors and the scalars of a ``linear_bwd`` call (``wgrad_stash``, when given, gets
+    the gradient and takes the weight gradient's place: ``need_wgrad`` becomes False)."""
+    n = len(_BWD_TENSORS)
+    tensors, c = args[:n], _Bwd(*args[n : n + len(_Bwd._fields)])
+    stash = args[n + len(_Bwd._fields)] if len(args) > n + len(_Bwd._fields) else None
+    return tensors, (c if stash is None else c._replace(need_wgrad=False))
+
+
 @linear_bwd.register_kernel("cuda")
 def _linear_bwd_cuda(*args):
-    tensors, c = args[: len(_BWD_TENSORS)], _Bwd(*args[len(_BWD_TENSORS) :])
+    tensors, c = _bwd_args(args)
+    if len(args) > len(_BWD_TENSORS) + len(_Bwd._fields) and args[-1] is not None:
+        args[-1].copy_(tensors[0])
     if (
         not (c.recipe or c.normalization or c.activation)
         and c.out_scale == 1.0
@@ -740,8 +773,7 @@ def _linear_bwd_cuda(*args):
 
 @linear_bwd.register_fake
 def _linear_bwd_fake(*args):
-    grad, _, saved, _, weight, _, main_grad, *_, norm_weight = args[: len(_BWD_TENSORS)]
-    c = _Bwd(*args[len(_BWD_TENSORS) :])
+    (grad, _, saved, _, weight, _, main_grad, *_, norm_weight), c = _bwd_args(args)
     n, k = weight.shape if weight is not None else saved[2].shape[::-1]
     dinp = grad.new_empty(*grad.shape[:-1], k) if c.need_dgrad else empty(grad)
     want_dw = c.need_wgrad and main_grad is None
@@ -763,12 +795,20 @@ def _setup_context(ctx, inputs, output) -> None:
     if len(inputs) == 4:  # a plain call (the eager fast path passes the tensors only)
         inp, weight, bias, main_grad = inputs
         ctx.mark_non_differentiable(output[1])  # no branch: no gradient to make for it
-        ctx.save_for_backward(inp, weight, None, main_grad, None, None, None)
+        ctx.save_for_backward(inp, weight, None, main_grad, None, None, None, None)
         ctx.scalars, ctx.has_bias, ctx.branch = _PLAIN_SCALARS, bias is not None, False
         return
     a = _Args(*inputs)
     _out, branch, saved = output
     ctx.mark_non_differentiable(*saved, *(() if a.branch else (branch,)))
+    tensors, ctx.scalars = _for_backward(a, saved)
+    ctx.save_for_backward(*tensors, a.wgrad_stash)
+    ctx.has_bias, ctx.branch = a.bias is not None, a.branch
+
+
+def _for_backward(a: _Args, saved: list[Tensor]) -> tuple[tuple, tuple]:
+    """What the backward op takes from a forward call: ``(inp, weight, bias, main_grad, scale,
+    grad_amax, norm_weight, *saved)`` (None where not needed) and the scalars."""
     if a.recipe in PER_TENSOR:
         saved = saved[:-1]  # the amaxes: for the caller, not the backward
     # backward_override: the backward is high precision's, on the forward's high-precision
@@ -781,7 +821,7 @@ def _setup_context(ctx, inputs, output) -> None:
             saved = [x_deq, *saved]
         else:
             inp = x_deq
-    ctx.save_for_backward(
+    tensors = (
         inp if hp or normed else None,
         weight if hp else None,
         a.bias if a.activation else None,
@@ -789,17 +829,17 @@ def _setup_context(ctx, inputs, output) -> None:
         a.norm_weight if normed else None,
         *saved,
     )  # fmt: skip
-    ctx.scalars = (
+    scalars = (
         "" if a.backward_override else a.recipe, a.fwd_dtype, a.bwd_dtype, a.power_2_scale,
         a.weight_block_rows, a.emulate,
         a.normalization, a.zero_centered_gamma, a.norm_bias is not None, a.activation, *a.act,
         a.out_scale,
     )  # fmt: skip
-    ctx.has_bias, ctx.branch = a.bias is not None, a.branch
+    return tensors, scalars
 
 
 def _backward(ctx, bwd, grad, grad_branch, _grad_saved):
-    inp, weight, bias, main_grad, scale, grad_amax, norm_weight, *saved = ctx.saved_tensors
+    inp, weight, bias, main_grad, scale, grad_amax, norm_weight, *saved, stash = ctx.saved_tensors
     need = ctx.needs_input_grad
     normalization = ctx.scalars[6]
     need_norm = bool(normalization) and any(need[_NORM_WEIGHT : _NORM_WEIGHT + 2])
@@ -809,10 +849,11 @@ def _backward(ctx, bwd, grad, grad_branch, _grad_saved):
     dinp, dweight, dbias, *dnorm = bwd(
         grad.contiguous(), grad_branch, saved, inp, weight, bias, main_grad, scale, grad_amax,
         norm_weight, *ctx.scalars, need_dbias, need_dgrad, need[1],
+        *(() if stash is None else (stash,)),
     )  # fmt: skip
     grads = [None] * len(need)
     grads[0] = dinp if need[0] else None
-    grads[1] = dweight if need[1] and main_grad is None else None
+    grads[1] = dweight if need[1] and main_grad is None and stash is None else None
     grads[2] = dbias if need_dbias else None
     if need_norm:
         dnorm_w, dnorm_b = dnorm
@@ -950,6 +991,41 @@ _linear = differentiable(
 # Public function ------------------------------------------------------------------------------
 
 
+class DeferredWgrad(NamedTuple):
+    """A weight gradient left for later (``linear(..., delay_wgrad=True)``, Transformer Engine's
+    ``delay_wgrad_compute``): the backward op copies its incoming gradient into ``stash``
+    instead of running the wgrad GEMM; :meth:`compute` runs that GEMM later through the same
+    ``te::linear_bwd`` call with only ``need_wgrad``, on the tensors the autograd context
+    saved, so the result is the one the normal backward gives, bit for bit."""
+
+    tensors: tuple
+    scalars: tuple
+    stash: Tensor
+    version: int
+
+    @property
+    def ready(self) -> bool:
+        """Whether the backward has run (it wrote ``stash``; its version counter moved)."""
+        return self.stash._version != self.version
+
+    def compute(self) -> Tensor | None:
+        """The weight gradient, or None where it was accumulated into ``main_grad``."""
+        inp, weight, bias, main_grad, scale, grad_amax, norm_weight, *saved = self.tensors
+        if grad_amax is not None:  # the backward recorded amax(dY) already: not twice
+            grad_amax = torch.zeros_like(grad_amax)
+        _, dweight, *_ = torch.ops.te.linear_bwd(
+            self.stash, None, saved, inp, weight, bias, main_grad, scale, grad_amax, norm_weight,
+            *self.scalars, False, False, True,
+        )  # fmt: skip
+        return None if main_grad is not None else dweight
+
+
+def _deferred(args: tuple, saved: list[Tensor]) -> DeferredWgrad:
+    a = _Args(*args)
+    tensors, scalars = _for_backward(a, saved)
+    return DeferredWgrad(tensors, scalars, a.wgrad_stash, a.wgrad_stash._version)
+
+
 def linear(
     inp: Tensor,
     weight: Tensor,
@@ -979,6 +1055,7 @@ def linear(
     return_branch: bool = False,
     return_amax: bool = False,
     backward_override: str = "",
+    delay_wgrad: bool = False,
 ) -> Tensor | tuple[Tensor, ...]:
     """``residual + out_scale * activation(norm(inp) @ weight.T + bias)`` through
     ``te::linear_fwd``, every part optional (module docstring); by default ``inp @ weight.T +
@@ -990,13 +1067,29 @@ def linear(
     with ``inp``'s values whose gradient joins the dgrad GEMM; ``return_amax=True`` also returns
     ``[amax(X), amax(W)]`` (per-tensor recipes; X is the norm's output with a prologue), last.
     ``backward_override`` (with a recipe): ``"high_precision"`` or ``"dequantized"`` backward
-    GEMMs (module docstring).
+    GEMMs (module docstring). ``delay_wgrad=True``: the backward leaves the weight gradient
+    GEMM out (the input's, the bias's and the norm's gradients are computed) and a
+    :class:`DeferredWgrad` is also returned (before the amaxes) whose ``compute()`` runs it
+    later: the modules' ``delay_wgrad_compute`` / ``backward_dw()``. Eager only: under
+    ``torch.compile`` no tensor written by the backward can leave the compiled graph.
     """
     args = (inp, weight, bias, main_grad)
+    stash = None
+    if delay_wgrad:
+        check_bool("te.linear", delay_wgrad=delay_wgrad)
+        if torch.compiler.is_compiling():
+            raise NotImplementedError(
+                "te.linear: delay_wgrad=True (delay_wgrad_compute) runs in eager mode only: the "
+                "backward stores the output gradient for backward_dw(), which a compiled "
+                "backward cannot hand out of its graph"
+            )
+        n = weight.shape[0] if weight.dim() == 2 else 0
+        stash = inp.new_empty((*inp.shape[:-1], _out_features(n, activation)))
     if (
         recipe or normalization or activation or return_branch or residual is not None
         or out_scale != 1.0 or norm_weight is not None or norm_bias is not None
         or scale is not None or grad_amax is not None or backward_override
+        or stash is not None
     ):  # fmt: skip
         check_bool(
             "te.linear", power_2_scale=power_2_scale, emulate=emulate,
@@ -1006,13 +1099,15 @@ def linear(
             recipe, fwd_dtype, bwd_dtype, power_2_scale, weight_block_rows, emulate, scale,
             grad_amax, norm_weight, norm_bias, normalization, norm_eps, zero_centered_gamma,
             activation, glu_interleave_size or 0, limit, alpha, glu_linear_offset, residual,
-            float(out_scale), return_branch, backward_override,
+            float(out_scale), return_branch, backward_override, stash,
         )  # fmt: skip
     out, branch, saved = _linear(*args)
-    if not (return_branch or return_amax):
+    if not (return_branch or return_amax or stash is not None):
         return out
     check_bool("te.linear", return_amax=return_amax)
     result = (out, branch) if return_branch else (out,)
+    if stash is not None:
+        result += (_deferred(args, saved),)
     if return_amax:
         result += (saved[-1] if recipe in PER_TENSOR else inp.new_empty(0, dtype=torch.float32),)
     return result

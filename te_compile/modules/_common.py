@@ -8,6 +8,7 @@ from te_compile._checks import check_bool, check_positive_finite
 
 __all__ = [
     "DEFAULT_INIT_STD",
+    "DelayedWgrad",
     "check_bool",
     "check_choice",
     "check_eps",
@@ -160,3 +161,78 @@ def _fuse_state(module: NamedSlices, state: dict, prefix: str, *_args: object) -
         if prefix + kind in state or not all(prefix + n in state for n in names):
             continue  # the fused key, or missing parts (load_state_dict names them)
         state[prefix + kind] = torch.cat([state.pop(prefix + n) for n in names])
+
+
+class DelayedWgrad:
+    """Transformer Engine's ``delay_wgrad_compute`` / ``backward_dw()`` for a module of GEMMs
+    (pipeline-parallel schedules that overlap the weight-gradient GEMMs with other work).
+
+    With ``delay_wgrad_compute=True`` a training forward (gradients enabled, a weight that
+    needs one) queues its GEMMs' :class:`~te_compile.functional.linear.DeferredWgrad`; the
+    backward then computes the input's, the bias's and the norm's gradients and leaves the
+    weights' ``grad`` (or ``main_grad``) untouched; :meth:`backward_dw` runs the weight-gradient
+    GEMMs of one backward and accumulates them into ``weight.grad`` (summed like autograd's,
+    where Transformer Engine overwrites it) or, with ``fuse_wgrad_accumulation``, into
+    ``weight.main_grad``, then calls the hooks of
+    :meth:`register_wgrad_accumulation_and_reduce_hooks`. Each call consumes the oldest forward
+    whose backward has run, so several microbatches may be in flight. Eager only (the
+    functional ``delay_wgrad`` says why); a forward whose backward never runs keeps its saved
+    tensors queued (run the forward under ``torch.no_grad()`` or in ``eval()`` mode, where
+    nothing is delayed).
+
+    A mixin for an ``nn.Module``; call :meth:`_init_delayed_wgrad` in ``__init__``."""
+
+    def _init_delayed_wgrad(self, owner: str, delay_wgrad_compute: bool) -> None:
+        check_bool(owner, delay_wgrad_compute=delay_wgrad_compute)
+        self.delay_wgrad_compute = delay_wgrad_compute
+        self._wgrad_pending: list[list[tuple]] = []
+        self.wgrad_accumulation_and_reduce_hooks: list = []
+
+    def _wgrad_defer(self, *weights: torch.Tensor) -> list | None:
+        """A list to collect the forward's delayed weight gradients in, or None (not delayed)."""
+        if not (self.delay_wgrad_compute and self.training and torch.is_grad_enabled()):
+            return None
+        return [] if any(w.requires_grad for w in weights) else None
+
+    def _wgrad_queue(self, defer: list | None) -> None:
+        if defer:
+            self._wgrad_pending.append(defer)
+
+    def need_backward_dw(self) -> bool:
+        """Whether :meth:`backward_dw` must run to complete the weight gradients."""
+        return self.delay_wgrad_compute
+
+    def register_wgrad_accumulation_and_reduce_hooks(self, hook) -> None:
+        """``hook()`` runs after each :meth:`backward_dw` (e.g. a data-parallel gradient
+        reduction, which the weights' autograd hooks no longer trigger)."""
+        if not callable(hook):
+            raise TypeError(f"hook must be callable, got {hook!r}")
+        self.wgrad_accumulation_and_reduce_hooks.append(hook)
+
+    def backward_dw(self) -> None:
+        """Run the delayed weight-gradient GEMMs of the oldest forward whose backward has run."""
+        if not self.delay_wgrad_compute:
+            return
+        pending = self._wgrad_pending
+        done = next((i for i, e in enumerate(pending) if all(d.ready for d, _ in e)), None)
+        if done is None:
+            name = type(self).__name__
+            raise RuntimeError(
+                f"{name}.backward_dw(): no weight gradient to compute: "
+                + (
+                    f"the backward of none of the {len(pending)} pending forward(s) has run"
+                    if pending
+                    else "no training forward with delay_wgrad_compute=True is pending"
+                )
+            )
+        with torch.no_grad():
+            for deferred, weight in pending.pop(done):
+                dweight = deferred.compute()
+                if dweight is None:  # accumulated into weight.main_grad
+                    continue
+                if weight.grad is None:
+                    weight.grad = dweight
+                else:
+                    weight.grad += dweight
+        for hook in self.wgrad_accumulation_and_reduce_hooks:
+            hook()

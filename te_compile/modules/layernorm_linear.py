@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from te_compile.distributed.tensor_parallel import TensorParallel, set_parallel_attributes
 from te_compile.modules._common import (
+    DelayedWgrad,
     NamedSlices,
     check_bool,
     check_positive,
@@ -37,7 +38,7 @@ from te_compile.quantization import gemm as _gemm
 __all__ = ["LayerNormLinear"]
 
 
-class LayerNormLinear(NamedSlices, PreNorm):
+class LayerNormLinear(DelayedWgrad, NamedSlices, PreNorm):
     r""":math:`y = \mathrm{norm}(x) W^\top + b`, the norm over ``in_features``.
 
     Args:
@@ -56,6 +57,8 @@ class LayerNormLinear(NamedSlices, PreNorm):
         parallel_mode: "column" or None; sequence_parallel, tp_group, tp_size: as in
             :class:`~te_compile.Linear`.
         parameters_split: named row blocks of the weight, as in :class:`~te_compile.Linear`.
+        delay_wgrad_compute: the backward leaves the weight gradient to :meth:`backward_dw`
+            (``DelayedWgrad``; eager only).
     """
 
     def __init__(
@@ -78,10 +81,12 @@ class LayerNormLinear(NamedSlices, PreNorm):
         tp_size: int | None = None,
         parameters_split: dict[str, int] | tuple[str, ...] | None = None,
         fuse_wgrad_accumulation: bool = False,
+        delay_wgrad_compute: bool = False,
     ) -> None:
         super().__init__()
         owner = "LayerNormLinear"
         check_positive(owner, in_features=in_features, out_features=out_features)
+        self._init_delayed_wgrad(owner, delay_wgrad_compute)
         check_bool(
             owner, bias=bias, zero_centered_gamma=zero_centered_gamma,
             return_layernorm_output=return_layernorm_output, return_bias=return_bias,
@@ -136,19 +141,25 @@ class LayerNormLinear(NamedSlices, PreNorm):
         owner = "LayerNormLinear"
         add_bias = not self.return_bias
         main_grad = weight_main_grad(owner, self.weight) if self.fuse_wgrad_accumulation else None
+        defer = self._wgrad_defer(self.weight) if self.delay_wgrad_compute else None
         if not (self.tp.active or self.return_layernorm_output) and _gemm.quantized():
             # FP8: one op, the norm its prologue (written straight into FP8 on CUDA). In high
             # precision the norm stays an op of its own, which selective activation
             # checkpointing can recompute without recomputing the GEMM.
             norm, bias = self._norm_spec(), self.bias if add_bias else None
-            out = _gemm.linear(owner, self.fp8_meta, inp, self.weight, bias, main_grad, norm=norm)
+            out = _gemm.linear(
+                owner, self.fp8_meta, inp, self.weight, bias, main_grad, norm=norm, defer=defer
+            )
         else:
 
             def gemm(x: Tensor, bias: Tensor | None) -> Tensor:
-                return _gemm.linear(owner, self.fp8_meta, x, self.weight, bias, main_grad)
+                return _gemm.linear(
+                    owner, self.fp8_meta, x, self.weight, bias, main_grad, defer=defer
+                )
 
             ln_out = self._norm(inp, self.tp, owner)
             out, _ = self.tp.linear(owner, gemm, ln_out, self.bias, add_bias=add_bias)
+        self._wgrad_queue(defer)
         extra: tuple[Tensor | None, ...] = ()
         if self.return_bias:
             extra += (self.bias,)
@@ -161,5 +172,6 @@ class LayerNormLinear(NamedSlices, PreNorm):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, normalization={self.normalization}, eps={self.eps}"
             + (", fuse_wgrad_accumulation=True" if self.fuse_wgrad_accumulation else "")
+            + (", delay_wgrad_compute=True" if self.delay_wgrad_compute else "")
             + self.tp.describe()
         )

@@ -38,6 +38,7 @@ from te_compile.functional.activation import (
     check_gated_params,
 )
 from te_compile.modules._common import (
+    DelayedWgrad,
     check_bool,
     check_choice,
     check_positive,
@@ -74,7 +75,7 @@ def _activation_params(owner: str, activation: str, params: object) -> dict[str,
     return {name: float(value) for name, value in params.items()}
 
 
-class LayerNormMLP(PreNorm):
+class LayerNormMLP(DelayedWgrad, PreNorm):
     """A transformer MLP block with its pre-norm.
 
     Args:
@@ -101,6 +102,9 @@ class LayerNormMLP(PreNorm):
         init_method, output_layer_init_method: initialise FC1's and FC2's weights.
         sequence_parallel, tp_group, tp_size: as in :class:`~te_compile.Linear`; FC1 is
             column-parallel and FC2 row-parallel when there is more than one shard.
+        delay_wgrad_compute: the backward leaves FC1's and FC2's weight gradients to
+            :meth:`backward_dw` (``DelayedWgrad``; eager only; the GEMMs then run as two
+            linear ops, as with ``fuse_wgrad_accumulation``; not with ``checkpoint``).
     """
 
     def __init__(
@@ -125,9 +129,16 @@ class LayerNormMLP(PreNorm):
         tp_size: int | None = None,
         fuse_wgrad_accumulation: bool = False,
         checkpoint: bool = False,
+        delay_wgrad_compute: bool = False,
     ) -> None:
         super().__init__()
         owner = "LayerNormMLP"
+        self._init_delayed_wgrad(owner, delay_wgrad_compute)
+        if checkpoint and delay_wgrad_compute:
+            raise NotImplementedError(
+                f"{owner}: checkpoint=True with delay_wgrad_compute=True is not supported (the "
+                "recomputed FC1 would queue its weight gradient a second time)"
+            )
         check_positive(owner, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
         check_bool(
             owner, bias=bias, zero_centered_gamma=zero_centered_gamma,
@@ -221,8 +232,11 @@ class LayerNormMLP(PreNorm):
         main_grads = None
         if self.fuse_wgrad_accumulation:
             main_grads = (weight_main_grad(owner, w1), weight_main_grad(owner, w2))
-        return _gemm.mlp(owner, metas, inp, w1, b1, self.activation, w2, fc2_bias, norm,
-                         self.activation_params, main_grads, self.checkpoint)  # fmt: skip
+        defer = self._wgrad_defer(w1, w2) if self.delay_wgrad_compute else None
+        out = _gemm.mlp(owner, metas, inp, w1, b1, self.activation, w2, fc2_bias, norm,
+                        self.activation_params, main_grads, self.checkpoint, defer)  # fmt: skip
+        self._wgrad_queue(defer)
+        return out
 
     def extra_repr(self) -> str:
         return (
@@ -230,5 +244,6 @@ class LayerNormMLP(PreNorm):
             f"activation={self.activation}, normalization={self.normalization}, eps={self.eps}"
             + (", fuse_wgrad_accumulation=True" if self.fuse_wgrad_accumulation else "")
             + (", checkpoint=True" if self.checkpoint else "")
+            + (", delay_wgrad_compute=True" if self.delay_wgrad_compute else "")
             + self.tp.describe().replace("parallel_mode='column', ", "")
         )

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from te_compile.distributed.tensor_parallel import TensorParallel, set_parallel_attributes
 from te_compile.modules._common import (
+    DelayedWgrad,
     NamedSlices,
     check_bool,
     check_positive,
@@ -44,7 +45,7 @@ from te_compile.quantization import gemm as _gemm
 __all__ = ["Linear"]
 
 
-class Linear(NamedSlices, nn.Module):
+class Linear(DelayedWgrad, NamedSlices, nn.Module):
     r"""Applies :math:`y = x W^\top + b` over the last dimension of ``inp``.
 
     Args:
@@ -66,6 +67,8 @@ class Linear(NamedSlices, nn.Module):
             that split ``out_features`` evenly), e.g. ``{"query": q, "key": k, "value": v}``:
             state_dict keys and attributes ``<name>_weight`` / ``<name>_bias``, as in
             Transformer Engine; the module keeps one fused Parameter (``NamedSlices``).
+        delay_wgrad_compute: the backward leaves the weight gradient to :meth:`backward_dw`
+            (``DelayedWgrad``; eager only).
     """
 
     def __init__(
@@ -84,9 +87,11 @@ class Linear(NamedSlices, nn.Module):
         tp_group: object = None,
         tp_size: int | None = None,
         parameters_split: dict[str, int] | tuple[str, ...] | None = None,
+        delay_wgrad_compute: bool = False,
     ) -> None:
         super().__init__()
         check_positive("Linear", in_features=in_features, out_features=out_features)
+        self._init_delayed_wgrad("Linear", delay_wgrad_compute)
         check_bool(
             "Linear", bias=bias, return_bias=return_bias,
             fuse_wgrad_accumulation=fuse_wgrad_accumulation, sequence_parallel=sequence_parallel,
@@ -142,17 +147,24 @@ class Linear(NamedSlices, nn.Module):
     def forward(self, inp: Tensor) -> Tensor | tuple[Tensor, Tensor | None]:
         wgrad_fusion = self.fuse_wgrad_accumulation
         main_grad = weight_main_grad("Linear", self.weight) if wgrad_fusion else None
+        defer = self._wgrad_defer(self.weight) if self.delay_wgrad_compute else None
         if self.tp.mode is None:  # no tensor parallelism: the GEMM alone (the hot path)
             bias = None if self.return_bias else self.bias
-            out = _gemm.linear("Linear", self.fp8_meta, inp, self.weight, bias, main_grad)
+            out = _gemm.linear(
+                "Linear", self.fp8_meta, inp, self.weight, bias, main_grad, defer=defer
+            )
+            self._wgrad_queue(defer)
             return (out, self.bias) if self.return_bias else out
 
         def gemm(x: Tensor, bias: Tensor | None) -> Tensor:
-            return _gemm.linear("Linear", self.fp8_meta, x, self.weight, bias, main_grad)
+            return _gemm.linear(
+                "Linear", self.fp8_meta, x, self.weight, bias, main_grad, defer=defer
+            )
 
         # Row-parallel: the bias is added once, to the sum of the partial products.
         add_bias = not self.return_bias
         out, bias = self.tp.linear("Linear", gemm, inp, self.bias, add_bias=add_bias)
+        self._wgrad_queue(defer)
         return (out, bias) if self.return_bias else out
 
     def extra_repr(self) -> str:
@@ -161,5 +173,6 @@ class Linear(NamedSlices, nn.Module):
             f"bias={self.bias is not None}, params_dtype={self.weight.dtype}"
             + (", return_bias=True" if self.return_bias else "")
             + (", fuse_wgrad_accumulation=True" if self.fuse_wgrad_accumulation else "")
+            + (", delay_wgrad_compute=True" if self.delay_wgrad_compute else "")
             + self.tp.describe()
         )

@@ -265,16 +265,22 @@ def linear(
     main_grad: Tensor | None = None,
     *,
     norm: Norm | None = None,
+    defer: list | None = None,
     **epilogue: Any,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """A module's linear through ``te::linear``: the recipe of the autocast state (high
     precision outside it) with ``meta``'s FP8 state, an optional ``norm`` prologue ``(weight,
     bias, normalization, eps, zero_centered_gamma)`` and the epilogue arguments of
     ``functional.linear`` (``activation``, ``residual``, ``out_scale``, ``return_branch``, ...).
-    The forward's amaxes go into ``meta`` (per-tensor recipes)."""
+    The forward's amaxes go into ``meta`` (per-tensor recipes). ``defer``: a list, the weight
+    gradient is delayed (``delay_wgrad_compute``): ``(DeferredWgrad, weight)`` is appended."""
     state = get_autocast_state()
     if state.calibration:
         state = calibrate(owner, state, (meta,), (_no_grad_norm(inp, norm),), (weight,))
+    if defer is not None and not weight.requires_grad:
+        defer = None  # no weight gradient to delay
+    if defer is not None:
+        epilogue = {**epilogue, "delay_wgrad": True}
     if not (state.enabled or norm or epilogue):  # te.Linear's hot path in high precision
         return F.linear(inp, weight, bias, main_grad=main_grad)
     args = gemm_args(owner, state, inp, (weight,), (meta,))
@@ -282,13 +288,19 @@ def linear(
     if args.backward_override:
         kw["backward_override"] = args.backward_override
     if args.recipe not in PER_TENSOR:
-        return F.linear(inp, weight, bias, main_grad=main_grad, **args.scalars(), **kw)
-    out, *rest, amax = F.linear(
-        inp, weight, bias, main_grad=main_grad, **args.scalars(), scale=args.scales[0],
-        grad_amax=args.grad_amaxes[0], return_amax=True, **kw,
-    )  # fmt: skip
-    meta.record(amax, state)
-    return (out, *rest) if rest else out
+        out = F.linear(inp, weight, bias, main_grad=main_grad, **args.scalars(), **kw)
+    else:
+        out, *rest, amax = F.linear(
+            inp, weight, bias, main_grad=main_grad, **args.scalars(), scale=args.scales[0],
+            grad_amax=args.grad_amaxes[0], return_amax=True, **kw,
+        )  # fmt: skip
+        meta.record(amax, state)
+        out = (out, *rest) if rest else out
+    if defer is None:
+        return out
+    *out, deferred = out
+    defer.append((deferred, weight))
+    return tuple(out) if len(out) > 1 else out[0]
 
 
 def mlp(
@@ -304,6 +316,7 @@ def mlp(
     activation_params: dict[str, float] | None = None,
     main_grads: tuple[Tensor, Tensor] | None = None,
     recompute_fc1: bool = False,
+    defer: list | None = None,
 ) -> Tensor:
     """``fc2(activation(fc1(norm(inp))))`` through ``te::mlp`` with the autocast state's
     recipe (high precision outside it); ``metas``: the two GEMMs' FP8 states, used as two
@@ -314,22 +327,28 @@ def mlp(
     buffers (``fuse_wgrad_accumulation``), which the two :func:`linear` calls accumulate into
     (``te::mlp`` has no such outputs). ``recompute_fc1``: the norm, FC1 and the activation
     are recomputed in the backward (:func:`~te_compile.checkpoint`, FP8 state included) rather
-    than their outputs saved; FC2 runs once."""
+    than their outputs saved; FC2 runs once. ``defer``: both weight gradients are delayed
+    (:func:`linear`'s ``defer``; the GEMMs run one by one)."""
     act_kw = activation_params or {}
     state = get_autocast_state()
     by_op = state.calibration or (state.enabled and state.recipe.backward_override is not None)
-    by_op = by_op or main_grads is not None or recompute_fc1
+    by_op = by_op or main_grads is not None or recompute_fc1 or defer is not None
+    if recompute_fc1 and defer is not None:
+        raise NotImplementedError(
+            f"{owner}: checkpoint=True with delay_wgrad_compute=True is not supported (the "
+            "recomputed FC1 would delay its weight gradient twice)"
+        )
     if not _FUSE_MLP or by_op:  # op by op: the same bytes
         g1, g2 = main_grads or (None, None)
 
         def fc1_act(x: Tensor) -> Tensor:
             if norm is not None:
                 x = _apply_norm(x, norm)
-            fc1_out = linear(owner, metas[0], x, fc1_weight, None, g1)
+            fc1_out = linear(owner, metas[0], x, fc1_weight, None, g1, defer=defer)
             return F.bias_activation(fc1_out, fc1_bias, activation, **act_kw)
 
         act = checkpoint(fc1_act, inp, use_reentrant=False) if recompute_fc1 else fc1_act(inp)
-        return linear(owner, metas[1], act, fc2_weight, fc2_bias, g2)
+        return linear(owner, metas[1], act, fc2_weight, fc2_bias, g2, defer=defer)
     weights = (fc1_weight, fc2_weight)
     args = gemm_args(owner, state, inp, weights, metas)
     kw = {**_norm_kwargs(norm), **args.scalars(), **act_kw}
