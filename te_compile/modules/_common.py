@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
+
 import torch
 
 from te_compile._checks import check_bool, check_positive_finite
@@ -13,8 +15,10 @@ __all__ = [
     "check_choice",
     "check_eps",
     "check_positive",
+    "check_rng_tracker",
     "default_init_method",
     "params_dtype_or_default",
+    "rng_fork",
 ]
 
 DEFAULT_INIT_STD = 0.023  # Transformer Engine's default weight init std
@@ -23,6 +27,37 @@ DEFAULT_INIT_STD = 0.023  # Transformer Engine's default weight init std
 def default_init_method(weight: torch.Tensor) -> None:
     """Transformer Engine's default weight initialisation: normal, std 0.023."""
     torch.nn.init.normal_(weight, mean=0.0, std=DEFAULT_INIT_STD)
+
+
+def check_rng_tracker(owner: str, get_rng_state_tracker: object, rng_tracker_name: object) -> None:
+    """Transformer Engine's ``get_rng_state_tracker`` (a callable returning a tracker with a
+    ``fork(name)`` context manager, e.g. Megatron's ``CudaRNGStatesTracker``) and
+    ``rng_tracker_name`` (the tracker's state to fork; None: the tracker's default)."""
+    if get_rng_state_tracker is not None and not callable(get_rng_state_tracker):
+        raise TypeError(
+            f"{owner}: get_rng_state_tracker must be a callable returning an RNG states tracker "
+            f"or None, got {get_rng_state_tracker!r}"
+        )
+    if rng_tracker_name is not None and not isinstance(rng_tracker_name, str):
+        raise TypeError(
+            f"{owner}: rng_tracker_name must be a str or None, got {rng_tracker_name!r}"
+        )
+
+
+def rng_fork(get_rng_state_tracker, rng_tracker_name: str | None = None) -> AbstractContextManager:
+    """The context random draws run in: the tracker's ``fork(rng_tracker_name)`` (its default
+    state when the name is None), as Transformer Engine forks it for parameter initialisation
+    under tensor parallelism and for attention dropout; no tracker: torch's default
+    generator."""
+    if get_rng_state_tracker is None:
+        return nullcontext()
+    tracker = get_rng_state_tracker()
+    if not callable(getattr(tracker, "fork", None)):
+        raise TypeError(
+            "get_rng_state_tracker() must return an RNG states tracker with a fork(name) "
+            f"context manager, got {tracker!r}"
+        )
+    return tracker.fork(rng_tracker_name) if rng_tracker_name else tracker.fork()
 
 
 def weight_main_grad(owner: str, weight: torch.Tensor) -> torch.Tensor:

@@ -52,8 +52,10 @@ from te_compile.distributed.tensor_parallel import TensorParallel, set_parallel_
 from te_compile.modules._common import (
     check_bool,
     check_positive,
+    check_rng_tracker,
     default_init_method,
     params_dtype_or_default,
+    rng_fork,
 )
 from te_compile.quantization import fp8_gemm as _fp8
 from te_compile.quantization import gemm as _gemm
@@ -77,6 +79,9 @@ class GroupedLinear(nn.Module):
         init_method: initialises each group's ``[out, in]`` weight (default: N(0, 0.023)).
         parallel_mode, tp_group, tp_size: as in :class:`~te_compile.Linear`;
             ``sequence_parallel=True`` raises (see the module docstring).
+        get_rng_state_tracker, rng_tracker_name: the weights are initialised inside
+            ``get_rng_state_tracker().fork(rng_tracker_name)`` (the tracker's default state
+            when the name is None), as in Transformer Engine (``rng_fork``).
     """
 
     def __init__(
@@ -97,9 +102,13 @@ class GroupedLinear(nn.Module):
         sequence_parallel: bool = False,
         tp_group: object = None,
         tp_size: int | None = None,
+        get_rng_state_tracker: Callable | None = None,
+        rng_tracker_name: str | None = None,
     ) -> None:
         super().__init__()
         owner = "GroupedLinear"
+        check_rng_tracker(owner, get_rng_state_tracker, rng_tracker_name)
+        self.get_rng_state_tracker, self.rng_tracker_name = get_rng_state_tracker, rng_tracker_name
         check_positive(
             owner, num_gemms=num_gemms, in_features=in_features, out_features=out_features
         )
@@ -206,8 +215,9 @@ class GroupedLinear(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        for w in self.weights():
-            self.init_method(w)
+        with rng_fork(self.get_rng_state_tracker, self.rng_tracker_name):
+            for w in self.weights():
+                self.init_method(w)
         for b in self.biases() or ():
             b.zero_()
 

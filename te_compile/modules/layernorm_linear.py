@@ -26,9 +26,11 @@ from te_compile.modules._common import (
     NamedSlices,
     check_bool,
     check_positive,
+    check_rng_tracker,
     default_init_method,
     params_dtype_or_default,
     parse_parameters_split,
+    rng_fork,
     weight_main_grad,
 )
 from te_compile.modules.norm import PreNorm
@@ -59,6 +61,9 @@ class LayerNormLinear(DelayedWgrad, NamedSlices, PreNorm):
         parameters_split: named row blocks of the weight, as in :class:`~te_compile.Linear`.
         delay_wgrad_compute: the backward leaves the weight gradient to :meth:`backward_dw`
             (``DelayedWgrad``; eager only).
+        get_rng_state_tracker, rng_tracker_name: the weights are initialised inside
+            ``get_rng_state_tracker().fork(rng_tracker_name)`` (the tracker's default state
+            when the name is None), as in Transformer Engine (``rng_fork``).
     """
 
     def __init__(
@@ -82,11 +87,15 @@ class LayerNormLinear(DelayedWgrad, NamedSlices, PreNorm):
         parameters_split: dict[str, int] | tuple[str, ...] | None = None,
         fuse_wgrad_accumulation: bool = False,
         delay_wgrad_compute: bool = False,
+        get_rng_state_tracker: Callable | None = None,
+        rng_tracker_name: str | None = None,
     ) -> None:
         super().__init__()
         owner = "LayerNormLinear"
         check_positive(owner, in_features=in_features, out_features=out_features)
         self._init_delayed_wgrad(owner, delay_wgrad_compute)
+        check_rng_tracker(owner, get_rng_state_tracker, rng_tracker_name)
+        self.get_rng_state_tracker, self.rng_tracker_name = get_rng_state_tracker, rng_tracker_name
         check_bool(
             owner, bias=bias, zero_centered_gamma=zero_centered_gamma,
             return_layernorm_output=return_layernorm_output, return_bias=return_bias,
@@ -133,7 +142,8 @@ class LayerNormLinear(DelayedWgrad, NamedSlices, PreNorm):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         self._reset_norm()
-        self.init_method(self.weight)
+        with rng_fork(self.get_rng_state_tracker, self.rng_tracker_name):
+            self.init_method(self.weight)
         if self.bias is not None:
             self.bias.zero_()
 

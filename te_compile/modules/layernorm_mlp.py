@@ -42,8 +42,10 @@ from te_compile.modules._common import (
     check_bool,
     check_choice,
     check_positive,
+    check_rng_tracker,
     default_init_method,
     params_dtype_or_default,
+    rng_fork,
     weight_main_grad,
 )
 from te_compile.modules.norm import PreNorm
@@ -105,6 +107,9 @@ class LayerNormMLP(DelayedWgrad, PreNorm):
         delay_wgrad_compute: the backward leaves FC1's and FC2's weight gradients to
             :meth:`backward_dw` (``DelayedWgrad``; eager only; the GEMMs then run as two
             linear ops, as with ``fuse_wgrad_accumulation``; not with ``checkpoint``).
+        get_rng_state_tracker, rng_tracker_name: the weights are initialised inside
+            ``get_rng_state_tracker().fork(rng_tracker_name)`` (the tracker's default state
+            when the name is None), as in Transformer Engine (``rng_fork``).
     """
 
     def __init__(
@@ -130,10 +135,14 @@ class LayerNormMLP(DelayedWgrad, PreNorm):
         fuse_wgrad_accumulation: bool = False,
         checkpoint: bool = False,
         delay_wgrad_compute: bool = False,
+        get_rng_state_tracker: Callable | None = None,
+        rng_tracker_name: str | None = None,
     ) -> None:
         super().__init__()
         owner = "LayerNormMLP"
         self._init_delayed_wgrad(owner, delay_wgrad_compute)
+        check_rng_tracker(owner, get_rng_state_tracker, rng_tracker_name)
+        self.get_rng_state_tracker, self.rng_tracker_name = get_rng_state_tracker, rng_tracker_name
         if checkpoint and delay_wgrad_compute:
             raise NotImplementedError(
                 f"{owner}: checkpoint=True with delay_wgrad_compute=True is not supported (the "
@@ -194,8 +203,9 @@ class LayerNormMLP(DelayedWgrad, PreNorm):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         self._reset_norm()
-        self.init_method(self.fc1_weight)
-        self.output_layer_init_method(self.fc2_weight)
+        with rng_fork(self.get_rng_state_tracker, self.rng_tracker_name):
+            self.init_method(self.fc1_weight)
+            self.output_layer_init_method(self.fc2_weight)
         for bias in (self.fc1_bias, self.fc2_bias):
             if bias is not None:
                 bias.zero_()

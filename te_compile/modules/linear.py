@@ -34,9 +34,11 @@ from te_compile.modules._common import (
     NamedSlices,
     check_bool,
     check_positive,
+    check_rng_tracker,
     default_init_method,
     params_dtype_or_default,
     parse_parameters_split,
+    rng_fork,
     weight_main_grad,
 )
 from te_compile.quantization import fp8_gemm as _fp8
@@ -69,6 +71,9 @@ class Linear(DelayedWgrad, NamedSlices, nn.Module):
             Transformer Engine; the module keeps one fused Parameter (``NamedSlices``).
         delay_wgrad_compute: the backward leaves the weight gradient to :meth:`backward_dw`
             (``DelayedWgrad``; eager only).
+        get_rng_state_tracker, rng_tracker_name: the weights are initialised inside
+            ``get_rng_state_tracker().fork(rng_tracker_name)`` (the tracker's default state
+            when the name is None), as in Transformer Engine (``rng_fork``).
     """
 
     def __init__(
@@ -88,10 +93,14 @@ class Linear(DelayedWgrad, NamedSlices, nn.Module):
         tp_size: int | None = None,
         parameters_split: dict[str, int] | tuple[str, ...] | None = None,
         delay_wgrad_compute: bool = False,
+        get_rng_state_tracker: Callable | None = None,
+        rng_tracker_name: str | None = None,
     ) -> None:
         super().__init__()
         check_positive("Linear", in_features=in_features, out_features=out_features)
         self._init_delayed_wgrad("Linear", delay_wgrad_compute)
+        check_rng_tracker("Linear", get_rng_state_tracker, rng_tracker_name)
+        self.get_rng_state_tracker, self.rng_tracker_name = get_rng_state_tracker, rng_tracker_name
         check_bool(
             "Linear", bias=bias, return_bias=return_bias,
             fuse_wgrad_accumulation=fuse_wgrad_accumulation, sequence_parallel=sequence_parallel,
@@ -140,7 +149,8 @@ class Linear(DelayedWgrad, NamedSlices, nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        self.init_method(self.weight)
+        with rng_fork(self.get_rng_state_tracker, self.rng_tracker_name):
+            self.init_method(self.weight)
         if self.bias is not None:
             self.bias.zero_()
 
