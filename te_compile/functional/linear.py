@@ -84,6 +84,7 @@ from te_compile.functional.gemm import (
     FP8_DTYPES,
     HIGH_DTYPES,
     PER_TENSOR,
+    DeferredWgrad,
     accumulate_wgrad,
     check_recipe,
     delayed_on_cuda,
@@ -110,7 +111,7 @@ from te_compile.functional.prologue import (
 )
 from te_compile.functional.quantize import dequantize_blockwise
 
-__all__ = ["DeferredWgrad", "linear", "linear_ref"]
+__all__ = ["linear", "linear_ref"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _E4M3, _E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -991,39 +992,21 @@ _linear = differentiable(
 # Public function ------------------------------------------------------------------------------
 
 
-class DeferredWgrad(NamedTuple):
-    """A weight gradient left for later (``linear(..., delay_wgrad=True)``, Transformer Engine's
-    ``delay_wgrad_compute``): the backward op copies its incoming gradient into ``stash``
-    instead of running the wgrad GEMM; :meth:`compute` runs that GEMM later through the same
-    ``te::linear_bwd`` call with only ``need_wgrad``, on the tensors the autograd context
-    saved, so the result is the one the normal backward gives, bit for bit."""
-
-    tensors: tuple
-    scalars: tuple
-    stash: Tensor
-    version: int
-
-    @property
-    def ready(self) -> bool:
-        """Whether the backward has run (it wrote ``stash``; its version counter moved)."""
-        return self.stash._version != self.version
-
-    def compute(self) -> Tensor | None:
-        """The weight gradient, or None where it was accumulated into ``main_grad``."""
-        inp, weight, bias, main_grad, scale, grad_amax, norm_weight, *saved = self.tensors
-        if grad_amax is not None:  # the backward recorded amax(dY) already: not twice
-            grad_amax = torch.zeros_like(grad_amax)
-        _, dweight, *_ = torch.ops.te.linear_bwd(
-            self.stash, None, saved, inp, weight, bias, main_grad, scale, grad_amax, norm_weight,
-            *self.scalars, False, False, True,
-        )  # fmt: skip
-        return None if main_grad is not None else dweight
-
-
 def _deferred(args: tuple, saved: list[Tensor]) -> DeferredWgrad:
     a = _Args(*args)
     tensors, scalars = _for_backward(a, saved)
-    return DeferredWgrad(tensors, scalars, a.wgrad_stash, a.wgrad_stash._version)
+
+    def replay(grad: Tensor) -> Tensor | None:
+        inp, weight, bias, main_grad, scale, grad_amax, norm_weight, *saved = tensors
+        if grad_amax is not None:  # the backward recorded amax(dY) already: not twice
+            grad_amax = torch.zeros_like(grad_amax)
+        _, dweight, *_ = torch.ops.te.linear_bwd(
+            grad, None, saved, inp, weight, bias, main_grad, scale, grad_amax, norm_weight,
+            *scalars, False, False, True,
+        )  # fmt: skip
+        return None if main_grad is not None else dweight
+
+    return DeferredWgrad.create(a.wgrad_stash, replay)
 
 
 def linear(
@@ -1069,8 +1052,8 @@ def linear(
     ``backward_override`` (with a recipe): ``"high_precision"`` or ``"dequantized"`` backward
     GEMMs (module docstring). ``delay_wgrad=True``: the backward leaves the weight gradient
     GEMM out (the input's, the bias's and the norm's gradients are computed) and a
-    :class:`DeferredWgrad` is also returned (before the amaxes) whose ``compute()`` runs it
-    later: the modules' ``delay_wgrad_compute`` / ``backward_dw()``. Eager only: under
+    ``functional.gemm.DeferredWgrad`` is also returned (before the amaxes) whose ``compute()``
+    runs it later: the modules' ``delay_wgrad_compute`` / ``backward_dw()``. Eager only: under
     ``torch.compile`` no tensor written by the backward can leave the compiled graph.
     """
     args = (inp, weight, bias, main_grad)

@@ -261,13 +261,20 @@ class DelayedWgrad:
                 )
             )
         with torch.no_grad():
-            for deferred, weight in pending.pop(done):
+            for deferred, weights in pending.pop(done):
                 dweight = deferred.compute()
                 if dweight is None:  # accumulated into weight.main_grad
                     continue
-                if weight.grad is None:
-                    weight.grad = dweight
-                else:
-                    weight.grad += dweight
+                # One weight, or the groups' weights of a grouped GEMM's [G, N, K] gradient.
+                single = isinstance(weights, torch.Tensor)
+                for weight, grad in zip(
+                    (weights,) if single else weights,
+                    (dweight,) if single else dweight.unbind(0),
+                    strict=True,
+                ):
+                    if weight.grad is None:
+                        weight.grad = grad.clone() if not single else grad
+                    else:
+                        weight.grad += grad
         for hook in self.wgrad_accumulation_and_reduce_hooks:
             hook()

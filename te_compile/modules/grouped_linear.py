@@ -50,6 +50,7 @@ from torch import Tensor, nn
 from te_compile import functional as F
 from te_compile.distributed.tensor_parallel import TensorParallel, set_parallel_attributes
 from te_compile.modules._common import (
+    DelayedWgrad,
     check_bool,
     check_positive,
     check_rng_tracker,
@@ -63,7 +64,7 @@ from te_compile.quantization import gemm as _gemm
 __all__ = ["GroupedLinear"]
 
 
-class GroupedLinear(nn.Module):
+class GroupedLinear(DelayedWgrad, nn.Module):
     """``num_gemms`` independent linear layers applied to consecutive groups of rows.
 
     Args:
@@ -82,6 +83,8 @@ class GroupedLinear(nn.Module):
         get_rng_state_tracker, rng_tracker_name: the weights are initialised inside
             ``get_rng_state_tracker().fork(rng_tracker_name)`` (the tracker's default state
             when the name is None), as in Transformer Engine (``rng_fork``).
+        delay_wgrad_compute: the backward leaves the weight gradients to :meth:`backward_dw`
+            (``DelayedWgrad``; eager only).
     """
 
     def __init__(
@@ -104,9 +107,11 @@ class GroupedLinear(nn.Module):
         tp_size: int | None = None,
         get_rng_state_tracker: Callable | None = None,
         rng_tracker_name: str | None = None,
+        delay_wgrad_compute: bool = False,
     ) -> None:
         super().__init__()
         owner = "GroupedLinear"
+        self._init_delayed_wgrad(owner, delay_wgrad_compute)
         check_rng_tracker(owner, get_rng_state_tracker, rng_tracker_name)
         self.get_rng_state_tracker, self.rng_tracker_name = get_rng_state_tracker, rng_tracker_name
         check_positive(
@@ -257,9 +262,13 @@ class GroupedLinear(nn.Module):
         if self.use_bias:
             bias = self.bias if self.single_bias else torch.stack(self.biases())
         main_grad = self._main_grad() if self.fuse_wgrad_accumulation else None
+        params = (self.weight,) if self.single_weight else tuple(self.weights())
+        defer = self._wgrad_defer(*params) if self.delay_wgrad_compute else None
 
         def gemm(x: Tensor, b: Tensor | None) -> Tensor:
-            return self._gemm(x, m_splits, weight, b, main_grad)
+            return _gemm.grouped_linear(
+                "GroupedLinear", self.fp8_meta, x, m_splits, weight, b, main_grad, defer
+            )
 
         def add_expert_bias(out: Tensor, b: Tensor) -> Tensor:
             splits = F.as_splits_tensor(m_splits).to(b.device)
@@ -269,12 +278,9 @@ class GroupedLinear(nn.Module):
         rows = inp.reshape(-1, inp.shape[-1]) if inp.dim() > 2 else inp
         # Row-parallel: each row's expert bias is added once, to the sum of the partial products.
         out, _ = self.tp.linear("GroupedLinear", gemm, rows, bias, add=add_expert_bias)
+        if defer:  # the GEMM's [G, N, K] weight gradient goes to the module's weight(s)
+            self._wgrad_queue([(d, params[0] if self.single_weight else params) for d, _ in defer])
         return out.reshape(*inp.shape[:-1], out.shape[-1]) if inp.dim() > 2 else out
-
-    def _gemm(self, inp, m_splits, weight, bias, main_grad) -> Tensor:
-        return _gemm.grouped_linear(
-            "GroupedLinear", self.fp8_meta, inp, m_splits, weight, bias, main_grad
-        )
 
     # state_dict in either layout ---------------------------------------------------------------
 
@@ -287,7 +293,9 @@ class GroupedLinear(nn.Module):
             f"num_gemms={self.num_gemms}, in_features={self.in_features}, "
             f"out_features={self.out_features}, bias={self.use_bias}, "
             f"single_grouped_weight={self.single_weight}, "
-            f"single_grouped_bias={self.single_bias}" + self.tp.describe()
+            f"single_grouped_bias={self.single_bias}"
+            + (", delay_wgrad_compute=True" if self.delay_wgrad_compute else "")
+            + self.tp.describe()
         )
 
 

@@ -372,6 +372,7 @@ def grouped_linear(
     weight: Tensor,
     bias: Tensor | None,
     main_grad: Tensor | None = None,
+    defer: list | None = None,
 ) -> Tensor:
     """A module's grouped GEMM (``weight`` ``[G, N, K]``) through ``te::grouped_linear`` with
     the autocast state's recipe (high precision outside it). Under the per-tensor recipes the
@@ -382,7 +383,8 @@ def grouped_linear(
     measures). Float8BlockScaling runs natively where the dense GEMMs do and the input is bf16;
     the block-scaled recipes are emulated elsewhere. Calibration records the amaxes of the
     whole input and of every group's weight (one per-tensor state). A recipe's
-    ``backward_override`` raises: the grouped GEMM does not implement it."""
+    ``backward_override`` raises: the grouped GEMM does not implement it. ``defer``: as
+    :func:`linear`'s (``(DeferredWgrad, weight)`` appended)."""
     state = get_autocast_state()
     if state.calibration:
         state = calibrate(owner, state, (meta,), (inp,), (weight,))
@@ -394,14 +396,23 @@ def grouped_linear(
             "recipe's quantised operands only)"
         )
     kw = args.scalars()
-    if args.recipe not in PER_TENSOR:
-        return F.grouped_linear(inp, m_splits, weight, bias, main_grad=main_grad, **kw)
-    kw["fp8_wgrad"] = _GROUPED_FP8_WGRAD
-    if not state.recipe.delayed():  # current scaling measures no amaxes (a read each)
-        return F.grouped_linear(inp, m_splits, weight, bias, main_grad=main_grad, **kw)
-    out, amax = F.grouped_linear(
-        inp, m_splits, weight, bias, main_grad=main_grad, scale=args.scales[0],
-        grad_amax=meta.grad_amax, return_amax=True, **kw,
-    )  # fmt: skip
-    meta.record(amax, state)
+    if defer is not None and weight.requires_grad:
+        kw["delay_wgrad"] = True
+    if args.recipe in PER_TENSOR:
+        kw["fp8_wgrad"] = _GROUPED_FP8_WGRAD
+    if args.recipe in PER_TENSOR and state.recipe.delayed():
+        out, *rest, amax = F.grouped_linear(
+            inp, m_splits, weight, bias, main_grad=main_grad, scale=args.scales[0],
+            grad_amax=meta.grad_amax, return_amax=True, **kw,
+        )  # fmt: skip
+        meta.record(amax, state)
+    else:  # current scaling measures no amaxes (a read each)
+        out, *rest = _as_tuple(F.grouped_linear(inp, m_splits, weight, bias, main_grad=main_grad,
+                                                **kw))  # fmt: skip
+    if rest:
+        defer.append((rest[0], weight))
     return out
+
+
+def _as_tuple(result: Tensor | tuple) -> tuple:
+    return result if isinstance(result, tuple) else (result,)

@@ -150,3 +150,88 @@ def test_compile_refuses_clearly():
         compiled(torch.randn(4, 16))
     assert "NotImplementedError" in repr(info.value) or isinstance(info.value, NotImplementedError)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("single", [False, True], ids=["per_group", "single"])
+def test_grouped_linear_backward_dw(single, recipe, device):
+    kw = {"params_dtype": BF16, "device": device, "single_grouped_parameter": single}
+    torch.manual_seed(0)
+    ref = te.GroupedLinear(3, 32, 32, **kw)
+    m = te.GroupedLinear(3, 32, 32, delay_wgrad_compute=True, **kw)
+    m.load_state_dict(ref.state_dict())
+    splits = [16, 0, 32]  # an empty group too
+    x = torch.randn(48, 32, device=device, dtype=BF16)
+    g = torch.randn(48, 32, device=device, dtype=BF16)
+    x_ref, x_m = x.clone().requires_grad_(), x.clone().requires_grad_()
+    for mod, inp in ((ref, x_ref), (m, x_m)):
+        with te.autocast(enabled=recipe is not None, recipe=recipe):
+            out = mod(inp, splits)
+        out.backward(g)
+    assert_bits_equal(x_m.grad, x_ref.grad)
+    weights = [p for n, p in m.named_parameters() if n.startswith("weight")]
+    assert all(w.grad is None for w in weights)
+    for (_n, p), (_, q) in zip(ref.named_parameters(), m.named_parameters(), strict=True):
+        if all(q is not w for w in weights):  # the biases: the main backward
+            assert_bits_equal(q.grad, p.grad)
+    m.backward_dw()
+    for (_n, p), (_, q) in zip(ref.named_parameters(), m.named_parameters(), strict=True):
+        assert_bits_equal(q.grad, p.grad)
+
+
+def test_grouped_linear_main_grad():
+    ref = te.GroupedLinear(2, 32, 32, params_dtype=BF16, fuse_wgrad_accumulation=True)
+    m = te.GroupedLinear(
+        2, 32, 32, params_dtype=BF16, fuse_wgrad_accumulation=True, delay_wgrad_compute=True
+    )
+    m.load_state_dict(ref.state_dict())
+    buffers = [mod.allocate_main_grad() for mod in (ref, m)]
+    x, g = torch.randn(24, 32, dtype=BF16), torch.randn(24, 32, dtype=BF16)
+    ref(x, [8, 16]).backward(g)
+    m(x, [8, 16]).backward(g)
+    assert torch.count_nonzero(buffers[1]) == 0
+    m.backward_dw()
+    assert_bits_equal(buffers[1], buffers[0])
+
+
+def _stash_calls():
+    from te_compile.functional.linear import _Args
+
+    x, w, b = torch.randn(2, 8, 32), torch.randn(16, 32), torch.randn(16)
+    for t in (x, w, b):
+        t.requires_grad_()
+    args = _Args(x, w, b, None, recipe="current", wgrad_stash=torch.empty(2, 8, 16))
+    yield torch.ops.te.linear_fwd.default, tuple(args)
+    gx, gw = torch.randn(40, 32, requires_grad=True), torch.randn(2, 16, 32, requires_grad=True)
+    splits = torch.tensor([8, 32])
+    yield (
+        torch.ops.te.grouped_linear_fwd.default,
+        (gx, splits, gw, None, None, "", torch.float8_e4m3fn, torch.float8_e5m2, False, 1,
+         False, None, None, False, torch.empty(40, 16)),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("call", list(_stash_calls()), ids=["linear", "grouped_linear"])
+def test_ops_with_a_wgrad_stash_pass_opcheck(call):
+    """The schema declares the backward's write into wgrad_stash; fake and autograd agree.
+    (Not the AOT dispatch test: a compiled backward cannot write a forward output.)"""
+    op, args = call
+    torch.library.opcheck(
+        op, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor")
+    )
+
+
+def test_functional_delay_wgrad():
+    x = torch.randn(4, 32, dtype=BF16, requires_grad=True)
+    w = torch.randn(16, 32, dtype=BF16, requires_grad=True)
+    y = te.functional.linear(x, w)
+    g = torch.randn_like(y)
+    (dw,) = torch.autograd.grad(y, w, g)
+    y2, deferred = te.functional.linear(x, w, delay_wgrad=True)
+    assert not deferred.ready
+    y2.backward(g)
+    assert deferred.ready and w.grad is None
+    assert_bits_equal(deferred.compute(), dw)
+    with pytest.raises(ValueError, match=r"te\.linear: delay_wgrad must be a bool"):
+        te.functional.linear(x, w, delay_wgrad=1)
