@@ -131,6 +131,7 @@ class _Args(NamedTuple):
     grad_amax: Tensor | None = None
     fp8_wgrad: bool = False
     wgrad_stash: Tensor | None = None
+    save_original_input: bool = False
 
     @property
     def grouped_recipe(self) -> GroupedRecipe:
@@ -397,9 +398,17 @@ def _check(a: _Args) -> None:
                 f"{stash.device}"
             )
     recipe = a.recipe
+    p = "te.grouped_linear: "
+    if a.save_original_input and recipe not in ("", "current"):
+        error = ValueError if recipe == "delayed" else NotImplementedError
+        raise error(
+            p + f"save_original_input=True works with high precision and current scaling, not "
+            f"with recipe={recipe!r}"
+            + (" (DelayedScaling: the backward would quantise the input again with a scale "
+               "the update may have changed)" if recipe == "delayed" else "")
+        )  # fmt: skip
     if not recipe and a.scale is None and a.grad_amax is None and not a.fp8_wgrad:
         return
-    p = "te.grouped_linear: "
     check_recipe(p, recipe, a.fwd_dtype, a.bwd_dtype, a.weight_block_rows, a.emulate, a.scale,
                  a.grad_amax)  # fmt: skip
     if recipe and a.inp.dtype not in HIGH_DTYPES:
@@ -429,7 +438,10 @@ def _check(a: _Args) -> None:
 def _forward(a: _Args, cuda: bool) -> tuple[Tensor, list[Tensor]]:
     _check(a)
     forward, _ = GROUPED_GEMMS[grouped_gemm_kind(a.recipe, a.emulate)]
-    return forward(a.inp, a.m_splits, a.weight, a.bias, a.grouped_recipe, cuda)
+    r = a.grouped_recipe
+    if a.save_original_input:  # no FP8 copy of the input: the backward quantises it again
+        r = r._replace(fp8_wgrad=False)
+    return forward(a.inp, a.m_splits, a.weight, a.bias, r, cuda)
 
 
 @op("grouped_linear_fwd", opaque=HOST_SPLITS)
@@ -449,6 +461,7 @@ def grouped_linear_fwd(
     grad_amax: Tensor | None = None,
     fp8_wgrad: bool = False,
     wgrad_stash: Tensor | None = None,
+    save_original_input: bool = False,
 ) -> tuple[Tensor, list[Tensor]]:
     """``(out [M, out_features], saved)`` (module docstring). ``main_grad`` is only carried to
     the backward. Default (CPU): fp32 math (fp64 stays fp64) in high precision, the exact
@@ -481,7 +494,7 @@ def _grouped_linear_fwd_fake(*args):
     saved = []
     if kind == "scaled_grouped_mm":
         saved = [inp.new_empty(g, k, n, dtype=u8), inp.new_empty(g, k, dtype=f32)]
-        if a.fp8_wgrad:
+        if a.fp8_wgrad and not a.save_original_input:
             cap = wgrad_capacity(inp.shape[0], g)
             saved += [inp.new_empty(k, cap, dtype=u8), inp.new_empty(g, k, dtype=f32)]
         if _measured(a.recipe, a.grad_amax):
@@ -614,7 +627,9 @@ def _for_backward(a: _Args, saved: list[Tensor]) -> tuple[tuple, tuple]:
     """What the backward op takes from a forward call (the tensors, then the scalars). The
     input is read by a high-precision wgrad only (not by FP8 wgrads, the native blockwise GEMMs
     or the emulation, which saved their own copies)."""
-    keeps_inp = not a.recipe or (a.recipe in PER_TENSOR and not a.fp8_wgrad)
+    keeps_inp = not a.recipe or (
+        a.recipe in PER_TENSOR and (not a.fp8_wgrad or a.save_original_input)
+    )
     tensors = (a.inp if keeps_inp else None, a.m_splits, a.weight, a.main_grad, a.scale,
                a.grad_amax, *saved)  # fmt: skip
     return tensors, tuple(a[5:11]) + (a.fp8_wgrad,)
@@ -683,6 +698,10 @@ def _samples(device: torch.device):
     yield call(t(40, 16, dtype=bf16), splits(11, 29, 0), t(3, 32, 16, dtype=bf16), None,
                torch.zeros(3, 32, 16, device=device), recipe="delayed", scale=scale.clone(),
                grad_amax=torch.zeros(1, device=device), fp8_wgrad=True)  # fmt: skip
+    # save_original_input: the FP8 wgrad operand quantised again in the backward from the input.
+    yield call(t(40, 16, dtype=bf16), splits(17, 0, 23), t(3, 32, 16, dtype=bf16),
+               t(3, 32, dtype=bf16), None, **cur, fp8_wgrad=True,
+               save_original_input=True)  # fmt: skip
     # Float8BlockScaling, native (its GEMMs emulated off CUDA): experts of 17 / 0 / 40 tokens
     # (the padded layout: experts from rows 0 and 128), a partial 128-block of features
     # (K = 144), 1x128 weight blocks, power-of-two scales, bias; 128x128 weight blocks (features
@@ -740,6 +759,7 @@ def grouped_linear(
     fp8_wgrad: bool = False,
     return_amax: bool = False,
     delay_wgrad: bool = False,
+    save_original_input: bool = False,
 ) -> Tensor | tuple[Tensor, ...]:
     """Rows of ``inp`` split into groups by ``m_splits``; group ``g`` gets
     ``inp_g @ weight[g].T + bias[g]`` through ``te::grouped_linear_fwd`` with the recipe as data
@@ -748,7 +768,10 @@ def grouped_linear(
     ``[amax(inp), amax(weight)]`` (delayed scaling, or current scaling given ``grad_amax``;
     0-element otherwise). ``delay_wgrad=True``: the backward leaves the weight gradient GEMMs
     out and a ``functional.gemm.DeferredWgrad`` is also returned (before the amaxes) whose
-    ``compute()`` runs them later (``te.linear``'s ``delay_wgrad`` says more; eager only)."""
+    ``compute()`` runs them later (``te.linear``'s ``delay_wgrad`` says more; eager only).
+    ``save_original_input=True``: with ``fp8_wgrad`` the backward keeps ``inp`` itself rather
+    than its FP8 copy and quantises it again for the wgrad GEMM (the same gradients); high
+    precision and the high-precision wgrad keep ``inp`` anyway; other recipes raise."""
     args = (inp, as_splits_tensor(m_splits), weight, bias, main_grad)
     stash = None
     if delay_wgrad:
@@ -761,13 +784,18 @@ def grouped_linear(
             )
         rows = inp.shape[0] if inp.dim() else 0
         stash = inp.new_empty(rows, weight.shape[1] if weight.dim() == 3 else 0)
-    if recipe or scale is not None or grad_amax is not None or fp8_wgrad or stash is not None:
+    if save_original_input:
+        check_bool("te.grouped_linear", save_original_input=save_original_input)
+    if (
+        recipe or scale is not None or grad_amax is not None or fp8_wgrad or stash is not None
+        or save_original_input
+    ):  # fmt: skip
         check_bool(
             "te.grouped_linear", power_2_scale=power_2_scale, emulate=emulate,
             fp8_wgrad=fp8_wgrad,
         )  # fmt: skip
         args += (recipe, fwd_dtype, bwd_dtype, power_2_scale, weight_block_rows, emulate, scale,
-                 grad_amax, fp8_wgrad, stash)  # fmt: skip
+                 grad_amax, fp8_wgrad, stash, save_original_input)  # fmt: skip
     out, saved = _grouped_linear(*args)
     if not (return_amax or stash is not None):
         return out

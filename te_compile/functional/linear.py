@@ -147,6 +147,7 @@ class _Args(NamedTuple):
     branch: bool = False
     backward_override: str = ""
     wgrad_stash: Tensor | None = None
+    save_original_input: bool = False
 
     @property
     def plain(self) -> bool:
@@ -157,6 +158,7 @@ class _Args(NamedTuple):
             or self.residual is not None or self.out_scale != 1.0 or self.norm_weight is not None
             or self.norm_bias is not None or self.scale is not None
             or self.grad_amax is not None or self.wgrad_stash is not None
+            or self.save_original_input
         )  # fmt: skip
 
     @property
@@ -309,6 +311,19 @@ def _check(a: _Args) -> None:
         )
     if a.backward_override and not recipe:
         raise ValueError(p + "backward_override is for a quantised recipe (recipe is '')")
+    if a.save_original_input:
+        if recipe == "delayed":
+            raise ValueError(
+                p + "save_original_input=True does not work with the delayed-scaling recipe "
+                "(DelayedScaling): the backward would quantise the input again with a scale the "
+                "amax-history update may have changed"
+            )
+        if a.normalization or a.backward_override == "dequantized":
+            raise ValueError(
+                p + "save_original_input=True is for a linear without a norm prologue and "
+                "without backward_override='dequantized', got "
+                f"normalization={a.normalization!r}, backward_override={a.backward_override!r}"
+            )
     if a.grad_amax is not None and recipe not in PER_TENSOR:
         raise ValueError(p + "grad_amax is for the per-tensor recipes (current, delayed)")
     check_finite("te.linear", out_scale=a.out_scale)
@@ -384,9 +399,9 @@ def _forward(a: _Args, cuda: bool) -> tuple[Tensor, Tensor, list[Tensor]]:
         elif a.normalization:
             xq, *stats = norm_quantize(recipe, x2, a.norm, a.fwd_dtype, scale=s_x,
                                        power_2_scale=p2, emulate=em)  # fmt: skip
-        else:
-            xq = quantize_operand(recipe, pad_rows(x2), a.fwd_dtype, scale=s_x,
-                                  power_2_scale=p2, emulate=em)  # fmt: skip
+        else:  # save_original_input: the backward quantises the input again for the wgrad
+            xq = quantize_operand(recipe, pad_rows(x2), a.fwd_dtype, scale=s_x, power_2_scale=p2,
+                                  emulate=em, columnwise=not a.save_original_input)  # fmt: skip
         wq = quantize_operand(recipe, weight, a.fwd_dtype, scale=s_w, power_2_scale=p2,
                               block_rows=a.weight_block_rows, emulate=em)  # fmt: skip
         h = gemm(gemm_kind(recipe, em), xq.data, xq.scale, wq.data, wq.scale, dtype,
@@ -398,6 +413,10 @@ def _forward(a: _Args, cuda: bool) -> tuple[Tensor, Tensor, list[Tensor]]:
             w_rows = a.weight_block_rows
             saved = [_dequantized(recipe, xq, m, a.fwd_dtype, 1, em, dtype),
                      _dequantized(recipe, wq, n, a.fwd_dtype, w_rows, em, dtype)]  # fmt: skip
+        elif a.save_original_input and not override:  # the input itself is saved instead
+            f32 = torch.float32
+            x_slots = [x2.new_empty(0, dtype=_bytes(wq.data_t).dtype), x2.new_empty(0, dtype=f32)]
+            saved = [*x_slots, _bytes(wq.data_t), wq.scale_t]
         else:
             saved = [_bytes(xq.data_t), xq.scale_t, _bytes(wq.data_t), wq.scale_t]
         if recipe in PER_TENSOR:
@@ -459,6 +478,7 @@ def linear_fwd(
     branch: bool = False,
     backward_override: str = "",
     wgrad_stash: Tensor | None = None,
+    save_original_input: bool = False,
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
     """``(out, branch, saved)`` (module docstring). The default (CPU) implementation computes
     high precision in fp32 (fp64 stays fp64), rounded once."""
@@ -466,14 +486,14 @@ def linear_fwd(
         recipe == "" and normalization == "" and activation == "" and residual is None
         and out_scale == 1.0 and not branch and scale is None and grad_amax is None
         and norm_weight is None and norm_bias is None and backward_override == ""
-        and wgrad_stash is None
+        and wgrad_stash is None and not save_original_input
     ):  # fmt: skip
         return _plain_forward(inp, weight, bias, main_grad, cuda=False)
     args = (inp, weight, bias, main_grad, recipe, fwd_dtype, bwd_dtype, power_2_scale,
             weight_block_rows, emulate, scale, grad_amax, norm_weight, norm_bias, normalization,
             norm_eps, zero_centered_gamma, activation, glu_interleave_size, limit, alpha,
             glu_linear_offset, residual, out_scale, branch, backward_override,
-            wgrad_stash)  # fmt: skip
+            wgrad_stash, save_original_input)  # fmt: skip
     return _forward(_Args(*args), cuda=False)
 
 
@@ -526,6 +546,8 @@ def _linear_fwd_fake(*args):
             saved = [inp.new_empty(k, m, dtype=u8), inp.new_empty(k, -(-m // 128), dtype=f32),
                      inp.new_empty(k, n, dtype=u8),
                      inp.new_empty(-(-k // w_rows), -(-n // 128), dtype=f32)]  # fmt: skip
+        if a.save_original_input:  # the input's slots: 0-element (the input itself is saved)
+            saved[:2] = [inp.new_empty(0, dtype=saved[0].dtype), inp.new_empty(0, dtype=f32)]
     elif a.normalization:
         saved = [inp.new_empty(rows, k)]
     if a.activation:
@@ -578,6 +600,12 @@ def _backward_impl(grad, grad_branch, saved, inp, weight, bias, main_grad, scale
                    norm_weight, c: _Bwd, cuda: bool):  # fmt: skip
     dtype = grad.dtype
     copies, x_hp, h, stats = _split_saved(saved, c)
+    if copies and c.need_wgrad and copies[0].numel() == 0 and inp is not None and inp.numel():
+        # save_original_input: the input's quantised transposed copy, made again here.
+        x2 = inp.reshape(-1, inp.shape[-1])
+        xq = quantize_operand(c.recipe, pad_rows(x2), c.fwd_dtype, scale=scale_slots(
+            scale, c.recipe)[0], power_2_scale=c.power_2_scale, emulate=c.emulate)  # fmt: skip
+        copies = [_bytes(xq.data_t), xq.scale_t, *copies[2:]]
     g2 = grad.reshape(-1, grad.shape[-1])
     m = g2.shape[0]
     acc = None if c.recipe or cuda else _acc(grad)
@@ -816,6 +844,7 @@ def _for_backward(a: _Args, saved: list[Tensor]) -> tuple[tuple, tuple]:
     # operands or on their dequantised copies (which take the input's and the weight's place).
     hp, normed = not a.recipe or a.backward_override, bool(a.normalization)
     inp, weight = a.inp, a.weight
+    keep_inp = hp or normed or a.save_original_input
     if a.backward_override == "dequantized":
         x_deq, weight, *saved = saved
         if normed:  # the norm's backward takes the input, the wgrad GEMM the saved operand
@@ -823,7 +852,7 @@ def _for_backward(a: _Args, saved: list[Tensor]) -> tuple[tuple, tuple]:
         else:
             inp = x_deq
     tensors = (
-        inp if hp or normed else None,
+        inp if keep_inp else None,
         weight if hp else None,
         a.bias if a.activation else None,
         a.main_grad, a.scale, a.grad_amax,
@@ -958,6 +987,14 @@ def _samples(device: torch.device):
     yield _call(unit_rows(32, 64, device=device), t(32, 64), recipe="mxfp8", emulate=True, **e4,
                 norm_weight=t(64), norm_bias=torch.zeros(64, device=device, requires_grad=True),
                 normalization="LayerNorm", norm_eps=1e-30)  # fmt: skip
+    # save_original_input: the input itself saved, its transposed copy quantised in the backward
+    # (per-tensor current scaling with GELU; emulated MXFP8; native blockwise).
+    yield _call(t(2, 16, 32, dtype=bf16), t(32, 32, dtype=bf16), t(32, dtype=bf16), **cur,
+                activation="gelu", save_original_input=True)  # fmt: skip
+    yield _call(t(32, 64), t(32, 64), t(32), recipe="mxfp8", emulate=True, **e4,
+                save_original_input=True)  # fmt: skip
+    yield _call(t(32, 512, dtype=bf16), t(512, 512, dtype=bf16), None, recipe="block",
+                weight_block_rows=128, **e4, save_original_input=True)  # fmt: skip
     # backward_override: high-precision backward GEMMs on the forward's high-precision operands
     # (the norm's output saved) or on its dequantised FP8 operands.
     yield _call(unit_rows(2, 8, 32, device=device), t(16, 32), t(16), **cur, norm_weight=t(32),
@@ -1039,6 +1076,7 @@ def linear(
     return_amax: bool = False,
     backward_override: str = "",
     delay_wgrad: bool = False,
+    save_original_input: bool = False,
 ) -> Tensor | tuple[Tensor, ...]:
     """``residual + out_scale * activation(norm(inp) @ weight.T + bias)`` through
     ``te::linear_fwd``, every part optional (module docstring); by default ``inp @ weight.T +
@@ -1055,8 +1093,17 @@ def linear(
     ``functional.gemm.DeferredWgrad`` is also returned (before the amaxes) whose ``compute()``
     runs it later: the modules' ``delay_wgrad_compute`` / ``backward_dw()``. Eager only: under
     ``torch.compile`` no tensor written by the backward can leave the compiled graph.
+    ``save_original_input=True`` (with a recipe; Transformer Engine's option): the backward
+    keeps ``inp`` itself (no bytes of its own when the caller keeps ``inp`` alive, e.g. an input
+    several modules read) instead of the quantised transposed copy the forward would make, and
+    quantises it again for the wgrad GEMM: the same gradients; not with ``DelayedScaling``
+    (ValueError), nor with a norm prologue. In high precision the input is what is saved
+    anyway.
     """
     args = (inp, weight, bias, main_grad)
+    if save_original_input:
+        check_bool("te.linear", save_original_input=save_original_input)
+        save_original_input = bool(recipe)  # high precision saves the input itself anyway
     stash = None
     if delay_wgrad:
         check_bool("te.linear", delay_wgrad=delay_wgrad)
@@ -1072,7 +1119,7 @@ def linear(
         recipe or normalization or activation or return_branch or residual is not None
         or out_scale != 1.0 or norm_weight is not None or norm_bias is not None
         or scale is not None or grad_amax is not None or backward_override
-        or stash is not None
+        or stash is not None or save_original_input
     ):  # fmt: skip
         check_bool(
             "te.linear", power_2_scale=power_2_scale, emulate=emulate,
@@ -1082,7 +1129,7 @@ def linear(
             recipe, fwd_dtype, bwd_dtype, power_2_scale, weight_block_rows, emulate, scale,
             grad_amax, norm_weight, norm_bias, normalization, norm_eps, zero_centered_gamma,
             activation, glu_interleave_size or 0, limit, alpha, glu_linear_offset, residual,
-            float(out_scale), return_branch, backward_override, stash,
+            float(out_scale), return_branch, backward_override, stash, save_original_input,
         )  # fmt: skip
     out, branch, saved = _linear(*args)
     if not (return_branch or return_amax or stash is not None):

@@ -85,6 +85,9 @@ class GroupedLinear(DelayedWgrad, nn.Module):
             when the name is None), as in Transformer Engine (``rng_fork``).
         delay_wgrad_compute: the backward leaves the weight gradients to :meth:`backward_dw`
             (``DelayedWgrad``; eager only).
+        save_original_input: the backward keeps the input itself rather than a quantised
+            copy (high precision and Float8CurrentScaling do; DelayedScaling raises ValueError,
+            as in Transformer Engine; the block-scaled recipes raise NotImplementedError).
     """
 
     def __init__(
@@ -108,10 +111,13 @@ class GroupedLinear(DelayedWgrad, nn.Module):
         get_rng_state_tracker: Callable | None = None,
         rng_tracker_name: str | None = None,
         delay_wgrad_compute: bool = False,
+        save_original_input: bool = False,
     ) -> None:
         super().__init__()
         owner = "GroupedLinear"
         self._init_delayed_wgrad(owner, delay_wgrad_compute)
+        check_bool(owner, save_original_input=save_original_input)
+        self.save_original_input = save_original_input
         check_rng_tracker(owner, get_rng_state_tracker, rng_tracker_name)
         self.get_rng_state_tracker, self.rng_tracker_name = get_rng_state_tracker, rng_tracker_name
         check_positive(
@@ -267,7 +273,15 @@ class GroupedLinear(DelayedWgrad, nn.Module):
 
         def gemm(x: Tensor, b: Tensor | None) -> Tensor:
             return _gemm.grouped_linear(
-                "GroupedLinear", self.fp8_meta, x, m_splits, weight, b, main_grad, defer
+                "GroupedLinear",
+                self.fp8_meta,
+                x,
+                m_splits,
+                weight,
+                b,
+                main_grad,
+                defer,
+                self.save_original_input,
             )
 
         def add_expert_bias(out: Tensor, b: Tensor) -> Tensor:
@@ -295,6 +309,7 @@ class GroupedLinear(DelayedWgrad, nn.Module):
             f"single_grouped_weight={self.single_weight}, "
             f"single_grouped_bias={self.single_bias}"
             + (", delay_wgrad_compute=True" if self.delay_wgrad_compute else "")
+            + (", save_original_input=True" if self.save_original_input else "")
             + self.tp.describe()
         )
 

@@ -71,6 +71,11 @@ class Linear(DelayedWgrad, NamedSlices, nn.Module):
             Transformer Engine; the module keeps one fused Parameter (``NamedSlices``).
         delay_wgrad_compute: the backward leaves the weight gradient to :meth:`backward_dw`
             (``DelayedWgrad``; eager only).
+        save_original_input: under an FP8 recipe the backward keeps the input itself (no
+            bytes of its own where the caller keeps it, e.g. an input several modules read)
+            rather than its quantised transposed copy, and quantises it again for the wgrad
+            GEMM: the same gradients. Not with DelayedScaling (ValueError, as in Transformer
+            Engine).
         get_rng_state_tracker, rng_tracker_name: the weights are initialised inside
             ``get_rng_state_tracker().fork(rng_tracker_name)`` (the tracker's default state
             when the name is None), as in Transformer Engine (``rng_fork``).
@@ -93,12 +98,15 @@ class Linear(DelayedWgrad, NamedSlices, nn.Module):
         tp_size: int | None = None,
         parameters_split: dict[str, int] | tuple[str, ...] | None = None,
         delay_wgrad_compute: bool = False,
+        save_original_input: bool = False,
         get_rng_state_tracker: Callable | None = None,
         rng_tracker_name: str | None = None,
     ) -> None:
         super().__init__()
         check_positive("Linear", in_features=in_features, out_features=out_features)
         self._init_delayed_wgrad("Linear", delay_wgrad_compute)
+        check_bool("Linear", save_original_input=save_original_input)
+        self.save_original_input = save_original_input
         check_rng_tracker("Linear", get_rng_state_tracker, rng_tracker_name)
         self.get_rng_state_tracker, self.rng_tracker_name = get_rng_state_tracker, rng_tracker_name
         check_bool(
@@ -158,18 +166,17 @@ class Linear(DelayedWgrad, NamedSlices, nn.Module):
         wgrad_fusion = self.fuse_wgrad_accumulation
         main_grad = weight_main_grad("Linear", self.weight) if wgrad_fusion else None
         defer = self._wgrad_defer(self.weight) if self.delay_wgrad_compute else None
+        kw = {"defer": defer}
+        if self.save_original_input and _gemm.quantized():
+            kw["save_original_input"] = True
         if self.tp.mode is None:  # no tensor parallelism: the GEMM alone (the hot path)
             bias = None if self.return_bias else self.bias
-            out = _gemm.linear(
-                "Linear", self.fp8_meta, inp, self.weight, bias, main_grad, defer=defer
-            )
+            out = _gemm.linear("Linear", self.fp8_meta, inp, self.weight, bias, main_grad, **kw)
             self._wgrad_queue(defer)
             return (out, self.bias) if self.return_bias else out
 
         def gemm(x: Tensor, bias: Tensor | None) -> Tensor:
-            return _gemm.linear(
-                "Linear", self.fp8_meta, x, self.weight, bias, main_grad, defer=defer
-            )
+            return _gemm.linear("Linear", self.fp8_meta, x, self.weight, bias, main_grad, **kw)
 
         # Row-parallel: the bias is added once, to the sum of the partial products.
         add_bias = not self.return_bias
@@ -184,5 +191,6 @@ class Linear(DelayedWgrad, NamedSlices, nn.Module):
             + (", return_bias=True" if self.return_bias else "")
             + (", fuse_wgrad_accumulation=True" if self.fuse_wgrad_accumulation else "")
             + (", delay_wgrad_compute=True" if self.delay_wgrad_compute else "")
+            + (", save_original_input=True" if self.save_original_input else "")
             + self.tp.describe()
         )

@@ -277,6 +277,8 @@ def linear(
     state = get_autocast_state()
     if state.calibration:
         state = calibrate(owner, state, (meta,), (_no_grad_norm(inp, norm),), (weight,))
+    if epilogue.get("save_original_input") and state.enabled:
+        _refuse_delayed(owner, state)
     if defer is not None and not weight.requires_grad:
         defer = None  # no weight gradient to delay
     if defer is not None:
@@ -301,6 +303,17 @@ def linear(
     *out, deferred = out
     defer.append((deferred, weight))
     return tuple(out) if len(out) > 1 else out[0]
+
+
+def _refuse_delayed(owner: str, state: AutocastState) -> None:
+    """save_original_input under DelayedScaling: refused, as Transformer Engine refuses it (the
+    first steps of a delayed-scaling state run current scaling; the recipe decides)."""
+    if state.recipe.delayed():
+        raise ValueError(
+            f"{owner}: save_original_input=True does not work with the DelayedScaling recipe "
+            "(the backward would quantise the input again with a scale the amax-history update "
+            "may have changed)"
+        )
 
 
 def mlp(
@@ -373,6 +386,7 @@ def grouped_linear(
     bias: Tensor | None,
     main_grad: Tensor | None = None,
     defer: list | None = None,
+    save_original_input: bool = False,
 ) -> Tensor:
     """A module's grouped GEMM (``weight`` ``[G, N, K]``) through ``te::grouped_linear`` with
     the autocast state's recipe (high precision outside it). Under the per-tensor recipes the
@@ -384,7 +398,11 @@ def grouped_linear(
     the block-scaled recipes are emulated elsewhere. Calibration records the amaxes of the
     whole input and of every group's weight (one per-tensor state). A recipe's
     ``backward_override`` raises: the grouped GEMM does not implement it. ``defer``: as
-    :func:`linear`'s (``(DeferredWgrad, weight)`` appended)."""
+    :func:`linear`'s (``(DeferredWgrad, weight)`` appended). ``save_original_input``: the
+    backward must keep the input itself, not a quantised copy: what high precision and
+    ``Float8CurrentScaling`` (its FP8 wgrad operand quantised again in the backward) do;
+    DelayedScaling refuses it (as Transformer Engine), the block-scaled recipes, which save
+    quantised copies, do not implement it."""
     state = get_autocast_state()
     if state.calibration:
         state = calibrate(owner, state, (meta,), (inp,), (weight,))
@@ -396,6 +414,15 @@ def grouped_linear(
             "recipe's quantised operands only)"
         )
     kw = args.scalars()
+    if save_original_input and state.enabled:
+        _refuse_delayed(owner, state)
+    if save_original_input and args.recipe not in ("", "current"):
+        raise NotImplementedError(
+            f"{owner}: save_original_input=True is not implemented for the {args.recipe!r} "
+            "grouped GEMMs (they save quantised copies of the input)"
+        )
+    if save_original_input and args.recipe:
+        kw["save_original_input"] = True
     if defer is not None and weight.requires_grad:
         kw["delay_wgrad"] = True
     if args.recipe in PER_TENSOR:
