@@ -988,9 +988,11 @@ def _samples(device: torch.device):
                 norm_weight=t(64), norm_bias=torch.zeros(64, device=device, requires_grad=True),
                 normalization="LayerNorm", norm_eps=1e-30)  # fmt: skip
     # save_original_input: the input itself saved, its transposed copy quantised in the backward
-    # (per-tensor current scaling with GELU; emulated MXFP8; native blockwise).
+    # (per-tensor current scaling, in bf16 and with GELU; emulated MXFP8; native blockwise).
     yield _call(t(2, 16, 32, dtype=bf16), t(32, 32, dtype=bf16), t(32, dtype=bf16), **cur,
-                activation="gelu", save_original_input=True)  # fmt: skip
+                save_original_input=True)  # fmt: skip
+    yield _call(t(2, 16, 32), t(32, 32), t(32), **cur, activation="gelu",
+                save_original_input=True)  # fmt: skip
     yield _call(t(32, 64), t(32, 64), t(32), recipe="mxfp8", emulate=True, **e4,
                 save_original_input=True)  # fmt: skip
     yield _call(t(32, 512, dtype=bf16), t(512, 512, dtype=bf16), None, recipe="block",

@@ -1,4 +1,5 @@
-"""Argument checks shared by the modules: each raises ValueError naming the argument."""
+"""What the modules share: argument checks (each raises naming the argument), parameter splits,
+the RNG tracker fork and the delayed weight gradients."""
 
 from __future__ import annotations
 
@@ -203,7 +204,7 @@ class DelayedWgrad:
     (pipeline-parallel schedules that overlap the weight-gradient GEMMs with other work).
 
     With ``delay_wgrad_compute=True`` a training forward (gradients enabled, a weight that
-    needs one) queues its GEMMs' :class:`~te_compile.functional.linear.DeferredWgrad`; the
+    needs one) queues its GEMMs' :class:`~te_compile.functional.gemm.DeferredWgrad`; the
     backward then computes the input's, the bias's and the norm's gradients and leaves the
     weights' ``grad`` (or ``main_grad``) untouched; :meth:`backward_dw` runs the weight-gradient
     GEMMs of one backward and accumulates them into ``weight.grad`` (summed like autograd's,
