@@ -235,3 +235,25 @@ def test_functional_delay_wgrad():
     assert_bits_equal(deferred.compute(), dw)
     with pytest.raises(ValueError, match=r"te\.linear: delay_wgrad must be a bool"):
         te.functional.linear(x, w, delay_wgrad=1)
+
+
+def test_delayed_scaling_backward_dw_after_the_next_forward():
+    """DelayedScaling: backward_dw() runs after the next forward updated the scales; it uses
+    the scales of its own forward (saved), and the FP8 state ends as without the split."""
+    torch.manual_seed(0)
+    ref, m = _pair("Linear", "cpu")
+    recipe = te.recipe.DelayedScaling()
+    xs = [torch.randn(16, 32, dtype=BF16) * (i + 1) for i in range(4)]
+    gs = [torch.randn(16, 32, dtype=BF16) * (i + 1) for i in range(4)]
+    for x, g in zip(xs, gs, strict=True):
+        _step(ref, x, g, recipe)
+    _step(m, xs[0], gs[0], recipe)
+    for x, g in zip(xs[1:], gs[1:], strict=True):
+        with te.autocast(recipe=recipe):
+            out = m(x)
+        m.backward_dw()
+        out.backward(g)
+    m.backward_dw()
+    assert_bits_equal(m.weight.grad, ref.weight.grad)
+    for key, value in ref.fp8_meta.state_dict().items():
+        assert_bits_equal(m.fp8_meta.state_dict()[key], value)
