@@ -80,6 +80,7 @@ __all__ = [
     "QUANTIZERS",
     "RECIPES",
     "WEIGHT_OPERAND",
+    "DeferredWgrad",
     "Operand",
     "accumulate_wgrad",
     "blockwise_supported",
@@ -806,3 +807,29 @@ def quantized_linear_ref(
                   row_scaled)  # fmt: skip
         out = _BlockReference.apply(x, weight, *config)
     return out.reshape(*inp.shape[:-1], weight.shape[0])
+
+
+class DeferredWgrad(NamedTuple):
+    """A weight gradient left for later (the GEMM families' ``delay_wgrad=True``, Transformer
+    Engine's ``delay_wgrad_compute``): the family's backward op copies its incoming gradient
+    into ``stash`` instead of running the wgrad GEMM; :meth:`compute` later runs the same
+    backward op with only the weight gradient asked for, on the tensors the autograd context
+    saved (``replay(stash)``), so the result is the one the normal backward gives, bit for
+    bit."""
+
+    stash: Tensor
+    version: int
+    replay: Callable[[Tensor], Tensor | None]
+
+    @classmethod
+    def create(cls, stash: Tensor, replay: Callable[[Tensor], Tensor | None]) -> DeferredWgrad:
+        return cls(stash, stash._version, replay)
+
+    @property
+    def ready(self) -> bool:
+        """Whether the backward has run (it wrote ``stash``: its version counter moved)."""
+        return self.stash._version != self.version
+
+    def compute(self) -> Tensor | None:
+        """The weight gradient, or None where it was accumulated into ``main_grad``."""
+        return self.replay(self.stash)

@@ -370,7 +370,7 @@ def _scaled_forward(
 
 def _scaled_backward(
     grad_out, saved, inp, m_splits, main_grad, scale, grad_amax, fwd_dtype, bwd_dtype, has_bias,
-    need_dgrad, need_wgrad, native,
+    need_dgrad, need_wgrad, native, fp8_wgrad=False,
 ):  # fmt: skip
     wq_t, ws_t = saved[:2]
     wq_t = wq_t.view(fwd_dtype)
@@ -381,6 +381,9 @@ def _scaled_backward(
     if need_dgrad or grad_amax is not None:
         gq, gs = _quantize_grad(grad_out, scale, grad_amax, bwd_dtype)
     dsplits = device_splits(m_splits, grad_out) if native else None
+    if need_wgrad and fp8_wgrad and len(saved) == 2:  # save_original_input: quantised here
+        xt, xs_t, _ = quantize_group_columns(inp, m_splits, fwd_dtype, _slot(scale, 0), dsplits)
+        saved = [*saved, xt.view(torch.uint8), xs_t]
     if need_wgrad and len(saved) == 4:  # the forward saved the FP8 wgrad operand of the input
         dyt, dys, pad_ends = quantize_group_columns(
             grad_out, m_splits, bwd_dtype, _slot(scale, 2), dsplits, e4m3_codes=True
@@ -446,5 +449,5 @@ def per_tensor_backward(grad, saved, inp, m_splits, weight, main_grad, r, has_bi
     scale = r.scale if r.recipe == "delayed" else None
     return _scaled_backward(
         grad, saved, inp, m_splits, main_grad, scale, r.grad_amax, r.fwd_dtype, r.bwd_dtype,
-        has_bias, dgrad, wgrad, native,
+        has_bias, dgrad, wgrad, native, r.fp8_wgrad,
     )  # fmt: skip

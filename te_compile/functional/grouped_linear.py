@@ -56,6 +56,7 @@ from te_compile.functional.gemm import (
     BLOCK_KINDS,
     HIGH_DTYPES,
     PER_TENSOR,
+    DeferredWgrad,
     blockwise_supported,
     check_recipe,
     empty,
@@ -129,10 +130,12 @@ class _Args(NamedTuple):
     scale: Tensor | None = None
     grad_amax: Tensor | None = None
     fp8_wgrad: bool = False
+    wgrad_stash: Tensor | None = None
+    save_original_input: bool = False
 
     @property
     def grouped_recipe(self) -> GroupedRecipe:
-        return GroupedRecipe(*self[5:])
+        return GroupedRecipe(*self[5:14])
 
 
 def _measured(recipe: str, grad_amax: Tensor | None) -> bool:
@@ -387,10 +390,27 @@ def _diagnose(
 
 def _check(a: _Args) -> None:
     _check_args(a.inp, a.m_splits, a.weight, a.bias, a.main_grad)
+    stash = a.wgrad_stash
+    if stash is not None:
+        shape = (a.inp.shape[0], a.weight.shape[1])
+        if stash.shape != shape or stash.dtype != a.inp.dtype or stash.device != a.inp.device:
+            raise ValueError(
+                f"te.grouped_linear: wgrad_stash must have the output's shape {list(shape)}, "
+                f"inp's dtype {a.inp.dtype} and device, got {list(stash.shape)} {stash.dtype} "
+                f"{stash.device}"
+            )
     recipe = a.recipe
+    p = "te.grouped_linear: "
+    if a.save_original_input and recipe not in ("", "current"):
+        error = ValueError if recipe == "delayed" else NotImplementedError
+        raise error(
+            p + f"save_original_input=True works with high precision and current scaling, not "
+            f"with recipe={recipe!r}"
+            + (" (DelayedScaling: the backward would quantise the input again with a scale "
+               "the update may have changed)" if recipe == "delayed" else "")
+        )  # fmt: skip
     if not recipe and a.scale is None and a.grad_amax is None and not a.fp8_wgrad:
         return
-    p = "te.grouped_linear: "
     check_recipe(p, recipe, a.fwd_dtype, a.bwd_dtype, a.weight_block_rows, a.emulate, a.scale,
                  a.grad_amax)  # fmt: skip
     if recipe and a.inp.dtype not in HIGH_DTYPES:
@@ -420,7 +440,10 @@ def _check(a: _Args) -> None:
 def _forward(a: _Args, cuda: bool) -> tuple[Tensor, list[Tensor]]:
     _check(a)
     forward, _ = GROUPED_GEMMS[grouped_gemm_kind(a.recipe, a.emulate)]
-    return forward(a.inp, a.m_splits, a.weight, a.bias, a.grouped_recipe, cuda)
+    r = a.grouped_recipe
+    if a.save_original_input:  # no FP8 copy of the input: the backward quantises it again
+        r = r._replace(fp8_wgrad=False)
+    return forward(a.inp, a.m_splits, a.weight, a.bias, r, cuda)
 
 
 @op("grouped_linear_fwd", opaque=HOST_SPLITS)
@@ -439,6 +462,8 @@ def grouped_linear_fwd(
     scale: Tensor | None = None,
     grad_amax: Tensor | None = None,
     fp8_wgrad: bool = False,
+    wgrad_stash: Tensor | None = None,
+    save_original_input: bool = False,
 ) -> tuple[Tensor, list[Tensor]]:
     """``(out [M, out_features], saved)`` (module docstring). ``main_grad`` is only carried to
     the backward. Default (CPU): fp32 math (fp64 stays fp64) in high precision, the exact
@@ -471,7 +496,7 @@ def _grouped_linear_fwd_fake(*args):
     saved = []
     if kind == "scaled_grouped_mm":
         saved = [inp.new_empty(g, k, n, dtype=u8), inp.new_empty(g, k, dtype=f32)]
-        if a.fp8_wgrad:
+        if a.fp8_wgrad and not a.save_original_input:
             cap = wgrad_capacity(inp.shape[0], g)
             saved += [inp.new_empty(k, cap, dtype=u8), inp.new_empty(g, k, dtype=f32)]
         if _measured(a.recipe, a.grad_amax):
@@ -516,7 +541,11 @@ def _backward_impl(grad_out, saved, inp, m_splits, weight, main_grad, scale, gra
                     c.need_dgrad, c.need_wgrad, cuda)  # fmt: skip
 
 
-@op("grouped_linear_bwd", mutates_args=("main_grad", "grad_amax"), opaque=HOST_SPLITS)
+@op(
+    "grouped_linear_bwd",
+    mutates_args=("main_grad", "grad_amax", "wgrad_stash"),
+    opaque=HOST_SPLITS,
+)
 def grouped_linear_bwd(
     grad_out: Tensor,
     saved: list[Tensor],
@@ -536,26 +565,42 @@ def grouped_linear_bwd(
     has_bias: bool,
     need_dgrad: bool,
     need_wgrad: bool,
+    wgrad_stash: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dinp, dweight, dbias)``; a gradient not computed is a 0-element tensor (dweight also
     when it went into ``main_grad``). ``saved``: the forward's, without the amaxes; ``inp`` is
     needed (and passed) only where a high-precision wgrad reads it. Writes ``amax(dY)`` into
-    ``grad_amax`` when given. Default (CPU): fp32 math, the exact emulation of the FP8 GEMMs."""
+    ``grad_amax`` when given. ``wgrad_stash`` (delayed weight gradient): ``grad_out`` is copied
+    into it and the weight gradient is not computed (``DeferredWgrad`` replays this op for it).
+    Default (CPU): fp32 math, the exact emulation of the FP8 GEMMs."""
+    if wgrad_stash is not None:
+        wgrad_stash.copy_(grad_out)
+        need_wgrad = False
     values = locals()
     c = _Bwd(*(values[name] for name in _Bwd._fields))
     return _backward_impl(*(values[name] for name in _BWD_TENSORS), c, cuda=False)
 
 
+def _bwd_args(args: tuple) -> tuple[tuple, _Bwd]:
+    """The tensors and scalars of a backward call; a ``wgrad_stash`` gets ``grad_out`` (copied
+    here) and takes the weight gradient's place (``need_wgrad`` becomes False)."""
+    n, m = len(_BWD_TENSORS), len(_Bwd._fields)
+    c = _Bwd(*args[n : n + m])
+    stash = args[n + m] if len(args) > n + m else None
+    return args[:n], (c if stash is None else c._replace(need_wgrad=False))
+
+
 @grouped_linear_bwd.register_kernel("cuda")
 def _grouped_linear_bwd_cuda(*args):
-    n = len(_BWD_TENSORS)
-    return _backward_impl(*args[:n], _Bwd(*args[n:]), cuda=True)
+    tensors, c = _bwd_args(args)
+    if len(args) > len(_BWD_TENSORS) + len(_Bwd._fields) and args[-1] is not None:
+        args[-1].copy_(tensors[0])
+    return _backward_impl(*tensors, c, cuda=True)
 
 
 @grouped_linear_bwd.register_fake
 def _grouped_linear_bwd_fake(*args):
-    grad_out, _saved, inp, _splits, weight, main_grad, _scale, _amax = args[: len(_BWD_TENSORS)]
-    c = _Bwd(*args[len(_BWD_TENSORS) :])
+    (grad_out, _saved, inp, _splits, weight, main_grad, _scale, _amax), c = _bwd_args(args)
     g, n, k = weight.shape
     if c.need_wgrad and c.recipe in ("", *PER_TENSOR) and not c.fp8_wgrad:
         torch._check(inp is not None, lambda: "te.grouped_linear_bwd: the wgrad needs inp")
@@ -575,29 +620,36 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.mark_non_differentiable(*saved)
     if a.recipe in PER_TENSOR and _measured(a.recipe, a.grad_amax):
         saved = saved[:-1]  # the amaxes: for the caller
-    # The input is read by a high-precision wgrad only (not by FP8 wgrads, the native blockwise
-    # GEMMs or the emulation, which saved their own copies).
-    keeps_inp = not a.recipe or (a.recipe in PER_TENSOR and not a.fp8_wgrad)
-    ctx.save_for_backward(
-        a.inp if keeps_inp else None, a.m_splits, a.weight, a.main_grad, a.scale, a.grad_amax,
-        *saved,
-    )  # fmt: skip
-    ctx.scalars = tuple(a[5:11]) + (a.fp8_wgrad,)
+    tensors, ctx.scalars = _for_backward(a, saved)
+    ctx.save_for_backward(*tensors, a.wgrad_stash)
     ctx.has_bias = a.bias is not None
 
 
+def _for_backward(a: _Args, saved: list[Tensor]) -> tuple[tuple, tuple]:
+    """What the backward op takes from a forward call (the tensors, then the scalars). The
+    input is read by a high-precision wgrad only (not by FP8 wgrads, the native blockwise GEMMs
+    or the emulation, which saved their own copies)."""
+    keeps_inp = not a.recipe or (
+        a.recipe in PER_TENSOR and (not a.fp8_wgrad or a.save_original_input)
+    )
+    tensors = (a.inp if keeps_inp else None, a.m_splits, a.weight, a.main_grad, a.scale,
+               a.grad_amax, *saved)  # fmt: skip
+    return tensors, tuple(a[5:11]) + (a.fp8_wgrad,)
+
+
 def _backward(ctx, bwd, grad_out, _grad_saved):
-    inp, m_splits, weight, main_grad, scale, grad_amax, *saved = ctx.saved_tensors
+    inp, m_splits, weight, main_grad, scale, grad_amax, *saved, stash = ctx.saved_tensors
     need = ctx.needs_input_grad
     need_dgrad, need_wgrad = need[0], need[2]
     has_bias = ctx.has_bias and need[3]
     dinp, dweight, dbias = bwd(
         grad_out.contiguous(), saved, inp, m_splits, weight, main_grad,
         scale, grad_amax, *ctx.scalars, has_bias, need_dgrad, need_wgrad,
+        *(() if stash is None else (stash,)),
     )  # fmt: skip
     grads = [None] * len(need)
     grads[0] = dinp if need_dgrad else None
-    grads[2] = dweight if need_wgrad and main_grad is None else None
+    grads[2] = dweight if need_wgrad and main_grad is None and stash is None else None
     grads[3] = dbias if has_bias else None
     return tuple(grads)
 
@@ -648,6 +700,10 @@ def _samples(device: torch.device):
     yield call(t(40, 16, dtype=bf16), splits(11, 29, 0), t(3, 32, 16, dtype=bf16), None,
                torch.zeros(3, 32, 16, device=device), recipe="delayed", scale=scale.clone(),
                grad_amax=torch.zeros(1, device=device), fp8_wgrad=True)  # fmt: skip
+    # save_original_input: the FP8 wgrad operand quantised again in the backward from the input.
+    yield call(t(40, 16, dtype=bf16), splits(17, 0, 23), t(3, 32, 16, dtype=bf16),
+               t(3, 32, dtype=bf16), None, **cur, fp8_wgrad=True,
+               save_original_input=True)  # fmt: skip
     # Float8BlockScaling, native (its GEMMs emulated off CUDA): experts of 17 / 0 / 40 tokens
     # (the padded layout: experts from rows 0 and 128), a partial 128-block of features
     # (K = 144), 1x128 weight blocks, power-of-two scales, bias; 128x128 weight blocks (features
@@ -704,24 +760,71 @@ def grouped_linear(
     grad_amax: Tensor | None = None,
     fp8_wgrad: bool = False,
     return_amax: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
+    delay_wgrad: bool = False,
+    save_original_input: bool = False,
+) -> Tensor | tuple[Tensor, ...]:
     """Rows of ``inp`` split into groups by ``m_splits``; group ``g`` gets
     ``inp_g @ weight[g].T + bias[g]`` through ``te::grouped_linear_fwd`` with the recipe as data
     (module docstring; by default high precision). ``main_grad`` (fp32, ``weight``'s shape): the
     weight gradient is added to it instead of being returned. ``return_amax=True`` also returns
     ``[amax(inp), amax(weight)]`` (delayed scaling, or current scaling given ``grad_amax``;
-    0-element otherwise)."""
+    0-element otherwise). ``delay_wgrad=True``: the backward leaves the weight gradient GEMMs
+    out and a ``functional.gemm.DeferredWgrad`` is also returned (before the amaxes) whose
+    ``compute()`` runs them later (``te.linear``'s ``delay_wgrad`` says more; eager only).
+    ``save_original_input=True``: with ``fp8_wgrad`` the backward keeps ``inp`` itself rather
+    than its FP8 copy and quantises it again for the wgrad GEMM (the same gradients); high
+    precision and the high-precision wgrad keep ``inp`` anyway; other recipes raise."""
     args = (inp, as_splits_tensor(m_splits), weight, bias, main_grad)
-    if recipe or scale is not None or grad_amax is not None or fp8_wgrad:
+    stash = None
+    if delay_wgrad:
+        check_bool("te.grouped_linear", delay_wgrad=delay_wgrad)
+        if torch.compiler.is_compiling():
+            raise NotImplementedError(
+                "te.grouped_linear: delay_wgrad=True (delay_wgrad_compute) runs in eager mode "
+                "only: the backward stores the output gradient for backward_dw(), which a "
+                "compiled backward cannot hand out of its graph"
+            )
+        rows = inp.shape[0] if inp.dim() else 0
+        stash = inp.new_empty(rows, weight.shape[1] if weight.dim() == 3 else 0)
+    if save_original_input:
+        check_bool("te.grouped_linear", save_original_input=save_original_input)
+    if (
+        recipe or scale is not None or grad_amax is not None or fp8_wgrad or stash is not None
+        or save_original_input
+    ):  # fmt: skip
         check_bool(
             "te.grouped_linear", power_2_scale=power_2_scale, emulate=emulate,
             fp8_wgrad=fp8_wgrad,
         )  # fmt: skip
         args += (recipe, fwd_dtype, bwd_dtype, power_2_scale, weight_block_rows, emulate, scale,
-                 grad_amax, fp8_wgrad)  # fmt: skip
+                 grad_amax, fp8_wgrad, stash, save_original_input)  # fmt: skip
     out, saved = _grouped_linear(*args)
-    if not return_amax:
+    if not (return_amax or stash is not None):
         return out
     check_bool("te.grouped_linear", return_amax=return_amax)
-    amax = saved[-1] if _measured(recipe, grad_amax) else inp.new_empty(0, dtype=torch.float32)
-    return out, amax
+    result = (out,)
+    if stash is not None:
+        result += (_deferred(args, saved),)
+    if return_amax:
+        amax = saved[-1] if _measured(recipe, grad_amax) else inp.new_empty(0, dtype=torch.float32)
+        result += (amax,)
+    return result
+
+
+def _deferred(args: tuple, saved: list[Tensor]) -> DeferredWgrad:
+    a = _Args(*args)
+    if a.recipe in PER_TENSOR and _measured(a.recipe, a.grad_amax):
+        saved = saved[:-1]
+    tensors, scalars = _for_backward(a, saved)
+
+    def replay(grad: Tensor) -> Tensor | None:
+        inp, m_splits, weight, main_grad, scale, grad_amax, *saved = tensors
+        if grad_amax is not None:  # the backward recorded amax(dY) already: not twice
+            grad_amax = torch.zeros_like(grad_amax)
+        _, dweight, _ = torch.ops.te.grouped_linear_bwd(
+            grad, saved, inp, m_splits, weight, main_grad, scale, grad_amax, *scalars, False,
+            False, True,
+        )  # fmt: skip
+        return None if main_grad is not None else dweight
+
+    return DeferredWgrad.create(a.wgrad_stash, replay)

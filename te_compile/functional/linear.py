@@ -102,6 +102,7 @@ from te_compile.functional.gemm import (
     HIGH_DTYPES,
     PER_TENSOR,
     WEIGHT_OPERAND,
+    DeferredWgrad,
     accumulate_wgrad,
     check_nvfp4_options,
     check_recipe,
@@ -176,6 +177,8 @@ class _Args(NamedTuple):
     weight_data_t: Tensor | None = None
     weight_scale_t: Tensor | None = None
     weight_amax: Tensor | None = None
+    wgrad_stash: Tensor | None = None
+    save_original_input: bool = False
 
     @property
     def weight_q(self) -> tuple[Tensor | None, ...]:
@@ -194,6 +197,7 @@ class _Args(NamedTuple):
             or self.residual is not None or self.out_scale != 1.0 or self.norm_weight is not None
             or self.norm_bias is not None or self.scale is not None
             or self.grad_amax is not None or self.weight_data is not None
+            or self.wgrad_stash is not None or self.save_original_input
         )  # fmt: skip
 
     @property
@@ -363,6 +367,19 @@ def _check(a: _Args) -> None:
         )
     if a.backward_override and not recipe:
         raise ValueError(p + "backward_override is for a quantised recipe (recipe is '')")
+    if a.save_original_input:
+        if recipe == "delayed":
+            raise ValueError(
+                p + "save_original_input=True does not work with the delayed-scaling recipe "
+                "(DelayedScaling): the backward would quantise the input again with a scale the "
+                "amax-history update may have changed"
+            )
+        if a.normalization or a.backward_override == "dequantized":
+            raise ValueError(
+                p + "save_original_input=True is for a linear without a norm prologue and "
+                "without backward_override='dequantized', got "
+                f"normalization={a.normalization!r}, backward_override={a.backward_override!r}"
+            )
     if a.grad_amax is not None and recipe not in PER_TENSOR:
         raise ValueError(p + "grad_amax is for the per-tensor recipes (current, delayed)")
     check_weight_operand(p, recipe, weight, a.weight_block_rows, a.emulate, a.weight_q)
@@ -374,6 +391,14 @@ def _check(a: _Args) -> None:
         gemm_out = torch.empty((*inp.shape[:-1], n), dtype=inp.dtype, device="meta")
         check_activation(gemm_out, a.bias, a.activation, a.glu_interleave_size)
         check_gated_params("te.linear", a.limit, a.alpha, a.glu_linear_offset)
+    if a.wgrad_stash is not None:
+        shape = (*inp.shape[:-1], _out_features(n, a.activation))
+        stash = a.wgrad_stash
+        if stash.shape != shape or stash.dtype != inp.dtype or stash.device != inp.device:
+            raise ValueError(
+                p + f"wgrad_stash must have the output's shape {list(shape)}, inp's dtype "
+                f"{inp.dtype} and device, got {list(stash.shape)} {stash.dtype} {stash.device}"
+            )
     if a.residual is not None:
         shape = (*inp.shape[:-1], _out_features(n, a.activation))
         if a.residual.shape != shape or a.residual.dtype != inp.dtype:
@@ -433,10 +458,11 @@ def _forward(a: _Args, cuda: bool) -> tuple[Tensor, Tensor, list[Tensor]]:
             xq, *stats = norm_quantize(recipe, x2, a.norm, a.fwd_dtype, scale=s_x,
                                        power_2_scale=p2, emulate=em, rht=a.rht,
                                        row_scaled=a.row_scaled)  # fmt: skip
-        else:
+        else:  # save_original_input: the backward quantises the input again for the wgrad
             xq = quantize_operand(recipe, pad_rows(x2), a.fwd_dtype, scale=s_x,
                                   power_2_scale=p2, emulate=em, rht=a.rht,
-                                  row_scaled=a.row_scaled)  # fmt: skip
+                                  row_scaled=a.row_scaled,
+                                  columnwise=not a.save_original_input)  # fmt: skip
         if a.weight_data is not None:  # pre-quantised: the saved copy is an input's
             wq = weight_operand(a.weight_q, a.fwd_dtype)
         else:
@@ -451,10 +477,16 @@ def _forward(a: _Args, cuda: bool) -> tuple[Tensor, Tensor, list[Tensor]]:
             w_rows = a.weight_block_rows
             saved = [_dequantized(recipe, xq, m, a.fwd_dtype, 1, em, dtype),
                      _dequantized(recipe, wq, n, a.fwd_dtype, w_rows, em, dtype)]  # fmt: skip
-        elif a.weight_data is not None:  # setup_context saves weight_data_t, weight_scale_t
-            saved = [_bytes(xq.data_t), xq.scale_t]
         else:
-            saved = [_bytes(xq.data_t), xq.scale_t, _bytes(wq.data_t), wq.scale_t]
+            if a.save_original_input:  # the input itself is saved instead of its copy
+                f32 = torch.float32
+                x_slots = [x2.new_empty(0, dtype=_bytes(wq.data_t).dtype),
+                           x2.new_empty(0, dtype=f32)]  # fmt: skip
+            else:
+                x_slots = [_bytes(xq.data_t), xq.scale_t]
+            # A pre-quantised weight's copies are inputs: setup_context saves them.
+            w_slots = [] if a.weight_data is not None else [_bytes(wq.data_t), wq.scale_t]
+            saved = [*x_slots, *w_slots]
         if recipe in PER_TENSOR:
             amax = [torch.cat([xq.amax, wq.amax])]
     y = h
@@ -522,6 +554,8 @@ def linear_fwd(
     weight_data_t: Tensor | None = None,
     weight_scale_t: Tensor | None = None,
     weight_amax: Tensor | None = None,
+    wgrad_stash: Tensor | None = None,
+    save_original_input: bool = False,
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
     """``(out, branch, saved)`` (module docstring). The default (CPU) implementation computes
     high precision in fp32 (fp64 stays fp64), rounded once."""
@@ -531,6 +565,7 @@ def linear_fwd(
         and norm_weight is None and norm_bias is None and backward_override == ""
         and not rht and not stochastic_rounding and rng_state is None and not row_scaled
         and weight_data is None
+        and wgrad_stash is None and not save_original_input
     ):  # fmt: skip
         return _plain_forward(inp, weight, bias, main_grad, cuda=False)
     args = (inp, weight, bias, main_grad, recipe, fwd_dtype, bwd_dtype, power_2_scale,
@@ -538,7 +573,8 @@ def linear_fwd(
             norm_eps, zero_centered_gamma, activation, glu_interleave_size, limit, alpha,
             glu_linear_offset, residual, out_scale, branch, backward_override, rht,
             stochastic_rounding, rng_state, row_scaled, weight_data, weight_scale,
-            weight_data_t, weight_scale_t, weight_amax)  # fmt: skip
+            weight_data_t, weight_scale_t, weight_amax, wgrad_stash,
+            save_original_input)  # fmt: skip
     return _forward(_Args(*args), cuda=False)
 
 
@@ -591,6 +627,8 @@ def _linear_fwd_fake(*args):
             saved = [inp.new_empty(k, m, dtype=u8), inp.new_empty(k, -(-m // 128), dtype=f32),
                      inp.new_empty(k, n, dtype=u8),
                      inp.new_empty(-(-k // w_rows), -(-n // 128), dtype=f32)]  # fmt: skip
+        if a.save_original_input:  # the input's slots: 0-element (the input itself is saved)
+            saved[:2] = [inp.new_empty(0, dtype=saved[0].dtype), inp.new_empty(0, dtype=f32)]
         if a.weight_data is not None:  # the weight's copies are inputs (setup_context)
             saved = saved[:2]
     elif a.normalization:
@@ -647,6 +685,13 @@ def _backward_impl(grad, grad_branch, saved, inp, weight, bias, main_grad, scale
                    norm_weight, rng_state, c: _Bwd, cuda: bool):  # fmt: skip
     dtype = grad.dtype
     copies, x_hp, h, stats = _split_saved(saved, c)
+    if copies and c.need_wgrad and copies[0].numel() == 0 and inp is not None and inp.numel():
+        # save_original_input: the input's quantised transposed copy, made again here.
+        x2 = inp.reshape(-1, inp.shape[-1])
+        xq = quantize_operand(c.recipe, pad_rows(x2), c.fwd_dtype, scale=scale_slots(
+            scale, c.recipe)[0], power_2_scale=c.power_2_scale, emulate=c.emulate,
+            rht=c.rht)  # fmt: skip
+        copies = [_bytes(xq.data_t), xq.scale_t, *copies[2:]]
     g2 = grad.reshape(-1, grad.shape[-1])
     m = g2.shape[0]
     acc = None if c.recipe or cuda else _acc(grad)
@@ -725,7 +770,11 @@ def _quantized_backward(dy, copies, main_grad, scale, grad_amax, rng_state, c: _
     return dinp, dweight, g.sums
 
 
-@op("linear_bwd", mutates_args=("main_grad", "grad_amax"), kept_whole=delayed_on_cuda)
+@op(
+    "linear_bwd",
+    mutates_args=("main_grad", "grad_amax", "wgrad_stash"),
+    kept_whole=delayed_on_cuda,
+)
 def linear_bwd(
     grad: Tensor,
     grad_branch: Tensor | None,
@@ -758,6 +807,7 @@ def linear_bwd(
     need_dbias: bool,
     need_dgrad: bool,
     need_wgrad: bool,
+    wgrad_stash: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(dinp, dweight, dbias, dnorm_weight, dnorm_bias)``, a 0-element tensor where not
     computed (``dweight`` also when it went into ``main_grad``). Tensors, not a list: a
@@ -765,8 +815,13 @@ def linear_bwd(
     ``saved``: the forward's, without the amaxes; ``inp`` is needed in high precision and with
     a norm (the norm's backward), ``weight`` in high precision, ``bias`` with an activation.
     ``need_dgrad``: any of the input and the norm's parameters needs a gradient. Writes
-    ``amax(dY)`` into ``grad_amax`` when given. Default (CPU): high precision in fp32 (fp64
-    stays fp64), each gradient rounded once."""
+    ``amax(dY)`` into ``grad_amax`` when given. ``wgrad_stash`` (delayed weight gradient): the
+    incoming gradient is copied into it and the weight gradient is not computed (a later call
+    with ``grad=wgrad_stash`` and only ``need_wgrad`` computes it, ``DeferredWgrad``). Default
+    (CPU): high precision in fp32 (fp64 stays fp64), each gradient rounded once."""
+    if wgrad_stash is not None:
+        wgrad_stash.copy_(grad)
+        need_wgrad = False
     if (
         recipe == ""
         and normalization == ""
@@ -811,9 +866,20 @@ def _locals_args_bwd(values: dict) -> tuple:
     return tuple(values[name] for name in _Bwd._fields)
 
 
+def _bwd_args(args: tuple) -> tuple[tuple, _Bwd]:
+    """The tensors and the scalars of a ``linear_bwd`` call (``wgrad_stash``, when given, gets
+    the gradient and takes the weight gradient's place: ``need_wgrad`` becomes False)."""
+    n = len(_BWD_TENSORS)
+    tensors, c = args[:n], _Bwd(*args[n : n + len(_Bwd._fields)])
+    stash = args[n + len(_Bwd._fields)] if len(args) > n + len(_Bwd._fields) else None
+    return tensors, (c if stash is None else c._replace(need_wgrad=False))
+
+
 @linear_bwd.register_kernel("cuda")
 def _linear_bwd_cuda(*args):
-    tensors, c = args[: len(_BWD_TENSORS)], _Bwd(*args[len(_BWD_TENSORS) :])
+    tensors, c = _bwd_args(args)
+    if len(args) > len(_BWD_TENSORS) + len(_Bwd._fields) and args[-1] is not None:
+        args[-1].copy_(tensors[0])
     if (
         not (c.recipe or c.normalization or c.activation)
         and c.out_scale == 1.0
@@ -827,8 +893,7 @@ def _linear_bwd_cuda(*args):
 
 @linear_bwd.register_fake
 def _linear_bwd_fake(*args):
-    grad, _, saved, _, weight, _, main_grad, *_, norm_weight, _ = args[: len(_BWD_TENSORS)]
-    c = _Bwd(*args[len(_BWD_TENSORS) :])
+    (grad, _, saved, _, weight, _, main_grad, *_, norm_weight, _), c = _bwd_args(args)
     n, k = weight.shape if weight is not None else saved[2].shape[::-1]
     dinp = grad.new_empty(*grad.shape[:-1], k) if c.need_dgrad else empty(grad)
     want_dw = c.need_wgrad and main_grad is None
@@ -856,12 +921,22 @@ def _setup_context(ctx, inputs, output) -> None:
     if len(inputs) == 4:  # a plain call (the eager fast path passes the tensors only)
         inp, weight, bias, main_grad = inputs
         ctx.mark_non_differentiable(output[1])  # no branch: no gradient to make for it
-        ctx.save_for_backward(inp, weight, None, main_grad, None, None, None, None)
+        # (inp, weight, bias, main_grad, scale, grad_amax, norm_weight, rng_state, stash)
+        ctx.save_for_backward(inp, weight, None, main_grad, None, None, None, None, None)
         ctx.scalars, ctx.has_bias, ctx.branch = _PLAIN_SCALARS, bias is not None, False
         return
     a = _Args(*inputs)
     _out, branch, saved = output
     ctx.mark_non_differentiable(*saved, *(() if a.branch else (branch,)))
+    tensors, ctx.scalars = _for_backward(a, saved)
+    ctx.save_for_backward(*tensors, a.wgrad_stash)
+    ctx.has_bias, ctx.branch = a.bias is not None, a.branch
+    ctx.fp8_weight = a.weight.dtype in FP8_DTYPES and a.main_grad is None
+
+
+def _for_backward(a: _Args, saved: list[Tensor]) -> tuple[tuple, tuple]:
+    """What the backward op takes from a forward call: ``(inp, weight, bias, main_grad, scale,
+    grad_amax, norm_weight, *saved)`` (None where not needed) and the scalars."""
     if a.recipe in PER_TENSOR:
         saved = saved[:-1]  # the amaxes: for the caller, not the backward
     if a.weight_data is not None and not a.backward_override:  # the dgrad GEMM's weight copy
@@ -870,14 +945,15 @@ def _setup_context(ctx, inputs, output) -> None:
     # operands or on their dequantised copies (which take the input's and the weight's place).
     hp, normed = not a.recipe or a.backward_override, bool(a.normalization)
     inp, weight = a.inp, a.weight
+    keep_inp = hp or normed or a.save_original_input
     if a.backward_override == "dequantized":
         x_deq, weight, *saved = saved
         if normed:  # the norm's backward takes the input, the wgrad GEMM the saved operand
             saved = [x_deq, *saved]
         else:
             inp = x_deq
-    ctx.save_for_backward(
-        inp if hp or normed else None,
+    tensors = (
+        inp if keep_inp else None,
         weight if hp else None,
         a.bias if a.activation else None,
         a.main_grad, a.scale, a.grad_amax,
@@ -885,18 +961,17 @@ def _setup_context(ctx, inputs, output) -> None:
         a.rng_state,
         *saved,
     )  # fmt: skip
-    ctx.scalars = (
+    scalars = (
         "" if a.backward_override else a.recipe, a.fwd_dtype, a.bwd_dtype, a.power_2_scale,
         a.weight_block_rows, a.emulate, a.rht, a.stochastic_rounding,
         a.normalization, a.zero_centered_gamma, a.norm_bias is not None, a.activation, *a.act,
         a.out_scale,
     )  # fmt: skip
-    ctx.has_bias, ctx.branch = a.bias is not None, a.branch
-    ctx.fp8_weight = a.weight.dtype in FP8_DTYPES and a.main_grad is None
+    return tensors, scalars
 
 
 def _backward(ctx, bwd, grad, grad_branch, _grad_saved):
-    inp, weight, bias, main_grad, scale, grad_amax, norm_weight, rng_state, *saved = (
+    inp, weight, bias, main_grad, scale, grad_amax, norm_weight, rng_state, *saved, stash = (
         ctx.saved_tensors
     )
     need = ctx.needs_input_grad
@@ -912,10 +987,11 @@ def _backward(ctx, bwd, grad, grad_branch, _grad_saved):
     dinp, dweight, dbias, *dnorm = bwd(
         grad.contiguous(), grad_branch, saved, inp, weight, bias, main_grad, scale, grad_amax,
         norm_weight, rng_state, *ctx.scalars, need_dbias, need_dgrad, need[1],
+        *(() if stash is None else (stash,)),
     )  # fmt: skip
     grads = [None] * len(need)
     grads[0] = dinp if need[0] else None
-    grads[1] = dweight if need[1] and main_grad is None else None
+    grads[1] = dweight if need[1] and main_grad is None and stash is None else None
     grads[2] = dbias if need_dbias else None
     if need_norm:
         dnorm_w, dnorm_b = dnorm
@@ -1019,6 +1095,16 @@ def _samples(device: torch.device):
     yield _call(unit_rows(32, 64, device=device), t(32, 64), recipe="mxfp8", emulate=True, **e4,
                 norm_weight=t(64), norm_bias=torch.zeros(64, device=device, requires_grad=True),
                 normalization="LayerNorm", norm_eps=1e-30)  # fmt: skip
+    # save_original_input: the input itself saved, its transposed copy quantised in the backward
+    # (per-tensor current scaling, in bf16 and with GELU; emulated MXFP8; native blockwise).
+    yield _call(t(2, 16, 32, dtype=bf16), t(32, 32, dtype=bf16), t(32, dtype=bf16), **cur,
+                save_original_input=True)  # fmt: skip
+    yield _call(t(2, 16, 32), t(32, 32), t(32), **cur, activation="gelu",
+                save_original_input=True)  # fmt: skip
+    yield _call(t(32, 64), t(32, 64), t(32), recipe="mxfp8", emulate=True, **e4,
+                save_original_input=True)  # fmt: skip
+    yield _call(t(32, 512, dtype=bf16), t(512, 512, dtype=bf16), None, recipe="block",
+                weight_block_rows=128, **e4, save_original_input=True)  # fmt: skip
     # backward_override: high-precision backward GEMMs on the forward's high-precision operands
     # (the norm's output saved) or on its dequantised FP8 operands.
     yield _call(unit_rows(2, 8, 32, device=device), t(16, 32), t(16), **cur, norm_weight=t(32),
@@ -1083,6 +1169,23 @@ _linear = differentiable(
 # Public function ------------------------------------------------------------------------------
 
 
+def _deferred(args: tuple, saved: list[Tensor]) -> DeferredWgrad:
+    a = _Args(*args)
+    tensors, scalars = _for_backward(a, saved)
+
+    def replay(grad: Tensor) -> Tensor | None:
+        inp, weight, bias, main_grad, scale, grad_amax, norm_weight, rng_state, *saved = tensors
+        if grad_amax is not None:  # the backward recorded amax(dY) already: not twice
+            grad_amax = torch.zeros_like(grad_amax)
+        _, dweight, *_ = torch.ops.te.linear_bwd(
+            grad, None, saved, inp, weight, bias, main_grad, scale, grad_amax, norm_weight,
+            rng_state, *scalars, False, False, True,
+        )  # fmt: skip
+        return None if main_grad is not None else dweight
+
+    return DeferredWgrad.create(a.wgrad_stash, replay)
+
+
 def linear(
     inp: Tensor,
     weight: Tensor,
@@ -1117,6 +1220,8 @@ def linear(
     rng_state: Tensor | None = None,
     row_scaled: bool = False,
     weight_quantized: Sequence[Tensor] | None = None,
+    delay_wgrad: bool = False,
+    save_original_input: bool = False,
 ) -> Tensor | tuple[Tensor, ...]:
     """``residual + out_scale * activation(norm(inp) @ weight.T + bias)`` through
     ``te::linear_fwd``, every part optional (module docstring); by default ``inp @ weight.T +
@@ -1137,6 +1242,17 @@ def linear(
     the five tensors of :func:`~te_compile.functional.quantize_weight`, used instead of
     quantising ``weight`` (whose gradient is still computed); ``weight`` may then be the FP8
     codes themselves (FP8 primary weights), with ``main_grad`` taking its gradient.
+    GEMMs (module docstring). ``delay_wgrad=True``: the backward leaves the weight gradient
+    GEMM out (the input's, the bias's and the norm's gradients are computed) and a
+    ``functional.gemm.DeferredWgrad`` is also returned (before the amaxes) whose ``compute()``
+    runs it later: the modules' ``delay_wgrad_compute`` / ``backward_dw()``. Eager only: under
+    ``torch.compile`` no tensor written by the backward can leave the compiled graph.
+    ``save_original_input=True`` (with a recipe; Transformer Engine's option): the backward
+    keeps ``inp`` itself (no bytes of its own when the caller keeps ``inp`` alive, e.g. an input
+    several modules read) instead of the quantised transposed copy the forward would make, and
+    quantises it again for the wgrad GEMM: the same gradients; not with ``DelayedScaling``
+    (ValueError), nor with a norm prologue. In high precision the input is what is saved
+    anyway.
     """
     if weight_quantized is not None and len(weight_quantized) != len(WEIGHT_OPERAND):
         raise ValueError(
@@ -1144,12 +1260,27 @@ def linear(
             f"{WEIGHT_OPERAND} of quantize_weight, got {len(weight_quantized)}"
         )
     args = (inp, weight, bias, main_grad)
+    if save_original_input:
+        check_bool("te.linear", save_original_input=save_original_input)
+        save_original_input = bool(recipe)  # high precision saves the input itself anyway
+    stash = None
+    if delay_wgrad:
+        check_bool("te.linear", delay_wgrad=delay_wgrad)
+        if torch.compiler.is_compiling():
+            raise NotImplementedError(
+                "te.linear: delay_wgrad=True (delay_wgrad_compute) runs in eager mode only: the "
+                "backward stores the output gradient for backward_dw(), which a compiled "
+                "backward cannot hand out of its graph"
+            )
+        n = weight.shape[0] if weight.dim() == 2 else 0
+        stash = inp.new_empty((*inp.shape[:-1], _out_features(n, activation)))
     if (
         recipe or normalization or activation or return_branch or residual is not None
         or out_scale != 1.0 or norm_weight is not None or norm_bias is not None
         or scale is not None or grad_amax is not None or backward_override or rht
         or stochastic_rounding or rng_state is not None or row_scaled
         or weight_quantized is not None
+        or stash is not None or save_original_input
     ):  # fmt: skip
         check_bool(
             "te.linear", power_2_scale=power_2_scale, emulate=emulate,
@@ -1165,12 +1296,15 @@ def linear(
             float(out_scale), return_branch, backward_override, rht, stochastic_rounding,
             rng_state, row_scaled,
             *(weight_quantized if weight_quantized is not None else (None,) * 5),
+            stash, save_original_input,
         )  # fmt: skip
     out, branch, saved = _linear(*args)
-    if not (return_branch or return_amax):
+    if not (return_branch or return_amax or stash is not None):
         return out
     check_bool("te.linear", return_amax=return_amax)
     result = (out, branch) if return_branch else (out,)
+    if stash is not None:
+        result += (_deferred(args, saved),)
     if return_amax:
         result += (saved[-1] if recipe in PER_TENSOR else inp.new_empty(0, dtype=torch.float32),)
     return result

@@ -1,6 +1,9 @@
-"""Argument checks shared by the modules: each raises ValueError naming the argument."""
+"""What the modules share: argument checks (each raises naming the argument), parameter splits,
+the RNG tracker fork and the delayed weight gradients."""
 
 from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
@@ -8,12 +11,15 @@ from te_compile._checks import check_bool, check_positive_finite
 
 __all__ = [
     "DEFAULT_INIT_STD",
+    "DelayedWgrad",
     "check_bool",
     "check_choice",
     "check_eps",
     "check_positive",
+    "check_rng_tracker",
     "default_init_method",
     "params_dtype_or_default",
+    "rng_fork",
 ]
 
 DEFAULT_INIT_STD = 0.023  # Transformer Engine's default weight init std
@@ -22,6 +28,37 @@ DEFAULT_INIT_STD = 0.023  # Transformer Engine's default weight init std
 def default_init_method(weight: torch.Tensor) -> None:
     """Transformer Engine's default weight initialisation: normal, std 0.023."""
     torch.nn.init.normal_(weight, mean=0.0, std=DEFAULT_INIT_STD)
+
+
+def check_rng_tracker(owner: str, get_rng_state_tracker: object, rng_tracker_name: object) -> None:
+    """Transformer Engine's ``get_rng_state_tracker`` (a callable returning a tracker with a
+    ``fork(name)`` context manager, e.g. Megatron's ``CudaRNGStatesTracker``) and
+    ``rng_tracker_name`` (the tracker's state to fork; None: the tracker's default)."""
+    if get_rng_state_tracker is not None and not callable(get_rng_state_tracker):
+        raise TypeError(
+            f"{owner}: get_rng_state_tracker must be a callable returning an RNG states tracker "
+            f"or None, got {get_rng_state_tracker!r}"
+        )
+    if rng_tracker_name is not None and not isinstance(rng_tracker_name, str):
+        raise TypeError(
+            f"{owner}: rng_tracker_name must be a str or None, got {rng_tracker_name!r}"
+        )
+
+
+def rng_fork(get_rng_state_tracker, rng_tracker_name: str | None = None) -> AbstractContextManager:
+    """The context random draws run in: the tracker's ``fork(rng_tracker_name)`` (its default
+    state when the name is None), as Transformer Engine forks it for parameter initialisation
+    under tensor parallelism and for attention dropout; no tracker: torch's default
+    generator."""
+    if get_rng_state_tracker is None:
+        return nullcontext()
+    tracker = get_rng_state_tracker()
+    if not callable(getattr(tracker, "fork", None)):
+        raise TypeError(
+            "get_rng_state_tracker() must return an RNG states tracker with a fork(name) "
+            f"context manager, got {tracker!r}"
+        )
+    return tracker.fork(rng_tracker_name) if rng_tracker_name else tracker.fork()
 
 
 def weight_main_grad(owner: str, weight: torch.Tensor) -> torch.Tensor:
@@ -171,3 +208,85 @@ def _fuse_state(module: NamedSlices, state: dict, prefix: str, *args: object) ->
         if bad or whole is None:
             continue
         state[prefix + kind] = torch.cat([state.pop(prefix + n) for n in names])
+
+
+class DelayedWgrad:
+    """Transformer Engine's ``delay_wgrad_compute`` / ``backward_dw()`` for a module of GEMMs
+    (pipeline-parallel schedules that overlap the weight-gradient GEMMs with other work).
+
+    With ``delay_wgrad_compute=True`` a training forward (gradients enabled, a weight that
+    needs one) queues its GEMMs' :class:`~te_compile.functional.gemm.DeferredWgrad`; the
+    backward then computes the input's, the bias's and the norm's gradients and leaves the
+    weights' ``grad`` (or ``main_grad``) untouched; :meth:`backward_dw` runs the weight-gradient
+    GEMMs of one backward and accumulates them into ``weight.grad`` (summed like autograd's,
+    where Transformer Engine overwrites it) or, with ``fuse_wgrad_accumulation``, into
+    ``weight.main_grad``, then calls the hooks of
+    :meth:`register_wgrad_accumulation_and_reduce_hooks`. Each call consumes the oldest forward
+    whose backward has run, so several microbatches may be in flight. Eager only (the
+    functional ``delay_wgrad`` says why); a forward whose backward never runs keeps its saved
+    tensors queued (run the forward under ``torch.no_grad()`` or in ``eval()`` mode, where
+    nothing is delayed).
+
+    A mixin for an ``nn.Module``; call :meth:`_init_delayed_wgrad` in ``__init__``."""
+
+    def _init_delayed_wgrad(self, owner: str, delay_wgrad_compute: bool) -> None:
+        check_bool(owner, delay_wgrad_compute=delay_wgrad_compute)
+        self.delay_wgrad_compute = delay_wgrad_compute
+        self._wgrad_pending: list[list[tuple]] = []
+        self.wgrad_accumulation_and_reduce_hooks: list = []
+
+    def _wgrad_defer(self, *weights: torch.Tensor) -> list | None:
+        """A list to collect the forward's delayed weight gradients in, or None (not delayed)."""
+        if not (self.delay_wgrad_compute and self.training and torch.is_grad_enabled()):
+            return None
+        return [] if any(w.requires_grad for w in weights) else None
+
+    def _wgrad_queue(self, defer: list | None) -> None:
+        if defer:
+            self._wgrad_pending.append(defer)
+
+    def need_backward_dw(self) -> bool:
+        """Whether :meth:`backward_dw` must run to complete the weight gradients."""
+        return self.delay_wgrad_compute
+
+    def register_wgrad_accumulation_and_reduce_hooks(self, hook) -> None:
+        """``hook()`` runs after each :meth:`backward_dw` (e.g. a data-parallel gradient
+        reduction, which the weights' autograd hooks no longer trigger)."""
+        if not callable(hook):
+            raise TypeError(f"hook must be callable, got {hook!r}")
+        self.wgrad_accumulation_and_reduce_hooks.append(hook)
+
+    def backward_dw(self) -> None:
+        """Run the delayed weight-gradient GEMMs of the oldest forward whose backward has run."""
+        if not self.delay_wgrad_compute:
+            return
+        pending = self._wgrad_pending
+        done = next((i for i, e in enumerate(pending) if all(d.ready for d, _ in e)), None)
+        if done is None:
+            name = type(self).__name__
+            raise RuntimeError(
+                f"{name}.backward_dw(): no weight gradient to compute: "
+                + (
+                    f"the backward of none of the {len(pending)} pending forward(s) has run"
+                    if pending
+                    else "no training forward with delay_wgrad_compute=True is pending"
+                )
+            )
+        with torch.no_grad():
+            for deferred, weights in pending.pop(done):
+                dweight = deferred.compute()
+                if dweight is None:  # accumulated into weight.main_grad
+                    continue
+                # One weight, or the groups' weights of a grouped GEMM's [G, N, K] gradient.
+                single = isinstance(weights, torch.Tensor)
+                for weight, grad in zip(
+                    (weights,) if single else weights,
+                    (dweight,) if single else dweight.unbind(0),
+                    strict=True,
+                ):
+                    if weight.grad is None:
+                        weight.grad = grad.clone() if not single else grad
+                    else:
+                        weight.grad += grad
+        for hook in self.wgrad_accumulation_and_reduce_hooks:
+            hook()

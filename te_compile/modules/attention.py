@@ -14,13 +14,15 @@ inputs, ``cu_seqlens_*_padded`` and sink softmax types.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from torch import Tensor, nn
 
 from te_compile._checks import check_bool
 from te_compile.functional import attention_args as A
 from te_compile.functional.attention import dot_product_attention
-from te_compile.modules._common import check_choice, check_positive
+from te_compile.functional.dropout import new_rng_state
+from te_compile.modules._common import check_choice, check_positive, check_rng_tracker, rng_fork
 
 __all__ = ["DotProductAttention"]
 
@@ -39,7 +41,11 @@ class DotProductAttention(nn.Module):
     """Scaled dot-product attention with Transformer Engine's API. ``kv_channels`` is the head
     dim of keys and values, or a ``(k, v)`` pair when they differ. Output: ``[s, b, h*d_v]``
     (``sbhd``), ``[b, s, h*d_v]`` (``bshd``) or ``[t, h*d_v]`` (``thd``), ``h`` the local heads.
-    Dropout (``attention_dropout``) applies in training mode only."""
+    Dropout (``attention_dropout``) applies in training mode only; with
+    ``get_rng_state_tracker`` (Transformer Engine's: a callable returning a tracker with a
+    ``fork()`` context manager, e.g. Megatron's ``CudaRNGStatesTracker``) its mask is drawn
+    inside the tracker's ``fork()`` (not with ``sequence_parallel``, as in Transformer Engine),
+    so torch's default generator is not advanced."""
 
     def __init__(
         self,
@@ -56,9 +62,12 @@ class DotProductAttention(nn.Module):
         tp_size: int = 1,
         tp_group=None,
         sequence_parallel: bool = False,
+        get_rng_state_tracker: Callable | None = None,
     ) -> None:
         super().__init__()
         check_positive(_NAME, num_attention_heads=num_attention_heads)
+        check_rng_tracker(_NAME, get_rng_state_tracker, None)
+        self.get_rng_state_tracker = get_rng_state_tracker
         check_bool(_NAME, sequence_parallel=sequence_parallel)
         if isinstance(kv_channels, (tuple, list)) and len(kv_channels) == 2:
             channels_k, channels_v = kv_channels
@@ -149,6 +158,13 @@ class DotProductAttention(nn.Module):
     ) -> Tensor:
         self._check_shapes(query, key, value)
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        dropout_p = self.attention_dropout if self.training else 0.0
+        rng_state = None
+        if dropout_p > 0 and self.get_rng_state_tracker is not None and not self.sequence_parallel:
+            # Transformer Engine's attention_dropout_ctx: the mask drawn from the tracker's
+            # default state (e.g. Megatron's model-parallel stream: differs across TP ranks).
+            with rng_fork(self.get_rng_state_tracker):
+                rng_state = new_rng_state(query.device)
         return dot_product_attention(
             query,
             key,
@@ -165,7 +181,8 @@ class DotProductAttention(nn.Module):
             core_attention_bias=core_attention_bias,
             alibi_slopes=alibi_slopes,
             softmax_scale=self.softmax_scale,
-            dropout_p=self.attention_dropout if self.training else 0.0,
+            dropout_p=dropout_p,
+            rng_state=rng_state,
         )
 
     def extra_repr(self) -> str:

@@ -50,10 +50,13 @@ from torch import Tensor, nn
 from te_compile import functional as F
 from te_compile.distributed.tensor_parallel import TensorParallel, set_parallel_attributes
 from te_compile.modules._common import (
+    DelayedWgrad,
     check_bool,
     check_positive,
+    check_rng_tracker,
     default_init_method,
     params_dtype_or_default,
+    rng_fork,
 )
 from te_compile.quantization import fp8_gemm as _fp8
 from te_compile.quantization import gemm as _gemm
@@ -62,7 +65,7 @@ from te_compile.quantization.primary import refuse_primary
 __all__ = ["GroupedLinear"]
 
 
-class GroupedLinear(nn.Module):
+class GroupedLinear(DelayedWgrad, nn.Module):
     """``num_gemms`` independent linear layers applied to consecutive groups of rows.
 
     Args:
@@ -78,6 +81,14 @@ class GroupedLinear(nn.Module):
         init_method: initialises each group's ``[out, in]`` weight (default: N(0, 0.023)).
         parallel_mode, tp_group, tp_size: as in :class:`~te_compile.Linear`;
             ``sequence_parallel=True`` raises (see the module docstring).
+        get_rng_state_tracker, rng_tracker_name: the weights are initialised inside
+            ``get_rng_state_tracker().fork(rng_tracker_name)`` (the tracker's default state
+            when the name is None), as in Transformer Engine (``rng_fork``).
+        delay_wgrad_compute: the backward leaves the weight gradients to :meth:`backward_dw`
+            (``DelayedWgrad``; eager only).
+        save_original_input: the backward keeps the input itself rather than a quantised
+            copy (high precision and Float8CurrentScaling do; DelayedScaling raises ValueError,
+            as in Transformer Engine; the block-scaled recipes raise NotImplementedError).
     """
 
     def __init__(
@@ -98,10 +109,19 @@ class GroupedLinear(nn.Module):
         sequence_parallel: bool = False,
         tp_group: object = None,
         tp_size: int | None = None,
+        get_rng_state_tracker: Callable | None = None,
+        rng_tracker_name: str | None = None,
+        delay_wgrad_compute: bool = False,
+        save_original_input: bool = False,
     ) -> None:
         super().__init__()
         refuse_primary("GroupedLinear")  # no FP8 primary weights here
         owner = "GroupedLinear"
+        self._init_delayed_wgrad(owner, delay_wgrad_compute)
+        check_bool(owner, save_original_input=save_original_input)
+        self.save_original_input = save_original_input
+        check_rng_tracker(owner, get_rng_state_tracker, rng_tracker_name)
+        self.get_rng_state_tracker, self.rng_tracker_name = get_rng_state_tracker, rng_tracker_name
         check_positive(
             owner, num_gemms=num_gemms, in_features=in_features, out_features=out_features
         )
@@ -208,8 +228,9 @@ class GroupedLinear(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        for w in self.weights():
-            self.init_method(w)
+        with rng_fork(self.get_rng_state_tracker, self.rng_tracker_name):
+            for w in self.weights():
+                self.init_method(w)
         for b in self.biases() or ():
             b.zero_()
 
@@ -261,9 +282,21 @@ class GroupedLinear(nn.Module):
         if self.use_bias:
             bias = self.bias if self.single_bias else torch.stack(self.biases())
         main_grad = self._main_grad() if self.fuse_wgrad_accumulation else None
+        params = (self.weight,) if self.single_weight else tuple(self.weights())
+        defer = self._wgrad_defer(*params) if self.delay_wgrad_compute else None
 
         def gemm(x: Tensor, b: Tensor | None) -> Tensor:
-            return self._gemm(x, m_splits, weight, b, main_grad)
+            return _gemm.grouped_linear(
+                "GroupedLinear",
+                self.fp8_meta,
+                x,
+                m_splits,
+                weight,
+                b,
+                main_grad,
+                defer,
+                self.save_original_input,
+            )
 
         def add_expert_bias(out: Tensor, b: Tensor) -> Tensor:
             splits = F.as_splits_tensor(m_splits).to(b.device)
@@ -273,12 +306,9 @@ class GroupedLinear(nn.Module):
         rows = inp.reshape(-1, inp.shape[-1]) if inp.dim() > 2 else inp
         # Row-parallel: each row's expert bias is added once, to the sum of the partial products.
         out, _ = self.tp.linear("GroupedLinear", gemm, rows, bias, add=add_expert_bias)
+        if defer:  # the GEMM's [G, N, K] weight gradient goes to the module's weight(s)
+            self._wgrad_queue([(d, params[0] if self.single_weight else params) for d, _ in defer])
         return out.reshape(*inp.shape[:-1], out.shape[-1]) if inp.dim() > 2 else out
-
-    def _gemm(self, inp, m_splits, weight, bias, main_grad) -> Tensor:
-        return _gemm.grouped_linear(
-            "GroupedLinear", self.fp8_meta, inp, m_splits, weight, bias, main_grad
-        )
 
     # state_dict in either layout ---------------------------------------------------------------
 
@@ -291,7 +321,10 @@ class GroupedLinear(nn.Module):
             f"num_gemms={self.num_gemms}, in_features={self.in_features}, "
             f"out_features={self.out_features}, bias={self.use_bias}, "
             f"single_grouped_weight={self.single_weight}, "
-            f"single_grouped_bias={self.single_bias}" + self.tp.describe()
+            f"single_grouped_bias={self.single_bias}"
+            + (", delay_wgrad_compute=True" if self.delay_wgrad_compute else "")
+            + (", save_original_input=True" if self.save_original_input else "")
+            + self.tp.describe()
         )
 
 

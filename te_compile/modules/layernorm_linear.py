@@ -22,12 +22,15 @@ from torch import Tensor, nn
 
 from te_compile.distributed.tensor_parallel import TensorParallel, set_parallel_attributes
 from te_compile.modules._common import (
+    DelayedWgrad,
     NamedSlices,
     check_bool,
     check_positive,
+    check_rng_tracker,
     default_init_method,
     params_dtype_or_default,
     parse_parameters_split,
+    rng_fork,
     weight_main_grad,
 )
 from te_compile.modules.norm import PreNorm
@@ -38,7 +41,7 @@ from te_compile.quantization import primary as _primary
 __all__ = ["LayerNormLinear"]
 
 
-class LayerNormLinear(NamedSlices, PreNorm):
+class LayerNormLinear(DelayedWgrad, NamedSlices, PreNorm):
     r""":math:`y = \mathrm{norm}(x) W^\top + b`, the norm over ``in_features``.
 
     Args:
@@ -57,6 +60,11 @@ class LayerNormLinear(NamedSlices, PreNorm):
         parallel_mode: "column" or None; sequence_parallel, tp_group, tp_size: as in
             :class:`~te_compile.Linear`.
         parameters_split: named row blocks of the weight, as in :class:`~te_compile.Linear`.
+        delay_wgrad_compute: the backward leaves the weight gradient to :meth:`backward_dw`
+            (``DelayedWgrad``; eager only).
+        get_rng_state_tracker, rng_tracker_name: the weights are initialised inside
+            ``get_rng_state_tracker().fork(rng_tracker_name)`` (the tracker's default state
+            when the name is None), as in Transformer Engine (``rng_fork``).
     """
 
     def __init__(
@@ -79,10 +87,16 @@ class LayerNormLinear(NamedSlices, PreNorm):
         tp_size: int | None = None,
         parameters_split: dict[str, int] | tuple[str, ...] | None = None,
         fuse_wgrad_accumulation: bool = False,
+        delay_wgrad_compute: bool = False,
+        get_rng_state_tracker: Callable | None = None,
+        rng_tracker_name: str | None = None,
     ) -> None:
         super().__init__()
         owner = "LayerNormLinear"
         check_positive(owner, in_features=in_features, out_features=out_features)
+        self._init_delayed_wgrad(owner, delay_wgrad_compute)
+        check_rng_tracker(owner, get_rng_state_tracker, rng_tracker_name)
+        self.get_rng_state_tracker, self.rng_tracker_name = get_rng_state_tracker, rng_tracker_name
         check_bool(
             owner, bias=bias, zero_centered_gamma=zero_centered_gamma,
             return_layernorm_output=return_layernorm_output, return_bias=return_bias,
@@ -131,7 +145,8 @@ class LayerNormLinear(NamedSlices, PreNorm):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         self._reset_norm()
-        self.init_method(self.weight)
+        with rng_fork(self.get_rng_state_tracker, self.rng_tracker_name):
+            self.init_method(self.weight)
         if self.bias is not None:
             self.bias.zero_()
 
@@ -148,21 +163,23 @@ class LayerNormLinear(NamedSlices, PreNorm):
         if is_first_microbatch is not None:
             _gemm.check_first_microbatch(owner, is_first_microbatch)
             cache = _gemm.WeightCache(self._fp8_weights, is_first_microbatch)
+        defer = self._wgrad_defer(self.weight) if self.delay_wgrad_compute else None
         if not (self.tp.active or self.return_layernorm_output) and _gemm.quantized():
             # FP8: one op, the norm its prologue (written straight into FP8 on CUDA). In high
             # precision the norm stays an op of its own, which selective activation
             # checkpointing can recompute without recomputing the GEMM.
             norm, bias = self._norm_spec(), self.bias if add_bias else None
             out = _gemm.linear(owner, self.fp8_meta, inp, self.weight, bias, main_grad, norm=norm,
-                               cache=cache, weight_quantized=wq)  # fmt: skip
+                               cache=cache, weight_quantized=wq, defer=defer)  # fmt: skip
         else:
 
             def gemm(x: Tensor, bias: Tensor | None) -> Tensor:
                 return _gemm.linear(owner, self.fp8_meta, x, self.weight, bias, main_grad,
-                                    cache=cache, weight_quantized=wq)  # fmt: skip
+                                    cache=cache, weight_quantized=wq, defer=defer)  # fmt: skip
 
             ln_out = self._norm(inp, self.tp, owner)
             out, _ = self.tp.linear(owner, gemm, ln_out, self.bias, add_bias=add_bias)
+        self._wgrad_queue(defer)
         extra: tuple[Tensor | None, ...] = ()
         if self.return_bias:
             extra += (self.bias,)
@@ -175,5 +192,6 @@ class LayerNormLinear(NamedSlices, PreNorm):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, normalization={self.normalization}, eps={self.eps}"
             + (", fuse_wgrad_accumulation=True" if self.fuse_wgrad_accumulation else "")
+            + (", delay_wgrad_compute=True" if self.delay_wgrad_compute else "")
             + self.tp.describe()
         )

@@ -38,11 +38,14 @@ from te_compile.functional.activation import (
     check_gated_params,
 )
 from te_compile.modules._common import (
+    DelayedWgrad,
     check_bool,
     check_choice,
     check_positive,
+    check_rng_tracker,
     default_init_method,
     params_dtype_or_default,
+    rng_fork,
     weight_main_grad,
 )
 from te_compile.modules.norm import PreNorm
@@ -75,7 +78,7 @@ def _activation_params(owner: str, activation: str, params: object) -> dict[str,
     return {name: float(value) for name, value in params.items()}
 
 
-class LayerNormMLP(PreNorm):
+class LayerNormMLP(DelayedWgrad, PreNorm):
     """A transformer MLP block with its pre-norm.
 
     Args:
@@ -102,6 +105,12 @@ class LayerNormMLP(PreNorm):
         init_method, output_layer_init_method: initialise FC1's and FC2's weights.
         sequence_parallel, tp_group, tp_size: as in :class:`~te_compile.Linear`; FC1 is
             column-parallel and FC2 row-parallel when there is more than one shard.
+        delay_wgrad_compute: the backward leaves FC1's and FC2's weight gradients to
+            :meth:`backward_dw` (``DelayedWgrad``; eager only; the GEMMs then run as two
+            linear ops, as with ``fuse_wgrad_accumulation``; not with ``checkpoint``).
+        get_rng_state_tracker, rng_tracker_name: the weights are initialised inside
+            ``get_rng_state_tracker().fork(rng_tracker_name)`` (the tracker's default state
+            when the name is None), as in Transformer Engine (``rng_fork``).
     """
 
     def __init__(
@@ -126,9 +135,20 @@ class LayerNormMLP(PreNorm):
         tp_size: int | None = None,
         fuse_wgrad_accumulation: bool = False,
         checkpoint: bool = False,
+        delay_wgrad_compute: bool = False,
+        get_rng_state_tracker: Callable | None = None,
+        rng_tracker_name: str | None = None,
     ) -> None:
         super().__init__()
         owner = "LayerNormMLP"
+        self._init_delayed_wgrad(owner, delay_wgrad_compute)
+        check_rng_tracker(owner, get_rng_state_tracker, rng_tracker_name)
+        self.get_rng_state_tracker, self.rng_tracker_name = get_rng_state_tracker, rng_tracker_name
+        if checkpoint and delay_wgrad_compute:
+            raise NotImplementedError(
+                f"{owner}: checkpoint=True with delay_wgrad_compute=True is not supported (the "
+                "recomputed FC1 would queue its weight gradient a second time)"
+            )
         check_positive(owner, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
         check_bool(
             owner, bias=bias, zero_centered_gamma=zero_centered_gamma,
@@ -186,8 +206,9 @@ class LayerNormMLP(PreNorm):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         self._reset_norm()
-        self.init_method(self.fc1_weight)
-        self.output_layer_init_method(self.fc2_weight)
+        with rng_fork(self.get_rng_state_tracker, self.rng_tracker_name):
+            self.init_method(self.fc1_weight)
+            self.output_layer_init_method(self.fc2_weight)
         for bias in (self.fc1_bias, self.fc2_bias):
             if bias is not None:
                 bias.zero_()
@@ -240,9 +261,12 @@ class LayerNormMLP(PreNorm):
         if wq != (None, None):  # FP8 primary weights: their gradients go to main_grad
             main_grads = (_primary.primary_main_grad(owner, w1),
                           _primary.primary_main_grad(owner, w2))  # fmt: skip
-        return _gemm.mlp(owner, metas, inp, w1, b1, self.activation, w2, fc2_bias, norm,
-                         self.activation_params, main_grads, self.checkpoint, cache,
-                         wq)  # fmt: skip
+        defer = self._wgrad_defer(w1, w2) if self.delay_wgrad_compute else None
+        out = _gemm.mlp(owner, metas, inp, w1, b1, self.activation, w2, fc2_bias, norm,
+                        self.activation_params, main_grads, self.checkpoint, cache, wq,
+                        defer)  # fmt: skip
+        self._wgrad_queue(defer)
+        return out
 
     def extra_repr(self) -> str:
         return (
@@ -250,5 +274,6 @@ class LayerNormMLP(PreNorm):
             f"activation={self.activation}, normalization={self.normalization}, eps={self.eps}"
             + (", fuse_wgrad_accumulation=True" if self.fuse_wgrad_accumulation else "")
             + (", checkpoint=True" if self.checkpoint else "")
+            + (", delay_wgrad_compute=True" if self.delay_wgrad_compute else "")
             + self.tp.describe().replace("parallel_mode='column', ", "")
         )

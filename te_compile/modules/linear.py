@@ -30,12 +30,15 @@ from torch import Tensor, nn
 
 from te_compile.distributed.tensor_parallel import TensorParallel, set_parallel_attributes
 from te_compile.modules._common import (
+    DelayedWgrad,
     NamedSlices,
     check_bool,
     check_positive,
+    check_rng_tracker,
     default_init_method,
     params_dtype_or_default,
     parse_parameters_split,
+    rng_fork,
     weight_main_grad,
 )
 from te_compile.quantization import fp8_gemm as _fp8
@@ -45,7 +48,7 @@ from te_compile.quantization import primary as _primary
 __all__ = ["Linear"]
 
 
-class Linear(NamedSlices, nn.Module):
+class Linear(DelayedWgrad, NamedSlices, nn.Module):
     r"""Applies :math:`y = x W^\top + b` over the last dimension of ``inp``.
 
     Args:
@@ -67,6 +70,16 @@ class Linear(NamedSlices, nn.Module):
             that split ``out_features`` evenly), e.g. ``{"query": q, "key": k, "value": v}``:
             state_dict keys and attributes ``<name>_weight`` / ``<name>_bias``, as in
             Transformer Engine; the module keeps one fused Parameter (``NamedSlices``).
+        delay_wgrad_compute: the backward leaves the weight gradient to :meth:`backward_dw`
+            (``DelayedWgrad``; eager only).
+        save_original_input: under an FP8 recipe the backward keeps the input itself (no
+            bytes of its own where the caller keeps it, e.g. an input several modules read)
+            rather than its quantised transposed copy, and quantises it again for the wgrad
+            GEMM: the same gradients. Not with DelayedScaling (ValueError, as in Transformer
+            Engine).
+        get_rng_state_tracker, rng_tracker_name: the weights are initialised inside
+            ``get_rng_state_tracker().fork(rng_tracker_name)`` (the tracker's default state
+            when the name is None), as in Transformer Engine (``rng_fork``).
 
     ``forward(inp, is_first_microbatch=None)``: under an FP8 autocast, ``None`` casts the weight
     every call; ``True`` casts it and keeps the FP8 copy (plain tensors, not in the state_dict);
@@ -90,9 +103,18 @@ class Linear(NamedSlices, nn.Module):
         tp_group: object = None,
         tp_size: int | None = None,
         parameters_split: dict[str, int] | tuple[str, ...] | None = None,
+        delay_wgrad_compute: bool = False,
+        save_original_input: bool = False,
+        get_rng_state_tracker: Callable | None = None,
+        rng_tracker_name: str | None = None,
     ) -> None:
         super().__init__()
         check_positive("Linear", in_features=in_features, out_features=out_features)
+        self._init_delayed_wgrad("Linear", delay_wgrad_compute)
+        check_bool("Linear", save_original_input=save_original_input)
+        self.save_original_input = save_original_input
+        check_rng_tracker("Linear", get_rng_state_tracker, rng_tracker_name)
+        self.get_rng_state_tracker, self.rng_tracker_name = get_rng_state_tracker, rng_tracker_name
         check_bool(
             "Linear", bias=bias, return_bias=return_bias,
             fuse_wgrad_accumulation=fuse_wgrad_accumulation, sequence_parallel=sequence_parallel,
@@ -143,7 +165,8 @@ class Linear(NamedSlices, nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        self.init_method(self.weight)
+        with rng_fork(self.get_rng_state_tracker, self.rng_tracker_name):
+            self.init_method(self.weight)
         if self.bias is not None:
             self.bias.zero_()
 
@@ -159,19 +182,23 @@ class Linear(NamedSlices, nn.Module):
         if is_first_microbatch is not None:
             _gemm.check_first_microbatch("Linear", is_first_microbatch)
             cache = _gemm.WeightCache(self._fp8_weights, is_first_microbatch)
+        defer = self._wgrad_defer(self.weight) if self.delay_wgrad_compute else None
+        kw = {"defer": defer, "cache": cache, "weight_quantized": wq}
+        if self.save_original_input and _gemm.quantized():
+            kw["save_original_input"] = True
         if self.tp.mode is None:  # no tensor parallelism: the GEMM alone (the hot path)
             bias = None if self.return_bias else self.bias
-            out = _gemm.linear("Linear", self.fp8_meta, inp, self.weight, bias, main_grad,
-                               cache=cache, weight_quantized=wq)  # fmt: skip
+            out = _gemm.linear("Linear", self.fp8_meta, inp, self.weight, bias, main_grad, **kw)
+            self._wgrad_queue(defer)
             return (out, self.bias) if self.return_bias else out
 
         def gemm(x: Tensor, bias: Tensor | None) -> Tensor:
-            return _gemm.linear("Linear", self.fp8_meta, x, self.weight, bias, main_grad,
-                                cache=cache, weight_quantized=wq)  # fmt: skip
+            return _gemm.linear("Linear", self.fp8_meta, x, self.weight, bias, main_grad, **kw)
 
         # Row-parallel: the bias is added once, to the sum of the partial products.
         add_bias = not self.return_bias
         out, bias = self.tp.linear("Linear", gemm, inp, self.bias, add_bias=add_bias)
+        self._wgrad_queue(defer)
         return (out, bias) if self.return_bias else out
 
     def extra_repr(self) -> str:
@@ -180,5 +207,7 @@ class Linear(NamedSlices, nn.Module):
             f"bias={self.bias is not None}, params_dtype={self.weight.dtype}"
             + (", return_bias=True" if self.return_bias else "")
             + (", fuse_wgrad_accumulation=True" if self.fuse_wgrad_accumulation else "")
+            + (", delay_wgrad_compute=True" if self.delay_wgrad_compute else "")
+            + (", save_original_input=True" if self.save_original_input else "")
             + self.tp.describe()
         )

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from te_compile._checks import check_bool, check_positive_finite
 from te_compile.functional import apply_rotary_pos_emb
-from te_compile.modules._common import check_choice, check_positive
+from te_compile.modules._common import check_choice, check_positive, check_rng_tracker
 from te_compile.modules.attention import DotProductAttention
 from te_compile.modules.layernorm_linear import LayerNormLinear
 from te_compile.modules.linear import Linear
@@ -143,11 +143,7 @@ class MultiheadAttention(nn.Module):
         _positive_int(owner, "layer_number", layer_number)
         check_choice(owner, "attention_type", attention_type, ATTENTION_TYPES)
         check_choice(owner, "qkv_format", qkv_format, ("sbhd", "bshd", "thd"))
-        if get_rng_state_tracker is not None:
-            raise ValueError(
-                f"{owner}: get_rng_state_tracker is not supported; attention dropout draws "
-                "from an explicit (seed, offset) state per call (te.DotProductAttention)"
-            )
+        check_rng_tracker(owner, get_rng_state_tracker, None)
         if qk_layernorm:
             if qk_norm_type not in (None, "LayerNorm"):
                 raise ValueError(
@@ -206,7 +202,12 @@ class MultiheadAttention(nn.Module):
         hq, hkv = kv_channels * num_attention_heads, kv_channels * groups
 
         column = "column" if set_parallel_mode else None
-        common = {"params_dtype": params_dtype, "device": device, "init_method": init_method}
+        common = {
+            "params_dtype": params_dtype,
+            "device": device,
+            "init_method": init_method,
+            "get_rng_state_tracker": get_rng_state_tracker,
+        }
         gemm = {**common, "bias": bias, "parallel_mode": column, **tp_kw}
         norm = {
             "eps": layernorm_epsilon,
@@ -254,6 +255,8 @@ class MultiheadAttention(nn.Module):
             attention_type=attention_type,
             layer_number=self.layer_number,
             tp_size=tp,
+            sequence_parallel=sequence_parallel,
+            get_rng_state_tracker=get_rng_state_tracker,
         )
         out_init = output_layer_init_method
         self.proj = Linear(
@@ -265,6 +268,7 @@ class MultiheadAttention(nn.Module):
             params_dtype=params_dtype,
             device=device,
             init_method=out_init,
+            get_rng_state_tracker=get_rng_state_tracker,
             **wgrad,
             **tp_kw,
         )

@@ -198,6 +198,7 @@ class TransformerLayer(nn.Module):
             output_layer_init_method=output_layer_init_method,
             sequence_parallel=sequence_parallel,
             fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+            get_rng_state_tracker=get_rng_state_tracker,
             **(tp_mlp if set_parallel_mode else {}),
         )
         if output_layernorm:

@@ -388,6 +388,7 @@ def linear(
     cache: WeightCache | None = None,
     cache_name: str = "weight",
     weight_quantized: Sequence[Tensor] | None = None,
+    defer: list | None = None,
     **epilogue: Any,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """A module's linear through ``te::linear``: the recipe of the autocast state (high
@@ -397,12 +398,20 @@ def linear(
     The forward's amaxes go into ``meta`` (per-tensor recipes). ``cache``: the module's kept
     FP8 weights and ``is_first_microbatch`` (module docstring), ``cache_name`` this weight's
     entry. ``weight_quantized``: ``weight``'s pre-quantised operand (FP8 primary weights,
-    ``quantization.primary``), for a per-tensor recipe's autocast only."""
+    ``quantization.primary``), for a per-tensor recipe's autocast only. ``defer``: a list, the
+    weight gradient is delayed (``delay_wgrad_compute``): ``(DeferredWgrad, weight)`` is
+    appended."""
     state = get_autocast_state()
     if weight_quantized is not None:
         check_primary(owner, state)
     if state.calibration:
         state = calibrate(owner, state, (meta,), (_no_grad_norm(inp, norm),), (weight,))
+    if epilogue.get("save_original_input") and state.enabled:
+        _refuse_delayed(owner, state)
+    if defer is not None and not weight.requires_grad:
+        defer = None  # no weight gradient to delay
+    if defer is not None:
+        epilogue = {**epilogue, "delay_wgrad": True}
     if not (state.enabled or norm or epilogue):  # te.Linear's hot path in high precision
         return F.linear(inp, weight, bias, main_grad=main_grad)
     args = gemm_args(owner, state, inp, (weight,), (meta,))
@@ -413,14 +422,31 @@ def linear(
     if args.backward_override:
         kw["backward_override"] = args.backward_override
     if args.recipe not in PER_TENSOR:
-        return F.linear(inp, weight, bias, main_grad=main_grad, **args.scalars(), **args.nvfp4(),
-                        **kw)  # fmt: skip
-    out, *rest, amax = F.linear(
-        inp, weight, bias, main_grad=main_grad, **args.scalars(), scale=args.scales[0],
-        grad_amax=args.grad_amaxes[0], return_amax=True, **kw,
-    )  # fmt: skip
-    meta.record(amax, state)
-    return (out, *rest) if rest else out
+        out = F.linear(inp, weight, bias, main_grad=main_grad, **args.scalars(), **args.nvfp4(),
+                       **kw)  # fmt: skip
+    else:
+        out, *rest, amax = F.linear(
+            inp, weight, bias, main_grad=main_grad, **args.scalars(), scale=args.scales[0],
+            grad_amax=args.grad_amaxes[0], return_amax=True, **kw,
+        )  # fmt: skip
+        meta.record(amax, state)
+        out = (out, *rest) if rest else out
+    if defer is None:
+        return out
+    *out, deferred = out
+    defer.append((deferred, weight))
+    return tuple(out) if len(out) > 1 else out[0]
+
+
+def _refuse_delayed(owner: str, state: AutocastState) -> None:
+    """save_original_input under DelayedScaling: refused, as Transformer Engine refuses it (the
+    first steps of a delayed-scaling state run current scaling; the recipe decides)."""
+    if state.recipe.delayed():
+        raise ValueError(
+            f"{owner}: save_original_input=True does not work with the DelayedScaling recipe "
+            "(the backward would quantise the input again with a scale the amax-history update "
+            "may have changed)"
+        )
 
 
 def mlp(
@@ -438,6 +464,7 @@ def mlp(
     recompute_fc1: bool = False,
     cache: WeightCache | None = None,
     weights_quantized: tuple[Sequence[Tensor] | None, Sequence[Tensor] | None] = (None, None),
+    defer: list | None = None,
 ) -> Tensor:
     """``fc2(activation(fc1(norm(inp))))`` through ``te::mlp`` with the autocast state's
     recipe (high precision outside it); ``metas``: the two GEMMs' FP8 states, used as two
@@ -453,13 +480,20 @@ def mlp(
     than their outputs saved; FC2 runs once. ``cache``: the module's kept FP8 weights
     (``is_first_microbatch``, entries ``"fc1_weight"`` and ``"fc2_weight"``), handed to
     ``te::mlp`` (or ``te::linear``) as pre-quantised weights. ``weights_quantized``: the two
-    weights' pre-quantised operands (FP8 primary weights; the GEMMs then run one by one)."""
+    weights' pre-quantised operands (FP8 primary weights; the GEMMs then run one by one).
+    ``defer``: both weight gradients are delayed (:func:`linear`'s ``defer``; the GEMMs run one
+    by one)."""
     act_kw = activation_params or {}
     state = get_autocast_state()
     by_op = state.calibration or (state.enabled and state.recipe.backward_override is not None)
     by_op = by_op or main_grads is not None or recompute_fc1 or _nvfp4_options(state)
-    by_op = by_op or weights_quantized != (None, None)
+    by_op = by_op or weights_quantized != (None, None) or defer is not None
     q1, q2 = weights_quantized
+    if recompute_fc1 and defer is not None:
+        raise NotImplementedError(
+            f"{owner}: checkpoint=True with delay_wgrad_compute=True is not supported (the "
+            "recomputed FC1 would delay its weight gradient twice)"
+        )
     if not _FUSE_MLP or by_op:  # op by op: the same bytes
         g1, g2 = main_grads or (None, None)
 
@@ -467,12 +501,12 @@ def mlp(
             if norm is not None:
                 x = _apply_norm(x, norm)
             fc1_out = linear(owner, metas[0], x, fc1_weight, None, g1, cache=cache,
-                             cache_name="fc1_weight", weight_quantized=q1)  # fmt: skip
+                             cache_name="fc1_weight", weight_quantized=q1, defer=defer)  # fmt: skip
             return F.bias_activation(fc1_out, fc1_bias, activation, **act_kw)
 
         act = checkpoint(fc1_act, inp, use_reentrant=False) if recompute_fc1 else fc1_act(inp)
         return linear(owner, metas[1], act, fc2_weight, fc2_bias, g2, cache=cache,
-                      cache_name="fc2_weight", weight_quantized=q2)  # fmt: skip
+                      cache_name="fc2_weight", weight_quantized=q2, defer=defer)  # fmt: skip
     weights = (fc1_weight, fc2_weight)
     args = gemm_args(owner, state, inp, weights, metas)
     kw = {**_norm_kwargs(norm), **args.scalars(), **act_kw}
@@ -507,6 +541,8 @@ def grouped_linear(
     weight: Tensor,
     bias: Tensor | None,
     main_grad: Tensor | None = None,
+    defer: list | None = None,
+    save_original_input: bool = False,
 ) -> Tensor:
     """A module's grouped GEMM (``weight`` ``[G, N, K]``) through ``te::grouped_linear`` with
     the autocast state's recipe (high precision outside it). Under the per-tensor recipes the
@@ -519,7 +555,12 @@ def grouped_linear(
     whole input and of every group's weight (one per-tensor state). A recipe's
     ``backward_override`` raises: the grouped GEMM does not implement it; so do NVFP4's random
     Hadamard transform, stochastic rounding and row-scaled activations (NotImplementedError;
-    its 16x16 weight tiles are applied)."""
+    its 16x16 weight tiles are applied). ``defer``: as
+    :func:`linear`'s (``(DeferredWgrad, weight)`` appended). ``save_original_input``: the
+    backward must keep the input itself, not a quantised copy: what high precision and
+    ``Float8CurrentScaling`` (its FP8 wgrad operand quantised again in the backward) do;
+    DelayedScaling refuses it (as Transformer Engine), the block-scaled recipes, which save
+    quantised copies, do not implement it."""
     state = get_autocast_state()
     if state.calibration:
         state = calibrate(owner, state, (meta,), (inp,), (weight,))
@@ -542,14 +583,32 @@ def grouped_linear(
             f"NVFP4BlockScaling({', '.join(fields[k] for k in sorted(args.nvfp4()))})"
         )
     kw = args.scalars()
-    if args.recipe not in PER_TENSOR:
-        return F.grouped_linear(inp, m_splits, weight, bias, main_grad=main_grad, **kw)
-    kw["fp8_wgrad"] = _GROUPED_FP8_WGRAD
-    if not state.recipe.delayed():  # current scaling measures no amaxes (a read each)
-        return F.grouped_linear(inp, m_splits, weight, bias, main_grad=main_grad, **kw)
-    out, amax = F.grouped_linear(
-        inp, m_splits, weight, bias, main_grad=main_grad, scale=args.scales[0],
-        grad_amax=meta.grad_amax, return_amax=True, **kw,
-    )  # fmt: skip
-    meta.record(amax, state)
+    if save_original_input and state.enabled:
+        _refuse_delayed(owner, state)
+    if save_original_input and args.recipe not in ("", "current"):
+        raise NotImplementedError(
+            f"{owner}: save_original_input=True is not implemented for the {args.recipe!r} "
+            "grouped GEMMs (they save quantised copies of the input)"
+        )
+    if save_original_input and args.recipe:
+        kw["save_original_input"] = True
+    if defer is not None and weight.requires_grad:
+        kw["delay_wgrad"] = True
+    if args.recipe in PER_TENSOR:
+        kw["fp8_wgrad"] = _GROUPED_FP8_WGRAD
+    if args.recipe in PER_TENSOR and state.recipe.delayed():
+        out, *rest, amax = F.grouped_linear(
+            inp, m_splits, weight, bias, main_grad=main_grad, scale=args.scales[0],
+            grad_amax=meta.grad_amax, return_amax=True, **kw,
+        )  # fmt: skip
+        meta.record(amax, state)
+    else:  # current scaling measures no amaxes (a read each)
+        out, *rest = _as_tuple(F.grouped_linear(inp, m_splits, weight, bias, main_grad=main_grad,
+                                                **kw))  # fmt: skip
+    if rest:
+        defer.append((rest[0], weight))
     return out
+
+
+def _as_tuple(result: Tensor | tuple) -> tuple:
+    return result if isinstance(result, tuple) else (result,)

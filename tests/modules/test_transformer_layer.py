@@ -466,7 +466,6 @@ backward:
         ({"hidden_dropout": 1.5}, "hidden_dropout"),
         ({"attn_input_format": "hbsd"}, "qkv_format"),
         ({"parallel_attention_mlp": True, "output_layernorm": True}, "parallel_attention_mlp"),
-        ({"get_rng_state_tracker": lambda: None}, "get_rng_state_tracker"),
     ],
 )
 def test_bad_arguments_name_the_argument(kwargs, match):
