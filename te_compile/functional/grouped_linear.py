@@ -57,10 +57,12 @@ from te_compile.functional.gemm import (
     HIGH_DTYPES,
     PER_TENSOR,
     blockwise_supported,
+    check_gemm_args,
     check_recipe,
     empty,
     quantize_per_tensor,
     quantized_linear_ref,
+    recipe_args_not_default,
 )
 from te_compile.functional.grouped_fp8 import (
     as_e4m3,
@@ -709,6 +711,16 @@ def grouped_linear(
     weight gradient is added to it instead of being returned. ``return_amax=True`` also returns
     ``[amax(inp), amax(weight)]`` (delayed scaling, or current scaling given ``grad_amax``;
     0-element otherwise)."""
+    tensors = {"inp": inp, "weight": weight, "bias": bias, "main_grad": main_grad}
+    if (
+        not all(t is None or isinstance(t, Tensor) for t in tensors.values())
+        or recipe_args_not_default(fwd_dtype, bwd_dtype, power_2_scale, weight_block_rows, emulate)
+    ):  # fmt: skip
+        check_gemm_args(
+            "te.grouped_linear", {**tensors, "scale": scale, "grad_amax": grad_amax},
+            fwd_dtype=fwd_dtype, bwd_dtype=bwd_dtype, power_2_scale=power_2_scale,
+            weight_block_rows=weight_block_rows, emulate=emulate,
+        )  # fmt: skip
     args = (inp, as_splits_tensor(m_splits), weight, bias, main_grad)
     if recipe or scale is not None or grad_amax is not None or fp8_wgrad:
         check_bool(

@@ -67,7 +67,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from te_compile._checks import check_bool, check_finite
+from te_compile._checks import check_bool, check_finite, check_tensors
 from te_compile._library import SampleInput, differentiable, op
 from te_compile.functional.activation import (
     GATED_ACTIVATIONS,
@@ -85,6 +85,7 @@ from te_compile.functional.gemm import (
     HIGH_DTYPES,
     PER_TENSOR,
     accumulate_wgrad,
+    check_gemm_args,
     check_recipe,
     delayed_on_cuda,
     empty,
@@ -94,6 +95,7 @@ from te_compile.functional.gemm import (
     padded,
     quantize_operand,
     quantized_linear_ref,
+    recipe_args_not_default,
     scale_slots,
     unpad,
 )
@@ -993,14 +995,33 @@ def linear(
     GEMMs (module docstring).
     """
     args = (inp, weight, bias, main_grad)
+    if not (
+        isinstance(inp, Tensor) and isinstance(weight, Tensor)
+        and (bias is None or isinstance(bias, Tensor))
+        and (main_grad is None or isinstance(main_grad, Tensor))
+    ):  # fmt: skip
+        check_tensors("te.linear", inp=inp, weight=weight, bias=bias, main_grad=main_grad)
     if (
         recipe or normalization or activation or return_branch or residual is not None
         or out_scale != 1.0 or norm_weight is not None or norm_bias is not None
         or scale is not None or grad_amax is not None or backward_override
+        or recipe_args_not_default(fwd_dtype, bwd_dtype, power_2_scale, weight_block_rows, emulate)
+        or norm_eps != 1e-5 or zero_centered_gamma is not False
+        or glu_interleave_size is not None or limit != 7.0 or alpha != 1.702
+        or glu_linear_offset != 1.0
     ):  # fmt: skip
         check_bool(
             "te.linear", power_2_scale=power_2_scale, emulate=emulate,
             zero_centered_gamma=zero_centered_gamma, return_branch=return_branch,
+        )  # fmt: skip
+        check_gemm_args(
+            "te.linear",
+            {"scale": scale, "grad_amax": grad_amax, "norm_weight": norm_weight,
+             "norm_bias": norm_bias, "residual": residual},
+            fwd_dtype=fwd_dtype, bwd_dtype=bwd_dtype, power_2_scale=power_2_scale,
+            weight_block_rows=weight_block_rows, emulate=emulate, norm_eps=norm_eps,
+            glu_interleave_size=glu_interleave_size, limit=limit, alpha=alpha,
+            glu_linear_offset=glu_linear_offset, out_scale=out_scale,
         )  # fmt: skip
         args += (
             recipe, fwd_dtype, bwd_dtype, power_2_scale, weight_block_rows, emulate, scale,

@@ -52,7 +52,7 @@ from te_compile.distributed.tensor_parallel import TensorParallel, set_parallel_
 from te_compile.modules._common import (
     check_bool,
     check_positive,
-    default_init_method,
+    init_method_or_default,
     params_dtype_or_default,
 )
 from te_compile.quantization import fp8_gemm as _fp8
@@ -115,7 +115,7 @@ class GroupedLinear(nn.Module):
                         f"{owner}: single_grouped_parameter=True is single_grouped_weight=True "
                         f"and single_grouped_bias=True; got single_grouped_{name}=False"
                     )
-        dtype = params_dtype_or_default(owner, params_dtype)
+        dtype = params_dtype_or_default(owner, params_dtype, device)
         if sequence_parallel is True:
             raise ValueError(
                 f"{owner}: sequence_parallel=True is not supported (tokens grouped by expert "
@@ -135,7 +135,7 @@ class GroupedLinear(nn.Module):
             single_grouped_parameter if single_grouped_bias is None else single_grouped_bias
         )
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
-        self.init_method = init_method or default_init_method
+        self.init_method = init_method_or_default(owner, "init_method", init_method)
         factory = {"dtype": dtype, "device": device}
         if self.single_weight:
             self.weight = nn.Parameter(torch.empty(num_gemms, out_features, in_features, **factory))

@@ -41,7 +41,7 @@ from te_compile.modules._common import (
     check_bool,
     check_choice,
     check_positive,
-    default_init_method,
+    init_method_or_default,
     params_dtype_or_default,
     weight_main_grad,
 )
@@ -139,7 +139,7 @@ class LayerNormMLP(PreNorm):
         self.checkpoint = checkpoint
         check_choice(owner, "activation", activation, (*ACTIVATIONS, *GATED_ACTIVATIONS))
         self.activation_params = _activation_params(owner, activation, activation_params)
-        dtype = params_dtype_or_default(owner, params_dtype)
+        dtype = params_dtype_or_default(owner, params_dtype, device)
         parallel = tp_group is not None or (tp_size or 1) > 1 or sequence_parallel
         # "column" stands for the pair: FC1 column-parallel, FC2 row-parallel.
         self.tp = TensorParallel.create(
@@ -152,8 +152,10 @@ class LayerNormMLP(PreNorm):
         self.gated = activation in GATED_ACTIVATIONS
         self.return_layernorm_output = return_layernorm_output
         self.return_bias = return_bias
-        self.init_method = init_method or default_init_method
-        self.output_layer_init_method = output_layer_init_method or default_init_method
+        self.init_method = init_method_or_default(owner, "init_method", init_method)
+        self.output_layer_init_method = init_method_or_default(
+            owner, "output_layer_init_method", output_layer_init_method
+        )
         factory = {"dtype": dtype, "device": device}
         fc1_out = 2 * ffn_hidden_size if self.gated else ffn_hidden_size
         self._init_norm(owner, hidden_size, eps, normalization, zero_centered_gamma, factory)
