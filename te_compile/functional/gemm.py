@@ -49,6 +49,7 @@ from te_compile._checks import (
     check_finite,
     check_int,
     check_positive_finite,
+    check_tensor,
     check_tensors,
 )
 from te_compile.functional.quantize import (
@@ -248,6 +249,13 @@ def blockwise_supported(
     the forward and out_features for dgrad, a multiple of 4). On the H100 (torch 2.11,
     2026-11-22) other widths gave wrong dgrad products with the compact scale layout, and a
     padded one was refused; 1x128 weight blocks have no such limit."""
+    p = "te.blockwise_supported"
+    check_tensor(p, "weight", weight, min_dim=2)
+    for name, value in (("fwd_dtype", fwd_dtype), ("bwd_dtype", bwd_dtype)):
+        if value not in FP8_DTYPES:
+            raise ValueError(f"{p}: {name} must be one of {FP8_DTYPES}, got {value!r}")
+    if type(weight_block_rows) is not int or weight_block_rows not in (1, 128):
+        raise ValueError(f"{p}: weight_block_rows must be 1 or 128, got {weight_block_rows!r}")
     return fwd_dtype == bwd_dtype == _BLOCKWISE_FP8 and (
         weight_block_rows == 1 or (weight.shape[-2] % 512 == 0 and weight.shape[-1] % 512 == 0)
     )

@@ -242,6 +242,8 @@ class GroupedLinear(nn.Module):
     # Forward -------------------------------------------------------------------------------------
 
     def forward(self, inp: Tensor, m_splits: Tensor | Sequence[int]) -> Tensor:
+        if not isinstance(inp, Tensor):
+            raise TypeError(f"GroupedLinear: inp must be a torch.Tensor, got {type(inp).__name__}")
         weight = self.weight if self.single_weight else torch.stack(self.weights())
         bias = None
         if self.use_bias:

@@ -30,6 +30,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from te_compile._checks import check_int
 from te_compile.distributed.tensor_parallel import TensorParallel, set_parallel_attributes
 from te_compile.functional.activation import (
     ACTIVATIONS,
@@ -140,6 +141,8 @@ class LayerNormMLP(PreNorm):
         check_choice(owner, "activation", activation, (*ACTIVATIONS, *GATED_ACTIVATIONS))
         self.activation_params = _activation_params(owner, activation, activation_params)
         dtype = params_dtype_or_default(owner, params_dtype, device)
+        if tp_size is not None:
+            check_int(owner, 1, tp_size=tp_size)
         parallel = tp_group is not None or (tp_size or 1) > 1 or sequence_parallel
         # "column" stands for the pair: FC1 column-parallel, FC2 row-parallel.
         self.tp = TensorParallel.create(

@@ -31,7 +31,13 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from te_compile._checks import check_bool, check_positive_finite
+from te_compile._checks import (
+    check_bool,
+    check_callable,
+    check_int,
+    check_positive_finite,
+    check_tensor,
+)
 from te_compile.functional import apply_rotary_pos_emb
 from te_compile.modules._common import check_choice, check_positive
 from te_compile.modules.attention import DotProductAttention
@@ -143,6 +149,11 @@ class MultiheadAttention(nn.Module):
         _positive_int(owner, "layer_number", layer_number)
         check_choice(owner, "attention_type", attention_type, ATTENTION_TYPES)
         check_choice(owner, "qkv_format", qkv_format, ("sbhd", "bshd", "thd"))
+        check_int(owner, 1, tp_size=tp_size)
+        check_choice(owner, "normalization", normalization, ("LayerNorm", "RMSNorm"))
+        check_callable(
+            owner, init_method=init_method, output_layer_init_method=output_layer_init_method
+        )
         if get_rng_state_tracker is not None:
             raise ValueError(
                 f"{owner}: get_rng_state_tracker is not supported; attention dropout draws "
@@ -332,6 +343,13 @@ class MultiheadAttention(nn.Module):
         owner = "MultiheadAttention"
         _unsupported(owner, inference_params=inference_params,
                      is_first_microbatch=is_first_microbatch)  # fmt: skip
+        check_bool(owner, checkpoint_core_attention=checkpoint_core_attention)
+        check_tensor(owner, "hidden_states", hidden_states)
+        if hidden_states.shape[-1] != self.hidden_size:
+            raise ValueError(
+                f"{owner}: hidden_states must have hidden_size={self.hidden_size} in its last "
+                f"dim, got shape {list(hidden_states.shape)}"
+            )
         ln_out = None
         if self.attention_type == "self":
             if encoder_output is not None:

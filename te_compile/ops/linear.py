@@ -18,8 +18,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from te_compile._checks import check_bool
-from te_compile.ops.op import BasicOperation, OpOutput
+from te_compile._checks import check_bool, check_callable, check_device
+from te_compile.ops.op import BasicOperation, OpOutput, check_input
 from te_compile.quantization import fp8_gemm, gemm
 
 __all__ = ["BasicLinear", "Bias", "GroupedLinear"]
@@ -71,6 +71,8 @@ class BasicLinear(BasicOperation):
         dtype = _dtype("BasicLinear", dtype)
         self.in_features, self.out_features = in_features, out_features
         self.accumulate_into_main_grad = accumulate_into_main_grad
+        check_device("BasicLinear", "device", device)
+        check_callable("BasicLinear", init_method=init_method)
         self.init_method = init_method or _init
         self.weight = nn.Parameter(
             torch.empty(out_features, in_features, dtype=dtype, device=device)
@@ -106,6 +108,7 @@ class BasicLinear(BasicOperation):
         )
 
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
+        check_input("BasicLinear", x, self.in_features)
         return self.linear(x, None), ()
 
     def extra_repr(self) -> str:
@@ -133,6 +136,7 @@ class Bias(BasicOperation):
         super().__init__()
         _check_size("Bias", size=size)
         self.size = size
+        check_device("Bias", "device", device)
         self.bias = nn.Parameter(torch.zeros(size, dtype=_dtype("Bias", dtype), device=device))
 
     @torch.no_grad()
@@ -140,6 +144,7 @@ class Bias(BasicOperation):
         self.bias.zero_()
 
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
+        check_input("Bias", x)
         if x.shape[-1:] != self.bias.shape:
             raise ValueError(
                 f"Bias: input's last dim ({x.shape[-1] if x.dim() else None}) must equal "
@@ -188,6 +193,8 @@ class GroupedLinear(BasicOperation):
         check_bool("GroupedLinear", bias=bias)
         dtype = _dtype("GroupedLinear", dtype)
         self.num_groups, self.in_features, self.out_features = num_groups, in_features, out_features
+        check_device("GroupedLinear", "device", device)
+        check_callable("GroupedLinear", init_method=init_method)
         self.init_method = init_method or _init
         kw = {"dtype": dtype, "device": device}
         self.weight = nn.Parameter(torch.empty(num_groups, out_features, in_features, **kw))
