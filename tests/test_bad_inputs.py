@@ -19,7 +19,7 @@ import torch
 
 import te_compile as te
 from te_compile import recipe as R
-from tests.utils.domains import not_tensor, domain
+from tests.utils.domains import domain, not_tensor
 
 F = te.functional
 
