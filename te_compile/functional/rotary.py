@@ -547,8 +547,8 @@ def apply_rotary_pos_emb(
         if not isinstance(value, int) or isinstance(value, bool):
             raise ValueError(_PREFIX + f"{name} must be an int, got {value!r}")
     check_bool(_PREFIX[:-2], interleaved=interleaved, fused=fused)
-    check_tensor(_PREFIX[:-2], "t", t)
-    check_tensor(_PREFIX[:-2], "freqs", freqs)
+    check_tensor(_PREFIX[:-2], "t", t, floating=False, min_dim=0)
+    check_tensor(_PREFIX[:-2], "freqs", freqs, floating=False, min_dim=0)
     if cu_seqlens is not None:
         check_tensor(_PREFIX[:-2], "cu_seqlens", cu_seqlens, floating=False)
     _check_args(t, freqs, cu_seqlens, tensor_format, cp_size, cp_rank)
