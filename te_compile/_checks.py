@@ -80,7 +80,7 @@ def check_dtype(owner: str, name: str, value: object, *, floating: bool = True) 
     if not isinstance(value, torch.dtype):
         raise TypeError(f"{owner}: {name} must be a torch.dtype, got {value!r}")
     if floating and not value.is_floating_point:
-        raise ValueError(f"{owner}: {name} must be a floating-point dtype, got {value}")
+        raise ValueError(f"{owner}: {name} must be a floating dtype, got {value}")
 
 
 def check_device(owner: str, name: str, value: object) -> None:

@@ -225,7 +225,9 @@ def check_gemm_args(
     check_bool(owner, power_2_scale=power_2_scale, emulate=emulate)
     for name, value in (("fwd_dtype", fwd_dtype), ("bwd_dtype", bwd_dtype)):
         if value not in FP8_DTYPES:
-            raise ValueError(f"{owner}: {name} must be one of {FP8_DTYPES}, got {value!r}")
+            raise ValueError(
+                f"{owner}: {name} must be one of the FP8 dtypes {FP8_DTYPES}, got {value!r}"
+            )
     if type(weight_block_rows) is not int or weight_block_rows not in (1, 128):
         raise ValueError(
             f"{owner}: weight_block_rows must be 1 (1x128 blocks) or 128, got {weight_block_rows!r}"
