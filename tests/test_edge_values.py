@@ -28,8 +28,9 @@ RECIPES = {
     "mxfp8": R.MXFP8BlockScaling(),
     "nvfp4": R.NVFP4BlockScaling(),
 }
-# 128: every recipe's block fits (1x128 / 128x128 FP8 blocks, 32-element MXFP8, 16 NVFP4).
-HIDDEN = 128
+# The smallest hidden size each recipe's blocks fit (1x128 / 128x128 FP8 blocks, 32-element
+# MXFP8, 16-element NVFP4 with 32 tokens).
+HIDDEN = {"none": 32, "current": 32, "delayed": 32, "block": 128, "mxfp8": 32, "nvfp4": 32}
 
 
 # name -> (build(hidden), call(module, x)); x is [tokens, hidden] (TransformerLayer: [s, 1, h]).
@@ -78,11 +79,11 @@ def _finite_grads(module, x):
 @pytest.mark.parametrize(("module_name", "recipe"), CASES, ids=IDS)
 def test_zero_input_and_weights_give_finite_outputs_and_gradients(module_name, recipe):
     build, _ = MODULES[module_name]
-    module = build(HIDDEN)
+    module = build(HIDDEN[recipe])
     with torch.no_grad():
         for p in module.parameters():
             p.zero_()
-    module, x, y = _run(module_name, recipe, torch.zeros(32, HIDDEN), module)
+    module, x, y = _run(module_name, recipe, torch.zeros(32, HIDDEN[recipe]), module)
     assert y.isfinite().all()
     y.float().sum().backward()
     assert x.grad is not None and _finite_grads(module, x)
@@ -91,7 +92,7 @@ def test_zero_input_and_weights_give_finite_outputs_and_gradients(module_name, r
 @pytest.mark.parametrize("value", [math.inf, math.nan], ids=["inf", "nan"])
 @pytest.mark.parametrize(("module_name", "recipe"), CASES, ids=IDS)
 def test_non_finite_input_propagates_or_is_reported(module_name, recipe, value):
-    x = torch.randn(32, HIDDEN)
+    x = torch.randn(32, HIDDEN[recipe])
     x[3, 5] = value
     module, _, y = _run(module_name, recipe, x)
     reported = te.non_finite_amaxes(module)
@@ -115,12 +116,12 @@ def _works_or_refused(module_name, recipe, tokens, hidden):
 
 @pytest.mark.parametrize(("module_name", "recipe"), CASES, ids=IDS)
 def test_single_token(module_name, recipe):
-    _works_or_refused(module_name, recipe, 1, HIDDEN)
+    _works_or_refused(module_name, recipe, 1, HIDDEN[recipe])
 
 
 @pytest.mark.parametrize(("module_name", "recipe"), CASES, ids=IDS)
 def test_zero_tokens(module_name, recipe):
-    _works_or_refused(module_name, recipe, 0, HIDDEN)
+    _works_or_refused(module_name, recipe, 0, HIDDEN[recipe])
 
 
 @pytest.mark.parametrize(("module_name", "recipe"), CASES, ids=IDS)
