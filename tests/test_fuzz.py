@@ -343,3 +343,48 @@ def test_functional_linear(seed, p, bias):
     y = te.functional.linear(x, w, b, **kw)
     y_ref = tF.linear(*refs)
     _compare(recipe, y, y_ref, dtype, 2)
+
+
+@FUZZ
+@given(
+    seed=SEED,
+    dtype=DTYPES,
+    seq=st.integers(1, 12),
+    batch=st.integers(1, 3),
+    groups=st.integers(1, 2),
+    heads_per_group=st.integers(1, 2),
+    head_dim=st.sampled_from([8, 16, 24]),
+    mask=st.sampled_from(["causal", "no_mask"]),
+    layout=st.sampled_from(["sbhd", "bshd"]),
+)
+def test_dot_product_attention(seed, dtype, seq, batch, groups, heads_per_group, head_dim, mask,
+                               layout):  # fmt: skip
+    torch.manual_seed(seed)
+    heads = groups * heads_per_group
+    m = te.DotProductAttention(heads, head_dim, num_gqa_groups=groups, qkv_format=layout,
+                               attn_mask_type=mask)  # fmt: skip
+    shape = (seq, batch) if layout == "sbhd" else (batch, seq)
+    q, k, v = (torch.randn(*shape, h, head_dim).to(dtype).requires_grad_()
+               for h in (heads, groups, groups))  # fmt: skip
+    refs = to_reference((q, k, v))
+
+    def ref(q, k, v):  # [b, h, s, d]
+        if layout == "sbhd":
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        else:
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        k, v = (t.repeat_interleave(heads_per_group, dim=1) for t in (k, v))
+        scores = q @ k.transpose(-1, -2) / head_dim**0.5
+        if mask == "causal":
+            scores = scores.masked_fill(torch.ones(seq, seq).triu(1).bool(), float("-inf"))
+        out = scores.softmax(-1) @ v  # [b, h, s, d]
+        out = out.permute(2, 0, 1, 3) if layout == "sbhd" else out.transpose(1, 2)
+        return out.reshape(*shape, heads * head_dim)
+
+    y, y_ref = m(q, k, v), ref(*refs)
+    assert_close(y, y_ref, dtype, roundings=4, reduced=True)
+    dy = torch.randn(y.shape).to(dtype)
+    y.backward(dy)
+    y_ref.backward(to_reference(dy))
+    for t, r in zip((q, k, v), refs, strict=True):
+        assert_close(t.grad, r.grad, dtype, roundings=6, reduced=True)
