@@ -42,3 +42,68 @@ def check_finite(owner: str, **values: float) -> None:
     for name, value in values.items():
         if not (_real(value) and -math.inf < value < math.inf):
             raise ValueError(f"{owner}: {name} must be a float (finite), got {value!r}")
+
+
+def check_int(owner: str, minimum: int = 1, **values: object) -> None:
+    """Each value is an int (not a bool) ``>= minimum`` (sizes: ``minimum=1``; offsets: 0)."""
+    for name, value in values.items():
+        if not (isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool)):
+            raise TypeError(f"{owner}: {name} must be an int >= {minimum}, got {value!r}")
+        if not value >= minimum:
+            raise ValueError(f"{owner}: {name} must be an int >= {minimum}, got {value!r}")
+
+
+def check_tensor(
+    owner: str, name: str, value: object, *, floating: bool = True, min_dim: int = 1
+) -> None:
+    """``value`` is a tensor (floating-point where ``floating``) with at least ``min_dim`` dims.
+    Reads metadata only, so it runs the same in eager and while tracing."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{owner}: {name} must be a torch.Tensor, got {type(value).__name__}")
+    if floating and not value.is_floating_point():
+        raise ValueError(f"{owner}: {name} must be a floating-point tensor, got {value.dtype}")
+    if value.dim() < min_dim:
+        raise ValueError(
+            f"{owner}: {name} must have at least {min_dim} dim(s), got shape {list(value.shape)}"
+        )
+
+
+def check_tensors(owner: str, **tensors: object) -> None:
+    """:func:`check_tensor` (floating, >= 1 dim) on each value that is not None."""
+    for name, value in tensors.items():
+        if value is not None:
+            check_tensor(owner, name, value)
+
+
+def check_dtype(owner: str, name: str, value: object, *, floating: bool = True) -> None:
+    """``value`` is a ``torch.dtype`` (floating-point where ``floating``)."""
+    if not isinstance(value, torch.dtype):
+        raise TypeError(f"{owner}: {name} must be a torch.dtype, got {value!r}")
+    if floating and not value.is_floating_point:
+        raise ValueError(f"{owner}: {name} must be a floating dtype, got {value}")
+
+
+def check_device(owner: str, name: str, value: object) -> None:
+    """``value`` is None, a ``torch.device``, a device string or index that torch parses."""
+    if value is None or isinstance(value, torch.device):
+        return
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise TypeError(f"{owner}: {name} must be a torch.device or a device string, got {value!r}")
+    try:
+        torch.device(value)
+    except RuntimeError as error:
+        raise ValueError(f"{owner}: {name} is not a device, got {value!r} ({error})") from None
+
+
+def check_callable(owner: str, **values: object) -> None:
+    """Each value is None or callable (initialisers, hooks)."""
+    for name, value in values.items():
+        if value is not None and not callable(value):
+            raise TypeError(f"{owner}: {name} must be callable or None, got {value!r}")
+
+
+def check_choice(owner: str, name: str, value: object, choices: tuple) -> None:
+    """``value`` is one of ``choices`` (compared by equality, with its type: ``1`` is not
+    ``True``)."""
+    if not any(type(value) is type(c) and value == c for c in choices):
+        raise ValueError(f"{owner}: {name} must be one of {choices}, got {value!r}")

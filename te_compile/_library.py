@@ -74,7 +74,9 @@ _fast_path_enabled = True
 def set_eager_fast_path(enabled: bool) -> None:
     """Enable (default) or disable the eager fast path; disabled, every call uses the op path."""
     global _fast_path_enabled
-    _fast_path_enabled = bool(enabled)
+    if enabled is not True and enabled is not False:
+        raise ValueError(f"set_eager_fast_path: enabled must be a bool, got {enabled!r}")
+    _fast_path_enabled = enabled
 
 
 def eager_fast_path_enabled() -> bool:

@@ -4,11 +4,43 @@ import pytest
 import torch
 import torch._dynamo
 
+# Hypothesis settings of the fuzz tests (tests/test_fuzz.py), chosen with --fuzz-profile: "ci"
+# (the default) is seeded and derandomized with a few examples per test, so `make test` stays
+# fast and reproducible; "full" draws 200 random cases per test.
+FUZZ_PROFILES = {
+    "ci": {"max_examples": 10, "derandomize": True},
+    "full": {"max_examples": 200, "derandomize": False},
+}
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--fuzz-profile",
+        choices=sorted(FUZZ_PROFILES),
+        default="ci",
+        help="hypothesis profile of tests/test_fuzz.py: ci (seeded, few cases) or full "
+        "(200 random cases per module and function)",
+    )
+
 
 def pytest_configure(config):
     """Every recompilation logs its reason (the guard that failed): pytest shows it with the
-    captured output of a test that fails on a frame count, passing tests stay quiet."""
+    captured output of a test that fails on a frame count, passing tests stay quiet. Registers
+    the hypothesis profile "te-fuzz" the fuzz tests take their settings from (--fuzz-profile);
+    no global profile is loaded, so other hypothesis tests keep their own settings."""
     torch._logging.set_logs(recompiles=True)
+    try:
+        from hypothesis import HealthCheck, settings
+    except ImportError:  # an install without the test extras (tests/test_without_triton.py)
+        return
+    profile = FUZZ_PROFILES[config.getoption("--fuzz-profile")]
+    settings.register_profile(
+        "te-fuzz",
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+        print_blob=True,
+        **profile,
+    )
 
 
 @pytest.fixture(autouse=True)

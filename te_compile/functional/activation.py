@@ -66,7 +66,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from te_compile._checks import check_finite, check_positive_finite
+from te_compile._checks import (
+    check_finite,
+    check_int,
+    check_positive_finite,
+    check_tensor,
+    check_tensors,
+)
 from te_compile._library import SampleInput, differentiable, op
 
 __all__ = [
@@ -563,26 +569,32 @@ _gated_activation = differentiable(
 
 def gelu(inp: Tensor) -> Tensor:
     """GELU, tanh approximation."""
-    return _activation(inp, None, "gelu")
+    return _elementwise(inp, "gelu")
 
 
 def qgelu(inp: Tensor) -> Tensor:
     """Quick GELU, ``x * sigmoid(1.702 x)``."""
-    return _activation(inp, None, "qgelu")
+    return _elementwise(inp, "qgelu")
 
 
 def relu(inp: Tensor) -> Tensor:
-    return _activation(inp, None, "relu")
+    return _elementwise(inp, "relu")
 
 
 def srelu(inp: Tensor) -> Tensor:
     """Squared ReLU, ``relu(x) ** 2``."""
-    return _activation(inp, None, "srelu")
+    return _elementwise(inp, "srelu")
 
 
 def silu(inp: Tensor) -> Tensor:
     """SiLU (swish), ``x * sigmoid(x)``."""
-    return _activation(inp, None, "silu")
+    return _elementwise(inp, "silu")
+
+
+def _elementwise(inp: Tensor, activation: str) -> Tensor:
+    if not isinstance(inp, Tensor):
+        check_tensor(f"te.{activation}", "inp", inp, min_dim=0)
+    return _activation(inp, None, activation)
 
 
 def _gated(
@@ -593,7 +605,15 @@ def _gated(
     limit: float = 7.0,
     alpha: float = 1.702,
     glu_linear_offset: float = 1.0,
+    owner: str = "",
 ) -> Tensor:
+    if not isinstance(inp, Tensor) or not (
+        glu_interleave_size is None
+        or (type(glu_interleave_size) is int and glu_interleave_size >= 0)
+    ):
+        owner = owner or f"te.{activation}"
+        check_tensors(owner, inp=inp, bias=bias)
+        check_int(owner, 0, glu_interleave_size=glu_interleave_size)
     return _gated_activation(
         inp, bias, activation, glu_interleave_size or 0, limit, alpha, glu_linear_offset
     )
@@ -657,8 +677,13 @@ def bias_activation(
     ``inp``'s last dim and dtype; ``limit``/``alpha``/``glu_linear_offset`` are used by
     ``clamped_swiglu`` only. This is what LayerNormMLP calls after its FC1 GEMM."""
     check_gated_params("te.bias_activation", limit, alpha, glu_linear_offset)
+    if not isinstance(inp, Tensor) or not (bias is None or isinstance(bias, Tensor)):
+        check_tensors("te.bias_activation", inp=inp, bias=bias)
     if activation in ACTIVATIONS and not glu_interleave_size:
         return _activation(inp, bias, activation)
     # Gated names; also element-wise ones given an interleave size and unknown names, which the
     # gated op rejects with a message naming the argument (in eager and at trace time).
-    return _gated(inp, bias, activation, glu_interleave_size, limit, alpha, glu_linear_offset)
+    return _gated(
+        inp, bias, activation, glu_interleave_size, limit, alpha, glu_linear_offset,
+        "te.bias_activation",
+    )  # fmt: skip

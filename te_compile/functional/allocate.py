@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import torch
 
 from te_compile import _csrc
+from te_compile._checks import check_bool, check_device
 from te_compile._library import SampleInput, extern_op
 
 __all__ = ["bulk_allocate", "bulk_allocate_samples"]
@@ -152,6 +153,11 @@ def bulk_allocate(
     that are not positive powers of two (under ``torch.compile(fullgraph=True)`` Dynamo reports
     it as an ``Unsupported`` error that carries the same message).
     """
+    for name, value in (("shapes", shapes), ("dtypes", dtypes), ("alignments", alignments)):
+        if value is not None and (isinstance(value, (str, bytes)) or not hasattr(value, "__len__")):
+            raise TypeError(f"bulk_allocate: {name} must be a sequence, got {value!r}")
+    check_bool("bulk_allocate", zero=zero)
+    check_device("bulk_allocate", "device", device)
     n = len(shapes)
     if len(dtypes) != n or (alignments is not None and len(alignments) != n):
         raise ValueError(

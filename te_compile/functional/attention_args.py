@@ -61,22 +61,26 @@ def _fail(message: str) -> ValueError:
     return ValueError(f"{_OWNER}: {message}")
 
 
-def normalize_mask_type(attn_mask_type: str, owner: str = _OWNER) -> str:
-    """The canonical spelling of ``attn_mask_type``; ValueError for an unknown type."""
+def normalize_mask_type(
+    attn_mask_type: str, owner: str = _OWNER, arg: str = "attn_mask_type"
+) -> str:
+    """The canonical spelling of ``attn_mask_type``; ValueError for an unknown type, naming the
+    argument as the caller spelled it (``arg``)."""
     if not isinstance(attn_mask_type, str):
-        raise ValueError(f"{owner}: attn_mask_type must be a str, got {attn_mask_type!r}")
+        raise ValueError(f"{owner}: {arg} must be a str, got {attn_mask_type!r}")
     normalized = attn_mask_type.replace(",", "_")
     if normalized == "causal_padding":
         normalized = "padding_causal"
     if normalized not in ATTN_MASK_TYPES:
-        raise ValueError(
-            f"{owner}: attn_mask_type must be one of {ATTN_MASK_TYPES}, got {attn_mask_type!r}"
-        )
+        raise ValueError(f"{owner}: {arg} must be one of {ATTN_MASK_TYPES}, got {attn_mask_type!r}")
     return normalized
 
 
-def normalize_window(attn_mask_type: str, window_size, owner: str = _OWNER) -> tuple[int, int]:
-    """``(left, right)`` for a normalized mask type (the rules above)."""
+def normalize_window(
+    attn_mask_type: str, window_size, owner: str = _OWNER, arg: str = "window_size"
+) -> tuple[int, int]:
+    """``(left, right)`` for a normalized mask type (the rules above); ``arg``: the window's
+    argument name in messages."""
     causal = "causal" in attn_mask_type
     if window_size is None:
         return (-1, 0) if causal else (-1, -1)
@@ -85,7 +89,7 @@ def normalize_window(attn_mask_type: str, window_size, owner: str = _OWNER) -> t
         or len(window_size) != 2
         or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)
     ):
-        raise ValueError(f"{owner}: window_size must be a pair of ints, got {window_size!r}")
+        raise ValueError(f"{owner}: {arg} must be a pair of ints, got {window_size!r}")
     left, right = window_size
     if causal:
         if (left, right) == (-1, -1):
@@ -98,7 +102,7 @@ def normalize_window(attn_mask_type: str, window_size, owner: str = _OWNER) -> t
             return (left, right)
         allowed = "(-1, -1) or (>=0, >=0)"
     raise ValueError(
-        f"{owner}: window_size must be {allowed} for attn_mask_type={attn_mask_type!r}, got "
+        f"{owner}: {arg} must be {allowed} for attn_mask_type={attn_mask_type!r}, got "
         f"{tuple(window_size)}"
     )
 
@@ -267,10 +271,18 @@ def op_arguments(
         or not 0.0 <= dropout_p < 1.0
     ):
         raise _fail(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
-    if softmax_scale is not None and (
-        not isinstance(softmax_scale, (int, float)) or isinstance(softmax_scale, bool)
+    if softmax_scale is not None and not (
+        isinstance(softmax_scale, (int, float))
+        and not isinstance(softmax_scale, bool)
+        and 0 < softmax_scale < math.inf
     ):
-        raise _fail(f"softmax_scale must be a float, got {softmax_scale!r}")
+        raise _fail(f"softmax_scale must be a positive float (finite, > 0), got {softmax_scale!r}")
+    # Checked for every format (a bound given for sbhd / bshd is not silently ignored).
+    for name, bound in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_kv", max_seqlen_kv)):
+        if bound is not None and (
+            not isinstance(bound, int) or isinstance(bound, bool) or bound < 1
+        ):
+            raise _fail(f"{name} must be a positive int, got {bound!r}")
 
     thd = qkv_format == "thd"
     if thd:

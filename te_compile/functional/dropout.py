@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from te_compile._checks import check_bool
+from te_compile._checks import check_bool, check_tensor
 from te_compile._library import SampleInput, differentiable, op
 
 __all__ = [
@@ -254,6 +254,9 @@ def dropout(
         raise ValueError(f"te.dropout: p must be a float in [0, 1], got {p!r}")
     if training is not True and training is not False:
         check_bool("te.dropout", training=training)
+    check_tensor("te.dropout", "inp", inp, min_dim=0)
+    if rng_state is not None:
+        check_tensor("te.dropout", "rng_state", rng_state, floating=False)
     if not training or p == 0:
         return inp
     if rng_state is None:

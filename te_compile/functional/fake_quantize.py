@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from te_compile._checks import check_bool
+from te_compile._checks import check_bool, check_choice, check_tensor
 from te_compile._library import SampleInput, differentiable, op
 from te_compile.functional import quantize as _q
 from te_compile.functional.quantize_mx import nvfp4_qdq_row_groups
@@ -285,7 +285,15 @@ def fake_quantize(
     """``inp`` quantised and dequantised with ``kind`` (see the module docstring); the gradient
     straight through (``grad_kind="none"``) or quantised and dequantised with ``grad_kind``;
     ``row_splits``: groups of rows quantised as separate tensors."""
-    check_bool("te.fake_quantize", power_2_scale=power_2_scale)
+    p = "te.fake_quantize"
+    check_bool(p, power_2_scale=power_2_scale)
+    check_tensor(p, "inp", inp, floating=False, min_dim=0)
+    if row_splits is not None:
+        check_tensor(p, "row_splits", row_splits, floating=False, min_dim=0)
+    for name, value in (("fp8_dtype", fp8_dtype), ("grad_fp8_dtype", grad_fp8_dtype)):
+        check_choice(p, name, value, (torch.float8_e4m3fn, torch.float8_e5m2))
+    for name, value in (("block_rows", block_rows), ("grad_block_rows", grad_block_rows)):
+        check_choice(p, name, value, (1, 128))
     args = (inp, kind, fp8_dtype, block_rows, power_2_scale, grad_kind, grad_fp8_dtype)
     if row_splits is None:
         return _fake_quantize(*args, grad_block_rows)

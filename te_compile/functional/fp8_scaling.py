@@ -30,9 +30,15 @@ import math
 import torch
 from torch import Tensor
 
+from te_compile._checks import check_int, check_tensor
 from te_compile._library import SampleInput, op
 
-__all__ = ["AMAX_COMPUTE_ALGOS", "delayed_scaling_update", "delayed_scaling_update_ref"]
+__all__ = [
+    "AMAX_COMPUTE_ALGOS",
+    "delayed_scaling_update",
+    "delayed_scaling_update_op",
+    "delayed_scaling_update_ref",
+]
 
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 
@@ -68,14 +74,17 @@ def _check(amax_history, scale, amax, fp8_max, margin, amax_compute_algo) -> Non
         and all(0 < m < math.inf for m in fp8_max)
         and all(t.dtype is torch.float32 for t in (amax_history, scale, amax))
         and margin >= 0
+        and margin is not True
         and amax_compute_algo in AMAX_COMPUTE_ALGOS
     ):
         return
     p = "te.delayed_scaling_update: "
     if amax_compute_algo not in AMAX_COMPUTE_ALGOS:
-        raise ValueError(p + f"amax_compute_algo must be one of {AMAX_COMPUTE_ALGOS}")
-    if margin < 0:
-        raise ValueError(p + f"margin must be >= 0, got {margin}")
+        raise ValueError(
+            p + f"amax_compute_algo must be one of {AMAX_COMPUTE_ALGOS}, got {amax_compute_algo!r}"
+        )
+    if margin < 0 or margin is True:
+        raise ValueError(p + f"margin must be an int >= 0, got {margin!r}")
     if len(fp8_max) == slots and not all(0 < m < math.inf for m in fp8_max):
         raise ValueError(
             p + f"fp8_max (the formats' largest values) must be finite and > 0, got {fp8_max}"
@@ -104,7 +113,7 @@ def _samples(device: torch.device):
     mutates_args=("amax_history", "scale"),
     sample_inputs=_samples,
 )
-def delayed_scaling_update(
+def delayed_scaling_update_op(
     amax_history: Tensor,
     scale: Tensor,
     amax: Tensor,
@@ -139,6 +148,25 @@ def _limits(fp8_max: tuple[float, ...], device: torch.device) -> Tensor:
     return device_constant(fp8_max, torch.float32, device)
 
 
-@delayed_scaling_update.register_fake
+@delayed_scaling_update_op.register_fake
 def _delayed_scaling_update_fake(amax_history, scale, amax, fp8_max, margin, algo):
     _check(amax_history, scale, amax, fp8_max, margin, algo)
+
+
+def delayed_scaling_update(
+    amax_history: Tensor,
+    scale: Tensor,
+    amax: Tensor,
+    fp8_max: list[float],
+    margin: int,
+    amax_compute_algo: str,
+) -> None:
+    """``te::delayed_scaling_update`` with its arguments' types checked by name first (the op's
+    schema parser would refuse a wrong type with a RuntimeError, and turn ``True`` into 1)."""
+    p = "te.delayed_scaling_update"
+    for name, t in (("amax_history", amax_history), ("scale", scale), ("amax", amax)):
+        check_tensor(p, name, t, min_dim=0)
+    check_int(p, 0, margin=margin)
+    if not isinstance(amax_compute_algo, str):
+        raise TypeError(f"{p}: amax_compute_algo must be a str, got {amax_compute_algo!r}")
+    delayed_scaling_update_op(amax_history, scale, amax, fp8_max, margin, amax_compute_algo)

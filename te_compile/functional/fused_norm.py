@@ -27,7 +27,13 @@ from torch import Tensor
 from te_compile._checks import check_bool
 from te_compile._library import SampleInput, differentiable, op
 from te_compile.functional.norm import _check_args as _check_norm
-from te_compile.functional.norm import rmsnorm_bwd, rmsnorm_bwd_ref, rmsnorm_fwd, rmsnorm_ref
+from te_compile.functional.norm import (
+    check_public_args,
+    rmsnorm_bwd,
+    rmsnorm_bwd_ref,
+    rmsnorm_fwd,
+    rmsnorm_ref,
+)
 
 __all__ = ["branch_rmsnorm", "branch_rmsnorm_ref"]
 
@@ -173,5 +179,6 @@ def branch_rmsnorm(
     """``(rmsnorm(inp), branch)`` through ``te::branch_rmsnorm_fwd``: ``branch`` holds ``inp``'s
     values, and its gradient is added inside the norm's backward."""
     check_bool("te.branch_rmsnorm", zero_centered_gamma=zero_centered_gamma)
+    check_public_args("te.branch_rmsnorm", eps, inp=inp, weight=weight)
     out, branch, _rsigma = _branch_rmsnorm(inp, weight, eps, zero_centered_gamma)
     return out, branch

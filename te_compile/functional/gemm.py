@@ -53,6 +53,14 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from te_compile._checks import (
+    check_bool,
+    check_finite,
+    check_int,
+    check_positive_finite,
+    check_tensor,
+    check_tensors,
+)
 from te_compile._library import SampleInput, op
 from te_compile.functional.quantize import (
     dequantize_blockwise,
@@ -249,6 +257,59 @@ def check_nvfp4_options(
         )
 
 
+def recipe_args_not_default(
+    fwd_dtype: object,
+    bwd_dtype: object,
+    power_2_scale: object,
+    weight_block_rows: object,
+    emulate: object,
+) -> bool:
+    """Whether any recipe argument of a family function differs from its default: the call then
+    leaves the high-precision hot path and :func:`check_gemm_args` checks it."""
+    return (
+        fwd_dtype is not torch.float8_e4m3fn or bwd_dtype is not torch.float8_e5m2
+        or power_2_scale is not False or weight_block_rows != 1 or emulate is not False
+    )  # fmt: skip
+
+
+def check_gemm_args(
+    owner: str,
+    tensors: dict[str, Tensor | None],
+    *,
+    fwd_dtype: object,
+    bwd_dtype: object,
+    power_2_scale: object,
+    weight_block_rows: object,
+    emulate: object,
+    **reals: object,
+) -> None:
+    """A family function's arguments, whether or not the call uses them (a recipe argument given
+    without a recipe is still checked, never silently ignored): tensors (or None), the recipe's
+    FP8 dtypes, switches and block rows, and ``reals`` (``norm_eps``, ``limit``, ``alpha``:
+    positive; ``glu_linear_offset``, ``out_scale``: finite; ``glu_interleave_size``: None or an
+    int >= 0). The callers run it only off the hot path (some argument not at its default)."""
+    check_tensors(owner, **tensors)
+    check_bool(owner, power_2_scale=power_2_scale, emulate=emulate)
+    for name, value in (("fwd_dtype", fwd_dtype), ("bwd_dtype", bwd_dtype)):
+        if value not in FP8_DTYPES:
+            raise ValueError(
+                f"{owner}: {name} must be one of the FP8 dtypes {FP8_DTYPES}, got {value!r}"
+            )
+    if type(weight_block_rows) is not int or weight_block_rows not in (1, 16, 128):
+        raise ValueError(
+            f"{owner}: weight_block_rows must be 1 (1x128 blocks), 128 (128x128) or 16 (NVFP4's "
+            f"16x16 tiles), got {weight_block_rows!r}"
+        )
+    for name, value in reals.items():
+        if name in ("glu_linear_offset", "out_scale"):
+            check_finite(owner, **{name: value})
+        elif name == "glu_interleave_size":
+            if value is not None:
+                check_int(owner, 0, glu_interleave_size=value)
+        else:
+            check_positive_finite(owner, **{name: value})
+
+
 def blockwise_supported(
     weight: Tensor, weight_block_rows: int, fwd_dtype: torch.dtype, bwd_dtype: torch.dtype
 ) -> bool:
@@ -258,6 +319,13 @@ def blockwise_supported(
     the forward and out_features for dgrad, a multiple of 4). On the H100 (torch 2.11,
     2026-11-22) other widths gave wrong dgrad products with the compact scale layout, and a
     padded one was refused; 1x128 weight blocks have no such limit."""
+    p = "te.blockwise_supported"
+    check_tensor(p, "weight", weight, min_dim=2)
+    for name, value in (("fwd_dtype", fwd_dtype), ("bwd_dtype", bwd_dtype)):
+        if value not in FP8_DTYPES:
+            raise ValueError(f"{p}: {name} must be one of {FP8_DTYPES}, got {value!r}")
+    if type(weight_block_rows) is not int or weight_block_rows not in (1, 128):
+        raise ValueError(f"{p}: weight_block_rows must be 1 or 128, got {weight_block_rows!r}")
     return fwd_dtype == bwd_dtype == _BLOCKWISE_FP8 and (
         weight_block_rows == 1 or (weight.shape[-2] % 512 == 0 and weight.shape[-1] % 512 == 0)
     )

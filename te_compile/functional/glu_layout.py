@@ -37,6 +37,8 @@ __all__ = ["deinterleave_glu_tensor", "interleave_glu_tensor"]
 
 def _check_args(fn: str, tensor: Tensor, interleave_size: int, dim: int) -> int:
     """``dim`` made non-negative, after checking the arguments; ValueError naming the argument."""
+    if not isinstance(tensor, Tensor):
+        raise TypeError(f"{fn}: tensor must be a torch.Tensor, got {type(tensor).__name__}")
     if isinstance(interleave_size, bool) or not isinstance(interleave_size, int):
         raise ValueError(
             f"{fn}: interleave_size must be an int, got {type(interleave_size).__name__} "

@@ -87,9 +87,11 @@ def as_splits_tensor(m_splits: Tensor | Sequence[int]) -> Tensor:
     int64 tensor (a constant under ``torch.compile``)."""
     if isinstance(m_splits, Tensor):
         return m_splits
-    if not all(isinstance(s, int) and not isinstance(s, bool) for s in m_splits):
+    if isinstance(m_splits, (str, bytes)) or not all(
+        isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in m_splits
+    ):
         raise ValueError(
-            f"te.grouped_linear: m_splits must be a list of ints or an integer tensor, got "
+            f"te.grouped_linear: m_splits must be a list of ints >= 0 or an integer tensor, got "
             f"{m_splits!r}"
         )
     return torch.tensor(list(m_splits), dtype=torch.int64)

@@ -58,10 +58,12 @@ from te_compile.functional.gemm import (
     PER_TENSOR,
     DeferredWgrad,
     blockwise_supported,
+    check_gemm_args,
     check_recipe,
     empty,
     quantize_per_tensor,
     quantized_linear_ref,
+    recipe_args_not_default,
 )
 from te_compile.functional.grouped_fp8 import (
     as_e4m3,
@@ -774,6 +776,16 @@ def grouped_linear(
     ``save_original_input=True``: with ``fp8_wgrad`` the backward keeps ``inp`` itself rather
     than its FP8 copy and quantises it again for the wgrad GEMM (the same gradients); high
     precision and the high-precision wgrad keep ``inp`` anyway; other recipes raise."""
+    tensors = {"inp": inp, "weight": weight, "bias": bias, "main_grad": main_grad}
+    if (
+        not all(t is None or isinstance(t, Tensor) for t in tensors.values())
+        or recipe_args_not_default(fwd_dtype, bwd_dtype, power_2_scale, weight_block_rows, emulate)
+    ):  # fmt: skip
+        check_gemm_args(
+            "te.grouped_linear", {**tensors, "scale": scale, "grad_amax": grad_amax},
+            fwd_dtype=fwd_dtype, bwd_dtype=bwd_dtype, power_2_scale=power_2_scale,
+            weight_block_rows=weight_block_rows, emulate=emulate,
+        )  # fmt: skip
     args = (inp, as_splits_tensor(m_splits), weight, bias, main_grad)
     stash = None
     if delay_wgrad:

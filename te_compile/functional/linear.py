@@ -83,7 +83,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from te_compile._checks import check_bool, check_finite
+from te_compile._checks import check_bool, check_finite, check_tensors
 from te_compile._library import SampleInput, differentiable, op
 from te_compile.functional.activation import (
     GATED_ACTIVATIONS,
@@ -104,6 +104,7 @@ from te_compile.functional.gemm import (
     WEIGHT_OPERAND,
     DeferredWgrad,
     accumulate_wgrad,
+    check_gemm_args,
     check_nvfp4_options,
     check_recipe,
     check_weight_operand,
@@ -116,6 +117,7 @@ from te_compile.functional.gemm import (
     quantize_operand,
     quantize_weight,
     quantized_linear_ref,
+    recipe_args_not_default,
     scale_slots,
     unpad,
     weight_operand,
@@ -1260,6 +1262,12 @@ def linear(
             f"{WEIGHT_OPERAND} of quantize_weight, got {len(weight_quantized)}"
         )
     args = (inp, weight, bias, main_grad)
+    if not (
+        isinstance(inp, Tensor) and isinstance(weight, Tensor)
+        and (bias is None or isinstance(bias, Tensor))
+        and (main_grad is None or isinstance(main_grad, Tensor))
+    ):  # fmt: skip
+        check_tensors("te.linear", inp=inp, weight=weight, bias=bias, main_grad=main_grad)
     if save_original_input:
         check_bool("te.linear", save_original_input=save_original_input)
         save_original_input = bool(recipe)  # high precision saves the input itself anyway
@@ -1281,11 +1289,24 @@ def linear(
         or stochastic_rounding or rng_state is not None or row_scaled
         or weight_quantized is not None
         or stash is not None or save_original_input
+        or recipe_args_not_default(fwd_dtype, bwd_dtype, power_2_scale, weight_block_rows, emulate)
+        or norm_eps != 1e-5 or zero_centered_gamma is not False
+        or glu_interleave_size is not None or limit != 7.0 or alpha != 1.702
+        or glu_linear_offset != 1.0
     ):  # fmt: skip
         check_bool(
             "te.linear", power_2_scale=power_2_scale, emulate=emulate,
             zero_centered_gamma=zero_centered_gamma, return_branch=return_branch, rht=rht,
             stochastic_rounding=stochastic_rounding, row_scaled=row_scaled,
+        )  # fmt: skip
+        check_gemm_args(
+            "te.linear",
+            {"scale": scale, "grad_amax": grad_amax, "norm_weight": norm_weight,
+             "norm_bias": norm_bias, "residual": residual},
+            fwd_dtype=fwd_dtype, bwd_dtype=bwd_dtype, power_2_scale=power_2_scale,
+            weight_block_rows=weight_block_rows, emulate=emulate, norm_eps=norm_eps,
+            glu_interleave_size=glu_interleave_size, limit=limit, alpha=alpha,
+            glu_linear_offset=glu_linear_offset, out_scale=out_scale,
         )  # fmt: skip
         if stochastic_rounding and rng_state is None:
             rng_state = new_rng_state(inp.device)

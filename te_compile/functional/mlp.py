@@ -63,6 +63,7 @@ from te_compile.functional.gemm import (
     WEIGHT_OPERAND,
     Operand,
     blockwise_supported,
+    check_gemm_args,
     check_recipe,
     check_weight_operand,
     delayed_on_cuda,
@@ -74,6 +75,7 @@ from te_compile.functional.gemm import (
     quantize_operand,
     quantize_weight,
     quantized_linear_ref,
+    recipe_args_not_default,
     scale_slots,
     unpad,
     weight_operand,
@@ -805,6 +807,23 @@ def mlp(
         "te.mlp", power_2_scale=power_2_scale, emulate=emulate,
         zero_centered_gamma=zero_centered_gamma, return_amax=return_amax,
     )  # fmt: skip
+    tensors = {"inp": inp, "fc1_weight": fc1_weight, "fc1_bias": fc1_bias,
+               "fc2_weight": fc2_weight, "fc2_bias": fc2_bias}  # fmt: skip
+    if (
+        not all(t is None or isinstance(t, Tensor) for t in tensors.values())
+        or recipe_args_not_default(fwd_dtype, bwd_dtype, power_2_scale, weight_block_rows, emulate)
+        or norm_eps != 1e-5 or limit != 7.0 or alpha != 1.702 or glu_linear_offset != 1.0
+        or scale1 is not None or scale2 is not None or grad_amax1 is not None
+        or grad_amax2 is not None or norm_weight is not None or norm_bias is not None
+    ):  # fmt: skip
+        check_gemm_args(
+            "te.mlp",
+            {**tensors, "scale1": scale1, "scale2": scale2, "grad_amax1": grad_amax1,
+             "grad_amax2": grad_amax2, "norm_weight": norm_weight, "norm_bias": norm_bias},
+            fwd_dtype=fwd_dtype, bwd_dtype=bwd_dtype, power_2_scale=power_2_scale,
+            weight_block_rows=weight_block_rows, emulate=emulate, norm_eps=norm_eps, limit=limit,
+            alpha=alpha, glu_linear_offset=glu_linear_offset,
+        )  # fmt: skip
     out, saved = _mlp(
         inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, recipe, fwd_dtype,
         bwd_dtype, power_2_scale, weight_block_rows, emulate, scale1, scale2, grad_amax1,

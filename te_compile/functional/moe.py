@@ -48,6 +48,7 @@ from te_compile.functional.moe_args import (
     MAP_TYPES,
     check_permute_args,
     check_sort_chunks_args,
+    check_tensor_args,
     check_unpermute_args,
     fail,
     int_arg,
@@ -608,6 +609,7 @@ def moe_permute(
     ``max_token_num`` (a workspace size in Transformer Engine) is accepted and unused. See the
     module docstring."""
     prefix = "te.moe_permute"
+    check_tensor_args(prefix, inp=inp, routing_map=routing_map)
     int_arg(prefix, "max_token_num", max_token_num, -1)
     n = num_out(prefix, inp, routing_map, num_out_tokens, map_type)
     check_permute_args(inp, routing_map, None, n, map_type, prefix)
@@ -622,6 +624,7 @@ def moe_permute_with_probs(
     [T, E]``: ``(permuted, permuted_probs [n], row_id_map)``; a routed slot of probability 0
     (padding) gives a zero row."""
     prefix = "te.moe_permute_with_probs"
+    check_tensor_args(prefix, inp=inp, probs=probs, routing_map=routing_map)
     n = num_out(prefix, inp, routing_map, num_out_tokens, "mask")
     check_permute_args(inp, routing_map, probs, n, "mask", prefix)
     out, row_id_map, permuted_probs = _moe_permute(inp, routing_map, probs, n, "mask")
@@ -641,6 +644,14 @@ def moe_unpermute(
     indices) when given. ``restore_shape``: the output shape, ``(T, H)``. ``probs``: the old
     name of ``merging_probs``."""
     prefix = "te.moe_unpermute"
+    check_tensor_args(
+        prefix, inp=inp, row_id_map=row_id_map, merging_probs=merging_probs, probs=probs
+    )
+    if restore_shape is not None and not (
+        isinstance(restore_shape, (tuple, list, torch.Size))
+        and all(isinstance(d, (int, torch.SymInt)) for d in restore_shape)
+    ):
+        fail(prefix, f"restore_shape must be None or a tuple of ints, got {restore_shape!r}")
     if probs is not None:
         if merging_probs is not None:
             fail(prefix, "give merging_probs or its old name probs, not both")
@@ -661,6 +672,9 @@ def moe_unpermute(
 def moe_sort_chunks_by_index(inp: Tensor, split_sizes: Tensor, sorted_index: Tensor) -> Tensor:
     """``inp`` cut into chunks of ``split_sizes`` rows, reordered as ``sorted_index`` lists
     them (Transformer Engine's ``moe_sort_chunks_by_index``)."""
+    check_tensor_args(
+        "te.moe_sort_chunks_by_index", inp=inp, split_sizes=split_sizes, sorted_index=sorted_index
+    )
     check_sort_chunks_args(inp, split_sizes, sorted_index, None)
     return _moe_sort_chunks(inp, split_sizes, sorted_index, None)[0]
 
@@ -670,5 +684,8 @@ def moe_sort_chunks_by_index_with_probs(
 ) -> tuple[Tensor, Tensor]:
     """:func:`moe_sort_chunks_by_index` that moves ``probs [N]`` along: ``(out, probs)``."""
     prefix = "te.moe_sort_chunks_by_index_with_probs"
+    check_tensor_args(
+        prefix, inp=inp, probs=probs, split_sizes=split_sizes, sorted_index=sorted_index
+    )
     check_sort_chunks_args(inp, split_sizes, sorted_index, probs, prefix)
     return _moe_sort_chunks(inp, split_sizes, sorted_index, probs)

@@ -11,6 +11,7 @@ __all__ = [
     "MAP_TYPES",
     "check_permute_args",
     "check_sort_chunks_args",
+    "check_tensor_args",
     "check_unpermute_args",
     "fail",
     "int_arg",
@@ -127,11 +128,22 @@ def check_sort_chunks_args(
 
 
 def int_arg(prefix: str, name: str, value, default: int) -> int:
+    """An int ``>= -1`` (-1 or None: the default)."""
     if value is None:
         return default
     if not isinstance(value, (int, torch.SymInt)) or isinstance(value, bool):
-        fail(prefix, f"{name} must be an int, got {value!r}")
+        fail(prefix, f"{name} must be an int >= -1 or None, got {value!r}")
+    if not value >= -1:
+        fail(prefix, f"{name} must be an int >= -1 or None, got {value!r}")
     return value
+
+
+def check_tensor_args(prefix: str, **tensors: object) -> None:
+    """Each value is a tensor (or None): a list or a number is refused by name before the shape
+    checks read it."""
+    for name, t in tensors.items():
+        if t is not None and not isinstance(t, Tensor):
+            raise TypeError(f"{prefix}: {name} must be a torch.Tensor, got {type(t).__name__}")
 
 
 def num_out(prefix: str, inp: Tensor, routing_map: Tensor, num_out_tokens, map_type: str) -> int:

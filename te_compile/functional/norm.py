@@ -52,7 +52,7 @@ import math
 import torch
 from torch import Tensor
 
-from te_compile._checks import check_bool
+from te_compile._checks import check_bool, check_positive_finite, check_tensors
 from te_compile._library import SampleInput, differentiable, op
 
 __all__ = [
@@ -162,6 +162,16 @@ def l2normalization_bwd_ref(grad_out: Tensor, inp: Tensor, rsigma: Tensor) -> Te
     acc = _acc(inp)
     x_hat = inp.to(acc) * rsigma[..., None]
     return _dx(grad_out.to(acc), x_hat, rsigma, False, 1.0).to(inp.dtype)
+
+
+def check_public_args(owner: str, eps: float, **tensors: Tensor | None) -> None:
+    """The public functions' argument types: tensors (or None) and a real ``eps``, so that a
+    wrong type is refused by name before the ops' shape checks read it. One cheap test on the
+    hot path."""
+    if type(eps) is float and all(t is None or isinstance(t, Tensor) for t in tensors.values()):
+        return
+    check_tensors(owner, **tensors)
+    check_positive_finite(owner, eps=eps)
 
 
 def _check_args(
@@ -533,6 +543,7 @@ def layernorm(
     ``zero_centered_gamma`` the scale applied is ``weight + 1``."""
     if zero_centered_gamma is not True and zero_centered_gamma is not False:
         check_bool("te.layernorm", zero_centered_gamma=zero_centered_gamma)
+    check_public_args("te.layernorm", eps, inp=inp, weight=weight, bias=bias)
     out, _mean, _rsigma = _layernorm(inp, weight, bias, eps, zero_centered_gamma)
     return out
 
@@ -546,11 +557,13 @@ def rmsnorm(
     the scale applied is ``weight + 1``."""
     if zero_centered_gamma is not True and zero_centered_gamma is not False:
         check_bool("te.rmsnorm", zero_centered_gamma=zero_centered_gamma)
+    check_public_args("te.rmsnorm", eps, inp=inp, weight=weight)
     out, _rsigma = _rmsnorm(inp, weight, eps, zero_centered_gamma)
     return out
 
 
 def l2normalization(inp: Tensor, eps: float = 1e-6) -> Tensor:
     """``inp / sqrt(sum(inp**2, -1) + eps)`` through ``te::l2normalization_fwd``."""
+    check_public_args("te.l2normalization", eps, inp=inp)
     out, _rsigma = _l2normalization(inp, eps)
     return out

@@ -110,6 +110,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from te_compile._checks import check_bool
 from te_compile._library import SampleInput, op
 
 __all__ = [
@@ -715,6 +716,29 @@ def _dequantize_nvfp4_fake(data, scale, global_scale, out_dtype):
 # Public functions -----------------------------------------------------------------------------
 
 
+def _check_public(
+    owner: str,
+    tensors: dict[str, object],
+    rowwise: object = True,
+    columnwise: object = True,
+    **dtypes: object,
+) -> None:
+    """The public functions' argument types, by name, before the ops' schema parser sees them
+    (it would raise a RuntimeError naming the op's own parameters)."""
+    for name, t in tensors.items():
+        if t is not None and not isinstance(t, Tensor):
+            raise TypeError(f"{owner}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    check_bool(owner, rowwise=rowwise, columnwise=columnwise)
+    for name, dtype in dtypes.items():
+        if name == "fp8_dtype" and dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise ValueError(
+                f"{owner}: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, "
+                f"got {dtype!r}"
+            )
+        if name == "out_dtype" and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"{owner}: out_dtype must be a floating torch.dtype, got {dtype!r}")
+
+
 def quantize_mxfp8(
     x: Tensor,
     fp8_dtype: torch.dtype = torch.float8_e4m3fn,
@@ -724,6 +748,7 @@ def quantize_mxfp8(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """MXFP8 of ``x`` ``[..., K]``: ``(data, scale, data_t, scale_t)``, see the module docstring
     for the layouts; a direction not asked for gives 0-element tensors."""
+    _check_public("te.quantize_mxfp8", {"x": x}, rowwise, columnwise, fp8_dtype=fp8_dtype)
     return quantize_mxfp8_op(x, fp8_dtype, rowwise, columnwise)
 
 
@@ -732,6 +757,7 @@ def dequantize_mxfp8(
 ) -> Tensor:
     """Inverse of :func:`quantize_mxfp8` for one direction: ``(data, scale)`` or
     ``(data_t, scale_t)`` (which gives ``x`` transposed, ``[K, M]``)."""
+    _check_public("te.dequantize_mxfp8", {"data": data, "scale": scale}, out_dtype=out_dtype)
     _check_fp8_data(data)
     return dequantize_mxfp8_op(data.view(torch.uint8), scale, data.dtype, out_dtype)
 
@@ -745,6 +771,7 @@ def quantize_nvfp4(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """NVFP4 of ``x`` ``[..., K]``: ``(data, scale, global_scale, data_t, scale_t)``, see the
     module docstring; ``global_amax`` (fp32, one element) replaces the tensor's own amax."""
+    _check_public("te.quantize_nvfp4", {"x": x, "global_amax": global_amax}, rowwise, columnwise)
     return quantize_nvfp4_op(x, global_amax, rowwise, columnwise)
 
 
@@ -753,6 +780,8 @@ def dequantize_nvfp4(
 ) -> Tensor:
     """Inverse of :func:`quantize_nvfp4` for one direction: ``(data, scale, global_scale)`` or
     ``(data_t, scale_t, global_scale)`` (which gives ``x`` transposed, ``[K, M]``)."""
+    tensors = {"data": data, "scale": scale, "global_scale": global_scale}
+    _check_public("te.dequantize_nvfp4", tensors, out_dtype=out_dtype)
     if scale.dtype != torch.float8_e4m3fn:
         raise ValueError(
             f"te.dequantize_nvfp4: scale must be a torch.float8_e4m3fn tensor, got {scale.dtype}"

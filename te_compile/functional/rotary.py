@@ -52,6 +52,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from te_compile._checks import check_bool, check_int, check_positive_finite, check_tensor
 from te_compile._library import SampleInput, differentiable, op
 
 __all__ = [
@@ -91,6 +92,17 @@ def rotary_frequencies(
     ``max_seq_len / pretrained_max_position_embeddings`` (dynamic scaling). Layout of the last
     dim: ``[f_0 .. f_{n-1}, f_0 .. f_{n-1}]``, or ``[f_0, f_0, f_1, f_1, ...]`` when
     ``interleaved``."""
+    owner = "te.rotary_frequencies"
+    check_tensor(owner, "inv_freq", inv_freq)
+    if inv_freq.dim() != 1:
+        raise ValueError(f"{owner}: inv_freq must be 1-D, got shape {list(inv_freq.shape)}")
+    check_int(owner, 1, max_seq_len=max_seq_len)
+    check_int(owner, 0, offset=offset)
+    check_bool(owner, interleaved=interleaved)
+    if seq_len_interpolation_factor is not None:
+        check_positive_finite(owner, seq_len_interpolation_factor=seq_len_interpolation_factor)
+    if pretrained_max_position_embeddings is not None:
+        check_int(owner, 1, pretrained_max_position_embeddings=pretrained_max_position_embeddings)
     inv_freq = inv_freq.to(torch.float32)
     seq = torch.arange(max_seq_len, device=inv_freq.device, dtype=torch.float32) + offset
     if seq_len_interpolation_factor is not None and pretrained_max_position_embeddings is not None:
@@ -534,6 +546,11 @@ def apply_rotary_pos_emb(
     for name, value in (("cp_size", cp_size), ("cp_rank", cp_rank)):
         if not isinstance(value, int) or isinstance(value, bool):
             raise ValueError(_PREFIX + f"{name} must be an int, got {value!r}")
+    check_bool(_PREFIX[:-2], interleaved=interleaved, fused=fused)
+    check_tensor(_PREFIX[:-2], "t", t, floating=False, min_dim=0)
+    check_tensor(_PREFIX[:-2], "freqs", freqs, floating=False, min_dim=0)
+    if cu_seqlens is not None:
+        check_tensor(_PREFIX[:-2], "cu_seqlens", cu_seqlens, floating=False)
     _check_args(t, freqs, cu_seqlens, tensor_format, cp_size, cp_rank)
     if (
         cu_seqlens is not None

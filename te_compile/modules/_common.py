@@ -7,7 +7,13 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
-from te_compile._checks import check_bool, check_positive_finite
+from te_compile._checks import (
+    check_bool,
+    check_callable,
+    check_device,
+    check_dtype,
+    check_positive_finite,
+)
 
 __all__ = [
     "DEFAULT_INIT_STD",
@@ -18,6 +24,7 @@ __all__ = [
     "check_positive",
     "check_rng_tracker",
     "default_init_method",
+    "init_method_or_default",
     "params_dtype_or_default",
     "rng_fork",
 ]
@@ -84,11 +91,20 @@ def check_eps(owner: str, eps: float) -> None:
     check_positive_finite(owner, eps=eps)
 
 
-def params_dtype_or_default(owner: str, params_dtype: torch.dtype | None) -> torch.dtype:
+def params_dtype_or_default(
+    owner: str, params_dtype: torch.dtype | None, device: object = None
+) -> torch.dtype:
+    """``params_dtype`` (None: torch's default dtype), checked with the ``device`` argument."""
     dtype = params_dtype if params_dtype is not None else torch.get_default_dtype()
-    if not dtype.is_floating_point:
-        raise ValueError(f"{owner}: params_dtype must be a floating dtype, got {dtype}")
+    check_dtype(owner, "params_dtype", dtype)
+    check_device(owner, "device", device)
     return dtype
+
+
+def init_method_or_default(owner: str, name: str, init_method: object):
+    """``init_method`` (None: :func:`default_init_method`), checked to be callable."""
+    check_callable(owner, **{name: init_method})
+    return init_method if init_method is not None else default_init_method
 
 
 def check_choice(owner: str, name: str, value: str, choices: tuple[str, ...]) -> None:

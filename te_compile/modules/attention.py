@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from torch import Tensor, nn
 
-from te_compile._checks import check_bool
+from te_compile._checks import check_bool, check_int, check_positive_finite
 from te_compile.functional import attention_args as A
 from te_compile.functional.attention import dot_product_attention
 from te_compile.functional.dropout import new_rng_state
@@ -101,8 +101,10 @@ class DotProductAttention(nn.Module):
         check_choice(_NAME, "attention_type", attention_type, ("self", "cross"))
         self.attn_mask_type = A.normalize_mask_type(attn_mask_type, _NAME)
         A.normalize_window(self.attn_mask_type, window_size, _NAME)  # checked, kept as given
-        if softmax_scale is not None and not isinstance(softmax_scale, (int, float)):
-            raise ValueError(f"{_NAME}: softmax_scale must be a float, got {softmax_scale!r}")
+        if softmax_scale is not None:
+            check_positive_finite(_NAME, softmax_scale=softmax_scale)
+        if layer_number is not None:
+            check_int(_NAME, 1, layer_number=layer_number)
 
         self.num_attention_heads = num_attention_heads
         self.num_gqa_groups = gqa

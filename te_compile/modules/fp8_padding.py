@@ -41,14 +41,18 @@ def _align(align_size: int | None) -> int:
 
 
 def _check_splits(owner: str, num_gemms: int, inp: Tensor, m_splits: object) -> list[int]:
-    if isinstance(m_splits, Tensor) or not isinstance(m_splits, Sequence):
+    if not isinstance(inp, Tensor):
+        raise TypeError(f"{owner}: inp must be a torch.Tensor, got {type(inp).__name__}")
+    if isinstance(m_splits, (Tensor, str)) or not isinstance(m_splits, Sequence):
         raise TypeError(
             f"{owner}: m_splits must be a list of ints (the padded row count is a shape, known "
-            f"on the host), got {type(m_splits).__name__}"
+            f"on the host), got {m_splits!r}"
         )
     splits = list(m_splits)
     if len(splits) != num_gemms:
-        raise ValueError(f"{owner}: m_splits has {len(splits)} entries, num_gemms is {num_gemms}")
+        raise ValueError(
+            f"{owner}: m_splits must have num_gemms={num_gemms} entries, got {m_splits!r}"
+        )
     for m in splits:
         if isinstance(m, bool) or not isinstance(m, int) or m < 0:
             raise ValueError(f"{owner}: m_splits must hold ints >= 0, got {splits}")
@@ -84,7 +88,8 @@ class Fp8Padding(nn.Module):
         rows = inp.reshape(-1, inp.shape[-1])
         if sum(splits) != rows.shape[0]:
             raise ValueError(
-                f"{owner}: m_splits sums to {sum(splits)}, inp has {rows.shape[0]} rows"
+                f"{owner}: m_splits must sum to inp's {rows.shape[0]} rows, got {splits} (sum "
+                f"{sum(splits)})"
             )
         padded = _padded(splits, _align(self.align_size))
         if padded == splits:

@@ -54,7 +54,7 @@ from te_compile.modules._common import (
     check_bool,
     check_positive,
     check_rng_tracker,
-    default_init_method,
+    init_method_or_default,
     params_dtype_or_default,
     rng_fork,
 )
@@ -137,7 +137,7 @@ class GroupedLinear(DelayedWgrad, nn.Module):
                         f"{owner}: single_grouped_parameter=True is single_grouped_weight=True "
                         f"and single_grouped_bias=True; got single_grouped_{name}=False"
                     )
-        dtype = params_dtype_or_default(owner, params_dtype)
+        dtype = params_dtype_or_default(owner, params_dtype, device)
         if sequence_parallel is True:
             raise ValueError(
                 f"{owner}: sequence_parallel=True is not supported (tokens grouped by expert "
@@ -157,7 +157,7 @@ class GroupedLinear(DelayedWgrad, nn.Module):
             single_grouped_parameter if single_grouped_bias is None else single_grouped_bias
         )
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
-        self.init_method = init_method or default_init_method
+        self.init_method = init_method_or_default(owner, "init_method", init_method)
         factory = {"dtype": dtype, "device": device}
         if self.single_weight:
             self.weight = nn.Parameter(torch.empty(num_gemms, out_features, in_features, **factory))
@@ -277,6 +277,8 @@ class GroupedLinear(DelayedWgrad, nn.Module):
                     "GroupedLinear: is_first_microbatch (a kept FP8 weight) is not implemented "
                     f"for grouped GEMMs; pass None, got {is_first_microbatch}"
                 )
+        if not isinstance(inp, Tensor):
+            raise TypeError(f"GroupedLinear: inp must be a torch.Tensor, got {type(inp).__name__}")
         weight = self.weight if self.single_weight else torch.stack(self.weights())
         bias = None
         if self.use_bias:

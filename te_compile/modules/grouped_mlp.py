@@ -47,6 +47,7 @@ import torch
 from torch import Tensor, nn
 
 from te_compile import functional as F
+from te_compile._checks import check_int
 from te_compile.functional.activation import ACTIVATIONS, GATED_ACTIVATIONS
 from te_compile.functional.glu_layout import deinterleave_glu_tensor, interleave_glu_tensor
 from te_compile.modules._common import check_bool, check_choice, check_positive
@@ -137,6 +138,8 @@ class GroupedMLP(nn.Module):
             "params_dtype": params_dtype,
             "device": device,
         }
+        if tp_size is not None:
+            check_int("GroupedMLP", 1, tp_size=tp_size)
         parallel = tp_group is not None or (tp_size or 1) > 1
         tp_kw = {"tp_group": tp_group, "tp_size": tp_size}
         fc1_out = 2 * ffn_hidden_size if gated else ffn_hidden_size
@@ -164,6 +167,8 @@ class GroupedMLP(nn.Module):
         self.fc2.set_tensor_parallel_group(tp_group)
 
     def forward(self, inp: Tensor, m_splits: Tensor | Sequence[int]) -> Tensor:
+        if not isinstance(inp, Tensor):
+            raise TypeError(f"GroupedMLP: inp must be a torch.Tensor, got {type(inp).__name__}")
         splits = F.as_splits_tensor(m_splits)  # a list becomes a tensor once, not twice
         h = self.fc1(inp, splits)
         h = F.bias_activation(h, None, self.activation, self.glu_interleave_size)

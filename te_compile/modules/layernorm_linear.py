@@ -27,7 +27,7 @@ from te_compile.modules._common import (
     check_bool,
     check_positive,
     check_rng_tracker,
-    default_init_method,
+    init_method_or_default,
     params_dtype_or_default,
     parse_parameters_split,
     rng_fork,
@@ -103,7 +103,7 @@ class LayerNormLinear(DelayedWgrad, NamedSlices, PreNorm):
             sequence_parallel=sequence_parallel, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
         )  # fmt: skip
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
-        dtype = params_dtype_or_default(owner, params_dtype)
+        dtype = params_dtype_or_default(owner, params_dtype, device)
         self.tp = TensorParallel.create(
             owner, parallel_mode, sequence_parallel, tp_group, tp_size, modes=("column", None)
         )
@@ -114,7 +114,7 @@ class LayerNormLinear(DelayedWgrad, NamedSlices, PreNorm):
         self.in_features, self.out_features = in_features, out_features
         self.return_layernorm_output = return_layernorm_output
         self.return_bias = return_bias
-        self.init_method = init_method if init_method is not None else default_init_method
+        self.init_method = init_method_or_default(owner, "init_method", init_method)
         factory = {"dtype": dtype, "device": device}
         self._init_norm(owner, in_features, eps, normalization, zero_centered_gamma, factory)
         self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))

@@ -30,6 +30,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from te_compile._checks import check_int
 from te_compile.distributed.tensor_parallel import TensorParallel, set_parallel_attributes
 from te_compile.functional.activation import (
     ACTIVATIONS,
@@ -43,7 +44,7 @@ from te_compile.modules._common import (
     check_choice,
     check_positive,
     check_rng_tracker,
-    default_init_method,
+    init_method_or_default,
     params_dtype_or_default,
     rng_fork,
     weight_main_grad,
@@ -160,7 +161,9 @@ class LayerNormMLP(DelayedWgrad, PreNorm):
         self.checkpoint = checkpoint
         check_choice(owner, "activation", activation, (*ACTIVATIONS, *GATED_ACTIVATIONS))
         self.activation_params = _activation_params(owner, activation, activation_params)
-        dtype = params_dtype_or_default(owner, params_dtype)
+        dtype = params_dtype_or_default(owner, params_dtype, device)
+        if tp_size is not None:
+            check_int(owner, 1, tp_size=tp_size)
         parallel = tp_group is not None or (tp_size or 1) > 1 or sequence_parallel
         # "column" stands for the pair: FC1 column-parallel, FC2 row-parallel.
         self.tp = TensorParallel.create(
@@ -173,8 +176,10 @@ class LayerNormMLP(DelayedWgrad, PreNorm):
         self.gated = activation in GATED_ACTIVATIONS
         self.return_layernorm_output = return_layernorm_output
         self.return_bias = return_bias
-        self.init_method = init_method or default_init_method
-        self.output_layer_init_method = output_layer_init_method or default_init_method
+        self.init_method = init_method_or_default(owner, "init_method", init_method)
+        self.output_layer_init_method = init_method_or_default(
+            owner, "output_layer_init_method", output_layer_init_method
+        )
         factory = {"dtype": dtype, "device": device}
         fc1_out = 2 * ffn_hidden_size if self.gated else ffn_hidden_size
         self._init_norm(owner, hidden_size, eps, normalization, zero_centered_gamma, factory)

@@ -35,7 +35,7 @@ from te_compile.modules._common import (
     check_bool,
     check_positive,
     check_rng_tracker,
-    default_init_method,
+    init_method_or_default,
     params_dtype_or_default,
     parse_parameters_split,
     rng_fork,
@@ -119,7 +119,7 @@ class Linear(DelayedWgrad, NamedSlices, nn.Module):
             "Linear", bias=bias, return_bias=return_bias,
             fuse_wgrad_accumulation=fuse_wgrad_accumulation, sequence_parallel=sequence_parallel,
         )  # fmt: skip
-        dtype = params_dtype_or_default("Linear", params_dtype)
+        dtype = params_dtype_or_default("Linear", params_dtype, device)
         self.tp = TensorParallel.create(
             "Linear", parallel_mode, sequence_parallel, tp_group, tp_size
         )
@@ -133,7 +133,7 @@ class Linear(DelayedWgrad, NamedSlices, nn.Module):
         self.out_features = out_features
         self.return_bias = return_bias
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
-        self.init_method = init_method if init_method is not None else default_init_method
+        self.init_method = init_method_or_default("Linear", "init_method", init_method)
         factory = {"dtype": dtype, "device": device}
         self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
         self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None

@@ -31,7 +31,13 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from te_compile._checks import check_bool, check_positive_finite
+from te_compile._checks import (
+    check_bool,
+    check_callable,
+    check_int,
+    check_positive_finite,
+    check_tensor,
+)
 from te_compile.functional import apply_rotary_pos_emb
 from te_compile.modules._common import check_choice, check_positive, check_rng_tracker
 from te_compile.modules.attention import DotProductAttention
@@ -143,6 +149,11 @@ class MultiheadAttention(nn.Module):
         _positive_int(owner, "layer_number", layer_number)
         check_choice(owner, "attention_type", attention_type, ATTENTION_TYPES)
         check_choice(owner, "qkv_format", qkv_format, ("sbhd", "bshd", "thd"))
+        check_int(owner, 1, tp_size=tp_size)
+        check_choice(owner, "normalization", normalization, ("LayerNorm", "RMSNorm"))
+        check_callable(
+            owner, init_method=init_method, output_layer_init_method=output_layer_init_method
+        )
         check_rng_tracker(owner, get_rng_state_tracker, None)
         if qk_layernorm:
             if qk_norm_type not in (None, "LayerNorm"):
@@ -336,6 +347,13 @@ class MultiheadAttention(nn.Module):
         owner = "MultiheadAttention"
         _unsupported(owner, inference_params=inference_params)
         first = is_first_microbatch  # each projection's kept FP8 weight (Linear's forward)
+        check_bool(owner, checkpoint_core_attention=checkpoint_core_attention)
+        check_tensor(owner, "hidden_states", hidden_states)
+        if hidden_states.shape[-1] != self.hidden_size:
+            raise ValueError(
+                f"{owner}: hidden_states must have hidden_size={self.hidden_size} in its last "
+                f"dim, got shape {list(hidden_states.shape)}"
+            )
         ln_out = None
         if self.attention_type == "self":
             if encoder_output is not None:

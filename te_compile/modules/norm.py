@@ -103,7 +103,7 @@ class _Norm(nn.Module):
             )
         self.sequence_parallel = sequence_parallel
         self.tp_group = C.resolve_group(tp_group, name)
-        dtype = params_dtype_or_default(name, params_dtype)
+        dtype = params_dtype_or_default(name, params_dtype, device)
         self.hidden_size = hidden_size
         self.eps = float(eps)
         self.zero_centered_gamma = zero_centered_gamma

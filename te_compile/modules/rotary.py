@@ -15,6 +15,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from te_compile._checks import check_device
 from te_compile.functional.rotary import rotary_frequencies
 
 __all__ = ["RotaryPositionEmbedding"]
@@ -51,6 +52,7 @@ class RotaryPositionEmbedding(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
+        check_device("RotaryPositionEmbedding", "device", device)
         factor, pretrained = seq_len_interpolation_factor, pretrained_max_position_embeddings
         for name, value, ok, expected in (
             ("dim", dim, _is_int(dim) and dim > 0, "a positive int"),

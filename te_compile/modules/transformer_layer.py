@@ -21,7 +21,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from te_compile._checks import check_bool, check_positive_finite
+from te_compile._checks import check_bool, check_int, check_positive_finite, check_tensor
+from te_compile.functional import attention_args as A
 from te_compile.functional import dropout
 from te_compile.modules._common import check_choice, check_positive
 from te_compile.modules.layernorm_mlp import LayerNormMLP
@@ -31,6 +32,14 @@ from te_compile.modules.norm import LayerNorm, RMSNorm
 __all__ = ["TransformerLayer"]
 
 LAYER_TYPES = ("encoder", "decoder")
+
+
+def _check_mask(owner: str, name: str, mask_type: object, window_size: object) -> None:
+    """A mask type and its window, refused by the names the caller gave them
+    (``self_attn_mask_type`` / ``window_size``, ``enc_dec_attn_mask_type`` /
+    ``enc_dec_window_size``)."""
+    window = "window_size" if name.startswith("self") else "enc_dec_window_size"
+    A.normalize_window(A.normalize_mask_type(mask_type, owner, name), window_size, owner, window)
 
 
 class TransformerLayer(nn.Module):
@@ -117,6 +126,10 @@ class TransformerLayer(nn.Module):
                 f"{owner}: parallel_attention_mlp=True needs layer_type='encoder', "
                 "apply_residual_connection_post_layernorm=False and output_layernorm=False"
             )
+        check_int(owner, 1, tp_size=tp_size)
+        check_choice(owner, "attn_input_format", attn_input_format, A.QKV_FORMATS)
+        _check_mask(owner, "self_attn_mask_type", self_attn_mask_type, window_size)
+        _check_mask(owner, "enc_dec_attn_mask_type", enc_dec_attn_mask_type, enc_dec_window_size)
         tp_mlp = {"tp_group": tp_group, "tp_size": tp_size if tp_group is None else None}
         self.hidden_dropout = float(hidden_dropout)
         self.drop_path_rate = float(drop_path_rate)
@@ -256,6 +269,14 @@ class TransformerLayer(nn.Module):
     ) -> Tensor:
         if self.layer_type == "decoder" and encoder_output is None:
             raise ValueError("TransformerLayer: layer_type='decoder' needs encoder_output")
+        owner = "TransformerLayer"
+        check_tensor(owner, "hidden_states", hidden_states)
+        if self_attn_mask_type is not None or window_size is not None:
+            mask = self.self_attn_mask_type if self_attn_mask_type is None else self_attn_mask_type
+            _check_mask(owner, "self_attn_mask_type", mask, window_size)
+        if enc_dec_attn_mask_type is not None or enc_dec_window_size is not None:
+            mask = enc_dec_attn_mask_type or self.enc_dec_attn_mask_type
+            _check_mask(owner, "enc_dec_attn_mask_type", mask, enc_dec_window_size)
         self_attn_mask_type = self_attn_mask_type or self.self_attn_mask_type
         window_size = window_size if window_size is not None else self.window_size
         attn = self.self_attention(

@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from te_compile._checks import check_bool
+from te_compile._checks import check_bool, check_callable, check_device
 from te_compile.distributed.tensor_parallel import TensorParallel, set_parallel_attributes
-from te_compile.ops.op import BasicOperation, FusibleOperation, OpOutput
+from te_compile.ops.op import BasicOperation, FusibleOperation, OpOutput, check_input
 from te_compile.quantization import fp8_gemm, gemm
 from te_compile.quantization.primary import refuse_primary
 
@@ -146,6 +146,8 @@ class BasicLinear(BasicOperation):
         elif self.tp.mode == "row":
             self.local_in_features = self.tp.divide("BasicLinear", "in_features", in_features)
         self.accumulate_into_main_grad = accumulate_into_main_grad
+        check_device("BasicLinear", "device", device)
+        check_callable("BasicLinear", init_method=init_method)
         self.init_method = init_method or _init
         self.rng_state_tracker_function = rng_state_tracker_function
         shape = (self.local_out_features, self.local_in_features)
@@ -200,6 +202,7 @@ class BasicLinear(BasicOperation):
         return self.tp.linear("BasicLinear", run, x, bias)[0]
 
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
+        check_input("BasicLinear", x, self.in_features)
         return self.linear(x, None), ()
 
     def extra_repr(self) -> str:
@@ -235,6 +238,7 @@ class Bias(BasicOperation):
         mode = "column" if tensor_parallel else None
         self.tp = _tensor_parallel("Bias", mode, tensor_parallel_group, False)
         self.size = size
+        check_device("Bias", "device", device)
         self.local_size = self.tp.divide("Bias", "size", size) if tensor_parallel else size
         self.tensor_parallel = tensor_parallel
         self.bias = nn.Parameter(
@@ -251,6 +255,7 @@ class Bias(BasicOperation):
         self.bias.zero_()
 
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
+        check_input("Bias", x)
         if x.shape[-1:] != self.bias.shape:
             raise ValueError(
                 f"Bias: input's last dim ({x.shape[-1] if x.dim() else None}) must equal "
@@ -304,6 +309,8 @@ class GroupedLinear(BasicOperation):
         check_bool("GroupedLinear", bias=bias)
         dtype = _dtype("GroupedLinear", dtype)
         self.num_groups, self.in_features, self.out_features = num_groups, in_features, out_features
+        check_device("GroupedLinear", "device", device)
+        check_callable("GroupedLinear", init_method=init_method)
         self.init_method = init_method or _init
         kw = {"dtype": dtype, "device": device}
         self.weight = nn.Parameter(torch.empty(num_groups, out_features, in_features, **kw))

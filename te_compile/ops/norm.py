@@ -16,14 +16,19 @@ import torch
 from torch import Tensor, nn
 
 from te_compile import functional as F
-from te_compile._checks import check_bool, check_positive_finite
-from te_compile.ops.op import BasicOperation, OpOutput
+from te_compile._checks import check_bool, check_device, check_positive_finite
+from te_compile.ops.op import BasicOperation, OpOutput, check_input
 
 __all__ = ["L2Normalization", "LayerNorm", "RMSNorm"]
 
 
 def _shape(owner: str, normalized_shape: int | Sequence[int]) -> tuple[int, ...]:
-    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    if isinstance(normalized_shape, int):
+        shape = (normalized_shape,)
+    elif isinstance(normalized_shape, Sequence) and not isinstance(normalized_shape, str):
+        shape = tuple(normalized_shape)
+    else:
+        shape = ()
     if not shape or any(not isinstance(s, int) or isinstance(s, bool) or s <= 0 for s in shape):
         raise ValueError(
             f"{owner}: normalized_shape must be a positive int or a non-empty sequence of "
@@ -68,6 +73,7 @@ class _Norm(BasicOperation):
         dtype = torch.get_default_dtype() if dtype is None else dtype
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"{name}: dtype must be a floating torch.dtype, got {dtype!r}")
+        check_device(name, "device", device)
         kw = {"dtype": dtype, "device": device}
         self.weight = nn.Parameter(torch.empty(self.normalized_shape, **kw))
         self.bias = (
@@ -94,6 +100,7 @@ class LayerNorm(_Norm):
     has_bias = True
 
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
+        check_input("LayerNorm", x)
         rows = _rows("LayerNorm", x, self.normalized_shape)
         y = F.layernorm(
             rows, self.weight.reshape(-1), self.bias.reshape(-1), self.eps, self.zero_centered_gamma
@@ -107,6 +114,7 @@ class RMSNorm(_Norm):
     has_bias = False
 
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
+        check_input("RMSNorm", x)
         rows = _rows("RMSNorm", x, self.normalized_shape)
         y = F.rmsnorm(rows, self.weight.reshape(-1), self.eps, self.zero_centered_gamma)
         return y.reshape(x.shape), ()

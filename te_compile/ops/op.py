@@ -46,6 +46,7 @@ __all__ = [
     "FusibleOperation",
     "OpOutput",
     "OperationContext",
+    "check_input",
     "step_forward",
 ]
 
@@ -151,8 +152,31 @@ class BasicOperation(FusibleOperation):
                 f"{type(self).__name__}: expected {self.num_extra_inputs} extra input(s) after "
                 f"the input, got {len(extra_inputs)}"
             )
+        if not isinstance(input, Tensor):
+            raise TypeError(
+                f"{type(self).__name__}: input must be a torch.Tensor, got {type(input).__name__}"
+            )
         y, extra_outputs = step_forward(self, input, tuple(extra_inputs))
         return (y, *extra_outputs) if self.num_extra_outputs else y
+
+
+def check_input(owner: str, x: object, last_dim: int | None = None) -> None:
+    """An op's ``input``: a floating-point tensor with at least one dim (and ``last_dim``
+    features when given), refused by the name the op's ``forward`` gives it."""
+    if (
+        isinstance(x, Tensor)
+        and x.is_floating_point()
+        and x.dim() >= 1
+        and (last_dim is None or x.shape[-1] == last_dim)
+    ):
+        return
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{owner}: input must be a torch.Tensor, got {type(x).__name__}")
+    want = "" if last_dim is None else f" with {last_dim} features in its last dim"
+    raise ValueError(
+        f"{owner}: input must be a floating-point tensor of at least one dim{want}, got "
+        f"{x.dtype} of shape {list(x.shape)}"
+    )
 
 
 class FusedOperation:

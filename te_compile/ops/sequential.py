@@ -30,6 +30,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from te_compile._checks import check_bool
 from te_compile.ops.fused import fuse as _fuse
 from te_compile.ops.fused import user_fusions_version
 from te_compile.ops.op import (
@@ -69,7 +70,8 @@ class Sequential(nn.Sequential):
     def __init__(self, *modules: nn.Module | OrderedDict, fuse: bool = True) -> None:
         object.__setattr__(self, "_planning", False)
         super().__init__(*modules)
-        self._fuse = bool(fuse)
+        check_bool("Sequential", fuse=fuse)
+        self._fuse = fuse
         self._replan()
 
     # The plan ------------------------------------------------------------------------------
@@ -216,6 +218,8 @@ class Sequential(nn.Sequential):
                 f"Sequential: expected {self._num_extra_inputs} extra input(s) after the input "
                 f"(one per AddExtraInput, in order), got {len(extra_inputs)}"
             )
+        if not isinstance(input, Tensor):
+            raise TypeError(f"Sequential: input must be a torch.Tensor, got {type(input).__name__}")
         steps = self._steps_for_call()
         if self._routes is not None:
             return self._forward_routed(steps, input, extra_inputs)

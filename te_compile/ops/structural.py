@@ -37,6 +37,8 @@ class Reshape(BasicOperation):
 
     def __init__(self, shape: Sequence[int]) -> None:
         super().__init__()
+        if not isinstance(shape, Sequence) or isinstance(shape, str):
+            raise TypeError(f"Reshape: shape must be a sequence of ints, got {shape!r}")
         shape = tuple(shape)
         if any(not isinstance(s, int) or isinstance(s, bool) or s < -1 for s in shape) or (
             shape.count(-1) > 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from te_compile._checks import check_dtype, check_tensor
 from te_compile.functional import quantize as _q
 from te_compile.quantization.gemm import ROLES, quantize_args
 from te_compile.quantization.recipe import Recipe
@@ -37,6 +38,9 @@ def quantize(
     and raise NotImplementedError here where they would change the result."""
     if not isinstance(recipe, Recipe):
         raise ValueError(f"te.quantize: recipe must be a te_compile.recipe recipe, got {recipe!r}")
+    check_tensor("te.quantize", "tensor", tensor)
+    if scale is not None:
+        check_tensor("te.quantize", "scale", scale, min_dim=0)
     kind, kw = quantize_args(recipe, role)
     unsupported = {
         "rht": ("disable_rht=True", kw.pop("rht", False) and columnwise),
@@ -60,4 +64,7 @@ def dequantize(
     q: _q.Quantized, out_dtype: torch.dtype = torch.bfloat16, *, columnwise: bool = False
 ) -> Tensor:
     """The values of ``q`` (or of its transposed copy) in ``out_dtype``."""
+    if not isinstance(q, _q.Quantized):
+        raise TypeError(f"te.dequantize: q must be a Quantized (from te.quantize), got {q!r}")
+    check_dtype("te.dequantize", "out_dtype", out_dtype)
     return _q.dequantize(q, out_dtype, columnwise=columnwise)

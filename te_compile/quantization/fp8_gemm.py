@@ -152,6 +152,8 @@ def non_finite_amaxes(model: nn.Module) -> dict[str, list[str]]:
     weight or gradient shows up here after the step that saw it (per-tensor recipes, current and
     delayed); delayed scaling keeps its previous scale for such a slot. One host sync per call:
     call it when logging, not every step."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"non_finite_amaxes: model must be an nn.Module, got {model!r}")
     report = {}
     for name, state in model.named_modules():
         if isinstance(state, FP8GemmState):

@@ -519,7 +519,7 @@ BAD_INPUTS = [
         "negative interleave",
         lambda x, b: activation.glu(x, -2),
         lambda: (_t(4, 8), None),
-        _GATED + "glu_interleave_size must be >= 0",
+        "te.glu: glu_interleave_size must be an int >= 0, got -2",
     ),
     (
         "unknown activation",

@@ -69,7 +69,7 @@ def test_compiled_update_mutates_buffers_like_eager(device):
     "kwargs, match",
     [
         ({"algo": "mean"}, "amax_compute_algo must be one of"),
-        ({"margin": -1}, "margin must be >= 0"),
+        ({"margin": -1}, "margin must be an int >= 0"),
         ({"limits": [E4M3_MAX]}, "fp8_max of length slots"),
         ({"limits": [E4M3_MAX, 0.0]}, r"fp8_max .* must be finite and > 0, got \[448.0, 0.0\]"),
         ({"limits": [-1.0, E4M3_MAX]}, "fp8_max .* must be finite and > 0"),

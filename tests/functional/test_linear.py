@@ -478,7 +478,7 @@ def test_norm_prologue_errors_name_the_argument():
         F.linear(x, w, normalization="RMSNorm", norm_weight=g, norm_bias=g)
     with pytest.raises(ValueError, match='normalization="" '):
         F.linear(x, w, norm_weight=g)
-    with pytest.raises(ValueError, match="norm_eps must be > 0"):
+    with pytest.raises(ValueError, match="norm_eps must be a positive float"):
         F.linear(x, w, normalization="RMSNorm", norm_weight=g, norm_eps=0.0)
 
 
@@ -682,7 +682,7 @@ BAD = [
             norm_weight=_x(16),
             norm_eps=math.inf,
         ),
-        "te.linear: norm_eps must be > 0 and finite, got inf",
+        "te.linear: norm_eps must be a positive float \\(finite, > 0\\), got inf",
     ),
     (
         lambda: F.linear(

@@ -345,6 +345,8 @@ def test_norm_prologue_errors_name_the_argument():
         F.mlp(x, w1, None, w2, None, "gelu", normalization="L2", norm_weight=torch.ones(32))
     with pytest.raises(ValueError, match=r"te\.mlp: LayerNorm needs norm_weight \[32\]"):
         F.mlp(x, w1, None, w2, None, "gelu", normalization="LayerNorm")
-    with pytest.raises(ValueError, match=r"te\.mlp: norm_eps must be > 0 and finite, got inf"):
+    with pytest.raises(
+        ValueError, match=r"te\.mlp: norm_eps must be a positive float \(finite, > 0\), got inf"
+    ):
         F.mlp(x, w1, None, w2, None, "gelu", normalization="RMSNorm", norm_weight=torch.ones(32),
               norm_eps=math.inf)  # fmt: skip

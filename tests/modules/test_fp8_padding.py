@@ -83,8 +83,8 @@ def test_bad_arguments_name_themselves(compiled):
 
     x = torch.randn(10, 4)
     cases = [
-        (pad, (x, [5]), ValueError, "m_splits has 1 entries, num_gemms is 2"),
-        (pad, (x, [5, 4]), ValueError, "m_splits sums to 9, inp has 10 rows"),
+        (pad, (x, [5]), ValueError, "m_splits must have num_gemms=2 entries, got [5]"),
+        (pad, (x, [5, 4]), ValueError, "m_splits must sum to inp's 10 rows, got [5, 4]"),
         (pad, (x, [11, -1]), ValueError, "m_splits must hold ints >= 0"),
         (pad, (x, torch.tensor([5, 5])), TypeError, "m_splits must be a list of ints"),
         (pad, (torch.randn(10), [5, 5]), ValueError, "inp must be [rows, features]"),

@@ -464,7 +464,7 @@ backward:
         ({"num_gqa_groups": 3}, "num_gqa_groups"),
         ({"layer_type": "middle"}, "layer_type"),
         ({"hidden_dropout": 1.5}, "hidden_dropout"),
-        ({"attn_input_format": "hbsd"}, "qkv_format"),
+        ({"attn_input_format": "hbsd"}, "attn_input_format"),
         ({"parallel_attention_mlp": True, "output_layernorm": True}, "parallel_attention_mlp"),
     ],
 )

@@ -74,6 +74,62 @@ def assert_close(
     )
 
 
+# Normwise relative error bound of a result computed under each quantised recipe against the
+# float64 result of the unquantised operands: ||actual - expected|| / ||expected||. Each quantised
+# operand element is off by up to the element format's unit roundoff u (E4M3 2^-4, E5M2 2^-3,
+# E2M1 2^-2 inside its block scale), and independent errors partly cancel in a GEMM's sums, so
+# the error of a product of two quantised operands is about u; the bound is twice that, for the
+# format the recipe uses in its backward (HYBRID: E5M2 gradients).
+QUANTIZED_REL_ERROR = {
+    "current": 0.25,  # HYBRID: E4M3 forward, E5M2 gradients
+    "delayed": 0.25,
+    "block": 0.125,  # E4M3 both ways
+    "mxfp8": 0.125,  # E4M3, power-of-two block scales
+    "nvfp4": 0.5,  # E2M1 elements, E4M3 block scales
+}
+
+
+def assert_close_quantized(
+    actual: torch.Tensor, expected: torch.Tensor, recipe: str, gemms: int = 1
+) -> None:
+    """``actual`` (computed under the quantised ``recipe``: a key of
+    :data:`QUANTIZED_REL_ERROR`) against the float64 reference of the unquantised operands:
+    same shape, finite, normwise relative error within the recipe's bound, times ``gemms`` for
+    a result that passed through that many quantised GEMMs (an MLP's FC1 then FC2)."""
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    actual = actual.detach().to(device="cpu", dtype=torch.float64)
+    expected = expected.detach().to(device="cpu", dtype=torch.float64)
+    assert actual.isfinite().all()
+    scale = expected.norm()
+    if scale == 0:
+        assert actual.norm() == 0
+        return
+    error = ((actual - expected).norm() / scale).item()
+    bound = QUANTIZED_REL_ERROR[recipe] * gemms
+    assert error <= bound, f"{recipe}: normwise relative error {error:.4f} > {bound}"
+
+
+def assert_close_sum(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    dtype: torch.dtype,
+    magnitude: torch.Tensor,
+    roundings: int = 1,
+) -> None:
+    """:func:`assert_close` for a result whose elements are sums of many rounded terms (a
+    gradient summed over tokens): its error is bounded by the roundoff times the sum of the
+    terms' magnitudes (``magnitude``: that sum, e.g. the reference evaluated on absolute values),
+    not by the magnitude of the sum, which can cancel to near zero. The absolute tolerance is
+    ``rtol`` times the largest such magnitude."""
+    expected = expected.detach().to(dtype).to(device="cpu", dtype=torch.float64)
+    tols = dtype_tols(dtype, roundings)
+    if magnitude.numel():
+        tols["atol"] = max(tols["atol"], tols["rtol"] * magnitude.abs().max().item())
+    torch.testing.assert_close(
+        actual.detach().to(device="cpu", dtype=torch.float64), expected, **tols
+    )
+
+
 def assert_matches_eager(compiled: torch.Tensor, eager: torch.Tensor, roundings: int = 2) -> None:
     """A compiled result against the eager one, within ``roundings`` roundoffs of the dtype.
     Not bit for bit: Inductor traces into our ops and generates its own code for the aten math

@@ -1,0 +1,608 @@
+"""Declared domains of every public argument, for the bad-input walker (tests/test_bad_inputs.py).
+
+One line per argument: ``"name": <domain>``. A domain says which values are valid and yields the
+invalid ones the walker tries (wrong type, bool for int, zero or negative sizes, NaN / inf /
+non-positive floats, truthy strings for switches, unknown strings for choices, wrong tensor
+ranks, dtypes and shapes). ``COMMON`` holds the arguments that mean the same everywhere
+(``device``, ``params_dtype``, ``sequence_parallel``, ...); ``DOMAINS[owner]`` the rest, where
+``owner`` is the public name (``"te.Linear"``, ``"te.Linear.forward"``,
+``"te.functional.linear"``, ``"te.ops.BasicLinear"``, ``"te.recipe.DelayedScaling"``). An owner
+entry wins over ``COMMON``. A parameter with neither fails the walker: a new public argument
+declares its domain (``ANY("why")`` where no value can be wrong, rare)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Domain:
+    """``what``: the constraint in words; ``bad``: invalid values (or, for tensors, functions of
+    the valid tensor giving ``(label, invalid tensor)``); ``skip``: why nothing is tried."""
+
+    what: str
+    bad: tuple[Any, ...] = ()
+    tensor_bad: tuple[Callable[[torch.Tensor], tuple[str, Any]], ...] = field(default=())
+    skip: str = ""
+    # Other arguments a message may name instead for a shape that disagrees with theirs.
+    peers: tuple[str, ...] = ()
+    # False where every value but None is refused (a feature not built): the message names the
+    # argument and says why, without echoing the value.
+    shows_value: bool = True
+
+
+def _floats(*extra: Any) -> tuple[Any, ...]:
+    return (math.nan, math.inf, "1.0", *extra)
+
+
+def POS_INT() -> Domain:
+    return Domain("int > 0", ("4", True, 0, -1, 2.5))
+
+
+def NONNEG_INT() -> Domain:
+    return Domain("int >= 0", ("4", True, -1, 2.5))
+
+
+def INT() -> Domain:
+    return Domain("int", ("4", True, 2.5))
+
+
+def SWITCH() -> Domain:
+    return Domain("bool", ("yes", 1))
+
+
+def POS_FLOAT() -> Domain:
+    return Domain("finite float > 0", _floats(0.0, -1.0))
+
+
+def NONNEG_FLOAT() -> Domain:
+    return Domain("finite float >= 0", _floats(-1.0))
+
+
+def FINITE_FLOAT() -> Domain:
+    return Domain("finite float", _floats())
+
+
+def PROB() -> Domain:
+    return Domain("probability in [0, 1)", (math.nan, -0.1, 1.5, "0.1"))
+
+
+def CHOICE(*_valid: Any) -> Domain:
+    return Domain("one of a fixed set of names", ("not-a-choice", 3))
+
+
+def DTYPE() -> Domain:
+    return Domain("floating torch.dtype", ("float32", torch.int32))
+
+
+def DEVICE() -> Domain:
+    return Domain("torch.device or device string", ("not-a-device", 1.5))
+
+
+def CALLABLE() -> Domain:
+    return Domain("callable", (3,))
+
+
+def ANY(reason: str) -> Domain:
+    return Domain("any", skip=reason)
+
+
+# Tensor variants: each gives (label, bad value) from the valid tensor.
+
+
+def _rank0(t):
+    return "0-dim", t.detach().reshape(-1)[0].clone()
+
+
+def _int_dtype(t):
+    return "int64 dtype", t.detach().to(torch.int64)
+
+
+def _float_dtype(t):
+    return "float32 dtype", t.detach().float()
+
+
+def _last_dim(t):
+    return "last dim one short", t.detach()[..., :-1].clone()
+
+
+def _first_dim(t):
+    return "first dim one short", t.detach()[:-1].clone()
+
+
+def _extra_dim(t):
+    return "one more dim", t.detach().unsqueeze(0).clone()
+
+
+def not_tensor(t):
+    return "a list", t.detach().tolist()
+
+
+def TENSOR(*variants: Callable, peers: tuple[str, ...] = ()) -> Domain:
+    """A floating tensor: not a list, not 0-dim, not an integer dtype, plus ``variants``."""
+    bad = (not_tensor, _rank0, _int_dtype, *variants)
+    return Domain("floating tensor", tensor_bad=bad, peers=peers)
+
+
+def INDEX_TENSOR(*variants: Callable, peers: tuple[str, ...] = ()) -> Domain:
+    """An integer (or bool) tensor: not a list, not floating, plus ``variants``."""
+    return Domain("integer tensor", tensor_bad=(not_tensor, _float_dtype, *variants), peers=peers)
+
+
+def ANY_RANK_TENSOR() -> Domain:
+    """A floating tensor of any rank (element-wise ops: a 0-dim tensor is valid)."""
+    return Domain("floating tensor", tensor_bad=(not_tensor, _int_dtype))
+
+
+def ANY_DTYPE_TENSOR(*variants: Callable) -> Domain:
+    """A tensor of any dtype with at least one dim (layout ops)."""
+    return Domain("tensor", tensor_bad=(not_tensor, _rank0, *variants))
+
+
+def UNSUPPORTED(what: str) -> Domain:
+    """Only None (the default) is accepted: anything else is refused, by name."""
+    return Domain(f"None ({what})", (3, "x"), shows_value=False)
+
+
+LAST, FIRST, EXTRA = _last_dim, _first_dim, _extra_dim
+
+COMMON: dict[str, Domain] = {
+    "device": DEVICE(),
+    "params_dtype": DTYPE(),
+    "dtype": DTYPE(),
+    "sequence_parallel": SWITCH(),
+    "tp_group": ANY("a process group; torch.distributed checks it"),
+    "process_group": ANY("a process group; torch.distributed checks it"),
+    "tp_size": POS_INT(),
+    "init_method": CALLABLE(),
+    "output_layer_init_method": CALLABLE(),
+    "get_rng_state_tracker": UNSUPPORTED("dropout seeds come from an explicit RNG state"),
+    "fuse_wgrad_accumulation": SWITCH(),
+    "zero_centered_gamma": SWITCH(),
+    "return_bias": SWITCH(),
+    "return_layernorm_output": SWITCH(),
+    "bias": SWITCH(),
+    "eps": POS_FLOAT(),
+    "layernorm_epsilon": POS_FLOAT(),
+    "qk_norm_eps": POS_FLOAT(),
+    "normalization": CHOICE("LayerNorm", "RMSNorm"),
+    "glu_interleave_size": NONNEG_INT(),  # 0 or None: contiguous halves
+    "limit": POS_FLOAT(),
+    "alpha": POS_FLOAT(),
+    "glu_linear_offset": FINITE_FLOAT(),
+    "interleaved": SWITCH(),
+    "fp8_dpa": SWITCH(),
+    "fp8_mha": SWITCH(),
+    "fp8_format": CHOICE("Format"),
+    "backward_override": CHOICE(None, "high_precision", "dequantized"),
+    "margin": NONNEG_INT(),
+    "out_dtype": DTYPE(),
+    "fp8_dtype": CHOICE(torch.float8_e4m3fn, torch.float8_e5m2),
+    "columnwise": SWITCH(),
+    "rowwise": SWITCH(),
+    "inp": TENSOR(),
+    "input": TENSOR(),
+    "training": SWITCH(),
+    "power_2_scale": SWITCH(),
+}
+
+_QKV_FORMAT = CHOICE("sbhd", "bshd", "thd")
+_MASK = CHOICE("causal", "no_mask", "padding", "...")
+_WINDOW = Domain("(left, right) ints >= -1", ("4", (1,), (1.5, 0)))
+_ACTIVATION = CHOICE("gelu", "...")
+_ROUTING_INT = Domain("int >= -1 or None", ("4", True, -2, 2.5))
+_SPLITS = Domain("ints >= 0 summing to the rows", ("4", [1, 2], [-1, 7]))
+_FP8_RECIPE = Domain("a te_compile.recipe recipe", ("delayed", 3))
+_ATTN = {
+    "num_attention_heads": POS_INT(),
+    "num_gqa_groups": POS_INT(),
+    "attention_dropout": PROB(),
+    "hidden_dropout": PROB(),
+    "qkv_format": _QKV_FORMAT,
+    "attn_input_format": _QKV_FORMAT,
+    "attn_mask_type": _MASK,
+    "self_attn_mask_type": _MASK,
+    "enc_dec_attn_mask_type": _MASK,
+    "window_size": _WINDOW,
+    "enc_dec_window_size": _WINDOW,
+    "attention_type": CHOICE("self", "cross"),
+    "layer_number": POS_INT(),
+    "softmax_scale": POS_FLOAT(),
+    "kv_channels": POS_INT(),
+    "set_parallel_mode": SWITCH(),
+    "fuse_qkv_params": SWITCH(),
+    "qkv_weight_interleaved": SWITCH(),
+    "rotary_pos_interleaved": SWITCH(),
+    "input_layernorm": SWITCH(),
+    "qk_norm_type": CHOICE("L2Normalization", "RMSNorm", "LayerNorm"),
+    "qk_norm_before_rope": SWITCH(),
+    "qk_layernorm": SWITCH(),
+    "apply_residual_connection_post_layernorm": SWITCH(),
+    "output_layernorm": SWITCH(),
+    "parallel_attention_mlp": SWITCH(),
+    "layer_type": CHOICE("encoder", "decoder"),
+    "drop_path_rate": PROB(),
+    "activation": _ACTIVATION,
+    "hidden_size": POS_INT(),
+    "ffn_hidden_size": POS_INT(),
+}
+_ATTN_FORWARD = {
+    "hidden_states": TENSOR(LAST),
+    "attention_mask": ANY("a mask or None; its shape is the backend's to check"),
+    "encoder_output": TENSOR(LAST),
+    "enc_dec_attn_mask": ANY("a mask or None; its shape is the backend's to check"),
+    "attn_mask_type": _MASK,
+    "self_attn_mask_type": _MASK,
+    "enc_dec_attn_mask_type": _MASK,
+    "window_size": _WINDOW,
+    "enc_dec_window_size": _WINDOW,
+    "is_first_microbatch": ANY("a hint: True, False or None all valid"),
+    "checkpoint_core_attention": SWITCH(),
+    "inference_params": UNSUPPORTED("KV-cache inference is not implemented"),
+    "rotary_pos_emb": TENSOR(),
+    "core_attention_bias_type": CHOICE("no_bias", "post_scale_bias", "alibi"),
+    "core_attention_bias": TENSOR(),
+    "alibi_slopes": TENSOR(),
+    "cu_seqlens_q": INDEX_TENSOR(),
+    "cu_seqlens_kv": INDEX_TENSOR(),
+    "max_seqlen_q": POS_INT(),
+    "max_seqlen_kv": POS_INT(),
+}
+_GEMM_RECIPE_ARGS = {
+    "main_grad": TENSOR(LAST),
+    "recipe": CHOICE("", "current", "delayed", "block", "mxfp8", "nvfp4"),
+    "fwd_dtype": CHOICE(torch.float8_e4m3fn, torch.float8_e5m2),
+    "bwd_dtype": CHOICE(torch.float8_e4m3fn, torch.float8_e5m2),
+    "weight_block_rows": CHOICE(1, 128),
+    "emulate": SWITCH(),
+    "return_amax": SWITCH(),
+    "norm_eps": POS_FLOAT(),
+    "normalization": CHOICE("", "LayerNorm", "RMSNorm"),
+}
+_GLU_FN = {"inp": TENSOR(LAST)}
+_ACT_FN = {"inp": ANY_RANK_TENSOR()}
+
+DOMAINS: dict[str, dict[str, Domain]] = {
+    # modules: constructors
+    "te.Linear": {
+        "in_features": POS_INT(),
+        "out_features": POS_INT(),
+        "parallel_mode": CHOICE("column", "row", None),
+        "parameters_split": Domain("dict of name: size or tuple of names", (3, "qkv")),
+    },
+    "te.LayerNormLinear": {
+        "in_features": POS_INT(),
+        "out_features": POS_INT(),
+        "parallel_mode": CHOICE("column", "row", None),
+        "parameters_split": Domain("dict or tuple of names", (3, "qkv")),
+    },
+    "te.LayerNormMLP": {
+        "hidden_size": POS_INT(),
+        "ffn_hidden_size": POS_INT(),
+        "activation": _ACTIVATION,
+        "activation_params": Domain("dict of clamped_swiglu params", (3, "x")),
+        "checkpoint": SWITCH(),
+    },
+    "te.LayerNorm": {"normalized_shape": POS_INT(), "hidden_size": POS_INT()},
+    "te.RMSNorm": {"normalized_shape": POS_INT(), "hidden_size": POS_INT()},
+    "te.GroupedLinear": {
+        "num_gemms": POS_INT(),
+        "in_features": POS_INT(),
+        "out_features": POS_INT(),
+        "single_grouped_parameter": SWITCH(),
+        "single_grouped_weight": SWITCH(),
+        "single_grouped_bias": SWITCH(),
+        "parallel_mode": CHOICE("column", "row", None),
+    },
+    "te.GroupedMLP": {
+        "num_experts": POS_INT(),
+        "hidden_size": POS_INT(),
+        "ffn_hidden_size": POS_INT(),
+        "activation": _ACTIVATION,
+        "single_grouped_parameter": SWITCH(),
+    },
+    "te.Fp8Padding": {"num_gemms": POS_INT(), "align_size": POS_INT()},
+    "te.Fp8Unpadding": {"num_gemms": POS_INT(), "align_size": POS_INT()},
+    "te.DotProductAttention": _ATTN,
+    "te.MultiheadAttention": _ATTN,
+    "te.TransformerLayer": _ATTN,
+    "te.RotaryPositionEmbedding": {
+        "dim": POS_INT(),
+        "rotary_percent": Domain("float in (0, 1]", _floats(0.0, 1.5)),
+        "seq_len_interpolation_factor": POS_FLOAT(),
+        "pretrained_max_position_embeddings": POS_INT(),
+        "rotary_base": POS_FLOAT(),
+    },
+    # modules: forwards
+    "te.Linear.forward": {"inp": TENSOR(LAST)},
+    "te.LayerNormLinear.forward": {"inp": TENSOR(LAST)},
+    "te.LayerNormMLP.forward": {"inp": TENSOR(LAST)},
+    "te.LayerNorm.forward": {"inp": TENSOR(LAST)},
+    "te.RMSNorm.forward": {"inp": TENSOR(LAST)},
+    "te.GroupedLinear.forward": {"inp": TENSOR(LAST, FIRST), "m_splits": _SPLITS},
+    "te.GroupedMLP.forward": {"inp": TENSOR(LAST, FIRST), "m_splits": _SPLITS},
+    "te.Fp8Padding.forward": {"inp": ANY_DTYPE_TENSOR(FIRST), "m_splits": _SPLITS},
+    "te.Fp8Unpadding.forward": {
+        "inp": ANY_DTYPE_TENSOR(FIRST),
+        "m_splits": Domain("ints >= 0", ("4", [-1, 7])),
+    },
+    "te.DotProductAttention.forward": {
+        "query": TENSOR(LAST),
+        "key": TENSOR(LAST),
+        "value": TENSOR(),
+        **_ATTN_FORWARD,
+    },
+    "te.MultiheadAttention.forward": _ATTN_FORWARD,
+    "te.TransformerLayer.forward": _ATTN_FORWARD,
+    "te.RotaryPositionEmbedding.forward": {"max_seq_len": POS_INT(), "offset": NONNEG_INT()},
+    # top-level utilities
+    "te.autocast": {
+        "enabled": SWITCH(),
+        "calibrating": SWITCH(),
+        "recipe": _FP8_RECIPE,
+        "amax_reduction_group": ANY("a process group; torch.distributed checks it"),
+    },
+    "te.fp8_autocast": {
+        "enabled": SWITCH(),
+        "calibrating": SWITCH(),
+        "fp8_recipe": _FP8_RECIPE,
+        "fp8_group": ANY("a process group; torch.distributed checks it"),
+        "_graph": SWITCH(),
+    },
+    "te.checkpoint": {
+        "function": CALLABLE(),
+        "distribute_saved_activations": SWITCH(),
+        "use_reentrant": SWITCH(),
+    },
+    "te.quantize": {
+        "tensor": TENSOR(),
+        "recipe": _FP8_RECIPE,
+        "role": CHOICE("input", "weight", "grad_output"),
+        "scale": ANY_RANK_TENSOR(),
+    },
+    "te.dequantize": {"q": Domain("a Quantized from te.quantize", (3, "q"))},
+    "te.bulk_allocate": {
+        "shapes": Domain("sequence of shapes", (3, [(-1, 2)], [("2",)])),
+        "dtypes": Domain("sequence of dtypes", (3, ["float32"])),
+        "alignments": Domain("ints, powers of two", ([3], [0], ["8"])),
+        "zero": SWITCH(),
+    },
+    "te.set_eager_fast_path": {"enabled": SWITCH()},
+    "te.is_bf16_available": {"return_reason": SWITCH()},
+    "te.is_fp8_available": {"return_reason": SWITCH()},
+    "te.is_fp8_block_scaling_available": {"return_reason": SWITCH()},
+    "te.is_mxfp8_available": {"return_reason": SWITCH()},
+    "te.is_nvfp4_available": {"return_reason": SWITCH()},
+    "te.non_finite_amaxes": {"model": Domain("an nn.Module", (3, "model"))},
+    "te.apply_rotary_pos_emb": {
+        "t": TENSOR(LAST),
+        "freqs": TENSOR(LAST),
+        "tensor_format": _QKV_FORMAT,
+        "start_positions": UNSUPPORTED("per-sequence position offsets are not implemented"),
+        "fused": SWITCH(),
+        "cu_seqlens": INDEX_TENSOR(),
+        "cp_size": POS_INT(),
+        "cp_rank": NONNEG_INT(),
+    },
+    "te.interleave_glu_tensor": {
+        "tensor": ANY_DTYPE_TENSOR(FIRST),
+        "interleave_size": POS_INT(),
+        "dim": INT(),
+    },
+    "te.deinterleave_glu_tensor": {
+        "tensor": ANY_DTYPE_TENSOR(FIRST),
+        "interleave_size": POS_INT(),
+        "dim": INT(),
+    },
+    "te.moe_permute": {
+        "routing_map": INDEX_TENSOR(FIRST),
+        "num_out_tokens": _ROUTING_INT,
+        "max_token_num": _ROUTING_INT,
+        "map_type": CHOICE("mask", "index"),
+        "inp": TENSOR(FIRST),
+    },
+    "te.moe_permute_with_probs": {
+        "inp": TENSOR(FIRST),
+        "probs": TENSOR(FIRST),
+        "routing_map": INDEX_TENSOR(FIRST),
+        "num_out_tokens": _ROUTING_INT,
+    },
+    "te.moe_unpermute": {
+        "inp": TENSOR(),  # its rows are read through row_id_map's values
+        "row_id_map": INDEX_TENSOR(FIRST, peers=("merging_probs",)),
+        "merging_probs": TENSOR(FIRST),
+        "restore_shape": Domain("shape or None", (3, "x")),
+        "map_type": CHOICE("mask", "index"),
+        "probs": TENSOR(FIRST),
+    },
+    "te.moe_sort_chunks_by_index": {
+        "inp": TENSOR(),  # its rows: split_sizes' values
+        "split_sizes": INDEX_TENSOR(FIRST, peers=("sorted_index",)),
+        "sorted_index": INDEX_TENSOR(FIRST),
+    },
+    "te.moe_sort_chunks_by_index_with_probs": {
+        "inp": TENSOR(FIRST, peers=("probs",)),
+        "probs": TENSOR(FIRST),
+        "split_sizes": INDEX_TENSOR(FIRST, peers=("sorted_index",)),
+        "sorted_index": INDEX_TENSOR(FIRST),
+    },
+    # te.functional
+    "te.functional.as_splits_tensor": {"m_splits": Domain("ints >= 0", ("4", [-1, 2], [1.5]))},
+    "te.functional.bias_activation": {
+        "inp": TENSOR(LAST),
+        "bias": TENSOR(LAST),
+        "activation": _ACTIVATION,
+    },
+    "te.functional.blockwise_supported": {
+        "weight": TENSOR(),
+        "weight_block_rows": CHOICE(1, 128),
+        "fwd_dtype": CHOICE(torch.float8_e4m3fn),
+        "bwd_dtype": CHOICE(torch.float8_e5m2),
+    },
+    "te.functional.branch_rmsnorm": {"inp": TENSOR(LAST), "weight": TENSOR(LAST)},
+    "te.functional.clamped_swiglu": _GLU_FN,
+    "te.functional.geglu": _GLU_FN,
+    "te.functional.glu": _GLU_FN,
+    "te.functional.qgeglu": _GLU_FN,
+    "te.functional.reglu": _GLU_FN,
+    "te.functional.sreglu": _GLU_FN,
+    "te.functional.swiglu": _GLU_FN,
+    "te.functional.gelu": _ACT_FN,
+    "te.functional.qgelu": _ACT_FN,
+    "te.functional.relu": _ACT_FN,
+    "te.functional.silu": _ACT_FN,
+    "te.functional.srelu": _ACT_FN,
+    "te.functional.delayed_scaling_update": {
+        "amax_history": TENSOR(),
+        "scale": TENSOR(),
+        "amax": TENSOR(),
+        "fp8_max": Domain("list of positive finite floats", ([0.0], [math.nan], [-1.0])),
+        "amax_compute_algo": CHOICE("max", "most_recent"),
+    },
+    "te.functional.dequantize_mxfp8": {"data": TENSOR(), "scale": TENSOR()},
+    "te.functional.dequantize_nvfp4": {
+        "data": TENSOR(),
+        "scale": TENSOR(),
+        "global_scale": ANY_RANK_TENSOR(),
+    },
+    "te.functional.quantize_mxfp8": {"x": TENSOR()},
+    "te.functional.quantize_nvfp4": {"x": TENSOR(), "global_amax": ANY_RANK_TENSOR()},
+    "te.functional.dot_product_attention": {
+        "query": TENSOR(LAST),
+        "key": TENSOR(LAST),
+        "value": TENSOR(),  # v's head dim is free
+        **{k: v for k, v in _ATTN_FORWARD.items() if k != "hidden_states"},
+        "qkv_format": _QKV_FORMAT,
+        "softmax_scale": POS_FLOAT(),
+        "dropout_p": PROB(),
+        "rng_state": INDEX_TENSOR(),
+    },
+    "te.functional.dropout": {"inp": ANY_RANK_TENSOR(), "p": PROB(), "rng_state": INDEX_TENSOR()},
+    "te.functional.fake_quantize": {
+        "kind": CHOICE("none", "current", "block", "mxfp8", "nvfp4"),
+        "grad_kind": CHOICE("none", "current", "block", "mxfp8", "nvfp4"),
+        "block_rows": CHOICE(1, 128),
+        "grad_block_rows": CHOICE(1, 128),
+        "grad_fp8_dtype": CHOICE(torch.float8_e4m3fn, torch.float8_e5m2),
+        "row_splits": INDEX_TENSOR(),
+    },
+    "te.functional.grouped_linear": {
+        "inp": TENSOR(LAST, FIRST),
+        "m_splits": _SPLITS,
+        "weight": TENSOR(LAST, EXTRA),
+        "bias": TENSOR(LAST),
+        **_GEMM_RECIPE_ARGS,
+        "scale": TENSOR(),
+        "grad_amax": TENSOR(),
+        "fp8_wgrad": SWITCH(),
+    },
+    "te.functional.l2normalization": {"inp": TENSOR()},
+    "te.functional.layernorm": {"weight": TENSOR(LAST), "bias": TENSOR(LAST)},
+    "te.functional.rmsnorm": {"weight": TENSOR(LAST)},
+    "te.functional.linear": {
+        "inp": TENSOR(LAST),
+        "weight": TENSOR(LAST, EXTRA),
+        "bias": TENSOR(LAST),
+        **_GEMM_RECIPE_ARGS,
+        "scale": TENSOR(),
+        "grad_amax": TENSOR(),
+        "norm_weight": TENSOR(LAST),
+        "norm_bias": TENSOR(LAST),
+        "activation": _ACTIVATION,
+        "residual": TENSOR(LAST),
+        "out_scale": FINITE_FLOAT(),
+        "return_branch": SWITCH(),
+    },
+    "te.functional.mlp": {
+        "inp": TENSOR(LAST),
+        "fc1_weight": TENSOR(LAST, EXTRA),
+        "fc1_bias": TENSOR(LAST),
+        "fc2_weight": TENSOR(LAST, EXTRA),
+        "fc2_bias": TENSOR(LAST),
+        "activation": _ACTIVATION,
+        **_GEMM_RECIPE_ARGS,
+        "scale1": TENSOR(),
+        "scale2": TENSOR(),
+        "grad_amax1": TENSOR(),
+        "grad_amax2": TENSOR(),
+        "norm_weight": TENSOR(LAST),
+        "norm_bias": TENSOR(LAST),
+    },
+    "te.functional.rotary_frequencies": {
+        "inv_freq": TENSOR(EXTRA),
+        "max_seq_len": POS_INT(),
+        "offset": NONNEG_INT(),
+        "seq_len_interpolation_factor": POS_FLOAT(),
+        "pretrained_max_position_embeddings": POS_INT(),
+    },
+    # te.ops
+    "te.ops.BasicLinear": {
+        "in_features": POS_INT(),
+        "out_features": POS_INT(),
+        "accumulate_into_main_grad": SWITCH(),
+    },
+    "te.ops.Bias": {"size": POS_INT()},
+    "te.ops.GroupedLinear": {
+        "num_groups": POS_INT(),
+        "in_features": POS_INT(),
+        "out_features": POS_INT(),
+    },
+    "te.ops.ConstantScale": {"scale": FINITE_FLOAT()},
+    "te.ops.Dropout": {"p": PROB()},
+    "te.ops.L2Normalization": {},
+    "te.ops.LayerNorm": {"normalized_shape": POS_INT()},
+    "te.ops.RMSNorm": {"normalized_shape": POS_INT()},
+    "te.ops.Quantize": {"forward": SWITCH(), "backward": SWITCH()},
+    "te.ops.Reshape": {"shape": Domain("sequence of ints", (3, ["a"], [1.5]))},
+    "te.ops.Sequential": {"fuse": SWITCH()},
+    "te.ops.forward": {"input": TENSOR(LAST)},
+    # te.recipe
+    "te.recipe.DelayedScaling": {
+        "amax_history_len": POS_INT(),
+        "amax_compute_algo": CHOICE("max", "most_recent"),
+        "scaling_factor_compute_algo": CALLABLE(),
+        "reduce_amax": SWITCH(),
+    },
+    "te.recipe.Float8CurrentScaling": {
+        "use_power_2_scales": SWITCH(),
+        "fp8_gemm_fprop": Domain("MMParams", (3, True)),
+        "fp8_gemm_dgrad": Domain("MMParams", (3, True)),
+        "fp8_gemm_wgrad": Domain("MMParams", (3, True)),
+    },
+    "te.recipe.Float8BlockScaling": {
+        "use_f32_scales": SWITCH(),
+        "x_block_scaling_dim": CHOICE(1, 2),
+        "w_block_scaling_dim": CHOICE(1, 2),
+        "grad_block_scaling_dim": CHOICE(1, 2),
+        "fp8_gemm_fprop": Domain("MMParams", (3, True)),
+        "fp8_gemm_dgrad": Domain("MMParams", (3, True)),
+        "fp8_gemm_wgrad": Domain("MMParams", (3, True)),
+    },
+    "te.recipe.MXFP8BlockScaling": {},
+    "te.recipe.NVFP4BlockScaling": {
+        "disable_rht": SWITCH(),
+        "disable_stochastic_rounding": SWITCH(),
+        "disable_2d_quantization": SWITCH(),
+        "fp4_format": CHOICE("Format.E2M1"),
+    },
+    "te.recipe.MMParams": {"use_split_accumulator": SWITCH()},
+    "te.recipe.QParams": {
+        "power_2_scale": SWITCH(),
+        "amax_epsilon": NONNEG_FLOAT(),
+        "random_hadamard_transform": SWITCH(),
+        "stochastic_rounding": SWITCH(),
+        "fp4_2d_quantization": SWITCH(),
+    },
+}
+
+
+def domain(owner: str, name: str) -> Domain | None:
+    """The declared domain of ``owner``'s argument ``name``: the owner's own entry, else the
+    common one, else None (the walker fails on it)."""
+    own = DOMAINS.get(owner, {})
+    return own[name] if name in own else COMMON.get(name)
