@@ -761,7 +761,11 @@ def gemm(
 def accumulate_wgrad(main_grad: Tensor, dy: Tensor, x: Tensor) -> None:
     """``main_grad += dy^T x`` for high-precision operands, accumulated in fp32: one cuBLAS call
     with fp32 output and beta=1 on CUDA."""
-    if main_grad.is_cuda and dy.dtype != torch.float32:
+    if main_grad.is_cuda and dy.dtype != torch.float32 and torch._C._len_torch_dispatch_stack():
+        # Traced (torch.compile): torch 2.11's decomposition of addmm's out_dtype overload
+        # reads out_dtype as beta; the GEMM with an fp32 output, then the add.
+        main_grad.add_(torch.mm(dy.t(), x, out_dtype=torch.float32))
+    elif main_grad.is_cuda and dy.dtype != torch.float32:
         torch.addmm(main_grad, dy.t(), x, out_dtype=torch.float32, out=main_grad)
     else:
         main_grad.addmm_(dy.t().float(), x.float())

@@ -32,7 +32,6 @@ around it, so the fuser sees through it, as in Transformer Engine.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -308,6 +307,20 @@ def _te_backward(step, ctxs, dy, grad_extra_outputs):
     return dy, dparams, dextra
 
 
+class _BackwardContext:
+    """A forward's :class:`OperationContext` as the backward sees it: its ``saved_tensors``, and
+    every other attribute read through to the forward's context (a new object: torch.compile
+    traces the backward and does not let it mutate objects made in the forward; torch 2.11's
+    dynamo does not trace ``copy.copy`` either)."""
+
+    def __init__(self, forward_ctx: OperationContext, saved: tuple[Tensor | None, ...]) -> None:
+        self.forward_ctx = forward_ctx
+        self.saved_tensors = saved
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.forward_ctx, name)
+
+
 class _TEProtocol(torch.autograd.Function):
     """One step in Transformer Engine's protocol as an autograd function: the forward and the
     backward are the step's (or its basic ops') own; the tensors of every ``ctx.save_for_backward``
@@ -338,11 +351,10 @@ class _TEProtocol(torch.autograd.Function):
         saved = ctx.saved_tensors
         # Fresh contexts carrying the forward's attributes (torch.compile traces the backward
         # and does not let it mutate objects made in the forward).
-        op_ctxs = []
-        for op_ctx, (start, end) in zip(ctx.op_ctxs, ctx.ranges, strict=True):
-            fresh = copy.copy(op_ctx)
-            fresh.saved_tensors = tuple(saved[start:end])
-            op_ctxs.append(fresh)
+        op_ctxs = [
+            _BackwardContext(op_ctx, tuple(saved[start:end]))
+            for op_ctx, (start, end) in zip(ctx.op_ctxs, ctx.ranges, strict=True)
+        ]
         per_op = _split(grad_extra_outputs, ctx.extra_output_counts)
         dx, dparams, dextra = _te_backward(ctx.step, op_ctxs, dy, per_op)
         grads_params = []
