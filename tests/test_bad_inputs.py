@@ -56,6 +56,16 @@ def _delayed():
     }
 
 
+def _primary_model():
+    with te.quantized_model_init(recipe=R.Float8CurrentScaling()):
+        return te.Linear(16, 16)
+
+
+def _fusion(ops, **_kwargs):
+    """A fusion that fuses nothing: harmless should a bad call ever register it."""
+    return ops
+
+
 def _qkv():
     return {n: _x(4, 2, 2, 8) for n in ("query", "key", "value")}
 
@@ -136,6 +146,15 @@ _FUNCTIONS: dict[str, tuple[Callable, Callable[[], dict[str, Any]]]] = {
     ),
     "te.bulk_allocate": (te.bulk_allocate, lambda: {"shapes": [(2, 3)], "dtypes": [torch.float32]}),
     "te.set_eager_fast_path": (te.set_eager_fast_path, lambda: {"enabled": True}),
+    "te.quantized_model_init": (te.quantized_model_init, dict),
+    "te.fp8_model_init": (te.fp8_model_init, dict),
+    "te.FP8MasterWeights": (te.FP8MasterWeights, lambda: {"model": _primary_model()}),
+    # Its argument checks run before the CUDA check (a CPU call of valid arguments raises
+    # RuntimeError; the walker calls it with one bad argument only).
+    "te.make_graphed_callables": (
+        te.make_graphed_callables,
+        lambda: {"modules": te.Linear(16, 16), "sample_args": (_x(6, 16),)},
+    ),
     "te.is_bf16_available": (te.is_bf16_available, dict),
     "te.is_fp8_available": (te.is_fp8_available, dict),
     "te.is_fp8_block_scaling_available": (te.is_fp8_block_scaling_available, dict),
@@ -269,6 +288,18 @@ _FUNCTIONS: dict[str, tuple[Callable, Callable[[], dict[str, Any]]]] = {
             "fc2_bias": _x(16),
         },
     ),
+    "te.functional.quantize_weight": (
+        F.quantize_weight,
+        lambda: {
+            "weight": _x(8, 16),
+            "recipe": "current",
+            "fwd_dtype": torch.float8_e4m3fn,
+            "power_2_scale": False,
+            "weight_block_rows": 1,
+            "emulate": False,
+            "scale": None,
+        },
+    ),
     "te.functional.rotary_frequencies": (
         F.rotary_frequencies,
         lambda: {"inv_freq": _x(4), "max_seq_len": 8},
@@ -278,6 +309,11 @@ _FUNCTIONS: dict[str, tuple[Callable, Callable[[], dict[str, Any]]]] = {
 _OPS: dict[str, tuple[Callable[[], Any], dict[str, Any], Callable[[], dict[str, Any]] | None]] = {
     "BasicLinear": (
         te.ops.BasicLinear,
+        {"in_features": 16, "out_features": 8},
+        lambda: {"input": _x(6, 16)},
+    ),
+    "Linear": (
+        te.ops.Linear,
         {"in_features": 16, "out_features": 8},
         lambda: {"input": _x(6, 16)},
     ),
@@ -298,7 +334,31 @@ _OPS: dict[str, tuple[Callable[[], Any], dict[str, Any], Callable[[], dict[str, 
     "ClampedSwiGLU": (te.ops.ClampedSwiGLU, {}, None),
     **{
         n: (getattr(te.ops, n), {}, None)
-        for n in ("GEGLU", "GLU", "QGEGLU", "ReGLU", "SReGLU", "SwiGLU")
+        for n in (
+            "GEGLU",
+            "GLU",
+            "QGEGLU",
+            "ReGLU",
+            "SReGLU",
+            "SwiGLU",
+            "ScaledSwiGLU",
+            "ScaledClampedQGeGLU",
+            "GELU",
+            "QGELU",
+            "ReLU",
+            "SReLU",
+            "SiLU",
+            "AddExtraInput",
+            "MakeExtraOutput",
+        )
+    },
+    **{
+        n: (getattr(te.ops, n), {"op_fusion_func": _fusion}, None)
+        for n in (
+            "register_forward_fusion",
+            "register_backward_fusion",
+            "register_forward_backward_fusion",
+        )
     },
 }
 
@@ -332,19 +392,11 @@ NOT_WALKED = {
             "ForwardLinearScaleAdd",
         )
     },
-    **{
-        f"te.ops.{n}": "no arguments"
-        for n in (
-            "GELU",
-            "QGELU",
-            "ReLU",
-            "SReLU",
-            "SiLU",
-            "Identity",
-            "AddExtraInput",
-            "MakeExtraOutput",
-        )
-    },
+    "te.ops.Identity": "no arguments",
+    "te.ops.FusibleOperation": "an abstract base class",
+    "te.ops.OperationContext": "the fuser builds it and passes it to an op's forward and "
+    "backward, not users",
+    "te.functional.WEIGHT_OPERAND": "a constant",
     **{
         f"te.ops.{n}": "a process group only; torch.distributed checks it"
         for n in ("AllGather", "AllReduce", "ReduceScatter")
@@ -497,13 +549,17 @@ def _names_argument(message, name):
     return re.search(rf"(?<![\w.]){re.escape(name)}(?!\w)", message) is not None
 
 
+# Context managers: their checks run on entry.
+_CONTEXTS = ("te.autocast", "te.fp8_autocast", "te.quantized_model_init", "te.fp8_model_init")
+
+
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
 def test_bad_value_is_refused_by_name(case):
     owner, name, i = case
     fn, kwargs, shown = _call(owner, name, i)
     with pytest.raises((ValueError, TypeError)) as info:
         out = fn(**kwargs)
-        if owner in ("te.autocast", "te.fp8_autocast"):
+        if owner in _CONTEXTS:
             with out:
                 pass
     _check_message(owner, name, str(info.value), shown)

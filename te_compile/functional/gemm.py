@@ -169,6 +169,23 @@ def delayed_on_cuda(*args: object) -> str | None:
     return None
 
 
+def check_weight_quantized(owner: str, name: str, value: object) -> None:
+    """``value`` is None or :func:`quantize_weight`'s five tensors (a list or tuple)."""
+    if value is None:
+        return
+    n = len(WEIGHT_OPERAND)
+    if not (isinstance(value, (list, tuple)) and all(isinstance(t, Tensor) for t in value)):
+        raise TypeError(
+            f"{owner}: {name} must be None or the {n} tensors {WEIGHT_OPERAND} of "
+            f"quantize_weight, got {value!r}"
+        )
+    if len(value) != n:
+        raise ValueError(
+            f"{owner}: {name} must be the {n} tensors {WEIGHT_OPERAND} of quantize_weight, got "
+            f"{len(value)} tensors"
+        )
+
+
 def check_recipe(
     p: str,
     recipe: str,
@@ -596,6 +613,20 @@ def _quantize_weight_samples(device: torch.device):
 
 
 @op("quantize_weight", sample_inputs=_quantize_weight_samples)
+def quantize_weight_op(
+    weight: Tensor,
+    recipe: str,
+    fwd_dtype: torch.dtype,
+    power_2_scale: bool,
+    weight_block_rows: int,
+    emulate: bool,
+    scale: Tensor | None,
+) -> list[Tensor]:
+    """``te::quantize_weight``: :func:`quantize_weight` without the argument checks."""
+    return _quantize_weight_impl(weight, recipe, fwd_dtype, power_2_scale, weight_block_rows,
+                                 emulate, scale)  # fmt: skip
+
+
 def quantize_weight(
     weight: Tensor,
     recipe: str,
@@ -608,12 +639,25 @@ def quantize_weight(
     """``weight`` ``[N, K]`` as the family ops' pre-quantised weight operand (module docstring):
     ``[data, scale, data_t, scale_t, amax]``, quantised as the op would quantise it inside
     (``scale``: the GEMM's delayed scales ``[3]``, whose weight slot is used, with
-    ``recipe="delayed"``)."""
-    return _quantize_weight_impl(weight, recipe, fwd_dtype, power_2_scale, weight_block_rows,
-                                 emulate, scale)  # fmt: skip
+    ``recipe="delayed"``). ``te::quantize_weight`` after the checks of its arguments (the
+    dispatcher's type errors would not name them)."""
+    p = "te.quantize_weight"
+    check_tensor(p, "weight", weight)
+    if weight.dim() != 2:
+        raise ValueError(f"{p}: weight must be 2-D [N, K], got shape {list(weight.shape)}")
+    if not isinstance(recipe, str):
+        raise TypeError(f"{p}: recipe must be a str, one of {RECIPES[1:]}, got {recipe!r}")
+    if not isinstance(fwd_dtype, torch.dtype):
+        raise TypeError(f"{p}: fwd_dtype must be an FP8 torch.dtype, got {fwd_dtype!r}")
+    check_bool(p, power_2_scale=power_2_scale, emulate=emulate)
+    if isinstance(weight_block_rows, bool) or not isinstance(weight_block_rows, int):
+        raise TypeError(f"{p}: weight_block_rows must be an int, got {weight_block_rows!r}")
+    check_tensors(p, scale=scale)
+    return quantize_weight_op(weight, recipe, fwd_dtype, power_2_scale, weight_block_rows,
+                              emulate, scale)  # fmt: skip
 
 
-@quantize_weight.register_fake
+@quantize_weight_op.register_fake
 def _quantize_weight_fake(weight, recipe, fwd_dtype, power_2_scale, weight_block_rows, emulate,
                           scale):  # fmt: skip
     check_recipe("te.quantize_weight: ", recipe, fwd_dtype, fwd_dtype, weight_block_rows, emulate,

@@ -108,6 +108,7 @@ from te_compile.functional.gemm import (
     check_nvfp4_options,
     check_recipe,
     check_weight_operand,
+    check_weight_quantized,
     delayed_on_cuda,
     empty,
     gemm,
@@ -1256,11 +1257,7 @@ def linear(
     (ValueError), nor with a norm prologue. In high precision the input is what is saved
     anyway.
     """
-    if weight_quantized is not None and len(weight_quantized) != len(WEIGHT_OPERAND):
-        raise ValueError(
-            f"te.linear: weight_quantized must be the {len(WEIGHT_OPERAND)} tensors "
-            f"{WEIGHT_OPERAND} of quantize_weight, got {len(weight_quantized)}"
-        )
+    check_weight_quantized("te.linear", "weight_quantized", weight_quantized)
     args = (inp, weight, bias, main_grad)
     if not (
         isinstance(inp, Tensor) and isinstance(weight, Tensor)

@@ -66,6 +66,7 @@ from te_compile.functional.gemm import (
     check_gemm_args,
     check_recipe,
     check_weight_operand,
+    check_weight_quantized,
     delayed_on_cuda,
     empty,
     gemm,
@@ -797,11 +798,7 @@ def mlp(
     pre = []
     for name, q in (("fc1_weight_quantized", fc1_weight_quantized),
                     ("fc2_weight_quantized", fc2_weight_quantized)):  # fmt: skip
-        if q is not None and len(q) != len(WEIGHT_OPERAND):
-            raise ValueError(
-                f"te.mlp: {name} must be the {len(WEIGHT_OPERAND)} tensors {WEIGHT_OPERAND} of "
-                f"quantize_weight, got {len(q)}"
-            )
+        check_weight_quantized("te.mlp", name, q)
         pre += list(q) if q is not None else [None] * len(WEIGHT_OPERAND)
     check_bool(
         "te.mlp", power_2_scale=power_2_scale, emulate=emulate,

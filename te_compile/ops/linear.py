@@ -125,6 +125,11 @@ class BasicLinear(BasicOperation):
         refuse_primary("te.ops.BasicLinear")  # no FP8 primary weights in the fusible ops
         _check_size("BasicLinear", in_features=in_features, out_features=out_features)
         check_bool("BasicLinear", accumulate_into_main_grad=accumulate_into_main_grad)
+        if userbuffers_options is not None and not isinstance(userbuffers_options, dict):
+            raise TypeError(
+                "BasicLinear: userbuffers_options must be None (a dict of options is not "
+                f"implemented), got {userbuffers_options!r}"
+            )
         if userbuffers_options is not None:
             raise NotImplementedError(
                 "BasicLinear: userbuffers_options must be None (no userbuffers comm-GEMM "
@@ -414,6 +419,7 @@ class Linear(FusibleOperation):
             super().__setattr__(name, value)
 
     def forward(self, input: Tensor) -> Tensor:
+        check_input("Linear", input, self.in_features)
         bias = self.bias
         if bias is not None and bias.dtype != self.weight.dtype:  # the add promotes
             x, _ = self.basic_ops[0].op_forward(input, ())

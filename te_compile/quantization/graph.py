@@ -50,6 +50,7 @@ the next call's forward replays the same graph (the backward of an earlier call 
 from __future__ import annotations
 
 import gc
+import reprlib
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -139,7 +140,7 @@ def make_graphed_callables(
     Returns the graphed callable, or a tuple of them when ``modules`` is a tuple.
     """
     given = locals()
-    resolved = _resolve_renamed(given)
+    resolved, spelled = _resolve_renamed(given)
     enabled, calibrating = resolved["enabled"], resolved["calibrating"]
     recipe, group = resolved["recipe"], resolved["amax_reduction_group"]
     cache_quantized_params = resolved["cache_quantized_params"]
@@ -157,6 +158,11 @@ def make_graphed_callables(
         raise NotImplementedError(
             f"{_NAME}: _reuse_graph_input_output_buffers=True is not implemented (every forward "
             "pass keeps its own input and output buffers); pass False"
+        )
+    if capture_time_hooks is not None and not isinstance(capture_time_hooks, list):
+        raise TypeError(
+            f"{_NAME}: capture_time_hooks must be None (a list of hook dicts is not "
+            f"implemented), got {capture_time_hooks!r}"
         )
     if capture_time_hooks is not None:
         raise NotImplementedError(
@@ -177,32 +183,36 @@ def make_graphed_callables(
     for kwargs in kwargs_list:
         for key in kwargs:
             if not isinstance(key, str):
-                raise TypeError(f"{_NAME}: sample_kwargs keys must be strings, got {key!r}")
+                raise TypeError(
+                    f"{_NAME}: sample_kwargs keys must be strings, got {key!r} in "
+                    f"{reprlib.repr(kwargs)}"
+                )
     _check_int("num_warmup_iters", num_warmup_iters)
     for name, value in (
         ("allow_unused_input", allow_unused_input),
         ("retain_graph_in_backward", retain_graph_in_backward),
         ("_clone_param_grads_on_return", _clone_param_grads_on_return),
-        ("calibrating", calibrating),
-        ("cache_quantized_params", cache_quantized_params),
+        (spelled["calibrating"], calibrating),
+        (spelled["cache_quantized_params"], cache_quantized_params),
     ):
         if not isinstance(value, bool):
             raise TypeError(f"{_NAME}: {name} must be a bool, got {value!r}")
-    enabled_list = _check_enabled(enabled, single, n)
+    enabled_list = _check_enabled(spelled["enabled"], enabled, single, n)
     if recipe is not None and not isinstance(recipe, Recipe):
         raise TypeError(
-            f"{_NAME}: recipe must be a Recipe (e.g. DelayedScaling()) or None, got {recipe!r}"
+            f"{_NAME}: {spelled['recipe']} must be a Recipe (e.g. DelayedScaling()) or None, got "
+            f"{recipe!r}"
         )
     if group is not None and not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
         raise TypeError(
-            f"{_NAME}: amax_reduction_group must be a torch.distributed.ProcessGroup or None, "
-            f"got {group!r}"
+            f"{_NAME}: {spelled['amax_reduction_group']} must be a torch.distributed.ProcessGroup "
+            f"or None, got {group!r}"
         )
     if cache_quantized_params:
         raise NotImplementedError(
-            f"{_NAME}: cache_quantized_params=True (fp8_weight_caching) is not implemented: "
-            "te_compile modules keep no FP8 weight cache across micro-batches (their forward "
-            "takes no is_first_microbatch); pass False"
+            f"{_NAME}: {spelled['cache_quantized_params']}=True is not implemented (the "
+            "graphed callables do not pass is_first_microbatch to the modules, so no FP8 weight "
+            "is kept across micro-batches in the graphs); pass False"
         )
     if pool is not None and not (isinstance(pool, tuple) and all(isinstance(p, int) for p in pool)):
         raise TypeError(
@@ -258,10 +268,13 @@ def make_graphed_callables(
     return graphed[0] if single else tuple(graphed)
 
 
-def _resolve_renamed(given: dict[str, Any]) -> dict[str, Any]:
+def _resolve_renamed(given: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The values under their new names, and each new name as the caller spelled it (the
+    deprecated name where that was given), for the messages."""
     defaults = {"enabled": False, "calibrating": False, "cache_quantized_params": False}
-    out = {}
+    out, spelled = {}, {}
     for old, new in _RENAMED:
+        spelled[new] = new
         value = given[new]
         if given[old] is not None:
             if value is not None:
@@ -273,8 +286,9 @@ def _resolve_renamed(given: dict[str, Any]) -> dict[str, Any]:
                 f"{_NAME}: {old} is deprecated, use {new}", DeprecationWarning, stacklevel=3
             )
             value = given[old]
+            spelled[new] = old
         out[new] = defaults.get(new) if value is None else value
-    return out
+    return out, spelled
 
 
 def _check_callables(callables: tuple, modules: Any) -> None:
@@ -324,7 +338,7 @@ def _per_callable(
         if not isinstance(value, kinds):
             raise TypeError(
                 f"{_NAME}: {name} must be a {' or '.join(k.__name__ for k in kinds)} for one "
-                f"callable, got {type(value).__name__}"
+                f"callable, got {reprlib.repr(value)}"
             )
         return [value]
     if not isinstance(value, (tuple, list)) or len(value) != n:
@@ -335,7 +349,7 @@ def _per_callable(
         if not isinstance(v, kinds):
             raise TypeError(
                 f"{_NAME}: each entry of {name} must be a "
-                f"{' or '.join(k.__name__ for k in kinds)}, got {type(v).__name__}"
+                f"{' or '.join(k.__name__ for k in kinds)}, got {reprlib.repr(v)}"
             )
     return list(value)
 
@@ -345,14 +359,14 @@ def _check_int(name: str, value: Any) -> None:
         raise ValueError(f"{_NAME}: {name} must be an int >= 0, got {value!r}")
 
 
-def _check_enabled(enabled: Any, single: bool, n: int) -> list[bool]:
+def _check_enabled(name: str, enabled: Any, single: bool, n: int) -> list[bool]:
     if isinstance(enabled, bool):
         return [enabled] * n
     if not isinstance(enabled, tuple) or not all(isinstance(e, bool) for e in enabled):
-        raise TypeError(f"{_NAME}: enabled must be a bool or a tuple of bools, got {enabled!r}")
+        raise TypeError(f"{_NAME}: {name} must be a bool or a tuple of bools, got {enabled!r}")
     if len(enabled) != n:
         raise ValueError(
-            f"{_NAME}: enabled must have one entry per callable ({n}), got {len(enabled)}"
+            f"{_NAME}: {name} must have one entry per callable ({n}), got {len(enabled)}"
         )
     return list(enabled)
 

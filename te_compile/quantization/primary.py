@@ -204,6 +204,8 @@ class FP8MasterWeights:
     trained as usual; ``step(optimizer)``: one optimizer step and the FP8 refresh."""
 
     def __init__(self, model: nn.Module) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"te.FP8MasterWeights: model must be a torch.nn.Module, got {model!r}")
         self._entries: list[tuple[nn.Module, str, nn.Parameter]] = []
         self._others: list[nn.Parameter] = []
         seen: set[int] = set()

@@ -189,6 +189,17 @@ COMMON: dict[str, Domain] = {
     "input": TENSOR(),
     "training": SWITCH(),
     "power_2_scale": SWITCH(),
+    "delay_wgrad_compute": SWITCH(),
+    "save_original_input": SWITCH(),
+    "rng_tracker_name": Domain("str or None", (3, True)),
+    "is_first_microbatch": Domain("bool or None", ("yes", 1)),
+    "cache_quantized_input": SWITCH(),
+    "in_place": SWITCH(),
+    "tensor_parallel_mode": CHOICE("column", "row", None),
+    "tensor_parallel_group": ANY("a process group; torch.distributed checks it"),
+    "tensor_parallel": SWITCH(),
+    "rng_state_tracker_function": CALLABLE(),
+    "activation_recompute_in_mlp": SWITCH(),
 }
 
 _QKV_FORMAT = CHOICE("sbhd", "bshd", "thd")
@@ -263,9 +274,18 @@ _GEMM_RECIPE_ARGS = {
     "return_amax": SWITCH(),
     "norm_eps": POS_FLOAT(),
     "normalization": CHOICE("", "LayerNorm", "RMSNorm"),
+    "delay_wgrad": SWITCH(),
 }
+_WEIGHT_QUANTIZED = Domain("the tensors of te.functional.quantize_weight, or None", (3, "w", [1]))
 _GLU_FN = {"inp": TENSOR(LAST)}
 _ACT_FN = {"inp": ANY_RANK_TENSOR()}
+
+_INIT = {
+    "enabled": SWITCH(),
+    "recipe": _FP8_RECIPE,
+    "preserve_high_precision_init_val": SWITCH(),
+}
+_FUSION = {"op_fusion_func": CALLABLE(), "prepend": SWITCH()}
 
 DOMAINS: dict[str, dict[str, Domain]] = {
     # modules: constructors
@@ -371,6 +391,36 @@ DOMAINS: dict[str, dict[str, Domain]] = {
         "dtypes": Domain("sequence of dtypes", (3, ["float32"])),
         "alignments": Domain("ints, powers of two", ([3], [0], ["8"])),
         "zero": SWITCH(),
+    },
+    "te.quantized_model_init": _INIT,
+    "te.fp8_model_init": _INIT,
+    "te.FP8MasterWeights": {"model": Domain("an nn.Module with FP8 primary weights", (3, "model"))},
+    "te.make_graphed_callables": {
+        "modules": Domain("a callable or a tuple of callables", (3, (3,))),
+        "sample_args": Domain("a tuple of arguments, or one per callable", (3, "x")),
+        "num_warmup_iters": NONNEG_INT(),
+        "allow_unused_input": SWITCH(),
+        "sample_kwargs": Domain("a dict, one per callable, or None", (3, "x", {1: 2})),
+        "fp8_enabled": Domain("bool, one per callable, or None", ("yes", 1)),
+        "fp8_calibrating": Domain("bool or None", ("yes", 1)),
+        "fp8_recipe": _FP8_RECIPE,
+        "fp8_group": ANY("a process group; torch.distributed checks it"),
+        "fp8_weight_caching": Domain("bool or None", ("yes", 1)),
+        "enabled": Domain("bool, one per callable, or None", ("yes", 1)),
+        "calibrating": Domain("bool or None", ("yes", 1)),
+        "recipe": _FP8_RECIPE,
+        "amax_reduction_group": ANY("a process group; torch.distributed checks it"),
+        "cache_quantized_params": Domain("bool or None", ("yes", 1)),
+        "_order": Domain("list of non-zero ints or None", (3, ["a"])),
+        "_num_layers_per_chunk": Domain("list of ints > 0 or None", (3, ["a"], [0])),
+        "pool": Domain("a graph pool handle or None", (3, "x")),
+        "retain_graph_in_backward": SWITCH(),
+        "_reuse_graph_input_output_buffers": SWITCH(),
+        "_clone_param_grads_on_return": SWITCH(),
+        "pre_warmup_hook": CALLABLE(),
+        "post_warmup_hook": CALLABLE(),
+        "capture_time_hooks": Domain("None (a list of hook dicts: not implemented)", (3, "x")),
+        "capture_stream": Domain("a torch.cuda.Stream or None", (3, "x")),
     },
     "te.set_eager_fast_path": {"enabled": SWITCH()},
     "te.is_bf16_available": {"return_reason": SWITCH()},
@@ -517,6 +567,11 @@ DOMAINS: dict[str, dict[str, Domain]] = {
         "residual": TENSOR(LAST),
         "out_scale": FINITE_FLOAT(),
         "return_branch": SWITCH(),
+        "rht": SWITCH(),
+        "stochastic_rounding": SWITCH(),
+        "rng_state": INDEX_TENSOR(),
+        "row_scaled": SWITCH(),
+        "weight_quantized": _WEIGHT_QUANTIZED,
     },
     "te.functional.mlp": {
         "inp": TENSOR(LAST),
@@ -532,6 +587,17 @@ DOMAINS: dict[str, dict[str, Domain]] = {
         "grad_amax2": TENSOR(),
         "norm_weight": TENSOR(LAST),
         "norm_bias": TENSOR(LAST),
+        "fc1_weight_quantized": _WEIGHT_QUANTIZED,
+        "fc2_weight_quantized": _WEIGHT_QUANTIZED,
+    },
+    "te.functional.quantize_weight": {
+        "weight": TENSOR(EXTRA),
+        "recipe": CHOICE("current", "delayed", "block", "mxfp8", "nvfp4"),
+        "fwd_dtype": CHOICE(torch.float8_e4m3fn, torch.float8_e5m2),
+        "power_2_scale": SWITCH(),
+        "weight_block_rows": CHOICE(1, 128),
+        "emulate": SWITCH(),
+        "scale": TENSOR(),
     },
     "te.functional.rotary_frequencies": {
         "inv_freq": TENSOR(EXTRA),
@@ -545,8 +611,19 @@ DOMAINS: dict[str, dict[str, Domain]] = {
         "in_features": POS_INT(),
         "out_features": POS_INT(),
         "accumulate_into_main_grad": SWITCH(),
+        "userbuffers_options": Domain(
+            "None or a dict (Userbuffers overlap: not implemented)", (3, "x")
+        ),
+    },
+    "te.ops.Linear": {
+        "in_features": POS_INT(),
+        "out_features": POS_INT(),
+        "accumulate_into_main_grad": SWITCH(),
     },
     "te.ops.Bias": {"size": POS_INT()},
+    "te.ops.register_forward_fusion": _FUSION,
+    "te.ops.register_backward_fusion": _FUSION,
+    "te.ops.register_forward_backward_fusion": _FUSION,
     "te.ops.GroupedLinear": {
         "num_groups": POS_INT(),
         "in_features": POS_INT(),
@@ -588,6 +665,10 @@ DOMAINS: dict[str, dict[str, Domain]] = {
         "disable_rht": SWITCH(),
         "disable_stochastic_rounding": SWITCH(),
         "disable_2d_quantization": SWITCH(),
+        "row_scaled_activation": SWITCH(),
+        "nvfp4_4over6": CHOICE("none", "weights", "activations", "all"),
+        "nvfp4_4over6_e4m3_use_256": CHOICE("none", "weights", "activations", "all"),
+        "nvfp4_4over6_err_mode": CHOICE("MAE", "MSE"),
         "fp4_format": CHOICE("Format.E2M1"),
     },
     "te.recipe.MMParams": {"use_split_accumulator": SWITCH()},
