@@ -623,7 +623,11 @@ def _setup_context(ctx, inputs, output) -> None:
     if a.recipe in PER_TENSOR and _measured(a.recipe, a.grad_amax):
         saved = saved[:-1]  # the amaxes: for the caller
     tensors, ctx.scalars = _for_backward(a, saved)
-    ctx.save_for_backward(*tensors, a.wgrad_stash)
+    # main_grad and grad_amax, which the backward writes into, are kept out of autograd's saved
+    # tensors (its version check would refuse a second forward's backward once the first
+    # backward wrote them: pipeline schedules; te.linear's _save says more).
+    ctx.written = (tensors[3], tensors[5])
+    ctx.save_for_backward(*tensors[:3], None, tensors[4], None, *tensors[6:], a.wgrad_stash)
     ctx.has_bias = a.bias is not None
 
 
@@ -640,7 +644,8 @@ def _for_backward(a: _Args, saved: list[Tensor]) -> tuple[tuple, tuple]:
 
 
 def _backward(ctx, bwd, grad_out, _grad_saved):
-    inp, m_splits, weight, main_grad, scale, grad_amax, *saved, stash = ctx.saved_tensors
+    inp, m_splits, weight, _, scale, _, *saved, stash = ctx.saved_tensors
+    main_grad, grad_amax = ctx.written
     need = ctx.needs_input_grad
     need_dgrad, need_wgrad = need[0], need[2]
     has_bias = ctx.has_bias and need[3]

@@ -925,16 +925,30 @@ def _setup_context(ctx, inputs, output) -> None:
         inp, weight, bias, main_grad = inputs
         ctx.mark_non_differentiable(output[1])  # no branch: no gradient to make for it
         # (inp, weight, bias, main_grad, scale, grad_amax, norm_weight, rng_state, stash)
-        ctx.save_for_backward(inp, weight, None, main_grad, None, None, None, None, None)
+        _save(ctx, (inp, weight, None, main_grad, None, None, None, None, None))
         ctx.scalars, ctx.has_bias, ctx.branch = _PLAIN_SCALARS, bias is not None, False
         return
     a = _Args(*inputs)
     _out, branch, saved = output
     ctx.mark_non_differentiable(*saved, *(() if a.branch else (branch,)))
     tensors, ctx.scalars = _for_backward(a, saved)
-    ctx.save_for_backward(*tensors, a.wgrad_stash)
+    _save(ctx, (*tensors, a.wgrad_stash))
     ctx.has_bias, ctx.branch = a.bias is not None, a.branch
     ctx.fp8_weight = a.weight.dtype in FP8_DTYPES and a.main_grad is None
+
+
+# Positions of main_grad and grad_amax in the backward's tensors (_for_backward).
+_WRITTEN = (3, 5)
+
+
+def _save(ctx, tensors: tuple) -> None:
+    """``ctx.save_for_backward`` of the backward's tensors, but for the two the backward writes
+    into (``main_grad``, ``grad_amax``): those are kept as ``ctx.written``. They are the caller's
+    accumulators, not values of this forward, and autograd's version check would refuse the
+    backward of a second forward (pipeline schedules: forward, forward, backward, backward)
+    once the first backward has written them."""
+    ctx.written = tuple(tensors[i] for i in _WRITTEN)
+    ctx.save_for_backward(*(None if i in _WRITTEN else t for i, t in enumerate(tensors)))
 
 
 def _for_backward(a: _Args, saved: list[Tensor]) -> tuple[tuple, tuple]:
@@ -974,9 +988,8 @@ def _for_backward(a: _Args, saved: list[Tensor]) -> tuple[tuple, tuple]:
 
 
 def _backward(ctx, bwd, grad, grad_branch, _grad_saved):
-    inp, weight, bias, main_grad, scale, grad_amax, norm_weight, rng_state, *saved, stash = (
-        ctx.saved_tensors
-    )
+    inp, weight, bias, _, scale, _, norm_weight, rng_state, *saved, stash = ctx.saved_tensors
+    main_grad, grad_amax = ctx.written
     need = ctx.needs_input_grad
     if need[1] and getattr(ctx, "fp8_weight", False):
         raise RuntimeError(

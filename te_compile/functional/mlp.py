@@ -622,9 +622,13 @@ def _setup_context(ctx, inputs, output) -> None:
     if q2[0] is not None:
         saved[7:7] = [q2[2], q2[3]]
     hp, normed = not a.recipe, bool(a.normalization)
+    # The gradient amax buffers, which the backward writes into, are kept out of autograd's
+    # saved tensors (its version check would refuse a second forward's backward once the first
+    # backward wrote them: pipeline schedules; te.linear's _save says more).
+    ctx.written = (a.grad_amax1, a.grad_amax2)
     ctx.save_for_backward(
         a.inp if hp or normed else None, a.fc1_weight if hp else None, a.fc1_bias,
-        a.fc2_weight if hp else None, a.scale1, a.scale2, a.grad_amax1, a.grad_amax2,
+        a.fc2_weight if hp else None, a.scale1, a.scale2, None, None,
         a.norm_weight if normed else None, *saved,
     )  # fmt: skip
     ctx.scalars = (
@@ -636,7 +640,8 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, bwd, grad, _grad_saved):
-    inp, w1, b1, w2, s1, s2, ga1, ga2, norm_weight, *saved = ctx.saved_tensors
+    inp, w1, b1, w2, s1, s2, _, _, norm_weight, *saved = ctx.saved_tensors
+    ga1, ga2 = ctx.written
     need = ctx.needs_input_grad
     normalization = ctx.scalars[7]
     need_norm = bool(normalization) and any(need[_NORM_WEIGHT : _NORM_WEIGHT + 2])
