@@ -274,6 +274,12 @@ def check_nvfp4_options(
         )
 
 
+def _is_int(value: object) -> bool:
+    """An int (or a symbolic one: torch.compile with dynamic shapes traces int arguments as
+    SymInts), not a bool."""
+    return isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool)
+
+
 def recipe_args_not_default(
     fwd_dtype: object,
     bwd_dtype: object,
@@ -312,7 +318,7 @@ def check_gemm_args(
             raise ValueError(
                 f"{owner}: {name} must be one of the FP8 dtypes {FP8_DTYPES}, got {value!r}"
             )
-    if type(weight_block_rows) is not int or weight_block_rows not in (1, 16, 128):
+    if not _is_int(weight_block_rows) or weight_block_rows not in (1, 16, 128):
         raise ValueError(
             f"{owner}: weight_block_rows must be 1 (1x128 blocks), 128 (128x128) or 16 (NVFP4's "
             f"16x16 tiles), got {weight_block_rows!r}"
@@ -341,7 +347,7 @@ def blockwise_supported(
     for name, value in (("fwd_dtype", fwd_dtype), ("bwd_dtype", bwd_dtype)):
         if value not in FP8_DTYPES:
             raise ValueError(f"{p}: {name} must be one of {FP8_DTYPES}, got {value!r}")
-    if type(weight_block_rows) is not int or weight_block_rows not in (1, 128):
+    if not _is_int(weight_block_rows) or weight_block_rows not in (1, 128):
         raise ValueError(f"{p}: weight_block_rows must be 1 or 128, got {weight_block_rows!r}")
     return fwd_dtype == bwd_dtype == _BLOCKWISE_FP8 and (
         weight_block_rows == 1 or (weight.shape[-2] % 512 == 0 and weight.shape[-1] % 512 == 0)
