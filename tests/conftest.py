@@ -21,6 +21,12 @@ def pytest_addoption(parser):
         help="hypothesis profile of tests/test_fuzz.py: ci (seeded, few cases) or full "
         "(200 random cases per module and function)",
     )
+    parser.addoption(
+        "--long-runs",
+        action="store_true",
+        help="tests/test_long_run.py under every recipe (default: the per-tensor recipes, whose "
+        "scaling state evolves over the run; the emulated block-scaled ones take minutes)",
+    )
 
 
 def pytest_configure(config):
