@@ -207,7 +207,7 @@ class BasicLinear(BasicOperation):
         return self.tp.linear("BasicLinear", run, x, bias)[0]
 
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
-        check_input("BasicLinear", x, self.in_features)
+        check_input("BasicLinear", x, self.local_in_features)  # this rank's features
         return self.linear(x, None), ()
 
     def extra_repr(self) -> str:
@@ -419,7 +419,7 @@ class Linear(FusibleOperation):
             super().__setattr__(name, value)
 
     def forward(self, input: Tensor) -> Tensor:
-        check_input("Linear", input, self.in_features)
+        check_input("Linear", input, self.basic_ops[0].local_in_features)
         bias = self.bias
         if bias is not None and bias.dtype != self.weight.dtype:  # the add promotes
             x, _ = self.basic_ops[0].op_forward(input, ())
