@@ -841,18 +841,8 @@ def test_cpu_samples_refused():
         te.make_graphed_callables(_lin(), (_x(),))
 
 
-_TWO_FORWARDS_DELAYED = pytest.mark.xfail(
-    strict=True,
-    reason="known bug: under DelayedScaling a module's second forward before the first "
-    "backward fails autograd's version check (the backward writes grad_amax, a buffer both "
-    "forwards saved)",
-)
-
-
 @requires_cuda
-@pytest.mark.parametrize(
-    "recipe_name", ["bf16", pytest.param("delayed", marks=_TWO_FORWARDS_DELAYED)]
-)
+@pytest.mark.parametrize("recipe_name", ["bf16", "delayed"])
 def test_interleaved_pipeline_order(recipe_name):
     """``_order``: a two-chunk pipeline (chunk 1 a Linear, chunk 2 a LayerNormMLP) with two
     micro-batches, run in the schedule's order, gives the eager layers' outputs and gradients
