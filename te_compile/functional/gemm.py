@@ -47,7 +47,7 @@ class (``docs/op_mechanism.md``, "Adding a recipe").
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -106,6 +106,7 @@ __all__ = [
     "quantize_per_tensor",
     "quantize_weight",
     "quantized_linear_ref",
+    "save_for_backward_except_written",
     "scale_slots",
     "unpad",
     "weight_operand",
@@ -955,3 +956,26 @@ class DeferredWgrad(NamedTuple):
     def compute(self) -> Tensor | None:
         """The weight gradient, or None where it was accumulated into ``main_grad``."""
         return self.replay(self.stash)
+
+    @staticmethod
+    def check(owner: str, delay_wgrad: object) -> None:
+        """``delay_wgrad`` a bool, and eager: under ``torch.compile`` no tensor the backward
+        writes (the stash) can leave the compiled graph."""
+        check_bool(owner, delay_wgrad=delay_wgrad)
+        if torch.compiler.is_compiling():
+            raise NotImplementedError(
+                f"{owner}: delay_wgrad=True (delay_wgrad_compute) runs in eager mode only: the "
+                "backward stores the output gradient for backward_dw(), which a compiled "
+                "backward cannot hand out of its graph"
+            )
+
+
+def save_for_backward_except_written(ctx, tensors: Sequence[Tensor | None],
+                                     written: Sequence[int]) -> None:  # fmt: skip
+    """``ctx.save_for_backward(*tensors)`` but for those at positions ``written``, the buffers
+    the backward writes into (``main_grad``, a delayed-scaling gradient amax): they are kept as
+    ``ctx.written``, in order. They are the caller's accumulators, not values of this forward,
+    and autograd's version check would refuse the backward of a second forward (pipeline
+    schedules: forward, forward, backward, backward) once the first backward wrote them."""
+    ctx.written = tuple(tensors[i] for i in written)
+    ctx.save_for_backward(*(None if i in written else t for i, t in enumerate(tensors)))

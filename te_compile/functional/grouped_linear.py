@@ -64,6 +64,7 @@ from te_compile.functional.gemm import (
     quantize_per_tensor,
     quantized_linear_ref,
     recipe_args_not_default,
+    save_for_backward_except_written,
 )
 from te_compile.functional.grouped_fp8 import (
     as_e4m3,
@@ -623,11 +624,8 @@ def _setup_context(ctx, inputs, output) -> None:
     if a.recipe in PER_TENSOR and _measured(a.recipe, a.grad_amax):
         saved = saved[:-1]  # the amaxes: for the caller
     tensors, ctx.scalars = _for_backward(a, saved)
-    # main_grad and grad_amax, which the backward writes into, are kept out of autograd's saved
-    # tensors (its version check would refuse a second forward's backward once the first
-    # backward wrote them: pipeline schedules; te.linear's _save says more).
-    ctx.written = (tensors[3], tensors[5])
-    ctx.save_for_backward(*tensors[:3], None, tensors[4], None, *tensors[6:], a.wgrad_stash)
+    # main_grad and grad_amax (positions 3 and 5): written by the backward.
+    save_for_backward_except_written(ctx, (*tensors, a.wgrad_stash), (3, 5))
     ctx.has_bias = a.bias is not None
 
 
@@ -794,13 +792,7 @@ def grouped_linear(
     args = (inp, as_splits_tensor(m_splits), weight, bias, main_grad)
     stash = None
     if delay_wgrad:
-        check_bool("te.grouped_linear", delay_wgrad=delay_wgrad)
-        if torch.compiler.is_compiling():
-            raise NotImplementedError(
-                "te.grouped_linear: delay_wgrad=True (delay_wgrad_compute) runs in eager mode "
-                "only: the backward stores the output gradient for backward_dw(), which a "
-                "compiled backward cannot hand out of its graph"
-            )
+        DeferredWgrad.check("te.grouped_linear", delay_wgrad)
         rows = inp.shape[0] if inp.dim() else 0
         stash = inp.new_empty(rows, weight.shape[1] if weight.dim() == 3 else 0)
     if save_original_input:

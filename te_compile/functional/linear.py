@@ -119,6 +119,7 @@ from te_compile.functional.gemm import (
     quantize_weight,
     quantized_linear_ref,
     recipe_args_not_default,
+    save_for_backward_except_written,
     scale_slots,
     unpad,
     weight_operand,
@@ -925,30 +926,23 @@ def _setup_context(ctx, inputs, output) -> None:
         inp, weight, bias, main_grad = inputs
         ctx.mark_non_differentiable(output[1])  # no branch: no gradient to make for it
         # (inp, weight, bias, main_grad, scale, grad_amax, norm_weight, rng_state, stash)
-        _save(ctx, (inp, weight, None, main_grad, None, None, None, None, None))
+        save_for_backward_except_written(
+            ctx, (inp, weight, None, main_grad, None, None, None, None, None), _WRITTEN
+        )
         ctx.scalars, ctx.has_bias, ctx.branch = _PLAIN_SCALARS, bias is not None, False
         return
     a = _Args(*inputs)
     _out, branch, saved = output
     ctx.mark_non_differentiable(*saved, *(() if a.branch else (branch,)))
     tensors, ctx.scalars = _for_backward(a, saved)
-    _save(ctx, (*tensors, a.wgrad_stash))
+    save_for_backward_except_written(ctx, (*tensors, a.wgrad_stash), _WRITTEN)
     ctx.has_bias, ctx.branch = a.bias is not None, a.branch
     ctx.fp8_weight = a.weight.dtype in FP8_DTYPES and a.main_grad is None
 
 
-# Positions of main_grad and grad_amax in the backward's tensors (_for_backward).
+# Positions of main_grad and grad_amax in the backward's tensors (_for_backward): the buffers
+# the backward writes into (functional.gemm.save_for_backward_except_written).
 _WRITTEN = (3, 5)
-
-
-def _save(ctx, tensors: tuple) -> None:
-    """``ctx.save_for_backward`` of the backward's tensors, but for the two the backward writes
-    into (``main_grad``, ``grad_amax``): those are kept as ``ctx.written``. They are the caller's
-    accumulators, not values of this forward, and autograd's version check would refuse the
-    backward of a second forward (pipeline schedules: forward, forward, backward, backward)
-    once the first backward has written them."""
-    ctx.written = tuple(tensors[i] for i in _WRITTEN)
-    ctx.save_for_backward(*(None if i in _WRITTEN else t for i, t in enumerate(tensors)))
 
 
 def _for_backward(a: _Args, saved: list[Tensor]) -> tuple[tuple, tuple]:
@@ -1283,13 +1277,7 @@ def linear(
         save_original_input = bool(recipe)  # high precision saves the input itself anyway
     stash = None
     if delay_wgrad:
-        check_bool("te.linear", delay_wgrad=delay_wgrad)
-        if torch.compiler.is_compiling():
-            raise NotImplementedError(
-                "te.linear: delay_wgrad=True (delay_wgrad_compute) runs in eager mode only: the "
-                "backward stores the output gradient for backward_dw(), which a compiled "
-                "backward cannot hand out of its graph"
-            )
+        DeferredWgrad.check("te.linear", delay_wgrad)
         n = weight.shape[0] if weight.dim() == 2 else 0
         stash = inp.new_empty((*inp.shape[:-1], _out_features(n, activation)))
     if (

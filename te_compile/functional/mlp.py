@@ -77,6 +77,7 @@ from te_compile.functional.gemm import (
     quantize_weight,
     quantized_linear_ref,
     recipe_args_not_default,
+    save_for_backward_except_written,
     scale_slots,
     unpad,
     weight_operand,
@@ -622,15 +623,13 @@ def _setup_context(ctx, inputs, output) -> None:
     if q2[0] is not None:
         saved[7:7] = [q2[2], q2[3]]
     hp, normed = not a.recipe, bool(a.normalization)
-    # The gradient amax buffers, which the backward writes into, are kept out of autograd's
-    # saved tensors (its version check would refuse a second forward's backward once the first
-    # backward wrote them: pipeline schedules; te.linear's _save says more).
-    ctx.written = (a.grad_amax1, a.grad_amax2)
-    ctx.save_for_backward(
+    tensors = (
         a.inp if hp or normed else None, a.fc1_weight if hp else None, a.fc1_bias,
-        a.fc2_weight if hp else None, a.scale1, a.scale2, None, None,
+        a.fc2_weight if hp else None, a.scale1, a.scale2, a.grad_amax1, a.grad_amax2,
         a.norm_weight if normed else None, *saved,
     )  # fmt: skip
+    # The gradient amax buffers (positions 6 and 7): written by the backward.
+    save_for_backward_except_written(ctx, tensors, (6, 7))
     ctx.scalars = (
         a.activation, a.recipe, a.fwd_dtype, a.bwd_dtype, a.power_2_scale, a.weight_block_rows,
         a.emulate, a.normalization, a.zero_centered_gamma, a.norm_bias is not None,
