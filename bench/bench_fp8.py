@@ -19,6 +19,10 @@ Rows, all ``torch.compile(fullgraph=True, dynamic=False)``, ratios against ``bf1
   LayerNormMLP's one-op path turned off (``quantization.gemm._FUSE_MLP = False``'s setting)
   around every call: linear, activation, linear, the
   activation written in bf16 between two quantisations (what the fused op saves);
+- with ``--primary-weights``, ``te FP8 current|delayed primary weights compiled``: the block built
+  inside ``te_compile.quantized_model_init(recipe=...)`` (FC1 / FC2 weights stored in FP8, no
+  weight cast per call; their gradients accumulate into fp32 ``main_grad``), against the row of
+  the same recipe with bf16 weights (cast every call; bf16 gradients);
 - ``torchao tensorwise|rowwise``: a copy of the PyTorch block converted with torchao's
   ``convert_to_float8_training(Float8LinearConfig.from_recipe_name(...))`` (skipped with a note
   when torchao is not importable).
@@ -30,6 +34,7 @@ the input gradient against ``bf16 torch compiled``.
 
     python -m bench.bench_fp8                        # CUDA, GELU
     python -m bench.bench_fp8 --activation swiglu --unfused
+    python -m bench.bench_fp8 --primary-weights     # + FP8 primary weights (current, delayed)
     python -m bench.bench_fp8 --smoke                # tiny shapes, runs on CPU
 """
 
@@ -75,6 +80,12 @@ TORCHAO_RECIPES = {AO_TENSORWISE: "tensorwise", AO_ROWWISE: "rowwise"}
 UNFUSED = {
     TE_CURRENT: "te FP8 current op-by-op compiled",
     TE_BLOCK: "te FP8 block op-by-op compiled",
+}
+
+# --primary-weights: the per-tensor recipes with FP8 primary weights.
+PRIMARY = {
+    TE_CURRENT: "te FP8 current primary weights compiled",
+    TE_DELAYED: "te FP8 delayed primary weights compiled",
 }
 
 # The issue's targets: (row, minimum speedup, over which row): t_row / t_against <= 1 / speedup.
@@ -192,16 +203,42 @@ def target_notes(result: harness.CaseResult) -> list[str]:
     return lines
 
 
+def _primary_module(new_te: Callable[[], nn.Module], recipe: Recipe, ref: TorchMLP):
+    """``new_te()`` built inside ``quantized_model_init(recipe)``, holding ``ref``'s weights
+    (the FP8 ones through their fp32 masters), and the masters (kept alive with it)."""
+    with te_compile.quantized_model_init(recipe=recipe):
+        te = new_te.__wrapped__()
+    masters = te_compile.FP8MasterWeights(te)
+    with torch.no_grad():
+        te.layer_norm_weight.copy_(ref.norm.weight)
+        te.layer_norm_bias.copy_(ref.norm.bias)
+        te.fc1_bias.copy_(ref.fc1.bias)
+        te.fc2_bias.copy_(ref.fc2.bias)
+        fc1, fc2 = masters.parameters()
+        fc1.copy_(ref.fc1.weight)
+        fc2.copy_(ref.fc2.weight)
+    masters.refresh()
+    return te, masters
+
+
 def run_case(
-    activation: str, t: int, d: int, f: int, *, device, timing, unfused: bool = False
+    activation: str,
+    t: int,
+    d: int,
+    f: int,
+    *,
+    device,
+    timing,
+    unfused: bool = False,
+    primary_weights: bool = False,
 ) -> harness.CaseResult:
     torch._dynamo.reset()
     torch.manual_seed(0)
     dtype = torch.bfloat16
     ref = TorchMLP(d, f, activation, device, dtype)
 
-    def new_te() -> nn.Module:
-        te = te_compile.LayerNormMLP(
+    def build() -> nn.Module:
+        return te_compile.LayerNormMLP(
             d,
             f,
             activation=activation,
@@ -209,8 +246,13 @@ def run_case(
             params_dtype=dtype,
             device=device,
         )
+
+    def new_te() -> nn.Module:
+        te = build()
         _copy_weights(te, ref)
         return te
+
+    new_te.__wrapped__ = build
 
     x = torch.randn(t, d, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn(t, d, device=device, dtype=dtype)
@@ -227,6 +269,11 @@ def run_case(
         te = new_te()
         call = _under_autocast(TE_RECIPES[name](), torch.compile(te, **kw))
         modules[row] = (harness.with_setting(gemm, "_FUSE_MLP", False, call), te)
+    keep_alive = []
+    for name, row in PRIMARY.items() if primary_weights else ():
+        te, masters = _primary_module(new_te, TE_RECIPES[name](), ref)
+        keep_alive.append(masters)
+        modules[row] = (_under_autocast(TE_RECIPES[name](), torch.compile(te, **kw)), te)
     ao_modules, ao_note = _torchao_modules(ref, kw)
     modules.update(ao_modules)
     fp8_rows = [n for n in modules if n not in (BF16_TORCH, BF16_TE)]
@@ -261,7 +308,7 @@ def run_case(
     }
     result = harness.run_case(case, competitors, device=device, notes=notes, **timing)
     result.notes[:0] = target_notes(result)
-    del competitors, modules
+    del competitors, modules, keep_alive
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return result
@@ -277,6 +324,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--unfused", action="store_true", help="also the op-by-op FP8 block (current, block)"
     )
+    parser.add_argument(
+        "--primary-weights",
+        action="store_true",
+        help="also the per-tensor recipes with FP8 primary weights (quantized_model_init)",
+    )
     args, device, timing, report = harness.start(
         parser, argv, "bench_fp8", full_timing=harness.GEMM_TIMING
     )
@@ -288,7 +340,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError:
         report.metadata["torchao"] = None
     report.add(
-        run_case(args.activation, t, d, f, device=device, timing=timing, unfused=args.unfused)
+        run_case(
+            args.activation,
+            t,
+            d,
+            f,
+            device=device,
+            timing=timing,
+            unfused=args.unfused,
+            primary_weights=args.primary_weights,
+        )
     )
     report.finish(harness.resolve_out_dir(args, report.metadata), chart=not args.no_chart)
     return 0

@@ -13,7 +13,8 @@
 # tune_norm, tune_rotary, tune_quantize[:part], tune_group_columns;
 # rope (bench_rope) and moe (bench_moe, MoE token routing), not in the default list.
 # Each step writes one log under $OUT (a bench step also its .md/.json, --no-chart), packed into
-# $OUT/results.tgz. Carry `.whl` (expecttest, liger-kernel, torchao, pytest-xdist + execnet: not
+# $OUT/results.tgz. long_runs: tests/test_long_run.py's GPU test (the demo 2,000 steps per native
+# FP8 recipe against bf16; minutes). Carry `.whl` (expecttest, liger-kernel, torchao, pytest-xdist + execnet: not
 # on the GPU image; bench/README.md). Not in the default list: block (bench_block, the
 # transformer block step; one size per call, BENCH_ARGS="--size h1024", or the
 # te.TransformerLayer stack: BENCH_ARGS="--arch layer --size l4096"), tp (bench_tp, needs 2
@@ -55,6 +56,10 @@ for step in "${steps[@]}"; do
         | tee "$OUT/tests_${part//\//_}.log" | tail -25 ;;
     demo) timeout 240 python3 examples/train_gpt.py 2>&1 | tr '\r' '\n' | grep -v "it/s\]$" \
             | tee "$OUT/demo.log" | tail -12 ;;
+    long_runs)  # the GPU test of tests/test_long_run.py: the demo 2,000 steps per native recipe
+                # next to bf16, one process each (no xdist: -s shows the losses)
+      python3 -m pytest -q -rf -s -p no:cacheprovider tests/test_long_run.py --long-runs -k gpu 2>&1 \
+        | tee "$OUT/long_runs.log" | tail -25 ;;
     fp8_loss)  # examples/train_gpt.py 300 steps per native recipe, run side by side,
                # with bf16 parameters and with fp32 master weights + bf16 autocast ("amp")
       runs=()

@@ -423,6 +423,8 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     first_step_s = 0.0
     timed_tokens, timed_s = 0, 0.0
+    # Non-finite training losses, counted on the device (no host sync per step).
+    non_finite = torch.zeros((), dtype=torch.int64, device=device)
     progress = tqdm(range(args.steps), desc="train", unit="step", dynamic_ncols=True)
     for step in progress:
         t0 = time.perf_counter()
@@ -433,6 +435,7 @@ def main(argv=None) -> int:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        non_finite += ~loss.detach().isfinite()
         # Reading the loss synchronises the device, so only do it every few steps.
         if step % 10 == 0 or step == args.steps - 1:
             loss_value = loss.item()
@@ -464,11 +467,18 @@ def main(argv=None) -> int:
     tok_s = timed_tokens / timed_s if timed_s else 0.0
     print(f"throughput:        {tok_s:,.0f} tokens/s (after the first step)")
     print(f"total wall time:   {time.perf_counter() - wall_start:.1f} s (since main() started)")
+    non_finite_losses = int(non_finite)
+    bad_amaxes = te_compile.non_finite_amaxes(model)
+    print(f"non-finite losses: {non_finite_losses} of {args.steps} steps")
+    print(f"non-finite amaxes: {bad_amaxes or 'none'}")
     if graph_breaks is None:
         print("graph breaks:      n/a (--no-compile)")
     else:
         print(f"graph breaks:      {graph_breaks}")
 
+    if non_finite_losses or bad_amaxes:
+        print("FAILED: a non-finite training loss or amax", file=sys.stderr)
+        return 1
     if not final_loss < initial_loss:
         print("FAILED: the loss did not fall", file=sys.stderr)
         return 1
