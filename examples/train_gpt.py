@@ -425,6 +425,9 @@ def main(argv=None) -> int:
     timed_tokens, timed_s = 0, 0.0
     # Non-finite training losses, counted on the device (no host sync per step).
     non_finite = torch.zeros((), dtype=torch.int64, device=device)
+    # The mean training loss over the last steps (up to 100), also kept on the device.
+    tail = min(100, args.steps)
+    tail_loss = torch.zeros((), dtype=torch.float32, device=device)
     progress = tqdm(range(args.steps), desc="train", unit="step", dynamic_ncols=True)
     for step in progress:
         t0 = time.perf_counter()
@@ -436,6 +439,8 @@ def main(argv=None) -> int:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         non_finite += ~loss.detach().isfinite()
+        if step >= args.steps - tail:
+            tail_loss += loss.detach().float() / tail
         # Reading the loss synchronises the device, so only do it every few steps.
         if step % 10 == 0 or step == args.steps - 1:
             loss_value = loss.item()
@@ -462,6 +467,7 @@ def main(argv=None) -> int:
     print(f"\nsample:\n{text}\n")
     print(f"initial val loss:  {initial_loss:.4f}")
     print(f"final val loss:    {final_loss:.4f}")
+    print(f"final train loss:  {float(tail_loss):.4f} (mean of the last {tail} steps)")
     first = "first step, including compilation" if not args.no_compile else "first step"
     print(f"training time:     {train_s:.1f} s ({first}: {first_step_s:.1f} s)")
     tok_s = timed_tokens / timed_s if timed_s else 0.0

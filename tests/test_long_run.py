@@ -94,11 +94,14 @@ def test_300_steps_stay_finite_and_track_high_precision(gpt, data, baseline, rec
 
 
 # The GPU check: examples/train_gpt.py at the demo's size (6 blocks, width 384, 256-character
-# windows), fp32 master weights under bf16 autocast, 128 sequences a step at a peak learning
-# rate of 5e-4: at this config bf16 runs of different seeds agree within 0.8% after 300 steps
-# (bench/results/2026-11-22_h100/README.md), so 2% measures the recipe, not the seed.
+# windows), fp32 master weights under bf16 autocast, peak learning rate 5e-4, 16 sequences a
+# step: 2,000 steps read 8M characters, about 11 passes over the corpus (0.74M training
+# characters), as many as the 300 steps of 128 sequences at which bf16 runs of different seeds
+# agree within 0.8% (bench/results/2026-11-22_h100/README.md). More characters overfit the small
+# corpus: at 128 sequences a step, 2,000 steps end with a held-out loss of 2.27 in bf16 (1.60
+# after 300), which FP8's rounding noise slows, so the comparison would measure overfitting.
 GPU_STEPS = 2000
-GPU_ARGS = ["--steps", str(GPU_STEPS), "--batch-size", "128", "--lr", "5e-4", "--dtype",
+GPU_ARGS = ["--steps", str(GPU_STEPS), "--batch-size", "16", "--lr", "5e-4", "--dtype",
             "float32", "--autocast", "bfloat16", "--sample-chars", "0"]  # fmt: skip
 NATIVE = {"current": "is_fp8_available", "delayed": "is_fp8_available",
           "block": "is_fp8_block_scaling_available", "mxfp8": "is_mxfp8_available",
@@ -128,7 +131,7 @@ def test_gpu_2000_steps_per_native_recipe(tmp_path):
         proc.wait(timeout=1800)
         log.close()
         text = (tmp_path / f"{recipe}.log").read_text()
-        print(f"--- {recipe}\n" + "\n".join(text.splitlines()[-9:]))
+        print(f"--- {recipe}\n" + "\n".join(text.splitlines()[-10:]))
         found = re.search(r"final val loss:\s+([0-9.naif]+)", text)
         if proc.returncode != 0 or not found:
             failures.append(f"{recipe}: exit {proc.returncode}: {text[-2000:]}")
