@@ -39,6 +39,15 @@ dequantised FP8 values) and then clears them.
 Memory (tensor sizes, per weight parameter): the model holds 1 byte (bf16: 2), plus 4 bytes of
 ``main_grad`` (bf16 grads: 2) and 4 of the master (a bf16 model trained with fp32 masters: 4).
 
+FSDP2 (``fully_shard``): the codes Parameter is sharded on dim 0 (a DTensor of float8 codes,
+no tensor subclass) and all-gathered as FP8 bytes; the scale buffers are replicated.
+``FP8MasterWeights`` built after ``fully_shard`` keeps DTensor-shard masters, sets the sharded
+codes to ``requires_grad=False`` (FSDP2 wants one dtype among trainable parameters, and reduces
+``.grad``, which float8 cannot hold), keeps a full-size ``main_grad`` per weight on the module
+(the forward hands the op the codes through ``_RequireGrad`` so its backward still accumulates
+into it), reduce-scatters it in ``step`` and all-reduces (max) each shard's amax before the
+refresh, so the codes equal the unsharded refresh's. ``docs/fp8.md``, "FSDP2".
+
 Supported: the per-tensor recipes (``Float8CurrentScaling``, ``DelayedScaling``) on
 ``Linear``, ``LayerNormLinear`` and ``LayerNormMLP``; the weights run inside a
 ``te_compile.autocast`` with a per-tensor recipe (outside it, or under calibration, a module
