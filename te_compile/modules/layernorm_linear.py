@@ -156,9 +156,9 @@ class LayerNormLinear(DelayedWgrad, NamedSlices, PreNorm):
         owner = "LayerNormLinear"
         add_bias = not self.return_bias
         main_grad = weight_main_grad(owner, self.weight) if self.fuse_wgrad_accumulation else None
-        wq = _primary.primary_operand(self, "weight")  # FP8 primary weight
-        if wq is not None:
-            main_grad = _primary.primary_main_grad(owner, self.weight)
+        weight, wq = self.weight, _primary.primary_operand(self, "weight")
+        if wq is not None:  # FP8 primary weight: its gradient goes to main_grad
+            weight, main_grad = wq[0], _primary.primary_main_grad(self, "weight")
         cache = None
         if is_first_microbatch is not None:
             _gemm.check_first_microbatch(owner, is_first_microbatch)
@@ -169,12 +169,12 @@ class LayerNormLinear(DelayedWgrad, NamedSlices, PreNorm):
             # precision the norm stays an op of its own, which selective activation
             # checkpointing can recompute without recomputing the GEMM.
             norm, bias = self._norm_spec(), self.bias if add_bias else None
-            out = _gemm.linear(owner, self.fp8_meta, inp, self.weight, bias, main_grad, norm=norm,
+            out = _gemm.linear(owner, self.fp8_meta, inp, weight, bias, main_grad, norm=norm,
                                cache=cache, weight_quantized=wq, defer=defer)  # fmt: skip
         else:
 
             def gemm(x: Tensor, bias: Tensor | None) -> Tensor:
-                return _gemm.linear(owner, self.fp8_meta, x, self.weight, bias, main_grad,
+                return _gemm.linear(owner, self.fp8_meta, x, weight, bias, main_grad,
                                     cache=cache, weight_quantized=wq, defer=defer)  # fmt: skip
 
             ln_out = self._norm(inp, self.tp, owner)

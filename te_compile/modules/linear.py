@@ -175,9 +175,9 @@ class Linear(DelayedWgrad, NamedSlices, nn.Module):
     ) -> Tensor | tuple[Tensor, Tensor | None]:
         wgrad_fusion = self.fuse_wgrad_accumulation
         main_grad = weight_main_grad("Linear", self.weight) if wgrad_fusion else None
-        wq = _primary.primary_operand(self, "weight")  # FP8 primary weight
-        if wq is not None:
-            main_grad = _primary.primary_main_grad("Linear", self.weight)
+        weight, wq = self.weight, _primary.primary_operand(self, "weight")
+        if wq is not None:  # FP8 primary weight: its gradient goes to main_grad
+            weight, main_grad = wq[0], _primary.primary_main_grad(self, "weight")
         cache = None
         if is_first_microbatch is not None:
             _gemm.check_first_microbatch("Linear", is_first_microbatch)
@@ -188,12 +188,12 @@ class Linear(DelayedWgrad, NamedSlices, nn.Module):
             kw["save_original_input"] = True
         if self.tp.mode is None:  # no tensor parallelism: the GEMM alone (the hot path)
             bias = None if self.return_bias else self.bias
-            out = _gemm.linear("Linear", self.fp8_meta, inp, self.weight, bias, main_grad, **kw)
+            out = _gemm.linear("Linear", self.fp8_meta, inp, weight, bias, main_grad, **kw)
             self._wgrad_queue(defer)
             return (out, self.bias) if self.return_bias else out
 
         def gemm(x: Tensor, bias: Tensor | None) -> Tensor:
-            return _gemm.linear("Linear", self.fp8_meta, x, self.weight, bias, main_grad, **kw)
+            return _gemm.linear("Linear", self.fp8_meta, x, weight, bias, main_grad, **kw)
 
         # Row-parallel: the bias is added once, to the sum of the partial products.
         add_bias = not self.return_bias

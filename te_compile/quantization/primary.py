@@ -39,6 +39,15 @@ dequantised FP8 values) and then clears them.
 Memory (tensor sizes, per weight parameter): the model holds 1 byte (bf16: 2), plus 4 bytes of
 ``main_grad`` (bf16 grads: 2) and 4 of the master (a bf16 model trained with fp32 masters: 4).
 
+FSDP2 (``fully_shard``): the codes Parameter is sharded on dim 0 (a DTensor of float8 codes,
+no tensor subclass) and all-gathered as FP8 bytes; the scale buffers are replicated.
+``FP8MasterWeights`` built after ``fully_shard`` keeps DTensor-shard masters, sets the sharded
+codes to ``requires_grad=False`` (FSDP2 wants one dtype among trainable parameters, and reduces
+``.grad``, which float8 cannot hold), keeps a full-size ``main_grad`` per weight on the module
+(the forward hands the op the codes through ``_RequireGrad`` so its backward still accumulates
+into it), reduce-scatters it in ``step`` and all-reduces (max) each shard's amax before the
+refresh, so the codes equal the unsharded refresh's. ``docs/fp8.md``, "FSDP2".
+
 Supported: the per-tensor recipes (``Float8CurrentScaling``, ``DelayedScaling``) on
 ``Linear``, ``LayerNormLinear`` and ``LayerNormMLP``; the weights run inside a
 ``te_compile.autocast`` with a per-tensor recipe (outside it, or under calibration, a module
@@ -57,6 +66,7 @@ import torch
 from torch import Tensor, nn
 
 from te_compile import functional as F
+from te_compile.functional.quantize import scale_from_amax
 from te_compile.quantization.device import get_default_fp8_recipe
 from te_compile.quantization.gemm import quantize_args
 from te_compile.quantization.recipe import Recipe
@@ -182,31 +192,93 @@ def is_primary(weight: Tensor) -> bool:
 
 
 def primary_operand(module: nn.Module, name: str) -> tuple[Tensor, ...] | None:
-    """The pre-quantised operand of ``module``'s FP8 weight ``name`` (None: not FP8)."""
+    """The pre-quantised operand of ``module``'s FP8 weight ``name`` (None: not FP8). Its first
+    tensor is the weight the GEMM op takes: the Parameter, or, where the Parameter does not
+    require grad (sharded by FSDP2, see ``FP8MasterWeights``) and its gradient is wanted, a
+    detached alias of it that does (the op then accumulates into ``main_grad``)."""
     weight = getattr(module, name)
     if not is_primary(weight):
+        if f"{name}_scale_inv" in module._buffers:
+            raise ValueError(
+                f"{type(module).__name__}: the FP8 weight {name!r} arrived as {weight.dtype}: "
+                "something cast the float8 codes (fully_shard's MixedPrecisionPolicy(param_dtype"
+                "=...) does); shard modules with FP8 weights with param_dtype=None"
+            )
         return None
     scale_inv, amax = getattr(module, f"{name}_scale_inv"), getattr(module, f"{name}_amax")
     codes_t = weight.detach().view(torch.uint8).t().contiguous()
+    trigger = module.__dict__.get(_GRAD_TRIGGER)
+    if trigger is not None and not weight.requires_grad and torch.is_grad_enabled():
+        weight = _RequireGrad.apply(weight, trigger)
     return weight, scale_inv, codes_t, scale_inv, amax
 
 
-def primary_main_grad(owner: str, weight: Tensor) -> Tensor | None:
-    """``weight.main_grad`` of an FP8 weight, or None (a forward without ``FP8MasterWeights``
-    runs; its backward raises: the gradient has nowhere to go)."""
-    return getattr(weight, "main_grad", None)
+class _RequireGrad(torch.autograd.Function):
+    """``weight`` itself (a view), requiring grad through ``trigger`` (a 0-dim leaf that
+    requires grad): for an FP8 weight that FSDP2 holds without requires_grad, the GEMM op then
+    runs its backward and accumulates the weight's gradient into ``main_grad``; it returns no
+    gradient for the weight, so nothing flows further. (``weight.detach().requires_grad_()``
+    would do the same in eager; torch.compile refuses it.)"""
+
+    @staticmethod
+    def forward(ctx, weight: Tensor, trigger: Tensor) -> Tensor:
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[None, None]:
+        return None, None
+
+
+def primary_main_grad(module: nn.Module, name: str) -> Tensor | None:
+    """The fp32 ``main_grad`` of ``module``'s FP8 weight ``name``, or None (a forward without
+    ``FP8MasterWeights`` runs; its backward raises: the gradient has nowhere to go). On the
+    weight (``weight.main_grad``, as Transformer Engine), or, for a weight sharded by FSDP2
+    (whose unsharded Parameter FSDP2 makes at each all-gather), on the module."""
+    main_grad = getattr(getattr(module, name), "main_grad", None)
+    if main_grad is None:
+        main_grad = module.__dict__.get(_SHARDED_MAIN_GRADS, {}).get(name)
+    return main_grad
+
+
+_SHARDED_MAIN_GRADS = "_fp8_sharded_main_grads"
+_GRAD_TRIGGER = "_fp8_grad_trigger"
+
+
+class _Entry(NamedTuple):
+    module: nn.Module
+    name: str
+    master: nn.Parameter
+    group: object  # the FSDP2 shard group of a sharded weight, else None
+
+
+def _fsdp_group(owner: str, param: Tensor) -> object:
+    """The process group over which FSDP2 shards ``param`` (a DTensor), else None."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(param, DTensor):
+        return None
+    if param.device_mesh.ndim != 1 or param.placements != (Shard(0),):
+        raise NotImplementedError(
+            f"{owner}: FP8 weights sharded with placements {param.placements} on a "
+            f"{param.device_mesh.ndim}-D mesh; supported: fully_shard on a 1-D mesh (Shard(0))"
+        )
+    return param.device_mesh.get_group()
 
 
 class FP8MasterWeights:
     """fp32 master weights of a model's FP8 primary weights (module docstring): one master
     Parameter and one fp32 ``main_grad`` per FP8 weight. ``parameters()``: the masters, for the
     optimizer; ``other_parameters()``: the model's parameters that are not FP8 (biases, norms),
-    trained as usual; ``step(optimizer)``: one optimizer step and the FP8 refresh."""
+    trained as usual; ``step(optimizer)``: one optimizer step and the FP8 refresh.
+
+    After ``fully_shard`` (FSDP2), the masters are DTensor shards like the FP8 weights (build
+    this after ``fully_shard`` and before the first forward): see ``docs/fp8.md``, "FSDP2"."""
 
     def __init__(self, model: nn.Module) -> None:
+        owner = "te.FP8MasterWeights"
         if not isinstance(model, nn.Module):
-            raise TypeError(f"te.FP8MasterWeights: model must be a torch.nn.Module, got {model!r}")
-        self._entries: list[tuple[nn.Module, str, nn.Parameter]] = []
+            raise TypeError(f"{owner}: model must be a torch.nn.Module, got {model!r}")
+        self._entries: list[_Entry] = []
         self._others: list[nn.Parameter] = []
         seen: set[int] = set()
         for module in model.modules():
@@ -217,46 +289,107 @@ class FP8MasterWeights:
                 if not is_primary(param):
                     self._others.append(param)
                     continue
+                group = _fsdp_group(owner, param)
                 init = get_high_precision_init_val(param)
-                if init is not None:
+                if group is not None:  # a DTensor shard: the master is this rank's shard
+                    codes = param.to_local()
+                    local = codes.float() * getattr(module, f"{name}_scale_inv")
+                    master = type(param.data).from_local(
+                        local, param.device_mesh, param.placements, shape=param.shape,
+                        stride=param.stride(),
+                    )  # fmt: skip
+                    # FSDP2 wants one dtype among the parameters that require grad; the
+                    # gradient goes to main_grad (the forward hands the op a detached alias
+                    # that requires grad: primary_operand).
+                    param.requires_grad_(False)
+                    main_grads = module.__dict__.setdefault(_SHARDED_MAIN_GRADS, {})
+                    main_grads[name] = torch.zeros(param.shape, device=codes.device)
+                    trigger = torch.zeros((), device=codes.device, requires_grad=True)
+                    module.__dict__.setdefault(_GRAD_TRIGGER, trigger)
+                elif init is not None:
                     master = init.to(param.device, torch.float32, copy=True)
-                    clear_high_precision_init_val(param)
                 else:
                     scale_inv = getattr(module, f"{name}_scale_inv")
                     master = param.detach().float() * scale_inv
+                clear_high_precision_init_val(param)
                 master = nn.Parameter(master)
-                param.main_grad = torch.zeros_like(master)
-                self._entries.append((module, name, master))
+                if group is None:
+                    param.main_grad = torch.zeros_like(master)
+                self._entries.append(_Entry(module, name, master, group))
         if not self._entries:
             raise ValueError(
-                "te.FP8MasterWeights: model has no FP8 primary weights (build it inside "
+                f"{owner}: model has no FP8 primary weights (build it inside "
                 "te.quantized_model_init)"
             )
 
     def parameters(self) -> list[nn.Parameter]:
-        return [master for _, _, master in self._entries]
+        return [e.master for e in self._entries]
 
     def other_parameters(self) -> list[nn.Parameter]:
         return list(self._others)
 
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer) -> None:
-        for module, name, master in self._entries:
-            master.grad = getattr(module, name).main_grad
+        """Masters' grads from ``main_grad`` (a sharded weight's: reduce-scattered and averaged
+        over its FSDP2 group, as FSDP2 averages the other gradients), ``optimizer.step()``, the
+        FP8 refresh, ``main_grad`` zeroed."""
+        for e in self._entries:
+            main_grad = primary_main_grad(e.module, e.name)
+            if e.group is None:
+                e.master.grad = main_grad
+            else:
+                e.master.grad = self._reduce_scatter(e, main_grad)
         optimizer.step()
         self.refresh()
-        for module, name, master in self._entries:
-            getattr(module, name).main_grad.zero_()
-            master.grad = None
+        for e in self._entries:
+            primary_main_grad(e.module, e.name).zero_()
+            e.master.grad = None
+
+    @staticmethod
+    def _reduce_scatter(e: _Entry, main_grad: Tensor) -> Tensor:
+        """This rank's shard of the group's mean of ``main_grad``, as a DTensor like the
+        master (FSDP2's chunks along dim 0: ``ceil(rows / world)`` each, the last ones short)."""
+        import torch.distributed._functional_collectives as funcol
+
+        world, local = e.group.size(), e.master.to_local()
+        rows = -(-main_grad.shape[0] // world)
+        padded = main_grad.new_zeros((rows * world, *main_grad.shape[1:]))
+        padded[: main_grad.shape[0]].copy_(main_grad)
+        out = funcol.wait_tensor(funcol.reduce_scatter_tensor(padded, "sum", 0, e.group))
+        grad = out[: local.shape[0]].div_(world)
+        return type(e.master.data).from_local(
+            grad, e.master.device_mesh, e.master.placements, shape=e.master.shape,
+            stride=e.master.stride(),
+        )  # fmt: skip
 
     @torch.no_grad()
     def refresh(self) -> None:
-        """Re-quantise every master into its FP8 weight (codes, scale, amax)."""
-        for module, name, master in self._entries:
-            weight = getattr(module, name)
-            data, scale_inv, _, _, amax = F.quantize_weight(
-                master, "current", weight.dtype, False, 1, False, None
-            )
-            weight.copy_(data.view(weight.dtype))
-            getattr(module, f"{name}_scale_inv").copy_(scale_inv)
-            getattr(module, f"{name}_amax").copy_(amax)
+        """Re-quantise every master into its FP8 weight (codes, scale, amax). A sharded weight:
+        the amax is the max over its FSDP2 group (all-reduced), so every rank casts its shard
+        with the scale of the whole weight and the codes equal the unsharded cast's."""
+        for e in self._entries:
+            weight = getattr(e.module, e.name)
+            scale_inv = getattr(e.module, f"{e.name}_scale_inv")
+            if e.group is None:
+                data, new_scale_inv, _, _, amax = F.quantize_weight(
+                    e.master, "current", weight.dtype, False, 1, False, None
+                )
+                weight.copy_(data.view(weight.dtype))
+            else:
+                data, new_scale_inv, amax = _quantize_shard(e, weight.dtype)
+                weight.to_local().copy_(data.view(weight.dtype))
+            scale_inv.copy_(new_scale_inv)
+            getattr(e.module, f"{e.name}_amax").copy_(amax)
+
+
+def _quantize_shard(e: _Entry, fp8_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """Current scaling of a sharded master with the amax of the whole weight: the shard's
+    amax, all-reduced (max) over the group, then the cast with that scale."""
+    import torch.distributed._functional_collectives as funcol
+
+    local = e.master.to_local()
+    amax = local.abs().amax().reshape(1) if local.numel() else local.new_zeros(1)
+    amax = funcol.wait_tensor(funcol.all_reduce(amax, "max", e.group))
+    scale = scale_from_amax(amax, torch.finfo(fp8_dtype).max)
+    data, _, _ = torch.ops.te.quantize_tensorwise(local, scale, fp8_dtype, False)
+    return data, torch.div(torch.ones_like(scale), scale), amax

@@ -237,7 +237,7 @@ def test_transformer_layer_trains_with_fp8_weights():
         masters.step(opt)
         opt.zero_grad()
     assert all(not torch.equal(a, b) for a, b in zip(before, masters.parameters(), strict=True))
-    for module, name, master in masters._entries:  # the codes are the masters' casts
+    for module, name, master, _ in masters._entries:  # the codes are the masters' casts
         w = getattr(module, name)
         codes = te.functional.quantize_weight(master, "current", E4M3, False, 1, False, None)
         assert torch.equal(w.detach().view(torch.uint8), codes[0])
