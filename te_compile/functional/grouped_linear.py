@@ -36,6 +36,12 @@ delayed state's calibration step); native blockwise the FP8 copies of ``X^T`` (e
 tokens from a multiple of 128) and of each ``W_g^T`` with their 1x128 scales; the emulated
 recipes the dequantised ``X`` and ``W``; nothing in high precision.
 
+Pre-quantised weight: the last arguments ``weight_data``, ``weight_scale``, ``weight_data_t``,
+``weight_scale_t``, ``weight_amax`` (all or none, with a recipe) are ``weight`` already cast by
+``te::quantize_grouped_weight`` (``functional.grouped_weight``, the bytes of the op's own cast);
+the op then does not quantise ``weight``, leaves the weight's copies out of ``saved`` (the
+backward gets them from the inputs), and reports ``weight_amax`` as the weight's amax.
+
 The op reads the splits on the host in its loops (``opaque``: Inductor calls it rather than
 tracing into it). Weight-gradient fusion: ``main_grad`` (fp32, weight's shape) receives ``+= dW``
 instead of a ``dweight`` output, as in ``te::linear_bwd``.

@@ -21,7 +21,9 @@ GEMM's input exists.
 
 Weight caching (``is_first_microbatch``, Transformer Engine's semantics): a module hands the
 entry points a :class:`WeightCache`, its store of pre-quantised weights
-(``functional.quantize_weight``, plain tensors) and the forward's ``is_first_microbatch``.
+(``functional.quantize_weight``, or ``functional.quantize_grouped_weight`` for the ``[G, N,
+K]`` weight of :func:`grouped_linear`; plain tensors) and the forward's
+``is_first_microbatch``.
 ``None``: the op quantises the weight itself, every call; ``True``: the weight is quantised now
 (``te::quantize_weight``, with the GEMM's delayed weight scale under DelayedScaling, its amax
 measured at the cast) and kept; ``False``: the kept copy is used as it is, however the weight
