@@ -327,12 +327,13 @@ def test_grouped_outside_autocast_nothing_is_kept():
     assert m._fp8_weights["weight"].tensors is None
 
 
-def test_grouped_compiled_true_false_one_graph_each():
+@pytest.mark.parametrize("device", DEVICES)
+def test_grouped_compiled_true_false_one_graph_each(device):
     """Compiled fullgraph with a device m_splits: one compile for True and one for False,
-    values and gradients as eager."""
+    values and gradients as eager (on CUDA: te::quantize_grouped_weight traced through)."""
     recipe = Float8CurrentScaling()
-    eager, compiled_m = _grouped("cpu", single=True), _grouped("cpu", single=True)
-    splits = torch.tensor(SPLITS)
+    eager, compiled_m = _grouped(device, single=True), _grouped(device, single=True)
+    splits = torch.tensor(SPLITS, device=device)
 
     def forward(m, x, first):
         with autocast(recipe=recipe):
@@ -340,7 +341,7 @@ def test_grouped_compiled_true_false_one_graph_each():
 
     fn, counter = compile_counted(forward, backend="aot_eager")
     for s, first in enumerate((True, False, False, True, False)):
-        x = _gx("cpu", s)
+        x = _gx(device, s)
         y = fn(compiled_m, x, first)
         y0 = forward(eager, x.detach().clone().requires_grad_(), first)
         assert torch.equal(y, y0)
