@@ -234,8 +234,9 @@ def _grouped_step(m, x, recipe, first):
     return y.detach(), x.grad, [p.grad for p in m.parameters()]
 
 
-# Every recipe in the per-group layout; the single layout (the weight passed as is) once more.
-_GROUPED_CASES = [(kind, False) for kind in GROUPED_RECIPES] + [("block", True)]
+# Every layout of the kept weight (per-tensor, blockwise, dequantised: MXFP8 shares NVFP4's) in
+# the per-group layout; the single layout (the weight passed as is) once more.
+_GROUPED_CASES = [(kind, False) for kind in GROUPED_RECIPES if kind != "mxfp8"] + [("block", True)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -372,6 +373,27 @@ def test_grouped_mlp_passes_it_to_both_gemms():
     assert all(fc._fp8_weights["weight"].tensors is not None for fc in (mlp.fc1, mlp.fc2))
     with pytest.raises(ValueError, match="GroupedMLP: is_first_microbatch must be None, True "):
         mlp(x, SPLITS, is_first_microbatch="yes")
+
+
+def test_grouped_weight_fake_matches_every_kind():
+    """te::quantize_grouped_weight's fake gives the real tensors' shapes and dtypes for every
+    recipe kind (the registry opchecks two)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    e4, scale = torch.float8_e4m3fn, torch.tensor([8.0, 16.0, 1.0])
+    cases = [("current", False, 1, False, None), ("delayed", False, 1, False, scale),
+             ("block", True, 128, False, None), ("block", False, 128, True, None),
+             ("mxfp8", False, 1, True, None), ("nvfp4", False, 16, True, None)]  # fmt: skip
+    w = torch.randn(2, 32, 64, dtype=torch.bfloat16)
+    op = torch.ops.te.quantize_grouped_weight.default
+    for recipe, p2, rows, emulate, s in cases:
+        real = op(w, recipe, e4, p2, rows, emulate, s)
+        with FakeTensorMode() as mode:
+            fw = mode.from_tensor(w)
+            fs = None if s is None else mode.from_tensor(s)
+            fake = op(fw, recipe, e4, p2, rows, emulate, fs)
+        got = [(tuple(t.shape), t.dtype) for t in fake]
+        assert got == [(tuple(t.shape), t.dtype) for t in real], recipe
 
 
 def test_grouped_linear_bad_pre_quantised_weight():
