@@ -27,6 +27,7 @@ from te_compile.functional.fused_norm import branch_rmsnorm
 from te_compile.functional.gemm import WEIGHT_OPERAND, blockwise_supported, quantize_weight
 from te_compile.functional.glu_layout import deinterleave_glu_tensor, interleave_glu_tensor
 from te_compile.functional.grouped_linear import as_splits_tensor, grouped_linear
+from te_compile.functional.grouped_weight import quantize_grouped_weight
 from te_compile.functional.linear import linear, linear_ref
 from te_compile.functional.mlp import MLP_ACTIVATIONS, mlp
 from te_compile.functional.moe import (
@@ -81,6 +82,7 @@ __all__ = [
     "moe_unpermute",
     "qgeglu",
     "qgelu",
+    "quantize_grouped_weight",
     "quantize_mxfp8",
     "quantize_nvfp4",
     "quantize_weight",

@@ -39,7 +39,8 @@ the forward GEMM reads, the ``data_t`` ``[K, N]`` and ``scale_t`` the dgrad GEMM
 ``amax`` ``[1]`` measured at the cast (per-tensor kinds; 0-element otherwise). The op then does
 not quantise ``weight`` (it still takes it: its shape, and its gradient). Modules use it to
 cast a weight once per optimizer step (``is_first_microbatch``) and for FP8 primary weights
-(``quantization.primary``).
+(``quantization.primary``). The grouped family takes the same five tensors in its own layouts
+(``functional.grouped_weight``, ``te::quantize_grouped_weight``).
 
 A new recipe kind is one row in each table here, one branch in ``gemm_args``, and the recipe
 class (``docs/op_mechanism.md``, "Adding a recipe").

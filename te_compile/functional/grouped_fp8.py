@@ -61,6 +61,7 @@ __all__ = [
     "as_e4m3",
     "per_tensor_backward",
     "per_tensor_forward",
+    "per_tensor_weight",
     "quantize_group_columns",
     "quantize_rowwise",
     "wgrad_capacity",
@@ -333,23 +334,46 @@ def _quantize_grad(grad_out, scale, grad_amax, bwd_dtype):
     return gq, gs
 
 
-def _scaled_forward(
-    inp, m_splits, weight, bias, scale, fwd_dtype, fp8_wgrad: bool, native: bool, measure: bool
-):
+def per_tensor_weight(
+    weight: Tensor, fwd_dtype: torch.dtype, w_scale: Tensor | None, measure: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``weight`` ``[G, N, K]`` as the per-tensor grouped GEMMs take it: ``(data [G, N, K],
+    scale_inv [G, N], data_t [G, K, N], scale_inv_t [G, K], amax)``, FP8 codes of
+    ``fwd_dtype``. Current scaling (``w_scale`` None): rowwise along ``K`` for the forward and
+    along ``N`` for the dgrad copy, ``amax`` ``[1]`` measured only with ``measure`` (else
+    0-element); delayed: the per-tensor ``w_scale`` ``[1]`` broadcast, ``amax`` ``[1]``. The
+    forward's own cast and the pre-quantised weight (``functional.grouped_weight``) both come
+    from here: the same bytes."""
     g, n, k = weight.shape
-    if scale is None:
-        xq, xs = quantize_rowwise(inp, fwd_dtype)
+    if w_scale is None:
         wq, ws = quantize_rowwise(weight, fwd_dtype)
         wq_t, ws_t = _quantize_weight_dgrad(weight, fwd_dtype)
+        # Measured only when asked for (grad_amax given): a read of the weight more.
+        amax = _amax(weight).reshape(1) if measure else weight.new_empty(0, dtype=torch.float32)
+        return wq, ws, wq_t, ws_t, amax
+    wq, ws, amax = _quantize_delayed(weight, fwd_dtype, w_scale, (g, n))
+    wq_t = _transposed_codes(weight, wq, w_scale, fwd_dtype)
+    ws_t = ws[:, :1].expand(g, k).contiguous()
+    return wq, ws, wq_t, ws_t, amax
+
+
+def _scaled_forward(
+    inp, m_splits, weight, bias, scale, fwd_dtype, fp8_wgrad: bool, native: bool, measure: bool,
+    weight_q=None,
+):  # fmt: skip
+    if weight_q is None:
+        wq, ws, wq_t, ws_t, w_amax = per_tensor_weight(weight, fwd_dtype, _slot(scale, 1), measure)
+    else:  # pre-quantised (uint8 codes); its dgrad copy is the caller's to save
+        wq, ws, wq_t, ws_t, w_amax = weight_q
+        wq, wq_t = wq.view(fwd_dtype), wq_t.view(fwd_dtype)
+    if scale is None:
+        xq, xs = quantize_rowwise(inp, fwd_dtype)
         # Measured only when asked for (grad_amax given): a read of each operand more.
         amax = inp.new_empty(0, dtype=torch.float32)
         if measure:
-            amax = torch.stack([_amax(inp), _amax(weight)])
+            amax = torch.cat([_amax(inp).reshape(1), w_amax])
     else:
         xq, xs, x_amax = _quantize_delayed(inp, fwd_dtype, scale[0:1], (inp.shape[0],))
-        wq, ws, w_amax = _quantize_delayed(weight, fwd_dtype, scale[1:2], (g, n))
-        wq_t = _transposed_codes(weight, wq, scale[1:2], fwd_dtype)
-        ws_t = ws[:, :1].expand(g, k).contiguous()
         amax = torch.cat([x_amax, w_amax])
     dsplits = None
     if native:
@@ -360,7 +384,7 @@ def _scaled_forward(
     else:
         splits = host_splits(m_splits, inp.shape[0])
         out = _gemm_loop(xq, xs, wq, ws, splits, inp.dtype, bias)
-    saved = [wq_t.view(torch.uint8), ws_t]
+    saved = [wq_t.view(torch.uint8), ws_t] if weight_q is None else []
     if fp8_wgrad:
         x_scale = _slot(scale, 0)
         xt, xs_t, _ = quantize_group_columns(inp, m_splits, fwd_dtype, x_scale, dsplits)
@@ -430,15 +454,17 @@ def _scaled_backward(
     return dinp, dweight, dbias
 
 
-def per_tensor_forward(inp, m_splits, weight, bias, r, cuda):
+def per_tensor_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
     """Current scaling rowwise, delayed per tensor; ``saved`` ends with ``[amax(X), amax(W)]``
     under delayed scaling, and under current scaling when ``grad_amax`` is given (a delayed
-    state's calibration step: the amaxes cost a read of each operand more)."""
+    state's calibration step: the amaxes cost a read of each operand more). ``weight_q``: the
+    weight pre-quantised by :func:`per_tensor_weight` (its amax then the cast's); ``saved``
+    then lacks the weight's dgrad copy (an input: the caller saves it)."""
     native = cuda and _use_native(inp) and not r.emulate
     measure = r.grad_amax is not None
     scale = r.scale if r.recipe == "delayed" else None
     out, amax, saved = _scaled_forward(
-        inp, m_splits, weight, bias, scale, r.fwd_dtype, r.fp8_wgrad, native, measure
+        inp, m_splits, weight, bias, scale, r.fwd_dtype, r.fp8_wgrad, native, measure, weight_q
     )
     return out, saved + ([amax] if amax.numel() else [])
 

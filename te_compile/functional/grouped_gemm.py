@@ -51,8 +51,10 @@ __all__ = [
     "as_splits_tensor",
     "blockwise_backward",
     "blockwise_forward",
+    "blockwise_weight",
     "dequantized_backward",
     "dequantized_forward",
+    "dequantized_weight",
     "device_splits",
     "high_precision_backward",
     "high_precision_forward",
@@ -286,13 +288,26 @@ def _gemm_rows(a, sa, b, sb, b_rows, dtype, bias, out):
     return out.copy_(block_scaled_mm(a[:m16], sa[:m16], b, sb, b_rows, dtype, bias)[:m])
 
 
-def _native_forward(inp, m_splits, weight, bias, power_2_scale, weight_block_rows):
+def blockwise_weight(
+    weight: Tensor, power_2_scale: bool, weight_block_rows: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``weight`` ``[G, N, K]`` pre-quantised for the native blockwise GEMMs: ``(data [G, N, K],
+    scale_inv, data_t [G, K, N], scale_inv_t)``, E4M3 codes as uint8, every expert cast as the
+    forward casts it (:func:`_quantize_block`, ``weight_block_rows`` x 128 blocks), stacked."""
+    parts = [_quantize_block(w_g, power_2_scale, weight_block_rows) for w_g in weight]
+    data, s, data_t, s_t = (torch.stack(list(t)) for t in zip(*parts, strict=True))
+    return data.view(torch.uint8), s, data_t.view(torch.uint8), s_t
+
+
+def _native_forward(inp, m_splits, weight, bias, power_2_scale, weight_block_rows, weight_q=None):
     """``(out, saved)``: ``out`` ``[M, out_features]``; ``saved = [X^T codes (uint8, flat: the
     first ``K * width`` bytes are ``[K, width]``, every expert's tokens from a multiple of 128),
     their 1x128 scales (fp32, flat, ``[width / 128, K]``), W_g^T codes ``[K, N]`` (uint8) for
     each expert, their scales for each expert]``; ``width`` is ``M`` when every expert's tokens
     are a multiple of 128, else the static capacity ``128 * (M // 128 + G)``. ``main_grad`` is
-    only carried to the backward."""
+    only carried to the backward. ``weight_q``: the weight pre-quantised by
+    :func:`blockwise_weight`; ``saved`` then ends after the input's copy (the weight's dgrad
+    copy is an input: the caller saves it, and the backward takes it stacked)."""
     groups, n, k = weight.shape
     rows = inp.shape[0]
     splits = host_splits(m_splits, rows)
@@ -305,9 +320,12 @@ def _native_forward(inp, m_splits, weight, bias, power_2_scale, weight_block_row
     out = inp.new_empty(rows, n)
     w_t, w_s = [], []
     for g, (m, row, pos) in enumerate(zip(splits, firsts, starts, strict=True)):
-        wd, ws, wd_t, ws_t = _quantize_block(weight[g], power_2_scale, weight_block_rows)
-        w_t.append(wd_t.view(torch.uint8))
-        w_s.append(ws_t)
+        if weight_q is None:
+            wd, ws, wd_t, ws_t = _quantize_block(weight[g], power_2_scale, weight_block_rows)
+            w_t.append(wd_t.view(torch.uint8))
+            w_s.append(ws_t)
+        else:
+            wd, ws = weight_q[0][g].view(_E4M3), weight_q[1][g]
         if m:
             b = None if bias is None else bias[g]
             _gemm_rows(xd[pos:], xs[pos:], wd, ws, weight_block_rows, inp.dtype, b,
@@ -323,8 +341,12 @@ def _native_backward(
     1x128 blocks both ways; per expert the dgrad against the saved ``W_g^T`` and the wgrad
     against the saved ``X^T`` columns of the expert (blocks along its own tokens)."""
     x_t, x_s = saved[:2]
-    groups = (len(saved) - 2) // 2
-    w_t, w_s = saved[2 : 2 + groups], saved[2 + groups :]
+    if len(saved) == 4 and saved[2].dim() == 3:  # a pre-quantised weight's stacked copies
+        w_t, w_s = saved[2].unbind(0), saved[3].unbind(0)
+    else:
+        groups = (len(saved) - 2) // 2
+        w_t, w_s = saved[2 : 2 + groups], saved[2 + groups :]
+    groups = len(w_t)
     k, n = w_t[0].shape
     dtype = grad_out.dtype
     rows = grad_out.shape[0]
@@ -367,26 +389,31 @@ def _native_backward(
 # Emulated block-scaled recipes ("dequantized") --------------------------------------------------
 
 
-def _qdq_operands(inp, m_splits, weight, r: GroupedRecipe) -> tuple[Tensor, Tensor]:
-    """``(X, W)`` quantised exactly and dequantised to their dtype: ``X`` in blocks along
-    ``in_features`` (1x128 or 32 elements), each expert's weight in the recipe's weight blocks;
-    NVFP4 with a global scale per expert for its tokens and its weight (``row_splits``: group
-    amaxes on the device, no host sync)."""
+def _qdq_input(inp: Tensor, m_splits: Tensor, r: GroupedRecipe) -> Tensor:
+    """``X`` quantised exactly in blocks along ``in_features`` (1x128 or 32 elements) and
+    dequantised to its dtype; NVFP4 with a global scale per expert for its tokens
+    (``row_splits``: group amaxes on the device, no host sync)."""
+    if r.recipe == "nvfp4":
+        return qdq(inp, "nvfp4", _E4M3, 1, False, m_splits)
+    p2 = r.power_2_scale if r.recipe == "block" else False
+    return qdq(inp, r.recipe, r.fwd_dtype, 1, p2)
+
+
+def dequantized_weight(weight: Tensor, r: GroupedRecipe) -> Tensor:
+    """``W`` ``[G, N, K]`` quantised exactly, each expert in the recipe's weight blocks (NVFP4:
+    with a global scale per expert), dequantised to its dtype: the emulated GEMMs' weight
+    operand, also as a pre-quantised weight."""
     g, n, k = weight.shape
     if r.recipe == "nvfp4":
         per_expert = torch.full((g,), n, dtype=torch.int64, device=weight.device)
-        x = qdq(inp, "nvfp4", _E4M3, 1, False, m_splits)
         w_rows = r.weight_block_rows  # 16: 16x16 tiles (n is a multiple of 16)
         w = qdq(weight.reshape(g * n, k), "nvfp4", _E4M3, w_rows, False, per_expert)
-        return x, w.view(g, n, k)
+        return w.view(g, n, k)
     w_rows = r.weight_block_rows if r.recipe == "block" else 1
     p2 = r.power_2_scale if r.recipe == "block" else False
-    x = qdq(inp, r.recipe, r.fwd_dtype, 1, p2)
     if w_rows == 1 or n % w_rows == 0:  # no block of rows straddles two experts
-        w = qdq(weight.reshape(g * n, k), r.recipe, r.fwd_dtype, w_rows, p2).view(g, n, k)
-    else:
-        w = torch.stack([qdq(w_g, r.recipe, r.fwd_dtype, w_rows, p2) for w_g in weight])
-    return x, w
+        return qdq(weight.reshape(g * n, k), r.recipe, r.fwd_dtype, w_rows, p2).view(g, n, k)
+    return torch.stack([qdq(w_g, r.recipe, r.fwd_dtype, w_rows, p2) for w_g in weight])
 
 
 def _group_sums(grad: Tensor, m_splits: Tensor, groups: int, cuda: bool) -> Tensor:
@@ -410,7 +437,7 @@ def _group_sums(grad: Tensor, m_splits: Tensor, groups: int, cuda: bool) -> Tens
 # The rows of grouped_linear.GROUPED_GEMMS (module docstring) ---------------------------------
 
 
-def high_precision_forward(inp, m_splits, weight, bias, r, cuda):
+def high_precision_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
     if not cuda or inp.dtype is torch.float64:
         splits = host_splits(m_splits, inp.shape[0])
         return _fwd_loop(inp, splits, weight, bias, _acc(inp)), []
@@ -427,8 +454,9 @@ def high_precision_backward(
     return _grouped_mm_backward(grad, inp, m_splits, weight, main_grad, has_bias, dgrad, wgrad)
 
 
-def blockwise_forward(inp, m_splits, weight, bias, r, cuda):
-    return _native_forward(inp, m_splits, weight, bias, r.power_2_scale, r.weight_block_rows)
+def blockwise_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
+    return _native_forward(inp, m_splits, weight, bias, r.power_2_scale, r.weight_block_rows,
+                           weight_q)  # fmt: skip
 
 
 def blockwise_backward(grad, saved, inp, m_splits, weight, main_grad, r, has_bias, dgrad,
@@ -437,15 +465,18 @@ def blockwise_backward(grad, saved, inp, m_splits, weight, main_grad, r, has_bia
                                r.weight_block_rows, has_bias, dgrad, wgrad)  # fmt: skip
 
 
-def dequantized_forward(inp, m_splits, weight, bias, r, cuda):
+def dequantized_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
     """The high-precision grouped GEMM of the quantised-dequantised operands; the bias added to
-    its rounded output in high precision; ``saved = [X, W]`` (dequantised)."""
-    x, w = _qdq_operands(inp, m_splits, weight, r)
+    its rounded output in high precision; ``saved = [X, W]`` (dequantised; ``[X]`` with
+    ``weight_q``, whose first tensor is :func:`dequantized_weight`'s ``W``: an input, the
+    caller saves it)."""
+    x = _qdq_input(inp, m_splits, r)
+    w = dequantized_weight(weight, r) if weight_q is None else weight_q[0]
     out, _ = high_precision_forward(x, m_splits, w, None, r, cuda)
     if bias is not None:
         splits = m_splits.to(bias.device)
         out = out + bias.repeat_interleave(splits, dim=0, output_size=out.shape[0])
-    return out, [x, w]
+    return out, ([x, w] if weight_q is None else [x])
 
 
 def dequantized_backward(grad, saved, inp, m_splits, weight, main_grad, r, has_bias, dgrad,

@@ -36,6 +36,12 @@ delayed state's calibration step); native blockwise the FP8 copies of ``X^T`` (e
 tokens from a multiple of 128) and of each ``W_g^T`` with their 1x128 scales; the emulated
 recipes the dequantised ``X`` and ``W``; nothing in high precision.
 
+Pre-quantised weight: the last arguments ``weight_data``, ``weight_scale``, ``weight_data_t``,
+``weight_scale_t``, ``weight_amax`` (all or none, with a recipe) are ``weight`` already cast by
+``te::quantize_grouped_weight`` (``functional.grouped_weight``, the bytes of the op's own cast);
+the op then does not quantise ``weight``, leaves the weight's copies out of ``saved`` (the
+backward gets them from the inputs), and reports ``weight_amax`` as the weight's amax.
+
 The op reads the splits on the host in its loops (``opaque``: Inductor calls it rather than
 tracing into it). Weight-gradient fusion: ``main_grad`` (fp32, weight's shape) receives ``+= dW``
 instead of a ``dweight`` output, as in ``te::linear_bwd``.
@@ -60,6 +66,7 @@ from te_compile.functional.gemm import (
     blockwise_supported,
     check_gemm_args,
     check_recipe,
+    check_weight_quantized,
     empty,
     quantize_per_tensor,
     quantized_linear_ref,
@@ -82,6 +89,10 @@ from te_compile.functional.grouped_gemm import (
     dequantized_forward,
     high_precision_backward,
     high_precision_forward,
+)
+from te_compile.functional.grouped_weight import (
+    check_grouped_weight_operand,
+    quantize_grouped_weight,
 )
 
 __all__ = [
@@ -135,10 +146,22 @@ class _Args(NamedTuple):
     fp8_wgrad: bool = False
     wgrad_stash: Tensor | None = None
     save_original_input: bool = False
+    weight_data: Tensor | None = None
+    weight_scale: Tensor | None = None
+    weight_data_t: Tensor | None = None
+    weight_scale_t: Tensor | None = None
+    weight_amax: Tensor | None = None
 
     @property
     def grouped_recipe(self) -> GroupedRecipe:
         return GroupedRecipe(*self[5:14])
+
+    @property
+    def weight_q(self) -> tuple[Tensor | None, ...]:
+        """The pre-quantised weight (``functional.grouped_weight``; all None: quantise
+        ``weight`` inside)."""
+        return (self.weight_data, self.weight_scale, self.weight_data_t, self.weight_scale_t,
+                self.weight_amax)  # fmt: skip
 
 
 def _measured(recipe: str, grad_amax: Tensor | None) -> bool:
@@ -412,6 +435,7 @@ def _check(a: _Args) -> None:
             + (" (DelayedScaling: the backward would quantise the input again with a scale "
                "the update may have changed)" if recipe == "delayed" else "")
         )  # fmt: skip
+    check_grouped_weight_operand(p, recipe, a.weight, a.weight_block_rows, a.emulate, a.weight_q)
     if not recipe and a.scale is None and a.grad_amax is None and not a.fp8_wgrad:
         return
     check_recipe(p, recipe, a.fwd_dtype, a.bwd_dtype, a.weight_block_rows, a.emulate, a.scale,
@@ -446,7 +470,9 @@ def _forward(a: _Args, cuda: bool) -> tuple[Tensor, list[Tensor]]:
     r = a.grouped_recipe
     if a.save_original_input:  # no FP8 copy of the input: the backward quantises it again
         r = r._replace(fp8_wgrad=False)
-    return forward(a.inp, a.m_splits, a.weight, a.bias, r, cuda)
+    if a.weight_data is None:
+        return forward(a.inp, a.m_splits, a.weight, a.bias, r, cuda)
+    return forward(a.inp, a.m_splits, a.weight, a.bias, r, cuda, weight_q=a.weight_q)
 
 
 @op("grouped_linear_fwd", opaque=HOST_SPLITS)
@@ -467,10 +493,16 @@ def grouped_linear_fwd(
     fp8_wgrad: bool = False,
     wgrad_stash: Tensor | None = None,
     save_original_input: bool = False,
+    weight_data: Tensor | None = None,
+    weight_scale: Tensor | None = None,
+    weight_data_t: Tensor | None = None,
+    weight_scale_t: Tensor | None = None,
+    weight_amax: Tensor | None = None,
 ) -> tuple[Tensor, list[Tensor]]:
     """``(out [M, out_features], saved)`` (module docstring). ``main_grad`` is only carried to
-    the backward. Default (CPU): fp32 math (fp64 stays fp64) in high precision, the exact
-    emulation of the FP8 GEMMs."""
+    the backward. ``weight_data`` ... ``weight_amax``: ``weight`` pre-quantised
+    (``functional.grouped_weight``); ``saved`` then lacks the weight's copies. Default (CPU):
+    fp32 math (fp64 stays fp64) in high precision, the exact emulation of the FP8 GEMMs."""
     values = locals()
     return _forward(_Args(*(values[name] for name in _Args._fields)), cuda=False)
 
@@ -497,8 +529,9 @@ def _grouped_linear_fwd_fake(*args):
     u8, f32 = torch.uint8, torch.float32
     kind = grouped_gemm_kind(a.recipe, a.emulate)
     saved = []
+    pre = a.weight_data is not None  # the weight's copies are inputs, not in saved
     if kind == "scaled_grouped_mm":
-        saved = [inp.new_empty(g, k, n, dtype=u8), inp.new_empty(g, k, dtype=f32)]
+        saved = [] if pre else [inp.new_empty(g, k, n, dtype=u8), inp.new_empty(g, k, dtype=f32)]
         if a.fp8_wgrad and not a.save_original_input:
             cap = wgrad_capacity(inp.shape[0], g)
             saved += [inp.new_empty(k, cap, dtype=u8), inp.new_empty(g, k, dtype=f32)]
@@ -508,10 +541,13 @@ def _grouped_linear_fwd_fake(*args):
         cap = 128 * (inp.shape[0] // 128 + g)
         w_rows = _cdiv(k, a.weight_block_rows)
         saved = [inp.new_empty(k * cap, dtype=u8), inp.new_empty(k * cap // 128, dtype=f32)]
-        saved += [inp.new_empty(k, n, dtype=u8) for _ in range(g)]
-        saved += [inp.new_empty(w_rows, _cdiv(n, 128), dtype=f32) for _ in range(g)]
+        if not pre:
+            saved += [inp.new_empty(k, n, dtype=u8) for _ in range(g)]
+            saved += [inp.new_empty(w_rows, _cdiv(n, 128), dtype=f32) for _ in range(g)]
     elif kind == "dequantized":
-        saved = [inp.new_empty(inp.shape), a.weight.new_empty(a.weight.shape)]
+        saved = [inp.new_empty(inp.shape)]
+        if not pre:
+            saved.append(a.weight.new_empty(a.weight.shape))
     return out, saved
 
 
@@ -636,6 +672,14 @@ def _for_backward(a: _Args, saved: list[Tensor]) -> tuple[tuple, tuple]:
     keeps_inp = not a.recipe or (
         a.recipe in PER_TENSOR and (not a.fp8_wgrad or a.save_original_input)
     )
+    if a.weight_data is not None:  # the weight's copies for the backward are inputs
+        kind = grouped_gemm_kind(a.recipe, a.emulate)
+        if kind == "scaled_grouped_mm":
+            saved = [a.weight_data_t, a.weight_scale_t, *saved]
+        elif kind == "blockwise":  # stacked: the backward reads them so
+            saved = [*saved, a.weight_data_t, a.weight_scale_t]
+        else:
+            saved = [*saved, a.weight_data]
     tensors = (a.inp if keeps_inp else None, a.m_splits, a.weight, a.main_grad, a.scale,
                a.grad_amax, *saved)  # fmt: skip
     return tensors, tuple(a[5:11]) + (a.fp8_wgrad,)
@@ -734,6 +778,24 @@ def _samples(device: torch.device):
                torch.zeros(2, 32, 32, device=device), **block, emulate=True,
                weight_block_rows=128)  # fmt: skip
 
+    # A pre-quantised weight (functional.grouped_weight): delayed with the FP8 wgrad into
+    # main_grad, native blockwise (the stacked dgrad copies); the other kinds' kept weights are
+    # checked bit for bit in tests/modules/test_fp8_weight_cache.py.
+    def pre(w, **kw):
+        r = GroupedRecipe(**{k: v for k, v in kw.items() if k in GroupedRecipe._fields})
+        q = quantize_grouped_weight(w.detach(), r.recipe, r.fwd_dtype, r.power_2_scale,
+                                    r.weight_block_rows, r.emulate, r.scale)  # fmt: skip
+        return {**kw, **dict(zip(_Args._fields[-5:], q, strict=True))}
+
+    w = t(3, 32, 16, dtype=bf16)
+    yield call(t(40, 16, dtype=bf16), splits(11, 29, 0), w, None,
+               torch.zeros(3, 32, 16, device=device),
+               **pre(w, recipe="delayed", scale=scale.clone(),
+                     grad_amax=torch.zeros(1, device=device), fp8_wgrad=True))  # fmt: skip
+    w = t(3, 32, 144, dtype=bf16)
+    yield call(t(57, 144, dtype=bf16), splits(17, 0, 40), w, t(3, 32, dtype=bf16), None,
+               **pre(w, **block, power_2_scale=True))  # fmt: skip
+
 
 _grouped_linear = differentiable(
     grouped_linear_fwd,
@@ -767,6 +829,7 @@ def grouped_linear(
     return_amax: bool = False,
     delay_wgrad: bool = False,
     save_original_input: bool = False,
+    weight_quantized: Sequence[Tensor] | None = None,
 ) -> Tensor | tuple[Tensor, ...]:
     """Rows of ``inp`` split into groups by ``m_splits``; group ``g`` gets
     ``inp_g @ weight[g].T + bias[g]`` through ``te::grouped_linear_fwd`` with the recipe as data
@@ -778,7 +841,11 @@ def grouped_linear(
     ``compute()`` runs them later (``te.linear``'s ``delay_wgrad`` says more; eager only).
     ``save_original_input=True``: with ``fp8_wgrad`` the backward keeps ``inp`` itself rather
     than its FP8 copy and quantises it again for the wgrad GEMM (the same gradients); high
-    precision and the high-precision wgrad keep ``inp`` anyway; other recipes raise."""
+    precision and the high-precision wgrad keep ``inp`` anyway; other recipes raise.
+    ``weight_quantized``: ``weight`` already quantised by the recipe, the five tensors of
+    :func:`~te_compile.functional.quantize_grouped_weight` (same recipe arguments), used
+    instead of quantising ``weight`` (whose gradient is still computed)."""
+    check_weight_quantized("te.grouped_linear", "weight_quantized", weight_quantized)
     tensors = {"inp": inp, "weight": weight, "bias": bias, "main_grad": main_grad}
     if (
         not all(t is None or isinstance(t, Tensor) for t in tensors.values())
@@ -799,7 +866,7 @@ def grouped_linear(
         check_bool("te.grouped_linear", save_original_input=save_original_input)
     if (
         recipe or scale is not None or grad_amax is not None or fp8_wgrad or stash is not None
-        or save_original_input
+        or save_original_input or weight_quantized is not None
     ):  # fmt: skip
         check_bool(
             "te.grouped_linear", power_2_scale=power_2_scale, emulate=emulate,
@@ -807,6 +874,8 @@ def grouped_linear(
         )  # fmt: skip
         args += (recipe, fwd_dtype, bwd_dtype, power_2_scale, weight_block_rows, emulate, scale,
                  grad_amax, fp8_wgrad, stash, save_original_input)  # fmt: skip
+        if weight_quantized is not None:
+            args += tuple(weight_quantized)
     out, saved = _grouped_linear(*args)
     if not (return_amax or stash is not None):
         return out

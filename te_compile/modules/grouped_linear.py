@@ -28,6 +28,14 @@ history (input, weight and gradient of all groups; saved in the state_dict once 
 emulated (exact quantisation, grouped GEMMs of the dequantised values; NVFP4 with a global
 scale per expert for the tokens, the weight and the gradient, as each expert's own tensor).
 
+``forward(inp, m_splits, is_first_microbatch=None)``: under an FP8 autocast, ``None`` casts the
+weights every call; ``True`` casts all groups' weights (either layout) in one
+``te::quantize_grouped_weight`` and keeps the FP8 copy (plain tensors, not in the state_dict);
+``False`` reuses the kept copy without casting, however the weights changed since (gradient
+accumulation: one cast per optimizer step), as in Transformer Engine and
+:class:`~te_compile.Linear` (``quantization.gemm``, "Weight caching"). Outside an FP8 autocast
+it changes nothing.
+
 ``fuse_wgrad_accumulation=True``: the weight gradient is accumulated in fp32 into a
 ``main_grad`` instead of producing ``.grad``: ``weight.main_grad`` ``[num_gemms, out, in]`` in the
 single layout; in the default layout ``weight{i}.main_grad`` must be ``buffer[i]`` of one fp32
@@ -176,6 +184,8 @@ class GroupedLinear(DelayedWgrad, nn.Module):
             self.set_partition_stride(1)
         # Delayed-scaling state of the grouped GEMM (in the state_dict once delayed scaling ran).
         self.fp8_meta = _fp8.FP8GemmState(device)
+        # is_first_microbatch: all groups' weights as one kept [num_gemms, out, in] cast.
+        self._fp8_weights = _gemm.kept_weights("weight")
         self.reset_parameters()
 
     @property
@@ -270,13 +280,10 @@ class GroupedLinear(DelayedWgrad, nn.Module):
         m_splits: Tensor | Sequence[int],
         is_first_microbatch: bool | None = None,
     ) -> Tensor:
+        cache = None
         if is_first_microbatch is not None:
             _gemm.check_first_microbatch("GroupedLinear", is_first_microbatch)
-            if _gemm.quantized():  # outside an FP8 autocast it changes nothing (as in TE)
-                raise NotImplementedError(
-                    "GroupedLinear: is_first_microbatch (a kept FP8 weight) is not implemented "
-                    f"for grouped GEMMs; pass None, got {is_first_microbatch}"
-                )
+            cache = _gemm.WeightCache(self._fp8_weights, is_first_microbatch)
         if not isinstance(inp, Tensor):
             raise TypeError(f"GroupedLinear: inp must be a torch.Tensor, got {type(inp).__name__}")
         weight = self.weight if self.single_weight else torch.stack(self.weights())
@@ -298,6 +305,7 @@ class GroupedLinear(DelayedWgrad, nn.Module):
                 main_grad,
                 defer,
                 self.save_original_input,
+                cache,
             )
 
         def add_expert_bias(out: Tensor, b: Tensor) -> Tensor:

@@ -9,7 +9,8 @@ permuted so that each expert's rows are consecutive (``m_splits[e]`` rows for ex
 as grouped FC1 (``fc1``, a :class:`~te_compile.GroupedLinear` with ``2 * ffn_hidden_size``
 outputs for gated activations) -> the activation op -> grouped FC2 (``fc2``). With a device
 ``m_splits`` nothing syncs with the host and a compiled step does not recompile when the
-routing changes.
+routing changes. ``forward(inp, m_splits, is_first_microbatch=None)``: passed to both
+GroupedLinears (kept FP8 weights under an FP8 autocast, :class:`~te_compile.GroupedLinear`).
 
 GLU layout: by default FC1's outputs are ``[activation half | linear half]`` per expert, as in
 Transformer Engine's dense modules. ``glu_interleave_size=k`` stores FC1's rows in blocks of
@@ -52,6 +53,7 @@ from te_compile.functional.activation import ACTIVATIONS, GATED_ACTIVATIONS
 from te_compile.functional.glu_layout import deinterleave_glu_tensor, interleave_glu_tensor
 from te_compile.modules._common import check_bool, check_choice, check_positive
 from te_compile.modules.grouped_linear import GroupedLinear
+from te_compile.quantization.gemm import check_first_microbatch
 from te_compile.quantization.primary import refuse_primary
 
 __all__ = ["GroupedMLP", "convert_glu_layout"]
@@ -166,13 +168,20 @@ class GroupedMLP(nn.Module):
         self.fc1.set_tensor_parallel_group(tp_group)
         self.fc2.set_tensor_parallel_group(tp_group)
 
-    def forward(self, inp: Tensor, m_splits: Tensor | Sequence[int]) -> Tensor:
+    def forward(
+        self,
+        inp: Tensor,
+        m_splits: Tensor | Sequence[int],
+        is_first_microbatch: bool | None = None,
+    ) -> Tensor:
         if not isinstance(inp, Tensor):
             raise TypeError(f"GroupedMLP: inp must be a torch.Tensor, got {type(inp).__name__}")
+        if is_first_microbatch is not None:
+            check_first_microbatch("GroupedMLP", is_first_microbatch)
         splits = F.as_splits_tensor(m_splits)  # a list becomes a tensor once, not twice
-        h = self.fc1(inp, splits)
+        h = self.fc1(inp, splits, is_first_microbatch)
         h = F.bias_activation(h, None, self.activation, self.glu_interleave_size)
-        return self.fc2(h, splits)
+        return self.fc2(h, splits, is_first_microbatch)
 
     def extra_repr(self) -> str:
         return (

@@ -21,7 +21,9 @@ GEMM's input exists.
 
 Weight caching (``is_first_microbatch``, Transformer Engine's semantics): a module hands the
 entry points a :class:`WeightCache`, its store of pre-quantised weights
-(``functional.quantize_weight``, plain tensors) and the forward's ``is_first_microbatch``.
+(``functional.quantize_weight``, or ``functional.quantize_grouped_weight`` for the ``[G, N,
+K]`` weight of :func:`grouped_linear`; plain tensors) and the forward's
+``is_first_microbatch``.
 ``None``: the op quantises the weight itself, every call; ``True``: the weight is quantised now
 (``te::quantize_weight``, with the GEMM's delayed weight scale under DelayedScaling, its amax
 measured at the cast) and kept; ``False``: the kept copy is used as it is, however the weight
@@ -184,10 +186,17 @@ def check_primary(owner: str, state: AutocastState) -> None:
 
 
 def cached_weight(
-    args: GemmArgs, weight: Tensor, cache: WeightCache | None, name: str, index: int = 0
+    args: GemmArgs,
+    weight: Tensor,
+    cache: WeightCache | None,
+    name: str,
+    index: int = 0,
+    *,
+    grouped: bool = False,
 ) -> list[Tensor] | None:
-    """The pre-quantised ``weight`` (``functional.quantize_weight``) that ``cache`` gives for
-    GEMM ``index`` of ``args`` (module docstring), or None: the op quantises ``weight``."""
+    """The pre-quantised ``weight`` (``functional.quantize_weight``; ``grouped``: a ``[G, N,
+    K]`` weight by ``functional.quantize_grouped_weight``) that ``cache`` gives for GEMM
+    ``index`` of ``args`` (module docstring), or None: the op quantises ``weight``."""
     if cache is None or cache.first is None or not args.recipe:
         return None
     per_tensor = args.recipe in PER_TENSOR  # current and delayed casts are interchangeable
@@ -197,8 +206,9 @@ def cached_weight(
     if not cache.first and kept.key == key:  # True never reads it (a compiled True step does
         return kept.tensors  # not guard on it)
     scale = args.scales[index] if args.recipe == "delayed" else None
-    tensors = F.quantize_weight(weight.detach(), args.recipe, args.fwd_dtype, args.power_2_scale,
-                                args.weight_block_rows, args.emulate, scale)  # fmt: skip
+    cast = F.quantize_grouped_weight if grouped else F.quantize_weight
+    tensors = cast(weight.detach(), args.recipe, args.fwd_dtype, args.power_2_scale,
+                   args.weight_block_rows, args.emulate, scale)  # fmt: skip
     kept.key, kept.tensors = key, tensors
     return tensors
 
@@ -543,6 +553,7 @@ def grouped_linear(
     main_grad: Tensor | None = None,
     defer: list | None = None,
     save_original_input: bool = False,
+    cache: WeightCache | None = None,
 ) -> Tensor:
     """A module's grouped GEMM (``weight`` ``[G, N, K]``) through ``te::grouped_linear`` with
     the autocast state's recipe (high precision outside it). Under the per-tensor recipes the
@@ -560,7 +571,10 @@ def grouped_linear(
     backward must keep the input itself, not a quantised copy: what high precision and
     ``Float8CurrentScaling`` (its FP8 wgrad operand quantised again in the backward) do;
     DelayedScaling refuses it (as Transformer Engine), the block-scaled recipes, which save
-    quantised copies, do not implement it."""
+    quantised copies, do not implement it. ``cache``: the module's kept FP8 weight
+    (``is_first_microbatch``, entry ``"weight"``: all groups' ``[G, N, K]`` weight in one
+    ``functional.quantize_grouped_weight`` cast), handed to ``te::grouped_linear`` as its
+    pre-quantised weight."""
     state = get_autocast_state()
     if state.calibration:
         state = calibrate(owner, state, (meta,), (inp,), (weight,))
@@ -596,6 +610,9 @@ def grouped_linear(
         kw["delay_wgrad"] = True
     if args.recipe in PER_TENSOR:
         kw["fp8_wgrad"] = _GROUPED_FP8_WGRAD
+    weight_q = cached_weight(args, weight, cache, "weight", grouped=True)
+    if weight_q is not None:
+        kw["weight_quantized"] = weight_q
     if args.recipe in PER_TENSOR and state.recipe.delayed():
         out, *rest, amax = F.grouped_linear(
             inp, m_splits, weight, bias, main_grad=main_grad, scale=args.scales[0],

@@ -1,6 +1,7 @@
 """``forward(..., is_first_microbatch=...)``: the FP8 weight cast once per optimizer step and
-kept (``quantization.gemm``, "Weight caching"), on Linear, LayerNormLinear, LayerNormMLP and
-through MultiheadAttention / TransformerLayer. The kept copy gives the bytes of the per-call
+kept (``quantization.gemm``, "Weight caching"), on Linear, LayerNormLinear, LayerNormMLP,
+through MultiheadAttention / TransformerLayer, and on GroupedLinear (both parameter layouts) /
+GroupedMLP. The kept copy gives the bytes of the per-call
 cast; with False the weight is not cast again (a changed weight is not seen until True)."""
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ import torch
 
 import te_compile as te
 from te_compile.functional import gemm as fgemm
+from te_compile.functional import grouped_fp8, grouped_weight
 from te_compile.quantization import (
     DelayedScaling,
     Float8BlockScaling,
     Float8CurrentScaling,
     MXFP8BlockScaling,
+    NVFP4BlockScaling,
     autocast,
 )
 from tests.utils import DEVICES, compile_counted
@@ -203,12 +206,214 @@ def test_transformer_layer_passes_it_through():
     assert not torch.equal(y1, y2)  # the norms' weights changed; the GEMM weights are kept
 
 
-def test_grouped_linear_refuses_a_kept_weight():
-    m = te.GroupedLinear(2, 32, 32, params_dtype=torch.bfloat16)
-    x = torch.randn(32, 32, dtype=torch.bfloat16)
-    assert torch.equal(m(x, [16, 16], is_first_microbatch=True), m(x, [16, 16]))  # no FP8
-    with (
-        autocast(recipe=Float8CurrentScaling()),
-        pytest.raises(NotImplementedError, match="grouped"),
-    ):
-        m(x, [16, 16], is_first_microbatch=False)
+# GroupedLinear / GroupedMLP ---------------------------------------------------------------------
+
+GROUPED_RECIPES = {
+    **RECIPES,
+    "nvfp4": lambda: NVFP4BlockScaling(disable_rht=True, disable_stochastic_rounding=True),
+}
+SPLITS = [13, 0, 35]
+
+
+def _grouped(device, single=False):
+    torch.manual_seed(0)
+    return te.GroupedLinear(3, 64, 32, params_dtype=torch.bfloat16, device=device,
+                            single_grouped_parameter=single)  # fmt: skip
+
+
+def _gx(device, step=0, features=64):
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(sum(SPLITS), features, generator=g)
+    return x.to(device, torch.bfloat16).requires_grad_()
+
+
+def _grouped_step(m, x, recipe, first):
+    with autocast(recipe=recipe):
+        y = m(x, SPLITS, is_first_microbatch=first)
+    y.float().square().mean().backward()
+    return y.detach(), x.grad, [p.grad for p in m.parameters()]
+
+
+# Every layout of the kept weight (per-tensor, blockwise, dequantised: MXFP8 shares NVFP4's) in
+# the per-group layout; the single layout (the weight passed as is) once more.
+_GROUPED_CASES = [(kind, False) for kind in GROUPED_RECIPES if kind != "mxfp8"] + [("block", True)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("kind", "single"), _GROUPED_CASES)
+def test_grouped_kept_weight_gives_the_per_call_cast(device, kind, single):
+    """True and False give exactly the output and gradients of None, every grouped recipe and
+    both parameter layouts (DelayedScaling: True only, as for Linear)."""
+    runs = {}
+    for first in (None, True, False):
+        m, recipe = _grouped(device, single), GROUPED_RECIPES[kind]()
+        # A False first step casts and keeps (nothing kept yet), as Linear and TE do.
+        runs[first] = [_grouped_step(m, _gx(device, s), recipe, first) for s in range(2)]
+        m.zero_grad()
+    for first in (True, False) if kind != "delayed" else (True,):
+        for (y, dx, dps), (y0, dx0, dps0) in zip(runs[first], runs[None], strict=True):
+            assert torch.equal(y, y0) and torch.equal(dx, dx0)
+            assert all(torch.equal(a, b) for a, b in zip(dps, dps0, strict=True))
+
+
+class _GroupedCasts:
+    """Counts the per-tensor casts of a grouped weight: ``op`` in ``te::quantize_grouped_weight``
+    (the kept copy), ``inline`` inside the grouped GEMM op (the per-call cast)."""
+
+    def __enter__(self):
+        self.op = self.inline = 0
+        cast = grouped_fp8.per_tensor_weight
+
+        def counted(attr):
+            def fn(*args):
+                setattr(self, attr, getattr(self, attr) + 1)
+                return cast(*args)
+
+            return fn
+
+        self._patches = [
+            mock.patch.object(grouped_weight, "per_tensor_weight", counted("op")),
+            mock.patch.object(grouped_fp8, "per_tensor_weight", counted("inline")),
+        ]
+        for p in self._patches:
+            p.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        for p in self._patches:
+            p.__exit__(*exc)
+
+
+@pytest.mark.parametrize(("kind", "single"), [("current", False), ("delayed", True)])
+def test_grouped_false_does_not_cast_again(kind, single):
+    """One cast of all groups' weights with True, none with False (a weight changed in between
+    is not seen until the next True), one inside the op every None call."""
+    m, recipe, x = _grouped("cpu", single), RECIPES[kind](), _gx("cpu")
+    with _GroupedCasts() as casts:
+        y_true, *_ = _grouped_step(m, x, recipe, True)
+        assert (casts.op, casts.inline) == (1, 0)
+        y_false, *_ = _grouped_step(m, x, recipe, False)
+        with torch.no_grad():
+            for w in m.weights():
+                w.mul_(2.0)
+        y_stale, *_ = _grouped_step(m, x, recipe, False)
+        assert (casts.op, casts.inline) == (1, 0)  # nothing cast
+        y_new, *_ = _grouped_step(m, x, recipe, True)
+        assert (casts.op, casts.inline) == (2, 0)
+        _grouped_step(m, x, recipe, None)
+        assert (casts.op, casts.inline) == (2, 1)
+    if kind == "current":  # delayed: the scales move with the recorded amaxes
+        assert torch.equal(y_true, y_false) and torch.equal(y_true, y_stale)
+    assert not torch.equal(y_stale, y_new)
+
+
+def test_grouped_delayed_records_the_amax_of_the_cast():
+    m, recipe, x = _grouped("cpu"), DelayedScaling(amax_history_len=4), _gx("cpu")
+    _grouped_step(m, x, recipe, True)  # the state's first step: current scaling, amaxes kept
+    _grouped_step(m, x, recipe, True)  # a delayed-scaling cast
+    amax = torch.stack(m.weights()).detach().abs().max().float()
+    assert torch.equal(m.fp8_meta.fwd_amax[1], amax)
+    with torch.no_grad():
+        for w in m.weights():
+            w.mul_(4.0)
+    _grouped_step(m, x, recipe, False)
+    assert torch.equal(m.fp8_meta.fwd_amax[1], amax)  # the kept cast's, not the new weights'
+    _grouped_step(m, x, recipe, True)
+    assert torch.equal(m.fp8_meta.fwd_amax[1], 4 * amax)
+
+
+def test_grouped_outside_autocast_nothing_is_kept():
+    m, x = _grouped("cpu"), _gx("cpu")
+    assert torch.equal(m(x, SPLITS, is_first_microbatch=True), m(x, SPLITS))
+    assert m._fp8_weights["weight"].tensors is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grouped_compiled_true_false_one_graph_each(device):
+    """Compiled fullgraph with a device m_splits: one compile for True and one for False,
+    values and gradients as eager (on CUDA: te::quantize_grouped_weight traced through)."""
+    recipe = Float8CurrentScaling()
+    eager, compiled_m = _grouped(device, single=True), _grouped(device, single=True)
+    splits = torch.tensor(SPLITS, device=device)
+
+    def forward(m, x, first):
+        with autocast(recipe=recipe):
+            return m(x, splits, is_first_microbatch=first)
+
+    fn, counter = compile_counted(forward, backend="aot_eager")
+    for s, first in enumerate((True, False, False, True, False)):
+        x = _gx(device, s)
+        y = fn(compiled_m, x, first)
+        y0 = forward(eager, x.detach().clone().requires_grad_(), first)
+        assert torch.equal(y, y0)
+        for out in (y, y0):
+            out.float().square().mean().backward()
+        if first:  # a new weight each optimizer step: the False steps must not see it
+            for m in (eager, compiled_m):
+                with torch.no_grad():
+                    m.weight.add_(0.01)
+    assert counter.frame_count == 2
+    for p, p0 in zip(compiled_m.parameters(), eager.parameters(), strict=True):
+        assert torch.equal(p.grad, p0.grad)
+
+
+def test_grouped_mlp_passes_it_to_both_gemms():
+    torch.manual_seed(0)
+    mlp = te.GroupedMLP(3, 64, 32, activation="swiglu", params_dtype=torch.bfloat16)
+    x, recipe = _gx("cpu"), Float8CurrentScaling()
+    with autocast(recipe=recipe):
+        y0 = mlp(x, SPLITS)
+        y1 = mlp(x, SPLITS, is_first_microbatch=True)
+        with torch.no_grad():
+            for p in mlp.parameters():
+                p.mul_(1.5)
+        y2 = mlp(x, SPLITS, is_first_microbatch=False)
+        y3 = mlp(x, SPLITS)
+    assert torch.equal(y0, y1) and torch.equal(y1, y2) and not torch.equal(y2, y3)
+    assert all(fc._fp8_weights["weight"].tensors is not None for fc in (mlp.fc1, mlp.fc2))
+    with pytest.raises(ValueError, match="GroupedMLP: is_first_microbatch must be None, True "):
+        mlp(x, SPLITS, is_first_microbatch="yes")
+
+
+def test_grouped_weight_fake_matches_every_kind():
+    """te::quantize_grouped_weight's fake gives the real tensors' shapes and dtypes for every
+    recipe kind (the registry opchecks two)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    e4, scale = torch.float8_e4m3fn, torch.tensor([8.0, 16.0, 1.0])
+    cases = [("current", False, 1, False, None), ("delayed", False, 1, False, scale),
+             ("block", True, 128, False, None), ("block", False, 128, True, None),
+             ("mxfp8", False, 1, True, None), ("nvfp4", False, 16, True, None)]  # fmt: skip
+    w = torch.randn(2, 32, 64, dtype=torch.bfloat16)
+    op = torch.ops.te.quantize_grouped_weight.default
+    for recipe, p2, rows, emulate, s in cases:
+        real = op(w, recipe, e4, p2, rows, emulate, s)
+        with FakeTensorMode() as mode:
+            fw = mode.from_tensor(w)
+            fs = None if s is None else mode.from_tensor(s)
+            fake = op(fw, recipe, e4, p2, rows, emulate, fs)
+        got = [(tuple(t.shape), t.dtype) for t in fake]
+        assert got == [(tuple(t.shape), t.dtype) for t in real], recipe
+
+
+def test_grouped_linear_bad_pre_quantised_weight():
+    """The functional API: a weight_quantized that is not this weight's cast is refused by
+    name (shape and dtype), in eager and under torch.compile."""
+    x, w = _gx("cpu").detach(), torch.randn(3, 32, 64, dtype=torch.bfloat16)
+    q = te.functional.quantize_grouped_weight(w[:2], "current", torch.float8_e4m3fn, False, 1,
+                                              False, None)  # fmt: skip
+
+    def call(x, w):
+        return te.functional.grouped_linear(x, SPLITS, w, recipe="current", weight_quantized=q)
+
+    message = r"weight_data must be torch.uint8 \[3, 32, 64\]"
+    with pytest.raises(ValueError, match=message):
+        call(x, w)
+    with pytest.raises(Exception, match=message):  # dynamo wraps the fake's ValueError
+        torch.compile(call, backend="aot_eager", fullgraph=True)(x, w)
+    with pytest.raises(ValueError, match="weight_quantized must be the 5 tensors"):
+        te.functional.grouped_linear(x, SPLITS, w, recipe="current", weight_quantized=q[:4])
+    full = te.functional.quantize_grouped_weight(w, "current", torch.float8_e4m3fn, False, 1,
+                                                 False, None)  # fmt: skip
+    with pytest.raises(ValueError, match="needs a quantised recipe"):
+        te.functional.grouped_linear(x, SPLITS, w, weight_quantized=full)

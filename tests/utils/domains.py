@@ -550,6 +550,9 @@ DOMAINS: dict[str, dict[str, Domain]] = {
         "scale": TENSOR(),
         "grad_amax": TENSOR(),
         "fp8_wgrad": SWITCH(),
+        "weight_quantized": Domain(
+            "the tensors of te.functional.quantize_grouped_weight, or None", (3, "w", [1])
+        ),
     },
     "te.functional.l2normalization": {"inp": TENSOR()},
     "te.functional.layernorm": {"weight": TENSOR(LAST), "bias": TENSOR(LAST)},
@@ -589,6 +592,15 @@ DOMAINS: dict[str, dict[str, Domain]] = {
         "norm_bias": TENSOR(LAST),
         "fc1_weight_quantized": _WEIGHT_QUANTIZED,
         "fc2_weight_quantized": _WEIGHT_QUANTIZED,
+    },
+    "te.functional.quantize_grouped_weight": {
+        "weight": TENSOR(EXTRA),
+        "recipe": CHOICE("current", "delayed", "block", "mxfp8", "nvfp4"),
+        "fwd_dtype": CHOICE(torch.float8_e4m3fn, torch.float8_e5m2),
+        "power_2_scale": SWITCH(),
+        "weight_block_rows": CHOICE(1, 128),
+        "emulate": SWITCH(),
+        "scale": TENSOR(),
     },
     "te.functional.quantize_weight": {
         "weight": TENSOR(EXTRA),

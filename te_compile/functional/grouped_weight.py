@@ -1,0 +1,199 @@
+r"""The grouped linear family's pre-quantised weight: ``te::quantize_grouped_weight``.
+
+The dense families' design (``functional.gemm``, "Pre-quantised weights") for the grouped GEMM:
+``te::grouped_linear_fwd`` may take its ``[G, N, K]`` weight already quantised, as the same five
+plain tensors by the same names (``functional.gemm.WEIGHT_OPERAND``), made by
+:func:`quantize_grouped_weight` with the very functions the forward casts with, so the bytes
+are those of the forward's own cast. The op then does not quantise ``weight`` (it still takes
+it: its shape, and its gradient) and saves the weight's dgrad copy for the backward from its
+inputs. ``GroupedLinear`` uses it to cast its weights once per optimizer step
+(``is_first_microbatch``, ``quantization.gemm``).
+
+The five tensors by the GEMM kind of the recipe (``grouped_linear.grouped_gemm_kind``):
+
+=======================  ======================================================================
+kind                     ``weight_data``, ``weight_scale``, ``weight_data_t``,
+                         ``weight_scale_t``, ``weight_amax``
+=======================  ======================================================================
+``"scaled_grouped_mm"``  uint8 codes ``[G, N, K]``, fp32 inverse scales ``[G, N]`` (current:
+                         one per output row; delayed: the per-tensor one broadcast), codes
+                         ``[G, K, N]`` of the dgrad copy (current: quantised along ``N``),
+                         its scales ``[G, K]``, ``amax(W)`` ``[1]`` measured at the cast
+``"blockwise"``          uint8 codes ``[G, N, K]``, fp32 block scales ``[G, N / rows, K / 128]``
+                         (``rows`` = ``weight_block_rows``, rounded up), codes ``[G, K, N]``,
+                         scales ``[G, K / rows, N / 128]``, a 0-element amax
+``"dequantized"``        the exact dequantised values ``[G, N, K]`` in the weight's dtype (the
+                         emulated block-scaled recipes; NVFP4 with a global scale per expert),
+                         then four 0-element fp32 tensors
+=======================  ======================================================================
+
+Current and delayed scaling take each other's weight (both kinds' GEMMs read a scale per row):
+a copy cast under one serves the other, as in the dense family.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from te_compile._checks import check_bool, check_tensor, check_tensors
+from te_compile._library import SampleInput, op
+from te_compile.functional.gemm import (
+    FP8_DTYPES,
+    HIGH_DTYPES,
+    PER_TENSOR,
+    RECIPES,
+    WEIGHT_OPERAND,
+    check_recipe,
+)
+from te_compile.functional.grouped_fp8 import per_tensor_weight
+from te_compile.functional.grouped_gemm import (
+    GroupedRecipe,
+    blockwise_weight,
+    dequantized_weight,
+)
+
+__all__ = ["check_grouped_weight_operand", "quantize_grouped_weight"]
+
+_E4M3 = torch.float8_e4m3fn
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _kind(recipe: str, emulate: bool) -> str:
+    if recipe in PER_TENSOR:
+        return "scaled_grouped_mm"
+    return "blockwise" if recipe == "block" and not emulate else "dequantized"
+
+
+def _shapes(recipe: str, weight: Tensor, block_rows: int, emulate: bool):
+    """``[(shape, dtype)]`` of the five tensors of ``weight`` ``[G, N, K]`` pre-quantised."""
+    g, n, k = weight.shape
+    f32, u8 = torch.float32, torch.uint8
+    kind = _kind(recipe, emulate)
+    if kind == "scaled_grouped_mm":
+        return [((g, n, k), u8), ((g, n), f32), ((g, k, n), u8), ((g, k), f32), ((1,), f32)]
+    if kind == "blockwise":
+        r = block_rows
+        s, s_t = (g, _cdiv(n, r), _cdiv(k, 128)), (g, _cdiv(k, r), _cdiv(n, 128))
+        return [((g, n, k), u8), (s, f32), ((g, k, n), u8), (s_t, f32), ((0,), f32)]
+    return [((g, n, k), weight.dtype)] + [((0,), f32)] * 4
+
+
+def check_grouped_weight_operand(
+    p: str, recipe: str, weight: Tensor, block_rows: int, emulate: bool, tensors
+) -> None:
+    """The pre-quantised weight ``tensors`` (five, or all None) of ``te::grouped_linear_fwd``
+    whose weight is ``weight`` ``[G, N, K]`` (``p`` begins the messages)."""
+    given = [t is not None for t in tensors]
+    if not any(given):
+        return
+    if not all(given):
+        raise ValueError(p + f"the pre-quantised weight is all of {WEIGHT_OPERAND} or none")
+    if not recipe:
+        raise ValueError(p + "a pre-quantised weight needs a quantised recipe (recipe is '')")
+    for name, t, (shape, dtype) in zip(
+        WEIGHT_OPERAND, tensors, _shapes(recipe, weight, block_rows, emulate), strict=True
+    ):
+        codes = dtype is torch.uint8 and t.dtype in FP8_DTYPES
+        if tuple(t.shape) != shape or not (t.dtype is dtype or codes):
+            raise ValueError(
+                p + f"{name} must be {dtype} {list(shape)} for recipe {recipe!r} (emulate="
+                f"{emulate}) and weight {list(weight.shape)}, got {t.dtype} {list(t.shape)} "
+                "(make it with te_compile.functional.quantize_grouped_weight)"
+            )
+
+
+def _check(weight, recipe, fwd_dtype, weight_block_rows, emulate, scale) -> None:
+    p = "te.quantize_grouped_weight: "
+    check_recipe(p, recipe, fwd_dtype, fwd_dtype, weight_block_rows, emulate, scale, None)
+    if not recipe:
+        raise ValueError(p + "recipe must be a quantised kind, got ''")
+    if weight.dim() != 3 or weight.dtype not in HIGH_DTYPES + (torch.float64,):
+        raise ValueError(
+            p + f"weight must be a 3-D floating tensor [num_gemms, out_features, in_features], "
+            f"got {weight.dim()}-D {weight.dtype}"
+        )
+
+
+def _impl(weight, recipe, fwd_dtype, power_2_scale, weight_block_rows, emulate, scale):
+    _check(weight, recipe, fwd_dtype, weight_block_rows, emulate, scale)
+    kind = _kind(recipe, emulate)
+    none = weight.new_empty(0, dtype=torch.float32)
+    if kind == "scaled_grouped_mm":
+        w_scale = scale[1:2] if recipe == "delayed" else None
+        wq, ws, wq_t, ws_t, amax = per_tensor_weight(weight, fwd_dtype, w_scale, True)
+        return [wq.view(torch.uint8), ws, wq_t.view(torch.uint8), ws_t, amax]
+    if kind == "blockwise":
+        return [*blockwise_weight(weight, power_2_scale, weight_block_rows), none]
+    r = GroupedRecipe(recipe, fwd_dtype, power_2_scale=power_2_scale,
+                      weight_block_rows=weight_block_rows, emulate=emulate)  # fmt: skip
+    return [dequantized_weight(weight, r), none, none.clone(), none.clone(), none.clone()]
+
+
+def _samples(device: torch.device):
+    def w(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, device=device, dtype=dtype)
+
+    e4 = _E4M3
+    # Two layouts (a full opcheck costs ~3 s each on the CPU): tests/modules/
+    # test_fp8_weight_cache.py checks every kind's bytes and its fake's shapes.
+    yield SampleInput((w(3, 32, 16), "current", e4, False, 1, False, None))
+    yield SampleInput((w(2, 32, 144), "block", e4, True, 1, False, None))
+
+
+@op("quantize_grouped_weight", sample_inputs=_samples)
+def quantize_grouped_weight_op(
+    weight: Tensor,
+    recipe: str,
+    fwd_dtype: torch.dtype,
+    power_2_scale: bool,
+    weight_block_rows: int,
+    emulate: bool,
+    scale: Tensor | None,
+) -> list[Tensor]:
+    """``te::quantize_grouped_weight``: :func:`quantize_grouped_weight` without the argument
+    checks."""
+    return _impl(weight, recipe, fwd_dtype, power_2_scale, weight_block_rows, emulate, scale)
+
+
+@quantize_grouped_weight_op.register_fake
+def _fake(weight, recipe, fwd_dtype, power_2_scale, weight_block_rows, emulate, scale):
+    _check(weight, recipe, fwd_dtype, weight_block_rows, emulate, scale)
+    return [weight.new_empty(shape, dtype=dtype)
+            for shape, dtype in _shapes(recipe, weight, weight_block_rows, emulate)]  # fmt: skip
+
+
+def quantize_grouped_weight(
+    weight: Tensor,
+    recipe: str,
+    fwd_dtype: torch.dtype,
+    power_2_scale: bool,
+    weight_block_rows: int,
+    emulate: bool,
+    scale: Tensor | None,
+) -> list[Tensor]:
+    """``weight`` ``[num_gemms, N, K]`` as ``te.functional.grouped_linear``'s pre-quantised
+    weight operand (``weight_quantized``; module docstring): ``[data, scale, data_t, scale_t,
+    amax]``, quantised as the grouped op would quantise it inside (``scale``: the GEMM's
+    delayed scales ``[3]``, whose weight slot is used, with ``recipe="delayed"``; ``emulate``
+    as the op gets it). ``te::quantize_grouped_weight`` after the checks of its arguments."""
+    p = "te.quantize_grouped_weight"
+    check_tensor(p, "weight", weight)
+    if weight.dim() != 3:
+        raise ValueError(
+            f"{p}: weight must be 3-D [num_gemms, out_features, in_features], got shape "
+            f"{list(weight.shape)}"
+        )
+    if not isinstance(recipe, str):
+        raise TypeError(f"{p}: recipe must be a str, one of {RECIPES[1:]}, got {recipe!r}")
+    if not isinstance(fwd_dtype, torch.dtype):
+        raise TypeError(f"{p}: fwd_dtype must be an FP8 torch.dtype, got {fwd_dtype!r}")
+    check_bool(p, power_2_scale=power_2_scale, emulate=emulate)
+    if isinstance(weight_block_rows, bool) or not isinstance(weight_block_rows, int):
+        raise TypeError(f"{p}: weight_block_rows must be an int, got {weight_block_rows!r}")
+    check_tensors(p, scale=scale)
+    return quantize_grouped_weight_op(weight, recipe, fwd_dtype, power_2_scale,
+                                      weight_block_rows, emulate, scale)  # fmt: skip
