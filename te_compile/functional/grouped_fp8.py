@@ -197,7 +197,7 @@ def quantize_group_columns(
     m_splits: Tensor,
     fp8_dtype: torch.dtype,
     scale: Tensor | None = None,
-    device_splits: tuple[Tensor, Tensor] | None = None,
+    splits_ends: tuple[Tensor, Tensor] | None = None,
     e4m3_codes: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """A grouped wgrad operand: ``(data_t, scale_inv, pad_ends)``. Every column of every token
@@ -209,14 +209,14 @@ def quantize_group_columns(
     ``pad_ends`` int32 ``[G]``, the padded groups' end offsets: the grouped GEMM's ``offs``.
     CUDA (float32/bfloat16/float16): one Triton launch on device offsets
     (``kernels.quantize.quantize_group_columns``, the same bytes as the loop below);
-    ``device_splits``: the ``(splits, ends)`` of :func:`device_splits` when the caller has
+    ``splits_ends``: the ``(splits, ends)`` of :func:`device_splits` when the caller has
     them already; ``e4m3_codes``: as in :func:`quantize_rowwise`."""
     groups, c = m_splits.shape[0], x.shape[1]
     capacity = wgrad_capacity(x.shape[0], groups)
     if x.is_cuda and x.dtype in HIGH_DTYPES:
         from te_compile.kernels import quantize
 
-        splits, ends = device_splits or device_splits(m_splits, x)
+        splits, ends = splits_ends if splits_ends is not None else device_splits(m_splits, x)
         pad_ends = torch.cumsum((splits + 15) // 16 * 16, 0, dtype=torch.int32)
         data_t, scale_inv = quantize.quantize_group_columns(
             x, ends, pad_ends, capacity, fp8_dtype, scale=scale, e4m3_codes=e4m3_codes
