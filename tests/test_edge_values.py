@@ -22,7 +22,7 @@ import torch
 
 import te_compile as te
 from te_compile import recipe as R
-from tests.utils import assert_close, assert_close_quantized
+from tests.utils import DEVICES, QUANTIZED_REL_ERROR, assert_close, assert_close_quantized
 
 RECIPES = {
     "none": None,
@@ -237,3 +237,156 @@ def test_zero_tokens(module_name, recipe):
 @pytest.mark.parametrize(("module_name", "recipe"), CASES, ids=IDS)
 def test_odd_hidden_size(module_name, recipe):
     _works_or_refused(module_name, recipe, 32, 67)
+
+
+# Overflow saturates. FP8 casts saturate (Transformer Engine's kernels convert with ``satfinite``):
+# a value whose scaled magnitude passes the format's max F (E4M3 448, E5M2 57344) becomes +-F.
+# Under delayed scaling a stale scale from a quiet amax history makes a new outlier overflow:
+# it quantises to F / scale, finite, and ``te.non_finite_amaxes`` stays silent (its amax is
+# finite). The scaling recipes that measure their own amax (current, block, MXFP8, NVFP4) keep
+# even values at the dtype's max in range: quantised and dequantised, they stay finite.
+
+E4M3_MAX, E5M2_MAX = 448.0, 57344.0
+HIGH_DTYPES = [
+    pytest.param(torch.float32, id="fp32"),
+    pytest.param(torch.bfloat16, id="bf16"),
+    pytest.param(torch.float16, id="fp16"),
+]
+QUANTIZE_RECIPES = {
+    "current": R.Float8CurrentScaling(),
+    "current-pow2": R.Float8CurrentScaling(use_power_2_scales=True),
+    "block": R.Float8BlockScaling(),
+    "mxfp8": R.MXFP8BlockScaling(),
+    "nvfp4": GROUPED_NVFP4,  # te.quantize applies neither RHT nor stochastic rounding
+}
+
+
+def _huge(shape, dtype):
+    """randn with the dtype's largest finite value (and its negative, and 0.9 of it) planted."""
+    x = torch.randn(*shape)
+    big = torch.finfo(dtype).max
+    x[3, 5], x[4, 7], x[6, 1] = big, -big, 0.9 * big
+    return x.to(dtype)
+
+
+def _assert_finite_codes_and_scales(q):
+    """FP8 codes and fp32 / E4M3 scales finite; MXFP8's E8M0 scales (uint8) not the NaN code
+    255; NVFP4's packed E2M1 codes have no non-finite values."""
+    for t in (q.data, q.scale_inv, q.global_scale):
+        if t is None:
+            continue
+        if t.dtype == torch.uint8:
+            assert q.kind != "mxfp8" or t is not q.scale_inv or (t != 255).all()
+        else:
+            assert t.float().isfinite().all(), q.kind
+
+
+@pytest.mark.parametrize("dtype", HIGH_DTYPES)
+@pytest.mark.parametrize("recipe", list(QUANTIZE_RECIPES))
+def test_values_at_the_dtype_max_quantise_finite(recipe, dtype):
+    x = _huge((32, 128), dtype)
+    x64 = x.double()
+    huge = x64.abs() > torch.finfo(dtype).max / 2
+    bound = QUANTIZED_REL_ERROR[recipe.removesuffix("-pow2")]
+    for role in ("input", "weight", "grad"):
+        q = te.quantize(x, QUANTIZE_RECIPES[recipe], role=role)
+        _assert_finite_codes_and_scales(q)
+        for out_dtype in (torch.float32, dtype):
+            d = te.dequantize(q, out_dtype).double()
+            assert d.isfinite().all(), (role, out_dtype)
+            # The outliers keep their value within the format's rounding error.
+            error = ((d - x64).abs() / x64.abs())[huge]
+            assert (error <= bound).all(), (role, out_dtype, error.max().item())
+
+
+@pytest.mark.parametrize(("role", "fp8_max"), [("input", E4M3_MAX), ("grad", E5M2_MAX)])
+def test_delayed_scaling_saturates_an_outlier_past_a_stale_scale(role, fp8_max):
+    """The scale of an amax history of 2 meets values 1e4 times larger: they quantise to
+    +-F / scale (E4M3 for inputs, E5M2 for gradients), the amax records them (finite)."""
+    scale = torch.tensor([fp8_max / 2.0])
+    x = torch.randn(32, 64)
+    x[3, 5], x[4, 7] = 2e4, -3e4
+    q = te.quantize(x, R.DelayedScaling(), role=role, scale=scale)
+    d = te.dequantize(q, torch.float32)
+    expected = x.double().clamp(-2.0, 2.0)  # F / scale
+    assert_close_quantized(d, expected, "delayed")
+    assert d[3, 5] == 2.0 and d[4, 7] == -2.0
+    assert q.amax.item() == 3e4
+
+
+def test_delayed_scaling_saturates_in_a_module_forward_and_backward():
+    """te.Linear under DelayedScaling after three quiet steps: an input outlier overflows the
+    stale input scale (E4M3) and a gradient outlier the stale gradient scale (E5M2). The output
+    and gradients are those of the saturated operands (float64 reference), finite, and
+    ``te.non_finite_amaxes`` reports nothing: the amaxes are finite."""
+    module = te.Linear(32, 32)
+    recipe = R.DelayedScaling(amax_history_len=4)
+    for _ in range(3):
+        with te.autocast(recipe=recipe):
+            y = module(torch.randn(32, 32))
+        y.backward(torch.randn_like(y))
+    module.zero_grad()
+    x = torch.randn(32, 32)
+    x[3, 5] = 1e4
+    x.requires_grad_()
+    with te.autocast(recipe=recipe):
+        y = module(x)
+    s_in, _, s_grad = module.fp8_meta.scale.tolist()  # the scales this step quantises with
+    assert 1e4 * s_in > E4M3_MAX
+    grad = torch.randn_like(y)
+    grad[2, 3] = 1e6
+    assert 1e6 * s_grad > E5M2_MAX
+    y.backward(grad)
+    assert y.isfinite().all() and _finite_grads(module, x)
+    assert te.non_finite_amaxes(module) == {}
+    x_sat = x.detach().double().clamp(-E4M3_MAX / s_in, E4M3_MAX / s_in)
+    g_sat = grad.double().clamp(-E5M2_MAX / s_grad, E5M2_MAX / s_grad)
+    w, b = module.weight.detach().double(), module.bias.detach().double()
+    assert_close_quantized(y, x_sat @ w.T + b, "delayed")
+    assert_close_quantized(x.grad, g_sat @ w, "delayed")
+    assert_close_quantized(module.weight.grad, g_sat.T @ x_sat, "delayed")
+
+
+def _grouped_reference(module, x64, splits):
+    """float64 ``GroupedLinear``: each group's rows times its weight, plus its bias."""
+    rows = x64.split(splits)
+    outs = [
+        r @ getattr(module, f"weight{g}").double().T + getattr(module, f"bias{g}").double()
+        for g, r in enumerate(rows)
+    ]
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", HIGH_DTYPES)
+@pytest.mark.parametrize("recipe", ["current", "block", "mxfp8", "nvfp4"])
+@pytest.mark.parametrize("module_name", ["Linear", "GroupedLinear"])
+def test_values_at_the_dtype_max_pass_a_module_finite(module_name, recipe, dtype, device):
+    """te.Linear and te.GroupedLinear (params in ``dtype``) under the recipes that scale from
+    the tensor's own amax: inputs holding the dtype's max give the float64 result within the
+    recipe's error, finite, forward and backward; nothing is reported."""
+    hidden = HIDDEN[recipe]
+    factory = {"params_dtype": dtype, "device": device}
+    splits = [16, 0, 16]
+    if module_name == "Linear":
+        module = te.Linear(hidden, hidden, **factory)
+    else:
+        module = te.GroupedLinear(3, hidden, hidden, **factory)
+    x = _huge((32, hidden), dtype).to(device).requires_grad_()
+    with _autocast(recipe, module_name):
+        y = module(x) if module_name == "Linear" else module(x, splits)
+    grad = torch.randn(y.shape) * 1e-2  # weight gradients x^T g stay in fp16's range
+    y.backward(grad.to(device, dtype))
+    assert y.isfinite().all() and _finite_grads(module, x)
+    assert te.non_finite_amaxes(module) == {}
+    x64, g64 = x.detach().cpu().double(), grad.to(dtype).double()
+    if module_name == "Linear":
+        w, b = module.weight.detach().cpu().double(), module.bias.detach().cpu().double()
+        assert_close_quantized(y, x64 @ w.T + b, recipe)
+        assert_close_quantized(x.grad, g64 @ w, recipe)
+        assert_close_quantized(module.weight.grad, g64.T @ x64, recipe)
+    else:
+        weights = [getattr(module, f"weight{g}").detach().cpu().double() for g in range(3)]
+        dx = torch.cat([g @ w for g, w in zip(g64.split(splits), weights, strict=True)])
+        assert_close_quantized(y, _grouped_reference(module, x64, splits), recipe)
+        assert_close_quantized(x.grad, dx, recipe)
