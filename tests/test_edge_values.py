@@ -247,11 +247,8 @@ def test_odd_hidden_size(module_name, recipe):
 # even values at the dtype's max in range: quantised and dequantised, they stay finite.
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
-HIGH_DTYPES = [
-    pytest.param(torch.float32, id="fp32"),
-    pytest.param(torch.bfloat16, id="bf16"),
-    pytest.param(torch.float16, id="fp16"),
-]
+DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+HIGH_DTYPES = [pytest.param(d, id=n) for n, d in DTYPE_NAMES.items()]
 QUANTIZE_RECIPES = {
     "current": R.Float8CurrentScaling(),
     "current-pow2": R.Float8CurrentScaling(use_power_2_scales=True),
@@ -281,37 +278,68 @@ def _assert_finite_codes_and_scales(q):
             assert t.float().isfinite().all(), q.kind
 
 
-@pytest.mark.parametrize("dtype", HIGH_DTYPES)
-@pytest.mark.parametrize("recipe", list(QUANTIZE_RECIPES))
-def test_values_at_the_dtype_max_quantise_finite(recipe, dtype):
+def _round_trip(x, recipe, role, out_dtype):
+    q = te.quantize(x, recipe, role=role)
+    return q, te.dequantize(q, out_dtype)
+
+
+# Compiled (fullgraph): the power-of-two recipes, whose dequantisation needed the saturation.
+DTYPE_MAX_CASES = [
+    *[(r, d, False) for r in QUANTIZE_RECIPES for d in DTYPE_NAMES],
+    *[(r, "fp32", True) for r in ("current-pow2", "block")],
+]
+
+
+@pytest.mark.parametrize(
+    ("recipe", "dtype_name", "compiled"),
+    DTYPE_MAX_CASES,
+    ids=[f"{r}-{d}-{'compiled' if c else 'eager'}" for r, d, c in DTYPE_MAX_CASES],
+)
+def test_values_at_the_dtype_max_quantise_finite(recipe, dtype_name, compiled):
+    """Every recipe quantises the dtype's max to finite codes and scales and dequantises it
+    (to fp32 and to the dtype) finite, within the format's error."""
+    dtype = DTYPE_NAMES[dtype_name]
     x = _huge((32, 128), dtype)
     x64 = x.double()
     huge = x64.abs() > torch.finfo(dtype).max / 2
     bound = QUANTIZED_REL_ERROR[recipe.removesuffix("-pow2")]
+    fn = _round_trip
+    if compiled:
+        fn = torch.compile(fn, backend="aot_eager", fullgraph=True)
     for role in ("input", "weight", "grad"):
-        q = te.quantize(x, QUANTIZE_RECIPES[recipe], role=role)
-        _assert_finite_codes_and_scales(q)
         for out_dtype in (torch.float32, dtype):
-            d = te.dequantize(q, out_dtype).double()
+            q, d = fn(x, QUANTIZE_RECIPES[recipe], role, out_dtype)
+            _assert_finite_codes_and_scales(q)
             assert d.isfinite().all(), (role, out_dtype)
             # The outliers keep their value within the format's rounding error.
-            error = ((d - x64).abs() / x64.abs())[huge]
+            error = ((d.double() - x64).abs() / x64.abs())[huge]
             assert (error <= bound).all(), (role, out_dtype, error.max().item())
 
 
+def _stale_quantize(x, role, scale):
+    q = te.quantize(x, R.DelayedScaling(), role=role, scale=scale)
+    return te.dequantize(q, torch.float32), q.amax
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("dtype", HIGH_DTYPES)
 @pytest.mark.parametrize(("role", "fp8_max"), [("input", E4M3_MAX), ("grad", E5M2_MAX)])
-def test_delayed_scaling_saturates_an_outlier_past_a_stale_scale(role, fp8_max):
-    """The scale of an amax history of 2 meets values 1e4 times larger: they quantise to
-    +-F / scale (E4M3 for inputs, E5M2 for gradients), the amax records them (finite)."""
+def test_delayed_scaling_saturates_an_outlier_past_a_stale_scale(role, fp8_max, dtype, compiled):
+    """The scale of an amax history of 2 meets values 1e4 times larger and one at the dtype's
+    max: they quantise to +-F / scale (E4M3 for inputs, E5M2 for gradients), finite, and the
+    amax records them (finite: nothing to report). Compiled: the same, fullgraph."""
     scale = torch.tensor([fp8_max / 2.0])
     x = torch.randn(32, 64)
-    x[3, 5], x[4, 7] = 2e4, -3e4
-    q = te.quantize(x, R.DelayedScaling(), role=role, scale=scale)
-    d = te.dequantize(q, torch.float32)
+    x[3, 5], x[4, 7], x[5, 0] = 2e4, -3e4, torch.finfo(dtype).max
+    x = x.to(dtype)
+    fn = _stale_quantize
+    if compiled:
+        fn = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    d, amax = fn(x, role, scale)
     expected = x.double().clamp(-2.0, 2.0)  # F / scale
     assert_close_quantized(d, expected, "delayed")
-    assert d[3, 5] == 2.0 and d[4, 7] == -2.0
-    assert q.amax.item() == 3e4
+    assert d[3, 5] == 2.0 and d[4, 7] == -2.0 and d[5, 0] == 2.0
+    assert amax.item() == x.float().abs().max().item() and amax.isfinite().all()
 
 
 def test_delayed_scaling_saturates_in_a_module_forward_and_backward():
