@@ -26,6 +26,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from te_compile._checks import (
+    check_bool,
+    check_device,
+    check_dtype,
+    check_int,
+    check_positive_finite,
+    check_tensor,
+)
 from te_compile.modules import Linear, RMSNorm, RotaryPositionEmbedding, TransformerLayer
 
 __all__ = ["CausalLM", "from_hf"]
@@ -55,6 +63,22 @@ class CausalLM(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
+        owner = "CausalLM"
+        check_int(
+            owner,
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            ffn_hidden_size=ffn_hidden_size,
+            num_layers=num_layers,
+            num_attention_heads=num_attention_heads,
+            num_gqa_groups=num_gqa_groups,
+            kv_channels=kv_channels,
+        )
+        check_positive_finite(owner, eps=eps, rotary_base=rotary_base)
+        check_bool(owner, qkv_bias=qkv_bias, tie_word_embeddings=tie_word_embeddings)
+        if params_dtype is not None:
+            check_dtype(owner, "params_dtype", params_dtype)
+        check_device(owner, "device", device)
         factory = {"dtype": params_dtype, "device": device}
         self.embed_tokens = nn.Embedding(vocab_size, hidden_size, **factory)
         self.layers = nn.ModuleList(
@@ -88,6 +112,12 @@ class CausalLM(nn.Module):
         self.rotary = RotaryPositionEmbedding(kv_channels, rotary_base=rotary_base)
 
     def forward(self, input_ids: Tensor) -> Tensor:
+        check_tensor("CausalLM", "input_ids", input_ids, floating=False, min_dim=2)
+        if input_ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(
+                f"CausalLM: input_ids must be an int64 or int32 tensor of token ids, "
+                f"got {input_ids.dtype}"
+            )
         if input_ids.dim() != 2:
             raise ValueError(
                 f"CausalLM: input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}"
@@ -109,6 +139,10 @@ def from_hf(model: nn.Module, dtype: torch.dtype | None = None) -> CausalLM:
     ``MistralForCausalLM`` or ``Qwen2ForCausalLM``); ``dtype``: of the new parameters (default:
     the model's). Raises ValueError for architectures or settings it does not map (rope
     scaling, attention or MLP biases where the architecture has none)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"from_hf: model must be a transformers causal LM, got {model!r}")
+    if dtype is not None:
+        check_dtype("from_hf", "dtype", dtype)
     config = getattr(model, "config", None)
     kind = getattr(config, "model_type", None)
     if kind not in _SUPPORTED:

@@ -1,5 +1,6 @@
 """The bad-input walker: every public argument of every public module (constructor and
-forward), function (``te.*``, ``te.functional.*``), ``te.ops`` op and recipe gets the invalid
+forward), function (``te.*``, ``te.functional.*``, ``te.distributed.*``, ``te.convert.*``),
+``te.ops`` op and recipe gets the invalid
 values its declared domain (``tests/utils/domains.py``) generates, and must refuse each with a
 ValueError or TypeError whose message names the argument as the caller spelled it and the bad
 value. The walker reads the signatures: a new public argument without a declared domain fails
@@ -10,7 +11,9 @@ value. The walker reads the signatures: a new public argument without a declared
 from __future__ import annotations
 
 import inspect
+import operator
 import re
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +25,7 @@ from te_compile import recipe as R
 from tests.utils.domains import domain, not_tensor
 
 F = te.functional
+D = te.distributed
 
 
 def _x(*shape):
@@ -64,6 +68,51 @@ def _primary_model():
 def _fusion(ops, **_kwargs):
     """A fusion that fuses nothing: harmless should a bad call ever register it."""
     return ops
+
+
+def _hf_model():
+    """The least of a Hugging Face Llama ``te.convert.from_hf`` reads: its config and
+    state_dict (one layer, hidden 16, two heads of 8)."""
+    config = types.SimpleNamespace(
+        model_type="llama",
+        vocab_size=8,
+        hidden_size=16,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        hidden_act="silu",
+    )
+    layer = "model.layers.0."
+    shapes = {
+        "model.embed_tokens.weight": (8, 16),
+        "model.norm.weight": (16,),
+        "lm_head.weight": (8, 16),
+        layer + "input_layernorm.weight": (16,),
+        layer + "post_attention_layernorm.weight": (16,),
+        **{layer + f"self_attn.{n}_proj.weight": (16, 16) for n in "qkvo"},
+        layer + "mlp.gate_proj.weight": (16, 16),
+        layer + "mlp.up_proj.weight": (16, 16),
+        layer + "mlp.down_proj.weight": (16, 16),
+    }
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = config
+            self.weights = {k: _x(*v) for k, v in shapes.items()}
+            self.anchor = torch.nn.Parameter(torch.zeros(1))  # from_hf reads the dtype
+
+        def state_dict(self, *args, **kwargs):
+            return dict(self.weights)
+
+    return Model()
+
+
+def _optim_state():
+    return {"state": {}, "param_groups": []}
 
 
 def _qkv():
@@ -129,6 +178,19 @@ _MODULES: dict[str, tuple[Callable[[], Any], dict[str, Any], Callable[[], dict[s
         lambda: te.RotaryPositionEmbedding(8),
         {"dim": 8},
         lambda: {"max_seq_len": 4},
+    ),
+    "convert.CausalLM": (
+        lambda: te.convert.CausalLM(8, 16, 16, 1, 2, 2, 8),
+        {
+            "vocab_size": 8,
+            "hidden_size": 16,
+            "ffn_hidden_size": 16,
+            "num_layers": 1,
+            "num_attention_heads": 2,
+            "num_gqa_groups": 2,
+            "kv_channels": 8,
+        },
+        lambda: {"input_ids": torch.randint(0, 8, (2, 4))},
     ),
 }
 
@@ -218,6 +280,53 @@ _FUNCTIONS: dict[str, tuple[Callable, Callable[[], dict[str, Any]]]] = {
             "sorted_index": torch.tensor([1, 0]),
         },
     ),
+    # te.distributed: group=None (no communication) checks the arguments all the same.
+    **{
+        f"te.distributed.{n}": (
+            getattr(D, n),
+            lambda: {"x": _x(6, 16), "group": None, "dim": 0},
+        )
+        for n in ("all_gather", "reduce_scatter", "scatter")
+    },
+    **{
+        f"te.distributed.{n}": (getattr(D, n), lambda: {"x": _x(6, 16), "group": None})
+        for n in ("all_reduce", "all_reduce_grad", "all_reduce_max")
+    },
+    "te.distributed.resolve_group": (D.resolve_group, lambda: {"group": None}),
+    "te.distributed.vocab_parallel_cross_entropy": (
+        D.vocab_parallel_cross_entropy,
+        lambda: {"logits": _x(6, 16), "target": torch.randint(0, 16, (6,))},
+    ),
+    "te.distributed.TensorParallel": (D.TensorParallel, dict),
+    "te.distributed.set_parallel_attributes": (
+        D.set_parallel_attributes,
+        lambda: {"param": torch.nn.Parameter(_x(4, 4)), "partition_dim": 0},
+    ),
+    "te.distributed.shard_tensor": (
+        D.shard_tensor,
+        lambda: {"full": _x(8, 4), "partition_dim": 0, "stride": 1, "rank": 0, "size": 2},
+    ),
+    "te.distributed.unshard_tensor": (
+        D.unshard_tensor,
+        lambda: {"pieces": [_x(4, 4), _x(4, 4)], "partition_dim": 0, "stride": 1},
+    ),
+    "te.distributed.shard_state_dict": (
+        D.shard_state_dict,
+        lambda: {"module": te.Linear(16, 16), "full_state_dict": te.Linear(16, 16).state_dict()},
+    ),
+    "te.distributed.gather_state_dict": (
+        D.gather_state_dict,
+        lambda: {"module": te.Linear(16, 16)},
+    ),
+    "te.distributed.gather_optimizer_state_dict": (
+        D.gather_optimizer_state_dict,
+        lambda: {"module": te.Linear(16, 16), "optim_state_dict": _optim_state()},
+    ),
+    "te.distributed.shard_optimizer_state_dict": (
+        D.shard_optimizer_state_dict,
+        lambda: {"module": te.Linear(16, 16), "full_optim_state_dict": _optim_state()},
+    ),
+    "te.convert.from_hf": (te.convert.from_hf, lambda: {"model": _hf_model()}),
     "te.functional.as_splits_tensor": (F.as_splits_tensor, lambda: {"m_splits": [2, 4]}),
     "te.functional.bias_activation": (
         F.bias_activation,
@@ -413,6 +522,7 @@ NOT_WALKED = {
         f"te.ops.{n}": "a process group only; torch.distributed checks it"
         for n in ("AllGather", "AllReduce", "ReduceScatter")
     },
+    "te.distributed.PARALLEL_MODES": "a constant",
     "te.recipe.Recipe": "an abstract base class",
     "te.recipe.Format": "an enum",
 }
@@ -432,7 +542,7 @@ def _owners() -> dict[str, tuple[inspect.Signature, Callable[[], tuple[Callable,
     """owner -> (its public signature, a maker of (callable, valid kwargs))."""
     out = {}
     for name, (make, ctor_kwargs, fwd_kwargs) in _MODULES.items():
-        cls = getattr(te, name)
+        cls = operator.attrgetter(name)(te)
         out[f"te.{name}"] = (inspect.signature(cls), lambda c=cls, k=ctor_kwargs: (c, dict(k)))
         out[f"te.{name}.forward"] = (
             inspect.signature(cls.forward),
@@ -540,6 +650,9 @@ def _public_callables():
     top = {id(getattr(te, n)) for n in te.__all__}
     names |= {f"te.functional.{n}" for n in F.__all__ if id(getattr(F, n)) not in top}
     names |= {f"te.ops.{n}" for n in te.ops.__all__}
+    for space in ("distributed", "convert"):  # te.distributed.checkpoint is te.checkpoint
+        module = getattr(te, space)
+        names |= {f"te.{space}.{n}" for n in module.__all__ if id(getattr(module, n)) not in top}
     names |= {f"te.recipe.{n}" for n in R.__all__}
     return names
 
@@ -592,6 +705,8 @@ COMPILED_OWNERS = (
     "te.functional.grouped_linear",
     "te.moe_permute",
     "te.apply_rotary_pos_emb",
+    "te.distributed.all_gather",
+    "te.distributed.vocab_parallel_cross_entropy",
 )
 COMPILED_CASES = [
     c

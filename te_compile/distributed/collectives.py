@@ -46,6 +46,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
+from te_compile._checks import check_int
+
 __all__ = [
     "GroupLike",
     "all_gather",
@@ -66,6 +68,9 @@ def resolve_group(
     """The ``ProcessGroup`` of ``group`` (a ProcessGroup, a 1-D DeviceMesh, or ``(mesh, dim)``
     with ``dim`` a name or index of ``mesh``), or None for None. Errors name ``owner`` and the
     argument ``arg``."""
+    for name, value in (("owner", owner), ("arg", arg)):
+        if not isinstance(value, str):
+            raise TypeError(f"resolve_group: {name} must be a str, got {value!r}")
     if group is None:
         return None
     if not dist.is_available():
@@ -102,8 +107,22 @@ def resolve_group(
     )
 
 
-def _group(group: GroupLike) -> Any:
-    return group if isinstance(group, dist.ProcessGroup) else resolve_group(group)
+def _checked(owner: str, x: object, group: GroupLike, dim: int | None = None) -> Any:
+    """The resolved ``group`` of a public collective, after checking its arguments (also with
+    ``group=None``, which communicates nothing): ``x`` a tensor, ``dim`` one of its dims. Reads
+    metadata only, so it runs the same while ``torch.compile`` traces."""
+    owner = f"te_compile.distributed.{owner}"
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{owner}: x must be a torch.Tensor, got {type(x).__name__}")
+    if dim is not None:
+        check_int(owner, minimum=-x.dim(), dim=dim)
+        if not dim < x.dim():
+            raise ValueError(
+                f"{owner}: dim must be a dim of x (in [{-x.dim()}, {x.dim()})), got {dim!r}"
+            )
+    if group is None or isinstance(group, dist.ProcessGroup):
+        return group
+    return resolve_group(group, owner, "group")
 
 
 def _wait(t: Tensor) -> Tensor:
@@ -207,47 +226,53 @@ class _Scatter(torch.autograd.Function):
 
 def all_gather(x: Tensor, group: Any, dim: int = 0) -> Tensor:
     """Concatenate the ranks' ``x`` along ``dim`` (rank order); backward: reduce-scatter."""
+    group = _checked("all_gather", x, group, dim)
     if group is None:
         return x
-    return _AllGather.apply(x, _group(group), dim)
+    return _AllGather.apply(x, group, dim % x.dim())
 
 
 def reduce_scatter(x: Tensor, group: Any, dim: int = 0) -> Tensor:
     """This rank's slice (along ``dim``) of the sum of the ranks' ``x``; backward: all-gather.
     ``x.shape[dim]`` must be divisible by the group size."""
+    group = _checked("reduce_scatter", x, group, dim)
     if group is None:
         return x
-    return _ReduceScatter.apply(x, _group(group), dim)
+    return _ReduceScatter.apply(x, group, dim % x.dim())
 
 
 def scatter(x: Tensor, group: Any, dim: int = 0) -> Tensor:
     """This rank's chunk along ``dim`` of the replicated ``x`` (e.g. entering the sequence-
     parallel region after an embedding); backward: all-gather. ``x.shape[dim]`` must be
     divisible by the group size."""
+    group = _checked("scatter", x, group, dim)
     if group is None:
         return x
-    return _Scatter.apply(x, _group(group), dim)
+    return _Scatter.apply(x, group, dim % x.dim())
 
 
 def all_reduce(x: Tensor, group: Any) -> Tensor:
     """The sum of the ranks' ``x``; backward: identity (the sum is replicated)."""
+    group = _checked("all_reduce", x, group)
     if group is None:
         return x
-    return _AllReduce.apply(x, _group(group))
+    return _AllReduce.apply(x, group)
 
 
 def all_reduce_grad(x: Tensor, group: Any) -> Tensor:
     """Identity; backward: the sum of the ranks' gradients (``x`` is replicated and each rank
     uses it for a different part of the computation)."""
+    group = _checked("all_reduce_grad", x, group)
     if group is None:
         return x
-    return _AllReduceGrad.apply(x, _group(group))
+    return _AllReduceGrad.apply(x, group)
 
 
 def all_reduce_max(x: Tensor, group: Any) -> Tensor:
     """The element-wise max of the ranks' ``x``, not differentiable (``x`` is detached first):
     for stabilising shifts such as the logits' max in a sharded softmax."""
+    group = _checked("all_reduce_max", x, group)
     x = x.detach()
     if group is None:
         return x
-    return _reduce(x, _group(group), "max")
+    return _reduce(x, group, "max")

@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from te_compile._checks import check_tensor
 from te_compile.distributed.collectives import all_reduce, all_reduce_max, resolve_group
 
 __all__ = ["vocab_parallel_cross_entropy"]
@@ -46,6 +47,15 @@ def vocab_parallel_cross_entropy(
     ``target`` ``[...]`` global class indices (the same on every rank of the group);
     ``ignore_index`` targets count neither in the loss nor in the mean; ``reduction`` "mean",
     "sum" or "none". ``group`` None (or a group of one): plain ``F.cross_entropy``."""
+    owner = "vocab_parallel_cross_entropy"
+    check_tensor(owner, "logits", logits)
+    check_tensor(owner, "target", target, floating=False, min_dim=0)
+    if target.is_floating_point() or target.is_complex() or target.dtype is torch.bool:
+        raise ValueError(
+            f"{owner}: target must be an integer tensor of class indices, got {target.dtype}"
+        )
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"{owner}: ignore_index must be an int, got {ignore_index!r}")
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(
             f"vocab_parallel_cross_entropy: reduction must be 'mean', 'sum' or 'none', "
@@ -57,7 +67,7 @@ def vocab_parallel_cross_entropy(
             f"without the vocabulary dim, {list(logits.shape[:-1])}"
         )
     acc = torch.float64 if logits.dtype is torch.float64 else torch.float32
-    group = resolve_group(group) if group is not None else None
+    group = resolve_group(group, owner, "group")
     if group is None or dist.get_world_size(group) == 1:
         return F.cross_entropy(
             logits.reshape(-1, logits.shape[-1]).to(acc),

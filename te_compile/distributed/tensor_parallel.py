@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from te_compile._checks import check_bool, check_choice, check_int
 from te_compile.distributed import collectives as C
 
 __all__ = [
@@ -80,6 +81,20 @@ class TensorParallel:
     active: bool = dataclasses.field(init=False, default=False)
 
     def __post_init__(self) -> None:
+        owner = "TensorParallel"
+        check_choice(owner, "mode", self.mode, PARALLEL_MODES)
+        check_bool(owner, sequence_parallel=self.sequence_parallel)
+        check_int(owner, size=self.size)
+        check_int(owner, minimum=0, rank=self.rank)
+        if not self.rank < self.size:
+            raise ValueError(f"{owner}: rank must be < size ({self.size}), got {self.rank!r}")
+        if self.group is not None and not (
+            dist.is_available() and isinstance(self.group, dist.ProcessGroup)
+        ):
+            raise TypeError(
+                f"{owner}: group must be a resolved torch.distributed.ProcessGroup or None "
+                f"(TensorParallel.create resolves a DeviceMesh), got {self.group!r}"
+            )
         object.__setattr__(self, "active", self.mode is not None and self.size > 1)
 
     # A ProcessGroup is a process-wide handle that cannot be pickled: a deep copy of a module
@@ -273,6 +288,12 @@ def set_parallel_attributes(
     """Mark ``param`` as sharded along ``partition_dim`` (-1: replicated). ``parts``: the full
     sizes of named blocks along that dim, each sharded on its own (``parameters_split``: a
     rank's fused QKV weight is its query rows, then its key rows, then its value rows)."""
+    owner = "set_parallel_attributes"
+    if param is not None and not isinstance(param, Tensor):
+        raise TypeError(f"{owner}: param must be a tensor (a parameter) or None, got {param!r}")
+    _check_partition(owner, "param", param, partition_dim, stride)
+    check_bool(owner, sequence_parallel=sequence_parallel)
+    _check_parts(owner, parts)
     if param is None:
         return
     param.tensor_model_parallel = partition_dim >= 0
@@ -280,6 +301,33 @@ def set_parallel_attributes(
     param.partition_stride = stride
     param.partition_parts = parts
     param.sequence_parallel = sequence_parallel
+
+
+def _check_partition(
+    owner: str, name: str, t: Tensor | None, partition_dim: object, stride: object
+) -> None:
+    """``partition_dim`` -1 (replicated) or a dim of ``t`` (named ``name``); ``stride`` >= 1."""
+    check_int(owner, minimum=-1, partition_dim=partition_dim)
+    if t is not None and not partition_dim < t.dim():
+        raise ValueError(
+            f"{owner}: partition_dim must be -1 (replicated) or a dim of {name} (< {t.dim()}), "
+            f"got {partition_dim!r}"
+        )
+    check_int(owner, stride=stride)
+
+
+def _check_parts(owner: str, parts: object, total: int | None = None) -> None:
+    """``parts`` None, or a sequence of ints > 0 (summing to ``total`` where given)."""
+    if parts is None:
+        return
+    if not isinstance(parts, (tuple, list)) or not all(
+        isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in parts
+    ):
+        raise ValueError(f"{owner}: parts must be None or a tuple of ints > 0, got {parts!r}")
+    if total is not None and sum(parts) != total:
+        raise ValueError(
+            f"{owner}: parts must sum to the full size along partition_dim ({total}), got {parts!r}"
+        )
 
 
 def shard_tensor(
@@ -293,6 +341,15 @@ def shard_tensor(
     """Rank ``rank``'s shard of ``full`` along ``partition_dim`` (see ``partition_stride`` in
     the module docstring): chunks ``rank, rank + size, ...`` of ``size * stride`` chunks; with
     ``parts`` (full block sizes along the dim), each block's shard, concatenated."""
+    owner = "shard_tensor"
+    if not isinstance(full, Tensor):
+        raise TypeError(f"{owner}: full must be a torch.Tensor, got {type(full).__name__}")
+    _check_partition(owner, "full", full, partition_dim, stride)
+    check_int(owner, size=size)
+    check_int(owner, minimum=0, rank=rank)
+    if not rank < size:
+        raise ValueError(f"{owner}: rank must be < size ({size}), got {rank!r}")
+    _check_parts(owner, parts, full.shape[partition_dim] if partition_dim >= 0 else None)
     if partition_dim < 0:
         return full
     if parts:
@@ -302,8 +359,8 @@ def shard_tensor(
     chunks = full.chunk(size * stride, dim=partition_dim)
     if len(chunks) != size * stride or full.shape[partition_dim] % (size * stride):
         raise ValueError(
-            f"shard_tensor: dim {partition_dim} ({full.shape[partition_dim]}) does not split "
-            f"into {size * stride} equal chunks"
+            f"shard_tensor: full's dim {partition_dim} ({full.shape[partition_dim]}) does not "
+            f"split into {size * stride} equal chunks (size * stride)"
         )
     return torch.cat(chunks[rank::size], dim=partition_dim)
 
@@ -329,10 +386,25 @@ def _sharded_entries(module: nn.Module, slices: bool = True) -> dict[str, tuple]
     return out
 
 
+def _check_state(owner: str, module: object, name: str, state: object, optim: bool) -> None:
+    """``module`` an nn.Module; ``state`` (argument ``name``) a dict: a state_dict, or with
+    ``optim`` an optimizer state dict holding a ``"state"`` dict."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{owner}: module must be an nn.Module, got {module!r}")
+    if not isinstance(state, dict):
+        raise TypeError(f"{owner}: {name} must be a dict, got {state!r}")
+    if optim and not isinstance(state.get("state"), dict):
+        raise ValueError(
+            f"{owner}: {name} must be an optimizer state dict with a 'state' dict of "
+            f"per-parameter states (get_state_dict's form), got {state!r}"
+        )
+
+
 def shard_state_dict(module: nn.Module, full_state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
     """Cut ``full_state_dict`` (of the same model built without tensor parallelism) into this
     rank's state_dict for ``module``, following each parameter's ``partition_dim`` and
     ``partition_stride``. Entries that are not sharded parameters are passed through."""
+    _check_state("shard_state_dict", module, "full_state_dict", full_state_dict, False)
     out = dict(full_state_dict)
     for key, (tp, dim, stride, parts) in _sharded_entries(module).items():
         if key in out:
@@ -344,8 +416,31 @@ def unshard_tensor(
     pieces: list[Tensor], partition_dim: int, stride: int, parts: tuple[int, ...] | None = None
 ) -> Tensor:
     """The full tensor of every rank's shard (``pieces``, in rank order): the inverse of
-    :func:`shard_tensor`."""
+    :func:`shard_tensor`; ``partition_dim`` -1: replicated, every piece is the full tensor."""
+    owner = "unshard_tensor"
+    if (
+        not isinstance(pieces, (list, tuple))
+        or not pieces
+        or not all(isinstance(p, Tensor) for p in pieces)
+    ):
+        raise TypeError(f"{owner}: pieces must be a non-empty list of tensors, got {pieces!r}")
+    if any(p.shape != pieces[0].shape for p in pieces):
+        shapes = [list(p.shape) for p in pieces]
+        raise ValueError(f"{owner}: pieces must all have the same shape, got {shapes}")
+    _check_partition(owner, "pieces", pieces[0], partition_dim, stride)
     size = len(pieces)
+    if partition_dim < 0:
+        return pieces[0]
+    if pieces[0].shape[partition_dim] % stride:
+        raise ValueError(
+            f"{owner}: a piece's dim {partition_dim} ({pieces[0].shape[partition_dim]}) must "
+            f"split into stride ({stride}) equal chunks"
+        )
+    _check_parts(owner, parts, pieces[0].shape[partition_dim] * size)
+    if parts and any(n % size for n in parts):
+        raise ValueError(
+            f"{owner}: parts must be divisible by the number of pieces ({size}), got {parts!r}"
+        )
     if parts:
         split = [p.split([n // size for n in parts], dim=partition_dim) for p in pieces]
         blocks = [unshard_tensor([s[i] for s in split], partition_dim, stride)
@@ -381,7 +476,12 @@ def gather_state_dict(
     tensor that ``torch.distributed.checkpoint`` would take for a replica of the other ranks'
     (and keep only one), while the full tensors are replicas indeed; load them back with
     ``module.load_state_dict(shard_state_dict(module, full))``."""
-    state = module.state_dict() if state_dict is None else dict(state_dict)
+    if state_dict is None:
+        _check_state("gather_state_dict", module, "state_dict", {}, False)
+        state = module.state_dict()
+    else:
+        _check_state("gather_state_dict", module, "state_dict", state_dict, False)
+        state = dict(state_dict)
     for key, (tp, dim, stride, parts) in _sharded_entries(module).items():
         if key in state:
             state[key] = _gather(state[key], tp, dim, stride, parts)
@@ -399,6 +499,7 @@ def gather_optimizer_state_dict(module: nn.Module, optim_state_dict: dict) -> di
     ``torch.distributed.checkpoint.state_dict.get_state_dict`` returns (``{"state": {parameter
     name: {...}}, "param_groups": ...}``): each state tensor of a sharded parameter's shape
     (Adam's moments, ...) all-gathered into the full tensor; scalars (``step``) as they are."""
+    _check_state("gather_optimizer_state_dict", module, "optim_state_dict", optim_state_dict, True)
     entries, shapes = _optimizer_entries(module)
     state = {}
     for name, per_param in optim_state_dict["state"].items():
@@ -417,6 +518,9 @@ def gather_optimizer_state_dict(module: nn.Module, optim_state_dict: dict) -> di
 def shard_optimizer_state_dict(module: nn.Module, full_optim_state_dict: dict) -> dict:
     """This rank's part of an optimizer state gathered by :func:`gather_optimizer_state_dict`
     (for ``torch.distributed.checkpoint.state_dict.set_state_dict``)."""
+    _check_state(
+        "shard_optimizer_state_dict", module, "full_optim_state_dict", full_optim_state_dict, True
+    )
     entries, shapes = _optimizer_entries(module)
     state = {}
     for name, per_param in full_optim_state_dict["state"].items():

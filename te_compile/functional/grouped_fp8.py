@@ -104,8 +104,11 @@ def quantize_rowwise(
 def _gemm_loop(
     aq: Tensor, sa: Tensor, bq: Tensor, sb: Tensor, splits: list[int], dtype, bias=None
 ) -> Tensor:
-    """Exact emulation: rows of group ``g`` get ``(aq_g @ bq[g]^T) * sa_g[:, None] * sb[g]``
-    (+ ``bias[g]``), in fp32, rounded once to ``dtype``. ``aq`` ``[M, C]`` and ``bq``
+    """Exact emulation: rows of group ``g`` get ``(aq_g @ bq[g]^T) * (sa_g[:, None] * sb[g])``
+    (+ ``bias[g]``), in fp32, rounded once to ``dtype``. The scales multiply each other first:
+    an input at fp32's max has an inverse scale near ``FLT_MAX / 448``, which times the FP8
+    product (up to ``448 * 448`` per term) overflows before the weight's small scale would
+    bring it back. ``aq`` ``[M, C]`` and ``bq``
     ``[G, P, C]`` FP8 (E5M2 as its E4M3 codes, :func:`as_e4m3`, as on the GPU), ``sa`` ``[M]``
     and ``sb`` ``[G, P]`` fp32 inverse scales."""
     aq, sa = as_e4m3(aq, sa)
@@ -114,7 +117,7 @@ def _gemm_loop(
     start = 0
     for g, rows in enumerate(splits):
         acc = aq[start : start + rows].float() @ bq[g].float().t()
-        acc = acc * sa[start : start + rows, None] * sb[g]
+        acc = acc * (sa[start : start + rows, None] * sb[g])
         if bias is not None:
             acc = acc + bias[g].float()
         out[start : start + rows] = acc.to(dtype)
@@ -167,7 +170,7 @@ def _gemm_grouped(
     bf16 = torch.bfloat16
     acc = torch._grouped_mm(aq.to(bf16), bq.to(bf16).transpose(-2, -1), offs=offs)
     col = torch.repeat_interleave(sb, splits, dim=0, output_size=aq.shape[0])
-    return (acc.float() * sa[:, None] * col).to(bf16)
+    return (acc.float() * (sa[:, None] * col)).to(bf16)  # scales first, as _gemm_loop
 
 
 def _quantize_weight_dgrad(weight: Tensor, fwd_dtype: torch.dtype) -> tuple[Tensor, Tensor]:

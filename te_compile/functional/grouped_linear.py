@@ -446,8 +446,9 @@ def _check(a: _Args) -> None:
     _, n, k = a.weight.shape
     multiple = BLOCK_KINDS.get(recipe, 16)
     if recipe and (n % multiple or k % multiple):
+        kind = "FP8" if recipe in PER_TENSOR else recipe  # delayed calibrates with current
         raise ValueError(
-            p + f"{recipe} grouped GEMMs need in_features ({k}) and out_features ({n}) to be "
+            p + f"{kind} grouped GEMMs need in_features ({k}) and out_features ({n}) to be "
             f"multiples of {multiple}"
         )
     if grouped_gemm_kind(recipe, a.emulate) == "blockwise" and not blockwise_supported(

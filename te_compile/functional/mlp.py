@@ -236,8 +236,9 @@ def _check(a: _Args) -> None:
     dims = (w1.shape[1], w2.shape[1], w1.shape[0], w2.shape[0])
     multiple = 16 if recipe in PER_TENSOR else BLOCK_KINDS.get(recipe, 1)
     if any(d % multiple for d in dims):
+        kind = "FP8" if recipe in PER_TENSOR else recipe  # delayed calibrates with current
         raise ValueError(
-            p + f"{recipe} GEMMs need hidden ({dims[0]}), ffn ({dims[1]}), fc1 out ({dims[2]}) "
+            p + f"{kind} GEMMs need hidden ({dims[0]}), ffn ({dims[1]}), fc1 out ({dims[2]}) "
             f"and out ({dims[3]}) sizes that are multiples of {multiple}"
         )
     rows = inp.numel() // inp.shape[-1] if inp.shape[-1] else 0

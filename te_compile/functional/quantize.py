@@ -57,7 +57,9 @@ input before and after a call with ``torch.allclose``, which has no FP8 kernel o
 
 Edge semantics: per tensor, an inf or NaN in ``x`` propagates to ``amax`` (inf or NaN: the
 caller reports it, as Transformer Engine's recipes do: ``te.non_finite_amaxes``); finite
-overflow, and inf, saturate to :math:`\pm F`; NaN stays NaN. Under current scaling an inf amax
+overflow, and inf, saturate to :math:`\pm F`; NaN stays NaN. Dequantisation saturates at the
+output format's largest finite value (a power-of-two scale can put a code rounded up one ulp
+past it, see ``_saturated``). Under current scaling an inf amax
 gives ``s = 1`` (the rest of the tensor is cast unscaled, saturating), and a NaN amax gives a
 NaN scale. Blockwise ops return no amax for a caller to report, so a block holding inf or NaN
 gets a NaN scale (its codes and ``scale_inv`` are NaN): the whole block dequantises to NaN and
@@ -230,15 +232,28 @@ def quantize_blockwise_ref(
     return q.view(x.shape), scale_inv, data_t, scale_inv_t
 
 
+def _saturated(q: Tensor, y: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """fp32 ``y = q * scale_inv`` rounded to ``out_dtype``, saturating at its largest finite
+    value where the code ``q`` is finite (an E5M2 infinity stays infinite, NaN stays NaN).
+    Power-of-two scales can make a code rounded up to the next power of two dequantise
+    one ulp past the source format's max: ``FLT_MAX * 2**-120`` rounds to E4M3 256, and
+    ``256 * 2**120 = 2**128`` is fp32 inf (fp16 65504 likewise gives 65536); saturated, it is
+    the format's max, off by less than the quantisation error."""
+    big = torch.finfo(out_dtype).max
+    return torch.where(q.isinf(), y, y.clamp(-big, big)).to(out_dtype)
+
+
 def dequantize_tensorwise_ref(data: Tensor, scale_inv: Tensor, out_dtype: torch.dtype) -> Tensor:
-    """``fp32(data) * scale_inv`` rounded to ``out_dtype``."""
-    return (data.float() * scale_inv.reshape(()).float()).to(out_dtype)
+    """``fp32(data) * scale_inv`` rounded to ``out_dtype``, saturating."""
+    q = data.float()
+    return _saturated(q, q * scale_inv.reshape(()).float(), out_dtype)
 
 
 def dequantize_blockwise_ref(
     data: Tensor, scale_inv: Tensor, block_rows: int, out_dtype: torch.dtype
 ) -> Tensor:
-    """``fp32(data) * scale_inv`` of each ``block_rows x 128`` block, rounded to ``out_dtype``."""
+    """``fp32(data) * scale_inv`` of each ``block_rows x 128`` block, rounded to ``out_dtype``,
+    saturating."""
     q = _rows(data).float()
     m, k = q.shape
     mb, kb = scale_inv.shape
@@ -246,7 +261,7 @@ def dequantize_blockwise_ref(
     # Inductor's CPU code generator fails on the fused division indexing repeat_interleave makes).
     blocks = F.pad(q, (0, kb * BLOCK - k, 0, mb * block_rows - m)).view(mb, block_rows, kb, BLOCK)
     out = (blocks * scale_inv.float()[:, None, :, None]).view(mb * block_rows, kb * BLOCK)
-    return out[:m, :k].to(out_dtype).contiguous().view(data.shape)
+    return _saturated(q, out[:m, :k], out_dtype).contiguous().view(data.shape)
 
 
 # Argument checks: the same ValueError in eager (implementations) and at trace time (fakes).

@@ -34,7 +34,8 @@ Kernels:
   registers: per row for 1x128 blocks (and per column for the columnwise 1x128 copy of
   :math:`x^T`, whose blocks run along ``M``), over the whole tile for 128x128 blocks, where the
   columnwise copy is the transposed tile with the same scale.
-* ``_dequant_kernel``: ``fp32(q) * scale_inv`` (one per tensor, or per block) to ``out_dtype``.
+* ``_dequant_kernel``: ``fp32(q) * scale_inv`` (one per tensor, or per block) to ``out_dtype``,
+  saturating at its largest finite value.
 * ``_rowwise_kernel``: one scale per row (``fp8_max / amax`` of the row; 1 for a zero or
   non-finite result), for the rowwise-scaled grouped FP8 GEMMs: ``BLOCK_M`` rows per program,
   the amax loop over the row, then the cast loop over it again (a re-read from L2).
@@ -499,9 +500,12 @@ def _dequant_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    OUT_MAX: tl.constexpr,
 ):
     """``OUT = fp32(DATA) * SCALE_INV``; one scale (``BLOCK_ROWS == 0``) or one per block of
-    ``BLOCK_ROWS x 128``. ``BF16_BITS``: ``OUT`` is a bf16 output seen as uint16, rounded here."""
+    ``BLOCK_ROWS x 128``. ``BF16_BITS``: ``OUT`` is a bf16 output seen as uint16, rounded here.
+    Saturates at ``OUT_MAX``, the output's largest finite value, where the code is finite (NaN
+    stays NaN), as the reference does."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (rows[:, None] < M) & (cols[None, :] < K)
@@ -515,6 +519,8 @@ def _dequant_kernel(
         s_offs = (rows // BLOCK_ROWS).to(tl.int64)[:, None] * n_kb + (cols // 128)[None, :]
         s = tl.load(SCALE_INV + s_offs, mask=mask, other=0.0)
     y = v * s
+    finite_code = tl.abs(v) < float("inf")  # an E5M2 infinity stays infinite
+    y = tl.where(finite_code, tl.clamp(y, -OUT_MAX, OUT_MAX, propagate_nan=tl.PropagateNan.ALL), y)
     _store_rounded(OUT + offs, y, mask, BF16_BITS)
 
 
@@ -1040,6 +1046,7 @@ def _dequantize(
             BLOCK_ROWS=block_rows,
             BLOCK_M=cfg.block_m,
             BLOCK_K=cfg.block_k,
+            OUT_MAX=torch.finfo(out_dtype).max,
             num_warps=cfg.num_warps,
         )
     return out

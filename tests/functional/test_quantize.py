@@ -17,7 +17,13 @@ import torch
 import te_compile as te
 from te_compile import _library
 from te_compile.functional import quantize as Q
-from tests.utils import DEVICES, assert_bits_equal, compile_counted, count_graph_breaks
+from tests.utils import (
+    DEVICES,
+    assert_bits_equal,
+    assert_close,
+    compile_counted,
+    count_graph_breaks,
+)
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8 = [pytest.param(E4M3, id="e4m3"), pytest.param(E5M2, id="e5m2")]
@@ -167,6 +173,38 @@ def test_blockwise_bit_exact(shape, fp8, block_rows, pow2, columnwise, device):
         assert_bits_equal(scale_inv_t, expected_inv.t())
 
 
+def _saturating(codes, y, out_dtype):
+    """fp32 ``y`` (codes times scales) in ``out_dtype``, the products of finite codes
+    saturating at its largest finite value (as dequantisation does)."""
+    big = torch.finfo(out_dtype).max
+    return torch.where(codes.float().isinf(), y, y.clamp(-big, big)).to(out_dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dequantize_saturates_at_the_output_format_max(device):
+    """A code times its scale past the output format's max (a power-of-two scale puts
+    ``FLT_MAX * 2**-120`` at E4M3 256, and ``256 * 2**120`` is 2**128) dequantises to the
+    format's max, not inf; an E5M2 infinity stays infinite."""
+    codes = torch.tensor([[256.0, -256.0, 1.0]], device=device).to(torch.float8_e4m3fn)
+    scale_inv = torch.tensor([2.0**120], device=device)
+    for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
+        big = torch.finfo(out_dtype).max
+        expected = torch.tensor([[big, -big, 2.0**120]], dtype=torch.float64).clamp(-big, big)
+        out = torch.ops.te.dequantize_tensorwise(
+            codes.view(torch.uint8), scale_inv, torch.float8_e4m3fn, out_dtype
+        )
+        assert_close(out, expected, out_dtype)
+        out = torch.ops.te.dequantize_blockwise(
+            codes.view(torch.uint8), scale_inv.reshape(1, 1), 1, torch.float8_e4m3fn, out_dtype
+        )
+        assert_close(out, expected, out_dtype)
+    inf = torch.tensor([[math.inf, -math.inf]], device=device).to(torch.float8_e5m2)
+    out = torch.ops.te.dequantize_tensorwise(
+        inf.view(torch.uint8), torch.ones(1, device=device), torch.float8_e5m2, torch.float32
+    )
+    assert out.isinf().all()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("out_dtype", HIGH)
 @pytest.mark.parametrize("fp8", FP8)
@@ -176,7 +214,8 @@ def test_dequantize_bit_exact(fp8, out_dtype, device):
     codes = torch.cat([codes, codes.flip(0)], 1).to(device)  # [2, 256]: two column blocks
     scale_inv = torch.tensor([3.0e-3], device=device)
     out = torch.ops.te.dequantize_tensorwise(codes.view(torch.uint8), scale_inv, fp8, out_dtype)
-    assert_bits_equal(out, (codes.cpu().float() * scale_inv.item()).to(out_dtype))
+    expected = _saturating(codes.cpu(), codes.cpu().float() * scale_inv.item(), out_dtype)
+    assert_bits_equal(out, expected)
     block_inv = torch.tensor([[1e-3, 7.0], [0.5, 3e4]], device=device)
     for block_rows in (1, 128):
         s = block_inv[: -(-2 // block_rows)]
@@ -186,7 +225,7 @@ def test_dequantize_bit_exact(fp8, out_dtype, device):
         out = torch.ops.te.dequantize_blockwise(
             codes.view(torch.uint8), s, block_rows, fp8, out_dtype
         )
-        assert_bits_equal(out, expected.to(out_dtype))
+        assert_bits_equal(out, _saturating(codes.cpu(), expected, out_dtype))
 
 
 # Layouts --------------------------------------------------------------------------------------

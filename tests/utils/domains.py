@@ -280,6 +280,18 @@ _WEIGHT_QUANTIZED = Domain("the tensors of te.functional.quantize_weight, or Non
 _GLU_FN = {"inp": TENSOR(LAST)}
 _ACT_FN = {"inp": ANY_RANK_TENSOR()}
 
+_GROUP = Domain("a ProcessGroup, a 1-D DeviceMesh, (mesh, dim) or None", (3, "tp"))
+_PARTITION_DIM = Domain("-1 or a dim of the tensor", ("4", True, 2.5, -2, 5))
+_COLLECTIVE = {
+    "x": ANY_DTYPE_TENSOR(),  # any dtype; gathered or scattered along dim: not 0-dim
+    "group": _GROUP,
+    "dim": Domain("int, a dim of x", ("4", True, 2.5, 2, -3)),
+}
+_REDUCTION = {"x": Domain("tensor", tensor_bad=(not_tensor,)), "group": _GROUP}
+_MODULE = Domain("an nn.Module", (3, "model"))
+_STATE = Domain("a state_dict (dict)", (3, "x"))
+_OPTIM_STATE = Domain("an optimizer state dict with a 'state' dict", (3, {"param_groups": []}))
+
 _INIT = {
     "enabled": SWITCH(),
     "recipe": _FP8_RECIPE,
@@ -481,6 +493,79 @@ DOMAINS: dict[str, dict[str, Domain]] = {
         "split_sizes": INDEX_TENSOR(FIRST, peers=("sorted_index",)),
         "sorted_index": INDEX_TENSOR(FIRST),
     },
+    # te.distributed
+    "te.distributed.all_gather": _COLLECTIVE,
+    "te.distributed.reduce_scatter": _COLLECTIVE,
+    "te.distributed.scatter": _COLLECTIVE,
+    "te.distributed.all_reduce": _REDUCTION,
+    "te.distributed.all_reduce_grad": _REDUCTION,
+    "te.distributed.all_reduce_max": _REDUCTION,
+    "te.distributed.resolve_group": {
+        "group": Domain(_GROUP.what, _GROUP.bad, peers=("tp_group",)),  # named as ``arg`` says
+        "owner": Domain("str", (3,)),
+        "arg": Domain("str", (3,)),
+    },
+    "te.distributed.vocab_parallel_cross_entropy": {
+        "logits": TENSOR(FIRST, peers=("target",)),
+        "target": INDEX_TENSOR(FIRST, peers=("logits",)),
+        "group": _GROUP,
+        "ignore_index": INT(),
+        "reduction": CHOICE("mean", "sum", "none"),
+    },
+    "te.distributed.TensorParallel": {
+        "mode": CHOICE("column", "row", None),
+        "sequence_parallel": SWITCH(),
+        "size": POS_INT(),
+        "group": Domain("a ProcessGroup or None", (3, "tp")),
+        "rank": Domain("int in [0, size)", ("4", True, -1, 2.5, 1)),
+    },
+    "te.distributed.set_parallel_attributes": {
+        "param": Domain("a tensor or None", (3, "w")),
+        "partition_dim": _PARTITION_DIM,
+        "stride": POS_INT(),
+        "parts": Domain("None or ints > 0", (3, ("a",), (0,))),
+    },
+    "te.distributed.shard_tensor": {
+        "full": ANY_DTYPE_TENSOR(FIRST),
+        "partition_dim": _PARTITION_DIM,
+        "stride": POS_INT(),
+        "rank": Domain("int in [0, size)", ("4", True, -1, 2.5, 2)),
+        "size": POS_INT(),
+        "parts": Domain("None or ints > 0 summing to full's dim", (3, ("a",), (3, 4))),
+    },
+    "te.distributed.unshard_tensor": {
+        "pieces": Domain("a non-empty list of same-shape tensors", (3, [], [3])),
+        "partition_dim": _PARTITION_DIM,
+        "stride": POS_INT(),
+        "parts": Domain("None or ints > 0, each divisible by the pieces", (3, (3, 4), (3, 5))),
+    },
+    "te.distributed.shard_state_dict": {"module": _MODULE, "full_state_dict": _STATE},
+    "te.distributed.gather_state_dict": {"module": _MODULE, "state_dict": _STATE},
+    "te.distributed.gather_optimizer_state_dict": {
+        "module": _MODULE,
+        "optim_state_dict": _OPTIM_STATE,
+    },
+    "te.distributed.shard_optimizer_state_dict": {
+        "module": _MODULE,
+        "full_optim_state_dict": _OPTIM_STATE,
+    },
+    # te.convert
+    "te.convert.CausalLM": {
+        "vocab_size": POS_INT(),
+        "hidden_size": POS_INT(),
+        "ffn_hidden_size": POS_INT(),
+        "num_layers": POS_INT(),
+        "num_attention_heads": POS_INT(),
+        "num_gqa_groups": POS_INT(),
+        "kv_channels": POS_INT(),
+        "eps": POS_FLOAT(),
+        "rotary_base": POS_FLOAT(),
+        "qkv_bias": SWITCH(),
+        "window_size": _WINDOW,
+        "tie_word_embeddings": SWITCH(),
+    },
+    "te.convert.CausalLM.forward": {"input_ids": INDEX_TENSOR(EXTRA)},
+    "te.convert.from_hf": {"model": Domain("a transformers causal LM", (3, "model"))},
     # te.functional
     "te.functional.as_splits_tensor": {"m_splits": Domain("ints >= 0", ("4", [-1, 2], [1.5]))},
     "te.functional.bias_activation": {
