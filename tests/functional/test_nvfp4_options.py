@@ -308,7 +308,7 @@ def test_layernorm_mlp_runs_the_options_op_by_op():
     assert torch.equal(y, y2) and _sqnr_db(y, ref) > 10
 
 
-def test_row_scaled_recipe_needs_backward_override_and_4over6_raises():
+def test_row_scaled_recipe_needs_backward_override():
     m = te.Linear(64, 16, params_dtype=torch.float32)
     x = torch.randn(32, 64)
     with (
@@ -324,11 +324,6 @@ def test_row_scaled_recipe_needs_backward_override_and_4over6_raises():
                         rht=True, stochastic_rounding=True, rng_state=torch.tensor([0, 0]),
                         backward_override="dequantized")  # fmt: skip
     assert torch.equal(y, expected)
-    with (
-        te.autocast(recipe=te.recipe.NVFP4BlockScaling(nvfp4_4over6="weights")),
-        pytest.raises(NotImplementedError, match="nvfp4_4over6='weights'"),
-    ):
-        m(x)
 
 
 def test_grouped_linear_applies_tiles_and_refuses_the_rest():
