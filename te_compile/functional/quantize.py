@@ -784,7 +784,10 @@ def _quantize_nvfp4(x: Tensor, *, scale, columnwise, block_rows, four_over_six, 
     if block_rows == 16 or four_over_six:
         quantize_mx.check_quantize_nvfp4(x, None, True, columnwise)
         data, s, g, data_t, s_t = quantize_mx.quantize_nvfp4_ref(
-            x, rowwise=True, columnwise=columnwise, tiles=block_rows == 16,
+            x,
+            rowwise=True,
+            columnwise=columnwise,
+            tiles=block_rows == 16,
             four_over_six=four_over_six,
         )
     else:

@@ -372,15 +372,22 @@ def quantize_nvfp4_ref(
     e4m3 = torch.float8_e4m3fn
     pick = _tile_pick(x2.float(), g, err_mode) if tiles and err_mode else None
     if rowwise:
-        data, scale = _nvfp4_rows(x2, g, _tile_amaxes(x2) if tiles else None, None, err_mode,
-                                  None if pick is None else _expand_tiles(pick, x2.shape[0]))
+        data, scale = _nvfp4_rows(
+            x2,
+            g,
+            _tile_amaxes(x2) if tiles else None,
+            None,
+            err_mode,
+            None if pick is None else _expand_tiles(pick, x2.shape[0]),
+        )
         data = data.reshape(*x.shape[:-1], x.shape[-1] // 2)
     else:
         data, scale = x.new_empty(0, dtype=torch.uint8), x.new_empty(0, dtype=e4m3)
     if columnwise:
         pick_t = None if pick is None else _expand_tiles(pick.t(), x2.shape[1])
-        data_t, scale_t = _nvfp4_rows(x2.t(), g, _tile_amaxes(x2.t()) if tiles else None, None,
-                                      err_mode, pick_t)
+        data_t, scale_t = _nvfp4_rows(
+            x2.t(), g, _tile_amaxes(x2.t()) if tiles else None, None, err_mode, pick_t
+        )
     else:
         data_t, scale_t = x.new_empty(0, dtype=torch.uint8), x.new_empty(0, dtype=e4m3)
     return data, scale, g, data_t, scale_t

@@ -577,9 +577,9 @@ def grouped_linear(
     measures). Float8BlockScaling runs natively where the dense GEMMs do and the input is bf16;
     the block-scaled recipes are emulated elsewhere. Calibration records the amaxes of the
     whole input and of every group's weight (one per-tensor state). A recipe's
-    ``backward_override`` raises: the grouped GEMM does not implement it; so do NVFP4's random
-    Hadamard transform, stochastic rounding and row-scaled activations (NotImplementedError;
-    its 16x16 weight tiles are applied). ``defer``: as
+    ``backward_override`` raises: the grouped GEMM does not implement it; so do NVFP4's
+    row-scaled activations (NotImplementedError); its 16x16 weight tiles, random Hadamard
+    transform, stochastic rounding and 4over6 apply to each expert as to a dense GEMM. ``defer``: as
     :func:`linear`'s (``(DeferredWgrad, weight)`` appended). ``save_original_input``: the
     backward must keep the input itself, not a quantised copy: what high precision and
     ``Float8CurrentScaling`` (its FP8 wgrad operand quantised again in the backward) do;
@@ -595,18 +595,13 @@ def grouped_linear(
             f"(got {args.backward_override!r}: the grouped GEMM runs its backward on the "
             "recipe's quantised operands only)"
         )
-    if args.nvfp4():
-        fields = {
-            "rht": "disable_rht=True",
-            "stochastic_rounding": "disable_stochastic_rounding=True",
-            "row_scaled": "row_scaled_activation=False",
-        }
+    if args.row_scaled:
         raise NotImplementedError(
-            f"{owner}: the grouped GEMM does not implement NVFP4's "
-            f"{', '.join(sorted(args.nvfp4()))} (16x16 weight tiles it does); construct "
-            f"NVFP4BlockScaling({', '.join(fields[k] for k in sorted(args.nvfp4()))})"
+            f"{owner}: the grouped GEMM does not implement NVFP4's row-scaled activations (it "
+            "needs a backward_override, which grouped GEMMs do not take); construct "
+            "NVFP4BlockScaling(row_scaled_activation=False)"
         )
-    kw = args.scalars()
+    kw = {**args.scalars(), **args.nvfp4()}
     if save_original_input and state.enabled:
         _refuse_delayed(owner, state)
     if save_original_input and args.recipe not in ("", "current"):
