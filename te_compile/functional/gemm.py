@@ -72,6 +72,7 @@ from te_compile.functional.quantize import (
     quantize_tensorwise_ref,
 )
 from te_compile.functional.quantize_mx import (
+    FOUR_OVER_SIX,
     dequantize_mxfp8,
     dequantize_nvfp4,
     nvfp4_qdq,
@@ -240,10 +241,21 @@ def check_nvfp4_options(
     like: Tensor,
     row_scaled: bool = False,
     backward_override: str = "",
+    input_4over6: str = "",
+    weight_4over6: str = "",
 ) -> None:
     """NVFP4's option arguments of a family op: NVFP4 only; ``rng_state`` (int64 ``[2]`` on
     ``like``'s device) with stochastic rounding; ``row_scaled`` with a ``backward_override``
-    (a row-scaled tensor has no columnwise copy for the wgrad GEMM)."""
+    (a row-scaled tensor has no columnwise copy for the wgrad GEMM); ``input_4over6`` /
+    ``weight_4over6`` one of :data:`~te_compile.functional.quantize_mx.FOUR_OVER_SIX`."""
+    for name, value in (("input_4over6", input_4over6), ("weight_4over6", weight_4over6)):
+        if value not in FOUR_OVER_SIX:
+            raise ValueError(p + f"{name} must be one of {FOUR_OVER_SIX}, got {value!r}")
+        if value and recipe != "nvfp4":
+            raise ValueError(
+                p + f"{name} (4over6 block scaling) is an NVFP4 option (recipe='nvfp4'), got "
+                f"recipe={recipe!r} with {name}={value!r}"
+            )
     if (rht or stochastic_rounding or row_scaled) and recipe != "nvfp4":
         raise ValueError(
             p + "rht, stochastic_rounding and row_scaled are NVFP4 options (recipe='nvfp4'), "
@@ -398,6 +410,7 @@ def qdq_both(
     rht: bool = False,
     rng_state: Tensor | None = None,
     row_scaled: bool = False,
+    four_over_six: str = "",
 ) -> tuple[Tensor, Tensor]:
     """``(rowwise, columnwise^T)``: ``x2`` ``[M, K]`` quantised by a block-scaled kind in blocks
     along K and along M (the latter returned transposed, ``[K, M]``), both dequantised to fp32,
@@ -406,7 +419,8 @@ def qdq_both(
     its fp32 values and returned as fp64. NVFP4's recipe options
     (``functional.quantize_mx.nvfp4_qdq``): ``block_rows=16``, 16x16 tiles; ``rht``, the random
     Hadamard transform of the columnwise copy; ``rng_state``, stochastic rounding;
-    ``row_scaled``, one global scale per row for the rowwise copy."""
+    ``row_scaled``, one global scale per row for the rowwise copy; ``four_over_six``, 4over6
+    block scaling."""
     x = x2.float() if x2.dtype == torch.float64 else x2
     f32 = torch.float32
     if kind == "block":  # 1 x 128 (block_rows=1) or 128 x 128 blocks, fp32 scales
@@ -420,9 +434,9 @@ def qdq_both(
     elif kind == "mxfp8":
         data, scale, data_t, scale_t = quantize_mxfp8(x, fp8_dtype)
         row, col_t = dequantize_mxfp8(data, scale, f32), dequantize_mxfp8(data_t, scale_t, f32)
-    elif block_rows != 1 or rht or rng_state is not None or row_scaled:
+    elif block_rows != 1 or rht or rng_state is not None or row_scaled or four_over_six:
         row, col_t = nvfp4_qdq(x, tiles=block_rows == 16, rht=rht, rng_state=rng_state,
-                               row_scaled=row_scaled)  # fmt: skip
+                               row_scaled=row_scaled, four_over_six=four_over_six)  # fmt: skip
     else:
         data, scale, g, data_t, scale_t = quantize_nvfp4(x)
         row = dequantize_nvfp4(data, scale, g, f32)
@@ -482,13 +496,15 @@ def _quantize_mxfp8(x2, fp8_dtype, scale, block_rows, power_2_scale, emulate, co
 
 
 def _quantize_nvfp4(x2, fp8_dtype, scale, block_rows, power_2_scale, emulate, columnwise,
-                    mn_major, sums, rht=False, rng_state=None, row_scaled=False
-                    ) -> Operand:  # fmt: skip
+                    mn_major, sums, rht=False, rng_state=None, row_scaled=False,
+                    four_over_six="") -> Operand:  # fmt: skip
     """nvfp4: always dequantised (the GEMM is emulated); ``block_rows`` 16: 16x16 tiles,
     ``rht``: the random Hadamard transform of the columnwise copy, ``rng_state``: stochastic
-    rounding, ``row_scaled``: a global scale per row (rowwise copy)."""
+    rounding, ``row_scaled``: a global scale per row (rowwise copy), ``four_over_six``: 4over6
+    block scaling."""
     return _quantize_dequantized("nvfp4", x2, fp8_dtype, block_rows, False, sums, rht=rht,
-                                 rng_state=rng_state, row_scaled=row_scaled)  # fmt: skip
+                                 rng_state=rng_state, row_scaled=row_scaled,
+                                 four_over_six=four_over_six)  # fmt: skip
 
 
 QUANTIZERS: dict[str, Callable[..., Operand]] = {
@@ -515,17 +531,19 @@ def quantize_operand(
     rht: bool = False,
     rng_state: Tensor | None = None,
     row_scaled: bool = False,
+    four_over_six: str = "",
 ) -> Operand:
     """``x2`` ``[M, K]`` as an :class:`Operand` of ``recipe``'s kind (``scale``: the ``[1]``
     delayed scale; ``block_rows``: the block's rows for ``"block"`` (1 or 128) and ``"nvfp4"``
     (1 or 16); ``mn_major``: 1x128 block scales in the blockwise GEMM's layout where a CUDA
     kernel writes them; ``rht`` / ``rng_state`` / ``row_scaled``: NVFP4's random Hadamard
-    transform of the columnwise copy / stochastic rounding / a global scale per row)."""
+    transform of the columnwise copy / stochastic rounding / a global scale per row;
+    ``four_over_six``: NVFP4's 4over6 block scaling, ``quantize_mx.FOUR_OVER_SIX``)."""
     quantize = QUANTIZERS[recipe]
-    if rht or rng_state is not None or row_scaled:
+    if rht or rng_state is not None or row_scaled or four_over_six:
         return quantize(x2, fp8_dtype, scale, block_rows, power_2_scale, emulate, columnwise,
-                        mn_major, sums, rht=rht, rng_state=rng_state,
-                        row_scaled=row_scaled)  # fmt: skip
+                        mn_major, sums, rht=rht, rng_state=rng_state, row_scaled=row_scaled,
+                        four_over_six=four_over_six)  # fmt: skip
     return quantize(x2, fp8_dtype, scale, block_rows, power_2_scale, emulate, columnwise,
                     mn_major, sums)  # fmt: skip
 
@@ -583,9 +601,10 @@ def weight_operand(tensors, fp8_dtype: torch.dtype) -> Operand:
 
 
 def _quantize_weight_impl(weight, recipe, fwd_dtype, power_2_scale, weight_block_rows, emulate,
-                          scale) -> list[Tensor]:  # fmt: skip
+                          scale, four_over_six="") -> list[Tensor]:  # fmt: skip
     p = "te.quantize_weight: "
     check_recipe(p, recipe, fwd_dtype, fwd_dtype, weight_block_rows, emulate, scale, None)
+    _check_four_over_six(p, recipe, four_over_six)
     if not recipe:
         raise ValueError(p + "recipe must be a quantised kind, got ''")
     if weight.dim() != 2 or weight.dtype not in HIGH_DTYPES + (torch.float64,):
@@ -594,7 +613,8 @@ def _quantize_weight_impl(weight, recipe, fwd_dtype, power_2_scale, weight_block
         )
     s_w = scale_slots(scale, recipe)[1]
     q = quantize_operand(recipe, weight, fwd_dtype, scale=s_w, power_2_scale=power_2_scale,
-                         block_rows=weight_block_rows, emulate=emulate)  # fmt: skip
+                         block_rows=weight_block_rows, emulate=emulate,
+                         four_over_six=four_over_six)  # fmt: skip
     data, data_t = (t.view(torch.uint8) if t.dtype in FP8_DTYPES else t for t in (q.data, q.data_t))
     # Fresh outputs (an op's outputs may not alias): per tensor, the copies share one scale;
     # 128x128 blocks give data_t and scale_t as transposed views of data and scale.
@@ -618,6 +638,16 @@ def _quantize_weight_samples(device: torch.device):
     yield SampleInput((w(32, 256), "block", e4, True, 1, False, None))
     yield SampleInput((w(64, 32), "mxfp8", e4, False, 1, True, None))
     yield SampleInput((w(32, 48), "nvfp4", e4, False, 1, True, None))
+    yield SampleInput((w(32, 48), "nvfp4", e4, False, 16, True, None, "MSE:256"))
+
+
+def _check_four_over_six(p: str, recipe: str, four_over_six: str) -> None:
+    if four_over_six not in FOUR_OVER_SIX:
+        raise ValueError(p + f"four_over_six must be one of {FOUR_OVER_SIX}, got {four_over_six!r}")
+    if four_over_six and recipe != "nvfp4":
+        raise ValueError(
+            p + f"four_over_six (4over6 block scaling) is for recipe='nvfp4', got {recipe!r}"
+        )
 
 
 @op("quantize_weight", sample_inputs=_quantize_weight_samples)
@@ -629,10 +659,11 @@ def quantize_weight_op(
     weight_block_rows: int,
     emulate: bool,
     scale: Tensor | None,
+    four_over_six: str = "",
 ) -> list[Tensor]:
     """``te::quantize_weight``: :func:`quantize_weight` without the argument checks."""
     return _quantize_weight_impl(weight, recipe, fwd_dtype, power_2_scale, weight_block_rows,
-                                 emulate, scale)  # fmt: skip
+                                 emulate, scale, four_over_six)  # fmt: skip
 
 
 def quantize_weight(
@@ -643,12 +674,14 @@ def quantize_weight(
     weight_block_rows: int,
     emulate: bool,
     scale: Tensor | None,
+    four_over_six: str = "",
 ) -> list[Tensor]:
     """``weight`` ``[N, K]`` as the family ops' pre-quantised weight operand (module docstring):
     ``[data, scale, data_t, scale_t, amax]``, quantised as the op would quantise it inside
     (``scale``: the GEMM's delayed scales ``[3]``, whose weight slot is used, with
-    ``recipe="delayed"``). ``te::quantize_weight`` after the checks of its arguments (the
-    dispatcher's type errors would not name them)."""
+    ``recipe="delayed"``; ``four_over_six``: NVFP4's 4over6 setting of the weight,
+    ``quantize_mx.FOUR_OVER_SIX``). ``te::quantize_weight`` after the checks of its arguments
+    (the dispatcher's type errors would not name them)."""
     p = "te.quantize_weight"
     check_tensor(p, "weight", weight)
     if weight.dim() != 2:
@@ -661,15 +694,22 @@ def quantize_weight(
     if isinstance(weight_block_rows, bool) or not isinstance(weight_block_rows, int):
         raise TypeError(f"{p}: weight_block_rows must be an int, got {weight_block_rows!r}")
     check_tensors(p, scale=scale)
+    if not isinstance(four_over_six, str):
+        raise TypeError(f"{p}: four_over_six must be a str, one of {FOUR_OVER_SIX}, got "
+                        f"{four_over_six!r}")  # fmt: skip
+    if four_over_six:
+        return quantize_weight_op(weight, recipe, fwd_dtype, power_2_scale, weight_block_rows,
+                                  emulate, scale, four_over_six)  # fmt: skip
     return quantize_weight_op(weight, recipe, fwd_dtype, power_2_scale, weight_block_rows,
                               emulate, scale)  # fmt: skip
 
 
 @quantize_weight_op.register_fake
 def _quantize_weight_fake(weight, recipe, fwd_dtype, power_2_scale, weight_block_rows, emulate,
-                          scale):  # fmt: skip
+                          scale, four_over_six=""):  # fmt: skip
     check_recipe("te.quantize_weight: ", recipe, fwd_dtype, fwd_dtype, weight_block_rows, emulate,
                  scale, None)  # fmt: skip
+    _check_four_over_six("te.quantize_weight: ", recipe, four_over_six)
     if not recipe or weight.dim() != 2:
         raise ValueError("te.quantize_weight: needs a quantised recipe and a 2-D weight")
     n, k = weight.shape
@@ -860,10 +900,11 @@ class _BlockReference(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, kind, fwd_dtype, bwd_dtype, power_2_scale, w_rows, rht,
-                rng_state, row_scaled):  # fmt: skip
+                rng_state, row_scaled, input_4over6, weight_4over6):  # fmt: skip
         x_row, x_col_t = qdq_both(x, kind, fwd_dtype, 1, power_2_scale, rht=rht,
-                                  row_scaled=row_scaled)  # fmt: skip
-        w_row, w_col_t = qdq_both(weight, kind, fwd_dtype, w_rows, power_2_scale)
+                                  row_scaled=row_scaled, four_over_six=input_4over6)  # fmt: skip
+        w_row, w_col_t = qdq_both(weight, kind, fwd_dtype, w_rows, power_2_scale,
+                                  four_over_six=weight_4over6)  # fmt: skip
         ctx.save_for_backward(x_col_t, w_col_t, rng_state)
         ctx.config = (kind, bwd_dtype, power_2_scale, rht)
         return x_row @ w_row.t()
@@ -874,7 +915,7 @@ class _BlockReference(torch.autograd.Function):
         kind, bwd_dtype, power_2_scale, rht = ctx.config
         g_row, g_col_t = qdq_both(grad, kind, bwd_dtype, 1, power_2_scale, rht=rht,
                                   rng_state=rng_state)  # fmt: skip
-        return g_row @ w_col_t.t(), g_col_t @ x_col_t.t(), *(None,) * 8
+        return g_row @ w_col_t.t(), g_col_t @ x_col_t.t(), *(None,) * 10
 
 
 def quantized_linear_ref(
@@ -890,6 +931,8 @@ def quantized_linear_ref(
     rht: bool = False,
     rng_state: Tensor | None = None,
     row_scaled: bool = False,
+    input_4over6: str = "",
+    weight_4over6: str = "",
 ) -> Tensor:
     """Definition of correctness of the GEMM of a recipe, differentiable: ``inp @ weight.T`` of
     the quantised-dequantised operands in the input's dtype (fp64 in the tests), the incoming
@@ -901,11 +944,15 @@ def quantized_linear_ref(
     quantised. NVFP4's options: ``weight_block_rows=16`` (16x16 weight tiles), ``rht`` (the
     random Hadamard transform of the wgrad GEMM's operands, the input's and the gradient's
     columnwise copies), ``rng_state`` (stochastic rounding of the gradient, the op's stream),
-    ``row_scaled`` (the input's rowwise copy with a global scale per row)."""
+    ``row_scaled`` (the input's rowwise copy with a global scale per row), ``input_4over6`` /
+    ``weight_4over6`` (4over6 block scaling of the input's / the weight's copies,
+    ``quantize_mx.FOUR_OVER_SIX``)."""
     x = inp.reshape(-1, inp.shape[-1])
+    fos = {"input_4over6": input_4over6, "weight_4over6": weight_4over6}
     if recipe and backward_override == "high_precision":
         config = (fwd_dtype, bwd_dtype, power_2_scale, weight_block_rows, scale)
-        quantized = quantized_linear_ref(x, weight, recipe, *config, row_scaled=row_scaled).detach()
+        quantized = quantized_linear_ref(x, weight, recipe, *config, row_scaled=row_scaled,
+                                         **fos).detach()  # fmt: skip
         high = x @ weight.t()
         out = high + (quantized - high).detach()
     elif recipe and backward_override == "dequantized":
@@ -913,12 +960,13 @@ def quantized_linear_ref(
         if recipe in PER_TENSOR:
             xq, wq = _fake_quant(x, fwd_dtype, s_x), _fake_quant(weight, fwd_dtype, s_w)
         else:
-            row = qdq_both(x, recipe, fwd_dtype, 1, power_2_scale, row_scaled=row_scaled)[0]
+            row = qdq_both(x, recipe, fwd_dtype, 1, power_2_scale, row_scaled=row_scaled,
+                           four_over_six=input_4over6)[0]  # fmt: skip
             xq = _straight_through(x, row)
             w_rows = weight_block_rows
-            wq = _straight_through(
-                weight, qdq_both(weight, recipe, fwd_dtype, w_rows, power_2_scale)[0]
-            )
+            w_row = qdq_both(weight, recipe, fwd_dtype, w_rows, power_2_scale,
+                             four_over_six=weight_4over6)[0]  # fmt: skip
+            wq = _straight_through(weight, w_row)
         out = xq @ wq.t()
     elif not recipe:
         out = x @ weight.t()
@@ -928,7 +976,7 @@ def quantized_linear_ref(
         out = _FakeQuantGrad.apply(_fake_quant(x, fwd_dtype, s_x) @ w.t(), bwd_dtype, s_g)
     else:
         config = (recipe, fwd_dtype, bwd_dtype, power_2_scale, weight_block_rows, rht, rng_state,
-                  row_scaled)  # fmt: skip
+                  row_scaled, input_4over6, weight_4over6)  # fmt: skip
         out = _BlockReference.apply(x, weight, *config)
     return out.reshape(*inp.shape[:-1], weight.shape[0])
 

@@ -13,9 +13,10 @@ kind                     GEMMs
                          expert (host splits; every expert's tokens padded to 128 in one
                          layout)
 ``"dequantized"``        the block-scaled recipes emulated: the operands quantised exactly and
-                         dequantised to the model's dtype (NVFP4: a global scale per expert for
-                         each expert's tokens, weight and gradient), the high-precision grouped
-                         GEMMs on those values
+                         dequantised to the model's dtype, the high-precision grouped GEMMs on
+                         those values (NVFP4: each expert as a dense GEMM quantises it, its own
+                         global scales, the backward GEMMs on copies quantised along the other
+                         dim, with the Hadamard transform, stochastic rounding and 4over6)
 =======================  ===================================================================
 
 Every row is ``forward(inp, m_splits, weight, bias, r, cuda) -> (out, saved)`` and
@@ -45,6 +46,7 @@ from te_compile.functional.gemm import (
     padded,
 )
 from te_compile.functional.quantize import quantize_blockwise
+from te_compile.functional.quantize_mx import NVFP4_BLOCK, nvfp4_qdq
 
 __all__ = [
     "GroupedRecipe",
@@ -79,6 +81,10 @@ class GroupedRecipe(NamedTuple):
     scale: Tensor | None = None
     grad_amax: Tensor | None = None
     fp8_wgrad: bool = False
+    rht: bool = False
+    rng_state: Tensor | None = None
+    input_4over6: str = ""
+    weight_4over6: str = ""
 
 
 # Splits ------------------------------------------------------------------------------------------
@@ -389,26 +395,20 @@ def _native_backward(
 # Emulated block-scaled recipes ("dequantized") --------------------------------------------------
 
 
-def _qdq_input(inp: Tensor, m_splits: Tensor, r: GroupedRecipe) -> Tensor:
+def _qdq_input(inp: Tensor, r: GroupedRecipe) -> Tensor:
     """``X`` quantised exactly in blocks along ``in_features`` (1x128 or 32 elements) and
-    dequantised to its dtype; NVFP4 with a global scale per expert for its tokens
-    (``row_splits``: group amaxes on the device, no host sync)."""
-    if r.recipe == "nvfp4":
-        return qdq(inp, "nvfp4", _E4M3, 1, False, m_splits)
+    dequantised to its dtype (not NVFP4: :func:`_nvfp4_input`)."""
     p2 = r.power_2_scale if r.recipe == "block" else False
     return qdq(inp, r.recipe, r.fwd_dtype, 1, p2)
 
 
 def dequantized_weight(weight: Tensor, r: GroupedRecipe) -> Tensor:
     """``W`` ``[G, N, K]`` quantised exactly, each expert in the recipe's weight blocks (NVFP4:
-    with a global scale per expert), dequantised to its dtype: the emulated GEMMs' weight
-    operand, also as a pre-quantised weight."""
+    with a global scale per expert, as :func:`_nvfp4_weight`), dequantised to its dtype: the
+    emulated GEMMs' weight operand, also as a pre-quantised weight."""
     g, n, k = weight.shape
     if r.recipe == "nvfp4":
-        per_expert = torch.full((g,), n, dtype=torch.int64, device=weight.device)
-        w_rows = r.weight_block_rows  # 16: 16x16 tiles (n is a multiple of 16)
-        w = qdq(weight.reshape(g * n, k), "nvfp4", _E4M3, w_rows, False, per_expert)
-        return w.view(g, n, k)
+        return _nvfp4_weight(weight, r)[0]
     w_rows = r.weight_block_rows if r.recipe == "block" else 1
     p2 = r.power_2_scale if r.recipe == "block" else False
     if w_rows == 1 or n % w_rows == 0:  # no block of rows straddles two experts
@@ -465,18 +465,48 @@ def blockwise_backward(grad, saved, inp, m_splits, weight, main_grad, r, has_bia
                                r.weight_block_rows, has_bias, dgrad, wgrad)  # fmt: skip
 
 
+def _nvfp4_input(inp, m_splits, r: GroupedRecipe) -> tuple[Tensor, Tensor]:
+    """NVFP4, as a dense GEMM per expert quantises its operands (``functional.gemm``): ``(X,
+    X^T's copy)`` dequantised, each expert's tokens with a global scale of their own, the copy
+    for the wgrad GEMM quantised along the tokens (with the random Hadamard transform with
+    ``r.rht``), 4over6 as ``r.input_4over6`` says."""
+    if inp.is_cuda:  # blocks of 16 tokens along M must not straddle two experts (no host sync)
+        torch._assert_async((m_splits % NVFP4_BLOCK == 0).all())
+    x_row, x_col_t = nvfp4_qdq(inp, rht=r.rht, four_over_six=r.input_4over6, row_splits=m_splits)
+    return x_row.to(inp.dtype), x_col_t.t().to(inp.dtype).contiguous()
+
+
+def _nvfp4_weight(weight: Tensor, r: GroupedRecipe) -> tuple[Tensor, Tensor]:
+    """``(W, W^T's copy)`` dequantised to the weight's dtype, as :func:`_nvfp4_input` for the
+    weight: each expert with a global scale of its own, the dgrad copy quantised along
+    ``out_features`` (the same values with 16x16 tiles), 4over6 as ``r.weight_4over6`` says."""
+    g, n, k = weight.shape
+    per_expert = torch.full((g,), n, dtype=torch.int64, device=weight.device)
+    w_row, w_col_t = nvfp4_qdq(weight.reshape(g * n, k), tiles=r.weight_block_rows == 16,
+                               four_over_six=r.weight_4over6, row_splits=per_expert)  # fmt: skip
+    dtype = weight.dtype
+    return (w_row.to(dtype).view(g, n, k), w_col_t.t().to(dtype).reshape(g, n, k).contiguous())
+
+
 def dequantized_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
     """The high-precision grouped GEMM of the quantised-dequantised operands; the bias added to
-    its rounded output in high precision; ``saved = [X, W]`` (dequantised; ``[X]`` with
-    ``weight_q``, whose first tensor is :func:`dequantized_weight`'s ``W``: an input, the
-    caller saves it)."""
-    x = _qdq_input(inp, m_splits, r)
-    w = dequantized_weight(weight, r) if weight_q is None else weight_q[0]
+    its rounded output in high precision; ``saved = [X, W]`` (dequantised; NVFP4: the copies
+    the backward GEMMs read, quantised along the other dim; ``[X]`` with ``weight_q``, whose
+    first tensor is :func:`dequantized_weight`'s ``W``: an input, the caller saves it; NVFP4's
+    weight copies then need 16x16 tiles, which make ``W^T``'s copy ``W`` itself)."""
+    if r.recipe == "nvfp4":
+        x, x_col = _nvfp4_input(inp, m_splits, r)
+        w, w_col = _nvfp4_weight(weight, r) if weight_q is None else (weight_q[0], weight_q[0])
+        saved = [x_col, w_col]
+    else:
+        x = _qdq_input(inp, r)
+        w = dequantized_weight(weight, r) if weight_q is None else weight_q[0]
+        saved = [x, w]
     out, _ = high_precision_forward(x, m_splits, w, None, r, cuda)
     if bias is not None:
         splits = m_splits.to(bias.device)
         out = out + bias.repeat_interleave(splits, dim=0, output_size=out.shape[0])
-    return out, ([x, w] if weight_q is None else [x])
+    return out, (saved if weight_q is None else saved[:1])
 
 
 def dequantized_backward(grad, saved, inp, m_splits, weight, main_grad, r, has_bias, dgrad,
@@ -486,8 +516,18 @@ def dequantized_backward(grad, saved, inp, m_splits, weight, main_grad, r, has_b
     gradient from the high-precision gradient."""
     x, w = saved
     p2 = r.power_2_scale if r.recipe == "block" else False
-    if r.recipe == "nvfp4":
-        g = qdq(grad, "nvfp4", _E4M3, 1, False, m_splits)
+    if r.recipe == "nvfp4":  # dgrad on the rowwise copy, wgrad on the columnwise one
+        g_row, g_col_t = nvfp4_qdq(grad, columnwise=wgrad, rht=r.rht, rng_state=r.rng_state,
+                                   row_splits=m_splits)  # fmt: skip
+        dinp, _, _ = high_precision_backward(g_row.to(grad.dtype), [], x, m_splits, w,
+                                             main_grad, r, False, dgrad, False, cuda)  # fmt: skip
+        dweight = empty(grad)
+        if wgrad:
+            _, dweight, _ = high_precision_backward(g_col_t.t().to(grad.dtype), [], x,
+                                                    m_splits, w, main_grad, r, False, False,
+                                                    True, cuda)  # fmt: skip
+        dbias = _group_sums(grad, m_splits, w.shape[0], cuda) if has_bias else empty(grad)
+        return dinp, dweight, dbias
     else:
         g = qdq(grad, r.recipe, r.bwd_dtype, 1, p2)
     dinp, dweight, _ = high_precision_backward(

@@ -57,14 +57,17 @@ from torch import Tensor
 
 from te_compile._checks import check_bool
 from te_compile._library import HOST_SPLITS, SampleInput, differentiable, op
+from te_compile.functional.dropout import new_rng_state
 from te_compile.functional.fake_quantize import qdq
 from te_compile.functional.gemm import (
     BLOCK_KINDS,
     HIGH_DTYPES,
     PER_TENSOR,
+    WEIGHT_OPERAND,
     DeferredWgrad,
     blockwise_supported,
     check_gemm_args,
+    check_nvfp4_options,
     check_recipe,
     check_weight_quantized,
     empty,
@@ -94,6 +97,7 @@ from te_compile.functional.grouped_weight import (
     check_grouped_weight_operand,
     quantize_grouped_weight,
 )
+from te_compile.functional.quantize_mx import nvfp4_qdq
 
 __all__ = [
     "GROUPED_GEMMS",
@@ -151,10 +155,17 @@ class _Args(NamedTuple):
     weight_data_t: Tensor | None = None
     weight_scale_t: Tensor | None = None
     weight_amax: Tensor | None = None
+    rht: bool = False
+    stochastic_rounding: bool = False
+    rng_state: Tensor | None = None
+    input_4over6: str = ""
+    weight_4over6: str = ""
 
     @property
     def grouped_recipe(self) -> GroupedRecipe:
-        return GroupedRecipe(*self[5:14])
+        rng_state = self.rng_state if self.stochastic_rounding else None
+        return GroupedRecipe(*self[5:14], self.rht, rng_state, self.input_4over6,
+                             self.weight_4over6)  # fmt: skip
 
     @property
     def weight_q(self) -> tuple[Tensor | None, ...]:
@@ -282,18 +293,11 @@ class _RefDequantized(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, splits, r: GroupedRecipe):
-        g, n, k = w.shape
+        n = w.shape[1]
         p2 = r.power_2_scale if r.recipe == "block" else False
-        if r.recipe == "nvfp4":
-            per_expert = torch.full((g,), n, dtype=torch.int64)
-            xq = qdq(x, "nvfp4", _E4M3, 1, False, torch.tensor(splits))
-            w_rows = r.weight_block_rows  # 16: 16x16 tiles (n is a multiple of 16)
-            wq = qdq(w.reshape(g * n, k), "nvfp4", _E4M3, w_rows, False, per_expert)
-            wq = wq.view(g, n, k)
-        else:
-            rows = r.weight_block_rows if r.recipe == "block" else 1
-            xq = qdq(x, r.recipe, r.fwd_dtype, 1, p2)
-            wq = torch.stack([qdq(w_g, r.recipe, r.fwd_dtype, rows, p2) for w_g in w])
+        rows = r.weight_block_rows if r.recipe == "block" else 1
+        xq = qdq(x, r.recipe, r.fwd_dtype, 1, p2)
+        wq = torch.stack([qdq(w_g, r.recipe, r.fwd_dtype, rows, p2) for w_g in w])
         ctx.save_for_backward(xq, wq)
         ctx.splits, ctx.r, ctx.p2 = splits, r, p2
         outs = [x_g @ wq[g].t() for g, x_g in enumerate(xq.split(splits))]
@@ -303,12 +307,43 @@ class _RefDequantized(torch.autograd.Function):
     def backward(ctx, dy):
         xq, wq = ctx.saved_tensors
         r, splits = ctx.r, ctx.splits
-        if r.recipe == "nvfp4":
-            dyq = qdq(dy, "nvfp4", _E4M3, 1, False, torch.tensor(splits))
-        else:
-            dyq = qdq(dy, r.recipe, r.bwd_dtype, 1, ctx.p2)
+        dyq = qdq(dy, r.recipe, r.bwd_dtype, 1, ctx.p2)
         parts = list(zip(dyq.split(splits), xq.split(splits), strict=True))
         dx = torch.cat([d @ wq[g] for g, (d, _) in enumerate(parts)])
+        dw = torch.stack([d.t() @ x_g for d, x_g in parts])
+        return dx, dw, None, None
+
+
+class _RefNVFP4(torch.autograd.Function):
+    """NVFP4: every expert's GEMMs as ``functional.gemm.quantized_linear_ref`` defines a dense
+    one (its own global scales; the backward GEMMs on copies quantised along the other dim,
+    the transform, stochastic rounding from one stream over the whole gradient, 4over6), in
+    the input's dtype (float64 in the tests)."""
+
+    @staticmethod
+    def forward(ctx, x, w, splits, r: GroupedRecipe):
+        g, n, k = w.shape
+        row_splits = torch.tensor(splits)
+        x_row, x_col_t = nvfp4_qdq(x, rht=r.rht, four_over_six=r.input_4over6,
+                                   row_splits=row_splits)  # fmt: skip
+        w_row, w_col_t = nvfp4_qdq(w.reshape(g * n, k), tiles=r.weight_block_rows == 16,
+                                   four_over_six=r.weight_4over6,
+                                   row_splits=torch.full((g,), n))  # fmt: skip
+        x_row, w_row = x_row.to(x.dtype), w_row.to(x.dtype).view(g, n, k)
+        ctx.save_for_backward(x_col_t.t().to(x.dtype), w_col_t.t().to(x.dtype).view(g, n, k))
+        ctx.splits, ctx.r = splits, r
+        outs = [x_g @ w_row[i].t() for i, x_g in enumerate(x_row.split(splits))]
+        return torch.cat(outs) if outs else x.new_empty(0, n)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_col, w_col = ctx.saved_tensors
+        r, splits = ctx.r, ctx.splits
+        g_row, g_col_t = nvfp4_qdq(dy, rht=r.rht, rng_state=r.rng_state,
+                                   row_splits=torch.tensor(splits))  # fmt: skip
+        g_row, g_col = g_row.to(dy.dtype), g_col_t.t().to(dy.dtype)
+        dx = torch.cat([d @ w_col[i] for i, d in enumerate(g_row.split(splits))])
+        parts = zip(g_col.split(splits), x_col.split(splits), strict=True)
         dw = torch.stack([d.t() @ x_g for d, x_g in parts])
         return dx, dw, None, None
 
@@ -333,6 +368,8 @@ def _reference(*args):
                                                  a.weight_block_rows))  # fmt: skip
             row += m
         out = torch.cat(outs)
+    elif a.recipe == "nvfp4":
+        out = _RefNVFP4.apply(inp, weight, splits, a.grouped_recipe)
     else:
         out = _RefDequantized.apply(inp, weight, splits, a.grouped_recipe)
     if bias is not None:
@@ -436,6 +473,16 @@ def _check(a: _Args) -> None:
                "the update may have changed)" if recipe == "delayed" else "")
         )  # fmt: skip
     check_grouped_weight_operand(p, recipe, a.weight, a.weight_block_rows, a.emulate, a.weight_q)
+    if (
+        a.weight_data is not None
+        and recipe == "nvfp4"
+        and (a.weight_4over6 or a.weight_block_rows != 16)
+    ):
+        raise ValueError(
+            p + "an NVFP4 pre-quantised weight needs weight_block_rows=16 (16x16 tiles: the "
+            f"dgrad copy is the weight itself) and no weight_4over6, got weight_block_rows="
+            f"{a.weight_block_rows}, weight_4over6={a.weight_4over6!r}"
+        )
     if not recipe and a.scale is None and a.grad_amax is None and not a.fp8_wgrad:
         return
     check_recipe(p, recipe, a.fwd_dtype, a.bwd_dtype, a.weight_block_rows, a.emulate, a.scale,
@@ -460,6 +507,20 @@ def _check(a: _Args) -> None:
         )
     if (a.grad_amax is not None or a.fp8_wgrad) and recipe not in PER_TENSOR:
         raise ValueError(p + "grad_amax and fp8_wgrad are for the per-tensor recipes")
+    check_nvfp4_options(p, recipe, a.rht, a.stochastic_rounding, a.rng_state, a.inp,
+                        input_4over6=a.input_4over6, weight_4over6=a.weight_4over6)  # fmt: skip
+    splits = a.m_splits
+    if (
+        recipe == "nvfp4"
+        and splits.device.type == "cpu"
+        and not isinstance(splits, torch._subclasses.FakeTensor)
+    ):
+        bad = [int(m) for m in splits.tolist() if m % 16]
+        if bad:
+            raise ValueError(
+                p + "nvfp4 grouped GEMMs need every group's token count (m_splits) to be a "
+                f"multiple of 16 (blocks of 16 tokens along M), got {splits.tolist()}"
+            )
 
 
 # 2. Forward op ------------------------------------------------------------------------------
@@ -499,6 +560,11 @@ def grouped_linear_fwd(
     weight_data_t: Tensor | None = None,
     weight_scale_t: Tensor | None = None,
     weight_amax: Tensor | None = None,
+    rht: bool = False,
+    stochastic_rounding: bool = False,
+    rng_state: Tensor | None = None,
+    input_4over6: str = "",
+    weight_4over6: str = "",
 ) -> tuple[Tensor, list[Tensor]]:
     """``(out [M, out_features], saved)`` (module docstring). ``main_grad`` is only carried to
     the backward. ``weight_data`` ... ``weight_amax``: ``weight`` pre-quantised
@@ -573,9 +639,9 @@ _BWD_TENSORS = ("grad_out", "saved", "inp", "m_splits", "weight", "main_grad", "
 
 
 def _backward_impl(grad_out, saved, inp, m_splits, weight, main_grad, scale, grad_amax,
-                   c: _Bwd, cuda: bool):  # fmt: skip
+                   c: _Bwd, cuda: bool, rng_state=None, rht=False):  # fmt: skip
     r = GroupedRecipe(c.recipe, c.fwd_dtype, c.bwd_dtype, c.power_2_scale, c.weight_block_rows,
-                      c.emulate, scale, grad_amax, c.fp8_wgrad)  # fmt: skip
+                      c.emulate, scale, grad_amax, c.fp8_wgrad, rht, rng_state)  # fmt: skip
     _, backward = GROUPED_GEMMS[grouped_gemm_kind(c.recipe, c.emulate)]
     return backward(grad_out, saved, inp, m_splits, weight, main_grad, r, c.has_bias,
                     c.need_dgrad, c.need_wgrad, cuda)  # fmt: skip
@@ -606,19 +672,24 @@ def grouped_linear_bwd(
     need_dgrad: bool,
     need_wgrad: bool,
     wgrad_stash: Tensor | None = None,
+    rng_state: Tensor | None = None,
+    rht: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dinp, dweight, dbias)``; a gradient not computed is a 0-element tensor (dweight also
     when it went into ``main_grad``). ``saved``: the forward's, without the amaxes; ``inp`` is
     needed (and passed) only where a high-precision wgrad reads it. Writes ``amax(dY)`` into
     ``grad_amax`` when given. ``wgrad_stash`` (delayed weight gradient): ``grad_out`` is copied
     into it and the weight gradient is not computed (``DeferredWgrad`` replays this op for it).
+    NVFP4: ``rng_state`` (stochastic rounding of the gradient, the forward's stream) and
+    ``rht`` (the Hadamard transform of the wgrad GEMM's operands).
     Default (CPU): fp32 math, the exact emulation of the FP8 GEMMs."""
     if wgrad_stash is not None:
         wgrad_stash.copy_(grad_out)
         need_wgrad = False
     values = locals()
     c = _Bwd(*(values[name] for name in _Bwd._fields))
-    return _backward_impl(*(values[name] for name in _BWD_TENSORS), c, cuda=False)
+    return _backward_impl(*(values[name] for name in _BWD_TENSORS), c, cuda=False,
+                          rng_state=rng_state, rht=rht)  # fmt: skip
 
 
 def _bwd_args(args: tuple) -> tuple[tuple, _Bwd]:
@@ -633,9 +704,12 @@ def _bwd_args(args: tuple) -> tuple[tuple, _Bwd]:
 @grouped_linear_bwd.register_kernel("cuda")
 def _grouped_linear_bwd_cuda(*args):
     tensors, c = _bwd_args(args)
-    if len(args) > len(_BWD_TENSORS) + len(_Bwd._fields) and args[-1] is not None:
-        args[-1].copy_(tensors[0])
-    return _backward_impl(*tensors, c, cuda=True)
+    n = len(_BWD_TENSORS) + len(_Bwd._fields)
+    if len(args) > n and args[n] is not None:
+        args[n].copy_(tensors[0])
+    rng_state = args[n + 1] if len(args) > n + 1 else None
+    rht = args[n + 2] if len(args) > n + 2 else False
+    return _backward_impl(*tensors, c, cuda=True, rng_state=rng_state, rht=rht)
 
 
 @grouped_linear_bwd.register_fake
@@ -662,8 +736,9 @@ def _setup_context(ctx, inputs, output) -> None:
         saved = saved[:-1]  # the amaxes: for the caller
     tensors, ctx.scalars = _for_backward(a, saved)
     # main_grad and grad_amax (positions 3 and 5): written by the backward.
-    save_for_backward_except_written(ctx, (*tensors, a.wgrad_stash), (3, 5))
-    ctx.has_bias = a.bias is not None
+    rng_state = a.rng_state if a.stochastic_rounding else None
+    save_for_backward_except_written(ctx, (*tensors, a.wgrad_stash, rng_state), (3, 5))
+    ctx.has_bias, ctx.rht = a.bias is not None, a.rht
 
 
 def _for_backward(a: _Args, saved: list[Tensor]) -> tuple[tuple, tuple]:
@@ -687,15 +762,16 @@ def _for_backward(a: _Args, saved: list[Tensor]) -> tuple[tuple, tuple]:
 
 
 def _backward(ctx, bwd, grad_out, _grad_saved):
-    inp, m_splits, weight, _, scale, _, *saved, stash = ctx.saved_tensors
+    inp, m_splits, weight, _, scale, _, *saved, stash, rng_state = ctx.saved_tensors
     main_grad, grad_amax = ctx.written
     need = ctx.needs_input_grad
     need_dgrad, need_wgrad = need[0], need[2]
     has_bias = ctx.has_bias and need[3]
+    nvfp4 = () if rng_state is None and not ctx.rht else (stash, rng_state, ctx.rht)
     dinp, dweight, dbias = bwd(
         grad_out.contiguous(), saved, inp, m_splits, weight, main_grad,
         scale, grad_amax, *ctx.scalars, has_bias, need_dgrad, need_wgrad,
-        *(() if stash is None else (stash,)),
+        *(() if stash is None or nvfp4 else (stash,)), *nvfp4,
     )  # fmt: skip
     grads = [None] * len(need)
     grads[0] = dinp if need_dgrad else None
@@ -773,8 +849,13 @@ def _samples(device: torch.device):
     # Float8BlockScaling with 128x128 weight blocks that straddle two experts (N = 32).
     yield call(t(40, 64), splits(11, 0, 29), t(3, 32, 64), t(3, 32), None, recipe="mxfp8",
                emulate=True)  # fmt: skip
-    yield call(t(24, 32), splits(8, 16), t(2, 16, 32), None, None, recipe="nvfp4",
+    yield call(t(32, 32), splits(16, 16), t(2, 16, 32), None, None, recipe="nvfp4",
                emulate=True, bwd_dtype=_E4M3)  # fmt: skip
+    # NVFP4's options: the transform of the wgrad operands, stochastic rounding, 4over6, tiles.
+    yield call(t(48, 32), splits(32, 0, 16), t(3, 16, 32), t(3, 16), None, recipe="nvfp4",
+               emulate=True, bwd_dtype=_E4M3, weight_block_rows=16, rht=True,
+               stochastic_rounding=True, rng_state=torch.tensor([3, 5], device=device),
+               input_4over6="MSE:256", weight_4over6="MAE:448")  # fmt: skip
     yield call(t(24, 32), splits(16, 8), t(2, 32, 32), t(2, 32),
                torch.zeros(2, 32, 32, device=device), **block, emulate=True,
                weight_block_rows=128)  # fmt: skip
@@ -786,7 +867,7 @@ def _samples(device: torch.device):
         r = GroupedRecipe(**{k: v for k, v in kw.items() if k in GroupedRecipe._fields})
         q = quantize_grouped_weight(w.detach(), r.recipe, r.fwd_dtype, r.power_2_scale,
                                     r.weight_block_rows, r.emulate, r.scale)  # fmt: skip
-        return {**kw, **dict(zip(_Args._fields[-5:], q, strict=True))}
+        return {**kw, **dict(zip(WEIGHT_OPERAND, q, strict=True))}
 
     w = t(3, 32, 16, dtype=bf16)
     yield call(t(40, 16, dtype=bf16), splits(11, 29, 0), w, None,
@@ -831,6 +912,11 @@ def grouped_linear(
     delay_wgrad: bool = False,
     save_original_input: bool = False,
     weight_quantized: Sequence[Tensor] | None = None,
+    rht: bool = False,
+    stochastic_rounding: bool = False,
+    rng_state: Tensor | None = None,
+    input_4over6: str = "",
+    weight_4over6: str = "",
 ) -> Tensor | tuple[Tensor, ...]:
     """Rows of ``inp`` split into groups by ``m_splits``; group ``g`` gets
     ``inp_g @ weight[g].T + bias[g]`` through ``te::grouped_linear_fwd`` with the recipe as data
@@ -845,7 +931,10 @@ def grouped_linear(
     precision and the high-precision wgrad keep ``inp`` anyway; other recipes raise.
     ``weight_quantized``: ``weight`` already quantised by the recipe, the five tensors of
     :func:`~te_compile.functional.quantize_grouped_weight` (same recipe arguments), used
-    instead of quantising ``weight`` (whose gradient is still computed)."""
+    instead of quantising ``weight`` (whose gradient is still computed).
+    NVFP4's options, as ``te.linear`` applies them to each expert's GEMMs: ``rht``,
+    ``stochastic_rounding`` (``rng_state``: one stream over the whole gradient; None draws
+    one), ``input_4over6`` / ``weight_4over6``; every group's token count a multiple of 16."""
     check_weight_quantized("te.grouped_linear", "weight_quantized", weight_quantized)
     tensors = {"inp": inp, "weight": weight, "bias": bias, "main_grad": main_grad}
     if (
@@ -877,6 +966,15 @@ def grouped_linear(
                  grad_amax, fp8_wgrad, stash, save_original_input)  # fmt: skip
         if weight_quantized is not None:
             args += tuple(weight_quantized)
+    if rht or stochastic_rounding or rng_state is not None or input_4over6 or weight_4over6:
+        check_bool("te.grouped_linear", rht=rht, stochastic_rounding=stochastic_rounding)
+        if len(args) == 5:
+            args += tuple(_Args(*args)[5:16])
+        if len(args) == 16:  # no pre-quantised weight
+            args += (None,) * 5
+        if stochastic_rounding and rng_state is None:
+            rng_state = new_rng_state(inp.device)
+        args += (rht, stochastic_rounding, rng_state, input_4over6, weight_4over6)
     out, saved = _grouped_linear(*args)
     if not (return_amax or stash is not None):
         return out
@@ -900,9 +998,11 @@ def _deferred(args: tuple, saved: list[Tensor]) -> DeferredWgrad:
         inp, m_splits, weight, main_grad, scale, grad_amax, *saved = tensors
         if grad_amax is not None:  # the backward recorded amax(dY) already: not twice
             grad_amax = torch.zeros_like(grad_amax)
+        rng_state = a.rng_state if a.stochastic_rounding else None
+        nvfp4 = (None, rng_state, a.rht) if rng_state is not None or a.rht else ()
         _, dweight, _ = torch.ops.te.grouped_linear_bwd(
             grad, saved, inp, m_splits, weight, main_grad, scale, grad_amax, *scalars, False,
-            False, True,
+            False, True, *nvfp4,
         )  # fmt: skip
         return None if main_grad is not None else dweight
 

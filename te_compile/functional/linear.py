@@ -31,7 +31,10 @@ branch, saved)`` takes, after the four tensors:
   input's and the gradient's columnwise copies), ``stochastic_rounding`` of the gradient with
   ``rng_state`` (int64 ``[2]`` ``(seed, offset)``, saved for the backward op: its Philox
   stream), ``row_scaled`` (the forward's input with a global scale per row; needs a
-  ``backward_override``);
+  ``backward_override``), and, last of all the arguments, ``input_4over6`` / ``weight_4over6``
+  (4over6 adaptive block scaling of the input's / the weight's copies, ``""`` off or one of
+  ``functional.quantize_mx.FOUR_OVER_SIX``: the error metric and the E4M3 bound of the global
+  scale; the gradient never);
 * the norm prologue (``functional.prologue``): ``norm_weight``, ``norm_bias``,
   ``normalization`` (``""``, ``"LayerNorm"``, ``"RMSNorm"``), ``norm_eps``,
   ``zero_centered_gamma``: ``inp`` is normalised first (written straight into FP8 on CUDA by the
@@ -183,6 +186,8 @@ class _Args(NamedTuple):
     weight_amax: Tensor | None = None
     wgrad_stash: Tensor | None = None
     save_original_input: bool = False
+    input_4over6: str = ""
+    weight_4over6: str = ""
 
     @property
     def weight_q(self) -> tuple[Tensor | None, ...]:
@@ -202,6 +207,7 @@ class _Args(NamedTuple):
             or self.norm_bias is not None or self.scale is not None
             or self.grad_amax is not None or self.weight_data is not None
             or self.wgrad_stash is not None or self.save_original_input
+            or self.input_4over6 or self.weight_4over6
         )  # fmt: skip
 
     @property
@@ -246,7 +252,8 @@ def _reference(*args):
     config = (a.fwd_dtype, a.bwd_dtype, a.power_2_scale, a.weight_block_rows, a.scale)
     rng_state = a.rng_state if a.stochastic_rounding else None
     y = quantized_linear_ref(x, a.weight, a.recipe, *config, a.backward_override, a.rht,
-                             rng_state, a.row_scaled)  # fmt: skip
+                             rng_state, a.row_scaled, a.input_4over6,
+                             a.weight_4over6)  # fmt: skip
     if a.activation in GATED_ACTIVATIONS:
         y = gated_activation_ref(y, a.bias, a.activation, *a.act)
     elif a.activation:
@@ -333,7 +340,18 @@ def _check(a: _Args) -> None:
     p = "te.linear: "
     recipe = a.recipe
     check_nvfp4_options(p, recipe, a.rht, a.stochastic_rounding, a.rng_state, a.inp,
-                        a.row_scaled, a.backward_override)  # fmt: skip
+                        a.row_scaled, a.backward_override, a.input_4over6,
+                        a.weight_4over6)  # fmt: skip
+    if a.save_original_input and a.input_4over6:
+        raise NotImplementedError(
+            p + "save_original_input=True with input_4over6 (4over6 block scaling of the input) "
+            "is not implemented: the backward would quantise the input again without it"
+        )
+    if a.weight_data is not None and a.weight_4over6:
+        raise ValueError(
+            p + "weight_4over6 is for a weight the op quantises; a pre-quantised weight "
+            "(weight_data, ...) carries its own quantisation (quantize_weight's four_over_six)"
+        )
     check_recipe(p, recipe, a.fwd_dtype, a.bwd_dtype, a.weight_block_rows, a.emulate, a.scale,
                  a.grad_amax)  # fmt: skip
     n, k = weight.shape
@@ -457,21 +475,24 @@ def _forward(a: _Args, cuda: bool) -> tuple[Tensor, Tensor, list[Tensor]]:
             x2, *stats = norm_forward(x2, a.norm)
             xq = quantize_operand(recipe, pad_rows(x2), a.fwd_dtype, scale=s_x,
                                   power_2_scale=p2, emulate=em, rht=a.rht,
-                                  row_scaled=a.row_scaled)  # fmt: skip
+                                  row_scaled=a.row_scaled,
+                                  four_over_six=a.input_4over6)  # fmt: skip
         elif a.normalization:
             xq, *stats = norm_quantize(recipe, x2, a.norm, a.fwd_dtype, scale=s_x,
                                        power_2_scale=p2, emulate=em, rht=a.rht,
-                                       row_scaled=a.row_scaled)  # fmt: skip
+                                       row_scaled=a.row_scaled,
+                                       four_over_six=a.input_4over6)  # fmt: skip
         else:  # save_original_input: the backward quantises the input again for the wgrad
             xq = quantize_operand(recipe, pad_rows(x2), a.fwd_dtype, scale=s_x,
                                   power_2_scale=p2, emulate=em, rht=a.rht,
-                                  row_scaled=a.row_scaled,
+                                  row_scaled=a.row_scaled, four_over_six=a.input_4over6,
                                   columnwise=not a.save_original_input)  # fmt: skip
         if a.weight_data is not None:  # pre-quantised: the saved copy is an input's
             wq = weight_operand(a.weight_q, a.fwd_dtype)
         else:
             wq = quantize_operand(recipe, weight, a.fwd_dtype, scale=s_w, power_2_scale=p2,
-                                  block_rows=a.weight_block_rows, emulate=em)  # fmt: skip
+                                  block_rows=a.weight_block_rows, emulate=em,
+                                  four_over_six=a.weight_4over6)  # fmt: skip
         h = gemm(gemm_kind(recipe, em), xq.data, xq.scale, wq.data, wq.scale, dtype,
                  bias=fuse_bias, fast_accum=True, b_block_rows=a.weight_block_rows)  # fmt: skip
         h = unpad(h, m)
@@ -560,6 +581,8 @@ def linear_fwd(
     weight_amax: Tensor | None = None,
     wgrad_stash: Tensor | None = None,
     save_original_input: bool = False,
+    input_4over6: str = "",
+    weight_4over6: str = "",
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
     """``(out, branch, saved)`` (module docstring). The default (CPU) implementation computes
     high precision in fp32 (fp64 stays fp64), rounded once."""
@@ -570,6 +593,7 @@ def linear_fwd(
         and not rht and not stochastic_rounding and rng_state is None and not row_scaled
         and weight_data is None
         and wgrad_stash is None and not save_original_input
+        and not input_4over6 and not weight_4over6
     ):  # fmt: skip
         return _plain_forward(inp, weight, bias, main_grad, cuda=False)
     args = (inp, weight, bias, main_grad, recipe, fwd_dtype, bwd_dtype, power_2_scale,
@@ -578,7 +602,7 @@ def linear_fwd(
             glu_linear_offset, residual, out_scale, branch, backward_override, rht,
             stochastic_rounding, rng_state, row_scaled, weight_data, weight_scale,
             weight_data_t, weight_scale_t, weight_amax, wgrad_stash,
-            save_original_input)  # fmt: skip
+            save_original_input, input_4over6, weight_4over6)  # fmt: skip
     return _forward(_Args(*args), cuda=False)
 
 
@@ -1141,6 +1165,11 @@ def _samples(device: torch.device):
                 stochastic_rounding=True, rng_state=rng.clone())  # fmt: skip
     yield _call(t(32, 32), t(16, 32), t(16), recipe="nvfp4", emulate=True, **e4, row_scaled=True,
                 weight_block_rows=16, backward_override="dequantized")  # fmt: skip
+    # 4over6 block scaling of the input (with the transform of its wgrad copy) and of the
+    # weight's 16x16 tiles.
+    yield _call(t(32, 48, dtype=bf16), t(32, 48, dtype=bf16), recipe="nvfp4", emulate=True, **e4,
+                weight_block_rows=16, rht=True, input_4over6="MAE:448",
+                weight_4over6="MSE:256")  # fmt: skip
 
     # A pre-quantised weight (functional.gemm.quantize_weight): per tensor, delayed (its weight
     # slot), native blockwise with 128x128 blocks, emulated MXFP8, with a dequantised backward.
@@ -1232,6 +1261,8 @@ def linear(
     weight_quantized: Sequence[Tensor] | None = None,
     delay_wgrad: bool = False,
     save_original_input: bool = False,
+    input_4over6: str = "",
+    weight_4over6: str = "",
 ) -> Tensor | tuple[Tensor, ...]:
     """``residual + out_scale * activation(norm(inp) @ weight.T + bias)`` through
     ``te::linear_fwd``, every part optional (module docstring); by default ``inp @ weight.T +
@@ -1247,7 +1278,10 @@ def linear(
     (16x16 weight tiles), ``rht`` (the random Hadamard transform of the wgrad GEMM's operands),
     ``stochastic_rounding`` (of the gradient; ``rng_state``, int64 ``(seed, offset)``, fixes its
     draws, None draws one from torch's generator), ``row_scaled`` (the input's forward copy
-    with a global scale per row; needs ``backward_override``).
+    with a global scale per row; needs ``backward_override``), ``input_4over6`` /
+    ``weight_4over6`` (4over6 adaptive block scaling of the input's / the weight's copies:
+    ``""`` off, or ``"MAE:448"``, ``"MAE:256"``, ``"MSE:448"``, ``"MSE:256"``, the error
+    metric and the E4M3 bound of the global scale; docs/fp8.md).
     GEMMs (module docstring). ``weight_quantized``: ``weight`` already quantised by the recipe,
     the five tensors of :func:`~te_compile.functional.quantize_weight`, used instead of
     quantising ``weight`` (whose gradient is still computed); ``weight`` may then be the FP8
@@ -1286,7 +1320,7 @@ def linear(
         or scale is not None or grad_amax is not None or backward_override or rht
         or stochastic_rounding or rng_state is not None or row_scaled
         or weight_quantized is not None
-        or stash is not None or save_original_input
+        or stash is not None or save_original_input or input_4over6 or weight_4over6
         or recipe_args_not_default(fwd_dtype, bwd_dtype, power_2_scale, weight_block_rows, emulate)
         or norm_eps != 1e-5 or zero_centered_gamma is not False
         or glu_interleave_size is not None or limit != 7.0 or alpha != 1.702
@@ -1317,6 +1351,11 @@ def linear(
             *(weight_quantized if weight_quantized is not None else (None,) * 5),
             stash, save_original_input,
         )  # fmt: skip
+        if input_4over6 or weight_4over6:
+            for name, value in (("input_4over6", input_4over6), ("weight_4over6", weight_4over6)):
+                if not isinstance(value, str):
+                    raise TypeError(f"te.linear: {name} must be a str, got {value!r}")
+            args += (input_4over6, weight_4over6)
     out, branch, saved = _linear(*args)
     if not (return_branch or return_amax or stash is not None):
         return out

@@ -112,6 +112,7 @@ def norm_quantize(
     mn_major: bool = False,
     rht: bool = False,
     row_scaled: bool = False,
+    four_over_six: str = "",
 ) -> tuple[Operand, Tensor, Tensor]:
     """``(operand, mean, rsigma)``: the norm of ``x2`` ``[M, K]``, rows padded to a multiple of
     16, as the first GEMM's input operand (``gemm.quantize_operand``'s arguments). On CUDA the
@@ -138,7 +139,7 @@ def norm_quantize(
     y, mean, rsigma = norm_forward(x2, norm)
     operand = quantize_operand(
         recipe, pad_rows(y), fp8_dtype, scale=scale, power_2_scale=power_2_scale,
-        emulate=emulate, rht=rht, row_scaled=row_scaled,
+        emulate=emulate, rht=rht, row_scaled=row_scaled, four_over_six=four_over_six,
     )  # fmt: skip
     return operand, mean, rsigma
 

@@ -781,19 +781,29 @@ def _quantize_mxfp8(x: Tensor, *, fp8_dtype: torch.dtype, scale, columnwise, **_
     return Quantized(data, s, *t, None, "mxfp8", 1)
 
 
-def _quantize_nvfp4(x: Tensor, *, scale, columnwise, block_rows, **_) -> Quantized:
+def _quantize_nvfp4(x: Tensor, *, scale, columnwise, block_rows, four_over_six, **_) -> Quantized:
     """1x16 blocks (``block_rows=1``: the op) or 16x16 tiles (16: every scale of a tile the
-    same, from the tile's amax; the reference math, any device)."""
+    same, from the tile's amax), ``four_over_six``: 4over6 block scaling (tiles and 4over6: the
+    reference math, any device)."""
     _no_scale("nvfp4", scale)
     if block_rows not in (1, 16):
         raise ValueError(
             "te.quantize: block_rows must be 1 (1x16 blocks) or 16 (16x16 tiles) for 'nvfp4', "
             f"got {block_rows}"
         )
-    if block_rows == 16:
+    if four_over_six not in quantize_mx.FOUR_OVER_SIX:
+        raise ValueError(
+            f"te.quantize: four_over_six must be one of {quantize_mx.FOUR_OVER_SIX}, got "
+            f"{four_over_six!r}"
+        )
+    if block_rows == 16 or four_over_six:
         quantize_mx.check_quantize_nvfp4(x, None, True, columnwise)
         data, s, g, data_t, s_t = quantize_mx.quantize_nvfp4_ref(
-            x, rowwise=True, columnwise=columnwise, tiles=True
+            x,
+            rowwise=True,
+            columnwise=columnwise,
+            tiles=block_rows == 16,
+            four_over_six=four_over_six,
         )
     else:
         data, s, g, data_t, s_t = quantize_mx.quantize_nvfp4(x, columnwise=columnwise)
@@ -834,6 +844,7 @@ def quantize(
     power_2_scale: bool = False,
     columnwise: bool = False,
     amax_epsilon: float = 0.0,
+    four_over_six: str = "",
 ) -> Quantized:
     """Quantise ``tensor`` to FP8 with one recipe kind:
 
@@ -842,7 +853,8 @@ def quantize(
       ``power_2_scale``); two reads.
     * ``"block"``: ``block_rows x 128`` blocks (``block_rows`` 1 or 128; ``power_2_scale``).
     * ``"mxfp8"``: 32-element blocks with E8M0 scales (``fp8_dtype`` elements).
-    * ``"nvfp4"``: E2M1 elements (two per byte), 16-element E4M3 block scales, a global scale.
+    * ``"nvfp4"``: E2M1 elements (two per byte), 16-element E4M3 block scales, a global scale;
+      ``four_over_six`` (``quantize_mx.FOUR_OVER_SIX``, ``""`` off): 4over6 block scaling.
 
     ``columnwise=True`` also makes the ``[K, M]`` copy for the backward GEMMs. Returns a
     :class:`Quantized`; :func:`dequantize` inverts it. ``scale`` must be finite and > 0 (read
@@ -853,6 +865,11 @@ def quantize(
         raise ValueError(
             f"te.quantize: recipe_kind must be one of {sorted(_QUANTIZERS)}, got {recipe_kind!r}"
         )
+    if four_over_six and recipe_kind != "nvfp4":
+        raise ValueError(
+            f"te.quantize: four_over_six is for recipe_kind='nvfp4', got {recipe_kind!r}"
+        )
+    extra = {"four_over_six": four_over_six} if recipe_kind == "nvfp4" else {}
     return quantizer(
         tensor,
         fp8_dtype=fp8_dtype,
@@ -861,6 +878,7 @@ def quantize(
         power_2_scale=power_2_scale,
         columnwise=columnwise,
         amax_epsilon=amax_epsilon,
+        **extra,
     )
 
 

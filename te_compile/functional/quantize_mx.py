@@ -114,6 +114,7 @@ from te_compile._checks import check_bool
 from te_compile._library import SampleInput, op
 
 __all__ = [
+    "FOUR_OVER_SIX",
     "RHT_SIGNS",
     "check_quantize_nvfp4",
     "dequantize_mxfp8",
@@ -123,6 +124,7 @@ __all__ = [
     "nvfp4_global_scale",
     "nvfp4_qdq",
     "nvfp4_qdq_row_groups",
+    "parse_four_over_six",
     "quantize_mxfp8",
     "quantize_mxfp8_ref",
     "quantize_nvfp4",
@@ -142,6 +144,9 @@ _E4M3_MAX = 448.0
 _FLT_MAX = torch.finfo(torch.float32).max
 # E2M1 magnitude of each 3-bit code, in code order.
 _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# 4over6 settings of an operand (``nvfp4_qdq``'s ``four_over_six``): off, or the error metric
+# and the E4M3 bound the global scale maps the amax to.
+FOUR_OVER_SIX = ("", "MAE:448", "MAE:256", "MSE:448", "MSE:256")
 
 
 # 1. Reference math --------------------------------------------------------------------------
@@ -215,16 +220,17 @@ def dequantize_mxfp8_ref(data: Tensor, scale: Tensor, out_dtype: torch.dtype) ->
     return _unblock(values, k).to(out_dtype).contiguous().view(data.shape)
 
 
-def nvfp4_global_scale(amax: Tensor) -> Tensor:
-    """The 0-dim fp32 NVFP4 encode scale ``min(448 * 6 / amax, FLT_MAX)``; 1 where ``amax`` is
-    0, inf or NaN."""
-    return _global_scales(amax.float().reshape(()))
+def nvfp4_global_scale(amax: Tensor, e4m3_max: float = _E4M3_MAX) -> Tensor:
+    """The 0-dim fp32 NVFP4 encode scale ``min(e4m3_max * 6 / amax, FLT_MAX)``; 1 where
+    ``amax`` is 0, inf or NaN. ``e4m3_max``: 448 (the E4M3 max), or 256 for 4over6 operands
+    (:func:`nvfp4_qdq`'s ``four_over_six``)."""
+    return _global_scales(amax.float().reshape(()), e4m3_max)
 
 
-def _global_scales(amax: Tensor) -> Tensor:
+def _global_scales(amax: Tensor, e4m3_max: float = _E4M3_MAX) -> Tensor:
     """:func:`nvfp4_global_scale` of every element of the fp32 ``amax``."""
     # A tensor numerator: `2688.0 / amax` would be computed as 2688 * (1 / amax), rounding twice.
-    g = torch.div(torch.full_like(amax, _E4M3_MAX * _E2M1_MAX), amax).clamp(max=_FLT_MAX)
+    g = torch.div(torch.full_like(amax, e4m3_max * _E2M1_MAX), amax).clamp(max=_FLT_MAX)
     return torch.where((amax == 0) | ~amax.isfinite(), 1.0, g)
 
 
@@ -252,26 +258,100 @@ def _e2m1_codes(v: Tensor, u: Tensor | None = None) -> Tensor:
     return (torch.signbit(v).to(torch.uint8) << 3) | magnitude.to(torch.uint8)
 
 
-def _nvfp4_rows(
-    x2: Tensor, g: Tensor, amax: Tensor | None = None, u: Tensor | None = None
+def _nvfp4_candidate(
+    xb: Tensor, amax: Tensor, g: Tensor, four: bool, ub: Tensor | None
 ) -> tuple[Tensor, Tensor]:
-    """NVFP4 of the rows of ``x2`` ``[M, K]`` (K even) with global scale ``g``:
-    ``(data [M, K/2] uint8, scale [M, ceil(K/16)] e4m3)``. ``amax``: each block's amax ``[M,
-    ceil(K/16)]`` when not its own (16x16 tiles); ``u``: uniforms ``[M, K]`` for stochastic
-    rounding (:func:`_e2m1_codes`)."""
-    xb = _blocks(x2, NVFP4_BLOCK)
-    if amax is None:
-        amax = xb.abs().amax(-1)
+    """``(codes [M, nb, 16] uint8, scale [M, nb] e4m3)`` of the blocks ``xb`` (fp32, amaxes
+    ``amax``) with the block scale mapping the amax to 6, or with ``four`` to 4 (that scale
+    times 1.5, 4over6's second candidate)."""
     finite = amax.isfinite()
-    s = (amax * (g * (1 / 6))).clamp(max=_E4M3_MAX)
-    scale = torch.where(finite, s, math.nan).to(torch.float8_e4m3fn)
+    s = amax * (g * (1 / 6))
+    if four:
+        s = s * 1.5
+    scale = torch.where(finite, s.clamp(max=_E4M3_MAX), math.nan).to(torch.float8_e4m3fn)
     s = scale.float()
     enc = (s * g.reciprocal()).reciprocal().clamp(max=_FLT_MAX)
     enc = torch.where(s == 0, 0.0, enc)
-    ub = None if u is None else _blocks(u, NVFP4_BLOCK)
     codes = torch.where(finite[..., None], _e2m1_codes(xb * enc[..., None], ub), 0)
+    return codes, scale
+
+
+def _block_values(codes: Tensor, scale: Tensor, g: Tensor) -> Tensor:
+    """fp32 values ``e2m1 * scale / g`` of E2M1 ``codes`` ``[M, nb, 16]`` (E4M3 ``scale``
+    ``[M, nb]``; ``g`` broadcastable to ``[M, nb]``)."""
+    values = codes.new_tensor(_E2M1_VALUES, dtype=torch.float32)[(codes & 7).long()]
+    values = torch.where((codes & 8) != 0, -values, values)
+    return torch.div(values * scale.float()[..., None], g[..., None])
+
+
+def _four_over_six_errors(xb, amax, g, err_mode: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(err4, err6, cand4, cand6)``: each block's sum of ``|q - x|`` (``"MAE"``) or
+    ``(q - x)^2`` (``"MSE"``) over its 16 values for the map-to-4 and map-to-6 candidates
+    (:func:`_nvfp4_candidate`, ``q`` dequantised), and the candidates."""
+    cand4 = _nvfp4_candidate(xb, amax, g, True, None)
+    cand6 = _nvfp4_candidate(xb, amax, g, False, None)
+    errs = []
+    for codes, scale in (cand4, cand6):
+        diff = _block_values(codes, scale, g) - xb
+        errs.append((diff.abs() if err_mode == "MAE" else diff * diff).sum(-1))
+    return errs[0], errs[1], cand4, cand6
+
+
+def _nvfp4_rows(
+    x2: Tensor,
+    g: Tensor,
+    amax: Tensor | None = None,
+    u: Tensor | None = None,
+    four_over_six: str = "",
+    pick: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """NVFP4 of the rows of ``x2`` ``[M, K]`` (K even) with global scale ``g`` (0-dim, or
+    broadcastable to ``[M, ceil(K/16)]``: one per row or per block):
+    ``(data [M, K/2] uint8, scale [M, ceil(K/16)] e4m3)``. ``amax``: each block's amax ``[M,
+    ceil(K/16)]`` when not its own (16x16 tiles); ``u``: uniforms ``[M, K]`` for stochastic
+    rounding (:func:`_e2m1_codes`); ``four_over_six``: the error metric (``"MAE"``, ``"MSE"``)
+    of 4over6 block scaling, each block keeping the candidate of lower error (map to 4 when
+    strictly lower, else 6), or ``pick`` (bool ``[M, ceil(K/16)]``, True: map to 4) given."""
+    xb = _blocks(x2, NVFP4_BLOCK)
+    if amax is None:
+        amax = xb.abs().amax(-1)
+    if g.dim() == 2:
+        g = g.expand(amax.shape)
+    if not four_over_six and pick is None:
+        ub = None if u is None else _blocks(u, NVFP4_BLOCK)
+        codes, scale = _nvfp4_candidate(xb, amax, g, False, ub)
+    else:
+        err4, err6, (c4, s4), (c6, s6) = _four_over_six_errors(xb, amax, g, four_over_six or "MAE")
+        if pick is None:
+            pick = err4 < err6
+        codes = torch.where(pick[..., None], c4, c6)
+        scale = torch.where(pick, s4.view(torch.uint8), s6.view(torch.uint8))
+        scale = scale.view(torch.float8_e4m3fn)
     codes = _unblock(codes, x2.shape[1])
     return codes[:, 0::2] | (codes[:, 1::2] << 4), scale
+
+
+def _tile_pick(x2: Tensor, g: Tensor, err_mode: str) -> Tensor:
+    """4over6 with 16x16 tiles: bool ``[ceil(M/16), ceil(K/16)]``, True where the tile maps to
+    4, from the tile's summed error (one choice per tile, so that the rowwise and columnwise
+    copies stay the same quantised values)."""
+    m = x2.shape[0]
+    xb = _blocks(x2, NVFP4_BLOCK)
+    amax = _tile_amaxes(x2)
+    if g.dim() == 2:
+        g = g.expand(amax.shape)
+    err4, err6, _, _ = _four_over_six_errors(xb, amax, g, err_mode)
+    pad = -m % NVFP4_BLOCK
+
+    def tiles(e: Tensor) -> Tensor:
+        e = F.pad(e, (0, 0, 0, pad))
+        return e.view(-1, NVFP4_BLOCK, e.shape[1]).sum(1)
+
+    return tiles(err4) < tiles(err6)
+
+
+def _expand_tiles(pick: Tensor, rows: int) -> Tensor:
+    return pick.repeat_interleave(NVFP4_BLOCK, 0)[:rows]
 
 
 def quantize_nvfp4_ref(
@@ -280,20 +360,34 @@ def quantize_nvfp4_ref(
     rowwise: bool = True,
     columnwise: bool = True,
     tiles: bool = False,
+    four_over_six: str = "",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(data, scale, global_scale, data_t, scale_t)`` (module docstring); 0-element tensors
     for a direction not asked for. ``tiles``: every block's scale from its 16x16 tile's amax
-    (the columnwise copy is then the rowwise one transposed, value for value)."""
-    g = nvfp4_global_scale(_tensor_amax(x) if global_amax is None else global_amax)
+    (the columnwise copy is then the rowwise one transposed, value for value).
+    ``four_over_six``: 4over6 block scaling (:func:`nvfp4_qdq`; ``""``: off)."""
+    err_mode, e4m3_max = parse_four_over_six(four_over_six)
+    g = nvfp4_global_scale(_tensor_amax(x) if global_amax is None else global_amax, e4m3_max)
     x2 = _rows(x)
     e4m3 = torch.float8_e4m3fn
+    pick = _tile_pick(x2.float(), g, err_mode) if tiles and err_mode else None
     if rowwise:
-        data, scale = _nvfp4_rows(x2, g, _tile_amaxes(x2) if tiles else None)
+        data, scale = _nvfp4_rows(
+            x2,
+            g,
+            _tile_amaxes(x2) if tiles else None,
+            None,
+            err_mode,
+            None if pick is None else _expand_tiles(pick, x2.shape[0]),
+        )
         data = data.reshape(*x.shape[:-1], x.shape[-1] // 2)
     else:
         data, scale = x.new_empty(0, dtype=torch.uint8), x.new_empty(0, dtype=e4m3)
     if columnwise:
-        data_t, scale_t = _nvfp4_rows(x2.t(), g, _tile_amaxes(x2.t()) if tiles else None)
+        pick_t = None if pick is None else _expand_tiles(pick.t(), x2.shape[1])
+        data_t, scale_t = _nvfp4_rows(
+            x2.t(), g, _tile_amaxes(x2.t()) if tiles else None, None, err_mode, pick_t
+        )
     else:
         data_t, scale_t = x.new_empty(0, dtype=torch.uint8), x.new_empty(0, dtype=e4m3)
     return data, scale, g, data_t, scale_t
@@ -312,13 +406,11 @@ def dequantize_nvfp4_ref(
 
 def _nvfp4_values(data: Tensor, scale: Tensor, g: Tensor) -> Tensor:
     """fp32 ``[M, K]`` values of the NVFP4 rows ``data`` ``[M, K/2]`` (E4M3 ``scale``) over the
-    global scale ``g`` (0-dim, or ``[M, 1]``: one a row)."""
+    global scale ``g`` (0-dim, or broadcastable to ``scale``'s shape: one a row or a block)."""
     m, k = data.shape[0], 2 * data.shape[1]
     codes = torch.stack([data & 0xF, data >> 4], -1).reshape(m, k)
-    values = data.new_tensor(_E2M1_VALUES, dtype=torch.float32)[(codes & 7).long()]
-    values = torch.where((codes & 8) != 0, -values, values)
-    scaled = _blocks(values, NVFP4_BLOCK) * scale.float()[..., None]
-    return torch.div(_unblock(scaled, k), g)
+    codes = F.pad(codes, (0, -k % NVFP4_BLOCK)).view(m, scale.shape[-1], NVFP4_BLOCK)
+    return _unblock(_block_values(codes, scale, g), k)
 
 
 def nvfp4_qdq_row_groups(x: Tensor, row_splits: Tensor, tiles: bool = False) -> Tensor:
@@ -326,21 +418,12 @@ def nvfp4_qdq_row_groups(x: Tensor, row_splits: Tensor, tiles: bool = False) -> 
     group of consecutive rows (``row_splits[i]`` rows, flattening the leading dims; they must
     sum to the row count) with the global scale of its own amax: what quantising each group as
     its own tensor gives (Transformer Engine's grouped NVFP4 quantisation of a mixture of
-    experts' tokens or weights), in one pass of torch ops on any device with no host sync: the
-    group amaxes are a ``scatter_reduce`` over the row amaxes (a group holding a NaN gets
-    ``g = 1``, as a tensor does). ``K`` must be even. ``tiles``: one block scale per 16x16 tile
-    (:func:`nvfp4_qdq`; groups of a multiple of 16 rows, so that no tile straddles two)."""
-    x2 = _rows(x)
-    m, groups = x2.shape[0], row_splits.numel()
-    ids = torch.repeat_interleave(
-        torch.arange(groups, device=x2.device), row_splits.to(x2.device), output_size=m
-    )
-    rows = x2.abs().amax(1).float() if x2.shape[1] else x2.new_zeros(m, dtype=torch.float32)
-    amax = rows.new_zeros(groups).scatter_reduce(0, ids, rows, "amax")
-    has_nan = rows.new_zeros(groups).index_add(0, ids, rows.isnan().float()) > 0
-    g = _global_scales(torch.where(has_nan, math.nan, amax))[ids, None]
-    data, scale = _nvfp4_rows(x2, g, _tile_amaxes(x2) if tiles else None)
-    return _nvfp4_values(data, scale, g).view(x.shape)
+    experts' tokens or weights), in one pass of torch ops on any device with no host sync
+    (:func:`nvfp4_qdq`'s ``row_splits``; a group holding a NaN gets ``g = 1``, as a tensor
+    does). ``K`` must be even. ``tiles``: one block scale per 16x16 tile (groups of a multiple
+    of 16 rows, so that no tile straddles two)."""
+    row, _ = nvfp4_qdq(_rows(x), columnwise=False, tiles=tiles, row_splits=row_splits)
+    return row.view(x.shape)
 
 
 # Transformer Engine's NVFP4 recipe options, as the emulated GEMMs apply them ----------------
@@ -385,6 +468,30 @@ def _tile_amaxes(x2: Tensor) -> Tensor:
     return tiles.repeat_interleave(NVFP4_BLOCK, 0)[:m]
 
 
+def parse_four_over_six(spec: str) -> tuple[str, float]:
+    """``(err_mode, e4m3_max)`` of a 4over6 setting (:data:`FOUR_OVER_SIX`): ``""`` is off,
+    ``("", 448.0)``; ``"MSE:256"`` is ``("MSE", 256.0)``."""
+    if spec not in FOUR_OVER_SIX:
+        raise ValueError(f"four_over_six must be one of {FOUR_OVER_SIX}, got {spec!r}")
+    if not spec:
+        return "", _E4M3_MAX
+    err_mode, bound = spec.split(":")
+    return err_mode, float(bound)
+
+
+def _group_scales(row_amax: Tensor, ids: Tensor, groups: int, e4m3_max: float) -> Tensor:
+    """The global scale ``[groups]`` of every group of rows (``ids``: each row's group) from
+    the rows' amaxes, on the device (no host sync); a group holding a NaN gets 1, as a
+    tensor does."""
+    amax = row_amax.new_zeros(groups).scatter_reduce(0, ids, row_amax, "amax")
+    has_nan = row_amax.new_zeros(groups).index_add(0, ids, row_amax.isnan().float()) > 0
+    return _global_scales(torch.where(has_nan, math.nan, amax), e4m3_max)
+
+
+def _row_amax(x: Tensor) -> Tensor:
+    return x.abs().amax(1) if x.shape[1] else x.new_zeros(x.shape[0])
+
+
 def nvfp4_qdq(
     x2: Tensor,
     *,
@@ -393,6 +500,8 @@ def nvfp4_qdq(
     rht: bool = False,
     rng_state: Tensor | None = None,
     row_scaled: bool = False,
+    four_over_six: str = "",
+    row_splits: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``(row [M, K], col_t [K, M])``: ``x2`` quantised to NVFP4 and dequantised (fp32, exact),
     in blocks along K and, transposed, along M, with Transformer Engine's recipe options:
@@ -407,38 +516,70 @@ def nvfp4_qdq(
       rowwise copy with words ``[0, M K)`` of the stream and the columnwise one with words
       ``[M K, 2 M K)``;
     * ``row_scaled``: the rowwise copy with one global scale per row, from the row's amax
-      (row-scaled activations; their columnwise copy is the plain one).
+      (row-scaled activations; their columnwise copy is the plain one);
+    * ``four_over_six`` (:data:`FOUR_OVER_SIX`, ``"MAE:256"`` ...): 4over6 adaptive block
+      scaling (Cook et al. 2025, as Transformer Engine's ``nvfp4_4over6``): every global scale
+      maps the amax to ``e4m3_max * 6`` (256: room for a block scale times 1.5 below E4M3's
+      448), and each block (16x16 tile with ``tiles``: the tile's summed error) is quantised
+      twice, its scale mapping its amax to 6 and to 4 (the first scale times 1.5, both rounded
+      to E4M3), keeping the candidate whose dequantised values have the smaller sum of
+      absolute (MAE) or squared (MSE) errors against the fp32 input; 6 on a tie. Applied to
+      both copies (the columnwise one after the transform with ``rht``);
+    * ``row_splits``: the rows in consecutive groups of ``row_splits[i]`` rows, each group
+      quantised as a tensor of its own (its global scales from its own amaxes, the
+      transformed one's with ``rht``; a mixture of experts' tokens, gradients or weights), on
+      the device without a host sync. The columnwise blocks must not straddle two groups:
+      every group a multiple of 16 rows.
 
     ``columnwise=False``: ``col_t`` is 0-element. ``M`` and ``K`` even; with ``rht`` ``M`` a
     multiple of 16."""
     m, k = x2.shape
     x = x2.float()
+    err_mode, e4m3_max = parse_four_over_six(four_over_six)
     u_row = u_col = None
     if rng_state is not None:
         u = _uniforms(rng_state, (2 if columnwise else 1) * m * k)
         u_row = u[: m * k].view(m, k)
         u_col = u[m * k :].view(k, m) if columnwise else None
-    amax = _tensor_amax(x)
-    g = nvfp4_global_scale(amax)
-    if row_scaled:
-        rows = x.abs().amax(1) if k else x.new_zeros(m)
-        g_row = _global_scales(rows)[:, None]
+    ids = groups = None
+    if row_splits is not None:
+        groups = row_splits.numel()
+        ids = torch.repeat_interleave(
+            torch.arange(groups, device=x.device), row_splits.to(x.device), output_size=m
+        )
+        g = _group_scales(_row_amax(x).float(), ids, groups, e4m3_max)[ids, None]
     else:
-        g_row = g
+        g = nvfp4_global_scale(_tensor_amax(x), e4m3_max)
+    g_row = _global_scales(_row_amax(x), e4m3_max)[:, None] if row_scaled else g
+    pick = _tile_pick(x, g_row, err_mode) if tiles and err_mode else None
     block_amax = _tile_amaxes(x) if tiles else None
-    data, scale = _nvfp4_rows(x, g_row, block_amax, u_row)
+    data, scale = _nvfp4_rows(x, g_row, block_amax, u_row, err_mode,
+                              None if pick is None else _expand_tiles(pick, m))  # fmt: skip
     row = _nvfp4_values(data, scale, g_row)
     if not columnwise:
         return row, x.new_empty(0)
     if tiles and not rht and u_col is None:
         return row, row.t().contiguous()
     xt = x.t()
-    g_t = g
     if rht:
         xt = random_hadamard_transform(xt)
-        g_t = nvfp4_global_scale(_tensor_amax(xt))
+    if ids is not None:  # one scale per block of 16 tokens: its group's
+        if rht:
+            col_amax = xt.abs().amax(0) if k else xt.new_zeros(m)
+            g_col = _group_scales(col_amax, ids, groups, e4m3_max)[ids]
+        else:
+            g_col = g[:, 0]
+        g_t = g_col[::NVFP4_BLOCK][None, :]
+    elif rht:
+        g_t = nvfp4_global_scale(_tensor_amax(xt), e4m3_max)
+    else:
+        g_t = g
+    pick_t = None
+    if pick is not None:
+        pick_t = _tile_pick(xt, g_t, err_mode) if rht else pick.t()
+        pick_t = _expand_tiles(pick_t, k)
     block_amax_t = _tile_amaxes(xt) if tiles else None
-    data_t, scale_t = _nvfp4_rows(xt, g_t, block_amax_t, u_col)
+    data_t, scale_t = _nvfp4_rows(xt, g_t, block_amax_t, u_col, err_mode, pick_t)
     return row, _nvfp4_values(data_t, scale_t, g_t)
 
 

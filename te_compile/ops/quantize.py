@@ -43,10 +43,12 @@ def quantizer_args(recipe: Recipe, role: str) -> tuple[str, torch.dtype, int, bo
         raise ValueError("quantizer_args: DelayedScaling runs through Quantize's fp8_meta")
     if recipe.nvfp4():
         # The recipe's options as the GEMMs take them: the Hadamard transform touches only the
-        # columnwise copy (not made here); stochastic rounding and row scaling are not done here.
+        # columnwise copy (not made here); stochastic rounding, row scaling and 4over6 block
+        # scaling are not done here.
         _, kw = quantize_args(recipe, role)
         for name, fix in (("stochastic_rounding", "disable_stochastic_rounding=True"),
-                          ("row_scaled", "row_scaled_activation=False")):  # fmt: skip
+                          ("row_scaled", "row_scaled_activation=False"),
+                          ("four_over_six", "nvfp4_4over6='none' or 'weights'")):  # fmt: skip
             if kw.get(name):
                 raise NotImplementedError(
                     f"Quantize: NVFP4's {name} is applied inside the GEMMs only; use "

@@ -100,8 +100,9 @@ class GemmArgs(NamedTuple):
     ``bwd_dtype``: the FP8 formats of forward operands and of gradients; ``power_2_scale``,
     ``weight_block_rows`` (1: 1x128 weight blocks, 128: 128x128): Float8BlockScaling's;
     ``emulate``: dequantise and multiply in fp32 instead of the scaled GEMM; NVFP4:
-    ``weight_block_rows`` 16 for 16x16 weight tiles, ``rht``, ``stochastic_rounding`` and
-    ``row_scaled`` (the recipe's options, :meth:`nvfp4`). ``scales`` /
+    ``weight_block_rows`` 16 for 16x16 weight tiles, ``rht``, ``stochastic_rounding``,
+    ``row_scaled``, ``input_4over6`` and ``weight_4over6`` (the recipe's options,
+    :meth:`nvfp4`; the 4over6 settings ``functional.quantize_mx.FOUR_OVER_SIX``). ``scales`` /
     ``grad_amaxes``: per GEMM, the delayed scale ``[3]`` (None but under delayed scaling) and
     the ``[1]`` buffer the backward writes the gradient's amax into (per-tensor recipes)."""
 
@@ -117,14 +118,18 @@ class GemmArgs(NamedTuple):
     rht: bool = False
     stochastic_rounding: bool = False
     row_scaled: bool = False
+    input_4over6: str = ""
+    weight_4over6: str = ""
 
     def nvfp4(self) -> dict[str, Any]:
         """NVFP4's options that are on (the random Hadamard transform of the wgrad GEMM's
-        operands, stochastic rounding of the gradient, row-scaled forward input), by the ops'
-        names; ``{}`` when none is (every recipe but NVFP4)."""
+        operands, stochastic rounding of the gradient, row-scaled forward input, 4over6 block
+        scaling of the input and of the weight), by the ops' names; ``{}`` when none is (every
+        recipe but NVFP4)."""
         on = {"rht": self.rht, "stochastic_rounding": self.stochastic_rounding,
-              "row_scaled": self.row_scaled}  # fmt: skip
-        return {name: True for name, value in on.items() if value}
+              "row_scaled": self.row_scaled, "input_4over6": self.input_4over6,
+              "weight_4over6": self.weight_4over6}  # fmt: skip
+        return {name: value for name, value in on.items() if value}
 
     def scalars(self) -> dict[str, Any]:
         """The scalar arguments, by the ops' names."""
@@ -201,14 +206,27 @@ def cached_weight(
         return None
     per_tensor = args.recipe in PER_TENSOR  # current and delayed casts are interchangeable
     kind = "tensor" if per_tensor else args.recipe
-    key = (kind, args.fwd_dtype, args.power_2_scale, args.weight_block_rows, args.emulate)
+    key = (kind, args.fwd_dtype, args.power_2_scale, args.weight_block_rows, args.emulate,
+           args.weight_4over6)  # fmt: skip
     kept = cache.store[name]
     if not cache.first and kept.key == key:  # True never reads it (a compiled True step does
         return kept.tensors  # not guard on it)
     scale = args.scales[index] if args.recipe == "delayed" else None
-    cast = F.quantize_grouped_weight if grouped else F.quantize_weight
-    tensors = cast(weight.detach(), args.recipe, args.fwd_dtype, args.power_2_scale,
-                   args.weight_block_rows, args.emulate, scale)  # fmt: skip
+    if grouped:
+        if args.recipe == "nvfp4" and (args.weight_4over6 or args.weight_block_rows != 16):
+            raise NotImplementedError(
+                "GroupedLinear: is_first_microbatch under NVFP4BlockScaling keeps the weight "
+                "with its 16x16 tiles and without 4over6 only (the recipe has "
+                f"disable_2d_quantization={args.weight_block_rows != 16}, nvfp4_4over6 scope "
+                f"covering the weight={bool(args.weight_4over6)}); pass is_first_microbatch=None"
+            )
+        tensors = F.quantize_grouped_weight(weight.detach(), args.recipe, args.fwd_dtype,
+                                            args.power_2_scale, args.weight_block_rows,
+                                            args.emulate, scale)  # fmt: skip
+    else:
+        tensors = F.quantize_weight(weight.detach(), args.recipe, args.fwd_dtype,
+                                    args.power_2_scale, args.weight_block_rows, args.emulate,
+                                    scale, four_over_six=args.weight_4over6)  # fmt: skip
     kept.key, kept.tensors = key, tensors
     return tensors
 
@@ -223,11 +241,6 @@ def quantize_args(recipe: Recipe, role: str) -> tuple[str, dict[str, Any]]:
     if role not in ROLES:
         raise ValueError(f"te.quantize: role must be one of {ROLES}, got {role!r}")
     if recipe.nvfp4():
-        if recipe.nvfp4_4over6 != "none":
-            raise NotImplementedError(
-                f"NVFP4BlockScaling: nvfp4_4over6={recipe.nvfp4_4over6!r} (4over6 adaptive block "
-                "scaling) is not implemented by te_compile; use nvfp4_4over6='none'"
-            )
         q = {"input": recipe.fp4_quant_fwd_inp, "weight": recipe.fp4_quant_fwd_weight,
              "grad": recipe.fp4_quant_bwd_grad}[role]  # fmt: skip
         kw = {"block_rows": 16} if q.fp4_2d_quantization else {}
@@ -237,6 +250,9 @@ def quantize_args(recipe: Recipe, role: str) -> tuple[str, dict[str, Any]]:
             kw["stochastic_rounding"] = True
         if role == "input" and recipe.row_scaled_activation:
             kw["row_scaled"] = True
+        four_over_six = _four_over_six(recipe, role)
+        if four_over_six:
+            kw["four_over_six"] = four_over_six
         return "nvfp4", kw
     fmt = recipe.fp8_format
     kw: dict[str, Any] = {"fp8_dtype": fmt.bwd_dtype if role == "grad" else fmt.fwd_dtype}
@@ -253,6 +269,23 @@ def quantize_args(recipe: Recipe, role: str) -> tuple[str, dict[str, Any]]:
     }[role]
     return "block", {**kw, "block_rows": 128 if dim == 2 else 1,
                      "power_2_scale": not recipe.use_f32_scales}  # fmt: skip
+
+
+# The operands each scope of NVFP4BlockScaling's nvfp4_4over6 / nvfp4_4over6_e4m3_use_256
+# covers: "activations" is the forward input (Transformer Engine never applies 4over6 to
+# gradients).
+_4OVER6_ROLES = {"none": (), "weights": ("weight",), "activations": ("input",),
+                 "all": ("input", "weight")}  # fmt: skip
+
+
+def _four_over_six(recipe: Recipe, role: str) -> str:
+    """The 4over6 setting (``functional.quantize_mx.FOUR_OVER_SIX``) of ``role`` under the
+    NVFP4 ``recipe``: ``""`` outside ``nvfp4_4over6``'s scope, else its error metric and the
+    E4M3 bound of the global scale (256 inside ``nvfp4_4over6_e4m3_use_256``'s scope)."""
+    if role not in _4OVER6_ROLES[recipe.nvfp4_4over6]:
+        return ""
+    bound = 256 if role in _4OVER6_ROLES[recipe.nvfp4_4over6_e4m3_use_256] else 448
+    return f"{recipe.nvfp4_4over6_err_mode}:{bound}"
 
 
 def gemm_args(
@@ -300,7 +333,9 @@ def _recipe_args(owner, state, inp, weights, metas, grouped) -> GemmArgs:
         return GemmArgs(kind, fwd, bwd, weight_block_rows=w.get("block_rows", 1), emulate=True,
                         rht=x.get("rht", False) or g.get("rht", False),
                         stochastic_rounding=g.get("stochastic_rounding", False),
-                        row_scaled=x.get("row_scaled", False))  # fmt: skip
+                        row_scaled=x.get("row_scaled", False),
+                        input_4over6=x.get("four_over_six", ""),
+                        weight_4over6=w.get("four_over_six", ""))  # fmt: skip
     if kind == "mxfp8":
         return GemmArgs(kind, fwd, bwd, emulate=True)
     if kind == "block":
@@ -480,8 +515,8 @@ def mlp(
     recipe (high precision outside it); ``metas``: the two GEMMs' FP8 states, used as two
     :func:`linear` calls would use them (``_FUSE_MLP = False``: two :func:`linear` calls around
     the activation op; also under calibration, with a recipe's ``backward_override`` and with
-    NVFP4's random Hadamard transform, stochastic rounding or row-scaled activations, which
-    ``te::linear`` implements).
+    NVFP4's random Hadamard transform, stochastic rounding, row-scaled activations or 4over6
+    block scaling, which ``te::linear`` implements).
     ``activation_params``: keyword arguments of the activation (``clamped_swiglu``'s ``limit``,
     ``alpha``, ``glu_linear_offset``). ``main_grads``: the two weights' fp32 ``main_grad``
     buffers (``fuse_wgrad_accumulation``), which the two :func:`linear` calls accumulate into
@@ -536,8 +571,8 @@ def mlp(
 
 def _nvfp4_options(state: AutocastState) -> bool:
     """Whether the enabled recipe is NVFP4 with an option ``te::mlp`` does not take (the random
-    Hadamard transform, stochastic rounding, row-scaled activations; its 16x16 weight tiles
-    it does)."""
+    Hadamard transform, stochastic rounding, row-scaled activations, 4over6; its 16x16 weight
+    tiles it does)."""
     if not (state.enabled and state.recipe.nvfp4()):
         return False
     return any(set(quantize_args(state.recipe, role)[1]) - {"block_rows"} for role in ROLES)
@@ -564,9 +599,9 @@ def grouped_linear(
     measures). Float8BlockScaling runs natively where the dense GEMMs do and the input is bf16;
     the block-scaled recipes are emulated elsewhere. Calibration records the amaxes of the
     whole input and of every group's weight (one per-tensor state). A recipe's
-    ``backward_override`` raises: the grouped GEMM does not implement it; so do NVFP4's random
-    Hadamard transform, stochastic rounding and row-scaled activations (NotImplementedError;
-    its 16x16 weight tiles are applied). ``defer``: as
+    ``backward_override`` raises: the grouped GEMM does not implement it; so do NVFP4's
+    row-scaled activations (NotImplementedError); its 16x16 weight tiles, random Hadamard
+    transform, stochastic rounding and 4over6 apply to each expert as to a dense GEMM. ``defer``: as
     :func:`linear`'s (``(DeferredWgrad, weight)`` appended). ``save_original_input``: the
     backward must keep the input itself, not a quantised copy: what high precision and
     ``Float8CurrentScaling`` (its FP8 wgrad operand quantised again in the backward) do;
@@ -585,18 +620,13 @@ def grouped_linear(
             f"(got {args.backward_override!r}: the grouped GEMM runs its backward on the "
             "recipe's quantised operands only)"
         )
-    if args.nvfp4():
-        fields = {
-            "rht": "disable_rht=True",
-            "stochastic_rounding": "disable_stochastic_rounding=True",
-            "row_scaled": "row_scaled_activation=False",
-        }
+    if args.row_scaled:
         raise NotImplementedError(
-            f"{owner}: the grouped GEMM does not implement NVFP4's "
-            f"{', '.join(sorted(args.nvfp4()))} (16x16 weight tiles it does); construct "
-            f"NVFP4BlockScaling({', '.join(fields[k] for k in sorted(args.nvfp4()))})"
+            f"{owner}: the grouped GEMM does not implement NVFP4's row-scaled activations (it "
+            "needs a backward_override, which grouped GEMMs do not take); construct "
+            "NVFP4BlockScaling(row_scaled_activation=False)"
         )
-    kw = args.scalars()
+    kw = {**args.scalars(), **args.nvfp4()}
     if save_original_input and state.enabled:
         _refuse_delayed(owner, state)
     if save_original_input and args.recipe not in ("", "current"):

@@ -308,7 +308,7 @@ def test_layernorm_mlp_runs_the_options_op_by_op():
     assert torch.equal(y, y2) and _sqnr_db(y, ref) > 10
 
 
-def test_row_scaled_recipe_needs_backward_override_and_4over6_raises():
+def test_row_scaled_recipe_needs_backward_override():
     m = te.Linear(64, 16, params_dtype=torch.float32)
     x = torch.randn(32, 64)
     with (
@@ -324,32 +324,57 @@ def test_row_scaled_recipe_needs_backward_override_and_4over6_raises():
                         rht=True, stochastic_rounding=True, rng_state=torch.tensor([0, 0]),
                         backward_override="dequantized")  # fmt: skip
     assert torch.equal(y, expected)
-    with (
-        te.autocast(recipe=te.recipe.NVFP4BlockScaling(nvfp4_4over6="weights")),
-        pytest.raises(NotImplementedError, match="nvfp4_4over6='weights'"),
-    ):
-        m(x)
 
 
-def test_grouped_linear_applies_tiles_and_refuses_the_rest():
+def test_grouped_linear_is_per_expert_dense_under_the_default_recipe():
+    """GroupedLinear under NVFP4 (tiles, the transform, 4over6) is a dense te.Linear per expert
+    (float64 definition); the default recipe (stochastic rounding too) runs, and the grouped
+    op matches its own float64 reference with the same stream."""
     torch.manual_seed(0)
     m = te.GroupedLinear(2, 64, 32, params_dtype=torch.float32)
-    x = torch.randn(32, 64)
-    splits = [16, 16]
-    with (
-        te.autocast(recipe=te.recipe.NVFP4BlockScaling()),
-        pytest.raises(NotImplementedError, match="disable_rht=True, disable_stochastic_rounding"),
-    ):
-        m(x, splits)
-    recipe = te.recipe.NVFP4BlockScaling(disable_rht=True, disable_stochastic_rounding=True)
+    x = torch.randn(48, 64, requires_grad=True)
+    dy = torch.randn(48, 32)
+    splits = [32, 16]
+    recipe = te.recipe.NVFP4BlockScaling(disable_stochastic_rounding=True, nvfp4_4over6="all")
     with te.autocast(recipe=recipe):
         y = m(x, splits)
-        lin = te.Linear(64, 32, params_dtype=torch.float32)
-        with torch.no_grad():
-            lin.weight.copy_(m.weight1 if hasattr(m, "weight1") else m.weight[1])
-            lin.bias.copy_(m.bias1 if hasattr(m, "bias1") else m.bias[1])
-        expected = lin(x[16:])
-    assert_close(y[16:], expected.double(), torch.float32, roundings=4)
+    y.backward(dy)
+    row = 0
+    spec = {"weight_block_rows": 16, "rht": True, "input_4over6": "MAE:256",
+            "weight_4over6": "MAE:256"}  # fmt: skip
+    for i, s in enumerate(splits):
+        w = getattr(m, f"weight{i}")
+        x64, w64 = to_reference(x[row : row + s].detach()).requires_grad_(), to_reference(w)
+        ref = quantized_linear_ref(x64, w64, "nvfp4", E4M3, E4M3, **spec)
+        ref = ref + to_reference(getattr(m, f"bias{i}"))
+        ref_dx, ref_dw = torch.autograd.grad(ref, (x64, w64), to_reference(dy[row : row + s]))
+        assert_close(y[row : row + s], ref, torch.float32)
+        assert_close(x.grad[row : row + s], ref_dx, torch.float32)
+        assert_close(w.grad, ref_dw, torch.float32, reduced=True)
+        row += s
+    with te.autocast(recipe=te.recipe.NVFP4BlockScaling()):
+        torch.manual_seed(1)
+        y1 = m(x, splits)
+        torch.manual_seed(1)
+        y2 = m(x, splits)
+    assert torch.equal(y1, y2)
+    w3 = torch.stack([m.weight0, m.weight1]).detach().requires_grad_()
+    state = torch.tensor([5, 9])
+    kw = {**NVFP4, **spec, "stochastic_rounding": True, "rng_state": state}
+    out = F.grouped_linear(x.detach(), splits, w3, **kw)
+    (da,) = torch.autograd.grad(out, (w3,), dy)
+    from te_compile.functional.grouped_gemm import GroupedRecipe
+    from te_compile.functional.grouped_linear import _RefNVFP4
+
+    r = GroupedRecipe("nvfp4", E4M3, E4M3, weight_block_rows=16, rht=True, rng_state=state,
+                      input_4over6="MAE:256", weight_4over6="MAE:256")  # fmt: skip
+    w64 = to_reference(w3)
+    ref = _RefNVFP4.apply(to_reference(x.detach()), w64, splits, r)
+    (ref_dw,) = torch.autograd.grad(ref, (w64,), to_reference(dy))
+    assert_close(out, ref, torch.float32)
+    assert_close(da, ref_dw, torch.float32, reduced=True)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        F.grouped_linear(x.detach(), [40, 8], w3, **NVFP4)
 
 
 def test_te_quantize_tiles_weights_and_refuses_what_only_gemms_apply():

@@ -471,10 +471,10 @@ _EVERY_RECIPE = {
     "mxfp8": te.recipe.MXFP8BlockScaling(),
     "nvfp4": te.recipe.NVFP4BlockScaling(),
 }
-_SPLITS = [8, 0, 24]
-# NVFP4 as the grouped GEMM takes it: 16x16 weight tiles, no Hadamard transform or stochastic
-# rounding (those raise NotImplementedError there).
-_GROUPED_NVFP4 = te.recipe.NVFP4BlockScaling(disable_rht=True, disable_stochastic_rounding=True)
+# Expert token counts multiples of 16 (NVFP4's grouped GEMMs need them, as a dense one does).
+_SPLITS = [16, 0, 16]
+# NVFP4's default recipe on the grouped GEMMs (every option per expert).
+_GROUPED_NVFP4 = te.recipe.NVFP4BlockScaling()
 _GEMM_MODULES = {
     "Linear": lambda: te.Linear(32, 32, params_dtype=torch.bfloat16),
     "LayerNormLinear": lambda: te.LayerNormLinear(32, 32, params_dtype=torch.bfloat16),

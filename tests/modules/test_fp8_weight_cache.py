@@ -210,9 +210,9 @@ def test_transformer_layer_passes_it_through():
 
 GROUPED_RECIPES = {
     **RECIPES,
-    "nvfp4": lambda: NVFP4BlockScaling(disable_rht=True, disable_stochastic_rounding=True),
+    "nvfp4": NVFP4BlockScaling,  # its default Hadamard transform and stochastic rounding
 }
-SPLITS = [13, 0, 35]
+SPLITS = [16, 0, 32]  # NVFP4's grouped GEMMs take multiples of 16 tokens per group
 
 
 def _grouped(device, single=False):
@@ -254,6 +254,19 @@ def test_grouped_kept_weight_gives_the_per_call_cast(device, kind, single):
         for (y, dx, dps), (y0, dx0, dps0) in zip(runs[first], runs[None], strict=True):
             assert torch.equal(y, y0) and torch.equal(dx, dx0)
             assert all(torch.equal(a, b) for a, b in zip(dps, dps0, strict=True))
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [NVFP4BlockScaling(nvfp4_4over6="weights"), NVFP4BlockScaling(disable_2d_quantization=True)],
+    ids=["4over6", "1d"],
+)
+def test_grouped_kept_nvfp4_weight_needs_tiles_and_no_4over6(recipe):
+    """The kept NVFP4 grouped weight serves as its own dgrad copy, which needs 16x16 tiles and
+    no weight 4over6; other NVFP4 weights are refused by name, not cast differently."""
+    m = _grouped("cpu")
+    with autocast(recipe=recipe), pytest.raises(NotImplementedError, match="is_first_microbatch"):
+        m(_gx("cpu"), SPLITS, is_first_microbatch=True)
 
 
 class _GroupedCasts:
