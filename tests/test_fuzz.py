@@ -39,6 +39,9 @@ RECIPES = {
     "mxfp8": (R.MXFP8BlockScaling(), 32, 32),
     "nvfp4": (R.NVFP4BlockScaling(), 32, 32),
 }
+# The grouped GEMM implements NVFP4 without the Hadamard transform and stochastic rounding (it
+# raises NotImplementedError on them): the grouped modules run this variant.
+GROUPED_NVFP4 = R.NVFP4BlockScaling(disable_rht=True, disable_stochastic_rounding=True)
 
 
 @st.composite
@@ -61,8 +64,24 @@ def _precision(draw, max_tokens=24, max_features=48):
     )
 
 
-def _autocast(name):
-    return te.autocast(recipe=RECIPES[name][0]) if name else contextlib.nullcontext()
+def _autocast(name, grouped=False):
+    if not name:
+        return contextlib.nullcontext()
+    return te.autocast(recipe=GROUPED_NVFP4 if grouped and name == "nvfp4" else RECIPES[name][0])
+
+
+def _recipe_kwargs(recipe):
+    """The recipe of ``RECIPES[recipe]`` as the data the functional GEMM ops take (emulated
+    block-scaled GEMMs on the CPU; delayed scaling with the scales a calibrated state would hold,
+    which is current scaling's)."""
+    if recipe is None:
+        return {}
+    kw = {"recipe": recipe, "emulate": recipe in ("mxfp8", "nvfp4")}
+    if recipe == "delayed":
+        kw["recipe"] = "current"
+    if recipe == "block":
+        kw["fwd_dtype"] = kw["bwd_dtype"] = torch.float8_e4m3fn
+    return kw
 
 
 def _randomize(module, dtype):
@@ -82,9 +101,13 @@ def _compare(recipe, actual, expected, dtype, roundings, gemms=1):
         assert_close_quantized(actual, expected, recipe, gemms)
 
 
-def _check(module, ref, inputs, dtype, recipe=None, roundings=2, call=None, gemms=1):
+def _check(module, ref, inputs, dtype, recipe=None, roundings=2, call=None, gemms=1,
+           grouped=False, sum_bound=True, autocast=True):  # fmt: skip
     """``module(*inputs)`` against ``ref(ref_params, *ref_inputs)``: output, input gradient and
-    parameter gradients. ``gemms``: quantised GEMMs in a row (the recipe's error bound).
+    parameter gradients. ``gemms``: quantised GEMMs in a row (the recipe's error bound);
+    ``grouped``: the recipe variant of the grouped GEMM (``GROUPED_NVFP4``); ``sum_bound=False``
+    for a softmax in the chain (no magnitude reference: ``reduced`` tolerances, two roundings
+    more). ``autocast=False``: the call takes the recipe as data, no autocast region.
 
     Gradients are sums over tokens (or features) of rounded terms: in high precision their
     tolerance scales with the sum of the terms' magnitudes, the reference's gradients evaluated
@@ -92,7 +115,7 @@ def _check(module, ref, inputs, dtype, recipe=None, roundings=2, call=None, gemm
     params = _randomize(module, dtype)
     x = inputs[0].to(dtype).requires_grad_()
     x_ref = to_reference(x)
-    with _autocast(recipe):
+    with _autocast(recipe if autocast else None, grouped):
         y = (call or module)(x, *inputs[1:])
     y_ref = ref(params, x_ref, *inputs[1:])
     assert y.shape == y_ref.shape and y.dtype == dtype
@@ -108,6 +131,10 @@ def _check(module, ref, inputs, dtype, recipe=None, roundings=2, call=None, gemm
         # The backward quantises the incoming gradient too (one more quantised operand).
         for actual, expected in grads:
             assert_close_quantized(actual, expected, recipe, gemms + 1)
+        return
+    if not sum_bound:  # softmax: no monotone magnitude bound; a looser sum tolerance
+        for actual, expected in grads:
+            assert_close(actual, expected, dtype, roundings=roundings + 2, reduced=True)
         return
     abs_params = {n: p.detach().abs().requires_grad_() for n, p in params.items()}
     abs_x = x_ref.detach().abs().requires_grad_()
@@ -144,12 +171,24 @@ def test_linear(seed, p, bias, lead):
     p=_precision(),
     normalization=st.sampled_from(["LayerNorm", "RMSNorm"]),
     zc=st.booleans(),
+    pieces=st.integers(0, 3),
+    data=st.data(),
 )
-def test_layernorm_linear(seed, p, normalization, zc):
+def test_layernorm_linear(seed, p, normalization, zc, pieces, data):
+    """Under every recipe; ``parameters_split`` (names with sizes, or names splitting evenly)
+    names slices of the one fused weight and bias in the state_dict."""
     torch.manual_seed(seed)
     recipe, dtype, tokens, k, n = p
+    split = None
+    if pieces and data.draw(st.booleans(), label="sized"):
+        cuts = sorted(data.draw(st.lists(st.integers(0, n), min_size=pieces - 1,
+                                         max_size=pieces - 1), label="cuts"))  # fmt: skip
+        sizes = [b - a for a, b in itertools.pairwise([0, *cuts, n])]
+        split = {f"p{i}": size for i, size in enumerate(sizes)}
+    elif pieces and n % pieces == 0:
+        split = tuple(f"p{i}" for i in range(pieces))
     m = te.LayerNormLinear(k, n, normalization=normalization, zero_centered_gamma=zc,
-                           params_dtype=dtype)  # fmt: skip
+                           parameters_split=split, params_dtype=dtype)  # fmt: skip
 
     def ref(q, x):
         g = q["layer_norm_weight"] + (1 if zc else 0)
@@ -157,6 +196,11 @@ def test_layernorm_linear(seed, p, normalization, zc):
         return tF.linear(h, q["weight"], q["bias"])
 
     _check(m, ref, [torch.randn(tokens, k)], dtype, recipe, roundings=3)
+    if split is not None:
+        sizes = list(split.values()) if isinstance(split, dict) else [n // pieces] * pieces
+        state = m.state_dict()
+        for name, w, b in zip(split, m.weight.split(sizes), m.bias.split(sizes), strict=True):
+            assert torch.equal(state[f"{name}_weight"], w) and torch.equal(state[f"{name}_bias"], b)
 
 
 _MLP_ACT = {
@@ -196,39 +240,63 @@ def _grouped_ref(x, splits, weights, biases):
 
 
 @FUZZ
-@given(seed=SEED,
-    dtype=DTYPES, groups=st.integers(1, 4), tokens=st.integers(0, 24), k=st.integers(1, 40),
-    n=st.integers(1, 40), bias=st.booleans(), data=st.data(),
-)  # fmt: skip
-def test_grouped_linear(seed, dtype, groups, tokens, k, n, bias, data):
+@given(seed=SEED, p=_precision(), groups=st.integers(1, 4), bias=st.booleans(),
+       single_weight=st.booleans(), single_bias=st.booleans(), splits_tensor=st.booleans(),
+       data=st.data())  # fmt: skip
+def test_grouped_linear(seed, p, groups, bias, single_weight, single_bias, splits_tensor, data):
+    """Any split sizes (empty groups too) under every recipe, per-group or single grouped
+    parameters, ``m_splits`` a list or a tensor."""
     torch.manual_seed(seed)
+    recipe, dtype, tokens, k, n = p
     splits = data.draw(_splits(groups, tokens))
-    m = te.GroupedLinear(groups, k, n, bias=bias, params_dtype=dtype)
+    m = te.GroupedLinear(groups, k, n, bias=bias, single_grouped_weight=single_weight,
+                         single_grouped_bias=single_bias, params_dtype=dtype)  # fmt: skip
 
-    def ref(q, x, splits):
-        ws = [q[f"weight{g}"] for g in range(groups)]
-        bs = [q.get(f"bias{g}") for g in range(groups)]
+    def ref(q, x, _):
+        ws = q["weight"].unbind() if single_weight else [q[f"weight{g}"] for g in range(groups)]
+        bs = [None] * groups
+        if bias:
+            bs = q["bias"].unbind() if single_bias else [q[f"bias{g}"] for g in range(groups)]
         return _grouped_ref(x, splits, ws, bs)
 
-    _check(m, ref, [torch.randn(tokens, k), splits], dtype)
+    m_splits = torch.tensor(splits) if splits_tensor else splits
+    _check(m, ref, [torch.randn(tokens, k), m_splits], dtype, recipe, grouped=True)
+
+
+_GROUPED_MLP_ACT = ["gelu", "relu", "silu", "swiglu", "geglu"]
 
 
 @FUZZ
-@given(seed=SEED,
-    dtype=DTYPES, groups=st.integers(1, 3), tokens=st.integers(0, 24), hidden=st.integers(1, 32),
-    ffn=st.integers(1, 32), activation=st.sampled_from(["gelu", "relu", "silu"]), data=st.data(),
-)  # fmt: skip
-def test_grouped_mlp(seed, dtype, groups, tokens, hidden, ffn, activation, data):
+@given(seed=SEED, p=_precision(max_features=32), groups=st.integers(1, 3),
+       activation=st.sampled_from(_GROUPED_MLP_ACT), interleave=st.sampled_from([None, 1, 4, 8]),
+       bias=st.booleans(), single=st.booleans(), data=st.data())  # fmt: skip
+def test_grouped_mlp(seed, p, groups, activation, interleave, bias, single, data):
+    """Element-wise and gated activations, the gated ones in the contiguous or the interleaved
+    FC1 layout (``glu_interleave_size``), one ``[G, N, K]`` parameter or one per expert, under
+    every recipe."""
     torch.manual_seed(seed)
+    recipe, dtype, tokens, hidden, ffn = p
+    gated = activation in _GLU_REF
+    if not gated or ffn % (interleave or 1):
+        interleave = None
     splits = data.draw(_splits(groups, tokens))
-    m = te.GroupedMLP(groups, hidden, ffn, activation=activation, bias=True, params_dtype=dtype)
+    m = te.GroupedMLP(groups, hidden, ffn, activation=activation, glu_interleave_size=interleave,
+                      bias=bias, single_grouped_parameter=single, params_dtype=dtype)  # fmt: skip
 
-    def ref(q, x, splits):
-        w1, b1, w2, b2 = q["fc1.weight"], q["fc1.bias"], q["fc2.weight"], q["fc2.bias"]
-        h = _grouped_ref(x, splits, w1.unbind(), b1.unbind())
-        return _grouped_ref(_MLP_ACT[activation](h), splits, w2.unbind(), b2.unbind())
+    def weights(q, fc):
+        if single:
+            bs = q[f"{fc}.bias"].unbind() if bias else [None] * groups
+            return q[f"{fc}.weight"].unbind(), bs
+        ws = [q[f"{fc}.weight{g}"] for g in range(groups)]
+        return ws, ([q[f"{fc}.bias{g}"] for g in range(groups)] if bias else [None] * groups)
 
-    _check(m, ref, [torch.randn(tokens, hidden), splits], dtype, roundings=4)
+    def ref(q, x, _):
+        h = _grouped_ref(x, splits, *weights(q, "fc1"))
+        h = _gated(activation, h, interleave) if gated else _MLP_ACT[activation](h)
+        return _grouped_ref(h, splits, *weights(q, "fc2"))
+
+    _check(m, ref, [torch.randn(tokens, hidden), splits], dtype, recipe, roundings=4, gemms=2,
+           grouped=True)  # fmt: skip
 
 
 @FUZZ
@@ -293,6 +361,31 @@ _GLU_REF = {
     "sreglu": _ACT_REF["srelu"],
     "swiglu": tF.silu,
 }
+
+
+def _gated(name, x, interleave=None, limit=7.0, alpha=1.702, offset=1.0):
+    """A gated activation of ``x``'s last dim: the activation half ``a`` and the linear half
+    ``l``, contiguous or in blocks of ``interleave``; ``clamped_swiglu`` clamps both."""
+    blocks = x.unflatten(-1, (-1, 2, interleave or x.shape[-1] // 2))
+    a, lin = blocks.select(-2, 0).flatten(-2), blocks.select(-2, 1).flatten(-2)
+    if name == "clamped_swiglu":
+        c = a.clamp(max=limit)
+        return c * torch.sigmoid(alpha * c) * (lin.clamp(-limit, limit) + offset)
+    return _GLU_REF[name](a) * lin
+
+
+class _Fn(torch.nn.Module):
+    """Tensors of a functional call as named parameters, so that :func:`_check` randomises them
+    (names with "norm" around 1) and compares their gradients."""
+
+    def __init__(self, fn, dtype, **shapes):
+        super().__init__()
+        self.fn = fn
+        for name, shape in shapes.items():
+            self.register_parameter(name, torch.nn.Parameter(torch.empty(shape, dtype=dtype)))
+
+    def forward(self, x, *args):
+        return self.fn(x, *args, **dict(self.named_parameters()))
 
 
 @FUZZ
@@ -388,3 +481,62 @@ def test_dot_product_attention(seed, dtype, seq, batch, groups, heads_per_group,
     y_ref.backward(to_reference(dy))
     for t, r in zip((q, k, v), refs, strict=True):
         assert_close(t.grad, r.grad, dtype, roundings=6, reduced=True)
+
+
+@FUZZ
+@given(seed=SEED, p=_precision(max_features=32), activation=st.sampled_from(
+       te.functional.MLP_ACTIVATIONS), normalization=st.sampled_from(["", "LayerNorm", "RMSNorm"]),
+       zc=st.booleans(), bias=st.booleans(), out=st.integers(1, 2))  # fmt: skip
+def test_functional_mlp(seed, p, activation, normalization, zc, bias, out):
+    """``te.functional.mlp`` (norm prologue, every activation) with the recipe as data."""
+    torch.manual_seed(seed)
+    recipe, dtype, tokens, hidden, ffn = p
+    gated = activation in te.functional.GATED_ACTIVATIONS
+    n_out = out * (RECIPES[recipe][1] if recipe else 8)
+    shapes = {"fc1_weight": ((1 + gated) * ffn, hidden), "fc2_weight": (n_out, ffn)}
+    if bias:
+        shapes |= {"fc1_bias": ((1 + gated) * ffn,), "fc2_bias": (n_out,)}
+    if normalization:
+        shapes |= {"norm_weight": (hidden,)}
+        shapes |= {"norm_bias": (hidden,)} if normalization == "LayerNorm" else {}
+    kw = _recipe_kwargs(recipe) | {"normalization": normalization, "zero_centered_gamma": zc}
+    m = _Fn(lambda x, **t: te.functional.mlp(x, t["fc1_weight"], t.get("fc1_bias"),
+                                             t["fc2_weight"], t.get("fc2_bias"), activation,
+                                             **kw, **{k: v for k, v in t.items()
+                                                      if k.startswith("norm")}),
+            dtype, **shapes)  # fmt: skip
+
+    def ref(q, x):
+        if normalization:
+            g = q["norm_weight"] + (1 if zc else 0)
+            x = _ln(x, g, q["norm_bias"]) if normalization == "LayerNorm" else _rms(x, g)
+        h = tF.linear(x, q["fc1_weight"], q.get("fc1_bias"))
+        h = _gated(activation, h) if gated else _ACT_REF[activation](h)
+        return tF.linear(h, q["fc2_weight"], q.get("fc2_bias"))
+
+    _check(m, ref, [torch.randn(tokens, hidden)], dtype, recipe, roundings=5, gemms=2,
+           autocast=False)  # fmt: skip
+
+
+@FUZZ
+@given(seed=SEED, p=_precision(), groups=st.integers(1, 3), bias=st.booleans(),
+       as_tensor=st.booleans(), data=st.data())  # fmt: skip
+def test_functional_grouped_linear(seed, p, groups, bias, as_tensor, data):
+    """``te.functional.grouped_linear`` (``[G, N, K]`` weight) with the recipe as data;
+    ``m_splits`` a list or ``as_splits_tensor``'s tensor."""
+    torch.manual_seed(seed)
+    recipe, dtype, tokens, k, n = p
+    splits = data.draw(_splits(groups, tokens))
+    shapes = {"weight": (groups, n, k)} | ({"bias": (groups, n)} if bias else {})
+    kw = _recipe_kwargs(recipe)
+    if recipe == "nvfp4":  # the grouped GEMM's NVFP4: no Hadamard transform, no SR (data only)
+        kw["recipe"] = "nvfp4"
+    m = _Fn(lambda x, s, **t: te.functional.grouped_linear(x, s, t["weight"], t.get("bias"), **kw),
+            dtype, **shapes)  # fmt: skip
+
+    def ref(q, x, _):
+        bs = q["bias"].unbind() if bias else [None] * groups
+        return _grouped_ref(x, splits, q["weight"].unbind(), bs)
+
+    m_splits = te.functional.as_splits_tensor(splits) if as_tensor else splits
+    _check(m, ref, [torch.randn(tokens, k), m_splits], dtype, recipe, roundings=3, autocast=False)
