@@ -27,6 +27,14 @@ from te_compile import recipe as R
 from tests.utils import assert_close, assert_close_quantized, assert_close_sum, to_reference
 
 FUZZ = settings(settings.get_profile("te-fuzz"))
+
+
+def _fuzz(ci_examples):
+    """``FUZZ`` for a heavy test: at most ``ci_examples`` cases under the "ci" profile (the
+    derandomized one), all of them under "full"."""
+    return settings(FUZZ, max_examples=ci_examples) if FUZZ.derandomize else FUZZ
+
+
 # Each example seeds torch's generator from a drawn seed: its random tensors are part of the
 # example, so a failure replays exactly.
 SEED = st.integers(0, 2**31 - 1)
@@ -84,13 +92,17 @@ def _recipe_kwargs(recipe):
     return kw
 
 
-def _randomize(module, dtype):
-    """Random parameters (normal; norm weights around 1) in ``dtype``, and their float64
-    references."""
+def _randomize(module, dtype, fan_in=False):
+    """Random parameters (normal; norm gains around 1) in ``dtype``, and their float64
+    references. ``fan_in``: weight matrices with standard deviation ``1 / sqrt(in_features)``
+    (activations of order 1, as a trained model keeps them: attention scores that do not
+    saturate the softmax, whose sensitivity would otherwise amplify every rounding)."""
     with torch.no_grad():
         for n, p in module.named_parameters():
-            p.copy_(torch.randn_like(p, dtype=torch.float32) * 0.5 + ("norm" in n or (n == "weight"
-                    and p.dim() == 1)))  # fmt: skip
+            leaf = n.rsplit(".", 1)[-1]  # a norm's gain: "layer_norm_weight", a norm's "weight"
+            gain = leaf in ("layer_norm_weight", "norm_weight") or (leaf == "weight" and p.dim() == 1)
+            std = p.shape[-1] ** -0.5 if fan_in and p.dim() >= 2 else 0.5
+            p.copy_(torch.randn_like(p, dtype=torch.float32) * std + gain)
     return {n: to_reference(p) for n, p in module.named_parameters()}
 
 
@@ -107,12 +119,12 @@ def _check(module, ref, inputs, dtype, recipe=None, roundings=2, call=None, gemm
     parameter gradients. ``gemms``: quantised GEMMs in a row (the recipe's error bound);
     ``grouped``: the recipe variant of the grouped GEMM (``GROUPED_NVFP4``); ``sum_bound=False``
     for a softmax in the chain (no magnitude reference: ``reduced`` tolerances, two roundings
-    more). ``autocast=False``: the call takes the recipe as data, no autocast region.
+    more; weights scaled by their fan-in, see :func:`_randomize`). ``autocast=False``: the call takes the recipe as data, no autocast region.
 
     Gradients are sums over tokens (or features) of rounded terms: in high precision their
     tolerance scales with the sum of the terms' magnitudes, the reference's gradients evaluated
     on the absolute values of the inputs, parameters and incoming gradient."""
-    params = _randomize(module, dtype)
+    params = _randomize(module, dtype, fan_in=not sum_bound)
     x = inputs[0].to(dtype).requires_grad_()
     x_ref = to_reference(x)
     with _autocast(recipe if autocast else None, grouped):
@@ -444,6 +456,23 @@ def test_functional_linear(seed, p, bias):
     _compare(recipe, y, y_ref, dtype, 2)
 
 
+def _attention_ref(q, k, v, layout, mask, scale=None):
+    """Softmax attention of ``[s, b, h, d]`` (sbhd) or ``[b, s, h, d]`` (bshd) heads, GQA
+    (``k`` / ``v`` with fewer heads, each shared by consecutive query heads): ``[.., h * d]``."""
+    if layout == "sbhd":
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    else:
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    scores = q @ k.transpose(-1, -2) * (scale or q.shape[-1] ** -0.5)
+    if mask == "causal":
+        seq = q.shape[2]
+        scores = scores.masked_fill(torch.ones(seq, seq).triu(1).bool(), float("-inf"))
+    out = scores.softmax(-1) @ v  # [b, h, s, d]
+    out = out.permute(2, 0, 1, 3) if layout == "sbhd" else out.transpose(1, 2)
+    return out.flatten(-2)
+
+
 @FUZZ
 @given(
     seed=SEED,
@@ -455,38 +484,185 @@ def test_functional_linear(seed, p, bias):
     head_dim=st.sampled_from([8, 16, 24]),
     mask=st.sampled_from(["causal", "no_mask"]),
     layout=st.sampled_from(["sbhd", "bshd"]),
+    functional=st.booleans(),
+    scale=st.sampled_from([None, 0.3]),
 )
 def test_dot_product_attention(seed, dtype, seq, batch, groups, heads_per_group, head_dim, mask,
-                               layout):  # fmt: skip
+                               layout, functional, scale):  # fmt: skip
+    """The module, or ``te.functional.dot_product_attention`` (with a ``softmax_scale``)."""
     torch.manual_seed(seed)
     heads = groups * heads_per_group
-    m = te.DotProductAttention(heads, head_dim, num_gqa_groups=groups, qkv_format=layout,
-                               attn_mask_type=mask)  # fmt: skip
     shape = (seq, batch) if layout == "sbhd" else (batch, seq)
     q, k, v = (torch.randn(*shape, h, head_dim).to(dtype).requires_grad_()
                for h in (heads, groups, groups))  # fmt: skip
     refs = to_reference((q, k, v))
-
-    def ref(q, k, v):  # [b, h, s, d]
-        if layout == "sbhd":
-            q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-        else:
-            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        k, v = (t.repeat_interleave(heads_per_group, dim=1) for t in (k, v))
-        scores = q @ k.transpose(-1, -2) / head_dim**0.5
-        if mask == "causal":
-            scores = scores.masked_fill(torch.ones(seq, seq).triu(1).bool(), float("-inf"))
-        out = scores.softmax(-1) @ v  # [b, h, s, d]
-        out = out.permute(2, 0, 1, 3) if layout == "sbhd" else out.transpose(1, 2)
-        return out.reshape(*shape, heads * head_dim)
-
-    y, y_ref = m(q, k, v), ref(*refs)
+    if functional:
+        y = te.functional.dot_product_attention(q, k, v, qkv_format=layout, attn_mask_type=mask,
+                                                softmax_scale=scale)  # fmt: skip
+    else:
+        scale = None
+        m = te.DotProductAttention(heads, head_dim, num_gqa_groups=groups, qkv_format=layout,
+                                   attn_mask_type=mask)  # fmt: skip
+        y = m(q, k, v)
+    y_ref = _attention_ref(*refs, layout, mask, scale)
     assert_close(y, y_ref, dtype, roundings=4, reduced=True)
     dy = torch.randn(y.shape).to(dtype)
     y.backward(dy)
     y_ref.backward(to_reference(dy))
     for t, r in zip((q, k, v), refs, strict=True):
         assert_close(t.grad, r.grad, dtype, roundings=6, reduced=True)
+
+
+def _norm_ref(x, q, prefix, kind, zc, eps=1e-5):
+    g = q[prefix + "weight"] + (1 if zc else 0)
+    return _ln(x, g, q[prefix + "bias"], eps) if kind == "LayerNorm" else _rms(x, g, eps)
+
+
+def _rope_ref(t, freqs, layout, interleaved):
+    """``t [s, b, h, d]`` / ``[b, s, h, d]`` rotated by ``freqs [s2, 1, 1, d2]`` (positions from
+    0)."""
+    seq = t.shape[0] if layout == "sbhd" else t.shape[1]
+    f = freqs[:seq].double()
+    f = f if layout == "sbhd" else f.transpose(0, 1)
+    d2 = f.shape[-1]
+    rot = t[..., :d2]
+    return torch.cat((rot * f.cos() + _rotate(rot, interleaved) * f.sin(), t[..., d2:]), -1)
+
+
+def _mha_ref(q, x, c, pre="", freqs=None):
+    """``MultiheadAttention`` (self attention) from its own parameters ``q`` (names under
+    ``pre``) and its configuration ``c``: ``(out, norm output or None)``."""
+    ln_out = None
+    if c["input_layernorm"]:
+        name = pre + "layernorm_qkv."
+        x = ln_out = _norm_ref(x, q, name + "layer_norm_", c["normalization"], c["zc"])
+    else:
+        name = pre + "qkv."
+    mixed = tF.linear(x, q[name + "weight"], q.get(name + "bias"))
+    d, g, qpg = c["head_dim"], c["groups"], c["heads_per_group"]
+    if c["fuse_qkv_params"] and c["qkv_weight_interleaved"]:  # [group][queries, key, value][d]
+        blocks = mixed.unflatten(-1, (g, qpg + 2, d))
+        qh, k, v = blocks[..., :qpg, :].flatten(-3, -2), blocks[..., qpg, :], blocks[..., -1, :]
+    else:
+        qh, k, v = (t.unflatten(-1, (-1, d)) for t in mixed.split([g * qpg * d, g * d, g * d], -1))
+    if freqs is not None:
+        qh, k = (_rope_ref(t, freqs, c["layout"], c["rotary_interleaved"]) for t in (qh, k))
+    ctx = _attention_ref(qh, k, v, c["layout"], c["mask"])
+    return tF.linear(ctx, q[pre + "proj.weight"], q.get(pre + "proj.bias")), ln_out
+
+
+@st.composite
+def _attention_config(draw, recipes=(None, *RECIPES)):
+    """Sizes and options of a self-attention block: any head dim in high precision; under a
+    recipe 16 and head counts whose projections are multiples of the recipe's block."""
+    recipe = draw(st.sampled_from(recipes))
+    c = {
+        "recipe": recipe,
+        "groups": draw(st.integers(1, 2)),
+        "heads_per_group": draw(st.integers(1, 2)),
+        "mask": draw(st.sampled_from(["causal", "no_mask"])),
+        "layout": draw(st.sampled_from(["sbhd", "bshd"])),
+        "normalization": draw(st.sampled_from(["LayerNorm", "RMSNorm"])),
+        "zc": draw(st.booleans()),
+        "bias": draw(st.booleans()),
+        "fuse_qkv_params": draw(st.booleans()),
+        "qkv_weight_interleaved": draw(st.booleans()),
+        "rotary": draw(st.booleans()),
+        "rotary_interleaved": draw(st.booleans()),
+    }
+    if recipe is None:
+        c |= {"dtype": draw(DTYPES), "head_dim": 2 * draw(st.integers(1, 4)),
+              "hidden": draw(st.integers(1, 24)), "ffn": draw(st.integers(1, 24)),
+              "batch": draw(st.integers(1, 2)), "seq": draw(st.integers(1, 6))}  # fmt: skip
+    else:
+        _, dim, rows = RECIPES[recipe]
+        c["groups"] = max(c["groups"], dim // 16)
+        batch = draw(st.integers(1, 2))
+        c |= {"dtype": draw(st.sampled_from([torch.float32, torch.bfloat16])), "head_dim": 16,
+              "hidden": dim * draw(st.integers(1, 2)), "ffn": dim * draw(st.integers(1, 2)),
+              "batch": batch, "seq": max(rows, 16) // batch * draw(st.integers(1, 2))}  # fmt: skip
+    return c
+
+
+def _mha_kwargs(c):
+    return {
+        "kv_channels": c["head_dim"], "num_gqa_groups": c["groups"], "attention_dropout": 0.0,
+        "attn_mask_type": c["mask"], "qkv_format": c["layout"], "bias": c["bias"],
+        "normalization": c["normalization"], "zero_centered_gamma": c["zc"],
+        "fuse_qkv_params": c["fuse_qkv_params"],
+        "qkv_weight_interleaved": c["qkv_weight_interleaved"],
+        "rotary_pos_interleaved": c["rotary_interleaved"], "params_dtype": c["dtype"],
+    }  # fmt: skip
+
+
+def _attention_input(c):
+    shape = (c["seq"], c["batch"]) if c["layout"] == "sbhd" else (c["batch"], c["seq"])
+    freqs = None
+    if c["rotary"]:
+        freqs = te.RotaryPositionEmbedding(c["head_dim"], interleaved=c["rotary_interleaved"])(
+            c["seq"])  # fmt: skip
+    return torch.randn(*shape, c["hidden"]), freqs
+
+
+@FUZZ
+@given(seed=SEED, c=_attention_config(), input_layernorm=st.booleans())
+def test_multihead_attention(seed, c, input_layernorm):
+    """``te.MultiheadAttention`` (self attention; GQA, masks, layouts, norms, fused or split QKV
+    weights in both layouts, rotary embeddings in both layouts) under every recipe, against
+    plain torch built from the module's own parameters."""
+    torch.manual_seed(seed)
+    c["input_layernorm"] = input_layernorm
+    heads = c["groups"] * c["heads_per_group"]
+    m = te.MultiheadAttention(c["hidden"], heads, input_layernorm=input_layernorm,
+                              **_mha_kwargs(c))  # fmt: skip
+    x, freqs = _attention_input(c)
+    call = (lambda x: m(x, rotary_pos_emb=freqs)) if freqs is not None else None
+    _check(m, lambda q, x: _mha_ref(q, x, c, freqs=freqs)[0], [x], c["dtype"], c["recipe"],
+           roundings=6, call=call, gemms=2, sum_bound=False)  # fmt: skip
+
+
+@_fuzz(3)
+@given(seed=SEED, c=_attention_config(recipes=(None, "current", "delayed")),
+       activation=st.sampled_from(["gelu", "relu", "swiglu"]),
+       residual=st.sampled_from(["pre", "post_ln", "output_ln", "parallel"]))  # fmt: skip
+def test_transformer_layer(seed, c, activation, residual):
+    """``te.TransformerLayer`` (encoder) with each residual variant (pre-norm, residual after the
+    norm, output norm, parallel attention and MLP), activations, and the attention options of
+    :func:`test_multihead_attention`, high precision and per-tensor FP8, against plain torch
+    built from its own parameters. Few cases under the "ci" profile (the heaviest module)."""
+    torch.manual_seed(seed)
+    heads = c["groups"] * c["heads_per_group"]
+    post_ln, output_ln = residual == "post_ln", residual == "output_ln"
+    c["input_layernorm"] = not output_ln
+    kw = _mha_kwargs(c)
+    kw.pop("attention_dropout")
+    kw.pop("attn_mask_type")
+    kw["attn_input_format"] = kw.pop("qkv_format")
+    m = te.TransformerLayer(c["hidden"], c["ffn"], heads, hidden_dropout=0.0,
+                            attention_dropout=0.0, self_attn_mask_type=c["mask"],
+                            activation=activation, apply_residual_connection_post_layernorm=post_ln,
+                            output_layernorm=output_ln, parallel_attention_mlp=residual == "parallel",
+                            **kw)  # fmt: skip
+    x, freqs = _attention_input(c)
+
+    def mlp(q, h):
+        ln = _norm_ref(h, q, "layernorm_mlp.layer_norm_", c["normalization"], c["zc"])
+        z = tF.linear(ln, q["layernorm_mlp.fc1_weight"], q.get("layernorm_mlp.fc1_bias"))
+        z = _gated(activation, z) if activation in _GLU_REF else _MLP_ACT[activation](z)
+        return tF.linear(z, q["layernorm_mlp.fc2_weight"], q.get("layernorm_mlp.fc2_bias")), ln
+
+    def ref(q, x):
+        attn, ln1 = _mha_ref(q, x, c, "self_attention.", freqs)
+        if residual == "parallel":
+            return x + attn + mlp(q, x)[0]
+        h = (ln1 if post_ln else x) + attn
+        out, ln2 = mlp(q, h)
+        out = (ln2 if post_ln else h) + out
+        return _norm_ref(out, q, "layernorm.", c["normalization"], c["zc"]) if output_ln else out
+
+    call = (lambda x: m(x, rotary_pos_emb=freqs)) if freqs is not None else None
+    _check(m, ref, [x], c["dtype"], c["recipe"], roundings=10, call=call, gemms=3,
+           sum_bound=False)  # fmt: skip
 
 
 @FUZZ
