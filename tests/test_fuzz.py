@@ -130,8 +130,16 @@ def _check(module, ref, inputs, dtype, recipe=None, roundings=2, call=None, gemm
     with _autocast(recipe if autocast else None, grouped):
         y = (call or module)(x, *inputs[1:])
     y_ref = ref(params, x_ref, *inputs[1:])
+    if callable(roundings):  # known once the reference ran (a norm's condition number)
+        roundings = roundings()
+    terms = None
+    if isinstance(y_ref, tuple):  # a sum of terms (residuals): ``(sum, sum of |terms|)``
+        y_ref, terms = y_ref
     assert y.shape == y_ref.shape and y.dtype == dtype
-    _compare(recipe, y, y_ref, dtype, roundings, gemms)
+    if terms is not None and recipe is None:
+        assert_close_sum(y, y_ref, dtype, terms.detach(), roundings)
+    else:
+        _compare(recipe, y, y_ref, dtype, roundings, gemms)
     if y.numel() == 0:
         return
     dy = torch.randn(y.shape).to(dtype)
@@ -342,24 +350,180 @@ def test_norms(seed, dtype, rms, zc, shape, hidden, eps):
     _check(m, ref, [x], dtype, roundings=2 * max(1, math.ceil(cond)))
 
 
+# te.ops: random chains of basic ops. Motifs are the fusions' patterns (so the fused ops run),
+# the rest single ops; each step is ``(kind, options)``, built and referenced in the test.
+_OPS_ACT = {"GELU": "gelu", "QGELU": "qgelu", "ReLU": "relu", "SReLU": "srelu", "SiLU": "silu"}
+_OPS_GLU = {"GLU": "glu", "GEGLU": "geglu", "QGEGLU": "qgeglu", "ReGLU": "reglu",
+            "SReGLU": "sreglu", "SwiGLU": "swiglu", "ClampedSwiGLU": "clamped_swiglu"}  # fmt: skip
+_OPS_SCALED_GLU = {"ScaledSwiGLU": "swiglu", "ScaledClampedQGeGLU": "clamped_swiglu"}
+_MOTIFS = [
+    ["BasicLinear", "Bias?", "act"],  # ForwardLinearBiasActivation
+    ["BasicLinear", "Bias?", "ConstantScale", "AddExtraInput"],  # ForwardLinearScaleAdd
+    ["BasicLinear", "Bias?", "AddExtraInput"],  # ForwardLinearBiasAdd
+    ["MakeExtraOutput", "BasicLinear", "Bias?"],  # BackwardLinearAdd
+    ["Bias", "act"],  # BackwardActivationBias
+    ["MakeExtraOutput", "RMSNorm"],  # BackwardAddRMSNorm
+    *([op] for op in ["Linear", "Bias", "act", "glu", "scaled_glu", "LayerNorm", "RMSNorm",
+                      "L2Normalization", "ConstantScale", "Identity", "Reshape", "AddExtraInput",
+                      "MakeExtraOutput", "GroupedLinear"]),
+]  # fmt: skip
+
+
+@st.composite
+def _op_chain(draw):
+    steps = []
+    for motif in draw(st.lists(st.sampled_from(_MOTIFS), min_size=1, max_size=4)):
+        for kind in motif:
+            if kind == "Bias?":
+                if not draw(st.booleans()):
+                    continue
+                kind = "Bias"
+            if kind == "act":
+                kind = draw(st.sampled_from(sorted(_OPS_ACT)))
+            elif kind == "glu":
+                kind = draw(st.sampled_from(sorted(_OPS_GLU)))
+            elif kind == "scaled_glu":
+                kind = draw(st.sampled_from(sorted(_OPS_SCALED_GLU)))
+            steps.append((kind, {
+                "features": draw(st.integers(1, 12)), "bias": draw(st.booleans()),
+                "zc": draw(st.booleans()), "interleave": draw(st.sampled_from([None, 1, 2])),
+                "scale": draw(st.sampled_from([0.5, -2.0])), "groups": draw(st.integers(1, 3)),
+                "flat": draw(st.booleans()),
+            }))  # fmt: skip
+    return steps
+
+
+def _build_chain(steps, hidden, lead, dtype, data):
+    """The ops, the reference of each (``(x, q, prefix, extras) -> x``, taking extra inputs from
+    the iterator ``extras`` and appending extra outputs to ``outs``), and the extra inputs."""
+    ops, refs, extras = [], [], []
+    h = hidden
+    shape = list(lead)
+    for i, (kind, o) in enumerate(steps):
+        tokens = math.prod(shape)
+        if kind in _OPS_GLU or kind in _OPS_SCALED_GLU:
+            if h % 2:  # a gated op needs an even width: a linear to 2 * features first
+                ops.append(te.ops.BasicLinear(h, 2 * o["features"], dtype=dtype))
+                refs.append(lambda x, q, p, e, out: tF.linear(x, q[p + "weight"]))
+                h = 2 * o["features"]
+            k = o["interleave"] if o["interleave"] and (h // 2) % o["interleave"] == 0 else None
+        if kind == "BasicLinear":
+            ops.append(te.ops.BasicLinear(h, o["features"], dtype=dtype))
+            refs.append(lambda x, q, p, e, out: tF.linear(x, q[p + "weight"]))
+            h = o["features"]
+        elif kind == "Linear":
+            ops.append(te.ops.Linear(h, o["features"], bias=o["bias"], dtype=dtype))
+            refs.append(lambda x, q, p, e, out: tF.linear(x, q[p + "basic_ops.0.weight"],
+                                                          q.get(p + "basic_ops.1.bias")))  # fmt: skip
+            h = o["features"]
+        elif kind == "GroupedLinear":  # 2-D input: a Reshape first where needed
+            if len(shape) != 1:
+                shape = [tokens]
+                ops.append(te.ops.Reshape((tokens, h)))
+                refs.append(lambda x, q, p, e, out, s=(tokens, h): x.reshape(s))
+            splits = data.draw(_splits(o["groups"], tokens), label="m_splits")
+            ops.append(te.ops.GroupedLinear(o["groups"], h, o["features"], bias=o["bias"],
+                                            dtype=dtype))  # fmt: skip
+            extras.append(splits)
+
+            def grouped(x, q, p, e, out, groups=o["groups"], bias=o["bias"]):
+                bs = q[p + "bias"].unbind() if bias else [None] * groups
+                return _grouped_ref(x, next(e), q[p + "weight"].unbind(), bs)
+
+            refs.append(grouped)
+            h = o["features"]
+        elif kind == "Bias":
+            ops.append(te.ops.Bias(h, dtype=dtype))
+            refs.append(lambda x, q, p, e, out: x + q[p + "bias"])
+        elif kind in _OPS_ACT:
+            ops.append(getattr(te.ops, kind)())
+            refs.append(lambda x, q, p, e, out, f=_ACT_REF[_OPS_ACT[kind]]: f(x))
+        elif kind in _OPS_GLU:
+            ops.append(getattr(te.ops, kind)(glu_interleave_size=k))
+            refs.append(lambda x, q, p, e, out, n=_OPS_GLU[kind], k=k: _gated(n, x, k))
+            h //= 2
+        elif kind in _OPS_SCALED_GLU:
+            ops.append(getattr(te.ops, kind)(glu_interleave_size=k))
+            extras.append(torch.randn(shape).to(dtype))
+            refs.append(lambda x, q, p, e, out, n=_OPS_SCALED_GLU[kind], k=k:
+                        _gated(n, x, k) * next(e)[..., None])  # fmt: skip
+            h //= 2
+        elif kind in ("LayerNorm", "RMSNorm"):
+            ops.append(getattr(te.ops, kind)(h, dtype=dtype, zero_centered_gamma=o["zc"]))
+            refs.append(lambda x, q, p, e, out, kind=kind, zc=o["zc"]:
+                        _norm_ref(x, q, p, kind, zc))  # fmt: skip
+        elif kind == "L2Normalization":
+            ops.append(te.ops.L2Normalization())
+            refs.append(lambda x, q, p, e, out: x * torch.rsqrt(x.square().sum(-1, True) + 1e-6))
+        elif kind == "ConstantScale":
+            ops.append(te.ops.ConstantScale(o["scale"]))
+            refs.append(lambda x, q, p, e, out, a=o["scale"]: a * x)
+        elif kind == "Identity":
+            ops.append(te.ops.Identity())
+            refs.append(lambda x, q, p, e, out: x)
+        elif kind == "Reshape":  # all tokens in one dim, or a leading dim of 1
+            shape = [tokens] if o["flat"] else [1, tokens]
+            ops.append(te.ops.Reshape((*shape, h)))
+            refs.append(lambda x, q, p, e, out, s=(*shape, h): x.reshape(s))
+        elif kind == "AddExtraInput":
+            ops.append(te.ops.AddExtraInput())
+            extras.append(torch.randn(*shape, h).to(dtype))
+            refs.append(lambda x, q, p, e, out: x + next(e))
+        elif kind == "MakeExtraOutput":
+            ops.append(te.ops.MakeExtraOutput())
+            refs.append(lambda x, q, p, e, out: out.append(x) or x)
+    return ops, refs, extras
+
+
+def _norm_cond(x, kind):
+    """A norm's condition number over rows of ``x`` (see :func:`test_norms`)."""
+    centered = x if kind != "LayerNorm" else x - x.mean(-1, keepdim=True)
+    rsigma = torch.rsqrt(centered.square().mean(-1) + 1e-5)
+    return (x.abs().amax(-1) * rsigma).max().item() if x.numel() else 1.0
+
+
 @FUZZ
-@given(
-    seed=SEED,
-    dtype=DTYPES,
-    tokens=st.integers(1, 12),
-    hidden=st.integers(1, 48),
-    bias=st.booleans(),
-)
-def test_ops_sequential_linear_bias_gelu(seed, dtype, tokens, hidden, bias):
+@given(seed=SEED, dtype=DTYPES, steps=_op_chain(), hidden=st.integers(1, 12),
+       lead=st.lists(st.integers(1, 4), min_size=1, max_size=2), fuse=st.booleans(),
+       data=st.data())  # fmt: skip
+def test_ops_sequential(seed, dtype, steps, hidden, lead, fuse, data):
+    """A random ``te.ops.Sequential`` of every basic op (linears, biases, element-wise, gated and
+    scaled gated activations, norms, scale, identity, reshape, extra inputs and outputs, grouped
+    linear), the fusions' patterns among them, fused or not: outputs, extra outputs and the
+    gradients of the input, the extra inputs and the parameters against plain torch."""
     torch.manual_seed(seed)
-    ops = [te.ops.BasicLinear(hidden, hidden, dtype=dtype)]
-    ops += [te.ops.Bias(hidden, dtype=dtype)] if bias else []
-    m = te.ops.Sequential(*ops, te.ops.GELU())
-
-    def ref(q, x):
-        return tF.gelu(tF.linear(x, q["0.weight"], q.get("1.bias")), approximate="tanh")
-
-    _check(m, ref, [torch.randn(tokens, hidden)], dtype, roundings=3)
+    ops, refs, extras = _build_chain(steps, hidden, lead, dtype, data)
+    m = te.ops.Sequential(*ops, fuse=fuse)
+    params = _randomize(m, dtype, fan_in=True)
+    x = torch.randn(*lead, hidden).to(dtype).requires_grad_()
+    extras = [e.requires_grad_() if isinstance(e, torch.Tensor) else e for e in extras]
+    x_ref, extras_ref = to_reference(x), to_reference(extras)
+    outs = m(x, *extras)
+    outs = list(outs) if isinstance(outs, tuple) else [outs]
+    y_ref, more, it = x_ref, [], iter(extras_ref)
+    cond = 1.0
+    for i, ref in enumerate(refs):
+        if type(m[i]).__name__ in ("LayerNorm", "RMSNorm"):
+            cond = max(cond, _norm_cond(y_ref.detach(), type(m[i]).__name__))
+        y_ref = ref(y_ref, params, f"{i}.", it, more)
+    outs_ref = [y_ref, *more]
+    # Each op rounds once; a norm amplifies its input's roundoff by its condition number.
+    roundings = (len(refs) + 1) * max(1, math.ceil(cond))
+    assert len(outs) == len(outs_ref)
+    for out, ref in zip(outs, outs_ref, strict=True):
+        assert out.shape == ref.shape and out.dtype == dtype
+        assert_close(out, ref, dtype, roundings=roundings, reduced=True)
+    grads = [torch.randn(o.shape).to(dtype) for o in outs]
+    sum((o * g).sum() for o, g in zip(outs, grads, strict=True)).backward()
+    sum((o * to_reference(g)).sum() for o, g in zip(outs_ref, grads, strict=True)).backward()
+    pairs = [(x.grad, x_ref.grad)] + [(p.grad, params[n].grad) for n, p in m.named_parameters()]
+    pairs += [(e.grad, r.grad) for e, r in zip(extras, extras_ref, strict=True)
+              if isinstance(e, torch.Tensor)]  # fmt: skip
+    for actual, expected in pairs:
+        if expected is None:  # an input no output depends on
+            assert actual is None or not actual.any()
+            continue
+        assert_close(actual, expected, dtype, roundings=roundings + 1, reduced=True)
 
 
 # Functions -------------------------------------------------------------------------------------
@@ -513,7 +677,11 @@ def test_dot_product_attention(seed, dtype, seq, batch, groups, heads_per_group,
         assert_close(t.grad, r.grad, dtype, roundings=6, reduced=True)
 
 
-def _norm_ref(x, q, prefix, kind, zc, eps=1e-5):
+def _norm_ref(x, q, prefix, kind, zc, eps=1e-5, cond=None):
+    """LayerNorm / RMSNorm with the gain (and bias) ``q[prefix + "weight"]`` (``"bias"``);
+    appends its condition number over the rows to the list ``cond`` when given."""
+    if cond is not None:
+        cond.append(_norm_cond(x.detach(), kind))
     g = q[prefix + "weight"] + (1 if zc else 0)
     return _ln(x, g, q[prefix + "bias"], eps) if kind == "LayerNorm" else _rms(x, g, eps)
 
@@ -529,13 +697,14 @@ def _rope_ref(t, freqs, layout, interleaved):
     return torch.cat((rot * f.cos() + _rotate(rot, interleaved) * f.sin(), t[..., d2:]), -1)
 
 
-def _mha_ref(q, x, c, pre="", freqs=None):
+def _mha_ref(q, x, c, pre="", freqs=None, cond=None):
     """``MultiheadAttention`` (self attention) from its own parameters ``q`` (names under
     ``pre``) and its configuration ``c``: ``(out, norm output or None)``."""
     ln_out = None
     if c["input_layernorm"]:
         name = pre + "layernorm_qkv."
-        x = ln_out = _norm_ref(x, q, name + "layer_norm_", c["normalization"], c["zc"])
+        x = ln_out = _norm_ref(x, q, name + "layer_norm_", c["normalization"], c["zc"],
+                               cond=cond)  # fmt: skip
     else:
         name = pre + "qkv."
     mixed = tF.linear(x, q[name + "weight"], q.get(name + "bias"))
@@ -572,7 +741,7 @@ def _attention_config(draw, recipes=(None, *RECIPES)):
     }
     if recipe is None:
         c |= {"dtype": draw(DTYPES), "head_dim": 2 * draw(st.integers(1, 4)),
-              "hidden": draw(st.integers(1, 24)), "ffn": draw(st.integers(1, 24)),
+              "hidden": draw(st.integers(4, 24)), "ffn": draw(st.integers(1, 24)),
               "batch": draw(st.integers(1, 2)), "seq": draw(st.integers(1, 6))}  # fmt: skip
     else:
         _, dim, rows = RECIPES[recipe]
@@ -617,8 +786,10 @@ def test_multihead_attention(seed, c, input_layernorm):
                               **_mha_kwargs(c))  # fmt: skip
     x, freqs = _attention_input(c)
     call = (lambda x: m(x, rotary_pos_emb=freqs)) if freqs is not None else None
-    _check(m, lambda q, x: _mha_ref(q, x, c, freqs=freqs)[0], [x], c["dtype"], c["recipe"],
-           roundings=6, call=call, gemms=2, sum_bound=False)  # fmt: skip
+    cond = [1.0]
+    _check(m, lambda q, x: _mha_ref(q, x, c, freqs=freqs, cond=cond)[0], [x], c["dtype"],
+           c["recipe"], roundings=lambda: 6 * math.ceil(max(cond)), call=call, gemms=2,
+           sum_bound=False)  # fmt: skip
 
 
 @_fuzz(3)
@@ -645,24 +816,31 @@ def test_transformer_layer(seed, c, activation, residual):
                             **kw)  # fmt: skip
     x, freqs = _attention_input(c)
 
+    cond = [1.0]
+
     def mlp(q, h):
-        ln = _norm_ref(h, q, "layernorm_mlp.layer_norm_", c["normalization"], c["zc"])
+        ln = _norm_ref(h, q, "layernorm_mlp.layer_norm_", c["normalization"], c["zc"], cond=cond)
         z = tF.linear(ln, q["layernorm_mlp.fc1_weight"], q.get("layernorm_mlp.fc1_bias"))
         z = _gated(activation, z) if activation in _GLU_REF else _MLP_ACT[activation](z)
         return tF.linear(z, q["layernorm_mlp.fc2_weight"], q.get("layernorm_mlp.fc2_bias")), ln
 
-    def ref(q, x):
-        attn, ln1 = _mha_ref(q, x, c, "self_attention.", freqs)
+    def ref(q, x):  # (output, the magnitude of its terms)
+        attn, ln1 = _mha_ref(q, x, c, "self_attention.", freqs, cond)
         if residual == "parallel":
-            return x + attn + mlp(q, x)[0]
-        h = (ln1 if post_ln else x) + attn
+            out = mlp(q, x)[0]
+            return x + attn + out, x.abs() + attn.abs() + out.abs()
+        res = ln1 if post_ln else x
+        h = res + attn
         out, ln2 = mlp(q, h)
+        terms = (ln2 if post_ln else h).abs() + out.abs() + (res.abs() + attn.abs())
         out = (ln2 if post_ln else h) + out
-        return _norm_ref(out, q, "layernorm.", c["normalization"], c["zc"]) if output_ln else out
+        if output_ln:
+            return _norm_ref(out, q, "layernorm.", c["normalization"], c["zc"], cond=cond)
+        return out, terms
 
     call = (lambda x: m(x, rotary_pos_emb=freqs)) if freqs is not None else None
-    _check(m, ref, [x], c["dtype"], c["recipe"], roundings=10, call=call, gemms=3,
-           sum_bound=False)  # fmt: skip
+    _check(m, ref, [x], c["dtype"], c["recipe"], roundings=lambda: 10 * math.ceil(max(cond)),
+           call=call, gemms=3, sum_bound=False)  # fmt: skip
 
 
 @FUZZ
