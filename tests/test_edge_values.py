@@ -176,14 +176,18 @@ def test_non_finite_input_propagates_or_is_reported(module_name, recipe, value):
 def _refusal(module_name, recipe, tokens, hidden):
     """The message (a regex) with which the module must refuse this shape, or None where it
     must work. FP8 GEMMs need their feature dims to be multiples of 16 (MXFP8: 32); the
-    non-grouped MXFP8 and NVFP4 GEMMs also need the tokens in whole blocks (the grouped ones
-    pad each group)."""
+    non-grouped MXFP8 and NVFP4 GEMMs also need the tokens in whole blocks (the grouped MXFP8
+    GEMMs pad each group; the grouped NVFP4 ones need each group's tokens in blocks of 16, which
+    ``Fp8Padding`` gives)."""
     if recipe == "none" or not GEMMS[module_name]:
         return None
     if hidden % 16:
         return rf"\({hidden}\).* multiples? of (its block \()?(16|32)"
     if recipe in ("mxfp8", "nvfp4") and tokens % 32 and module_name not in GROUPED:
         return rf"number of tokens \({tokens}\).* multiples? of (its block \()?(16|32)"
+    grouped_nvfp4 = recipe == "nvfp4" and module_name in ("GroupedLinear", "GroupedMLP")
+    if grouped_nvfp4 and any(m % 16 for m in _splits(torch.empty(tokens))):  # Fp8Padding pads
+        return r"token count \(m_splits\) to be a multiple of 16"
     return None
 
 

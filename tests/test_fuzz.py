@@ -49,7 +49,7 @@ RECIPES = {
 }
 # The grouped GEMM implements NVFP4 without the Hadamard transform and stochastic rounding (it
 # raises NotImplementedError on them): the grouped modules run this variant.
-GROUPED_NVFP4 = R.NVFP4BlockScaling(disable_rht=True, disable_stochastic_rounding=True)
+GROUPED_NVFP4 = R.NVFP4BlockScaling()
 
 
 @st.composite
@@ -268,9 +268,12 @@ def test_layernorm_mlp(seed, p, activation, checkpoint):
 
 
 @st.composite
-def _splits(draw, groups, tokens):
-    cuts = sorted(draw(st.lists(st.integers(0, tokens), min_size=groups - 1, max_size=groups - 1)))
-    bounds = [0, *cuts, tokens]
+def _splits(draw, groups, tokens, unit=1):
+    """Random split sizes summing to ``tokens``, each a multiple of ``unit`` (NVFP4's grouped
+    GEMMs take whole blocks of 16 tokens per group)."""
+    top = tokens // unit
+    cuts = sorted(draw(st.lists(st.integers(0, top), min_size=groups - 1, max_size=groups - 1)))
+    bounds = [0, *(c * unit for c in cuts), tokens]
     return [b - a for a, b in itertools.pairwise(bounds)]
 
 
@@ -288,7 +291,7 @@ def test_grouped_linear(seed, p, groups, bias, single_weight, single_bias, split
     parameters, ``m_splits`` a list or a tensor."""
     torch.manual_seed(seed)
     recipe, dtype, tokens, k, n = p
-    splits = data.draw(_splits(groups, tokens))
+    splits = data.draw(_splits(groups, tokens, 16 if recipe == "nvfp4" else 1))
     m = te.GroupedLinear(groups, k, n, bias=bias, single_grouped_weight=single_weight,
                          single_grouped_bias=single_bias, params_dtype=dtype)  # fmt: skip
 
@@ -319,7 +322,7 @@ def test_grouped_mlp(seed, p, groups, activation, interleave, bias, single, data
     gated = activation in _GLU_REF
     if not gated or ffn % (interleave or 1):
         interleave = None
-    splits = data.draw(_splits(groups, tokens))
+    splits = data.draw(_splits(groups, tokens, 16 if recipe == "nvfp4" else 1))
     m = te.GroupedMLP(groups, hidden, ffn, activation=activation, glu_interleave_size=interleave,
                       bias=bias, single_grouped_parameter=single, params_dtype=dtype)  # fmt: skip
 
@@ -1029,7 +1032,7 @@ def test_functional_grouped_linear(seed, p, groups, bias, as_tensor, data):
     ``m_splits`` a list or ``as_splits_tensor``'s tensor."""
     torch.manual_seed(seed)
     recipe, dtype, tokens, k, n = p
-    splits = data.draw(_splits(groups, tokens))
+    splits = data.draw(_splits(groups, tokens, 16 if recipe == "nvfp4" else 1))
     shapes = {"weight": (groups, n, k)} | ({"bias": (groups, n)} if bias else {})
     kw = _recipe_kwargs(recipe)
     if recipe == "nvfp4":  # the grouped GEMM's NVFP4: no Hadamard transform, no SR (data only)

@@ -519,7 +519,8 @@ def _check(a: _Args) -> None:
         if bad:
             raise ValueError(
                 p + "nvfp4 grouped GEMMs need every group's token count (m_splits) to be a "
-                f"multiple of 16 (blocks of 16 tokens along M), got {splits.tolist()}"
+                f"multiple of 16 (blocks of 16 tokens along M), got {splits.tolist()} "
+                "(te.Fp8Padding pads them)"
             )
 
 
