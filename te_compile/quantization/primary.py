@@ -260,8 +260,10 @@ class _ShardedGrad(torch.autograd.Function):
         full = grad.float()
         if chunk * world != rows:
             full = torch.cat([full, full.new_zeros((chunk * world - rows, *full.shape[1:]))])
-        out = funcol.wait_tensor(
-            funcol.reduce_scatter_tensor(full.contiguous(), "sum", 0, ctx.group_name)
+        out = funcol.wait_tensor(  # what funcol.reduce_scatter_tensor calls, without its warning
+            torch.ops._c10d_functional.reduce_scatter_tensor(
+                full.contiguous(), "sum", world, ctx.group_name
+            )
         )
         return None, out[: ctx.local_rows].div(world), None, None, None
 
