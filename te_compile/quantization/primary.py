@@ -226,6 +226,12 @@ def primary_weight(
     sink = module.__dict__.get(_SHARDED_MAIN_GRADS, {}).get(name)
     if sink is None or weight.requires_grad or not torch.is_grad_enabled():
         return weight, main_grad
+    if getattr(module, "delay_wgrad_compute", False):
+        raise NotImplementedError(
+            f"{type(module).__name__}: delay_wgrad_compute=True with FP8 primary weights sharded "
+            "by FSDP2 is not supported (their gradient is reduce-scattered during the backward); "
+            "build the module with delay_wgrad_compute=False"
+        )
     group_name, world = module.__dict__[_SHARD_GROUP][name]
     return _ShardedGrad.apply(weight, sink, dtype, group_name, world), None
 

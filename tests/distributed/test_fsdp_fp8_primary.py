@@ -6,7 +6,12 @@ The parameters that are not FP8 (biases, norms) are fp32 here: FSDP2's own reduc
 gradients on gloo differs from one process by a bf16 rounding (seen on a bias), which is
 FSDP2's business, not the FP8 weights' (tests/distributed/test_fsdp.py compares within
 roundings). The compiled case compiles each module with ``fullgraph=True`` (one graph each).
-Delayed scaling and the compiled case run with ``--long-runs`` (CI time).
+Delayed scaling and the compiled case run with ``--long-runs`` (CI time); they accumulate the
+gradients of two micro-batches per step.
+
+After each backward, every FP8 weight's fp32 ``main_grad`` is this rank's shard (the local
+shard's shape), already reduce-scattered (equal to the unsharded ``main_grad``'s rows), and no
+weight-sized fp32 tensor is kept on the module.
 
 Every rank trains on the same batches, so FSDP2's mean of the ranks' gradients is exact (x/2 +
 x/2 = x) and the sharded run must equal the unsharded one bit for bit: losses, the fp32
@@ -241,20 +246,37 @@ def _cast_weights_refused(rank, group, device):
             raise AssertionError("a bf16 copy of the FP8 codes must be refused")
 
 
+def _delayed_wgrad_refused(rank, group, device):
+    recipe = Float8CurrentScaling()
+    with te.quantized_model_init(recipe=recipe):
+        block = te.Linear(H, 2 * H, params_dtype=torch.float32, device=device,
+                          delay_wgrad_compute=True)  # fmt: skip
+    model = _shard(torch.nn.Sequential(block, torch.nn.LayerNorm(2 * H, device=device)))
+    te.FP8MasterWeights(model)
+    with autocast(recipe=recipe):
+        try:
+            model(_batches(device)[0])
+        except NotImplementedError as err:
+            assert "delay_wgrad_compute=True" in str(err), err
+        else:
+            raise AssertionError("a delayed weight gradient of a sharded FP8 weight is refused")
+
+
 def _worker(names, rank, group, backend):
     device = device_for(backend, rank)
     train = functools.partial(_train_matches_unsharded, rank, group, device)
     checks = {
-        "current": functools.partial(train, Float8CurrentScaling(), False, micro=2),
-        "delayed": functools.partial(train, DelayedScaling(), False),
+        "current": functools.partial(train, Float8CurrentScaling(), False),
+        "delayed": functools.partial(train, DelayedScaling(), False, micro=2),
         "current_compiled": functools.partial(train, Float8CurrentScaling(), True, micro=2),
         "checkpoint": functools.partial(_checkpoint_round_trip, rank, group, device),
         "param_dtype_refused": functools.partial(_cast_weights_refused, rank, group, device),
+        "delay_wgrad_refused": functools.partial(_delayed_wgrad_refused, rank, group, device),
     }
     return run_checks({name: checks[name] for name in names})
 
 
-DEFAULT = ("current", "checkpoint", "param_dtype_refused")
+DEFAULT = ("current", "checkpoint", "param_dtype_refused", "delay_wgrad_refused")
 LONG = ("delayed", "current_compiled")  # --long-runs: CI's time is tight
 
 
