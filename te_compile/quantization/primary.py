@@ -37,16 +37,22 @@ Transformer Engine), from which ``FP8MasterWeights`` builds the masters (else fr
 dequantised FP8 values) and then clears them.
 
 Memory (tensor sizes, per weight parameter): the model holds 1 byte (bf16: 2), plus 4 bytes of
-``main_grad`` (bf16 grads: 2) and 4 of the master (a bf16 model trained with fp32 masters: 4).
+``main_grad`` (bf16 grads: 2) and 4 of the master (a bf16 model trained with fp32 masters: 4);
+under FSDP2 all of them divided by the group size (plus the all-gathered codes of the modules
+being run, and each module's weight gradient during its backward).
 
 FSDP2 (``fully_shard``): the codes Parameter is sharded on dim 0 (a DTensor of float8 codes,
 no tensor subclass) and all-gathered as FP8 bytes; the scale buffers are replicated.
 ``FP8MasterWeights`` built after ``fully_shard`` keeps DTensor-shard masters, sets the sharded
 codes to ``requires_grad=False`` (FSDP2 wants one dtype among trainable parameters, and reduces
-``.grad``, which float8 cannot hold), keeps a full-size ``main_grad`` per weight on the module
-(the forward hands the op the codes through ``_RequireGrad`` so its backward still accumulates
-into it), reduce-scatters it in ``step`` and all-reduces (max) each shard's amax before the
-refresh, so the codes equal the unsharded refresh's. ``docs/fp8.md``, "FSDP2".
+``.grad``, which float8 cannot hold) and keeps a SHARDED fp32 ``main_grad`` per weight (this
+rank's rows, the master's local shape). The forward hands the GEMM op a zero-byte stand-in of
+the weight that requires grad (``_ShardedGrad``); the op returns the weight gradient to it, and
+its backward reduce-scatters that gradient (fp32, the mean over the group, FSDP2's chunks) and
+autograd adds this rank's rows to ``main_grad``: the full-size gradient lives only inside each
+module's backward, and several backward calls before ``step`` accumulate. ``step`` all-reduces
+(max) each shard's amax before the refresh, so the codes equal the unsharded refresh's.
+``docs/fp8.md``, "FSDP2".
 
 Supported: the per-tensor recipes (``Float8CurrentScaling``, ``DelayedScaling``) on
 ``Linear``, ``LayerNormLinear`` and ``LayerNormMLP``; the weights run inside a
