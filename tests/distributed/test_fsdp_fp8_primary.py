@@ -5,7 +5,8 @@ one process.
 The parameters that are not FP8 (biases, norms) are fp32 here: FSDP2's own reduction of bf16
 gradients on gloo differs from one process by a bf16 rounding (seen on a bias), which is
 FSDP2's business, not the FP8 weights' (tests/distributed/test_fsdp.py compares within
-roundings). The compiled case compiles each module with ``fullgraph=True`` (one graph each).
+roundings). The compiled case compiles each module with ``fullgraph=True`` (one graph each)
+with the ``aot_eager`` backend, so AOTAutograd traces the backward and its reduce-scatter.
 Delayed scaling and the compiled case run with ``--long-runs`` (CI time); they accumulate the
 gradients of two micro-batches per step.
 
@@ -173,7 +174,7 @@ def _train_matches_unsharded(rank, group, device, recipe, compiled, micro=1):
         reference, recipe, batches, micro, _record_main_grads(rank, main_grads)
     )
 
-    counter = torch._dynamo.testing.CompileCounter() if compiled else None
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager") if compiled else None
     model = _shard(_model(device, recipe), compiled=counter)
     for name in FP8_NAMES:  # the sharded weight: this rank's rows of the FP8 codes
         p = model.get_parameter(name)
