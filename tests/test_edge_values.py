@@ -429,8 +429,8 @@ def test_values_at_the_dtype_max_pass_a_module_finite(module_name, recipe, dtype
     if (module_name, recipe, dtype, device) == ("GroupedLinear", "current", torch.bfloat16, "cuda"):
         # Not worked around: rebalancing the two scales would cost kernels on every grouped GEMM.
         request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "non-finite at the bf16 max on CUDA, presumably torch._scaled_grouped_mm applying the row "
-            "scale to the fp32 accumulator before the column scale (H100, 2026-11-27)"
+            "non-finite at the bf16 max on CUDA, presumably torch._scaled_grouped_mm applying "
+            "the row scale to the fp32 accumulator before the column scale (H100, 2026-11-27)"
         )))  # fmt: skip
     hidden = HIDDEN[recipe]
     factory = {"params_dtype": dtype, "device": device}

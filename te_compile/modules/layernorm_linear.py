@@ -158,7 +158,7 @@ class LayerNormLinear(DelayedWgrad, NamedSlices, PreNorm):
         main_grad = weight_main_grad(owner, self.weight) if self.fuse_wgrad_accumulation else None
         weight, wq = self.weight, _primary.primary_operand(self, "weight")
         if wq is not None:  # FP8 primary weight: its gradient goes to main_grad
-            weight, main_grad = wq[0], _primary.primary_main_grad(self, "weight")
+            weight, main_grad = _primary.primary_weight(self, "weight", inp.dtype)
         cache = None
         if is_first_microbatch is not None:
             _gemm.check_first_microbatch(owner, is_first_microbatch)

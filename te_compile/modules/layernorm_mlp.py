@@ -264,9 +264,9 @@ class LayerNormMLP(DelayedWgrad, PreNorm):
         wq = (_primary.primary_operand(self, "fc1_weight"),
               _primary.primary_operand(self, "fc2_weight"))  # fmt: skip
         if wq != (None, None):  # FP8 primary weights: their gradients go to main_grad
-            w1, w2 = wq[0][0], wq[1][0]
-            main_grads = (_primary.primary_main_grad(self, "fc1_weight"),
-                          _primary.primary_main_grad(self, "fc2_weight"))  # fmt: skip
+            w1, g1 = _primary.primary_weight(self, "fc1_weight", inp.dtype)
+            w2, g2 = _primary.primary_weight(self, "fc2_weight", inp.dtype)
+            main_grads = (g1, g2)
         defer = self._wgrad_defer(w1, w2) if self.delay_wgrad_compute else None
         out = _gemm.mlp(owner, metas, inp, w1, b1, self.activation, w2, fc2_bias, norm,
                         self.activation_params, main_grads, self.checkpoint, cache, wq,

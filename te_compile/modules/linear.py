@@ -177,7 +177,7 @@ class Linear(DelayedWgrad, NamedSlices, nn.Module):
         main_grad = weight_main_grad("Linear", self.weight) if wgrad_fusion else None
         weight, wq = self.weight, _primary.primary_operand(self, "weight")
         if wq is not None:  # FP8 primary weight: its gradient goes to main_grad
-            weight, main_grad = wq[0], _primary.primary_main_grad(self, "weight")
+            weight, main_grad = _primary.primary_weight(self, "weight", inp.dtype)
         cache = None
         if is_first_microbatch is not None:
             _gemm.check_first_microbatch("Linear", is_first_microbatch)

@@ -179,8 +179,16 @@ def check_first_microbatch(owner: str, is_first_microbatch: object) -> None:
 
 
 def check_primary(owner: str, state: AutocastState) -> None:
-    """A module with FP8 primary weights runs inside an FP8 autocast of a per-tensor recipe."""
+    """A module with FP8 primary weights runs inside an FP8 autocast of a per-tensor recipe,
+    without ``backward_override="high_precision"`` (its backward GEMMs would read a
+    high-precision weight, which FP8 primary weights do not keep)."""
     if state.enabled and not state.calibration and state.recipe.float8_per_tensor_scaling():
+        if state.recipe.backward_override == "high_precision":
+            raise ValueError(
+                f"{owner}: recipe.backward_override='high_precision' needs a high-precision "
+                "weight; FP8 primary weights (quantized_model_init) keep only the FP8 codes "
+                "(use None or 'dequantized')"
+            )
         return
     now = "calibration" if state.calibration else (
         type(state.recipe).__name__ if state.enabled else "no FP8 autocast")  # fmt: skip

@@ -37,16 +37,22 @@ Transformer Engine), from which ``FP8MasterWeights`` builds the masters (else fr
 dequantised FP8 values) and then clears them.
 
 Memory (tensor sizes, per weight parameter): the model holds 1 byte (bf16: 2), plus 4 bytes of
-``main_grad`` (bf16 grads: 2) and 4 of the master (a bf16 model trained with fp32 masters: 4).
+``main_grad`` (bf16 grads: 2) and 4 of the master (a bf16 model trained with fp32 masters: 4);
+under FSDP2 all of them divided by the group size (plus the all-gathered codes of the modules
+being run, and each module's weight gradient during its backward).
 
 FSDP2 (``fully_shard``): the codes Parameter is sharded on dim 0 (a DTensor of float8 codes,
 no tensor subclass) and all-gathered as FP8 bytes; the scale buffers are replicated.
 ``FP8MasterWeights`` built after ``fully_shard`` keeps DTensor-shard masters, sets the sharded
 codes to ``requires_grad=False`` (FSDP2 wants one dtype among trainable parameters, and reduces
-``.grad``, which float8 cannot hold), keeps a full-size ``main_grad`` per weight on the module
-(the forward hands the op the codes through ``_RequireGrad`` so its backward still accumulates
-into it), reduce-scatters it in ``step`` and all-reduces (max) each shard's amax before the
-refresh, so the codes equal the unsharded refresh's. ``docs/fp8.md``, "FSDP2".
+``.grad``, which float8 cannot hold) and keeps a SHARDED fp32 ``main_grad`` per weight (this
+rank's rows, the master's local shape). The forward hands the GEMM op a zero-byte stand-in of
+the weight that requires grad (``_ShardedGrad``); the op returns the weight gradient to it, and
+its backward reduce-scatters that gradient (fp32, the mean over the group, FSDP2's chunks) and
+autograd adds this rank's rows to ``main_grad``: the full-size gradient lives only inside each
+module's backward, and several backward calls before ``step`` accumulate. ``step`` all-reduces
+(max) each shard's amax before the refresh, so the codes equal the unsharded refresh's.
+``docs/fp8.md``, "FSDP2".
 
 Supported: the per-tensor recipes (``Float8CurrentScaling``, ``DelayedScaling``) on
 ``Linear``, ``LayerNormLinear`` and ``LayerNormMLP``; the weights run inside a
@@ -192,10 +198,9 @@ def is_primary(weight: Tensor) -> bool:
 
 
 def primary_operand(module: nn.Module, name: str) -> tuple[Tensor, ...] | None:
-    """The pre-quantised operand of ``module``'s FP8 weight ``name`` (None: not FP8). Its first
-    tensor is the weight the GEMM op takes: the Parameter, or, where the Parameter does not
-    require grad (sharded by FSDP2, see ``FP8MasterWeights``) and its gradient is wanted, a
-    detached alias of it that does (the op then accumulates into ``main_grad``)."""
+    """The pre-quantised operand of ``module``'s FP8 weight ``name`` (``weight_quantized``'s
+    five tensors: the codes, their scale, the transposed codes, its scale, the amax), or None:
+    the weight is not FP8."""
     weight = getattr(module, name)
     if not is_primary(weight):
         if f"{name}_scale_inv" in module._buffers:
@@ -207,41 +212,88 @@ def primary_operand(module: nn.Module, name: str) -> tuple[Tensor, ...] | None:
         return None
     scale_inv, amax = getattr(module, f"{name}_scale_inv"), getattr(module, f"{name}_amax")
     codes_t = weight.detach().view(torch.uint8).t().contiguous()
-    trigger = module.__dict__.get(_GRAD_TRIGGER)
-    if trigger is not None and not weight.requires_grad and torch.is_grad_enabled():
-        weight = _RequireGrad.apply(weight, trigger)
     return weight, scale_inv, codes_t, scale_inv, amax
 
 
-class _RequireGrad(torch.autograd.Function):
-    """``weight`` itself (a view), requiring grad through ``trigger`` (a 0-dim leaf that
-    requires grad): for an FP8 weight that FSDP2 holds without requires_grad, the GEMM op then
-    runs its backward and accumulates the weight's gradient into ``main_grad``; it returns no
-    gradient for the weight, so nothing flows further. (``weight.detach().requires_grad_()``
-    would do the same in eager; torch.compile refuses it.)"""
+def primary_weight(
+    module: nn.Module, name: str, dtype: torch.dtype
+) -> tuple[Tensor, Tensor | None]:
+    """The GEMM op's ``weight`` argument for ``module``'s FP8 weight ``name`` (its operand is
+    :func:`primary_operand`) and the fp32 buffer the op accumulates its gradient into
+    (``main_grad``), for activations of ``dtype``.
+
+    Not sharded: the codes Parameter and ``weight.main_grad`` (None without
+    ``FP8MasterWeights``: the backward then raises, the gradient has nowhere to go). Sharded by
+    FSDP2, with ``FP8MasterWeights`` and grad enabled: a zero-byte stand-in of the weight's
+    shape in ``dtype`` that requires grad (:class:`_ShardedGrad`), and None: the op returns the
+    weight gradient to it, whose backward reduce-scatters it into the sharded ``main_grad``."""
+    weight = getattr(module, name)
+    main_grad = getattr(weight, "main_grad", None)
+    sink = module.__dict__.get(_SHARDED_MAIN_GRADS, {}).get(name)
+    if sink is None or weight.requires_grad or not torch.is_grad_enabled():
+        return weight, main_grad
+    if getattr(module, "delay_wgrad_compute", False):
+        raise NotImplementedError(
+            f"{type(module).__name__}: delay_wgrad_compute=True with FP8 primary weights sharded "
+            "by FSDP2 is not supported (their gradient is reduce-scattered during the backward); "
+            "build the module with delay_wgrad_compute=False"
+        )
+    group_name, world = module.__dict__[_SHARD_GROUP][name]
+    return _ShardedGrad.apply(weight, sink, dtype, group_name, world), None
+
+
+class _ShardedGrad(torch.autograd.Function):
+    """The weight argument of a GEMM op whose FP8 weight FSDP2 shards: ``codes``' shape in
+    ``dtype``, zero bytes (an expanded scalar; the op reads the codes from its pre-quantised
+    operand, never this), requiring grad through ``sink`` (a zero-byte fp32 leaf of the local
+    shard's shape whose ``.grad`` is the sharded ``main_grad``).
+
+    Backward: the op's weight gradient ``dW`` (full size, made by the op's backward and freed
+    when this returns) is reduce-scattered in fp32 over the FSDP2 group (sum, divided by the
+    group size: the mean FSDP2 takes of the other gradients), with FSDP2's chunks along dim 0
+    (``ceil(rows / world)`` rows per rank, the last ones short: zero padding); this rank's rows
+    are ``sink``'s gradient, which autograd accumulates into ``sink.grad`` (in place: several
+    backward calls before ``step`` sum their reduce-scattered gradients). A functional
+    collective: torch.compile traces it into the compiled backward."""
 
     @staticmethod
-    def forward(ctx, weight: Tensor, trigger: Tensor) -> Tensor:
-        return weight.view_as(weight)
+    def forward(ctx, codes: Tensor, sink: Tensor, dtype: torch.dtype, group_name: str,
+                world: int) -> Tensor:  # fmt: skip
+        ctx.group_name, ctx.world, ctx.rows = group_name, world, codes.shape[0]
+        ctx.local_rows = sink.shape[0]
+        return sink.new_zeros((), dtype=dtype).expand(codes.shape)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[None, None]:
-        return None, None
+    def backward(ctx, grad: Tensor) -> tuple[None, Tensor, None, None, None]:
+        import torch.distributed._functional_collectives as funcol
+
+        world, rows = ctx.world, ctx.rows
+        chunk = -(-rows // world)
+        full = grad.float()
+        if chunk * world != rows:
+            full = torch.cat([full, full.new_zeros((chunk * world - rows, *full.shape[1:]))])
+        out = funcol.wait_tensor(  # what funcol.reduce_scatter_tensor calls, without its warning
+            torch.ops._c10d_functional.reduce_scatter_tensor(
+                full.contiguous(), "sum", world, ctx.group_name
+            )
+        )
+        return None, out[: ctx.local_rows].div(world), None, None, None
 
 
 def primary_main_grad(module: nn.Module, name: str) -> Tensor | None:
-    """The fp32 ``main_grad`` of ``module``'s FP8 weight ``name``, or None (a forward without
-    ``FP8MasterWeights`` runs; its backward raises: the gradient has nowhere to go). On the
-    weight (``weight.main_grad``, as Transformer Engine), or, for a weight sharded by FSDP2
-    (whose unsharded Parameter FSDP2 makes at each all-gather), on the module."""
+    """The fp32 ``main_grad`` of ``module``'s FP8 weight ``name``, or None (no
+    ``FP8MasterWeights`` yet). On the weight (``weight.main_grad``, as Transformer Engine),
+    weight-sized; for a weight sharded by FSDP2 (whose unsharded Parameter FSDP2 makes at each
+    all-gather), this rank's shard of it (the local shard's shape), kept for the module."""
     main_grad = getattr(getattr(module, name), "main_grad", None)
     if main_grad is None:
-        main_grad = module.__dict__.get(_SHARDED_MAIN_GRADS, {}).get(name)
+        sink = module.__dict__.get(_SHARDED_MAIN_GRADS, {}).get(name)
+        main_grad = None if sink is None else sink.grad
     return main_grad
 
 
-_SHARDED_MAIN_GRADS = "_fp8_sharded_main_grads"
-_GRAD_TRIGGER = "_fp8_grad_trigger"
+_SHARDED_MAIN_GRADS = "_fp8_sharded_main_grads"  # {name: the zero-byte leaf holding it as .grad}
+_SHARD_GROUP = "_fp8_shard_group"  # {name: (the FSDP2 group's name, its size)}
 
 
 class _Entry(NamedTuple):
@@ -299,13 +351,14 @@ class FP8MasterWeights:
                         stride=param.stride(),
                     )  # fmt: skip
                     # FSDP2 wants one dtype among the parameters that require grad; the
-                    # gradient goes to main_grad (the forward hands the op a detached alias
-                    # that requires grad: primary_operand).
+                    # gradient goes to the sharded main_grad, sink.grad (primary_weight).
                     param.requires_grad_(False)
-                    main_grads = module.__dict__.setdefault(_SHARDED_MAIN_GRADS, {})
-                    main_grads[name] = torch.zeros(param.shape, device=codes.device)
-                    trigger = torch.zeros((), device=codes.device, requires_grad=True)
-                    module.__dict__.setdefault(_GRAD_TRIGGER, trigger)
+                    sink = torch.zeros((), device=codes.device).expand(local.shape)
+                    sink = sink.detach().requires_grad_(True)
+                    sink.grad = torch.zeros(local.shape, device=codes.device)
+                    module.__dict__.setdefault(_SHARDED_MAIN_GRADS, {})[name] = sink
+                    shard_group = module.__dict__.setdefault(_SHARD_GROUP, {})
+                    shard_group[name] = (group.group_name, group.size())
                 elif init is not None:
                     master = init.to(param.device, torch.float32, copy=True)
                 else:
@@ -330,37 +383,24 @@ class FP8MasterWeights:
 
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Masters' grads from ``main_grad`` (a sharded weight's: reduce-scattered and averaged
-        over its FSDP2 group, as FSDP2 averages the other gradients), ``optimizer.step()``, the
-        FP8 refresh, ``main_grad`` zeroed."""
+        """Masters' grads from ``main_grad`` (a sharded weight's: this rank's shard, already
+        reduce-scattered and averaged over its FSDP2 group during the backward, as FSDP2
+        averages the other gradients), ``optimizer.step()``, the FP8 refresh, ``main_grad``
+        zeroed."""
         for e in self._entries:
             main_grad = primary_main_grad(e.module, e.name)
             if e.group is None:
                 e.master.grad = main_grad
-            else:
-                e.master.grad = self._reduce_scatter(e, main_grad)
+            else:  # this rank's shard, reduce-scattered during the backward
+                e.master.grad = type(e.master.data).from_local(
+                    main_grad, e.master.device_mesh, e.master.placements,
+                    shape=e.master.shape, stride=e.master.stride(),
+                )  # fmt: skip
         optimizer.step()
         self.refresh()
         for e in self._entries:
             primary_main_grad(e.module, e.name).zero_()
             e.master.grad = None
-
-    @staticmethod
-    def _reduce_scatter(e: _Entry, main_grad: Tensor) -> Tensor:
-        """This rank's shard of the group's mean of ``main_grad``, as a DTensor like the
-        master (FSDP2's chunks along dim 0: ``ceil(rows / world)`` each, the last ones short)."""
-        import torch.distributed._functional_collectives as funcol
-
-        world, local = e.group.size(), e.master.to_local()
-        rows = -(-main_grad.shape[0] // world)
-        padded = main_grad.new_zeros((rows * world, *main_grad.shape[1:]))
-        padded[: main_grad.shape[0]].copy_(main_grad)
-        out = funcol.wait_tensor(funcol.reduce_scatter_tensor(padded, "sum", 0, e.group))
-        grad = out[: local.shape[0]].div_(world)
-        return type(e.master.data).from_local(
-            grad, e.master.device_mesh, e.master.placements, shape=e.master.shape,
-            stride=e.master.stride(),
-        )  # fmt: skip
 
     @torch.no_grad()
     def refresh(self) -> None:

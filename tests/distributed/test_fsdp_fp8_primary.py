@@ -5,8 +5,14 @@ one process.
 The parameters that are not FP8 (biases, norms) are fp32 here: FSDP2's own reduction of bf16
 gradients on gloo differs from one process by a bf16 rounding (seen on a bias), which is
 FSDP2's business, not the FP8 weights' (tests/distributed/test_fsdp.py compares within
-roundings). The compiled case compiles each module with ``fullgraph=True`` (one graph each).
-Delayed scaling and the compiled case run with ``--long-runs`` (CI time).
+roundings). The compiled case compiles each module with ``fullgraph=True`` (one graph each)
+with the ``aot_eager`` backend, so AOTAutograd traces the backward and its reduce-scatter.
+Delayed scaling and the compiled case run with ``--long-runs`` (CI time); they accumulate the
+gradients of two micro-batches per step.
+
+After each backward, every FP8 weight's fp32 ``main_grad`` is this rank's shard (the local
+shard's shape), already reduce-scattered (equal to the unsharded ``main_grad``'s rows), and no
+weight-sized fp32 tensor is kept on the module.
 
 Every rank trains on the same batches, so FSDP2's mean of the ranks' gradients is exact (x/2 +
 x/2 = x) and the sharded run must equal the unsharded one bit for bit: losses, the fp32
@@ -58,28 +64,91 @@ def _batches(device):
     return [torch.randn(BATCH, H, generator=g).to(device) for _ in range(STEPS)]
 
 
-def _train(model, recipe, batches):
+def _train(model, recipe, batches, micro=1, after_backward=None):
+    """``micro`` backward calls per optimizer step (gradient accumulation: each batch split
+    into ``micro`` micro-batches); ``after_backward(model, step)`` before each step."""
     masters = te.FP8MasterWeights(model)
     opt = torch.optim.SGD([*masters.parameters(), *masters.other_parameters()], lr=20.0)
     losses = []
-    for x in batches:
-        with autocast(recipe=recipe):
-            loss = model(x).float().square().mean()
-        loss.backward()
+    for step, batch in enumerate(batches):
+        loss = 0.0
+        for x in batch.chunk(micro):
+            with autocast(recipe=recipe):
+                part = model(x).float().square().mean() / micro
+            part.backward()
+            loss += part.detach()
+        if after_backward is not None:
+            after_backward(model, step)
         masters.step(opt)
         opt.zero_grad()
-        losses.append(loss.detach())
+        losses.append(loss)
     return torch.stack(losses), masters
 
 
+def _record_main_grads(rank, seen):
+    """``after_backward`` of the unsharded model: this rank's rows of each fp32 main_grad
+    (FSDP2's chunks: ``ceil(rows / world)`` rows per rank)."""
+
+    def record(model, step):
+        for name in FP8_NAMES:
+            full = model.get_parameter(name).main_grad
+            seen[step, name] = full.chunk(WORLD)[rank].clone()
+
+    return record
+
+
+def _check_sharded_main_grads(expected):
+    """``after_backward`` of the sharded model: each FP8 weight's fp32 main_grad is this
+    rank's shard (the local shard's shape), already reduce-scattered (equal to the unsharded
+    main_grad's rows), and no weight-sized fp32 tensor is kept on the module."""
+
+    def check(model, step):
+        for name in FP8_NAMES:
+            module_name, weight_name = name.rsplit(".", 1)
+            module = model.get_submodule(module_name)
+            param = model.get_parameter(name)
+            main_grad = te.quantization.primary.primary_main_grad(module, weight_name)
+            assert main_grad.dtype == torch.float32, name
+            assert main_grad.shape == param.to_local().shape, (name, main_grad.shape)
+            assert torch.equal(main_grad, expected[step, name]), name
+            kept = [t for t in _tensors(vars(module)) if t.dtype == torch.float32]
+            assert all(t.numel() < param.numel() for t in kept), (
+                name,
+                [t.shape for t in kept if t.numel() >= param.numel()],
+            )
+
+    return check
+
+
+def _tensors(value):
+    """Every tensor reachable from ``value`` (containers, a tensor's ``.grad`` and
+    attributes)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+        if value.grad is not None:
+            yield value.grad
+        for v in vars(value).values():
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            yield from _tensors(v)
+
+
 def _full(t, group):
-    """The whole tensor of a DTensor shard (FP8 codes gathered as bytes: gloo has no float8)."""
+    """The whole tensor of a DTensor shard (FP8 codes gathered as bytes: gloo has no float8;
+    FSDP2's last shards may be short: padded to ``ceil(rows / world)`` rows for the gather)."""
     if not isinstance(t, DTensor):
         return t
     local = t.to_local()
     if local.dtype != E4M3:
         return t.full_tensor()
-    return funcol.wait_tensor(funcol.all_gather_tensor(local.view(torch.uint8), 0, group))
+    rows = -(-t.shape[0] // WORLD)
+    padded = local.view(torch.uint8).new_zeros((rows, *local.shape[1:]))
+    padded[: local.shape[0]] = local.view(torch.uint8)
+    return funcol.wait_tensor(funcol.all_gather_tensor(padded, 0, group))[: t.shape[0]]
 
 
 def _bits(t):
@@ -97,17 +166,21 @@ def _assert_same_state(model, reference, group):
         )
 
 
-def _train_matches_unsharded(rank, group, device, recipe, compiled):
+def _train_matches_unsharded(rank, group, device, recipe, compiled, micro=1):
     batches = _batches(device)
     reference = _model(device, recipe)
-    ref_losses, ref_masters = _train(reference, recipe, batches)
+    main_grads = {}
+    ref_losses, ref_masters = _train(
+        reference, recipe, batches, micro, _record_main_grads(rank, main_grads)
+    )
 
-    counter = torch._dynamo.testing.CompileCounter() if compiled else None
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager") if compiled else None
     model = _shard(_model(device, recipe), compiled=counter)
     for name in FP8_NAMES:  # the sharded weight: this rank's rows of the FP8 codes
         p = model.get_parameter(name)
         assert isinstance(p, DTensor) and p.dtype == E4M3, name
-        assert p.to_local().shape == (p.shape[0] // WORLD, p.shape[1]), name
+        rows = torch.empty(p.shape, device="meta").chunk(WORLD)[rank].shape  # FSDP2's chunks
+        assert p.to_local().shape == rows, name
     seen = {}  # the weights the forward gets: the all-gathered FP8 codes, whole
 
     def record(module, _args):
@@ -118,7 +191,7 @@ def _train_matches_unsharded(rank, group, device, recipe, compiled):
 
     for block in model:
         block.register_forward_pre_hook(record)
-    losses, masters = _train(model, recipe, batches)
+    losses, masters = _train(model, recipe, batches, micro, _check_sharded_main_grads(main_grads))
 
     assert seen == {"weight": (False, E4M3, (2 * H, H)),
                     "fc1_weight": (False, E4M3, (3 * H, 2 * H)),
@@ -174,20 +247,37 @@ def _cast_weights_refused(rank, group, device):
             raise AssertionError("a bf16 copy of the FP8 codes must be refused")
 
 
+def _delayed_wgrad_refused(rank, group, device):
+    recipe = Float8CurrentScaling()
+    with te.quantized_model_init(recipe=recipe):
+        block = te.Linear(H, 2 * H, params_dtype=torch.float32, device=device,
+                          delay_wgrad_compute=True)  # fmt: skip
+    model = _shard(torch.nn.Sequential(block, torch.nn.LayerNorm(2 * H, device=device)))
+    te.FP8MasterWeights(model)
+    with autocast(recipe=recipe):
+        try:
+            model(_batches(device)[0])
+        except NotImplementedError as err:
+            assert "delay_wgrad_compute=True" in str(err), err
+        else:
+            raise AssertionError("a delayed weight gradient of a sharded FP8 weight is refused")
+
+
 def _worker(names, rank, group, backend):
     device = device_for(backend, rank)
     train = functools.partial(_train_matches_unsharded, rank, group, device)
     checks = {
         "current": functools.partial(train, Float8CurrentScaling(), False),
-        "delayed": functools.partial(train, DelayedScaling(), False),
-        "current_compiled": functools.partial(train, Float8CurrentScaling(), True),
+        "delayed": functools.partial(train, DelayedScaling(), False, micro=2),
+        "current_compiled": functools.partial(train, Float8CurrentScaling(), True, micro=2),
         "checkpoint": functools.partial(_checkpoint_round_trip, rank, group, device),
         "param_dtype_refused": functools.partial(_cast_weights_refused, rank, group, device),
+        "delay_wgrad_refused": functools.partial(_delayed_wgrad_refused, rank, group, device),
     }
     return run_checks({name: checks[name] for name in names})
 
 
-DEFAULT = ("current", "checkpoint", "param_dtype_refused")
+DEFAULT = ("current", "checkpoint", "param_dtype_refused", "delay_wgrad_refused")
 LONG = ("delayed", "current_compiled")  # --long-runs: CI's time is tight
 
 

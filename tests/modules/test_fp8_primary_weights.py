@@ -209,6 +209,11 @@ def test_refused_uses():
     with pytest.raises(RuntimeError, match="main_grad"):
         y.sum().backward()
     with (
+        autocast(recipe=Float8CurrentScaling(backward_override="high_precision")),
+        pytest.raises(ValueError, match="backward_override='high_precision'"),
+    ):
+        m(_x("cpu"))
+    with (
         pytest.raises(ValueError, match="enabled must be a bool, got 1"),
         te.fp8_model_init(enabled=1),
     ):
