@@ -266,6 +266,31 @@ def _first_tensor(args: Sequence[Any]) -> torch.Tensor | None:
     return None
 
 
+def stash_for_backward(ctx: Any, name: str, tensors: tuple[torch.Tensor | None, ...]) -> None:
+    """``setattr(ctx, name, tensors)``: tensors the backward reads and writes but that are not
+    values of this forward (accumulators such as ``main_grad``), kept out of autograd's
+    version-counter check, in eager and under ``torch.compile``.
+
+    Eager, a tensor stashed as a ``ctx`` attribute is not checked. Compiled, AOTAutograd's
+    partitioner decides what the forward graph saves and saves it with
+    ``ctx.save_for_backward``, so a second forward's backward would be refused once the first
+    backward wrote the accumulator (pipeline schedules: F1 F2 B2 B1). The partitioner keeps
+    out of that check the values whose graph node carries ``saved_tensor_with_no_vc_check``,
+    the mark dynamo gives to tensors an ``autograd.Function`` stashes on ``ctx`` (PyTorch's
+    parity with eager, torch >= 2.11); the tensors' nodes in the graph being traced get it here.
+    The mark is on the node of the tensor's current value (the graph input itself where the
+    forward did not write it), so only these tensors lose the check."""
+    setattr(ctx, name, tensors)
+    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is None:
+        return  # not tracing a graph: the ctx attribute is all there is
+    from torch.fx.experimental.proxy_tensor import _get_proxies
+
+    for t in tensors:
+        if t is not None:
+            for proxy in _get_proxies(t):
+                proxy.node.meta["saved_tensor_with_no_vc_check"] = True
+
+
 # ---------------------------------------------------------------------------------------------
 # Differentiable ops: forward op + backward op + autograd + autocast
 # ---------------------------------------------------------------------------------------------

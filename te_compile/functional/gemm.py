@@ -62,7 +62,7 @@ from te_compile._checks import (
     check_tensor,
     check_tensors,
 )
-from te_compile._library import SampleInput, op
+from te_compile._library import SampleInput, op, stash_for_backward
 from te_compile.functional.quantize import (
     dequantize_blockwise,
     quantize_blockwise,
@@ -1025,6 +1025,8 @@ def save_for_backward_except_written(ctx, tensors: Sequence[Tensor | None],
     the backward writes into (``main_grad``, a delayed-scaling gradient amax): they are kept as
     ``ctx.written``, in order. They are the caller's accumulators, not values of this forward,
     and autograd's version check would refuse the backward of a second forward (pipeline
-    schedules: forward, forward, backward, backward) once the first backward wrote them."""
-    ctx.written = tuple(tensors[i] for i in written)
+    schedules: forward, forward, backward, backward) once the first backward wrote them. Under
+    ``torch.compile`` they are marked so that the compiled graph keeps them out of the check
+    too (``_library.stash_for_backward``)."""
+    stash_for_backward(ctx, "written", tuple(tensors[i] for i in written))
     ctx.save_for_backward(*(None if i in written else t for i, t in enumerate(tensors)))
