@@ -567,10 +567,12 @@ def _weight_shapes(recipe: str, n: int, k: int, block_rows: int, emulate: bool):
 
 
 def check_weight_operand(
-    p: str, recipe: str, weight: Tensor, block_rows: int, emulate: bool, tensors
+    p: str, recipe: str, weight: Tensor, block_rows: int, emulate: bool, tensors, shapes=None
 ) -> None:
     """The pre-quantised weight ``tensors`` (five, or all None) of a family op whose weight is
-    ``weight`` (``[N, K]``, or ``[G, N, K]``: then each tensor has the leading ``G``)."""
+    ``weight`` (``[N, K]``, or ``[G, N, K]``: then each tensor has the leading ``G``).
+    ``shapes``: the five ``(shape, dtype)`` the tensors must have, where a family lays them out
+    otherwise (the grouped family: ``functional.grouped_weight``)."""
     given = [t is not None for t in tensors]
     if not any(given):
         return
@@ -578,17 +580,20 @@ def check_weight_operand(
         raise ValueError(p + f"the pre-quantised weight is all of {WEIGHT_OPERAND} or none")
     if not recipe:
         raise ValueError(p + "a pre-quantised weight needs a quantised recipe (recipe is '')")
-    *lead, n, k = weight.shape
-    for name, t, (shape, dtype) in zip(
-        WEIGHT_OPERAND, tensors, _weight_shapes(recipe, n, k, block_rows, emulate), strict=True
-    ):
-        want = (*lead, *shape)
+    maker = "quantize_weight"
+    if shapes is None:
+        *lead, n, k = weight.shape
+        per_weight = _weight_shapes(recipe, n, k, block_rows, emulate)
+        shapes = [((*lead, *shape), dtype) for shape, dtype in per_weight]
+    else:
+        maker = "quantize_grouped_weight"
+    for name, t, (want, dtype) in zip(WEIGHT_OPERAND, tensors, shapes, strict=True):
         codes = dtype is torch.uint8 and t.dtype in FP8_DTYPES
-        if tuple(t.shape) != want or not (t.dtype is dtype or codes):
+        if tuple(t.shape) != tuple(want) or not (t.dtype is dtype or codes):
             raise ValueError(
-                p + f"{name} must be {dtype} {list(want)} for recipe {recipe!r} and weight "
-                f"{list(weight.shape)}, got {t.dtype} {list(t.shape)} (make it with "
-                "te_compile.functional.quantize_weight)"
+                p + f"{name} must be {dtype} {list(want)} for recipe {recipe!r} (emulate="
+                f"{emulate}) and weight {list(weight.shape)}, got {t.dtype} {list(t.shape)} "
+                f"(make it with te_compile.functional.{maker})"
             )
 
 

@@ -39,12 +39,11 @@ from torch import Tensor
 from te_compile._checks import check_bool, check_tensor, check_tensors
 from te_compile._library import SampleInput, op
 from te_compile.functional.gemm import (
-    FP8_DTYPES,
     HIGH_DTYPES,
     PER_TENSOR,
     RECIPES,
-    WEIGHT_OPERAND,
     check_recipe,
+    check_weight_operand,
 )
 from te_compile.functional.grouped_fp8 import per_tensor_weight
 from te_compile.functional.grouped_gemm import (
@@ -87,23 +86,8 @@ def check_grouped_weight_operand(
 ) -> None:
     """The pre-quantised weight ``tensors`` (five, or all None) of ``te::grouped_linear_fwd``
     whose weight is ``weight`` ``[G, N, K]`` (``p`` begins the messages)."""
-    given = [t is not None for t in tensors]
-    if not any(given):
-        return
-    if not all(given):
-        raise ValueError(p + f"the pre-quantised weight is all of {WEIGHT_OPERAND} or none")
-    if not recipe:
-        raise ValueError(p + "a pre-quantised weight needs a quantised recipe (recipe is '')")
-    for name, t, (shape, dtype) in zip(
-        WEIGHT_OPERAND, tensors, _shapes(recipe, weight, block_rows, emulate), strict=True
-    ):
-        codes = dtype is torch.uint8 and t.dtype in FP8_DTYPES
-        if tuple(t.shape) != shape or not (t.dtype is dtype or codes):
-            raise ValueError(
-                p + f"{name} must be {dtype} {list(shape)} for recipe {recipe!r} (emulate="
-                f"{emulate}) and weight {list(weight.shape)}, got {t.dtype} {list(t.shape)} "
-                "(make it with te_compile.functional.quantize_grouped_weight)"
-            )
+    shapes = _shapes(recipe, weight, block_rows, emulate) if recipe else None
+    check_weight_operand(p, recipe, weight, block_rows, emulate, tensors, shapes)
 
 
 def _check(weight, recipe, fwd_dtype, weight_block_rows, emulate, scale) -> None:
