@@ -95,6 +95,7 @@ __all__ = [
     "accumulate_wgrad",
     "blockwise_supported",
     "check_nvfp4_options",
+    "check_quantize_weight_args",
     "check_recipe",
     "check_weight_operand",
     "delayed_on_cuda",
@@ -671,6 +672,27 @@ def quantize_weight_op(
                                  emulate, scale, four_over_six)  # fmt: skip
 
 
+def check_quantize_weight_args(
+    p: str, weight, layout: str, recipe, fwd_dtype, power_2_scale, weight_block_rows, emulate, scale
+) -> None:
+    """The argument types of a weight cast (``p``: the public name; ``layout``: the weight's
+    dims, e.g. ``"[N, K]"``; its rank is theirs), before the op's own checks."""
+    check_tensor(p, "weight", weight)
+    if weight.dim() != layout.count(",") + 1:
+        raise ValueError(
+            f"{p}: weight must be {layout.count(',') + 1}-D {layout}, got shape "
+            f"{list(weight.shape)}"
+        )
+    if not isinstance(recipe, str):
+        raise TypeError(f"{p}: recipe must be a str, one of {RECIPES[1:]}, got {recipe!r}")
+    if not isinstance(fwd_dtype, torch.dtype):
+        raise TypeError(f"{p}: fwd_dtype must be an FP8 torch.dtype, got {fwd_dtype!r}")
+    check_bool(p, power_2_scale=power_2_scale, emulate=emulate)
+    if isinstance(weight_block_rows, bool) or not isinstance(weight_block_rows, int):
+        raise TypeError(f"{p}: weight_block_rows must be an int, got {weight_block_rows!r}")
+    check_tensors(p, scale=scale)
+
+
 def quantize_weight(
     weight: Tensor,
     recipe: str,
@@ -688,17 +710,8 @@ def quantize_weight(
     ``quantize_mx.FOUR_OVER_SIX``). ``te::quantize_weight`` after the checks of its arguments
     (the dispatcher's type errors would not name them)."""
     p = "te.quantize_weight"
-    check_tensor(p, "weight", weight)
-    if weight.dim() != 2:
-        raise ValueError(f"{p}: weight must be 2-D [N, K], got shape {list(weight.shape)}")
-    if not isinstance(recipe, str):
-        raise TypeError(f"{p}: recipe must be a str, one of {RECIPES[1:]}, got {recipe!r}")
-    if not isinstance(fwd_dtype, torch.dtype):
-        raise TypeError(f"{p}: fwd_dtype must be an FP8 torch.dtype, got {fwd_dtype!r}")
-    check_bool(p, power_2_scale=power_2_scale, emulate=emulate)
-    if isinstance(weight_block_rows, bool) or not isinstance(weight_block_rows, int):
-        raise TypeError(f"{p}: weight_block_rows must be an int, got {weight_block_rows!r}")
-    check_tensors(p, scale=scale)
+    check_quantize_weight_args(p, weight, "[N, K]", recipe, fwd_dtype, power_2_scale,
+                               weight_block_rows, emulate, scale)  # fmt: skip
     if not isinstance(four_over_six, str):
         raise TypeError(f"{p}: four_over_six must be a str, one of {FOUR_OVER_SIX}, got "
                         f"{four_over_six!r}")  # fmt: skip

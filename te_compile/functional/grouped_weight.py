@@ -36,12 +36,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from te_compile._checks import check_bool, check_tensor, check_tensors
 from te_compile._library import SampleInput, op
 from te_compile.functional.gemm import (
     HIGH_DTYPES,
     PER_TENSOR,
-    RECIPES,
+    check_quantize_weight_args,
     check_recipe,
     check_weight_operand,
 )
@@ -165,19 +164,8 @@ def quantize_grouped_weight(
     delayed scales ``[3]``, whose weight slot is used, with ``recipe="delayed"``; ``emulate``
     as the op gets it). ``te::quantize_grouped_weight`` after the checks of its arguments."""
     p = "te.quantize_grouped_weight"
-    check_tensor(p, "weight", weight)
-    if weight.dim() != 3:
-        raise ValueError(
-            f"{p}: weight must be 3-D [num_gemms, out_features, in_features], got shape "
-            f"{list(weight.shape)}"
-        )
-    if not isinstance(recipe, str):
-        raise TypeError(f"{p}: recipe must be a str, one of {RECIPES[1:]}, got {recipe!r}")
-    if not isinstance(fwd_dtype, torch.dtype):
-        raise TypeError(f"{p}: fwd_dtype must be an FP8 torch.dtype, got {fwd_dtype!r}")
-    check_bool(p, power_2_scale=power_2_scale, emulate=emulate)
-    if isinstance(weight_block_rows, bool) or not isinstance(weight_block_rows, int):
-        raise TypeError(f"{p}: weight_block_rows must be an int, got {weight_block_rows!r}")
-    check_tensors(p, scale=scale)
+    check_quantize_weight_args(p, weight, "[num_gemms, out_features, in_features]", recipe,
+                               fwd_dtype, power_2_scale, weight_block_rows, emulate,
+                               scale)  # fmt: skip
     return quantize_grouped_weight_op(weight, recipe, fwd_dtype, power_2_scale,
                                       weight_block_rows, emulate, scale)  # fmt: skip
