@@ -50,6 +50,9 @@ RECIPES = {
 # The grouped GEMM implements NVFP4 without the Hadamard transform and stochastic rounding (it
 # raises NotImplementedError on them): the grouped modules run this variant.
 GROUPED_NVFP4 = R.NVFP4BlockScaling()
+# te.quantize / ops.Quantize: without the transform and stochastic rounding, which only the
+# GEMMs apply (a standalone quantiser refuses them).
+QUANTIZE_NVFP4 = R.NVFP4BlockScaling(disable_rht=True, disable_stochastic_rounding=True)
 
 
 @st.composite
@@ -1315,7 +1318,7 @@ def test_quantize_roundtrip(seed, recipe, role, columnwise, rows, cols, dtype, s
     quantisers give the same values: ``te.functional.fake_quantize``, ``quantize_mxfp8`` /
     ``dequantize_mxfp8``, ``quantize_nvfp4`` / ``dequantize_nvfp4``."""
     torch.manual_seed(seed)
-    r = GROUPED_NVFP4 if recipe == "nvfp4" else RECIPES[recipe][0]
+    r = QUANTIZE_NVFP4 if recipe == "nvfp4" else RECIPES[recipe][0]
     if recipe == "nvfp4":
         rows, cols = 2 * rows, 2 * cols
     x = torch.randn(rows, cols)
@@ -1369,7 +1372,7 @@ def test_ops_quantize(seed, recipe, forward, backward, tokens, width):
     _, dim, rows = RECIPES[recipe]
     x = torch.randn(tokens * max(rows, 16), width * dim).requires_grad_()
     m = te.ops.Sequential(te.ops.Quantize(forward=forward, backward=backward))
-    with te.autocast(recipe=GROUPED_NVFP4 if recipe == "nvfp4" else RECIPES[recipe][0]):
+    with te.autocast(recipe=QUANTIZE_NVFP4 if recipe == "nvfp4" else RECIPES[recipe][0]):
         y = m(x)
     dy = torch.randn(y.shape)
     y.backward(dy)
@@ -1520,6 +1523,8 @@ EXEMPT = {
     "te.functional.linear_ref": "the reference math of te.functional.linear (registry-checked)",
     "te.functional.quantize_weight": "the GEMM family's private operand layout (five tensors) "
     "for kept FP8 weights; its values reach the GEMMs fuzzed above",
+    "te.functional.quantize_grouped_weight": "the grouped GEMM's operand layout for kept FP8 "
+    "weights; bit-equal to the per-call cast in tests/modules/test_fp8_weight_cache.py",
     **{
         f"te.ops.{n}": "process-group collective: tests/distributed (the identity without a group)"
         for n in ["AllGather", "AllReduce", "ReduceScatter"]

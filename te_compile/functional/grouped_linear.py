@@ -483,6 +483,8 @@ def _check(a: _Args) -> None:
             f"dgrad copy is the weight itself) and no weight_4over6, got weight_block_rows="
             f"{a.weight_block_rows}, weight_4over6={a.weight_4over6!r}"
         )
+    check_nvfp4_options(p, recipe, a.rht, a.stochastic_rounding, a.rng_state, a.inp,
+                        input_4over6=a.input_4over6, weight_4over6=a.weight_4over6)  # fmt: skip
     if not recipe and a.scale is None and a.grad_amax is None and not a.fp8_wgrad:
         return
     check_recipe(p, recipe, a.fwd_dtype, a.bwd_dtype, a.weight_block_rows, a.emulate, a.scale,
@@ -507,8 +509,6 @@ def _check(a: _Args) -> None:
         )
     if (a.grad_amax is not None or a.fp8_wgrad) and recipe not in PER_TENSOR:
         raise ValueError(p + "grad_amax and fp8_wgrad are for the per-tensor recipes")
-    check_nvfp4_options(p, recipe, a.rht, a.stochastic_rounding, a.rng_state, a.inp,
-                        input_4over6=a.input_4over6, weight_4over6=a.weight_4over6)  # fmt: skip
     splits = a.m_splits
     if (
         recipe == "nvfp4"

@@ -260,8 +260,11 @@ def dequantize_blockwise_ref(
     # Each block times its scale by broadcasting over a blocked view (no index arithmetic:
     # Inductor's CPU code generator fails on the fused division indexing repeat_interleave makes).
     blocks = F.pad(q, (0, kb * BLOCK - k, 0, mb * block_rows - m)).view(mb, block_rows, kb, BLOCK)
-    out = (blocks * scale_inv.float()[:, None, :, None]).view(mb * block_rows, kb * BLOCK)
-    return _saturated(q, out[:m, :k], out_dtype).contiguous().view(data.shape)
+    out = blocks * scale_inv.float()[:, None, :, None]
+    # Saturated on the padded blocks, then cut (a where on the cut view fails Inductor's CPU
+    # code generator too).
+    out = _saturated(blocks, out, out_dtype).view(mb * block_rows, kb * BLOCK)
+    return out[:m, :k].contiguous().view(data.shape)
 
 
 # Argument checks: the same ValueError in eager (implementations) and at trace time (fakes).

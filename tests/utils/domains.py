@@ -277,6 +277,7 @@ _GEMM_RECIPE_ARGS = {
     "delay_wgrad": SWITCH(),
 }
 _WEIGHT_QUANTIZED = Domain("the tensors of te.functional.quantize_weight, or None", (3, "w", [1]))
+_FOUR_OVER_SIX = CHOICE("", "MAE:448", "MAE:256", "MSE:448", "MSE:256")  # NVFP4 4over6
 _GLU_FN = {"inp": TENSOR(LAST)}
 _ACT_FN = {"inp": ANY_RANK_TENSOR()}
 
@@ -638,6 +639,11 @@ DOMAINS: dict[str, dict[str, Domain]] = {
         "weight_quantized": Domain(
             "the tensors of te.functional.quantize_grouped_weight, or None", (3, "w", [1])
         ),
+        "rht": SWITCH(),
+        "stochastic_rounding": SWITCH(),
+        "rng_state": INDEX_TENSOR(),
+        "input_4over6": _FOUR_OVER_SIX,
+        "weight_4over6": _FOUR_OVER_SIX,
     },
     "te.functional.l2normalization": {"inp": TENSOR()},
     "te.functional.layernorm": {"weight": TENSOR(LAST), "bias": TENSOR(LAST)},
@@ -660,6 +666,8 @@ DOMAINS: dict[str, dict[str, Domain]] = {
         "rng_state": INDEX_TENSOR(),
         "row_scaled": SWITCH(),
         "weight_quantized": _WEIGHT_QUANTIZED,
+        "input_4over6": _FOUR_OVER_SIX,
+        "weight_4over6": _FOUR_OVER_SIX,
     },
     "te.functional.mlp": {
         "inp": TENSOR(LAST),
@@ -695,6 +703,7 @@ DOMAINS: dict[str, dict[str, Domain]] = {
         "weight_block_rows": CHOICE(1, 128),
         "emulate": SWITCH(),
         "scale": TENSOR(),
+        "four_over_six": _FOUR_OVER_SIX,
     },
     "te.functional.rotary_frequencies": {
         "inv_freq": TENSOR(EXTRA),
