@@ -24,7 +24,7 @@ def pytest_addoption(parser):
     parser.addoption(
         "--long-runs",
         action="store_true",
-        help="tests/test_long_run.py under every recipe (default: the per-tensor recipes, whose "
+        help="tests/test_long_run.py under every recipe (default: delayed scaling, whose "
         "scaling state evolves over the run; the emulated block-scaled ones take minutes), and "
         "the delayed-scaling and compiled cases of tests/distributed/test_fsdp_fp8_primary.py, "
         "Inductor's Linear in tests/modules/test_pipeline_schedule.py",
