@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch._dynamo
 
-# Hypothesis settings of the fuzz tests (tests/test_fuzz.py), chosen with --fuzz-profile: "ci"
+# Hypothesis settings of the fuzz tests (tests/fuzz/), chosen with --fuzz-profile: "ci"
 # (the default) is seeded and derandomized with a few examples per test, so `make test` stays
 # fast and reproducible; "full" draws 200 random cases per test.
 FUZZ_PROFILES = {
@@ -18,7 +18,7 @@ def pytest_addoption(parser):
         "--fuzz-profile",
         choices=sorted(FUZZ_PROFILES),
         default="ci",
-        help="hypothesis profile of tests/test_fuzz.py: ci (seeded, few cases) or full "
+        help="hypothesis profile of tests/fuzz/: ci (seeded, few cases) or full "
         "(200 random cases per module and function)",
     )
     parser.addoption(
