@@ -278,6 +278,16 @@ _GEMM_RECIPE_ARGS = {
 }
 _WEIGHT_QUANTIZED = Domain("the tensors of te.functional.quantize_weight, or None", (3, "w", [1]))
 _FOUR_OVER_SIX = CHOICE("", "MAE:448", "MAE:256", "MSE:448", "MSE:256")  # NVFP4 4over6
+# The weight casts' arguments (te.functional.quantize_weight / quantize_grouped_weight).
+_WEIGHT_CAST = {
+    "weight": TENSOR(EXTRA),
+    "recipe": CHOICE("current", "delayed", "block", "mxfp8", "nvfp4"),
+    "fwd_dtype": CHOICE(torch.float8_e4m3fn, torch.float8_e5m2),
+    "power_2_scale": SWITCH(),
+    "weight_block_rows": CHOICE(1, 128),
+    "emulate": SWITCH(),
+    "scale": TENSOR(),
+}
 _GLU_FN = {"inp": TENSOR(LAST)}
 _ACT_FN = {"inp": ANY_RANK_TENSOR()}
 
@@ -686,25 +696,8 @@ DOMAINS: dict[str, dict[str, Domain]] = {
         "fc1_weight_quantized": _WEIGHT_QUANTIZED,
         "fc2_weight_quantized": _WEIGHT_QUANTIZED,
     },
-    "te.functional.quantize_grouped_weight": {
-        "weight": TENSOR(EXTRA),
-        "recipe": CHOICE("current", "delayed", "block", "mxfp8", "nvfp4"),
-        "fwd_dtype": CHOICE(torch.float8_e4m3fn, torch.float8_e5m2),
-        "power_2_scale": SWITCH(),
-        "weight_block_rows": CHOICE(1, 128),
-        "emulate": SWITCH(),
-        "scale": TENSOR(),
-    },
-    "te.functional.quantize_weight": {
-        "weight": TENSOR(EXTRA),
-        "recipe": CHOICE("current", "delayed", "block", "mxfp8", "nvfp4"),
-        "fwd_dtype": CHOICE(torch.float8_e4m3fn, torch.float8_e5m2),
-        "power_2_scale": SWITCH(),
-        "weight_block_rows": CHOICE(1, 128),
-        "emulate": SWITCH(),
-        "scale": TENSOR(),
-        "four_over_six": _FOUR_OVER_SIX,
-    },
+    "te.functional.quantize_grouped_weight": _WEIGHT_CAST,
+    "te.functional.quantize_weight": {**_WEIGHT_CAST, "four_over_six": _FOUR_OVER_SIX},
     "te.functional.rotary_frequencies": {
         "inv_freq": TENSOR(EXTRA),
         "max_seq_len": POS_INT(),
