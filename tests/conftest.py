@@ -1,8 +1,21 @@
+import os
+import shutil
+import tempfile
 from collections import Counter
 
-import pytest
-import torch
-import torch._dynamo
+# Inductor's caches in a fresh folder per run (unless one is given), set before torch is
+# imported (torch writes its default into the environment on first use): a cache key does not
+# cover the implementation of a custom op traced through, so a cache left by an earlier version
+# of te_compile would serve that version's code. CI starts cold; so does every run here. The
+# xdist workers inherit the folder.
+_FRESH_INDUCTOR_CACHE = None
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    _FRESH_INDUCTOR_CACHE = tempfile.mkdtemp(prefix="te-inductor-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _FRESH_INDUCTOR_CACHE
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch._dynamo  # noqa: E402
 
 # Hypothesis settings of the fuzz tests (tests/fuzz/), chosen with --fuzz-profile: "ci"
 # (the default) is seeded and derandomized with a few examples per test, so `make test` stays
@@ -73,3 +86,8 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("skips by reason", sep="-")
         for reason, count in reasons.most_common():
             terminalreporter.line(f"{count:6d}  {reason}")
+
+
+def pytest_unconfigure(config):
+    if _FRESH_INDUCTOR_CACHE is not None and not hasattr(config, "workerinput"):
+        shutil.rmtree(_FRESH_INDUCTOR_CACHE, ignore_errors=True)

@@ -213,8 +213,15 @@ def _block_cast(
     scale = scale_from_amax(amax, torch.finfo(fp8_dtype).max, 0.0, power_2_scale)
     # A block holding inf gets a NaN scale, as one holding NaN does (module docstring).
     scale = torch.where(torch.isinf(amax), math.nan, scale)
-    q = _cast(blocks, scale[:, None, :, None], fp8_dtype).view(mb * block_rows, kb * BLOCK)
-    return q[:m, :k].contiguous(), _reciprocal(scale)
+    return _cast(x2, _per_element(scale, m, k, block_rows), fp8_dtype), _reciprocal(scale)
+
+
+def _per_element(scale: Tensor, m: int, k: int, block_rows: int) -> Tensor:
+    """The ``[Mb, Kb]`` block scales spread over the ``[M, K]`` elements
+    (:func:`quantize_mx.spread_blocks`: not a broadcast over a padded, blocked view, which
+    Inductor's CPU generator miscompiles where ``M`` or ``K`` is not a multiple of the block)."""
+    spread = quantize_mx.spread_blocks
+    return spread(spread(scale, 0, m, block_rows), 1, k, BLOCK)
 
 
 def quantize_blockwise_ref(
@@ -256,15 +263,8 @@ def dequantize_blockwise_ref(
     saturating."""
     q = _rows(data).float()
     m, k = q.shape
-    mb, kb = scale_inv.shape
-    # Each block times its scale by broadcasting over a blocked view (no index arithmetic:
-    # Inductor's CPU code generator fails on the fused division indexing repeat_interleave makes).
-    blocks = F.pad(q, (0, kb * BLOCK - k, 0, mb * block_rows - m)).view(mb, block_rows, kb, BLOCK)
-    out = blocks * scale_inv.float()[:, None, :, None]
-    # Saturated on the padded blocks, then cut (a where on the cut view fails Inductor's CPU
-    # code generator too).
-    out = _saturated(blocks, out, out_dtype).view(mb * block_rows, kb * BLOCK)
-    return out[:m, :k].contiguous().view(data.shape)
+    out = q * _per_element(scale_inv.float(), m, k, block_rows)
+    return _saturated(q, out, out_dtype).view(data.shape)
 
 
 # Argument checks: the same ValueError in eager (implementations) and at trace time (fakes).

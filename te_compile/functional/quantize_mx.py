@@ -130,6 +130,7 @@ __all__ = [
     "quantize_nvfp4",
     "quantize_nvfp4_ref",
     "random_hadamard_transform",
+    "spread_blocks",
 ]
 
 MXFP8_BLOCK = 32
@@ -163,6 +164,20 @@ def _blocks(x2: Tensor, block: int) -> Tensor:
     return F.pad(x2.float().contiguous(), (0, -k % block)).view(m, -(-k // block), block)
 
 
+def spread_blocks(t: Tensor, dim: int, size: int, block: int) -> Tensor:
+    """Per-block values ``t`` (one per ``block`` elements along ``dim``) repeated over the
+    ``size`` elements, gathered by a block index that is data (``bucketize``), not index
+    arithmetic. A broadcast over a padded, blocked view cut back to ``size``, or an
+    ``arange // block`` index, leaves a division by the block size in the loop's indexing;
+    Inductor's CPU generator then splits the loop by the block size even where ``size`` is not
+    a multiple of it, and the tail is never written (torch 2.13)."""
+    if block == 1:
+        return t
+    starts = torch.arange(block, t.shape[dim] * block, block, device=t.device)
+    index = torch.bucketize(torch.arange(size, device=t.device), starts, right=True)
+    return t.index_select(dim, index)
+
+
 def _unblock(t: Tensor, k: int) -> Tensor:
     """Inverse of :func:`_blocks`: ``[M, nb, block]`` -> ``[M, K]``, padding dropped."""
     return t.reshape(t.shape[0], t.shape[1] * t.shape[2])[:, :k]
@@ -190,9 +205,12 @@ def _mxfp8_rows(x2: Tensor, fp8_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     scale = torch.where(finite, biased, _E8M0_NAN).to(torch.uint8)
     # 1 / 2**(b - 127) = 2**(127 - b), which is the E8M0 value of 254 - b.
     inv = e8m0_to_float(254 - biased.clamp(max=254))
-    q = (xb * inv[..., None]).clamp(-max_value, max_value).to(fp8_dtype).view(torch.uint8)
-    q = torch.where(finite[..., None], q, 0x7F)  # NaN code; the NaN scale decides anyway
-    return _unblock(q, x2.shape[1]).contiguous().view(fp8_dtype), scale
+    k = x2.shape[1]
+    q = x2.float().contiguous() * spread_blocks(inv, 1, k, MXFP8_BLOCK)
+    q = q.clamp(-max_value, max_value).to(fp8_dtype).view(torch.uint8)
+    # NaN code where the block is not finite; the NaN scale decides anyway
+    q = torch.where(spread_blocks(finite, 1, k, MXFP8_BLOCK), q, 0x7F)
+    return q.view(fp8_dtype), scale
 
 
 def quantize_mxfp8_ref(
@@ -216,8 +234,9 @@ def quantize_mxfp8_ref(
 def dequantize_mxfp8_ref(data: Tensor, scale: Tensor, out_dtype: torch.dtype) -> Tensor:
     """``data * 2**(scale - 127)`` per 32-element block of the last dim (E8M0 255 is NaN)."""
     k = data.shape[-1]
-    values = _blocks(data.reshape(scale.shape[0], k), MXFP8_BLOCK) * e8m0_to_float(scale)[..., None]
-    return _unblock(values, k).to(out_dtype).contiguous().view(data.shape)
+    rows = data.reshape(scale.shape[0], k).float()
+    values = rows * spread_blocks(e8m0_to_float(scale), 1, k, MXFP8_BLOCK)
+    return values.to(out_dtype).view(data.shape)
 
 
 def nvfp4_global_scale(amax: Tensor, e4m3_max: float = _E4M3_MAX) -> Tensor:
