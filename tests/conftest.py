@@ -40,8 +40,9 @@ def pytest_addoption(parser):
         help="tests/test_long_run.py under every recipe (default: delayed scaling, whose "
         "scaling state evolves over the run; the emulated block-scaled ones take minutes), and "
         "the delayed-scaling and compiled cases of tests/distributed/test_fsdp_fp8_primary.py, "
-        "Inductor's Linear in tests/modules/test_pipeline_schedule.py, and every bad value of the "
-        "walker (tests/test_bad_inputs.py) under torch.compile",
+        "Inductor's Linear in tests/modules/test_pipeline_schedule.py, every bad value of the "
+        "walker (tests/test_bad_inputs.py) under torch.compile, and Inductor on the CPU in "
+        "tests/test_registry.py",
     )
 
 

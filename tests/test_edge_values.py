@@ -422,16 +422,10 @@ def _grouped_reference(module, x64, splits):
 @pytest.mark.parametrize("dtype", HIGH_DTYPES)
 @pytest.mark.parametrize("recipe", ["current", "block", "mxfp8", "nvfp4"])
 @pytest.mark.parametrize("module_name", ["Linear", "GroupedLinear"])
-def test_values_at_the_dtype_max_pass_a_module_finite(module_name, recipe, dtype, device, request):
+def test_values_at_the_dtype_max_pass_a_module_finite(module_name, recipe, dtype, device):
     """te.Linear and te.GroupedLinear (params in ``dtype``) under the recipes that scale from
     the tensor's own amax: inputs holding the dtype's max give the float64 result within the
     recipe's error, finite, forward and backward; nothing is reported."""
-    if (module_name, recipe, dtype, device) == ("GroupedLinear", "current", torch.bfloat16, "cuda"):
-        # Not worked around: rebalancing the two scales would cost kernels on every grouped GEMM.
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "non-finite at the bf16 max on CUDA, presumably torch._scaled_grouped_mm applying "
-            "the row scale to the fp32 accumulator before the column scale (H100, 2026-11-27)"
-        )))  # fmt: skip
     hidden = HIDDEN[recipe]
     factory = {"params_dtype": dtype, "device": device}
     splits = [16, 0, 16]

@@ -2,8 +2,10 @@
 
 For each op with sample inputs, on every device: ``torch.library.opcheck`` (all default tests),
 ``torch.compile(fullgraph=True, dynamic=True)`` with zero graph breaks, and forward and backward
-against the float64 reference. Backward ops get their inputs by recording the calls the forward's
-autograd makes, so they are opchecked with realistic arguments without a second sample list.
+against the float64 reference (compiled by Inductor on CUDA; on the CPU by AOTAutograd's
+``aot_eager``, and by Inductor with ``--long-runs``). Backward ops get their inputs by recording
+the calls the forward's autograd makes, so they are opchecked with realistic arguments without a
+second sample list.
 
 An op's samples are checked in parts of at most ``_PART`` samples, a test each, so that the
 suite's workers (``pytest -n``) share an op with many samples. ``opcheck``'s
@@ -207,9 +209,15 @@ def _tolerance(name: str, device: str, dtype: torch.dtype, sample) -> dict:
 # Each sample with another signature (a string argument, a None pattern) is a graph of its own:
 # an op with many samples recompiles past dynamo's default limit of 8 by design.
 @torch._dynamo.config.patch(recompile_limit=64)
-def test_forward_backward_vs_reference_eager_and_compiled(name, part, device):
+def test_forward_backward_vs_reference_eager_and_compiled(name, part, device, request):
     dop = ENTRIES[name].differentiable
-    compiled, counter = compile_counted(lambda *a: dop(*a), dynamic=True)
+    # Inductor on CUDA, where it launches our Triton kernels. On the CPU, AOTAutograd's graphs
+    # run as they are (same trace, fakes, saved tensors and backward ops) unless --long-runs:
+    # Inductor's CPU code generation of every sample is most of make test's time on a cold
+    # cache; tests/test_trace_through.py and the module tests compile with it on the CPU.
+    inductor = device == "cuda" or request.config.getoption("--long-runs")
+    backend = "inductor" if inductor else "aot_eager"
+    compiled, counter = compile_counted(lambda *a: dop(*a), backend=backend, dynamic=True)
     for sample in _part(name, device, part):
         ref_args = to_reference(sample.args)
         ref_out = _tensors(dop.reference(*ref_args))

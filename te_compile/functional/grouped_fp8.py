@@ -163,6 +163,7 @@ def _gemm_grouped(
     aq, sa = as_e4m3(aq, sa)
     bq, sb = as_e4m3(bq, sb)
     if aq.is_cuda:
+        sa, sb = _balanced(sa, sb)
         return torch._scaled_grouped_mm(
             aq, bq.transpose(-2, -1), sa, sb, offs=offs, out_dtype=torch.bfloat16,
             use_fast_accum=fast_accum,
@@ -171,6 +172,19 @@ def _gemm_grouped(
     acc = torch._grouped_mm(aq.to(bf16), bq.to(bf16).transpose(-2, -1), offs=offs)
     col = torch.repeat_interleave(sb, splits, dim=0, output_size=aq.shape[0])
     return (acc.float() * (sa[:, None] * col)).to(bf16)  # scales first, as _gemm_loop
+
+
+def _balanced(sa: Tensor, sb: Tensor) -> tuple[Tensor, Tensor]:
+    """``(sa * 2**-s, sb * 2**s)``: the same products ``sa[i] * sb[j]`` (exactly: powers of
+    two), the largest exponents of the two evened out. ``torch._scaled_grouped_mm`` does not
+    apply their product in one step: an input at the bf16 max under current scaling has a row
+    scale near 2**119, and the fp32 accumulator times it overflowed before the weight's small
+    scale brought the result back into range (H100). Two reductions and two multiplications on
+    the scale vectors, no host sync."""
+    ea = torch.frexp(sa.amax()).exponent
+    eb = torch.frexp(sb.amax()).exponent
+    s = torch.div(ea - eb, 2, rounding_mode="floor").clamp(-126, 126).float()
+    return sa * torch.exp2(-s), sb * torch.exp2(s)
 
 
 def _quantize_weight_dgrad(weight: Tensor, fwd_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -266,9 +280,10 @@ def _gemm_wgrad(
     xt, xs = as_e4m3(xt, xs)
     if native:
         if dyt.is_cuda:
+            sa, sb = _balanced(dys.reshape(-1), xs.reshape(-1))
             dw = torch._scaled_grouped_mm(
-                dyt, xt.t(), dys.reshape(-1), xs.reshape(-1), offs=pad_ends,
-                out_dtype=torch.bfloat16, use_fast_accum=False,
+                dyt, xt.t(), sa, sb, offs=pad_ends, out_dtype=torch.bfloat16,
+                use_fast_accum=False,
             )  # fmt: skip
         else:
             acc = torch._grouped_mm(

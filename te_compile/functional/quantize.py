@@ -213,7 +213,8 @@ def _block_cast(
     scale = scale_from_amax(amax, torch.finfo(fp8_dtype).max, 0.0, power_2_scale)
     # A block holding inf gets a NaN scale, as one holding NaN does (module docstring).
     scale = torch.where(torch.isinf(amax), math.nan, scale)
-    return _cast(x2, _per_element(scale, m, k, block_rows), fp8_dtype), _reciprocal(scale)
+    q = _cast(x2.contiguous(), _per_element(scale, m, k, block_rows), fp8_dtype)
+    return q, _reciprocal(scale)
 
 
 def _per_element(scale: Tensor, m: int, k: int, block_rows: int) -> Tensor:
@@ -261,7 +262,7 @@ def dequantize_blockwise_ref(
 ) -> Tensor:
     """``fp32(data) * scale_inv`` of each ``block_rows x 128`` block, rounded to ``out_dtype``,
     saturating."""
-    q = _rows(data).float()
+    q = _rows(data).float().contiguous()
     m, k = q.shape
     out = q * _per_element(scale_inv.float(), m, k, block_rows)
     return _saturated(q, out, out_dtype).view(data.shape)

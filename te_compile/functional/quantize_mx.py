@@ -173,8 +173,8 @@ def spread_blocks(t: Tensor, dim: int, size: int, block: int) -> Tensor:
     a multiple of it, and the tail is never written (torch 2.13)."""
     if block == 1:
         return t
-    starts = torch.arange(block, t.shape[dim] * block, block, device=t.device)
-    index = torch.bucketize(torch.arange(size, device=t.device), starts, right=True)
+    starts = torch.arange(t.shape[dim], device=t.device) * block
+    index = torch.bucketize(torch.arange(size, device=t.device), starts, right=True) - 1
     return t.index_select(dim, index)
 
 
@@ -234,7 +234,7 @@ def quantize_mxfp8_ref(
 def dequantize_mxfp8_ref(data: Tensor, scale: Tensor, out_dtype: torch.dtype) -> Tensor:
     """``data * 2**(scale - 127)`` per 32-element block of the last dim (E8M0 255 is NaN)."""
     k = data.shape[-1]
-    rows = data.reshape(scale.shape[0], k).float()
+    rows = data.reshape(scale.shape[0], k).float().contiguous()
     values = rows * spread_blocks(e8m0_to_float(scale), 1, k, MXFP8_BLOCK)
     return values.to(out_dtype).view(data.shape)
 

@@ -353,6 +353,21 @@ def test_e5m2_operand_recoded_to_e4m3(delayed):
     assert GF.as_e4m3(*e4)[0] is e4[0]
 
 
+def test_balanced_scales_keep_every_product_exactly():
+    """The two scale vectors of a native grouped GEMM, their largest exponents evened out by a
+    power of two: every product ``sa[i] * sb[j]`` unchanged bit for bit, and a row scale near
+    2**119 (an input at the bf16 max) brought down to where the fp32 accumulator times it stays
+    finite."""
+    sa = torch.tensor([2.0**119, 3.0 * 2**100, 1.0, 0.75])
+    sb = torch.tensor([2.0**-11, 5.0 * 2**-20, 0.5])
+    a2, b2 = GF._balanced(sa, sb)
+    assert torch.equal(a2[:, None] * b2[None, :], sa[:, None] * sb[None, :])
+    assert a2.max() < 2.0**70 and b2.max() < 2.0**70
+    assert (2.0**17 * a2).isfinite().all()
+    same = torch.tensor([1.0, 2.0])
+    assert all(torch.equal(t, same) for t in GF._balanced(same, same))
+
+
 @pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 def test_grouped_gemm_path_matches_loop(fp8):
     """The device-offset GEMM (``torch._grouped_mm`` of the FP8 values in bf16, scales after;
