@@ -176,11 +176,11 @@ def _gemm_grouped(
 
 def _balanced(sa: Tensor, sb: Tensor) -> tuple[Tensor, Tensor]:
     """``(sa * 2**-s, sb * 2**s)``: the same products ``sa[i] * sb[j]`` (exactly: powers of
-    two), the largest exponents of the two evened out. ``torch._scaled_grouped_mm`` does not
-    apply their product in one step: an input at the bf16 max under current scaling has a row
-    scale near 2**119, and the fp32 accumulator times it overflowed before the weight's small
-    scale brought the result back into range (H100). Two reductions and two multiplications on
-    the scale vectors, no host sync."""
+    two), the largest exponents of the two evened out. An input at the bf16 max under current
+    scaling (a row scale near 2**119) gave a non-finite ``torch._scaled_grouped_mm`` result on
+    the H100: the fp32 accumulator times that scale overflows if the two scales are applied one
+    after the other. Two reductions and two multiplications on the scale vectors, no host
+    sync."""
     ea = torch.frexp(sa.amax()).exponent
     eb = torch.frexp(sb.amax()).exponent
     s = torch.div(ea - eb, 2, rounding_mode="floor").clamp(-126, 126).float()

@@ -312,21 +312,7 @@ RECIPES = {
 }
 
 
-@pytest.mark.parametrize(
-    "recipe",
-    [
-        *(r for r in RECIPES if r != "block"),
-        pytest.param(
-            "block",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="Float8BlockScaling on CPU under dynamic shapes: the partitioner saves a "
-                "slice of the padded block codes and Inductor fixes its strides at the first "
-                "compile's token count (stride assertion at the next one); open",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("recipe", list(RECIPES))
 def test_stack_compiles_without_breaks_or_recompiles(recipe):
     """Two layers train under torch.compile(fullgraph=True, dynamic=True): one frame for batch
     and sequence lengths that change (DelayedScaling: two, its first step calibrates with current
