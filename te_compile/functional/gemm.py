@@ -63,6 +63,7 @@ from te_compile._checks import (
     check_tensors,
 )
 from te_compile._library import SampleInput, op, stash_for_backward
+from te_compile._numerics import reciprocal_rn
 from te_compile.functional.quantize import (
     dequantize_blockwise,
     quantize_blockwise,
@@ -398,7 +399,7 @@ def quantize_per_tensor(
         data, _, scale_inv, amax = quantize_current_ref(xf, fp8_dtype, False)
         return data, scale_inv, amax
     data, _, amax = quantize_tensorwise_ref(xf, scale, fp8_dtype, False)
-    return data, scale.reciprocal(), amax
+    return data, reciprocal_rn(scale), amax
 
 
 def qdq_both(
@@ -460,7 +461,7 @@ def _quantize_per_tensor(x2, fp8_dtype, scale, block_rows, power_2_scale, emulat
         data, data_t, scale_inv, amax = quantize_current.eager(x2, fp8_dtype, columnwise)
     else:
         data, data_t, amax = quantize_tensorwise.eager(x2, scale, fp8_dtype, columnwise)
-        scale_inv = scale.reciprocal()
+        scale_inv = reciprocal_rn(scale)
     return Operand(data, scale_inv, data_t, scale_inv, amax, _col_sums(x2, sums))
 
 
@@ -789,6 +790,12 @@ def block_scaled_mm(
     # they are; cuBLAS reads the leading dimension.
     mat1, mat2 = _row_major(a), _row_major(b).t()
     into = {} if out is None else {"out": out}
+    if bias is not None and out_dtype is torch.float32:
+        # cuBLAS's blockwise kernels take a bias only for a 16-bit output (torch 2.11); decided
+        # here, not on the refusal below: under torch.compile the call is traced, not run. The
+        # fp32 sum after the GEMM is the epilogue's.
+        res = torch._scaled_mm(mat1, mat2, scale_a, scale_b, out_dtype=out_dtype, **into)
+        return res.add_(bias)
     try:  # the bias in cuBLAS's epilogue, where the blockwise kernels take one
         return torch._scaled_mm(mat1, mat2, scale_a, scale_b, bias=bias, out_dtype=out_dtype,
                                 **into)  # fmt: skip

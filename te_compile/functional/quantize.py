@@ -91,6 +91,7 @@ from torch import Tensor
 
 from te_compile._checks import check_bool
 from te_compile._library import SampleInput, op
+from te_compile._numerics import div_rn, reciprocal_rn
 from te_compile.functional import quantize_mx
 from te_compile.kernels import tracing
 
@@ -138,8 +139,7 @@ def scale_from_amax(
     amax = amax.float()
     eps = _fp32(amax_epsilon, amax)
     amax = torch.where(amax < eps, eps, amax)  # not clamp_min: a NaN amax stays NaN
-    # A tensor division, correctly rounded (``fp8_max / amax`` would be reciprocal * fp8_max).
-    scale = torch.div(_fp32(fp8_max, amax), amax)
+    scale = div_rn(fp8_max, amax)
     scale = torch.where(torch.isinf(scale), _FLT_MAX, scale)
     if power_2_scale:
         # Keep sign and exponent (0xFF800000): 2^floor(log2 s) for every finite s > 0.
@@ -149,7 +149,7 @@ def scale_from_amax(
 
 
 def _reciprocal(scale: Tensor) -> Tensor:
-    return torch.div(torch.ones_like(scale), scale)
+    return reciprocal_rn(scale)
 
 
 def _amax(x2: Tensor) -> Tensor:

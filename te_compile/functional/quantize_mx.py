@@ -112,6 +112,7 @@ from torch import Tensor
 
 from te_compile._checks import check_bool
 from te_compile._library import SampleInput, op
+from te_compile._numerics import div_rn, reciprocal_rn
 
 __all__ = [
     "FOUR_OVER_SIX",
@@ -248,8 +249,7 @@ def nvfp4_global_scale(amax: Tensor, e4m3_max: float = _E4M3_MAX) -> Tensor:
 
 def _global_scales(amax: Tensor, e4m3_max: float = _E4M3_MAX) -> Tensor:
     """:func:`nvfp4_global_scale` of every element of the fp32 ``amax``."""
-    # A tensor numerator: `2688.0 / amax` would be computed as 2688 * (1 / amax), rounding twice.
-    g = torch.div(torch.full_like(amax, e4m3_max * _E2M1_MAX), amax).clamp(max=_FLT_MAX)
+    g = div_rn(e4m3_max * _E2M1_MAX, amax).clamp(max=_FLT_MAX)
     return torch.where((amax == 0) | ~amax.isfinite(), 1.0, g)
 
 
@@ -268,11 +268,14 @@ def _e2m1_codes(v: Tensor, u: Tensor | None = None) -> Tensor:
     ``(|v| - lo) / spacing`` from the grid point ``lo`` below, so the expected value is ``v``."""
     a = v.abs().clamp(max=_E2M1_MAX)
     spacing = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
+    # Times the inverse spacing (a power of two: exact), not divided by the spacing (Triton's
+    # approximate division under Inductor).
+    steps = a * torch.where(a < 2, 2.0, torch.where(a < 4, 1.0, 0.5))
     if u is None:
-        r = torch.round(a / spacing) * spacing
+        r = torch.round(steps) * spacing
     else:
-        steps = torch.floor(a / spacing)
-        r = (steps + (u < a / spacing - steps).to(a.dtype)) * spacing
+        whole = torch.floor(steps)
+        r = (whole + (u < steps - whole).to(a.dtype)) * spacing
     magnitude = torch.searchsorted(a.new_tensor(_E2M1_VALUES), r)  # exact: r is a grid point
     return (torch.signbit(v).to(torch.uint8) << 3) | magnitude.to(torch.uint8)
 
@@ -289,7 +292,7 @@ def _nvfp4_candidate(
         s = s * 1.5
     scale = torch.where(finite, s.clamp(max=_E4M3_MAX), math.nan).to(torch.float8_e4m3fn)
     s = scale.float()
-    enc = (s * g.reciprocal()).reciprocal().clamp(max=_FLT_MAX)
+    enc = reciprocal_rn(s * reciprocal_rn(g)).clamp(max=_FLT_MAX)
     enc = torch.where(s == 0, 0.0, enc)
     codes = torch.where(finite[..., None], _e2m1_codes(xb * enc[..., None], ub), 0)
     return codes, scale
@@ -300,7 +303,7 @@ def _block_values(codes: Tensor, scale: Tensor, g: Tensor) -> Tensor:
     ``[M, nb]``; ``g`` broadcastable to ``[M, nb]``)."""
     values = codes.new_tensor(_E2M1_VALUES, dtype=torch.float32)[(codes & 7).long()]
     values = torch.where((codes & 8) != 0, -values, values)
-    return torch.div(values * scale.float()[..., None], g[..., None])
+    return div_rn(values * scale.float()[..., None], g[..., None])
 
 
 def _four_over_six_errors(xb, amax, g, err_mode: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from te_compile import functional as F
+from te_compile._numerics import reciprocal_rn
 from te_compile.ops.op import BasicOperation, OpOutput
 from te_compile.quantization import fp8_gemm
 from te_compile.quantization.gemm import quantize_args
@@ -74,7 +75,7 @@ def _qdq_tensorwise(
         data, _, scale_inv, amax = torch.ops.te.quantize_current(x, fp8_dtype, False)
     else:
         data, _, amax = torch.ops.te.quantize_tensorwise(x, scale, fp8_dtype, False)
-        scale_inv = scale.reciprocal()
+        scale_inv = reciprocal_rn(scale)
     y = torch.ops.te.dequantize_tensorwise(data.view(torch.uint8), scale_inv, fp8_dtype, x.dtype)
     return y, amax
 

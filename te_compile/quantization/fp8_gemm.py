@@ -45,6 +45,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from te_compile._numerics import div_rn
 from te_compile.quantization.recompute import current_scope
 from te_compile.quantization.state import AutocastState
 
@@ -196,7 +197,7 @@ def _custom_update(
         new = compute(amax, old, fp8_max, recipe)
     else:  # the built-in formula: an amax of 0, inf or NaN keeps the old scale
         ok = (amax > 0) & torch.isfinite(amax)
-        new = torch.where(ok, fp8_max / (amax * 2.0**recipe.margin), old)
+        new = torch.where(ok, div_rn(fp8_max, amax * 2.0**recipe.margin), old)
     scale.copy_(new)
 
 

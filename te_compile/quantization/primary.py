@@ -72,6 +72,7 @@ import torch
 from torch import Tensor, nn
 
 from te_compile import functional as F
+from te_compile._numerics import reciprocal_rn
 from te_compile.functional.quantize import scale_from_amax
 from te_compile.quantization.device import get_default_fp8_recipe
 from te_compile.quantization.gemm import quantize_args
@@ -432,4 +433,4 @@ def _quantize_shard(e: _Entry, fp8_dtype: torch.dtype) -> tuple[Tensor, Tensor, 
     amax = funcol.wait_tensor(funcol.all_reduce(amax, "max", e.group))
     scale = scale_from_amax(amax, torch.finfo(fp8_dtype).max)
     data, _, _ = torch.ops.te.quantize_tensorwise(local, scale, fp8_dtype, False)
-    return data, torch.div(torch.ones_like(scale), scale), amax
+    return data, reciprocal_rn(scale), amax
