@@ -48,6 +48,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from te_compile._numerics import div_rn, reciprocal_rn
 from te_compile.functional.gemm import HIGH_DTYPES, empty, quantize_per_tensor
 from te_compile.functional.grouped_gemm import (
     device_splits,
@@ -92,13 +93,11 @@ def quantize_rowwise(
     xf = x.float()
     limit = torch.finfo(fp8_dtype).max
     amax = xf.abs().amax(dim, keepdim=True)
-    # Tensor divisions, correctly rounded: `limit / amax` would be reciprocal(amax) * limit in
-    # torch (two roundings), and reciprocal() on the CPU is not correctly rounded either.
     one = torch.ones_like(amax)
-    scale = torch.where(amax > 0, torch.div(torch.full_like(amax, limit), amax), one)
+    scale = torch.where(amax > 0, div_rn(limit, amax), one)
     scale = torch.where(torch.isfinite(scale), scale, one)
     data = (xf * scale).clamp(-limit, limit).to(fp8_dtype)
-    return data, torch.div(one, scale).squeeze(dim)
+    return data, reciprocal_rn(scale).squeeze(dim)
 
 
 def _gemm_loop(
@@ -180,7 +179,12 @@ def _balanced(sa: Tensor, sb: Tensor) -> tuple[Tensor, Tensor]:
     scaling (a row scale near 2**119) gave a non-finite ``torch._scaled_grouped_mm`` result on
     the H100: the fp32 accumulator times that scale overflows if the two scales are applied one
     after the other. Two reductions and two multiplications on the scale vectors, no host
-    sync."""
+    sync: on CUDA one Triton launch (``kernels.quantize.balance_scales``; the torch ops below
+    are ten launches, about 130 us of host time per GEMM in eager on the H100)."""
+    if sa.is_cuda:
+        from te_compile.kernels import quantize
+
+        return quantize.balance_scales(sa.contiguous(), sb.contiguous())
     ea = torch.frexp(sa.amax()).exponent
     eb = torch.frexp(sb.amax()).exponent
     s = torch.div(ea - eb, 2, rounding_mode="floor").clamp(-126, 126).float()
@@ -243,7 +247,7 @@ def quantize_group_columns(
     data_t = torch.zeros(c, capacity, dtype=torch.uint8, device=x.device)
     scale_inv = torch.ones(groups, c, dtype=torch.float32, device=x.device)
     if scale is not None:  # every group's, empty ones too (correctly rounded, as the kernel's)
-        scale_inv.copy_(torch.div(torch.ones_like(scale), scale).expand(groups, c))
+        scale_inv.copy_(reciprocal_rn(scale).expand(groups, c))
     padded = [(m + 15) // 16 * 16 for m in splits]
     start = dst = 0
     for g, (m, p) in enumerate(zip(splits, padded, strict=True)):
@@ -314,7 +318,7 @@ def _quantize_delayed(
     ``(data of x's shape, inverse scale broadcast to rows, amax [1])`` (the quantisation op:
     one Triton pass on CUDA)."""
     data, _, amax = quantize_tensorwise.eager(x.reshape(-1, x.shape[-1]), scale, fp8_dtype, False)
-    scale_inv = scale.reciprocal().expand(rows).contiguous()
+    scale_inv = reciprocal_rn(scale).expand(rows).contiguous()
     return data.view(x.shape), scale_inv, amax
 
 

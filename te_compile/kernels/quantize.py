@@ -1251,3 +1251,41 @@ def quantize_rowwise(
     elif m:
         scale_inv.fill_(128.0 if data.dtype != fp8_dtype else 1.0)  # an empty row: scale 1
     return data, scale_inv
+
+
+@triton.jit
+def _max_exponent(S, n, BLOCK: tl.constexpr):
+    """The biased fp32 exponent of the largest of the ``n`` positive values at ``S``."""
+    m = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n, BLOCK):
+        o = start + tl.arange(0, BLOCK)
+        m = tl.maximum(m, tl.load(S + o, mask=o < n, other=0.0))
+    return (tl.max(m, axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF
+
+
+@triton.jit
+def _scale_by(S, OUT, n, f, BLOCK: tl.constexpr):
+    for start in range(0, n, BLOCK):
+        o = start + tl.arange(0, BLOCK)
+        tl.store(OUT + o, tl.load(S + o, mask=o < n, other=0.0) * f, mask=o < n)
+
+
+@triton.jit
+def _balance_scales_kernel(SA, SB, OUT_A, OUT_B, NA, NB, BLOCK: tl.constexpr):
+    """One program: ``s = floor((ea - eb) / 2)`` of the two vectors' largest exponents, then
+    ``SA * 2**-s`` and ``SB * 2**s`` (powers of two built from their bits: exact products)."""
+    s = (_max_exponent(SA, NA, BLOCK) - _max_exponent(SB, NB, BLOCK)) >> 1  # floor: arithmetic
+    s = tl.minimum(tl.maximum(s, -126), 126)
+    _scale_by(SA, OUT_A, NA, ((127 - s) << 23).to(tl.float32, bitcast=True), BLOCK)
+    _scale_by(SB, OUT_B, NB, ((127 + s) << 23).to(tl.float32, bitcast=True), BLOCK)
+
+
+def balance_scales(sa: Tensor, sb: Tensor) -> tuple[Tensor, Tensor]:
+    """``(sa * 2**-s, sb * 2**s)`` for the 1-D positive fp32 scale vectors of a grouped FP8 GEMM,
+    ``s`` half the difference of their largest exponents (``functional.grouped_fp8._balanced``,
+    whose torch ops are ten launches in eager): one launch of one program."""
+    out_a, out_b = torch.empty_like(sa), torch.empty_like(sb)
+    launch(_balance_scales_kernel, (1,))(
+        sa, sb, out_a, out_b, sa.numel(), sb.numel(), BLOCK=1024, num_warps=4
+    )
+    return out_a, out_b

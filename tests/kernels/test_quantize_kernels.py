@@ -513,3 +513,21 @@ def test_group_columns_kernel_matches_the_torch_loop(fp8, dtype, given, splits):
         assert starts[g] % 16 == 0 and starts[g + 1] - starts[g] == (rows + 15) // 16 * 16
         assert not data_t[:, starts[g] + rows : starts[g + 1]].view(torch.uint8).any()
     assert not data_t[:, starts[-1] :].view(torch.uint8).any()
+
+
+@pytest.mark.parametrize("sizes", [(4, 3), (3000, 1), (1, 2500)])
+def test_balance_scales_kernel_equals_the_torch_ops(sizes):
+    """The one-launch balancing of a grouped GEMM's two scale vectors (CUDA) gives the bits of
+    ``grouped_fp8._balanced``'s torch ops (the CPU path), across several 1024-element chunks
+    and with either vector the larger."""
+    from te_compile.functional import grouped_fp8 as GF
+
+    torch.manual_seed(0)
+    na, nb = sizes
+    sa = torch.exp2(torch.randint(-40, 120, (na,)).float()) * (1 + torch.rand(na))
+    sb = torch.exp2(torch.randint(-60, 20, (nb,)).float()) * (1 + torch.rand(nb))
+    for a, b in ((sa, sb), (sb, sa)):
+        want = GF._balanced(a, b)
+        got = kernels.balance_scales(a.to(TRITON_DEVICE), b.to(TRITON_DEVICE))
+        for g, w in zip(got, want, strict=True):
+            assert_bits_equal(g.cpu(), w)
