@@ -114,9 +114,12 @@ def launch_config(n: int, backward: bool) -> NormLaunchConfig:
 
 def _config(n: int, backward: bool, config: NormLaunchConfig | None) -> NormLaunchConfig:
     """``config`` (an override; tests use small tiles to reach the chunked and multi-tile paths
-    at small sizes) or the default :func:`launch_config`."""
+    at small sizes) or the default :func:`launch_config`. A symbolic ``n`` (a te op traced with
+    dynamic shapes) is specialised (a guard on the row length): the tiling decides whether the
+    kernel loops over column chunks, and a model's normalised size does not change between
+    steps; the row count stays dynamic."""
     if config is None:
-        return launch_config(n, backward)
+        return launch_config(int(n), backward)
     if n > config.block_n and not config.chunked:
         raise ValueError(f"NormLaunchConfig: rows of {n} > block_n ({config.block_n}) need chunked")
     return config
