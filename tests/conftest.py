@@ -41,8 +41,9 @@ def pytest_addoption(parser):
         "scaling state evolves over the run; the emulated block-scaled ones take minutes), and "
         "the delayed-scaling and compiled cases of tests/distributed/test_fsdp_fp8_primary.py, "
         "Inductor's Linear in tests/modules/test_pipeline_schedule.py, every bad value of the "
-        "walker (tests/test_bad_inputs.py) under torch.compile, and Inductor on the CPU in "
-        "tests/test_registry.py",
+        "walker (tests/test_bad_inputs.py) under torch.compile, Inductor on the CPU in "
+        "tests/test_registry.py (and every quantised sample compiled there), and the tests "
+        "marked long_compile",
     )
 
 
@@ -72,6 +73,19 @@ def _fresh_state():
     torch._dynamo.reset()
     torch.manual_seed(0)
     yield
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``long_compile`` (Inductor's CPU code generation of the largest graphs:
+    minutes of ``make test`` on a 2-core CI machine) run with ``--long-runs`` or where a GPU is
+    present; elsewhere a smaller sibling of each covers the same path (see docs/testing.md)."""
+    if config.getoption("--long-runs") or torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="long_compile: Inductor's CPU compile of a large graph "
+                            "(--long-runs or a GPU machine runs it)")  # fmt: skip
+    for item in items:
+        if "long_compile" in item.keywords:
+            item.add_marker(skip)
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -312,7 +312,16 @@ RECIPES = {
 }
 
 
-@pytest.mark.parametrize("recipe", list(RECIPES))
+# Delayed and block scaling compile the stack's largest graphs (minutes on CI's 2 cores); the
+# CPU keeps bf16 and current scaling here, and tests/test_trace_through.py compiles a block under
+# every recipe.
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        pytest.param(r, marks=pytest.mark.long_compile) if r in ("delayed", "block") else r
+        for r in RECIPES
+    ],
+)
 def test_stack_compiles_without_breaks_or_recompiles(recipe):
     """Two layers train under torch.compile(fullgraph=True, dynamic=True): one frame for batch
     and sequence lengths that change (DelayedScaling: two, its first step calibrates with current
