@@ -8,11 +8,14 @@ the calls the forward's autograd makes, so they are opchecked with realistic arg
 second sample list.
 
 An op's samples are checked in parts of at most ``_PART`` samples, a test each, so that the
-suite's workers (``pytest -n``) share an op with many samples. ``opcheck``'s
-``test_aot_dispatch_dynamic`` (AOTAutograd over the op with dynamic shapes, its costliest
-check) runs on the first sample of each recipe kind and dtype; every sample gets the schema,
-autograd-registration and fake-tensor checks, and every sample is traced by AOTAutograd with
-dynamic shapes anyway in ``test_forward_backward_vs_reference_eager_and_compiled``.
+suite's workers (``pytest -n``) share an op with many samples. Every sample gets ``opcheck``'s
+schema, autograd-registration and fake-tensor checks. Its ``test_aot_dispatch_dynamic``
+(AOTAutograd over the op with dynamic shapes, its costliest check) runs on the first sample of
+each recipe kind and dtype: on CUDA, with ``--long-runs``, and for the ops without a backward.
+A differentiable op's on the CPU is left to the compiled check
+(``test_forward_backward_vs_reference_eager_and_compiled``), which traces with AOTAutograd and
+dynamic shapes every high-precision sample and the first quantised sample of each recipe kind
+(every sample on CUDA and with ``--long-runs``).
 """
 
 from __future__ import annotations
@@ -91,20 +94,33 @@ _CHEAP_OPCHECKS = ("test_schema", "test_autograd_registration", "test_faketensor
 _ALL_OPCHECKS = (*_CHEAP_OPCHECKS, "test_aot_dispatch_dynamic")
 
 
-def _first_of_each_kind(name: str, device: str) -> set[int]:
-    """Indices of the first sample of each recipe kind and dtype of op ``name``."""
+def _first_of_each_kind(name: str, device: str, by_dtype: bool = True) -> set[int]:
+    """Indices of the first sample of each recipe kind (and dtype) of op ``name``."""
     first: dict[tuple, int] = {}
     for i, sample in enumerate(_samples(name, device)):
         tensors = _tensors(list(sample.args))
-        key = (_recipe_kind(name, sample), tensors[0].dtype if tensors else None)
-        first.setdefault(key, i)
+        dtype = tensors[0].dtype if tensors and by_dtype else None
+        first.setdefault((_recipe_kind(name, sample), dtype), i)
     return set(first.values())
+
+
+def _full_opchecks(name: str, device: str, request) -> set[int]:
+    """The samples of op ``name`` that get ``test_aot_dispatch_dynamic``
+    (:func:`_first_of_each_kind`); none of a differentiable op's on the CPU without
+    ``--long-runs``: there
+    ``test_forward_backward_vs_reference_eager_and_compiled`` traces the same first samples with
+    AOTAutograd and dynamic shapes, forward and backward op, and compares them with the
+    reference (the opcheck's AOTAutograd pass was a third of this file's time on CI)."""
+    if (device == "cpu" and name in DIFFERENTIABLE
+            and not request.config.getoption("--long-runs")):  # fmt: skip
+        return set()
+    return _first_of_each_kind(name, device)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("name", "part"), _parts(FORWARD))
-def test_opcheck(name, part, device):
-    full = _first_of_each_kind(name, device)
+def test_opcheck(name, part, device, request):
+    full = _full_opchecks(name, device, request)
     for i, sample in enumerate(_part(name, device, part), start=part * _PART):
         utils = _ALL_OPCHECKS if i in full else _CHEAP_OPCHECKS
         args = _clone(sample.args)
@@ -129,9 +145,9 @@ def _snapshot(x):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("name", "part"), _parts(DIFFERENTIABLE))
-def test_backward_op_opcheck(name, part, device):
+def test_backward_op_opcheck(name, part, device, request):
     dop = ENTRIES[name].differentiable
-    full = _first_of_each_kind(name, device)
+    full = _full_opchecks(name, device, request)
     for i, sample in enumerate(_part(name, device, part), start=part * _PART):
         args = _clone(sample.args)
         with _RecordCalls({dop.bwd.overload}) as rec:  # an active mode forces the op path
@@ -223,10 +239,10 @@ def test_forward_backward_vs_reference_eager_and_compiled(name, part, device, re
     inductor = device == "cuda" or request.config.getoption("--long-runs")
     backend = "inductor" if inductor else "aot_eager"
     compiled, counter = compile_counted(lambda *a: dop(*a), backend=backend, dynamic=True)
-    # On the CPU by default, of the quantised samples only the first of each recipe kind and
-    # dtype is also compiled (tracing the emulated block-scaled math of each is most of this
-    # file's time); every sample is compiled on CUDA and with --long-runs.
-    first = _first_of_each_kind(name, device)
+    # On the CPU by default, of the quantised samples only the first of each recipe kind is
+    # also compiled (tracing the emulated block-scaled math of each is most of this file's
+    # time); every sample is compiled on CUDA and with --long-runs.
+    first = _first_of_each_kind(name, device, by_dtype=False)
     n_compiled = 0
     for i, sample in enumerate(_part(name, device, part), start=part * _PART):
         runs = (dop, compiled)
