@@ -57,6 +57,10 @@ def test_train_gpt_is_deterministic_given_a_seed():
     assert sample[0] == sample[1]
 
 
+# long_compile: the demo compiled under delayed scaling (40 s of Inductor's CPU compile on CI's
+# 2 cores); make test keeps the demo compiled under current scaling (below) and
+# tests/test_long_run.py's 300 delayed-scaling steps of the same model.
+@pytest.mark.long_compile
 def test_train_gpt_trains_in_fp8_with_delayed_scaling():
     # Tokens per step (8 x 32) and widths (32, 128) are multiples of 16, as FP8 GEMMs need.
     stdout = run_train_gpt("--recipe", "delayed", "--normalization", "RMSNorm")
@@ -133,6 +137,10 @@ def test_train_gpt_gradients_on_the_gpu_match_float64(recipe):
         assert not bad, f"gradients off by more than {tol} (norm-wise relative): {bad}"
 
 
+# long_compile: the HF model and its conversion compiled (a minute of Inductor's CPU compile on
+# CI's 2 cores); make test keeps tests/test_convert.py, which converts, matches and trains the
+# converted model compiled.
+@pytest.mark.long_compile
 def test_convert_hf_llama_matches_and_trains_without_breaks():
     pytest.importorskip("transformers", reason="transformers is not installed (the 'hf' extra)")
     script = ROOT / "examples" / "convert_hf_llama.py"
