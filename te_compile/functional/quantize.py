@@ -148,10 +148,6 @@ def scale_from_amax(
     return torch.where((amax == 0) | torch.isinf(amax), 1.0, scale)
 
 
-def _reciprocal(scale: Tensor) -> Tensor:
-    return reciprocal_rn(scale)
-
-
 def _amax(x2: Tensor) -> Tensor:
     if x2.numel() == 0:
         return x2.new_zeros(1)
@@ -197,7 +193,7 @@ def quantize_current_ref(
     scale = scale_from_amax(amax, torch.finfo(fp8_dtype).max, amax_epsilon, power_2_scale)
     q = _cast(x2, scale, fp8_dtype)
     data_t = _transpose(q) if columnwise else _empty(x, fp8_dtype)
-    return q.view(x.shape), data_t, _reciprocal(scale), amax
+    return q.view(x.shape), data_t, reciprocal_rn(scale), amax
 
 
 def _block_cast(
@@ -214,7 +210,7 @@ def _block_cast(
     # A block holding inf gets a NaN scale, as one holding NaN does (module docstring).
     scale = torch.where(torch.isinf(amax), math.nan, scale)
     q = _cast(x2.contiguous(), _per_element(scale, m, k, block_rows), fp8_dtype)
-    return q, _reciprocal(scale)
+    return q, reciprocal_rn(scale)
 
 
 def _per_element(scale: Tensor, m: int, k: int, block_rows: int) -> Tensor:
@@ -699,7 +695,7 @@ def _quantize_delayed(
         )
     _check_scale_value(scale)
     data, data_t, amax = quantize_tensorwise(x, scale, fp8_dtype, columnwise)
-    scale_inv = _reciprocal(scale.reshape(1))
+    scale_inv = reciprocal_rn(scale.reshape(1))
     t = (data_t, scale_inv) if columnwise else (None, None)
     return Quantized(data, scale_inv, *t, amax, "delayed")
 
