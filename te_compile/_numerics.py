@@ -27,10 +27,11 @@ def div_rn(a: Tensor | float, b: Tensor | float) -> Tensor:
     )
     if out == torch.float64:
         return torch.div(a, b)
-    # A number becomes a 0-dim float64 tensor: ``number / tensor`` would be computed as the
-    # number times the tensor's reciprocal, rounding twice.
+    # A number becomes a 0-dim float64 tensor (``number / tensor`` would be computed as the
+    # number times the tensor's reciprocal, rounding twice), filled on the tensor's device: a
+    # host-to-device copy (``new_tensor``) cannot be captured in a CUDA graph.
     a64, b64 = (
-        v.double() if isinstance(v, Tensor) else t.new_tensor(v, dtype=torch.float64)
+        v.double() if isinstance(v, Tensor) else t.new_full((), v, dtype=torch.float64)
         for v in (a, b)
     )
     return torch.div(a64, b64).to(out)

@@ -39,3 +39,17 @@ def test_compiled_equals_eager(device):
     compiled = torch.compile(f, fullgraph=True)
     for got, want in zip(compiled(a, b), f(a, b), strict=True):
         assert_bits_equal(got.cpu(), want.cpu())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="captures a CUDA graph")
+def test_a_number_operand_is_captured_in_a_cuda_graph():
+    """A number operand becomes a tensor on the device without a host-to-device copy, which a
+    CUDA graph capture refuses (the FP8 modules' graphed callables divide by scales this way)."""
+    a, b = _operands("cuda")
+    want = div_rn(2688.0, b), reciprocal_rn(b)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = div_rn(2688.0, b), reciprocal_rn(b)
+    graph.replay()
+    for g, w in zip(got, want, strict=True):
+        assert_bits_equal(g.cpu(), w.cpu())

@@ -745,7 +745,12 @@ def _scaled_mm(a, b, sa, sb, out_dtype, bias=None, fast_accum=False) -> Tensor:
     takes a bias only for a bf16/fp16 output; for fp32 the bias is added to the fp32 result,
     which is the same sum. ``fast_accum``: Hopper's FP8 tensor-core accumulation without the
     periodic promotion to fp32 (Transformer Engine's default for the forward GEMM; gradient
-    GEMMs, long sums of small terms, promote)."""
+    GEMMs, long sums of small terms, promote). On the CPU the two scales go in as one product,
+    as cuBLAS applies them: oneDNN's FP8 GEMM (CPUs with AMX) multiplies the sum by ``sa`` and
+    then by ``sb``, which overflows where ``sa`` is huge (an input near the dtype's max) though
+    the result is finite."""
+    if a.device.type != "cuda":
+        sa, sb = sa * sb, torch.ones_like(sb)
     kw = {"scale_a": sa, "scale_b": sb, "out_dtype": out_dtype, "use_fast_accum": fast_accum}
     if bias is not None and out_dtype is torch.float32:
         return torch._scaled_mm(a, b, **kw).add_(bias)
