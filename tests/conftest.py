@@ -13,6 +13,16 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     _FRESH_INDUCTOR_CACHE = tempfile.mkdtemp(prefix="te-inductor-")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = _FRESH_INDUCTOR_CACHE
 
+# AOTAutograd's cache is off for the test run: its key walks the source of every Triton kernel
+# of every te op in a graph (a bytecode scan per kernel and call, not memoised), a fifth of a
+# CPU compile's time here, while a cold cache (see above) serves few hits. Inductor's FX graph
+# cache stays on.
+os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "0")
+# Inductor's CPU kernels are generated without SIMD vectors: gcc compiles scalar loops in three
+# quarters of the time, and what the CPU tests check (the traced graph, graph breaks, our ops'
+# math against float64) does not depend on it. Set TORCHINDUCTOR_VEC_ISA_OK=1 for vector code.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch._dynamo  # noqa: E402
