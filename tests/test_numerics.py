@@ -45,7 +45,7 @@ def test_compiled_equals_eager(device):
 def test_a_number_operand_is_captured_in_a_cuda_graph():
     """A number operand becomes a tensor on the device without a host-to-device copy, which a
     CUDA graph capture refuses (the FP8 modules' graphed callables divide by scales this way)."""
-    a, b = _operands("cuda")
+    _, b = _operands("cuda")
     want = div_rn(2688.0, b), reciprocal_rn(b)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
