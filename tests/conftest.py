@@ -26,6 +26,12 @@ os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch._dynamo  # noqa: E402
+import torch._inductor.config  # noqa: E402
+
+# Without a GPU each xdist worker holds a core: Inductor compiles in the worker itself instead of
+# starting its own pool of compile processes (each one importing torch).
+if not torch.cuda.is_available():
+    torch._inductor.config.compile_threads = 1
 
 # Hypothesis settings of the fuzz tests (tests/fuzz/), chosen with --fuzz-profile: "ci"
 # (the default) is seeded and derandomized with a few examples per test, so `make test` stays

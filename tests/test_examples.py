@@ -165,6 +165,7 @@ def test_convert_hf_llama_matches_and_trains_without_breaks():
     assert float(report(result.stdout, "llama").split()[3]) <= 1e-4
 
 
+@pytest.mark.long_compile  # the MoE training step compiles on the CPU in tests/modules/test_moe.py
 def test_moe_layer_matches_plain_pytorch_and_compiles_without_breaks():
     """examples/moe_layer.py on the CPU: the te_compile MoE layer (moe_permute -> GroupedMLP ->
     moe_unpermute) gives the plain PyTorch layer's output and input gradient, with no graph

@@ -38,6 +38,7 @@ def report(stdout: str, label: str) -> str:
     return matches[-1].strip()
 
 
+@pytest.mark.long_compile  # compiled on two ranks; see the eager run below, test_tensor_parallel.py
 def test_compiled_tensor_and_sequence_parallel_with_profile():
     stdout = run_example("--tp", "2", "--sequence-parallel", "--profile")
     assert re.search(r"graphs compiled: 1 .*; graph breaks: 0$", stdout, re.M), stdout

@@ -267,9 +267,22 @@ def _te_calls(code: str) -> set[str]:
     return {line for line in code.splitlines() if "torch.ops.te." in line}
 
 
+# Each layout compiles its own graphs (20 s on CI's CPU): sbhd-half and bshd-interleaved cover
+# both formats and both rotation styles; the other two are long_compile (their eager math is
+# checked above).
+_LONG_LAYOUT = pytest.mark.long_compile
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
-@pytest.mark.parametrize("tensor_format", ["sbhd", "bshd"])
+@pytest.mark.parametrize(
+    ("tensor_format", "interleaved"),
+    [
+        pytest.param("sbhd", False, id="sbhd-half"),
+        pytest.param("sbhd", True, id="sbhd-interleaved", marks=_LONG_LAYOUT),
+        pytest.param("bshd", False, id="bshd-half", marks=_LONG_LAYOUT),
+        pytest.param("bshd", True, id="bshd-interleaved"),
+    ],
+)
 def test_compiled_has_no_break_and_no_recompile(tensor_format, interleaved, device):
     """One frame for every sequence length and batch size (``dynamic=True``), the frequency
     table made inside the compiled region; Inductor traces into the op (no te op is called
