@@ -77,7 +77,7 @@ def _inductor_cpu_vector_bits() -> int:
 @pytest.mark.skipif(
     _inductor_cpu_vector_bits() == 512,
     reason="torch 2.13 Inductor's 512-bit CPU code gives NaN in this model's fused GELU-backward "
-    "+ FP8 cast kernel (docs/fp8.md, known issues)",
+    "+ FP8 cast kernel (docs/fp8.md, Limits)",
 )
 def test_train_gpt_mixed_precision_with_fp8_compiles_and_learns():
     stdout = run_train_gpt("--dtype", "float32", "--autocast", "bfloat16", "--recipe", "current")
