@@ -270,7 +270,6 @@ def _te_calls(code: str) -> set[str]:
 # Each layout compiles its own graphs (20 s on CI's CPU): sbhd-half and bshd-interleaved cover
 # both formats and both rotation styles; the other two are long_compile (their eager math is
 # checked above).
-_LONG_LAYOUT = pytest.mark.long_compile
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -278,8 +277,8 @@ _LONG_LAYOUT = pytest.mark.long_compile
     ("tensor_format", "interleaved"),
     [
         pytest.param("sbhd", False, id="sbhd-half"),
-        pytest.param("sbhd", True, id="sbhd-interleaved", marks=_LONG_LAYOUT),
-        pytest.param("bshd", False, id="bshd-half", marks=_LONG_LAYOUT),
+        pytest.param("sbhd", True, id="sbhd-interleaved", marks=pytest.mark.long_compile),
+        pytest.param("bshd", False, id="bshd-half", marks=pytest.mark.long_compile),
         pytest.param("bshd", True, id="bshd-interleaved"),
     ],
 )
