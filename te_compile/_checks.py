@@ -16,12 +16,21 @@ import torch
 _REAL = (int, float, torch.SymInt, torch.SymFloat)
 
 
+def shown(value: object) -> str:
+    """``repr(value)`` for an error message, a tensor shown by its shape and dtype: its data is
+    not what the message is about, and torch 2.11's dynamo cannot trace ``repr`` of a tensor
+    (the compiled caller would get dynamo's error instead of ours)."""
+    if isinstance(value, torch.Tensor):
+        return f"a Tensor of shape {list(value.shape)} and dtype {value.dtype}"
+    return repr(value)
+
+
 def check_bool(owner: str, **flags: object) -> None:
     """Each flag is ``True`` or ``False``: a truthy string or a tensor would switch a mode on
     without saying so."""
     for name, value in flags.items():
         if value is not True and value is not False:
-            raise ValueError(f"{owner}: {name} must be a bool (True or False), got {value!r}")
+            raise ValueError(f"{owner}: {name} must be a bool (True or False), got {shown(value)}")
 
 
 def _real(value: object) -> bool:
@@ -33,7 +42,7 @@ def check_positive_finite(owner: str, **values: float) -> None:
     for name, value in values.items():
         if not (_real(value) and 0 < value < math.inf):
             raise ValueError(
-                f"{owner}: {name} must be a positive float (finite, > 0), got {value!r}"
+                f"{owner}: {name} must be a positive float (finite, > 0), got {shown(value)}"
             )
 
 
@@ -41,16 +50,16 @@ def check_finite(owner: str, **values: float) -> None:
     """Each value is a real number with ``-inf < v < inf`` (offsets, output scales)."""
     for name, value in values.items():
         if not (_real(value) and -math.inf < value < math.inf):
-            raise ValueError(f"{owner}: {name} must be a float (finite), got {value!r}")
+            raise ValueError(f"{owner}: {name} must be a float (finite), got {shown(value)}")
 
 
 def check_int(owner: str, minimum: int = 1, **values: object) -> None:
     """Each value is an int (not a bool) ``>= minimum`` (sizes: ``minimum=1``; offsets: 0)."""
     for name, value in values.items():
         if not (isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool)):
-            raise TypeError(f"{owner}: {name} must be an int >= {minimum}, got {value!r}")
+            raise TypeError(f"{owner}: {name} must be an int >= {minimum}, got {shown(value)}")
         if not value >= minimum:
-            raise ValueError(f"{owner}: {name} must be an int >= {minimum}, got {value!r}")
+            raise ValueError(f"{owner}: {name} must be an int >= {minimum}, got {shown(value)}")
 
 
 def check_tensor(
@@ -78,7 +87,7 @@ def check_tensors(owner: str, **tensors: object) -> None:
 def check_dtype(owner: str, name: str, value: object, *, floating: bool = True) -> None:
     """``value`` is a ``torch.dtype`` (floating-point where ``floating``)."""
     if not isinstance(value, torch.dtype):
-        raise TypeError(f"{owner}: {name} must be a torch.dtype, got {value!r}")
+        raise TypeError(f"{owner}: {name} must be a torch.dtype, got {shown(value)}")
     if floating and not value.is_floating_point:
         raise ValueError(f"{owner}: {name} must be a floating dtype, got {value}")
 
@@ -88,22 +97,24 @@ def check_device(owner: str, name: str, value: object) -> None:
     if value is None or isinstance(value, torch.device):
         return
     if isinstance(value, bool) or not isinstance(value, (str, int)):
-        raise TypeError(f"{owner}: {name} must be a torch.device or a device string, got {value!r}")
+        raise TypeError(
+            f"{owner}: {name} must be a torch.device or a device string, got {shown(value)}"
+        )
     try:
         torch.device(value)
     except RuntimeError as error:
-        raise ValueError(f"{owner}: {name} is not a device, got {value!r} ({error})") from None
+        raise ValueError(f"{owner}: {name} is not a device, got {shown(value)} ({error})") from None
 
 
 def check_callable(owner: str, **values: object) -> None:
     """Each value is None or callable (initialisers, hooks)."""
     for name, value in values.items():
         if value is not None and not callable(value):
-            raise TypeError(f"{owner}: {name} must be callable or None, got {value!r}")
+            raise TypeError(f"{owner}: {name} must be callable or None, got {shown(value)}")
 
 
 def check_choice(owner: str, name: str, value: object, choices: tuple) -> None:
     """``value`` is one of ``choices`` (compared by equality, with its type: ``1`` is not
     ``True``)."""
     if not any(type(value) is type(c) and value == c for c in choices):
-        raise ValueError(f"{owner}: {name} must be one of {choices}, got {value!r}")
+        raise ValueError(f"{owner}: {name} must be one of {choices}, got {shown(value)}")

@@ -112,6 +112,8 @@ def test_every_module_recipe_and_op_runs_on_cpu_without_triton():
         "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
     }
     env.pop("TRITON_INTERPRET", None)
+    # A CPU machine: on a GPU host, modules would default to the GPU, where Triton is needed.
+    env["CUDA_VISIBLE_DEVICES"] = ""
     result = subprocess.run(
         [sys.executable, "-c", _SCRIPT], cwd=root, env=env, capture_output=True, text=True,
         timeout=600,

@@ -78,7 +78,8 @@ def _dropout_kernel(
     out_ptr,
     state_ptr,
     numel,
-    threshold,
+    threshold_hi,
+    threshold_lo,
     scale,
     BF16: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -86,6 +87,7 @@ def _dropout_kernel(
 ):
     # Inductor passes Python floats as fp64; Triton's own launcher as fp32.
     scale = tl.cast(scale, tl.float32)
+    threshold = threshold_hi.to(tl.int64) * 65536 + threshold_lo
     pid = tl.program_id(0)
     words = _block_words(state_ptr, pid, BLOCK, ROUNDS)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -112,9 +114,11 @@ def dropout(
     out = torch.empty_like(x)
     if x.numel():
         grid = (triton.cdiv(x.numel(), BLOCK),)
+        # The threshold (up to 2^32) in two 16-bit halves: torch 2.11's Inductor fails on an int
+        # argument above int32's range of a user-defined Triton kernel under dynamic shapes.
         launch(_dropout_kernel, grid)(
-            kernel_arg(x), kernel_arg(out), rng_state, x.numel(), threshold, scale,
-            bf16_bits(x), BLOCK, rounds,
+            kernel_arg(x), kernel_arg(out), rng_state, x.numel(), threshold >> 16,
+            threshold & 0xFFFF, scale, bf16_bits(x), BLOCK, rounds,
         )  # fmt: skip
     return out
 

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from te_compile._checks import shown
 from te_compile.modules._common import check_positive
 from te_compile.quantization.recipe import MXFP8BlockScaling
 from te_compile.quantization.state import get_autocast_state
@@ -46,7 +47,7 @@ def _check_splits(owner: str, num_gemms: int, inp: Tensor, m_splits: object) -> 
     if isinstance(m_splits, (Tensor, str)) or not isinstance(m_splits, Sequence):
         raise TypeError(
             f"{owner}: m_splits must be a list of ints (the padded row count is a shape, known "
-            f"on the host), got {m_splits!r}"
+            f"on the host), got {shown(m_splits)}"
         )
     splits = list(m_splits)
     if len(splits) != num_gemms:

@@ -54,6 +54,17 @@ def device_for(backend: str, rank: int) -> torch.device:
     return torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
 
 
+def fsdp_mesh(device: torch.device):
+    """The 1-D DeviceMesh over all ranks on ``device``'s type, for ``fully_shard(mesh=...)``.
+
+    ``fully_shard`` without a mesh builds one on CUDA whenever CUDA is available, even when the
+    process group is gloo and the model is on the CPU: it then moves the parameters to the GPU
+    and runs gloo collectives on CUDA tensors (a spawned rank died with SIGSEGV on a GPU host)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (WORLD,))
+
+
 def _entry(rank, worker, backend, init_file, results, errors) -> None:
     if backend == "nccl":
         torch.cuda.set_device(rank)

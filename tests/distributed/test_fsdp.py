@@ -18,7 +18,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import te_compile as te
-from tests.distributed.harness import BACKENDS, WORLD, device_for, run_checks, spawn
+from tests.distributed.harness import BACKENDS, WORLD, device_for, fsdp_mesh, run_checks, spawn
 from tests.utils import assert_close
 
 H, BATCH, STEPS = 16, 8, 3
@@ -68,6 +68,7 @@ def _fsdp(rank, device, selective_ac):
     _train(reference, batches)
 
     model = _model(device)
+    mesh = fsdp_mesh(device)
     counter = torch._dynamo.testing.CompileCounter()
     for i, block in enumerate(model[:2]):
         if selective_ac:
@@ -75,8 +76,8 @@ def _fsdp(rank, device, selective_ac):
             block = checkpoint_wrapper(block, context_fn=context_fn)
             model[i] = block
         block.compile(fullgraph=True, backend=counter)
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     _train(model, batches, rank)
 
     assert counter.frame_count == 2, f"one graph per block, got {counter.frame_count}"

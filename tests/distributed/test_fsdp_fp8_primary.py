@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 
 import te_compile as te
 from te_compile.quantization import DelayedScaling, Float8CurrentScaling, autocast
-from tests.distributed.harness import BACKENDS, WORLD, device_for, run_checks, spawn
+from tests.distributed.harness import BACKENDS, WORLD, device_for, fsdp_mesh, run_checks, spawn
 
 H, BATCH, STEPS = 32, 16, 3
 E4M3 = torch.float8_e4m3fn
@@ -51,6 +51,7 @@ def _model(device, recipe, seed=0):
 
 
 def _shard(model, compiled=None, **kw):
+    kw.setdefault("mesh", fsdp_mesh(next(model.parameters()).device))
     for block in model:
         if compiled is not None:
             block.compile(fullgraph=True, backend=compiled)

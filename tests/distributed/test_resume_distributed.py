@@ -26,7 +26,7 @@ from te_compile.distributed import (
     shard_state_dict,
 )
 from te_compile.recipe import DelayedScaling
-from tests.distributed.harness import BACKENDS, WORLD, device_for, run_checks, spawn
+from tests.distributed.harness import BACKENDS, WORLD, device_for, fsdp_mesh, run_checks, spawn
 
 H = 32
 RECIPES = {"none": None, "delayed": DelayedScaling(amax_history_len=4)}
@@ -115,9 +115,10 @@ def _fsdp_resume(rank, group, device, recipe, path):
             te.LayerNormLinear(H, H, device=device),
             te.LayerNormMLP(H, 2 * H, activation="swiglu", device=device),
         )
+        mesh = fsdp_mesh(device)
         for block in model:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
     model, opt = build()
