@@ -87,7 +87,8 @@ def _dropout_kernel(
 ):
     # Inductor passes Python floats as fp64; Triton's own launcher as fp32.
     scale = tl.cast(scale, tl.float32)
-    threshold = threshold_hi.to(tl.int64) * 65536 + threshold_lo
+    # tl.cast, not .to: Triton passes an int argument equal to 1 as a constant (a Python int).
+    threshold = tl.cast(threshold_hi, tl.int64) * 65536 + threshold_lo
     pid = tl.program_id(0)
     words = _block_words(state_ptr, pid, BLOCK, ROUNDS)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
