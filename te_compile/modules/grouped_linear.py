@@ -68,7 +68,7 @@ from te_compile.modules._common import (
 )
 from te_compile.quantization import fp8_gemm as _fp8
 from te_compile.quantization import gemm as _gemm
-from te_compile.quantization.primary import refuse_primary
+from te_compile.quantization import primary as _primary
 
 __all__ = ["GroupedLinear"]
 
@@ -97,6 +97,9 @@ class GroupedLinear(DelayedWgrad, nn.Module):
         save_original_input: the backward keeps the input itself rather than a quantised
             copy (high precision and Float8CurrentScaling do; DelayedScaling raises ValueError,
             as in Transformer Engine; the block-scaled recipes raise NotImplementedError).
+
+    Built inside ``te_compile.quantized_model_init`` the weights are FP8 codes with a scale
+    each (``quantization.primary``: ``grouped_primary``, ``FP8MasterWeights``).
     """
 
     def __init__(
@@ -123,9 +126,14 @@ class GroupedLinear(DelayedWgrad, nn.Module):
         save_original_input: bool = False,
     ) -> None:
         super().__init__()
-        refuse_primary("GroupedLinear")  # no FP8 primary weights here
         owner = "GroupedLinear"
         self._init_delayed_wgrad(owner, delay_wgrad_compute)
+        if _primary.init_state() is not None and delay_wgrad_compute:
+            raise NotImplementedError(
+                f"{owner}: delay_wgrad_compute=True with FP8 primary weights "
+                "(quantized_model_init) is not supported; build it with "
+                "delay_wgrad_compute=False"
+            )
         check_bool(owner, save_original_input=save_original_input)
         self.save_original_input = save_original_input
         check_rng_tracker(owner, get_rng_state_tracker, rng_tracker_name)
@@ -187,6 +195,7 @@ class GroupedLinear(DelayedWgrad, nn.Module):
         # is_first_microbatch: all groups' weights as one kept [num_gemms, out, in] cast.
         self._fp8_weights = _gemm.kept_weights("weight")
         self.reset_parameters()
+        _primary.make_primary(self, self._weight_names(), owner)  # in quantized_model_init
 
     @property
     def parallel_mode(self) -> str | None:
@@ -222,6 +231,11 @@ class GroupedLinear(DelayedWgrad, nn.Module):
                 set_parallel_attributes(p, b_dim, stride if column else 1)
 
     # Parameters in either layout ---------------------------------------------------------------
+
+    def _weight_names(self) -> tuple[str, ...]:
+        if self.single_weight:
+            return ("weight",)
+        return tuple(f"weight{i}" for i in range(self.num_gemms))
 
     def weights(self) -> list[Tensor]:
         """Every group's ``[out, in]`` weight (views of ``weight`` in the single layout)."""
@@ -272,6 +286,19 @@ class GroupedLinear(DelayedWgrad, nn.Module):
             )
         return main_grad
 
+    def _primary_main_grad(self, params: tuple[Tensor, ...]) -> Tensor | None:
+        """The ``[num_gemms, out, in]`` fp32 buffer FP8 primary weights' gradient goes to
+        (``FP8MasterWeights`` allocates it); None where no gradient is wanted."""
+        main_grad = (getattr(self.weight, "main_grad", None) if self.single_weight
+                     else getattr(self, "_main_grad_buffer", None))  # fmt: skip
+        if main_grad is None and torch.is_grad_enabled() and params[0].requires_grad:
+            raise RuntimeError(
+                "GroupedLinear: FP8 primary weights (quantized_model_init) accumulate their "
+                "gradient into main_grad: build te.FP8MasterWeights(model) before training, "
+                "or run the forward under torch.no_grad()"
+            )
+        return main_grad
+
     # Forward -------------------------------------------------------------------------------------
 
     def forward(
@@ -286,12 +313,18 @@ class GroupedLinear(DelayedWgrad, nn.Module):
             cache = _gemm.WeightCache(self._fp8_weights, is_first_microbatch)
         if not isinstance(inp, Tensor):
             raise TypeError(f"GroupedLinear: inp must be a torch.Tensor, got {type(inp).__name__}")
-        weight = self.weight if self.single_weight else torch.stack(self.weights())
+        primary = _primary.grouped_primary(self, self._weight_names(), inp.dtype)
+        params = (self.weight,) if self.single_weight else tuple(self.weights())
+        weight_q = None
+        if primary is not None:  # FP8 primary weights: their gradient goes to main_grad
+            weight, weight_q = primary
+            main_grad = self._primary_main_grad(params)
+        else:
+            weight = self.weight if self.single_weight else torch.stack(self.weights())
+            main_grad = self._main_grad() if self.fuse_wgrad_accumulation else None
         bias = None
         if self.use_bias:
             bias = self.bias if self.single_bias else torch.stack(self.biases())
-        main_grad = self._main_grad() if self.fuse_wgrad_accumulation else None
-        params = (self.weight,) if self.single_weight else tuple(self.weights())
         defer = self._wgrad_defer(*params) if self.delay_wgrad_compute else None
 
         def gemm(x: Tensor, b: Tensor | None) -> Tensor:
@@ -306,6 +339,7 @@ class GroupedLinear(DelayedWgrad, nn.Module):
                 defer,
                 self.save_original_input,
                 cache,
+                weight_q,
             )
 
         def add_expert_bias(out: Tensor, b: Tensor) -> Tensor:
@@ -346,6 +380,14 @@ def _convert_layout(
     for name, single in (("weight", single_weight), ("bias", single_bias)):
         grouped = prefix + name
         per_group = [f"{prefix}{name}{i}" for i in range(num_gemms)]
+        other = per_group[0] if single else grouped  # the other layout's (first) entry
+        if name == "weight" and other + "_scale_inv" in state_dict and other in state_dict:
+            raise ValueError(
+                f"GroupedLinear: state_dict entry {other!r} holds FP8 primary weights saved with "
+                f"single_grouped_weight={not single}, and this module has "
+                f"single_grouped_weight={single}: FP8 codes keep the scale of their layout (one "
+                "per group, or one for all), so they load into a module of the same layout only"
+            )
         if single and grouped not in state_dict and all(k in state_dict for k in per_group):
             state_dict[grouped] = torch.stack([state_dict.pop(k) for k in per_group])
         elif not single and grouped in state_dict and not any(k in state_dict for k in per_group):

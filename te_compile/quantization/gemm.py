@@ -597,6 +597,7 @@ def grouped_linear(
     defer: list | None = None,
     save_original_input: bool = False,
     cache: WeightCache | None = None,
+    weight_quantized: Sequence[Tensor] | None = None,
 ) -> Tensor:
     """A module's grouped GEMM (``weight`` ``[G, N, K]``) through ``te::grouped_linear`` with
     the autocast state's recipe (high precision outside it). Under the per-tensor recipes the
@@ -617,8 +618,12 @@ def grouped_linear(
     quantised copies, do not implement it. ``cache``: the module's kept FP8 weight
     (``is_first_microbatch``, entry ``"weight"``: all groups' ``[G, N, K]`` weight in one
     ``functional.quantize_grouped_weight`` cast), handed to ``te::grouped_linear`` as its
-    pre-quantised weight."""
+    pre-quantised weight. ``weight_quantized``: ``weight``'s pre-quantised operand (FP8 primary
+    weights, ``quantization.primary.grouped_primary``), for a per-tensor recipe's autocast
+    only."""
     state = get_autocast_state()
+    if weight_quantized is not None:
+        check_primary(owner, state)
     if state.calibration:
         state = calibrate(owner, state, (meta,), (inp,), (weight,))
     args = gemm_args(owner, state, inp, (weight,), (meta,), grouped=True)
@@ -648,7 +653,7 @@ def grouped_linear(
         kw["delay_wgrad"] = True
     if args.recipe in PER_TENSOR:
         kw["fp8_wgrad"] = _GROUPED_FP8_WGRAD
-    weight_q = cached_weight(args, weight, cache, "weight", grouped=True)
+    weight_q = weight_quantized or cached_weight(args, weight, cache, "weight", grouped=True)
     if weight_q is not None:
         kw["weight_quantized"] = weight_q
     if args.recipe in PER_TENSOR and state.recipe.delayed():

@@ -55,10 +55,18 @@ module's backward, and several backward calls before ``step`` accumulate. ``step
 ``docs/fp8.md``, "FSDP2".
 
 Supported: the per-tensor recipes (``Float8CurrentScaling``, ``DelayedScaling``) on
-``Linear``, ``LayerNormLinear`` and ``LayerNormMLP``; the weights run inside a
-``te_compile.autocast`` with a per-tensor recipe (outside it, or under calibration, a module
+``Linear``, ``LayerNormLinear``, ``LayerNormMLP`` and ``GroupedLinear``; the weights run inside
+a ``te_compile.autocast`` with a per-tensor recipe (outside it, or under calibration, a module
 with FP8 weights raises). Other recipes and modules raise ``NotImplementedError`` at
 construction.
+
+``GroupedLinear``: each ``weight{i}`` is cast with its own scale (one ``weight`` ``[G, N, K]``,
+``single_grouped_weight=True``: one scale for all groups); the forward stacks the codes into
+the grouped GEMM's pre-quantised operand (:func:`grouped_primary`; a byte per parameter, and
+its transposed copy for the dgrad GEMM, alive until the backward). The gradients of all groups
+go to one fp32 ``[G, N, K]`` buffer (``GroupedLinear.allocate_main_grad``, which
+``FP8MasterWeights`` calls; ``weight{i}.main_grad`` are its views). Not with
+``delay_wgrad_compute=True`` nor sharded by FSDP2 (``NotImplementedError``).
 """
 
 from __future__ import annotations
@@ -83,6 +91,7 @@ __all__ = [
     "clear_high_precision_init_val",
     "fp8_model_init",
     "get_high_precision_init_val",
+    "grouped_primary",
     "init_state",
     "make_primary",
     "primary_operand",
@@ -155,8 +164,17 @@ def _quantize(weight: Tensor, recipe: Recipe, owner: str) -> list[Tensor]:
             f"{owner}: FP8 primary weights support the per-tensor recipes (Float8CurrentScaling, "
             f"DelayedScaling); got {type(recipe).__name__}"
         )
-    # Current scaling of the weight itself, whatever the per-tensor recipe.
-    return F.quantize_weight(weight, "current", kw["fp8_dtype"], False, 1, False, None)
+    return _cast(weight, kw["fp8_dtype"])
+
+
+def _cast(weight: Tensor, fp8_dtype: torch.dtype) -> list[Tensor]:
+    """Current scaling of the weight itself, whatever the per-tensor recipe: the five tensors
+    of ``functional.quantize_weight``, the codes in ``weight``'s shape (a grouped ``[G, N, K]``
+    weight is cast as ``[G * N, K]``: one scale for the whole tensor)."""
+    flat = weight.reshape(-1, weight.shape[-1]) if weight.dim() > 2 else weight
+    out = F.quantize_weight(flat, "current", fp8_dtype, False, 1, False, None)
+    out[0] = out[0].view(weight.shape)
+    return out
 
 
 def get_high_precision_init_val(param: nn.Parameter) -> Tensor | None:
@@ -214,6 +232,47 @@ def primary_operand(module: nn.Module, name: str) -> tuple[Tensor, ...] | None:
     scale_inv, amax = getattr(module, f"{name}_scale_inv"), getattr(module, f"{name}_amax")
     codes_t = weight.detach().view(torch.uint8).t().contiguous()
     return weight, scale_inv, codes_t, scale_inv, amax
+
+
+def grouped_primary(
+    module: nn.Module, names: tuple[str, ...], dtype: torch.dtype
+) -> tuple[Tensor, list[Tensor]] | None:
+    """For a grouped GEMM whose weights are ``module``'s ``names`` (one ``[G, N, K]`` weight,
+    or ``G`` weights ``[N, K]``): None when they are not FP8, else the GEMM op's ``weight``
+    argument and its pre-quantised operand (``functional.quantize_grouped_weight``'s
+    ``scaled_grouped_mm`` kind: the codes ``[G, N, K]``, each group's per-tensor inverse scale
+    broadcast over its rows ``[G, N]``, the transposed codes ``[G, K, N]`` with the scales
+    ``[G, K]``, the largest amax ``[1]``). The ``weight`` argument is a zero-byte stand-in of
+    the weight's shape in ``dtype`` (an expanded scalar; the op reads the codes from the
+    operand) that requires grad where the codes do: the op then accumulates the weight
+    gradient into the ``main_grad`` it is given and returns none."""
+    weights = [getattr(module, n) for n in names]
+    if not is_primary(weights[0]):
+        for n in names:
+            primary_operand(module, n)  # raises for codes some cast turned high-precision
+        return None
+    codes = [w.detach().view(torch.uint8) for w in weights]
+    data = codes[0] if len(codes) == 1 else torch.stack(codes)
+    g, n, k = data.shape
+    inv = torch.cat([getattr(module, f"{name}_scale_inv") for name in names]).expand(g)
+    amax = torch.cat([getattr(module, f"{name}_amax") for name in names]).amax().reshape(1)
+    operand = [data, inv[:, None].expand(g, n).contiguous(), data.transpose(1, 2).contiguous(),
+               inv[:, None].expand(g, k).contiguous(), amax]  # fmt: skip
+    return _StandIn.apply(dtype, (g, n, k), *weights), operand
+
+
+class _StandIn(torch.autograd.Function):
+    """A zero-byte tensor of ``shape`` in ``dtype`` that requires grad where the FP8 codes do
+    (:func:`grouped_primary`); the gradient went to ``main_grad``, none flows back."""
+
+    @staticmethod
+    def forward(ctx, dtype: torch.dtype, shape: tuple[int, ...], *codes: Tensor) -> Tensor:
+        ctx.n = len(codes)
+        return codes[0].new_zeros((), dtype=dtype).expand(shape)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[None, ...]:
+        return (None,) * (2 + ctx.n)
 
 
 def primary_weight(
@@ -335,6 +394,19 @@ class FP8MasterWeights:
         self._others: list[nn.Parameter] = []
         seen: set[int] = set()
         for module in model.modules():
+            # A module that keeps its weights' main_grad as views of one buffer (GroupedLinear:
+            # its grouped GEMM accumulates all groups' gradients into one [G, N, K] tensor)
+            # allocates it; the others get one main_grad per weight below.
+            allocate = getattr(module, "allocate_main_grad", None)
+            own = [p for p in module.parameters(recurse=False) if is_primary(p)]
+            allocated = bool(own) and allocate is not None
+            if allocated:
+                if any(_fsdp_group(owner, p) is not None for p in own):
+                    raise NotImplementedError(
+                        f"{owner}: FP8 primary weights of {type(module).__name__} sharded by "
+                        "FSDP2 are not supported; shard only the modules without them"
+                    )
+                allocate()
             for name, param in module.named_parameters(recurse=False):
                 if id(param) in seen:
                     continue
@@ -367,7 +439,7 @@ class FP8MasterWeights:
                     master = param.detach().float() * scale_inv
                 clear_high_precision_init_val(param)
                 master = nn.Parameter(master)
-                if group is None:
+                if group is None and not allocated:
                     param.main_grad = torch.zeros_like(master)
                 self._entries.append(_Entry(module, name, master, group))
         if not self._entries:
@@ -412,9 +484,7 @@ class FP8MasterWeights:
             weight = getattr(e.module, e.name)
             scale_inv = getattr(e.module, f"{e.name}_scale_inv")
             if e.group is None:
-                data, new_scale_inv, _, _, amax = F.quantize_weight(
-                    e.master, "current", weight.dtype, False, 1, False, None
-                )
+                data, new_scale_inv, _, _, amax = _cast(e.master, weight.dtype)
                 weight.copy_(data.view(weight.dtype))
             else:
                 data, new_scale_inv, amax = _quantize_shard(e, weight.dtype)

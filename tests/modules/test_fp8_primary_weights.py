@@ -18,7 +18,13 @@ from te_compile.quantization import (
     MXFP8BlockScaling,
     autocast,
 )
-from tests.utils import DEVICES, assert_close, assert_single_graph, compile_counted
+from tests.utils import (
+    DEVICES,
+    assert_close,
+    assert_close_quantized,
+    assert_single_graph,
+    compile_counted,
+)
 
 MODULES = ("Linear", "LayerNormLinear", "LayerNormMLP")
 E4M3 = torch.float8_e4m3fn
@@ -198,7 +204,7 @@ def test_refused_uses():
         with pytest.raises(NotImplementedError, match=type(other).__name__):
             _primary("Linear", "cpu", other)
     with te.quantized_model_init(recipe=recipe):
-        for build in (lambda: te.GroupedLinear(2, 32, 32), lambda: te.ops.BasicLinear(32, 32)):
+        for build in (lambda: te.GroupedMLP(2, 32, 32), lambda: te.ops.BasicLinear(32, 32)):
             with pytest.raises(NotImplementedError, match="not implemented for this module"):
                 build()
     m = _primary("Linear", "cpu", recipe)
@@ -248,3 +254,181 @@ def test_transformer_layer_trains_with_fp8_weights():
         assert torch.equal(w.detach().view(torch.uint8), codes[0])
         assert torch.equal(getattr(module, f"{name}_scale_inv"), codes[1])
         assert not w.main_grad.any()
+
+
+# GroupedLinear ---------------------------------------------------------------------------------
+
+G, SPLITS = 3, [40, 0, 56]  # an expert without tokens
+
+
+def _grouped(device, recipe=None, single=False, preserve=False, **kw):
+    torch.manual_seed(0)
+    kw = {"params_dtype": torch.bfloat16, "device": device, "single_grouped_weight": single, **kw}
+    if recipe is None:
+        return te.GroupedLinear(G, 128, 64, **kw)
+    with te.quantized_model_init(recipe=recipe, preserve_high_precision_init_val=preserve):
+        return te.GroupedLinear(G, 128, 64, **kw)
+
+
+def _dequantized(m):
+    """Each group's FP8 weight as the float64 values it stands for, ``[G, out, in]``."""
+    if m.single_grouped_weight:
+        return m.weight.detach().double() * m.weight_scale_inv.double()
+    codes = [getattr(m, f"weight{i}").detach().double() for i in range(G)]
+    scales = [getattr(m, f"weight{i}_scale_inv").double() for i in range(G)]
+    return torch.stack([c * s for c, s in zip(codes, scales, strict=True)])
+
+
+@pytest.mark.parametrize("single", [False, True], ids=["per_group", "single"])
+def test_grouped_weights_are_fp8_codes_with_a_scale_per_weight(single):
+    """``weight{i}``: the current-scaling cast of group i's initial values, its own scale;
+    ``single_grouped_weight``: one cast (one scale) of the whole ``[G, out, in]`` weight."""
+    hp = _grouped("cpu", single=single)
+    m = _grouped("cpu", Float8CurrentScaling(), single=single, preserve=True)
+    names = [f"weight{i}" for i in range(G)] if not single else ["weight"]
+    assert _fp8_names(m) == names
+    for n in names:
+        init = getattr(hp, n).detach()
+        assert torch.equal(getattr(m, n).get_high_precision_init_val(), init)
+        flat = init.reshape(-1, init.shape[-1])
+        codes = te.functional.quantize_weight(flat, "current", E4M3, False, 1, False, None)
+        assert torch.equal(getattr(m, n).detach().view(torch.uint8).reshape(flat.shape), codes[0])
+        assert torch.equal(getattr(m, f"{n}_scale_inv"), codes[1])
+    scales = {getattr(m, f"{n}_scale_inv").item() for n in names}
+    assert len(scales) == len(names)  # per-group weights: a scale each
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling, DelayedScaling])
+@pytest.mark.parametrize("single", [False, True], ids=["per_group", "single"])
+def test_grouped_forward_and_gradients_against_float64(device, recipe, single):
+    """Output, input gradient and the weight gradient (into ``main_grad``) against the float64
+    GEMMs of the weights the codes stand for, within the recipe's bounds; bias gradients as
+    usual; ``weight.grad`` stays None."""
+    m = _grouped(device, recipe(), single=single)
+    te.FP8MasterWeights(m)
+    x = _x(device).requires_grad_()
+    with autocast(recipe=recipe()):
+        y = m(x, SPLITS)
+    g = torch.randn_like(y)
+    y.backward(g)
+    w, xd, gd = _dequantized(m).cpu(), x.detach().cpu().double(), g.cpu().double()
+    bias = torch.stack([getattr(m, f"bias{i}").detach().cpu().double() for i in range(G)])
+    rows = torch.repeat_interleave(torch.arange(G), torch.tensor(SPLITS))
+    y_ref = torch.einsum("mk,mnk->mn", xd, w[rows]) + bias[rows]
+    dx_ref = torch.einsum("mn,mnk->mk", gd, w[rows])
+    dw_ref = torch.stack([gd[rows == i].T @ xd[rows == i] for i in range(G)])
+    assert_close_quantized(y, y_ref, "current")
+    assert_close_quantized(x.grad, dx_ref, "current")
+    main_grad = m.weight.main_grad if single else torch.stack([getattr(m, f"weight{i}").main_grad
+                                                               for i in range(G)])  # fmt: skip
+    assert_close_quantized(main_grad, dw_ref, "current")
+    assert not main_grad[1].any()  # the expert without tokens
+    for i in range(G):
+        assert_close(getattr(m, f"bias{i}").grad, gd[rows == i].sum(0), torch.bfloat16,
+                     reduced=True)  # fmt: skip
+    assert all(getattr(m, n).grad is None for n in _fp8_names(m))
+
+
+def _train_grouped(m, recipe, steps, primary):
+    """SGD with fp32 masters (FP8MasterWeights, or by hand for bf16 weights as ``_train``)."""
+    if primary:
+        masters = te.FP8MasterWeights(m)
+        opt = torch.optim.SGD([*masters.parameters(), *masters.other_parameters()], lr=0.5)
+    else:
+        hp = [getattr(m, f"weight{i}") for i in range(G)]
+        fp32 = [torch.nn.Parameter(p.detach().float()) for p in hp]
+        buffer = m.allocate_main_grad()
+        others = [p for p in m.parameters() if all(p is not q for q in hp)]
+        opt = torch.optim.SGD([*fp32, *others], lr=0.5)
+    losses = []
+    for _step in range(steps):
+        with autocast(recipe=recipe):
+            loss = m(_x("cpu"), SPLITS).float().square().mean()
+        loss.backward()
+        losses.append(loss.detach())
+        if primary:
+            masters.step(opt)
+        else:
+            for p, master in zip(hp, fp32, strict=True):
+                master.grad = p.main_grad.clone()
+            buffer.zero_()
+            opt.step()
+            with torch.no_grad():
+                for p, master in zip(hp, fp32, strict=True):
+                    p.copy_(master)
+        opt.zero_grad()
+    return torch.stack(losses), (masters if primary else None)
+
+
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling, DelayedScaling])
+def test_grouped_training_tracks_high_precision_weights(recipe):
+    """SGD steps with FP8 primary weights track the same recipe on bf16 weights, and after each
+    step every ``weight{i}`` holds the cast of its fp32 master."""
+    hp = _grouped("cpu", fuse_wgrad_accumulation=True)
+    m = _grouped("cpu", recipe(), preserve=True)
+    losses, masters = _train_grouped(m, recipe(), 4, primary=True)
+    ref, _ = _train_grouped(hp, recipe(), 4, primary=False)
+    assert losses[-1] < losses[0]
+    assert_close(losses, ref, torch.bfloat16, roundings=4)
+    for module, name, master, _ in masters._entries:
+        codes = te.functional.quantize_weight(master, "current", E4M3, False, 1, False, None)
+        assert torch.equal(getattr(module, name).detach().view(torch.uint8), codes[0])
+        assert torch.equal(getattr(module, f"{name}_scale_inv"), codes[1])
+        assert not getattr(module, name).main_grad.any()
+
+
+@pytest.mark.parametrize("single", [False, True], ids=["per_group", "single"])
+def test_grouped_state_dict_round_trip_and_layout(single):
+    """The codes and their scales round-trip; a state_dict of FP8 weights in the other layout
+    (whose scales differ) is refused by name."""
+    recipe = Float8CurrentScaling()
+    m = _grouped("cpu", recipe, single=single)
+    _train_grouped(m, recipe, 2, primary=True)
+    buf = io.BytesIO()
+    torch.save(m.state_dict(), buf)
+    buf.seek(0)
+    state = torch.load(buf)
+    fresh = _grouped("cpu", recipe, single=single)
+    fresh.load_state_dict(state)
+    with autocast(recipe=recipe), torch.no_grad():
+        assert torch.equal(fresh(_x("cpu", 7), SPLITS), m(_x("cpu", 7), SPLITS))
+    other = _grouped("cpu", recipe, single=not single)
+    entry = "weight0" if not single else "weight"
+    with pytest.raises(ValueError, match=f"state_dict entry '{entry}' holds FP8 primary weights"):
+        other.load_state_dict(state)
+
+
+@pytest.mark.parametrize("single", [False, True], ids=["per_group", "single"])
+def test_grouped_compiled_step_one_graph_values_as_eager(single):
+    recipe = Float8CurrentScaling()
+    eager, compiled = _grouped("cpu", recipe, single=single), _grouped("cpu", recipe, single=single)
+    te.FP8MasterWeights(eager), te.FP8MasterWeights(compiled)
+
+    def loss_fn(m, x):
+        with autocast(recipe=recipe):
+            return m(x, SPLITS).float().square().mean()
+
+    assert_single_graph(loss_fn, compiled, _x("cpu"))
+    fn, counter = compile_counted(loss_fn, backend="aot_eager")
+    for step in range(2):
+        loss, loss0 = fn(compiled, _x("cpu", step)), loss_fn(eager, _x("cpu", step))
+        assert torch.equal(loss, loss0)
+        loss.backward()
+        loss0.backward()
+    assert counter.frame_count == 1
+    for n in _fp8_names(eager):
+        assert torch.equal(getattr(compiled, n).main_grad, getattr(eager, n).main_grad)
+
+
+def test_grouped_refused_uses():
+    recipe = Float8CurrentScaling()
+    with pytest.raises(NotImplementedError, match="delay_wgrad_compute=True with FP8 primary"):
+        _grouped("cpu", recipe, delay_wgrad_compute=True)
+    m = _grouped("cpu", recipe)
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="no FP8 autocast"):
+        m(_x("cpu"), SPLITS)
+    with autocast(recipe=recipe), pytest.raises(RuntimeError, match=r"te\.FP8MasterWeights"):
+        m(_x("cpu"), SPLITS)
+    with autocast(recipe=recipe), torch.no_grad():  # inference needs no masters
+        assert m(_x("cpu"), SPLITS).isfinite().all()
