@@ -65,8 +65,9 @@ construction.
 the grouped GEMM's pre-quantised operand (:func:`grouped_primary`; a byte per parameter, and
 its transposed copy for the dgrad GEMM, alive until the backward). The gradients of all groups
 go to one fp32 ``[G, N, K]`` buffer (``GroupedLinear.allocate_main_grad``, which
-``FP8MasterWeights`` calls; ``weight{i}.main_grad`` are its views). Not with
-``delay_wgrad_compute=True`` nor sharded by FSDP2 (``NotImplementedError``).
+``FP8MasterWeights`` calls; ``weight{i}.main_grad`` are its views); sharded by FSDP2, a
+sharded ``main_grad`` per weight as above. Not with ``delay_wgrad_compute=True``
+(``NotImplementedError``).
 """
 
 from __future__ import annotations
@@ -245,7 +246,10 @@ def grouped_primary(
     ``[G, K]``, the largest amax ``[1]``). The ``weight`` argument is a zero-byte stand-in of
     the weight's shape in ``dtype`` (an expanded scalar; the op reads the codes from the
     operand) that requires grad where the codes do: the op then accumulates the weight
-    gradient into the ``main_grad`` it is given and returns none."""
+    gradient into the ``main_grad`` it is given and returns none. Sharded by FSDP2 (with
+    ``FP8MasterWeights`` and grad enabled), the stand-in requires grad through the weights'
+    sharded ``main_grad`` leaves instead (:class:`_ShardedGroupedGrad`; the module passes no
+    ``main_grad``, the op returns the ``[G, N, K]`` gradient to the stand-in)."""
     weights = [getattr(module, n) for n in names]
     if not is_primary(weights[0]):
         for n in names:
@@ -258,7 +262,11 @@ def grouped_primary(
     amax = torch.cat([getattr(module, f"{name}_amax") for name in names]).amax().reshape(1)
     operand = [data, inv[:, None].expand(g, n).contiguous(), data.transpose(1, 2).contiguous(),
                inv[:, None].expand(g, k).contiguous(), amax]  # fmt: skip
-    return _StandIn.apply(dtype, (g, n, k), *weights), operand
+    sinks = [module.__dict__.get(_SHARDED_MAIN_GRADS, {}).get(name) for name in names]
+    if sinks[0] is None or weights[0].requires_grad or not torch.is_grad_enabled():
+        return _StandIn.apply(dtype, (g, n, k), *weights), operand
+    group_name, world = module.__dict__[_SHARD_GROUP][names[0]]
+    return _ShardedGroupedGrad.apply(dtype, (g, n, k), group_name, world, *sinks), operand
 
 
 class _StandIn(torch.autograd.Function):
@@ -319,25 +327,51 @@ class _ShardedGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, codes: Tensor, sink: Tensor, dtype: torch.dtype, group_name: str,
                 world: int) -> Tensor:  # fmt: skip
-        ctx.group_name, ctx.world, ctx.rows = group_name, world, codes.shape[0]
+        ctx.group_name, ctx.world = group_name, world
         ctx.local_rows = sink.shape[0]
         return sink.new_zeros((), dtype=dtype).expand(codes.shape)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[None, Tensor, None, None, None]:
-        import torch.distributed._functional_collectives as funcol
+        shard = _reduce_scatter_rows(grad, ctx.world, ctx.group_name, ctx.local_rows)
+        return None, shard, None, None, None
 
-        world, rows = ctx.world, ctx.rows
-        chunk = -(-rows // world)
-        full = grad.float()
-        if chunk * world != rows:
-            full = torch.cat([full, full.new_zeros((chunk * world - rows, *full.shape[1:]))])
-        out = funcol.wait_tensor(  # what funcol.reduce_scatter_tensor calls, without its warning
-            torch.ops._c10d_functional.reduce_scatter_tensor(
-                full.contiguous(), "sum", world, ctx.group_name
-            )
-        )
-        return None, out[: ctx.local_rows].div(world), None, None, None
+
+def _reduce_scatter_rows(grad: Tensor, world: int, group_name: str, local_rows: int) -> Tensor:
+    """This rank's rows of the mean over the group of ``grad`` (fp32), in FSDP2's chunks
+    along dim 0 (``ceil(rows / world)`` rows per rank, the last ones short: zero padding)."""
+    import torch.distributed._functional_collectives as funcol
+
+    rows = grad.shape[0]
+    chunk = -(-rows // world)
+    full = grad.float()
+    if chunk * world != rows:
+        full = torch.cat([full, full.new_zeros((chunk * world - rows, *full.shape[1:]))])
+    # What funcol.reduce_scatter_tensor calls, without its warning.
+    reduce_scatter = torch.ops._c10d_functional.reduce_scatter_tensor
+    out = funcol.wait_tensor(reduce_scatter(full.contiguous(), "sum", world, group_name))
+    return out[:local_rows].div(world)
+
+
+class _ShardedGroupedGrad(torch.autograd.Function):
+    """:class:`_ShardedGrad` for a grouped GEMM's weights (:func:`grouped_primary`): the
+    stand-in ``[G, N, K]`` requires grad through ``sinks`` (one per FP8 weight: ``G`` weights
+    ``[N, K]`` sharded on their rows, or one ``[G, N, K]`` sharded on its groups); the backward
+    reduce-scatters each weight's part of the gradient into its sink."""
+
+    @staticmethod
+    def forward(ctx, dtype: torch.dtype, shape: tuple[int, ...], group_name: str, world: int,
+                *sinks: Tensor) -> Tensor:  # fmt: skip
+        ctx.group_name, ctx.world = group_name, world
+        ctx.local_rows = [s.shape[0] for s in sinks]
+        return sinks[0].new_zeros((), dtype=dtype).expand(shape)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        parts = grad.unbind(0) if len(ctx.local_rows) > 1 else (grad,)
+        shards = [_reduce_scatter_rows(p, ctx.world, ctx.group_name, rows)
+                  for p, rows in zip(parts, ctx.local_rows, strict=True)]  # fmt: skip
+        return (None, None, None, None, *shards)
 
 
 def primary_main_grad(module: nn.Module, name: str) -> Tensor | None:
@@ -400,12 +434,8 @@ class FP8MasterWeights:
             allocate = getattr(module, "allocate_main_grad", None)
             own = [p for p in module.parameters(recurse=False) if is_primary(p)]
             allocated = bool(own) and allocate is not None
+            allocated = allocated and all(_fsdp_group(owner, p) is None for p in own)
             if allocated:
-                if any(_fsdp_group(owner, p) is not None for p in own):
-                    raise NotImplementedError(
-                        f"{owner}: FP8 primary weights of {type(module).__name__} sharded by "
-                        "FSDP2 are not supported; shard only the modules without them"
-                    )
                 allocate()
             for name, param in module.named_parameters(recurse=False):
                 if id(param) in seen:

@@ -264,6 +264,47 @@ def _delayed_wgrad_refused(rank, group, device):
             raise AssertionError("a delayed weight gradient of a sharded FP8 weight is refused")
 
 
+SPLITS = [5, 0, 11]  # BATCH rows over three experts, one without tokens
+
+
+class _Experts(torch.nn.Module):
+    def __init__(self, grouped):
+        super().__init__()
+        self.experts = grouped
+
+    def forward(self, x):
+        return self.experts(x, SPLITS)
+
+
+def _grouped_model(device, recipe, single):
+    torch.manual_seed(0)
+    kw = {"params_dtype": torch.float32, "device": device, "single_grouped_weight": single}
+    with te.quantized_model_init(recipe=recipe):
+        experts = te.GroupedLinear(len(SPLITS), H, 2 * H, **kw)
+    return torch.nn.Sequential(_Experts(experts), torch.nn.LayerNorm(2 * H, device=device))
+
+
+def _grouped_matches_unsharded(rank, group, device, single):
+    """GroupedLinear's FP8 weights sharded: ``weight{i}`` on their rows, or the one ``[G, out,
+    in]`` weight on its groups (3 over 2 ranks: uneven); each weight's gradient reduce-scattered
+    into its sharded main_grad; the same losses, codes, scales and masters as unsharded."""
+    recipe, batches = Float8CurrentScaling(), _batches(device)
+    reference = _grouped_model(device, recipe, single)
+    ref_losses, ref_masters = _train(reference, recipe, batches)
+    model = _shard(_grouped_model(device, recipe, single))
+    names = ["weight"] if single else [f"weight{i}" for i in range(len(SPLITS))]
+    for name in names:
+        p = model[0].experts.get_parameter(name)
+        assert isinstance(p, DTensor) and p.dtype == E4M3, name
+        assert p.to_local().shape == torch.empty(p.shape, device="meta").chunk(WORLD)[rank].shape
+    losses, masters = _train(model, recipe, batches)
+    assert torch.equal(losses, ref_losses), (losses, ref_losses)
+    assert losses[-1] < losses[0], losses
+    _assert_same_state(model, reference, group)
+    for master, expected in zip(masters.parameters(), ref_masters.parameters(), strict=True):
+        assert torch.equal(master.full_tensor(), expected)
+
+
 def _worker(names, rank, group, backend):
     device = device_for(backend, rank)
     train = functools.partial(_train_matches_unsharded, rank, group, device)
@@ -274,11 +315,14 @@ def _worker(names, rank, group, backend):
         "checkpoint": functools.partial(_checkpoint_round_trip, rank, group, device),
         "param_dtype_refused": functools.partial(_cast_weights_refused, rank, group, device),
         "delay_wgrad_refused": functools.partial(_delayed_wgrad_refused, rank, group, device),
+        "grouped": functools.partial(_grouped_matches_unsharded, rank, group, device, False),
+        "grouped_single": functools.partial(_grouped_matches_unsharded, rank, group, device, True),
     }
     return run_checks({name: checks[name] for name in names})
 
 
-DEFAULT = ("current", "checkpoint", "param_dtype_refused", "delay_wgrad_refused")
+DEFAULT = ("current", "checkpoint", "param_dtype_refused", "delay_wgrad_refused", "grouped",
+           "grouped_single")  # fmt: skip
 LONG = ("delayed", "current_compiled")  # --long-runs: CI's time is tight
 
 
