@@ -54,7 +54,6 @@ from te_compile.functional.glu_layout import deinterleave_glu_tensor, interleave
 from te_compile.modules._common import check_bool, check_choice, check_positive
 from te_compile.modules.grouped_linear import GroupedLinear
 from te_compile.quantization.gemm import check_first_microbatch
-from te_compile.quantization.primary import refuse_primary
 
 __all__ = ["GroupedMLP", "convert_glu_layout"]
 
@@ -73,6 +72,9 @@ class GroupedMLP(nn.Module):
         params_dtype, device: of the parameters.
         tp_group, tp_size: expert tensor parallelism (see the module docstring);
             ``sequence_parallel=True`` raises, as in :class:`~te_compile.GroupedLinear`.
+
+    Built inside ``te_compile.quantized_model_init``, FC1 and FC2 keep FP8 weights (as
+    :class:`~te_compile.GroupedLinear`).
     """
 
     def __init__(
@@ -92,7 +94,6 @@ class GroupedMLP(nn.Module):
         tp_size: int | None = None,
     ) -> None:
         super().__init__()
-        refuse_primary("GroupedMLP")  # no FP8 primary weights here
         owner = "GroupedMLP"
         check_positive(
             owner,

@@ -55,10 +55,10 @@ module's backward, and several backward calls before ``step`` accumulate. ``step
 ``docs/fp8.md``, "FSDP2".
 
 Supported: the per-tensor recipes (``Float8CurrentScaling``, ``DelayedScaling``) on
-``Linear``, ``LayerNormLinear``, ``LayerNormMLP`` and ``GroupedLinear``; the weights run inside
-a ``te_compile.autocast`` with a per-tensor recipe (outside it, or under calibration, a module
-with FP8 weights raises). Other recipes and modules raise ``NotImplementedError`` at
-construction.
+``Linear``, ``LayerNormLinear``, ``LayerNormMLP``, ``GroupedLinear`` and ``GroupedMLP`` (its
+two ``GroupedLinear``); the weights run inside a ``te_compile.autocast`` with a per-tensor
+recipe (outside it, or under calibration, a module with FP8 weights raises). Other recipes and
+modules raise ``NotImplementedError`` at construction.
 
 ``GroupedLinear``: each ``weight{i}`` is cast with its own scale (one ``weight`` ``[G, N, K]``,
 ``single_grouped_weight=True``: one scale for all groups); the forward stacks the codes into

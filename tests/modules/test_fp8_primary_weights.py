@@ -204,7 +204,7 @@ def test_refused_uses():
         with pytest.raises(NotImplementedError, match=type(other).__name__):
             _primary("Linear", "cpu", other)
     with te.quantized_model_init(recipe=recipe):
-        for build in (lambda: te.GroupedMLP(2, 32, 32), lambda: te.ops.BasicLinear(32, 32)):
+        for build in (lambda: te.ops.GroupedLinear(2, 32, 32), lambda: te.ops.BasicLinear(32, 32)):
             with pytest.raises(NotImplementedError, match="not implemented for this module"):
                 build()
     m = _primary("Linear", "cpu", recipe)
@@ -432,3 +432,47 @@ def test_grouped_refused_uses():
         m(_x("cpu"), SPLITS)
     with autocast(recipe=recipe), torch.no_grad():  # inference needs no masters
         assert m(_x("cpu"), SPLITS).isfinite().all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grouped_mlp_fp8_weights_train_and_compile(device):
+    """GroupedMLP's FC1 and FC2 hold FP8 weights: the output and input gradient against the
+    float64 MLP of the weights the codes stand for (two quantised GEMMs), the loss falls under
+    FP8MasterWeights, and the compiled step is one graph."""
+    recipe = Float8CurrentScaling()
+    torch.manual_seed(0)
+    with te.quantized_model_init(recipe=recipe):
+        m = te.GroupedMLP(G, 128, 96, params_dtype=torch.bfloat16, device=device,
+                          single_grouped_parameter=False)  # fmt: skip
+    assert _fp8_names(m) == [f"fc{j}.weight{i}" for j in (1, 2) for i in range(G)]
+    masters = te.FP8MasterWeights(m)
+    x = _x(device).requires_grad_()
+    with autocast(recipe=recipe):
+        y = m(x, SPLITS)
+    g = torch.randn_like(y)
+    y.backward(g)
+    rows = torch.repeat_interleave(torch.arange(G), torch.tensor(SPLITS))
+    w1, w2 = _dequantized(m.fc1).cpu()[rows], _dequantized(m.fc2).cpu()[rows]
+    xd = x.detach().cpu().double().requires_grad_()
+    a, b = torch.einsum("mk,mnk->mn", xd, w1).chunk(2, dim=-1)
+    y_ref = torch.einsum("mk,mnk->mn", torch.nn.functional.silu(a) * b, w2)
+    y_ref.backward(g.cpu().double())
+    assert_close_quantized(y, y_ref, "current", gemms=2)
+    assert_close_quantized(x.grad, xd.grad, "current", gemms=2)
+    opt = torch.optim.SGD(masters.parameters(), lr=0.5)
+    opt.zero_grad()
+    for n in _fp8_names(m):
+        m.get_parameter(n).main_grad.zero_()
+
+    def loss_fn(module, inp):
+        with autocast(recipe=recipe):
+            return module(inp, SPLITS).float().square().mean()
+
+    losses = []
+    for _step in range(3):
+        loss = loss_fn(m, _x(device))
+        loss.backward()
+        masters.step(opt)
+        losses.append(loss.item())
+    assert losses[-1] < losses[0], losses
+    assert_single_graph(loss_fn, m, _x(device))
