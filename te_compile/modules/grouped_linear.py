@@ -291,13 +291,7 @@ class GroupedLinear(DelayedWgrad, nn.Module):
         (``FP8MasterWeights`` allocates it); None where no gradient is wanted."""
         main_grad = (getattr(self.weight, "main_grad", None) if self.single_weight
                      else getattr(self, "_main_grad_buffer", None))  # fmt: skip
-        if main_grad is None and torch.is_grad_enabled() and params[0].requires_grad:
-            raise RuntimeError(
-                "GroupedLinear: FP8 primary weights (quantized_model_init) accumulate their "
-                "gradient into main_grad: build te.FP8MasterWeights(model) before training, "
-                "or run the forward under torch.no_grad()"
-            )
-        return main_grad
+        return _primary.required_main_grad("GroupedLinear", main_grad, params[0])
 
     # Forward -------------------------------------------------------------------------------------
 

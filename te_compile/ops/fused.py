@@ -106,7 +106,7 @@ class ForwardLinearBiasActivation(FusedOperation):
 
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
         bias = None if self.bias is None else self.bias.bias
-        if bias is not None and bias.dtype != self.linear.weight.dtype:
+        if bias is not None and bias.dtype != self.linear.compute_dtype(x):
             return self.unfused(x, extra_inputs)  # the unfused add promotes mixed dtypes
         act = self.activation
         if act is None:  # the bias in the GEMM's epilogue
@@ -135,12 +135,12 @@ class ForwardLinearBiasAdd(FusedOperation):
 
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
         (residual,) = extra_inputs
-        w = self.linear.weight
+        w, dtype = self.linear.weight, self.linear.compute_dtype(x)
         if (
             residual.shape != (*x.shape[:-1], w.shape[0])
             or residual.dtype != x.dtype
-            or x.dtype != w.dtype
-            or (self.bias is not None and self.bias.bias.dtype != w.dtype)
+            or x.dtype != dtype
+            or (self.bias is not None and self.bias.bias.dtype != dtype)
         ):
             return self.unfused(x, extra_inputs)
         bias = None if self.bias is None else self.bias.bias
@@ -165,7 +165,7 @@ class BackwardLinearAdd(FusedOperation):
 
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
         bias = None if self.bias is None else self.bias.bias
-        if bias is not None and bias.dtype != self.linear.weight.dtype:
+        if bias is not None and bias.dtype != self.linear.compute_dtype(x):
             return self.unfused(x, extra_inputs)
         y, branch = self.linear.linear(x, bias, return_branch=True)
         return y, (branch,)

@@ -34,8 +34,7 @@ from torch import Tensor, nn
 from te_compile._checks import check_bool, check_callable, check_device
 from te_compile.distributed.tensor_parallel import TensorParallel, set_parallel_attributes
 from te_compile.ops.op import BasicOperation, FusibleOperation, OpOutput, check_input
-from te_compile.quantization import fp8_gemm, gemm
-from te_compile.quantization.primary import refuse_primary
+from te_compile.quantization import fp8_gemm, gemm, primary
 
 __all__ = ["BasicLinear", "Bias", "GroupedLinear", "Linear"]
 
@@ -122,7 +121,6 @@ class BasicLinear(BasicOperation):
         init_method: Callable[[Tensor], None] | None = None,
     ) -> None:
         super().__init__()
-        refuse_primary("te.ops.BasicLinear")  # no FP8 primary weights in the fusible ops
         _check_size("BasicLinear", in_features=in_features, out_features=out_features)
         check_bool("BasicLinear", accumulate_into_main_grad=accumulate_into_main_grad)
         if userbuffers_options is not None and not isinstance(userbuffers_options, dict):
@@ -161,6 +159,7 @@ class BasicLinear(BasicOperation):
             set_parallel_attributes(self.weight, 0 if self.tp.mode == "column" else 1)
         self.fp8_meta = fp8_gemm.FP8GemmState(device)
         self.reset_parameters()
+        primary.make_primary(self, ("weight",), "te.ops.BasicLinear")  # in quantized_model_init
 
     @property
     def tensor_parallel_mode(self) -> str | None:
@@ -195,16 +194,26 @@ class BasicLinear(BasicOperation):
         """``x W^T + bias`` through ``te::linear`` with the recipe of the autocast state (high
         precision outside one) and the epilogue arguments of ``functional.linear``
         (``activation``, ``residual``, ``out_scale``, ``return_branch``): what the fused ops
-        call, in every precision."""
-        main_grad = self.main_grad()
+        call, in every precision. FP8 primary weights (``quantized_model_init``): the codes are
+        the GEMM's pre-quantised weight, the gradient goes to ``weight.main_grad``."""
+        weight_q = primary.primary_operand(self, "weight")
+        if weight_q is None:
+            weight, main_grad = self.weight, self.main_grad()
+        else:
+            weight, main_grad = primary.primary_weight(self, "weight", x.dtype)
 
         def run(inp: Tensor, b: Tensor | None) -> Tensor | tuple[Tensor, ...]:
-            return gemm.linear("BasicLinear", self.fp8_meta, inp, self.weight, b, main_grad,
-                               **epilogue)  # fmt: skip
+            return gemm.linear("BasicLinear", self.fp8_meta, inp, weight, b, main_grad,
+                               weight_quantized=weight_q, **epilogue)  # fmt: skip
 
         if self.tp.mode is None:
             return run(x, bias)
         return self.tp.linear("BasicLinear", run, x, bias)[0]
+
+    def compute_dtype(self, x: Tensor) -> torch.dtype:
+        """The dtype the GEMM of input ``x`` computes in, which a bias in its epilogue must
+        have: the weight's, or ``x``'s for FP8 primary weights."""
+        return x.dtype if primary.is_primary(self.weight) else self.weight.dtype
 
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
         check_input("BasicLinear", x, self.local_in_features)  # this rank's features
@@ -304,7 +313,6 @@ class GroupedLinear(BasicOperation):
         init_method: Callable[[Tensor], None] | None = None,
     ) -> None:
         super().__init__()
-        refuse_primary("te.ops.GroupedLinear")
         _check_size(
             "GroupedLinear",
             num_groups=num_groups,
@@ -322,6 +330,7 @@ class GroupedLinear(BasicOperation):
         self.bias = nn.Parameter(torch.empty(num_groups, out_features, **kw)) if bias else None
         self.fp8_meta = fp8_gemm.FP8GemmState(device)
         self.reset_parameters()
+        primary.make_primary(self, ("weight",), "te.ops.GroupedLinear")  # quantized_model_init
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -332,9 +341,14 @@ class GroupedLinear(BasicOperation):
 
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
         (m_splits,) = extra_inputs
-        out = gemm.grouped_linear(
-            "GroupedLinear", self.fp8_meta, x, m_splits, self.weight, self.bias
-        )
+        weight, main_grad, weight_q = self.weight, None, None
+        fp8 = primary.grouped_primary(self, ("weight",), x.dtype)
+        if fp8 is not None:  # FP8 primary weights: the gradient goes to weight.main_grad
+            weight, weight_q = fp8
+            main_grad = getattr(self.weight, "main_grad", None)
+            main_grad = primary.required_main_grad("GroupedLinear", main_grad, self.weight)
+        out = gemm.grouped_linear("GroupedLinear", self.fp8_meta, x, m_splits, weight, self.bias,
+                                  main_grad, weight_quantized=weight_q)  # fmt: skip
         return out, ()
 
     def extra_repr(self) -> str:
@@ -421,7 +435,7 @@ class Linear(FusibleOperation):
     def forward(self, input: Tensor) -> Tensor:
         check_input("Linear", input, self.basic_ops[0].local_in_features)
         bias = self.bias
-        if bias is not None and bias.dtype != self.weight.dtype:  # the add promotes
+        if bias is not None and bias.dtype != self.basic_ops[0].compute_dtype(input):
             x, _ = self.basic_ops[0].op_forward(input, ())
             return self.basic_ops[1].op_forward(x, ())[0]
         return self.basic_ops[0].linear(input, bias)

@@ -54,11 +54,12 @@ module's backward, and several backward calls before ``step`` accumulate. ``step
 (max) each shard's amax before the refresh, so the codes equal the unsharded refresh's.
 ``docs/fp8.md``, "FSDP2".
 
-Supported: the per-tensor recipes (``Float8CurrentScaling``, ``DelayedScaling``) on
-``Linear``, ``LayerNormLinear``, ``LayerNormMLP``, ``GroupedLinear`` and ``GroupedMLP`` (its
-two ``GroupedLinear``); the weights run inside a ``te_compile.autocast`` with a per-tensor
-recipe (outside it, or under calibration, a module with FP8 weights raises). Other recipes and
-modules raise ``NotImplementedError`` at construction.
+Supported: the per-tensor recipes (``Float8CurrentScaling``, ``DelayedScaling``) on every
+module with GEMM weights (``Linear``, ``LayerNormLinear``, ``LayerNormMLP``, ``GroupedLinear``,
+``GroupedMLP``, and those built of them) and on ``te.ops.BasicLinear`` / ``te.ops.Linear`` /
+``te.ops.GroupedLinear``; the weights run inside a ``te_compile.autocast`` with a per-tensor
+recipe (outside it, or under calibration, a module with FP8 weights raises). Other recipes
+raise ``NotImplementedError`` at construction.
 
 ``GroupedLinear``: each ``weight{i}`` is cast with its own scale (one ``weight`` ``[G, N, K]``,
 ``single_grouped_weight=True``: one scale for all groups); the forward stacks the codes into
@@ -94,10 +95,11 @@ __all__ = [
     "get_high_precision_init_val",
     "grouped_primary",
     "init_state",
+    "is_primary",
     "make_primary",
     "primary_operand",
     "quantized_model_init",
-    "refuse_primary",
+    "required_main_grad",
 ]
 
 
@@ -147,15 +149,6 @@ fp8_model_init = quantized_model_init  # Transformer Engine's older name, same a
 def init_state() -> _InitState | None:
     """The enclosing ``quantized_model_init``'s recipe and preserve flag, or None."""
     return _STATE[0]
-
-
-def refuse_primary(owner: str) -> None:
-    """For a module without FP8 primary weights: raise inside ``quantized_model_init``."""
-    if _STATE[0] is not None:
-        raise NotImplementedError(
-            f"{owner}: FP8 primary weights (quantized_model_init) are not implemented for this "
-            "module; build it outside quantized_model_init(enabled=True)"
-        )
 
 
 def _quantize(weight: Tensor, recipe: Recipe, owner: str) -> list[Tensor]:
@@ -267,6 +260,19 @@ def grouped_primary(
         return _StandIn.apply(dtype, (g, n, k), *weights), operand
     group_name, world = module.__dict__[_SHARD_GROUP][names[0]]
     return _ShardedGroupedGrad.apply(dtype, (g, n, k), group_name, world, *sinks), operand
+
+
+def required_main_grad(owner: str, main_grad: Tensor | None, weight: Tensor) -> Tensor | None:
+    """``main_grad`` of FP8 weights for a GEMM op that accumulates their gradient into it; a
+    clear error where a gradient is wanted (grad enabled, ``weight`` trainable) and there is
+    none (no ``FP8MasterWeights`` yet)."""
+    if main_grad is None and torch.is_grad_enabled() and weight.requires_grad:
+        raise RuntimeError(
+            f"{owner}: FP8 primary weights (quantized_model_init) accumulate their gradient "
+            "into main_grad: build te.FP8MasterWeights(model) before training, or run the "
+            "forward under torch.no_grad()"
+        )
+    return main_grad
 
 
 class _StandIn(torch.autograd.Function):

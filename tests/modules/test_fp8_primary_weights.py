@@ -203,10 +203,6 @@ def test_refused_uses():
     for other in (Float8BlockScaling(), MXFP8BlockScaling()):
         with pytest.raises(NotImplementedError, match=type(other).__name__):
             _primary("Linear", "cpu", other)
-    with te.quantized_model_init(recipe=recipe):
-        for build in (lambda: te.ops.GroupedLinear(2, 32, 32), lambda: te.ops.BasicLinear(32, 32)):
-            with pytest.raises(NotImplementedError, match="not implemented for this module"):
-                build()
     m = _primary("Linear", "cpu", recipe)
     with pytest.raises(NotImplementedError, match="no FP8 autocast"):
         m(_x("cpu"))
@@ -476,3 +472,111 @@ def test_grouped_mlp_fp8_weights_train_and_compile(device):
         losses.append(loss.item())
     assert losses[-1] < losses[0], losses
     assert_single_graph(loss_fn, m, _x(device))
+
+
+# te.ops ----------------------------------------------------------------------------------------
+
+
+def _ops_linear(device, recipe=None, **kw):
+    torch.manual_seed(0)
+    kw = {"dtype": torch.bfloat16, "device": device, **kw}
+    if recipe is None:
+        return te.ops.Linear(128, 64, **kw)
+    with te.quantized_model_init(recipe=recipe):
+        return te.ops.Linear(128, 64, **kw)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_ops_linear_matches_the_high_precision_op(device):
+    """``te.ops.Linear`` (alone: one ``te::linear`` with the bias in its epilogue) and inside a
+    ``Sequential`` fused with SwiGLU: under current scaling the FP8 weight is the cast the
+    high-precision op makes each step, so outputs and gradients are the same bits."""
+    recipe = Float8CurrentScaling()
+    hp = _ops_linear(device, accumulate_into_main_grad=True)
+    m = _ops_linear(device, recipe)
+    assert _fp8_names(m) == ["basic_ops.0.weight"]
+    te.FP8MasterWeights(m)
+    hp.weight.main_grad = torch.zeros(hp.weight.shape, device=device)
+    for wrap in (lambda op: op, lambda op: te.ops.Sequential(op, te.ops.SwiGLU())):
+        x = _x(device).requires_grad_()
+        x0 = x.detach().clone().requires_grad_()
+        with autocast(recipe=recipe):
+            y, y0 = wrap(m)(x), wrap(hp)(x0)
+        assert torch.equal(y, y0)
+        g = torch.randn_like(y)
+        y.backward(g)
+        y0.backward(g)
+        assert torch.equal(x.grad, x0.grad)
+        assert torch.equal(m.weight.main_grad, hp.weight.main_grad)
+        assert torch.equal(m.bias.grad, hp.bias.grad)
+        assert m.weight.grad is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_ops_grouped_linear_against_float64(device):
+    recipe = Float8CurrentScaling()
+    torch.manual_seed(0)
+    with te.quantized_model_init(recipe=recipe):
+        op = te.ops.GroupedLinear(G, 128, 64, dtype=torch.bfloat16, device=device)
+    te.FP8MasterWeights(op)
+    x = _x(device).requires_grad_()
+    with autocast(recipe=recipe):
+        y = te.ops.Sequential(op)(x, SPLITS)
+    g = torch.randn_like(y)
+    y.backward(g)
+    rows = torch.repeat_interleave(torch.arange(G), torch.tensor(SPLITS))
+    w = (op.weight.detach().double() * op.weight_scale_inv.double()).cpu()[rows]
+    xd, gd = x.detach().cpu().double(), g.cpu().double()
+    bias = op.bias.detach().cpu().double()[rows]
+    assert_close_quantized(y, torch.einsum("mk,mnk->mn", xd, w) + bias, "current")
+    assert_close_quantized(x.grad, torch.einsum("mn,mnk->mk", gd, w), "current")
+    dw = torch.stack([gd[rows == i].T @ xd[rows == i] for i in range(G)])
+    assert_close_quantized(op.weight.main_grad, dw, "current")
+    assert op.weight.grad is None
+    with autocast(recipe=recipe), pytest.raises(RuntimeError, match="main_grad"):
+        te.ops.Sequential(_ops_grouped_without_masters(device, recipe))(x, SPLITS)
+
+
+def _ops_grouped_without_masters(device, recipe):
+    with te.quantized_model_init(recipe=recipe):
+        return te.ops.GroupedLinear(G, 128, 64, dtype=torch.bfloat16, device=device)
+
+
+def test_ops_sequential_trains_and_compiles_to_one_graph():
+    """A fused te.ops stack with FP8 weights (norm, linear + bias + SwiGLU, grouped linear):
+    the loss falls under FP8MasterWeights and the compiled step is one graph, the same values
+    as eager."""
+    recipe = Float8CurrentScaling()
+
+    def build():
+        torch.manual_seed(0)
+        with te.quantized_model_init(recipe=recipe):
+            return te.ops.Sequential(
+                te.ops.LayerNorm(128, dtype=torch.bfloat16),
+                te.ops.Linear(128, 256, dtype=torch.bfloat16), te.ops.SwiGLU(),
+                te.ops.GroupedLinear(G, 128, 64, dtype=torch.bfloat16),
+            )  # fmt: skip
+
+    def loss_fn(model, x):
+        with autocast(recipe=recipe):
+            return model(x, SPLITS).float().square().mean()
+
+    eager, compiled = build(), build()
+    assert len(_fp8_names(eager)) == 2
+    m_eager, m_compiled = te.FP8MasterWeights(eager), te.FP8MasterWeights(compiled)
+    opts = [torch.optim.SGD([*m.parameters(), *m.other_parameters()], lr=2.0)
+            for m in (m_eager, m_compiled)]  # fmt: skip
+    assert_single_graph(loss_fn, compiled, _x("cpu"))
+    fn, counter = compile_counted(loss_fn, backend="aot_eager")
+    losses = []
+    for step in range(3):
+        loss, loss0 = fn(compiled, _x("cpu", step)), loss_fn(eager, _x("cpu", step))
+        assert torch.equal(loss, loss0)
+        loss.backward()
+        loss0.backward()
+        for masters, opt in zip((m_eager, m_compiled), opts, strict=True):
+            masters.step(opt)
+            opt.zero_grad()
+        losses.append(loss0.item())
+    assert counter.frame_count == 1
+    assert losses[-1] < losses[0], losses
