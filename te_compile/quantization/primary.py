@@ -249,7 +249,7 @@ def grouped_primary(
             primary_operand(module, n)  # raises for codes some cast turned high-precision
         return None
     codes = [w.detach().view(torch.uint8) for w in weights]
-    data = codes[0] if len(codes) == 1 else torch.stack(codes)
+    data = codes[0] if codes[0].dim() == 3 else torch.stack(codes)  # one [G, N, K], or G
     g, n, k = data.shape
     inv = torch.cat([getattr(module, f"{name}_scale_inv") for name in names]).expand(g)
     amax = torch.cat([getattr(module, f"{name}_amax") for name in names]).amax().reshape(1)
@@ -370,11 +370,12 @@ class _ShardedGroupedGrad(torch.autograd.Function):
                 *sinks: Tensor) -> Tensor:  # fmt: skip
         ctx.group_name, ctx.world = group_name, world
         ctx.local_rows = [s.shape[0] for s in sinks]
+        ctx.per_group = sinks[0].dim() == 2  # G weights [N, K] (else one [G, N, K])
         return sinks[0].new_zeros((), dtype=dtype).expand(shape)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
-        parts = grad.unbind(0) if len(ctx.local_rows) > 1 else (grad,)
+        parts = grad.unbind(0) if ctx.per_group else (grad,)
         shards = [_reduce_scatter_rows(p, ctx.world, ctx.group_name, rows)
                   for p, rows in zip(parts, ctx.local_rows, strict=True)]  # fmt: skip
         return (None, None, None, None, *shards)

@@ -375,6 +375,36 @@ def test_grouped_training_tracks_high_precision_weights(recipe):
 
 
 @pytest.mark.parametrize("single", [False, True], ids=["per_group", "single"])
+def test_grouped_one_group_is_a_linear(single):
+    """``num_gemms=1`` (a ``weight0`` ``[out, in]``, or ``weight`` ``[1, out, in]``): output,
+    input gradient and weight gradient of ``te.Linear`` with the same FP8 weight, within the
+    recipe's bounds (the grouped GEMM scales its input per row, the dense one per tensor)."""
+    recipe = Float8CurrentScaling()
+    torch.manual_seed(0)
+    with te.quantized_model_init(recipe=recipe):
+        grouped = te.GroupedLinear(1, 128, 64, bias=False, params_dtype=torch.bfloat16,
+                                   single_grouped_weight=single)  # fmt: skip
+        dense = te.Linear(128, 64, bias=False, params_dtype=torch.bfloat16)
+    name = "weight" if single else "weight0"
+    with torch.no_grad():
+        dense.weight.copy_(getattr(grouped, name).reshape(dense.weight.shape))
+        dense.weight_scale_inv.copy_(getattr(grouped, f"{name}_scale_inv"))
+        dense.weight_amax.copy_(getattr(grouped, f"{name}_amax"))
+    te.FP8MasterWeights(grouped), te.FP8MasterWeights(dense)
+    x = _x("cpu").requires_grad_()
+    x0 = x.detach().clone().requires_grad_()
+    with autocast(recipe=recipe):
+        y, y0 = grouped(x, [x.shape[0]]), dense(x0)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y0.backward(g)
+    assert_close_quantized(y, y0.double(), "current")
+    assert_close_quantized(x.grad, x0.grad.double(), "current")
+    main_grad = getattr(grouped, name).main_grad.reshape(dense.weight.shape)
+    assert_close_quantized(main_grad, dense.weight.main_grad.double(), "current")
+
+
+@pytest.mark.parametrize("single", [False, True], ids=["per_group", "single"])
 def test_grouped_state_dict_round_trip_and_layout(single):
     """The codes and their scales round-trip; a state_dict of FP8 weights in the other layout
     (whose scales differ) is refused by name."""
