@@ -252,7 +252,10 @@ class GroupedLinear(DelayedWgrad, nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        with rng_fork(self.get_rng_state_tracker, self.rng_tracker_name):
+        with (
+            _primary.high_precision_init(self, self._weight_names()),
+            rng_fork(self.get_rng_state_tracker, self.rng_tracker_name),
+        ):
             for w in self.weights():
                 self.init_method(w)
         for b in self.biases() or ():

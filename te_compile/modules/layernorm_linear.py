@@ -145,7 +145,10 @@ class LayerNormLinear(DelayedWgrad, NamedSlices, PreNorm):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         self._reset_norm()
-        with rng_fork(self.get_rng_state_tracker, self.rng_tracker_name):
+        with (
+            _primary.high_precision_init(self, ("weight",)),
+            rng_fork(self.get_rng_state_tracker, self.rng_tracker_name),
+        ):
             self.init_method(self.weight)
         if self.bias is not None:
             self.bias.zero_()

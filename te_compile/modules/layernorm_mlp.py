@@ -211,7 +211,10 @@ class LayerNormMLP(DelayedWgrad, PreNorm):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         self._reset_norm()
-        with rng_fork(self.get_rng_state_tracker, self.rng_tracker_name):
+        with (
+            _primary.high_precision_init(self, ("fc1_weight", "fc2_weight")),
+            rng_fork(self.get_rng_state_tracker, self.rng_tracker_name),
+        ):
             self.init_method(self.fc1_weight)
             self.output_layer_init_method(self.fc2_weight)
         for bias in (self.fc1_bias, self.fc2_bias):

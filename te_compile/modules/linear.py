@@ -165,7 +165,10 @@ class Linear(DelayedWgrad, NamedSlices, nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        with rng_fork(self.get_rng_state_tracker, self.rng_tracker_name):
+        with (
+            _primary.high_precision_init(self, ("weight",)),
+            rng_fork(self.get_rng_state_tracker, self.rng_tracker_name),
+        ):
             self.init_method(self.weight)
         if self.bias is not None:
             self.bias.zero_()

@@ -175,7 +175,11 @@ class BasicLinear(BasicOperation):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        _init_with_tracker(lambda: self.init_method(self.weight), self.rng_state_tracker_function)
+        def init() -> None:
+            self.init_method(self.weight)
+
+        with primary.high_precision_init(self, ("weight",)):
+            _init_with_tracker(init, self.rng_state_tracker_function)
 
     def main_grad(self) -> Tensor | None:
         """``weight.main_grad`` with ``accumulate_into_main_grad``, else None."""
@@ -334,8 +338,9 @@ class GroupedLinear(BasicOperation):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        for w in self.weight.unbind(0):
-            self.init_method(w)
+        with primary.high_precision_init(self, ("weight",)):
+            for w in self.weight.unbind(0):
+                self.init_method(w)
         if self.bias is not None:
             self.bias.zero_()
 

@@ -94,6 +94,7 @@ __all__ = [
     "fp8_model_init",
     "get_high_precision_init_val",
     "grouped_primary",
+    "high_precision_init",
     "init_state",
     "is_primary",
     "make_primary",
@@ -204,6 +205,40 @@ def make_primary(module: nn.Module, names: tuple[str, ...], owner: str) -> None:
         setattr(module, name, param)
         module.register_buffer(f"{name}_scale_inv", scale_inv)
         module.register_buffer(f"{name}_amax", amax)
+        module.__dict__.setdefault(_INIT_DTYPES, {})[name] = hp.dtype
+
+
+@contextlib.contextmanager
+def high_precision_init(module: nn.Module, names: tuple[str, ...]) -> Iterator[None]:
+    """For ``module.reset_parameters()``: inside, each FP8 weight of ``names`` is a
+    high-precision Parameter (the dtype it was built in) for the initialiser to fill; on exit
+    it is cast into the codes, scale and amax as at construction (Transformer Engine
+    re-quantises its FP8 parameters too), and a kept initial value
+    (``preserve_high_precision_init_val``) is replaced. Weights that are not FP8 are left as
+    they are. ``FP8MasterWeights`` built before keeps the old masters: build it after."""
+    fp8 = {n: getattr(module, n) for n in names if is_primary(getattr(module, n))}
+    dtypes = module.__dict__.get(_INIT_DTYPES, {})
+    for n, p in fp8.items():
+        if type(p.data) is not Tensor:  # a DTensor shard (FSDP2)
+            raise NotImplementedError(
+                f"{type(module).__name__}.reset_parameters(): the FP8 weight {n!r} is sharded "
+                f"({type(p.data).__name__}); initialise modules with FP8 weights before sharding"
+            )
+        hp = torch.empty(p.shape, dtype=dtypes.get(n, torch.float32), device=p.device)
+        module._parameters[n] = nn.Parameter(hp, requires_grad=p.requires_grad)
+    try:
+        yield
+    finally:
+        for n, p in fp8.items():
+            hp = module._parameters[n].detach()
+            module._parameters[n] = p
+            data, scale_inv, _, _, amax = _cast(hp, p.dtype)
+            with torch.no_grad():
+                p.copy_(data.view(p.dtype))
+                getattr(module, f"{n}_scale_inv").copy_(scale_inv)
+                getattr(module, f"{n}_amax").copy_(amax)
+            if get_high_precision_init_val(p) is not None:
+                p._high_precision_init_val = hp.to("cpu", copy=True)
 
 
 def is_primary(weight: Tensor) -> bool:
@@ -393,6 +428,7 @@ def primary_main_grad(module: nn.Module, name: str) -> Tensor | None:
     return main_grad
 
 
+_INIT_DTYPES = "_fp8_init_dtypes"  # {name: the dtype the FP8 weight was built in}
 _SHARDED_MAIN_GRADS = "_fp8_sharded_main_grads"  # {name: the zero-byte leaf holding it as .grad}
 _SHARD_GROUP = "_fp8_shard_group"  # {name: (the FSDP2 group's name, its size)}
 

@@ -248,6 +248,18 @@ def _cast_weights_refused(rank, group, device):
             raise AssertionError("a bf16 copy of the FP8 codes must be refused")
 
 
+def _reset_refused(rank, group, device):
+    """reset_parameters() of a sharded FP8 weight: refused (it would cast each shard with the
+    scale of its own rows), by name."""
+    model = _shard(_model(device, Float8CurrentScaling()))
+    try:
+        model[0].reset_parameters()
+    except NotImplementedError as err:
+        assert "'weight' is sharded" in str(err) and "before sharding" in str(err), err
+    else:
+        raise AssertionError("reset_parameters() of a sharded FP8 weight must be refused")
+
+
 def _delayed_wgrad_refused(rank, group, device):
     recipe = Float8CurrentScaling()
     with te.quantized_model_init(recipe=recipe):
@@ -315,6 +327,7 @@ def _worker(names, rank, group, backend):
         "checkpoint": functools.partial(_checkpoint_round_trip, rank, group, device),
         "param_dtype_refused": functools.partial(_cast_weights_refused, rank, group, device),
         "delay_wgrad_refused": functools.partial(_delayed_wgrad_refused, rank, group, device),
+        "reset_refused": functools.partial(_reset_refused, rank, group, device),
         "grouped": functools.partial(_grouped_matches_unsharded, rank, group, device, False),
         "grouped_single": functools.partial(_grouped_matches_unsharded, rank, group, device, True),
     }
@@ -322,7 +335,7 @@ def _worker(names, rank, group, backend):
 
 
 DEFAULT = ("current", "checkpoint", "param_dtype_refused", "delay_wgrad_refused", "grouped",
-           "grouped_single")  # fmt: skip
+           "grouped_single", "reset_refused")  # fmt: skip
 LONG = ("delayed", "current_compiled")  # --long-runs: CI's time is tight
 
 

@@ -610,3 +610,38 @@ def test_ops_sequential_trains_and_compiles_to_one_graph():
         losses.append(loss0.item())
     assert counter.frame_count == 1
     assert losses[-1] < losses[0], losses
+
+
+_RESET = {
+    "Linear": lambda: te.Linear(64, 32),
+    "LayerNormMLP": lambda: te.LayerNormMLP(64, 96),
+    "GroupedLinear": lambda: te.GroupedLinear(G, 64, 32),
+    "GroupedLinear_single": lambda: te.GroupedLinear(G, 64, 32, single_grouped_weight=True),
+    "ops.BasicLinear": lambda: te.ops.BasicLinear(64, 32),
+    "ops.GroupedLinear": lambda: te.ops.GroupedLinear(G, 64, 32),
+}
+
+
+@pytest.mark.parametrize("name", list(_RESET))
+def test_reset_parameters_reinitialises_and_requantises(name):
+    """``reset_parameters()`` on FP8 weights initialises high-precision values and casts them
+    into the codes, scale and amax (as at construction); the kept initial value is the new
+    one."""
+    with te.quantized_model_init(
+        recipe=Float8CurrentScaling(), preserve_high_precision_init_val=True
+    ):
+        m = _RESET[name]()
+    names = _fp8_names(m)
+    before = {n: m.get_parameter(n).detach().view(torch.uint8).clone() for n in names}
+    torch.manual_seed(123)
+    m.reset_parameters()
+    for n in names:
+        w = m.get_parameter(n)
+        init = w.get_high_precision_init_val()
+        assert w.dtype == E4M3 and init.dtype == torch.float32
+        flat = init.reshape(-1, init.shape[-1])
+        codes = te.functional.quantize_weight(flat, "current", E4M3, False, 1, False, None)
+        assert torch.equal(w.detach().view(torch.uint8).reshape(flat.shape), codes[0]), n
+        assert torch.equal(m.get_buffer(f"{n}_scale_inv"), codes[1]), n
+        assert torch.equal(m.get_buffer(f"{n}_amax"), codes[4]), n
+        assert not torch.equal(w.detach().view(torch.uint8), before[n]), n
