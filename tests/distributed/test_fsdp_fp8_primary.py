@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 import te_compile as te
 from te_compile.quantization import DelayedScaling, Float8CurrentScaling, autocast
 from tests.distributed.harness import BACKENDS, WORLD, device_for, fsdp_mesh, run_checks, spawn
+from tests.utils import assert_close_quantized
 
 H, BATCH, STEPS = 32, 16, 3
 E4M3 = torch.float8_e4m3fn
@@ -317,6 +318,41 @@ def _grouped_matches_unsharded(rank, group, device, single):
         assert torch.equal(master.full_tensor(), expected)
 
 
+def _tensor_parallel(rank, group, device):
+    """FP8 weights of a column- then a row-parallel ``Linear``: each rank casts its own shard
+    (a scale per shard); the output, the input gradient and each shard's ``main_grad`` against
+    the float64 GEMMs of the gathered dequantised shards (the biases start at zero)."""
+    recipe = Float8CurrentScaling()
+    torch.manual_seed(rank)  # each rank initialises its own shards
+    kw = {"params_dtype": torch.float32, "device": device, "tp_group": group}
+    with te.quantized_model_init(recipe=recipe):
+        col = te.Linear(H, 2 * H, parallel_mode="column", **kw)
+        row = te.Linear(2 * H, H, parallel_mode="row", **kw)
+    te.FP8MasterWeights(torch.nn.Sequential(col, row))
+    x = _batches(device)[0].requires_grad_()  # the same on every rank
+    with autocast(recipe=recipe):
+        y = row(col(x))
+    g = _batches(device)[1]
+    y.backward(g)
+
+    def gathered(m, dim):
+        w = m.weight.detach().double() * m.weight_scale_inv.double()
+        parts = [torch.empty_like(w) for _ in range(WORLD)]
+        dist.all_gather(parts, w.contiguous(), group=group)
+        return torch.cat(parts, dim).requires_grad_()
+
+    w1, w2 = gathered(col, 0), gathered(row, 1)
+    xd = x.detach().double().requires_grad_()
+    y_ref = xd @ w1.T @ w2.T
+    y_ref.backward(g.double())
+    assert_close_quantized(y, y_ref, "current", gemms=2)
+    assert_close_quantized(x.grad, xd.grad, "current", gemms=2)
+    shards = ((col, w1.grad.chunk(WORLD, 0)[rank]), (row, w2.grad.chunk(WORLD, 1)[rank]))
+    for m, expected in shards:
+        assert m.weight.main_grad.shape == m.weight.shape
+        assert_close_quantized(m.weight.main_grad, expected, "current", gemms=2)
+
+
 def _worker(names, rank, group, backend):
     device = device_for(backend, rank)
     train = functools.partial(_train_matches_unsharded, rank, group, device)
@@ -328,6 +364,7 @@ def _worker(names, rank, group, backend):
         "param_dtype_refused": functools.partial(_cast_weights_refused, rank, group, device),
         "delay_wgrad_refused": functools.partial(_delayed_wgrad_refused, rank, group, device),
         "reset_refused": functools.partial(_reset_refused, rank, group, device),
+        "tensor_parallel": functools.partial(_tensor_parallel, rank, group, device),
         "grouped": functools.partial(_grouped_matches_unsharded, rank, group, device, False),
         "grouped_single": functools.partial(_grouped_matches_unsharded, rank, group, device, True),
     }
@@ -335,7 +372,7 @@ def _worker(names, rank, group, backend):
 
 
 DEFAULT = ("current", "checkpoint", "param_dtype_refused", "delay_wgrad_refused", "grouped",
-           "grouped_single", "reset_refused")  # fmt: skip
+           "grouped_single", "reset_refused", "tensor_parallel")  # fmt: skip
 LONG = ("delayed", "current_compiled")  # --long-runs: CI's time is tight
 
 
