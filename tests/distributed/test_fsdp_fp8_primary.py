@@ -318,39 +318,58 @@ def _grouped_matches_unsharded(rank, group, device, single):
         assert torch.equal(master.full_tensor(), expected)
 
 
-def _tensor_parallel(rank, group, device):
-    """FP8 weights of a column- then a row-parallel ``Linear``: each rank casts its own shard
-    (a scale per shard); the output, the input gradient and each shard's ``main_grad`` against
-    the float64 GEMMs of the gathered dequantised shards (the biases start at zero)."""
+def _tensor_parallel(rank, group, device, grouped):
+    """FP8 weights of a column- then a row-parallel ``Linear`` (``grouped``: ``GroupedLinear``,
+    expert tensor parallelism, per-group weights): each rank casts its own shard (a scale per
+    shard); the output, the input gradient and each shard's ``main_grad`` against the float64
+    GEMMs of the gathered dequantised shards (the biases start at zero)."""
     recipe = Float8CurrentScaling()
     torch.manual_seed(rank)  # each rank initialises its own shards
     kw = {"params_dtype": torch.float32, "device": device, "tp_group": group}
+    groups = len(SPLITS)
     with te.quantized_model_init(recipe=recipe):
-        col = te.Linear(H, 2 * H, parallel_mode="column", **kw)
-        row = te.Linear(2 * H, H, parallel_mode="row", **kw)
+        if grouped:
+            col = te.GroupedLinear(groups, H, 2 * H, parallel_mode="column", **kw)
+            row = te.GroupedLinear(groups, 2 * H, H, parallel_mode="row", **kw)
+        else:
+            col = te.Linear(H, 2 * H, parallel_mode="column", **kw)
+            row = te.Linear(2 * H, H, parallel_mode="row", **kw)
     te.FP8MasterWeights(torch.nn.Sequential(col, row))
+    names = [f"weight{i}" for i in range(groups)] if grouped else ["weight"]
     x = _batches(device)[0].requires_grad_()  # the same on every rank
     with autocast(recipe=recipe):
-        y = row(col(x))
+        y = row(col(x, SPLITS), SPLITS) if grouped else row(col(x))
     g = _batches(device)[1]
     y.backward(g)
 
-    def gathered(m, dim):
-        w = m.weight.detach().double() * m.weight_scale_inv.double()
+    def gathered(m, name, dim):
+        w = m.get_parameter(name).detach().double() * m.get_buffer(f"{name}_scale_inv").double()
         parts = [torch.empty_like(w) for _ in range(WORLD)]
         dist.all_gather(parts, w.contiguous(), group=group)
         return torch.cat(parts, dim).requires_grad_()
 
-    w1, w2 = gathered(col, 0), gathered(row, 1)
+    w1 = [gathered(col, n, 0) for n in names]
+    w2 = [gathered(row, n, 1) for n in names]
+    rows = torch.repeat_interleave(torch.arange(groups), torch.tensor(SPLITS)) if grouped else None
     xd = x.detach().double().requires_grad_()
-    y_ref = xd @ w1.T @ w2.T
+    if grouped:
+        w1s, w2s = torch.stack(w1)[rows], torch.stack(w2)[rows]
+        hidden = torch.einsum("mk,mnk->mn", xd, w1s)
+        y_ref = torch.einsum("mk,mnk->mn", hidden, w2s)
+    else:
+        y_ref = xd @ w1[0].T @ w2[0].T
     y_ref.backward(g.double())
     assert_close_quantized(y, y_ref, "current", gemms=2)
     assert_close_quantized(x.grad, xd.grad, "current", gemms=2)
-    shards = ((col, w1.grad.chunk(WORLD, 0)[rank]), (row, w2.grad.chunk(WORLD, 1)[rank]))
-    for m, expected in shards:
-        assert m.weight.main_grad.shape == m.weight.shape
-        assert_close_quantized(m.weight.main_grad, expected, "current", gemms=2)
+    for n, full1, full2 in zip(names, w1, w2, strict=True):
+        for m, expected in ((col, full1.grad.chunk(WORLD, 0)[rank]),
+                            (row, full2.grad.chunk(WORLD, 1)[rank])):  # fmt: skip
+            main_grad = m.get_parameter(n).main_grad
+            assert main_grad.shape == m.get_parameter(n).shape
+            if expected.norm() > 0:  # an expert without tokens has a zero gradient
+                assert_close_quantized(main_grad, expected, "current", gemms=2)
+            else:
+                assert not main_grad.any()
 
 
 def _worker(names, rank, group, backend):
@@ -364,7 +383,8 @@ def _worker(names, rank, group, backend):
         "param_dtype_refused": functools.partial(_cast_weights_refused, rank, group, device),
         "delay_wgrad_refused": functools.partial(_delayed_wgrad_refused, rank, group, device),
         "reset_refused": functools.partial(_reset_refused, rank, group, device),
-        "tensor_parallel": functools.partial(_tensor_parallel, rank, group, device),
+        "tensor_parallel": functools.partial(_tensor_parallel, rank, group, device, False),
+        "tensor_parallel_grouped": functools.partial(_tensor_parallel, rank, group, device, True),
         "grouped": functools.partial(_grouped_matches_unsharded, rank, group, device, False),
         "grouped_single": functools.partial(_grouped_matches_unsharded, rank, group, device, True),
     }
@@ -372,7 +392,8 @@ def _worker(names, rank, group, backend):
 
 
 DEFAULT = ("current", "checkpoint", "param_dtype_refused", "delay_wgrad_refused", "grouped",
-           "grouped_single", "reset_refused", "tensor_parallel")  # fmt: skip
+           "grouped_single", "reset_refused", "tensor_parallel",
+           "tensor_parallel_grouped")  # fmt: skip
 LONG = ("delayed", "current_compiled")  # --long-runs: CI's time is tight
 
 
