@@ -176,15 +176,15 @@ def test_state_dict_round_trip(name):
         assert torch.equal(fresh(_x("cpu", 7)), m(_x("cpu", 7)))
 
 
-@pytest.mark.parametrize("name", ["Linear", "LayerNormMLP"])
-def test_compiled_step_one_graph_values_as_eager(name):
-    recipe = Float8CurrentScaling()
-    eager, compiled = _primary(name, "cpu", recipe), _primary(name, "cpu", recipe)
+def _assert_compiled_step_as_eager(build, recipe, *args):
+    """Two models from ``build()`` with FP8MasterWeights: the compiled loss of ``m(x, *args)``
+    is one graph (aot_eager) and two steps give the eager losses and ``main_grad`` bits."""
+    eager, compiled = build(), build()
     te.FP8MasterWeights(eager), te.FP8MasterWeights(compiled)
 
     def loss_fn(m, x):
         with autocast(recipe=recipe):
-            return m(x).float().square().mean()
+            return m(x, *args).float().square().mean()
 
     assert_single_graph(loss_fn, compiled, _x("cpu"))
     fn, counter = compile_counted(loss_fn, backend="aot_eager")
@@ -196,6 +196,12 @@ def test_compiled_step_one_graph_values_as_eager(name):
     assert counter.frame_count == 1
     for n in _fp8_names(eager):
         assert torch.equal(getattr(compiled, n).main_grad, getattr(eager, n).main_grad)
+
+
+@pytest.mark.parametrize("name", ["Linear", "LayerNormMLP"])
+def test_compiled_step_one_graph_values_as_eager(name):
+    recipe = Float8CurrentScaling()
+    _assert_compiled_step_as_eager(lambda: _primary(name, "cpu", recipe), recipe)
 
 
 def test_refused_uses():
@@ -428,23 +434,7 @@ def test_grouped_state_dict_round_trip_and_layout(single):
 @pytest.mark.parametrize("single", [False, True], ids=["per_group", "single"])
 def test_grouped_compiled_step_one_graph_values_as_eager(single):
     recipe = Float8CurrentScaling()
-    eager, compiled = _grouped("cpu", recipe, single=single), _grouped("cpu", recipe, single=single)
-    te.FP8MasterWeights(eager), te.FP8MasterWeights(compiled)
-
-    def loss_fn(m, x):
-        with autocast(recipe=recipe):
-            return m(x, SPLITS).float().square().mean()
-
-    assert_single_graph(loss_fn, compiled, _x("cpu"))
-    fn, counter = compile_counted(loss_fn, backend="aot_eager")
-    for step in range(2):
-        loss, loss0 = fn(compiled, _x("cpu", step)), loss_fn(eager, _x("cpu", step))
-        assert torch.equal(loss, loss0)
-        loss.backward()
-        loss0.backward()
-    assert counter.frame_count == 1
-    for n in _fp8_names(eager):
-        assert torch.equal(getattr(compiled, n).main_grad, getattr(eager, n).main_grad)
+    _assert_compiled_step_as_eager(lambda: _grouped("cpu", recipe, single=single), recipe, SPLITS)
 
 
 def test_grouped_refused_uses():
