@@ -179,3 +179,55 @@ def test_block_trains_under_cuda_graphs(recipe):
         expected = _step(eager, x.clone().requires_grad_(), rec_eager)()
         assert_matches_eager(out, expected, roundings=4 if step == 0 else 8)
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["per_group", "single", "mlp"])
+def test_compiled_grouped_fp8_primary_weights_call_no_te_op(device, layout):
+    """GroupedLinear / GroupedMLP with FP8 primary weights (``quantized_model_init``) and the
+    splits as a device tensor: Inductor's code of the training step calls no te op but the
+    grouped GEMM op (opaque, as with high-precision weights: ``EXPECTED_OPAQUE``), so the
+    weights' operands, the activation and the scales are traced through; the step's output,
+    input gradient and ``main_grad`` match eager."""
+    if device == "cuda" and not te.is_fp8_available():
+        pytest.skip("no FP8 on this GPU; the CPU case covers the emulation")
+    recipe = te.recipe.Float8CurrentScaling()
+    experts, splits = 3, torch.tensor([40, 0, 24], device=device)
+
+    def build():
+        torch.manual_seed(0)
+        kw = {"params_dtype": torch.bfloat16, "device": device}
+        with te.quantized_model_init(recipe=recipe):
+            if layout == "mlp":
+                m = te.GroupedMLP(experts, HIDDEN, FFN, single_grouped_parameter=False, **kw)
+            else:
+                single = layout == "single"
+                m = te.GroupedLinear(experts, HIDDEN, HIDDEN, single_grouped_weight=single, **kw)
+        return m, te.FP8MasterWeights(m)
+
+    (model, _masters), (twin, _twin_masters) = build(), build()
+
+    def step(m, x):
+        def run():
+            with te.autocast(recipe=recipe):
+                y = m(x, splits)
+            y.float().square().sum().backward()
+            return y
+
+        return run
+
+    torch._dynamo.reset()
+    x = torch.randn(64, HIDDEN, device=device, dtype=torch.bfloat16, requires_grad=True)
+    x_twin = x.detach().clone().requires_grad_()
+    out, codes = run_and_get_code(step(torch.compile(model, fullgraph=True), x))
+    assert len(codes) == 2, "one forward and one backward graph"
+    fwd, bwd = (_te_calls(code) for code in codes)
+    assert fwd == {"torch.ops.te.grouped_linear_fwd"}, fwd
+    assert bwd == {"torch.ops.te.grouped_linear_bwd"}, bwd
+    expected = step(twin, x_twin)()
+    assert_matches_eager(out, expected, roundings=4)
+    assert_matches_eager(x.grad, x_twin.grad, roundings=16)
+    fp8 = [n for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn]
+    assert fp8
+    for n in fp8:
+        assert_matches_eager(model.get_parameter(n).main_grad, twin.get_parameter(n).main_grad, 16)

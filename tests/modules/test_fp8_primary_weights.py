@@ -285,8 +285,13 @@ def _dequantized(m):
 def test_grouped_weights_are_fp8_codes_with_a_scale_per_weight(single):
     """``weight{i}``: the current-scaling cast of group i's initial values, its own scale;
     ``single_grouped_weight``: one cast (one scale) of the whole ``[G, out, in]`` weight."""
-    hp = _grouped("cpu", single=single)
-    m = _grouped("cpu", Float8CurrentScaling(), single=single, preserve=True)
+
+    def spread():  # an init_method drawing the groups far apart in amax, so in scale
+        stds = iter([0.01, 0.02, 0.04])
+        return lambda w: w.normal_(0.0, next(stds))
+
+    hp = _grouped("cpu", single=single, init_method=spread())
+    m = _grouped("cpu", Float8CurrentScaling(), single=single, preserve=True, init_method=spread())
     names = [f"weight{i}" for i in range(G)] if not single else ["weight"]
     assert _fp8_names(m) == names
     for n in names:
@@ -480,9 +485,9 @@ def test_grouped_mlp_fp8_weights_train_and_compile(device):
     for n in _fp8_names(m):
         m.get_parameter(n).main_grad.zero_()
 
-    def loss_fn(module, inp):
+    def loss_fn(module, inp):  # a row's sum: gradients that move the FP8 codes at this lr
         with autocast(recipe=recipe):
-            return module(inp, SPLITS).float().square().mean()
+            return module(inp, SPLITS).float().square().sum(-1).mean()
 
     losses = []
     for _step in range(3):
