@@ -18,8 +18,9 @@ Rows per module, all ``torch.compile(fullgraph=True, dynamic=False)`` inside
 
 Columns: ``median ms`` (triton's do_bench of one forward + backward, L2 flushed); ``host ms``
 (the host's time to issue one step while the GPU is held busy: launch and Python cost, and the
-wait for the GPU where the step synchronises); ``syncs`` (synchronising CUDA calls of one step,
-``torch.cuda.set_sync_debug_mode``; the first one's Python stack goes to stderr);
+wait for the GPU where the step synchronises; ``--where-host-waits`` profiles it); ``syncs``
+(synchronising CUDA calls of one step, ``torch.cuda.set_sync_debug_mode``; the first one's
+Python stack goes to stderr);
 ``te calls`` (the ``torch.ops.te.*`` ops Inductor's generated code of the step calls rather
 than tracing into: the opaque ops of ``te_compile._library.opaque_ops()``; 0: Inductor launches
 every kernel itself); ``model B/param`` (bytes of the module's
@@ -82,10 +83,20 @@ def _weight_numel(module: nn.Module) -> int:
 
 
 def _nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    """Bytes of the storages under ``tensors``, each storage once (views of one buffer, such as
+    the experts' ``main_grad``, count as the buffer)."""
+    storages = {}
+    for t in tensors:
+        if t is not None:
+            storage = t.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
-def _host_ms(run, n: int = 8) -> float:
+def _host_ms(run, n: int = 2) -> float:
+    """The host's time to issue one of ``n`` steps while the GPU sleeps. Few steps: the GPU's
+    launch queue holds about a thousand launches; a full queue makes the host wait ("Command
+    Buffer Full" in a profile) and the wait would be timed."""
     torch.cuda.synchronize()
     torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU cycles: the host never waits below
     t0 = time.perf_counter()
@@ -106,8 +117,8 @@ def _syncs(run, label: str) -> int:
 
     with warnings.catch_warnings():
         warnings.simplefilter("always")
-        warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
+        warnings.showwarning = record
         try:
             run()
         finally:
@@ -117,7 +128,27 @@ def _syncs(run, label: str) -> int:
     return len(stacks)
 
 
-def measure(case: str, layout: str, recipe_name: str) -> dict[str, object]:
+def _longest_host_calls(run, label: str, n: int = 2) -> None:
+    """Where the host waits: ``n`` steps issued while the GPU sleeps, profiled; the host-side
+    events (ops and CUDA runtime calls) with the longest single durations, to stderr."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        torch.cuda._sleep(2_000_000_000)
+        for _ in range(n):
+            run()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
+    events.sort(key=lambda e: e.time_range.elapsed_us(), reverse=True)
+    print(f"longest host events of {label} ({n} steps, GPU asleep ~1 s):", file=sys.stderr)
+    for e in events[:14]:
+        print(f"  {e.time_range.elapsed_us() / 1e3:9.3f} ms  {e.name[:90]}", file=sys.stderr)
+
+
+def measure(
+    case: str, layout: str, recipe_name: str, where_host_waits: bool = False
+) -> dict[str, object]:
     from torch._inductor.utils import run_and_get_code
     from triton.testing import do_bench
 
@@ -147,10 +178,8 @@ def measure(case: str, layout: str, recipe_name: str) -> dict[str, object]:
     if masters is None:
         train = model + _nbytes(p.grad for p in params)
     else:
-        main_grads = {
-            id(g): g for g in (getattr(p, "main_grad", None) for p in params) if g is not None
-        }
-        train = model + _nbytes(masters.parameters()) + _nbytes(main_grads.values())
+        main_grads = [getattr(p, "main_grad", None) for p in params]
+        train = model + _nbytes(masters.parameters()) + _nbytes(main_grads)
     for p in params:
         p.grad = None
     before = torch.cuda.memory_allocated()
@@ -160,6 +189,8 @@ def measure(case: str, layout: str, recipe_name: str) -> dict[str, object]:
     step_mb = (torch.cuda.max_memory_allocated() - before) / 2**20
     syncs = _syncs(run, f"{case} {recipe_name} {layout}")
     host = _host_ms(run)
+    if where_host_waits:
+        _longest_host_calls(run, f"{case} {recipe_name} {layout}")
     grads = [p for p in params if p.dtype != torch.float8_e4m3fn]
     median = do_bench(run, warmup=100, rep=1000, return_mode="median", grad_to_none=grads)
     numel = _weight_numel(module)
@@ -181,6 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--modules", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
+    parser.add_argument(
+        "--where-host-waits",
+        action="store_true",
+        help="also profile the issue of 8 steps and list the longest host events (stderr)",
+    )
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     args = parser.parse_args(argv)
     print(f"{torch.cuda.get_device_name()} · torch {torch.__version__}")
     columns = None
@@ -188,9 +225,9 @@ def main(argv: list[str] | None = None) -> int:
         experts, rows, hidden, width, n_zero = CASES[case]
         print(f"\n### {case}: {experts} experts ({n_zero} empty), {rows} rows, {hidden}, {width}")
         for recipe_name in args.recipes:
-            for layout in LAYOUTS:
+            for layout in args.layouts:
                 try:
-                    result = measure(case, layout, recipe_name)
+                    result = measure(case, layout, recipe_name, args.where_host_waits)
                 except Exception as exc:  # a row that fails is reported, the others still run
                     result = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:160]}
                 if columns is None and "error" not in result:
