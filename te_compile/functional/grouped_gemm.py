@@ -62,6 +62,7 @@ __all__ = [
     "high_precision_forward",
     "host_splits",
     "row_bias",
+    "uses_grouped_mm",
 ]
 
 _INT_DTYPES = (torch.int32, torch.int64)
@@ -123,7 +124,9 @@ def host_splits(m_splits: Tensor, rows: int) -> list[int]:
     return splits
 
 
-def _use_grouped_mm(inp: Tensor, weight: Tensor) -> bool:
+def uses_grouped_mm(inp: Tensor, weight: Tensor) -> bool:
+    """Whether a high-precision call on CUDA takes ``torch._grouped_mm`` (bf16, sizes multiples
+    of 8) rather than a GEMM per group."""
     return inp.dtype is torch.bfloat16 and inp.shape[1] % 8 == 0 and weight.shape[1] % 8 == 0
 
 
@@ -146,7 +149,7 @@ def row_bias(bias: Tensor, splits: Tensor, rows: int) -> Tensor:
 def _grouped_mm_forward(
     inp: Tensor, m_splits: Tensor, weight: Tensor, bias: Tensor | None
 ) -> Tensor:
-    if not _use_grouped_mm(inp, weight):
+    if not uses_grouped_mm(inp, weight):
         return _fwd_loop(inp, host_splits(m_splits, inp.shape[0]), weight, bias, None)
     splits, offs = device_splits(m_splits, inp)
     out = torch._grouped_mm(inp, weight.transpose(-2, -1), offs=offs)
@@ -447,7 +450,7 @@ def high_precision_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
 def high_precision_backward(
     grad, saved, inp, m_splits, weight, main_grad, r, has_bias, dgrad, wgrad, cuda
 ):
-    if not cuda or inp.dtype is torch.float64 or not _use_grouped_mm(inp, weight):
+    if not cuda or inp.dtype is torch.float64 or not uses_grouped_mm(inp, weight):
         splits = host_splits(m_splits, inp.shape[0])
         acc = None if cuda and inp.dtype is not torch.float64 else _acc(inp)
         return _bwd_loop(grad, inp, splits, weight, main_grad, has_bias, dgrad, wgrad, acc)

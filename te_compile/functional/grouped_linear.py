@@ -42,8 +42,12 @@ Pre-quantised weight: the last arguments ``weight_data``, ``weight_scale``, ``we
 the op then does not quantise ``weight``, leaves the weight's copies out of ``saved`` (the
 backward gets them from the inputs), and reports ``weight_amax`` as the weight's amax.
 
-The op reads the splits on the host in its loops (``opaque``: Inductor calls it rather than
-tracing into it). Weight-gradient fusion: ``main_grad`` (fp32, weight's shape) receives ``+= dW``
+Under ``torch.compile`` Inductor traces into a high-precision call on CUDA that takes the
+``torch._grouped_mm`` path (bf16, sizes multiples of 8, the splits on the input's device): it
+then launches the grouped GEMMs itself. Every other call is kept whole (``kept_whole``:
+:func:`host_split_path`), as its path reads the splits on the host (the per-group loops, the
+blockwise GEMMs, the emulation) or has not been validated traced (the per-tensor FP8 GEMMs).
+Weight-gradient fusion: ``main_grad`` (fp32, weight's shape) receives ``+= dW``
 instead of a ``dweight`` output, as in ``te::linear_bwd``.
 """
 
@@ -92,6 +96,7 @@ from te_compile.functional.grouped_gemm import (
     dequantized_forward,
     high_precision_backward,
     high_precision_forward,
+    uses_grouped_mm,
 )
 from te_compile.functional.grouped_weight import (
     check_grouped_weight_operand,
@@ -538,7 +543,30 @@ def _forward(a: _Args, cuda: bool) -> tuple[Tensor, list[Tensor]]:
     return forward(a.inp, a.m_splits, a.weight, a.bias, r, cuda, weight_q=a.weight_q)
 
 
-@op("grouped_linear_fwd", opaque=HOST_SPLITS)
+def host_split_path(*args: object, **kwargs: object) -> str | None:
+    """``kept_whole`` of the family's ops: None (trace through) for a call on the
+    ``torch._grouped_mm`` path, the reason to keep it whole otherwise. Forward and backward
+    calls alike: ``inp`` (the backward: None where the wgrad does not read it), ``m_splits``,
+    ``weight`` and ``recipe`` are found by position."""
+    forward = len(args) < 2 or not isinstance(args[1], (list, tuple))
+    if forward:
+        a = _Args(*args, **kwargs)
+        inp, m_splits, weight, recipe = a.inp, a.m_splits, a.weight, a.recipe
+    else:  # grouped_linear_bwd(grad_out, saved, inp, m_splits, weight, ..., recipe, ...)
+        inp, m_splits, weight = args[2], args[3], args[4]
+        recipe = args[8] if len(args) > 8 else kwargs.get("recipe", "")
+    if (
+        not recipe
+        and isinstance(inp, Tensor)
+        and inp.device.type == "cuda"
+        and m_splits.device == inp.device
+        and uses_grouped_mm(inp, weight)
+    ):
+        return None
+    return HOST_SPLITS
+
+
+@op("grouped_linear_fwd", kept_whole=host_split_path)
 def grouped_linear_fwd(
     inp: Tensor,
     m_splits: Tensor,
@@ -651,7 +679,7 @@ def _backward_impl(grad_out, saved, inp, m_splits, weight, main_grad, scale, gra
 @op(
     "grouped_linear_bwd",
     mutates_args=("main_grad", "grad_amax", "wgrad_stash"),
-    opaque=HOST_SPLITS,
+    kept_whole=host_split_path,
 )
 def grouped_linear_bwd(
     grad_out: Tensor,

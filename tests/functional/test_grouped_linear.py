@@ -248,7 +248,7 @@ def _cuda_path_case(splits, split_dtype, bias, in_features=24, out_features=16):
     y_ref = ref_grouped_linear(x_ref, splits, w_ref, b_ref)
     dy_ref, dy = make_reference_and_test_tensors(y_ref.shape, dtype=bf16)
     y_ref.backward(dy_ref)
-    assert GG._use_grouped_mm(x, w)
+    assert GG.uses_grouped_mm(x, w)
     args = (x.detach(), torch.tensor(splits, dtype=split_dtype), w.detach())
     return args, b, dy, (y_ref, x_ref, w_ref, b_ref)
 
