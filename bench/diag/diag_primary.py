@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-import time
 import traceback
 import warnings
 from pathlib import Path
@@ -51,6 +50,7 @@ from torch import nn
 
 import te_compile
 from bench.bench_grouped import make_splits
+from bench.diag.diag_host import host_ms
 
 DTYPE = torch.bfloat16
 CASES = {
@@ -91,20 +91,6 @@ def _nbytes(tensors) -> int:
             storage = t.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
-
-
-def _host_ms(run, n: int = 2) -> float:
-    """The host's time to issue one of ``n`` steps while the GPU sleeps. Few steps: the GPU's
-    launch queue holds about a thousand launches; a full queue makes the host wait ("Command
-    Buffer Full" in a profile) and the wait would be timed."""
-    torch.cuda.synchronize()
-    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU cycles: the host never waits below
-    t0 = time.perf_counter()
-    for _ in range(n):
-        run()
-    t = (time.perf_counter() - t0) / n * 1e3
-    torch.cuda.synchronize()
-    return t
 
 
 def _syncs(run, label: str) -> int:
@@ -188,7 +174,7 @@ def measure(
     torch.cuda.synchronize()
     step_mb = (torch.cuda.max_memory_allocated() - before) / 2**20
     syncs = _syncs(run, f"{case} {recipe_name} {layout}")
-    host = _host_ms(run)
+    host = host_ms(run)
     if where_host_waits:
         _longest_host_calls(run, f"{case} {recipe_name} {layout}")
     grads = [p for p in params if p.dtype != torch.float8_e4m3fn]
