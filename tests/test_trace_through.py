@@ -194,7 +194,7 @@ def test_compiled_grouped_modules_trace_through_the_grouped_mm_path(device, case
     output, input gradient and weight gradients (``main_grad`` for FP8 weights) match eager."""
     fp8 = case.startswith("fp8")
     if device == "cpu" and case not in _CPU_GROUPED_CASES:
-        pytest.skip("on the CPU (kept whole, Inductor's C++ compile time) bf16_mlp and fp8_mlp")
+        pytest.skip("the CPU runs bf16_mlp and fp8_mlp only (Inductor's C++ compile time)")
     if fp8 and device == "cuda" and not te.is_fp8_available():
         pytest.skip("no FP8 on this GPU; the CPU case covers the emulation")
     recipe = te.recipe.Float8CurrentScaling() if fp8 else None
