@@ -20,14 +20,13 @@ Columns: ``median ms`` (triton's do_bench of one forward + backward, L2 flushed)
 (the host's time to issue one step while the GPU is held busy: launch and Python cost, and the
 wait for the GPU where the step synchronises; ``--where-host-waits`` profiles it); ``syncs``
 (synchronising CUDA calls of one step, ``torch.cuda.set_sync_debug_mode``; the first one's
-Python stack goes to stderr);
-``te calls`` (the ``torch.ops.te.*`` ops Inductor's generated code of the step calls rather
-than tracing into: the opaque ops of ``te_compile._library.opaque_ops()``; 0: Inductor launches
-every kernel itself); ``model B/param`` (bytes of the module's
-parameters and buffers per weight parameter) and ``train B/param`` (the same plus what the
-training state adds: the bf16 rows' gradients, the FP8 rows' fp32 masters and ``main_grad``;
-an optimizer's own state comes on top of both), tensor sizes; ``step MB`` (peak CUDA memory of
-a step above what was allocated before it).
+Python stack goes to stderr); ``te calls`` (the ``torch.ops.te.*`` ops that Inductor's generated
+code of the step calls rather than tracing into: calls kept whole, ``docs/op_mechanism.md``; 0:
+Inductor launches every kernel itself); ``model B/param`` (bytes of the module's parameters and
+buffers per weight parameter) and ``train B/param`` (the same plus what the training state
+adds: the bf16 rows' gradients, the FP8 rows' fp32 masters and ``main_grad``; an optimizer's
+own state comes on top of both), tensor sizes; ``step MB`` (peak CUDA memory of a step above
+what was allocated before it).
 
     python -m bench.diag.diag_primary                     # CUDA; a markdown table on stdout
     python -m bench.diag.diag_primary --modules mlp --recipes current
