@@ -114,23 +114,29 @@ def test_forward_and_gradients_match_the_high_precision_module(device, name):
             assert torch.equal(p.grad, p0.grad), n
 
 
-def _train(m, recipe, steps, primary):
-    """SGD with fp32 masters: FP8MasterWeights for FP8 weights; for high-precision weights the
-    same loop by hand (main_grad, fp32 master, the bf16 weight copied from it)."""
+def _train(m, recipe, steps, primary, *args):
+    """SGD on ``m(x, *args)`` with fp32 masters: FP8MasterWeights for FP8 weights; for
+    high-precision weights the same loop by hand (main_grad, fp32 master, the bf16 weight copied
+    from it). ``(losses, the FP8MasterWeights or None)``."""
+    masters = None
     if primary:
         masters = te.FP8MasterWeights(m)
         opt = torch.optim.SGD([*masters.parameters(), *masters.other_parameters()], lr=0.5)
-    else:
-        hp = [p for n, p in m.named_parameters() if n.endswith("weight") and p.dim() == 2]
+    else:  # the 2-D GEMM weights: weight, fc1_weight, weight0 ...
+        hp = [p for n, p in m.named_parameters()
+              if p.dim() == 2 and n.rstrip("0123456789").endswith("weight")]  # fmt: skip
         fp32 = [torch.nn.Parameter(p.detach().float()) for p in hp]
-        for p in hp:
-            p.main_grad = torch.zeros(p.shape)
+        if hasattr(m, "allocate_main_grad"):  # GroupedLinear: views of one [G, out, in] buffer
+            m.allocate_main_grad()
+        else:
+            for p in hp:
+                p.main_grad = torch.zeros(p.shape)
         others = [p for p in m.parameters() if all(p is not q for q in hp)]
         opt = torch.optim.SGD([*fp32, *others], lr=0.5)
     losses = []
     for _step in range(steps):
         with autocast(recipe=recipe):
-            loss = m(_x("cpu")).float().square().mean()  # one batch: the loss must fall
+            loss = m(_x("cpu"), *args).float().square().mean()  # one batch: the loss must fall
         loss.backward()
         losses.append(loss.detach())
         if primary:
@@ -144,7 +150,7 @@ def _train(m, recipe, steps, primary):
                 for p, master in zip(hp, fp32, strict=True):
                     p.copy_(master)
         opt.zero_grad()
-    return torch.stack(losses)
+    return torch.stack(losses), masters
 
 
 @pytest.mark.parametrize("recipe", [Float8CurrentScaling, DelayedScaling])
@@ -155,8 +161,8 @@ def test_training_tracks_high_precision_weights(name, recipe):
     differences only)."""
     hp = _build(name, "cpu", fuse_wgrad_accumulation=True)
     m = _primary(name, "cpu", recipe(), preserve=True)
-    losses = _train(m, recipe(), 4, primary=True)
-    ref = _train(hp, recipe(), 4, primary=False)
+    losses, _ = _train(m, recipe(), 4, primary=True)
+    ref, _ = _train(hp, recipe(), 4, primary=False)
     assert losses[-1] < losses[0]
     assert_close(losses, ref, torch.bfloat16, roundings=4)
 
@@ -337,45 +343,14 @@ def test_grouped_forward_and_gradients_against_float64(device, recipe, single):
     assert all(getattr(m, n).grad is None for n in _fp8_names(m))
 
 
-def _train_grouped(m, recipe, steps, primary):
-    """SGD with fp32 masters (FP8MasterWeights, or by hand for bf16 weights as ``_train``)."""
-    if primary:
-        masters = te.FP8MasterWeights(m)
-        opt = torch.optim.SGD([*masters.parameters(), *masters.other_parameters()], lr=0.5)
-    else:
-        hp = [getattr(m, f"weight{i}") for i in range(G)]
-        fp32 = [torch.nn.Parameter(p.detach().float()) for p in hp]
-        buffer = m.allocate_main_grad()
-        others = [p for p in m.parameters() if all(p is not q for q in hp)]
-        opt = torch.optim.SGD([*fp32, *others], lr=0.5)
-    losses = []
-    for _step in range(steps):
-        with autocast(recipe=recipe):
-            loss = m(_x("cpu"), SPLITS).float().square().mean()
-        loss.backward()
-        losses.append(loss.detach())
-        if primary:
-            masters.step(opt)
-        else:
-            for p, master in zip(hp, fp32, strict=True):
-                master.grad = p.main_grad.clone()
-            buffer.zero_()
-            opt.step()
-            with torch.no_grad():
-                for p, master in zip(hp, fp32, strict=True):
-                    p.copy_(master)
-        opt.zero_grad()
-    return torch.stack(losses), (masters if primary else None)
-
-
 @pytest.mark.parametrize("recipe", [Float8CurrentScaling, DelayedScaling])
 def test_grouped_training_tracks_high_precision_weights(recipe):
     """SGD steps with FP8 primary weights track the same recipe on bf16 weights, and after each
     step every ``weight{i}`` holds the cast of its fp32 master."""
     hp = _grouped("cpu", fuse_wgrad_accumulation=True)
     m = _grouped("cpu", recipe(), preserve=True)
-    losses, masters = _train_grouped(m, recipe(), 4, primary=True)
-    ref, _ = _train_grouped(hp, recipe(), 4, primary=False)
+    losses, masters = _train(m, recipe(), 4, True, SPLITS)
+    ref, _ = _train(hp, recipe(), 4, False, SPLITS)
     assert losses[-1] < losses[0]
     assert_close(losses, ref, torch.bfloat16, roundings=4)
     for module, name, master, _ in masters._entries:
@@ -421,7 +396,7 @@ def test_grouped_state_dict_round_trip_and_layout(single):
     (whose scales differ) is refused by name."""
     recipe = Float8CurrentScaling()
     m = _grouped("cpu", recipe, single=single)
-    _train_grouped(m, recipe, 2, primary=True)
+    _train(m, recipe, 2, True, SPLITS)
     buf = io.BytesIO()
     torch.save(m.state_dict(), buf)
     buf.seek(0)
