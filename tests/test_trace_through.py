@@ -213,19 +213,11 @@ def test_compiled_grouped_modules_trace_through_the_grouped_mm_path(device, case
 
     (model, _masters), (twin, _twin_masters) = build(), build()
 
-    def step(m, x):
-        def run():
-            with te.autocast(enabled=fp8, recipe=recipe):
-                y = m(x, splits)
-            y.float().square().sum().backward()
-            return y
-
-        return run
-
     torch._dynamo.reset()
     x = torch.randn(64, HIDDEN, device=device, dtype=torch.bfloat16, requires_grad=True)
     x_twin = x.detach().clone().requires_grad_()
-    out, codes = run_and_get_code(step(torch.compile(model, fullgraph=True), x))
+    compiled = torch.compile(model, fullgraph=True)
+    out, codes = run_and_get_code(_step(lambda inp: compiled(inp, splits), x, recipe))
     assert len(codes) == 2, "one forward and one backward graph"
     fwd, bwd = (_te_calls(code) for code in codes)
     if device == "cuda" and not fp8:
@@ -233,7 +225,7 @@ def test_compiled_grouped_modules_trace_through_the_grouped_mm_path(device, case
     else:
         assert fwd == {"torch.ops.te.grouped_linear_fwd"}, fwd
         assert bwd == {"torch.ops.te.grouped_linear_bwd"}, bwd
-    expected = step(twin, x_twin)()
+    expected = _step(lambda inp: twin(inp, splits), x_twin, recipe)()
     assert_matches_eager(out, expected, roundings=4)
     assert_matches_eager(x.grad, x_twin.grad, roundings=16)
     for name, p in model.named_parameters():
