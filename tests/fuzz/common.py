@@ -25,7 +25,13 @@ from hypothesis import strategies as st
 
 import te_compile as te
 from te_compile import recipe as R
-from tests.utils import assert_close, assert_close_quantized, assert_close_sum, to_reference
+from tests.utils import (
+    assert_close,
+    assert_close_quantized,
+    assert_close_quantized_groups,
+    assert_close_sum,
+    to_reference,
+)
 
 FUZZ = settings(settings.get_profile("te-fuzz"))
 
@@ -95,15 +101,30 @@ def _randomize(module, dtype, fan_in=False):
     return {n: to_reference(p) for n, p in module.named_parameters()}
 
 
-def _compare(recipe, actual, expected, dtype, roundings, gemms=1):
+def _compare_quantized(recipe, actual, expected, gemms, grad=False, splits=None, subtract=None):
+    """:func:`assert_close_quantized`, per group where ``splits`` gives the rows of each group
+    along dim 0 (a grouped module's output and input gradient) or the tensor has one slice per
+    group (a single grouped weight's gradient: ``splits`` has its number of groups)."""
+    if splits is not None and actual.dim() >= 2:
+        if actual.shape[0] == sum(splits):  # rows: the output, the input gradient
+            assert_close_quantized_groups(actual, expected, recipe, splits, gemms, grad)
+            return
+        if actual.shape[0] == len(splits):  # [groups, ...]: a single grouped parameter
+            assert_close_quantized_groups(actual, expected, recipe, [1] * len(splits), gemms, grad)
+            return
+    assert_close_quantized(actual, expected, recipe, gemms, grad, subtract)
+
+
+def _compare(recipe, actual, expected, dtype, roundings):
     if recipe is None:
         assert_close(actual, expected, dtype, roundings=roundings, reduced=True)
     else:
-        assert_close_quantized(actual, expected, recipe, gemms)
+        assert_close_quantized(actual, expected, recipe)
 
 
 def _check(module, ref, inputs, dtype, recipe=None, roundings=2, call=None, gemms=1,
-           grouped=False, sum_bound=True, autocast=True, magnitude_ref=None):  # fmt: skip
+           grouped=False, sum_bound=True, autocast=True, magnitude_ref=None,
+           residual=False):  # fmt: skip
     """``module(*inputs)`` against ``ref(ref_params, *ref_inputs)``: output, input gradient and
     parameter gradients. ``gemms``: quantised GEMMs in a row (the recipe's error bound);
     ``grouped``: the recipe variant of the grouped GEMM (``GROUPED_NVFP4``); ``autocast=False``:
@@ -119,7 +140,10 @@ def _check(module, ref, inputs, dtype, recipe=None, roundings=2, call=None, gemm
     the high-precision tolerance then scales with ``magnitude``, the sum of the terms' absolute
     values, since the sum can cancel. ``magnitude_ref``: the reference the magnitudes are taken
     from, where ``ref`` has a clamp (on absolute values it would cut gradients the actual inputs
-    pass)."""
+    pass). ``residual``: the output adds the input (``x + branches``), the input gradient the
+    incoming gradient; under a recipe both are taken off before the comparison, so the quantised
+    branches are compared rather than residual sums. Under a recipe a grouped module's results
+    (``grouped``; its split sizes are ``inputs[1]``) are compared group by group."""
     params = _randomize(module, dtype, fan_in=not sum_bound)
     x = inputs[0].to(dtype).requires_grad_()
     x_ref = to_reference(x)
@@ -134,8 +158,11 @@ def _check(module, ref, inputs, dtype, recipe=None, roundings=2, call=None, gemm
     assert y.shape == y_ref.shape and y.dtype == dtype
     if terms is not None and recipe is None:
         assert_close_sum(y, y_ref, dtype, terms.detach(), roundings)
+    elif recipe is None:
+        assert_close(y, y_ref, dtype, roundings=roundings, reduced=True)
     else:
-        _compare(recipe, y, y_ref, dtype, roundings, gemms)
+        splits = [int(n) for n in inputs[1]] if grouped else None
+        _compare_quantized(recipe, y, y_ref, gemms, False, splits, x_ref if residual else None)
     if y.numel() == 0:
         return
     dy = torch.randn(y.shape).to(dtype)
@@ -144,10 +171,10 @@ def _check(module, ref, inputs, dtype, recipe=None, roundings=2, call=None, gemm
     grads = [(x.grad, x_ref.grad)]
     grads += [(p.grad, params[n].grad) for n, p in module.named_parameters()]
     if recipe is not None:
-        # The backward quantises the incoming gradient too (one more quantised operand).
         for i, (actual, expected) in enumerate(grads):
             try:
-                assert_close_quantized(actual, expected, recipe, gemms + 1)
+                through = to_reference(dy) if residual and i == 0 else None  # x.grad: dy + ...
+                _compare_quantized(recipe, actual, expected, gemms, True, splits, through)
             except AssertionError as e:
                 names = ["x", *(n for n, _ in module.named_parameters())]
                 raise AssertionError(f"gradient of {names[i]}: {e}") from None

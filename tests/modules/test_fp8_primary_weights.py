@@ -332,10 +332,10 @@ def test_grouped_forward_and_gradients_against_float64(device, recipe, single):
     dx_ref = torch.einsum("mn,mnk->mk", gd, w[rows])
     dw_ref = torch.stack([gd[rows == i].T @ xd[rows == i] for i in range(G)])
     assert_close_quantized(y, y_ref, "current")
-    assert_close_quantized(x.grad, dx_ref, "current")
+    assert_close_quantized(x.grad, dx_ref, "current", grad=True)
     main_grad = m.weight.main_grad if single else torch.stack([getattr(m, f"weight{i}").main_grad
                                                                for i in range(G)])  # fmt: skip
-    assert_close_quantized(main_grad, dw_ref, "current")
+    assert_close_quantized(main_grad, dw_ref, "current", grad=True)
     assert not main_grad[1].any()  # the expert without tokens
     for i in range(G):
         assert_close(getattr(m, f"bias{i}").grad, gd[rows == i].sum(0), torch.bfloat16,
@@ -385,9 +385,9 @@ def test_grouped_one_group_is_a_linear(single):
     y.backward(g)
     y0.backward(g)
     assert_close_quantized(y, y0.double(), "current")
-    assert_close_quantized(x.grad, x0.grad.double(), "current")
+    assert_close_quantized(x.grad, x0.grad.double(), "current", grad=True)
     main_grad = getattr(grouped, name).main_grad.reshape(dense.weight.shape)
-    assert_close_quantized(main_grad, dense.weight.main_grad.double(), "current")
+    assert_close_quantized(main_grad, dense.weight.main_grad.double(), "current", grad=True)
 
 
 @pytest.mark.parametrize("single", [False, True], ids=["per_group", "single"])
@@ -454,7 +454,7 @@ def test_grouped_mlp_fp8_weights_train_and_compile(device):
     y_ref = torch.einsum("mk,mnk->mn", torch.nn.functional.silu(a) * b, w2)
     y_ref.backward(g.cpu().double())
     assert_close_quantized(y, y_ref, "current", gemms=2)
-    assert_close_quantized(x.grad, xd.grad, "current", gemms=2)
+    assert_close_quantized(x.grad, xd.grad, "current", gemms=2, grad=True)
     opt = torch.optim.SGD(masters.parameters(), lr=0.5)
     opt.zero_grad()
     for n in _fp8_names(m):
@@ -529,9 +529,9 @@ def test_ops_grouped_linear_against_float64(device):
     xd, gd = x.detach().cpu().double(), g.cpu().double()
     bias = op.bias.detach().cpu().double()[rows]
     assert_close_quantized(y, torch.einsum("mk,mnk->mn", xd, w) + bias, "current")
-    assert_close_quantized(x.grad, torch.einsum("mn,mnk->mk", gd, w), "current")
+    assert_close_quantized(x.grad, torch.einsum("mn,mnk->mk", gd, w), "current", grad=True)
     dw = torch.stack([gd[rows == i].T @ xd[rows == i] for i in range(G)])
-    assert_close_quantized(op.weight.main_grad, dw, "current")
+    assert_close_quantized(op.weight.main_grad, dw, "current", grad=True)
     assert op.weight.grad is None
     with autocast(recipe=recipe), pytest.raises(RuntimeError, match="main_grad"):
         te.ops.Sequential(_ops_grouped_without_masters(device, recipe))(x, SPLITS)
