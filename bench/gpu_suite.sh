@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The whole GPU test suite in two device calls, each under the 10-minute limit of one call:
+#
+#   bash bench/gpu_suite.sh 1   # tests/functional, kernels, quantization, modules, ops
+#   bash bench/gpu_suite.sh 2   # tests/distributed (NCCL on every GPU of the machine), fuzz,
+#                               # the top-level tests; then the long runs (--long-runs)
+#
+# Part 2's long runs: tests/test_long_run.py (the demo 2,000 steps per native FP8 recipe next to
+# bf16), the --long-runs cases of the FSDP2 FP8 primary weights and of the pipeline schedule.
+# The other --long-runs cases are CPU compiles (every bad value compiled, Inductor on every CPU
+# registry sample): `make test` covers their paths, `pytest --long-runs` on any machine runs them.
+# Each part writes under $OUT its log, a JUnit XML and summary_<part>.md (counts, every failure
+# with the first lines of its message, the 30 slowest tests), packed into results.tgz. Run it
+# whenever a change touches CUDA paths and record the summaries in bench/results/<date>/.
+set -uo pipefail
+part=${1:?usage: bash bench/gpu_suite.sh 1|2}
+OUT=${OUT:-bench/results/latest}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+pack() { (cd "$OUT" && tar czf results.tgz --remove-files --exclude results.tgz -- *.*); }
+trap pack EXIT
+trap 'exit 124' TERM INT
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+nvidia-smi -L | tee "$OUT/gpu_$part.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
+  | tee -a "$OUT/gpu_$part.txt"
+CC=gcc CXX=g++ python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -3
+# One worker per two cores (Triton's compiles are host-bound; each worker holds a CUDA context).
+workers=$(( $(nproc) / 2 ))
+PYTEST=(python3 -m pytest -q -rfE -p no:cacheprovider --durations=30)
+python3 -c "import xdist" 2>/dev/null && PYTEST+=(-n "$workers")
+export TE_COMPILE_TEST_WORLD=$(python3 -c "import torch; print(max(2, torch.cuda.device_count()))")
+budget=${SUITE_TIMEOUT:-540}  # seconds for the pytest runs of this part
+start=$SECONDS
+run() {  # name, pytest arguments...
+  local name=$1; shift
+  local left=$(( budget - (SECONDS - start) ))
+  if [ "$left" -lt 30 ]; then echo "=== $name: not run, no time left" | tee "$OUT/$name.log"; return; fi
+  echo "=== $name (timeout ${left}s)"
+  timeout "$left" "${PYTEST[@]}" --junitxml="$OUT/$name.xml" "$@" 2>&1 | tee "$OUT/$name.log" | tail -8
+}
+case $part in
+  1) run part1 tests/functional tests/kernels tests/quantization tests/modules tests/ops ;;
+  2) run part2 tests/distributed tests/fuzz tests/test_*.py
+     run long_cases --long-runs tests/distributed/test_fsdp_fp8_primary.py \
+       tests/modules/test_pipeline_schedule.py
+     run long_runs --long-runs tests/test_long_run.py -k gpu ;;
+  *) echo "part must be 1 or 2"; exit 2 ;;
+esac
+python3 bench/suite_summary.py "$OUT" "$part" | tee "$OUT/summary_$part.md"
