@@ -26,7 +26,15 @@ from te_compile.distributed import (
     shard_state_dict,
 )
 from te_compile.recipe import DelayedScaling
-from tests.distributed.harness import BACKENDS, WORLD, device_for, fsdp_mesh, run_checks, spawn
+from tests.distributed.harness import (
+    BACKENDS,
+    WORLD,
+    assert_passed,
+    device_for,
+    fsdp_mesh,
+    run_checks,
+    spawn_checks,
+)
 
 H = 32
 RECIPES = {"none": None, "delayed": DelayedScaling(amax_history_len=4)}
@@ -157,7 +165,7 @@ def _worker(rank, group, backend, root):
 @functools.cache
 def _results(backend):
     with tempfile.TemporaryDirectory() as root:
-        return spawn(functools.partial(_worker, root=root), backend)
+        return spawn_checks(functools.partial(_worker, root=root), backend)
 
 
 NAMES = [f"{kind}_{r}" for kind in ("tp", "fsdp2") for r in RECIPES] + ["tp_shards_alone"]
@@ -167,5 +175,4 @@ NAMES = [f"{kind}_{r}" for kind in ("tp", "fsdp2") for r in RECIPES] + ["tp_shar
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", NAMES)
 def test_distributed_checkpoint_resumes_bit_for_bit(backend, name):
-    failure = _results(backend)[name]
-    assert failure is None, failure
+    assert_passed(_results(backend), name)
