@@ -4,10 +4,14 @@ with the single-process module of the same (full) weights.
 
 ``spawn(worker, backend)`` starts ``WORLD`` processes (torch.multiprocessing, ``spawn`` start
 method, a FileStore rendezvous in a temporary directory: no port to pick), runs
-``worker(rank, group)`` in each with the process group initialised, and returns rank 0's
-result; an exception on any rank fails the test with that rank's traceback. Workers return
-``{check name: None or failure message}`` so that one process group serves many checks (each
-spawn costs a few seconds of interpreter and torch start-up on the CI's two cores).
+``worker(rank, group, backend)`` in each with the process group initialised, and returns every
+rank's result as a list indexed by rank; an exception on any rank fails the test with that
+rank's traceback. Workers return ``{check name: None or failure message}`` (``run_checks``) so
+that one process group serves many checks (each spawn costs a few seconds of interpreter and
+torch start-up on the CI's two cores); ``spawn_checks`` merges the reports of all ranks into one
+(a check passes when it passed on every rank; its message names each rank it failed on, as
+``rank 1: <check>: <traceback>``), and ``assert_passed(report, name)`` fails a test with that
+message. Every rank counts: a result that is wrong on rank 1 only fails the test.
 
 gloo on CPU runs everywhere; NCCL needs ``WORLD`` CUDA GPUs (``BACKENDS`` skips it otherwise).
 """
@@ -19,7 +23,7 @@ import os
 import sys
 import tempfile
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,9 +77,7 @@ def _entry(rank, worker, backend, init_file, results, errors) -> None:
     )
     try:
         torch.manual_seed(0)  # fresh processes do not start from the same RNG state
-        out = worker(rank, dist.group.WORLD, backend)
-        if rank == 0:
-            results["out"] = out
+        results[rank] = worker(rank, dist.group.WORLD, backend)
     except BaseException:
         errors[rank] = traceback.format_exc()
     finally:
@@ -88,8 +90,9 @@ def _entry(rank, worker, backend, init_file, results, errors) -> None:
     os._exit(0)
 
 
-def spawn(worker: Callable[[int, Any, str], Any], backend: str) -> Any:
-    """``worker(rank, group, backend)`` on ``WORLD`` processes; rank 0's return value."""
+def spawn(worker: Callable[[int, Any, str], Any], backend: str) -> list[Any]:
+    """``worker(rank, group, backend)`` on ``WORLD`` processes; every rank's return value, in
+    rank order."""
     with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
         results, errors = manager.dict(), manager.dict()
         mp.spawn(
@@ -98,15 +101,57 @@ def spawn(worker: Callable[[int, Any, str], Any], backend: str) -> Any:
             nprocs=WORLD,
             join=True,
         )
-        errors, out = dict(errors), results.get("out")
+        errors, results = dict(errors), dict(results)
     if errors:
         pytest.fail("\n".join(f"rank {r}:\n{tb}" for r, tb in sorted(errors.items())))
-    return out
+    missing = [r for r in range(WORLD) if r not in results]
+    if missing:
+        pytest.fail(f"ranks {missing} returned no result")
+    return [results[r] for r in range(WORLD)]
 
 
-def run_checks(checks: dict[str, Callable[[], None]]) -> dict[str, str | None]:
+Report = dict[str, str | None]
+
+
+def merge_reports(reports: Sequence[Report]) -> Report:
+    """One report from every rank's (``reports[rank]``): a check passes when it passed on every
+    rank; otherwise its message lists each rank it failed on, ``rank r: <check>: <message>``. A
+    check that some rank did not report fails on that rank."""
+    names = list(dict.fromkeys(name for report in reports for name in report))
+    merged: Report = {}
+    for name in names:
+        failures = []
+        for rank, report in enumerate(reports):
+            if name not in report:
+                failures.append(f"rank {rank}: {name}: not reported by this rank")
+            elif report[name] is not None:
+                failures.append(f"rank {rank}: {name}: {report[name]}")
+        merged[name] = "\n".join(failures) if failures else None
+    return merged
+
+
+def spawn_checks(worker: Callable[[int, Any, str], Report], backend: str) -> Report:
+    """``spawn`` of a worker that returns ``run_checks``'s report: every rank's report merged
+    (``merge_reports``)."""
+    reports = spawn(worker, backend)
+    for rank, report in enumerate(reports):
+        if not isinstance(report, dict):
+            pytest.fail(f"rank {rank} returned {type(report).__name__}, not a report dict")
+    return merge_reports(reports)
+
+
+def assert_passed(report: Report, name: str) -> None:
+    """Fail unless check ``name`` passed on every rank (``spawn_checks``'s report), with every
+    failing rank's message."""
+    if name not in report:
+        pytest.fail(f"no check named {name!r} was run; the report has {sorted(report)}")
+    if report[name] is not None:
+        pytest.fail(report[name], pytrace=False)
+
+
+def run_checks(checks: dict[str, Callable[[], None]]) -> Report:
     """Run every check; ``{name: None}`` when it passed, else its exception text."""
-    report: dict[str, str | None] = {}
+    report: Report = {}
     for name, check in checks.items():
         try:
             check()

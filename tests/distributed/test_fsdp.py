@@ -18,7 +18,15 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import te_compile as te
-from tests.distributed.harness import BACKENDS, WORLD, device_for, fsdp_mesh, run_checks, spawn
+from tests.distributed.harness import (
+    BACKENDS,
+    WORLD,
+    assert_passed,
+    device_for,
+    fsdp_mesh,
+    run_checks,
+    spawn_checks,
+)
 from tests.utils import assert_close
 
 H, BATCH, STEPS = 16, 8, 3
@@ -101,11 +109,10 @@ def _worker(rank, group, backend):
 
 @functools.cache
 def _results(backend):
-    return spawn(_worker, backend)
+    return spawn_checks(_worker, backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", ["fsdp2_compiled_blocks", "fsdp2_compiled_blocks_selective_ac"])
 def test_fsdp2_matches_single_process_training(backend, name):
-    failure = _results(backend)[name]
-    assert failure is None, failure
+    assert_passed(_results(backend), name)

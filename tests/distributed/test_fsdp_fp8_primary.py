@@ -36,7 +36,15 @@ from torch.distributed.tensor import DTensor
 
 import te_compile as te
 from te_compile.quantization import DelayedScaling, Float8CurrentScaling, autocast
-from tests.distributed.harness import BACKENDS, WORLD, device_for, fsdp_mesh, run_checks, spawn
+from tests.distributed.harness import (
+    BACKENDS,
+    WORLD,
+    assert_passed,
+    device_for,
+    fsdp_mesh,
+    run_checks,
+    spawn_checks,
+)
 from tests.utils import assert_close_quantized
 
 H, BATCH, STEPS = 32, 16, 3
@@ -399,7 +407,7 @@ LONG = ("delayed", "current_compiled")  # --long-runs: CI's time is tight
 
 @functools.cache
 def _results(backend, names):
-    return spawn(functools.partial(_worker, names), backend)
+    return spawn_checks(functools.partial(_worker, names), backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -410,5 +418,4 @@ def test_fsdp2_fp8_primary_weights(backend, name, request):
         pytest.skip(
             "FSDP2 with FP8 primary weights: delayed scaling and torch.compile run with --long-runs"
         )
-    failure = _results(backend, DEFAULT + LONG if long_runs else DEFAULT)[name]
-    assert failure is None, failure
+    assert_passed(_results(backend, DEFAULT + LONG if long_runs else DEFAULT), name)

@@ -12,7 +12,15 @@ import pytest
 import torch
 
 from te_compile import ops
-from tests.distributed.harness import BACKENDS, Case, compare, device_for, run_checks, spawn
+from tests.distributed.harness import (
+    BACKENDS,
+    Case,
+    assert_passed,
+    compare,
+    device_for,
+    run_checks,
+    spawn_checks,
+)
 from tests.utils import compile_counted
 
 S, B, H, N = 8, 2, 16, 24
@@ -122,7 +130,7 @@ def _worker(rank, group, backend):
 
 @functools.cache
 def _results(backend: str) -> dict:
-    return spawn(_worker, backend)
+    return spawn_checks(_worker, backend)
 
 
 NAMES = [*CASES, *(f"{n}_compiled" for n in COMPILED), "row_fusion_plan", "bad_sizes"]
@@ -131,5 +139,4 @@ NAMES = [*CASES, *(f"{n}_compiled" for n in COMPILED), "row_fusion_plan", "bad_s
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", NAMES)
 def test_ops_tensor_parallel_matches_single_process(backend, name):
-    failure = _results(backend)[name]
-    assert failure is None, failure
+    assert_passed(_results(backend), name)

@@ -14,6 +14,7 @@ import tempfile
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
@@ -26,7 +27,15 @@ from te_compile.distributed import (
     shard_state_dict,
 )
 from te_compile.recipe import DelayedScaling
-from tests.distributed.harness import BACKENDS, WORLD, device_for, fsdp_mesh, run_checks, spawn
+from tests.distributed.harness import (
+    BACKENDS,
+    WORLD,
+    assert_passed,
+    device_for,
+    fsdp_mesh,
+    run_checks,
+    spawn_checks,
+)
 
 H = 32
 RECIPES = {"none": None, "delayed": DelayedScaling(amax_history_len=4)}
@@ -44,6 +53,15 @@ class TPBlock(torch.nn.Module):
     def forward(self, x):
         x = x + self.proj(torch.tanh(self.qkv(x)))
         return x + self.mlp(x)
+
+
+def _tp_block(group, device) -> TPBlock:
+    """This rank's shard of one full TPBlock (the modules' own initialisation would give every
+    rank the same shard, and a shard mixed up with another rank's would go unnoticed)."""
+    torch.manual_seed(0)
+    model = TPBlock(group, device)
+    model.load_state_dict(shard_state_dict(model, TPBlock(None, device).state_dict()))
+    return model
 
 
 def _batch(step: int, device) -> torch.Tensor:
@@ -65,8 +83,7 @@ def _train(model, opt, recipe, steps) -> list[float]:
 
 def _tp_resume(rank, group, device, recipe, path):
     def build():
-        torch.manual_seed(0)
-        model = TPBlock(group, device)
+        model = _tp_block(group, device)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
     model, opt = build()
@@ -96,16 +113,26 @@ def _tp_resume(rank, group, device, recipe, path):
         assert torch.equal(a, b), k
 
 
+def _every_rank(t: torch.Tensor, group) -> list[torch.Tensor]:
+    out = [torch.empty_like(t) for _ in range(WORLD)]
+    dist.all_gather(out, t.contiguous(), group=group)
+    return out
+
+
 def _tp_shards_alone_lose_data(rank, group, device, path):
-    """The rank-local state handed to torch.distributed.checkpoint as it is: rank 1 gets rank
-    0's shard back (the reason for gather_state_dict)."""
-    torch.manual_seed(0)
-    model = TPBlock(group, device)
+    """The rank-local state handed to torch.distributed.checkpoint as it is: the shards are
+    taken for replicas, one rank's is kept and every rank loads that one back (the reason for
+    gather_state_dict). Which rank's is kept is torch's choice."""
+    model = _tp_block(group, device)
     dcp.save(model.state_dict(), checkpoint_id=path)
     state = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
     dcp.load(state, checkpoint_id=path)
-    same = torch.equal(state["proj.weight"], model.state_dict()["proj.weight"])
-    assert same == (rank == 0), "expected plain shards to be deduplicated as replicas"
+    own, loaded = model.state_dict()["proj.weight"], state["proj.weight"]
+    owns, loadeds = _every_rank(own, group), _every_rank(loaded, group)
+    assert not torch.equal(owns[0], owns[1]), "the ranks' shards must differ"
+    assert all(torch.equal(t, loadeds[0]) for t in loadeds), "every rank loads the same shard"
+    kept = [r for r, t in enumerate(owns) if torch.equal(t, loaded)]
+    assert len(kept) == 1, f"expected one rank's shard kept for all; ranks {kept} match"
 
 
 def _fsdp_resume(rank, group, device, recipe, path):
@@ -157,15 +184,22 @@ def _worker(rank, group, backend, root):
 @functools.cache
 def _results(backend):
     with tempfile.TemporaryDirectory() as root:
-        return spawn(functools.partial(_worker, root=root), backend)
+        return spawn_checks(functools.partial(_worker, root=root), backend)
 
 
 NAMES = [f"{kind}_{r}" for kind in ("tp", "fsdp2") for r in RECIPES] + ["tp_shards_alone"]
+# gather_state_dict passes the FP8 state's grad_amax (the backward's amax, reduced over the amax
+# group only at the next forward) through as a replica, but it is a rank's own: a column-parallel
+# module's output gradient differs per rank. torch.distributed.checkpoint keeps one rank's, so
+# the resumed run folds a different gradient amax into its history than the uninterrupted one.
+_GRAD_AMAX_NOT_GATHERED = pytest.mark.xfail(
+    strict=True, reason="gather_state_dict keeps one rank's FP8 grad_amax (a per-rank value)"
+)
+NAMES = [pytest.param(n, marks=_GRAD_AMAX_NOT_GATHERED) if n == "tp_delayed" else n for n in NAMES]
 
 
 @pytest.mark.skipif(WORLD != 2, reason="written for two ranks")
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", NAMES)
 def test_distributed_checkpoint_resumes_bit_for_bit(backend, name):
-    failure = _results(backend)[name]
-    assert failure is None, failure
+    assert_passed(_results(backend), name)

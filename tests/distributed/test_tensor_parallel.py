@@ -21,7 +21,16 @@ from torch.distributed.device_mesh import init_device_mesh
 import te_compile as te
 from te_compile import distributed as tedist
 from te_compile.distributed import shard_tensor
-from tests.distributed.harness import BACKENDS, WORLD, Case, compare, device_for, run_checks, spawn
+from tests.distributed.harness import (
+    BACKENDS,
+    WORLD,
+    Case,
+    assert_passed,
+    compare,
+    device_for,
+    run_checks,
+    spawn_checks,
+)
 from tests.utils import GraphRecorder, assert_single_graph, compile_counted
 
 S, B, H, FFN = 8, 2, 16, 32  # sequence (dim 0, split by sequence parallelism), batch, widths
@@ -371,12 +380,11 @@ def _error_checks(group, device):
 @functools.cache
 def _results(kind: str, backend: str) -> dict:
     worker = {"eager": _eager_worker, "compiled": _compiled_worker}[kind]
-    return spawn(worker, backend)
+    return spawn_checks(worker, backend)
 
 
 def _check(kind: str, backend: str, name: str) -> None:
-    failure = _results(kind, backend)[name]
-    assert failure is None, failure
+    assert_passed(_results(kind, backend), name)
 
 
 EAGER_NAMES = [*CASES, *MESH_CASES, "layernorm_mlp_sp_swiglu_torch.float32",

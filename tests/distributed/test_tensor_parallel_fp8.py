@@ -20,7 +20,14 @@ import torch
 
 import te_compile as te
 from te_compile.distributed import shard_state_dict
-from tests.distributed.harness import BACKENDS, WORLD, device_for, run_checks, spawn
+from tests.distributed.harness import (
+    BACKENDS,
+    WORLD,
+    assert_passed,
+    device_for,
+    run_checks,
+    spawn_checks,
+)
 from tests.utils import assert_close, compile_counted
 
 S, B, H, FFN = 16, 2, 32, 64  # FP8 GEMMs want feature sizes (and shards) in multiples of 16
@@ -114,11 +121,10 @@ def _worker(rank, group, backend):
 
 @functools.cache
 def _results(backend):
-    return spawn(_worker, backend)
+    return spawn_checks(_worker, backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", ["delayed_eager", "delayed_compiled", "current_compiled"])
 def test_fp8_tensor_parallel_layernorm_mlp(backend, name):
-    failure = _results(backend)[name]
-    assert failure is None, failure
+    assert_passed(_results(backend), name)
