@@ -31,8 +31,9 @@ lint: install
 PYTEST_WORKERS ?= auto
 PYTEST := $(PYTHON) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal -p no:benchmark
 
+# --durations=30: the 30 slowest tests, above the result line.
 test: install lint
-	$(PYTEST) tests
+	$(PYTEST) --durations=30 tests
 	@# Triton kernels on the CPU through Triton's interpreter (tests marked `triton`, all in
 	@# tests/kernels: tests/test_suite_layout.py checks it); exit code 5 means none are
 	@# collected, which is not a failure.
