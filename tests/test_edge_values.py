@@ -5,8 +5,9 @@
   it (per-tensor recipes keep finite scales and say so) - never silently clipped to a finite
   value with nothing reported;
 * a single token, zero tokens and an odd hidden size (67): the module works - its output and
-  gradients match the float64 run of the same module and weights (exactly as far as fp32 goes
-  in high precision, within the recipe's quantisation error under FP8) - or refuses the shape
+  gradients match a float64 reference written in plain torch from the module's own weights
+  (:data:`REFERENCES`, from the fuzz tests' references; exactly as far as fp32 goes in high
+  precision, within the recipe's quantisation error under FP8) - or refuses the shape
   with the ValueError :func:`_refusal` expects, naming the sizes and the multiple they miss;
   the grouped modules get one empty group among three (all three with zero tokens).
 """
@@ -14,19 +15,22 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 
 import pytest
 import torch
+import torch.nn.functional as tF
 
 import te_compile as te
 from te_compile import recipe as R
+from tests.fuzz.common import _MLP_ACT, _grouped_ref, _ln, _rms
+from tests.fuzz.test_functions import _attention_ref, _mha_ref
 from tests.utils import (
     DEVICES,
     assert_close,
     assert_close_quantized,
     assert_close_quantized_groups,
+    to_reference,
 )
 
 RECIPES = {
@@ -99,6 +103,61 @@ MODULES = {
         lambda m, x: m(x),
     ),
 }
+
+
+# The float64 references of MODULES: plain torch from the module's own parameters ``q`` (name ->
+# float64 leaf) and ``x`` [tokens, hidden]; one attention head of the whole hidden size, causal.
+def _attention_config(hidden, input_layernorm):
+    return {"input_layernorm": input_layernorm, "normalization": "LayerNorm", "zc": False,
+            "head_dim": hidden, "groups": 1, "heads_per_group": 1, "fuse_qkv_params": False,
+            "qkv_weight_interleaved": True, "layout": "sbhd", "mask": "causal"}  # fmt: skip
+
+
+def _ln_mlp(q, x, prefix=""):
+    """LayerNorm, FC1, tanh GELU, FC2 (``LayerNormMLP``'s defaults)."""
+    h = _ln(x, q[prefix + "layer_norm_weight"], q[prefix + "layer_norm_bias"])
+    h = _MLP_ACT["gelu"](tF.linear(h, q[prefix + "fc1_weight"], q[prefix + "fc1_bias"]))
+    return tF.linear(h, q[prefix + "fc2_weight"], q[prefix + "fc2_bias"])
+
+
+def _grouped(q, x, prefix=""):
+    weights = [q[f"{prefix}weight{g}"] for g in range(3)]
+    return _grouped_ref(x, _splits(x), weights, [q[f"{prefix}bias{g}"] for g in range(3)])
+
+
+def _grouped_mlp(q, x):
+    fc1, fc2 = ((q[f"{fc}.weight"].unbind(), q[f"{fc}.bias"].unbind()) for fc in ("fc1", "fc2"))
+    return _grouped_ref(_MLP_ACT["gelu"](_grouped_ref(x, _splits(x), *fc1)), _splits(x), *fc2)
+
+
+def _transformer_layer(q, x):
+    """Pre-norm self attention and LayerNormMLP, each with its residual ([s, b=1, h])."""
+    x = x[:, None]
+    h = x + _mha_ref(q, x, _attention_config(x.shape[-1], True), "self_attention.")[0]
+    return (h + _ln_mlp(q, h, "layernorm_mlp.")).squeeze(1)
+
+
+REFERENCES = {
+    "Linear": lambda q, x: tF.linear(x, q["weight"], q["bias"]),
+    "LayerNormLinear": lambda q, x: tF.linear(
+        _ln(x, q["layer_norm_weight"], q["layer_norm_bias"]), q["weight"], q["bias"]
+    ),
+    "LayerNormMLP": _ln_mlp,
+    "GroupedLinear": _grouped,
+    "GroupedMLP": _grouped_mlp,
+    "Fp8Padding": lambda q, x: _grouped(q, x, "linear."),
+    "LayerNorm": lambda q, x: _ln(x, q["weight"], q["bias"]),
+    "RMSNorm": lambda q, x: _rms(x, q["weight"]),
+    "TransformerLayer": _transformer_layer,
+    "MultiheadAttention": lambda q, x: _mha_ref(
+        q, x[:, None], _attention_config(x.shape[-1], False)
+    )[0].squeeze(1),
+    "DotProductAttention": lambda q, x: _attention_ref(*_qkv(x), "sbhd", "causal").squeeze(1),
+    "ops.Sequential": lambda q, x: _MLP_ACT["gelu"](
+        tF.linear(_ln(x, q["0.weight"], q["0.bias"]), q["1.weight"]) + q["2.bias"]
+    ),
+}
+
 # Quantised GEMMs a result passes through (the bound of assert_close_quantized); 0: none, the
 # module runs in high precision under every recipe (DotProductAttention: only "none" is run).
 GEMMS = {
@@ -201,11 +260,10 @@ def _refusal(module_name, recipe, tokens, hidden):
 
 
 def _works_or_refused(module_name, recipe, tokens, hidden):
-    """Forward and backward at an edge shape, against the float64 run of the same module (a
-    copy, same weights, no autocast); or the refusal :func:`_refusal` expects."""
-    build, call = MODULES[module_name]
+    """Forward and backward at an edge shape, against the module's float64 reference
+    (:data:`REFERENCES`, from the same weights); or the refusal :func:`_refusal` expects."""
+    build, _ = MODULES[module_name]
     module = build(hidden)
-    reference = copy.deepcopy(module).double()
     expected = _refusal(module_name, recipe, tokens, hidden)
     x = torch.randn(tokens, hidden)
     if expected is not None:
@@ -213,15 +271,15 @@ def _works_or_refused(module_name, recipe, tokens, hidden):
             _run(module_name, recipe, x, module)
         return
     module, x, y = _run(module_name, recipe, x, module)
-    x64 = x.detach().double().requires_grad_()
-    y64 = call(reference, x64)
+    params = {name: to_reference(p) for name, p in module.named_parameters()}
+    x64 = to_reference(x.detach()).requires_grad_()
+    y64 = REFERENCES[module_name](params, x64)
     assert y.shape == y64.shape and y.shape[0] == tokens
     grad = torch.randn_like(y64)
     y.backward(grad.float())
     y64.backward(grad)
     pairs = [("input", x.grad, x64.grad)] + [
-        (name, p.grad, q.grad)
-        for (name, p), q in zip(module.named_parameters(), reference.parameters(), strict=True)
+        (name, p.grad, params[name].grad) for name, p in module.named_parameters()
     ]
     quantized = recipe != "none" and GEMMS[module_name]
     for name, actual, ref in pairs:

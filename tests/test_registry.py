@@ -3,9 +3,12 @@
 For each op with sample inputs, on every device: ``torch.library.opcheck`` (all default tests),
 ``torch.compile(fullgraph=True, dynamic=True)`` with zero graph breaks, and forward and backward
 against the float64 reference (compiled by Inductor on CUDA; on the CPU by AOTAutograd's
-``aot_eager``, and by Inductor with ``--long-runs``). Backward ops get their inputs by recording
-the calls the forward's autograd makes, so they are opchecked with realistic arguments without a
-second sample list.
+``aot_eager``, and by Inductor with ``--long-runs``). The reference is the independent one of
+``tests/utils/references.py`` for the families whose library ``*_ref`` is their CPU
+implementation (norm, activation, attention, fused_norm; the quantisers of quantize and
+quantize_mx are compared with theirs bit for bit), the entry's own elsewhere. Backward ops get
+their inputs by recording the calls the forward's autograd makes, so they are opchecked with
+realistic arguments without a second sample list.
 
 An op's samples are checked in parts of at most ``_PART`` samples, a test each, so that the
 suite's workers (``pytest -n``) share an op with many samples. Every sample gets ``opcheck``'s
@@ -28,11 +31,20 @@ from torch.utils._pytree import tree_map
 
 import te_compile
 from te_compile._library import registry
-from tests.utils import DEVICES, assert_close, compile_counted, to_reference
+from tests.utils import (
+    DEVICES,
+    assert_bits_equal,
+    assert_close,
+    compile_counted,
+    references,
+    to_reference,
+)
 
 ENTRIES = registry()
 FORWARD = sorted(name for name, e in ENTRIES.items() if e.sample_inputs is not None)
 DIFFERENTIABLE = sorted(name for name, e in ENTRIES.items() if e.differentiable and e.sample_inputs)
+# Non-differentiable ops with an independent reference (the quantisers): compared bit for bit.
+EXACT = sorted(name for name in references.REFERENCES if not ENTRIES[name].differentiable)
 _PART = 6
 
 
@@ -93,6 +105,19 @@ def test_every_op_is_covered():
             and entry.differentiable.bwd.qualname == name
         )
         assert testable, f"{name} has no sample inputs and is not the backward of a tested op"
+
+
+def _family(name: str) -> str:
+    """The ``te_compile/functional`` file that defines forward op ``name``."""
+    return ENTRIES[name].sample_inputs.__module__.rsplit(".", 1)[-1]
+
+
+def test_families_with_their_own_references_have_independent_ones():
+    """Every forward op of the families whose library ``*_ref`` is also their CPU implementation
+    has a reference written apart from it (``tests/utils/references.py``), which the checks
+    below use as the expected value; a new op of these families fails here until it has one."""
+    ops = {name for name in FORWARD if _family(name) in references.FAMILIES}
+    assert set(references.REFERENCES) == ops
 
 
 _CHEAP_OPCHECKS = ("test_schema", "test_autograd_registration", "test_faketensor")
@@ -268,7 +293,7 @@ def test_forward_backward_vs_reference_eager_and_compiled(name, part, device, re
             runs = (dop,)
         n_compiled += len(runs) - 1
         ref_args = to_reference(sample.args)
-        ref_out = _tensors(dop.reference(*ref_args))
+        ref_out = _tensors(references.REFERENCES.get(name, dop.reference)(*ref_args))
         dtype = _tensors(sample.args)[0].dtype
         tols = _tolerance(name, device, dtype, sample)
         # The same (dtype-representable) upstream gradient for the reference and the test.
@@ -291,3 +316,17 @@ def test_forward_backward_vs_reference_eager_and_compiled(name, part, device, re
     sample = _part(name, device, part)[0]
     explanation = torch._dynamo.explain(lambda *a: dop(*a))(*_clone(sample.args))
     assert explanation.graph_break_count == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", EXACT)
+def test_vs_independent_reference_bit_for_bit(name, device):
+    """The quantisers' outputs, bit for bit, against ``tests/utils/references.py`` (the formats
+    define every bit: scales, codes, saturation, rounding to nearest even)."""
+    for sample in _samples(name, device):
+        out = _tensors(ENTRIES[name].overload(*sample.args, **sample.kwargs))
+        cpu = tree_map(lambda x: x.cpu() if isinstance(x, torch.Tensor) else x, sample.args)
+        expected = _tensors(references.REFERENCES[name](*cpu, **sample.kwargs))
+        assert len(out) == len(expected), name
+        for o, e in zip(out, expected, strict=True):
+            assert_bits_equal(o, e)

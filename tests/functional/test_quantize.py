@@ -1,10 +1,11 @@
 """FP8 quantisation ops (``te_compile.functional.quantize``) beyond the registry test.
 
-Bit-exact against a plain quantiser written here (``x.float() * scale``, clamped, ``.to(fp8)``,
-with Transformer Engine's scale rule in Python floats), for every format and mode; layouts;
-dequantisation round trip within the format's relative precision; edge cases (zeros, inf, NaN,
-tiny amax, saturation, any K); compiled equals eager with no graph break; bad input in eager and
-under compile. Runs on CPU (the reference implementation) and CUDA (the Triton kernels).
+Bit-exact against the plain quantiser of ``tests/utils/references.py`` (``x.float() * scale``,
+clamped, ``.to(fp8)``, with Transformer Engine's scale rule in Python floats), for every format
+and mode; layouts; dequantisation round trip within the format's relative precision; edge
+cases (zeros, inf, NaN, tiny amax, saturation, any K); compiled equals eager with no graph
+break; bad input in eager and under compile. Runs on CPU (the reference implementation) and
+CUDA (the Triton kernels).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from tests.utils import (
     assert_close,
     compile_counted,
     count_graph_breaks,
+    references,
 )
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -44,60 +46,14 @@ OPS = [
 ]
 
 
-# The reference quantiser of this file (independent of te_compile's *_ref) -------------------
+# The reference quantiser (independent of te_compile's *_ref): tests/utils/references.py -----
+
+_te_scale, _cast, _inv = references.te_scale, references.fp8_cast, references.fp32_reciprocal
+_rows, _amax, _ref_blocks = references.rows, references.amax_of, references.fp8_blocks
 
 
 def _fmax(fp8):
     return torch.finfo(fp8).max
-
-
-def _te_scale(amax: float, fp8, eps: float = 0.0, pow2: bool = False) -> float:
-    """Transformer Engine's compute_scale_from_amax on Python floats: fp8_max / max(amax, eps),
-    the quotient rounded once to fp32 (a double quotient of fp32 values rounds correctly)."""
-    if amax < eps:
-        amax = eps
-    if math.isnan(amax):
-        return math.nan
-    if amax == 0 or math.isinf(amax):
-        return 1.0
-    scale = torch.tensor(_fmax(fp8) / amax, dtype=torch.float32).item()
-    if math.isinf(scale):
-        scale = FLT_MAX
-    if pow2:
-        scale = 2.0 ** (math.frexp(scale)[1] - 1)
-    return scale
-
-
-def _cast(x, scale, fp8):
-    return (x.float() * scale).clamp(-_fmax(fp8), _fmax(fp8)).to(fp8)
-
-
-def _inv(scale: float) -> torch.Tensor:
-    return torch.tensor([1.0 / scale], dtype=torch.float32)  # double quotient, rounded once
-
-
-def _rows(x):
-    return x.detach().cpu().reshape(math.prod(x.shape[:-1]), x.shape[-1]).float()
-
-
-def _amax(x2) -> float:
-    return x2.abs().max().item() if x2.numel() else 0.0
-
-
-def _ref_blocks(x2, fp8, block_rows, pow2):
-    """``(data, scale_inv)`` for ``block_rows x 128`` blocks of ``[M, K]``, block by block."""
-    m, k = x2.shape
-    data = torch.empty(m, k, dtype=fp8)
-    scale_inv = torch.empty(-(-m // block_rows), -(-k // 128))
-    for i in range(scale_inv.shape[0]):
-        for j in range(scale_inv.shape[1]):
-            rows, cols = slice(i * block_rows, (i + 1) * block_rows), slice(j * 128, (j + 1) * 128)
-            amax = _amax(x2[rows, cols])
-            # A block holding inf: a NaN scale (it dequantises to NaN), not TE's 1.
-            scale = math.nan if math.isinf(amax) else _te_scale(amax, fp8, pow2=pow2)
-            data[rows, cols] = _cast(x2[rows, cols], scale, fp8)
-            scale_inv[i, j] = _inv(scale)
-    return data, scale_inv
 
 
 def _rand(shape, dtype, device, std=1.0):

@@ -1,8 +1,9 @@
 """MXFP8 and NVFP4 quantisation (``te_compile.functional.quantize_mx``) beyond the registry test.
 
-The ops are checked bit for bit against independent quantisers written here: a loop over blocks
-that picks each element's code by nearest-value lookup over the format's finite values (ties to
-the even code, which is round-to-nearest-even; the lookup saturates by itself), with the scale
+The ops are checked bit for bit against the independent quantisers of
+``tests/utils/references.py``: a loop over blocks that picks each element's code by
+nearest-value lookup over the format's finite values (ties to the even code, which is
+round-to-nearest-even; the lookup saturates by itself), with the scale
 from ``math.frexp`` (MXFP8) or numpy fp32 scalars in Transformer Engine's order of operations
 (NVFP4). Round trips are checked against per-element bounds that follow from the formats:
 half a grid step at the element's scaled magnitude, or the saturation gap.
@@ -12,20 +13,18 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from te_compile import _library
 from te_compile.functional import quantize_mx as qmx
-from tests.utils import DEVICES, compile_counted, count_graph_breaks
+from tests.utils import DEVICES, compile_counted, count_graph_breaks, references
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8_DTYPES = [E4M3, E5M2]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-# MXFP8: OCP emax_elem and mantissa bits of the element formats.
-EMAX = {E4M3: 8, E5M2: 15}
+# Mantissa bits of the MXFP8 element formats.
 MBITS = {E4M3: 3, E5M2: 2}
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 MX_SHAPES = [(1, 1), (3, 7), (5, 40), (33, 65), (2, 3, 64)]
@@ -47,85 +46,10 @@ def _assert_same_bits(actual, expected):
     assert torch.equal(_bits(actual.cpu()), _bits(expected.cpu()))
 
 
-# Independent reference quantisers ----------------------------------------------------------
+# Independent reference quantisers: tests/utils/references.py ---------------------------------
 
-
-def _nearest(t, values, codes):
-    """Code of the nearest of ``values`` to each ``|t|`` (numpy float64), ties to the even
-    code; with only finite ``values`` this saturates too."""
-    dist = np.abs(np.abs(t)[:, None] - values[None, :])
-    tie = dist == dist.min(1, keepdims=True)
-    return codes[(tie * (2 - (codes & 1))[None, :]).argmax(1)]
-
-
-def _fp8_table(fp8_dtype):
-    """(values, codes) of the non-negative finite codes of an fp8 format, as numpy arrays."""
-    codes = torch.arange(128, dtype=torch.uint8)
-    values = codes.view(fp8_dtype).double()
-    keep = values.isfinite()
-    return values[keep].numpy(), codes[keep].numpy()
-
-
-def _signed(t, mag, sign_bit):
-    """Codes with the sign of ``t`` (numpy) in bit ``sign_bit``, as a torch uint8 tensor."""
-    return torch.from_numpy((np.signbit(t).astype(np.uint8) << sign_bit) | mag)
-
-
-def _mx_expected(x2, fp8_dtype):
-    """MXFP8 of the rows of ``x2`` ``[M, K]``: (data bytes [M, K], scale [M, ceil(K/32)])."""
-    m, k = x2.shape
-    values, codes = _fp8_table(fp8_dtype)
-    data = torch.zeros(m, k, dtype=torch.uint8)
-    scale = torch.zeros(m, -(-k // 32), dtype=torch.uint8)
-    for i in range(m):
-        for j in range(scale.shape[1]):
-            block = x2[i, 32 * j : 32 * j + 32].double().numpy()
-            amax = float(np.abs(block).max())
-            if not math.isfinite(amax):
-                scale[i, j], data[i, 32 * j : 32 * j + 32] = 255, 0x7F
-                continue
-            floor_log2 = math.frexp(amax)[1] - 1  # amax = m * 2**e, 0.5 <= m < 1
-            b = 127 if amax == 0 else min(max(floor_log2 - EMAX[fp8_dtype] + 127, 0), 254)
-            t = block / 2.0 ** (b - 127)
-            scale[i, j] = b
-            data[i, 32 * j : 32 * j + 32] = _signed(t, _nearest(t, values, codes), 7)
-    return data, scale
-
-
-def _nvfp4_global(amax):
-    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
-        amax = np.float32(amax)
-        if amax == 0 or not np.isfinite(amax):
-            return np.float32(1.0)
-        return min(np.float32(2688.0) / amax, np.finfo(np.float32).max)
-
-
-def _nvfp4_expected(x2, g):
-    """NVFP4 of the rows of ``x2`` ``[M, K]`` with global scale ``g`` (np.float32): (packed
-    bytes [M, K/2], E4M3 scale bytes [M, ceil(K/16)])."""
-    m, k = x2.shape
-    e4m3_values, e4m3_codes = _fp8_table(E4M3)
-    e2m1_values, e2m1_codes = np.array(E2M1), np.arange(8, dtype=np.uint8)
-    flt_max = np.finfo(np.float32).max
-    codes = torch.zeros(m, k, dtype=torch.uint8)
-    scale = torch.zeros(m, -(-k // 16), dtype=torch.uint8)
-    for i in range(m):
-        for j in range(scale.shape[1]):
-            block = x2[i, 16 * j : 16 * j + 16].float().numpy()
-            amax = np.abs(block).max()
-            if not np.isfinite(amax):
-                scale[i, j] = 0x7F  # NaN; codes stay 0
-                continue
-            with np.errstate(over="ignore", divide="ignore"):
-                s_exact = min(amax * (g * np.float32(1 / 6)), np.float32(448.0))
-                s_code = _nearest(np.array([s_exact], dtype=np.float64), e4m3_values, e4m3_codes)
-                s = np.float32(e4m3_values[e4m3_codes == s_code][0])
-                enc = min(np.float32(1) / (s * (np.float32(1) / g)), flt_max)
-                enc = enc if s else np.float32(0)
-                v = (block * enc).astype(np.float64)
-            scale[i, j] = int(s_code[0])
-            codes[i, 16 * j : 16 * j + 16] = _signed(v, _nearest(v, e2m1_values, e2m1_codes), 3)
-    return codes[:, 0::2] | (codes[:, 1::2] << 4), scale
+_mx_expected, _nvfp4_expected = references.mxfp8_rows, references.nvfp4_rows
+_nvfp4_global = references.nvfp4_global
 
 
 def _rows(x):
