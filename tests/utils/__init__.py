@@ -1,7 +1,8 @@
 """The one place for tolerances, float64 references, devices and graph-break counting.
 
 Every test takes its tolerances from :func:`dtype_tols` and builds its reference with
-:func:`to_reference` / :func:`make_reference_and_test_tensors`; no test writes a tolerance literal.
+:func:`to_reference` / :func:`make_reference_and_test_tensors`; a tolerance literal elsewhere
+carries a ``# tol:`` comment saying why (tests/test_suite_layout.py checks it).
 """
 
 from __future__ import annotations
