@@ -32,7 +32,7 @@ from tests.fuzz.common import (
     _rotate,
     _splits,
 )
-from tests.utils import assert_close, to_reference
+from tests.utils import assert_close, capped_dtype, to_reference
 
 
 def _fuzz(ci_examples):
@@ -68,6 +68,7 @@ def test_activations(seed, dtype, name, shape, half, interleave, bias, limit, al
     alpha and offset), gated ones in both layouts, or ``te.functional.bias_activation`` with a
     bias added first (its gradient a sum over rows)."""
     torch.manual_seed(seed)
+    dtype = capped_dtype(dtype, 4)  # the bias gradient: 4 roundings
     gated = name in _GLU_REF or name == "clamped_swiglu"
     if gated and interleave and half % interleave:
         interleave = None
@@ -95,7 +96,7 @@ def test_activations(seed, dtype, name, shape, half, interleave, bias, limit, al
 
 
 @FUZZ
-@given(seed=SEED, p=_precision(), bias=st.booleans())
+@given(seed=SEED, p=_precision(roundings=2), bias=st.booleans())
 def test_functional_linear(seed, p, bias):
     """``te.functional.linear`` with the recipe given as data (emulated FP8 on CPU)."""
     torch.manual_seed(seed)
@@ -145,6 +146,7 @@ def test_dot_product_attention(seed, dtype, seq, batch, groups, heads_per_group,
                                layout, functional, scale):  # fmt: skip
     """The module, or ``te.functional.dot_product_attention`` (with a ``softmax_scale``)."""
     torch.manual_seed(seed)
+    dtype = capped_dtype(dtype, 6)  # the gradients: 6 roundings (bfloat16 runs in float32)
     heads = groups * heads_per_group
     shape = (seq, batch) if layout == "sbhd" else (batch, seq)
     q, k, v = (torch.randn(*shape, h, head_dim).to(dtype).requires_grad_()
@@ -204,10 +206,13 @@ def _mha_ref(q, x, c, pre="", freqs=None, cond=None):
 @st.composite
 def _attention_config(draw, recipes=(None, *(r for r in RECIPES if r != "nvfp4"))):
     """Sizes and options of a self-attention block: any head dim in high precision; under a
-    recipe 16 and head counts whose projections are multiples of the recipe's block. Not
-    NVFP4: through the softmax its FP4 queries and keys leave a normwise error of 0.4 - 0.6
-    against float64 and a gain of 0.75 - 0.9 (measured on these sizes), more than any bound that
-    still rejects an all-zero result; its GEMMs are checked in the linear and MLP fuzz."""
+    recipe 16 and head counts whose projections are multiples of the recipe's block. High
+    precision is float32: the chain (norm, QKV, softmax, projection; the MLP too in the layer)
+    takes 6 to 10 roundings times a norm's condition number, past the cap of bfloat16 (2) and
+    float16 (31) alike. Not NVFP4: through the softmax its FP4 queries and keys leave a normwise
+    error of 0.4 - 0.6 against float64 and a gain of 0.75 - 0.9 (measured on these sizes), more
+    than any bound that still rejects an all-zero result; its GEMMs are checked in the linear
+    and MLP fuzz."""
     recipe = draw(st.sampled_from(recipes))
     c = {
         "recipe": recipe,
@@ -224,7 +229,7 @@ def _attention_config(draw, recipes=(None, *(r for r in RECIPES if r != "nvfp4")
         "rotary_interleaved": draw(st.booleans()),
     }
     if recipe is None:
-        c |= {"dtype": draw(DTYPES), "head_dim": 2 * draw(st.integers(1, 4)),
+        c |= {"dtype": torch.float32, "head_dim": 2 * draw(st.integers(1, 4)),
               "hidden": draw(st.integers(4, 24)), "ffn": draw(st.integers(1, 24)),
               "batch": draw(st.integers(1, 2)), "seq": draw(st.integers(1, 6))}  # fmt: skip
     else:
@@ -330,7 +335,7 @@ def test_transformer_layer(seed, c, activation, residual):
 
 
 @FUZZ
-@given(seed=SEED, p=_precision(max_features=32), activation=st.sampled_from(
+@given(seed=SEED, p=_precision(max_features=32, roundings=6), activation=st.sampled_from(
        te.functional.MLP_ACTIVATIONS), normalization=st.sampled_from(["", "LayerNorm", "RMSNorm"]),
        zc=st.booleans(), bias=st.booleans(), out=st.integers(1, 2))  # fmt: skip
 def test_functional_mlp(seed, p, activation, normalization, zc, bias, out):
@@ -368,7 +373,7 @@ def test_functional_mlp(seed, p, activation, normalization, zc, bias, out):
 
 
 @FUZZ
-@given(seed=SEED, p=_precision(), groups=st.integers(1, 3), bias=st.booleans(),
+@given(seed=SEED, p=_precision(roundings=4), groups=st.integers(1, 3), bias=st.booleans(),
        as_tensor=st.booleans(), data=st.data())  # fmt: skip
 def test_functional_grouped_linear(seed, p, groups, bias, as_tensor, data):
     """``te.functional.grouped_linear`` (``[G, N, K]`` weight) with the recipe as data;

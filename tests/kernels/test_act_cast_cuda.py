@@ -61,6 +61,7 @@ def test_cuda_cast_matches_triton(act, backward, has_bias, fp8, pow2, m, n):
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
     assert torch.equal(mn[0].view(torch.uint8), want[0].view(torch.uint8))
     if need_dbias:  # fp32 partial sums over other row tiles: same to rounding
+        # tol: bf16 dbias from fp32 partial sums over other row tiles (not yet the helper)
         torch.testing.assert_close(got_db, want_db, rtol=1e-2, atol=1e-2, equal_nan=True)
     else:
         assert got_db is None and want_db is None
@@ -112,12 +113,14 @@ def test_identity_cast_matches_triton(fp8, pow2, shape):
     _assert_same_cast(quantize.quantize_blockwise(*args), want, fp8)
     *got, sums = quantize.quantize_blockwise_sums(x, fp8, pow2)
     _assert_same_cast(got, want, fp8)
+    # tol: fp32 column sums in another order (not yet assert_close_sum)
     torch.testing.assert_close(sums, x2.float().sum(0), rtol=1e-5, atol=1e-3, equal_nan=True)
     *mn, _ = quantize.quantize_blockwise_sums(x, fp8, pow2, mn_major=(True, False))
     assert mn[1].stride() == (1, x2.shape[0]) and mn[3].is_contiguous()
     _assert_same_cast(mn, want, fp8)
     *got_t, sums_t = quantize.quantize_blockwise_sums(x, fp8, pow2, config=TRITON)
     _assert_same_cast(got_t, want, fp8)
+    # tol: as above, the Triton kernel's sums against the CUDA kernel's
     torch.testing.assert_close(sums_t, sums, rtol=1e-5, atol=1e-3, equal_nan=True)
 
 

@@ -11,7 +11,7 @@ from torch import nn
 
 import te_compile as te
 from te_compile.modules import convert_glu_layout
-from tests.utils import DEVICES, assert_close, compile_counted, to_reference
+from tests.utils import DEVICES, assert_close, chain_roundings, compile_counted, to_reference
 
 DTYPES = [torch.float32, torch.bfloat16]
 LAYOUTS = [False, True]
@@ -84,7 +84,7 @@ def test_grouped_linear_equals_loop_of_linear(device, dtype, single, bias):
     y_loop.backward(dy)
     # Both are rounded once from an exact value: they may differ by one rounding each.
     extra = cuda_adds_bias_after_rounding(device, bias)
-    assert_close(y, y_loop, dtype, roundings=2 + extra, reduced=extra)
+    assert_close(y, y_loop, dtype, roundings=chain_roundings(dtype, 2 + extra), reduced=extra)
     assert_close(x.grad, x_loop.grad, dtype, roundings=2)
     for g, lin in enumerate(linears):
         # A Linear that saw no rows gets no gradient; the grouped layer's is exactly zero.
@@ -394,7 +394,7 @@ def test_grouped_mlp_matches_reference(device, dtype, activation, bias, single):
     assert_close(y, y_ref, dtype, roundings=1 + extra, reduced=extra)
     # Gradients pass through up to three rounded ops (FC2 dgrad, activation backward, FC1
     # dgrad); the weight and bias gradients sum such operands over rows.
-    assert_close(x.grad, x_ref.grad, dtype, roundings=3, reduced=extra)
+    assert_close(x.grad, x_ref.grad, dtype, roundings=chain_roundings(dtype, 3), reduced=extra)
     grads = [_weight_grads(m.fc1), _weight_grads(m.fc2)]
     refs = [w1.grad, w2.grad]
     if bias:
@@ -402,7 +402,7 @@ def test_grouped_mlp_matches_reference(device, dtype, activation, bias, single):
         refs += [b1.grad, b2.grad]
     assert len(params) == len(grads)
     for g, r in zip(grads, refs, strict=True):
-        assert_close(g, r, dtype, roundings=3, reduced=True)
+        assert_close(g, r, dtype, roundings=chain_roundings(dtype, 3), reduced=True)
 
 
 def _named_grads(module):

@@ -11,7 +11,14 @@ import torch
 import torch.nn.functional as torch_F
 
 import te_compile as te
-from tests.utils import DEVICES, GraphRecorder, assert_close, compile_counted, to_reference
+from tests.utils import (
+    DEVICES,
+    GraphRecorder,
+    assert_close,
+    chain_roundings,
+    compile_counted,
+    to_reference,
+)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -163,9 +170,9 @@ def test_layernorm_mlp(device, dtype, activation, normalization):
     # Gradients pass through up to four rounded ops (FC2 dgrad, activation backward, FC1 dgrad,
     # norm backward); the reference rounds the same intermediates, but each rounding can still
     # differ by one ulp, and the weight/bias gradients sum such operands over rows.
-    assert_close(x.grad, x_ref.grad, dtype, roundings=4)
+    assert_close(x.grad, x_ref.grad, dtype, roundings=chain_roundings(dtype, 4))
     for p, r in ((m.fc1_weight, w1), (m.fc2_weight, w2), (m.fc1_bias, b1)):
-        assert_close(p.grad, r.grad, dtype, roundings=4, reduced=True)
+        assert_close(p.grad, r.grad, dtype, roundings=chain_roundings(dtype, 4), reduced=True)
 
 
 @pytest.mark.parametrize("recipe", [None, "current"], ids=["bf16", "fp8_current"])

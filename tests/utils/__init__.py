@@ -1,7 +1,8 @@
 """The one place for tolerances, float64 references, devices and graph-break counting.
 
 Every test takes its tolerances from :func:`dtype_tols` and builds its reference with
-:func:`to_reference` / :func:`make_reference_and_test_tensors`; no test writes a tolerance literal.
+:func:`to_reference` / :func:`make_reference_and_test_tensors`; a tolerance literal elsewhere
+carries a ``# tol:`` comment saying why (tests/test_suite_layout.py checks it).
 """
 
 from __future__ import annotations
@@ -28,26 +29,66 @@ DEVICES = [
 ]
 
 
+# The loosest tolerance a check may have (both rtol and atol; the suite's data is of order
+# one). A result allowed to be off by more than 2^-5 (about 3%) is not checked: a wrong constant
+# factor of a few percent (a scale of 1.05, a dropped term of that size) passes it, and with
+# ``reduced`` (atol = rtol times the largest magnitude) the largest elements get twice rtol.
+MAX_TOL = 2**-5
+
+# rtol/atol of each format for a result rounded once: from the unit roundoff u (Transformer
+# Engine's test tolerances; bfloat16's 1.6e-2 taken to the power of two below it, 4u).
+_BASE_TOLS = {
+    torch.float64: {"rtol": 1e-12, "atol": 1e-12},
+    torch.float32: {"rtol": 1.3e-6, "atol": 1e-5},
+    torch.float16: {"rtol": 1e-3, "atol": 1e-5},
+    torch.bfloat16: {"rtol": 2**-6, "atol": 1e-5},
+}
+
+
+def max_roundings(dtype: torch.dtype) -> int:
+    """The most roundings :func:`dtype_tols` accepts for ``dtype`` (both tolerances within
+    :data:`MAX_TOL`): bfloat16 2, float16 31, float32 3124, float64 ~3e10."""
+    if dtype not in _BASE_TOLS:
+        raise ValueError(f"dtype_tols: no tolerance for {dtype}")
+    return math.floor(MAX_TOL / max(_BASE_TOLS[dtype].values()))
+
+
 def dtype_tols(dtype: torch.dtype, roundings: int = 1) -> dict[str, float]:
     """rtol/atol for comparing a result computed in ``dtype`` against a float64 reference.
 
     From the unit roundoff of each format (Transformer Engine's test tolerances), for a result
     rounded once. ``roundings``: a result that passed through a chain of that many ops, each
     rounding its output to ``dtype`` (a module's backward through several ops), can be off by
-    that many roundoffs, so both tolerances scale with it."""
+    that many roundoffs, so both tolerances scale with it.
+
+    The product is capped: more than :func:`max_roundings` (both tolerances above
+    :data:`MAX_TOL`, 2^-5) is refused with a ValueError, not clamped. A check that needs that
+    many roundings in ``dtype`` bounds nothing there; it runs in a wider format, where the same
+    roundings are a real bound (the fuzz tests of chains, attention and the transformer layer
+    run in float32: :func:`capped_dtype`)."""
     if roundings < 1:
         raise ValueError(f"dtype_tols: roundings must be >= 1, got {roundings}")
-    if dtype == torch.float64:
-        tols = {"rtol": 1e-12, "atol": 1e-12}
-    elif dtype == torch.float32:
-        tols = {"rtol": 1.3e-6, "atol": 1e-5}
-    elif dtype == torch.float16:
-        tols = {"rtol": 1e-3, "atol": 1e-5}
-    elif dtype == torch.bfloat16:
-        tols = {"rtol": 1.6e-2, "atol": 1e-5}
-    else:
-        raise ValueError(f"dtype_tols: no tolerance for {dtype}")
-    return {k: v * roundings for k, v in tols.items()}
+    if roundings > max_roundings(dtype):
+        raise ValueError(
+            f"dtype_tols: {roundings} roundings of {dtype} exceed the cap of "
+            f"{max_roundings(dtype)} (a tolerance above {MAX_TOL}); check in a wider dtype"
+        )
+    return {k: v * roundings for k, v in _BASE_TOLS[dtype].items()}
+
+
+def chain_roundings(dtype: torch.dtype, ops: int) -> int:
+    """The ``roundings`` for a result through ``ops`` ops in a row, each rounding its output to
+    ``dtype``: ``ops``, except in bfloat16, half that rounded up. bfloat16's tolerance per
+    rounding is four unit roundoffs, and each op adds at most one to first order: two ops per
+    rounding keep half of that as margin (for the rounded reference, and a later op amplifying an
+    earlier op's error). A chain of more than four bfloat16 ops exceeds the cap."""
+    return -(-ops // 2) if dtype == torch.bfloat16 else ops
+
+
+def capped_dtype(dtype: torch.dtype, roundings: int) -> torch.dtype:
+    """``dtype``, or float32 where ``roundings`` exceed its :func:`max_roundings`: the dtype a
+    fuzz test of a chain that many roundings long runs in, so its bound means something."""
+    return dtype if roundings <= max_roundings(dtype) else torch.float32
 
 
 def assert_close(
