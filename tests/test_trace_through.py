@@ -19,7 +19,7 @@ from torch._inductor.utils import run_and_get_code
 
 import te_compile as te
 from te_compile._library import opaque_ops, registry
-from tests.utils import DEVICES, assert_matches_eager, requires_cuda
+from tests.utils import DEVICES, assert_close, assert_matches_eager, chain_roundings, requires_cuda
 
 HIDDEN, FFN, TOKENS = 64, 128, 32
 
@@ -226,9 +226,10 @@ def test_compiled_grouped_modules_trace_through_the_grouped_mm_path(device, case
         assert fwd == {"torch.ops.te.grouped_linear_fwd"}, fwd
         assert bwd == {"torch.ops.te.grouped_linear_bwd"}, bwd
     expected = _step(lambda inp: twin(inp, splits), x_twin, recipe)()
-    assert_matches_eager(out, expected, roundings=4)
-    assert_matches_eager(x.grad, x_twin.grad, roundings=16)
+    # The gradients are sums over tokens: their tolerance scales with the largest magnitude.
+    assert_matches_eager(out, expected, roundings=chain_roundings(out.dtype, 4))
+    assert_close(x.grad, x_twin.grad, x.dtype, roundings=2, reduced=True)
     for name, p in model.named_parameters():
         grad, grad_twin = (getattr(q, "main_grad", q.grad) for q in (p, twin.get_parameter(name)))
         assert grad is not None, name
-        assert_matches_eager(grad, grad_twin, roundings=16)
+        assert_close(grad, grad_twin, grad.dtype, roundings=2, reduced=True)

@@ -34,7 +34,7 @@ import torch.multiprocessing as mp
 
 from te_compile.distributed import shard_state_dict
 from tests.mutation import plant
-from tests.utils import assert_close
+from tests.utils import assert_close, chain_roundings
 
 WORLD = int(os.environ.get("TE_COMPILE_TEST_WORLD", "2"))
 # A check that fails on one rank only leaves the other waiting in a collective: fail after this
@@ -209,7 +209,7 @@ def compare(
     y_tp = run(x_tp, *extra)
     y_tp.backward(_shard(dy, case.out_dim, rank))
 
-    kw = {"roundings": case.roundings}
+    kw = {"roundings": chain_roundings(dtype, case.roundings)}
     assert_close(y_tp, _shard(y.detach(), case.out_dim, rank), dtype, **kw)
     assert_close(x_tp.grad, _shard(x.grad, case.in_dim, rank), dtype, **kw)
     full_grads = {n: p.grad for n, p in full.named_parameters()}

