@@ -131,8 +131,8 @@ QUANTIZED_REL_ERROR = {
     "nvfp4": (0.22, 0.30),  # E2M1 elements, E4M3 block scales
 }
 # Quantisation errors of the GEMMs in a chain are independent: they add in quadrature, so the
-# bound of a result that passed through ``gemms`` quantised GEMMs grows with sqrt(gemms), and
-# it never reaches this cap (an all-zero result has error 1.0, a sign flip 2.0).
+# bound of a result that passed through ``gemms`` quantised GEMMs grows with sqrt(gemms), capped
+# here, well below the error of an all-zero result (1.0) or of a sign flip (2.0).
 QUANTIZED_REL_ERROR_CAP = 0.5
 # Round-to-nearest quantisation errors are nearly uncorrelated with the values: the error has
 # little component along the result, so the least-squares gain of the actual result over the
