@@ -3,7 +3,7 @@
 #
 #   bash bench/gpu_suite.sh 1   # tests/functional, kernels, quantization, modules, ops
 #   bash bench/gpu_suite.sh 2   # tests/distributed (NCCL on every GPU of the machine), fuzz,
-#                               # the top-level tests; then the long runs (--long-runs)
+#                               # the top-level tests; the long runs (--long-runs) beside them
 #
 # Part 2's long runs: tests/test_long_run.py (the demo 2,000 steps per native FP8 recipe next to
 # bf16), the --long-runs cases of the FSDP2 FP8 primary weights and of the pipeline schedule.
@@ -31,24 +31,33 @@ CC=gcc CXX=g++ python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&
 # Workers on all cores but a few (Triton's compiles are host-bound), sharing the first GPU.
 workers=$(( $(nproc) - 4 ))
 PYTEST=(python3 -m pytest -q -rfE -p no:cacheprovider --durations=30)
-python3 -c "import xdist" 2>/dev/null && PYTEST+=(-n "$workers")
+SERIAL=("${PYTEST[@]}")
+# worksteal: idle workers take queued tests from busy ones (a few CUDA registry samples compile
+# for minutes each).
+python3 -c "import xdist" 2>/dev/null && PYTEST+=(-n "$workers" --dist worksteal)
 export TE_COMPILE_TEST_WORLD=$(python3 -c "import torch; print(max(2, torch.cuda.device_count()))")
 budget=${SUITE_TIMEOUT:-500}  # seconds for the pytest runs of this part
 start=$SECONDS
-run() {  # name, pytest arguments...
+run() {  # name, pytest arguments... (PYTEST, or the array named by $RUNNER)
   local name=$1; shift
+  local -n cmd=${RUNNER:-PYTEST}
   local left=$(( budget - (SECONDS - start) ))
   if [ "$left" -lt 30 ]; then echo "=== $name: not run, no time left" | tee "$OUT/$name.log"; return; fi
   echo "=== $name (timeout ${left}s)"
   # SIGINT: pytest stops as on Ctrl-C and still writes its XML and the slowest tests.
-  timeout -s INT -k 30 "$left" "${PYTEST[@]}" --junitxml="$OUT/$name.xml" "$@" 2>&1 | tee "$OUT/$name.log" | tail -8
+  timeout -s INT -k 30 "$left" "${cmd[@]}" --junitxml="$OUT/$name.xml" "$@" 2>&1 | tee "$OUT/$name.log" | tail -8
 }
 case $part in
   1) run part1 tests/functional tests/kernels tests/quantization tests/modules tests/ops ;;
-  2) run part2 tests/distributed tests/fuzz tests/test_*.py
+  2) # The long runs (one training process at a time, GPU-bound) beside the suite, on the last
+     # GPU: the part takes the longer of the two, not their sum.
+     last=$(( $(python3 -c "import torch; print(torch.cuda.device_count())") - 1 ))
+     CUDA_VISIBLE_DEVICES=$last RUNNER=SERIAL run long_runs -s --long-runs tests/test_long_run.py \
+       -k gpu > /dev/null &
+     run part2 tests/distributed tests/fuzz tests/test_*.py --deselect tests/test_long_run.py
      run long_cases --long-runs tests/distributed/test_fsdp_fp8_primary.py \
        tests/modules/test_pipeline_schedule.py
-     run long_runs --long-runs tests/test_long_run.py -k gpu ;;
+     wait ;;
   *) echo "part must be 1 or 2"; exit 2 ;;
 esac
 python3 bench/suite_summary.py "$OUT" "$part" | tee "$OUT/summary_$part.md"
