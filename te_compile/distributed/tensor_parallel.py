@@ -485,7 +485,29 @@ def gather_state_dict(
     for key, (tp, dim, stride, parts) in _sharded_entries(module).items():
         if key in state:
             state[key] = _gather(state[key], tp, dim, stride, parts)
+    for key, group in _rank_grad_amaxes(module).items():
+        if key in state:
+            state[key] = C.all_reduce_max(state[key], group)
     return state
+
+
+def _rank_grad_amaxes(module: nn.Module) -> dict[str, Any]:
+    """``{state_dict key: group}`` of the FP8 gradient amaxes that differ per rank: a
+    tensor-parallel GEMM's ``grad_amax`` holds the amax of this rank's output gradient (a column
+    shard of it under column parallelism), max-reduced only when the next forward folds it into
+    the history. A checkpoint keeps one rank's copy of a replicated entry, so the gathered state
+    holds the max over the group, the value that forward would fold in (the amax reduction
+    group contains the tensor-parallel group)."""
+    out: dict[str, Any] = {}
+    for mod_name, sub in module.named_modules():
+        tp = getattr(sub, "tp", None)
+        if not isinstance(tp, TensorParallel) or not tp.active:
+            continue
+        prefix = f"{mod_name}." if mod_name else ""
+        for name, _ in sub.named_buffers():
+            if name == "grad_amax" or name.endswith(".grad_amax"):
+                out[prefix + name] = tp.group
+    return out
 
 
 def _optimizer_entries(module: nn.Module) -> tuple[dict[str, tuple], dict[str, torch.Size]]:

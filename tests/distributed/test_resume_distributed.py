@@ -188,14 +188,6 @@ def _results(backend):
 
 
 NAMES = [f"{kind}_{r}" for kind in ("tp", "fsdp2") for r in RECIPES] + ["tp_shards_alone"]
-# gather_state_dict passes the FP8 state's grad_amax (the backward's amax, reduced over the amax
-# group only at the next forward) through as a replica, but it is a rank's own: a column-parallel
-# module's output gradient differs per rank. torch.distributed.checkpoint keeps one rank's, so
-# the resumed run folds a different gradient amax into its history than the uninterrupted one.
-_GRAD_AMAX_NOT_GATHERED = pytest.mark.xfail(
-    strict=True, reason="gather_state_dict keeps one rank's FP8 grad_amax (a per-rank value)"
-)
-NAMES = [pytest.param(n, marks=_GRAD_AMAX_NOT_GATHERED) if n == "tp_delayed" else n for n in NAMES]
 
 
 @pytest.mark.skipif(WORLD != 2, reason="written for two ranks")

@@ -17,7 +17,13 @@ import torch.utils.checkpoint
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import te_compile as te
-from tests.utils import HAS_CUDA, assert_close, assert_matches_eager, compile_counted
+from tests.utils import (
+    HAS_CUDA,
+    assert_close,
+    assert_matches_eager,
+    chain_roundings,
+    compile_counted,
+)
 
 A = importlib.import_module("te_compile.functional.attention")
 F = te.functional
@@ -212,7 +218,7 @@ def test_cuda_matches_float64_reference(name, dtype, kernels_run):
     assert_close(out, ref, dtype, roundings=2, reduced=True)
     for g, r in zip(grads, ref_grads, strict=True):
         assert torch.isfinite(g).all()
-        assert_close(g, r, dtype, roundings=4, reduced=True)
+        assert_close(g, r, dtype, roundings=chain_roundings(dtype, 4), reduced=True)
 
 
 def test_cuda_follows_sdpa_and_matches_it(kernels_run):

@@ -389,8 +389,10 @@ def test_stack_trains_under_cuda_graphs(recipe):
         xe = x.clone().requires_grad_()
         expected = step(eager, xe, recipes[1])
         expected.float().square().mean().backward()
-        assert_matches_eager(out.detach().clone(), expected, roundings=8)
-        assert_matches_eager(xg.grad, xe.grad, roundings=8)
+        # bf16 through two layers: Inductor's fusions round elsewhere than eager (the output and
+        # the input gradient are sums of rounded terms: tolerances from the largest magnitude).
+        assert_close(out, expected, torch.bfloat16, roundings=2, reduced=True)
+        assert_close(xg.grad, xe.grad, torch.bfloat16, roundings=2, reduced=True)
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
 
 
