@@ -4,7 +4,8 @@ catch it in a subprocess, and asserts that every one of them fails with an asser
 import error or a crash) while nothing was skipped.
 
 The bugs: a zeroed output (LayerNormMLP under NVFP4 only), a sign flip (Linear), a 10% error of
-a quantised output (Linear under each recipe), a 50% error in TransformerLayer's FP8 MLP branch,
+a quantised output (Linear under each FP8 recipe; NVFP4's own bias reaches 8%, see
+``tests.utils.QUANTIZED_GAIN``), a 50% error in TransformerLayer's FP8 MLP branch,
 a wrong scale in the per-tensor quantiser (twice the scale from the amax), and a weight gradient
 twice too large on rank 1 of a tensor-parallel Linear. The unplanted suite runs these tests and
 passes, so a failure here is the plant's."""
@@ -30,10 +31,10 @@ CASES = {
         "tests/modules/test_linear.py::test_matches_nn_linear_state_dict_compatible[dtype0-cpu]",
     ],
     "linear_10_percent": [
-        f"{EDGE}::test_single_token[Linear-current]",
-        f"{EDGE}::test_single_token[Linear-delayed]",
-        f"{EDGE}::test_single_token[Linear-block]",
-        f"{EDGE}::test_values_at_the_dtype_max_pass_a_module_finite[Linear-nvfp4-fp32-cpu]",
+        # (a single token's 32 outputs are too few to tell 10% from quantisation noise)
+        f"{EDGE}::test_values_at_the_dtype_max_pass_a_module_finite[Linear-current-fp32-cpu]",
+        f"{EDGE}::test_delayed_scaling_saturates_in_a_module_forward_and_backward",
+        f"{EDGE}::test_values_at_the_dtype_max_pass_a_module_finite[Linear-block-fp32-cpu]",
     ],
     # MXFP8 takes whole blocks of 32 tokens: its Linear is checked by the fuzz.
     "linear_10_percent_mxfp8": ["tests/fuzz/test_modules.py::test_linear"],
