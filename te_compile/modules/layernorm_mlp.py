@@ -14,6 +14,14 @@ data:
 FC1 runs without its bias, the activation adds it (and returns ``dbias`` from its backward's
 pass); under FP8 the activation and its gradient are fused into the quantisations.
 
+The two GEMMs run as two ``te::linear`` calls around the activation (the same bytes, without
+the fusion) where ``te::mlp`` does not implement what is asked of it: ``fuse_wgrad_accumulation``
+(each GEMM accumulates into its weight's ``main_grad``), ``delay_wgrad_compute`` (the weight
+gradients wait for ``backward_dw``), ``checkpoint=True`` (FC1's output is recomputed),
+FP8 primary weights (``quantized_model_init``: pre-quantised weights), a recipe's
+``backward_override``, calibration (``calibrating=True``) and NVFP4's per-operand options (the
+Hadamard transform, stochastic rounding, row-scaled activations, 4over6).
+
 Tensor parallelism: with a ``tp_group`` (or ``tp_size > 1``) FC1 is column-parallel and FC2
 row-parallel, as Transformer Engine's ``set_parallel_mode=True``: each rank holds
 ``ffn_hidden_size / tp_size`` of the intermediate features (for gated activations its shard of
