@@ -23,13 +23,12 @@ import torch.nn.functional as tF
 
 import te_compile as te
 from te_compile import recipe as R
-from tests.fuzz.common import _MLP_ACT, _grouped_ref, _ln, _rms
+from tests.fuzz.common import _MLP_ACT, _compare_quantized, _grouped_ref, _ln, _rms
 from tests.fuzz.test_functions import _attention_ref, _mha_ref
 from tests.utils import (
     DEVICES,
     assert_close,
     assert_close_quantized,
-    assert_close_quantized_groups,
     to_reference,
 )
 
@@ -301,13 +300,10 @@ def _works_or_refused(module_name, recipe, tokens, hidden):
 
 
 def _assert_quantized(module_name, recipe, x, actual, expected, grad=False, subtract=None):
-    """:func:`assert_close_quantized` of a module's result; a grouped module's rows group by
-    group (a parameter of one group is compared whole)."""
-    gemms = GEMMS[module_name]
-    if module_name in GROUPED and actual.shape[:1] == x.shape[:1]:
-        assert_close_quantized_groups(actual, expected, recipe, _splits(x), gemms, grad)
-    else:
-        assert_close_quantized(actual, expected, recipe, gemms, grad, subtract)
+    """The fuzz tests' quantised comparison of a module's result (a grouped module's group by
+    group)."""
+    splits = _splits(x) if module_name in GROUPED else None
+    _compare_quantized(recipe, actual, expected, GEMMS[module_name], grad, splits, subtract)
 
 
 @pytest.mark.parametrize(("module_name", "recipe"), CASES, ids=IDS)

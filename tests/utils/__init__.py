@@ -203,16 +203,14 @@ def assert_close_quantized(
     if subtract is not None:
         subtract = subtract.detach().to(device="cpu", dtype=torch.float64)
         actual, expected = actual - subtract, expected - subtract
-    scale = expected.norm()
+    scale = expected.norm().item()
     if scale == 0 and norm == 0:
         assert actual.norm() == 0
         return
-    against = max(scale.item(), norm)
-    error = ((actual - expected).norm() / against).item()
+    against = max(scale, norm)
+    error = (actual - expected).norm().item() / against
     # The gain's distance from 1, measured against the same norm.
-    ratio = 1 + ((actual - expected) * expected).sum().item() / (
-        max(scale.item(), 1e-300) * against
-    )
+    ratio = 1 + ((actual - expected) * expected).sum().item() / (max(scale, 1e-300) * against)
     if bound is None:
         bound = quantized_bound(recipe, gemms, grad, expected.numel())
         gain_bound = quantized_gain_bound(recipe, grad, expected.numel())
@@ -238,8 +236,8 @@ def assert_close_quantized_groups(
     grad: bool = False,
 ) -> None:
     """:func:`assert_close_quantized` for each group of a grouped GEMM's rows (``splits``: the
-    rows per group along dim 0; empty groups must be empty) and for the whole: one wrong group
-    among many is not averaged away. A group's errors are relative to at least its share of the
+    rows per group along dim 0; empty groups must be empty): one wrong group among many is not
+    averaged away. A group's errors are relative to at least its share of the
     whole result's norm (``sqrt(rows / all rows)`` of it): the per-tensor recipes scale the whole
     tensor at once, so a group of small values is quantised more coarsely than its own scale
     would, and an error of that size is not the group's own."""
