@@ -583,6 +583,7 @@ DOMAINS: dict[str, dict[str, Domain]] = {
         "qkv_bias": SWITCH(),
         "window_size": _WINDOW,
         "tie_word_embeddings": SWITCH(),
+        "rope_scaling": _ROPE_SCALING,
     },
     "te.convert.CausalLM.forward": {"input_ids": INDEX_TENSOR(EXTRA)},
     "te.convert.from_hf": {"model": Domain("a transformers causal LM", (3, "model"))},
