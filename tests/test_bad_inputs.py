@@ -327,6 +327,16 @@ _FUNCTIONS: dict[str, tuple[Callable, Callable[[], dict[str, Any]]]] = {
         lambda: {"module": te.Linear(16, 16), "full_optim_state_dict": _optim_state()},
     ),
     "te.convert.from_hf": (te.convert.from_hf, lambda: {"model": _hf_model()}),
+    "te.RopeScaling": (
+        te.RopeScaling,
+        lambda: {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ),
     "te.functional.as_splits_tensor": (F.as_splits_tensor, lambda: {"m_splits": [2, 4]}),
     "te.functional.bias_activation": (
         F.bias_activation,

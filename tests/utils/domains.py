@@ -209,6 +209,7 @@ _ACTIVATION = CHOICE("gelu", "...")
 _ROUTING_INT = Domain("int >= -1 or None", ("4", True, -2, 2.5))
 _SPLITS = Domain("ints >= 0 summing to the rows", ("4", [1, 2], [-1, 7]))
 _FP8_RECIPE = Domain("a te_compile.recipe recipe", ("delayed", 3))
+_ROPE_SCALING = Domain("None or a te_compile.RopeScaling", ("llama3", 3))
 _ATTN = {
     "num_attention_heads": POS_INT(),
     "num_gqa_groups": POS_INT(),
@@ -360,6 +361,14 @@ DOMAINS: dict[str, dict[str, Domain]] = {
         "seq_len_interpolation_factor": POS_FLOAT(),
         "pretrained_max_position_embeddings": POS_INT(),
         "rotary_base": POS_FLOAT(),
+        "rope_scaling": _ROPE_SCALING,
+    },
+    "te.RopeScaling": {
+        "rope_type": CHOICE("linear", "llama3"),
+        "factor": POS_FLOAT(),
+        "low_freq_factor": POS_FLOAT(),
+        "high_freq_factor": POS_FLOAT(),
+        "original_max_position_embeddings": POS_INT(),
     },
     # modules: forwards
     "te.Linear.forward": {"inp": TENSOR(LAST)},
@@ -574,6 +583,7 @@ DOMAINS: dict[str, dict[str, Domain]] = {
         "qkv_bias": SWITCH(),
         "window_size": _WINDOW,
         "tie_word_embeddings": SWITCH(),
+        "rope_scaling": _ROPE_SCALING,
     },
     "te.convert.CausalLM.forward": {"input_ids": INDEX_TENSOR(EXTRA)},
     "te.convert.from_hf": {"model": Domain("a transformers causal LM", (3, "model"))},
