@@ -94,7 +94,8 @@ class GroupedLinear(DelayedWgrad, nn.Module):
             ``get_rng_state_tracker().fork(rng_tracker_name)`` (the tracker's default state
             when the name is None), as in Transformer Engine (``rng_fork``).
         delay_wgrad_compute: the backward leaves the weight gradients to :meth:`backward_dw`
-            (``DelayedWgrad``; eager only).
+            (``DelayedWgrad``; also in ``eval()`` mode; under ``torch.compile`` the module runs
+            eagerly behind a graph break).
         save_original_input: the backward keeps the input itself rather than a quantised
             copy (high precision and Float8CurrentScaling do; DelayedScaling raises ValueError,
             as in Transformer Engine; the block-scaled recipes raise NotImplementedError).

@@ -62,7 +62,8 @@ class LayerNormLinear(DelayedWgrad, NamedSlices, PreNorm):
             :class:`~te_compile.Linear`.
         parameters_split: named row blocks of the weight, as in :class:`~te_compile.Linear`.
         delay_wgrad_compute: the backward leaves the weight gradient to :meth:`backward_dw`
-            (``DelayedWgrad``; eager only).
+            (``DelayedWgrad``; also in ``eval()`` mode; under ``torch.compile`` the module runs
+            eagerly behind a graph break).
         get_rng_state_tracker, rng_tracker_name: the weights are initialised inside
             ``get_rng_state_tracker().fork(rng_tracker_name)`` (the tracker's default state
             when the name is None), as in Transformer Engine (``rng_fork``).

@@ -116,7 +116,8 @@ class LayerNormMLP(DelayedWgrad, PreNorm):
         sequence_parallel, tp_group, tp_size: as in :class:`~te_compile.Linear`; FC1 is
             column-parallel and FC2 row-parallel when there is more than one shard.
         delay_wgrad_compute: the backward leaves FC1's and FC2's weight gradients to
-            :meth:`backward_dw` (``DelayedWgrad``; eager only; the GEMMs then run as two
+            :meth:`backward_dw` (``DelayedWgrad``; under ``torch.compile`` the module runs
+            eagerly behind a graph break; the GEMMs then run as two
             linear ops, as with ``fuse_wgrad_accumulation``; not with ``checkpoint``).
         get_rng_state_tracker, rng_tracker_name: the weights are initialised inside
             ``get_rng_state_tracker().fork(rng_tracker_name)`` (the tracker's default state

@@ -72,7 +72,8 @@ class Linear(DelayedWgrad, NamedSlices, nn.Module):
             state_dict keys and attributes ``<name>_weight`` / ``<name>_bias``, as in
             Transformer Engine; the module keeps one fused Parameter (``NamedSlices``).
         delay_wgrad_compute: the backward leaves the weight gradient to :meth:`backward_dw`
-            (``DelayedWgrad``; eager only).
+            (``DelayedWgrad``; also in ``eval()`` mode; under ``torch.compile`` the module runs
+            eagerly behind a graph break).
         save_original_input: under an FP8 recipe the backward keeps the input itself (no
             bytes of its own where the caller keeps it, e.g. an input several modules read)
             rather than its quantised transposed copy, and quantises it again for the wgrad
