@@ -62,6 +62,7 @@ from te_compile.modules._common import (
     check_bool,
     check_positive,
     check_rng_tracker,
+    eager_when_delaying_wgrad,
     init_method_or_default,
     params_dtype_or_default,
     rng_fork,
@@ -93,7 +94,8 @@ class GroupedLinear(DelayedWgrad, nn.Module):
             ``get_rng_state_tracker().fork(rng_tracker_name)`` (the tracker's default state
             when the name is None), as in Transformer Engine (``rng_fork``).
         delay_wgrad_compute: the backward leaves the weight gradients to :meth:`backward_dw`
-            (``DelayedWgrad``; eager only).
+            (``DelayedWgrad``; also in ``eval()`` mode; under ``torch.compile`` the module runs
+            eagerly behind a graph break).
         save_original_input: the backward keeps the input itself rather than a quantised
             copy (high precision and Float8CurrentScaling do; DelayedScaling raises ValueError,
             as in Transformer Engine; the block-scaled recipes raise NotImplementedError).
@@ -298,6 +300,7 @@ class GroupedLinear(DelayedWgrad, nn.Module):
 
     # Forward -------------------------------------------------------------------------------------
 
+    @eager_when_delaying_wgrad
     def forward(
         self,
         inp: Tensor,
@@ -322,7 +325,7 @@ class GroupedLinear(DelayedWgrad, nn.Module):
         bias = None
         if self.use_bias:
             bias = self.bias if self.single_bias else torch.stack(self.biases())
-        defer = self._wgrad_defer(*params) if self.delay_wgrad_compute else None
+        defer = self._wgrad_defer(*params)
 
         def gemm(x: Tensor, b: Tensor | None) -> Tensor:
             return _gemm.grouped_linear(
@@ -348,7 +351,8 @@ class GroupedLinear(DelayedWgrad, nn.Module):
         # Row-parallel: each row's expert bias is added once, to the sum of the partial products.
         out, _ = self.tp.linear("GroupedLinear", gemm, rows, bias, add=add_expert_bias)
         if defer:  # the GEMM's [G, N, K] weight gradient goes to the module's weight(s)
-            self._wgrad_queue([(d, params[0] if self.single_weight else params) for d, _ in defer])
+            entry = [(d, params[0] if self.single_weight else params) for d, _ in defer]
+            self._wgrad_queue(entry, out)
         return out.reshape(*inp.shape[:-1], out.shape[-1]) if inp.dim() > 2 else out
 
     # state_dict in either layout ---------------------------------------------------------------
