@@ -55,8 +55,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from te_compile import functional as F
 from te_compile.distributed.tensor_parallel import TensorParallel, set_parallel_attributes
+from te_compile.functional.grouped_gemm import checked_splits
 from te_compile.modules._common import (
     DelayedWgrad,
     check_bool,
@@ -340,11 +340,14 @@ class GroupedLinear(DelayedWgrad, nn.Module):
             )
 
         def add_expert_bias(out: Tensor, b: Tensor) -> Tensor:
-            splits = F.as_splits_tensor(m_splits).to(b.device)
+            splits = m_splits.to(b.device)
             return out + b.repeat_interleave(splits, dim=0, output_size=out.shape[0])
 
         # [..., in_features] (Transformer Engine's [seq, batch, hidden]): the rows flattened.
         rows = inp.reshape(-1, inp.shape[-1]) if inp.dim() > 2 else inp
+        # A list becomes a tensor once; its sum is checked here (free on the host).
+        n_rows = rows.shape[0] if rows.dim() == 2 else None
+        m_splits = checked_splits("GroupedLinear", m_splits, n_rows, "inp's rows")
         # Row-parallel: each row's expert bias is added once, to the sum of the partial products.
         out, _ = self.tp.linear("GroupedLinear", gemm, rows, bias, add=add_expert_bias)
         if defer:  # the GEMM's [G, N, K] weight gradient goes to the module's weight(s)

@@ -159,18 +159,32 @@ class BasicOperation(FusibleOperation):
         return (y, *extra_outputs) if self.num_extra_outputs else y
 
 
-def check_input(owner: str, x: object, last_dim: int | None = None) -> None:
+def check_input(
+    owner: str,
+    x: object,
+    last_dim: int | None = None,
+    param: Tensor | None = None,
+    param_name: str = "weight",
+) -> None:
     """An op's ``input``: a floating-point tensor with at least one dim (and ``last_dim``
-    features when given), refused by the name the op's ``forward`` gives it."""
+    features when given) on the device of ``param`` (the op's parameter ``param_name``, when
+    given), refused by the name the op's ``forward`` gives it."""
     if (
         isinstance(x, Tensor)
         and x.is_floating_point()
         and x.dim() >= 1
         and (last_dim is None or x.shape[-1] == last_dim)
+        and (param is None or x.device == param.device)
     ):
         return
     if not isinstance(x, Tensor):
-        raise TypeError(f"{owner}: input must be a torch.Tensor, got {type(x).__name__}")
+        got = "None" if x is None else type(x).__name__
+        raise TypeError(f"{owner}: input must be a torch.Tensor, got {got}")
+    if param is not None and x.device != param.device:
+        raise ValueError(
+            f"{owner}: input and {param_name} must be on one device, got input on {x.device} "
+            f"and {param_name} on {param.device}"
+        )
     want = "" if last_dim is None else f" with {last_dim} features in its last dim"
     raise ValueError(
         f"{owner}: input must be a floating-point tensor of at least one dim{want}, got "
