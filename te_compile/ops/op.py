@@ -39,12 +39,16 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from te_compile._checks import shown
+
 __all__ = [
     "BasicOperation",
     "FusedOperation",
     "FusibleOperation",
     "OpOutput",
     "OperationContext",
+    "broadcasts_to",
+    "check_extra_input",
     "check_input",
     "step_forward",
 ]
@@ -189,6 +193,29 @@ def check_input(
     raise ValueError(
         f"{owner}: input must be a floating-point tensor of at least one dim{want}, got "
         f"{x.dtype} of shape {list(x.shape)}"
+    )
+
+
+def check_extra_input(owner: str, name: str, value: object, x: Tensor) -> None:
+    """An op's extra input ``name`` (the next of the ``extra_inputs`` its ``forward``, or its
+    ``Sequential``'s, was given): a tensor on the device of the op's input ``x``."""
+    if isinstance(value, Tensor) and value.device == x.device:
+        return
+    if not isinstance(value, Tensor):
+        raise TypeError(
+            f"{owner}: {name} (its extra input, one of forward's extra_inputs) must be a "
+            f"torch.Tensor, got {shown(value)}"
+        )
+    raise ValueError(
+        f"{owner}: {name} (its extra input) and input must be on one device, got {name} on "
+        f"{value.device} and input on {x.device}"
+    )
+
+
+def broadcasts_to(shape: Sequence[int], target: Sequence[int]) -> bool:
+    """Whether a tensor of ``shape`` broadcasts to ``target`` without growing it."""
+    return len(shape) <= len(target) and all(
+        s == 1 or s == t for s, t in zip(reversed(shape), reversed(target), strict=False)
     )
 
 

@@ -1,0 +1,100 @@
+"""Bad inputs the one-argument walker (tests/test_bad_inputs.py) cannot make, each refused with a
+ValueError or TypeError naming the argument and the constraint: an ``ops.Sequential``'s extra
+inputs (positional, ``*extra_inputs``), also under ``torch.compile(fullgraph=True)``: the same
+message at trace time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import te_compile as te
+
+F = te.functional
+
+
+def _x(*shape):
+    return torch.randn(*shape)
+
+
+def _residual_sequential(fuse: bool):
+    """Linear then AddExtraInput: fused (the residual in the GEMM's epilogue) or not."""
+    return te.ops.Sequential(te.ops.Linear(16, 8), te.ops.AddExtraInput(), fuse=fuse)
+
+
+# (id, call, exception, the message's words): each names the argument and the constraint.
+_EXTRA_INPUTS = [
+    *(
+        (
+            f"residual_shape_fuse_{fuse}",
+            lambda fuse=fuse: _residual_sequential(fuse)(_x(6, 16), _x(3, 8)),
+            ValueError,
+            r"AddExtraInput: residual \(its extra input\) must have the input's shape \(6, 8\) "
+            r"or broadcast to it",
+        )
+        for fuse in (True, False)
+    ),
+    *(
+        (
+            f"residual_float_fuse_{fuse}",
+            lambda fuse=fuse: _residual_sequential(fuse)(_x(6, 16), 1.5),
+            TypeError,
+            r"AddExtraInput: residual \(its extra input, one of forward's extra_inputs\) must be "
+            r"a torch.Tensor, got 1.5",
+        )
+        for fuse in (True, False)
+    ),
+    (
+        "residual_device",
+        lambda: _residual_sequential(True)(_x(6, 16), _x(6, 8).to("meta")),
+        ValueError,
+        r"AddExtraInput: residual \(its extra input\) and input must be on one device, got "
+        r"residual on meta and input on cpu",
+    ),
+    (
+        "residual_in_place_shape",
+        lambda: te.ops.AddExtraInput(in_place=True)(_x(6, 8), _x(8)),
+        ValueError,
+        r"AddExtraInput\(in_place=True\): the extra input's shape \(\(8,\)\) must be the input's",
+    ),
+    (
+        "scales_float",
+        lambda: te.ops.ScaledSwiGLU()(_x(6, 16), 2.0),
+        TypeError,
+        r"ScaledSwiGLU: scales \(its extra input, one of forward's extra_inputs\) must be a "
+        r"torch.Tensor, got 2.0",
+    ),
+    (
+        "ops_m_splits_int",
+        lambda: te.ops.Sequential(te.ops.GroupedLinear(2, 16, 8))(_x(6, 16), 6),
+        TypeError,
+        r"m_splits must be a list of ints >= 0 or an integer tensor \(one size per group\), "
+        r"got 6",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "call, error, words", [c[1:] for c in _EXTRA_INPUTS], ids=[c[0] for c in _EXTRA_INPUTS]
+)
+def test_extra_input_is_refused_by_name(call, error, words):
+    with pytest.raises(error, match=words):
+        call()
+
+
+def test_a_residual_that_broadcasts_is_added():
+    """The shape check lets through what the add broadcasts without growing the output."""
+    seq = _residual_sequential(fuse=False)
+    x, r = _x(6, 16), _x(8)
+    torch.testing.assert_close(seq(x, r), seq[0](x) + r, rtol=0, atol=0)
+
+
+def test_the_same_extra_input_message_at_trace_time():
+    seq = _residual_sequential(fuse=True)
+    x, r = _x(6, 16), _x(3, 8)
+    with pytest.raises(ValueError) as eager:
+        seq(x, r)
+    compiled = torch.compile(seq, backend="eager", fullgraph=True)
+    with pytest.raises(Exception) as traced:
+        compiled(x, r)
+    assert str(eager.value) in str(traced.value)
