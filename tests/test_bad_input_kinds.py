@@ -1,7 +1,8 @@
 """Bad inputs the one-argument walker (tests/test_bad_inputs.py) cannot make, each refused with a
 ValueError or TypeError naming the argument and the constraint: an ``ops.Sequential``'s extra
-inputs (positional, ``*extra_inputs``), also under ``torch.compile(fullgraph=True)``: the same
-message at trace time."""
+inputs (positional, ``*extra_inputs``; also under ``torch.compile(fullgraph=True)``: the same
+message at trace time) and a GroupedLinear ``state_dict`` saved in the other parameter
+layout."""
 
 from __future__ import annotations
 
@@ -87,6 +88,58 @@ def test_a_residual_that_broadcasts_is_added():
     seq = _residual_sequential(fuse=False)
     x, r = _x(6, 16), _x(8)
     torch.testing.assert_close(seq(x, r), seq[0](x) + r, rtol=0, atol=0)
+
+
+def _grouped(single: bool):
+    return te.GroupedLinear(2, 16, 8, single_grouped_weight=single, single_grouped_bias=single)
+
+
+def _edited(state: dict, key: str, value: torch.Tensor | None) -> dict:
+    state = dict(state)
+    if value is None:
+        del state[key]
+    else:
+        state[key] = value
+    return state
+
+
+# (id, loading module's layout, state_dict of the other layout edited, the message's words)
+_STATES = [
+    (
+        "per_group_weight_shape",
+        True,
+        lambda s: _edited(s, "weight0", _x(3, 16)),
+        r"state_dict entry 'weight0' has shape \[3, 16\]; expected one group's \[8, 16\]",
+    ),
+    (
+        "per_group_weight_missing",
+        True,
+        lambda s: _edited(s, "weight1", None),
+        r"state_dict holds 'weight0' .* but not 'weight1'",
+    ),
+    (
+        "per_group_bias_shape",
+        True,
+        lambda s: _edited(s, "bias1", _x(3)),
+        r"state_dict entry 'bias1' has shape \[3\]; expected one group's \[8\]",
+    ),
+    (
+        "grouped_weight_shape",
+        False,
+        lambda s: _edited(s, "weight", _x(2, 3, 16)),
+        r"state_dict entry 'weight' has shape \[2, 3, 16\]; expected \[num_gemms, \*one "
+        r"group's shape\] = \[2, 8, 16\]",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "single, edit, words", [c[1:] for c in _STATES], ids=[c[0] for c in _STATES]
+)
+def test_grouped_state_dict_of_the_other_layout_is_refused_by_entry(single, edit, words):
+    state = edit(_grouped(not single).state_dict())
+    with pytest.raises(ValueError, match=words):
+        _grouped(single).load_state_dict(state)
 
 
 def test_the_same_extra_input_message_at_trace_time():
