@@ -1,8 +1,10 @@
 """Bad inputs the one-argument walker (tests/test_bad_inputs.py) cannot make, each refused with a
 ValueError or TypeError naming the argument and the constraint: an ``ops.Sequential``'s extra
-inputs (positional, ``*extra_inputs``; also under ``torch.compile(fullgraph=True)``: the same
-message at trace time) and a GroupedLinear ``state_dict`` saved in the other parameter
-layout."""
+inputs (positional, ``*extra_inputs``), a GroupedLinear ``state_dict`` saved in the other
+parameter layout, the splits of a grouped GEMM under a recipe whose own constraints fail too,
+and a module moved to another device than its input. A few of them, and of the walker's kinds
+(``m_splits`` not a list, a required tensor None, a parameter on another device), run again
+under ``torch.compile(fullgraph=True)``: the same message at trace time."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import pytest
 import torch
 
 import te_compile as te
+from te_compile import recipe as R
 
 F = te.functional
 
@@ -140,6 +143,84 @@ def test_grouped_state_dict_of_the_other_layout_is_refused_by_entry(single, edit
     state = edit(_grouped(not single).state_dict())
     with pytest.raises(ValueError, match=words):
         _grouped(single).load_state_dict(state)
+
+
+def test_grouped_splits_are_checked_before_the_recipe():
+    """A list's sum is known on the host: it is refused first, not after the recipe's feature
+    sizes (MXFP8 needs multiples of 32, which 16 x 8 is not either)."""
+    module = te.GroupedLinear(2, 16, 8)
+    with te.autocast(recipe=R.MXFP8BlockScaling()):
+        with pytest.raises(
+            ValueError, match=r"m_splits must sum to inp's rows \(6\), got \[2, 3\]"
+        ):
+            module(_x(6, 16), [2, 3])
+        with pytest.raises(ValueError, match=r"m_splits must sum to inp.shape\[0\] \(6\)"):
+            F.grouped_linear(_x(6, 16), [2, 3], _x(2, 8, 16), recipe="mxfp8")
+
+
+@pytest.mark.parametrize(
+    "make, words",
+    [
+        (lambda: te.Linear(16, 8, device="meta"), r"inp and weight must be on one device"),
+        (lambda: te.LayerNorm(16, device="meta"), r"inp and weight must be on one device"),
+        (lambda: te.GroupedLinear(2, 16, 8, device="meta"), r"inp and weight must be on one"),
+        (
+            lambda: te.MultiheadAttention(16, 2, device="meta"),
+            r"hidden_states must be on the module's device \(meta\), got cpu",
+        ),
+    ],
+    ids=["Linear", "LayerNorm", "GroupedLinear", "MultiheadAttention"],
+)
+def test_a_module_on_another_device_than_its_input_is_refused(make, words):
+    """Not silently computed on the meta device, nor a device error naming no argument."""
+    module = make()
+    args = (_x(6, 16), [2, 4]) if isinstance(module, te.GroupedLinear) else (_x(4, 2, 16),)
+    with pytest.raises(ValueError, match=words):
+        module(*args)
+
+
+# Representative cases of each kind: the same message eager and at trace time.
+_COMPILED = {
+    "grouped_linear_m_splits_int": lambda: (
+        F.grouped_linear,
+        {"inp": _x(6, 16), "m_splits": 6, "weight": _x(2, 8, 16)},
+    ),
+    "GroupedLinear_m_splits_none": lambda: (
+        te.GroupedLinear(2, 16, 8),
+        {"inp": _x(6, 16), "m_splits": None},
+    ),
+    "GroupedLinear_m_splits_sum": lambda: (
+        te.GroupedLinear(2, 16, 8),
+        {"inp": _x(6, 16), "m_splits": [2, 3]},
+    ),
+    "linear_weight_none": lambda: (F.linear, {"inp": _x(6, 16), "weight": None}),
+    "layernorm_weight_none": lambda: (
+        F.layernorm,
+        {"inp": _x(6, 16), "weight": None, "bias": torch.zeros(16)},
+    ),
+    "linear_weight_meta": lambda: (
+        F.linear,
+        {"inp": _x(6, 16), "weight": _x(8, 16).to("meta")},
+    ),
+    "Linear_inp_meta": lambda: (te.Linear(16, 8), {"inp": _x(6, 16).to("meta")}),
+    "grouped_linear_weight_meta": lambda: (
+        F.grouped_linear,
+        {"inp": _x(6, 16), "m_splits": [2, 4], "weight": _x(2, 8, 16).to("meta")},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_COMPILED))
+def test_the_same_message_at_trace_time(case):
+    """Dynamo reports the exception a traced check raised inside its own (``Unsupported:
+    Observed exception``), with the message: the message is what must be the same."""
+    fn, kwargs = _COMPILED[case]()
+    with pytest.raises((ValueError, TypeError)) as eager:
+        fn(**kwargs)
+    compiled = torch.compile(lambda kw: fn(**kw), backend="eager", fullgraph=True)
+    with pytest.raises(Exception) as traced:
+        compiled(kwargs)
+    assert str(eager.value) in str(traced.value)
 
 
 def test_the_same_extra_input_message_at_trace_time():
