@@ -157,6 +157,12 @@ class CausalLM(nn.Module):
             raise ValueError(
                 f"CausalLM: input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}"
             )
+        device = self.embed_tokens.weight.device
+        if input_ids.device != device:
+            raise ValueError(
+                f"CausalLM: input_ids must be on the model's device ({device}), got "
+                f"{input_ids.device}"
+            )
         hidden = self.embed_tokens(input_ids)
         freqs = self.rotary(input_ids.shape[1]).to(hidden.device)
         for layer in self.layers:
