@@ -28,7 +28,7 @@ CONSTRUCTORS = {
             "low_freq_factor": 1.0,
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 8192,
-        },  # fmt: skip
+        },
     ),
     "MultiheadAttention": (te.MultiheadAttention, {"hidden_size": 16, "num_attention_heads": 2}),
     "TransformerLayer": (
