@@ -16,8 +16,9 @@ for Q/K/V with the RMSNorm as its prologue, ``DotProductAttention`` with rotary 
 - ``mlp.down_proj.weight`` -> ``layernorm_mlp.fc2_weight``;
 
 plus ``embed_tokens``, the final ``norm`` and ``lm_head`` (tied when the model ties them). Qwen2's
-Q/K/V biases: our layer then has biases everywhere (``bias=True``), the ones Qwen2 lacks start at
-zero, so the outputs are the same and training can move them. ``transformers`` is not a
+Q/K/V biases: our layer then has biases everywhere (``bias=True``); the ones Qwen2 lacks (the
+output projection's and the MLP's) are zero and frozen (``requires_grad=False``), so the outputs
+are the same and the trained model still maps back to a Qwen2. ``transformers`` is not a
 dependency of te_compile: the function reads the model's config and state_dict only.
 
 Tied embeddings (``tie_word_embeddings=True``, Llama 3.2 1B / 3B): ``lm_head.weight`` is the
@@ -34,9 +35,33 @@ rotary module's ``inv_freq`` (:class:`~te_compile.RopeScaling`):
 - refused with a ValueError naming the field and its value, and why (``_ROPE_REFUSED``):
   ``"dynamic"``, ``"yarn"``, ``"longrope"`` and any other type, and a ``partial_rotary_factor``
   other than 1.
+
+The converted model takes what a Hugging Face training loop passes: ``CausalLM.forward(input_ids,
+attention_mask=None, position_ids=None, labels=None, return_dict=False)``, and keeps the model's
+``config``. ``attention_mask`` ``[b, s]`` (1 = attend, 0 = padding; left or right padding) becomes
+Transformer Engine's padding mask (``[b, 1, 1, s]``, True = masked out) with the
+``"padding_causal"`` mask type: a token sees the unpadded tokens up to itself; a padded token's
+output is not defined (transformers' differs), so its label must be ``-100``. ``position_ids``
+``[b, s]`` or ``[1, s]``: the rotary angle of each token, :math:`p_t \theta_i` in fp32 as
+``transformers`` computes it (default: ``0 .. s - 1``, as ``transformers``, also for padded
+batches: RoPE sees position differences only). The rotary op takes one position per sequence
+index for the whole batch, so ``[b, s]`` with ``b > 1`` runs the layers one row at a time (the
+same FLOPs, in ``b`` times the launches; pass ``[1, s]`` when the rows agree). Positions set the
+angles only: sequences packed in one row, which ``transformers`` separates where
+``position_ids`` restart and ``attention_mask`` is None, are not separated here. ``labels``
+``[b, s]``: the loss of ``transformers``' ``ForCausalLMLoss`` (the logits of token ``t`` predict
+label ``t + 1``; ``-100`` ignored; the mean over the others, in fp32 or the logits' wider dtype),
+returned with the logits as a :class:`CausalLMOutput`.
+
+:func:`to_hf` maps the weights back (the inverse of the list above: ``fc1_weight`` split into
+gate and up rows) into a ``transformers`` model, the one given or one built from ``config``: a
+round trip gives the same tensors and the same logits, and ``save_pretrained`` writes a Hugging
+Face checkpoint.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -48,6 +73,7 @@ from te_compile._checks import (
     check_int,
     check_positive_finite,
     check_tensor,
+    shown,
 )
 from te_compile.modules import (
     Linear,
@@ -57,7 +83,7 @@ from te_compile.modules import (
     TransformerLayer,
 )
 
-__all__ = ["CausalLM", "from_hf"]
+__all__ = ["CausalLM", "CausalLMOutput", "from_hf", "to_hf"]
 
 _SUPPORTED = ("llama", "mistral", "qwen2")
 _ROPE_TYPES = ("default", "linear", "llama3")
@@ -68,13 +94,28 @@ _ROPE_REFUSED = {
     "TransformerLayer does not take",
     "longrope": "its frequencies switch with the sequence length",
 }
+_INDEX_DTYPES = (torch.int64, torch.int32)
+# Our layer's biases without a place in transformers' layout (Qwen2 has Q/K/V biases only).
+_NOT_IN_HF = ("self_attention.proj.bias", "layernorm_mlp.fc1_bias", "layernorm_mlp.fc2_bias")
+_IGNORE_INDEX = -100  # transformers' label of a token without a loss (padding, the prompt)
+
+
+class CausalLMOutput(NamedTuple):
+    """:class:`CausalLM`'s output with ``labels`` or ``return_dict=True``, read as
+    ``transformers``' ``CausalLMOutputWithPast``: ``out.loss`` (None without labels),
+    ``out.logits``, and ``out[0]`` the loss, as a training loop reads it."""
+
+    loss: Tensor | None
+    logits: Tensor
 
 
 class CausalLM(nn.Module):
     """Token embedding, ``TransformerLayer`` stack (``bshd``, causal, RMSNorm, SwiGLU, RoPE),
     final RMSNorm and LM head; ``forward(input_ids [b, s]) -> logits [b, s, vocab]``.
     ``tie_word_embeddings``: the LM head's weight is the embedding's parameter;
-    ``rope_scaling``: the rotary frequencies' :class:`~te_compile.RopeScaling`."""
+    ``rope_scaling``: the rotary frequencies' :class:`~te_compile.RopeScaling`. ``config``: the
+    ``transformers`` config of the model :func:`from_hf` converted (None when built directly),
+    which :func:`to_hf` builds the model back from."""
 
     def __init__(
         self,
@@ -145,29 +186,100 @@ class CausalLM(nn.Module):
         self.rotary = RotaryPositionEmbedding(
             kv_channels, rotary_base=rotary_base, rope_scaling=rope_scaling
         )
+        self.config: object | None = None
 
-    def forward(self, input_ids: Tensor) -> Tensor:
-        check_tensor("CausalLM", "input_ids", input_ids, floating=False, min_dim=2)
-        if input_ids.dtype not in (torch.int64, torch.int32):
-            raise ValueError(
-                f"CausalLM: input_ids must be an int64 or int32 tensor of token ids, "
-                f"got {input_ids.dtype}"
-            )
-        if input_ids.dim() != 2:
-            raise ValueError(
-                f"CausalLM: input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}"
-            )
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        labels: Tensor | None = None,
+        return_dict: bool = False,
+    ) -> Tensor | CausalLMOutput:
+        """``logits [b, s, vocab]``; a :class:`CausalLMOutput` (``loss``, ``logits``) with
+        ``labels`` or ``return_dict=True``. The arguments are those of ``transformers``'
+        ``LlamaForCausalLM`` (the module docstring gives their meaning)."""
+        owner = "CausalLM"
         device = self.embed_tokens.weight.device
-        if input_ids.device != device:
-            raise ValueError(
-                f"CausalLM: input_ids must be on the model's device ({device}), got "
-                f"{input_ids.device}"
-            )
+        _check_ids(owner, "input_ids", input_ids, device)
+        check_bool(owner, return_dict=return_dict)
+        b, s = input_ids.shape
+        padded = None
+        if attention_mask is not None:
+            _check_ids(owner, "attention_mask", attention_mask, device, (b,), s,
+                       (*_INDEX_DTYPES, torch.bool))  # fmt: skip
+            padded = (attention_mask == 0).view(b, 1, 1, s)  # TE's convention: True = masked out
+        if position_ids is not None:  # [1, s]: one set of positions for the whole batch
+            _check_ids(owner, "position_ids", position_ids, device, (b, 1), s)
+        if labels is not None:
+            _check_ids(owner, "labels", labels, device, (b,), s)
         hidden = self.embed_tokens(input_ids)
-        freqs = self.rotary(input_ids.shape[1]).to(hidden.device)
+        if position_ids is None or position_ids.shape[0] == 1:
+            freqs = self._freqs(s, position_ids, device)
+            hidden = self._layers(hidden, freqs, padded)
+        else:  # one rotary table per row: the op takes one position per sequence index
+            hidden = torch.cat([
+                self._layers(hidden[i : i + 1], self._freqs(s, position_ids[i : i + 1], device),
+                             None if padded is None else padded[i : i + 1])
+                for i in range(b)
+            ])  # fmt: skip
+        logits = self.lm_head(self.norm(hidden))
+        if labels is None and not return_dict:
+            return logits
+        return CausalLMOutput(None if labels is None else _causal_lm_loss(logits, labels), logits)
+
+    def _freqs(self, s: int, position_ids: Tensor | None, device: torch.device) -> Tensor:
+        """``freqs [s, 1, 1, d]`` of positions ``0 .. s - 1``, or of ``position_ids [1, s]``:
+        each angle ``p * inv_freq`` in fp32, as ``transformers`` computes it."""
+        if position_ids is None:
+            return self.rotary(s).to(device)
+        angles = position_ids[0, :, None].float() * self.rotary.inv_freq.float()[None, :]
+        return torch.cat((angles, angles), dim=-1)[:, None, None, :]
+
+    def _layers(self, hidden: Tensor, freqs: Tensor, padded: Tensor | None) -> Tensor:
+        mask_type = None if padded is None else "padding_causal"
         for layer in self.layers:
-            hidden = layer(hidden, rotary_pos_emb=freqs)
-        return self.lm_head(self.norm(hidden))
+            hidden = layer(hidden, attention_mask=padded, self_attn_mask_type=mask_type,
+                           rotary_pos_emb=freqs)  # fmt: skip
+        return hidden
+
+
+def _check_ids(
+    owner: str,
+    name: str,
+    value: object,
+    device: torch.device,
+    batches: tuple[int, ...] = (),
+    seq: int | None = None,
+    dtypes: tuple[torch.dtype, ...] = _INDEX_DTYPES,
+) -> None:
+    """``value`` is a ``[batch, seq]`` tensor of one of ``dtypes`` on ``device``; ``batches`` /
+    ``seq``: the sizes allowed (empty / None: any)."""
+    check_tensor(owner, name, value, floating=False, min_dim=2)
+    if value.dtype not in dtypes:
+        raise ValueError(f"{owner}: {name} must be a tensor of dtype "
+                         f"{' or '.join(map(str, dtypes))}, got {value.dtype}")  # fmt: skip
+    if (
+        value.dim() != 2
+        or (batches and value.shape[0] not in batches)
+        or (seq is not None and value.shape[1] != seq)
+    ):
+        rows = " or ".join(map(str, batches)) or "batch"
+        raise ValueError(f"{owner}: {name} must be [{rows}, {seq or 'seq'}], got shape "
+                         f"{list(value.shape)}")  # fmt: skip
+    if value.device != device:
+        raise ValueError(f"{owner}: {name} must be on the model's device ({device}), got "
+                         f"{value.device}")  # fmt: skip
+
+
+def _causal_lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
+    """``transformers``' ``ForCausalLMLoss``: the logits of token ``t`` against label ``t + 1``,
+    ``-100`` ignored, the mean over the rest, in fp32 (the logits' dtype when wider)."""
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=_IGNORE_INDEX)
+    return torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1).to(dtype), shifted.flatten().long(), ignore_index=_IGNORE_INDEX
+    )
 
 
 def _config_value(config: object, name: str, default: object = None) -> object:
@@ -227,7 +339,38 @@ def from_hf(model: nn.Module, dtype: torch.dtype | None = None) -> CausalLM:
         rope_scaling=rope_scaling,
     )
     ours.load_state_dict(_mapped_state(state, config.num_hidden_layers, ours), strict=True)
+    for name, param in ours.named_parameters():  # Qwen2's missing biases: zero, kept zero
+        if name.endswith(_NOT_IN_HF):
+            param.requires_grad_(False)
+    ours.config = config
     return ours
+
+
+def to_hf(model: CausalLM, hf_model: nn.Module | None = None) -> nn.Module:
+    """``model``'s weights in a ``transformers`` causal LM: loaded into ``hf_model`` (its
+    layout: Llama, Mistral or Qwen2, the sizes of ``model``), or into one built from
+    ``model.config`` (``transformers`` imported here) with ``model``'s dtype and device.
+    Returns that model. Raises ValueError for a ``model`` without a config and no ``hf_model``,
+    and for a bias ``transformers``' layout has no room for that training moved from zero
+    (Qwen2's output projection and MLP)."""
+    if not isinstance(model, CausalLM):
+        raise TypeError(f"to_hf: model must be a te_compile.convert.CausalLM, got {_named(model)}")
+    if hf_model is not None and not isinstance(hf_model, nn.Module):
+        raise TypeError(f"to_hf: hf_model must be None or a transformers causal LM, got "
+                        f"{_named(hf_model)}")  # fmt: skip
+    if hf_model is None:
+        if model.config is None:
+            raise ValueError(
+                "to_hf: model.config is None (a CausalLM built directly, not by from_hf): pass "
+                "hf_model, a transformers model of the same sizes to load the weights into"
+            )
+        import transformers
+
+        weight = model.embed_tokens.weight
+        hf_model = transformers.AutoModelForCausalLM.from_config(model.config)
+        hf_model = hf_model.to(device=weight.device, dtype=weight.dtype)
+    hf_model.load_state_dict(_hf_state(model.state_dict(), len(model.layers)), strict=True)
+    return hf_model
 
 
 def _rope(config: object) -> tuple[dict, RopeScaling | None]:
@@ -281,4 +424,36 @@ def _mapped_state(hf: dict[str, Tensor], num_layers: int, ours: CausalLM) -> dic
         out[mlp + "fc2_weight"] = hf[src + "mlp.down_proj.weight"]
     for name, value in target.items():  # biases Qwen2 lacks, and our FP8 state: as created
         out.setdefault(name, torch.zeros_like(value) if name.endswith("bias") else value)
+    return out
+
+
+def _named(value: object) -> str:
+    """A module by its class (its repr lists every layer), anything else as the checks show it."""
+    return type(value).__name__ if isinstance(value, nn.Module) else shown(value)
+
+
+def _hf_state(ours: dict[str, Tensor], num_layers: int) -> dict[str, Tensor]:
+    """The inverse of :func:`_mapped_state`: ``transformers``' names and tensors."""
+    out = {
+        "model.embed_tokens.weight": ours["embed_tokens.weight"],
+        "model.norm.weight": ours["norm.weight"],
+        "lm_head.weight": ours["lm_head.weight"],
+    }
+    for i in range(num_layers):
+        src, dst = f"layers.{i}.", f"model.layers.{i}."
+        qkv, mlp = src + "self_attention.layernorm_qkv.", src + "layernorm_mlp."
+        out[dst + "input_layernorm.weight"] = ours[qkv + "layer_norm_weight"]
+        for part, proj in (("query", "q_proj"), ("key", "k_proj"), ("value", "v_proj")):
+            out[dst + f"self_attn.{proj}.weight"] = ours[qkv + f"{part}_weight"]
+            if qkv + f"{part}_bias" in ours:
+                out[dst + f"self_attn.{proj}.bias"] = ours[qkv + f"{part}_bias"]
+        out[dst + "self_attn.o_proj.weight"] = ours[src + "self_attention.proj.weight"]
+        out[dst + "post_attention_layernorm.weight"] = ours[mlp + "layer_norm_weight"]
+        gate, up = ours[mlp + "fc1_weight"].chunk(2)
+        out[dst + "mlp.gate_proj.weight"], out[dst + "mlp.up_proj.weight"] = gate, up
+        out[dst + "mlp.down_proj.weight"] = ours[mlp + "fc2_weight"]
+        for name in (src + bias for bias in _NOT_IN_HF):
+            if name in ours and bool(ours[name].any()):
+                raise ValueError(f"to_hf: {name} is not zero, and transformers' layout has no "
+                                 "such bias (from_hf freezes it at zero)")  # fmt: skip
     return out

@@ -190,7 +190,12 @@ _MODULES: dict[str, tuple[Callable[[], Any], dict[str, Any], Callable[[], dict[s
             "num_gqa_groups": 2,
             "kv_channels": 8,
         },
-        lambda: {"input_ids": torch.randint(0, 8, (2, 4))},
+        lambda: {
+            "input_ids": torch.randint(0, 8, (2, 4)),
+            "attention_mask": torch.ones(2, 4, dtype=torch.long),
+            "position_ids": torch.arange(4).expand(2, 4),
+            "labels": torch.randint(0, 8, (2, 4)),
+        },
     ),
 }
 
@@ -327,6 +332,10 @@ _FUNCTIONS: dict[str, tuple[Callable, Callable[[], dict[str, Any]]]] = {
         lambda: {"module": te.Linear(16, 16), "full_optim_state_dict": _optim_state()},
     ),
     "te.convert.from_hf": (te.convert.from_hf, lambda: {"model": _hf_model()}),
+    "te.convert.to_hf": (
+        te.convert.to_hf,
+        lambda: {"model": te.convert.CausalLM(8, 16, 16, 1, 2, 2, 8)},
+    ),
     "te.RopeScaling": (
         te.RopeScaling,
         lambda: {
@@ -524,6 +533,7 @@ NOT_WALKED = {
         )
     },
     "te.ops.Identity": "no arguments",
+    "te.convert.CausalLMOutput": "CausalLM.forward's output record (a NamedTuple of tensors)",
     "te.ops.FusibleOperation": "an abstract base class",
     "te.ops.OperationContext": "the fuser builds it and passes it to an op's forward and "
     "backward, not users",

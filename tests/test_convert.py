@@ -1,6 +1,7 @@
-"""te.convert.from_hf: a Hugging Face Llama / Mistral / Qwen2 as a TransformerLayer stack (random
-weights from a small config, no download): logits, RoPE scaling, tied embeddings, training
-compiled, refusals."""
+"""te.convert.from_hf / to_hf: a Hugging Face Llama / Mistral / Qwen2 as a TransformerLayer stack
+(random weights from a small config, no download): logits, RoPE scaling, tied embeddings, training
+compiled, a Hugging Face loop's arguments (padded batches, positions, labels), the way back,
+refusals."""
 
 from __future__ import annotations
 
@@ -171,3 +172,148 @@ def test_unsupported_rope_is_refused_by_field_and_value(rope_scaling, match):
     with pytest.raises(ValueError, match=match) as info:
         te.convert.from_hf(hf)
     assert re.search(r"config\.rope_(parameters|scaling)", str(info.value))  # transformers 5 | 4
+
+
+# A Hugging Face loop's batch: a left-padded row, a right-padded row and a full one.
+MASK = torch.ones(3, 11, dtype=torch.long)
+MASK[0, :3] = 0
+MASK[1, 7:] = 0
+KEEP = MASK.bool()
+
+
+def _hf64(kind: str, **extra):
+    """The float64 model with transformers' sdpa attention: its eager attention gives a row that
+    sees no key (a left-padded row's padding) NaN in float64, which the next layer spreads over
+    the row."""
+    hf = _hf(kind, **extra).double()
+    hf.config._attn_implementation = "sdpa"
+    return hf
+
+
+PADDED_MODELS = [
+    ("llama", {}),
+    ("llama", {"tie_word_embeddings": True, "rope_scaling": LLAMA3}),
+    ("mistral", {"sliding_window": 4}),
+    ("qwen2", {}),
+]
+
+
+@pytest.mark.parametrize(("kind", "extra"), PADDED_MODELS)
+def test_padded_batch_logits_and_loss_match(kind, extra):
+    """Left and right padding: the logits at the unpadded tokens, and the loss of labels that
+    ignore the padding. transformers computes the rotary angles in fp32 and the loss in fp32,
+    so fp32's tolerance bounds the comparison."""
+    hf = _hf64(kind, **extra)
+    ours = te.convert.from_hf(hf).eval()
+    ids = torch.randint(0, SMALL["vocab_size"], MASK.shape)
+    labels = ids.masked_fill(~KEEP, -100)
+    with torch.no_grad():
+        expected = hf(ids, attention_mask=MASK, labels=labels)
+        actual = ours(input_ids=ids, attention_mask=MASK, labels=labels)
+    assert isinstance(actual, te.convert.CausalLMOutput)
+    assert actual.logits.isfinite().all()  # the padding's rows too: they feed the next layer
+    assert_close(actual.logits[KEEP], expected.logits[KEEP], torch.float32)
+    assert_close(actual.loss, expected.loss.double(), torch.float32)
+    with torch.no_grad():  # a bool mask reads as transformers' (True = attend)
+        assert torch.equal(ours(ids, attention_mask=KEEP), actual.logits)
+
+
+def test_position_ids_match_per_row_and_shared():
+    """``[b, s]`` runs row by row, ``[1, s]`` serves the batch. A shift of every position of a
+    row changes nothing (RoPE sees differences, and a left-padded batch's ``cumsum(mask) - 1``
+    is one), so the positions here are stretched, by a factor of each row's own. The mask is
+    given: without it transformers would read positions that do not step by one as packed
+    sequences."""
+    hf = _hf64("llama", rope_scaling=LLAMA3)
+    ours = te.convert.from_hf(hf).eval()
+    ids = torch.randint(0, SMALL["vocab_size"], MASK.shape)
+    per_row = (MASK.cumsum(-1) - 1).masked_fill(~KEEP, 1) * torch.tensor([[1], [2], [3]])
+    shared = 3 * torch.arange(MASK.shape[1])[None] + 5
+    with torch.no_grad():
+        for positions, mask in ((per_row, MASK), (shared, torch.ones_like(MASK))):
+            expected = hf(ids, attention_mask=mask, position_ids=positions).logits
+            actual = ours(ids, attention_mask=mask, position_ids=positions)
+            keep = mask.bool()
+            assert_close(actual[keep], expected[keep], torch.float32)
+        # positions 0 .. s - 1 are the default
+        assert torch.equal(ours(ids, position_ids=torch.arange(11)[None]), ours(ids))
+
+
+def test_training_step_compiles_without_breaks_and_saves_back():
+    """A Hugging Face loop's step, ``model(input_ids=, attention_mask=, labels=).loss`` then
+    ``backward``, compiled with ``fullgraph=True``; the trained model back in transformers
+    (``to_hf``) gives its logits."""
+    hf = _hf64("qwen2")
+    ours = te.convert.from_hf(hf).train()
+    opt = torch.optim.SGD(ours.parameters(), lr=1e-2)
+
+    def step(ids, mask, labels):
+        return ours(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+    compiled, counter = compile_counted(step, backend="aot_eager")
+    ids = torch.randint(0, SMALL["vocab_size"], MASK.shape)
+    for _ in range(2):
+        loss = compiled(ids, MASK, ids.masked_fill(~KEEP, -100))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert counter.frame_count == 1
+    ours.eval()
+    with torch.no_grad():  # Qwen2's biases our layers add are frozen at zero: it goes back
+        back = te.convert.to_hf(ours, _hf64("qwen2"))
+        expected = back(ids, attention_mask=MASK).logits
+        actual = ours(ids, attention_mask=MASK)
+    assert_close(actual[KEEP], expected[KEEP], torch.float32)
+
+
+@pytest.mark.parametrize(
+    ("kind", "extra"),
+    [("llama", {}), ("llama", {"tie_word_embeddings": True}), ("mistral", {}), ("qwen2", {})],
+)
+def test_round_trip_gives_the_same_weights_and_logits(kind, extra):
+    hf = _hf(kind, **extra)
+    ours = te.convert.from_hf(hf)
+    assert ours.config is hf.config
+    back = te.convert.to_hf(ours)  # built from ours.config
+    assert type(back) is type(hf)
+    original, returned = hf.state_dict(), back.state_dict()
+    assert original.keys() == returned.keys()
+    for name, value in original.items():
+        assert torch.equal(returned[name], value), name
+    tied = extra.get("tie_word_embeddings", False)
+    assert (back.lm_head.weight is back.model.embed_tokens.weight) == tied
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 12))
+    with torch.no_grad():
+        assert torch.equal(back.eval()(ids).logits, hf(ids).logits)
+
+
+def test_to_hf_refusals_name_the_argument():
+    direct = te.convert.CausalLM(96, 64, 96, 1, 4, 2, 16)
+    assert direct.config is None
+    with pytest.raises(ValueError, match=r"model\.config is None .* pass hf_model"):
+        te.convert.to_hf(direct)
+    with pytest.raises(TypeError, match="hf_model must be None or a transformers causal LM"):
+        te.convert.to_hf(direct, hf_model="llama")
+    ours = te.convert.from_hf(_hf("qwen2"))
+    with torch.no_grad():
+        ours.layers[1].layernorm_mlp.fc2_bias.add_(1.0)
+    with pytest.raises(ValueError, match=r"layers\.1\.layernorm_mlp\.fc2_bias is not zero"):
+        te.convert.to_hf(ours)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"attention_mask": MASK[:, :-1]}, r"attention_mask must be \[3, 11\], got shape \[3, 10"),
+        ({"attention_mask": MASK[:, None, None]}, r"attention_mask must be \[3, 11\]"),
+        ({"attention_mask": MASK.double()}, "attention_mask must be a tensor of dtype"),
+        ({"position_ids": MASK[:2]}, r"position_ids must be \[3 or 1, 11\], got shape \[2, 11\]"),
+        ({"labels": MASK[:, 1:]}, r"labels must be \[3, 11\]"),
+        ({"labels": MASK.float()}, "labels must be a tensor of dtype"),
+        ({"return_dict": 1}, "return_dict must be a bool"),
+    ],
+)  # fmt: skip
+def test_forward_refusals_name_the_argument(kwargs, match):
+    ours = te.convert.from_hf(_hf("llama"))
+    with pytest.raises(ValueError, match=match):
+        ours(torch.zeros(MASK.shape, dtype=torch.long), **kwargs)

@@ -600,8 +600,18 @@ DOMAINS: dict[str, dict[str, Domain]] = {
         "tie_word_embeddings": SWITCH(),
         "rope_scaling": _ROPE_SCALING,
     },
-    "te.convert.CausalLM.forward": {"input_ids": INDEX_TENSOR(EXTRA, META)},
+    "te.convert.CausalLM.forward": {
+        "input_ids": INDEX_TENSOR(EXTRA, META),
+        "attention_mask": INDEX_TENSOR(FIRST, LAST, EXTRA, META),
+        "position_ids": INDEX_TENSOR(LAST, EXTRA, META),  # one row short: [1, s] is valid
+        "labels": INDEX_TENSOR(FIRST, LAST, EXTRA, META),
+        "return_dict": SWITCH(),
+    },
     "te.convert.from_hf": {"model": Domain("a transformers causal LM", (3, "model"))},
+    "te.convert.to_hf": {
+        "model": Domain("a te.convert.CausalLM", (3, "model")),
+        "hf_model": Domain("None or a transformers causal LM", (3, "x")),
+    },
     # te.functional
     "te.functional.as_splits_tensor": {
         "m_splits": Domain("ints >= 0", ("4", 6, None, [-1, 2], [1.5]))
