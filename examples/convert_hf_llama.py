@@ -4,9 +4,12 @@
 2. Converts it with ``te_compile.convert.from_hf`` and compares the logits of both models on
    the same tokens: in fp32 directly; in bf16 each against the same weights in fp32, where ours
    must be as close as the original (the script fails otherwise).
-3. Counts graph breaks of our model's training step with ``torch._dynamo.explain``, then trains
-   it compiled with ``fullgraph=True`` for a few steps.
-4. Times a compiled training step (forward, cross-entropy, backward) of both models and prints
+3. Counts graph breaks of our model's training step (a Hugging Face loop's call:
+   ``model(input_ids=, labels=).loss``) with ``torch._dynamo.explain``, then trains it compiled
+   with ``fullgraph=True`` for a few steps.
+4. Maps the trained weights back into a ``transformers`` model (``te_compile.convert.to_hf``,
+   ready for ``save_pretrained``) and checks that it gives our logits.
+5. Times a compiled training step (forward, cross-entropy, backward) of both models and prints
    tokens/s side by side.
 
 Needs ``transformers`` (``pip install 'te-compile[hf]'``). Usage::
@@ -49,11 +52,6 @@ def build_hf(args: argparse.Namespace) -> torch.nn.Module:
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     return model_cls(config).to(device=args.device, dtype=args.dtype)
-
-
-def loss_of(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(),
-                                             ids[:, 1:].flatten())  # fmt: skip
 
 
 def tokens_per_s(loss_fn, params: list[torch.Tensor], ids: torch.Tensor, iters: int) -> float:
@@ -136,10 +134,10 @@ def main() -> int:
     hf.train(), ours.train()
 
     def ours_loss(batch: torch.Tensor) -> torch.Tensor:
-        return loss_of(ours(batch), batch)
+        return ours(input_ids=batch, labels=batch).loss
 
     def hf_loss(batch: torch.Tensor) -> torch.Tensor:
-        return loss_of(hf(batch).logits, batch)
+        return hf(input_ids=batch, labels=batch).loss
 
     breaks = torch._dynamo.explain(ours_loss)(ids).graph_break_count
     print(f"graph breaks in our forward + loss: {breaks}")
@@ -153,7 +151,16 @@ def main() -> int:
         opt.zero_grad(set_to_none=True)
         print(f"step {i}: loss {loss.item():.4f}")
 
-    # 3. Speed of a compiled training step, side by side.
+    # 3. The trained weights back in transformers' layout: the same logits.
+    ours.eval()
+    back = te.convert.to_hf(ours).eval()
+    with torch.no_grad():
+        back_rel = rel_err(back(ids).logits.float(), ours(ids).float())
+    back_tol = 1e-4 if args.dtype == torch.float32 else tol
+    print(f"to_hf: logits relative error {back_rel:.2e} (tolerance {back_tol:.0e})")
+    ours.train()
+
+    # 4. Speed of a compiled training step, side by side.
     compiled_hf = torch.compile(hf_loss)
     ours_tps = tokens_per_s(compiled_ours, list(ours.parameters()), ids, args.iters)
     hf_tps = tokens_per_s(compiled_hf, list(hf.parameters()), ids, args.iters)
@@ -161,7 +168,7 @@ def main() -> int:
     print(f"tokens/s on {device} ({args.dtype}, batch {args.batch} x seq {args.seq}): "
           f"te_compile {ours_tps:,.0f}, transformers {hf_tps:,.0f} "
           f"({ours_tps / hf_tps:.2f}x)")  # fmt: skip
-    ok = rel <= tol and breaks == 0
+    ok = rel <= tol and back_rel <= back_tol and breaks == 0
     print("OK" if ok else "FAILED")
     return 0 if ok else 1
 

@@ -111,7 +111,7 @@ class CausalLMOutput(NamedTuple):
 
 class CausalLM(nn.Module):
     """Token embedding, ``TransformerLayer`` stack (``bshd``, causal, RMSNorm, SwiGLU, RoPE),
-    final RMSNorm and LM head; ``forward(input_ids [b, s]) -> logits [b, s, vocab]``.
+    final RMSNorm and LM head; ``forward(input_ids [b, s], ...) -> logits [b, s, vocab]``.
     ``tie_word_embeddings``: the LM head's weight is the embedding's parameter;
     ``rope_scaling``: the rotary frequencies' :class:`~te_compile.RopeScaling`. ``config``: the
     ``transformers`` config of the model :func:`from_hf` converted (None when built directly),
