@@ -287,6 +287,46 @@ def test_round_trip_gives_the_same_weights_and_logits(kind, extra):
         assert torch.equal(back.eval()(ids).logits, hf(ids).logits)
 
 
+def test_trained_model_saves_as_a_hugging_face_checkpoint(tmp_path):
+    """Trained, mapped back, written with ``save_pretrained`` and read with
+    ``AutoModelForCausalLM.from_pretrained``: the checkpoint gives the trained model's logits."""
+    ours = te.convert.from_hf(_hf64("llama", tie_word_embeddings=True)).train()
+    opt = torch.optim.SGD(ours.parameters(), lr=0.1)
+    ids = torch.randint(0, SMALL["vocab_size"], MASK.shape)
+    ours(ids, attention_mask=MASK, labels=ids.masked_fill(~KEEP, -100)).loss.backward()
+    opt.step()
+    te.convert.to_hf(ours).save_pretrained(tmp_path)
+    auto = transformers.AutoModelForCausalLM
+    loaded = auto.from_pretrained(tmp_path, dtype=torch.float64).eval()
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    with torch.no_grad():
+        assert torch.equal(loaded.model.embed_tokens.weight, ours.embed_tokens.weight)
+        assert_close(ours.eval()(ids), loaded(ids).logits, torch.float32)
+
+
+def test_hugging_face_trainer_trains_the_converted_model(tmp_path):
+    """``transformers.Trainer`` (it needs ``accelerate``) on padded batches: it calls
+    ``model(**batch)`` and reads the loss as ``outputs[0]`` of the tuple ``CausalLM`` returns."""
+    pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate")
+    ours = te.convert.from_hf(_hf("llama")).train()
+    ids = torch.randint(0, SMALL["vocab_size"], (8, 11))
+    mask = MASK.repeat(3, 1)[:8]
+
+    def collate(rows):
+        batch_ids, batch_mask = map(torch.stack, zip(*rows, strict=True))
+        labels = batch_ids.masked_fill(batch_mask == 0, -100)
+        return {"input_ids": batch_ids, "attention_mask": batch_mask, "labels": labels}
+
+    args = transformers.TrainingArguments(
+        tmp_path, per_device_train_batch_size=4, max_steps=2, report_to=[], use_cpu=True,
+        save_strategy="no",
+    )  # fmt: skip
+    data = list(zip(ids, mask, strict=True))
+    trainer = transformers.Trainer(model=ours, args=args, train_dataset=data, data_collator=collate)
+    result = trainer.train()
+    assert result.global_step == 2 and torch.isfinite(torch.tensor(result.training_loss))
+
+
 def test_to_hf_refusals_name_the_argument():
     direct = te.convert.CausalLM(96, 64, 96, 1, 4, 2, 16)
     assert direct.config is None
