@@ -358,18 +358,19 @@ def to_hf(model: CausalLM, hf_model: nn.Module | None = None) -> nn.Module:
     if hf_model is not None and not isinstance(hf_model, nn.Module):
         raise TypeError(f"to_hf: hf_model must be None or a transformers causal LM, got "
                         f"{_named(hf_model)}")  # fmt: skip
+    if hf_model is None and model.config is None:
+        raise ValueError(
+            "to_hf: model.config is None (a CausalLM built directly, not by from_hf): pass "
+            "hf_model, a transformers model of the same sizes to load the weights into"
+        )
+    state = _hf_state(model.state_dict(), len(model.layers))
     if hf_model is None:
-        if model.config is None:
-            raise ValueError(
-                "to_hf: model.config is None (a CausalLM built directly, not by from_hf): pass "
-                "hf_model, a transformers model of the same sizes to load the weights into"
-            )
         import transformers
 
         weight = model.embed_tokens.weight
         hf_model = transformers.AutoModelForCausalLM.from_config(model.config)
         hf_model = hf_model.to(device=weight.device, dtype=weight.dtype)
-    hf_model.load_state_dict(_hf_state(model.state_dict(), len(model.layers)), strict=True)
+    hf_model.load_state_dict(state, strict=True)
     return hf_model
 
 
@@ -402,26 +403,41 @@ def _rope(config: object) -> tuple[dict, RopeScaling | None]:
         raise ValueError(f"{where} = {rope} ({kind!r}): {error}") from None
 
 
+# The weights one name maps to one name, each way: (ours, transformers'), per layer under
+# ``layers.<i>.`` / ``model.layers.<i>.``; a bias only where both layouts have it (Qwen2's Q/K/V).
+# ``fc1_weight`` is gate_proj's rows then up_proj's, mapped apart.
+_LAYER_NAMES = (
+    ("self_attention.layernorm_qkv.layer_norm_weight", "input_layernorm.weight"),
+    *(
+        (f"self_attention.layernorm_qkv.{ours}_{kind}", f"self_attn.{proj}_proj.{kind}")
+        for kind in ("weight", "bias")
+        for ours, proj in (("query", "q"), ("key", "k"), ("value", "v"))
+    ),
+    ("self_attention.proj.weight", "self_attn.o_proj.weight"),
+    ("layernorm_mlp.layer_norm_weight", "post_attention_layernorm.weight"),
+    ("layernorm_mlp.fc2_weight", "mlp.down_proj.weight"),
+)
+_MODEL_NAMES = (
+    ("embed_tokens.weight", "model.embed_tokens.weight"),
+    ("norm.weight", "model.norm.weight"),
+    ("lm_head.weight", "lm_head.weight"),
+)
+_GATE_UP = ("layernorm_mlp.fc1_weight", "mlp.gate_proj.weight", "mlp.up_proj.weight")
+
+
 def _mapped_state(hf: dict[str, Tensor], num_layers: int, ours: CausalLM) -> dict[str, Tensor]:
-    out = {
-        "embed_tokens.weight": hf["model.embed_tokens.weight"],
-        "norm.weight": hf["model.norm.weight"],
-        "lm_head.weight": hf.get("lm_head.weight", hf["model.embed_tokens.weight"]),
-    }
+    """``transformers``' state dict ``hf`` in our names (``lm_head.weight``: the embedding's when
+    the model ties them and its state dict leaves the head out)."""
+    hf = {"lm_head.weight": hf["model.embed_tokens.weight"], **hf}
     target = ours.state_dict()
+    out = {mine: hf[theirs] for mine, theirs in _MODEL_NAMES}
     for i in range(num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
-        qkv, mlp = dst + "self_attention.layernorm_qkv.", dst + "layernorm_mlp."
-        out[qkv + "layer_norm_weight"] = hf[src + "input_layernorm.weight"]
-        for part, proj in (("query", "q_proj"), ("key", "k_proj"), ("value", "v_proj")):
-            out[qkv + f"{part}_weight"] = hf[src + f"self_attn.{proj}.weight"]
-            if qkv + f"{part}_bias" in target:
-                out[qkv + f"{part}_bias"] = hf[src + f"self_attn.{proj}.bias"]
-        out[dst + "self_attention.proj.weight"] = hf[src + "self_attn.o_proj.weight"]
-        out[mlp + "layer_norm_weight"] = hf[src + "post_attention_layernorm.weight"]
-        gate, up = hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]
-        out[mlp + "fc1_weight"] = torch.cat((gate, up))
-        out[mlp + "fc2_weight"] = hf[src + "mlp.down_proj.weight"]
+        for mine, theirs in _LAYER_NAMES:
+            if dst + mine in target:
+                out[dst + mine] = hf[src + theirs]
+        fc1, gate, up = _GATE_UP
+        out[dst + fc1] = torch.cat((hf[src + gate], hf[src + up]))
     for name, value in target.items():  # biases Qwen2 lacks, and our FP8 state: as created
         out.setdefault(name, torch.zeros_like(value) if name.endswith("bias") else value)
     return out
@@ -433,25 +449,16 @@ def _named(value: object) -> str:
 
 
 def _hf_state(ours: dict[str, Tensor], num_layers: int) -> dict[str, Tensor]:
-    """The inverse of :func:`_mapped_state`: ``transformers``' names and tensors."""
-    out = {
-        "model.embed_tokens.weight": ours["embed_tokens.weight"],
-        "model.norm.weight": ours["norm.weight"],
-        "lm_head.weight": ours["lm_head.weight"],
-    }
+    """The inverse of :func:`_mapped_state`: our state dict ``ours`` in ``transformers``' names;
+    ValueError for a bias of ours that has no place there and is not zero."""
+    out = {theirs: ours[mine] for mine, theirs in _MODEL_NAMES}
     for i in range(num_layers):
         src, dst = f"layers.{i}.", f"model.layers.{i}."
-        qkv, mlp = src + "self_attention.layernorm_qkv.", src + "layernorm_mlp."
-        out[dst + "input_layernorm.weight"] = ours[qkv + "layer_norm_weight"]
-        for part, proj in (("query", "q_proj"), ("key", "k_proj"), ("value", "v_proj")):
-            out[dst + f"self_attn.{proj}.weight"] = ours[qkv + f"{part}_weight"]
-            if qkv + f"{part}_bias" in ours:
-                out[dst + f"self_attn.{proj}.bias"] = ours[qkv + f"{part}_bias"]
-        out[dst + "self_attn.o_proj.weight"] = ours[src + "self_attention.proj.weight"]
-        out[dst + "post_attention_layernorm.weight"] = ours[mlp + "layer_norm_weight"]
-        gate, up = ours[mlp + "fc1_weight"].chunk(2)
-        out[dst + "mlp.gate_proj.weight"], out[dst + "mlp.up_proj.weight"] = gate, up
-        out[dst + "mlp.down_proj.weight"] = ours[mlp + "fc2_weight"]
+        for mine, theirs in _LAYER_NAMES:
+            if src + mine in ours:
+                out[dst + theirs] = ours[src + mine]
+        fc1, gate, up = _GATE_UP
+        out[dst + gate], out[dst + up] = ours[src + fc1].chunk(2)
         for name in (src + bias for bias in _NOT_IN_HF):
             if name in ours and bool(ours[name].any()):
                 raise ValueError(f"to_hf: {name} is not zero, and transformers' layout has no "
