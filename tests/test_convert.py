@@ -241,23 +241,24 @@ def test_position_ids_match_per_row_and_shared():
 
 def test_training_step_compiles_without_breaks_and_saves_back():
     """A Hugging Face loop's step, ``model(input_ids=, attention_mask=, labels=).loss`` then
-    ``backward``, compiled with ``fullgraph=True``; the trained model back in transformers
-    (``to_hf``) gives its logits."""
+    ``backward``, compiled with ``fullgraph=True`` (and with per-row ``position_ids``, the layers
+    row by row); the trained model back in transformers (``to_hf``) gives its logits."""
     hf = _hf64("qwen2")
     ours = te.convert.from_hf(hf).train()
     opt = torch.optim.SGD(ours.parameters(), lr=1e-2)
 
-    def step(ids, mask, labels):
-        return ours(input_ids=ids, attention_mask=mask, labels=labels).loss
+    def step(ids, mask, labels, positions=None):
+        return ours(input_ids=ids, attention_mask=mask, position_ids=positions, labels=labels).loss
 
     compiled, counter = compile_counted(step, backend="aot_eager")
     ids = torch.randint(0, SMALL["vocab_size"], MASK.shape)
-    for _ in range(2):
-        loss = compiled(ids, MASK, ids.masked_fill(~KEEP, -100))
+    per_row = (MASK.cumsum(-1) - 1).masked_fill(~KEEP, 1)
+    for positions in (None, None, per_row):
+        loss = compiled(ids, MASK, ids.masked_fill(~KEEP, -100), positions)
         loss.backward()
         opt.step()
         opt.zero_grad()
-    assert counter.frame_count == 1
+    assert counter.frame_count == 2  # one graph each way, no breaks
     ours.eval()
     with torch.no_grad():  # Qwen2's biases our layers add are frozen at zero: it goes back
         back = te.convert.to_hf(ours, _hf64("qwen2"))
