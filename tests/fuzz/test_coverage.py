@@ -115,6 +115,9 @@ EXEMPT = {
     "(tests/quantization/test_graph.py)",
     "te.non_finite_amaxes": "a diagnostic over the FP8 state (tests/test_long_run.py, "
     "tests/modules/test_fp8_linear_module.py)",
+    "te.RopeScaling": "a frozen record of RotaryPositionEmbedding's frequency rule, checked "
+    "when built; the rule is tested against a float64 per-frequency loop "
+    "(tests/functional/test_rotary.py)",
     "te.bulk_allocate": "allocation: " + _UTILITY,
     "te.list_ops": "the op registry: " + _UTILITY,
     "te.set_eager_fast_path": "a switch: " + _UTILITY,
