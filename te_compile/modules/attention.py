@@ -14,8 +14,10 @@ inputs, ``cu_seqlens_*_padded`` and sink softmax types.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 
+import torch
 from torch import Tensor, nn
 
 from te_compile._checks import check_bool, check_int, check_positive_finite
@@ -160,6 +162,20 @@ class DotProductAttention(nn.Module):
     ) -> Tensor:
         self._check_shapes(query, key, value)
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        if (
+            attention_mask is not None
+            and isinstance(mask_type, str)
+            and "padding" not in mask_type
+            and mask_type != "arbitrary"
+            and not torch.compiler.is_compiling()
+        ):
+            # Transformer Engine ignores it too; a silent drop would hide a padded batch.
+            warnings.warn(
+                f"{_NAME}: attention_mask is ignored with attn_mask_type={mask_type!r} (as in "
+                "Transformer Engine); a padding mask needs a 'padding' mask type, e.g. "
+                "'padding_causal'",
+                stacklevel=2,
+            )
         dropout_p = self.attention_dropout if self.training else 0.0
         rng_state = None
         if dropout_p > 0 and self.get_rng_state_tracker is not None and not self.sequence_parallel:

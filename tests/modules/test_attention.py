@@ -230,3 +230,25 @@ def test_multihead_attention_with_input_layernorm_accumulates_into_main_grad():
     for m, p in zip(gemms, plain_gemms, strict=True):
         assert m.weight.grad is None
         torch.testing.assert_close(m.weight.main_grad, p.weight.grad)
+
+
+@pytest.mark.parametrize("mask_type", ["causal", "no_mask", "causal_bottom_right"])
+def test_a_mask_the_mask_type_ignores_is_announced(mask_type):
+    """attention_mask with a mask type that reads none is ignored, as in Transformer Engine,
+    and said: the output is the unmasked one and a warning names the argument and the fix; a
+    padding mask type takes it without a word."""
+    import warnings
+
+    q = torch.randn(4, 1, 2, 8)
+    padded = torch.tensor([False, False, True, True]).view(1, 1, 1, 4)
+    attn = te.DotProductAttention(2, 8, attn_mask_type=mask_type)
+    with pytest.warns(
+        UserWarning, match=rf"attention_mask is ignored with attn_mask_type='{mask_type}'"
+    ):
+        out = attn(q, q, q, attention_mask=padded)
+    assert torch.equal(out, attn(q, q, q))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        te.DotProductAttention(2, 8, attn_mask_type="padding_causal")(
+            q, q, q, attention_mask=padded
+        )
