@@ -230,3 +230,32 @@ def test_fp8_state_is_kept_across_recipes():
     _step("Linear", model, opt, RECIPES["current"], 5)
     for key, value in saved.items():
         assert torch.equal(model.state_dict()[key], value), key
+
+
+@pytest.mark.parametrize("problem", ["missing", "wrong_shape"])
+def test_a_split_key_is_named_as_the_checkpoint_has_it(problem):
+    """A Transformer Engine checkpoint's split QKV keys (``query_weight``, ...): a missing or
+    mis-shaped one is reported under its own key, never as the fused ``weight`` the checkpoint
+    does not have, and its siblings are not listed as unexpected. Under ``strict=False`` a
+    missing part is returned as missing and the present parts load."""
+    model = te.TransformerLayer(H, 2 * H, 2)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    prefix = "self_attention.layernorm_qkv."
+    target = te.TransformerLayer(H, 2 * H, 2)
+    if problem == "missing":
+        del state[prefix + "query_weight"]
+        match = rf'Missing key\(s\) in state_dict: "{prefix}query_weight"\.'
+    else:
+        state[prefix + "query_weight"] = state[prefix + "query_weight"][:-1]
+        match = rf"size mismatch for {prefix}query_weight: "
+    with pytest.raises(RuntimeError, match=match) as info:
+        target.load_state_dict(state)
+    assert prefix + "weight" not in str(info.value)
+    assert "Unexpected" not in str(info.value)
+    if problem == "missing":
+        result = target.load_state_dict(state, strict=False)
+        assert result.missing_keys == [prefix + "query_weight"]
+        assert result.unexpected_keys == []
+        layer = target.self_attention.layernorm_qkv
+        assert torch.equal(layer.key_weight, model.self_attention.layernorm_qkv.key_weight)
+        assert not torch.equal(layer.query_weight, model.self_attention.layernorm_qkv.query_weight)

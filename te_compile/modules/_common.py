@@ -212,22 +212,31 @@ def _split_state(module: NamedSlices, state: dict, prefix: str, _metadata: objec
 
 
 def _fuse_state(module: NamedSlices, state: dict, prefix: str, *args: object) -> None:
-    error_msgs = args[-1]  # load_state_dict's list of errors (the pre-hook's last argument)
+    """Load a checkpoint's split keys into the fused parameter, reporting each problem by the
+    key the checkpoint has (``query_weight``), never by the fused ``weight`` it does not: a
+    mis-shaped part is a size mismatch of its own key, a missing part a missing key of its own
+    (the present parts still load under ``strict=False``), and no present part is left over as
+    an unexpected key."""
+    missing_keys, error_msgs = args[-3], args[-1]  # load_state_dict's lists (the hook's args)
     for kind in ("weight", "bias"):
         names = [n for n, s in module._slices.items() if s[0] == kind]
-        if prefix + kind in state or not all(prefix + n in state for n in names):
-            continue  # the fused key, or missing parts (load_state_dict names them)
+        present = [n for n in names if prefix + n in state]
         whole = getattr(module, kind)
-        bad = [n for n in names if state[prefix + n].shape != getattr(module, n).shape]
-        for n in bad:  # named as the checkpoint has it, not as the fused parameter
+        if prefix + kind in state or not present or whole is None:
+            continue  # the fused key, no part (load_state_dict names the fused key), no bias
+        bad = [n for n in present if state[prefix + n].shape != getattr(module, n).shape]
+        for n in bad:
             error_msgs.append(
                 f"size mismatch for {prefix}{n}: copying a param with shape "
                 f"{tuple(state[prefix + n].shape)} from checkpoint, the shape in current model "
                 f"is {tuple(getattr(module, n).shape)}."
             )
-        if bad or whole is None:
-            continue
-        state[prefix + kind] = torch.cat([state.pop(prefix + n) for n in names])
+        missing_keys.extend(prefix + n for n in names if n not in present)
+        parts = {n: state.pop(prefix + n) for n in present}
+        # A missing or mis-shaped part keeps the module's rows (the load fails unless
+        # strict=False tolerates the missing ones).
+        kept = [parts[n] if n in parts and n not in bad else getattr(module, n) for n in names]
+        state[prefix + kind] = torch.cat([p.detach() for p in kept])
 
 
 class DelayedWgrad:
