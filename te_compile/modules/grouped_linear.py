@@ -67,6 +67,7 @@ from te_compile.modules._common import (
     params_dtype_or_default,
     rng_fork,
 )
+from te_compile.modules.te_extra_state import accept_te_extra_state
 from te_compile.quantization import fp8_gemm as _fp8
 from te_compile.quantization import gemm as _gemm
 from te_compile.quantization import primary as _primary
@@ -194,6 +195,8 @@ class GroupedLinear(DelayedWgrad, nn.Module):
             self.set_partition_stride(1)
         # Delayed-scaling state of the grouped GEMM (in the state_dict once delayed scaling ran).
         self.fp8_meta = _fp8.FP8GemmState(device)
+        # A TE checkpoint's FP8 metadata: one TE GEMM per group, folded into our one state.
+        accept_te_extra_state(self, ("fp8_meta",), (num_gemms,))
         # is_first_microbatch: all groups' weights as one kept [num_gemms, out, in] cast.
         self._fp8_weights = _gemm.kept_weights("weight")
         self.reset_parameters()

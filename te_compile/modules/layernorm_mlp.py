@@ -59,6 +59,7 @@ from te_compile.modules._common import (
     weight_main_grad,
 )
 from te_compile.modules.norm import PreNorm
+from te_compile.modules.te_extra_state import accept_te_extra_state
 from te_compile.quantization import fp8_gemm as _fp8
 from te_compile.quantization import gemm as _gemm
 from te_compile.quantization import primary as _primary
@@ -199,6 +200,8 @@ class LayerNormMLP(DelayedWgrad, PreNorm):
         self.fc2_bias = nn.Parameter(torch.empty(hidden_size, **factory)) if bias else None
         self.fc1_fp8_meta = _fp8.FP8GemmState(device)
         self.fc2_fp8_meta = _fp8.FP8GemmState(device)
+        # A TE checkpoint's FP8 metadata: TE's GEMM 1 is FC1, GEMM 2 FC2.
+        accept_te_extra_state(self, ("fc1_fp8_meta", "fc2_fp8_meta"), (1, 1))
         self._fp8_weights = _gemm.kept_weights("fc1_weight", "fc2_weight")  # is_first_microbatch
         if self.tp.mode is not None:
             stride = 2 if self.gated else 1

@@ -42,6 +42,7 @@ from te_compile.modules._common import (
     rng_fork,
     weight_main_grad,
 )
+from te_compile.modules.te_extra_state import accept_te_extra_state
 from te_compile.quantization import fp8_gemm as _fp8
 from te_compile.quantization import gemm as _gemm
 from te_compile.quantization import primary as _primary
@@ -140,6 +141,7 @@ class Linear(DelayedWgrad, NamedSlices, nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
         self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
         self.fp8_meta = _fp8.FP8GemmState(device)
+        accept_te_extra_state(self, ("fp8_meta",))  # a TE checkpoint's FP8 metadata
         self._fp8_weights = _gemm.kept_weights("weight")  # is_first_microbatch
         self._init_slices(parts)
         if self.tp.mode is not None:

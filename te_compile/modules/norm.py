@@ -28,6 +28,7 @@ from te_compile.modules._common import (
     check_positive,
     params_dtype_or_default,
 )
+from te_compile.modules.te_extra_state import accept_te_extra_state
 
 __all__ = ["NORMALIZATIONS", "LayerNorm", "PreNorm", "RMSNorm", "apply_normalization"]
 
@@ -90,6 +91,7 @@ class _Norm(nn.Module):
         one-element shape, as Transformer Engine takes it; ``hidden_size=`` is TE's older
         keyword for it). ``sequence_parallel`` / ``tp_group``: see the module docstring."""
         super().__init__()
+        accept_te_extra_state(self)  # TE's norms (te.ops operations) save an empty one
         name = type(self).__name__
         hidden_size = _normalized_size(name, normalized_shape, hidden_size)
         check_eps(name, eps)

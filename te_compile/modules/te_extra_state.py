@@ -1,0 +1,279 @@
+"""Loading Transformer Engine's ``_extra_state`` (its FP8 metadata) into te_compile modules.
+
+Every Transformer Engine module built on its ``TransformerEngineBaseModule`` (``Linear``,
+``LayerNormLinear``, ``LayerNormMLP``, ``GroupedLinear``, ``DotProductAttention``) and every
+``te.ops`` operation (which ``LayerNorm`` / ``RMSNorm`` are) saves a ``<prefix>_extra_state``
+entry: an empty ``uint8`` tensor when it holds no FP8 state (FP8 never ran, or a stateless
+recipe), else a Python pickle in a ``uint8`` tensor of::
+
+    {"recipe": <transformer_engine.common.recipe.DelayedScaling ...>,
+     "scale_fwd": [3 * num_gemms], "amax_history_fwd": [amax_history_len, 3 * num_gemms],
+     "scale_bwd": [2 * num_gemms], "amax_history_bwd": [amax_history_len, 2 * num_gemms],
+     "extra_fp8_variables": {"num_gemms": ..., ...}}
+
+(``transformer_engine/pytorch/module/base.py``, ``get_extra_state``; TE 1.x omitted
+``recipe`` and also stored ``scale_inv_*``; the oldest format was an ``io.BytesIO`` of
+``torch.save``). Forward slots per GEMM are input, weight, output; backward slots grad_output,
+grad_input; LayerNormMLP's FC1 is GEMM 1 and FC2 GEMM 2; GroupedLinear's group ``i`` is GEMM
+``i + 1``.
+
+:func:`accept_te_extra_state` registers a load_state_dict pre-hook that takes that key (so
+``strict=True`` loads a Transformer Engine checkpoint) and, for delayed scaling, writes the
+history and scales into the module's :class:`FP8GemmState` buffers (see :func:`_te_to_ours`
+for the mapping). The pickle is read by :class:`_RestrictedUnpickler`: tensors are rebuilt
+with ``torch.load(weights_only=True)``, TE's recipe classes become inert records
+(:class:`TERecipeRecord`), and any other global is refused (the load reports an error naming
+the key), so loading never runs code from the checkpoint and needs no Transformer Engine.
+
+Our state_dict emits no ``_extra_state``: our FP8 state is the ``*fp8_meta.*`` buffers
+(``docs/te_compat.md``, "Checkpoints across Transformer Engine and te_compile").
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import pickle
+import warnings
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from te_compile.quantization.fp8_gemm import MAX_AMAX_HISTORY
+
+__all__ = ["TERecipeRecord", "accept_te_extra_state", "decode_te_extra_state"]
+
+_EXTRA = "_extra_state"
+_TE_RECIPE_MODULE = "transformer_engine.common.recipe"
+# TE's recipe module names a pickled recipe may reference (classes, the Format enum and the
+# named tuples of its fields). CustomRecipe is absent: its factory is a callable.
+_TE_RECIPE_NAMES = frozenset(
+    {"DelayedScaling", "Float8CurrentScaling", "MXFP8BlockScaling", "Float8BlockScaling",
+     "NVFP4BlockScaling", "Recipe", "Format", "_FormatHelper", "_OverrideLinearPrecision",
+     "MMParams", "QParams"}
+)  # fmt: skip
+_DELAYED_KEYS = ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd")
+
+
+class TERecipeRecord:
+    """An inert stand-in for a pickled Transformer Engine recipe object: its class name
+    (``te_name``), constructor arguments (``args``) and fields (``fields``). Nothing of
+    Transformer Engine runs; no te_compile recipe is built from it."""
+
+    te_name = "?"
+
+    def __new__(cls, *args: object) -> TERecipeRecord:
+        obj = super().__new__(cls)
+        obj.args, obj.fields = args, {}
+        return obj
+
+    def __init__(self, *args: object) -> None:  # an enum member is rebuilt by a call
+        pass
+
+    def __setstate__(self, state: object) -> None:
+        if isinstance(state, tuple) and len(state) == 2:  # (dict, slots)
+            state = {**(state[0] or {}), **(state[1] or {})}
+        if isinstance(state, dict):
+            self.fields.update(state)
+
+    def __repr__(self) -> str:
+        return f"TERecipeRecord({self.te_name}, {self.fields or self.args})"
+
+
+_RECORD_CLASSES = {
+    name: type(name, (TERecipeRecord,), {"te_name": name}) for name in _TE_RECIPE_NAMES
+}
+
+
+def _load_storage_bytes(data: bytes) -> object:
+    # torch pickles a storage as the bytes of a legacy torch.save: read them without code.
+    return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+
+
+_SAFE_GLOBALS = {
+    ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
+    ("torch.storage", "_load_from_bytes"): _load_storage_bytes,
+    ("collections", "OrderedDict"): collections.OrderedDict,
+}
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    """Resolves only tensors, ``OrderedDict`` and TE's recipe names (as records); any other
+    global (a function, ``os.system``, a user's ``amax_compute_algo``) is refused."""
+
+    def find_class(self, module: str, name: str) -> object:
+        if module == _TE_RECIPE_MODULE and name in _RECORD_CLASSES:
+            return _RECORD_CLASSES[name]
+        safe = _SAFE_GLOBALS.get((module, name))
+        if safe is None:
+            raise pickle.UnpicklingError(f"refusing the global {module}.{name}")
+        return safe
+
+
+def decode_te_extra_state(value: object, key: str) -> dict | None:
+    """The dict a Transformer Engine ``_extra_state`` value holds, or None when it holds
+    nothing (None, an empty tensor, a pickled None or empty dict). Raises ``RuntimeError``
+    naming ``key`` for a value that is not TE's format or a pickle that references anything
+    but tensors and TE's recipe classes."""
+    if value is None:
+        return None
+    try:
+        if isinstance(value, Tensor):
+            if value.numel() == 0:
+                return None
+            if value.dtype != torch.uint8:
+                raise TypeError(f"a {value.dtype} tensor, not TE's uint8 bytes")
+            data = value.detach().cpu().numpy().tobytes()
+            state = _RestrictedUnpickler(io.BytesIO(data)).load()
+        elif isinstance(value, io.BytesIO):  # TE's oldest format: torch.save into a BytesIO
+            value.seek(0)
+            allow = [(cls, f"{_TE_RECIPE_MODULE}.{n}") for n, cls in _RECORD_CLASSES.items()]
+            with torch.serialization.safe_globals(allow):
+                state = torch.load(value, weights_only=True, map_location="cpu")
+        else:
+            raise TypeError(f"a {type(value).__name__}, not a uint8 tensor or io.BytesIO")
+    except Exception as e:
+        raise RuntimeError(
+            f"{key}: cannot read Transformer Engine's extra state ({e}); it is loaded without "
+            "running any code from the checkpoint. To load the rest without it, drop the key "
+            f"(state_dict.pop({key!r}))"
+        ) from e
+    if not state:
+        return None
+    if not isinstance(state, dict):
+        raise RuntimeError(f"{key}: Transformer Engine's extra state is a dict, got {state!r}")
+    return state
+
+
+def accept_te_extra_state(
+    module: nn.Module, gemm_states: Sequence[str] = (), te_gemms: Sequence[int] = (1,)
+) -> None:
+    """Let ``module`` load Transformer Engine's ``<prefix>_extra_state``: ``gemm_states`` are
+    the names of its :class:`FP8GemmState` children; ``te_gemms[i]`` the number of TE GEMMs
+    whose slots fold into ``gemm_states[i]`` (GroupedLinear: ``num_gemms``; TE numbers the
+    GEMMs in this order). No ``gemm_states``: the key is accepted and its FP8 state dropped
+    (te_compile keeps none there), with a warning when the recipe put FP8 state in it."""
+
+    def hook(mod, state_dict, prefix, _meta, _strict, _missing, _unexpected, error_msgs):
+        key = prefix + _EXTRA
+        if key not in state_dict:
+            return
+        try:
+            state = decode_te_extra_state(state_dict.pop(key), key)
+        except RuntimeError as e:
+            error_msgs.append(str(e))
+            return
+        if state is None:
+            return
+        if not gemm_states:
+            # TE saves the attention's slots whenever it ran under an FP8 recipe; they are
+            # state only with FP8 attention (fp8_dpa / fp8_mha), which te_compile lacks.
+            fields = getattr(state.get("recipe"), "fields", {})
+            if fields.get("fp8_dpa") or fields.get("fp8_mha"):
+                warnings.warn(
+                    f"{key}: Transformer Engine's FP8 attention state is not taken "
+                    f"(te_compile's {type(mod).__name__} has no FP8 attention)",
+                    stacklevel=2,
+                )
+            return
+        try:
+            _load_delayed(mod, state, state_dict, prefix, key, gemm_states, te_gemms)
+        except ValueError as e:
+            error_msgs.append(str(e))
+
+    module.register_load_state_dict_pre_hook(hook)
+
+
+def _load_delayed(mod, state, state_dict, prefix, key, gemm_states, te_gemms) -> None:
+    recipe = state.get("recipe")  # TE 1.x saved none: it had only delayed scaling
+    name = "DelayedScaling" if recipe is None else getattr(recipe, "te_name", repr(recipe))
+    if not all(k in state for k in _DELAYED_KEYS):
+        return  # a stateless recipe (older TE pickled its name): nothing to take
+    if name != "DelayedScaling":
+        raise ValueError(f"{key}: delayed-scaling tensors under a {name} recipe")
+    total = sum(te_gemms)
+    tensors = {k: torch.as_tensor(state[k], dtype=torch.float32) for k in _DELAYED_KEYS}
+    length = tensors["amax_history_fwd"].shape[0]
+    expected = {
+        "scale_fwd": (3 * total,),
+        "amax_history_fwd": (length, 3 * total),
+        "scale_bwd": (2 * total,),
+        "amax_history_bwd": (length, 2 * total),
+    }
+    for k, shape in expected.items():
+        if tuple(tensors[k].shape) != shape:
+            raise ValueError(
+                f"{key}: {k} has shape {tuple(tensors[k].shape)}; this "
+                f"{type(mod).__name__} takes {shape} ({total} TE GEMM(s), the history length "
+                "of amax_history_fwd)"
+            )
+    if length - 1 > MAX_AMAX_HISTORY:
+        warnings.warn(
+            f"{key}: the amax history has {length} rows; the oldest "
+            f"{length - 1 - MAX_AMAX_HISTORY} are not taken (te_compile keeps "
+            f"{MAX_AMAX_HISTORY})",
+            stacklevel=3,
+        )
+    first = 0
+    for attr, count in zip(gemm_states, te_gemms, strict=True):
+        buffers = _te_to_ours(tensors, range(first, first + count))
+        first += count
+        names = {prefix + attr + "." + n: t for n, t in buffers.items()}
+        if any(n in state_dict for n in names):
+            warnings.warn(
+                f"{key}: not taken for {attr}: the state_dict also holds te_compile's "
+                f"{prefix + attr}.* FP8 state, which is loaded instead",
+                stacklevel=3,
+            )
+            continue
+        state_dict.update(names)
+
+
+def _newest_first(history: Tensor) -> Tensor:
+    """TE's amax history as a sequence, newest first. TE records a step's amax in row 0; its
+    update (after each forward and backward) rolls row ``i + 1`` to row ``i`` and row 0 to the
+    last row, then zeroes row 0. So rows ``1 ..`` are oldest to newest, and row 0 is newer
+    still when not zero (a state saved before the update)."""
+    older = history[1:].flip(0)
+    return torch.cat([history[:1], older]) if bool(history[0].any()) else older
+
+
+def _te_to_ours(tensors: dict[str, Tensor], gemms: range) -> dict[str, Tensor]:
+    """Our :class:`FP8GemmState` buffers from TE's delayed-scaling tensors of ``gemms``.
+
+    Ours keep the newest amax pending (``fwd_amax`` input, weight; ``grad_amax``) and the
+    older ones in ``amax_history`` newest first; the next forward folds the pending one in and
+    recomputes the scales from the window, as TE's update did after its last step. TE's
+    output and grad_input slots have no counterpart (we do not cast them). Several GEMMs
+    (GroupedLinear's groups) fold into one state: the max of their amaxes (ours is measured
+    over all groups at once) and the min of their scales (the scale of the largest amax)."""
+    fwd = _newest_first(tensors["amax_history_fwd"])
+    bwd = _newest_first(tensors["amax_history_bwd"])
+    slots = (
+        (fwd, [3 * g for g in gemms]),  # input
+        (fwd, [3 * g + 1 for g in gemms]),  # weight
+        (bwd, [2 * g for g in gemms]),  # grad_output
+    )
+    history = torch.zeros(MAX_AMAX_HISTORY, 3)
+    pending = torch.zeros(3)
+    for col, (seq, idx) in enumerate(slots):
+        amax = seq[:, idx].amax(1) if len(seq) else seq.new_zeros(0)
+        if len(amax):
+            pending[col] = amax[0]
+            rest = amax[1 : 1 + MAX_AMAX_HISTORY]
+            history[: len(rest), col] = rest
+    scale_fwd, scale_bwd = tensors["scale_fwd"], tensors["scale_bwd"]
+    scale = torch.stack(
+        [
+            scale_fwd[[3 * g for g in gemms]].amin(),
+            scale_fwd[[3 * g + 1 for g in gemms]].amin(),
+            scale_bwd[[2 * g for g in gemms]].amin(),
+        ]
+    )
+    return {
+        "amax_history": history,
+        "scale": scale,
+        "fwd_amax": pending[:2].clone(),
+        "grad_amax": pending[2:].clone(),
+    }
