@@ -331,3 +331,20 @@ def test_fp8_attention_state_is_not_taken_with_a_warning(te_recipe):
     model = te.DotProductAttention(4, 8)
     with pytest.warns(UserWarning, match="FP8 attention state is not taken"):
         model.load_state_dict({"_extra_state": raw}, strict=True)
+
+
+def test_our_checkpoint_in_tes_format_as_docs_te_compat_says():
+    """docs/te_compat.md, "te_compile to TE": our state_dict without its ``fp8_meta`` keys,
+    plus the (empty) ``_extra_state`` of each TE module, is a strict TE-format checkpoint."""
+    model = te.LayerNormMLP(16, 32)
+    with te.autocast(recipe=DelayedScaling(amax_history_len=4)):
+        for _ in range(2):
+            model(torch.randn(8, 16)).sum().backward()
+    ours = model.state_dict()
+    assert any("fp8_meta." in k for k in ours)
+    state = {k: v for k, v in ours.items() if "fp8_meta." not in k}
+    state["_extra_state"] = EMPTY  # what a fresh TE LayerNormMLP's state_dict holds
+    fresh = te.LayerNormMLP(16, 32)
+    fresh.load_state_dict(state, strict=True)
+    assert fresh.fc1_fp8_meta.is_unused()
+    torch.testing.assert_close(fresh.fc2_weight, model.fc2_weight, rtol=0, atol=0)
