@@ -25,7 +25,7 @@ from te_compile.functional import attention_args as A
 from te_compile.functional.attention import dot_product_attention
 from te_compile.functional.dropout import new_rng_state
 from te_compile.modules._common import check_choice, check_positive, check_rng_tracker, rng_fork
-from te_compile.modules.te_extra_state import accept_te_extra_state
+from te_compile.quantization.te_extra_state import accept_te_extra_state
 
 __all__ = ["DotProductAttention"]
 
@@ -68,7 +68,7 @@ class DotProductAttention(nn.Module):
         get_rng_state_tracker: Callable | None = None,
     ) -> None:
         super().__init__()
-        accept_te_extra_state(self)  # TE's FP8 attention metadata: nothing to take here
+        accept_te_extra_state(self, attention=True)  # TE's FP8 attention state: none taken
         check_positive(_NAME, num_attention_heads=num_attention_heads)
         check_rng_tracker(_NAME, get_rng_state_tracker, None)
         self.get_rng_state_tracker = get_rng_state_tracker

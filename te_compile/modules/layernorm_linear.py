@@ -35,10 +35,10 @@ from te_compile.modules._common import (
     weight_main_grad,
 )
 from te_compile.modules.norm import PreNorm
-from te_compile.modules.te_extra_state import accept_te_extra_state
 from te_compile.quantization import fp8_gemm as _fp8
 from te_compile.quantization import gemm as _gemm
 from te_compile.quantization import primary as _primary
+from te_compile.quantization.te_extra_state import accept_te_extra_state
 
 __all__ = ["LayerNormLinear"]
 

@@ -28,7 +28,7 @@ from te_compile.modules._common import (
     check_positive,
     params_dtype_or_default,
 )
-from te_compile.modules.te_extra_state import accept_te_extra_state
+from te_compile.quantization.te_extra_state import accept_te_extra_state
 
 __all__ = ["NORMALIZATIONS", "LayerNorm", "PreNorm", "RMSNorm", "apply_normalization"]
 

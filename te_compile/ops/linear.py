@@ -35,6 +35,7 @@ from te_compile._checks import check_bool, check_callable, check_device
 from te_compile.distributed.tensor_parallel import TensorParallel, set_parallel_attributes
 from te_compile.ops.op import BasicOperation, FusibleOperation, OpOutput, check_input
 from te_compile.quantization import fp8_gemm, gemm, primary
+from te_compile.quantization.te_extra_state import accept_te_extra_state
 
 __all__ = ["BasicLinear", "Bias", "GroupedLinear", "Linear"]
 
@@ -158,6 +159,7 @@ class BasicLinear(BasicOperation):
         if self.tp.mode is not None:
             set_parallel_attributes(self.weight, 0 if self.tp.mode == "column" else 1)
         self.fp8_meta = fp8_gemm.FP8GemmState(device)
+        accept_te_extra_state(self, ("fp8_meta",), slots=(2, 1))  # TE: input, weight / grad
         self.reset_parameters()
         primary.make_primary(self, ("weight",), "te.ops.BasicLinear")  # in quantized_model_init
 
@@ -333,6 +335,8 @@ class GroupedLinear(BasicOperation):
         self.weight = nn.Parameter(torch.empty(num_groups, out_features, in_features, **kw))
         self.bias = nn.Parameter(torch.empty(num_groups, out_features, **kw)) if bias else None
         self.fp8_meta = fp8_gemm.FP8GemmState(device)
+        # TE's slots per group (input, weight / grad), folded into our one state.
+        accept_te_extra_state(self, ("fp8_meta",), (num_groups,), slots=(2, 1))
         self.reset_parameters()
         primary.make_primary(self, ("weight",), "te.ops.GroupedLinear")  # quantized_model_init
 

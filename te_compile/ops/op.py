@@ -40,6 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from te_compile._checks import shown
+from te_compile.quantization.te_extra_state import accept_te_extra_state
 
 __all__ = [
     "BasicOperation",
@@ -84,6 +85,7 @@ class BasicOperation(FusibleOperation):
 
     def __init__(self) -> None:
         super().__init__()
+        accept_te_extra_state(self)  # each TE basic op saves one (empty without FP8 state)
         # Extra tensor channels (TE's names): a channel name per extra input / output, or None
         # (the caller's); whether each extra output is also returned to the caller.
         self._extra_input_channels: list[str | None] = [None] * self.num_extra_inputs

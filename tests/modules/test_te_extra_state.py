@@ -17,6 +17,7 @@ import os
 import pickle
 import sys
 import types
+import warnings
 from typing import NamedTuple
 
 import pytest
@@ -65,6 +66,24 @@ def te_recipe(monkeypatch):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, TE_RECIPE, mod)
     return mod
+
+
+def te_op_extra_state(recipe, num_gemms=1, length=4, seed=0) -> torch.Tensor:
+    """A ``te.ops`` linear's ``get_extra_state()``: per mode a dict of the recipe, that mode's
+    tensors and ``extra_fp8_variables`` (``ops/op.py``); slots input, weight / grad_output."""
+    g = torch.Generator().manual_seed(seed)
+    fwd, bwd = (
+        torch.rand(length, 2 * num_gemms, generator=g) + 0.5,
+        torch.rand(length, num_gemms, generator=g),
+    )
+    fwd[0], bwd[0] = 0, 0
+    state = {
+        "forward": {"recipe": recipe, "scale_fwd": torch.rand(2 * num_gemms, generator=g) + 1,
+                    "amax_history_fwd": fwd, "extra_fp8_variables": {}},
+        "backward": {"recipe": recipe, "scale_bwd": torch.rand(num_gemms, generator=g) + 1,
+                     "amax_history_bwd": bwd, "extra_fp8_variables": {}},
+    }  # fmt: skip
+    return _pickled(state)
 
 
 def te_extra_state(recipe=None, num_gemms=1, length=4, seed=0, **tensors) -> torch.Tensor:
@@ -218,7 +237,9 @@ def test_transformer_layer_takes_each_modules_state(te_recipe):
         "layernorm_mlp": te_extra_state(recipe, num_gemms=2, length=8, seed=4),
     }
     state = {**layer.state_dict(), **{k + "._extra_state": v for k, v in raws.items()}}
-    layer.load_state_dict(state, strict=True)
+    with warnings.catch_warnings():  # the attention's slots (no fp8_dpa) are dropped silently
+        warnings.simplefilter("error")
+        layer.load_state_dict(state, strict=True)
     _assert_state(
         layer.self_attention.layernorm_qkv.fp8_meta, raws["self_attention.layernorm_qkv"], [0]
     )
@@ -329,7 +350,7 @@ def test_a_state_of_another_shape_is_refused_naming_the_key(te_recipe):
 def test_fp8_attention_state_is_not_taken_with_a_warning(te_recipe):
     raw = te_extra_state(te_recipe.DelayedScaling(fp8_dpa=True), num_gemms=3)
     model = te.DotProductAttention(4, 8)
-    with pytest.warns(UserWarning, match="FP8 attention state is not taken"):
+    with pytest.warns(UserWarning, match="_extra_state: .* FP8 state of this module is not taken"):
         model.load_state_dict({"_extra_state": raw}, strict=True)
 
 
@@ -348,3 +369,58 @@ def test_our_checkpoint_in_tes_format_as_docs_te_compat_says():
     fresh.load_state_dict(state, strict=True)
     assert fresh.fc1_fp8_meta.is_unused()
     torch.testing.assert_close(fresh.fc2_weight, model.fc2_weight, rtol=0, atol=0)
+
+
+def _op_as_module_state(raw: torch.Tensor) -> torch.Tensor:
+    """A ``te.ops`` extra state in a module's flat layout, with empty output / grad_input
+    slots, so :func:`_assert_state` (input, weight / grad_output at 3g, 3g + 1 / 2g) applies."""
+    op = _unpickle(raw)
+    fwd, bwd = op["forward"], op["backward"]
+    n = fwd["scale_fwd"].numel() // 2
+
+    def widen(t, per, new):  # insert zero slots after each GEMM's
+        parts = t.reshape(*t.shape[:-1], n, per)
+        pad = torch.zeros(*parts.shape[:-1], new - per)
+        return torch.cat([parts, pad], -1).reshape(*t.shape[:-1], n * new)
+
+    return _pickled(
+        {
+            "recipe": fwd["recipe"],
+            "scale_fwd": widen(fwd["scale_fwd"], 2, 3),
+            "amax_history_fwd": widen(fwd["amax_history_fwd"], 2, 3),
+            "scale_bwd": widen(bwd["scale_bwd"], 1, 2),
+            "amax_history_bwd": widen(bwd["amax_history_bwd"], 1, 2),
+        }
+    )
+
+
+def test_te_ops_checkpoints_load(te_recipe):
+    """TE's ``te.ops``: every basic op saves ``_extra_state`` (``ops.Linear``: ``basic_ops.0``
+    the BasicLinear, ``basic_ops.1`` the Bias); the linears' slots are input, weight /
+    grad_output."""
+    recipe = te_recipe.DelayedScaling(amax_history_len=4)
+    seq = te.ops.Sequential(te.ops.LayerNorm(16), te.ops.Linear(16, 8), te.ops.GELU())
+    raw = te_op_extra_state(recipe)
+    state = {
+        **seq.state_dict(),
+        "0._extra_state": EMPTY,
+        "1.basic_ops.0._extra_state": raw,
+        "1.basic_ops.1._extra_state": EMPTY,
+        "2._extra_state": EMPTY,
+    }
+    seq.load_state_dict(state, strict=True)
+    _assert_state(seq[1].basic_ops[0].fp8_meta, _op_as_module_state(raw), [0])
+
+    grouped = te.ops.GroupedLinear(3, 16, 8)
+    raw = te_op_extra_state(recipe, num_gemms=3)
+    grouped.load_state_dict({**grouped.state_dict(), "_extra_state": raw}, strict=True)
+    _assert_state(grouped.fp8_meta, _op_as_module_state(raw), [0, 1, 2])
+
+
+def test_an_ops_fp8_state_we_do_not_map_is_dropped_with_a_warning(te_recipe):
+    recipe = te_recipe.DelayedScaling(amax_history_len=4)
+    fwd = {"recipe": recipe, "scale_fwd": torch.ones(1), "amax_history_fwd": torch.zeros(4, 1)}
+    state = {"forward": fwd}
+    op = te.ops.Quantize()
+    with pytest.warns(UserWarning, match="_extra_state: .* not taken .*Quantize"):
+        op.load_state_dict({**op.state_dict(), "_extra_state": _pickled(state)}, strict=True)

@@ -15,7 +15,8 @@ recipe), else a Python pickle in a ``uint8`` tensor of::
 ``recipe`` and also stored ``scale_inv_*``; the oldest format was an ``io.BytesIO`` of
 ``torch.save``). Forward slots per GEMM are input, weight, output; backward slots grad_output,
 grad_input; LayerNormMLP's FC1 is GEMM 1 and FC2 GEMM 2; GroupedLinear's group ``i`` is GEMM
-``i + 1``.
+``i + 1``. A ``te.ops`` operation saves ``{"forward": {recipe, scale_fwd, amax_history_fwd,
+...}, "backward": {...}}`` (``ops/op.py``), its linears' slots input, weight / grad_output.
 
 :func:`accept_te_extra_state` registers a load_state_dict pre-hook that takes that key (so
 ``strict=True`` loads a Transformer Engine checkpoint) and, for delayed scaling, writes the
@@ -32,6 +33,7 @@ Our state_dict emits no ``_extra_state``: our FP8 state is the ``*fp8_meta.*`` b
 from __future__ import annotations
 
 import collections
+import dataclasses
 import io
 import pickle
 import warnings
@@ -146,60 +148,98 @@ def decode_te_extra_state(value: object, key: str) -> dict | None:
     return state
 
 
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    """How a module takes TE's extra state (see :func:`accept_te_extra_state`)."""
+
+    gemm_states: tuple[str, ...]
+    te_gemms: tuple[int, ...]
+    slots: tuple[int, int]
+    attention: bool
+
+
 def accept_te_extra_state(
-    module: nn.Module, gemm_states: Sequence[str] = (), te_gemms: Sequence[int] = (1,)
+    module: nn.Module,
+    gemm_states: Sequence[str] = (),
+    te_gemms: Sequence[int] = (1,),
+    *,
+    slots: tuple[int, int] = (3, 2),
+    attention: bool = False,
 ) -> None:
-    """Let ``module`` load Transformer Engine's ``<prefix>_extra_state``: ``gemm_states`` are
-    the names of its :class:`FP8GemmState` children; ``te_gemms[i]`` the number of TE GEMMs
-    whose slots fold into ``gemm_states[i]`` (GroupedLinear: ``num_gemms``; TE numbers the
-    GEMMs in this order). No ``gemm_states``: the key is accepted and its FP8 state dropped
-    (te_compile keeps none there), with a warning when the recipe put FP8 state in it."""
+    """Let ``module`` load Transformer Engine's ``<prefix>_extra_state``.
 
-    def hook(mod, state_dict, prefix, _meta, _strict, _missing, _unexpected, error_msgs):
-        key = prefix + _EXTRA
-        if key not in state_dict:
-            return
-        try:
-            state = decode_te_extra_state(state_dict.pop(key), key)
-        except RuntimeError as e:
-            error_msgs.append(str(e))
-            return
-        if state is None:
-            return
-        if not gemm_states:
-            # TE saves the attention's slots whenever it ran under an FP8 recipe; they are
-            # state only with FP8 attention (fp8_dpa / fp8_mha), which te_compile lacks.
-            fields = getattr(state.get("recipe"), "fields", {})
-            if fields.get("fp8_dpa") or fields.get("fp8_mha"):
-                warnings.warn(
-                    f"{key}: Transformer Engine's FP8 attention state is not taken "
-                    f"(te_compile's {type(mod).__name__} has no FP8 attention)",
-                    stacklevel=2,
-                )
-            return
-        try:
-            _load_delayed(mod, state, state_dict, prefix, key, gemm_states, te_gemms)
-        except ValueError as e:
-            error_msgs.append(str(e))
-
-    module.register_load_state_dict_pre_hook(hook)
+    ``gemm_states``: the names of its :class:`FP8GemmState` children; ``te_gemms[i]``: the
+    number of TE GEMMs whose slots fold into ``gemm_states[i]`` (GroupedLinear: one per group;
+    TE numbers the GEMMs in this order); ``slots``: TE's forward and backward slots per GEMM
+    (modules: input, weight, output / grad_output, grad_input; ``te.ops`` linears: input,
+    weight / grad_output). No ``gemm_states``: the key is accepted and its FP8 state not taken,
+    with a warning when it held some (``attention``: only under FP8 attention, ``fp8_dpa`` /
+    ``fp8_mha``, as TE saves the attention's slots under any FP8 recipe). A later call (a
+    subclass's ``__init__``) replaces an earlier one's choice."""
+    if "_te_extra_state" not in module.__dict__:
+        module.register_load_state_dict_pre_hook(_load_hook)
+    module._te_extra_state = _Spec(tuple(gemm_states), tuple(te_gemms), slots, attention)
 
 
-def _load_delayed(mod, state, state_dict, prefix, key, gemm_states, te_gemms) -> None:
+def _load_hook(mod, state_dict, prefix, _meta, _strict, _missing, _unexpected, error_msgs):
+    key = prefix + _EXTRA
+    if key not in state_dict:
+        return
+    spec: _Spec = mod._te_extra_state
+    try:
+        state = decode_te_extra_state(state_dict.pop(key), key)
+    except RuntimeError as e:
+        error_msgs.append(str(e))
+        return
+    if state is None:
+        return
+    state = _flat(state)
+    if not spec.gemm_states:
+        fields = getattr(state.get("recipe"), "fields", {})
+        fp8_attention = fields.get("fp8_dpa") or fields.get("fp8_mha")
+        if any(k in state for k in _DELAYED_KEYS) and (fp8_attention or not spec.attention):
+            warnings.warn(
+                f"{key}: Transformer Engine's FP8 state of this module is not taken "
+                f"(te_compile's {type(mod).__name__} keeps none of it)",
+                stacklevel=2,
+            )
+        return
+    try:
+        _load_delayed(mod, state, state_dict, prefix, key, spec)
+    except ValueError as e:
+        error_msgs.append(str(e))
+
+
+def _flat(state: dict) -> dict:
+    """A ``te.ops`` operation's ``{"forward": {...}, "backward": {...}}`` as a module's dict."""
+    if "forward" not in state and "backward" not in state:
+        return state
+    fwd, bwd = state.get("forward") or {}, state.get("backward") or {}
+    flat = {"recipe": fwd.get("recipe", bwd.get("recipe"))}
+    flat.update({k: v for k, v in fwd.items() if k.endswith("_fwd")})
+    flat.update({k: v for k, v in bwd.items() if k.endswith("_bwd")})
+    return flat
+
+
+def _load_delayed(mod, state, state_dict, prefix, key, spec: _Spec) -> None:
     recipe = state.get("recipe")  # TE 1.x saved none: it had only delayed scaling
     name = "DelayedScaling" if recipe is None else getattr(recipe, "te_name", repr(recipe))
-    if not all(k in state for k in _DELAYED_KEYS):
+    present = [k for k in _DELAYED_KEYS if k in state]
+    if not present:
         return  # a stateless recipe (older TE pickled its name): nothing to take
+    if len(present) < len(_DELAYED_KEYS):
+        missing = sorted(set(_DELAYED_KEYS) - set(present))
+        raise ValueError(f"{key}: the delayed-scaling state lacks {missing}")
     if name != "DelayedScaling":
         raise ValueError(f"{key}: delayed-scaling tensors under a {name} recipe")
-    total = sum(te_gemms)
+    total, (per_fwd, per_bwd) = sum(spec.te_gemms), spec.slots
     tensors = {k: torch.as_tensor(state[k], dtype=torch.float32) for k in _DELAYED_KEYS}
     length = tensors["amax_history_fwd"].shape[0]
     expected = {
-        "scale_fwd": (3 * total,),
-        "amax_history_fwd": (length, 3 * total),
-        "scale_bwd": (2 * total,),
-        "amax_history_bwd": (length, 2 * total),
+        "scale_fwd": (per_fwd * total,),
+        "amax_history_fwd": (length, per_fwd * total),
+        "scale_bwd": (per_bwd * total,),
+        "amax_history_bwd": (length, per_bwd * total),
     }
     for k, shape in expected.items():
         if tuple(tensors[k].shape) != shape:
@@ -216,8 +256,8 @@ def _load_delayed(mod, state, state_dict, prefix, key, gemm_states, te_gemms) ->
             stacklevel=3,
         )
     first = 0
-    for attr, count in zip(gemm_states, te_gemms, strict=True):
-        buffers = _te_to_ours(tensors, range(first, first + count))
+    for attr, count in zip(spec.gemm_states, spec.te_gemms, strict=True):
+        buffers = _te_to_ours(tensors, range(first, first + count), spec.slots)
         first += count
         names = {prefix + attr + "." + n: t for n, t in buffers.items()}
         if any(n in state_dict for n in names):
@@ -239,7 +279,9 @@ def _newest_first(history: Tensor) -> Tensor:
     return torch.cat([history[:1], older]) if bool(history[0].any()) else older
 
 
-def _te_to_ours(tensors: dict[str, Tensor], gemms: range) -> dict[str, Tensor]:
+def _te_to_ours(
+    tensors: dict[str, Tensor], gemms: range, slots: tuple[int, int]
+) -> dict[str, Tensor]:
     """Our :class:`FP8GemmState` buffers from TE's delayed-scaling tensors of ``gemms``.
 
     Ours keep the newest amax pending (``fwd_amax`` input, weight; ``grad_amax``) and the
@@ -250,27 +292,19 @@ def _te_to_ours(tensors: dict[str, Tensor], gemms: range) -> dict[str, Tensor]:
     over all groups at once) and the min of their scales (the scale of the largest amax)."""
     fwd = _newest_first(tensors["amax_history_fwd"])
     bwd = _newest_first(tensors["amax_history_bwd"])
-    slots = (
-        (fwd, [3 * g for g in gemms]),  # input
-        (fwd, [3 * g + 1 for g in gemms]),  # weight
-        (bwd, [2 * g for g in gemms]),  # grad_output
-    )
+    inp = [slots[0] * g for g in gemms]
+    weight = [slots[0] * g + 1 for g in gemms]
+    grad = [slots[1] * g for g in gemms]  # grad_output
     history = torch.zeros(MAX_AMAX_HISTORY, 3)
     pending = torch.zeros(3)
-    for col, (seq, idx) in enumerate(slots):
+    for col, (seq, idx) in enumerate(((fwd, inp), (fwd, weight), (bwd, grad))):
         amax = seq[:, idx].amax(1) if len(seq) else seq.new_zeros(0)
         if len(amax):
             pending[col] = amax[0]
             rest = amax[1 : 1 + MAX_AMAX_HISTORY]
             history[: len(rest), col] = rest
     scale_fwd, scale_bwd = tensors["scale_fwd"], tensors["scale_bwd"]
-    scale = torch.stack(
-        [
-            scale_fwd[[3 * g for g in gemms]].amin(),
-            scale_fwd[[3 * g + 1 for g in gemms]].amin(),
-            scale_bwd[[2 * g for g in gemms]].amin(),
-        ]
-    )
+    scale = torch.stack([scale_fwd[inp].amin(), scale_fwd[weight].amin(), scale_bwd[grad].amin()])
     return {
         "amax_history": history,
         "scale": scale,
