@@ -150,7 +150,7 @@ def _pickled(value) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    "raw", [None, _pickled(None), _pickled({})], ids=["None", "pickled None", "{}"]
+    "raw", [None, EMPTY, _pickled(None), _pickled({})], ids=["None", "empty", "pickled None", "{}"]
 )
 def test_an_extra_state_holding_nothing_loads_as_nothing(raw):
     model = te.Linear(16, 8)
@@ -424,3 +424,10 @@ def test_an_ops_fp8_state_we_do_not_map_is_dropped_with_a_warning(te_recipe):
     op = te.ops.Quantize()
     with pytest.warns(UserWarning, match="_extra_state: .* not taken .*Quantize"):
         op.load_state_dict({**op.state_dict(), "_extra_state": _pickled(state)}, strict=True)
+
+
+def test_an_extra_state_not_in_tes_format_is_refused_naming_the_key():
+    model = te.Linear(16, 8)
+    for raw, what in ((_pickled([1, 2]), "a list"), (torch.zeros(3), "torch.float32 tensor")):
+        with pytest.raises(RuntimeError, match=f"_extra_state: .*{what}"):
+            model.load_state_dict({**model.state_dict(), "_extra_state": raw})
