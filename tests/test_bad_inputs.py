@@ -373,7 +373,10 @@ _FUNCTIONS: dict[str, tuple[Callable, Callable[[], dict[str, Any]]]] = {
     ),
     "te.functional.dot_product_attention": (F.dot_product_attention, _qkv),
     "te.functional.dropout": (F.dropout, lambda: {"inp": _x(6, 16), "p": 0.1}),
-    "te.functional.fake_quantize": (F.fake_quantize, lambda: {"inp": _x(6, 16), "kind": "current"}),
+    "te.functional.fake_quantize": (
+        F.fake_quantize,
+        lambda: {"inp": _x(6, 16), "spec": "current:e4m3"},
+    ),
     "te.functional.grouped_linear": (
         F.grouped_linear,
         lambda: {"inp": _x(6, 16), "m_splits": [2, 4], "weight": _x(2, 8, 16), "bias": _x(2, 8)},

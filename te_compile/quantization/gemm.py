@@ -48,6 +48,7 @@ from torch import Tensor
 
 from te_compile import functional as F
 from te_compile.functional.gemm import PER_TENSOR, blockwise_supported
+from te_compile.functional.spec import QuantSpec
 from te_compile.quantization.device import is_fp8_block_scaling_available
 from te_compile.quantization.fp8_gemm import FP8GemmState
 from te_compile.quantization.recipe import Recipe
@@ -69,8 +70,8 @@ __all__ = [
     "kept_weights",
     "linear",
     "mlp",
-    "quantize_args",
     "quantized",
+    "recipe_specs",
 ]
 
 # Test and benchmark overrides, not configuration: tests/ and bench/ patch them to compare one
@@ -239,44 +240,39 @@ def cached_weight(
     return tensors
 
 
-def quantize_args(recipe: Recipe, role: str) -> tuple[str, dict[str, Any]]:
-    """How ``recipe`` quantises a linear layer's ``role`` operand (``"input"``, ``"weight"``,
-    ``"grad"``): the recipe kind and the quantiser's settings (``fp8_dtype``: the forward format
-    for inputs and weights, the backward one for gradients; ``block_rows``: 1 for 1x128 or 128
-    for 128x128 blocks; ``power_2_scale``), as ``functional.quantize.quantize`` takes them. The
-    one place a recipe's fields are read: :func:`gemm_args` and ``te_compile.quantize`` build
-    on it."""
-    if role not in ROLES:
-        raise ValueError(f"te.quantize: role must be one of {ROLES}, got {role!r}")
+def recipe_specs(recipe: Recipe) -> tuple[QuantSpec, QuantSpec, QuantSpec]:
+    """How ``recipe`` quantises a GEMM's input, weight and gradient (``ROLES``), as the GEMM
+    families take it (``functional.spec.QuantSpec``): the recipe kind, the FP8 format (the
+    forward one for inputs and weights, the backward one for gradients), block rows (128 for
+    128x128 blocks, 16 for NVFP4's 16x16 tiles), power-of-two scales and NVFP4's options. The
+    one place a recipe's fields are read: :func:`gemm_args`, ``te_compile.quantize``,
+    ``ops.Quantize`` and FP8 primary weights build on it. MXFP8 and NVFP4 GEMMs are emulated
+    (``emulate``; native ones need Blackwell); Float8BlockScaling's are native, and
+    :func:`gemm_args` emulates them where cuBLAS cannot run them."""
     if recipe.nvfp4():
-        q = {"input": recipe.fp4_quant_fwd_inp, "weight": recipe.fp4_quant_fwd_weight,
-             "grad": recipe.fp4_quant_bwd_grad}[role]  # fmt: skip
-        kw = {"block_rows": 16} if q.fp4_2d_quantization else {}
-        if q.random_hadamard_transform:
-            kw["rht"] = True
-        if q.stochastic_rounding:
-            kw["stochastic_rounding"] = True
-        if role == "input" and recipe.row_scaled_activation:
-            kw["row_scaled"] = True
-        four_over_six = _four_over_six(recipe, role)
-        if four_over_six:
-            kw["four_over_six"] = four_over_six
-        return "nvfp4", kw
-    fmt = recipe.fp8_format
-    kw: dict[str, Any] = {"fp8_dtype": fmt.bwd_dtype if role == "grad" else fmt.fwd_dtype}
-    if recipe.mxfp8():
-        return "mxfp8", kw
-    if recipe.delayed():
-        return "delayed", kw
+
+        def nvfp4(q: Any, role: str) -> QuantSpec:
+            return QuantSpec("nvfp4", block_rows=16 if q.fp4_2d_quantization else 1, emulate=True,
+                             rht=q.random_hadamard_transform,
+                             stochastic_rounding=q.stochastic_rounding,
+                             row_scaled=role == "input" and recipe.row_scaled_activation,
+                             four_over_six=_four_over_six(recipe, role))  # fmt: skip
+
+        return (nvfp4(recipe.fp4_quant_fwd_inp, "input"),
+                nvfp4(recipe.fp4_quant_fwd_weight, "weight"),
+                nvfp4(recipe.fp4_quant_bwd_grad, "grad"))  # fmt: skip
+    fwd, bwd = recipe.fp8_format.fwd_dtype, recipe.fp8_format.bwd_dtype
+    if recipe.float8_block_scaling():
+        dims = (recipe.x_block_scaling_dim, recipe.w_block_scaling_dim,
+                recipe.grad_block_scaling_dim)  # fmt: skip
+        p2 = not recipe.use_f32_scales
+        return tuple(QuantSpec("block", dtype, 128 if dim == 2 else 1, p2)
+                     for dim, dtype in zip(dims, (fwd, fwd, bwd), strict=True))  # fmt: skip
+    kw = {"emulate": True} if recipe.mxfp8() else {}
     if recipe.float8_current_scaling():
-        return "current", {**kw, "power_2_scale": recipe.use_power_2_scales}
-    dim = {
-        "input": recipe.x_block_scaling_dim,
-        "weight": recipe.w_block_scaling_dim,
-        "grad": recipe.grad_block_scaling_dim,
-    }[role]
-    return "block", {**kw, "block_rows": 128 if dim == 2 else 1,
-                     "power_2_scale": not recipe.use_f32_scales}  # fmt: skip
+        kw["power_2_scale"] = recipe.use_power_2_scales
+    kind = recipe.kind
+    return QuantSpec(kind, fwd, **kw), QuantSpec(kind, fwd, **kw), QuantSpec(kind, bwd, **kw)
 
 
 # The operands each scope of NVFP4BlockScaling's nvfp4_4over6 / nvfp4_4over6_e4m3_use_256
@@ -312,7 +308,7 @@ def gemm_args(
     computes the scales, ``FP8GemmState.delayed_scale``; at a state's first delayed step, the
     calibration, every GEMM of the call runs current scaling and records its amaxes).
 
-    The formats, block sizes and power-of-two scales are those :func:`quantize_args` gives
+    The formats, block sizes and power-of-two scales are those :func:`recipe_specs` gives
     each operand. Float8BlockScaling runs native blockwise GEMMs on a GPU with blockwise-scaled
     ``_scaled_mm`` (Hopper, CUDA 12.9+) where cuBLAS takes the operands
     (``functional.blockwise_supported``; a grouped GEMM also needs a bf16 input), and is
@@ -327,32 +323,28 @@ def gemm_args(
 
 def _recipe_args(owner, state, inp, weights, metas, grouped) -> GemmArgs:
     recipe = state.recipe
-    kind, x = quantize_args(recipe, "input")
-    _, w = quantize_args(recipe, "weight")
-    _, g = quantize_args(recipe, "grad")
-    fwd, bwd = x.get("fp8_dtype", _E4M3), g.get("fp8_dtype", _E4M3)
+    x, w, g = recipe_specs(recipe)
+    kind, fwd, bwd = x.kind, x.fp8_dtype, g.fp8_dtype
     if kind == "nvfp4":
-        if x.get("row_scaled") and recipe.backward_override is None:
+        if x.row_scaled and recipe.backward_override is None:
             raise ValueError(
                 f"{owner}: NVFP4BlockScaling(row_scaled_activation=True) needs backward_override "
                 "'high_precision' or 'dequantized' (a row-scaled NVFP4 input has no columnwise "
                 "copy for the wgrad GEMM, as in Transformer Engine), got None"
             )
-        return GemmArgs(kind, fwd, bwd, weight_block_rows=w.get("block_rows", 1), emulate=True,
-                        rht=x.get("rht", False) or g.get("rht", False),
-                        stochastic_rounding=g.get("stochastic_rounding", False),
-                        row_scaled=x.get("row_scaled", False),
-                        input_4over6=x.get("four_over_six", ""),
-                        weight_4over6=w.get("four_over_six", ""))  # fmt: skip
+        return GemmArgs(kind, _E4M3, _E4M3, weight_block_rows=w.block_rows, emulate=True,
+                        rht=x.rht or g.rht, stochastic_rounding=g.stochastic_rounding,
+                        row_scaled=x.row_scaled, input_4over6=x.four_over_six,
+                        weight_4over6=w.four_over_six)  # fmt: skip
     if kind == "mxfp8":
         return GemmArgs(kind, fwd, bwd, emulate=True)
     if kind == "block":
-        if x["block_rows"] != 1 or g["block_rows"] != 1:
+        if x.block_rows != 1 or g.block_rows != 1:
             raise NotImplementedError(
                 f"{owner}: Float8BlockScaling with 128x128 activation or gradient blocks is not "
                 "implemented (1x128, the default, is)"
             )
-        rows, p2 = w["block_rows"], w["power_2_scale"]
+        rows, p2 = w.block_rows, w.power_2_scale
         w2d = [t[0] if grouped else t for t in weights]
         native = (
             inp.device.type == "cuda"
@@ -583,7 +575,8 @@ def _nvfp4_options(state: AutocastState) -> bool:
     tiles it does)."""
     if not (state.enabled and state.recipe.nvfp4()):
         return False
-    return any(set(quantize_args(state.recipe, role)[1]) - {"block_rows"} for role in ROLES)
+    return any(spec.rht or spec.stochastic_rounding or spec.row_scaled or spec.four_over_six
+               for spec in recipe_specs(state.recipe))  # fmt: skip
 
 
 def grouped_linear(

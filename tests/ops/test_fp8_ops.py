@@ -241,10 +241,10 @@ def test_quantize_delayed_scaling_uses_the_amax_history(device, compiled):
 
 
 _ROW_SPLITS_ERRORS = [
-    ({"kind": "current"}, "which kind='current' does not have"),
-    ({"kind": "block", "block_rows": 128}, "which kind='block' with block_rows=128 does not"),
-    ({"kind": "none", "grad_kind": "current"}, "which grad_kind='current' does not have"),
-    ({"kind": "nvfp4", "splits": torch.tensor([2.0, 2.0])}, "row_splits must be a 1-D int32"),
+    ({"spec": "current:e4m3"}, "which spec='current:e4m3' does not have"),
+    ({"spec": "block:e4m3:128x128"}, "which spec='block:e4m3:128x128' does not"),
+    ({"spec": "", "grad_spec": "current:e5m2"}, "which grad_spec='current:e5m2' does not have"),
+    ({"spec": "nvfp4", "splits": torch.tensor([2.0, 2.0])}, "row_splits must be a 1-D int32"),
 ]
 
 

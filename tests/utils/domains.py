@@ -76,6 +76,11 @@ def CHOICE(*_valid: Any) -> Domain:
     return Domain("one of a fixed set of names", ("not-a-choice", 3))
 
 
+def SPEC() -> Domain:
+    """A ``functional.spec`` string (or its object)."""
+    return Domain("a spec string of te_compile.functional.spec", ("not-a-token", 3))
+
+
 def DTYPE() -> Domain:
     return Domain("floating torch.dtype", ("float32", torch.int32))
 
@@ -630,11 +635,8 @@ DOMAINS: dict[str, dict[str, Domain]] = {
     },
     "te.functional.dropout": {"inp": ANY_RANK_TENSOR(), "p": PROB(), "rng_state": INDEX_TENSOR()},
     "te.functional.fake_quantize": {
-        "kind": CHOICE("none", "current", "block", "mxfp8", "nvfp4"),
-        "grad_kind": CHOICE("none", "current", "block", "mxfp8", "nvfp4"),
-        "block_rows": CHOICE(1, 128),
-        "grad_block_rows": CHOICE(1, 128),
-        "grad_fp8_dtype": CHOICE(torch.float8_e4m3fn, torch.float8_e5m2),
+        "spec": SPEC(),
+        "grad_spec": SPEC(),
         "row_splits": INDEX_TENSOR(),
     },
     "te.functional.grouped_linear": {
