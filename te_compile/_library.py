@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
+import types
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -99,6 +101,22 @@ def _use_fast_path() -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
+def _infer_schema(fn: Callable, mutates_args: Sequence[str]) -> str:
+    """``torch.library.infer_schema``, plus an optional tensor list (``list[Tensor] | None =
+    None``, ``Tensor[]? name=None``), which it does not infer."""
+    sig = inspect.signature(fn)
+    lists = [n for n, p in sig.parameters.items() if p.annotation == "list[Tensor] | None"]
+    if lists:
+        params = [p.replace(annotation="Tensor | None") if n in lists else p
+                  for n, p in sig.parameters.items()]  # fmt: skip
+        fn = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__)  # its globals: hints
+        fn.__signature__ = sig.replace(parameters=params)
+    schema = torch.library.infer_schema(fn, mutates_args=tuple(mutates_args))
+    for n in lists:
+        schema = schema.replace(f"Tensor? {n}=None", f"Tensor[]? {n}=None")
+    return schema
+
+
 class Op:
     """A ``te::<name>`` op: schema inferred from the implementation's type hints.
 
@@ -120,8 +138,7 @@ class Op:
     ) -> None:
         self.name = name
         self.qualname = f"{NAMESPACE}::{name}"
-        schema = torch.library.infer_schema(fn, mutates_args=tuple(mutates_args))
-        _LIB.define(name + schema)
+        _LIB.define(name + _infer_schema(fn, mutates_args))
         self._impls: dict[str, Callable] = {}
         self._default = fn
         _LIB.impl(name, fn, "CompositeExplicitAutograd")
@@ -431,11 +448,27 @@ class DifferentiableOp:
 
         bwd_overload = bwd.overload
 
+        lists = [i for i, arg in enumerate(fwd.overload._schema.arguments)
+                 if isinstance(arg.type, torch.OptionalType)
+                 and isinstance(arg.type.getElementType(), torch.ListType)]  # fmt: skip
+
+        def _op_setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+            # The gradient of a Tensor[]? input: None, or one None per tensor of the list.
+            ctx._te_lists = [(i, len(inputs[i])) for i in lists
+                             if i < len(inputs) and inputs[i] is not None]  # fmt: skip
+            setup_context(ctx, inputs, output)
+
         def _op_backward(ctx: Any, *grads: Any) -> Any:
-            return backward(ctx, bwd_overload, *grads)
+            result = backward(ctx, bwd_overload, *grads)
+            if not ctx._te_lists:
+                return result
+            result = list(result)
+            for i, n in ctx._te_lists:
+                result[i] = [None] * n
+            return tuple(result)
 
         torch.library.register_autograd(
-            fwd.qualname, _op_backward, setup_context=setup_context, lib=_LIB
+            fwd.qualname, _op_backward, setup_context=_op_setup_context, lib=_LIB
         )
         if autocast:
             for device_type in _AUTOCAST_DEVICES:

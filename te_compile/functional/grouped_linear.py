@@ -54,6 +54,7 @@ instead of a ``dweight`` output, as in ``te::linear_bwd``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -103,6 +104,7 @@ from te_compile.functional.grouped_weight import (
     quantize_grouped_weight,
 )
 from te_compile.functional.quantize_mx import nvfp4_qdq
+from te_compile.functional.spec import QuantSpec
 
 __all__ = [
     "GROUPED_GEMMS",
@@ -368,9 +370,9 @@ def _reference(*args):
         outs, row = [inp.new_zeros(0, weight.shape[1])], 0
         for g, m in enumerate(splits):
             if m:
-                outs.append(quantized_linear_ref(inp[row : row + m], weight[g], "block",
-                                                 _E4M3, _E4M3, a.power_2_scale,
-                                                 a.weight_block_rows))  # fmt: skip
+                x = QuantSpec("block", _E4M3, 1, a.power_2_scale)
+                w = replace(x, block_rows=a.weight_block_rows)
+                outs.append(quantized_linear_ref(inp[row : row + m], weight[g], x, w, x))
             row += m
         out = torch.cat(outs)
     elif a.recipe == "nvfp4":

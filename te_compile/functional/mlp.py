@@ -38,6 +38,7 @@ saved from the input (``saved`` then holds no copy of it) and its gradient still
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -94,6 +95,7 @@ from te_compile.functional.prologue import (
     norm_ref,
     unit_rows,
 )
+from te_compile.functional.spec import QuantSpec as Q
 
 __all__ = ["MLP_ACTIVATIONS", "mlp", "mlp_ref"]
 
@@ -187,10 +189,11 @@ def mlp_ref(*args) -> Tensor:
     x = norm_ref(a.inp, a.norm)
     s1 = a.scale1 if a.recipe == "delayed" else None
     s2 = a.scale2 if a.recipe == "delayed" else None
-    config = (a.fwd_dtype, a.bwd_dtype, a.power_2_scale, a.weight_block_rows)
-    z = quantized_linear_ref(x, a.fc1_weight, a.recipe, *config, s1)
+    xs = Q(a.recipe, a.fwd_dtype, 1, a.power_2_scale)
+    specs = (xs, replace(xs, block_rows=a.weight_block_rows), replace(xs, fp8_dtype=a.bwd_dtype))
+    z = quantized_linear_ref(x, a.fc1_weight, *specs, s1)
     h = _activation_ref(z, a.fc1_bias, a.activation, a.act_params)
-    out = quantized_linear_ref(h, a.fc2_weight, a.recipe, *config, s2)
+    out = quantized_linear_ref(h, a.fc2_weight, *specs, s2)
     return out if a.fc2_bias is None else out + a.fc2_bias
 
 
@@ -314,8 +317,8 @@ def _act_operand(recipe, z, bias, grad, activation, fp8_dtype, scale, rows, need
     else:
         v, dbias = activation_backward(grad[:rows], z[:rows], bias, activation, 0, *params,
                                        need_dbias=need_dbias)  # fmt: skip
-    operand = quantize_operand(recipe, pad_rows(v), fp8_dtype, scale=scale,
-                               power_2_scale=power_2_scale, emulate=emulate)  # fmt: skip
+    operand = quantize_operand(Q(recipe, fp8_dtype, 1, power_2_scale, emulate), pad_rows(v),
+                               scale=scale)  # fmt: skip
     return operand, dbias if need_dbias else None
 
 
@@ -353,17 +356,15 @@ def _forward(a: _Args) -> tuple[Tensor, list[Tensor]]:
     (s_x, s_w1, _), (s_h, s_w2, _) = scale_slots(a.scale1, recipe), scale_slots(a.scale2, recipe)
     native = _native_block(recipe, em)
     if a.normalization:
-        xq, *stats = norm_quantize(recipe, x2, a.norm, a.fwd_dtype, scale=s_x, power_2_scale=p2,
-                                   emulate=em, mn_major=native)  # fmt: skip
+        xq, *stats = norm_quantize(Q(recipe, a.fwd_dtype, 1, p2, em), x2, a.norm, scale=s_x,
+                                   mn_major=native)  # fmt: skip
     else:
-        xq = quantize_operand(recipe, pad_rows(x2), a.fwd_dtype, scale=s_x, power_2_scale=p2,
-                              emulate=em)  # fmt: skip
+        xq = quantize_operand(Q(recipe, a.fwd_dtype, 1, p2, em), pad_rows(x2), scale=s_x)
     q1, q2 = a.weights_q
     if q1[0] is not None:  # pre-quantised: setup_context saves its transposed copy
         w1q = weight_operand(q1, a.fwd_dtype)
     else:
-        w1q = quantize_operand(recipe, w1, a.fwd_dtype, scale=s_w1, block_rows=rows,
-                               power_2_scale=p2, emulate=em)  # fmt: skip
+        w1q = quantize_operand(Q(recipe, a.fwd_dtype, rows, p2, em), w1, scale=s_w1)
     z = gemm(kind, xq.data, xq.scale, w1q.data, w1q.scale, dtype, fast_accum=True,
              b_block_rows=rows)  # fmt: skip
     hq, _ = _act_operand(recipe, z, b1, None, a.activation, a.fwd_dtype, s_h, m, False, p2, em,
@@ -371,8 +372,7 @@ def _forward(a: _Args) -> tuple[Tensor, list[Tensor]]:
     if q2[0] is not None:
         w2q = weight_operand(q2, a.fwd_dtype)
     else:
-        w2q = quantize_operand(recipe, w2, a.fwd_dtype, scale=s_w2, block_rows=rows,
-                               power_2_scale=p2, emulate=em)  # fmt: skip
+        w2q = quantize_operand(Q(recipe, a.fwd_dtype, rows, p2, em), w2, scale=s_w2)
     out = gemm(kind, hq.data, hq.scale, w2q.data, w2q.scale, dtype, bias=b2, fast_accum=True,
                b_block_rows=rows)  # fmt: skip
     out = unpad(out, m)
@@ -496,9 +496,8 @@ _BWD_TENSORS = ("grad", "saved", "inp", "fc1_weight", "fc1_bias", "fc2_weight", 
 def _hp_linear_bwd(grad: Tensor, x2: Tensor, w: Tensor, need_dbias: bool, need_dgrad: bool):
     """``(dx, dw, db)`` by the linear family's high-precision backward."""
     dx, dw, db, _, _ = linear_bwd.eager(
-        grad, None, [], x2, w, None, None, None, None, None, None, "", _E4M3, _E5M2, False, 1,
-        False, False, False, "", False, False, "", 0, 7.0, 1.702, 1.0, 1.0, need_dbias,
-        need_dgrad, True,
+        grad, None, [], x2, w, None, None, None, None, None, None, "", "", "", "", "",
+        need_dbias, need_dgrad, True,
     )  # fmt: skip
     return dx, dw, db
 
@@ -526,8 +525,8 @@ def _backward_impl(grad, saved, inp, w1, b1, w2, scale1, scale2, grad_amax1, gra
         rows = c.weight_block_rows
         (_, _, s_dz), (_, _, s_dy) = scale_slots(scale1, c.recipe), scale_slots(scale2, c.recipe)
         sums = c.need_db2 and _native_block(c.recipe, em)
-        g = quantize_operand(c.recipe, pad_rows(dy), c.bwd_dtype, scale=s_dy, power_2_scale=p2,
-                             emulate=em, mn_major=True, sums=sums)  # fmt: skip
+        g = quantize_operand(Q(c.recipe, c.bwd_dtype, 1, p2, em), pad_rows(dy), scale=s_dy,
+                             mn_major=True, sums=sums)  # fmt: skip
         if grad_amax2 is not None:
             grad_amax2.copy_(g.amax)
         # fc2: dh [M, F] = dY @ W2 (W2^T is the GEMM's b); dW2 [N, F] = dY^T @ h
@@ -735,7 +734,7 @@ def _samples(device: torch.device):
     # Pre-quantised weights (functional.quantize_weight): both under current scaling, FC2's
     # only under delayed scaling (its weight slot), both in native 128x128 blocks.
     def pre(w, recipe, rows=1, scale=None):
-        return quantize_weight(w.detach(), recipe, _E4M3, False, rows, False, scale)
+        return quantize_weight(w.detach(), Q(recipe, _E4M3, rows), scale)
 
     def fields(fc, q):
         return dict(zip((f"{fc}_{n}" for n in WEIGHT_OPERAND), q, strict=True))

@@ -96,11 +96,13 @@ class QuantSpec:
 @dataclasses.dataclass(frozen=True)
 class NormSpec:
     """A norm prologue: ``normalization`` (``""`` none, ``"LayerNorm"``, ``"RMSNorm"``),
-    ``eps``, ``zero_centered_gamma``."""
+    ``eps``, ``zero_centered_gamma``; ``bias``: the norm has a bias, for a backward op (which
+    does not take the bias itself; a forward op reads its ``norm_bias``)."""
 
     normalization: str = _choice("", _names("LayerNorm", "RMSNorm"))
     eps: float = _value(1e-5, "eps")
     zero_centered_gamma: bool = _flag("zero_centered")
+    bias: bool = _flag("bias")
 
     def encode(self) -> str:
         return _encode(self)
@@ -147,28 +149,41 @@ class BackwardSpec:
         return _encode(self)
 
 
+def _fields(cls: type) -> tuple[tuple[str, Any, dict[str, Any]], ...]:
+    """``(name, default, metadata)`` of a spec class's fields, read once: ``torch.compile``
+    traces :func:`_encode` (a family function builds its strings in the traced code), and
+    dynamo cannot trace ``dataclasses.fields``."""
+    return _FIELDS[cls]
+
+
 def _encode(spec: Any) -> str:
     tokens = []
-    for f in dataclasses.fields(spec):
-        value, meta = getattr(spec, f.name), f.metadata
-        if value == f.default:
+    for name, default, meta in _fields(type(spec)):
+        value = getattr(spec, name)
+        if value == default:
             continue
         if "flag" in meta:
             tokens.append(meta["flag"])
         elif "choices" in meta:
             tokens.append(next(k for k, v in meta["choices"].items() if v == value))
         else:
-            tokens.append(f"{meta['value']}={str(value).replace(':', '/')}")
+            text = value if isinstance(value, str) else repr(value)  # dynamo traces repr
+            tokens.append(f"{meta['value']}={text.replace(':', '/')}")
     return ":".join(tokens)
 
 
 def _bad(cls: type, name: str, text: str, why: str) -> ValueError:
     tokens = []
-    for f in dataclasses.fields(cls):
-        meta = f.metadata
+    for _, _, meta in _fields(cls):
         tokens += [meta["flag"]] if "flag" in meta else list(meta.get("choices", ()))
         tokens += [meta["value"] + "=..."] if "value" in meta else []
     return ValueError(f"{name} {text!r}: {why} ({cls.__name__} tokens: {', '.join(tokens)})")
+
+
+_FIELDS = {
+    cls: tuple((f.name, f.default, dict(f.metadata)) for f in dataclasses.fields(cls))
+    for cls in (QuantSpec, NormSpec, EpilogueSpec, BackwardSpec)
+}
 
 
 @functools.lru_cache(maxsize=1024)
@@ -178,16 +193,14 @@ def parse(cls: type[S], text: str, name: str = "spec") -> S:
     if not isinstance(text, str):
         raise TypeError(f"{name} must be a str ({cls.__name__}), got {text!r}")
     values: dict[str, Any] = {}
-    fields = dataclasses.fields(cls)
     for token in text.split(":") if text else ():
         key, eq, raw = token.partition("=")
-        for f in fields:
-            meta = f.metadata
+        for field, default, meta in _fields(cls):
             if eq and meta.get("value") == key:
                 try:
-                    value = type(f.default)(raw.replace("/", ":"))
+                    value = type(default)(raw.replace("/", ":"))
                 except ValueError:
-                    raise _bad(cls, name, text, f"{key} takes a {type(f.default).__name__}, "
+                    raise _bad(cls, name, text, f"{key} takes a {type(default).__name__}, "
                                f"got {raw!r}") from None  # fmt: skip
             elif not eq and meta.get("flag") == token:
                 value = True
@@ -195,9 +208,9 @@ def parse(cls: type[S], text: str, name: str = "spec") -> S:
                 value = meta["choices"][token]
             else:
                 continue
-            if f.name in values:
-                raise _bad(cls, name, text, f"{f.name} given twice")
-            values[f.name] = value
+            if field in values:
+                raise _bad(cls, name, text, f"{field} given twice")
+            values[field] = value
             break
         else:
             raise _bad(cls, name, text, f"unknown token {token!r}")

@@ -41,6 +41,7 @@ GEMM does not implement it and raises.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 import torch
@@ -92,56 +93,45 @@ _GROUPED_FP8_WGRAD = True
 # A norm prologue: (weight, bias, normalization, eps, zero_centered_gamma).
 Norm = tuple[Tensor, Tensor | None, str, float, bool]
 
-_E4M3, _E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+_HIGH = QuantSpec()
 
 
 class GemmArgs(NamedTuple):
-    """A recipe as the GEMM family ops take it. ``recipe``: ``""`` (high precision),
-    ``"current"``, ``"delayed"``, ``"block"``, ``"mxfp8"``, ``"nvfp4"``; ``fwd_dtype`` /
-    ``bwd_dtype``: the FP8 formats of forward operands and of gradients; ``power_2_scale``,
-    ``weight_block_rows`` (1: 1x128 weight blocks, 128: 128x128): Float8BlockScaling's;
-    ``emulate``: dequantise and multiply in fp32 instead of the scaled GEMM; NVFP4:
-    ``weight_block_rows`` 16 for 16x16 weight tiles, ``rht``, ``stochastic_rounding``,
-    ``row_scaled``, ``input_4over6`` and ``weight_4over6`` (the recipe's options,
-    :meth:`nvfp4`; the 4over6 settings ``functional.quantize_mx.FOUR_OVER_SIX``). ``scales`` /
-    ``grad_amaxes``: per GEMM, the delayed scale ``[3]`` (None but under delayed scaling) and
-    the ``[1]`` buffer the backward writes the gradient's amax into (per-tensor recipes)."""
+    """A recipe as the GEMM family ops take it: ``specs``, the quantisation of the input, the
+    weight and the gradient (``functional.spec.QuantSpec``; all ``QuantSpec()`` in high
+    precision); ``scales`` / ``grad_amaxes``: per GEMM, the delayed scale ``[3]`` (None but
+    under delayed scaling) and the ``[1]`` buffer the backward writes the gradient's amax into
+    (per-tensor recipes); ``backward_override``: the recipe's (``""`` for None)."""
 
-    recipe: str = ""
-    fwd_dtype: torch.dtype = _E4M3
-    bwd_dtype: torch.dtype = _E5M2
-    power_2_scale: bool = False
-    weight_block_rows: int = 1
-    emulate: bool = False
+    specs: tuple[QuantSpec, QuantSpec, QuantSpec] = (_HIGH, _HIGH, _HIGH)
     scales: tuple[Tensor | None, ...] = ()
     grad_amaxes: tuple[Tensor | None, ...] = ()
     backward_override: str = ""
-    rht: bool = False
-    stochastic_rounding: bool = False
-    row_scaled: bool = False
-    input_4over6: str = ""
-    weight_4over6: str = ""
 
-    def nvfp4(self) -> dict[str, Any]:
-        """NVFP4's options that are on (the random Hadamard transform of the wgrad GEMM's
-        operands, stochastic rounding of the gradient, row-scaled forward input, 4over6 block
-        scaling of the input and of the weight), by the ops' names; ``{}`` when none is (every
-        recipe but NVFP4)."""
-        on = {"rht": self.rht, "stochastic_rounding": self.stochastic_rounding,
-              "row_scaled": self.row_scaled, "input_4over6": self.input_4over6,
-              "weight_4over6": self.weight_4over6}  # fmt: skip
-        return {name: value for name, value in on.items() if value}
+    @property
+    def recipe(self) -> str:
+        """The recipe kind (``""`` for high precision)."""
+        return self.specs[0].kind
+
+    def spec_kwargs(self) -> dict[str, QuantSpec]:
+        """The specs by the family functions' names."""
+        return dict(zip(("input_spec", "weight_spec", "grad_spec"), self.specs, strict=True))
 
     def scalars(self) -> dict[str, Any]:
-        """The scalar arguments, by the ops' names."""
-        return {
-            "recipe": self.recipe,
-            "fwd_dtype": self.fwd_dtype,
-            "bwd_dtype": self.bwd_dtype,
-            "power_2_scale": self.power_2_scale,
-            "weight_block_rows": self.weight_block_rows,
-            "emulate": self.emulate,
-        }
+        """The recipe as the flat arguments of ``functional.mlp`` / ``grouped_linear``."""
+        x, w, g = self.specs
+        return {"recipe": x.kind, "fwd_dtype": x.fp8_dtype, "bwd_dtype": g.fp8_dtype,
+                "power_2_scale": w.power_2_scale, "weight_block_rows": w.block_rows,
+                "emulate": x.emulate}  # fmt: skip
+
+    def nvfp4(self) -> dict[str, Any]:
+        """NVFP4's options that are on, by ``functional.grouped_linear``'s names."""
+        x, w, g = self.specs
+        on = {"rht": x.rht, "stochastic_rounding": g.stochastic_rounding,
+              "row_scaled": x.row_scaled, "input_4over6": x.four_over_six,
+              "weight_4over6": w.four_over_six}  # fmt: skip
+        return {name: value for name, value in on.items() if value}
 
 
 ROLES = ("input", "weight", "grad")
@@ -213,29 +203,26 @@ def cached_weight(
     ``index`` of ``args`` (module docstring), or None: the op quantises ``weight``."""
     if cache is None or cache.first is None or not args.recipe:
         return None
-    per_tensor = args.recipe in PER_TENSOR  # current and delayed casts are interchangeable
-    kind = "tensor" if per_tensor else args.recipe
-    key = (kind, args.fwd_dtype, args.power_2_scale, args.weight_block_rows, args.emulate,
-           args.weight_4over6)  # fmt: skip
+    spec = args.specs[1]
+    # Current and delayed casts are interchangeable.
+    key = replace(spec, kind="current") if args.recipe in PER_TENSOR else spec
     kept = cache.store[name]
     if not cache.first and kept.key == key:  # True never reads it (a compiled True step does
         return kept.tensors  # not guard on it)
     scale = args.scales[index] if args.recipe == "delayed" else None
     if grouped:
-        if args.recipe == "nvfp4" and (args.weight_4over6 or args.weight_block_rows != 16):
+        if args.recipe == "nvfp4" and (spec.four_over_six or spec.block_rows != 16):
             raise NotImplementedError(
                 "GroupedLinear: is_first_microbatch under NVFP4BlockScaling keeps the weight "
                 "with its 16x16 tiles and without 4over6 only (the recipe has "
-                f"disable_2d_quantization={args.weight_block_rows != 16}, nvfp4_4over6 scope "
-                f"covering the weight={bool(args.weight_4over6)}); pass is_first_microbatch=None"
+                f"disable_2d_quantization={spec.block_rows != 16}, nvfp4_4over6 scope "
+                f"covering the weight={bool(spec.four_over_six)}); pass is_first_microbatch=None"
             )
-        tensors = F.quantize_grouped_weight(weight.detach(), args.recipe, args.fwd_dtype,
-                                            args.power_2_scale, args.weight_block_rows,
-                                            args.emulate, scale)  # fmt: skip
+        tensors = F.quantize_grouped_weight(weight.detach(), spec.kind, spec.fp8_dtype,
+                                            spec.power_2_scale, spec.block_rows, spec.emulate,
+                                            scale)  # fmt: skip
     else:
-        tensors = F.quantize_weight(weight.detach(), args.recipe, args.fwd_dtype,
-                                    args.power_2_scale, args.weight_block_rows, args.emulate,
-                                    scale, four_over_six=args.weight_4over6)  # fmt: skip
+        tensors = F.quantize_weight(weight.detach(), spec, scale)
     kept.key, kept.tensors = key, tensors
     return tensors
 
@@ -316,50 +303,46 @@ def gemm_args(
     if not state.enabled:
         return GemmArgs()
     override = state.recipe.backward_override or ""
-    return _recipe_args(owner, state, inp, weights, metas, grouped)._replace(
-        backward_override=override
-    )
+    args = _recipe_args(owner, state, inp, weights, metas, grouped)
+    return args._replace(backward_override=override)
 
 
 def _recipe_args(owner, state, inp, weights, metas, grouped) -> GemmArgs:
     recipe = state.recipe
-    x, w, g = recipe_specs(recipe)
-    kind, fwd, bwd = x.kind, x.fp8_dtype, g.fp8_dtype
-    if kind == "nvfp4":
+    specs = x, w, g = recipe_specs(recipe)
+    if x.kind == "nvfp4":
         if x.row_scaled and recipe.backward_override is None:
             raise ValueError(
                 f"{owner}: NVFP4BlockScaling(row_scaled_activation=True) needs backward_override "
                 "'high_precision' or 'dequantized' (a row-scaled NVFP4 input has no columnwise "
                 "copy for the wgrad GEMM, as in Transformer Engine), got None"
             )
-        return GemmArgs(kind, _E4M3, _E4M3, weight_block_rows=w.block_rows, emulate=True,
-                        rht=x.rht or g.rht, stochastic_rounding=g.stochastic_rounding,
-                        row_scaled=x.row_scaled, input_4over6=x.four_over_six,
-                        weight_4over6=w.four_over_six)  # fmt: skip
-    if kind == "mxfp8":
-        return GemmArgs(kind, fwd, bwd, emulate=True)
-    if kind == "block":
+        return GemmArgs(specs)
+    if x.kind == "mxfp8":
+        return GemmArgs(specs)
+    if x.kind == "block":
         if x.block_rows != 1 or g.block_rows != 1:
             raise NotImplementedError(
                 f"{owner}: Float8BlockScaling with 128x128 activation or gradient blocks is not "
                 "implemented (1x128, the default, is)"
             )
-        rows, p2 = w.block_rows, w.power_2_scale
         w2d = [t[0] if grouped else t for t in weights]
         native = (
             inp.device.type == "cuda"
             and _NATIVE_BLOCK
             and is_fp8_block_scaling_available()
             and (not grouped or inp.dtype is torch.bfloat16)
-            and all(blockwise_supported(t, rows, fwd, bwd) for t in w2d)
+            and all(blockwise_supported(t, w.block_rows, x.fp8_dtype, g.fp8_dtype) for t in w2d)
         )
-        return GemmArgs("block", fwd, bwd, p2, rows, emulate=not native)
+        return GemmArgs(tuple(replace(s, emulate=not native) for s in specs))
     scales = tuple(meta.delayed_scale(owner, state) for meta in metas)
     kind = "delayed" if scales and all(s is not None for s in scales) else "current"
     if kind == "current":  # current scaling, or a state's calibration step
         scales = (None,) * len(scales)
     grad_amaxes = tuple(meta.grad_amax for meta in metas)
-    return GemmArgs(kind, fwd, bwd, emulate=_EMULATE, scales=scales, grad_amaxes=grad_amaxes)
+    # The per-tensor quantisers take no power-of-two option (the GEMMs' current scaling).
+    specs = tuple(replace(s, kind=kind, emulate=_EMULATE, power_2_scale=False) for s in specs)
+    return GemmArgs(specs, scales=scales, grad_amaxes=grad_amaxes)
 
 
 def calibrate(
@@ -467,11 +450,10 @@ def linear(
     if args.backward_override:
         kw["backward_override"] = args.backward_override
     if args.recipe not in PER_TENSOR:
-        out = F.linear(inp, weight, bias, main_grad=main_grad, **args.scalars(), **args.nvfp4(),
-                       **kw)  # fmt: skip
+        out = F.linear(inp, weight, bias, main_grad=main_grad, **args.spec_kwargs(), **kw)
     else:
         out, *rest, amax = F.linear(
-            inp, weight, bias, main_grad=main_grad, **args.scalars(), scale=args.scales[0],
+            inp, weight, bias, main_grad=main_grad, **args.spec_kwargs(), scale=args.scales[0],
             grad_amax=args.grad_amaxes[0], return_amax=True, **kw,
         )  # fmt: skip
         meta.record(amax, state)
@@ -626,7 +608,7 @@ def grouped_linear(
             f"(got {args.backward_override!r}: the grouped GEMM runs its backward on the "
             "recipe's quantised operands only)"
         )
-    if args.row_scaled:
+    if args.specs[0].row_scaled:
         raise NotImplementedError(
             f"{owner}: the grouped GEMM does not implement NVFP4's row-scaled activations (it "
             "needs a backward_override, which grouped GEMMs do not take); construct "

@@ -84,6 +84,7 @@ from torch import Tensor, nn
 from te_compile import functional as F
 from te_compile._numerics import reciprocal_rn
 from te_compile.functional.quantize import scale_from_amax
+from te_compile.functional.spec import QuantSpec
 from te_compile.quantization.device import get_default_fp8_recipe
 from te_compile.quantization.gemm import recipe_specs
 from te_compile.quantization.recipe import Recipe
@@ -167,7 +168,7 @@ def _cast(weight: Tensor, fp8_dtype: torch.dtype) -> list[Tensor]:
     of ``functional.quantize_weight``, the codes in ``weight``'s shape (a grouped ``[G, N, K]``
     weight is cast as ``[G * N, K]``: one scale for the whole tensor)."""
     flat = weight.reshape(-1, weight.shape[-1]) if weight.dim() > 2 else weight
-    out = F.quantize_weight(flat, "current", fp8_dtype, False, 1, False, None)
+    out = F.quantize_weight(flat, QuantSpec("current", fp8_dtype))
     out[0] = out[0].view(weight.shape)
     return out
 

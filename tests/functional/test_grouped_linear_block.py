@@ -11,7 +11,14 @@ import torch
 import te_compile as te
 from te_compile import functional as F
 from te_compile.quantization import gemm
-from tests.utils import DEVICES, assert_bits_equal, assert_close, compile_counted, requires_cuda
+from tests.utils import (
+    DEVICES,
+    assert_bits_equal,
+    assert_close,
+    compile_counted,
+    requires_cuda,
+    with_specs,
+)
 
 E4M3 = torch.float8_e4m3fn
 E4 = {"fwd_dtype": E4M3, "bwd_dtype": E4M3}
@@ -67,7 +74,7 @@ def test_each_expert_is_the_dense_native_op(device, splits, k, n, w_rows, power_
         w_g = w.detach()[g].clone().requires_grad_()
         b_g = b.detach()[g].clone().requires_grad_()
         if m:
-            ref = F.linear(x_g, w_g, b_g, recipe="block", **E4, **kw)
+            ref = F.linear(x_g, w_g, b_g, **with_specs(recipe="block", **E4, **kw))
             assert_bits_equal(out[row : row + m], ref)
             assert_bits_equal(dx[row : row + m], _grads(ref, dy[row : row + m], x_g)[0])
             assert_bits_equal(dw[g], w_g.grad)
@@ -91,7 +98,7 @@ def test_ragged_experts_are_padded_on_their_own(device):
         pad = -m % 16
         x_g = torch.nn.functional.pad(x.detach()[row : row + m], (0, 0, 0, pad)).requires_grad_()
         w_g = w.detach()[g].clone().requires_grad_()
-        ref = F.linear(x_g, w_g, b.detach()[g], recipe="block", weight_block_rows=1, **E4)
+        ref = F.linear(x_g, w_g, b.detach()[g], **with_specs(recipe="block", **E4))
         assert_bits_equal(out[row : row + m], ref[:m])
         ref.backward(torch.nn.functional.pad(dy[row : row + m], (0, 0, 0, pad)))
         assert_bits_equal(dx[row : row + m], x_g.grad[:m])

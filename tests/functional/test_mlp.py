@@ -13,7 +13,14 @@ import torch
 import te_compile
 from te_compile import functional as F
 from te_compile.quantization import gemm
-from tests.utils import DEVICES, assert_bits_equal, assert_close, compile_counted, paired_grads
+from tests.utils import (
+    DEVICES,
+    assert_bits_equal,
+    assert_close,
+    compile_counted,
+    paired_grads,
+    with_specs,
+)
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -42,12 +49,14 @@ def _assert_grads_match(out, ref, params, b1, device, dtype=torch.bfloat16):
 
 def _unfused(x, w1, b1, w2, b2, act, recipe, s1, s2, ga1, ga2, bwd):
     z, a1 = F.linear(
-        x, w1, None, recipe=recipe, scale=s1, grad_amax=ga1, return_amax=True, bwd_dtype=bwd
-    )
+        x, w1, None, **with_specs(recipe=recipe, bwd_dtype=bwd), scale=s1, grad_amax=ga1,
+        return_amax=True,
+    )  # fmt: skip
     h = F.bias_activation(z, b1, act)
     out, a2 = F.linear(
-        h, w2, b2, recipe=recipe, scale=s2, grad_amax=ga2, return_amax=True, bwd_dtype=bwd
-    )
+        h, w2, b2, **with_specs(recipe=recipe, bwd_dtype=bwd), scale=s2, grad_amax=ga2,
+        return_amax=True,
+    )  # fmt: skip
     return out, torch.cat([a1, a2])
 
 
@@ -91,8 +100,8 @@ def test_same_bytes_as_the_unfused_ops(device, act, recipe, dtype, bias, bwd):
 def _block_unfused(x, w1, b1, w2, b2, act, pow2):
     kw = dict(recipe="block", fwd_dtype=E4M3, bwd_dtype=E4M3, power_2_scale=pow2,
               weight_block_rows=128)  # fmt: skip
-    h = F.bias_activation(F.linear(x, w1, None, **kw), b1, act)
-    return F.linear(h, w2, b2, **kw)
+    h = F.bias_activation(F.linear(x, w1, None, **with_specs(**kw)), b1, act)
+    return F.linear(h, w2, b2, **with_specs(**kw))
 
 
 @pytest.mark.parametrize("act,pow2", [("gelu", False), ("srelu", True), ("swiglu", False)])
@@ -141,8 +150,8 @@ def test_composed_recipes_same_bytes_as_the_unfused_ops(device, recipe, kw, dtyp
     w1, b1, w2, b2 = _params(device, dtype, d=64, f=64, n=32, gated=gated)
     x = torch.randn(2, 16, 64, device=device).to(dtype).requires_grad_()
     out = F.mlp(x, w1, b1, w2, b2, act, recipe=recipe, **kw)
-    h = F.bias_activation(F.linear(x, w1, None, recipe=recipe, **kw), b1, act)
-    ref = F.linear(h, w2, b2, recipe=recipe, **kw)
+    h = F.bias_activation(F.linear(x, w1, None, **with_specs(recipe=recipe, **kw)), b1, act)
+    ref = F.linear(h, w2, b2, **with_specs(recipe=recipe, **kw))
     assert_bits_equal(out, ref)
     for _p, g, r in paired_grads(out, ref, [x, w1, b1, w2, b2]):
         assert_bits_equal(g, r)

@@ -32,7 +32,7 @@ from tests.fuzz.common import (
     _rotate,
     _splits,
 )
-from tests.utils import assert_close, capped_dtype, to_reference
+from tests.utils import assert_close, capped_dtype, to_reference, with_specs
 
 
 def _fuzz(ci_examples):
@@ -101,7 +101,7 @@ def test_functional_linear(seed, p, bias):
     """``te.functional.linear`` with the recipe given as data (emulated FP8 on CPU)."""
     torch.manual_seed(seed)
     recipe, dtype, tokens, k, n = p
-    kw = _recipe_kwargs(recipe)
+    kw = with_specs(**_recipe_kwargs(recipe))
     x = torch.randn(tokens, k).to(dtype).requires_grad_()
     w = torch.randn(n, k).to(dtype).requires_grad_()
     b = torch.randn(n).to(dtype).requires_grad_() if bias else None

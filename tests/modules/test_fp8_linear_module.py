@@ -25,6 +25,7 @@ from tests.utils import (
     assert_close,
     assert_matches_eager,
     compile_counted,
+    gemm_specs,
     requires_cuda,
 )
 
@@ -45,7 +46,7 @@ def test_current_scaling_runs_the_fp8_op(device):
     x = _x(device)
     with autocast(recipe=Float8CurrentScaling()):
         y = m(x)
-    expected = F.linear(x, m.weight, m.bias, recipe="current")
+    expected = F.linear(x, m.weight, m.bias, **gemm_specs("current"))
     assert torch.equal(y, expected)
     assert not torch.equal(y, m(x)), "outside autocast the GEMM is bf16 again"
 
