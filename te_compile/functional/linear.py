@@ -9,42 +9,34 @@ for the GEMM), ``weight`` is ``[out_features, in_features]`` like ``nn.Linear``,
     dX = dY\,W, \qquad dW = dY^\top X, \qquad db = \textstyle\sum_{rows} dY
 
 (through the epilogue and the prologue) and skips whichever of them autograd does not need.
-``te::linear_fwd(inp, weight, bias?, main_grad?, <recipe>, <prologue>, <epilogue>) -> (out,
-branch, saved)`` takes, after the four tensors:
+``te::linear_fwd(inp, weight, bias?, main_grad?, <recipe>, <prologue>, <epilogue>, <backward>,
+weight_q?, wgrad_stash?) -> (out, branch, saved)`` takes, after the four tensors:
 
-* the recipe as data (``functional.gemm``; ``quantization.gemm.gemm_args`` makes these from
-  the autocast recipe): ``recipe`` (``""`` high precision, ``"current"``, ``"delayed"``,
-  ``"block"``, ``"mxfp8"``, ``"nvfp4"``), ``fwd_dtype`` / ``bwd_dtype`` (E4M3 / E5M2),
-  ``power_2_scale``, ``weight_block_rows`` (1 or 128; NVFP4: 1 or 16, 16x16 weight tiles),
-  ``emulate``, and the delayed-scaling
-  state: ``scale`` ``[3]`` (input, weight, gradient) from ``te::delayed_scaling_update``, and
-  ``grad_amax`` ``[1]``, into which the backward writes the gradient's amax (per-tensor
-  recipes; a buffer of its own: a saved tensor must not be modified between the passes);
-  ``backward_override`` (``functional.gemm.BACKWARD_OVERRIDES``, with a recipe only): ``""``,
-  the backward GEMMs on the recipe's quantised operands and gradient; ``"high_precision"``, the
-  forward saves the high-precision GEMM input (the norm's output with a prologue: the norm is
-  then computed, kept and quantised, not fused into the cast) and the backward is high
-  precision's on it and the weight; ``"dequantized"``, the forward saves its quantised operands
-  dequantised to the input dtype and the backward is high precision's on them (the gradient is
-  not quantised with either override, and ``grad_amax`` is not written); NVFP4's options
-  (docs/fp8.md): ``rht`` (the random Hadamard transform of the wgrad GEMM's operands, the
-  input's and the gradient's columnwise copies), ``stochastic_rounding`` of the gradient with
-  ``rng_state`` (int64 ``[2]`` ``(seed, offset)``, saved for the backward op: its Philox
-  stream), ``row_scaled`` (the forward's input with a global scale per row; needs a
-  ``backward_override``), and, last of all the arguments, ``input_4over6`` / ``weight_4over6``
-  (4over6 adaptive block scaling of the input's / the weight's copies, ``""`` off or one of
-  ``functional.quantize_mx.FOUR_OVER_SIX``: the error metric and the E4M3 bound of the global
-  scale; the gradient never);
-* the norm prologue (``functional.prologue``): ``norm_weight``, ``norm_bias``,
-  ``normalization`` (``""``, ``"LayerNorm"``, ``"RMSNorm"``), ``norm_eps``,
-  ``zero_centered_gamma``: ``inp`` is normalised first (written straight into FP8 on CUDA by the
+* the recipe as data (``functional.spec``; ``quantization.gemm.gemm_args`` makes it from the
+  autocast recipe): ``input_spec``, ``weight_spec``, ``grad_spec`` (a ``QuantSpec`` string each:
+  kind, format, block rows, power-of-two scales, emulation, NVFP4's options), the delayed-scaling
+  state ``scale`` ``[3]`` (input, weight, gradient) from ``te::delayed_scaling_update`` and
+  ``grad_amax`` ``[1]``, into which the backward writes the gradient's amax (per-tensor recipes;
+  a buffer of its own: a saved tensor must not be modified between the passes), and
+  ``rng_state`` (int64 ``[2]`` ``(seed, offset)``: the Philox stream of a gradient spec's
+  stochastic rounding, saved for the backward op);
+* the norm prologue (``functional.prologue``): ``norm`` (a ``NormSpec`` string: ``""``,
+  ``"LayerNorm"`` or ``"RMSNorm"`` with ``eps`` and ``zero_centered``), ``norm_weight``,
+  ``norm_bias``: ``inp`` is normalised first (written straight into FP8 on CUDA by the
   per-tensor recipes and native Float8BlockScaling);
-* the epilogue: ``activation`` (any of ``ACTIVATIONS`` / ``GATED_ACTIVATIONS``; the bias is
-  added by the activation, whose output has half the features for a gated one) with
-  ``glu_interleave_size``, ``limit``, ``alpha``, ``glu_linear_offset``; ``residual`` (the
-  output's shape) and ``out_scale`` :math:`s`: ``residual + out_scale * y``; ``branch``: also
-  return a copy of ``inp`` (a residual connection's branch, ``MakeExtraOutput``) whose gradient
-  joins the dgrad GEMM.
+* the epilogue: ``epilogue`` (an ``EpilogueSpec`` string: ``act`` any of ``ACTIVATIONS`` /
+  ``GATED_ACTIVATIONS``, the bias then added by the activation, whose output has half the
+  features for a gated one, with ``interleave``, ``limit``, ``alpha``, ``offset``; ``scale``;
+  ``branch``: also return a copy of ``inp``, a residual connection's branch, whose gradient joins
+  the dgrad GEMM) and ``residual`` (the output's shape): ``residual + scale * y``;
+* ``backward`` (a ``BackwardSpec`` string, with a recipe): ``""``, the backward GEMMs on the
+  recipe's quantised operands and gradient; ``"high_precision"``, the forward saves the
+  high-precision GEMM input (the norm's output with a prologue: the norm is then computed,
+  kept and quantised, not fused into the cast) and the backward is high precision's on it and
+  the weight; ``"dequantized"``, the forward saves its quantised operands dequantised to the
+  input dtype and the backward is high precision's on them (the gradient is not quantised with
+  either, and ``grad_amax`` is not written; a row-scaled input needs one); ``"save_input"``,
+  the backward keeps ``inp`` and quantises it again (``save_original_input``).
 
 Outputs: ``out``; ``branch`` (0-element unless asked: an op's output may not alias its input);
 ``saved``, the tensors the backward needs that are not inputs (the FP8 transposed copies of
@@ -68,14 +60,14 @@ accumulates into it (fp32 output) instead of producing ``weight.grad``; ``te::li
 declares it mutated, which torch.compile supports in the backward graph. Tensor parallelism
 stays outside the op (``distributed.tensor_parallel``).
 
-Pre-quantised weight (``functional.gemm``, "Pre-quantised weights"): the last arguments
-``weight_data``, ``weight_scale``, ``weight_data_t``, ``weight_scale_t``, ``weight_amax`` (all
-or none, with a recipe) are ``weight`` already quantised by ``te::quantize_weight``; the op does
-not quantise ``weight``, saves ``weight_data_t`` / ``weight_scale_t`` for the dgrad GEMM from
-its inputs (``saved`` then holds only the input's copy), and reports ``weight_amax``. ``weight``
-may then be the FP8 codes themselves (FP8 primary weights, ``quantization.primary``): its
-gradient must go to ``main_grad`` (the backward raises otherwise), and
-``backward_override="high_precision"`` is refused.
+Pre-quantised weight (``functional.gemm``, "Pre-quantised weights"): ``weight_q``, the five
+tensors ``weight_data``, ``weight_scale``, ``weight_data_t``, ``weight_scale_t``,
+``weight_amax`` (with a recipe), is ``weight`` already quantised by ``te::quantize_weight``; the
+op does not quantise ``weight``, saves ``weight_data_t`` / ``weight_scale_t`` for the dgrad GEMM
+from its inputs (``saved`` then holds only the input's copy), and reports ``weight_amax``.
+``weight`` may then be the FP8 codes themselves (FP8 primary weights, ``quantization.primary``):
+its gradient must go to ``main_grad`` (the backward raises otherwise), and
+``backward="high_precision"`` is refused.
 """
 
 from __future__ import annotations
@@ -145,7 +137,6 @@ from te_compile.functional.spec import BackwardSpec, EpilogueSpec, NormSpec, Qua
 __all__ = ["linear", "linear_ref"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_E4M3, _E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
 class _Args(NamedTuple):
