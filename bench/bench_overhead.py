@@ -22,8 +22,14 @@ opaque (``torch._functorch.config.decompose_custom_triton_ops=False``: one dispa
 op, as before ops were traced through). Host clock per step, divided by ``CHAIN``: what one op
 costs the host in a compiled step. Target (issue 24): te <= aten + 5 us per op.
 
+Part 4, "host us per module call" (``bench/bench_host.py``): every te module eager, fwd+bwd on
+small shapes, in bf16 and under each recipe, beside its plain-PyTorch equivalent and TE's
+published figures, with a summary table of the targets (issue 43). ``--only-modules`` runs it
+alone.
+
     python -m bench.bench_overhead            # CUDA if present; results in bench/results/...
     python -m bench.bench_overhead --smoke    # tiny and short; nothing written without --out
+    python -m bench.bench_overhead --only-modules   # part 4 alone
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import te_compile
-from bench import harness
+from bench import bench_host, harness
 from bench.bench_linear import NN_EAGER, TE_EAGER, run_shape
 
 OVERHEAD_SHAPE = (2048, 1024, 1024)  # tokens, in, out
@@ -367,7 +373,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--skip-compiled", action="store_true", help="without part 3 (compiled graphs)"
     )
+    parser.add_argument("--skip-modules", action="store_true", help="without part 4 (modules)")
+    parser.add_argument(
+        "--only-modules", action="store_true", help="only part 4: host us per module call"
+    )
+    parser.add_argument(
+        "--modules",
+        nargs="+",
+        choices=bench_host.MODULES,
+        default=bench_host.MODULES,
+        metavar="NAME",
+        help=f"part 4's modules (default: all): {', '.join(bench_host.MODULES)}",
+    )
+    parser.add_argument(
+        "--precisions",
+        nargs="+",
+        choices=tuple(bench_host.PRECISIONS),
+        default=tuple(bench_host.PRECISIONS),
+        metavar="NAME",
+        help=f"part 4's precisions (default: all): {', '.join(bench_host.PRECISIONS)}",
+    )
     args = parser.parse_args(argv)
+    if args.only_modules:
+        args.skip_linear = args.skip_entry = args.skip_compiled = True
 
     device = harness.resolve_device(args)
     if args.smoke:
@@ -394,6 +422,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.skip_compiled:
         for result in run_compiled_op_tables(device, wall_timing):
             report.add(result)
+    if not args.skip_modules:
+        bench_host.run_module_tables(report, device, wall_timing, args.modules, args.precisions)
     report.finish(harness.resolve_out_dir(args, meta), chart=not args.no_chart)
     return 0
 

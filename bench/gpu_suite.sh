@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The whole GPU test suite in two device calls, each under the 10-minute limit of one call:
 #
-#   bash bench/gpu_suite.sh 1   # tests/functional, kernels, quantization, modules, ops
+#   bash bench/gpu_suite.sh 1   # tests/functional, kernels, quantization, modules, ops and
+#                               # the op registry's samples (tests/test_registry.py)
 #   bash bench/gpu_suite.sh 2   # tests/distributed (NCCL on every GPU of the machine), fuzz,
-#                               # the top-level tests; the long runs (--long-runs) beside them
+#                               # the other top-level tests; the long runs (--long-runs) beside
 #
-# Part 2's long runs: tests/test_long_run.py (the demo 2,000 steps per native FP8 recipe next to
-# bf16), the --long-runs cases of the FSDP2 FP8 primary weights and of the pipeline schedule.
+# Part 2's long runs, started first, on cores left free by the suite: tests/test_long_run.py
+# (the demo 2,000 steps per native FP8 recipe next to bf16, one process each, spread over the
+# GPUs), the --long-runs cases of the FSDP2 FP8 primary weights and of the pipeline schedule.
 # The other --long-runs cases are CPU compiles (every bad value compiled, Inductor on every CPU
 # registry sample): `make test` covers their paths, `pytest --long-runs` on any machine runs them.
 # Each part writes under $OUT its log, a JUnit XML and summary_<part>.md (counts, every failure
@@ -28,8 +30,9 @@ nvidia-smi -L | tee "$OUT/gpu_$part.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
   | tee -a "$OUT/gpu_$part.txt"
 CC=gcc CXX=g++ python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -3
-# Workers on all cores but a few (Triton's compiles are host-bound), sharing the first GPU.
-workers=$(( $(nproc) - 4 ))
+# Workers on all cores but a few (Triton's compiles are host-bound), sharing the first GPU;
+# part 2 leaves more for the long runs' training processes and their compiles.
+workers=$(( $(nproc) - (part == 1 ? 4 : 10) ))
 PYTEST=(python3 -m pytest -q -rfE -p no:cacheprovider --durations=30)
 SERIAL=("${PYTEST[@]}")
 # worksteal: idle workers take queued tests from busy ones (a few CUDA registry samples compile
@@ -48,15 +51,14 @@ run() {  # name, pytest arguments... (PYTEST, or the array named by $RUNNER)
   timeout -s INT -k 30 "$left" "${cmd[@]}" --junitxml="$OUT/$name.xml" "$@" 2>&1 | tee "$OUT/$name.log" | tail -8
 }
 case $part in
-  1) run part1 tests/functional tests/kernels tests/quantization tests/modules tests/ops ;;
-  2) # The long runs (one training process at a time, GPU-bound) beside the suite, on the last
-     # GPU: the part takes the longer of the two, not their sum.
-     last=$(( $(python3 -c "import torch; print(torch.cuda.device_count())") - 1 ))
-     CUDA_VISIBLE_DEVICES=$last RUNNER=SERIAL run long_runs -s --long-runs tests/test_long_run.py \
-       -k gpu > /dev/null &
-     run part2 tests/distributed tests/fuzz tests/test_*.py --deselect tests/test_long_run.py
-     run long_cases --long-runs tests/distributed/test_fsdp_fp8_primary.py \
-       tests/modules/test_pipeline_schedule.py
+  1) run part1 tests/functional tests/kernels tests/quantization tests/modules tests/ops \
+       tests/test_registry.py ;;
+  2) # The long runs beside the suite: the part takes the longest of the three, not their sum.
+     RUNNER=SERIAL run long_runs -s --long-runs tests/test_long_run.py -k gpu > /dev/null &
+     RUNNER=SERIAL run long_cases --long-runs tests/distributed/test_fsdp_fp8_primary.py \
+       tests/modules/test_pipeline_schedule.py > /dev/null &
+     run part2 tests/distributed tests/fuzz tests/test_*.py --deselect tests/test_long_run.py \
+       --deselect tests/test_registry.py --deselect tests/distributed/test_fsdp_fp8_primary.py
      wait ;;
   *) echo "part must be 1 or 2"; exit 2 ;;
 esac

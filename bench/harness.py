@@ -701,12 +701,21 @@ class Report:
         self.script = script
         self.metadata = dict(metadata)
         self.cases: list[CaseResult] = []
+        self.sections: list[dict[str, Any]] = []
 
     def add(self, result: CaseResult, *, echo: bool = True) -> CaseResult:
         self.cases.append(result)
         if echo:
             print(format_case_markdown(result), flush=True)
         return result
+
+    def add_section(self, markdown: str, data: Any = None, *, echo: bool = True) -> None:
+        """A markdown section built from the cases (e.g. a summary table with targets): written
+        after the cases in the markdown, and with ``data`` (its numbers) under ``sections`` in
+        the JSON."""
+        self.sections.append({"markdown": markdown, "data": data})
+        if echo:
+            print(markdown, flush=True)
 
     def header_markdown(self) -> str:
         m = self.metadata
@@ -717,13 +726,17 @@ class Report:
         )
 
     def markdown(self) -> str:
-        return "\n".join([self.header_markdown(), *map(format_case_markdown, self.cases)])
+        sections = [s["markdown"] for s in self.sections]
+        return "\n".join(
+            [self.header_markdown(), *map(format_case_markdown, self.cases), *sections]
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "script": self.script,
             "metadata": self.metadata,
             "cases": [c.to_dict() for c in self.cases],
+            "sections": list(self.sections),
         }
 
     def write_json(self, path: Path) -> Path:

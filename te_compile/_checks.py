@@ -68,7 +68,8 @@ def check_tensor(
     """``value`` is a tensor (floating-point where ``floating``) with at least ``min_dim`` dims.
     Reads metadata only, so it runs the same in eager and while tracing."""
     if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{owner}: {name} must be a torch.Tensor, got {type(value).__name__}")
+        got = "None" if value is None else type(value).__name__
+        raise TypeError(f"{owner}: {name} must be a torch.Tensor, got {got}")
     if floating and not value.is_floating_point():
         raise ValueError(f"{owner}: {name} must be a floating-point tensor, got {value.dtype}")
     if value.dim() < min_dim:
@@ -78,10 +79,30 @@ def check_tensor(
 
 
 def check_tensors(owner: str, **tensors: object) -> None:
-    """:func:`check_tensor` (floating, >= 1 dim) on each value that is not None."""
+    """:func:`check_tensor` (floating, >= 1 dim) on each value that is not None (the optional
+    tensors: a bias, a main_grad)."""
     for name, value in tensors.items():
         if value is not None:
             check_tensor(owner, name, value)
+
+
+def check_required(owner: str, **tensors: object) -> None:
+    """:func:`check_tensor` (floating, >= 1 dim) on each value, None refused: the tensors an
+    argument list has no None default for (an input, a weight)."""
+    for name, value in tensors.items():
+        check_tensor(owner, name, value)
+
+
+def check_same_device(owner: str, ref_name: str, ref: torch.Tensor, **tensors: object) -> None:
+    """Each tensor that is not None is on ``ref``'s device (a weight on another device than the
+    input would be read there, or silently give a result on the meta device). Reads
+    ``.device`` only: no sync, the same in eager and while tracing."""
+    for name, value in tensors.items():
+        if value is not None and value.device != ref.device:
+            raise ValueError(
+                f"{owner}: {ref_name} and {name} must be on one device, got {ref_name} on "
+                f"{ref.device} and {name} on {value.device}"
+            )
 
 
 def check_dtype(owner: str, name: str, value: object, *, floating: bool = True) -> None:

@@ -19,6 +19,21 @@ plus ``embed_tokens``, the final ``norm`` and ``lm_head`` (tied when the model t
 Q/K/V biases: our layer then has biases everywhere (``bias=True``), the ones Qwen2 lacks start at
 zero, so the outputs are the same and training can move them. ``transformers`` is not a
 dependency of te_compile: the function reads the model's config and state_dict only.
+
+Tied embeddings (``tie_word_embeddings=True``, Llama 3.2 1B / 3B): ``lm_head.weight`` is the
+embedding's parameter, one tensor, as in the original, so training keeps them equal.
+
+RoPE scaling, the config's ``rope_parameters`` (``rope_scaling`` in older ``transformers``), by
+``rope_type``; the frequencies are computed as ``transformers`` computes them, once, into the
+rotary module's ``inv_freq`` (:class:`~te_compile.RopeScaling`):
+
+- ``"default"`` (no scaling) and ``"linear"`` (position interpolation, ``factor``);
+- ``"llama3"`` (Llama 3.1 / 3.2 / 3.3: ``factor``, ``low_freq_factor``, ``high_freq_factor``,
+  ``original_max_position_embeddings``, which defaults to ``max_position_embeddings`` as in
+  ``transformers``);
+- refused with a ValueError naming the field and its value, and why (``_ROPE_REFUSED``):
+  ``"dynamic"``, ``"yarn"``, ``"longrope"`` and any other type, and a ``partial_rotary_factor``
+  other than 1.
 """
 
 from __future__ import annotations
@@ -34,16 +49,32 @@ from te_compile._checks import (
     check_positive_finite,
     check_tensor,
 )
-from te_compile.modules import Linear, RMSNorm, RotaryPositionEmbedding, TransformerLayer
+from te_compile.modules import (
+    Linear,
+    RMSNorm,
+    RopeScaling,
+    RotaryPositionEmbedding,
+    TransformerLayer,
+)
 
 __all__ = ["CausalLM", "from_hf"]
 
 _SUPPORTED = ("llama", "mistral", "qwen2")
+_ROPE_TYPES = ("default", "linear", "llama3")
+# Why each rope type of transformers' table that we do not map is refused.
+_ROPE_REFUSED = {
+    "dynamic": "its frequencies change with the longest sequence the model has seen",
+    "yarn": "its attention factor multiplies cos and sin, which needs a softmax scale "
+    "TransformerLayer does not take",
+    "longrope": "its frequencies switch with the sequence length",
+}
 
 
 class CausalLM(nn.Module):
     """Token embedding, ``TransformerLayer`` stack (``bshd``, causal, RMSNorm, SwiGLU, RoPE),
-    final RMSNorm and LM head; ``forward(input_ids [b, s]) -> logits [b, s, vocab]``."""
+    final RMSNorm and LM head; ``forward(input_ids [b, s]) -> logits [b, s, vocab]``.
+    ``tie_word_embeddings``: the LM head's weight is the embedding's parameter;
+    ``rope_scaling``: the rotary frequencies' :class:`~te_compile.RopeScaling`."""
 
     def __init__(
         self,
@@ -61,6 +92,8 @@ class CausalLM(nn.Module):
         tie_word_embeddings: bool = False,
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        *,
+        rope_scaling: RopeScaling | None = None,
     ) -> None:
         super().__init__()
         owner = "CausalLM"
@@ -109,7 +142,9 @@ class CausalLM(nn.Module):
         )
         if tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rotary = RotaryPositionEmbedding(kv_channels, rotary_base=rotary_base)
+        self.rotary = RotaryPositionEmbedding(
+            kv_channels, rotary_base=rotary_base, rope_scaling=rope_scaling
+        )
 
     def forward(self, input_ids: Tensor) -> Tensor:
         check_tensor("CausalLM", "input_ids", input_ids, floating=False, min_dim=2)
@@ -121,6 +156,12 @@ class CausalLM(nn.Module):
         if input_ids.dim() != 2:
             raise ValueError(
                 f"CausalLM: input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}"
+            )
+        device = self.embed_tokens.weight.device
+        if input_ids.device != device:
+            raise ValueError(
+                f"CausalLM: input_ids must be on the model's device ({device}), got "
+                f"{input_ids.device}"
             )
         hidden = self.embed_tokens(input_ids)
         freqs = self.rotary(input_ids.shape[1]).to(hidden.device)
@@ -137,8 +178,9 @@ def _config_value(config: object, name: str, default: object = None) -> object:
 def from_hf(model: nn.Module, dtype: torch.dtype | None = None) -> CausalLM:
     """A :class:`CausalLM` with ``model``'s weights (a ``transformers`` ``LlamaForCausalLM``,
     ``MistralForCausalLM`` or ``Qwen2ForCausalLM``); ``dtype``: of the new parameters (default:
-    the model's). Raises ValueError for architectures or settings it does not map (rope
-    scaling, attention or MLP biases where the architecture has none)."""
+    the model's). Raises ValueError for architectures or settings it does not map (the rope
+    types the module docstring lists as refused, attention or MLP biases where the
+    architecture has none)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"from_hf: model must be a transformers causal LM, got {model!r}")
     if dtype is not None:
@@ -148,9 +190,7 @@ def from_hf(model: nn.Module, dtype: torch.dtype | None = None) -> CausalLM:
     if kind not in _SUPPORTED:
         raise ValueError(f"from_hf: model.config.model_type must be one of {_SUPPORTED}, "
                          f"got {kind!r}")  # fmt: skip
-    rope = _config_value(config, "rope_parameters") or _config_value(config, "rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise ValueError(f"from_hf: rope scaling is not supported, got {rope}")
+    rope, rope_scaling = _rope(config)
     if getattr(config, "hidden_act", "silu") != "silu":
         raise ValueError(f"from_hf: hidden_act must be 'silu' (SwiGLU), got {config.hidden_act!r}")
     if _config_value(config, "mlp_bias", False) or (
@@ -184,9 +224,39 @@ def from_hf(model: nn.Module, dtype: torch.dtype | None = None) -> CausalLM:
         tie_word_embeddings=bool(_config_value(config, "tie_word_embeddings", False)),
         params_dtype=dtype,
         device=device,
+        rope_scaling=rope_scaling,
     )
     ours.load_state_dict(_mapped_state(state, config.num_hidden_layers, ours), strict=True)
     return ours
+
+
+def _rope(config: object) -> tuple[dict, RopeScaling | None]:
+    """The config's rope parameters (``rope_parameters``, or ``rope_scaling`` in transformers
+    4) and the :class:`RopeScaling` of their ``rope_type``; ValueError for a type we refuse."""
+    field = "rope_parameters" if _config_value(config, "rope_parameters") else "rope_scaling"
+    rope = dict(_config_value(config, field, {}))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    where = f"from_hf: config.{field}"
+    if kind not in _ROPE_TYPES:
+        why = _ROPE_REFUSED.get(kind, "te_compile does not implement it")
+        raise ValueError(
+            f"{where}['rope_type'] = {kind!r} is not supported ({why}); supported: {_ROPE_TYPES}"
+        )
+    partial = rope.get("partial_rotary_factor", _config_value(config, "partial_rotary_factor"))
+    if partial not in (None, 1, 1.0):
+        raise ValueError(f"{where}: partial_rotary_factor must be 1.0, got {partial!r}")
+    if kind == "default":
+        return rope, None
+    fields = {"factor": rope.get("factor")}
+    if kind == "llama3":
+        fields |= {name: rope.get(name) for name in ("low_freq_factor", "high_freq_factor")}
+        fields["original_max_position_embeddings"] = rope.get(
+            "original_max_position_embeddings", _config_value(config, "max_position_embeddings")
+        )
+    try:
+        return rope, RopeScaling(kind, **fields)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{where} = {rope} ({kind!r}): {error}") from None
 
 
 def _mapped_state(hf: dict[str, Tensor], num_layers: int, ours: CausalLM) -> dict[str, Tensor]:

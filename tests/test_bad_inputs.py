@@ -22,7 +22,7 @@ import torch
 
 import te_compile as te
 from te_compile import recipe as R
-from tests.utils.domains import domain, not_tensor
+from tests.utils.domains import domain, none, not_tensor
 
 F = te.functional
 D = te.distributed
@@ -327,6 +327,16 @@ _FUNCTIONS: dict[str, tuple[Callable, Callable[[], dict[str, Any]]]] = {
         lambda: {"module": te.Linear(16, 16), "full_optim_state_dict": _optim_state()},
     ),
     "te.convert.from_hf": (te.convert.from_hf, lambda: {"model": _hf_model()}),
+    "te.RopeScaling": (
+        te.RopeScaling,
+        lambda: {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ),
     "te.functional.as_splits_tensor": (F.as_splits_tensor, lambda: {"m_splits": [2, 4]}),
     "te.functional.bias_activation": (
         F.bias_activation,
@@ -576,9 +586,15 @@ def _domain(owner, name):
     return domain(owner, name)
 
 
+def _takes_none(p: inspect.Parameter) -> bool:
+    """Whether the signature lets ``p`` be None (a None default or ``| None`` in its hint)."""
+    return p.default is None or "None" in str(p.annotation)
+
+
 def _cases():
     """Every (owner, argument, bad value index); tensor variants only where the walker's valid
-    call passes a tensor for the argument (an optional tensor left at None has none)."""
+    call passes a tensor for the argument (an optional tensor left at None has none), None
+    only where the signature does not allow it."""
     cases = []
     for owner in OWNERS:
         _, valid = OWNERS[owner][1]()
@@ -588,7 +604,11 @@ def _cases():
                 continue
             cases += [(owner, p.name, i) for i in range(len(d.bad))]
             if isinstance(valid.get(p.name), torch.Tensor):
-                cases += [(owner, p.name, len(d.bad) + j) for j in range(len(d.tensor_bad))]
+                cases += [
+                    (owner, p.name, len(d.bad) + j)
+                    for j, variant in enumerate(d.tensor_bad)
+                    if not (variant is none and _takes_none(p))
+                ]
     return cases
 
 

@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import importlib
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -182,3 +183,37 @@ def test_block_stacks_agree_under_the_weight_mapping(arch):
     actual.backward(grad)
     assert_close(actual, expected.double(), torch.float32, roundings=64)
     assert_close(x.grad, expected_dx.double(), torch.float32, roundings=64)
+
+
+def test_bench_overhead_module_part_smoke(tmp_path):
+    """``bench_overhead --only-modules --smoke`` on CPU: part 4's summary has a row per module
+    and precision (bf16, every native recipe, the optional MXFP8 / NVFP4), each with positive,
+    finite te and plain-PyTorch figures and a verdict, in the JSON and in the markdown."""
+    bench_overhead = importlib.import_module("bench.bench_overhead")
+    bench_host = importlib.import_module("bench.bench_host")
+    threads = torch.get_num_threads()  # the script sets 1 thread on CPU
+    try:
+        argv = ["--only-modules", "--smoke", "--device", "cpu", "--no-chart", "--out", tmp_path]
+        assert bench_overhead.main([str(a) for a in argv]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    data = json.loads((tmp_path / "bench_overhead.json").read_text())
+    assert [c["name"] for c in data["cases"]] == [
+        f"host us per call: {m}" for m in bench_host.MODULES
+    ]
+    for case in data["cases"]:  # every te row timed (a plain alternative may be missing)
+        assert all(r["median_ms"] for r in case["results"] if r["name"].startswith("te."))
+    (section,) = data["sections"]
+    rows = {(r["module"], r["precision"]): r for r in section["data"]}
+    native = ["bf16", "Float8CurrentScaling", "DelayedScaling", "Float8BlockScaling"]
+    assert set(native) <= set(bench_host.PRECISIONS)
+    assert set(rows) == {(m, p) for m in bench_host.MODULES for p in bench_host.PRECISIONS}
+    for row in rows.values():
+        for key in ("te_us", "plain_us", "limit_us"):
+            assert math.isfinite(row[key]) and row[key] > 0, (row, key)
+        assert isinstance(row["met"], bool)
+    assert rows[("Linear", "Float8CurrentScaling")]["te_published"].startswith("MXFP8 417-441")
+    markdown = (tmp_path / "bench_overhead.md").read_text()
+    assert section["markdown"] in markdown
+    for module, precision in rows:
+        assert f"| {module} | {precision} | " in markdown

@@ -114,18 +114,22 @@ NATIVE = {"current": "is_fp8_available", "delayed": "is_fp8_available",
     reason="2,000 steps per recipe take minutes on a GPU: pytest --long-runs",
 )
 def test_gpu_2000_steps_per_native_recipe(tmp_path):
-    """bf16 and every recipe native on this GPU trained side by side (one process each, all on
-    the GPU at once): no non-finite loss or amax in any step (the script counts them on the
-    device and fails on one), and each final held-out loss within 2% of bf16's."""
+    """bf16 and every recipe native on this GPU trained side by side (one process each, all at
+    once, spread over the visible GPUs): no non-finite loss or amax in any step (the script
+    counts them on the device and fails on one), and each final held-out loss within 2% of
+    bf16's."""
     recipes = [r for r, check in NATIVE.items() if getattr(te, check)()]
     assert recipes, "no FP8 recipe is native on this GPU"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
     runs = {}
-    for recipe in ["none", *recipes]:
+    for i, recipe in enumerate(["none", *recipes]):
         log = open(tmp_path / f"{recipe}.log", "w")  # noqa: SIM115 (closed below)
         cmd = [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--recipe", recipe]
+        gpu = {"CUDA_VISIBLE_DEVICES": gpus[i % len(gpus)]}
         runs[recipe] = (subprocess.Popen(cmd + GPU_ARGS, stdout=log, stderr=subprocess.STDOUT,
-                                         env=env), log)  # fmt: skip
+                                         env=env | gpu), log)  # fmt: skip
     losses, failures = {}, []
     for recipe, (proc, log) in runs.items():
         proc.wait(timeout=1800)

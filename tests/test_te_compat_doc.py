@@ -56,3 +56,15 @@ def test_row_matches_package(te_name, ours, status):
         assert not _resolve(te_name), f"te_compile.{te_name} exists but the table says missing"
     else:
         assert _resolve(ours), f"te_compile.{ours} does not exist but the table says {status!r}"
+
+
+def test_recipes_import_by_transformer_engines_path():
+    """``from transformer_engine.common import recipe`` has its counterpart: the same classes."""
+    import importlib
+
+    from te_compile.common import recipe
+
+    module = importlib.import_module("te_compile.common.recipe")
+    for name in te_compile.recipe.__all__:
+        assert getattr(recipe, name) is getattr(te_compile.recipe, name)
+        assert getattr(module, name) is getattr(te_compile.recipe, name)

@@ -1,4 +1,4 @@
-"""Launch sweep of ``kernels.quantize.quantize_group_columns`` (the grouped FP8 wgrad's
+"""Launch sweep of ``kernels.quantize_rows.quantize_group_columns`` (the grouped FP8 wgrad's
 operands: per (token group, column) current scales, transposed into 16-padded groups) at
 bench_grouped's shapes: 32768 tokens in 8 uneven groups, 4096 columns (the input) and 2048
 (the gradient), bf16. Prints us per call and the bandwidth of its minimal traffic (the input
@@ -18,7 +18,7 @@ if __package__ in (None, ""):
 import torch
 from triton.testing import do_bench
 
-from te_compile.kernels import quantize
+from te_compile.kernels import quantize_rows
 
 CONFIGS = [  # (block_n rows, block_k columns, num_warps)
     (64, 64, 4), (128, 32, 4), (256, 16, 4), (128, 64, 8), (256, 32, 8), (64, 128, 4),
@@ -47,7 +47,7 @@ def main() -> int:
         for bn, bk, nw in CONFIGS:
 
             def call(x=x, bn=bn, bk=bk, nw=nw):
-                return quantize.quantize_group_columns(
+                return quantize_rows.quantize_group_columns(
                     x, ends, pad_ends, capacity, torch.float8_e4m3fn,
                     block_n=bn, block_k=bk, num_warps=nw,
                 )  # fmt: skip

@@ -70,6 +70,7 @@ from te_compile._checks import (
     check_finite,
     check_int,
     check_positive_finite,
+    check_same_device,
     check_tensor,
     check_tensors,
 )
@@ -612,8 +613,10 @@ def _gated(
         or (type(glu_interleave_size) is int and glu_interleave_size >= 0)
     ):
         owner = owner or f"te.{activation}"
-        check_tensors(owner, inp=inp, bias=bias)
-        check_int(owner, 0, glu_interleave_size=glu_interleave_size)
+        check_tensor(owner, "inp", inp)
+        check_tensors(owner, bias=bias)
+        if glu_interleave_size is not None:
+            check_int(owner, 0, glu_interleave_size=glu_interleave_size)
     return _gated_activation(
         inp, bias, activation, glu_interleave_size or 0, limit, alpha, glu_linear_offset
     )
@@ -678,7 +681,10 @@ def bias_activation(
     ``clamped_swiglu`` only. This is what LayerNormMLP calls after its FC1 GEMM."""
     check_gated_params("te.bias_activation", limit, alpha, glu_linear_offset)
     if not isinstance(inp, Tensor) or not (bias is None or isinstance(bias, Tensor)):
-        check_tensors("te.bias_activation", inp=inp, bias=bias)
+        check_tensor("te.bias_activation", "inp", inp)
+        check_tensors("te.bias_activation", bias=bias)
+    if bias is not None and bias.device != inp.device:
+        check_same_device("te.bias_activation", "inp", inp, bias=bias)
     if activation in ACTIVATIONS and not glu_interleave_size:
         return _activation(inp, bias, activation)
     # Gated names; also element-wise ones given an interleave size and unknown names, which the

@@ -76,15 +76,16 @@ def quantize_rowwise(
     ``dim`` (``fp8_max / amax`` over ``dim``; 1 for an all-zero or non-finite slice);
     ``scale_inv`` fp32 has ``x``'s shape without ``dim``. Computed in fp32 whatever ``x``'s
     dtype, so a float64 copy of a bf16/fp32 tensor gets the same bytes and scales. CUDA
-    (float32/bfloat16/float16): one Triton kernel per call (``kernels.quantize.quantize_rowwise``,
-    bit-identical, the kernel tests check it), the quantised dim moved last first.
+    (float32/bfloat16/float16): one Triton kernel per call
+    (``kernels.quantize_rows.quantize_rowwise``, bit-identical, the kernel tests check it), the
+    quantised dim moved last first.
     ``e4m3_codes``: an E5M2 result as the grouped GEMM takes it (:func:`as_e4m3`; on CUDA
     written so by the same kernel)."""
     if x.is_cuda and x.dtype in HIGH_DTYPES:
-        from te_compile.kernels import quantize
+        from te_compile.kernels import quantize_rows
 
         moved = dim not in (-1, x.ndim - 1)
-        data, scale_inv = quantize.quantize_rowwise(
+        data, scale_inv = quantize_rows.quantize_rowwise(
             x.movedim(dim, -1) if moved else x, fp8_dtype, e4m3_codes=e4m3_codes
         )
         return (data.movedim(-1, dim).contiguous() if moved else data), scale_inv
@@ -139,9 +140,9 @@ def as_e4m3(q: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
     if q.dtype is not torch.float8_e5m2:
         return q, s
     if q.is_cuda:
-        from te_compile.kernels import quantize
+        from te_compile.kernels import quantize_rows
 
-        codes = quantize.recode_e5m2_as_e4m3(q)
+        codes = quantize_rows.recode_e5m2_as_e4m3(q)
     else:
         table = e5m2_to_e4m3_table(q.device)
         codes = table[q.view(torch.uint8).long()].view(torch.float8_e4m3fn)
@@ -179,12 +180,12 @@ def _balanced(sa: Tensor, sb: Tensor) -> tuple[Tensor, Tensor]:
     scaling (a row scale near 2**119) gave a non-finite ``torch._scaled_grouped_mm`` result on
     the H100: the fp32 accumulator times that scale overflows if the two scales are applied one
     after the other. Two reductions and two multiplications on the scale vectors, no host
-    sync: on CUDA one Triton launch (``kernels.quantize.balance_scales``; the torch ops below
+    sync: on CUDA one Triton launch (``kernels.quantize_rows.balance_scales``; the torch ops below
     are ten launches, about 130 us of host time per GEMM in eager on the H100)."""
     if sa.is_cuda:
-        from te_compile.kernels import quantize
+        from te_compile.kernels import quantize_rows
 
-        return quantize.balance_scales(sa.contiguous(), sb.contiguous())
+        return quantize_rows.balance_scales(sa.contiguous(), sb.contiguous())
     ea = torch.frexp(sa.amax()).exponent
     eb = torch.frexp(sb.amax()).exponent
     s = torch.div(ea - eb, 2, rounding_mode="floor").clamp(-126, 126).float()
@@ -195,14 +196,14 @@ def _quantize_weight_dgrad(weight: Tensor, fwd_dtype: torch.dtype) -> tuple[Tens
     """``weight`` ``[G, N, K]`` quantised per (group, input column), amax over ``N``: data
     transposed to ``[G, K, N]`` (row-major along ``N``, the dgrad GEMM's contraction dim) and
     inverse scales ``[G, K]``. CUDA: one Triton kernel reads ``weight`` along ``K`` and writes
-    the FP8 data transposed (``kernels.quantize.quantize_columnwise_transposed``, bit-identical
+    the FP8 data transposed (``kernels.quantize_rows.quantize_columnwise_transposed``, bit-identical
     to the path below: the kernel tests check it); the path below first copies the transposed
     bf16 weight (a strided copy: most likely the 0.5 ms element-wise kernel of the H100 profile,
     2026-11-22)."""
     if weight.is_cuda and weight.dtype in HIGH_DTYPES:
-        from te_compile.kernels import quantize
+        from te_compile.kernels import quantize_rows
 
-        return quantize.quantize_columnwise_transposed(weight, fwd_dtype)
+        return quantize_rows.quantize_columnwise_transposed(weight, fwd_dtype)
     data, scale_inv = quantize_rowwise(weight.transpose(1, 2), fwd_dtype)  # along N, last
     return data.contiguous(), scale_inv
 
@@ -229,17 +230,17 @@ def quantize_group_columns(
     empty group) and
     ``pad_ends`` int32 ``[G]``, the padded groups' end offsets: the grouped GEMM's ``offs``.
     CUDA (float32/bfloat16/float16): one Triton launch on device offsets
-    (``kernels.quantize.quantize_group_columns``, the same bytes as the loop below);
+    (``kernels.quantize_rows.quantize_group_columns``, the same bytes as the loop below);
     ``splits_ends``: the ``(splits, ends)`` of :func:`device_splits` when the caller has
     them already; ``e4m3_codes``: as in :func:`quantize_rowwise`."""
     groups, c = m_splits.shape[0], x.shape[1]
     capacity = wgrad_capacity(x.shape[0], groups)
     if x.is_cuda and x.dtype in HIGH_DTYPES:
-        from te_compile.kernels import quantize
+        from te_compile.kernels import quantize_rows
 
         splits, ends = splits_ends if splits_ends is not None else device_splits(m_splits, x)
         pad_ends = torch.cumsum((splits + 15) // 16 * 16, 0, dtype=torch.int32)
-        data_t, scale_inv = quantize.quantize_group_columns(
+        data_t, scale_inv = quantize_rows.quantize_group_columns(
             x, ends, pad_ends, capacity, fp8_dtype, scale=scale, e4m3_codes=e4m3_codes
         )
         return data_t, scale_inv, pad_ends
@@ -325,12 +326,12 @@ def _quantize_delayed(
 def _transposed_codes(weight: Tensor, wq: Tensor, scale: Tensor, fp8_dtype) -> Tensor:
     """Per tensor, the dgrad copy ``[G, K, N]`` of the weight is its codes ``wq`` transposed. On
     CUDA one Triton pass casts ``weight`` again and stores it transposed (the same bytes:
-    ``kernels.quantize.quantize_columnwise_transposed`` with the given scale); a strided uint8
+    ``kernels.quantize_rows.quantize_columnwise_transposed`` with the given scale); a strided uint8
     transpose of the codes took 0.48 ms at 8 x 2048 x 4096 on the H100 (2026-11-22)."""
     if weight.is_cuda and weight.dtype in HIGH_DTYPES:
-        from te_compile.kernels import quantize
+        from te_compile.kernels import quantize_rows
 
-        return quantize.quantize_columnwise_transposed(weight, fp8_dtype, scale=scale)[0]
+        return quantize_rows.quantize_columnwise_transposed(weight, fp8_dtype, scale=scale)[0]
     return wq.view(torch.uint8).transpose(1, 2).contiguous().view(fp8_dtype)
 
 

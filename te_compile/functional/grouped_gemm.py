@@ -39,6 +39,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from te_compile._checks import shown
 from te_compile.functional.fake_quantize import qdq
 from te_compile.functional.gemm import (
     block_scaled_mm,
@@ -54,6 +55,7 @@ __all__ = [
     "blockwise_backward",
     "blockwise_forward",
     "blockwise_weight",
+    "checked_splits",
     "dequantized_backward",
     "dequantized_forward",
     "dequantized_weight",
@@ -94,16 +96,39 @@ class GroupedRecipe(NamedTuple):
 def as_splits_tensor(m_splits: Tensor | Sequence[int]) -> Tensor:
     """``m_splits`` as an integer tensor: tensors pass through, a list of ints becomes a CPU
     int64 tensor (a constant under ``torch.compile``)."""
+    return checked_splits("te.as_splits_tensor", m_splits)
+
+
+def checked_splits(
+    owner: str, m_splits: object, rows: int | None = None, rows_name: str = "inp.shape[0]"
+) -> Tensor:
+    """:func:`as_splits_tensor` for ``owner``'s ``m_splits``, refused by name when it is neither
+    a list of ints >= 0 nor a tensor. A list's sum is checked here against ``rows`` (the input's,
+    where given; ``rows_name`` in the message), before any other constraint of the call: its
+    values are on the host, so this is free. A tensor's values are checked where the GEMMs read
+    them: a CPU tensor on the host (:func:`host_splits`), a device tensor on the device without
+    a sync (:func:`device_splits`)."""
     if isinstance(m_splits, Tensor):
         return m_splits
-    if isinstance(m_splits, (str, bytes)) or not all(
-        isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in m_splits
-    ):
+    if not isinstance(m_splits, Sequence) or isinstance(m_splits, (str, bytes)):
+        raise TypeError(
+            f"{owner}: m_splits must be a list of ints >= 0 or an integer tensor (one size per "
+            f"group), got {shown(m_splits)}"
+        )
+    if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in m_splits):
         raise ValueError(
-            f"te.grouped_linear: m_splits must be a list of ints >= 0 or an integer tensor, got "
-            f"{m_splits!r}"
+            f"{owner}: m_splits must be a list of ints >= 0 or an integer tensor, got {m_splits!r}"
+        )
+    if rows is not None and sum(m_splits) != rows:
+        raise ValueError(
+            f"{owner}: m_splits must sum to {rows_name} ({rows}), got "
+            f"{_shown(list(m_splits))} (sum {sum(m_splits)}; a list is checked on the call)"
         )
     return torch.tensor(list(m_splits), dtype=torch.int64)
+
+
+def _shown(splits: list[int]) -> str:
+    return str(splits) if len(splits) <= 16 else "[...]"
 
 
 # High precision ("grouped_mm") ------------------------------------------------------------------
@@ -119,7 +144,8 @@ def host_splits(m_splits: Tensor, rows: int) -> list[int]:
     if any(s < 0 for s in splits) or sum(splits) != rows:
         raise ValueError(
             f"te.grouped_linear: m_splits must be >= 0 and sum to inp.shape[0] ({rows}), got "
-            f"{splits if len(splits) <= 16 else '[...]'} (sum {sum(splits)})"
+            f"{_shown(splits)} (sum {sum(splits)}; a CPU tensor, read on the host where the "
+            "GEMMs split by it)"
         )
     return splits
 
@@ -137,7 +163,11 @@ def device_splits(m_splits: Tensor, inp: Tensor) -> tuple[Tensor, Tensor]:
     offs = torch.cumsum(splits, 0, dtype=torch.int32)
     if splits.numel():
         ok = (offs[-1] == inp.shape[0]) & (splits >= 0).all()
-        torch._assert_async(ok, "te.grouped_linear: m_splits must be >= 0 and sum to inp.shape[0]")
+        torch._assert_async(
+            ok,
+            "te.grouped_linear: m_splits must be >= 0 and sum to inp.shape[0] (a device tensor, "
+            "checked on the device: its values are not read on the host)",
+        )
     return splits, offs
 
 

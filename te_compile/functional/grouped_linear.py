@@ -60,7 +60,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from te_compile._checks import check_bool
+from te_compile._checks import check_bool, check_required, check_same_device
 from te_compile._library import HOST_SPLITS, SampleInput, differentiable, op
 from te_compile.functional.dropout import new_rng_state
 from te_compile.functional.fake_quantize import qdq
@@ -93,6 +93,7 @@ from te_compile.functional.grouped_gemm import (
     as_splits_tensor,
     blockwise_backward,
     blockwise_forward,
+    checked_splits,
     dequantized_backward,
     dequantized_forward,
     high_precision_backward,
@@ -969,15 +970,25 @@ def grouped_linear(
     check_weight_quantized("te.grouped_linear", "weight_quantized", weight_quantized)
     tensors = {"inp": inp, "weight": weight, "bias": bias, "main_grad": main_grad}
     if (
-        not all(t is None or isinstance(t, Tensor) for t in tensors.values())
+        not (isinstance(inp, Tensor) and isinstance(weight, Tensor))
+        or not all(t is None or isinstance(t, Tensor) for t in tensors.values())
         or recipe_args_not_default(fwd_dtype, bwd_dtype, power_2_scale, weight_block_rows, emulate)
     ):  # fmt: skip
+        check_required("te.grouped_linear", inp=inp, weight=weight)
         check_gemm_args(
             "te.grouped_linear", {**tensors, "scale": scale, "grad_amax": grad_amax},
             fwd_dtype=fwd_dtype, bwd_dtype=bwd_dtype, power_2_scale=power_2_scale,
             weight_block_rows=weight_block_rows, emulate=emulate,
         )  # fmt: skip
-    args = (inp, as_splits_tensor(m_splits), weight, bias, main_grad)
+    device = inp.device
+    if (
+        weight.device != device or (bias is not None and bias.device != device)
+        or (main_grad is not None and main_grad.device != device)
+    ):  # fmt: skip
+        check_same_device("te.grouped_linear", "inp", inp, weight=weight, bias=bias,
+                          main_grad=main_grad)  # fmt: skip
+    rows = inp.shape[0] if inp.dim() == 2 else None  # a 3-D inp: refused by the op's check
+    args = (inp, checked_splits("te.grouped_linear", m_splits, rows), weight, bias, main_grad)
     stash = None
     if delay_wgrad:
         DeferredWgrad.check("te.grouped_linear", delay_wgrad)

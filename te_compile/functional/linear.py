@@ -79,7 +79,14 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from te_compile._checks import check_bool, check_choice, check_finite, check_tensors
+from te_compile._checks import (
+    check_bool,
+    check_choice,
+    check_finite,
+    check_required,
+    check_same_device,
+    check_tensors,
+)
 from te_compile._library import SampleInput, differentiable, op
 from te_compile.functional.activation import (
     GATED_ACTIVATIONS,
@@ -1176,7 +1183,14 @@ def linear(
         and (bias is None or isinstance(bias, Tensor))
         and (main_grad is None or isinstance(main_grad, Tensor))
     ):  # fmt: skip
-        check_tensors("te.linear", inp=inp, weight=weight, bias=bias, main_grad=main_grad)
+        check_required("te.linear", inp=inp, weight=weight)
+        check_tensors("te.linear", bias=bias, main_grad=main_grad)
+    device = inp.device
+    if (
+        weight.device != device or (bias is not None and bias.device != device)
+        or (main_grad is not None and main_grad.device != device)
+    ):  # fmt: skip
+        check_same_device("te.linear", "inp", inp, weight=weight, bias=bias, main_grad=main_grad)
     specs = [s.encode() if isinstance(s, QuantSpec) else s
              for s in (input_spec, weight_spec, grad_spec)]  # fmt: skip
     if save_original_input:
@@ -1206,6 +1220,8 @@ def linear(
             norm_eps=norm_eps, glu_interleave_size=glu_interleave_size, limit=limit, alpha=alpha,
             glu_linear_offset=glu_linear_offset, out_scale=out_scale,
         )  # fmt: skip
+        check_same_device("te.linear", "inp", inp, norm_weight=norm_weight, norm_bias=norm_bias,
+                          residual=residual)  # fmt: skip
         check_choice("te.linear", "backward_override", backward_override, BACKWARD_OVERRIDES)
         if normalization not in ("", *NORMALIZATIONS):
             raise ValueError('te.linear: normalization must be "", "LayerNorm" or "RMSNorm", '

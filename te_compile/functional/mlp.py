@@ -44,7 +44,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from te_compile._checks import check_bool
+from te_compile._checks import check_bool, check_required, check_same_device
 from te_compile._library import SampleInput, differentiable, op
 from te_compile.functional.activation import (
     ACTIVATIONS,
@@ -811,12 +811,15 @@ def mlp(
     tensors = {"inp": inp, "fc1_weight": fc1_weight, "fc1_bias": fc1_bias,
                "fc2_weight": fc2_weight, "fc2_bias": fc2_bias}  # fmt: skip
     if (
-        not all(t is None or isinstance(t, Tensor) for t in tensors.values())
+        not (isinstance(inp, Tensor) and isinstance(fc1_weight, Tensor)
+             and isinstance(fc2_weight, Tensor))
+        or not all(t is None or isinstance(t, Tensor) for t in tensors.values())
         or recipe_args_not_default(fwd_dtype, bwd_dtype, power_2_scale, weight_block_rows, emulate)
         or norm_eps != 1e-5 or limit != 7.0 or alpha != 1.702 or glu_linear_offset != 1.0
         or scale1 is not None or scale2 is not None or grad_amax1 is not None
         or grad_amax2 is not None or norm_weight is not None or norm_bias is not None
     ):  # fmt: skip
+        check_required("te.mlp", inp=inp, fc1_weight=fc1_weight, fc2_weight=fc2_weight)
         check_gemm_args(
             "te.mlp",
             {**tensors, "scale1": scale1, "scale2": scale2, "grad_amax1": grad_amax1,
@@ -825,6 +828,15 @@ def mlp(
             weight_block_rows=weight_block_rows, emulate=emulate, norm_eps=norm_eps, limit=limit,
             alpha=alpha, glu_linear_offset=glu_linear_offset,
         )  # fmt: skip
+        check_same_device("te.mlp", "inp", inp, norm_weight=norm_weight, norm_bias=norm_bias)
+    device = inp.device
+    if (
+        fc1_weight.device != device or fc2_weight.device != device
+        or (fc1_bias is not None and fc1_bias.device != device)
+        or (fc2_bias is not None and fc2_bias.device != device)
+    ):  # fmt: skip
+        check_same_device("te.mlp", "inp", inp, fc1_weight=fc1_weight, fc1_bias=fc1_bias,
+                          fc2_weight=fc2_weight, fc2_bias=fc2_bias)  # fmt: skip
     out, saved = _mlp(
         inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, recipe, fwd_dtype,
         bwd_dtype, power_2_scale, weight_block_rows, emulate, scale1, scale2, grad_amax1,

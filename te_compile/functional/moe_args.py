@@ -138,12 +138,13 @@ def int_arg(prefix: str, name: str, value, default: int) -> int:
     return value
 
 
-def check_tensor_args(prefix: str, **tensors: object) -> None:
-    """Each value is a tensor (or None): a list or a number is refused by name before the shape
-    checks read it."""
+def check_tensor_args(prefix: str, optional: tuple[str, ...] = (), **tensors: object) -> None:
+    """Each value is a tensor (None only for the names in ``optional``): a list, a number or
+    None is refused by name before the shape checks read it."""
     for name, t in tensors.items():
-        if t is not None and not isinstance(t, Tensor):
-            raise TypeError(f"{prefix}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if not isinstance(t, Tensor) and not (t is None and name in optional):
+            got = "None" if t is None else type(t).__name__
+            raise TypeError(f"{prefix}: {name} must be a torch.Tensor, got {got}")
 
 
 def num_out(prefix: str, inp: Tensor, routing_map: Tensor, num_out_tokens, map_type: str) -> int:

@@ -52,7 +52,7 @@ import math
 import torch
 from torch import Tensor
 
-from te_compile._checks import check_bool, check_positive_finite, check_tensors
+from te_compile._checks import check_bool, check_positive_finite, check_required, check_tensors
 from te_compile._library import SampleInput, differentiable, op
 
 __all__ = [
@@ -164,13 +164,20 @@ def l2normalization_bwd_ref(grad_out: Tensor, inp: Tensor, rsigma: Tensor) -> Te
     return _dx(grad_out.to(acc), x_hat, rsigma, False, 1.0).to(inp.dtype)
 
 
-def check_public_args(owner: str, eps: float, **tensors: Tensor | None) -> None:
-    """The public functions' argument types: tensors (or None) and a real ``eps``, so that a
-    wrong type is refused by name before the ops' shape checks read it. One cheap test on the
-    hot path."""
-    if type(eps) is float and all(t is None or isinstance(t, Tensor) for t in tensors.values()):
+def check_public_args(
+    owner: str, eps: float, bias: Tensor | None = None, **required: Tensor
+) -> None:
+    """The public functions' argument types: tensors (``bias`` may be None, the ``required``
+    ones not) and a real ``eps``, so that a wrong type is refused by name before the ops' shape
+    checks read it. One cheap test on the hot path."""
+    if (
+        type(eps) is float
+        and (bias is None or isinstance(bias, Tensor))
+        and all(isinstance(t, Tensor) for t in required.values())
+    ):
         return
-    check_tensors(owner, **tensors)
+    check_required(owner, **required)
+    check_tensors(owner, bias=bias)
     check_positive_finite(owner, eps=eps)
 
 
@@ -193,9 +200,17 @@ def _check_args(
                 weight.ndim == 1
                 and weight.shape[0] == inp.shape[-1]
                 and (weight.dtype is dtype or weight.dtype is torch.float32)
+                and weight.device == inp.device
             )
         )
-        and (bias is None or (bias.shape == weight.shape and bias.dtype is weight.dtype))
+        and (
+            bias is None
+            or (
+                bias.shape == weight.shape
+                and bias.dtype is weight.dtype
+                and bias.device == weight.device
+            )
+        )
     ):
         return
     raise ValueError(_diagnose(name, inp, weight, bias, eps))
@@ -220,6 +235,12 @@ def _diagnose(
         return prefix + (
             f"weight.dtype ({weight.dtype}) must be torch.float32 or equal inp.dtype ({inp.dtype})"
         )
+    for arg, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.device != inp.device:
+            return prefix + (
+                f"inp and {arg} must be on one device, got inp on {inp.device} and {arg} on "
+                f"{t.device}"
+            )
     if bias.shape != weight.shape:
         return prefix + f"bias must have weight's shape [{n}], got {list(bias.shape)}"
     return prefix + f"bias.dtype ({bias.dtype}) must equal weight.dtype ({weight.dtype})"

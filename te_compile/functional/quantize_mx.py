@@ -887,10 +887,12 @@ def _check_public(
     **dtypes: object,
 ) -> None:
     """The public functions' argument types, by name, before the ops' schema parser sees them
-    (it would raise a RuntimeError naming the op's own parameters)."""
+    (it would raise a RuntimeError naming the op's own parameters); ``tensors`` holds the
+    required ones (None refused)."""
     for name, t in tensors.items():
-        if t is not None and not isinstance(t, Tensor):
-            raise TypeError(f"{owner}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if not isinstance(t, Tensor):
+            got = "None" if t is None else type(t).__name__
+            raise TypeError(f"{owner}: {name} must be a torch.Tensor, got {got}")
     check_bool(owner, rowwise=rowwise, columnwise=columnwise)
     for name, dtype in dtypes.items():
         if name == "fp8_dtype" and dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
@@ -934,7 +936,8 @@ def quantize_nvfp4(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """NVFP4 of ``x`` ``[..., K]``: ``(data, scale, global_scale, data_t, scale_t)``, see the
     module docstring; ``global_amax`` (fp32, one element) replaces the tensor's own amax."""
-    _check_public("te.quantize_nvfp4", {"x": x, "global_amax": global_amax}, rowwise, columnwise)
+    tensors = {"x": x} if global_amax is None else {"x": x, "global_amax": global_amax}
+    _check_public("te.quantize_nvfp4", tensors, rowwise, columnwise)
     return quantize_nvfp4_op(x, global_amax, rowwise, columnwise)
 
 

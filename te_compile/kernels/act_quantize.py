@@ -61,24 +61,21 @@ from te_compile.kernels.activation import (
     _act,
     _dact,
 )
-from te_compile.kernels.norm import norm_stats
-from te_compile.kernels.quantize import (
-    _FORMATS,
-    _ROUND,
+from te_compile.kernels.fp8 import (
     BLOCK,
+    FORMATS,
+    ROUNDING,
     QuantizeLaunchConfig,
-    _abs_bits,
-    _bits,
-    _cast_1x128,
-    _cast_args,
-    _cast_fp8,
-    _cuda_cast,
-    _round,
-    _software,
-    _tile_scale,
-    amax_bits,
-    block_scales,
+    abs_bits,
+    cast_args,
+    cast_fp8,
+    round_to,
+    software_convert,
+    tile_scale,
+    uint8_view,
 )
+from te_compile.kernels.norm import norm_stats
+from te_compile.kernels.quantize import _cast_1x128, _cuda_cast, amax_bits, block_scales
 
 __all__ = ["act_quantize", "act_quantize_block", "norm_quantize", "norm_quantize_block"]
 
@@ -181,7 +178,7 @@ def _tile(
             v = _act(a, FN, 0.0, 0.0)
         if not EVEN:
             v = tl.where(valid, v, 0.0)
-    return v, _round(v, ROUND, SOFTWARE), cols
+    return v, round_to(v, ROUND, SOFTWARE), cols
 
 
 @triton.jit
@@ -221,7 +218,7 @@ def _gated_bwd_tile(
     if not EVEN:
         da = tl.where(valid, da, 0.0)
         dl = tl.where(valid, dl, 0.0)
-    return da, _round(da, ROUND, SOFTWARE), dl, _round(dl, ROUND, SOFTWARE), cols
+    return da, round_to(da, ROUND, SOFTWARE), dl, round_to(dl, ROUND, SOFTWARE), cols
 
 
 @triton.jit
@@ -237,7 +234,7 @@ def _store_sums(PART, v, pid_m, pid_n, ROW, COL0, N, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _max_abs_bits(r):
-    return tl.max(tl.max(_abs_bits(r), axis=1), axis=0)
+    return tl.max(tl.max(abs_bits(r), axis=1), axis=0)
 
 
 @triton.jit
@@ -279,7 +276,7 @@ def _cast_store(
     """Cast tile ``x`` with ``scale`` and store it at columns ``COL0 + pid_n * BLOCK_N + ...``
     (of ``N`` valid) of ``DATA`` ``[M_OUT, ROW]``, and transposed into ``DATA_T`` ``[ROW,
     M_OUT]``."""
-    q = _cast_fp8(x * scale, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, GUARD)
+    q = cast_fp8(x * scale, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, GUARD)
     r_in = tl.arange(0, BLOCK_M)
     c_in = tl.arange(0, BLOCK_N)
     offs = pid_m.to(tl.int64) * BLOCK_M * ROW + COL0 + pid_n * BLOCK_N
@@ -321,8 +318,8 @@ def _act_cast_kernel(
         va, xa, vl, xl, _ = _gated_bwd_tile(
             Z, B, G, pid_m, pid_n, M, N, FN, HAS_BIAS, ROUND, SOFTWARE, EVEN, BLOCK_M, BLOCK_N
         )
-        scale = _tile_scale(SCALE, AMAX_BITS, SCALE_INV, xa, first, fp8_max, eps, FROM_AMAX, False)
-        _tile_scale(SCALE, AMAX_BITS, SCALE_INV, xl, first, fp8_max, eps, FROM_AMAX, False)
+        scale = tile_scale(SCALE, AMAX_BITS, SCALE_INV, xa, first, fp8_max, eps, FROM_AMAX, False)
+        tile_scale(SCALE, AMAX_BITS, SCALE_INV, xl, first, fp8_max, eps, FROM_AMAX, False)
         if DBIAS and not FROM_AMAX:
             _store_sums(PART, va, pid_m, pid_n, 2 * N, 0, N, BLOCK_N)
             _store_sums(PART, vl, pid_m, pid_n, 2 * N, N, N, BLOCK_N)
@@ -339,7 +336,7 @@ def _act_cast_kernel(
             Z, B, G, MEAN, RSIG, pid_m, pid_n, M, N, FN, BWD, GATED, HAS_BIAS, ROUND, SOFTWARE,
             EVEN, BLOCK_M, BLOCK_N,
         )  # fmt: skip
-        scale = _tile_scale(SCALE, AMAX_BITS, SCALE_INV, x, first, fp8_max, eps, FROM_AMAX, False)
+        scale = tile_scale(SCALE, AMAX_BITS, SCALE_INV, x, first, fp8_max, eps, FROM_AMAX, False)
         if DBIAS and not FROM_AMAX:
             _store_sums(PART, v, pid_m, pid_n, N, 0, N, BLOCK_N)
         _cast_store(
@@ -360,7 +357,7 @@ def _block_store(
     columns ``COL0 + pid_n * BLOCK_N + ...`` (of ``N`` valid; ``COL0`` a multiple of 128) of
     ``DATA`` ``[M_OUT, ROW]`` and transposed into ``DATA_T`` ``[ROW, M_OUT]``, with the blocks'
     inverse scales."""
-    a = _abs_bits(x)  # rows past M are 0: they never raise a block's amax
+    a = abs_bits(x)  # rows past M are 0: they never raise a block's amax
     r_in = tl.arange(0, BLOCK_M)
     c_in = tl.arange(0, BLOCK_N)
     rows = pid_m * BLOCK_M + r_in
@@ -465,7 +462,7 @@ def _per_tensor(
     ``(gamma, mean, rsigma)`` (``bias`` is its beta). ``gated``:
     ``z`` is ``[>= rows, 2N]`` (:func:`act_quantize`)."""
     n, n_out = _gated_widths(z, grad, gated)
-    software = _software(z.device, cfg)
+    software = software_convert(z.device, cfg)
     data = torch.empty((m_out, n_out), device=z.device, dtype=fp8_dtype)
     data_t = z.new_empty((n_out, m_out) if columnwise else (0,), dtype=fp8_dtype)
     amax_pass = amax is None and scale is None
@@ -485,7 +482,7 @@ def _per_tensor(
         "GATED": gated,
         "HAS_BIAS": bias is not None,
         "DBIAS": dbias,
-        "ROUND": _ROUND[z.dtype],
+        "ROUND": ROUNDING[z.dtype],
         "EVEN": rows == m_out and m_out % cfg.block_m == 0 and n % cfg.block_k == 0,
         "BLOCK_M": cfg.block_m,
         "BLOCK_N": cfg.block_k,
@@ -505,16 +502,16 @@ def _per_tensor(
         rsig,
         amax if scale is None else scale.reshape(1),  # current scaling: SCALE unused
         amax,
-        _bits(data),
-        _bits(data_t),
+        uint8_view(data),
+        uint8_view(data_t),
         scale_inv,
         part,
         rows,
         m_out,
         n,
-        _FORMATS[fp8_dtype].max,
+        FORMATS[fp8_dtype].max,
         0.0,
-        **_cast_args(fp8_dtype, software, z.dtype),
+        **cast_args(fp8_dtype, software, z.dtype),
         FROM_AMAX=scale is None,
         COLUMNWISE=columnwise,
         **common,
@@ -566,8 +563,8 @@ def _blockwise(
         # One read of the input, both layouts (csrc/block_cast.cu; same bytes).
         part = z.new_empty((m_out // blk, n_out), dtype=f32) if dbias else None
         cuda(
-            z, bias, grad, _bits(data), scale_inv, _bits(data_t), scale_inv_t, part,
-            _FORMATS[fp8_dtype].max, fp8_dtype is torch.float8_e4m3fn, power_2_scale, cuda_act,
+            z, bias, grad, uint8_view(data), scale_inv, uint8_view(data_t), scale_inv_t, part,
+            FORMATS[fp8_dtype].max, fp8_dtype is torch.float8_e4m3fn, power_2_scale, cuda_act,
         )  # fmt: skip
         db = part.sum(0).to(bias.dtype) if dbias else None
         return data, scale_inv, data_t, scale_inv_t, db
@@ -590,15 +587,15 @@ def _blockwise(
             gamma,
             mean,
             rsig,
-            _bits(data),
+            uint8_view(data),
             scale_inv,
-            _bits(data_t),
+            uint8_view(data_t),
             scale_inv_t,
             part,
             rows,
             m_out,
             n,
-            _FORMATS[fp8_dtype].max,
+            FORMATS[fp8_dtype].max,
             *scale_inv.stride(),
             *scale_inv_t.stride(),
             FN=fn,
@@ -606,8 +603,8 @@ def _blockwise(
             GATED=gated,
             HAS_BIAS=bias is not None,
             DBIAS=dbias and axes != 0,
-            ROUND=_ROUND[z.dtype],
-            **_cast_args(fp8_dtype, _software(z.device, cfg), z.dtype),
+            ROUND=ROUNDING[z.dtype],
+            **cast_args(fp8_dtype, software_convert(z.device, cfg), z.dtype),
             POW2=power_2_scale,
             EVEN=rows == m_out and m_out % bm == 0 and n % bn == 0,
             AXES=axes,

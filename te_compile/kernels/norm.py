@@ -55,7 +55,7 @@ import triton.language as tl
 from torch import Tensor
 
 from te_compile.kernels import launch, programs_per_sm, size_hint
-from te_compile.kernels.quantize import _ROUND, _abs_bits, _round
+from te_compile.kernels.fp8 import ROUNDING, abs_bits, round_to
 
 __all__ = [
     "NormLaunchConfig",
@@ -186,7 +186,7 @@ def _norm_fwd_kernel(
     SOFTWARE: tl.constexpr,
 ):
     """``STORE_Y``: write the output (else only the statistics). ``AMAX``: fold the amax of
-    the output, rounded to the model's dtype (``ROUND``), into ``AMAX_BITS`` (``_abs_bits``
+    the output, rounded to the model's dtype (``ROUND``), into ``AMAX_BITS`` (``abs_bits``
     max): the first pass of a current-scaling FP8 cast of the output that is never written
     (``kernels.act_quantize.norm_quantize``)."""
     # Inductor passes Python floats as fp64; Triton's own launcher as fp32.
@@ -208,7 +208,7 @@ def _norm_fwd_kernel(
         if STORE_Y:
             tl.store(Y + row_off + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
         if AMAX:
-            a = tl.where(mask, _abs_bits(_round(y, ROUND, SOFTWARE)), 0)
+            a = tl.where(mask, abs_bits(round_to(y, ROUND, SOFTWARE)), 0)
             tl.atomic_max(AMAX_BITS, tl.max(tl.max(a, axis=1), axis=0))
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -237,7 +237,7 @@ def _norm_fwd_kernel(
                 if STORE_Y:
                     tl.store(Y + row_off + c[None, :], y.to(Y.dtype.element_ty), mask=mask)
                 if AMAX:
-                    a = tl.where(mask, _abs_bits(_round(y, ROUND, SOFTWARE)), 0)
+                    a = tl.where(mask, abs_bits(round_to(y, ROUND, SOFTWARE)), 0)
                     amax = tl.maximum(amax, a)
             if AMAX:
                 tl.atomic_max(AMAX_BITS, tl.max(tl.max(amax, axis=1), axis=0))
@@ -358,7 +358,7 @@ def _norm_bwd_kernel(
 # Launch wrappers -----------------------------------------------------------------------------
 
 
-def _rows(t: Tensor) -> Tensor:
+def as_rows(t: Tensor) -> Tensor:
     """``[..., N]`` as a contiguous ``[M, N]`` (a copy only when ``t`` is not contiguous)."""
     return t.contiguous().view(-1, t.shape[-1])
 
@@ -379,7 +379,7 @@ def _norm_fwd(
     only). ``amax`` (``[1]`` int32, the bits of a zero or running fp32 max,
     ``kernels.quantize.amax_bits``): the output's amax, rounded to the input's dtype, is folded
     into it."""
-    x = _rows(inp)
+    x = as_rows(inp)
     m, n = x.shape
     out = torch.empty_like(x) if store_y else x.new_empty(0)
     rsigma = torch.empty(m, device=x.device, dtype=torch.float32)
@@ -405,7 +405,7 @@ def _norm_fwd(
             CHUNKED=cfg.chunked,
             STORE_Y=store_y,
             AMAX=amax is not None,
-            ROUND=_ROUND.get(x.dtype, 0),
+            ROUND=ROUNDING.get(x.dtype, 0),
             SOFTWARE=x.device.type != "cuda",
             num_warps=cfg.num_warps,
         )
@@ -451,7 +451,7 @@ def _norm_bwd(
     programs: int | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """``programs``: at most this many stage-1 programs (default :func:`_max_bwd_programs`)."""
-    x, dy = _rows(inp), _rows(grad_out)
+    x, dy = as_rows(inp), as_rows(grad_out)
     m, n = x.shape
     dx = torch.empty_like(x)
     cfg = _config(n, True, config)

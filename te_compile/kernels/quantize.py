@@ -1,4 +1,7 @@
 r"""Triton kernels for FP8 quantisation: per-tensor (delayed / current scaling) and blockwise.
+The encoding they share (formats, scale rule, software conversions, launch configuration) is in
+``kernels.fp8``; per-row and per-column scaling (the grouped FP8 GEMMs) in
+``kernels.quantize_rows``.
 
 The input is viewed as ``[M, K]`` (every leading index is a row). All math is fp32, whatever the
 storage dtype; for a scale :math:`s` and the format's largest finite value :math:`F`
@@ -36,16 +39,6 @@ Kernels:
   columnwise copy is the transposed tile with the same scale.
 * ``_dequant_kernel``: ``fp32(q) * scale_inv`` (one per tensor, or per block) to ``out_dtype``,
   saturating at its largest finite value.
-* ``_rowwise_kernel``: one scale per row (``fp8_max / amax`` of the row; 1 for a zero or
-  non-finite result), for the rowwise-scaled grouped FP8 GEMMs: ``BLOCK_M`` rows per program,
-  the amax loop over the row, then the cast loop over it again (a re-read from L2).
-* ``_columnwise_kernel``: the same per-slice quantisation along the *rows* of each matrix of a
-  ``[B, N, K]`` tensor (one scale per column), stored transposed ``[B, K, N]``: the grouped
-  dgrad's weight copy without a strided transpose of the high-precision weight first. Or along
-  the rows of each token group of an ``[M, K]`` tensor, stored transposed with every group
-  padded to a multiple of 16 rows: the grouped FP8 wgrad's operands.
-* ``_recode_kernel``: FP8 bytes through a 256-entry table: E5M2 codes as the E4M3 codes of
-  their values times ``2**-7``, for the grouped GEMM that takes E4M3 only.
 * ``_delayed_update_kernel``: delayed scaling's state update (``te::delayed_scaling_update``):
   roll the ``[len, slots]`` amax history by one row, insert the last amaxes, recompute the
   scales, in one program and one launch (the plain-torch version is ~8 tiny kernels).
@@ -63,9 +56,7 @@ conversion paths agree.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 
 import torch
 import triton
@@ -73,283 +64,36 @@ import triton.language as tl
 from torch import Tensor
 
 from te_compile import _csrc
-from te_compile.kernels import aligned16, e5m2_to_e4m3_table, launch, programs_per_sm, tracing
+from te_compile.kernels import aligned16, launch, programs_per_sm, tracing
+from te_compile.kernels.fp8 import (
+    BLOCK,
+    DEFAULT_CONFIG,
+    FORMATS,
+    QuantizeLaunchConfig,
+    abs_bits,
+    as_rows,
+    block_scale,
+    cast_args,
+    cast_fp8,
+    fp8_args,
+    from_fp8_bits,
+    grid_2d,
+    rounded_out,
+    software_convert,
+    store_rounded,
+    tile_scale,
+    uint8_view,
+)
 
 __all__ = [
     "QuantizeLaunchConfig",
     "amax",
     "dequantize_blockwise",
     "dequantize_tensorwise",
-    "e5m2_to_e4m3_table",
     "quantize_blockwise",
-    "quantize_columnwise_transposed",
     "quantize_current",
-    "quantize_group_columns",
     "quantize_tensorwise",
-    "recode_e5m2_as_e4m3",
 ]
-
-BLOCK = 128  # the quantisation block: 1x128 or 128x128 elements of the [M, K] view
-_FLT_MAX = 3.4028234663852886e38
-
-
-@dataclasses.dataclass(frozen=True)
-class _Format:
-    e4m3: bool
-    mbits: int  # mantissa bits
-    bias: int  # exponent bias
-    max: float  # largest finite value
-
-
-_FORMATS = {
-    torch.float8_e4m3fn: _Format(True, 3, 7, 448.0),
-    torch.float8_e5m2: _Format(False, 2, 15, 57344.0),
-}
-
-
-# Launch configuration ------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class QuantizeLaunchConfig:
-    """Tiling of the launches. The defaults suit large tensors on a GPU; tests pass small tiles
-    to reach many programs, partial tiles and multi-step amax chunks at sizes the interpreter
-    runs quickly.
-
-    ``block_m`` x ``block_k``: the tile of the per-tensor cast and of dequantisation (square
-    tiles make the transposed store of ``data_t`` as wide as the rowwise one); ``block_m`` is
-    also the rows per program of a rowwise-only 1x128 blockwise cast (other blockwise casts
-    use 128 rows). ``amax_block``: elements per step of the amax reduction. ``amax_programs``:
-    at most this many amax programs (None: 4 per SM on CUDA, 4 otherwise). ``software_convert``:
-    integer fp8/bf16 conversion (None: exactly when not on CUDA; see the module docstring).
-    ``block_num_warps``: warps of a blockwise cast with 128-row tiles. ``block_split`` (the
-    fused activation + 1x128 cast, ``kernels.act_quantize.act_quantize_block``): a rowwise pass
-    over ``[block_split_m, 128]`` tiles and a columnwise one over ``[128, block_split_n]`` tiles
-    (``num_warps`` each) instead of one 128x128 tile for both. ``cuda_kernels``: use the
-    C++/CUDA kernel of ``csrc/`` where one covers the call (``act_quantize_block``: gelu, bf16,
-    whole 128x128 tiles), when the extension was built with CUDA."""
-
-    block_m: int = 64
-    block_k: int = 64
-    amax_block: int = 4096
-    amax_programs: int | None = None
-    num_warps: int = 4
-    block_num_warps: int = 8
-    block_split: bool = True
-    block_split_m: int = 32
-    block_split_n: int = 64
-    software_convert: bool | None = None
-    cuda_kernels: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("block_m", "block_k", "amax_block", "block_split_m", "block_split_n"):
-            v = getattr(self, name)
-            if v < 1 or v & (v - 1):
-                raise ValueError(f"QuantizeLaunchConfig: {name} must be a power of two, got {v}")
-        if self.amax_programs is not None and self.amax_programs < 1:
-            raise ValueError(
-                f"QuantizeLaunchConfig: amax_programs must be >= 1, got {self.amax_programs}"
-            )
-
-
-_DEFAULT = QuantizeLaunchConfig()
-
-
-def _software(device: torch.device, cfg: QuantizeLaunchConfig) -> bool:
-    return device.type != "cuda" if cfg.software_convert is None else cfg.software_convert
-
-
-# Device functions ----------------------------------------------------------------------------
-
-
-@triton.jit
-def _abs_bits(x):
-    """``|x|`` as int32 bits; their integer max is a NaN-propagating float max (docstring)."""
-    return tl.abs(x).to(tl.int32, bitcast=True)
-
-
-@triton.jit
-def _scale_from_amax(amax, fp8_max, eps, POW2: tl.constexpr):
-    """Transformer Engine's ``compute_scale_from_amax`` (module docstring), elementwise."""
-    amax = tl.where(amax < eps, eps, amax)  # not tl.maximum: a NaN amax must stay NaN
-    unit = (amax == 0.0) | (amax == float("inf"))
-    scale = tl.math.div_rn(fp8_max, tl.where(unit, 1.0, amax))  # no division by 0
-    scale = tl.where(scale == float("inf"), 3.4028234663852886e38, scale)
-    if POW2:
-        # 0xFF800000: keep sign and exponent. NaN would become inf, so it is kept as it is.
-        pow2 = (scale.to(tl.int32, bitcast=True) & -8388608).to(tl.float32, bitcast=True)
-        scale = tl.where(scale == scale, pow2, scale)
-    return tl.where(unit, 1.0, scale)
-
-
-@triton.jit
-def _block_scale(amax, fp8_max, POW2: tl.constexpr):
-    """The scale of a block: ``_scale_from_amax`` (eps 0), NaN where the block holds inf (or
-    NaN): the block dequantises to NaN rather than saturating unreported
-    (``functional.quantize``'s edge semantics)."""
-    return tl.where(amax == float("inf"), float("nan"), _scale_from_amax(amax, fp8_max, 0.0, POW2))
-
-
-@triton.jit
-def _slice_scale(amax_bits, fp8_max):
-    """Current scale of a row or column from its amax (``_abs_bits`` max): ``fp8_max / amax``
-    correctly rounded where ``amax > 0``, else 1, and 1 where that is not finite."""
-    amax = amax_bits.to(tl.float32, bitcast=True)
-    scale = tl.where(amax > 0, tl.math.div_rn(fp8_max, tl.where(amax > 0, amax, 1.0)), 1.0)
-    return tl.where(tl.abs(scale) < float("inf"), scale, 1.0)
-
-
-@triton.jit
-def _tile_scale(
-    SCALE, AMAX_BITS, SCALE_INV, x, first, fp8_max, eps, FROM_AMAX: tl.constexpr,
-    POW2: tl.constexpr,
-):  # fmt: skip
-    """The per-tensor scale a cast tile ``x`` uses. ``FROM_AMAX`` (current scaling): from the
-    tensor's amax in ``AMAX_BITS``, and the ``first`` program writes ``SCALE_INV``; otherwise
-    (delayed scaling) ``SCALE`` as given, and the tile's amax is folded into ``AMAX_BITS``."""
-    if FROM_AMAX:
-        amax = tl.load(AMAX_BITS).to(tl.float32, bitcast=True)
-        scale = _scale_from_amax(amax, fp8_max, eps, POW2)
-        if first:
-            tl.store(SCALE_INV, tl.math.div_rn(1.0, scale))
-    else:
-        scale = tl.load(SCALE)
-        tl.atomic_max(AMAX_BITS, tl.max(tl.max(_abs_bits(x), axis=1), axis=0))
-    return scale
-
-
-@triton.jit
-def _saturate(y, fp8_max):
-    return tl.clamp(y, -fp8_max, fp8_max, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
-def _cast_fp8(
-    y, fp8_max, E4M3: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
-    SOFTWARE: tl.constexpr, GUARD: tl.constexpr,
-):  # fmt: skip
-    """fp32 ``y`` saturated to ``[-fp8_max, fp8_max]`` (NaN stays NaN) and cast to the uint8
-    bits of fp8, round to nearest even. ``fp8_max`` is the format's largest finite value.
-
-    On the GPU that is the conversion instruction alone: Triton lowers it to
-    ``cvt.rn.satfinite.{e4m3,e5m2}x2.f32``, which saturates overflow and infinities to the
-    largest finite value and keeps NaN a NaN (its NaN code may differ from torch's 0x7F; any
-    NaN code decodes to NaN). A clamp and a NaN fix-up around it cost three instructions an
-    element in kernels bound by instruction issue (``bench/diag/sass_quantize.py``).
-
-    ``GUARD`` (set by ``_cast_args`` for fp32 sources): keep the clamp and the fix-up. On the
-    H100 with Triton 3.6 (2026-11-22) the bare conversion of tiles loaded from fp32 tensors
-    wrote a quarter of the codes as zeros (tests/kernels, fp32 cases); from bf16 / fp16 it is
-    exact, and those are the sources of the training hot path."""
-    if SOFTWARE or GUARD:
-        return _to_fp8_bits(_saturate(y, fp8_max), E4M3, MBITS, BIAS, SOFTWARE)
-    if E4M3:
-        return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    return y.to(tl.float8e5).to(tl.uint8, bitcast=True)
-
-
-@triton.jit
-def _to_fp8_bits(
-    y, E4M3: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, SOFTWARE: tl.constexpr
-):
-    """fp32 ``y``, already in ``[-max, max]`` or NaN, to the uint8 bits of fp8, round to
-    nearest even; NaN as torch encodes it (0x7F)."""
-    if not SOFTWARE:
-        if E4M3:
-            hw = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-        else:
-            hw = y.to(tl.float8e5).to(tl.uint8, bitcast=True)
-        return tl.where(y != y, 0x7F, hw).to(tl.uint8)
-    bits = y.to(tl.uint32, bitcast=True)
-    a = bits & 0x7FFFFFFF
-    # Normal results: round the fp32 bits to MBITS mantissa bits (a carry out of the mantissa
-    # correctly bumps the exponent), then re-bias the exponent.
-    SHIFT: tl.constexpr = 23 - MBITS
-    an = tl.maximum(a, (128 - BIAS) << 23)
-    normal = (an + ((1 << (SHIFT - 1)) - 1) + ((an >> SHIFT) & 1)) >> SHIFT
-    normal = normal - ((127 - BIAS) << MBITS)
-    # Below the smallest normal 2^(1-BIAS): count quanta of 2^(1-BIAS-MBITS), rounded to
-    # nearest even; a count of 2^MBITS is exactly the smallest normal's code.
-    m = (a & 0x7FFFFF) | 0x800000
-    s = tl.minimum(tl.maximum(151 - BIAS - MBITS - (a >> 23).to(tl.int32), 1), 31)
-    s = s.to(tl.uint32)
-    sub = (m + ((1 << (s - 1)) - 1) + ((m >> s) & 1)) >> s
-    code = tl.where(a < ((128 - BIAS) << 23), sub, normal)
-    code = tl.where(a > 0x7F800000, 0x7F, code)  # NaN, as torch encodes it
-    return (code | ((bits >> 31) << 7)).to(tl.uint8)
-
-
-@triton.jit
-def _from_fp8_bits(
-    q, E4M3: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, SOFTWARE: tl.constexpr
-):
-    """uint8 bits of fp8 to fp32 (exact)."""
-    if not SOFTWARE:
-        if E4M3:
-            return q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        return q.to(tl.float8e5, bitcast=True).to(tl.float32)
-    b = q.to(tl.uint32)
-    e = (b >> MBITS) & ((1 << (7 - MBITS)) - 1)
-    m = b & ((1 << MBITS) - 1)
-    normal = (((e + (127 - BIAS)) << 23) | (m << (23 - MBITS))).to(tl.float32, bitcast=True)
-    # Subnormal: m quanta of 2^(1-BIAS-MBITS), a power of two built from its bits.
-    quantum = tl.full(m.shape, (128 - BIAS - MBITS) << 23, tl.int32).to(tl.float32, bitcast=True)
-    v = tl.where(e == 0, m.to(tl.float32) * quantum, normal)
-    if E4M3:
-        v = tl.where((e == 15) & (m == 7), float("nan"), v)
-    else:
-        v = tl.where(e == 31, tl.where(m == 0, float("inf"), float("nan")), v)
-    return _signed(v, (b >> 7) != 0)
-
-
-@triton.jit
-def _signed(v, negative):
-    """``v`` (>= 0 or NaN) with its sign bit set where ``negative``: ``-0.0`` for a zero. (Triton
-    compiles ``-v`` as ``0 - v`` on the GPU, which is ``+0.0`` for ``v = 0``.)"""
-    bits = v.to(tl.uint32, bitcast=True) | (negative.to(tl.uint32) << 31)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _to_bf16_bits(y):
-    """fp32 to the uint16 bits of bf16, round to nearest even (NaN stays a quiet NaN)."""
-    bits = y.to(tl.uint32, bitcast=True)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    return tl.where((bits & 0x7FFFFFFF) > 0x7F800000, (bits >> 16) | 0x40, rounded).to(tl.uint16)
-
-
-# Rounding of a value computed in fp32 (an activation, a norm's output) to the model's dtype
-# before a cast, as the kernel that would have stored it in that dtype rounds it.
-_ROUND_NONE = 0
-_ROUND_BF16 = 1
-_ROUND_FP16 = 2
-_ROUND = {torch.float32: _ROUND_NONE, torch.bfloat16: _ROUND_BF16, torch.float16: _ROUND_FP16}
-
-
-@triton.jit
-def _round(y, ROUND: tl.constexpr, SOFTWARE: tl.constexpr):
-    """``y`` (fp32) rounded to nearest even to bf16 / fp16 and back (exact fp32 values)."""
-    if ROUND == 1:
-        if SOFTWARE:  # the interpreter truncates fp32 to bf16 (kernels.quantize docstring)
-            y = (_to_bf16_bits(y).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-        else:
-            y = y.to(tl.bfloat16).to(tl.float32)
-    elif ROUND == 2:
-        y = y.to(tl.float16).to(tl.float32)
-    return y
-
-
-@triton.jit
-def _store_rounded(ptr, y, mask, BF16_BITS: tl.constexpr):
-    """Store fp32 ``y`` rounded once to the output's dtype; ``BF16_BITS``: the output is bf16
-    seen as uint16 and rounded here (the interpreter truncates fp32 to bf16; module docstring)."""
-    if BF16_BITS:
-        tl.store(ptr, _to_bf16_bits(y), mask=mask)
-    else:
-        tl.store(ptr, y.to(ptr.dtype.element_ty), mask=mask)
-
-
-# Kernels -------------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -361,7 +105,7 @@ def _amax_kernel(X, AMAX_BITS, numel, chunk, BLOCK_SIZE: tl.constexpr):
     for s in range(start, end, BLOCK_SIZE):
         offs = s + tl.arange(0, BLOCK_SIZE)
         x = tl.load(X + offs, mask=offs < end, other=0.0).to(tl.float32)
-        acc = tl.maximum(acc, _abs_bits(x))
+        acc = tl.maximum(acc, abs_bits(x))
     tl.atomic_max(AMAX_BITS, tl.max(acc, axis=0))
 
 
@@ -402,8 +146,8 @@ def _cast_kernel(
     x = tl.load(X + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask, other=0.0)
     x = x.to(tl.float32)
     first = (pid_m == 0) & (pid_k == 0)
-    scale = _tile_scale(SCALE, AMAX_BITS, SCALE_INV, x, first, fp8_max, eps, FROM_AMAX, POW2)
-    q = _cast_fp8(x * scale, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, GUARD)
+    scale = tile_scale(SCALE, AMAX_BITS, SCALE_INV, x, first, fp8_max, eps, FROM_AMAX, POW2)
+    q = cast_fp8(x * scale, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, GUARD)
     tl.store(DATA + rows.to(tl.int64)[:, None] * K + cols[None, :], q, mask=mask)
     if COLUMNWISE:
         mask_t = (cols[:, None] < K) & (rows[None, :] < M)
@@ -416,14 +160,14 @@ def _cast_1x128(
     x, a, AXIS: tl.constexpr, fp8_max, E4M3: tl.constexpr, MBITS: tl.constexpr,
     BIAS: tl.constexpr, SOFTWARE: tl.constexpr, POW2: tl.constexpr, GUARD: tl.constexpr,
 ):  # fmt: skip
-    """A tile ``x`` (``a = _abs_bits(x)``) cast in blocks along ``AXIS`` (1: each row of the
+    """A tile ``x`` (``a = abs_bits(x)``) cast in blocks along ``AXIS`` (1: each row of the
     tile is one block, 0: each column): ``(codes, inverse scale of each block)``."""
     amax = tl.max(a, axis=AXIS).to(tl.float32, bitcast=True)
-    scale = _block_scale(amax, fp8_max, POW2)
+    scale = block_scale(amax, fp8_max, POW2)
     if AXIS == 1:
-        q = _cast_fp8(x * scale[:, None], fp8_max, E4M3, MBITS, BIAS, SOFTWARE, GUARD)
+        q = cast_fp8(x * scale[:, None], fp8_max, E4M3, MBITS, BIAS, SOFTWARE, GUARD)
     else:
-        q = _cast_fp8(x * scale[None, :], fp8_max, E4M3, MBITS, BIAS, SOFTWARE, GUARD)
+        q = cast_fp8(x * scale[None, :], fp8_max, E4M3, MBITS, BIAS, SOFTWARE, GUARD)
     return q, tl.math.div_rn(1.0, scale)
 
 
@@ -459,7 +203,7 @@ def _block_kernel(
     mask = (rows[:, None] < M) & (cols[None, :] < K)
     offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
     x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-    a = _abs_bits(x)  # padding lanes are 0 and never raise a block's amax
+    a = abs_bits(x)  # padding lanes are 0 and never raise a block's amax
     n_kb = tl.cdiv(K, BLOCK_K)
     mask_t = (cols[:, None] < K) & (rows[None, :] < M)
     offs_t = cols.to(tl.int64)[:, None] * M + rows[None, :]
@@ -474,8 +218,8 @@ def _block_kernel(
             tl.store(SCALE_INV_T + cols.to(tl.int64) * n_mb + pid_m, s_t, mask=cols < K)
     else:
         amax = tl.max(tl.max(a, axis=1), axis=0).to(tl.float32, bitcast=True)
-        scale = _block_scale(amax, fp8_max, POW2)
-        q = _cast_fp8(x * scale, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, GUARD)
+        scale = block_scale(amax, fp8_max, POW2)
+        q = cast_fp8(x * scale, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, GUARD)
         scale_inv = tl.math.div_rn(1.0, scale)
         tl.store(SCALE_INV + pid_m * n_kb + pid_k, scale_inv)
         if COLUMNWISE:
@@ -511,7 +255,7 @@ def _dequant_kernel(
     mask = (rows[:, None] < M) & (cols[None, :] < K)
     offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
     q = tl.load(DATA + offs, mask=mask, other=0)
-    v = _from_fp8_bits(q, E4M3, MBITS, BIAS, SOFTWARE)
+    v = from_fp8_bits(q, E4M3, MBITS, BIAS, SOFTWARE)
     if BLOCK_ROWS == 0:
         s = tl.load(SCALE_INV)
     else:
@@ -521,159 +265,7 @@ def _dequant_kernel(
     y = v * s
     finite_code = tl.abs(v) < float("inf")  # an E5M2 infinity stays infinite
     y = tl.where(finite_code, tl.clamp(y, -OUT_MAX, OUT_MAX, propagate_nan=tl.PropagateNan.ALL), y)
-    _store_rounded(OUT + offs, y, mask, BF16_BITS)
-
-
-@triton.jit
-def _recoded(q, TABLE, RECODE: tl.constexpr):
-    """FP8 bits ``q``, or with ``RECODE`` their E4M3 codes through ``TABLE``
-    (:func:`e5m2_to_e4m3_table`: E5M2 values times ``2**-7``)."""
-    if RECODE:
-        q = tl.load(TABLE + q.to(tl.int32))
-    return q
-
-
-@triton.jit
-def _inverse(scale, RECODE: tl.constexpr):
-    """``1 / scale`` correctly rounded; times 128 (exact) for recoded E4M3 codes."""
-    inv = tl.math.div_rn(1.0, scale)
-    if RECODE:
-        inv = inv * 128.0
-    return inv
-
-
-@triton.jit
-def _rowwise_kernel(
-    X,
-    DATA,
-    SCALE_INV,
-    M,
-    K,
-    fp8_max,
-    TABLE,
-    E4M3: tl.constexpr,
-    MBITS: tl.constexpr,
-    BIAS: tl.constexpr,
-    SOFTWARE: tl.constexpr,
-    GUARD: tl.constexpr,
-    RECODE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """Rows ``[pid * BLOCK_M, ...)``: amax over each row (NaN-propagating, on the int bits),
-    ``scale = fp8_max / amax`` where ``amax > 0`` else 1, and 1 where that is not finite; then
-    ``DATA = fp8(clamp(x * scale))`` and ``SCALE_INV = 1 / scale`` (both divisions correctly
-    rounded: the same bytes as the torch definition in ``functional.grouped_fp8``).
-    ``RECODE``: E5M2 stored as its E4M3 codes, ``SCALE_INV`` times 128 (:func:`_recoded`)."""
-    # Inductor passes Python floats as fp64; Triton's own launcher as fp32.
-    fp8_max = tl.cast(fp8_max, tl.float32)
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    in_rows = rows < M
-    base = rows.to(tl.int64)[:, None] * K
-    acc = tl.zeros([BLOCK_M], dtype=tl.int32)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        mask = in_rows[:, None] & (cols[None, :] < K)
-        x = tl.load(X + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        acc = tl.maximum(acc, tl.max(_abs_bits(x), axis=1))
-    scale = _slice_scale(acc, fp8_max)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        mask = in_rows[:, None] & (cols[None, :] < K)
-        x = tl.load(X + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        q = _cast_fp8(x * scale[:, None], fp8_max, E4M3, MBITS, BIAS, SOFTWARE, GUARD)
-        tl.store(DATA + base + cols[None, :], _recoded(q, TABLE, RECODE), mask=mask)
-    tl.store(SCALE_INV + rows, _inverse(scale, RECODE), mask=in_rows)
-
-
-@triton.jit
-def _columnwise_kernel(
-    X,
-    DATA_T,
-    SCALE_INV,
-    SCALE,
-    ENDS,
-    PAD_ENDS,
-    N,
-    K,
-    fp8_max,
-    TABLE,
-    E4M3: tl.constexpr,
-    MBITS: tl.constexpr,
-    BIAS: tl.constexpr,
-    SOFTWARE: tl.constexpr,
-    GUARD: tl.constexpr,
-    RECODE: tl.constexpr,
-    GIVEN: tl.constexpr,
-    GROUPED: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """Slice ``pid(0)`` of ``X``'s rows, columns ``[pid(1) * BLOCK_K, ...)``: the
-    ``_rowwise_kernel`` quantisation of each *column* of the slice (amax over its rows), written
-    transposed, and ``SCALE_INV`` ``[slices, K]``. ``GIVEN``: every column cast with the one
-    scale ``SCALE`` instead (per tensor, delayed scaling: the bytes of ``_cast_kernel``,
-    transposed). The tiles are read along ``K`` and stored along the slice's rows. ``RECODE``:
-    E5M2 stored as its E4M3 codes, ``SCALE_INV`` times 128 (:func:`_recoded`).
-
-    * Not ``GROUPED``: ``X`` is ``[B, N, K]``, slice ``b`` its matrix ``b``, ``DATA_T``
-      ``[B, K, N]`` (the grouped dgrad's weight copy without a strided transpose of the
-      high-precision weight first).
-    * ``GROUPED``: ``X`` is ``[M, K]`` and slice ``g`` its rows ``[ENDS[g-1], ENDS[g])`` (a
-      token group); ``DATA_T`` is ``[K, N]`` with ``N`` its row stride, and the group's
-      columns start at ``PAD_ENDS[g-1]``: its row count rounded up to a multiple of 16, the
-      padding written as zeros, as are the columns after the last group (the grouped wgrad's
-      operands, whose groups along the contraction dim must start at 16-byte offsets)."""
-    # Inductor passes Python floats as fp64; Triton's own launcher as fp32.
-    fp8_max = tl.cast(fp8_max, tl.float32)
-    b = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    in_cols = cols < K
-    if GROUPED:
-        start = tl.load(ENDS + b - 1, mask=b > 0, other=0).to(tl.int64)
-        rows_in = tl.load(ENDS + b).to(tl.int64) - start
-        dst_col = tl.load(PAD_ENDS + b - 1, mask=b > 0, other=0).to(tl.int64)
-        rows_out = (rows_in + 15) // 16 * 16
-        # The last group also zeroes the columns after it: the whole output is defined.
-        rows_out = tl.where(b == tl.num_programs(0) - 1, N - dst_col, rows_out)
-        dst = DATA_T + dst_col
-    else:
-        start = b.to(tl.int64) * N
-        rows_in = N
-        rows_out = N
-        dst = DATA_T + start * K
-    src = X + start * K
-    if GIVEN:
-        scale = tl.load(SCALE) + tl.zeros([BLOCK_K], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_K], dtype=tl.int32)
-        for n0 in range(0, rows_in, BLOCK_N):
-            rows = n0 + tl.arange(0, BLOCK_N)
-            mask = (rows[:, None] < rows_in) & in_cols[None, :]
-            x = tl.load(src + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask, other=0.0)
-            acc = tl.maximum(acc, tl.max(_abs_bits(x.to(tl.float32)), axis=0))
-        scale = _slice_scale(acc, fp8_max)
-    for n0 in range(0, rows_out, BLOCK_N):
-        rows = n0 + tl.arange(0, BLOCK_N)
-        mask = (rows[:, None] < rows_in) & in_cols[None, :]
-        x = tl.load(src + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask, other=0.0)
-        y = x.to(tl.float32) * scale[None, :]
-        q = tl.trans(
-            _cast_fp8(y, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, GUARD)
-        )  # [BLOCK_K, BLOCK_N]
-        out = cols.to(tl.int64)[:, None] * N + rows[None, :]
-        q = _recoded(q, TABLE, RECODE)
-        tl.store(dst + out, q, mask=in_cols[:, None] & (rows[None, :] < rows_out))
-    tl.store(SCALE_INV + b * K + cols, _inverse(scale, RECODE), mask=in_cols)
-
-
-@triton.jit
-def _recode_kernel(SRC, DST, TABLE, N, BLOCK_SIZE: tl.constexpr):
-    """``DST[i] = TABLE[SRC[i]]``: FP8 bytes mapped through a 256-entry code table."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-    mask = offs < N
-    codes = tl.load(SRC + offs, mask=mask, other=0)
-    tl.store(DST + offs, tl.load(TABLE + codes.to(tl.int32)), mask=mask)
+    store_rounded(OUT + offs, y, mask, BF16_BITS)
 
 
 @triton.jit
@@ -724,51 +316,6 @@ def _delayed_update_kernel(
 # Launch wrappers -----------------------------------------------------------------------------
 
 
-def _rows(t: Tensor) -> tuple[Tensor, int, int]:
-    """``[..., K]`` as a contiguous ``[M, K]`` (a copy only when not contiguous)."""
-    m, k = math.prod(t.shape[:-1]), t.shape[-1]
-    return t.contiguous().view(m, k), m, k
-
-
-def _fp8_args(fp8_dtype: torch.dtype, software: bool) -> dict[str, object]:
-    f = _FORMATS[fp8_dtype]
-    return {"E4M3": f.e4m3, "MBITS": f.mbits, "BIAS": f.bias, "SOFTWARE": software}
-
-
-def _cast_args(fp8_dtype: torch.dtype, software: bool, source: torch.dtype) -> dict[str, object]:
-    """``_fp8_args`` of a kernel that casts to FP8 with ``_cast_fp8``, plus its ``GUARD``: set
-    for fp32 sources (see ``_cast_fp8``)."""
-    return {**_fp8_args(fp8_dtype, software), "GUARD": source == torch.float32}
-
-
-def _bits(t: Tensor) -> Tensor:
-    return t.view(torch.uint8)
-
-
-def _recode_args(fp8_dtype: torch.dtype, data: Tensor, unused: Tensor) -> dict[str, object]:
-    """``TABLE`` / ``RECODE`` of a kernel casting to ``fp8_dtype`` into ``data``: recoded when
-    an E5M2 cast is stored into an E4M3 tensor (``unused``: any tensor, for no recoding)."""
-    recode = fp8_dtype is torch.float8_e5m2 and data.dtype is torch.float8_e4m3fn
-    return {"TABLE": e5m2_to_e4m3_table(data.device) if recode else unused, "RECODE": recode}
-
-
-def _codes_dtype(fp8_dtype: torch.dtype, e4m3_codes: bool) -> torch.dtype:
-    """The storage dtype of a cast to ``fp8_dtype``: E4M3 for E5M2 with ``e4m3_codes``."""
-    return torch.float8_e4m3fn if e4m3_codes else fp8_dtype
-
-
-def _rounded_out(out: Tensor, software: bool) -> tuple[Tensor, bool]:
-    """The output argument of a kernel that ends in ``_store_rounded`` and its ``BF16_BITS``:
-    under software conversion a bf16 output is passed as its uint16 bits."""
-    bf16_bits = software and out.dtype == torch.bfloat16
-    return (out.view(torch.uint16) if bf16_bits else out), bf16_bits
-
-
-def _grid(m: int, k: int, bm: int, bk: int) -> tuple[int, int]:
-    # At least one program: current scaling writes scale_inv even for an empty input.
-    return max(triton.cdiv(m, bm), 1), max(triton.cdiv(k, bk), 1)
-
-
 def amax_bits(device: torch.device) -> Tensor:
     """A zeroed ``[1]`` int32 buffer that kernels fold an amax into (``tl.atomic_max`` over the
     int32 bits of ``|x|``, module docstring); ``.view(torch.float32)`` reads it as the amax.
@@ -780,7 +327,7 @@ def amax_bits(device: torch.device) -> Tensor:
 
 def amax(x: Tensor, *, config: QuantizeLaunchConfig | None = None) -> Tensor:
     """``max|x|`` as a 1-element fp32 tensor (0 for an empty ``x``; NaN if any is NaN)."""
-    return _amax_bits(x, config or _DEFAULT).view(torch.float32)
+    return _amax_bits(x, config or DEFAULT_CONFIG).view(torch.float32)
 
 
 def _amax_bits(x: Tensor, cfg: QuantizeLaunchConfig) -> Tensor:
@@ -837,24 +384,24 @@ def quantize_tensorwise(
     config: QuantizeLaunchConfig | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Delayed scaling: ``(data, data_t, amax)`` from one read of ``x`` (see the op)."""
-    cfg = config or _DEFAULT
-    x2, m, k = _rows(x)
+    cfg = config or DEFAULT_CONFIG
+    x2, m, k = as_rows(x)
     data = torch.empty(x.shape, device=x.device, dtype=fp8_dtype)
     data_t = _transposed(x, m, k, fp8_dtype, columnwise)
     bits = amax_bits(x.device)
     if m * k:
-        launch(_cast_kernel, _grid(m, k, cfg.block_m, cfg.block_k))(
+        launch(_cast_kernel, grid_2d(m, k, cfg.block_m, cfg.block_k))(
             x2,
             scale.reshape(1).contiguous(),
             bits,
-            _bits(data),
-            _bits(data_t),
+            uint8_view(data),
+            uint8_view(data_t),
             bits,  # SCALE_INV: unused
             m,
             k,
-            _FORMATS[fp8_dtype].max,
+            FORMATS[fp8_dtype].max,
             0.0,
-            **_cast_args(fp8_dtype, _software(x.device, cfg), x.dtype),
+            **cast_args(fp8_dtype, software_convert(x.device, cfg), x.dtype),
             FROM_AMAX=False,
             POW2=False,
             COLUMNWISE=columnwise,
@@ -876,24 +423,24 @@ def quantize_current(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Current scaling: ``(data, data_t, scale_inv, amax)``; two reads of ``x`` (the amax
     reduction, then the cast)."""
-    cfg = config or _DEFAULT
-    x2, m, k = _rows(x)
+    cfg = config or DEFAULT_CONFIG
+    x2, m, k = as_rows(x)
     data = torch.empty(x.shape, device=x.device, dtype=fp8_dtype)
     data_t = _transposed(x, m, k, fp8_dtype, columnwise)
     bits = _amax_bits(x2, cfg)
     scale_inv = torch.empty(1, device=x.device, dtype=torch.float32)
-    launch(_cast_kernel, _grid(m, k, cfg.block_m, cfg.block_k))(
+    launch(_cast_kernel, grid_2d(m, k, cfg.block_m, cfg.block_k))(
         x2,
         bits,  # SCALE: unused
         bits,
-        _bits(data),
-        _bits(data_t),
+        uint8_view(data),
+        uint8_view(data_t),
         scale_inv,
         m,
         k,
-        _FORMATS[fp8_dtype].max,
+        FORMATS[fp8_dtype].max,
         amax_epsilon,
-        **_cast_args(fp8_dtype, _software(x.device, cfg), x.dtype),
+        **cast_args(fp8_dtype, software_convert(x.device, cfg), x.dtype),
         FROM_AMAX=True,
         POW2=power_2_scale,
         COLUMNWISE=columnwise,
@@ -920,8 +467,8 @@ def quantize_blockwise(
     ``fp8_dtype`` or uint8, ``scale_inv_t`` fp32, compact or rows-major (strides ``(1, K)``,
     the GEMM's layout, :func:`block_scales`; written in place by the CUDA kernel, else
     through a compact copy)."""
-    cfg = config or _DEFAULT
-    x2, m, k = _rows(x)
+    cfg = config or DEFAULT_CONFIG
+    x2, m, k = as_rows(x)
     block_m = cfg.block_m if block_rows == 1 and not columnwise else BLOCK
     data = torch.empty(x.shape, device=x.device, dtype=fp8_dtype)
     f32 = torch.float32
@@ -952,24 +499,24 @@ def quantize_blockwise(
     cuda = _cuda_cast(cfg, name, m, k, x2) if columnwise else None
     if cuda is None and not scale_inv_t.is_contiguous():  # the Triton kernel writes compact
         scale_inv_t = x.new_empty(t_shape, dtype=f32)
-    f = _FORMATS[fp8_dtype]
+    f = FORMATS[fp8_dtype]
     if cuda is not None and block_rows == 1:  # one read, both layouts (csrc/block_cast.cu)
-        cuda(x2, None, None, _bits(data).view(m, k), scale_inv, _bits(data_t), scale_inv_t, None,
-             f.max, f.e4m3, power_2_scale, "identity")  # fmt: skip
+        cuda(x2, None, None, uint8_view(data).view(m, k), scale_inv, uint8_view(data_t),
+             scale_inv_t, None, f.max, f.e4m3, power_2_scale, "identity")  # fmt: skip
     elif cuda is not None:
-        cuda(x2, _bits(data).view(m, k), scale_inv, _bits(data_t), scale_inv_t, f.max, f.e4m3,
-             power_2_scale)  # fmt: skip
+        cuda(x2, uint8_view(data).view(m, k), scale_inv, uint8_view(data_t), scale_inv_t, f.max,
+             f.e4m3, power_2_scale)  # fmt: skip
     elif m * k:
         launch(_block_kernel, (triton.cdiv(m, block_m), triton.cdiv(k, BLOCK)))(
             x2,
-            _bits(data),
+            uint8_view(data),
             scale_inv,
-            _bits(data_t),
+            uint8_view(data_t),
             scale_inv_t,
             m,
             k,
             f.max,
-            **_cast_args(fp8_dtype, _software(x.device, cfg), x.dtype),
+            **cast_args(fp8_dtype, software_convert(x.device, cfg), x.dtype),
             POW2=power_2_scale,
             BLOCK_ROWS=block_rows,
             COLUMNWISE=columnwise,
@@ -1006,8 +553,8 @@ def quantize_blockwise_sums(
     are per-128-row-tile partials added afterwards (another order than ``x.sum(0)``: equal to
     rounding), and ``mn_major`` asks for ``scale_inv`` / ``scale_inv_t`` in the GEMM's layout
     (:func:`block_scales`; elsewhere they are compact: callers take either)."""
-    cfg = config or _DEFAULT
-    x2, m, k = _rows(x)
+    cfg = config or DEFAULT_CONFIG
+    x2, m, k = as_rows(x)
     cuda = _cuda_cast(cfg, "act_cast_1x128", m, k, x2)
     if cuda is None:
         return (*quantize_blockwise(x, fp8_dtype, 1, power_2_scale, True, config=cfg),
@@ -1017,9 +564,9 @@ def quantize_blockwise_sums(
     scale_inv = block_scales(x, m, k // BLOCK, mn_major[0])
     scale_inv_t = block_scales(x, k, m // BLOCK, mn_major[1])
     part = x.new_empty((m // BLOCK, k), dtype=torch.float32)
-    f = _FORMATS[fp8_dtype]
-    cuda(x2, None, None, _bits(data).view(m, k), scale_inv, _bits(data_t), scale_inv_t, part,
-         f.max, f.e4m3, power_2_scale, "identity")  # fmt: skip
+    f = FORMATS[fp8_dtype]
+    cuda(x2, None, None, uint8_view(data).view(m, k), scale_inv, uint8_view(data_t), scale_inv_t,
+         part, f.max, f.e4m3, power_2_scale, "identity")  # fmt: skip
     return data, scale_inv, data_t, scale_inv_t, part.sum(0)
 
 
@@ -1030,18 +577,18 @@ def _dequantize(
     out_dtype: torch.dtype,
     cfg: QuantizeLaunchConfig,
 ) -> Tensor:
-    q, m, k = _rows(data)
+    q, m, k = as_rows(data)
     out = torch.empty(data.shape, device=data.device, dtype=out_dtype)
-    software = _software(data.device, cfg)
-    out_arg, bf16_bits = _rounded_out(out, software)
+    software = software_convert(data.device, cfg)
+    out_arg, bf16_bits = rounded_out(out, software)
     if m * k:
-        launch(_dequant_kernel, _grid(m, k, cfg.block_m, cfg.block_k))(
-            _bits(q),
+        launch(_dequant_kernel, grid_2d(m, k, cfg.block_m, cfg.block_k))(
+            uint8_view(q),
             scale_inv.contiguous(),
             out_arg,
             m,
             k,
-            **_fp8_args(data.dtype, software),
+            **fp8_args(data.dtype, software),
             BF16_BITS=bf16_bits,
             BLOCK_ROWS=block_rows,
             BLOCK_M=cfg.block_m,
@@ -1060,7 +607,7 @@ def dequantize_tensorwise(
     config: QuantizeLaunchConfig | None = None,
 ) -> Tensor:
     """``fp32(data) * scale_inv`` rounded to ``out_dtype``; ``scale_inv`` has one element."""
-    return _dequantize(data, scale_inv.reshape(1), 0, out_dtype, config or _DEFAULT)
+    return _dequantize(data, scale_inv.reshape(1), 0, out_dtype, config or DEFAULT_CONFIG)
 
 
 def dequantize_blockwise(
@@ -1072,119 +619,7 @@ def dequantize_blockwise(
     config: QuantizeLaunchConfig | None = None,
 ) -> Tensor:
     """``fp32(data) * scale_inv`` per ``block_rows x 128`` block of the ``[M, K]`` view."""
-    return _dequantize(data, scale_inv, block_rows, out_dtype, config or _DEFAULT)
-
-
-def quantize_columnwise_transposed(
-    x: Tensor,
-    fp8_dtype: torch.dtype,
-    *,
-    scale: Tensor | None = None,
-    block_n: int = 64,
-    block_k: int = 64,
-) -> tuple[Tensor, Tensor]:
-    """``(data_t, scale_inv)`` of ``x`` ``[..., N, K]``: every column (a slice along ``N``)
-    cast to ``fp8_dtype`` with its own current scale, the data written transposed,
-    ``[..., K, N]``, and ``scale_inv`` fp32 ``[..., K]``. Bit-identical to
-    ``quantize_rowwise(x.transpose(-2, -1))`` (what a grouped dgrad GEMM's weight copy needs)
-    in one launch, without materialising the transposed high-precision copy. ``scale``
-    (``[1]`` fp32): every column cast with it instead (delayed scaling; the bytes of
-    ``quantize_tensorwise``, transposed)."""
-    *lead, n, k = x.shape
-    batch = math.prod(lead)
-    x3 = x.contiguous().view(batch, n, k)
-    data_t = torch.empty((*lead, k, n), device=x.device, dtype=fp8_dtype)
-    scale_inv = torch.empty((*lead, k), device=x.device, dtype=torch.float32)
-    if batch * k == 0:
-        return data_t, scale_inv
-    if n == 0:
-        return data_t, scale_inv.fill_(1.0)  # an empty column: amax 0, scale 1
-    _launch_columnwise(x3, data_t, scale_inv, scale, None, n, batch, (block_n, block_k, 4))
-    return data_t, scale_inv
-
-
-def _launch_columnwise(
-    x, data_t, scale_inv, scale, ends, n, slices, tiling, fp8_dtype=None
-) -> None:
-    """``_columnwise_kernel`` over ``slices`` slices of ``x`` (``ends``: ``(ENDS, PAD_ENDS)``
-    for token groups, None for the matrices of a batch); ``tiling``: ``(BLOCK_N, BLOCK_K,
-    num_warps)``; ``fp8_dtype``: the cast's format when it is not ``data_t``'s (E5M2 into E4M3
-    codes, :func:`_recode_args`)."""
-    block_n, block_k, num_warps = tiling
-    k = x.shape[-1]
-    fp8_dtype = fp8_dtype or data_t.dtype
-    launch(_columnwise_kernel, (slices, triton.cdiv(k, block_k)))(
-        x,
-        _bits(data_t),
-        scale_inv,
-        scale_inv if scale is None else scale,
-        *((scale_inv, scale_inv) if ends is None else ends),  # unused without groups
-        n,
-        k,
-        _FORMATS[fp8_dtype].max,
-        **_recode_args(fp8_dtype, data_t, scale_inv),
-        **_cast_args(fp8_dtype, _software(x.device, _DEFAULT), x.dtype),
-        GIVEN=scale is not None,
-        GROUPED=ends is not None,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        num_warps=num_warps,
-    )
-
-
-def quantize_group_columns(
-    x: Tensor,
-    ends: Tensor,
-    pad_ends: Tensor,
-    capacity: int,
-    fp8_dtype: torch.dtype,
-    *,
-    scale: Tensor | None = None,
-    e4m3_codes: bool = False,
-    block_n: int = 128,
-    block_k: int = 32,
-    num_warps: int = 4,
-) -> tuple[Tensor, Tensor]:
-    """``(data_t, scale_inv)`` of ``x`` ``[M, K]`` whose rows form groups ending at ``ends``
-    (``[G]`` int32, on ``x``'s device): every column of every group cast to ``fp8_dtype`` with
-    its own current scale (amax over the group's rows), written transposed into ``data_t``
-    ``[K, capacity]``, group ``g`` from column ``pad_ends[g-1]`` (``pad_ends``: the ends of the
-    groups' row counts rounded up to multiples of 16; the padding and the columns after the
-    last group are zeros), and ``scale_inv`` fp32 ``[G, K]`` (1 for an empty group; ``1 /
-    scale`` for every group with ``scale``). ``scale``
-    (``[1]`` fp32): every group cast with it instead (delayed scaling). One launch, no host
-    sync; ``capacity`` must hold the padded groups (``M + 15 G`` always does). Launch:
-    ``bench/diag/tune_group_columns.py``; 128 x 32 tiles, 4 warps ran 330 / 177 us at 32768 x 4096 /
-    2048 in 8 groups on the H100 (2026-11-23; ~2.0 TB/s of its minimal traffic against 2.9 for a
-    copy; 64 x 64 took 443 / 352 us). ``e4m3_codes``: as in :func:`quantize_rowwise`."""
-    k = x.shape[1]
-    groups = ends.shape[0]
-    data_t = torch.empty((k, capacity), device=x.device, dtype=_codes_dtype(fp8_dtype, e4m3_codes))
-    scale_inv = torch.empty((groups, k), device=x.device, dtype=torch.float32)
-    if k == 0:
-        return data_t, scale_inv
-    if groups == 0:
-        return data_t.view(torch.uint8).zero_().view(data_t.dtype), scale_inv
-    tiling = (block_n, block_k, num_warps)
-    _launch_columnwise(x.contiguous(), data_t, scale_inv, scale, (ends, pad_ends), capacity,
-                       groups, tiling, fp8_dtype)  # fmt: skip
-    return data_t, scale_inv
-
-
-def recode_e5m2_as_e4m3(data: Tensor, *, block: int = 4096) -> Tensor:
-    """E5M2 ``data`` as E4M3 codes of its values times ``2**-7``
-    (:func:`e5m2_to_e4m3_table`), one read and one write: a scale that multiplied the E5M2
-    values is multiplied by 128 for the codes. Lets a GEMM that takes E4M3 operands only
-    (``torch._scaled_grouped_mm`` on Hopper) run an E5M2 gradient."""
-    if data.dtype is not torch.float8_e5m2:
-        raise ValueError(f"recode_e5m2_as_e4m3: data must be float8_e5m2, got {data.dtype}")
-    src = data.contiguous().view(torch.uint8)
-    out = torch.empty_like(src)
-    if src.numel():
-        table = e5m2_to_e4m3_table(src.device)
-        grid = (triton.cdiv(src.numel(), block),)
-        launch(_recode_kernel, grid)(src, out, table, src.numel(), BLOCK_SIZE=block, num_warps=4)
-    return out.view(torch.float8_e4m3fn)
+    return _dequantize(data, scale_inv, block_rows, out_dtype, config or DEFAULT_CONFIG)
 
 
 def delayed_scaling_update(
@@ -1215,77 +650,3 @@ def delayed_scaling_update(
         BLOCK_S=triton.next_power_of_2(slots),
         num_warps=4,
     )
-
-
-def quantize_rowwise(
-    x: Tensor,
-    fp8_dtype: torch.dtype,
-    *,
-    e4m3_codes: bool = False,
-    block_m: int = 4,
-    block_k: int = 1024,
-) -> tuple[Tensor, Tensor]:
-    """``(data, scale_inv)``: every row of ``x`` (``[..., K]``, the last dim) cast to
-    ``fp8_dtype`` with its own current scale; ``scale_inv`` fp32 of ``x``'s shape without the
-    last dim. One launch, ``x`` read from memory once (see ``_rowwise_kernel``).
-    ``e4m3_codes``: an E5M2 cast stored as E4M3 codes with ``scale_inv`` times 128, the bytes
-    of :func:`recode_e5m2_as_e4m3` without its pass."""
-    x2, m, k = _rows(x)
-    data = torch.empty(x.shape, device=x.device, dtype=_codes_dtype(fp8_dtype, e4m3_codes))
-    scale_inv = torch.empty(x.shape[:-1], device=x.device, dtype=torch.float32)
-    if m * k:
-        bk = min(block_k, triton.next_power_of_2(k))
-        launch(_rowwise_kernel, (triton.cdiv(m, block_m),))(
-            x2,
-            _bits(data),
-            scale_inv,
-            m,
-            k,
-            _FORMATS[fp8_dtype].max,
-            **_recode_args(fp8_dtype, data, scale_inv),
-            **_cast_args(fp8_dtype, _software(x.device, _DEFAULT), x.dtype),
-            BLOCK_M=block_m,
-            BLOCK_K=bk,
-            num_warps=4,
-        )
-    elif m:
-        scale_inv.fill_(128.0 if data.dtype != fp8_dtype else 1.0)  # an empty row: scale 1
-    return data, scale_inv
-
-
-@triton.jit
-def _max_exponent(S, n, BLOCK: tl.constexpr):
-    """The biased fp32 exponent of the largest of the ``n`` positive values at ``S``."""
-    m = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, n, BLOCK):
-        o = start + tl.arange(0, BLOCK)
-        m = tl.maximum(m, tl.load(S + o, mask=o < n, other=0.0))
-    return (tl.max(m, axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF
-
-
-@triton.jit
-def _scale_by(S, OUT, n, f, BLOCK: tl.constexpr):
-    for start in range(0, n, BLOCK):
-        o = start + tl.arange(0, BLOCK)
-        tl.store(OUT + o, tl.load(S + o, mask=o < n, other=0.0) * f, mask=o < n)
-
-
-@triton.jit
-def _balance_scales_kernel(SA, SB, OUT_A, OUT_B, NA, NB, BLOCK: tl.constexpr):
-    """One program: ``s = floor((ea - eb) / 2)`` of the two vectors' largest exponents, then
-    ``SA * 2**-s`` and ``SB * 2**s`` (powers of two built from their bits: exact products)."""
-    s = (_max_exponent(SA, NA, BLOCK) - _max_exponent(SB, NB, BLOCK)) >> 1  # floor: arithmetic
-    s = tl.minimum(tl.maximum(s, -126), 126)
-    _scale_by(SA, OUT_A, NA, ((127 - s) << 23).to(tl.float32, bitcast=True), BLOCK)
-    _scale_by(SB, OUT_B, NB, ((127 + s) << 23).to(tl.float32, bitcast=True), BLOCK)
-
-
-def balance_scales(sa: Tensor, sb: Tensor) -> tuple[Tensor, Tensor]:
-    """``(sa * 2**-s, sb * 2**s)`` for the 1-D positive fp32 scale vectors of a grouped FP8 GEMM,
-    ``s`` half the difference of their largest exponents (``functional.grouped_fp8._balanced``,
-    whose torch ops are ten launches in eager): one launch of one program."""
-    out_a, out_b = torch.empty_like(sa), torch.empty_like(sb)
-    launch(_balance_scales_kernel, (1,))(
-        sa, sb, out_a, out_b, sa.numel(), sb.numel(), BLOCK=1024, num_warps=4
-    )
-    return out_a, out_b

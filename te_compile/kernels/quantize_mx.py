@@ -33,7 +33,7 @@ import triton.language as tl
 from torch import Tensor
 
 from te_compile.kernels import bf16_bits, kernel_arg, launch
-from te_compile.kernels.quantize import _signed
+from te_compile.kernels.fp8 import signed
 
 __all__ = ["dequantize_mxfp8", "dequantize_nvfp4", "quantize_mxfp8", "quantize_nvfp4"]
 
@@ -50,7 +50,7 @@ _E4M3 = (3, -6, 448.0, 8)
 _E5M2 = (2, -14, 57344.0, 15)
 _E2M1 = (1, 0, 6.0, 2)
 _FP8_FORMATS = {torch.float8_e4m3fn: _E4M3, torch.float8_e5m2: _E5M2}
-_FLT_MAX = 3.4028234663852886e38
+FP32_MAX = 3.4028234663852886e38
 
 
 # Bit-level helpers ----------------------------------------------------------------------------
@@ -105,7 +105,7 @@ def _decode_fp8(code, MBITS: tl.constexpr, EMIN: tl.constexpr):
         v = tl.where(mag == 0x7F, float("nan"), v)
     else:
         v = tl.where(mag >= 0x7C, tl.where(mag == 0x7C, float("inf"), float("nan")), v)
-    return _signed(v, (code & 0x80) != 0)
+    return signed(v, (code & 0x80) != 0)
 
 
 @triton.jit
@@ -380,14 +380,14 @@ def _nvfp4_dequantize_kernel(
     for half in tl.static_range(2):
         code = (byte >> (4 * half)) & 0xF
         v = _decode(code & 7, 1, 0)
-        v = _signed(v, (code & 8) != 0)
+        v = signed(v, (code & 8) != 0)
         _store_out(out, half, tl.div_rn(v * s_val, g), mask, OUT_BF16)
 
 
 # Launch wrappers -----------------------------------------------------------------------------
 
 
-def _rows(x: Tensor) -> Tensor:
+def as_rows(x: Tensor) -> Tensor:
     """``[..., K]`` as a contiguous ``[M, K]`` (a copy only when ``x`` is not contiguous)."""
     return x.contiguous().view(-1, x.shape[-1]) if x.ndim != 2 else x.contiguous()
 
@@ -397,7 +397,7 @@ def quantize_mxfp8(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(data, scale, data_t, scale_t)`` with the layouts of ``te::quantize_mxfp8``; a
     direction not asked for gives 0-element tensors."""
-    x2 = _rows(x)
+    x2 = as_rows(x)
     m, k = x2.shape
     mbits, emin, maxv, emax = _FP8_FORMATS[fp8_dtype]
     empty = x2.new_empty(0, dtype=torch.uint8)
@@ -433,7 +433,7 @@ def quantize_mxfp8(
 def dequantize_mxfp8(data: Tensor, scale: Tensor, out_dtype: torch.dtype) -> Tensor:
     """``data * 2**(scale - 127)`` per 32-element block of the last dim, in ``out_dtype``."""
     mbits, emin, _, _ = _FP8_FORMATS[data.dtype]
-    d2 = _rows(data.view(torch.uint8))
+    d2 = as_rows(data.view(torch.uint8))
     m, k = d2.shape
     out = d2.new_empty((m, k), dtype=out_dtype)
     if m and k:
@@ -459,7 +459,7 @@ def quantize_nvfp4(
     """``(data, scale, data_t, scale_t)`` with the layouts of ``te::quantize_nvfp4``, given the
     fp32 global (encode) scale as a 1-element tensor; a direction not asked for gives
     0-element tensors. ``K`` (rowwise) and ``M`` (columnwise) must be even."""
-    x2 = _rows(x)
+    x2 = as_rows(x)
     m, k = x2.shape
     empty = x2.new_empty(0, dtype=torch.uint8)
     data = x2.new_empty((m, k // 2) if rowwise else 0, dtype=torch.uint8)
@@ -494,7 +494,7 @@ def dequantize_nvfp4(
 ) -> Tensor:
     """``e2m1 * scale / global_scale`` per 16-element block of the last dim, in ``out_dtype``;
     ``data`` is ``[..., K / 2]`` packed bytes, the output ``[..., K]``."""
-    d2 = _rows(data)
+    d2 = as_rows(data)
     m, p = d2.shape
     out = d2.new_empty((m, 2 * p), dtype=out_dtype)
     if m and p:

@@ -9,7 +9,7 @@ from te_compile.modules.layernorm_mlp import LayerNormMLP
 from te_compile.modules.linear import Linear
 from te_compile.modules.multi_head_attention import MultiheadAttention
 from te_compile.modules.norm import LayerNorm, RMSNorm
-from te_compile.modules.rotary import RotaryPositionEmbedding
+from te_compile.modules.rotary import RopeScaling, RotaryPositionEmbedding
 from te_compile.modules.transformer_layer import TransformerLayer
 from te_compile.quantization.fp8_gemm import non_finite_amaxes
 
@@ -25,6 +25,7 @@ __all__ = [
     "Linear",
     "MultiheadAttention",
     "RMSNorm",
+    "RopeScaling",
     "RotaryPositionEmbedding",
     "TransformerLayer",
     "convert_glu_layout",

@@ -3,6 +3,9 @@ the RNG tracker fork and the delayed weight gradients."""
 
 from __future__ import annotations
 
+import functools
+import weakref
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
@@ -24,6 +27,7 @@ __all__ = [
     "check_positive",
     "check_rng_tracker",
     "default_init_method",
+    "eager_when_delaying_wgrad",
     "init_method_or_default",
     "params_dtype_or_default",
     "rng_fork",
@@ -230,20 +234,26 @@ class DelayedWgrad:
     """Transformer Engine's ``delay_wgrad_compute`` / ``backward_dw()`` for a module of GEMMs
     (pipeline-parallel schedules that overlap the weight-gradient GEMMs with other work).
 
-    With ``delay_wgrad_compute=True`` a training forward (gradients enabled, a weight that
-    needs one) queues its GEMMs' :class:`~te_compile.functional.gemm.DeferredWgrad`; the
-    backward then computes the input's, the bias's and the norm's gradients and leaves the
-    weights' ``grad`` (or ``main_grad``) untouched; :meth:`backward_dw` runs the weight-gradient
-    GEMMs of one backward and accumulates them into ``weight.grad`` (summed like autograd's,
-    where Transformer Engine overwrites it) or, with ``fuse_wgrad_accumulation``, into
-    ``weight.main_grad``, then calls the hooks of
-    :meth:`register_wgrad_accumulation_and_reduce_hooks`. Each call consumes the oldest forward
-    whose backward has run, so several microbatches may be in flight. Eager only (the
-    functional ``delay_wgrad`` says why); a forward whose backward never runs keeps its saved
-    tensors queued (run the forward under ``torch.no_grad()`` or in ``eval()`` mode, where
-    nothing is delayed).
+    With ``delay_wgrad_compute=True`` a forward with gradients enabled and a weight that needs
+    one (in ``train()`` or ``eval()`` mode, as in Transformer Engine) queues its GEMMs'
+    :class:`~te_compile.functional.gemm.DeferredWgrad`; the backward then computes the input's,
+    the bias's and the norm's gradients and leaves the weights' ``grad`` (or ``main_grad``)
+    untouched; :meth:`backward_dw` runs the weight-gradient GEMMs of one backward and
+    accumulates them into ``weight.grad`` (summed like autograd's, where Transformer Engine
+    overwrites it) or, with ``fuse_wgrad_accumulation``, into ``weight.main_grad``, then calls
+    the hooks of :meth:`register_wgrad_accumulation_and_reduce_hooks`. Each call consumes the
+    oldest forward whose backward has run, so several microbatches may be in flight. A forward
+    whose backward never runs (an evaluation without ``torch.no_grad()``) leaves the queue when
+    its autograd graph is freed: its output is dropped.
 
-    A mixin for an ``nn.Module``; call :meth:`_init_delayed_wgrad` in ``__init__``."""
+    Under ``torch.compile`` such a forward runs eagerly, behind a graph break
+    (:func:`eager_when_delaying_wgrad`): a compiled backward cannot hand the output gradient
+    out of its graph to ``backward_dw()``. With ``fullgraph=True`` the first call raises
+    dynamo's ``Unsupported``, whose explanation names ``delay_wgrad_compute``.
+
+    A mixin for an ``nn.Module``; call :meth:`_init_delayed_wgrad` in ``__init__``, decorate
+    ``forward`` with :func:`eager_when_delaying_wgrad` and hand each forward's list and output
+    to :meth:`_wgrad_queue`."""
 
     def _init_delayed_wgrad(self, owner: str, delay_wgrad_compute: bool) -> None:
         check_bool(owner, delay_wgrad_compute=delay_wgrad_compute)
@@ -251,15 +261,27 @@ class DelayedWgrad:
         self._wgrad_pending: list[list[tuple]] = []
         self.wgrad_accumulation_and_reduce_hooks: list = []
 
+    def _delaying_wgrad(self) -> bool:
+        """Whether a forward now would delay its weight gradients (it will if a weight needs
+        one)."""
+        return self.delay_wgrad_compute and torch.is_grad_enabled()
+
     def _wgrad_defer(self, *weights: torch.Tensor) -> list | None:
         """A list to collect the forward's delayed weight gradients in, or None (not delayed)."""
-        if not (self.delay_wgrad_compute and self.training and torch.is_grad_enabled()):
+        if not self._delaying_wgrad():
             return None
         return [] if any(w.requires_grad for w in weights) else None
 
-    def _wgrad_queue(self, defer: list | None) -> None:
-        if defer:
-            self._wgrad_pending.append(defer)
+    def _wgrad_queue(self, defer: list | None, out: torch.Tensor) -> None:
+        """Queue the delayed GEMMs of the forward that produced ``out`` until its output's
+        autograd graph is freed: then, unless its backward ran, they leave the queue (a token
+        in the graph node's ``metadata`` dies with the graph)."""
+        if not defer or out.grad_fn is None:
+            return
+        self._wgrad_pending.append(defer)
+        token = _GraphToken()
+        out.grad_fn.metadata.setdefault("te_compile.delayed_wgrad", []).append(token)
+        weakref.finalize(token, _drop_if_never_run, weakref.ref(self), defer).atexit = False
 
     def need_backward_dw(self) -> bool:
         """Whether :meth:`backward_dw` must run to complete the weight gradients."""
@@ -277,7 +299,7 @@ class DelayedWgrad:
         if not self.delay_wgrad_compute:
             return
         pending = self._wgrad_pending
-        done = next((i for i, e in enumerate(pending) if all(d.ready for d, _ in e)), None)
+        done = next((i for i, e in enumerate(pending) if _backward_ran(e)), None)
         if done is None:
             name = type(self).__name__
             raise RuntimeError(
@@ -285,7 +307,8 @@ class DelayedWgrad:
                 + (
                     f"the backward of none of the {len(pending)} pending forward(s) has run"
                     if pending
-                    else "no training forward with delay_wgrad_compute=True is pending"
+                    else "no forward with delay_wgrad_compute=True and gradients enabled is "
+                    "pending (call backward_dw() once per backward)"
                 )
             )
         with torch.no_grad():
@@ -306,3 +329,49 @@ class DelayedWgrad:
                         weight.grad += grad
         for hook in self.wgrad_accumulation_and_reduce_hooks:
             hook()
+
+
+class _GraphToken:
+    """Lives in an autograd node's ``metadata``: freed with the graph."""
+
+
+def _backward_ran(entry: list[tuple]) -> bool:
+    return all(deferred.ready for deferred, _ in entry)
+
+
+def _drop_if_never_run(module_ref: weakref.ref, entry: list[tuple]) -> None:
+    """A forward's graph was freed: its backward can no longer run, so unless it ran, its
+    delayed GEMMs (and the tensors they hold) leave the module's queue."""
+    module = module_ref()
+    if module is None or _backward_ran(entry):
+        return
+    pending = module._wgrad_pending
+    for i, e in enumerate(pending):
+        if e is entry:  # by identity: the entries hold tensors
+            del pending[i]
+            return
+
+
+def eager_when_delaying_wgrad(forward: Callable) -> Callable:
+    """``forward`` of a :class:`DelayedWgrad` module, run eagerly under ``torch.compile`` when
+    it delays weight gradients (``torch.compiler.disable``: a graph break, or dynamo's
+    ``Unsupported`` error with ``fullgraph=True``, naming the reason below). Otherwise, and
+    in eager mode, ``forward`` itself."""
+    owner = forward.__qualname__.split(".")[0]
+    eager = torch.compiler.disable(
+        forward,
+        reason=(
+            f"te_compile.{owner}(delay_wgrad_compute=True) runs eagerly under torch.compile "
+            "(its backward hands the output gradient to backward_dw(), which a compiled "
+            "backward cannot do); with fullgraph=True construct it with "
+            "delay_wgrad_compute=False or call it outside the compiled region"
+        ),
+    )
+
+    @functools.wraps(forward)
+    def wrapper(self, *args, **kwargs):
+        if self._delaying_wgrad() and torch.compiler.is_compiling():
+            return eager(self, *args, **kwargs)
+        return forward(self, *args, **kwargs)
+
+    return wrapper

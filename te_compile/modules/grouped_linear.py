@@ -55,13 +55,14 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from te_compile import functional as F
 from te_compile.distributed.tensor_parallel import TensorParallel, set_parallel_attributes
+from te_compile.functional.grouped_gemm import checked_splits
 from te_compile.modules._common import (
     DelayedWgrad,
     check_bool,
     check_positive,
     check_rng_tracker,
+    eager_when_delaying_wgrad,
     init_method_or_default,
     params_dtype_or_default,
     rng_fork,
@@ -93,7 +94,8 @@ class GroupedLinear(DelayedWgrad, nn.Module):
             ``get_rng_state_tracker().fork(rng_tracker_name)`` (the tracker's default state
             when the name is None), as in Transformer Engine (``rng_fork``).
         delay_wgrad_compute: the backward leaves the weight gradients to :meth:`backward_dw`
-            (``DelayedWgrad``; eager only).
+            (``DelayedWgrad``; also in ``eval()`` mode; under ``torch.compile`` the module runs
+            eagerly behind a graph break).
         save_original_input: the backward keeps the input itself rather than a quantised
             copy (high precision and Float8CurrentScaling do; DelayedScaling raises ValueError,
             as in Transformer Engine; the block-scaled recipes raise NotImplementedError).
@@ -298,6 +300,7 @@ class GroupedLinear(DelayedWgrad, nn.Module):
 
     # Forward -------------------------------------------------------------------------------------
 
+    @eager_when_delaying_wgrad
     def forward(
         self,
         inp: Tensor,
@@ -322,7 +325,7 @@ class GroupedLinear(DelayedWgrad, nn.Module):
         bias = None
         if self.use_bias:
             bias = self.bias if self.single_bias else torch.stack(self.biases())
-        defer = self._wgrad_defer(*params) if self.delay_wgrad_compute else None
+        defer = self._wgrad_defer(*params)
 
         def gemm(x: Tensor, b: Tensor | None) -> Tensor:
             return _gemm.grouped_linear(
@@ -340,21 +343,32 @@ class GroupedLinear(DelayedWgrad, nn.Module):
             )
 
         def add_expert_bias(out: Tensor, b: Tensor) -> Tensor:
-            splits = F.as_splits_tensor(m_splits).to(b.device)
+            splits = m_splits.to(b.device)
             return out + b.repeat_interleave(splits, dim=0, output_size=out.shape[0])
 
         # [..., in_features] (Transformer Engine's [seq, batch, hidden]): the rows flattened.
         rows = inp.reshape(-1, inp.shape[-1]) if inp.dim() > 2 else inp
+        # A list becomes a tensor once; its sum is checked here (free on the host).
+        n_rows = rows.shape[0] if rows.dim() == 2 else None
+        m_splits = checked_splits("GroupedLinear", m_splits, n_rows, "inp's rows")
         # Row-parallel: each row's expert bias is added once, to the sum of the partial products.
         out, _ = self.tp.linear("GroupedLinear", gemm, rows, bias, add=add_expert_bias)
         if defer:  # the GEMM's [G, N, K] weight gradient goes to the module's weight(s)
-            self._wgrad_queue([(d, params[0] if self.single_weight else params) for d, _ in defer])
+            entry = [(d, params[0] if self.single_weight else params) for d, _ in defer]
+            self._wgrad_queue(entry, out)
         return out.reshape(*inp.shape[:-1], out.shape[-1]) if inp.dim() > 2 else out
 
     # state_dict in either layout ---------------------------------------------------------------
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        _convert_layout(state_dict, prefix, self.num_gemms, self.single_weight, self.single_bias)
+        shapes = {}
+        for name, single in (("weight", self.single_weight), ("bias", self.single_bias)):
+            param = getattr(self, name if single else f"{name}0", None)
+            if param is not None:  # one group's shape
+                shapes[name] = tuple(param.shape[1:] if single else param.shape)
+        _convert_layout(
+            state_dict, prefix, self.num_gemms, self.single_weight, self.single_bias, shapes
+        )
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
@@ -370,10 +384,18 @@ class GroupedLinear(DelayedWgrad, nn.Module):
 
 
 def _convert_layout(
-    state_dict: dict, prefix: str, num_gemms: int, single_weight: bool, single_bias: bool
+    state_dict: dict,
+    prefix: str,
+    num_gemms: int,
+    single_weight: bool,
+    single_bias: bool,
+    shapes: dict[str, tuple[int, ...]],
 ) -> None:
     """Rewrite, in place, the entries of ``state_dict`` under ``prefix`` saved in the other
-    layout into this module's layout (exact: stacking / unbinding copies values)."""
+    layout into this module's layout (exact: stacking / unbinding copies values). ``shapes``:
+    one group's shape of each parameter the module has; an entry of another shape, or a
+    per-group set with entries missing, is refused naming the entry (also under
+    ``strict=False``, which does not reach here: a partial set cannot make the parameter)."""
     for name, single in (("weight", single_weight), ("bias", single_bias)):
         grouped = prefix + name
         per_group = [f"{prefix}{name}{i}" for i in range(num_gemms)]
@@ -385,14 +407,36 @@ def _convert_layout(
                 f"single_grouped_weight={single}: FP8 codes keep the scale of their layout (one "
                 "per group, or one for all), so they load into a module of the same layout only"
             )
-        if single and grouped not in state_dict and all(k in state_dict for k in per_group):
+        shape = shapes.get(name)
+        present = [k for k in per_group if k in state_dict]
+        if single and grouped not in state_dict and present:
+            missing = [k for k in per_group if k not in state_dict]
+            if missing:
+                raise ValueError(
+                    f"GroupedLinear: state_dict holds {present[0]!r} (the per-group layout, "
+                    f"single_grouped_{name}=False) but not {missing[0]!r}: the {num_gemms} "
+                    f"entries {name}0 .. {name}{num_gemms - 1} are stacked into this module's "
+                    f"{grouped!r}"
+                )
+            for k in per_group:
+                if shape is not None and tuple(state_dict[k].shape) != shape:
+                    raise ValueError(
+                        f"GroupedLinear: state_dict entry {k!r} has shape "
+                        f"{list(state_dict[k].shape)}; expected one group's {list(shape)} (they "
+                        f"are stacked into this module's {grouped!r})"
+                    )
             state_dict[grouped] = torch.stack([state_dict.pop(k) for k in per_group])
-        elif not single and grouped in state_dict and not any(k in state_dict for k in per_group):
+        elif not single and grouped in state_dict and not present:
             tensor = state_dict.pop(grouped)
             if tensor.dim() == 0 or tensor.shape[0] != num_gemms:
                 raise ValueError(
                     f"GroupedLinear: state_dict entry {grouped!r} has shape {list(tensor.shape)}; "
                     f"expected dim 0 = num_gemms = {num_gemms}"
+                )
+            if shape is not None and tuple(tensor.shape[1:]) != shape:
+                raise ValueError(
+                    f"GroupedLinear: state_dict entry {grouped!r} has shape {list(tensor.shape)}; "
+                    f"expected [num_gemms, *one group's shape] = {[num_gemms, *shape]}"
                 )
             for k, t in zip(per_group, tensor.unbind(0), strict=True):
                 state_dict[k] = t.clone()

@@ -42,6 +42,7 @@ contiguous layout; the interleaved layout shards contiguously, and needs
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -51,6 +52,7 @@ from te_compile import functional as F
 from te_compile._checks import check_int
 from te_compile.functional.activation import ACTIVATIONS, GATED_ACTIVATIONS
 from te_compile.functional.glu_layout import deinterleave_glu_tensor, interleave_glu_tensor
+from te_compile.functional.grouped_gemm import checked_splits
 from te_compile.modules._common import check_bool, check_choice, check_positive
 from te_compile.modules.grouped_linear import GroupedLinear
 from te_compile.quantization.gemm import check_first_microbatch
@@ -179,7 +181,9 @@ class GroupedMLP(nn.Module):
             raise TypeError(f"GroupedMLP: inp must be a torch.Tensor, got {type(inp).__name__}")
         if is_first_microbatch is not None:
             check_first_microbatch("GroupedMLP", is_first_microbatch)
-        splits = F.as_splits_tensor(m_splits)  # a list becomes a tensor once, not twice
+        # A list becomes a tensor once, not twice; its sum is checked here (free on the host).
+        rows = math.prod(inp.shape[:-1]) if inp.dim() >= 2 else None
+        splits = checked_splits("GroupedMLP", m_splits, rows, "inp's rows")
         h = self.fc1(inp, splits, is_first_microbatch)
         h = F.bias_activation(h, None, self.activation, self.glu_interleave_size)
         return self.fc2(h, splits, is_first_microbatch)

@@ -27,6 +27,7 @@ from te_compile.modules._common import (
     check_bool,
     check_positive,
     check_rng_tracker,
+    eager_when_delaying_wgrad,
     init_method_or_default,
     params_dtype_or_default,
     parse_parameters_split,
@@ -61,7 +62,8 @@ class LayerNormLinear(DelayedWgrad, NamedSlices, PreNorm):
             :class:`~te_compile.Linear`.
         parameters_split: named row blocks of the weight, as in :class:`~te_compile.Linear`.
         delay_wgrad_compute: the backward leaves the weight gradient to :meth:`backward_dw`
-            (``DelayedWgrad``; eager only).
+            (``DelayedWgrad``; also in ``eval()`` mode; under ``torch.compile`` the module runs
+            eagerly behind a graph break).
         get_rng_state_tracker, rng_tracker_name: the weights are initialised inside
             ``get_rng_state_tracker().fork(rng_tracker_name)`` (the tracker's default state
             when the name is None), as in Transformer Engine (``rng_fork``).
@@ -153,6 +155,7 @@ class LayerNormLinear(DelayedWgrad, NamedSlices, PreNorm):
         if self.bias is not None:
             self.bias.zero_()
 
+    @eager_when_delaying_wgrad
     def forward(
         self, inp: Tensor, is_first_microbatch: bool | None = None
     ) -> Tensor | tuple[Tensor, ...]:
@@ -166,7 +169,7 @@ class LayerNormLinear(DelayedWgrad, NamedSlices, PreNorm):
         if is_first_microbatch is not None:
             _gemm.check_first_microbatch(owner, is_first_microbatch)
             cache = _gemm.WeightCache(self._fp8_weights, is_first_microbatch)
-        defer = self._wgrad_defer(self.weight) if self.delay_wgrad_compute else None
+        defer = self._wgrad_defer(self.weight)
         if not (self.tp.active or self.return_layernorm_output) and _gemm.quantized():
             # FP8: one op, the norm its prologue (written straight into FP8 on CUDA). In high
             # precision the norm stays an op of its own, which selective activation
@@ -182,7 +185,7 @@ class LayerNormLinear(DelayedWgrad, NamedSlices, PreNorm):
 
             ln_out = self._norm(inp, self.tp, owner)
             out, _ = self.tp.linear(owner, gemm, ln_out, self.bias, add_bias=add_bias)
-        self._wgrad_queue(defer)
+        self._wgrad_queue(defer, out)
         extra: tuple[Tensor | None, ...] = ()
         if self.return_bias:
             extra += (self.bias,)

@@ -52,6 +52,7 @@ from te_compile.modules._common import (
     check_choice,
     check_positive,
     check_rng_tracker,
+    eager_when_delaying_wgrad,
     init_method_or_default,
     params_dtype_or_default,
     rng_fork,
@@ -115,7 +116,8 @@ class LayerNormMLP(DelayedWgrad, PreNorm):
         sequence_parallel, tp_group, tp_size: as in :class:`~te_compile.Linear`; FC1 is
             column-parallel and FC2 row-parallel when there is more than one shard.
         delay_wgrad_compute: the backward leaves FC1's and FC2's weight gradients to
-            :meth:`backward_dw` (``DelayedWgrad``; eager only; the GEMMs then run as two
+            :meth:`backward_dw` (``DelayedWgrad``; under ``torch.compile`` the module runs
+            eagerly behind a graph break; the GEMMs then run as two
             linear ops, as with ``fuse_wgrad_accumulation``; not with ``checkpoint``).
         get_rng_state_tracker, rng_tracker_name: the weights are initialised inside
             ``get_rng_state_tracker().fork(rng_tracker_name)`` (the tracker's default state
@@ -229,6 +231,7 @@ class LayerNormMLP(DelayedWgrad, PreNorm):
             if bias is not None:
                 bias.zero_()
 
+    @eager_when_delaying_wgrad
     def forward(
         self, inp: Tensor, is_first_microbatch: bool | None = None
     ) -> Tensor | tuple[Tensor, ...]:
@@ -278,11 +281,11 @@ class LayerNormMLP(DelayedWgrad, PreNorm):
             w1, g1 = _primary.primary_weight(self, "fc1_weight", inp.dtype)
             w2, g2 = _primary.primary_weight(self, "fc2_weight", inp.dtype)
             main_grads = (g1, g2)
-        defer = self._wgrad_defer(w1, w2) if self.delay_wgrad_compute else None
+        defer = self._wgrad_defer(w1, w2)
         out = _gemm.mlp(owner, metas, inp, w1, b1, self.activation, w2, fc2_bias, norm,
                         self.activation_params, main_grads, self.checkpoint, cache, wq,
                         defer)  # fmt: skip
-        self._wgrad_queue(defer)
+        self._wgrad_queue(defer, out)
         return out
 
     def extra_repr(self) -> str:

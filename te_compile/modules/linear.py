@@ -35,6 +35,7 @@ from te_compile.modules._common import (
     check_bool,
     check_positive,
     check_rng_tracker,
+    eager_when_delaying_wgrad,
     init_method_or_default,
     params_dtype_or_default,
     parse_parameters_split,
@@ -71,7 +72,8 @@ class Linear(DelayedWgrad, NamedSlices, nn.Module):
             state_dict keys and attributes ``<name>_weight`` / ``<name>_bias``, as in
             Transformer Engine; the module keeps one fused Parameter (``NamedSlices``).
         delay_wgrad_compute: the backward leaves the weight gradient to :meth:`backward_dw`
-            (``DelayedWgrad``; eager only).
+            (``DelayedWgrad``; also in ``eval()`` mode; under ``torch.compile`` the module runs
+            eagerly behind a graph break).
         save_original_input: under an FP8 recipe the backward keeps the input itself (no
             bytes of its own where the caller keeps it, e.g. an input several modules read)
             rather than its quantised transposed copy, and quantises it again for the wgrad
@@ -173,6 +175,7 @@ class Linear(DelayedWgrad, NamedSlices, nn.Module):
         if self.bias is not None:
             self.bias.zero_()
 
+    @eager_when_delaying_wgrad
     def forward(
         self, inp: Tensor, is_first_microbatch: bool | None = None
     ) -> Tensor | tuple[Tensor, Tensor | None]:
@@ -185,14 +188,14 @@ class Linear(DelayedWgrad, NamedSlices, nn.Module):
         if is_first_microbatch is not None:
             _gemm.check_first_microbatch("Linear", is_first_microbatch)
             cache = _gemm.WeightCache(self._fp8_weights, is_first_microbatch)
-        defer = self._wgrad_defer(self.weight) if self.delay_wgrad_compute else None
+        defer = self._wgrad_defer(self.weight)
         kw = {"defer": defer, "cache": cache, "weight_quantized": wq}
         if self.save_original_input and _gemm.quantized():
             kw["save_original_input"] = True
         if self.tp.mode is None:  # no tensor parallelism: the GEMM alone (the hot path)
             bias = None if self.return_bias else self.bias
             out = _gemm.linear("Linear", self.fp8_meta, inp, weight, bias, main_grad, **kw)
-            self._wgrad_queue(defer)
+            self._wgrad_queue(defer, out)
             return (out, self.bias) if self.return_bias else out
 
         def gemm(x: Tensor, bias: Tensor | None) -> Tensor:
@@ -201,7 +204,7 @@ class Linear(DelayedWgrad, NamedSlices, nn.Module):
         # Row-parallel: the bias is added once, to the sum of the partial products.
         add_bias = not self.return_bias
         out, bias = self.tp.linear("Linear", gemm, inp, self.bias, add_bias=add_bias)
-        self._wgrad_queue(defer)
+        self._wgrad_queue(defer, out)
         return (out, bias) if self.return_bias else out
 
     def extra_repr(self) -> str:

@@ -354,6 +354,12 @@ class MultiheadAttention(nn.Module):
                 f"{owner}: hidden_states must have hidden_size={self.hidden_size} in its last "
                 f"dim, got shape {list(hidden_states.shape)}"
             )
+        weight = self.proj.weight  # the projections' weights share one device
+        if hidden_states.device != weight.device:
+            raise ValueError(
+                f"{owner}: hidden_states must be on the module's device ({weight.device}), got "
+                f"{hidden_states.device}"
+            )
         ln_out = None
         if self.attention_type == "self":
             if encoder_output is not None:

@@ -6,19 +6,90 @@ Transformer Engine's module of the same name: ``forward(max_seq_len, offset=0)``
 :math:`\\theta_i = \\mathrm{rotary\\_base}^{-2i/d_2}`. ``inv_freq`` is a buffer in the
 ``state_dict``, as in Transformer Engine; it is read in fp32 even after ``module.to(bf16)``
 (which rounds it). ``device=None`` means torch's current default device.
+
+``rope_scaling`` (a :class:`RopeScaling`, not in Transformer Engine) rescales the frequencies of
+checkpoints trained for a longer context than their base RoPE was, with the rules of Hugging
+Face configs' ``rope_type``; the frequencies are computed once, in fp32, into ``inv_freq``:
+
+- ``"linear"`` (position interpolation): :math:`\\theta_i / s` for the ``factor`` :math:`s`. This
+  is Transformer Engine's ``seq_len_interpolation_factor`` folded into the frequencies, without
+  its switch to ``max_seq_len / pretrained_max_position_embeddings`` past the interpolated
+  length, which Hugging Face's ``"linear"`` does not make.
+- ``"llama3"`` (Llama 3.1 and later): with :math:`L` the ``original_max_position_embeddings``,
+  :math:`r_i = L\\theta_i / 2\\pi` the turns frequency :math:`i` makes over that context and
+  :math:`a, b` the ``low_freq_factor`` and ``high_freq_factor``, the weight
+  :math:`w_i = \\mathrm{clamp}((r_i - a) / (b - a), 0, 1)` keeps fast frequencies
+  (:math:`r_i \\ge b`), divides slow ones (:math:`r_i \\le a`) by the ``factor`` :math:`s` and
+  blends between: :math:`(1 - w_i)\\,\\theta_i / s + w_i\\,\\theta_i`.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from te_compile._checks import check_device
+from te_compile._checks import (
+    check_choice,
+    check_device,
+    check_int,
+    check_positive_finite,
+    shown,
+)
 from te_compile.functional.rotary import rotary_frequencies
 
-__all__ = ["RotaryPositionEmbedding"]
+__all__ = ["RopeScaling", "RotaryPositionEmbedding"]
+
+_LLAMA3_FIELDS = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """How :class:`RotaryPositionEmbedding` rescales its frequencies (the module docstring gives
+    the math); the fields are those of a Hugging Face config's ``rope_parameters`` /
+    ``rope_scaling``. ``rope_type``: ``"linear"`` (``factor`` only) or ``"llama3"`` (all four
+    numbers; Llama 3.1's are ``factor=8``, ``low_freq_factor=1``, ``high_freq_factor=4``,
+    ``original_max_position_embeddings=8192``)."""
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    original_max_position_embeddings: int | None = None
+
+    def __post_init__(self) -> None:
+        owner = "RopeScaling"
+        check_choice(owner, "rope_type", self.rope_type, ("linear", "llama3"))
+        check_positive_finite(owner, factor=self.factor)
+        if self.rope_type == "linear":
+            for name in _LLAMA3_FIELDS:
+                if getattr(self, name) is not None:
+                    raise ValueError(
+                        f"{owner}: {name} is a field of rope_type='llama3', got "
+                        f"{shown(getattr(self, name))} with rope_type='linear'"
+                    )
+            return
+        check_positive_finite(
+            owner, low_freq_factor=self.low_freq_factor, high_freq_factor=self.high_freq_factor
+        )
+        check_int(owner, original_max_position_embeddings=self.original_max_position_embeddings)
+        if not self.low_freq_factor < self.high_freq_factor:
+            raise ValueError(
+                f"{owner}: high_freq_factor must be greater than low_freq_factor (the blend "
+                f"between them divides by the difference), got high_freq_factor="
+                f"{self.high_freq_factor!r} and low_freq_factor={self.low_freq_factor!r}"
+            )
+
+    def scale(self, inv_freq: Tensor) -> Tensor:
+        """The rescaled frequencies, in ``inv_freq``'s dtype."""
+        if self.rope_type == "linear":
+            return inv_freq / self.factor
+        low, high = self.low_freq_factor, self.high_freq_factor
+        turns = self.original_max_position_embeddings * inv_freq / (2 * math.pi)
+        weight = ((turns - low) / (high - low)).clamp(0.0, 1.0)
+        return (1 - weight) * inv_freq / self.factor + weight * inv_freq
 
 
 def _is_int(value: object) -> bool:
@@ -36,7 +107,8 @@ class RotaryPositionEmbedding(nn.Module):
     (``d2 = int(dim * rotary_percent)``, which must be even). ``seq_len_interpolation_factor``
     and ``pretrained_max_position_embeddings``: position interpolation, applied when both are
     given (see :func:`te_compile.functional.rotary.rotary_frequencies`). ``interleaved``: the
-    ``[f_0, f_0, f_1, f_1, ...]`` layout of ``apply_rotary_pos_emb(..., interleaved=True)``."""
+    ``[f_0, f_0, f_1, f_1, ...]`` layout of ``apply_rotary_pos_emb(..., interleaved=True)``.
+    ``rope_scaling``: a :class:`RopeScaling` applied to the frequencies (None: none)."""
 
     inv_freq: Tensor
 
@@ -49,6 +121,7 @@ class RotaryPositionEmbedding(nn.Module):
         rotary_base: float = 10000.0,
         interleaved: bool = False,
         *,
+        rope_scaling: RopeScaling | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
@@ -67,6 +140,9 @@ class RotaryPositionEmbedding(nn.Module):
             ("rotary_base", rotary_base, _is_number(rotary_base) and 0 < rotary_base < math.inf,
              "a positive number (finite)"),
             ("interleaved", interleaved, isinstance(interleaved, bool), "a bool"),
+            ("rope_scaling", rope_scaling,
+             rope_scaling is None or isinstance(rope_scaling, RopeScaling),
+             "None or a te_compile.RopeScaling"),
         ):  # fmt: skip
             if not ok:
                 raise ValueError(
@@ -85,8 +161,12 @@ class RotaryPositionEmbedding(nn.Module):
         self.pretrained_max_position_embeddings = pretrained
         self.rotary_base = rotary_base
         self.interleaved = interleaved
+        self.rope_scaling = rope_scaling
         exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim
-        self.register_buffer("inv_freq", 1.0 / (rotary_base**exponents))
+        inv_freq = 1.0 / (rotary_base**exponents)
+        if rope_scaling is not None:
+            inv_freq = rope_scaling.scale(inv_freq)
+        self.register_buffer("inv_freq", inv_freq)
 
     def forward(self, max_seq_len: int, offset: int = 0) -> Tensor:
         """``freqs [max_seq_len, 1, 1, d2]`` (fp32) for positions ``offset ..``."""
@@ -100,7 +180,8 @@ class RotaryPositionEmbedding(nn.Module):
         )
 
     def extra_repr(self) -> str:
+        scaling = "" if self.rope_scaling is None else f", rope_scaling={self.rope_scaling}"
         return (
             f"{self.dim}, rotary_base={self.rotary_base}, interleaved={self.interleaved}, "
-            f"seq_len_interpolation_factor={self.seq_len_interpolation_factor}"
+            f"seq_len_interpolation_factor={self.seq_len_interpolation_factor}{scaling}"
         )

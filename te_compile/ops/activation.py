@@ -36,7 +36,7 @@ from torch import Tensor
 from te_compile import functional as F
 from te_compile._checks import check_bool, check_finite, check_positive_finite
 from te_compile.functional.activation import check_activation
-from te_compile.ops.op import BasicOperation, OpOutput
+from te_compile.ops.op import BasicOperation, OpOutput, check_extra_input
 
 __all__ = [
     "GEGLU",
@@ -266,6 +266,7 @@ class _ScaledGLU(_GatedActivation):
 
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
         (scales,) = extra_inputs
+        check_extra_input(type(self).__name__, "scales", scales, x)
         if scales.shape != x.shape[:-1]:
             raise ValueError(
                 f"{type(self).__name__}: scales (the extra input) must have the input's shape "

@@ -137,7 +137,9 @@ class ForwardLinearBiasAdd(FusedOperation):
         (residual,) = extra_inputs
         w, dtype = self.linear.weight, self.linear.compute_dtype(x)
         if (
-            residual.shape != (*x.shape[:-1], w.shape[0])
+            not isinstance(residual, Tensor)  # AddExtraInput refuses it by name
+            or residual.device != x.device
+            or residual.shape != (*x.shape[:-1], w.shape[0])
             or residual.dtype != x.dtype
             or x.dtype != dtype
             or (self.bias is not None and self.bias.bias.dtype != dtype)

@@ -220,7 +220,7 @@ class BasicLinear(BasicOperation):
         return x.dtype if primary.is_primary(self.weight) else self.weight.dtype
 
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
-        check_input("BasicLinear", x, self.local_in_features)  # this rank's features
+        check_input("BasicLinear", x, self.local_in_features, self.weight)  # this rank's features
         return self.linear(x, None), ()
 
     def extra_repr(self) -> str:
@@ -273,7 +273,7 @@ class Bias(BasicOperation):
         self.bias.zero_()
 
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
-        check_input("Bias", x)
+        check_input("Bias", x, param=self.bias, param_name="bias")
         if x.shape[-1:] != self.bias.shape:
             raise ValueError(
                 f"Bias: input's last dim ({x.shape[-1] if x.dim() else None}) must equal "
@@ -438,7 +438,8 @@ class Linear(FusibleOperation):
             super().__setattr__(name, value)
 
     def forward(self, input: Tensor) -> Tensor:
-        check_input("Linear", input, self.basic_ops[0].local_in_features)
+        linear = self.basic_ops[0]
+        check_input("Linear", input, linear.local_in_features, linear.weight)
         bias = self.bias
         if bias is not None and bias.dtype != self.basic_ops[0].compute_dtype(input):
             x, _ = self.basic_ops[0].op_forward(input, ())

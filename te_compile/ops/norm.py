@@ -100,7 +100,7 @@ class LayerNorm(_Norm):
     has_bias = True
 
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
-        check_input("LayerNorm", x)
+        check_input("LayerNorm", x, param=self.weight)
         rows = _rows("LayerNorm", x, self.normalized_shape)
         y = F.layernorm(
             rows, self.weight.reshape(-1), self.bias.reshape(-1), self.eps, self.zero_centered_gamma
@@ -114,7 +114,7 @@ class RMSNorm(_Norm):
     has_bias = False
 
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
-        check_input("RMSNorm", x)
+        check_input("RMSNorm", x, param=self.weight)
         rows = _rows("RMSNorm", x, self.normalized_shape)
         y = F.rmsnorm(rows, self.weight.reshape(-1), self.eps, self.zero_centered_gamma)
         return y.reshape(x.shape), ()

@@ -39,12 +39,16 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from te_compile._checks import shown
+
 __all__ = [
     "BasicOperation",
     "FusedOperation",
     "FusibleOperation",
     "OpOutput",
     "OperationContext",
+    "broadcasts_to",
+    "check_extra_input",
     "check_input",
     "step_forward",
 ]
@@ -159,22 +163,59 @@ class BasicOperation(FusibleOperation):
         return (y, *extra_outputs) if self.num_extra_outputs else y
 
 
-def check_input(owner: str, x: object, last_dim: int | None = None) -> None:
+def check_input(
+    owner: str,
+    x: object,
+    last_dim: int | None = None,
+    param: Tensor | None = None,
+    param_name: str = "weight",
+) -> None:
     """An op's ``input``: a floating-point tensor with at least one dim (and ``last_dim``
-    features when given), refused by the name the op's ``forward`` gives it."""
+    features when given) on the device of ``param`` (the op's parameter ``param_name``, when
+    given), refused by the name the op's ``forward`` gives it."""
     if (
         isinstance(x, Tensor)
         and x.is_floating_point()
         and x.dim() >= 1
         and (last_dim is None or x.shape[-1] == last_dim)
+        and (param is None or x.device == param.device)
     ):
         return
     if not isinstance(x, Tensor):
-        raise TypeError(f"{owner}: input must be a torch.Tensor, got {type(x).__name__}")
+        got = "None" if x is None else type(x).__name__
+        raise TypeError(f"{owner}: input must be a torch.Tensor, got {got}")
+    if param is not None and x.device != param.device:
+        raise ValueError(
+            f"{owner}: input and {param_name} must be on one device, got input on {x.device} "
+            f"and {param_name} on {param.device}"
+        )
     want = "" if last_dim is None else f" with {last_dim} features in its last dim"
     raise ValueError(
         f"{owner}: input must be a floating-point tensor of at least one dim{want}, got "
         f"{x.dtype} of shape {list(x.shape)}"
+    )
+
+
+def check_extra_input(owner: str, name: str, value: object, x: Tensor) -> None:
+    """An op's extra input ``name`` (the next of the ``extra_inputs`` its ``forward``, or its
+    ``Sequential``'s, was given): a tensor on the device of the op's input ``x``."""
+    if isinstance(value, Tensor) and value.device == x.device:
+        return
+    if not isinstance(value, Tensor):
+        raise TypeError(
+            f"{owner}: {name} (its extra input, one of forward's extra_inputs) must be a "
+            f"torch.Tensor, got {shown(value)}"
+        )
+    raise ValueError(
+        f"{owner}: {name} (its extra input) and input must be on one device, got {name} on "
+        f"{value.device} and input on {x.device}"
+    )
+
+
+def broadcasts_to(shape: Sequence[int], target: Sequence[int]) -> bool:
+    """Whether a tensor of ``shape`` broadcasts to ``target`` without growing it."""
+    return len(shape) <= len(target) and all(
+        s == 1 or s == t for s, t in zip(reversed(shape), reversed(target), strict=False)
     )
 
 

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from torch import Tensor
 
 from te_compile._checks import check_bool, check_finite
-from te_compile.ops.op import BasicOperation, OpOutput
+from te_compile.ops.op import BasicOperation, OpOutput, broadcasts_to, check_extra_input
 
 __all__ = ["AddExtraInput", "ConstantScale", "Identity", "MakeExtraOutput", "Reshape"]
 
@@ -90,7 +90,14 @@ class AddExtraInput(BasicOperation):
 
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
         (residual,) = extra_inputs
+        check_extra_input("AddExtraInput", "residual", residual, x)
         if not self.in_place:
+            if residual.shape != x.shape and not broadcasts_to(residual.shape, x.shape):
+                raise ValueError(
+                    f"AddExtraInput: residual (its extra input) must have the input's shape "
+                    f"{tuple(x.shape)} or broadcast to it (the output keeps the input's shape), "
+                    f"got {tuple(residual.shape)}"
+                )
             return x + residual, ()
         if residual.is_leaf and residual.requires_grad:
             raise ValueError(

@@ -37,6 +37,7 @@ from te_compile._checks import check_bool
 from te_compile.quantization.recipe import DelayedScaling, MXFP8BlockScaling, Recipe
 
 __all__ = [
+    "emulation_reason",
     "get_default_fp8_recipe",
     "get_device_compute_capability",
     "is_bf16_available",
@@ -124,3 +125,15 @@ def get_default_fp8_recipe() -> Recipe:
     new recipe on each call (recipes are mutable: a shared default could be changed for every
     later caller); it can be built inside a compiled region."""
     return MXFP8BlockScaling() if is_mxfp8_available() else DelayedScaling()
+
+
+def emulation_reason(recipe: Recipe) -> str:
+    """Why ``recipe``'s GEMMs are emulated on this machine (quantised operands multiplied in
+    fp32: the recipe's numerics, not its speed), ``""`` where they run natively on CUDA
+    tensors: per-tensor FP8 from compute capability 8.9, Float8BlockScaling from 9.0 with CUDA
+    12.9; MXFP8 and NVFP4 GEMMs are emulated everywhere (te_compile has no Blackwell GEMMs)."""
+    if recipe.mxfp8() or recipe.nvfp4():
+        return f"te_compile runs {type(recipe).__name__}'s GEMMs emulated on every GPU"
+    native = is_fp8_block_scaling_available if recipe.float8_block_scaling() else is_fp8_available
+    ok, reason = native(return_reason=True)
+    return "" if ok else reason

@@ -42,12 +42,14 @@ How this works with ``torch.compile`` (checked on torch 2.13, see tests/quantiza
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar
 
+import torch
 import torch.distributed as dist
 
-from te_compile.quantization.device import get_default_fp8_recipe
+from te_compile.quantization.device import emulation_reason, get_default_fp8_recipe
 from te_compile.quantization.recipe import Recipe
 
 __all__ = ["AutocastState", "autocast", "fp8_autocast", "get_autocast_state"]
@@ -130,6 +132,8 @@ class autocast:
                 "default)"
             )
         self.amax_reduction_group = amax_reduction_group
+        if enabled and not torch.compiler.is_compiling():
+            _say_once_if_emulated(self.recipe)
         # States saved on entry, innermost last: one instance may be entered again before it
         # exits (``with cm: ... with cm: ...``), and each exit restores its own entry's state.
         self._saved: list[AutocastState] = []
@@ -150,6 +154,28 @@ class autocast:
                 return fn(*args, **kwargs)
 
         return wrapper  # type: ignore[return-value]
+
+
+# The recipe classes whose emulation was announced in this process.
+_ANNOUNCED: set[type] = set()
+
+
+def _say_once_if_emulated(recipe: Recipe) -> None:
+    """Warn, once per recipe class and process, that the recipe's GEMMs are emulated here. Not
+    while dynamo traces (``warnings.warn`` would break the graph): an ``autocast`` built inside
+    a compiled region says nothing, one built around it (the usual ``with``) does."""
+    kind = type(recipe)
+    if kind in _ANNOUNCED:
+        return
+    _ANNOUNCED.add(kind)
+    reason = emulation_reason(recipe)
+    if reason:
+        warnings.warn(
+            f"autocast: {kind.__name__}'s GEMMs are emulated on this machine ({reason}): the "
+            "quantised operands are multiplied in fp32, so the results have the recipe's "
+            "numerics but not its speed",
+            stacklevel=3,
+        )
 
 
 def fp8_autocast(

@@ -252,7 +252,7 @@ def test_float32_parameters_with_a_bias(device):
     if device == "cpu":  # the emulated GEMM accumulates in fp32: fp32 roundings
         assert_close(y, y_ref, torch.float32, roundings=2, reduced=True)
     else:  # tol: Transformer Engine's e4m3 GEMM tolerance (Hopper's FP8 accumulation)
-        torch.testing.assert_close(y.double().cpu(), y_ref, rtol=0.125, atol=0.0675)
+        torch.testing.assert_close(y.double(), y_ref, rtol=0.125, atol=0.0675)
     without_bias = F.linear(x.detach(), w.detach(), None, **gemm_specs("current"))
     torch.testing.assert_close(y.detach() - without_bias, b.detach().expand_as(y))
     y.sum().backward()

@@ -9,6 +9,7 @@ compile with zero graph breaks and no recompile for new sizes, bad input."""
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -237,6 +238,73 @@ def test_position_interpolation_needs_both_arguments():
 def test_inv_freq_is_in_the_state_dict():
     rope = te.RotaryPositionEmbedding(8)
     assert list(rope.state_dict()) == ["inv_freq"]
+
+
+def _llama3_inv_freq_ref(dim, base, factor, low, high, original):
+    """Llama 3's rule per frequency, in float64, by wavelength (as Meta's reference states it):
+    shorter than ``original / high`` kept, longer than ``original / low`` divided by ``factor``,
+    between them a blend linear in ``original / wavelength``. Also returns which branch each
+    frequency took."""
+    out, branches = [], []
+    for i in range(0, dim, 2):
+        freq = base ** (-i / dim)
+        wavelength = 2 * math.pi / freq
+        if wavelength < original / high:
+            out.append(freq)
+            branches.append("kept")
+        elif wavelength > original / low:
+            out.append(freq / factor)
+            branches.append("divided")
+        else:
+            smooth = (original / wavelength - low) / (high - low)
+            out.append((1 - smooth) * freq / factor + smooth * freq)
+            branches.append("blended")
+    return torch.tensor(out, dtype=torch.float64), branches
+
+
+@pytest.mark.parametrize(
+    ("dim", "base", "factor", "low", "high", "original"),
+    [
+        (128, 500000.0, 8.0, 1.0, 4.0, 8192),  # Llama 3.1 / 3.2 / 3.3
+        (16, 10000.0, 8.0, 1.0, 4.0, 32),  # tests/test_convert.py's small model
+        (96, 20000.0, 3.0, 2.0, 5.0, 1000),
+    ],
+)
+def test_llama3_scaling_matches_an_independent_reference(dim, base, factor, low, high, original):
+    scaling = te.RopeScaling("llama3", factor, low, high, original)
+    rope = te.RotaryPositionEmbedding(dim, rotary_base=base, rope_scaling=scaling)
+    expected, branches = _llama3_inv_freq_ref(dim, base, factor, low, high, original)
+    assert set(branches) == {"kept", "divided", "blended"}  # every branch is checked
+    # Relative error per frequency: they span seven decades (Llama 3.1's slowest is 3e-7, below
+    # assert_close's absolute tolerance). fp32's power (of a rounded exponent) and the blend
+    # measure up to a third of one rounding's tolerance; two keep a margin.
+    ratio = rope.inv_freq.double() / expected
+    assert_close(ratio, torch.ones_like(ratio), torch.float32, roundings=2)
+    assert list(rope.state_dict()) == ["inv_freq"]
+
+
+def test_linear_scaling_divides_the_frequencies():
+    plain = te.RotaryPositionEmbedding(16)
+    scaled = te.RotaryPositionEmbedding(16, rope_scaling=te.RopeScaling("linear", 4.0))
+    assert torch.equal(scaled.inv_freq, plain.inv_freq / 4.0)
+    assert_close(scaled(40), plain(40).double() / 4, torch.float32)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"rope_type": "linear", "factor": 2.0, "low_freq_factor": 1.0}, "low_freq_factor is a"),
+        ({"rope_type": "llama3", "factor": 8.0}, "low_freq_factor must be a positive float"),
+        (
+            {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 4.0,
+             "original_max_position_embeddings": 8192},
+            "high_freq_factor must be greater than low_freq_factor",
+        ),
+    ],
+)  # fmt: skip
+def test_rope_scaling_refuses_inconsistent_fields(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        te.RopeScaling(**kwargs)
 
 
 @pytest.mark.parametrize(

@@ -37,10 +37,21 @@ from te_compile.kernels import (  # noqa: E402
     norm,
     quantize,
     quantize_mx,
+    quantize_rows,
     rotary,
 )
 
-KERNEL_MODULES = (act_q, activation, dropout, moe, norm, quantize, quantize_mx, rotary)
+KERNEL_MODULES = (
+    act_q,
+    activation,
+    dropout,
+    moe,
+    norm,
+    quantize,
+    quantize_mx,
+    quantize_rows,
+    rotary,
+)
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 BF16 = torch.bfloat16
 
@@ -145,8 +156,12 @@ def _cases() -> dict[str, tuple[Callable, tuple, dict]]:
         "quantize_tensorwise": (quantize.quantize_tensorwise, (x, one, E4M3, True), {}),
         "quantize_blockwise": (quantize.quantize_blockwise, (x, E4M3, 1, False, True), {}),
         "quantize_blockwise_sums": (quantize.quantize_blockwise_sums, (x, E4M3, True), {}),
-        "quantize_rowwise": (quantize.quantize_rowwise, (x, E4M3), {}),
-        "quantize_columnwise_transposed": (quantize.quantize_columnwise_transposed, (x, E4M3), {}),
+        "quantize_rowwise": (quantize_rows.quantize_rowwise, (x, E4M3), {}),
+        "quantize_columnwise_transposed": (
+            quantize_rows.quantize_columnwise_transposed,
+            (x, E4M3),
+            {},
+        ),
         "quantize_mxfp8": (quantize_mx.quantize_mxfp8, (x, E4M3, True, True), {}),
         "quantize_nvfp4": (quantize_mx.quantize_nvfp4, (x.float(), one, True, True), {}),
         "dropout": (dropout.dropout, (x, torch.zeros(2, dtype=torch.int64), 2**31, 2.0), {}),

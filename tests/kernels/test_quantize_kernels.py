@@ -15,9 +15,12 @@ import pytest
 import torch
 
 from te_compile.functional import quantize as Q
+from te_compile.kernels import e5m2_to_e4m3_table
 from tests.utils import TRITON_DEVICE, assert_bits_equal, requires_cuda, requires_triton
 
 kernels = pytest.importorskip("te_compile.kernels.quantize")
+row_kernels = pytest.importorskip("te_compile.kernels.quantize_rows")
+
 QuantizeLaunchConfig = kernels.QuantizeLaunchConfig
 
 pytestmark = [pytest.mark.triton, requires_triton]
@@ -327,7 +330,7 @@ def test_rowwise_kernel_matches_reference(fp8, dtype, shape):
         flat[3] = torch.randn(shape[-1]) * 1e-30
         flat[4, -1] = 1e6
     x = x.to(dtype)
-    data, scale_inv = kernels.quantize_rowwise(_dev(x), fp8, block_m=4, block_k=32)
+    data, scale_inv = row_kernels.quantize_rowwise(_dev(x), fp8, block_m=4, block_k=32)
     want_data, want_scale_inv = reference(x, fp8)
     assert_bits_equal(data, want_data)
     assert_bits_equal(scale_inv, want_scale_inv)
@@ -339,7 +342,7 @@ def test_e5m2_to_e4m3_table_is_exact_down_to_one():
     subnormal grid, steps of ``2**-9``), inf and NaN give NaN."""
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     e5m2 = codes.view(E5M2).double()
-    got = kernels.e5m2_to_e4m3_table(torch.device("cpu")).view(E4M3).double()
+    got = e5m2_to_e4m3_table(torch.device("cpu")).view(E4M3).double()
     finite = torch.isfinite(e5m2)
     assert torch.isnan(got[~finite]).all() and finite.sum() == 256 - 8  # inf, 3 NaNs a sign
     shifted = e5m2[finite] * 2.0**-7
@@ -358,12 +361,12 @@ def test_recode_e5m2_kernel_matches_the_table(numel):
     codes = torch.randint(0, 256, (numel,), dtype=torch.int32).to(torch.uint8)
     codes[: min(numel, 256)] = torch.arange(min(numel, 256), dtype=torch.int32).to(torch.uint8)
     data = codes.view(E5M2)
-    got = kernels.recode_e5m2_as_e4m3(_dev(data), block=1024)
-    table = kernels.e5m2_to_e4m3_table(torch.device("cpu"))
+    got = row_kernels.recode_e5m2_as_e4m3(_dev(data), block=1024)
+    table = e5m2_to_e4m3_table(torch.device("cpu"))
     assert got.dtype is E4M3
     assert torch.equal(got.cpu().view(torch.uint8), table[codes.long()])
     with pytest.raises(ValueError, match="data must be float8_e5m2"):
-        kernels.recode_e5m2_as_e4m3(_dev(data.view(E4M3)))
+        row_kernels.recode_e5m2_as_e4m3(_dev(data.view(E4M3)))
 
 
 @pytest.mark.parametrize("given", [False, True], ids=["current", "delayed"])
@@ -386,18 +389,18 @@ def test_kernels_write_e5m2_as_e4m3_codes(rows, given):
         x[:, 5] = torch.randn(rows) * 1e-4  # values below 1 in E5M2's scaled units
     x = x.to(torch.bfloat16)
     if not given:
-        data, inv = kernels.quantize_rowwise(_dev(x), E5M2, e4m3_codes=True, block_k=32)
+        data, inv = row_kernels.quantize_rowwise(_dev(x), E5M2, e4m3_codes=True, block_k=32)
         want_data, want_inv = GF.as_e4m3(*GF.quantize_rowwise(x, E5M2))
         assert data.dtype is E4M3
         assert_bits_equal(data, want_data)
         assert_bits_equal(inv, want_inv)
-        e4 = kernels.quantize_rowwise(_dev(x), E4M3, e4m3_codes=True, block_k=32)
+        e4 = row_kernels.quantize_rowwise(_dev(x), E4M3, e4m3_codes=True, block_k=32)
         _assert_all_equal(e4, GF.quantize_rowwise(x, E4M3))
     splits = torch.tensor([rows - rows // 2, 0, rows // 2])
     scale = torch.tensor([2.0**12]) if given else None
     want_data, want_inv, want_ends = GF.quantize_group_columns(x, splits, E5M2, scale)
     want_data, want_inv = GF.as_e4m3(want_data, want_inv)
-    data_t, scale_inv = kernels.quantize_group_columns(
+    data_t, scale_inv = row_kernels.quantize_group_columns(
         _dev(x), _dev(splits.cumsum(0).to(torch.int32)), _dev(want_ends), want_data.shape[1],
         E5M2, scale=None if scale is None else _dev(scale), e4m3_codes=True, block_n=16,
         block_k=16,
@@ -416,13 +419,13 @@ def test_kernels_write_e5m2_as_e4m3_codes_at_default_launch():
     torch.manual_seed(7)
     x = torch.randn(300, 2048) * torch.logspace(-14, 2, 2048, base=2.0)
     x = x.to(torch.bfloat16)
-    data, inv = kernels.quantize_rowwise(_dev(x), E5M2, e4m3_codes=True)
+    data, inv = row_kernels.quantize_rowwise(_dev(x), E5M2, e4m3_codes=True)
     want = GF.as_e4m3(*GF.quantize_rowwise(x, E5M2))
     _assert_all_equal((data, inv), want)
     splits = torch.tensor([100, 0, 200])
     want_data, want_inv, want_ends = GF.quantize_group_columns(x, splits, E5M2)
     want_data, want_inv = GF.as_e4m3(want_data, want_inv)
-    got = kernels.quantize_group_columns(
+    got = row_kernels.quantize_group_columns(
         _dev(x), _dev(splits.cumsum(0).to(torch.int32)), _dev(want_ends), want_data.shape[1],
         E5M2, e4m3_codes=True,
     )  # fmt: skip
@@ -447,7 +450,7 @@ def test_columnwise_transposed_kernel_matches_rowwise_of_the_transpose(fp8, dtyp
         x[..., 3] = torch.randn(x[..., 3].shape) * 1e-30
         x[..., -1, 4] = 1e6
     x = x.to(dtype)
-    data_t, scale_inv = kernels.quantize_columnwise_transposed(_dev(x), fp8)
+    data_t, scale_inv = row_kernels.quantize_columnwise_transposed(_dev(x), fp8)
     if shape[-2] == 0:  # empty columns: amax 0, scale 1 (torch's amax refuses an empty dim)
         assert data_t.shape == (*shape[:-2], shape[-1], 0)
         assert torch.equal(scale_inv.cpu(), torch.ones(*shape[:-2], shape[-1]))
@@ -467,7 +470,7 @@ def test_columnwise_transposed_kernel_with_a_given_scale(fp8, dtype):
     x = (torch.randn(3, 70, 45) * 3).to(dtype)
     x[1, 5, 7] = 1e4  # saturates at this scale
     scale = torch.tensor([64.0])
-    data_t, _ = kernels.quantize_columnwise_transposed(_dev(x), fp8, scale=_dev(scale))
+    data_t, _ = row_kernels.quantize_columnwise_transposed(_dev(x), fp8, scale=_dev(scale))
     for b in range(3):
         want, _, _ = kernels.quantize_tensorwise(_dev(x[b]), _dev(scale), fp8, False)
         assert_bits_equal(data_t[b], want.t().contiguous())
@@ -501,7 +504,7 @@ def test_group_columns_kernel_matches_the_torch_loop(fp8, dtype, given, splits):
     scale = torch.tensor([64.0]) if given else None
     want_data, want_inv, want_ends = reference(x, m_splits, fp8, scale)
     ends = _dev(m_splits.cumsum(0).to(torch.int32))
-    data_t, scale_inv = kernels.quantize_group_columns(
+    data_t, scale_inv = row_kernels.quantize_group_columns(
         _dev(x), ends, _dev(want_ends), want_data.shape[1], fp8,
         scale=None if scale is None else _dev(scale), block_n=16, block_k=16,
     )  # fmt: skip
@@ -529,6 +532,6 @@ def test_balance_scales_kernel_equals_the_torch_ops(sizes):
     sb = torch.exp2(torch.randint(-60, 20, (nb,)).float()) * (1 + torch.rand(nb))
     for a, b in ((sa, sb), (sb, sa)):
         want = GF._balanced(a, b)
-        got = kernels.balance_scales(a.to(TRITON_DEVICE), b.to(TRITON_DEVICE))
+        got = row_kernels.balance_scales(a.to(TRITON_DEVICE), b.to(TRITON_DEVICE))
         for g, w in zip(got, want, strict=True):
             assert_bits_equal(g.cpu(), w)

@@ -1,6 +1,8 @@
 """delay_wgrad_compute / backward_dw() (Transformer Engine's split backward for pipeline
 schedules): the backward computes the input's, the bias's and the norm's gradients; the weight
-gradients come from backward_dw(), bit for bit those of the normal backward."""
+gradients come from backward_dw(), bit for bit those of the normal backward, in train() or
+eval() mode (TE's own tests run eval() modules), eager or behind torch.compile's graph
+break."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import pytest
 import torch
 
 import te_compile as te
-from tests.utils import DEVICES, assert_bits_equal, assert_matches_eager
+from tests.utils import DEVICES, assert_bits_equal, assert_matches_eager, count_graph_breaks
 
 BF16 = torch.bfloat16
 RECIPES = [
@@ -23,14 +25,22 @@ def _make(name, device, **kw):
         return te.Linear(32, 32, **factory)
     if name == "LayerNormLinear":
         return te.LayerNormLinear(32, 32, **factory)
+    if name == "GroupedLinear":
+        return te.GroupedLinear(3, 32, 32, **factory)
     return te.LayerNormMLP(32, 64, activation="swiglu", **factory)
 
 
 MODULES = ["Linear", "LayerNormLinear", "LayerNormMLP"]
+ALL_MODULES = [*MODULES, "GroupedLinear"]
+SPLITS = [16, 0, 16]  # GroupedLinear's groups of the 32 rows of a [16, 2, 32] input
+
+
+def _call(m, x):
+    return m(x, SPLITS) if isinstance(m, te.GroupedLinear) else m(x)
 
 
 def _weights(m):
-    return [p for n, p in m.named_parameters() if n.endswith("weight") and "norm" not in n]
+    return [p for n, p in m.named_parameters() if "weight" in n and "norm" not in n]
 
 
 def _pair(name, device, **kw):
@@ -86,7 +96,9 @@ def test_microbatches_in_flight_accumulate(name):
     m.backward_dw()
     outs[0].backward(gs[0])
     m.backward_dw()
-    with pytest.raises(RuntimeError, match=r"no training forward .* is pending"):
+    with pytest.raises(
+        RuntimeError, match=r"no forward with delay_wgrad_compute=True .* is pending"
+    ):
         m.backward_dw()
     for w_ref, w in zip(_weights(ref), _weights(m), strict=True):
         # the sum in the other order: equal up to one bf16 rounding
@@ -118,15 +130,72 @@ def test_main_grad_untouched_until_backward_dw(name):
         assert_bits_equal(w.main_grad, w_ref.main_grad)
 
 
-def test_nothing_delayed_without_a_training_backward():
-    ref, m = _pair("Linear", "cpu")
-    x = torch.randn(8, 32, dtype=BF16)
+FP8_RECIPES = [
+    *RECIPES,
+    pytest.param(te.recipe.DelayedScaling(), id="fp8_delayed"),
+]
+
+
+@pytest.mark.parametrize("fuse", [False, True], ids=["grad", "main_grad"])
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
+@pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", ALL_MODULES)
+def test_te_usage_in_eval_mode(name, dtype, recipe, fuse):
+    """Transformer Engine's own tests: eval() modules (gradients still enabled), a random
+    main_grad set beforehand with fuse_wgrad_accumulation, forward, loss.backward(),
+    backward_dw(); the output, the input's gradient and every parameter's grad (main_grad for
+    the weights, whose grad stays None) bit for bit those of delay_wgrad_compute=False."""
+    ref, m = _pair(name, "cpu", params_dtype=dtype, fuse_wgrad_accumulation=fuse)
+    x = torch.randn(16, 2, 32, dtype=dtype)
+    results = []
+    for mod in (m, ref):
+        mod.eval()
+        if fuse:
+            torch.manual_seed(1)  # the same main_grad values in both
+            if isinstance(mod, te.GroupedLinear):
+                mod.allocate_main_grad().uniform_()
+            else:
+                for w in _weights(mod):
+                    w.main_grad = torch.rand_like(w, dtype=torch.float32)
+        main_grads = [w.main_grad.clone() for w in _weights(mod)] if fuse else []
+        inp = x.clone().requires_grad_()
+        with te.autocast(enabled=recipe is not None, recipe=recipe):
+            out = _call(mod, inp)
+        out.sum().backward()
+        if mod is m:
+            assert all(w.grad is None for w in _weights(m))
+            for w, before in zip(_weights(m) if fuse else [], main_grads, strict=True):
+                assert_bits_equal(w.main_grad, before)  # untouched until backward_dw()
+            m.backward_dw()
+        weights = _weights(mod)
+        grads = [p.main_grad if fuse and any(p is w for w in weights) else p.grad
+                 for p in mod.parameters()]  # fmt: skip
+        assert all(g is not None for g in grads)
+        assert not fuse or all(w.grad is None for w in weights)
+        results.append([out, inp.grad, *grads])
+    for actual, expected in zip(*results, strict=True):
+        assert_bits_equal(actual, expected)
+
+
+@pytest.mark.parametrize("name", ALL_MODULES)
+def test_a_forward_whose_backward_never_runs_leaves_the_queue(name):
+    """An evaluation with gradients enabled (no torch.no_grad()) queues its GEMMs; they leave
+    the queue with the output's autograd graph unless its backward ran."""
+    m = _pair(name, "cpu")[1].eval()
+    x = torch.randn(16, 2, 32, dtype=BF16)
+    out = _call(m, x)
+    assert len(m._wgrad_pending) == 1
+    del out
+    assert not m._wgrad_pending
+    with pytest.raises(RuntimeError, match=r"no forward with delay_wgrad_compute=True"):
+        m.backward_dw()
+    out = _call(m, x)
+    out.float().sum().backward()
+    del out  # the backward ran: backward_dw() still has it to compute
+    m.backward_dw()
+    assert all(w.grad is not None for w in _weights(m))
     with torch.no_grad():
-        m(x)
-    m.eval()
-    m(x).sum().backward()  # eval mode: the weight gradient comes with the backward
-    ref(x).sum().backward()
-    assert_bits_equal(m.weight.grad, ref.weight.grad)
+        _call(m, x)
     assert not m._wgrad_pending
     assert te.Linear(4, 4).backward_dw() is None  # not delayed: a no-op, as in TE
 
@@ -140,15 +209,51 @@ def test_bad_arguments():
         te.Linear(4, 4, delay_wgrad_compute=True).register_wgrad_accumulation_and_reduce_hooks(3)
 
 
-def test_compile_refuses_clearly():
-    """Under torch.compile no tensor the backward writes can leave the compiled graph (AOT
-    autograd: a forward output mutated by the backward), so the delayed path is eager only and
-    says so rather than computing the weight gradient at the wrong time."""
-    m = te.Linear(16, 16, delay_wgrad_compute=True)
-    compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
-    with pytest.raises(Exception, match="eager mode only") as info:
-        compiled(torch.randn(4, 16))
-    assert "NotImplementedError" in repr(info.value) or isinstance(info.value, NotImplementedError)
+class _Around(torch.nn.Module):
+    """A compiled region around the module: exact ops (a power of two, relu), so the compiled
+    and eager results are the same bits."""
+
+    def __init__(self, m):
+        super().__init__()
+        self.m = m
+
+    def forward(self, x):
+        return torch.relu(_call(self.m, x * 2)) * 0.5
+
+
+@pytest.mark.parametrize("name", ALL_MODULES)
+def test_compiled_the_module_runs_eagerly_behind_a_graph_break(name):
+    """Without fullgraph, torch.compile runs the delaying module eagerly (the rest compiled):
+    backward_dw() after the compiled call's backward gives the normal gradients."""
+    ref, m = _pair(name, "cpu")
+    x = torch.randn(16, 2, 32, dtype=BF16)
+    torch._dynamo.reset()
+    # Inductor: dynamo's own fallback for an error raised in tracing compiled parts of the
+    # module's forward, whose compiled backward then never wrote the stash backward_dw() reads.
+    compiled = torch.compile(_Around(m), backend="inductor")
+    for _ in range(2):  # the second call reuses the compiled frames
+        compiled(x).float().sum().backward()
+        m.backward_dw()
+    for _ in range(2):
+        _Around(ref)(x).float().sum().backward()
+    for p, q in zip(ref.parameters(), m.parameters(), strict=True):
+        assert_bits_equal(q.grad, p.grad)
+    with torch.no_grad():  # nothing delayed: no graph break
+        count = count_graph_breaks(_Around(m), x)
+    assert count == (1, 0)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("name", ALL_MODULES)
+def test_compiled_fullgraph_fails_at_the_first_call_naming_the_option(name):
+    m = _make(name, "cpu", delay_wgrad_compute=True)
+    compiled = torch.compile(_Around(m), fullgraph=True, backend="aot_eager")
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported) as info:
+        compiled(torch.randn(16, 2, 32, dtype=BF16))
+    assert f"te_compile.{name}(delay_wgrad_compute=True) runs eagerly" in str(info.value)
+    assert "construct it with delay_wgrad_compute=False" in str(info.value)
+    assert not m._wgrad_pending
     torch._dynamo.reset()
 
 

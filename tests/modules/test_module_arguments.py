@@ -20,6 +20,16 @@ CONSTRUCTORS = {
     "Fp8Unpadding": (te.Fp8Unpadding, {"num_gemms": 2}),
     "DotProductAttention": (te.DotProductAttention, {"num_attention_heads": 2, "kv_channels": 8}),
     "RotaryPositionEmbedding": (te.RotaryPositionEmbedding, {"dim": 8}),
+    "RopeScaling": (
+        te.RopeScaling,
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ),
     "MultiheadAttention": (te.MultiheadAttention, {"hidden_size": 16, "num_attention_heads": 2}),
     "TransformerLayer": (
         te.TransformerLayer,

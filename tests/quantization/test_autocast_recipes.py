@@ -467,3 +467,27 @@ def test_checkpoint_recomputes_with_the_recipe_of_the_forward():
         grads.append((x.grad, m.weight.grad))
     for a, b in zip(*grads, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(te.is_fp8_available(), reason="per-tensor FP8 GEMMs are native here")
+def test_emulated_recipe_is_announced_once_per_recipe(monkeypatch):
+    """Where a recipe's GEMMs are emulated (no FP8 tensor cores), the first autocast of each
+    recipe class in a process says so, with the reason; later ones and a disabled one stay
+    quiet."""
+    import warnings
+
+    from te_compile.quantization import state
+
+    monkeypatch.setattr(state, "_ANNOUNCED", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        te.autocast(enabled=False, recipe=te.recipe.Float8CurrentScaling())
+        for _ in range(2):
+            te.autocast(recipe=te.recipe.Float8CurrentScaling())
+        te.autocast(recipe=te.recipe.MXFP8BlockScaling())
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 2, messages
+    assert messages[0].startswith("autocast: Float8CurrentScaling's GEMMs are emulated")
+    assert te.is_fp8_available(return_reason=True)[1] in messages[0]
+    assert messages[1].startswith("autocast: MXFP8BlockScaling's GEMMs are emulated")
+    assert caught[0].filename == __file__  # points at the caller's line

@@ -124,29 +124,41 @@ def _extra_dim(t):
     return "one more dim", t.detach().unsqueeze(0).clone()
 
 
+def _meta_device(t):
+    return "on the meta device", t.detach().to("meta")
+
+
 def not_tensor(t):
     return "a list", t.detach().tolist()
 
 
+def none(t):
+    """None for a tensor argument: tried only where the signature does not allow None (no
+    ``None`` default, no ``| None`` in the annotation)."""
+    return "None", None
+
+
 def TENSOR(*variants: Callable, peers: tuple[str, ...] = ()) -> Domain:
-    """A floating tensor: not a list, not 0-dim, not an integer dtype, plus ``variants``."""
-    bad = (not_tensor, _rank0, _int_dtype, *variants)
+    """A floating tensor: not a list or None, not 0-dim, not an integer dtype, plus
+    ``variants``."""
+    bad = (not_tensor, none, _rank0, _int_dtype, *variants)
     return Domain("floating tensor", tensor_bad=bad, peers=peers)
 
 
 def INDEX_TENSOR(*variants: Callable, peers: tuple[str, ...] = ()) -> Domain:
-    """An integer (or bool) tensor: not a list, not floating, plus ``variants``."""
-    return Domain("integer tensor", tensor_bad=(not_tensor, _float_dtype, *variants), peers=peers)
+    """An integer (or bool) tensor: not a list or None, not floating, plus ``variants``."""
+    bad = (not_tensor, none, _float_dtype, *variants)
+    return Domain("integer tensor", tensor_bad=bad, peers=peers)
 
 
 def ANY_RANK_TENSOR() -> Domain:
     """A floating tensor of any rank (element-wise ops: a 0-dim tensor is valid)."""
-    return Domain("floating tensor", tensor_bad=(not_tensor, _int_dtype))
+    return Domain("floating tensor", tensor_bad=(not_tensor, none, _int_dtype))
 
 
 def ANY_DTYPE_TENSOR(*variants: Callable) -> Domain:
     """A tensor of any dtype with at least one dim (layout ops)."""
-    return Domain("tensor", tensor_bad=(not_tensor, _rank0, *variants))
+    return Domain("tensor", tensor_bad=(not_tensor, none, _rank0, *variants))
 
 
 def UNSUPPORTED(what: str) -> Domain:
@@ -155,6 +167,9 @@ def UNSUPPORTED(what: str) -> Domain:
 
 
 LAST, FIRST, EXTRA = _last_dim, _first_dim, _extra_dim
+# On another device than the tensors it meets (the walker's valid call is on the CPU): a
+# parameter of a functional, or a module's input (its parameters stay on the CPU).
+META = _meta_device
 
 COMMON: dict[str, Domain] = {
     "device": DEVICE(),
@@ -212,8 +227,9 @@ _MASK = CHOICE("causal", "no_mask", "padding", "...")
 _WINDOW = Domain("(left, right) ints >= -1", ("4", (1,), (1.5, 0)))
 _ACTIVATION = CHOICE("gelu", "...")
 _ROUTING_INT = Domain("int >= -1 or None", ("4", True, -2, 2.5))
-_SPLITS = Domain("ints >= 0 summing to the rows", ("4", [1, 2], [-1, 7]))
+_SPLITS = Domain("ints >= 0 summing to the rows", ("4", 6, None, [1, 2], [-1, 7]))
 _FP8_RECIPE = Domain("a te_compile.recipe recipe", ("delayed", 3))
+_ROPE_SCALING = Domain("None or a te_compile.RopeScaling", ("llama3", 3))
 _ATTN = {
     "num_attention_heads": POS_INT(),
     "num_gqa_groups": POS_INT(),
@@ -365,28 +381,36 @@ DOMAINS: dict[str, dict[str, Domain]] = {
         "seq_len_interpolation_factor": POS_FLOAT(),
         "pretrained_max_position_embeddings": POS_INT(),
         "rotary_base": POS_FLOAT(),
+        "rope_scaling": _ROPE_SCALING,
+    },
+    "te.RopeScaling": {
+        "rope_type": CHOICE("linear", "llama3"),
+        "factor": POS_FLOAT(),
+        "low_freq_factor": POS_FLOAT(),
+        "high_freq_factor": POS_FLOAT(),
+        "original_max_position_embeddings": POS_INT(),
     },
     # modules: forwards
-    "te.Linear.forward": {"inp": TENSOR(LAST)},
-    "te.LayerNormLinear.forward": {"inp": TENSOR(LAST)},
-    "te.LayerNormMLP.forward": {"inp": TENSOR(LAST)},
-    "te.LayerNorm.forward": {"inp": TENSOR(LAST)},
-    "te.RMSNorm.forward": {"inp": TENSOR(LAST)},
-    "te.GroupedLinear.forward": {"inp": TENSOR(LAST, FIRST), "m_splits": _SPLITS},
-    "te.GroupedMLP.forward": {"inp": TENSOR(LAST, FIRST), "m_splits": _SPLITS},
+    "te.Linear.forward": {"inp": TENSOR(LAST, META)},
+    "te.LayerNormLinear.forward": {"inp": TENSOR(LAST, META)},
+    "te.LayerNormMLP.forward": {"inp": TENSOR(LAST, META)},
+    "te.LayerNorm.forward": {"inp": TENSOR(LAST, META)},
+    "te.RMSNorm.forward": {"inp": TENSOR(LAST, META)},
+    "te.GroupedLinear.forward": {"inp": TENSOR(LAST, FIRST, META), "m_splits": _SPLITS},
+    "te.GroupedMLP.forward": {"inp": TENSOR(LAST, FIRST, META), "m_splits": _SPLITS},
     "te.Fp8Padding.forward": {"inp": ANY_DTYPE_TENSOR(FIRST), "m_splits": _SPLITS},
     "te.Fp8Unpadding.forward": {
         "inp": ANY_DTYPE_TENSOR(FIRST),
-        "m_splits": Domain("ints >= 0", ("4", [-1, 7])),
+        "m_splits": Domain("ints >= 0", ("4", 6, None, [-1, 7])),
     },
     "te.DotProductAttention.forward": {
         "query": TENSOR(LAST),
-        "key": TENSOR(LAST),
-        "value": TENSOR(),
+        "key": TENSOR(LAST, META),
+        "value": TENSOR(META),
         **_ATTN_FORWARD,
     },
-    "te.MultiheadAttention.forward": _ATTN_FORWARD,
-    "te.TransformerLayer.forward": _ATTN_FORWARD,
+    "te.MultiheadAttention.forward": {**_ATTN_FORWARD, "hidden_states": TENSOR(LAST, META)},
+    "te.TransformerLayer.forward": {**_ATTN_FORWARD, "hidden_states": TENSOR(LAST, META)},
     "te.RotaryPositionEmbedding.forward": {"max_seq_len": POS_INT(), "offset": NONNEG_INT()},
     # top-level utilities
     "te.autocast": {
@@ -459,7 +483,7 @@ DOMAINS: dict[str, dict[str, Domain]] = {
     "te.non_finite_amaxes": {"model": Domain("an nn.Module", (3, "model"))},
     "te.apply_rotary_pos_emb": {
         "t": TENSOR(LAST),
-        "freqs": TENSOR(LAST),
+        "freqs": TENSOR(LAST, META),
         "tensor_format": _QKV_FORMAT,
         "start_positions": UNSUPPORTED("per-sequence position offsets are not implemented"),
         "fused": SWITCH(),
@@ -579,14 +603,17 @@ DOMAINS: dict[str, dict[str, Domain]] = {
         "qkv_bias": SWITCH(),
         "window_size": _WINDOW,
         "tie_word_embeddings": SWITCH(),
+        "rope_scaling": _ROPE_SCALING,
     },
-    "te.convert.CausalLM.forward": {"input_ids": INDEX_TENSOR(EXTRA)},
+    "te.convert.CausalLM.forward": {"input_ids": INDEX_TENSOR(EXTRA, META)},
     "te.convert.from_hf": {"model": Domain("a transformers causal LM", (3, "model"))},
     # te.functional
-    "te.functional.as_splits_tensor": {"m_splits": Domain("ints >= 0", ("4", [-1, 2], [1.5]))},
+    "te.functional.as_splits_tensor": {
+        "m_splits": Domain("ints >= 0", ("4", 6, None, [-1, 2], [1.5]))
+    },
     "te.functional.bias_activation": {
         "inp": TENSOR(LAST),
-        "bias": TENSOR(LAST),
+        "bias": TENSOR(LAST, META),
         "activation": _ACTIVATION,
     },
     "te.functional.blockwise_supported": {
@@ -595,7 +622,7 @@ DOMAINS: dict[str, dict[str, Domain]] = {
         "fwd_dtype": CHOICE(torch.float8_e4m3fn),
         "bwd_dtype": CHOICE(torch.float8_e5m2),
     },
-    "te.functional.branch_rmsnorm": {"inp": TENSOR(LAST), "weight": TENSOR(LAST)},
+    "te.functional.branch_rmsnorm": {"inp": TENSOR(LAST), "weight": TENSOR(LAST, META)},
     "te.functional.clamped_swiglu": _GLU_FN,
     "te.functional.geglu": _GLU_FN,
     "te.functional.glu": _GLU_FN,
@@ -625,8 +652,8 @@ DOMAINS: dict[str, dict[str, Domain]] = {
     "te.functional.quantize_nvfp4": {"x": TENSOR(), "global_amax": ANY_RANK_TENSOR()},
     "te.functional.dot_product_attention": {
         "query": TENSOR(LAST),
-        "key": TENSOR(LAST),
-        "value": TENSOR(),  # v's head dim is free
+        "key": TENSOR(LAST, META),
+        "value": TENSOR(META),  # v's head dim is free
         **{k: v for k, v in _ATTN_FORWARD.items() if k != "hidden_states"},
         "qkv_format": _QKV_FORMAT,
         "softmax_scale": POS_FLOAT(),
@@ -642,8 +669,8 @@ DOMAINS: dict[str, dict[str, Domain]] = {
     "te.functional.grouped_linear": {
         "inp": TENSOR(LAST, FIRST),
         "m_splits": _SPLITS,
-        "weight": TENSOR(LAST, EXTRA),
-        "bias": TENSOR(LAST),
+        "weight": TENSOR(LAST, EXTRA, META),
+        "bias": TENSOR(LAST, META),
         **_GEMM_RECIPE_ARGS,
         "scale": TENSOR(),
         "grad_amax": TENSOR(),
@@ -658,12 +685,12 @@ DOMAINS: dict[str, dict[str, Domain]] = {
         "weight_4over6": _FOUR_OVER_SIX,
     },
     "te.functional.l2normalization": {"inp": TENSOR()},
-    "te.functional.layernorm": {"weight": TENSOR(LAST), "bias": TENSOR(LAST)},
-    "te.functional.rmsnorm": {"weight": TENSOR(LAST)},
+    "te.functional.layernorm": {"weight": TENSOR(LAST, META), "bias": TENSOR(LAST, META)},
+    "te.functional.rmsnorm": {"weight": TENSOR(LAST, META)},
     "te.functional.linear": {
         "inp": TENSOR(LAST),
-        "weight": TENSOR(LAST, EXTRA),
-        "bias": TENSOR(LAST),
+        "weight": TENSOR(LAST, EXTRA, META),
+        "bias": TENSOR(LAST, META),
         "main_grad": TENSOR(LAST),
         "input_spec": SPEC(),
         "weight_spec": SPEC(),
@@ -685,10 +712,10 @@ DOMAINS: dict[str, dict[str, Domain]] = {
     },
     "te.functional.mlp": {
         "inp": TENSOR(LAST),
-        "fc1_weight": TENSOR(LAST, EXTRA),
-        "fc1_bias": TENSOR(LAST),
-        "fc2_weight": TENSOR(LAST, EXTRA),
-        "fc2_bias": TENSOR(LAST),
+        "fc1_weight": TENSOR(LAST, EXTRA, META),
+        "fc1_bias": TENSOR(LAST, META),
+        "fc2_weight": TENSOR(LAST, EXTRA, META),
+        "fc2_bias": TENSOR(LAST, META),
         "activation": _ACTIVATION,
         **_GEMM_RECIPE_ARGS,
         "scale1": TENSOR(),
@@ -740,7 +767,7 @@ DOMAINS: dict[str, dict[str, Domain]] = {
     "te.ops.Quantize": {"forward": SWITCH(), "backward": SWITCH()},
     "te.ops.Reshape": {"shape": Domain("sequence of ints", (3, ["a"], [1.5]))},
     "te.ops.Sequential": {"fuse": SWITCH()},
-    "te.ops.forward": {"input": TENSOR(LAST)},
+    "te.ops.forward": {"input": TENSOR(LAST, META)},  # the ops walked forward have parameters
     # te.recipe
     "te.recipe.DelayedScaling": {
         "amax_history_len": POS_INT(),
