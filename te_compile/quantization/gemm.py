@@ -536,7 +536,7 @@ def mlp(
                       cache_name="fc2_weight", weight_quantized=q2, defer=defer)  # fmt: skip
     weights = (fc1_weight, fc2_weight)
     args = gemm_args(owner, state, inp, weights, metas)
-    kw = {**_norm_kwargs(norm), **args.scalars(), **act_kw}
+    kw = {**_norm_kwargs(norm), **args.spec_kwargs(), **act_kw}
     kw["fc1_weight_quantized"] = cached_weight(args, fc1_weight, cache, "fc1_weight", 0)
     kw["fc2_weight_quantized"] = cached_weight(args, fc2_weight, cache, "fc2_weight", 1)
     if args.recipe not in PER_TENSOR:

@@ -351,7 +351,8 @@ def test_functional_mlp(seed, p, activation, normalization, zc, bias, out):
     if normalization:
         shapes |= {"norm_weight": (hidden,)}
         shapes |= {"norm_bias": (hidden,)} if normalization == "LayerNorm" else {}
-    kw = _recipe_kwargs(recipe) | {"normalization": normalization, "zero_centered_gamma": zc}
+    kw = with_specs(**_recipe_kwargs(recipe))
+    kw |= {"normalization": normalization, "zero_centered_gamma": zc}
     m = _Fn(lambda x, **t: te.functional.mlp(x, t["fc1_weight"], t.get("fc1_bias"),
                                              t["fc2_weight"], t.get("fc2_bias"), activation,
                                              **kw, **{k: v for k, v in t.items()
