@@ -362,7 +362,8 @@ def _autocast_eligible(t: Any, device_type: str) -> bool:
 # hand the op a copy: a write into it (main_grad's wgrad accumulation, grad_amax) would be lost
 # silently, and a delayed scale would be rounded to bf16 (found by train_gpt --autocast bfloat16
 # --recipe delayed, 2026-11-22). Arguments the schema marks as written are kept as well. ALiBi
-# slopes stay fp32 (Transformer Engine's dtype for them; the op builds the bias in fp32).
+# slopes stay fp32 (Transformer Engine's dtype for them; the op builds the bias in fp32). A
+# tensor list (a pre-quantised weight, Tensor[]?) is never cast.
 _AUTOCAST_KEEP = frozenset(
     {
         "alibi_slopes",
@@ -374,23 +375,6 @@ _AUTOCAST_KEEP = frozenset(
         "scale2",
         "grad_amax1",
         "grad_amax2",
-        # A pre-quantised weight (functional.gemm.WEIGHT_OPERAND): FP8 codes, scales, or an
-        # emulated GEMM's exact dequantised values.
-        "weight_data",
-        "weight_scale",
-        "weight_data_t",
-        "weight_scale_t",
-        "weight_amax",
-        "fc1_weight_data",
-        "fc1_weight_scale",
-        "fc1_weight_data_t",
-        "fc1_weight_scale_t",
-        "fc1_weight_amax",
-        "fc2_weight_data",
-        "fc2_weight_scale",
-        "fc2_weight_data_t",
-        "fc2_weight_scale_t",
-        "fc2_weight_amax",
     }
 )
 

@@ -412,15 +412,7 @@ _FUNCTIONS: dict[str, tuple[Callable, Callable[[], dict[str, Any]]]] = {
     ),
     "te.functional.quantize_grouped_weight": (
         F.quantize_grouped_weight,
-        lambda: {
-            "weight": _x(2, 8, 16),
-            "recipe": "current",
-            "fwd_dtype": torch.float8_e4m3fn,
-            "power_2_scale": False,
-            "weight_block_rows": 1,
-            "emulate": False,
-            "scale": None,
-        },
+        lambda: {"weight": _x(2, 8, 16), "spec": "current:e4m3", "scale": None},
     ),
     "te.functional.quantize_weight": (
         F.quantize_weight,

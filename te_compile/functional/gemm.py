@@ -102,6 +102,7 @@ __all__ = [
     "check_recipe",
     "check_specs",
     "check_weight_operand",
+    "check_weight_spec",
     "delayed_on_cuda",
     "empty",
     "gemm",
@@ -644,7 +645,8 @@ def weight_operand(tensors, fp8_dtype: torch.dtype) -> Operand:
     return Operand(data, scale, data_t, scale_t, amax)
 
 
-def _check_weight_spec(p: str, spec: str, scale: Tensor | None) -> QuantSpec:
+def check_weight_spec(p: str, spec: str, scale: Tensor | None) -> QuantSpec:
+    """The weight spec of a weight cast (a quantised kind) with its delayed scales ``[3]``."""
     w = parse(QuantSpec, spec, p + "spec")
     if not w.kind:
         raise ValueError(p + "spec must be a quantised kind, got ''")
@@ -654,7 +656,7 @@ def _check_weight_spec(p: str, spec: str, scale: Tensor | None) -> QuantSpec:
 
 def _quantize_weight_impl(weight, spec, scale) -> list[Tensor]:
     p = "te.quantize_weight: "
-    w = _check_weight_spec(p, spec, scale)
+    w = check_weight_spec(p, spec, scale)
     if weight.dim() != 2 or weight.dtype not in HIGH_DTYPES + (torch.float64,):
         raise ValueError(
             p + f"weight must be a 2-D floating tensor, got {weight.dim()}-D {weight.dtype}"
@@ -732,7 +734,7 @@ def quantize_weight(
 
 @quantize_weight_op.register_fake
 def _quantize_weight_fake(weight, spec, scale):
-    w = _check_weight_spec("te.quantize_weight: ", spec, scale)
+    w = check_weight_spec("te.quantize_weight: ", spec, scale)
     if weight.dim() != 2:
         raise ValueError("te.quantize_weight: needs a 2-D weight")
     n, k = weight.shape

@@ -118,21 +118,6 @@ class GemmArgs(NamedTuple):
         """The specs by the family functions' names."""
         return dict(zip(("input_spec", "weight_spec", "grad_spec"), self.specs, strict=True))
 
-    def scalars(self) -> dict[str, Any]:
-        """The recipe as the flat arguments of ``functional.mlp`` / ``grouped_linear``."""
-        x, w, g = self.specs
-        return {"recipe": x.kind, "fwd_dtype": x.fp8_dtype, "bwd_dtype": g.fp8_dtype,
-                "power_2_scale": w.power_2_scale, "weight_block_rows": w.block_rows,
-                "emulate": x.emulate}  # fmt: skip
-
-    def nvfp4(self) -> dict[str, Any]:
-        """NVFP4's options that are on, by ``functional.grouped_linear``'s names."""
-        x, w, g = self.specs
-        on = {"rht": x.rht, "stochastic_rounding": g.stochastic_rounding,
-              "row_scaled": x.row_scaled, "input_4over6": x.four_over_six,
-              "weight_4over6": w.four_over_six}  # fmt: skip
-        return {name: value for name, value in on.items() if value}
-
 
 ROLES = ("input", "weight", "grad")
 
@@ -218,9 +203,7 @@ def cached_weight(
                 f"disable_2d_quantization={spec.block_rows != 16}, nvfp4_4over6 scope "
                 f"covering the weight={bool(spec.four_over_six)}); pass is_first_microbatch=None"
             )
-        tensors = F.quantize_grouped_weight(weight.detach(), spec.kind, spec.fp8_dtype,
-                                            spec.power_2_scale, spec.block_rows, spec.emulate,
-                                            scale)  # fmt: skip
+        tensors = F.quantize_grouped_weight(weight.detach(), spec, scale)
     else:
         tensors = F.quantize_weight(weight.detach(), spec, scale)
     kept.key, kept.tensors = key, tensors
@@ -614,7 +597,7 @@ def grouped_linear(
             "needs a backward_override, which grouped GEMMs do not take); construct "
             "NVFP4BlockScaling(row_scaled_activation=False)"
         )
-    kw = {**args.scalars(), **args.nvfp4()}
+    kw: dict[str, Any] = args.spec_kwargs()
     if save_original_input and state.enabled:
         _refuse_delayed(owner, state)
     if save_original_input and args.recipe not in ("", "current"):

@@ -28,7 +28,7 @@ def _block(x, splits, w, b=None, **kw):
     """The grouped family under Float8BlockScaling with native GEMMs (128x128 weight blocks
     unless ``weight_block_rows`` says otherwise)."""
     kw = {"recipe": "block", "weight_block_rows": 128, **E4, **kw}
-    return F.grouped_linear(x, splits, w, b, **kw)
+    return F.grouped_linear(x, splits, w, b, **with_specs(**kw))
 
 
 native_block = pytest.mark.skipif(
@@ -133,8 +133,7 @@ def test_main_grad_accumulates(device):
     main_grad = torch.ones(w.shape, device=device)
     w2 = w.detach().requires_grad_()
     for _ in range(2):
-        y = _block(x.detach(), splits, w2, weight_block_rows=1,
-                                   main_grad=main_grad)  # fmt: skip
+        y = _block(x.detach(), splits, w2, weight_block_rows=1, main_grad=main_grad)
         y.backward(torch.ones_like(y))
     assert w2.grad is None
     torch.testing.assert_close(main_grad, 1 + 2 * dw.float(), rtol=0, atol=0)
@@ -144,8 +143,10 @@ def test_main_grad_accumulates(device):
 def test_errors_name_the_argument(device):
     x = torch.randn(32, 64, device=device, dtype=torch.bfloat16)
     w = torch.randn(2, 32, 64, device=device, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"te\.grouped_linear: weight_block_rows must be 1"):
-        _block(x, [16, 16], w, weight_block_rows=64)
+    with pytest.raises(ValueError, match=r"te\.grouped_linear: weight_spec 'block:e4m3:16x16': "
+                       "blocks of 16 rows are not implemented"):  # fmt: skip
+        F.grouped_linear(x, [16, 16], w, input_spec="block:e4m3", weight_spec="block:e4m3:16x16",
+                         grad_spec="block:e4m3")  # fmt: skip
     with pytest.raises(ValueError, match="multiples of 512"):
         _block(x, [16, 16], w)  # 128x128 weight blocks by default
     with pytest.raises(ValueError, match=r"te.grouped_linear: .*multiples of 16"):

@@ -361,7 +361,7 @@ def test_grouped_linear_is_per_expert_dense_under_the_default_recipe():
     w3 = torch.stack([m.weight0, m.weight1]).detach().requires_grad_()
     state = torch.tensor([5, 9])
     kw = {**NVFP4, **spec, "stochastic_rounding": True, "rng_state": state}
-    out = F.grouped_linear(x.detach(), splits, w3, **kw)
+    out = F.grouped_linear(x.detach(), splits, w3, **with_specs(**kw))
     (da,) = torch.autograd.grad(out, (w3,), dy)
     from te_compile.functional.grouped_gemm import GroupedRecipe
     from te_compile.functional.grouped_linear import _RefNVFP4
@@ -374,7 +374,7 @@ def test_grouped_linear_is_per_expert_dense_under_the_default_recipe():
     assert_close(out, ref, torch.float32)
     assert_close(da, ref_dw, torch.float32, reduced=True)
     with pytest.raises(ValueError, match="multiple of 16"):
-        F.grouped_linear(x.detach(), [40, 8], w3, **NVFP4)
+        F.grouped_linear(x.detach(), [40, 8], w3, **with_specs(**NVFP4))
 
 
 def test_te_quantize_tiles_weights_and_refuses_what_only_gemms_apply():

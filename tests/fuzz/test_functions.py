@@ -384,9 +384,8 @@ def test_functional_grouped_linear(seed, p, groups, bias, as_tensor, data):
     recipe, dtype, tokens, k, n = p
     splits = data.draw(_splits(groups, tokens, 16 if recipe == "nvfp4" else 1))
     shapes = {"weight": (groups, n, k)} | ({"bias": (groups, n)} if bias else {})
-    kw = _recipe_kwargs(recipe)
-    if recipe == "nvfp4":  # the grouped GEMM's NVFP4: no Hadamard transform, no SR (data only)
-        kw["recipe"] = "nvfp4"
+    # The grouped GEMM's NVFP4 here: no Hadamard transform, no SR (data only).
+    kw = with_specs(**_recipe_kwargs(recipe))
     m = _Fn(lambda x, s, **t: te.functional.grouped_linear(x, s, t["weight"], t.get("bias"), **kw),
             dtype, **shapes)  # fmt: skip
 
