@@ -1,13 +1,14 @@
 r"""What the GEMM op families (``linear``, ``mlp``, ``grouped_linear``) share: the recipe kinds,
 the one table of operand quantisers and the one table of GEMM calls.
 
-A family op takes the quantisation recipe as plain arguments (``quantization.gemm.gemm_args``
-makes them from the recipe object): ``recipe`` (the kind, ``""`` for high precision),
-``fwd_dtype`` / ``bwd_dtype`` (the FP8 formats of forward and gradient operands),
-``power_2_scale``, ``weight_block_rows`` (1: 1x128 weight blocks, 128: 128x128) and ``emulate``
-(multiply the dequantised operands in fp32 instead of calling the scaled GEMM). Inside, each
-GEMM operand goes through :data:`QUANTIZERS` (keyed by the recipe kind) and each GEMM through
-:data:`GEMMS` (keyed by :func:`gemm_kind`):
+A family op takes the quantisation recipe as one spec string per operand role
+(``input_spec``, ``weight_spec``, ``grad_spec``: a ``functional.spec.QuantSpec`` each, with
+the kind, ``""`` for high precision, the FP8 format, block rows, power-of-two scales, NVFP4's
+options and ``emulate``, which multiplies the dequantised operands in fp32 instead of calling
+the scaled GEMM); ``quantization.gemm.recipe_specs`` makes them from the recipe object and
+:func:`check_specs` checks what joins the roles. Inside, each GEMM operand goes through
+:data:`QUANTIZERS` (keyed by the spec's kind) and each GEMM through :data:`GEMMS` (keyed by
+:func:`gemm_kind`):
 
 ==========  ==========================================  ===========================================
 kind        operand quantiser                           GEMM (with ``emulate``)
@@ -42,8 +43,9 @@ cast a weight once per optimizer step (``is_first_microbatch``) and for FP8 prim
 (``quantization.primary``). The grouped family takes the same five tensors in its own layouts
 (``functional.grouped_weight``, ``te::quantize_grouped_weight``).
 
-A new recipe kind is one row in each table here, one branch in ``gemm_args``, and the recipe
-class (``docs/op_mechanism.md``, "Adding a recipe").
+A new recipe kind is a choice of ``QuantSpec.kind``, one row in each table here, one branch in
+``recipe_specs`` / ``gemm_args``, and the recipe class (``docs/op_mechanism.md``, "Adding a
+recipe").
 """
 
 from __future__ import annotations
@@ -90,16 +92,12 @@ __all__ = [
     "HIGH_DTYPES",
     "PER_TENSOR",
     "QUANTIZERS",
-    "RECIPES",
     "WEIGHT_OPERAND",
     "DeferredWgrad",
     "Operand",
     "accumulate_wgrad",
     "as_specs",
     "blockwise_supported",
-    "check_nvfp4_options",
-    "check_quantize_weight_args",
-    "check_recipe",
     "check_specs",
     "check_weight_operand",
     "check_weight_spec",
@@ -120,7 +118,6 @@ __all__ = [
     "weight_operand",
 ]
 
-RECIPES = ("", "current", "delayed", "block", "mxfp8", "nvfp4")
 PER_TENSOR = ("current", "delayed")
 # The backward GEMMs' operands: "" the recipe's quantised ones; "high_precision" the forward's
 # high-precision input and weight; "dequantized" the forward's quantised ones, dequantised. The
@@ -193,49 +190,6 @@ def check_weight_quantized(owner: str, name: str, value: object) -> None:
             f"{owner}: {name} must be the {n} tensors {WEIGHT_OPERAND} of quantize_weight, got "
             f"{len(value)} tensors"
         )
-
-
-def check_recipe(
-    p: str,
-    recipe: str,
-    fwd_dtype: torch.dtype,
-    bwd_dtype: torch.dtype,
-    weight_block_rows: int,
-    emulate: bool,
-    scale: Tensor | None,
-    grad_amax: Tensor | None,
-) -> None:
-    """The recipe arguments of a family op (``p`` begins the messages)."""
-    if recipe not in RECIPES:
-        raise ValueError(p + f"recipe must be one of {RECIPES}, got {recipe!r}")
-    if recipe and (fwd_dtype not in FP8_DTYPES or bwd_dtype not in FP8_DTYPES):
-        raise ValueError(p + f"fwd_dtype/bwd_dtype must be FP8 dtypes, got {fwd_dtype}/{bwd_dtype}")
-    if recipe == "nvfp4" and weight_block_rows not in (1, 16):
-        raise ValueError(
-            p + "weight_block_rows must be 1 (1x16 blocks) or 16 (16x16 tiles) for "
-            f"recipe='nvfp4', got {weight_block_rows}"
-        )
-    if recipe != "nvfp4" and weight_block_rows not in (1, 128):
-        raise ValueError(
-            p + f"weight_block_rows must be 1 (1x128 blocks) or 128, got {weight_block_rows}"
-        )
-    if recipe in ("mxfp8", "nvfp4") and not emulate:
-        raise ValueError(p + f"{recipe} GEMMs are emulated here (native ones need Blackwell): "
-                         "pass emulate=True")  # fmt: skip
-    if recipe == "block" and not emulate and not (fwd_dtype == bwd_dtype == _BLOCKWISE_FP8):
-        raise ValueError(
-            p + f"native blockwise GEMMs take E4M3 operands; got fwd_dtype={fwd_dtype}, "
-            f"bwd_dtype={bwd_dtype} (emulate=True runs other formats)"
-        )
-    if recipe == "delayed" and (
-        scale is None or scale.shape != (3,) or scale.dtype is not torch.float32
-    ):
-        raise ValueError(p + 'recipe="delayed" needs scale: a [3] float32 tensor (input, weight, '
-                         "grad)")  # fmt: skip
-    if recipe != "delayed" and scale is not None:
-        raise ValueError(p + 'scale is for recipe="delayed" only')
-    if grad_amax is not None and (grad_amax.shape != (1,) or grad_amax.dtype is not torch.float32):
-        raise ValueError(p + "grad_amax must be a [1] float32 tensor")
 
 
 # The NVFP4 options an operand role takes (the random Hadamard transform of the wgrad GEMM's
@@ -317,111 +271,19 @@ def check_specs(
     return kind
 
 
-def check_nvfp4_options(
-    p: str,
-    recipe: str,
-    rht: bool,
-    stochastic_rounding: bool,
-    rng_state: Tensor | None,
-    like: Tensor,
-    row_scaled: bool = False,
-    backward_override: str = "",
-    input_4over6: str = "",
-    weight_4over6: str = "",
-) -> None:
-    """NVFP4's option arguments of a family op: NVFP4 only; ``rng_state`` (int64 ``[2]`` on
-    ``like``'s device) with stochastic rounding; ``row_scaled`` with a ``backward_override``
-    (a row-scaled tensor has no columnwise copy for the wgrad GEMM); ``input_4over6`` /
-    ``weight_4over6`` one of :data:`~te_compile.functional.quantize_mx.FOUR_OVER_SIX`."""
-    for name, value in (("input_4over6", input_4over6), ("weight_4over6", weight_4over6)):
-        if value not in FOUR_OVER_SIX:
-            raise ValueError(p + f"{name} must be one of {FOUR_OVER_SIX}, got {value!r}")
-        if value and recipe != "nvfp4":
-            raise ValueError(
-                p + f"{name} (4over6 block scaling) is an NVFP4 option (recipe='nvfp4'), got "
-                f"recipe={recipe!r} with {name}={value!r}"
-            )
-    if (rht or stochastic_rounding or row_scaled) and recipe != "nvfp4":
-        raise ValueError(
-            p + "rht, stochastic_rounding and row_scaled are NVFP4 options (recipe='nvfp4'), "
-            f"got recipe={recipe!r} with rht={rht}, stochastic_rounding={stochastic_rounding}, "
-            f"row_scaled={row_scaled}"
-        )
-    if row_scaled and backward_override not in ("high_precision", "dequantized"):
-        raise ValueError(
-            p + "row_scaled=True needs backward_override 'high_precision' or 'dequantized' (a "
-            f"row-scaled NVFP4 input has no columnwise copy), got {backward_override!r}"
-        )
-    if not stochastic_rounding:
-        if rng_state is not None:
-            raise ValueError(p + "rng_state is for stochastic_rounding=True only")
-        return
-    if (
-        rng_state is None
-        or rng_state.dtype is not torch.int64
-        or rng_state.shape != (2,)
-        or rng_state.device != like.device
-    ):
-        got = (
-            "None"
-            if rng_state is None
-            else (f"{rng_state.dtype} {list(rng_state.shape)} on {rng_state.device}")
-        )
-        raise ValueError(
-            p + "stochastic_rounding=True needs rng_state: an int64 tensor [2] = (seed, offset) "
-            f"on the input's device ({like.device}), got {got}"
-        )
-
-
 def _is_int(value: object) -> bool:
     """An int (or a symbolic one: torch.compile with dynamic shapes traces int arguments as
     SymInts), not a bool."""
     return isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool)
 
 
-def recipe_args_not_default(
-    fwd_dtype: object,
-    bwd_dtype: object,
-    power_2_scale: object,
-    weight_block_rows: object,
-    emulate: object,
-) -> bool:
-    """Whether any recipe argument of a family function differs from its default: the call then
-    leaves the high-precision hot path and :func:`check_gemm_args` checks it."""
-    return (
-        fwd_dtype is not torch.float8_e4m3fn or bwd_dtype is not torch.float8_e5m2
-        or power_2_scale is not False or weight_block_rows != 1 or emulate is not False
-    )  # fmt: skip
-
-
-def check_gemm_args(
-    owner: str,
-    tensors: dict[str, Tensor | None],
-    *,
-    fwd_dtype: object = torch.float8_e4m3fn,
-    bwd_dtype: object = torch.float8_e4m3fn,
-    power_2_scale: object = False,
-    weight_block_rows: object = 1,
-    emulate: object = False,
-    **reals: object,
-) -> None:
-    """A family function's arguments, whether or not the call uses them (a recipe argument given
-    without a recipe is still checked, never silently ignored): tensors (or None), the recipe's
-    FP8 dtypes, switches and block rows, and ``reals`` (``norm_eps``, ``limit``, ``alpha``:
-    positive; ``glu_linear_offset``, ``out_scale``: finite; ``glu_interleave_size``: None or an
-    int >= 0). The callers run it only off the hot path (some argument not at its default)."""
+def check_gemm_args(owner: str, tensors: dict[str, Tensor | None], **reals: object) -> None:
+    """A family function's arguments, whether or not the call uses them (an argument given
+    that the call does not use is still checked, never silently ignored): tensors (or None) and
+    ``reals`` (``norm_eps``, ``limit``, ``alpha``: positive; ``glu_linear_offset``,
+    ``out_scale``: finite; ``glu_interleave_size``: None or an int >= 0). The callers run it
+    only off the hot path (some argument not at its default)."""
     check_tensors(owner, **tensors)
-    check_bool(owner, power_2_scale=power_2_scale, emulate=emulate)
-    for name, value in (("fwd_dtype", fwd_dtype), ("bwd_dtype", bwd_dtype)):
-        if value not in FP8_DTYPES:
-            raise ValueError(
-                f"{owner}: {name} must be one of the FP8 dtypes {FP8_DTYPES}, got {value!r}"
-            )
-    if not _is_int(weight_block_rows) or weight_block_rows not in (1, 16, 128):
-        raise ValueError(
-            f"{owner}: weight_block_rows must be 1 (1x128 blocks), 128 (128x128) or 16 (NVFP4's "
-            f"16x16 tiles), got {weight_block_rows!r}"
-        )
     for name, value in reals.items():
         if name in ("glu_linear_offset", "out_scale"):
             check_finite(owner, **{name: value})
@@ -691,27 +553,6 @@ def _quantize_weight_samples(device: torch.device):
 def quantize_weight_op(weight: Tensor, spec: str, scale: Tensor | None) -> list[Tensor]:
     """``te::quantize_weight``: :func:`quantize_weight` without the argument checks."""
     return _quantize_weight_impl(weight, spec, scale)
-
-
-def check_quantize_weight_args(
-    p: str, weight, layout: str, recipe, fwd_dtype, power_2_scale, weight_block_rows, emulate, scale
-) -> None:
-    """The argument types of a weight cast (``p``: the public name; ``layout``: the weight's
-    dims, e.g. ``"[N, K]"``; its rank is theirs), before the op's own checks."""
-    check_tensor(p, "weight", weight)
-    if weight.dim() != layout.count(",") + 1:
-        raise ValueError(
-            f"{p}: weight must be {layout.count(',') + 1}-D {layout}, got shape "
-            f"{list(weight.shape)}"
-        )
-    if not isinstance(recipe, str):
-        raise TypeError(f"{p}: recipe must be a str, one of {RECIPES[1:]}, got {recipe!r}")
-    if not isinstance(fwd_dtype, torch.dtype):
-        raise TypeError(f"{p}: fwd_dtype must be an FP8 torch.dtype, got {fwd_dtype!r}")
-    check_bool(p, power_2_scale=power_2_scale, emulate=emulate)
-    if isinstance(weight_block_rows, bool) or not isinstance(weight_block_rows, int):
-        raise TypeError(f"{p}: weight_block_rows must be an int, got {weight_block_rows!r}")
-    check_tensors(p, scale=scale)
 
 
 def quantize_weight(

@@ -1,15 +1,17 @@
 """The recipe as data: where a recipe object becomes the GEMM families' arguments.
 
-:func:`gemm_args` is the one place that reads a recipe for a GEMM: from the autocast state, the
-GEMM's input and weights and the FP8 states of its GEMMs it makes a :class:`GemmArgs`, plain
-scalars (the recipe kind, the FP8 formats, block sizes, power-of-two scales, whether the GEMM
-is emulated) and the delayed-scaling state tensors of each GEMM. The module entry points below
-(:func:`linear`, :func:`mlp`, :func:`grouped_linear`) flatten, call the family op of
-``te_compile.functional`` and record the amaxes the op measured; none of them chooses an op per
-recipe: there is one op per GEMM shape (``functional.gemm`` has the tables inside it).
+:func:`recipe_specs` turns a recipe object into the three ``functional.spec.QuantSpec`` of a
+GEMM's input, weight and gradient, and :func:`gemm_args` is the one place that reads a recipe
+for a GEMM: from the autocast state, the GEMM's input and weights and the FP8 states of its
+GEMMs it makes a :class:`GemmArgs`, those specs (native or emulated GEMMs decided here) and the
+delayed-scaling state tensors of each GEMM. The module entry points below (:func:`linear`,
+:func:`mlp`, :func:`grouped_linear`) flatten, call the family function of
+``te_compile.functional`` with :meth:`GemmArgs.spec_kwargs` and record the amaxes the op
+measured; none of them chooses an op per recipe: there is one op per GEMM shape
+(``functional.gemm`` has the tables inside it).
 
-Outside an enabled ``te_compile.autocast`` the arguments are those of high precision
-(``recipe=""``), so a module's forward reads the same with and without FP8.
+Outside an enabled ``te_compile.autocast`` the specs are those of high precision (``""``), so
+a module's forward reads the same with and without FP8.
 
 Calibration (``autocast(enabled=False, calibrating=True)``, ``quantization.state``): the entry
 points run the high-precision GEMMs and, under the per-tensor recipes, keep each GEMM's FP8
