@@ -167,7 +167,9 @@ def _encode(spec: Any) -> str:
         elif "choices" in meta:
             tokens.append(next(k for k, v in meta["choices"].items() if v == value))
         else:
-            text = value if isinstance(value, str) else repr(value)  # dynamo traces repr
+            # f"{}": a float's repr, and what dynamo traces for a float it made symbolic (a
+            # SymFloat under dynamic=True; repr() of one is a graph break).
+            text = value if isinstance(value, str) else f"{value}"
             tokens.append(f"{meta['value']}={text.replace(':', '/')}")
     return ":".join(tokens)
 
