@@ -28,7 +28,7 @@ Competitors, all holding the same weights, all ratios against ``torch._grouped_m
   (``quantization.gemm._GROUPED_FP8_WGRAD = False``'s setting: bf16 wgrad), under
   ``Format.E4M3``, and under ``DelayedScaling`` with and without the FP8 wgrad; and under
   ``Float8BlockScaling`` (E4M3, 1x128 / 128x128 blocks: a blockwise GEMM per expert,
-  ``te::grouped_linear`` with ``recipe="block"``, the splits
+  ``te::grouped_linear`` with ``"block"`` specs, the splits
   given as a CPU tensor as Transformer Engine takes them), also emulated
   (``quantization.gemm._NATIVE_BLOCK = False``'s setting). Checked against the bf16 reference at
   Transformer Engine's e4m3 tolerance (rtol 0.125) instead of 2e-2.
@@ -341,9 +341,9 @@ def run_case(
             modules[TE_FP8_DELAYED_COMPILED] = (delayed, te_fp8)
             modules[TE_FP8_DELAYED_HPW_COMPILED] = (hpw(delayed), te_fp8)
             # Float8BlockScaling (E4M3, 1x128 tokens, 128x128 weight blocks): a blockwise
-            # GEMM per expert (te::grouped_linear, recipe="block"), which reads the splits on
-            # the host:
-            # given as a CPU tensor, as Transformer Engine takes them (no device sync).
+            # GEMM per expert (te::grouped_linear with "block" specs), which reads the splits
+            # on the host: given as a CPU tensor, as Transformer Engine takes them (no device
+            # sync).
             host_splits = torch.tensor(splits, dtype=torch.int64)
             block = _under_fp8(_bind(te_fp8_c, host_splits), "E4M3", kind="Float8BlockScaling")
             modules[TE_FP8_BLOCK_COMPILED] = (block, te_fp8)

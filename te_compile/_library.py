@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
+import types
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -99,6 +101,22 @@ def _use_fast_path() -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
+def _infer_schema(fn: Callable, mutates_args: Sequence[str]) -> str:
+    """``torch.library.infer_schema``, plus an optional tensor list (``list[Tensor] | None =
+    None``, ``Tensor[]? name=None``), which it does not infer."""
+    sig = inspect.signature(fn)
+    lists = [n for n, p in sig.parameters.items() if p.annotation == "list[Tensor] | None"]
+    if lists:
+        params = [p.replace(annotation="Tensor | None") if n in lists else p
+                  for n, p in sig.parameters.items()]  # fmt: skip
+        fn = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__)  # its globals: hints
+        fn.__signature__ = sig.replace(parameters=params)
+    schema = torch.library.infer_schema(fn, mutates_args=tuple(mutates_args))
+    for n in lists:
+        schema = schema.replace(f"Tensor? {n}=None", f"Tensor[]? {n}=None")
+    return schema
+
+
 class Op:
     """A ``te::<name>`` op: schema inferred from the implementation's type hints.
 
@@ -120,8 +138,7 @@ class Op:
     ) -> None:
         self.name = name
         self.qualname = f"{NAMESPACE}::{name}"
-        schema = torch.library.infer_schema(fn, mutates_args=tuple(mutates_args))
-        _LIB.define(name + schema)
+        _LIB.define(name + _infer_schema(fn, mutates_args))
         self._impls: dict[str, Callable] = {}
         self._default = fn
         _LIB.impl(name, fn, "CompositeExplicitAutograd")
@@ -345,7 +362,8 @@ def _autocast_eligible(t: Any, device_type: str) -> bool:
 # hand the op a copy: a write into it (main_grad's wgrad accumulation, grad_amax) would be lost
 # silently, and a delayed scale would be rounded to bf16 (found by train_gpt --autocast bfloat16
 # --recipe delayed, 2026-11-22). Arguments the schema marks as written are kept as well. ALiBi
-# slopes stay fp32 (Transformer Engine's dtype for them; the op builds the bias in fp32).
+# slopes stay fp32 (Transformer Engine's dtype for them; the op builds the bias in fp32). A
+# tensor list (a pre-quantised weight, Tensor[]?) is never cast.
 _AUTOCAST_KEEP = frozenset(
     {
         "alibi_slopes",
@@ -357,23 +375,6 @@ _AUTOCAST_KEEP = frozenset(
         "scale2",
         "grad_amax1",
         "grad_amax2",
-        # A pre-quantised weight (functional.gemm.WEIGHT_OPERAND): FP8 codes, scales, or an
-        # emulated GEMM's exact dequantised values.
-        "weight_data",
-        "weight_scale",
-        "weight_data_t",
-        "weight_scale_t",
-        "weight_amax",
-        "fc1_weight_data",
-        "fc1_weight_scale",
-        "fc1_weight_data_t",
-        "fc1_weight_scale_t",
-        "fc1_weight_amax",
-        "fc2_weight_data",
-        "fc2_weight_scale",
-        "fc2_weight_data_t",
-        "fc2_weight_scale_t",
-        "fc2_weight_amax",
     }
 )
 
@@ -431,11 +432,27 @@ class DifferentiableOp:
 
         bwd_overload = bwd.overload
 
+        lists = [i for i, arg in enumerate(fwd.overload._schema.arguments)
+                 if isinstance(arg.type, torch.OptionalType)
+                 and isinstance(arg.type.getElementType(), torch.ListType)]  # fmt: skip
+
+        def _op_setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+            # The gradient of a Tensor[]? input: None, or one None per tensor of the list.
+            ctx._te_lists = [(i, len(inputs[i])) for i in lists
+                             if i < len(inputs) and inputs[i] is not None]  # fmt: skip
+            setup_context(ctx, inputs, output)
+
         def _op_backward(ctx: Any, *grads: Any) -> Any:
-            return backward(ctx, bwd_overload, *grads)
+            result = backward(ctx, bwd_overload, *grads)
+            if not ctx._te_lists:
+                return result
+            result = list(result)
+            for i, n in ctx._te_lists:
+                result[i] = [None] * n
+            return tuple(result)
 
         torch.library.register_autograd(
-            fwd.qualname, _op_backward, setup_context=setup_context, lib=_LIB
+            fwd.qualname, _op_backward, setup_context=_op_setup_context, lib=_LIB
         )
         if autocast:
             for device_type in _AUTOCAST_DEVICES:

@@ -155,7 +155,9 @@ def test_grouped_splits_are_checked_before_the_recipe():
         ):
             module(_x(6, 16), [2, 3])
         with pytest.raises(ValueError, match=r"m_splits must sum to inp.shape\[0\] \(6\)"):
-            F.grouped_linear(_x(6, 16), [2, 3], _x(2, 8, 16), recipe="mxfp8")
+            F.grouped_linear(_x(6, 16), [2, 3], _x(2, 8, 16), input_spec="mxfp8:e4m3:emulate",
+                             weight_spec="mxfp8:e4m3:emulate",
+                             grad_spec="mxfp8:e5m2:emulate")  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -392,7 +392,10 @@ _FUNCTIONS: dict[str, tuple[Callable, Callable[[], dict[str, Any]]]] = {
     ),
     "te.functional.dot_product_attention": (F.dot_product_attention, _qkv),
     "te.functional.dropout": (F.dropout, lambda: {"inp": _x(6, 16), "p": 0.1}),
-    "te.functional.fake_quantize": (F.fake_quantize, lambda: {"inp": _x(6, 16), "kind": "current"}),
+    "te.functional.fake_quantize": (
+        F.fake_quantize,
+        lambda: {"inp": _x(6, 16), "spec": "current:e4m3"},
+    ),
     "te.functional.grouped_linear": (
         F.grouped_linear,
         lambda: {"inp": _x(6, 16), "m_splits": [2, 4], "weight": _x(2, 8, 16), "bias": _x(2, 8)},
@@ -418,27 +421,11 @@ _FUNCTIONS: dict[str, tuple[Callable, Callable[[], dict[str, Any]]]] = {
     ),
     "te.functional.quantize_grouped_weight": (
         F.quantize_grouped_weight,
-        lambda: {
-            "weight": _x(2, 8, 16),
-            "recipe": "current",
-            "fwd_dtype": torch.float8_e4m3fn,
-            "power_2_scale": False,
-            "weight_block_rows": 1,
-            "emulate": False,
-            "scale": None,
-        },
+        lambda: {"weight": _x(2, 8, 16), "spec": "current:e4m3", "scale": None},
     ),
     "te.functional.quantize_weight": (
         F.quantize_weight,
-        lambda: {
-            "weight": _x(8, 16),
-            "recipe": "current",
-            "fwd_dtype": torch.float8_e4m3fn,
-            "power_2_scale": False,
-            "weight_block_rows": 1,
-            "emulate": False,
-            "scale": None,
-        },
+        lambda: {"weight": _x(8, 16), "spec": "current:e4m3", "scale": None},
     ),
     "te.functional.rotary_frequencies": (
         F.rotary_frequencies,

@@ -207,9 +207,16 @@ _ACTIVATIONS = set(te_compile.functional.ACTIVATIONS + te_compile.functional.GAT
 _BACKWARD_OVERRIDES = {"high_precision", "dequantized"}
 
 
+def _strings(sample) -> set[str]:
+    """A sample's string arguments and the tokens of its spec strings (``functional.spec``; a
+    ``name=value`` token gives its value)."""
+    strings = {a for a in sample.args if isinstance(a, str)}
+    return strings | {t.partition("=")[2] or t for a in strings for t in a.split(":")}
+
+
 def _recipe_kind(name: str, sample) -> str | None:
     """The quantised recipe kind a sample of op ``name`` runs, or None (high precision)."""
-    kinds = {a for a in sample.args if isinstance(a, str)} & _QUANTISED_KINDS
+    kinds = _strings(sample) & _QUANTISED_KINDS
     return next(iter(kinds), None)
 
 
@@ -229,7 +236,7 @@ def _requantising(name: str, sample) -> bool:
         return False
     if name == "te::mlp_fwd":
         return True
-    strings = {a for a in sample.args if isinstance(a, str)}
+    strings = _strings(sample)
     if name == "te::grouped_linear_fwd":
         return kind in _BLOCK_KINDS
     return name == "te::linear_fwd" and (kind in _BLOCK_KINDS or bool(strings & _ACTIVATIONS))
@@ -251,7 +258,7 @@ def _tolerance(name: str, device: str, dtype: torch.dtype, sample) -> dict:
     if _requantising(name, sample):
         return {"dtype": torch.bfloat16 if dtype == torch.float32 else dtype, "roundings": 2,
                 "reduced": True}  # fmt: skip
-    if {a for a in sample.args if isinstance(a, str)} & _BACKWARD_OVERRIDES:
+    if _strings(sample) & _BACKWARD_OVERRIDES:
         # The backward GEMMs multiply operands rounded to the input dtype (the dequantised FP8
         # values, as in TE): each rounding is relative to a term of a sum that may cancel.
         return {"dtype": dtype, "roundings": 2, "reduced": True}

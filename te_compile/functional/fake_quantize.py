@@ -4,18 +4,20 @@ r"""Fake quantisation: ``te::fake_quantize_fwd`` / ``te::fake_quantize_bwd``.
     y = \mathrm{dq}(\mathrm{q}(x)), \qquad dx = \mathrm{dq}(\mathrm{q}_g(dy))
     \ \text{(or } dx = dy \text{ when the gradient is not quantised)}
 
-with :math:`\mathrm{q}` one of the quantisers of ``te_compile.functional.quantize`` (``kind``:
-``"current"`` per-tensor current scaling, ``"block"`` 1x128 / 128x128 blocks, ``"mxfp8"``,
-``"nvfp4"``) and :math:`\mathrm{dq}` its inverse, back to the input's dtype: the values an FP8
-GEMM sees, as a plain tensor. This is what ``te_compile.ops.Quantize`` runs: Transformer Engine
-hands the next op the quantised tensor itself, while here quantised data never crosses an op
-boundary except as plain tensors, so the op passes on the dequantised values (the next FP8 GEMM
-re-quantises them, exactly for the per-tensor and block kinds whose scale they reproduce).
-The gradient is straight-through, or quantised with ``grad_kind`` (the backward's format).
+with :math:`\mathrm{q}` the quantiser of ``spec`` (a ``functional.spec.QuantSpec`` string:
+``"current:..."`` per-tensor current scaling, ``"block:..."`` 1x128 / 128x128 blocks,
+``"mxfp8:..."``, ``"nvfp4"``; the GEMMs' vocabulary) and :math:`\mathrm{dq}` its inverse, back to
+the input's dtype: the values an FP8 GEMM sees, as a plain tensor. This is what
+``te_compile.ops.Quantize`` runs: Transformer Engine hands the next op the quantised tensor
+itself, while here quantised data never crosses an op boundary except as plain tensors, so the op
+passes on the dequantised values (the next FP8 GEMM re-quantises them, exactly for the per-tensor
+and block kinds whose scale they reproduce). The gradient is straight-through, or quantised with
+``grad_spec`` (the backward's format).
 
-``kind="none"`` leaves the forward values as they are (a copy: an op's output may not alias its
+``spec=""`` leaves the forward values as they are (a copy: an op's output may not alias its
 input), for a ``Quantize`` that only quantises the gradient. Delayed scaling needs an amax
-history and is not an option here.
+history and is not an option here, nor are NVFP4's GEMM options (Hadamard transform,
+stochastic rounding, row scaling, 4over6); ``emulate`` changes nothing here.
 
 ``row_splits`` (an integer tensor, on any device) cuts the rows of ``inp`` (its leading dims
 flattened) into consecutive groups that are quantised as separate tensors, forward and backward:
@@ -30,14 +32,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from te_compile._checks import check_bool, check_choice, check_tensor
+from te_compile._checks import check_tensor
 from te_compile._library import SampleInput, differentiable, op
 from te_compile.functional import quantize as _q
 from te_compile.functional.quantize_mx import nvfp4_qdq_row_groups
+from te_compile.functional.spec import QuantSpec, parse
 
-__all__ = ["FAKE_QUANTIZE_KINDS", "fake_quantize", "fake_quantize_ref", "qdq"]
+__all__ = ["fake_quantize", "fake_quantize_ref", "qdq"]
 
-FAKE_QUANTIZE_KINDS = ("none", "current", "block", "mxfp8", "nvfp4")
+_KINDS = ("", "current", "block", "mxfp8", "nvfp4")
 _HIGH = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -54,7 +57,7 @@ def qdq(
 ) -> Tensor:
     """``dequantize(quantize(x))`` in ``x``'s dtype (fp64 input is quantised from fp32); NVFP4
     with ``row_splits``: a global scale per group of rows (``block_rows=16``: 16x16 tiles)."""
-    if kind == "none":
+    if not kind:
         return x.clone(memory_format=torch.contiguous_format)
     src = x if x.dtype in _HIGH else x.float()
     if kind == "nvfp4" and row_splits is not None:
@@ -69,13 +72,18 @@ def qdq(
     return _q.dequantize(q, src.dtype).to(x.dtype)
 
 
-def _qdq_groups(x: Tensor, kind: str, fp8_dtype, block_rows, power_2, splits) -> Tensor:
+def _qdq_spec(x: Tensor, spec: str, splits: Tensor | None = None) -> Tensor:
+    s = parse(QuantSpec, spec)
+    return qdq(x, s.kind, s.fp8_dtype, s.block_rows, s.power_2_scale, splits)
+
+
+def _qdq_groups(x: Tensor, spec: str, splits) -> Tensor:
     """:func:`qdq` of every group of rows on its own (host splits): the reference for
     ``row_splits``."""
     if splits is None:
-        return qdq(x, kind, fp8_dtype, block_rows, power_2)
+        return _qdq_spec(x, spec)
     rows = x.reshape(-1, x.shape[-1])
-    parts = [qdq(g, kind, fp8_dtype, block_rows, power_2) for g in rows.split(splits.tolist())]
+    parts = [_qdq_spec(g, spec) for g in rows.split(splits.tolist())]
     return torch.cat(parts).view(x.shape) if parts else x.clone()
 
 
@@ -84,76 +92,58 @@ class _Reference(torch.autograd.Function):
     ``row_splits``, every group of rows quantised as its own tensor."""
 
     @staticmethod
-    def forward(
-        ctx, x, kind, fp8_dtype, block_rows, power_2, grad_kind, grad_dtype, grad_rows, splits
-    ):
-        ctx.config = (grad_kind, grad_dtype, grad_rows, power_2, splits)
-        return _qdq_groups(x, kind, fp8_dtype, block_rows, power_2, splits)
+    def forward(ctx, x, spec, grad_spec, splits):
+        ctx.config = (grad_spec, splits)
+        return _qdq_groups(x, spec, splits)
 
     @staticmethod
     def backward(ctx, grad):
-        grad_kind, grad_dtype, grad_rows, power_2, splits = ctx.config
-        if grad_kind != "none":
-            grad = _qdq_groups(grad, grad_kind, grad_dtype, grad_rows, power_2, splits)
-        return grad, *(None for _ in range(8))
+        grad_spec, splits = ctx.config
+        if grad_spec:
+            grad = _qdq_groups(grad, grad_spec, splits)
+        return grad, None, None, None
 
 
 def fake_quantize_ref(
-    inp: Tensor,
-    kind: str,
-    fp8_dtype: torch.dtype,
-    block_rows: int,
-    power_2_scale: bool,
-    grad_kind: str,
-    grad_fp8_dtype: torch.dtype,
-    grad_block_rows: int,
-    row_splits: Tensor | None = None,
+    inp: Tensor, spec: str, grad_spec: str = "", row_splits: Tensor | None = None
 ) -> Tensor:
-    return _Reference.apply(
-        inp,
-        kind,
-        fp8_dtype,
-        block_rows,
-        power_2_scale,
-        grad_kind,
-        grad_fp8_dtype,
-        grad_block_rows,
-        row_splits,
-    )
+    return _Reference.apply(inp, spec, grad_spec, row_splits)
 
 
-def _check(inp: Tensor, kind: str, grad_kind: str, config=(), row_splits=None) -> None:
-    """``config``: ``((kind, block_rows), (grad_kind, grad_block_rows))`` for the
-    ``row_splits`` checks."""
-    kinds = FAKE_QUANTIZE_KINDS
-    if inp.dtype in _HIGH and inp.dim() >= 1 and kind in kinds and grad_kind in kinds:
-        if row_splits is not None:
-            _check_row_splits(row_splits, config)
-        return
+def _check(inp: Tensor, spec: str, grad_spec: str, row_splits=None) -> None:
     p = "te.fake_quantize: "
-    for name, value in (("kind", kind), ("grad_kind", grad_kind)):
-        if value not in FAKE_QUANTIZE_KINDS:
-            raise ValueError(p + f"{name} must be one of {FAKE_QUANTIZE_KINDS}, got {value!r}")
-    raise ValueError(
-        p + f"inp must be float32, bfloat16 or float16 with at least 1 dim, got {inp.dtype} "
-        f"of shape {list(inp.shape)}"
-    )
-
-
-def _check_row_splits(row_splits: Tensor, config) -> None:
-    p = "te.fake_quantize: "
-    if row_splits.dim() != 1 or row_splits.dtype not in (torch.int32, torch.int64):
+    for name, text in (("spec", spec), ("grad_spec", grad_spec)):
+        s = parse(QuantSpec, text, p + name)
+        rows = (1, 128) if s.kind == "block" else (1,)
+        if (
+            s.kind not in _KINDS
+            or s.block_rows not in rows
+            or s.rht
+            or s.stochastic_rounding
+            or (s.row_scaled or s.four_over_six)
+        ):
+            raise ValueError(
+                p + f"{name} must be one of the kinds {_KINDS} without NVFP4's GEMM options "
+                f"(rht, sr, row_scaled, 4over6) and with 128x128 blocks for 'block' only, got "
+                f"{text!r}"
+            )
+        if row_splits is not None and (s.kind == "current" or s.block_rows == 128):
+            raise ValueError(
+                f"{p}row_splits needs per-group scales, which {name}={text!r} does not have: "
+                "use 'nvfp4', 'mxfp8', 'block' with 1x128 blocks or ''"
+            )
+    if inp.dtype not in _HIGH or inp.dim() < 1:
+        raise ValueError(
+            p + f"inp must be float32, bfloat16 or float16 with at least 1 dim, got {inp.dtype} "
+            f"of shape {list(inp.shape)}"
+        )
+    if row_splits is not None and (
+        row_splits.dim() != 1 or row_splits.dtype not in (torch.int32, torch.int64)
+    ):
         raise ValueError(
             p + f"row_splits must be a 1-D int32 or int64 tensor, got {row_splits.dtype} of "
             f"shape {list(row_splits.shape)}"
         )
-    for name, (kind, rows) in zip(("kind", "grad_kind"), config, strict=True):
-        if kind == "current" or (kind == "block" and rows != 1):
-            what = f"{name}={kind!r}" + (f" with {name[:-4]}block_rows={rows}" * (kind == "block"))
-            raise ValueError(
-                f"{p}row_splits needs per-group scales, which {what} does not have: use "
-                "'nvfp4', 'mxfp8', 'block' with 1x128 blocks or 'none'"
-            )
 
 
 def _assert_splits_cover(row_splits: Tensor | None, x: Tensor) -> None:
@@ -170,29 +160,18 @@ def _assert_splits_cover(row_splits: Tensor | None, x: Tensor) -> None:
 
 @op("fake_quantize_fwd")
 def fake_quantize_fwd(
-    inp: Tensor,
-    kind: str,
-    fp8_dtype: torch.dtype,
-    block_rows: int,
-    power_2_scale: bool,
-    grad_kind: str,
-    grad_fp8_dtype: torch.dtype,
-    grad_block_rows: int,
-    row_splits: Tensor | None = None,
+    inp: Tensor, spec: str, grad_spec: str = "", row_splits: Tensor | None = None
 ) -> Tensor:
     """``dequantize(quantize(inp))``: the quantisation ops for the device (Triton on CUDA;
     NVFP4 in row groups: torch ops)."""
-    config = ((kind, block_rows), (grad_kind, grad_block_rows))
-    _check(inp, kind, grad_kind, config, row_splits)
+    _check(inp, spec, grad_spec, row_splits)
     _assert_splits_cover(row_splits, inp)
-    return qdq(inp, kind, fp8_dtype, block_rows, power_2_scale, row_splits)
+    return _qdq_spec(inp, spec, row_splits)
 
 
 @fake_quantize_fwd.register_fake
-def _fake_quantize_fwd_fake(
-    inp, kind, fp8_dtype, block_rows, power_2, grad_kind, g_dtype, g_rows, row_splits=None
-):
-    _check(inp, kind, grad_kind, ((kind, block_rows), (grad_kind, g_rows)), row_splits)
+def _fake_quantize_fwd_fake(inp, spec, grad_spec="", row_splits=None):
+    _check(inp, spec, grad_spec, row_splits)
     return inp.new_empty(inp.shape)
 
 
@@ -200,20 +179,13 @@ def _fake_quantize_fwd_fake(
 
 
 @op("fake_quantize_bwd")
-def fake_quantize_bwd(
-    grad: Tensor,
-    grad_kind: str,
-    grad_fp8_dtype: torch.dtype,
-    grad_block_rows: int,
-    power_2: bool,
-    row_splits: Tensor | None,
-) -> Tensor:
+def fake_quantize_bwd(grad: Tensor, grad_spec: str, row_splits: Tensor | None) -> Tensor:
     """``dequantize(quantize(grad))`` with the gradient's quantiser."""
-    return qdq(grad, grad_kind, grad_fp8_dtype, grad_block_rows, power_2, row_splits)
+    return _qdq_spec(grad, grad_spec, row_splits)
 
 
 @fake_quantize_bwd.register_fake
-def _fake_quantize_bwd_fake(grad, grad_kind, grad_fp8_dtype, grad_block_rows, power_2, splits):
+def _fake_quantize_bwd_fake(grad, grad_spec, row_splits):
     return grad.new_empty(grad.shape)
 
 
@@ -221,16 +193,16 @@ def _fake_quantize_bwd_fake(grad, grad_kind, grad_fp8_dtype, grad_block_rows, po
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    # `row_splits` is absent from `inputs` when left at its default.
-    _inp, _kind, _dtype, _rows, power_2, grad_kind, grad_dtype, grad_rows, *splits = inputs
-    ctx.config = (grad_kind, grad_dtype, grad_rows, power_2)
-    ctx.save_for_backward(*splits)
+    # `grad_spec` and `row_splits` are absent from `inputs` when left at their defaults.
+    _inp, _spec, *rest = inputs
+    ctx.grad_spec = rest[0] if rest else ""
+    ctx.save_for_backward(*rest[1:])
 
 
 def _backward(ctx, bwd, grad):
-    # Straight through (grad_kind "none"): the incoming gradient itself, no op.
+    # Straight through (grad_spec ""): the incoming gradient itself, no op.
     splits = ctx.saved_tensors[0] if ctx.saved_tensors else None
-    dx = grad if ctx.config[0] == "none" else bwd(grad.contiguous(), *ctx.config, splits)
+    dx = bwd(grad.contiguous(), ctx.grad_spec, splits) if ctx.grad_spec else grad
     # One gradient per argument passed (a trailing default is not).
     return dx, *(None for _ in range(len(ctx.needs_input_grad) - 1))
 
@@ -239,22 +211,16 @@ def _samples(device: torch.device):
     def t(*shape, dtype=torch.float32):
         return torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
 
-    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
-    yield SampleInput((t(5, 32), "current", e4m3, 1, False, "current", e5m2, 1))
-    yield SampleInput(
-        (t(3, 2, 128, dtype=torch.bfloat16), "block", e4m3, 1, True, "block", e5m2, 1)
-    )
-    yield SampleInput((t(4, 64), "mxfp8", e4m3, 1, False, "mxfp8", e5m2, 1))
-    yield SampleInput((t(4, 64, dtype=torch.bfloat16), "nvfp4", e4m3, 1, False, "block", e4m3, 1))
-    yield SampleInput((t(6, 48, dtype=torch.float16), "none", e4m3, 1, False, "current", e4m3, 1))
+    bf16, e4m3 = torch.bfloat16, "e4m3"
+    yield SampleInput((t(5, 32), "current:e4m3", "current:e5m2"))
+    yield SampleInput((t(3, 2, 128, dtype=bf16), "block:e4m3:p2", "block:e5m2:p2"))
+    yield SampleInput((t(4, 64), "mxfp8:e4m3", "mxfp8:e5m2"))
+    yield SampleInput((t(4, 64, dtype=bf16), "nvfp4", f"block:{e4m3}"))
+    yield SampleInput((t(6, 48, dtype=torch.float16), "", f"current:{e4m3}"))
     # NVFP4 in row groups (an empty one, and 128 rows split mid-block-column), both ways.
     splits = torch.tensor([40, 0, 24, 64], device=device)
-    yield SampleInput(
-        (t(128, 32, dtype=torch.bfloat16), "nvfp4", e4m3, 1, False, "nvfp4", e4m3, 1, splits)
-    )
-    yield SampleInput(
-        (t(2, 8, 32), "mxfp8", e4m3, 1, False, "nvfp4", e4m3, 1, splits.new_tensor([6, 10]))
-    )
+    yield SampleInput((t(128, 32, dtype=bf16), "nvfp4", "nvfp4", splits))
+    yield SampleInput((t(2, 8, 32), "mxfp8:e4m3", "nvfp4", splits.new_tensor([6, 10])))
 
 
 _fake_quantize = differentiable(
@@ -272,29 +238,20 @@ _fake_quantize = differentiable(
 
 def fake_quantize(
     inp: Tensor,
-    kind: str,
+    spec: str | QuantSpec,
     *,
-    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
-    block_rows: int = 1,
-    power_2_scale: bool = False,
-    grad_kind: str = "none",
-    grad_fp8_dtype: torch.dtype = torch.float8_e5m2,
-    grad_block_rows: int = 1,
+    grad_spec: str | QuantSpec = "",
     row_splits: Tensor | None = None,
 ) -> Tensor:
-    """``inp`` quantised and dequantised with ``kind`` (see the module docstring); the gradient
-    straight through (``grad_kind="none"``) or quantised and dequantised with ``grad_kind``;
-    ``row_splits``: groups of rows quantised as separate tensors."""
+    """``inp`` quantised and dequantised as ``spec`` says (a ``functional.spec.QuantSpec`` or
+    its string; see the module docstring); the gradient straight through (``grad_spec=""``) or
+    quantised and dequantised with ``grad_spec``; ``row_splits``: groups of rows quantised as
+    separate tensors."""
     p = "te.fake_quantize"
-    check_bool(p, power_2_scale=power_2_scale)
     check_tensor(p, "inp", inp, floating=False, min_dim=0)
     if row_splits is not None:
         check_tensor(p, "row_splits", row_splits, floating=False, min_dim=0)
-    for name, value in (("fp8_dtype", fp8_dtype), ("grad_fp8_dtype", grad_fp8_dtype)):
-        check_choice(p, name, value, (torch.float8_e4m3fn, torch.float8_e5m2))
-    for name, value in (("block_rows", block_rows), ("grad_block_rows", grad_block_rows)):
-        check_choice(p, name, value, (1, 128))
-    args = (inp, kind, fp8_dtype, block_rows, power_2_scale, grad_kind, grad_fp8_dtype)
+    spec, grad_spec = (s.encode() if isinstance(s, QuantSpec) else s for s in (spec, grad_spec))
     if row_splits is None:
-        return _fake_quantize(*args, grad_block_rows)
-    return _fake_quantize(*args, grad_block_rows, row_splits)
+        return _fake_quantize(inp, spec, grad_spec)
+    return _fake_quantize(inp, spec, grad_spec, row_splits)

@@ -1,13 +1,14 @@
 r"""What the GEMM op families (``linear``, ``mlp``, ``grouped_linear``) share: the recipe kinds,
 the one table of operand quantisers and the one table of GEMM calls.
 
-A family op takes the quantisation recipe as plain arguments (``quantization.gemm.gemm_args``
-makes them from the recipe object): ``recipe`` (the kind, ``""`` for high precision),
-``fwd_dtype`` / ``bwd_dtype`` (the FP8 formats of forward and gradient operands),
-``power_2_scale``, ``weight_block_rows`` (1: 1x128 weight blocks, 128: 128x128) and ``emulate``
-(multiply the dequantised operands in fp32 instead of calling the scaled GEMM). Inside, each
-GEMM operand goes through :data:`QUANTIZERS` (keyed by the recipe kind) and each GEMM through
-:data:`GEMMS` (keyed by :func:`gemm_kind`):
+A family op takes the quantisation recipe as one spec string per operand role
+(``input_spec``, ``weight_spec``, ``grad_spec``: a ``functional.spec.QuantSpec`` each, with
+the kind, ``""`` for high precision, the FP8 format, block rows, power-of-two scales, NVFP4's
+options and ``emulate``, which multiplies the dequantised operands in fp32 instead of calling
+the scaled GEMM); ``quantization.gemm.recipe_specs`` makes them from the recipe object and
+:func:`check_specs` checks what joins the roles. Inside, each GEMM operand goes through
+:data:`QUANTIZERS` (keyed by the spec's kind) and each GEMM through :data:`GEMMS` (keyed by
+:func:`gemm_kind`):
 
 ==========  ==========================================  ===========================================
 kind        operand quantiser                           GEMM (with ``emulate``)
@@ -42,8 +43,9 @@ cast a weight once per optimizer step (``is_first_microbatch``) and for FP8 prim
 (``quantization.primary``). The grouped family takes the same five tensors in its own layouts
 (``functional.grouped_weight``, ``te::quantize_grouped_weight``).
 
-A new recipe kind is one row in each table here, one branch in ``gemm_args``, and the recipe
-class (``docs/op_mechanism.md``, "Adding a recipe").
+A new recipe kind is a choice of ``QuantSpec.kind``, one row in each table here, one branch in
+``recipe_specs`` / ``gemm_args``, and the recipe class (``docs/op_mechanism.md``, "Adding a
+recipe").
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ from te_compile.functional.quantize_mx import (
     quantize_mxfp8,
     quantize_nvfp4,
 )
+from te_compile.functional.spec import QuantSpec, parse
 
 __all__ = [
     "BACKWARD_OVERRIDES",
@@ -89,16 +92,15 @@ __all__ = [
     "HIGH_DTYPES",
     "PER_TENSOR",
     "QUANTIZERS",
-    "RECIPES",
     "WEIGHT_OPERAND",
     "DeferredWgrad",
     "Operand",
     "accumulate_wgrad",
+    "as_specs",
     "blockwise_supported",
-    "check_nvfp4_options",
-    "check_quantize_weight_args",
-    "check_recipe",
+    "check_specs",
     "check_weight_operand",
+    "check_weight_spec",
     "delayed_on_cuda",
     "empty",
     "gemm",
@@ -116,7 +118,6 @@ __all__ = [
     "weight_operand",
 ]
 
-RECIPES = ("", "current", "delayed", "block", "mxfp8", "nvfp4")
 PER_TENSOR = ("current", "delayed")
 # The backward GEMMs' operands: "" the recipe's quantised ones; "high_precision" the forward's
 # high-precision input and weight; "dequantized" the forward's quantised ones, dequantised. The
@@ -168,7 +169,7 @@ def delayed_on_cuda(*args: object) -> str | None:
     the state; cuBLAS refused the scale pointer 8 bytes into the buffer with
     CUBLAS_STATUS_NOT_SUPPORTED on the H100)."""
     first = next((a for a in args if isinstance(a, Tensor)), None)
-    delayed = any(isinstance(a, str) and a == "delayed" for a in args)
+    delayed = any(isinstance(a, str) and a.startswith("delayed") for a in args)
     if delayed and first is not None and first.device.type == "cuda":
         return "DelayedScaling on CUDA: Inductor reuses a saved view of the scale state"
     return None
@@ -191,103 +192,83 @@ def check_weight_quantized(owner: str, name: str, value: object) -> None:
         )
 
 
-def check_recipe(
+# The NVFP4 options an operand role takes (the random Hadamard transform of the wgrad GEMM's
+# operands, stochastic rounding of the gradient, row-scaled inputs, 4over6 block scaling).
+_ROLE_OPTIONS = {"input": ("rht", "row_scaled", "four_over_six"), "weight": ("four_over_six",),
+                 "grad": ("rht", "stochastic_rounding")}  # fmt: skip
+_OPTIONS = ("rht", "stochastic_rounding", "row_scaled", "four_over_six")
+
+
+def check_specs(
     p: str,
-    recipe: str,
-    fwd_dtype: torch.dtype,
-    bwd_dtype: torch.dtype,
-    weight_block_rows: int,
-    emulate: bool,
-    scale: Tensor | None,
-    grad_amax: Tensor | None,
-) -> None:
-    """The recipe arguments of a family op (``p`` begins the messages)."""
-    if recipe not in RECIPES:
-        raise ValueError(p + f"recipe must be one of {RECIPES}, got {recipe!r}")
-    if recipe and (fwd_dtype not in FP8_DTYPES or bwd_dtype not in FP8_DTYPES):
-        raise ValueError(p + f"fwd_dtype/bwd_dtype must be FP8 dtypes, got {fwd_dtype}/{bwd_dtype}")
-    if recipe == "nvfp4" and weight_block_rows not in (1, 16):
-        raise ValueError(
-            p + "weight_block_rows must be 1 (1x16 blocks) or 16 (16x16 tiles) for "
-            f"recipe='nvfp4', got {weight_block_rows}"
-        )
-    if recipe != "nvfp4" and weight_block_rows not in (1, 128):
-        raise ValueError(
-            p + f"weight_block_rows must be 1 (1x128 blocks) or 128, got {weight_block_rows}"
-        )
-    if recipe in ("mxfp8", "nvfp4") and not emulate:
-        raise ValueError(p + f"{recipe} GEMMs are emulated here (native ones need Blackwell): "
-                         "pass emulate=True")  # fmt: skip
-    if recipe == "block" and not emulate and not (fwd_dtype == bwd_dtype == _BLOCKWISE_FP8):
-        raise ValueError(
-            p + f"native blockwise GEMMs take E4M3 operands; got fwd_dtype={fwd_dtype}, "
-            f"bwd_dtype={bwd_dtype} (emulate=True runs other formats)"
-        )
-    if recipe == "delayed" and (
+    specs: dict[str, QuantSpec],
+    scale: Tensor | None = None,
+    grad_amax: Tensor | None = None,
+    rng_state: Tensor | None = None,
+    like: Tensor | None = None,
+) -> str:
+    """The quantisation specs of a GEMM family op by argument name (``"input_spec"``,
+    ``"grad_spec"``; any other name is a weight's) with its delayed-scaling state (``scale``
+    ``[3]``, ``grad_amax`` ``[1]``) and its stochastic-rounding stream (``rng_state``, int64
+    ``[2]`` on ``like``'s device); ``p`` begins the messages. Returns the recipe kind."""
+    first = next(iter(specs.values()))
+    kind, emulate = first.kind, first.emulate
+    given = ", ".join(f"{name}={spec.encode()!r}" for name, spec in specs.items())
+    for name, spec in specs.items():
+        role = {"input_spec": "input", "grad_spec": "grad"}.get(name, "weight")
+        text = f"{name} {spec.encode()!r}: "
+        if spec.kind != kind or spec.emulate != emulate:
+            raise ValueError(p + f"the specs must share one kind and emulate, got {given}")
+        if not kind and spec != first:
+            raise ValueError(p + text + "a high-precision spec ('') takes no other token")
+        rows = {"block": (1, 128), "nvfp4": (1, 16)}.get(kind, (1,)) if role == "weight" else (1,)
+        if spec.block_rows not in rows:
+            raise ValueError(p + text + f"blocks of {spec.block_rows} rows are not implemented "
+                             f"for {role} operands of {kind!r} (block rows {rows})")  # fmt: skip
+        allowed = _ROLE_OPTIONS[role] if kind == "nvfp4" else ()
+        bad = [o for o in _OPTIONS if getattr(spec, o) and o not in allowed]
+        if bad:
+            raise ValueError(p + text + f"{', '.join(bad)}: not an option of {role} operands"
+                             + ("" if kind == "nvfp4" else " (NVFP4's options)"))  # fmt: skip
+        if spec.four_over_six not in FOUR_OVER_SIX:
+            raise ValueError(p + text + f"4over6 must be one of {FOUR_OVER_SIX[1:]}")
+        if kind == "block" and not emulate and spec.fp8_dtype is not _BLOCKWISE_FP8:
+            raise ValueError(p + text + "native blockwise GEMMs take E4M3 operands (add "
+                             "'emulate' to run other formats)")  # fmt: skip
+    if kind in ("mxfp8", "nvfp4") and not emulate:
+        raise ValueError(p + f"{kind} GEMMs are emulated here (native ones need Blackwell): add "
+                         f"'emulate' to the specs, got {given}")  # fmt: skip
+    x, g = specs.get("input_spec"), specs.get("grad_spec")
+    if x is not None and g is not None and x.rht != g.rht:
+        raise ValueError(p + "rht (the Hadamard transform of the wgrad GEMM's operands) goes on "
+                         f"input_spec and grad_spec together, got {given}")  # fmt: skip
+    if kind == "delayed" and (
         scale is None or scale.shape != (3,) or scale.dtype is not torch.float32
     ):
-        raise ValueError(p + 'recipe="delayed" needs scale: a [3] float32 tensor (input, weight, '
-                         "grad)")  # fmt: skip
-    if recipe != "delayed" and scale is not None:
-        raise ValueError(p + 'scale is for recipe="delayed" only')
+        raise ValueError(p + 'a "delayed" spec needs scale: a [3] float32 tensor (input, '
+                         "weight, grad)")  # fmt: skip
+    if kind != "delayed" and scale is not None:
+        raise ValueError(p + 'scale is for "delayed" specs only')
     if grad_amax is not None and (grad_amax.shape != (1,) or grad_amax.dtype is not torch.float32):
         raise ValueError(p + "grad_amax must be a [1] float32 tensor")
-
-
-def check_nvfp4_options(
-    p: str,
-    recipe: str,
-    rht: bool,
-    stochastic_rounding: bool,
-    rng_state: Tensor | None,
-    like: Tensor,
-    row_scaled: bool = False,
-    backward_override: str = "",
-    input_4over6: str = "",
-    weight_4over6: str = "",
-) -> None:
-    """NVFP4's option arguments of a family op: NVFP4 only; ``rng_state`` (int64 ``[2]`` on
-    ``like``'s device) with stochastic rounding; ``row_scaled`` with a ``backward_override``
-    (a row-scaled tensor has no columnwise copy for the wgrad GEMM); ``input_4over6`` /
-    ``weight_4over6`` one of :data:`~te_compile.functional.quantize_mx.FOUR_OVER_SIX`."""
-    for name, value in (("input_4over6", input_4over6), ("weight_4over6", weight_4over6)):
-        if value not in FOUR_OVER_SIX:
-            raise ValueError(p + f"{name} must be one of {FOUR_OVER_SIX}, got {value!r}")
-        if value and recipe != "nvfp4":
-            raise ValueError(
-                p + f"{name} (4over6 block scaling) is an NVFP4 option (recipe='nvfp4'), got "
-                f"recipe={recipe!r} with {name}={value!r}"
-            )
-    if (rht or stochastic_rounding or row_scaled) and recipe != "nvfp4":
-        raise ValueError(
-            p + "rht, stochastic_rounding and row_scaled are NVFP4 options (recipe='nvfp4'), "
-            f"got recipe={recipe!r} with rht={rht}, stochastic_rounding={stochastic_rounding}, "
-            f"row_scaled={row_scaled}"
-        )
-    if row_scaled and backward_override not in ("high_precision", "dequantized"):
-        raise ValueError(
-            p + "row_scaled=True needs backward_override 'high_precision' or 'dequantized' (a "
-            f"row-scaled NVFP4 input has no columnwise copy), got {backward_override!r}"
-        )
-    if not stochastic_rounding:
+    if grad_amax is not None and kind not in PER_TENSOR:
+        raise ValueError(p + "grad_amax is for the per-tensor kinds (current, delayed)")
+    if g is None or not g.stochastic_rounding:
         if rng_state is not None:
-            raise ValueError(p + "rng_state is for stochastic_rounding=True only")
-        return
-    if (
+            raise ValueError(p + "rng_state is for a grad_spec with 'sr' (stochastic rounding)")
+    elif (
         rng_state is None
         or rng_state.dtype is not torch.int64
         or rng_state.shape != (2,)
         or rng_state.device != like.device
     ):
-        got = (
-            "None"
-            if rng_state is None
-            else (f"{rng_state.dtype} {list(rng_state.shape)} on {rng_state.device}")
-        )
+        got = "None" if rng_state is None else (
+            f"{rng_state.dtype} {list(rng_state.shape)} on {rng_state.device}")  # fmt: skip
         raise ValueError(
-            p + "stochastic_rounding=True needs rng_state: an int64 tensor [2] = (seed, offset) "
-            f"on the input's device ({like.device}), got {got}"
+            p + "stochastic rounding ('sr') needs rng_state: an int64 tensor [2] = (seed, "
+            f"offset) on the input's device ({like.device}), got {got}"
         )
+    return kind
 
 
 def _is_int(value: object) -> bool:
@@ -296,49 +277,13 @@ def _is_int(value: object) -> bool:
     return isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool)
 
 
-def recipe_args_not_default(
-    fwd_dtype: object,
-    bwd_dtype: object,
-    power_2_scale: object,
-    weight_block_rows: object,
-    emulate: object,
-) -> bool:
-    """Whether any recipe argument of a family function differs from its default: the call then
-    leaves the high-precision hot path and :func:`check_gemm_args` checks it."""
-    return (
-        fwd_dtype is not torch.float8_e4m3fn or bwd_dtype is not torch.float8_e5m2
-        or power_2_scale is not False or weight_block_rows != 1 or emulate is not False
-    )  # fmt: skip
-
-
-def check_gemm_args(
-    owner: str,
-    tensors: dict[str, Tensor | None],
-    *,
-    fwd_dtype: object,
-    bwd_dtype: object,
-    power_2_scale: object,
-    weight_block_rows: object,
-    emulate: object,
-    **reals: object,
-) -> None:
-    """A family function's arguments, whether or not the call uses them (a recipe argument given
-    without a recipe is still checked, never silently ignored): tensors (or None), the recipe's
-    FP8 dtypes, switches and block rows, and ``reals`` (``norm_eps``, ``limit``, ``alpha``:
-    positive; ``glu_linear_offset``, ``out_scale``: finite; ``glu_interleave_size``: None or an
-    int >= 0). The callers run it only off the hot path (some argument not at its default)."""
+def check_gemm_args(owner: str, tensors: dict[str, Tensor | None], **reals: object) -> None:
+    """A family function's arguments, whether or not the call uses them (an argument given
+    that the call does not use is still checked, never silently ignored): tensors (or None) and
+    ``reals`` (``norm_eps``, ``limit``, ``alpha``: positive; ``glu_linear_offset``,
+    ``out_scale``: finite; ``glu_interleave_size``: None or an int >= 0). The callers run it
+    only off the hot path (some argument not at its default)."""
     check_tensors(owner, **tensors)
-    check_bool(owner, power_2_scale=power_2_scale, emulate=emulate)
-    for name, value in (("fwd_dtype", fwd_dtype), ("bwd_dtype", bwd_dtype)):
-        if value not in FP8_DTYPES:
-            raise ValueError(
-                f"{owner}: {name} must be one of the FP8 dtypes {FP8_DTYPES}, got {value!r}"
-            )
-    if not _is_int(weight_block_rows) or weight_block_rows not in (1, 16, 128):
-        raise ValueError(
-            f"{owner}: weight_block_rows must be 1 (1x128 blocks), 128 (128x128) or 16 (NVFP4's "
-            f"16x16 tiles), got {weight_block_rows!r}"
-        )
     for name, value in reals.items():
         if name in ("glu_linear_offset", "out_scale"):
             check_finite(owner, **{name: value})
@@ -402,43 +347,29 @@ def quantize_per_tensor(
     return data, reciprocal_rn(scale), amax
 
 
-def qdq_both(
-    x2: Tensor,
-    kind: str,
-    fp8_dtype: torch.dtype,
-    block_rows: int = 1,
-    power_2_scale: bool = False,
-    *,
-    rht: bool = False,
-    rng_state: Tensor | None = None,
-    row_scaled: bool = False,
-    four_over_six: str = "",
-) -> tuple[Tensor, Tensor]:
-    """``(rowwise, columnwise^T)``: ``x2`` ``[M, K]`` quantised by a block-scaled kind in blocks
-    along K and along M (the latter returned transposed, ``[K, M]``), both dequantised to fp32,
-    where every dequantised value is exact (an NVFP4 value times its E4M3 scale over the global
-    scale is not always a bf16 number). fp64 input (the tests' references) is quantised from
-    its fp32 values and returned as fp64. NVFP4's recipe options
-    (``functional.quantize_mx.nvfp4_qdq``): ``block_rows=16``, 16x16 tiles; ``rht``, the random
-    Hadamard transform of the columnwise copy; ``rng_state``, stochastic rounding;
-    ``row_scaled``, one global scale per row for the rowwise copy; ``four_over_six``, 4over6
-    block scaling."""
+def qdq_both(x2: Tensor, spec: QuantSpec, rng_state: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``(rowwise, columnwise^T)``: ``x2`` ``[M, K]`` quantised by a block-scaled ``spec`` in
+    blocks along K and along M (the latter returned transposed, ``[K, M]``), both dequantised to
+    fp32, where every dequantised value is exact (an NVFP4 value times its E4M3 scale over the
+    global scale is not always a bf16 number). fp64 input (the tests' references) is quantised
+    from its fp32 values and returned as fp64. NVFP4's options
+    (``functional.quantize_mx.nvfp4_qdq``): 16x16 tiles, the random Hadamard transform of the
+    columnwise copy, stochastic rounding (``rng_state``), one global scale per row for the
+    rowwise copy, 4over6 block scaling."""
     x = x2.float() if x2.dtype == torch.float64 else x2
-    f32 = torch.float32
-    if kind == "block":  # 1 x 128 (block_rows=1) or 128 x 128 blocks, fp32 scales
-        data, s, data_t, s_t = quantize_blockwise.eager(
-            x, fp8_dtype, block_rows, power_2_scale, True
-        )
+    f32, fp8_dtype, rows = torch.float32, spec.fp8_dtype, spec.block_rows
+    if spec.kind == "block":  # 1 x 128 (block_rows=1) or 128 x 128 blocks, fp32 scales
+        data, s, data_t, s_t = quantize_blockwise.eager(x, fp8_dtype, rows, spec.power_2_scale,
+                                                        True)  # fmt: skip
         deq = dequantize_blockwise.eager
         u8 = torch.uint8
-        row = deq(data.view(u8), s, block_rows, fp8_dtype, f32)
-        col_t = deq(data_t.view(u8), s_t, block_rows, fp8_dtype, f32)
-    elif kind == "mxfp8":
+        row = deq(data.view(u8), s, rows, fp8_dtype, f32)
+        col_t = deq(data_t.view(u8), s_t, rows, fp8_dtype, f32)
+    elif spec.kind == "mxfp8":
         data, scale, data_t, scale_t = quantize_mxfp8(x, fp8_dtype)
         row, col_t = dequantize_mxfp8(data, scale, f32), dequantize_mxfp8(data_t, scale_t, f32)
-    elif block_rows != 1 or rht or rng_state is not None or row_scaled or four_over_six:
-        row, col_t = nvfp4_qdq(x, tiles=block_rows == 16, rht=rht, rng_state=rng_state,
-                               row_scaled=row_scaled, four_over_six=four_over_six)  # fmt: skip
+    elif rows != 1 or rng_state is not None or spec.options():
+        row, col_t = nvfp4_qdq(x, tiles=rows == 16, rng_state=rng_state, **spec.options())
     else:
         data, scale, g, data_t, scale_t = quantize_nvfp4(x)
         row = dequantize_nvfp4(data, scale, g, f32)
@@ -452,102 +383,71 @@ def _col_sums(x2: Tensor, sums: bool) -> Tensor | None:
     return x2.sum(0, dtype=torch.float32) if sums else None
 
 
-def _quantize_per_tensor(x2, fp8_dtype, scale, block_rows, power_2_scale, emulate, columnwise,
-                         mn_major, sums) -> Operand:  # fmt: skip
+# Every entry: (spec, x2, scale, columnwise, mn_major, sums, rng_state) -> Operand.
+def _quantize_per_tensor(spec, x2, scale, columnwise, mn_major, sums, rng_state) -> Operand:
     """Current (``scale`` None) or delayed scaling, both copies in one pass (the quantisation
     ops: one Triton kernel on CUDA, the reference elsewhere); the GEMM's emulation reads the
     same codes."""
     if scale is None:
-        data, data_t, scale_inv, amax = quantize_current.eager(x2, fp8_dtype, columnwise)
+        data, data_t, scale_inv, amax = quantize_current.eager(x2, spec.fp8_dtype, columnwise)
     else:
-        data, data_t, amax = quantize_tensorwise.eager(x2, scale, fp8_dtype, columnwise)
+        data, data_t, amax = quantize_tensorwise.eager(x2, scale, spec.fp8_dtype, columnwise)
         scale_inv = reciprocal_rn(scale)
     return Operand(data, scale_inv, data_t, scale_inv, amax, _col_sums(x2, sums))
 
 
-def _quantize_dequantized(kind, x2, fp8_dtype, block_rows, power_2_scale, sums, **nvfp4) -> Operand:
-    row, col_t = qdq_both(x2, kind, fp8_dtype, block_rows, power_2_scale, **nvfp4)
-    f32 = torch.float32
-    none = x2.new_empty(0, dtype=f32)
+def _quantize_dequantized(spec, x2, scale, columnwise, mn_major, sums, rng_state) -> Operand:
+    """MXFP8, NVFP4 and emulated Float8BlockScaling: the dequantised values (exact; the GEMM is
+    emulated)."""
+    row, col_t = qdq_both(x2, spec, rng_state)
+    none = x2.new_empty(0, dtype=torch.float32)
     return Operand(row, none, col_t, none.clone(), none.clone(), _col_sums(x2, sums))
 
 
-def _quantize_block(x2, fp8_dtype, scale, block_rows, power_2_scale, emulate, columnwise,
-                    mn_major, sums) -> Operand:  # fmt: skip
+def _quantize_block(spec, x2, scale, columnwise, mn_major, sums, rng_state) -> Operand:
     """Float8BlockScaling: FP8 codes and fp32 block scales (emulated: dequantised). With
     ``sums`` on CUDA one kernel reads ``x2`` once for the casts and the column sums (both scale
     tensors in the GEMM's layout with ``mn_major``)."""
-    if emulate:
-        return _quantize_dequantized("block", x2, fp8_dtype, block_rows, power_2_scale, sums)
+    if spec.emulate:
+        return _quantize_dequantized(spec, x2, scale, columnwise, mn_major, sums, rng_state)
     none = x2.new_empty(0, dtype=torch.float32)
-    if sums and x2.is_cuda and block_rows == 1:
+    fp8_dtype, rows, p2 = spec.fp8_dtype, spec.block_rows, spec.power_2_scale
+    if sums and x2.is_cuda and rows == 1:
         from te_compile.kernels.quantize import quantize_blockwise_sums
 
         data, s, data_t, s_t, total = quantize_blockwise_sums(
-            x2, fp8_dtype, power_2_scale, mn_major=(mn_major, mn_major)
+            x2, fp8_dtype, p2, mn_major=(mn_major, mn_major)
         )
         return Operand(data, s, data_t, s_t, none, total)
-    data, s, data_t, s_t = quantize_blockwise.eager(x2, fp8_dtype, block_rows, power_2_scale, True)
+    data, s, data_t, s_t = quantize_blockwise.eager(x2, fp8_dtype, rows, p2, True)
     return Operand(data, s, data_t.contiguous(), s_t.contiguous(), none, _col_sums(x2, sums))
-
-
-def _quantize_mxfp8(x2, fp8_dtype, scale, block_rows, power_2_scale, emulate, columnwise,
-                    mn_major, sums) -> Operand:  # fmt: skip
-    """mxfp8: always dequantised (the GEMM is emulated)."""
-    return _quantize_dequantized("mxfp8", x2, fp8_dtype, 1, False, sums)
-
-
-def _quantize_nvfp4(x2, fp8_dtype, scale, block_rows, power_2_scale, emulate, columnwise,
-                    mn_major, sums, rht=False, rng_state=None, row_scaled=False,
-                    four_over_six="") -> Operand:  # fmt: skip
-    """nvfp4: always dequantised (the GEMM is emulated); ``block_rows`` 16: 16x16 tiles,
-    ``rht``: the random Hadamard transform of the columnwise copy, ``rng_state``: stochastic
-    rounding, ``row_scaled``: a global scale per row (rowwise copy), ``four_over_six``: 4over6
-    block scaling."""
-    return _quantize_dequantized("nvfp4", x2, fp8_dtype, block_rows, False, sums, rht=rht,
-                                 rng_state=rng_state, row_scaled=row_scaled,
-                                 four_over_six=four_over_six)  # fmt: skip
 
 
 QUANTIZERS: dict[str, Callable[..., Operand]] = {
     "current": _quantize_per_tensor,
     "delayed": _quantize_per_tensor,
     "block": _quantize_block,
-    "mxfp8": _quantize_mxfp8,
-    "nvfp4": _quantize_nvfp4,
+    "mxfp8": _quantize_dequantized,
+    "nvfp4": _quantize_dequantized,
 }
 
 
 def quantize_operand(
-    recipe: str,
+    spec: QuantSpec,
     x2: Tensor,
-    fp8_dtype: torch.dtype,
     *,
     scale: Tensor | None = None,
-    block_rows: int = 1,
-    power_2_scale: bool = False,
-    emulate: bool = False,
     columnwise: bool = True,
     mn_major: bool = False,
     sums: bool = False,
-    rht: bool = False,
     rng_state: Tensor | None = None,
-    row_scaled: bool = False,
-    four_over_six: str = "",
 ) -> Operand:
-    """``x2`` ``[M, K]`` as an :class:`Operand` of ``recipe``'s kind (``scale``: the ``[1]``
-    delayed scale; ``block_rows``: the block's rows for ``"block"`` (1 or 128) and ``"nvfp4"``
-    (1 or 16); ``mn_major``: 1x128 block scales in the blockwise GEMM's layout where a CUDA
-    kernel writes them; ``rht`` / ``rng_state`` / ``row_scaled``: NVFP4's random Hadamard
-    transform of the columnwise copy / stochastic rounding / a global scale per row;
-    ``four_over_six``: NVFP4's 4over6 block scaling, ``quantize_mx.FOUR_OVER_SIX``)."""
-    quantize = QUANTIZERS[recipe]
-    if rht or rng_state is not None or row_scaled or four_over_six:
-        return quantize(x2, fp8_dtype, scale, block_rows, power_2_scale, emulate, columnwise,
-                        mn_major, sums, rht=rht, rng_state=rng_state, row_scaled=row_scaled,
-                        four_over_six=four_over_six)  # fmt: skip
-    return quantize(x2, fp8_dtype, scale, block_rows, power_2_scale, emulate, columnwise,
-                    mn_major, sums)  # fmt: skip
+    """``x2`` ``[M, K]`` as an :class:`Operand` quantised as ``spec`` says (``scale``: the
+    ``[1]`` delayed scale; ``mn_major``: 1x128 block scales in the blockwise GEMM's layout where
+    a CUDA kernel writes them; ``rng_state``: NVFP4's stochastic rounding, with the spec's
+    ``stochastic_rounding``)."""
+    rng_state = rng_state if spec.stochastic_rounding else None
+    return QUANTIZERS[spec.kind](spec, x2, scale, columnwise, mn_major, sums, rng_state)
 
 
 # Pre-quantised weight operands ----------------------------------------------------------------
@@ -607,29 +507,31 @@ def weight_operand(tensors, fp8_dtype: torch.dtype) -> Operand:
     return Operand(data, scale, data_t, scale_t, amax)
 
 
-def _quantize_weight_impl(weight, recipe, fwd_dtype, power_2_scale, weight_block_rows, emulate,
-                          scale, four_over_six="") -> list[Tensor]:  # fmt: skip
+def check_weight_spec(p: str, spec: str, scale: Tensor | None) -> QuantSpec:
+    """The weight spec of a weight cast (a quantised kind) with its delayed scales ``[3]``."""
+    w = parse(QuantSpec, spec, p + "spec")
+    if not w.kind:
+        raise ValueError(p + "spec must be a quantised kind, got ''")
+    check_specs(p, {"spec": w}, scale)
+    return w
+
+
+def _quantize_weight_impl(weight, spec, scale) -> list[Tensor]:
     p = "te.quantize_weight: "
-    check_recipe(p, recipe, fwd_dtype, fwd_dtype, weight_block_rows, emulate, scale, None)
-    _check_four_over_six(p, recipe, four_over_six)
-    if not recipe:
-        raise ValueError(p + "recipe must be a quantised kind, got ''")
+    w = check_weight_spec(p, spec, scale)
     if weight.dim() != 2 or weight.dtype not in HIGH_DTYPES + (torch.float64,):
         raise ValueError(
             p + f"weight must be a 2-D floating tensor, got {weight.dim()}-D {weight.dtype}"
         )
-    s_w = scale_slots(scale, recipe)[1]
-    q = quantize_operand(recipe, weight, fwd_dtype, scale=s_w, power_2_scale=power_2_scale,
-                         block_rows=weight_block_rows, emulate=emulate,
-                         four_over_six=four_over_six)  # fmt: skip
+    q = quantize_operand(w, weight, scale=scale_slots(scale, w.kind)[1])
     data, data_t = (t.view(torch.uint8) if t.dtype in FP8_DTYPES else t for t in (q.data, q.data_t))
     # Fresh outputs (an op's outputs may not alias): per tensor, the copies share one scale;
     # 128x128 blocks give data_t and scale_t as transposed views of data and scale.
     fmt = torch.contiguous_format
-    if recipe == "block" and weight_block_rows == 128 and not emulate:
+    if w.kind == "block" and w.block_rows == 128 and not w.emulate:
         data_t = data_t.clone(memory_format=fmt)
     scale_t = q.scale_t.clone(memory_format=fmt)  # a few bytes
-    amax = q.amax if recipe in PER_TENSOR else weight.new_empty(0, dtype=torch.float32)
+    amax = q.amax if w.kind in PER_TENSOR else weight.new_empty(0, dtype=torch.float32)
     return [data, q.scale, data_t, scale_t, amax]
 
 
@@ -637,102 +539,47 @@ def _quantize_weight_samples(device: torch.device):
     def w(n, k, dtype=torch.bfloat16):
         return torch.randn(n, k, device=device, dtype=dtype)
 
-    e4 = torch.float8_e4m3fn
-    yield SampleInput((w(32, 16), "current", e4, False, 1, False, None))
+    yield SampleInput((w(32, 16), "current:e4m3", None))
     scale = torch.tensor([8.0, 16.0, 1.0], device=device)
-    yield SampleInput((w(16, 48, torch.float32), "delayed", e4, False, 1, False, scale))
-    yield SampleInput((w(512, 512), "block", e4, False, 128, False, None))
-    yield SampleInput((w(32, 256), "block", e4, True, 1, False, None))
-    yield SampleInput((w(64, 32), "mxfp8", e4, False, 1, True, None))
-    yield SampleInput((w(32, 48), "nvfp4", e4, False, 1, True, None))
-    yield SampleInput((w(32, 48), "nvfp4", e4, False, 16, True, None, "MSE:256"))
-
-
-def _check_four_over_six(p: str, recipe: str, four_over_six: str) -> None:
-    if four_over_six not in FOUR_OVER_SIX:
-        raise ValueError(p + f"four_over_six must be one of {FOUR_OVER_SIX}, got {four_over_six!r}")
-    if four_over_six and recipe != "nvfp4":
-        raise ValueError(
-            p + f"four_over_six (4over6 block scaling) is for recipe='nvfp4', got {recipe!r}"
-        )
+    yield SampleInput((w(16, 48, torch.float32), "delayed:e4m3", scale))
+    yield SampleInput((w(512, 512), "block:e4m3:128x128", None))
+    yield SampleInput((w(32, 256), "block:e4m3:p2", None))
+    yield SampleInput((w(64, 32), "mxfp8:e4m3:emulate", None))
+    yield SampleInput((w(32, 48), "nvfp4:emulate", None))
+    yield SampleInput((w(32, 48), "nvfp4:16x16:emulate:4over6=MSE/256", None))
 
 
 @op("quantize_weight", sample_inputs=_quantize_weight_samples)
-def quantize_weight_op(
-    weight: Tensor,
-    recipe: str,
-    fwd_dtype: torch.dtype,
-    power_2_scale: bool,
-    weight_block_rows: int,
-    emulate: bool,
-    scale: Tensor | None,
-    four_over_six: str = "",
-) -> list[Tensor]:
+def quantize_weight_op(weight: Tensor, spec: str, scale: Tensor | None) -> list[Tensor]:
     """``te::quantize_weight``: :func:`quantize_weight` without the argument checks."""
-    return _quantize_weight_impl(weight, recipe, fwd_dtype, power_2_scale, weight_block_rows,
-                                 emulate, scale, four_over_six)  # fmt: skip
-
-
-def check_quantize_weight_args(
-    p: str, weight, layout: str, recipe, fwd_dtype, power_2_scale, weight_block_rows, emulate, scale
-) -> None:
-    """The argument types of a weight cast (``p``: the public name; ``layout``: the weight's
-    dims, e.g. ``"[N, K]"``; its rank is theirs), before the op's own checks."""
-    check_tensor(p, "weight", weight)
-    if weight.dim() != layout.count(",") + 1:
-        raise ValueError(
-            f"{p}: weight must be {layout.count(',') + 1}-D {layout}, got shape "
-            f"{list(weight.shape)}"
-        )
-    if not isinstance(recipe, str):
-        raise TypeError(f"{p}: recipe must be a str, one of {RECIPES[1:]}, got {recipe!r}")
-    if not isinstance(fwd_dtype, torch.dtype):
-        raise TypeError(f"{p}: fwd_dtype must be an FP8 torch.dtype, got {fwd_dtype!r}")
-    check_bool(p, power_2_scale=power_2_scale, emulate=emulate)
-    if isinstance(weight_block_rows, bool) or not isinstance(weight_block_rows, int):
-        raise TypeError(f"{p}: weight_block_rows must be an int, got {weight_block_rows!r}")
-    check_tensors(p, scale=scale)
+    return _quantize_weight_impl(weight, spec, scale)
 
 
 def quantize_weight(
-    weight: Tensor,
-    recipe: str,
-    fwd_dtype: torch.dtype,
-    power_2_scale: bool,
-    weight_block_rows: int,
-    emulate: bool,
-    scale: Tensor | None,
-    four_over_six: str = "",
+    weight: Tensor, spec: str | QuantSpec, scale: Tensor | None = None
 ) -> list[Tensor]:
     """``weight`` ``[N, K]`` as the family ops' pre-quantised weight operand (module docstring):
-    ``[data, scale, data_t, scale_t, amax]``, quantised as the op would quantise it inside
-    (``scale``: the GEMM's delayed scales ``[3]``, whose weight slot is used, with
-    ``recipe="delayed"``; ``four_over_six``: NVFP4's 4over6 setting of the weight,
-    ``quantize_mx.FOUR_OVER_SIX``). ``te::quantize_weight`` after the checks of its arguments
-    (the dispatcher's type errors would not name them)."""
+    ``[data, scale, data_t, scale_t, amax]``, quantised as the op would quantise it inside with
+    the weight spec ``spec`` (``functional.spec.QuantSpec``; ``scale``: the GEMM's delayed
+    scales ``[3]``, whose weight slot is used, with a ``"delayed"`` spec).
+    ``te::quantize_weight`` after the checks of its arguments (the dispatcher's type errors
+    would not name them)."""
     p = "te.quantize_weight"
-    check_quantize_weight_args(p, weight, "[N, K]", recipe, fwd_dtype, power_2_scale,
-                               weight_block_rows, emulate, scale)  # fmt: skip
-    if not isinstance(four_over_six, str):
-        raise TypeError(f"{p}: four_over_six must be a str, one of {FOUR_OVER_SIX}, got "
-                        f"{four_over_six!r}")  # fmt: skip
-    if four_over_six:
-        return quantize_weight_op(weight, recipe, fwd_dtype, power_2_scale, weight_block_rows,
-                                  emulate, scale, four_over_six)  # fmt: skip
-    return quantize_weight_op(weight, recipe, fwd_dtype, power_2_scale, weight_block_rows,
-                              emulate, scale)  # fmt: skip
+    check_tensor(p, "weight", weight)
+    check_tensors(p, scale=scale)
+    if not isinstance(spec, (str, QuantSpec)):
+        raise TypeError(f"{p}: spec must be a QuantSpec or its str, got {spec!r}")
+    spec = spec.encode() if isinstance(spec, QuantSpec) else spec
+    return quantize_weight_op(weight, spec, scale)
 
 
 @quantize_weight_op.register_fake
-def _quantize_weight_fake(weight, recipe, fwd_dtype, power_2_scale, weight_block_rows, emulate,
-                          scale, four_over_six=""):  # fmt: skip
-    check_recipe("te.quantize_weight: ", recipe, fwd_dtype, fwd_dtype, weight_block_rows, emulate,
-                 scale, None)  # fmt: skip
-    _check_four_over_six("te.quantize_weight: ", recipe, four_over_six)
-    if not recipe or weight.dim() != 2:
-        raise ValueError("te.quantize_weight: needs a quantised recipe and a 2-D weight")
+def _quantize_weight_fake(weight, spec, scale):
+    w = check_weight_spec("te.quantize_weight: ", spec, scale)
+    if weight.dim() != 2:
+        raise ValueError("te.quantize_weight: needs a 2-D weight")
     n, k = weight.shape
-    shapes = _weight_shapes(recipe, n, k, weight_block_rows, emulate)
+    shapes = _weight_shapes(w.kind, n, k, w.block_rows, w.emulate)
     return [weight.new_empty(shape, dtype=dtype) for shape, dtype in shapes]
 
 
@@ -929,85 +776,68 @@ class _BlockReference(torch.autograd.Function):
     than the forward did (``Q_K`` forward, ``Q_N`` for dgrad, ``Q_M`` for wgrad)."""
 
     @staticmethod
-    def forward(ctx, x, weight, kind, fwd_dtype, bwd_dtype, power_2_scale, w_rows, rht,
-                rng_state, row_scaled, input_4over6, weight_4over6):  # fmt: skip
-        x_row, x_col_t = qdq_both(x, kind, fwd_dtype, 1, power_2_scale, rht=rht,
-                                  row_scaled=row_scaled, four_over_six=input_4over6)  # fmt: skip
-        w_row, w_col_t = qdq_both(weight, kind, fwd_dtype, w_rows, power_2_scale,
-                                  four_over_six=weight_4over6)  # fmt: skip
+    def forward(ctx, x, weight, specs, rng_state):
+        x_row, x_col_t = qdq_both(x, specs[0])
+        w_row, w_col_t = qdq_both(weight, specs[1])
         ctx.save_for_backward(x_col_t, w_col_t, rng_state)
-        ctx.config = (kind, bwd_dtype, power_2_scale, rht)
+        ctx.grad_spec = specs[2]
         return x_row @ w_row.t()
 
     @staticmethod
     def backward(ctx, grad):
         x_col_t, w_col_t, rng_state = ctx.saved_tensors
-        kind, bwd_dtype, power_2_scale, rht = ctx.config
-        g_row, g_col_t = qdq_both(grad, kind, bwd_dtype, 1, power_2_scale, rht=rht,
-                                  rng_state=rng_state)  # fmt: skip
-        return g_row @ w_col_t.t(), g_col_t @ x_col_t.t(), *(None,) * 10
+        rng_state = rng_state if ctx.grad_spec.stochastic_rounding else None
+        g_row, g_col_t = qdq_both(grad, ctx.grad_spec, rng_state)
+        return g_row @ w_col_t.t(), g_col_t @ x_col_t.t(), None, None
+
+
+def as_specs(*specs: str | QuantSpec) -> tuple[QuantSpec, ...]:
+    """Spec objects of spec strings (or objects)."""
+    return tuple(s if isinstance(s, QuantSpec) else parse(QuantSpec, s) for s in specs)
 
 
 def quantized_linear_ref(
     inp: Tensor,
     weight: Tensor,
-    recipe: str,
-    fwd_dtype: torch.dtype = torch.float8_e4m3fn,
-    bwd_dtype: torch.dtype = torch.float8_e5m2,
-    power_2_scale: bool = False,
-    weight_block_rows: int = 1,
+    input_spec: str | QuantSpec = "",
+    weight_spec: str | QuantSpec = "",
+    grad_spec: str | QuantSpec = "",
     scale: Tensor | None = None,
     backward_override: str = "",
-    rht: bool = False,
     rng_state: Tensor | None = None,
-    row_scaled: bool = False,
-    input_4over6: str = "",
-    weight_4over6: str = "",
 ) -> Tensor:
     """Definition of correctness of the GEMM of a recipe, differentiable: ``inp @ weight.T`` of
     the quantised-dequantised operands in the input's dtype (fp64 in the tests), the incoming
-    gradient quantised on its way back (``bwd_dtype``) as the backward GEMMs see it. ``inp``
-    ``[..., K]``; ``scale`` ``[3]`` for ``"delayed"``. ``backward_override`` (
-    :data:`BACKWARD_OVERRIDES`): ``"high_precision"``, the quantised forward's value with the
-    gradients of ``inp @ weight.T``; ``"dequantized"``, the gradients of the product of the
-    forward's dequantised operands (straight through the quantisation), the gradient not
-    quantised. NVFP4's options: ``weight_block_rows=16`` (16x16 weight tiles), ``rht`` (the
-    random Hadamard transform of the wgrad GEMM's operands, the input's and the gradient's
-    columnwise copies), ``rng_state`` (stochastic rounding of the gradient, the op's stream),
-    ``row_scaled`` (the input's rowwise copy with a global scale per row), ``input_4over6`` /
-    ``weight_4over6`` (4over6 block scaling of the input's / the weight's copies,
-    ``quantize_mx.FOUR_OVER_SIX``)."""
+    gradient quantised on its way back as the backward GEMMs see it; the specs are those of the
+    family ops (``functional.spec.QuantSpec``). ``inp`` ``[..., K]``; ``scale`` ``[3]`` for
+    ``"delayed"``. ``backward_override`` (:data:`BACKWARD_OVERRIDES`): ``"high_precision"``,
+    the quantised forward's value with the gradients of ``inp @ weight.T``; ``"dequantized"``,
+    the gradients of the product of the forward's dequantised operands (straight through the
+    quantisation), the gradient not quantised. ``rng_state``: the stochastic rounding stream
+    of a gradient spec with ``sr`` (the op's)."""
     x = inp.reshape(-1, inp.shape[-1])
-    fos = {"input_4over6": input_4over6, "weight_4over6": weight_4over6}
+    specs = xs, ws, gs = as_specs(input_spec, weight_spec, grad_spec)
+    recipe = xs.kind
     if recipe and backward_override == "high_precision":
-        config = (fwd_dtype, bwd_dtype, power_2_scale, weight_block_rows, scale)
-        quantized = quantized_linear_ref(x, weight, recipe, *config, row_scaled=row_scaled,
-                                         **fos).detach()  # fmt: skip
+        quantized = quantized_linear_ref(x, weight, *specs, scale).detach()
         high = x @ weight.t()
         out = high + (quantized - high).detach()
     elif recipe and backward_override == "dequantized":
         s_x, s_w, _ = scale_slots(scale, recipe)
         if recipe in PER_TENSOR:
-            xq, wq = _fake_quant(x, fwd_dtype, s_x), _fake_quant(weight, fwd_dtype, s_w)
+            xq, wq = _fake_quant(x, xs.fp8_dtype, s_x), _fake_quant(weight, ws.fp8_dtype, s_w)
         else:
-            row = qdq_both(x, recipe, fwd_dtype, 1, power_2_scale, row_scaled=row_scaled,
-                           four_over_six=input_4over6)[0]  # fmt: skip
-            xq = _straight_through(x, row)
-            w_rows = weight_block_rows
-            w_row = qdq_both(weight, recipe, fwd_dtype, w_rows, power_2_scale,
-                             four_over_six=weight_4over6)[0]  # fmt: skip
-            wq = _straight_through(weight, w_row)
+            xq = _straight_through(x, qdq_both(x, xs)[0])
+            wq = _straight_through(weight, qdq_both(weight, ws)[0])
         out = xq @ wq.t()
     elif not recipe:
         out = x @ weight.t()
     elif recipe in PER_TENSOR:
         s_x, s_w, s_g = scale_slots(scale, recipe)
-        w = _fake_quant(weight, fwd_dtype, s_w)
-        out = _FakeQuantGrad.apply(_fake_quant(x, fwd_dtype, s_x) @ w.t(), bwd_dtype, s_g)
+        w = _fake_quant(weight, ws.fp8_dtype, s_w)
+        out = _FakeQuantGrad.apply(_fake_quant(x, xs.fp8_dtype, s_x) @ w.t(), gs.fp8_dtype, s_g)
     else:
-        config = (recipe, fwd_dtype, bwd_dtype, power_2_scale, weight_block_rows, rht, rng_state,
-                  row_scaled, input_4over6, weight_4over6)  # fmt: skip
-        out = _BlockReference.apply(x, weight, *config)
+        out = _BlockReference.apply(x, weight, specs, rng_state)
     return out.reshape(*inp.shape[:-1], weight.shape[0])
 
 

@@ -72,8 +72,9 @@ _E4M3 = torch.float8_e4m3fn
 
 
 class GroupedRecipe(NamedTuple):
-    """The recipe arguments of a grouped linear op (``functional.gemm``'s, plus the delayed
-    state and ``fp8_wgrad``)."""
+    """A grouped linear op's specs as its GEMMs take them (``functional.grouped_linear`` makes
+    it from the three ``QuantSpec``s), with the delayed state, ``fp8_wgrad`` and the stochastic
+    rounding stream."""
 
     recipe: str = ""
     fwd_dtype: torch.dtype = _E4M3

@@ -17,12 +17,14 @@ CPU tensor; under ``torch.compile`` a list is a constant, so pass a tensor when 
 from step to step).
 
 After the five tensors the op takes the recipe as data, as the linear family does
-(``functional.gemm``): ``recipe`` (``""`` high precision, ``"current"``, ``"delayed"``,
-``"block"``, ``"mxfp8"``, ``"nvfp4"``), ``fwd_dtype``, ``bwd_dtype``, ``power_2_scale``,
-``weight_block_rows``, ``emulate``, the delayed-scaling ``scale`` ``[3]`` and ``grad_amax``
-``[1]`` (into which the backward writes the gradient's amax), and ``fp8_wgrad`` (per-tensor
-recipes: the wgrad GEMM in FP8 too, the input kept as its FP8 wgrad operand instead of in high
-precision). The GEMMs of each recipe are a row of :data:`GROUPED_GEMMS`:
+(``functional.spec``): ``input_spec``, ``weight_spec``, ``grad_spec`` (a ``QuantSpec`` string
+each; one power-of-two option for all three and the input's format for the weight), the
+delayed-scaling ``scale`` ``[3]`` and ``grad_amax`` ``[1]`` (into which the backward writes the
+gradient's amax), ``rng_state`` (a gradient spec's stochastic rounding) and ``backward`` (a
+``BackwardSpec`` string: ``fp8_wgrad``, per-tensor specs: the wgrad GEMM in FP8 too, the input
+kept as its FP8 wgrad operand instead of in high precision; ``save_input``: the input kept
+itself and quantised again in the backward).
+The GEMMs of each recipe are a row of :data:`GROUPED_GEMMS`:
 ``torch._grouped_mm`` and ``torch._scaled_grouped_mm`` on device offsets (no host sync, no
 recompilation when the splits change), a blockwise-scaled ``_scaled_mm`` per expert, or the
 emulation of the block-scaled recipes: the rows of :data:`GROUPED_GEMMS`, one table
@@ -36,11 +38,12 @@ delayed state's calibration step); native blockwise the FP8 copies of ``X^T`` (e
 tokens from a multiple of 128) and of each ``W_g^T`` with their 1x128 scales; the emulated
 recipes the dequantised ``X`` and ``W``; nothing in high precision.
 
-Pre-quantised weight: the last arguments ``weight_data``, ``weight_scale``, ``weight_data_t``,
-``weight_scale_t``, ``weight_amax`` (all or none, with a recipe) are ``weight`` already cast by
-``te::quantize_grouped_weight`` (``functional.grouped_weight``, the bytes of the op's own cast);
-the op then does not quantise ``weight``, leaves the weight's copies out of ``saved`` (the
-backward gets them from the inputs), and reports ``weight_amax`` as the weight's amax.
+Pre-quantised weight: ``weight_q``, the five tensors ``weight_data``, ``weight_scale``,
+``weight_data_t``, ``weight_scale_t``, ``weight_amax`` (with a recipe), is ``weight`` already
+cast by ``te::quantize_grouped_weight`` (``functional.grouped_weight``, the bytes of the op's
+own cast); the op then does not quantise ``weight``, leaves the weight's copies out of
+``saved`` (the backward gets them from the inputs), and reports ``weight_amax`` as the weight's
+amax.
 
 Under ``torch.compile`` Inductor traces into a high-precision call on CUDA that takes the
 ``torch._grouped_mm`` path (bf16, sizes multiples of 8, the splits on the input's device): it
@@ -59,7 +62,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from te_compile._checks import check_bool, check_required, check_same_device
+from te_compile._checks import check_bool, check_required, check_same_device, check_tensors
 from te_compile._library import HOST_SPLITS, SampleInput, differentiable, op
 from te_compile.functional.dropout import new_rng_state
 from te_compile.functional.fake_quantize import qdq
@@ -69,15 +72,13 @@ from te_compile.functional.gemm import (
     PER_TENSOR,
     WEIGHT_OPERAND,
     DeferredWgrad,
+    as_specs,
     blockwise_supported,
-    check_gemm_args,
-    check_nvfp4_options,
-    check_recipe,
+    check_specs,
     check_weight_quantized,
     empty,
     quantize_per_tensor,
     quantized_linear_ref,
-    recipe_args_not_default,
     save_for_backward_except_written,
 )
 from te_compile.functional.grouped_fp8 import (
@@ -104,6 +105,7 @@ from te_compile.functional.grouped_weight import (
     quantize_grouped_weight,
 )
 from te_compile.functional.quantize_mx import nvfp4_qdq
+from te_compile.functional.spec import BackwardSpec, QuantSpec, parse
 
 __all__ = [
     "GROUPED_GEMMS",
@@ -145,40 +147,44 @@ class _Args(NamedTuple):
     weight: Tensor
     bias: Tensor | None = None
     main_grad: Tensor | None = None
-    recipe: str = ""
-    fwd_dtype: torch.dtype = _E4M3
-    bwd_dtype: torch.dtype = _E5M2
-    power_2_scale: bool = False
-    weight_block_rows: int = 1
-    emulate: bool = False
+    input_spec: str = ""
+    weight_spec: str = ""
+    grad_spec: str = ""
     scale: Tensor | None = None
     grad_amax: Tensor | None = None
-    fp8_wgrad: bool = False
-    wgrad_stash: Tensor | None = None
-    save_original_input: bool = False
-    weight_data: Tensor | None = None
-    weight_scale: Tensor | None = None
-    weight_data_t: Tensor | None = None
-    weight_scale_t: Tensor | None = None
-    weight_amax: Tensor | None = None
-    rht: bool = False
-    stochastic_rounding: bool = False
     rng_state: Tensor | None = None
-    input_4over6: str = ""
-    weight_4over6: str = ""
+    backward: str = ""
+    weight_q: list[Tensor] | None = None
+    wgrad_stash: Tensor | None = None
+
+    @property
+    def specs(self) -> tuple[QuantSpec, QuantSpec, QuantSpec]:
+        return (parse(QuantSpec, self.input_spec, "te.grouped_linear: input_spec"),
+                parse(QuantSpec, self.weight_spec, "te.grouped_linear: weight_spec"),
+                parse(QuantSpec, self.grad_spec, "te.grouped_linear: grad_spec"))  # fmt: skip
+
+    @property
+    def recipe(self) -> str:
+        return self.specs[0].kind
+
+    @property
+    def bw(self) -> BackwardSpec:
+        return parse(BackwardSpec, self.backward, "te.grouped_linear: backward")
 
     @property
     def grouped_recipe(self) -> GroupedRecipe:
-        rng_state = self.rng_state if self.stochastic_rounding else None
-        return GroupedRecipe(*self[5:14], self.rht, rng_state, self.input_4over6,
-                             self.weight_4over6)  # fmt: skip
+        return _grouped_recipe(self.specs, self.scale, self.grad_amax, self.bw.fp8_wgrad,
+                               self.rng_state)  # fmt: skip
 
-    @property
-    def weight_q(self) -> tuple[Tensor | None, ...]:
-        """The pre-quantised weight (``functional.grouped_weight``; all None: quantise
-        ``weight`` inside)."""
-        return (self.weight_data, self.weight_scale, self.weight_data_t, self.weight_scale_t,
-                self.weight_amax)  # fmt: skip
+
+def _grouped_recipe(specs, scale, grad_amax, fp8_wgrad, rng_state) -> GroupedRecipe:
+    """The specs as the grouped GEMMs take them (one power-of-two option and the input's format
+    for the weight: ``_check`` refuses others)."""
+    x, w, g = specs
+    return GroupedRecipe(x.kind, x.fp8_dtype, g.fp8_dtype, w.power_2_scale, w.block_rows,
+                         x.emulate, scale, grad_amax, fp8_wgrad, x.rht,
+                         rng_state if g.stochastic_rounding else None, x.four_over_six,
+                         w.four_over_six)  # fmt: skip
 
 
 def _measured(recipe: str, grad_amax: Tensor | None) -> bool:
@@ -358,23 +364,22 @@ def _reference(*args):
     """Every recipe's definition, in the inputs' dtype (float64 in the tests)."""
     a = _Args(*args)
     inp, weight, bias = a.inp, a.weight, a.bias
-    if not a.recipe:
+    x, w, g = a.specs
+    if not x.kind:
         return grouped_linear_ref(inp, a.m_splits, weight, bias)
     splits = a.m_splits.tolist()
-    if a.recipe in PER_TENSOR:
-        scale = a.scale if a.recipe == "delayed" else None
-        config = (a.fwd_dtype, a.bwd_dtype, scale, a.fp8_wgrad)
+    if x.kind in PER_TENSOR:
+        scale = a.scale if x.kind == "delayed" else None
+        config = (x.fp8_dtype, g.fp8_dtype, scale, a.bw.fp8_wgrad)
         return scaled_grouped_linear_ref(inp, splits, weight, bias, *config)
-    if grouped_gemm_kind(a.recipe, a.emulate) == "blockwise":
+    if grouped_gemm_kind(x.kind, x.emulate) == "blockwise":
         outs, row = [inp.new_zeros(0, weight.shape[1])], 0
-        for g, m in enumerate(splits):
+        for i, m in enumerate(splits):
             if m:
-                outs.append(quantized_linear_ref(inp[row : row + m], weight[g], "block",
-                                                 _E4M3, _E4M3, a.power_2_scale,
-                                                 a.weight_block_rows))  # fmt: skip
+                outs.append(quantized_linear_ref(inp[row : row + m], weight[i], x, w, g))
             row += m
         out = torch.cat(outs)
-    elif a.recipe == "nvfp4":
+    elif x.kind == "nvfp4":
         out = _RefNVFP4.apply(inp, weight, splits, a.grouped_recipe)
     else:
         out = _RefDequantized.apply(inp, weight, splits, a.grouped_recipe)
@@ -468,53 +473,69 @@ def _check(a: _Args) -> None:
                 f"inp's dtype {a.inp.dtype} and device, got {list(stash.shape)} {stash.dtype} "
                 f"{stash.device}"
             )
-    recipe = a.recipe
+    if not (
+        a.input_spec or a.weight_spec or a.grad_spec or a.backward or a.scale is not None
+        or a.grad_amax is not None or a.rng_state is not None or a.weight_q is not None
+    ):  # fmt: skip
+        return  # high precision: the hot path
     p = "te.grouped_linear: "
-    if a.save_original_input and recipe not in ("", "current"):
+    x, w, g = a.specs
+    bw = a.bw
+    recipe = check_specs(p, {"input_spec": x, "weight_spec": w, "grad_spec": g}, a.scale,
+                         a.grad_amax, a.rng_state, a.inp)  # fmt: skip
+    if bw.override:
+        raise ValueError(
+            p + f"backward {a.backward!r}: grouped GEMMs run their backward on the specs' "
+            "quantised operands only (the overrides are te::linear's)"
+        )
+    if bw.save_input and recipe not in ("", "current"):
         error = ValueError if recipe == "delayed" else NotImplementedError
         raise error(
-            p + f"save_original_input=True works with high precision and current scaling, not "
-            f"with recipe={recipe!r}"
+            p + f"backward 'save_input' (save_original_input) works with high precision and "
+            f"current scaling, not with {recipe!r} specs"
             + (" (DelayedScaling: the backward would quantise the input again with a scale "
                "the update may have changed)" if recipe == "delayed" else "")
         )  # fmt: skip
-    check_grouped_weight_operand(p, recipe, a.weight, a.weight_block_rows, a.emulate, a.weight_q)
-    if (
-        a.weight_data is not None
-        and recipe == "nvfp4"
-        and (a.weight_4over6 or a.weight_block_rows != 16)
-    ):
+    if bw.fp8_wgrad and recipe not in PER_TENSOR:
+        raise ValueError(p + "backward 'fp8_wgrad' is for the per-tensor kinds (current, delayed)")
+    if x.row_scaled:
+        raise ValueError(p + f"input_spec {a.input_spec!r}: row_scaled needs a backward "
+                         "override, which grouped GEMMs do not take")  # fmt: skip
+    if w.fp8_dtype is not x.fp8_dtype or not x.power_2_scale == w.power_2_scale == g.power_2_scale:
         raise ValueError(
-            p + "an NVFP4 pre-quantised weight needs weight_block_rows=16 (16x16 tiles: the "
-            f"dgrad copy is the weight itself) and no weight_4over6, got weight_block_rows="
-            f"{a.weight_block_rows}, weight_4over6={a.weight_4over6!r}"
+            p + "the grouped GEMMs take the input's format for the weight and one power-of-two "
+            f"option for all operands, got input_spec={a.input_spec!r}, "
+            f"weight_spec={a.weight_spec!r}, grad_spec={a.grad_spec!r}"
         )
-    check_nvfp4_options(p, recipe, a.rht, a.stochastic_rounding, a.rng_state, a.inp,
-                        input_4over6=a.input_4over6, weight_4over6=a.weight_4over6)  # fmt: skip
-    if not recipe and a.scale is None and a.grad_amax is None and not a.fp8_wgrad:
+    if a.weight_q is not None:
+        check_weight_quantized("te.grouped_linear", "weight_q", a.weight_q)
+    weight_q = a.weight_q or (None,) * len(WEIGHT_OPERAND)
+    check_grouped_weight_operand(p, recipe, a.weight, w.block_rows, w.emulate, weight_q)
+    if a.weight_q is not None and recipe == "nvfp4" and (w.four_over_six or w.block_rows != 16):
+        raise ValueError(
+            p + "an NVFP4 pre-quantised weight needs a weight_spec with 16x16 tiles (the dgrad "
+            f"copy is the weight itself) and without 4over6, got {a.weight_spec!r}"
+        )
+    if not recipe:
         return
-    check_recipe(p, recipe, a.fwd_dtype, a.bwd_dtype, a.weight_block_rows, a.emulate, a.scale,
-                 a.grad_amax)  # fmt: skip
-    if recipe and a.inp.dtype not in HIGH_DTYPES:
+    if a.inp.dtype not in HIGH_DTYPES:
         raise ValueError(p + f"FP8 recipes take float32/bfloat16/float16 inputs, got "
                          f"{a.inp.dtype}")  # fmt: skip
     _, n, k = a.weight.shape
     multiple = BLOCK_KINDS.get(recipe, 16)
-    if recipe and (n % multiple or k % multiple):
+    if n % multiple or k % multiple:
         kind = "FP8" if recipe in PER_TENSOR else recipe  # delayed calibrates with current
         raise ValueError(
             p + f"{kind} grouped GEMMs need in_features ({k}) and out_features ({n}) to be "
             f"multiples of {multiple}"
         )
-    if grouped_gemm_kind(recipe, a.emulate) == "blockwise" and not blockwise_supported(
-        a.weight[0], a.weight_block_rows, a.fwd_dtype, a.bwd_dtype
+    if grouped_gemm_kind(recipe, x.emulate) == "blockwise" and not blockwise_supported(
+        a.weight[0], w.block_rows, x.fp8_dtype, g.fp8_dtype
     ):
         raise ValueError(
             p + "128x128 weight blocks need in_features and out_features to be multiples of 512 "
             f"(cuBLAS's blockwise GEMM); weight is {list(a.weight.shape)}"
         )
-    if (a.grad_amax is not None or a.fp8_wgrad) and recipe not in PER_TENSOR:
-        raise ValueError(p + "grad_amax and fp8_wgrad are for the per-tensor recipes")
     splits = a.m_splits
     if (
         recipe == "nvfp4"
@@ -535,11 +556,12 @@ def _check(a: _Args) -> None:
 
 def _forward(a: _Args, cuda: bool) -> tuple[Tensor, list[Tensor]]:
     _check(a)
-    forward, _ = GROUPED_GEMMS[grouped_gemm_kind(a.recipe, a.emulate)]
+    x = a.specs[0]
+    forward, _ = GROUPED_GEMMS[grouped_gemm_kind(x.kind, x.emulate)]
     r = a.grouped_recipe
-    if a.save_original_input:  # no FP8 copy of the input: the backward quantises it again
+    if a.bw.save_input:  # no FP8 copy of the input: the backward quantises it again
         r = r._replace(fp8_wgrad=False)
-    if a.weight_data is None:
+    if a.weight_q is None:
         return forward(a.inp, a.m_splits, a.weight, a.bias, r, cuda)
     return forward(a.inp, a.m_splits, a.weight, a.bias, r, cuda, weight_q=a.weight_q)
 
@@ -548,16 +570,16 @@ def host_split_path(*args: object, **kwargs: object) -> str | None:
     """``kept_whole`` of the family's ops: None (trace through) for a call on the
     ``torch._grouped_mm`` path, the reason to keep it whole otherwise. Forward and backward
     calls alike: ``inp`` (the backward: None where the wgrad does not read it), ``m_splits``,
-    ``weight`` and ``recipe`` are found by position."""
+    ``weight`` and ``input_spec`` (``""``: high precision) are found by position."""
     forward = len(args) < 2 or not isinstance(args[1], (list, tuple))
     if forward:
         a = _Args(*args, **kwargs)
-        inp, m_splits, weight, recipe = a.inp, a.m_splits, a.weight, a.recipe
-    else:  # grouped_linear_bwd(grad_out, saved, inp, m_splits, weight, ..., recipe, ...)
+        inp, m_splits, weight, quantised = a.inp, a.m_splits, a.weight, a.input_spec
+    else:  # grouped_linear_bwd(grad_out, saved, inp, m_splits, weight, ..., input_spec, ...)
         inp, m_splits, weight = args[2], args[3], args[4]
-        recipe = args[8] if len(args) > 8 else kwargs.get("recipe", "")
+        quantised = args[9] if len(args) > 9 else kwargs.get("input_spec", "")
     if (
-        not recipe
+        not quantised
         and isinstance(inp, Tensor)
         and inp.device.type == "cuda"
         and m_splits.device == inp.device
@@ -574,34 +596,23 @@ def grouped_linear_fwd(
     weight: Tensor,
     bias: Tensor | None,
     main_grad: Tensor | None,
-    recipe: str = "",
-    fwd_dtype: torch.dtype = _E4M3,
-    bwd_dtype: torch.dtype = _E5M2,
-    power_2_scale: bool = False,
-    weight_block_rows: int = 1,
-    emulate: bool = False,
+    input_spec: str = "",
+    weight_spec: str = "",
+    grad_spec: str = "",
     scale: Tensor | None = None,
     grad_amax: Tensor | None = None,
-    fp8_wgrad: bool = False,
-    wgrad_stash: Tensor | None = None,
-    save_original_input: bool = False,
-    weight_data: Tensor | None = None,
-    weight_scale: Tensor | None = None,
-    weight_data_t: Tensor | None = None,
-    weight_scale_t: Tensor | None = None,
-    weight_amax: Tensor | None = None,
-    rht: bool = False,
-    stochastic_rounding: bool = False,
     rng_state: Tensor | None = None,
-    input_4over6: str = "",
-    weight_4over6: str = "",
+    backward: str = "",
+    weight_q: list[Tensor] | None = None,
+    wgrad_stash: Tensor | None = None,
 ) -> tuple[Tensor, list[Tensor]]:
     """``(out [M, out_features], saved)`` (module docstring). ``main_grad`` is only carried to
-    the backward. ``weight_data`` ... ``weight_amax``: ``weight`` pre-quantised
-    (``functional.grouped_weight``); ``saved`` then lacks the weight's copies. Default (CPU):
-    fp32 math (fp64 stays fp64) in high precision, the exact emulation of the FP8 GEMMs."""
-    values = locals()
-    return _forward(_Args(*(values[name] for name in _Args._fields)), cuda=False)
+    the backward. ``weight_q``: ``weight`` pre-quantised (``functional.grouped_weight``);
+    ``saved`` then lacks the weight's copies. Default (CPU): fp32 math (fp64 stays fp64) in
+    high precision, the exact emulation of the FP8 GEMMs."""
+    a = _Args(inp, m_splits, weight, bias, main_grad, input_spec, weight_spec, grad_spec, scale,
+              grad_amax, rng_state, backward, weight_q, wgrad_stash)  # fmt: skip
+    return _forward(a, cuda=False)
 
 
 @grouped_linear_fwd.register_kernel("cuda")
@@ -624,19 +635,20 @@ def _grouped_linear_fwd_fake(*args):
     g, n, k = a.weight.shape
     out = inp.new_empty(inp.shape[0], n)
     u8, f32 = torch.uint8, torch.float32
-    kind = grouped_gemm_kind(a.recipe, a.emulate)
+    x, w, _ = a.specs
+    kind = grouped_gemm_kind(x.kind, x.emulate)
     saved = []
-    pre = a.weight_data is not None  # the weight's copies are inputs, not in saved
+    pre = a.weight_q is not None  # the weight's copies are inputs, not in saved
     if kind == "scaled_grouped_mm":
         saved = [] if pre else [inp.new_empty(g, k, n, dtype=u8), inp.new_empty(g, k, dtype=f32)]
-        if a.fp8_wgrad and not a.save_original_input:
+        if a.bw.fp8_wgrad and not a.bw.save_input:
             cap = wgrad_capacity(inp.shape[0], g)
             saved += [inp.new_empty(k, cap, dtype=u8), inp.new_empty(g, k, dtype=f32)]
-        if _measured(a.recipe, a.grad_amax):
+        if _measured(x.kind, a.grad_amax):
             saved.append(inp.new_empty(2, dtype=f32))
     elif kind == "blockwise":
         cap = 128 * (inp.shape[0] // 128 + g)
-        w_rows = _cdiv(k, a.weight_block_rows)
+        w_rows = _cdiv(k, w.block_rows)
         saved = [inp.new_empty(k * cap, dtype=u8), inp.new_empty(k * cap // 128, dtype=f32)]
         if not pre:
             saved += [inp.new_empty(k, n, dtype=u8) for _ in range(g)]
@@ -652,27 +664,31 @@ def _grouped_linear_fwd_fake(*args):
 
 
 class _Bwd(NamedTuple):
-    recipe: str
-    fwd_dtype: torch.dtype
-    bwd_dtype: torch.dtype
-    power_2_scale: bool
-    weight_block_rows: int
-    emulate: bool
-    fp8_wgrad: bool
+    """The backward op's arguments after the tensors, parsed."""
+
+    x: QuantSpec
+    w: QuantSpec
+    g: QuantSpec
+    bw: BackwardSpec
     has_bias: bool
     need_dgrad: bool
     need_wgrad: bool
 
+    @classmethod
+    def of(cls, input_spec, weight_spec, grad_spec, backward, *flags) -> _Bwd:
+        return cls(*as_specs(input_spec, weight_spec, grad_spec),
+                   parse(BackwardSpec, backward), *flags)  # fmt: skip
 
-_BWD_TENSORS = ("grad_out", "saved", "inp", "m_splits", "weight", "main_grad", "scale",
-                "grad_amax")  # fmt: skip
+
+_N_BWD_TENSORS = 9  # grad_out, saved, inp, m_splits, weight, main_grad, scale, grad_amax,
+# rng_state
+_N_BWD_SCALARS = 7  # the specs, backward, has_bias, need_dgrad, need_wgrad
 
 
 def _backward_impl(grad_out, saved, inp, m_splits, weight, main_grad, scale, grad_amax,
-                   c: _Bwd, cuda: bool, rng_state=None, rht=False):  # fmt: skip
-    r = GroupedRecipe(c.recipe, c.fwd_dtype, c.bwd_dtype, c.power_2_scale, c.weight_block_rows,
-                      c.emulate, scale, grad_amax, c.fp8_wgrad, rht, rng_state)  # fmt: skip
-    _, backward = GROUPED_GEMMS[grouped_gemm_kind(c.recipe, c.emulate)]
+                   rng_state, c: _Bwd, cuda: bool):  # fmt: skip
+    r = _grouped_recipe((c.x, c.w, c.g), scale, grad_amax, c.bw.fp8_wgrad, rng_state)
+    _, backward = GROUPED_GEMMS[grouped_gemm_kind(c.x.kind, c.x.emulate)]
     return backward(grad_out, saved, inp, m_splits, weight, main_grad, r, c.has_bias,
                     c.need_dgrad, c.need_wgrad, cuda)  # fmt: skip
 
@@ -691,62 +707,55 @@ def grouped_linear_bwd(
     main_grad: Tensor | None,
     scale: Tensor | None,
     grad_amax: Tensor | None,
-    recipe: str,
-    fwd_dtype: torch.dtype,
-    bwd_dtype: torch.dtype,
-    power_2_scale: bool,
-    weight_block_rows: int,
-    emulate: bool,
-    fp8_wgrad: bool,
+    rng_state: Tensor | None,
+    input_spec: str,
+    weight_spec: str,
+    grad_spec: str,
+    backward: str,
     has_bias: bool,
     need_dgrad: bool,
     need_wgrad: bool,
     wgrad_stash: Tensor | None = None,
-    rng_state: Tensor | None = None,
-    rht: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dinp, dweight, dbias)``; a gradient not computed is a 0-element tensor (dweight also
     when it went into ``main_grad``). ``saved``: the forward's, without the amaxes; ``inp`` is
-    needed (and passed) only where a high-precision wgrad reads it. Writes ``amax(dY)`` into
-    ``grad_amax`` when given. ``wgrad_stash`` (delayed weight gradient): ``grad_out`` is copied
-    into it and the weight gradient is not computed (``DeferredWgrad`` replays this op for it).
-    NVFP4: ``rng_state`` (stochastic rounding of the gradient, the forward's stream) and
-    ``rht`` (the Hadamard transform of the wgrad GEMM's operands).
-    Default (CPU): fp32 math, the exact emulation of the FP8 GEMMs."""
+    needed (and passed) only where a high-precision wgrad reads it; the strings are the
+    forward's (``rng_state``: its stream for a gradient spec's stochastic rounding). Writes
+    ``amax(dY)`` into ``grad_amax`` when given. ``wgrad_stash`` (delayed weight gradient):
+    ``grad_out`` is copied into it and the weight gradient is not computed (``DeferredWgrad``
+    replays this op for it). Default (CPU): fp32 math, the exact emulation of the FP8 GEMMs."""
     if wgrad_stash is not None:
         wgrad_stash.copy_(grad_out)
         need_wgrad = False
-    values = locals()
-    c = _Bwd(*(values[name] for name in _Bwd._fields))
-    return _backward_impl(*(values[name] for name in _BWD_TENSORS), c, cuda=False,
-                          rng_state=rng_state, rht=rht)  # fmt: skip
+    c = _Bwd.of(input_spec, weight_spec, grad_spec, backward, has_bias, need_dgrad, need_wgrad)
+    return _backward_impl(grad_out, saved, inp, m_splits, weight, main_grad, scale, grad_amax,
+                          rng_state, c, cuda=False)  # fmt: skip
 
 
 def _bwd_args(args: tuple) -> tuple[tuple, _Bwd]:
     """The tensors and scalars of a backward call; a ``wgrad_stash`` gets ``grad_out`` (copied
-    here) and takes the weight gradient's place (``need_wgrad`` becomes False)."""
-    n, m = len(_BWD_TENSORS), len(_Bwd._fields)
-    c = _Bwd(*args[n : n + m])
-    stash = args[n + m] if len(args) > n + m else None
+    by the CUDA kernel) and takes the weight gradient's place (``need_wgrad`` becomes
+    False)."""
+    n, end = _N_BWD_TENSORS, _N_BWD_TENSORS + _N_BWD_SCALARS
+    c = _Bwd.of(*args[n:end])
+    stash = args[end] if len(args) > end else None
     return args[:n], (c if stash is None else c._replace(need_wgrad=False))
 
 
 @grouped_linear_bwd.register_kernel("cuda")
 def _grouped_linear_bwd_cuda(*args):
     tensors, c = _bwd_args(args)
-    n = len(_BWD_TENSORS) + len(_Bwd._fields)
-    if len(args) > n and args[n] is not None:
-        args[n].copy_(tensors[0])
-    rng_state = args[n + 1] if len(args) > n + 1 else None
-    rht = args[n + 2] if len(args) > n + 2 else False
-    return _backward_impl(*tensors, c, cuda=True, rng_state=rng_state, rht=rht)
+    end = _N_BWD_TENSORS + _N_BWD_SCALARS
+    if len(args) > end and args[end] is not None:
+        args[end].copy_(tensors[0])
+    return _backward_impl(*tensors, c, cuda=True)
 
 
 @grouped_linear_bwd.register_fake
 def _grouped_linear_bwd_fake(*args):
-    (grad_out, _saved, inp, _splits, weight, main_grad, _scale, _amax), c = _bwd_args(args)
+    (grad_out, _saved, inp, _splits, weight, main_grad, *_), c = _bwd_args(args)
     g, n, k = weight.shape
-    if c.need_wgrad and c.recipe in ("", *PER_TENSOR) and not c.fp8_wgrad:
+    if c.need_wgrad and c.x.kind in ("", *PER_TENSOR) and not c.bw.fp8_wgrad:
         torch._check(inp is not None, lambda: "te.grouped_linear_bwd: the wgrad needs inp")
     dinp = grad_out.new_empty(grad_out.shape[0], k) if c.need_dgrad else empty(grad_out)
     want_dw = c.need_wgrad and main_grad is None
@@ -762,46 +771,45 @@ def _setup_context(ctx, inputs, output) -> None:
     a = _Args(*inputs)
     _out, saved = output
     ctx.mark_non_differentiable(*saved)
-    if a.recipe in PER_TENSOR and _measured(a.recipe, a.grad_amax):
+    recipe = a.recipe
+    if recipe in PER_TENSOR and _measured(recipe, a.grad_amax):
         saved = saved[:-1]  # the amaxes: for the caller
     tensors, ctx.scalars = _for_backward(a, saved)
     # main_grad and grad_amax (positions 3 and 5): written by the backward.
-    rng_state = a.rng_state if a.stochastic_rounding else None
-    save_for_backward_except_written(ctx, (*tensors, a.wgrad_stash, rng_state), (3, 5))
-    ctx.has_bias, ctx.rht = a.bias is not None, a.rht
+    save_for_backward_except_written(ctx, (*tensors, a.wgrad_stash), (3, 5))
+    ctx.has_bias = a.bias is not None
 
 
 def _for_backward(a: _Args, saved: list[Tensor]) -> tuple[tuple, tuple]:
-    """What the backward op takes from a forward call (the tensors, then the scalars). The
+    """What the backward op takes from a forward call (the tensors, then the strings). The
     input is read by a high-precision wgrad only (not by FP8 wgrads, the native blockwise GEMMs
     or the emulation, which saved their own copies)."""
-    keeps_inp = not a.recipe or (
-        a.recipe in PER_TENSOR and (not a.fp8_wgrad or a.save_original_input)
-    )
-    if a.weight_data is not None:  # the weight's copies for the backward are inputs
-        kind = grouped_gemm_kind(a.recipe, a.emulate)
+    x, bw = a.specs[0], a.bw
+    keeps_inp = not x.kind or (x.kind in PER_TENSOR and (not bw.fp8_wgrad or bw.save_input))
+    if a.weight_q is not None:  # the weight's copies for the backward are inputs
+        _, _, data_t, scale_t, _ = a.weight_q
+        kind = grouped_gemm_kind(x.kind, x.emulate)
         if kind == "scaled_grouped_mm":
-            saved = [a.weight_data_t, a.weight_scale_t, *saved]
+            saved = [data_t, scale_t, *saved]
         elif kind == "blockwise":  # stacked: the backward reads them so
-            saved = [*saved, a.weight_data_t, a.weight_scale_t]
+            saved = [*saved, data_t, scale_t]
         else:
-            saved = [*saved, a.weight_data]
+            saved = [*saved, a.weight_q[0]]
     tensors = (a.inp if keeps_inp else None, a.m_splits, a.weight, a.main_grad, a.scale,
-               a.grad_amax, *saved)  # fmt: skip
-    return tensors, tuple(a[5:11]) + (a.fp8_wgrad,)
+               a.grad_amax, a.rng_state, *saved)  # fmt: skip
+    return tensors, (a.input_spec, a.weight_spec, a.grad_spec, a.backward)
 
 
 def _backward(ctx, bwd, grad_out, _grad_saved):
-    inp, m_splits, weight, _, scale, _, *saved, stash, rng_state = ctx.saved_tensors
+    inp, m_splits, weight, _, scale, _, rng_state, *saved, stash = ctx.saved_tensors
     main_grad, grad_amax = ctx.written
     need = ctx.needs_input_grad
     need_dgrad, need_wgrad = need[0], need[2]
     has_bias = ctx.has_bias and need[3]
-    nvfp4 = () if rng_state is None and not ctx.rht else (stash, rng_state, ctx.rht)
     dinp, dweight, dbias = bwd(
-        grad_out.contiguous(), saved, inp, m_splits, weight, main_grad,
-        scale, grad_amax, *ctx.scalars, has_bias, need_dgrad, need_wgrad,
-        *(() if stash is None or nvfp4 else (stash,)), *nvfp4,
+        grad_out.contiguous(), saved, inp, m_splits, weight, main_grad, scale, grad_amax,
+        rng_state, *ctx.scalars, has_bias, need_dgrad, need_wgrad,
+        *(() if stash is None else (stash,)),
     )  # fmt: skip
     grads = [None] * len(need)
     grads[0] = dinp if need_dgrad else None
@@ -820,6 +828,10 @@ def _samples(device: torch.device):
     def call(*args, **kw):
         return SampleInput(tuple(_Args(*args, **kw)) if kw else args)
 
+    def specs(x, w=None, g=None):  # the weight's as the input's, the gradient's E5M2 unless given
+        return {"input_spec": x, "weight_spec": x if w is None else w,
+                "grad_spec": x.replace("e4m3", "e5m2") if g is None else g}  # fmt: skip
+
     bf16, f16 = torch.bfloat16, torch.float16
     # High precision: a zero-size group, a CPU m_splits, bf16 (the grouped GEMM on CUDA), fp16
     # with no input gradient, the weight gradient into main_grad.
@@ -831,18 +843,19 @@ def _samples(device: torch.device):
     yield call(t(7, 16), splits(4, 3), t(2, 8, 16), None, torch.zeros(2, 8, 16, device=device))
     # Per-tensor FP8: current scaling rowwise (a zero-size group; a CPU int32 m_splits with
     # empty first and last groups and no input gradient; float32, one group, E4M3 gradients).
-    cur = {"recipe": "current"}
+    cur = specs("current:e4m3")
     yield call(t(40, 16, dtype=bf16), splits(11, 0, 29), t(3, 32, 16, dtype=bf16),
                t(3, 32, dtype=bf16), None, **cur)  # fmt: skip
     yield call(t(20, 32, dtype=bf16, grad=False), torch.tensor([0, 7, 13, 0], dtype=torch.int32),
                t(4, 16, 32, dtype=bf16), None, None, **cur)  # fmt: skip
-    yield call(t(24, 32), splits(24, on="cpu"), t(1, 16, 32), t(1, 16), None, bwd_dtype=_E4M3,
-               **cur)  # fmt: skip
+    cur_e4 = specs("current:e4m3", g="current:e4m3")
+    yield call(t(24, 32), splits(24, on="cpu"), t(1, 16, 32), t(1, 16), None, **cur_e4)
     # Delayed scaling: given per-tensor scales (powers of two: exact in every dtype), the
     # gradient's amax written into grad_amax.
     scale = torch.tensor([8.0, 16.0, 2048.0], device=device)
+    delayed = specs("delayed:e4m3")
     yield call(t(40, 16, dtype=bf16), splits(11, 0, 29), t(3, 32, 16, dtype=bf16),
-               t(3, 32, dtype=bf16), None, recipe="delayed", scale=scale,
+               t(3, 32, dtype=bf16), None, **delayed, scale=scale,
                grad_amax=torch.zeros(1, device=device))  # fmt: skip
     # Weight gradient accumulated into main_grad (fp32), current scaling with the amaxes
     # measured (a delayed state's calibration step).
@@ -852,61 +865,56 @@ def _samples(device: torch.device):
     # FP8 wgrad: E4M3 both ways, groups of 17 / 0 / 23 rows (padded to 32 / 0 / 32 in the
     # transposed operands), bias; with an E5M2 gradient, delayed scaling, into main_grad.
     yield call(t(40, 16, dtype=bf16), splits(17, 0, 23), t(3, 32, 16, dtype=bf16),
-               t(3, 32, dtype=bf16), None, **cur, bwd_dtype=_E4M3, fp8_wgrad=True)  # fmt: skip
+               t(3, 32, dtype=bf16), None, **cur_e4, backward="fp8_wgrad")  # fmt: skip
     yield call(t(40, 16, dtype=bf16), splits(11, 29, 0), t(3, 32, 16, dtype=bf16), None,
-               torch.zeros(3, 32, 16, device=device), recipe="delayed", scale=scale.clone(),
-               grad_amax=torch.zeros(1, device=device), fp8_wgrad=True)  # fmt: skip
-    # save_original_input: the FP8 wgrad operand quantised again in the backward from the input.
+               torch.zeros(3, 32, 16, device=device), **delayed, scale=scale.clone(),
+               grad_amax=torch.zeros(1, device=device), backward="fp8_wgrad")  # fmt: skip
+    # save_input: the FP8 wgrad operand quantised again in the backward from the input.
     yield call(t(40, 16, dtype=bf16), splits(17, 0, 23), t(3, 32, 16, dtype=bf16),
-               t(3, 32, dtype=bf16), None, **cur, fp8_wgrad=True,
-               save_original_input=True)  # fmt: skip
+               t(3, 32, dtype=bf16), None, **cur, backward="save_input:fp8_wgrad")  # fmt: skip
     # Float8BlockScaling, native (its GEMMs emulated off CUDA): experts of 17 / 0 / 40 tokens
     # (the padded layout: experts from rows 0 and 128), a partial 128-block of features
     # (K = 144), 1x128 weight blocks, power-of-two scales, bias; 128x128 weight blocks (features
     # multiples of 512), an expert of 130 tokens, a CPU int32 m_splits; main_grad, no input
     # gradient, the first expert empty; float32.
-    block = {"recipe": "block", "fwd_dtype": _E4M3, "bwd_dtype": _E4M3}
+    block_p2 = specs("block:e4m3:p2", g="block:e4m3:p2")
+    block = specs("block:e4m3", g="block:e4m3")
     yield call(t(57, 144, dtype=bf16), splits(17, 0, 40), t(3, 32, 144, dtype=bf16),
-               t(3, 32, dtype=bf16), None, **block, power_2_scale=True)  # fmt: skip
+               t(3, 32, dtype=bf16), None, **block_p2)  # fmt: skip
     yield call(t(146, 512, dtype=bf16), torch.tensor([16, 130], dtype=torch.int32),
-               t(2, 512, 512, dtype=bf16), None, None, **block,
-               weight_block_rows=128)  # fmt: skip
+               t(2, 512, 512, dtype=bf16), None, None,
+               **specs("block:e4m3", "block:e4m3:128x128", "block:e4m3"))  # fmt: skip
     yield call(t(24, 32, dtype=bf16, grad=False), splits(0, 24, 0), t(3, 48, 32, dtype=bf16),
                t(3, 48, dtype=bf16), torch.zeros(3, 48, 32, device=device), **block)  # fmt: skip
-    yield call(t(40, 32), splits(8, 32, on="cpu"), t(2, 16, 32), None, None, **block,
-               power_2_scale=True)  # fmt: skip
+    yield call(t(40, 32), splits(8, 32, on="cpu"), t(2, 16, 32), None, None, **block_p2)
     # The emulated recipes: MXFP8 (E5M2 gradients), NVFP4 (a global scale per expert),
     # Float8BlockScaling with 128x128 weight blocks that straddle two experts (N = 32).
-    yield call(t(40, 64), splits(11, 0, 29), t(3, 32, 64), t(3, 32), None, recipe="mxfp8",
-               emulate=True)  # fmt: skip
-    yield call(t(32, 32), splits(16, 16), t(2, 16, 32), None, None, recipe="nvfp4",
-               emulate=True, bwd_dtype=_E4M3)  # fmt: skip
+    yield call(t(40, 64), splits(11, 0, 29), t(3, 32, 64), t(3, 32), None,
+               **specs("mxfp8:e4m3:emulate"))  # fmt: skip
+    yield call(t(32, 32), splits(16, 16), t(2, 16, 32), None, None, **specs("nvfp4:emulate"))
     # NVFP4's options: the transform of the wgrad operands, stochastic rounding, 4over6, tiles.
-    yield call(t(48, 32), splits(32, 0, 16), t(3, 16, 32), t(3, 16), None, recipe="nvfp4",
-               emulate=True, bwd_dtype=_E4M3, weight_block_rows=16, rht=True,
-               stochastic_rounding=True, rng_state=torch.tensor([3, 5], device=device),
-               input_4over6="MSE:256", weight_4over6="MAE:448")  # fmt: skip
+    yield call(t(48, 32), splits(32, 0, 16), t(3, 16, 32), t(3, 16), None,
+               **specs("nvfp4:emulate:rht:4over6=MSE/256", "nvfp4:16x16:emulate:4over6=MAE/448",
+                       "nvfp4:emulate:rht:sr"),
+               rng_state=torch.tensor([3, 5], device=device))  # fmt: skip
     yield call(t(24, 32), splits(16, 8), t(2, 32, 32), t(2, 32),
-               torch.zeros(2, 32, 32, device=device), **block, emulate=True,
-               weight_block_rows=128)  # fmt: skip
+               torch.zeros(2, 32, 32, device=device),
+               **specs("block:e4m3:emulate", "block:e4m3:128x128:emulate",
+                       "block:e4m3:emulate"))  # fmt: skip
 
     # A pre-quantised weight (functional.grouped_weight): delayed with the FP8 wgrad into
     # main_grad, native blockwise (the stacked dgrad copies); the other kinds' kept weights are
     # checked bit for bit in tests/modules/test_fp8_weight_cache.py.
-    def pre(w, **kw):
-        r = GroupedRecipe(**{k: v for k, v in kw.items() if k in GroupedRecipe._fields})
-        q = quantize_grouped_weight(w.detach(), r.recipe, r.fwd_dtype, r.power_2_scale,
-                                    r.weight_block_rows, r.emulate, r.scale)  # fmt: skip
-        return {**kw, **dict(zip(WEIGHT_OPERAND, q, strict=True))}
-
     w = t(3, 32, 16, dtype=bf16)
+    s = scale.clone()
     yield call(t(40, 16, dtype=bf16), splits(11, 29, 0), w, None,
-               torch.zeros(3, 32, 16, device=device),
-               **pre(w, recipe="delayed", scale=scale.clone(),
-                     grad_amax=torch.zeros(1, device=device), fp8_wgrad=True))  # fmt: skip
+               torch.zeros(3, 32, 16, device=device), **delayed, scale=s,
+               grad_amax=torch.zeros(1, device=device), backward="fp8_wgrad",
+               weight_q=quantize_grouped_weight(w.detach(), "delayed:e4m3", s))  # fmt: skip
     w = t(3, 32, 144, dtype=bf16)
+    q = quantize_grouped_weight(w.detach(), "block:e4m3:p2")
     yield call(t(57, 144, dtype=bf16), splits(17, 0, 40), w, t(3, 32, dtype=bf16), None,
-               **pre(w, **block, power_2_scale=True))  # fmt: skip
+               **block_p2, weight_q=q)  # fmt: skip
 
 
 _grouped_linear = differentiable(
@@ -929,55 +937,44 @@ def grouped_linear(
     bias: Tensor | None = None,
     *,
     main_grad: Tensor | None = None,
-    recipe: str = "",
-    fwd_dtype: torch.dtype = _E4M3,
-    bwd_dtype: torch.dtype = _E5M2,
-    power_2_scale: bool = False,
-    weight_block_rows: int = 1,
-    emulate: bool = False,
+    input_spec: str | QuantSpec = "",
+    weight_spec: str | QuantSpec = "",
+    grad_spec: str | QuantSpec = "",
     scale: Tensor | None = None,
     grad_amax: Tensor | None = None,
+    rng_state: Tensor | None = None,
     fp8_wgrad: bool = False,
     return_amax: bool = False,
     delay_wgrad: bool = False,
     save_original_input: bool = False,
     weight_quantized: Sequence[Tensor] | None = None,
-    rht: bool = False,
-    stochastic_rounding: bool = False,
-    rng_state: Tensor | None = None,
-    input_4over6: str = "",
-    weight_4over6: str = "",
 ) -> Tensor | tuple[Tensor, ...]:
     """Rows of ``inp`` split into groups by ``m_splits``; group ``g`` gets
-    ``inp_g @ weight[g].T + bias[g]`` through ``te::grouped_linear_fwd`` with the recipe as data
-    (module docstring; by default high precision). ``main_grad`` (fp32, ``weight``'s shape): the
-    weight gradient is added to it instead of being returned. ``return_amax=True`` also returns
-    ``[amax(inp), amax(weight)]`` (delayed scaling, or current scaling given ``grad_amax``;
-    0-element otherwise). ``delay_wgrad=True``: the backward leaves the weight gradient GEMMs
-    out and a ``functional.gemm.DeferredWgrad`` is also returned (before the amaxes) whose
-    ``compute()`` runs them later (``te.linear``'s ``delay_wgrad`` says more; eager only).
-    ``save_original_input=True``: with ``fp8_wgrad`` the backward keeps ``inp`` itself rather
-    than its FP8 copy and quantises it again for the wgrad GEMM (the same gradients); high
-    precision and the high-precision wgrad keep ``inp`` anyway; other recipes raise.
-    ``weight_quantized``: ``weight`` already quantised by the recipe, the five tensors of
-    :func:`~te_compile.functional.quantize_grouped_weight` (same recipe arguments), used
-    instead of quantising ``weight`` (whose gradient is still computed).
-    NVFP4's options, as ``te.linear`` applies them to each expert's GEMMs: ``rht``,
-    ``stochastic_rounding`` (``rng_state``: one stream over the whole gradient; None draws
-    one), ``input_4over6`` / ``weight_4over6``; every group's token count a multiple of 16."""
+    ``inp_g @ weight[g].T + bias[g]`` through ``te::grouped_linear_fwd`` (module docstring; by
+    default high precision). ``input_spec`` / ``weight_spec`` / ``grad_spec``: the quantisation
+    of each operand, as :func:`~te_compile.functional.linear` takes them (NVFP4's options
+    apply to each expert's GEMMs as ``te.linear`` applies them; ``rng_state``: one stream over
+    the whole gradient for its stochastic rounding, None draws one; every group's token count
+    a multiple of 16), with the delayed scales ``scale`` and the gradient's amax buffer
+    ``grad_amax``. ``main_grad`` (fp32, ``weight``'s shape): the weight gradient is added to
+    it instead of being returned. ``fp8_wgrad`` (per-tensor specs): the wgrad GEMM in FP8
+    too. ``return_amax=True`` also returns ``[amax(inp), amax(weight)]`` (delayed scaling, or
+    current scaling given ``grad_amax``; 0-element otherwise). ``delay_wgrad=True``: the
+    backward leaves the weight gradient GEMMs out and a ``functional.gemm.DeferredWgrad`` is
+    also returned (before the amaxes) whose ``compute()`` runs them later (``te.linear``'s
+    ``delay_wgrad`` says more; eager only). ``save_original_input=True``: with ``fp8_wgrad``
+    the backward keeps ``inp`` itself rather than its FP8 copy and quantises it again for the
+    wgrad GEMM (the same gradients); high precision and the high-precision wgrad keep ``inp``
+    anyway; other recipes raise. ``weight_quantized``: ``weight`` already quantised by the
+    weight spec, the five tensors of :func:`~te_compile.functional.quantize_grouped_weight`,
+    used instead of quantising ``weight`` (whose gradient is still computed)."""
     check_weight_quantized("te.grouped_linear", "weight_quantized", weight_quantized)
     tensors = {"inp": inp, "weight": weight, "bias": bias, "main_grad": main_grad}
-    if (
-        not (isinstance(inp, Tensor) and isinstance(weight, Tensor))
-        or not all(t is None or isinstance(t, Tensor) for t in tensors.values())
-        or recipe_args_not_default(fwd_dtype, bwd_dtype, power_2_scale, weight_block_rows, emulate)
-    ):  # fmt: skip
+    if not (isinstance(inp, Tensor) and isinstance(weight, Tensor)) or not all(
+        t is None or isinstance(t, Tensor) for t in tensors.values()
+    ):
         check_required("te.grouped_linear", inp=inp, weight=weight)
-        check_gemm_args(
-            "te.grouped_linear", {**tensors, "scale": scale, "grad_amax": grad_amax},
-            fwd_dtype=fwd_dtype, bwd_dtype=bwd_dtype, power_2_scale=power_2_scale,
-            weight_block_rows=weight_block_rows, emulate=emulate,
-        )  # fmt: skip
+        check_tensors("te.grouped_linear", **tensors)
     device = inp.device
     if (
         weight.device != device or (bias is not None and bias.device != device)
@@ -987,34 +984,25 @@ def grouped_linear(
                           main_grad=main_grad)  # fmt: skip
     rows = inp.shape[0] if inp.dim() == 2 else None  # a 3-D inp: refused by the op's check
     args = (inp, checked_splits("te.grouped_linear", m_splits, rows), weight, bias, main_grad)
+    specs = [s.encode() if isinstance(s, QuantSpec) else s
+             for s in (input_spec, weight_spec, grad_spec)]  # fmt: skip
     stash = None
     if delay_wgrad:
         DeferredWgrad.check("te.grouped_linear", delay_wgrad)
         rows = inp.shape[0] if inp.dim() else 0
         stash = inp.new_empty(rows, weight.shape[1] if weight.dim() == 3 else 0)
-    if save_original_input:
-        check_bool("te.grouped_linear", save_original_input=save_original_input)
     if (
-        recipe or scale is not None or grad_amax is not None or fp8_wgrad or stash is not None
-        or save_original_input or weight_quantized is not None
+        any(specs) or scale is not None or grad_amax is not None or rng_state is not None
+        or fp8_wgrad or stash is not None or save_original_input or weight_quantized is not None
     ):  # fmt: skip
-        check_bool(
-            "te.grouped_linear", power_2_scale=power_2_scale, emulate=emulate,
-            fp8_wgrad=fp8_wgrad,
-        )  # fmt: skip
-        args += (recipe, fwd_dtype, bwd_dtype, power_2_scale, weight_block_rows, emulate, scale,
-                 grad_amax, fp8_wgrad, stash, save_original_input)  # fmt: skip
-        if weight_quantized is not None:
-            args += tuple(weight_quantized)
-    if rht or stochastic_rounding or rng_state is not None or input_4over6 or weight_4over6:
-        check_bool("te.grouped_linear", rht=rht, stochastic_rounding=stochastic_rounding)
-        if len(args) == 5:
-            args += tuple(_Args(*args)[5:16])
-        if len(args) == 16:  # no pre-quantised weight
-            args += (None,) * 5
-        if stochastic_rounding and rng_state is None:
+        check_bool("te.grouped_linear", fp8_wgrad=fp8_wgrad,
+                   save_original_input=save_original_input)  # fmt: skip
+        check_tensors("te.grouped_linear", scale=scale, grad_amax=grad_amax)
+        if rng_state is None and isinstance(specs[2], str) and "sr" in specs[2].split(":"):
             rng_state = new_rng_state(inp.device)
-        args += (rht, stochastic_rounding, rng_state, input_4over6, weight_4over6)
+        backward = BackwardSpec(save_input=save_original_input, fp8_wgrad=fp8_wgrad).encode()
+        weight_q = None if weight_quantized is None else list(weight_quantized)
+        args += (*specs, scale, grad_amax, rng_state, backward, weight_q, stash)
     out, saved = _grouped_linear(*args)
     if not (return_amax or stash is not None):
         return out
@@ -1023,8 +1011,9 @@ def grouped_linear(
     if stash is not None:
         result += (_deferred(args, saved),)
     if return_amax:
-        amax = saved[-1] if _measured(recipe, grad_amax) else inp.new_empty(0, dtype=torch.float32)
-        result += (amax,)
+        kind = specs[0].partition(":")[0] if isinstance(specs[0], str) else ""
+        measured = _measured(kind, grad_amax)
+        result += (saved[-1] if measured else inp.new_empty(0, dtype=torch.float32),)
     return result
 
 
@@ -1035,14 +1024,12 @@ def _deferred(args: tuple, saved: list[Tensor]) -> DeferredWgrad:
     tensors, scalars = _for_backward(a, saved)
 
     def replay(grad: Tensor) -> Tensor | None:
-        inp, m_splits, weight, main_grad, scale, grad_amax, *saved = tensors
+        inp, m_splits, weight, main_grad, scale, grad_amax, rng_state, *saved = tensors
         if grad_amax is not None:  # the backward recorded amax(dY) already: not twice
             grad_amax = torch.zeros_like(grad_amax)
-        rng_state = a.rng_state if a.stochastic_rounding else None
-        nvfp4 = (None, rng_state, a.rht) if rng_state is not None or a.rht else ()
         _, dweight, _ = torch.ops.te.grouped_linear_bwd(
-            grad, saved, inp, m_splits, weight, main_grad, scale, grad_amax, *scalars, False,
-            False, True, *nvfp4,
+            grad, saved, inp, m_splits, weight, main_grad, scale, grad_amax, rng_state,
+            *scalars, False, False, True,
         )  # fmt: skip
         return None if main_grad is not None else dweight
 

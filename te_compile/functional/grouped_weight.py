@@ -2,7 +2,7 @@ r"""The grouped linear family's pre-quantised weight: ``te::quantize_grouped_wei
 
 The dense families' design (``functional.gemm``, "Pre-quantised weights") for the grouped GEMM:
 ``te::grouped_linear_fwd`` may take its ``[G, N, K]`` weight already quantised, as the same five
-plain tensors by the same names (``functional.gemm.WEIGHT_OPERAND``), made by
+plain tensors (``weight_q``, ``functional.gemm.WEIGHT_OPERAND``), made by
 :func:`quantize_grouped_weight` with the very functions the forward casts with, so the bytes
 are those of the forward's own cast. The op then does not quantise ``weight`` (it still takes
 it: its shape, and its gradient) and saves the weight's dgrad copy for the backward from its
@@ -20,7 +20,7 @@ kind                     ``weight_data``, ``weight_scale``, ``weight_data_t``,
                          ``[G, K, N]`` of the dgrad copy (current: quantised along ``N``),
                          its scales ``[G, K]``, ``amax(W)`` ``[1]`` measured at the cast
 ``"blockwise"``          uint8 codes ``[G, N, K]``, fp32 block scales ``[G, N / rows, K / 128]``
-                         (``rows`` = ``weight_block_rows``, rounded up), codes ``[G, K, N]``,
+                         (``rows``: the weight spec's block rows, rounded up), codes ``[G, K, N]``,
                          scales ``[G, K / rows, N / 128]``, a 0-element amax
 ``"dequantized"``        the exact dequantised values ``[G, N, K]`` in the weight's dtype (the
                          emulated block-scaled recipes; NVFP4 with a global scale per expert),
@@ -36,13 +36,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from te_compile._checks import check_tensor, check_tensors
 from te_compile._library import SampleInput, op
 from te_compile.functional.gemm import (
     HIGH_DTYPES,
     PER_TENSOR,
-    check_quantize_weight_args,
-    check_recipe,
     check_weight_operand,
+    check_weight_spec,
 )
 from te_compile.functional.grouped_fp8 import per_tensor_weight
 from te_compile.functional.grouped_gemm import (
@@ -50,10 +50,9 @@ from te_compile.functional.grouped_gemm import (
     blockwise_weight,
     dequantized_weight,
 )
+from te_compile.functional.spec import QuantSpec
 
 __all__ = ["check_grouped_weight_operand", "quantize_grouped_weight"]
-
-_E4M3 = torch.float8_e4m3fn
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -89,30 +88,30 @@ def check_grouped_weight_operand(
     check_weight_operand(p, recipe, weight, block_rows, emulate, tensors, shapes)
 
 
-def _check(weight, recipe, fwd_dtype, weight_block_rows, emulate, scale) -> None:
+def _check(weight: Tensor, spec: str, scale: Tensor | None) -> QuantSpec:
     p = "te.quantize_grouped_weight: "
-    check_recipe(p, recipe, fwd_dtype, fwd_dtype, weight_block_rows, emulate, scale, None)
-    if not recipe:
-        raise ValueError(p + "recipe must be a quantised kind, got ''")
+    w = check_weight_spec(p, spec, scale)
     if weight.dim() != 3 or weight.dtype not in HIGH_DTYPES + (torch.float64,):
         raise ValueError(
             p + f"weight must be a 3-D floating tensor [num_gemms, out_features, in_features], "
             f"got {weight.dim()}-D {weight.dtype}"
         )
+    return w
 
 
-def _impl(weight, recipe, fwd_dtype, power_2_scale, weight_block_rows, emulate, scale):
-    _check(weight, recipe, fwd_dtype, weight_block_rows, emulate, scale)
-    kind = _kind(recipe, emulate)
+def _impl(weight: Tensor, spec: str, scale: Tensor | None) -> list[Tensor]:
+    w = _check(weight, spec, scale)
+    kind = _kind(w.kind, w.emulate)
     none = weight.new_empty(0, dtype=torch.float32)
     if kind == "scaled_grouped_mm":
-        w_scale = scale[1:2] if recipe == "delayed" else None
-        wq, ws, wq_t, ws_t, amax = per_tensor_weight(weight, fwd_dtype, w_scale, True)
+        w_scale = scale[1:2] if w.kind == "delayed" else None
+        wq, ws, wq_t, ws_t, amax = per_tensor_weight(weight, w.fp8_dtype, w_scale, True)
         return [wq.view(torch.uint8), ws, wq_t.view(torch.uint8), ws_t, amax]
     if kind == "blockwise":
-        return [*blockwise_weight(weight, power_2_scale, weight_block_rows), none]
-    r = GroupedRecipe(recipe, fwd_dtype, power_2_scale=power_2_scale,
-                      weight_block_rows=weight_block_rows, emulate=emulate)  # fmt: skip
+        return [*blockwise_weight(weight, w.power_2_scale, w.block_rows), none]
+    r = GroupedRecipe(w.kind, w.fp8_dtype, power_2_scale=w.power_2_scale,
+                      weight_block_rows=w.block_rows, emulate=w.emulate,
+                      weight_4over6=w.four_over_six)  # fmt: skip
     return [dequantized_weight(weight, r), none, none.clone(), none.clone(), none.clone()]
 
 
@@ -120,52 +119,39 @@ def _samples(device: torch.device):
     def w(*shape, dtype=torch.bfloat16):
         return torch.randn(*shape, device=device, dtype=dtype)
 
-    e4 = _E4M3
     # Two layouts (a full opcheck costs ~3 s each on the CPU): tests/modules/
     # test_fp8_weight_cache.py checks every kind's bytes and its fake's shapes.
-    yield SampleInput((w(3, 32, 16), "current", e4, False, 1, False, None))
-    yield SampleInput((w(2, 32, 144), "block", e4, True, 1, False, None))
+    yield SampleInput((w(3, 32, 16), "current:e4m3", None))
+    yield SampleInput((w(2, 32, 144), "block:e4m3:p2", None))
 
 
 @op("quantize_grouped_weight", sample_inputs=_samples)
-def quantize_grouped_weight_op(
-    weight: Tensor,
-    recipe: str,
-    fwd_dtype: torch.dtype,
-    power_2_scale: bool,
-    weight_block_rows: int,
-    emulate: bool,
-    scale: Tensor | None,
-) -> list[Tensor]:
+def quantize_grouped_weight_op(weight: Tensor, spec: str, scale: Tensor | None) -> list[Tensor]:
     """``te::quantize_grouped_weight``: :func:`quantize_grouped_weight` without the argument
     checks."""
-    return _impl(weight, recipe, fwd_dtype, power_2_scale, weight_block_rows, emulate, scale)
+    return _impl(weight, spec, scale)
 
 
 @quantize_grouped_weight_op.register_fake
-def _fake(weight, recipe, fwd_dtype, power_2_scale, weight_block_rows, emulate, scale):
-    _check(weight, recipe, fwd_dtype, weight_block_rows, emulate, scale)
+def _fake(weight, spec, scale):
+    w = _check(weight, spec, scale)
     return [weight.new_empty(shape, dtype=dtype)
-            for shape, dtype in _shapes(recipe, weight, weight_block_rows, emulate)]  # fmt: skip
+            for shape, dtype in _shapes(w.kind, weight, w.block_rows, w.emulate)]  # fmt: skip
 
 
 def quantize_grouped_weight(
-    weight: Tensor,
-    recipe: str,
-    fwd_dtype: torch.dtype,
-    power_2_scale: bool,
-    weight_block_rows: int,
-    emulate: bool,
-    scale: Tensor | None,
+    weight: Tensor, spec: str | QuantSpec, scale: Tensor | None = None
 ) -> list[Tensor]:
     """``weight`` ``[num_gemms, N, K]`` as ``te.functional.grouped_linear``'s pre-quantised
     weight operand (``weight_quantized``; module docstring): ``[data, scale, data_t, scale_t,
-    amax]``, quantised as the grouped op would quantise it inside (``scale``: the GEMM's
-    delayed scales ``[3]``, whose weight slot is used, with ``recipe="delayed"``; ``emulate``
-    as the op gets it). ``te::quantize_grouped_weight`` after the checks of its arguments."""
+    amax]``, quantised as the grouped op would quantise it inside with the weight spec
+    ``spec`` (``functional.spec.QuantSpec``, as the op gets it; ``scale``: the GEMM's delayed
+    scales ``[3]``, whose weight slot is used, with a ``"delayed"`` spec).
+    ``te::quantize_grouped_weight`` after the checks of its arguments."""
     p = "te.quantize_grouped_weight"
-    check_quantize_weight_args(p, weight, "[num_gemms, out_features, in_features]", recipe,
-                               fwd_dtype, power_2_scale, weight_block_rows, emulate,
-                               scale)  # fmt: skip
-    return quantize_grouped_weight_op(weight, recipe, fwd_dtype, power_2_scale,
-                                      weight_block_rows, emulate, scale)  # fmt: skip
+    check_tensor(p, "weight", weight)
+    check_tensors(p, scale=scale)
+    if not isinstance(spec, (str, QuantSpec)):
+        raise TypeError(f"{p}: spec must be a QuantSpec or its str, got {spec!r}")
+    spec = spec.encode() if isinstance(spec, QuantSpec) else spec
+    return quantize_grouped_weight_op(weight, spec, scale)

@@ -5,9 +5,13 @@ r"""The MLP family: ``te::mlp_fwd`` / ``te::mlp_bwd``, every recipe, an optional
 
 ``inp`` ``[..., hidden]``, ``fc1_weight`` ``[F1, hidden]`` with ``F1 = 2 * ffn`` for a gated
 activation (``GATED_ACTIVATIONS``, as LayerNormMLP lays them out: the activation half's rows
-first; clamped SwiGLU with ``bias_activation``'s defaults), ``fc2_weight`` ``[out, ffn]``. The
-recipe arguments and the prologue are the linear family's (``functional.linear``; the delayed
-state per GEMM: ``scale1`` / ``scale2`` ``[3]``, ``grad_amax1`` / ``grad_amax2`` ``[1]``).
+first), ``fc2_weight`` ``[out, ffn]``. ``epilogue``: the activation as an ``EpilogueSpec``
+string (``functional.spec``: ``act`` with clamped SwiGLU's ``limit``, ``alpha``, ``offset``).
+The specs (``input_spec``, ``weight_spec``, ``grad_spec``: the activation is quantised as an
+input, its gradient as a gradient) and the prologue (``norm``, ``norm_weight``,
+``norm_bias``) are the linear family's (``functional.linear``), without NVFP4's options; the
+delayed state is per GEMM: ``scale1`` / ``scale2`` ``[3]``, ``grad_amax1`` / ``grad_amax2``
+``[1]``.
 
 One op pair for the whole block, so that the activation and its gradient are never written in
 high precision between two quantisations: on CUDA, for the per-tensor recipes and native
@@ -29,15 +33,16 @@ them, ``[M / 128, K]``), high precision ``[norm output (with a norm), z, h]``; t
 ``mean, rsigma``, then for the per-tensor recipes ``[amax(X), amax(W_1), amax(h),
 amax(W_2)]`` (fp32).
 
-Pre-quantised weights (``functional.gemm``, "Pre-quantised weights"): ``fc1_weight_data`` ...
-``fc1_weight_amax`` and ``fc2_weight_data`` ... ``fc2_weight_amax``, the last arguments, each
-weight's five tensors or all None; a given weight is not quantised, its transposed copy is
-saved from the input (``saved`` then holds no copy of it) and its gradient still computed.
+Pre-quantised weights (``functional.gemm``, "Pre-quantised weights"): ``fc1_weight_q`` and
+``fc2_weight_q``, the last arguments, each None or a weight's five tensors
+(``te::quantize_weight``'s); a given weight is not quantised, its transposed copy is saved from
+the input (``saved`` then holds no copy of it) and its gradient still computed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -62,9 +67,10 @@ from te_compile.functional.gemm import (
     PER_TENSOR,
     WEIGHT_OPERAND,
     Operand,
+    as_specs,
     blockwise_supported,
     check_gemm_args,
-    check_recipe,
+    check_specs,
     check_weight_operand,
     check_weight_quantized,
     delayed_on_cuda,
@@ -76,7 +82,6 @@ from te_compile.functional.gemm import (
     quantize_operand,
     quantize_weight,
     quantized_linear_ref,
-    recipe_args_not_default,
     save_for_backward_except_written,
     scale_slots,
     unpad,
@@ -84,6 +89,7 @@ from te_compile.functional.gemm import (
 )
 from te_compile.functional.linear import linear_bwd, linear_fwd
 from te_compile.functional.prologue import (
+    NORMALIZATIONS,
     Norm,
     check_norm,
     fake_dnorm,
@@ -94,11 +100,11 @@ from te_compile.functional.prologue import (
     norm_ref,
     unit_rows,
 )
+from te_compile.functional.spec import EpilogueSpec, NormSpec, QuantSpec, parse
 
 __all__ = ["MLP_ACTIVATIONS", "mlp", "mlp_ref"]
 
 MLP_ACTIVATIONS = (*ACTIVATIONS, *GATED_ACTIVATIONS)
-_E4M3, _E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 _DEFAULT_PARAMS = tuple(CLAMPED_SWIGLU_DEFAULTS.values())  # (limit, alpha, glu_linear_offset)
 
 
@@ -110,52 +116,39 @@ class _Args(NamedTuple):
     fc1_bias: Tensor | None
     fc2_weight: Tensor
     fc2_bias: Tensor | None
-    activation: str
-    recipe: str = ""
-    fwd_dtype: torch.dtype = _E4M3
-    bwd_dtype: torch.dtype = _E5M2
-    power_2_scale: bool = False
-    weight_block_rows: int = 1
-    emulate: bool = False
+    epilogue: str
+    input_spec: str = ""
+    weight_spec: str = ""
+    grad_spec: str = ""
     scale1: Tensor | None = None
     scale2: Tensor | None = None
     grad_amax1: Tensor | None = None
     grad_amax2: Tensor | None = None
+    norm: str = ""
     norm_weight: Tensor | None = None
     norm_bias: Tensor | None = None
-    normalization: str = ""
-    norm_eps: float = 1e-5
-    zero_centered_gamma: bool = False
-    limit: float = 7.0
-    alpha: float = 1.702
-    glu_linear_offset: float = 1.0
-    fc1_weight_data: Tensor | None = None
-    fc1_weight_scale: Tensor | None = None
-    fc1_weight_data_t: Tensor | None = None
-    fc1_weight_scale_t: Tensor | None = None
-    fc1_weight_amax: Tensor | None = None
-    fc2_weight_data: Tensor | None = None
-    fc2_weight_scale: Tensor | None = None
-    fc2_weight_data_t: Tensor | None = None
-    fc2_weight_scale_t: Tensor | None = None
-    fc2_weight_amax: Tensor | None = None
+    fc1_weight_q: list[Tensor] | None = None
+    fc2_weight_q: list[Tensor] | None = None
 
     @property
-    def weights_q(self) -> tuple[tuple[Tensor | None, ...], tuple[Tensor | None, ...]]:
-        """The two pre-quantised weights (``functional.gemm.WEIGHT_OPERAND`` each; all None:
-        quantised inside)."""
-        values = tuple(self)[-10:]
-        return values[:5], values[5:]
+    def specs(self) -> tuple[QuantSpec, QuantSpec, QuantSpec]:
+        return (parse(QuantSpec, self.input_spec, "te.mlp: input_spec"),
+                parse(QuantSpec, self.weight_spec, "te.mlp: weight_spec"),
+                parse(QuantSpec, self.grad_spec, "te.mlp: grad_spec"))  # fmt: skip
 
     @property
-    def act_params(self) -> tuple[float, float, float]:
-        """``clamped_swiglu``'s ``(limit, alpha, glu_linear_offset)``."""
-        return (self.limit, self.alpha, self.glu_linear_offset)
+    def recipe(self) -> str:
+        return self.specs[0].kind
 
     @property
-    def norm(self) -> Norm:
-        return Norm(self.norm_weight, self.norm_bias, self.normalization, self.norm_eps,
-                    self.zero_centered_gamma)  # fmt: skip
+    def ep(self) -> EpilogueSpec:
+        return parse(EpilogueSpec, self.epilogue, "te.mlp: epilogue")
+
+    @property
+    def nrm(self) -> Norm:
+        n = parse(NormSpec, self.norm, "te.mlp: norm")
+        return Norm(self.norm_weight, self.norm_bias, n.normalization, n.eps,
+                    n.zero_centered_gamma)  # fmt: skip
 
 
 _NORM_WEIGHT = _Args._fields.index("norm_weight")
@@ -184,13 +177,12 @@ def mlp_ref(*args) -> Tensor:
     norm's reference, the recipe's GEMM (``functional.linear.quantized_linear_ref``) twice
     around the activation's reference."""
     a = _Args(*args)
-    x = norm_ref(a.inp, a.norm)
-    s1 = a.scale1 if a.recipe == "delayed" else None
-    s2 = a.scale2 if a.recipe == "delayed" else None
-    config = (a.fwd_dtype, a.bwd_dtype, a.power_2_scale, a.weight_block_rows)
-    z = quantized_linear_ref(x, a.fc1_weight, a.recipe, *config, s1)
-    h = _activation_ref(z, a.fc1_bias, a.activation, a.act_params)
-    out = quantized_linear_ref(h, a.fc2_weight, a.recipe, *config, s2)
+    x = norm_ref(a.inp, a.nrm)
+    delayed = a.recipe == "delayed"
+    specs, ep = a.specs, a.ep
+    z = quantized_linear_ref(x, a.fc1_weight, *specs, a.scale1 if delayed else None)
+    h = _activation_ref(z, a.fc1_bias, ep.activation, (ep.limit, ep.alpha, ep.offset))
+    out = quantized_linear_ref(h, a.fc2_weight, *specs, a.scale2 if delayed else None)
     return out if a.fc2_bias is None else out + a.fc2_bias
 
 
@@ -200,18 +192,31 @@ def mlp_ref(*args) -> Tensor:
 def _check(a: _Args) -> None:
     p = "te.mlp: "
     inp, w1, w2 = a.inp, a.fc1_weight, a.fc2_weight
-    check_norm(p, inp, a.norm)
-    if a.activation not in MLP_ACTIVATIONS:
-        raise ValueError(p + f"activation must be one of {MLP_ACTIVATIONS}, got {a.activation!r}")
-    check_gated_params("te.mlp", a.limit, a.alpha, a.glu_linear_offset)
-    recipe = a.recipe
+    check_norm(p, inp, a.nrm)
+    ep = a.ep
+    if ep.activation not in MLP_ACTIVATIONS:
+        raise ValueError(p + f"activation must be one of {MLP_ACTIVATIONS}, got {ep.activation!r}")
+    if (ep.interleave, ep.scale, ep.branch) != (0, 1.0, False):
+        raise ValueError(
+            p + f"epilogue {a.epilogue!r}: te::mlp takes the activation with limit, alpha and "
+            "offset (interleave, scale and branch are te::linear's)"
+        )
+    check_gated_params("te.mlp", ep.limit, ep.alpha, ep.offset)
+    x, w, g = specs = a.specs
+    recipe = x.kind
     for name, s in (("scale1", a.scale1), ("scale2", a.scale2)):
         if recipe == "delayed" and (s is None or s.shape != (3,) or s.dtype != torch.float32):
-            raise ValueError(p + f'recipe="delayed" needs {name} [3] (input, weight, grad)')
+            raise ValueError(p + f'a "delayed" spec needs {name} [3] float32 (input, weight, grad)')
         if recipe != "delayed" and s is not None:
-            raise ValueError(p + f'{name} is for recipe="delayed" only')
-    check_recipe(p, recipe, a.fwd_dtype, a.bwd_dtype, a.weight_block_rows, a.emulate, a.scale1,
-                 a.grad_amax1)  # fmt: skip
+            raise ValueError(p + f'{name} is for "delayed" specs only')
+    named = dict(zip(("input_spec", "weight_spec", "grad_spec"), specs, strict=True))
+    check_specs(p, named, a.scale1)
+    for name, spec in named.items():
+        if spec.options() or spec.stochastic_rounding:
+            raise ValueError(
+                p + f"{name} {spec.encode()!r}: NVFP4's options are te::linear's "
+                "(quantization.gemm.mlp runs two te::linear calls for them)"
+            )
     dtypes = HIGH_DTYPES if recipe else (*HIGH_DTYPES, torch.float64)
     if inp.dtype not in dtypes or w1.dtype != inp.dtype or w2.dtype != inp.dtype:
         raise ValueError(
@@ -219,14 +224,14 @@ def _check(a: _Args) -> None:
             f"({'float32/bfloat16/float16 with an FP8 recipe' if recipe else 'any'}), got "
             f"{inp.dtype}, {w1.dtype}, {w2.dtype}"
         )
-    gated = a.activation in GATED_ACTIVATIONS
+    gated = ep.activation in GATED_ACTIVATIONS
     if (
         w1.ndim != 2
         or w2.ndim != 2
         or inp.ndim < 1
         or inp.shape[-1] != w1.shape[1]
         or (gated and w1.shape[0] % 2)
-        or w2.shape[1] != _ffn(w1, a.activation)
+        or w2.shape[1] != _ffn(w1, ep.activation)
     ):
         fc1 = "[2 * ffn, hidden] (gated activation)" if gated else "[ffn, hidden]"
         raise ValueError(
@@ -247,14 +252,14 @@ def _check(a: _Args) -> None:
                          f"{multiple}")  # fmt: skip
     if (
         recipe == "block"
-        and not a.emulate
+        and not x.emulate
         and not all(
-            blockwise_supported(w, a.weight_block_rows, a.fwd_dtype, a.bwd_dtype) for w in (w1, w2)
+            blockwise_supported(t, w.block_rows, w.fp8_dtype, g.fp8_dtype) for t in (w1, w2)
         )
     ):
         raise ValueError(
-            p + 'recipe="block" with native GEMMs (emulate=False) and 128x128 weight blocks '
-            f"needs hidden, ffn and out multiples of 512 (got {dims[0]}, {dims[2]}, {dims[3]})"
+            p + "native blockwise GEMMs (specs without 'emulate') with 128x128 weight blocks "
+            f"need hidden, ffn and out multiples of 512 (got {dims[0]}, {dims[2]}, {dims[3]})"
         )
     for name, b, n in (
         ("fc1_bias", a.fc1_bias, w1.shape[0]),
@@ -262,11 +267,17 @@ def _check(a: _Args) -> None:
     ):
         if b is not None and (b.shape != (n,) or b.dtype != inp.dtype):
             raise ValueError(p + f"{name} must be [{n}] of dtype {inp.dtype}")
-    for name, g in (("grad_amax1", a.grad_amax1), ("grad_amax2", a.grad_amax2)):
-        if g is not None and (g.shape != (1,) or recipe not in PER_TENSOR):
-            raise ValueError(p + f"{name} must be [1] and is for the per-tensor recipes")
-    for name, w, q in (("fc1_", w1, a.weights_q[0]), ("fc2_", w2, a.weights_q[1])):
-        check_weight_operand(p + name, recipe, w, a.weight_block_rows, a.emulate, q)
+    for name, ga in (("grad_amax1", a.grad_amax1), ("grad_amax2", a.grad_amax2)):
+        if ga is not None and (
+            ga.shape != (1,) or ga.dtype is not torch.float32 or recipe not in PER_TENSOR
+        ):
+            raise ValueError(p + f"{name} must be a [1] float32 tensor and is for the per-tensor "
+                             "kinds (current, delayed)")  # fmt: skip
+    for name, wt, q in (("fc1_", w1, a.fc1_weight_q), ("fc2_", w2, a.fc2_weight_q)):
+        if q is not None:
+            check_weight_quantized("te.mlp", name + "weight_q", q)
+        check_weight_operand(p + name, recipe, wt, w.block_rows, w.emulate,
+                             q or (None,) * len(WEIGHT_OPERAND))  # fmt: skip
 
 
 # 2. Forward op ----------------------------------------------------------------------------------
@@ -280,19 +291,20 @@ def _codes(t: Tensor, fp8_dtype: torch.dtype) -> Tensor:
     return t.view(fp8_dtype) if t.dtype is torch.uint8 else t
 
 
-def _native_block(recipe: str, emulate: bool) -> bool:
-    return recipe == "block" and not emulate
+def _native_block(spec: QuantSpec) -> bool:
+    return spec.kind == "block" and not spec.emulate
 
 
-def _act_operand(recipe, z, bias, grad, activation, fp8_dtype, scale, rows, need_dbias,
-                 power_2_scale, emulate, params) -> tuple[Operand, Tensor | None]:  # fmt: skip
+def _act_operand(spec: QuantSpec, z, bias, grad, activation, scale, rows, need_dbias,
+                 params) -> tuple[Operand, Tensor | None]:  # fmt: skip
     """``(operand, dbias)``: the activation of ``z + bias`` (forward) or its gradient ``grad *
-    f'(z + bias)`` (backward, ``dbias`` with ``need_dbias``) as the next GEMM's operand, rows
-    past ``rows`` zero. On CUDA in the fused kernels (per-tensor, native 1x128 blocks with the
-    scales in the GEMM's layout); elsewhere the activation op's implementation, rounded to
-    ``z``'s dtype, zero rows appended, quantised. ``params``: ``clamped_swiglu``'s ``(limit,
-    alpha, glu_linear_offset)``; the fused kernels apply the defaults only, so other values take
-    the activation op's path."""
+    f'(z + bias)`` (backward, ``dbias`` with ``need_dbias``) as the next GEMM's operand,
+    quantised by ``spec``, rows past ``rows`` zero. On CUDA in the fused kernels (per-tensor,
+    native 1x128 blocks with the scales in the GEMM's layout); elsewhere the activation op's
+    implementation, rounded to ``z``'s dtype, zero rows appended, quantised. ``params``:
+    ``clamped_swiglu``'s ``(limit, alpha, glu_linear_offset)``; the fused kernels apply the
+    defaults only, so other values take the activation op's path."""
+    recipe, fp8_dtype = spec.kind, spec.fp8_dtype
     fused = z.is_cuda and (activation != "clamped_swiglu" or params == _DEFAULT_PARAMS)
     if fused and recipe in PER_TENSOR:
         from te_compile.kernels.act_quantize import act_quantize
@@ -301,11 +313,11 @@ def _act_operand(recipe, z, bias, grad, activation, fp8_dtype, scale, rows, need
             z, bias, grad, activation, fp8_dtype, scale, rows, True, need_dbias
         )
         return Operand(data, s, data_t, s, amax), dbias
-    if fused and _native_block(recipe, emulate):
+    if fused and _native_block(spec):
         from te_compile.kernels.act_quantize import act_quantize_block
 
         data, s, data_t, s_t, dbias = act_quantize_block(
-            z, bias, grad, activation, fp8_dtype, rows, need_dbias, power_2_scale,
+            z, bias, grad, activation, fp8_dtype, rows, need_dbias, spec.power_2_scale,
             mn_major=(True, True),
         )  # fmt: skip
         return Operand(data, s, data_t, s_t, z.new_empty(0, dtype=torch.float32)), dbias
@@ -314,19 +326,18 @@ def _act_operand(recipe, z, bias, grad, activation, fp8_dtype, scale, rows, need
     else:
         v, dbias = activation_backward(grad[:rows], z[:rows], bias, activation, 0, *params,
                                        need_dbias=need_dbias)  # fmt: skip
-    operand = quantize_operand(recipe, pad_rows(v), fp8_dtype, scale=scale,
-                               power_2_scale=power_2_scale, emulate=emulate)  # fmt: skip
+    operand = quantize_operand(spec, pad_rows(v), scale=scale)
     return operand, dbias if need_dbias else None
 
 
-def _saved_scale(recipe: str, emulate: bool, s_t: Tensor) -> Tensor:
+def _saved_scale(spec: QuantSpec, s_t: Tensor) -> Tensor:
     """Native blockwise keeps the 1x128 scales of a transposed copy as the wgrad GEMM takes
     them, ``[M / 128, K]`` (no copy when the kernels wrote them rows-major)."""
-    return s_t.t().contiguous() if _native_block(recipe, emulate) else s_t
+    return s_t.t().contiguous() if _native_block(spec) else s_t
 
 
-def _wgrad_scale(recipe: str, emulate: bool, saved: Tensor) -> Tensor:
-    return saved.t() if _native_block(recipe, emulate) else saved
+def _wgrad_scale(spec: QuantSpec, saved: Tensor) -> Tensor:
+    return saved.t() if _native_block(spec) else saved
 
 
 def _hp_linear(x2: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
@@ -338,49 +349,44 @@ def _forward(a: _Args) -> tuple[Tensor, list[Tensor]]:
     _check(a)
     inp, w1, b1, w2, b2 = a.inp, a.fc1_weight, a.fc1_bias, a.fc2_weight, a.fc2_bias
     x2 = inp.reshape(-1, inp.shape[-1])
-    m, dtype, recipe = x2.shape[0], inp.dtype, a.recipe
+    xs, ws, _ = a.specs
+    m, dtype, recipe, ep, norm = x2.shape[0], inp.dtype, xs.kind, a.ep, a.nrm
+    params = (ep.limit, ep.alpha, ep.offset)
     stats, saved = [], []
     if not recipe:
-        if a.normalization:
-            x2, *stats = norm_forward(x2, a.norm)
+        if norm.normalization:
+            x2, *stats = norm_forward(x2, norm)
             saved.append(x2)
         z = _hp_linear(x2, w1, None)
-        h = activation_forward(z, b1, a.activation, 0, *a.act_params)
+        h = activation_forward(z, b1, ep.activation, 0, *params)
         out = _hp_linear(h, w2, b2)
         return out.reshape(*inp.shape[:-1], w2.shape[0]), [*saved, z, h, *stats]
-    p2, em, rows = a.power_2_scale, a.emulate, a.weight_block_rows
-    kind = gemm_kind(recipe, em)
+    kind, rows = gemm_kind(recipe, xs.emulate), ws.block_rows
     (s_x, s_w1, _), (s_h, s_w2, _) = scale_slots(a.scale1, recipe), scale_slots(a.scale2, recipe)
-    native = _native_block(recipe, em)
-    if a.normalization:
-        xq, *stats = norm_quantize(recipe, x2, a.norm, a.fwd_dtype, scale=s_x, power_2_scale=p2,
-                                   emulate=em, mn_major=native)  # fmt: skip
+    if norm.normalization:
+        xq, *stats = norm_quantize(xs, x2, norm, scale=s_x, mn_major=_native_block(xs))
     else:
-        xq = quantize_operand(recipe, pad_rows(x2), a.fwd_dtype, scale=s_x, power_2_scale=p2,
-                              emulate=em)  # fmt: skip
-    q1, q2 = a.weights_q
-    if q1[0] is not None:  # pre-quantised: setup_context saves its transposed copy
-        w1q = weight_operand(q1, a.fwd_dtype)
+        xq = quantize_operand(xs, pad_rows(x2), scale=s_x)
+    q1, q2 = a.fc1_weight_q, a.fc2_weight_q
+    if q1 is not None:  # pre-quantised: setup_context saves its transposed copy
+        w1q = weight_operand(q1, ws.fp8_dtype)
     else:
-        w1q = quantize_operand(recipe, w1, a.fwd_dtype, scale=s_w1, block_rows=rows,
-                               power_2_scale=p2, emulate=em)  # fmt: skip
+        w1q = quantize_operand(ws, w1, scale=s_w1)
     z = gemm(kind, xq.data, xq.scale, w1q.data, w1q.scale, dtype, fast_accum=True,
              b_block_rows=rows)  # fmt: skip
-    hq, _ = _act_operand(recipe, z, b1, None, a.activation, a.fwd_dtype, s_h, m, False, p2, em,
-                         a.act_params)  # fmt: skip
-    if q2[0] is not None:
-        w2q = weight_operand(q2, a.fwd_dtype)
+    hq, _ = _act_operand(xs, z, b1, None, ep.activation, s_h, m, False, params)
+    if q2 is not None:
+        w2q = weight_operand(q2, ws.fp8_dtype)
     else:
-        w2q = quantize_operand(recipe, w2, a.fwd_dtype, scale=s_w2, block_rows=rows,
-                               power_2_scale=p2, emulate=em)  # fmt: skip
+        w2q = quantize_operand(ws, w2, scale=s_w2)
     out = gemm(kind, hq.data, hq.scale, w2q.data, w2q.scale, dtype, bias=b2, fast_accum=True,
                b_block_rows=rows)  # fmt: skip
     out = unpad(out, m)
-    w1_copy = [] if q1[0] is not None else [_bytes(w1q.data_t), w1q.scale_t]
-    w2_copy = [] if q2[0] is not None else [_bytes(w2q.data_t), w2q.scale_t]
+    w1_copy = [] if q1 is not None else [_bytes(w1q.data_t), w1q.scale_t]
+    w2_copy = [] if q2 is not None else [_bytes(w2q.data_t), w2q.scale_t]
     saved = [
-        _bytes(xq.data_t), _saved_scale(recipe, em, xq.scale_t), *w1_copy, z,
-        _bytes(hq.data_t), _saved_scale(recipe, em, hq.scale_t), *w2_copy, *stats,
+        _bytes(xq.data_t), _saved_scale(xs, xq.scale_t), *w1_copy, z,
+        _bytes(hq.data_t), _saved_scale(xs, hq.scale_t), *w2_copy, *stats,
     ]  # fmt: skip
     if recipe in PER_TENSOR:
         saved.append(torch.cat([xq.amax, w1q.amax, hq.amax, w2q.amax]))
@@ -394,39 +400,24 @@ def mlp_fwd(
     fc1_bias: Tensor | None,
     fc2_weight: Tensor,
     fc2_bias: Tensor | None,
-    activation: str,
-    recipe: str = "",
-    fwd_dtype: torch.dtype = _E4M3,
-    bwd_dtype: torch.dtype = _E5M2,
-    power_2_scale: bool = False,
-    weight_block_rows: int = 1,
-    emulate: bool = False,
+    epilogue: str,
+    input_spec: str = "",
+    weight_spec: str = "",
+    grad_spec: str = "",
     scale1: Tensor | None = None,
     scale2: Tensor | None = None,
     grad_amax1: Tensor | None = None,
     grad_amax2: Tensor | None = None,
+    norm: str = "",
     norm_weight: Tensor | None = None,
     norm_bias: Tensor | None = None,
-    normalization: str = "",
-    norm_eps: float = 1e-5,
-    zero_centered_gamma: bool = False,
-    limit: float = 7.0,
-    alpha: float = 1.702,
-    glu_linear_offset: float = 1.0,
-    fc1_weight_data: Tensor | None = None,
-    fc1_weight_scale: Tensor | None = None,
-    fc1_weight_data_t: Tensor | None = None,
-    fc1_weight_scale_t: Tensor | None = None,
-    fc1_weight_amax: Tensor | None = None,
-    fc2_weight_data: Tensor | None = None,
-    fc2_weight_scale: Tensor | None = None,
-    fc2_weight_data_t: Tensor | None = None,
-    fc2_weight_scale_t: Tensor | None = None,
-    fc2_weight_amax: Tensor | None = None,
+    fc1_weight_q: list[Tensor] | None = None,
+    fc2_weight_q: list[Tensor] | None = None,
 ) -> tuple[Tensor, list[Tensor]]:
     """``(out, saved)`` (module docstring)."""
-    values = locals()
-    return _forward(_Args(*(values[name] for name in _Args._fields)))
+    return _forward(_Args(inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, epilogue, input_spec,
+                          weight_spec, grad_spec, scale1, scale2, grad_amax1, grad_amax2, norm,
+                          norm_weight, norm_bias, fc1_weight_q, fc2_weight_q))  # fmt: skip
 
 
 @mlp_fwd.register_fake
@@ -437,19 +428,21 @@ def _mlp_fwd_fake(*args):
     rows = inp.numel() // inp.shape[-1]
     d, f1, f, n = w1.shape[1], w1.shape[0], w2.shape[1], w2.shape[0]
     out = inp.new_empty(*inp.shape[:-1], n)
-    stats = fake_stats(inp, rows, a.normalization)
-    if not a.recipe:
-        normed = [inp.new_empty(rows, d)] if a.normalization else []
+    normalization = a.nrm.normalization
+    stats = fake_stats(inp, rows, normalization)
+    xs, ws, _ = a.specs
+    if not xs.kind:
+        normed = [inp.new_empty(rows, d)] if normalization else []
         return out, [*normed, inp.new_empty(rows, f1), inp.new_empty(rows, f), *stats]
     m = padded(rows)
     u8, f32 = torch.uint8, torch.float32
-    kind = gemm_kind(a.recipe, a.emulate)
-    w_rows = a.weight_block_rows
+    kind = gemm_kind(xs.kind, xs.emulate)
+    w_rows = ws.block_rows
 
     def copy(k, cols):  # a transposed copy [k, cols] and its scales
         if kind == "dequantized":
             return [inp.new_empty(k, cols, dtype=f32), inp.new_empty(0, dtype=f32)]
-        if a.recipe in PER_TENSOR:
+        if xs.kind in PER_TENSOR:
             return [inp.new_empty(k, cols, dtype=u8), inp.new_empty(1, dtype=f32)]
         return [inp.new_empty(k, cols, dtype=u8), inp.new_empty(-(-cols // 128), k, dtype=f32)]
 
@@ -459,11 +452,11 @@ def _mlp_fwd_fake(*args):
             return [inp.new_empty(k, cols, dtype=u8), scales]
         return copy(k, cols)
 
-    q1, q2 = a.weights_q  # a pre-quantised weight's copy is its input's (setup_context)
-    w1_copy = weight(d, f1) if q1[0] is None else []
-    w2_copy = weight(f, n) if q2[0] is None else []
+    # A pre-quantised weight's copy is its input's (setup_context).
+    w1_copy = weight(d, f1) if a.fc1_weight_q is None else []
+    w2_copy = weight(f, n) if a.fc2_weight_q is None else []
     saved = [*copy(d, m), *w1_copy, inp.new_empty(m, f1), *copy(f, m), *w2_copy, *stats]
-    if a.recipe in PER_TENSOR:
+    if xs.kind in PER_TENSOR:
         saved.append(inp.new_empty(4, dtype=f32))
     return out, saved
 
@@ -472,33 +465,31 @@ def _mlp_fwd_fake(*args):
 
 
 class _Bwd(NamedTuple):
-    activation: str
-    recipe: str
-    fwd_dtype: torch.dtype
-    bwd_dtype: torch.dtype
-    power_2_scale: bool
-    weight_block_rows: int
-    emulate: bool
-    normalization: str
-    zero_centered_gamma: bool
-    has_norm_bias: bool
+    """The backward op's arguments after the tensors, parsed."""
+
+    x: QuantSpec
+    w: QuantSpec
+    g: QuantSpec
+    norm: NormSpec
+    ep: EpilogueSpec
     need_db2: bool
     need_dgrad: bool
-    limit: float = 7.0
-    alpha: float = 1.702
-    glu_linear_offset: float = 1.0
+
+    @classmethod
+    def of(cls, input_spec, weight_spec, grad_spec, norm, epilogue, *need) -> _Bwd:
+        return cls(*as_specs(input_spec, weight_spec, grad_spec), parse(NormSpec, norm),
+                   parse(EpilogueSpec, epilogue), *need)  # fmt: skip
 
 
-_BWD_TENSORS = ("grad", "saved", "inp", "fc1_weight", "fc1_bias", "fc2_weight", "scale1",
-                "scale2", "grad_amax1", "grad_amax2", "norm_weight")  # fmt: skip
+_N_BWD_TENSORS = 11  # grad, saved, inp, fc1_weight, fc1_bias, fc2_weight, scale1, scale2,
+# grad_amax1, grad_amax2, norm_weight
 
 
 def _hp_linear_bwd(grad: Tensor, x2: Tensor, w: Tensor, need_dbias: bool, need_dgrad: bool):
     """``(dx, dw, db)`` by the linear family's high-precision backward."""
     dx, dw, db, _, _ = linear_bwd.eager(
-        grad, None, [], x2, w, None, None, None, None, None, None, "", _E4M3, _E5M2, False, 1,
-        False, False, False, "", False, False, "", 0, 7.0, 1.702, 1.0, 1.0, need_dbias,
-        need_dgrad, True,
+        grad, None, [], x2, w, None, None, None, None, None, None, "", "", "", "", "",
+        need_dbias, need_dgrad, True,
     )  # fmt: skip
     return dx, dw, db
 
@@ -508,46 +499,45 @@ def _backward_impl(grad, saved, inp, w1, b1, w2, scale1, scale2, grad_amax1, gra
     dtype = grad.dtype
     dy = grad.reshape(-1, grad.shape[-1])
     m = dy.shape[0]
-    params = (c.limit, c.alpha, c.glu_linear_offset)
-    n_stats = 2 if c.normalization else 0
+    ep, normalization, recipe = c.ep, c.norm.normalization, c.x.kind
+    params = (ep.limit, ep.alpha, ep.offset)
+    n_stats = 2 if normalization else 0
     stats = saved[len(saved) - n_stats :]
     need_db1 = b1 is not None
-    if not c.recipe:
+    if not recipe:
         z, h = saved[-2 - n_stats], saved[-1 - n_stats]
-        x2 = saved[0] if c.normalization else inp.reshape(-1, inp.shape[-1])
+        x2 = saved[0] if normalization else inp.reshape(-1, inp.shape[-1])
         dh, dw2, db2 = _hp_linear_bwd(dy, h, w2, c.need_db2, True)
-        dz, db1 = activation_backward(dh, z, b1, c.activation, 0, *params, need_dbias=need_db1)
+        dz, db1 = activation_backward(dh, z, b1, ep.activation, 0, *params, need_dbias=need_db1)
         dx, dw1, _ = _hp_linear_bwd(dz, x2, w1, False, c.need_dgrad)
         dinp = dx if c.need_dgrad else None
     else:
         x_t, xs, w1_t, w1s, z, h_t, hs, w2_t, w2s = saved[:9]
-        x_t, w1_t, h_t, w2_t = (_codes(t, c.fwd_dtype) for t in (x_t, w1_t, h_t, w2_t))
-        kind, em, p2 = gemm_kind(c.recipe, c.emulate), c.emulate, c.power_2_scale
-        rows = c.weight_block_rows
-        (_, _, s_dz), (_, _, s_dy) = scale_slots(scale1, c.recipe), scale_slots(scale2, c.recipe)
-        sums = c.need_db2 and _native_block(c.recipe, em)
-        g = quantize_operand(c.recipe, pad_rows(dy), c.bwd_dtype, scale=s_dy, power_2_scale=p2,
-                             emulate=em, mn_major=True, sums=sums)  # fmt: skip
+        x_t, h_t = _codes(x_t, c.x.fp8_dtype), _codes(h_t, c.x.fp8_dtype)
+        w1_t, w2_t = _codes(w1_t, c.w.fp8_dtype), _codes(w2_t, c.w.fp8_dtype)
+        kind, rows = gemm_kind(recipe, c.x.emulate), c.w.block_rows
+        (_, _, s_dz), (_, _, s_dy) = scale_slots(scale1, recipe), scale_slots(scale2, recipe)
+        sums = c.need_db2 and _native_block(c.x)
+        g = quantize_operand(c.g, pad_rows(dy), scale=s_dy, mn_major=True, sums=sums)
         if grad_amax2 is not None:
             grad_amax2.copy_(g.amax)
         # fc2: dh [M, F] = dY @ W2 (W2^T is the GEMM's b); dW2 [N, F] = dY^T @ h
         dh = gemm(kind, g.data, g.scale, w2_t, w2s, dtype, b_block_rows=rows)
-        dw2 = gemm(kind, g.data_t, g.scale_t, h_t, _wgrad_scale(c.recipe, em, hs), dtype)
+        dw2 = gemm(kind, g.data_t, g.scale_t, h_t, _wgrad_scale(c.x, hs), dtype)
         db2 = g.sums if sums else (dy.sum(0, dtype=torch.float32) if c.need_db2 else None)
-        dq, db1 = _act_operand(c.recipe, z, b1, dh, c.activation, c.bwd_dtype, s_dz, m,
-                               need_db1, p2, em, params)  # fmt: skip
+        dq, db1 = _act_operand(c.g, z, b1, dh, ep.activation, s_dz, m, need_db1, params)
         if grad_amax1 is not None:
             grad_amax1.copy_(dq.amax)
         # fc1: dX [M, D] = dz @ W1; dW1 [F1, D] = dz^T @ X
         dinp = None
         if c.need_dgrad:
             dinp = unpad(gemm(kind, dq.data, dq.scale, w1_t, w1s, dtype, b_block_rows=rows), m)
-        dw1 = gemm(kind, dq.data_t, dq.scale_t, x_t, _wgrad_scale(c.recipe, em, xs), dtype)
+        dw1 = gemm(kind, dq.data_t, dq.scale_t, x_t, _wgrad_scale(c.x, xs), dtype)
     dnorm = [empty(grad), empty(grad)]
-    if dinp is not None and c.normalization:
+    if dinp is not None and normalization:
         x2 = inp.reshape(-1, inp.shape[-1])
-        dinp, *dnorm = norm_backward(dinp, x2, norm_weight, stats, c.normalization,
-                                     c.zero_centered_gamma, c.has_norm_bias)  # fmt: skip
+        dinp, *dnorm = norm_backward(dinp, x2, norm_weight, stats, normalization,
+                                     c.norm.zero_centered_gamma, c.norm.bias)  # fmt: skip
     dinp = empty(grad) if dinp is None else dinp.reshape(*grad.shape[:-1], dinp.shape[-1])
     db1 = empty(grad) if db1 is None else db1.to(dtype)
     db2 = empty(grad) if db2 is None or not c.need_db2 else db2.to(dtype)
@@ -567,45 +557,37 @@ def mlp_bwd(
     grad_amax1: Tensor | None,
     grad_amax2: Tensor | None,
     norm_weight: Tensor | None,
-    activation: str,
-    recipe: str,
-    fwd_dtype: torch.dtype,
-    bwd_dtype: torch.dtype,
-    power_2_scale: bool,
-    weight_block_rows: int,
-    emulate: bool,
-    normalization: str,
-    zero_centered_gamma: bool,
-    has_norm_bias: bool,
+    input_spec: str,
+    weight_spec: str,
+    grad_spec: str,
+    norm: str,
+    epilogue: str,
     need_db2: bool,
     need_dgrad: bool,
-    limit: float = 7.0,
-    alpha: float = 1.702,
-    glu_linear_offset: float = 1.0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(dinp, dfc1_weight, dfc1_bias, dfc2_weight, dfc2_bias, dnorm_weight, dnorm_bias)``
     (0-element where not computed); writes ``amax(dz)`` / ``amax(dY)`` into ``grad_amax1`` /
     ``grad_amax2`` (per-tensor recipes). ``inp``: with a norm or in high precision;
-    ``fc1_weight`` / ``fc2_weight``: in high precision. ``need_dgrad``: any of the input and
-    the norm's parameters needs a gradient."""
-    values = locals()
-    c = _Bwd(*(values[name] for name in _Bwd._fields))
-    tensors = (values[name] for name in _BWD_TENSORS)
-    return _backward_impl(*tensors, c)
+    ``fc1_weight`` / ``fc2_weight``: in high precision; the strings are the forward's, ``norm``
+    with ``bias`` where the norm has one. ``need_dgrad``: any of the input and the norm's
+    parameters needs a gradient."""
+    c = _Bwd.of(input_spec, weight_spec, grad_spec, norm, epilogue, need_db2, need_dgrad)
+    return _backward_impl(grad, saved, inp, fc1_weight, fc1_bias, fc2_weight, scale1, scale2,
+                          grad_amax1, grad_amax2, norm_weight, c)  # fmt: skip
 
 
 @mlp_bwd.register_fake
 def _mlp_bwd_fake(*args):
-    grad, saved, _inp, w1, b1, w2, *_, norm_weight = args[: len(_BWD_TENSORS)]
-    c = _Bwd(*args[len(_BWD_TENSORS) :])
-    if c.recipe:
+    grad, saved, _inp, w1, b1, w2, *_, norm_weight = args[:_N_BWD_TENSORS]
+    c = _Bwd.of(*args[_N_BWD_TENSORS:])
+    if c.x.kind:
         (d, f1), (f, n) = saved[2].shape, saved[7].shape
     else:
         (f1, d), (n, f) = w1.shape, w2.shape
     dinp = grad.new_empty(*grad.shape[:-1], d) if c.need_dgrad else empty(grad)
     db1 = grad.new_empty(f1) if b1 is not None else empty(grad)
     db2 = grad.new_empty(n) if c.need_db2 else empty(grad)
-    dnorm = fake_dnorm(grad, norm_weight, c.normalization, c.has_norm_bias, c.need_dgrad)
+    dnorm = fake_dnorm(grad, norm_weight, c.norm.normalization, c.norm.bias, c.need_dgrad)
     return dinp, grad.new_empty(f1, d), db1, grad.new_empty(n, f), db2, *dnorm
 
 
@@ -616,14 +598,15 @@ def _setup_context(ctx, inputs, output) -> None:
     a = _Args(*inputs)
     _out, saved = output
     ctx.mark_non_differentiable(*saved)
-    if a.recipe in PER_TENSOR:
+    recipe = a.recipe
+    if recipe in PER_TENSOR:
         saved = saved[:-1]  # the amaxes: for the caller
-    (q1, q2), saved = a.weights_q, list(saved)
-    if q1[0] is not None:  # a pre-quantised weight: its transposed copy is an input
+    (q1, q2), saved = (a.fc1_weight_q, a.fc2_weight_q), list(saved)
+    if q1 is not None:  # a pre-quantised weight: its transposed copy is an input
         saved[2:2] = [q1[2], q1[3]]
-    if q2[0] is not None:
+    if q2 is not None:
         saved[7:7] = [q2[2], q2[3]]
-    hp, normed = not a.recipe, bool(a.normalization)
+    hp, normed = not recipe, bool(a.nrm.normalization)
     tensors = (
         a.inp if hp or normed else None, a.fc1_weight if hp else None, a.fc1_bias,
         a.fc2_weight if hp else None, a.scale1, a.scale2, a.grad_amax1, a.grad_amax2,
@@ -631,24 +614,23 @@ def _setup_context(ctx, inputs, output) -> None:
     )  # fmt: skip
     # The gradient amax buffers (positions 6 and 7): written by the backward.
     save_for_backward_except_written(ctx, tensors, (6, 7))
-    ctx.scalars = (
-        a.activation, a.recipe, a.fwd_dtype, a.bwd_dtype, a.power_2_scale, a.weight_block_rows,
-        a.emulate, a.normalization, a.zero_centered_gamma, a.norm_bias is not None,
-    )  # fmt: skip
-    ctx.has_fc2_bias = a.fc2_bias is not None
-    ctx.act_params = a.act_params
+    norm = a.norm
+    if normed and a.norm_bias is not None:
+        norm = replace(parse(NormSpec, norm), bias=True).encode()
+    ctx.scalars = (a.input_spec, a.weight_spec, a.grad_spec, norm, a.epilogue)
+    ctx.has_fc2_bias, ctx.has_norm, ctx.has_norm_bias = (
+        a.fc2_bias is not None, normed, a.norm_bias is not None)  # fmt: skip
 
 
 def _backward(ctx, bwd, grad, _grad_saved):
     inp, w1, b1, w2, s1, s2, _, _, norm_weight, *saved = ctx.saved_tensors
     ga1, ga2 = ctx.written
     need = ctx.needs_input_grad
-    normalization = ctx.scalars[7]
-    need_norm = bool(normalization) and any(need[_NORM_WEIGHT : _NORM_WEIGHT + 2])
+    need_norm = ctx.has_norm and any(need[_NORM_WEIGHT : _NORM_WEIGHT + 2])
     need_db2 = ctx.has_fc2_bias and need[4]
     dinp, dw1, db1, dw2, db2, dnw, dnb = bwd(
         grad.contiguous(), saved, inp, w1, b1, w2, s1, s2, ga1, ga2, norm_weight, *ctx.scalars,
-        need_db2, need[0] or need_norm, *ctx.act_params,
+        need_db2, need[0] or need_norm,
     )  # fmt: skip
     grads = [None] * len(need)
     grads[:5] = [
@@ -658,9 +640,10 @@ def _backward(ctx, bwd, grad, _grad_saved):
         dw2 if need[3] else None,
         db2 if need_db2 else None,
     ]
-    if need_norm:
+    if need_norm:  # (a call passes no trailing argument left at its default)
         grads[_NORM_WEIGHT] = dnw if need[_NORM_WEIGHT] else None
-        grads[_NORM_WEIGHT + 1] = dnb if ctx.scalars[9] and need[_NORM_WEIGHT + 1] else None
+        if ctx.has_norm_bias and need[_NORM_WEIGHT + 1]:
+            grads[_NORM_WEIGHT + 1] = dnb
     return tuple(grads)
 
 
@@ -674,82 +657,74 @@ def _samples(device: torch.device):
     def call(*args, **kw):
         return SampleInput(tuple(_Args(*args, **kw)))
 
-    e4 = {"fwd_dtype": _E4M3, "bwd_dtype": _E4M3}
+    def specs(x, w=None, g=None):  # the weight's as the input's, the gradient's E5M2 unless given
+        return {"input_spec": x, "weight_spec": x if w is None else w,
+                "grad_spec": x.replace("e4m3", "e5m2") if g is None else g}  # fmt: skip
+
     pending = {"grad_amax1": torch.zeros(1, device=device),
                "grad_amax2": torch.zeros(1, device=device)}  # fmt: skip
     # High precision: element-wise and gated, a norm prologue.
-    yield call(t(2, 5, 16), t(24, 16), t(24), t(8, 24), t(8), "gelu")
-    yield call(t(6, 16), t(32, 16), None, t(16, 16), None, "swiglu", norm_weight=t(16),
-               norm_bias=t(16), normalization="LayerNorm")  # fmt: skip
-    cur = {"recipe": "current"}
-    yield call(t(32, 16), t(64, 16), t(64), t(32, 64), t(32), "gelu", **cur, **pending)
+    yield call(t(2, 5, 16), t(24, 16), t(24), t(8, 24), t(8), "act=gelu")
+    yield call(t(6, 16), t(32, 16), None, t(16, 16), None, "act=swiglu", norm_weight=t(16),
+               norm_bias=t(16), norm="LayerNorm")  # fmt: skip
+    cur = specs("current:e4m3")
+    yield call(t(32, 16), t(64, 16), t(64), t(32, 64), t(32), "act=gelu", **cur, **pending)
     # 10 tokens (padded to 16 inside the ops), no biases, relu, E4M3 gradients.
-    yield call(t(2, 5, 32), t(32, 32), None, t(16, 32), None, "relu", **cur, **e4)
+    yield call(t(2, 5, 32), t(32, 32), None, t(16, 32), None, "act=relu",
+               **specs("current:e4m3", g="current:e4m3"))  # fmt: skip
     # Float8BlockScaling's native GEMMs (feature sizes multiples of 512), power-of-two scales.
-    block = {"recipe": "block", "weight_block_rows": 128, **e4}
-    yield call(t(24, 512), t(512, 512), t(512), t(512, 512), t(512), "gelu", **block,
-               power_2_scale=True)  # fmt: skip
+    block = specs("block:e4m3", "block:e4m3:128x128", "block:e4m3")
+    yield call(t(24, 512), t(512, 512), t(512), t(512, 512), t(512), "act=gelu",
+               **specs("block:e4m3:p2", "block:e4m3:128x128:p2", "block:e4m3:p2"))  # fmt: skip
     s1 = torch.tensor([64.0, 128.0, 2.0], device=device)
     s2 = torch.tensor([32.0, 64.0, 1.0], device=device)
-    yield call(t(2, 16, 16), t(48, 16), t(48), t(16, 48), None, "silu", recipe="delayed",
+    delayed = specs("delayed:e4m3")
+    yield call(t(2, 16, 16), t(48, 16), t(48), t(16, 48), None, "act=silu", **delayed,
                scale1=s1, scale2=s2, **pending)  # fmt: skip
     # Norm prologues, norms exact in fp32 (``unit_rows``): LayerNorm, 10 tokens, current
     # scaling; RMSNorm under the native blockwise recipe.
-    yield call(unit_rows(2, 5, 32, device=device), t(64, 32), t(64), t(32, 64), t(32), "gelu",
-               **cur, **pending, norm_weight=t(32),
+    yield call(unit_rows(2, 5, 32, device=device), t(64, 32), t(64), t(32, 64), t(32),
+               "act=gelu", **cur, **pending, norm_weight=t(32),
                norm_bias=torch.zeros(32, device=device, requires_grad=True),
-               normalization="LayerNorm", norm_eps=1e-30)  # fmt: skip
-    yield call(
-        unit_rows(24, 512, device=device),
-        t(512, 512),
-        None,
-        t(512, 512),
-        None,
-        "relu",
-        **block,
-        norm_weight=t(512),
-        normalization="RMSNorm",
-        norm_eps=1e-30,
-    )
+               norm="LayerNorm:eps=1e-30")  # fmt: skip
+    yield call(unit_rows(24, 512, device=device), t(512, 512), None, t(512, 512), None,
+               "act=relu", **block, norm_weight=t(512), norm="RMSNorm:eps=1e-30")  # fmt: skip
     # Gated: fc1_weight [2 * ffn, hidden]; SwiGLU under current scaling, clamped SwiGLU under
     # delayed scaling (z = x W^T over 16 features, std 4: entries past its limit of 7), GEGLU
     # in 1x128 blocks.
-    yield call(t(2, 5, 32), t(64, 32), t(64), t(16, 32), t(16), "swiglu", **cur, **pending)
-    yield call(t(32, 16), t(96, 16), t(96), t(32, 48), None, "clamped_swiglu", recipe="delayed",
+    yield call(t(2, 5, 32), t(64, 32), t(64), t(16, 32), t(16), "act=swiglu", **cur, **pending)
+    yield call(t(32, 16), t(96, 16), t(96), t(32, 48), None, "act=clamped_swiglu", **delayed,
                scale1=s1.clone(), scale2=s2.clone(), **pending)  # fmt: skip
-    yield call(t(24, 512), t(1024, 512), t(1024), t(512, 512), t(512), "geglu", **block)
+    yield call(t(24, 512), t(1024, 512), t(1024), t(512, 512), t(512), "act=geglu", **block)
     # Clamped SwiGLU with other parameters (LayerNormMLP's activation_params): in high
     # precision and under current scaling (the activation op's path, not the fused kernel's).
-    clamp = {"limit": 2.5, "alpha": 1.25, "glu_linear_offset": 0.5}
-    yield call(t(12, 16), t(64, 16), t(64), t(16, 32), t(16), "clamped_swiglu", **clamp)
-    yield call(t(32, 16), t(96, 16), None, t(32, 48), t(32), "clamped_swiglu", **cur, **pending,
-               **clamp)  # fmt: skip
+    clamp = "act=clamped_swiglu:limit=2.5:alpha=1.25:offset=0.5"
+    yield call(t(12, 16), t(64, 16), t(64), t(16, 32), t(16), clamp)
+    yield call(t(32, 16), t(96, 16), None, t(32, 48), t(32), clamp, **cur, **pending)
     # Emulated: MXFP8 (E5M2 gradients), NVFP4, Float8BlockScaling 1x128 weight blocks.
-    yield call(t(32, 64), t(64, 64), t(64), t(32, 64), t(32), "gelu", recipe="mxfp8",
-               emulate=True)  # fmt: skip
-    yield call(t(16, 32), t(64, 32), None, t(16, 32), t(16), "swiglu", recipe="nvfp4",
-               emulate=True, **e4)  # fmt: skip
-    yield call(t(16, 32), t(32, 32), t(32), t(16, 32), None, "relu", recipe="block",
-               emulate=True, power_2_scale=True, **e4)  # fmt: skip
+    yield call(t(32, 64), t(64, 64), t(64), t(32, 64), t(32), "act=gelu",
+               **specs("mxfp8:e4m3:emulate"))  # fmt: skip
+    yield call(t(16, 32), t(64, 32), None, t(16, 32), t(16), "act=swiglu",
+               **specs("nvfp4:emulate"))  # fmt: skip
+    yield call(t(16, 32), t(32, 32), t(32), t(16, 32), None, "act=relu",
+               **specs("block:e4m3:p2:emulate", g="block:e4m3:p2:emulate"))  # fmt: skip
 
     # Pre-quantised weights (functional.quantize_weight): both under current scaling, FC2's
     # only under delayed scaling (its weight slot), both in native 128x128 blocks.
-    def pre(w, recipe, rows=1, scale=None):
-        return quantize_weight(w.detach(), recipe, _E4M3, False, rows, False, scale)
-
-    def fields(fc, q):
-        return dict(zip((f"{fc}_{n}" for n in WEIGHT_OPERAND), q, strict=True))
+    def pre(w, spec, scale=None):
+        return quantize_weight(w.detach(), spec, scale)
 
     w1, w2 = t(64, 32), t(16, 64)
-    both = {**fields("fc1", pre(w1, "current")), **fields("fc2", pre(w2, "current"))}
-    yield call(t(2, 8, 32), w1, t(64), w2, t(16), "gelu", **cur, **pending, **both)
+    both = {"fc1_weight_q": pre(w1, "current:e4m3"), "fc2_weight_q": pre(w2, "current:e4m3")}
+    yield call(t(2, 8, 32), w1, t(64), w2, t(16), "act=gelu", **cur, **pending, **both)
     w1, w2 = t(96, 16), t(32, 48)
-    fc2 = fields("fc2", pre(w2, "delayed", scale=s2))
-    yield call(t(32, 16), w1, t(96), w2, None, "swiglu", recipe="delayed", scale1=s1.clone(),
-               scale2=s2.clone(), **pending, **fc2)  # fmt: skip
+    yield call(t(32, 16), w1, t(96), w2, None, "act=swiglu", **delayed, scale1=s1.clone(),
+               scale2=s2.clone(), **pending,
+               fc2_weight_q=pre(w2, "delayed:e4m3", scale=s2))  # fmt: skip
     w1, w2 = t(512, 512), t(512, 512)
-    both = {**fields("fc1", pre(w1, "block", 128)), **fields("fc2", pre(w2, "block", 128))}
-    yield call(t(24, 512), w1, None, w2, t(512), "relu", **block, **both)
+    yield call(t(24, 512), w1, None, w2, t(512), "act=relu", **block,
+               fc1_weight_q=pre(w1, "block:e4m3:128x128"),
+               fc2_weight_q=pre(w2, "block:e4m3:128x128"))  # fmt: skip
 
 
 _mlp = differentiable(
@@ -770,12 +745,9 @@ def mlp(
     fc2_bias: Tensor | None,
     activation: str = "gelu",
     *,
-    recipe: str = "",
-    fwd_dtype: torch.dtype = _E4M3,
-    bwd_dtype: torch.dtype = _E5M2,
-    power_2_scale: bool = False,
-    weight_block_rows: int = 1,
-    emulate: bool = False,
+    input_spec: str | QuantSpec = "",
+    weight_spec: str | QuantSpec = "",
+    grad_spec: str | QuantSpec = "",
     scale1: Tensor | None = None,
     scale2: Tensor | None = None,
     grad_amax1: Tensor | None = None,
@@ -793,29 +765,27 @@ def mlp(
     fc2_weight_quantized: Sequence[Tensor] | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """``activation(norm(inp) @ fc1_weight.T + fc1_bias) @ fc2_weight.T + fc2_bias`` through
-    ``te::mlp_fwd`` (module docstring). ``return_amax=True`` also returns ``[amax(X),
-    amax(fc1_weight), amax(h), amax(fc2_weight)]`` (per-tensor recipes; X is the norm's output
-    with a prologue; 0-element otherwise). ``limit`` / ``alpha`` / ``glu_linear_offset``:
-    ``clamped_swiglu``'s parameters (as :func:`bias_activation` takes them).
-    ``fc1_weight_quantized`` / ``fc2_weight_quantized``: a weight already quantised by the
-    recipe (:func:`~te_compile.functional.quantize_weight`'s five tensors), used instead of
-    quantising it (its gradient is still computed)."""
-    pre = []
+    ``te::mlp_fwd`` (module docstring). ``input_spec`` / ``weight_spec`` / ``grad_spec``: the
+    quantisation of the GEMMs' operands, as :func:`~te_compile.functional.linear` takes them
+    (the activation is quantised as an input, its gradient as a gradient), with each GEMM's
+    delayed scales ``scale1`` / ``scale2`` and gradient amax buffers ``grad_amax1`` /
+    ``grad_amax2``. ``return_amax=True`` also returns ``[amax(X), amax(fc1_weight), amax(h),
+    amax(fc2_weight)]`` (per-tensor recipes; X is the norm's output with a prologue; 0-element
+    otherwise). ``limit`` / ``alpha`` / ``glu_linear_offset``: ``clamped_swiglu``'s parameters
+    (as :func:`bias_activation` takes them). ``fc1_weight_quantized`` /
+    ``fc2_weight_quantized``: a weight already quantised by the weight spec
+    (:func:`~te_compile.functional.quantize_weight`'s five tensors), used instead of quantising
+    it (its gradient is still computed)."""
     for name, q in (("fc1_weight_quantized", fc1_weight_quantized),
                     ("fc2_weight_quantized", fc2_weight_quantized)):  # fmt: skip
         check_weight_quantized("te.mlp", name, q)
-        pre += list(q) if q is not None else [None] * len(WEIGHT_OPERAND)
-    check_bool(
-        "te.mlp", power_2_scale=power_2_scale, emulate=emulate,
-        zero_centered_gamma=zero_centered_gamma, return_amax=return_amax,
-    )  # fmt: skip
+    check_bool("te.mlp", zero_centered_gamma=zero_centered_gamma, return_amax=return_amax)
     tensors = {"inp": inp, "fc1_weight": fc1_weight, "fc1_bias": fc1_bias,
                "fc2_weight": fc2_weight, "fc2_bias": fc2_bias}  # fmt: skip
     if (
         not (isinstance(inp, Tensor) and isinstance(fc1_weight, Tensor)
              and isinstance(fc2_weight, Tensor))
         or not all(t is None or isinstance(t, Tensor) for t in tensors.values())
-        or recipe_args_not_default(fwd_dtype, bwd_dtype, power_2_scale, weight_block_rows, emulate)
         or norm_eps != 1e-5 or limit != 7.0 or alpha != 1.702 or glu_linear_offset != 1.0
         or scale1 is not None or scale2 is not None or grad_amax1 is not None
         or grad_amax2 is not None or norm_weight is not None or norm_bias is not None
@@ -825,9 +795,7 @@ def mlp(
             "te.mlp",
             {**tensors, "scale1": scale1, "scale2": scale2, "grad_amax1": grad_amax1,
              "grad_amax2": grad_amax2, "norm_weight": norm_weight, "norm_bias": norm_bias},
-            fwd_dtype=fwd_dtype, bwd_dtype=bwd_dtype, power_2_scale=power_2_scale,
-            weight_block_rows=weight_block_rows, emulate=emulate, norm_eps=norm_eps, limit=limit,
-            alpha=alpha, glu_linear_offset=glu_linear_offset,
+            norm_eps=norm_eps, limit=limit, alpha=alpha, glu_linear_offset=glu_linear_offset,
         )  # fmt: skip
         check_same_device("te.mlp", "inp", inp, norm_weight=norm_weight, norm_bias=norm_bias)
     device = inp.device
@@ -838,12 +806,21 @@ def mlp(
     ):  # fmt: skip
         check_same_device("te.mlp", "inp", inp, fc1_weight=fc1_weight, fc1_bias=fc1_bias,
                           fc2_weight=fc2_weight, fc2_bias=fc2_bias)  # fmt: skip
+    if normalization not in ("", *NORMALIZATIONS):
+        raise ValueError('te.mlp: normalization must be "", "LayerNorm" or "RMSNorm", '
+                         f"got {normalization!r}")  # fmt: skip
+    norm = NormSpec(normalization, float(norm_eps), zero_centered_gamma) if normalization else None
+    epilogue = EpilogueSpec(activation, 0, float(limit), float(alpha),
+                            float(glu_linear_offset)).encode()  # fmt: skip
+    specs = [s.encode() if isinstance(s, QuantSpec) else s
+             for s in (input_spec, weight_spec, grad_spec)]  # fmt: skip
     out, saved = _mlp(
-        inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, recipe, fwd_dtype,
-        bwd_dtype, power_2_scale, weight_block_rows, emulate, scale1, scale2, grad_amax1,
-        grad_amax2, norm_weight, norm_bias, normalization, norm_eps, zero_centered_gamma, limit,
-        alpha, glu_linear_offset, *pre,
+        inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, epilogue, *specs, scale1, scale2,
+        grad_amax1, grad_amax2, norm.encode() if norm else "", norm_weight, norm_bias,
+        None if fc1_weight_quantized is None else list(fc1_weight_quantized),
+        None if fc2_weight_quantized is None else list(fc2_weight_quantized),
     )  # fmt: skip
     if not return_amax:
         return out
-    return out, saved[-1] if recipe in PER_TENSOR else inp.new_empty(0, dtype=torch.float32)
+    per_tensor = isinstance(specs[0], str) and specs[0].startswith(PER_TENSOR)
+    return out, saved[-1] if per_tensor else inp.new_empty(0, dtype=torch.float32)

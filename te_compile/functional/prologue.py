@@ -35,6 +35,7 @@ from te_compile.functional.norm import (
     rmsnorm_fwd,
     rmsnorm_ref,
 )
+from te_compile.functional.spec import QuantSpec
 
 __all__ = [
     "NORMALIZATIONS",
@@ -101,47 +102,32 @@ def norm_forward(x2: Tensor, norm: Norm) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def norm_quantize(
-    recipe: str,
-    x2: Tensor,
-    norm: Norm,
-    fp8_dtype: torch.dtype,
-    *,
-    scale: Tensor | None = None,
-    power_2_scale: bool = False,
-    emulate: bool = False,
-    mn_major: bool = False,
-    rht: bool = False,
-    row_scaled: bool = False,
-    four_over_six: str = "",
+    spec: QuantSpec, x2: Tensor, norm: Norm, *, scale: Tensor | None = None, mn_major: bool = False
 ) -> tuple[Operand, Tensor, Tensor]:
     """``(operand, mean, rsigma)``: the norm of ``x2`` ``[M, K]``, rows padded to a multiple of
-    16, as the first GEMM's input operand (``gemm.quantize_operand``'s arguments). On CUDA the
-    per-tensor kinds and native 1x128 blocks quantise the norm without writing it
-    (``kernels.act_quantize.norm_quantize(_block)``; ``mn_major``: the block scales in the GEMM's
-    layout); elsewhere the norm op's output is quantised."""
+    16, as the first GEMM's input operand quantised as ``spec`` says (``gemm.quantize_operand``'s
+    arguments). On CUDA the per-tensor kinds and native 1x128 blocks quantise the norm without
+    writing it (``kernels.act_quantize.norm_quantize(_block)``; ``mn_major``: the block scales
+    in the GEMM's layout); elsewhere the norm op's output is quantised."""
     weight, bias, normalization, eps, zcg = norm
-    m_out = padded(x2.shape[0])
-    if x2.device.type == "cuda" and recipe in ("current", "delayed"):
+    m_out, fp8_dtype = padded(x2.shape[0]), spec.fp8_dtype
+    if x2.device.type == "cuda" and spec.kind in ("current", "delayed"):
         from te_compile.kernels.act_quantize import norm_quantize as kernel
 
         data, data_t, scale_inv, amax, mean, rsigma = kernel(
             x2.contiguous(), weight, bias, normalization, eps, zcg, fp8_dtype, scale, m_out
         )
         return Operand(data, scale_inv, data_t, scale_inv, amax), mean, rsigma
-    if x2.device.type == "cuda" and recipe == "block" and not emulate:
+    if x2.device.type == "cuda" and spec.kind == "block" and not spec.emulate:
         from te_compile.kernels.act_quantize import norm_quantize_block
 
         data, s, data_t, s_t, mean, rsigma = norm_quantize_block(
             x2.contiguous(), weight, bias, normalization, eps, zcg, fp8_dtype, m_out,
-            power_2_scale, mn_major=(mn_major, mn_major),
+            spec.power_2_scale, mn_major=(mn_major, mn_major),
         )  # fmt: skip
         return Operand(data, s, data_t, s_t, x2.new_empty(0, dtype=torch.float32)), mean, rsigma
     y, mean, rsigma = norm_forward(x2, norm)
-    operand = quantize_operand(
-        recipe, pad_rows(y), fp8_dtype, scale=scale, power_2_scale=power_2_scale,
-        emulate=emulate, rht=rht, row_scaled=row_scaled, four_over_six=four_over_six,
-    )  # fmt: skip
-    return operand, mean, rsigma
+    return quantize_operand(spec, pad_rows(y), scale=scale), mean, rsigma
 
 
 def norm_backward(

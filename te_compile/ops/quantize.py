@@ -22,6 +22,8 @@ GEMMs' first delayed step does.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import Tensor
 
@@ -29,41 +31,10 @@ from te_compile import functional as F
 from te_compile._numerics import reciprocal_rn
 from te_compile.ops.op import BasicOperation, OpOutput
 from te_compile.quantization import fp8_gemm
-from te_compile.quantization.gemm import quantize_args
-from te_compile.quantization.recipe import Recipe
+from te_compile.quantization.gemm import recipe_specs
 from te_compile.quantization.state import AutocastState, get_autocast_state
 
 __all__ = ["Quantize"]
-
-
-def quantizer_args(recipe: Recipe, role: str) -> tuple[str, torch.dtype, int, bool]:
-    """``(kind, fp8_dtype, block_rows, power_2_scale)`` of ``te::fake_quantize`` for ``recipe``'s
-    quantiser of a GEMM operand in ``role`` ("input" or "grad"), with the recipe's settings as
-    ``te_compile.quantize`` maps them."""
-    if recipe.delayed():
-        raise ValueError("quantizer_args: DelayedScaling runs through Quantize's fp8_meta")
-    if recipe.nvfp4():
-        # The recipe's options as the GEMMs take them: the Hadamard transform touches only the
-        # columnwise copy (not made here); stochastic rounding, row scaling and 4over6 block
-        # scaling are not done here.
-        _, kw = quantize_args(recipe, role)
-        for name, fix in (("stochastic_rounding", "disable_stochastic_rounding=True"),
-                          ("row_scaled", "row_scaled_activation=False"),
-                          ("four_over_six", "nvfp4_4over6='none' or 'weights'")):  # fmt: skip
-            if kw.get(name):
-                raise NotImplementedError(
-                    f"Quantize: NVFP4's {name} is applied inside the GEMMs only; use "
-                    f"NVFP4BlockScaling({fix})"
-                )
-        return "nvfp4", torch.float8_e4m3fn, 1, False
-    fmt = recipe.fp8_format
-    fp8_dtype = fmt.bwd_dtype if role == "grad" else fmt.fwd_dtype
-    if recipe.mxfp8():
-        return "mxfp8", fp8_dtype, 1, False
-    if recipe.float8_current_scaling():
-        return "current", fp8_dtype, 1, recipe.use_power_2_scales
-    dim = recipe.grad_block_scaling_dim if role == "grad" else recipe.x_block_scaling_dim
-    return "block", fp8_dtype, 128 if dim == 2 else 1, not recipe.use_f32_scales
 
 
 def _qdq_tensorwise(
@@ -122,8 +93,8 @@ class Quantize(BasicOperation):
     def _delayed(self, x: Tensor, state: AutocastState) -> Tensor:
         meta = self.fp8_meta
         scales = meta.delayed_scale("Quantize", state)  # None at the calibration step
-        fwd = quantize_args(state.recipe, "input")[1]["fp8_dtype"]
-        bwd = quantize_args(state.recipe, "grad")[1]["fp8_dtype"]
+        spec_x, _, spec_g = recipe_specs(state.recipe)
+        fwd, bwd = spec_x.fp8_dtype, spec_g.fp8_dtype
         y, amax = _DelayedQDQ.apply(
             x, scales, fwd, bwd, meta.grad_amax, self.quantize_forward, self.quantize_backward
         )
@@ -136,21 +107,29 @@ class Quantize(BasicOperation):
             return x, ()
         if state.recipe.delayed():
             return self._delayed(x, state), ()
-        fwd = quantizer_args(state.recipe, "input") if self.quantize_forward else None
-        bwd = quantizer_args(state.recipe, "grad") if self.quantize_backward else None
-        kind, fp8_dtype, rows, power_2 = fwd or ("none", torch.float8_e4m3fn, 1, bwd[3])
-        grad_kind, grad_dtype, grad_rows, _ = bwd or ("none", torch.float8_e5m2, 1, power_2)
-        y = F.fake_quantize(
-            x,
-            kind,
-            fp8_dtype=fp8_dtype,
-            block_rows=rows,
-            power_2_scale=power_2,
-            grad_kind=grad_kind,
-            grad_fp8_dtype=grad_dtype,
-            grad_block_rows=grad_rows,
-        )
-        return y, ()
+        sx, _, sg = recipe_specs(state.recipe)
+        fwd, bwd = self.quantize_forward, self.quantize_backward
+        # NVFP4's options as the GEMMs take them: the Hadamard transform touches only the
+        # columnwise copy (not made here); stochastic rounding, row scaling and 4over6 block
+        # scaling are not done here.
+        for name, on, fix in (
+            (
+                "stochastic_rounding",
+                bwd and sg.stochastic_rounding,
+                "disable_stochastic_rounding=True",
+            ),
+            ("row_scaled", fwd and sx.row_scaled, "row_scaled_activation=False"),
+            ("four_over_six", fwd and sx.four_over_six, "nvfp4_4over6='none' or 'weights'"),
+        ):
+            if on:
+                raise NotImplementedError(
+                    f"Quantize: NVFP4's {name} is applied inside the GEMMs only; use "
+                    f"NVFP4BlockScaling({fix})"
+                )
+        plain = {"rht": False, "emulate": False}
+        spec = replace(sx, **plain).encode() if fwd else ""
+        grad_spec = replace(sg, **plain).encode() if bwd else ""
+        return F.fake_quantize(x, spec, grad_spec=grad_spec), ()
 
     def extra_repr(self) -> str:
         return f"forward={self.quantize_forward}, backward={self.quantize_backward}"

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from te_compile._checks import check_dtype, check_tensor
 from te_compile.functional import quantize as _q
-from te_compile.quantization.gemm import ROLES, quantize_args
+from te_compile.quantization.gemm import ROLES, recipe_specs
 from te_compile.quantization.recipe import Recipe
 
 __all__ = ["ROLES", "dequantize", "quantize"]
@@ -32,7 +32,7 @@ def quantize(
     columnwise: bool = False,
 ) -> _q.Quantized:
     """``tensor`` quantised as ``recipe`` quantises a linear layer's ``role`` operand
-    (``quantization.gemm.quantize_args``). NVFP4: weights in 16x16 tiles unless
+    (``quantization.gemm.recipe_specs``). NVFP4: weights in 16x16 tiles unless
     ``disable_2d_quantization``; the random Hadamard transform (of the columnwise copy),
     stochastic rounding (gradients) and row-scaled activations are applied by the GEMMs only,
     and raise NotImplementedError here where they would change the result."""
@@ -41,14 +41,13 @@ def quantize(
     check_tensor("te.quantize", "tensor", tensor)
     if scale is not None:
         check_tensor("te.quantize", "scale", scale, min_dim=0)
-    kind, kw = quantize_args(recipe, role)
+    if role not in ROLES:
+        raise ValueError(f"te.quantize: role must be one of {ROLES}, got {role!r}")
+    spec = recipe_specs(recipe)[ROLES.index(role)]
     unsupported = {
-        "rht": ("disable_rht=True", kw.pop("rht", False) and columnwise),
-        "stochastic_rounding": (
-            "disable_stochastic_rounding=True",
-            kw.pop("stochastic_rounding", False),
-        ),
-        "row_scaled": ("row_scaled_activation=False", kw.pop("row_scaled", False)),
+        "rht": ("disable_rht=True", spec.rht and columnwise),
+        "stochastic_rounding": ("disable_stochastic_rounding=True", spec.stochastic_rounding),
+        "row_scaled": ("row_scaled_activation=False", spec.row_scaled),
     }
     for name, (fix, on) in unsupported.items():
         if on:
@@ -57,7 +56,9 @@ def quantize(
                 f"not by te.quantize; use NVFP4BlockScaling({fix})"
                 + (" or columnwise=False" if name == "rht" else "")
             )
-    return _q.quantize(tensor, kind, scale=scale, columnwise=columnwise, **kw)
+    return _q.quantize(tensor, spec.kind, fp8_dtype=spec.fp8_dtype, scale=scale,
+                       block_rows=spec.block_rows, power_2_scale=spec.power_2_scale,
+                       columnwise=columnwise, four_over_six=spec.four_over_six)  # fmt: skip
 
 
 def dequantize(

@@ -1,15 +1,17 @@
 """The recipe as data: where a recipe object becomes the GEMM families' arguments.
 
-:func:`gemm_args` is the one place that reads a recipe for a GEMM: from the autocast state, the
-GEMM's input and weights and the FP8 states of its GEMMs it makes a :class:`GemmArgs`, plain
-scalars (the recipe kind, the FP8 formats, block sizes, power-of-two scales, whether the GEMM
-is emulated) and the delayed-scaling state tensors of each GEMM. The module entry points below
-(:func:`linear`, :func:`mlp`, :func:`grouped_linear`) flatten, call the family op of
-``te_compile.functional`` and record the amaxes the op measured; none of them chooses an op per
-recipe: there is one op per GEMM shape (``functional.gemm`` has the tables inside it).
+:func:`recipe_specs` turns a recipe object into the three ``functional.spec.QuantSpec`` of a
+GEMM's input, weight and gradient, and :func:`gemm_args` is the one place that reads a recipe
+for a GEMM: from the autocast state, the GEMM's input and weights and the FP8 states of its
+GEMMs it makes a :class:`GemmArgs`, those specs (native or emulated GEMMs decided here) and the
+delayed-scaling state tensors of each GEMM. The module entry points below (:func:`linear`,
+:func:`mlp`, :func:`grouped_linear`) flatten, call the family function of
+``te_compile.functional`` with :meth:`GemmArgs.spec_kwargs` and record the amaxes the op
+measured; none of them chooses an op per recipe: there is one op per GEMM shape
+(``functional.gemm`` has the tables inside it).
 
-Outside an enabled ``te_compile.autocast`` the arguments are those of high precision
-(``recipe=""``), so a module's forward reads the same with and without FP8.
+Outside an enabled ``te_compile.autocast`` the specs are those of high precision (``""``), so
+a module's forward reads the same with and without FP8.
 
 Calibration (``autocast(enabled=False, calibrating=True)``, ``quantization.state``): the entry
 points run the high-precision GEMMs and, under the per-tensor recipes, keep each GEMM's FP8
@@ -41,6 +43,7 @@ GEMM does not implement it and raises.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 import torch
@@ -48,6 +51,7 @@ from torch import Tensor
 
 from te_compile import functional as F
 from te_compile.functional.gemm import PER_TENSOR, blockwise_supported
+from te_compile.functional.spec import QuantSpec
 from te_compile.quantization.device import is_fp8_block_scaling_available
 from te_compile.quantization.fp8_gemm import FP8GemmState
 from te_compile.quantization.recipe import Recipe
@@ -69,8 +73,8 @@ __all__ = [
     "kept_weights",
     "linear",
     "mlp",
-    "quantize_args",
     "quantized",
+    "recipe_specs",
 ]
 
 # Test and benchmark overrides, not configuration: tests/ and bench/ patch them to compare one
@@ -91,56 +95,30 @@ _GROUPED_FP8_WGRAD = True
 # A norm prologue: (weight, bias, normalization, eps, zero_centered_gamma).
 Norm = tuple[Tensor, Tensor | None, str, float, bool]
 
-_E4M3, _E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+_HIGH = QuantSpec()
 
 
 class GemmArgs(NamedTuple):
-    """A recipe as the GEMM family ops take it. ``recipe``: ``""`` (high precision),
-    ``"current"``, ``"delayed"``, ``"block"``, ``"mxfp8"``, ``"nvfp4"``; ``fwd_dtype`` /
-    ``bwd_dtype``: the FP8 formats of forward operands and of gradients; ``power_2_scale``,
-    ``weight_block_rows`` (1: 1x128 weight blocks, 128: 128x128): Float8BlockScaling's;
-    ``emulate``: dequantise and multiply in fp32 instead of the scaled GEMM; NVFP4:
-    ``weight_block_rows`` 16 for 16x16 weight tiles, ``rht``, ``stochastic_rounding``,
-    ``row_scaled``, ``input_4over6`` and ``weight_4over6`` (the recipe's options,
-    :meth:`nvfp4`; the 4over6 settings ``functional.quantize_mx.FOUR_OVER_SIX``). ``scales`` /
-    ``grad_amaxes``: per GEMM, the delayed scale ``[3]`` (None but under delayed scaling) and
-    the ``[1]`` buffer the backward writes the gradient's amax into (per-tensor recipes)."""
+    """A recipe as the GEMM family ops take it: ``specs``, the quantisation of the input, the
+    weight and the gradient (``functional.spec.QuantSpec``; all ``QuantSpec()`` in high
+    precision); ``scales`` / ``grad_amaxes``: per GEMM, the delayed scale ``[3]`` (None but
+    under delayed scaling) and the ``[1]`` buffer the backward writes the gradient's amax into
+    (per-tensor recipes); ``backward_override``: the recipe's (``""`` for None)."""
 
-    recipe: str = ""
-    fwd_dtype: torch.dtype = _E4M3
-    bwd_dtype: torch.dtype = _E5M2
-    power_2_scale: bool = False
-    weight_block_rows: int = 1
-    emulate: bool = False
+    specs: tuple[QuantSpec, QuantSpec, QuantSpec] = (_HIGH, _HIGH, _HIGH)
     scales: tuple[Tensor | None, ...] = ()
     grad_amaxes: tuple[Tensor | None, ...] = ()
     backward_override: str = ""
-    rht: bool = False
-    stochastic_rounding: bool = False
-    row_scaled: bool = False
-    input_4over6: str = ""
-    weight_4over6: str = ""
 
-    def nvfp4(self) -> dict[str, Any]:
-        """NVFP4's options that are on (the random Hadamard transform of the wgrad GEMM's
-        operands, stochastic rounding of the gradient, row-scaled forward input, 4over6 block
-        scaling of the input and of the weight), by the ops' names; ``{}`` when none is (every
-        recipe but NVFP4)."""
-        on = {"rht": self.rht, "stochastic_rounding": self.stochastic_rounding,
-              "row_scaled": self.row_scaled, "input_4over6": self.input_4over6,
-              "weight_4over6": self.weight_4over6}  # fmt: skip
-        return {name: value for name, value in on.items() if value}
+    @property
+    def recipe(self) -> str:
+        """The recipe kind (``""`` for high precision)."""
+        return self.specs[0].kind
 
-    def scalars(self) -> dict[str, Any]:
-        """The scalar arguments, by the ops' names."""
-        return {
-            "recipe": self.recipe,
-            "fwd_dtype": self.fwd_dtype,
-            "bwd_dtype": self.bwd_dtype,
-            "power_2_scale": self.power_2_scale,
-            "weight_block_rows": self.weight_block_rows,
-            "emulate": self.emulate,
-        }
+    def spec_kwargs(self) -> dict[str, QuantSpec]:
+        """The specs by the family functions' names."""
+        return dict(zip(("input_spec", "weight_spec", "grad_spec"), self.specs, strict=True))
 
 
 ROLES = ("input", "weight", "grad")
@@ -212,71 +190,61 @@ def cached_weight(
     ``index`` of ``args`` (module docstring), or None: the op quantises ``weight``."""
     if cache is None or cache.first is None or not args.recipe:
         return None
-    per_tensor = args.recipe in PER_TENSOR  # current and delayed casts are interchangeable
-    kind = "tensor" if per_tensor else args.recipe
-    key = (kind, args.fwd_dtype, args.power_2_scale, args.weight_block_rows, args.emulate,
-           args.weight_4over6)  # fmt: skip
+    spec = args.specs[1]
+    # Current and delayed casts are interchangeable.
+    key = replace(spec, kind="current") if args.recipe in PER_TENSOR else spec
     kept = cache.store[name]
     if not cache.first and kept.key == key:  # True never reads it (a compiled True step does
         return kept.tensors  # not guard on it)
     scale = args.scales[index] if args.recipe == "delayed" else None
     if grouped:
-        if args.recipe == "nvfp4" and (args.weight_4over6 or args.weight_block_rows != 16):
+        if args.recipe == "nvfp4" and (spec.four_over_six or spec.block_rows != 16):
             raise NotImplementedError(
                 "GroupedLinear: is_first_microbatch under NVFP4BlockScaling keeps the weight "
                 "with its 16x16 tiles and without 4over6 only (the recipe has "
-                f"disable_2d_quantization={args.weight_block_rows != 16}, nvfp4_4over6 scope "
-                f"covering the weight={bool(args.weight_4over6)}); pass is_first_microbatch=None"
+                f"disable_2d_quantization={spec.block_rows != 16}, nvfp4_4over6 scope "
+                f"covering the weight={bool(spec.four_over_six)}); pass is_first_microbatch=None"
             )
-        tensors = F.quantize_grouped_weight(weight.detach(), args.recipe, args.fwd_dtype,
-                                            args.power_2_scale, args.weight_block_rows,
-                                            args.emulate, scale)  # fmt: skip
+        tensors = F.quantize_grouped_weight(weight.detach(), spec, scale)
     else:
-        tensors = F.quantize_weight(weight.detach(), args.recipe, args.fwd_dtype,
-                                    args.power_2_scale, args.weight_block_rows, args.emulate,
-                                    scale, four_over_six=args.weight_4over6)  # fmt: skip
+        tensors = F.quantize_weight(weight.detach(), spec, scale)
     kept.key, kept.tensors = key, tensors
     return tensors
 
 
-def quantize_args(recipe: Recipe, role: str) -> tuple[str, dict[str, Any]]:
-    """How ``recipe`` quantises a linear layer's ``role`` operand (``"input"``, ``"weight"``,
-    ``"grad"``): the recipe kind and the quantiser's settings (``fp8_dtype``: the forward format
-    for inputs and weights, the backward one for gradients; ``block_rows``: 1 for 1x128 or 128
-    for 128x128 blocks; ``power_2_scale``), as ``functional.quantize.quantize`` takes them. The
-    one place a recipe's fields are read: :func:`gemm_args` and ``te_compile.quantize`` build
-    on it."""
-    if role not in ROLES:
-        raise ValueError(f"te.quantize: role must be one of {ROLES}, got {role!r}")
+def recipe_specs(recipe: Recipe) -> tuple[QuantSpec, QuantSpec, QuantSpec]:
+    """How ``recipe`` quantises a GEMM's input, weight and gradient (``ROLES``), as the GEMM
+    families take it (``functional.spec.QuantSpec``): the recipe kind, the FP8 format (the
+    forward one for inputs and weights, the backward one for gradients), block rows (128 for
+    128x128 blocks, 16 for NVFP4's 16x16 tiles), power-of-two scales and NVFP4's options. The
+    one place a recipe's fields are read: :func:`gemm_args`, ``te_compile.quantize``,
+    ``ops.Quantize`` and FP8 primary weights build on it. MXFP8 and NVFP4 GEMMs are emulated
+    (``emulate``; native ones need Blackwell); Float8BlockScaling's are native, and
+    :func:`gemm_args` emulates them where cuBLAS cannot run them."""
     if recipe.nvfp4():
-        q = {"input": recipe.fp4_quant_fwd_inp, "weight": recipe.fp4_quant_fwd_weight,
-             "grad": recipe.fp4_quant_bwd_grad}[role]  # fmt: skip
-        kw = {"block_rows": 16} if q.fp4_2d_quantization else {}
-        if q.random_hadamard_transform:
-            kw["rht"] = True
-        if q.stochastic_rounding:
-            kw["stochastic_rounding"] = True
-        if role == "input" and recipe.row_scaled_activation:
-            kw["row_scaled"] = True
-        four_over_six = _four_over_six(recipe, role)
-        if four_over_six:
-            kw["four_over_six"] = four_over_six
-        return "nvfp4", kw
-    fmt = recipe.fp8_format
-    kw: dict[str, Any] = {"fp8_dtype": fmt.bwd_dtype if role == "grad" else fmt.fwd_dtype}
-    if recipe.mxfp8():
-        return "mxfp8", kw
-    if recipe.delayed():
-        return "delayed", kw
+
+        def nvfp4(q: Any, role: str) -> QuantSpec:
+            return QuantSpec("nvfp4", block_rows=16 if q.fp4_2d_quantization else 1, emulate=True,
+                             rht=q.random_hadamard_transform,
+                             stochastic_rounding=q.stochastic_rounding,
+                             row_scaled=role == "input" and recipe.row_scaled_activation,
+                             four_over_six=_four_over_six(recipe, role))  # fmt: skip
+
+        return (nvfp4(recipe.fp4_quant_fwd_inp, "input"),
+                nvfp4(recipe.fp4_quant_fwd_weight, "weight"),
+                nvfp4(recipe.fp4_quant_bwd_grad, "grad"))  # fmt: skip
+    fwd, bwd = recipe.fp8_format.fwd_dtype, recipe.fp8_format.bwd_dtype
+    if recipe.float8_block_scaling():
+        dims = (recipe.x_block_scaling_dim, recipe.w_block_scaling_dim,
+                recipe.grad_block_scaling_dim)  # fmt: skip
+        p2 = not recipe.use_f32_scales
+        return tuple(QuantSpec("block", dtype, 128 if dim == 2 else 1, p2)
+                     for dim, dtype in zip(dims, (fwd, fwd, bwd), strict=True))  # fmt: skip
+    kw = {"emulate": True} if recipe.mxfp8() else {}
     if recipe.float8_current_scaling():
-        return "current", {**kw, "power_2_scale": recipe.use_power_2_scales}
-    dim = {
-        "input": recipe.x_block_scaling_dim,
-        "weight": recipe.w_block_scaling_dim,
-        "grad": recipe.grad_block_scaling_dim,
-    }[role]
-    return "block", {**kw, "block_rows": 128 if dim == 2 else 1,
-                     "power_2_scale": not recipe.use_f32_scales}  # fmt: skip
+        kw["power_2_scale"] = recipe.use_power_2_scales
+    kind = recipe.kind
+    return QuantSpec(kind, fwd, **kw), QuantSpec(kind, fwd, **kw), QuantSpec(kind, bwd, **kw)
 
 
 # The operands each scope of NVFP4BlockScaling's nvfp4_4over6 / nvfp4_4over6_e4m3_use_256
@@ -312,7 +280,7 @@ def gemm_args(
     computes the scales, ``FP8GemmState.delayed_scale``; at a state's first delayed step, the
     calibration, every GEMM of the call runs current scaling and records its amaxes).
 
-    The formats, block sizes and power-of-two scales are those :func:`quantize_args` gives
+    The formats, block sizes and power-of-two scales are those :func:`recipe_specs` gives
     each operand. Float8BlockScaling runs native blockwise GEMMs on a GPU with blockwise-scaled
     ``_scaled_mm`` (Hopper, CUDA 12.9+) where cuBLAS takes the operands
     (``functional.blockwise_supported``; a grouped GEMM also needs a bf16 input), and is
@@ -320,54 +288,46 @@ def gemm_args(
     if not state.enabled:
         return GemmArgs()
     override = state.recipe.backward_override or ""
-    return _recipe_args(owner, state, inp, weights, metas, grouped)._replace(
-        backward_override=override
-    )
+    args = _recipe_args(owner, state, inp, weights, metas, grouped)
+    return args._replace(backward_override=override)
 
 
 def _recipe_args(owner, state, inp, weights, metas, grouped) -> GemmArgs:
     recipe = state.recipe
-    kind, x = quantize_args(recipe, "input")
-    _, w = quantize_args(recipe, "weight")
-    _, g = quantize_args(recipe, "grad")
-    fwd, bwd = x.get("fp8_dtype", _E4M3), g.get("fp8_dtype", _E4M3)
-    if kind == "nvfp4":
-        if x.get("row_scaled") and recipe.backward_override is None:
+    specs = x, w, g = recipe_specs(recipe)
+    if x.kind == "nvfp4":
+        if x.row_scaled and recipe.backward_override is None:
             raise ValueError(
                 f"{owner}: NVFP4BlockScaling(row_scaled_activation=True) needs backward_override "
                 "'high_precision' or 'dequantized' (a row-scaled NVFP4 input has no columnwise "
                 "copy for the wgrad GEMM, as in Transformer Engine), got None"
             )
-        return GemmArgs(kind, fwd, bwd, weight_block_rows=w.get("block_rows", 1), emulate=True,
-                        rht=x.get("rht", False) or g.get("rht", False),
-                        stochastic_rounding=g.get("stochastic_rounding", False),
-                        row_scaled=x.get("row_scaled", False),
-                        input_4over6=x.get("four_over_six", ""),
-                        weight_4over6=w.get("four_over_six", ""))  # fmt: skip
-    if kind == "mxfp8":
-        return GemmArgs(kind, fwd, bwd, emulate=True)
-    if kind == "block":
-        if x["block_rows"] != 1 or g["block_rows"] != 1:
+        return GemmArgs(specs)
+    if x.kind == "mxfp8":
+        return GemmArgs(specs)
+    if x.kind == "block":
+        if x.block_rows != 1 or g.block_rows != 1:
             raise NotImplementedError(
                 f"{owner}: Float8BlockScaling with 128x128 activation or gradient blocks is not "
                 "implemented (1x128, the default, is)"
             )
-        rows, p2 = w["block_rows"], w["power_2_scale"]
         w2d = [t[0] if grouped else t for t in weights]
         native = (
             inp.device.type == "cuda"
             and _NATIVE_BLOCK
             and is_fp8_block_scaling_available()
             and (not grouped or inp.dtype is torch.bfloat16)
-            and all(blockwise_supported(t, rows, fwd, bwd) for t in w2d)
+            and all(blockwise_supported(t, w.block_rows, x.fp8_dtype, g.fp8_dtype) for t in w2d)
         )
-        return GemmArgs("block", fwd, bwd, p2, rows, emulate=not native)
+        return GemmArgs(tuple(replace(s, emulate=not native) for s in specs))
     scales = tuple(meta.delayed_scale(owner, state) for meta in metas)
     kind = "delayed" if scales and all(s is not None for s in scales) else "current"
     if kind == "current":  # current scaling, or a state's calibration step
         scales = (None,) * len(scales)
     grad_amaxes = tuple(meta.grad_amax for meta in metas)
-    return GemmArgs(kind, fwd, bwd, emulate=_EMULATE, scales=scales, grad_amaxes=grad_amaxes)
+    # The per-tensor quantisers take no power-of-two option (the GEMMs' current scaling).
+    specs = tuple(replace(s, kind=kind, emulate=_EMULATE, power_2_scale=False) for s in specs)
+    return GemmArgs(specs, scales=scales, grad_amaxes=grad_amaxes)
 
 
 def calibrate(
@@ -475,11 +435,10 @@ def linear(
     if args.backward_override:
         kw["backward_override"] = args.backward_override
     if args.recipe not in PER_TENSOR:
-        out = F.linear(inp, weight, bias, main_grad=main_grad, **args.scalars(), **args.nvfp4(),
-                       **kw)  # fmt: skip
+        out = F.linear(inp, weight, bias, main_grad=main_grad, **args.spec_kwargs(), **kw)
     else:
         out, *rest, amax = F.linear(
-            inp, weight, bias, main_grad=main_grad, **args.scalars(), scale=args.scales[0],
+            inp, weight, bias, main_grad=main_grad, **args.spec_kwargs(), scale=args.scales[0],
             grad_amax=args.grad_amaxes[0], return_amax=True, **kw,
         )  # fmt: skip
         meta.record(amax, state)
@@ -562,7 +521,7 @@ def mlp(
                       cache_name="fc2_weight", weight_quantized=q2, defer=defer)  # fmt: skip
     weights = (fc1_weight, fc2_weight)
     args = gemm_args(owner, state, inp, weights, metas)
-    kw = {**_norm_kwargs(norm), **args.scalars(), **act_kw}
+    kw = {**_norm_kwargs(norm), **args.spec_kwargs(), **act_kw}
     kw["fc1_weight_quantized"] = cached_weight(args, fc1_weight, cache, "fc1_weight", 0)
     kw["fc2_weight_quantized"] = cached_weight(args, fc2_weight, cache, "fc2_weight", 1)
     if args.recipe not in PER_TENSOR:
@@ -583,7 +542,8 @@ def _nvfp4_options(state: AutocastState) -> bool:
     tiles it does)."""
     if not (state.enabled and state.recipe.nvfp4()):
         return False
-    return any(set(quantize_args(state.recipe, role)[1]) - {"block_rows"} for role in ROLES)
+    return any(spec.rht or spec.stochastic_rounding or spec.row_scaled or spec.four_over_six
+               for spec in recipe_specs(state.recipe))  # fmt: skip
 
 
 def grouped_linear(
@@ -633,13 +593,13 @@ def grouped_linear(
             f"(got {args.backward_override!r}: the grouped GEMM runs its backward on the "
             "recipe's quantised operands only)"
         )
-    if args.row_scaled:
+    if args.specs[0].row_scaled:
         raise NotImplementedError(
             f"{owner}: the grouped GEMM does not implement NVFP4's row-scaled activations (it "
             "needs a backward_override, which grouped GEMMs do not take); construct "
             "NVFP4BlockScaling(row_scaled_activation=False)"
         )
-    kw = {**args.scalars(), **args.nvfp4()}
+    kw: dict[str, Any] = args.spec_kwargs()
     if save_original_input and state.enabled:
         _refuse_delayed(owner, state)
     if save_original_input and args.recipe not in ("", "current"):

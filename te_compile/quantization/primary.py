@@ -84,8 +84,9 @@ from torch import Tensor, nn
 from te_compile import functional as F
 from te_compile._numerics import reciprocal_rn
 from te_compile.functional.quantize import scale_from_amax
+from te_compile.functional.spec import QuantSpec
 from te_compile.quantization.device import get_default_fp8_recipe
-from te_compile.quantization.gemm import quantize_args
+from te_compile.quantization.gemm import recipe_specs
 from te_compile.quantization.recipe import Recipe
 
 __all__ = [
@@ -153,13 +154,13 @@ def init_state() -> _InitState | None:
 
 
 def _quantize(weight: Tensor, recipe: Recipe, owner: str) -> list[Tensor]:
-    kind, kw = quantize_args(recipe, "weight")
-    if kind not in ("current", "delayed"):
+    spec = recipe_specs(recipe)[1]
+    if spec.kind not in ("current", "delayed"):
         raise NotImplementedError(
             f"{owner}: FP8 primary weights support the per-tensor recipes (Float8CurrentScaling, "
             f"DelayedScaling); got {type(recipe).__name__}"
         )
-    return _cast(weight, kw["fp8_dtype"])
+    return _cast(weight, spec.fp8_dtype)
 
 
 def _cast(weight: Tensor, fp8_dtype: torch.dtype) -> list[Tensor]:
@@ -167,7 +168,7 @@ def _cast(weight: Tensor, fp8_dtype: torch.dtype) -> list[Tensor]:
     of ``functional.quantize_weight``, the codes in ``weight``'s shape (a grouped ``[G, N, K]``
     weight is cast as ``[G * N, K]``: one scale for the whole tensor)."""
     flat = weight.reshape(-1, weight.shape[-1]) if weight.dim() > 2 else weight
-    out = F.quantize_weight(flat, "current", fp8_dtype, False, 1, False, None)
+    out = F.quantize_weight(flat, QuantSpec("current", fp8_dtype))
     out[0] = out[0].view(weight.shape)
     return out
 
@@ -192,7 +193,7 @@ def make_primary(module: nn.Module, names: tuple[str, ...], owner: str) -> None:
     for name in names:
         hp = getattr(module, name)
         data, scale_inv, _, _, amax = _quantize(hp.detach(), state.recipe, owner)
-        fp8_dtype = quantize_args(state.recipe, "weight")[1]["fp8_dtype"]
+        fp8_dtype = recipe_specs(state.recipe)[1].fp8_dtype
         param = nn.Parameter(data.view(fp8_dtype), requires_grad=hp.requires_grad)
         for attr, value in vars(hp).items():  # tensor-parallel attributes and the like
             setattr(param, attr, value)

@@ -21,8 +21,8 @@ from tests.utils import (
 # ``te_compile.functional.grouped_linear`` is the public function; the modules hold the helpers.
 GL = importlib.import_module("te_compile.functional.grouped_linear")
 GG = importlib.import_module("te_compile.functional.grouped_gemm")
-# The backward op's recipe arguments in high precision (recipe "", ..., fp8_wgrad False).
-_HP = ("", torch.float8_e4m3fn, torch.float8_e5m2, False, 1, False, False)
+# The backward op's rng_state and strings in high precision (no stream, "" specs, backward "").
+_HP = (None, "", "", "", "")
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -402,10 +402,11 @@ def test_bad_input_raises_clear_error(case, mode):
         assert info.type is ValueError
 
 
-@pytest.mark.parametrize("switch", ["power_2_scale", "emulate", "fp8_wgrad", "return_amax"])
+@pytest.mark.parametrize("switch", ["fp8_wgrad", "save_original_input", "return_amax"])
 def test_switches_must_be_bools(switch):
     a = _args(w=torch.randn(3, 16, 16), b=torch.randn(3, 16))  # FP8 GEMMs: multiples of 16
-    kw = {"recipe": "current", switch: "yes"}
+    kw = {"input_spec": "current:e4m3", "weight_spec": "current:e4m3",
+          "grad_spec": "current:e5m2", switch: "yes"}  # fmt: skip
     with pytest.raises(ValueError, match=rf"te\.grouped_linear: {switch} must be a bool"):
         tef.grouped_linear(a["x"], a["s"], a["w"], a["b"], **kw)
 

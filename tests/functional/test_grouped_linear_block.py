@@ -11,7 +11,14 @@ import torch
 import te_compile as te
 from te_compile import functional as F
 from te_compile.quantization import gemm
-from tests.utils import DEVICES, assert_bits_equal, assert_close, compile_counted, requires_cuda
+from tests.utils import (
+    DEVICES,
+    assert_bits_equal,
+    assert_close,
+    compile_counted,
+    requires_cuda,
+    with_specs,
+)
 
 E4M3 = torch.float8_e4m3fn
 E4 = {"fwd_dtype": E4M3, "bwd_dtype": E4M3}
@@ -21,7 +28,7 @@ def _block(x, splits, w, b=None, **kw):
     """The grouped family under Float8BlockScaling with native GEMMs (128x128 weight blocks
     unless ``weight_block_rows`` says otherwise)."""
     kw = {"recipe": "block", "weight_block_rows": 128, **E4, **kw}
-    return F.grouped_linear(x, splits, w, b, **kw)
+    return F.grouped_linear(x, splits, w, b, **with_specs(**kw))
 
 
 native_block = pytest.mark.skipif(
@@ -67,7 +74,7 @@ def test_each_expert_is_the_dense_native_op(device, splits, k, n, w_rows, power_
         w_g = w.detach()[g].clone().requires_grad_()
         b_g = b.detach()[g].clone().requires_grad_()
         if m:
-            ref = F.linear(x_g, w_g, b_g, recipe="block", **E4, **kw)
+            ref = F.linear(x_g, w_g, b_g, **with_specs(recipe="block", **E4, **kw))
             assert_bits_equal(out[row : row + m], ref)
             assert_bits_equal(dx[row : row + m], _grads(ref, dy[row : row + m], x_g)[0])
             assert_bits_equal(dw[g], w_g.grad)
@@ -91,7 +98,7 @@ def test_ragged_experts_are_padded_on_their_own(device):
         pad = -m % 16
         x_g = torch.nn.functional.pad(x.detach()[row : row + m], (0, 0, 0, pad)).requires_grad_()
         w_g = w.detach()[g].clone().requires_grad_()
-        ref = F.linear(x_g, w_g, b.detach()[g], recipe="block", weight_block_rows=1, **E4)
+        ref = F.linear(x_g, w_g, b.detach()[g], **with_specs(recipe="block", **E4))
         assert_bits_equal(out[row : row + m], ref[:m])
         ref.backward(torch.nn.functional.pad(dy[row : row + m], (0, 0, 0, pad)))
         assert_bits_equal(dx[row : row + m], x_g.grad[:m])
@@ -126,8 +133,7 @@ def test_main_grad_accumulates(device):
     main_grad = torch.ones(w.shape, device=device)
     w2 = w.detach().requires_grad_()
     for _ in range(2):
-        y = _block(x.detach(), splits, w2, weight_block_rows=1,
-                                   main_grad=main_grad)  # fmt: skip
+        y = _block(x.detach(), splits, w2, weight_block_rows=1, main_grad=main_grad)
         y.backward(torch.ones_like(y))
     assert w2.grad is None
     torch.testing.assert_close(main_grad, 1 + 2 * dw.float(), rtol=0, atol=0)
@@ -137,8 +143,10 @@ def test_main_grad_accumulates(device):
 def test_errors_name_the_argument(device):
     x = torch.randn(32, 64, device=device, dtype=torch.bfloat16)
     w = torch.randn(2, 32, 64, device=device, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"te\.grouped_linear: weight_block_rows must be 1"):
-        _block(x, [16, 16], w, weight_block_rows=64)
+    with pytest.raises(ValueError, match=r"te\.grouped_linear: weight_spec 'block:e4m3:16x16': "
+                       "blocks of 16 rows are not implemented"):  # fmt: skip
+        F.grouped_linear(x, [16, 16], w, input_spec="block:e4m3", weight_spec="block:e4m3:16x16",
+                         grad_spec="block:e4m3")  # fmt: skip
     with pytest.raises(ValueError, match="multiples of 512"):
         _block(x, [16, 16], w)  # 128x128 weight blocks by default
     with pytest.raises(ValueError, match=r"te.grouped_linear: .*multiples of 16"):

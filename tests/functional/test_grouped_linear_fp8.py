@@ -18,6 +18,7 @@ from tests.utils import (
     chain_roundings,
     compile_counted,
     make_reference_and_test_tensors,
+    with_specs,
 )
 
 # The modules, not the function of the same name that te_compile.functional exports.
@@ -27,7 +28,8 @@ GL = importlib.import_module("te_compile.functional.grouped_linear")
 
 def grouped_linear_fp8(x, s, w, b=None, **kw):
     """The family op under current (rowwise) scaling unless ``kw`` names a recipe."""
-    return te_compile.functional.grouped_linear(x, s, w, b, **{"recipe": "current", **kw})
+    return te_compile.functional.grouped_linear(x, s, w, b, **with_specs(**{"recipe": "current",
+                                                                          **kw}))  # fmt: skip
 
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -454,11 +456,12 @@ BAD_INPUTS = [
     ("fp64", lambda: _args(x=torch.randn(10, 16).double(), w=torch.randn(3, 16, 16).double(),
                            b=torch.randn(3, 16).double()),
      "FP8 recipes take float32/bfloat16/float16 inputs"),
-    ("fwd_dtype", lambda: _args(fwd=torch.bfloat16), "FP8 dtypes"),
+    ("bad_spec", lambda: _args(kw={"grad_spec": "current:e5m2:x"}),
+     "grad_spec 'current:e5m2:x': unknown token 'x'"),
     ("splits_sum", lambda: _args(s=torch.tensor([3, 0, 6])), "sum to inp.shape[0] (10)"),
     ("scale_rowwise", lambda: _args(kw={"scale": torch.ones(3)}),
-     'scale is for recipe="delayed" only'),
-    ("delayed_no_scale", lambda: _args(kw={"recipe": "delayed"}), 'recipe="delayed" needs scale'),
+     'scale is for "delayed" specs only'),
+    ("delayed_no_scale", lambda: _args(kw={"recipe": "delayed"}), 'a "delayed" spec needs scale'),
     ("grad_amax_shape", lambda: _args(kw={"grad_amax": torch.zeros(2)}),
      "grad_amax must be a [1] float32 tensor"),
 ]  # fmt: skip

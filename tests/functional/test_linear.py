@@ -21,6 +21,7 @@ from tests.utils import (
     DEVICES,
     assert_close,
     compile_counted,
+    gemm_specs,
     make_reference_and_test_tensors,
     paired_grads,
     requires_cuda,
@@ -142,10 +143,7 @@ def test_outputs_and_saved_tensors_alias_nothing():
     schema = torch.ops.te.linear_bwd.default._schema
     given = {"grad": torch.randn(4, 3), "saved": [], "inp": x.detach(), "weight": w.detach(),
              "need_dbias": True, "need_dgrad": True, "need_wgrad": True}  # fmt: skip
-    hp = {"recipe": "", "fwd_dtype": torch.float8_e4m3fn, "bwd_dtype": torch.float8_e5m2,
-          "weight_block_rows": 1, "normalization": "", "activation": "", "limit": 7.0,
-          "alpha": 1.702, "glu_linear_offset": 1.0, "out_scale": 1.0,
-          "glu_interleave_size": 0}  # fmt: skip
+    hp = {"input_spec": "", "weight_spec": "", "grad_spec": "", "norm": "", "epilogue": ""}
     kwargs = {}
     for arg in schema.arguments:
         if arg.name in given or arg.name in hp:
@@ -226,7 +224,7 @@ def _tensors(device, m=64, k=32, n=48, dtype=torch.bfloat16):
 def test_current_scaling_accuracy_against_high_precision(device):
     x, w = _tensors(device)
     b = torch.randn(48, device=device, dtype=torch.bfloat16, requires_grad=True)
-    y = F.linear(x, w, b, recipe="current")
+    y = F.linear(x, w, b, **gemm_specs("current"))
     dy = torch.randn_like(y)
     y.backward(dy)
     x_ref, w_ref, b_ref = (t.detach().double().requires_grad_() for t in (x, w, b))
@@ -247,15 +245,15 @@ def test_float32_parameters_with_a_bias(device):
     fewer bits than fp32: 2e-3 off at K=32 on an H100, 2026-11-22)."""
     x, w = _tensors(device, dtype=torch.float32)
     b = torch.randn(48, device=device, requires_grad=True)
-    y = F.linear(x, w, b, recipe="current")
+    y = F.linear(x, w, b, **gemm_specs("current"))
     assert y.dtype is torch.float32
-    y_ref = quantized_linear_ref(x.detach().double(), w.detach().double(), "current")
+    y_ref = quantized_linear_ref(x.detach().double(), w.detach().double(), **gemm_specs("current"))
     y_ref = y_ref + b.detach().double()
     if device == "cpu":  # the emulated GEMM accumulates in fp32: fp32 roundings
         assert_close(y, y_ref, torch.float32, roundings=2, reduced=True)
     else:  # tol: Transformer Engine's e4m3 GEMM tolerance (Hopper's FP8 accumulation)
         torch.testing.assert_close(y.double(), y_ref, rtol=0.125, atol=0.0675)
-    without_bias = F.linear(x.detach(), w.detach(), None, recipe="current")
+    without_bias = F.linear(x.detach(), w.detach(), None, **gemm_specs("current"))
     torch.testing.assert_close(y.detach() - without_bias, b.detach().expand_as(y))
     y.sum().backward()
     assert b.grad is not None and torch.equal(b.grad, torch.full_like(b, x.shape[0]))
@@ -265,7 +263,7 @@ def test_float32_parameters_with_a_bias(device):
 def test_amaxes_are_reported_forward_and_backward(device):
     x, w = _tensors(device)
     grad_amax = torch.zeros(1, device=device)
-    y, amax = F.linear(x, w, recipe="current", grad_amax=grad_amax, return_amax=True)
+    y, amax = F.linear(x, w, **gemm_specs("current"), grad_amax=grad_amax, return_amax=True)
     assert amax[0].item() == x.detach().abs().max().float().item()
     assert amax[1].item() == w.detach().abs().max().float().item()
     assert grad_amax.item() == 0.0
@@ -279,13 +277,13 @@ def test_delayed_scaling_uses_the_given_scales_and_saturates(device):
     x, w = _tensors(device)
     amax_x = x.detach().abs().max().float().item()
     fitting = torch.tensor([448.0 / amax_x, 1.0, 1.0], device=device)
-    y_fit = F.linear(x, w, recipe="delayed", scale=fitting)
-    y_cur = F.linear(x, w, recipe="current")
+    y_fit = F.linear(x, w, **gemm_specs("delayed"), scale=fitting)
+    y_cur = F.linear(x, w, **gemm_specs("current"))
     # The weight scale 1 vs current scaling: different rounding, same accuracy class.
     assert not torch.equal(y_fit, y_cur)
     # A scale 100x too large saturates x at +-448/scale instead of producing inf.
     too_large = fitting * torch.tensor([100.0, 1.0, 1.0], device=device)
-    y_sat = F.linear(x, w, recipe="delayed", scale=too_large)
+    y_sat = F.linear(x, w, **gemm_specs("delayed"), scale=too_large)
     assert torch.isfinite(y_sat).all()
     clipped = x.detach().float().clamp(-amax_x / 100, amax_x / 100)
     expected = clipped @ w.detach().float().t()
@@ -296,7 +294,7 @@ def test_delayed_scaling_uses_the_given_scales_and_saturates(device):
 def test_zero_tensors_give_zero_without_nan(device):
     x = torch.zeros(32, 16, device=device, dtype=torch.bfloat16, requires_grad=True)
     w = torch.zeros(16, 16, device=device, dtype=torch.bfloat16, requires_grad=True)
-    y = F.linear(x, w, recipe="current")
+    y = F.linear(x, w, **gemm_specs("current"))
     y.backward(torch.zeros_like(y))
     for t in (y, x.grad, w.grad):
         assert torch.equal(t, torch.zeros_like(t))
@@ -307,14 +305,14 @@ def test_non_finite_input_is_reported_in_the_amax(device):
     x, w = _tensors(device)
     x = x.detach().clone()
     x[3, 5] = math.inf
-    _, amax = F.linear(x, w.detach(), recipe="current", return_amax=True)
+    _, amax = F.linear(x, w.detach(), **gemm_specs("current"), return_amax=True)
     assert math.isinf(amax[0].item())
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_compiled_matches_eager(device):
     x, w = _tensors(device)
-    fn = lambda x, w: F.linear(x, w, recipe="current")  # noqa: E731
+    fn = lambda x, w: F.linear(x, w, **gemm_specs("current"))  # noqa: E731
     compiled, counter = compile_counted(fn)
     assert torch.equal(compiled(x, w), fn(x, w))
     assert counter.frame_count == 1
@@ -323,7 +321,7 @@ def test_compiled_matches_eager(device):
 def test_feature_sizes_fp8_gemms_cannot_take_raise():
     x = torch.randn(32, 24, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="in_features \\(24\\)"):
-        F.linear(x, torch.randn(16, 24, dtype=torch.bfloat16), recipe="current")
+        F.linear(x, torch.randn(16, 24, dtype=torch.bfloat16), **gemm_specs("current"))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -333,7 +331,7 @@ def test_token_counts_are_padded_to_16(device, recipe):
     torch.manual_seed(0)
     x = torch.randn(30, 32, device=device, dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(16, 32, device=device, dtype=torch.bfloat16, requires_grad=True)
-    kw = {"recipe": recipe, "scale": torch.tensor([50.0, 50.0, 1000.0], device=device)}
+    kw = {**gemm_specs(recipe), "scale": torch.tensor([50.0, 50.0, 1000.0], device=device)}
     if recipe == "current":
         kw.pop("scale")
     y = F.linear(x, w, **kw)
@@ -349,12 +347,12 @@ def test_token_counts_are_padded_to_16(device, recipe):
 
 def test_bad_recipe_and_missing_delayed_scale():
     x, w = torch.randn(16, 16), torch.randn(16, 16)
-    with pytest.raises(ValueError, match="recipe must be one of"):
-        F.linear(x, w, recipe="fp8")
+    with pytest.raises(ValueError, match="input_spec 'fp8:e4m3': unknown token 'fp8'"):
+        F.linear(x, w, input_spec="fp8:e4m3")
     with pytest.raises(ValueError, match="mxfp8 GEMMs are emulated here"):
-        F.linear(x, w, recipe="mxfp8")
-    with pytest.raises(ValueError, match='recipe="delayed" needs scale'):
-        F.linear(x, w, recipe="delayed")
+        F.linear(x, w, **gemm_specs("mxfp8"))
+    with pytest.raises(ValueError, match='a "delayed" spec needs scale'):
+        F.linear(x, w, **gemm_specs("delayed"))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -368,7 +366,7 @@ def test_delayed_scaling_state_keeps_fp32_under_autocast(device):
     scale = torch.tensor([64.0, 128.0, 2.0**10], device=device)
     grad_amax = torch.zeros(1, device=device)
     grad = torch.randn(32, 48, device=device)
-    kw = dict(recipe="delayed", scale=scale)
+    kw = dict(**gemm_specs("delayed"), scale=scale)
     with torch.autocast(device, dtype=torch.bfloat16):
         y = F.linear(x, w, grad_amax=grad_amax, **kw)
     assert y.dtype is torch.bfloat16
@@ -391,7 +389,7 @@ def test_emulated_gemms_match_the_scaled_mm_ones(device):
     for emulate in (False, True):
         for t in (x, w, b):
             t.grad = None
-        y = F.linear(x, w, b, recipe="current", emulate=emulate)
+        y = F.linear(x, w, b, **gemm_specs("current", emulate=emulate))
         y.backward(torch.ones_like(y))
         runs.append([t.detach().float() for t in (y, x.grad, w.grad, b.grad)])
     for native, emulated in zip(*runs, strict=True):
@@ -436,7 +434,7 @@ def test_norm_prologue_same_bytes_as_the_norm_then_the_linear(
     beta = t(64, std=0.3) if has_beta and normalization == "LayerNorm" else None
     w, b = t(48, 64, std=0.2), t(48)
     pending = [torch.zeros(1, device=device) for _ in range(2)]
-    kw = {"recipe": recipe}
+    kw = gemm_specs(recipe)
     if recipe == "delayed":
         kw["scale"] = torch.tensor([30.0, 900.0, 2e3], device=device)
     out, amax = F.linear(
@@ -459,7 +457,9 @@ def test_norm_prologue_compiles_and_only_the_needed_gradients(device):
     gamma = torch.ones(32, device=device, dtype=torch.bfloat16, requires_grad=True)
 
     def fn(x, w, b, gamma):
-        return F.linear(x, w, b, recipe="current", normalization="RMSNorm", norm_weight=gamma)
+        return F.linear(
+            x, w, b, **gemm_specs("current"), normalization="RMSNorm", norm_weight=gamma
+        )
 
     compiled, counter = compile_counted(fn, backend="aot_eager")
     out = compiled(x, w, b, gamma)
@@ -495,8 +495,7 @@ def _run(native, x, w, b, power_2_scale, weight_block_rows):
     w = w.detach().clone().requires_grad_()
     b = None if b is None else b.detach().clone().requires_grad_()
     out = F.linear(
-        x, w, b, recipe="block", fwd_dtype=E4M3, bwd_dtype=E4M3, power_2_scale=power_2_scale,
-        weight_block_rows=weight_block_rows, emulate=not native,
+        x, w, b, **gemm_specs("block", E4M3, E4M3, power_2_scale, weight_block_rows, not native),
     )  # fmt: skip
     torch.manual_seed(1)
     out.backward(torch.randn_like(out))
@@ -533,10 +532,10 @@ def test_native_blockwise_needs_e4m3_and_shapes_cublas_takes(device):
     x = torch.randn(32, 64, device=device, dtype=torch.bfloat16)
     w = torch.randn(32, 64, device=device, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="E4M3 operands"):
-        F.linear(x, w, recipe="block", bwd_dtype=E5M2)
+        F.linear(x, w, **gemm_specs("block", bwd_dtype=E5M2))
     # 128x128 weight blocks: the weight's K / 128 scale dims must be multiples of 4.
     with pytest.raises(ValueError, match="multiples of 512"):
-        F.linear(x, w, recipe="block", bwd_dtype=E4M3, weight_block_rows=128)
+        F.linear(x, w, **gemm_specs("block", bwd_dtype=E4M3, weight_block_rows=128))
     assert F.blockwise_supported(w, 1, E4M3, E4M3)
     assert not F.blockwise_supported(w, 128, E4M3, E4M3)
     assert not F.blockwise_supported(w, 1, E4M3, E5M2)
@@ -564,8 +563,8 @@ def test_block_norm_prologue_same_bytes_as_the_norm_then_the_linear(
     x, w, b = t(2, 32, 512, std=2.0, mean=0.5), t(512, 512, std=0.05), t(512)
     gamma, beta = t(512, std=0.2, mean=1.0), t(512, std=0.3)
     beta = beta if normalization == "LayerNorm" else None
-    kw = dict(recipe=kind, emulate=not native, weight_block_rows=128 if kind == "block" else 1,
-              fwd_dtype=E4M3, bwd_dtype=E4M3)  # fmt: skip
+    kw = gemm_specs(kind, E4M3, E4M3, weight_block_rows=128 if kind == "block" else 1,
+                    emulate=not native)  # fmt: skip
     out = F.linear(x, w, b, normalization=normalization, norm_weight=gamma, norm_bias=beta, **kw)
     ln = F.layernorm(x, gamma, beta) if normalization == "LayerNorm" else F.rmsnorm(x, gamma)
     ref = F.linear(ln, w, b, **kw)

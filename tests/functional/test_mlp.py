@@ -13,7 +13,14 @@ import torch
 import te_compile
 from te_compile import functional as F
 from te_compile.quantization import gemm
-from tests.utils import DEVICES, assert_bits_equal, assert_close, compile_counted, paired_grads
+from tests.utils import (
+    DEVICES,
+    assert_bits_equal,
+    assert_close,
+    compile_counted,
+    paired_grads,
+    with_specs,
+)
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -42,12 +49,14 @@ def _assert_grads_match(out, ref, params, b1, device, dtype=torch.bfloat16):
 
 def _unfused(x, w1, b1, w2, b2, act, recipe, s1, s2, ga1, ga2, bwd):
     z, a1 = F.linear(
-        x, w1, None, recipe=recipe, scale=s1, grad_amax=ga1, return_amax=True, bwd_dtype=bwd
-    )
+        x, w1, None, **with_specs(recipe=recipe, bwd_dtype=bwd), scale=s1, grad_amax=ga1,
+        return_amax=True,
+    )  # fmt: skip
     h = F.bias_activation(z, b1, act)
     out, a2 = F.linear(
-        h, w2, b2, recipe=recipe, scale=s2, grad_amax=ga2, return_amax=True, bwd_dtype=bwd
-    )
+        h, w2, b2, **with_specs(recipe=recipe, bwd_dtype=bwd), scale=s2, grad_amax=ga2,
+        return_amax=True,
+    )  # fmt: skip
     return out, torch.cat([a1, a2])
 
 
@@ -75,8 +84,8 @@ def test_same_bytes_as_the_unfused_ops(device, act, recipe, dtype, bias, bwd):
     s2 = torch.tensor([100.0, 2e3, 5e3], device=device) if delayed else None
     pending = [torch.zeros(1, device=device) for _ in range(4)]
     out, amax = F.mlp(
-        x, w1, b1, w2, b2, act, recipe=recipe, bwd_dtype=bwd, scale1=s1, scale2=s2,
-        grad_amax1=pending[0], grad_amax2=pending[1], return_amax=True,
+        x, w1, b1, w2, b2, act, **with_specs(recipe=recipe, bwd_dtype=bwd), scale1=s1,
+        scale2=s2, grad_amax1=pending[0], grad_amax2=pending[1], return_amax=True,
     )  # fmt: skip
     ref, ref_amax = _unfused(x, w1, b1, w2, b2, act, recipe, s1, s2, *pending[2:], bwd)
     assert_bits_equal(out, ref)
@@ -91,8 +100,8 @@ def test_same_bytes_as_the_unfused_ops(device, act, recipe, dtype, bias, bwd):
 def _block_unfused(x, w1, b1, w2, b2, act, pow2):
     kw = dict(recipe="block", fwd_dtype=E4M3, bwd_dtype=E4M3, power_2_scale=pow2,
               weight_block_rows=128)  # fmt: skip
-    h = F.bias_activation(F.linear(x, w1, None, **kw), b1, act)
-    return F.linear(h, w2, b2, **kw)
+    h = F.bias_activation(F.linear(x, w1, None, **with_specs(**kw)), b1, act)
+    return F.linear(h, w2, b2, **with_specs(**kw))
 
 
 @pytest.mark.parametrize("act,pow2", [("gelu", False), ("srelu", True), ("swiglu", False)])
@@ -107,8 +116,8 @@ def test_block_recipe_same_bytes_as_the_unfused_ops(device, act, pow2):
                              gated=gated)  # fmt: skip
     x = torch.randn(3, 16, 512, device=device).to(torch.bfloat16).requires_grad_()
     out = F.mlp(
-        x, w1, b1, w2, b2, act, recipe="block", fwd_dtype=E4M3, bwd_dtype=E4M3,
-        power_2_scale=pow2, weight_block_rows=128,
+        x, w1, b1, w2, b2, act, **with_specs(recipe="block", fwd_dtype=E4M3, bwd_dtype=E4M3,
+                                             power_2_scale=pow2, weight_block_rows=128),
     )  # fmt: skip
     ref = _block_unfused(x, w1, b1, w2, b2, act, pow2)
     assert_bits_equal(out, ref)
@@ -116,8 +125,8 @@ def test_block_recipe_same_bytes_as_the_unfused_ops(device, act, pow2):
     # 40 tokens are padded to 48 inside the op: the same rows as with 8 zero rows appended.
     x40 = x.detach().reshape(-1, 512)[:40]
     x48 = torch.cat([x40.detach(), x40.new_zeros(8, 512)])
-    kw = dict(recipe="block", fwd_dtype=E4M3, bwd_dtype=E4M3, power_2_scale=pow2,
-              weight_block_rows=128)  # fmt: skip
+    kw = with_specs(recipe="block", fwd_dtype=E4M3, bwd_dtype=E4M3, power_2_scale=pow2,
+                    weight_block_rows=128)  # fmt: skip
     out40 = F.mlp(x40, w1, b1, w2, b2, act, **kw)
     assert_bits_equal(out40, F.mlp(x48, w1, b1, w2, b2, act, **kw)[:40])
 
@@ -140,9 +149,9 @@ def test_composed_recipes_same_bytes_as_the_unfused_ops(device, recipe, kw, dtyp
     gated = act in F.GATED_ACTIVATIONS
     w1, b1, w2, b2 = _params(device, dtype, d=64, f=64, n=32, gated=gated)
     x = torch.randn(2, 16, 64, device=device).to(dtype).requires_grad_()
-    out = F.mlp(x, w1, b1, w2, b2, act, recipe=recipe, **kw)
-    h = F.bias_activation(F.linear(x, w1, None, recipe=recipe, **kw), b1, act)
-    ref = F.linear(h, w2, b2, recipe=recipe, **kw)
+    out = F.mlp(x, w1, b1, w2, b2, act, **with_specs(recipe=recipe, **kw))
+    h = F.bias_activation(F.linear(x, w1, None, **with_specs(recipe=recipe, **kw)), b1, act)
+    ref = F.linear(h, w2, b2, **with_specs(recipe=recipe, **kw))
     assert_bits_equal(out, ref)
     for _p, g, r in paired_grads(out, ref, [x, w1, b1, w2, b2]):
         assert_bits_equal(g, r)
@@ -154,12 +163,12 @@ def test_compiles_without_graph_breaks_and_matches_eager(device):
     x = torch.randn(32, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
 
     def step(x, w1, b1, w2, b2):
-        out = F.mlp(x, w1, b1, w2, b2, "gelu", recipe="current")
+        out = F.mlp(x, w1, b1, w2, b2, "gelu", **with_specs(recipe="current"))
         out.float().square().sum().backward()
         return out.detach()
 
     compiled, counter = compile_counted(
-        lambda *a: F.mlp(*a, "gelu", recipe="current"), backend="aot_eager"
+        lambda *a: F.mlp(*a, "gelu", **with_specs(recipe="current")), backend="aot_eager"
     )
     eager_out = step(x, w1, b1, w2, b2)
     eager_grads = [t.grad.clone() for t in (x, w1, b1, w2, b2)]
@@ -175,7 +184,7 @@ def test_compiles_without_graph_breaks_and_matches_eager(device):
 
 def test_errors_name_the_argument():
     x, w1, w2 = torch.randn(16, 32), torch.randn(64, 32), torch.randn(16, 64)
-    cur = {"recipe": "current"}
+    cur = with_specs(recipe="current")
     with pytest.raises(ValueError, match=r"te\.mlp: activation must be one of"):
         F.mlp(x, w1, None, w2, None, "swish")
     with pytest.raises(ValueError, match=r"fc1_weight \[2 \* ffn, hidden\] \(gated activation\)"):
@@ -186,19 +195,27 @@ def test_errors_name_the_argument():
         F.mlp(x, w1, None, torch.randn(16, 48), None, "gelu")
     with pytest.raises(ValueError, match="fc1_bias must be"):
         F.mlp(x, w1, torch.randn(32), w2, None, "gelu")
-    with pytest.raises(ValueError, match=r"recipe=\"delayed\" needs scale1 \[3\]"):
-        F.mlp(x, w1, None, w2, None, "gelu", recipe="delayed")
-    with pytest.raises(ValueError, match="recipe must be one of"):
-        F.mlp(x, w1, None, w2, None, "gelu", recipe="fp8")
+    with pytest.raises(ValueError, match=r"a \"delayed\" spec needs scale1 \[3\]"):
+        F.mlp(x, w1, None, w2, None, "gelu", **with_specs(recipe="delayed"))
+    with pytest.raises(ValueError, match=r"te\.mlp: input_spec 'fp8': unknown token 'fp8'"):
+        F.mlp(x, w1, None, w2, None, "gelu", input_spec="fp8")
+    with pytest.raises(ValueError, match=r"te\.mlp: grad_spec 'current:e4m3:bad': unknown"):
+        F.mlp(x, w1, None, w2, None, "gelu", **{**cur, "grad_spec": "current:e4m3:bad"})
     with pytest.raises(ValueError, match="mxfp8 GEMMs are emulated here"):
-        F.mlp(x, w1, None, w2, None, "gelu", recipe="mxfp8")
-    with pytest.raises(ValueError, match=r"native GEMMs \(emulate=False\).*512"):
-        F.mlp(x, w1, None, w2, None, "gelu", recipe="block", bwd_dtype=E4M3, weight_block_rows=128)
-    with pytest.raises(ValueError, match=r"scale1 is for recipe=\"delayed\" only"):
-        F.mlp(x, w1, None, w2, None, "gelu", recipe="block", bwd_dtype=E4M3, scale1=torch.ones(3))
+        F.mlp(x, w1, None, w2, None, "gelu", **with_specs(recipe="mxfp8"))
+    block = with_specs(recipe="block", bwd_dtype=E4M3)
+    with pytest.raises(
+        ValueError, match=r"native blockwise GEMMs \(specs without 'emulate'\).*512"
+    ):
+        F.mlp(x, w1, None, w2, None, "gelu", **with_specs(recipe="block", bwd_dtype=E4M3,
+                                                          weight_block_rows=128))  # fmt: skip
+    with pytest.raises(ValueError, match=r"scale1 is for \"delayed\" specs only"):
+        F.mlp(x, w1, None, w2, None, "gelu", **block, scale1=torch.ones(3))
     with pytest.raises(ValueError, match="native blockwise GEMMs take E4M3 operands"):
-        F.mlp(x, w1, None, w2, None, "gelu", recipe="block")
-    for switch in ("power_2_scale", "emulate", "zero_centered_gamma", "return_amax"):
+        F.mlp(x, w1, None, w2, None, "gelu", **with_specs(recipe="block"))
+    with pytest.raises(ValueError, match=r"te\.mlp: input_spec 'nvfp4:emulate:rht'.*te::linear"):
+        F.mlp(x, w1, None, w2, None, "gelu", **with_specs(recipe="nvfp4", emulate=True, rht=True))
+    for switch in ("zero_centered_gamma", "return_amax"):
         with pytest.raises(ValueError, match=rf"te\.mlp: {switch} must be a bool .*, got 'yes'"):
             F.mlp(x, w1, None, w2, None, "gelu", **{switch: "yes"})
 
@@ -276,7 +293,7 @@ def test_layernorm_mlp_calls_the_mlp_op_in_every_precision(device, monkeypatch):
     real = gemm.F.mlp
 
     def spy(*args, **kwargs):
-        seen.append((args[5], kwargs["recipe"]))
+        seen.append((args[5], kwargs["input_spec"].kind))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(gemm.F, "mlp", spy)
@@ -318,9 +335,11 @@ def test_norm_prologue_same_bytes_as_the_norm_then_the_mlp(device, normalization
     gamma = (torch.randn(d, device=device) * 0.2 + (0 if zcg else 1)).bfloat16().requires_grad_()
     beta = (torch.randn(d, device=device) * 0.3).bfloat16().requires_grad_()
     beta = beta if normalization == "LayerNorm" else None
-    kw = {"recipe": recipe, "return_amax": True}
+    kw = {"return_amax": True}
     if block:
-        kw.update(fwd_dtype=E4M3, bwd_dtype=E4M3, weight_block_rows=128)
+        kw |= with_specs(recipe=recipe, fwd_dtype=E4M3, bwd_dtype=E4M3, weight_block_rows=128)
+    else:
+        kw |= with_specs(recipe=recipe)
     if recipe == "delayed":
         kw.update(scale1=torch.tensor([30.0, 900.0, 2e3], device=device),
                   scale2=torch.tensor([100.0, 2e3, 5e3], device=device))  # fmt: skip

@@ -11,7 +11,7 @@ import te_compile as te
 from te_compile import functional as F
 from te_compile.functional.gemm import quantized_linear_ref
 from te_compile.functional.quantize_mx import dequantize_nvfp4_ref, nvfp4_qdq, quantize_nvfp4_ref
-from tests.utils import assert_close, compile_counted, to_reference
+from tests.utils import assert_close, compile_counted, to_reference, with_specs
 
 E4M3 = torch.float8_e4m3fn
 NVFP4 = {"recipe": "nvfp4", "emulate": True, "fwd_dtype": E4M3, "bwd_dtype": E4M3}
@@ -120,21 +120,22 @@ def test_scopes_reach_the_right_operands_of_te_linear(fields, input_spec, weight
     dx, dw = torch.autograd.grad(y, (x, m.weight), dy)
     x2 = x.detach().requires_grad_()
     w2 = m.weight.detach().requires_grad_()
-    expected = F.linear(x2, w2, m.bias.detach(), **NVFP4, weight_block_rows=16,
-                        input_4over6=input_spec, weight_4over6=weight_spec)  # fmt: skip
+    expected = F.linear(x2, w2, m.bias.detach(), **with_specs(**NVFP4, weight_block_rows=16,
+                        input_4over6=input_spec, weight_4over6=weight_spec))  # fmt: skip
     e_dx, e_dw = torch.autograd.grad(expected, (x2, w2), dy)
     assert torch.equal(y, expected) and torch.equal(dx, e_dx) and torch.equal(dw, e_dw)
     # ... and the float64 definition, the gradient's quantisation without 4over6.
     x64, w64 = to_reference(x2), to_reference(w2)
-    ref = quantized_linear_ref(x64, w64, "nvfp4", E4M3, E4M3, weight_block_rows=16,
-                               input_4over6=input_spec, weight_4over6=weight_spec)  # fmt: skip
+    spec = with_specs(recipe="nvfp4", weight_block_rows=16, input_4over6=input_spec,
+                      weight_4over6=weight_spec)  # fmt: skip
+    ref = quantized_linear_ref(x64, w64, **spec)
     ref = ref + to_reference(m.bias)
     r_dx, r_dw = torch.autograd.grad(ref, (x64, w64), to_reference(dy))
     assert_close(y, ref, torch.float32)
     assert_close(dx, r_dx, torch.float32)
     assert_close(dw, r_dw, torch.float32, reduced=True)
     if input_spec or weight_spec:  # 4over6 changes the GEMM
-        plain = F.linear(x2, w2, m.bias.detach(), **NVFP4, weight_block_rows=16)
+        plain = F.linear(x2, w2, m.bias.detach(), **with_specs(**NVFP4, weight_block_rows=16))
         assert not torch.equal(plain, expected)
 
 
@@ -157,8 +158,8 @@ def test_4over6_with_the_default_options_and_compiled():
     out = compiled(x)
     assert counter.frame_count == 1
     assert torch.equal(out, eager)
-    expected = F.linear(x, m.weight, m.bias, **NVFP4, weight_block_rows=16,
-                        input_4over6="MSE:256", weight_4over6="MSE:256")  # fmt: skip
+    expected = F.linear(x, m.weight, m.bias, **with_specs(**NVFP4, weight_block_rows=16,
+                        input_4over6="MSE:256", weight_4over6="MSE:256"))  # fmt: skip
     assert torch.equal(eager, expected)
 
 
@@ -180,7 +181,7 @@ def test_te_quantize_and_the_mlp_follow_the_scopes():
         y = mlp(x)
         h = te.LayerNorm(64, params_dtype=torch.float32)
         h.load_state_dict({"weight": mlp.layer_norm_weight, "bias": mlp.layer_norm_bias})
-        spec = {**NVFP4, "weight_block_rows": 16, "weight_4over6": "MAE:256"}
+        spec = with_specs(**NVFP4, weight_block_rows=16, weight_4over6="MAE:256")
     a = F.linear(h(x), mlp.fc1_weight, mlp.fc1_bias, **spec)
     expected = F.linear(torch.nn.functional.gelu(a, approximate="tanh"), mlp.fc2_weight,
                         mlp.fc2_bias, **spec)  # fmt: skip
@@ -190,17 +191,17 @@ def test_te_quantize_and_the_mlp_follow_the_scopes():
 @pytest.mark.parametrize(
     ("kw", "message"),
     [
-        ({"input_4over6": "MAE"}, "input_4over6 must be one of"),
-        ({"weight_4over6": "MSE:300"}, "weight_4over6 must be one of"),
+        ({"input_4over6": "MAE"}, "input_spec 'nvfp4:emulate:4over6=MAE': 4over6 must be one"),
+        ({"weight_4over6": "MSE:300"}, "weight_spec 'nvfp4:emulate:4over6=MSE/300': 4over6"),
     ],
 )
 def test_bad_4over6_arguments_raise(kw, message):
     x, w = torch.randn(32, 64), torch.randn(32, 64)
     with pytest.raises(ValueError, match=message):
-        F.linear(x, w, **NVFP4, **kw)
-    with pytest.raises(ValueError, match="is an NVFP4 option"):
-        F.linear(x, w, recipe="current", input_4over6="MAE:448")
+        F.linear(x, w, **with_specs(**NVFP4, **kw))
+    with pytest.raises(ValueError, match="four_over_six: not an option of input operands"):
+        F.linear(x, w, **with_specs(recipe="current", input_4over6="MAE:448"))
     # Compiled, the op's fake impl raises the same ValueError inside dynamo's wrapper.
     with pytest.raises(Exception, match=message):
-        torch.compile(lambda a, b: F.linear(a, b, **NVFP4, **kw), backend="aot_eager",
+        torch.compile(lambda a, b: F.linear(a, b, **with_specs(**NVFP4, **kw)), backend="aot_eager",
                       fullgraph=True)(x, w)  # fmt: skip

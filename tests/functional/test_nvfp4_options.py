@@ -21,7 +21,7 @@ from te_compile.functional.quantize_mx import (
     quantize_nvfp4_ref,
     random_hadamard_transform,
 )
-from tests.utils import DEVICES, assert_close, compile_counted, to_reference
+from tests.utils import DEVICES, assert_close, compile_counted, to_reference, with_specs
 
 E4M3 = torch.float8_e4m3fn
 NVFP4 = {"recipe": "nvfp4", "emulate": True, "fwd_dtype": E4M3, "bwd_dtype": E4M3}
@@ -131,7 +131,7 @@ def test_row_scaled_gives_every_row_its_own_global_scale():
 
 
 def _linear_and_grads(x, w, dy, **kw):
-    out = F.linear(x, w, **NVFP4, **kw)
+    out = F.linear(x, w, **with_specs(**NVFP4, **kw))
     dx, dw = torch.autograd.grad(out, (x, w), dy)
     return out, dx, dw
 
@@ -146,8 +146,8 @@ def test_linear_options_match_the_float64_reference(device):
     kw = {"weight_block_rows": 16, "rht": True, "stochastic_rounding": True}
     out, dx, dw = _linear_and_grads(x, w, dy, rng_state=state, **kw)
     x64, w64, dy64 = to_reference(x), to_reference(w), to_reference(dy)
-    ref = quantized_linear_ref(x64, w64, "nvfp4", E4M3, E4M3, weight_block_rows=16, rht=True,
-                               rng_state=state.cpu())  # fmt: skip
+    spec = with_specs(recipe="nvfp4", weight_block_rows=16, rht=True, stochastic_rounding=True)
+    ref = quantized_linear_ref(x64, w64, **spec, rng_state=state.cpu())
     ref_dx, ref_dw = torch.autograd.grad(ref, (x64, w64), dy64)
     assert_close(out, ref, torch.bfloat16)
     assert_close(dx, ref_dx, torch.bfloat16)
@@ -202,8 +202,8 @@ def test_options_compile_without_graph_breaks(device):
     state = torch.tensor([1, 2], device=device)
 
     def fn(x, w, state):
-        return F.linear(x, w, **NVFP4, weight_block_rows=16, rht=True, stochastic_rounding=True,
-                        rng_state=state)  # fmt: skip
+        return F.linear(x, w, **with_specs(**NVFP4, weight_block_rows=16, rht=True,
+                                           stochastic_rounding=True, rng_state=state))  # fmt: skip
 
     compiled, counter = compile_counted(fn, backend="aot_eager")
     eager = _linear_and_grads(x, w, dy, weight_block_rows=16, rht=True, stochastic_rounding=True,
@@ -225,14 +225,14 @@ def test_row_scaled_linear_with_dequantized_backward(device):
     kw = {"row_scaled": True, "backward_override": "dequantized"}
     out, dx, dw = _linear_and_grads(x, w, dy, **kw)
     x64, w64 = to_reference(x), to_reference(w)
-    ref = quantized_linear_ref(x64, w64, "nvfp4", E4M3, E4M3, backward_override="dequantized",
-                               row_scaled=True)  # fmt: skip
+    spec = with_specs(recipe="nvfp4", row_scaled=True)
+    ref = quantized_linear_ref(x64, w64, **spec, backward_override="dequantized")
     ref_dx, ref_dw = torch.autograd.grad(ref, (x64, w64), to_reference(dy))
     assert_close(out, ref, torch.float32)
     assert_close(dx, ref_dx, torch.float32)
     assert_close(dw, ref_dw, torch.float32, reduced=True)
     # The small rows keep their precision: a global scale per tensor sends them to zero.
-    plain = F.linear(x, w, **NVFP4, backward_override="dequantized")
+    plain = F.linear(x, w, **with_specs(**NVFP4, backward_override="dequantized"))
     exact = x.detach().double() @ w.detach().double().t()
     assert _sqnr_db(out[:8], exact[:8]) > _sqnr_db(plain[:8], exact[:8]) + 10
 
@@ -241,13 +241,13 @@ def test_row_scaled_linear_with_dequantized_backward(device):
 @pytest.mark.parametrize(
     ("kw", "message"),
     [
-        ({"recipe": "current", "rht": True}, "rht, stochastic_rounding and row_scaled are NVFP4"),
+        ({"recipe": "current", "rht": True}, "rht: not an option of input operands (NVFP4's"),
         ({**NVFP4, "stochastic_rounding": True, "rng_state": torch.tensor([1.0, 2.0])},
-         "stochastic_rounding=True needs rng_state: an int64 tensor [2]"),
-        ({**NVFP4, "rng_state": torch.tensor([1, 2])}, "rng_state is for stochastic_rounding"),
-        ({**NVFP4, "weight_block_rows": 128}, "weight_block_rows must be 1 (1x16 blocks) or 16"),
-        ({"recipe": "block", "weight_block_rows": 16}, "weight_block_rows must be 1 (1x128"),
-        ({**NVFP4, "row_scaled": True}, "row_scaled=True needs backward_override"),
+         "stochastic rounding ('sr') needs rng_state: an int64 tensor [2]"),
+        ({**NVFP4, "rng_state": torch.tensor([1, 2])}, "rng_state is for a grad_spec with 'sr'"),
+        ({**NVFP4, "weight_block_rows": 128}, "blocks of 128 rows are not implemented for weight"),
+        ({"recipe": "block", "weight_block_rows": 16}, "blocks of 16 rows are not implemented"),
+        ({**NVFP4, "row_scaled": True}, "a row_scaled input_spec needs backward"),
     ],
     ids=["rht-not-nvfp4", "rng-dtype", "rng-without-sr", "nvfp4-rows", "block-rows", "row"],
 )  # fmt: skip
@@ -256,7 +256,7 @@ def test_bad_option_arguments_raise(kw, message, compiled):
     fn = torch.compile(F.linear, backend="aot_eager", fullgraph=True) if compiled else F.linear
     # Compiled, the op's fake impl raises the same ValueError inside dynamo's wrapper.
     with pytest.raises(Exception if compiled else ValueError, match=re.escape(message)):
-        fn(x, w, **kw)
+        fn(x, w, **with_specs(**kw))
 
 
 # The recipe ---------------------------------------------------------------------------------------
@@ -320,9 +320,9 @@ def test_row_scaled_recipe_needs_backward_override():
                                          backward_override="dequantized")  # fmt: skip
     with te.autocast(recipe=recipe):
         y = m(x)
-    expected = F.linear(x, m.weight, m.bias, **NVFP4, weight_block_rows=16, row_scaled=True,
-                        rht=True, stochastic_rounding=True, rng_state=torch.tensor([0, 0]),
-                        backward_override="dequantized")  # fmt: skip
+    expected = F.linear(x, m.weight, m.bias, **with_specs(
+        **NVFP4, weight_block_rows=16, row_scaled=True, rht=True, stochastic_rounding=True,
+        rng_state=torch.tensor([0, 0]), backward_override="dequantized"))  # fmt: skip
     assert torch.equal(y, expected)
 
 
@@ -345,7 +345,7 @@ def test_grouped_linear_is_per_expert_dense_under_the_default_recipe():
     for i, s in enumerate(splits):
         w = getattr(m, f"weight{i}")
         x64, w64 = to_reference(x[row : row + s].detach()).requires_grad_(), to_reference(w)
-        ref = quantized_linear_ref(x64, w64, "nvfp4", E4M3, E4M3, **spec)
+        ref = quantized_linear_ref(x64, w64, **with_specs(recipe="nvfp4", **spec))
         ref = ref + to_reference(getattr(m, f"bias{i}"))
         ref_dx, ref_dw = torch.autograd.grad(ref, (x64, w64), to_reference(dy[row : row + s]))
         assert_close(y[row : row + s], ref, torch.float32)
@@ -361,7 +361,7 @@ def test_grouped_linear_is_per_expert_dense_under_the_default_recipe():
     w3 = torch.stack([m.weight0, m.weight1]).detach().requires_grad_()
     state = torch.tensor([5, 9])
     kw = {**NVFP4, **spec, "stochastic_rounding": True, "rng_state": state}
-    out = F.grouped_linear(x.detach(), splits, w3, **kw)
+    out = F.grouped_linear(x.detach(), splits, w3, **with_specs(**kw))
     (da,) = torch.autograd.grad(out, (w3,), dy)
     from te_compile.functional.grouped_gemm import GroupedRecipe
     from te_compile.functional.grouped_linear import _RefNVFP4
@@ -374,7 +374,7 @@ def test_grouped_linear_is_per_expert_dense_under_the_default_recipe():
     assert_close(out, ref, torch.float32)
     assert_close(da, ref_dw, torch.float32, reduced=True)
     with pytest.raises(ValueError, match="multiple of 16"):
-        F.grouped_linear(x.detach(), [40, 8], w3, **NVFP4)
+        F.grouped_linear(x.detach(), [40, 8], w3, **with_specs(**NVFP4))
 
 
 def test_te_quantize_tiles_weights_and_refuses_what_only_gemms_apply():

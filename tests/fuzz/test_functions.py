@@ -32,7 +32,7 @@ from tests.fuzz.common import (
     _rotate,
     _splits,
 )
-from tests.utils import assert_close, capped_dtype, to_reference
+from tests.utils import assert_close, capped_dtype, to_reference, with_specs
 
 
 def _fuzz(ci_examples):
@@ -101,7 +101,7 @@ def test_functional_linear(seed, p, bias):
     """``te.functional.linear`` with the recipe given as data (emulated FP8 on CPU)."""
     torch.manual_seed(seed)
     recipe, dtype, tokens, k, n = p
-    kw = _recipe_kwargs(recipe)
+    kw = with_specs(**_recipe_kwargs(recipe))
     x = torch.randn(tokens, k).to(dtype).requires_grad_()
     w = torch.randn(n, k).to(dtype).requires_grad_()
     b = torch.randn(n).to(dtype).requires_grad_() if bias else None
@@ -351,7 +351,8 @@ def test_functional_mlp(seed, p, activation, normalization, zc, bias, out):
     if normalization:
         shapes |= {"norm_weight": (hidden,)}
         shapes |= {"norm_bias": (hidden,)} if normalization == "LayerNorm" else {}
-    kw = _recipe_kwargs(recipe) | {"normalization": normalization, "zero_centered_gamma": zc}
+    kw = with_specs(**_recipe_kwargs(recipe))
+    kw |= {"normalization": normalization, "zero_centered_gamma": zc}
     m = _Fn(lambda x, **t: te.functional.mlp(x, t["fc1_weight"], t.get("fc1_bias"),
                                              t["fc2_weight"], t.get("fc2_bias"), activation,
                                              **kw, **{k: v for k, v in t.items()
@@ -383,9 +384,8 @@ def test_functional_grouped_linear(seed, p, groups, bias, as_tensor, data):
     recipe, dtype, tokens, k, n = p
     splits = data.draw(_splits(groups, tokens, 16 if recipe == "nvfp4" else 1))
     shapes = {"weight": (groups, n, k)} | ({"bias": (groups, n)} if bias else {})
-    kw = _recipe_kwargs(recipe)
-    if recipe == "nvfp4":  # the grouped GEMM's NVFP4: no Hadamard transform, no SR (data only)
-        kw["recipe"] = "nvfp4"
+    # The grouped GEMM's NVFP4 here: no Hadamard transform, no SR (data only).
+    kw = with_specs(**_recipe_kwargs(recipe))
     m = _Fn(lambda x, s, **t: te.functional.grouped_linear(x, s, t["weight"], t.get("bias"), **kw),
             dtype, **shapes)  # fmt: skip
 

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 import te_compile as te
 from te_compile import recipe as R
+from te_compile.functional.spec import QuantSpec
 from tests.fuzz.common import (
     FUZZ,
     RECIPES,
@@ -95,11 +96,10 @@ def test_quantize_roundtrip(seed, recipe, role, columnwise, rows, cols, dtype, s
         assert y_t.shape == (cols, rows)
         _within(y_t, x64.t(), bound.t())
     if recipe == "current":
-        fake = te.functional.fake_quantize(x, "current", fp8_dtype=q.data.dtype)
+        fake = te.functional.fake_quantize(x, QuantSpec("current", q.data.dtype))
         assert torch.equal(fake, te.dequantize(q, dtype))
     elif recipe == "block":
-        fake = te.functional.fake_quantize(x, "block", block_rows=q.block_rows,
-                                           fp8_dtype=q.data.dtype, power_2_scale=True)  # fmt: skip
+        fake = te.functional.fake_quantize(x, QuantSpec("block", q.data.dtype, q.block_rows, True))
         assert torch.equal(fake, te.dequantize(q, dtype))
     elif recipe == "mxfp8":
         data, s, data_t, s_t = te.functional.quantize_mxfp8(x, q.data.dtype)
@@ -108,7 +108,7 @@ def test_quantize_roundtrip(seed, recipe, role, columnwise, rows, cols, dtype, s
         if columnwise:
             assert torch.equal(y_t, te.dequantize(q, torch.float32, columnwise=True))
         _within(y_t, x64.t(), bound.t())
-        fake = te.functional.fake_quantize(x, "mxfp8", fp8_dtype=q.data.dtype)
+        fake = te.functional.fake_quantize(x, QuantSpec("mxfp8", q.data.dtype))
         assert torch.equal(fake, y.to(dtype))
     elif recipe == "nvfp4":
         data, s, g, data_t, s_t = te.functional.quantize_nvfp4(x)

@@ -306,14 +306,15 @@ def _stash_calls():
     x, w, b = torch.randn(2, 8, 32), torch.randn(16, 32), torch.randn(16)
     for t in (x, w, b):
         t.requires_grad_()
-    args = _Args(x, w, b, None, recipe="current", wgrad_stash=torch.empty(2, 8, 16))
+    specs = {"input_spec": "current:e4m3", "weight_spec": "current:e4m3",
+             "grad_spec": "current:e5m2"}  # fmt: skip
+    args = _Args(x, w, b, None, **specs, wgrad_stash=torch.empty(2, 8, 16))
     yield torch.ops.te.linear_fwd.default, tuple(args)
     gx, gw = torch.randn(40, 32, requires_grad=True), torch.randn(2, 16, 32, requires_grad=True)
     splits = torch.tensor([8, 32])
     yield (
         torch.ops.te.grouped_linear_fwd.default,
-        (gx, splits, gw, None, None, "", torch.float8_e4m3fn, torch.float8_e5m2, False, 1,
-         False, None, None, False, torch.empty(40, 16)),
+        (gx, splits, gw, None, None, "", "", "", None, None, None, "", None, torch.empty(40, 16)),
     )  # fmt: skip
 
 

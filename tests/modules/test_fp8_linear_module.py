@@ -25,7 +25,9 @@ from tests.utils import (
     assert_close,
     assert_matches_eager,
     compile_counted,
+    gemm_specs,
     requires_cuda,
+    with_specs,
 )
 
 
@@ -45,7 +47,7 @@ def test_current_scaling_runs_the_fp8_op(device):
     x = _x(device)
     with autocast(recipe=Float8CurrentScaling()):
         y = m(x)
-    expected = F.linear(x, m.weight, m.bias, recipe="current")
+    expected = F.linear(x, m.weight, m.bias, **gemm_specs("current"))
     assert torch.equal(y, expected)
     assert not torch.equal(y, m(x)), "outside autocast the GEMM is bf16 again"
 
@@ -283,7 +285,8 @@ def test_grouped_linear_fp8_current_scaling(device):
     compiled, counter = compile_counted(m)
     with autocast(recipe=Float8CurrentScaling()):
         y, y_c = m(x, splits), compiled(x, splits)
-    expected = F.grouped_linear(x, splits, m.weight, m.bias, recipe="current", fp8_wgrad=True)
+    expected = F.grouped_linear(x, splits, m.weight, m.bias, **with_specs(recipe="current"),
+                                fp8_wgrad=True)  # fmt: skip
     assert torch.equal(y, expected) and torch.equal(y_c, expected)
     assert _sqnr_db(y, m(x, splits)) > 25.0  # vs the bf16 grouped GEMM
     assert counter.frame_count == 1
@@ -314,8 +317,9 @@ def test_grouped_linear_fp8_wgrad(device):
     for fmt, bwd, fp8_wgrad in cases:
         w = m.weight.detach().requires_grad_()
         F.grouped_linear(
-            x, splits, w, m.bias, recipe="current", bwd_dtype=bwd, fp8_wgrad=fp8_wgrad
-        ).backward(dy)
+            x, splits, w, m.bias, **with_specs(recipe="current", bwd_dtype=bwd),
+            fp8_wgrad=fp8_wgrad,
+        ).backward(dy)  # fmt: skip
         grads.append(w.grad)
         for call in (m, compiled):
             m.zero_grad(set_to_none=True)
@@ -417,7 +421,7 @@ def test_grouped_linear_first_delayed_step_is_calibrated(device):
     with autocast(recipe=DelayedScaling(amax_history_len=4)):
         y = m(x, splits)
     y.backward(dy)
-    y_ref = F.grouped_linear(x, splits, w, m.bias, recipe="current", fp8_wgrad=True)
+    y_ref = F.grouped_linear(x, splits, w, m.bias, **with_specs(recipe="current"), fp8_wgrad=True)
     y_ref.backward(dy)
     assert torch.equal(y, y_ref) and torch.equal(m.weight.grad, w.grad)
     meta = m.fp8_meta

@@ -65,8 +65,7 @@ def test_weights_are_fp8_codes_of_the_initial_values(device, name):
     for n in names:
         w, init = getattr(m, n), getattr(hp, n)
         assert torch.equal(w.get_high_precision_init_val(), init.detach().cpu())
-        codes = te.functional.quantize_weight(init.detach(), "current", E4M3, False, 1, False,
-                                              None)  # fmt: skip
+        codes = te.functional.quantize_weight(init.detach(), "current:e4m3")  # fmt: skip
         assert torch.equal(w.detach().view(torch.uint8), codes[0])
         assert torch.equal(getattr(m, f"{n}_scale_inv"), codes[1])
         w.clear_high_precision_init_val()
@@ -259,7 +258,7 @@ def test_transformer_layer_trains_with_fp8_weights():
     assert all(not torch.equal(a, b) for a, b in zip(before, masters.parameters(), strict=True))
     for module, name, master, _ in masters._entries:  # the codes are the masters' casts
         w = getattr(module, name)
-        codes = te.functional.quantize_weight(master, "current", E4M3, False, 1, False, None)
+        codes = te.functional.quantize_weight(master, "current:e4m3")
         assert torch.equal(w.detach().view(torch.uint8), codes[0])
         assert torch.equal(getattr(module, f"{name}_scale_inv"), codes[1])
         assert not w.main_grad.any()
@@ -305,7 +304,7 @@ def test_grouped_weights_are_fp8_codes_with_a_scale_per_weight(single):
         init = getattr(hp, n).detach()
         assert torch.equal(getattr(m, n).get_high_precision_init_val(), init)
         flat = init.reshape(-1, init.shape[-1])
-        codes = te.functional.quantize_weight(flat, "current", E4M3, False, 1, False, None)
+        codes = te.functional.quantize_weight(flat, "current:e4m3")
         assert torch.equal(getattr(m, n).detach().view(torch.uint8).reshape(flat.shape), codes[0])
         assert torch.equal(getattr(m, f"{n}_scale_inv"), codes[1])
     scales = {getattr(m, f"{n}_scale_inv").item() for n in names}
@@ -355,7 +354,7 @@ def test_grouped_training_tracks_high_precision_weights(recipe):
     assert losses[-1] < losses[0]
     assert_close(losses, ref, torch.bfloat16, roundings=chain_roundings(torch.bfloat16, 4))
     for module, name, master, _ in masters._entries:
-        codes = te.functional.quantize_weight(master, "current", E4M3, False, 1, False, None)
+        codes = te.functional.quantize_weight(master, "current:e4m3")
         assert torch.equal(getattr(module, name).detach().view(torch.uint8), codes[0])
         assert torch.equal(getattr(module, f"{name}_scale_inv"), codes[1])
         assert not getattr(module, name).main_grad.any()
@@ -611,7 +610,7 @@ def test_reset_parameters_reinitialises_and_requantises(name):
         init = w.get_high_precision_init_val()
         assert w.dtype == E4M3 and init.dtype == torch.float32
         flat = init.reshape(-1, init.shape[-1])
-        codes = te.functional.quantize_weight(flat, "current", E4M3, False, 1, False, None)
+        codes = te.functional.quantize_weight(flat, "current:e4m3")
         assert torch.equal(w.detach().view(torch.uint8).reshape(flat.shape), codes[0]), n
         assert torch.equal(m.get_buffer(f"{n}_scale_inv"), codes[1]), n
         assert torch.equal(m.get_buffer(f"{n}_amax"), codes[4]), n

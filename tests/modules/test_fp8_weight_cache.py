@@ -22,7 +22,7 @@ from te_compile.quantization import (
     NVFP4BlockScaling,
     autocast,
 )
-from tests.utils import DEVICES, compile_counted
+from tests.utils import DEVICES, compile_counted, with_specs
 
 RECIPES = {
     "current": Float8CurrentScaling,
@@ -89,9 +89,9 @@ class _Counter:
 
     def __enter__(self):
         def wrap(fn):
-            def counted(x2, *args):
+            def counted(spec, x2, *args):
                 self.calls += tuple(x2.shape) in self.shapes
-                return fn(x2, *args)
+                return fn(spec, x2, *args)
 
             return counted
 
@@ -393,31 +393,31 @@ def test_grouped_weight_fake_matches_every_kind():
     recipe kind (the registry opchecks two)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    e4, scale = torch.float8_e4m3fn, torch.tensor([8.0, 16.0, 1.0])
-    cases = [("current", False, 1, False, None), ("delayed", False, 1, False, scale),
-             ("block", True, 128, False, None), ("block", False, 128, True, None),
-             ("mxfp8", False, 1, True, None), ("nvfp4", False, 16, True, None)]  # fmt: skip
+    scale = torch.tensor([8.0, 16.0, 1.0])
+    cases = [("current:e4m3", None), ("delayed:e4m3", scale), ("block:e4m3:128x128:p2", None),
+             ("block:e4m3:128x128:emulate", None), ("mxfp8:e4m3:emulate", None),
+             ("nvfp4:16x16:emulate", None)]  # fmt: skip
     w = torch.randn(2, 32, 64, dtype=torch.bfloat16)
     op = torch.ops.te.quantize_grouped_weight.default
-    for recipe, p2, rows, emulate, s in cases:
-        real = op(w, recipe, e4, p2, rows, emulate, s)
+    for spec, s in cases:
+        real = op(w, spec, s)
         with FakeTensorMode() as mode:
             fw = mode.from_tensor(w)
             fs = None if s is None else mode.from_tensor(s)
-            fake = op(fw, recipe, e4, p2, rows, emulate, fs)
+            fake = op(fw, spec, fs)
         got = [(tuple(t.shape), t.dtype) for t in fake]
-        assert got == [(tuple(t.shape), t.dtype) for t in real], recipe
+        assert got == [(tuple(t.shape), t.dtype) for t in real], spec
 
 
 def test_grouped_linear_bad_pre_quantised_weight():
     """The functional API: a weight_quantized that is not this weight's cast is refused by
     name (shape and dtype), in eager and under torch.compile."""
     x, w = _gx("cpu").detach(), torch.randn(3, 32, 64, dtype=torch.bfloat16)
-    q = te.functional.quantize_grouped_weight(w[:2], "current", torch.float8_e4m3fn, False, 1,
-                                              False, None)  # fmt: skip
+    q = te.functional.quantize_grouped_weight(w[:2], "current:e4m3")
+    cur = with_specs(recipe="current")
 
     def call(x, w):
-        return te.functional.grouped_linear(x, SPLITS, w, recipe="current", weight_quantized=q)
+        return te.functional.grouped_linear(x, SPLITS, w, **cur, weight_quantized=q)
 
     message = r"weight_data must be torch.uint8 \[3, 32, 64\]"
     with pytest.raises(ValueError, match=message):
@@ -425,8 +425,7 @@ def test_grouped_linear_bad_pre_quantised_weight():
     with pytest.raises(Exception, match=message):  # dynamo wraps the fake's ValueError
         torch.compile(call, backend="aot_eager", fullgraph=True)(x, w)
     with pytest.raises(ValueError, match="weight_quantized must be the 5 tensors"):
-        te.functional.grouped_linear(x, SPLITS, w, recipe="current", weight_quantized=q[:4])
-    full = te.functional.quantize_grouped_weight(w, "current", torch.float8_e4m3fn, False, 1,
-                                                 False, None)  # fmt: skip
+        te.functional.grouped_linear(x, SPLITS, w, **cur, weight_quantized=q[:4])
+    full = te.functional.quantize_grouped_weight(w, "current:e4m3")
     with pytest.raises(ValueError, match="needs a quantised recipe"):
         te.functional.grouped_linear(x, SPLITS, w, weight_quantized=full)

@@ -9,7 +9,7 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 import te_compile as te
-from tests.utils import DEVICES, assert_bits_equal
+from tests.utils import DEVICES, assert_bits_equal, gemm_specs
 
 BF16 = torch.bfloat16
 CURRENT = te.recipe.Float8CurrentScaling()
@@ -91,7 +91,7 @@ def test_delayed_scaling_refused():
 def test_functional_refusals():
     x, w = torch.randn(16, 32), torch.randn(16, 32)
     with pytest.raises(ValueError, match="without a norm prologue"):
-        te.functional.linear(x, w, recipe="current", save_original_input=True,
+        te.functional.linear(x, w, **gemm_specs("current"), save_original_input=True,
                              normalization="RMSNorm", norm_weight=torch.ones(32))  # fmt: skip
 
 

@@ -21,7 +21,14 @@ from te_compile.quantization import (
 )
 from tests.ops.test_fusions import _linear_args as _linear_call_args
 from tests.ops.test_fusions import _TeOps
-from tests.utils import DEVICES, assert_close, chain_roundings, compile_counted, to_reference
+from tests.utils import (
+    DEVICES,
+    assert_close,
+    chain_roundings,
+    compile_counted,
+    gemm_specs,
+    to_reference,
+)
 
 
 def _x(device, rows=32, cols=32, step=0):
@@ -44,7 +51,7 @@ def test_basic_linear_runs_the_fp8_op_inside_autocast(device):
     x = _x(device)
     with autocast(recipe=Float8CurrentScaling()):
         y = seq(x)
-    assert torch.equal(y, te.functional.linear(x, seq[0].weight, None, recipe="current"))
+    assert torch.equal(y, te.functional.linear(x, seq[0].weight, None, **gemm_specs("current")))
     assert not torch.equal(y, seq(x)), "outside autocast the GEMM is bf16 again"
 
 
@@ -87,7 +94,7 @@ def test_basic_linear_delayed_scaling_state_and_compiled_step(device):
         (
             lambda: [ops.Bias(48), ops.AddExtraInput()],
             lambda y, p, r: y + p["1.bias"] + r,
-            {"out_scale": 1.0},
+            {"scale": 1.0},
             True,
         ),
     ],
@@ -106,12 +113,12 @@ def test_linear_fusions_run_fp8_with_their_epilogue_inside_autocast(
         y = seq(x, *extra)
     assert rec.names == ["te.linear_fwd"]  # one op: the GEMM in FP8 and the epilogue
     linear = _linear_args(rec)
-    assert linear["recipe"] == "current"
+    assert linear["input_spec"] == "current:e4m3"
     for name, value in epilogue.items():
-        assert linear[name] == value
+        assert getattr(linear["ep"], name) == value  # the epilogue's spec
     assert (linear["residual"] is not None) == residual
     p64 = {n: to_reference(p) for n, p in seq.named_parameters()}
-    y64 = quantized_linear_ref(to_reference(x), p64["0.weight"], "current")
+    y64 = quantized_linear_ref(to_reference(x), p64["0.weight"], **gemm_specs("current"))
     expected = reference_tail(y64, p64, *(to_reference(e) for e in extra))
     assert_close(
         y, expected, torch.bfloat16, roundings=chain_roundings(torch.bfloat16, 3), reduced=True
@@ -127,11 +134,11 @@ def test_branch_linear_runs_fp8_with_the_branch_inside_autocast(device):
     with _TeOps() as rec, autocast(recipe=Float8CurrentScaling()):
         y, branch = seq(x)
     assert seq.fusions() and rec.names == ["te.linear_fwd"]
-    assert _linear_args(rec)["branch"] is True and torch.equal(branch, x)
+    assert _linear_args(rec)["ep"].branch is True and torch.equal(branch, x)
     (y.float().sum() + 2 * branch.float().sum()).backward()
     x2 = x.detach().clone().requires_grad_()
     with autocast(recipe=Float8CurrentScaling()):
-        y2 = te.functional.linear(x2, seq[1].weight, seq[2].bias, recipe="current")
+        y2 = te.functional.linear(x2, seq[1].weight, seq[2].bias, **gemm_specs("current"))
     (y2.float().sum() + 2 * x2.float().sum()).backward()
     assert torch.equal(y, y2) and torch.equal(x.grad, x2.grad)
 
@@ -241,10 +248,10 @@ def test_quantize_delayed_scaling_uses_the_amax_history(device, compiled):
 
 
 _ROW_SPLITS_ERRORS = [
-    ({"kind": "current"}, "which kind='current' does not have"),
-    ({"kind": "block", "block_rows": 128}, "which kind='block' with block_rows=128 does not"),
-    ({"kind": "none", "grad_kind": "current"}, "which grad_kind='current' does not have"),
-    ({"kind": "nvfp4", "splits": torch.tensor([2.0, 2.0])}, "row_splits must be a 1-D int32"),
+    ({"spec": "current:e4m3"}, "which spec='current:e4m3' does not have"),
+    ({"spec": "block:e4m3:128x128"}, "which spec='block:e4m3:128x128' does not"),
+    ({"spec": "", "grad_spec": "current:e5m2"}, "which grad_spec='current:e5m2' does not have"),
+    ({"spec": "nvfp4", "splits": torch.tensor([2.0, 2.0])}, "row_splits must be a 1-D int32"),
 ]
 
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from te_compile import ops
+from te_compile.functional.spec import EpilogueSpec, parse
 from tests.ops.test_basic_ops import ELEMENTWISE, GATED, _clamped_swiglu, _split
 from tests.utils import (
     DEVICES,
@@ -144,7 +145,8 @@ def _linear_args(result) -> dict:
     call = args[names.index("te.linear_fwd")]
     schema = torch.ops.te.linear_fwd.default._schema
     values = {a.name: a.default_value for a in schema.arguments}  # trailing defaults not passed
-    return values | {a.name: v for a, v in zip(schema.arguments, call, strict=False)}
+    values |= {a.name: v for a, v in zip(schema.arguments, call, strict=False)}
+    return values | {"ep": parse(EpilogueSpec, values["epilogue"])}
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -174,7 +176,7 @@ def test_linear_bias_activation(act, k, bias, dtype, device):
     )
     # One te::linear with the activation (and the bias) in its epilogue.
     assert results["fused"][2] == LINEAR_OPS
-    assert _linear_args(results["fused"])["activation"] == _act_case(act, k)[0].activation
+    assert _linear_args(results["fused"])["ep"].activation == _act_case(act, k)[0].activation
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -235,7 +237,7 @@ def test_linear_add(bias, scale, fused_name, dtype, device):
     assert results["fused"][2] == LINEAR_OPS
     linear = _linear_args(results["fused"])
     assert linear["residual"] is not None
-    assert linear["out_scale"] == (1.0 if scale is None else scale)
+    assert linear["ep"].scale == (1.0 if scale is None else scale)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -257,7 +259,7 @@ def test_branch_linear_adds_the_branch_gradient_in_the_dgrad(bias, dtype, device
         n_out=2,
     )
     assert results["fused"][2] == LINEAR_OPS
-    assert _linear_args(results["fused"])["branch"] is True
+    assert _linear_args(results["fused"])["ep"].branch is True
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -25,6 +25,7 @@ from tests.utils import (
     HAS_CUDA,
     assert_close,
     compile_counted,
+    gemm_specs,
     make_reference_and_test_tensors,
 )
 
@@ -102,7 +103,7 @@ def test_calibrated_scales_serve_the_next_fp8_step():
     scale = torch.cat([448.0 / amax, m.fp8_meta.scale[2:]])
     with autocast(recipe=recipe):
         y = m(x)
-    expected = quantized_linear_ref(x, m.weight, "delayed", scale=scale) + m.bias
+    expected = quantized_linear_ref(x, m.weight, **gemm_specs("delayed"), scale=scale) + m.bias
     torch.testing.assert_close(m.fp8_meta.scale[:2], scale[:2])
     # fp32 roundoff only (the CPU GEMM's summation order varies between machines); a GEMM with
     # other scales would differ by the FP8 quantisation step, orders of magnitude more.
@@ -220,9 +221,8 @@ def test_linear_backward_override(device, cls, kw, override):
     # The reference the op registry checks it against agrees.
     config = _ref_config(recipe)
     x2, w2 = x_ref.detach().requires_grad_(), w_ref.detach().requires_grad_()
-    quantized_linear_ref(x2, w2, KIND[cls], **config, backward_override=override).backward(
-        grad.cpu().double()
-    )
+    specs = gemm_specs(KIND[cls], **config)
+    quantized_linear_ref(x2, w2, **specs, backward_override=override).backward(grad.cpu().double())
     assert_close(x.grad, x2.grad, dtype, roundings=2, reduced=True)
     assert_close(m.weight.grad, w2.grad, dtype, roundings=2, reduced=True)
 
@@ -269,11 +269,11 @@ def test_layernorm_mlp_backward_override(override):
     params = (m.layer_norm_weight, m.layer_norm_bias, m.fc1_weight, m.fc1_bias, m.fc2_weight,
               m.fc2_bias)  # fmt: skip
     ln_w, ln_b, w1, b1, w2, b2 = refs = [p.detach().double().requires_grad_() for p in params]
-    config = {**_ref_config(recipe), "backward_override": override}
+    config = {**gemm_specs("mxfp8", **_ref_config(recipe)), "backward_override": override}
     norm = torch.nn.functional.layer_norm(x_ref, (64,), ln_w, ln_b, m.eps)
-    h = quantized_linear_ref(norm, w1, "mxfp8", **config) + b1
+    h = quantized_linear_ref(norm, w1, **config) + b1
     act = torch.nn.functional.gelu(h, approximate="tanh")
-    ref = quantized_linear_ref(act, w2, "mxfp8", **config) + b2
+    ref = quantized_linear_ref(act, w2, **config) + b2
     ref.backward(grad.double())
     # fp32 op, float64 reference: the activation's MXFP8 codes may land one step apart (as the
     # op registry judges requantising samples).
@@ -313,11 +313,11 @@ def test_grouped_linear_refuses_backward_override():
 def test_op_refuses_bad_backward_override():
     x, w = torch.randn(16, 32), torch.randn(16, 32)
     with pytest.raises(ValueError, match=re.escape("te.linear: backward_override must be one of")):
-        te.functional.linear(x, w, recipe="current", backward_override="fp8")
-    with pytest.raises(ValueError, match="backward_override is for a quantised recipe"):
+        te.functional.linear(x, w, **gemm_specs("current"), backward_override="fp8")
+    with pytest.raises(ValueError, match="backward 'high_precision' / 'dequantized' is for a q"):
         te.functional.linear(x, w, backward_override="dequantized")
     compiled = torch.compile(
-        lambda x, w: te.functional.linear(x, w, recipe="current", backward_override="fp8"),
+        lambda x, w: te.functional.linear(x, w, **gemm_specs("current"), backward_override="fp8"),
         fullgraph=True,
         backend="eager",
     )

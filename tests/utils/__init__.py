@@ -472,3 +472,40 @@ def bad_scalar_arguments(fn: Callable, given: dict[str, Any]) -> list[tuple[str,
         elif isinstance(p.default, float) or p.annotation in (float, "float"):
             cases += [(name, math.nan), (name, math.inf)]
     return cases
+
+
+def gemm_specs(
+    recipe: str,
+    fwd_dtype: torch.dtype = torch.float8_e4m3fn,
+    bwd_dtype: torch.dtype = torch.float8_e5m2,
+    power_2_scale: bool = False,
+    weight_block_rows: int = 1,
+    emulate: bool = False,
+    rht: bool = False,
+    stochastic_rounding: bool = False,
+    row_scaled: bool = False,
+    input_4over6: str = "",
+    weight_4over6: str = "",
+) -> dict[str, Any]:
+    """The GEMM family functions' ``input_spec`` / ``weight_spec`` / ``grad_spec`` of a recipe
+    kind with these settings (``functional.spec.QuantSpec``; ``""``: high precision)."""
+    from te_compile.functional.spec import QuantSpec
+
+    if not recipe:
+        return {"input_spec": "", "weight_spec": "", "grad_spec": ""}
+    x = QuantSpec(recipe, fwd_dtype, 1, power_2_scale, emulate, rht, False, row_scaled,
+                  input_4over6)  # fmt: skip
+    w = QuantSpec(recipe, fwd_dtype, weight_block_rows, power_2_scale, emulate,
+                  four_over_six=weight_4over6)  # fmt: skip
+    g = QuantSpec(recipe, bwd_dtype, 1, power_2_scale, emulate, rht, stochastic_rounding)
+    return {"input_spec": x, "weight_spec": w, "grad_spec": g}
+
+
+_SPEC_ARGS = set(inspect.signature(gemm_specs).parameters)
+
+
+def with_specs(**kw: Any) -> dict[str, Any]:
+    """``kw`` with the recipe arguments of :func:`gemm_specs` (``recipe``, ``fwd_dtype``, ...,
+    ``weight_4over6``) turned into the three specs; the other arguments as they are."""
+    flat = {k: kw.pop(k) for k in list(kw) if k in _SPEC_ARGS}
+    return {**gemm_specs(**flat), **kw} if flat else kw

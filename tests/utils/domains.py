@@ -76,6 +76,11 @@ def CHOICE(*_valid: Any) -> Domain:
     return Domain("one of a fixed set of names", ("not-a-choice", 3))
 
 
+def SPEC() -> Domain:
+    """A ``functional.spec`` string (or its object)."""
+    return Domain("a spec string of te_compile.functional.spec", ("not-a-token", 3))
+
+
 def DTYPE() -> Domain:
     return Domain("floating torch.dtype", ("float32", torch.int32))
 
@@ -280,30 +285,9 @@ _ATTN_FORWARD = {
     "max_seqlen_q": POS_INT(),
     "max_seqlen_kv": POS_INT(),
 }
-_GEMM_RECIPE_ARGS = {
-    "main_grad": TENSOR(LAST),
-    "recipe": CHOICE("", "current", "delayed", "block", "mxfp8", "nvfp4"),
-    "fwd_dtype": CHOICE(torch.float8_e4m3fn, torch.float8_e5m2),
-    "bwd_dtype": CHOICE(torch.float8_e4m3fn, torch.float8_e5m2),
-    "weight_block_rows": CHOICE(1, 128),
-    "emulate": SWITCH(),
-    "return_amax": SWITCH(),
-    "norm_eps": POS_FLOAT(),
-    "normalization": CHOICE("", "LayerNorm", "RMSNorm"),
-    "delay_wgrad": SWITCH(),
-}
 _WEIGHT_QUANTIZED = Domain("the tensors of te.functional.quantize_weight, or None", (3, "w", [1]))
-_FOUR_OVER_SIX = CHOICE("", "MAE:448", "MAE:256", "MSE:448", "MSE:256")  # NVFP4 4over6
 # The weight casts' arguments (te.functional.quantize_weight / quantize_grouped_weight).
-_WEIGHT_CAST = {
-    "weight": TENSOR(EXTRA),
-    "recipe": CHOICE("current", "delayed", "block", "mxfp8", "nvfp4"),
-    "fwd_dtype": CHOICE(torch.float8_e4m3fn, torch.float8_e5m2),
-    "power_2_scale": SWITCH(),
-    "weight_block_rows": CHOICE(1, 128),
-    "emulate": SWITCH(),
-    "scale": TENSOR(),
-}
+_WEIGHT_CAST = {"weight": TENSOR(EXTRA), "spec": SPEC(), "scale": TENSOR()}
 _GLU_FN = {"inp": TENSOR(LAST)}
 _ACT_FN = {"inp": ANY_RANK_TENSOR()}
 
@@ -667,11 +651,8 @@ DOMAINS: dict[str, dict[str, Domain]] = {
     },
     "te.functional.dropout": {"inp": ANY_RANK_TENSOR(), "p": PROB(), "rng_state": INDEX_TENSOR()},
     "te.functional.fake_quantize": {
-        "kind": CHOICE("none", "current", "block", "mxfp8", "nvfp4"),
-        "grad_kind": CHOICE("none", "current", "block", "mxfp8", "nvfp4"),
-        "block_rows": CHOICE(1, 128),
-        "grad_block_rows": CHOICE(1, 128),
-        "grad_fp8_dtype": CHOICE(torch.float8_e4m3fn, torch.float8_e5m2),
+        "spec": SPEC(),
+        "grad_spec": SPEC(),
         "row_splits": INDEX_TENSOR(),
     },
     "te.functional.grouped_linear": {
@@ -679,18 +660,19 @@ DOMAINS: dict[str, dict[str, Domain]] = {
         "m_splits": _SPLITS,
         "weight": TENSOR(LAST, EXTRA, META),
         "bias": TENSOR(LAST, META),
-        **_GEMM_RECIPE_ARGS,
+        "main_grad": TENSOR(LAST),
+        "input_spec": SPEC(),
+        "weight_spec": SPEC(),
+        "grad_spec": SPEC(),
+        "return_amax": SWITCH(),
+        "delay_wgrad": SWITCH(),
         "scale": TENSOR(),
         "grad_amax": TENSOR(),
         "fp8_wgrad": SWITCH(),
         "weight_quantized": Domain(
             "the tensors of te.functional.quantize_grouped_weight, or None", (3, "w", [1])
         ),
-        "rht": SWITCH(),
-        "stochastic_rounding": SWITCH(),
         "rng_state": INDEX_TENSOR(),
-        "input_4over6": _FOUR_OVER_SIX,
-        "weight_4over6": _FOUR_OVER_SIX,
     },
     "te.functional.l2normalization": {"inp": TENSOR()},
     "te.functional.layernorm": {"weight": TENSOR(LAST, META), "bias": TENSOR(LAST, META)},
@@ -699,7 +681,14 @@ DOMAINS: dict[str, dict[str, Domain]] = {
         "inp": TENSOR(LAST),
         "weight": TENSOR(LAST, EXTRA, META),
         "bias": TENSOR(LAST, META),
-        **_GEMM_RECIPE_ARGS,
+        "main_grad": TENSOR(LAST),
+        "input_spec": SPEC(),
+        "weight_spec": SPEC(),
+        "grad_spec": SPEC(),
+        "return_amax": SWITCH(),
+        "norm_eps": POS_FLOAT(),
+        "normalization": CHOICE("", "LayerNorm", "RMSNorm"),
+        "delay_wgrad": SWITCH(),
         "scale": TENSOR(),
         "grad_amax": TENSOR(),
         "norm_weight": TENSOR(LAST),
@@ -708,13 +697,8 @@ DOMAINS: dict[str, dict[str, Domain]] = {
         "residual": TENSOR(LAST),
         "out_scale": FINITE_FLOAT(),
         "return_branch": SWITCH(),
-        "rht": SWITCH(),
-        "stochastic_rounding": SWITCH(),
         "rng_state": INDEX_TENSOR(),
-        "row_scaled": SWITCH(),
         "weight_quantized": _WEIGHT_QUANTIZED,
-        "input_4over6": _FOUR_OVER_SIX,
-        "weight_4over6": _FOUR_OVER_SIX,
     },
     "te.functional.mlp": {
         "inp": TENSOR(LAST),
@@ -723,7 +707,12 @@ DOMAINS: dict[str, dict[str, Domain]] = {
         "fc2_weight": TENSOR(LAST, EXTRA, META),
         "fc2_bias": TENSOR(LAST, META),
         "activation": _ACTIVATION,
-        **_GEMM_RECIPE_ARGS,
+        "input_spec": SPEC(),
+        "weight_spec": SPEC(),
+        "grad_spec": SPEC(),
+        "return_amax": SWITCH(),
+        "norm_eps": POS_FLOAT(),
+        "normalization": CHOICE("", "LayerNorm", "RMSNorm"),
         "scale1": TENSOR(),
         "scale2": TENSOR(),
         "grad_amax1": TENSOR(),
@@ -734,7 +723,7 @@ DOMAINS: dict[str, dict[str, Domain]] = {
         "fc2_weight_quantized": _WEIGHT_QUANTIZED,
     },
     "te.functional.quantize_grouped_weight": _WEIGHT_CAST,
-    "te.functional.quantize_weight": {**_WEIGHT_CAST, "four_over_six": _FOUR_OVER_SIX},
+    "te.functional.quantize_weight": _WEIGHT_CAST,
     "te.functional.rotary_frequencies": {
         "inv_freq": TENSOR(EXTRA),
         "max_seq_len": POS_INT(),
