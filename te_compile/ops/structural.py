@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from torch import Tensor
 
 from te_compile._checks import check_bool, check_finite
@@ -73,12 +74,14 @@ class ConstantScale(BasicOperation):
 class AddExtraInput(BasicOperation):
     """:math:`y = x + r` with :math:`r` the next extra input of the ``Sequential`` (a residual).
 
-    ``in_place=True`` (Transformer Engine's meaning): the sum is written into :math:`r` itself
-    (``r += x``) and :math:`r` is the output: no new buffer; the caller's tensor holds the sum
-    afterwards. Autograd sees the in-place add (the gradient reaches both :math:`x` and the
-    tensor :math:`r` was computed from), and ``torch.compile`` functionalises it. As for any
-    in-place op, :math:`r` must have the output's shape and may not be a leaf that requires
-    grad; ``in_place`` runs the add unfused (it is what the residual-epilogue GEMM replaces).
+    ``in_place=True`` (Transformer Engine's meaning): the sum is written into :math:`r`'s
+    storage (``r += x``) and the output holds it: no new buffer; the caller's tensor holds the
+    sum afterwards. The gradient of the output reaches both :math:`x` and :math:`r`, also when
+    :math:`r` is a leaf that requires grad (TE writes into ``r.detach()``; here an autograd
+    function writes into :math:`r` with autograd off and passes the gradient to both, since
+    autograd refuses an in-place op on such a leaf), and ``torch.compile`` functionalises the
+    write. :math:`r` must have the output's shape; ``in_place`` runs the add unfused (it is what
+    the residual-epilogue GEMM replaces).
     """
 
     num_extra_inputs = 1
@@ -99,20 +102,31 @@ class AddExtraInput(BasicOperation):
                     f"got {tuple(residual.shape)}"
                 )
             return x + residual, ()
-        if residual.is_leaf and residual.requires_grad:
-            raise ValueError(
-                "AddExtraInput(in_place=True): the extra input is a leaf tensor that requires "
-                "grad and cannot be written in place; pass in_place=False"
-            )
         if residual.shape != x.shape:
             raise ValueError(
                 f"AddExtraInput(in_place=True): the extra input's shape "
                 f"({tuple(residual.shape)}) must be the input's ({tuple(x.shape)})"
             )
+        if residual.requires_grad and torch.is_grad_enabled():
+            return _AddInto.apply(x, residual), ()
         return residual.add_(x), ()
 
     def extra_repr(self) -> str:
         return "in_place=True" if self.in_place else ""
+
+
+class _AddInto(torch.autograd.Function):
+    """``r += x`` into the storage of ``r`` (a tensor that requires grad, possibly a leaf), the
+    sum as the output, and the output's gradient to both: TE's in-place ``AddExtraInput``."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, residual: Tensor) -> Tensor:
+        residual.add_(x)  # autograd is off inside forward: a grad-requiring leaf may be written
+        return residual.view_as(residual)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor) -> tuple[Tensor, Tensor]:
+        return dy, dy
 
 
 class MakeExtraOutput(BasicOperation):

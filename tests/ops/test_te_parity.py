@@ -311,29 +311,45 @@ def test_register_fusion_rejects_non_callable():
 # in_place ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("leaf", [False, True])
 @pytest.mark.parametrize("compiled", [False, True])
-def test_add_extra_input_in_place_writes_into_the_extra_input(compiled):
+def test_add_extra_input_in_place_writes_into_the_extra_input(compiled, leaf):
     torch.manual_seed(0)
     seq = ops.Sequential(ops.BasicLinear(8, 8), ops.AddExtraInput(in_place=True))
     assert seq.fusions() == []  # the in-place add runs unfused
     x_ref, x = make_reference_and_test_tensors((3, 8))
     r0_ref, r0 = make_reference_and_test_tensors((3, 8))
-    r = r0 * 1.0  # a non-leaf residual, as in a block
+    # A non-leaf residual, as in a block, or the grad-requiring leaf itself (TE's own test).
+    r = r0 if leaf else r0 * 1.0
     w_ref = to_reference(seq[0].weight)
-    run = torch.compile(seq, backend="aot_eager", fullgraph=True) if compiled else seq
+    run, counter = compile_counted(seq, backend="aot_eager") if compiled else (seq, None)
     y = run(x, r)
+    if compiled:
+        assert counter.frame_count == 1
     y_ref = x_ref @ w_ref.T + r0_ref
     assert_close(y, y_ref, torch.float32)
     assert_close(r, y_ref, torch.float32)  # the caller's tensor holds the sum
     _backward(y, y_ref)
     assert_close(x.grad, x_ref.grad, torch.float32, roundings=2)
     assert_close(r0.grad, r0_ref.grad, torch.float32)
+    assert_close(seq[0].weight.grad, w_ref.grad, torch.float32, roundings=2)
 
 
-def test_add_extra_input_in_place_refuses_leaf_and_shape_mismatch():
+def test_add_extra_input_in_place_leaf_alone():
+    # TE's test_add_extra_input shape: the op on its own, both inputs grad-requiring leaves.
+    x_ref, x = make_reference_and_test_tensors((5, 7))
+    r_ref, r = make_reference_and_test_tensors((5, 7))
+    y = ops.AddExtraInput(in_place=True)(x, r)
+    y_ref = x_ref + r_ref
+    assert_close(y, y_ref, torch.float32)
+    assert_close(r, y_ref, torch.float32)
+    _backward(y, y_ref)
+    assert torch.equal(x.grad, r.grad)  # both are the output's gradient, exactly
+    assert_close(x.grad, x_ref.grad, torch.float32)
+
+
+def test_add_extra_input_in_place_refuses_shape_mismatch():
     op = ops.AddExtraInput(in_place=True)
-    with pytest.raises(ValueError, match="leaf"):
-        op(torch.randn(2, 3), torch.randn(2, 3, requires_grad=True))
     with pytest.raises(ValueError, match="shape"):
         op(torch.randn(2, 3), torch.randn(1, 3))
     with pytest.raises(ValueError, match="in_place"):
