@@ -89,19 +89,21 @@ class BasicOperation(FusibleOperation):
         self._extra_input_channels: list[str | None] = [None] * self.num_extra_inputs
         self._extra_output_channels: list[str | None] = [None] * self.num_extra_outputs
         self._extra_output_to_caller: list[bool] = [True] * self.num_extra_outputs
-        self._channels_locked = False
+        self._extra_tensor_channels_locked = False
 
     def _check_channel_call(self, what: str, index: int, count: int, channel: object) -> None:
         name = f"{type(self).__name__}.set_extra_{what}_channel"
-        if self._channels_locked:
+        # Transformer Engine's exception types and wording (its tests match them).
+        if self._extra_tensor_channels_locked:
             raise RuntimeError(
-                f"{name}: the channels were captured by a Sequential (or a direct call) "
-                "already; construct new operations for a different routing"
+                f"{name}: the op already captured its channel routing (a Sequential, an "
+                "OperationFuser or a direct call holds it); construct new operations for a "
+                "different routing"
             )
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < count:
-            raise ValueError(f"{name}: index must be in [0, {count}), got {index!r}")
+            raise IndexError(f"{name}: index {index!r} out of range [0, {count})")
         if channel is not None and (not isinstance(channel, str) or not channel):
-            raise ValueError(f"{name}: channel must be a non-empty str or None, got {channel!r}")
+            raise ValueError(f"{name}: channel must be a non-empty string or None, got {channel!r}")
 
     def set_extra_input_channel(self, index: int, channel: str | None) -> None:
         """Take extra input ``index`` from the extra output named ``channel`` of an earlier op
@@ -116,7 +118,7 @@ class BasicOperation(FusibleOperation):
         ``output_to_caller=False`` it is not returned by the ``Sequential`` (None: public)."""
         self._check_channel_call("output", index, self.num_extra_outputs, channel)
         if not isinstance(output_to_caller, bool):
-            raise ValueError(
+            raise TypeError(
                 f"{type(self).__name__}.set_extra_output_channel: output_to_caller must be a "
                 f"bool, got {output_to_caller!r}"
             )
@@ -149,7 +151,7 @@ class BasicOperation(FusibleOperation):
         )
 
     def forward(self, input: Tensor, *extra_inputs: Tensor) -> Tensor | tuple[Tensor, ...]:
-        self._channels_locked = True  # as TE's transient fuser captures them
+        self._extra_tensor_channels_locked = True  # as TE's transient fuser captures them
         if len(extra_inputs) != self.num_extra_inputs:
             raise ValueError(
                 f"{type(self).__name__}: expected {self.num_extra_inputs} extra input(s) after "

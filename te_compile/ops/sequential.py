@@ -115,9 +115,10 @@ class Sequential(nn.Sequential):
 
         ops = [op for step in steps for op in ops_of(step)]
         for op in ops:
-            op._channels_locked = True
+            op._extra_tensor_channels_locked = True
         if not any(any(op._extra_input_channels) or any(op._extra_output_channels) for op in ops):
             return None
+        named = {ch for op in ops for ch in op._extra_output_channels if ch is not None}
         producers: dict[str, str] = {}
         routes, n_caller = [], 0
         for step in steps:
@@ -129,9 +130,11 @@ class Sequential(nn.Sequential):
                         inputs.append(("caller", n_caller))
                         n_caller += 1
                     elif ch not in producers:
+                        which = "an earlier" if ch in named else "a"
                         raise ValueError(
-                            f"Sequential: extra input channel {ch!r} of {type(op).__name__} has "
-                            "no earlier producer (set_extra_output_channel on an earlier op)"
+                            f"Sequential: extra tensor channel {ch!r} consumed by "
+                            f"{type(op).__name__} has no {'earlier ' if ch in named else ''}"
+                            f"producer (set_extra_output_channel on {which} op)"
                         )
                     else:
                         inputs.append(("channel", ch))
@@ -141,8 +144,8 @@ class Sequential(nn.Sequential):
                     if ch is not None:
                         if ch in producers:
                             raise ValueError(
-                                f"Sequential: extra output channel {ch!r} has two producers "
-                                f"({producers[ch]} and {type(op).__name__})"
+                                f"Sequential: extra tensor channel {ch!r} has multiple "
+                                f"producers ({producers[ch]} and {type(op).__name__})"
                             )
                         producers[ch] = type(op).__name__
                     outputs.append((ch, public))
