@@ -40,9 +40,11 @@ tensor-parallel GEMM (its input is gathered or its gradient reduced around the G
 
 User fusions, as in Transformer Engine: ``register_forward_backward_fusion(func)``,
 ``register_forward_fusion(func)`` and ``register_backward_fusion(func)`` add ``func(ops, *,
-recipe) -> ops`` (``prepend=True``: first). After the table above, the fuser calls the joint
-ones, then the forward ones, then the backward ones, each on the list the previous left, with the
-recipe of the enclosing autocast (None outside one); a function replaces runs of consecutive
+recipe) -> ops``. In Transformer Engine's order, each on the list the previous left: the joint
+ones, the forward then the backward ones registered with ``prepend=True`` (first registered
+last), the table above (on the basic ops no user fusion took), then the other forward and
+backward ones, with the recipe of the enclosing autocast (None outside one); so a prepended or
+joint fusion of a pattern the table also fuses wins. A function replaces runs of consecutive
 basic ops with fused ops (``FusedOperation(basic_ops)`` subclasses implementing
 ``op_forward(x, extra_inputs)``, or TE's ``fuser_forward`` / ``fuser_backward``: a fused op
 with only ``fuser_forward`` runs its basic ops' ``op_backward`` in the backward, one with only
@@ -236,9 +238,13 @@ FusionFunction = Callable[..., list]
 # The user fusions by pass, in the order they are applied (see the module docstring).
 _USER_FUSIONS: dict[str, list[FusionFunction]] = {
     "forward_backward": [],
+    "forward_prepended": [],
+    "backward_prepended": [],
     "forward": [],
     "backward": [],
 }
+_BEFORE_TABLE = ("forward_backward", "forward_prepended", "backward_prepended")
+_AFTER_TABLE = ("forward", "backward")
 
 
 def _register(kind: str, func: FusionFunction, prepend: bool) -> None:
@@ -246,11 +252,11 @@ def _register(kind: str, func: FusionFunction, prepend: bool) -> None:
         raise TypeError(f"register_{kind}_fusion: op_fusion_func must be callable, got {func!r}")
     if not isinstance(prepend, bool):
         raise TypeError(f"register_{kind}_fusion: prepend must be a bool, got {prepend!r}")
-    funcs = _USER_FUSIONS[kind]
     if prepend:
-        funcs.insert(0, func)
+        key = kind if kind == "forward_backward" else f"{kind}_prepended"
+        _USER_FUSIONS[key].insert(0, func)
     else:
-        funcs.append(func)
+        _USER_FUSIONS[kind].append(func)
 
 
 def register_forward_backward_fusion(op_fusion_func: FusionFunction, prepend: bool = False) -> None:
@@ -275,9 +281,9 @@ def user_fusions_version() -> tuple[int, ...]:
     return tuple(id(f) for kind in _USER_FUSIONS.values() for f in kind)
 
 
-def _user_fuse(steps: list, recipe: Any) -> list:
+def _user_fuse(steps: list, recipe: Any, kinds: Sequence[str]) -> list:
     basic = [op for s in steps for op in (s.basic_ops if isinstance(s, FusedOperation) else (s,))]
-    for kind in ("forward_backward", "forward", "backward"):
+    for kind in kinds:
         for func in _USER_FUSIONS[kind]:
             steps = list(func(list(steps), recipe=recipe))
     flat = [op for s in steps for op in (s.basic_ops if isinstance(s, FusedOperation) else (s,))]
@@ -294,8 +300,12 @@ def fuse(
     ops: Sequence[BasicOperation], recipe: Any = None
 ) -> list[BasicOperation | FusedOperation]:
     """``ops`` with every run that a fusion of :data:`FUSIONS` matches replaced by the fused op,
-    then the registered user fusions applied (with ``recipe``)."""
+    with the registered user fusions applied around the table (with ``recipe``; see the module
+    docstring)."""
     steps: list[BasicOperation | FusedOperation] = list(ops)
+    user = bool(steps) and bool(user_fusions_version())
+    if user:
+        steps = _user_fuse(steps, recipe, _BEFORE_TABLE)
     for fused_cls, pattern in FUSIONS:
         i, out = 0, []
         while i < len(steps):
@@ -307,4 +317,4 @@ def fuse(
                 out.append(steps[i])
                 i += 1
         steps = out
-    return _user_fuse(steps, recipe) if steps and user_fusions_version() else steps
+    return _user_fuse(steps, recipe, _AFTER_TABLE) if user else steps

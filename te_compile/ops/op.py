@@ -23,7 +23,9 @@ not a module: it owns nothing and reads the basic ops' parameters when called, s
 exactly as if nothing had been fused. Under an enabled ``te_compile.autocast`` a fused op
 containing a linear runs the same op with the recipe as data. A user fused op (from
 :func:`te_compile.ops.register_forward_fusion` and friends) implements either ``op_forward(x,
-extra_inputs)`` or TE's ``fuser_forward`` / ``fuser_backward``.
+extra_inputs)`` or TE's ``fuser_forward`` / ``fuser_backward``; the latter may contain our
+built-in basic ops, which then run in TE's protocol for the half it leaves to them (see
+``_ours_te_forward``).
 
 A **container** (:class:`FusibleOperation` with ``is_fused_op`` True, e.g. ``ops.Linear``) is a
 module holding basic ops in ``basic_ops``; inside a ``Sequential`` its basic ops join the run
@@ -282,13 +284,6 @@ def step_forward(step: Any, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOu
     if not _te_step(step):
         return step.op_forward(x, extra_inputs)
     ops = step.basic_ops if isinstance(step, FusedOperation) else (step,)
-    for op in ops:
-        if not type(op).te_protocol():
-            raise TypeError(
-                f"{type(step).__name__}: a fused op in Transformer Engine's protocol "
-                f"(fuser_forward/fuser_backward) may only contain basic ops in that protocol; "
-                f"{type(op).__name__} implements op_forward(x, extra_inputs)"
-            )
     params = [p for op in ops for p in op.parameters()]
     requires_grad = torch.is_grad_enabled() and any(
         t.requires_grad for t in (x, *extra_inputs, *params)
@@ -318,7 +313,9 @@ def _te_forward(step, ctxs, x, extra_inputs):
     ops = step.basic_ops if isinstance(step, FusedOperation) else (step,)
     extra_outputs = []
     for op, ctx, xs in zip(ops, ctxs, extra_inputs, strict=True):
-        if type(op).fuser_forward is not BasicOperation.fuser_forward:
+        if not type(op).te_protocol():
+            x, extra = _ours_te_forward(op, ctx, x, xs)
+        elif type(op).fuser_forward is not BasicOperation.fuser_forward:
             x, (extra,) = op.fuser_forward(
                 [ctx], x, basic_op_extra_inputs=[xs], basic_op_kwargs=[{}], **none
             )
@@ -326,6 +323,53 @@ def _te_forward(step, ctxs, x, extra_inputs):
             x, extra = op.op_forward(ctx, x, **none), ()
         extra_outputs.append(tuple(extra))
     return x, extra_outputs
+
+
+# One of our basic ops inside a user fused op in TE's protocol: the half of the step the user
+# did not fuse runs the op in TE's protocol. The forward saves what TE's basic op saves where the
+# layouts agree (``(input, *parameters, *extra_inputs)``: BasicLinear's ``(input, weight)``, an
+# activation's ``(input,)``) and sets ``ctx.dtype``; the backward differentiates the op's own
+# ``op_forward`` at the saved input (the first saved tensor, as a user's fused forward that
+# fills the context TE's way leaves it), or, for the structural ops, which save nothing, applies
+# their linear backward (``te_vjp``).
+
+
+def _ours_te_forward(op, ctx, x, extra_inputs):
+    y, extra = op.op_forward(x, extra_inputs)
+    ctx.save_for_backward(x, *op.parameters(), *extra_inputs)
+    ctx.dtype = y.dtype
+    return y, extra
+
+
+def _ours_te_backward(op, ctx, dy, grad_extra_outputs):
+    vjp = getattr(op, "te_vjp", None)
+    if vjp is not None:
+        dx, dextra = vjp(dy, grad_extra_outputs)
+        return dx, (), dextra
+    saved = ctx.saved_tensors or ()
+    params = list(op.parameters())
+    if not saved or saved[0] is None:
+        raise RuntimeError(
+            f"{type(op).__name__} (inside a fused op in Transformer Engine's protocol): its "
+            "context has no saved input; the fused op's fuser_forward must "
+            "ctx.save_for_backward(input_, ...) for it, as for Transformer Engine's op"
+        )
+    n_extra = op.num_extra_inputs
+    extra = tuple(saved[len(saved) - n_extra :]) if n_extra else ()
+    with torch.enable_grad():
+        x = saved[0].detach().requires_grad_(dy is not None)
+        extra = tuple(e.detach().requires_grad_(e.is_floating_point()) for e in extra)
+        y, outs = op.op_forward(x, extra)
+        wrt = [x, *params, *(e for e in extra if e.requires_grad)]
+        pairs = [(y, dy)] + [(o, g) for o, g in zip(outs, grad_extra_outputs, strict=True)
+                             if g is not None]  # fmt: skip
+        # Not traceable by dynamo (torch.func.vjp is, but not over our ops' eager autograd
+        # functions): torch.compile breaks the graph at such a fused op.
+        grads = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs],
+                                    allow_unused=True)  # fmt: skip
+    grads_extra = iter(grads[1 + len(params) :])
+    dextra = tuple(next(grads_extra) if e.requires_grad else None for e in extra)
+    return grads[0], tuple(grads[1 : 1 + len(params)]), dextra
 
 
 def _te_backward(step, ctxs, dy, grad_extra_outputs):
@@ -339,7 +383,9 @@ def _te_backward(step, ctxs, dy, grad_extra_outputs):
     dparams, dextra = [None] * len(ops), [None] * len(ops)
     for i in reversed(range(len(ops))):
         op = ops[i]
-        if type(op).fuser_backward is not BasicOperation.fuser_backward:
+        if not type(op).te_protocol():
+            dy, dp, de = _ours_te_backward(op, ctxs[i], dy, grad_extra_outputs[i])
+        elif type(op).fuser_backward is not BasicOperation.fuser_backward:
             dy, (dp,), (de,) = op.fuser_backward(
                 [ctxs[i]], dy, basic_op_grad_extra_outputs=[grad_extra_outputs[i]]
             )

@@ -32,6 +32,10 @@ class Identity(BasicOperation):
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
         return x, ()
 
+    def te_vjp(self, dy: Tensor, grad_extra_outputs: tuple) -> tuple[Tensor, tuple]:
+        """The backward inside a user fused op in TE's protocol (``ops.op``)."""
+        return dy, ()
+
 
 class Reshape(BasicOperation):
     """``x.reshape(shape)`` (a view when the layout allows); one dim may be -1."""
@@ -66,6 +70,10 @@ class ConstantScale(BasicOperation):
 
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
         return x * self.scale, ()
+
+    def te_vjp(self, dy: Tensor, grad_extra_outputs: tuple) -> tuple[Tensor, tuple]:
+        """The backward inside a user fused op in TE's protocol (``ops.op``)."""
+        return dy * self.scale, ()
 
     def extra_repr(self) -> str:
         return f"scale={self.scale}"
@@ -111,6 +119,11 @@ class AddExtraInput(BasicOperation):
             return _AddInto.apply(x, residual), ()
         return residual.add_(x), ()
 
+    def te_vjp(self, dy: Tensor, grad_extra_outputs: tuple) -> tuple[Tensor, tuple]:
+        """The backward inside a user fused op in TE's protocol (``ops.op``); autograd sums a
+        broadcast residual's gradient to its shape."""
+        return dy, (dy,)
+
     def extra_repr(self) -> str:
         return "in_place=True" if self.in_place else ""
 
@@ -149,6 +162,11 @@ class MakeExtraOutput(BasicOperation):
 
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
         return x, (x,)
+
+    def te_vjp(self, dy: Tensor, grad_extra_outputs: tuple) -> tuple[Tensor, tuple]:
+        """The backward inside a user fused op in TE's protocol (``ops.op``)."""
+        (d_branch,) = grad_extra_outputs
+        return (dy if d_branch is None else dy + d_branch), ()
 
     def extra_repr(self) -> str:
         return "in_place=True" if self.in_place else ""
