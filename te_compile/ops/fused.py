@@ -40,11 +40,11 @@ tensor-parallel GEMM (its input is gathered or its gradient reduced around the G
 
 User fusions, as in Transformer Engine: ``register_forward_backward_fusion(func)``,
 ``register_forward_fusion(func)`` and ``register_backward_fusion(func)`` add ``func(ops, *,
-recipe) -> ops``. In Transformer Engine's order, each on the list the previous left: the joint
-ones, the forward then the backward ones registered with ``prepend=True`` (first registered
-last), the table above (on the basic ops no user fusion took), then the other forward and
-backward ones, with the recipe of the enclosing autocast (None outside one); so a prepended or
-joint fusion of a pattern the table also fuses wins. A function replaces runs of consecutive
+recipe) -> ops`` (``prepend=True``: first of its kind). The fuser calls the joint ones, then the
+forward ones, then the backward ones, each on the list the previous left, with the recipe of the
+enclosing autocast (None outside one), and only then the table above on the basic ops they left:
+the table fuses patterns Transformer Engine's built-in fusions do not (linear + activation), so a
+user function sees the basic ops wherever TE's would. A function replaces runs of consecutive
 basic ops with fused ops (``FusedOperation(basic_ops)`` subclasses implementing
 ``op_forward(x, extra_inputs)``, or TE's ``fuser_forward`` / ``fuser_backward``: a fused op
 with only ``fuser_forward`` runs its basic ops' ``op_backward`` in the backward, one with only
@@ -238,13 +238,9 @@ FusionFunction = Callable[..., list]
 # The user fusions by pass, in the order they are applied (see the module docstring).
 _USER_FUSIONS: dict[str, list[FusionFunction]] = {
     "forward_backward": [],
-    "forward_prepended": [],
-    "backward_prepended": [],
     "forward": [],
     "backward": [],
 }
-_BEFORE_TABLE = ("forward_backward", "forward_prepended", "backward_prepended")
-_AFTER_TABLE = ("forward", "backward")
 
 
 def _register(kind: str, func: FusionFunction, prepend: bool) -> None:
@@ -252,11 +248,11 @@ def _register(kind: str, func: FusionFunction, prepend: bool) -> None:
         raise TypeError(f"register_{kind}_fusion: op_fusion_func must be callable, got {func!r}")
     if not isinstance(prepend, bool):
         raise TypeError(f"register_{kind}_fusion: prepend must be a bool, got {prepend!r}")
+    funcs = _USER_FUSIONS[kind]
     if prepend:
-        key = kind if kind == "forward_backward" else f"{kind}_prepended"
-        _USER_FUSIONS[key].insert(0, func)
+        funcs.insert(0, func)
     else:
-        _USER_FUSIONS[kind].append(func)
+        funcs.append(func)
 
 
 def register_forward_backward_fusion(op_fusion_func: FusionFunction, prepend: bool = False) -> None:
@@ -281,9 +277,9 @@ def user_fusions_version() -> tuple[int, ...]:
     return tuple(id(f) for kind in _USER_FUSIONS.values() for f in kind)
 
 
-def _user_fuse(steps: list, recipe: Any, kinds: Sequence[str]) -> list:
+def _user_fuse(steps: list, recipe: Any) -> list:
     basic = [op for s in steps for op in (s.basic_ops if isinstance(s, FusedOperation) else (s,))]
-    for kind in kinds:
+    for kind in ("forward_backward", "forward", "backward"):
         for func in _USER_FUSIONS[kind]:
             steps = list(func(list(steps), recipe=recipe))
     flat = [op for s in steps for op in (s.basic_ops if isinstance(s, FusedOperation) else (s,))]
@@ -300,12 +296,10 @@ def fuse(
     ops: Sequence[BasicOperation], recipe: Any = None
 ) -> list[BasicOperation | FusedOperation]:
     """``ops`` with every run that a fusion of :data:`FUSIONS` matches replaced by the fused op,
-    with the registered user fusions applied around the table (with ``recipe``; see the module
-    docstring)."""
+    after the registered user fusions (with ``recipe``) took theirs."""
     steps: list[BasicOperation | FusedOperation] = list(ops)
-    user = bool(steps) and bool(user_fusions_version())
-    if user:
-        steps = _user_fuse(steps, recipe, _BEFORE_TABLE)
+    if steps and user_fusions_version():
+        steps = _user_fuse(steps, recipe)
     for fused_cls, pattern in FUSIONS:
         i, out = 0, []
         while i < len(steps):
@@ -317,4 +311,4 @@ def fuse(
                 out.append(steps[i])
                 i += 1
         steps = out
-    return _user_fuse(steps, recipe, _AFTER_TABLE) if user else steps
+    return steps

@@ -133,9 +133,8 @@ def test_forward_fusion_of_constant_scale_and_add_extra_input(compiled):
 )
 def test_linear_silu_fusion_in_te_protocol(kind, fused_op, compiled):
     torch.manual_seed(0)
-    # Prepended (a joint fusion always is): before the table, which fuses linear + SiLU too.
-    register = getattr(ops, f"register_{kind}_fusion")
-    register(_first(fused_op, ops.BasicLinear, ops.SiLU), prepend=kind == "forward")
+    # User fusions run before the table, which fuses linear + SiLU too (TE's built-ins do not).
+    getattr(ops, f"register_{kind}_fusion")(_first(fused_op, ops.BasicLinear, ops.SiLU))
     model = ops.Sequential(ops.Linear(11, 9, bias=False), ops.SiLU())
     assert model.fusions() == [(fused_op.__name__, ("0.basic_ops.0", "1"))]
     x_ref, x = make_reference_and_test_tensors((7, 11))
@@ -185,7 +184,7 @@ def test_our_op_without_a_saved_input_is_named():
         def fuser_forward(self, basic_op_ctxs, input_, **unused):
             return torch.nn.functional.silu(input_ @ self.basic_ops[0].weight.T), [(), ()]
 
-    ops.register_forward_fusion(_first(Forgetful, ops.BasicLinear, ops.SiLU), prepend=True)
+    ops.register_forward_fusion(_first(Forgetful, ops.BasicLinear, ops.SiLU))
     model = ops.Sequential(ops.BasicLinear(4, 4), ops.SiLU())
     y = model(torch.randn(2, 4, requires_grad=True))
     with pytest.raises(RuntimeError, match=r"SiLU.*no saved input.*save_for_backward"):
