@@ -286,7 +286,7 @@ def step_forward(step: Any, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOu
     ops = step.basic_ops if isinstance(step, FusedOperation) else (step,)
     params = [p for op in ops for p in op.parameters()]
     requires_grad = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (x, *extra_inputs, *params)
+        t is not None and t.requires_grad for t in (x, *extra_inputs, *params)
     )
     outs = _TEProtocol.apply(x, step, requires_grad, len(extra_inputs), *extra_inputs, *params)
     return outs[0], tuple(outs[1:])
@@ -429,6 +429,8 @@ class _TEProtocol(torch.autograd.Function):
             ranges.append((start, len(to_save)))
         ctx.save_for_backward(*to_save)
         ctx.step, ctx.op_ctxs, ctx.ranges, ctx.n_extra = step, op_ctxs, ranges, n_extra
+        # None: an extra input routed inside this (fused) step; it takes no gradient.
+        ctx.extra_given = [t is not None for t in tensors[:n_extra]]
         ctx.param_counts = [len(list(op.parameters())) for op in ops]
         ctx.extra_output_counts = [op.num_extra_outputs for op in ops]
         flat = [t for ts in extra_outputs for t in ts]
@@ -457,4 +459,6 @@ class _TEProtocol(torch.autograd.Function):
             grads_params.extend(dp)
         grads_extra = [g for de in dextra for g in (de or ())]
         grads_extra += [None] * (ctx.n_extra - len(grads_extra))
+        grads_extra = [g if given else None for g, given in zip(grads_extra, ctx.extra_given,
+                                                                strict=True)]  # fmt: skip
         return (dx, None, None, None, *grads_extra, *grads_params)

@@ -189,3 +189,81 @@ def test_our_op_without_a_saved_input_is_named():
     y = model(torch.randn(2, 4, requires_grad=True))
     with pytest.raises(RuntimeError, match=r"SiLU.*no saved input.*save_for_backward"):
         y.sum().backward()
+
+
+# A fused op that owns a channel: its producer and consumer both inside it --------------------
+
+
+def _fused_residual(output_to_caller):
+    class FusedResidual(ops.FusedOperation):
+        """``MakeExtraOutput, Bias, AddExtraInput`` over the channel "residual": ``2x + b``."""
+
+        def __init__(self, residual, body, add):
+            super().__init__((residual, body, add))
+
+        def fuser_forward(self, basic_op_ctxs, input_, *, basic_op_extra_inputs, **unused):
+            assert basic_op_extra_inputs[2][0] is None  # routed inside: not handed in
+            branch = input_ if output_to_caller else None
+            return 2 * input_ + self.basic_ops[1].bias, [(branch,), (), ()]
+
+        def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
+            (d_branch,) = basic_op_grad_extra_outputs[0]
+            dx = 2 * grad_output + (0 if d_branch is None else d_branch)
+            return dx, [(), (grad_output.flatten(0, -2).sum(0),), ()], [(), (), (grad_output,)]
+
+    return FusedResidual
+
+
+def _residual_block(output_to_caller):
+    residual, body, add = ops.MakeExtraOutput(), ops.Bias(6), ops.AddExtraInput()
+    residual.set_extra_output_channel(0, "residual", output_to_caller=output_to_caller)
+    add.set_extra_input_channel(0, "residual")
+    return ops.Sequential(residual, body, add)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("output_to_caller", [False, True])
+def test_fused_op_owning_a_channel(output_to_caller, compiled):
+    cls = _fused_residual(output_to_caller)
+    types = (ops.MakeExtraOutput, ops.Bias, ops.AddExtraInput)
+    ops.register_forward_backward_fusion(_first(cls, *types))
+    model = _residual_block(output_to_caller)
+    assert model.fusions() == [("FusedResidual", ("0", "1", "2"))]
+    with torch.no_grad():
+        model[1].bias.normal_()
+    x_ref, x = make_reference_and_test_tensors((4, 6))
+    b_ref = to_reference(model[1].bias)
+    out = _run(model, compiled, x)
+    y = out[0] if output_to_caller else out
+    y_ref = 2 * x_ref + b_ref
+    assert_close(y, y_ref, torch.float32)
+    dy = torch.randn_like(y_ref)
+    if output_to_caller:
+        assert torch.equal(out[1], x)
+        d_branch = torch.randn_like(x_ref)
+        torch.autograd.backward((y, out[1]), (dy.float(), d_branch.float()))
+        torch.autograd.backward((y_ref, x_ref), (dy, d_branch))
+    else:
+        y.backward(dy.float())
+        y_ref.backward(dy)
+    assert_close(x.grad, x_ref.grad, torch.float32)
+    assert_close(model[1].bias.grad, b_ref.grad, torch.float32, reduced=True)
+
+
+@pytest.mark.parametrize(
+    "output_to_caller,error", [(True, "is public"), (False, "outside its forward fusion")]
+)
+def test_fused_op_must_return_a_channel_others_need(output_to_caller, error):
+    class DropsBranch(ops.FusedOperation):
+        def __init__(self, producer):
+            super().__init__((producer,))
+
+        def fuser_forward(self, basic_op_ctxs, input_, **unused):
+            return input_, [(None,)]
+
+    ops.register_forward_fusion(_first(DropsBranch, ops.MakeExtraOutput))
+    producer, consumer = ops.MakeExtraOutput(), ops.AddExtraInput()
+    producer.set_extra_output_channel(0, "route", output_to_caller=output_to_caller)
+    consumer.set_extra_input_channel(0, "route")
+    with pytest.raises(RuntimeError, match=error):
+        ops.Sequential(producer, consumer)(torch.randn(3))
