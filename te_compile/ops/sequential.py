@@ -26,6 +26,7 @@ registered on a *basic op* do not run (hooks on the ``Sequential`` and on plain 
 from __future__ import annotations
 
 from collections import OrderedDict
+from types import SimpleNamespace
 from typing import Any
 
 from torch import Tensor, nn
@@ -196,6 +197,41 @@ class Sequential(nn.Sequential):
             for step in self._plan_for_call()[0]
             if isinstance(step, FusedOperation)
         ]
+
+    @property
+    def _module_groups(self) -> list[Any]:
+        """Transformer Engine's private view of the plan, which its tests read: per run of ops
+        between plain modules, an object with ``_forward_ops`` / ``_backward_ops``, lists of
+        ``(op, [basic op indices in the run])`` for each pass (a fused op where it implements
+        that pass, else its basic ops one by one); a plain module as itself."""
+        groups: list[Any] = []
+        run: list[Any] = []
+
+        def close() -> None:
+            if run:
+                fwd, bwd, i = [], [], 0
+                for step in run:
+                    basic = step.basic_ops if isinstance(step, FusedOperation) else (step,)
+                    idxs = list(range(i, i + len(basic)))
+                    for ops, method in ((fwd, "fuser_forward"), (bwd, "fuser_backward")):
+                        if isinstance(step, FusedOperation) and (
+                            not step.te_protocol() or hasattr(step, method)
+                        ):
+                            ops.append((step, idxs))
+                        else:
+                            ops.extend((op, [j]) for op, j in zip(basic, idxs, strict=True))
+                    i += len(basic)
+                groups.append(SimpleNamespace(_forward_ops=fwd, _backward_ops=bwd))
+                run.clear()
+
+        for step in self._plan_for_call()[0]:
+            if isinstance(step, _ModuleStep):
+                close()
+                groups.append(step.module)
+            else:
+                run.append(step)
+        close()
+        return groups
 
     # Re-plan on every change of the module list (nn.Sequential's mutators all come here).
 

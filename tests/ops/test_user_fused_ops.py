@@ -137,6 +137,10 @@ def test_linear_silu_fusion_in_te_protocol(kind, fused_op, compiled):
     getattr(ops, f"register_{kind}_fusion")(_first(fused_op, ops.BasicLinear, ops.SiLU))
     model = ops.Sequential(ops.Linear(11, 9, bias=False), ops.SiLU())
     assert model.fusions() == [(fused_op.__name__, ("0.basic_ops.0", "1"))]
+    (group,) = model._module_groups
+    assert [type(op) for op, _ in group._forward_ops] == [fused_op]
+    backward = [type(op) for op, _ in group._backward_ops]
+    assert backward == ([ops.BasicLinear, ops.SiLU] if kind == "forward" else [fused_op])
     x_ref, x = make_reference_and_test_tensors((7, 11))
     w_ref = to_reference(model[0].weight)
     # A forward-only fusion leaves the backward of our BasicLinear and SiLU to be recomputed
@@ -164,6 +168,11 @@ def test_backward_fusion_reads_the_linear_context_te_saves(compiled):
     )
     model = ops.Sequential(ops.ConstantScale(1.234), ops.Linear(5, 6, bias=False))
     assert model.fusions() == [("BackwardScaleLinear", ("0", "1.basic_ops.0"))]
+    (group,) = model._module_groups  # TE's private view of the plan, as its tests read it
+    assert [type(op).__name__ for op, _ in group._forward_ops] == ["ConstantScale", "BasicLinear"]
+    assert [(type(op).__name__, i) for op, i in group._backward_ops] == [
+        ("BackwardScaleLinear", [0, 1])
+    ]
     x_ref, x = make_reference_and_test_tensors((13, 5))
     w_ref = to_reference(model[1].weight)
     y = _run(model, compiled, x)
