@@ -280,8 +280,12 @@ def user_fusions_version() -> tuple[int, ...]:
 def _user_fuse(steps: list, recipe: Any) -> list:
     basic = [op for s in steps for op in (s.basic_ops if isinstance(s, FusedOperation) else (s,))]
     for kind in ("forward_backward", "forward", "backward"):
+        passes = ("forward", "backward") if kind == "forward_backward" else (kind,)
         for func in _USER_FUSIONS[kind]:
             steps = list(func(list(steps), recipe=recipe))
+            for step in steps:  # the passes a TE-protocol fused op is used for (op.py)
+                if isinstance(step, FusedOperation) and not hasattr(step, "_te_passes"):
+                    step._te_passes = passes
     flat = [op for s in steps for op in (s.basic_ops if isinstance(s, FusedOperation) else (s,))]
     if len(flat) != len(basic) or any(a is not b for a, b in zip(flat, basic, strict=True)):
         raise RuntimeError(

@@ -294,6 +294,10 @@ class Bias(BasicOperation):
             bias = self._grad_reduce.sequence_parallel_param("Bias", bias)
         return x + bias, ()
 
+    def te_vjp(self, dy: Tensor, grad_extra_outputs: tuple) -> tuple[Tensor, tuple, tuple]:
+        """The backward inside a user fused op in TE's protocol (``ops.op``)."""
+        return dy, (dy.reshape(-1, dy.shape[-1]).sum(0),), ()
+
     def extra_repr(self) -> str:
         tp = f", tensor_parallel=True, tp_size={self.tp.size}" if self.tensor_parallel else ""
         return f"size={self.size}, dtype={self.bias.dtype}{tp}"

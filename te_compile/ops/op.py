@@ -52,6 +52,7 @@ __all__ = [
     "broadcasts_to",
     "check_extra_input",
     "check_input",
+    "implements_pass",
     "step_forward",
 ]
 
@@ -300,19 +301,49 @@ def _split(flat: Sequence[Any], counts: Sequence[int]) -> list[tuple[Any, ...]]:
     return out
 
 
+def implements_pass(step: Any, method: str) -> bool:
+    """Whether ``step`` is a user fused op whose ``method`` (``"fuser_forward"`` /
+    ``"fuser_backward"``) runs: it defines it and was registered for that pass (a forward-only
+    fusion's ``fuser_backward`` is not used, as in TE; ``_te_passes`` is set by the fuser)."""
+    passes = getattr(step, "_te_passes", ("forward", "backward"))
+    return (
+        isinstance(step, FusedOperation)
+        and hasattr(step, method)
+        and method.removeprefix("fuser_") in passes
+    )
+
+
+def _in_step_sources(ops: Sequence[BasicOperation]) -> dict[tuple[int, int], tuple[int, int]]:
+    """``{(consumer op, extra input): (producer op, extra output)}`` for channels produced and
+    consumed within one step's ops (handed in as None; the basic ops route them here)."""
+    produced = {ch: (i, k) for i, op in enumerate(ops)
+                for k, ch in enumerate(op._extra_output_channels) if ch is not None}  # fmt: skip
+    return {
+        (i, j): produced[ch]
+        for i, op in enumerate(ops)
+        for j, ch in enumerate(op._extra_input_channels)
+        if ch in produced and produced[ch][0] < i
+    }
+
+
 def _te_forward(step, ctxs, x, extra_inputs):
     """``(y, [extra outputs of each basic op])`` through ``fuser_forward`` where the step (or an
     op of it) has one, else each basic op's ``op_forward(ctx, input_, ...)``."""
     none = {"prev_op_grad_output_quantizer": None, "next_op_input_quantizer": None}
-    if isinstance(step, FusedOperation) and hasattr(step, "fuser_forward"):
+    if implements_pass(step, "fuser_forward"):
         kwargs = [{} for _ in ctxs]
         y, extra = step.fuser_forward(
             ctxs, x, basic_op_extra_inputs=extra_inputs, basic_op_kwargs=kwargs, **none
         )
         return y, [tuple(e) for e in extra]
     ops = step.basic_ops if isinstance(step, FusedOperation) else (step,)
+    sources = _in_step_sources(ops)
     extra_outputs = []
-    for op, ctx, xs in zip(ops, ctxs, extra_inputs, strict=True):
+    for i, (op, ctx, xs) in enumerate(zip(ops, ctxs, extra_inputs, strict=True)):
+        xs = tuple(
+            extra_outputs[sources[i, j][0]][sources[i, j][1]] if (i, j) in sources else t
+            for j, t in enumerate(xs)
+        )
         if not type(op).te_protocol():
             x, extra = _ours_te_forward(op, ctx, x, xs)
         elif type(op).fuser_forward is not BasicOperation.fuser_forward:
@@ -330,8 +361,8 @@ def _te_forward(step, ctxs, x, extra_inputs):
 # layouts agree (``(input, *parameters, *extra_inputs)``: BasicLinear's ``(input, weight)``, an
 # activation's ``(input,)``) and sets ``ctx.dtype``; the backward differentiates the op's own
 # ``op_forward`` at the saved input (the first saved tensor, as a user's fused forward that
-# fills the context TE's way leaves it), or, for the structural ops, which save nothing, applies
-# their linear backward (``te_vjp``).
+# fills the context TE's way leaves it), or, for the ops whose backward needs nothing saved
+# (structural ops, ``Bias``), their ``te_vjp(dy, grad_extra_outputs) -> (dx, dparams, dextra)``.
 
 
 def _ours_te_forward(op, ctx, x, extra_inputs):
@@ -344,8 +375,7 @@ def _ours_te_forward(op, ctx, x, extra_inputs):
 def _ours_te_backward(op, ctx, dy, grad_extra_outputs):
     vjp = getattr(op, "te_vjp", None)
     if vjp is not None:
-        dx, dextra = vjp(dy, grad_extra_outputs)
-        return dx, (), dextra
+        return vjp(dy, grad_extra_outputs)
     saved = ctx.saved_tensors or ()
     params = list(op.parameters())
     if not saved or saved[0] is None:
@@ -374,13 +404,15 @@ def _ours_te_backward(op, ctx, dy, grad_extra_outputs):
 
 def _te_backward(step, ctxs, dy, grad_extra_outputs):
     """``(dx, [param grads of each op], [extra-input grads of each op])``, in reverse."""
-    if isinstance(step, FusedOperation) and hasattr(step, "fuser_backward"):
+    if implements_pass(step, "fuser_backward"):
         dx, dparams, dextra = step.fuser_backward(
             ctxs, dy, basic_op_grad_extra_outputs=grad_extra_outputs
         )
         return dx, [tuple(d) for d in dparams], [tuple(d) for d in dextra]
     ops = step.basic_ops if isinstance(step, FusedOperation) else (step,)
     dparams, dextra = [None] * len(ops), [None] * len(ops)
+    sources = _in_step_sources(ops)
+    grad_extra_outputs = [list(g) for g in grad_extra_outputs]
     for i in reversed(range(len(ops))):
         op = ops[i]
         if not type(op).te_protocol():
@@ -393,6 +425,11 @@ def _te_backward(step, ctxs, dy, grad_extra_outputs):
             dy, dp = op.op_backward(ctxs[i], dy)
             de = ()
         dparams[i], dextra[i] = tuple(dp), tuple(de)
+        for j, g in enumerate(dextra[i]):  # a channel inside the step: to its producer
+            if (i, j) in sources and g is not None:
+                p, k = sources[i, j]
+                prev = grad_extra_outputs[p][k]
+                grad_extra_outputs[p][k] = g if prev is None else prev + g
     return dy, dparams, dextra
 
 

@@ -39,6 +39,7 @@ from te_compile.ops.op import (
     FusedOperation,
     FusibleOperation,
     OpOutput,
+    implements_pass,
     step_forward,
 )
 from te_compile.quantization.state import get_autocast_state
@@ -215,7 +216,7 @@ class Sequential(nn.Sequential):
                     idxs = list(range(i, i + len(basic)))
                     for ops, method in ((fwd, "fuser_forward"), (bwd, "fuser_backward")):
                         if isinstance(step, FusedOperation) and (
-                            not step.te_protocol() or hasattr(step, method)
+                            not step.te_protocol() or implements_pass(step, method)
                         ):
                             ops.append((step, idxs))
                         else:

@@ -32,9 +32,9 @@ class Identity(BasicOperation):
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
         return x, ()
 
-    def te_vjp(self, dy: Tensor, grad_extra_outputs: tuple) -> tuple[Tensor, tuple]:
+    def te_vjp(self, dy: Tensor, grad_extra_outputs: tuple) -> tuple[Tensor, tuple, tuple]:
         """The backward inside a user fused op in TE's protocol (``ops.op``)."""
-        return dy, ()
+        return dy, (), ()
 
 
 class Reshape(BasicOperation):
@@ -71,9 +71,9 @@ class ConstantScale(BasicOperation):
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
         return x * self.scale, ()
 
-    def te_vjp(self, dy: Tensor, grad_extra_outputs: tuple) -> tuple[Tensor, tuple]:
+    def te_vjp(self, dy: Tensor, grad_extra_outputs: tuple) -> tuple[Tensor, tuple, tuple]:
         """The backward inside a user fused op in TE's protocol (``ops.op``)."""
-        return dy * self.scale, ()
+        return dy * self.scale, (), ()
 
     def extra_repr(self) -> str:
         return f"scale={self.scale}"
@@ -119,10 +119,10 @@ class AddExtraInput(BasicOperation):
             return _AddInto.apply(x, residual), ()
         return residual.add_(x), ()
 
-    def te_vjp(self, dy: Tensor, grad_extra_outputs: tuple) -> tuple[Tensor, tuple]:
+    def te_vjp(self, dy: Tensor, grad_extra_outputs: tuple) -> tuple[Tensor, tuple, tuple]:
         """The backward inside a user fused op in TE's protocol (``ops.op``); autograd sums a
         broadcast residual's gradient to its shape."""
-        return dy, (dy,)
+        return dy, (), (dy,)
 
     def extra_repr(self) -> str:
         return "in_place=True" if self.in_place else ""
@@ -163,10 +163,10 @@ class MakeExtraOutput(BasicOperation):
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
         return x, (x,)
 
-    def te_vjp(self, dy: Tensor, grad_extra_outputs: tuple) -> tuple[Tensor, tuple]:
+    def te_vjp(self, dy: Tensor, grad_extra_outputs: tuple) -> tuple[Tensor, tuple, tuple]:
         """The backward inside a user fused op in TE's protocol (``ops.op``)."""
         (d_branch,) = grad_extra_outputs
-        return (dy if d_branch is None else dy + d_branch), ()
+        return (dy if d_branch is None else dy + d_branch), (), ()
 
     def extra_repr(self) -> str:
         return "in_place=True" if self.in_place else ""

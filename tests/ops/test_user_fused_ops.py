@@ -232,12 +232,19 @@ def _residual_block(output_to_caller):
 
 @pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("output_to_caller", [False, True])
-def test_fused_op_owning_a_channel(output_to_caller, compiled):
+@pytest.mark.parametrize("kind", ["forward", "backward", "forward_backward"])
+def test_fused_op_owning_a_channel(kind, output_to_caller, compiled):
+    # The fused op defines both passes; registered for one, it is used for that one only (as in
+    # TE) and the basic ops run the other, routing the channel between them.
     cls = _fused_residual(output_to_caller)
     types = (ops.MakeExtraOutput, ops.Bias, ops.AddExtraInput)
-    ops.register_forward_backward_fusion(_first(cls, *types))
+    getattr(ops, f"register_{kind}_fusion")(_first(cls, *types))
     model = _residual_block(output_to_caller)
     assert model.fusions() == [("FusedResidual", ("0", "1", "2"))]
+    (group,) = model._module_groups
+    for ops_of_pass, used in ((group._forward_ops, kind != "backward"),
+                              (group._backward_ops, kind != "forward")):  # fmt: skip
+        assert len(ops_of_pass) == (1 if used else 3)
     with torch.no_grad():
         model[1].bias.normal_()
     x_ref, x = make_reference_and_test_tensors((4, 6))
