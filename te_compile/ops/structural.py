@@ -84,12 +84,12 @@ class AddExtraInput(BasicOperation):
 
     ``in_place=True`` (Transformer Engine's meaning): the sum is written into :math:`r`'s
     storage (``r += x``) and the output holds it: no new buffer; the caller's tensor holds the
-    sum afterwards. The gradient of the output reaches both :math:`x` and :math:`r`, also when
-    :math:`r` is a leaf that requires grad (TE writes into ``r.detach()``; here an autograd
-    function writes into :math:`r` with autograd off and passes the gradient to both, since
-    autograd refuses an in-place op on such a leaf), and ``torch.compile`` functionalises the
-    write. :math:`r` must have the output's shape; ``in_place`` runs the add unfused (it is what
-    the residual-epilogue GEMM replaces).
+    sum afterwards. The gradient of the output reaches both :math:`x` and :math:`r`; autograd
+    records the in-place add, except on a leaf that requires grad, which it refuses to write:
+    there (as TE writes into ``r.detach()`` in every case) an autograd function writes into
+    :math:`r` with autograd off and passes the output's gradient to both. ``torch.compile``
+    functionalises the write. :math:`r` must have the output's shape; ``in_place`` runs the add
+    unfused (it is what the residual-epilogue GEMM replaces).
     """
 
     num_extra_inputs = 1
@@ -115,7 +115,7 @@ class AddExtraInput(BasicOperation):
                 f"AddExtraInput(in_place=True): the extra input's shape "
                 f"({tuple(residual.shape)}) must be the input's ({tuple(x.shape)})"
             )
-        if residual.requires_grad and torch.is_grad_enabled():
+        if residual.is_leaf and residual.requires_grad and torch.is_grad_enabled():
             return _AddInto.apply(x, residual), ()
         return residual.add_(x), ()
 
