@@ -40,9 +40,11 @@ tensor-parallel GEMM (its input is gathered or its gradient reduced around the G
 
 User fusions, as in Transformer Engine: ``register_forward_backward_fusion(func)``,
 ``register_forward_fusion(func)`` and ``register_backward_fusion(func)`` add ``func(ops, *,
-recipe) -> ops`` (``prepend=True``: first). After the table above, the fuser calls the joint
-ones, then the forward ones, then the backward ones, each on the list the previous left, with the
-recipe of the enclosing autocast (None outside one); a function replaces runs of consecutive
+recipe) -> ops`` (``prepend=True``: first of its kind). The fuser calls the joint ones, then the
+forward ones, then the backward ones, each on the list the previous left, with the recipe of the
+enclosing autocast (None outside one), and only then the table above on the basic ops they left:
+the table fuses patterns Transformer Engine's built-in fusions do not (linear + activation), so a
+user function sees the basic ops wherever TE's would. A function replaces runs of consecutive
 basic ops with fused ops (``FusedOperation(basic_ops)`` subclasses implementing
 ``op_forward(x, extra_inputs)``, or TE's ``fuser_forward`` / ``fuser_backward``: a fused op
 with only ``fuser_forward`` runs its basic ops' ``op_backward`` in the backward, one with only
@@ -278,8 +280,12 @@ def user_fusions_version() -> tuple[int, ...]:
 def _user_fuse(steps: list, recipe: Any) -> list:
     basic = [op for s in steps for op in (s.basic_ops if isinstance(s, FusedOperation) else (s,))]
     for kind in ("forward_backward", "forward", "backward"):
+        passes = ("forward", "backward") if kind == "forward_backward" else (kind,)
         for func in _USER_FUSIONS[kind]:
             steps = list(func(list(steps), recipe=recipe))
+            for step in steps:  # the passes a TE-protocol fused op is used for (op.py)
+                if isinstance(step, FusedOperation) and not hasattr(step, "_te_passes"):
+                    step._te_passes = passes
     flat = [op for s in steps for op in (s.basic_ops if isinstance(s, FusedOperation) else (s,))]
     if len(flat) != len(basic) or any(a is not b for a, b in zip(flat, basic, strict=True)):
         raise RuntimeError(
@@ -294,8 +300,10 @@ def fuse(
     ops: Sequence[BasicOperation], recipe: Any = None
 ) -> list[BasicOperation | FusedOperation]:
     """``ops`` with every run that a fusion of :data:`FUSIONS` matches replaced by the fused op,
-    then the registered user fusions applied (with ``recipe``)."""
+    after the registered user fusions (with ``recipe``) took theirs."""
     steps: list[BasicOperation | FusedOperation] = list(ops)
+    if steps and user_fusions_version():
+        steps = _user_fuse(steps, recipe)
     for fused_cls, pattern in FUSIONS:
         i, out = 0, []
         while i < len(steps):
@@ -307,4 +315,4 @@ def fuse(
                 out.append(steps[i])
                 i += 1
         steps = out
-    return _user_fuse(steps, recipe) if steps and user_fusions_version() else steps
+    return steps

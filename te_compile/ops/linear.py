@@ -201,8 +201,18 @@ class BasicLinear(BasicOperation):
         precision outside one) and the epilogue arguments of ``functional.linear``
         (``activation``, ``residual``, ``out_scale``, ``return_branch``): what the fused ops
         call, in every precision. FP8 primary weights (``quantized_model_init``): the codes are
-        the GEMM's pre-quantised weight, the gradient goes to ``weight.main_grad``."""
+        the GEMM's pre-quantised weight, the gradient goes to ``weight.main_grad``.
+
+        An input whose dtype is not the weight's is cast to it, as Transformer Engine casts it
+        (the output has the weight's dtype, the input's gradient its own); under
+        ``torch.autocast`` the GEMM takes autocast's dtype instead."""
         weight_q = primary.primary_operand(self, "weight")
+        if (
+            weight_q is None
+            and x.dtype != self.weight.dtype
+            and not torch.is_autocast_enabled(x.device.type)
+        ):
+            x = x.to(self.weight.dtype)
         if weight_q is None:
             weight, main_grad = self.weight, self.main_grad()
         else:
@@ -285,6 +295,10 @@ class Bias(BasicOperation):
         if self._grad_reduce is not None:
             bias = self._grad_reduce.sequence_parallel_param("Bias", bias)
         return x + bias, ()
+
+    def te_vjp(self, dy: Tensor, grad_extra_outputs: tuple) -> tuple[Tensor, tuple, tuple]:
+        """The backward inside a user fused op in TE's protocol (``ops.op``)."""
+        return dy, (dy.reshape(-1, dy.shape[-1]).sum(0),), ()
 
     def extra_repr(self) -> str:
         tp = f", tensor_parallel=True, tp_size={self.tp.size}" if self.tensor_parallel else ""

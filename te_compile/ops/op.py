@@ -23,7 +23,9 @@ not a module: it owns nothing and reads the basic ops' parameters when called, s
 exactly as if nothing had been fused. Under an enabled ``te_compile.autocast`` a fused op
 containing a linear runs the same op with the recipe as data. A user fused op (from
 :func:`te_compile.ops.register_forward_fusion` and friends) implements either ``op_forward(x,
-extra_inputs)`` or TE's ``fuser_forward`` / ``fuser_backward``.
+extra_inputs)`` or TE's ``fuser_forward`` / ``fuser_backward``; the latter may contain our
+built-in basic ops, which then run in TE's protocol for the half it leaves to them (see
+``_ours_te_forward``).
 
 A **container** (:class:`FusibleOperation` with ``is_fused_op`` True, e.g. ``ops.Linear``) is a
 module holding basic ops in ``basic_ops``; inside a ``Sequential`` its basic ops join the run
@@ -51,6 +53,7 @@ __all__ = [
     "broadcasts_to",
     "check_extra_input",
     "check_input",
+    "implements_pass",
     "step_forward",
 ]
 
@@ -91,19 +94,21 @@ class BasicOperation(FusibleOperation):
         self._extra_input_channels: list[str | None] = [None] * self.num_extra_inputs
         self._extra_output_channels: list[str | None] = [None] * self.num_extra_outputs
         self._extra_output_to_caller: list[bool] = [True] * self.num_extra_outputs
-        self._channels_locked = False
+        self._extra_tensor_channels_locked = False
 
     def _check_channel_call(self, what: str, index: int, count: int, channel: object) -> None:
         name = f"{type(self).__name__}.set_extra_{what}_channel"
-        if self._channels_locked:
+        # Transformer Engine's exception types and wording (its tests match them).
+        if self._extra_tensor_channels_locked:
             raise RuntimeError(
-                f"{name}: the channels were captured by a Sequential (or a direct call) "
-                "already; construct new operations for a different routing"
+                f"{name}: the op already captured its channel routing (a Sequential, an "
+                "OperationFuser or a direct call holds it); construct new operations for a "
+                "different routing"
             )
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < count:
-            raise ValueError(f"{name}: index must be in [0, {count}), got {index!r}")
+            raise IndexError(f"{name}: index {index!r} out of range [0, {count})")
         if channel is not None and (not isinstance(channel, str) or not channel):
-            raise ValueError(f"{name}: channel must be a non-empty str or None, got {channel!r}")
+            raise ValueError(f"{name}: channel must be a non-empty string or None, got {channel!r}")
 
     def set_extra_input_channel(self, index: int, channel: str | None) -> None:
         """Take extra input ``index`` from the extra output named ``channel`` of an earlier op
@@ -118,7 +123,7 @@ class BasicOperation(FusibleOperation):
         ``output_to_caller=False`` it is not returned by the ``Sequential`` (None: public)."""
         self._check_channel_call("output", index, self.num_extra_outputs, channel)
         if not isinstance(output_to_caller, bool):
-            raise ValueError(
+            raise TypeError(
                 f"{type(self).__name__}.set_extra_output_channel: output_to_caller must be a "
                 f"bool, got {output_to_caller!r}"
             )
@@ -151,7 +156,7 @@ class BasicOperation(FusibleOperation):
         )
 
     def forward(self, input: Tensor, *extra_inputs: Tensor) -> Tensor | tuple[Tensor, ...]:
-        self._channels_locked = True  # as TE's transient fuser captures them
+        self._extra_tensor_channels_locked = True  # as TE's transient fuser captures them
         if len(extra_inputs) != self.num_extra_inputs:
             raise ValueError(
                 f"{type(self).__name__}: expected {self.num_extra_inputs} extra input(s) after "
@@ -282,16 +287,9 @@ def step_forward(step: Any, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOu
     if not _te_step(step):
         return step.op_forward(x, extra_inputs)
     ops = step.basic_ops if isinstance(step, FusedOperation) else (step,)
-    for op in ops:
-        if not type(op).te_protocol():
-            raise TypeError(
-                f"{type(step).__name__}: a fused op in Transformer Engine's protocol "
-                f"(fuser_forward/fuser_backward) may only contain basic ops in that protocol; "
-                f"{type(op).__name__} implements op_forward(x, extra_inputs)"
-            )
     params = [p for op in ops for p in op.parameters()]
     requires_grad = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (x, *extra_inputs, *params)
+        t is not None and t.requires_grad for t in (x, *extra_inputs, *params)
     )
     outs = _TEProtocol.apply(x, step, requires_grad, len(extra_inputs), *extra_inputs, *params)
     return outs[0], tuple(outs[1:])
@@ -305,20 +303,52 @@ def _split(flat: Sequence[Any], counts: Sequence[int]) -> list[tuple[Any, ...]]:
     return out
 
 
+def implements_pass(step: Any, method: str) -> bool:
+    """Whether ``step`` is a user fused op whose ``method`` (``"fuser_forward"`` /
+    ``"fuser_backward"``) runs: it defines it and was registered for that pass (a forward-only
+    fusion's ``fuser_backward`` is not used, as in TE; ``_te_passes`` is set by the fuser)."""
+    passes = getattr(step, "_te_passes", ("forward", "backward"))
+    return (
+        isinstance(step, FusedOperation)
+        and hasattr(step, method)
+        and method.removeprefix("fuser_") in passes
+    )
+
+
+def _in_step_sources(ops: Sequence[BasicOperation]) -> dict[tuple[int, int], tuple[int, int]]:
+    """``{(consumer op, extra input): (producer op, extra output)}`` for channels produced and
+    consumed within one step's ops (handed in as None; the basic ops route them here)."""
+    produced = {ch: (i, k) for i, op in enumerate(ops)
+                for k, ch in enumerate(op._extra_output_channels) if ch is not None}  # fmt: skip
+    return {
+        (i, j): produced[ch]
+        for i, op in enumerate(ops)
+        for j, ch in enumerate(op._extra_input_channels)
+        if ch in produced and produced[ch][0] < i
+    }
+
+
 def _te_forward(step, ctxs, x, extra_inputs):
     """``(y, [extra outputs of each basic op])`` through ``fuser_forward`` where the step (or an
     op of it) has one, else each basic op's ``op_forward(ctx, input_, ...)``."""
     none = {"prev_op_grad_output_quantizer": None, "next_op_input_quantizer": None}
-    if isinstance(step, FusedOperation) and hasattr(step, "fuser_forward"):
+    if implements_pass(step, "fuser_forward"):
         kwargs = [{} for _ in ctxs]
         y, extra = step.fuser_forward(
             ctxs, x, basic_op_extra_inputs=extra_inputs, basic_op_kwargs=kwargs, **none
         )
         return y, [tuple(e) for e in extra]
     ops = step.basic_ops if isinstance(step, FusedOperation) else (step,)
+    sources = _in_step_sources(ops)
     extra_outputs = []
-    for op, ctx, xs in zip(ops, ctxs, extra_inputs, strict=True):
-        if type(op).fuser_forward is not BasicOperation.fuser_forward:
+    for i, (op, ctx, xs) in enumerate(zip(ops, ctxs, extra_inputs, strict=True)):
+        xs = tuple(
+            extra_outputs[sources[i, j][0]][sources[i, j][1]] if (i, j) in sources else t
+            for j, t in enumerate(xs)
+        )
+        if not type(op).te_protocol():
+            x, extra = _ours_te_forward(op, ctx, x, xs)
+        elif type(op).fuser_forward is not BasicOperation.fuser_forward:
             x, (extra,) = op.fuser_forward(
                 [ctx], x, basic_op_extra_inputs=[xs], basic_op_kwargs=[{}], **none
             )
@@ -328,18 +358,68 @@ def _te_forward(step, ctxs, x, extra_inputs):
     return x, extra_outputs
 
 
+# One of our basic ops inside a user fused op in TE's protocol: the half of the step the user
+# did not fuse runs the op in TE's protocol. The forward saves what TE's basic op saves where the
+# layouts agree (``(input, *parameters, *extra_inputs)``: BasicLinear's ``(input, weight)``, an
+# activation's ``(input,)``) and sets ``ctx.dtype``; the backward differentiates the op's own
+# ``op_forward`` at the saved input (the first saved tensor, as a user's fused forward that
+# fills the context TE's way leaves it), or, for the ops whose backward needs nothing saved
+# (structural ops, ``Bias``), their ``te_vjp(dy, grad_extra_outputs) -> (dx, dparams, dextra)``.
+
+
+def _ours_te_forward(op, ctx, x, extra_inputs):
+    y, extra = op.op_forward(x, extra_inputs)
+    ctx.save_for_backward(x, *op.parameters(), *extra_inputs)
+    ctx.dtype = y.dtype
+    return y, extra
+
+
+def _ours_te_backward(op, ctx, dy, grad_extra_outputs):
+    vjp = getattr(op, "te_vjp", None)
+    if vjp is not None:
+        return vjp(dy, grad_extra_outputs)
+    saved = ctx.saved_tensors or ()
+    params = list(op.parameters())
+    if not saved or saved[0] is None:
+        raise RuntimeError(
+            f"{type(op).__name__} (inside a fused op in Transformer Engine's protocol): its "
+            "context has no saved input; the fused op's fuser_forward must "
+            "ctx.save_for_backward(input_, ...) for it, as for Transformer Engine's op"
+        )
+    n_extra = op.num_extra_inputs
+    extra = tuple(saved[len(saved) - n_extra :]) if n_extra else ()
+    with torch.enable_grad():
+        x = saved[0].detach().requires_grad_(dy is not None)
+        extra = tuple(e.detach().requires_grad_(e.is_floating_point()) for e in extra)
+        y, outs = op.op_forward(x, extra)
+        wrt = [x, *params, *(e for e in extra if e.requires_grad)]
+        pairs = [(y, dy)] + [(o, g) for o, g in zip(outs, grad_extra_outputs, strict=True)
+                             if g is not None]  # fmt: skip
+        # Not traceable by dynamo (torch.func.vjp is, but not over our ops' eager autograd
+        # functions): torch.compile breaks the graph at such a fused op.
+        grads = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs],
+                                    allow_unused=True)  # fmt: skip
+    grads_extra = iter(grads[1 + len(params) :])
+    dextra = tuple(next(grads_extra) if e.requires_grad else None for e in extra)
+    return grads[0], tuple(grads[1 : 1 + len(params)]), dextra
+
+
 def _te_backward(step, ctxs, dy, grad_extra_outputs):
     """``(dx, [param grads of each op], [extra-input grads of each op])``, in reverse."""
-    if isinstance(step, FusedOperation) and hasattr(step, "fuser_backward"):
+    if implements_pass(step, "fuser_backward"):
         dx, dparams, dextra = step.fuser_backward(
             ctxs, dy, basic_op_grad_extra_outputs=grad_extra_outputs
         )
         return dx, [tuple(d) for d in dparams], [tuple(d) for d in dextra]
     ops = step.basic_ops if isinstance(step, FusedOperation) else (step,)
     dparams, dextra = [None] * len(ops), [None] * len(ops)
+    sources = _in_step_sources(ops)
+    grad_extra_outputs = [list(g) for g in grad_extra_outputs]
     for i in reversed(range(len(ops))):
         op = ops[i]
-        if type(op).fuser_backward is not BasicOperation.fuser_backward:
+        if not type(op).te_protocol():
+            dy, dp, de = _ours_te_backward(op, ctxs[i], dy, grad_extra_outputs[i])
+        elif type(op).fuser_backward is not BasicOperation.fuser_backward:
             dy, (dp,), (de,) = op.fuser_backward(
                 [ctxs[i]], dy, basic_op_grad_extra_outputs=[grad_extra_outputs[i]]
             )
@@ -347,6 +427,11 @@ def _te_backward(step, ctxs, dy, grad_extra_outputs):
             dy, dp = op.op_backward(ctxs[i], dy)
             de = ()
         dparams[i], dextra[i] = tuple(dp), tuple(de)
+        for j, g in enumerate(dextra[i]):  # a channel inside the step: to its producer
+            if (i, j) in sources and g is not None:
+                p, k = sources[i, j]
+                prev = grad_extra_outputs[p][k]
+                grad_extra_outputs[p][k] = g if prev is None else prev + g
     return dy, dparams, dextra
 
 
@@ -383,6 +468,8 @@ class _TEProtocol(torch.autograd.Function):
             ranges.append((start, len(to_save)))
         ctx.save_for_backward(*to_save)
         ctx.step, ctx.op_ctxs, ctx.ranges, ctx.n_extra = step, op_ctxs, ranges, n_extra
+        # None: an extra input routed inside this (fused) step; it takes no gradient.
+        ctx.extra_given = [t is not None for t in tensors[:n_extra]]
         ctx.param_counts = [len(list(op.parameters())) for op in ops]
         ctx.extra_output_counts = [op.num_extra_outputs for op in ops]
         flat = [t for ts in extra_outputs for t in ts]
@@ -411,4 +498,6 @@ class _TEProtocol(torch.autograd.Function):
             grads_params.extend(dp)
         grads_extra = [g for de in dextra for g in (de or ())]
         grads_extra += [None] * (ctx.n_extra - len(grads_extra))
+        grads_extra = [g if given else None for g, given in zip(grads_extra, ctx.extra_given,
+                                                                strict=True)]  # fmt: skip
         return (dx, None, None, None, *grads_extra, *grads_params)

@@ -26,6 +26,7 @@ registered on a *basic op* do not run (hooks on the ``Sequential`` and on plain 
 from __future__ import annotations
 
 from collections import OrderedDict
+from types import SimpleNamespace
 from typing import Any
 
 from torch import Tensor, nn
@@ -38,6 +39,7 @@ from te_compile.ops.op import (
     FusedOperation,
     FusibleOperation,
     OpOutput,
+    implements_pass,
     step_forward,
 )
 from te_compile.quantization.state import get_autocast_state
@@ -98,8 +100,9 @@ class Sequential(nn.Sequential):
         # registered children, so state_dict, .to() and optimizers see only them. Plans for
         # other recipes (user fusions get the recipe) are made on first use.
         object.__setattr__(self, "_steps", steps)
-        object.__setattr__(self, "_plans", {(None, user_fusions_version()): steps})
         object.__setattr__(self, "_routes", self._route(steps))
+        # Per (recipe type, user fusions): (steps, routes).
+        object.__setattr__(self, "_plans", {(None, user_fusions_version()): (steps, self._routes)})
         object.__setattr__(self, "_planning", True)
 
     @staticmethod
@@ -115,37 +118,43 @@ class Sequential(nn.Sequential):
 
         ops = [op for step in steps for op in ops_of(step)]
         for op in ops:
-            op._channels_locked = True
+            op._extra_tensor_channels_locked = True
         if not any(any(op._extra_input_channels) or any(op._extra_output_channels) for op in ops):
             return None
-        producers: dict[str, str] = {}
-        routes, n_caller = [], 0
+        # Every producer first (TE's order of checks), by position among the basic ops.
+        producers: dict[str, int] = {}
+        for k, op in enumerate(ops):
+            for ch in op._extra_output_channels:
+                if ch is not None and ch in producers:
+                    raise ValueError(
+                        f"Sequential: extra tensor channel {ch!r} has multiple producers "
+                        f"({type(ops[producers[ch]]).__name__} and {type(op).__name__})"
+                    )
+                if ch is not None:
+                    producers[ch] = k
+        routes, n_caller, k = [], 0, 0
         for step in steps:
-            step_ops = ops_of(step)
+            first = k  # this step's basic ops are ops[first:k]
             inputs, outputs = [], []
-            for op in step_ops:
+            for op in ops_of(step):
                 for ch in op._extra_input_channels:
                     if ch is None:
                         inputs.append(("caller", n_caller))
                         n_caller += 1
-                    elif ch not in producers:
+                    elif producers.get(ch, k) >= k:
+                        earlier = "earlier " if ch in producers else ""
                         raise ValueError(
-                            f"Sequential: extra input channel {ch!r} of {type(op).__name__} has "
-                            "no earlier producer (set_extra_output_channel on an earlier op)"
+                            f"Sequential: extra tensor channel {ch!r} consumed by "
+                            f"{type(op).__name__} has no {earlier}producer "
+                            f"(set_extra_output_channel on {'an earlier' if earlier else 'a'} op)"
                         )
                     else:
-                        inputs.append(("channel", ch))
-            for op in step_ops:
-                for ch, public in zip(op._extra_output_channels, op._extra_output_to_caller,
-                                      strict=True):  # fmt: skip
-                    if ch is not None:
-                        if ch in producers:
-                            raise ValueError(
-                                f"Sequential: extra output channel {ch!r} has two producers "
-                                f"({producers[ch]} and {type(op).__name__})"
-                            )
-                        producers[ch] = type(op).__name__
-                    outputs.append((ch, public))
+                        # A producer inside the same (fused) step: the step routes it itself
+                        # and is handed None, as in TE.
+                        inputs.append(("internal" if producers[ch] >= first else "channel", ch))
+                outputs.extend(zip(op._extra_output_channels, op._extra_output_to_caller,
+                                   strict=True))  # fmt: skip
+                k += 1
             routes.append((tuple(inputs), tuple(outputs)))
         return tuple(routes)
 
@@ -155,18 +164,20 @@ class Sequential(nn.Sequential):
             return sum(s.num_extra_inputs for s in self._steps)
         return sum(src == "caller" for ins, _ in self._routes for src, _ in ins)
 
-    def _steps_for_call(self) -> tuple[Any, ...]:
+    def _plan_for_call(self) -> tuple[tuple[Any, ...], Any]:
+        """``(steps, routes)`` of the plan for the current autocast recipe and user fusions."""
         version = user_fusions_version()
         if not version:
-            return self._steps
+            return self._steps, self._routes
         state = get_autocast_state()
         recipe = state.recipe if state.enabled else None
         key = (None if recipe is None else type(recipe), version)
-        steps = self._plans.get(key)
-        if steps is None:
+        plan = self._plans.get(key)
+        if plan is None:
             steps = self._plan(recipe)
-            self._plans[key] = steps
-        return steps
+            plan = (steps, self._route(steps))
+            self._plans[key] = plan
+        return plan
 
     @property
     def fuse(self) -> bool:
@@ -184,9 +195,44 @@ class Sequential(nn.Sequential):
         names = {id(m): name for name, m in self.named_modules() if name}
         return [
             (step.name, tuple(names[id(op)] for op in step.basic_ops))
-            for step in self._steps_for_call()
+            for step in self._plan_for_call()[0]
             if isinstance(step, FusedOperation)
         ]
+
+    @property
+    def _module_groups(self) -> list[Any]:
+        """Transformer Engine's private view of the plan, which its tests read: per run of ops
+        between plain modules, an object with ``_forward_ops`` / ``_backward_ops``, lists of
+        ``(op, [basic op indices in the run])`` for each pass (a fused op where it implements
+        that pass, else its basic ops one by one); a plain module as itself."""
+        groups: list[Any] = []
+        run: list[Any] = []
+
+        def close() -> None:
+            if run:
+                fwd, bwd, i = [], [], 0
+                for step in run:
+                    basic = step.basic_ops if isinstance(step, FusedOperation) else (step,)
+                    idxs = list(range(i, i + len(basic)))
+                    for ops, method in ((fwd, "fuser_forward"), (bwd, "fuser_backward")):
+                        if isinstance(step, FusedOperation) and (
+                            not step.te_protocol() or implements_pass(step, method)
+                        ):
+                            ops.append((step, idxs))
+                        else:
+                            ops.extend((op, [j]) for op, j in zip(basic, idxs, strict=True))
+                    i += len(basic)
+                groups.append(SimpleNamespace(_forward_ops=fwd, _backward_ops=bwd))
+                run.clear()
+
+        for step in self._plan_for_call()[0]:
+            if isinstance(step, _ModuleStep):
+                close()
+                groups.append(step.module)
+            else:
+                run.append(step)
+        close()
+        return groups
 
     # Re-plan on every change of the module list (nn.Sequential's mutators all come here).
 
@@ -220,9 +266,9 @@ class Sequential(nn.Sequential):
             )
         if not isinstance(input, Tensor):
             raise TypeError(f"Sequential: input must be a torch.Tensor, got {type(input).__name__}")
-        steps = self._steps_for_call()
-        if self._routes is not None:
-            return self._forward_routed(steps, input, extra_inputs)
+        steps, routes = self._plan_for_call()
+        if routes is not None:
+            return self._forward_routed(steps, routes, input, extra_inputs)
         x, pos, extra_outputs = input, 0, ()
         for step in steps:
             n = step.num_extra_inputs
@@ -231,14 +277,30 @@ class Sequential(nn.Sequential):
             extra_outputs = extra_outputs + extra
         return (x, *extra_outputs) if extra_outputs else x
 
-    def _forward_routed(self, steps, x: Tensor, extra_inputs: tuple[Tensor, ...]):
-        routes = self._routes if steps is self._steps else self._route(steps)
+    def _forward_routed(self, steps, routes, x: Tensor, extra_inputs: tuple[Tensor, ...]):
         channels: dict[str, Tensor] = {}
         public: list[Tensor] = []
         for step, (inputs, outputs) in zip(steps, routes, strict=True):
-            ins = tuple(extra_inputs[k] if src == "caller" else channels[k] for src, k in inputs)
-            x, extra = step_forward(step, x, ins)
+            ins = []
+            for src, k in inputs:
+                if src == "caller":
+                    ins.append(extra_inputs[k])
+                elif src == "internal":
+                    ins.append(None)
+                elif channels[k] is None:
+                    raise RuntimeError(
+                        f"Sequential: extra tensor channel {k!r} is consumed by an operation "
+                        "outside its forward fusion, which returned None for it"
+                    )
+                else:
+                    ins.append(channels[k])
+            x, extra = step_forward(step, x, tuple(ins))
             for y, (ch, to_caller) in zip(extra, outputs, strict=True):
+                if y is None and to_caller:
+                    raise RuntimeError(
+                        f"Sequential: an extra output of {getattr(step, 'name', step)} is public "
+                        "(returned to the caller), and its forward fusion returned None for it"
+                    )
                 if ch is not None:
                     channels[ch] = y
                 if to_caller:

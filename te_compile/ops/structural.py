@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from torch import Tensor
 
 from te_compile._checks import check_bool, check_finite
@@ -30,6 +31,10 @@ class Identity(BasicOperation):
 
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
         return x, ()
+
+    def te_vjp(self, dy: Tensor, grad_extra_outputs: tuple) -> tuple[Tensor, tuple, tuple]:
+        """The backward inside a user fused op in TE's protocol (``ops.op``)."""
+        return dy, (), ()
 
 
 class Reshape(BasicOperation):
@@ -66,6 +71,10 @@ class ConstantScale(BasicOperation):
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
         return x * self.scale, ()
 
+    def te_vjp(self, dy: Tensor, grad_extra_outputs: tuple) -> tuple[Tensor, tuple, tuple]:
+        """The backward inside a user fused op in TE's protocol (``ops.op``)."""
+        return dy * self.scale, (), ()
+
     def extra_repr(self) -> str:
         return f"scale={self.scale}"
 
@@ -73,12 +82,14 @@ class ConstantScale(BasicOperation):
 class AddExtraInput(BasicOperation):
     """:math:`y = x + r` with :math:`r` the next extra input of the ``Sequential`` (a residual).
 
-    ``in_place=True`` (Transformer Engine's meaning): the sum is written into :math:`r` itself
-    (``r += x``) and :math:`r` is the output: no new buffer; the caller's tensor holds the sum
-    afterwards. Autograd sees the in-place add (the gradient reaches both :math:`x` and the
-    tensor :math:`r` was computed from), and ``torch.compile`` functionalises it. As for any
-    in-place op, :math:`r` must have the output's shape and may not be a leaf that requires
-    grad; ``in_place`` runs the add unfused (it is what the residual-epilogue GEMM replaces).
+    ``in_place=True`` (Transformer Engine's meaning): the sum is written into :math:`r`'s
+    storage (``r += x``) and the output holds it: no new buffer; the caller's tensor holds the
+    sum afterwards. The gradient of the output reaches both :math:`x` and :math:`r`; autograd
+    records the in-place add, except on a leaf that requires grad, which it refuses to write:
+    there (as TE writes into ``r.detach()`` in every case) an autograd function writes into
+    :math:`r` with autograd off and passes the output's gradient to both. ``torch.compile``
+    functionalises the write. :math:`r` must have the output's shape; ``in_place`` runs the add
+    unfused (it is what the residual-epilogue GEMM replaces).
     """
 
     num_extra_inputs = 1
@@ -99,20 +110,36 @@ class AddExtraInput(BasicOperation):
                     f"got {tuple(residual.shape)}"
                 )
             return x + residual, ()
-        if residual.is_leaf and residual.requires_grad:
-            raise ValueError(
-                "AddExtraInput(in_place=True): the extra input is a leaf tensor that requires "
-                "grad and cannot be written in place; pass in_place=False"
-            )
         if residual.shape != x.shape:
             raise ValueError(
                 f"AddExtraInput(in_place=True): the extra input's shape "
                 f"({tuple(residual.shape)}) must be the input's ({tuple(x.shape)})"
             )
+        if residual.is_leaf and residual.requires_grad and torch.is_grad_enabled():
+            return _AddInto.apply(x, residual), ()
         return residual.add_(x), ()
+
+    def te_vjp(self, dy: Tensor, grad_extra_outputs: tuple) -> tuple[Tensor, tuple, tuple]:
+        """The backward inside a user fused op in TE's protocol (``ops.op``); autograd sums a
+        broadcast residual's gradient to its shape."""
+        return dy, (), (dy,)
 
     def extra_repr(self) -> str:
         return "in_place=True" if self.in_place else ""
+
+
+class _AddInto(torch.autograd.Function):
+    """``r += x`` into the storage of ``r`` (a tensor that requires grad, possibly a leaf), the
+    sum as the output, and the output's gradient to both: TE's in-place ``AddExtraInput``."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, residual: Tensor) -> Tensor:
+        residual.add_(x)  # autograd is off inside forward: a grad-requiring leaf may be written
+        return residual.view_as(residual)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor) -> tuple[Tensor, Tensor]:
+        return dy, dy
 
 
 class MakeExtraOutput(BasicOperation):
@@ -135,6 +162,11 @@ class MakeExtraOutput(BasicOperation):
 
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
         return x, (x,)
+
+    def te_vjp(self, dy: Tensor, grad_extra_outputs: tuple) -> tuple[Tensor, tuple, tuple]:
+        """The backward inside a user fused op in TE's protocol (``ops.op``)."""
+        (d_branch,) = grad_extra_outputs
+        return (dy if d_branch is None else dy + d_branch), (), ()
 
     def extra_repr(self) -> str:
         return "in_place=True" if self.in_place else ""

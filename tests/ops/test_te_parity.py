@@ -12,6 +12,7 @@ import torch
 
 from te_compile import ops
 from te_compile.ops import fused as fused_mod
+from te_compile.ops.fuser import OperationFuser
 from tests.utils import (
     DEVICES,
     assert_close,
@@ -311,29 +312,45 @@ def test_register_fusion_rejects_non_callable():
 # in_place ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("leaf", [False, True])
 @pytest.mark.parametrize("compiled", [False, True])
-def test_add_extra_input_in_place_writes_into_the_extra_input(compiled):
+def test_add_extra_input_in_place_writes_into_the_extra_input(compiled, leaf):
     torch.manual_seed(0)
     seq = ops.Sequential(ops.BasicLinear(8, 8), ops.AddExtraInput(in_place=True))
     assert seq.fusions() == []  # the in-place add runs unfused
     x_ref, x = make_reference_and_test_tensors((3, 8))
     r0_ref, r0 = make_reference_and_test_tensors((3, 8))
-    r = r0 * 1.0  # a non-leaf residual, as in a block
+    # A non-leaf residual, as in a block, or the grad-requiring leaf itself (TE's own test).
+    r = r0 if leaf else r0 * 1.0
     w_ref = to_reference(seq[0].weight)
-    run = torch.compile(seq, backend="aot_eager", fullgraph=True) if compiled else seq
+    run, counter = compile_counted(seq, backend="aot_eager") if compiled else (seq, None)
     y = run(x, r)
+    if compiled:
+        assert counter.frame_count == 1
     y_ref = x_ref @ w_ref.T + r0_ref
     assert_close(y, y_ref, torch.float32)
     assert_close(r, y_ref, torch.float32)  # the caller's tensor holds the sum
     _backward(y, y_ref)
     assert_close(x.grad, x_ref.grad, torch.float32, roundings=2)
     assert_close(r0.grad, r0_ref.grad, torch.float32)
+    assert_close(seq[0].weight.grad, w_ref.grad, torch.float32, roundings=2)
 
 
-def test_add_extra_input_in_place_refuses_leaf_and_shape_mismatch():
+def test_add_extra_input_in_place_leaf_alone():
+    # TE's test_add_extra_input shape: the op on its own, both inputs grad-requiring leaves.
+    x_ref, x = make_reference_and_test_tensors((5, 7))
+    r_ref, r = make_reference_and_test_tensors((5, 7))
+    y = ops.AddExtraInput(in_place=True)(x, r)
+    y_ref = x_ref + r_ref
+    assert_close(y, y_ref, torch.float32)
+    assert_close(r, y_ref, torch.float32)
+    _backward(y, y_ref)
+    assert torch.equal(x.grad, r.grad)  # both are the output's gradient, exactly
+    assert_close(x.grad, x_ref.grad, torch.float32)
+
+
+def test_add_extra_input_in_place_refuses_shape_mismatch():
     op = ops.AddExtraInput(in_place=True)
-    with pytest.raises(ValueError, match="leaf"):
-        op(torch.randn(2, 3), torch.randn(2, 3, requires_grad=True))
     with pytest.raises(ValueError, match="shape"):
         op(torch.randn(2, 3), torch.randn(1, 3))
     with pytest.raises(ValueError, match="in_place"):
@@ -554,18 +571,88 @@ def test_channel_public_output_fan_out_and_errors():
     (y_ref.sum() + x_ref.sum()).backward()
     assert_close(x.grad, x_ref.grad, torch.float32)
     assert_close(e.grad, e_ref.grad, torch.float32)
-    with pytest.raises(RuntimeError, match="construct new operations"):
+    with pytest.raises(RuntimeError, match="already captured its channel routing"):
         a.set_extra_input_channel(0, None)
-    orphan = ops.AddExtraInput()
-    orphan.set_extra_input_channel(0, "nowhere")
-    with pytest.raises(ValueError, match="no earlier producer"):
-        ops.Sequential(ops.ReLU(), orphan)
-    p1, p2 = ops.MakeExtraOutput(), ops.MakeExtraOutput()
-    p1.set_extra_output_channel(0, "dup")
-    p2.set_extra_output_channel(0, "dup")
-    with pytest.raises(ValueError, match="two producers"):
-        ops.Sequential(p1, p2)
-    with pytest.raises(ValueError, match="index"):
+
+
+# The producer rules, with Transformer Engine's exception types and wording: a named extra input
+# has exactly one producer, an earlier one; indices, names and output_to_caller are checked.
+def _orphan():
+    consumer = ops.AddExtraInput()
+    consumer.set_extra_input_channel(0, "route")
+    return consumer
+
+
+def _producer(name="route"):
+    producer = ops.MakeExtraOutput()
+    producer.set_extra_output_channel(0, name)
+    return producer
+
+
+class _TwoOutputs(ops.BasicOperation):
+    num_extra_outputs = 2
+
+    def op_forward(self, x, extra_inputs):
+        return x, (x, 2 * x)
+
+
+def _same_op_twice():
+    producer = _TwoOutputs()
+    producer.set_extra_output_channel(0, "route")
+    producer.set_extra_output_channel(1, "route")
+    return [producer, _orphan()]
+
+
+@pytest.mark.parametrize("build", [ops.Sequential, lambda *o: OperationFuser(o)])
+@pytest.mark.parametrize(
+    "make_ops,error",
+    [
+        (lambda: [ops.ReLU(), _orphan()], r"'route' consumed by AddExtraInput has no producer"),
+        (lambda: [_orphan(), _producer()], "has no earlier producer"),
+        (lambda: [_producer(), _producer(), _orphan()], "has multiple producers"),
+        (_same_op_twice, "has multiple producers"),
+    ],
+    ids=["no-producer", "later-producer", "two-ops", "one-op-two-slots"],
+)
+def test_channel_producer_rules(build, make_ops, error):
+    with pytest.raises(ValueError, match=error):
+        build(*make_ops())
+
+
+def test_channel_argument_checks_and_lock():
+    with pytest.raises(IndexError, match="out of range"):
         ops.AddExtraInput().set_extra_input_channel(1, "x")
-    with pytest.raises(ValueError, match="output_to_caller"):
+    with pytest.raises(IndexError, match="out of range"):
+        ops.MakeExtraOutput().set_extra_output_channel(-1, "x")
+    with pytest.raises(ValueError, match="non-empty string"):
+        ops.MakeExtraOutput().set_extra_output_channel(0, "")
+    with pytest.raises(ValueError, match="non-empty string"):
+        ops.AddExtraInput().set_extra_input_channel(0, 3)
+    with pytest.raises(TypeError, match="output_to_caller must be a bool"):
         ops.MakeExtraOutput().set_extra_output_channel(0, "x", output_to_caller=None)
+    producer, consumer = _producer(), _orphan()
+    OperationFuser([producer, consumer])  # building the fuser captures the routing
+    for call in (lambda: producer.set_extra_output_channel(0, None),
+                 lambda: consumer.set_extra_input_channel(0, None)):  # fmt: skip
+        with pytest.raises(RuntimeError, match="already captured its channel routing"):
+            call()
+
+
+def test_operation_fuser_runs_the_ops_and_records_sources():
+    # A rebound consumer takes its last channel; the other producer's output stays public.
+    a, b, consumer = _producer("a"), _producer("b"), ops.AddExtraInput()
+    consumer.set_extra_input_channel(0, "a")
+    consumer.set_extra_input_channel(0, "b")
+    free = ops.AddExtraInput()
+    fuser = OperationFuser([a, ops.Linear(4, 4), b, consumer, free])
+    assert fuser._basic_op_extra_input_sources == [[], [], [], [], [(3, 0)], [None]]
+    assert fuser.num_extra_inputs == 1
+    x_ref, x = make_reference_and_test_tensors((3, 4))
+    e_ref, e = make_reference_and_test_tensors((3, 4))
+    linear = fuser._basic_ops[1:3]
+    w_ref, b_ref = to_reference(linear[0].weight), to_reference(linear[1].bias)
+    y, out_a, out_b = fuser(x, e)
+    h_ref = x_ref @ w_ref.T + b_ref
+    assert_close(y, 2 * h_ref + e_ref, torch.float32, roundings=2)
+    assert torch.equal(out_a, x)
+    assert_close(out_b, h_ref, torch.float32)
