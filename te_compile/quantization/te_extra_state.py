@@ -178,7 +178,10 @@ def accept_te_extra_state(
     with a warning when it held some (``attention``: only under FP8 attention, ``fp8_dpa`` /
     ``fp8_mha``, as TE saves the attention's slots under any FP8 recipe). A later call (a
     subclass's ``__init__``) replaces an earlier one's choice."""
-    if "_te_extra_state" not in module.__dict__:
+    # Not while dynamo traces (an op built inside a compiled region, e.g. under checkpoint):
+    # registering a hook bumps a class counter dynamo cannot trace, and such a temporary
+    # module is never loaded into.
+    if "_te_extra_state" not in module.__dict__ and not torch.compiler.is_compiling():
         module.register_load_state_dict_pre_hook(_load_hook)
     module._te_extra_state = _Spec(tuple(gemm_states), tuple(te_gemms), slots, attention)
 
