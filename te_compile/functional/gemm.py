@@ -101,6 +101,7 @@ __all__ = [
     "check_specs",
     "check_weight_operand",
     "check_weight_spec",
+    "checked_weight_cast",
     "delayed_on_cuda",
     "empty",
     "gemm",
@@ -564,13 +565,19 @@ def quantize_weight(
     scales ``[3]``, whose weight slot is used, with a ``"delayed"`` spec).
     ``te::quantize_weight`` after the checks of its arguments (the dispatcher's type errors
     would not name them)."""
-    p = "te.quantize_weight"
-    check_tensor(p, "weight", weight)
-    check_tensors(p, scale=scale)
+    return quantize_weight_op(*checked_weight_cast("te.quantize_weight", weight, spec, scale))
+
+
+def checked_weight_cast(
+    owner: str, weight: Tensor, spec: str | QuantSpec, scale: Tensor | None
+) -> tuple[Tensor, str, Tensor | None]:
+    """The arguments of a weight cast op (``te::quantize_weight``, ``te::quantize_grouped_weight``)
+    checked by name, the spec as its string."""
+    check_tensor(owner, "weight", weight)
+    check_tensors(owner, scale=scale)
     if not isinstance(spec, (str, QuantSpec)):
-        raise TypeError(f"{p}: spec must be a QuantSpec or its str, got {spec!r}")
-    spec = spec.encode() if isinstance(spec, QuantSpec) else spec
-    return quantize_weight_op(weight, spec, scale)
+        raise TypeError(f"{owner}: spec must be a QuantSpec or its str, got {spec!r}")
+    return weight, spec.encode() if isinstance(spec, QuantSpec) else spec, scale
 
 
 @quantize_weight_op.register_fake

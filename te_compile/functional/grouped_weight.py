@@ -36,13 +36,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from te_compile._checks import check_tensor, check_tensors
 from te_compile._library import SampleInput, op
 from te_compile.functional.gemm import (
     HIGH_DTYPES,
     PER_TENSOR,
     check_weight_operand,
     check_weight_spec,
+    checked_weight_cast,
 )
 from te_compile.functional.grouped_fp8 import per_tensor_weight
 from te_compile.functional.grouped_gemm import (
@@ -148,10 +148,5 @@ def quantize_grouped_weight(
     ``spec`` (``functional.spec.QuantSpec``, as the op gets it; ``scale``: the GEMM's delayed
     scales ``[3]``, whose weight slot is used, with a ``"delayed"`` spec).
     ``te::quantize_grouped_weight`` after the checks of its arguments."""
-    p = "te.quantize_grouped_weight"
-    check_tensor(p, "weight", weight)
-    check_tensors(p, scale=scale)
-    if not isinstance(spec, (str, QuantSpec)):
-        raise TypeError(f"{p}: spec must be a QuantSpec or its str, got {spec!r}")
-    spec = spec.encode() if isinstance(spec, QuantSpec) else spec
-    return quantize_grouped_weight_op(weight, spec, scale)
+    args = checked_weight_cast("te.quantize_grouped_weight", weight, spec, scale)
+    return quantize_grouped_weight_op(*args)
