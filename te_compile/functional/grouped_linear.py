@@ -105,7 +105,7 @@ from te_compile.functional.grouped_weight import (
     quantize_grouped_weight,
 )
 from te_compile.functional.quantize_mx import nvfp4_qdq
-from te_compile.functional.spec import BackwardSpec, QuantSpec, parse
+from te_compile.functional.spec import BackwardSpec, QuantSpec, parse, parse_roles
 
 __all__ = [
     "GROUPED_GEMMS",
@@ -159,9 +159,7 @@ class _Args(NamedTuple):
 
     @property
     def specs(self) -> tuple[QuantSpec, QuantSpec, QuantSpec]:
-        return (parse(QuantSpec, self.input_spec, "te.grouped_linear: input_spec"),
-                parse(QuantSpec, self.weight_spec, "te.grouped_linear: weight_spec"),
-                parse(QuantSpec, self.grad_spec, "te.grouped_linear: grad_spec"))  # fmt: skip
+        return parse_roles("te.grouped_linear", self.input_spec, self.weight_spec, self.grad_spec)
 
     @property
     def recipe(self) -> str:

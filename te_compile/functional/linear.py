@@ -139,7 +139,14 @@ from te_compile.functional.prologue import (
     unit_rows,
 )
 from te_compile.functional.quantize import dequantize_blockwise
-from te_compile.functional.spec import BackwardSpec, EpilogueSpec, NormSpec, QuantSpec, parse
+from te_compile.functional.spec import (
+    BackwardSpec,
+    EpilogueSpec,
+    NormSpec,
+    QuantSpec,
+    parse,
+    parse_roles,
+)
 
 __all__ = ["linear", "linear_ref"]
 
@@ -170,9 +177,7 @@ class _Args(NamedTuple):
 
     @property
     def specs(self) -> tuple[QuantSpec, QuantSpec, QuantSpec]:
-        return (parse(QuantSpec, self.input_spec, "te.linear: input_spec"),
-                parse(QuantSpec, self.weight_spec, "te.linear: weight_spec"),
-                parse(QuantSpec, self.grad_spec, "te.linear: grad_spec"))  # fmt: skip
+        return parse_roles("te.linear", self.input_spec, self.weight_spec, self.grad_spec)
 
     @property
     def ep(self) -> EpilogueSpec:

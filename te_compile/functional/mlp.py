@@ -100,7 +100,7 @@ from te_compile.functional.prologue import (
     norm_ref,
     unit_rows,
 )
-from te_compile.functional.spec import EpilogueSpec, NormSpec, QuantSpec, parse
+from te_compile.functional.spec import EpilogueSpec, NormSpec, QuantSpec, parse, parse_roles
 
 __all__ = ["MLP_ACTIVATIONS", "mlp", "mlp_ref"]
 
@@ -132,9 +132,7 @@ class _Args(NamedTuple):
 
     @property
     def specs(self) -> tuple[QuantSpec, QuantSpec, QuantSpec]:
-        return (parse(QuantSpec, self.input_spec, "te.mlp: input_spec"),
-                parse(QuantSpec, self.weight_spec, "te.mlp: weight_spec"),
-                parse(QuantSpec, self.grad_spec, "te.mlp: grad_spec"))  # fmt: skip
+        return parse_roles("te.mlp", self.input_spec, self.weight_spec, self.grad_spec)
 
     @property
     def recipe(self) -> str:

@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["BackwardSpec", "EpilogueSpec", "NormSpec", "QuantSpec", "parse"]
+__all__ = ["BackwardSpec", "EpilogueSpec", "NormSpec", "QuantSpec", "parse", "parse_roles"]
 
 S = TypeVar("S")
 
@@ -217,3 +217,14 @@ def parse(cls: type[S], text: str, name: str = "spec") -> S:
         else:
             raise _bad(cls, name, text, f"unknown token {token!r}")
     return cls(**values)
+
+
+ROLES = ("input_spec", "weight_spec", "grad_spec")
+
+
+def parse_roles(owner: str, *texts: str) -> tuple[QuantSpec, QuantSpec, QuantSpec]:
+    """A GEMM family op's three operand specs (``input_spec``, ``weight_spec``, ``grad_spec``),
+    each parsed with its argument named after ``owner`` in the errors."""
+    return tuple(
+        parse(QuantSpec, text, f"{owner}: {role}") for role, text in zip(ROLES, texts, strict=True)
+    )  # type: ignore[return-value]
