@@ -121,6 +121,10 @@ class GemmArgs(NamedTuple):
         return dict(zip(("input_spec", "weight_spec", "grad_spec"), self.specs, strict=True))
 
 
+# Returned, not built, in traced code: torch 2.11's dynamo cannot build a NamedTuple whose
+# omitted fields default to a QuantSpec (a graph break per module call).
+_HIGH_ARGS = GemmArgs()
+
 ROLES = ("input", "weight", "grad")
 
 
@@ -286,7 +290,7 @@ def gemm_args(
     (``functional.blockwise_supported``; a grouped GEMM also needs a bf16 input), and is
     emulated elsewhere; MXFP8 and NVFP4 are emulated (native GEMMs need Blackwell)."""
     if not state.enabled:
-        return GemmArgs()
+        return _HIGH_ARGS
     override = state.recipe.backward_override or ""
     args = _recipe_args(owner, state, inp, weights, metas, grouped)
     return args._replace(backward_override=override)
