@@ -451,6 +451,15 @@ class DifferentiableOp:
                 result[i] = [None] * n
             return tuple(result)
 
+        # Only autograd's eager engine calls this function as a frame of its own: after a
+        # graph break at ``loss.backward()`` under a compiled or explained step, while dynamo's
+        # frame hook is still set. Dynamo would then trace our Python backward as graphs of
+        # their own (a graph and a recompile per op, counted as the user's graph breaks), where
+        # an aten op's C++ backward is invisible to it. A compiled forward's backward is traced
+        # by AOTAutograd, which calls this function directly and still sees every op in it.
+        _op_backward = torch._dynamo.disable(
+            _op_backward, reason="te_compile: an op's backward run by autograd's eager engine"
+        )
         torch.library.register_autograd(
             fwd.qualname, _op_backward, setup_context=_op_setup_context, lib=_LIB
         )

@@ -123,3 +123,26 @@ def test_list_ops_names():
     names = te.list_ops()
     assert "te::linear_fwd" in names and "te::linear_bwd" in names
     assert names == sorted(names)
+
+
+def test_explained_training_step_sees_no_more_graphs_than_plain_pytorch():
+    """A step that calls ``loss.backward()`` breaks the graph there; the eager backward that
+    follows runs our ops' Python backward, which dynamo must not trace as graphs of its own
+    (it does not see an aten op's C++ backward either)."""
+    torch.manual_seed(0)
+
+    def counts(model: torch.nn.Module) -> tuple[int, int]:
+        x = torch.randn(8, 2, 64, requires_grad=True)
+
+        def step(x):
+            loss = model(x).float().pow(2).mean()
+            loss.backward()
+            return loss
+
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(step)(x)
+        return explained.graph_count, explained.graph_break_count
+
+    plain = counts(torch.nn.Sequential(torch.nn.LayerNorm(64), torch.nn.Linear(64, 64)))
+    assert counts(te.LayerNormLinear(64, 64)) == plain
+    assert counts(te.TransformerLayer(64, 128, 4, params_dtype=torch.float32)) == plain
