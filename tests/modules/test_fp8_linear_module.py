@@ -29,6 +29,7 @@ from tests.utils import (
     requires_cuda,
     with_specs,
 )
+from tests.utils.references import nvfp4_dequantized
 
 
 def _linear(device, bias=True):
@@ -639,3 +640,21 @@ def test_grouped_linear_fp8_under_cuda_graphs(recipe):
             else:
                 torch.testing.assert_close(y.detach(), y_ref, rtol=0, atol=0)
         torch.testing.assert_close(graphed.weight.grad, eager.weight.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("two_d", [True, False], ids=["2d_weight", "1d_weight"])
+def test_nvfp4_forward_is_the_gemm_of_the_quantised_operands(device, two_d):
+    """Under NVFP4 a Linear's forward multiplies the E2M1 values of its input (1 x 16 blocks)
+    and weight (16 x 16 tiles, or 1 x 16 with disable_2d_quantization) exactly: against the
+    float64 product of an independent quantiser's values (tests.utils.references) only the
+    fp32 accumulation differs. Comparing with the unquantised product instead would admit the
+    format's own error and bias, which reach 8 - 20% (tests.utils.QUANTIZED_GAIN)."""
+    torch.manual_seed(0)
+    m = te.Linear(64, 48, params_dtype=torch.float32, device=device)
+    x = torch.randn(32, 64, device=device) * torch.logspace(-1, 1, 64, device=device)
+    with autocast(recipe=te.recipe.NVFP4BlockScaling(disable_2d_quantization=not two_d)):
+        y = m(x)
+    w = nvfp4_dequantized(m.weight.detach().cpu(), tile_rows=16 if two_d else 1)
+    expected = nvfp4_dequantized(x.cpu()) @ w.T + m.bias.detach().cpu().double()
+    assert_close(y, expected, torch.float32, reduced=True, roundings=2)

@@ -400,6 +400,33 @@ def nvfp4_rows(x2, g):
     return codes[:, 0::2] | (codes[:, 1::2] << 4), scale
 
 
+def nvfp4_dequantized(x2, tile_rows=1):
+    """The values NVFP4 gives ``x2`` ``[M, K]`` (float64): its global scale from the tensor's
+    amax, one E4M3 scale per block of 1 x 16 (``tile_rows=1``) or 16 x 16 (``tile_rows=16``,
+    the 2-D weight tiles) elements from the block's amax, each element the nearest E2M1 value
+    of ``x * encode scale`` (ties even), decoded as ``code * scale / global``. The steps in
+    :func:`nvfp4_rows`' order of fp32 operations; no Hadamard transform, round to nearest."""
+    e4m3_values, e4m3_codes = fp8_table(E4M3)
+    e2m1 = np.array(E2M1)
+    x = x2.float().numpy()
+    g = nvfp4_global(float(np.abs(x).max()) if x.size else 0.0)
+    out = np.zeros(x.shape, dtype=np.float64)
+    flt_max = np.finfo(np.float32).max
+    for i in range(0, x.shape[0], tile_rows):
+        for j in range(0, x.shape[1], 16):
+            block = x[i : i + tile_rows, j : j + 16]
+            amax = np.abs(block).max()
+            s_exact = min(amax * (g * np.float32(1 / 6)), np.float32(448.0))
+            s_code = _nearest(np.array([s_exact], dtype=np.float64), e4m3_values, e4m3_codes)
+            s = np.float32(e4m3_values[e4m3_codes == s_code][0])
+            enc = min(np.float32(1) / (s * (np.float32(1) / g)), flt_max) if s else np.float32(0)
+            v = (block * enc).astype(np.float64)
+            codes = _nearest(v.reshape(-1), e2m1, np.arange(8, dtype=np.uint8))
+            mag = e2m1[codes].reshape(v.shape)
+            out[i : i + tile_rows, j : j + 16] = np.where(np.signbit(v), -mag, mag) * (s / g)
+    return torch.from_numpy(out)
+
+
 def quantize_mxfp8(x, fp8_dtype, rowwise, columnwise):
     """``(data, scale, data_t, scale_t)``: :func:`mxfp8_rows` of ``[M, K]`` and of x^T."""
     x2 = rows(x)
