@@ -40,8 +40,8 @@ CASES = {
         f"{EDGE}::test_delayed_scaling_saturates_in_a_module_forward_and_backward",
         f"{EDGE}::test_values_at_the_dtype_max_pass_a_module_finite[Linear-block-fp32-cpu]",
         # NVFP4: against the product of the quantised operands, not the format's own error
-        f"{NVFP4}[2d_weight-cpu]",
-        f"{NVFP4}[1d_weight-cpu]",
+        f"{NVFP4}[Linear-2d_weight-cpu]",
+        f"{NVFP4}[Linear-1d_weight-cpu]",
     ],
     # MXFP8 takes whole blocks of 32 tokens: its Linear is checked by the fuzz.
     "linear_10_percent_mxfp8": ["tests/fuzz/test_modules.py::test_linear"],

@@ -644,17 +644,24 @@ def test_grouped_linear_fp8_under_cuda_graphs(recipe):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("two_d", [True, False], ids=["2d_weight", "1d_weight"])
-def test_nvfp4_forward_is_the_gemm_of_the_quantised_operands(device, two_d):
+@pytest.mark.parametrize("module", ["Linear", "LayerNormLinear"])
+def test_nvfp4_forward_is_the_gemm_of_the_quantised_operands(device, two_d, module):
     """Under NVFP4 a Linear's forward multiplies the E2M1 values of its input (1 x 16 blocks)
     and weight (16 x 16 tiles, or 1 x 16 with disable_2d_quantization) exactly: against the
     float64 product of an independent quantiser's values (tests.utils.references) only the
     fp32 accumulation differs. Comparing with the unquantised product instead would admit the
-    format's own error and bias, which reach 8 - 20% (tests.utils.QUANTIZED_GAIN)."""
+    format's own error and bias, which reach 8 - 20% (tests.utils.QUANTIZED_GAIN). The
+    LayerNormLinear's GEMM input is its returned norm output (the norm has its own tests)."""
     torch.manual_seed(0)
-    m = te.Linear(64, 48, params_dtype=torch.float32, device=device)
+    kw = {"params_dtype": torch.float32, "device": device}
+    if module == "Linear":
+        m = te.Linear(64, 48, **kw)
+    else:
+        m = te.LayerNormLinear(64, 48, return_layernorm_output=True, **kw)
     x = torch.randn(32, 64, device=device) * torch.logspace(-1, 1, 64, device=device)
     with autocast(recipe=te.recipe.NVFP4BlockScaling(disable_2d_quantization=not two_d)):
         y = m(x)
+    y, gemm_input = (y, x) if module == "Linear" else y
     w = nvfp4_dequantized(m.weight.detach().cpu(), tile_rows=16 if two_d else 1)
-    expected = nvfp4_dequantized(x.cpu()) @ w.T + m.bias.detach().cpu().double()
+    expected = nvfp4_dequantized(gemm_input.detach().cpu()) @ w.T + m.bias.detach().cpu().double()
     assert_close(y, expected, torch.float32, reduced=True, roundings=2)
