@@ -43,6 +43,32 @@ S = TypeVar("S")
 _E4M3, _E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
+def _cached(build: Any) -> Any:
+    """An ``encode`` method that builds each spec's string once: specs are frozen and hashable,
+    and an eager GEMM call encodes a dozen of them. Traced code builds the string (dynamo
+    folds it into a constant of the graph) and never reads the cache."""
+
+    @functools.wraps(build)
+    def encode(self) -> str:
+        if torch.compiler.is_compiling():
+            return build(self)
+        return _text(self, build)
+
+    return encode
+
+
+_TEXTS: dict[Any, str] = {}
+
+
+def _text(spec: Any, build: Any) -> str:
+    text = _TEXTS.get(spec)
+    if text is None:
+        if len(_TEXTS) >= 4096:  # many distinct eps / scale values: start over
+            _TEXTS.clear()
+        text = _TEXTS[spec] = build(spec)
+    return text
+
+
 def _flag(token: str) -> Any:
     return dataclasses.field(default=False, metadata={"flag": token})
 
@@ -81,6 +107,7 @@ class QuantSpec:
     row_scaled: bool = _flag("row_scaled")
     four_over_six: str = _value("", "4over6")
 
+    @_cached
     def encode(self) -> str:
         """The canonical string; an FP8 kind's format is always written."""
         kind, _, rest = _encode(self).partition(":")
@@ -104,6 +131,7 @@ class NormSpec:
     zero_centered_gamma: bool = _flag("zero_centered")
     bias: bool = _flag("bias")
 
+    @_cached
     def encode(self) -> str:
         return _encode(self)
 
@@ -124,6 +152,7 @@ class EpilogueSpec:
     scale: float = _value(1.0, "scale")
     branch: bool = _flag("branch")
 
+    @_cached
     def encode(self) -> str:
         return _encode(self)
 
@@ -145,6 +174,7 @@ class BackwardSpec:
     save_input: bool = _flag("save_input")
     fp8_wgrad: bool = _flag("fp8_wgrad")
 
+    @_cached
     def encode(self) -> str:
         return _encode(self)
 
