@@ -9,7 +9,7 @@
 # (the default list, in that order; split them over calls to stay inside the 10-minute limit of
 # one call); fp8_loss (train_gpt 300 steps per FP8 recipe), fp8_loss_seeds (the FP8 loss
 # criterion over three seeds); the diagnostics of bench/diag/: loss_diag, diag_host,
-# diag_grouped_gemm, diag_grouped_delayed, diag_kernels, diag_hf_step, diag_sdpa_choice,
+# diag_grouped_gemm, diag_grouped_delayed, diag_delayed_traced, diag_kernels, diag_hf_step, diag_sdpa_choice,
 # tune_norm, tune_rotary, tune_quantize[:part], tune_group_columns;
 # rope (bench_rope) and moe (bench_moe, MoE token routing), not in the default list.
 # Each step writes one log under $OUT (a bench step also its .md/.json, --no-chart), packed into
@@ -122,6 +122,10 @@ runpy.run_path('examples/train_gpt.py', run_name='__main__')" "${tg[@]:1}" \
       python3 -m bench.diag.diag_grouped_gemm 2>&1 | tee "$OUT/diag_grouped_gemm.log" ;;
     diag_grouped_delayed)  # the spread of the FP8 GroupedLinear's delayed row (bench/diag/diag_grouped_delayed.py)
       python3 -m bench.diag.diag_grouped_delayed ${DIAG_ARGS:-} 2>&1 | tee "$OUT/diag_grouped_delayed.log" ;;
+    diag_delayed_traced)  # DelayedScaling's GEMM ops traced through on CUDA: misaligned
+                          # _scaled_mm arguments, Inductor's reuses, errors against eager
+      python3 -m bench.diag.diag_delayed_traced ${DIAG_ARGS:-} 2>&1 \
+        | tee "$OUT/diag_delayed_traced.log" | tail -40 ;;
     diag_host)  # where the FP8 MLP step's time goes beyond its kernels (bench/diag/diag_host.py)
       python3 -m bench.diag.diag_host 2>&1 | tee "$OUT/diag_host.log" ;;
     tune_norm) python3 -m bench.diag.tune_norm 2>&1 | tee "$OUT/tune_norm.log" ;;

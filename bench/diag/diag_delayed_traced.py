@@ -1,0 +1,159 @@
+"""DelayedScaling's GEMM ops traced through by Inductor on CUDA: what breaks, where.
+
+On CUDA the ``te::linear_*`` / ``te::mlp_*`` calls under DelayedScaling are kept whole
+(``functional.gemm.delayed_on_cuda``): traced through, Inductor once handed ``_scaled_mm`` a
+scale 8 bytes into a buffer (``CUBLAS_STATUS_NOT_SUPPORTED``). This runs compiled training
+steps with that rule switched off (``--traced``, the default) or on (``--kept``), and for each
+case reports:
+
+* every ``_scaled_mm`` call of the compiled code whose tensors are not 16-byte aligned (the
+  extern kernel wrapped: its arguments as Inductor passes them);
+* the generated code's ``_scaled_mm`` lines and buffer reuses (``# reuse``) of the first case;
+* outputs, input gradients and the delayed-scaling state against eager, step by step;
+* the error, if a step raises.
+
+    python -m bench.diag.diag_delayed_traced            # CUDA
+    python -m bench.diag.diag_delayed_traced --kept
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch
+from torch._inductor.select_algorithm import extern_kernels
+from torch._inductor.utils import run_and_get_code
+
+import te_compile as te
+from te_compile.quantization import DelayedScaling, autocast
+
+GEMM_OPS = ("linear_fwd", "linear_bwd", "mlp_fwd", "mlp_bwd")
+CASES = {  # name: (module factory, tokens)
+    "linear_64x48_t32": (
+        lambda: te.Linear(64, 48, params_dtype=torch.bfloat16, device=DEVICE[0]),
+        32,
+    ),
+    "linear_4096x1024_t8192": (
+        lambda: te.Linear(4096, 1024, params_dtype=torch.bfloat16, device=DEVICE[0]),
+        8192,
+    ),
+    "mlp_1024x4096_t8192": (
+        lambda: te.LayerNormMLP(
+            1024, 4096, activation="swiglu", params_dtype=torch.bfloat16, device=DEVICE[0]
+        ),
+        8192,
+    ),
+}
+DEVICE = ["cuda"]  # --device
+MISALIGNED: list[tuple[str, int, tuple[int, ...]]] = []
+
+
+def _checked_scaled_mm(original):
+    def scaled_mm(*args, **kwargs):
+        for i, t in enumerate(args[:4]):
+            if isinstance(t, torch.Tensor) and t.data_ptr() % 16:
+                MISALIGNED.append((("a", "b", "scale_a", "scale_b")[i], t.data_ptr() % 16,
+                                   tuple(t.shape)))  # fmt: skip
+        return original(*args, **kwargs)
+
+    return scaled_mm
+
+
+def _state(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [b.clone() for n, b in model.named_buffers() if n.endswith(("scale", "amax_history"))]
+
+
+def run_case(name: str, show_code: bool, inside: bool) -> None:
+    make, tokens = CASES[name]
+    torch.manual_seed(0)
+    eager, compiled_model = make(), make()
+    compiled_model.load_state_dict(eager.state_dict())
+    hidden = eager.weight.shape[1] if hasattr(eager, "weight") else 1024
+    recipe = DelayedScaling()
+
+    def step_eager(x):
+        with autocast(recipe=recipe):
+            return eager(x)
+
+    if inside:
+
+        def body(x):
+            with autocast(recipe=recipe):
+                return compiled_model(x)
+
+        step_compiled = torch.compile(body)
+    else:
+        inner = torch.compile(compiled_model)
+
+        def step_compiled(x):
+            with autocast(recipe=recipe):
+                return inner(x)
+
+    MISALIGNED.clear()
+    for i in range(4):
+        g = torch.Generator(device=DEVICE[0]).manual_seed(i)
+        x0 = torch.randn(tokens, hidden, device=DEVICE[0], dtype=torch.bfloat16, generator=g)
+        xe, xc = x0.clone().requires_grad_(), x0.clone().requires_grad_()
+        ye = step_eager(xe)
+        ye.float().square().mean().backward()
+        try:
+            if show_code and i == 2:
+
+                def run(xc=xc):
+                    out = step_compiled(xc)
+                    out.float().square().mean().backward()
+                    return out
+
+                yc, codes = run_and_get_code(run)
+                for code in codes:
+                    for line in code.splitlines():
+                        if "_scaled_mm(" in line or "# reuse" in line:
+                            print("    code:", line.strip()[:200])
+            else:
+                yc = step_compiled(xc)
+                yc.float().square().mean().backward()
+            if DEVICE[0] == "cuda":
+                torch.cuda.synchronize()
+        except Exception as e:  # a diagnostic: report the failure and go on
+            print(f"  {name} step {i}: {type(e).__name__}: {str(e)[:400]}")
+            traceback.print_exc(limit=3)
+            return
+        out_err = ((yc.float() - ye.float()).norm() / ye.float().norm()).item()
+        dx_err = ((xc.grad.float() - xe.grad.float()).norm() / xe.grad.float().norm()).item()
+        state_same = all(
+            torch.equal(a, b) for a, b in zip(_state(eager), _state(compiled_model), strict=True)
+        )
+        bad = MISALIGNED[:4]
+        print(f"  {name} step {i}: rel. err out {out_err:.2e} dx {dx_err:.2e}, "
+              f"state bit-equal {state_same}, misaligned _scaled_mm args {bad}")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kept", action="store_true", help="keep the delayed calls whole")
+    parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the script")
+    parser.add_argument("--cases", nargs="+", choices=sorted(CASES), default=list(CASES))
+    args = parser.parse_args()
+    DEVICE[0] = args.device
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("diag_delayed_traced: needs CUDA (--device cpu: a smoke run)")
+    if not args.kept:
+        for name in GEMM_OPS:
+            family = "mlp" if name.startswith("mlp") else "linear"
+            getattr(sys.modules[f"te_compile.functional.{family}"], name).kept_whole = None
+    extern_kernels._scaled_mm = _checked_scaled_mm(torch._scaled_mm)
+    print("delayed GEMM ops", "kept whole" if args.kept else "traced through")
+    for i, name in enumerate(args.cases):
+        for inside in (True, False):
+            print(f"{name}, autocast {'inside' if inside else 'outside'} the compiled region")
+            run_case(name, show_code=i == 0 and inside, inside=inside)
+
+
+if __name__ == "__main__":
+    main()
