@@ -115,12 +115,20 @@ def test_compiled_block_calls_no_te_op(device, recipe):
     x = torch.randn(TOKENS, HIDDEN, device=device, requires_grad=True)
     x_twin = x.detach().clone().requires_grad_()
     rec = factory() if factory is not None else None
+    twin_rec = factory() if factory is not None else None
     compiled = torch.compile(model, fullgraph=True)
+    if recipe == "delayed":  # the first step calibrates (current scaling): check a delayed one
+        _step(compiled, x, rec)()
+        _step(twin, x_twin, twin_rec)()
+        x.grad = x_twin.grad = None
     out, codes = run_and_get_code(_step(compiled, x, rec))
     assert len(codes) == 2, "one forward and one backward graph"
-    for code in codes:
-        assert _te_calls(code) == set(), "Inductor's code enters te ops through the dispatcher"
-    twin_rec = factory() if factory is not None else None
+    # Kept whole: the MLP family under delayed scaling on CUDA (functional.gemm.delayed_on_cuda).
+    kept = set()
+    if recipe == "delayed" and device == "cuda":
+        kept = {"torch.ops.te.mlp_fwd", "torch.ops.te.mlp_bwd"}
+    calls = set().union(*map(_te_calls, codes))
+    assert calls == kept, "Inductor's code enters te ops through the dispatcher"
     expected = _step(twin, x_twin, twin_rec)()
     assert_matches_eager(out, expected, roundings=4)
     assert_matches_eager(x.grad, x_twin.grad, roundings=16)

@@ -156,23 +156,23 @@ def unpad(t2: Tensor, rows: int) -> Tensor:
 
 def scale_slots(scale: Tensor | None, recipe: str) -> tuple[Tensor | None, ...]:
     """The delayed scales of a GEMM's input, weight and gradient as ``[1]`` views of ``scale``
-    ``[3]``, or three Nones (every other kind). Views: on CPU the traced code reads them; on
-    CUDA the ops are kept whole under delayed scaling (:func:`delayed_on_cuda`)."""
+    ``[3]``, or three Nones (every other kind). Views: traced code reads them (on CUDA the MLP
+    family's ops are kept whole under delayed scaling, :func:`delayed_on_cuda`)."""
     if recipe != "delayed":
         return None, None, None
     return scale[0:1], scale[1:2], scale[2:3]
 
 
 def delayed_on_cuda(*args: object) -> str | None:
-    """``kept_whole`` of the GEMM family ops: DelayedScaling on CUDA stays an opaque call.
-    Traced through, the partitioner saved a slice of the recipe's scale state for the backward
-    and Inductor reused that graph input as scratch memory for an inverse scale (writing into
-    the state; cuBLAS refused the scale pointer 8 bytes into the buffer with
-    CUBLAS_STATUS_NOT_SUPPORTED on the H100)."""
+    """``kept_whole`` of the MLP family ops: DelayedScaling on CUDA stays an opaque call.
+    Traced through, the backward's FP8 GEMM of the second weight's gradient fails in cuBLAS
+    with CUBLAS_STATUS_NOT_SUPPORTED at the second (first delayed) step (H200, torch 2.11,
+    ``bench.diag.diag_delayed_traced``), with 16-byte-aligned arguments. The linear family is
+    traced through under delayed scaling: its compiled steps match eager bit for bit there."""
     first = next((a for a in args if isinstance(a, Tensor)), None)
     delayed = any(isinstance(a, str) and a.startswith("delayed") for a in args)
     if delayed and first is not None and first.device.type == "cuda":
-        return "DelayedScaling on CUDA: Inductor reuses a saved view of the scale state"
+        return "DelayedScaling on CUDA: cuBLAS refuses the traced MLP backward's FP8 wgrad GEMM"
     return None
 
 

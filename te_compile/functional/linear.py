@@ -112,7 +112,6 @@ from te_compile.functional.gemm import (
     check_specs,
     check_weight_operand,
     check_weight_quantized,
-    delayed_on_cuda,
     empty,
     gemm,
     gemm_kind,
@@ -509,7 +508,7 @@ def _dequantized(spec: QuantSpec, q, rows: int, dtype) -> Tensor:
     return values[:rows].to(dtype, copy=values is q.data)
 
 
-@op("linear_fwd", kept_whole=delayed_on_cuda)
+@op("linear_fwd")
 def linear_fwd(
     inp: Tensor,
     weight: Tensor,
@@ -732,7 +731,6 @@ def _quantized_backward(dy, copies, main_grad, scale, grad_amax, rng_state, c: _
 @op(
     "linear_bwd",
     mutates_args=("main_grad", "grad_amax", "wgrad_stash"),
-    kept_whole=delayed_on_cuda,
 )
 def linear_bwd(
     grad: Tensor,
