@@ -664,6 +664,8 @@ def _measure_row(
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
 
     regions = compiled_regions_per_step(step) if compiled else None
+    host = harness.host_ms(step, device)
+    kernels = harness.kernels_per_call(step, params) if device.type == "cuda" else None
     clear_grads(params, x)
     out = forward_backward(call, x, grad, cudagraphs).detach().clone()
     dx = x.grad.detach().clone()
@@ -674,6 +676,8 @@ def _measure_row(
         "precision": spec.precision,
         "mode": spec.mode,
         "first_step_s": first_step_s,
+        "host_ms": host,
+        "kernels_per_layer": None if kernels is None else kernels / size.layers,
         "peak_mem_bytes": peak,
         "graphs_first_step": graphs if compiled else None,
         "recompiled_graphs": dynamo_graphs() - graphs if compiled else None,
@@ -774,6 +778,8 @@ def format_block_markdown(result: harness.CaseResult) -> str:
         "p20 - p80",
         "TFLOP/s",
         "t / t(torch bf16, same mode)",
+        "host ms",
+        "kernels / layer",
         "first step (s)",
         "peak mem (GiB)",
         "graph breaks",
@@ -801,6 +807,8 @@ def format_block_markdown(result: harness.CaseResult) -> str:
                 f"{harness.format_time(r.timing.p20_ms)} - {harness.format_time(r.timing.p80_ms)}",
                 harness.format_rate(r.tflops),
                 "(baseline)" if r.baseline == r.name else _cell(r.ratio, ".3f") + "x",
+                _cell(e.get("host_ms"), ".3g"),
+                _cell(e.get("kernels_per_layer"), ".0f"),
                 _cell(e.get("first_step_s"), ".3g"),
                 _cell(e.get("peak_mem_bytes"), ".2f", 2.0**-30),
                 "—" if e.get("graph_breaks") is None else str(e["graph_breaks"]),
@@ -839,6 +847,10 @@ def case_notes(size: Size, skipped: Sequence[str]) -> list[str]:
         "first step: compilation included for compiled rows (each under an empty Inductor / "
         "Triton cache dir unless --warm-cache); peak mem: max_memory_allocated over the "
         "warm-up and timed steps (this row's stack only)",
+        "host ms: the host's time to issue one step while the GPU sleeps (a step whose host "
+        "ms exceeds its median is host-bound; on the CPU, the step's wall time); kernels / "
+        "layer: CUDA kernels one step launches (torch.profiler: Triton, cuBLAS, copies), "
+        "divided by the layers",
         "graph breaks: compiled regions entered per step - 1; rel. err: ||a - b|| / ||b|| of the "
         f"output / input gradient against torch bf16 eager (hidden {h}, seq {s})",
         *skipped,

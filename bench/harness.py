@@ -315,6 +315,31 @@ def _cuda_kernels(
     ]
 
 
+def host_ms(fn: Callable[[], object], device: torch.device, calls: int = 2) -> float:
+    """The host's time to issue one of ``calls`` calls of ``fn``: on CUDA while the GPU sleeps
+    (a ~1 s ``torch.cuda._sleep`` queued first, so the host never waits for the device unless
+    ``fn`` syncs; few calls, as a full launch queue would make the host wait); on the CPU, the
+    calls' wall time."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda._sleep(2_000_000_000)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t = (time.perf_counter() - t0) / calls * 1e3
+    if cuda:
+        torch.cuda.synchronize(device)
+    return t
+
+
+def kernels_per_call(
+    fn: Callable[[], object], grad_to_none: Sequence[torch.Tensor] = (), calls: int = 3
+) -> float:
+    """CUDA kernels one call of ``fn`` launches (torch.profiler: Triton, cuBLAS, copies)."""
+    return len(_cuda_kernels(fn, grad_to_none, calls)) / calls
+
+
 def _calibrate(trial: Callable[[int], float], min_trial_s: float, min_number: int) -> int:
     """Smallest n in 1, 2, 5, 10, 20, 50, ... (>= min_number) whose trial lasts min_trial_s."""
     for mult in itertools.count():

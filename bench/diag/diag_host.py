@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -33,6 +32,7 @@ import itertools
 import torch
 
 import te_compile
+from bench import harness
 from bench.bench_fp8 import TE_RECIPES, _under_autocast
 from bench.bench_mlp import FULL, TorchMLP, _copy_weights
 
@@ -46,20 +46,6 @@ def _step(call, x, grad):
         call(x).backward(grad)
 
     return run
-
-
-def host_ms(run, n: int = 2) -> float:
-    """The host's time to issue one of ``n`` steps while the GPU sleeps. Few steps: the GPU's
-    launch queue holds about a thousand launches; a full queue makes the host wait ("Command
-    Buffer Full" in a profile) and the wait would be timed."""
-    torch.cuda.synchronize()
-    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU cycles: the host never waits below
-    t0 = time.perf_counter()
-    for _ in range(n):
-        run()
-    t = (time.perf_counter() - t0) / n * 1e3
-    torch.cuda.synchronize()
-    return t
 
 
 def _trace(run, params, flush) -> tuple[list, object]:
@@ -87,7 +73,7 @@ def report(name: str, run, params, flush) -> None:
     for _ in range(3):
         run()
     torch.cuda.synchronize()
-    host = host_ms(run)
+    host = harness.host_ms(run, torch.device("cuda"))
     med = do_bench(run, warmup=100, rep=1000, return_mode="median", grad_to_none=params)
     kernels, prof = _trace(run, params, flush)
     ks = sorted(kernels, key=lambda e: e.time_range.start)

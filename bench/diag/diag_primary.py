@@ -48,8 +48,8 @@ import torch
 from torch import nn
 
 import te_compile
+from bench import harness
 from bench.bench_grouped import make_splits
-from bench.diag.diag_host import host_ms
 
 DTYPE = torch.bfloat16
 CASES = {
@@ -173,7 +173,7 @@ def measure(
     torch.cuda.synchronize()
     step_mb = (torch.cuda.max_memory_allocated() - before) / 2**20
     syncs = _syncs(run, f"{case} {recipe_name} {layout}")
-    host = host_ms(run)
+    host = harness.host_ms(run, torch.device("cuda"))
     if where_host_waits:
         _longest_host_calls(run, f"{case} {recipe_name} {layout}")
     grads = [p for p in params if p.dtype != torch.float8_e4m3fn]
