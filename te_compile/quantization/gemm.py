@@ -247,9 +247,10 @@ def recipe_specs(recipe: Recipe) -> tuple[QuantSpec, QuantSpec, QuantSpec]:
                      for dim, dtype in zip(dims, (fwd, fwd, bwd), strict=True))  # fmt: skip
     kind = recipe.kind
     if recipe.float8_current_scaling():
-        qparams = _checked_qparams(recipe, _FP8_QPARAMS)
-        return tuple(QuantSpec(kind, dtype, power_2_scale=q.power_2_scale)
-                     for q, dtype in zip(qparams, (fwd, fwd, bwd), strict=True))  # fmt: skip
+        x, w, g = _checked_qparams(recipe, _FP8_QPARAMS)
+        return (QuantSpec(kind, fwd, power_2_scale=x.power_2_scale),
+                QuantSpec(kind, fwd, power_2_scale=w.power_2_scale),
+                QuantSpec(kind, bwd, power_2_scale=g.power_2_scale))  # fmt: skip
     kw = {"emulate": True} if recipe.mxfp8() else {}
     return QuantSpec(kind, fwd, **kw), QuantSpec(kind, fwd, **kw), QuantSpec(kind, bwd, **kw)
 
@@ -271,14 +272,38 @@ _QPARAM_OPTIONS = ("power_2_scale", "random_hadamard_transform", "stochastic_rou
                    "fp4_2d_quantization")  # fmt: skip
 
 
+# Per field, what it may not set (the options outside its tuple above, a nonzero amax floor).
+_REFUSED = {
+    name: (*(o for o in _QPARAM_OPTIONS if o not in allowed), "amax_epsilon")
+    for table in (_FP4_QPARAMS, _FP8_QPARAMS)
+    for name, allowed in table.items()
+}
+
+
 def _checked_qparams(recipe: Recipe, fields: dict[str, tuple[str, ...]]) -> list[Any]:
     """``recipe``'s per-operand QParams (``fields``: name -> the options implemented for that
     operand); an option set where it is not implemented, or a nonzero ``amax_epsilon``, raises
-    NotImplementedError naming the field, rather than being ignored."""
-    owner = type(recipe).__name__
-    out = []
-    for name, allowed in fields.items():
+    NotImplementedError naming the field, rather than being ignored. Plain loops over
+    :data:`_REFUSED` first (a few attribute reads per module call), the diagnosis only when one
+    is set."""
+    out, refused = [], False
+    for name in fields:
         q = getattr(recipe, name)
+        out.append(q)
+        for option in _REFUSED[name]:
+            if getattr(q, option):
+                refused = True
+    rht_differs = fields is _FP4_QPARAMS and (
+        out[0].random_hadamard_transform != out[2].random_hadamard_transform
+    )
+    if refused or rht_differs:
+        _refuse(recipe, fields, out)
+    return out
+
+
+def _refuse(recipe: Recipe, fields: dict[str, tuple[str, ...]], qparams: list[Any]) -> None:
+    owner = type(recipe).__name__
+    for (name, allowed), q in zip(fields.items(), qparams, strict=True):
         bad = [o for o in _QPARAM_OPTIONS if getattr(q, o) and o not in allowed]
         if bad:
             raise NotImplementedError(
@@ -290,18 +315,12 @@ def _checked_qparams(recipe: Recipe, fields: dict[str, tuple[str, ...]]) -> list
                 f"{owner}: {name}.amax_epsilon={q.amax_epsilon!r} is not implemented (the GEMMs' "
                 "quantisers take no amax floor); use 0.0"
             )
-        out.append(q)
-    if (
-        fields is _FP4_QPARAMS
-        and out[0].random_hadamard_transform != out[2].random_hadamard_transform
-    ):
-        raise ValueError(
-            f"{owner}: fp4_quant_fwd_inp.random_hadamard_transform and "
-            "fp4_quant_bwd_grad.random_hadamard_transform must be equal (the wgrad GEMM multiplies "
-            "the two transformed operands, whose transforms cancel only together), got "
-            f"{out[0].random_hadamard_transform} and {out[2].random_hadamard_transform}"
-        )
-    return out
+    x, g = qparams[0].random_hadamard_transform, qparams[2].random_hadamard_transform
+    raise ValueError(
+        f"{owner}: fp4_quant_fwd_inp.random_hadamard_transform and "
+        "fp4_quant_bwd_grad.random_hadamard_transform must be equal (the wgrad GEMM multiplies "
+        f"the two transformed operands, whose transforms cancel only together), got {x} and {g}"
+    )
 
 
 # The operands each scope of NVFP4BlockScaling's nvfp4_4over6 / nvfp4_4over6_e4m3_use_256
