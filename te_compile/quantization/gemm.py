@@ -242,9 +242,9 @@ def recipe_specs(recipe: Recipe) -> tuple[QuantSpec, QuantSpec, QuantSpec]:
     if recipe.float8_block_scaling():
         dims = (recipe.x_block_scaling_dim, recipe.w_block_scaling_dim,
                 recipe.grad_block_scaling_dim)  # fmt: skip
-        p2 = not recipe.use_f32_scales
-        return tuple(QuantSpec("block", dtype, 128 if dim == 2 else 1, p2)
-                     for dim, dtype in zip(dims, (fwd, fwd, bwd), strict=True))  # fmt: skip
+        qs = _checked_qparams(recipe, _FP8_QPARAMS)
+        return tuple(QuantSpec("block", dtype, 128 if dim == 2 else 1, q.power_2_scale)
+                     for dim, dtype, q in zip(dims, (fwd, fwd, bwd), qs, strict=True))  # fmt: skip
     kind = recipe.kind
     if recipe.float8_current_scaling():
         x, w, g = _checked_qparams(recipe, _FP8_QPARAMS)
@@ -259,7 +259,7 @@ def recipe_specs(recipe: Recipe) -> tuple[QuantSpec, QuantSpec, QuantSpec]:
 # options each takes here. NVFP4: the Hadamard transform is of the wgrad GEMM's operands (the
 # input's and the gradient's columnwise copies), stochastic rounding of the gradient, 16x16
 # tiles of the weight (the one operand both of whose copies feed a GEMM from one quantisation);
-# Float8CurrentScaling: power-of-two scales on any operand.
+# Float8CurrentScaling and Float8BlockScaling: power-of-two scales on any operand.
 _FP4_QPARAMS = {
     "fp4_quant_fwd_inp": ("random_hadamard_transform",),
     "fp4_quant_fwd_weight": ("fp4_2d_quantization",),

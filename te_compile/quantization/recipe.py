@@ -48,19 +48,20 @@ Where this module departs from Transformer Engine, and why:
 
 - TE reads some defaults from ``NVTE_*`` environment variables when it is imported; here a
   default is always the value written below. Pass the field instead.
-- Per-operand ``QParams`` (``NVFP4BlockScaling.fp4_quant_*``, ``Float8CurrentScaling.fp8_quant_*``:
-  input, weight, gradient) are fields as in TE: not constructor arguments, set from the recipe's
-  flags at construction (TE's ``__post_init__``), replaceable afterwards per operand (validated,
-  compared, printed and copied with the other fields; ``dataclasses.replace`` builds them from
-  the flags again, as TE's ``__post_init__`` would). Where TE leaves them stale, a flag set after
-  construction (``disable_rht``, ``use_power_2_scales``, ...) sets the option it governs in the
-  fields it covers and leaves their other options alone. ``quantization.gemm.recipe_specs``
-  reads each for its operand only, and an option no kernel applies to that operand (NVFP4's
-  stochastic rounding of the input, a nonzero ``amax_epsilon``, ...) raises
-  NotImplementedError naming the field where the recipe is used, not when it is set (TE code
-  sets the three fields one after the other). TE's own current-scaling quantisers read only
-  ``use_power_2_scales``. ``Float8BlockScaling``'s are read-only properties derived from
-  ``use_f32_scales`` (TE keeps them as class attributes fixed at import time).
+- Per-operand ``QParams`` (``NVFP4BlockScaling.fp4_quant_*``, ``Float8CurrentScaling`` and
+  ``Float8BlockScaling``'s ``fp8_quant_*``: input, weight, gradient) are fields as in TE: not
+  constructor arguments, set from the recipe's flags at construction (TE's ``__post_init__``),
+  replaceable afterwards per operand (validated, compared, printed and copied with the other
+  fields; ``dataclasses.replace`` builds them from the flags again, as TE's ``__post_init__``
+  would). Where TE leaves them stale, a flag set after construction (``disable_rht``,
+  ``use_power_2_scales``, ...) sets the option it governs in the fields it covers and leaves
+  their other options alone. ``quantization.gemm.recipe_specs`` reads each for its operand
+  only, and an option no kernel applies to that operand (NVFP4's stochastic rounding of the
+  input, a nonzero ``amax_epsilon``, ...) raises NotImplementedError naming the field where the
+  recipe is used, not when it is set (TE code sets the three fields one after the other). TE's
+  own current-scaling quantisers read only ``use_power_2_scales``, and TE keeps the
+  ``fp8_quant_*`` defaults as class attributes fixed at import time (``use_power_2_scales=True``
+  passed to the constructor does not reach them); here they follow the instance's flag.
 - ``fp8_dpa`` / ``fp8_mha`` (FP8 attention) exist so that TE code constructs unchanged, but
   te_compile's attention (``DotProductAttention``, ``MultiheadAttention``) computes in high
   precision only, so only ``False`` is accepted.
@@ -313,11 +314,13 @@ class Recipe:
                 f"{type(self).__name__} has no field {name!r}; its fields are "
                 f"{', '.join(type(self)._field_names)}"
             )
-        names = (name, *type(self)._qparam_flags.get(name, ("", ()))[1])
+        flags = type(self)._qparam_flags
+        # The QParams fields a flag sets are restored with it when the new value is refused.
+        names = (name, *flags[name][1]) if name in flags else (name,)
         old = [getattr(self, n) for n in names]
         object.__setattr__(self, name, value)
         try:
-            if name in type(self)._qparam_flags:
+            if name in flags:
                 self._apply_flag(name)
             self._validate()
         except ValueError:
@@ -492,15 +495,28 @@ class Float8BlockScaling(Recipe):
     ``*_block_scaling_dim``: 1 for 1x128 blocks (one row segment), 2 for 128x128 tiles; by default
     activations (``x``) and gradients (``grad``) use 1x128 and weights (``w``) 128x128, which
     Hopper's blockwise-scaled GEMM takes natively. No GEMM may have both operands 2D.
-    ``use_f32_scales``: keep scales as any fp32 value; by default they are powers of two.
+    ``use_f32_scales``: keep scales as any fp32 value; by default they are powers of two. It sets
+    ``power_2_scale`` of the per-operand ``fp8_quant_fwd_inp``, ``fp8_quant_fwd_weight`` and
+    ``fp8_quant_bwd_grad``, which may be replaced one by one after construction (module
+    docstring; the grouped GEMMs take one setting for all three).
     ``fp8_gemm_*``: split accumulation is required (``use_split_accumulator=True``).
     """
 
     kind: ClassVar[str] = "block"
     block_len: ClassVar[int] = 128
+    _qparam_flags: ClassVar[dict[str, tuple[str, tuple[str, ...], bool]]] = {
+        "use_f32_scales": (
+            "power_2_scale",
+            ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad"),
+            True,
+        ),
+    }
 
     use_f32_scales: bool = False
     fp8_format: Format = Format.E4M3
+    fp8_quant_fwd_inp: QParams = dataclasses.field(default_factory=_no_options, init=False)
+    fp8_quant_fwd_weight: QParams = dataclasses.field(default_factory=_no_options, init=False)
+    fp8_quant_bwd_grad: QParams = dataclasses.field(default_factory=_no_options, init=False)
     x_block_scaling_dim: int = 1
     w_block_scaling_dim: int = 2
     grad_block_scaling_dim: int = 1
@@ -525,18 +541,6 @@ class Float8BlockScaling(Recipe):
         for name in ("fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad"):
             if not getattr(self, name).use_split_accumulator:
                 _fail(self, name, "must use use_split_accumulator=True with block scaling")
-
-    @property
-    def fp8_quant_fwd_inp(self) -> QParams:
-        return QParams(power_2_scale=not self.use_f32_scales)
-
-    @property
-    def fp8_quant_fwd_weight(self) -> QParams:
-        return QParams(power_2_scale=not self.use_f32_scales)
-
-    @property
-    def fp8_quant_bwd_grad(self) -> QParams:
-        return QParams(power_2_scale=not self.use_f32_scales)
 
 
 @_with_field_types

@@ -222,6 +222,41 @@ def test_current_scaling_operand_options_the_modules_do_not_implement_raise():
             te.quantize(torch.randn(32, 64), recipe, role="weight")
 
 
+def test_block_scaling_operand_power_2_scale_changes_that_operand_only():
+    """Float8BlockScaling's per-operand ``power_2_scale`` (TE's block quantisers read it per
+    operand): fp32 scales on the weight alone, the input and gradient keeping powers of two."""
+    torch.manual_seed(0)
+    m = te.Linear(128, 128, bias=False, params_dtype=torch.float32)
+    x = torch.randn(32, 128, requires_grad=True)
+    dy = torch.randn(32, 128)
+    recipe = te.recipe.Float8BlockScaling()
+    recipe.fp8_quant_fwd_weight = QParams()
+
+    def module(r):
+        with te.autocast(recipe=r):
+            out = m(x)
+        return (out, *torch.autograd.grad(out, (x, m.weight), dy))
+
+    specs = {"input_spec": "block:e4m3:p2", "weight_spec": "block:e4m3:128x128",
+             "grad_spec": "block:e4m3:p2"}  # fmt: skip
+    got = module(recipe)
+    emulated = {k: v + ":emulate" for k, v in specs.items()}  # no native block GEMM on a CPU
+    out = F.linear(x, m.weight, **emulated)
+    expected = (out, *torch.autograd.grad(out, (x, m.weight), dy))
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(got[0], module(te.recipe.Float8BlockScaling())[0])
+    x64, w64 = to_reference(x), to_reference(m.weight)
+    ref = quantized_linear_ref(x64, w64, **specs)
+    assert_close(got[0], ref, torch.float32)
+    grouped = te.GroupedLinear(2, 128, 128, params_dtype=torch.float32)
+    with (
+        te.autocast(recipe=recipe),
+        pytest.raises(ValueError, match="one power-of-two option for all operands"),
+    ):
+        grouped(x.detach(), [16, 16])
+
+
 # The fields as recipe fields ---------------------------------------------------------------------
 
 
@@ -241,6 +276,10 @@ def test_flags_set_the_options_they_govern():
     current = Float8CurrentScaling()
     current.use_power_2_scales = True
     assert current.fp8_quant_fwd_weight == QParams(power_2_scale=True)
+    block = te.recipe.Float8BlockScaling()
+    assert block.fp8_quant_bwd_grad == QParams(power_2_scale=True)
+    block.use_f32_scales = True
+    assert block.fp8_quant_bwd_grad == QParams()
     with pytest.raises(ValueError, match="fp4_quant_fwd_inp must be of type QParams"):
         recipe.fp4_quant_fwd_inp = {"random_hadamard_transform": True}
     with pytest.raises(TypeError):
