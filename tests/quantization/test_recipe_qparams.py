@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import pickle
 import re
 
 import pytest
@@ -293,6 +294,7 @@ def test_operand_qparams_compare_print_and_copy_with_the_recipe():
     assert "fp4_quant_fwd_weight=QParams(power_2_scale=False" in repr(recipe)
     assert copy.copy(recipe) == copy.deepcopy(recipe) == recipe
     assert copy.deepcopy(recipe).fp4_quant_fwd_weight == QParams()
+    assert pickle.loads(pickle.dumps(recipe)) == recipe  # a checkpoint keeps the override
     # dataclasses.replace constructs anew: the fields come from the flags again (as in TE).
     again = dataclasses.replace(recipe, backward_override="dequantized")
     assert again.fp4_quant_fwd_weight == QParams(fp4_2d_quantization=True)
