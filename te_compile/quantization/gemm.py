@@ -56,7 +56,7 @@ from te_compile.quantization.device import is_fp8_block_scaling_available
 from te_compile.quantization.fp8_gemm import FP8GemmState
 from te_compile.quantization.recipe import Recipe
 from te_compile.quantization.recompute import checkpoint
-from te_compile.quantization.state import AutocastState, get_autocast_state
+from te_compile.quantization.state import AutocastState, check_power_2_scales, get_autocast_state
 
 __all__ = [
     "ROLES",
@@ -220,12 +220,15 @@ def recipe_specs(recipe: Recipe) -> tuple[QuantSpec, QuantSpec, QuantSpec]:
     """How ``recipe`` quantises a GEMM's input, weight and gradient (``ROLES``), as the GEMM
     families take it (``functional.spec.QuantSpec``): the recipe kind, the FP8 format (the
     forward one for inputs and weights, the backward one for gradients), block rows (128 for
-    128x128 blocks, 16 for NVFP4's 16x16 tiles), power-of-two scales and NVFP4's options. The
+    128x128 blocks, 16 for NVFP4's 16x16 tiles), power-of-two scales and NVFP4's options (an
+    operand's from its QParams field, ``fp4_quant_*`` / ``fp8_quant_*``: :func:`_checked_qparams`
+    refuses an option no kernel applies to that operand). The
     one place a recipe's fields are read: :func:`gemm_args`, ``te_compile.quantize``,
     ``ops.Quantize`` and FP8 primary weights build on it. MXFP8 and NVFP4 GEMMs are emulated
     (``emulate``; native ones need Blackwell); Float8BlockScaling's are native, and
     :func:`gemm_args` emulates them where cuBLAS cannot run them."""
     if recipe.nvfp4():
+        qparams = _checked_qparams(recipe, _FP4_QPARAMS)
 
         def nvfp4(q: Any, role: str) -> QuantSpec:
             return QuantSpec("nvfp4", block_rows=16 if q.fp4_2d_quantization else 1, emulate=True,
@@ -234,21 +237,90 @@ def recipe_specs(recipe: Recipe) -> tuple[QuantSpec, QuantSpec, QuantSpec]:
                              row_scaled=role == "input" and recipe.row_scaled_activation,
                              four_over_six=_four_over_six(recipe, role))  # fmt: skip
 
-        return (nvfp4(recipe.fp4_quant_fwd_inp, "input"),
-                nvfp4(recipe.fp4_quant_fwd_weight, "weight"),
-                nvfp4(recipe.fp4_quant_bwd_grad, "grad"))  # fmt: skip
+        return tuple(nvfp4(q, role) for q, role in zip(qparams, ROLES, strict=True))  # type: ignore[return-value]
     fwd, bwd = recipe.fp8_format.fwd_dtype, recipe.fp8_format.bwd_dtype
     if recipe.float8_block_scaling():
         dims = (recipe.x_block_scaling_dim, recipe.w_block_scaling_dim,
                 recipe.grad_block_scaling_dim)  # fmt: skip
-        p2 = not recipe.use_f32_scales
-        return tuple(QuantSpec("block", dtype, 128 if dim == 2 else 1, p2)
-                     for dim, dtype in zip(dims, (fwd, fwd, bwd), strict=True))  # fmt: skip
-    kw = {"emulate": True} if recipe.mxfp8() else {}
-    if recipe.float8_current_scaling():
-        kw["power_2_scale"] = recipe.use_power_2_scales
+        qs = _checked_qparams(recipe, _FP8_QPARAMS)
+        return tuple(QuantSpec("block", dtype, 128 if dim == 2 else 1, q.power_2_scale)
+                     for dim, dtype, q in zip(dims, (fwd, fwd, bwd), qs, strict=True))  # fmt: skip
     kind = recipe.kind
+    if recipe.float8_current_scaling():
+        x, w, g = _checked_qparams(recipe, _FP8_QPARAMS)
+        return (QuantSpec(kind, fwd, power_2_scale=x.power_2_scale),
+                QuantSpec(kind, fwd, power_2_scale=w.power_2_scale),
+                QuantSpec(kind, bwd, power_2_scale=g.power_2_scale))  # fmt: skip
+    kw = {"emulate": True} if recipe.mxfp8() else {}
     return QuantSpec(kind, fwd, **kw), QuantSpec(kind, fwd, **kw), QuantSpec(kind, bwd, **kw)
+
+
+# The per-operand QParams fields of a recipe (input, weight, gradient: ``ROLES``), and the
+# options each takes here. NVFP4: the Hadamard transform is of the wgrad GEMM's operands (the
+# input's and the gradient's columnwise copies), stochastic rounding of the gradient, 16x16
+# tiles of the weight (the one operand both of whose copies feed a GEMM from one quantisation);
+# Float8CurrentScaling and Float8BlockScaling: power-of-two scales on any operand.
+_FP4_QPARAMS = {
+    "fp4_quant_fwd_inp": ("random_hadamard_transform",),
+    "fp4_quant_fwd_weight": ("fp4_2d_quantization",),
+    "fp4_quant_bwd_grad": ("random_hadamard_transform", "stochastic_rounding"),
+}
+_FP8_QPARAMS = dict.fromkeys(
+    ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad"), ("power_2_scale",)
+)
+_QPARAM_OPTIONS = ("power_2_scale", "random_hadamard_transform", "stochastic_rounding",
+                   "fp4_2d_quantization")  # fmt: skip
+
+
+# Per field, what it may not set (the options outside its tuple above, a nonzero amax floor).
+_REFUSED = {
+    name: (*(o for o in _QPARAM_OPTIONS if o not in allowed), "amax_epsilon")
+    for table in (_FP4_QPARAMS, _FP8_QPARAMS)
+    for name, allowed in table.items()
+}
+
+
+def _checked_qparams(recipe: Recipe, fields: dict[str, tuple[str, ...]]) -> list[Any]:
+    """``recipe``'s per-operand QParams (``fields``: name -> the options implemented for that
+    operand); an option set where it is not implemented, or a nonzero ``amax_epsilon``, raises
+    NotImplementedError naming the field, rather than being ignored. Plain loops over
+    :data:`_REFUSED` first (a few attribute reads per module call), the diagnosis only when one
+    is set."""
+    out, refused = [], False
+    for name in fields:
+        q = getattr(recipe, name)
+        out.append(q)
+        for option in _REFUSED[name]:
+            if getattr(q, option):
+                refused = True
+    rht_differs = fields is _FP4_QPARAMS and (
+        out[0].random_hadamard_transform != out[2].random_hadamard_transform
+    )
+    if refused or rht_differs:
+        _refuse(recipe, fields, out)
+    return out
+
+
+def _refuse(recipe: Recipe, fields: dict[str, tuple[str, ...]], qparams: list[Any]) -> None:
+    owner = type(recipe).__name__
+    for (name, allowed), q in zip(fields.items(), qparams, strict=True):
+        bad = [o for o in _QPARAM_OPTIONS if getattr(q, o) and o not in allowed]
+        if bad:
+            raise NotImplementedError(
+                f"{owner}: {name}.{bad[0]}=True is not implemented for this operand (te_compile's "
+                f"{owner} takes {', '.join(f'{n}.{o}' for n, os in fields.items() for o in os)})"
+            )
+        if q.amax_epsilon != 0:
+            raise NotImplementedError(
+                f"{owner}: {name}.amax_epsilon={q.amax_epsilon!r} is not implemented (the GEMMs' "
+                "quantisers take no amax floor); use 0.0"
+            )
+    x, g = qparams[0].random_hadamard_transform, qparams[2].random_hadamard_transform
+    raise ValueError(
+        f"{owner}: fp4_quant_fwd_inp.random_hadamard_transform and "
+        "fp4_quant_bwd_grad.random_hadamard_transform must be equal (the wgrad GEMM multiplies "
+        f"the two transformed operands, whose transforms cancel only together), got {x} and {g}"
+    )
 
 
 # The operands each scope of NVFP4BlockScaling's nvfp4_4over6 / nvfp4_4over6_e4m3_use_256
@@ -329,8 +401,11 @@ def _recipe_args(owner, state, inp, weights, metas, grouped) -> GemmArgs:
     if kind == "current":  # current scaling, or a state's calibration step
         scales = (None,) * len(scales)
     grad_amaxes = tuple(meta.grad_amax for meta in metas)
-    # The per-tensor quantisers take no power-of-two option (the GEMMs' current scaling).
-    specs = tuple(replace(s, kind=kind, emulate=_EMULATE, power_2_scale=False) for s in specs)
+    # The per-tensor quantisers take no power-of-two option; autocast refuses a recipe that asks
+    # for it, and this a field set since.
+    if recipe.float8_current():
+        check_power_2_scales(owner, recipe)
+    specs = tuple(replace(s, kind=kind, emulate=_EMULATE) for s in specs)
     return GemmArgs(specs, scales=scales, grad_amaxes=grad_amaxes)
 
 

@@ -48,19 +48,29 @@ Where this module departs from Transformer Engine, and why:
 
 - TE reads some defaults from ``NVTE_*`` environment variables when it is imported; here a
   default is always the value written below. Pass the field instead.
-- TE keeps the per-tensor ``QParams`` of ``Float8CurrentScaling`` / ``Float8BlockScaling`` as
-  class attributes fixed at import time, so ``use_power_2_scales=True`` passed to the
-  constructor does not reach them. Here they are properties derived from the instance's fields.
+- Per-operand ``QParams`` (``NVFP4BlockScaling.fp4_quant_*``, ``Float8CurrentScaling`` and
+  ``Float8BlockScaling``'s ``fp8_quant_*``: input, weight, gradient) are fields as in TE: not
+  constructor arguments, set from the recipe's flags at construction (TE's ``__post_init__``),
+  replaceable afterwards per operand (validated, compared, printed and copied with the other
+  fields; ``dataclasses.replace`` builds them from the flags again, as TE's ``__post_init__``
+  would). Where TE leaves them stale, a flag set after construction (``disable_rht``,
+  ``use_power_2_scales``, ...) sets the option it governs in the fields it covers and leaves
+  their other options alone. ``quantization.gemm.recipe_specs`` reads each for its operand
+  only, and an option no kernel applies to that operand (NVFP4's stochastic rounding of the
+  input, a nonzero ``amax_epsilon``, ...) raises NotImplementedError naming the field where the
+  recipe is used, not when it is set (TE code sets the three fields one after the other). TE's
+  own current-scaling quantisers read only ``use_power_2_scales``, and TE keeps the
+  ``fp8_quant_*`` defaults as class attributes fixed at import time (``use_power_2_scales=True``
+  passed to the constructor does not reach them); here they follow the instance's flag.
 - ``fp8_dpa`` / ``fp8_mha`` (FP8 attention) exist so that TE code constructs unchanged, but
   te_compile's attention (``DotProductAttention``, ``MultiheadAttention``) computes in high
   precision only, so only ``False`` is accepted.
-- ``NVFP4BlockScaling``'s ``fp4_quant_*`` QParams are read-only, derived from the
-  ``disable_*`` fields (TE computes them once at construction and lets code replace them).
 - What the modules do not implement is refused, not ignored: ``Float8CurrentScaling``'s
   ``fp8_gemm_*`` must be TE's defaults (fast accumulation forward, split accumulation backward:
   what the per-tensor GEMMs run); and
-  ``autocast(recipe=Float8CurrentScaling(use_power_2_scales=True))`` raises
-  (``te_compile.quantize`` applies power-of-two scales, the modules' kernels do not);
+  ``autocast(recipe=Float8CurrentScaling(use_power_2_scales=True))`` raises, as does a
+  recipe with one operand's ``fp8_quant_*.power_2_scale`` set (``te_compile.quantize`` applies
+  power-of-two scales, the modules' kernels do not);
   ``backward_override`` is implemented by the linear and MLP modules, and ``GroupedLinear``
   refuses it.
 - NVFP4's ``nvfp4_4over6`` (4over6 adaptive block scaling) is validated but not implemented:
@@ -200,6 +210,21 @@ def _fast_accumulation() -> MMParams:
     return MMParams(use_split_accumulator=False)
 
 
+def _no_options() -> QParams:
+    """Default of the per-operand QParams fields: not constructor arguments (as in TE, where
+    ``__post_init__`` sets them from the recipe's flags); set afterwards to override one operand,
+    compared, printed and copied with the other fields."""
+    return QParams()
+
+
+def _with_option(q: QParams, name: str, value: bool) -> QParams:
+    """``q`` with its option ``name`` set to ``value`` (``dataclasses.replace`` without
+    ``dataclasses.fields``, which dynamo cannot trace)."""
+    values = {n: getattr(q, n) for n in QParams._field_names}
+    values[name] = value
+    return QParams(**values)
+
+
 def _fail(obj: Any, field: str, constraint: str) -> None:
     raise ValueError(f"{type(obj).__name__}: {field} {constraint}, got {getattr(obj, field)!r}")
 
@@ -252,6 +277,10 @@ class Recipe:
     # Set once construction validated the fields: from then on every field assignment is
     # validated (``__setattr__``).
     _constructed: ClassVar[bool] = False
+    # The recipe-level flags that set one option of per-operand QParams fields:
+    # flag -> (QParams option, the QParams fields it sets, whether the option is the flag's
+    # negation). Applied at construction (TE's ``__post_init__``) and whenever the flag is set.
+    _qparam_flags: ClassVar[dict[str, tuple[str, tuple[str, ...], bool]]] = {}
 
     def __post_init__(self) -> None:
         if type(self) is Recipe:
@@ -259,8 +288,19 @@ class Recipe:
                 "Recipe is a base class: construct DelayedScaling, Float8CurrentScaling, "
                 "Float8BlockScaling, MXFP8BlockScaling or NVFP4BlockScaling"
             )
+        for flag in type(self)._qparam_flags:
+            self._apply_flag(flag)
         self._validate()
         object.__setattr__(self, "_constructed", True)
+
+    def _apply_flag(self, flag: str) -> None:
+        """Set the option ``flag`` governs in each per-operand QParams it covers."""
+        option, operands, negated = type(self)._qparam_flags[flag]
+        value = getattr(self, flag)
+        if isinstance(value, bool):  # otherwise _validate refuses the flag itself
+            for name in operands:
+                q = _with_option(getattr(self, name), option, value != negated)
+                object.__setattr__(self, name, q)
 
     def __setattr__(self, name: str, value: Any) -> None:
         """Set a field after construction, as TE code does (``recipe.margin = 1``): the recipe
@@ -274,12 +314,18 @@ class Recipe:
                 f"{type(self).__name__} has no field {name!r}; its fields are "
                 f"{', '.join(type(self)._field_names)}"
             )
-        old = getattr(self, name)
+        flags = type(self)._qparam_flags
+        # The QParams fields a flag sets are restored with it when the new value is refused.
+        names = (name, *flags[name][1]) if name in flags else (name,)
+        old = [getattr(self, n) for n in names]
         object.__setattr__(self, name, value)
         try:
+            if name in flags:
+                self._apply_flag(name)
             self._validate()
         except ValueError:
-            object.__setattr__(self, name, old)
+            for n, v in zip(names, old, strict=True):
+                object.__setattr__(self, n, v)
             raise
 
     def _validate(self) -> None:
@@ -396,7 +442,10 @@ class DelayedScaling(Recipe):
 class Float8CurrentScaling(Recipe):
     """Per-tensor scales from each tensor's own amax, measured just before the cast.
 
-    ``use_power_2_scales``: round scales down to powers of two. ``fp8_format``: ``E4M3`` or
+    ``use_power_2_scales``: round scales down to powers of two; it sets ``power_2_scale`` of
+    the per-operand ``fp8_quant_fwd_inp``, ``fp8_quant_fwd_weight`` and ``fp8_quant_bwd_grad``,
+    which may be replaced one by one after construction (module docstring; the modules' GEMMs
+    refuse power-of-two scales, ``te_compile.quantize`` applies them). ``fp8_format``: ``E4M3`` or
     ``HYBRID``. ``fp8_gemm_*``: split accumulation, TE's defaults only (off for the forward
     GEMM, on for the two backward GEMMs: what te_compile's per-tensor GEMMs run; other settings
     raise rather than being ignored). ``backward_override``: ``None``, ``"high_precision"`` or
@@ -404,9 +453,19 @@ class Float8CurrentScaling(Recipe):
     """
 
     kind: ClassVar[str] = "current"
+    _qparam_flags: ClassVar[dict[str, tuple[str, tuple[str, ...], bool]]] = {
+        "use_power_2_scales": (
+            "power_2_scale",
+            ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad"),
+            False,
+        ),
+    }
 
     use_power_2_scales: bool = False
     fp8_format: Format = Format.HYBRID
+    fp8_quant_fwd_inp: QParams = dataclasses.field(default_factory=_no_options, init=False)
+    fp8_quant_fwd_weight: QParams = dataclasses.field(default_factory=_no_options, init=False)
+    fp8_quant_bwd_grad: QParams = dataclasses.field(default_factory=_no_options, init=False)
     fp8_gemm_fprop: MMParams = dataclasses.field(default_factory=_fast_accumulation)
     fp8_gemm_dgrad: MMParams = dataclasses.field(default_factory=_split_accumulation)
     fp8_gemm_wgrad: MMParams = dataclasses.field(default_factory=_split_accumulation)
@@ -427,18 +486,6 @@ class Float8CurrentScaling(Recipe):
                     "split accumulation backward)",
                 )
 
-    @property
-    def fp8_quant_fwd_inp(self) -> QParams:
-        return QParams(power_2_scale=self.use_power_2_scales)
-
-    @property
-    def fp8_quant_fwd_weight(self) -> QParams:
-        return QParams(power_2_scale=self.use_power_2_scales)
-
-    @property
-    def fp8_quant_bwd_grad(self) -> QParams:
-        return QParams(power_2_scale=self.use_power_2_scales)
-
 
 @_with_field_types
 @dataclasses.dataclass
@@ -448,15 +495,28 @@ class Float8BlockScaling(Recipe):
     ``*_block_scaling_dim``: 1 for 1x128 blocks (one row segment), 2 for 128x128 tiles; by default
     activations (``x``) and gradients (``grad``) use 1x128 and weights (``w``) 128x128, which
     Hopper's blockwise-scaled GEMM takes natively. No GEMM may have both operands 2D.
-    ``use_f32_scales``: keep scales as any fp32 value; by default they are powers of two.
+    ``use_f32_scales``: keep scales as any fp32 value; by default they are powers of two. It sets
+    ``power_2_scale`` of the per-operand ``fp8_quant_fwd_inp``, ``fp8_quant_fwd_weight`` and
+    ``fp8_quant_bwd_grad``, which may be replaced one by one after construction (module
+    docstring; the grouped GEMMs take one setting for all three).
     ``fp8_gemm_*``: split accumulation is required (``use_split_accumulator=True``).
     """
 
     kind: ClassVar[str] = "block"
     block_len: ClassVar[int] = 128
+    _qparam_flags: ClassVar[dict[str, tuple[str, tuple[str, ...], bool]]] = {
+        "use_f32_scales": (
+            "power_2_scale",
+            ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad"),
+            True,
+        ),
+    }
 
     use_f32_scales: bool = False
     fp8_format: Format = Format.E4M3
+    fp8_quant_fwd_inp: QParams = dataclasses.field(default_factory=_no_options, init=False)
+    fp8_quant_fwd_weight: QParams = dataclasses.field(default_factory=_no_options, init=False)
+    fp8_quant_bwd_grad: QParams = dataclasses.field(default_factory=_no_options, init=False)
     x_block_scaling_dim: int = 1
     w_block_scaling_dim: int = 2
     grad_block_scaling_dim: int = 1
@@ -481,18 +541,6 @@ class Float8BlockScaling(Recipe):
         for name in ("fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad"):
             if not getattr(self, name).use_split_accumulator:
                 _fail(self, name, "must use use_split_accumulator=True with block scaling")
-
-    @property
-    def fp8_quant_fwd_inp(self) -> QParams:
-        return QParams(power_2_scale=not self.use_f32_scales)
-
-    @property
-    def fp8_quant_fwd_weight(self) -> QParams:
-        return QParams(power_2_scale=not self.use_f32_scales)
-
-    @property
-    def fp8_quant_bwd_grad(self) -> QParams:
-        return QParams(power_2_scale=not self.use_f32_scales)
 
 
 @_with_field_types
@@ -530,7 +578,11 @@ class NVFP4BlockScaling(Recipe):
     scale per tensor (two levels, since E4M3 alone cannot span a tensor's range).
 
     TE's default training recipe adds three techniques, each with a switch to turn it off, and
-    the emulated GEMMs apply all three as TE does (docs/fp8.md):
+    the emulated GEMMs apply all three as TE does (docs/fp8.md). Each switch sets its option in
+    the per-operand QParams named after it; those may be replaced one by one after construction
+    (``recipe.fp4_quant_fwd_weight = QParams()``, as TE's tests do), within what the GEMMs
+    apply: the transform on the input and the gradient together, tiles on the weight,
+    stochastic rounding on the gradient (``quantization.gemm.recipe_specs`` refuses the rest):
 
     - ``disable_2d_quantization``: weights get one E4M3 scale per 16x16 tile, so the forward
       and the dgrad GEMM see the same quantised weight (``fp4_quant_fwd_weight``);
@@ -558,6 +610,15 @@ class NVFP4BlockScaling(Recipe):
     block_len: ClassVar[int] = 16
     scale_dtype: ClassVar[torch.dtype] = torch.float8_e4m3fn
     global_scale_dtype: ClassVar[torch.dtype] = torch.float32
+    _qparam_flags: ClassVar[dict[str, tuple[str, tuple[str, ...], bool]]] = {
+        "disable_rht": (
+            "random_hadamard_transform",
+            ("fp4_quant_fwd_inp", "fp4_quant_bwd_grad"),
+            True,
+        ),
+        "disable_stochastic_rounding": ("stochastic_rounding", ("fp4_quant_bwd_grad",), True),
+        "disable_2d_quantization": ("fp4_2d_quantization", ("fp4_quant_fwd_weight",), True),
+    }
 
     disable_rht: bool = False
     disable_stochastic_rounding: bool = False
@@ -571,6 +632,9 @@ class NVFP4BlockScaling(Recipe):
     fp8_dpa: bool = False
     fp8_mha: bool = False
     backward_override: str | None = None
+    fp4_quant_fwd_inp: QParams = dataclasses.field(default_factory=_no_options, init=False)
+    fp4_quant_fwd_weight: QParams = dataclasses.field(default_factory=_no_options, init=False)
+    fp4_quant_bwd_grad: QParams = dataclasses.field(default_factory=_no_options, init=False)
 
     def _validate(self) -> None:
         super()._validate()
@@ -583,20 +647,3 @@ class NVFP4BlockScaling(Recipe):
                 _fail(self, name, f"must be one of {_NVFP4_4OVER6_SCOPES}")
         if self.nvfp4_4over6_err_mode not in _NVFP4_4OVER6_ERR_MODES:
             _fail(self, "nvfp4_4over6_err_mode", f"must be one of {_NVFP4_4OVER6_ERR_MODES}")
-
-    # TE sets these three in __post_init__ from the disable_* fields; here they are derived from
-    # the fields whenever read, so a field set after construction reaches them.
-    @property
-    def fp4_quant_fwd_inp(self) -> QParams:
-        return QParams(random_hadamard_transform=not self.disable_rht)
-
-    @property
-    def fp4_quant_fwd_weight(self) -> QParams:
-        return QParams(fp4_2d_quantization=not self.disable_2d_quantization)
-
-    @property
-    def fp4_quant_bwd_grad(self) -> QParams:
-        return QParams(
-            random_hadamard_transform=not self.disable_rht,
-            stochastic_rounding=not self.disable_stochastic_rounding,
-        )

@@ -52,7 +52,13 @@ import torch.distributed as dist
 from te_compile.quantization.device import emulation_reason, get_default_fp8_recipe
 from te_compile.quantization.recipe import Recipe
 
-__all__ = ["AutocastState", "autocast", "fp8_autocast", "get_autocast_state"]
+__all__ = [
+    "AutocastState",
+    "autocast",
+    "check_power_2_scales",
+    "fp8_autocast",
+    "get_autocast_state",
+]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -122,15 +128,8 @@ class autocast:
         self.enabled = enabled
         self.calibrating = calibrating
         self.recipe = get_default_fp8_recipe() if recipe is None else recipe
-        if self.recipe.float8_current() and self.recipe.use_power_2_scales:
-            # te_compile.quantize applies it; the modules' per-tensor kernels do not: refused
-            # rather than ignored.
-            raise NotImplementedError(
-                "autocast: Float8CurrentScaling(use_power_2_scales=True) is not implemented in "
-                "the modules' FP8 GEMMs (te_compile.quantize takes it); use "
-                "use_power_2_scales=False, or Float8BlockScaling (power-of-two block scales by "
-                "default)"
-            )
+        if self.recipe.float8_current():
+            check_power_2_scales("autocast", self.recipe)
         self.amax_reduction_group = amax_reduction_group
         if enabled and not torch.compiler.is_compiling():
             _say_once_if_emulated(self.recipe)
@@ -158,6 +157,23 @@ class autocast:
 
 # The recipe classes whose emulation was announced in this process.
 _ANNOUNCED: set[type] = set()
+
+
+def check_power_2_scales(owner: str, recipe: Recipe) -> None:
+    """Float8CurrentScaling's power-of-two scales (``use_power_2_scales``, or one operand's
+    ``fp8_quant_*.power_2_scale``): te_compile.quantize applies them, the modules' per-tensor
+    kernels do not, so a recipe that asks for them is refused rather than ignored."""
+    on = [name for name in ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad")
+          if getattr(recipe, name).power_2_scale]  # fmt: skip
+    if on:
+        asked = ("(use_power_2_scales=True)" if recipe.use_power_2_scales
+                 else f" with {', '.join(f'{n}.power_2_scale=True' for n in on)}")  # fmt: skip
+        raise NotImplementedError(
+            f"{owner}: Float8CurrentScaling{asked} is not implemented in the modules' FP8 GEMMs "
+            f"(te_compile.quantize takes it); use power_2_scale=False in {', '.join(on)} "
+            "(use_power_2_scales=False sets all three), or Float8BlockScaling (power-of-two "
+            "block scales by default)"
+        )
 
 
 def _say_once_if_emulated(recipe: Recipe) -> None:

@@ -388,12 +388,3 @@ def test_te_quantize_tiles_weights_and_refuses_what_only_gemms_apply():
     with pytest.raises(NotImplementedError, match="rht"):
         te.quantize(x, te.recipe.NVFP4BlockScaling(), role="input", columnwise=True)
     te.quantize(x, te.recipe.NVFP4BlockScaling(), role="input")  # rowwise: no transform
-
-
-def test_qparams_follow_the_fields_and_are_read_only():
-    recipe = te.recipe.NVFP4BlockScaling()
-    assert recipe.fp4_quant_fwd_weight.fp4_2d_quantization
-    recipe.disable_2d_quantization = True  # reaches the QParams the GEMMs read
-    assert not recipe.fp4_quant_fwd_weight.fp4_2d_quantization
-    with pytest.raises(AttributeError, match="no field 'fp4_quant_fwd_weight'"):
-        recipe.fp4_quant_fwd_weight = te.recipe.QParams(fp4_2d_quantization=True)
