@@ -8,7 +8,8 @@ case reports:
 
 * every ``_scaled_mm`` call of the compiled code whose tensors are not 16-byte aligned (the
   extern kernel wrapped: its arguments as Inductor passes them);
-* the generated code's ``_scaled_mm`` lines and buffer reuses (``# reuse``) of the first case;
+* the generated code of the first delayed step (autocast inside the compiled region): its
+  ``_scaled_mm`` calls, buffer reuses (``# reuse``) and reinterpreted views;
 * outputs, input gradients and the delayed-scaling state against eager, step by step;
 * the error, if a step raises.
 
@@ -19,16 +20,18 @@ case reports:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import traceback
 from pathlib import Path
+from unittest import mock
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
+from torch._inductor.graph import GraphLowering
 from torch._inductor.select_algorithm import extern_kernels
-from torch._inductor.utils import run_and_get_code
 
 import te_compile as te
 from te_compile.quantization import DelayedScaling, autocast
@@ -102,20 +105,12 @@ def run_case(name: str, show_code: bool, inside: bool) -> None:
         xe, xc = x0.clone().requires_grad_(), x0.clone().requires_grad_()
         ye = step_eager(xe)
         ye.float().square().mean().backward()
+        codes: list[str] = []
+        # Step 1 is the first delayed step (step 0 calibrates with current scaling): the
+        # recompile whose code matters; kept even when the step raises.
+        capture = mock.patch.object(GraphLowering, "save_output_code", codes.append)
         try:
-            if show_code and i == 2:
-
-                def run(xc=xc):
-                    out = step_compiled(xc)
-                    out.float().square().mean().backward()
-                    return out
-
-                yc, codes = run_and_get_code(run)
-                for code in codes:
-                    for line in code.splitlines():
-                        if "_scaled_mm(" in line or "# reuse" in line:
-                            print("    code:", line.strip()[:200])
-            else:
+            with capture if show_code and i == 1 else contextlib.nullcontext():
                 yc = step_compiled(xc)
                 yc.float().square().mean().backward()
             if DEVICE[0] == "cuda":
@@ -124,6 +119,11 @@ def run_case(name: str, show_code: bool, inside: bool) -> None:
             print(f"  {name} step {i}: {type(e).__name__}: {str(e)[:400]}")
             traceback.print_exc(limit=3)
             return
+        finally:
+            for code in codes:
+                for line in code.splitlines():
+                    if "_scaled_mm" in line or "# reuse" in line or "reinterpret_tensor(" in line:
+                        print("    code:", line.strip()[:240])
         out_err = ((yc.float() - ye.float()).norm() / ye.float().norm()).item()
         dx_err = ((xc.grad.float() - xe.grad.float()).norm() / xe.grad.float().norm()).item()
         state_same = all(
@@ -149,10 +149,10 @@ def main() -> None:
             getattr(sys.modules[f"te_compile.functional.{family}"], name).kept_whole = None
     extern_kernels._scaled_mm = _checked_scaled_mm(torch._scaled_mm)
     print("delayed GEMM ops", "kept whole" if args.kept else "traced through")
-    for i, name in enumerate(args.cases):
+    for name in args.cases:
         for inside in (True, False):
             print(f"{name}, autocast {'inside' if inside else 'outside'} the compiled region")
-            run_case(name, show_code=i == 0 and inside, inside=inside)
+            run_case(name, show_code=inside, inside=inside)
 
 
 if __name__ == "__main__":
