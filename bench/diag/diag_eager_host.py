@@ -1,0 +1,89 @@
+"""Where an eager module call's host time goes: cProfile of fwd+bwd calls per recipe.
+
+``bench_overhead --only-modules`` gives the host us per call of each module; this says which
+Python functions and torch calls make it up (own time and cumulative time), for one module at
+a small shape, so that the GPU stays idle and only the host shows.
+
+    python -m bench.diag.diag_eager_host                       # te.Linear, CUDA
+    python -m bench.diag.diag_eager_host --module LayerNormLinear --recipes bf16 current
+    python -m bench.diag.diag_eager_host --device cpu          # the CPU path (other code)
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch
+
+import te_compile as te
+from te_compile.quantization import recipe as R
+
+RECIPES = {
+    "bf16": None,
+    "current": R.Float8CurrentScaling,
+    "delayed": R.DelayedScaling,
+    "block": R.Float8BlockScaling,
+}
+MODULES = ("Linear", "LayerNormLinear", "LayerNormMLP")
+
+
+def _step(module: torch.nn.Module, x: torch.Tensor, recipe) -> None:
+    with te.autocast(enabled=recipe is not None, recipe=recipe):
+        y = module(x)
+    y.sum().backward()
+
+
+def profile_recipe(module: torch.nn.Module, x: torch.Tensor, name: str, top: int) -> None:
+    recipe = RECIPES[name]() if RECIPES[name] is not None else None
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+    for _ in range(30):
+        _step(module, x, recipe)
+    sync()
+    calls = 200
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        _step(module, x, recipe)
+    sync()
+    print(f"=== {name}: {(time.perf_counter() - t0) / calls * 1e6:.1f} us per fwd+bwd call")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(50):
+        _step(module, x, recipe)
+    sync()
+    prof.disable()
+    for key in ("tottime", "cumulative"):
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats(key).print_stats(top)
+        text = out.getvalue()
+        print(text[text.index("ncalls") :] if "ncalls" in text else text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--module", choices=MODULES, default="Linear")
+    parser.add_argument("--recipes", nargs="+", choices=sorted(RECIPES), default=list(RECIPES))
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--top", type=int, default=25, help="rows of each profile table")
+    args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("diag_eager_host: no CUDA device (--device cpu profiles the CPU path)")
+    torch.manual_seed(0)
+    kw = {"params_dtype": torch.bfloat16, "device": args.device}
+    module = getattr(te, args.module)(256, 256, **kw)
+    x = torch.randn(128, 256, dtype=torch.bfloat16, device=args.device, requires_grad=True)
+    print(f"te.{args.module}(256, 256), bf16 input 128 x 256, {args.device}")
+    for name in args.recipes:
+        profile_recipe(module, x, name, args.top)
+
+
+if __name__ == "__main__":
+    main()
