@@ -74,9 +74,10 @@ so that a block's max lands near 6 and dequantisation is :math:`q_i \cdot s / g`
   ``scale_t`` ``[K, ceil(M/16)]`` e4m3, the columnwise pair, with the same ``g``.
 * ``K`` must be even for rowwise output and ``M`` even for columnwise output (whole bytes).
 * Rounding: to nearest on the E2M1 grid, ties to the even code (0.25 -> 0, 0.75 -> 1,
-  1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4). Transformer Engine also offers
-  *stochastic* rounding for gradients (and random Hadamard transforms before the wgrad GEMM);
-  neither is implemented here.
+  1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4). These ops round to nearest; the GEMM
+  families' NVFP4 operands (:func:`nvfp4_qdq`) also take stochastic rounding (gradients), the
+  random Hadamard transform (the wgrad GEMM's operands), 16 x 16 tiles and 4over6 block
+  scaling.
 
 Edge cases (both formats)
 -------------------------
