@@ -54,7 +54,8 @@ CASES = {  # name: (module factory, tokens)
     ),
 }
 DEVICE = ["cuda"]  # --device
-MISALIGNED: list[tuple[str, int, tuple[int, ...]]] = []
+MISALIGNED: list[tuple] = []
+DTYPES: list[tuple] = []  # (a.dtype, b.dtype, a.stride, b.stride) of each _scaled_mm call
 
 
 def _checked_scaled_mm(original):
@@ -62,7 +63,10 @@ def _checked_scaled_mm(original):
         for i, t in enumerate(args[:4]):
             if isinstance(t, torch.Tensor) and t.data_ptr() % 16:
                 MISALIGNED.append((("a", "b", "scale_a", "scale_b")[i], t.data_ptr() % 16,
-                                   tuple(t.shape)))  # fmt: skip
+                                   tuple(t.shape), t.dtype))  # fmt: skip
+        if len(args) >= 2:  # the operands' formats (E5M2 x E5M2 has no cuBLAS kernel)
+            DTYPES.append((args[0].dtype, args[1].dtype, tuple(args[0].stride()),
+                           tuple(args[1].stride())))  # fmt: skip
         return original(*args, **kwargs)
 
     return scaled_mm
@@ -99,6 +103,7 @@ def run_case(name: str, show_code: bool, inside: bool) -> None:
                 return inner(x)
 
     MISALIGNED.clear()
+    DTYPES.clear()
     for i in range(4):
         g = torch.Generator(device=DEVICE[0]).manual_seed(i)
         x0 = torch.randn(tokens, hidden, device=DEVICE[0], dtype=torch.bfloat16, generator=g)
@@ -117,6 +122,8 @@ def run_case(name: str, show_code: bool, inside: bool) -> None:
                 torch.cuda.synchronize()
         except Exception as e:  # a diagnostic: report the failure and go on
             print(f"  {name} step {i}: {type(e).__name__}: {str(e)[:400]}")
+            print(f"    misaligned _scaled_mm args before the error: {MISALIGNED[:8]}")
+            print(f"    the last _scaled_mm calls (a, b dtypes and strides): {DTYPES[-4:]}")
             traceback.print_exc(limit=3)
             return
         finally:
