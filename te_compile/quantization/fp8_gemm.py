@@ -29,9 +29,10 @@ for many steps after it, see a wrong gradient (the demo GPT's first-step gradien
 off, and its 300-step loss ended 0.7-8.6% above bf16 at every seed; calibrated, it tracks current
 scaling: ``bench/results/2026-11-23_h100/README.md``). So a state's first step under
 ``DelayedScaling`` runs current scaling and records the amaxes it measured; the next step folds
-them into the history. ``calibrated`` (a Python bool, saved with the buffers: a loaded
-state_dict that holds them is calibrated) is what a compiled step specialises on: one
-recompile after the first step.
+them into the history. A step without tokens (an empty batch: amaxes of 0) runs current
+scaling as well and leaves the calibration to the first step with tokens. ``calibrated`` (a
+Python bool, saved with the buffers: a loaded state_dict that holds them is calibrated) is
+what a compiled step specialises on: one recompile after the first step.
 A recipe with ``amax_compute_algo`` or ``scaling_factor_compute_algo`` callables runs the same
 update as plain torch code around them (:func:`_custom_update`), traced by torch.compile.
 With ``amax_reduction_group`` (or ``reduce_amax`` and an initialised default process group)
@@ -99,12 +100,17 @@ class FP8GemmState(nn.Module):
                 state_dict[prefix + n] = getattr(fresh, n)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-    def delayed_scale(self, owner: str, state: AutocastState) -> Tensor | None:
+    def delayed_scale(
+        self, owner: str, state: AutocastState, has_tokens: bool = True
+    ) -> Tensor | None:
         """None under current scaling and at the first delayed step (the calibration step: the
         caller runs current scaling and records the amaxes); else fold the last amaxes into the
         history, recompute the scales and return a copy of them (the ``[3]`` the FP8 ops take).
-        Inside ``te_compile.checkpoint`` the state is first snapshotted, so that the recompute
-        can start from it again."""
+        ``has_tokens``: the GEMM's input has rows. A step without any (a zero-token batch) runs
+        current scaling too but is not the calibration step: its input and gradient amaxes are
+        0, which would leave those scales at 1 for the next step. Inside
+        ``te_compile.checkpoint`` the state is first snapshotted, so that the recompute can
+        start from it again."""
         recipe = state.recipe
         if recipe.float8_current():
             return None
@@ -122,7 +128,7 @@ class FP8GemmState(nn.Module):
         if scope is not None:  # te_compile.checkpoint: the state before this step's update
             scope.snapshot(self)
         if not self.calibrated:
-            self.calibrated = True
+            self.calibrated = has_tokens
             return None
         fmt = recipe.fp8_format
         limits = [fmt.max_fwd, fmt.max_fwd, fmt.max_bwd]

@@ -324,7 +324,8 @@ def _recipe_args(owner, state, inp, weights, metas, grouped) -> GemmArgs:
             and all(blockwise_supported(t, w.block_rows, x.fp8_dtype, g.fp8_dtype) for t in w2d)
         )
         return GemmArgs(tuple(replace(s, emulate=not native) for s in specs))
-    scales = tuple(meta.delayed_scale(owner, state) for meta in metas)
+    has_tokens = inp.numel() > 0  # a zero-token step does not calibrate (FP8GemmState)
+    scales = tuple(meta.delayed_scale(owner, state, has_tokens) for meta in metas)
     kind = "delayed" if scales and all(s is not None for s in scales) else "current"
     if kind == "current":  # current scaling, or a state's calibration step
         scales = (None,) * len(scales)
@@ -351,7 +352,7 @@ def calibrate(
         return state
     if state.recipe.float8_per_tensor_scaling():
         for meta, x, w in zip(metas, inputs, weights, strict=True):
-            meta.delayed_scale(owner, state)
+            meta.delayed_scale(owner, state, x.numel() > 0)
             with torch.no_grad():
                 meta.record(torch.stack([_amax(x), _amax(w)]), state)
     return state._replace(calibrating=False)
