@@ -43,6 +43,8 @@ the history at the next forward.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import Tensor, nn
 
@@ -67,6 +69,8 @@ class FP8GemmState(nn.Module):
         self.register_buffer("grad_amax", torch.zeros(1, **kw))
         # Whether a delayed-scaling step ran here (module docstring): the first one is current.
         self.calibrated = False
+        # The recipe class of the last eager FP8 (or calibration) call (note_recipe).
+        self.recipe_type: type | None = None
         self._register_state_dict_hook(_drop_if_unused)
 
     def forward_state(self) -> tuple[Tensor, Tensor, Tensor]:
@@ -143,6 +147,26 @@ class FP8GemmState(nn.Module):
                 history, self.scale, last, limits, recipe.margin, recipe.amax_compute_algo
             )
         return self.scale.clone()
+
+    def note_recipe(self, owner: str, recipe: object) -> None:
+        """Remember ``recipe``'s class and warn, as Transformer Engine does, when it is of
+        another family than the one of this GEMM's last FP8 call (neither class a subclass of
+        the other): a ``UserWarning`` ``"Recipe type changed from A to B"``. Eager calls only:
+        ``warnings.warn`` would break a compiled graph, which recompiles for a recipe of
+        another class anyway (it guards on the recipe's type)."""
+        kind, last = type(recipe), self.recipe_type
+        self.recipe_type = kind
+        if last is None or issubclass(kind, last) or issubclass(last, kind):
+            return
+        warnings.warn(
+            f"{owner}: Recipe type changed from {last.__name__} to {kind.__name__} since this "
+            f"module's last FP8 forward; this may affect model behavior: its GEMMs now quantise "
+            f"as {kind.__name__} says (weights kept with is_first_microbatch are cast again; "
+            "the DelayedScaling amax history and scales are kept for a later DelayedScaling "
+            "step). Use one recipe per module, or filter this warning if the switch is meant",
+            UserWarning,
+            stacklevel=5,
+        )
 
     def record(self, amax: Tensor, state: AutocastState) -> None:
         """Keep the forward's ``[amax(input), amax(weight)]``: delayed scaling folds them into
