@@ -49,6 +49,7 @@ import torch
 from torch import Tensor, nn
 
 from te_compile._numerics import div_rn
+from te_compile.functional.fp8_scaling import FP32_MAX
 from te_compile.quantization.recompute import current_scope
 from te_compile.quantization.state import AutocastState
 
@@ -227,7 +228,8 @@ def _custom_update(
         new = compute(amax, old, fp8_max, recipe)
     else:  # the built-in formula: an amax of 0, inf or NaN keeps the old scale
         ok = (amax > 0) & torch.isfinite(amax)
-        new = torch.where(ok, div_rn(fp8_max, amax * 2.0**recipe.margin), old)
+        new = div_rn(fp8_max, amax * 2.0**recipe.margin).clamp(max=FP32_MAX)
+        new = torch.where(ok, new, old)
     scale.copy_(new)
 
 
