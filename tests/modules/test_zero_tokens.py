@@ -120,6 +120,36 @@ def test_zero_tokens_fuse_wgrad_accumulation(module, recipe, compiled):
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("single", [False, True], ids=["per_group", "single"])
+@pytest.mark.parametrize("empty", [0, 2, GROUPS - 1], ids=["first", "middle", "last"])
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_grouped_linear_one_empty_group(recipe, empty, single, compiled):
+    """Transformer Engine's ``test_sanity_grouped_linear`` ``empty_split``: one group without
+    tokens; its weight and bias gradients are zeros, the others' are not."""
+    torch.manual_seed(0)
+    m = te.GroupedLinear(GROUPS, HIDDEN, FFN, params_dtype=torch.bfloat16,
+                         single_grouped_parameter=single)  # fmt: skip
+    splits = [32] * GROUPS
+    splits[empty] = 0
+    fn, counter = (lambda x: m(x, splits)), None
+    if compiled:
+        torch._dynamo.reset()
+        fn, counter = compile_counted(fn, backend="aot_eager")
+    x = torch.randn(sum(splits), HIDDEN, dtype=torch.bfloat16, requires_grad=True)
+    with autocast(recipe=RECIPES[recipe]()):
+        y = fn(x)
+    y.float().sum().backward()
+    assert counter is None or counter.frame_count == 1
+    assert y.shape == (sum(splits), FFN) and x.grad.shape == x.shape
+    for kind in ("weight", "bias"):
+        grads = getattr(m, kind).grad if single else [getattr(m, f"{kind}{i}").grad
+                                                      for i in range(GROUPS)]  # fmt: skip
+        for i in range(GROUPS):
+            assert torch.isfinite(grads[i]).all()
+            assert (grads[i].abs().sum() == 0) == (i == empty), (kind, i)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("override", ["high_precision", "dequantized"])
 @pytest.mark.parametrize("recipe", [r for r in RECIPES if r != "delayed"])
 @pytest.mark.parametrize("module", MODULES[:3])  # GroupedLinear refuses backward_override
