@@ -34,13 +34,14 @@ def _module(name: str) -> torch.nn.Module:
     return getattr(te, name)(SIZE, SIZE)
 
 
-def _step(m: torch.nn.Module, recipe, fn=None, scale: float = 1.0) -> None:
+def _step(m: torch.nn.Module, recipe, fn=None, scale: float = 1.0, x=None) -> torch.Tensor:
     if fn is None:
         fn = (lambda x: m(x, [SIZE])) if isinstance(m, te.GroupedLinear) else m
-    x = torch.randn(SIZE, SIZE) * scale
+    x = torch.randn(SIZE, SIZE) * scale if x is None else x
     with autocast(recipe=recipe):
         y = fn(x)
     y.sum().backward()
+    return y.detach()
 
 
 @pytest.fixture(autouse=True)
@@ -59,15 +60,23 @@ def test_recipe_type_change_warns_once(module, target):
         warnings.filterwarnings("ignore", message="autocast: .* emulated")
         for margin in range(3):
             _step(m, DelayedScaling(margin=margin))  # other fields, same class
+    states = [s for s in m.modules() if isinstance(s, FP8GemmState)]
+    kept = [torch.cat([s.amax_history, s.scale[None]]) for s in states]
     changed = f"Recipe type changed from DelayedScaling to {target.__name__}"
+    x = torch.randn(SIZE, SIZE)
     with pytest.warns(UserWarning, match=changed):
-        _step(m, target())
+        y = _step(m, target(), x=x)
+    # The new recipe took effect: as a module that never ran another one (same weights).
+    assert torch.equal(y, _step(_module(module), target(), x=x))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         warnings.filterwarnings("ignore", message="autocast: .* emulated")
         for _ in range(2):
             _step(m, target())
         _step(m, target())  # a new instance of the same class
+    # The delayed-scaling state waits, untouched, for a later DelayedScaling step.
+    for s, before in zip(states, kept, strict=True):
+        assert torch.equal(torch.cat([s.amax_history, s.scale[None]]), before)
 
 
 def test_recipe_type_change_warning_names_the_module_and_counts_fp8_calls_only():
