@@ -18,6 +18,9 @@ backward is included), for every slot:
     s \leftarrow \frac{\mathrm{fp8\_max}}{a \cdot 2^{\mathrm{margin}}}
     \ \text{where } a > 0 \text{ and finite, else unchanged}
 
+A scale that overflows fp32 (an amax below ``fp8_max / FLT_MAX``, ~1e-36) becomes the largest
+finite fp32 value, as in Transformer Engine, never inf.
+
 A separate op, not part of the differentiable linear ops: the differentiable ops stay pure
 (scales in, amaxes out) and the mutation of module state is one node that ``torch.compile``
 functionalises, so a compiled training step updates the buffers with zero graph breaks.
@@ -35,12 +38,14 @@ from te_compile._library import SampleInput, op
 
 __all__ = [
     "AMAX_COMPUTE_ALGOS",
+    "FP32_MAX",
     "delayed_scaling_update",
     "delayed_scaling_update_op",
     "delayed_scaling_update_ref",
 ]
 
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+FP32_MAX = torch.finfo(torch.float32).max  # an overflowing scale's value
 
 
 def delayed_scaling_update_ref(
@@ -57,7 +62,7 @@ def delayed_scaling_update_ref(
     history[0] = amax
     window = history.amax(0) if amax_compute_algo == "max" else history[0]
     limit = torch.tensor(fp8_max, dtype=torch.float32, device=scale.device)
-    new_scale = limit / (window * (2.0**margin))
+    new_scale = (limit / (window * (2.0**margin))).clamp(max=FP32_MAX)
     ok = (window > 0) & torch.isfinite(window)
     scale.copy_(torch.where(ok, new_scale, scale))
     amax_history.copy_(history)
@@ -106,6 +111,9 @@ def _samples(device: torch.device):
     history, scale = torch.zeros(1, 2, device=device), torch.ones(2, device=device)
     last_amax = torch.tensor([0.0, 2.0], device=device)
     yield SampleInput((history, scale, last_amax, limits[:2], 1, "most_recent"))
+    # A tiny amax: the scale overflows fp32 and becomes its largest finite value.
+    history, last_amax = torch.zeros(2, 1, device=device), torch.tensor([1e-37], device=device)
+    yield SampleInput((history, torch.ones(1, device=device), last_amax, limits[:1], 0, "max"))
 
 
 @op(

@@ -306,7 +306,9 @@ def _delayed_update_kernel(
     limit = tl.load(LIMIT + c, mask=c < slots, other=1.0)
     old_scale = tl.load(SCALE + c, mask=c < slots, other=1.0)
     ok = (window > 0) & (window < float("inf"))  # False for NaN
-    new_scale = tl.where(ok, tl.div_rn(limit, window * margin_factor), old_scale)
+    # An overflowing scale (a tiny amax) is fp32's largest finite value, as in the reference.
+    new_scale = tl.minimum(tl.div_rn(limit, window * margin_factor), 3.4028234663852886e38)
+    new_scale = tl.where(ok, new_scale, old_scale)
     # Every thread has loaded its rows before any row is overwritten.
     tl.debug_barrier()
     tl.store(HIST + rows * row_stride + cols, new, mask=(rows < length) & in_cols)

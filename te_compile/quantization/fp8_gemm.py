@@ -29,9 +29,10 @@ for many steps after it, see a wrong gradient (the demo GPT's first-step gradien
 off, and its 300-step loss ended 0.7-8.6% above bf16 at every seed; calibrated, it tracks current
 scaling: ``bench/results/2026-11-23_h100/README.md``). So a state's first step under
 ``DelayedScaling`` runs current scaling and records the amaxes it measured; the next step folds
-them into the history. ``calibrated`` (a Python bool, saved with the buffers: a loaded
-state_dict that holds them is calibrated) is what a compiled step specialises on: one
-recompile after the first step.
+them into the history. A step without tokens (an empty batch: amaxes of 0) runs current
+scaling as well and leaves the calibration to the first step with tokens. ``calibrated`` (a
+Python bool, saved with the buffers: a loaded state_dict that holds them is calibrated) is
+what a compiled step specialises on: one recompile after the first step.
 A recipe with ``amax_compute_algo`` or ``scaling_factor_compute_algo`` callables runs the same
 update as plain torch code around them (:func:`_custom_update`), traced by torch.compile.
 With ``amax_reduction_group`` (or ``reduce_amax`` and an initialised default process group)
@@ -42,10 +43,13 @@ the history at the next forward.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import Tensor, nn
 
 from te_compile._numerics import div_rn
+from te_compile.functional.fp8_scaling import FP32_MAX
 from te_compile.quantization.recompute import current_scope
 from te_compile.quantization.state import AutocastState
 
@@ -66,6 +70,8 @@ class FP8GemmState(nn.Module):
         self.register_buffer("grad_amax", torch.zeros(1, **kw))
         # Whether a delayed-scaling step ran here (module docstring): the first one is current.
         self.calibrated = False
+        # The recipe class of the last eager FP8 (or calibration) call (note_recipe).
+        self.recipe_type: type | None = None
         self._register_state_dict_hook(_drop_if_unused)
 
     def forward_state(self) -> tuple[Tensor, Tensor, Tensor]:
@@ -99,12 +105,17 @@ class FP8GemmState(nn.Module):
                 state_dict[prefix + n] = getattr(fresh, n)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-    def delayed_scale(self, owner: str, state: AutocastState) -> Tensor | None:
+    def delayed_scale(
+        self, owner: str, state: AutocastState, has_tokens: bool = True
+    ) -> Tensor | None:
         """None under current scaling and at the first delayed step (the calibration step: the
         caller runs current scaling and records the amaxes); else fold the last amaxes into the
         history, recompute the scales and return a copy of them (the ``[3]`` the FP8 ops take).
-        Inside ``te_compile.checkpoint`` the state is first snapshotted, so that the recompute
-        can start from it again."""
+        ``has_tokens``: the GEMM's input has rows. A step without any (a zero-token batch) runs
+        current scaling too but is not the calibration step: its input and gradient amaxes are
+        0, which would leave those scales at 1 for the next step. Inside
+        ``te_compile.checkpoint`` the state is first snapshotted, so that the recompute can
+        start from it again."""
         recipe = state.recipe
         if recipe.float8_current():
             return None
@@ -122,7 +133,7 @@ class FP8GemmState(nn.Module):
         if scope is not None:  # te_compile.checkpoint: the state before this step's update
             scope.snapshot(self)
         if not self.calibrated:
-            self.calibrated = True
+            self.calibrated = has_tokens
             return None
         fmt = recipe.fp8_format
         limits = [fmt.max_fwd, fmt.max_fwd, fmt.max_bwd]
@@ -137,6 +148,26 @@ class FP8GemmState(nn.Module):
                 history, self.scale, last, limits, recipe.margin, recipe.amax_compute_algo
             )
         return self.scale.clone()
+
+    def note_recipe(self, owner: str, recipe: object) -> None:
+        """Remember ``recipe``'s class and warn, as Transformer Engine does, when it is of
+        another family than the one of this GEMM's last FP8 call (neither class a subclass of
+        the other): a ``UserWarning`` ``"Recipe type changed from A to B"``. Eager calls only:
+        ``warnings.warn`` would break a compiled graph, which recompiles for a recipe of
+        another class anyway (it guards on the recipe's type)."""
+        kind, last = type(recipe), self.recipe_type
+        self.recipe_type = kind
+        if last is None or issubclass(kind, last) or issubclass(last, kind):
+            return
+        warnings.warn(
+            f"{owner}: Recipe type changed from {last.__name__} to {kind.__name__} since this "
+            f"module's last FP8 forward; this may affect model behavior: its GEMMs now quantise "
+            f"as {kind.__name__} says (weights kept with is_first_microbatch are cast again; "
+            "the DelayedScaling amax history and scales are kept for a later DelayedScaling "
+            "step). Use one recipe per module, or filter this warning if the switch is meant",
+            UserWarning,
+            stacklevel=5,
+        )
 
     def record(self, amax: Tensor, state: AutocastState) -> None:
         """Keep the forward's ``[amax(input), amax(weight)]``: delayed scaling folds them into
@@ -197,7 +228,8 @@ def _custom_update(
         new = compute(amax, old, fp8_max, recipe)
     else:  # the built-in formula: an amax of 0, inf or NaN keeps the old scale
         ok = (amax > 0) & torch.isfinite(amax)
-        new = torch.where(ok, div_rn(fp8_max, amax * 2.0**recipe.margin), old)
+        new = div_rn(fp8_max, amax * 2.0**recipe.margin).clamp(max=FP32_MAX)
+        new = torch.where(ok, new, old)
     scale.copy_(new)
 
 

@@ -160,20 +160,31 @@ def check_first_microbatch(owner: str, is_first_microbatch: object) -> None:
         )
 
 
-def check_primary(owner: str, state: AutocastState) -> None:
+def check_primary(owner: str, state: AutocastState, name: str = "weight") -> None:
     """A module with FP8 primary weights runs inside an FP8 autocast of a per-tensor recipe,
     without ``backward_override="high_precision"`` (its backward GEMMs would read a
-    high-precision weight, which FP8 primary weights do not keep)."""
-    if state.enabled and not state.calibration and state.recipe.float8_per_tensor_scaling():
-        if state.recipe.backward_override == "high_precision":
+    high-precision weight, which FP8 primary weights do not keep). The weight ``name`` holds
+    per-tensor FP8 codes, which either per-tensor recipe reads (Transformer Engine ties a
+    weight to the one it was made under); another recipe is Transformer Engine's "Recipe
+    mismatch" (a ``NotImplementedError``, which is a ``RuntimeError`` as TE's is)."""
+    recipe = state.recipe
+    if state.enabled and not state.calibration and recipe.float8_per_tensor_scaling():
+        if recipe.backward_override == "high_precision":
             raise ValueError(
                 f"{owner}: recipe.backward_override='high_precision' needs a high-precision "
                 "weight; FP8 primary weights (quantized_model_init) keep only the FP8 codes "
                 "(use None or 'dequantized')"
             )
         return
-    now = "calibration" if state.calibration else (
-        type(state.recipe).__name__ if state.enabled else "no FP8 autocast")  # fmt: skip
+    if state.enabled and not state.calibration:
+        raise NotImplementedError(
+            f"{owner}: Recipe mismatch for {name!r}: the weight holds per-tensor FP8 codes "
+            "(quantized_model_init with Float8CurrentScaling or DelayedScaling), which "
+            f"autocast's {type(recipe).__name__} cannot use; run it under "
+            "te_compile.autocast(recipe=Float8CurrentScaling() or DelayedScaling()), or build "
+            "the module outside quantized_model_init to use this recipe"
+        )
+    now = "calibration" if state.calibration else "no FP8 autocast"
     raise NotImplementedError(
         f"{owner}: FP8 primary weights (quantized_model_init) run inside te_compile.autocast "
         f"with Float8CurrentScaling or DelayedScaling, got {now}"
@@ -363,9 +374,18 @@ def gemm_args(
     emulated elsewhere; MXFP8 and NVFP4 are emulated (native GEMMs need Blackwell)."""
     if not state.enabled:
         return _HIGH_ARGS
+    _note_recipe(owner, state, metas)
     override = state.recipe.backward_override or ""
     args = _recipe_args(owner, state, inp, weights, metas, grouped)
     return args._replace(backward_override=override)
+
+
+def _note_recipe(owner: str, state: AutocastState, metas: Sequence[FP8GemmState]) -> None:
+    """Each GEMM state remembers the recipe class of its last eager FP8 or calibration call and
+    warns when it changes (``FP8GemmState.note_recipe``); not while dynamo traces."""
+    if not torch.compiler.is_compiling():
+        for meta in metas:
+            meta.note_recipe(owner, state.recipe)
 
 
 def _recipe_args(owner, state, inp, weights, metas, grouped) -> GemmArgs:
@@ -396,7 +416,8 @@ def _recipe_args(owner, state, inp, weights, metas, grouped) -> GemmArgs:
             and all(blockwise_supported(t, w.block_rows, x.fp8_dtype, g.fp8_dtype) for t in w2d)
         )
         return GemmArgs(tuple(replace(s, emulate=not native) for s in specs))
-    scales = tuple(meta.delayed_scale(owner, state) for meta in metas)
+    has_tokens = inp.numel() > 0  # a zero-token step does not calibrate (FP8GemmState)
+    scales = tuple(meta.delayed_scale(owner, state, has_tokens) for meta in metas)
     kind = "delayed" if scales and all(s is not None for s in scales) else "current"
     if kind == "current":  # current scaling, or a state's calibration step
         scales = (None,) * len(scales)
@@ -424,9 +445,10 @@ def calibrate(
     nothing is recorded."""
     if not state.calibration:
         return state
+    _note_recipe(owner, state, metas)
     if state.recipe.float8_per_tensor_scaling():
         for meta, x, w in zip(metas, inputs, weights, strict=True):
-            meta.delayed_scale(owner, state)
+            meta.delayed_scale(owner, state, x.numel() > 0)
             with torch.no_grad():
                 meta.record(torch.stack([_amax(x), _amax(w)]), state)
     return state._replace(calibrating=False)
@@ -495,7 +517,7 @@ def linear(
     appended."""
     state = get_autocast_state()
     if weight_quantized is not None:
-        check_primary(owner, state)
+        check_primary(owner, state, cache_name)
     if state.calibration:
         state = calibrate(owner, state, (meta,), (_no_grad_norm(inp, norm),), (weight,))
     if epilogue.get("save_original_input") and state.enabled:

@@ -8,6 +8,9 @@ import pytest
 import torch
 
 import te_compile  # noqa: F401  (registers the ops)
+from te_compile.functional.fp8_scaling import FP32_MAX
+from te_compile.quantization import DelayedScaling, Format
+from te_compile.quantization.fp8_gemm import _custom_update
 from tests.utils import DEVICES, compile_counted
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
@@ -44,6 +47,35 @@ def test_zero_or_non_finite_amax_keeps_the_scale(device, bad):
     scale = torch.tensor([3.0, 5.0], device=device)
     _update(history, scale, torch.tensor([bad, 2.0], device=device), [E4M3_MAX, E4M3_MAX])
     assert scale[0].item() == 3.0 and scale[1].item() == E4M3_MAX / 2.0
+
+
+# Transformer Engine's test_scale_update_numeric_scenarios: amax -> the scale from a scale of 1.
+_AMAX_CASES = {
+    "zero": (0.0, 1.0),
+    "tiny": (E4M3_MAX / FP32_MAX / 2, FP32_MAX),  # fp8_max / amax overflows fp32
+    "normal": (0.75, E4M3_MAX / 0.75),
+    "inf": (math.inf, 1.0),
+    "nan": (math.nan, 1.0),
+}
+
+
+@pytest.mark.parametrize("path", ["op", "callable"])
+@pytest.mark.parametrize("case", list(_AMAX_CASES))
+def test_scale_of_each_amax_case(case, path):
+    """An amax of 0, inf or NaN keeps the scale; one so small that the scale overflows fp32
+    gives fp32's largest finite value, never inf; the same through the op and through the
+    update a recipe with an ``amax_compute_algo`` callable runs (``fp8_gemm._custom_update``)."""
+    amax, expected = _AMAX_CASES[case]
+    history, scale = torch.zeros(1, 1), torch.ones(1)
+    last = torch.tensor([amax])
+    if path == "op":
+        _update(history, scale, last, [E4M3_MAX])
+    else:
+        recipe = DelayedScaling(fp8_format=Format.E4M3, amax_compute_algo=lambda h: h[0])
+        limits = [E4M3_MAX, E4M3_MAX, E4M3_MAX]
+        history, scale = history.expand(1, 3).clone(), scale.expand(3).clone()
+        _custom_update(history, scale, last.expand(3), limits, recipe)
+    assert torch.equal(scale, torch.full_like(scale, expected))
 
 
 @pytest.mark.parametrize("device", DEVICES)

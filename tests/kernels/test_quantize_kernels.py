@@ -297,7 +297,7 @@ def test_delayed_scaling_update_kernel_matches_reference(length, algo, margin):
     limits = [448.0, 448.0, 57344.0]
     history = torch.rand(20, 3) * 10
     history[2, 0], history[1, 2], history[0, 1] = float("nan"), float("inf"), 0.0
-    last = torch.tensor([0.0, 3.5, 1e-30])
+    last = torch.tensor([0.0, 3.5, 1e-37])  # 1e-37: a scale past fp32, clamped
     scale = torch.rand(3) + 0.5
     h_ref, s_ref = history.clone(), scale.clone()
     delayed_scaling_update_ref(h_ref[:length], s_ref, last, limits, margin, algo)
