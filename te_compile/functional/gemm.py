@@ -106,6 +106,8 @@ __all__ = [
     "empty",
     "gemm",
     "gemm_kind",
+    "hp_linear",
+    "hp_linear_backward",
     "pad_rows",
     "padded",
     "qdq_both",
@@ -732,6 +734,42 @@ def gemm(
 ) -> Tensor:
     """``a @ b.T (+ bias)`` through the :data:`GEMMS` entry ``kind`` (see the table)."""
     return GEMMS[kind](a, sa, b, sb, out_dtype, bias, fast_accum, b_block_rows)
+
+
+def hp_linear(inp: Tensor, weight: Tensor, bias: Tensor | None, cuda: bool) -> Tensor:
+    """``inp @ weight.T + bias`` in high precision: on CUDA cuBLAS in the input dtype, the bias
+    in the GEMM's epilogue; elsewhere (the definition of correctness) fp32 math (fp64 stays
+    fp64) rounded once to the input dtype."""
+    if cuda:
+        return torch.nn.functional.linear(inp, weight, bias)
+    acc = torch.float64 if inp.dtype == torch.float64 else torch.float32
+    out = torch.nn.functional.linear(
+        inp.to(acc), weight.to(acc), None if bias is None else bias.to(acc)
+    )
+    return out.to(inp.dtype)
+
+
+def hp_linear_backward(grad, inp, weight, main_grad, need_dbias, need_dgrad, need_wgrad,
+                       cuda: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """``(dinp, dweight, dbias)`` of :func:`hp_linear` (0-element where not asked for;
+    ``dweight`` also where it went into ``main_grad``): the GEMMs and the reduction in the input
+    dtype with fp32 accumulation on CUDA, in fp32 (fp64 stays fp64) elsewhere, each rounded
+    once."""
+    dtype = grad.dtype
+    acc = None if cuda else (torch.float64 if dtype == torch.float64 else torch.float32)
+    dy = grad.reshape(-1, grad.shape[-1])
+    dinp, dweight, dbias = empty(grad), empty(grad), empty(grad)
+    if need_dgrad:
+        dinp = (grad.to(acc) @ weight.to(acc)).to(dtype) if acc else grad @ weight
+    if need_wgrad:
+        x = inp.reshape(-1, inp.shape[-1])
+        if main_grad is not None:
+            accumulate_wgrad(main_grad, dy, x)
+        else:
+            dweight = (dy.t().to(acc) @ x.to(acc)).to(dtype) if acc else dy.t() @ x
+    if need_dbias:
+        dbias = dy.sum(0, dtype=acc).to(dtype) if acc else dy.sum(0)
+    return dinp, dweight, dbias
 
 
 def accumulate_wgrad(main_grad: Tensor, dy: Tensor, x: Tensor) -> None:

@@ -116,6 +116,8 @@ from te_compile.functional.gemm import (
     empty,
     gemm,
     gemm_kind,
+    hp_linear,
+    hp_linear_backward,
     pad_rows,
     padded,
     quantize_operand,
@@ -221,12 +223,8 @@ def _out_features(n: int, activation: str) -> int:
 
 def linear_ref(inp: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """Definition of correctness in high precision: fp32 (or fp64) math, cast to the input
-    dtype at the end."""
-    acc = _acc(inp)
-    out = torch.nn.functional.linear(
-        inp.to(acc), weight.to(acc), None if bias is None else bias.to(acc)
-    )
-    return out.to(inp.dtype)
+    dtype at the end (``functional.gemm.hp_linear``'s CPU implementation)."""
+    return hp_linear(inp, weight, bias, cuda=False)
 
 
 def _reference(*args):
@@ -424,10 +422,7 @@ def _forward(a: _Args, cuda: bool) -> tuple[Tensor, Tensor, list[Tensor]]:
     dtype, n = inp.dtype, weight.shape[0]
     branch = inp.clone(memory_format=torch.contiguous_format) if ep.branch else empty(inp)
     if a.plain:  # te.Linear in high precision: the hot path
-        out = (
-            torch.nn.functional.linear(inp, weight, bias) if cuda else linear_ref(inp, weight, bias)
-        )
-        return out, branch, []
+        return hp_linear(inp, weight, bias, cuda), branch, []
     x2 = inp.reshape(-1, inp.shape[-1])
     m, acc = x2.shape[0], None
     saved, stats, amax = [], [], []
@@ -543,8 +538,7 @@ def linear_fwd(
 def _plain_forward(inp, weight, bias, main_grad, cuda: bool) -> tuple[Tensor, Tensor, list]:
     """te.Linear's hot path: high precision, no prologue or epilogue (cheap to enter)."""
     _check_args(inp, weight, bias, main_grad)
-    out = torch.nn.functional.linear(inp, weight, bias) if cuda else linear_ref(inp, weight, bias)
-    return out, inp.new_empty(0), []
+    return hp_linear(inp, weight, bias, cuda), inp.new_empty(0), []
 
 
 @linear_fwd.register_kernel("cuda")
@@ -772,34 +766,12 @@ def linear_bwd(
         wgrad_stash.copy_(grad)
         need_wgrad = False
     if not (input_spec or norm or epilogue) and grad_branch is None:
-        acc = torch.float64 if grad.dtype == torch.float64 else torch.float32
-        return _plain_backward(grad, inp, weight, main_grad, need_dbias, need_dgrad, need_wgrad,
-                               acc)  # fmt: skip
+        return (*hp_linear_backward(grad, inp, weight, main_grad, need_dbias, need_dgrad,
+                                    need_wgrad, cuda=False), empty(grad), empty(grad))  # fmt: skip
     c = _Bwd.of(input_spec, weight_spec, grad_spec, norm, epilogue, need_dbias, need_dgrad,
                 need_wgrad)  # fmt: skip
     return _backward_impl(grad, grad_branch, saved, inp, weight, bias, main_grad, scale,
                           grad_amax, norm_weight, rng_state, c, cuda=False)  # fmt: skip
-
-
-def _plain_backward(grad, inp, weight, main_grad, need_dbias, need_dgrad, need_wgrad, acc):
-    """The backward of :func:`_plain_forward`: the three GEMMs / reductions in ``acc`` (None:
-    the input dtype, cuBLAS with fp32 accumulation), each rounded once."""
-    dtype = grad.dtype
-    dy = grad.reshape(-1, grad.shape[-1])
-    dinp = empty(grad)
-    if need_dgrad:
-        dinp = (grad.to(acc) @ weight.to(acc)).to(dtype) if acc else grad @ weight
-    dweight = empty(grad)
-    if need_wgrad:
-        x = inp.reshape(-1, inp.shape[-1])
-        if main_grad is not None:
-            accumulate_wgrad(main_grad, dy, x)
-        else:
-            dweight = (dy.t().to(acc) @ x.to(acc)).to(dtype) if acc else dy.t() @ x
-    dbias = empty(grad)
-    if need_dbias:
-        dbias = dy.sum(0, dtype=acc).to(dtype) if acc else dy.sum(0)
-    return dinp, dweight, dbias, empty(grad), empty(grad)
 
 
 _BWD_TENSORS = 11  # grad, grad_branch, saved, inp, weight, bias, main_grad, scale, grad_amax,
@@ -823,8 +795,8 @@ def _linear_bwd_cuda(*args):
     input_spec, _, _, norm, epilogue, need_dbias, need_dgrad, _ = scalars
     if not (input_spec or norm or epilogue) and tensors[1] is None:
         grad, _, _, inp, weight, _, main_grad = tensors[:7]
-        return _plain_backward(grad, inp, weight, main_grad, need_dbias, need_dgrad, need_wgrad,
-                               None)  # fmt: skip
+        return (*hp_linear_backward(grad, inp, weight, main_grad, need_dbias, need_dgrad,
+                                    need_wgrad, cuda=True), empty(grad), empty(grad))  # fmt: skip
     c = _Bwd.of(*scalars[:-1], need_wgrad)
     return _backward_impl(*tensors, c, cuda=True)
 

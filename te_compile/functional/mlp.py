@@ -22,9 +22,10 @@ for ``z`` ``[T, F]``: the write and two reads of :math:`h` and of :math:`dz` (cu
 reads :math:`z` twice instead; delayed scaling once). For a gated activation :math:`h` is
 quantised from ``z``'s two halves, and both halves of :math:`dz` (``[T, 2F]``) from one read of
 :math:`dh` and ``z``, under one scale (per tensor) or in 1x128 blocks that never straddle the
-halves. Elsewhere (the CPU, the emulated recipes, high precision) the op composes the
-implementations of the linear family's GEMMs and of the activation ops: the same bytes as
-``linear -> bias_activation -> linear`` (compared bit for bit in the tests).
+halves. Elsewhere (the CPU, the emulated recipes, high precision) the op composes the GEMMs the
+linear family runs (``functional.gemm``: ``hp_linear`` / ``hp_linear_backward``, the
+``GEMMS`` table) and the activation ops' implementations: the same bytes as ``linear ->
+bias_activation -> linear`` (compared bit for bit in the tests).
 
 ``saved``: quantised recipes ``[X^T, s_x, W_1^T, s_w1, z, h^T, s_h, W_2^T, s_w2]`` (FP8 bytes
 and inverse scales as the linear family saves them; ``z`` with its rows padded to a multiple
@@ -77,6 +78,8 @@ from te_compile.functional.gemm import (
     empty,
     gemm,
     gemm_kind,
+    hp_linear,
+    hp_linear_backward,
     pad_rows,
     padded,
     quantize_operand,
@@ -87,7 +90,6 @@ from te_compile.functional.gemm import (
     unpad,
     weight_operand,
 )
-from te_compile.functional.linear import linear_bwd, linear_fwd
 from te_compile.functional.prologue import (
     NORMALIZATIONS,
     Norm,
@@ -172,7 +174,7 @@ def _activation_ref(
 
 def mlp_ref(*args) -> Tensor:
     """Definition of correctness, differentiable, in the inputs' dtype (fp64 in the tests): the
-    norm's reference, the recipe's GEMM (``functional.linear.quantized_linear_ref``) twice
+    norm's reference, the recipe's GEMM (``functional.gemm.quantized_linear_ref``) twice
     around the activation's reference."""
     a = _Args(*args)
     x = norm_ref(a.inp, a.nrm)
@@ -338,11 +340,6 @@ def _wgrad_scale(spec: QuantSpec, saved: Tensor) -> Tensor:
     return saved.t() if _native_block(spec) else saved
 
 
-def _hp_linear(x2: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
-    """The high-precision GEMM of the linear family (the implementation for the device)."""
-    return linear_fwd.eager(x2, w, b, None)[0]
-
-
 def _forward(a: _Args) -> tuple[Tensor, list[Tensor]]:
     _check(a)
     inp, w1, b1, w2, b2 = a.inp, a.fc1_weight, a.fc1_bias, a.fc2_weight, a.fc2_bias
@@ -355,9 +352,9 @@ def _forward(a: _Args) -> tuple[Tensor, list[Tensor]]:
         if norm.normalization:
             x2, *stats = norm_forward(x2, norm)
             saved.append(x2)
-        z = _hp_linear(x2, w1, None)
+        z = hp_linear(x2, w1, None, x2.is_cuda)
         h = activation_forward(z, b1, ep.activation, 0, *params)
-        out = _hp_linear(h, w2, b2)
+        out = hp_linear(h, w2, b2, x2.is_cuda)
         return out.reshape(*inp.shape[:-1], w2.shape[0]), [*saved, z, h, *stats]
     kind, rows = gemm_kind(recipe, xs.emulate), ws.block_rows
     (s_x, s_w1, _), (s_h, s_w2, _) = scale_slots(a.scale1, recipe), scale_slots(a.scale2, recipe)
@@ -483,15 +480,6 @@ _N_BWD_TENSORS = 11  # grad, saved, inp, fc1_weight, fc1_bias, fc2_weight, scale
 # grad_amax1, grad_amax2, norm_weight
 
 
-def _hp_linear_bwd(grad: Tensor, x2: Tensor, w: Tensor, need_dbias: bool, need_dgrad: bool):
-    """``(dx, dw, db)`` by the linear family's high-precision backward."""
-    dx, dw, db, _, _ = linear_bwd.eager(
-        grad, None, [], x2, w, None, None, None, None, None, None, "", "", "", "", "",
-        need_dbias, need_dgrad, True,
-    )  # fmt: skip
-    return dx, dw, db
-
-
 def _backward_impl(grad, saved, inp, w1, b1, w2, scale1, scale2, grad_amax1, grad_amax2,
                    norm_weight, c: _Bwd):  # fmt: skip
     dtype = grad.dtype
@@ -505,9 +493,9 @@ def _backward_impl(grad, saved, inp, w1, b1, w2, scale1, scale2, grad_amax1, gra
     if not recipe:
         z, h = saved[-2 - n_stats], saved[-1 - n_stats]
         x2 = saved[0] if normalization else inp.reshape(-1, inp.shape[-1])
-        dh, dw2, db2 = _hp_linear_bwd(dy, h, w2, c.need_db2, True)
+        dh, dw2, db2 = hp_linear_backward(dy, h, w2, None, c.need_db2, True, True, dy.is_cuda)
         dz, db1 = activation_backward(dh, z, b1, ep.activation, 0, *params, need_dbias=need_db1)
-        dx, dw1, _ = _hp_linear_bwd(dz, x2, w1, False, c.need_dgrad)
+        dx, dw1, _ = hp_linear_backward(dz, x2, w1, None, False, c.need_dgrad, True, dz.is_cuda)
         dinp = dx if c.need_dgrad else None
     else:
         x_t, xs, w1_t, w1s, z, h_t, hs, w2_t, w2s = saved[:9]
