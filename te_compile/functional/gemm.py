@@ -119,6 +119,7 @@ __all__ = [
     "scale_slots",
     "unpad",
     "weight_operand",
+    "wgrad_gemm",
 ]
 
 PER_TENSOR = ("current", "delayed")
@@ -770,6 +771,16 @@ def hp_linear_backward(grad, inp, weight, main_grad, need_dbias, need_dgrad, nee
     if need_dbias:
         dbias = dy.sum(0, dtype=acc).to(dtype) if acc else dy.sum(0)
     return dinp, dweight, dbias
+
+
+def wgrad_gemm(kind, a, sa, b, sb, out_dtype, main_grad: Tensor | None) -> Tensor:
+    """A quantised recipe's weight gradient ``a @ b.T``, or, with ``main_grad`` (fp32), added
+    into it (the GEMM's output fp32 but for the blockwise kind's) and a 0-element tensor
+    returned."""
+    if main_grad is None:
+        return gemm(kind, a, sa, b, sb, out_dtype)
+    main_grad.add_(gemm(kind, a, sa, b, sb, out_dtype if kind == "blockwise" else torch.float32))
+    return main_grad.new_empty(0, dtype=out_dtype)
 
 
 def accumulate_wgrad(main_grad: Tensor, dy: Tensor, x: Tensor) -> None:

@@ -127,6 +127,7 @@ from te_compile.functional.gemm import (
     scale_slots,
     unpad,
     weight_operand,
+    wgrad_gemm,
 )
 from te_compile.functional.prologue import (
     NORMALIZATIONS,
@@ -713,13 +714,8 @@ def _quantized_backward(dy, copies, main_grad, scale, grad_amax, rng_state, c: _
         dinp = unpad(dinp, m)
     dweight = empty(dy)
     if c.need_wgrad:  # dW [N, K] = dY^T [N, M] @ X [M, K]; X^T [K, M] is the GEMM's b
-        into = main_grad is not None
-        out_dtype = torch.float32 if into and kind != "blockwise" else dtype
-        dw = gemm(kind, g.data_t, g.scale_t, _codes(x_t, c.x.fp8_dtype), x_st, out_dtype)
-        if into:
-            main_grad.add_(dw)
-        else:
-            dweight = dw
+        dweight = wgrad_gemm(kind, g.data_t, g.scale_t, _codes(x_t, c.x.fp8_dtype), x_st, dtype,
+                             main_grad)  # fmt: skip
     return dinp, dweight, g.sums
 
 

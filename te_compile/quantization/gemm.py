@@ -59,6 +59,7 @@ from te_compile.quantization.recompute import checkpoint
 from te_compile.quantization.state import AutocastState, get_autocast_state
 
 __all__ = [
+    "MLP_AS_TWO_LINEARS",
     "ROLES",
     "GemmArgs",
     "KeptWeight",
@@ -73,6 +74,7 @@ __all__ = [
     "kept_weights",
     "linear",
     "mlp",
+    "mlp_as_two_linears",
     "quantized",
     "recipe_specs",
 ]
@@ -485,13 +487,12 @@ def mlp(
     """``fc2(activation(fc1(norm(inp))))`` through ``te::mlp`` with the autocast state's
     recipe (high precision outside it); ``metas``: the two GEMMs' FP8 states, used as two
     :func:`linear` calls would use them (``_FUSE_MLP = False``: two :func:`linear` calls around
-    the activation op; also under calibration, with a recipe's ``backward_override`` and with
-    NVFP4's random Hadamard transform, stochastic rounding, row-scaled activations or 4over6
-    block scaling, which ``te::linear`` implements).
+    the activation op; also where :func:`mlp_as_two_linears` names what ``te::mlp`` does not
+    implement).
     ``activation_params``: keyword arguments of the activation (``clamped_swiglu``'s ``limit``,
     ``alpha``, ``glu_linear_offset``). ``main_grads``: the two weights' fp32 ``main_grad``
-    buffers (``fuse_wgrad_accumulation``), which the two :func:`linear` calls accumulate into
-    (``te::mlp`` has no such outputs). ``recompute_fc1``: the norm, FC1 and the activation
+    buffers (``fuse_wgrad_accumulation``), which ``te::mlp``'s backward accumulates into
+    (``main_grad1`` / ``main_grad2``). ``recompute_fc1``: the norm, FC1 and the activation
     are recomputed in the backward (:func:`~te_compile.checkpoint`, FP8 state included) rather
     than their outputs saved; FC2 runs once. ``cache``: the module's kept FP8 weights
     (``is_first_microbatch``, entries ``"fc1_weight"`` and ``"fc2_weight"``), handed to
@@ -501,9 +502,7 @@ def mlp(
     by one)."""
     act_kw = activation_params or {}
     state = get_autocast_state()
-    by_op = state.calibration or (state.enabled and state.recipe.backward_override is not None)
-    by_op = by_op or main_grads is not None or recompute_fc1 or _nvfp4_options(state)
-    by_op = by_op or weights_quantized != (None, None) or defer is not None
+    by_op = mlp_as_two_linears(state, recompute_fc1, weights_quantized, defer)
     q1, q2 = weights_quantized
     if recompute_fc1 and defer is not None:
         raise NotImplementedError(
@@ -526,6 +525,8 @@ def mlp(
     weights = (fc1_weight, fc2_weight)
     args = gemm_args(owner, state, inp, weights, metas)
     kw = {**_norm_kwargs(norm), **args.spec_kwargs(), **act_kw}
+    if main_grads is not None:
+        kw["main_grad1"], kw["main_grad2"] = main_grads
     kw["fc1_weight_quantized"] = cached_weight(args, fc1_weight, cache, "fc1_weight", 0)
     kw["fc2_weight_quantized"] = cached_weight(args, fc2_weight, cache, "fc2_weight", 1)
     if args.recipe not in PER_TENSOR:
@@ -540,14 +541,29 @@ def mlp(
     return out
 
 
-def _nvfp4_options(state: AutocastState) -> bool:
-    """Whether the enabled recipe is NVFP4 with an option ``te::mlp`` does not take (the random
-    Hadamard transform, stochastic rounding, row-scaled activations, 4over6; its 16x16 weight
-    tiles it does)."""
-    if not (state.enabled and state.recipe.nvfp4()):
-        return False
-    return any(spec.rht or spec.stochastic_rounding or spec.row_scaled or spec.four_over_six
-               for spec in recipe_specs(state.recipe))  # fmt: skip
+# What te::mlp does not implement: :func:`mlp` runs the MLP as two te::linear calls around the
+# activation op (the same bytes, without the fusion) where one of these applies. LayerNormMLP's
+# docstring and docs/op_mechanism.md name each (tests/functional/test_mlp.py checks it).
+MLP_AS_TWO_LINEARS = ("delay_wgrad_compute", "checkpoint=True", "FP8 primary weights",
+                      "backward_override", "calibrating=True", "Hadamard transform",
+                      "stochastic rounding", "row-scaled activations", "4over6")  # fmt: skip
+
+
+def mlp_as_two_linears(state: AutocastState, recompute_fc1: bool, weights_quantized: tuple,
+                       defer: list | None) -> str:  # fmt: skip
+    """The first of :data:`MLP_AS_TWO_LINEARS` that applies to an :func:`mlp` call, or ``""``:
+    ``te::mlp`` runs it. The one place that decides."""
+    nvfp4 = recipe_specs(state.recipe) if state.enabled and state.recipe.nvfp4() else ()
+    applies = (
+        defer is not None, recompute_fc1, weights_quantized != (None, None),
+        state.enabled and state.recipe.backward_override is not None, state.calibration,
+        any(s.rht for s in nvfp4), any(s.stochastic_rounding for s in nvfp4),
+        any(s.row_scaled for s in nvfp4), any(s.four_over_six for s in nvfp4),
+    )  # fmt: skip
+    for i, yes in enumerate(applies):
+        if yes:
+            return MLP_AS_TWO_LINEARS[i]
+    return ""
 
 
 def grouped_linear(
