@@ -65,7 +65,7 @@ from te_compile._checks import (
     check_tensors,
 )
 from te_compile._library import SampleInput, op, stash_for_backward
-from te_compile._numerics import reciprocal_rn
+from te_compile._numerics import acc_dtype, reciprocal_rn
 from te_compile.functional.quantize import (
     dequantize_blockwise,
     quantize_blockwise,
@@ -104,6 +104,8 @@ __all__ = [
     "checked_weight_cast",
     "delayed_on_cuda",
     "empty",
+    "fp8_bytes",
+    "fp8_codes",
     "gemm",
     "gemm_kind",
     "hp_linear",
@@ -133,6 +135,15 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 HIGH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # cuBLAS's blockwise-scaled GEMMs take E4M3 operands only.
 _BLOCKWISE_FP8 = torch.float8_e4m3fn
+
+
+def fp8_bytes(t: Tensor) -> Tensor:
+    """FP8 codes cross op boundaries as their bytes (docs/fp8.md); other tensors as they are."""
+    return t.view(torch.uint8) if t.dtype in FP8_DTYPES else t
+
+
+def fp8_codes(t: Tensor, fp8_dtype: torch.dtype) -> Tensor:
+    return t.view(fp8_dtype) if t.dtype is torch.uint8 else t
 
 
 def empty(like: Tensor) -> Tensor:
@@ -743,7 +754,7 @@ def hp_linear(inp: Tensor, weight: Tensor, bias: Tensor | None, cuda: bool) -> T
     fp64) rounded once to the input dtype."""
     if cuda:
         return torch.nn.functional.linear(inp, weight, bias)
-    acc = torch.float64 if inp.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(inp)
     out = torch.nn.functional.linear(
         inp.to(acc), weight.to(acc), None if bias is None else bias.to(acc)
     )
@@ -752,12 +763,10 @@ def hp_linear(inp: Tensor, weight: Tensor, bias: Tensor | None, cuda: bool) -> T
 
 def hp_linear_backward(grad, inp, weight, main_grad, need_dbias, need_dgrad, need_wgrad,
                        cuda: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """``(dinp, dweight, dbias)`` of :func:`hp_linear` (0-element where not asked for;
-    ``dweight`` also where it went into ``main_grad``): the GEMMs and the reduction in the input
-    dtype with fp32 accumulation on CUDA, in fp32 (fp64 stays fp64) elsewhere, each rounded
-    once."""
+    """``(dinp, dweight, dbias)`` of :func:`hp_linear` (0-element where not asked for, or where
+    ``main_grad`` took it), computed as :func:`hp_linear` computes, each rounded once."""
     dtype = grad.dtype
-    acc = None if cuda else (torch.float64 if dtype == torch.float64 else torch.float32)
+    acc = None if cuda else acc_dtype(grad)
     dy = grad.reshape(-1, grad.shape[-1])
     dinp, dweight, dbias = empty(grad), empty(grad), empty(grad)
     if need_dgrad:

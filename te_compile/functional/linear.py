@@ -88,6 +88,7 @@ from te_compile._checks import (
     check_tensors,
 )
 from te_compile._library import SampleInput, differentiable, op
+from te_compile._numerics import acc_dtype
 from te_compile.functional.activation import (
     GATED_ACTIVATIONS,
     activation_backward,
@@ -114,6 +115,8 @@ from te_compile.functional.gemm import (
     check_weight_quantized,
     delayed_on_cuda,
     empty,
+    fp8_bytes,
+    fp8_codes,
     gemm,
     gemm_kind,
     hp_linear,
@@ -209,10 +212,6 @@ class _Args(NamedTuple):
 
 
 _NORM_WEIGHT, _RESIDUAL = _Args._fields.index("norm_weight"), _Args._fields.index("residual")
-
-
-def _acc(t: Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 def _out_features(n: int, activation: str) -> int:
@@ -407,15 +406,6 @@ def _check(a: _Args) -> None:
 # 2. Forward op ------------------------------------------------------------------------------
 
 
-def _bytes(t: Tensor) -> Tensor:
-    """FP8 codes cross op boundaries as their bytes (docs/fp8.md); other tensors as they are."""
-    return t.view(torch.uint8) if t.dtype in FP8_DTYPES else t
-
-
-def _codes(t: Tensor, fp8_dtype: torch.dtype) -> Tensor:
-    return t.view(fp8_dtype) if t.dtype is torch.uint8 else t
-
-
 def _forward(a: _Args, cuda: bool) -> tuple[Tensor, Tensor, list[Tensor]]:
     _check(a)
     inp, weight, bias = a.inp, a.weight, a.bias
@@ -431,7 +421,7 @@ def _forward(a: _Args, cuda: bool) -> tuple[Tensor, Tensor, list[Tensor]]:
     xs, ws, _ = a.specs
     recipe, norm = xs.kind, a.nrm
     if not recipe:
-        acc = None if cuda else _acc(inp)
+        acc = None if cuda else acc_dtype(inp)
         if norm.normalization:
             x2, *stats = norm_forward(x2, norm)
             saved.append(x2)
@@ -467,12 +457,12 @@ def _forward(a: _Args, cuda: bool) -> tuple[Tensor, Tensor, list[Tensor]]:
         else:
             if bw.save_input:  # the input itself is saved instead of its copy
                 f32 = torch.float32
-                x_slots = [x2.new_empty(0, dtype=_bytes(wq.data_t).dtype),
+                x_slots = [x2.new_empty(0, dtype=fp8_bytes(wq.data_t).dtype),
                            x2.new_empty(0, dtype=f32)]  # fmt: skip
             else:
-                x_slots = [_bytes(xq.data_t), xq.scale_t]
+                x_slots = [fp8_bytes(xq.data_t), xq.scale_t]
             # A pre-quantised weight's copies are inputs: setup_context saves them.
-            w_slots = [] if a.weight_q is not None else [_bytes(wq.data_t), wq.scale_t]
+            w_slots = [] if a.weight_q is not None else [fp8_bytes(wq.data_t), wq.scale_t]
             saved = [*x_slots, *w_slots]
         if recipe in PER_TENSOR:
             amax = [torch.cat([xq.amax, wq.amax])]
@@ -593,7 +583,7 @@ def _linear_fwd_fake(*args):
     elif normalized:
         saved = [inp.new_empty(rows, k)]
     if ep.activation:
-        h_dtype = _acc(inp) if not recipe and inp.device.type == "cpu" else inp.dtype
+        h_dtype = acc_dtype(inp) if not recipe and inp.device.type == "cpu" else inp.dtype
         saved.append(inp.new_empty(rows, n, dtype=h_dtype))
     saved += fake_stats(inp, rows, a.nrm.normalization)
     if recipe in PER_TENSOR:
@@ -647,10 +637,10 @@ def _backward_impl(grad, grad_branch, saved, inp, weight, bias, main_grad, scale
         # save_input: the input's quantised transposed copy, made again here.
         x2 = inp.reshape(-1, inp.shape[-1])
         xq = quantize_operand(c.x, pad_rows(x2), scale=scale_slots(scale, c.recipe)[0])
-        copies = [_bytes(xq.data_t), xq.scale_t, *copies[2:]]
+        copies = [fp8_bytes(xq.data_t), xq.scale_t, *copies[2:]]
     g2 = grad.reshape(-1, grad.shape[-1])
     m = g2.shape[0]
-    acc = None if c.recipe or cuda else _acc(grad)
+    acc = None if c.recipe or cuda else acc_dtype(grad)
     dy = g2 if acc is None else g2.to(acc)
     if ep.scale != 1.0:
         dy = dy * ep.scale
@@ -709,12 +699,12 @@ def _quantized_backward(dy, copies, main_grad, scale, grad_amax, rng_state, c: _
         grad_amax.copy_(g.amax)
     dinp = None
     if c.need_dgrad:  # dX [M, K] = dY [M, N] @ W [N, K]; W^T [K, N] is the GEMM's b
-        dinp = gemm(kind, g.data, g.scale, _codes(w_t, c.w.fp8_dtype), w_st, dtype,
+        dinp = gemm(kind, g.data, g.scale, fp8_codes(w_t, c.w.fp8_dtype), w_st, dtype,
                     b_block_rows=c.w.block_rows)  # fmt: skip
         dinp = unpad(dinp, m)
     dweight = empty(dy)
     if c.need_wgrad:  # dW [N, K] = dY^T [N, M] @ X [M, K]; X^T [K, M] is the GEMM's b
-        dweight = wgrad_gemm(kind, g.data_t, g.scale_t, _codes(x_t, c.x.fp8_dtype), x_st, dtype,
+        dweight = wgrad_gemm(kind, g.data_t, g.scale_t, fp8_codes(x_t, c.x.fp8_dtype), x_st, dtype,
                              main_grad)  # fmt: skip
     return dinp, dweight, g.sums
 

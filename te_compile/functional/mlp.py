@@ -22,10 +22,9 @@ for ``z`` ``[T, F]``: the write and two reads of :math:`h` and of :math:`dz` (cu
 reads :math:`z` twice instead; delayed scaling once). For a gated activation :math:`h` is
 quantised from ``z``'s two halves, and both halves of :math:`dz` (``[T, 2F]``) from one read of
 :math:`dh` and ``z``, under one scale (per tensor) or in 1x128 blocks that never straddle the
-halves. Elsewhere (the CPU, the emulated recipes, high precision) the op composes the GEMMs the
-linear family runs (``functional.gemm``: ``hp_linear`` / ``hp_linear_backward``, the
-``GEMMS`` table) and the activation ops' implementations: the same bytes as ``linear ->
-bias_activation -> linear`` (compared bit for bit in the tests).
+halves. Elsewhere (the CPU, the emulated recipes, high precision) the op composes the linear
+family's GEMMs (``functional.gemm``) and the activation ops' implementations: the same bytes as
+``linear -> bias_activation -> linear`` (compared bit for bit in the tests).
 
 ``saved``: quantised recipes ``[X^T, s_x, W_1^T, s_w1, z, h^T, s_h, W_2^T, s_w2]`` (FP8 bytes
 and inverse scales as the linear family saves them; ``z`` with its rows padded to a multiple
@@ -65,7 +64,6 @@ from te_compile.functional.activation import (
 )
 from te_compile.functional.gemm import (
     BLOCK_KINDS,
-    FP8_DTYPES,
     HIGH_DTYPES,
     PER_TENSOR,
     WEIGHT_OPERAND,
@@ -78,6 +76,8 @@ from te_compile.functional.gemm import (
     check_weight_quantized,
     delayed_on_cuda,
     empty,
+    fp8_bytes,
+    fp8_codes,
     gemm,
     gemm_kind,
     hp_linear,
@@ -161,11 +161,6 @@ _NORM_WEIGHT = _Args._fields.index("norm_weight")
 _TOKEN_BLOCKS = ("mxfp8", "nvfp4")
 
 
-def _ffn(w1: Tensor, activation: str) -> int:
-    """The activation's output features: FC1's, or half of them for a gated activation."""
-    return w1.shape[0] // 2 if activation in GATED_ACTIVATIONS else w1.shape[0]
-
-
 # 1. Reference math ----------------------------------------------------------------------------
 
 
@@ -236,7 +231,7 @@ def _check(a: _Args) -> None:
         or inp.ndim < 1
         or inp.shape[-1] != w1.shape[1]
         or (gated and w1.shape[0] % 2)
-        or w2.shape[1] != _ffn(w1, ep.activation)
+        or w2.shape[1] != w1.shape[0] // (1 + gated)  # ffn: half of FC1's for a gated one
     ):
         fc1 = "[2 * ffn, hidden] (gated activation)" if gated else "[ffn, hidden]"
         raise ValueError(
@@ -278,29 +273,18 @@ def _check(a: _Args) -> None:
         ):
             raise ValueError(p + f"{name} must be a [1] float32 tensor and is for the per-tensor "
                              "kinds (current, delayed)")  # fmt: skip
-    for i, wt, q, g in (
-        (1, w1, a.fc1_weight_q, a.main_grad1),
-        (2, w2, a.fc2_weight_q, a.main_grad2),
-    ):
+    for i, wt, q, g in ((1, w1, a.fc1_weight_q, a.main_grad1),
+                        (2, w2, a.fc2_weight_q, a.main_grad2)):  # fmt: skip
         if g is not None and (g.dtype is not torch.float32 or g.shape != wt.shape):
             raise ValueError(p + f"main_grad{i} must be float32 with fc{i}_weight's shape "
                              f"{list(wt.shape)}, got {g.dtype} {list(g.shape)}")  # fmt: skip
-        name = f"fc{i}_"
         if q is not None:
-            check_weight_quantized("te.mlp", name + "weight_q", q)
-        check_weight_operand(p + name, recipe, wt, w.block_rows, w.emulate,
+            check_weight_quantized("te.mlp", f"fc{i}_weight_q", q)
+        check_weight_operand(p + f"fc{i}_", recipe, wt, w.block_rows, w.emulate,
                              q or (None,) * len(WEIGHT_OPERAND))  # fmt: skip
 
 
 # 2. Forward op ----------------------------------------------------------------------------------
-
-
-def _bytes(t: Tensor) -> Tensor:
-    return t.view(torch.uint8) if t.dtype in FP8_DTYPES else t
-
-
-def _codes(t: Tensor, fp8_dtype: torch.dtype) -> Tensor:
-    return t.view(fp8_dtype) if t.dtype is torch.uint8 else t
 
 
 def _native_block(spec: QuantSpec) -> bool:
@@ -389,11 +373,11 @@ def _forward(a: _Args) -> tuple[Tensor, list[Tensor]]:
     out = gemm(kind, hq.data, hq.scale, w2q.data, w2q.scale, dtype, bias=b2, fast_accum=True,
                b_block_rows=rows)  # fmt: skip
     out = unpad(out, m)
-    w1_copy = [] if q1 is not None else [_bytes(w1q.data_t), w1q.scale_t]
-    w2_copy = [] if q2 is not None else [_bytes(w2q.data_t), w2q.scale_t]
+    w1_copy = [] if q1 is not None else [fp8_bytes(w1q.data_t), w1q.scale_t]
+    w2_copy = [] if q2 is not None else [fp8_bytes(w2q.data_t), w2q.scale_t]
     saved = [
-        _bytes(xq.data_t), _saved_scale(xs, xq.scale_t), *w1_copy, z,
-        _bytes(hq.data_t), _saved_scale(xs, hq.scale_t), *w2_copy, *stats,
+        fp8_bytes(xq.data_t), _saved_scale(xs, xq.scale_t), *w1_copy, z,
+        fp8_bytes(hq.data_t), _saved_scale(xs, hq.scale_t), *w2_copy, *stats,
     ]  # fmt: skip
     if recipe in PER_TENSOR:
         saved.append(torch.cat([xq.amax, w1q.amax, hq.amax, w2q.amax]))
@@ -516,8 +500,8 @@ def _backward_impl(grad, saved, inp, w1, b1, w2, scale1, scale2, grad_amax1, gra
         dinp = dx if c.need_dgrad else None
     else:
         x_t, xs, w1_t, w1s, z, h_t, hs, w2_t, w2s = saved[:9]
-        x_t, h_t = _codes(x_t, c.x.fp8_dtype), _codes(h_t, c.x.fp8_dtype)
-        w1_t, w2_t = _codes(w1_t, c.w.fp8_dtype), _codes(w2_t, c.w.fp8_dtype)
+        x_t, h_t = fp8_codes(x_t, c.x.fp8_dtype), fp8_codes(h_t, c.x.fp8_dtype)
+        w1_t, w2_t = fp8_codes(w1_t, c.w.fp8_dtype), fp8_codes(w2_t, c.w.fp8_dtype)
         kind, rows = gemm_kind(recipe, c.x.emulate), c.w.block_rows
         (_, _, s_dz), (_, _, s_dy) = scale_slots(scale1, recipe), scale_slots(scale2, recipe)
         sums = c.need_db2 and _native_block(c.x)
@@ -548,11 +532,8 @@ def _backward_impl(grad, saved, inp, w1, b1, w2, scale1, scale2, grad_amax1, gra
     return dinp, dw1, db1, dw2, db2, *dnorm
 
 
-@op(
-    "mlp_bwd",
-    mutates_args=("grad_amax1", "grad_amax2", "main_grad1", "main_grad2"),
-    kept_whole=delayed_on_cuda,
-)
+@op("mlp_bwd", mutates_args=("grad_amax1", "grad_amax2", "main_grad1", "main_grad2"),
+    kept_whole=delayed_on_cuda)  # fmt: skip
 def mlp_bwd(
     grad: Tensor,
     saved: list[Tensor],
@@ -684,17 +665,11 @@ def _samples(device: torch.device):
                norm_bias=t(16), norm="LayerNorm")  # fmt: skip
     cur = specs("current:e4m3")
     yield call(t(32, 16), t(64, 16), t(64), t(32, 64), t(32), "act=gelu", **cur, **pending)
-
-    # The weight gradients into main_grad (fuse_wgrad_accumulation): high precision, FP8; an
-    # input that needs no gradient.
-    def main_grads(w1, w2):
-        return {"main_grad1": torch.zeros(w1, device=device),
-                "main_grad2": torch.zeros(w2, device=device)}  # fmt: skip
-
+    # The weight gradients into main_grad (fuse_wgrad_accumulation): high precision, FP8.
     yield call(t(2, 5, 16, grad=False), t(24, 16), t(24), t(8, 24), t(8), "act=gelu",
-               **main_grads((24, 16), (8, 24)))  # fmt: skip
+               main_grad1=t(24, 16, grad=False), main_grad2=t(8, 24, grad=False))  # fmt: skip
     yield call(t(32, 16), t(64, 16), t(64), t(32, 32), None, "act=swiglu", **cur, **pending,
-               **main_grads((64, 16), (32, 32)))  # fmt: skip
+               main_grad1=t(64, 16, grad=False), main_grad2=t(32, 32, grad=False))  # fmt: skip
     # 10 tokens (padded to 16 inside the ops), no biases, relu, E4M3 gradients.
     yield call(t(2, 5, 32), t(32, 32), None, t(16, 32), None, "act=relu",
                **specs("current:e4m3", g="current:e4m3"))  # fmt: skip
@@ -803,9 +778,8 @@ def mlp(
     (as :func:`bias_activation` takes them). ``fc1_weight_quantized`` /
     ``fc2_weight_quantized``: a weight already quantised by the weight spec
     (:func:`~te_compile.functional.quantize_weight`'s five tensors), used instead of quantising
-    it (its gradient is still computed). ``main_grad1`` / ``main_grad2`` (fp32, the weights'
-    shapes): the weight's gradient is accumulated into it (``fuse_wgrad_accumulation``) and its
-    ``.grad`` left untouched, as :func:`~te_compile.functional.linear`'s ``main_grad``."""
+    it (its gradient is still computed). ``main_grad1`` / ``main_grad2``: each weight's
+    ``main_grad``, as :func:`~te_compile.functional.linear` takes it."""
     for name, q in (("fc1_weight_quantized", fc1_weight_quantized),
                     ("fc2_weight_quantized", fc2_weight_quantized)):  # fmt: skip
         check_weight_quantized("te.mlp", name, q)

@@ -119,7 +119,7 @@ class LayerNormMLP(DelayedWgrad, PreNorm):
         delay_wgrad_compute: the backward leaves FC1's and FC2's weight gradients to
             :meth:`backward_dw` (``DelayedWgrad``; under ``torch.compile`` the module runs
             eagerly behind a graph break; the GEMMs then run as two
-            linear ops, as with ``fuse_wgrad_accumulation``; not with ``checkpoint``).
+            linear ops; not with ``checkpoint``).
         get_rng_state_tracker, rng_tracker_name: the weights are initialised inside
             ``get_rng_state_tracker().fork(rng_tracker_name)`` (the tracker's default state
             when the name is None), as in Transformer Engine (``rng_fork``).
