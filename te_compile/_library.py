@@ -375,6 +375,8 @@ _AUTOCAST_KEEP = frozenset(
         "scale2",
         "grad_amax1",
         "grad_amax2",
+        "main_grad1",
+        "main_grad2",
     }
 )
 

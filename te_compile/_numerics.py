@@ -15,6 +15,11 @@ import torch
 from torch import Tensor
 
 
+def acc_dtype(t: Tensor) -> torch.dtype:
+    """The dtype high-precision math computes in: fp32, or fp64 for an fp64 ``t``."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
 def div_rn(a: Tensor | float, b: Tensor | float) -> Tensor:
     """``a / b`` correctly rounded to the result's dtype (float32 for float32 or lower operands;
     float64 stays float64), on every device, eager and compiled. One of the two may be a Python

@@ -75,6 +75,7 @@ from te_compile._checks import (
     check_tensors,
 )
 from te_compile._library import SampleInput, differentiable, op
+from te_compile._numerics import acc_dtype
 
 __all__ = [
     "ACTIVATIONS",
@@ -166,12 +167,8 @@ def _dact(x: Tensor, fn: str, limit: float, alpha: float) -> Tensor:
     return torch.where(x <= limit, d, 0.0) if fn == "clamped_silu" else d
 
 
-def _acc_dtype(t: Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
 def _with_bias(inp: Tensor, bias: Tensor | None) -> Tensor:
-    acc = _acc_dtype(inp)
+    acc = acc_dtype(inp)
     return inp.to(acc) if bias is None else inp.to(acc) + bias.to(acc)
 
 
@@ -382,13 +379,13 @@ def _dbias(dx: Tensor, inp: Tensor, bias: Tensor | None, need_dbias: bool) -> Te
 
 
 def _activation_bwd_ref(grad, inp, bias, activation, need_dbias):
-    dx = grad.to(_acc_dtype(inp)) * _dact(_with_bias(inp, bias), _FUNCTION[activation], 0.0, 0.0)
+    dx = grad.to(acc_dtype(inp)) * _dact(_with_bias(inp, bias), _FUNCTION[activation], 0.0, 0.0)
     return dx.to(inp.dtype), _dbias(dx, inp, bias, need_dbias)
 
 
 def _gated_activation_bwd_ref(grad, inp, bias, activation, k, limit, alpha, offset, need_dbias):
     fn = _FUNCTION[activation]
-    g = grad.to(_acc_dtype(inp))
+    g = grad.to(acc_dtype(inp))
     a, lin = _split_glu(_with_bias(inp, bias), k)
     dlin = g * _act(a, fn, limit, alpha)
     if activation == "clamped_swiglu":

@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from te_compile._library import SampleInput, differentiable, op
+from te_compile._numerics import acc_dtype
 from te_compile.functional import attention_args, attention_cuda
 from te_compile.functional.dropout import dropout_mask
 
@@ -98,10 +99,6 @@ _N_TENSORS = 11  # query .. rng_state
 
 
 # 1. Reference math ----------------------------------------------------------------------------
-
-
-def _acc(t: Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 def _token_layout(a: _Args) -> tuple[Tensor | None, Tensor]:
@@ -169,7 +166,7 @@ def _heads(x: Tensor, heads: int, dtype: torch.dtype) -> Tensor:
 def _scores(a: _Args, rel: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """``(S, q, k)``: ``S = scale q k^T + bias + alibi`` ``[b, h, sq, skv]`` in the compute dtype,
     with ``q`` and ``k`` as ``[b, h, s, d]`` in that dtype."""
-    acc, h = _acc(a.query), a.query.shape[2]
+    acc, h = acc_dtype(a.query), a.query.shape[2]
     q, k = _heads(a.query, h, acc), _heads(a.key, h, acc)
     s = (q @ k.transpose(-1, -2)) * a.scale
     if a.bias is not None:
@@ -459,7 +456,7 @@ def _attention_fwd_fake(*args):
                 saved += [torch.empty((), dtype=torch.int64), torch.empty((), dtype=torch.int64)]
             return out, saved
     b, sq, h = q.shape[:3]
-    return out, [q.new_empty((b, h, sq), dtype=_acc(q))]
+    return out, [q.new_empty((b, h, sq), dtype=acc_dtype(q))]
 
 
 # 4. Backward op -------------------------------------------------------------------------------

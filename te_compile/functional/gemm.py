@@ -65,7 +65,7 @@ from te_compile._checks import (
     check_tensors,
 )
 from te_compile._library import SampleInput, op, stash_for_backward
-from te_compile._numerics import reciprocal_rn
+from te_compile._numerics import acc_dtype, reciprocal_rn
 from te_compile.functional.quantize import (
     dequantize_blockwise,
     quantize_blockwise,
@@ -104,8 +104,12 @@ __all__ = [
     "checked_weight_cast",
     "delayed_on_cuda",
     "empty",
+    "fp8_bytes",
+    "fp8_codes",
     "gemm",
     "gemm_kind",
+    "hp_linear",
+    "hp_linear_backward",
     "pad_rows",
     "padded",
     "qdq_both",
@@ -117,6 +121,7 @@ __all__ = [
     "scale_slots",
     "unpad",
     "weight_operand",
+    "wgrad_gemm",
 ]
 
 PER_TENSOR = ("current", "delayed")
@@ -130,6 +135,15 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 HIGH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # cuBLAS's blockwise-scaled GEMMs take E4M3 operands only.
 _BLOCKWISE_FP8 = torch.float8_e4m3fn
+
+
+def fp8_bytes(t: Tensor) -> Tensor:
+    """FP8 codes cross op boundaries as their bytes (docs/fp8.md); other tensors as they are."""
+    return t.view(torch.uint8) if t.dtype in FP8_DTYPES else t
+
+
+def fp8_codes(t: Tensor, fp8_dtype: torch.dtype) -> Tensor:
+    return t.view(fp8_dtype) if t.dtype is torch.uint8 else t
 
 
 def empty(like: Tensor) -> Tensor:
@@ -732,6 +746,50 @@ def gemm(
 ) -> Tensor:
     """``a @ b.T (+ bias)`` through the :data:`GEMMS` entry ``kind`` (see the table)."""
     return GEMMS[kind](a, sa, b, sb, out_dtype, bias, fast_accum, b_block_rows)
+
+
+def hp_linear(inp: Tensor, weight: Tensor, bias: Tensor | None, cuda: bool) -> Tensor:
+    """``inp @ weight.T + bias`` in high precision: on CUDA cuBLAS in the input dtype, the bias
+    in the GEMM's epilogue; elsewhere (the definition of correctness) fp32 math (fp64 stays
+    fp64) rounded once to the input dtype."""
+    if cuda:
+        return torch.nn.functional.linear(inp, weight, bias)
+    acc = acc_dtype(inp)
+    out = torch.nn.functional.linear(
+        inp.to(acc), weight.to(acc), None if bias is None else bias.to(acc)
+    )
+    return out.to(inp.dtype)
+
+
+def hp_linear_backward(grad, inp, weight, main_grad, need_dbias, need_dgrad, need_wgrad,
+                       cuda: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """``(dinp, dweight, dbias)`` of :func:`hp_linear` (0-element where not asked for, or where
+    ``main_grad`` took it), computed as :func:`hp_linear` computes, each rounded once."""
+    dtype = grad.dtype
+    acc = None if cuda else acc_dtype(grad)
+    dy = grad.reshape(-1, grad.shape[-1])
+    dinp, dweight, dbias = empty(grad), empty(grad), empty(grad)
+    if need_dgrad:
+        dinp = (grad.to(acc) @ weight.to(acc)).to(dtype) if acc else grad @ weight
+    if need_wgrad:
+        x = inp.reshape(-1, inp.shape[-1])
+        if main_grad is not None:
+            accumulate_wgrad(main_grad, dy, x)
+        else:
+            dweight = (dy.t().to(acc) @ x.to(acc)).to(dtype) if acc else dy.t() @ x
+    if need_dbias:
+        dbias = dy.sum(0, dtype=acc).to(dtype) if acc else dy.sum(0)
+    return dinp, dweight, dbias
+
+
+def wgrad_gemm(kind, a, sa, b, sb, out_dtype, main_grad: Tensor | None) -> Tensor:
+    """A quantised recipe's weight gradient ``a @ b.T``, or, with ``main_grad`` (fp32), added
+    into it (the GEMM's output fp32 but for the blockwise kind's) and a 0-element tensor
+    returned."""
+    if main_grad is None:
+        return gemm(kind, a, sa, b, sb, out_dtype)
+    main_grad.add_(gemm(kind, a, sa, b, sb, out_dtype if kind == "blockwise" else torch.float32))
+    return main_grad.new_empty(0, dtype=out_dtype)
 
 
 def accumulate_wgrad(main_grad: Tensor, dy: Tensor, x: Tensor) -> None:

@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from te_compile._checks import shown
+from te_compile._numerics import acc_dtype
 from te_compile.functional.fake_quantize import qdq
 from te_compile.functional.gemm import (
     block_scaled_mm,
@@ -133,10 +134,6 @@ def _shown(splits: list[int]) -> str:
 
 
 # High precision ("grouped_mm") ------------------------------------------------------------------
-
-
-def _acc(t: Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 def host_splits(m_splits: Tensor, rows: int) -> list[int]:
@@ -256,10 +253,6 @@ def _grouped_mm_backward(
 # Float8BlockScaling, native ("blockwise") ------------------------------------------------------
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _capacity(rows: int, groups: int) -> int:
     """Static token capacity of the padded layout: every expert's tokens rounded up to 128 fit
     in ``128 * (rows // 128 + groups)``."""
@@ -274,7 +267,7 @@ def _plan(splits: Sequence[int], rows: int) -> tuple[list[int], list[int], int]:
     for m in splits:
         firsts.append(row)
         starts.append(pos)
-        row, pos = row + m, pos + _cdiv(m, 128) * 128
+        row, pos = row + m, pos - (-m // 128) * 128
     if all(m % 128 == 0 for m in splits):
         return firsts, firsts, rows
     return firsts, starts, _capacity(rows, len(splits))
@@ -413,7 +406,7 @@ def _native_backward(
         if need_wgrad:
             cols, blocks = (
                 slice(pos, pos + padded(m)),
-                slice(pos // 128, pos // 128 + _cdiv(m, 128)),
+                slice(pos // 128, pos // 128 - (-m // 128)),
             )
             a, sa = gd_t[:, cols], gs_t[:, blocks]
             b, sb = xd_t[:, cols], xs_t[:, blocks]
@@ -474,7 +467,7 @@ def _group_sums(grad: Tensor, m_splits: Tensor, groups: int, cuda: bool) -> Tens
 def high_precision_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
     if not cuda or inp.dtype is torch.float64:
         splits = host_splits(m_splits, inp.shape[0])
-        return _fwd_loop(inp, splits, weight, bias, _acc(inp)), []
+        return _fwd_loop(inp, splits, weight, bias, acc_dtype(inp)), []
     return _grouped_mm_forward(inp, m_splits, weight, bias), []
 
 
@@ -483,7 +476,7 @@ def high_precision_backward(
 ):
     if not cuda or inp.dtype is torch.float64 or not uses_grouped_mm(inp, weight):
         splits = host_splits(m_splits, inp.shape[0])
-        acc = None if cuda and inp.dtype is not torch.float64 else _acc(inp)
+        acc = None if cuda and inp.dtype is not torch.float64 else acc_dtype(inp)
         return _bwd_loop(grad, inp, splits, weight, main_grad, has_bias, dgrad, wgrad, acc)
     return _grouped_mm_backward(grad, inp, m_splits, weight, main_grad, has_bias, dgrad, wgrad)
 

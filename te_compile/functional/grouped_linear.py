@@ -64,6 +64,7 @@ from torch import Tensor
 
 from te_compile._checks import check_bool, check_required, check_same_device, check_tensors
 from te_compile._library import HOST_SPLITS, SampleInput, differentiable, op
+from te_compile._numerics import acc_dtype
 from te_compile.functional.dropout import new_rng_state
 from te_compile.functional.fake_quantize import qdq
 from te_compile.functional.gemm import (
@@ -193,16 +194,12 @@ def _measured(recipe: str, grad_amax: Tensor | None) -> bool:
 # 1. Reference math ----------------------------------------------------------------------------
 
 
-def _acc(t: Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
 def grouped_linear_ref(
     inp: Tensor, m_splits: Tensor | Sequence[int], weight: Tensor, bias: Tensor | None = None
 ) -> Tensor:
     """High precision's definition: a loop over groups in fp32 (fp64 stays fp64), rounded once."""
     splits = m_splits.tolist() if isinstance(m_splits, Tensor) else list(m_splits)
-    acc = _acc(inp)
+    acc = acc_dtype(inp)
     outs = []
     for g, x in enumerate(inp.to(acc).split(splits)):
         y = x @ weight[g].to(acc).t()
@@ -621,10 +618,6 @@ def _grouped_linear_fwd_cuda(*args):
 # 3. Fake ------------------------------------------------------------------------------------
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 @grouped_linear_fwd.register_fake
 def _grouped_linear_fwd_fake(*args):
     a = _Args(*args)
@@ -646,11 +639,11 @@ def _grouped_linear_fwd_fake(*args):
             saved.append(inp.new_empty(2, dtype=f32))
     elif kind == "blockwise":
         cap = 128 * (inp.shape[0] // 128 + g)
-        w_rows = _cdiv(k, w.block_rows)
+        w_rows = -(-k // w.block_rows)
         saved = [inp.new_empty(k * cap, dtype=u8), inp.new_empty(k * cap // 128, dtype=f32)]
         if not pre:
             saved += [inp.new_empty(k, n, dtype=u8) for _ in range(g)]
-            saved += [inp.new_empty(w_rows, _cdiv(n, 128), dtype=f32) for _ in range(g)]
+            saved += [inp.new_empty(w_rows, -(-n // 128), dtype=f32) for _ in range(g)]
     elif kind == "dequantized":
         saved = [inp.new_empty(inp.shape)]
         if not pre:

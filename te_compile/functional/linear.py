@@ -88,6 +88,7 @@ from te_compile._checks import (
     check_tensors,
 )
 from te_compile._library import SampleInput, differentiable, op
+from te_compile._numerics import acc_dtype
 from te_compile.functional.activation import (
     GATED_ACTIVATIONS,
     activation_backward,
@@ -113,8 +114,12 @@ from te_compile.functional.gemm import (
     check_weight_operand,
     check_weight_quantized,
     empty,
+    fp8_bytes,
+    fp8_codes,
     gemm,
     gemm_kind,
+    hp_linear,
+    hp_linear_backward,
     pad_rows,
     padded,
     quantize_operand,
@@ -124,6 +129,7 @@ from te_compile.functional.gemm import (
     scale_slots,
     unpad,
     weight_operand,
+    wgrad_gemm,
 )
 from te_compile.functional.prologue import (
     NORMALIZATIONS,
@@ -207,10 +213,6 @@ class _Args(NamedTuple):
 _NORM_WEIGHT, _RESIDUAL = _Args._fields.index("norm_weight"), _Args._fields.index("residual")
 
 
-def _acc(t: Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
 def _out_features(n: int, activation: str) -> int:
     return n // 2 if activation in GATED_ACTIVATIONS else n
 
@@ -220,12 +222,8 @@ def _out_features(n: int, activation: str) -> int:
 
 def linear_ref(inp: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """Definition of correctness in high precision: fp32 (or fp64) math, cast to the input
-    dtype at the end."""
-    acc = _acc(inp)
-    out = torch.nn.functional.linear(
-        inp.to(acc), weight.to(acc), None if bias is None else bias.to(acc)
-    )
-    return out.to(inp.dtype)
+    dtype at the end (``functional.gemm.hp_linear``'s CPU implementation)."""
+    return hp_linear(inp, weight, bias, cuda=False)
 
 
 def _reference(*args):
@@ -407,15 +405,6 @@ def _check(a: _Args) -> None:
 # 2. Forward op ------------------------------------------------------------------------------
 
 
-def _bytes(t: Tensor) -> Tensor:
-    """FP8 codes cross op boundaries as their bytes (docs/fp8.md); other tensors as they are."""
-    return t.view(torch.uint8) if t.dtype in FP8_DTYPES else t
-
-
-def _codes(t: Tensor, fp8_dtype: torch.dtype) -> Tensor:
-    return t.view(fp8_dtype) if t.dtype is torch.uint8 else t
-
-
 def _forward(a: _Args, cuda: bool) -> tuple[Tensor, Tensor, list[Tensor]]:
     _check(a)
     inp, weight, bias = a.inp, a.weight, a.bias
@@ -423,10 +412,7 @@ def _forward(a: _Args, cuda: bool) -> tuple[Tensor, Tensor, list[Tensor]]:
     dtype, n = inp.dtype, weight.shape[0]
     branch = inp.clone(memory_format=torch.contiguous_format) if ep.branch else empty(inp)
     if a.plain:  # te.Linear in high precision: the hot path
-        out = (
-            torch.nn.functional.linear(inp, weight, bias) if cuda else linear_ref(inp, weight, bias)
-        )
-        return out, branch, []
+        return hp_linear(inp, weight, bias, cuda), branch, []
     x2 = inp.reshape(-1, inp.shape[-1])
     m, acc = x2.shape[0], None
     saved, stats, amax = [], [], []
@@ -434,7 +420,7 @@ def _forward(a: _Args, cuda: bool) -> tuple[Tensor, Tensor, list[Tensor]]:
     xs, ws, _ = a.specs
     recipe, norm = xs.kind, a.nrm
     if not recipe:
-        acc = None if cuda else _acc(inp)
+        acc = None if cuda else acc_dtype(inp)
         if norm.normalization:
             x2, *stats = norm_forward(x2, norm)
             saved.append(x2)
@@ -470,12 +456,12 @@ def _forward(a: _Args, cuda: bool) -> tuple[Tensor, Tensor, list[Tensor]]:
         else:
             if bw.save_input:  # the input itself is saved instead of its copy
                 f32 = torch.float32
-                x_slots = [x2.new_empty(0, dtype=_bytes(wq.data_t).dtype),
+                x_slots = [x2.new_empty(0, dtype=fp8_bytes(wq.data_t).dtype),
                            x2.new_empty(0, dtype=f32)]  # fmt: skip
             else:
-                x_slots = [_bytes(xq.data_t), xq.scale_t]
+                x_slots = [fp8_bytes(xq.data_t), xq.scale_t]
             # A pre-quantised weight's copies are inputs: setup_context saves them.
-            w_slots = [] if a.weight_q is not None else [_bytes(wq.data_t), wq.scale_t]
+            w_slots = [] if a.weight_q is not None else [fp8_bytes(wq.data_t), wq.scale_t]
             saved = [*x_slots, *w_slots]
         if recipe in PER_TENSOR:
             amax = [torch.cat([xq.amax, wq.amax])]
@@ -542,8 +528,7 @@ def linear_fwd(
 def _plain_forward(inp, weight, bias, main_grad, cuda: bool) -> tuple[Tensor, Tensor, list]:
     """te.Linear's hot path: high precision, no prologue or epilogue (cheap to enter)."""
     _check_args(inp, weight, bias, main_grad)
-    out = torch.nn.functional.linear(inp, weight, bias) if cuda else linear_ref(inp, weight, bias)
-    return out, inp.new_empty(0), []
+    return hp_linear(inp, weight, bias, cuda), inp.new_empty(0), []
 
 
 @linear_fwd.register_kernel("cuda")
@@ -597,7 +582,7 @@ def _linear_fwd_fake(*args):
     elif normalized:
         saved = [inp.new_empty(rows, k)]
     if ep.activation:
-        h_dtype = _acc(inp) if not recipe and inp.device.type == "cpu" else inp.dtype
+        h_dtype = acc_dtype(inp) if not recipe and inp.device.type == "cpu" else inp.dtype
         saved.append(inp.new_empty(rows, n, dtype=h_dtype))
     saved += fake_stats(inp, rows, a.nrm.normalization)
     if recipe in PER_TENSOR:
@@ -651,10 +636,10 @@ def _backward_impl(grad, grad_branch, saved, inp, weight, bias, main_grad, scale
         # save_input: the input's quantised transposed copy, made again here.
         x2 = inp.reshape(-1, inp.shape[-1])
         xq = quantize_operand(c.x, pad_rows(x2), scale=scale_slots(scale, c.recipe)[0])
-        copies = [_bytes(xq.data_t), xq.scale_t, *copies[2:]]
+        copies = [fp8_bytes(xq.data_t), xq.scale_t, *copies[2:]]
     g2 = grad.reshape(-1, grad.shape[-1])
     m = g2.shape[0]
-    acc = None if c.recipe or cuda else _acc(grad)
+    acc = None if c.recipe or cuda else acc_dtype(grad)
     dy = g2 if acc is None else g2.to(acc)
     if ep.scale != 1.0:
         dy = dy * ep.scale
@@ -713,18 +698,13 @@ def _quantized_backward(dy, copies, main_grad, scale, grad_amax, rng_state, c: _
         grad_amax.copy_(g.amax)
     dinp = None
     if c.need_dgrad:  # dX [M, K] = dY [M, N] @ W [N, K]; W^T [K, N] is the GEMM's b
-        dinp = gemm(kind, g.data, g.scale, _codes(w_t, c.w.fp8_dtype), w_st, dtype,
+        dinp = gemm(kind, g.data, g.scale, fp8_codes(w_t, c.w.fp8_dtype), w_st, dtype,
                     b_block_rows=c.w.block_rows)  # fmt: skip
         dinp = unpad(dinp, m)
     dweight = empty(dy)
     if c.need_wgrad:  # dW [N, K] = dY^T [N, M] @ X [M, K]; X^T [K, M] is the GEMM's b
-        into = main_grad is not None
-        out_dtype = torch.float32 if into and kind != "blockwise" else dtype
-        dw = gemm(kind, g.data_t, g.scale_t, _codes(x_t, c.x.fp8_dtype), x_st, out_dtype)
-        if into:
-            main_grad.add_(dw)
-        else:
-            dweight = dw
+        dweight = wgrad_gemm(kind, g.data_t, g.scale_t, fp8_codes(x_t, c.x.fp8_dtype), x_st, dtype,
+                             main_grad)  # fmt: skip
     return dinp, dweight, g.sums
 
 
@@ -770,34 +750,12 @@ def linear_bwd(
         wgrad_stash.copy_(grad)
         need_wgrad = False
     if not (input_spec or norm or epilogue) and grad_branch is None:
-        acc = torch.float64 if grad.dtype == torch.float64 else torch.float32
-        return _plain_backward(grad, inp, weight, main_grad, need_dbias, need_dgrad, need_wgrad,
-                               acc)  # fmt: skip
+        return (*hp_linear_backward(grad, inp, weight, main_grad, need_dbias, need_dgrad,
+                                    need_wgrad, cuda=False), empty(grad), empty(grad))  # fmt: skip
     c = _Bwd.of(input_spec, weight_spec, grad_spec, norm, epilogue, need_dbias, need_dgrad,
                 need_wgrad)  # fmt: skip
     return _backward_impl(grad, grad_branch, saved, inp, weight, bias, main_grad, scale,
                           grad_amax, norm_weight, rng_state, c, cuda=False)  # fmt: skip
-
-
-def _plain_backward(grad, inp, weight, main_grad, need_dbias, need_dgrad, need_wgrad, acc):
-    """The backward of :func:`_plain_forward`: the three GEMMs / reductions in ``acc`` (None:
-    the input dtype, cuBLAS with fp32 accumulation), each rounded once."""
-    dtype = grad.dtype
-    dy = grad.reshape(-1, grad.shape[-1])
-    dinp = empty(grad)
-    if need_dgrad:
-        dinp = (grad.to(acc) @ weight.to(acc)).to(dtype) if acc else grad @ weight
-    dweight = empty(grad)
-    if need_wgrad:
-        x = inp.reshape(-1, inp.shape[-1])
-        if main_grad is not None:
-            accumulate_wgrad(main_grad, dy, x)
-        else:
-            dweight = (dy.t().to(acc) @ x.to(acc)).to(dtype) if acc else dy.t() @ x
-    dbias = empty(grad)
-    if need_dbias:
-        dbias = dy.sum(0, dtype=acc).to(dtype) if acc else dy.sum(0)
-    return dinp, dweight, dbias, empty(grad), empty(grad)
 
 
 _BWD_TENSORS = 11  # grad, grad_branch, saved, inp, weight, bias, main_grad, scale, grad_amax,
@@ -821,8 +779,8 @@ def _linear_bwd_cuda(*args):
     input_spec, _, _, norm, epilogue, need_dbias, need_dgrad, _ = scalars
     if not (input_spec or norm or epilogue) and tensors[1] is None:
         grad, _, _, inp, weight, _, main_grad = tensors[:7]
-        return _plain_backward(grad, inp, weight, main_grad, need_dbias, need_dgrad, need_wgrad,
-                               None)  # fmt: skip
+        return (*hp_linear_backward(grad, inp, weight, main_grad, need_dbias, need_dgrad,
+                                    need_wgrad, cuda=True), empty(grad), empty(grad))  # fmt: skip
     c = _Bwd.of(*scalars[:-1], need_wgrad)
     return _backward_impl(*tensors, c, cuda=True)
 

@@ -22,8 +22,8 @@ for ``z`` ``[T, F]``: the write and two reads of :math:`h` and of :math:`dz` (cu
 reads :math:`z` twice instead; delayed scaling once). For a gated activation :math:`h` is
 quantised from ``z``'s two halves, and both halves of :math:`dz` (``[T, 2F]``) from one read of
 :math:`dh` and ``z``, under one scale (per tensor) or in 1x128 blocks that never straddle the
-halves. Elsewhere (the CPU, the emulated recipes, high precision) the op composes the
-implementations of the linear family's GEMMs and of the activation ops: the same bytes as
+halves. Elsewhere (the CPU, the emulated recipes, high precision) the op composes the linear
+family's GEMMs (``functional.gemm``) and the activation ops' implementations: the same bytes as
 ``linear -> bias_activation -> linear`` (compared bit for bit in the tests).
 
 ``saved``: quantised recipes ``[X^T, s_x, W_1^T, s_w1, z, h^T, s_h, W_2^T, s_w2]`` (FP8 bytes
@@ -37,6 +37,8 @@ Pre-quantised weights (``functional.gemm``, "Pre-quantised weights"): ``fc1_weig
 ``fc2_weight_q``, the last arguments, each None or a weight's five tensors
 (``te::quantize_weight``'s); a given weight is not quantised, its transposed copy is saved from
 the input (``saved`` then holds no copy of it) and its gradient still computed.
+``main_grad1`` / ``main_grad2`` (fp32, the weights' shapes; ``fuse_wgrad_accumulation``): the
+backward op adds the weight's gradient into it, as ``te::linear`` into its ``main_grad``.
 """
 
 from __future__ import annotations
@@ -62,7 +64,6 @@ from te_compile.functional.activation import (
 )
 from te_compile.functional.gemm import (
     BLOCK_KINDS,
-    FP8_DTYPES,
     HIGH_DTYPES,
     PER_TENSOR,
     WEIGHT_OPERAND,
@@ -75,8 +76,12 @@ from te_compile.functional.gemm import (
     check_weight_quantized,
     delayed_on_cuda,
     empty,
+    fp8_bytes,
+    fp8_codes,
     gemm,
     gemm_kind,
+    hp_linear,
+    hp_linear_backward,
     pad_rows,
     padded,
     quantize_operand,
@@ -86,8 +91,8 @@ from te_compile.functional.gemm import (
     scale_slots,
     unpad,
     weight_operand,
+    wgrad_gemm,
 )
-from te_compile.functional.linear import linear_bwd, linear_fwd
 from te_compile.functional.prologue import (
     NORMALIZATIONS,
     Norm,
@@ -129,6 +134,8 @@ class _Args(NamedTuple):
     norm_bias: Tensor | None = None
     fc1_weight_q: list[Tensor] | None = None
     fc2_weight_q: list[Tensor] | None = None
+    main_grad1: Tensor | None = None
+    main_grad2: Tensor | None = None
 
     @property
     def specs(self) -> tuple[QuantSpec, QuantSpec, QuantSpec]:
@@ -154,11 +161,6 @@ _NORM_WEIGHT = _Args._fields.index("norm_weight")
 _TOKEN_BLOCKS = ("mxfp8", "nvfp4")
 
 
-def _ffn(w1: Tensor, activation: str) -> int:
-    """The activation's output features: FC1's, or half of them for a gated activation."""
-    return w1.shape[0] // 2 if activation in GATED_ACTIVATIONS else w1.shape[0]
-
-
 # 1. Reference math ----------------------------------------------------------------------------
 
 
@@ -172,7 +174,7 @@ def _activation_ref(
 
 def mlp_ref(*args) -> Tensor:
     """Definition of correctness, differentiable, in the inputs' dtype (fp64 in the tests): the
-    norm's reference, the recipe's GEMM (``functional.linear.quantized_linear_ref``) twice
+    norm's reference, the recipe's GEMM (``functional.gemm.quantized_linear_ref``) twice
     around the activation's reference."""
     a = _Args(*args)
     x = norm_ref(a.inp, a.nrm)
@@ -229,7 +231,7 @@ def _check(a: _Args) -> None:
         or inp.ndim < 1
         or inp.shape[-1] != w1.shape[1]
         or (gated and w1.shape[0] % 2)
-        or w2.shape[1] != _ffn(w1, ep.activation)
+        or w2.shape[1] != w1.shape[0] // (1 + gated)  # ffn: half of FC1's for a gated one
     ):
         fc1 = "[2 * ffn, hidden] (gated activation)" if gated else "[ffn, hidden]"
         raise ValueError(
@@ -271,22 +273,18 @@ def _check(a: _Args) -> None:
         ):
             raise ValueError(p + f"{name} must be a [1] float32 tensor and is for the per-tensor "
                              "kinds (current, delayed)")  # fmt: skip
-    for name, wt, q in (("fc1_", w1, a.fc1_weight_q), ("fc2_", w2, a.fc2_weight_q)):
+    for i, wt, q, g in ((1, w1, a.fc1_weight_q, a.main_grad1),
+                        (2, w2, a.fc2_weight_q, a.main_grad2)):  # fmt: skip
+        if g is not None and (g.dtype is not torch.float32 or g.shape != wt.shape):
+            raise ValueError(p + f"main_grad{i} must be float32 with fc{i}_weight's shape "
+                             f"{list(wt.shape)}, got {g.dtype} {list(g.shape)}")  # fmt: skip
         if q is not None:
-            check_weight_quantized("te.mlp", name + "weight_q", q)
-        check_weight_operand(p + name, recipe, wt, w.block_rows, w.emulate,
+            check_weight_quantized("te.mlp", f"fc{i}_weight_q", q)
+        check_weight_operand(p + f"fc{i}_", recipe, wt, w.block_rows, w.emulate,
                              q or (None,) * len(WEIGHT_OPERAND))  # fmt: skip
 
 
 # 2. Forward op ----------------------------------------------------------------------------------
-
-
-def _bytes(t: Tensor) -> Tensor:
-    return t.view(torch.uint8) if t.dtype in FP8_DTYPES else t
-
-
-def _codes(t: Tensor, fp8_dtype: torch.dtype) -> Tensor:
-    return t.view(fp8_dtype) if t.dtype is torch.uint8 else t
 
 
 def _native_block(spec: QuantSpec) -> bool:
@@ -338,11 +336,6 @@ def _wgrad_scale(spec: QuantSpec, saved: Tensor) -> Tensor:
     return saved.t() if _native_block(spec) else saved
 
 
-def _hp_linear(x2: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
-    """The high-precision GEMM of the linear family (the implementation for the device)."""
-    return linear_fwd.eager(x2, w, b, None)[0]
-
-
 def _forward(a: _Args) -> tuple[Tensor, list[Tensor]]:
     _check(a)
     inp, w1, b1, w2, b2 = a.inp, a.fc1_weight, a.fc1_bias, a.fc2_weight, a.fc2_bias
@@ -355,9 +348,9 @@ def _forward(a: _Args) -> tuple[Tensor, list[Tensor]]:
         if norm.normalization:
             x2, *stats = norm_forward(x2, norm)
             saved.append(x2)
-        z = _hp_linear(x2, w1, None)
+        z = hp_linear(x2, w1, None, x2.is_cuda)
         h = activation_forward(z, b1, ep.activation, 0, *params)
-        out = _hp_linear(h, w2, b2)
+        out = hp_linear(h, w2, b2, x2.is_cuda)
         return out.reshape(*inp.shape[:-1], w2.shape[0]), [*saved, z, h, *stats]
     kind, rows = gemm_kind(recipe, xs.emulate), ws.block_rows
     (s_x, s_w1, _), (s_h, s_w2, _) = scale_slots(a.scale1, recipe), scale_slots(a.scale2, recipe)
@@ -380,11 +373,11 @@ def _forward(a: _Args) -> tuple[Tensor, list[Tensor]]:
     out = gemm(kind, hq.data, hq.scale, w2q.data, w2q.scale, dtype, bias=b2, fast_accum=True,
                b_block_rows=rows)  # fmt: skip
     out = unpad(out, m)
-    w1_copy = [] if q1 is not None else [_bytes(w1q.data_t), w1q.scale_t]
-    w2_copy = [] if q2 is not None else [_bytes(w2q.data_t), w2q.scale_t]
+    w1_copy = [] if q1 is not None else [fp8_bytes(w1q.data_t), w1q.scale_t]
+    w2_copy = [] if q2 is not None else [fp8_bytes(w2q.data_t), w2q.scale_t]
     saved = [
-        _bytes(xq.data_t), _saved_scale(xs, xq.scale_t), *w1_copy, z,
-        _bytes(hq.data_t), _saved_scale(xs, hq.scale_t), *w2_copy, *stats,
+        fp8_bytes(xq.data_t), _saved_scale(xs, xq.scale_t), *w1_copy, z,
+        fp8_bytes(hq.data_t), _saved_scale(xs, hq.scale_t), *w2_copy, *stats,
     ]  # fmt: skip
     if recipe in PER_TENSOR:
         saved.append(torch.cat([xq.amax, w1q.amax, hq.amax, w2q.amax]))
@@ -411,11 +404,14 @@ def mlp_fwd(
     norm_bias: Tensor | None = None,
     fc1_weight_q: list[Tensor] | None = None,
     fc2_weight_q: list[Tensor] | None = None,
+    main_grad1: Tensor | None = None,
+    main_grad2: Tensor | None = None,
 ) -> tuple[Tensor, list[Tensor]]:
     """``(out, saved)`` (module docstring)."""
     return _forward(_Args(inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, epilogue, input_spec,
                           weight_spec, grad_spec, scale1, scale2, grad_amax1, grad_amax2, norm,
-                          norm_weight, norm_bias, fc1_weight_q, fc2_weight_q))  # fmt: skip
+                          norm_weight, norm_bias, fc1_weight_q, fc2_weight_q, main_grad1,
+                          main_grad2))  # fmt: skip
 
 
 @mlp_fwd.register_fake
@@ -479,21 +475,12 @@ class _Bwd(NamedTuple):
                    parse(EpilogueSpec, epilogue), *need)  # fmt: skip
 
 
-_N_BWD_TENSORS = 11  # grad, saved, inp, fc1_weight, fc1_bias, fc2_weight, scale1, scale2,
-# grad_amax1, grad_amax2, norm_weight
-
-
-def _hp_linear_bwd(grad: Tensor, x2: Tensor, w: Tensor, need_dbias: bool, need_dgrad: bool):
-    """``(dx, dw, db)`` by the linear family's high-precision backward."""
-    dx, dw, db, _, _ = linear_bwd.eager(
-        grad, None, [], x2, w, None, None, None, None, None, None, "", "", "", "", "",
-        need_dbias, need_dgrad, True,
-    )  # fmt: skip
-    return dx, dw, db
+_N_BWD_TENSORS = 13  # grad, saved, inp, fc1_weight, fc1_bias, fc2_weight, scale1, scale2,
+# grad_amax1, grad_amax2, main_grad1, main_grad2, norm_weight
 
 
 def _backward_impl(grad, saved, inp, w1, b1, w2, scale1, scale2, grad_amax1, grad_amax2,
-                   norm_weight, c: _Bwd):  # fmt: skip
+                   main_grad1, main_grad2, norm_weight, c: _Bwd):  # fmt: skip
     dtype = grad.dtype
     dy = grad.reshape(-1, grad.shape[-1])
     m = dy.shape[0]
@@ -505,14 +492,16 @@ def _backward_impl(grad, saved, inp, w1, b1, w2, scale1, scale2, grad_amax1, gra
     if not recipe:
         z, h = saved[-2 - n_stats], saved[-1 - n_stats]
         x2 = saved[0] if normalization else inp.reshape(-1, inp.shape[-1])
-        dh, dw2, db2 = _hp_linear_bwd(dy, h, w2, c.need_db2, True)
+        dh, dw2, db2 = hp_linear_backward(dy, h, w2, main_grad2, c.need_db2, True, True,
+                                          dy.is_cuda)  # fmt: skip
         dz, db1 = activation_backward(dh, z, b1, ep.activation, 0, *params, need_dbias=need_db1)
-        dx, dw1, _ = _hp_linear_bwd(dz, x2, w1, False, c.need_dgrad)
+        dx, dw1, _ = hp_linear_backward(dz, x2, w1, main_grad1, False, c.need_dgrad, True,
+                                        dz.is_cuda)  # fmt: skip
         dinp = dx if c.need_dgrad else None
     else:
         x_t, xs, w1_t, w1s, z, h_t, hs, w2_t, w2s = saved[:9]
-        x_t, h_t = _codes(x_t, c.x.fp8_dtype), _codes(h_t, c.x.fp8_dtype)
-        w1_t, w2_t = _codes(w1_t, c.w.fp8_dtype), _codes(w2_t, c.w.fp8_dtype)
+        x_t, h_t = fp8_codes(x_t, c.x.fp8_dtype), fp8_codes(h_t, c.x.fp8_dtype)
+        w1_t, w2_t = fp8_codes(w1_t, c.w.fp8_dtype), fp8_codes(w2_t, c.w.fp8_dtype)
         kind, rows = gemm_kind(recipe, c.x.emulate), c.w.block_rows
         (_, _, s_dz), (_, _, s_dy) = scale_slots(scale1, recipe), scale_slots(scale2, recipe)
         sums = c.need_db2 and _native_block(c.x)
@@ -521,7 +510,7 @@ def _backward_impl(grad, saved, inp, w1, b1, w2, scale1, scale2, grad_amax1, gra
             grad_amax2.copy_(g.amax)
         # fc2: dh [M, F] = dY @ W2 (W2^T is the GEMM's b); dW2 [N, F] = dY^T @ h
         dh = gemm(kind, g.data, g.scale, w2_t, w2s, dtype, b_block_rows=rows)
-        dw2 = gemm(kind, g.data_t, g.scale_t, h_t, _wgrad_scale(c.x, hs), dtype)
+        dw2 = wgrad_gemm(kind, g.data_t, g.scale_t, h_t, _wgrad_scale(c.x, hs), dtype, main_grad2)
         db2 = g.sums if sums else (dy.sum(0, dtype=torch.float32) if c.need_db2 else None)
         dq, db1 = _act_operand(c.g, z, b1, dh, ep.activation, s_dz, m, need_db1, params)
         if grad_amax1 is not None:
@@ -530,7 +519,8 @@ def _backward_impl(grad, saved, inp, w1, b1, w2, scale1, scale2, grad_amax1, gra
         dinp = None
         if c.need_dgrad:
             dinp = unpad(gemm(kind, dq.data, dq.scale, w1_t, w1s, dtype, b_block_rows=rows), m)
-        dw1 = gemm(kind, dq.data_t, dq.scale_t, x_t, _wgrad_scale(c.x, xs), dtype)
+        dw1 = wgrad_gemm(kind, dq.data_t, dq.scale_t, x_t, _wgrad_scale(c.x, xs), dtype,
+                         main_grad1)  # fmt: skip
     dnorm = [empty(grad), empty(grad)]
     if dinp is not None and normalization:
         x2 = inp.reshape(-1, inp.shape[-1])
@@ -542,7 +532,8 @@ def _backward_impl(grad, saved, inp, w1, b1, w2, scale1, scale2, grad_amax1, gra
     return dinp, dw1, db1, dw2, db2, *dnorm
 
 
-@op("mlp_bwd", mutates_args=("grad_amax1", "grad_amax2"), kept_whole=delayed_on_cuda)
+@op("mlp_bwd", mutates_args=("grad_amax1", "grad_amax2", "main_grad1", "main_grad2"),
+    kept_whole=delayed_on_cuda)  # fmt: skip
 def mlp_bwd(
     grad: Tensor,
     saved: list[Tensor],
@@ -554,6 +545,8 @@ def mlp_bwd(
     scale2: Tensor | None,
     grad_amax1: Tensor | None,
     grad_amax2: Tensor | None,
+    main_grad1: Tensor | None,
+    main_grad2: Tensor | None,
     norm_weight: Tensor | None,
     input_spec: str,
     weight_spec: str,
@@ -565,18 +558,20 @@ def mlp_bwd(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(dinp, dfc1_weight, dfc1_bias, dfc2_weight, dfc2_bias, dnorm_weight, dnorm_bias)``
     (0-element where not computed); writes ``amax(dz)`` / ``amax(dY)`` into ``grad_amax1`` /
-    ``grad_amax2`` (per-tensor recipes). ``inp``: with a norm or in high precision;
+    ``grad_amax2`` (per-tensor recipes); ``dfc1_weight`` / ``dfc2_weight`` are added into
+    ``main_grad1`` / ``main_grad2`` where given. ``inp``: with a norm or in high precision;
     ``fc1_weight`` / ``fc2_weight``: in high precision; the strings are the forward's, ``norm``
     with ``bias`` where the norm has one. ``need_dgrad``: any of the input and the norm's
     parameters needs a gradient."""
     c = _Bwd.of(input_spec, weight_spec, grad_spec, norm, epilogue, need_db2, need_dgrad)
     return _backward_impl(grad, saved, inp, fc1_weight, fc1_bias, fc2_weight, scale1, scale2,
-                          grad_amax1, grad_amax2, norm_weight, c)  # fmt: skip
+                          grad_amax1, grad_amax2, main_grad1, main_grad2, norm_weight,
+                          c)  # fmt: skip
 
 
 @mlp_bwd.register_fake
 def _mlp_bwd_fake(*args):
-    grad, saved, _inp, w1, b1, w2, *_, norm_weight = args[:_N_BWD_TENSORS]
+    grad, saved, _inp, w1, b1, w2, *_, mg1, mg2, norm_weight = args[:_N_BWD_TENSORS]
     c = _Bwd.of(*args[_N_BWD_TENSORS:])
     if c.x.kind:
         (d, f1), (f, n) = saved[2].shape, saved[7].shape
@@ -586,7 +581,9 @@ def _mlp_bwd_fake(*args):
     db1 = grad.new_empty(f1) if b1 is not None else empty(grad)
     db2 = grad.new_empty(n) if c.need_db2 else empty(grad)
     dnorm = fake_dnorm(grad, norm_weight, c.norm.normalization, c.norm.bias, c.need_dgrad)
-    return dinp, grad.new_empty(f1, d), db1, grad.new_empty(n, f), db2, *dnorm
+    dw1 = grad.new_empty(f1, d) if mg1 is None else empty(grad)
+    dw2 = grad.new_empty(n, f) if mg2 is None else empty(grad)
+    return dinp, dw1, db1, dw2, db2, *dnorm
 
 
 # 4. setup_context + autograd ----------------------------------------------------------------------
@@ -608,10 +605,10 @@ def _setup_context(ctx, inputs, output) -> None:
     tensors = (
         a.inp if hp or normed else None, a.fc1_weight if hp else None, a.fc1_bias,
         a.fc2_weight if hp else None, a.scale1, a.scale2, a.grad_amax1, a.grad_amax2,
-        a.norm_weight if normed else None, *saved,
+        a.main_grad1, a.main_grad2, a.norm_weight if normed else None, *saved,
     )  # fmt: skip
-    # The gradient amax buffers (positions 6 and 7): written by the backward.
-    save_for_backward_except_written(ctx, tensors, (6, 7))
+    # The gradient amax and main_grad buffers (positions 6 to 9): written by the backward.
+    save_for_backward_except_written(ctx, tensors, (6, 7, 8, 9))
     norm = a.norm
     if normed and a.norm_bias is not None:
         norm = replace(parse(NormSpec, norm), bias=True).encode()
@@ -621,21 +618,22 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, bwd, grad, _grad_saved):
-    inp, w1, b1, w2, s1, s2, _, _, norm_weight, *saved = ctx.saved_tensors
-    ga1, ga2 = ctx.written
+    inp, w1, b1, w2, s1, s2, _, _, _, _, norm_weight, *saved = ctx.saved_tensors
+    ga1, ga2, mg1, mg2 = ctx.written
     need = ctx.needs_input_grad
     need_norm = ctx.has_norm and any(need[_NORM_WEIGHT : _NORM_WEIGHT + 2])
     need_db2 = ctx.has_fc2_bias and need[4]
+    mg1, mg2 = mg1 if need[1] else None, mg2 if need[3] else None  # (as te::linear's)
     dinp, dw1, db1, dw2, db2, dnw, dnb = bwd(
-        grad.contiguous(), saved, inp, w1, b1, w2, s1, s2, ga1, ga2, norm_weight, *ctx.scalars,
-        need_db2, need[0] or need_norm,
+        grad.contiguous(), saved, inp, w1, b1, w2, s1, s2, ga1, ga2, mg1, mg2, norm_weight,
+        *ctx.scalars, need_db2, need[0] or need_norm,
     )  # fmt: skip
     grads = [None] * len(need)
     grads[:5] = [
         dinp if need[0] else None,
-        dw1 if need[1] else None,
+        dw1 if need[1] and mg1 is None else None,
         db1 if b1 is not None and need[2] else None,
-        dw2 if need[3] else None,
+        dw2 if need[3] and mg2 is None else None,
         db2 if need_db2 else None,
     ]
     if need_norm:  # (a call passes no trailing argument left at its default)
@@ -667,6 +665,11 @@ def _samples(device: torch.device):
                norm_bias=t(16), norm="LayerNorm")  # fmt: skip
     cur = specs("current:e4m3")
     yield call(t(32, 16), t(64, 16), t(64), t(32, 64), t(32), "act=gelu", **cur, **pending)
+    # The weight gradients into main_grad (fuse_wgrad_accumulation): high precision, FP8.
+    yield call(t(2, 5, 16, grad=False), t(24, 16), t(24), t(8, 24), t(8), "act=gelu",
+               main_grad1=t(24, 16, grad=False), main_grad2=t(8, 24, grad=False))  # fmt: skip
+    yield call(t(32, 16), t(64, 16), t(64), t(32, 32), None, "act=swiglu", **cur, **pending,
+               main_grad1=t(64, 16, grad=False), main_grad2=t(32, 32, grad=False))  # fmt: skip
     # 10 tokens (padded to 16 inside the ops), no biases, relu, E4M3 gradients.
     yield call(t(2, 5, 32), t(32, 32), None, t(16, 32), None, "act=relu",
                **specs("current:e4m3", g="current:e4m3"))  # fmt: skip
@@ -761,6 +764,8 @@ def mlp(
     return_amax: bool = False,
     fc1_weight_quantized: Sequence[Tensor] | None = None,
     fc2_weight_quantized: Sequence[Tensor] | None = None,
+    main_grad1: Tensor | None = None,
+    main_grad2: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """``activation(norm(inp) @ fc1_weight.T + fc1_bias) @ fc2_weight.T + fc2_bias`` through
     ``te::mlp_fwd`` (module docstring). ``input_spec`` / ``weight_spec`` / ``grad_spec``: the
@@ -773,7 +778,8 @@ def mlp(
     (as :func:`bias_activation` takes them). ``fc1_weight_quantized`` /
     ``fc2_weight_quantized``: a weight already quantised by the weight spec
     (:func:`~te_compile.functional.quantize_weight`'s five tensors), used instead of quantising
-    it (its gradient is still computed)."""
+    it (its gradient is still computed). ``main_grad1`` / ``main_grad2``: each weight's
+    ``main_grad``, as :func:`~te_compile.functional.linear` takes it."""
     for name, q in (("fc1_weight_quantized", fc1_weight_quantized),
                     ("fc2_weight_quantized", fc2_weight_quantized)):  # fmt: skip
         check_weight_quantized("te.mlp", name, q)
@@ -787,15 +793,18 @@ def mlp(
         or norm_eps != 1e-5 or limit != 7.0 or alpha != 1.702 or glu_linear_offset != 1.0
         or scale1 is not None or scale2 is not None or grad_amax1 is not None
         or grad_amax2 is not None or norm_weight is not None or norm_bias is not None
+        or main_grad1 is not None or main_grad2 is not None
     ):  # fmt: skip
         check_required("te.mlp", inp=inp, fc1_weight=fc1_weight, fc2_weight=fc2_weight)
         check_gemm_args(
             "te.mlp",
             {**tensors, "scale1": scale1, "scale2": scale2, "grad_amax1": grad_amax1,
-             "grad_amax2": grad_amax2, "norm_weight": norm_weight, "norm_bias": norm_bias},
+             "grad_amax2": grad_amax2, "norm_weight": norm_weight, "norm_bias": norm_bias,
+             "main_grad1": main_grad1, "main_grad2": main_grad2},
             norm_eps=norm_eps, limit=limit, alpha=alpha, glu_linear_offset=glu_linear_offset,
         )  # fmt: skip
-        check_same_device("te.mlp", "inp", inp, norm_weight=norm_weight, norm_bias=norm_bias)
+        check_same_device("te.mlp", "inp", inp, norm_weight=norm_weight, norm_bias=norm_bias,
+                          main_grad1=main_grad1, main_grad2=main_grad2)  # fmt: skip
     device = inp.device
     if (
         fc1_weight.device != device or fc2_weight.device != device
@@ -816,7 +825,8 @@ def mlp(
         inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, epilogue, *specs, scale1, scale2,
         grad_amax1, grad_amax2, norm.encode() if norm else "", norm_weight, norm_bias,
         None if fc1_weight_quantized is None else list(fc1_weight_quantized),
-        None if fc2_weight_quantized is None else list(fc2_weight_quantized),
+        None if fc2_weight_quantized is None else list(fc2_weight_quantized), main_grad1,
+        main_grad2,
     )  # fmt: skip
     if not return_amax:
         return out

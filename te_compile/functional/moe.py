@@ -44,6 +44,7 @@ import torch
 from torch import Tensor
 
 from te_compile._library import SampleInput, differentiable, op
+from te_compile._numerics import acc_dtype
 from te_compile.functional.moe_args import (
     MAP_TYPES,
     check_permute_args,
@@ -62,10 +63,6 @@ __all__ = [
     "moe_sort_chunks_by_index_with_probs",
     "moe_unpermute",
 ]
-
-
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 # A row mover: ``(x, index, weight) -> rows``, the torch one (``*_ref``) or the Triton one.
@@ -109,7 +106,7 @@ def inverse_map(row_id_map: Tensor, rows: int) -> tuple[Tensor, Tensor]:
 
 def _gather_ref(x: Tensor, index: Tensor, weight: Tensor | None) -> Tensor:
     """``out[r] = weight[r] * x[index[r]]`` (0 where ``index[r] < 0``), in fp32, rounded once."""
-    acc = _acc(x.dtype)
+    acc = acc_dtype(x)
     ok = index >= 0
     rows = x.to(acc)[index.clamp(min=0)]
     w = ok.to(acc) if weight is None else torch.where(ok, weight.to(acc), 0.0)
@@ -119,7 +116,7 @@ def _gather_ref(x: Tensor, index: Tensor, weight: Tensor | None) -> Tensor:
 def _combine_ref(x: Tensor, row_id_map: Tensor, weight: Tensor | None) -> Tensor:
     """``out[t] = sum_s weight[t, s] * x[row_id_map[t, s]]`` (the routed slots), in fp32,
     rounded once; through the inverse map, one ``index_add_`` of the rows of ``x``."""
-    acc = _acc(x.dtype)
+    acc = acc_dtype(x)
     tokens = row_id_map.shape[0]
     token, slot = inverse_map(row_id_map, x.shape[0])
     ok = token >= 0
@@ -134,7 +131,7 @@ def _combine_ref(x: Tensor, row_id_map: Tensor, weight: Tensor | None) -> Tensor
 
 def _pad_mask(probs: Tensor | None) -> Tensor | None:
     """The permute's row weights: 0 for a padding slot (probability 0), else 1."""
-    return None if probs is None else (probs != 0).to(_acc(probs.dtype))
+    return None if probs is None else (probs != 0).to(acc_dtype(probs))
 
 
 def moe_permute_ref(
@@ -201,7 +198,7 @@ def _gather_dot_ref(
 ) -> tuple[Tensor, Tensor]:
     """``(weight[r] * grad[token[r]], <grad[token[r]], inp[r]>)`` (fp32 dots; the dot of a row
     with no token is not read)."""
-    acc = _acc(grad.dtype)
+    acc = acc_dtype(grad)
     dots = (grad.to(acc)[token.clamp(min=0)] * inp.to(acc)).sum(-1)
     return _gather_ref(grad, token, weight), dots
 

@@ -54,6 +54,7 @@ from torch import Tensor
 
 from te_compile._checks import check_bool, check_positive_finite, check_required, check_tensors
 from te_compile._library import SampleInput, differentiable, op
+from te_compile._numerics import acc_dtype
 
 __all__ = [
     "l2normalization",
@@ -70,11 +71,6 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # 1. Reference math --------------------------------------------------------------------------
 
 
-def _acc(t: Tensor) -> torch.dtype:
-    """Compute dtype: fp32, or fp64 for fp64 input. Also the dtype of the statistics."""
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
 def _gamma(weight: Tensor, zero_centered_gamma: bool, acc: torch.dtype) -> Tensor:
     return weight.to(acc) + 1 if zero_centered_gamma else weight.to(acc)
 
@@ -87,7 +83,7 @@ def layernorm_ref(
     zero_centered_gamma: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(out, mean, rsigma)``: fp32 (or fp64) math, ``out`` cast to ``inp``'s dtype at the end."""
-    acc = _acc(inp)
+    acc = acc_dtype(inp)
     x = inp.to(acc)
     mean = x.mean(-1)
     xc = x - mean[..., None]
@@ -102,7 +98,7 @@ def rmsnorm_ref(
     inp: Tensor, weight: Tensor, eps: float = 1e-5, zero_centered_gamma: bool = False
 ) -> tuple[Tensor, Tensor]:
     """``(out, rsigma)``: fp32 (or fp64) math, ``out`` cast to ``inp``'s dtype at the end."""
-    acc = _acc(inp)
+    acc = acc_dtype(inp)
     x = inp.to(acc)
     rsigma = torch.rsqrt((x * x).mean(-1) + eps)
     out = x * rsigma[..., None] * _gamma(weight, zero_centered_gamma, acc)
@@ -111,7 +107,7 @@ def rmsnorm_ref(
 
 def l2normalization_ref(inp: Tensor, eps: float = 1e-6) -> tuple[Tensor, Tensor]:
     """``(out, rsigma)`` with ``rsigma = 1/sqrt(sum(x^2) + eps)``; fp32 (or fp64) math."""
-    x = inp.to(_acc(inp))
+    x = inp.to(acc_dtype(inp))
     rsigma = torch.rsqrt((x * x).sum(-1) + eps)
     return (x * rsigma[..., None]).to(inp.dtype), rsigma
 
@@ -138,7 +134,7 @@ def layernorm_bwd_ref(
     has_bias: bool,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """``(dinp, dweight, dbias)`` (``dbias`` None unless ``has_bias``); fp32 (or fp64) math."""
-    acc = _acc(inp)
+    acc = acc_dtype(inp)
     dy, x_hat = grad_out.to(acc), (inp.to(acc) - mean[..., None]) * rsigma[..., None]
     g = dy * _gamma(weight, zero_centered_gamma, acc)
     dx = _dx(g, x_hat, rsigma, True, 1.0 / inp.shape[-1])
@@ -150,7 +146,7 @@ def rmsnorm_bwd_ref(
     grad_out: Tensor, inp: Tensor, rsigma: Tensor, weight: Tensor, zero_centered_gamma: bool
 ) -> tuple[Tensor, Tensor]:
     """``(dinp, dweight)``; fp32 (or fp64) math."""
-    acc = _acc(inp)
+    acc = acc_dtype(inp)
     dy, x_hat = grad_out.to(acc), inp.to(acc) * rsigma[..., None]
     g = dy * _gamma(weight, zero_centered_gamma, acc)
     dx = _dx(g, x_hat, rsigma, False, 1.0 / inp.shape[-1])
@@ -159,7 +155,7 @@ def rmsnorm_bwd_ref(
 
 def l2normalization_bwd_ref(grad_out: Tensor, inp: Tensor, rsigma: Tensor) -> Tensor:
     """``dinp``; fp32 (or fp64) math."""
-    acc = _acc(inp)
+    acc = acc_dtype(inp)
     x_hat = inp.to(acc) * rsigma[..., None]
     return _dx(grad_out.to(acc), x_hat, rsigma, False, 1.0).to(inp.dtype)
 
@@ -318,7 +314,7 @@ def _l2normalization_fwd_cuda(inp: Tensor, eps: float) -> tuple[Tensor, Tensor]:
 
 
 def _stat(inp: Tensor) -> Tensor:
-    return inp.new_empty(inp.shape[:-1], dtype=_acc(inp))
+    return inp.new_empty(inp.shape[:-1], dtype=acc_dtype(inp))
 
 
 @layernorm_fwd.register_fake

@@ -54,6 +54,7 @@ from torch import Tensor
 
 from te_compile._checks import check_bool, check_int, check_positive_finite, check_tensor
 from te_compile._library import SampleInput, differentiable, op
+from te_compile._numerics import acc_dtype
 
 __all__ = [
     "TENSOR_FORMATS",
@@ -184,10 +185,6 @@ def _cos_sin(
     return f.cos(), f.sin()
 
 
-def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def rotary_ref(
     t: Tensor,
     freqs: Tensor,
@@ -199,7 +196,7 @@ def rotary_ref(
 ) -> Tensor:
     """``y = x cos f + r(x) sin f`` on the first ``d2`` channels, the rest copied; in fp32
     (fp64 for fp64 ``t``), rounded once. Differentiable by autograd (``t`` and ``freqs``)."""
-    acc = _accumulate_dtype(t.dtype)
+    acc = acc_dtype(t)
     d2 = freqs.shape[-1]
     cos, sin = _cos_sin(t, freqs, cu_seqlens, tensor_format, cp_size, cp_rank, acc)
     x = t.to(acc)
@@ -219,7 +216,7 @@ def rotary_bwd_ref(
 ) -> Tensor:
     """The gradient of :func:`rotary_ref` with respect to ``t``: ``dy cos f - r(dy sin f)``
     (``r`` is antisymmetric), the rest of the channels copied; fp32, rounded once."""
-    acc = _accumulate_dtype(grad.dtype)
+    acc = acc_dtype(grad)
     d2 = freqs.shape[-1]
     cos, sin = _cos_sin(grad, freqs, cu_seqlens, tensor_format, cp_size, cp_rank, acc)
     g = grad.to(acc)

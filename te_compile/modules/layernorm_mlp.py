@@ -15,12 +15,13 @@ FC1 runs without its bias, the activation adds it (and returns ``dbias`` from it
 pass); under FP8 the activation and its gradient are fused into the quantisations.
 
 The two GEMMs run as two ``te::linear`` calls around the activation (the same bytes, without
-the fusion) where ``te::mlp`` does not implement what is asked of it: ``fuse_wgrad_accumulation``
-(each GEMM accumulates into its weight's ``main_grad``), ``delay_wgrad_compute`` (the weight
-gradients wait for ``backward_dw``), ``checkpoint=True`` (FC1's output is recomputed),
-FP8 primary weights (``quantized_model_init``: pre-quantised weights), a recipe's
-``backward_override``, calibration (``calibrating=True``) and NVFP4's per-operand options (the
-Hadamard transform, stochastic rounding, row-scaled activations, 4over6).
+the fusion) where ``te::mlp`` does not implement what is asked of it
+(``quantization.gemm.MLP_AS_TWO_LINEARS``; docs/op_mechanism.md says why for each):
+``delay_wgrad_compute`` (the weight gradients wait for ``backward_dw``), ``checkpoint=True``
+(FC1's output is recomputed), FP8 primary weights (``quantized_model_init``: pre-quantised
+weights), a recipe's ``backward_override``, calibration (``calibrating=True``) and NVFP4's
+per-operand options (the Hadamard transform, stochastic rounding, row-scaled activations,
+4over6). ``fuse_wgrad_accumulation`` runs in ``te::mlp`` (``main_grad1`` / ``main_grad2``).
 
 Tensor parallelism: with a ``tp_group`` (or ``tp_size > 1``) FC1 is column-parallel and FC2
 row-parallel, as Transformer Engine's ``set_parallel_mode=True``: each rank holds
@@ -100,8 +101,7 @@ class LayerNormMLP(DelayedWgrad, PreNorm):
         activation: any name in ``te.functional.ACTIVATIONS`` or ``GATED_ACTIVATIONS``.
         fuse_wgrad_accumulation: accumulate FC1's and FC2's weight gradients into
             ``fc1_weight.main_grad`` / ``fc2_weight.main_grad`` (fp32, allocated by the caller)
-            instead of ``.grad`` (the two GEMMs then run as two linear ops around the
-            activation op: the same values, without ``te::mlp``'s fusion).
+            instead of ``.grad`` (in ``te::mlp``'s backward op).
         checkpoint: recompute the norm, FC1 and the activation in the backward instead of
             saving their outputs (FC2 is not recomputed); FP8 state included, as
             :func:`~te_compile.checkpoint` does it.
@@ -119,7 +119,7 @@ class LayerNormMLP(DelayedWgrad, PreNorm):
         delay_wgrad_compute: the backward leaves FC1's and FC2's weight gradients to
             :meth:`backward_dw` (``DelayedWgrad``; under ``torch.compile`` the module runs
             eagerly behind a graph break; the GEMMs then run as two
-            linear ops, as with ``fuse_wgrad_accumulation``; not with ``checkpoint``).
+            linear ops; not with ``checkpoint``).
         get_rng_state_tracker, rng_tracker_name: the weights are initialised inside
             ``get_rng_state_tracker().fork(rng_tracker_name)`` (the tracker's default state
             when the name is None), as in Transformer Engine (``rng_fork``).

@@ -34,10 +34,6 @@ changed since (one cast per optimizer step over the micro-batches of gradient ac
 MXFP8 / NVFP4, formats, block shape), quantises and keeps, as Transformer Engine does. The
 amax recorded under DelayedScaling is then the one measured at the cast. Outside an FP8
 autocast the cache is not read.
-
-``backward_override`` (a recipe field, ``quantization.recipe``) reaches ``te::linear`` as an
-argument; ``mlp`` honours it by running its GEMMs one by one through ``te::linear``; the grouped
-GEMM does not implement it and raises.
 """
 
 from __future__ import annotations
@@ -59,6 +55,7 @@ from te_compile.quantization.recompute import checkpoint
 from te_compile.quantization.state import AutocastState, check_power_2_scales, get_autocast_state
 
 __all__ = [
+    "MLP_AS_TWO_LINEARS",
     "ROLES",
     "GemmArgs",
     "KeptWeight",
@@ -73,6 +70,7 @@ __all__ = [
     "kept_weights",
     "linear",
     "mlp",
+    "mlp_as_two_linears",
     "quantized",
     "recipe_specs",
 ]
@@ -582,33 +580,28 @@ def mlp(
     """``fc2(activation(fc1(norm(inp))))`` through ``te::mlp`` with the autocast state's
     recipe (high precision outside it); ``metas``: the two GEMMs' FP8 states, used as two
     :func:`linear` calls would use them (``_FUSE_MLP = False``: two :func:`linear` calls around
-    the activation op; also under calibration, with a recipe's ``backward_override`` and with
-    NVFP4's random Hadamard transform, stochastic rounding, row-scaled activations or 4over6
-    block scaling, which ``te::linear`` implements).
+    the activation op; also where :func:`mlp_as_two_linears` names what ``te::mlp`` does not
+    implement).
     ``activation_params``: keyword arguments of the activation (``clamped_swiglu``'s ``limit``,
     ``alpha``, ``glu_linear_offset``). ``main_grads``: the two weights' fp32 ``main_grad``
-    buffers (``fuse_wgrad_accumulation``), which the two :func:`linear` calls accumulate into
-    (``te::mlp`` has no such outputs). ``recompute_fc1``: the norm, FC1 and the activation
+    buffers (``fuse_wgrad_accumulation``), which ``te::mlp``'s backward accumulates into
+    (``main_grad1`` / ``main_grad2``). ``recompute_fc1``: the norm, FC1 and the activation
     are recomputed in the backward (:func:`~te_compile.checkpoint`, FP8 state included) rather
     than their outputs saved; FC2 runs once. ``cache``: the module's kept FP8 weights
     (``is_first_microbatch``, entries ``"fc1_weight"`` and ``"fc2_weight"``), handed to
     ``te::mlp`` (or ``te::linear``) as pre-quantised weights. ``weights_quantized``: the two
-    weights' pre-quantised operands (FP8 primary weights; the GEMMs then run one by one).
-    ``defer``: both weight gradients are delayed (:func:`linear`'s ``defer``; the GEMMs run one
-    by one)."""
+    weights' pre-quantised operands (FP8 primary weights). ``defer``: both weight gradients are
+    delayed (:func:`linear`'s ``defer``)."""
     act_kw = activation_params or {}
     state = get_autocast_state()
-    by_op = state.calibration or (state.enabled and state.recipe.backward_override is not None)
-    by_op = by_op or main_grads is not None or recompute_fc1 or _nvfp4_options(state)
-    by_op = by_op or weights_quantized != (None, None) or defer is not None
-    q1, q2 = weights_quantized
+    by_op = mlp_as_two_linears(state, recompute_fc1, weights_quantized, defer)
+    (q1, q2), (g1, g2) = weights_quantized, main_grads or (None, None)
     if recompute_fc1 and defer is not None:
         raise NotImplementedError(
             f"{owner}: checkpoint=True with delay_wgrad_compute=True is not supported (the "
             "recomputed FC1 would delay its weight gradient twice)"
         )
     if not _FUSE_MLP or by_op:  # op by op: the same bytes
-        g1, g2 = main_grads or (None, None)
 
         def fc1_act(x: Tensor) -> Tensor:
             if norm is not None:
@@ -622,7 +615,8 @@ def mlp(
                       cache_name="fc2_weight", weight_quantized=q2, defer=defer)  # fmt: skip
     weights = (fc1_weight, fc2_weight)
     args = gemm_args(owner, state, inp, weights, metas)
-    kw = {**_norm_kwargs(norm), **args.spec_kwargs(), **act_kw}
+    kw = {**_norm_kwargs(norm), **args.spec_kwargs(), **act_kw, "main_grad1": g1,
+          "main_grad2": g2}  # fmt: skip
     kw["fc1_weight_quantized"] = cached_weight(args, fc1_weight, cache, "fc1_weight", 0)
     kw["fc2_weight_quantized"] = cached_weight(args, fc2_weight, cache, "fc2_weight", 1)
     if args.recipe not in PER_TENSOR:
@@ -637,14 +631,23 @@ def mlp(
     return out
 
 
-def _nvfp4_options(state: AutocastState) -> bool:
-    """Whether the enabled recipe is NVFP4 with an option ``te::mlp`` does not take (the random
-    Hadamard transform, stochastic rounding, row-scaled activations, 4over6; its 16x16 weight
-    tiles it does)."""
-    if not (state.enabled and state.recipe.nvfp4()):
-        return False
-    return any(spec.rht or spec.stochastic_rounding or spec.row_scaled or spec.four_over_six
-               for spec in recipe_specs(state.recipe))  # fmt: skip
+# What te::mlp does not implement: :func:`mlp` then runs two te::linear calls around the activation
+# op (the same bytes); LayerNormMLP's docstring and docs/op_mechanism.md name each (test_mlp.py).
+MLP_AS_TWO_LINEARS = ("delay_wgrad_compute", "checkpoint=True", "FP8 primary weights",
+                      "backward_override", "calibrating=True", "Hadamard transform",
+                      "stochastic rounding", "row-scaled activations", "4over6")  # fmt: skip
+
+
+def mlp_as_two_linears(state: AutocastState, recompute_fc1: bool, weights_quantized: tuple,
+                       defer: list | None) -> str:  # fmt: skip
+    """The first of :data:`MLP_AS_TWO_LINEARS` that applies to an :func:`mlp` call, or ``""``:
+    ``te::mlp`` runs it. The one place that decides."""
+    nvfp4 = recipe_specs(state.recipe) if state.enabled and state.recipe.nvfp4() else ()
+    applies = (defer is not None, recompute_fc1, weights_quantized != (None, None),
+               state.enabled and state.recipe.backward_override is not None, state.calibration,
+               any(s.rht for s in nvfp4), any(s.stochastic_rounding for s in nvfp4),
+               any(s.row_scaled for s in nvfp4), any(s.four_over_six for s in nvfp4))  # fmt: skip
+    return MLP_AS_TWO_LINEARS[applies.index(True)] if True in applies else ""
 
 
 def grouped_linear(

@@ -248,12 +248,25 @@ def test_layernorm_mlp_takes_the_fused_op_under_block_scaling(act, monkeypatch):
     _fused_and_plain_steps("cuda", recipe, 512, 1024, monkeypatch, act)
 
 
-def _fused_and_plain_steps(device, recipe, hidden, ffn, monkeypatch, act):
+@pytest.mark.parametrize("recipe_cls", [pytest.param(None, id="bf16"), *RECIPES])
+@pytest.mark.parametrize("device", DEVICES)
+def test_layernorm_mlp_accumulates_into_main_grad_in_the_fused_op(device, recipe_cls, monkeypatch):
+    """``fuse_wgrad_accumulation=True``: ``te::mlp`` adds the weight gradients into
+    ``main_grad`` (``main_grad1`` / ``main_grad2``), bit for bit what two ``te::linear`` calls
+    accumulate, over three steps."""
+    recipe = recipe_cls and recipe_cls()
+    _fused_and_plain_steps(device, recipe, 64, 128, monkeypatch, "swiglu", main_grad=True)
+
+
+def _fused_and_plain_steps(device, recipe, hidden, ffn, monkeypatch, act, main_grad=False):
     torch.manual_seed(0)
-    kw = {"device": device, "params_dtype": torch.bfloat16}
+    kw = {"device": device, "params_dtype": torch.bfloat16, "fuse_wgrad_accumulation": main_grad}
     fused = te_compile.LayerNormMLP(hidden, ffn, activation=act, **kw)
     plain = te_compile.LayerNormMLP(hidden, ffn, activation=act, **kw)
     plain.load_state_dict(fused.state_dict())
+    for m in (fused, plain) if main_grad else ():
+        for w in (m.fc1_weight, m.fc2_weight):
+            w.main_grad = torch.zeros(w.shape, device=device, dtype=torch.float32)
     calls = []
     real = gemm.F.mlp
 
@@ -269,11 +282,12 @@ def _fused_and_plain_steps(device, recipe, hidden, ffn, monkeypatch, act):
         outs = []
         for _ in range(3):
             x = torch.randn(2, 24, hidden, device=device, dtype=torch.bfloat16)
-            with te_compile.autocast(recipe=recipe):
+            with te_compile.autocast(enabled=recipe is not None, recipe=recipe):
                 out = module(x)
             out.float().square().mean().backward()
             outs.append(out.detach())
-        grads = [p.grad for p in module.parameters()]
+        grads = [p.main_grad if main_grad and p.grad is None else p.grad
+                 for p in module.parameters()]  # fmt: skip
         results[name] = (outs, grads, [b.clone() for b in module.buffers()])
     assert len(calls) == 3  # the fused run only
     for a, b in zip(results["fused"][0], results["plain"][0], strict=True):
@@ -369,3 +383,45 @@ def test_norm_prologue_errors_name_the_argument():
     ):
         F.mlp(x, w1, None, w2, None, "gelu", normalization="RMSNorm", norm_weight=torch.ones(32),
               norm_eps=math.inf)  # fmt: skip
+
+
+def test_every_case_run_as_two_linears_is_documented():
+    """``quantization.gemm.mlp_as_two_linears``, the one place that sends LayerNormMLP to two
+    ``te::linear`` calls: each reason it may give is named in LayerNormMLP's docstring and in
+    docs/op_mechanism.md, and is selected by its own condition alone; no condition, no
+    reason."""
+    from pathlib import Path
+
+    from te_compile.modules import layernorm_mlp
+    from te_compile.quantization.state import AutocastState
+
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "op_mechanism.md").read_text()
+    for reason in gemm.MLP_AS_TWO_LINEARS:
+        assert reason in layernorm_mlp.__doc__ and reason in docs, reason
+    r = te_compile.recipe
+    plain = {"disable_rht": True, "disable_stochastic_rounding": True}
+    off = AutocastState(False, None, None)
+
+    def on(recipe):
+        return AutocastState(True, recipe, None)
+
+    def call(state, recompute_fc1=False, weights_quantized=(None, None), defer=None):
+        return gemm.mlp_as_two_linears(state, recompute_fc1, weights_quantized, defer)
+
+    reasons = {
+        "delay_wgrad_compute": call(off, defer=[]),
+        "checkpoint=True": call(off, recompute_fc1=True),
+        "FP8 primary weights": call(on(r.Float8CurrentScaling()), weights_quantized=([], None)),
+        "backward_override": call(on(r.Float8CurrentScaling(backward_override="dequantized"))),
+        "calibrating=True": call(AutocastState(False, r.DelayedScaling(), None, True)),
+        "Hadamard transform": call(on(r.NVFP4BlockScaling(disable_stochastic_rounding=True))),
+        "stochastic rounding": call(on(r.NVFP4BlockScaling(disable_rht=True))),
+        "row-scaled activations": call(
+            on(r.NVFP4BlockScaling(**plain, row_scaled_activation=True))
+        ),
+        "4over6": call(on(r.NVFP4BlockScaling(**plain, nvfp4_4over6="weights"))),
+    }
+    assert set(reasons) == set(gemm.MLP_AS_TWO_LINEARS)
+    assert all(got == reason for reason, got in reasons.items()), reasons
+    for state in (off, on(r.NVFP4BlockScaling(**plain)), on(r.Float8CurrentScaling())):
+        assert call(state) == ""

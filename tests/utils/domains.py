@@ -721,6 +721,8 @@ DOMAINS: dict[str, dict[str, Domain]] = {
         "norm_bias": TENSOR(LAST),
         "fc1_weight_quantized": _WEIGHT_QUANTIZED,
         "fc2_weight_quantized": _WEIGHT_QUANTIZED,
+        "main_grad1": TENSOR(LAST),
+        "main_grad2": TENSOR(LAST),
     },
     "te.functional.quantize_grouped_weight": _WEIGHT_CAST,
     "te.functional.quantize_weight": _WEIGHT_CAST,
