@@ -145,6 +145,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kept", action="store_true", help="keep the delayed calls whole")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the script")
+    where = ("inside", "outside")
+    parser.add_argument("--placements", nargs="+", choices=where, default=list(where),
+                        help="autocast entered inside or outside the compiled region")  # fmt: skip
     parser.add_argument("--cases", nargs="+", choices=sorted(CASES), default=list(CASES))
     args = parser.parse_args()
     DEVICE[0] = args.device
@@ -157,7 +160,7 @@ def main() -> None:
     extern_kernels._scaled_mm = _checked_scaled_mm(torch._scaled_mm)
     print("delayed GEMM ops", "kept whole" if args.kept else "traced through")
     for name in args.cases:
-        for inside in (True, False):
+        for inside in (p == "inside" for p in args.placements):
             print(f"{name}, autocast {'inside' if inside else 'outside'} the compiled region")
             run_case(name, show_code=inside, inside=inside)
 
