@@ -273,6 +273,91 @@ def test_fuse_wgrad_accumulation_without_main_grad_raises(single):
         m(torch.randn(3, 8), [1, 2])
 
 
+def _per_weight_main_grads(m, initial):
+    """Each ``weight{i}`` its own fp32 ``main_grad`` holding ``initial[i]`` (as Transformer
+    Engine's tests and Megatron-LM's gradient buffers set them)."""
+    for i, w in enumerate(m.weights()):
+        w.main_grad = initial[i].clone()
+    return [w.main_grad for w in m.weights()]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_fuse_wgrad_accumulation_per_weight_main_grad(device, dtype, compiled):
+    """Default layout, each weight{i}.main_grad its own buffer (not allocate_main_grad's views):
+    every one receives its own expert's weight gradient, added to what it held."""
+    m = te.GroupedLinear(3, 16, 8, fuse_wgrad_accumulation=True, params_dtype=dtype,
+                         device=device)  # fmt: skip
+    _random_params(m)
+    initial = [torch.rand(8, 16, device=device) for _ in range(3)]
+    main_grads = _per_weight_main_grads(m, initial)
+    fn, counter = compile_counted(m, backend="aot_eager") if compiled else (m, None)
+    splits = [5, 0, 4]
+    x = torch.randn(9, 16, device=device, dtype=dtype, requires_grad=True)
+    dy = torch.randn(9, 8, device=device, dtype=dtype)
+    for _step in range(2):
+        fn(x, torch.tensor(splits)).backward(dy)
+    if counter is not None:
+        assert counter.frame_count == 1
+    x_rows, dy_rows = to_reference(x).split(splits), to_reference(dy).split(splits)
+    for i, (w, g) in enumerate(zip(m.weights(), main_grads, strict=True)):
+        assert w.main_grad is g and w.grad is None
+        expected = to_reference(initial[i]) + 2 * dy_rows[i].t() @ x_rows[i]
+        assert_close(g, expected, main_grad_dtype(device, dtype))
+    assert_close(_bias_grads(m), 2 * torch.stack([d.sum(0) for d in dy_rows]), dtype)
+    assert_close(x.grad, 2 * _loop_dgrad(m, dy_rows), dtype)
+
+
+def _loop_dgrad(m, dy_rows):
+    return torch.cat([d @ to_reference(w) for d, w in zip(dy_rows, m.weights(), strict=True)])
+
+
+def test_fuse_wgrad_accumulation_replaced_main_grad():
+    """After allocate_main_grad, a weight whose main_grad was replaced gets its gradient in the
+    new tensor (not in the buffer's stale view)."""
+    m = te.GroupedLinear(2, 8, 4, bias=False, fuse_wgrad_accumulation=True)
+    buffer = m.allocate_main_grad()
+    own = torch.zeros(4, 8)
+    m.weight1.main_grad = own
+    x, dy = torch.randn(5, 8), torch.randn(5, 4)
+    m(x, [2, 3]).backward(dy)
+    x_ref, dy_ref = to_reference(x), to_reference(dy)
+    assert_close(buffer[0], dy_ref[:2].t() @ x_ref[:2], torch.float32)
+    assert not buffer[1].any()
+    assert_close(own, dy_ref[2:].t() @ x_ref[2:], torch.float32)
+
+
+def test_fuse_wgrad_accumulation_per_weight_main_grad_delayed():
+    """delay_wgrad_compute=True: backward_dw() adds each expert's gradient to its own
+    main_grad (the backward leaves them untouched)."""
+    m = te.GroupedLinear(3, 8, 4, fuse_wgrad_accumulation=True, delay_wgrad_compute=True)
+    initial = [torch.rand(4, 8) for _ in range(3)]
+    main_grads = _per_weight_main_grads(m, initial)
+    splits = [2, 4, 1]
+    x, dy = torch.randn(7, 8), torch.randn(7, 4)
+    m(x, splits).backward(dy)
+    for g, g0 in zip(main_grads, initial, strict=True):
+        assert torch.equal(g, g0)
+    m.backward_dw()
+    x_rows, dy_rows = to_reference(x).split(splits), to_reference(dy).split(splits)
+    for i, (w, g) in enumerate(zip(m.weights(), main_grads, strict=True)):
+        assert w.grad is None
+        assert_close(g, to_reference(initial[i]) + dy_rows[i].t() @ x_rows[i], torch.float32)
+
+
+def test_fuse_wgrad_accumulation_bad_main_grad_raises():
+    m = te.GroupedLinear(2, 8, 4, fuse_wgrad_accumulation=True)
+    m.weight0.main_grad = torch.zeros(4, 8)
+    with pytest.raises(ValueError, match=r"needs weight1\.main_grad"):
+        m(torch.randn(3, 8), [1, 2])
+    m.weight1.main_grad = torch.zeros(4, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"weight1\.main_grad must be float32"):
+        m(torch.randn(3, 8), [1, 2])
+    with torch.no_grad():  # no gradient: main_grad is not read
+        m(torch.randn(3, 8), [1, 2])
+
+
 BAD_GROUPED_LINEAR = [
     ("num_gemms_zero", {"num_gemms": 0}, "num_gemms must be a positive int"),
     ("num_gemms_bool", {"num_gemms": True}, "num_gemms must be a positive int"),
