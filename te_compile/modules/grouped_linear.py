@@ -103,8 +103,10 @@ class GroupedLinear(DelayedWgrad, nn.Module):
             (``DelayedWgrad``; also in ``eval()`` mode; under ``torch.compile`` the module runs
             eagerly behind a graph break).
         save_original_input: the backward keeps the input itself rather than a quantised
-            copy (high precision and Float8CurrentScaling do; DelayedScaling raises ValueError,
-            as in Transformer Engine; the block-scaled recipes raise NotImplementedError).
+            copy, and quantises it again in the backward (high precision, Float8CurrentScaling
+            and the emulated block-scaled recipes, bit for bit as without it; DelayedScaling
+            raises ValueError, as in Transformer Engine; the native Float8BlockScaling GEMMs
+            raise NotImplementedError).
 
     Built inside ``te_compile.quantized_model_init`` the weights are FP8 codes with a scale
     each (``quantization.primary``: ``grouped_primary``, ``FP8MasterWeights``).
