@@ -102,6 +102,9 @@ class GroupedLinear(DelayedWgrad, nn.Module):
         delay_wgrad_compute: the backward leaves the weight gradients to :meth:`backward_dw`
             (``DelayedWgrad``; also in ``eval()`` mode; under ``torch.compile`` the module runs
             eagerly behind a graph break).
+        use_grouped_tensor: Transformer Engine's choice of its grouped-GEMM path; every call
+            here runs the one grouped op, so it changes nothing but is checked as in TE (a bool
+            or None; False with a single layout raises ValueError).
         save_original_input: the backward keeps the input itself rather than a quantised
             copy, and quantises it again in the backward (high precision, Float8CurrentScaling
             and the emulated block-scaled recipes, bit for bit as without it; DelayedScaling
@@ -134,6 +137,7 @@ class GroupedLinear(DelayedWgrad, nn.Module):
         rng_tracker_name: str | None = None,
         delay_wgrad_compute: bool = False,
         save_original_input: bool = False,
+        use_grouped_tensor: bool | None = None,
     ) -> None:
         super().__init__()
         owner = "GroupedLinear"
@@ -163,6 +167,8 @@ class GroupedLinear(DelayedWgrad, nn.Module):
                         f"{owner}: single_grouped_parameter=True is single_grouped_weight=True "
                         f"and single_grouped_bias=True; got single_grouped_{name}=False"
                     )
+        single = single_grouped_parameter or bool(single_grouped_weight or single_grouped_bias)
+        self.use_grouped_tensor = _grouped_tensor_path(use_grouped_tensor, single)
         dtype = params_dtype_or_default(owner, params_dtype, device)
         if sequence_parallel is True:
             raise ValueError(
@@ -191,13 +197,17 @@ class GroupedLinear(DelayedWgrad, nn.Module):
             self.bias = (
                 nn.Parameter(torch.empty(num_gemms, out_features, **factory)) if bias else None
             )
-        for i in range(num_gemms):  # weight0, bias0, weight1, ... (Transformer Engine's order)
+        # weight0, bias0, weight1, ... (Transformer Engine's order); in a single layout None, as
+        # Transformer Engine leaves them there (every group's view: weights() / biases()).
+        for i in range(num_gemms):
+            w = None
             if not self.single_weight:
                 w = nn.Parameter(torch.empty(out_features, in_features, **factory))
-                self.register_parameter(f"weight{i}", w)
-            if not self.single_bias:
-                b = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
-                self.register_parameter(f"bias{i}", b)
+            self.register_parameter(f"weight{i}", w)
+            b = None
+            if bias and not self.single_bias:
+                b = nn.Parameter(torch.empty(out_features, **factory))
+            self.register_parameter(f"bias{i}", b)
         if self.tp.mode is not None:
             self.set_partition_stride(1)
         # Delayed-scaling state of the grouped GEMM (in the state_dict once delayed scaling ran).
@@ -441,6 +451,27 @@ class GroupedLinear(DelayedWgrad, nn.Module):
             + (", save_original_input=True" if self.save_original_input else "")
             + self.tp.describe()
         )
+
+
+def _grouped_tensor_path(use_grouped_tensor: object, single: bool) -> bool:
+    """Transformer Engine's ``use_grouped_tensor``: its choice between a native grouped GEMM and
+    a per-expert split-quantize path. Here every layout and recipe runs the one grouped op
+    (``te::grouped_linear``), so both values give the same results; the checks are TE's: a bool
+    or None (None: True for the single layouts, which need that path in TE, else False), and a
+    single layout with False is refused."""
+    if use_grouped_tensor is not None and not isinstance(use_grouped_tensor, bool):
+        raise TypeError(
+            f"GroupedLinear: use_grouped_tensor must be a bool or None, got "
+            f"{use_grouped_tensor!r} ({type(use_grouped_tensor).__name__})"
+        )
+    if use_grouped_tensor is False and single:
+        raise ValueError(
+            "GroupedLinear: single_grouped_weight / single_grouped_bias (single_grouped_parameter) "
+            "need use_grouped_tensor=True (Transformer Engine's split-quantize path takes "
+            "per-expert parameters only): pass use_grouped_tensor=True or None, or build the "
+            "per-expert layout"
+        )
+    return single if use_grouped_tensor is None else use_grouped_tensor
 
 
 class _AddToMainGrads(torch.autograd.Function):

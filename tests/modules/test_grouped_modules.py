@@ -358,6 +358,50 @@ def test_fuse_wgrad_accumulation_bad_main_grad_raises():
         m(torch.randn(3, 8), [1, 2])
 
 
+@pytest.mark.parametrize(
+    ("use_grouped_tensor", "single"),
+    [(None, False), (False, False), (True, False), (None, True), (True, True)],
+)
+def test_use_grouped_tensor(use_grouped_tensor, single):
+    """Transformer Engine's use_grouped_tensor picks its GEMM path; here one grouped op serves
+    both, so every accepted value gives the same results (against a float64 reference)."""
+    torch.manual_seed(0)
+    m = te.GroupedLinear(3, 16, 8, single_grouped_parameter=single,
+                         use_grouped_tensor=use_grouped_tensor)  # fmt: skip
+    assert m.use_grouped_tensor is (single if use_grouped_tensor is None else use_grouped_tensor)
+    _random_params(m)
+    splits = [4, 0, 5]
+    x = torch.randn(9, 16, requires_grad=True)
+    w, b = (to_reference(t) for t in _grouped_weights(m))
+    expected = torch.cat([r @ w_g.t() + b_g for r, w_g, b_g in
+                          zip(to_reference(x).split(splits), w, b, strict=True)])  # fmt: skip
+    assert_close(m(x, splits), expected, torch.float32)
+
+
+@pytest.mark.parametrize(("weight", "bias"), [(True, True), (True, False), (False, True)])
+def test_single_layout_leaves_per_group_names_none(weight, bias):
+    """As Transformer Engine: weight{i} / bias{i} are None where the single parameter holds them
+    (not in the state_dict, not parameters)."""
+    m = te.GroupedLinear(2, 8, 4, single_grouped_weight=weight, single_grouped_bias=bias)
+    for i in range(2):
+        assert (getattr(m, f"weight{i}") is None) == weight
+        assert (getattr(m, f"bias{i}") is None) == bias
+    names = {n for n, _ in m.named_parameters()}
+    expected = ({"weight"} if weight else {"weight0", "weight1"}) | (
+        {"bias"} if bias else {"bias0", "bias1"}
+    )
+    assert names == expected and set(m.state_dict()) == expected
+
+
+def test_use_grouped_tensor_refused():
+    with pytest.raises(TypeError, match=r"^GroupedLinear: use_grouped_tensor must be a bool"):
+        te.GroupedLinear(2, 8, 4, use_grouped_tensor=1)
+    for kw in ({"single_grouped_parameter": True}, {"single_grouped_weight": True},
+               {"single_grouped_bias": True}):  # fmt: skip
+        with pytest.raises(ValueError, match=r"need use_grouped_tensor=True"):
+            te.GroupedLinear(2, 8, 4, use_grouped_tensor=False, **kw)
+
+
 BAD_GROUPED_LINEAR = [
     ("num_gemms_zero", {"num_gemms": 0}, "num_gemms must be a positive int"),
     ("num_gemms_bool", {"num_gemms": True}, "num_gemms must be a positive int"),

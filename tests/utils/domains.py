@@ -341,6 +341,7 @@ DOMAINS: dict[str, dict[str, Domain]] = {
         "single_grouped_weight": SWITCH(),
         "single_grouped_bias": SWITCH(),
         "parallel_mode": CHOICE("column", "row", None),
+        "use_grouped_tensor": Domain("a bool or None", (1, "True", 0.0)),
     },
     "te.GroupedMLP": {
         "num_experts": POS_INT(),
