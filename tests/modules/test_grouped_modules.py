@@ -11,7 +11,14 @@ from torch import nn
 
 import te_compile as te
 from te_compile.modules import convert_glu_layout
-from tests.utils import DEVICES, assert_close, chain_roundings, compile_counted, to_reference
+from tests.utils import (
+    DEVICES,
+    assert_bits_equal,
+    assert_close,
+    chain_roundings,
+    compile_counted,
+    to_reference,
+)
 
 DTYPES = [torch.float32, torch.bfloat16]
 LAYOUTS = [False, True]
@@ -344,6 +351,48 @@ def test_fuse_wgrad_accumulation_per_weight_main_grad_delayed():
     for i, (w, g) in enumerate(zip(m.weights(), main_grads, strict=True)):
         assert w.grad is None
         assert_close(g, to_reference(initial[i]) + dy_rows[i].t() @ x_rows[i], torch.float32)
+
+
+@pytest.mark.parametrize("recipe", ["current", "delayed", "mxfp8", "nvfp4"])
+@pytest.mark.parametrize("delay", [False, True], ids=["now", "delayed_wgrad"])
+def test_per_weight_main_grad_equals_one_buffer_under_recipes(recipe, delay):
+    """Transformer Engine's test_grouped_linear_accuracy(_save_original_input) setting: each
+    weight{i}.main_grad its own tensor, under an FP8 recipe, with delay_wgrad_compute and
+    save_original_input (not under DelayedScaling, which refuses it): bit for bit the
+    allocate_main_grad buffer's accumulation (the same op into a zeroed buffer, then added)."""
+    recipes = {
+        "current": te.recipe.Float8CurrentScaling(),
+        "delayed": te.recipe.DelayedScaling(),
+        "mxfp8": te.recipe.MXFP8BlockScaling(),
+        "nvfp4": te.recipe.NVFP4BlockScaling(),
+    }
+    kw = {
+        "fuse_wgrad_accumulation": True,
+        "delay_wgrad_compute": delay,
+        "save_original_input": recipe != "delayed",
+        "params_dtype": torch.bfloat16,
+    }
+    splits = [32, 0, 48]
+    x = torch.randn(80, 64, dtype=torch.bfloat16)
+    dy = torch.randn(80, 32, dtype=torch.bfloat16)
+    results = []
+    for own in (False, True):
+        torch.manual_seed(0)
+        m = te.GroupedLinear(3, 64, 32, **kw)
+        if own:
+            main_grads = _per_weight_main_grads(m, [torch.zeros(32, 64)] * 3)
+        else:
+            main_grads = list(m.allocate_main_grad().unbind(0))
+        torch.manual_seed(1)  # NVFP4's stochastic rounding of the gradient
+        with te.autocast(recipe=recipes[recipe]):
+            out = m(x.clone().requires_grad_(), splits)
+        out.backward(dy)
+        if delay:
+            m.backward_dw()
+        assert all(w.grad is None for w in m.weights())
+        results.append(torch.stack(main_grads))
+    assert results[1].any()
+    assert_bits_equal(results[1], results[0])
 
 
 def test_fuse_wgrad_accumulation_bad_main_grad_raises():
