@@ -515,6 +515,15 @@ def _nvfp4_weight(weight: Tensor, r: GroupedRecipe) -> tuple[Tensor, Tensor]:
     return (w_row.to(dtype).view(g, n, k), w_col_t.t().to(dtype).reshape(g, n, k).contiguous())
 
 
+def dequantized_input(inp: Tensor, m_splits: Tensor, r: GroupedRecipe) -> Tensor:
+    """The input's copy :func:`dequantized_forward` saves first (``X`` dequantised; NVFP4: the
+    copy quantised along the tokens), made again from ``inp`` by a backward that kept the input
+    itself (``save_original_input``): the same values, the quantisation being deterministic."""
+    if r.recipe == "nvfp4":
+        return _nvfp4_input(inp, m_splits, r)[1]
+    return _qdq_input(inp, r)
+
+
 def dequantized_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
     """The high-precision grouped GEMM of the quantised-dequantised operands; the bias added to
     its rounded output in high precision; ``saved = [X, W]`` (dequantised; NVFP4: the copies

@@ -97,6 +97,7 @@ from te_compile.functional.grouped_gemm import (
     checked_splits,
     dequantized_backward,
     dequantized_forward,
+    dequantized_input,
     high_precision_backward,
     high_precision_forward,
     uses_grouped_mm,
@@ -129,6 +130,11 @@ GROUPED_GEMMS: dict[str, tuple[Callable, Callable]] = {
     "blockwise": (blockwise_forward, blockwise_backward),
     "dequantized": (dequantized_forward, dequantized_backward),
 }
+
+
+# The block-scaled kinds whose emulated backward can quantise a kept input again
+# (``save_input``): their quantisation is deterministic.
+_EMULATED_SAVE_INPUT = ("block", "mxfp8", "nvfp4")
 
 
 def grouped_gemm_kind(recipe: str, emulate: bool) -> str:
@@ -483,14 +489,19 @@ def _check(a: _Args) -> None:
             p + f"backward {a.backward!r}: grouped GEMMs run their backward on the specs' "
             "quantised operands only (the overrides are te::linear's)"
         )
-    if bw.save_input and recipe not in ("", "current"):
+    if bw.save_input and recipe not in ("", "current", *_EMULATED_SAVE_INPUT):
         error = ValueError if recipe == "delayed" else NotImplementedError
         raise error(
-            p + f"backward 'save_input' (save_original_input) works with high precision and "
-            f"current scaling, not with {recipe!r} specs"
+            p + f"backward 'save_input' (save_original_input) works with high precision, "
+            f"current scaling and the emulated block-scaled GEMMs, not with {recipe!r} specs"
             + (" (DelayedScaling: the backward would quantise the input again with a scale "
                "the update may have changed)" if recipe == "delayed" else "")
         )  # fmt: skip
+    if bw.save_input and grouped_gemm_kind(recipe, x.emulate) == "blockwise":
+        raise NotImplementedError(
+            p + "backward 'save_input' (save_original_input) is not implemented for the native "
+            "blockwise GEMMs (block specs without 'emulate'); emulate them or save the copy"
+        )
     if bw.fp8_wgrad and recipe not in PER_TENSOR:
         raise ValueError(p + "backward 'fp8_wgrad' is for the per-tensor kinds (current, delayed)")
     if x.row_scaled:
@@ -556,9 +567,11 @@ def _forward(a: _Args, cuda: bool) -> tuple[Tensor, list[Tensor]]:
     r = a.grouped_recipe
     if a.bw.save_input:  # no FP8 copy of the input: the backward quantises it again
         r = r._replace(fp8_wgrad=False)
-    if a.weight_q is None:
-        return forward(a.inp, a.m_splits, a.weight, a.bias, r, cuda)
-    return forward(a.inp, a.m_splits, a.weight, a.bias, r, cuda, weight_q=a.weight_q)
+    kw = {} if a.weight_q is None else {"weight_q": a.weight_q}
+    out, saved = forward(a.inp, a.m_splits, a.weight, a.bias, r, cuda, **kw)
+    if a.bw.save_input and forward is dequantized_forward:  # the input's copy: made again
+        saved = saved[1:]
+    return out, saved
 
 
 def host_split_path(*args: object, **kwargs: object) -> str | None:
@@ -645,7 +658,7 @@ def _grouped_linear_fwd_fake(*args):
             saved += [inp.new_empty(k, n, dtype=u8) for _ in range(g)]
             saved += [inp.new_empty(w_rows, -(-n // 128), dtype=f32) for _ in range(g)]
     elif kind == "dequantized":
-        saved = [inp.new_empty(inp.shape)]
+        saved = [] if a.bw.save_input else [inp.new_empty(inp.shape)]
         if not pre:
             saved.append(a.weight.new_empty(a.weight.shape))
     return out, saved
@@ -680,6 +693,8 @@ def _backward_impl(grad_out, saved, inp, m_splits, weight, main_grad, scale, gra
                    rng_state, c: _Bwd, cuda: bool):  # fmt: skip
     r = _grouped_recipe((c.x, c.w, c.g), scale, grad_amax, c.bw.fp8_wgrad, rng_state)
     _, backward = GROUPED_GEMMS[grouped_gemm_kind(c.x.kind, c.x.emulate)]
+    if c.bw.save_input and backward is dequantized_backward:  # the kept input quantised again
+        saved = [dequantized_input(inp, m_splits, r) if c.need_wgrad else inp, *saved]
     return backward(grad_out, saved, inp, m_splits, weight, main_grad, r, c.has_bias,
                     c.need_dgrad, c.need_wgrad, cuda)  # fmt: skip
 
@@ -773,10 +788,11 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _for_backward(a: _Args, saved: list[Tensor]) -> tuple[tuple, tuple]:
     """What the backward op takes from a forward call (the tensors, then the strings). The
-    input is read by a high-precision wgrad only (not by FP8 wgrads, the native blockwise GEMMs
-    or the emulation, which saved their own copies)."""
+    input is read by a high-precision wgrad (not by FP8 wgrads, the native blockwise GEMMs
+    or the emulation, which saved their own copies) and by a backward that quantises it again
+    (``save_input``)."""
     x, bw = a.specs[0], a.bw
-    keeps_inp = not x.kind or (x.kind in PER_TENSOR and (not bw.fp8_wgrad or bw.save_input))
+    keeps_inp = not x.kind or bw.save_input or (x.kind in PER_TENSOR and not bw.fp8_wgrad)
     if a.weight_q is not None:  # the weight's copies for the backward are inputs
         _, _, data_t, scale_t, _ = a.weight_q
         kind = grouped_gemm_kind(x.kind, x.emulate)
@@ -892,6 +908,14 @@ def _samples(device: torch.device):
                torch.zeros(2, 32, 32, device=device),
                **specs("block:e4m3:emulate", "block:e4m3:128x128:emulate",
                        "block:e4m3:emulate"))  # fmt: skip
+    # save_input, emulated: the input's dequantised copy made again in the backward (MXFP8 with
+    # a bias; NVFP4 with its transform, into main_grad).
+    yield call(t(40, 64), splits(11, 0, 29), t(3, 32, 64), t(3, 32), None,
+               **specs("mxfp8:e4m3:emulate"), backward="save_input")  # fmt: skip
+    yield call(t(32, 32), splits(16, 16), t(2, 16, 32), None,
+               torch.zeros(2, 16, 32, device=device),
+               **specs("nvfp4:emulate:rht", "nvfp4:emulate", "nvfp4:emulate:rht"),
+               backward="save_input")  # fmt: skip
 
     # A pre-quantised weight (functional.grouped_weight): delayed with the FP8 wgrad into
     # main_grad, native blockwise (the stacked dgrad copies); the other kinds' kept weights are

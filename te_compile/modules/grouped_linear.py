@@ -38,8 +38,12 @@ it changes nothing.
 
 ``fuse_wgrad_accumulation=True``: the weight gradient is accumulated in fp32 into a
 ``main_grad`` instead of producing ``.grad``: ``weight.main_grad`` ``[num_gemms, out, in]`` in the
-single layout; in the default layout ``weight{i}.main_grad`` must be ``buffer[i]`` of one fp32
-``[num_gemms, out, in]`` buffer, which :meth:`GroupedLinear.allocate_main_grad` creates.
+single layout; in the default layout each ``weight{i}.main_grad`` (fp32, ``[out, in]``), as in
+Transformer Engine. Where they are still the views of one buffer that
+:meth:`GroupedLinear.allocate_main_grad` made, the grouped GEMM accumulates into that buffer;
+otherwise (separate tensors, e.g. views of a data-parallel gradient buffer) it accumulates into a
+zeroed fp32 ``[num_gemms, out, in]`` buffer made in the forward, whose parts are then added into
+each ``main_grad`` (in the backward, or in :meth:`backward_dw`).
 
 Tensor parallelism (expert tensor parallelism; ``parallel_mode``, ``tp_group``, ``tp_size`` as
 in :class:`~te_compile.Linear`): "column" shards every expert's ``out_features``, "row" its
@@ -51,6 +55,7 @@ token shards would interleave the groups (shard tokens in the MoE token dispatch
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -97,9 +102,14 @@ class GroupedLinear(DelayedWgrad, nn.Module):
         delay_wgrad_compute: the backward leaves the weight gradients to :meth:`backward_dw`
             (``DelayedWgrad``; also in ``eval()`` mode; under ``torch.compile`` the module runs
             eagerly behind a graph break).
+        use_grouped_tensor: Transformer Engine's choice of its grouped-GEMM path; every call
+            here runs the one grouped op, so it changes nothing but is checked as in TE (a bool
+            or None; False with a single layout raises ValueError).
         save_original_input: the backward keeps the input itself rather than a quantised
-            copy (high precision and Float8CurrentScaling do; DelayedScaling raises ValueError,
-            as in Transformer Engine; the block-scaled recipes raise NotImplementedError).
+            copy, and quantises it again in the backward (high precision, Float8CurrentScaling
+            and the emulated block-scaled recipes, bit for bit as without it; DelayedScaling
+            raises ValueError, as in Transformer Engine; the native Float8BlockScaling GEMMs
+            raise NotImplementedError).
 
     Built inside ``te_compile.quantized_model_init`` the weights are FP8 codes with a scale
     each (``quantization.primary``: ``grouped_primary``, ``FP8MasterWeights``).
@@ -127,6 +137,7 @@ class GroupedLinear(DelayedWgrad, nn.Module):
         rng_tracker_name: str | None = None,
         delay_wgrad_compute: bool = False,
         save_original_input: bool = False,
+        use_grouped_tensor: bool | None = None,
     ) -> None:
         super().__init__()
         owner = "GroupedLinear"
@@ -156,6 +167,8 @@ class GroupedLinear(DelayedWgrad, nn.Module):
                         f"{owner}: single_grouped_parameter=True is single_grouped_weight=True "
                         f"and single_grouped_bias=True; got single_grouped_{name}=False"
                     )
+        single = single_grouped_parameter or bool(single_grouped_weight or single_grouped_bias)
+        self.use_grouped_tensor = _grouped_tensor_path(use_grouped_tensor, single)
         dtype = params_dtype_or_default(owner, params_dtype, device)
         if sequence_parallel is True:
             raise ValueError(
@@ -184,13 +197,17 @@ class GroupedLinear(DelayedWgrad, nn.Module):
             self.bias = (
                 nn.Parameter(torch.empty(num_gemms, out_features, **factory)) if bias else None
             )
-        for i in range(num_gemms):  # weight0, bias0, weight1, ... (Transformer Engine's order)
+        # weight0, bias0, weight1, ... (Transformer Engine's order); in a single layout None, as
+        # Transformer Engine leaves them there (every group's view: weights() / biases()).
+        for i in range(num_gemms):
+            w = None
             if not self.single_weight:
                 w = nn.Parameter(torch.empty(out_features, in_features, **factory))
-                self.register_parameter(f"weight{i}", w)
-            if not self.single_bias:
-                b = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
-                self.register_parameter(f"bias{i}", b)
+            self.register_parameter(f"weight{i}", w)
+            b = None
+            if bias and not self.single_bias:
+                b = nn.Parameter(torch.empty(out_features, **factory))
+            self.register_parameter(f"bias{i}", b)
         if self.tp.mode is not None:
             self.set_partition_stride(1)
         # Delayed-scaling state of the grouped GEMM (in the state_dict once delayed scaling ran).
@@ -278,21 +295,63 @@ class GroupedLinear(DelayedWgrad, nn.Module):
         else:
             for i, w in enumerate(self.weights()):
                 w.main_grad = buffer[i]
+            # The views, to recognise them in the forward (then the op accumulates into buffer).
+            self._main_grad_views = tuple(w.main_grad for w in self.weights())
         self._main_grad_buffer = buffer
         return buffer
 
     def _main_grad(self) -> Tensor:
-        if self.single_weight:
-            main_grad = getattr(self.weight, "main_grad", None)
-        else:
-            main_grad = getattr(self, "_main_grad_buffer", None)
+        main_grad = getattr(self.weight, "main_grad", None)
         if main_grad is None:
             raise ValueError(
                 "GroupedLinear(fuse_wgrad_accumulation=True) needs main_grad: call "
                 "module.allocate_main_grad() once (it creates one fp32 [num_gemms, out, in] "
-                "buffer and points every weight's main_grad into it)"
+                "buffer and sets weight.main_grad to it)"
             )
         return main_grad
+
+    def _per_weight_main_grads(self, weights: tuple[Tensor, ...]) -> list[Tensor]:
+        """Every ``weight{i}.main_grad`` (default layout), checked: fp32, the weight's shape."""
+        main_grads = []
+        for i, w in enumerate(weights):
+            g = getattr(w, "main_grad", None)
+            if g is None:
+                raise ValueError(
+                    f"GroupedLinear(fuse_wgrad_accumulation=True) needs weight{i}.main_grad: a "
+                    "float32 tensor of the weight's shape for each weight{i} (e.g. `w.main_grad "
+                    "= torch.zeros_like(w, dtype=torch.float32)`), or call "
+                    "module.allocate_main_grad() once (one buffer, weight{i}.main_grad its "
+                    "views)"
+                )
+            if g.dtype is not torch.float32 or g.shape != w.shape or g.device != w.device:
+                raise ValueError(
+                    f"GroupedLinear: weight{i}.main_grad must be float32 with weight{i}'s shape "
+                    f"{list(w.shape)} on its device, got {g.dtype} {list(g.shape)} {g.device}"
+                )
+            main_grads.append(g)
+        return main_grads
+
+    def _per_weight_accumulation(
+        self, weight: Tensor, params: tuple[Tensor, ...], defer: list | None
+    ) -> tuple[Tensor, Tensor, list[Tensor] | None]:
+        """``fuse_wgrad_accumulation`` in the default layout: the op's weight argument, the fp32
+        ``[G, N, K]`` buffer the op accumulates into, and the weights' own ``main_grad`` tensors
+        to add that buffer into afterwards (None where the buffer is theirs). Where every
+        ``weight{i}.main_grad`` is still the view :meth:`allocate_main_grad` made, the op adds
+        into that buffer directly; otherwise (each weight its own buffer, as Transformer Engine
+        and Megatron-LM's gradient buffers set them) into a zeroed one, whose parts
+        :class:`_AddToMainGrads` (or, delayed, :class:`_DeferredIntoMainGrads`) add into each
+        weight's ``main_grad`` after the op's backward (one fp32 ``[G, N, K]`` buffer more)."""
+        main_grads = self._per_weight_main_grads(params)
+        views = self.__dict__.get("_main_grad_views", ())
+        if len(views) == len(params) and all(
+            g is v for g, v in zip(main_grads, views, strict=True)
+        ):
+            return weight, self._main_grad_buffer, None
+        buffer = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        if defer is None:
+            weight = _AddToMainGrads.apply(weight, buffer, *main_grads)
+        return weight, buffer, main_grads
 
     def _primary_main_grad(self, params: tuple[Tensor, ...]) -> Tensor | None:
         """The ``[num_gemms, out, in]`` fp32 buffer FP8 primary weights' gradient goes to
@@ -322,13 +381,19 @@ class GroupedLinear(DelayedWgrad, nn.Module):
         if primary is not None:  # FP8 primary weights: their gradient goes to main_grad
             weight, weight_q = primary
             main_grad = self._primary_main_grad(params)
-        else:
-            weight = self.weight if self.single_weight else torch.stack(self.weights())
+        elif self.single_weight:
+            weight = self.weight
             main_grad = self._main_grad() if self.fuse_wgrad_accumulation else None
+        else:
+            weight, main_grad = torch.stack(params), None
+        defer = self._wgrad_defer(*params)
+        into = None  # the weights' own main_grads, which main_grad is added into afterwards
+        wanted = torch.is_grad_enabled() and any(p.requires_grad for p in params)
+        if primary is None and not self.single_weight and self.fuse_wgrad_accumulation and wanted:
+            weight, main_grad, into = self._per_weight_accumulation(weight, params, defer)
         bias = None
         if self.use_bias:
             bias = self.bias if self.single_bias else torch.stack(self.biases())
-        defer = self._wgrad_defer(*params)
 
         def gemm(x: Tensor, b: Tensor | None) -> Tensor:
             return _gemm.grouped_linear(
@@ -357,6 +422,8 @@ class GroupedLinear(DelayedWgrad, nn.Module):
         # Row-parallel: each row's expert bias is added once, to the sum of the partial products.
         out, _ = self.tp.linear("GroupedLinear", gemm, rows, bias, add=add_expert_bias)
         if defer:  # the GEMM's [G, N, K] weight gradient goes to the module's weight(s)
+            if into is not None:
+                defer = [(_DeferredIntoMainGrads(d, main_grad, into), w) for d, w in defer]
             entry = [(d, params[0] if self.single_weight else params) for d, _ in defer]
             self._wgrad_queue(entry, out)
         return out.reshape(*inp.shape[:-1], out.shape[-1]) if inp.dim() > 2 else out
@@ -384,6 +451,67 @@ class GroupedLinear(DelayedWgrad, nn.Module):
             + (", save_original_input=True" if self.save_original_input else "")
             + self.tp.describe()
         )
+
+
+def _grouped_tensor_path(use_grouped_tensor: object, single: bool) -> bool:
+    """Transformer Engine's ``use_grouped_tensor``: its choice between a native grouped GEMM and
+    a per-expert split-quantize path. Here every layout and recipe runs the one grouped op
+    (``te::grouped_linear``), so both values give the same results; the checks are TE's: a bool
+    or None (None: True for the single layouts, which need that path in TE, else False), and a
+    single layout with False is refused."""
+    if use_grouped_tensor is not None and not isinstance(use_grouped_tensor, bool):
+        raise TypeError(
+            f"GroupedLinear: use_grouped_tensor must be a bool or None, got "
+            f"{use_grouped_tensor!r} ({type(use_grouped_tensor).__name__})"
+        )
+    if use_grouped_tensor is False and single:
+        raise ValueError(
+            "GroupedLinear: single_grouped_weight / single_grouped_bias (single_grouped_parameter) "
+            "need use_grouped_tensor=True (Transformer Engine's split-quantize path takes "
+            "per-expert parameters only): pass use_grouped_tensor=True or None, or build the "
+            "per-expert layout"
+        )
+    return single if use_grouped_tensor is None else use_grouped_tensor
+
+
+class _AddToMainGrads(torch.autograd.Function):
+    """The stacked ``[G, N, K]`` weight, unchanged, for weights that each have their own
+    ``main_grad`` (``fuse_wgrad_accumulation``, the default layout, buffers not made by
+    ``allocate_main_grad``). The grouped op accumulates the weight gradient in fp32 into the
+    zeroed ``buffer`` (and gives the weight none); this node's backward, which autograd runs after
+    the op's (the op's weight argument is this node's output), adds ``buffer[i]`` into
+    ``main_grads[i]``. The accumulators are kept on ``ctx``, out of the version-counter check,
+    as the op keeps its ``main_grad``."""
+
+    @staticmethod
+    def forward(ctx, weight: Tensor, buffer: Tensor, *main_grads: Tensor) -> Tensor:
+        ctx.written = (buffer, *main_grads)  # dynamo keeps ctx attributes out of the check too
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, _grad: Tensor) -> tuple[None, ...]:
+        buffer, *main_grads = ctx.written
+        torch._foreach_add_(main_grads, list(buffer.unbind(0)))
+        return (None,) * (2 + len(main_grads))  # the weight gradient went to main_grad
+
+
+class _DeferredIntoMainGrads(NamedTuple):
+    """A :class:`~te_compile.functional.gemm.DeferredWgrad` of weights that each have their own
+    ``main_grad`` (:class:`_AddToMainGrads`, with ``delay_wgrad_compute``): :meth:`compute`
+    runs the op's weight-gradient GEMMs into the zeroed ``buffer``, then adds ``buffer[i]``
+    into ``main_grads[i]``."""
+
+    deferred: Any
+    buffer: Tensor
+    main_grads: list[Tensor]
+
+    @property
+    def ready(self) -> bool:
+        return self.deferred.ready
+
+    def compute(self) -> None:
+        self.deferred.compute()  # None: accumulated into buffer
+        torch._foreach_add_(self.main_grads, list(self.buffer.unbind(0)))
 
 
 def _convert_layout(

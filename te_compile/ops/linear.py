@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from te_compile._checks import check_bool, check_callable, check_device
 from te_compile.distributed.tensor_parallel import TensorParallel, set_parallel_attributes
+from te_compile.functional.grouped_gemm import checked_splits
 from te_compile.ops.op import BasicOperation, FusibleOperation, OpOutput, check_input
 from te_compile.quantization import fp8_gemm, gemm, primary
 from te_compile.quantization.te_extra_state import accept_te_extra_state
@@ -317,6 +318,17 @@ class GroupedLinear(BasicOperation):
     as data (``te::grouped_linear``): rowwise scales under ``Float8CurrentScaling``,
     per-tensor delayed scales (``fp8_meta``) under ``DelayedScaling``; Float8BlockScaling and
     MXFP8BlockScaling are emulated (see :class:`te_compile.GroupedLinear`).
+
+    ``scale_bias=True`` (with ``bias``; Transformer Engine's, for routing probabilities): a
+    second extra input ``scales`` ``[rows]`` (one per token, the rows of ``x`` flattened) and
+    :math:`y_t = x_t W_g^\top + s_t b_g` for token ``t`` of group ``g``; the product and the sum
+    are taken in fp32 and rounded once, the bias's and the scales' gradients are
+    :math:`\sum_t s_t dy_t` and :math:`\langle dy_t, b_g \rangle` (fp32, then their dtypes).
+    ``Sequential(..., GroupedLinear(..., scale_bias=True), ...)(x, m_splits, scales)``. Without
+    ``bias`` it is off (no second input), as in Transformer Engine.
+
+    ``single_grouped_weight`` / ``single_grouped_bias``: None or True (the one layout here);
+    False, Transformer Engine's default per-group parameters, raises NotImplementedError.
     """
 
     num_extra_inputs = 1
@@ -331,7 +343,25 @@ class GroupedLinear(BasicOperation):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         init_method: Callable[[Tensor], None] | None = None,
+        scale_bias: bool = False,
+        single_grouped_weight: bool | None = None,
+        single_grouped_bias: bool | None = None,
     ) -> None:
+        check_bool("GroupedLinear", bias=bias, scale_bias=scale_bias)
+        for name, flag in (("weight", single_grouped_weight), ("bias", single_grouped_bias)):
+            if flag is not None:
+                check_bool("GroupedLinear", **{f"single_grouped_{name}": flag})
+            if flag is False:
+                raise NotImplementedError(
+                    f"GroupedLinear: single_grouped_{name}=False is not implemented: te.ops."
+                    f"GroupedLinear keeps one [num_groups, ...] {name} (Transformer Engine's "
+                    f"single_grouped_{name}=True; None means that too); for per-group "
+                    f"{name}0.. parameters use te_compile.GroupedLinear"
+                )
+        # Before BasicOperation.__init__, which sizes the extra-input channels.
+        self.scale_bias = scale_bias and bias
+        if self.scale_bias:
+            self.num_extra_inputs = 2
         super().__init__()
         _check_size(
             "GroupedLinear",
@@ -339,7 +369,6 @@ class GroupedLinear(BasicOperation):
             in_features=in_features,
             out_features=out_features,
         )
-        check_bool("GroupedLinear", bias=bias)
         dtype = _dtype("GroupedLinear", dtype)
         self.num_groups, self.in_features, self.out_features = num_groups, in_features, out_features
         check_device("GroupedLinear", "device", device)
@@ -363,21 +392,45 @@ class GroupedLinear(BasicOperation):
             self.bias.zero_()
 
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
-        (m_splits,) = extra_inputs
+        m_splits, *scales = extra_inputs
         weight, main_grad, weight_q = self.weight, None, None
         fp8 = primary.grouped_primary(self, ("weight",), x.dtype)
         if fp8 is not None:  # FP8 primary weights: the gradient goes to weight.main_grad
             weight, weight_q = fp8
             main_grad = getattr(self.weight, "main_grad", None)
             main_grad = primary.required_main_grad("GroupedLinear", main_grad, self.weight)
-        out = gemm.grouped_linear("GroupedLinear", self.fp8_meta, x, m_splits, weight, self.bias,
+        bias = None if self.scale_bias else self.bias
+        out = gemm.grouped_linear("GroupedLinear", self.fp8_meta, x, m_splits, weight, bias,
                                   main_grad, weight_quantized=weight_q)  # fmt: skip
+        if self.scale_bias:
+            out = self._add_scaled_bias(out, m_splits, scales[0])
         return out, ()
+
+    def _add_scaled_bias(self, out: Tensor, m_splits: Any, scales: Tensor) -> Tensor:
+        """``out + scales[t] * bias[g]`` per token (``scale_bias``), in fp32, rounded once."""
+        rows = out.reshape(-1, out.shape[-1])
+        if not isinstance(scales, Tensor) or not scales.is_floating_point():
+            raise TypeError(
+                f"GroupedLinear(scale_bias=True): scales must be a floating tensor, got "
+                f"{scales.dtype if isinstance(scales, Tensor) else type(scales).__name__}"
+            )
+        if scales.dim() != 1 or scales.shape[0] != rows.shape[0]:
+            raise ValueError(
+                f"GroupedLinear(scale_bias=True): scales must be [rows] = [{rows.shape[0]}] (one "
+                f"per token), got {list(scales.shape)}"
+            )
+        splits = checked_splits("GroupedLinear", m_splits, rows.shape[0], "the input's rows")
+        per_row = self.bias.repeat_interleave(
+            splits.to(self.bias.device), dim=0, output_size=rows.shape[0]
+        )
+        scaled = per_row.float() * scales.float().unsqueeze(-1)
+        return (rows.float() + scaled).to(out.dtype).reshape(out.shape)
 
     def extra_repr(self) -> str:
         return (
             f"num_groups={self.num_groups}, in_features={self.in_features}, "
             f"out_features={self.out_features}, bias={self.bias is not None}"
+            + (", scale_bias=True" if self.scale_bias else "")
         )
 
 

@@ -676,15 +676,15 @@ def grouped_linear(
     row-scaled activations (NotImplementedError); its 16x16 weight tiles, random Hadamard
     transform, stochastic rounding and 4over6 apply to each expert as to a dense GEMM. ``defer``: as
     :func:`linear`'s (``(DeferredWgrad, weight)`` appended). ``save_original_input``: the
-    backward must keep the input itself, not a quantised copy: what high precision and
-    ``Float8CurrentScaling`` (its FP8 wgrad operand quantised again in the backward) do;
-    DelayedScaling refuses it (as Transformer Engine), the block-scaled recipes, which save
-    quantised copies, do not implement it. ``cache``: the module's kept FP8 weight
-    (``is_first_microbatch``, entry ``"weight"``: all groups' ``[G, N, K]`` weight in one
-    ``functional.quantize_grouped_weight`` cast), handed to ``te::grouped_linear`` as its
-    pre-quantised weight. ``weight_quantized``: ``weight``'s pre-quantised operand (FP8 primary
-    weights, ``quantization.primary.grouped_primary``), for a per-tensor recipe's autocast
-    only."""
+    backward must keep the input itself, not a quantised copy: what high precision,
+    ``Float8CurrentScaling`` (its FP8 wgrad operand quantised again in the backward) and the
+    emulated block-scaled recipes (the input's dequantised copy made again) do; DelayedScaling
+    refuses it (as Transformer Engine), the native Float8BlockScaling GEMMs do not implement
+    it. ``cache``: the module's kept FP8 weight (``is_first_microbatch``, entry ``"weight"``:
+    all groups' ``[G, N, K]`` weight in one ``functional.quantize_grouped_weight`` cast), handed
+    to ``te::grouped_linear`` as its pre-quantised weight. ``weight_quantized``: ``weight``'s
+    pre-quantised operand (FP8 primary weights, ``quantization.primary.grouped_primary``), for a
+    per-tensor recipe's autocast only."""
     state = get_autocast_state()
     if weight_quantized is not None:
         check_primary(owner, state)
@@ -706,10 +706,11 @@ def grouped_linear(
     kw: dict[str, Any] = args.spec_kwargs()
     if save_original_input and state.enabled:
         _refuse_delayed(owner, state)
-    if save_original_input and args.recipe not in ("", "current"):
+    if save_original_input and args.recipe == "block" and not args.specs[0].emulate:
         raise NotImplementedError(
-            f"{owner}: save_original_input=True is not implemented for the {args.recipe!r} "
-            "grouped GEMMs (they save quantised copies of the input)"
+            f"{owner}: save_original_input=True is not implemented for the native "
+            "Float8BlockScaling grouped GEMMs (they save blockwise FP8 copies of the input); "
+            "build the module with save_original_input=False"
         )
     if save_original_input and args.recipe:
         kw["save_original_input"] = True

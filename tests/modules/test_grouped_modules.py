@@ -11,7 +11,14 @@ from torch import nn
 
 import te_compile as te
 from te_compile.modules import convert_glu_layout
-from tests.utils import DEVICES, assert_close, chain_roundings, compile_counted, to_reference
+from tests.utils import (
+    DEVICES,
+    assert_bits_equal,
+    assert_close,
+    chain_roundings,
+    compile_counted,
+    to_reference,
+)
 
 DTYPES = [torch.float32, torch.bfloat16]
 LAYOUTS = [False, True]
@@ -271,6 +278,177 @@ def test_fuse_wgrad_accumulation_without_main_grad_raises(single):
     m = te.GroupedLinear(2, 8, 4, single_grouped_parameter=single, fuse_wgrad_accumulation=True)
     with pytest.raises(ValueError, match=r"allocate_main_grad\(\)"):
         m(torch.randn(3, 8), [1, 2])
+
+
+def _per_weight_main_grads(m, initial):
+    """Each ``weight{i}`` its own fp32 ``main_grad`` holding ``initial[i]`` (as Transformer
+    Engine's tests and Megatron-LM's gradient buffers set them)."""
+    for i, w in enumerate(m.weights()):
+        w.main_grad = initial[i].clone()
+    return [w.main_grad for w in m.weights()]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_fuse_wgrad_accumulation_per_weight_main_grad(device, dtype, compiled):
+    """Default layout, each weight{i}.main_grad its own buffer (not allocate_main_grad's views):
+    every one receives its own expert's weight gradient, added to what it held."""
+    m = te.GroupedLinear(3, 16, 8, fuse_wgrad_accumulation=True, params_dtype=dtype,
+                         device=device)  # fmt: skip
+    _random_params(m)
+    initial = [torch.rand(8, 16, device=device) for _ in range(3)]
+    main_grads = _per_weight_main_grads(m, initial)
+    fn, counter = compile_counted(m, backend="aot_eager") if compiled else (m, None)
+    splits = [5, 0, 4]
+    x = torch.randn(9, 16, device=device, dtype=dtype, requires_grad=True)
+    dy = torch.randn(9, 8, device=device, dtype=dtype)
+    for _step in range(2):
+        fn(x, torch.tensor(splits)).backward(dy)
+    if counter is not None:
+        assert counter.frame_count == 1
+    x_rows, dy_rows = to_reference(x).split(splits), to_reference(dy).split(splits)
+    for i, (w, g) in enumerate(zip(m.weights(), main_grads, strict=True)):
+        assert w.main_grad is g and w.grad is None
+        expected = to_reference(initial[i]) + 2 * dy_rows[i].t() @ x_rows[i]
+        assert_close(g, expected, main_grad_dtype(device, dtype))
+    assert_close(_bias_grads(m), 2 * torch.stack([d.sum(0) for d in dy_rows]), dtype)
+    assert_close(x.grad, 2 * _loop_dgrad(m, dy_rows), dtype)
+
+
+def _loop_dgrad(m, dy_rows):
+    return torch.cat([d @ to_reference(w) for d, w in zip(dy_rows, m.weights(), strict=True)])
+
+
+def test_fuse_wgrad_accumulation_replaced_main_grad():
+    """After allocate_main_grad, a weight whose main_grad was replaced gets its gradient in the
+    new tensor (not in the buffer's stale view)."""
+    m = te.GroupedLinear(2, 8, 4, bias=False, fuse_wgrad_accumulation=True)
+    buffer = m.allocate_main_grad()
+    own = torch.zeros(4, 8)
+    m.weight1.main_grad = own
+    x, dy = torch.randn(5, 8), torch.randn(5, 4)
+    m(x, [2, 3]).backward(dy)
+    x_ref, dy_ref = to_reference(x), to_reference(dy)
+    assert_close(buffer[0], dy_ref[:2].t() @ x_ref[:2], torch.float32)
+    assert not buffer[1].any()
+    assert_close(own, dy_ref[2:].t() @ x_ref[2:], torch.float32)
+
+
+def test_fuse_wgrad_accumulation_per_weight_main_grad_delayed():
+    """delay_wgrad_compute=True: backward_dw() adds each expert's gradient to its own
+    main_grad (the backward leaves them untouched)."""
+    m = te.GroupedLinear(3, 8, 4, fuse_wgrad_accumulation=True, delay_wgrad_compute=True)
+    initial = [torch.rand(4, 8) for _ in range(3)]
+    main_grads = _per_weight_main_grads(m, initial)
+    splits = [2, 4, 1]
+    x, dy = torch.randn(7, 8), torch.randn(7, 4)
+    m(x, splits).backward(dy)
+    for g, g0 in zip(main_grads, initial, strict=True):
+        assert torch.equal(g, g0)
+    m.backward_dw()
+    x_rows, dy_rows = to_reference(x).split(splits), to_reference(dy).split(splits)
+    for i, (w, g) in enumerate(zip(m.weights(), main_grads, strict=True)):
+        assert w.grad is None
+        assert_close(g, to_reference(initial[i]) + dy_rows[i].t() @ x_rows[i], torch.float32)
+
+
+@pytest.mark.parametrize("recipe", ["current", "delayed", "mxfp8", "nvfp4"])
+@pytest.mark.parametrize("delay", [False, True], ids=["now", "delayed_wgrad"])
+def test_per_weight_main_grad_equals_one_buffer_under_recipes(recipe, delay):
+    """Transformer Engine's test_grouped_linear_accuracy(_save_original_input) setting: each
+    weight{i}.main_grad its own tensor, under an FP8 recipe, with delay_wgrad_compute and
+    save_original_input (not under DelayedScaling, which refuses it): bit for bit the
+    allocate_main_grad buffer's accumulation (the same op into a zeroed buffer, then added)."""
+    recipes = {
+        "current": te.recipe.Float8CurrentScaling(),
+        "delayed": te.recipe.DelayedScaling(),
+        "mxfp8": te.recipe.MXFP8BlockScaling(),
+        "nvfp4": te.recipe.NVFP4BlockScaling(),
+    }
+    kw = {
+        "fuse_wgrad_accumulation": True,
+        "delay_wgrad_compute": delay,
+        "save_original_input": recipe != "delayed",
+        "params_dtype": torch.bfloat16,
+    }
+    splits = [32, 0, 48]
+    x = torch.randn(80, 64, dtype=torch.bfloat16)
+    dy = torch.randn(80, 32, dtype=torch.bfloat16)
+    results = []
+    for own in (False, True):
+        torch.manual_seed(0)
+        m = te.GroupedLinear(3, 64, 32, **kw)
+        if own:
+            main_grads = _per_weight_main_grads(m, [torch.zeros(32, 64)] * 3)
+        else:
+            main_grads = list(m.allocate_main_grad().unbind(0))
+        torch.manual_seed(1)  # NVFP4's stochastic rounding of the gradient
+        with te.autocast(recipe=recipes[recipe]):
+            out = m(x.clone().requires_grad_(), splits)
+        out.backward(dy)
+        if delay:
+            m.backward_dw()
+        assert all(w.grad is None for w in m.weights())
+        results.append(torch.stack(main_grads))
+    assert results[1].any()
+    assert_bits_equal(results[1], results[0])
+
+
+def test_fuse_wgrad_accumulation_bad_main_grad_raises():
+    m = te.GroupedLinear(2, 8, 4, fuse_wgrad_accumulation=True)
+    m.weight0.main_grad = torch.zeros(4, 8)
+    with pytest.raises(ValueError, match=r"needs weight1\.main_grad"):
+        m(torch.randn(3, 8), [1, 2])
+    m.weight1.main_grad = torch.zeros(4, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"weight1\.main_grad must be float32"):
+        m(torch.randn(3, 8), [1, 2])
+    with torch.no_grad():  # no gradient: main_grad is not read
+        m(torch.randn(3, 8), [1, 2])
+
+
+@pytest.mark.parametrize(
+    ("use_grouped_tensor", "single"),
+    [(None, False), (False, False), (True, False), (None, True), (True, True)],
+)
+def test_use_grouped_tensor(use_grouped_tensor, single):
+    """Transformer Engine's use_grouped_tensor picks its GEMM path; here one grouped op serves
+    both, so every accepted value gives the same results (against a float64 reference)."""
+    torch.manual_seed(0)
+    m = te.GroupedLinear(3, 16, 8, single_grouped_parameter=single,
+                         use_grouped_tensor=use_grouped_tensor)  # fmt: skip
+    assert m.use_grouped_tensor is (single if use_grouped_tensor is None else use_grouped_tensor)
+    _random_params(m)
+    splits = [4, 0, 5]
+    x = torch.randn(9, 16, requires_grad=True)
+    w, b = (to_reference(t) for t in _grouped_weights(m))
+    expected = torch.cat([r @ w_g.t() + b_g for r, w_g, b_g in
+                          zip(to_reference(x).split(splits), w, b, strict=True)])  # fmt: skip
+    assert_close(m(x, splits), expected, torch.float32)
+
+
+@pytest.mark.parametrize(("weight", "bias"), [(True, True), (True, False), (False, True)])
+def test_single_layout_leaves_per_group_names_none(weight, bias):
+    """As Transformer Engine: weight{i} / bias{i} are None where the single parameter holds them
+    (not in the state_dict, not parameters)."""
+    m = te.GroupedLinear(2, 8, 4, single_grouped_weight=weight, single_grouped_bias=bias)
+    for i in range(2):
+        assert (getattr(m, f"weight{i}") is None) == weight
+        assert (getattr(m, f"bias{i}") is None) == bias
+    names = {n for n, _ in m.named_parameters()}
+    expected = ({"weight"} if weight else {"weight0", "weight1"}) | (
+        {"bias"} if bias else {"bias0", "bias1"}
+    )
+    assert names == expected and set(m.state_dict()) == expected
+
+
+def test_use_grouped_tensor_refused():
+    with pytest.raises(TypeError, match=r"^GroupedLinear: use_grouped_tensor must be a bool"):
+        te.GroupedLinear(2, 8, 4, use_grouped_tensor=1)
+    for kw in ({"single_grouped_parameter": True}, {"single_grouped_weight": True},
+               {"single_grouped_bias": True}):  # fmt: skip
+        with pytest.raises(ValueError, match=r"need use_grouped_tensor=True"):
+            te.GroupedLinear(2, 8, 4, use_grouped_tensor=False, **kw)
 
 
 BAD_GROUPED_LINEAR = [

@@ -62,8 +62,6 @@ def _run(name, recipe, main_grad, interleaved):
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("name", MODULES)
 def test_forwards_before_backwards(name, recipe, main_grad):
-    if name == "GroupedLinear" and main_grad:
-        pytest.skip("GroupedLinear takes main_grad per weight with its own layout (tested there)")
     got, got_other = _run(name, RECIPES[recipe], main_grad, interleaved=True)
     want, want_other = _run(name, RECIPES[recipe], main_grad, interleaved=False)
     if recipe == "delayed":
@@ -93,13 +91,16 @@ COMPILED = [
         ("Linear", "delayed", False),  # the delayed-scaling gradient amax alone
         ("LayerNormMLP", "delayed", False),  # te::mlp's two (with main_grad: two te::linear)
         ("GroupedLinear", "delayed", True),
+        # Each weight{i} its own main_grad (not allocate_main_grad's views of one buffer).
+        ("GroupedLinear-own", "none", True),
+        ("GroupedLinear-own", "delayed", True),
     ]
 ]
 
 
 def _module(name, main_grad, device="cpu"):
     torch.manual_seed(0)
-    m = MODULES[name](fuse_wgrad_accumulation=main_grad, device=device)
+    m = MODULES[name.removesuffix("-own")](fuse_wgrad_accumulation=main_grad, device=device)
     if main_grad and name == "GroupedLinear":  # weight{i}.main_grad = buffer[i]
         m.allocate_main_grad()
     elif main_grad:
@@ -119,7 +120,7 @@ def _schedule(m, f, name, recipe, order):
     xs = [
         torch.randn(32, H, generator=torch.Generator().manual_seed(i)).to(device) for i in range(2)
     ]
-    args = (SPLITS,) if name == "GroupedLinear" else ()
+    args = (SPLITS,) if name.startswith("GroupedLinear") else ()
     losses = {}
     for step in order:
         k = int(step[1])

@@ -15,7 +15,9 @@ from te_compile import ops
 from tests.utils import (
     DEVICES,
     assert_close,
+    assert_close_sum,
     bad_scalar_arguments,
+    compile_counted,
     make_reference_and_test_tensors,
     to_reference,
 )
@@ -232,6 +234,64 @@ def test_grouped_linear_with_m_splits_as_extra_input(dtype, device):
     assert_close(x.grad, x64.grad, dtype, reduced=True)
     assert_close(op.weight.grad, p64["weight"].grad, dtype, reduced=True)
     assert_close(op.bias.grad, p64["bias"].grad, dtype, reduced=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_grouped_linear_scale_bias(dtype, device, compiled):
+    """Transformer Engine's scale_bias: a second extra input, one scale per token, multiplies
+    its group's bias (y_t = x_t W_g^T + s_t b_g); gradients of x, W, b and the scales against
+    float64, eager and compiled (aot_eager, one graph)."""
+    op = _make(lambda: ops.GroupedLinear(3, 16, 8, scale_bias=True), dtype, device)
+    assert op.num_extra_inputs == 2 and "scale_bias=True" in repr(op)
+    seq = ops.Sequential(op)
+    fn, counter = compile_counted(seq, backend="aot_eager") if compiled else (seq, None)
+    m_splits = [3, 0, 7]
+    x64, x = make_reference_and_test_tensors((10, 16), dtype=dtype, device=device)
+    s64, s = make_reference_and_test_tensors((10,), dtype=torch.float32, device=device)
+    p64 = _params64(op)
+    y = fn(x, torch.tensor(m_splits), s)
+    if counter is not None:
+        assert counter.frame_count == 1
+    bias_rows = p64["bias"].repeat_interleave(torch.tensor(m_splits), dim=0)
+    gemm64 = _grouped(x64, m_splits, p64["weight"], torch.zeros_like(p64["bias"]))
+    y64 = gemm64 + s64.unsqueeze(-1) * bias_rows
+    # The GEMM's output is rounded, then the scaled bias added and the sum rounded: two
+    # roundings, the first relative to the GEMM's output (the sum may cancel).
+    magnitude = gemm64.abs() + (s64.unsqueeze(-1) * bias_rows).abs()
+    assert_close_sum(y, y64, dtype, magnitude.detach(), roundings=2)
+    dy = torch.randn(10, 8).to(dtype)
+    y.backward(dy.to(device))
+    y64.backward(dy.double())
+    assert_close(x.grad, x64.grad, dtype, reduced=True)
+    assert_close(op.weight.grad, p64["weight"].grad, dtype, reduced=True)
+    assert_close(op.bias.grad, p64["bias"].grad, dtype, reduced=True)
+    assert_close(s.grad, s64.grad, dtype, reduced=True)
+
+
+def test_grouped_linear_scale_bias_refusals():
+    """Without a bias scale_bias is off (one extra input), as in Transformer Engine; bad scales
+    are refused naming them."""
+    assert ops.GroupedLinear(2, 8, 4, bias=False, scale_bias=True).num_extra_inputs == 1
+    op = ops.GroupedLinear(2, 8, 4, scale_bias=True)
+    x = torch.randn(5, 8)
+    with pytest.raises(ValueError, match=r"scales must be \[rows\] = \[5\]"):
+        op(x, [2, 3], torch.ones(4))
+    with pytest.raises(TypeError, match="scales must be a floating tensor"):
+        op(x, [2, 3], torch.ones(5, dtype=torch.int64))
+    with pytest.raises(ValueError, match="scale_bias must be a bool"):
+        ops.GroupedLinear(2, 8, 4, scale_bias=1)
+
+
+def test_grouped_linear_single_grouped_flags():
+    """One [G, ...] weight and bias: Transformer Engine's single_grouped_* = True is accepted,
+    its per-group default (False) refused naming the flag."""
+    op = ops.GroupedLinear(2, 8, 4, single_grouped_weight=True, single_grouped_bias=True)
+    assert op.weight.shape == (2, 4, 8) and op.bias.shape == (2, 4)
+    for name in ("weight", "bias"):
+        with pytest.raises(NotImplementedError, match=f"single_grouped_{name}=False"):
+            ops.GroupedLinear(2, 8, 4, **{f"single_grouped_{name}": False})
 
 
 @pytest.mark.parametrize("device", DEVICES)

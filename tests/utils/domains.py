@@ -341,6 +341,7 @@ DOMAINS: dict[str, dict[str, Domain]] = {
         "single_grouped_weight": SWITCH(),
         "single_grouped_bias": SWITCH(),
         "parallel_mode": CHOICE("column", "row", None),
+        "use_grouped_tensor": Domain("a bool or None", (1, "True", 0.0)),
     },
     "te.GroupedMLP": {
         "num_experts": POS_INT(),
@@ -755,6 +756,9 @@ DOMAINS: dict[str, dict[str, Domain]] = {
         "num_groups": POS_INT(),
         "in_features": POS_INT(),
         "out_features": POS_INT(),
+        "scale_bias": SWITCH(),
+        "single_grouped_weight": Domain("True or None", ("yes", 1)),
+        "single_grouped_bias": Domain("True or None", ("yes", 1)),
     },
     "te.ops.ConstantScale": {"scale": FINITE_FLOAT()},
     "te.ops.Dropout": {"p": PROB()},
