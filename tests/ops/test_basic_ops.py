@@ -168,6 +168,17 @@ def _params64(op):
     return {name: to_reference(p) for name, p in op.named_parameters()}
 
 
+def _grouped_backward_matches(y, y64, x, x64, op, p64, dtype) -> None:
+    """The gradients of ``x`` and the op's weight and bias against float64, for one random
+    output gradient ``[10, 8]``."""
+    dy = torch.randn(10, 8).to(dtype)
+    y.backward(dy.to(y.device))
+    y64.backward(dy.double())
+    assert_close(x.grad, x64.grad, dtype, reduced=True)
+    assert_close(op.weight.grad, p64["weight"].grad, dtype, reduced=True)
+    assert_close(op.bias.grad, p64["bias"].grad, dtype, reduced=True)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
@@ -228,12 +239,7 @@ def test_grouped_linear_with_m_splits_as_extra_input(dtype, device):
     y = op(x, torch.tensor(m_splits))
     y64 = _grouped(x64, m_splits, p64["weight"], p64["bias"])
     assert_close(y, y64, dtype)
-    dy = torch.randn(10, 8).to(dtype)
-    y.backward(dy.to(device))
-    y64.backward(dy.double())
-    assert_close(x.grad, x64.grad, dtype, reduced=True)
-    assert_close(op.weight.grad, p64["weight"].grad, dtype, reduced=True)
-    assert_close(op.bias.grad, p64["bias"].grad, dtype, reduced=True)
+    _grouped_backward_matches(y, y64, x, x64, op, p64, dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -261,12 +267,7 @@ def test_grouped_linear_scale_bias(dtype, device, compiled):
     # roundings, the first relative to the GEMM's output (the sum may cancel).
     magnitude = gemm64.abs() + (s64.unsqueeze(-1) * bias_rows).abs()
     assert_close_sum(y, y64, dtype, magnitude.detach(), roundings=2)
-    dy = torch.randn(10, 8).to(dtype)
-    y.backward(dy.to(device))
-    y64.backward(dy.double())
-    assert_close(x.grad, x64.grad, dtype, reduced=True)
-    assert_close(op.weight.grad, p64["weight"].grad, dtype, reduced=True)
-    assert_close(op.bias.grad, p64["bias"].grad, dtype, reduced=True)
+    _grouped_backward_matches(y, y64, x, x64, op, p64, dtype)
     assert_close(s.grad, s64.grad, dtype, reduced=True)
 
 
