@@ -403,11 +403,11 @@ class GroupedLinear(DelayedWgrad, nn.Module):
                 m_splits,
                 weight,
                 b,
-                main_grad,
-                defer,
-                self.save_original_input,
-                cache,
-                weight_q,
+                main_grad=main_grad,
+                defer=defer,
+                save_original_input=self.save_original_input,
+                cache=cache,
+                weight_quantized=weight_q,
             )
 
         def add_expert_bias(out: Tensor, b: Tensor) -> Tensor:

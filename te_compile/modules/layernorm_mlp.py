@@ -285,9 +285,10 @@ class LayerNormMLP(DelayedWgrad, PreNorm):
             w2, g2 = _primary.primary_weight(self, "fc2_weight", inp.dtype)
             main_grads = (g1, g2)
         defer = self._wgrad_defer(w1, w2)
-        out = _gemm.mlp(owner, metas, inp, w1, b1, self.activation, w2, fc2_bias, norm,
-                        self.activation_params, main_grads, self.checkpoint, cache, wq,
-                        defer)  # fmt: skip
+        out = _gemm.mlp(owner, metas, inp, w1, b1, self.activation, w2, fc2_bias, norm=norm,
+                        activation_params=self.activation_params, main_grads=main_grads,
+                        recompute_fc1=self.checkpoint, cache=cache, weights_quantized=wq,
+                        defer=defer)  # fmt: skip
         self._wgrad_queue(defer, out)
         return out
 

@@ -401,7 +401,7 @@ class GroupedLinear(BasicOperation):
             main_grad = primary.required_main_grad("GroupedLinear", main_grad, self.weight)
         bias = None if self.scale_bias else self.bias
         out = gemm.grouped_linear("GroupedLinear", self.fp8_meta, x, m_splits, weight, bias,
-                                  main_grad, weight_quantized=weight_q)  # fmt: skip
+                                  main_grad=main_grad, weight_quantized=weight_q)  # fmt: skip
         if self.scale_bias:
             out = self._add_scaled_bias(out, m_splits, scales[0])
         return out, ()
