@@ -161,7 +161,14 @@ class DotProductAttention(nn.Module):
         core_attention_bias_type: str = "no_bias",
         core_attention_bias: Tensor | None = None,
         alibi_slopes: Tensor | None = None,
+        *,
+        fast_zero_fill: bool = True,
     ) -> Tensor:
+        # fast_zero_fill (Transformer Engine's, keyword only): TE zero-fills the padding of a
+        # padded THD layout before its kernels write the sequences; we take no padded layout
+        # (cu_seqlens_*_padded) and write every output element, so both values give the same
+        # result.
+        check_bool(_NAME, fast_zero_fill=fast_zero_fill)
         self._check_shapes(query, key, value)
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         if (

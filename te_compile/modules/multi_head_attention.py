@@ -343,11 +343,18 @@ class MultiheadAttention(nn.Module):
         cu_seqlens_kv: Tensor | None = None,
         max_seqlen_q: int | None = None,
         max_seqlen_kv: int | None = None,
+        *,
+        fast_zero_fill: bool = True,
     ) -> Tensor | tuple[Tensor, ...]:
         owner = "MultiheadAttention"
         _unsupported(owner, inference_params=inference_params)
         first = is_first_microbatch  # each projection's kept FP8 weight (Linear's forward)
-        check_bool(owner, checkpoint_core_attention=checkpoint_core_attention)
+        # fast_zero_fill (Transformer Engine's, keyword only): TE zero-fills the padding of a
+        # padded THD layout before its kernels write the sequences; we take no padded layout
+        # (cu_seqlens_*_padded) and write every output element, so both values give the same
+        # result.
+        check_bool(owner, checkpoint_core_attention=checkpoint_core_attention,
+                   fast_zero_fill=fast_zero_fill)  # fmt: skip
         check_tensor(owner, "hidden_states", hidden_states)
         if hidden_states.shape[-1] != self.hidden_size:
             raise ValueError(

@@ -473,3 +473,21 @@ def test_unsupported_forward_arguments_raise():
     x = torch.randn(2, 5, H)
     with pytest.raises(ValueError, match="inference_params"):
         layer(x, inference_params=object())
+
+
+def test_fast_zero_fill_is_checked_and_changes_nothing():
+    """Transformer Engine's forward(fast_zero_fill=...) zero-fills a padded THD layout's
+    padding, which te_compile does not take: both values give the same output; a non-bool is
+    refused naming it, in each module that takes it."""
+    torch.manual_seed(0)
+    layer = te.TransformerLayer(32, 64, 4, hidden_dropout=0.0, attention_dropout=0.0)
+    x = torch.randn(6, 2, 32)
+    torch.testing.assert_close(layer(x, fast_zero_fill=False), layer(x), rtol=0, atol=0)
+    q = torch.randn(6, 2, 4, 8)
+    for call in (
+        lambda v: layer(x, fast_zero_fill=v),
+        lambda v: layer.self_attention(x, fast_zero_fill=v),
+        lambda v: te.DotProductAttention(4, 8)(q, q, q, fast_zero_fill=v),
+    ):
+        with pytest.raises(ValueError, match="fast_zero_fill"):
+            call(1)

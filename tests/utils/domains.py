@@ -275,6 +275,7 @@ _ATTN_FORWARD = {
     "enc_dec_window_size": _WINDOW,
     "is_first_microbatch": ANY("a hint: True, False or None all valid"),
     "checkpoint_core_attention": SWITCH(),
+    "fast_zero_fill": SWITCH(),
     "inference_params": UNSUPPORTED("KV-cache inference is not implemented"),
     "rotary_pos_emb": TENSOR(),
     "core_attention_bias_type": CHOICE("no_bias", "post_scale_bias", "alibi"),
