@@ -181,8 +181,9 @@ def delayed_on_cuda(*args: object) -> str | None:
     """``kept_whole`` of the MLP family ops: DelayedScaling on CUDA stays an opaque call.
     Traced through, the backward's FP8 GEMM of the second weight's gradient fails in cuBLAS
     with CUBLAS_STATUS_NOT_SUPPORTED at the second (first delayed) step (H200, torch 2.11,
-    ``bench.diag.diag_delayed_traced``), with 16-byte-aligned arguments. The linear family is
-    traced through under delayed scaling: its compiled steps match eager bit for bit there."""
+    ``bench.diag.diag_delayed_traced``; the failing call's arguments not yet inspected). The
+    linear family is traced through under delayed scaling: its compiled steps match eager bit
+    for bit there."""
     first = next((a for a in args if isinstance(a, Tensor)), None)
     delayed = any(isinstance(a, str) and a.startswith("delayed") for a in args)
     if delayed and first is not None and first.device.type == "cuda":
