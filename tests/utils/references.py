@@ -371,59 +371,54 @@ def nvfp4_global(amax):
         return min(np.float32(2688.0) / amax, np.finfo(np.float32).max)
 
 
+def _nvfp4_block(block, g):
+    """One NVFP4 block (numpy fp32, any shape; its amax finite) under global scale ``g``, in
+    Transformer Engine's order of fp32 operations: (E4M3 scale code, its value, E2M1 magnitude
+    codes of ``block * encode scale``, that product in float64 for the signs)."""
+    e4m3_values, e4m3_codes = fp8_table(E4M3)
+    flt_max = np.finfo(np.float32).max
+    with np.errstate(over="ignore", divide="ignore"):
+        s_exact = min(np.abs(block).max() * (g * np.float32(1 / 6)), np.float32(448.0))
+        s_code = _nearest(np.array([s_exact], dtype=np.float64), e4m3_values, e4m3_codes)
+        s = np.float32(e4m3_values[e4m3_codes == s_code][0])
+        enc = min(np.float32(1) / (s * (np.float32(1) / g)), flt_max) if s else np.float32(0)
+        v = (block * enc).astype(np.float64)
+    mag = _nearest(v.reshape(-1), np.array(E2M1), np.arange(8, dtype=np.uint8)).reshape(v.shape)
+    return int(s_code[0]), s, mag, v
+
+
 def nvfp4_rows(x2, g):
     """NVFP4 of the rows of ``x2`` ``[M, K]`` with global scale ``g`` (np.float32), block by
-    block in Transformer Engine's order of fp32 operations: (packed bytes [M, K/2], E4M3 scale
-    bytes [M, ceil(K/16)])."""
+    block (:func:`_nvfp4_block`): (packed bytes [M, K/2], E4M3 scale bytes [M, ceil(K/16)])."""
     m, k = x2.shape
-    e4m3_values, e4m3_codes = fp8_table(E4M3)
-    e2m1_values, e2m1_codes = np.array(E2M1), np.arange(8, dtype=np.uint8)
-    flt_max = np.finfo(np.float32).max
     codes = torch.zeros(m, k, dtype=torch.uint8)
     scale = torch.zeros(m, -(-k // 16), dtype=torch.uint8)
     for i in range(m):
         for j in range(scale.shape[1]):
             block = x2[i, 16 * j : 16 * j + 16].float().numpy()
-            amax = np.abs(block).max()
-            if not np.isfinite(amax):
+            if not np.isfinite(np.abs(block).max()):
                 scale[i, j] = 0x7F  # NaN; codes stay 0
                 continue
-            with np.errstate(over="ignore", divide="ignore"):
-                s_exact = min(amax * (g * np.float32(1 / 6)), np.float32(448.0))
-                s_code = _nearest(np.array([s_exact], dtype=np.float64), e4m3_values, e4m3_codes)
-                s = np.float32(e4m3_values[e4m3_codes == s_code][0])
-                enc = min(np.float32(1) / (s * (np.float32(1) / g)), flt_max)
-                enc = enc if s else np.float32(0)
-                v = (block * enc).astype(np.float64)
-            scale[i, j] = int(s_code[0])
-            codes[i, 16 * j : 16 * j + 16] = _signed(v, _nearest(v, e2m1_values, e2m1_codes), 3)
+            scale[i, j], _, mag, v = _nvfp4_block(block, g)
+            codes[i, 16 * j : 16 * j + 16] = _signed(v, mag, 3)
     return codes[:, 0::2] | (codes[:, 1::2] << 4), scale
 
 
 def nvfp4_dequantized(x2, tile_rows=1):
     """The values NVFP4 gives ``x2`` ``[M, K]`` (float64): its global scale from the tensor's
     amax, one E4M3 scale per block of 1 x 16 (``tile_rows=1``) or 16 x 16 (``tile_rows=16``,
-    the 2-D weight tiles) elements from the block's amax, each element the nearest E2M1 value
-    of ``x * encode scale`` (ties even), decoded as ``code * scale / global``. The steps in
-    :func:`nvfp4_rows`' order of fp32 operations; no Hadamard transform, round to nearest."""
-    e4m3_values, e4m3_codes = fp8_table(E4M3)
-    e2m1 = np.array(E2M1)
+    the 2-D weight tiles) elements from the block's amax (:func:`_nvfp4_block`), decoded as
+    ``code * scale / global``; no Hadamard transform, round to nearest."""
     x = x2.float().numpy()
     g = nvfp4_global(float(np.abs(x).max()) if x.size else 0.0)
     out = np.zeros(x.shape, dtype=np.float64)
-    flt_max = np.finfo(np.float32).max
+    e2m1 = np.array(E2M1)
     for i in range(0, x.shape[0], tile_rows):
         for j in range(0, x.shape[1], 16):
-            block = x[i : i + tile_rows, j : j + 16]
-            amax = np.abs(block).max()
-            s_exact = min(amax * (g * np.float32(1 / 6)), np.float32(448.0))
-            s_code = _nearest(np.array([s_exact], dtype=np.float64), e4m3_values, e4m3_codes)
-            s = np.float32(e4m3_values[e4m3_codes == s_code][0])
-            enc = min(np.float32(1) / (s * (np.float32(1) / g)), flt_max) if s else np.float32(0)
-            v = (block * enc).astype(np.float64)
-            codes = _nearest(v.reshape(-1), e2m1, np.arange(8, dtype=np.uint8))
-            mag = e2m1[codes].reshape(v.shape)
-            out[i : i + tile_rows, j : j + 16] = np.where(np.signbit(v), -mag, mag) * (s / g)
+            _, s, mag, v = _nvfp4_block(x[i : i + tile_rows, j : j + 16], g)
+            out[i : i + tile_rows, j : j + 16] = np.where(np.signbit(v), -e2m1[mag], e2m1[mag]) * (
+                s / g
+            )
     return torch.from_numpy(out)
 
 
