@@ -349,10 +349,7 @@ class MultiheadAttention(nn.Module):
         owner = "MultiheadAttention"
         _unsupported(owner, inference_params=inference_params)
         first = is_first_microbatch  # each projection's kept FP8 weight (Linear's forward)
-        # fast_zero_fill (Transformer Engine's, keyword only): TE zero-fills the padding of a
-        # padded THD layout before its kernels write the sequences; we take no padded layout
-        # (cu_seqlens_*_padded) and write every output element, so both values give the same
-        # result.
+        # fast_zero_fill: checked only (DotProductAttention.forward says why).
         check_bool(owner, checkpoint_core_attention=checkpoint_core_attention,
                    fast_zero_fill=fast_zero_fill)  # fmt: skip
         check_tensor(owner, "hidden_states", hidden_states)

@@ -272,10 +272,7 @@ class TransformerLayer(nn.Module):
         if self.layer_type == "decoder" and encoder_output is None:
             raise ValueError("TransformerLayer: layer_type='decoder' needs encoder_output")
         owner = "TransformerLayer"
-        # fast_zero_fill (Transformer Engine's, keyword only): TE zero-fills the padding of a
-        # padded THD layout before its kernels write the sequences; we take no padded layout
-        # (cu_seqlens_*_padded) and write every output element, so both values give the same
-        # result.
+        # fast_zero_fill: checked only (DotProductAttention.forward says why).
         check_bool(owner, fast_zero_fill=fast_zero_fill)
         check_tensor(owner, "hidden_states", hidden_states)
         if self_attn_mask_type is not None or window_size is not None:
