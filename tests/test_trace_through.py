@@ -123,15 +123,18 @@ def test_compiled_block_calls_no_te_op(device, recipe):
         x.grad = x_twin.grad = None
     out, codes = run_and_get_code(_step(compiled, x, rec))
     assert len(codes) == 2, "one forward and one backward graph"
-    # Kept whole: the MLP family under delayed scaling on CUDA (functional.gemm.delayed_on_cuda).
-    kept = set()
-    if recipe == "delayed" and device == "cuda":
-        kept = {"torch.ops.te.mlp_fwd", "torch.ops.te.mlp_bwd"}
     calls = set().union(*map(_te_calls, codes))
-    assert calls == kept, "Inductor's code enters te ops through the dispatcher"
+    assert not calls, "Inductor's code enters te ops through the dispatcher"
     expected = _step(twin, x_twin, twin_rec)()
     assert_matches_eager(out, expected, roundings=4)
     assert_matches_eager(x.grad, x_twin.grad, roundings=16)
+    # The delayed-scaling state after a compiled step is eager's (a backward that reused a saved
+    # view of the scale buffer once wrote an inverse scale into it). Up to the gradients'
+    # difference: the gradient amaxes are measured on them (2% apart here on the CPU).
+    state = {n: b for n, b in model.named_buffers() if n.endswith(("scale", "amax_history"))}
+    for name, b in twin.named_buffers():
+        if name in state:
+            torch.testing.assert_close(state[name], b, rtol=0.1, atol=0, msg=name)
 
 
 def test_dynamo_graph_names_the_ops():

@@ -42,10 +42,26 @@ __all__ = [
     "delayed_scaling_update",
     "delayed_scaling_update_op",
     "delayed_scaling_update_ref",
+    "scale_copy",
 ]
 
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 FP32_MAX = torch.finfo(torch.float32).max  # an overflowing scale's value
+
+
+def scale_copy(scale: Tensor) -> Tensor:
+    """An empty ``[slots]`` fp32 tensor for a copy of the delayed scales ``scale``, one slot per
+    16 bytes (stride 4): each slot's ``[1]`` view is a valid ``torch._scaled_mm`` scale.
+
+    Why a copy, and why the stride: a compiled training step saves the gradient's scale slot
+    for its backward. AOTAutograd judges a saved tensor that the graph made free for the
+    backward to reuse (a donated buffer). A ``scale.clone()`` is not such a tensor: Inductor
+    drops the clone as a no-op and stores the update's result straight into the ``scale``
+    buffer, so the backward overwrote the state. A contiguous copy is not enough either: the
+    saved ``[1]`` view of slot 2 lies 8 bytes into its buffer, Inductor reused it for the
+    backward's inverse scale and handed that to ``_scaled_mm`` (CUBLAS_STATUS_NOT_SUPPORTED,
+    H200, torch 2.11; ``bench/diag/diag_delayed_traced.py`` shows the generated code)."""
+    return torch.empty_strided((scale.shape[0],), (4,), dtype=torch.float32, device=scale.device)
 
 
 def delayed_scaling_update_ref(
@@ -55,17 +71,19 @@ def delayed_scaling_update_ref(
     fp8_max: list[float],
     margin: int,
     amax_compute_algo: str,
-) -> None:
+) -> Tensor:
     """The update in place (see the module docstring), in plain torch: the CPU path and the
-    definition the CUDA kernel is tested against."""
+    definition the CUDA kernel is tested against. Returns a copy of the new scales."""
     history = torch.roll(amax_history, 1, dims=0)
     history[0] = amax
     window = history.amax(0) if amax_compute_algo == "max" else history[0]
     limit = torch.tensor(fp8_max, dtype=torch.float32, device=scale.device)
     new_scale = (limit / (window * (2.0**margin))).clamp(max=FP32_MAX)
     ok = (window > 0) & torch.isfinite(window)
-    scale.copy_(torch.where(ok, new_scale, scale))
+    new_scale = torch.where(ok, new_scale, scale)
+    scale.copy_(new_scale)
     amax_history.copy_(history)
+    return scale_copy(scale).copy_(new_scale)
 
 
 def _check(amax_history, scale, amax, fp8_max, margin, amax_compute_algo) -> None:
@@ -128,22 +146,27 @@ def delayed_scaling_update_op(
     fp8_max: list[float],
     margin: int,
     amax_compute_algo: str,
-) -> None:
-    """Roll the history, take the new amax, recompute the scales (module docstring)."""
+) -> Tensor:
+    """Roll the history, take the new amax, recompute the scales (module docstring); returns
+    a copy of the new scales laid out by :func:`scale_copy`: what the GEMM ops read."""
     _check(amax_history, scale, amax, fp8_max, margin, amax_compute_algo)
     if scale.device.type != "cuda":
-        delayed_scaling_update_ref(amax_history, scale, amax, fp8_max, margin, amax_compute_algo)
-        return
+        return delayed_scaling_update_ref(
+            amax_history, scale, amax, fp8_max, margin, amax_compute_algo
+        )
     from te_compile.kernels import quantize
 
+    out = scale_copy(scale)
     quantize.delayed_scaling_update(
         amax_history,
         scale,
+        out,
         amax.contiguous(),
         _limits(tuple(fp8_max), scale.device),
         margin,
         amax_compute_algo == "max",
     )
+    return out
 
 
 def _limits(fp8_max: tuple[float, ...], device: torch.device) -> Tensor:
@@ -159,6 +182,7 @@ def _limits(fp8_max: tuple[float, ...], device: torch.device) -> Tensor:
 @delayed_scaling_update_op.register_fake
 def _delayed_scaling_update_fake(amax_history, scale, amax, fp8_max, margin, algo):
     _check(amax_history, scale, amax, fp8_max, margin, algo)
+    return scale_copy(scale)
 
 
 def delayed_scaling_update(
@@ -168,7 +192,7 @@ def delayed_scaling_update(
     fp8_max: list[float],
     margin: int,
     amax_compute_algo: str,
-) -> None:
+) -> Tensor:
     """``te::delayed_scaling_update`` with its arguments' types checked by name first (the op's
     schema parser would refuse a wrong type with a RuntimeError, and turn ``True`` into 1)."""
     p = "te.delayed_scaling_update"
@@ -177,4 +201,4 @@ def delayed_scaling_update(
     check_int(p, 0, margin=margin)
     if not isinstance(amax_compute_algo, str):
         raise TypeError(f"{p}: amax_compute_algo must be a str, got {amax_compute_algo!r}")
-    delayed_scaling_update_op(amax_history, scale, amax, fp8_max, margin, amax_compute_algo)
+    return delayed_scaling_update_op(amax_history, scale, amax, fp8_max, margin, amax_compute_algo)

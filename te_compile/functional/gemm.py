@@ -102,7 +102,6 @@ __all__ = [
     "check_weight_operand",
     "check_weight_spec",
     "checked_weight_cast",
-    "delayed_on_cuda",
     "empty",
     "fp8_bytes",
     "fp8_codes",
@@ -170,25 +169,12 @@ def unpad(t2: Tensor, rows: int) -> Tensor:
 
 def scale_slots(scale: Tensor | None, recipe: str) -> tuple[Tensor | None, ...]:
     """The delayed scales of a GEMM's input, weight and gradient as ``[1]`` views of ``scale``
-    ``[3]``, or three Nones (every other kind). Views: traced code reads them (on CUDA the MLP
-    family's ops are kept whole under delayed scaling, :func:`delayed_on_cuda`)."""
+    ``[3]``, or three Nones (every other kind). Views of the copy of the scales that
+    ``te::delayed_scaling_update`` returns, never of the state buffer itself: a compiled step
+    may save them for its backward, which Inductor may then overwrite (a donated buffer)."""
     if recipe != "delayed":
         return None, None, None
     return scale[0:1], scale[1:2], scale[2:3]
-
-
-def delayed_on_cuda(*args: object) -> str | None:
-    """``kept_whole`` of the MLP family ops: DelayedScaling on CUDA stays an opaque call.
-    Traced through, the backward's FP8 GEMM of the second weight's gradient fails in cuBLAS
-    with CUBLAS_STATUS_NOT_SUPPORTED at the second (first delayed) step (H200, torch 2.11,
-    ``bench.diag.diag_delayed_traced``; the failing call's arguments not yet inspected). The
-    linear family is traced through under delayed scaling: its compiled steps match eager bit
-    for bit there."""
-    first = next((a for a in args if isinstance(a, Tensor)), None)
-    delayed = any(isinstance(a, str) and a.startswith("delayed") for a in args)
-    if delayed and first is not None and first.device.type == "cuda":
-        return "DelayedScaling on CUDA: cuBLAS refuses the traced MLP backward's FP8 wgrad GEMM"
-    return None
 
 
 def check_weight_quantized(owner: str, name: str, value: object) -> None:

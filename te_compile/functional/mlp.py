@@ -74,7 +74,6 @@ from te_compile.functional.gemm import (
     check_specs,
     check_weight_operand,
     check_weight_quantized,
-    delayed_on_cuda,
     empty,
     fp8_bytes,
     fp8_codes,
@@ -384,7 +383,7 @@ def _forward(a: _Args) -> tuple[Tensor, list[Tensor]]:
     return out.reshape(*inp.shape[:-1], w2.shape[0]), saved
 
 
-@op("mlp_fwd", kept_whole=delayed_on_cuda)
+@op("mlp_fwd")
 def mlp_fwd(
     inp: Tensor,
     fc1_weight: Tensor,
@@ -532,8 +531,7 @@ def _backward_impl(grad, saved, inp, w1, b1, w2, scale1, scale2, grad_amax1, gra
     return dinp, dw1, db1, dw2, db2, *dnorm
 
 
-@op("mlp_bwd", mutates_args=("grad_amax1", "grad_amax2", "main_grad1", "main_grad2"),
-    kept_whole=delayed_on_cuda)  # fmt: skip
+@op("mlp_bwd", mutates_args=("grad_amax1", "grad_amax2", "main_grad1", "main_grad2"))
 def mlp_bwd(
     grad: Tensor,
     saved: list[Tensor],

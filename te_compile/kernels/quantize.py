@@ -272,11 +272,13 @@ def _dequant_kernel(
 def _delayed_update_kernel(
     HIST,
     SCALE,
+    OUT,
     AMAX,
     LIMIT,
     length,
     slots,
     row_stride,
+    out_stride,
     margin_factor,
     MAX_ALGO: tl.constexpr,
     BLOCK_L: tl.constexpr,
@@ -285,7 +287,8 @@ def _delayed_update_kernel(
     """One program: ``HIST[r] <- HIST[r - 1]`` (r >= 1), ``HIST[0] <- AMAX``, then
     ``SCALE <- LIMIT / (window * margin_factor)`` where the window (max over the new history, or
     its row 0) is positive and finite; NaN anywhere in the window keeps the old scale, as torch's
-    NaN-propagating ``amax`` does in the reference."""
+    NaN-propagating ``amax`` does in the reference. ``OUT`` receives the new scales too: the copy
+    the GEMMs read (:func:`delayed_scaling_update`)."""
     # Inductor passes Python floats as fp64; Triton's own launcher as fp32.
     margin_factor = tl.cast(margin_factor, tl.float32)
     rows = tl.arange(0, BLOCK_L)[:, None]
@@ -313,6 +316,7 @@ def _delayed_update_kernel(
     tl.debug_barrier()
     tl.store(HIST + rows * row_stride + cols, new, mask=(rows < length) & in_cols)
     tl.store(SCALE + c, new_scale, mask=c < slots)
+    tl.store(OUT + c * out_stride, new_scale, mask=c < slots)
 
 
 # Launch wrappers -----------------------------------------------------------------------------
@@ -627,6 +631,7 @@ def dequantize_blockwise(
 def delayed_scaling_update(
     amax_history: Tensor,
     scale: Tensor,
+    out: Tensor,
     amax: Tensor,
     limits: Tensor,
     margin: int,
@@ -634,18 +639,21 @@ def delayed_scaling_update(
 ) -> None:
     """In place, one launch: see ``_delayed_update_kernel``. ``amax_history`` ``[len, slots]``
     with unit column stride (a leading-rows slice of a larger buffer is fine); ``scale``,
-    ``amax`` and ``limits`` (the formats' largest values) contiguous fp32 ``[slots]``."""
+    ``amax`` and ``limits`` (the formats' largest values) contiguous fp32 ``[slots]``; ``out``
+    ``[slots]`` fp32 (any stride) receives the new scales too."""
     length, slots = amax_history.shape
     if amax_history.stride(1) != 1 or not (scale.is_contiguous() and amax.is_contiguous()):
         raise ValueError("delayed_scaling_update: expects unit column stride / contiguous slots")
     launch(_delayed_update_kernel, (1,))(
         amax_history,
         scale,
+        out,
         amax,
         limits,
         length,
         slots,
         amax_history.stride(0),
+        out.stride(0),
         2.0**margin,
         MAX_ALGO=max_algo,
         BLOCK_L=triton.next_power_of_2(length),

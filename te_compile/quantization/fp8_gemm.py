@@ -142,12 +142,10 @@ class FP8GemmState(nn.Module):
         # backward op has no group); the forward amaxes were reduced when recorded.
         last = _reduce_amax(torch.cat([self.fwd_amax, self.grad_amax]), state, recipe)
         if callable(recipe.amax_compute_algo) or recipe.scaling_factor_compute_algo is not None:
-            _custom_update(history, self.scale, last, limits, recipe)
-        else:
-            torch.ops.te.delayed_scaling_update(
-                history, self.scale, last, limits, recipe.margin, recipe.amax_compute_algo
-            )
-        return self.scale.clone()
+            return _custom_update(history, self.scale, last, limits, recipe)
+        return torch.ops.te.delayed_scaling_update(
+            history, self.scale, last, limits, recipe.margin, recipe.amax_compute_algo
+        )
 
     def note_recipe(self, owner: str, recipe: object) -> None:
         """Remember ``recipe``'s class and warn, as Transformer Engine does, when it is of
@@ -204,11 +202,12 @@ _HISTORY_AMAX = {"max": lambda h: h.amax(0), "most_recent": lambda h: h[0]}
 
 def _custom_update(
     history: Tensor, scale: Tensor, last: Tensor, limits: list[float], recipe
-) -> None:
+) -> Tensor:
     """``te::delayed_scaling_update`` with the recipe's callables (``DelayedScaling``'s
     ``amax_compute_algo`` / ``scaling_factor_compute_algo``) in place of the built-in amax choice
     or scale formula, in plain torch (traced by ``torch.compile`` like any other code): roll the
-    history in, pick the amax, compute the scales."""
+    history in, pick the amax, compute the scales. Returns the new scales (the tensor copied
+    into ``scale``, not the buffer itself)."""
     old = scale.clone()
     rolled = torch.roll(history, 1, dims=0)
     rolled[0] = last
@@ -231,6 +230,7 @@ def _custom_update(
         new = div_rn(fp8_max, amax * 2.0**recipe.margin).clamp(max=FP32_MAX)
         new = torch.where(ok, new, old)
     scale.copy_(new)
+    return new
 
 
 def _drop_if_unused(module: FP8GemmState, state_dict, prefix: str, local_metadata) -> None:

@@ -49,6 +49,19 @@ def test_zero_or_non_finite_amax_keeps_the_scale(device, bad):
     assert scale[0].item() == 3.0 and scale[1].item() == E4M3_MAX / 2.0
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_returns_a_copy_of_the_new_scales_one_slot_per_16_bytes(device):
+    """The op returns the new scales in a tensor of its own (not the buffer, which the update
+    writes too), each slot 16-byte aligned: the GEMMs' ``_scaled_mm`` scale views."""
+    history, scale = torch.zeros(2, 3, device=device), torch.ones(3, device=device)
+    amax = torch.tensor([2.0, 4.0, 8.0], device=device)
+    limits = [E4M3_MAX, E4M3_MAX, E5M2_MAX]
+    out = torch.ops.te.delayed_scaling_update(history, scale, amax, limits, 0, "max")
+    assert out.tolist() == scale.tolist() == [E4M3_MAX / 2.0, E4M3_MAX / 4.0, E5M2_MAX / 8.0]
+    assert out.untyped_storage().data_ptr() != scale.untyped_storage().data_ptr()
+    assert all(out[i : i + 1].data_ptr() % 16 == 0 for i in range(3))
+
+
 # Transformer Engine's test_scale_update_numeric_scenarios: amax -> the scale from a scale of 1.
 _AMAX_CASES = {
     "zero": (0.0, 1.0),

@@ -291,7 +291,7 @@ def test_delayed_scaling_update_kernel_matches_reference(length, algo, margin):
     """The one-launch update of the delayed-scaling state equals the plain-torch definition on
     a leading-rows slice of a larger history holding zero, inf and NaN amaxes: history rows and
     scales bit for bit; an untouched row below the slice stays as it was."""
-    from te_compile.functional.fp8_scaling import delayed_scaling_update_ref
+    from te_compile.functional.fp8_scaling import delayed_scaling_update_ref, scale_copy
 
     torch.manual_seed(length + margin)
     limits = [448.0, 448.0, 57344.0]
@@ -302,11 +302,13 @@ def test_delayed_scaling_update_kernel_matches_reference(length, algo, margin):
     h_ref, s_ref = history.clone(), scale.clone()
     delayed_scaling_update_ref(h_ref[:length], s_ref, last, limits, margin, algo)
     h, s = _dev(history.clone()), _dev(scale.clone())
+    out = scale_copy(s).fill_(-1.0)
     kernels.delayed_scaling_update(
-        h[:length], s, _dev(last), _dev(torch.tensor(limits)), margin, algo == "max"
+        h[:length], s, out, _dev(last), _dev(torch.tensor(limits)), margin, algo == "max"
     )
     assert_bits_equal(h, h_ref)
     assert_bits_equal(s, s_ref)
+    assert_bits_equal(out, s_ref)  # the strided copy of the new scales
     assert not torch.equal(s_ref, scale)  # the case does change some scales
 
 

@@ -311,7 +311,9 @@ def test_fuse_wgrad_accumulation_per_weight_main_grad(device, dtype, compiled):
     for i, (w, g) in enumerate(zip(m.weights(), main_grads, strict=True)):
         assert w.main_grad is g and w.grad is None
         expected = to_reference(initial[i]) + 2 * dy_rows[i].t() @ x_rows[i]
-        assert_close(g, expected, main_grad_dtype(device, dtype))
+        # reduced: on CUDA in bf16 each dW is rounded before it is added (main_grad_dtype), an
+        # error relative to dW's terms, not to the sum, which can cancel near zero.
+        assert_close(g, expected, main_grad_dtype(device, dtype), reduced=True)
     assert_close(_bias_grads(m), 2 * torch.stack([d.sum(0) for d in dy_rows]), dtype)
     assert_close(x.grad, 2 * _loop_dgrad(m, dy_rows), dtype)
 
