@@ -664,7 +664,9 @@ def _measure_row(
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
 
     regions = compiled_regions_per_step(step) if compiled else None
-    host = harness.host_ms(step, device)
+    # One step: two FP8 steps of the h1024 stack (~1,400 launches) fill CUDA's launch queue,
+    # and the host then waits for the sleeping GPU (500 ms "host time", H200 2026-11-29).
+    host = harness.host_ms(step, device, calls=1)
     kernels = harness.kernels_per_call(step, params) if device.type == "cuda" else None
     clear_grads(params, x)
     out = forward_backward(call, x, grad, cudagraphs).detach().clone()
