@@ -1,10 +1,7 @@
-"""DelayedScaling's GEMM ops traced through by Inductor on CUDA: what breaks, where.
+"""DelayedScaling's GEMM ops traced through by Inductor on CUDA: compiled against eager.
 
-On CUDA the ``te::linear_*`` / ``te::mlp_*`` calls under DelayedScaling are kept whole
-(``functional.gemm.delayed_on_cuda``): traced through, Inductor once handed ``_scaled_mm`` a
-scale 8 bytes into a buffer (``CUBLAS_STATUS_NOT_SUPPORTED``). This runs compiled training
-steps with that rule switched off (``--traced``, the default) or on (``--kept``), and for each
-case reports:
+Runs compiled training steps of ``te.Linear`` / ``te.LayerNormMLP`` under DelayedScaling
+(autocast inside or outside the compiled region) and for each case reports:
 
 * every ``_scaled_mm`` call of the compiled code whose tensors are not 16-byte aligned (the
   extern kernel wrapped: its arguments as Inductor passes them);
@@ -13,8 +10,11 @@ case reports:
 * outputs, input gradients and the delayed-scaling state against eager, step by step;
 * the error, if a step raises.
 
+It found why cuBLAS refused the traced MLP backward (CUBLAS_STATUS_NOT_SUPPORTED): a saved
+scale view that Inductor reused (``functional.fp8_scaling.scale_copy``).
+
     python -m bench.diag.diag_delayed_traced            # CUDA
-    python -m bench.diag.diag_delayed_traced --kept
+    python -m bench.diag.diag_delayed_traced --cases mlp_1024x4096_t8192 --placements inside
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from torch._inductor.select_algorithm import extern_kernels
 import te_compile as te
 from te_compile.quantization import DelayedScaling, autocast
 
-GEMM_OPS = ("linear_fwd", "linear_bwd", "mlp_fwd", "mlp_bwd")
 CASES = {  # name: (module factory, tokens)
     "linear_64x48_t32": (
         lambda: te.Linear(64, 48, params_dtype=torch.bfloat16, device=DEVICE[0]),
@@ -143,7 +142,6 @@ def run_case(name: str, show_code: bool, inside: bool) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kept", action="store_true", help="keep the delayed calls whole")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the script")
     where = ("inside", "outside")
     parser.add_argument("--placements", nargs="+", choices=where, default=list(where),
@@ -153,12 +151,7 @@ def main() -> None:
     DEVICE[0] = args.device
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("diag_delayed_traced: needs CUDA (--device cpu: a smoke run)")
-    if not args.kept:
-        for name in GEMM_OPS:
-            family = "mlp" if name.startswith("mlp") else "linear"
-            getattr(sys.modules[f"te_compile.functional.{family}"], name).kept_whole = None
     extern_kernels._scaled_mm = _checked_scaled_mm(torch._scaled_mm)
-    print("delayed GEMM ops", "kept whole" if args.kept else "traced through")
     for name in args.cases:
         for inside in (p == "inside" for p in args.placements):
             print(f"{name}, autocast {'inside' if inside else 'outside'} the compiled region")
