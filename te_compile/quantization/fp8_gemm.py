@@ -49,7 +49,7 @@ import torch
 from torch import Tensor, nn
 
 from te_compile._numerics import div_rn
-from te_compile.functional.fp8_scaling import FP32_MAX
+from te_compile.functional.fp8_scaling import FP32_MAX, scale_copy
 from te_compile.quantization.recompute import current_scope
 from te_compile.quantization.state import AutocastState
 
@@ -206,8 +206,8 @@ def _custom_update(
     """``te::delayed_scaling_update`` with the recipe's callables (``DelayedScaling``'s
     ``amax_compute_algo`` / ``scaling_factor_compute_algo``) in place of the built-in amax choice
     or scale formula, in plain torch (traced by ``torch.compile`` like any other code): roll the
-    history in, pick the amax, compute the scales. Returns the new scales (the tensor copied
-    into ``scale``, not the buffer itself)."""
+    history in, pick the amax, compute the scales. Returns a copy of the new scales laid out
+    as the op's (``functional.fp8_scaling.scale_copy``)."""
     old = scale.clone()
     rolled = torch.roll(history, 1, dims=0)
     rolled[0] = last
@@ -230,7 +230,7 @@ def _custom_update(
         new = div_rn(fp8_max, amax * 2.0**recipe.margin).clamp(max=FP32_MAX)
         new = torch.where(ok, new, old)
     scale.copy_(new)
-    return new
+    return scale_copy(scale).copy_(new)
 
 
 def _drop_if_unused(module: FP8GemmState, state_dict, prefix: str, local_metadata) -> None:
