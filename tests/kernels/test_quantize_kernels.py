@@ -296,16 +296,20 @@ def test_software_conversion_matches_hardware_on_cuda(fp8):
 @pytest.mark.parametrize("algo", ["max", "most_recent"])
 @pytest.mark.parametrize("margin", [0, 2])
 @pytest.mark.parametrize("split", [3, 2, 1], ids=["one_amax", "fwd_grad", "1_2"])
-def test_delayed_scaling_update_kernel_matches_reference(length, algo, margin, split):
+@pytest.mark.parametrize("limits", [[448.0, 448.0, 57344.0], [448.0] * 3], ids=["hybrid", "e4m3"])
+def test_delayed_scaling_update_kernel_matches_reference(length, algo, margin, split, limits):
     """The one-launch update of the delayed-scaling state equals the plain-torch definition on
     a leading-rows slice of a larger history holding zero, inf and NaN amaxes: history rows and
     scales bit for bit; an untouched row below the slice stays as it was. The last amaxes come
     in one tensor or in two (``amax`` for the first ``split`` slots, ``amax_tail`` for the
     others: FP8GemmState's forward and gradient buffers), the limits as scalars."""
-    from te_compile.functional.fp8_scaling import delayed_scaling_update_ref, scale_copy
+    from te_compile.functional.fp8_scaling import (
+        _limit_runs,
+        delayed_scaling_update_ref,
+        scale_copy,
+    )
 
     torch.manual_seed(length + margin)
-    limits = [448.0, 448.0, 57344.0]
     history = torch.rand(20, 3) * 10
     history[2, 0], history[1, 2], history[0, 1] = float("nan"), float("inf"), 0.0
     last = torch.tensor([0.0, 3.5, 1e-37])  # 1e-37: a scale past fp32, clamped
@@ -316,7 +320,7 @@ def test_delayed_scaling_update_kernel_matches_reference(length, algo, margin, s
     out = scale_copy(s).fill_(-1.0)
     head, tail = (_dev(last), None) if split == 3 else (_dev(last[:split]), _dev(last[split:]))
     kernels.delayed_scaling_update(
-        h[:length], s, out, head, tail, (448.0, 57344.0, 2), margin, algo == "max"
+        h[:length], s, out, head, tail, _limit_runs(limits), margin, algo == "max"
     )
     assert_bits_equal(h, h_ref)
     assert_bits_equal(s, s_ref)
