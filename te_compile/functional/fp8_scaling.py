@@ -7,7 +7,9 @@ first. Per quantised tensor (slot) a module keeps, as buffers:
 * ``amax_history`` ``[amax_history_len, slots]`` fp32: the last amaxes, newest in row 0;
 * ``scale`` ``[slots]`` fp32: what the next casts multiply by;
 * the amaxes the casts of the last step measured, ``amax`` ``[slots]`` (the forward reports the
-  input/weight amaxes, the backward writes the gradient's; the module keeps them in buffers).
+  input/weight amaxes, the backward writes the gradient's; the module keeps them in two
+  buffers, which the op takes as they are: ``amax`` for the first slots, ``amax_tail`` for the
+  others).
 
 The update, run by the module at the start of each forward (so the gradient amax of the previous
 backward is included), for every slot:
@@ -19,7 +21,14 @@ backward is included), for every slot:
     \ \text{where } a > 0 \text{ and finite, else unchanged}
 
 A scale that overflows fp32 (an amax below ``fp8_max / FLT_MAX``, ~1e-36) becomes the largest
-finite fp32 value, as in Transformer Engine, never inf.
+finite fp32 value, as in Transformer Engine, never inf. ``fp8_max`` holds one format's largest
+value for the first slots and one for the others (the forward format's for input and weight,
+the backward's for the gradient), which the CUDA kernel takes as two scalars.
+
+On CUDA the whole update is one kernel launch, also inside a compiled graph: it reads the two
+amax buffers in place (a ``torch.cat`` first would be one more kernel per input) and takes the
+limits as scalars (a device tensor of them is one more kernel in a compiled graph, the copy of
+its constant).
 
 A separate op, not part of the differentiable linear ops: the differentiable ops stay pure
 (scales in, amaxes out) and the mutation of module state is one node that ``torch.compile``
@@ -71,11 +80,12 @@ def delayed_scaling_update_ref(
     fp8_max: list[float],
     margin: int,
     amax_compute_algo: str,
+    amax_tail: Tensor | None = None,
 ) -> Tensor:
     """The update in place (see the module docstring), in plain torch: the CPU path and the
     definition the CUDA kernel is tested against. Returns a copy of the new scales."""
     history = torch.roll(amax_history, 1, dims=0)
-    history[0] = amax
+    history[0] = amax if amax_tail is None else torch.cat([amax, amax_tail])
     window = history.amax(0) if amax_compute_algo == "max" else history[0]
     limit = torch.tensor(fp8_max, dtype=torch.float32, device=scale.device)
     new_scale = (limit / (window * (2.0**margin))).clamp(max=FP32_MAX)
@@ -86,16 +96,32 @@ def delayed_scaling_update_ref(
     return scale_copy(scale).copy_(new_scale)
 
 
-def _check(amax_history, scale, amax, fp8_max, margin, amax_compute_algo) -> None:
+def _limit_runs(fp8_max: list[float]) -> tuple[float, float, int] | None:
+    """``(head_max, tail_max, n_head)`` when ``fp8_max`` is ``head_max`` for its first
+    ``n_head`` slots and ``tail_max`` for the others (the kernel's scalars), else None."""
+    if not fp8_max:
+        return 1.0, 1.0, 0
+    n_head = 1
+    while n_head < len(fp8_max) and fp8_max[n_head] == fp8_max[0]:
+        n_head += 1
+    if any(m != fp8_max[-1] for m in fp8_max[n_head:]):
+        return None
+    return fp8_max[0], fp8_max[-1], n_head
+
+
+def _check(amax_history, scale, amax, fp8_max, margin, amax_compute_algo, amax_tail) -> None:
     slots = scale.shape[0] if scale.ndim == 1 else -1
+    amaxes = (amax,) if amax_tail is None else (amax, amax_tail)
     if (
         amax_history.ndim == 2
         and amax_history.shape[1] == slots
         and amax_history.shape[0] >= 1
-        and amax.shape == scale.shape
+        and all(t.ndim == 1 for t in amaxes)
+        and sum(t.shape[0] for t in amaxes) == slots
         and len(fp8_max) == slots
         and all(0 < m < math.inf for m in fp8_max)
-        and all(t.dtype is torch.float32 for t in (amax_history, scale, amax))
+        and _limit_runs(fp8_max) is not None
+        and all(t.dtype is torch.float32 for t in (amax_history, scale, *amaxes))
         and margin >= 0
         and margin is not True
         and amax_compute_algo in AMAX_COMPUTE_ALGOS
@@ -112,11 +138,17 @@ def _check(amax_history, scale, amax, fp8_max, margin, amax_compute_algo) -> Non
         raise ValueError(
             p + f"fp8_max (the formats' largest values) must be finite and > 0, got {fp8_max}"
         )
+    if len(fp8_max) == slots and _limit_runs(fp8_max) is None:
+        raise ValueError(
+            p + "fp8_max must be one format's largest value for the first slots and one for the "
+            f"others (the forward and the backward format), got {fp8_max}"
+        )
+    tail = "" if amax_tail is None else f" + {list(amax_tail.shape)} ({amax_tail.dtype})"
     raise ValueError(
         p + "expected float32 amax_history [len >= 1, slots], scale [slots], amax "
-        f"[slots] and fp8_max of length slots; got {list(amax_history.shape)}, "
-        f"{list(scale.shape)}, {list(amax.shape)}, {len(fp8_max)} "
-        f"({amax_history.dtype}, {scale.dtype}, {amax.dtype})"
+        "[slots] (or amax and amax_tail, 1-D, together [slots]) and fp8_max of length slots; "
+        f"got {list(amax_history.shape)}, {list(scale.shape)}, {list(amax.shape)}{tail}, "
+        f"{len(fp8_max)} ({amax_history.dtype}, {scale.dtype}, {amax.dtype})"
     )
 
 
@@ -132,6 +164,10 @@ def _samples(device: torch.device):
     # A tiny amax: the scale overflows fp32 and becomes its largest finite value.
     history, last_amax = torch.zeros(2, 1, device=device), torch.tensor([1e-37], device=device)
     yield SampleInput((history, torch.ones(1, device=device), last_amax, limits[:1], 0, "max"))
+    # The forward's and the backward's amaxes in their own buffers (FP8GemmState's).
+    history, scale = torch.rand(3, 3, device=device), torch.rand(3, device=device) + 0.5
+    fwd, grad = torch.rand(2, device=device), torch.rand(1, device=device)
+    yield SampleInput((history, scale, fwd, limits, 0, "max", grad))
 
 
 @op(
@@ -146,13 +182,15 @@ def delayed_scaling_update_op(
     fp8_max: list[float],
     margin: int,
     amax_compute_algo: str,
+    amax_tail: Tensor | None = None,
 ) -> Tensor:
     """Roll the history, take the new amax, recompute the scales (module docstring); returns
-    a copy of the new scales laid out by :func:`scale_copy`: what the GEMM ops read."""
-    _check(amax_history, scale, amax, fp8_max, margin, amax_compute_algo)
+    a copy of the new scales laid out by :func:`scale_copy`: what the GEMM ops read. The last
+    amaxes are ``amax`` for the first slots and ``amax_tail`` (when given) for the others."""
+    _check(amax_history, scale, amax, fp8_max, margin, amax_compute_algo, amax_tail)
     if scale.device.type != "cuda":
         return delayed_scaling_update_ref(
-            amax_history, scale, amax, fp8_max, margin, amax_compute_algo
+            amax_history, scale, amax, fp8_max, margin, amax_compute_algo, amax_tail
         )
     from te_compile.kernels import quantize
 
@@ -162,26 +200,17 @@ def delayed_scaling_update_op(
         scale,
         out,
         amax.contiguous(),
-        _limits(tuple(fp8_max), scale.device),
+        None if amax_tail is None else amax_tail.contiguous(),
+        _limit_runs(fp8_max),
         margin,
         amax_compute_algo == "max",
     )
     return out
 
 
-def _limits(fp8_max: tuple[float, ...], device: torch.device) -> Tensor:
-    """``fp8_max`` as a device tensor (``kernels.device_constant``: no host wait, no cached
-    device tensor). A fresh ``torch.tensor(..., device=cuda)`` per call is a host-to-device
-    copy that waits for the GPU, which left the GPU idle in every delayed-scaling forward (H100,
-    2026-11-22); the device tensor cached since then broke CUDA graphs."""
-    from te_compile.kernels import device_constant
-
-    return device_constant(fp8_max, torch.float32, device)
-
-
 @delayed_scaling_update_op.register_fake
-def _delayed_scaling_update_fake(amax_history, scale, amax, fp8_max, margin, algo):
-    _check(amax_history, scale, amax, fp8_max, margin, algo)
+def _delayed_scaling_update_fake(amax_history, scale, amax, fp8_max, margin, algo, amax_tail=None):
+    _check(amax_history, scale, amax, fp8_max, margin, algo, amax_tail)
     return scale_copy(scale)
 
 
@@ -192,13 +221,18 @@ def delayed_scaling_update(
     fp8_max: list[float],
     margin: int,
     amax_compute_algo: str,
+    amax_tail: Tensor | None = None,
 ) -> Tensor:
     """``te::delayed_scaling_update`` with its arguments' types checked by name first (the op's
     schema parser would refuse a wrong type with a RuntimeError, and turn ``True`` into 1)."""
     p = "te.delayed_scaling_update"
     for name, t in (("amax_history", amax_history), ("scale", scale), ("amax", amax)):
         check_tensor(p, name, t, min_dim=0)
+    if amax_tail is not None:
+        check_tensor(p, "amax_tail", amax_tail, min_dim=0)
     check_int(p, 0, margin=margin)
     if not isinstance(amax_compute_algo, str):
         raise TypeError(f"{p}: amax_compute_algo must be a str, got {amax_compute_algo!r}")
-    return delayed_scaling_update_op(amax_history, scale, amax, fp8_max, margin, amax_compute_algo)
+    return delayed_scaling_update_op(
+        amax_history, scale, amax, fp8_max, margin, amax_compute_algo, amax_tail
+    )

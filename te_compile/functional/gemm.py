@@ -392,6 +392,10 @@ def _quantize_per_tensor(spec, x2, scale, columnwise, mn_major, sums, rng_state)
     same codes."""
     if scale is None:
         data, data_t, scale_inv, amax = quantize_current.eager(x2, spec.fp8_dtype, columnwise)
+    elif x2.is_cuda:  # the cast writes 1 / scale too: no reciprocal kernel in a compiled graph
+        from te_compile.kernels.quantize import quantize_tensorwise as cast
+
+        data, data_t, scale_inv, amax = cast(x2, scale, spec.fp8_dtype, columnwise)
     else:
         data, data_t, amax = quantize_tensorwise.eager(x2, scale, spec.fp8_dtype, columnwise)
         scale_inv = reciprocal_rn(scale)

@@ -478,7 +478,8 @@ def _quantize_tensorwise_cuda(
 ) -> tuple[Tensor, Tensor, Tensor]:
     _check_x("quantize_tensorwise", x, fp8_dtype)
     _check_per_tensor_scale("quantize_tensorwise", "scale", scale, x)
-    return _kernels().quantize_tensorwise(x, scale, fp8_dtype, columnwise)
+    data, data_t, _, amax = _kernels().quantize_tensorwise(x, scale, fp8_dtype, columnwise)
+    return data, data_t, amax
 
 
 @op("quantize_current", sample_inputs=_current_samples)

@@ -305,8 +305,8 @@ def _act_cast_kernel(
     COLUMNWISE: tl.constexpr, EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """``_cast_kernel`` of ``kernels.quantize`` with the activation as its load. ``FROM_AMAX``:
-    current scaling (the scale from ``AMAX_BITS``; program (0, 0) writes ``SCALE_INV``); else
-    ``SCALE`` is given and the tile's amax (and, with ``DBIAS``, its column sums) are folded.
+    current scaling (the scale from ``AMAX_BITS``); else ``SCALE`` is given and the tile's amax
+    (and, with ``DBIAS``, its column sums) are folded. Program (0, 0) writes ``SCALE_INV``.
     The gated backward casts both halves of ``dz`` (``[M_OUT, 2N]``) from one read."""
     # Inductor passes Python floats as fp64; Triton's own launcher as fp32.
     fp8_max = tl.cast(fp8_max, tl.float32)
@@ -516,8 +516,6 @@ def _per_tensor(
         COLUMNWISE=columnwise,
         **common,
     )
-    if scale is not None:
-        scale_inv = scale.reshape(1).reciprocal()
     db = part.sum(0).to(bias.dtype) if dbias else None
     return data, data_t, scale_inv, amax.view(torch.float32), db
 

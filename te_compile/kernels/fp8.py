@@ -163,17 +163,19 @@ def tile_scale(
     SCALE, AMAX_BITS, SCALE_INV, x, first, fp8_max, eps, FROM_AMAX: tl.constexpr,
     POW2: tl.constexpr,
 ):  # fmt: skip
-    """The per-tensor scale a cast tile ``x`` uses. ``FROM_AMAX`` (current scaling): from the
-    tensor's amax in ``AMAX_BITS``, and the ``first`` program writes ``SCALE_INV``; otherwise
-    (delayed scaling) ``SCALE`` as given, and the tile's amax is folded into ``AMAX_BITS``."""
+    """The per-tensor scale a cast tile ``x`` uses, and the ``first`` program writes its inverse
+    into ``SCALE_INV``. ``FROM_AMAX`` (current scaling): from the tensor's amax in
+    ``AMAX_BITS``; otherwise (delayed scaling) ``SCALE`` as given, and the tile's amax is folded
+    into ``AMAX_BITS`` (the inverse written here spares a compiled graph one reciprocal kernel
+    per operand)."""
     if FROM_AMAX:
         amax = tl.load(AMAX_BITS).to(tl.float32, bitcast=True)
         scale = scale_from_amax(amax, fp8_max, eps, POW2)
-        if first:
-            tl.store(SCALE_INV, tl.math.div_rn(1.0, scale))
     else:
         scale = tl.load(SCALE)
         tl.atomic_max(AMAX_BITS, tl.max(tl.max(abs_bits(x), axis=1), axis=0))
+    if first:
+        tl.store(SCALE_INV, tl.math.div_rn(1.0, scale))
     return scale
 
 

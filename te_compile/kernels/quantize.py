@@ -30,8 +30,9 @@ Kernels:
 * ``_cast_kernel``: per-tensor cast of one ``BLOCK_M x BLOCK_K`` tile per program: ``data``,
   and with ``COLUMNWISE`` the transposed tile into ``data_t`` (``[K, M]``) from the same
   registers, so ``x`` is read once. Delayed scaling loads the given scale and folds the tile's
-  amax into the amax output (one pass); current scaling loads the amax of ``_amax_kernel``,
-  derives the scale in every program and program (0, 0) writes ``scale_inv`` (a second pass).
+  amax into the amax output (one pass); current scaling loads the amax of ``_amax_kernel`` and
+  derives the scale in every program (a second pass). Program (0, 0) writes ``scale_inv``
+  either way.
 * ``_block_kernel``: blockwise cast of one tile of 128 columns per program, ``BLOCK_M`` rows
   (128 for 128x128 blocks and whenever the columnwise copy is made). Block amaxes are reduced in
   registers: per row for 1x128 blocks (and per column for the columnwise 1x128 copy of
@@ -40,8 +41,9 @@ Kernels:
 * ``_dequant_kernel``: ``fp32(q) * scale_inv`` (one per tensor, or per block) to ``out_dtype``,
   saturating at its largest finite value.
 * ``_delayed_update_kernel``: delayed scaling's state update (``te::delayed_scaling_update``):
-  roll the ``[len, slots]`` amax history by one row, insert the last amaxes, recompute the
-  scales, in one program and one launch (the plain-torch version is ~8 tiny kernels).
+  roll the ``[len, slots]`` amax history by one row, insert the last amaxes (read from the
+  forward's and the backward's buffers in place), recompute the scales (format limits as
+  scalars), in one program and one launch (the plain-torch version is ~8 tiny kernels).
 
 Storage: fp8 outputs and inputs cross the kernel boundary as their ``torch.uint8`` bit pattern
 (``tensor.view(torch.uint8)``). On CUDA the conversion is the hardware's (``cvt.rn.satfinite``,
@@ -64,6 +66,7 @@ import triton.language as tl
 from torch import Tensor
 
 from te_compile import _csrc
+from te_compile._numerics import reciprocal_rn
 from te_compile.kernels import aligned16, launch, programs_per_sm, tracing
 from te_compile.kernels.fp8 import (
     BLOCK,
@@ -133,8 +136,8 @@ def _cast_kernel(
     BLOCK_K: tl.constexpr,
 ):
     """Per-tensor cast of one tile. ``FROM_AMAX`` (current scaling): the scale comes from the
-    amax in ``AMAX_BITS`` and program (0, 0) writes ``SCALE_INV``; otherwise (delayed scaling)
-    ``SCALE`` is given and the tile's amax is folded into ``AMAX_BITS``."""
+    amax in ``AMAX_BITS``; otherwise (delayed scaling) ``SCALE`` is given and the tile's amax is
+    folded into ``AMAX_BITS``. Program (0, 0) writes ``SCALE_INV``."""
     # Inductor passes Python floats as fp64; Triton's own launcher as fp32.
     fp8_max = tl.cast(fp8_max, tl.float32)
     eps = tl.cast(eps, tl.float32)
@@ -274,9 +277,13 @@ def _delayed_update_kernel(
     SCALE,
     OUT,
     AMAX,
-    LIMIT,
+    AMAX_TAIL,
     length,
     slots,
+    n_amax,
+    n_head,
+    head_max,
+    tail_max,
     row_stride,
     out_stride,
     margin_factor,
@@ -284,20 +291,27 @@ def _delayed_update_kernel(
     BLOCK_L: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
-    """One program: ``HIST[r] <- HIST[r - 1]`` (r >= 1), ``HIST[0] <- AMAX``, then
-    ``SCALE <- LIMIT / (window * margin_factor)`` where the window (max over the new history, or
+    """One program: ``HIST[r] <- HIST[r - 1]`` (r >= 1), ``HIST[0] <- last``, then
+    ``SCALE <- limit / (window * margin_factor)`` where the window (max over the new history, or
     its row 0) is positive and finite; NaN anywhere in the window keeps the old scale, as torch's
-    NaN-propagating ``amax`` does in the reference. ``OUT`` receives the new scales too: the copy
-    the GEMMs read (:func:`delayed_scaling_update`)."""
+    NaN-propagating ``amax`` does in the reference. ``last``: ``AMAX`` for the first ``n_amax``
+    slots, ``AMAX_TAIL`` for the others (two buffers read in place: no concatenation first);
+    ``limit``: ``head_max`` for the first ``n_head`` slots, ``tail_max`` for the others (scalars:
+    no device tensor). ``OUT`` receives the new scales too: the copy the GEMMs read
+    (:func:`delayed_scaling_update`)."""
     # Inductor passes Python floats as fp64; Triton's own launcher as fp32.
     margin_factor = tl.cast(margin_factor, tl.float32)
+    head_max = tl.cast(head_max, tl.float32)
+    tail_max = tl.cast(tail_max, tl.float32)
     rows = tl.arange(0, BLOCK_L)[:, None]
     cols = tl.arange(0, BLOCK_S)[None, :]
     in_cols = cols < slots
     shifted = (rows >= 1) & (rows < length) & in_cols
     old = tl.load(HIST + (rows - 1) * row_stride + cols, mask=shifted, other=0.0)
-    last = tl.load(AMAX + cols, mask=in_cols, other=0.0)
-    new = tl.where(rows == 0, last, old)
+    head = tl.load(AMAX + cols, mask=cols < n_amax, other=0.0)
+    tail = tl.load(AMAX_TAIL + tl.maximum(cols - n_amax, 0), mask=in_cols & (cols >= n_amax),
+                   other=0.0)  # fmt: skip
+    new = tl.where(rows == 0, tl.where(cols < n_amax, head, tail), old)
     if MAX_ALGO:
         live = (rows < length) & in_cols
         window = tl.max(tl.where(live, new, 0.0), axis=0)
@@ -306,7 +320,7 @@ def _delayed_update_kernel(
     else:  # row 0 alone (a sum of one value per column: NaN and inf pass through)
         window = tl.sum(tl.where(rows == 0, new, 0.0), axis=0)
     c = tl.arange(0, BLOCK_S)
-    limit = tl.load(LIMIT + c, mask=c < slots, other=1.0)
+    limit = tl.where(c < n_head, head_max, tail_max)
     old_scale = tl.load(SCALE + c, mask=c < slots, other=1.0)
     ok = (window > 0) & (window < float("inf"))  # False for NaN
     # An overflowing scale (a tiny amax) is fp32's largest finite value, as in the reference.
@@ -388,34 +402,39 @@ def quantize_tensorwise(
     columnwise: bool,
     *,
     config: QuantizeLaunchConfig | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Delayed scaling: ``(data, data_t, amax)`` from one read of ``x`` (see the op)."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Delayed scaling: ``(data, data_t, scale_inv, amax)`` from one read of ``x`` (see the
+    op; ``scale_inv``: ``1 / scale`` correctly rounded, written by the cast, ``reciprocal_rn``'s
+    value; for an empty ``x`` computed by that function)."""
     cfg = config or DEFAULT_CONFIG
     x2, m, k = as_rows(x)
     data = torch.empty(x.shape, device=x.device, dtype=fp8_dtype)
     data_t = _transposed(x, m, k, fp8_dtype, columnwise)
     bits = amax_bits(x.device)
-    if m * k:
-        launch(_cast_kernel, grid_2d(m, k, cfg.block_m, cfg.block_k))(
-            x2,
-            scale.reshape(1).contiguous(),
-            bits,
-            uint8_view(data),
-            uint8_view(data_t),
-            bits,  # SCALE_INV: unused
-            m,
-            k,
-            FORMATS[fp8_dtype].max,
-            0.0,
-            **cast_args(fp8_dtype, software_convert(x.device, cfg), x.dtype),
-            FROM_AMAX=False,
-            POW2=False,
-            COLUMNWISE=columnwise,
-            BLOCK_M=cfg.block_m,
-            BLOCK_K=cfg.block_k,
-            num_warps=cfg.num_warps,
-        )
-    return data, data_t, bits.view(torch.float32)
+    scale = scale.reshape(1).contiguous()
+    if not m * k:
+        return data, data_t, reciprocal_rn(scale), bits.view(torch.float32)
+    scale_inv = torch.empty(1, device=x.device, dtype=torch.float32)
+    launch(_cast_kernel, grid_2d(m, k, cfg.block_m, cfg.block_k))(
+        x2,
+        scale,
+        bits,
+        uint8_view(data),
+        uint8_view(data_t),
+        scale_inv,
+        m,
+        k,
+        FORMATS[fp8_dtype].max,
+        0.0,
+        **cast_args(fp8_dtype, software_convert(x.device, cfg), x.dtype),
+        FROM_AMAX=False,
+        POW2=False,
+        COLUMNWISE=columnwise,
+        BLOCK_M=cfg.block_m,
+        BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps,
+    )
+    return data, data_t, scale_inv, bits.view(torch.float32)
 
 
 def quantize_current(
@@ -633,25 +652,34 @@ def delayed_scaling_update(
     scale: Tensor,
     out: Tensor,
     amax: Tensor,
-    limits: Tensor,
+    amax_tail: Tensor | None,
+    limits: tuple[float, float, int],
     margin: int,
     max_algo: bool,
 ) -> None:
     """In place, one launch: see ``_delayed_update_kernel``. ``amax_history`` ``[len, slots]``
-    with unit column stride (a leading-rows slice of a larger buffer is fine); ``scale``,
-    ``amax`` and ``limits`` (the formats' largest values) contiguous fp32 ``[slots]``; ``out``
-    ``[slots]`` fp32 (any stride) receives the new scales too."""
+    with unit column stride (a leading-rows slice of a larger buffer is fine); ``scale``
+    contiguous fp32 ``[slots]``; the last amaxes ``amax`` (contiguous fp32, the first slots)
+    and ``amax_tail`` (the others; None: ``amax`` holds all); ``limits``: ``(head_max,
+    tail_max, n_head)``, the first ``n_head`` slots' format's largest value and the others';
+    ``out`` ``[slots]`` fp32 (any stride) receives the new scales too."""
     length, slots = amax_history.shape
-    if amax_history.stride(1) != 1 or not (scale.is_contiguous() and amax.is_contiguous()):
+    tail = amax if amax_tail is None else amax_tail
+    if amax_history.stride(1) != 1 or not all(t.is_contiguous() for t in (scale, amax, tail)):
         raise ValueError("delayed_scaling_update: expects unit column stride / contiguous slots")
+    head_max, tail_max, n_head = limits
     launch(_delayed_update_kernel, (1,))(
         amax_history,
         scale,
         out,
         amax,
-        limits,
+        tail,
         length,
         slots,
+        amax.numel(),
+        n_head,
+        head_max,
+        tail_max,
         amax_history.stride(0),
         out.stride(0),
         2.0**margin,

@@ -138,13 +138,16 @@ class FP8GemmState(nn.Module):
         fmt = recipe.fp8_format
         limits = [fmt.max_fwd, fmt.max_fwd, fmt.max_bwd]
         history = self.amax_history[:length]
-        # The gradient amax of the last backward is reduced here, when it is folded in (the
-        # backward op has no group); the forward amaxes were reduced when recorded.
-        last = _reduce_amax(torch.cat([self.fwd_amax, self.grad_amax]), state, recipe)
+        fwd, grad = self.fwd_amax, self.grad_amax
+        if _amax_group(state, recipe) is not None:
+            # The gradient amax of the last backward is reduced here, when it is folded in (the
+            # backward op has no group); the forward amaxes were reduced when recorded.
+            fwd, grad = _reduce_amax(torch.cat([fwd, grad]), state, recipe).split([2, 1])
         if callable(recipe.amax_compute_algo) or recipe.scaling_factor_compute_algo is not None:
-            return _custom_update(history, self.scale, last, limits, recipe)
+            return _custom_update(history, self.scale, torch.cat([fwd, grad]), limits, recipe)
+        # The two buffers as they are: the update's one kernel reads both (no cat first).
         return torch.ops.te.delayed_scaling_update(
-            history, self.scale, last, limits, recipe.margin, recipe.amax_compute_algo
+            history, self.scale, fwd, limits, recipe.margin, recipe.amax_compute_algo, grad
         )
 
     def note_recipe(self, owner: str, recipe: object) -> None:
@@ -239,13 +242,19 @@ def _drop_if_unused(module: FP8GemmState, state_dict, prefix: str, local_metadat
             state_dict.pop(prefix + name, None)
 
 
+def _amax_group(state: AutocastState, recipe):
+    """The group amaxes are max-reduced over, or None (no reduction)."""
+    group = state.amax_reduction_group
+    if group is None and recipe.reduce_amax and torch.distributed.is_initialized():
+        return torch.distributed.group.WORLD
+    return group
+
+
 def _reduce_amax(amax: Tensor, state: AutocastState, recipe) -> Tensor:
     """Max over the amax reduction group (functional collective: traced by torch.compile)."""
-    group = state.amax_reduction_group
+    group = _amax_group(state, recipe)
     if group is None:
-        if not (recipe.reduce_amax and torch.distributed.is_initialized()):
-            return amax
-        group = torch.distributed.group.WORLD
+        return amax
     import torch.distributed._functional_collectives as funcol
 
     return funcol.all_reduce(amax, "max", group)

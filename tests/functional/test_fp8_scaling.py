@@ -129,15 +129,37 @@ def test_bad_arguments(kwargs, match):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_limits_are_made_per_call_from_a_host_copy(device):
-    """The format limits the update kernel reads (``kernels.device_constant``): the values on
-    the device; on CUDA a fresh tensor per call (copied from pinned memory), never one cached
-    device tensor, which a CUDA graph's memory pool would hold untracked."""
-    from te_compile.functional.fp8_scaling import _limits
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_amax_in_two_buffers_is_the_concatenated_update(device, algo):
+    """``amax`` for the first slots and ``amax_tail`` for the others (FP8GemmState's forward and
+    gradient buffers, read in place) update the state exactly as their concatenation does."""
+    torch.manual_seed(0)
+    history, scale = torch.rand(4, 3, device=device) * 10, torch.rand(3, device=device) + 0.5
+    fwd, grad = torch.tensor([0.0, 3.5], device=device), torch.tensor([7.0], device=device)
+    limits = [E4M3_MAX, E4M3_MAX, E5M2_MAX]
+    h1, s1, h2, s2 = history.clone(), scale.clone(), history.clone(), scale.clone()
+    out1 = torch.ops.te.delayed_scaling_update(h1, s1, torch.cat([fwd, grad]), limits, 1, algo)
+    out2 = torch.ops.te.delayed_scaling_update(h2, s2, fwd, limits, 1, algo, grad)
+    for a, b in ((h1, h2), (s1, s2), (out1, out2)):
+        assert torch.equal(a, b)
+    assert out2.stride() == (4,)
 
-    dev = torch.device(device)
-    a, b = _limits((448.0, 448.0, 57344.0), dev), _limits((448.0, 448.0, 57344.0), dev)
-    assert a.device.type == dev.type and a.dtype is torch.float32
-    assert a.tolist() == [448.0, 448.0, 57344.0] and torch.equal(a, b)
-    if dev.type == "cuda":
-        assert a.data_ptr() != b.data_ptr()  # two live allocations, not one cached tensor
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"limits": [E4M3_MAX, E5M2_MAX, E4M3_MAX]}, "one format's largest value for the first"),
+        ({"tail": torch.zeros(2)}, r"amax and amax_tail, 1-D, together \[slots\]"),
+        ({"tail": torch.zeros(1, 1)}, r"amax and amax_tail, 1-D, together \[slots\]"),
+        ({"tail": torch.zeros(1, dtype=torch.float64)}, "expected float32"),
+    ],
+)
+def test_bad_amax_tail_or_limit_runs(kwargs, match):
+    """The limits are two runs (the kernel takes them as two scalars); ``amax`` and
+    ``amax_tail`` together give one amax per slot."""
+    args = {"limits": [E4M3_MAX, E4M3_MAX, E5M2_MAX], "tail": torch.zeros(1), **kwargs}
+    with pytest.raises(ValueError, match=match):
+        torch.ops.te.delayed_scaling_update(
+            torch.zeros(2, 3), torch.ones(3), torch.zeros(2), args["limits"], 0, "max",
+            args["tail"],
+        )  # fmt: skip

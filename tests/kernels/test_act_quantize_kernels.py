@@ -51,7 +51,7 @@ def _unfused(z, bias, grad, act, fp8, scale, rows):
     if scale is None:
         data, data_t, scale_inv, amax = quantize.quantize_current(v, fp8, True)
     else:
-        data, data_t, amax = quantize.quantize_tensorwise(v, scale, fp8, True)
+        data, data_t, _, amax = quantize.quantize_tensorwise(v, scale, fp8, True)
         scale_inv = scale.reciprocal()
     return (data, data_t, scale_inv, amax), dbias
 
@@ -246,7 +246,7 @@ def test_norm_quantize_matches_unfused_kernels(
     if s is None:
         expected = quantize.quantize_current(y, E4M3, True)
     else:
-        data, data_t, amax = quantize.quantize_tensorwise(y, s, E4M3, True)
+        data, data_t, _, amax = quantize.quantize_tensorwise(y, s, E4M3, True)
         expected = (data, data_t, s.reciprocal(), amax)
     *actual, a_mean, a_rsigma = act_q.norm_quantize(
         x, w, b, normalization, 1e-5, zcg, E4M3, s, m_out, config=config

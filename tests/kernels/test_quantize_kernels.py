@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from te_compile._numerics import reciprocal_rn
 from te_compile.functional import quantize as Q
 from te_compile.kernels import e5m2_to_e4m3_table
 from tests.utils import TRITON_DEVICE, assert_bits_equal, requires_cuda, requires_triton
@@ -52,6 +53,13 @@ def _dev(t):
     return t.to(TRITON_DEVICE)
 
 
+def _tensorwise_ref(x, scale, fp8, columnwise):
+    """What ``kernels.quantize_tensorwise`` returns: the op's reference ``(data, data_t, amax)``
+    with the inverse scale the cast writes, ``1 / scale`` correctly rounded, before the amax."""
+    data, data_t, amax = Q.quantize_tensorwise_ref(x, scale, fp8, columnwise)
+    return data, data_t, reciprocal_rn(scale), amax
+
+
 def _special_values(fp8):
     """Every finite fp8 value, the midpoints between neighbours and the fp32 values one ulp
     either side of them (ties and near-ties of round-to-nearest-even, carries into the exponent,
@@ -76,7 +84,7 @@ def test_fp8_conversion_every_code_and_tie(fp8):
     x = _special_values(fp8)
     one = torch.ones(1)
     actual = kernels.quantize_tensorwise(_dev(x), _dev(one), fp8, True)
-    _assert_all_equal(actual, Q.quantize_tensorwise_ref(x, one, fp8, True))
+    _assert_all_equal(actual, _tensorwise_ref(x, one, fp8, True))
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -104,7 +112,7 @@ def test_tensorwise(shape, fp8, dtype, config):
     scale = torch.tensor([8.0])
     for columnwise in (False, True):
         actual = kernels.quantize_tensorwise(_dev(x), _dev(scale), fp8, columnwise, config=config)
-        _assert_all_equal(actual, Q.quantize_tensorwise_ref(x, scale, fp8, columnwise))
+        _assert_all_equal(actual, _tensorwise_ref(x, scale, fp8, columnwise))
 
 
 @pytest.mark.parametrize("pow2, eps", [(False, 0.0), (True, 0.0), (True, 2.0**-4)], ids=str)
@@ -129,7 +137,7 @@ def test_special_values_per_tensor(fp8):
     tiny = torch.full((3, 40), 1e-44)
     for t in (x, x_inf, tiny, torch.zeros(3, 40)):
         actual = kernels.quantize_tensorwise(_dev(t), _dev(scale), fp8, True, config=SMALL)
-        _assert_all_equal(actual, Q.quantize_tensorwise_ref(t, scale, fp8, True))
+        _assert_all_equal(actual, _tensorwise_ref(t, scale, fp8, True))
         for pow2 in (False, True):
             actual = kernels.quantize_current(_dev(t), fp8, True, 0.0, pow2, config=SMALL)
             _assert_all_equal(actual, Q.quantize_current_ref(t, fp8, True, 0.0, pow2))
@@ -287,14 +295,21 @@ def test_software_conversion_matches_hardware_on_cuda(fp8):
 @pytest.mark.parametrize("length", [1, 3, 16])
 @pytest.mark.parametrize("algo", ["max", "most_recent"])
 @pytest.mark.parametrize("margin", [0, 2])
-def test_delayed_scaling_update_kernel_matches_reference(length, algo, margin):
+@pytest.mark.parametrize("split", [3, 2, 1], ids=["one_amax", "fwd_grad", "1_2"])
+@pytest.mark.parametrize("limits", [[448.0, 448.0, 57344.0], [448.0] * 3], ids=["hybrid", "e4m3"])
+def test_delayed_scaling_update_kernel_matches_reference(length, algo, margin, split, limits):
     """The one-launch update of the delayed-scaling state equals the plain-torch definition on
     a leading-rows slice of a larger history holding zero, inf and NaN amaxes: history rows and
-    scales bit for bit; an untouched row below the slice stays as it was."""
-    from te_compile.functional.fp8_scaling import delayed_scaling_update_ref, scale_copy
+    scales bit for bit; an untouched row below the slice stays as it was. The last amaxes come
+    in one tensor or in two (``amax`` for the first ``split`` slots, ``amax_tail`` for the
+    others: FP8GemmState's forward and gradient buffers), the limits as scalars."""
+    from te_compile.functional.fp8_scaling import (
+        _limit_runs,
+        delayed_scaling_update_ref,
+        scale_copy,
+    )
 
     torch.manual_seed(length + margin)
-    limits = [448.0, 448.0, 57344.0]
     history = torch.rand(20, 3) * 10
     history[2, 0], history[1, 2], history[0, 1] = float("nan"), float("inf"), 0.0
     last = torch.tensor([0.0, 3.5, 1e-37])  # 1e-37: a scale past fp32, clamped
@@ -303,8 +318,9 @@ def test_delayed_scaling_update_kernel_matches_reference(length, algo, margin):
     delayed_scaling_update_ref(h_ref[:length], s_ref, last, limits, margin, algo)
     h, s = _dev(history.clone()), _dev(scale.clone())
     out = scale_copy(s).fill_(-1.0)
+    head, tail = (_dev(last), None) if split == 3 else (_dev(last[:split]), _dev(last[split:]))
     kernels.delayed_scaling_update(
-        h[:length], s, out, _dev(last), _dev(torch.tensor(limits)), margin, algo == "max"
+        h[:length], s, out, head, tail, _limit_runs(limits), margin, algo == "max"
     )
     assert_bits_equal(h, h_ref)
     assert_bits_equal(s, s_ref)
@@ -474,7 +490,7 @@ def test_columnwise_transposed_kernel_with_a_given_scale(fp8, dtype):
     scale = torch.tensor([64.0])
     data_t, _ = row_kernels.quantize_columnwise_transposed(_dev(x), fp8, scale=_dev(scale))
     for b in range(3):
-        want, _, _ = kernels.quantize_tensorwise(_dev(x[b]), _dev(scale), fp8, False)
+        want, *_ = kernels.quantize_tensorwise(_dev(x[b]), _dev(scale), fp8, False)
         assert_bits_equal(data_t[b], want.t().contiguous())
 
 

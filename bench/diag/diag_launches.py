@@ -1,0 +1,149 @@
+"""Kernel launches per layer of a compiled training step, counted without a GPU.
+
+How many launches does one ``bench_block`` layer (``te.LayerNormLinear`` qkv, ``te.Linear``
+proj, ``te.LayerNormMLP``; causal SDPA) cost under each recipe, and which? Counted in the code
+Inductor generates for the forward and the backward graph of ``torch.compile`` (one Triton
+kernel, user or Inductor's, or one extern call per launch), with te's CUDA code paths traced on
+CPU tensors:
+
+* a copy of ``te_compile`` in a temporary directory, where every ``device.type == "cuda"`` /
+  ``is_cuda`` check also accepts the CPU and every op runs its CUDA implementation (the Triton
+  kernels, ``torch._scaled_mm``), imported by a child process;
+* Inductor's Triton backend for the CPU (``cpu_backend="triton"``), which schedules and fuses
+  as for a GPU, generating code for an sm_90 target that is not compiled or run;
+* delayed scaling's states marked calibrated, so that the graph is the delayed step's (the
+  second step of training).
+
+Inductor's CUDA heuristics can differ in detail (a fusion more or less); the differences
+between recipes are what this is for. The H200 count of record is ``bench_block``'s
+"kernels/layer" (issue 41: 39 bf16, 84 current, 103 delayed before the delayed-scaling
+launches were cut).
+
+    python -m bench.diag.diag_launches                      # bf16, current, delayed
+    python -m bench.diag.diag_launches --recipes delayed --list
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPES = ("bf16", "current", "delayed")
+# Device checks of te_compile that choose the CUDA code path: made true for CPU tensors.
+_PATCHES = (
+    (r'device\.type == "cuda"', 'device.type in ("cuda", "cpu")'),
+    (r'device\.type != "cuda"', 'device.type not in ("cuda", "cpu")'),
+    (r"\.is_cuda\b", ".is_cpu"),
+    (r"self\._impls\.get\(t\.device\.type,", 'self._impls.get("cuda",'),
+    (r"per_sm \* torch\.cuda\.get_device_properties\(device\)\.multi_processor_count",
+     "per_sm * 132"),
+)  # fmt: skip
+# A user or Inductor Triton kernel's ``.run(``, or an extern call (cuBLAS, SDPA, ...).
+_LAUNCH = re.compile(r"(\w+)\.run\(|(?:\w+ = )?(extern_kernels\.\w+|torch\.ops\.[\w.]+)\(")
+_LOG_PREFIX = re.compile(r"^V\d+ [\d:.]+ \d+ \S+\] \[[^\]]*\] \[__output_code\] ?", re.M)
+
+
+def _patched_copy(dest: Path) -> None:
+    shutil.copytree(ROOT / "te_compile", dest / "te_compile")
+    for path in (dest / "te_compile").rglob("*.py"):
+        text = path.read_text()
+        for pattern, repl in _PATCHES:
+            text = re.sub(pattern, repl, text)
+        path.write_text(text)
+
+
+def launches(code: str) -> list[list[str]]:
+    """The launches of each ``call`` of Inductor's generated modules in ``code``, in order."""
+    calls = re.findall(r"    def call\(self, args\):\n(.*?)\n        return ", code, flags=re.S)
+    out = []
+    for body in calls:
+        names = []
+        for line in body.splitlines():
+            m = _LAUNCH.match(line.strip())
+            if m:
+                names.append(m.group(1) or m.group(2))
+        out.append(names)
+    return out
+
+
+def _child(recipe: str) -> None:
+    import torch
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+    from torch._inductor.runtime import triton_heuristics
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+
+    import te_compile as te
+    from bench.bench_block import SMOKE_SIZES, TeLayer
+
+    class _Sm90:
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+    driver.set_active(_Sm90())  # wrap_triton analyses the kernels for this target
+    inductor_config.cpu_backend = "triton"
+    functorch_config.force_non_lazy_backward_lowering = True  # both graphs, before any run
+    triton_heuristics.CachingAutotuner.precompile = lambda self, *a, **k: None  # no compile
+    torch.manual_seed(0)
+    size = SMOKE_SIZES["block"]
+    layer = TeLayer(size, torch.device("cpu"))
+    for m in layer.modules():
+        if hasattr(m, "calibrated"):
+            m.calibrated = True
+    factory = {"current": te.recipe.Float8CurrentScaling, "delayed": te.recipe.DelayedScaling}
+    rec = factory[recipe]() if recipe in factory else None
+
+    def step(x):
+        with te.autocast(enabled=rec is not None, recipe=rec):
+            return layer(x)
+
+    x = torch.randn(size.input_shape, dtype=torch.bfloat16, requires_grad=True)
+    try:
+        torch.compile(step, fullgraph=True)(x)
+    except Exception as e:  # the generated code cannot run here: its text is what counts
+        print(f"(stopped at running the code: {type(e).__name__})", file=sys.stderr)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--recipes", nargs="+", choices=RECIPES, default=list(RECIPES))
+    parser.add_argument("--list", action="store_true", help="every launch, by kernel name")
+    parser.add_argument("--child", choices=RECIPES, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        _child(args.child)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        _patched_copy(Path(tmp))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([tmp, str(ROOT)]),
+               "TORCH_LOGS": "output_code", "TRITON_INTERPRET": "0"}  # fmt: skip
+        print("| recipe | forward | backward | per layer |\n| --- | ---: | ---: | ---: |")
+        listing = []
+        for recipe in args.recipes:
+            run = subprocess.run(
+                [sys.executable, "-m", "bench.diag.diag_launches", "--child", recipe],
+                cwd=tmp, env=env, capture_output=True, text=True, check=False,
+            )  # fmt: skip
+            graphs = launches(_LOG_PREFIX.sub("", run.stderr))
+            if len(graphs) != 2:
+                sys.exit(
+                    f"{recipe}: expected a forward and a backward graph:\n{run.stderr[-3000:]}"
+                )
+            fwd, bwd = map(len, graphs)
+            print(f"| {recipe} | {fwd} | {bwd} | {fwd + bwd} |")
+            for name, graph in zip(("forward", "backward"), graphs, strict=True):
+                listing.append(f"\n{recipe}, {name}:" + "".join(f"\n    {k}" for k in graph))
+        if args.list:
+            print("\n".join(listing))
+
+
+if __name__ == "__main__":
+    main()
