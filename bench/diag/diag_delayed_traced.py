@@ -156,7 +156,7 @@ def main() -> None:
     if not args.kept:
         for name in GEMM_OPS:
             family = "mlp" if name.startswith("mlp") else "linear"
-            getattr(sys.modules[f"te_compile.functional.{family}"], name).kept_whole = None
+            getattr(sys.modules[f"te_compile.functional.{family}_ops"], name).kept_whole = None
     extern_kernels._scaled_mm = _checked_scaled_mm(torch._scaled_mm)
     print("delayed GEMM ops", "kept whole" if args.kept else "traced through")
     for name in args.cases:

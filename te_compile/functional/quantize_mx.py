@@ -477,7 +477,7 @@ def random_hadamard_transform(x2: Tensor) -> Tensor:
 def _uniforms(rng_state: Tensor, numel: int) -> Tensor:
     """The first ``numel`` words of the stream ``rng_state`` as fp32 uniforms in [0, 1) (their
     top 24 bits: exact in fp32)."""
-    from te_compile.functional.dropout import random_words
+    from te_compile.functional.dropout_ops import random_words
 
     return (random_words(rng_state, numel) >> 8).to(torch.float32) * 2.0**-24
 

@@ -364,7 +364,7 @@ def test_grouped_linear_is_per_expert_dense_under_the_default_recipe():
     out = F.grouped_linear(x.detach(), splits, w3, **with_specs(**kw))
     (da,) = torch.autograd.grad(out, (w3,), dy)
     from te_compile.functional.grouped_gemm import GroupedRecipe
-    from te_compile.functional.grouped_linear import _RefNVFP4
+    from te_compile.functional.grouped_linear_ops import _RefNVFP4
 
     r = GroupedRecipe("nvfp4", E4M3, E4M3, weight_block_rows=16, rht=True, rng_state=state,
                       input_4over6="MAE:256", weight_4over6="MAE:256")  # fmt: skip

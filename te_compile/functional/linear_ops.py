@@ -98,7 +98,7 @@ from te_compile.functional.activation import (
     check_gated_params,
     gated_activation_ref,
 )
-from te_compile.functional.dropout import new_rng_state
+from te_compile.functional.dropout_ops import new_rng_state
 from te_compile.functional.gemm import (
     BACKWARD_OVERRIDES,
     BLOCK_KINDS,

@@ -65,8 +65,8 @@ from torch import Tensor
 from te_compile._checks import check_bool, check_required, check_same_device, check_tensors
 from te_compile._library import HOST_SPLITS, SampleInput, differentiable, op
 from te_compile._numerics import acc_dtype
-from te_compile.functional.dropout import new_rng_state
-from te_compile.functional.fake_quantize import qdq
+from te_compile.functional.dropout_ops import new_rng_state
+from te_compile.functional.fake_quantize_ops import qdq
 from te_compile.functional.gemm import (
     BLOCK_KINDS,
     HIGH_DTYPES,

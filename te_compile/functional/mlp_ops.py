@@ -9,7 +9,7 @@ first), ``fc2_weight`` ``[out, ffn]``. ``epilogue``: the activation as an ``Epil
 string (``functional.spec``: ``act`` with clamped SwiGLU's ``limit``, ``alpha``, ``offset``).
 The specs (``input_spec``, ``weight_spec``, ``grad_spec``: the activation is quantised as an
 input, its gradient as a gradient) and the prologue (``norm``, ``norm_weight``,
-``norm_bias``) are the linear family's (``functional.linear``), without NVFP4's options; the
+``norm_bias``) are the linear family's (``functional.linear_ops``), without NVFP4's options; the
 delayed state is per GEMM: ``scale1`` / ``scale2`` ``[3]``, ``grad_amax1`` / ``grad_amax2``
 ``[1]``.
 
