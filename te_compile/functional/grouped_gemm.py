@@ -1,6 +1,6 @@
 r"""The grouped GEMMs of the grouped linear family (``functional.grouped_linear_ops``): the
 splits, and the forward and backward of every group's GEMMs for the recipes other than the
-per-tensor ones (those are ``functional.grouped_fp8``). ``grouped_linear.GROUPED_GEMMS`` is the
+per-tensor ones (those are ``functional.grouped_fp8``). ``grouped_linear_ops.GROUPED_GEMMS`` is the
 table of them, keyed by the GEMM kind:
 
 =======================  ===================================================================
@@ -461,7 +461,7 @@ def _group_sums(grad: Tensor, m_splits: Tensor, groups: int, cuda: bool) -> Tens
     return out
 
 
-# The rows of grouped_linear.GROUPED_GEMMS (module docstring) ---------------------------------
+# The rows of grouped_linear_ops.GROUPED_GEMMS (module docstring) -----------------------------
 
 
 def high_precision_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):

@@ -9,7 +9,7 @@ it: its shape, and its gradient) and saves the weight's dgrad copy for the backw
 inputs. ``GroupedLinear`` uses it to cast its weights once per optimizer step
 (``is_first_microbatch``, ``quantization.gemm``).
 
-The five tensors by the GEMM kind of the recipe (``grouped_linear.grouped_gemm_kind``):
+The five tensors by the GEMM kind of the recipe (``grouped_linear_args.grouped_gemm_kind``):
 
 =======================  ======================================================================
 kind                     ``weight_data``, ``weight_scale``, ``weight_data_t``,
