@@ -29,7 +29,8 @@ from te_compile.functional.glu_layout import deinterleave_glu_tensor, interleave
 from te_compile.functional.grouped_linear_ops import as_splits_tensor, grouped_linear
 from te_compile.functional.grouped_weight import quantize_grouped_weight
 from te_compile.functional.linear_ops import linear, linear_ref
-from te_compile.functional.mlp_ops import MLP_ACTIVATIONS, mlp
+from te_compile.functional.mlp_args import MLP_ACTIVATIONS
+from te_compile.functional.mlp_ops import mlp
 from te_compile.functional.moe import (
     moe_permute,
     moe_permute_with_probs,
