@@ -10,14 +10,13 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from te_compile.functional.dense_weight import WEIGHT_OPERAND, check_weight_quantized
 from te_compile.functional.gemm import (
     BLOCK_KINDS,
     HIGH_DTYPES,
     PER_TENSOR,
-    WEIGHT_OPERAND,
     blockwise_supported,
     check_specs,
-    check_weight_quantized,
 )
 from te_compile.functional.grouped_gemm import GroupedRecipe
 from te_compile.functional.grouped_weight import check_grouped_weight_operand

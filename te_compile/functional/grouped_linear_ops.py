@@ -69,18 +69,17 @@ from torch import Tensor
 from te_compile._checks import check_bool, check_required, check_same_device, check_tensors
 from te_compile._library import HOST_SPLITS, differentiable, op
 from te_compile._numerics import acc_dtype
+from te_compile.functional.dense_weight import check_weight_quantized
 from te_compile.functional.dropout_ops import new_rng_state
 from te_compile.functional.fake_quantize_ops import qdq
 from te_compile.functional.gemm import (
     PER_TENSOR,
     DeferredWgrad,
-    as_specs,
-    check_weight_quantized,
     empty,
     quantize_per_tensor,
-    quantized_linear_ref,
     save_for_backward_except_written,
 )
+from te_compile.functional.gemm_ref import as_specs, quantized_linear_ref
 from te_compile.functional.grouped_fp8 import (
     as_e4m3,
     per_tensor_backward,
@@ -263,7 +262,7 @@ class _RefDequantized(torch.autograd.Function):
 
 
 class _RefNVFP4(torch.autograd.Function):
-    """NVFP4: every expert's GEMMs as ``functional.gemm.quantized_linear_ref`` defines a dense
+    """NVFP4: every expert's GEMMs as ``functional.gemm_ref.quantized_linear_ref`` defines a dense
     one (its own global scales; the backward GEMMs on copies quantised along the other dim,
     the transform, stochastic rounding from one stream over the whole gradient, 4over6), in
     the input's dtype (float64 in the tests)."""

@@ -16,16 +16,12 @@ from torch import Tensor
 
 from te_compile._checks import check_finite
 from te_compile.functional.activation import GATED_ACTIVATIONS, check_activation, check_gated_params
-from te_compile.functional.gemm import (
-    BLOCK_KINDS,
-    FP8_DTYPES,
-    HIGH_DTYPES,
-    PER_TENSOR,
+from te_compile.functional.dense_weight import (
     WEIGHT_OPERAND,
-    check_specs,
     check_weight_operand,
     check_weight_quantized,
 )
+from te_compile.functional.gemm import BLOCK_KINDS, FP8_DTYPES, HIGH_DTYPES, PER_TENSOR, check_specs
 from te_compile.functional.prologue import Norm, check_norm
 from te_compile.functional.spec import (
     BackwardSpec,

@@ -18,10 +18,10 @@ from torch import Tensor
 
 from te_compile._numerics import acc_dtype
 from te_compile.functional.activation import activation_backward, activation_forward
+from te_compile.functional.dense_weight import weight_operand
 from te_compile.functional.gemm import (
     PER_TENSOR,
     accumulate_wgrad,
-    as_specs,
     empty,
     fp8_bytes,
     fp8_codes,
@@ -32,9 +32,9 @@ from te_compile.functional.gemm import (
     quantize_operand,
     scale_slots,
     unpad,
-    weight_operand,
     wgrad_gemm,
 )
+from te_compile.functional.gemm_ref import as_specs
 from te_compile.functional.linear_args import _Args, _check
 from te_compile.functional.prologue import norm_backward, norm_forward, norm_quantize
 from te_compile.functional.quantize import dequantize_blockwise

@@ -60,7 +60,7 @@ accumulates into it (fp32 output) instead of producing ``weight.grad``; ``te::li
 declares it mutated, which torch.compile supports in the backward graph. Tensor parallelism
 stays outside the op (``distributed.tensor_parallel``).
 
-Pre-quantised weight (``functional.gemm``, "Pre-quantised weights"): ``weight_q``, the five
+Pre-quantised weight (``functional.dense_weight``): ``weight_q``, the five
 tensors ``weight_data``, ``weight_scale``, ``weight_data_t``, ``weight_scale_t``,
 ``weight_amax`` (with a recipe), is ``weight`` already quantised by ``te::quantize_weight``; the
 op does not quantise ``weight``, saves ``weight_data_t`` / ``weight_scale_t`` for the dgrad GEMM
@@ -92,6 +92,7 @@ from te_compile._checks import (
 from te_compile._library import differentiable, op
 from te_compile._numerics import acc_dtype
 from te_compile.functional.activation import GATED_ACTIVATIONS, activation_ref, gated_activation_ref
+from te_compile.functional.dense_weight import check_weight_quantized
 from te_compile.functional.dropout_ops import new_rng_state
 from te_compile.functional.gemm import (
     BACKWARD_OVERRIDES,
@@ -99,15 +100,14 @@ from te_compile.functional.gemm import (
     PER_TENSOR,
     DeferredWgrad,
     check_gemm_args,
-    check_weight_quantized,
     empty,
     gemm_kind,
     hp_linear,
     hp_linear_backward,
     padded,
-    quantized_linear_ref,
     save_for_backward_except_written,
 )
+from te_compile.functional.gemm_ref import quantized_linear_ref
 from te_compile.functional.linear_args import (
     _NORM_WEIGHT,
     _RESIDUAL,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from te_compile._library import SampleInput
-from te_compile.functional.gemm import quantize_weight
+from te_compile.functional.dense_weight import quantize_weight
 from te_compile.functional.linear_args import _Args
 from te_compile.functional.prologue import unit_rows
 
@@ -140,8 +140,9 @@ def _samples(device: torch.device):
                 **_specs("nvfp4:emulate:rht:4over6=MAE/448",
                          "nvfp4:16x16:emulate:4over6=MSE/256", "nvfp4:emulate:rht"))  # fmt: skip
 
-    # A pre-quantised weight (functional.gemm.quantize_weight): per tensor, delayed (its weight
-    # slot), native blockwise with 128x128 blocks, emulated MXFP8, with a dequantised backward.
+    # A pre-quantised weight (functional.dense_weight.quantize_weight): per tensor, delayed (its
+    # weight slot), native blockwise with 128x128 blocks, emulated MXFP8, with a dequantised
+    # backward.
     def pre(w, specs, scale=None, **kw):
         q = quantize_weight(w.detach(), specs["weight_spec"], scale)
         return dict(**specs, weight_q=q, scale=scale, **kw)

@@ -10,15 +10,17 @@ import torch
 from torch import Tensor
 
 from te_compile.functional.activation import ACTIVATIONS, GATED_ACTIVATIONS, check_gated_params
+from te_compile.functional.dense_weight import (
+    WEIGHT_OPERAND,
+    check_weight_operand,
+    check_weight_quantized,
+)
 from te_compile.functional.gemm import (
     BLOCK_KINDS,
     HIGH_DTYPES,
     PER_TENSOR,
-    WEIGHT_OPERAND,
     blockwise_supported,
     check_specs,
-    check_weight_operand,
-    check_weight_quantized,
 )
 from te_compile.functional.prologue import Norm, check_norm
 from te_compile.functional.spec import EpilogueSpec, NormSpec, QuantSpec, parse, parse_roles

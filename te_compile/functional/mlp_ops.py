@@ -33,7 +33,7 @@ them, ``[M / 128, K]``), high precision ``[norm output (with a norm), z, h]``; t
 ``mean, rsigma``, then for the per-tensor recipes ``[amax(X), amax(W_1), amax(h),
 amax(W_2)]`` (fp32).
 
-Pre-quantised weights (``functional.gemm``, "Pre-quantised weights"): ``fc1_weight_q`` and
+Pre-quantised weights (``functional.dense_weight``): ``fc1_weight_q`` and
 ``fc2_weight_q``, the last arguments, each None or a weight's five tensors
 (``te::quantize_weight``'s); a given weight is not quantised, its transposed copy is saved from
 the input (``saved`` then holds no copy of it) and its gradient still computed.
@@ -64,12 +64,11 @@ from te_compile.functional.activation import (
     activation_ref,
     gated_activation_ref,
 )
+from te_compile.functional.dense_weight import check_weight_quantized, weight_operand
 from te_compile.functional.gemm import (
     PER_TENSOR,
     Operand,
-    as_specs,
     check_gemm_args,
-    check_weight_quantized,
     empty,
     fp8_bytes,
     fp8_codes,
@@ -80,13 +79,12 @@ from te_compile.functional.gemm import (
     pad_rows,
     padded,
     quantize_operand,
-    quantized_linear_ref,
     save_for_backward_except_written,
     scale_slots,
     unpad,
-    weight_operand,
     wgrad_gemm,
 )
+from te_compile.functional.gemm_ref import as_specs, quantized_linear_ref
 from te_compile.functional.mlp_args import _NORM_WEIGHT, _Args, _check
 from te_compile.functional.mlp_samples import _samples
 from te_compile.functional.prologue import (
@@ -118,7 +116,7 @@ def _activation_ref(
 
 def mlp_ref(*args) -> Tensor:
     """Definition of correctness, differentiable, in the inputs' dtype (fp64 in the tests): the
-    norm's reference, the recipe's GEMM (``functional.gemm.quantized_linear_ref``) twice
+    norm's reference, the recipe's GEMM (``functional.gemm_ref.quantized_linear_ref``) twice
     around the activation's reference."""
     a = _Args(*args)
     x = norm_ref(a.inp, a.nrm)

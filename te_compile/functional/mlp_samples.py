@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from te_compile._library import SampleInput
-from te_compile.functional.gemm import quantize_weight
+from te_compile.functional.dense_weight import quantize_weight
 from te_compile.functional.mlp_args import _Args
 from te_compile.functional.prologue import unit_rows
 

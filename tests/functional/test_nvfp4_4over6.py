@@ -9,7 +9,7 @@ import torch
 
 import te_compile as te
 from te_compile import functional as F
-from te_compile.functional.gemm import quantized_linear_ref
+from te_compile.functional.gemm_ref import quantized_linear_ref
 from te_compile.functional.quantize_mx import dequantize_nvfp4_ref, nvfp4_qdq, quantize_nvfp4_ref
 from tests.utils import assert_close, compile_counted, to_reference, with_specs
 

@@ -13,7 +13,7 @@ import torch
 
 import te_compile as te
 from te_compile import functional as F
-from te_compile.functional.gemm import quantized_linear_ref
+from te_compile.functional.gemm_ref import quantized_linear_ref
 from te_compile.functional.quantize_mx import (
     RHT_SIGNS,
     dequantize_nvfp4_ref,
