@@ -34,7 +34,7 @@ from torch import Tensor
 
 from te_compile._checks import check_tensor
 from te_compile._library import SampleInput, differentiable, op
-from te_compile.functional import quantize as _q
+from te_compile.functional import quantize_table as _q
 from te_compile.functional.quantize_mx import nvfp4_qdq_row_groups
 from te_compile.functional.spec import QuantSpec, parse
 
