@@ -68,13 +68,12 @@ from te_compile.functional.quantize import (
     quantize_tensorwise_ref,
 )
 from te_compile.functional.quantize_mx import (
-    FOUR_OVER_SIX,
     dequantize_mxfp8,
     dequantize_nvfp4,
-    nvfp4_qdq,
     quantize_mxfp8,
     quantize_nvfp4,
 )
+from te_compile.functional.quantize_mx_ref import FOUR_OVER_SIX, nvfp4_qdq
 from te_compile.functional.spec import QuantSpec
 
 __all__ = [
@@ -323,7 +322,7 @@ def qdq_both(x2: Tensor, spec: QuantSpec, rng_state: Tensor | None = None) -> tu
     fp32, where every dequantised value is exact (an NVFP4 value times its E4M3 scale over the
     global scale is not always a bf16 number). fp64 input (the tests' references) is quantised
     from its fp32 values and returned as fp64. NVFP4's options
-    (``functional.quantize_mx.nvfp4_qdq``): 16x16 tiles, the random Hadamard transform of the
+    (``functional.quantize_mx_ref.nvfp4_qdq``): 16x16 tiles, the random Hadamard transform of the
     columnwise copy, stochastic rounding (``rng_state``), one global scale per row for the
     rowwise copy, 4over6 block scaling."""
     x = x2.float() if x2.dtype == torch.float64 else x2

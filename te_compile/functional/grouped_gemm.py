@@ -48,7 +48,7 @@ from te_compile.functional.gemm import (
     padded,
 )
 from te_compile.functional.quantize import quantize_blockwise
-from te_compile.functional.quantize_mx import NVFP4_BLOCK, nvfp4_qdq
+from te_compile.functional.quantize_mx_ref import NVFP4_BLOCK, nvfp4_qdq
 
 __all__ = [
     "GroupedRecipe",

@@ -108,7 +108,7 @@ from te_compile.functional.grouped_linear_args import (
     grouped_gemm_kind,
 )
 from te_compile.functional.grouped_linear_samples import _samples
-from te_compile.functional.quantize_mx import nvfp4_qdq
+from te_compile.functional.quantize_mx_ref import nvfp4_qdq
 from te_compile.functional.spec import BackwardSpec, QuantSpec, parse
 
 __all__ = [

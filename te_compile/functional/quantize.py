@@ -88,7 +88,7 @@ from torch import Tensor
 
 from te_compile._library import SampleInput, op
 from te_compile._numerics import div_rn, reciprocal_rn
-from te_compile.functional import quantize_mx
+from te_compile.functional import quantize_mx_ref
 
 __all__ = [
     "FP8_DTYPES",
@@ -207,9 +207,9 @@ def _block_cast(
 
 def _per_element(scale: Tensor, m: int, k: int, block_rows: int) -> Tensor:
     """The ``[Mb, Kb]`` block scales spread over the ``[M, K]`` elements
-    (:func:`quantize_mx.spread_blocks`: not a broadcast over a padded, blocked view, which
+    (:func:`quantize_mx_ref.spread_blocks`: not a broadcast over a padded, blocked view, which
     Inductor's CPU generator miscompiles where ``M`` or ``K`` is not a multiple of the block)."""
-    spread = quantize_mx.spread_blocks
+    spread = quantize_mx_ref.spread_blocks
     return spread(spread(scale, 0, m, block_rows), 1, k, BLOCK)
 
 

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from te_compile._checks import check_bool
 from te_compile._numerics import reciprocal_rn
-from te_compile.functional import quantize_mx
+from te_compile.functional import quantize_mx, quantize_mx_ref
 from te_compile.functional.quantize import (
     dequantize_blockwise,
     dequantize_tensorwise,
@@ -164,14 +164,14 @@ def _quantize_nvfp4(x: Tensor, *, scale, columnwise, block_rows, four_over_six, 
             "te.quantize: block_rows must be 1 (1x16 blocks) or 16 (16x16 tiles) for 'nvfp4', "
             f"got {block_rows}"
         )
-    if four_over_six not in quantize_mx.FOUR_OVER_SIX:
+    if four_over_six not in quantize_mx_ref.FOUR_OVER_SIX:
         raise ValueError(
-            f"te.quantize: four_over_six must be one of {quantize_mx.FOUR_OVER_SIX}, got "
+            f"te.quantize: four_over_six must be one of {quantize_mx_ref.FOUR_OVER_SIX}, got "
             f"{four_over_six!r}"
         )
     if block_rows == 16 or four_over_six:
         quantize_mx.check_quantize_nvfp4(x, None, True, columnwise)
-        data, s, g, data_t, s_t = quantize_mx.quantize_nvfp4_ref(
+        data, s, g, data_t, s_t = quantize_mx_ref.quantize_nvfp4_ref(
             x,
             rowwise=True,
             columnwise=columnwise,
@@ -227,7 +227,7 @@ def quantize(
     * ``"block"``: ``block_rows x 128`` blocks (``block_rows`` 1 or 128; ``power_2_scale``).
     * ``"mxfp8"``: 32-element blocks with E8M0 scales (``fp8_dtype`` elements).
     * ``"nvfp4"``: E2M1 elements (two per byte), 16-element E4M3 block scales, a global scale;
-      ``four_over_six`` (``quantize_mx.FOUR_OVER_SIX``, ``""`` off): 4over6 block scaling.
+      ``four_over_six`` (``quantize_mx_ref.FOUR_OVER_SIX``, ``""`` off): 4over6 block scaling.
 
     ``columnwise=True`` also makes the ``[K, M]`` copy for the backward GEMMs. Returns a
     :class:`Quantized`; :func:`dequantize` inverts it. ``scale`` must be finite and > 0 (read

@@ -1,6 +1,6 @@
 """NVFP4's recipe options in the emulated GEMMs: 16x16 weight tiles, the random Hadamard
 transform of the wgrad GEMM's operands, stochastic rounding of the gradient, row-scaled
-activations (``functional.quantize_mx.nvfp4_qdq``, ``te::linear``'s ``weight_block_rows=16``,
+activations (``functional.quantize_mx_ref.nvfp4_qdq``, ``te::linear``'s ``weight_block_rows=16``,
 ``rht``, ``stochastic_rounding``, ``row_scaled``), against float64 references."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 import te_compile as te
 from te_compile import functional as F
 from te_compile.functional.gemm_ref import quantized_linear_ref
-from te_compile.functional.quantize_mx import (
+from te_compile.functional.quantize_mx_ref import (
     RHT_SIGNS,
     dequantize_nvfp4_ref,
     nvfp4_qdq,
