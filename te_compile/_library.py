@@ -212,7 +212,7 @@ def op(
     return deco
 
 
-# Why a grouped GEMM call is kept whole (``functional.grouped_linear.host_split_path``).
+# Why a grouped GEMM call is kept whole (``functional.grouped_linear_ops.host_split_path``).
 HOST_SPLITS = (
     "reads the group sizes (m_splits) on the host to split the GEMMs, which a traced graph "
     "cannot do without a data-dependent shape per group"

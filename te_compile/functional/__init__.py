@@ -20,16 +20,18 @@ from te_compile.functional.activation import (
 )
 from te_compile.functional.allocate import bulk_allocate
 from te_compile.functional.attention import dot_product_attention
-from te_compile.functional.dropout import dropout
-from te_compile.functional.fake_quantize import fake_quantize
+from te_compile.functional.dense_weight import WEIGHT_OPERAND, quantize_weight
+from te_compile.functional.dropout_ops import dropout
+from te_compile.functional.fake_quantize_ops import fake_quantize
 from te_compile.functional.fp8_scaling import delayed_scaling_update
 from te_compile.functional.fused_norm import branch_rmsnorm
-from te_compile.functional.gemm import WEIGHT_OPERAND, blockwise_supported, quantize_weight
+from te_compile.functional.gemm import blockwise_supported
 from te_compile.functional.glu_layout import deinterleave_glu_tensor, interleave_glu_tensor
-from te_compile.functional.grouped_linear import as_splits_tensor, grouped_linear
+from te_compile.functional.grouped_linear_ops import as_splits_tensor, grouped_linear
 from te_compile.functional.grouped_weight import quantize_grouped_weight
-from te_compile.functional.linear import linear, linear_ref
-from te_compile.functional.mlp import MLP_ACTIVATIONS, mlp
+from te_compile.functional.linear_ops import linear, linear_ref
+from te_compile.functional.mlp_args import MLP_ACTIVATIONS
+from te_compile.functional.mlp_ops import mlp
 from te_compile.functional.moe import (
     moe_permute,
     moe_permute_with_probs,

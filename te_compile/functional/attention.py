@@ -36,7 +36,7 @@ and the backward recomputes the probabilities from it, as the fused kernels do. 
 fused flash and memory-efficient attention kernels, chosen per case (``attention_cuda.py`` holds
 the table); causal, no-mask, padding and GQA attention never materialise the softmax there.
 
-Dropout: on CPU the keep mask is te_compile's Philox stream (``functional.dropout``) of the
+Dropout: on CPU the keep mask is te_compile's Philox stream (``functional.dropout_ops``) of the
 ``rng_state = (seed, offset)`` input over the probabilities in ``[b, h, s_q, s_kv]`` order, so the
 backward and a checkpointed recompute regenerate it from that input. On CUDA the fused kernels
 draw their own Philox seed and offset and return them for the backward (``attention_cuda``).
@@ -55,7 +55,7 @@ from torch import Tensor
 from te_compile._library import SampleInput, differentiable, op
 from te_compile._numerics import acc_dtype
 from te_compile.functional import attention_args, attention_cuda
-from te_compile.functional.dropout import dropout_mask
+from te_compile.functional.dropout_ops import dropout_mask
 
 __all__ = ["attention_bwd_ref", "attention_ref", "dot_product_attention"]
 

@@ -30,7 +30,7 @@ import math
 import torch
 from torch import Tensor
 
-from te_compile.functional.dropout import new_rng_state
+from te_compile.functional.dropout_ops import new_rng_state
 
 __all__ = [
     "ATTN_MASK_TYPES",

@@ -33,15 +33,8 @@ dequantised fp32 values (exact: the quantisation is the recipe's) with 0-element
 the quantised operands are padded with zeros to a multiple of 16 (``_scaled_mm``'s constraint;
 zero rows change neither an amax nor another row of a GEMM's result).
 
-**Pre-quantised weights.** A family op may take its weight operand already quantised, as five
-plain tensors (:data:`WEIGHT_OPERAND`, FP8 codes as their uint8 bytes) that
-:func:`quantize_weight` (``te::quantize_weight``) makes: the ``data`` ``[N, K]`` and ``scale``
-the forward GEMM reads, the ``data_t`` ``[K, N]`` and ``scale_t`` the dgrad GEMM reads, and the
-``amax`` ``[1]`` measured at the cast (per-tensor kinds; 0-element otherwise). The op then does
-not quantise ``weight`` (it still takes it: its shape, and its gradient). Modules use it to
-cast a weight once per optimizer step (``is_first_microbatch``) and for FP8 primary weights
-(``quantization.primary``). The grouped family takes the same five tensors in its own layouts
-(``functional.grouped_weight``, ``te::quantize_grouped_weight``).
+Beside this file: ``functional.dense_weight`` (pre-quantised weights, ``te::quantize_weight``)
+and ``functional.gemm_ref`` (the definition of every kind's GEMM, ``quantized_linear_ref``).
 
 A new recipe kind is a choice of ``QuantSpec.kind``, one row in each table here, one branch in
 ``recipe_specs`` / ``gemm_args``, and the recipe class (``docs/op_mechanism.md``, "Adding a
@@ -64,7 +57,7 @@ from te_compile._checks import (
     check_tensor,
     check_tensors,
 )
-from te_compile._library import SampleInput, op, stash_for_backward
+from te_compile._library import stash_for_backward
 from te_compile._numerics import acc_dtype, reciprocal_rn
 from te_compile.functional.quantize import (
     dequantize_blockwise,
@@ -75,14 +68,13 @@ from te_compile.functional.quantize import (
     quantize_tensorwise_ref,
 )
 from te_compile.functional.quantize_mx import (
-    FOUR_OVER_SIX,
     dequantize_mxfp8,
     dequantize_nvfp4,
-    nvfp4_qdq,
     quantize_mxfp8,
     quantize_nvfp4,
 )
-from te_compile.functional.spec import QuantSpec, parse
+from te_compile.functional.quantize_mx_ref import FOUR_OVER_SIX, nvfp4_qdq
+from te_compile.functional.spec import QuantSpec
 
 __all__ = [
     "BACKWARD_OVERRIDES",
@@ -92,16 +84,11 @@ __all__ = [
     "HIGH_DTYPES",
     "PER_TENSOR",
     "QUANTIZERS",
-    "WEIGHT_OPERAND",
     "DeferredWgrad",
     "Operand",
     "accumulate_wgrad",
-    "as_specs",
     "blockwise_supported",
     "check_specs",
-    "check_weight_operand",
-    "check_weight_spec",
-    "checked_weight_cast",
     "empty",
     "fp8_bytes",
     "fp8_codes",
@@ -114,12 +101,9 @@ __all__ = [
     "qdq_both",
     "quantize_operand",
     "quantize_per_tensor",
-    "quantize_weight",
-    "quantized_linear_ref",
     "save_for_backward_except_written",
     "scale_slots",
     "unpad",
-    "weight_operand",
     "wgrad_gemm",
 ]
 
@@ -175,23 +159,6 @@ def scale_slots(scale: Tensor | None, recipe: str) -> tuple[Tensor | None, ...]:
     if recipe != "delayed":
         return None, None, None
     return scale[0:1], scale[1:2], scale[2:3]
-
-
-def check_weight_quantized(owner: str, name: str, value: object) -> None:
-    """``value`` is None or :func:`quantize_weight`'s five tensors (a list or tuple)."""
-    if value is None:
-        return
-    n = len(WEIGHT_OPERAND)
-    if not (isinstance(value, (list, tuple)) and all(isinstance(t, Tensor) for t in value)):
-        raise TypeError(
-            f"{owner}: {name} must be None or the {n} tensors {WEIGHT_OPERAND} of "
-            f"quantize_weight, got {value!r}"
-        )
-    if len(value) != n:
-        raise ValueError(
-            f"{owner}: {name} must be the {n} tensors {WEIGHT_OPERAND} of quantize_weight, got "
-            f"{len(value)} tensors"
-        )
 
 
 # The NVFP4 options an operand role takes (the random Hadamard transform of the wgrad GEMM's
@@ -355,7 +322,7 @@ def qdq_both(x2: Tensor, spec: QuantSpec, rng_state: Tensor | None = None) -> tu
     fp32, where every dequantised value is exact (an NVFP4 value times its E4M3 scale over the
     global scale is not always a bf16 number). fp64 input (the tests' references) is quantised
     from its fp32 values and returned as fp64. NVFP4's options
-    (``functional.quantize_mx.nvfp4_qdq``): 16x16 tiles, the random Hadamard transform of the
+    (``functional.quantize_mx_ref.nvfp4_qdq``): 16x16 tiles, the random Hadamard transform of the
     columnwise copy, stochastic rounding (``rng_state``), one global scale per row for the
     rowwise copy, 4over6 block scaling."""
     x = x2.float() if x2.dtype == torch.float64 else x2
@@ -454,145 +421,6 @@ def quantize_operand(
     ``stochastic_rounding``)."""
     rng_state = rng_state if spec.stochastic_rounding else None
     return QUANTIZERS[spec.kind](spec, x2, scale, columnwise, mn_major, sums, rng_state)
-
-
-# Pre-quantised weight operands ----------------------------------------------------------------
-
-# The five tensors of a pre-quantised weight, by the family ops' argument names.
-WEIGHT_OPERAND = ("weight_data", "weight_scale", "weight_data_t", "weight_scale_t", "weight_amax")
-
-
-def _weight_shapes(recipe: str, n: int, k: int, block_rows: int, emulate: bool):
-    """``[(shape, dtype)]`` of the five tensors of a pre-quantised ``[n, k]`` weight."""
-    f32, u8 = torch.float32, torch.uint8
-    if recipe in PER_TENSOR:
-        return [((n, k), u8), ((1,), f32), ((k, n), u8), ((1,), f32), ((1,), f32)]
-    if emulate:  # dequantised values (every block-scaled kind when its GEMM is emulated)
-        return [((n, k), f32), ((0,), f32), ((k, n), f32), ((0,), f32), ((0,), f32)]
-    rows = block_rows
-    s, s_t = (-(-n // rows), -(-k // 128)), (-(-k // rows), -(-n // 128))
-    return [((n, k), u8), (s, f32), ((k, n), u8), (s_t, f32), ((0,), f32)]
-
-
-def check_weight_operand(
-    p: str, recipe: str, weight: Tensor, block_rows: int, emulate: bool, tensors, shapes=None
-) -> None:
-    """The pre-quantised weight ``tensors`` (five, or all None) of a family op whose weight is
-    ``weight`` (``[N, K]``, or ``[G, N, K]``: then each tensor has the leading ``G``).
-    ``shapes``: the five ``(shape, dtype)`` the tensors must have, where a family lays them out
-    otherwise (the grouped family: ``functional.grouped_weight``)."""
-    given = [t is not None for t in tensors]
-    if not any(given):
-        return
-    if not all(given):
-        raise ValueError(p + f"the pre-quantised weight is all of {WEIGHT_OPERAND} or none")
-    if not recipe:
-        raise ValueError(p + "a pre-quantised weight needs a quantised recipe (recipe is '')")
-    maker = "quantize_weight"
-    if shapes is None:
-        *lead, n, k = weight.shape
-        per_weight = _weight_shapes(recipe, n, k, block_rows, emulate)
-        shapes = [((*lead, *shape), dtype) for shape, dtype in per_weight]
-    else:
-        maker = "quantize_grouped_weight"
-    for name, t, (want, dtype) in zip(WEIGHT_OPERAND, tensors, shapes, strict=True):
-        codes = dtype is torch.uint8 and t.dtype in FP8_DTYPES
-        if tuple(t.shape) != tuple(want) or not (t.dtype is dtype or codes):
-            raise ValueError(
-                p + f"{name} must be {dtype} {list(want)} for recipe {recipe!r} (emulate="
-                f"{emulate}) and weight {list(weight.shape)}, got {t.dtype} {list(t.shape)} "
-                f"(make it with te_compile.functional.{maker})"
-            )
-
-
-def weight_operand(tensors, fp8_dtype: torch.dtype) -> Operand:
-    """The :class:`Operand` of the five pre-quantised tensors (codes viewed as ``fp8_dtype``)."""
-    data, scale, data_t, scale_t, amax = tensors
-    if data.dtype is torch.uint8:
-        data, data_t = data.view(fp8_dtype), data_t.view(fp8_dtype)
-    return Operand(data, scale, data_t, scale_t, amax)
-
-
-def check_weight_spec(p: str, spec: str, scale: Tensor | None) -> QuantSpec:
-    """The weight spec of a weight cast (a quantised kind) with its delayed scales ``[3]``."""
-    w = parse(QuantSpec, spec, p + "spec")
-    if not w.kind:
-        raise ValueError(p + "spec must be a quantised kind, got ''")
-    check_specs(p, {"spec": w}, scale)
-    return w
-
-
-def _quantize_weight_impl(weight, spec, scale) -> list[Tensor]:
-    p = "te.quantize_weight: "
-    w = check_weight_spec(p, spec, scale)
-    if weight.dim() != 2 or weight.dtype not in HIGH_DTYPES + (torch.float64,):
-        raise ValueError(
-            p + f"weight must be a 2-D floating tensor, got {weight.dim()}-D {weight.dtype}"
-        )
-    q = quantize_operand(w, weight, scale=scale_slots(scale, w.kind)[1])
-    data, data_t = (t.view(torch.uint8) if t.dtype in FP8_DTYPES else t for t in (q.data, q.data_t))
-    # Fresh outputs (an op's outputs may not alias): per tensor, the copies share one scale;
-    # 128x128 blocks give data_t and scale_t as transposed views of data and scale.
-    fmt = torch.contiguous_format
-    if w.kind == "block" and w.block_rows == 128 and not w.emulate:
-        data_t = data_t.clone(memory_format=fmt)
-    scale_t = q.scale_t.clone(memory_format=fmt)  # a few bytes
-    amax = q.amax if w.kind in PER_TENSOR else weight.new_empty(0, dtype=torch.float32)
-    return [data, q.scale, data_t, scale_t, amax]
-
-
-def _quantize_weight_samples(device: torch.device):
-    def w(n, k, dtype=torch.bfloat16):
-        return torch.randn(n, k, device=device, dtype=dtype)
-
-    yield SampleInput((w(32, 16), "current:e4m3", None))
-    scale = torch.tensor([8.0, 16.0, 1.0], device=device)
-    yield SampleInput((w(16, 48, torch.float32), "delayed:e4m3", scale))
-    yield SampleInput((w(512, 512), "block:e4m3:128x128", None))
-    yield SampleInput((w(32, 256), "block:e4m3:p2", None))
-    yield SampleInput((w(64, 32), "mxfp8:e4m3:emulate", None))
-    yield SampleInput((w(32, 48), "nvfp4:emulate", None))
-    yield SampleInput((w(32, 48), "nvfp4:16x16:emulate:4over6=MSE/256", None))
-
-
-@op("quantize_weight", sample_inputs=_quantize_weight_samples)
-def quantize_weight_op(weight: Tensor, spec: str, scale: Tensor | None) -> list[Tensor]:
-    """``te::quantize_weight``: :func:`quantize_weight` without the argument checks."""
-    return _quantize_weight_impl(weight, spec, scale)
-
-
-def quantize_weight(
-    weight: Tensor, spec: str | QuantSpec, scale: Tensor | None = None
-) -> list[Tensor]:
-    """``weight`` ``[N, K]`` as the family ops' pre-quantised weight operand (module docstring):
-    ``[data, scale, data_t, scale_t, amax]``, quantised as the op would quantise it inside with
-    the weight spec ``spec`` (``functional.spec.QuantSpec``; ``scale``: the GEMM's delayed
-    scales ``[3]``, whose weight slot is used, with a ``"delayed"`` spec).
-    ``te::quantize_weight`` after the checks of its arguments (the dispatcher's type errors
-    would not name them)."""
-    return quantize_weight_op(*checked_weight_cast("te.quantize_weight", weight, spec, scale))
-
-
-def checked_weight_cast(
-    owner: str, weight: Tensor, spec: str | QuantSpec, scale: Tensor | None
-) -> tuple[Tensor, str, Tensor | None]:
-    """The arguments of a weight cast op (``te::quantize_weight``, ``te::quantize_grouped_weight``)
-    checked by name, the spec as its string."""
-    check_tensor(owner, "weight", weight)
-    check_tensors(owner, scale=scale)
-    if not isinstance(spec, (str, QuantSpec)):
-        raise TypeError(f"{owner}: spec must be a QuantSpec or its str, got {spec!r}")
-    return weight, spec.encode() if isinstance(spec, QuantSpec) else spec, scale
-
-
-@quantize_weight_op.register_fake
-def _quantize_weight_fake(weight, spec, scale):
-    w = check_weight_spec("te.quantize_weight: ", spec, scale)
-    if weight.dim() != 2:
-        raise ValueError("te.quantize_weight: needs a 2-D weight")
-    n, k = weight.shape
-    shapes = _weight_shapes(w.kind, n, k, w.block_rows, w.emulate)
-    return [weight.new_empty(shape, dtype=dtype) for shape, dtype in shapes]
 
 
 # GEMMs: one table, keyed by gemm_kind(recipe, emulate) ----------------------------------------
@@ -794,107 +622,6 @@ def accumulate_wgrad(main_grad: Tensor, dy: Tensor, x: Tensor) -> None:
         torch.addmm(main_grad, dy.t(), x, out_dtype=torch.float32, out=main_grad)
     else:
         main_grad.addmm_(dy.t().float(), x.float())
-
-
-# The definition of every kind's GEMM ----------------------------------------------------------
-
-
-def _fake_quant(x: Tensor, fp8_dtype: torch.dtype, scale: Tensor | None) -> Tensor:
-    """``dequantize(quantize(x))`` per tensor in ``x``'s dtype, straight-through gradient."""
-    q, s_inv, _ = quantize_per_tensor(x, fp8_dtype, scale)
-    return x + ((q.float() * s_inv).to(x.dtype) - x).detach()
-
-
-def _straight_through(x: Tensor, values: Tensor) -> Tensor:
-    """``values`` (``x``'s shape) in the forward, the identity's gradient to ``x``."""
-    return x + (values.to(x.dtype) - x).detach()
-
-
-class _FakeQuantGrad(torch.autograd.Function):
-    """Identity forward; the backward quantises the incoming gradient per tensor (current
-    scaling, or the given scale), as the backward GEMMs of the FP8 op see it."""
-
-    @staticmethod
-    def forward(ctx, y, fp8_dtype, scale):
-        ctx.fp8_dtype, ctx.scale = fp8_dtype, scale
-        return y.view_as(y)
-
-    @staticmethod
-    def backward(ctx, grad):
-        g = grad.reshape(-1, grad.shape[-1])
-        q, s_inv, _ = quantize_per_tensor(g, ctx.fp8_dtype, ctx.scale)
-        return (q.float() * s_inv).to(grad.dtype).reshape(grad.shape), None, None
-
-
-class _BlockReference(torch.autograd.Function):
-    """A block-scaled GEMM written out in the input's dtype (fp64 in the tests): autograd alone
-    cannot express it, since each backward GEMM quantises its operands along a different dim
-    than the forward did (``Q_K`` forward, ``Q_N`` for dgrad, ``Q_M`` for wgrad)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, specs, rng_state):
-        x_row, x_col_t = qdq_both(x, specs[0])
-        w_row, w_col_t = qdq_both(weight, specs[1])
-        ctx.save_for_backward(x_col_t, w_col_t, rng_state)
-        ctx.grad_spec = specs[2]
-        return x_row @ w_row.t()
-
-    @staticmethod
-    def backward(ctx, grad):
-        x_col_t, w_col_t, rng_state = ctx.saved_tensors
-        rng_state = rng_state if ctx.grad_spec.stochastic_rounding else None
-        g_row, g_col_t = qdq_both(grad, ctx.grad_spec, rng_state)
-        return g_row @ w_col_t.t(), g_col_t @ x_col_t.t(), None, None
-
-
-def as_specs(*specs: str | QuantSpec) -> tuple[QuantSpec, ...]:
-    """Spec objects of spec strings (or objects)."""
-    return tuple(s if isinstance(s, QuantSpec) else parse(QuantSpec, s) for s in specs)
-
-
-def quantized_linear_ref(
-    inp: Tensor,
-    weight: Tensor,
-    input_spec: str | QuantSpec = "",
-    weight_spec: str | QuantSpec = "",
-    grad_spec: str | QuantSpec = "",
-    scale: Tensor | None = None,
-    backward_override: str = "",
-    rng_state: Tensor | None = None,
-) -> Tensor:
-    """Definition of correctness of the GEMM of a recipe, differentiable: ``inp @ weight.T`` of
-    the quantised-dequantised operands in the input's dtype (fp64 in the tests), the incoming
-    gradient quantised on its way back as the backward GEMMs see it; the specs are those of the
-    family ops (``functional.spec.QuantSpec``). ``inp`` ``[..., K]``; ``scale`` ``[3]`` for
-    ``"delayed"``. ``backward_override`` (:data:`BACKWARD_OVERRIDES`): ``"high_precision"``,
-    the quantised forward's value with the gradients of ``inp @ weight.T``; ``"dequantized"``,
-    the gradients of the product of the forward's dequantised operands (straight through the
-    quantisation), the gradient not quantised. ``rng_state``: the stochastic rounding stream
-    of a gradient spec with ``sr`` (the op's)."""
-    x = inp.reshape(-1, inp.shape[-1])
-    specs = xs, ws, gs = as_specs(input_spec, weight_spec, grad_spec)
-    recipe = xs.kind
-    if recipe and backward_override == "high_precision":
-        quantized = quantized_linear_ref(x, weight, *specs, scale).detach()
-        high = x @ weight.t()
-        out = high + (quantized - high).detach()
-    elif recipe and backward_override == "dequantized":
-        s_x, s_w, _ = scale_slots(scale, recipe)
-        if recipe in PER_TENSOR:
-            xq, wq = _fake_quant(x, xs.fp8_dtype, s_x), _fake_quant(weight, ws.fp8_dtype, s_w)
-        else:
-            xq = _straight_through(x, qdq_both(x, xs)[0])
-            wq = _straight_through(weight, qdq_both(weight, ws)[0])
-        out = xq @ wq.t()
-    elif not recipe:
-        out = x @ weight.t()
-    elif recipe in PER_TENSOR:
-        s_x, s_w, s_g = scale_slots(scale, recipe)
-        w = _fake_quant(weight, ws.fp8_dtype, s_w)
-        out = _FakeQuantGrad.apply(_fake_quant(x, xs.fp8_dtype, s_x) @ w.t(), gs.fp8_dtype, s_g)
-    else:
-        out = _BlockReference.apply(x, weight, specs, rng_state)
-    return out.reshape(*inp.shape[:-1], weight.shape[0])
 
 
 class DeferredWgrad(NamedTuple):

@@ -1,5 +1,5 @@
 r"""The per-tensor FP8 grouped GEMMs (``"scaled_grouped_mm"`` of
-``grouped_linear.GROUPED_GEMMS``): current scaling with rowwise scales, delayed scaling per
+``grouped_linear_ops.GROUPED_GEMMS``): current scaling with rowwise scales, delayed scaling per
 tensor.
 
 The same math as the high-precision grouped GEMMs with the forward and the dgrad GEMMs in FP8

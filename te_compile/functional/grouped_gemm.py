@@ -1,6 +1,6 @@
-r"""The grouped GEMMs of the grouped linear family (``functional.grouped_linear``): the
+r"""The grouped GEMMs of the grouped linear family (``functional.grouped_linear_ops``): the
 splits, and the forward and backward of every group's GEMMs for the recipes other than the
-per-tensor ones (those are ``functional.grouped_fp8``). ``grouped_linear.GROUPED_GEMMS`` is the
+per-tensor ones (those are ``functional.grouped_fp8``). ``grouped_linear_ops.GROUPED_GEMMS`` is the
 table of them, keyed by the GEMM kind:
 
 =======================  ===================================================================
@@ -41,14 +41,14 @@ from torch import Tensor
 
 from te_compile._checks import shown
 from te_compile._numerics import acc_dtype
-from te_compile.functional.fake_quantize import qdq
+from te_compile.functional.fake_quantize_ops import qdq
 from te_compile.functional.gemm import (
     block_scaled_mm,
     empty,
     padded,
 )
 from te_compile.functional.quantize import quantize_blockwise
-from te_compile.functional.quantize_mx import NVFP4_BLOCK, nvfp4_qdq
+from te_compile.functional.quantize_mx_ref import NVFP4_BLOCK, nvfp4_qdq
 
 __all__ = [
     "GroupedRecipe",
@@ -73,7 +73,7 @@ _E4M3 = torch.float8_e4m3fn
 
 
 class GroupedRecipe(NamedTuple):
-    """A grouped linear op's specs as its GEMMs take them (``functional.grouped_linear`` makes
+    """A grouped linear op's specs as its GEMMs take them (``functional.grouped_linear_ops`` makes
     it from the three ``QuantSpec``s), with the delayed state, ``fp8_wgrad`` and the stochastic
     rounding stream."""
 
@@ -461,7 +461,7 @@ def _group_sums(grad: Tensor, m_splits: Tensor, groups: int, cuda: bool) -> Tens
     return out
 
 
-# The rows of grouped_linear.GROUPED_GEMMS (module docstring) ---------------------------------
+# The rows of grouped_linear_ops.GROUPED_GEMMS (module docstring) -----------------------------
 
 
 def high_precision_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):

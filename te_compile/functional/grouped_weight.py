@@ -1,15 +1,15 @@
 r"""The grouped linear family's pre-quantised weight: ``te::quantize_grouped_weight``.
 
-The dense families' design (``functional.gemm``, "Pre-quantised weights") for the grouped GEMM:
+The dense families' design (``functional.dense_weight``) for the grouped GEMM:
 ``te::grouped_linear_fwd`` may take its ``[G, N, K]`` weight already quantised, as the same five
-plain tensors (``weight_q``, ``functional.gemm.WEIGHT_OPERAND``), made by
+plain tensors (``weight_q``, ``functional.dense_weight.WEIGHT_OPERAND``), made by
 :func:`quantize_grouped_weight` with the very functions the forward casts with, so the bytes
 are those of the forward's own cast. The op then does not quantise ``weight`` (it still takes
 it: its shape, and its gradient) and saves the weight's dgrad copy for the backward from its
 inputs. ``GroupedLinear`` uses it to cast its weights once per optimizer step
 (``is_first_microbatch``, ``quantization.gemm``).
 
-The five tensors by the GEMM kind of the recipe (``grouped_linear.grouped_gemm_kind``):
+The five tensors by the GEMM kind of the recipe (``grouped_linear_args.grouped_gemm_kind``):
 
 =======================  ======================================================================
 kind                     ``weight_data``, ``weight_scale``, ``weight_data_t``,
@@ -37,13 +37,12 @@ import torch
 from torch import Tensor
 
 from te_compile._library import SampleInput, op
-from te_compile.functional.gemm import (
-    HIGH_DTYPES,
-    PER_TENSOR,
+from te_compile.functional.dense_weight import (
     check_weight_operand,
     check_weight_spec,
     checked_weight_cast,
 )
+from te_compile.functional.gemm import HIGH_DTYPES, PER_TENSOR
 from te_compile.functional.grouped_fp8 import per_tensor_weight
 from te_compile.functional.grouped_gemm import (
     GroupedRecipe,

@@ -74,35 +74,27 @@ Implementations: on CPU the reference math below (``*_ref``); on CUDA the Triton
 ``te_compile.kernels.quantize``, bit-identical to it (the kernel tests check it, under the
 interpreter on CPU). Input dtypes: fp32, bf16, fp16; ``out_dtype`` of dequantisation likewise.
 
-Public functions: :func:`quantize` (``recipe_kind`` "delayed", "current" or "block") returns
-a :class:`Quantized`, and :func:`dequantize` inverts it. Both dispatch through one table per
-direction (``_QUANTIZERS``, ``_DEQUANTIZERS``), so a new kind (MXFP8, NVFP4) is one entry each.
+Public functions over these ops and ``quantize_mx``'s (``te.quantize`` / ``te.dequantize``, one
+table per direction keyed by the recipe kind): ``functional.quantize_table``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from te_compile._checks import check_bool
 from te_compile._library import SampleInput, op
 from te_compile._numerics import div_rn, reciprocal_rn
-from te_compile.functional import quantize_mx
-from te_compile.kernels import tracing
+from te_compile.functional import quantize_mx_ref
 
 __all__ = [
     "FP8_DTYPES",
-    "Quantized",
     "check_fp8_gemm_dims",
-    "dequantize",
     "dequantize_blockwise_ref",
     "dequantize_tensorwise_ref",
-    "quantize",
     "quantize_blockwise_ref",
     "quantize_current_ref",
     "quantize_tensorwise_ref",
@@ -215,9 +207,9 @@ def _block_cast(
 
 def _per_element(scale: Tensor, m: int, k: int, block_rows: int) -> Tensor:
     """The ``[Mb, Kb]`` block scales spread over the ``[M, K]`` elements
-    (:func:`quantize_mx.spread_blocks`: not a broadcast over a padded, blocked view, which
+    (:func:`quantize_mx_ref.spread_blocks`: not a broadcast over a padded, blocked view, which
     Inductor's CPU generator miscompiles where ``M`` or ``K`` is not a multiple of the block)."""
-    spread = quantize_mx.spread_blocks
+    spread = quantize_mx_ref.spread_blocks
     return spread(spread(scale, 0, m, block_rows), 1, k, BLOCK)
 
 
@@ -652,243 +644,3 @@ def _dequantize_blockwise_fake(
     _check_dequantize("dequantize_blockwise", data, fp8_dtype, out_dtype)
     _check_block_scale_inv("dequantize_blockwise", data, scale_inv, block_rows)
     return data.new_empty(data.shape, dtype=out_dtype)
-
-
-# Public functions ----------------------------------------------------------------------------
-
-
-class Quantized(NamedTuple):
-    """A quantised tensor as plain tensors (never a tensor subclass).
-
-    ``data``: FP8, the input's shape. ``scale_inv``: what to multiply ``data`` by to
-    dequantise (``[1]`` per tensor; per block as in the module docstring). ``data_t`` and
-    ``scale_inv_t``: the columnwise ``[K, M]`` copy and its scales, None unless
-    ``columnwise=True`` (per-tensor kinds share ``scale_inv``: the same tensor). ``amax``:
-    ``[1]`` fp32 ``max|x|`` for the per-tensor kinds, None for "block". ``kind`` and
-    ``block_rows``: how it was made, which :func:`dequantize` dispatches on. For "mxfp8"
-    ``scale_inv`` holds the E8M0 block scales (uint8) and for "nvfp4" the E4M3 block scales,
-    with the per-tensor ``global_scale`` (``quantize_mx``'s layouts)."""
-
-    data: Tensor
-    scale_inv: Tensor
-    data_t: Tensor | None
-    scale_inv_t: Tensor | None
-    amax: Tensor | None
-    kind: str
-    block_rows: int = 1
-    global_scale: Tensor | None = None
-
-
-def _quantize_delayed(
-    x: Tensor,
-    *,
-    fp8_dtype: torch.dtype,
-    scale: Tensor | None,
-    block_rows: int,
-    power_2_scale: bool,
-    columnwise: bool,
-    amax_epsilon: float,
-) -> Quantized:
-    if scale is None:
-        raise ValueError(
-            'te.quantize: recipe_kind "delayed" needs scale= (a 1-element torch.float32 tensor, '
-            "the scale derived from the amax history)"
-        )
-    _check_scale_value(scale)
-    data, data_t, amax = quantize_tensorwise(x, scale, fp8_dtype, columnwise)
-    scale_inv = reciprocal_rn(scale.reshape(1))
-    t = (data_t, scale_inv) if columnwise else (None, None)
-    return Quantized(data, scale_inv, *t, amax, "delayed")
-
-
-def _check_scale_value(scale: Tensor) -> None:
-    """A given scale must be finite and > 0: 0 or inf would cast every value to 0 or to the
-    format's largest, NaN every value to NaN, a negative one flip the signs. One host read of a
-    1-element tensor: :func:`quantize` is a utility, not a step of the modules (their delayed
-    scales come from the amax history, which keeps a scale finite and > 0). Not while tracing
-    (``torch.compile``, fake tensors): there is no data to read, and the scale is not checked."""
-    if scale.numel() != 1 or torch.compiler.is_compiling() or tracing():
-        return  # a wrong shape is the op's to refuse, with its message
-    value = scale.detach().reshape(()).item()
-    if not 0 < value < math.inf:
-        raise ValueError(f"te.quantize: scale must be finite and > 0, got {value}")
-
-
-def _no_scale(kind: str, scale: Tensor | None) -> None:
-    if scale is not None:
-        raise ValueError(
-            f'te.quantize: scale= is only for recipe_kind "delayed"; "{kind}" computes its own'
-        )
-
-
-def _quantize_current(
-    x: Tensor,
-    *,
-    fp8_dtype: torch.dtype,
-    scale: Tensor | None,
-    block_rows: int,
-    power_2_scale: bool,
-    columnwise: bool,
-    amax_epsilon: float,
-) -> Quantized:
-    _no_scale("current", scale)
-    data, data_t, scale_inv, amax = quantize_current(
-        x, fp8_dtype, columnwise, amax_epsilon, power_2_scale
-    )
-    t = (data_t, scale_inv) if columnwise else (None, None)
-    return Quantized(data, scale_inv, *t, amax, "current")
-
-
-def _quantize_block(
-    x: Tensor,
-    *,
-    fp8_dtype: torch.dtype,
-    scale: Tensor | None,
-    block_rows: int,
-    power_2_scale: bool,
-    columnwise: bool,
-    amax_epsilon: float,
-) -> Quantized:
-    _no_scale("block", scale)
-    data, scale_inv, data_t, scale_inv_t = quantize_blockwise(
-        x, fp8_dtype, block_rows, power_2_scale, columnwise
-    )
-    t = (data_t, scale_inv_t) if columnwise else (None, None)
-    return Quantized(data, scale_inv, *t, None, "block", block_rows)
-
-
-def _bytes(data: Tensor) -> Tensor:
-    return data.view(torch.uint8)
-
-
-def _dequantize_tensorwise(q: Quantized, out_dtype: torch.dtype, columnwise: bool) -> Tensor:
-    data = q.data_t if columnwise else q.data
-    return dequantize_tensorwise(_bytes(data), q.scale_inv, data.dtype, out_dtype)
-
-
-def _dequantize_block(q: Quantized, out_dtype: torch.dtype, columnwise: bool) -> Tensor:
-    if columnwise:
-        data, scale_inv = q.data_t, q.scale_inv_t
-    else:
-        data, scale_inv = q.data, q.scale_inv
-    return dequantize_blockwise(_bytes(data), scale_inv, q.block_rows, data.dtype, out_dtype)
-
-
-# One entry per recipe kind and direction: a new kind (MXFP8, NVFP4) adds one to each.
-def _quantize_mxfp8(x: Tensor, *, fp8_dtype: torch.dtype, scale, columnwise, **_) -> Quantized:
-    _no_scale("mxfp8", scale)
-    data, s, data_t, s_t = quantize_mx.quantize_mxfp8(x, fp8_dtype, columnwise=columnwise)
-    t = (data_t, s_t) if columnwise else (None, None)
-    return Quantized(data, s, *t, None, "mxfp8", 1)
-
-
-def _quantize_nvfp4(x: Tensor, *, scale, columnwise, block_rows, four_over_six, **_) -> Quantized:
-    """1x16 blocks (``block_rows=1``: the op) or 16x16 tiles (16: every scale of a tile the
-    same, from the tile's amax), ``four_over_six``: 4over6 block scaling (tiles and 4over6: the
-    reference math, any device)."""
-    _no_scale("nvfp4", scale)
-    if block_rows not in (1, 16):
-        raise ValueError(
-            "te.quantize: block_rows must be 1 (1x16 blocks) or 16 (16x16 tiles) for 'nvfp4', "
-            f"got {block_rows}"
-        )
-    if four_over_six not in quantize_mx.FOUR_OVER_SIX:
-        raise ValueError(
-            f"te.quantize: four_over_six must be one of {quantize_mx.FOUR_OVER_SIX}, got "
-            f"{four_over_six!r}"
-        )
-    if block_rows == 16 or four_over_six:
-        quantize_mx.check_quantize_nvfp4(x, None, True, columnwise)
-        data, s, g, data_t, s_t = quantize_mx.quantize_nvfp4_ref(
-            x,
-            rowwise=True,
-            columnwise=columnwise,
-            tiles=block_rows == 16,
-            four_over_six=four_over_six,
-        )
-    else:
-        data, s, g, data_t, s_t = quantize_mx.quantize_nvfp4(x, columnwise=columnwise)
-    t = (data_t, s_t) if columnwise else (None, None)
-    return Quantized(data, s, *t, None, "nvfp4", block_rows, g)
-
-
-def _dequantize_mx(q: Quantized, out_dtype: torch.dtype, columnwise: bool) -> Tensor:
-    data, s = (q.data_t, q.scale_inv_t) if columnwise else (q.data, q.scale_inv)
-    if q.kind == "mxfp8":
-        return quantize_mx.dequantize_mxfp8(data, s, out_dtype)
-    return quantize_mx.dequantize_nvfp4(data, s, q.global_scale, out_dtype)
-
-
-_QUANTIZERS: dict[str, Callable[..., Quantized]] = {
-    "delayed": _quantize_delayed,
-    "current": _quantize_current,
-    "block": _quantize_block,
-    "mxfp8": _quantize_mxfp8,
-    "nvfp4": _quantize_nvfp4,
-}
-_DEQUANTIZERS: dict[str, Callable[[Quantized, torch.dtype, bool], Tensor]] = {
-    "delayed": _dequantize_tensorwise,
-    "current": _dequantize_tensorwise,
-    "block": _dequantize_block,
-    "mxfp8": _dequantize_mx,
-    "nvfp4": _dequantize_mx,
-}
-
-
-def quantize(
-    tensor: Tensor,
-    recipe_kind: str,
-    *,
-    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
-    scale: Tensor | None = None,
-    block_rows: int = 1,
-    power_2_scale: bool = False,
-    columnwise: bool = False,
-    amax_epsilon: float = 0.0,
-    four_over_six: str = "",
-) -> Quantized:
-    """Quantise ``tensor`` to FP8 with one recipe kind:
-
-    * ``"delayed"``: per-tensor with the given ``scale`` (1-element fp32); one read.
-    * ``"current"``: per-tensor with the scale from ``tensor``'s amax (``amax_epsilon``,
-      ``power_2_scale``); two reads.
-    * ``"block"``: ``block_rows x 128`` blocks (``block_rows`` 1 or 128; ``power_2_scale``).
-    * ``"mxfp8"``: 32-element blocks with E8M0 scales (``fp8_dtype`` elements).
-    * ``"nvfp4"``: E2M1 elements (two per byte), 16-element E4M3 block scales, a global scale;
-      ``four_over_six`` (``quantize_mx.FOUR_OVER_SIX``, ``""`` off): 4over6 block scaling.
-
-    ``columnwise=True`` also makes the ``[K, M]`` copy for the backward GEMMs. Returns a
-    :class:`Quantized`; :func:`dequantize` inverts it. ``scale`` must be finite and > 0 (read
-    on the host in eager; not checked while ``torch.compile`` traces)."""
-    check_bool("te.quantize", power_2_scale=power_2_scale, columnwise=columnwise)
-    quantizer = _QUANTIZERS.get(recipe_kind)
-    if quantizer is None:
-        raise ValueError(
-            f"te.quantize: recipe_kind must be one of {sorted(_QUANTIZERS)}, got {recipe_kind!r}"
-        )
-    if four_over_six and recipe_kind != "nvfp4":
-        raise ValueError(
-            f"te.quantize: four_over_six is for recipe_kind='nvfp4', got {recipe_kind!r}"
-        )
-    extra = {"four_over_six": four_over_six} if recipe_kind == "nvfp4" else {}
-    return quantizer(
-        tensor,
-        fp8_dtype=fp8_dtype,
-        scale=scale,
-        block_rows=block_rows,
-        power_2_scale=power_2_scale,
-        columnwise=columnwise,
-        amax_epsilon=amax_epsilon,
-        **extra,
-    )
-
-
-def dequantize(q: Quantized, out_dtype: torch.dtype, *, columnwise: bool = False) -> Tensor:
-    """``q``'s values in ``out_dtype`` (fp32, bf16 or fp16): ``data``'s shape, or with
-    ``columnwise=True`` the ``[K, M]`` copy ``data_t``'s."""
-    check_bool("te.dequantize", columnwise=columnwise)
-    if columnwise and q.data_t is None:
-        raise ValueError(
-            "te.dequantize: columnwise=True needs q.data_t (quantize(..., columnwise=True))"
-        )
-    return _DEQUANTIZERS[q.kind](q, out_dtype, columnwise)

@@ -95,7 +95,7 @@ class QuantSpec:
     same for all operands of a GEMM); NVFP4's options: ``rht`` (the random Hadamard transform
     of the columnwise copy: input and gradient together), ``stochastic_rounding`` (gradient),
     ``row_scaled`` (a global scale per row: input), ``four_over_six`` (4over6 block scaling:
-    input, weight; ``functional.quantize_mx.FOUR_OVER_SIX``)."""
+    input, weight; ``functional.quantize_mx_ref.FOUR_OVER_SIX``)."""
 
     kind: str = _choice("", _names("current", "delayed", "block", "mxfp8", "nvfp4"))
     fp8_dtype: torch.dtype = _choice(_E4M3, {"e4m3": _E4M3, "e5m2": _E5M2})  # noqa: RUF009

@@ -653,7 +653,7 @@ def act_quantize(
     ``[M_OUT, 2N]``, both halves under one scale, from one read of ``z`` and ``grad``.
     ``scale=None``: current scaling (two passes), else the 1-element delayed scale (one pass).
     ``dbias`` (with ``need_dbias``, backward only): fp32 column sums of the unrounded gradient,
-    cast to ``bias``'s dtype. Arguments are trusted (``functional.mlp`` checks them)."""
+    cast to ``bias``'s dtype. Arguments are trusted (``functional.mlp_ops`` checks them)."""
     fn, gated = _activation_fn("act_quantize", activation)
     cfg = config or QuantizeLaunchConfig()
     return _per_tensor(
@@ -721,7 +721,7 @@ def norm_quantize(
     dtype. Current scaling (``scale=None``): a statistics pass that also takes the amax
     (``kernels.norm.norm_stats``), then the cast; delayed scaling: the statistics, then a cast
     that folds the amax. Two reads of ``x`` against a read, a write and two reads of a tensor
-    of its size unfused. Arguments are trusted (``functional.linear`` checks them)."""
+    of its size unfused. Arguments are trusted (``functional.linear_ops`` checks them)."""
     cfg = config or QuantizeLaunchConfig()
     # Current scaling: the statistics pass takes the amax (delayed: the cast folds it).
     amax = amax_bits(x.device) if scale is None else None

@@ -1,4 +1,4 @@
-r"""Triton kernel for dropout (``te_compile.functional.dropout``): Philox4x32-10 in registers.
+r"""Triton kernel for dropout (``te_compile.functional.dropout_ops``): Philox4x32-10 in registers.
 
 One program handles ``BLOCK`` consecutive elements of the flattened, contiguous tensor: it
 evaluates Philox for the ``BLOCK / 4`` counters :math:`g = \lfloor i/4 \rfloor` of its elements

@@ -48,7 +48,6 @@ _NUM_WARPS = 8
 # the largest power of two below it = OCP's emax_elem).
 _E4M3 = (3, -6, 448.0, 8)
 _E5M2 = (2, -14, 57344.0, 15)
-_E2M1 = (1, 0, 6.0, 2)
 _FP8_FORMATS = {torch.float8_e4m3fn: _E4M3, torch.float8_e5m2: _E5M2}
 FP32_MAX = 3.4028234663852886e38
 

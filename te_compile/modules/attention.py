@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from te_compile._checks import check_bool, check_int, check_positive_finite
 from te_compile.functional import attention_args as A
 from te_compile.functional.attention import dot_product_attention
-from te_compile.functional.dropout import new_rng_state
+from te_compile.functional.dropout_ops import new_rng_state
 from te_compile.modules._common import check_choice, check_positive, check_rng_tracker, rng_fork
 from te_compile.quantization.te_extra_state import accept_te_extra_state
 

@@ -8,7 +8,7 @@ Parameters: ``layer_norm_weight`` (and ``layer_norm_bias`` for LayerNorm), ``fc1
 activation input, second half: linear input, as in Transformer Engine), ``fc1_bias``,
 ``fc2_weight`` ``[hidden_size, ffn_hidden_size]``, ``fc2_bias``.
 
-One op for the block, ``te::mlp_fwd`` (``functional.mlp``), under FP8 with the norm as its
+One op for the block, ``te::mlp_fwd`` (``functional.mlp_ops``), under FP8 with the norm as its
 prologue (without tensor parallelism and ``return_layernorm_output``), the autocast recipe as
 data:
 FC1 runs without its bias, the activation adds it (and returns ``dbias`` from its backward's

@@ -49,7 +49,6 @@ __all__ = ["MultiheadAttention"]
 
 ATTENTION_TYPES = ("self", "cross")
 QK_NORM_TYPES = (None, "RMSNorm", "LayerNorm", "L2Normalization")
-_UNSUPPORTED_FORWARD = ("inference_params",)
 
 
 def check_probability(owner: str, name: str, p: object) -> None:

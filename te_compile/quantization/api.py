@@ -5,9 +5,9 @@
 modules do: the element format (forward format for inputs and weights, backward format for
 gradients under ``Format.HYBRID``), per-tensor delayed (``scale=`` required: the scale the
 amax history gives) or current scaling, 1x128 / 128x128 FP8 blocks (``*_block_scaling_dim``),
-MXFP8 32-element blocks, NVFP4. The result is a :class:`~te_compile.functional.quantize.Quantized`
-of plain tensors (data and scales; ``columnwise=True`` adds the transposed copy a backward GEMM
-needs); ``dequantize`` inverts it.
+MXFP8 32-element blocks, NVFP4. The result is a
+:class:`~te_compile.functional.quantize_table.Quantized` of plain tensors (data and scales;
+``columnwise=True`` adds the transposed copy a backward GEMM needs); ``dequantize`` inverts it.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from te_compile._checks import check_dtype, check_tensor
-from te_compile.functional import quantize as _q
+from te_compile.functional import quantize_table as _q
 from te_compile.quantization.gemm import ROLES, recipe_specs
 from te_compile.quantization.recipe import Recipe
 

@@ -340,7 +340,7 @@ _4OVER6_ROLES = {"none": (), "weights": ("weight",), "activations": ("input",),
 
 
 def _four_over_six(recipe: Recipe, role: str) -> str:
-    """The 4over6 setting (``functional.quantize_mx.FOUR_OVER_SIX``) of ``role`` under the
+    """The 4over6 setting (``functional.quantize_mx_ref.FOUR_OVER_SIX``) of ``role`` under the
     NVFP4 ``recipe``: ``""`` outside ``nvfp4_4over6``'s scope, else its error metric and the
     E4M3 bound of the global scale (256 inside ``nvfp4_4over6_e4m3_use_256``'s scope)."""
     if role not in _4OVER6_ROLES[recipe.nvfp4_4over6]:

@@ -16,7 +16,7 @@ import torch.utils.checkpoint
 
 import te_compile as te
 from te_compile.functional import attention_cuda
-from te_compile.functional.dropout import dropout_mask
+from te_compile.functional.dropout_ops import dropout_mask
 from tests.utils import (
     assert_close,
     assert_matches_eager,

@@ -16,7 +16,7 @@ from te_compile import functional as F
 from te_compile import ops
 from tests.utils import DEVICES, assert_bits_equal
 
-D = importlib.import_module("te_compile.functional.dropout")
+D = importlib.import_module("te_compile.functional.dropout_ops")
 
 
 def _state(seed, offset, device="cpu"):

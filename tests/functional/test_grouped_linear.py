@@ -19,7 +19,7 @@ from tests.utils import (
 )
 
 # ``te_compile.functional.grouped_linear`` is the public function; the modules hold the helpers.
-GL = importlib.import_module("te_compile.functional.grouped_linear")
+GL = importlib.import_module("te_compile.functional.grouped_linear_ops")
 GG = importlib.import_module("te_compile.functional.grouped_gemm")
 # The backward op's rng_state and strings in high precision (no stream, "" specs, backward "").
 _HP = (None, "", "", "", "")

@@ -23,7 +23,7 @@ from tests.utils import (
 
 # The modules, not the function of the same name that te_compile.functional exports.
 GF = importlib.import_module("te_compile.functional.grouped_fp8")
-GL = importlib.import_module("te_compile.functional.grouped_linear")
+GL = importlib.import_module("te_compile.functional.grouped_linear_ops")
 
 
 def grouped_linear_fp8(x, s, w, b=None, **kw):

@@ -16,7 +16,7 @@ import torch
 import te_compile as te
 import te_compile.functional as tef
 from te_compile import functional as F
-from te_compile.functional.gemm import quantized_linear_ref
+from te_compile.functional.gemm_ref import quantized_linear_ref
 from tests.utils import (
     DEVICES,
     assert_close,

@@ -1,5 +1,5 @@
 """NVFP4's 4over6 adaptive block scaling (``NVFP4BlockScaling(nvfp4_4over6=...)``,
-``functional.quantize_mx.nvfp4_qdq``'s ``four_over_six``, ``te::linear``'s ``input_4over6`` /
+``functional.quantize_mx_ref.nvfp4_qdq``'s ``four_over_six``, ``te::linear``'s ``input_4over6`` /
 ``weight_4over6``) against a float64 reference of the quantiser, per error metric and scope."""
 
 from __future__ import annotations
@@ -9,8 +9,12 @@ import torch
 
 import te_compile as te
 from te_compile import functional as F
-from te_compile.functional.gemm import quantized_linear_ref
-from te_compile.functional.quantize_mx import dequantize_nvfp4_ref, nvfp4_qdq, quantize_nvfp4_ref
+from te_compile.functional.gemm_ref import quantized_linear_ref
+from te_compile.functional.quantize_mx_ref import (
+    dequantize_nvfp4_ref,
+    nvfp4_qdq,
+    quantize_nvfp4_ref,
+)
 from tests.utils import assert_close, compile_counted, to_reference, with_specs
 
 E4M3 = torch.float8_e4m3fn

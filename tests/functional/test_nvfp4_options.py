@@ -1,6 +1,6 @@
 """NVFP4's recipe options in the emulated GEMMs: 16x16 weight tiles, the random Hadamard
 transform of the wgrad GEMM's operands, stochastic rounding of the gradient, row-scaled
-activations (``functional.quantize_mx.nvfp4_qdq``, ``te::linear``'s ``weight_block_rows=16``,
+activations (``functional.quantize_mx_ref.nvfp4_qdq``, ``te::linear``'s ``weight_block_rows=16``,
 ``rht``, ``stochastic_rounding``, ``row_scaled``), against float64 references."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 
 import te_compile as te
 from te_compile import functional as F
-from te_compile.functional.gemm import quantized_linear_ref
-from te_compile.functional.quantize_mx import (
+from te_compile.functional.gemm_ref import quantized_linear_ref
+from te_compile.functional.quantize_mx_ref import (
     RHT_SIGNS,
     dequantize_nvfp4_ref,
     nvfp4_qdq,
@@ -364,7 +364,7 @@ def test_grouped_linear_is_per_expert_dense_under_the_default_recipe():
     out = F.grouped_linear(x.detach(), splits, w3, **with_specs(**kw))
     (da,) = torch.autograd.grad(out, (w3,), dy)
     from te_compile.functional.grouped_gemm import GroupedRecipe
-    from te_compile.functional.grouped_linear import _RefNVFP4
+    from te_compile.functional.grouped_linear_ops import _RefNVFP4
 
     r = GroupedRecipe("nvfp4", E4M3, E4M3, weight_block_rows=16, rht=True, rng_state=state,
                       input_4over6="MAE:256", weight_4over6="MAE:256")  # fmt: skip

@@ -18,6 +18,7 @@ import torch
 import te_compile as te
 from te_compile import _library
 from te_compile.functional import quantize as Q
+from te_compile.functional import quantize_table as QT
 from tests.utils import (
     DEVICES,
     assert_bits_equal,
@@ -192,18 +193,18 @@ def test_layouts(device):
     """Leading dims flatten into M; per-tensor scales are [1]; blockwise scale_inv is
     [ceil(M / block_rows), ceil(K / 128)] and scale_inv_t is the same for x^T."""
     x = _rand((3, 50, 129), torch.bfloat16, device)  # M = 150, K = 129
-    q = Q.quantize(x, "current", fp8_dtype=E5M2, columnwise=True)
+    q = QT.quantize(x, "current", fp8_dtype=E5M2, columnwise=True)
     assert q.data.shape == x.shape and q.data_t.shape == (129, 150)
     assert q.scale_inv.shape == (1,) and q.amax.shape == (1,)
     assert q.scale_inv_t is q.scale_inv
     assert torch.equal(q.data_t.view(torch.uint8), q.data.reshape(150, 129).t().view(torch.uint8))
     for block_rows, shape, shape_t in [(1, (150, 2), (129, 2)), (128, (2, 2), (2, 2))]:
-        q = Q.quantize(x, "block", block_rows=block_rows, columnwise=True)
+        q = QT.quantize(x, "block", block_rows=block_rows, columnwise=True)
         assert q.data.shape == x.shape and q.data_t.shape == (129, 150)
         assert q.scale_inv.shape == shape and q.scale_inv_t.shape == shape_t
         assert q.scale_inv.dtype == q.scale_inv_t.dtype == torch.float32
         assert q.amax is None and q.kind == "block" and q.block_rows == block_rows
-    q = Q.quantize(x, "block")
+    q = QT.quantize(x, "block")
     assert q.data_t is None and q.scale_inv_t is None
     for t in (q.data, q.scale_inv):
         assert t.is_contiguous()
@@ -237,10 +238,10 @@ def test_round_trip_error_within_format_precision(kind, fp8, device):
         kwargs["scale"] = torch.tensor([_fmax(fp8) / x.abs().max().item() / 2], device=device)
     elif kind.startswith("block"):
         kwargs["block_rows"] = int(kind.split("-")[1])
-    q = Q.quantize(x, kind.split("-")[0], **kwargs)
+    q = QT.quantize(x, kind.split("-")[0], **kwargs)
     for columnwise in (False, True):
         ref = (x.t() if columnwise else x).cpu()
-        out = Q.dequantize(q, torch.float32, columnwise=columnwise).cpu()
+        out = QT.dequantize(q, torch.float32, columnwise=columnwise).cpu()
         s = (q.scale_inv_t if columnwise else q.scale_inv).cpu()
         if kind.startswith("block"):
             s = _expand(s, q.block_rows, *ref.shape)
@@ -339,10 +340,10 @@ def test_tiny_amax_gives_flt_max_scale(fp8, device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_power_of_two_scales_are_exact(device):
     x = _rand((5, 300), torch.float32, device, std=3.0)
-    q = Q.quantize(x, "block", power_2_scale=True)
+    q = QT.quantize(x, "block", power_2_scale=True)
     exponents = torch.frexp(q.scale_inv)[0]
     assert (exponents == 0.5).all()  # mantissa 1: powers of two
-    q = Q.quantize(x, "current", power_2_scale=True)
+    q = QT.quantize(x, "current", power_2_scale=True)
     assert torch.frexp(q.scale_inv)[0].item() == 0.5
 
 
@@ -356,7 +357,7 @@ def test_any_k_quantises(k, device):
         ("block", {"block_rows": 1}),
         ("block", {"block_rows": 128}),
     ]:
-        q = Q.quantize(x, kind, columnwise=True, **kwargs)
+        q = QT.quantize(x, kind, columnwise=True, **kwargs)
         assert q.data.shape == (6, k) and q.data_t.shape == (k, 6)
 
 
@@ -380,9 +381,9 @@ def _quantize_all(x, scale):
         ("block", {"block_rows": 1}),
         ("block", {"block_rows": 128, "power_2_scale": True}),
     ]:
-        q = Q.quantize(x, kind, columnwise=True, **kwargs)
+        q = QT.quantize(x, kind, columnwise=True, **kwargs)
         outs += [t for t in q[:5] if t is not None]
-        outs += [Q.dequantize(q, torch.bfloat16), Q.dequantize(q, torch.float32, columnwise=True)]
+        outs += [QT.dequantize(q, torch.bfloat16), QT.dequantize(q, torch.float32, columnwise=True)]
     return outs
 
 
@@ -416,9 +417,9 @@ def test_compiled_static_shape_of_partial_blocks_equals_eager(device, block_rows
     once split such loops by the block size and left the tail unwritten."""
 
     def fn(x):
-        q = Q.quantize(x, "block", columnwise=True, block_rows=block_rows)
+        q = QT.quantize(x, "block", columnwise=True, block_rows=block_rows)
         outs = [t for t in q[:5] if t is not None]
-        deq = Q.dequantize(q, torch.float32), Q.dequantize(q, torch.float32, columnwise=True)
+        deq = QT.dequantize(q, torch.float32), QT.dequantize(q, torch.float32, columnwise=True)
         return outs + list(deq)
 
     x = _rand((130, 200), torch.float32, device)
@@ -538,43 +539,43 @@ BAD_INPUTS = [
     (
         "unknown recipe kind",
         "quantize",
-        lambda: Q.quantize(_x(4, 8), "mxfp9"),
+        lambda: QT.quantize(_x(4, 8), "mxfp9"),
         "recipe_kind must be one of ['block', 'current', 'delayed', 'mxfp8', 'nvfp4'], got 'mxfp9'",
     ),
     (
         "delayed without scale",
         "quantize",
-        lambda: Q.quantize(_x(4, 8), "delayed"),
+        lambda: QT.quantize(_x(4, 8), "delayed"),
         'recipe_kind "delayed" needs scale=',
     ),
     (
         "scale with current",
         "quantize",
-        lambda: Q.quantize(_x(4, 8), "current", scale=_ONE),
+        lambda: QT.quantize(_x(4, 8), "current", scale=_ONE),
         'scale= is only for recipe_kind "delayed"',
     ),
     (
         "columnwise dequantize without data_t",
         "dequantize",
-        lambda: Q.dequantize(Q.quantize(_x(4, 8), "current"), torch.float32, columnwise=True),
+        lambda: QT.dequantize(QT.quantize(_x(4, 8), "current"), torch.float32, columnwise=True),
         "columnwise=True needs q.data_t",
     ),
     (
         "columnwise not a bool",
         "quantize",
-        lambda: Q.quantize(_x(4, 8), "current", columnwise="yes"),
+        lambda: QT.quantize(_x(4, 8), "current", columnwise="yes"),
         "columnwise must be a bool (True or False), got 'yes'",
     ),
     (
         "power_2_scale not a bool",
         "quantize",
-        lambda: Q.quantize(_x(4, 8), "block", power_2_scale=1),
+        lambda: QT.quantize(_x(4, 8), "block", power_2_scale=1),
         "power_2_scale must be a bool (True or False), got 1",
     ),
     (
         "dequantize columnwise not a bool",
         "dequantize",
-        lambda: Q.dequantize(Q.quantize(_x(4, 8), "current"), torch.float32, columnwise="no"),
+        lambda: QT.dequantize(QT.quantize(_x(4, 8), "current"), torch.float32, columnwise="no"),
         "columnwise must be a bool (True or False), got 'no'",
     ),
     (
@@ -611,6 +612,6 @@ def test_quantize_refuses_a_scale_that_is_not_finite_and_positive(value):
     scale = torch.tensor([value])
     message = rf"te\.quantize: scale must be finite and > 0, got {value}"
     with pytest.raises(ValueError, match=message):
-        Q.quantize(_x(4, 8), "delayed", scale=scale)
+        QT.quantize(_x(4, 8), "delayed", scale=scale)
     with pytest.raises(ValueError, match=message):
         te.quantize(_x(4, 8), te.recipe.DelayedScaling(), scale=scale)

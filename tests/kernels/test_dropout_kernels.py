@@ -1,5 +1,5 @@
 """The dropout Triton kernel (``te_compile.kernels.dropout``) against the CPU implementation of
-``te_compile.functional.dropout``, bit for bit: the Philox words (64-bit seeds and offsets,
+``te_compile.functional.dropout_ops``, bit for bit: the Philox words (64-bit seeds and offsets,
 sizes that are not a multiple of 4 or of the block) and the outputs (every dtype, special
 values, p = 0 and 1). Run on CUDA, or on CPU tensors with ``TRITON_INTERPRET=1``."""
 
@@ -13,7 +13,7 @@ import torch
 from tests.utils import TRITON_DEVICE, assert_bits_equal, requires_triton
 
 kernels = pytest.importorskip("te_compile.kernels.dropout")
-ref = importlib.import_module("te_compile.functional.dropout")
+ref = importlib.import_module("te_compile.functional.dropout_ops")
 
 pytestmark = [pytest.mark.triton, requires_triton]
 

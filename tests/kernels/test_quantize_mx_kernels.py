@@ -1,5 +1,5 @@
 """The MXFP8 / NVFP4 Triton kernels (``te_compile.kernels.quantize_mx``) against the CPU
-reference of ``te_compile.functional.quantize_mx``, bit for bit, through their launch wrappers.
+reference of ``te_compile.functional.quantize_mx_ref``, bit for bit, through their launch wrappers.
 
 Run on CUDA, or on CPU tensors with ``TRITON_INTERPRET=1`` (small sizes). Shapes reach the
 masking paths of the 64 x 64 tiles: single elements, partial blocks (K or M not a multiple of
@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from te_compile.functional import quantize_mx as ref
+from te_compile.functional import quantize_mx_ref as ref
 from tests.utils import TRITON_DEVICE, requires_triton
 
 kernels = pytest.importorskip("te_compile.kernels.quantize_mx")

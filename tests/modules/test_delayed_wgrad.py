@@ -301,7 +301,7 @@ def test_grouped_linear_main_grad():
 
 
 def _stash_calls():
-    from te_compile.functional.linear import _Args
+    from te_compile.functional.linear_args import _Args
 
     x, w, b = torch.randn(2, 8, 32), torch.randn(16, 32), torch.randn(16)
     for t in (x, w, b):

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import te_compile as te
 from te_compile import ops
-from te_compile.functional.gemm import quantized_linear_ref
+from te_compile.functional.gemm_ref import quantized_linear_ref
 from te_compile.quantization import (
     DelayedScaling,
     Float8BlockScaling,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import te_compile as te
-from te_compile.functional.gemm import quantized_linear_ref
+from te_compile.functional.gemm_ref import quantized_linear_ref
 from te_compile.quantization import (
     DelayedScaling,
     Float8BlockScaling,

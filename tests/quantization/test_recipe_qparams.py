@@ -15,7 +15,7 @@ import torch
 
 import te_compile as te
 from te_compile import functional as F
-from te_compile.functional.gemm import quantized_linear_ref
+from te_compile.functional.gemm_ref import quantized_linear_ref
 from te_compile.quantization import Float8CurrentScaling, NVFP4BlockScaling, QParams
 from te_compile.quantization.gemm import recipe_specs
 from tests.utils import assert_close, compile_counted, to_reference, with_specs

@@ -12,7 +12,7 @@ bit for bit (their formats are exact definitions).
 :data:`REFERENCES` maps each forward op of :data:`FAMILIES` to its reference;
 ``tests/test_registry.py`` checks that every such op has one and compares the op with it.
 Shared pieces: dropout's keep mask is the library's Philox stream
-(``functional.dropout.dropout_mask``, an input of the definition, not math).
+(``functional.dropout_ops.dropout_mask``, an input of the definition, not math).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from te_compile.functional.dropout import dropout_mask
+from te_compile.functional.dropout_ops import dropout_mask
 
 FAMILIES = ("norm", "activation", "quantize", "quantize_mx", "attention", "fused_norm")
 

@@ -9,7 +9,7 @@ first), ``fc2_weight`` ``[out, ffn]``. ``epilogue``: the activation as an ``Epil
 string (``functional.spec``: ``act`` with clamped SwiGLU's ``limit``, ``alpha``, ``offset``).
 The specs (``input_spec``, ``weight_spec``, ``grad_spec``: the activation is quantised as an
 input, its gradient as a gradient) and the prologue (``norm``, ``norm_weight``,
-``norm_bias``) are the linear family's (``functional.linear``), without NVFP4's options; the
+``norm_bias``) are the linear family's (``functional.linear_ops``), without NVFP4's options; the
 delayed state is per GEMM: ``scale1`` / ``scale2`` ``[3]``, ``grad_amax1`` / ``grad_amax2``
 ``[1]``.
 
@@ -33,12 +33,16 @@ them, ``[M / 128, K]``), high precision ``[norm output (with a norm), z, h]``; t
 ``mean, rsigma``, then for the per-tensor recipes ``[amax(X), amax(W_1), amax(h),
 amax(W_2)]`` (fp32).
 
-Pre-quantised weights (``functional.gemm``, "Pre-quantised weights"): ``fc1_weight_q`` and
+Pre-quantised weights (``functional.dense_weight``): ``fc1_weight_q`` and
 ``fc2_weight_q``, the last arguments, each None or a weight's five tensors
 (``te::quantize_weight``'s); a given weight is not quantised, its transposed copy is saved from
 the input (``saved`` then holds no copy of it) and its gradient still computed.
 ``main_grad1`` / ``main_grad2`` (fp32, the weights' shapes; ``fuse_wgrad_accumulation``): the
 backward op adds the weight's gradient into it, as ``te::linear`` into its ``main_grad``.
+
+This file holds the ops (reference, schemas, fakes, autograd) and the public function; beside
+it, ``mlp_args.py`` (the arguments and their checks) and ``mlp_samples.py`` (the registry
+test's sample inputs).
 """
 
 from __future__ import annotations
@@ -51,29 +55,20 @@ import torch
 from torch import Tensor
 
 from te_compile._checks import check_bool, check_required, check_same_device
-from te_compile._library import SampleInput, differentiable, op
+from te_compile._library import differentiable, op
 from te_compile.functional.activation import (
-    ACTIVATIONS,
     CLAMPED_SWIGLU_DEFAULTS,
     GATED_ACTIVATIONS,
     activation_backward,
     activation_forward,
     activation_ref,
-    check_gated_params,
     gated_activation_ref,
 )
+from te_compile.functional.dense_weight import check_weight_quantized, weight_operand
 from te_compile.functional.gemm import (
-    BLOCK_KINDS,
-    HIGH_DTYPES,
     PER_TENSOR,
-    WEIGHT_OPERAND,
     Operand,
-    as_specs,
-    blockwise_supported,
     check_gemm_args,
-    check_specs,
-    check_weight_operand,
-    check_weight_quantized,
     empty,
     fp8_bytes,
     fp8_codes,
@@ -84,80 +79,28 @@ from te_compile.functional.gemm import (
     pad_rows,
     padded,
     quantize_operand,
-    quantize_weight,
-    quantized_linear_ref,
     save_for_backward_except_written,
     scale_slots,
     unpad,
-    weight_operand,
     wgrad_gemm,
 )
+from te_compile.functional.gemm_ref import as_specs, quantized_linear_ref
+from te_compile.functional.mlp_args import _NORM_WEIGHT, _Args, _check
+from te_compile.functional.mlp_samples import _samples
 from te_compile.functional.prologue import (
     NORMALIZATIONS,
-    Norm,
-    check_norm,
     fake_dnorm,
     fake_stats,
     norm_backward,
     norm_forward,
     norm_quantize,
     norm_ref,
-    unit_rows,
 )
-from te_compile.functional.spec import EpilogueSpec, NormSpec, QuantSpec, parse, parse_roles
+from te_compile.functional.spec import EpilogueSpec, NormSpec, QuantSpec, parse
 
-__all__ = ["MLP_ACTIVATIONS", "mlp", "mlp_ref"]
+__all__ = ["mlp", "mlp_ref"]
 
-MLP_ACTIVATIONS = (*ACTIVATIONS, *GATED_ACTIVATIONS)
 _DEFAULT_PARAMS = tuple(CLAMPED_SWIGLU_DEFAULTS.values())  # (limit, alpha, glu_linear_offset)
-
-
-class _Args(NamedTuple):
-    """The forward op's arguments, by name."""
-
-    inp: Tensor
-    fc1_weight: Tensor
-    fc1_bias: Tensor | None
-    fc2_weight: Tensor
-    fc2_bias: Tensor | None
-    epilogue: str
-    input_spec: str = ""
-    weight_spec: str = ""
-    grad_spec: str = ""
-    scale1: Tensor | None = None
-    scale2: Tensor | None = None
-    grad_amax1: Tensor | None = None
-    grad_amax2: Tensor | None = None
-    norm: str = ""
-    norm_weight: Tensor | None = None
-    norm_bias: Tensor | None = None
-    fc1_weight_q: list[Tensor] | None = None
-    fc2_weight_q: list[Tensor] | None = None
-    main_grad1: Tensor | None = None
-    main_grad2: Tensor | None = None
-
-    @property
-    def specs(self) -> tuple[QuantSpec, QuantSpec, QuantSpec]:
-        return parse_roles("te.mlp", self.input_spec, self.weight_spec, self.grad_spec)
-
-    @property
-    def recipe(self) -> str:
-        return self.specs[0].kind
-
-    @property
-    def ep(self) -> EpilogueSpec:
-        return parse(EpilogueSpec, self.epilogue, "te.mlp: epilogue")
-
-    @property
-    def nrm(self) -> Norm:
-        n = parse(NormSpec, self.norm, "te.mlp: norm")
-        return Norm(self.norm_weight, self.norm_bias, n.normalization, n.eps,
-                    n.zero_centered_gamma)  # fmt: skip
-
-
-_NORM_WEIGHT = _Args._fields.index("norm_weight")
-# The kinds whose token count must be a multiple of the block (the others pad to 16 rows).
-_TOKEN_BLOCKS = ("mxfp8", "nvfp4")
 
 
 # 1. Reference math ----------------------------------------------------------------------------
@@ -173,7 +116,7 @@ def _activation_ref(
 
 def mlp_ref(*args) -> Tensor:
     """Definition of correctness, differentiable, in the inputs' dtype (fp64 in the tests): the
-    norm's reference, the recipe's GEMM (``functional.gemm.quantized_linear_ref``) twice
+    norm's reference, the recipe's GEMM (``functional.gemm_ref.quantized_linear_ref``) twice
     around the activation's reference."""
     a = _Args(*args)
     x = norm_ref(a.inp, a.nrm)
@@ -183,104 +126,6 @@ def mlp_ref(*args) -> Tensor:
     h = _activation_ref(z, a.fc1_bias, ep.activation, (ep.limit, ep.alpha, ep.offset))
     out = quantized_linear_ref(h, a.fc2_weight, *specs, a.scale2 if delayed else None)
     return out if a.fc2_bias is None else out + a.fc2_bias
-
-
-# Checks -----------------------------------------------------------------------------------------
-
-
-def _check(a: _Args) -> None:
-    p = "te.mlp: "
-    inp, w1, w2 = a.inp, a.fc1_weight, a.fc2_weight
-    check_norm(p, inp, a.nrm)
-    ep = a.ep
-    if ep.activation not in MLP_ACTIVATIONS:
-        raise ValueError(p + f"activation must be one of {MLP_ACTIVATIONS}, got {ep.activation!r}")
-    if (ep.interleave, ep.scale, ep.branch) != (0, 1.0, False):
-        raise ValueError(
-            p + f"epilogue {a.epilogue!r}: te::mlp takes the activation with limit, alpha and "
-            "offset (interleave, scale and branch are te::linear's)"
-        )
-    check_gated_params("te.mlp", ep.limit, ep.alpha, ep.offset)
-    x, w, g = specs = a.specs
-    recipe = x.kind
-    for name, s in (("scale1", a.scale1), ("scale2", a.scale2)):
-        if recipe == "delayed" and (s is None or s.shape != (3,) or s.dtype != torch.float32):
-            raise ValueError(p + f'a "delayed" spec needs {name} [3] float32 (input, weight, grad)')
-        if recipe != "delayed" and s is not None:
-            raise ValueError(p + f'{name} is for "delayed" specs only')
-    named = dict(zip(("input_spec", "weight_spec", "grad_spec"), specs, strict=True))
-    check_specs(p, named, a.scale1)
-    for name, spec in named.items():
-        if spec.options() or spec.stochastic_rounding:
-            raise ValueError(
-                p + f"{name} {spec.encode()!r}: NVFP4's options are te::linear's "
-                "(quantization.gemm.mlp runs two te::linear calls for them)"
-            )
-    dtypes = HIGH_DTYPES if recipe else (*HIGH_DTYPES, torch.float64)
-    if inp.dtype not in dtypes or w1.dtype != inp.dtype or w2.dtype != inp.dtype:
-        raise ValueError(
-            p + f"inp, fc1_weight and fc2_weight must share a float dtype "
-            f"({'float32/bfloat16/float16 with an FP8 recipe' if recipe else 'any'}), got "
-            f"{inp.dtype}, {w1.dtype}, {w2.dtype}"
-        )
-    gated = ep.activation in GATED_ACTIVATIONS
-    if (
-        w1.ndim != 2
-        or w2.ndim != 2
-        or inp.ndim < 1
-        or inp.shape[-1] != w1.shape[1]
-        or (gated and w1.shape[0] % 2)
-        or w2.shape[1] != w1.shape[0] // (1 + gated)  # ffn: half of FC1's for a gated one
-    ):
-        fc1 = "[2 * ffn, hidden] (gated activation)" if gated else "[ffn, hidden]"
-        raise ValueError(
-            p + f"inp [..., hidden], fc1_weight {fc1} and fc2_weight [out, ffn] do not "
-            f"match: {list(inp.shape)}, {list(w1.shape)}, {list(w2.shape)}"
-        )
-    dims = (w1.shape[1], w2.shape[1], w1.shape[0], w2.shape[0])
-    multiple = 16 if recipe in PER_TENSOR else BLOCK_KINDS.get(recipe, 1)
-    if any(d % multiple for d in dims):
-        kind = "FP8" if recipe in PER_TENSOR else recipe  # delayed calibrates with current
-        raise ValueError(
-            p + f"{kind} GEMMs need hidden ({dims[0]}), ffn ({dims[1]}), fc1 out ({dims[2]}) "
-            f"and out ({dims[3]}) sizes that are multiples of {multiple}"
-        )
-    rows = inp.numel() // inp.shape[-1] if inp.shape[-1] else 0
-    if recipe in _TOKEN_BLOCKS and rows % multiple:
-        raise ValueError(p + f"{recipe} needs the number of tokens ({rows}) to be a multiple of "
-                         f"{multiple}")  # fmt: skip
-    if (
-        recipe == "block"
-        and not x.emulate
-        and not all(
-            blockwise_supported(t, w.block_rows, w.fp8_dtype, g.fp8_dtype) for t in (w1, w2)
-        )
-    ):
-        raise ValueError(
-            p + "native blockwise GEMMs (specs without 'emulate') with 128x128 weight blocks "
-            f"need hidden, ffn and out multiples of 512 (got {dims[0]}, {dims[2]}, {dims[3]})"
-        )
-    for name, b, n in (
-        ("fc1_bias", a.fc1_bias, w1.shape[0]),
-        ("fc2_bias", a.fc2_bias, w2.shape[0]),
-    ):
-        if b is not None and (b.shape != (n,) or b.dtype != inp.dtype):
-            raise ValueError(p + f"{name} must be [{n}] of dtype {inp.dtype}")
-    for name, ga in (("grad_amax1", a.grad_amax1), ("grad_amax2", a.grad_amax2)):
-        if ga is not None and (
-            ga.shape != (1,) or ga.dtype is not torch.float32 or recipe not in PER_TENSOR
-        ):
-            raise ValueError(p + f"{name} must be a [1] float32 tensor and is for the per-tensor "
-                             "kinds (current, delayed)")  # fmt: skip
-    for i, wt, q, g in ((1, w1, a.fc1_weight_q, a.main_grad1),
-                        (2, w2, a.fc2_weight_q, a.main_grad2)):  # fmt: skip
-        if g is not None and (g.dtype is not torch.float32 or g.shape != wt.shape):
-            raise ValueError(p + f"main_grad{i} must be float32 with fc{i}_weight's shape "
-                             f"{list(wt.shape)}, got {g.dtype} {list(g.shape)}")  # fmt: skip
-        if q is not None:
-            check_weight_quantized("te.mlp", f"fc{i}_weight_q", q)
-        check_weight_operand(p + f"fc{i}_", recipe, wt, w.block_rows, w.emulate,
-                             q or (None,) * len(WEIGHT_OPERAND))  # fmt: skip
 
 
 # 2. Forward op ----------------------------------------------------------------------------------
@@ -639,91 +484,6 @@ def _backward(ctx, bwd, grad, _grad_saved):
         if ctx.has_norm_bias and need[_NORM_WEIGHT + 1]:
             grads[_NORM_WEIGHT + 1] = dnb
     return tuple(grads)
-
-
-def _samples(device: torch.device):
-    # float32: a bf16 sample's intermediate roundings (z, h, dh) would move some FP8 codes of
-    # the float64 reference by one step; the bf16 path is checked bit for bit against the
-    # unfused ops in tests/functional/test_mlp.py.
-    def t(*shape, grad=True):
-        return torch.randn(*shape, device=device, dtype=torch.float32, requires_grad=grad)
-
-    def call(*args, **kw):
-        return SampleInput(tuple(_Args(*args, **kw)))
-
-    def specs(x, w=None, g=None):  # the weight's as the input's, the gradient's E5M2 unless given
-        return {"input_spec": x, "weight_spec": x if w is None else w,
-                "grad_spec": x.replace("e4m3", "e5m2") if g is None else g}  # fmt: skip
-
-    pending = {"grad_amax1": torch.zeros(1, device=device),
-               "grad_amax2": torch.zeros(1, device=device)}  # fmt: skip
-    # High precision: element-wise and gated, a norm prologue.
-    yield call(t(2, 5, 16), t(24, 16), t(24), t(8, 24), t(8), "act=gelu")
-    yield call(t(6, 16), t(32, 16), None, t(16, 16), None, "act=swiglu", norm_weight=t(16),
-               norm_bias=t(16), norm="LayerNorm")  # fmt: skip
-    cur = specs("current:e4m3")
-    yield call(t(32, 16), t(64, 16), t(64), t(32, 64), t(32), "act=gelu", **cur, **pending)
-    # The weight gradients into main_grad (fuse_wgrad_accumulation): high precision, FP8.
-    yield call(t(2, 5, 16, grad=False), t(24, 16), t(24), t(8, 24), t(8), "act=gelu",
-               main_grad1=t(24, 16, grad=False), main_grad2=t(8, 24, grad=False))  # fmt: skip
-    yield call(t(32, 16), t(64, 16), t(64), t(32, 32), None, "act=swiglu", **cur, **pending,
-               main_grad1=t(64, 16, grad=False), main_grad2=t(32, 32, grad=False))  # fmt: skip
-    # 10 tokens (padded to 16 inside the ops), no biases, relu, E4M3 gradients.
-    yield call(t(2, 5, 32), t(32, 32), None, t(16, 32), None, "act=relu",
-               **specs("current:e4m3", g="current:e4m3"))  # fmt: skip
-    # Float8BlockScaling's native GEMMs (feature sizes multiples of 512), power-of-two scales.
-    block = specs("block:e4m3", "block:e4m3:128x128", "block:e4m3")
-    yield call(t(24, 512), t(512, 512), t(512), t(512, 512), t(512), "act=gelu",
-               **specs("block:e4m3:p2", "block:e4m3:128x128:p2", "block:e4m3:p2"))  # fmt: skip
-    s1 = torch.tensor([64.0, 128.0, 2.0], device=device)
-    s2 = torch.tensor([32.0, 64.0, 1.0], device=device)
-    delayed = specs("delayed:e4m3")
-    yield call(t(2, 16, 16), t(48, 16), t(48), t(16, 48), None, "act=silu", **delayed,
-               scale1=s1, scale2=s2, **pending)  # fmt: skip
-    # Norm prologues, norms exact in fp32 (``unit_rows``): LayerNorm, 10 tokens, current
-    # scaling; RMSNorm under the native blockwise recipe.
-    yield call(unit_rows(2, 5, 32, device=device), t(64, 32), t(64), t(32, 64), t(32),
-               "act=gelu", **cur, **pending, norm_weight=t(32),
-               norm_bias=torch.zeros(32, device=device, requires_grad=True),
-               norm="LayerNorm:eps=1e-30")  # fmt: skip
-    yield call(unit_rows(24, 512, device=device), t(512, 512), None, t(512, 512), None,
-               "act=relu", **block, norm_weight=t(512), norm="RMSNorm:eps=1e-30")  # fmt: skip
-    # Gated: fc1_weight [2 * ffn, hidden]; SwiGLU under current scaling, clamped SwiGLU under
-    # delayed scaling (z = x W^T over 16 features, std 4: entries past its limit of 7), GEGLU
-    # in 1x128 blocks.
-    yield call(t(2, 5, 32), t(64, 32), t(64), t(16, 32), t(16), "act=swiglu", **cur, **pending)
-    yield call(t(32, 16), t(96, 16), t(96), t(32, 48), None, "act=clamped_swiglu", **delayed,
-               scale1=s1.clone(), scale2=s2.clone(), **pending)  # fmt: skip
-    yield call(t(24, 512), t(1024, 512), t(1024), t(512, 512), t(512), "act=geglu", **block)
-    # Clamped SwiGLU with other parameters (LayerNormMLP's activation_params): in high
-    # precision and under current scaling (the activation op's path, not the fused kernel's).
-    clamp = "act=clamped_swiglu:limit=2.5:alpha=1.25:offset=0.5"
-    yield call(t(12, 16), t(64, 16), t(64), t(16, 32), t(16), clamp)
-    yield call(t(32, 16), t(96, 16), None, t(32, 48), t(32), clamp, **cur, **pending)
-    # Emulated: MXFP8 (E5M2 gradients), NVFP4, Float8BlockScaling 1x128 weight blocks.
-    yield call(t(32, 64), t(64, 64), t(64), t(32, 64), t(32), "act=gelu",
-               **specs("mxfp8:e4m3:emulate"))  # fmt: skip
-    yield call(t(16, 32), t(64, 32), None, t(16, 32), t(16), "act=swiglu",
-               **specs("nvfp4:emulate"))  # fmt: skip
-    yield call(t(16, 32), t(32, 32), t(32), t(16, 32), None, "act=relu",
-               **specs("block:e4m3:p2:emulate", g="block:e4m3:p2:emulate"))  # fmt: skip
-
-    # Pre-quantised weights (functional.quantize_weight): both under current scaling, FC2's
-    # only under delayed scaling (its weight slot), both in native 128x128 blocks.
-    def pre(w, spec, scale=None):
-        return quantize_weight(w.detach(), spec, scale)
-
-    w1, w2 = t(64, 32), t(16, 64)
-    both = {"fc1_weight_q": pre(w1, "current:e4m3"), "fc2_weight_q": pre(w2, "current:e4m3")}
-    yield call(t(2, 8, 32), w1, t(64), w2, t(16), "act=gelu", **cur, **pending, **both)
-    w1, w2 = t(96, 16), t(32, 48)
-    yield call(t(32, 16), w1, t(96), w2, None, "act=swiglu", **delayed, scale1=s1.clone(),
-               scale2=s2.clone(), **pending,
-               fc2_weight_q=pre(w2, "delayed:e4m3", scale=s2))  # fmt: skip
-    w1, w2 = t(512, 512), t(512, 512)
-    yield call(t(24, 512), w1, None, w2, t(512), "act=relu", **block,
-               fc1_weight_q=pre(w1, "block:e4m3:128x128"),
-               fc2_weight_q=pre(w2, "block:e4m3:128x128"))  # fmt: skip
 
 
 _mlp = differentiable(

@@ -22,7 +22,7 @@ stochastic rounding, row scaling, 4over6); ``emulate`` changes nothing here.
 ``row_splits`` (an integer tensor, on any device) cuts the rows of ``inp`` (its leading dims
 flattened) into consecutive groups that are quantised as separate tensors, forward and backward:
 the grouped GEMMs' operands, one group per expert. It matters to NVFP4, whose global scale is
-then per group (:func:`~te_compile.functional.quantize_mx.nvfp4_qdq_row_groups`); MXFP8 and
+then per group (:func:`~te_compile.functional.quantize_mx_ref.nvfp4_qdq_row_groups`); MXFP8 and
 1x128 blocks never span two rows, so for them the groups change nothing. Per-tensor current
 scaling and 128x128 blocks would need per-group scales, which are not built: they raise.
 """
@@ -34,8 +34,8 @@ from torch import Tensor
 
 from te_compile._checks import check_tensor
 from te_compile._library import SampleInput, differentiable, op
-from te_compile.functional import quantize as _q
-from te_compile.functional.quantize_mx import nvfp4_qdq_row_groups
+from te_compile.functional import quantize_table as _q
+from te_compile.functional.quantize_mx_ref import nvfp4_qdq_row_groups
 from te_compile.functional.spec import QuantSpec, parse
 
 __all__ = ["fake_quantize", "fake_quantize_ref", "qdq"]

@@ -52,6 +52,10 @@ then launches the grouped GEMMs itself. Every other call is kept whole (``kept_w
 blockwise GEMMs, the emulation) or has not been validated traced (the per-tensor FP8 GEMMs).
 Weight-gradient fusion: ``main_grad`` (fp32, weight's shape) receives ``+= dW``
 instead of a ``dweight`` output, as in ``te::linear_bwd``.
+
+This file holds the ops (reference, schemas, fakes, autograd) and the public function; beside
+it, ``grouped_linear_args.py`` (the arguments and their checks) and ``grouped_linear_samples.py``
+(the registry test's sample inputs).
 """
 
 from __future__ import annotations
@@ -63,25 +67,19 @@ import torch
 from torch import Tensor
 
 from te_compile._checks import check_bool, check_required, check_same_device, check_tensors
-from te_compile._library import HOST_SPLITS, SampleInput, differentiable, op
+from te_compile._library import HOST_SPLITS, differentiable, op
 from te_compile._numerics import acc_dtype
-from te_compile.functional.dropout import new_rng_state
-from te_compile.functional.fake_quantize import qdq
+from te_compile.functional.dense_weight import check_weight_quantized
+from te_compile.functional.dropout_ops import new_rng_state
+from te_compile.functional.fake_quantize_ops import qdq
 from te_compile.functional.gemm import (
-    BLOCK_KINDS,
-    HIGH_DTYPES,
     PER_TENSOR,
-    WEIGHT_OPERAND,
     DeferredWgrad,
-    as_specs,
-    blockwise_supported,
-    check_specs,
-    check_weight_quantized,
     empty,
     quantize_per_tensor,
-    quantized_linear_ref,
     save_for_backward_except_written,
 )
+from te_compile.functional.gemm_ref import as_specs, quantized_linear_ref
 from te_compile.functional.grouped_fp8 import (
     as_e4m3,
     per_tensor_backward,
@@ -102,24 +100,25 @@ from te_compile.functional.grouped_gemm import (
     high_precision_forward,
     uses_grouped_mm,
 )
-from te_compile.functional.grouped_weight import (
-    check_grouped_weight_operand,
-    quantize_grouped_weight,
+from te_compile.functional.grouped_linear_args import (
+    _Args,
+    _check,
+    _grouped_recipe,
+    _measured,
+    grouped_gemm_kind,
 )
-from te_compile.functional.quantize_mx import nvfp4_qdq
-from te_compile.functional.spec import BackwardSpec, QuantSpec, parse, parse_roles
+from te_compile.functional.grouped_linear_samples import _samples
+from te_compile.functional.quantize_mx_ref import nvfp4_qdq
+from te_compile.functional.spec import BackwardSpec, QuantSpec, parse
 
 __all__ = [
     "GROUPED_GEMMS",
     "as_splits_tensor",
-    "grouped_gemm_kind",
     "grouped_linear",
     "grouped_linear_ref",
     "scaled_grouped_linear_ref",
 ]
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_INT_DTYPES = (torch.int32, torch.int64)
 _E4M3, _E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
@@ -130,71 +129,6 @@ GROUPED_GEMMS: dict[str, tuple[Callable, Callable]] = {
     "blockwise": (blockwise_forward, blockwise_backward),
     "dequantized": (dequantized_forward, dequantized_backward),
 }
-
-
-# The block-scaled kinds whose emulated backward can quantise a kept input again
-# (``save_input``): their quantisation is deterministic.
-_EMULATED_SAVE_INPUT = ("block", "mxfp8", "nvfp4")
-
-
-def grouped_gemm_kind(recipe: str, emulate: bool) -> str:
-    """The :data:`GROUPED_GEMMS` row of a recipe kind."""
-    if not recipe:
-        return "grouped_mm"
-    if recipe in PER_TENSOR:
-        return "scaled_grouped_mm"
-    return "blockwise" if recipe == "block" and not emulate else "dequantized"
-
-
-class _Args(NamedTuple):
-    """The forward op's arguments, by name (a call passes the first five, or all)."""
-
-    inp: Tensor
-    m_splits: Tensor
-    weight: Tensor
-    bias: Tensor | None = None
-    main_grad: Tensor | None = None
-    input_spec: str = ""
-    weight_spec: str = ""
-    grad_spec: str = ""
-    scale: Tensor | None = None
-    grad_amax: Tensor | None = None
-    rng_state: Tensor | None = None
-    backward: str = ""
-    weight_q: list[Tensor] | None = None
-    wgrad_stash: Tensor | None = None
-
-    @property
-    def specs(self) -> tuple[QuantSpec, QuantSpec, QuantSpec]:
-        return parse_roles("te.grouped_linear", self.input_spec, self.weight_spec, self.grad_spec)
-
-    @property
-    def recipe(self) -> str:
-        return self.specs[0].kind
-
-    @property
-    def bw(self) -> BackwardSpec:
-        return parse(BackwardSpec, self.backward, "te.grouped_linear: backward")
-
-    @property
-    def grouped_recipe(self) -> GroupedRecipe:
-        return _grouped_recipe(self.specs, self.scale, self.grad_amax, self.bw.fp8_wgrad,
-                               self.rng_state)  # fmt: skip
-
-
-def _grouped_recipe(specs, scale, grad_amax, fp8_wgrad, rng_state) -> GroupedRecipe:
-    """The specs as the grouped GEMMs take them (one power-of-two option and the input's format
-    for the weight: ``_check`` refuses others)."""
-    x, w, g = specs
-    return GroupedRecipe(x.kind, x.fp8_dtype, g.fp8_dtype, w.power_2_scale, w.block_rows,
-                         x.emulate, scale, grad_amax, fp8_wgrad, x.rht,
-                         rng_state if g.stochastic_rounding else None, x.four_over_six,
-                         w.four_over_six)  # fmt: skip
-
-
-def _measured(recipe: str, grad_amax: Tensor | None) -> bool:
-    """Whether the forward appends the amaxes of its operands to ``saved``."""
-    return recipe == "delayed" or (recipe == "current" and grad_amax is not None)
 
 
 # 1. Reference math ----------------------------------------------------------------------------
@@ -328,7 +262,7 @@ class _RefDequantized(torch.autograd.Function):
 
 
 class _RefNVFP4(torch.autograd.Function):
-    """NVFP4: every expert's GEMMs as ``functional.gemm.quantized_linear_ref`` defines a dense
+    """NVFP4: every expert's GEMMs as ``functional.gemm_ref.quantized_linear_ref`` defines a dense
     one (its own global scales; the backward GEMMs on copies quantised along the other dim,
     the transform, stochastic rounding from one stream over the whole gradient, 4over6), in
     the input's dtype (float64 in the tests)."""
@@ -387,174 +321,6 @@ def _reference(*args):
     if bias is not None:
         out = out + torch.repeat_interleave(bias, torch.tensor(splits), dim=0)
     return out
-
-
-# Checks, shared by the implementations (eager) and the fake (trace time) ---------------------
-
-
-def _check_args(
-    inp: Tensor, m_splits: Tensor, weight: Tensor, bias: Tensor | None, main_grad: Tensor | None
-) -> None:
-    """Static constraints shared by the implementations (eager) and the fake (trace time); the
-    per-argument diagnosis runs only when the compound test fails."""
-    if (
-        inp.ndim == 2
-        and weight.ndim == 3
-        and inp.dtype in _FLOAT_DTYPES
-        and weight.dtype is inp.dtype
-        and inp.shape[1] == weight.shape[2]
-        and m_splits.ndim == 1
-        and m_splits.dtype in _INT_DTYPES
-        and m_splits.shape[0] == weight.shape[0]
-        and (m_splits.device == inp.device or m_splits.device.type == "cpu")
-        and (bias is None or (bias.shape == weight.shape[:2] and bias.dtype is inp.dtype))
-        and (
-            main_grad is None
-            or (main_grad.dtype is torch.float32 and main_grad.shape == weight.shape)
-        )
-    ):
-        return
-    raise ValueError(_diagnose(inp, m_splits, weight, bias, main_grad))
-
-
-def _diagnose(
-    inp: Tensor, m_splits: Tensor, weight: Tensor, bias: Tensor | None, main_grad: Tensor | None
-) -> str:
-    p = "te.grouped_linear: "
-    if inp.ndim != 2:
-        return p + f"inp must be 2-D [sum(m_splits), in_features], got shape {list(inp.shape)}"
-    if weight.ndim != 3:
-        return p + (
-            f"weight must be 3-D [num_gemms, out_features, in_features], got shape "
-            f"{list(weight.shape)}"
-        )
-    if inp.dtype not in _FLOAT_DTYPES:
-        return p + f"inp.dtype must be a floating type, got {inp.dtype}"
-    if weight.dtype != inp.dtype:
-        return p + f"inp.dtype ({inp.dtype}) must equal weight.dtype ({weight.dtype})"
-    if inp.shape[1] != weight.shape[2]:
-        return p + (
-            f"inp.shape[1] ({inp.shape[1]}) must equal in_features = weight.shape[2] "
-            f"({weight.shape[2]})"
-        )
-    if m_splits.ndim != 1 or m_splits.dtype not in _INT_DTYPES:
-        return p + (
-            f"m_splits must be a 1-D int32/int64 tensor (or a list of ints), got "
-            f"{m_splits.dtype} of shape {list(m_splits.shape)}"
-        )
-    if m_splits.shape[0] != weight.shape[0]:
-        return p + (
-            f"m_splits has {m_splits.shape[0]} groups but weight has num_gemms = {weight.shape[0]}"
-        )
-    if m_splits.device != inp.device and m_splits.device.type != "cpu":
-        return (
-            p + f"m_splits must be on inp's device ({inp.device}) or the CPU, got {m_splits.device}"
-        )
-    if bias is not None and bias.shape != weight.shape[:2]:
-        return p + (
-            f"bias must have shape [num_gemms, out_features] = {list(weight.shape[:2])}, got "
-            f"{list(bias.shape)}"
-        )
-    if bias is not None and bias.dtype != inp.dtype:
-        return p + f"bias.dtype ({bias.dtype}) must equal inp.dtype ({inp.dtype})"
-    return p + (
-        f"main_grad must be float32 with weight's shape {list(weight.shape)}, got "
-        f"{main_grad.dtype} {list(main_grad.shape)}"
-    )
-
-
-def _check(a: _Args) -> None:
-    _check_args(a.inp, a.m_splits, a.weight, a.bias, a.main_grad)
-    stash = a.wgrad_stash
-    if stash is not None:
-        shape = (a.inp.shape[0], a.weight.shape[1])
-        if stash.shape != shape or stash.dtype != a.inp.dtype or stash.device != a.inp.device:
-            raise ValueError(
-                f"te.grouped_linear: wgrad_stash must have the output's shape {list(shape)}, "
-                f"inp's dtype {a.inp.dtype} and device, got {list(stash.shape)} {stash.dtype} "
-                f"{stash.device}"
-            )
-    if not (
-        a.input_spec or a.weight_spec or a.grad_spec or a.backward or a.scale is not None
-        or a.grad_amax is not None or a.rng_state is not None or a.weight_q is not None
-    ):  # fmt: skip
-        return  # high precision: the hot path
-    p = "te.grouped_linear: "
-    x, w, g = a.specs
-    bw = a.bw
-    recipe = check_specs(p, {"input_spec": x, "weight_spec": w, "grad_spec": g}, a.scale,
-                         a.grad_amax, a.rng_state, a.inp)  # fmt: skip
-    if bw.override:
-        raise ValueError(
-            p + f"backward {a.backward!r}: grouped GEMMs run their backward on the specs' "
-            "quantised operands only (the overrides are te::linear's)"
-        )
-    if bw.save_input and recipe not in ("", "current", *_EMULATED_SAVE_INPUT):
-        error = ValueError if recipe == "delayed" else NotImplementedError
-        raise error(
-            p + f"backward 'save_input' (save_original_input) works with high precision, "
-            f"current scaling and the emulated block-scaled GEMMs, not with {recipe!r} specs"
-            + (" (DelayedScaling: the backward would quantise the input again with a scale "
-               "the update may have changed)" if recipe == "delayed" else "")
-        )  # fmt: skip
-    if bw.save_input and grouped_gemm_kind(recipe, x.emulate) == "blockwise":
-        raise NotImplementedError(
-            p + "backward 'save_input' (save_original_input) is not implemented for the native "
-            "blockwise GEMMs (block specs without 'emulate'); emulate them or save the copy"
-        )
-    if bw.fp8_wgrad and recipe not in PER_TENSOR:
-        raise ValueError(p + "backward 'fp8_wgrad' is for the per-tensor kinds (current, delayed)")
-    if x.row_scaled:
-        raise ValueError(p + f"input_spec {a.input_spec!r}: row_scaled needs a backward "
-                         "override, which grouped GEMMs do not take")  # fmt: skip
-    if w.fp8_dtype is not x.fp8_dtype or not x.power_2_scale == w.power_2_scale == g.power_2_scale:
-        raise ValueError(
-            p + "the grouped GEMMs take the input's format for the weight and one power-of-two "
-            f"option for all operands, got input_spec={a.input_spec!r}, "
-            f"weight_spec={a.weight_spec!r}, grad_spec={a.grad_spec!r}"
-        )
-    if a.weight_q is not None:
-        check_weight_quantized("te.grouped_linear", "weight_q", a.weight_q)
-    weight_q = a.weight_q or (None,) * len(WEIGHT_OPERAND)
-    check_grouped_weight_operand(p, recipe, a.weight, w.block_rows, w.emulate, weight_q)
-    if a.weight_q is not None and recipe == "nvfp4" and (w.four_over_six or w.block_rows != 16):
-        raise ValueError(
-            p + "an NVFP4 pre-quantised weight needs a weight_spec with 16x16 tiles (the dgrad "
-            f"copy is the weight itself) and without 4over6, got {a.weight_spec!r}"
-        )
-    if not recipe:
-        return
-    if a.inp.dtype not in HIGH_DTYPES:
-        raise ValueError(p + f"FP8 recipes take float32/bfloat16/float16 inputs, got "
-                         f"{a.inp.dtype}")  # fmt: skip
-    _, n, k = a.weight.shape
-    multiple = BLOCK_KINDS.get(recipe, 16)
-    if n % multiple or k % multiple:
-        kind = "FP8" if recipe in PER_TENSOR else recipe  # delayed calibrates with current
-        raise ValueError(
-            p + f"{kind} grouped GEMMs need in_features ({k}) and out_features ({n}) to be "
-            f"multiples of {multiple}"
-        )
-    if grouped_gemm_kind(recipe, x.emulate) == "blockwise" and not blockwise_supported(
-        a.weight[0], w.block_rows, x.fp8_dtype, g.fp8_dtype
-    ):
-        raise ValueError(
-            p + "128x128 weight blocks need in_features and out_features to be multiples of 512 "
-            f"(cuBLAS's blockwise GEMM); weight is {list(a.weight.shape)}"
-        )
-    splits = a.m_splits
-    if (
-        recipe == "nvfp4"
-        and splits.device.type == "cpu"
-        and not isinstance(splits, torch._subclasses.FakeTensor)
-    ):
-        bad = [int(m) for m in splits.tolist() if m % 16]
-        if bad:
-            raise ValueError(
-                p + "nvfp4 grouped GEMMs need every group's token count (m_splits) to be a "
-                f"multiple of 16 (blocks of 16 tokens along M), got {splits.tolist()} "
-                "(te.Fp8Padding pads them)"
-            )
 
 
 # 2. Forward op ------------------------------------------------------------------------------
@@ -823,113 +589,6 @@ def _backward(ctx, bwd, grad_out, _grad_saved):
     grads[2] = dweight if need_wgrad and main_grad is None and stash is None else None
     grads[3] = dbias if has_bias else None
     return tuple(grads)
-
-
-def _samples(device: torch.device):
-    def t(*shape, dtype=torch.float32, grad=True):
-        return torch.randn(*shape, device=device, dtype=dtype, requires_grad=grad)
-
-    def splits(*values, on=device):
-        return torch.tensor(values, device=on, dtype=torch.int64)
-
-    def call(*args, **kw):
-        return SampleInput(tuple(_Args(*args, **kw)) if kw else args)
-
-    def specs(x, w=None, g=None):  # the weight's as the input's, the gradient's E5M2 unless given
-        return {"input_spec": x, "weight_spec": x if w is None else w,
-                "grad_spec": x.replace("e4m3", "e5m2") if g is None else g}  # fmt: skip
-
-    bf16, f16 = torch.bfloat16, torch.float16
-    # High precision: a zero-size group, a CPU m_splits, bf16 (the grouped GEMM on CUDA), fp16
-    # with no input gradient, the weight gradient into main_grad.
-    yield call(t(10, 16), splits(3, 0, 7), t(3, 8, 16), t(3, 8), None)
-    yield call(t(9, 16), splits(9, on="cpu"), t(1, 8, 16), None, None)
-    yield call(t(12, 32, dtype=bf16), splits(5, 4, 3, 0), t(4, 16, 32, dtype=bf16), None, None)
-    yield call(t(6, 8, dtype=f16, grad=False), splits(2, 4), t(2, 8, 8, dtype=f16),
-               t(2, 8, dtype=f16), None)  # fmt: skip
-    yield call(t(7, 16), splits(4, 3), t(2, 8, 16), None, torch.zeros(2, 8, 16, device=device))
-    # Per-tensor FP8: current scaling rowwise (a zero-size group; a CPU int32 m_splits with
-    # empty first and last groups and no input gradient; float32, one group, E4M3 gradients).
-    cur = specs("current:e4m3")
-    yield call(t(40, 16, dtype=bf16), splits(11, 0, 29), t(3, 32, 16, dtype=bf16),
-               t(3, 32, dtype=bf16), None, **cur)  # fmt: skip
-    yield call(t(20, 32, dtype=bf16, grad=False), torch.tensor([0, 7, 13, 0], dtype=torch.int32),
-               t(4, 16, 32, dtype=bf16), None, None, **cur)  # fmt: skip
-    cur_e4 = specs("current:e4m3", g="current:e4m3")
-    yield call(t(24, 32), splits(24, on="cpu"), t(1, 16, 32), t(1, 16), None, **cur_e4)
-    # Delayed scaling: given per-tensor scales (powers of two: exact in every dtype), the
-    # gradient's amax written into grad_amax.
-    scale = torch.tensor([8.0, 16.0, 2048.0], device=device)
-    delayed = specs("delayed:e4m3")
-    yield call(t(40, 16, dtype=bf16), splits(11, 0, 29), t(3, 32, 16, dtype=bf16),
-               t(3, 32, dtype=bf16), None, **delayed, scale=scale,
-               grad_amax=torch.zeros(1, device=device))  # fmt: skip
-    # Weight gradient accumulated into main_grad (fp32), current scaling with the amaxes
-    # measured (a delayed state's calibration step).
-    yield call(t(24, 16, dtype=bf16), splits(8, 16), t(2, 32, 16, dtype=bf16), None,
-               torch.zeros(2, 32, 16, device=device), **cur,
-               grad_amax=torch.zeros(1, device=device))  # fmt: skip
-    # FP8 wgrad: E4M3 both ways, groups of 17 / 0 / 23 rows (padded to 32 / 0 / 32 in the
-    # transposed operands), bias; with an E5M2 gradient, delayed scaling, into main_grad.
-    yield call(t(40, 16, dtype=bf16), splits(17, 0, 23), t(3, 32, 16, dtype=bf16),
-               t(3, 32, dtype=bf16), None, **cur_e4, backward="fp8_wgrad")  # fmt: skip
-    yield call(t(40, 16, dtype=bf16), splits(11, 29, 0), t(3, 32, 16, dtype=bf16), None,
-               torch.zeros(3, 32, 16, device=device), **delayed, scale=scale.clone(),
-               grad_amax=torch.zeros(1, device=device), backward="fp8_wgrad")  # fmt: skip
-    # save_input: the FP8 wgrad operand quantised again in the backward from the input.
-    yield call(t(40, 16, dtype=bf16), splits(17, 0, 23), t(3, 32, 16, dtype=bf16),
-               t(3, 32, dtype=bf16), None, **cur, backward="save_input:fp8_wgrad")  # fmt: skip
-    # Float8BlockScaling, native (its GEMMs emulated off CUDA): experts of 17 / 0 / 40 tokens
-    # (the padded layout: experts from rows 0 and 128), a partial 128-block of features
-    # (K = 144), 1x128 weight blocks, power-of-two scales, bias; 128x128 weight blocks (features
-    # multiples of 512), an expert of 130 tokens, a CPU int32 m_splits; main_grad, no input
-    # gradient, the first expert empty; float32.
-    block_p2 = specs("block:e4m3:p2", g="block:e4m3:p2")
-    block = specs("block:e4m3", g="block:e4m3")
-    yield call(t(57, 144, dtype=bf16), splits(17, 0, 40), t(3, 32, 144, dtype=bf16),
-               t(3, 32, dtype=bf16), None, **block_p2)  # fmt: skip
-    yield call(t(146, 512, dtype=bf16), torch.tensor([16, 130], dtype=torch.int32),
-               t(2, 512, 512, dtype=bf16), None, None,
-               **specs("block:e4m3", "block:e4m3:128x128", "block:e4m3"))  # fmt: skip
-    yield call(t(24, 32, dtype=bf16, grad=False), splits(0, 24, 0), t(3, 48, 32, dtype=bf16),
-               t(3, 48, dtype=bf16), torch.zeros(3, 48, 32, device=device), **block)  # fmt: skip
-    yield call(t(40, 32), splits(8, 32, on="cpu"), t(2, 16, 32), None, None, **block_p2)
-    # The emulated recipes: MXFP8 (E5M2 gradients), NVFP4 (a global scale per expert),
-    # Float8BlockScaling with 128x128 weight blocks that straddle two experts (N = 32).
-    yield call(t(40, 64), splits(11, 0, 29), t(3, 32, 64), t(3, 32), None,
-               **specs("mxfp8:e4m3:emulate"))  # fmt: skip
-    yield call(t(32, 32), splits(16, 16), t(2, 16, 32), None, None, **specs("nvfp4:emulate"))
-    # NVFP4's options: the transform of the wgrad operands, stochastic rounding, 4over6, tiles.
-    yield call(t(48, 32), splits(32, 0, 16), t(3, 16, 32), t(3, 16), None,
-               **specs("nvfp4:emulate:rht:4over6=MSE/256", "nvfp4:16x16:emulate:4over6=MAE/448",
-                       "nvfp4:emulate:rht:sr"),
-               rng_state=torch.tensor([3, 5], device=device))  # fmt: skip
-    yield call(t(24, 32), splits(16, 8), t(2, 32, 32), t(2, 32),
-               torch.zeros(2, 32, 32, device=device),
-               **specs("block:e4m3:emulate", "block:e4m3:128x128:emulate",
-                       "block:e4m3:emulate"))  # fmt: skip
-    # save_input, emulated: the input's dequantised copy made again in the backward (MXFP8 with
-    # a bias; NVFP4 with its transform, into main_grad).
-    yield call(t(40, 64), splits(11, 0, 29), t(3, 32, 64), t(3, 32), None,
-               **specs("mxfp8:e4m3:emulate"), backward="save_input")  # fmt: skip
-    yield call(t(32, 32), splits(16, 16), t(2, 16, 32), None,
-               torch.zeros(2, 16, 32, device=device),
-               **specs("nvfp4:emulate:rht", "nvfp4:emulate", "nvfp4:emulate:rht"),
-               backward="save_input")  # fmt: skip
-
-    # A pre-quantised weight (functional.grouped_weight): delayed with the FP8 wgrad into
-    # main_grad, native blockwise (the stacked dgrad copies); the other kinds' kept weights are
-    # checked bit for bit in tests/modules/test_fp8_weight_cache.py.
-    w = t(3, 32, 16, dtype=bf16)
-    s = scale.clone()
-    yield call(t(40, 16, dtype=bf16), splits(11, 29, 0), w, None,
-               torch.zeros(3, 32, 16, device=device), **delayed, scale=s,
-               grad_amax=torch.zeros(1, device=device), backward="fp8_wgrad",
-               weight_q=quantize_grouped_weight(w.detach(), "delayed:e4m3", s))  # fmt: skip
-    w = t(3, 32, 144, dtype=bf16)
-    q = quantize_grouped_weight(w.detach(), "block:e4m3:p2")
-    yield call(t(57, 144, dtype=bf16), splits(17, 0, 40), w, t(3, 32, dtype=bf16), None,
-               **block_p2, weight_q=q)  # fmt: skip
 
 
 _grouped_linear = differentiable(

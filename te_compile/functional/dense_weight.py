@@ -1,0 +1,197 @@
+r"""Pre-quantised weight operands of the dense GEMM families (``linear``, ``mlp``):
+``te::quantize_weight`` and the checks of its five tensors.
+
+A family op may take its weight operand already quantised, as five
+plain tensors (:data:`WEIGHT_OPERAND`, FP8 codes as their uint8 bytes) that
+:func:`quantize_weight` (``te::quantize_weight``) makes: the ``data`` ``[N, K]`` and ``scale``
+the forward GEMM reads, the ``data_t`` ``[K, N]`` and ``scale_t`` the dgrad GEMM reads, and the
+``amax`` ``[1]`` measured at the cast (per-tensor kinds; 0-element otherwise). The op then does
+not quantise ``weight`` (it still takes it: its shape, and its gradient). Modules use it to
+cast a weight once per optimizer step (``is_first_microbatch``) and for FP8 primary weights
+(``quantization.primary``). The grouped family takes the same five tensors in its own layouts
+(``functional.grouped_weight``, ``te::quantize_grouped_weight``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from te_compile._checks import check_tensor, check_tensors
+from te_compile._library import SampleInput, op
+from te_compile.functional.gemm import (
+    FP8_DTYPES,
+    HIGH_DTYPES,
+    PER_TENSOR,
+    Operand,
+    check_specs,
+    quantize_operand,
+    scale_slots,
+)
+from te_compile.functional.spec import QuantSpec, parse
+
+__all__ = [
+    "WEIGHT_OPERAND",
+    "check_weight_operand",
+    "check_weight_quantized",
+    "check_weight_spec",
+    "checked_weight_cast",
+    "quantize_weight",
+    "weight_operand",
+]
+
+
+def check_weight_quantized(owner: str, name: str, value: object) -> None:
+    """``value`` is None or :func:`quantize_weight`'s five tensors (a list or tuple)."""
+    if value is None:
+        return
+    n = len(WEIGHT_OPERAND)
+    if not (isinstance(value, (list, tuple)) and all(isinstance(t, Tensor) for t in value)):
+        raise TypeError(
+            f"{owner}: {name} must be None or the {n} tensors {WEIGHT_OPERAND} of "
+            f"quantize_weight, got {value!r}"
+        )
+    if len(value) != n:
+        raise ValueError(
+            f"{owner}: {name} must be the {n} tensors {WEIGHT_OPERAND} of quantize_weight, got "
+            f"{len(value)} tensors"
+        )
+
+
+# Pre-quantised weight operands ----------------------------------------------------------------
+
+# The five tensors of a pre-quantised weight, by the family ops' argument names.
+WEIGHT_OPERAND = ("weight_data", "weight_scale", "weight_data_t", "weight_scale_t", "weight_amax")
+
+
+def _weight_shapes(recipe: str, n: int, k: int, block_rows: int, emulate: bool):
+    """``[(shape, dtype)]`` of the five tensors of a pre-quantised ``[n, k]`` weight."""
+    f32, u8 = torch.float32, torch.uint8
+    if recipe in PER_TENSOR:
+        return [((n, k), u8), ((1,), f32), ((k, n), u8), ((1,), f32), ((1,), f32)]
+    if emulate:  # dequantised values (every block-scaled kind when its GEMM is emulated)
+        return [((n, k), f32), ((0,), f32), ((k, n), f32), ((0,), f32), ((0,), f32)]
+    rows = block_rows
+    s, s_t = (-(-n // rows), -(-k // 128)), (-(-k // rows), -(-n // 128))
+    return [((n, k), u8), (s, f32), ((k, n), u8), (s_t, f32), ((0,), f32)]
+
+
+def check_weight_operand(
+    p: str, recipe: str, weight: Tensor, block_rows: int, emulate: bool, tensors, shapes=None
+) -> None:
+    """The pre-quantised weight ``tensors`` (five, or all None) of a family op whose weight is
+    ``weight`` (``[N, K]``, or ``[G, N, K]``: then each tensor has the leading ``G``).
+    ``shapes``: the five ``(shape, dtype)`` the tensors must have, where a family lays them out
+    otherwise (the grouped family: ``functional.grouped_weight``)."""
+    given = [t is not None for t in tensors]
+    if not any(given):
+        return
+    if not all(given):
+        raise ValueError(p + f"the pre-quantised weight is all of {WEIGHT_OPERAND} or none")
+    if not recipe:
+        raise ValueError(p + "a pre-quantised weight needs a quantised recipe (recipe is '')")
+    maker = "quantize_weight"
+    if shapes is None:
+        *lead, n, k = weight.shape
+        per_weight = _weight_shapes(recipe, n, k, block_rows, emulate)
+        shapes = [((*lead, *shape), dtype) for shape, dtype in per_weight]
+    else:
+        maker = "quantize_grouped_weight"
+    for name, t, (want, dtype) in zip(WEIGHT_OPERAND, tensors, shapes, strict=True):
+        codes = dtype is torch.uint8 and t.dtype in FP8_DTYPES
+        if tuple(t.shape) != tuple(want) or not (t.dtype is dtype or codes):
+            raise ValueError(
+                p + f"{name} must be {dtype} {list(want)} for recipe {recipe!r} (emulate="
+                f"{emulate}) and weight {list(weight.shape)}, got {t.dtype} {list(t.shape)} "
+                f"(make it with te_compile.functional.{maker})"
+            )
+
+
+def weight_operand(tensors, fp8_dtype: torch.dtype) -> Operand:
+    """The :class:`Operand` of the five pre-quantised tensors (codes viewed as ``fp8_dtype``)."""
+    data, scale, data_t, scale_t, amax = tensors
+    if data.dtype is torch.uint8:
+        data, data_t = data.view(fp8_dtype), data_t.view(fp8_dtype)
+    return Operand(data, scale, data_t, scale_t, amax)
+
+
+def check_weight_spec(p: str, spec: str, scale: Tensor | None) -> QuantSpec:
+    """The weight spec of a weight cast (a quantised kind) with its delayed scales ``[3]``."""
+    w = parse(QuantSpec, spec, p + "spec")
+    if not w.kind:
+        raise ValueError(p + "spec must be a quantised kind, got ''")
+    check_specs(p, {"spec": w}, scale)
+    return w
+
+
+def _quantize_weight_impl(weight, spec, scale) -> list[Tensor]:
+    p = "te.quantize_weight: "
+    w = check_weight_spec(p, spec, scale)
+    if weight.dim() != 2 or weight.dtype not in HIGH_DTYPES + (torch.float64,):
+        raise ValueError(
+            p + f"weight must be a 2-D floating tensor, got {weight.dim()}-D {weight.dtype}"
+        )
+    q = quantize_operand(w, weight, scale=scale_slots(scale, w.kind)[1])
+    data, data_t = (t.view(torch.uint8) if t.dtype in FP8_DTYPES else t for t in (q.data, q.data_t))
+    # Fresh outputs (an op's outputs may not alias): per tensor, the copies share one scale;
+    # 128x128 blocks give data_t and scale_t as transposed views of data and scale.
+    fmt = torch.contiguous_format
+    if w.kind == "block" and w.block_rows == 128 and not w.emulate:
+        data_t = data_t.clone(memory_format=fmt)
+    scale_t = q.scale_t.clone(memory_format=fmt)  # a few bytes
+    amax = q.amax if w.kind in PER_TENSOR else weight.new_empty(0, dtype=torch.float32)
+    return [data, q.scale, data_t, scale_t, amax]
+
+
+def _quantize_weight_samples(device: torch.device):
+    def w(n, k, dtype=torch.bfloat16):
+        return torch.randn(n, k, device=device, dtype=dtype)
+
+    yield SampleInput((w(32, 16), "current:e4m3", None))
+    scale = torch.tensor([8.0, 16.0, 1.0], device=device)
+    yield SampleInput((w(16, 48, torch.float32), "delayed:e4m3", scale))
+    yield SampleInput((w(512, 512), "block:e4m3:128x128", None))
+    yield SampleInput((w(32, 256), "block:e4m3:p2", None))
+    yield SampleInput((w(64, 32), "mxfp8:e4m3:emulate", None))
+    yield SampleInput((w(32, 48), "nvfp4:emulate", None))
+    yield SampleInput((w(32, 48), "nvfp4:16x16:emulate:4over6=MSE/256", None))
+
+
+@op("quantize_weight", sample_inputs=_quantize_weight_samples)
+def quantize_weight_op(weight: Tensor, spec: str, scale: Tensor | None) -> list[Tensor]:
+    """``te::quantize_weight``: :func:`quantize_weight` without the argument checks."""
+    return _quantize_weight_impl(weight, spec, scale)
+
+
+def quantize_weight(
+    weight: Tensor, spec: str | QuantSpec, scale: Tensor | None = None
+) -> list[Tensor]:
+    """``weight`` ``[N, K]`` as the family ops' pre-quantised weight operand (module docstring):
+    ``[data, scale, data_t, scale_t, amax]``, quantised as the op would quantise it inside with
+    the weight spec ``spec`` (``functional.spec.QuantSpec``; ``scale``: the GEMM's delayed
+    scales ``[3]``, whose weight slot is used, with a ``"delayed"`` spec).
+    ``te::quantize_weight`` after the checks of its arguments (the dispatcher's type errors
+    would not name them)."""
+    return quantize_weight_op(*checked_weight_cast("te.quantize_weight", weight, spec, scale))
+
+
+def checked_weight_cast(
+    owner: str, weight: Tensor, spec: str | QuantSpec, scale: Tensor | None
+) -> tuple[Tensor, str, Tensor | None]:
+    """The arguments of a weight cast op (``te::quantize_weight``, ``te::quantize_grouped_weight``)
+    checked by name, the spec as its string."""
+    check_tensor(owner, "weight", weight)
+    check_tensors(owner, scale=scale)
+    if not isinstance(spec, (str, QuantSpec)):
+        raise TypeError(f"{owner}: spec must be a QuantSpec or its str, got {spec!r}")
+    return weight, spec.encode() if isinstance(spec, QuantSpec) else spec, scale
+
+
+@quantize_weight_op.register_fake
+def _quantize_weight_fake(weight, spec, scale):
+    w = check_weight_spec("te.quantize_weight: ", spec, scale)
+    if weight.dim() != 2:
+        raise ValueError("te.quantize_weight: needs a 2-D weight")
+    n, k = weight.shape
+    shapes = _weight_shapes(w.kind, n, k, w.block_rows, w.emulate)
+    return [weight.new_empty(shape, dtype=dtype) for shape, dtype in shapes]

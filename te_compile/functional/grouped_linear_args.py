@@ -1,0 +1,259 @@
+"""The grouped linear family's arguments and their checks (``grouped_linear_ops.py`` defines the
+ops): ``_Args`` names the forward op's arguments and parses its specs, ``grouped_gemm_kind``
+picks a recipe's row of ``GROUPED_GEMMS``; the checks are shared by the implementations (eager)
+and the fake (trace time), so a bad argument raises the same ValueError in both."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from te_compile.functional.dense_weight import WEIGHT_OPERAND, check_weight_quantized
+from te_compile.functional.gemm import (
+    BLOCK_KINDS,
+    HIGH_DTYPES,
+    PER_TENSOR,
+    blockwise_supported,
+    check_specs,
+)
+from te_compile.functional.grouped_gemm import GroupedRecipe
+from te_compile.functional.grouped_weight import check_grouped_weight_operand
+from te_compile.functional.spec import BackwardSpec, QuantSpec, parse, parse_roles
+
+__all__ = ["grouped_gemm_kind"]
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_INT_DTYPES = (torch.int32, torch.int64)
+# The block-scaled kinds whose emulated backward can quantise a kept input again
+# (``save_input``): their quantisation is deterministic.
+_EMULATED_SAVE_INPUT = ("block", "mxfp8", "nvfp4")
+
+
+def grouped_gemm_kind(recipe: str, emulate: bool) -> str:
+    """The :data:`GROUPED_GEMMS` row of a recipe kind."""
+    if not recipe:
+        return "grouped_mm"
+    if recipe in PER_TENSOR:
+        return "scaled_grouped_mm"
+    return "blockwise" if recipe == "block" and not emulate else "dequantized"
+
+
+class _Args(NamedTuple):
+    """The forward op's arguments, by name (a call passes the first five, or all)."""
+
+    inp: Tensor
+    m_splits: Tensor
+    weight: Tensor
+    bias: Tensor | None = None
+    main_grad: Tensor | None = None
+    input_spec: str = ""
+    weight_spec: str = ""
+    grad_spec: str = ""
+    scale: Tensor | None = None
+    grad_amax: Tensor | None = None
+    rng_state: Tensor | None = None
+    backward: str = ""
+    weight_q: list[Tensor] | None = None
+    wgrad_stash: Tensor | None = None
+
+    @property
+    def specs(self) -> tuple[QuantSpec, QuantSpec, QuantSpec]:
+        return parse_roles("te.grouped_linear", self.input_spec, self.weight_spec, self.grad_spec)
+
+    @property
+    def recipe(self) -> str:
+        return self.specs[0].kind
+
+    @property
+    def bw(self) -> BackwardSpec:
+        return parse(BackwardSpec, self.backward, "te.grouped_linear: backward")
+
+    @property
+    def grouped_recipe(self) -> GroupedRecipe:
+        return _grouped_recipe(self.specs, self.scale, self.grad_amax, self.bw.fp8_wgrad,
+                               self.rng_state)  # fmt: skip
+
+
+def _grouped_recipe(specs, scale, grad_amax, fp8_wgrad, rng_state) -> GroupedRecipe:
+    """The specs as the grouped GEMMs take them (one power-of-two option and the input's format
+    for the weight: ``_check`` refuses others)."""
+    x, w, g = specs
+    return GroupedRecipe(x.kind, x.fp8_dtype, g.fp8_dtype, w.power_2_scale, w.block_rows,
+                         x.emulate, scale, grad_amax, fp8_wgrad, x.rht,
+                         rng_state if g.stochastic_rounding else None, x.four_over_six,
+                         w.four_over_six)  # fmt: skip
+
+
+def _measured(recipe: str, grad_amax: Tensor | None) -> bool:
+    """Whether the forward appends the amaxes of its operands to ``saved``."""
+    return recipe == "delayed" or (recipe == "current" and grad_amax is not None)
+
+
+# Checks, shared by the implementations (eager) and the fake (trace time) ---------------------
+
+
+def _check_args(
+    inp: Tensor, m_splits: Tensor, weight: Tensor, bias: Tensor | None, main_grad: Tensor | None
+) -> None:
+    """Static constraints shared by the implementations (eager) and the fake (trace time); the
+    per-argument diagnosis runs only when the compound test fails."""
+    if (
+        inp.ndim == 2
+        and weight.ndim == 3
+        and inp.dtype in _FLOAT_DTYPES
+        and weight.dtype is inp.dtype
+        and inp.shape[1] == weight.shape[2]
+        and m_splits.ndim == 1
+        and m_splits.dtype in _INT_DTYPES
+        and m_splits.shape[0] == weight.shape[0]
+        and (m_splits.device == inp.device or m_splits.device.type == "cpu")
+        and (bias is None or (bias.shape == weight.shape[:2] and bias.dtype is inp.dtype))
+        and (
+            main_grad is None
+            or (main_grad.dtype is torch.float32 and main_grad.shape == weight.shape)
+        )
+    ):
+        return
+    raise ValueError(_diagnose(inp, m_splits, weight, bias, main_grad))
+
+
+def _diagnose(
+    inp: Tensor, m_splits: Tensor, weight: Tensor, bias: Tensor | None, main_grad: Tensor | None
+) -> str:
+    p = "te.grouped_linear: "
+    if inp.ndim != 2:
+        return p + f"inp must be 2-D [sum(m_splits), in_features], got shape {list(inp.shape)}"
+    if weight.ndim != 3:
+        return p + (
+            f"weight must be 3-D [num_gemms, out_features, in_features], got shape "
+            f"{list(weight.shape)}"
+        )
+    if inp.dtype not in _FLOAT_DTYPES:
+        return p + f"inp.dtype must be a floating type, got {inp.dtype}"
+    if weight.dtype != inp.dtype:
+        return p + f"inp.dtype ({inp.dtype}) must equal weight.dtype ({weight.dtype})"
+    if inp.shape[1] != weight.shape[2]:
+        return p + (
+            f"inp.shape[1] ({inp.shape[1]}) must equal in_features = weight.shape[2] "
+            f"({weight.shape[2]})"
+        )
+    if m_splits.ndim != 1 or m_splits.dtype not in _INT_DTYPES:
+        return p + (
+            f"m_splits must be a 1-D int32/int64 tensor (or a list of ints), got "
+            f"{m_splits.dtype} of shape {list(m_splits.shape)}"
+        )
+    if m_splits.shape[0] != weight.shape[0]:
+        return p + (
+            f"m_splits has {m_splits.shape[0]} groups but weight has num_gemms = {weight.shape[0]}"
+        )
+    if m_splits.device != inp.device and m_splits.device.type != "cpu":
+        return (
+            p + f"m_splits must be on inp's device ({inp.device}) or the CPU, got {m_splits.device}"
+        )
+    if bias is not None and bias.shape != weight.shape[:2]:
+        return p + (
+            f"bias must have shape [num_gemms, out_features] = {list(weight.shape[:2])}, got "
+            f"{list(bias.shape)}"
+        )
+    if bias is not None and bias.dtype != inp.dtype:
+        return p + f"bias.dtype ({bias.dtype}) must equal inp.dtype ({inp.dtype})"
+    return p + (
+        f"main_grad must be float32 with weight's shape {list(weight.shape)}, got "
+        f"{main_grad.dtype} {list(main_grad.shape)}"
+    )
+
+
+def _check(a: _Args) -> None:
+    _check_args(a.inp, a.m_splits, a.weight, a.bias, a.main_grad)
+    stash = a.wgrad_stash
+    if stash is not None:
+        shape = (a.inp.shape[0], a.weight.shape[1])
+        if stash.shape != shape or stash.dtype != a.inp.dtype or stash.device != a.inp.device:
+            raise ValueError(
+                f"te.grouped_linear: wgrad_stash must have the output's shape {list(shape)}, "
+                f"inp's dtype {a.inp.dtype} and device, got {list(stash.shape)} {stash.dtype} "
+                f"{stash.device}"
+            )
+    if not (
+        a.input_spec or a.weight_spec or a.grad_spec or a.backward or a.scale is not None
+        or a.grad_amax is not None or a.rng_state is not None or a.weight_q is not None
+    ):  # fmt: skip
+        return  # high precision: the hot path
+    p = "te.grouped_linear: "
+    x, w, g = a.specs
+    bw = a.bw
+    recipe = check_specs(p, {"input_spec": x, "weight_spec": w, "grad_spec": g}, a.scale,
+                         a.grad_amax, a.rng_state, a.inp)  # fmt: skip
+    if bw.override:
+        raise ValueError(
+            p + f"backward {a.backward!r}: grouped GEMMs run their backward on the specs' "
+            "quantised operands only (the overrides are te::linear's)"
+        )
+    if bw.save_input and recipe not in ("", "current", *_EMULATED_SAVE_INPUT):
+        error = ValueError if recipe == "delayed" else NotImplementedError
+        raise error(
+            p + f"backward 'save_input' (save_original_input) works with high precision, "
+            f"current scaling and the emulated block-scaled GEMMs, not with {recipe!r} specs"
+            + (" (DelayedScaling: the backward would quantise the input again with a scale "
+               "the update may have changed)" if recipe == "delayed" else "")
+        )  # fmt: skip
+    if bw.save_input and grouped_gemm_kind(recipe, x.emulate) == "blockwise":
+        raise NotImplementedError(
+            p + "backward 'save_input' (save_original_input) is not implemented for the native "
+            "blockwise GEMMs (block specs without 'emulate'); emulate them or save the copy"
+        )
+    if bw.fp8_wgrad and recipe not in PER_TENSOR:
+        raise ValueError(p + "backward 'fp8_wgrad' is for the per-tensor kinds (current, delayed)")
+    if x.row_scaled:
+        raise ValueError(p + f"input_spec {a.input_spec!r}: row_scaled needs a backward "
+                         "override, which grouped GEMMs do not take")  # fmt: skip
+    if w.fp8_dtype is not x.fp8_dtype or not x.power_2_scale == w.power_2_scale == g.power_2_scale:
+        raise ValueError(
+            p + "the grouped GEMMs take the input's format for the weight and one power-of-two "
+            f"option for all operands, got input_spec={a.input_spec!r}, "
+            f"weight_spec={a.weight_spec!r}, grad_spec={a.grad_spec!r}"
+        )
+    if a.weight_q is not None:
+        check_weight_quantized("te.grouped_linear", "weight_q", a.weight_q)
+    weight_q = a.weight_q or (None,) * len(WEIGHT_OPERAND)
+    check_grouped_weight_operand(p, recipe, a.weight, w.block_rows, w.emulate, weight_q)
+    if a.weight_q is not None and recipe == "nvfp4" and (w.four_over_six or w.block_rows != 16):
+        raise ValueError(
+            p + "an NVFP4 pre-quantised weight needs a weight_spec with 16x16 tiles (the dgrad "
+            f"copy is the weight itself) and without 4over6, got {a.weight_spec!r}"
+        )
+    if not recipe:
+        return
+    if a.inp.dtype not in HIGH_DTYPES:
+        raise ValueError(p + f"FP8 recipes take float32/bfloat16/float16 inputs, got "
+                         f"{a.inp.dtype}")  # fmt: skip
+    _, n, k = a.weight.shape
+    multiple = BLOCK_KINDS.get(recipe, 16)
+    if n % multiple or k % multiple:
+        kind = "FP8" if recipe in PER_TENSOR else recipe  # delayed calibrates with current
+        raise ValueError(
+            p + f"{kind} grouped GEMMs need in_features ({k}) and out_features ({n}) to be "
+            f"multiples of {multiple}"
+        )
+    if grouped_gemm_kind(recipe, x.emulate) == "blockwise" and not blockwise_supported(
+        a.weight[0], w.block_rows, x.fp8_dtype, g.fp8_dtype
+    ):
+        raise ValueError(
+            p + "128x128 weight blocks need in_features and out_features to be multiples of 512 "
+            f"(cuBLAS's blockwise GEMM); weight is {list(a.weight.shape)}"
+        )
+    splits = a.m_splits
+    if (
+        recipe == "nvfp4"
+        and splits.device.type == "cpu"
+        and not isinstance(splits, torch._subclasses.FakeTensor)
+    ):
+        bad = [int(m) for m in splits.tolist() if m % 16]
+        if bad:
+            raise ValueError(
+                p + "nvfp4 grouped GEMMs need every group's token count (m_splits) to be a "
+                f"multiple of 16 (blocks of 16 tokens along M), got {splits.tolist()} "
+                "(te.Fp8Padding pads them)"
+            )

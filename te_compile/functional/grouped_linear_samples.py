@@ -1,0 +1,118 @@
+"""Sample inputs of ``te::grouped_linear_fwd`` for the registry test (``grouped_linear_ops.py``
+defines the op): every recipe kind, empty groups, per-expert bias, ``main_grad``, the backward
+options and pre-quantised weights."""
+
+from __future__ import annotations
+
+import torch
+
+from te_compile._library import SampleInput
+from te_compile.functional.grouped_linear_args import _Args
+from te_compile.functional.grouped_weight import quantize_grouped_weight
+
+
+def _samples(device: torch.device):
+    def t(*shape, dtype=torch.float32, grad=True):
+        return torch.randn(*shape, device=device, dtype=dtype, requires_grad=grad)
+
+    def splits(*values, on=device):
+        return torch.tensor(values, device=on, dtype=torch.int64)
+
+    def call(*args, **kw):
+        return SampleInput(tuple(_Args(*args, **kw)) if kw else args)
+
+    def specs(x, w=None, g=None):  # the weight's as the input's, the gradient's E5M2 unless given
+        return {"input_spec": x, "weight_spec": x if w is None else w,
+                "grad_spec": x.replace("e4m3", "e5m2") if g is None else g}  # fmt: skip
+
+    bf16, f16 = torch.bfloat16, torch.float16
+    # High precision: a zero-size group, a CPU m_splits, bf16 (the grouped GEMM on CUDA), fp16
+    # with no input gradient, the weight gradient into main_grad.
+    yield call(t(10, 16), splits(3, 0, 7), t(3, 8, 16), t(3, 8), None)
+    yield call(t(9, 16), splits(9, on="cpu"), t(1, 8, 16), None, None)
+    yield call(t(12, 32, dtype=bf16), splits(5, 4, 3, 0), t(4, 16, 32, dtype=bf16), None, None)
+    yield call(t(6, 8, dtype=f16, grad=False), splits(2, 4), t(2, 8, 8, dtype=f16),
+               t(2, 8, dtype=f16), None)  # fmt: skip
+    yield call(t(7, 16), splits(4, 3), t(2, 8, 16), None, torch.zeros(2, 8, 16, device=device))
+    # Per-tensor FP8: current scaling rowwise (a zero-size group; a CPU int32 m_splits with
+    # empty first and last groups and no input gradient; float32, one group, E4M3 gradients).
+    cur = specs("current:e4m3")
+    yield call(t(40, 16, dtype=bf16), splits(11, 0, 29), t(3, 32, 16, dtype=bf16),
+               t(3, 32, dtype=bf16), None, **cur)  # fmt: skip
+    yield call(t(20, 32, dtype=bf16, grad=False), torch.tensor([0, 7, 13, 0], dtype=torch.int32),
+               t(4, 16, 32, dtype=bf16), None, None, **cur)  # fmt: skip
+    cur_e4 = specs("current:e4m3", g="current:e4m3")
+    yield call(t(24, 32), splits(24, on="cpu"), t(1, 16, 32), t(1, 16), None, **cur_e4)
+    # Delayed scaling: given per-tensor scales (powers of two: exact in every dtype), the
+    # gradient's amax written into grad_amax.
+    scale = torch.tensor([8.0, 16.0, 2048.0], device=device)
+    delayed = specs("delayed:e4m3")
+    yield call(t(40, 16, dtype=bf16), splits(11, 0, 29), t(3, 32, 16, dtype=bf16),
+               t(3, 32, dtype=bf16), None, **delayed, scale=scale,
+               grad_amax=torch.zeros(1, device=device))  # fmt: skip
+    # Weight gradient accumulated into main_grad (fp32), current scaling with the amaxes
+    # measured (a delayed state's calibration step).
+    yield call(t(24, 16, dtype=bf16), splits(8, 16), t(2, 32, 16, dtype=bf16), None,
+               torch.zeros(2, 32, 16, device=device), **cur,
+               grad_amax=torch.zeros(1, device=device))  # fmt: skip
+    # FP8 wgrad: E4M3 both ways, groups of 17 / 0 / 23 rows (padded to 32 / 0 / 32 in the
+    # transposed operands), bias; with an E5M2 gradient, delayed scaling, into main_grad.
+    yield call(t(40, 16, dtype=bf16), splits(17, 0, 23), t(3, 32, 16, dtype=bf16),
+               t(3, 32, dtype=bf16), None, **cur_e4, backward="fp8_wgrad")  # fmt: skip
+    yield call(t(40, 16, dtype=bf16), splits(11, 29, 0), t(3, 32, 16, dtype=bf16), None,
+               torch.zeros(3, 32, 16, device=device), **delayed, scale=scale.clone(),
+               grad_amax=torch.zeros(1, device=device), backward="fp8_wgrad")  # fmt: skip
+    # save_input: the FP8 wgrad operand quantised again in the backward from the input.
+    yield call(t(40, 16, dtype=bf16), splits(17, 0, 23), t(3, 32, 16, dtype=bf16),
+               t(3, 32, dtype=bf16), None, **cur, backward="save_input:fp8_wgrad")  # fmt: skip
+    # Float8BlockScaling, native (its GEMMs emulated off CUDA): experts of 17 / 0 / 40 tokens
+    # (the padded layout: experts from rows 0 and 128), a partial 128-block of features
+    # (K = 144), 1x128 weight blocks, power-of-two scales, bias; 128x128 weight blocks (features
+    # multiples of 512), an expert of 130 tokens, a CPU int32 m_splits; main_grad, no input
+    # gradient, the first expert empty; float32.
+    block_p2 = specs("block:e4m3:p2", g="block:e4m3:p2")
+    block = specs("block:e4m3", g="block:e4m3")
+    yield call(t(57, 144, dtype=bf16), splits(17, 0, 40), t(3, 32, 144, dtype=bf16),
+               t(3, 32, dtype=bf16), None, **block_p2)  # fmt: skip
+    yield call(t(146, 512, dtype=bf16), torch.tensor([16, 130], dtype=torch.int32),
+               t(2, 512, 512, dtype=bf16), None, None,
+               **specs("block:e4m3", "block:e4m3:128x128", "block:e4m3"))  # fmt: skip
+    yield call(t(24, 32, dtype=bf16, grad=False), splits(0, 24, 0), t(3, 48, 32, dtype=bf16),
+               t(3, 48, dtype=bf16), torch.zeros(3, 48, 32, device=device), **block)  # fmt: skip
+    yield call(t(40, 32), splits(8, 32, on="cpu"), t(2, 16, 32), None, None, **block_p2)
+    # The emulated recipes: MXFP8 (E5M2 gradients), NVFP4 (a global scale per expert),
+    # Float8BlockScaling with 128x128 weight blocks that straddle two experts (N = 32).
+    yield call(t(40, 64), splits(11, 0, 29), t(3, 32, 64), t(3, 32), None,
+               **specs("mxfp8:e4m3:emulate"))  # fmt: skip
+    yield call(t(32, 32), splits(16, 16), t(2, 16, 32), None, None, **specs("nvfp4:emulate"))
+    # NVFP4's options: the transform of the wgrad operands, stochastic rounding, 4over6, tiles.
+    yield call(t(48, 32), splits(32, 0, 16), t(3, 16, 32), t(3, 16), None,
+               **specs("nvfp4:emulate:rht:4over6=MSE/256", "nvfp4:16x16:emulate:4over6=MAE/448",
+                       "nvfp4:emulate:rht:sr"),
+               rng_state=torch.tensor([3, 5], device=device))  # fmt: skip
+    yield call(t(24, 32), splits(16, 8), t(2, 32, 32), t(2, 32),
+               torch.zeros(2, 32, 32, device=device),
+               **specs("block:e4m3:emulate", "block:e4m3:128x128:emulate",
+                       "block:e4m3:emulate"))  # fmt: skip
+    # save_input, emulated: the input's dequantised copy made again in the backward (MXFP8 with
+    # a bias; NVFP4 with its transform, into main_grad).
+    yield call(t(40, 64), splits(11, 0, 29), t(3, 32, 64), t(3, 32), None,
+               **specs("mxfp8:e4m3:emulate"), backward="save_input")  # fmt: skip
+    yield call(t(32, 32), splits(16, 16), t(2, 16, 32), None,
+               torch.zeros(2, 16, 32, device=device),
+               **specs("nvfp4:emulate:rht", "nvfp4:emulate", "nvfp4:emulate:rht"),
+               backward="save_input")  # fmt: skip
+
+    # A pre-quantised weight (functional.grouped_weight): delayed with the FP8 wgrad into
+    # main_grad, native blockwise (the stacked dgrad copies); the other kinds' kept weights are
+    # checked bit for bit in tests/modules/test_fp8_weight_cache.py.
+    w = t(3, 32, 16, dtype=bf16)
+    s = scale.clone()
+    yield call(t(40, 16, dtype=bf16), splits(11, 29, 0), w, None,
+               torch.zeros(3, 32, 16, device=device), **delayed, scale=s,
+               grad_amax=torch.zeros(1, device=device), backward="fp8_wgrad",
+               weight_q=quantize_grouped_weight(w.detach(), "delayed:e4m3", s))  # fmt: skip
+    w = t(3, 32, 144, dtype=bf16)
+    q = quantize_grouped_weight(w.detach(), "block:e4m3:p2")
+    yield call(t(57, 144, dtype=bf16), splits(17, 0, 40), w, t(3, 32, dtype=bf16), None,
+               **block_p2, weight_q=q)  # fmt: skip

@@ -1,0 +1,250 @@
+"""The linear family's arguments and their checks (``linear_ops.py`` defines the ops).
+
+``_Args`` names the forward op's arguments (a call passes the first four, or all) and parses its
+spec strings; the checks are shared by the implementations (eager) and the fakes (trace time),
+so a bad argument raises the same ValueError, naming it, in eager and under ``torch.compile``.
+``_check_args`` is the hot path's one cheap compound test of the four tensors; ``_check`` the
+whole call (recipe, prologue, epilogue, backward, pre-quantised weight).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from te_compile._checks import check_finite
+from te_compile.functional.activation import GATED_ACTIVATIONS, check_activation, check_gated_params
+from te_compile.functional.dense_weight import (
+    WEIGHT_OPERAND,
+    check_weight_operand,
+    check_weight_quantized,
+)
+from te_compile.functional.gemm import BLOCK_KINDS, FP8_DTYPES, HIGH_DTYPES, PER_TENSOR, check_specs
+from te_compile.functional.prologue import Norm, check_norm
+from te_compile.functional.spec import (
+    BackwardSpec,
+    EpilogueSpec,
+    NormSpec,
+    QuantSpec,
+    parse,
+    parse_roles,
+)
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+class _Args(NamedTuple):
+    """The forward op's arguments, by name (a call passes the first four, or all)."""
+
+    inp: Tensor
+    weight: Tensor
+    bias: Tensor | None = None
+    main_grad: Tensor | None = None
+    input_spec: str = ""
+    weight_spec: str = ""
+    grad_spec: str = ""
+    scale: Tensor | None = None
+    grad_amax: Tensor | None = None
+    rng_state: Tensor | None = None
+    norm: str = ""
+    norm_weight: Tensor | None = None
+    norm_bias: Tensor | None = None
+    epilogue: str = ""
+    residual: Tensor | None = None
+    backward: str = ""
+    weight_q: list[Tensor] | None = None
+    wgrad_stash: Tensor | None = None
+
+    @property
+    def specs(self) -> tuple[QuantSpec, QuantSpec, QuantSpec]:
+        return parse_roles("te.linear", self.input_spec, self.weight_spec, self.grad_spec)
+
+    @property
+    def ep(self) -> EpilogueSpec:
+        return parse(EpilogueSpec, self.epilogue, "te.linear: epilogue")
+
+    @property
+    def bw(self) -> BackwardSpec:
+        return parse(BackwardSpec, self.backward, "te.linear: backward")
+
+    @property
+    def plain(self) -> bool:
+        """High precision without a prologue or an epilogue: ``te.Linear``'s hot path."""
+        return not (
+            self.input_spec or self.weight_spec or self.grad_spec or self.norm or self.epilogue
+            or self.backward or self.scale is not None or self.grad_amax is not None
+            or self.rng_state is not None or self.norm_weight is not None
+            or self.norm_bias is not None or self.residual is not None
+            or self.weight_q is not None or self.wgrad_stash is not None
+        )  # fmt: skip
+
+    @property
+    def nrm(self) -> Norm:
+        n = parse(NormSpec, self.norm, "te.linear: norm")
+        return Norm(self.norm_weight, self.norm_bias, n.normalization, n.eps,
+                    n.zero_centered_gamma)  # fmt: skip
+
+
+_NORM_WEIGHT, _RESIDUAL = _Args._fields.index("norm_weight"), _Args._fields.index("residual")
+
+
+def _out_features(n: int, activation: str) -> int:
+    return n // 2 if activation in GATED_ACTIVATIONS else n
+
+
+# Checks, shared by the implementations (eager) and the fakes (trace time) ---------------------
+
+
+def _check_args(inp: Tensor, weight: Tensor, bias: Tensor | None, main_grad: Tensor | None) -> None:
+    """The four tensors. One cheap compound test on the hot path (eager calls pay for it on
+    every step); the per-argument diagnosis runs only when it fails, so eager and compile raise
+    the same ValueError naming the argument."""
+    w_shape = weight.shape
+    dtype = inp.dtype
+    if (
+        len(w_shape) == 2
+        and dtype is weight.dtype
+        and dtype in _FLOAT_DTYPES
+        and inp.ndim >= 1
+        and inp.shape[-1] == w_shape[1]
+        and (bias is None or (bias.shape == (w_shape[0],) and bias.dtype is dtype))
+        and (main_grad is None or (main_grad.dtype is torch.float32 and main_grad.shape == w_shape))
+    ):
+        return
+    raise ValueError(_diagnose(inp, weight, bias, main_grad))
+
+
+def _diagnose(inp: Tensor, weight: Tensor, bias: Tensor | None, main_grad: Tensor | None) -> str:
+    if weight.dim() != 2:
+        return f"te.linear: weight must be 2-D [out_features, in_features], got {weight.dim()}-D"
+    if inp.dim() < 1:
+        return "te.linear: inp must have at least 1 dimension"
+    if inp.dtype not in _FLOAT_DTYPES:
+        return f"te.linear: inp.dtype must be a floating type, got {inp.dtype}"
+    if inp.dtype != weight.dtype:
+        return (
+            f"te.linear: inp.dtype ({inp.dtype}) must equal weight.dtype ({weight.dtype}); "
+            "use torch.autocast or cast the input"
+        )
+    if inp.shape[-1] != weight.shape[1]:
+        return (
+            f"te.linear: inp.shape[-1] ({inp.shape[-1]}) must equal in_features = "
+            f"weight.shape[1] ({weight.shape[1]})"
+        )
+    if bias is not None and bias.shape != weight.shape[:1]:
+        return (
+            f"te.linear: bias must have shape [out_features] = [{weight.shape[0]}], "
+            f"got {list(bias.shape)}"
+        )
+    if bias is not None and bias.dtype != weight.dtype:
+        return f"te.linear: bias.dtype ({bias.dtype}) must equal weight.dtype ({weight.dtype})"
+    return (
+        f"te.linear: main_grad must be float32 with weight's shape {list(weight.shape)}, "
+        f"got {main_grad.dtype} {list(main_grad.shape)}"
+    )
+
+
+def _check(a: _Args) -> None:
+    inp, weight = a.inp, a.weight
+    if weight.dtype in FP8_DTYPES:  # FP8 primary weights: the codes stand for the weight
+        if a.weight_q is None:
+            raise ValueError(
+                f"te.linear: an FP8 weight ({weight.dtype}) needs its pre-quantised operand "
+                f"(weight_q: {', '.join(WEIGHT_OPERAND)}); its gradient goes to main_grad (fp32)"
+            )
+        if a.bw.override == "high_precision":
+            raise ValueError(
+                "te.linear: backward 'high_precision' needs a high-precision weight, got "
+                f"{weight.dtype} (FP8 primary weights)"
+            )
+        weight = torch.empty(weight.shape, dtype=inp.dtype, device="meta")
+    _check_args(inp, weight, a.bias, a.main_grad)
+    if a.plain:
+        return
+    p = "te.linear: "
+    x, w, g = a.specs
+    ep, bw, norm = a.ep, a.bw, a.nrm
+    recipe = check_specs(p, {"input_spec": x, "weight_spec": w, "grad_spec": g}, a.scale,
+                         a.grad_amax, a.rng_state, inp)  # fmt: skip
+    if x.row_scaled and not bw.override:
+        raise ValueError(
+            p + "a row_scaled input_spec needs backward 'high_precision' or 'dequantized' (a "
+            f"row-scaled NVFP4 input has no columnwise copy), got backward={a.backward!r}"
+        )
+    if bw.save_input and x.four_over_six:
+        raise NotImplementedError(
+            p + "backward 'save_input' with 4over6 block scaling of the input is not "
+            "implemented: the backward would quantise the input again without it"
+        )
+    if a.weight_q is not None and w.four_over_six:
+        raise ValueError(
+            p + "4over6 in weight_spec is for a weight the op quantises; a pre-quantised weight "
+            "(weight_q) carries its own quantisation (quantize_weight's spec)"
+        )
+    n, k = weight.shape
+    if recipe:
+        if inp.dtype not in HIGH_DTYPES:
+            raise ValueError(
+                p + f"FP8 recipes take float32/bfloat16/float16 inputs, got {inp.dtype}"
+            )
+        if recipe in PER_TENSOR and (n % 16 or k % 16):
+            raise ValueError(p + f"FP8 GEMMs need in_features ({k}) and out_features ({n}) to be "
+                             "multiples of 16")  # fmt: skip
+        block = BLOCK_KINDS.get(recipe, 0)
+        m = inp.numel() // k if k else 0
+        if block and (n % block or k % block or (recipe != "block" and m % block)):
+            raise ValueError(
+                p
+                + f"{recipe} needs in_features ({k}), out_features ({n})"
+                + ("" if recipe == "block" else f" and the number of tokens ({m})")
+                + f" to be multiples of its block ({block})"
+            )
+        if recipe == "block" and not w.emulate and w.block_rows == 128 and (n % 512 or k % 512):
+            raise ValueError(
+                p + "native GEMMs with 128x128 weight blocks need in_features and out_features "
+                f"to be multiples of 512; weight is {list(weight.shape)}"
+            )
+    if bw.fp8_wgrad:
+        raise ValueError(p + "backward 'fp8_wgrad' is for the grouped family")
+    if bw.override and not recipe:
+        raise ValueError(p + "backward 'high_precision' / 'dequantized' is for a quantised recipe")
+    if bw.save_input:
+        if recipe == "delayed":
+            raise ValueError(
+                p + "backward 'save_input' (save_original_input) does not work with the "
+                "delayed-scaling recipe (DelayedScaling): the backward would quantise the input "
+                "again with a scale the amax-history update may have changed"
+            )
+        if not recipe or a.norm or bw.override == "dequantized":
+            raise ValueError(
+                p + "backward 'save_input' is for a quantised linear without a norm prologue and "
+                f"without 'dequantized', got norm={a.norm!r}, backward={a.backward!r}"
+            )
+    if a.weight_q is not None:
+        check_weight_quantized("te.linear", "weight_q", a.weight_q)
+    check_weight_operand(p, recipe, weight, w.block_rows, w.emulate, a.weight_q or (None,) * 5)
+    check_finite("te.linear", out_scale=ep.scale)
+    check_norm(p, inp, norm)
+    if ep.activation:
+        if a.residual is not None or ep.branch:
+            raise ValueError(p + "activation cannot be combined with residual or branch")
+        gemm_out = torch.empty((*inp.shape[:-1], n), dtype=inp.dtype, device="meta")
+        check_activation(gemm_out, a.bias, ep.activation, ep.interleave)
+        check_gated_params("te.linear", ep.limit, ep.alpha, ep.offset)
+    if a.wgrad_stash is not None:
+        shape = (*inp.shape[:-1], _out_features(n, ep.activation))
+        stash = a.wgrad_stash
+        if stash.shape != shape or stash.dtype != inp.dtype or stash.device != inp.device:
+            raise ValueError(
+                p + f"wgrad_stash must have the output's shape {list(shape)}, inp's dtype "
+                f"{inp.dtype} and device, got {list(stash.shape)} {stash.dtype} {stash.device}"
+            )
+    if a.residual is not None:
+        shape = (*inp.shape[:-1], _out_features(n, ep.activation))
+        if a.residual.shape != shape or a.residual.dtype != inp.dtype:
+            raise ValueError(
+                p + f"residual must have the output's shape {list(shape)} and inp's dtype "
+                f"{inp.dtype}, got {list(a.residual.shape)} {a.residual.dtype}"
+            )

@@ -1,0 +1,245 @@
+"""The linear family's implementations: what ``te::linear_fwd`` / ``te::linear_bwd``
+(``linear_ops.py``, which documents them) compute on each device.
+
+``_forward`` runs the optional norm prologue, quantises the operands through
+``functional.gemm.QUANTIZERS``, calls the recipe's GEMM (``functional.gemm.GEMMS``) and the
+epilogue, and returns the tensors the backward needs; ``_backward_impl`` runs the epilogue's and
+the prologue's backward around the dgrad and wgrad GEMMs (``_quantized_backward`` for a quantised
+recipe). ``cuda`` selects cuBLAS in the input dtype; on the CPU (the definition of correctness)
+high precision is fp32 math rounded once.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from te_compile._numerics import acc_dtype
+from te_compile.functional.activation import activation_backward, activation_forward
+from te_compile.functional.dense_weight import weight_operand
+from te_compile.functional.gemm import (
+    PER_TENSOR,
+    accumulate_wgrad,
+    empty,
+    fp8_bytes,
+    fp8_codes,
+    gemm,
+    gemm_kind,
+    hp_linear,
+    pad_rows,
+    quantize_operand,
+    scale_slots,
+    unpad,
+    wgrad_gemm,
+)
+from te_compile.functional.gemm_ref import as_specs
+from te_compile.functional.linear_args import _Args, _check
+from te_compile.functional.prologue import norm_backward, norm_forward, norm_quantize
+from te_compile.functional.quantize import dequantize_blockwise
+from te_compile.functional.spec import EpilogueSpec, NormSpec, QuantSpec, parse
+
+
+def _forward(a: _Args, cuda: bool) -> tuple[Tensor, Tensor, list[Tensor]]:
+    _check(a)
+    inp, weight, bias = a.inp, a.weight, a.bias
+    ep = a.ep
+    dtype, n = inp.dtype, weight.shape[0]
+    branch = inp.clone(memory_format=torch.contiguous_format) if ep.branch else empty(inp)
+    if a.plain:  # te.Linear in high precision: the hot path
+        return hp_linear(inp, weight, bias, cuda), branch, []
+    x2 = inp.reshape(-1, inp.shape[-1])
+    m, acc = x2.shape[0], None
+    saved, stats, amax = [], [], []
+    fuse_bias = bias if not ep.activation else None
+    xs, ws, _ = a.specs
+    recipe, norm = xs.kind, a.nrm
+    if not recipe:
+        acc = None if cuda else acc_dtype(inp)
+        if norm.normalization:
+            x2, *stats = norm_forward(x2, norm)
+            saved.append(x2)
+        if cuda and a.residual is not None:  # one GEMM with the residual in its epilogue
+            out = torch.addmm(a.residual.reshape(-1, n), x2, weight.t(), alpha=ep.scale)
+            if bias is not None:
+                out.add_(bias, alpha=ep.scale)
+            return out.reshape(a.residual.shape), branch, saved + stats
+        c = (lambda t: t) if acc is None else (lambda t: None if t is None else t.to(acc))
+        h = gemm("mm", c(x2), None, c(weight), None, dtype, bias=c(fuse_bias))
+    else:
+        bw = a.bw
+        override = bw.override
+        s_x, s_w, _ = scale_slots(a.scale, recipe)
+        if norm.normalization and override == "high_precision":  # the norm's output is kept
+            x2, *stats = norm_forward(x2, norm)
+            xq = quantize_operand(xs, pad_rows(x2), scale=s_x)
+        elif norm.normalization:
+            xq, *stats = norm_quantize(xs, x2, norm, scale=s_x)
+        else:  # save_input: the backward quantises the input again for the wgrad
+            xq = quantize_operand(xs, pad_rows(x2), scale=s_x, columnwise=not bw.save_input)
+        if a.weight_q is not None:  # pre-quantised: the saved copy is an input's
+            wq = weight_operand(a.weight_q, ws.fp8_dtype)
+        else:
+            wq = quantize_operand(ws, weight, scale=s_w)
+        h = gemm(gemm_kind(recipe, xs.emulate), xq.data, xq.scale, wq.data, wq.scale, dtype,
+                 bias=fuse_bias, fast_accum=True, b_block_rows=ws.block_rows)  # fmt: skip
+        h = unpad(h, m)
+        if override == "high_precision":  # the GEMM input in high precision, with a norm
+            saved = [x2] if norm.normalization else []
+        elif override == "dequantized":  # the forward's operands, dequantised
+            saved = [_dequantized(xs, xq, m, dtype), _dequantized(ws, wq, n, dtype)]
+        else:
+            if bw.save_input:  # the input itself is saved instead of its copy
+                f32 = torch.float32
+                x_slots = [x2.new_empty(0, dtype=fp8_bytes(wq.data_t).dtype),
+                           x2.new_empty(0, dtype=f32)]  # fmt: skip
+            else:
+                x_slots = [fp8_bytes(xq.data_t), xq.scale_t]
+            # A pre-quantised weight's copies are inputs: setup_context saves them.
+            w_slots = [] if a.weight_q is not None else [fp8_bytes(wq.data_t), wq.scale_t]
+            saved = [*x_slots, *w_slots]
+        if recipe in PER_TENSOR:
+            amax = [torch.cat([xq.amax, wq.amax])]
+    y = h
+    if ep.activation:
+        b = bias if acc is None or bias is None else bias.to(acc)
+        y = activation_forward(h, b, ep.activation, *ep.params)
+        saved.append(h)
+    if a.residual is not None:
+        r = a.residual.reshape(y.shape)
+        y = r.to(acc) + ep.scale * y if acc else torch.add(r, y, alpha=ep.scale)
+    elif ep.scale != 1.0:
+        y = y * ep.scale
+    out = y.to(dtype).reshape(*inp.shape[:-1], y.shape[-1])
+    return out, branch, saved + stats + amax
+
+
+def _dequantized(spec: QuantSpec, q, rows: int, dtype) -> Tensor:
+    """The rowwise operand ``q`` (what the forward GEMM multiplied) dequantised to ``dtype``,
+    its first ``rows`` rows (backward ``"dequantized"``)."""
+    if gemm_kind(spec.kind, spec.emulate) == "dequantized":  # the dequantised fp32 values
+        values = q.data
+    elif spec.kind in PER_TENSOR:
+        values = q.data.float() * q.scale
+    else:
+        u8, f32 = torch.uint8, torch.float32
+        values = dequantize_blockwise.eager(q.data.view(u8), q.scale, spec.block_rows,
+                                            spec.fp8_dtype, f32)  # fmt: skip
+    # A copy where the values are the operand's own tensor (an output may not alias another).
+    return values[:rows].to(dtype, copy=values is q.data)
+
+
+class _Bwd(NamedTuple):
+    """The backward op's arguments after the tensors, parsed."""
+
+    x: QuantSpec
+    w: QuantSpec
+    g: QuantSpec
+    norm: NormSpec
+    ep: EpilogueSpec
+    need_dbias: bool
+    need_dgrad: bool
+    need_wgrad: bool
+
+    @classmethod
+    def of(cls, input_spec, weight_spec, grad_spec, norm, epilogue, *need) -> _Bwd:
+        return cls(*as_specs(input_spec, weight_spec, grad_spec), parse(NormSpec, norm),
+                   parse(EpilogueSpec, epilogue), *need)  # fmt: skip
+
+    @property
+    def recipe(self) -> str:
+        return self.x.kind
+
+
+def _split_saved(saved: list[Tensor], c: _Bwd) -> tuple[list, Tensor | None, Tensor | None, list]:
+    """``(quantised copies [4] or [], high-precision GEMM input or None, GEMM output before the
+    activation or None, norm statistics)``."""
+    normalized, act = bool(c.norm.normalization), bool(c.ep.activation)
+    i = 4 if c.recipe else int(normalized)
+    copies = saved[:4] if c.recipe else []
+    x_hp = saved[0] if not c.recipe and normalized else None
+    h = saved[i] if act else None
+    stats = saved[i + act :]
+    return copies, x_hp, h, stats
+
+
+def _backward_impl(grad, grad_branch, saved, inp, weight, bias, main_grad, scale, grad_amax,
+                   norm_weight, rng_state, c: _Bwd, cuda: bool):  # fmt: skip
+    dtype = grad.dtype
+    ep, normalization = c.ep, c.norm.normalization
+    copies, x_hp, h, stats = _split_saved(saved, c)
+    if copies and c.need_wgrad and copies[0].numel() == 0 and inp is not None and inp.numel():
+        # save_input: the input's quantised transposed copy, made again here.
+        x2 = inp.reshape(-1, inp.shape[-1])
+        xq = quantize_operand(c.x, pad_rows(x2), scale=scale_slots(scale, c.recipe)[0])
+        copies = [fp8_bytes(xq.data_t), xq.scale_t, *copies[2:]]
+    g2 = grad.reshape(-1, grad.shape[-1])
+    m = g2.shape[0]
+    acc = None if c.recipe or cuda else acc_dtype(grad)
+    dy = g2 if acc is None else g2.to(acc)
+    if ep.scale != 1.0:
+        dy = dy * ep.scale
+    dbias = empty(grad)
+    native_block = c.recipe == "block" and not c.x.emulate
+    if ep.activation:
+        b = bias if acc is None or bias is None else bias.to(acc)
+        dy, db = activation_backward(dy, h, b, ep.activation, *ep.params, c.need_dbias)
+        if c.need_dbias:
+            dbias = db.to(dtype)
+    elif c.need_dbias and not native_block:
+        dbias = dy.sum(0) if cuda and not c.recipe else dy.sum(0, dtype=acc or torch.float32)
+        dbias = dbias.to(dtype)
+    b2 = None if grad_branch is None else grad_branch.reshape(-1, grad_branch.shape[-1])
+    fused_branch = b2 is not None and not c.recipe and not normalization
+    dinp, dweight = None, empty(grad)
+    if not c.recipe:
+        x2 = x_hp if x_hp is not None else inp.reshape(-1, inp.shape[-1])
+        cast = (lambda t: t) if acc is None else (lambda t: t.to(acc))
+        if c.need_dgrad:
+            w = cast(weight)
+            dinp = torch.addmm(cast(b2), dy, w) if fused_branch else dy @ w
+            dinp = dinp.to(dtype)
+        if c.need_wgrad and main_grad is not None:
+            accumulate_wgrad(main_grad, dy, x2)
+        elif c.need_wgrad:
+            dweight = (dy.t() @ cast(x2)).to(dtype)
+    else:
+        dinp, dweight, db = _quantized_backward(dy, copies, main_grad, scale, grad_amax,
+                                                rng_state, c, m)  # fmt: skip
+        if db is not None:
+            dbias = db.to(dtype)
+    dnorm = [empty(grad), empty(grad)]
+    if dinp is not None:
+        if normalization:
+            x2 = inp.reshape(-1, inp.shape[-1])
+            dinp, *dnorm = norm_backward(dinp, x2, norm_weight, stats, normalization,
+                                         c.norm.zero_centered_gamma, c.norm.bias)  # fmt: skip
+        if b2 is not None and not fused_branch:
+            dinp = dinp + b2
+        dinp = dinp.reshape(*grad.shape[:-1], dinp.shape[-1])
+    return dinp if dinp is not None else empty(grad), dweight, dbias, *dnorm
+
+
+def _quantized_backward(dy, copies, main_grad, scale, grad_amax, rng_state, c: _Bwd, m: int):
+    """``(dinp 2-D or None, dweight, dbias or None)`` of a quantised recipe's GEMMs; ``dbias``
+    only where the gradient's quantisation sums it (native blockwise)."""
+    x_t, x_st, w_t, w_st = copies
+    dtype = dy.dtype
+    kind = gemm_kind(c.recipe, c.x.emulate)
+    sums = c.need_dbias and kind == "blockwise" and not c.ep.activation
+    _, _, s_g = scale_slots(scale, c.recipe)
+    g = quantize_operand(c.g, pad_rows(dy), scale=s_g, columnwise=c.need_wgrad, mn_major=True,
+                         sums=sums, rng_state=rng_state)  # fmt: skip
+    if grad_amax is not None:
+        grad_amax.copy_(g.amax)
+    dinp = None
+    if c.need_dgrad:  # dX [M, K] = dY [M, N] @ W [N, K]; W^T [K, N] is the GEMM's b
+        dinp = gemm(kind, g.data, g.scale, fp8_codes(w_t, c.w.fp8_dtype), w_st, dtype,
+                    b_block_rows=c.w.block_rows)  # fmt: skip
+        dinp = unpad(dinp, m)
+    dweight = empty(dy)
+    if c.need_wgrad:  # dW [N, K] = dY^T [N, M] @ X [M, K]; X^T [K, M] is the GEMM's b
+        dweight = wgrad_gemm(kind, g.data_t, g.scale_t, fp8_codes(x_t, c.x.fp8_dtype), x_st, dtype,
+                             main_grad)  # fmt: skip
+    return dinp, dweight, g.sums

@@ -1,0 +1,612 @@
+r"""The linear family: :math:`y = r + s\,f(\mathrm{norm}(x) W^\top + b)` as ``te::linear_fwd`` /
+``te::linear_bwd``, for every recipe, with an optional norm prologue and epilogue.
+
+Layouts: ``inp`` is ``[..., in_features]`` (any number of leading dims, flattened to ``[M, K]``
+for the GEMM), ``weight`` is ``[out_features, in_features]`` like ``nn.Linear``, ``bias`` is
+``[out_features]``. The backward computes
+
+.. math::
+    dX = dY\,W, \qquad dW = dY^\top X, \qquad db = \textstyle\sum_{rows} dY
+
+(through the epilogue and the prologue) and skips whichever of them autograd does not need.
+``te::linear_fwd(inp, weight, bias?, main_grad?, <recipe>, <prologue>, <epilogue>, <backward>,
+weight_q?, wgrad_stash?) -> (out, branch, saved)`` takes, after the four tensors:
+
+* the recipe as data (``functional.spec``; ``quantization.gemm.gemm_args`` makes it from the
+  autocast recipe): ``input_spec``, ``weight_spec``, ``grad_spec`` (a ``QuantSpec`` string each:
+  kind, format, block rows, power-of-two scales, emulation, NVFP4's options), the delayed-scaling
+  state ``scale`` ``[3]`` (input, weight, gradient) from ``te::delayed_scaling_update`` and
+  ``grad_amax`` ``[1]``, into which the backward writes the gradient's amax (per-tensor recipes;
+  a buffer of its own: a saved tensor must not be modified between the passes), and
+  ``rng_state`` (int64 ``[2]`` ``(seed, offset)``: the Philox stream of a gradient spec's
+  stochastic rounding, saved for the backward op);
+* the norm prologue (``functional.prologue``): ``norm`` (a ``NormSpec`` string: ``""``,
+  ``"LayerNorm"`` or ``"RMSNorm"`` with ``eps`` and ``zero_centered``), ``norm_weight``,
+  ``norm_bias``: ``inp`` is normalised first (written straight into FP8 on CUDA by the
+  per-tensor recipes and native Float8BlockScaling);
+* the epilogue: ``epilogue`` (an ``EpilogueSpec`` string: ``act`` any of ``ACTIVATIONS`` /
+  ``GATED_ACTIVATIONS``, the bias then added by the activation, whose output has half the
+  features for a gated one, with ``interleave``, ``limit``, ``alpha``, ``offset``; ``scale``;
+  ``branch``: also return a copy of ``inp``, a residual connection's branch, whose gradient joins
+  the dgrad GEMM) and ``residual`` (the output's shape): ``residual + scale * y``;
+* ``backward`` (a ``BackwardSpec`` string, with a recipe): ``""``, the backward GEMMs on the
+  recipe's quantised operands and gradient; ``"high_precision"``, the forward saves the
+  high-precision GEMM input (the norm's output with a prologue: the norm is then computed,
+  kept and quantised, not fused into the cast) and the backward is high precision's on it and
+  the weight; ``"dequantized"``, the forward saves its quantised operands dequantised to the
+  input dtype and the backward is high precision's on them (the gradient is not quantised with
+  either, and ``grad_amax`` is not written; a row-scaled input needs one); ``"save_input"``,
+  the backward keeps ``inp`` and quantises it again (``save_original_input``).
+
+Outputs: ``out``; ``branch`` (0-element unless asked: an op's output may not alias its input);
+``saved``, the tensors the backward needs that are not inputs (the FP8 transposed copies of
+``X`` and ``W`` with their inverse scales, or their dequantised values under emulation; the
+GEMM's output before an activation; the norm's output in high precision; the norm's ``mean,
+rsigma``), then, for the per-tensor recipes, ``[amax(X), amax(W)]`` (fp32), which the caller
+folds into the delayed-scaling history.
+
+Numerics. High precision: on CUDA cuBLAS in the input dtype (bias, or the residual, in the
+GEMM's epilogue) and the activation kernel; on the CPU (the definition of correctness) fp32
+math rounded once at the end. FP8 (``_scaled_mm`` wants its first operand row-major and its
+second column-major, so the forward writes the transposed copies the backward GEMMs need): the
+GEMM output is rounded to the input dtype, then the epilogue runs on it. Per-tensor recipes
+need in/out features multiples of 16 (token counts are padded with zero rows inside), the
+block-scaled ones every dim a multiple of their block (32 for MXFP8, 16 otherwise). An inf/NaN
+input gives an inf/NaN amax, which the delayed-scaling update ignores (keeps the old scale).
+
+Weight-gradient fusion (``main_grad``): as in Transformer Engine, a module built with
+``fuse_wgrad_accumulation=True`` keeps an fp32 ``weight.main_grad`` and the backward GEMM
+accumulates into it (fp32 output) instead of producing ``weight.grad``; ``te::linear_bwd``
+declares it mutated, which torch.compile supports in the backward graph. Tensor parallelism
+stays outside the op (``distributed.tensor_parallel``).
+
+Pre-quantised weight (``functional.dense_weight``): ``weight_q``, the five
+tensors ``weight_data``, ``weight_scale``, ``weight_data_t``, ``weight_scale_t``,
+``weight_amax`` (with a recipe), is ``weight`` already quantised by ``te::quantize_weight``; the
+op does not quantise ``weight``, saves ``weight_data_t`` / ``weight_scale_t`` for the dgrad GEMM
+from its inputs (``saved`` then holds only the input's copy), and reports ``weight_amax``.
+``weight`` may then be the FP8 codes themselves (FP8 primary weights, ``quantization.primary``):
+its gradient must go to ``main_grad`` (the backward raises otherwise), and
+``backward="high_precision"`` is refused.
+
+This file holds the ops (reference, schemas, fakes, autograd) and the public function; beside
+it, ``linear_args.py`` (the arguments and their checks), ``linear_impl.py`` (the forward and
+backward implementations) and ``linear_samples.py`` (the registry test's sample inputs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+import torch
+from torch import Tensor
+
+from te_compile._checks import (
+    check_bool,
+    check_choice,
+    check_required,
+    check_same_device,
+    check_tensors,
+)
+from te_compile._library import differentiable, op
+from te_compile._numerics import acc_dtype
+from te_compile.functional.activation import GATED_ACTIVATIONS, activation_ref, gated_activation_ref
+from te_compile.functional.dense_weight import check_weight_quantized
+from te_compile.functional.dropout_ops import new_rng_state
+from te_compile.functional.gemm import (
+    BACKWARD_OVERRIDES,
+    FP8_DTYPES,
+    PER_TENSOR,
+    DeferredWgrad,
+    check_gemm_args,
+    empty,
+    gemm_kind,
+    hp_linear,
+    hp_linear_backward,
+    padded,
+    save_for_backward_except_written,
+)
+from te_compile.functional.gemm_ref import quantized_linear_ref
+from te_compile.functional.linear_args import (
+    _NORM_WEIGHT,
+    _RESIDUAL,
+    _Args,
+    _check,
+    _check_args,
+    _out_features,
+)
+from te_compile.functional.linear_impl import _backward_impl, _Bwd, _forward
+from te_compile.functional.linear_samples import _samples
+from te_compile.functional.prologue import NORMALIZATIONS, fake_dnorm, fake_stats, norm_ref
+from te_compile.functional.spec import BackwardSpec, EpilogueSpec, NormSpec, QuantSpec, parse
+
+__all__ = ["linear", "linear_ref"]
+
+# 1. Reference math --------------------------------------------------------------------------
+
+
+def linear_ref(inp: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """Definition of correctness in high precision: fp32 (or fp64) math, cast to the input
+    dtype at the end (``functional.gemm.hp_linear``'s CPU implementation)."""
+    return hp_linear(inp, weight, bias, cuda=False)
+
+
+def _reference(*args):
+    """The op's definition: the norm's reference, the recipe's GEMM, the epilogue, in the
+    inputs' dtype (float64 in the tests)."""
+    a = _Args(*args)
+    ep = a.ep
+    x = norm_ref(a.inp, a.nrm)
+    y = quantized_linear_ref(x, a.weight, *a.specs, a.scale, a.bw.override, a.rng_state)
+    if ep.activation in GATED_ACTIVATIONS:
+        y = gated_activation_ref(y, a.bias, ep.activation, *ep.params)
+    elif ep.activation:
+        y = activation_ref(y, a.bias, ep.activation)
+    elif a.bias is not None:
+        y = y + a.bias
+    if a.residual is not None:
+        y = a.residual + ep.scale * y
+    elif ep.scale != 1.0:
+        y = ep.scale * y
+    return (y, a.inp) if ep.branch else y
+
+
+# 2. Forward op ------------------------------------------------------------------------------
+
+
+@op("linear_fwd")
+def linear_fwd(
+    inp: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    main_grad: Tensor | None,
+    input_spec: str = "",
+    weight_spec: str = "",
+    grad_spec: str = "",
+    scale: Tensor | None = None,
+    grad_amax: Tensor | None = None,
+    rng_state: Tensor | None = None,
+    norm: str = "",
+    norm_weight: Tensor | None = None,
+    norm_bias: Tensor | None = None,
+    epilogue: str = "",
+    residual: Tensor | None = None,
+    backward: str = "",
+    weight_q: list[Tensor] | None = None,
+    wgrad_stash: Tensor | None = None,
+) -> tuple[Tensor, Tensor, list[Tensor]]:
+    """``(out, branch, saved)`` (module docstring). The default (CPU) implementation computes
+    high precision in fp32 (fp64 stays fp64), rounded once."""
+    a = _Args(inp, weight, bias, main_grad, input_spec, weight_spec, grad_spec, scale, grad_amax,
+              rng_state, norm, norm_weight, norm_bias, epilogue, residual, backward, weight_q,
+              wgrad_stash)  # fmt: skip
+    if a.plain:
+        return _plain_forward(inp, weight, bias, main_grad, cuda=False)
+    return _forward(a, cuda=False)
+
+
+def _plain_forward(inp, weight, bias, main_grad, cuda: bool) -> tuple[Tensor, Tensor, list]:
+    """te.Linear's hot path: high precision, no prologue or epilogue (cheap to enter)."""
+    _check_args(inp, weight, bias, main_grad)
+    return hp_linear(inp, weight, bias, cuda), inp.new_empty(0), []
+
+
+@linear_fwd.register_kernel("cuda")
+def _linear_fwd_cuda(*args):
+    if len(args) == 4:  # the eager fast path passes only the tensors of a plain call
+        return _plain_forward(*args, cuda=True)
+    return _forward(_Args(*args), cuda=True)
+
+
+# 3. Fake ------------------------------------------------------------------------------------
+
+
+@linear_fwd.register_fake
+def _linear_fwd_fake(*args):
+    a = _Args(*args)
+    _check(a)
+    inp, weight = a.inp, a.weight
+    ep = a.ep
+    n, k = weight.shape
+    rows = inp.numel() // k if k else 0
+    out = inp.new_empty((*inp.shape[:-1], _out_features(n, ep.activation)))
+    branch = inp.new_empty(inp.shape) if ep.branch else empty(inp)
+    if a.plain:
+        return out, branch, []
+    f32, u8 = torch.float32, torch.uint8
+    saved = []
+    xs, ws, _ = a.specs
+    recipe, override, normalized = xs.kind, a.bw.override, bool(a.nrm.normalization)
+    if override == "high_precision":
+        saved = [inp.new_empty(rows, k)] if normalized else []
+    elif override == "dequantized":
+        saved = [inp.new_empty(rows, k), inp.new_empty(n, k)]
+    elif recipe:
+        m = padded(rows)
+        kind = gemm_kind(recipe, xs.emulate)
+        if kind == "dequantized":
+            saved = [inp.new_empty(k, m, dtype=f32), inp.new_empty(0, dtype=f32),
+                     inp.new_empty(k, n, dtype=f32), inp.new_empty(0, dtype=f32)]  # fmt: skip
+        elif recipe in PER_TENSOR:
+            one = inp.new_empty(1, dtype=f32)
+            saved = [inp.new_empty(k, m, dtype=u8), one, inp.new_empty(k, n, dtype=u8), one.clone()]
+        else:
+            w_rows = ws.block_rows
+            saved = [inp.new_empty(k, m, dtype=u8), inp.new_empty(k, -(-m // 128), dtype=f32),
+                     inp.new_empty(k, n, dtype=u8),
+                     inp.new_empty(-(-k // w_rows), -(-n // 128), dtype=f32)]  # fmt: skip
+        if a.bw.save_input:  # the input's slots: 0-element (the input itself is saved)
+            saved[:2] = [inp.new_empty(0, dtype=saved[0].dtype), inp.new_empty(0, dtype=f32)]
+        if a.weight_q is not None:  # the weight's copies are inputs (setup_context)
+            saved = saved[:2]
+    elif normalized:
+        saved = [inp.new_empty(rows, k)]
+    if ep.activation:
+        h_dtype = acc_dtype(inp) if not recipe and inp.device.type == "cpu" else inp.dtype
+        saved.append(inp.new_empty(rows, n, dtype=h_dtype))
+    saved += fake_stats(inp, rows, a.nrm.normalization)
+    if recipe in PER_TENSOR:
+        saved.append(inp.new_empty(2, dtype=f32))
+    return out, branch, saved
+
+
+# 4. Backward op -----------------------------------------------------------------------------
+
+
+@op(
+    "linear_bwd",
+    mutates_args=("main_grad", "grad_amax", "wgrad_stash"),
+)
+def linear_bwd(
+    grad: Tensor,
+    grad_branch: Tensor | None,
+    saved: list[Tensor],
+    inp: Tensor | None,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    main_grad: Tensor | None,
+    scale: Tensor | None,
+    grad_amax: Tensor | None,
+    norm_weight: Tensor | None,
+    rng_state: Tensor | None,
+    input_spec: str,
+    weight_spec: str,
+    grad_spec: str,
+    norm: str,
+    epilogue: str,
+    need_dbias: bool,
+    need_dgrad: bool,
+    need_wgrad: bool,
+    wgrad_stash: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(dinp, dweight, dbias, dnorm_weight, dnorm_bias)``, a 0-element tensor where not
+    computed (``dweight`` also when it went into ``main_grad``). Tensors, not a list: a
+    mutating op's list return cannot be functionalised (torch 2.13).
+    ``saved``: the forward's, without the amaxes; ``inp`` is needed in high precision and with
+    a norm (the norm's backward), ``weight`` in high precision, ``bias`` with an activation;
+    the specs are the forward's (all ``""`` under a backward override), ``norm`` with ``bias``
+    where the norm has one. ``need_dgrad``: any of the input and the norm's parameters needs a
+    gradient. Writes ``amax(dY)`` into ``grad_amax`` when given. ``wgrad_stash`` (delayed
+    weight gradient): the incoming gradient is copied into it and the weight gradient is not
+    computed (a later call with ``grad=wgrad_stash`` and only ``need_wgrad`` computes it,
+    ``DeferredWgrad``). Default (CPU): high precision in fp32 (fp64 stays fp64), each gradient
+    rounded once."""
+    if wgrad_stash is not None:
+        wgrad_stash.copy_(grad)
+        need_wgrad = False
+    if not (input_spec or norm or epilogue) and grad_branch is None:
+        return (*hp_linear_backward(grad, inp, weight, main_grad, need_dbias, need_dgrad,
+                                    need_wgrad, cuda=False), empty(grad), empty(grad))  # fmt: skip
+    c = _Bwd.of(input_spec, weight_spec, grad_spec, norm, epilogue, need_dbias, need_dgrad,
+                need_wgrad)  # fmt: skip
+    return _backward_impl(grad, grad_branch, saved, inp, weight, bias, main_grad, scale,
+                          grad_amax, norm_weight, rng_state, c, cuda=False)  # fmt: skip
+
+
+_BWD_TENSORS = 11  # grad, grad_branch, saved, inp, weight, bias, main_grad, scale, grad_amax,
+# norm_weight, rng_state
+_BWD_SCALARS = 8  # the specs, norm, epilogue, need_dbias, need_dgrad, need_wgrad
+
+
+def _bwd_args(args: tuple) -> tuple[tuple, tuple, Tensor | None]:
+    """The tensors, the strings and flags, and ``wgrad_stash`` of a ``linear_bwd`` call."""
+    n, end = _BWD_TENSORS, _BWD_TENSORS + _BWD_SCALARS
+    return args[:n], args[n:end], args[end] if len(args) > end else None
+
+
+@linear_bwd.register_kernel("cuda")
+def _linear_bwd_cuda(*args):
+    tensors, scalars, stash = _bwd_args(args)
+    need_wgrad = scalars[-1]
+    if stash is not None:
+        stash.copy_(tensors[0])
+        need_wgrad = False
+    input_spec, _, _, norm, epilogue, need_dbias, need_dgrad, _ = scalars
+    if not (input_spec or norm or epilogue) and tensors[1] is None:
+        grad, _, _, inp, weight, _, main_grad = tensors[:7]
+        return (*hp_linear_backward(grad, inp, weight, main_grad, need_dbias, need_dgrad,
+                                    need_wgrad, cuda=True), empty(grad), empty(grad))  # fmt: skip
+    c = _Bwd.of(*scalars[:-1], need_wgrad)
+    return _backward_impl(*tensors, c, cuda=True)
+
+
+@linear_bwd.register_fake
+def _linear_bwd_fake(*args):
+    (grad, _, saved, _, weight, _, main_grad, *_, norm_weight, _), scalars, stash = _bwd_args(args)
+    c = _Bwd.of(*scalars)
+    need_wgrad = c.need_wgrad and stash is None
+    n, k = weight.shape if weight is not None else saved[2].shape[::-1]
+    dinp = grad.new_empty(*grad.shape[:-1], k) if c.need_dgrad else empty(grad)
+    want_dw = need_wgrad and main_grad is None
+    dweight = grad.new_empty(n, k) if want_dw else empty(grad)
+    dbias = grad.new_empty(n) if c.need_dbias else empty(grad)
+    dnorm = fake_dnorm(grad, norm_weight, c.norm.normalization, c.norm.bias, c.need_dgrad)
+    return dinp, dweight, dbias, *dnorm
+
+
+# 5. setup_context + autograd ------------------------------------------------------------------
+
+
+_PLAIN_SCALARS = ("", "", "", "", "")  # the specs, norm and epilogue of a plain call
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    if len(inputs) == 4:  # a plain call (the eager fast path passes the tensors only)
+        inp, weight, bias, main_grad = inputs
+        ctx.mark_non_differentiable(output[1])  # no branch: no gradient to make for it
+        # (inp, weight, bias, main_grad, scale, grad_amax, norm_weight, rng_state, stash)
+        save_for_backward_except_written(
+            ctx, (inp, weight, None, main_grad, None, None, None, None, None), _WRITTEN
+        )
+        ctx.scalars, ctx.has_bias = _PLAIN_SCALARS, bias is not None
+        ctx.branch = ctx.has_norm = False
+        return
+    a = _Args(*inputs)
+    _out, branch, saved = output
+    ep = a.ep
+    ctx.mark_non_differentiable(*saved, *(() if ep.branch else (branch,)))
+    tensors, ctx.scalars = _for_backward(a, saved)
+    save_for_backward_except_written(ctx, (*tensors, a.wgrad_stash), _WRITTEN)
+    ctx.has_bias, ctx.branch = a.bias is not None, ep.branch
+    ctx.has_norm = bool(a.nrm.normalization)
+    ctx.fp8_weight = a.weight.dtype in FP8_DTYPES and a.main_grad is None
+
+
+# Positions of main_grad and grad_amax in the backward's tensors (_for_backward): the buffers
+# the backward writes into (functional.gemm.save_for_backward_except_written).
+_WRITTEN = (3, 5)
+
+
+def _for_backward(a: _Args, saved: list[Tensor]) -> tuple[tuple, tuple]:
+    """What the backward op takes from a forward call: ``(inp, weight, bias, main_grad, scale,
+    grad_amax, norm_weight, rng_state, *saved)`` (None where not needed) and the strings."""
+    recipe, override = a.specs[0].kind, a.bw.override
+    if recipe in PER_TENSOR:
+        saved = saved[:-1]  # the amaxes: for the caller, not the backward
+    if a.weight_q is not None and not override:  # the dgrad GEMM's weight copy
+        saved = [*saved[:2], a.weight_q[2], a.weight_q[3], *saved[2:]]
+    # A backward override: the backward is high precision's, on the forward's high-precision
+    # operands or on their dequantised copies (which take the input's and the weight's place).
+    hp, normed = not recipe or override, bool(a.nrm.normalization)
+    inp, weight = a.inp, a.weight
+    keep_inp = hp or normed or a.bw.save_input
+    if override == "dequantized":
+        x_deq, weight, *saved = saved
+        if normed:  # the norm's backward takes the input, the wgrad GEMM the saved operand
+            saved = [x_deq, *saved]
+        else:
+            inp = x_deq
+    tensors = (
+        inp if keep_inp else None,
+        weight if hp else None,
+        a.bias if a.ep.activation else None,
+        a.main_grad, a.scale, a.grad_amax,
+        a.norm_weight if normed else None,
+        a.rng_state,
+        *saved,
+    )  # fmt: skip
+    specs = ("", "", "") if override else (a.input_spec, a.weight_spec, a.grad_spec)
+    norm = a.norm
+    if normed and a.norm_bias is not None:
+        norm = replace(parse(NormSpec, norm), bias=True).encode()
+    return tensors, (*specs, norm, a.epilogue)
+
+
+def _backward(ctx, bwd, grad, grad_branch, _grad_saved):
+    inp, weight, bias, _, scale, _, norm_weight, rng_state, *saved, stash = ctx.saved_tensors
+    main_grad, grad_amax = ctx.written
+    need = ctx.needs_input_grad
+    if need[1] and getattr(ctx, "fp8_weight", False):
+        raise RuntimeError(
+            "te.linear: an FP8 weight's gradient goes to main_grad (fp32), and none was given"
+        )
+    need_norm = ctx.has_norm and any(need[_NORM_WEIGHT : _NORM_WEIGHT + 2])
+    need_dbias = ctx.has_bias and need[2]
+    need_dgrad = need[0] or need_norm
+    grad_branch = grad_branch.contiguous() if ctx.branch and grad_branch is not None else None
+    dinp, dweight, dbias, *dnorm = bwd(
+        grad.contiguous(), grad_branch, saved, inp, weight, bias, main_grad, scale, grad_amax,
+        norm_weight, rng_state, *ctx.scalars, need_dbias, need_dgrad, need[1],
+        *(() if stash is None else (stash,)),
+    )  # fmt: skip
+    grads = [None] * len(need)
+    grads[0] = dinp if need[0] else None
+    grads[1] = dweight if need[1] and main_grad is None and stash is None else None
+    grads[2] = dbias if need_dbias else None
+    if need_norm:  # (a call passes no trailing argument left at its default)
+        for i, d in zip(range(_NORM_WEIGHT, min(len(need), _NORM_WEIGHT + 2)), dnorm, strict=False):
+            grads[i] = d if need[i] else None
+    if len(need) > _RESIDUAL and need[_RESIDUAL]:
+        grads[_RESIDUAL] = grad
+    return tuple(grads)
+
+
+_linear = differentiable(
+    linear_fwd,
+    linear_bwd,
+    setup_context=_setup_context,
+    backward=_backward,
+    sample_inputs=_samples,
+    reference=_reference,
+    # Plain high precision without main_grad: both implementations are differentiable torch ops
+    # (CUDA: F.linear; CPU: fp32 F.linear between casts) whose autograd computes exactly
+    # te::linear_bwd's GEMMs.
+    native_autograd=lambda *args: len(args) == 4 and args[3] is None,
+)
+
+
+# Public function ------------------------------------------------------------------------------
+
+
+def _deferred(args: tuple, saved: list[Tensor]) -> DeferredWgrad:
+    a = _Args(*args)
+    tensors, scalars = _for_backward(a, saved)
+
+    def replay(grad: Tensor) -> Tensor | None:
+        inp, weight, bias, main_grad, scale, grad_amax, norm_weight, rng_state, *saved = tensors
+        if grad_amax is not None:  # the backward recorded amax(dY) already: not twice
+            grad_amax = torch.zeros_like(grad_amax)
+        _, dweight, *_ = torch.ops.te.linear_bwd(
+            grad, None, saved, inp, weight, bias, main_grad, scale, grad_amax, norm_weight,
+            rng_state, *scalars, False, False, True,
+        )  # fmt: skip
+        return None if main_grad is not None else dweight
+
+    return DeferredWgrad.create(a.wgrad_stash, replay)
+
+
+def linear(
+    inp: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    *,
+    main_grad: Tensor | None = None,
+    input_spec: str | QuantSpec = "",
+    weight_spec: str | QuantSpec = "",
+    grad_spec: str | QuantSpec = "",
+    scale: Tensor | None = None,
+    grad_amax: Tensor | None = None,
+    rng_state: Tensor | None = None,
+    normalization: str = "",
+    norm_weight: Tensor | None = None,
+    norm_bias: Tensor | None = None,
+    norm_eps: float = 1e-5,
+    zero_centered_gamma: bool = False,
+    activation: str = "",
+    glu_interleave_size: int | None = None,
+    limit: float = 7.0,
+    alpha: float = 1.702,
+    glu_linear_offset: float = 1.0,
+    residual: Tensor | None = None,
+    out_scale: float = 1.0,
+    return_branch: bool = False,
+    return_amax: bool = False,
+    backward_override: str = "",
+    weight_quantized: Sequence[Tensor] | None = None,
+    delay_wgrad: bool = False,
+    save_original_input: bool = False,
+) -> Tensor | tuple[Tensor, ...]:
+    """``residual + out_scale * activation(norm(inp) @ weight.T + bias)`` through
+    ``te::linear_fwd``, every part optional (module docstring); by default ``inp @ weight.T +
+    bias`` in high precision.
+
+    ``main_grad`` (fp32, weight's shape): the weight gradient is accumulated into it and
+    ``weight.grad`` is left untouched. ``input_spec`` / ``weight_spec`` / ``grad_spec``: the
+    quantisation of each operand (``functional.spec.QuantSpec`` or its string, e.g.
+    ``"current:e4m3"``; ``quantization.gemm.recipe_specs`` gives a recipe's), with the delayed
+    scales ``scale``, the gradient's amax buffer ``grad_amax`` and ``rng_state`` (int64 ``(seed,
+    offset)`` of a gradient spec's stochastic rounding; None draws one from torch's
+    generator). ``return_branch=True`` also returns ``branch``, a tensor with ``inp``'s values
+    whose gradient joins the dgrad GEMM; ``return_amax=True`` also returns ``[amax(X),
+    amax(W)]`` (per-tensor recipes; X is the norm's output with a prologue), last.
+    ``backward_override`` (with a recipe): ``"high_precision"`` or ``"dequantized"`` backward
+    GEMMs (module docstring). ``weight_quantized``: ``weight`` already quantised by the recipe,
+    the five tensors of :func:`~te_compile.functional.quantize_weight`, used instead of
+    quantising ``weight`` (whose gradient is still computed); ``weight`` may then be the FP8
+    codes themselves (FP8 primary weights), with ``main_grad`` taking its gradient.
+    ``delay_wgrad=True``: the backward leaves the weight gradient GEMM out (the input's, the
+    bias's and the norm's gradients are computed) and a ``functional.gemm.DeferredWgrad`` is
+    also returned (before the amaxes) whose ``compute()`` runs it later: the modules'
+    ``delay_wgrad_compute`` / ``backward_dw()``. Eager only: under ``torch.compile`` no tensor
+    written by the backward can leave the compiled graph. ``save_original_input=True`` (with a
+    recipe; Transformer Engine's option): the backward keeps ``inp`` itself (no bytes of its
+    own when the caller keeps ``inp`` alive, e.g. an input several modules read) instead of the
+    quantised transposed copy the forward would make, and quantises it again for the wgrad
+    GEMM: the same gradients; not with ``DelayedScaling`` (ValueError), nor with a norm
+    prologue. In high precision the input is what is saved anyway.
+    """
+    check_weight_quantized("te.linear", "weight_quantized", weight_quantized)
+    args = (inp, weight, bias, main_grad)
+    if not (
+        isinstance(inp, Tensor) and isinstance(weight, Tensor)
+        and (bias is None or isinstance(bias, Tensor))
+        and (main_grad is None or isinstance(main_grad, Tensor))
+    ):  # fmt: skip
+        check_required("te.linear", inp=inp, weight=weight)
+        check_tensors("te.linear", bias=bias, main_grad=main_grad)
+    device = inp.device
+    if (
+        weight.device != device or (bias is not None and bias.device != device)
+        or (main_grad is not None and main_grad.device != device)
+    ):  # fmt: skip
+        check_same_device("te.linear", "inp", inp, weight=weight, bias=bias, main_grad=main_grad)
+    specs = [s.encode() if isinstance(s, QuantSpec) else s
+             for s in (input_spec, weight_spec, grad_spec)]  # fmt: skip
+    if save_original_input:
+        check_bool("te.linear", save_original_input=save_original_input)
+        save_original_input = bool(specs[0])  # high precision saves the input itself anyway
+    stash = None
+    if delay_wgrad:
+        DeferredWgrad.check("te.linear", delay_wgrad)
+        n = weight.shape[0] if weight.dim() == 2 else 0
+        stash = inp.new_empty((*inp.shape[:-1], _out_features(n, activation)))
+    if (
+        any(specs) or normalization or activation or return_branch or residual is not None
+        or out_scale != 1.0 or norm_weight is not None or norm_bias is not None
+        or scale is not None or grad_amax is not None or backward_override
+        or rng_state is not None or weight_quantized is not None
+        or stash is not None or save_original_input
+        or norm_eps != 1e-5 or zero_centered_gamma is not False
+        or glu_interleave_size is not None or limit != 7.0 or alpha != 1.702
+        or glu_linear_offset != 1.0
+    ):  # fmt: skip
+        check_bool("te.linear", zero_centered_gamma=zero_centered_gamma,
+                   return_branch=return_branch)  # fmt: skip
+        check_gemm_args(
+            "te.linear",
+            {"scale": scale, "grad_amax": grad_amax, "norm_weight": norm_weight,
+             "norm_bias": norm_bias, "residual": residual},
+            norm_eps=norm_eps, glu_interleave_size=glu_interleave_size, limit=limit, alpha=alpha,
+            glu_linear_offset=glu_linear_offset, out_scale=out_scale,
+        )  # fmt: skip
+        check_same_device("te.linear", "inp", inp, norm_weight=norm_weight, norm_bias=norm_bias,
+                          residual=residual)  # fmt: skip
+        check_choice("te.linear", "backward_override", backward_override, BACKWARD_OVERRIDES)
+        if normalization not in ("", *NORMALIZATIONS):
+            raise ValueError('te.linear: normalization must be "", "LayerNorm" or "RMSNorm", '
+                             f"got {normalization!r}")  # fmt: skip
+        if rng_state is None and isinstance(specs[2], str) and "sr" in specs[2].split(":"):
+            rng_state = new_rng_state(inp.device)
+        norm = (
+            NormSpec(normalization, float(norm_eps), zero_centered_gamma) if normalization else None
+        )
+        epilogue = EpilogueSpec(activation, glu_interleave_size or 0, limit, alpha,
+                                glu_linear_offset, float(out_scale), return_branch)  # fmt: skip
+        backward = BackwardSpec(backward_override, save_original_input)
+        args += (
+            *specs, scale, grad_amax, rng_state, norm.encode() if norm else "", norm_weight,
+            norm_bias, epilogue.encode(), residual, backward.encode(),
+            list(weight_quantized) if weight_quantized is not None else None, stash,
+        )  # fmt: skip
+    out, branch, saved = _linear(*args)
+    if not (return_branch or return_amax or stash is not None):
+        return out
+    check_bool("te.linear", return_amax=return_amax)
+    result = (out, branch) if return_branch else (out,)
+    if stash is not None:
+        result += (_deferred(args, saved),)
+    if return_amax:
+        per_tensor = specs[0].startswith(PER_TENSOR)
+        result += (saved[-1] if per_tensor else inp.new_empty(0, dtype=torch.float32),)
+    return result

@@ -1,0 +1,175 @@
+"""The MLP family's arguments and their checks (``mlp_ops.py`` defines the ops): ``_Args``
+names the forward op's arguments and parses its specs; ``_check``, shared by the implementation
+(eager) and the fake (trace time), raises the same ValueError, naming the argument, in both."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from te_compile.functional.activation import ACTIVATIONS, GATED_ACTIVATIONS, check_gated_params
+from te_compile.functional.dense_weight import (
+    WEIGHT_OPERAND,
+    check_weight_operand,
+    check_weight_quantized,
+)
+from te_compile.functional.gemm import (
+    BLOCK_KINDS,
+    HIGH_DTYPES,
+    PER_TENSOR,
+    blockwise_supported,
+    check_specs,
+)
+from te_compile.functional.prologue import Norm, check_norm
+from te_compile.functional.spec import EpilogueSpec, NormSpec, QuantSpec, parse, parse_roles
+
+__all__ = ["MLP_ACTIVATIONS"]
+
+MLP_ACTIVATIONS = (*ACTIVATIONS, *GATED_ACTIVATIONS)
+
+
+class _Args(NamedTuple):
+    """The forward op's arguments, by name."""
+
+    inp: Tensor
+    fc1_weight: Tensor
+    fc1_bias: Tensor | None
+    fc2_weight: Tensor
+    fc2_bias: Tensor | None
+    epilogue: str
+    input_spec: str = ""
+    weight_spec: str = ""
+    grad_spec: str = ""
+    scale1: Tensor | None = None
+    scale2: Tensor | None = None
+    grad_amax1: Tensor | None = None
+    grad_amax2: Tensor | None = None
+    norm: str = ""
+    norm_weight: Tensor | None = None
+    norm_bias: Tensor | None = None
+    fc1_weight_q: list[Tensor] | None = None
+    fc2_weight_q: list[Tensor] | None = None
+    main_grad1: Tensor | None = None
+    main_grad2: Tensor | None = None
+
+    @property
+    def specs(self) -> tuple[QuantSpec, QuantSpec, QuantSpec]:
+        return parse_roles("te.mlp", self.input_spec, self.weight_spec, self.grad_spec)
+
+    @property
+    def recipe(self) -> str:
+        return self.specs[0].kind
+
+    @property
+    def ep(self) -> EpilogueSpec:
+        return parse(EpilogueSpec, self.epilogue, "te.mlp: epilogue")
+
+    @property
+    def nrm(self) -> Norm:
+        n = parse(NormSpec, self.norm, "te.mlp: norm")
+        return Norm(self.norm_weight, self.norm_bias, n.normalization, n.eps,
+                    n.zero_centered_gamma)  # fmt: skip
+
+
+_NORM_WEIGHT = _Args._fields.index("norm_weight")
+# The kinds whose token count must be a multiple of the block (the others pad to 16 rows).
+_TOKEN_BLOCKS = ("mxfp8", "nvfp4")
+
+# Checks -----------------------------------------------------------------------------------------
+
+
+def _check(a: _Args) -> None:
+    p = "te.mlp: "
+    inp, w1, w2 = a.inp, a.fc1_weight, a.fc2_weight
+    check_norm(p, inp, a.nrm)
+    ep = a.ep
+    if ep.activation not in MLP_ACTIVATIONS:
+        raise ValueError(p + f"activation must be one of {MLP_ACTIVATIONS}, got {ep.activation!r}")
+    if (ep.interleave, ep.scale, ep.branch) != (0, 1.0, False):
+        raise ValueError(
+            p + f"epilogue {a.epilogue!r}: te::mlp takes the activation with limit, alpha and "
+            "offset (interleave, scale and branch are te::linear's)"
+        )
+    check_gated_params("te.mlp", ep.limit, ep.alpha, ep.offset)
+    x, w, g = specs = a.specs
+    recipe = x.kind
+    for name, s in (("scale1", a.scale1), ("scale2", a.scale2)):
+        if recipe == "delayed" and (s is None or s.shape != (3,) or s.dtype != torch.float32):
+            raise ValueError(p + f'a "delayed" spec needs {name} [3] float32 (input, weight, grad)')
+        if recipe != "delayed" and s is not None:
+            raise ValueError(p + f'{name} is for "delayed" specs only')
+    named = dict(zip(("input_spec", "weight_spec", "grad_spec"), specs, strict=True))
+    check_specs(p, named, a.scale1)
+    for name, spec in named.items():
+        if spec.options() or spec.stochastic_rounding:
+            raise ValueError(
+                p + f"{name} {spec.encode()!r}: NVFP4's options are te::linear's "
+                "(quantization.gemm.mlp runs two te::linear calls for them)"
+            )
+    dtypes = HIGH_DTYPES if recipe else (*HIGH_DTYPES, torch.float64)
+    if inp.dtype not in dtypes or w1.dtype != inp.dtype or w2.dtype != inp.dtype:
+        raise ValueError(
+            p + f"inp, fc1_weight and fc2_weight must share a float dtype "
+            f"({'float32/bfloat16/float16 with an FP8 recipe' if recipe else 'any'}), got "
+            f"{inp.dtype}, {w1.dtype}, {w2.dtype}"
+        )
+    gated = ep.activation in GATED_ACTIVATIONS
+    if (
+        w1.ndim != 2
+        or w2.ndim != 2
+        or inp.ndim < 1
+        or inp.shape[-1] != w1.shape[1]
+        or (gated and w1.shape[0] % 2)
+        or w2.shape[1] != w1.shape[0] // (1 + gated)  # ffn: half of FC1's for a gated one
+    ):
+        fc1 = "[2 * ffn, hidden] (gated activation)" if gated else "[ffn, hidden]"
+        raise ValueError(
+            p + f"inp [..., hidden], fc1_weight {fc1} and fc2_weight [out, ffn] do not "
+            f"match: {list(inp.shape)}, {list(w1.shape)}, {list(w2.shape)}"
+        )
+    dims = (w1.shape[1], w2.shape[1], w1.shape[0], w2.shape[0])
+    multiple = 16 if recipe in PER_TENSOR else BLOCK_KINDS.get(recipe, 1)
+    if any(d % multiple for d in dims):
+        kind = "FP8" if recipe in PER_TENSOR else recipe  # delayed calibrates with current
+        raise ValueError(
+            p + f"{kind} GEMMs need hidden ({dims[0]}), ffn ({dims[1]}), fc1 out ({dims[2]}) "
+            f"and out ({dims[3]}) sizes that are multiples of {multiple}"
+        )
+    rows = inp.numel() // inp.shape[-1] if inp.shape[-1] else 0
+    if recipe in _TOKEN_BLOCKS and rows % multiple:
+        raise ValueError(p + f"{recipe} needs the number of tokens ({rows}) to be a multiple of "
+                         f"{multiple}")  # fmt: skip
+    if (
+        recipe == "block"
+        and not x.emulate
+        and not all(
+            blockwise_supported(t, w.block_rows, w.fp8_dtype, g.fp8_dtype) for t in (w1, w2)
+        )
+    ):
+        raise ValueError(
+            p + "native blockwise GEMMs (specs without 'emulate') with 128x128 weight blocks "
+            f"need hidden, ffn and out multiples of 512 (got {dims[0]}, {dims[2]}, {dims[3]})"
+        )
+    for name, b, n in (
+        ("fc1_bias", a.fc1_bias, w1.shape[0]),
+        ("fc2_bias", a.fc2_bias, w2.shape[0]),
+    ):
+        if b is not None and (b.shape != (n,) or b.dtype != inp.dtype):
+            raise ValueError(p + f"{name} must be [{n}] of dtype {inp.dtype}")
+    for name, ga in (("grad_amax1", a.grad_amax1), ("grad_amax2", a.grad_amax2)):
+        if ga is not None and (
+            ga.shape != (1,) or ga.dtype is not torch.float32 or recipe not in PER_TENSOR
+        ):
+            raise ValueError(p + f"{name} must be a [1] float32 tensor and is for the per-tensor "
+                             "kinds (current, delayed)")  # fmt: skip
+    for i, wt, q, g in ((1, w1, a.fc1_weight_q, a.main_grad1),
+                        (2, w2, a.fc2_weight_q, a.main_grad2)):  # fmt: skip
+        if g is not None and (g.dtype is not torch.float32 or g.shape != wt.shape):
+            raise ValueError(p + f"main_grad{i} must be float32 with fc{i}_weight's shape "
+                             f"{list(wt.shape)}, got {g.dtype} {list(g.shape)}")  # fmt: skip
+        if q is not None:
+            check_weight_quantized("te.mlp", f"fc{i}_weight_q", q)
+        check_weight_operand(p + f"fc{i}_", recipe, wt, w.block_rows, w.emulate,
+                             q or (None,) * len(WEIGHT_OPERAND))  # fmt: skip
