@@ -431,6 +431,7 @@ class DifferentiableOp:
         self._layout = _returns_layout(fwd.overload)
         self._single = len(self._layout) == 1 and not self._layout[0]
         self._n_fixed = sum(1 for is_list in self._layout if not is_list)
+        self._n_list = len(self._layout) - self._n_fixed
 
         bwd_overload = bwd.overload
 
@@ -485,15 +486,27 @@ class DifferentiableOp:
         fwd_eager, bwd_eager = self.fwd.eager, self.bwd.eager
         setup_context, backward, layout = self._setup_context, self._backward, self._layout
 
-        def forward(ctx: Any, *args: Any) -> Any:
-            out = fwd_eager(*args)
-            setup_context(ctx, args, out)
-            flat, sizes = _flatten(out, layout)
-            ctx._te_sizes = sizes
-            return flat[0] if len(flat) == 1 else flat
+        if not any(layout):  # tensors only: autograd takes the op's return as it is
 
-        def backward_(ctx: Any, *grads: Any) -> Any:
-            return backward(ctx, bwd_eager, *_flatten_grads(grads, ctx._te_sizes))
+            def forward(ctx: Any, *args: Any) -> Any:
+                out = fwd_eager(*args)
+                setup_context(ctx, args, out)
+                return tuple(out) if type(out) is list else out
+
+            def backward_(ctx: Any, *grads: Any) -> Any:
+                return backward(ctx, bwd_eager, *grads)
+
+        else:
+
+            def forward(ctx: Any, *args: Any) -> Any:
+                out = fwd_eager(*args)
+                setup_context(ctx, args, out)
+                flat, sizes = _flatten(out, layout)
+                ctx._te_sizes = sizes
+                return flat[0] if len(flat) == 1 else flat
+
+            def backward_(ctx: Any, *grads: Any) -> Any:
+                return backward(ctx, bwd_eager, *_flatten_grads(grads, ctx._te_sizes))
 
         # Built with type() so that autograd names the node after the op: te_linear_fwdBackward.
         return type(
@@ -513,7 +526,7 @@ class DifferentiableOp:
         if self._native_autograd is not None and self._native_autograd(*args):
             return self.fwd.eager(*args)
         out = self._function.apply(*args)
-        if self._single:
+        if self._single or not self._n_list:
             return out
         flat = out if isinstance(out, tuple) else (out,)
         # At most one Tensor[] return (checked in differentiable()): its length is what is left.
