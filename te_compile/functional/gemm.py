@@ -50,6 +50,7 @@ recipe").
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -213,6 +214,42 @@ def check_specs(
     ``"grad_spec"``; any other name is a weight's) with its delayed-scaling state (``scale``
     ``[3]``, ``grad_amax`` ``[1]``) and its stochastic-rounding stream (``rng_state``, int64
     ``[2]`` on ``like``'s device); ``p`` begins the messages. Returns the recipe kind."""
+    kind = _check_spec_set(p, tuple(specs.items()))
+    g = specs.get("grad_spec")
+    if kind == "delayed" and (
+        scale is None or scale.shape != (3,) or scale.dtype is not torch.float32
+    ):
+        raise ValueError(p + 'a "delayed" spec needs scale: a [3] float32 tensor (input, '
+                         "weight, grad)")  # fmt: skip
+    if kind != "delayed" and scale is not None:
+        raise ValueError(p + 'scale is for "delayed" specs only')
+    if grad_amax is not None and (grad_amax.shape != (1,) or grad_amax.dtype is not torch.float32):
+        raise ValueError(p + "grad_amax must be a [1] float32 tensor")
+    if grad_amax is not None and kind not in PER_TENSOR:
+        raise ValueError(p + "grad_amax is for the per-tensor kinds (current, delayed)")
+    if g is None or not g.stochastic_rounding:
+        if rng_state is not None:
+            raise ValueError(p + "rng_state is for a grad_spec with 'sr' (stochastic rounding)")
+    elif (
+        rng_state is None
+        or rng_state.dtype is not torch.int64
+        or rng_state.shape != (2,)
+        or rng_state.device != like.device
+    ):
+        got = "None" if rng_state is None else (
+            f"{rng_state.dtype} {list(rng_state.shape)} on {rng_state.device}")  # fmt: skip
+        raise ValueError(
+            p + "stochastic rounding ('sr') needs rng_state: an int64 tensor [2] = (seed, "
+            f"offset) on the input's device ({like.device}), got {got}"
+        )
+    return kind
+
+
+@functools.lru_cache(maxsize=1024)
+def _check_spec_set(p: str, items: tuple[tuple[str, QuantSpec], ...]) -> str:
+    """:func:`check_specs`'s checks of the specs themselves, which depend on nothing else:
+    cached (an eager GEMM call pays one look-up). Returns the recipe kind."""
+    specs = dict(items)
     first = next(iter(specs.values()))
     kind, emulate = first.kind, first.emulate
 
@@ -249,32 +286,6 @@ def check_specs(
     if x is not None and g is not None and x.rht != g.rht:
         raise ValueError(p + "rht (the Hadamard transform of the wgrad GEMM's operands) goes on "
                          f"input_spec and grad_spec together, got {given()}")  # fmt: skip
-    if kind == "delayed" and (
-        scale is None or scale.shape != (3,) or scale.dtype is not torch.float32
-    ):
-        raise ValueError(p + 'a "delayed" spec needs scale: a [3] float32 tensor (input, '
-                         "weight, grad)")  # fmt: skip
-    if kind != "delayed" and scale is not None:
-        raise ValueError(p + 'scale is for "delayed" specs only')
-    if grad_amax is not None and (grad_amax.shape != (1,) or grad_amax.dtype is not torch.float32):
-        raise ValueError(p + "grad_amax must be a [1] float32 tensor")
-    if grad_amax is not None and kind not in PER_TENSOR:
-        raise ValueError(p + "grad_amax is for the per-tensor kinds (current, delayed)")
-    if g is None or not g.stochastic_rounding:
-        if rng_state is not None:
-            raise ValueError(p + "rng_state is for a grad_spec with 'sr' (stochastic rounding)")
-    elif (
-        rng_state is None
-        or rng_state.dtype is not torch.int64
-        or rng_state.shape != (2,)
-        or rng_state.device != like.device
-    ):
-        got = "None" if rng_state is None else (
-            f"{rng_state.dtype} {list(rng_state.shape)} on {rng_state.device}")  # fmt: skip
-        raise ValueError(
-            p + "stochastic rounding ('sr') needs rng_state: an int64 tensor [2] = (seed, "
-            f"offset) on the input's device ({like.device}), got {got}"
-        )
     return kind
 
 
