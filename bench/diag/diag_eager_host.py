@@ -7,6 +7,11 @@ a small shape, so that the GPU stays idle and only the host shows.
     python -m bench.diag.diag_eager_host                       # te.Linear, CUDA
     python -m bench.diag.diag_eager_host --module LayerNormLinear --recipes bf16 current
     python -m bench.diag.diag_eager_host --device cpu          # the CPU path (other code)
+    python -m bench.diag.diag_eager_host --device cpu --tokens 8 --features 64 --top 40
+
+On CPU the kernels are the reference math (FP8 GEMMs emulated), so a tiny shape (8 x 64) keeps
+their share small and the Python above them (modules, ``quantization.gemm``, the family
+functions, ``_library``'s eager path: the same code as on CUDA) shows in the profile.
 """
 
 from __future__ import annotations
@@ -73,14 +78,17 @@ def main() -> None:
     parser.add_argument("--recipes", nargs="+", choices=sorted(RECIPES), default=list(RECIPES))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--top", type=int, default=25, help="rows of each profile table")
+    parser.add_argument("--tokens", type=int, default=128, help="rows of the input")
+    parser.add_argument("--features", type=int, default=256, help="in and out features")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("diag_eager_host: no CUDA device (--device cpu profiles the CPU path)")
     torch.manual_seed(0)
     kw = {"params_dtype": torch.bfloat16, "device": args.device}
-    module = getattr(te, args.module)(256, 256, **kw)
-    x = torch.randn(128, 256, dtype=torch.bfloat16, device=args.device, requires_grad=True)
-    print(f"te.{args.module}(256, 256), bf16 input 128 x 256, {args.device}")
+    n, t = args.features, args.tokens
+    module = getattr(te, args.module)(n, n, **kw)
+    x = torch.randn(t, n, dtype=torch.bfloat16, device=args.device, requires_grad=True)
+    print(f"te.{args.module}({n}, {n}), bf16 input {t} x {n}, {args.device}")
     for name in args.recipes:
         profile_recipe(module, x, name, args.top)
 
