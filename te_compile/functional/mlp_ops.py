@@ -496,6 +496,18 @@ _mlp = differentiable(
 )
 
 
+_SCALAR_SPECS: dict[tuple, tuple[str, str]] = {}
+
+
+def _scalar_specs(normalization, norm_eps, zero_centered_gamma, activation, limit, alpha,
+                  glu_linear_offset) -> tuple[str, str]:  # fmt: skip
+    """The ``norm`` and ``epilogue`` strings of ``te::mlp_fwd`` (:func:`mlp` checked the
+    values); they depend on the values alone, so an eager call looks them up."""
+    norm = NormSpec(normalization, float(norm_eps), zero_centered_gamma) if normalization else None
+    epilogue = EpilogueSpec(activation, 0, float(limit), float(alpha), float(glu_linear_offset))
+    return norm.encode() if norm else "", epilogue.encode()
+
+
 def mlp(
     inp: Tensor,
     fc1_weight: Tensor,
@@ -574,14 +586,23 @@ def mlp(
     if normalization not in ("", *NORMALIZATIONS):
         raise ValueError('te.mlp: normalization must be "", "LayerNorm" or "RMSNorm", '
                          f"got {normalization!r}")  # fmt: skip
-    norm = NormSpec(normalization, float(norm_eps), zero_centered_gamma) if normalization else None
-    epilogue = EpilogueSpec(activation, 0, float(limit), float(alpha),
-                            float(glu_linear_offset)).encode()  # fmt: skip
+    scalars = (normalization, norm_eps, zero_centered_gamma, activation, limit, alpha,
+               glu_linear_offset)  # fmt: skip
+    if torch.compiler.is_compiling():  # symbolic floats: encoded in the graph
+        norm, epilogue = _scalar_specs(*scalars)
+    else:  # eager: encoded once per set of values (and their types)
+        key = (scalars, tuple(map(type, scalars)))
+        strings = _SCALAR_SPECS.get(key)
+        if strings is None:
+            if len(_SCALAR_SPECS) >= 1024:  # many distinct eps values: start over
+                _SCALAR_SPECS.clear()
+            strings = _SCALAR_SPECS[key] = _scalar_specs(*scalars)
+        norm, epilogue = strings
     specs = [s.encode() if isinstance(s, QuantSpec) else s
              for s in (input_spec, weight_spec, grad_spec)]  # fmt: skip
     out, saved = _mlp(
         inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, epilogue, *specs, scale1, scale2,
-        grad_amax1, grad_amax2, norm.encode() if norm else "", norm_weight, norm_bias,
+        grad_amax1, grad_amax2, norm, norm_weight, norm_bias,
         None if fc1_weight_quantized is None else list(fc1_weight_quantized),
         None if fc2_weight_quantized is None else list(fc2_weight_quantized), main_grad1,
         main_grad2,

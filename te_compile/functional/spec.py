@@ -255,6 +255,12 @@ ROLES = ("input_spec", "weight_spec", "grad_spec")
 def parse_roles(owner: str, *texts: str) -> tuple[QuantSpec, QuantSpec, QuantSpec]:
     """A GEMM family op's three operand specs (``input_spec``, ``weight_spec``, ``grad_spec``),
     each parsed with its argument named after ``owner`` in the errors."""
-    return tuple(
-        parse(QuantSpec, text, f"{owner}: {role}") for role, text in zip(ROLES, texts, strict=True)
-    )  # type: ignore[return-value]
+    x, w, g = _role_names(owner)
+    text_x, text_w, text_g = texts
+    return parse(QuantSpec, text_x, x), parse(QuantSpec, text_w, w), parse(QuantSpec, text_g, g)
+
+
+@functools.lru_cache(maxsize=64)
+def _role_names(owner: str) -> tuple[str, str, str]:
+    """The three spec arguments' names as :func:`parse_roles`'s errors begin them."""
+    return tuple(f"{owner}: {role}" for role in ROLES)  # type: ignore[return-value]

@@ -163,16 +163,18 @@ class LayerNormLinear(DelayedWgrad, NamedSlices, PreNorm):
     ) -> Tensor | tuple[Tensor, ...]:
         owner = "LayerNormLinear"
         add_bias = not self.return_bias
-        main_grad = weight_main_grad(owner, self.weight) if self.fuse_wgrad_accumulation else None
-        weight, wq = self.weight, _primary.primary_operand(self, "weight")
+        param = weight = self.weight
+        main_grad = weight_main_grad(owner, param) if self.fuse_wgrad_accumulation else None
+        wq = _primary.primary_operand(self, "weight", param)
         if wq is not None:  # FP8 primary weight: its gradient goes to main_grad
             weight, main_grad = _primary.primary_weight(self, "weight", inp.dtype)
         cache = None
         if is_first_microbatch is not None:
             _gemm.check_first_microbatch(owner, is_first_microbatch)
             cache = _gemm.WeightCache(self._fp8_weights, is_first_microbatch)
-        defer = self._wgrad_defer(self.weight)
-        if not (self.tp.active or self.return_layernorm_output) and _gemm.quantized():
+        defer = self._wgrad_defer(param)
+        tp = self.tp
+        if not (tp.active or self.return_layernorm_output) and _gemm.quantized():
             # FP8: one op, the norm its prologue (written straight into FP8 on CUDA). In high
             # precision the norm stays an op of its own, which selective activation
             # checkpointing can recompute without recomputing the GEMM.
@@ -185,8 +187,11 @@ class LayerNormLinear(DelayedWgrad, NamedSlices, PreNorm):
                 return _gemm.linear(owner, self.fp8_meta, x, weight, bias, main_grad,
                                     cache=cache, weight_quantized=wq, defer=defer)  # fmt: skip
 
-            ln_out = self._norm(inp, self.tp, owner)
-            out, _ = self.tp.linear(owner, gemm, ln_out, self.bias, add_bias=add_bias)
+            ln_out = self._norm(inp, tp, owner)
+            if tp.mode is None:  # no tensor parallelism: the GEMM alone (the hot path)
+                out = gemm(ln_out, self.bias if add_bias else None)
+            else:
+                out, _ = tp.linear(owner, gemm, ln_out, self.bias, add_bias=add_bias)
         self._wgrad_queue(defer, out)
         extra: tuple[Tensor | None, ...] = ()
         if self.return_bias:

@@ -181,16 +181,16 @@ class Linear(DelayedWgrad, NamedSlices, nn.Module):
     def forward(
         self, inp: Tensor, is_first_microbatch: bool | None = None
     ) -> Tensor | tuple[Tensor, Tensor | None]:
-        wgrad_fusion = self.fuse_wgrad_accumulation
-        main_grad = weight_main_grad("Linear", self.weight) if wgrad_fusion else None
-        weight, wq = self.weight, _primary.primary_operand(self, "weight")
+        param = weight = self.weight
+        main_grad = weight_main_grad("Linear", param) if self.fuse_wgrad_accumulation else None
+        wq = _primary.primary_operand(self, "weight", param)
         if wq is not None:  # FP8 primary weight: its gradient goes to main_grad
             weight, main_grad = _primary.primary_weight(self, "weight", inp.dtype)
         cache = None
         if is_first_microbatch is not None:
             _gemm.check_first_microbatch("Linear", is_first_microbatch)
             cache = _gemm.WeightCache(self._fp8_weights, is_first_microbatch)
-        defer = self._wgrad_defer(self.weight)
+        defer = self._wgrad_defer(param)
         kw = {"defer": defer, "cache": cache, "weight_quantized": wq}
         if self.save_original_input and _gemm.quantized():
             kw["save_original_input"] = True

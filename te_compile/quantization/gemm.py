@@ -236,6 +236,16 @@ def recipe_specs(recipe: Recipe) -> tuple[QuantSpec, QuantSpec, QuantSpec]:
     ``ops.Quantize`` and FP8 primary weights build on it. MXFP8 and NVFP4 GEMMs are emulated
     (``emulate``; native ones need Blackwell); Float8BlockScaling's are native, and
     :func:`gemm_args` emulates them where cuBLAS cannot run them."""
+    if torch.compiler.is_compiling():  # dynamo specialises on the recipe: built in the graph
+        return _recipe_specs(recipe)
+    memo = recipe.memo()  # eager: once per recipe and field values, not once per GEMM call
+    specs = memo.get("specs")
+    if specs is None:
+        specs = memo["specs"] = _recipe_specs(recipe)
+    return specs
+
+
+def _recipe_specs(recipe: Recipe) -> tuple[QuantSpec, QuantSpec, QuantSpec]:
     if recipe.nvfp4():
         qparams = _checked_qparams(recipe, _FP4_QPARAMS)
 
@@ -373,9 +383,7 @@ def gemm_args(
     if not state.enabled:
         return _HIGH_ARGS
     _note_recipe(owner, state, metas)
-    override = state.recipe.backward_override or ""
-    args = _recipe_args(owner, state, inp, weights, metas, grouped)
-    return args._replace(backward_override=override)
+    return _recipe_args(owner, state, inp, weights, metas, grouped)
 
 
 def _note_recipe(owner: str, state: AutocastState, metas: Sequence[FP8GemmState]) -> None:
@@ -388,6 +396,7 @@ def _note_recipe(owner: str, state: AutocastState, metas: Sequence[FP8GemmState]
 
 def _recipe_args(owner, state, inp, weights, metas, grouped) -> GemmArgs:
     recipe = state.recipe
+    override = recipe.backward_override or ""
     specs = x, w, g = recipe_specs(recipe)
     if x.kind == "nvfp4":
         if x.row_scaled and recipe.backward_override is None:
@@ -396,9 +405,9 @@ def _recipe_args(owner, state, inp, weights, metas, grouped) -> GemmArgs:
                 "'high_precision' or 'dequantized' (a row-scaled NVFP4 input has no columnwise "
                 "copy for the wgrad GEMM, as in Transformer Engine), got None"
             )
-        return GemmArgs(specs)
+        return GemmArgs(specs, backward_override=override)
     if x.kind == "mxfp8":
-        return GemmArgs(specs)
+        return GemmArgs(specs, backward_override=override)
     if x.kind == "block":
         if x.block_rows != 1 or g.block_rows != 1:
             raise NotImplementedError(
@@ -413,19 +422,34 @@ def _recipe_args(owner, state, inp, weights, metas, grouped) -> GemmArgs:
             and (not grouped or inp.dtype is torch.bfloat16)
             and all(blockwise_supported(t, w.block_rows, x.fp8_dtype, g.fp8_dtype) for t in w2d)
         )
-        return GemmArgs(tuple(replace(s, emulate=not native) for s in specs))
+        specs = _respecified(recipe, specs, ("block", not native), emulate=not native)
+        return GemmArgs(specs, backward_override=override)
     has_tokens = inp.numel() > 0  # a zero-token step does not calibrate (FP8GemmState)
     scales = tuple(meta.delayed_scale(owner, state, has_tokens) for meta in metas)
     kind = "delayed" if scales and all(s is not None for s in scales) else "current"
     if kind == "current":  # current scaling, or a state's calibration step
         scales = (None,) * len(scales)
     grad_amaxes = tuple(meta.grad_amax for meta in metas)
+    key = (kind, _EMULATE)
     # The per-tensor quantisers take no power-of-two option; autocast refuses a recipe that asks
-    # for it, and this a field set since.
-    if recipe.float8_current():
+    # for it, and this a field set since (which empties the memo).
+    if recipe.float8_current() and (torch.compiler.is_compiling() or key not in recipe.memo()):
         check_power_2_scales(owner, recipe)
-    specs = tuple(replace(s, kind=kind, emulate=_EMULATE) for s in specs)
-    return GemmArgs(specs, scales=scales, grad_amaxes=grad_amaxes)
+    specs = _respecified(recipe, specs, key, kind=kind, emulate=_EMULATE)
+    return GemmArgs(specs, scales, grad_amaxes, override)
+
+
+def _respecified(recipe: Recipe, specs: tuple, key: tuple, **changes: Any) -> tuple:
+    """``specs`` with ``changes`` made to each, kept in the recipe's memo under ``key`` (the
+    changes' values) in eager calls, where three ``dataclasses.replace`` per GEMM call cost
+    about 8 us of host time (2-core dev CPU)."""
+    if torch.compiler.is_compiling():
+        return tuple(replace(s, **changes) for s in specs)
+    memo = recipe.memo()
+    out = memo.get(key)
+    if out is None:
+        out = memo[key] = tuple(replace(s, **changes) for s in specs)
+    return out
 
 
 def calibrate(

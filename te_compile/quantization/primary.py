@@ -246,11 +246,14 @@ def is_primary(weight: Tensor) -> bool:
     return weight.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def primary_operand(module: nn.Module, name: str) -> tuple[Tensor, ...] | None:
+def primary_operand(
+    module: nn.Module, name: str, weight: Tensor | None = None
+) -> tuple[Tensor, ...] | None:
     """The pre-quantised operand of ``module``'s FP8 weight ``name`` (``weight_quantized``'s
     five tensors: the codes, their scale, the transposed codes, its scale, the amax), or None:
-    the weight is not FP8."""
-    weight = getattr(module, name)
+    the weight is not FP8. ``weight``: the parameter ``name`` where the caller has it."""
+    if weight is None:
+        weight = getattr(module, name)
     if not is_primary(weight):
         if f"{name}_scale_inv" in module._buffers:
             raise ValueError(

@@ -309,6 +309,7 @@ class Recipe:
         if not self._constructed:  # the dataclass __init__
             object.__setattr__(self, name, value)
             return
+        self.__dict__.pop("_memo", None)  # what was derived from the old values
         if name not in type(self)._field_names:
             raise AttributeError(
                 f"{type(self).__name__} has no field {name!r}; its fields are "
@@ -327,6 +328,16 @@ class Recipe:
             for n, v in zip(names, old, strict=True):
                 object.__setattr__(self, n, v)
             raise
+
+    def memo(self) -> dict[Any, Any]:
+        """A dict of values derived from this recipe's fields alone, for eager callers to keep
+        (``quantization.gemm`` keeps its specs here rather than rebuilding them every GEMM
+        call); emptied whenever a field is set. Not a field: not compared, not printed."""
+        memo = self.__dict__.get("_memo")
+        if memo is None:
+            memo = {}
+            object.__setattr__(self, "_memo", memo)
+        return memo
 
     def _validate(self) -> None:
         _check_field_types(self)

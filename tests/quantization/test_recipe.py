@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch._dynamo
 
+import te_compile as te
 import te_compile.quantization as q
 from te_compile.quantization import (
     DelayedScaling,
@@ -423,6 +424,34 @@ def test_field_set_under_a_compiled_function_recompiles():
     recipe.backward_override = None
     torch.testing.assert_close(compiled(x), 3 * x)
     assert counter.frame_count == 2
+
+
+def test_field_set_after_a_forward_applies_to_the_next():
+    """Eager GEMM calls keep what they derive from a recipe in its memo (``Recipe.memo``: the
+    specs, built once rather than per call); setting a field empties it, so the next forward
+    quantises as the new value says, bit for bit as a recipe built with that value."""
+    torch.manual_seed(0)
+    m = te.Linear(64, 16, params_dtype=torch.float32)
+    x = torch.randn(32, 64)
+    recipe = Float8CurrentScaling()
+    with te.autocast(recipe=recipe):
+        m(x)
+        assert recipe.memo()  # filled by the forward
+        recipe.fp8_format = Format.E4M3
+        assert not recipe.memo()
+        out = m(x)
+    with te.autocast(recipe=Float8CurrentScaling(fp8_format=Format.E4M3)):
+        torch.testing.assert_close(out, m(x), rtol=0, atol=0)
+    with te.autocast(recipe=recipe):
+        recipe.fp8_quant_fwd_inp = QParams(power_2_scale=True)
+        with pytest.raises(NotImplementedError, match=re.escape("fp8_quant_fwd_inp.power_2")):
+            m(x)
+    used = Float8CurrentScaling()
+    with te.autocast(recipe=used):
+        m(x)
+    # The memo is no field: not compared, not printed.
+    assert used.memo() and used == Float8CurrentScaling()
+    assert repr(used) == repr(Float8CurrentScaling())
 
 
 def test_equality_depends_on_class_and_fields():
