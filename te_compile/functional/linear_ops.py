@@ -476,6 +476,32 @@ def _deferred(args: tuple, saved: list[Tensor]) -> DeferredWgrad:
     return DeferredWgrad.create(a.wgrad_stash, replay)
 
 
+_SCALAR_SPECS: dict[tuple, tuple[str, str, str]] = {}
+
+
+def _scalar_specs(normalization, norm_eps, zero_centered_gamma, activation, glu_interleave_size,
+                  limit, alpha, glu_linear_offset, out_scale, return_branch, backward_override,
+                  save_original_input) -> tuple[str, str, str]:  # fmt: skip
+    """:func:`linear`'s scalar arguments checked (each error names its argument) and encoded:
+    the ``norm``, ``epilogue`` and ``backward`` strings of ``te::linear_fwd``. They depend on
+    the values alone, so an eager call looks them up (``_SCALAR_SPECS``)."""
+    check_bool("te.linear", zero_centered_gamma=zero_centered_gamma,
+               return_branch=return_branch)  # fmt: skip
+    check_gemm_args(
+        "te.linear", {}, norm_eps=norm_eps, glu_interleave_size=glu_interleave_size, limit=limit,
+        alpha=alpha, glu_linear_offset=glu_linear_offset, out_scale=out_scale,
+    )  # fmt: skip
+    check_choice("te.linear", "backward_override", backward_override, BACKWARD_OVERRIDES)
+    if normalization not in ("", *NORMALIZATIONS):
+        raise ValueError('te.linear: normalization must be "", "LayerNorm" or "RMSNorm", '
+                         f"got {normalization!r}")  # fmt: skip
+    norm = NormSpec(normalization, float(norm_eps), zero_centered_gamma) if normalization else None
+    epilogue = EpilogueSpec(activation, glu_interleave_size or 0, limit, alpha,
+                            glu_linear_offset, float(out_scale), return_branch)  # fmt: skip
+    backward = BackwardSpec(backward_override, save_original_input)
+    return norm.encode() if norm else "", epilogue.encode(), backward.encode()
+
+
 def linear(
     inp: Tensor,
     weight: Tensor,
@@ -571,33 +597,28 @@ def linear(
         or glu_interleave_size is not None or limit != 7.0 or alpha != 1.702
         or glu_linear_offset != 1.0
     ):  # fmt: skip
-        check_bool("te.linear", zero_centered_gamma=zero_centered_gamma,
-                   return_branch=return_branch)  # fmt: skip
-        check_gemm_args(
-            "te.linear",
-            {"scale": scale, "grad_amax": grad_amax, "norm_weight": norm_weight,
-             "norm_bias": norm_bias, "residual": residual},
-            norm_eps=norm_eps, glu_interleave_size=glu_interleave_size, limit=limit, alpha=alpha,
-            glu_linear_offset=glu_linear_offset, out_scale=out_scale,
-        )  # fmt: skip
+        check_tensors("te.linear", scale=scale, grad_amax=grad_amax, norm_weight=norm_weight,
+                      norm_bias=norm_bias, residual=residual)  # fmt: skip
         check_same_device("te.linear", "inp", inp, norm_weight=norm_weight, norm_bias=norm_bias,
                           residual=residual)  # fmt: skip
-        check_choice("te.linear", "backward_override", backward_override, BACKWARD_OVERRIDES)
-        if normalization not in ("", *NORMALIZATIONS):
-            raise ValueError('te.linear: normalization must be "", "LayerNorm" or "RMSNorm", '
-                             f"got {normalization!r}")  # fmt: skip
+        scalars = (normalization, norm_eps, zero_centered_gamma, activation, glu_interleave_size,
+                   limit, alpha, glu_linear_offset, out_scale, return_branch, backward_override,
+                   save_original_input)  # fmt: skip
+        if torch.compiler.is_compiling():  # symbolic floats: checked and encoded in the graph
+            strings = _scalar_specs(*scalars)
+        else:  # eager: checked and encoded once per set of values (and their types)
+            key = (scalars, tuple(map(type, scalars)))
+            strings = _SCALAR_SPECS.get(key)
+            if strings is None:
+                if len(_SCALAR_SPECS) >= 1024:  # many distinct eps / scale values: start over
+                    _SCALAR_SPECS.clear()
+                strings = _SCALAR_SPECS[key] = _scalar_specs(*scalars)
         if rng_state is None and isinstance(specs[2], str) and "sr" in specs[2].split(":"):
             rng_state = new_rng_state(inp.device)
-        norm = (
-            NormSpec(normalization, float(norm_eps), zero_centered_gamma) if normalization else None
-        )
-        epilogue = EpilogueSpec(activation, glu_interleave_size or 0, limit, alpha,
-                                glu_linear_offset, float(out_scale), return_branch)  # fmt: skip
-        backward = BackwardSpec(backward_override, save_original_input)
+        norm, epilogue, backward = strings
         args += (
-            *specs, scale, grad_amax, rng_state, norm.encode() if norm else "", norm_weight,
-            norm_bias, epilogue.encode(), residual, backward.encode(),
-            list(weight_quantized) if weight_quantized is not None else None, stash,
+            *specs, scale, grad_amax, rng_state, norm, norm_weight, norm_bias, epilogue, residual,
+            backward, list(weight_quantized) if weight_quantized is not None else None, stash,
         )  # fmt: skip
     out, branch, saved = _linear(*args)
     if not (return_branch or return_amax or stash is not None):
