@@ -630,6 +630,7 @@ DOMAINS: dict[str, dict[str, Domain]] = {
         "amax_history": TENSOR(),
         "scale": TENSOR(),
         "amax": TENSOR(),
+        "amax_tail": TENSOR(),
         "fp8_max": Domain("list of positive finite floats", ([0.0], [math.nan], [-1.0])),
         "amax_compute_algo": CHOICE("max", "most_recent"),
     },
