@@ -119,7 +119,14 @@ from te_compile.functional.linear_args import (
 from te_compile.functional.linear_impl import _backward_impl, _Bwd, _forward
 from te_compile.functional.linear_samples import _samples
 from te_compile.functional.prologue import NORMALIZATIONS, fake_dnorm, fake_stats, norm_ref
-from te_compile.functional.spec import BackwardSpec, EpilogueSpec, NormSpec, QuantSpec, parse
+from te_compile.functional.spec import (
+    BackwardSpec,
+    EpilogueSpec,
+    NormSpec,
+    QuantSpec,
+    eager_cached,
+    parse,
+)
 
 __all__ = ["linear", "linear_ref"]
 
@@ -476,15 +483,13 @@ def _deferred(args: tuple, saved: list[Tensor]) -> DeferredWgrad:
     return DeferredWgrad.create(a.wgrad_stash, replay)
 
 
-_SCALAR_SPECS: dict[tuple, tuple[str, str, str]] = {}
-
-
+@eager_cached(1024, typed=True)
 def _scalar_specs(normalization, norm_eps, zero_centered_gamma, activation, glu_interleave_size,
                   limit, alpha, glu_linear_offset, out_scale, return_branch, backward_override,
                   save_original_input) -> tuple[str, str, str]:  # fmt: skip
     """:func:`linear`'s scalar arguments checked (each error names its argument) and encoded:
     the ``norm``, ``epilogue`` and ``backward`` strings of ``te::linear_fwd``. They depend on
-    the values alone, so an eager call looks them up (``_SCALAR_SPECS``)."""
+    the values alone (and their types), so an eager call computes them once."""
     check_bool("te.linear", zero_centered_gamma=zero_centered_gamma,
                return_branch=return_branch)  # fmt: skip
     check_gemm_args(
@@ -604,18 +609,9 @@ def linear(
         scalars = (normalization, norm_eps, zero_centered_gamma, activation, glu_interleave_size,
                    limit, alpha, glu_linear_offset, out_scale, return_branch, backward_override,
                    save_original_input)  # fmt: skip
-        if torch.compiler.is_compiling():  # symbolic floats: checked and encoded in the graph
-            strings = _scalar_specs(*scalars)
-        else:  # eager: checked and encoded once per set of values (and their types)
-            key = (scalars, tuple(map(type, scalars)))
-            strings = _SCALAR_SPECS.get(key)
-            if strings is None:
-                if len(_SCALAR_SPECS) >= 1024:  # many distinct eps / scale values: start over
-                    _SCALAR_SPECS.clear()
-                strings = _SCALAR_SPECS[key] = _scalar_specs(*scalars)
         if rng_state is None and isinstance(specs[2], str) and "sr" in specs[2].split(":"):
             rng_state = new_rng_state(inp.device)
-        norm, epilogue, backward = strings
+        norm, epilogue, backward = _scalar_specs(*scalars)
         args += (
             *specs, scale, grad_amax, rng_state, norm, norm_weight, norm_bias, epilogue, residual,
             backward, list(weight_quantized) if weight_quantized is not None else None, stash,

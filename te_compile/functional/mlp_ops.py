@@ -96,7 +96,7 @@ from te_compile.functional.prologue import (
     norm_quantize,
     norm_ref,
 )
-from te_compile.functional.spec import EpilogueSpec, NormSpec, QuantSpec, parse
+from te_compile.functional.spec import EpilogueSpec, NormSpec, QuantSpec, eager_cached, parse
 
 __all__ = ["mlp", "mlp_ref"]
 
@@ -496,13 +496,12 @@ _mlp = differentiable(
 )
 
 
-_SCALAR_SPECS: dict[tuple, tuple[str, str]] = {}
-
-
+@eager_cached(1024, typed=True)
 def _scalar_specs(normalization, norm_eps, zero_centered_gamma, activation, limit, alpha,
                   glu_linear_offset) -> tuple[str, str]:  # fmt: skip
     """The ``norm`` and ``epilogue`` strings of ``te::mlp_fwd`` (:func:`mlp` checked the
-    values); they depend on the values alone, so an eager call looks them up."""
+    values); they depend on the values alone (and their types), so an eager call computes them
+    once."""
     norm = NormSpec(normalization, float(norm_eps), zero_centered_gamma) if normalization else None
     epilogue = EpilogueSpec(activation, 0, float(limit), float(alpha), float(glu_linear_offset))
     return norm.encode() if norm else "", epilogue.encode()
@@ -588,16 +587,7 @@ def mlp(
                          f"got {normalization!r}")  # fmt: skip
     scalars = (normalization, norm_eps, zero_centered_gamma, activation, limit, alpha,
                glu_linear_offset)  # fmt: skip
-    if torch.compiler.is_compiling():  # symbolic floats: encoded in the graph
-        norm, epilogue = _scalar_specs(*scalars)
-    else:  # eager: encoded once per set of values (and their types)
-        key = (scalars, tuple(map(type, scalars)))
-        strings = _SCALAR_SPECS.get(key)
-        if strings is None:
-            if len(_SCALAR_SPECS) >= 1024:  # many distinct eps values: start over
-                _SCALAR_SPECS.clear()
-            strings = _SCALAR_SPECS[key] = _scalar_specs(*scalars)
-        norm, epilogue = strings
+    norm, epilogue = _scalar_specs(*scalars)
     specs = [s.encode() if isinstance(s, QuantSpec) else s
              for s in (input_spec, weight_spec, grad_spec)]  # fmt: skip
     out, saved = _mlp(

@@ -32,41 +32,73 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["BackwardSpec", "EpilogueSpec", "NormSpec", "QuantSpec", "parse", "parse_roles"]
+__all__ = [
+    "BackwardSpec",
+    "EpilogueSpec",
+    "NormSpec",
+    "QuantSpec",
+    "eager_cached",
+    "parse",
+    "parse_roles",
+]
 
 S = TypeVar("S")
 
 _E4M3, _E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
+def eager_cached(
+    maxsize: int, typed: bool = False
+) -> Callable[[Callable[..., S]], Callable[..., S]]:
+    """A function of hashable arguments whose eager calls are computed once per set of
+    arguments (``typed``: and of their types, so that ``1`` and ``1.0`` stay apart), at most
+    ``maxsize`` kept (past it the table starts over). Traced calls compute the value: dynamo
+    folds it into a constant of the graph (or keeps symbolic floats symbolic) and never reads
+    the table. An error is raised again on every call: it is not kept; an unhashable argument
+    is passed to ``fn`` uncached (its checks name it)."""
+
+    def deco(fn: Callable[..., S]) -> Callable[..., S]:
+        table: dict[Any, S] = {}
+
+        @functools.wraps(fn)
+        def cached(*args: Any) -> S:
+            if torch.compiler.is_compiling():
+                return fn(*args)
+            key = (args, tuple(map(type, args))) if typed else args
+            try:
+                value = table.get(key)
+            except TypeError:  # an unhashable argument: fn's checks name it
+                return fn(*args)
+            if value is None:
+                if len(table) >= maxsize:
+                    table.clear()
+                value = table[key] = fn(*args)
+            return value
+
+        return cached
+
+    return deco
+
+
 def _cached(build: Any) -> Any:
-    """An ``encode`` method that builds each spec's string once: specs are frozen and hashable,
-    and an eager GEMM call encodes a dozen of them. Traced code builds the string (dynamo
-    folds it into a constant of the graph) and never reads the cache."""
+    """An ``encode`` method that builds each spec's string once (:func:`eager_cached`): specs
+    are frozen and hashable, and an eager GEMM call encodes a dozen of them. Traced code calls
+    ``build`` itself: dynamo cannot pass a spec through the table's ``*args`` inside a
+    higher-order op (``torch.utils.checkpoint``)."""
+    cached = eager_cached(4096)(build)
 
     @functools.wraps(build)
     def encode(self) -> str:
         if torch.compiler.is_compiling():
             return build(self)
-        return _text(self, build)
+        return cached(self)
 
     return encode
-
-
-_TEXTS: dict[Any, str] = {}
-
-
-def _text(spec: Any, build: Any) -> str:
-    text = _TEXTS.get(spec)
-    if text is None:
-        if len(_TEXTS) >= 4096:  # many distinct eps / scale values: start over
-            _TEXTS.clear()
-        text = _TEXTS[spec] = build(spec)
-    return text
 
 
 def _flag(token: str) -> Any:
