@@ -110,7 +110,12 @@ def test_forward_and_gradients_match_the_high_precision_module(device, name):
         assert torch.equal(getattr(m, n).main_grad, getattr(hp, n).main_grad)
         assert getattr(m, n).grad is None
     for (n, p), p0 in zip(m.named_parameters(), hp.parameters(), strict=True):
-        if p.dtype != E4M3:
+        if n == "fc1_bias":
+            # FP8 primary weights run LayerNormMLP as two te::linear calls around the activation
+            # op (gemm.MLP_AS_TWO_LINEARS): FC1's bias gradient is the same fp32 column sums in
+            # another kernel's tile order, so on the GPU it can round to a neighbouring bf16.
+            assert_close(p.grad, p0.grad, torch.bfloat16)
+        elif p.dtype != E4M3:
             assert torch.equal(p.grad, p0.grad), n
 
 
