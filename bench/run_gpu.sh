@@ -10,7 +10,7 @@
 # one call); fp8_loss (train_gpt 300 steps per FP8 recipe), fp8_loss_seeds (the FP8 loss
 # criterion over three seeds); the diagnostics of bench/diag/: loss_diag, diag_host,
 # diag_grouped_gemm, diag_grouped_delayed, diag_delayed_traced, diag_eager_host,
-# diag_kernels, diag_hf_step, diag_sdpa_choice,
+# diag_kernels, diag_hf_step, diag_sdpa_choice, diag_launch,
 # tune_norm, tune_rotary, tune_quantize[:part], tune_group_columns;
 # rope (bench_rope) and moe (bench_moe, MoE token routing), not in the default list.
 # Each step writes one log under $OUT (a bench step also its .md/.json, --no-chart), packed into
@@ -135,6 +135,8 @@ runpy.run_path('examples/train_gpt.py', run_name='__main__')" "${tg[@]:1}" \
     tune_norm) python3 -m bench.diag.tune_norm 2>&1 | tee "$OUT/tune_norm.log" ;;
     tune_rotary)  # the RoPE kernel's launch parameters (bench/diag/tune_rotary.py)
       python3 -m bench.diag.tune_rotary 2>&1 | tee "$OUT/tune_rotary.log" ;;
+    diag_launch)  # eager launch host time: direct against through Triton (bench/diag/diag_launch.py)
+      python3 -m bench.diag.diag_launch 2>&1 | tee "$OUT/diag_launch.log" ;;
     diag_kernels)  # every kernel of eager vs compiled steps (bench/diag/diag_kernels.py)
       python3 -m bench.diag.diag_kernels 2>&1 | tee "$OUT/diag_kernels.log" ;;
     diag_hf_step)  # the HF Llama's compiled step against its conversion: wall vs kernel time

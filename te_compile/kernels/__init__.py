@@ -10,7 +10,7 @@ the E5M2-to-E4M3 recoding table).
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -51,11 +51,104 @@ def launch(kernel: Any, grid: Any) -> Any:
     Under a dispatch mode — AOTAutograd tracing a te op's implementation for Inductor above
     all — the kernel is handed to ``torch.library.wrap_triton``, which records the launch in the
     graph (Inductor then launches the kernel itself; no Python runs per call). With no mode the
-    kernel is launched directly: the HOP that ``wrap_triton`` dispatches to costs host time that
-    eager calls should not pay."""
+    kernel is launched by :class:`EagerLauncher`: the HOP that ``wrap_triton`` dispatches to
+    costs host time that eager calls should not pay, and so does most of Triton's own per-call
+    work."""
     if tracing():
         return torch.library.wrap_triton(kernel)[grid]
-    return kernel[grid]
+    if torch.compiler.is_compiling():  # dynamo tracing a launch: its own Triton support
+        return kernel[grid]
+    return functools.partial(EagerLauncher.of(kernel), grid)
+
+
+class EagerLauncher:
+    """The eager launch of one Triton kernel, with the compiled kernel looked up by a key of our
+    own instead of Triton's per-call specialisation (``JITFunction.run`` binds every argument,
+    specialises it, builds a cache key from the options and checks the kernel's globals on each
+    call: tens of microseconds of host time per launch, several launches per FP8 GEMM).
+
+    The key holds every argument as Triton tells kernels apart, or finer: a tensor by its dtype
+    and whether its data is 16-byte aligned (the only tensor properties Triton specialises on),
+    an int or bool by its value (Triton specialises ints on divisibility by 16 and on their
+    width; the exact value is finer, so a key never maps to a kernel compiled for other
+    values), a float by its type, any other value (constexprs, ``num_warps``) by itself, and
+    the current CUDA device. The first call with a key goes through Triton (``kernel[grid]``), which
+    compiles or finds the kernel and launches it; the compiled kernel it returns launches every
+    later call with that key directly (``CompiledKernel[grid]``, all arguments in the kernel's
+    parameter order, defaults filled in). Where Triton returns no compiled kernel (its CPU
+    interpreter) or a call cannot be keyed (an unhashable argument, a callable grid), the call
+    goes through Triton as it is."""
+
+    _launchers: ClassVar[dict[Any, EagerLauncher]] = {}
+    MAX_KEYS = 1024  # compiled kernels kept per kernel; past it the table starts over
+
+    def __init__(self, kernel: Any) -> None:
+        import inspect
+
+        self.kernel = kernel
+        fn = getattr(kernel, "fn", None)
+        params = inspect.signature(fn).parameters.values() if fn is not None else ()
+        self.names = [p.name for p in params]
+        empty = inspect.Parameter.empty
+        self.defaults = {p.name: p.default for p in params if p.default is not empty}
+        self.compiled: dict[tuple, Any] = {}
+        self.direct = fn is not None  # False once Triton returned no compiled kernel
+
+    @classmethod
+    def of(cls, kernel: Any) -> EagerLauncher:
+        launcher = cls._launchers.get(kernel)
+        if launcher is None:
+            launcher = cls._launchers[kernel] = cls(kernel)
+        return launcher
+
+    def __call__(self, grid: Any, *args: Any, **kwargs: Any) -> Any:
+        key = self._key(grid, args, kwargs) if self.direct else None
+        if key is None:
+            return self.kernel[grid](*args, **kwargs)
+        compiled = self.compiled.get(key)
+        if compiled is not None:
+            grid3 = (*grid, 1, 1)[:3]
+            compiled[grid3](*self._bound(args, kwargs))
+            return compiled
+        compiled = self.kernel[grid](*args, **kwargs)
+        if hasattr(compiled, "result"):  # Triton's asynchronous compile: the finished kernel
+            compiled = compiled.result()
+        if compiled is None or not hasattr(compiled, "packed_metadata"):
+            self.direct = False  # the interpreter (or a Triton without compiled kernels)
+        else:
+            if len(self.compiled) >= self.MAX_KEYS:
+                self.compiled.clear()
+            self.compiled[key] = compiled
+        return compiled
+
+    def _key(self, grid: Any, args: tuple, kwargs: dict) -> tuple | None:
+        if not isinstance(grid, tuple) or len(grid) > 3:
+            return None
+        # Triton loads a compiled kernel per device: the current one, as Triton's own launch.
+        key = [torch.cuda.current_device() if torch.cuda.is_initialized() else -1]
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, torch.Tensor):
+                key.append((value.dtype, value.data_ptr() % 16 == 0))
+            elif isinstance(value, (bool, int)):
+                key.append((type(value), value))
+            elif isinstance(value, float):
+                key.append(float)
+            else:
+                key.append(value)
+        key.append(tuple(kwargs))
+        try:
+            hash(tuple(key))
+        except TypeError:
+            return None
+        return tuple(key)
+
+    def _bound(self, args: tuple, kwargs: dict) -> list:
+        """Every parameter's value in the kernel's order: ``args``, then ``kwargs`` by name,
+        then defaults (launch options such as ``num_warps`` are not parameters)."""
+        bound = list(args)
+        for name in self.names[len(args) :]:
+            bound.append(kwargs[name] if name in kwargs else self.defaults[name])
+        return bound
 
 
 def bf16_bits(t: torch.Tensor) -> bool:
