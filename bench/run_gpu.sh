@@ -6,7 +6,7 @@
 #   bash bench/run_gpu.sh activation mlp demo   # ...
 #
 # Steps: tests, tests:<part>, demo, linear, overhead, norm, activation, mlp, grouped, fp8, ops
-# (the default list, in that order; split them over calls to stay inside the 10-minute limit of
+# (`all`: the default list, in that order; split them over calls to stay inside the 10-minute limit of
 # one call); fp8_loss (train_gpt 300 steps per FP8 recipe), fp8_loss_seeds (the FP8 loss
 # criterion over three seeds); the diagnostics of bench/diag/: loss_diag, diag_host,
 # diag_grouped_gemm, diag_grouped_delayed, diag_delayed_traced, diag_eager_host,
@@ -27,12 +27,18 @@ OUT=${OUT:-bench/results/latest}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 steps=("$@")
+# No step named: nothing runs (the default list outlasts one 10-minute device call); `all` names
+# the default list.
+if [ ${#steps[@]} -eq 0 ]; then
+  echo "bench/run_gpu.sh: name the steps to run (see the header of this file), or 'all'" >&2
+  exit 2
+fi
 # At most 8 files come back from a device call: on exit (also when stopped by `timeout`) the
 # logs and results are packed into one archive, results.tgz.
 pack() { (cd "$OUT" && ls && tar czf results.tgz --remove-files --exclude results.tgz -- *.*); }
 trap pack EXIT
 trap 'exit 124' TERM INT
-[ ${#steps[@]} -gt 0 ] || steps=(tests demo linear overhead norm activation mlp grouped fp8 ops)
+[ "${steps[*]}" != all ] || steps=(tests demo linear overhead norm activation mlp grouped fp8 ops)
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
