@@ -66,6 +66,7 @@ from te_compile.functional.activation import (
 )
 from te_compile.functional.dense_weight import check_weight_quantized, weight_operand
 from te_compile.functional.gemm import (
+    FP8_DTYPES,
     PER_TENSOR,
     Operand,
     check_gemm_args,
@@ -458,6 +459,9 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.scalars = (a.input_spec, a.weight_spec, a.grad_spec, norm, a.epilogue)
     ctx.has_fc2_bias, ctx.has_norm, ctx.has_norm_bias = (
         a.fc2_bias is not None, normed, a.norm_bias is not None)  # fmt: skip
+    # FP8 weights (FP8 primary weights) without a main_grad: their gradient has nowhere to go.
+    pairs = ((a.fc1_weight, a.main_grad1), (a.fc2_weight, a.main_grad2))
+    ctx.fp8_weights = tuple(w.dtype in FP8_DTYPES and g is None for w, g in pairs)
 
 
 def _backward(ctx, bwd, grad, _grad_saved):
@@ -466,6 +470,12 @@ def _backward(ctx, bwd, grad, _grad_saved):
     need = ctx.needs_input_grad
     need_norm = ctx.has_norm and any(need[_NORM_WEIGHT : _NORM_WEIGHT + 2])
     need_db2 = ctx.has_fc2_bias and need[4]
+    for i, fp8_weight in enumerate(getattr(ctx, "fp8_weights", ()), 1):
+        if fp8_weight and need[2 * i - 1]:
+            raise RuntimeError(
+                f"te.mlp: an FP8 fc{i}_weight's gradient goes to main_grad{i} (fp32), and none "
+                "was given"
+            )
     mg1, mg2 = mg1 if need[1] else None, mg2 if need[3] else None  # (as te::linear's)
     dinp, dw1, db1, dw2, db2, dnw, dnb = bwd(
         grad.contiguous(), saved, inp, w1, b1, w2, s1, s2, ga1, ga2, mg1, mg2, norm_weight,

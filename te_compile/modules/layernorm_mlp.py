@@ -18,10 +18,11 @@ The two GEMMs run as two ``te::linear`` calls around the activation (the same by
 the fusion) where ``te::mlp`` does not implement what is asked of it
 (``quantization.gemm.MLP_AS_TWO_LINEARS``; docs/op_mechanism.md says why for each):
 ``delay_wgrad_compute`` (the weight gradients wait for ``backward_dw``), ``checkpoint=True``
-(FC1's output is recomputed), FP8 primary weights (``quantized_model_init``: pre-quantised
-weights), a recipe's ``backward_override``, calibration (``calibrating=True``) and NVFP4's
-per-operand options (the Hadamard transform, stochastic rounding, row-scaled activations,
-4over6). ``fuse_wgrad_accumulation`` runs in ``te::mlp`` (``main_grad1`` / ``main_grad2``).
+(FC1's output is recomputed), a recipe's ``backward_override``, calibration
+(``calibrating=True``) and NVFP4's per-operand options (the Hadamard transform,
+stochastic rounding, row-scaled activations, 4over6). ``fuse_wgrad_accumulation`` and FP8
+primary weights (``quantized_model_init``: the pre-quantised weights ``fc1_weight_q`` /
+``fc2_weight_q``, the gradients into ``main_grad1`` / ``main_grad2``) run in ``te::mlp``.
 
 Tensor parallelism: with a ``tp_group`` (or ``tp_size > 1``) FC1 is column-parallel and FC2
 row-parallel, as Transformer Engine's ``set_parallel_mode=True``: each rank holds

@@ -619,8 +619,11 @@ def mlp(
     delayed (:func:`linear`'s ``defer``)."""
     act_kw = activation_params or {}
     state = get_autocast_state()
-    by_op = mlp_as_two_linears(state, recompute_fc1, weights_quantized, defer)
+    by_op = mlp_as_two_linears(state, recompute_fc1, defer)
     (q1, q2), (g1, g2) = weights_quantized, main_grads or (None, None)
+    for name, q in (("fc1_weight", q1), ("fc2_weight", q2)):
+        if q is not None:
+            check_primary(owner, state, name)
     if recompute_fc1 and defer is not None:
         raise NotImplementedError(
             f"{owner}: checkpoint=True with delay_wgrad_compute=True is not supported (the "
@@ -642,8 +645,8 @@ def mlp(
     args = gemm_args(owner, state, inp, weights, metas)
     kw = {**_norm_kwargs(norm), **args.spec_kwargs(), **act_kw, "main_grad1": g1,
           "main_grad2": g2}  # fmt: skip
-    kw["fc1_weight_quantized"] = cached_weight(args, fc1_weight, cache, "fc1_weight", 0)
-    kw["fc2_weight_quantized"] = cached_weight(args, fc2_weight, cache, "fc2_weight", 1)
+    kw["fc1_weight_quantized"] = q1 or cached_weight(args, fc1_weight, cache, "fc1_weight", 0)
+    kw["fc2_weight_quantized"] = q2 or cached_weight(args, fc2_weight, cache, "fc2_weight", 1)
     if args.recipe not in PER_TENSOR:
         return F.mlp(inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, **kw)
     (s1, s2), (g1, g2) = args.scales, args.grad_amaxes
@@ -658,17 +661,16 @@ def mlp(
 
 # What te::mlp does not implement: :func:`mlp` then runs two te::linear calls around the activation
 # op (the same bytes); LayerNormMLP's docstring and docs/op_mechanism.md name each (test_mlp.py).
-MLP_AS_TWO_LINEARS = ("delay_wgrad_compute", "checkpoint=True", "FP8 primary weights",
-                      "backward_override", "calibrating=True", "Hadamard transform",
-                      "stochastic rounding", "row-scaled activations", "4over6")  # fmt: skip
+MLP_AS_TWO_LINEARS = ("delay_wgrad_compute", "checkpoint=True", "backward_override",
+                      "calibrating=True", "Hadamard transform", "stochastic rounding",
+                      "row-scaled activations", "4over6")  # fmt: skip
 
 
-def mlp_as_two_linears(state: AutocastState, recompute_fc1: bool, weights_quantized: tuple,
-                       defer: list | None) -> str:  # fmt: skip
+def mlp_as_two_linears(state: AutocastState, recompute_fc1: bool, defer: list | None) -> str:
     """The first of :data:`MLP_AS_TWO_LINEARS` that applies to an :func:`mlp` call, or ``""``:
     ``te::mlp`` runs it. The one place that decides."""
     nvfp4 = recipe_specs(state.recipe) if state.enabled and state.recipe.nvfp4() else ()
-    applies = (defer is not None, recompute_fc1, weights_quantized != (None, None),
+    applies = (defer is not None, recompute_fc1,
                state.enabled and state.recipe.backward_override is not None, state.calibration,
                any(s.rht for s in nvfp4), any(s.stochastic_rounding for s in nvfp4),
                any(s.row_scaled for s in nvfp4), any(s.four_over_six for s in nvfp4))  # fmt: skip

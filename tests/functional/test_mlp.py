@@ -195,6 +195,8 @@ def test_errors_name_the_argument():
         F.mlp(x, w1, None, torch.randn(16, 48), None, "gelu")
     with pytest.raises(ValueError, match="fc1_bias must be"):
         F.mlp(x, w1, torch.randn(32), w2, None, "gelu")
+    with pytest.raises(ValueError, match=r"an FP8 fc2_weight .* needs its pre-quantised operand"):
+        F.mlp(x, w1, None, w2.to(E4M3), None, "gelu", **cur)  # FP8 primary weights: fc2_weight_q
     with pytest.raises(ValueError, match=r"a \"delayed\" spec needs scale1 \[3\]"):
         F.mlp(x, w1, None, w2, None, "gelu", **with_specs(recipe="delayed"))
     with pytest.raises(ValueError, match=r"te\.mlp: input_spec 'fp8': unknown token 'fp8'"):
@@ -405,13 +407,12 @@ def test_every_case_run_as_two_linears_is_documented():
     def on(recipe):
         return AutocastState(True, recipe, None)
 
-    def call(state, recompute_fc1=False, weights_quantized=(None, None), defer=None):
-        return gemm.mlp_as_two_linears(state, recompute_fc1, weights_quantized, defer)
+    def call(state, recompute_fc1=False, defer=None):
+        return gemm.mlp_as_two_linears(state, recompute_fc1, defer)
 
     reasons = {
         "delay_wgrad_compute": call(off, defer=[]),
         "checkpoint=True": call(off, recompute_fc1=True),
-        "FP8 primary weights": call(on(r.Float8CurrentScaling()), weights_quantized=([], None)),
         "backward_override": call(on(r.Float8CurrentScaling(backward_override="dequantized"))),
         "calibrating=True": call(AutocastState(False, r.DelayedScaling(), None, True)),
         "Hadamard transform": call(on(r.NVFP4BlockScaling(disable_stochastic_rounding=True))),

@@ -110,13 +110,28 @@ def test_forward_and_gradients_match_the_high_precision_module(device, name):
         assert torch.equal(getattr(m, n).main_grad, getattr(hp, n).main_grad)
         assert getattr(m, n).grad is None
     for (n, p), p0 in zip(m.named_parameters(), hp.parameters(), strict=True):
-        if n == "fc1_bias":
-            # FP8 primary weights run LayerNormMLP as two te::linear calls around the activation
-            # op (gemm.MLP_AS_TWO_LINEARS): FC1's bias gradient is the same fp32 column sums in
-            # another kernel's tile order, so on the GPU it can round to a neighbouring bf16.
-            assert_close(p.grad, p0.grad, torch.bfloat16)
-        elif p.dtype != E4M3:
+        if p.dtype != E4M3:
             assert torch.equal(p.grad, p0.grad), n
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "recipe", [Float8CurrentScaling, DelayedScaling], ids=["current", "delayed"]
+)
+def test_layernorm_mlp_runs_the_fused_mlp_op(device, recipe, monkeypatch):
+    """FP8 primary weights take te::mlp (the activation fused into the quantisations), not two
+    te::linear calls, under both per-tensor recipes: one mlp call per forward."""
+    from te_compile.quantization import gemm
+
+    calls = []
+    real = gemm.F.mlp
+    monkeypatch.setattr(gemm.F, "mlp", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    m = _primary("LayerNormMLP", device, recipe())
+    te.FP8MasterWeights(m)
+    for step in range(2):  # delayed: its first step (current scaling) and a delayed step
+        with autocast(recipe=recipe()):
+            m(_x(device, step).requires_grad_()).sum().backward()
+    assert len(calls) == 2
 
 
 def _train(m, recipe, steps, primary, *args):
