@@ -963,6 +963,13 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, torch.de
         help="also run each compiled te row with the te ops opaque (not traced through)",
     )
     parser.add_argument(
+        "--static-launch",
+        action="store_true",
+        help="Inductor launches user-defined Triton kernels (ours) with its static CUDA launcher "
+        "(torch._inductor.config.static_launch_user_defined_triton_kernels; off by default in "
+        "torch), as it launches its own kernels",
+    )
+    parser.add_argument(
         "--warm-cache",
         action="store_true",
         help="keep the Inductor / Triton caches (default: an empty cache dir per compiled row, "
@@ -998,6 +1005,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         skipped.append(torchao_note)
     for note in skipped:
         print(f"  {note}", file=sys.stderr)
+    if args.static_launch:
+        import torch._inductor.config as inductor_config
+
+        if not hasattr(inductor_config, "static_launch_user_defined_triton_kernels"):
+            raise SystemExit("--static-launch: this torch's Inductor has no such option")
+        inductor_config.static_launch_user_defined_triton_kernels = True
+        report.metadata["static_launch_user_defined_triton_kernels"] = True
     specs = row_specs(modes, args.precisions, torchao=has_torchao, opaque=args.opaque)
     sizes = [SMOKE_SIZES[args.arch]] if args.smoke else [SIZES[name] for name in args.size]
     report.metadata.update(
