@@ -74,8 +74,10 @@ _E4M3 = torch.float8_e4m3fn
 
 class GroupedRecipe(NamedTuple):
     """A grouped linear op's specs as its GEMMs take them (``functional.grouped_linear_ops`` makes
-    it from the three ``QuantSpec``s), with the delayed state, ``fp8_wgrad`` and the stochastic
-    rounding stream."""
+    it from the three ``QuantSpec``s), with the delayed state, ``fp8_wgrad``, the stochastic
+    rounding stream and the backward ``override`` (``"high_precision"``: the forward saves
+    nothing, ``"dequantized"``: ``[X, W]``, the forward GEMM's operands dequantised to the input
+    dtype; the backward is then high precision's)."""
 
     recipe: str = ""
     fwd_dtype: torch.dtype = _E4M3
@@ -90,6 +92,7 @@ class GroupedRecipe(NamedTuple):
     rng_state: Tensor | None = None
     input_4over6: str = ""
     weight_4over6: str = ""
+    override: str = ""
 
 
 # Splits ------------------------------------------------------------------------------------------
@@ -482,8 +485,11 @@ def high_precision_backward(
 
 
 def blockwise_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
-    return _native_forward(inp, m_splits, weight, bias, r.power_2_scale, r.weight_block_rows,
-                           weight_q)  # fmt: skip
+    out, saved = _native_forward(inp, m_splits, weight, bias, r.power_2_scale,
+                                 r.weight_block_rows, weight_q)  # fmt: skip
+    if r.override == "dequantized":  # the same values as the forward's codes (one cast more)
+        return out, [_qdq_input(inp, r), dequantized_weight(weight, r)]
+    return out, [] if r.override else saved
 
 
 def blockwise_backward(grad, saved, inp, m_splits, weight, main_grad, r, has_bias, dgrad,
@@ -542,7 +548,9 @@ def dequantized_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
     if bias is not None:
         splits = m_splits.to(bias.device)
         out = out + bias.repeat_interleave(splits, dim=0, output_size=out.shape[0])
-    return out, (saved if weight_q is None else saved[:1])
+    if r.override == "dequantized":  # the forward's operands (a copy of an input's)
+        return out, [x, w if weight_q is None else w.clone()]
+    return out, [] if r.override else (saved if weight_q is None else saved[:1])
 
 
 def dequantized_backward(grad, saved, inp, m_splits, weight, main_grad, r, has_bias, dgrad,
