@@ -12,7 +12,8 @@ kind                     GEMMs
 ``"blockwise"``          Float8BlockScaling, native: a blockwise-scaled ``torch._scaled_mm`` per
                          expert (host splits; every expert's tokens padded to 128 in one
                          layout)
-``"dequantized"``        the block-scaled recipes emulated: the operands quantised exactly and
+``"dequantized"``        the block-scaled recipes emulated: the operands quantised exactly (the
+                         dense family's quantiser table, ``functional.gemm.QUANTIZERS``) and
                          dequantised to the model's dtype, the high-precision grouped GEMMs on
                          those values (NVFP4: each expert as a dense GEMM quantises it, its own
                          global scales, the backward GEMMs on copies quantised along the other
@@ -41,14 +42,15 @@ from torch import Tensor
 
 from te_compile._checks import shown
 from te_compile._numerics import acc_dtype
-from te_compile.functional.fake_quantize_ops import qdq
 from te_compile.functional.gemm import (
     block_scaled_mm,
     empty,
     padded,
+    quantize_operand,
 )
 from te_compile.functional.quantize import quantize_blockwise
 from te_compile.functional.quantize_mx_ref import NVFP4_BLOCK, nvfp4_qdq
+from te_compile.functional.spec import QuantSpec
 
 __all__ = [
     "GroupedRecipe",
@@ -425,11 +427,16 @@ def _native_backward(
 # Emulated block-scaled recipes ("dequantized") --------------------------------------------------
 
 
-def _qdq_input(inp: Tensor, r: GroupedRecipe) -> Tensor:
-    """``X`` quantised exactly in blocks along ``in_features`` (1x128 or 32 elements) and
-    dequantised to its dtype (not NVFP4: :func:`_nvfp4_input`)."""
-    p2 = r.power_2_scale if r.recipe == "block" else False
-    return qdq(inp, r.recipe, r.fwd_dtype, 1, p2)
+def _cast(x2: Tensor, r: GroupedRecipe, fp8_dtype: torch.dtype, block_rows: int = 1) -> Tensor:
+    """``x2`` ``[M, K]`` quantised exactly by the one quantiser table
+    (``functional.gemm.quantize_operand``: Float8BlockScaling's ``block_rows`` x 128 blocks or
+    MXFP8's 32 elements along ``K``, emulated, its rowwise copy alone) and dequantised to its
+    dtype, saturating at the dtype's largest value (an E5M2 infinity stays infinite)."""
+    p2 = r.recipe == "block" and r.power_2_scale
+    spec = QuantSpec(r.recipe, fp8_dtype, block_rows, p2, emulate=True)
+    values = quantize_operand(spec, x2.contiguous(), columnwise=False).data
+    big = torch.finfo(x2.dtype).max
+    return torch.where(values.isinf(), values, values.clamp(-big, big)).to(x2.dtype)
 
 
 def dequantized_weight(weight: Tensor, r: GroupedRecipe) -> Tensor:
@@ -440,10 +447,9 @@ def dequantized_weight(weight: Tensor, r: GroupedRecipe) -> Tensor:
     if r.recipe == "nvfp4":
         return _nvfp4_weight(weight, r)[0]
     w_rows = r.weight_block_rows if r.recipe == "block" else 1
-    p2 = r.power_2_scale if r.recipe == "block" else False
     if w_rows == 1 or n % w_rows == 0:  # no block of rows straddles two experts
-        return qdq(weight.reshape(g * n, k), r.recipe, r.fwd_dtype, w_rows, p2).view(g, n, k)
-    return torch.stack([qdq(w_g, r.recipe, r.fwd_dtype, w_rows, p2) for w_g in weight])
+        return _cast(weight.reshape(g * n, k), r, r.fwd_dtype, w_rows).view(g, n, k)
+    return torch.stack([_cast(w_g, r, r.fwd_dtype, w_rows) for w_g in weight])
 
 
 def _group_sums(grad: Tensor, m_splits: Tensor, groups: int, cuda: bool) -> Tensor:
@@ -488,7 +494,7 @@ def blockwise_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
     out, saved = _native_forward(inp, m_splits, weight, bias, r.power_2_scale,
                                  r.weight_block_rows, weight_q)  # fmt: skip
     if r.override == "dequantized":  # the same values as the forward's codes (one cast more)
-        return out, [_qdq_input(inp, r), dequantized_weight(weight, r)]
+        return out, [_cast(inp, r, r.fwd_dtype), dequantized_weight(weight, r)]
     return out, [] if r.override else saved
 
 
@@ -527,7 +533,7 @@ def dequantized_input(inp: Tensor, m_splits: Tensor, r: GroupedRecipe) -> Tensor
     itself (``save_original_input``): the same values, the quantisation being deterministic."""
     if r.recipe == "nvfp4":
         return _nvfp4_input(inp, m_splits, r)[1]
-    return _qdq_input(inp, r)
+    return _cast(inp, r, r.fwd_dtype)
 
 
 def dequantized_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
@@ -541,7 +547,7 @@ def dequantized_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
         w, w_col = _nvfp4_weight(weight, r) if weight_q is None else (weight_q[0], weight_q[0])
         saved = [x_col, w_col]
     else:
-        x = _qdq_input(inp, r)
+        x = _cast(inp, r, r.fwd_dtype)
         w = dequantized_weight(weight, r) if weight_q is None else weight_q[0]
         saved = [x, w]
     out, _ = high_precision_forward(x, m_splits, w, None, r, cuda)
@@ -559,7 +565,6 @@ def dequantized_backward(grad, saved, inp, m_splits, weight, main_grad, r, has_b
     high-precision grouped backward against the forward's dequantised operands; the bias
     gradient from the high-precision gradient."""
     x, w = saved
-    p2 = r.power_2_scale if r.recipe == "block" else False
     if r.recipe == "nvfp4":  # dgrad on the rowwise copy, wgrad on the columnwise one
         g_row, g_col_t = nvfp4_qdq(grad, columnwise=wgrad, rht=r.rht, rng_state=r.rng_state,
                                    row_splits=m_splits)  # fmt: skip
@@ -572,10 +577,8 @@ def dequantized_backward(grad, saved, inp, m_splits, weight, main_grad, r, has_b
                                                     True, cuda)  # fmt: skip
         dbias = _group_sums(grad, m_splits, w.shape[0], cuda) if has_bias else empty(grad)
         return dinp, dweight, dbias
-    else:
-        g = qdq(grad, r.recipe, r.bwd_dtype, 1, p2)
     dinp, dweight, _ = high_precision_backward(
-        g, [], x, m_splits, w, main_grad, r, False, dgrad, wgrad, cuda
+        _cast(grad, r, r.bwd_dtype), [], x, m_splits, w, main_grad, r, False, dgrad, wgrad, cuda
     )
     dbias = _group_sums(grad, m_splits, w.shape[0], cuda) if has_bias else empty(grad)
     return dinp, dweight, dbias
