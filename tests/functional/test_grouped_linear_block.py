@@ -241,3 +241,24 @@ def test_module_runs_the_native_op_under_float8_block_scaling():
     with mock.patch.object(gemm, "_NATIVE_BLOCK", False), te.autocast(recipe=recipe):
         emulated = m(x, splits)
     assert_close(emulated, y.double(), y.dtype, roundings=2, reduced=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "kind, fp8, rows, power_2",
+    [("block", E4M3, 1, True), ("block", torch.float8_e5m2, 128, False),
+     ("mxfp8", E4M3, 1, False), ("mxfp8", torch.float8_e5m2, 1, False)],
+    ids=["block_1x128_p2", "block_128x128_e5m2", "mxfp8_e4m3", "mxfp8_e5m2"],
+)  # fmt: skip
+def test_emulated_casts_are_te_quantize_bytes(dtype, kind, fp8, rows, power_2):
+    """The emulated grouped GEMMs' casts (the dense family's quantiser table, rowwise copy,
+    dequantised to the input dtype) are ``te.quantize`` then ``te.dequantize`` bit for bit,
+    values at the dtype's largest included (saturated, not infinite)."""
+    from te_compile.functional.fake_quantize_ops import qdq
+    from te_compile.functional.grouped_gemm import GroupedRecipe, _cast
+
+    x = torch.randn(256, 256, generator=torch.Generator().manual_seed(0)) * 100
+    x[0, :3], x[1, 0] = torch.finfo(dtype).max, -torch.finfo(dtype).max
+    x = x.to(dtype)
+    recipe = GroupedRecipe(kind, fp8, fp8, power_2, rows, emulate=True)
+    assert_bits_equal(_cast(x, recipe, fp8, rows), qdq(x, kind, fp8, rows, power_2))
