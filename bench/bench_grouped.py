@@ -24,9 +24,9 @@ Competitors, all holding the same weights, all ratios against ``torch._grouped_m
   ``te_compile.autocast(recipe=Float8CurrentScaling())`` (HYBRID: the three grouped GEMMs in FP8
   with rowwise scales through ``torch._scaled_grouped_mm``, the E5M2 gradient as E4M3 codes,
   the wgrad's operands quantised per expert and column along the tokens), eager and compiled,
-  at 8 experts (issue 5's case); compiled also with the FP8 wgrad off
-  (``quantization.gemm._GROUPED_FP8_WGRAD = False``'s setting: bf16 wgrad), under
-  ``Format.E4M3``, and under ``DelayedScaling`` with and without the FP8 wgrad; and under
+  at 8 experts (issue 5's case); compiled also with ``backward_override="high_precision"``
+  (the FP8 forward, bf16 dgrad and wgrad from the kept bf16 input), under ``Format.E4M3``, and
+  under ``DelayedScaling``; and under
   ``Float8BlockScaling`` (E4M3, 1x128 / 128x128 blocks: a blockwise GEMM per expert,
   ``te::grouped_linear`` with ``"block"`` specs, the splits
   given as a CPU tensor as Transformer Engine takes them), also emulated
@@ -77,10 +77,9 @@ TE_COMPILED = "te_compile.GroupedLinear compiled"
 TE_MULTI_EAGER = "te_compile.GroupedLinear (weight0..) eager"
 TE_FP8_EAGER = "te_compile.GroupedLinear FP8 current eager"
 TE_FP8_COMPILED = "te_compile.GroupedLinear FP8 current compiled"
-TE_FP8_HPW_COMPILED = "te_compile.GroupedLinear FP8 current, bf16 wgrad, compiled"
+TE_FP8_HPW_COMPILED = "te_compile.GroupedLinear FP8 current, high-precision backward, compiled"
 TE_FP8_E4M3_COMPILED = "te_compile.GroupedLinear FP8 current E4M3 compiled"
 TE_FP8_DELAYED_COMPILED = "te_compile.GroupedLinear FP8 delayed compiled"
-TE_FP8_DELAYED_HPW_COMPILED = "te_compile.GroupedLinear FP8 delayed, bf16 wgrad, compiled"
 TE_FP8_BLOCK_COMPILED = "te_compile.GroupedLinear FP8 block compiled"
 TE_FP8_BLOCK_EMULATED_COMPILED = "te_compile.GroupedLinear FP8 block emulated compiled"
 # The compiled FP8 rows besides TE_FP8_COMPILED, each checked against the bf16 module.
@@ -88,7 +87,6 @@ TE_FP8_OTHER_COMPILED = (
     TE_FP8_HPW_COMPILED,
     TE_FP8_E4M3_COMPILED,
     TE_FP8_DELAYED_COMPILED,
-    TE_FP8_DELAYED_HPW_COMPILED,
     TE_FP8_BLOCK_COMPILED,
     TE_FP8_BLOCK_EMULATED_COMPILED,
 )
@@ -235,11 +233,12 @@ def _under_fp8(
     call: Callable[[torch.Tensor], torch.Tensor],
     fp8_format: str = "HYBRID",
     kind: str = "Float8CurrentScaling",
+    **fields: object,
 ) -> Callable[..., torch.Tensor]:
-    """``call`` inside ``te_compile.autocast(recipe=<kind>(fp8_format=...))`` (HYBRID: E5M2
-    gradients; E4M3: every GEMM E4M3, all three in ``torch._scaled_grouped_mm``'s reach)."""
+    """``call`` inside ``te_compile.autocast(recipe=<kind>(fp8_format=..., **fields))`` (HYBRID:
+    E5M2 gradients; E4M3: every GEMM E4M3, all three in ``torch._scaled_grouped_mm``'s reach)."""
     fmt = getattr(te_compile.recipe.Format, fp8_format)
-    recipe = getattr(te_compile.recipe, kind)(fp8_format=fmt)
+    recipe = getattr(te_compile.recipe, kind)(fp8_format=fmt, **fields)
 
     def fp8_call(x: torch.Tensor) -> torch.Tensor:
         with te_compile.autocast(recipe=recipe):
@@ -331,15 +330,13 @@ def run_case(
         if compile_:
             te_fp8_c = torch.compile(te_fp8, **kw)
             modules[TE_FP8_COMPILED] = (_under_fp8(_bind(te_fp8_c, splits_t)), te_fp8)
-            # quantization.gemm._GROUPED_FP8_WGRAD = False's setting: the forward and dgrad in
-            # FP8, the wgrad in bf16 from the input kept in bf16.
-            hpw = functools.partial(harness.with_setting, gemm, "_GROUPED_FP8_WGRAD", False)
-            current = _under_fp8(_bind(te_fp8_c, splits_t))
-            modules[TE_FP8_HPW_COMPILED] = (hpw(current), te_fp8)
+            # backward_override="high_precision": the forward in FP8, the backward in bf16 on
+            # the input and weight kept in bf16.
+            hpw = _under_fp8(_bind(te_fp8_c, splits_t), backward_override="high_precision")
+            modules[TE_FP8_HPW_COMPILED] = (hpw, te_fp8)
             modules[TE_FP8_E4M3_COMPILED] = (_under_fp8(_bind(te_fp8_c, splits_t), "E4M3"), te_fp8)
             delayed = _under_fp8(_bind(te_fp8_c, splits_t), kind="DelayedScaling")
             modules[TE_FP8_DELAYED_COMPILED] = (delayed, te_fp8)
-            modules[TE_FP8_DELAYED_HPW_COMPILED] = (hpw(delayed), te_fp8)
             # Float8BlockScaling (E4M3, 1x128 tokens, 128x128 weight blocks): a blockwise
             # GEMM per expert (te::grouped_linear with "block" specs), which reads the splits
             # on the host: given as a CPU tensor, as Transformer Engine takes them (no device

@@ -24,7 +24,6 @@ if __package__ in (None, ""):
 import torch
 from triton.testing import do_bench
 
-from bench import harness
 from bench.bench_grouped import (
     DTYPE,
     FP8_EXPERTS,
@@ -36,7 +35,6 @@ from bench.bench_grouped import (
     _under_fp8,
     make_splits,
 )
-from te_compile.quantization import gemm
 
 
 def _host_ms(step, x, dy, calls: int = 20) -> float:
@@ -75,7 +73,7 @@ def main() -> int:
     te = _make_te(FP8_EXPERTS, IN_FEATURES, OUT_FEATURES, single=True, device=device)
     shared = torch.compile(te, **kw)
     current = _under_fp8(_bind(shared, splits))
-    hpw = harness.with_setting(gemm, "_GROUPED_FP8_WGRAD", False, current)
+    hpw = _under_fp8(_bind(shared, splits), backward_override="high_precision")
     e4m3 = _under_fp8(_bind(shared, splits), "E4M3")
     for call in (current, hpw, e4m3):
         call(x).backward(dy)

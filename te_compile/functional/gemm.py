@@ -337,27 +337,34 @@ def quantize_per_tensor(
     return data, reciprocal_rn(scale), amax
 
 
-def qdq_both(x2: Tensor, spec: QuantSpec, rng_state: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def qdq_both(
+    x2: Tensor, spec: QuantSpec, rng_state: Tensor | None = None, columnwise: bool = True
+) -> tuple[Tensor, Tensor | None]:
     """``(rowwise, columnwise^T)``: ``x2`` ``[M, K]`` quantised by a block-scaled ``spec`` in
-    blocks along K and along M (the latter returned transposed, ``[K, M]``), both dequantised to
-    fp32, where every dequantised value is exact (an NVFP4 value times its E4M3 scale over the
-    global scale is not always a bf16 number). fp64 input (the tests' references) is quantised
+    blocks along K and along M (the latter returned transposed, ``[K, M]``; None without
+    ``columnwise``, but for NVFP4), both dequantised to fp32, where every dequantised value is
+    exact (an NVFP4 value times its E4M3 scale over the global scale is not always a bf16
+    number). fp64 input (the tests' references) is quantised
     from its fp32 values and returned as fp64. NVFP4's options
     (``functional.quantize_mx_ref.nvfp4_qdq``): 16x16 tiles, the random Hadamard transform of the
     columnwise copy, stochastic rounding (``rng_state``), one global scale per row for the
     rowwise copy, 4over6 block scaling."""
     x = x2.float() if x2.dtype == torch.float64 else x2
     f32, fp8_dtype, rows = torch.float32, spec.fp8_dtype, spec.block_rows
+    col_t = None
     if spec.kind == "block":  # 1 x 128 (block_rows=1) or 128 x 128 blocks, fp32 scales
         data, s, data_t, s_t = quantize_blockwise.eager(x, fp8_dtype, rows, spec.power_2_scale,
-                                                        True)  # fmt: skip
+                                                        columnwise)  # fmt: skip
         deq = dequantize_blockwise.eager
         u8 = torch.uint8
         row = deq(data.view(u8), s, rows, fp8_dtype, f32)
-        col_t = deq(data_t.view(u8), s_t, rows, fp8_dtype, f32)
+        if columnwise:
+            col_t = deq(data_t.view(u8), s_t, rows, fp8_dtype, f32)
     elif spec.kind == "mxfp8":
-        data, scale, data_t, scale_t = quantize_mxfp8(x, fp8_dtype)
-        row, col_t = dequantize_mxfp8(data, scale, f32), dequantize_mxfp8(data_t, scale_t, f32)
+        data, scale, data_t, scale_t = quantize_mxfp8(x, fp8_dtype, columnwise=columnwise)
+        row = dequantize_mxfp8(data, scale, f32)
+        if columnwise:
+            col_t = dequantize_mxfp8(data_t, scale_t, f32)
     elif rows != 1 or rng_state is not None or spec.options():
         row, col_t = nvfp4_qdq(x, tiles=rows == 16, rng_state=rng_state, **spec.options())
     else:
@@ -365,7 +372,7 @@ def qdq_both(x2: Tensor, spec: QuantSpec, rng_state: Tensor | None = None) -> tu
         row = dequantize_nvfp4(data, scale, g, f32)
         col_t = dequantize_nvfp4(data_t, scale_t, g, f32)
     if x2.dtype == torch.float64:
-        return row.double(), col_t.double()
+        return row.double(), None if col_t is None else col_t.double()
     return row, col_t
 
 
@@ -393,8 +400,9 @@ def _quantize_per_tensor(spec, x2, scale, columnwise, mn_major, sums, rng_state)
 def _quantize_dequantized(spec, x2, scale, columnwise, mn_major, sums, rng_state) -> Operand:
     """MXFP8, NVFP4 and emulated Float8BlockScaling: the dequantised values (exact; the GEMM is
     emulated)."""
-    row, col_t = qdq_both(x2, spec, rng_state)
+    row, col_t = qdq_both(x2, spec, rng_state, columnwise)
     none = x2.new_empty(0, dtype=torch.float32)
+    col_t = none.clone() if col_t is None else col_t
     return Operand(row, none, col_t, none.clone(), none.clone(), _col_sums(x2, sums))
 
 

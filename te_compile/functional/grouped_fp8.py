@@ -382,7 +382,7 @@ def per_tensor_weight(
 
 def _scaled_forward(
     inp, m_splits, weight, bias, scale, fwd_dtype, fp8_wgrad: bool, native: bool, measure: bool,
-    weight_q=None,
+    weight_q=None, override: str = "",
 ):  # fmt: skip
     if weight_q is None:
         wq, ws, wq_t, ws_t, w_amax = per_tensor_weight(weight, fwd_dtype, _slot(scale, 1), measure)
@@ -407,12 +407,21 @@ def _scaled_forward(
     else:
         splits = host_splits(m_splits, inp.shape[0])
         out = _gemm_loop(xq, xs, wq, ws, splits, inp.dtype, bias)
-    saved = [wq_t.view(torch.uint8), ws_t] if weight_q is None else []
+    if override == "dequantized":  # the forward GEMM's operands, dequantised
+        return out, amax, [_dequantized(xq, xs, inp.dtype), _dequantized(wq, ws, inp.dtype)]
+    saved = [wq_t.view(torch.uint8), ws_t] if weight_q is None and not override else []
     if fp8_wgrad:
         x_scale = _slot(scale, 0)
         xt, xs_t, _ = quantize_group_columns(inp, m_splits, fwd_dtype, x_scale, dsplits)
         saved += [xt.view(torch.uint8), xs_t]
     return out, amax, saved
+
+
+def _dequantized(q: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Tensor:
+    """The values a grouped GEMM multiplies (E5M2 as its E4M3 codes): codes ``q`` times their
+    inverse scales (one per row of ``q``'s last dim), in fp32, rounded to ``dtype``."""
+    q, scale_inv = as_e4m3(q, scale_inv)
+    return (q.float() * scale_inv.unsqueeze(-1)).to(dtype)
 
 
 def _scaled_backward(
@@ -486,9 +495,9 @@ def per_tensor_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
     native = cuda and _use_native(inp) and not r.emulate
     measure = r.grad_amax is not None
     scale = r.scale if r.recipe == "delayed" else None
-    out, amax, saved = _scaled_forward(
-        inp, m_splits, weight, bias, scale, r.fwd_dtype, r.fp8_wgrad, native, measure, weight_q
-    )
+    out, amax, saved = _scaled_forward(inp, m_splits, weight, bias, scale, r.fwd_dtype,
+                                       r.fp8_wgrad, native, measure, weight_q,
+                                       r.override)  # fmt: skip
     return out, saved + ([amax] if amax.numel() else [])
 
 

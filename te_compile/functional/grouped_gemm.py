@@ -12,7 +12,8 @@ kind                     GEMMs
 ``"blockwise"``          Float8BlockScaling, native: a blockwise-scaled ``torch._scaled_mm`` per
                          expert (host splits; every expert's tokens padded to 128 in one
                          layout)
-``"dequantized"``        the block-scaled recipes emulated: the operands quantised exactly and
+``"dequantized"``        the block-scaled recipes emulated: the operands quantised exactly (the
+                         dense family's quantiser table, ``functional.gemm.QUANTIZERS``) and
                          dequantised to the model's dtype, the high-precision grouped GEMMs on
                          those values (NVFP4: each expert as a dense GEMM quantises it, its own
                          global scales, the backward GEMMs on copies quantised along the other
@@ -41,14 +42,15 @@ from torch import Tensor
 
 from te_compile._checks import shown
 from te_compile._numerics import acc_dtype
-from te_compile.functional.fake_quantize_ops import qdq
 from te_compile.functional.gemm import (
     block_scaled_mm,
     empty,
     padded,
+    quantize_operand,
 )
 from te_compile.functional.quantize import quantize_blockwise
 from te_compile.functional.quantize_mx_ref import NVFP4_BLOCK, nvfp4_qdq
+from te_compile.functional.spec import QuantSpec
 
 __all__ = [
     "GroupedRecipe",
@@ -74,8 +76,10 @@ _E4M3 = torch.float8_e4m3fn
 
 class GroupedRecipe(NamedTuple):
     """A grouped linear op's specs as its GEMMs take them (``functional.grouped_linear_ops`` makes
-    it from the three ``QuantSpec``s), with the delayed state, ``fp8_wgrad`` and the stochastic
-    rounding stream."""
+    it from the three ``QuantSpec``s), with the delayed state, ``fp8_wgrad``, the stochastic
+    rounding stream and the backward ``override`` (``"high_precision"``: the forward saves
+    nothing, ``"dequantized"``: ``[X, W]``, the forward GEMM's operands dequantised to the input
+    dtype; the backward is then high precision's)."""
 
     recipe: str = ""
     fwd_dtype: torch.dtype = _E4M3
@@ -90,6 +94,7 @@ class GroupedRecipe(NamedTuple):
     rng_state: Tensor | None = None
     input_4over6: str = ""
     weight_4over6: str = ""
+    override: str = ""
 
 
 # Splits ------------------------------------------------------------------------------------------
@@ -422,11 +427,16 @@ def _native_backward(
 # Emulated block-scaled recipes ("dequantized") --------------------------------------------------
 
 
-def _qdq_input(inp: Tensor, r: GroupedRecipe) -> Tensor:
-    """``X`` quantised exactly in blocks along ``in_features`` (1x128 or 32 elements) and
-    dequantised to its dtype (not NVFP4: :func:`_nvfp4_input`)."""
-    p2 = r.power_2_scale if r.recipe == "block" else False
-    return qdq(inp, r.recipe, r.fwd_dtype, 1, p2)
+def _cast(x2: Tensor, r: GroupedRecipe, fp8_dtype: torch.dtype, block_rows: int = 1) -> Tensor:
+    """``x2`` ``[M, K]`` quantised exactly by the one quantiser table
+    (``functional.gemm.quantize_operand``: Float8BlockScaling's ``block_rows`` x 128 blocks or
+    MXFP8's 32 elements along ``K``, emulated, its rowwise copy alone) and dequantised to its
+    dtype, saturating at the dtype's largest value (an E5M2 infinity stays infinite)."""
+    p2 = r.recipe == "block" and r.power_2_scale
+    spec = QuantSpec(r.recipe, fp8_dtype, block_rows, p2, emulate=True)
+    values = quantize_operand(spec, x2.contiguous(), columnwise=False).data
+    big = torch.finfo(x2.dtype).max
+    return torch.where(values.isinf(), values, values.clamp(-big, big)).to(x2.dtype)
 
 
 def dequantized_weight(weight: Tensor, r: GroupedRecipe) -> Tensor:
@@ -437,10 +447,9 @@ def dequantized_weight(weight: Tensor, r: GroupedRecipe) -> Tensor:
     if r.recipe == "nvfp4":
         return _nvfp4_weight(weight, r)[0]
     w_rows = r.weight_block_rows if r.recipe == "block" else 1
-    p2 = r.power_2_scale if r.recipe == "block" else False
     if w_rows == 1 or n % w_rows == 0:  # no block of rows straddles two experts
-        return qdq(weight.reshape(g * n, k), r.recipe, r.fwd_dtype, w_rows, p2).view(g, n, k)
-    return torch.stack([qdq(w_g, r.recipe, r.fwd_dtype, w_rows, p2) for w_g in weight])
+        return _cast(weight.reshape(g * n, k), r, r.fwd_dtype, w_rows).view(g, n, k)
+    return torch.stack([_cast(w_g, r, r.fwd_dtype, w_rows) for w_g in weight])
 
 
 def _group_sums(grad: Tensor, m_splits: Tensor, groups: int, cuda: bool) -> Tensor:
@@ -482,8 +491,11 @@ def high_precision_backward(
 
 
 def blockwise_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
-    return _native_forward(inp, m_splits, weight, bias, r.power_2_scale, r.weight_block_rows,
-                           weight_q)  # fmt: skip
+    out, saved = _native_forward(inp, m_splits, weight, bias, r.power_2_scale,
+                                 r.weight_block_rows, weight_q)  # fmt: skip
+    if r.override == "dequantized":  # the same values as the forward's codes (one cast more)
+        return out, [_cast(inp, r, r.fwd_dtype), dequantized_weight(weight, r)]
+    return out, [] if r.override else saved
 
 
 def blockwise_backward(grad, saved, inp, m_splits, weight, main_grad, r, has_bias, dgrad,
@@ -521,7 +533,7 @@ def dequantized_input(inp: Tensor, m_splits: Tensor, r: GroupedRecipe) -> Tensor
     itself (``save_original_input``): the same values, the quantisation being deterministic."""
     if r.recipe == "nvfp4":
         return _nvfp4_input(inp, m_splits, r)[1]
-    return _qdq_input(inp, r)
+    return _cast(inp, r, r.fwd_dtype)
 
 
 def dequantized_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
@@ -535,14 +547,16 @@ def dequantized_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
         w, w_col = _nvfp4_weight(weight, r) if weight_q is None else (weight_q[0], weight_q[0])
         saved = [x_col, w_col]
     else:
-        x = _qdq_input(inp, r)
+        x = _cast(inp, r, r.fwd_dtype)
         w = dequantized_weight(weight, r) if weight_q is None else weight_q[0]
         saved = [x, w]
     out, _ = high_precision_forward(x, m_splits, w, None, r, cuda)
     if bias is not None:
         splits = m_splits.to(bias.device)
         out = out + bias.repeat_interleave(splits, dim=0, output_size=out.shape[0])
-    return out, (saved if weight_q is None else saved[:1])
+    if r.override == "dequantized":  # the forward's operands (a copy of an input's)
+        return out, [x, w if weight_q is None else w.clone()]
+    return out, [] if r.override else (saved if weight_q is None else saved[:1])
 
 
 def dequantized_backward(grad, saved, inp, m_splits, weight, main_grad, r, has_bias, dgrad,
@@ -551,7 +565,6 @@ def dequantized_backward(grad, saved, inp, m_splits, weight, main_grad, r, has_b
     high-precision grouped backward against the forward's dequantised operands; the bias
     gradient from the high-precision gradient."""
     x, w = saved
-    p2 = r.power_2_scale if r.recipe == "block" else False
     if r.recipe == "nvfp4":  # dgrad on the rowwise copy, wgrad on the columnwise one
         g_row, g_col_t = nvfp4_qdq(grad, columnwise=wgrad, rht=r.rht, rng_state=r.rng_state,
                                    row_splits=m_splits)  # fmt: skip
@@ -564,10 +577,8 @@ def dequantized_backward(grad, saved, inp, m_splits, weight, main_grad, r, has_b
                                                     True, cuda)  # fmt: skip
         dbias = _group_sums(grad, m_splits, w.shape[0], cuda) if has_bias else empty(grad)
         return dinp, dweight, dbias
-    else:
-        g = qdq(grad, r.recipe, r.bwd_dtype, 1, p2)
     dinp, dweight, _ = high_precision_backward(
-        g, [], x, m_splits, w, main_grad, r, False, dgrad, wgrad, cuda
+        _cast(grad, r, r.bwd_dtype), [], x, m_splits, w, main_grad, r, False, dgrad, wgrad, cuda
     )
     dbias = _group_sums(grad, m_splits, w.shape[0], cuda) if has_bias else empty(grad)
     return dinp, dweight, dbias

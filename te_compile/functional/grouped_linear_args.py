@@ -72,18 +72,17 @@ class _Args(NamedTuple):
 
     @property
     def grouped_recipe(self) -> GroupedRecipe:
-        return _grouped_recipe(self.specs, self.scale, self.grad_amax, self.bw.fp8_wgrad,
-                               self.rng_state)  # fmt: skip
+        return _grouped_recipe(self.specs, self.scale, self.grad_amax, self.bw, self.rng_state)
 
 
-def _grouped_recipe(specs, scale, grad_amax, fp8_wgrad, rng_state) -> GroupedRecipe:
+def _grouped_recipe(specs, scale, grad_amax, bw: BackwardSpec, rng_state) -> GroupedRecipe:
     """The specs as the grouped GEMMs take them (one power-of-two option and the input's format
     for the weight: ``_check`` refuses others)."""
     x, w, g = specs
     return GroupedRecipe(x.kind, x.fp8_dtype, g.fp8_dtype, w.power_2_scale, w.block_rows,
-                         x.emulate, scale, grad_amax, fp8_wgrad, x.rht,
+                         x.emulate, scale, grad_amax, bw.fp8_wgrad, x.rht,
                          rng_state if g.stochastic_rounding else None, x.four_over_six,
-                         w.four_over_six)  # fmt: skip
+                         w.four_over_six, bw.override)  # fmt: skip
 
 
 def _measured(recipe: str, grad_amax: Tensor | None) -> bool:
@@ -186,10 +185,12 @@ def _check(a: _Args) -> None:
     bw = a.bw
     recipe = check_specs(p, {"input_spec": x, "weight_spec": w, "grad_spec": g}, a.scale,
                          a.grad_amax, a.rng_state, a.inp)  # fmt: skip
-    if bw.override:
+    dequantized_save_input = bw.save_input and bw.override == "dequantized"
+    if bw.override and (not recipe or bw.fp8_wgrad or dequantized_save_input):
         raise ValueError(
-            p + f"backward {a.backward!r}: grouped GEMMs run their backward on the specs' "
-            "quantised operands only (the overrides are te::linear's)"
+            p + f"backward {a.backward!r}: 'high_precision' / 'dequantized' is for a quantised "
+            "recipe, without 'fp8_wgrad' (the backward GEMMs are high precision's) and, with "
+            "'dequantized', without 'save_input' (the dequantised input is saved)"
         )
     if bw.save_input and recipe not in ("", "current", *_EMULATED_SAVE_INPUT):
         error = ValueError if recipe == "delayed" else NotImplementedError
@@ -207,8 +208,8 @@ def _check(a: _Args) -> None:
     if bw.fp8_wgrad and recipe not in PER_TENSOR:
         raise ValueError(p + "backward 'fp8_wgrad' is for the per-tensor kinds (current, delayed)")
     if x.row_scaled:
-        raise ValueError(p + f"input_spec {a.input_spec!r}: row_scaled needs a backward "
-                         "override, which grouped GEMMs do not take")  # fmt: skip
+        raise ValueError(p + f"input_spec {a.input_spec!r}: row_scaled is not implemented "
+                         "by the grouped GEMMs")  # fmt: skip
     if w.fp8_dtype is not x.fp8_dtype or not x.power_2_scale == w.power_2_scale == g.power_2_scale:
         raise ValueError(
             p + "the grouped GEMMs take the input's format for the weight and one power-of-two "

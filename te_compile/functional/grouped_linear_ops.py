@@ -23,7 +23,10 @@ delayed-scaling ``scale`` ``[3]`` and ``grad_amax`` ``[1]`` (into which the back
 gradient's amax), ``rng_state`` (a gradient spec's stochastic rounding) and ``backward`` (a
 ``BackwardSpec`` string: ``fp8_wgrad``, per-tensor specs: the wgrad GEMM in FP8 too, the input
 kept as its FP8 wgrad operand instead of in high precision; ``save_input``: the input kept
-itself and quantised again in the backward).
+itself and quantised again in the backward; ``"high_precision"`` / ``"dequantized"``,
+``te::linear``'s overrides: the backward is high precision's on ``inp`` and ``weight``, or on
+the forward GEMM's operands dequantised to the input dtype, the gradient not quantised and
+``grad_amax`` not written).
 The GEMMs of each recipe are a row of :data:`GROUPED_GEMMS`:
 ``torch._grouped_mm`` and ``torch._scaled_grouped_mm`` on device offsets (no host sync, no
 recompilation when the splits change), a blockwise-scaled ``_scaled_mm`` per expert, or the
@@ -36,7 +39,9 @@ with ``fp8_wgrad`` ``[X_8^T [K, capacity], its inverse scales [G, K]]``, then ``
 amax(W)]`` under delayed scaling (and under current scaling when ``grad_amax`` is given: a
 delayed state's calibration step); native blockwise the FP8 copies of ``X^T`` (every expert's
 tokens from a multiple of 128) and of each ``W_g^T`` with their 1x128 scales; the emulated
-recipes the dequantised ``X`` and ``W``; nothing in high precision.
+recipes the dequantised ``X`` and ``W``; nothing in high precision. Under an override, nothing
+(``"high_precision"``) or the dequantised forward operands ``[X, W]`` (``"dequantized"``), then
+the amaxes as above.
 
 Pre-quantised weight: ``weight_q``, the five tensors ``weight_data``, ``weight_scale``,
 ``weight_data_t``, ``weight_scale_t``, ``weight_amax`` (with a recipe), is ``weight`` already
@@ -66,13 +71,20 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from te_compile._checks import check_bool, check_required, check_same_device, check_tensors
+from te_compile._checks import (
+    check_bool,
+    check_choice,
+    check_required,
+    check_same_device,
+    check_tensors,
+)
 from te_compile._library import HOST_SPLITS, differentiable, op
 from te_compile._numerics import acc_dtype
 from te_compile.functional.dense_weight import check_weight_quantized
 from te_compile.functional.dropout_ops import new_rng_state
 from te_compile.functional.fake_quantize_ops import qdq
 from te_compile.functional.gemm import (
+    BACKWARD_OVERRIDES,
     PER_TENSOR,
     DeferredWgrad,
     empty,
@@ -233,6 +245,28 @@ def scaled_grouped_linear_ref(
     return out
 
 
+def _ref_operands(x: Tensor, w: Tensor, splits: list[int], r: GroupedRecipe) -> tuple[Tensor, ...]:
+    """The forward GEMM's operands, quantised and dequantised: per row (per tensor with delayed
+    scales) or in blocks along ``in_features``, each expert's weight in its blocks (NVFP4: the
+    rowwise copies, each expert's tokens and weight with a global scale of their own)."""
+    if r.recipe in PER_TENSOR:
+        scale = r.scale if r.recipe == "delayed" else None
+        xq, wq = (_fake_quant(t, r.fwd_dtype, -1, _slot(scale, i)) for i, t in enumerate((x, w)))
+        return xq, wq
+    if r.recipe == "nvfp4":
+        g, n, k = w.shape
+        x_row, _ = nvfp4_qdq(x, rht=r.rht, four_over_six=r.input_4over6,
+                             row_splits=torch.tensor(splits))  # fmt: skip
+        w_row, _ = nvfp4_qdq(w.reshape(g * n, k), tiles=r.weight_block_rows == 16,
+                             four_over_six=r.weight_4over6,
+                             row_splits=torch.full((g,), n))  # fmt: skip
+        return x_row.to(x.dtype), w_row.to(x.dtype).view(g, n, k)
+    p2 = r.power_2_scale if r.recipe == "block" else False
+    rows = r.weight_block_rows if r.recipe == "block" else 1
+    wq = torch.stack([qdq(w_g, r.recipe, r.fwd_dtype, rows, p2) for w_g in w])
+    return qdq(x, r.recipe, r.fwd_dtype, 1, p2), wq
+
+
 class _RefDequantized(torch.autograd.Function):
     """The emulated block-scaled recipes: the GEMMs of the quantised-dequantised operands, the
     incoming gradient quantised in blocks along ``out_features`` (per expert for NVFP4), the
@@ -241,12 +275,9 @@ class _RefDequantized(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, splits, r: GroupedRecipe):
         n = w.shape[1]
-        p2 = r.power_2_scale if r.recipe == "block" else False
-        rows = r.weight_block_rows if r.recipe == "block" else 1
-        xq = qdq(x, r.recipe, r.fwd_dtype, 1, p2)
-        wq = torch.stack([qdq(w_g, r.recipe, r.fwd_dtype, rows, p2) for w_g in w])
+        xq, wq = _ref_operands(x, w, splits, r)
         ctx.save_for_backward(xq, wq)
-        ctx.splits, ctx.r, ctx.p2 = splits, r, p2
+        ctx.splits, ctx.r = splits, r
         outs = [x_g @ wq[g].t() for g, x_g in enumerate(xq.split(splits))]
         return torch.cat(outs) if outs else x.new_empty(0, n)
 
@@ -254,7 +285,7 @@ class _RefDequantized(torch.autograd.Function):
     def backward(ctx, dy):
         xq, wq = ctx.saved_tensors
         r, splits = ctx.r, ctx.splits
-        dyq = qdq(dy, r.recipe, r.bwd_dtype, 1, ctx.p2)
+        dyq = qdq(dy, r.recipe, r.bwd_dtype, 1, r.recipe == "block" and r.power_2_scale)
         parts = list(zip(dyq.split(splits), xq.split(splits), strict=True))
         dx = torch.cat([d @ wq[g] for g, (d, _) in enumerate(parts)])
         dw = torch.stack([d.t() @ x_g for d, x_g in parts])
@@ -298,6 +329,8 @@ class _RefNVFP4(torch.autograd.Function):
 def _reference(*args):
     """Every recipe's definition, in the inputs' dtype (float64 in the tests)."""
     a = _Args(*args)
+    if a.bw.override:
+        return _override_reference(a)
     inp, weight, bias = a.inp, a.weight, a.bias
     x, w, g = a.specs
     if not x.kind:
@@ -321,6 +354,19 @@ def _reference(*args):
     if bias is not None:
         out = out + torch.repeat_interleave(bias, torch.tensor(splits), dim=0)
     return out
+
+
+def _override_reference(a: _Args) -> Tensor:
+    """A backward override: the recipe's forward value, with the gradients of the grouped GEMM
+    of the high-precision operands (``"high_precision"``) or of the forward's dequantised ones,
+    straight through the quantisation (``"dequantized"``); the gradient is not quantised."""
+    value = _reference(*a._replace(backward="")).detach()
+    x, w = a.inp, a.weight
+    if a.bw.override == "dequantized":
+        xq, wq = _ref_operands(x, w, a.m_splits.tolist(), a.grouped_recipe)
+        x, w = x + (xq - x).detach(), w + (wq - w).detach()
+    y = grouped_linear_ref(x, a.m_splits, w, a.bias)
+    return y + (value - y).detach()
 
 
 # 2. Forward op ------------------------------------------------------------------------------
@@ -409,13 +455,14 @@ def _grouped_linear_fwd_fake(*args):
     kind = grouped_gemm_kind(x.kind, x.emulate)
     saved = []
     pre = a.weight_q is not None  # the weight's copies are inputs, not in saved
-    if kind == "scaled_grouped_mm":
+    if a.bw.override:  # the dequantised X and W, or nothing
+        dequantized = a.bw.override == "dequantized"
+        saved = [inp.new_empty(inp.shape), inp.new_empty(a.weight.shape)] if dequantized else []
+    elif kind == "scaled_grouped_mm":
         saved = [] if pre else [inp.new_empty(g, k, n, dtype=u8), inp.new_empty(g, k, dtype=f32)]
         if a.bw.fp8_wgrad and not a.bw.save_input:
             cap = wgrad_capacity(inp.shape[0], g)
             saved += [inp.new_empty(k, cap, dtype=u8), inp.new_empty(g, k, dtype=f32)]
-        if _measured(x.kind, a.grad_amax):
-            saved.append(inp.new_empty(2, dtype=f32))
     elif kind == "blockwise":
         cap = 128 * (inp.shape[0] // 128 + g)
         w_rows = -(-k // w.block_rows)
@@ -427,6 +474,8 @@ def _grouped_linear_fwd_fake(*args):
         saved = [] if a.bw.save_input else [inp.new_empty(inp.shape)]
         if not pre:
             saved.append(a.weight.new_empty(a.weight.shape))
+    if kind == "scaled_grouped_mm" and _measured(x.kind, a.grad_amax):
+        saved.append(inp.new_empty(2, dtype=f32))
     return out, saved
 
 
@@ -457,7 +506,7 @@ _N_BWD_SCALARS = 7  # the specs, backward, has_bias, need_dgrad, need_wgrad
 
 def _backward_impl(grad_out, saved, inp, m_splits, weight, main_grad, scale, grad_amax,
                    rng_state, c: _Bwd, cuda: bool):  # fmt: skip
-    r = _grouped_recipe((c.x, c.w, c.g), scale, grad_amax, c.bw.fp8_wgrad, rng_state)
+    r = _grouped_recipe((c.x, c.w, c.g), scale, grad_amax, c.bw, rng_state)
     _, backward = GROUPED_GEMMS[grouped_gemm_kind(c.x.kind, c.x.emulate)]
     if c.bw.save_input and backward is dequantized_backward:  # the kept input quantised again
         saved = [dequantized_input(inp, m_splits, r) if c.need_wgrad else inp, *saved]
@@ -558,6 +607,9 @@ def _for_backward(a: _Args, saved: list[Tensor]) -> tuple[tuple, tuple]:
     or the emulation, which saved their own copies) and by a backward that quantises it again
     (``save_input``)."""
     x, bw = a.specs[0], a.bw
+    if bw.override:  # high precision's backward on the high-precision or dequantised X and W
+        inp, weight = saved if bw.override == "dequantized" else (a.inp, a.weight)
+        return (inp, a.m_splits, weight, a.main_grad, None, None, None), ("", "", "", "")
     keeps_inp = not x.kind or bw.save_input or (x.kind in PER_TENSOR and not bw.fp8_wgrad)
     if a.weight_q is not None:  # the weight's copies for the backward are inputs
         _, _, data_t, scale_t, _ = a.weight_q
@@ -622,6 +674,7 @@ def grouped_linear(
     delay_wgrad: bool = False,
     save_original_input: bool = False,
     weight_quantized: Sequence[Tensor] | None = None,
+    backward_override: str = "",
 ) -> Tensor | tuple[Tensor, ...]:
     """Rows of ``inp`` split into groups by ``m_splits``; group ``g`` gets
     ``inp_g @ weight[g].T + bias[g]`` through ``te::grouped_linear_fwd`` (module docstring; by
@@ -641,7 +694,11 @@ def grouped_linear(
     wgrad GEMM (the same gradients); high precision and the high-precision wgrad keep ``inp``
     anyway; other recipes raise. ``weight_quantized``: ``weight`` already quantised by the
     weight spec, the five tensors of :func:`~te_compile.functional.quantize_grouped_weight`,
-    used instead of quantising ``weight`` (whose gradient is still computed)."""
+    used instead of quantising ``weight`` (whose gradient is still computed).
+    ``backward_override`` (with a recipe, as :func:`~te_compile.functional.linear`'s):
+    ``"high_precision"``, the backward is high precision's on ``inp`` and ``weight``;
+    ``"dequantized"``, on the forward GEMM's operands dequantised to the input dtype (saved
+    instead of FP8 copies); the gradient is not quantised with either."""
     check_weight_quantized("te.grouped_linear", "weight_quantized", weight_quantized)
     tensors = {"inp": inp, "weight": weight, "bias": bias, "main_grad": main_grad}
     if not (isinstance(inp, Tensor) and isinstance(weight, Tensor)) or not all(
@@ -668,13 +725,16 @@ def grouped_linear(
     if (
         any(specs) or scale is not None or grad_amax is not None or rng_state is not None
         or fp8_wgrad or stash is not None or save_original_input or weight_quantized is not None
+        or backward_override
     ):  # fmt: skip
         check_bool("te.grouped_linear", fp8_wgrad=fp8_wgrad,
                    save_original_input=save_original_input)  # fmt: skip
+        check_choice("te.grouped_linear", "backward_override", backward_override,
+                     BACKWARD_OVERRIDES)  # fmt: skip
         check_tensors("te.grouped_linear", scale=scale, grad_amax=grad_amax)
         if rng_state is None and isinstance(specs[2], str) and "sr" in specs[2].split(":"):
             rng_state = new_rng_state(inp.device)
-        backward = BackwardSpec(save_input=save_original_input, fp8_wgrad=fp8_wgrad).encode()
+        backward = BackwardSpec(backward_override, save_original_input, fp8_wgrad).encode()
         weight_q = None if weight_quantized is None else list(weight_quantized)
         args += (*specs, scale, grad_amax, rng_state, backward, weight_q, stash)
     out, saved = _grouped_linear(*args)

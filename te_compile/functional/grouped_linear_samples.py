@@ -1,6 +1,6 @@
 """Sample inputs of ``te::grouped_linear_fwd`` for the registry test (``grouped_linear_ops.py``
 defines the op): every recipe kind, empty groups, per-expert bias, ``main_grad``, the backward
-options and pre-quantised weights."""
+options (the overrides among them) and pre-quantised weights."""
 
 from __future__ import annotations
 
@@ -102,6 +102,17 @@ def _samples(device: torch.device):
                torch.zeros(2, 16, 32, device=device),
                **specs("nvfp4:emulate:rht", "nvfp4:emulate", "nvfp4:emulate:rht"),
                backward="save_input")  # fmt: skip
+
+    # Backward overrides: high precision's backward on the input and the weight (current
+    # scaling into main_grad), or on the forward's dequantised operands (current scaling's
+    # rowwise ones, MXFP8's blocks).
+    yield call(t(40, 16, dtype=bf16), splits(11, 0, 29), t(3, 32, 16, dtype=bf16),
+               t(3, 32, dtype=bf16), torch.zeros(3, 32, 16, device=device), **cur,
+               backward="high_precision")  # fmt: skip
+    yield call(t(40, 16, dtype=bf16), splits(11, 0, 29), t(3, 32, 16, dtype=bf16),
+               t(3, 32, dtype=bf16), None, **cur, backward="dequantized")  # fmt: skip
+    yield call(t(40, 64), splits(11, 0, 29), t(3, 32, 64), t(3, 32), None,
+               **specs("mxfp8:e4m3:emulate"), backward="dequantized")  # fmt: skip
 
     # A pre-quantised weight (functional.grouped_weight): delayed with the FP8 wgrad into
     # main_grad, native blockwise (the stacked dgrad copies); the other kinds' kept weights are

@@ -86,9 +86,6 @@ _EMULATE = False
 # False: LayerNormMLP runs its GEMMs one by one (te::linear twice around the activation)
 # instead of te::mlp (same bytes).
 _FUSE_MLP = True
-# False: GroupedLinear's wgrad GEMM in high precision under the per-tensor recipes, the input
-# kept in high precision for it instead of its FP8 copy.
-_GROUPED_FP8_WGRAD = True
 
 # A norm prologue: (weight, bias, normalization, eps, zero_centered_gamma).
 Norm = tuple[Tensor, Tensor | None, str, float, bool]
@@ -693,16 +690,17 @@ def grouped_linear(
 ) -> Tensor:
     """A module's grouped GEMM (``weight`` ``[G, N, K]``) through ``te::grouped_linear`` with
     the autocast state's recipe (high precision outside it). Under the per-tensor recipes the
-    forward, dgrad and wgrad GEMMs run in FP8 (``_GROUPED_FP8_WGRAD = False``: the wgrad in high
-    precision): ``Float8CurrentScaling`` with rowwise scales (what Hopper's grouped FP8 GEMM
-    takes), ``DelayedScaling`` with ``meta``'s per-tensor scales (input, weight and gradient of
-    all groups; its calibration step runs rowwise current scaling and records the amaxes it
-    measures). Float8BlockScaling runs natively where the dense GEMMs do and the input is bf16;
-    the block-scaled recipes are emulated elsewhere. Calibration records the amaxes of the
-    whole input and of every group's weight (one per-tensor state). A recipe's
-    ``backward_override`` raises: the grouped GEMM does not implement it; so do NVFP4's
-    row-scaled activations (NotImplementedError); its 16x16 weight tiles, random Hadamard
-    transform, stochastic rounding and 4over6 apply to each expert as to a dense GEMM. ``defer``: as
+    forward, dgrad and wgrad GEMMs run in FP8: ``Float8CurrentScaling`` with rowwise scales
+    (what Hopper's grouped FP8 GEMM takes), ``DelayedScaling`` with ``meta``'s per-tensor
+    scales (input, weight and gradient of all groups; its calibration step runs rowwise current
+    scaling and records the amaxes it measures). Float8BlockScaling runs natively where the
+    dense GEMMs do and the input is bf16; the block-scaled recipes are emulated elsewhere.
+    Calibration records the amaxes of the whole input and of every group's weight (one
+    per-tensor state). A recipe's ``backward_override`` applies as in :func:`linear` (the
+    backward GEMMs high precision's, on the high-precision or the forward's dequantised
+    operands); NVFP4's row-scaled activations raise NotImplementedError; its 16x16 weight
+    tiles, random Hadamard transform, stochastic rounding and 4over6 apply to each expert as to
+    a dense GEMM. ``defer``: as
     :func:`linear`'s (``(DeferredWgrad, weight)`` appended). ``save_original_input``: the
     backward must keep the input itself, not a quantised copy: what high precision,
     ``Float8CurrentScaling`` (its FP8 wgrad operand quantised again in the backward) and the
@@ -719,19 +717,14 @@ def grouped_linear(
     if state.calibration:
         state = calibrate(owner, state, (meta,), (inp,), (weight,))
     args = gemm_args(owner, state, inp, (weight,), (meta,), grouped=True)
-    if args.backward_override:
-        raise ValueError(
-            f"{owner}: the recipe's backward_override must be None for grouped GEMMs "
-            f"(got {args.backward_override!r}: the grouped GEMM runs its backward on the "
-            "recipe's quantised operands only)"
-        )
     if args.specs[0].row_scaled:
         raise NotImplementedError(
-            f"{owner}: the grouped GEMM does not implement NVFP4's row-scaled activations (it "
-            "needs a backward_override, which grouped GEMMs do not take); construct "
-            "NVFP4BlockScaling(row_scaled_activation=False)"
+            f"{owner}: the grouped GEMM does not implement NVFP4's row-scaled activations; "
+            "construct NVFP4BlockScaling(row_scaled_activation=False)"
         )
     kw: dict[str, Any] = args.spec_kwargs()
+    if args.backward_override:
+        kw["backward_override"] = args.backward_override
     if save_original_input and state.enabled:
         _refuse_delayed(owner, state)
     if save_original_input and args.recipe == "block" and not args.specs[0].emulate:
@@ -744,8 +737,8 @@ def grouped_linear(
         kw["save_original_input"] = True
     if defer is not None and weight.requires_grad:
         kw["delay_wgrad"] = True
-    if args.recipe in PER_TENSOR:
-        kw["fp8_wgrad"] = _GROUPED_FP8_WGRAD
+    if args.recipe in PER_TENSOR and not args.backward_override:
+        kw["fp8_wgrad"] = True
     weight_q = weight_quantized or cached_weight(args, weight, cache, "weight", grouped=True)
     if weight_q is not None:
         kw["weight_quantized"] = weight_q

@@ -71,8 +71,7 @@ Where this module departs from Transformer Engine, and why:
   ``autocast(recipe=Float8CurrentScaling(use_power_2_scales=True))`` raises, as does a
   recipe with one operand's ``fp8_quant_*.power_2_scale`` set (``te_compile.quantize`` applies
   power-of-two scales, the modules' kernels do not);
-  ``backward_override`` is implemented by the linear and MLP modules, and ``GroupedLinear``
-  refuses it.
+  ``backward_override`` is implemented by the linear, MLP and grouped modules.
 - NVFP4's ``nvfp4_4over6`` (4over6 adaptive block scaling) is validated but not implemented:
   a value other than ``"none"`` raises NotImplementedError where a GEMM or ``te.quantize``
   would use it. ``GroupedLinear`` / ``GroupedMLP`` apply NVFP4's 16x16 weight tiles but not its

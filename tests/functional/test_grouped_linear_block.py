@@ -10,6 +10,7 @@ import torch
 
 import te_compile as te
 from te_compile import functional as F
+from te_compile.functional.gemm_ref import quantized_linear_ref
 from te_compile.quantization import gemm
 from tests.utils import (
     DEVICES,
@@ -157,6 +158,51 @@ def test_errors_name_the_argument(device):
         _block(x, [16, 8, 8], w, weight_block_rows=1)
 
 
+# The block-scaled kinds, each on a path of its own: native Float8BlockScaling (its GEMMs
+# emulated off a GPU), the emulated one with 128x128 weight blocks, MXFP8, NVFP4 (16x16 tiles).
+OVERRIDE_SPECS = {
+    "block": {"recipe": "block", **E4},
+    "block_emulated": {"recipe": "block", **E4, "weight_block_rows": 128, "emulate": True},
+    "mxfp8": {"recipe": "mxfp8", "emulate": True},
+    "nvfp4": {"recipe": "nvfp4", "emulate": True, "weight_block_rows": 16},
+}
+
+
+@native_block
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", OVERRIDE_SPECS)
+@pytest.mark.parametrize("override", ["high_precision", "dequantized"])
+def test_backward_override_is_the_dense_ops_per_expert(device, kind, override):
+    """``backward_override``: every expert's gradients are bit for bit those of ``te.linear``
+    with the same specs and override on that expert's tokens alone (the forward's operands are
+    quantised per expert as the dense op quantises them), and match its float64 reference
+    (``quantized_linear_ref``); the forward is the recipe's, bit for bit."""
+    splits = [32, 0, 64]
+    x, w, b = _leaves(device, sum(splits), 128, 64, 3)
+    specs = with_specs(**OVERRIDE_SPECS[kind])
+    out = F.grouped_linear(x, splits, w, b, **specs, backward_override=override)
+    assert_bits_equal(out, F.grouped_linear(x.detach(), splits, w.detach(), b.detach(), **specs))
+    dy = torch.randn_like(out)
+    dx, dw, db = _grads(out, dy, x, w, b)
+    row = 0
+    for g, m in enumerate(splits):
+        rows = slice(row, row + m)
+        x_g, w_g, b_g = (t.detach().clone().requires_grad_() for t in (x[rows], w[g], b[g]))
+        if m:
+            F.linear(x_g, w_g, b_g, **specs, backward_override=override).backward(dy[rows])
+            assert_bits_equal(dx[rows], x_g.grad)
+            assert_bits_equal(dw[g], w_g.grad)
+            assert_bits_equal(db[g], b_g.grad)
+            x64, w64 = (t.detach().cpu().double().requires_grad_() for t in (x_g, w_g))
+            ref = quantized_linear_ref(x64, w64, **specs, backward_override=override)
+            ref.backward(dy[rows].cpu().double())
+            assert_close(dx[rows], x64.grad, torch.bfloat16, roundings=2, reduced=True)
+            assert_close(dw[g], w64.grad, torch.bfloat16, roundings=2, reduced=True)
+        else:  # an expert without tokens: zero weight and bias gradients
+            assert not dw[g].any() and not db[g].any()
+        row += m
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_compiles_without_graph_breaks(device):
     """Under torch.compile(fullgraph=True) with list and tensor splits: the eager bytes."""
@@ -195,3 +241,24 @@ def test_module_runs_the_native_op_under_float8_block_scaling():
     with mock.patch.object(gemm, "_NATIVE_BLOCK", False), te.autocast(recipe=recipe):
         emulated = m(x, splits)
     assert_close(emulated, y.double(), y.dtype, roundings=2, reduced=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "kind, fp8, rows, power_2",
+    [("block", E4M3, 1, True), ("block", torch.float8_e5m2, 128, False),
+     ("mxfp8", E4M3, 1, False), ("mxfp8", torch.float8_e5m2, 1, False)],
+    ids=["block_1x128_p2", "block_128x128_e5m2", "mxfp8_e4m3", "mxfp8_e5m2"],
+)  # fmt: skip
+def test_emulated_casts_are_te_quantize_bytes(dtype, kind, fp8, rows, power_2):
+    """The emulated grouped GEMMs' casts (the dense family's quantiser table, rowwise copy,
+    dequantised to the input dtype) are ``te.quantize`` then ``te.dequantize`` bit for bit,
+    values at the dtype's largest included (saturated, not infinite)."""
+    from te_compile.functional.fake_quantize_ops import qdq
+    from te_compile.functional.grouped_gemm import GroupedRecipe, _cast
+
+    x = torch.randn(256, 256, generator=torch.Generator().manual_seed(0)) * 100
+    x[0, :3], x[1, 0] = torch.finfo(dtype).max, -torch.finfo(dtype).max
+    x = x.to(dtype)
+    recipe = GroupedRecipe(kind, fp8, fp8, power_2, rows, emulate=True)
+    assert_bits_equal(_cast(x, recipe, fp8, rows), qdq(x, kind, fp8, rows, power_2))

@@ -18,6 +18,7 @@ from tests.utils import (
     chain_roundings,
     compile_counted,
     make_reference_and_test_tensors,
+    references,
     with_specs,
 )
 
@@ -288,6 +289,48 @@ def test_fp8_wgrad_keeps_the_fp8_copy_not_the_input(device):
         y.sum().backward()
 
 
+def _rowwise_qdq(t: torch.Tensor) -> torch.Tensor:
+    """float64 ``t`` (``[..., K]``) with each row quantised to E4M3 with its own current scale
+    (amax over ``K``, Transformer Engine's scale) and dequantised: the per-tensor grouped GEMM's
+    forward operands under current scaling, written out from the scale and cast helpers."""
+    rows = t.detach().reshape(-1, t.shape[-1]).cpu()
+    out = torch.empty(rows.shape, dtype=torch.float64)
+    for i, row in enumerate(rows):
+        s = references.te_scale(references.amax_of(row), E4M3)
+        out[i] = references.fp8_cast(row, s, E4M3).double() * references.fp32_reciprocal(s).double()
+    return out.reshape(t.shape).to(t.device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("override", ["high_precision", "dequantized"])
+def test_backward_override_matches_reference(device, dtype, override):
+    """``backward_override`` (te.linear's): the forward is the recipe's, bit for bit; the
+    backward is high precision's on the input and the weight ("high_precision") or on the
+    forward GEMM's operands dequantised (rowwise E4M3, "dequantized"), the gradient not
+    quantised; against float64, with no FP8 copy saved and no gradient amax written."""
+    splits = [30, 0, 50, 16]
+    (x_ref, w_ref, b_ref), (x, w, b) = _make(splits, 64, 48, dtype, device)
+    grad_amax = torch.zeros(1, device=device)
+    y = grouped_linear_fp8(x, splits, w, b, backward_override=override, grad_amax=grad_amax)
+    assert torch.equal(y, grouped_linear_fp8(x.detach(), splits, w.detach(), b.detach()))
+    dy_ref, dy = make_reference_and_test_tensors(y.shape, dtype=dtype, device=device)
+    y.backward(dy)
+    assert not grad_amax.any()
+    x_op, w_op = x_ref, w_ref
+    if override == "dequantized":  # straight through the quantisation
+        x_op = x_ref + (_rowwise_qdq(x_ref) - x_ref).detach()
+        w_op = w_ref + (_rowwise_qdq(w_ref) - w_ref).detach()
+    ref_grouped_linear(x_op, splits, w_op, b_ref).backward(dy_ref)
+    for actual, expected in ((x.grad, x_ref.grad), (w.grad, w_ref.grad), (b.grad, b_ref.grad)):
+        assert_close(actual, expected, dtype, roundings=2, reduced=True)
+    # The high-precision backward's bits, or (the dequantised operands) not its dgrad and wgrad.
+    leaves = [t.detach().requires_grad_() for t in (x, w, b)]
+    te_compile.functional.grouped_linear(leaves[0], splits, *leaves[1:]).backward(dy)
+    same = [torch.equal(t.grad, h.grad) for t, h in zip((x, w, b), leaves, strict=True)]
+    assert same == ([True] * 3 if override == "high_precision" else [False, False, True])
+
+
 # 2. The quantisation and GEMM helpers of the CUDA path, on CPU tensors ------------------------
 
 
@@ -464,6 +507,11 @@ BAD_INPUTS = [
     ("delayed_no_scale", lambda: _args(kw={"recipe": "delayed"}), 'a "delayed" spec needs scale'),
     ("grad_amax_shape", lambda: _args(kw={"grad_amax": torch.zeros(2)}),
      "grad_amax must be a [1] float32 tensor"),
+    ("override_name", lambda: _args(kw={"backward_override": "fast"}),
+     "te.grouped_linear: backward_override must be one of ('', 'high_precision', "
+     "'dequantized'), got 'fast'"),
+    ("override_fp8_wgrad", lambda: _args(kw={"backward_override": "dequantized",
+                                             "fp8_wgrad": True}), "without 'fp8_wgrad'"),
 ]  # fmt: skip
 
 

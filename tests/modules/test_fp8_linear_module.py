@@ -4,7 +4,6 @@ delayed-scaling state in buffers updated by a compiled step, recipe changes, sta
 from __future__ import annotations
 
 import math
-from unittest import mock
 
 import expecttest
 import pytest
@@ -306,7 +305,8 @@ def test_grouped_linear_fp8_current_scaling(device):
 def test_grouped_linear_fp8_wgrad(device):
     """The module's wgrad is FP8 under every format (the functional op with
     ``fp8_wgrad=True``, bit for bit, eager and compiled; HYBRID's E5M2 gradient as E4M3 codes),
-    and high precision with the setting off (``quantization.gemm._GROUPED_FP8_WGRAD = False``)."""
+    and high precision under the recipe's ``backward_override="high_precision"`` (the weight
+    gradient of the op's high-precision wgrad, ``fp8_wgrad=False``)."""
     torch.manual_seed(0)
     m = te.GroupedLinear(4, 32, 48, single_grouped_parameter=True, params_dtype=torch.bfloat16,
                          device=device)  # fmt: skip
@@ -327,14 +327,12 @@ def test_grouped_linear_fp8_wgrad(device):
         grads.append(w.grad)
         for call in (m, compiled):
             m.zero_grad(set_to_none=True)
-            with (
-                mock.patch.object(gemm, "_GROUPED_FP8_WGRAD", fp8_wgrad),
-                autocast(recipe=Float8CurrentScaling(fp8_format=fmt)),
-            ):
+            override = None if fp8_wgrad else "high_precision"
+            with autocast(recipe=Float8CurrentScaling(fp8_format=fmt, backward_override=override)):
                 call(x, splits).backward(dy)
             assert torch.equal(m.weight.grad, w.grad)
     assert not torch.equal(grads[1], grads[2])  # HYBRID: the FP8 wgrad is not the bf16 one
-    assert counter.frame_count == 3  # one graph per recipe and setting
+    assert counter.frame_count == 3  # one graph per recipe
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -550,7 +548,6 @@ def test_layernorm_linear_writes_the_norm_into_fp8(device, normalization, recipe
     (``te::linear_fwd`` with ``normalization``); three training steps give the same bytes
     (outputs, every gradient, the delayed-scaling state) as the norm op followed by the FP8
     linear, which it still takes where the norm's output is asked for."""
-    from te_compile.quantization import gemm
 
     kw = {"normalization": normalization, "params_dtype": torch.bfloat16, "device": device}
     torch.manual_seed(0)

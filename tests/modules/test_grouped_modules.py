@@ -397,6 +397,55 @@ def test_per_weight_main_grad_equals_one_buffer_under_recipes(recipe, delay):
     assert_bits_equal(results[1], results[0])
 
 
+_OVERRIDE_RECIPES = {
+    "current": te.recipe.Float8CurrentScaling,
+    "block": te.recipe.Float8BlockScaling,
+    "mxfp8": te.recipe.MXFP8BlockScaling,
+    "nvfp4": te.recipe.NVFP4BlockScaling,
+}
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("override", ["high_precision", "dequantized"])
+@pytest.mark.parametrize("recipe", _OVERRIDE_RECIPES)
+def test_grouped_linear_backward_override(recipe, override, compiled):
+    """A recipe's ``backward_override`` on GroupedLinear, eager and compiled (fullgraph, one
+    graph): the gradients are bit for bit those of a te.Linear per group under the same recipe
+    where the backward's operands are the same: every recipe with "high_precision" (the
+    high-precision input and weight), the block-scaled ones with "dequantized" (quantised per
+    expert as the dense op quantises them); current scaling's grouped GEMM scales per row where
+    te.Linear scales per tensor (tests/functional/test_grouped_linear_fp8.py checks it against
+    float64). Without the override the gradients differ (the recipe's quantised backward)."""
+    torch.manual_seed(0)
+    m = te.GroupedLinear(3, 128, 64, params_dtype=torch.bfloat16)
+    loop = [te.Linear(128, 64, params_dtype=torch.bfloat16) for _ in range(3)]
+    with torch.no_grad():
+        for i, linear in enumerate(loop):
+            linear.weight.copy_(getattr(m, f"weight{i}"))
+            linear.bias.copy_(getattr(m, f"bias{i}"))
+    splits = [32, 0, 64]
+    x = torch.randn(96, 128, dtype=torch.bfloat16, requires_grad=True)
+    x_loop = x.detach().clone().requires_grad_()
+    dy = torch.randn(96, 64, dtype=torch.bfloat16)
+    cls = _OVERRIDE_RECIPES[recipe]
+    call, counter = compile_counted(m) if compiled else (m, None)
+    with te.autocast(recipe=cls(backward_override=override)):
+        call(x, splits).backward(dy)
+        for i, rows in ((0, slice(0, 32)), (2, slice(32, 96))):
+            loop[i](x_loop[rows]).backward(dy[rows])
+    assert counter is None or counter.frame_count == 1
+    assert not m.weight1.grad.any() and not m.bias1.grad.any()
+    if recipe != "current" or override == "high_precision":
+        assert_bits_equal(x.grad, x_loop.grad)
+        for i in (0, 2):
+            assert_bits_equal(getattr(m, f"weight{i}").grad, loop[i].weight.grad)
+            assert_bits_equal(getattr(m, f"bias{i}").grad, loop[i].bias.grad)
+    x_own = x.detach().clone().requires_grad_()
+    with te.autocast(recipe=cls()):
+        m(x_own, splits).backward(dy)
+    assert not torch.equal(x_own.grad, x.grad)
+
+
 def test_fuse_wgrad_accumulation_bad_main_grad_raises():
     m = te.GroupedLinear(2, 8, 4, fuse_wgrad_accumulation=True)
     m.weight0.main_grad = torch.zeros(4, 8)

@@ -152,7 +152,7 @@ def test_grouped_linear_one_empty_group(recipe, empty, single, compiled):
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("override", ["high_precision", "dequantized"])
 @pytest.mark.parametrize("recipe", [r for r in RECIPES if r != "delayed"])
-@pytest.mark.parametrize("module", MODULES[:3])  # GroupedLinear refuses backward_override
+@pytest.mark.parametrize("module", MODULES)
 def test_zero_tokens_backward_override(module, recipe, override, compiled):
     m = _module(module, bias=module != "LayerNormLinear")
     y, x = _step(m, RECIPES[recipe](backward_override=override), compiled)

@@ -298,18 +298,6 @@ def test_backward_override_none_quantises_the_gradient(cls, kw):
     assert not torch.equal(grads["high_precision"], grads["dequantized"])
 
 
-def test_grouped_linear_refuses_backward_override():
-    m = te.GroupedLinear(2, 32, 32, params_dtype=torch.float32)
-    x = torch.randn(32, 32)
-    recipe = Float8CurrentScaling(backward_override="dequantized")
-    message = "the recipe's backward_override must be None for grouped GEMMs"
-    with pytest.raises(ValueError, match=re.escape(message)), autocast(recipe=recipe):
-        m(x, [16, 16])
-    compiled = torch.compile(lambda x: m(x, [16, 16]), fullgraph=True, backend="eager")
-    with pytest.raises(Exception, match=re.escape(message)), autocast(recipe=recipe):
-        compiled(x)
-
-
 def test_op_refuses_bad_backward_override():
     x, w = torch.randn(16, 32), torch.randn(16, 32)
     with pytest.raises(ValueError, match=re.escape("te.linear: backward_override must be one of")):
