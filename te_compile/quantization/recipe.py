@@ -72,11 +72,9 @@ Where this module departs from Transformer Engine, and why:
   recipe with one operand's ``fp8_quant_*.power_2_scale`` set (``te_compile.quantize`` applies
   power-of-two scales, the modules' kernels do not);
   ``backward_override`` is implemented by the linear, MLP and grouped modules.
-- NVFP4's ``nvfp4_4over6`` (4over6 adaptive block scaling) is validated but not implemented:
-  a value other than ``"none"`` raises NotImplementedError where a GEMM or ``te.quantize``
-  would use it. ``GroupedLinear`` / ``GroupedMLP`` apply NVFP4's 16x16 weight tiles but not its
-  random Hadamard transform, stochastic rounding or row-scaled activations: those raise
-  NotImplementedError there.
+- NVFP4's ``nvfp4_4over6`` (4over6 adaptive block scaling) applies to the weights and the
+  forward input, never to gradients. ``GroupedLinear`` / ``GroupedMLP`` apply every NVFP4
+  option per expert as a dense ``Linear`` would, but raise on row-scaled activations.
 - Accepted and documented as not applied (the emulated formats, docs/fp8.md): MXFP8's
   ``margin``.
 """
@@ -610,9 +608,9 @@ class NVFP4BlockScaling(Recipe):
     ``backward_override`` (``"high_precision"`` or ``"dequantized"``) is required when it is
     used, as in TE. ``nvfp4_4over6`` (``"none"``, ``"weights"``, ``"activations"``, ``"all"``),
     ``nvfp4_4over6_e4m3_use_256`` (same scopes) and ``nvfp4_4over6_err_mode`` (``"MAE"``,
-    ``"MSE"``) are validated as in TE, but 4over6 block scaling is not implemented: a recipe
-    with ``nvfp4_4over6 != "none"`` raises NotImplementedError when a GEMM or ``te.quantize``
-    uses it. ``fp4_format`` must be ``E2M1`` and ``fp8_format`` (the block scales) ``E4M3``.
+    ``"MSE"``) select 4over6 block scaling of the weights and the forward input (each block of 16
+    values has its amax mapped to E2M1's 4 or 6, whichever gives the smaller error; gradients
+    never). ``fp4_format`` must be ``E2M1`` and ``fp8_format`` (the block scales) ``E4M3``.
     Native GEMMs need Blackwell; elsewhere the GEMM is emulated.
     """
 
