@@ -395,6 +395,48 @@ def _transposed(x: Tensor, m: int, k: int, dtype: torch.dtype, columnwise: bool)
     return x.new_empty((k, m) if columnwise else (0,), dtype=dtype)
 
 
+def _cast(
+    shape: torch.Size,
+    x: Tensor,
+    scale: Tensor,
+    bits: Tensor,
+    fp8_dtype: torch.dtype,
+    columnwise: bool,
+    cfg: QuantizeLaunchConfig,
+    from_amax: bool,
+    amax_epsilon: float = 0.0,
+    power_2_scale: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The per-tensor cast of both recipes: ``(data, data_t, scale_inv, amax)`` (``_cast_kernel``'s
+    ``FROM_AMAX``) of ``x``, ``as_rows`` of a tensor of ``shape``, the shape of ``data``."""
+    m, k = x.shape
+    data = torch.empty(shape, device=x.device, dtype=fp8_dtype)
+    data_t = _transposed(x, m, k, fp8_dtype, columnwise)
+    if not from_amax and not m * k:
+        return data, data_t, reciprocal_rn(scale), bits.view(torch.float32)
+    scale_inv = torch.empty(1, device=x.device, dtype=torch.float32)
+    launch(_cast_kernel, grid_2d(m, k, cfg.block_m, cfg.block_k))(
+        x,
+        scale,
+        bits,
+        uint8_view(data),
+        uint8_view(data_t),
+        scale_inv,
+        m,
+        k,
+        FORMATS[fp8_dtype].max,
+        amax_epsilon,
+        **cast_args(fp8_dtype, software_convert(x.device, cfg), x.dtype),
+        FROM_AMAX=from_amax,
+        POW2=power_2_scale,
+        COLUMNWISE=columnwise,
+        BLOCK_M=cfg.block_m,
+        BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps,
+    )
+    return data, data_t, scale_inv, bits.view(torch.float32)
+
+
 def quantize_tensorwise(
     x: Tensor,
     scale: Tensor,
@@ -406,35 +448,10 @@ def quantize_tensorwise(
     """Delayed scaling: ``(data, data_t, scale_inv, amax)`` from one read of ``x`` (see the
     op; ``scale_inv``: ``1 / scale`` correctly rounded, written by the cast, ``reciprocal_rn``'s
     value; for an empty ``x`` computed by that function)."""
-    cfg = config or DEFAULT_CONFIG
-    x2, m, k = as_rows(x)
-    data = torch.empty(x.shape, device=x.device, dtype=fp8_dtype)
-    data_t = _transposed(x, m, k, fp8_dtype, columnwise)
-    bits = amax_bits(x.device)
     scale = scale.reshape(1).contiguous()
-    if not m * k:
-        return data, data_t, reciprocal_rn(scale), bits.view(torch.float32)
-    scale_inv = torch.empty(1, device=x.device, dtype=torch.float32)
-    launch(_cast_kernel, grid_2d(m, k, cfg.block_m, cfg.block_k))(
-        x2,
-        scale,
-        bits,
-        uint8_view(data),
-        uint8_view(data_t),
-        scale_inv,
-        m,
-        k,
-        FORMATS[fp8_dtype].max,
-        0.0,
-        **cast_args(fp8_dtype, software_convert(x.device, cfg), x.dtype),
-        FROM_AMAX=False,
-        POW2=False,
-        COLUMNWISE=columnwise,
-        BLOCK_M=cfg.block_m,
-        BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps,
-    )
-    return data, data_t, scale_inv, bits.view(torch.float32)
+    cfg = config or DEFAULT_CONFIG
+    bits = amax_bits(x.device)
+    return _cast(x.shape, as_rows(x)[0], scale, bits, fp8_dtype, columnwise, cfg, False)
 
 
 def quantize_current(
@@ -449,31 +466,11 @@ def quantize_current(
     """Current scaling: ``(data, data_t, scale_inv, amax)``; two reads of ``x`` (the amax
     reduction, then the cast)."""
     cfg = config or DEFAULT_CONFIG
-    x2, m, k = as_rows(x)
-    data = torch.empty(x.shape, device=x.device, dtype=fp8_dtype)
-    data_t = _transposed(x, m, k, fp8_dtype, columnwise)
+    x2 = as_rows(x)[0]
     bits = _amax_bits(x2, cfg)
-    scale_inv = torch.empty(1, device=x.device, dtype=torch.float32)
-    launch(_cast_kernel, grid_2d(m, k, cfg.block_m, cfg.block_k))(
-        x2,
-        bits,  # SCALE: unused
-        bits,
-        uint8_view(data),
-        uint8_view(data_t),
-        scale_inv,
-        m,
-        k,
-        FORMATS[fp8_dtype].max,
-        amax_epsilon,
-        **cast_args(fp8_dtype, software_convert(x.device, cfg), x.dtype),
-        FROM_AMAX=True,
-        POW2=power_2_scale,
-        COLUMNWISE=columnwise,
-        BLOCK_M=cfg.block_m,
-        BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps,
-    )
-    return data, data_t, scale_inv, bits.view(torch.float32)
+    # SCALE (the second ``bits``) is unused with FROM_AMAX.
+    return _cast(x.shape, x2, bits, bits, fp8_dtype, columnwise, cfg, True, amax_epsilon,
+                 power_2_scale)  # fmt: skip
 
 
 def quantize_blockwise(
