@@ -1,7 +1,8 @@
 """The grouped linear family's arguments and their checks (``grouped_linear_ops.py`` defines the
-ops): ``_Args`` names the forward op's arguments and parses its specs, ``grouped_gemm_kind``
-picks a recipe's row of ``GROUPED_GEMMS``; the checks are shared by the implementations (eager)
-and the fake (trace time), so a bad argument raises the same ValueError in both."""
+ops): ``GroupedLinearArgs`` names the forward op's arguments and parses its specs,
+``grouped_gemm_kind`` picks a recipe's row of ``GROUPED_GEMMS``; the checks are shared by the
+implementations (eager) and the fake (trace time), so a bad argument raises the same ValueError
+in both."""
 
 from __future__ import annotations
 
@@ -22,7 +23,13 @@ from te_compile.functional.grouped_gemm import GroupedRecipe
 from te_compile.functional.grouped_weight import check_grouped_weight_operand
 from te_compile.functional.spec import BackwardSpec, QuantSpec, parse, parse_roles
 
-__all__ = ["grouped_gemm_kind"]
+__all__ = [
+    "GroupedLinearArgs",
+    "appends_amaxes",
+    "check_grouped_linear",
+    "grouped_gemm_kind",
+    "make_grouped_recipe",
+]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _INT_DTYPES = (torch.int32, torch.int64)
@@ -40,7 +47,7 @@ def grouped_gemm_kind(recipe: str, emulate: bool) -> str:
     return "blockwise" if recipe == "block" and not emulate else "dequantized"
 
 
-class _Args(NamedTuple):
+class GroupedLinearArgs(NamedTuple):
     """The forward op's arguments, by name (a call passes the first five, or all)."""
 
     inp: Tensor
@@ -72,13 +79,13 @@ class _Args(NamedTuple):
 
     @property
     def grouped_recipe(self) -> GroupedRecipe:
-        return _grouped_recipe(self.specs, self.scale, self.grad_amax, self.bw.fp8_wgrad,
-                               self.rng_state)  # fmt: skip
+        return make_grouped_recipe(self.specs, self.scale, self.grad_amax, self.bw.fp8_wgrad,
+                                   self.rng_state)  # fmt: skip
 
 
-def _grouped_recipe(specs, scale, grad_amax, fp8_wgrad, rng_state) -> GroupedRecipe:
+def make_grouped_recipe(specs, scale, grad_amax, fp8_wgrad, rng_state) -> GroupedRecipe:
     """The specs as the grouped GEMMs take them (one power-of-two option and the input's format
-    for the weight: ``_check`` refuses others)."""
+    for the weight: ``check_grouped_linear`` refuses others)."""
     x, w, g = specs
     return GroupedRecipe(x.kind, x.fp8_dtype, g.fp8_dtype, w.power_2_scale, w.block_rows,
                          x.emulate, scale, grad_amax, fp8_wgrad, x.rht,
@@ -86,7 +93,7 @@ def _grouped_recipe(specs, scale, grad_amax, fp8_wgrad, rng_state) -> GroupedRec
                          w.four_over_six)  # fmt: skip
 
 
-def _measured(recipe: str, grad_amax: Tensor | None) -> bool:
+def appends_amaxes(recipe: str, grad_amax: Tensor | None) -> bool:
     """Whether the forward appends the amaxes of its operands to ``saved``."""
     return recipe == "delayed" or (recipe == "current" and grad_amax is not None)
 
@@ -165,7 +172,7 @@ def _diagnose(
     )
 
 
-def _check(a: _Args) -> None:
+def check_grouped_linear(a: GroupedLinearArgs) -> None:
     _check_args(a.inp, a.m_splits, a.weight, a.bias, a.main_grad)
     stash = a.wgrad_stash
     if stash is not None:

@@ -1,5 +1,5 @@
-"""The MLP family's arguments and their checks (``mlp_ops.py`` defines the ops): ``_Args``
-names the forward op's arguments and parses its specs; ``_check``, shared by the implementation
+"""The MLP family's arguments and their checks (``mlp_ops.py`` defines the ops): ``MLPArgs``
+names the forward op's arguments and parses its specs; ``check_mlp``, shared by the implementation
 (eager) and the fake (trace time), raises the same ValueError, naming the argument, in both."""
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ from te_compile.functional.gemm import (
 from te_compile.functional.prologue import Norm, check_norm
 from te_compile.functional.spec import EpilogueSpec, NormSpec, QuantSpec, parse, parse_roles
 
-__all__ = ["MLP_ACTIVATIONS"]
+__all__ = ["MLP_ACTIVATIONS", "NORM_WEIGHT", "MLPArgs", "check_mlp"]
 
 MLP_ACTIVATIONS = (*ACTIVATIONS, *GATED_ACTIVATIONS)
 
 
-class _Args(NamedTuple):
+class MLPArgs(NamedTuple):
     """The forward op's arguments, by name."""
 
     inp: Tensor
@@ -73,14 +73,14 @@ class _Args(NamedTuple):
                     n.zero_centered_gamma)  # fmt: skip
 
 
-_NORM_WEIGHT = _Args._fields.index("norm_weight")
+NORM_WEIGHT = MLPArgs._fields.index("norm_weight")
 # The kinds whose token count must be a multiple of the block (the others pad to 16 rows).
 _TOKEN_BLOCKS = ("mxfp8", "nvfp4")
 
 # Checks -----------------------------------------------------------------------------------------
 
 
-def _check(a: _Args) -> None:
+def check_mlp(a: MLPArgs) -> None:
     p = "te.mlp: "
     inp, w1, w2 = a.inp, a.fc1_weight, a.fc2_weight
     check_norm(p, inp, a.nrm)

@@ -57,6 +57,7 @@ from te_compile._library import SampleInput, differentiable, op
 from te_compile._numerics import acc_dtype
 
 __all__ = [
+    "check_norm_args",
     "l2normalization",
     "l2normalization_ref",
     "layernorm",
@@ -177,7 +178,7 @@ def check_public_args(
     check_positive_finite(owner, eps=eps)
 
 
-def _check_args(
+def check_norm_args(
     name: str, inp: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
 ) -> None:
     """Constraints shared by the implementations (eager) and the fakes (trace time).
@@ -262,7 +263,7 @@ def layernorm_fwd(
     inp: Tensor, weight: Tensor, bias: Tensor | None, eps: float, zero_centered_gamma: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Returns ``(out, mean, rsigma)``. Default (CPU) implementation: the reference math."""
-    _check_args("layernorm", inp, weight, bias, eps)
+    check_norm_args("layernorm", inp, weight, bias, eps)
     return layernorm_ref(inp.contiguous(), weight, bias, eps, zero_centered_gamma)
 
 
@@ -270,7 +271,7 @@ def layernorm_fwd(
 def _layernorm_fwd_cuda(
     inp: Tensor, weight: Tensor, bias: Tensor | None, eps: float, zero_centered_gamma: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
-    _check_args("layernorm", inp, weight, bias, eps)
+    check_norm_args("layernorm", inp, weight, bias, eps)
     if inp.dtype is torch.float64:
         return layernorm_ref(inp.contiguous(), weight, bias, eps, zero_centered_gamma)
     return _kernels().layernorm_fwd(inp, weight, bias, eps, zero_centered_gamma)
@@ -281,7 +282,7 @@ def rmsnorm_fwd(
     inp: Tensor, weight: Tensor, eps: float, zero_centered_gamma: bool
 ) -> tuple[Tensor, Tensor]:
     """Returns ``(out, rsigma)``. Default (CPU) implementation: the reference math."""
-    _check_args("rmsnorm", inp, weight, None, eps)
+    check_norm_args("rmsnorm", inp, weight, None, eps)
     return rmsnorm_ref(inp.contiguous(), weight, eps, zero_centered_gamma)
 
 
@@ -289,7 +290,7 @@ def rmsnorm_fwd(
 def _rmsnorm_fwd_cuda(
     inp: Tensor, weight: Tensor, eps: float, zero_centered_gamma: bool
 ) -> tuple[Tensor, Tensor]:
-    _check_args("rmsnorm", inp, weight, None, eps)
+    check_norm_args("rmsnorm", inp, weight, None, eps)
     if inp.dtype is torch.float64:
         return rmsnorm_ref(inp.contiguous(), weight, eps, zero_centered_gamma)
     return _kernels().rmsnorm_fwd(inp, weight, eps, zero_centered_gamma)
@@ -298,13 +299,13 @@ def _rmsnorm_fwd_cuda(
 @op("l2normalization_fwd")
 def l2normalization_fwd(inp: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """Returns ``(out, rsigma)``. Default (CPU) implementation: the reference math."""
-    _check_args("l2normalization", inp, None, None, eps)
+    check_norm_args("l2normalization", inp, None, None, eps)
     return l2normalization_ref(inp.contiguous(), eps)
 
 
 @l2normalization_fwd.register_kernel("cuda")
 def _l2normalization_fwd_cuda(inp: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    _check_args("l2normalization", inp, None, None, eps)
+    check_norm_args("l2normalization", inp, None, None, eps)
     if inp.dtype is torch.float64:
         return l2normalization_ref(inp.contiguous(), eps)
     return _kernels().l2normalization_fwd(inp, eps)
@@ -321,7 +322,7 @@ def _stat(inp: Tensor) -> Tensor:
 def _layernorm_fwd_fake(
     inp: Tensor, weight: Tensor, bias: Tensor | None, eps: float, zero_centered_gamma: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
-    _check_args("layernorm", inp, weight, bias, eps)
+    check_norm_args("layernorm", inp, weight, bias, eps)
     return inp.new_empty(inp.shape), _stat(inp), _stat(inp)
 
 
@@ -329,13 +330,13 @@ def _layernorm_fwd_fake(
 def _rmsnorm_fwd_fake(
     inp: Tensor, weight: Tensor, eps: float, zero_centered_gamma: bool
 ) -> tuple[Tensor, Tensor]:
-    _check_args("rmsnorm", inp, weight, None, eps)
+    check_norm_args("rmsnorm", inp, weight, None, eps)
     return inp.new_empty(inp.shape), _stat(inp)
 
 
 @l2normalization_fwd.register_fake
 def _l2normalization_fwd_fake(inp: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    _check_args("l2normalization", inp, None, None, eps)
+    check_norm_args("l2normalization", inp, None, None, eps)
     return inp.new_empty(inp.shape), _stat(inp)
 
 
