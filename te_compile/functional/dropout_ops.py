@@ -159,7 +159,7 @@ def dropout_fwd(inp: Tensor, rng_state: Tensor, p: float) -> Tensor:
 
 
 @dropout_fwd.register_kernel("cuda")
-def _dropout_fwd_cuda(inp: Tensor, rng_state: Tensor, p: float) -> Tensor:
+def _dropout_fwd_cuda(inp, rng_state, p):
     _check_args(inp, rng_state, p)
     if inp.dtype is torch.float64:
         return dropout_ref(inp.contiguous(), rng_state, p)
@@ -170,7 +170,7 @@ def _dropout_fwd_cuda(inp: Tensor, rng_state: Tensor, p: float) -> Tensor:
 
 
 @dropout_fwd.register_fake
-def _dropout_fwd_fake(inp: Tensor, rng_state: Tensor, p: float) -> Tensor:
+def _dropout_fwd_fake(inp, rng_state, p):
     _check_args(inp, rng_state, p)
     return inp.new_empty(inp.shape)
 
@@ -185,14 +185,14 @@ def dropout_bwd(grad: Tensor, rng_state: Tensor, p: float) -> Tensor:
 
 
 @dropout_bwd.register_kernel("cuda")
-def _dropout_bwd_cuda(grad: Tensor, rng_state: Tensor, p: float) -> Tensor:
+def _dropout_bwd_cuda(grad, rng_state, p):
     if grad.dtype is torch.float64:
         return dropout_ref(grad.contiguous(), rng_state, p)
     return _kernels().dropout(grad, rng_state, threshold(p), scale(p))
 
 
 @dropout_bwd.register_fake
-def _dropout_bwd_fake(grad: Tensor, rng_state: Tensor, p: float) -> Tensor:
+def _dropout_bwd_fake(grad, rng_state, p):
     return grad.new_empty(grad.shape)
 
 

@@ -268,9 +268,7 @@ def layernorm_fwd(
 
 
 @layernorm_fwd.register_kernel("cuda")
-def _layernorm_fwd_cuda(
-    inp: Tensor, weight: Tensor, bias: Tensor | None, eps: float, zero_centered_gamma: bool
-) -> tuple[Tensor, Tensor, Tensor]:
+def _layernorm_fwd_cuda(inp, weight, bias, eps, zero_centered_gamma):
     check_norm_args("layernorm", inp, weight, bias, eps)
     if inp.dtype is torch.float64:
         return layernorm_ref(inp.contiguous(), weight, bias, eps, zero_centered_gamma)
@@ -287,9 +285,7 @@ def rmsnorm_fwd(
 
 
 @rmsnorm_fwd.register_kernel("cuda")
-def _rmsnorm_fwd_cuda(
-    inp: Tensor, weight: Tensor, eps: float, zero_centered_gamma: bool
-) -> tuple[Tensor, Tensor]:
+def _rmsnorm_fwd_cuda(inp, weight, eps, zero_centered_gamma):
     check_norm_args("rmsnorm", inp, weight, None, eps)
     if inp.dtype is torch.float64:
         return rmsnorm_ref(inp.contiguous(), weight, eps, zero_centered_gamma)
@@ -304,7 +300,7 @@ def l2normalization_fwd(inp: Tensor, eps: float) -> tuple[Tensor, Tensor]:
 
 
 @l2normalization_fwd.register_kernel("cuda")
-def _l2normalization_fwd_cuda(inp: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def _l2normalization_fwd_cuda(inp, eps):
     check_norm_args("l2normalization", inp, None, None, eps)
     if inp.dtype is torch.float64:
         return l2normalization_ref(inp.contiguous(), eps)
@@ -319,23 +315,19 @@ def _stat(inp: Tensor) -> Tensor:
 
 
 @layernorm_fwd.register_fake
-def _layernorm_fwd_fake(
-    inp: Tensor, weight: Tensor, bias: Tensor | None, eps: float, zero_centered_gamma: bool
-) -> tuple[Tensor, Tensor, Tensor]:
+def _layernorm_fwd_fake(inp, weight, bias, eps, zero_centered_gamma):
     check_norm_args("layernorm", inp, weight, bias, eps)
     return inp.new_empty(inp.shape), _stat(inp), _stat(inp)
 
 
 @rmsnorm_fwd.register_fake
-def _rmsnorm_fwd_fake(
-    inp: Tensor, weight: Tensor, eps: float, zero_centered_gamma: bool
-) -> tuple[Tensor, Tensor]:
+def _rmsnorm_fwd_fake(inp, weight, eps, zero_centered_gamma):
     check_norm_args("rmsnorm", inp, weight, None, eps)
     return inp.new_empty(inp.shape), _stat(inp)
 
 
 @l2normalization_fwd.register_fake
-def _l2normalization_fwd_fake(inp: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def _l2normalization_fwd_fake(inp, eps):
     check_norm_args("l2normalization", inp, None, None, eps)
     return inp.new_empty(inp.shape), _stat(inp)
 
@@ -362,15 +354,7 @@ def layernorm_bwd(
 
 
 @layernorm_bwd.register_kernel("cuda")
-def _layernorm_bwd_cuda(
-    grad_out: Tensor,
-    inp: Tensor,
-    mean: Tensor,
-    rsigma: Tensor,
-    weight: Tensor,
-    zero_centered_gamma: bool,
-    has_bias: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
+def _layernorm_bwd_cuda(grad_out, inp, mean, rsigma, weight, zero_centered_gamma, has_bias):
     if inp.dtype is torch.float64:
         return layernorm_bwd.__wrapped__(
             grad_out, inp, mean, rsigma, weight, zero_centered_gamma, has_bias
@@ -382,15 +366,7 @@ def _layernorm_bwd_cuda(
 
 
 @layernorm_bwd.register_fake
-def _layernorm_bwd_fake(
-    grad_out: Tensor,
-    inp: Tensor,
-    mean: Tensor,
-    rsigma: Tensor,
-    weight: Tensor,
-    zero_centered_gamma: bool,
-    has_bias: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
+def _layernorm_bwd_fake(grad_out, inp, mean, rsigma, weight, zero_centered_gamma, has_bias):
     dbias = weight.new_empty(weight.shape) if has_bias else _empty(weight)
     return inp.new_empty(inp.shape), weight.new_empty(weight.shape), dbias
 
@@ -406,18 +382,14 @@ def rmsnorm_bwd(
 
 
 @rmsnorm_bwd.register_kernel("cuda")
-def _rmsnorm_bwd_cuda(
-    grad_out: Tensor, inp: Tensor, rsigma: Tensor, weight: Tensor, zero_centered_gamma: bool
-) -> tuple[Tensor, Tensor]:
+def _rmsnorm_bwd_cuda(grad_out, inp, rsigma, weight, zero_centered_gamma):
     if inp.dtype is torch.float64:
         return rmsnorm_bwd.__wrapped__(grad_out, inp, rsigma, weight, zero_centered_gamma)
     return _kernels().rmsnorm_bwd(grad_out, inp, rsigma, weight, zero_centered_gamma)
 
 
 @rmsnorm_bwd.register_fake
-def _rmsnorm_bwd_fake(
-    grad_out: Tensor, inp: Tensor, rsigma: Tensor, weight: Tensor, zero_centered_gamma: bool
-) -> tuple[Tensor, Tensor]:
+def _rmsnorm_bwd_fake(grad_out, inp, rsigma, weight, zero_centered_gamma):
     return inp.new_empty(inp.shape), weight.new_empty(weight.shape)
 
 
@@ -428,14 +400,14 @@ def l2normalization_bwd(grad_out: Tensor, inp: Tensor, rsigma: Tensor) -> Tensor
 
 
 @l2normalization_bwd.register_kernel("cuda")
-def _l2normalization_bwd_cuda(grad_out: Tensor, inp: Tensor, rsigma: Tensor) -> Tensor:
+def _l2normalization_bwd_cuda(grad_out, inp, rsigma):
     if inp.dtype is torch.float64:
         return l2normalization_bwd.__wrapped__(grad_out, inp, rsigma)
     return _kernels().l2normalization_bwd(grad_out, inp, rsigma)
 
 
 @l2normalization_bwd.register_fake
-def _l2normalization_bwd_fake(grad_out: Tensor, inp: Tensor, rsigma: Tensor) -> Tensor:
+def _l2normalization_bwd_fake(grad_out, inp, rsigma):
     return inp.new_empty(inp.shape)
 
 

@@ -469,9 +469,7 @@ def quantize_tensorwise(
 
 
 @quantize_tensorwise.register_kernel("cuda")
-def _quantize_tensorwise_cuda(
-    x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, columnwise: bool
-) -> tuple[Tensor, Tensor, Tensor]:
+def _quantize_tensorwise_cuda(x, scale, fp8_dtype, columnwise):
     _check_x("quantize_tensorwise", x, fp8_dtype)
     _check_per_tensor_scale("quantize_tensorwise", "scale", scale, x)
     data, data_t, _, amax = _kernels().quantize_tensorwise(x, scale, fp8_dtype, columnwise)
@@ -493,13 +491,7 @@ def quantize_current(
 
 
 @quantize_current.register_kernel("cuda")
-def _quantize_current_cuda(
-    x: Tensor,
-    fp8_dtype: torch.dtype,
-    columnwise: bool,
-    amax_epsilon: float = 0.0,
-    power_2_scale: bool = False,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _quantize_current_cuda(x, fp8_dtype, columnwise, amax_epsilon=0.0, power_2_scale=False):
     _check_quantize_current("quantize_current", x, fp8_dtype, amax_epsilon)
     return _kernels().quantize_current(x, fp8_dtype, columnwise, amax_epsilon, power_2_scale)
 
@@ -516,9 +508,7 @@ def quantize_blockwise(
 
 
 @quantize_blockwise.register_kernel("cuda")
-def _quantize_blockwise_cuda(
-    x: Tensor, fp8_dtype: torch.dtype, block_rows: int, power_2_scale: bool, columnwise: bool
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _quantize_blockwise_cuda(x, fp8_dtype, block_rows, power_2_scale, columnwise):
     _check_x("quantize_blockwise", x, fp8_dtype)
     _check_block_rows("quantize_blockwise", block_rows)
     return _kernels().quantize_blockwise(x, fp8_dtype, block_rows, power_2_scale, columnwise)
@@ -536,9 +526,7 @@ def dequantize_tensorwise(
 
 
 @dequantize_tensorwise.register_kernel("cuda")
-def _dequantize_tensorwise_cuda(
-    data: Tensor, scale_inv: Tensor, fp8_dtype: torch.dtype, out_dtype: torch.dtype
-) -> Tensor:
+def _dequantize_tensorwise_cuda(data, scale_inv, fp8_dtype, out_dtype):
     _check_dequantize("dequantize_tensorwise", data, fp8_dtype, out_dtype)
     _check_per_tensor_scale("dequantize_tensorwise", "scale_inv", scale_inv, data)
     return _kernels().dequantize_tensorwise(data.view(fp8_dtype), scale_inv, out_dtype)
@@ -561,13 +549,7 @@ def dequantize_blockwise(
 
 
 @dequantize_blockwise.register_kernel("cuda")
-def _dequantize_blockwise_cuda(
-    data: Tensor,
-    scale_inv: Tensor,
-    block_rows: int,
-    fp8_dtype: torch.dtype,
-    out_dtype: torch.dtype,
-) -> Tensor:
+def _dequantize_blockwise_cuda(data, scale_inv, block_rows, fp8_dtype, out_dtype):
     _check_dequantize("dequantize_blockwise", data, fp8_dtype, out_dtype)
     _check_block_scale_inv("dequantize_blockwise", data, scale_inv, block_rows)
     return _kernels().dequantize_blockwise(data.view(fp8_dtype), scale_inv, block_rows, out_dtype)
@@ -588,30 +570,20 @@ def _fake_scalar(x: Tensor) -> Tensor:
 
 
 @quantize_tensorwise.register_fake
-def _quantize_tensorwise_fake(
-    x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, columnwise: bool
-) -> tuple[Tensor, Tensor, Tensor]:
+def _quantize_tensorwise_fake(x, scale, fp8_dtype, columnwise):
     _check_x("quantize_tensorwise", x, fp8_dtype)
     _check_per_tensor_scale("quantize_tensorwise", "scale", scale, x)
     return (*_fake_fp8(x, fp8_dtype, columnwise), _fake_scalar(x))
 
 
 @quantize_current.register_fake
-def _quantize_current_fake(
-    x: Tensor,
-    fp8_dtype: torch.dtype,
-    columnwise: bool,
-    amax_epsilon: float = 0.0,
-    power_2_scale: bool = False,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _quantize_current_fake(x, fp8_dtype, columnwise, amax_epsilon=0.0, power_2_scale=False):
     _check_quantize_current("quantize_current", x, fp8_dtype, amax_epsilon)
     return (*_fake_fp8(x, fp8_dtype, columnwise), _fake_scalar(x), _fake_scalar(x))
 
 
 @quantize_blockwise.register_fake
-def _quantize_blockwise_fake(
-    x: Tensor, fp8_dtype: torch.dtype, block_rows: int, power_2_scale: bool, columnwise: bool
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _quantize_blockwise_fake(x, fp8_dtype, block_rows, power_2_scale, columnwise):
     _check_x("quantize_blockwise", x, fp8_dtype)
     _check_block_rows("quantize_blockwise", block_rows)
     m, k = math.prod(x.shape[:-1]), x.shape[-1]
@@ -629,22 +601,14 @@ def _quantize_blockwise_fake(
 
 
 @dequantize_tensorwise.register_fake
-def _dequantize_tensorwise_fake(
-    data: Tensor, scale_inv: Tensor, fp8_dtype: torch.dtype, out_dtype: torch.dtype
-) -> Tensor:
+def _dequantize_tensorwise_fake(data, scale_inv, fp8_dtype, out_dtype):
     _check_dequantize("dequantize_tensorwise", data, fp8_dtype, out_dtype)
     _check_per_tensor_scale("dequantize_tensorwise", "scale_inv", scale_inv, data)
     return data.new_empty(data.shape, dtype=out_dtype)
 
 
 @dequantize_blockwise.register_fake
-def _dequantize_blockwise_fake(
-    data: Tensor,
-    scale_inv: Tensor,
-    block_rows: int,
-    fp8_dtype: torch.dtype,
-    out_dtype: torch.dtype,
-) -> Tensor:
+def _dequantize_blockwise_fake(data, scale_inv, block_rows, fp8_dtype, out_dtype):
     _check_dequantize("dequantize_blockwise", data, fp8_dtype, out_dtype)
     _check_block_scale_inv("dequantize_blockwise", data, scale_inv, block_rows)
     return data.new_empty(data.shape, dtype=out_dtype)

@@ -380,15 +380,7 @@ def rotary_fwd(
 
 
 @rotary_fwd.register_kernel("cuda")
-def _rotary_fwd_cuda(
-    t: Tensor,
-    freqs: Tensor,
-    cu_seqlens: Tensor | None,
-    tensor_format: str,
-    interleaved: bool,
-    cp_size: int,
-    cp_rank: int,
-) -> Tensor:
+def _rotary_fwd_cuda(t, freqs, cu_seqlens, tensor_format, interleaved, cp_size, cp_rank):
     _check_args(t, freqs, cu_seqlens, tensor_format, cp_size, cp_rank)
     if t.dtype is torch.float64:
         return rotary_ref(t, freqs, cu_seqlens, tensor_format, interleaved, cp_size, cp_rank)
@@ -399,15 +391,7 @@ def _rotary_fwd_cuda(
 
 
 @rotary_fwd.register_fake
-def _rotary_fwd_fake(
-    t: Tensor,
-    freqs: Tensor,
-    cu_seqlens: Tensor | None,
-    tensor_format: str,
-    interleaved: bool,
-    cp_size: int,
-    cp_rank: int,
-) -> Tensor:
+def _rotary_fwd_fake(t, freqs, cu_seqlens, tensor_format, interleaved, cp_size, cp_rank):
     _check_args(t, freqs, cu_seqlens, tensor_format, cp_size, cp_rank)
     return t.new_empty(t.shape)
 
@@ -430,15 +414,7 @@ def rotary_bwd(
 
 
 @rotary_bwd.register_kernel("cuda")
-def _rotary_bwd_cuda(
-    grad: Tensor,
-    freqs: Tensor,
-    cu_seqlens: Tensor | None,
-    tensor_format: str,
-    interleaved: bool,
-    cp_size: int,
-    cp_rank: int,
-) -> Tensor:
+def _rotary_bwd_cuda(grad, freqs, cu_seqlens, tensor_format, interleaved, cp_size, cp_rank):
     if grad.dtype is torch.float64:
         return rotary_bwd_ref(grad, freqs, cu_seqlens, tensor_format, interleaved, cp_size, cp_rank)
     return _kernels().rotary(
@@ -447,15 +423,7 @@ def _rotary_bwd_cuda(
 
 
 @rotary_bwd.register_fake
-def _rotary_bwd_fake(
-    grad: Tensor,
-    freqs: Tensor,
-    cu_seqlens: Tensor | None,
-    tensor_format: str,
-    interleaved: bool,
-    cp_size: int,
-    cp_rank: int,
-) -> Tensor:
+def _rotary_bwd_fake(grad, freqs, cu_seqlens, tensor_format, interleaved, cp_size, cp_rank):
     return grad.new_empty(grad.shape)
 
 
