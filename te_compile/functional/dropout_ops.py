@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from te_compile._checks import check_bool, check_tensor
+from te_compile._checks import FLOAT_DTYPES, check_bool, check_tensor
 from te_compile._library import SampleInput, differentiable, op
 
 __all__ = [
@@ -45,7 +45,6 @@ __all__ = [
     "random_words",
 ]
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _MASK32 = 0xFFFFFFFF
 _PHILOX_M = (0xD2511F53, 0xCD9E8D57)  # round multipliers
 _PHILOX_W = (0x9E3779B9, 0xBB67AE85)  # key increments (golden ratio, sqrt(3) - 1)
@@ -124,7 +123,7 @@ def _check_args(inp: Tensor, rng_state: Tensor, p: float) -> None:
     eager and at trace time)."""
     if (
         0.0 <= p <= 1.0
-        and inp.dtype in _FLOAT_DTYPES
+        and inp.dtype in FLOAT_DTYPES
         and rng_state.dtype is torch.int64
         and rng_state.shape == (2,)
         and rng_state.device == inp.device
@@ -133,7 +132,7 @@ def _check_args(inp: Tensor, rng_state: Tensor, p: float) -> None:
     prefix = "te.dropout: "
     if not 0.0 <= p <= 1.0:
         raise ValueError(prefix + f"p must be in [0, 1], got {p}")
-    if inp.dtype not in _FLOAT_DTYPES:
+    if inp.dtype not in FLOAT_DTYPES:
         raise ValueError(prefix + f"inp.dtype must be a floating type, got {inp.dtype}")
     raise ValueError(
         prefix + f"rng_state must be an int64 tensor [2] = (seed, offset) on inp's device "

@@ -11,6 +11,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from te_compile._checks import FLOAT_DTYPES, INDEX_DTYPES
 from te_compile.functional.dense_weight import WEIGHT_OPERAND, check_weight_quantized
 from te_compile.functional.gemm import (
     BLOCK_KINDS,
@@ -31,8 +32,6 @@ __all__ = [
     "make_grouped_recipe",
 ]
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_INT_DTYPES = (torch.int32, torch.int64)
 # The block-scaled kinds whose emulated backward can quantise a kept input again
 # (``save_input``): their quantisation is deterministic.
 _EMULATED_SAVE_INPUT = ("block", "mxfp8", "nvfp4")
@@ -109,11 +108,11 @@ def _check_args(
     if (
         inp.ndim == 2
         and weight.ndim == 3
-        and inp.dtype in _FLOAT_DTYPES
+        and inp.dtype in FLOAT_DTYPES
         and weight.dtype is inp.dtype
         and inp.shape[1] == weight.shape[2]
         and m_splits.ndim == 1
-        and m_splits.dtype in _INT_DTYPES
+        and m_splits.dtype in INDEX_DTYPES
         and m_splits.shape[0] == weight.shape[0]
         and (m_splits.device == inp.device or m_splits.device.type == "cpu")
         and (bias is None or (bias.shape == weight.shape[:2] and bias.dtype is inp.dtype))
@@ -137,7 +136,7 @@ def _diagnose(
             f"weight must be 3-D [num_gemms, out_features, in_features], got shape "
             f"{list(weight.shape)}"
         )
-    if inp.dtype not in _FLOAT_DTYPES:
+    if inp.dtype not in FLOAT_DTYPES:
         return p + f"inp.dtype must be a floating type, got {inp.dtype}"
     if weight.dtype != inp.dtype:
         return p + f"inp.dtype ({inp.dtype}) must equal weight.dtype ({weight.dtype})"
@@ -146,7 +145,7 @@ def _diagnose(
             f"inp.shape[1] ({inp.shape[1]}) must equal in_features = weight.shape[2] "
             f"({weight.shape[2]})"
         )
-    if m_splits.ndim != 1 or m_splits.dtype not in _INT_DTYPES:
+    if m_splits.ndim != 1 or m_splits.dtype not in INDEX_DTYPES:
         return p + (
             f"m_splits must be a 1-D int32/int64 tensor (or a list of ints), got "
             f"{m_splits.dtype} of shape {list(m_splits.shape)}"

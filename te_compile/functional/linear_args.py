@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from te_compile._checks import check_finite
+from te_compile._checks import FLOAT_DTYPES, check_finite
 from te_compile.functional.activation import GATED_ACTIVATIONS, check_activation, check_gated_params
 from te_compile.functional.dense_weight import (
     WEIGHT_OPERAND,
@@ -32,8 +32,6 @@ from te_compile.functional.spec import (
     parse,
     parse_roles,
 )
-
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 class LinearArgs(NamedTuple):
@@ -112,7 +110,7 @@ def check_linear_tensors(
     if (
         len(w_shape) == 2
         and dtype is weight.dtype
-        and dtype in _FLOAT_DTYPES
+        and dtype in FLOAT_DTYPES
         and inp.ndim >= 1
         and inp.shape[-1] == w_shape[1]
         and (bias is None or (bias.shape == (w_shape[0],) and bias.dtype is dtype))
@@ -127,7 +125,7 @@ def _diagnose(inp: Tensor, weight: Tensor, bias: Tensor | None, main_grad: Tenso
         return f"te.linear: weight must be 2-D [out_features, in_features], got {weight.dim()}-D"
     if inp.dim() < 1:
         return "te.linear: inp must have at least 1 dimension"
-    if inp.dtype not in _FLOAT_DTYPES:
+    if inp.dtype not in FLOAT_DTYPES:
         return f"te.linear: inp.dtype must be a floating type, got {inp.dtype}"
     if inp.dtype != weight.dtype:
         return (

@@ -52,7 +52,13 @@ import math
 import torch
 from torch import Tensor
 
-from te_compile._checks import check_bool, check_positive_finite, check_required, check_tensors
+from te_compile._checks import (
+    FLOAT_DTYPES,
+    check_bool,
+    check_positive_finite,
+    check_required,
+    check_tensors,
+)
 from te_compile._library import SampleInput, differentiable, op
 from te_compile._numerics import acc_dtype
 
@@ -65,8 +71,6 @@ __all__ = [
     "rmsnorm",
     "rmsnorm_ref",
 ]
-
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 # 1. Reference math --------------------------------------------------------------------------
@@ -188,7 +192,7 @@ def check_norm_args(
     dtype = inp.dtype
     if (
         0 < eps < math.inf
-        and dtype in _FLOAT_DTYPES
+        and dtype in FLOAT_DTYPES
         and inp.ndim >= 1
         and inp.shape[-1] >= 1
         and (
@@ -219,7 +223,7 @@ def _diagnose(
     prefix = f"te.{name}: "
     if not 0 < eps < math.inf:
         return prefix + f"eps must be > 0 and finite, got {eps}"
-    if inp.dtype not in _FLOAT_DTYPES:
+    if inp.dtype not in FLOAT_DTYPES:
         return prefix + f"inp.dtype must be a floating type, got {inp.dtype}"
     if inp.ndim < 1 or inp.shape[-1] < 1:
         return prefix + f"inp must have a non-empty last dim, got shape {list(inp.shape)}"

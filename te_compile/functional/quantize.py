@@ -86,6 +86,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from te_compile._checks import FP8_DTYPES, HIGH_DTYPES
 from te_compile._library import SampleInput, op
 from te_compile._numerics import div_rn, reciprocal_rn
 from te_compile.functional import quantize_mx_ref
@@ -101,8 +102,6 @@ __all__ = [
     "scale_from_amax",
 ]
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-_HIGH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BLOCK = 128  # elements of a quantisation block along the last dim
 _FLT_MAX = torch.finfo(torch.float32).max
 
@@ -260,10 +259,10 @@ def dequantize_blockwise_ref(
 
 
 def _check_x(name: str, x: Tensor, fp8_dtype: torch.dtype) -> None:
-    if x.dtype in _HIGH_DTYPES and x.dim() >= 1 and fp8_dtype in FP8_DTYPES:
+    if x.dtype in HIGH_DTYPES and x.dim() >= 1 and fp8_dtype in FP8_DTYPES:
         return  # one cheap test per call: the checks below name the argument on failure
     torch._check_value(
-        x.dtype in _HIGH_DTYPES,
+        x.dtype in HIGH_DTYPES,
         lambda: (
             f"te.{name}: x.dtype must be torch.float32, torch.bfloat16 or torch.float16, "
             f"got {x.dtype}"
@@ -329,7 +328,7 @@ def _check_dequantize(
     )
     _check_fp8_dtype(name, "fp8_dtype", fp8_dtype)
     torch._check_value(
-        out_dtype in _HIGH_DTYPES,
+        out_dtype in HIGH_DTYPES,
         lambda: (
             f"te.{name}: out_dtype must be torch.float32, torch.bfloat16 or torch.float16, "
             f"got {out_dtype}"
@@ -398,7 +397,7 @@ def _scalar(device: torch.device, value: float) -> Tensor:
 
 
 _E4M3, _E5M2 = FP8_DTYPES
-_F32, _BF16, _F16 = _HIGH_DTYPES
+_F32, _BF16, _F16 = HIGH_DTYPES
 
 
 def _tensorwise_samples(device: torch.device) -> list[SampleInput]:

@@ -111,11 +111,9 @@ import math
 import torch
 from torch import Tensor
 
-from te_compile._checks import check_bool
+from te_compile._checks import FP8_DTYPES, HIGH_DTYPES, check_bool
 from te_compile._library import SampleInput, op
 from te_compile.functional.quantize_mx_ref import (
-    FP8_DTYPES,
-    INPUT_DTYPES,
     MXFP8_BLOCK,
     NVFP4_BLOCK,
     dequantize_mxfp8_ref,
@@ -138,7 +136,7 @@ __all__ = [
 
 
 def _check_input(name: str, x: Tensor, rowwise: bool, columnwise: bool) -> None:
-    if x.dtype not in INPUT_DTYPES:
+    if x.dtype not in HIGH_DTYPES:
         raise ValueError(f"te.{name}: x.dtype must be float32, bfloat16 or float16, got {x.dtype}")
     if x.ndim < 1:
         raise ValueError(f"te.{name}: x must have at least 1 dim ([..., K]), got a 0-dim tensor")
@@ -195,7 +193,7 @@ def _check_scale(name: str, data: Tensor, scale: Tensor, k: int, block: int, wha
 
 
 def _check_out_dtype(name: str, out_dtype: torch.dtype) -> None:
-    if out_dtype not in INPUT_DTYPES:
+    if out_dtype not in HIGH_DTYPES:
         raise ValueError(
             f"te.{name}: out_dtype must be float32, bfloat16 or float16, got {out_dtype}"
         )

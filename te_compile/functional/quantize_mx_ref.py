@@ -16,8 +16,6 @@ from te_compile._numerics import div_rn, reciprocal_rn
 
 __all__ = [
     "FOUR_OVER_SIX",
-    "FP8_DTYPES",
-    "INPUT_DTYPES",
     "MXFP8_BLOCK",
     "NVFP4_BLOCK",
     "RHT_SIGNS",
@@ -37,8 +35,6 @@ __all__ = [
 
 MXFP8_BLOCK = 32
 NVFP4_BLOCK = 16
-INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # (largest finite value, OCP emax_elem = exponent of the largest power of two below it)
 _FP8_LIMITS = {torch.float8_e4m3fn: (448.0, 8), torch.float8_e5m2: (57344.0, 15)}
 _E8M0_NAN = 255

@@ -52,7 +52,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from te_compile._checks import check_bool, check_int, check_positive_finite, check_tensor
+from te_compile._checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_bool,
+    check_int,
+    check_positive_finite,
+    check_tensor,
+)
 from te_compile._library import SampleInput, differentiable, op
 from te_compile._numerics import acc_dtype
 
@@ -66,8 +73,6 @@ __all__ = [
 ]
 
 TENSOR_FORMATS = ("sbhd", "bshd", "thd")
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_INDEX_DTYPES = (torch.int32, torch.int64)
 _PREFIX = "te.apply_rotary_pos_emb: "
 
 
@@ -242,7 +247,7 @@ def _check_args(
     thd = tensor_format == "thd"
     if (
         tensor_format in TENSOR_FORMATS
-        and t.dtype in _FLOAT_DTYPES
+        and t.dtype in FLOAT_DTYPES
         and freqs.is_floating_point()
         and t.dim() == (3 if thd else 4)
         and freqs.dim() == 4
@@ -257,7 +262,7 @@ def _check_args(
         and (
             (
                 cu_seqlens is not None
-                and cu_seqlens.dtype in _INDEX_DTYPES
+                and cu_seqlens.dtype in INDEX_DTYPES
                 and cu_seqlens.dim() == 1
                 and cu_seqlens.shape[0] >= 2
                 and cu_seqlens.device == t.device
@@ -280,7 +285,7 @@ def _diagnose(t, freqs, cu_seqlens, tensor_format, cp_size, cp_rank) -> None:
 
     if tensor_format not in TENSOR_FORMATS:
         fail(f"tensor_format must be one of {TENSOR_FORMATS}, got {tensor_format!r}")
-    if t.dtype not in _FLOAT_DTYPES:
+    if t.dtype not in FLOAT_DTYPES:
         fail(f"t.dtype must be float32, bfloat16, float16 or float64, got {t.dtype}")
     if not freqs.is_floating_point():
         fail(f"freqs.dtype must be a floating type (read in fp32), got {freqs.dtype}")
@@ -307,7 +312,7 @@ def _diagnose(t, freqs, cu_seqlens, tensor_format, cp_size, cp_rank) -> None:
         if cu_seqlens is None:
             fail("cu_seqlens is required for tensor_format='thd'")
         if (
-            cu_seqlens.dtype not in _INDEX_DTYPES
+            cu_seqlens.dtype not in INDEX_DTYPES
             or cu_seqlens.dim() != 1
             or cu_seqlens.shape[0] < 2
             or cu_seqlens.device != t.device
