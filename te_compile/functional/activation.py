@@ -62,6 +62,8 @@ activation ops do: in a transformer block it sits between autocast GEMMs.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -77,6 +79,7 @@ from te_compile._checks import (
 )
 from te_compile._library import SampleInput, differentiable, op
 from te_compile._numerics import acc_dtype
+from te_compile.kernels import submodule
 
 __all__ = [
     "ACTIVATIONS",
@@ -300,11 +303,7 @@ def _diagnose(inp: Tensor, bias: Tensor | None, activation: str, gated: bool, k:
     return f"{p}: bias.dtype ({bias.dtype}) must equal inp.dtype ({inp.dtype})"
 
 
-def _kernels():
-    # Imported on first CUDA call: Triton is not a dependency of the CPU-only install.
-    from te_compile.kernels import activation
-
-    return activation
+_kernels = functools.partial(submodule, "activation")  # Triton: imported on first CUDA use
 
 
 # 2. Forward ops -------------------------------------------------------------------------------

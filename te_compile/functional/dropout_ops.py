@@ -30,11 +30,14 @@ input), so the CPU and the kernel agree on the output bits as well.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
 from te_compile._checks import FLOAT_DTYPES, check_bool, check_tensor
 from te_compile._library import SampleInput, differentiable, op
+from te_compile.kernels import submodule
 
 __all__ = [
     "dropout",
@@ -140,11 +143,7 @@ def _check_args(inp: Tensor, rng_state: Tensor, p: float) -> None:
     )
 
 
-def _kernels():
-    # Imported on first CUDA use: Triton is not a dependency of the CPU-only package.
-    from te_compile.kernels import dropout
-
-    return dropout
+_kernels = functools.partial(submodule, "dropout")  # Triton: imported on first CUDA use
 
 
 # 2. Forward op --------------------------------------------------------------------------------

@@ -47,6 +47,7 @@ defaults after ``zero_centered_gamma`` (``eps`` for L2).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -61,6 +62,7 @@ from te_compile._checks import (
 )
 from te_compile._library import SampleInput, differentiable, op
 from te_compile._numerics import acc_dtype
+from te_compile.kernels import submodule
 
 __all__ = [
     "check_norm_args",
@@ -247,11 +249,7 @@ def _diagnose(
     return prefix + f"bias.dtype ({bias.dtype}) must equal weight.dtype ({weight.dtype})"
 
 
-def _kernels():
-    # Imported on first CUDA use: Triton is not a dependency of the CPU-only package.
-    from te_compile.kernels import norm
-
-    return norm
+_kernels = functools.partial(submodule, "norm")  # Triton: imported on first CUDA use
 
 
 def _empty(like: Tensor) -> Tensor:

@@ -80,6 +80,7 @@ table per direction keyed by the recipe kind): ``functional.quantize_table``.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -90,6 +91,7 @@ from te_compile._checks import FP8_DTYPES, HIGH_DTYPES
 from te_compile._library import SampleInput, op
 from te_compile._numerics import div_rn, reciprocal_rn
 from te_compile.functional import quantize_mx_ref
+from te_compile.kernels import submodule
 
 __all__ = [
     "FP8_DTYPES",
@@ -377,11 +379,7 @@ def check_fp8_gemm_dims(name: str, **dims: int) -> None:
         )
 
 
-def _kernels():
-    # Imported on first CUDA use: Triton is not a dependency of the CPU-only package.
-    from te_compile.kernels import quantize
-
-    return quantize
+_kernels = functools.partial(submodule, "quantize")  # Triton: imported on first CUDA use
 
 
 # Sample inputs for the registry test: small and odd shapes (partial 128-blocks, leading dims,

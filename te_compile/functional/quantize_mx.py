@@ -106,6 +106,7 @@ or fp16; all math is fp32.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -123,6 +124,7 @@ from te_compile.functional.quantize_mx_ref import (
     quantize_nvfp4_ref,
     tensor_amax,
 )
+from te_compile.kernels import submodule
 
 __all__ = [
     "check_quantize_nvfp4",
@@ -248,11 +250,7 @@ def _check_dequantize_nvfp4(
     _check_out_dtype("dequantize_nvfp4", out_dtype)
 
 
-def _kernels():
-    # Imported on first CUDA use: Triton is not a dependency of the CPU-only package.
-    from te_compile.kernels import quantize_mx
-
-    return quantize_mx
+_kernels = functools.partial(submodule, "quantize_mx")  # Triton: imported on first CUDA use
 
 
 # Sample inputs for the registry test ---------------------------------------------------------

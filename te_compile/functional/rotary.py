@@ -49,6 +49,8 @@ of thousands of radians) to bf16.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -62,6 +64,7 @@ from te_compile._checks import (
 )
 from te_compile._library import SampleInput, differentiable, op
 from te_compile._numerics import acc_dtype
+from te_compile.kernels import submodule
 
 __all__ = [
     "TENSOR_FORMATS",
@@ -359,11 +362,7 @@ def _check_cu_seqlens_values(t: Tensor, freqs: Tensor, cu_seqlens: Tensor, cp_si
         )
 
 
-def _kernels():
-    # Imported on first CUDA use: Triton is not a dependency of the CPU-only package.
-    from te_compile.kernels import rotary
-
-    return rotary
+_kernels = functools.partial(submodule, "rotary")  # Triton: imported on first CUDA use
 
 
 # 2. Forward op --------------------------------------------------------------------------------
