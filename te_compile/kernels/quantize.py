@@ -159,7 +159,7 @@ def _cast_kernel(
 
 
 @triton.jit
-def _cast_1x128(
+def cast_1x128(
     x, a, AXIS: tl.constexpr, fp8_max, E4M3: tl.constexpr, MBITS: tl.constexpr,
     BIAS: tl.constexpr, SOFTWARE: tl.constexpr, POW2: tl.constexpr, GUARD: tl.constexpr,
 ):  # fmt: skip
@@ -211,11 +211,11 @@ def _block_kernel(
     mask_t = (cols[:, None] < K) & (rows[None, :] < M)
     offs_t = cols.to(tl.int64)[:, None] * M + rows[None, :]
     if BLOCK_ROWS == 1:
-        q, scale_inv = _cast_1x128(x, a, 1, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, POW2, GUARD)
+        q, scale_inv = cast_1x128(x, a, 1, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, POW2, GUARD)
         tl.store(SCALE_INV + rows.to(tl.int64) * n_kb + pid_k, scale_inv, mask=rows < M)
         if COLUMNWISE:
             # x^T in 1x128 blocks along M: one block per column of this tile.
-            q_t, s_t = _cast_1x128(x, a, 0, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, POW2, GUARD)
+            q_t, s_t = cast_1x128(x, a, 0, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, POW2, GUARD)
             tl.store(DATA_T + offs_t, tl.trans(q_t), mask=mask_t)
             n_mb = tl.cdiv(M, BLOCK_M)
             tl.store(SCALE_INV_T + cols.to(tl.int64) * n_mb + pid_m, s_t, mask=cols < K)
@@ -376,7 +376,7 @@ def _cuda_op(name: str):
     return getattr(torch.ops.te_cuda, name, None)
 
 
-def _cuda_cast(cfg: QuantizeLaunchConfig, name: str, m: int, n: int, *tensors: Tensor | None):
+def cuda_cast(cfg: QuantizeLaunchConfig, name: str, m: int, n: int, *tensors: Tensor | None):
     """The CUDA block cast ``name`` (``act_cast_1x128`` or ``cast_128x128``: both layouts, one
     read) when it covers a ``[m, n]`` call on ``tensors`` (the input, and the bias / gradient
     where given): CUDA bf16 tensors, 16-byte aligned, ``m`` and ``n`` whole 128x128 tiles; else
@@ -518,7 +518,7 @@ def quantize_blockwise(
         data_t = data_t.view(fp8_dtype)
         scale_inv_t = given_scale_t
     name = "act_cast_1x128" if block_rows == 1 else "cast_128x128"
-    cuda = _cuda_cast(cfg, name, m, k, x2) if columnwise else None
+    cuda = cuda_cast(cfg, name, m, k, x2) if columnwise else None
     if cuda is None and not scale_inv_t.is_contiguous():  # the Triton kernel writes compact
         scale_inv_t = x.new_empty(t_shape, dtype=f32)
     f = FORMATS[fp8_dtype]
@@ -577,7 +577,7 @@ def quantize_blockwise_sums(
     (:func:`block_scales`; elsewhere they are compact: callers take either)."""
     cfg = config or DEFAULT_CONFIG
     x2, m, k = as_rows(x)
-    cuda = _cuda_cast(cfg, "act_cast_1x128", m, k, x2)
+    cuda = cuda_cast(cfg, "act_cast_1x128", m, k, x2)
     if cuda is None:
         return (*quantize_blockwise(x, fp8_dtype, 1, power_2_scale, True, config=cfg),
                 x2.sum(0, dtype=torch.float32))  # fmt: skip
