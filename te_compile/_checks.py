@@ -15,6 +15,13 @@ import torch
 
 _REAL = (int, float, torch.SymInt, torch.SymFloat)
 
+# The dtypes the ops take: floating tensors (float64: the references' and the tests'), the inputs
+# of a quantisation, the FP8 formats, and integer index tensors.
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+HIGH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
 
 def shown(value: object) -> str:
     """``repr(value)`` for an error message, a tensor shown by its shape and dtype: its data is

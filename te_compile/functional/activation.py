@@ -62,11 +62,14 @@ activation ops do: in a transformer block it sits between autocast GEMMs.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from te_compile._checks import (
+    FLOAT_DTYPES,
     check_finite,
     check_int,
     check_positive_finite,
@@ -76,6 +79,7 @@ from te_compile._checks import (
 )
 from te_compile._library import SampleInput, differentiable, op
 from te_compile._numerics import acc_dtype
+from te_compile.kernels import submodule
 
 __all__ = [
     "ACTIVATIONS",
@@ -121,7 +125,6 @@ _FUNCTION = {
     "swiglu": "silu",
     "clamped_swiglu": "clamped_silu",
 }
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _QGELU_ALPHA = 1.702
 # clamped_swiglu's parameters by name, at their defaults (the ops' signatures spell them out).
 CLAMPED_SWIGLU_DEFAULTS = {"limit": 7.0, "alpha": 1.702, "glu_linear_offset": 1.0}
@@ -217,7 +220,7 @@ def _check_args(inp: Tensor, bias: Tensor | None, activation: str, gated: bool, 
     """One cheap compound test on the hot path; the per-argument diagnosis only on failure, so
     eager and compile raise the same ValueError naming the argument."""
     if (
-        inp.dtype in _FLOAT_DTYPES
+        inp.dtype in FLOAT_DTYPES
         and activation in (GATED_ACTIVATIONS if gated else ACTIVATIONS)
         and (
             bias is None
@@ -278,7 +281,7 @@ def _diagnose(inp: Tensor, bias: Tensor | None, activation: str, gated: bool, k:
             f"{p}: activation must be element-wise ({', '.join(ACTIVATIONS)}), got the gated "
             f"{activation!r}; use te_compile.functional.{activation} or bias_activation"
         )
-    if inp.dtype not in _FLOAT_DTYPES:
+    if inp.dtype not in FLOAT_DTYPES:
         return f"{p}: inp.dtype must be a floating type, got {inp.dtype}"
     if inp.dim() < 1:
         return f"{p}: inp must have at least 1 dimension (a bias or gated halves need a last dim)"
@@ -300,11 +303,7 @@ def _diagnose(inp: Tensor, bias: Tensor | None, activation: str, gated: bool, k:
     return f"{p}: bias.dtype ({bias.dtype}) must equal inp.dtype ({inp.dtype})"
 
 
-def _kernels():
-    # Imported on first CUDA call: Triton is not a dependency of the CPU-only install.
-    from te_compile.kernels import activation
-
-    return activation
+_kernels = functools.partial(submodule, "activation")  # Triton: imported on first CUDA use
 
 
 # 2. Forward ops -------------------------------------------------------------------------------

@@ -52,14 +52,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from te_compile._checks import FLOAT_DTYPES
 from te_compile._library import SampleInput, differentiable, op
 from te_compile._numerics import acc_dtype
 from te_compile.functional import attention_args, attention_cuda
 from te_compile.functional.dropout_ops import dropout_mask
 
 __all__ = ["attention_bwd_ref", "attention_ref", "dot_product_attention"]
-
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 class _Args(NamedTuple):
@@ -322,7 +321,7 @@ def _check(a: _Args) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise fail(f"query, key and value must be [b, s, h, d], got {list(q.shape)}, "
                    f"{list(k.shape)}, {list(v.shape)}")  # fmt: skip
-    if q.dtype not in _FLOAT_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+    if q.dtype not in FLOAT_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise fail(f"query, key and value must share a floating dtype, got {q.dtype}, "
                    f"{k.dtype}, {v.dtype}")  # fmt: skip
     b, sq, h, d = q.shape

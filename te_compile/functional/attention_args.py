@@ -30,6 +30,7 @@ import math
 import torch
 from torch import Tensor
 
+from te_compile._checks import FLOAT_DTYPES
 from te_compile.functional.dropout_ops import new_rng_state
 
 __all__ = [
@@ -53,7 +54,6 @@ ATTN_MASK_TYPES = (
     "arbitrary",
 )
 BIAS_TYPES = ("no_bias", "pre_scale_bias", "post_scale_bias", "alibi")
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _OWNER = "te.dot_product_attention"
 
 
@@ -132,7 +132,7 @@ def _check_qkv(query, key, value, qkv_format: str) -> None:
     if query.dim() != rank or key.dim() != rank or value.dim() != rank:
         raise _fail(f"query, key and value must be {rank}-D for qkv_format={qkv_format!r}, got "
                     f"{shapes}")  # fmt: skip
-    if query.dtype not in _FLOAT_DTYPES or key.dtype != query.dtype or value.dtype != query.dtype:
+    if query.dtype not in FLOAT_DTYPES or key.dtype != query.dtype or value.dtype != query.dtype:
         raise _fail(f"query, key and value must share a floating dtype, got {query.dtype}, "
                     f"{key.dtype}, {value.dtype}")  # fmt: skip
     if key.device != query.device or value.device != query.device:

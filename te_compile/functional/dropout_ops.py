@@ -30,11 +30,14 @@ input), so the CPU and the kernel agree on the output bits as well.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
-from te_compile._checks import check_bool, check_tensor
+from te_compile._checks import FLOAT_DTYPES, check_bool, check_tensor
 from te_compile._library import SampleInput, differentiable, op
+from te_compile.kernels import submodule
 
 __all__ = [
     "dropout",
@@ -45,7 +48,6 @@ __all__ = [
     "random_words",
 ]
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _MASK32 = 0xFFFFFFFF
 _PHILOX_M = (0xD2511F53, 0xCD9E8D57)  # round multipliers
 _PHILOX_W = (0x9E3779B9, 0xBB67AE85)  # key increments (golden ratio, sqrt(3) - 1)
@@ -124,7 +126,7 @@ def _check_args(inp: Tensor, rng_state: Tensor, p: float) -> None:
     eager and at trace time)."""
     if (
         0.0 <= p <= 1.0
-        and inp.dtype in _FLOAT_DTYPES
+        and inp.dtype in FLOAT_DTYPES
         and rng_state.dtype is torch.int64
         and rng_state.shape == (2,)
         and rng_state.device == inp.device
@@ -133,7 +135,7 @@ def _check_args(inp: Tensor, rng_state: Tensor, p: float) -> None:
     prefix = "te.dropout: "
     if not 0.0 <= p <= 1.0:
         raise ValueError(prefix + f"p must be in [0, 1], got {p}")
-    if inp.dtype not in _FLOAT_DTYPES:
+    if inp.dtype not in FLOAT_DTYPES:
         raise ValueError(prefix + f"inp.dtype must be a floating type, got {inp.dtype}")
     raise ValueError(
         prefix + f"rng_state must be an int64 tensor [2] = (seed, offset) on inp's device "
@@ -141,11 +143,7 @@ def _check_args(inp: Tensor, rng_state: Tensor, p: float) -> None:
     )
 
 
-def _kernels():
-    # Imported on first CUDA use: Triton is not a dependency of the CPU-only package.
-    from te_compile.kernels import dropout
-
-    return dropout
+_kernels = functools.partial(submodule, "dropout")  # Triton: imported on first CUDA use
 
 
 # 2. Forward op --------------------------------------------------------------------------------
@@ -159,7 +157,7 @@ def dropout_fwd(inp: Tensor, rng_state: Tensor, p: float) -> Tensor:
 
 
 @dropout_fwd.register_kernel("cuda")
-def _dropout_fwd_cuda(inp: Tensor, rng_state: Tensor, p: float) -> Tensor:
+def _dropout_fwd_cuda(inp, rng_state, p):
     _check_args(inp, rng_state, p)
     if inp.dtype is torch.float64:
         return dropout_ref(inp.contiguous(), rng_state, p)
@@ -170,7 +168,7 @@ def _dropout_fwd_cuda(inp: Tensor, rng_state: Tensor, p: float) -> Tensor:
 
 
 @dropout_fwd.register_fake
-def _dropout_fwd_fake(inp: Tensor, rng_state: Tensor, p: float) -> Tensor:
+def _dropout_fwd_fake(inp, rng_state, p):
     _check_args(inp, rng_state, p)
     return inp.new_empty(inp.shape)
 
@@ -185,14 +183,14 @@ def dropout_bwd(grad: Tensor, rng_state: Tensor, p: float) -> Tensor:
 
 
 @dropout_bwd.register_kernel("cuda")
-def _dropout_bwd_cuda(grad: Tensor, rng_state: Tensor, p: float) -> Tensor:
+def _dropout_bwd_cuda(grad, rng_state, p):
     if grad.dtype is torch.float64:
         return dropout_ref(grad.contiguous(), rng_state, p)
     return _kernels().dropout(grad, rng_state, threshold(p), scale(p))
 
 
 @dropout_bwd.register_fake
-def _dropout_bwd_fake(grad: Tensor, rng_state: Tensor, p: float) -> Tensor:
+def _dropout_bwd_fake(grad, rng_state, p):
     return grad.new_empty(grad.shape)
 
 

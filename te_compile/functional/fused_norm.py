@@ -26,7 +26,7 @@ from torch import Tensor
 
 from te_compile._checks import check_bool
 from te_compile._library import SampleInput, differentiable, op
-from te_compile.functional.norm import _check_args as _check_norm
+from te_compile.functional.norm import check_norm_args as _check_norm
 from te_compile.functional.norm import (
     check_public_args,
     rmsnorm_bwd,

@@ -51,6 +51,8 @@ import torch
 from torch import Tensor
 
 from te_compile._checks import (
+    FP8_DTYPES,
+    HIGH_DTYPES,
     check_bool,
     check_finite,
     check_int,
@@ -115,8 +117,6 @@ PER_TENSOR = ("current", "delayed")
 BACKWARD_OVERRIDES = ("", "high_precision", "dequantized")
 # Block-scaled kinds and the multiple every GEMM dim (tokens included) must be of.
 BLOCK_KINDS = {"block": 16, "mxfp8": 32, "nvfp4": 16}
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-HIGH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # cuBLAS's blockwise-scaled GEMMs take E4M3 operands only.
 _BLOCKWISE_FP8 = torch.float8_e4m3fn
 

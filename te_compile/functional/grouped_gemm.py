@@ -70,7 +70,6 @@ __all__ = [
     "uses_grouped_mm",
 ]
 
-_INT_DTYPES = (torch.int32, torch.int64)
 _E4M3 = torch.float8_e4m3fn
 
 

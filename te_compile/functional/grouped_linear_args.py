@@ -1,7 +1,8 @@
 """The grouped linear family's arguments and their checks (``grouped_linear_ops.py`` defines the
-ops): ``_Args`` names the forward op's arguments and parses its specs, ``grouped_gemm_kind``
-picks a recipe's row of ``GROUPED_GEMMS``; the checks are shared by the implementations (eager)
-and the fake (trace time), so a bad argument raises the same ValueError in both."""
+ops): ``GroupedLinearArgs`` names the forward op's arguments and parses its specs,
+``grouped_gemm_kind`` picks a recipe's row of ``GROUPED_GEMMS``; the checks are shared by the
+implementations (eager) and the fake (trace time), so a bad argument raises the same ValueError
+in both."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from te_compile._checks import FLOAT_DTYPES, INDEX_DTYPES
 from te_compile.functional.dense_weight import WEIGHT_OPERAND, check_weight_quantized
 from te_compile.functional.gemm import (
     BLOCK_KINDS,
@@ -22,10 +24,14 @@ from te_compile.functional.grouped_gemm import GroupedRecipe
 from te_compile.functional.grouped_weight import check_grouped_weight_operand
 from te_compile.functional.spec import BackwardSpec, QuantSpec, parse, parse_roles
 
-__all__ = ["grouped_gemm_kind"]
+__all__ = [
+    "GroupedLinearArgs",
+    "appends_amaxes",
+    "check_grouped_linear",
+    "grouped_gemm_kind",
+    "make_grouped_recipe",
+]
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_INT_DTYPES = (torch.int32, torch.int64)
 # The block-scaled kinds whose emulated backward can quantise a kept input again
 # (``save_input``): their quantisation is deterministic.
 _EMULATED_SAVE_INPUT = ("block", "mxfp8", "nvfp4")
@@ -40,7 +46,7 @@ def grouped_gemm_kind(recipe: str, emulate: bool) -> str:
     return "blockwise" if recipe == "block" and not emulate else "dequantized"
 
 
-class _Args(NamedTuple):
+class GroupedLinearArgs(NamedTuple):
     """The forward op's arguments, by name (a call passes the first five, or all)."""
 
     inp: Tensor
@@ -72,12 +78,12 @@ class _Args(NamedTuple):
 
     @property
     def grouped_recipe(self) -> GroupedRecipe:
-        return _grouped_recipe(self.specs, self.scale, self.grad_amax, self.bw, self.rng_state)
+        return make_grouped_recipe(self.specs, self.scale, self.grad_amax, self.bw, self.rng_state)
 
 
-def _grouped_recipe(specs, scale, grad_amax, bw: BackwardSpec, rng_state) -> GroupedRecipe:
+def make_grouped_recipe(specs, scale, grad_amax, bw: BackwardSpec, rng_state) -> GroupedRecipe:
     """The specs as the grouped GEMMs take them (one power-of-two option and the input's format
-    for the weight: ``_check`` refuses others)."""
+    for the weight: ``check_grouped_linear`` refuses others)."""
     x, w, g = specs
     return GroupedRecipe(x.kind, x.fp8_dtype, g.fp8_dtype, w.power_2_scale, w.block_rows,
                          x.emulate, scale, grad_amax, bw.fp8_wgrad, x.rht,
@@ -85,7 +91,7 @@ def _grouped_recipe(specs, scale, grad_amax, bw: BackwardSpec, rng_state) -> Gro
                          w.four_over_six, bw.override)  # fmt: skip
 
 
-def _measured(recipe: str, grad_amax: Tensor | None) -> bool:
+def appends_amaxes(recipe: str, grad_amax: Tensor | None) -> bool:
     """Whether the forward appends the amaxes of its operands to ``saved``."""
     return recipe == "delayed" or (recipe == "current" and grad_amax is not None)
 
@@ -101,11 +107,11 @@ def _check_args(
     if (
         inp.ndim == 2
         and weight.ndim == 3
-        and inp.dtype in _FLOAT_DTYPES
+        and inp.dtype in FLOAT_DTYPES
         and weight.dtype is inp.dtype
         and inp.shape[1] == weight.shape[2]
         and m_splits.ndim == 1
-        and m_splits.dtype in _INT_DTYPES
+        and m_splits.dtype in INDEX_DTYPES
         and m_splits.shape[0] == weight.shape[0]
         and (m_splits.device == inp.device or m_splits.device.type == "cpu")
         and (bias is None or (bias.shape == weight.shape[:2] and bias.dtype is inp.dtype))
@@ -129,7 +135,7 @@ def _diagnose(
             f"weight must be 3-D [num_gemms, out_features, in_features], got shape "
             f"{list(weight.shape)}"
         )
-    if inp.dtype not in _FLOAT_DTYPES:
+    if inp.dtype not in FLOAT_DTYPES:
         return p + f"inp.dtype must be a floating type, got {inp.dtype}"
     if weight.dtype != inp.dtype:
         return p + f"inp.dtype ({inp.dtype}) must equal weight.dtype ({weight.dtype})"
@@ -138,7 +144,7 @@ def _diagnose(
             f"inp.shape[1] ({inp.shape[1]}) must equal in_features = weight.shape[2] "
             f"({weight.shape[2]})"
         )
-    if m_splits.ndim != 1 or m_splits.dtype not in _INT_DTYPES:
+    if m_splits.ndim != 1 or m_splits.dtype not in INDEX_DTYPES:
         return p + (
             f"m_splits must be a 1-D int32/int64 tensor (or a list of ints), got "
             f"{m_splits.dtype} of shape {list(m_splits.shape)}"
@@ -164,7 +170,7 @@ def _diagnose(
     )
 
 
-def _check(a: _Args) -> None:
+def check_grouped_linear(a: GroupedLinearArgs) -> None:
     _check_args(a.inp, a.m_splits, a.weight, a.bias, a.main_grad)
     stash = a.wgrad_stash
     if stash is not None:

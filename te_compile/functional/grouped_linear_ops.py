@@ -113,13 +113,13 @@ from te_compile.functional.grouped_gemm import (
     uses_grouped_mm,
 )
 from te_compile.functional.grouped_linear_args import (
-    _Args,
-    _check,
-    _grouped_recipe,
-    _measured,
+    GroupedLinearArgs,
+    appends_amaxes,
+    check_grouped_linear,
     grouped_gemm_kind,
+    make_grouped_recipe,
 )
-from te_compile.functional.grouped_linear_samples import _samples
+from te_compile.functional.grouped_linear_samples import sample_inputs
 from te_compile.functional.quantize_mx_ref import nvfp4_qdq
 from te_compile.functional.spec import BackwardSpec, QuantSpec, parse
 
@@ -328,7 +328,7 @@ class _RefNVFP4(torch.autograd.Function):
 
 def _reference(*args):
     """Every recipe's definition, in the inputs' dtype (float64 in the tests)."""
-    a = _Args(*args)
+    a = GroupedLinearArgs(*args)
     if a.bw.override:
         return _override_reference(a)
     inp, weight, bias = a.inp, a.weight, a.bias
@@ -356,7 +356,7 @@ def _reference(*args):
     return out
 
 
-def _override_reference(a: _Args) -> Tensor:
+def _override_reference(a: GroupedLinearArgs) -> Tensor:
     """A backward override: the recipe's forward value, with the gradients of the grouped GEMM
     of the high-precision operands (``"high_precision"``) or of the forward's dequantised ones,
     straight through the quantisation (``"dequantized"``); the gradient is not quantised."""
@@ -372,8 +372,8 @@ def _override_reference(a: _Args) -> Tensor:
 # 2. Forward op ------------------------------------------------------------------------------
 
 
-def _forward(a: _Args, cuda: bool) -> tuple[Tensor, list[Tensor]]:
-    _check(a)
+def _forward(a: GroupedLinearArgs, cuda: bool) -> tuple[Tensor, list[Tensor]]:
+    check_grouped_linear(a)
     x = a.specs[0]
     forward, _ = GROUPED_GEMMS[grouped_gemm_kind(x.kind, x.emulate)]
     r = a.grouped_recipe
@@ -393,7 +393,7 @@ def host_split_path(*args: object, **kwargs: object) -> str | None:
     ``weight`` and ``input_spec`` (``""``: high precision) are found by position."""
     forward = len(args) < 2 or not isinstance(args[1], (list, tuple))
     if forward:
-        a = _Args(*args, **kwargs)
+        a = GroupedLinearArgs(*args, **kwargs)
         inp, m_splits, weight, quantised = a.inp, a.m_splits, a.weight, a.input_spec
     else:  # grouped_linear_bwd(grad_out, saved, inp, m_splits, weight, ..., input_spec, ...)
         inp, m_splits, weight = args[2], args[3], args[4]
@@ -430,14 +430,15 @@ def grouped_linear_fwd(
     the backward. ``weight_q``: ``weight`` pre-quantised (``functional.grouped_weight``);
     ``saved`` then lacks the weight's copies. Default (CPU): fp32 math (fp64 stays fp64) in
     high precision, the exact emulation of the FP8 GEMMs."""
-    a = _Args(inp, m_splits, weight, bias, main_grad, input_spec, weight_spec, grad_spec, scale,
-              grad_amax, rng_state, backward, weight_q, wgrad_stash)  # fmt: skip
+    a = GroupedLinearArgs(inp, m_splits, weight, bias, main_grad, input_spec, weight_spec,
+                          grad_spec, scale, grad_amax, rng_state, backward, weight_q,
+                          wgrad_stash)  # fmt: skip
     return _forward(a, cuda=False)
 
 
 @grouped_linear_fwd.register_kernel("cuda")
 def _grouped_linear_fwd_cuda(*args):
-    return _forward(_Args(*args), cuda=True)
+    return _forward(GroupedLinearArgs(*args), cuda=True)
 
 
 # 3. Fake ------------------------------------------------------------------------------------
@@ -445,8 +446,8 @@ def _grouped_linear_fwd_cuda(*args):
 
 @grouped_linear_fwd.register_fake
 def _grouped_linear_fwd_fake(*args):
-    a = _Args(*args)
-    _check(a)
+    a = GroupedLinearArgs(*args)
+    check_grouped_linear(a)
     inp = a.inp
     g, n, k = a.weight.shape
     out = inp.new_empty(inp.shape[0], n)
@@ -474,7 +475,7 @@ def _grouped_linear_fwd_fake(*args):
         saved = [] if a.bw.save_input else [inp.new_empty(inp.shape)]
         if not pre:
             saved.append(a.weight.new_empty(a.weight.shape))
-    if kind == "scaled_grouped_mm" and _measured(x.kind, a.grad_amax):
+    if kind == "scaled_grouped_mm" and appends_amaxes(x.kind, a.grad_amax):
         saved.append(inp.new_empty(2, dtype=f32))
     return out, saved
 
@@ -506,7 +507,7 @@ _N_BWD_SCALARS = 7  # the specs, backward, has_bias, need_dgrad, need_wgrad
 
 def _backward_impl(grad_out, saved, inp, m_splits, weight, main_grad, scale, grad_amax,
                    rng_state, c: _Bwd, cuda: bool):  # fmt: skip
-    r = _grouped_recipe((c.x, c.w, c.g), scale, grad_amax, c.bw, rng_state)
+    r = make_grouped_recipe((c.x, c.w, c.g), scale, grad_amax, c.bw, rng_state)
     _, backward = GROUPED_GEMMS[grouped_gemm_kind(c.x.kind, c.x.emulate)]
     if c.bw.save_input and backward is dequantized_backward:  # the kept input quantised again
         saved = [dequantized_input(inp, m_splits, r) if c.need_wgrad else inp, *saved]
@@ -589,11 +590,11 @@ def _grouped_linear_bwd_fake(*args):
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    a = _Args(*inputs)
+    a = GroupedLinearArgs(*inputs)
     _out, saved = output
     ctx.mark_non_differentiable(*saved)
     recipe = a.recipe
-    if recipe in PER_TENSOR and _measured(recipe, a.grad_amax):
+    if recipe in PER_TENSOR and appends_amaxes(recipe, a.grad_amax):
         saved = saved[:-1]  # the amaxes: for the caller
     tensors, ctx.scalars = _for_backward(a, saved)
     # main_grad and grad_amax (positions 3 and 5): written by the backward.
@@ -601,7 +602,7 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.has_bias = a.bias is not None
 
 
-def _for_backward(a: _Args, saved: list[Tensor]) -> tuple[tuple, tuple]:
+def _for_backward(a: GroupedLinearArgs, saved: list[Tensor]) -> tuple[tuple, tuple]:
     """What the backward op takes from a forward call (the tensors, then the strings). The
     input is read by a high-precision wgrad (not by FP8 wgrads, the native blockwise GEMMs
     or the emulation, which saved their own copies) and by a backward that quantises it again
@@ -648,7 +649,7 @@ _grouped_linear = differentiable(
     grouped_linear_bwd,
     setup_context=_setup_context,
     backward=_backward,
-    sample_inputs=_samples,
+    sample_inputs=sample_inputs,
     reference=_reference,
 )
 
@@ -746,14 +747,14 @@ def grouped_linear(
         result += (_deferred(args, saved),)
     if return_amax:
         kind = specs[0].partition(":")[0] if isinstance(specs[0], str) else ""
-        measured = _measured(kind, grad_amax)
+        measured = appends_amaxes(kind, grad_amax)
         result += (saved[-1] if measured else inp.new_empty(0, dtype=torch.float32),)
     return result
 
 
 def _deferred(args: tuple, saved: list[Tensor]) -> DeferredWgrad:
-    a = _Args(*args)
-    if a.recipe in PER_TENSOR and _measured(a.recipe, a.grad_amax):
+    a = GroupedLinearArgs(*args)
+    if a.recipe in PER_TENSOR and appends_amaxes(a.recipe, a.grad_amax):
         saved = saved[:-1]
     tensors, scalars = _for_backward(a, saved)
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import torch
 
 from te_compile._library import SampleInput
-from te_compile.functional.grouped_linear_args import _Args
+from te_compile.functional.grouped_linear_args import GroupedLinearArgs
 from te_compile.functional.grouped_weight import quantize_grouped_weight
 
 
-def _samples(device: torch.device):
+def sample_inputs(device: torch.device):
     def t(*shape, dtype=torch.float32, grad=True):
         return torch.randn(*shape, device=device, dtype=dtype, requires_grad=grad)
 
@@ -19,7 +19,7 @@ def _samples(device: torch.device):
         return torch.tensor(values, device=on, dtype=torch.int64)
 
     def call(*args, **kw):
-        return SampleInput(tuple(_Args(*args, **kw)) if kw else args)
+        return SampleInput(tuple(GroupedLinearArgs(*args, **kw)) if kw else args)
 
     def specs(x, w=None, g=None):  # the weight's as the input's, the gradient's E5M2 unless given
         return {"input_spec": x, "weight_spec": x if w is None else w,

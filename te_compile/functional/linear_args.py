@@ -1,10 +1,11 @@
 """The linear family's arguments and their checks (``linear_ops.py`` defines the ops).
 
-``_Args`` names the forward op's arguments (a call passes the first four, or all) and parses its
-spec strings; the checks are shared by the implementations (eager) and the fakes (trace time),
-so a bad argument raises the same ValueError, naming it, in eager and under ``torch.compile``.
-``_check_args`` is the hot path's one cheap compound test of the four tensors; ``_check`` the
-whole call (recipe, prologue, epilogue, backward, pre-quantised weight).
+``LinearArgs`` names the forward op's arguments (a call passes the first four, or all) and parses
+its spec strings; the checks are shared by the implementations (eager) and the fakes (trace
+time), so a bad argument raises the same ValueError, naming it, in eager and under
+``torch.compile``. ``check_linear_tensors`` is the hot path's one cheap compound test of the four
+tensors; ``check_linear`` the whole call (recipe, prologue, epilogue, backward, pre-quantised
+weight).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from te_compile._checks import check_finite
+from te_compile._checks import FLOAT_DTYPES, check_finite
 from te_compile.functional.activation import GATED_ACTIVATIONS, check_activation, check_gated_params
 from te_compile.functional.dense_weight import (
     WEIGHT_OPERAND,
@@ -32,10 +33,8 @@ from te_compile.functional.spec import (
     parse_roles,
 )
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
-
-class _Args(NamedTuple):
+class LinearArgs(NamedTuple):
     """The forward op's arguments, by name (a call passes the first four, or all)."""
 
     inp: Tensor
@@ -87,17 +86,22 @@ class _Args(NamedTuple):
                     n.zero_centered_gamma)  # fmt: skip
 
 
-_NORM_WEIGHT, _RESIDUAL = _Args._fields.index("norm_weight"), _Args._fields.index("residual")
+NORM_WEIGHT, RESIDUAL = (
+    LinearArgs._fields.index("norm_weight"),
+    LinearArgs._fields.index("residual"),
+)
 
 
-def _out_features(n: int, activation: str) -> int:
+def out_features(n: int, activation: str) -> int:
     return n // 2 if activation in GATED_ACTIVATIONS else n
 
 
 # Checks, shared by the implementations (eager) and the fakes (trace time) ---------------------
 
 
-def _check_args(inp: Tensor, weight: Tensor, bias: Tensor | None, main_grad: Tensor | None) -> None:
+def check_linear_tensors(
+    inp: Tensor, weight: Tensor, bias: Tensor | None, main_grad: Tensor | None
+) -> None:
     """The four tensors. One cheap compound test on the hot path (eager calls pay for it on
     every step); the per-argument diagnosis runs only when it fails, so eager and compile raise
     the same ValueError naming the argument."""
@@ -106,7 +110,7 @@ def _check_args(inp: Tensor, weight: Tensor, bias: Tensor | None, main_grad: Ten
     if (
         len(w_shape) == 2
         and dtype is weight.dtype
-        and dtype in _FLOAT_DTYPES
+        and dtype in FLOAT_DTYPES
         and inp.ndim >= 1
         and inp.shape[-1] == w_shape[1]
         and (bias is None or (bias.shape == (w_shape[0],) and bias.dtype is dtype))
@@ -121,7 +125,7 @@ def _diagnose(inp: Tensor, weight: Tensor, bias: Tensor | None, main_grad: Tenso
         return f"te.linear: weight must be 2-D [out_features, in_features], got {weight.dim()}-D"
     if inp.dim() < 1:
         return "te.linear: inp must have at least 1 dimension"
-    if inp.dtype not in _FLOAT_DTYPES:
+    if inp.dtype not in FLOAT_DTYPES:
         return f"te.linear: inp.dtype must be a floating type, got {inp.dtype}"
     if inp.dtype != weight.dtype:
         return (
@@ -146,7 +150,7 @@ def _diagnose(inp: Tensor, weight: Tensor, bias: Tensor | None, main_grad: Tenso
     )
 
 
-def _check(a: _Args) -> None:
+def check_linear(a: LinearArgs) -> None:
     inp, weight = a.inp, a.weight
     if weight.dtype in FP8_DTYPES:  # FP8 primary weights: the codes stand for the weight
         if a.weight_q is None:
@@ -160,7 +164,7 @@ def _check(a: _Args) -> None:
                 f"{weight.dtype} (FP8 primary weights)"
             )
         weight = torch.empty(weight.shape, dtype=inp.dtype, device="meta")
-    _check_args(inp, weight, a.bias, a.main_grad)
+    check_linear_tensors(inp, weight, a.bias, a.main_grad)
     if a.plain:
         return
     p = "te.linear: "
@@ -234,7 +238,7 @@ def _check(a: _Args) -> None:
         check_activation(gemm_out, a.bias, ep.activation, ep.interleave)
         check_gated_params("te.linear", ep.limit, ep.alpha, ep.offset)
     if a.wgrad_stash is not None:
-        shape = (*inp.shape[:-1], _out_features(n, ep.activation))
+        shape = (*inp.shape[:-1], out_features(n, ep.activation))
         stash = a.wgrad_stash
         if stash.shape != shape or stash.dtype != inp.dtype or stash.device != inp.device:
             raise ValueError(
@@ -242,7 +246,7 @@ def _check(a: _Args) -> None:
                 f"{inp.dtype} and device, got {list(stash.shape)} {stash.dtype} {stash.device}"
             )
     if a.residual is not None:
-        shape = (*inp.shape[:-1], _out_features(n, ep.activation))
+        shape = (*inp.shape[:-1], out_features(n, ep.activation))
         if a.residual.shape != shape or a.residual.dtype != inp.dtype:
             raise ValueError(
                 p + f"residual must have the output's shape {list(shape)} and inp's dtype "

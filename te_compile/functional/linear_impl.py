@@ -1,9 +1,9 @@
 """The linear family's implementations: what ``te::linear_fwd`` / ``te::linear_bwd``
 (``linear_ops.py``, which documents them) compute on each device.
 
-``_forward`` runs the optional norm prologue, quantises the operands through
+``forward_impl`` runs the optional norm prologue, quantises the operands through
 ``functional.gemm.QUANTIZERS``, calls the recipe's GEMM (``functional.gemm.GEMMS``) and the
-epilogue, and returns the tensors the backward needs; ``_backward_impl`` runs the epilogue's and
+epilogue, and returns the tensors the backward needs; ``backward_impl`` runs the epilogue's and
 the prologue's backward around the dgrad and wgrad GEMMs (``_quantized_backward`` for a quantised
 recipe). ``cuda`` selects cuBLAS in the input dtype; on the CPU (the definition of correctness)
 high precision is fp32 math rounded once.
@@ -35,14 +35,14 @@ from te_compile.functional.gemm import (
     wgrad_gemm,
 )
 from te_compile.functional.gemm_ref import as_specs
-from te_compile.functional.linear_args import _Args, _check
+from te_compile.functional.linear_args import LinearArgs, check_linear
 from te_compile.functional.prologue import norm_backward, norm_forward, norm_quantize
 from te_compile.functional.quantize import dequantize_blockwise
 from te_compile.functional.spec import EpilogueSpec, NormSpec, QuantSpec, parse
 
 
-def _forward(a: _Args, cuda: bool) -> tuple[Tensor, Tensor, list[Tensor]]:
-    _check(a)
+def forward_impl(a: LinearArgs, cuda: bool) -> tuple[Tensor, Tensor, list[Tensor]]:
+    check_linear(a)
     inp, weight, bias = a.inp, a.weight, a.bias
     ep = a.ep
     dtype, n = inp.dtype, weight.shape[0]
@@ -130,7 +130,7 @@ def _dequantized(spec: QuantSpec, q, rows: int, dtype) -> Tensor:
     return values[:rows].to(dtype, copy=values is q.data)
 
 
-class _Bwd(NamedTuple):
+class BwdArgs(NamedTuple):
     """The backward op's arguments after the tensors, parsed."""
 
     x: QuantSpec
@@ -143,7 +143,7 @@ class _Bwd(NamedTuple):
     need_wgrad: bool
 
     @classmethod
-    def of(cls, input_spec, weight_spec, grad_spec, norm, epilogue, *need) -> _Bwd:
+    def of(cls, input_spec, weight_spec, grad_spec, norm, epilogue, *need) -> BwdArgs:
         return cls(*as_specs(input_spec, weight_spec, grad_spec), parse(NormSpec, norm),
                    parse(EpilogueSpec, epilogue), *need)  # fmt: skip
 
@@ -152,7 +152,9 @@ class _Bwd(NamedTuple):
         return self.x.kind
 
 
-def _split_saved(saved: list[Tensor], c: _Bwd) -> tuple[list, Tensor | None, Tensor | None, list]:
+def _split_saved(
+    saved: list[Tensor], c: BwdArgs
+) -> tuple[list, Tensor | None, Tensor | None, list]:
     """``(quantised copies [4] or [], high-precision GEMM input or None, GEMM output before the
     activation or None, norm statistics)``."""
     normalized, act = bool(c.norm.normalization), bool(c.ep.activation)
@@ -164,8 +166,8 @@ def _split_saved(saved: list[Tensor], c: _Bwd) -> tuple[list, Tensor | None, Ten
     return copies, x_hp, h, stats
 
 
-def _backward_impl(grad, grad_branch, saved, inp, weight, bias, main_grad, scale, grad_amax,
-                   norm_weight, rng_state, c: _Bwd, cuda: bool):  # fmt: skip
+def backward_impl(grad, grad_branch, saved, inp, weight, bias, main_grad, scale, grad_amax,
+                  norm_weight, rng_state, c: BwdArgs, cuda: bool):  # fmt: skip
     dtype = grad.dtype
     ep, normalization = c.ep, c.norm.normalization
     copies, x_hp, h, stats = _split_saved(saved, c)
@@ -221,7 +223,7 @@ def _backward_impl(grad, grad_branch, saved, inp, weight, bias, main_grad, scale
     return dinp if dinp is not None else empty(grad), dweight, dbias, *dnorm
 
 
-def _quantized_backward(dy, copies, main_grad, scale, grad_amax, rng_state, c: _Bwd, m: int):
+def _quantized_backward(dy, copies, main_grad, scale, grad_amax, rng_state, c: BwdArgs, m: int):
     """``(dinp 2-D or None, dweight, dbias or None)`` of a quantised recipe's GEMMs; ``dbias``
     only where the gradient's quantisation sums it (native blockwise)."""
     x_t, x_st, w_t, w_st = copies

@@ -109,15 +109,15 @@ from te_compile.functional.gemm import (
 )
 from te_compile.functional.gemm_ref import quantized_linear_ref
 from te_compile.functional.linear_args import (
-    _NORM_WEIGHT,
-    _RESIDUAL,
-    _Args,
-    _check,
-    _check_args,
-    _out_features,
+    NORM_WEIGHT,
+    RESIDUAL,
+    LinearArgs,
+    check_linear,
+    check_linear_tensors,
+    out_features,
 )
-from te_compile.functional.linear_impl import _backward_impl, _Bwd, _forward
-from te_compile.functional.linear_samples import _samples
+from te_compile.functional.linear_impl import BwdArgs, backward_impl, forward_impl
+from te_compile.functional.linear_samples import sample_inputs
 from te_compile.functional.prologue import NORMALIZATIONS, fake_dnorm, fake_stats, norm_ref
 from te_compile.functional.spec import (
     BackwardSpec,
@@ -142,7 +142,7 @@ def linear_ref(inp: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tenso
 def _reference(*args):
     """The op's definition: the norm's reference, the recipe's GEMM, the epilogue, in the
     inputs' dtype (float64 in the tests)."""
-    a = _Args(*args)
+    a = LinearArgs(*args)
     ep = a.ep
     x = norm_ref(a.inp, a.nrm)
     y = quantized_linear_ref(x, a.weight, *a.specs, a.scale, a.bw.override, a.rng_state)
@@ -185,17 +185,17 @@ def linear_fwd(
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
     """``(out, branch, saved)`` (module docstring). The default (CPU) implementation computes
     high precision in fp32 (fp64 stays fp64), rounded once."""
-    a = _Args(inp, weight, bias, main_grad, input_spec, weight_spec, grad_spec, scale, grad_amax,
-              rng_state, norm, norm_weight, norm_bias, epilogue, residual, backward, weight_q,
-              wgrad_stash)  # fmt: skip
+    a = LinearArgs(inp, weight, bias, main_grad, input_spec, weight_spec, grad_spec, scale,
+                   grad_amax, rng_state, norm, norm_weight, norm_bias, epilogue, residual,
+                   backward, weight_q, wgrad_stash)  # fmt: skip
     if a.plain:
         return _plain_forward(inp, weight, bias, main_grad, cuda=False)
-    return _forward(a, cuda=False)
+    return forward_impl(a, cuda=False)
 
 
 def _plain_forward(inp, weight, bias, main_grad, cuda: bool) -> tuple[Tensor, Tensor, list]:
     """te.Linear's hot path: high precision, no prologue or epilogue (cheap to enter)."""
-    _check_args(inp, weight, bias, main_grad)
+    check_linear_tensors(inp, weight, bias, main_grad)
     return hp_linear(inp, weight, bias, cuda), inp.new_empty(0), []
 
 
@@ -203,7 +203,7 @@ def _plain_forward(inp, weight, bias, main_grad, cuda: bool) -> tuple[Tensor, Te
 def _linear_fwd_cuda(*args):
     if len(args) == 4:  # the eager fast path passes only the tensors of a plain call
         return _plain_forward(*args, cuda=True)
-    return _forward(_Args(*args), cuda=True)
+    return forward_impl(LinearArgs(*args), cuda=True)
 
 
 # 3. Fake ------------------------------------------------------------------------------------
@@ -211,13 +211,13 @@ def _linear_fwd_cuda(*args):
 
 @linear_fwd.register_fake
 def _linear_fwd_fake(*args):
-    a = _Args(*args)
-    _check(a)
+    a = LinearArgs(*args)
+    check_linear(a)
     inp, weight = a.inp, a.weight
     ep = a.ep
     n, k = weight.shape
     rows = inp.numel() // k if k else 0
-    out = inp.new_empty((*inp.shape[:-1], _out_features(n, ep.activation)))
+    out = inp.new_empty((*inp.shape[:-1], out_features(n, ep.activation)))
     branch = inp.new_empty(inp.shape) if ep.branch else empty(inp)
     if a.plain:
         return out, branch, []
@@ -305,10 +305,10 @@ def linear_bwd(
     if not (input_spec or norm or epilogue) and grad_branch is None:
         return (*hp_linear_backward(grad, inp, weight, main_grad, need_dbias, need_dgrad,
                                     need_wgrad, cuda=False), empty(grad), empty(grad))  # fmt: skip
-    c = _Bwd.of(input_spec, weight_spec, grad_spec, norm, epilogue, need_dbias, need_dgrad,
-                need_wgrad)  # fmt: skip
-    return _backward_impl(grad, grad_branch, saved, inp, weight, bias, main_grad, scale,
-                          grad_amax, norm_weight, rng_state, c, cuda=False)  # fmt: skip
+    c = BwdArgs.of(input_spec, weight_spec, grad_spec, norm, epilogue, need_dbias, need_dgrad,
+                   need_wgrad)  # fmt: skip
+    return backward_impl(grad, grad_branch, saved, inp, weight, bias, main_grad, scale,
+                         grad_amax, norm_weight, rng_state, c, cuda=False)  # fmt: skip
 
 
 _BWD_TENSORS = 11  # grad, grad_branch, saved, inp, weight, bias, main_grad, scale, grad_amax,
@@ -334,14 +334,14 @@ def _linear_bwd_cuda(*args):
         grad, _, _, inp, weight, _, main_grad = tensors[:7]
         return (*hp_linear_backward(grad, inp, weight, main_grad, need_dbias, need_dgrad,
                                     need_wgrad, cuda=True), empty(grad), empty(grad))  # fmt: skip
-    c = _Bwd.of(*scalars[:-1], need_wgrad)
-    return _backward_impl(*tensors, c, cuda=True)
+    c = BwdArgs.of(*scalars[:-1], need_wgrad)
+    return backward_impl(*tensors, c, cuda=True)
 
 
 @linear_bwd.register_fake
 def _linear_bwd_fake(*args):
     (grad, _, saved, _, weight, _, main_grad, *_, norm_weight, _), scalars, stash = _bwd_args(args)
-    c = _Bwd.of(*scalars)
+    c = BwdArgs.of(*scalars)
     need_wgrad = c.need_wgrad and stash is None
     n, k = weight.shape if weight is not None else saved[2].shape[::-1]
     dinp = grad.new_empty(*grad.shape[:-1], k) if c.need_dgrad else empty(grad)
@@ -369,7 +369,7 @@ def _setup_context(ctx, inputs, output) -> None:
         ctx.scalars, ctx.has_bias = _PLAIN_SCALARS, bias is not None
         ctx.branch = ctx.has_norm = False
         return
-    a = _Args(*inputs)
+    a = LinearArgs(*inputs)
     _out, branch, saved = output
     ep = a.ep
     ctx.mark_non_differentiable(*saved, *(() if ep.branch else (branch,)))
@@ -385,7 +385,7 @@ def _setup_context(ctx, inputs, output) -> None:
 _WRITTEN = (3, 5)
 
 
-def _for_backward(a: _Args, saved: list[Tensor]) -> tuple[tuple, tuple]:
+def _for_backward(a: LinearArgs, saved: list[Tensor]) -> tuple[tuple, tuple]:
     """What the backward op takes from a forward call: ``(inp, weight, bias, main_grad, scale,
     grad_amax, norm_weight, rng_state, *saved)`` (None where not needed) and the strings."""
     recipe, override = a.specs[0].kind, a.bw.override
@@ -428,7 +428,7 @@ def _backward(ctx, bwd, grad, grad_branch, _grad_saved):
         raise RuntimeError(
             "te.linear: an FP8 weight's gradient goes to main_grad (fp32), and none was given"
         )
-    need_norm = ctx.has_norm and any(need[_NORM_WEIGHT : _NORM_WEIGHT + 2])
+    need_norm = ctx.has_norm and any(need[NORM_WEIGHT : NORM_WEIGHT + 2])
     need_dbias = ctx.has_bias and need[2]
     need_dgrad = need[0] or need_norm
     grad_branch = grad_branch.contiguous() if ctx.branch and grad_branch is not None else None
@@ -442,10 +442,10 @@ def _backward(ctx, bwd, grad, grad_branch, _grad_saved):
     grads[1] = dweight if need[1] and main_grad is None and stash is None else None
     grads[2] = dbias if need_dbias else None
     if need_norm:  # (a call passes no trailing argument left at its default)
-        for i, d in zip(range(_NORM_WEIGHT, min(len(need), _NORM_WEIGHT + 2)), dnorm, strict=False):
+        for i, d in zip(range(NORM_WEIGHT, min(len(need), NORM_WEIGHT + 2)), dnorm, strict=False):
             grads[i] = d if need[i] else None
-    if len(need) > _RESIDUAL and need[_RESIDUAL]:
-        grads[_RESIDUAL] = grad
+    if len(need) > RESIDUAL and need[RESIDUAL]:
+        grads[RESIDUAL] = grad
     return tuple(grads)
 
 
@@ -454,7 +454,7 @@ _linear = differentiable(
     linear_bwd,
     setup_context=_setup_context,
     backward=_backward,
-    sample_inputs=_samples,
+    sample_inputs=sample_inputs,
     reference=_reference,
     # Plain high precision without main_grad: both implementations are differentiable torch ops
     # (CUDA: F.linear; CPU: fp32 F.linear between casts) whose autograd computes exactly
@@ -467,7 +467,7 @@ _linear = differentiable(
 
 
 def _deferred(args: tuple, saved: list[Tensor]) -> DeferredWgrad:
-    a = _Args(*args)
+    a = LinearArgs(*args)
     tensors, scalars = _for_backward(a, saved)
 
     def replay(grad: Tensor) -> Tensor | None:
@@ -591,7 +591,7 @@ def linear(
     if delay_wgrad:
         DeferredWgrad.check("te.linear", delay_wgrad)
         n = weight.shape[0] if weight.dim() == 2 else 0
-        stash = inp.new_empty((*inp.shape[:-1], _out_features(n, activation)))
+        stash = inp.new_empty((*inp.shape[:-1], out_features(n, activation)))
     if (
         any(specs) or normalization or activation or return_branch or residual is not None
         or out_scale != 1.0 or norm_weight is not None or norm_bias is not None

@@ -8,7 +8,7 @@ import torch
 
 from te_compile._library import SampleInput
 from te_compile.functional.dense_weight import quantize_weight
-from te_compile.functional.linear_args import _Args
+from te_compile.functional.linear_args import LinearArgs
 from te_compile.functional.prologue import unit_rows
 
 
@@ -16,7 +16,7 @@ def _call(inp, weight, bias=None, main_grad=None, **kw) -> SampleInput:
     """A sample: the four tensors, or every argument when any other is given."""
     if not kw:
         return SampleInput((inp, weight, bias, main_grad))
-    return SampleInput(tuple(_Args(inp, weight, bias, main_grad, **kw)))
+    return SampleInput(tuple(LinearArgs(inp, weight, bias, main_grad, **kw)))
 
 
 def _specs(x: str, w: str | None = None, g: str | None = None) -> dict[str, str]:
@@ -25,7 +25,7 @@ def _specs(x: str, w: str | None = None, g: str | None = None) -> dict[str, str]
             "grad_spec": x.replace("e4m3", "e5m2") if g is None else g}  # fmt: skip
 
 
-def _samples(device: torch.device):
+def sample_inputs(device: torch.device):
     def t(*shape, dtype=torch.float32, grad=True):
         return torch.randn(*shape, device=device, dtype=dtype, requires_grad=grad)
 

@@ -1,5 +1,5 @@
-"""The MLP family's arguments and their checks (``mlp_ops.py`` defines the ops): ``_Args``
-names the forward op's arguments and parses its specs; ``_check``, shared by the implementation
+"""The MLP family's arguments and their checks (``mlp_ops.py`` defines the ops): ``MLPArgs``
+names the forward op's arguments and parses its specs; ``check_mlp``, shared by the implementation
 (eager) and the fake (trace time), raises the same ValueError, naming the argument, in both."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from te_compile._checks import FP8_DTYPES, HIGH_DTYPES
 from te_compile.functional.activation import ACTIVATIONS, GATED_ACTIVATIONS, check_gated_params
 from te_compile.functional.dense_weight import (
     WEIGHT_OPERAND,
@@ -17,8 +18,6 @@ from te_compile.functional.dense_weight import (
 )
 from te_compile.functional.gemm import (
     BLOCK_KINDS,
-    FP8_DTYPES,
-    HIGH_DTYPES,
     PER_TENSOR,
     blockwise_supported,
     check_specs,
@@ -26,12 +25,12 @@ from te_compile.functional.gemm import (
 from te_compile.functional.prologue import Norm, check_norm
 from te_compile.functional.spec import EpilogueSpec, NormSpec, QuantSpec, parse, parse_roles
 
-__all__ = ["MLP_ACTIVATIONS"]
+__all__ = ["MLP_ACTIVATIONS", "NORM_WEIGHT", "MLPArgs", "check_mlp"]
 
 MLP_ACTIVATIONS = (*ACTIVATIONS, *GATED_ACTIVATIONS)
 
 
-class _Args(NamedTuple):
+class MLPArgs(NamedTuple):
     """The forward op's arguments, by name."""
 
     inp: Tensor
@@ -74,14 +73,14 @@ class _Args(NamedTuple):
                     n.zero_centered_gamma)  # fmt: skip
 
 
-_NORM_WEIGHT = _Args._fields.index("norm_weight")
+NORM_WEIGHT = MLPArgs._fields.index("norm_weight")
 # The kinds whose token count must be a multiple of the block (the others pad to 16 rows).
 _TOKEN_BLOCKS = ("mxfp8", "nvfp4")
 
 # Checks -----------------------------------------------------------------------------------------
 
 
-def _weight(a: _Args, i: int) -> Tensor:
+def _weight(a: MLPArgs, i: int) -> Tensor:
     """``fc{i}_weight`` as the checks see it: an FP8 weight (FP8 primary weights: the codes stand
     for the weight, its ``fc{i}_weight_q`` is the operand and its gradient goes to
     ``main_grad{i}``) as a meta tensor of its shape in the input's dtype."""
@@ -97,7 +96,7 @@ def _weight(a: _Args, i: int) -> Tensor:
     return torch.empty(weight.shape, dtype=a.inp.dtype, device="meta")
 
 
-def _check(a: _Args) -> None:
+def check_mlp(a: MLPArgs) -> None:
     p = "te.mlp: "
     inp, w1, w2 = a.inp, _weight(a, 1), _weight(a, 2)
     check_norm(p, inp, a.nrm)

@@ -54,7 +54,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from te_compile._checks import check_bool, check_required, check_same_device
+from te_compile._checks import FP8_DTYPES, check_bool, check_required, check_same_device
 from te_compile._library import differentiable, op
 from te_compile.functional.activation import (
     CLAMPED_SWIGLU_DEFAULTS,
@@ -66,7 +66,6 @@ from te_compile.functional.activation import (
 )
 from te_compile.functional.dense_weight import check_weight_quantized, weight_operand
 from te_compile.functional.gemm import (
-    FP8_DTYPES,
     PER_TENSOR,
     Operand,
     check_gemm_args,
@@ -86,8 +85,8 @@ from te_compile.functional.gemm import (
     wgrad_gemm,
 )
 from te_compile.functional.gemm_ref import as_specs, quantized_linear_ref
-from te_compile.functional.mlp_args import _NORM_WEIGHT, _Args, _check
-from te_compile.functional.mlp_samples import _samples
+from te_compile.functional.mlp_args import NORM_WEIGHT, MLPArgs, check_mlp
+from te_compile.functional.mlp_samples import sample_inputs
 from te_compile.functional.prologue import (
     NORMALIZATIONS,
     fake_dnorm,
@@ -119,7 +118,7 @@ def mlp_ref(*args) -> Tensor:
     """Definition of correctness, differentiable, in the inputs' dtype (fp64 in the tests): the
     norm's reference, the recipe's GEMM (``functional.gemm_ref.quantized_linear_ref``) twice
     around the activation's reference."""
-    a = _Args(*args)
+    a = MLPArgs(*args)
     x = norm_ref(a.inp, a.nrm)
     delayed = a.recipe == "delayed"
     specs, ep = a.specs, a.ep
@@ -181,8 +180,8 @@ def _wgrad_scale(spec: QuantSpec, saved: Tensor) -> Tensor:
     return saved.t() if _native_block(spec) else saved
 
 
-def _forward(a: _Args) -> tuple[Tensor, list[Tensor]]:
-    _check(a)
+def _forward(a: MLPArgs) -> tuple[Tensor, list[Tensor]]:
+    check_mlp(a)
     inp, w1, b1, w2, b2 = a.inp, a.fc1_weight, a.fc1_bias, a.fc2_weight, a.fc2_bias
     x2 = inp.reshape(-1, inp.shape[-1])
     xs, ws, _ = a.specs
@@ -253,7 +252,7 @@ def mlp_fwd(
     main_grad2: Tensor | None = None,
 ) -> tuple[Tensor, list[Tensor]]:
     """``(out, saved)`` (module docstring)."""
-    return _forward(_Args(inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, epilogue, input_spec,
+    return _forward(MLPArgs(inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, epilogue, input_spec,
                           weight_spec, grad_spec, scale1, scale2, grad_amax1, grad_amax2, norm,
                           norm_weight, norm_bias, fc1_weight_q, fc2_weight_q, main_grad1,
                           main_grad2))  # fmt: skip
@@ -261,8 +260,8 @@ def mlp_fwd(
 
 @mlp_fwd.register_fake
 def _mlp_fwd_fake(*args):
-    a = _Args(*args)
-    _check(a)
+    a = MLPArgs(*args)
+    check_mlp(a)
     inp, w1, w2 = a.inp, a.fc1_weight, a.fc2_weight
     rows = inp.numel() // inp.shape[-1]
     d, f1, f, n = w1.shape[1], w1.shape[0], w2.shape[1], w2.shape[0]
@@ -434,7 +433,7 @@ def _mlp_bwd_fake(*args):
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    a = _Args(*inputs)
+    a = MLPArgs(*inputs)
     _out, saved = output
     ctx.mark_non_differentiable(*saved)
     recipe = a.recipe
@@ -468,7 +467,7 @@ def _backward(ctx, bwd, grad, _grad_saved):
     inp, w1, b1, w2, s1, s2, _, _, _, _, norm_weight, *saved = ctx.saved_tensors
     ga1, ga2, mg1, mg2 = ctx.written
     need = ctx.needs_input_grad
-    need_norm = ctx.has_norm and any(need[_NORM_WEIGHT : _NORM_WEIGHT + 2])
+    need_norm = ctx.has_norm and any(need[NORM_WEIGHT : NORM_WEIGHT + 2])
     need_db2 = ctx.has_fc2_bias and need[4]
     for i, fp8_weight in enumerate(getattr(ctx, "fp8_weights", ()), 1):
         if fp8_weight and need[2 * i - 1]:
@@ -490,9 +489,9 @@ def _backward(ctx, bwd, grad, _grad_saved):
         db2 if need_db2 else None,
     ]
     if need_norm:  # (a call passes no trailing argument left at its default)
-        grads[_NORM_WEIGHT] = dnw if need[_NORM_WEIGHT] else None
-        if ctx.has_norm_bias and need[_NORM_WEIGHT + 1]:
-            grads[_NORM_WEIGHT + 1] = dnb
+        grads[NORM_WEIGHT] = dnw if need[NORM_WEIGHT] else None
+        if ctx.has_norm_bias and need[NORM_WEIGHT + 1]:
+            grads[NORM_WEIGHT + 1] = dnb
     return tuple(grads)
 
 
@@ -501,7 +500,7 @@ _mlp = differentiable(
     mlp_bwd,
     setup_context=_setup_context,
     backward=_backward,
-    sample_inputs=_samples,
+    sample_inputs=sample_inputs,
     reference=mlp_ref,
 )
 

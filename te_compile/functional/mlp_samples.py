@@ -7,11 +7,11 @@ import torch
 
 from te_compile._library import SampleInput
 from te_compile.functional.dense_weight import quantize_weight
-from te_compile.functional.mlp_args import _Args
+from te_compile.functional.mlp_args import MLPArgs
 from te_compile.functional.prologue import unit_rows
 
 
-def _samples(device: torch.device):
+def sample_inputs(device: torch.device):
     # float32: a bf16 sample's intermediate roundings (z, h, dh) would move some FP8 codes of
     # the float64 reference by one step; the bf16 path is checked bit for bit against the
     # unfused ops in tests/functional/test_mlp.py.
@@ -19,7 +19,7 @@ def _samples(device: torch.device):
         return torch.randn(*shape, device=device, dtype=torch.float32, requires_grad=grad)
 
     def call(*args, **kw):
-        return SampleInput(tuple(_Args(*args, **kw)))
+        return SampleInput(tuple(MLPArgs(*args, **kw)))
 
     def specs(x, w=None, g=None):  # the weight's as the input's, the gradient's E5M2 unless given
         return {"input_spec": x, "weight_spec": x if w is None else w,

@@ -38,6 +38,7 @@ are in ``functional/moe_args.py``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -55,6 +56,7 @@ from te_compile.functional.moe_args import (
     int_arg,
     num_out,
 )
+from te_compile.kernels import submodule
 
 __all__ = [
     "moe_permute",
@@ -300,11 +302,7 @@ def moe_sort_chunks_bwd_ref(
     )
 
 
-def _kernels():
-    # Imported on first CUDA use: Triton is not a dependency of the CPU-only package.
-    from te_compile.kernels import moe
-
-    return moe
+_kernels = functools.partial(submodule, "moe")  # Triton: imported on first CUDA use
 
 
 def _on_triton(x: Tensor) -> bool:

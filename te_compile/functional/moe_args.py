@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from te_compile._checks import FLOAT_DTYPES, INDEX_DTYPES
+
 __all__ = [
     "MAP_TYPES",
     "check_permute_args",
@@ -19,8 +21,6 @@ __all__ = [
 ]
 
 MAP_TYPES = ("mask", "index")
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_INDEX_DTYPES = (torch.int32, torch.int64)
 _MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int32, torch.int64)
 
 
@@ -29,7 +29,7 @@ def fail(prefix: str, message: str) -> None:
 
 
 def _check_float(prefix: str, name: str, t: Tensor, dims: int) -> None:
-    if t.dtype not in _FLOAT_DTYPES:
+    if t.dtype not in FLOAT_DTYPES:
         fail(prefix, f"{name}.dtype must be float32, bfloat16, float16 or float64, got {t.dtype}")
     if t.dim() != dims:
         fail(prefix, f"{name} must be {dims}-D, got {t.dim()}-D {list(t.shape)}")
@@ -58,7 +58,7 @@ def check_permute_args(
     if map_type not in MAP_TYPES:
         fail(prefix, f"map_type must be one of {MAP_TYPES}, got {map_type!r}")
     _check_float(prefix, "inp", inp, 2)
-    allowed = _MASK_DTYPES if map_type == "mask" else _INDEX_DTYPES
+    allowed = _MASK_DTYPES if map_type == "mask" else INDEX_DTYPES
     if routing_map.dtype not in allowed:
         kinds = "bool or an integer type" if map_type == "mask" else "int32 or int64"
         fail(
@@ -110,7 +110,7 @@ def check_sort_chunks_args(
 ) -> None:
     _check_float(prefix, "inp", inp, 2)
     for name, t in (("split_sizes", split_sizes), ("sorted_index", sorted_index)):
-        if t.dtype not in _INDEX_DTYPES or t.dim() != 1 or t.shape[0] < 1:
+        if t.dtype not in INDEX_DTYPES or t.dim() != 1 or t.shape[0] < 1:
             fail(
                 prefix,
                 f"{name} must be a 1-D int32 or int64 tensor with at least one chunk, "

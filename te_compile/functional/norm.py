@@ -47,16 +47,25 @@ defaults after ``zero_centered_gamma`` (``eps`` for L2).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 from torch import Tensor
 
-from te_compile._checks import check_bool, check_positive_finite, check_required, check_tensors
+from te_compile._checks import (
+    FLOAT_DTYPES,
+    check_bool,
+    check_positive_finite,
+    check_required,
+    check_tensors,
+)
 from te_compile._library import SampleInput, differentiable, op
 from te_compile._numerics import acc_dtype
+from te_compile.kernels import submodule
 
 __all__ = [
+    "check_norm_args",
     "l2normalization",
     "l2normalization_ref",
     "layernorm",
@@ -64,8 +73,6 @@ __all__ = [
     "rmsnorm",
     "rmsnorm_ref",
 ]
-
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 # 1. Reference math --------------------------------------------------------------------------
@@ -177,7 +184,7 @@ def check_public_args(
     check_positive_finite(owner, eps=eps)
 
 
-def _check_args(
+def check_norm_args(
     name: str, inp: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
 ) -> None:
     """Constraints shared by the implementations (eager) and the fakes (trace time).
@@ -187,7 +194,7 @@ def _check_args(
     dtype = inp.dtype
     if (
         0 < eps < math.inf
-        and dtype in _FLOAT_DTYPES
+        and dtype in FLOAT_DTYPES
         and inp.ndim >= 1
         and inp.shape[-1] >= 1
         and (
@@ -218,7 +225,7 @@ def _diagnose(
     prefix = f"te.{name}: "
     if not 0 < eps < math.inf:
         return prefix + f"eps must be > 0 and finite, got {eps}"
-    if inp.dtype not in _FLOAT_DTYPES:
+    if inp.dtype not in FLOAT_DTYPES:
         return prefix + f"inp.dtype must be a floating type, got {inp.dtype}"
     if inp.ndim < 1 or inp.shape[-1] < 1:
         return prefix + f"inp must have a non-empty last dim, got shape {list(inp.shape)}"
@@ -242,11 +249,7 @@ def _diagnose(
     return prefix + f"bias.dtype ({bias.dtype}) must equal weight.dtype ({weight.dtype})"
 
 
-def _kernels():
-    # Imported on first CUDA use: Triton is not a dependency of the CPU-only package.
-    from te_compile.kernels import norm
-
-    return norm
+_kernels = functools.partial(submodule, "norm")  # Triton: imported on first CUDA use
 
 
 def _empty(like: Tensor) -> Tensor:
@@ -262,15 +265,13 @@ def layernorm_fwd(
     inp: Tensor, weight: Tensor, bias: Tensor | None, eps: float, zero_centered_gamma: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Returns ``(out, mean, rsigma)``. Default (CPU) implementation: the reference math."""
-    _check_args("layernorm", inp, weight, bias, eps)
+    check_norm_args("layernorm", inp, weight, bias, eps)
     return layernorm_ref(inp.contiguous(), weight, bias, eps, zero_centered_gamma)
 
 
 @layernorm_fwd.register_kernel("cuda")
-def _layernorm_fwd_cuda(
-    inp: Tensor, weight: Tensor, bias: Tensor | None, eps: float, zero_centered_gamma: bool
-) -> tuple[Tensor, Tensor, Tensor]:
-    _check_args("layernorm", inp, weight, bias, eps)
+def _layernorm_fwd_cuda(inp, weight, bias, eps, zero_centered_gamma):
+    check_norm_args("layernorm", inp, weight, bias, eps)
     if inp.dtype is torch.float64:
         return layernorm_ref(inp.contiguous(), weight, bias, eps, zero_centered_gamma)
     return _kernels().layernorm_fwd(inp, weight, bias, eps, zero_centered_gamma)
@@ -281,15 +282,13 @@ def rmsnorm_fwd(
     inp: Tensor, weight: Tensor, eps: float, zero_centered_gamma: bool
 ) -> tuple[Tensor, Tensor]:
     """Returns ``(out, rsigma)``. Default (CPU) implementation: the reference math."""
-    _check_args("rmsnorm", inp, weight, None, eps)
+    check_norm_args("rmsnorm", inp, weight, None, eps)
     return rmsnorm_ref(inp.contiguous(), weight, eps, zero_centered_gamma)
 
 
 @rmsnorm_fwd.register_kernel("cuda")
-def _rmsnorm_fwd_cuda(
-    inp: Tensor, weight: Tensor, eps: float, zero_centered_gamma: bool
-) -> tuple[Tensor, Tensor]:
-    _check_args("rmsnorm", inp, weight, None, eps)
+def _rmsnorm_fwd_cuda(inp, weight, eps, zero_centered_gamma):
+    check_norm_args("rmsnorm", inp, weight, None, eps)
     if inp.dtype is torch.float64:
         return rmsnorm_ref(inp.contiguous(), weight, eps, zero_centered_gamma)
     return _kernels().rmsnorm_fwd(inp, weight, eps, zero_centered_gamma)
@@ -298,13 +297,13 @@ def _rmsnorm_fwd_cuda(
 @op("l2normalization_fwd")
 def l2normalization_fwd(inp: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """Returns ``(out, rsigma)``. Default (CPU) implementation: the reference math."""
-    _check_args("l2normalization", inp, None, None, eps)
+    check_norm_args("l2normalization", inp, None, None, eps)
     return l2normalization_ref(inp.contiguous(), eps)
 
 
 @l2normalization_fwd.register_kernel("cuda")
-def _l2normalization_fwd_cuda(inp: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    _check_args("l2normalization", inp, None, None, eps)
+def _l2normalization_fwd_cuda(inp, eps):
+    check_norm_args("l2normalization", inp, None, None, eps)
     if inp.dtype is torch.float64:
         return l2normalization_ref(inp.contiguous(), eps)
     return _kernels().l2normalization_fwd(inp, eps)
@@ -318,24 +317,20 @@ def _stat(inp: Tensor) -> Tensor:
 
 
 @layernorm_fwd.register_fake
-def _layernorm_fwd_fake(
-    inp: Tensor, weight: Tensor, bias: Tensor | None, eps: float, zero_centered_gamma: bool
-) -> tuple[Tensor, Tensor, Tensor]:
-    _check_args("layernorm", inp, weight, bias, eps)
+def _layernorm_fwd_fake(inp, weight, bias, eps, zero_centered_gamma):
+    check_norm_args("layernorm", inp, weight, bias, eps)
     return inp.new_empty(inp.shape), _stat(inp), _stat(inp)
 
 
 @rmsnorm_fwd.register_fake
-def _rmsnorm_fwd_fake(
-    inp: Tensor, weight: Tensor, eps: float, zero_centered_gamma: bool
-) -> tuple[Tensor, Tensor]:
-    _check_args("rmsnorm", inp, weight, None, eps)
+def _rmsnorm_fwd_fake(inp, weight, eps, zero_centered_gamma):
+    check_norm_args("rmsnorm", inp, weight, None, eps)
     return inp.new_empty(inp.shape), _stat(inp)
 
 
 @l2normalization_fwd.register_fake
-def _l2normalization_fwd_fake(inp: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    _check_args("l2normalization", inp, None, None, eps)
+def _l2normalization_fwd_fake(inp, eps):
+    check_norm_args("l2normalization", inp, None, None, eps)
     return inp.new_empty(inp.shape), _stat(inp)
 
 
@@ -361,15 +356,7 @@ def layernorm_bwd(
 
 
 @layernorm_bwd.register_kernel("cuda")
-def _layernorm_bwd_cuda(
-    grad_out: Tensor,
-    inp: Tensor,
-    mean: Tensor,
-    rsigma: Tensor,
-    weight: Tensor,
-    zero_centered_gamma: bool,
-    has_bias: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
+def _layernorm_bwd_cuda(grad_out, inp, mean, rsigma, weight, zero_centered_gamma, has_bias):
     if inp.dtype is torch.float64:
         return layernorm_bwd.__wrapped__(
             grad_out, inp, mean, rsigma, weight, zero_centered_gamma, has_bias
@@ -381,15 +368,7 @@ def _layernorm_bwd_cuda(
 
 
 @layernorm_bwd.register_fake
-def _layernorm_bwd_fake(
-    grad_out: Tensor,
-    inp: Tensor,
-    mean: Tensor,
-    rsigma: Tensor,
-    weight: Tensor,
-    zero_centered_gamma: bool,
-    has_bias: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
+def _layernorm_bwd_fake(grad_out, inp, mean, rsigma, weight, zero_centered_gamma, has_bias):
     dbias = weight.new_empty(weight.shape) if has_bias else _empty(weight)
     return inp.new_empty(inp.shape), weight.new_empty(weight.shape), dbias
 
@@ -405,18 +384,14 @@ def rmsnorm_bwd(
 
 
 @rmsnorm_bwd.register_kernel("cuda")
-def _rmsnorm_bwd_cuda(
-    grad_out: Tensor, inp: Tensor, rsigma: Tensor, weight: Tensor, zero_centered_gamma: bool
-) -> tuple[Tensor, Tensor]:
+def _rmsnorm_bwd_cuda(grad_out, inp, rsigma, weight, zero_centered_gamma):
     if inp.dtype is torch.float64:
         return rmsnorm_bwd.__wrapped__(grad_out, inp, rsigma, weight, zero_centered_gamma)
     return _kernels().rmsnorm_bwd(grad_out, inp, rsigma, weight, zero_centered_gamma)
 
 
 @rmsnorm_bwd.register_fake
-def _rmsnorm_bwd_fake(
-    grad_out: Tensor, inp: Tensor, rsigma: Tensor, weight: Tensor, zero_centered_gamma: bool
-) -> tuple[Tensor, Tensor]:
+def _rmsnorm_bwd_fake(grad_out, inp, rsigma, weight, zero_centered_gamma):
     return inp.new_empty(inp.shape), weight.new_empty(weight.shape)
 
 
@@ -427,14 +402,14 @@ def l2normalization_bwd(grad_out: Tensor, inp: Tensor, rsigma: Tensor) -> Tensor
 
 
 @l2normalization_bwd.register_kernel("cuda")
-def _l2normalization_bwd_cuda(grad_out: Tensor, inp: Tensor, rsigma: Tensor) -> Tensor:
+def _l2normalization_bwd_cuda(grad_out, inp, rsigma):
     if inp.dtype is torch.float64:
         return l2normalization_bwd.__wrapped__(grad_out, inp, rsigma)
     return _kernels().l2normalization_bwd(grad_out, inp, rsigma)
 
 
 @l2normalization_bwd.register_fake
-def _l2normalization_bwd_fake(grad_out: Tensor, inp: Tensor, rsigma: Tensor) -> Tensor:
+def _l2normalization_bwd_fake(grad_out, inp, rsigma):
     return inp.new_empty(inp.shape)
 
 

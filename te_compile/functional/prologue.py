@@ -14,7 +14,7 @@ the end of its saved list; the backward runs the norm's backward on the GEMM's i
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -45,12 +45,9 @@ __all__ = [
     "fake_stats",
     "norm_backward",
     "norm_forward",
-    "norm_needs_dgrad",
     "norm_quantize",
     "norm_ref",
-    "save_norm",
     "unit_rows",
-    "with_norm_grads",
 ]
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -175,34 +172,6 @@ def fake_dnorm(like: Tensor, norm_weight, normalization, has_norm_bias, need) ->
         return [empty(like), empty(like)]
     dbias = norm_weight.new_empty(norm_weight.shape) if has_norm_bias else empty(norm_weight)
     return [norm_weight.new_empty(norm_weight.shape), dbias]
-
-
-# setup_context / backward plumbing --------------------------------------------------------------
-
-
-def save_norm(ctx: Any, inp: Tensor, norm: Norm) -> tuple[Tensor | None, Tensor | None]:
-    """setup_context's share of a prologue: sets ``ctx.norm = (normalization,
-    zero_centered_gamma, has_norm_bias)`` and returns the two tensors to save, ``(inp,
-    norm_weight)``, or two Nones without a norm."""
-    ctx.norm = (norm.normalization, norm.zero_centered_gamma, norm.bias is not None)
-    return (inp, norm.weight) if norm.normalization else (None, None)
-
-
-def norm_needs_dgrad(ctx: Any, first: int) -> bool:
-    """Whether the norm's parameters (the inputs at ``first`` and ``first + 1``) need a
-    gradient: the GEMM's input gradient feeds theirs."""
-    need = ctx.needs_input_grad
-    return bool(ctx.norm[0]) and any(need[first : first + 2])
-
-
-def with_norm_grads(ctx: Any, grads: list, first: int, dnorm_weight, dnorm_bias) -> list:
-    """``grads`` (one per forward input) with the norm parameters' gradients at ``first`` and
-    ``first + 1`` where needed (``ctx.norm`` as :func:`save_norm` set it)."""
-    need = ctx.needs_input_grad
-    if ctx.norm[0] and len(need) > first + 1:
-        grads[first] = dnorm_weight if need[first] else None
-        grads[first + 1] = dnorm_bias if ctx.norm[2] and need[first + 1] else None
-    return grads
 
 
 def unit_rows(*shape: int, device, dtype: torch.dtype = torch.float32) -> Tensor:

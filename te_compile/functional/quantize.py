@@ -80,15 +80,18 @@ table per direction keyed by the recipe kind): ``functional.quantize_table``.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from te_compile._checks import FP8_DTYPES, HIGH_DTYPES
 from te_compile._library import SampleInput, op
 from te_compile._numerics import div_rn, reciprocal_rn
 from te_compile.functional import quantize_mx_ref
+from te_compile.kernels import submodule
 
 __all__ = [
     "FP8_DTYPES",
@@ -101,8 +104,6 @@ __all__ = [
     "scale_from_amax",
 ]
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-_HIGH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BLOCK = 128  # elements of a quantisation block along the last dim
 _FLT_MAX = torch.finfo(torch.float32).max
 
@@ -260,10 +261,10 @@ def dequantize_blockwise_ref(
 
 
 def _check_x(name: str, x: Tensor, fp8_dtype: torch.dtype) -> None:
-    if x.dtype in _HIGH_DTYPES and x.dim() >= 1 and fp8_dtype in FP8_DTYPES:
+    if x.dtype in HIGH_DTYPES and x.dim() >= 1 and fp8_dtype in FP8_DTYPES:
         return  # one cheap test per call: the checks below name the argument on failure
     torch._check_value(
-        x.dtype in _HIGH_DTYPES,
+        x.dtype in HIGH_DTYPES,
         lambda: (
             f"te.{name}: x.dtype must be torch.float32, torch.bfloat16 or torch.float16, "
             f"got {x.dtype}"
@@ -329,7 +330,7 @@ def _check_dequantize(
     )
     _check_fp8_dtype(name, "fp8_dtype", fp8_dtype)
     torch._check_value(
-        out_dtype in _HIGH_DTYPES,
+        out_dtype in HIGH_DTYPES,
         lambda: (
             f"te.{name}: out_dtype must be torch.float32, torch.bfloat16 or torch.float16, "
             f"got {out_dtype}"
@@ -378,11 +379,7 @@ def check_fp8_gemm_dims(name: str, **dims: int) -> None:
         )
 
 
-def _kernels():
-    # Imported on first CUDA use: Triton is not a dependency of the CPU-only package.
-    from te_compile.kernels import quantize
-
-    return quantize
+_kernels = functools.partial(submodule, "quantize")  # Triton: imported on first CUDA use
 
 
 # Sample inputs for the registry test: small and odd shapes (partial 128-blocks, leading dims,
@@ -398,7 +395,7 @@ def _scalar(device: torch.device, value: float) -> Tensor:
 
 
 _E4M3, _E5M2 = FP8_DTYPES
-_F32, _BF16, _F16 = _HIGH_DTYPES
+_F32, _BF16, _F16 = HIGH_DTYPES
 
 
 def _tensorwise_samples(device: torch.device) -> list[SampleInput]:
@@ -469,9 +466,7 @@ def quantize_tensorwise(
 
 
 @quantize_tensorwise.register_kernel("cuda")
-def _quantize_tensorwise_cuda(
-    x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, columnwise: bool
-) -> tuple[Tensor, Tensor, Tensor]:
+def _quantize_tensorwise_cuda(x, scale, fp8_dtype, columnwise):
     _check_x("quantize_tensorwise", x, fp8_dtype)
     _check_per_tensor_scale("quantize_tensorwise", "scale", scale, x)
     data, data_t, _, amax = _kernels().quantize_tensorwise(x, scale, fp8_dtype, columnwise)
@@ -493,13 +488,7 @@ def quantize_current(
 
 
 @quantize_current.register_kernel("cuda")
-def _quantize_current_cuda(
-    x: Tensor,
-    fp8_dtype: torch.dtype,
-    columnwise: bool,
-    amax_epsilon: float = 0.0,
-    power_2_scale: bool = False,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _quantize_current_cuda(x, fp8_dtype, columnwise, amax_epsilon=0.0, power_2_scale=False):
     _check_quantize_current("quantize_current", x, fp8_dtype, amax_epsilon)
     return _kernels().quantize_current(x, fp8_dtype, columnwise, amax_epsilon, power_2_scale)
 
@@ -516,9 +505,7 @@ def quantize_blockwise(
 
 
 @quantize_blockwise.register_kernel("cuda")
-def _quantize_blockwise_cuda(
-    x: Tensor, fp8_dtype: torch.dtype, block_rows: int, power_2_scale: bool, columnwise: bool
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _quantize_blockwise_cuda(x, fp8_dtype, block_rows, power_2_scale, columnwise):
     _check_x("quantize_blockwise", x, fp8_dtype)
     _check_block_rows("quantize_blockwise", block_rows)
     return _kernels().quantize_blockwise(x, fp8_dtype, block_rows, power_2_scale, columnwise)
@@ -536,9 +523,7 @@ def dequantize_tensorwise(
 
 
 @dequantize_tensorwise.register_kernel("cuda")
-def _dequantize_tensorwise_cuda(
-    data: Tensor, scale_inv: Tensor, fp8_dtype: torch.dtype, out_dtype: torch.dtype
-) -> Tensor:
+def _dequantize_tensorwise_cuda(data, scale_inv, fp8_dtype, out_dtype):
     _check_dequantize("dequantize_tensorwise", data, fp8_dtype, out_dtype)
     _check_per_tensor_scale("dequantize_tensorwise", "scale_inv", scale_inv, data)
     return _kernels().dequantize_tensorwise(data.view(fp8_dtype), scale_inv, out_dtype)
@@ -561,13 +546,7 @@ def dequantize_blockwise(
 
 
 @dequantize_blockwise.register_kernel("cuda")
-def _dequantize_blockwise_cuda(
-    data: Tensor,
-    scale_inv: Tensor,
-    block_rows: int,
-    fp8_dtype: torch.dtype,
-    out_dtype: torch.dtype,
-) -> Tensor:
+def _dequantize_blockwise_cuda(data, scale_inv, block_rows, fp8_dtype, out_dtype):
     _check_dequantize("dequantize_blockwise", data, fp8_dtype, out_dtype)
     _check_block_scale_inv("dequantize_blockwise", data, scale_inv, block_rows)
     return _kernels().dequantize_blockwise(data.view(fp8_dtype), scale_inv, block_rows, out_dtype)
@@ -588,30 +567,20 @@ def _fake_scalar(x: Tensor) -> Tensor:
 
 
 @quantize_tensorwise.register_fake
-def _quantize_tensorwise_fake(
-    x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, columnwise: bool
-) -> tuple[Tensor, Tensor, Tensor]:
+def _quantize_tensorwise_fake(x, scale, fp8_dtype, columnwise):
     _check_x("quantize_tensorwise", x, fp8_dtype)
     _check_per_tensor_scale("quantize_tensorwise", "scale", scale, x)
     return (*_fake_fp8(x, fp8_dtype, columnwise), _fake_scalar(x))
 
 
 @quantize_current.register_fake
-def _quantize_current_fake(
-    x: Tensor,
-    fp8_dtype: torch.dtype,
-    columnwise: bool,
-    amax_epsilon: float = 0.0,
-    power_2_scale: bool = False,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _quantize_current_fake(x, fp8_dtype, columnwise, amax_epsilon=0.0, power_2_scale=False):
     _check_quantize_current("quantize_current", x, fp8_dtype, amax_epsilon)
     return (*_fake_fp8(x, fp8_dtype, columnwise), _fake_scalar(x), _fake_scalar(x))
 
 
 @quantize_blockwise.register_fake
-def _quantize_blockwise_fake(
-    x: Tensor, fp8_dtype: torch.dtype, block_rows: int, power_2_scale: bool, columnwise: bool
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _quantize_blockwise_fake(x, fp8_dtype, block_rows, power_2_scale, columnwise):
     _check_x("quantize_blockwise", x, fp8_dtype)
     _check_block_rows("quantize_blockwise", block_rows)
     m, k = math.prod(x.shape[:-1]), x.shape[-1]
@@ -629,22 +598,14 @@ def _quantize_blockwise_fake(
 
 
 @dequantize_tensorwise.register_fake
-def _dequantize_tensorwise_fake(
-    data: Tensor, scale_inv: Tensor, fp8_dtype: torch.dtype, out_dtype: torch.dtype
-) -> Tensor:
+def _dequantize_tensorwise_fake(data, scale_inv, fp8_dtype, out_dtype):
     _check_dequantize("dequantize_tensorwise", data, fp8_dtype, out_dtype)
     _check_per_tensor_scale("dequantize_tensorwise", "scale_inv", scale_inv, data)
     return data.new_empty(data.shape, dtype=out_dtype)
 
 
 @dequantize_blockwise.register_fake
-def _dequantize_blockwise_fake(
-    data: Tensor,
-    scale_inv: Tensor,
-    block_rows: int,
-    fp8_dtype: torch.dtype,
-    out_dtype: torch.dtype,
-) -> Tensor:
+def _dequantize_blockwise_fake(data, scale_inv, block_rows, fp8_dtype, out_dtype):
     _check_dequantize("dequantize_blockwise", data, fp8_dtype, out_dtype)
     _check_block_scale_inv("dequantize_blockwise", data, scale_inv, block_rows)
     return data.new_empty(data.shape, dtype=out_dtype)

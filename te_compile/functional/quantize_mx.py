@@ -106,25 +106,25 @@ or fp16; all math is fp32.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 from torch import Tensor
 
-from te_compile._checks import check_bool
+from te_compile._checks import FP8_DTYPES, HIGH_DTYPES, check_bool
 from te_compile._library import SampleInput, op
 from te_compile.functional.quantize_mx_ref import (
-    _FP8_DTYPES,
-    _INPUT_DTYPES,
     MXFP8_BLOCK,
     NVFP4_BLOCK,
-    _tensor_amax,
     dequantize_mxfp8_ref,
     dequantize_nvfp4_ref,
     nvfp4_global_scale,
     quantize_mxfp8_ref,
     quantize_nvfp4_ref,
+    tensor_amax,
 )
+from te_compile.kernels import submodule
 
 __all__ = [
     "check_quantize_nvfp4",
@@ -138,7 +138,7 @@ __all__ = [
 
 
 def _check_input(name: str, x: Tensor, rowwise: bool, columnwise: bool) -> None:
-    if x.dtype not in _INPUT_DTYPES:
+    if x.dtype not in HIGH_DTYPES:
         raise ValueError(f"te.{name}: x.dtype must be float32, bfloat16 or float16, got {x.dtype}")
     if x.ndim < 1:
         raise ValueError(f"te.{name}: x must have at least 1 dim ([..., K]), got a 0-dim tensor")
@@ -148,7 +148,7 @@ def _check_input(name: str, x: Tensor, rowwise: bool, columnwise: bool) -> None:
 
 def _check_quantize_mxfp8(x: Tensor, fp8_dtype: torch.dtype, rowwise: bool, columnwise: bool):
     _check_input("quantize_mxfp8", x, rowwise, columnwise)
-    if fp8_dtype not in _FP8_DTYPES:
+    if fp8_dtype not in FP8_DTYPES:
         raise ValueError(
             "te.quantize_mxfp8: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, "
             f"got {fp8_dtype}"
@@ -195,7 +195,7 @@ def _check_scale(name: str, data: Tensor, scale: Tensor, k: int, block: int, wha
 
 
 def _check_out_dtype(name: str, out_dtype: torch.dtype) -> None:
-    if out_dtype not in _INPUT_DTYPES:
+    if out_dtype not in HIGH_DTYPES:
         raise ValueError(
             f"te.{name}: out_dtype must be float32, bfloat16 or float16, got {out_dtype}"
         )
@@ -203,7 +203,7 @@ def _check_out_dtype(name: str, out_dtype: torch.dtype) -> None:
 
 def _check_fp8_data(data: Tensor) -> None:
     """The public function's check: the op itself takes the bytes (module docstring)."""
-    if data.dtype not in _FP8_DTYPES:
+    if data.dtype not in FP8_DTYPES:
         raise ValueError(
             "te.dequantize_mxfp8: data must be a float8_e4m3fn or float8_e5m2 tensor, got "
             f"{data.dtype}"
@@ -218,7 +218,7 @@ def _check_dequantize_mxfp8(
             "te.dequantize_mxfp8: data must be the uint8 bytes of the fp8 data with at least 1 "
             f"dim, got {data.dtype} of shape {list(data.shape)}"
         )
-    if fp8_dtype not in _FP8_DTYPES:
+    if fp8_dtype not in FP8_DTYPES:
         raise ValueError(
             "te.dequantize_mxfp8: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, "
             f"got {fp8_dtype}"
@@ -250,11 +250,7 @@ def _check_dequantize_nvfp4(
     _check_out_dtype("dequantize_nvfp4", out_dtype)
 
 
-def _kernels():
-    # Imported on first CUDA use: Triton is not a dependency of the CPU-only package.
-    from te_compile.kernels import quantize_mx
-
-    return quantize_mx
+_kernels = functools.partial(submodule, "quantize_mx")  # Triton: imported on first CUDA use
 
 
 # Sample inputs for the registry test ---------------------------------------------------------
@@ -344,7 +340,7 @@ def quantize_nvfp4_op(
 def _quantize_nvfp4_cuda(x, global_amax, rowwise, columnwise):
     check_quantize_nvfp4(x, global_amax, rowwise, columnwise)
     # The tensor amax is a reduction over all of x before any block can be scaled: torch's.
-    g = nvfp4_global_scale(_tensor_amax(x) if global_amax is None else global_amax)
+    g = nvfp4_global_scale(tensor_amax(x) if global_amax is None else global_amax)
     data, scale, data_t, scale_t = _kernels().quantize_nvfp4(x, g, rowwise, columnwise)
     return data, scale, g, data_t, scale_t
 

@@ -29,13 +29,12 @@ __all__ = [
     "quantize_nvfp4_ref",
     "random_hadamard_transform",
     "spread_blocks",
+    "tensor_amax",
 ]
 
 
 MXFP8_BLOCK = 32
 NVFP4_BLOCK = 16
-_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # (largest finite value, OCP emax_elem = exponent of the largest power of two below it)
 _FP8_LIMITS = {torch.float8_e4m3fn: (448.0, 8), torch.float8_e5m2: (57344.0, 15)}
 _E8M0_NAN = 255
@@ -151,7 +150,7 @@ def _global_scales(amax: Tensor, e4m3_max: float = _E4M3_MAX) -> Tensor:
     return torch.where((amax == 0) | ~amax.isfinite(), 1.0, g)
 
 
-def _tensor_amax(x: Tensor) -> Tensor:
+def tensor_amax(x: Tensor) -> Tensor:
     """max |x| as a 0-dim fp32 tensor (0 for an empty tensor); NaN if ``x`` holds a NaN."""
     if x.numel() == 0:
         return x.new_zeros((), dtype=torch.float32)
@@ -287,7 +286,7 @@ def quantize_nvfp4_ref(
     (the columnwise copy is then the rowwise one transposed, value for value).
     ``four_over_six``: 4over6 block scaling (:func:`nvfp4_qdq`; ``""``: off)."""
     err_mode, e4m3_max = parse_four_over_six(four_over_six)
-    g = nvfp4_global_scale(_tensor_amax(x) if global_amax is None else global_amax, e4m3_max)
+    g = nvfp4_global_scale(tensor_amax(x) if global_amax is None else global_amax, e4m3_max)
     x2 = _rows(x)
     e4m3 = torch.float8_e4m3fn
     pick = _tile_pick(x2.float(), g, err_mode) if tiles and err_mode else None
@@ -469,7 +468,7 @@ def nvfp4_qdq(
         )
         g = _group_scales(_row_amax(x).float(), ids, groups, e4m3_max)[ids, None]
     else:
-        g = nvfp4_global_scale(_tensor_amax(x), e4m3_max)
+        g = nvfp4_global_scale(tensor_amax(x), e4m3_max)
     g_row = _global_scales(_row_amax(x), e4m3_max)[:, None] if row_scaled else g
     pick = _tile_pick(x, g_row, err_mode) if tiles and err_mode else None
     block_amax = _tile_amaxes(x) if tiles else None
@@ -491,7 +490,7 @@ def nvfp4_qdq(
             g_col = g[:, 0]
         g_t = g_col[::NVFP4_BLOCK][None, :]
     elif rht:
-        g_t = nvfp4_global_scale(_tensor_amax(xt), e4m3_max)
+        g_t = nvfp4_global_scale(tensor_amax(xt), e4m3_max)
     else:
         g_t = g
     pick_t = None

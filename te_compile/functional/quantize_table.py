@@ -51,16 +51,7 @@ class Quantized(NamedTuple):
     global_scale: Tensor | None = None
 
 
-def _quantize_delayed(
-    x: Tensor,
-    *,
-    fp8_dtype: torch.dtype,
-    scale: Tensor | None,
-    block_rows: int,
-    power_2_scale: bool,
-    columnwise: bool,
-    amax_epsilon: float,
-) -> Quantized:
+def _quantize_delayed(x: Tensor, *, fp8_dtype, scale, columnwise, **_) -> Quantized:
     if scale is None:
         raise ValueError(
             'te.quantize: recipe_kind "delayed" needs scale= (a 1-element torch.float32 tensor, '
@@ -86,24 +77,9 @@ def _check_scale_value(scale: Tensor) -> None:
         raise ValueError(f"te.quantize: scale must be finite and > 0, got {value}")
 
 
-def _no_scale(kind: str, scale: Tensor | None) -> None:
-    if scale is not None:
-        raise ValueError(
-            f'te.quantize: scale= is only for recipe_kind "delayed"; "{kind}" computes its own'
-        )
-
-
 def _quantize_current(
-    x: Tensor,
-    *,
-    fp8_dtype: torch.dtype,
-    scale: Tensor | None,
-    block_rows: int,
-    power_2_scale: bool,
-    columnwise: bool,
-    amax_epsilon: float,
+    x: Tensor, *, fp8_dtype, columnwise, amax_epsilon, power_2_scale, **_
 ) -> Quantized:
-    _no_scale("current", scale)
     data, data_t, scale_inv, amax = quantize_current(
         x, fp8_dtype, columnwise, amax_epsilon, power_2_scale
     )
@@ -112,16 +88,8 @@ def _quantize_current(
 
 
 def _quantize_block(
-    x: Tensor,
-    *,
-    fp8_dtype: torch.dtype,
-    scale: Tensor | None,
-    block_rows: int,
-    power_2_scale: bool,
-    columnwise: bool,
-    amax_epsilon: float,
+    x: Tensor, *, fp8_dtype, block_rows, power_2_scale, columnwise, **_
 ) -> Quantized:
-    _no_scale("block", scale)
     data, scale_inv, data_t, scale_inv_t = quantize_blockwise(
         x, fp8_dtype, block_rows, power_2_scale, columnwise
     )
@@ -147,18 +115,16 @@ def _dequantize_block(q: Quantized, out_dtype: torch.dtype, columnwise: bool) ->
 
 
 # One entry per recipe kind and direction: a new kind (MXFP8, NVFP4) adds one to each.
-def _quantize_mxfp8(x: Tensor, *, fp8_dtype: torch.dtype, scale, columnwise, **_) -> Quantized:
-    _no_scale("mxfp8", scale)
+def _quantize_mxfp8(x: Tensor, *, fp8_dtype: torch.dtype, columnwise, **_) -> Quantized:
     data, s, data_t, s_t = quantize_mx.quantize_mxfp8(x, fp8_dtype, columnwise=columnwise)
     t = (data_t, s_t) if columnwise else (None, None)
     return Quantized(data, s, *t, None, "mxfp8", 1)
 
 
-def _quantize_nvfp4(x: Tensor, *, scale, columnwise, block_rows, four_over_six, **_) -> Quantized:
+def _quantize_nvfp4(x: Tensor, *, columnwise, block_rows, four_over_six, **_) -> Quantized:
     """1x16 blocks (``block_rows=1``: the op) or 16x16 tiles (16: every scale of a tile the
     same, from the tile's amax), ``four_over_six``: 4over6 block scaling (tiles and 4over6: the
     reference math, any device)."""
-    _no_scale("nvfp4", scale)
     if block_rows not in (1, 16):
         raise ValueError(
             "te.quantize: block_rows must be 1 (1x16 blocks) or 16 (16x16 tiles) for 'nvfp4', "
@@ -241,6 +207,11 @@ def quantize(
     if four_over_six and recipe_kind != "nvfp4":
         raise ValueError(
             f"te.quantize: four_over_six is for recipe_kind='nvfp4', got {recipe_kind!r}"
+        )
+    if scale is not None and recipe_kind != "delayed":
+        raise ValueError(
+            f'te.quantize: scale= is only for recipe_kind "delayed"; "{recipe_kind}" computes '
+            "its own"
         )
     extra = {"four_over_six": four_over_six} if recipe_kind == "nvfp4" else {}
     return quantizer(

@@ -49,12 +49,22 @@ of thousands of radians) to bf16.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
-from te_compile._checks import check_bool, check_int, check_positive_finite, check_tensor
+from te_compile._checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_bool,
+    check_int,
+    check_positive_finite,
+    check_tensor,
+)
 from te_compile._library import SampleInput, differentiable, op
 from te_compile._numerics import acc_dtype
+from te_compile.kernels import submodule
 
 __all__ = [
     "TENSOR_FORMATS",
@@ -66,8 +76,6 @@ __all__ = [
 ]
 
 TENSOR_FORMATS = ("sbhd", "bshd", "thd")
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_INDEX_DTYPES = (torch.int32, torch.int64)
 _PREFIX = "te.apply_rotary_pos_emb: "
 
 
@@ -242,7 +250,7 @@ def _check_args(
     thd = tensor_format == "thd"
     if (
         tensor_format in TENSOR_FORMATS
-        and t.dtype in _FLOAT_DTYPES
+        and t.dtype in FLOAT_DTYPES
         and freqs.is_floating_point()
         and t.dim() == (3 if thd else 4)
         and freqs.dim() == 4
@@ -257,7 +265,7 @@ def _check_args(
         and (
             (
                 cu_seqlens is not None
-                and cu_seqlens.dtype in _INDEX_DTYPES
+                and cu_seqlens.dtype in INDEX_DTYPES
                 and cu_seqlens.dim() == 1
                 and cu_seqlens.shape[0] >= 2
                 and cu_seqlens.device == t.device
@@ -280,7 +288,7 @@ def _diagnose(t, freqs, cu_seqlens, tensor_format, cp_size, cp_rank) -> None:
 
     if tensor_format not in TENSOR_FORMATS:
         fail(f"tensor_format must be one of {TENSOR_FORMATS}, got {tensor_format!r}")
-    if t.dtype not in _FLOAT_DTYPES:
+    if t.dtype not in FLOAT_DTYPES:
         fail(f"t.dtype must be float32, bfloat16, float16 or float64, got {t.dtype}")
     if not freqs.is_floating_point():
         fail(f"freqs.dtype must be a floating type (read in fp32), got {freqs.dtype}")
@@ -307,7 +315,7 @@ def _diagnose(t, freqs, cu_seqlens, tensor_format, cp_size, cp_rank) -> None:
         if cu_seqlens is None:
             fail("cu_seqlens is required for tensor_format='thd'")
         if (
-            cu_seqlens.dtype not in _INDEX_DTYPES
+            cu_seqlens.dtype not in INDEX_DTYPES
             or cu_seqlens.dim() != 1
             or cu_seqlens.shape[0] < 2
             or cu_seqlens.device != t.device
@@ -354,11 +362,7 @@ def _check_cu_seqlens_values(t: Tensor, freqs: Tensor, cu_seqlens: Tensor, cp_si
         )
 
 
-def _kernels():
-    # Imported on first CUDA use: Triton is not a dependency of the CPU-only package.
-    from te_compile.kernels import rotary
-
-    return rotary
+_kernels = functools.partial(submodule, "rotary")  # Triton: imported on first CUDA use
 
 
 # 2. Forward op --------------------------------------------------------------------------------
@@ -380,15 +384,7 @@ def rotary_fwd(
 
 
 @rotary_fwd.register_kernel("cuda")
-def _rotary_fwd_cuda(
-    t: Tensor,
-    freqs: Tensor,
-    cu_seqlens: Tensor | None,
-    tensor_format: str,
-    interleaved: bool,
-    cp_size: int,
-    cp_rank: int,
-) -> Tensor:
+def _rotary_fwd_cuda(t, freqs, cu_seqlens, tensor_format, interleaved, cp_size, cp_rank):
     _check_args(t, freqs, cu_seqlens, tensor_format, cp_size, cp_rank)
     if t.dtype is torch.float64:
         return rotary_ref(t, freqs, cu_seqlens, tensor_format, interleaved, cp_size, cp_rank)
@@ -399,15 +395,7 @@ def _rotary_fwd_cuda(
 
 
 @rotary_fwd.register_fake
-def _rotary_fwd_fake(
-    t: Tensor,
-    freqs: Tensor,
-    cu_seqlens: Tensor | None,
-    tensor_format: str,
-    interleaved: bool,
-    cp_size: int,
-    cp_rank: int,
-) -> Tensor:
+def _rotary_fwd_fake(t, freqs, cu_seqlens, tensor_format, interleaved, cp_size, cp_rank):
     _check_args(t, freqs, cu_seqlens, tensor_format, cp_size, cp_rank)
     return t.new_empty(t.shape)
 
@@ -430,15 +418,7 @@ def rotary_bwd(
 
 
 @rotary_bwd.register_kernel("cuda")
-def _rotary_bwd_cuda(
-    grad: Tensor,
-    freqs: Tensor,
-    cu_seqlens: Tensor | None,
-    tensor_format: str,
-    interleaved: bool,
-    cp_size: int,
-    cp_rank: int,
-) -> Tensor:
+def _rotary_bwd_cuda(grad, freqs, cu_seqlens, tensor_format, interleaved, cp_size, cp_rank):
     if grad.dtype is torch.float64:
         return rotary_bwd_ref(grad, freqs, cu_seqlens, tensor_format, interleaved, cp_size, cp_rank)
     return _kernels().rotary(
@@ -447,15 +427,7 @@ def _rotary_bwd_cuda(
 
 
 @rotary_bwd.register_fake
-def _rotary_bwd_fake(
-    grad: Tensor,
-    freqs: Tensor,
-    cu_seqlens: Tensor | None,
-    tensor_format: str,
-    interleaved: bool,
-    cp_size: int,
-    cp_rank: int,
-) -> Tensor:
+def _rotary_bwd_fake(grad, freqs, cu_seqlens, tensor_format, interleaved, cp_size, cp_rank):
     return grad.new_empty(grad.shape)
 
 

@@ -10,9 +10,17 @@ the E5M2-to-E4M3 recoding table).
 from __future__ import annotations
 
 import functools
+import importlib
 from typing import Any, ClassVar
 
 import torch
+
+
+@functools.cache
+def submodule(name: str) -> Any:
+    """The kernel submodule ``name`` (``"norm"``, ``"quantize"``, ...), imported at the first
+    call: the functional ops ask for it where they launch a kernel, as it imports Triton."""
+    return importlib.import_module(f"{__name__}.{name}")
 
 
 @functools.lru_cache(maxsize=32)

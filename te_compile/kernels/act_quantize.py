@@ -58,8 +58,8 @@ from te_compile.kernels.activation import (
     FN_SILU,
     FUNCTION_OF,
     GATED,
-    _act,
-    _dact,
+    apply_act,
+    apply_dact,
 )
 from te_compile.kernels.fp8 import (
     BLOCK,
@@ -75,7 +75,7 @@ from te_compile.kernels.fp8 import (
     uint8_view,
 )
 from te_compile.kernels.norm import norm_stats
-from te_compile.kernels.quantize import _cast_1x128, _cuda_cast, amax_bits, block_scales
+from te_compile.kernels.quantize import amax_bits, block_scales, cast_1x128, cuda_cast
 
 __all__ = ["act_quantize", "act_quantize_block", "norm_quantize", "norm_quantize_block"]
 
@@ -167,15 +167,15 @@ def _tile(
             # does not multiply a tensor by a global constexpr float).
             if FN == FN_CLAMPED_SILU:
                 lin = tl.minimum(tl.maximum(lin, -7.0), 7.0) + 1.0
-            v = _act(a, FN, 7.0, 1.702) * lin
+            v = apply_act(a, FN, 7.0, 1.702) * lin
         elif BWD:
             if EVEN:
                 g = tl.load(G + offs).to(tl.float32)
             else:
                 g = tl.load(G + offs, mask=valid, other=0.0).to(tl.float32)
-            v = g * _dact(a, FN, 0.0, 0.0)
+            v = g * apply_dact(a, FN, 0.0, 0.0)
         else:
-            v = _act(a, FN, 0.0, 0.0)
+            v = apply_act(a, FN, 0.0, 0.0)
         if not EVEN:
             v = tl.where(valid, v, 0.0)
     return v, round_to(v, ROUND, SOFTWARE), cols
@@ -210,11 +210,11 @@ def _gated_bwd_tile(
     if HAS_BIAS:
         a += _load_cols(B, cols, N, EVEN)
         lin += _load_cols(B + N, cols, N, EVEN)
-    dl = g * _act(a, FN, 7.0, 1.702)  # clamped SwiGLU's parameters as in _tile
+    dl = g * apply_act(a, FN, 7.0, 1.702)  # clamped SwiGLU's parameters as in _tile
     if FN == FN_CLAMPED_SILU:
         dl = tl.where((lin >= -7.0) & (lin <= 7.0), dl, 0.0)
         lin = tl.minimum(tl.maximum(lin, -7.0), 7.0) + 1.0
-    da = g * lin * _dact(a, FN, 7.0, 1.702)
+    da = g * lin * apply_dact(a, FN, 7.0, 1.702)
     if not EVEN:
         da = tl.where(valid, da, 0.0)
         dl = tl.where(valid, dl, 0.0)
@@ -363,7 +363,7 @@ def _block_store(
     rows = pid_m * BLOCK_M + r_in
     cols = pid_n * BLOCK_N + c_in
     if AXES != 0:
-        q, s = _cast_1x128(x, a, 1, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, POW2, GUARD)
+        q, s = cast_1x128(x, a, 1, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, POW2, GUARD)
         offs = pid_m.to(tl.int64) * BLOCK_M * ROW + COL0 + pid_n * BLOCK_N
         offs += r_in[:, None] * ROW + c_in[None, :]
         s_offs = rows.to(tl.int64) * S_ROW + (COL0 // 128 + pid_n) * S_BLK
@@ -374,7 +374,7 @@ def _block_store(
             tl.store(DATA + offs, q, mask=(rows[:, None] < M_OUT) & (cols[None, :] < N))
             tl.store(SCALE_INV + s_offs, s, mask=rows < M_OUT)
     if AXES != 1:
-        q_t, s_t = _cast_1x128(x, a, 0, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, POW2, GUARD)
+        q_t, s_t = cast_1x128(x, a, 0, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, POW2, GUARD)
         offs_t = (COL0 + pid_n * BLOCK_N).to(tl.int64) * M_OUT + pid_m * BLOCK_M
         offs_t += c_in[:, None] * M_OUT + r_in[None, :]
         s_offs_t = (COL0 + cols).to(tl.int64) * T_ROW + pid_m * T_BLK
@@ -553,7 +553,7 @@ def _blockwise(
     dbias = need_dbias and bias is not None and grad is not None
     # csrc/block_cast.cu's activations: gelu and (gated) swiglu.
     cuda_act = {(FN_GELU.value, False): "gelu", (FN_SILU.value, True): "swiglu"}.get((fn, gated))
-    cuda = _cuda_cast(cfg, "act_cast_1x128", m_out, n, z, bias, grad)
+    cuda = cuda_cast(cfg, "act_cast_1x128", m_out, n, z, bias, grad)
     cuda = cuda if norm is None and cuda_act and rows == m_out else None
     scale_inv = block_scales(z, m_out, triton.cdiv(n_out, blk), mn_major[0])
     scale_inv_t = block_scales(z, n_out, triton.cdiv(m_out, blk), mn_major[1])

@@ -140,7 +140,7 @@ def _gelu_sigmoid(x):
 
 
 @triton.jit
-def _act(x, FN: tl.constexpr, limit, alpha):
+def apply_act(x, FN: tl.constexpr, limit, alpha):
     """f(x) in fp32."""
     if FN == FN_GELU:
         y = x * _gelu_sigmoid(x)
@@ -162,7 +162,7 @@ def _act(x, FN: tl.constexpr, limit, alpha):
 
 
 @triton.jit
-def _dact(x, FN: tl.constexpr, limit, alpha):
+def apply_dact(x, FN: tl.constexpr, limit, alpha):
     """f'(x) in fp32."""
     # Written as fused multiply-adds (s (1 - s) = s - s^2; d = p s (1 - s) + s) with the
     # constants gathered: a third fewer instructions than the textbook order. s - s^2 is one
@@ -211,7 +211,7 @@ def _flat_fwd_kernel(x_ptr, y_ptr, numel, FN: tl.constexpr, BLOCK: tl.constexpr)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    y = _act(x, FN, 0.0, 0.0)
+    y = apply_act(x, FN, 0.0, 0.0)
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -221,7 +221,7 @@ def _flat_bwd_kernel(g_ptr, x_ptr, dx_ptr, numel, FN: tl.constexpr, BLOCK: tl.co
     mask = offs < numel
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    dx = g * _dact(x, FN, 0.0, 0.0)
+    dx = g * apply_dact(x, FN, 0.0, 0.0)
     tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
@@ -258,7 +258,7 @@ def _rows_fwd_kernel(
     a = tl.load(x_ptr + x_row + a_col[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         a += tl.load(b_ptr + a_col, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    y = _act(a, FN, limit, alpha)
+    y = apply_act(a, FN, limit, alpha)
     if GATED:
         lin = tl.load(x_ptr + x_row + (a_col + K)[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_BIAS:
@@ -323,16 +323,16 @@ def _rows_bwd_kernel(
             lin = tl.load(x_ptr + x_row + l_col[None, :], mask=mask, other=0.0).to(tl.float32)
             if HAS_BIAS:
                 lin += b_l
-            dl = g * _act(a, FN, limit, alpha)
+            dl = g * apply_act(a, FN, limit, alpha)
             if FN == FN_CLAMPED_SILU:
                 dl = tl.where((lin >= -limit) & (lin <= limit), dl, 0.0)
                 lin = tl.minimum(tl.maximum(lin, -limit), limit) + offset
-            da = g * lin * _dact(a, FN, limit, alpha)
+            da = g * lin * apply_dact(a, FN, limit, alpha)
             tl.store(dx_ptr + x_row + l_col[None, :], dl.to(dx_ptr.dtype.element_ty), mask=mask)
             if DBIAS:
                 acc_l += tl.where(mask, dl, 0.0)
         else:
-            da = g * _dact(a, FN, limit, alpha)
+            da = g * apply_dact(a, FN, limit, alpha)
         tl.store(dx_ptr + x_row + a_col[None, :], da.to(dx_ptr.dtype.element_ty), mask=mask)
         if DBIAS:
             acc_a += tl.where(mask, da, 0.0)

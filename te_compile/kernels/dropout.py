@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from te_compile.kernels import bf16_bits, kernel_arg, launch
-from te_compile.kernels.quantize_mx import _load_x, _store_out
+from te_compile.kernels.quantize_mx import load_x, store_out
 
 __all__ = ["BLOCK", "dropout", "random_words"]
 
@@ -93,9 +93,9 @@ def _dropout_kernel(
     words = _block_words(state_ptr, pid, BLOCK, ROUNDS)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
-    x = _load_x(x_ptr, offs, mask, BF16)
+    x = load_x(x_ptr, offs, mask, BF16)
     keep = words.to(tl.int64) >= threshold
-    _store_out(out_ptr, offs, tl.where(keep, x * scale, 0.0), mask, BF16)
+    store_out(out_ptr, offs, tl.where(keep, x * scale, 0.0), mask, BF16)
 
 
 @triton.jit

@@ -33,7 +33,7 @@ import triton.language as tl
 from torch import Tensor
 
 from te_compile.kernels import bf16_bits, kernel_arg, launch, size_hint
-from te_compile.kernels.quantize_mx import _load_x, _store_out
+from te_compile.kernels.quantize_mx import load_x, store_out
 
 __all__ = ["gather_dot", "gather_sum"]
 
@@ -69,11 +69,11 @@ def _gather_sum_kernel(
         src = tl.load(INDEX + row * slots + s).to(tl.int64)
         # An empty slot (-1) masks the whole load; the mask is a block, as the loads need.
         ok = h_ok & ((h * 0 + src) >= 0)
-        x = _load_x(X, tl.maximum(src, 0) * sx_row + h, ok, BF16)
+        x = load_x(X, tl.maximum(src, 0) * sx_row + h, ok, BF16)
         if HAS_WEIGHT:
             x = x * tl.load(WEIGHT + row * slots + s)
         acc += x
-    _store_out(OUT, row * so_row + h, acc, h_ok, BF16)
+    store_out(OUT, row * so_row + h, acc, h_ok, BF16)
 
 
 def gather_sum(
@@ -143,9 +143,9 @@ def _gather_dot_kernel(
     for h0 in range(0, hidden, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
         h_ok = h < hidden
-        g = _load_x(G, tl.maximum(src, 0) * sg_row + h, h_ok & ((h * 0 + src) >= 0), BF16)
-        x = _load_x(X, row * sx_row + h, h_ok, BF16)
-        _store_out(OUT, row * so_row + h, g * w, h_ok, BF16)
+        g = load_x(G, tl.maximum(src, 0) * sg_row + h, h_ok & ((h * 0 + src) >= 0), BF16)
+        x = load_x(X, row * sx_row + h, h_ok, BF16)
+        store_out(OUT, row * so_row + h, g * w, h_ok, BF16)
         acc += g * x
     tl.store(DOT + row, tl.sum(acc, axis=0))
 

@@ -159,7 +159,7 @@ def _cast_kernel(
 
 
 @triton.jit
-def _cast_1x128(
+def cast_1x128(
     x, a, AXIS: tl.constexpr, fp8_max, E4M3: tl.constexpr, MBITS: tl.constexpr,
     BIAS: tl.constexpr, SOFTWARE: tl.constexpr, POW2: tl.constexpr, GUARD: tl.constexpr,
 ):  # fmt: skip
@@ -211,11 +211,11 @@ def _block_kernel(
     mask_t = (cols[:, None] < K) & (rows[None, :] < M)
     offs_t = cols.to(tl.int64)[:, None] * M + rows[None, :]
     if BLOCK_ROWS == 1:
-        q, scale_inv = _cast_1x128(x, a, 1, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, POW2, GUARD)
+        q, scale_inv = cast_1x128(x, a, 1, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, POW2, GUARD)
         tl.store(SCALE_INV + rows.to(tl.int64) * n_kb + pid_k, scale_inv, mask=rows < M)
         if COLUMNWISE:
             # x^T in 1x128 blocks along M: one block per column of this tile.
-            q_t, s_t = _cast_1x128(x, a, 0, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, POW2, GUARD)
+            q_t, s_t = cast_1x128(x, a, 0, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, POW2, GUARD)
             tl.store(DATA_T + offs_t, tl.trans(q_t), mask=mask_t)
             n_mb = tl.cdiv(M, BLOCK_M)
             tl.store(SCALE_INV_T + cols.to(tl.int64) * n_mb + pid_m, s_t, mask=cols < K)
@@ -376,7 +376,7 @@ def _cuda_op(name: str):
     return getattr(torch.ops.te_cuda, name, None)
 
 
-def _cuda_cast(cfg: QuantizeLaunchConfig, name: str, m: int, n: int, *tensors: Tensor | None):
+def cuda_cast(cfg: QuantizeLaunchConfig, name: str, m: int, n: int, *tensors: Tensor | None):
     """The CUDA block cast ``name`` (``act_cast_1x128`` or ``cast_128x128``: both layouts, one
     read) when it covers a ``[m, n]`` call on ``tensors`` (the input, and the bias / gradient
     where given): CUDA bf16 tensors, 16-byte aligned, ``m`` and ``n`` whole 128x128 tiles; else
@@ -395,6 +395,48 @@ def _transposed(x: Tensor, m: int, k: int, dtype: torch.dtype, columnwise: bool)
     return x.new_empty((k, m) if columnwise else (0,), dtype=dtype)
 
 
+def _cast(
+    shape: torch.Size,
+    x: Tensor,
+    scale: Tensor,
+    bits: Tensor,
+    fp8_dtype: torch.dtype,
+    columnwise: bool,
+    cfg: QuantizeLaunchConfig,
+    from_amax: bool,
+    amax_epsilon: float = 0.0,
+    power_2_scale: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The per-tensor cast of both recipes: ``(data, data_t, scale_inv, amax)`` (``_cast_kernel``'s
+    ``FROM_AMAX``) of ``x``, ``as_rows`` of a tensor of ``shape``, the shape of ``data``."""
+    m, k = x.shape
+    data = torch.empty(shape, device=x.device, dtype=fp8_dtype)
+    data_t = _transposed(x, m, k, fp8_dtype, columnwise)
+    if not from_amax and not m * k:
+        return data, data_t, reciprocal_rn(scale), bits.view(torch.float32)
+    scale_inv = torch.empty(1, device=x.device, dtype=torch.float32)
+    launch(_cast_kernel, grid_2d(m, k, cfg.block_m, cfg.block_k))(
+        x,
+        scale,
+        bits,
+        uint8_view(data),
+        uint8_view(data_t),
+        scale_inv,
+        m,
+        k,
+        FORMATS[fp8_dtype].max,
+        amax_epsilon,
+        **cast_args(fp8_dtype, software_convert(x.device, cfg), x.dtype),
+        FROM_AMAX=from_amax,
+        POW2=power_2_scale,
+        COLUMNWISE=columnwise,
+        BLOCK_M=cfg.block_m,
+        BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps,
+    )
+    return data, data_t, scale_inv, bits.view(torch.float32)
+
+
 def quantize_tensorwise(
     x: Tensor,
     scale: Tensor,
@@ -406,35 +448,10 @@ def quantize_tensorwise(
     """Delayed scaling: ``(data, data_t, scale_inv, amax)`` from one read of ``x`` (see the
     op; ``scale_inv``: ``1 / scale`` correctly rounded, written by the cast, ``reciprocal_rn``'s
     value; for an empty ``x`` computed by that function)."""
-    cfg = config or DEFAULT_CONFIG
-    x2, m, k = as_rows(x)
-    data = torch.empty(x.shape, device=x.device, dtype=fp8_dtype)
-    data_t = _transposed(x, m, k, fp8_dtype, columnwise)
-    bits = amax_bits(x.device)
     scale = scale.reshape(1).contiguous()
-    if not m * k:
-        return data, data_t, reciprocal_rn(scale), bits.view(torch.float32)
-    scale_inv = torch.empty(1, device=x.device, dtype=torch.float32)
-    launch(_cast_kernel, grid_2d(m, k, cfg.block_m, cfg.block_k))(
-        x2,
-        scale,
-        bits,
-        uint8_view(data),
-        uint8_view(data_t),
-        scale_inv,
-        m,
-        k,
-        FORMATS[fp8_dtype].max,
-        0.0,
-        **cast_args(fp8_dtype, software_convert(x.device, cfg), x.dtype),
-        FROM_AMAX=False,
-        POW2=False,
-        COLUMNWISE=columnwise,
-        BLOCK_M=cfg.block_m,
-        BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps,
-    )
-    return data, data_t, scale_inv, bits.view(torch.float32)
+    cfg = config or DEFAULT_CONFIG
+    bits = amax_bits(x.device)
+    return _cast(x.shape, as_rows(x)[0], scale, bits, fp8_dtype, columnwise, cfg, False)
 
 
 def quantize_current(
@@ -449,31 +466,11 @@ def quantize_current(
     """Current scaling: ``(data, data_t, scale_inv, amax)``; two reads of ``x`` (the amax
     reduction, then the cast)."""
     cfg = config or DEFAULT_CONFIG
-    x2, m, k = as_rows(x)
-    data = torch.empty(x.shape, device=x.device, dtype=fp8_dtype)
-    data_t = _transposed(x, m, k, fp8_dtype, columnwise)
+    x2 = as_rows(x)[0]
     bits = _amax_bits(x2, cfg)
-    scale_inv = torch.empty(1, device=x.device, dtype=torch.float32)
-    launch(_cast_kernel, grid_2d(m, k, cfg.block_m, cfg.block_k))(
-        x2,
-        bits,  # SCALE: unused
-        bits,
-        uint8_view(data),
-        uint8_view(data_t),
-        scale_inv,
-        m,
-        k,
-        FORMATS[fp8_dtype].max,
-        amax_epsilon,
-        **cast_args(fp8_dtype, software_convert(x.device, cfg), x.dtype),
-        FROM_AMAX=True,
-        POW2=power_2_scale,
-        COLUMNWISE=columnwise,
-        BLOCK_M=cfg.block_m,
-        BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps,
-    )
-    return data, data_t, scale_inv, bits.view(torch.float32)
+    # SCALE (the second ``bits``) is unused with FROM_AMAX.
+    return _cast(x.shape, x2, bits, bits, fp8_dtype, columnwise, cfg, True, amax_epsilon,
+                 power_2_scale)  # fmt: skip
 
 
 def quantize_blockwise(
@@ -521,7 +518,7 @@ def quantize_blockwise(
         data_t = data_t.view(fp8_dtype)
         scale_inv_t = given_scale_t
     name = "act_cast_1x128" if block_rows == 1 else "cast_128x128"
-    cuda = _cuda_cast(cfg, name, m, k, x2) if columnwise else None
+    cuda = cuda_cast(cfg, name, m, k, x2) if columnwise else None
     if cuda is None and not scale_inv_t.is_contiguous():  # the Triton kernel writes compact
         scale_inv_t = x.new_empty(t_shape, dtype=f32)
     f = FORMATS[fp8_dtype]
@@ -580,7 +577,7 @@ def quantize_blockwise_sums(
     (:func:`block_scales`; elsewhere they are compact: callers take either)."""
     cfg = config or DEFAULT_CONFIG
     x2, m, k = as_rows(x)
-    cuda = _cuda_cast(cfg, "act_cast_1x128", m, k, x2)
+    cuda = cuda_cast(cfg, "act_cast_1x128", m, k, x2)
     if cuda is None:
         return (*quantize_blockwise(x, fp8_dtype, 1, power_2_scale, True, config=cfg),
                 x2.sum(0, dtype=torch.float32))  # fmt: skip

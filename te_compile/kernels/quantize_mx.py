@@ -18,7 +18,7 @@ Low-precision values are produced and consumed as **integer bit patterns** (``ui
 int32 arithmetic (:func:`_encode`). One code path then gives identical bits on every GPU (Triton's
 fp8 casts need sm89+, and it has no E2M1 cast) and under ``TRITON_INTERPRET=1``, whose numpy
 backend has no fp8 types at all. For the same reason bf16 crosses the kernel boundary as int16
-bits, widened and rounded by hand (:func:`_load_x`, :func:`_bf16_bits`): the interpreter flushes
+bits, widened and rounded by hand (:func:`load_x`, :func:`_bf16_bits`): the interpreter flushes
 bf16 subnormals to zero on loads and truncates fp32 to bf16 on stores, where the GPU is exact on
 the first and rounds to nearest even on the second.
 Powers of two are built from exponent bits (:func:`_pow2`), never with ``exp2``, and the NVFP4
@@ -123,7 +123,7 @@ def _bf16_bits(v):
 
 
 @triton.jit
-def _store_out(OUT, offs, v, mask, OUT_BF16: tl.constexpr):
+def store_out(OUT, offs, v, mask, OUT_BF16: tl.constexpr):
     """Store fp32 ``v`` in the output's dtype; ``OUT`` is an int16 view for a bf16 output."""
     if OUT_BF16:
         tl.store(OUT + offs, _bf16_bits(v).to(tl.int16), mask=mask)
@@ -132,7 +132,7 @@ def _store_out(OUT, offs, v, mask, OUT_BF16: tl.constexpr):
 
 
 @triton.jit
-def _load_x(X, offs, mask, IN_BF16: tl.constexpr):
+def load_x(X, offs, mask, IN_BF16: tl.constexpr):
     """A tile of ``x`` in fp32; ``X`` is an int16 view for a bf16 input, widened by hand
     (exact; the interpreter's own conversion flushes bf16 subnormals to zero)."""
     if IN_BF16:
@@ -218,7 +218,7 @@ def _mxfp8_quantize_kernel(
     r64 = rows.to(tl.int64)
     c64 = cols.to(tl.int64)
     mask = (rows[:, None] < M) & (cols[None, :] < K)
-    x = _load_x(X, r64[:, None] * K + c64[None, :], mask, IN_BF16)
+    x = load_x(X, r64[:, None] * K + c64[None, :], mask, IN_BF16)
     bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     if ROWWISE:
         nkb = tl.cdiv(K, B)
@@ -262,7 +262,7 @@ def _mxfp8_dequantize_kernel(
     nkb = tl.cdiv(K, 32)
     b = tl.load(SCALE + r64[:, None] * nkb + (cols // 32)[None, :], mask=mask, other=127)
     v = _decode_fp8(code, MBITS, EMIN) * _e8m0_to_f32(b.to(tl.int32))
-    _store_out(OUT, offs, v, mask, OUT_BF16)
+    store_out(OUT, offs, v, mask, OUT_BF16)
 
 
 # NVFP4 ---------------------------------------------------------------------------------------
@@ -310,7 +310,7 @@ def _nvfp4_quantize_kernel(
     r64 = rows.to(tl.int64)
     c64 = cols.to(tl.int64)
     mask = (rows[:, None] < M) & (cols[None, :] < K)
-    x = _load_x(X, r64[:, None] * K + c64[None, :], mask, IN_BF16)
+    x = load_x(X, r64[:, None] * K + c64[None, :], mask, IN_BF16)
     bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     g = tl.load(G)
     g_6 = g * (1.0 / 6.0)
@@ -380,7 +380,7 @@ def _nvfp4_dequantize_kernel(
         code = (byte >> (4 * half)) & 0xF
         v = _decode(code & 7, 1, 0)
         v = signed(v, (code & 8) != 0)
-        _store_out(out, half, tl.div_rn(v * s_val, g), mask, OUT_BF16)
+        store_out(out, half, tl.div_rn(v * s_val, g), mask, OUT_BF16)
 
 
 # Launch wrappers -----------------------------------------------------------------------------

@@ -48,7 +48,7 @@ import triton.language as tl
 from torch import Tensor
 
 from te_compile.kernels import bf16_bits, kernel_arg, launch, size_hint
-from te_compile.kernels.quantize_mx import _load_x, _store_out
+from te_compile.kernels.quantize_mx import load_x, store_out
 
 __all__ = ["RotaryLaunchConfig", "launch_config", "rotary"]
 
@@ -215,10 +215,10 @@ def _rotary_kernel(
                     head = head0 + hg + hh
                     x_mask = t_mask & (rows_zero + head < n_heads)[:, None, None]
                     x_offs = x_row[:, None, None] + head * sx_head + c2
-                    xa, xb = tl.split(_load_x(X, x_offs, x_mask, BF16))
+                    xa, xb = tl.split(load_x(X, x_offs, x_mask, BF16))
                     ya, yb = _rotate(xa, xb, ca, sa, cb, sb, BACKWARD)
                     o_offs = o_row[:, None, None] + head * so_head + c2
-                    _store_out(OUT, o_offs, tl.join(ya, yb), x_mask, BF16)
+                    store_out(OUT, o_offs, tl.join(ya, yb), x_mask, BF16)
         else:
             f_mask = valid[:, None] & p_ok[None, :]
             f_offs = f_row[:, None] + p[None, :]
@@ -231,12 +231,12 @@ def _rotary_kernel(
                     head = head0 + hg + hh
                     x_mask = t_mask & (rows_zero + head < n_heads)[:, None]
                     x_offs = x_row[:, None] + head * sx_head + p[None, :]
-                    xa = _load_x(X, x_offs, x_mask, BF16)
-                    xb = _load_x(X, x_offs + pairs, x_mask, BF16)
+                    xa = load_x(X, x_offs, x_mask, BF16)
+                    xb = load_x(X, x_offs + pairs, x_mask, BF16)
                     ya, yb = _rotate(xa, xb, ca, sa, cb, sb, BACKWARD)
                     o_offs = o_row[:, None] + head * so_head + p[None, :]
-                    _store_out(OUT, o_offs, ya, x_mask, BF16)
-                    _store_out(OUT, o_offs + pairs, yb, x_mask, BF16)
+                    store_out(OUT, o_offs, ya, x_mask, BF16)
+                    store_out(OUT, o_offs + pairs, yb, x_mask, BF16)
     else:
         c = d2 + (chunk - rot_chunks) * BLOCK_C + tl.arange(0, BLOCK_C)
         c_tile = row_ok[:, None] & (c < d)[None, :]

@@ -87,7 +87,7 @@ class _CachedQuantizedInput(torch.autograd.Function):
         return dx, None, None, None
 
 
-class _Activation(BasicOperation):
+class ActivationOperation(BasicOperation):
     """Base of the activation ops: ``activation`` names the te activation."""
 
     activation: ClassVar[str]
@@ -120,7 +120,7 @@ class _Activation(BasicOperation):
         return self.apply(x, None), ()
 
 
-class _GatedActivation(_Activation):
+class _GatedActivation(ActivationOperation):
     gated = True
 
     def __init__(
@@ -144,31 +144,31 @@ class _GatedActivation(_Activation):
         return ", ".join(p for p in own if p)
 
 
-class GELU(_Activation):
+class GELU(ActivationOperation):
     r""":math:`\tfrac12 x(1 + \tanh(\sqrt{2/\pi}(x + 0.044715x^3)))`."""
 
     activation = "gelu"
 
 
-class QGELU(_Activation):
+class QGELU(ActivationOperation):
     r""":math:`x\,\sigma(1.702x)`."""
 
     activation = "qgelu"
 
 
-class ReLU(_Activation):
+class ReLU(ActivationOperation):
     r""":math:`\max(x, 0)`."""
 
     activation = "relu"
 
 
-class SReLU(_Activation):
+class SReLU(ActivationOperation):
     r""":math:`\max(x, 0)^2`."""
 
     activation = "srelu"
 
 
-class SiLU(_Activation):
+class SiLU(ActivationOperation):
     r""":math:`x\,\sigma(x)`."""
 
     activation = "silu"

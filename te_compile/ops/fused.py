@@ -60,7 +60,7 @@ from typing import Any
 from torch import Tensor
 
 from te_compile import functional as F
-from te_compile.ops.activation import _Activation
+from te_compile.ops.activation import ActivationOperation
 from te_compile.ops.linear import BasicLinear, Bias
 from te_compile.ops.norm import RMSNorm
 from te_compile.ops.op import BasicOperation, FusedOperation, OpOutput
@@ -94,7 +94,7 @@ class ForwardLinearBiasActivation(FusedOperation):
 
     @classmethod
     def accepts(cls, basic_ops: Sequence[BasicOperation]) -> bool:
-        act = _find(basic_ops, _Activation)
+        act = _find(basic_ops, ActivationOperation)
         if act is not None and (act.num_extra_inputs or act.cache_quantized_input):
             return False  # ScaledSwiGLU's scales; an FP8-cached input
         # Row-parallel: the activation applies to the reduced sum, after the collective.
@@ -104,7 +104,7 @@ class ForwardLinearBiasActivation(FusedOperation):
         super().__init__(basic_ops)
         self.linear: BasicLinear = basic_ops[0]
         self.bias: Bias | None = _find(basic_ops, Bias)
-        self.activation: _Activation | None = _find(basic_ops, _Activation)
+        self.activation: ActivationOperation | None = _find(basic_ops, ActivationOperation)
 
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
         bias = None if self.bias is None else self.bias.bias
@@ -211,12 +211,12 @@ def _optional(cls: type) -> tuple[type, None]:
 
 # (fused op, pattern): a pattern entry is a basic-op class, or _optional(class).
 FUSIONS: tuple[tuple[type[FusedOperation], tuple], ...] = (
-    (ForwardLinearBiasActivation, (BasicLinear, _optional(Bias), _Activation)),
+    (ForwardLinearBiasActivation, (BasicLinear, _optional(Bias), ActivationOperation)),
     (ForwardLinearScaleAdd, (BasicLinear, _optional(Bias), ConstantScale, AddExtraInput)),
     (ForwardLinearBiasAdd, (BasicLinear, _optional(Bias), AddExtraInput)),
     (BackwardLinearAdd, (MakeExtraOutput, BasicLinear, _optional(Bias))),
     (ForwardLinearBiasActivation, (BasicLinear, Bias)),
-    (BackwardActivationBias, (Bias, _Activation)),
+    (BackwardActivationBias, (Bias, ActivationOperation)),
     (BackwardAddRMSNorm, (MakeExtraOutput, RMSNorm)),
 )
 

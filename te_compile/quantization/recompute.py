@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 
-from te_compile.quantization.state import _HOLDER, get_autocast_state
+from te_compile.quantization.state import STATE_HOLDER, get_autocast_state
 
 __all__ = ["RecomputeScope", "checkpoint", "current_scope"]
 
@@ -143,12 +143,12 @@ def checkpoint(
         # forward started from, and leaves the state as it found it.
         after = scope.rewound() if runs[0] > 0 else {}
         runs[0] += 1
-        outer_state, outer_scope = _HOLDER.current, _SCOPE.current
-        _HOLDER.current, _SCOPE.current = state, scope
+        outer_state, outer_scope = STATE_HOLDER.current, _SCOPE.current
+        STATE_HOLDER.current, _SCOPE.current = state, scope
         try:
             return function(*a, **kw)
         finally:
-            _HOLDER.current, _SCOPE.current = outer_state, outer_scope
+            STATE_HOLDER.current, _SCOPE.current = outer_state, outer_scope
             for fp8_state, calibrated, copies in after.values():
                 _restore(fp8_state, calibrated, copies)
 

@@ -90,12 +90,12 @@ class _Holder:
         self.current = AutocastState(enabled=False, recipe=None, amax_reduction_group=None)
 
 
-_HOLDER = _Holder()
+STATE_HOLDER = _Holder()
 
 
 def get_autocast_state() -> AutocastState:
     """The current autocast state (what modules read in ``forward``)."""
-    return _HOLDER.current
+    return STATE_HOLDER.current
 
 
 class autocast:
@@ -138,13 +138,13 @@ class autocast:
         self._saved: list[AutocastState] = []
 
     def __enter__(self) -> None:
-        self._saved.append(_HOLDER.current)
-        _HOLDER.current = AutocastState(
+        self._saved.append(STATE_HOLDER.current)
+        STATE_HOLDER.current = AutocastState(
             self.enabled, self.recipe, self.amax_reduction_group, self.calibrating
         )
 
     def __exit__(self, *exc_info: object) -> None:
-        _HOLDER.current = self._saved.pop()
+        STATE_HOLDER.current = self._saved.pop()
 
     def __call__(self, fn: _F) -> _F:
         @functools.wraps(fn)

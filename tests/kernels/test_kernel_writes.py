@@ -93,7 +93,7 @@ def launches(monkeypatch):
         if hasattr(module, "launch"):
             monkeypatch.setattr(module, "launch", launch)
     # The C++ casts (te_cuda) never run while tracing; here neither.
-    monkeypatch.setattr(quantize, "_cuda_cast", lambda *a, **k: None, raising=False)
+    monkeypatch.setattr(quantize, "cuda_cast", lambda *a, **k: None, raising=False)
     yield seen
     driver._active = before
 

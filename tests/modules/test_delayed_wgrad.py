@@ -301,14 +301,14 @@ def test_grouped_linear_main_grad():
 
 
 def _stash_calls():
-    from te_compile.functional.linear_args import _Args
+    from te_compile.functional.linear_args import LinearArgs
 
     x, w, b = torch.randn(2, 8, 32), torch.randn(16, 32), torch.randn(16)
     for t in (x, w, b):
         t.requires_grad_()
     specs = {"input_spec": "current:e4m3", "weight_spec": "current:e4m3",
              "grad_spec": "current:e5m2"}  # fmt: skip
-    args = _Args(x, w, b, None, **specs, wgrad_stash=torch.empty(2, 8, 16))
+    args = LinearArgs(x, w, b, None, **specs, wgrad_stash=torch.empty(2, 8, 16))
     yield torch.ops.te.linear_fwd.default, tuple(args)
     gx, gw = torch.randn(40, 32, requires_grad=True), torch.randn(2, 16, 32, requires_grad=True)
     splits = torch.tensor([8, 32])
