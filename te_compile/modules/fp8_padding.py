@@ -13,9 +13,10 @@ is known on the host. (te_compile's grouped modules take any row counts in every
 padding is needed only by code written for Transformer Engine.) Under ``torch.compile`` the
 splits are constants of the graph: a new routing recompiles, as for any list of sizes.
 
-``align_size=None``: 32 under an MXFP8 recipe, else 16, as Transformer Engine picks. It reads
-the recipe of the autocast region active at ``forward`` (Transformer Engine reads it once, when
-the module is built).
+``align_size=None``: 32 under an MXFP8 recipe, 128 under NVFP4, else 16, as Transformer Engine
+picks (``quantization.get_align_size_for_quantization``). It reads the recipe of the autocast
+region active at every ``forward`` (Transformer Engine reads it once, at the first forward, and
+keeps it).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from torch import Tensor, nn
 
 from te_compile._checks import shown
 from te_compile.modules._common import check_positive
-from te_compile.quantization.recipe import MXFP8BlockScaling
+from te_compile.quantization.recipe import get_align_size_for_quantization
 from te_compile.quantization.state import get_autocast_state
 
 __all__ = ["Fp8Padding", "Fp8Unpadding"]
@@ -37,8 +38,7 @@ __all__ = ["Fp8Padding", "Fp8Unpadding"]
 def _align(align_size: int | None) -> int:
     if align_size is not None:
         return align_size
-    recipe = get_autocast_state().recipe
-    return 32 if isinstance(recipe, MXFP8BlockScaling) else 16
+    return get_align_size_for_quantization(get_autocast_state().recipe)
 
 
 def _check_splits(owner: str, num_gemms: int, inp: Tensor, m_splits: object) -> list[int]:

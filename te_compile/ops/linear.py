@@ -312,9 +312,23 @@ class GroupedLinear(BasicOperation):
 
     Takes one extra input, ``m_splits`` (rows per group: an integer tensor, on the input's device
     or the CPU, or a list of ints), as Transformer Engine's ``te.ops.GroupedLinear`` does:
-    ``Sequential(..., GroupedLinear(...), ...)(x, m_splits)``. Parameters in the single grouped
-    layout: ``weight`` ``[num_groups, out_features, in_features]``, ``bias``
-    ``[num_groups, out_features]``. Inside ``te_compile.autocast`` the GEMMs run with the recipe
+    ``Sequential(..., GroupedLinear(...), ...)(x, m_splits)``.
+
+    Parameters, Transformer Engine's two layouts, chosen for the weight and the bias separately:
+    by default one Parameter per group, ``weight0 .. weight{G-1}`` ``[out_features,
+    in_features]`` and ``bias0 ..`` ``[out_features]`` (the forward stacks them into the
+    ``[G, out, in]`` operand of the grouped GEMM: one copy of the weights per forward);
+    ``single_grouped_weight=True`` / ``single_grouped_bias=True``: one ``weight``
+    ``[num_groups, out_features, in_features]`` / ``bias`` ``[num_groups, out_features]``,
+    passed as they are (no copy). Transformer Engine honours True only with its
+    ``NVTE_GROUPED_LINEAR_SINGLE_PARAM`` environment variable set (else it warns and builds
+    per-group parameters); here True always builds the single layout. The attributes of the
+    other layout are None, as in Transformer Engine. FP8 primary weights
+    (``quantized_model_init``): a scale per ``weight{i}`` (one for the single ``weight``), the
+    gradients accumulated into one ``[G, out, in]`` fp32 buffer that ``FP8MasterWeights``
+    allocates (``allocate_main_grad``; each ``weight{i}.main_grad`` a view of it).
+
+    Inside ``te_compile.autocast`` the GEMMs run with the recipe
     as data (``te::grouped_linear``): rowwise scales under ``Float8CurrentScaling``,
     per-tensor delayed scales (``fp8_meta``) under ``DelayedScaling``; Float8BlockScaling and
     MXFP8BlockScaling are emulated (see :class:`te_compile.GroupedLinear`).
@@ -326,9 +340,6 @@ class GroupedLinear(BasicOperation):
     :math:`\sum_t s_t dy_t` and :math:`\langle dy_t, b_g \rangle` (fp32, then their dtypes).
     ``Sequential(..., GroupedLinear(..., scale_bias=True), ...)(x, m_splits, scales)``. Without
     ``bias`` it is off (no second input), as in Transformer Engine.
-
-    ``single_grouped_weight`` / ``single_grouped_bias``: None or True (the one layout here);
-    False, Transformer Engine's default per-group parameters, raises NotImplementedError.
     """
 
     num_extra_inputs = 1
@@ -344,20 +355,12 @@ class GroupedLinear(BasicOperation):
         dtype: torch.dtype | None = None,
         init_method: Callable[[Tensor], None] | None = None,
         scale_bias: bool = False,
-        single_grouped_weight: bool | None = None,
-        single_grouped_bias: bool | None = None,
+        single_grouped_weight: bool = False,
+        single_grouped_bias: bool = False,
     ) -> None:
-        check_bool("GroupedLinear", bias=bias, scale_bias=scale_bias)
-        for name, flag in (("weight", single_grouped_weight), ("bias", single_grouped_bias)):
-            if flag is not None:
-                check_bool("GroupedLinear", **{f"single_grouped_{name}": flag})
-            if flag is False:
-                raise NotImplementedError(
-                    f"GroupedLinear: single_grouped_{name}=False is not implemented: te.ops."
-                    f"GroupedLinear keeps one [num_groups, ...] {name} (Transformer Engine's "
-                    f"single_grouped_{name}=True; None means that too); for per-group "
-                    f"{name}0.. parameters use te_compile.GroupedLinear"
-                )
+        check_bool("GroupedLinear", bias=bias, scale_bias=scale_bias,
+                   single_grouped_weight=single_grouped_weight,
+                   single_grouped_bias=single_grouped_bias)  # fmt: skip
         # Before BasicOperation.__init__, which sizes the extra-input channels.
         self.scale_bias = scale_bias and bias
         if self.scale_bias:
@@ -374,32 +377,94 @@ class GroupedLinear(BasicOperation):
         check_device("GroupedLinear", "device", device)
         check_callable("GroupedLinear", init_method=init_method)
         self.init_method = init_method or _init
+        self.single_grouped_weight = single_grouped_weight
+        self.single_grouped_bias = single_grouped_bias
+        self.use_bias = bias
         kw = {"dtype": dtype, "device": device}
-        self.weight = nn.Parameter(torch.empty(num_groups, out_features, in_features, **kw))
-        self.bias = nn.Parameter(torch.empty(num_groups, out_features, **kw)) if bias else None
+        weight = bias_ = None
+        if single_grouped_weight:
+            weight = nn.Parameter(torch.empty(num_groups, out_features, in_features, **kw))
+        if bias and single_grouped_bias:
+            bias_ = nn.Parameter(torch.empty(num_groups, out_features, **kw))
+        self.register_parameter("weight", weight)
+        self.register_parameter("bias", bias_)
+        # weight0 .. then bias0 .. (Transformer Engine's order); None in a single layout.
+        for i in range(num_groups):
+            w = None
+            if not single_grouped_weight:
+                w = nn.Parameter(torch.empty(out_features, in_features, **kw))
+            self.register_parameter(f"weight{i}", w)
+        for i in range(num_groups):
+            b = None
+            if bias and not single_grouped_bias:
+                b = nn.Parameter(torch.empty(out_features, **kw))
+            self.register_parameter(f"bias{i}", b)
         self.fp8_meta = fp8_gemm.FP8GemmState(device)
         # TE's slots per group (input, weight / grad), folded into our one state.
         accept_te_extra_state(self, ("fp8_meta",), (num_groups,), slots=(2, 1))
         self.reset_parameters()
-        primary.make_primary(self, ("weight",), "te.ops.GroupedLinear")  # quantized_model_init
+        primary.make_primary(self, self._weight_names(), "te.ops.GroupedLinear")
+
+    def _weight_names(self) -> tuple[str, ...]:
+        if self.single_grouped_weight:
+            return ("weight",)
+        return tuple(f"weight{i}" for i in range(self.num_groups))
+
+    def weights(self) -> list[Tensor]:
+        """Every group's ``[out, in]`` weight (views of ``weight`` in the single layout)."""
+        if self.single_grouped_weight:
+            return list(self.weight.unbind(0))
+        return [getattr(self, f"weight{i}") for i in range(self.num_groups)]
+
+    def biases(self) -> list[Tensor] | None:
+        """Every group's ``[out]`` bias (views of ``bias`` in the single layout); None without."""
+        if not self.use_bias:
+            return None
+        if self.single_grouped_bias:
+            return list(self.bias.unbind(0))
+        return [getattr(self, f"bias{i}") for i in range(self.num_groups)]
+
+    def allocate_main_grad(self) -> Tensor:
+        """The zeroed fp32 ``[num_groups, out, in]`` buffer the grouped GEMM accumulates FP8
+        primary weights' gradients into (``FP8MasterWeights`` calls it): ``weight.main_grad``,
+        or ``weight{i}.main_grad = buffer[i]`` per group."""
+        weights = self.weights()
+        shape = (self.num_groups, self.out_features, self.in_features)
+        buffer = torch.zeros(shape, dtype=torch.float32, device=weights[0].device)
+        if self.single_grouped_weight:
+            self.weight.main_grad = buffer
+        else:
+            for w, view in zip(weights, buffer.unbind(0), strict=True):
+                w.main_grad = view
+        self._main_grad_buffer = buffer
+        return buffer
+
+    def _grouped_bias(self) -> Tensor | None:
+        """The ``[G, out]`` bias operand: ``bias``, or the per-group biases stacked."""
+        if not self.use_bias:
+            return None
+        return self.bias if self.single_grouped_bias else torch.stack(self.biases())
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        with primary.high_precision_init(self, ("weight",)):
-            for w in self.weight.unbind(0):
+        with primary.high_precision_init(self, self._weight_names()):
+            for w in self.weights():
                 self.init_method(w)
-        if self.bias is not None:
-            self.bias.zero_()
+        for b in self.biases() or ():
+            b.zero_()
 
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
         m_splits, *scales = extra_inputs
-        weight, main_grad, weight_q = self.weight, None, None
-        fp8 = primary.grouped_primary(self, ("weight",), x.dtype)
-        if fp8 is not None:  # FP8 primary weights: the gradient goes to weight.main_grad
+        main_grad, weight_q = None, None
+        weight = self.weight if self.single_grouped_weight else torch.stack(self.weights())
+        fp8 = primary.grouped_primary(self, self._weight_names(), x.dtype)
+        if fp8 is not None:  # FP8 primary weights: the gradient goes to the main_grad buffer
             weight, weight_q = fp8
-            main_grad = getattr(self.weight, "main_grad", None)
-            main_grad = primary.required_main_grad("GroupedLinear", main_grad, self.weight)
-        bias = None if self.scale_bias else self.bias
+            first = self.weight if self.single_grouped_weight else self.weight0
+            main_grad = (getattr(self.weight, "main_grad", None) if self.single_grouped_weight
+                         else getattr(self, "_main_grad_buffer", None))  # fmt: skip
+            main_grad = primary.required_main_grad("GroupedLinear", main_grad, first)
+        bias = None if self.scale_bias else self._grouped_bias()
         out = gemm.grouped_linear("GroupedLinear", self.fp8_meta, x, m_splits, weight, bias,
                                   main_grad=main_grad, weight_quantized=weight_q)  # fmt: skip
         if self.scale_bias:
@@ -420,16 +485,17 @@ class GroupedLinear(BasicOperation):
                 f"per token), got {list(scales.shape)}"
             )
         splits = checked_splits("GroupedLinear", m_splits, rows.shape[0], "the input's rows")
-        per_row = self.bias.repeat_interleave(
-            splits.to(self.bias.device), dim=0, output_size=rows.shape[0]
-        )
+        bias = self._grouped_bias()
+        per_row = bias.repeat_interleave(splits.to(bias.device), dim=0, output_size=rows.shape[0])
         scaled = per_row.float() * scales.float().unsqueeze(-1)
         return (rows.float() + scaled).to(out.dtype).reshape(out.shape)
 
     def extra_repr(self) -> str:
         return (
             f"num_groups={self.num_groups}, in_features={self.in_features}, "
-            f"out_features={self.out_features}, bias={self.bias is not None}"
+            f"out_features={self.out_features}, bias={self.use_bias}"
+            + (", single_grouped_weight=True" if self.single_grouped_weight else "")
+            + (", single_grouped_bias=True" if self.single_grouped_bias else "")
             + (", scale_bias=True" if self.scale_bias else "")
         )
 

@@ -34,6 +34,7 @@ from te_compile.quantization.recipe import (
     NVFP4BlockScaling,
     QParams,
     Recipe,
+    get_align_size_for_quantization,
 )
 from te_compile.quantization.recompute import checkpoint
 from te_compile.quantization.state import (
@@ -60,6 +61,7 @@ __all__ = [
     "dequantize",
     "fp8_autocast",
     "fp8_model_init",
+    "get_align_size_for_quantization",
     "get_autocast_state",
     "get_default_fp8_recipe",
     "get_device_compute_capability",

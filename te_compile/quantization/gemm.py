@@ -550,15 +550,19 @@ def linear(
     args = gemm_args(owner, state, inp, (weight,), (meta,))
     kw = {**_norm_kwargs(norm), **epilogue}
     weight_q = weight_quantized or cached_weight(args, weight, cache, cache_name)
+    specs = args.spec_kwargs()
     if weight_q is not None:
         kw["weight_quantized"] = weight_q
+        # A kept NVFP4 weight was cast with the weight's 4over6 (cached_weight keys on it), so
+        # the op takes it as it is and is told no 4over6 of its own.
+        specs["weight_spec"] = replace(specs["weight_spec"], four_over_six="")
     if args.backward_override:
         kw["backward_override"] = args.backward_override
     if args.recipe not in PER_TENSOR:
-        out = F.linear(inp, weight, bias, main_grad=main_grad, **args.spec_kwargs(), **kw)
+        out = F.linear(inp, weight, bias, main_grad=main_grad, **specs, **kw)
     else:
         out, *rest, amax = F.linear(
-            inp, weight, bias, main_grad=main_grad, **args.spec_kwargs(), scale=args.scales[0],
+            inp, weight, bias, main_grad=main_grad, **specs, scale=args.scales[0],
             grad_amax=args.grad_amaxes[0], return_amax=True, **kw,
         )  # fmt: skip
         meta.record(amax, state)

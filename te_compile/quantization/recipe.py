@@ -99,6 +99,7 @@ __all__ = [
     "NVFP4BlockScaling",
     "QParams",
     "Recipe",
+    "get_align_size_for_quantization",
 ]
 
 _BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
@@ -655,3 +656,21 @@ class NVFP4BlockScaling(Recipe):
                 _fail(self, name, f"must be one of {_NVFP4_4OVER6_SCOPES}")
         if self.nvfp4_4over6_err_mode not in _NVFP4_4OVER6_ERR_MODES:
             _fail(self, "nvfp4_4over6_err_mode", f"must be one of {_NVFP4_4OVER6_ERR_MODES}")
+
+
+def get_align_size_for_quantization(recipe: Recipe | None) -> int:
+    """The row alignment grouped GEMM inputs are padded to under ``recipe`` (Transformer
+    Engine's ``quantization.get_align_size_for_quantization``, what ``Fp8Padding`` /
+    ``Fp8Unpadding`` use when not given ``align_size``): 32 under MXFP8 (its 32-element
+    blocks), 128 under NVFP4 (the 128-row tiles of its swizzled scales and of the Hadamard
+    transform's columnwise copy), else 16; ``None`` (no recipe) gives 16."""
+    if recipe is not None and not isinstance(recipe, Recipe):
+        raise TypeError(
+            "get_align_size_for_quantization: recipe must be a Recipe or None, got "
+            f"{type(recipe).__name__}"
+        )
+    if isinstance(recipe, MXFP8BlockScaling):
+        return 32
+    if isinstance(recipe, NVFP4BlockScaling):
+        return 128
+    return 16

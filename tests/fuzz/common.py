@@ -288,8 +288,10 @@ def _build_chain(steps, hidden, lead, dtype, data):
             extras.append(splits)
 
             def grouped(x, q, p, e, out, groups=o["groups"], bias=o["bias"]):
-                bs = q[p + "bias"].unbind() if bias else [None] * groups
-                return _grouped_ref(x, next(e), q[p + "weight"].unbind(), bs)
+                # Transformer Engine's default per-group parameters: weight0 .., bias0 ..
+                ws = [q[f"{p}weight{g}"] for g in range(groups)]
+                bs = [q[f"{p}bias{g}"] for g in range(groups)] if bias else [None] * groups
+                return _grouped_ref(x, next(e), ws, bs)
 
             refs.append(grouped)
             h = o["features"]

@@ -1,8 +1,9 @@
 """``te.Fp8Padding`` / ``te.Fp8Unpadding`` with Transformer Engine's semantics, written from its
-documented behaviour: each group's rows padded with zero rows to a multiple of ``align_size`` (32
-under MXFP8, else 16, when not given), the padded splits returned, the unpadding dropping them;
-gradients flow back through both; a grouped GEMM on the padded rows gives the unpadded result;
-bad arguments name themselves, eagerly and under ``torch.compile``."""
+documented behaviour: each group's rows padded with zero rows to a multiple of ``align_size``
+(when not given, ``get_align_size_for_quantization``: 32 under MXFP8, 128 under NVFP4, else
+16), the padded splits returned, the unpadding dropping them; gradients flow back through both;
+a grouped GEMM on the padded rows gives the unpadded result; bad arguments name themselves,
+eagerly and under ``torch.compile``."""
 
 from __future__ import annotations
 
@@ -46,10 +47,34 @@ def test_default_alignment_follows_the_active_recipe():
     pad = te.Fp8Padding(2)
     with te.autocast(recipe=te.recipe.MXFP8BlockScaling()):
         _, mx = pad(x, splits)
+    with te.autocast(recipe=te.recipe.NVFP4BlockScaling()):
+        _, nv = pad(x, splits)
     with te.autocast(recipe=te.recipe.Float8CurrentScaling()):
         _, cur = pad(x, splits)
     _, plain = pad(x, splits)
-    assert mx == [32, 32] and cur == [16, 32] and plain == [16, 32]
+    assert mx == [32, 32] and nv == [128, 128] and cur == [16, 32] and plain == [16, 32]
+
+
+@pytest.mark.parametrize(
+    ("recipe", "align"),
+    [
+        (None, 16),
+        (te.recipe.DelayedScaling(), 16),
+        (te.recipe.Float8CurrentScaling(), 16),
+        (te.recipe.Float8BlockScaling(), 16),
+        (te.recipe.MXFP8BlockScaling(), 32),
+        (te.recipe.NVFP4BlockScaling(), 128),
+        (te.recipe.NVFP4BlockScaling(disable_2d_quantization=True), 128),
+    ],
+    ids=lambda v: type(v).__name__ if not isinstance(v, int) else str(v),
+)
+def test_align_size_for_quantization_is_transformer_engines(recipe, align):
+    assert te.quantization.get_align_size_for_quantization(recipe) == align
+
+
+def test_align_size_for_quantization_names_a_bad_recipe():
+    with pytest.raises(TypeError, match="get_align_size_for_quantization: recipe must be a Recipe"):
+        te.quantization.get_align_size_for_quantization("mxfp8")
 
 
 def test_aligned_splits_pass_through_and_3d_input_is_rows():

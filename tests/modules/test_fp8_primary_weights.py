@@ -533,11 +533,15 @@ def test_ops_linear_matches_the_high_precision_op(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_ops_grouped_linear_against_float64(device):
+@pytest.mark.parametrize("single", [False, True], ids=["per_group", "single"])
+def test_ops_grouped_linear_against_float64(device, single):
+    """te.ops.GroupedLinear's FP8 weights in Transformer Engine's per-group layout (a scale per
+    weight{i}, each main_grad a view of one [G, N, K] buffer) and in the single layout."""
     recipe = Float8CurrentScaling()
     torch.manual_seed(0)
+    flags = {"single_grouped_weight": single, "single_grouped_bias": single}
     with te.quantized_model_init(recipe=recipe):
-        op = te.ops.GroupedLinear(G, 128, 64, dtype=torch.bfloat16, device=device)
+        op = te.ops.GroupedLinear(G, 128, 64, dtype=torch.bfloat16, device=device, **flags)
     te.FP8MasterWeights(op)
     x = _x(device).requires_grad_()
     with autocast(recipe=recipe):
@@ -545,21 +549,25 @@ def test_ops_grouped_linear_against_float64(device):
     g = torch.randn_like(y)
     y.backward(g)
     rows = torch.repeat_interleave(torch.arange(G), torch.tensor(SPLITS))
-    w = (op.weight.detach().double() * op.weight_scale_inv.double()).cpu()[rows]
+    names = ["weight"] if single else [f"weight{i}" for i in range(G)]
+    w = torch.cat([getattr(op, n).detach().double().reshape(-1, 64, 128).cpu()
+                   * getattr(op, f"{n}_scale_inv").double().cpu()
+                   for n in names])[rows]  # fmt: skip
     xd, gd = x.detach().cpu().double(), g.cpu().double()
-    bias = op.bias.detach().cpu().double()[rows]
+    bias = torch.stack(op.biases()).detach().cpu().double()[rows]
     assert_close_quantized(y, torch.einsum("mk,mnk->mn", xd, w) + bias, "current")
     assert_close_quantized(x.grad, torch.einsum("mn,mnk->mk", gd, w), "current", grad=True)
     dw = torch.stack([gd[rows == i].T @ xd[rows == i] for i in range(G)])
-    assert_close_quantized(op.weight.main_grad, dw, "current", grad=True)
-    assert op.weight.grad is None
+    main_grad = torch.stack([getattr(op, n).main_grad.reshape(-1, 64, 128) for n in names])
+    assert_close_quantized(main_grad.reshape(G, 64, 128), dw, "current", grad=True)
+    assert all(getattr(op, n).grad is None for n in names)
     with autocast(recipe=recipe), pytest.raises(RuntimeError, match="main_grad"):
-        te.ops.Sequential(_ops_grouped_without_masters(device, recipe))(x, SPLITS)
+        te.ops.Sequential(_ops_grouped_without_masters(device, recipe, flags))(x, SPLITS)
 
 
-def _ops_grouped_without_masters(device, recipe):
+def _ops_grouped_without_masters(device, recipe, flags):
     with te.quantized_model_init(recipe=recipe):
-        return te.ops.GroupedLinear(G, 128, 64, dtype=torch.bfloat16, device=device)
+        return te.ops.GroupedLinear(G, 128, 64, dtype=torch.bfloat16, device=device, **flags)
 
 
 def test_ops_sequential_trains_and_compiles_to_one_graph():
@@ -582,7 +590,7 @@ def test_ops_sequential_trains_and_compiles_to_one_graph():
             return model(x, SPLITS).float().square().mean()
 
     eager, compiled = build(), build()
-    assert len(_fp8_names(eager)) == 2
+    assert len(_fp8_names(eager)) == 1 + G  # the Linear's weight, weight0 .. of the grouped one
     m_eager, m_compiled = te.FP8MasterWeights(eager), te.FP8MasterWeights(compiled)
     opts = [torch.optim.SGD([*m.parameters(), *m.other_parameters()], lr=2.0)
             for m in (m_eager, m_compiled)]  # fmt: skip
@@ -609,6 +617,7 @@ _RESET = {
     "GroupedLinear_single": lambda: te.GroupedLinear(G, 64, 32, single_grouped_weight=True),
     "ops.BasicLinear": lambda: te.ops.BasicLinear(64, 32),
     "ops.GroupedLinear": lambda: te.ops.GroupedLinear(G, 64, 32),
+    "ops.GroupedLinear_single": lambda: te.ops.GroupedLinear(G, 64, 32, single_grouped_weight=True),
 }
 
 

@@ -29,6 +29,8 @@ RECIPES = {
     "delayed": lambda: DelayedScaling(amax_history_len=4),
     "block": Float8BlockScaling,
     "mxfp8": MXFP8BlockScaling,
+    # 4over6 on the weight: the kept copy carries the per-block choice of 4 or 6
+    "nvfp4_4over6": lambda: NVFP4BlockScaling(nvfp4_4over6="all", disable_stochastic_rounding=True),
 }
 MODULES = ("Linear", "LayerNormLinear", "LayerNormMLP")
 
@@ -209,7 +211,7 @@ def test_transformer_layer_passes_it_through():
 # GroupedLinear / GroupedMLP ---------------------------------------------------------------------
 
 GROUPED_RECIPES = {
-    **RECIPES,
+    **{k: v for k, v in RECIPES.items() if k != "nvfp4_4over6"},  # refused: see below
     "nvfp4": NVFP4BlockScaling,  # its default Hadamard transform and stochastic rounding
 }
 SPLITS = [16, 0, 32]  # NVFP4's grouped GEMMs take multiples of 16 tokens per group

@@ -168,15 +168,29 @@ def _params64(op):
     return {name: to_reference(p) for name, p in op.named_parameters()}
 
 
+def _grouped_params(op, p64):
+    """The float64 copies of a GroupedLinear's weight and bias, as ``[G, ...]`` (stacked from
+    ``weight0 ..`` / ``bias0 ..`` in the per-group layout), and the names of the op's own."""
+    names = {}
+    for name in ("weight", "bias"):
+        single = getattr(op, f"single_grouped_{name}")
+        names[name] = [name] if single else [f"{name}{g}" for g in range(op.num_groups)]
+    stacked = [
+        p64[names[n][0]] if len(names[n]) == 1 else torch.stack([p64[k] for k in names[n]])
+        for n in ("weight", "bias")
+    ]
+    return (*stacked, [k for ks in names.values() for k in ks])
+
+
 def _grouped_backward_matches(y, y64, x, x64, op, p64, dtype) -> None:
-    """The gradients of ``x`` and the op's weight and bias against float64, for one random
-    output gradient ``[10, 8]``."""
+    """The gradients of ``x`` and the op's weights and biases (either layout) against float64,
+    for one random output gradient ``[10, 8]``."""
     dy = torch.randn(10, 8).to(dtype)
     y.backward(dy.to(y.device))
     y64.backward(dy.double())
     assert_close(x.grad, x64.grad, dtype, reduced=True)
-    assert_close(op.weight.grad, p64["weight"].grad, dtype, reduced=True)
-    assert_close(op.bias.grad, p64["bias"].grad, dtype, reduced=True)
+    for name in _grouped_params(op, p64)[2]:
+        assert_close(getattr(op, name).grad, p64[name].grad, dtype, reduced=True)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -228,16 +242,26 @@ def test_make_extra_output_returns_the_input_and_adds_the_gradients(device):
     assert torch.equal(x.grad, g1 + g2)
 
 
+# Transformer Engine's default per-group parameters, its single [G, ...] ones, and one of each.
+LAYOUTS = {
+    "per_group": {},
+    "single": {"single_grouped_weight": True, "single_grouped_bias": True},
+    "single_weight": {"single_grouped_weight": True},
+}
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_grouped_linear_with_m_splits_as_extra_input(dtype, device):
-    op = _make(lambda: ops.GroupedLinear(3, 16, 8), dtype, device)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_grouped_linear_with_m_splits_as_extra_input(dtype, device, layout):
+    op = _make(lambda: ops.GroupedLinear(3, 16, 8, **LAYOUTS[layout]), dtype, device)
     assert op.num_extra_inputs == 1
     m_splits = [3, 0, 7]
     x64, x = make_reference_and_test_tensors((10, 16), dtype=dtype, device=device)
     p64 = _params64(op)
     y = op(x, torch.tensor(m_splits))
-    y64 = _grouped(x64, m_splits, p64["weight"], p64["bias"])
+    weight64, bias64, _ = _grouped_params(op, p64)
+    y64 = _grouped(x64, m_splits, weight64, bias64)
     assert_close(y, y64, dtype)
     _grouped_backward_matches(y, y64, x, x64, op, p64, dtype)
 
@@ -245,11 +269,13 @@ def test_grouped_linear_with_m_splits_as_extra_input(dtype, device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_grouped_linear_scale_bias(dtype, device, compiled):
+@pytest.mark.parametrize("layout", ["per_group", "single"])
+def test_grouped_linear_scale_bias(dtype, device, compiled, layout):
     """Transformer Engine's scale_bias: a second extra input, one scale per token, multiplies
     its group's bias (y_t = x_t W_g^T + s_t b_g); gradients of x, W, b and the scales against
-    float64, eager and compiled (aot_eager, one graph)."""
-    op = _make(lambda: ops.GroupedLinear(3, 16, 8, scale_bias=True), dtype, device)
+    float64, eager and compiled (aot_eager, one graph), in either parameter layout."""
+    op = _make(lambda: ops.GroupedLinear(3, 16, 8, scale_bias=True, **LAYOUTS[layout]), dtype,
+               device)  # fmt: skip
     assert op.num_extra_inputs == 2 and "scale_bias=True" in repr(op)
     seq = ops.Sequential(op)
     fn, counter = compile_counted(seq, backend="aot_eager") if compiled else (seq, None)
@@ -260,8 +286,9 @@ def test_grouped_linear_scale_bias(dtype, device, compiled):
     y = fn(x, torch.tensor(m_splits), s)
     if counter is not None:
         assert counter.frame_count == 1
-    bias_rows = p64["bias"].repeat_interleave(torch.tensor(m_splits), dim=0)
-    gemm64 = _grouped(x64, m_splits, p64["weight"], torch.zeros_like(p64["bias"]))
+    weight64, bias64, _ = _grouped_params(op, p64)
+    bias_rows = bias64.repeat_interleave(torch.tensor(m_splits), dim=0)
+    gemm64 = _grouped(x64, m_splits, weight64, torch.zeros_like(bias64))
     y64 = gemm64 + s64.unsqueeze(-1) * bias_rows
     # The GEMM's output is rounded, then the scaled bias added and the sum rounded: two
     # roundings, the first relative to the GEMM's output (the sum may cancel).
@@ -285,14 +312,26 @@ def test_grouped_linear_scale_bias_refusals():
         ops.GroupedLinear(2, 8, 4, scale_bias=1)
 
 
-def test_grouped_linear_single_grouped_flags():
-    """One [G, ...] weight and bias: Transformer Engine's single_grouped_* = True is accepted,
-    its per-group default (False) refused naming the flag."""
+def test_grouped_linear_parameter_layouts():
+    """Transformer Engine's layouts and names: per-group weight0 .. / bias0 .. by default (the
+    single attributes None), one [G, ...] weight / bias with single_grouped_* = True (the
+    per-group ones None), chosen separately; a flag that is not a bool is refused naming it."""
+    op = ops.GroupedLinear(2, 8, 4)
+    assert op.weight is None and op.bias is None
+    assert [n for n, _ in op.named_parameters()] == ["weight0", "weight1", "bias0", "bias1"]
+    assert op.weight1.shape == (4, 8) and op.bias1.shape == (4,)
     op = ops.GroupedLinear(2, 8, 4, single_grouped_weight=True, single_grouped_bias=True)
     assert op.weight.shape == (2, 4, 8) and op.bias.shape == (2, 4)
+    assert op.weight0 is None and op.bias1 is None
+    op = ops.GroupedLinear(2, 8, 4, single_grouped_weight=True)
+    assert [n for n, _ in op.named_parameters()] == ["weight", "bias0", "bias1"]
+    assert [n for n, _ in ops.GroupedLinear(2, 8, 4, bias=False).named_parameters()] == [
+        "weight0",
+        "weight1",
+    ]
     for name in ("weight", "bias"):
-        with pytest.raises(NotImplementedError, match=f"single_grouped_{name}=False"):
-            ops.GroupedLinear(2, 8, 4, **{f"single_grouped_{name}": False})
+        with pytest.raises(ValueError, match=f"single_grouped_{name} must be a bool"):
+            ops.GroupedLinear(2, 8, 4, **{f"single_grouped_{name}": 1})
 
 
 @pytest.mark.parametrize("device", DEVICES)

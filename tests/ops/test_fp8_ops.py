@@ -309,7 +309,8 @@ def test_grouped_linear_op_matches_the_module_under_fp8(device, recipe):
     """ops.GroupedLinear inside autocast runs the module's FP8 grouped GEMM: the same outputs,
     gradients and (delayed) scaling state as te.GroupedLinear over three compiled steps."""
     torch.manual_seed(0)
-    seq = ops.Sequential(ops.GroupedLinear(3, 32, 48)).to(device, torch.bfloat16)
+    single = {"single_grouped_weight": True, "single_grouped_bias": True}
+    seq = ops.Sequential(ops.GroupedLinear(3, 32, 48, **single)).to(device, torch.bfloat16)
     module = te.GroupedLinear(3, 32, 48, single_grouped_parameter=True,
                               params_dtype=torch.bfloat16, device=device)  # fmt: skip
     with torch.no_grad():

@@ -110,7 +110,7 @@ def test_grouped_linear_takes_its_m_splits_before_a_later_residual():
     seq = ops.Sequential(ops.GroupedLinear(2, 8, 8), ops.AddExtraInput())
     x, residual = torch.randn(5, 8), torch.randn(5, 8)
     m_splits = torch.tensor([2, 3])
-    w, b = seq[0].weight, seq[0].bias
+    w, b = seq[0].weights(), seq[0].biases()  # weight0, weight1 (TE's per-group layout)
     expected = torch.cat([x[:2] @ w[0].t() + b[0], x[2:] @ w[1].t() + b[1]]) + residual
     assert_close(seq(x, m_splits, residual), expected.double(), torch.float32, roundings=2)
 
