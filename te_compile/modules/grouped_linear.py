@@ -142,12 +142,6 @@ class GroupedLinear(DelayedWgrad, nn.Module):
         super().__init__()
         owner = "GroupedLinear"
         self._init_delayed_wgrad(owner, delay_wgrad_compute)
-        if _primary.init_state() is not None and delay_wgrad_compute:
-            raise NotImplementedError(
-                f"{owner}: delay_wgrad_compute=True with FP8 primary weights "
-                "(quantized_model_init) is not supported; build it with "
-                "delay_wgrad_compute=False"
-            )
         check_bool(owner, save_original_input=save_original_input)
         self.save_original_input = save_original_input
         check_rng_tracker(owner, get_rng_state_tracker, rng_tracker_name)

@@ -297,6 +297,12 @@ def grouped_primary(
     sinks = [module.__dict__.get(_SHARDED_MAIN_GRADS, {}).get(name) for name in names]
     if sinks[0] is None or weights[0].requires_grad or not torch.is_grad_enabled():
         return _StandIn.apply(dtype, (g, n, k), *weights), operand
+    if getattr(module, "delay_wgrad_compute", False):
+        raise NotImplementedError(
+            f"{type(module).__name__}: delay_wgrad_compute=True with FP8 primary weights sharded "
+            "by FSDP2 is not supported (their gradient is reduce-scattered during the backward); "
+            "build the module with delay_wgrad_compute=False"
+        )
     group_name, world = module.__dict__[_SHARD_GROUP][names[0]]
     return _ShardedGroupedGrad.apply(dtype, (g, n, k), group_name, world, *sinks), operand
 

@@ -270,19 +270,22 @@ def _reset_refused(rank, group, device):
 
 
 def _delayed_wgrad_refused(rank, group, device):
+    """A delayed weight gradient of a sharded FP8 weight (te.Linear, GroupedLinear) is refused."""
     recipe = Float8CurrentScaling()
     with te.quantized_model_init(recipe=recipe):
         block = te.Linear(H, 2 * H, params_dtype=torch.float32, device=device,
                           delay_wgrad_compute=True)  # fmt: skip
-    model = _shard(torch.nn.Sequential(block, torch.nn.LayerNorm(2 * H, device=device)))
-    te.FP8MasterWeights(model)
-    with autocast(recipe=recipe):
-        try:
-            model(_batches(device)[0])
-        except NotImplementedError as err:
-            assert "delay_wgrad_compute=True" in str(err), err
-        else:
-            raise AssertionError("a delayed weight gradient of a sharded FP8 weight is refused")
+    dense = torch.nn.Sequential(block, torch.nn.LayerNorm(2 * H, device=device))
+    grouped = _grouped_model(device, recipe, False, delay_wgrad_compute=True)
+    for model in (_shard(dense), _shard(grouped)):
+        te.FP8MasterWeights(model)
+        with autocast(recipe=recipe):
+            try:
+                model(_batches(device)[0])
+            except NotImplementedError as err:
+                assert "delay_wgrad_compute=True" in str(err), err
+            else:
+                raise AssertionError(f"{model[0]}: a delayed wgrad of a sharded FP8 weight")
 
 
 SPLITS = [5, 0, 11]  # BATCH rows over three experts, one without tokens
@@ -297,9 +300,10 @@ class _Experts(torch.nn.Module):
         return self.experts(x, SPLITS)
 
 
-def _grouped_model(device, recipe, single):
+def _grouped_model(device, recipe, single, **extra):
     torch.manual_seed(0)
-    kw = {"params_dtype": torch.float32, "device": device, "single_grouped_weight": single}
+    kw = {"params_dtype": torch.float32, "device": device, "single_grouped_weight": single,
+          **extra}  # fmt: skip
     with te.quantized_model_init(recipe=recipe):
         experts = te.GroupedLinear(len(SPLITS), H, 2 * H, **kw)
     return torch.nn.Sequential(_Experts(experts), torch.nn.LayerNorm(2 * H, device=device))
