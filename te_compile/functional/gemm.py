@@ -76,7 +76,7 @@ from te_compile.functional.quantize_mx import (
     quantize_mxfp8,
     quantize_nvfp4,
 )
-from te_compile.functional.quantize_mx_ref import FOUR_OVER_SIX, nvfp4_qdq
+from te_compile.functional.quantize_mx_ref import FOUR_OVER_SIX, mxfp8_qdq_tiles, nvfp4_qdq
 from te_compile.functional.spec import QuantSpec
 
 __all__ = [
@@ -230,7 +230,8 @@ def _check_spec_set(p: str, items: tuple[tuple[str, QuantSpec], ...]) -> str:
         if not kind and spec != first:
             raise ValueError(p + _named(name, spec) + "a high-precision spec ('') takes no other "
                              "token")  # fmt: skip
-        rows = {"block": (1, 128), "nvfp4": (1, 16)}.get(kind, (1,)) if role == "weight" else (1,)
+        tiles = {"block": (1, 128), "mxfp8": (1, 32), "nvfp4": (1, 16)}
+        rows = tiles.get(kind, (1,)) if role == "weight" else (1,)
         if spec.block_rows not in rows:
             raise ValueError(p + _named(name, spec) + f"blocks of {spec.block_rows} rows are not "
                              f"implemented for {role} operands of {kind!r} (block rows "
@@ -360,6 +361,9 @@ def qdq_both(
         row = deq(data.view(u8), s, rows, fp8_dtype, f32)
         if columnwise:
             col_t = deq(data_t.view(u8), s_t, rows, fp8_dtype, f32)
+    elif spec.kind == "mxfp8" and rows == 32:  # 32x32 tiles: both copies the same values
+        row = mxfp8_qdq_tiles(x, fp8_dtype)
+        col_t = row.t().contiguous() if columnwise else None
     elif spec.kind == "mxfp8":
         data, scale, data_t, scale_t = quantize_mxfp8(x, fp8_dtype, columnwise=columnwise)
         row = dequantize_mxfp8(data, scale, f32)

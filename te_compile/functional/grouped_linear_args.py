@@ -222,6 +222,12 @@ def check_grouped_linear(a: GroupedLinearArgs) -> None:
             f"option for all operands, got input_spec={a.input_spec!r}, "
             f"weight_spec={a.weight_spec!r}, grad_spec={a.grad_spec!r}"
         )
+    if recipe == "mxfp8" and w.block_rows != 1:
+        raise NotImplementedError(
+            p + f"weight_spec {a.weight_spec!r}: MXFP8's 32x32 weight tiles "
+            "(MXFP8BlockScaling(enable_2d_quantization=True)) are not implemented by the grouped "
+            "GEMMs; use enable_2d_quantization=False"
+        )
     if a.weight_q is not None:
         check_weight_quantized("te.grouped_linear", "weight_q", a.weight_q)
     weight_q = a.weight_q or (None,) * len(WEIGHT_OPERAND)

@@ -21,6 +21,7 @@ __all__ = [
     "RHT_SIGNS",
     "dequantize_mxfp8_ref",
     "dequantize_nvfp4_ref",
+    "mxfp8_qdq_tiles",
     "nvfp4_global_scale",
     "nvfp4_qdq",
     "nvfp4_qdq_row_groups",
@@ -90,11 +91,15 @@ def e8m0_to_float(biased: Tensor) -> Tensor:
     return torch.where(b == 255, float("nan"), bits.view(torch.float32))
 
 
-def _mxfp8_rows(x2: Tensor, fp8_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """MXFP8 of the rows of ``x2`` ``[M, K]``: ``(data [M, K], scale [M, ceil(K/32)])``."""
+def _mxfp8_rows(
+    x2: Tensor, fp8_dtype: torch.dtype, amax: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """MXFP8 of the rows of ``x2`` ``[M, K]``: ``(data [M, K], scale [M, ceil(K/32)])``.
+    ``amax`` ``[M, ceil(K/32)]``: each block's scale from it instead of its own values (a
+    32x32 tile's amax, :func:`mxfp8_qdq_tiles`)."""
     max_value, emax = _FP8_LIMITS[fp8_dtype]
-    xb = _blocks(x2, MXFP8_BLOCK)
-    amax = xb.abs().amax(-1)  # NaN if the block holds a NaN
+    if amax is None:
+        amax = _blocks(x2, MXFP8_BLOCK).abs().amax(-1)  # NaN if the block holds a NaN
     finite = amax.isfinite()
     # floor(log2(amax)), exactly: amax = mantissa * 2**exponent with 0.5 <= mantissa < 1.
     floor_log2 = torch.frexp(amax).exponent - 1
@@ -127,6 +132,19 @@ def quantize_mxfp8_ref(
     else:
         data_t, scale_t = x.new_empty(0, dtype=fp8_dtype), x.new_empty(0, dtype=torch.uint8)
     return data, scale, data_t, scale_t
+
+
+def mxfp8_qdq_tiles(x2: Tensor, fp8_dtype: torch.dtype) -> Tensor:
+    """MXFP8 with one E8M0 scale per 32x32 tile of ``x2`` ``[M, K]`` (a weight under
+    ``MXFP8BlockScaling(enable_2d_quantization=True)``), dequantised to fp32: each 1x32 block
+    takes its tile's amax, so the rowwise and the columnwise copy hold the same values (the
+    forward and the dgrad GEMM see one quantised weight)."""
+    m, k = x2.shape
+    tile = MXFP8_BLOCK
+    padded = F.pad(x2.float().abs(), (0, -k % tile, 0, -m % tile))
+    tiles = padded.view(-(-m // tile), tile, -(-k // tile), tile).amax((1, 3))
+    data, scale = _mxfp8_rows(x2, fp8_dtype, spread_blocks(tiles, 0, m, tile))
+    return dequantize_mxfp8_ref(data, scale, torch.float32)
 
 
 def dequantize_mxfp8_ref(data: Tensor, scale: Tensor, out_dtype: torch.dtype) -> Tensor:

@@ -122,16 +122,17 @@ class QuantSpec:
     """How one GEMM operand is quantised. ``kind``: ``""`` (high precision), ``"current"``,
     ``"delayed"``, ``"block"``, ``"mxfp8"``, ``"nvfp4"``; ``fp8_dtype``: the FP8 element format
     (NVFP4's block scales are E4M3 whatever it says); ``block_rows``: 128 for Float8BlockScaling's
-    128x128 blocks, 16 for NVFP4's 16x16 tiles, else 1; ``power_2_scale``; ``emulate``: the
-    GEMM multiplies the exact quantised values in fp32 instead of calling the scaled GEMM (the
-    same for all operands of a GEMM); NVFP4's options: ``rht`` (the random Hadamard transform
-    of the columnwise copy: input and gradient together), ``stochastic_rounding`` (gradient),
-    ``row_scaled`` (a global scale per row: input), ``four_over_six`` (4over6 block scaling:
-    input, weight; ``functional.quantize_mx_ref.FOUR_OVER_SIX``)."""
+    128x128 blocks, 32 for MXFP8's 32x32 weight tiles, 16 for NVFP4's 16x16 tiles, else 1;
+    ``power_2_scale``; ``emulate``: the GEMM multiplies the exact quantised values in fp32
+    instead of calling the scaled GEMM (the same for all operands of a GEMM); NVFP4's options:
+    ``rht`` (the random Hadamard transform of the columnwise copy: input and gradient together),
+    ``stochastic_rounding`` (gradient), ``row_scaled`` (a global scale per row: input),
+    ``four_over_six`` (4over6 block scaling: input, weight;
+    ``functional.quantize_mx_ref.FOUR_OVER_SIX``)."""
 
     kind: str = _choice("", _names("current", "delayed", "block", "mxfp8", "nvfp4"))
     fp8_dtype: torch.dtype = _choice(_E4M3, {"e4m3": _E4M3, "e5m2": _E5M2})  # noqa: RUF009
-    block_rows: int = _choice(1, {"128x128": 128, "16x16": 16})
+    block_rows: int = _choice(1, {"128x128": 128, "32x32": 32, "16x16": 16})
     power_2_scale: bool = _flag("p2")
     emulate: bool = _flag("emulate")
     rht: bool = _flag("rht")

@@ -268,7 +268,9 @@ def _recipe_specs(recipe: Recipe) -> tuple[QuantSpec, QuantSpec, QuantSpec]:
                 QuantSpec(kind, fwd, power_2_scale=w.power_2_scale),
                 QuantSpec(kind, bwd, power_2_scale=g.power_2_scale))  # fmt: skip
     kw = {"emulate": True} if recipe.mxfp8() else {}
-    return QuantSpec(kind, fwd, **kw), QuantSpec(kind, fwd, **kw), QuantSpec(kind, bwd, **kw)
+    tiles = 32 if recipe.mxfp8() and recipe.enable_2d_quantization else 1
+    return (QuantSpec(kind, fwd, **kw), QuantSpec(kind, fwd, tiles, **kw),
+            QuantSpec(kind, bwd, **kw))  # fmt: skip
 
 
 # The per-operand QParams fields of a recipe (input, weight, gradient: ``ROLES``), and the

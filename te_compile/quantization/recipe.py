@@ -559,8 +559,10 @@ class MXFP8BlockScaling(Recipe):
     consecutive values along the GEMM's reduction dimension.
 
     Rowwise and columnwise blocks differ, so a tensor and its transpose are each quantised from
-    the high-precision values. ``fp8_format``: ``E4M3`` or ``HYBRID``. ``margin`` (>= 0) as in
-    :class:`DelayedScaling`. Native GEMMs need Blackwell; elsewhere the GEMM is emulated.
+    the high-precision values. ``enable_2d_quantization``: weights get one scale per 32x32 tile
+    instead, so the forward and the dgrad GEMM see the same quantised weight (inputs and
+    gradients keep 1x32 blocks). ``fp8_format``: ``E4M3`` or ``HYBRID``. ``margin`` (>= 0) as
+    in :class:`DelayedScaling`. Native GEMMs need Blackwell; elsewhere the GEMM is emulated.
     """
 
     kind: ClassVar[str] = "mxfp8"
@@ -572,6 +574,7 @@ class MXFP8BlockScaling(Recipe):
     fp8_dpa: bool = False
     fp8_mha: bool = False
     backward_override: str | None = None
+    enable_2d_quantization: bool = False
 
     def _validate(self) -> None:
         super()._validate()

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from te_compile import _library
 from te_compile.functional import quantize_mx as qmx
 from te_compile.functional import quantize_mx_ref as qmxr
-from tests.utils import DEVICES, compile_counted, count_graph_breaks, references
+from tests.utils import DEVICES, assert_close, compile_counted, count_graph_breaks, references
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8_DTYPES = [E4M3, E5M2]
@@ -412,3 +412,62 @@ def test_ops_are_registered_with_sample_inputs():
     entries = _library.registry()
     for name in ["quantize_mxfp8", "dequantize_mxfp8", "quantize_nvfp4", "dequantize_nvfp4"]:
         assert entries[f"te::{name}"].sample_inputs is not None
+
+
+# MXFP8 32x32 weight tiles (MXFP8BlockScaling(enable_2d_quantization=True)) ---------------------
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(64, 96), (33, 65), (1, 40)], ids=str)
+def test_mxfp8_32x32_tiles_match_independent_reference(shape, fp8_dtype):
+    """One E8M0 scale per 32x32 tile (tiles cut by both ends included): the values against
+    the tile-by-tile reference, and the GEMM operand's columnwise copy is the rowwise copy
+    transposed (the forward and the dgrad GEMM see one quantised weight)."""
+    from te_compile.functional.gemm import qdq_both
+    from te_compile.functional.spec import QuantSpec
+
+    x = _x(shape, spread=6)
+    got = qmxr.mxfp8_qdq_tiles(x, fp8_dtype)
+    assert torch.equal(got.double(), references.mxfp8_tiles(x, fp8_dtype))
+    row, col_t = qdq_both(x, QuantSpec("mxfp8", fp8_dtype, 32, emulate=True))
+    assert torch.equal(row, got) and torch.equal(col_t, got.t())
+    if shape[0] > 1:  # 1x32 blocks of varied scale give other values than their tile's
+        one_d, _ = qdq_both(x, QuantSpec("mxfp8", fp8_dtype, emulate=True))
+        assert not torch.equal(one_d, got)
+
+
+def test_enable_2d_quantization_tiles_the_weight_only():
+    """MXFP8BlockScaling(enable_2d_quantization=True) gives the weight 32x32 tiles (inputs and
+    gradients keep 1x32 blocks); te.Linear's output is the float64 GEMM of those operands."""
+    import te_compile as te
+    from te_compile.quantization import MXFP8BlockScaling, autocast
+    from te_compile.quantization.gemm import recipe_specs
+
+    recipe = MXFP8BlockScaling(enable_2d_quantization=True)
+    assert [s.block_rows for s in recipe_specs(recipe)] == [1, 32, 1]
+    assert [s.block_rows for s in recipe_specs(MXFP8BlockScaling())] == [1, 1, 1]
+    torch.manual_seed(0)
+    m = te.Linear(64, 96, params_dtype=torch.float32)
+    x = _x((32, 64), spread=4)
+    with autocast(recipe=recipe):
+        y = m(x)
+    xq = qmxr.dequantize_mxfp8_ref(
+        *qmxr.quantize_mxfp8_ref(x, E4M3, True, False)[:2], torch.float64
+    )
+    wq = references.mxfp8_tiles(m.weight.detach(), E4M3)
+    expected = xq @ wq.t() + m.bias.detach().double()
+    assert_close(y, expected, torch.float32)  # the emulated GEMM: fp32 sums of exact values
+
+
+def test_enable_2d_quantization_refused_by_grouped_linear():
+    """The grouped GEMMs do not tile the weight: GroupedLinear refuses the recipe by its field,
+    eager and compiled."""
+    import te_compile as te
+    from te_compile.quantization import MXFP8BlockScaling, autocast
+
+    g = te.GroupedLinear(2, 64, 64, params_dtype=torch.float32)
+    x = torch.randn(64, 64)
+    recipe = MXFP8BlockScaling(enable_2d_quantization=True)
+    for fn in (g, torch.compile(g, fullgraph=True)):
+        with autocast(recipe=recipe), pytest.raises(Exception, match="enable_2d_quantization"):
+            fn(x, [32, 32])

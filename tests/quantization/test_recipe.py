@@ -81,6 +81,7 @@ TE_DEFAULTS = {
         "fp8_dpa": False,
         "fp8_mha": False,
         "backward_override": None,
+        "enable_2d_quantization": False,
     },
     NVFP4BlockScaling: {
         "disable_rht": False,

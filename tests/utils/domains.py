@@ -793,7 +793,7 @@ DOMAINS: dict[str, dict[str, Domain]] = {
         "fp8_gemm_dgrad": Domain("MMParams", (3, True)),
         "fp8_gemm_wgrad": Domain("MMParams", (3, True)),
     },
-    "te.recipe.MXFP8BlockScaling": {},
+    "te.recipe.MXFP8BlockScaling": {"enable_2d_quantization": SWITCH()},
     "te.recipe.NVFP4BlockScaling": {
         "disable_rht": SWITCH(),
         "disable_stochastic_rounding": SWITCH(),

@@ -361,6 +361,26 @@ def mxfp8_rows(x2, fp8_dtype):
     return data, scale
 
 
+def mxfp8_tiles(x2, fp8_dtype):
+    """MXFP8 with one E8M0 scale per 32x32 tile of ``x2`` ``[M, K]`` (finite values), as the
+    float64 values it stands for: per tile ``X = floor(log2 amax) - emax``, each element the
+    nearest code of ``x / 2^X`` (ties even, saturating) times ``2^X``."""
+    m, k = x2.shape
+    values, codes = fp8_table(fp8_dtype)
+    out = torch.zeros(m, k, dtype=torch.float64)
+    for i in range(0, m, 32):
+        for j in range(0, k, 32):
+            tile = x2[i : i + 32, j : j + 32].double().numpy()
+            amax = float(np.abs(tile).max())
+            floor_log2 = math.frexp(amax)[1] - 1
+            b = 127 if amax == 0 else min(max(floor_log2 - MX_EMAX[fp8_dtype] + 127, 0), 254)
+            t = (tile / 2.0 ** (b - 127)).reshape(-1)
+            code = _signed(t, _nearest(t, values, codes), 7)
+            deq = code.view(fp8_dtype).double() * 2.0 ** (b - 127)
+            out[i : i + 32, j : j + 32] = deq.view(tile.shape)
+    return out
+
+
 def nvfp4_global(amax):
     """NVFP4's global encode scale ``min(448 * 6 / amax, FLT_MAX)`` in numpy fp32; 1 for an
     amax of 0, inf or NaN."""
