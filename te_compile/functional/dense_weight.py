@@ -36,7 +36,9 @@ __all__ = [
     "check_weight_quantized",
     "check_weight_spec",
     "checked_weight_cast",
+    "fp8_weight_for_checks",
     "quantize_weight",
+    "refuse_fp8_weight_grad",
     "weight_operand",
 ]
 
@@ -105,6 +107,32 @@ def check_weight_operand(
                 f"{emulate}) and weight {list(weight.shape)}, got {t.dtype} {list(t.shape)} "
                 f"(make it with te_compile.functional.{maker})"
             )
+
+
+def fp8_weight_for_checks(
+    owner: str, name: str, weight: Tensor, weight_q, dtype: torch.dtype, main_grad: str
+) -> Tensor:
+    """``weight`` (argument ``name``) as a family's checks see it. An FP8 weight (FP8 primary
+    weights: the codes stand for the weight) needs its pre-quantised operand ``weight_q``
+    (argument ``{name}_q``), else a ValueError naming it; it is then checked as a meta tensor of
+    its shape in ``dtype`` (the input's). Its gradient goes to ``main_grad`` (the argument's
+    name)."""
+    if weight.dtype not in FP8_DTYPES:
+        return weight
+    if weight_q is None:
+        raise ValueError(
+            f"{owner}: an FP8 {name} ({weight.dtype}) needs its pre-quantised operand "
+            f"({name}_q: {', '.join(WEIGHT_OPERAND)}); its gradient goes to {main_grad} (fp32)"
+        )
+    return torch.empty(weight.shape, dtype=dtype, device="meta")
+
+
+def refuse_fp8_weight_grad(owner: str, name: str, main_grad: str) -> None:
+    """The backward's error for an FP8 weight ``name`` whose gradient is wanted without a
+    ``main_grad`` buffer (argument ``main_grad``) to take it."""
+    raise RuntimeError(
+        f"{owner}: an FP8 {name}'s gradient goes to {main_grad} (fp32), and none was given"
+    )
 
 
 def weight_operand(tensors, fp8_dtype: torch.dtype) -> Operand:

@@ -18,11 +18,11 @@ from torch import Tensor
 from te_compile._checks import FLOAT_DTYPES, check_finite
 from te_compile.functional.activation import GATED_ACTIVATIONS, check_activation, check_gated_params
 from te_compile.functional.dense_weight import (
-    WEIGHT_OPERAND,
     check_weight_operand,
     check_weight_quantized,
+    fp8_weight_for_checks,
 )
-from te_compile.functional.gemm import BLOCK_KINDS, FP8_DTYPES, HIGH_DTYPES, PER_TENSOR, check_specs
+from te_compile.functional.gemm import BLOCK_KINDS, HIGH_DTYPES, PER_TENSOR, check_specs
 from te_compile.functional.prologue import Norm, check_norm
 from te_compile.functional.spec import (
     BackwardSpec,
@@ -151,19 +151,14 @@ def _diagnose(inp: Tensor, weight: Tensor, bias: Tensor | None, main_grad: Tenso
 
 
 def check_linear(a: LinearArgs) -> None:
-    inp, weight = a.inp, a.weight
-    if weight.dtype in FP8_DTYPES:  # FP8 primary weights: the codes stand for the weight
-        if a.weight_q is None:
-            raise ValueError(
-                f"te.linear: an FP8 weight ({weight.dtype}) needs its pre-quantised operand "
-                f"(weight_q: {', '.join(WEIGHT_OPERAND)}); its gradient goes to main_grad (fp32)"
-            )
-        if a.bw.override == "high_precision":
-            raise ValueError(
-                "te.linear: backward 'high_precision' needs a high-precision weight, got "
-                f"{weight.dtype} (FP8 primary weights)"
-            )
-        weight = torch.empty(weight.shape, dtype=inp.dtype, device="meta")
+    inp = a.inp
+    weight = fp8_weight_for_checks("te.linear", "weight", a.weight, a.weight_q, inp.dtype,
+                                   "main_grad")  # fmt: skip
+    if weight is not a.weight and a.bw.override == "high_precision":
+        raise ValueError(
+            "te.linear: backward 'high_precision' needs a high-precision weight, got "
+            f"{a.weight.dtype} (FP8 primary weights)"
+        )
     check_linear_tensors(inp, weight, a.bias, a.main_grad)
     if a.plain:
         return

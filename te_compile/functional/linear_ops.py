@@ -92,7 +92,7 @@ from te_compile._checks import (
 from te_compile._library import differentiable, op
 from te_compile._numerics import acc_dtype
 from te_compile.functional.activation import GATED_ACTIVATIONS, activation_ref, gated_activation_ref
-from te_compile.functional.dense_weight import check_weight_quantized
+from te_compile.functional.dense_weight import check_weight_quantized, refuse_fp8_weight_grad
 from te_compile.functional.dropout_ops import new_rng_state
 from te_compile.functional.gemm import (
     BACKWARD_OVERRIDES,
@@ -425,9 +425,7 @@ def _backward(ctx, bwd, grad, grad_branch, _grad_saved):
     main_grad, grad_amax = ctx.written
     need = ctx.needs_input_grad
     if need[1] and getattr(ctx, "fp8_weight", False):
-        raise RuntimeError(
-            "te.linear: an FP8 weight's gradient goes to main_grad (fp32), and none was given"
-        )
+        refuse_fp8_weight_grad("te.linear", "weight", "main_grad")
     need_norm = ctx.has_norm and any(need[NORM_WEIGHT : NORM_WEIGHT + 2])
     need_dbias = ctx.has_bias and need[2]
     need_dgrad = need[0] or need_norm

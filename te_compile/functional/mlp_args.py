@@ -9,12 +9,13 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from te_compile._checks import FP8_DTYPES, HIGH_DTYPES
+from te_compile._checks import HIGH_DTYPES
 from te_compile.functional.activation import ACTIVATIONS, GATED_ACTIVATIONS, check_gated_params
 from te_compile.functional.dense_weight import (
     WEIGHT_OPERAND,
     check_weight_operand,
     check_weight_quantized,
+    fp8_weight_for_checks,
 )
 from te_compile.functional.gemm import (
     BLOCK_KINDS,
@@ -80,25 +81,15 @@ _TOKEN_BLOCKS = ("mxfp8", "nvfp4")
 # Checks -----------------------------------------------------------------------------------------
 
 
-def _weight(a: MLPArgs, i: int) -> Tensor:
-    """``fc{i}_weight`` as the checks see it: an FP8 weight (FP8 primary weights: the codes stand
-    for the weight, its ``fc{i}_weight_q`` is the operand and its gradient goes to
-    ``main_grad{i}``) as a meta tensor of its shape in the input's dtype."""
-    weight = a.fc1_weight if i == 1 else a.fc2_weight
-    if weight.dtype not in FP8_DTYPES:
-        return weight
-    if (a.fc1_weight_q if i == 1 else a.fc2_weight_q) is None:
-        raise ValueError(
-            f"te.mlp: an FP8 fc{i}_weight ({weight.dtype}) needs its pre-quantised operand "
-            f"(fc{i}_weight_q: {', '.join(WEIGHT_OPERAND)}); its gradient goes to main_grad{i} "
-            "(fp32)"
-        )
-    return torch.empty(weight.shape, dtype=a.inp.dtype, device="meta")
-
-
 def check_mlp(a: MLPArgs) -> None:
     p = "te.mlp: "
-    inp, w1, w2 = a.inp, _weight(a, 1), _weight(a, 2)
+    inp = a.inp
+    w1 = fp8_weight_for_checks(
+        "te.mlp", "fc1_weight", a.fc1_weight, a.fc1_weight_q, inp.dtype, "main_grad1"
+    )
+    w2 = fp8_weight_for_checks(
+        "te.mlp", "fc2_weight", a.fc2_weight, a.fc2_weight_q, inp.dtype, "main_grad2"
+    )
     check_norm(p, inp, a.nrm)
     ep = a.ep
     if ep.activation not in MLP_ACTIVATIONS:

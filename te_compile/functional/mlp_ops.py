@@ -64,7 +64,11 @@ from te_compile.functional.activation import (
     activation_ref,
     gated_activation_ref,
 )
-from te_compile.functional.dense_weight import check_weight_quantized, weight_operand
+from te_compile.functional.dense_weight import (
+    check_weight_quantized,
+    refuse_fp8_weight_grad,
+    weight_operand,
+)
 from te_compile.functional.gemm import (
     PER_TENSOR,
     Operand,
@@ -469,12 +473,9 @@ def _backward(ctx, bwd, grad, _grad_saved):
     need = ctx.needs_input_grad
     need_norm = ctx.has_norm and any(need[NORM_WEIGHT : NORM_WEIGHT + 2])
     need_db2 = ctx.has_fc2_bias and need[4]
-    for i, fp8_weight in enumerate(getattr(ctx, "fp8_weights", ()), 1):
+    for i, fp8_weight in enumerate(ctx.fp8_weights, 1):
         if fp8_weight and need[2 * i - 1]:
-            raise RuntimeError(
-                f"te.mlp: an FP8 fc{i}_weight's gradient goes to main_grad{i} (fp32), and none "
-                "was given"
-            )
+            refuse_fp8_weight_grad("te.mlp", f"fc{i}_weight", f"main_grad{i}")
     mg1, mg2 = mg1 if need[1] else None, mg2 if need[3] else None  # (as te::linear's)
     dinp, dw1, db1, dw2, db2, dnw, dnb = bwd(
         grad.contiguous(), saved, inp, w1, b1, w2, s1, s2, ga1, ga2, mg1, mg2, norm_weight,

@@ -297,12 +297,7 @@ def grouped_primary(
     sinks = [module.__dict__.get(_SHARDED_MAIN_GRADS, {}).get(name) for name in names]
     if sinks[0] is None or weights[0].requires_grad or not torch.is_grad_enabled():
         return _StandIn.apply(dtype, (g, n, k), *weights), operand
-    if getattr(module, "delay_wgrad_compute", False):
-        raise NotImplementedError(
-            f"{type(module).__name__}: delay_wgrad_compute=True with FP8 primary weights sharded "
-            "by FSDP2 is not supported (their gradient is reduce-scattered during the backward); "
-            "build the module with delay_wgrad_compute=False"
-        )
+    _refuse_delayed_wgrad(module)
     group_name, world = module.__dict__[_SHARD_GROUP][names[0]]
     return _ShardedGroupedGrad.apply(dtype, (g, n, k), group_name, world, *sinks), operand
 
@@ -318,6 +313,17 @@ def required_main_grad(owner: str, main_grad: Tensor | None, weight: Tensor) -> 
             "forward under torch.no_grad()"
         )
     return main_grad
+
+
+def _refuse_delayed_wgrad(module: nn.Module) -> None:
+    """A module whose FP8 weights FSDP2 shards cannot delay their gradient: it is
+    reduce-scattered during the backward."""
+    if getattr(module, "delay_wgrad_compute", False):
+        raise NotImplementedError(
+            f"{type(module).__name__}: delay_wgrad_compute=True with FP8 primary weights sharded "
+            "by FSDP2 is not supported (their gradient is reduce-scattered during the backward); "
+            "build the module with delay_wgrad_compute=False"
+        )
 
 
 class _StandIn(torch.autograd.Function):
@@ -351,12 +357,7 @@ def primary_weight(
     sink = module.__dict__.get(_SHARDED_MAIN_GRADS, {}).get(name)
     if sink is None or weight.requires_grad or not torch.is_grad_enabled():
         return weight, main_grad
-    if getattr(module, "delay_wgrad_compute", False):
-        raise NotImplementedError(
-            f"{type(module).__name__}: delay_wgrad_compute=True with FP8 primary weights sharded "
-            "by FSDP2 is not supported (their gradient is reduce-scattered during the backward); "
-            "build the module with delay_wgrad_compute=False"
-        )
+    _refuse_delayed_wgrad(module)
     group_name, world = module.__dict__[_SHARD_GROUP][name]
     return _ShardedGrad.apply(weight, sink, dtype, group_name, world), None
 
