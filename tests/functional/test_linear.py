@@ -720,3 +720,21 @@ def test_branch_rmsnorm_backward_checks_the_branch_gradient():
     _out, _branch, rsigma = torch.ops.te.branch_rmsnorm_fwd(x, w, 1e-5, False)
     with pytest.raises(ValueError, match=r"te\.branch_rmsnorm: grad_branch must have inp's shape"):
         torch.ops.te.branch_rmsnorm_bwd(_x(4, 16), _x(4, 8), x, rsigma, w, False)
+
+
+def test_fp8_weight_needs_its_operand_and_a_main_grad():
+    """An FP8 weight (FP8 primary weights) without its pre-quantised operand is refused naming
+    weight_q; with it but without main_grad, a backward that wants its gradient is refused
+    naming main_grad."""
+    x = torch.randn(16, 32, requires_grad=True)
+    w = torch.randn(48, 32)
+    specs = gemm_specs("current")
+    codes = w.to(E4M3)
+    with pytest.raises(
+        ValueError, match=r"an FP8 weight .* needs its pre-quantised operand \(weight_q"
+    ):
+        F.linear(x, codes, None, **specs)
+    wq = F.quantize_weight(w, specs["weight_spec"])
+    y = F.linear(x, codes.requires_grad_(), None, weight_quantized=wq, **specs)
+    with pytest.raises(RuntimeError, match=r"an FP8 weight's gradient goes to main_grad"):
+        y.sum().backward()

@@ -426,3 +426,17 @@ def test_every_case_run_as_two_linears_is_documented():
     assert all(got == reason for reason, got in reasons.items()), reasons
     for state in (off, on(r.NVFP4BlockScaling(**plain)), on(r.Float8CurrentScaling())):
         assert call(state) == ""
+
+
+def test_fp8_weight_gradient_needs_a_main_grad():
+    """te.mlp with FP8 primary weights: a backward that wants an FP8 weight's gradient without
+    its main_grad buffer is refused naming it (main_grad2 here; FC1's goes to main_grad1)."""
+    x = torch.randn(16, 32, requires_grad=True)
+    w1, w2 = torch.randn(64, 32), torch.randn(16, 64)
+    cur = with_specs(recipe="current")
+    q1, q2 = (F.quantize_weight(w, cur["weight_spec"]) for w in (w1, w2))
+    c1, c2 = w1.to(E4M3).requires_grad_(), w2.to(E4M3).requires_grad_()
+    y = F.mlp(x, c1, None, c2, None, "gelu", fc1_weight_quantized=q1, fc2_weight_quantized=q2,
+              main_grad1=torch.zeros(64, 32), **cur)  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"an FP8 fc2_weight's gradient goes to main_grad2"):
+        y.sum().backward()
