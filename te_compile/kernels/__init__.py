@@ -202,12 +202,16 @@ def aligned16(t: torch.Tensor) -> bool:
 
 def all_kernels() -> list[Any]:
     """Every Triton kernel defined in ``te_compile.kernels``: the sources AOTAutograd's cache key
-    must cover for a traced-through op."""
+    must cover for a traced-through op, with ``fingerprint``'s, which carries the digest of
+    te_compile's Python sources into that key."""
     import importlib
     import pkgutil
 
     from triton.runtime.jit import KernelInterface
 
+    from te_compile.kernels.fingerprint import digest_sources
+
+    digest_sources()  # the kernel ``fingerprint._te_compile_source`` names it
     found: list[Any] = []
     for info in pkgutil.iter_modules(__path__):
         module = importlib.import_module(f"{__name__}.{info.name}")
