@@ -65,12 +65,13 @@ def main() -> int:
 
     act_types = dict(
         Z="*bf16", B="*bf16", G="*bf16", MEAN="*fp32", RSIG="*fp32", SCALE="*fp32",
-        AMAX_BITS="*i32", DATA="*u8", DATA_T="*u8", SCALE_INV="*fp32", PART="*fp32", M="i32",
+        AMAX_BITS="*i32", AMAX_SLOT="i32", DATA="*u8", DATA_T="*u8", SCALE_INV="*fp32",
+        PART="*fp32", M="i32",
         M_OUT="i32", N="i32", fp8_max="fp32", eps="fp32",
     )  # fmt: skip
     cast_types = dict(
-        X="*bf16", SCALE="*fp32", AMAX_BITS="*i32", DATA="*u8", DATA_T="*u8", SCALE_INV="*fp32",
-        M="i32", K="i32", fp8_max="fp32", eps="fp32",
+        X="*bf16", SCALE="*fp32", AMAX_BITS="*i32", AMAX_SLOT="i32", DATA="*u8", DATA_T="*u8",
+        SCALE_INV="*fp32", M="i32", K="i32", fp8_max="fp32", eps="fp32",
     )  # fmt: skip
     e4m3 = dict(E4M3=True, MBITS=3, BIAS=7)
     e5m2 = dict(E4M3=False, MBITS=2, BIAS=15)

@@ -385,11 +385,25 @@ def _col_sums(x2: Tensor, sums: bool) -> Tensor | None:
 
 
 # Every entry: (spec, x2, scale, columnwise, mn_major, sums, rng_state) -> Operand.
-def _quantize_per_tensor(spec, x2, scale, columnwise, mn_major, sums, rng_state) -> Operand:
+def _quantize_per_tensor(
+    spec, x2, scale, columnwise, mn_major, sums, rng_state, slot=None
+) -> Operand:
     """Current (``scale`` None) or delayed scaling, both copies in one pass (the quantisation
     ops: one Triton kernel on CUDA, the reference elsewhere); the GEMM's emulation reads the
-    same codes."""
-    if scale is None:
+    same codes. ``slot``: ``(buffer, i)``, the GEMM's amax buffer on CUDA (:func:`amax_buffer`)
+    and this cast's element of it."""
+    if slot is not None:
+        from te_compile.kernels import quantize as kernels
+
+        bits, i = slot
+        if scale is None:
+            cast = kernels.quantize_current(x2, spec.fp8_dtype, columnwise, amax=bits, slot=i)
+        else:
+            cast = kernels.quantize_tensorwise(
+                x2, scale, spec.fp8_dtype, columnwise, amax=bits, slot=i
+            )
+        data, data_t, scale_inv, amax = cast
+    elif scale is None:
         data, data_t, scale_inv, amax = quantize_current.eager(x2, spec.fp8_dtype, columnwise)
     elif x2.is_cuda:  # the cast writes 1 / scale too: no reciprocal kernel in a compiled graph
         from te_compile.kernels.quantize import quantize_tensorwise as cast
@@ -447,13 +461,31 @@ def quantize_operand(
     mn_major: bool = False,
     sums: bool = False,
     rng_state: Tensor | None = None,
+    slot: tuple[Tensor, int] | None = None,
 ) -> Operand:
     """``x2`` ``[M, K]`` as an :class:`Operand` quantised as ``spec`` says (``scale``: the
     ``[1]`` delayed scale; ``mn_major``: 1x128 block scales in the blockwise GEMM's layout where
     a CUDA kernel writes them; ``rng_state``: NVFP4's stochastic rounding, with the spec's
-    ``stochastic_rounding``)."""
+    ``stochastic_rounding``; ``slot``: the GEMM's amax buffer and this operand's element of it,
+    from :func:`amax_buffer`, for the per-tensor kinds)."""
     rng_state = rng_state if spec.stochastic_rounding else None
-    return QUANTIZERS[spec.kind](spec, x2, scale, columnwise, mn_major, sums, rng_state)
+    quantizer = QUANTIZERS[spec.kind]
+    if slot is not None:
+        return quantizer(spec, x2, scale, columnwise, mn_major, sums, rng_state, slot)
+    return quantizer(spec, x2, scale, columnwise, mn_major, sums, rng_state)
+
+
+def amax_buffer(recipe: str, x2: Tensor, n: int) -> Tensor | None:
+    """The amax output of a GEMM family's call under a per-tensor ``recipe`` on CUDA: one zeroed
+    ``[n]`` int32 buffer (``kernels.quantize.amax_bits``) whose elements the call's casts fold
+    their amaxes into (``slot=(buffer, i)``), read as fp32 afterwards: one zero fill for the
+    call and no gather, where a buffer per cast costs a fill each and a concatenation. None
+    elsewhere (each cast returns its own amax)."""
+    if recipe not in PER_TENSOR or not x2.is_cuda:
+        return None
+    from te_compile.kernels.quantize import amax_bits
+
+    return amax_bits(x2.device, n)
 
 
 # GEMMs: one table, keyed by gemm_kind(recipe, emulate) ----------------------------------------

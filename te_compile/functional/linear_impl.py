@@ -22,6 +22,7 @@ from te_compile.functional.dense_weight import weight_operand
 from te_compile.functional.gemm import (
     PER_TENSOR,
     accumulate_wgrad,
+    amax_buffer,
     empty,
     fp8_bytes,
     fp8_codes,
@@ -71,17 +72,21 @@ def forward_impl(a: LinearArgs, cuda: bool) -> tuple[Tensor, Tensor, list[Tensor
         bw = a.bw
         override = bw.override
         s_x, s_w, _ = scale_slots(a.scale, recipe)
+        # The input's and the weight's amax in one buffer (a pre-quantised weight has its own).
+        bits = amax_buffer(recipe, x2, 2) if a.weight_q is None else None
+        a_x, a_w = ((bits, 0), (bits, 1)) if bits is not None else (None, None)
         if norm.normalization and override == "high_precision":  # the norm's output is kept
             x2, *stats = norm_forward(x2, norm)
-            xq = quantize_operand(xs, pad_rows(x2), scale=s_x)
+            xq = quantize_operand(xs, pad_rows(x2), scale=s_x, slot=a_x)
         elif norm.normalization:
-            xq, *stats = norm_quantize(xs, x2, norm, scale=s_x)
+            xq, *stats = norm_quantize(xs, x2, norm, scale=s_x, slot=a_x)
         else:  # save_input: the backward quantises the input again for the wgrad
-            xq = quantize_operand(xs, pad_rows(x2), scale=s_x, columnwise=not bw.save_input)
+            xq = quantize_operand(xs, pad_rows(x2), scale=s_x, columnwise=not bw.save_input,
+                                  slot=a_x)  # fmt: skip
         if a.weight_q is not None:  # pre-quantised: the saved copy is an input's
             wq = weight_operand(a.weight_q, ws.fp8_dtype)
         else:
-            wq = quantize_operand(ws, weight, scale=s_w)
+            wq = quantize_operand(ws, weight, scale=s_w, slot=a_w)
         h = gemm(gemm_kind(recipe, xs.emulate), xq.data, xq.scale, wq.data, wq.scale, dtype,
                  bias=fuse_bias, fast_accum=True, b_block_rows=ws.block_rows)  # fmt: skip
         h = unpad(h, m)
@@ -99,7 +104,9 @@ def forward_impl(a: LinearArgs, cuda: bool) -> tuple[Tensor, Tensor, list[Tensor
             # A pre-quantised weight's copies are inputs: setup_context saves them.
             w_slots = [] if a.weight_q is not None else [fp8_bytes(wq.data_t), wq.scale_t]
             saved = [*x_slots, *w_slots]
-        if recipe in PER_TENSOR:
+        if bits is not None:
+            amax = [bits.view(torch.float32)]
+        elif recipe in PER_TENSOR:
             amax = [torch.cat([xq.amax, wq.amax])]
     y = h
     if ep.activation:

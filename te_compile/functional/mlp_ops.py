@@ -72,6 +72,7 @@ from te_compile.functional.dense_weight import (
 from te_compile.functional.gemm import (
     PER_TENSOR,
     Operand,
+    amax_buffer,
     check_gemm_args,
     empty,
     fp8_bytes,
@@ -140,21 +141,23 @@ def _native_block(spec: QuantSpec) -> bool:
 
 
 def _act_operand(spec: QuantSpec, z, bias, grad, activation, scale, rows, need_dbias,
-                 params) -> tuple[Operand, Tensor | None]:  # fmt: skip
+                 params, slot=None) -> tuple[Operand, Tensor | None]:  # fmt: skip
     """``(operand, dbias)``: the activation of ``z + bias`` (forward) or its gradient ``grad *
     f'(z + bias)`` (backward, ``dbias`` with ``need_dbias``) as the next GEMM's operand,
     quantised by ``spec``, rows past ``rows`` zero. On CUDA in the fused kernels (per-tensor,
     native 1x128 blocks with the scales in the GEMM's layout); elsewhere the activation op's
     implementation, rounded to ``z``'s dtype, zero rows appended, quantised. ``params``:
     ``clamped_swiglu``'s ``(limit, alpha, glu_linear_offset)``; the fused kernels apply the
-    defaults only, so other values take the activation op's path."""
+    defaults only, so other values take the activation op's path. ``slot``: as
+    ``gemm.quantize_operand``'s."""
     recipe, fp8_dtype = spec.kind, spec.fp8_dtype
     fused = z.is_cuda and (activation != "clamped_swiglu" or params == _DEFAULT_PARAMS)
     if fused and recipe in PER_TENSOR:
         from te_compile.kernels.act_quantize import act_quantize
 
+        bits, i = slot if slot is not None else (None, 0)
         data, data_t, s, amax, dbias = act_quantize(
-            z, bias, grad, activation, fp8_dtype, scale, rows, True, need_dbias
+            z, bias, grad, activation, fp8_dtype, scale, rows, True, need_dbias, amax=bits, slot=i
         )
         return Operand(data, s, data_t, s, amax), dbias
     if fused and _native_block(spec):
@@ -170,7 +173,7 @@ def _act_operand(spec: QuantSpec, z, bias, grad, activation, scale, rows, need_d
     else:
         v, dbias = activation_backward(grad[:rows], z[:rows], bias, activation, 0, *params,
                                        need_dbias=need_dbias)  # fmt: skip
-    operand = quantize_operand(spec, pad_rows(v), scale=scale)
+    operand = quantize_operand(spec, pad_rows(v), scale=scale, slot=slot)
     return operand, dbias if need_dbias else None
 
 
@@ -202,22 +205,25 @@ def _forward(a: MLPArgs) -> tuple[Tensor, list[Tensor]]:
         return out.reshape(*inp.shape[:-1], w2.shape[0]), [*saved, z, h, *stats]
     kind, rows = gemm_kind(recipe, xs.emulate), ws.block_rows
     (s_x, s_w1, _), (s_h, s_w2, _) = scale_slots(a.scale1, recipe), scale_slots(a.scale2, recipe)
-    if norm.normalization:
-        xq, *stats = norm_quantize(xs, x2, norm, scale=s_x, mn_major=_native_block(xs))
-    else:
-        xq = quantize_operand(xs, pad_rows(x2), scale=s_x)
     q1, q2 = a.fc1_weight_q, a.fc2_weight_q
+    # The four amaxes (X, W1, h, W2) in one buffer (pre-quantised weights have their own).
+    bits = amax_buffer(recipe, x2, 4) if q1 is None and q2 is None else None
+    a_x, a_w1, a_h, a_w2 = [(bits, i) for i in range(4)] if bits is not None else [None] * 4
+    if norm.normalization:
+        xq, *stats = norm_quantize(xs, x2, norm, scale=s_x, mn_major=_native_block(xs), slot=a_x)
+    else:
+        xq = quantize_operand(xs, pad_rows(x2), scale=s_x, slot=a_x)
     if q1 is not None:  # pre-quantised: setup_context saves its transposed copy
         w1q = weight_operand(q1, ws.fp8_dtype)
     else:
-        w1q = quantize_operand(ws, w1, scale=s_w1)
+        w1q = quantize_operand(ws, w1, scale=s_w1, slot=a_w1)
     z = gemm(kind, xq.data, xq.scale, w1q.data, w1q.scale, dtype, fast_accum=True,
              b_block_rows=rows)  # fmt: skip
-    hq, _ = _act_operand(xs, z, b1, None, ep.activation, s_h, m, False, params)
+    hq, _ = _act_operand(xs, z, b1, None, ep.activation, s_h, m, False, params, a_h)
     if q2 is not None:
         w2q = weight_operand(q2, ws.fp8_dtype)
     else:
-        w2q = quantize_operand(ws, w2, scale=s_w2)
+        w2q = quantize_operand(ws, w2, scale=s_w2, slot=a_w2)
     out = gemm(kind, hq.data, hq.scale, w2q.data, w2q.scale, dtype, bias=b2, fast_accum=True,
                b_block_rows=rows)  # fmt: skip
     out = unpad(out, m)
@@ -227,7 +233,9 @@ def _forward(a: MLPArgs) -> tuple[Tensor, list[Tensor]]:
         fp8_bytes(xq.data_t), _saved_scale(xs, xq.scale_t), *w1_copy, z,
         fp8_bytes(hq.data_t), _saved_scale(xs, hq.scale_t), *w2_copy, *stats,
     ]  # fmt: skip
-    if recipe in PER_TENSOR:
+    if bits is not None:
+        saved.append(bits.view(torch.float32))
+    elif recipe in PER_TENSOR:
         saved.append(torch.cat([xq.amax, w1q.amax, hq.amax, w2q.amax]))
     return out.reshape(*inp.shape[:-1], w2.shape[0]), saved
 

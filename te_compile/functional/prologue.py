@@ -99,21 +99,30 @@ def norm_forward(x2: Tensor, norm: Norm) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def norm_quantize(
-    spec: QuantSpec, x2: Tensor, norm: Norm, *, scale: Tensor | None = None, mn_major: bool = False
+    spec: QuantSpec,
+    x2: Tensor,
+    norm: Norm,
+    *,
+    scale: Tensor | None = None,
+    mn_major: bool = False,
+    slot: tuple[Tensor, int] | None = None,
 ) -> tuple[Operand, Tensor, Tensor]:
     """``(operand, mean, rsigma)``: the norm of ``x2`` ``[M, K]``, rows padded to a multiple of
     16, as the first GEMM's input operand quantised as ``spec`` says (``gemm.quantize_operand``'s
     arguments). On CUDA the per-tensor kinds and native 1x128 blocks quantise the norm without
     writing it (``kernels.act_quantize.norm_quantize(_block)``; ``mn_major``: the block scales
-    in the GEMM's layout); elsewhere the norm op's output is quantised."""
+    in the GEMM's layout); elsewhere the norm op's output is quantised. ``slot``: as
+    ``gemm.quantize_operand``'s."""
     weight, bias, normalization, eps, zcg = norm
     m_out, fp8_dtype = padded(x2.shape[0]), spec.fp8_dtype
     if x2.device.type == "cuda" and spec.kind in ("current", "delayed"):
         from te_compile.kernels.act_quantize import norm_quantize as kernel
 
+        bits, i = slot if slot is not None else (None, 0)
         data, data_t, scale_inv, amax, mean, rsigma = kernel(
-            x2.contiguous(), weight, bias, normalization, eps, zcg, fp8_dtype, scale, m_out
-        )
+            x2.contiguous(), weight, bias, normalization, eps, zcg, fp8_dtype, scale, m_out,
+            amax=bits, slot=i,
+        )  # fmt: skip
         return Operand(data, scale_inv, data_t, scale_inv, amax), mean, rsigma
     if x2.device.type == "cuda" and spec.kind == "block" and not spec.emulate:
         from te_compile.kernels.act_quantize import norm_quantize_block
@@ -124,7 +133,7 @@ def norm_quantize(
         )  # fmt: skip
         return Operand(data, s, data_t, s_t, x2.new_empty(0, dtype=torch.float32)), mean, rsigma
     y, mean, rsigma = norm_forward(x2, norm)
-    return quantize_operand(spec, pad_rows(y), scale=scale), mean, rsigma
+    return quantize_operand(spec, pad_rows(y), scale=scale, slot=slot), mean, rsigma
 
 
 def norm_backward(

@@ -239,13 +239,14 @@ def _max_abs_bits(r):
 
 @triton.jit
 def _act_amax_kernel(
-    Z, B, G, MEAN, RSIG, AMAX_BITS, PART, M, N,
+    Z, B, G, MEAN, RSIG, AMAX_BITS, AMAX_SLOT, PART, M, N,
     FN: tl.constexpr, BWD: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
     DBIAS: tl.constexpr, ROUND: tl.constexpr, SOFTWARE: tl.constexpr, EVEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """The gated backward's ``PART`` rows are ``2N`` wide: the activation half's sums, then the
-    linear half's."""
+    """The amax goes into ``AMAX_BITS[AMAX_SLOT]``. The gated backward's ``PART`` rows are
+    ``2N`` wide: the activation half's sums, then the linear half's."""
+    AMAX_BITS += AMAX_SLOT
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if GATED and BWD:
@@ -298,16 +299,19 @@ def _cast_store(
 
 @triton.jit
 def _act_cast_kernel(
-    Z, B, G, MEAN, RSIG, SCALE, AMAX_BITS, DATA, DATA_T, SCALE_INV, PART, M, M_OUT, N, fp8_max, eps,
+    Z, B, G, MEAN, RSIG, SCALE, AMAX_BITS, AMAX_SLOT, DATA, DATA_T, SCALE_INV, PART, M, M_OUT, N,
+    fp8_max, eps,
     FN: tl.constexpr, BWD: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
     DBIAS: tl.constexpr, ROUND: tl.constexpr, E4M3: tl.constexpr, MBITS: tl.constexpr,
     BIAS: tl.constexpr, SOFTWARE: tl.constexpr, GUARD: tl.constexpr, FROM_AMAX: tl.constexpr,
     COLUMNWISE: tl.constexpr, EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """``_cast_kernel`` of ``kernels.quantize`` with the activation as its load. ``FROM_AMAX``:
-    current scaling (the scale from ``AMAX_BITS``); else ``SCALE`` is given and the tile's amax
-    (and, with ``DBIAS``, its column sums) are folded. Program (0, 0) writes ``SCALE_INV``.
-    The gated backward casts both halves of ``dz`` (``[M_OUT, 2N]``) from one read."""
+    current scaling (the scale from ``AMAX_BITS[AMAX_SLOT]``); else ``SCALE`` is given and the
+    tile's amax (and, with ``DBIAS``, its column sums) are folded. Program (0, 0) writes
+    ``SCALE_INV``. The gated backward casts both halves of ``dz`` (``[M_OUT, 2N]``) from one
+    read."""
+    AMAX_BITS += AMAX_SLOT
     # Inductor passes Python floats as fp64; Triton's own launcher as fp32.
     fp8_max = tl.cast(fp8_max, tl.float32)
     eps = tl.cast(eps, tl.float32)
@@ -452,20 +456,23 @@ def _per_tensor(
     columnwise: bool,
     need_dbias: bool,
     amax: Tensor | None,
+    slot: int,
+    amax_folded: bool,
     cfg: QuantizeLaunchConfig,
     name: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
     """The launches of :func:`act_quantize` / :func:`norm_quantize`: ``z`` ``[>= rows, N]``
-    read up to row ``rows``, outputs of ``m_out`` rows. ``amax`` (int32 bits,
-    ``kernels.quantize.amax_bits``): the first pass of current scaling already ran (the norm
-    statistics kernel folds it), else ``_act_amax_kernel`` runs it. ``norm``: the norm's
+    read up to row ``rows``, outputs of ``m_out`` rows. ``amax``: the zeroed int32 buffer
+    (``kernels.quantize.amax_bits``; None: a new ``[1]`` one) whose element ``slot`` takes the
+    amax, returned whole as fp32; ``amax_folded``: current scaling's first pass already folded
+    it (the norm statistics kernel), else ``_act_amax_kernel`` runs it. ``norm``: the norm's
     ``(gamma, mean, rsigma)`` (``bias`` is its beta). ``gated``:
     ``z`` is ``[>= rows, 2N]`` (:func:`act_quantize`)."""
     n, n_out = _gated_widths(z, grad, gated)
     software = software_convert(z.device, cfg)
     data = torch.empty((m_out, n_out), device=z.device, dtype=fp8_dtype)
     data_t = z.new_empty((n_out, m_out) if columnwise else (0,), dtype=fp8_dtype)
-    amax_pass = amax is None and scale is None
+    amax_pass = not amax_folded and scale is None
     if amax is None:
         amax = amax_bits(z.device)
     scale_inv = torch.empty(1, device=z.device, dtype=torch.float32)
@@ -491,7 +498,7 @@ def _per_tensor(
     b = z if bias is None else bias
     if amax_pass:
         launch(_act_amax_kernel, grid)(
-            z, b, gamma, mean, rsig, amax, part, rows, n, SOFTWARE=software,
+            z, b, gamma, mean, rsig, amax, slot, part, rows, n, SOFTWARE=software,
             **common,
         )  # fmt: skip
     launch(_act_cast_kernel, grid)(
@@ -502,6 +509,7 @@ def _per_tensor(
         rsig,
         amax if scale is None else scale.reshape(1),  # current scaling: SCALE unused
         amax,
+        slot,
         uint8_view(data),
         uint8_view(data_t),
         scale_inv,
@@ -640,6 +648,8 @@ def act_quantize(
     need_dbias: bool,
     *,
     config: QuantizeLaunchConfig | None = None,
+    amax: Tensor | None = None,
+    slot: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
     """Quantise ``activation(z + bias)``, or with ``grad`` its gradient ``grad *
     activation'(z + bias)``, per tensor, without writing it: ``(data, data_t, scale_inv, amax,
@@ -653,12 +663,14 @@ def act_quantize(
     ``[M_OUT, 2N]``, both halves under one scale, from one read of ``z`` and ``grad``.
     ``scale=None``: current scaling (two passes), else the 1-element delayed scale (one pass).
     ``dbias`` (with ``need_dbias``, backward only): fp32 column sums of the unrounded gradient,
-    cast to ``bias``'s dtype. Arguments are trusted (``functional.mlp_ops`` checks them)."""
+    cast to ``bias``'s dtype. ``amax`` / ``slot``: a GEMM's amax buffer and this cast's element
+    of it (``kernels.quantize.quantize_tensorwise``). Arguments are trusted
+    (``functional.mlp_ops`` checks them)."""
     fn, gated = _activation_fn("act_quantize", activation)
     cfg = config or QuantizeLaunchConfig()
     return _per_tensor(
         z, bias, grad, None, fn, gated, fp8_dtype, scale, rows, z.shape[0], columnwise,
-        need_dbias, None, cfg, "act_quantize",
+        need_dbias, amax, slot, False, cfg, "act_quantize",
     )  # fmt: skip
 
 
@@ -690,12 +702,14 @@ def act_quantize_block(
     )  # fmt: skip
 
 
-def _norm_pass(x, weight, bias, normalization, eps, zero_centered_gamma, amax):
+def _norm_pass(x, weight, bias, normalization, eps, zero_centered_gamma, amax, slot=0):
     """The statistics pass of a norm prologue (``kernels.norm.norm_stats``, folding the output's
-    amax into ``amax`` when given) and what the cast kernels take for it: ``(fn, (gamma, mean,
-    rsigma), mean, rsigma)``; ``mean`` is 0-element for RMSNorm (``rsigma`` stands in for its
-    pointer)."""
-    mean, rsigma = norm_stats(normalization, x, weight, bias, eps, zero_centered_gamma, amax)
+    amax into ``amax[slot]`` when given) and what the cast kernels take for it: ``(fn, (gamma,
+    mean, rsigma), mean, rsigma)``; ``mean`` is 0-element for RMSNorm (``rsigma`` stands in for
+    its pointer)."""
+    mean, rsigma = norm_stats(
+        normalization, x, weight, bias, eps, zero_centered_gamma, amax, slot=slot
+    )
     fn = (_NORM_LN if normalization == "LayerNorm" else _NORM_RMS) + int(zero_centered_gamma)
     return fn, (weight, rsigma if mean.numel() == 0 else mean, rsigma), mean, rsigma
 
@@ -712,6 +726,8 @@ def norm_quantize(
     m_out: int,
     *,
     config: QuantizeLaunchConfig | None = None,
+    amax: Tensor | None = None,
+    slot: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Quantise the output of a LayerNorm / RMSNorm of ``x`` (``[M, N]`` contiguous) per tensor
     without writing it: ``(data, data_t, scale_inv, amax, mean, rsigma)``, ``data`` ``[m_out,
@@ -721,16 +737,18 @@ def norm_quantize(
     dtype. Current scaling (``scale=None``): a statistics pass that also takes the amax
     (``kernels.norm.norm_stats``), then the cast; delayed scaling: the statistics, then a cast
     that folds the amax. Two reads of ``x`` against a read, a write and two reads of a tensor
-    of its size unfused. Arguments are trusted (``functional.linear_ops`` checks them)."""
+    of its size unfused. ``amax`` / ``slot``: as :func:`act_quantize`'s. Arguments are trusted
+    (``functional.linear_ops`` checks them)."""
     cfg = config or QuantizeLaunchConfig()
+    amax = amax_bits(x.device) if amax is None else amax
     # Current scaling: the statistics pass takes the amax (delayed: the cast folds it).
-    amax = amax_bits(x.device) if scale is None else None
     fn, norm, mean, rsigma = _norm_pass(
-        x, weight, bias, normalization, eps, zero_centered_gamma, amax
-    )
+        x, weight, bias, normalization, eps, zero_centered_gamma, amax if scale is None else None,
+        slot,
+    )  # fmt: skip
     data, data_t, scale_inv, amax, _ = _per_tensor(
-        x, bias, None, norm, fn, False, fp8_dtype, scale, x.shape[0], m_out, True, False, amax, cfg,
-        "norm_quantize",
+        x, bias, None, norm, fn, False, fp8_dtype, scale, x.shape[0], m_out, True, False, amax,
+        slot, scale is None, cfg, "norm_quantize",
     )  # fmt: skip
     return data, data_t, scale_inv, amax, mean, rsigma
 

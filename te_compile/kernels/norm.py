@@ -171,6 +171,7 @@ def _norm_fwd_kernel(
     MEAN,
     RSIGMA,
     AMAX_BITS,
+    AMAX_SLOT,
     M,
     N,
     eps,
@@ -186,9 +187,9 @@ def _norm_fwd_kernel(
     SOFTWARE: tl.constexpr,
 ):
     """``STORE_Y``: write the output (else only the statistics). ``AMAX``: fold the amax of
-    the output, rounded to the model's dtype (``ROUND``), into ``AMAX_BITS`` (``abs_bits``
-    max): the first pass of a current-scaling FP8 cast of the output that is never written
-    (``kernels.act_quantize.norm_quantize``)."""
+    the output, rounded to the model's dtype (``ROUND``), into ``AMAX_BITS[AMAX_SLOT]``
+    (``abs_bits`` max): the first pass of a current-scaling FP8 cast of the output that is
+    never written (``kernels.act_quantize.norm_quantize``)."""
     # Inductor passes Python floats as fp64; Triton's own launcher as fp32.
     eps = tl.cast(eps, tl.float32)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -209,7 +210,7 @@ def _norm_fwd_kernel(
             tl.store(Y + row_off + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
         if AMAX:
             a = tl.where(mask, abs_bits(round_to(y, ROUND, SOFTWARE)), 0)
-            tl.atomic_max(AMAX_BITS, tl.max(tl.max(a, axis=1), axis=0))
+            tl.atomic_max(AMAX_BITS + AMAX_SLOT, tl.max(tl.max(a, axis=1), axis=0))
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if KIND == LAYERNORM:
@@ -240,7 +241,7 @@ def _norm_fwd_kernel(
                     a = tl.where(mask, abs_bits(round_to(y, ROUND, SOFTWARE)), 0)
                     amax = tl.maximum(amax, a)
             if AMAX:
-                tl.atomic_max(AMAX_BITS, tl.max(tl.max(amax, axis=1), axis=0))
+                tl.atomic_max(AMAX_BITS + AMAX_SLOT, tl.max(tl.max(amax, axis=1), axis=0))
     if KIND == LAYERNORM:
         tl.store(MEAN + rows, mean, mask=row_mask)
     tl.store(RSIGMA + rows, rsigma, mask=row_mask)
@@ -374,11 +375,12 @@ def _norm_fwd(
     config: NormLaunchConfig | None = None,
     store_y: bool = True,
     amax: Tensor | None = None,
+    slot: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(out, mean, rsigma)``; without ``store_y`` ``out`` is a 0-element tensor (statistics
     only). ``amax`` (``[1]`` int32, the bits of a zero or running fp32 max,
     ``kernels.quantize.amax_bits``): the output's amax, rounded to the input's dtype, is folded
-    into it."""
+    into its element ``slot``."""
     x = as_rows(inp)
     m, n = x.shape
     out = torch.empty_like(x) if store_y else x.new_empty(0)
@@ -394,6 +396,7 @@ def _norm_fwd(
             mean if kind == LAYERNORM else rsigma,
             rsigma,
             rsigma if amax is None else amax,
+            slot,
             m,
             n,
             eps,
@@ -424,16 +427,18 @@ def norm_stats(
     amax: Tensor | None,
     *,
     config: NormLaunchConfig | None = None,
+    slot: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """``(mean, rsigma)`` of "LayerNorm" or "RMSNorm" (``mean`` 0-element for RMSNorm) as the
-    forward kernels compute them, without writing the output; with ``amax`` (``[1]`` int32 bits,
-    ``kernels.quantize.amax_bits``) the
-    amax of the output rounded to ``inp``'s dtype is folded into it. The statistics pass of
-    the norm fused into an FP8 cast (``kernels.act_quantize.norm_quantize``)."""
+    forward kernels compute them, without writing the output; with ``amax`` (int32 bits,
+    ``kernels.quantize.amax_bits``) the amax of the output rounded to ``inp``'s dtype is folded
+    into its element ``slot``. The statistics pass of the norm fused into an FP8 cast
+    (``kernels.act_quantize.norm_quantize``)."""
     kind = LAYERNORM.value if normalization == "LayerNorm" else RMSNORM.value
     _, mean, rsigma = _norm_fwd(
-        kind, inp, weight, bias, eps, zero_centered_gamma, config=config, store_y=False, amax=amax
-    )
+        kind, inp, weight, bias, eps, zero_centered_gamma, config=config, store_y=False,
+        amax=amax, slot=slot,
+    )  # fmt: skip
     return mean, rsigma
 
 

@@ -100,8 +100,9 @@ __all__ = [
 
 
 @triton.jit
-def _amax_kernel(X, AMAX_BITS, numel, chunk, BLOCK_SIZE: tl.constexpr):
-    """Program ``p`` reduces elements ``[p * chunk, (p + 1) * chunk)``; one atomic max each."""
+def _amax_kernel(X, AMAX_BITS, AMAX_SLOT, numel, chunk, BLOCK_SIZE: tl.constexpr):
+    """Program ``p`` reduces elements ``[p * chunk, (p + 1) * chunk)``; one atomic max each,
+    into element ``AMAX_SLOT`` of ``AMAX_BITS``."""
     start = tl.program_id(0).to(tl.int64) * chunk
     end = tl.minimum(start + chunk, numel)
     acc = tl.zeros([BLOCK_SIZE], dtype=tl.int32)
@@ -109,7 +110,7 @@ def _amax_kernel(X, AMAX_BITS, numel, chunk, BLOCK_SIZE: tl.constexpr):
         offs = s + tl.arange(0, BLOCK_SIZE)
         x = tl.load(X + offs, mask=offs < end, other=0.0).to(tl.float32)
         acc = tl.maximum(acc, abs_bits(x))
-    tl.atomic_max(AMAX_BITS, tl.max(acc, axis=0))
+    tl.atomic_max(AMAX_BITS + AMAX_SLOT, tl.max(acc, axis=0))
 
 
 @triton.jit
@@ -117,6 +118,7 @@ def _cast_kernel(
     X,
     SCALE,
     AMAX_BITS,
+    AMAX_SLOT,
     DATA,
     DATA_T,
     SCALE_INV,
@@ -136,8 +138,8 @@ def _cast_kernel(
     BLOCK_K: tl.constexpr,
 ):
     """Per-tensor cast of one tile. ``FROM_AMAX`` (current scaling): the scale comes from the
-    amax in ``AMAX_BITS``; otherwise (delayed scaling) ``SCALE`` is given and the tile's amax is
-    folded into ``AMAX_BITS``. Program (0, 0) writes ``SCALE_INV``."""
+    amax in ``AMAX_BITS[AMAX_SLOT]``; otherwise (delayed scaling) ``SCALE`` is given and the
+    tile's amax is folded into it. Program (0, 0) writes ``SCALE_INV``."""
     # Inductor passes Python floats as fp64; Triton's own launcher as fp32.
     fp8_max = tl.cast(fp8_max, tl.float32)
     eps = tl.cast(eps, tl.float32)
@@ -149,7 +151,8 @@ def _cast_kernel(
     x = tl.load(X + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask, other=0.0)
     x = x.to(tl.float32)
     first = (pid_m == 0) & (pid_k == 0)
-    scale = tile_scale(SCALE, AMAX_BITS, SCALE_INV, x, first, fp8_max, eps, FROM_AMAX, POW2)
+    amax = AMAX_BITS + AMAX_SLOT
+    scale = tile_scale(SCALE, amax, SCALE_INV, x, first, fp8_max, eps, FROM_AMAX, POW2)
     q = cast_fp8(x * scale, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, GUARD)
     tl.store(DATA + rows.to(tl.int64)[:, None] * K + cols[None, :], q, mask=mask)
     if COLUMNWISE:
@@ -336,13 +339,16 @@ def _delayed_update_kernel(
 # Launch wrappers -----------------------------------------------------------------------------
 
 
-def amax_bits(device: torch.device) -> Tensor:
-    """A zeroed ``[1]`` int32 buffer that kernels fold an amax into (``tl.atomic_max`` over the
-    int32 bits of ``|x|``, module docstring); ``.view(torch.float32)`` reads it as the amax.
+def amax_bits(device: torch.device, n: int = 1) -> Tensor:
+    """A zeroed ``[n]`` int32 buffer that kernels fold amaxes into (``tl.atomic_max`` over the
+    int32 bits of ``|x|``, module docstring), one per element (the casts of one GEMM share one
+    buffer, each given its slot: one zero fill, no gather after; a slot goes to a kernel as an
+    int, not as a view, which Inductor would copy around the write); ``.view(torch.float32)``
+    reads the amaxes.
     Kernels are given this int32 buffer itself, never an int32 view of an fp32 one: Inductor
     (torch 2.11) cannot lower a kernel's write through a dtype view of a buffer the graph made
     (``make_reindexer NYI on DtypeView``)."""
-    return torch.zeros(1, device=device, dtype=torch.int32)
+    return torch.zeros(n, device=device, dtype=torch.int32)
 
 
 def amax(x: Tensor, *, config: QuantizeLaunchConfig | None = None) -> Tensor:
@@ -350,17 +356,18 @@ def amax(x: Tensor, *, config: QuantizeLaunchConfig | None = None) -> Tensor:
     return _amax_bits(x, config or DEFAULT_CONFIG).view(torch.float32)
 
 
-def _amax_bits(x: Tensor, cfg: QuantizeLaunchConfig) -> Tensor:
-    """:func:`amax` as its int32 bits (:func:`amax_bits`)."""
+def _amax_bits(x: Tensor, cfg: QuantizeLaunchConfig, out: Tensor | None = None, slot: int = 0):
+    """:func:`amax` as its int32 bits (:func:`amax_bits`), folded into ``out[slot]`` where
+    ``out`` is given."""
     x = x.contiguous()
-    out = amax_bits(x.device)
+    out = amax_bits(x.device) if out is None else out
     n = x.numel()
     if n:
         cap = cfg.amax_programs or programs_per_sm(x.device, 4)
         programs = min(triton.cdiv(n, cfg.amax_block), cap)
         chunk = triton.cdiv(triton.cdiv(n, programs), cfg.amax_block) * cfg.amax_block
         launch(_amax_kernel, (triton.cdiv(n, chunk),))(
-            x, out, n, chunk, BLOCK_SIZE=cfg.amax_block, num_warps=cfg.num_warps
+            x, out, slot, n, chunk, BLOCK_SIZE=cfg.amax_block, num_warps=cfg.num_warps
         )
     return out
 
@@ -406,9 +413,11 @@ def _cast(
     from_amax: bool,
     amax_epsilon: float = 0.0,
     power_2_scale: bool = False,
+    slot: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The per-tensor cast of both recipes: ``(data, data_t, scale_inv, amax)`` (``_cast_kernel``'s
-    ``FROM_AMAX``) of ``x``, ``as_rows`` of a tensor of ``shape``, the shape of ``data``."""
+    ``FROM_AMAX``) of ``x``, ``as_rows`` of a tensor of ``shape``, the shape of ``data``; the
+    amax in ``bits[slot]``."""
     m, k = x.shape
     data = torch.empty(shape, device=x.device, dtype=fp8_dtype)
     data_t = _transposed(x, m, k, fp8_dtype, columnwise)
@@ -419,6 +428,7 @@ def _cast(
         x,
         scale,
         bits,
+        slot,
         uint8_view(data),
         uint8_view(data_t),
         scale_inv,
@@ -444,14 +454,19 @@ def quantize_tensorwise(
     columnwise: bool,
     *,
     config: QuantizeLaunchConfig | None = None,
+    amax: Tensor | None = None,
+    slot: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Delayed scaling: ``(data, data_t, scale_inv, amax)`` from one read of ``x`` (see the
     op; ``scale_inv``: ``1 / scale`` correctly rounded, written by the cast, ``reciprocal_rn``'s
-    value; for an empty ``x`` computed by that function)."""
+    value; for an empty ``x`` computed by that function). ``amax``: a GEMM's zeroed buffer
+    (:func:`amax_bits`) whose element ``slot`` takes the amax; the returned ``amax`` is then that
+    whole buffer as fp32."""
     scale = scale.reshape(1).contiguous()
     cfg = config or DEFAULT_CONFIG
-    bits = amax_bits(x.device)
-    return _cast(x.shape, as_rows(x)[0], scale, bits, fp8_dtype, columnwise, cfg, False)
+    bits = amax_bits(x.device) if amax is None else amax
+    return _cast(x.shape, as_rows(x)[0], scale, bits, fp8_dtype, columnwise, cfg, False,
+                 slot=slot)  # fmt: skip
 
 
 def quantize_current(
@@ -462,15 +477,17 @@ def quantize_current(
     power_2_scale: bool = False,
     *,
     config: QuantizeLaunchConfig | None = None,
+    amax: Tensor | None = None,
+    slot: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Current scaling: ``(data, data_t, scale_inv, amax)``; two reads of ``x`` (the amax
-    reduction, then the cast)."""
+    reduction, then the cast). ``amax`` / ``slot``: as :func:`quantize_tensorwise`'s."""
     cfg = config or DEFAULT_CONFIG
     x2 = as_rows(x)[0]
-    bits = _amax_bits(x2, cfg)
+    bits = _amax_bits(x2, cfg, amax, slot)
     # SCALE (the second ``bits``) is unused with FROM_AMAX.
     return _cast(x.shape, x2, bits, bits, fp8_dtype, columnwise, cfg, True, amax_epsilon,
-                 power_2_scale)  # fmt: skip
+                 power_2_scale, slot)  # fmt: skip
 
 
 def quantize_blockwise(

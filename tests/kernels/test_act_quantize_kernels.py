@@ -290,3 +290,44 @@ def test_norm_stats_amax_is_that_of_the_rounded_output(chunked):
     assert_bits_equal(s_rsigma, rsigma)
     expected = _norm_padded(x, w, b, "LayerNorm", False, 19, config)[0].float().abs().max()
     assert bits.view(torch.float32).item() == expected.item()
+
+
+_SLOT_CASTS = {
+    "quantize_current": lambda x, s, **kw: quantize.quantize_current(x, E4M3, True, **kw),
+    "quantize_tensorwise": lambda x, s, **kw: quantize.quantize_tensorwise(
+        x, s, E4M3, True, **kw
+    ),
+    "act_quantize": lambda x, s, **kw: act_q.act_quantize(
+        x, None, None, "gelu", E4M3, s, x.shape[0], True, False, **kw
+    ),
+    "norm_quantize": lambda x, s, **kw: act_q.norm_quantize(
+        x, torch.ones(x.shape[1], device=x.device, dtype=x.dtype), None, "RMSNorm", 1e-5,
+        False, E4M3, s, x.shape[0], **kw
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name,delayed",
+    [(n, False) for n in _SLOT_CASTS if n != "quantize_tensorwise"]
+    + [(n, True) for n in _SLOT_CASTS if n != "quantize_current"],
+)
+def test_a_cast_given_a_slot_of_a_shared_amax_buffer_writes_only_that_slot(name, delayed):
+    """The casts of one GEMM share one zeroed amax buffer, each folding into its own element
+    (``functional.gemm.amax_buffer``): the codes, the scale and the amax equal those of a cast
+    with a buffer of its own; the other elements stay zero (a cast that folded into element 0,
+    or all of them, fails)."""
+    g = torch.Generator().manual_seed(3)
+    x = _dev(torch.randn(32, 48, generator=g, dtype=torch.bfloat16) * 3)
+    scale = _dev(torch.tensor([2.0])) if delayed else None
+    own = _SLOT_CASTS[name](x, scale)
+    bits = quantize.amax_bits(x.device, 3)
+    shared = _SLOT_CASTS[name](x, scale, amax=bits, slot=2)
+    n_codes = 3  # data, data_t, scale_inv
+    for a, e in zip(shared[:n_codes], own[:n_codes], strict=True):
+        assert_bits_equal(a, e)
+    amax = bits.view(torch.float32)
+    assert_bits_equal(amax[2:], own[3])
+    assert own[3].item() > 0
+    assert torch.equal(bits[:2], torch.zeros_like(bits[:2]))
+    assert shared[3].data_ptr() == bits.data_ptr()  # the caller's whole buffer, as fp32
