@@ -362,11 +362,13 @@ def _autocast_eligible(t: Any, device_type: str) -> bool:
 # hand the op a copy: a write into it (main_grad's wgrad accumulation, grad_amax) would be lost
 # silently, and a delayed scale would be rounded to bf16 (found by train_gpt --autocast bfloat16
 # --recipe delayed, 2026-11-22). Arguments the schema marks as written are kept as well. ALiBi
-# slopes stay fp32 (Transformer Engine's dtype for them; the op builds the bias in fp32). A
-# tensor list (a pre-quantised weight, Tensor[]?) is never cast.
+# slopes and the attention sink's logits (softmax_offset) stay fp32 (Transformer Engine's dtype
+# for them; the op computes with them in fp32). A tensor list (a pre-quantised weight,
+# Tensor[]?) is never cast.
 _AUTOCAST_KEEP = frozenset(
     {
         "alibi_slopes",
+        "softmax_offset",
         "main_grad",
         "scale",
         "grad_amax",

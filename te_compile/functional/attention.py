@@ -6,13 +6,23 @@ For each batch entry and query head :math:`n` (served by key/value head :math:`\
 
 .. math::
     S_{ij} = \sigma\, q_i \cdot k_j + B_{ij} - m_n\,|i + o - j|, \qquad
-    P_{ij} = \frac{[\,j \in V_i\,]\, e^{S_{ij}}}{\sum_{l \in V_i} e^{S_{il}}}, \qquad
-    y_i = \sum_j \frac{M_{ij}}{1-p}\, P_{ij}\, v_j
+    P_{ij} = \frac{[\,j \in V_i\,]\, e^{S_{ij}}}{[\,e^{\alpha_n}\,] + \sum_{l \in V_i} e^{S_{il}}},
+    \qquad y_i = \sum_j \frac{M_{ij}}{1-p}\, P_{ij}\, v_j
 
 with :math:`\sigma` the softmax scale, :math:`B` the post-scale bias, :math:`m` the ALiBi slopes,
 :math:`M` the dropout keep mask and :math:`V_i` the keys query :math:`i` may see. A query that
 sees no key (a padded query; bottom-right causal with more queries than keys) outputs zeros and
 gets zero gradients, as Transformer Engine's fused backends do.
+
+The bracketed :math:`e^{\alpha_n}` is the attention sink of Transformer Engine's
+``softmax_type`` (Xiao et al., *Efficient Streaming Language Models with Attention Sinks*): a
+key that every query sees, with logit :math:`\alpha_n` (``softmax_offset``, one per query head)
+and a zero value, so that a query may attend to nothing. ``off-by-one`` is :math:`\alpha = 0`,
+``learnable`` a parameter, whose gradient is
+:math:`\partial L/\partial\alpha_n = -\sum_{b,i} P_{i0} \sum_j P_{ij}\, \partial L/\partial P_{ij}`
+with :math:`P_{i0} = e^{\alpha_n - \mathrm{lse}_i}` the sink's probability (zero for a query
+that sees no key). The sink enters the logsumexp only: the saved ``lse`` includes it, so the
+backward's probabilities are the sink softmax's without a change.
 
 Masks, in Transformer Engine's terms (positions local to a sequence, :math:`o` the diagonal
 offset): the window ``(left, right)`` lets query :math:`i` see keys :math:`j` with
@@ -62,16 +72,18 @@ __all__ = ["attention_bwd_ref", "attention_ref", "dot_product_attention"]
 
 
 class _Args(NamedTuple):
-    """``te::attention_fwd``'s arguments, by name.
+    r"""``te::attention_fwd``'s arguments, by name.
 
     ``bias``: post-scale bias ``[b|1, h|1, sq, skv]``; ``alibi_slopes``: fp32 ``[h]`` or
     ``[b, h]``; ``q_padding`` / ``kv_padding``: bool ``[b, sq]`` / ``[b, skv]``, True = padded
     (both or neither); ``mask``: bool ``[b|1, h|1, sq, skv]``, True = masked out;
     ``cu_seqlens_q`` / ``cu_seqlens_kv``: int32 ``[n + 1]`` for packed tokens (``b = 1``;
     ``cu_seqlens_kv`` None: the keys share the queries' layout); ``rng_state``: int64
-    ``(seed, offset)``, needed when ``dropout_p > 0``; ``window_left`` / ``window_right``: ``-1``
-    unbounded; ``bottom_right``: the diagonal's alignment; ``max_seqlen_q`` / ``max_seqlen_kv``:
-    bounds on the packed sequences' lengths (the CUDA varlen kernels')."""
+    ``(seed, offset)``, needed when ``dropout_p > 0``; ``softmax_offset``: fp32 ``[h]``, the
+    sink logit :math:`\alpha_n` of each query head (None: plain softmax); ``window_left`` /
+    ``window_right``: ``-1`` unbounded; ``bottom_right``: the diagonal's alignment;
+    ``max_seqlen_q`` / ``max_seqlen_kv``: bounds on the packed sequences' lengths (the CUDA
+    varlen kernels')."""
 
     query: Tensor
     key: Tensor
@@ -84,6 +96,7 @@ class _Args(NamedTuple):
     cu_seqlens_q: Tensor | None
     cu_seqlens_kv: Tensor | None
     rng_state: Tensor | None
+    softmax_offset: Tensor | None
     scale: float
     window_left: int
     window_right: int
@@ -94,7 +107,7 @@ class _Args(NamedTuple):
     sbhd: bool
 
 
-_N_TENSORS = 11  # query .. rng_state
+_N_TENSORS = 12  # query .. softmax_offset
 
 
 # 1. Reference math ----------------------------------------------------------------------------
@@ -143,6 +156,11 @@ def _visible(a: _Args) -> tuple[Tensor, Tensor]:
     if a.mask is not None:
         visible = visible & ~a.mask
     return visible, rel
+
+
+def _sink(softmax_offset: Tensor, dtype: torch.dtype) -> Tensor:
+    r"""The sink logits :math:`\alpha_n` as ``[1, h, 1, 1]`` in ``dtype``."""
+    return softmax_offset.to(dtype).view(1, -1, 1, 1)
 
 
 def _alibi(slopes: Tensor, rel: Tensor, dtype: torch.dtype) -> Tensor:
@@ -202,6 +220,8 @@ def _forward_math(a: _Args) -> tuple[Tensor, list[Tensor]]:
     # A row that sees no key gets finite scores, then zero probabilities: no inf - inf anywhere.
     s = s.masked_fill(~visible, -math.inf).masked_fill(~row, 0.0)
     lse = torch.logsumexp(s, -1, keepdim=True)
+    if a.softmax_offset is not None:
+        lse = torch.logaddexp(lse, _sink(a.softmax_offset, s.dtype))
     probs = torch.exp(s - lse).masked_fill(~row, 0.0)
     if a.dropout_p > 0:
         keep = dropout_mask(a.rng_state, probs.shape, a.dropout_p)
@@ -233,19 +253,21 @@ def _sum_groups(dx: Tensor, kv_heads: int) -> Tensor:
 
 
 def attention_bwd_ref(
-    a: _Args, grad_out: Tensor, saved: list[Tensor], bias_grad: bool
+    a: _Args, grad_out: Tensor, saved: list[Tensor], bias_grad: bool, offset_grad: bool
 ) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
     with _no_autocast(a.query):
-        return _backward_math(a, grad_out, saved, bias_grad)
+        return _backward_math(a, grad_out, saved, bias_grad, offset_grad)
 
 
 def _backward_math(
-    a: _Args, grad_out: Tensor, saved: list[Tensor], bias_grad: bool
+    a: _Args, grad_out: Tensor, saved: list[Tensor], bias_grad: bool, offset_grad: bool
 ) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
-    r"""``(dq, dk, dv, [dbias])`` from the saved logsumexp: :math:`P = e^{S - \mathrm{lse}}`,
+    r"""``(dq, dk, dv, [dbias, dsoftmax_offset])`` (each where asked) from the saved logsumexp
+    (the sink's term included): :math:`P = e^{S - \mathrm{lse}}`,
     :math:`dV = \tilde P^T dO` (:math:`\tilde P` with dropout applied),
     :math:`dP = M \circ dO\, V^T / (1-p)`, :math:`dS = P \circ (dP - \textstyle\sum_j P\, dP)`,
-    :math:`dQ = \sigma\, dS\, K`, :math:`dK = \sigma\, dS^T Q`, :math:`dB = dS`; fp32 (fp64)
+    :math:`dQ = \sigma\, dS\, K`, :math:`dK = \sigma\, dS^T Q`, :math:`dB = dS`,
+    :math:`d\alpha_n = -\sum_{b,i} e^{\alpha_n - \mathrm{lse}_i} \sum_j P\, dP`; fp32 (fp64)
     math, each result rounded once."""
     visible, rel = _visible(a)
     s, q, k = _scores(a, rel)
@@ -259,15 +281,22 @@ def _backward_math(
         dprobs = torch.where(keep, dprobs * c, 0.0)
     else:
         dv = probs.transpose(-1, -2) @ g
-    ds = probs * (dprobs - (probs * dprobs).sum(-1, keepdim=True))
+    delta = (probs * dprobs).sum(-1, keepdim=True)
+    ds = probs * (dprobs - delta)
     dq = ((ds @ k) * a.scale).transpose(1, 2)
     dk = (ds.transpose(-1, -2) @ q) * a.scale
-    dbias = [_reduce_to(ds, a.bias.shape).to(a.bias.dtype).contiguous()] if bias_grad else []
+    extra = [_reduce_to(ds, a.bias.shape).to(a.bias.dtype).contiguous()] if bias_grad else []
+    if offset_grad:
+        # The sink's value is zero: its dP is 0, so its dS is -P_sink * delta. A row that sees
+        # no key has lse = +inf there, hence P_sink = 0.
+        sink = _sink(a.softmax_offset, acc)
+        p_sink = torch.exp(sink - saved[0][..., None].to(acc))
+        extra.append(-(p_sink * delta).sum((0, 2, 3)).to(a.softmax_offset.dtype))
     return (
         _in_layout(dq.to(a.query.dtype), a.sbhd),
         _in_layout(_sum_groups(dk, hk).to(a.key.dtype), a.sbhd),
         _in_layout(_sum_groups(dv, hk).to(a.value.dtype), a.sbhd),
-        dbias,
+        extra,
     )
 
 
@@ -292,6 +321,9 @@ def _kernel_bias(a: _Args) -> tuple[Tensor, Tensor]:
 
 
 def _plan(a: _Args) -> attention_cuda.Plan:
+    if a.softmax_offset is not None:
+        # PyTorch's fused kernels have no sink; the reference math runs (attention_cuda's table).
+        return attention_cuda.Plan("math")
     plain = a.bias is None and a.alibi_slopes is None and a.q_padding is None and a.mask is None
     return attention_cuda.plan(
         a.query, a.key, a.value, plain, a.cu_seqlens_q is not None, a.cu_seqlens_kv is None,
@@ -374,6 +406,9 @@ def _check(a: _Args) -> None:
     rng = a.rng_state
     if a.dropout_p > 0 and (rng is None or rng.dtype != torch.int64 or tuple(rng.shape) != (2,)):
         raise fail("rng_state must be an int64 tensor [2] = (seed, offset) when dropout_p > 0")
+    sink = a.softmax_offset
+    if sink is not None and (sink.dtype != torch.float32 or tuple(sink.shape) != (h,)):
+        raise fail(f"softmax_offset must be float32 [{h}], got {sink.dtype} {list(sink.shape)}")
 
 
 def _empty_out(like: Tensor, d: int, sbhd: bool) -> Tensor:
@@ -400,6 +435,7 @@ def attention_fwd(
     cu_seqlens_q: Tensor | None,
     cu_seqlens_kv: Tensor | None,
     rng_state: Tensor | None,
+    softmax_offset: Tensor | None,
     scale: float,
     window_left: int,
     window_right: int,
@@ -412,8 +448,8 @@ def attention_fwd(
     """``(out, saved)``; ``saved``: what the backward needs (the logsumexp; with dropout on CUDA
     also the kernel's Philox seed and offset). CPU implementation: the reference math."""
     a = _Args(query, key, value, bias, alibi_slopes, q_padding, kv_padding, mask, cu_seqlens_q,
-              cu_seqlens_kv, rng_state, scale, window_left, window_right, bottom_right,
-              dropout_p, max_seqlen_q, max_seqlen_kv, sbhd)  # fmt: skip
+              cu_seqlens_kv, rng_state, softmax_offset, scale, window_left, window_right,
+              bottom_right, dropout_p, max_seqlen_q, max_seqlen_kv, sbhd)  # fmt: skip
     _check(a)
     return _forward_ref(a)
 
@@ -467,7 +503,7 @@ def _efficient_bwd_on_cuda(grad_out, out, saved, *args) -> str | None:
     aten's meta of ``_efficient_attention_backward``, which lacks the op's ``out`` argument
     (torch 2.11 - 2.13) and fails with "got multiple values for argument 'scale'"; our own
     fake gives the shapes instead."""
-    a = _Args(*args[:-1])
+    a = _Args(*args[:-2])
     if a.query.device.type == "cuda" and _plan(a).kind.startswith("efficient"):
         return "aten's meta of _efficient_attention_backward does not match its schema"
     return None
@@ -489,6 +525,7 @@ def attention_bwd(
     cu_seqlens_q: Tensor | None,
     cu_seqlens_kv: Tensor | None,
     rng_state: Tensor | None,
+    softmax_offset: Tensor | None,
     scale: float,
     window_left: int,
     window_right: int,
@@ -498,23 +535,25 @@ def attention_bwd(
     max_seqlen_kv: int,
     sbhd: bool,
     bias_grad: bool,
+    offset_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
-    """``(dq, dk, dv, dbias)``: ``dbias`` is ``[d bias]`` when ``bias_grad``, else empty; the
-    forward's arguments follow ``grad_out``, ``out`` and ``saved``. CPU implementation: the
-    reference math (``out`` is for the fused kernels)."""
+    """``(dq, dk, dv, extra)``: ``extra`` holds ``d bias`` when ``bias_grad``, then
+    ``d softmax_offset`` when ``offset_grad``; the forward's arguments follow ``grad_out``,
+    ``out`` and ``saved``. CPU implementation: the reference math (``out`` is for the fused
+    kernels)."""
     a = _Args(query, key, value, bias, alibi_slopes, q_padding, kv_padding, mask, cu_seqlens_q,
-              cu_seqlens_kv, rng_state, scale, window_left, window_right, bottom_right,
-              dropout_p, max_seqlen_q, max_seqlen_kv, sbhd)  # fmt: skip
-    return attention_bwd_ref(a, grad_out, saved, bias_grad)
+              cu_seqlens_kv, rng_state, softmax_offset, scale, window_left, window_right,
+              bottom_right, dropout_p, max_seqlen_q, max_seqlen_kv, sbhd)  # fmt: skip
+    return attention_bwd_ref(a, grad_out, saved, bias_grad, offset_grad)
 
 
 @attention_bwd.register_kernel("cuda")
 def _attention_bwd_cuda(grad_out, out, saved, *args):
     """CUDA only: the backward of the forward's kernel (the same plan, from the same args)."""
-    a, bias_grad = _Args(*args[:-1]), args[-1]
+    a, bias_grad, offset_grad = _Args(*args[:-2]), args[-2], args[-1]
     plan = _plan(a)
     if plan.kind == "math":
-        return attention_bwd_ref(a, grad_out, saved, bias_grad)
+        return attention_bwd_ref(a, grad_out, saved, bias_grad, offset_grad)
     bias, row = _kernel_bias(a) if plan.uses_bias else (None, None)
     dq, dk, dv, dbias = attention_cuda.backward(
         plan, grad_out, a.query, a.key, a.value, out, saved, bias, row, bias_grad,
@@ -529,12 +568,15 @@ def _attention_bwd_cuda(grad_out, out, saved, *args):
 
 @attention_bwd.register_fake
 def _attention_bwd_fake(grad_out, out, saved, *args):
-    a, bias_grad = _Args(*args[:-1]), args[-1]
+    a, bias_grad, offset_grad = _Args(*args[:-2]), args[-2], args[-1]
+    extra = [a.bias.new_empty(a.bias.shape)] if bias_grad else []
+    if offset_grad:
+        extra.append(a.softmax_offset.new_empty(a.softmax_offset.shape))
     return (
         _empty_out(a.query, a.query.shape[-1], a.sbhd),
         _empty_out(a.key, a.key.shape[-1], a.sbhd),
         _empty_out(a.value, a.value.shape[-1], a.sbhd),
-        [a.bias.new_empty(a.bias.shape)] if bias_grad else [],
+        extra,
     )
 
 
@@ -553,23 +595,27 @@ def _backward(ctx, bwd, grad_out, _grad_saved):
     args, saved = tensors[:_N_TENSORS], tensors[_N_TENSORS:]
     need = ctx.needs_input_grad
     bias_grad = args[3] is not None and need[3]
-    dq, dk, dv, dbias = bwd(grad_out, out, saved, *args, *ctx.scalars, bias_grad)
+    offset_grad = args[11] is not None and need[11]
+    dq, dk, dv, extra = bwd(grad_out, out, saved, *args, *ctx.scalars, bias_grad, offset_grad)
     grads = [None] * len(need)
     for i, grad in enumerate((dq, dk, dv)):
         grads[i] = grad if need[i] else None
-    grads[3] = dbias[0] if bias_grad else None
+    if bias_grad:
+        grads[3] = extra[0]
+    if offset_grad:
+        grads[11] = extra[-1]
     return tuple(grads)
 
 
 def _samples(device: torch.device):
     """Small odd shapes covering each mask family, GQA and MQA, cross attention, bias, ALiBi,
-    padding, sliding windows, packed ``thd`` and (CPU only) dropout."""
+    padding, sliding windows, packed ``thd``, sink softmaxes and (CPU only) dropout."""
 
     def t(*shape, dtype=torch.float32):
         return torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
 
     def call(q, k, v, window, bottom_right=True, sbhd=False, p=0.0, **tensors):
-        names = ("bias", "slopes", "q_pad", "kv_pad", "mask", "cu_q", "cu_kv", "rng")
+        names = ("bias", "slopes", "q_pad", "kv_pad", "mask", "cu_q", "cu_kv", "rng", "sink")
         extra = tuple(tensors.get(name) for name in names)
         scale = q.shape[-1] ** -0.5
         return SampleInput(
@@ -598,9 +644,21 @@ def _samples(device: torch.device):
     # packed thd: uneven sequences, two padding tokens at the end, padding_causal, GQA
     cu = torch.tensor([0, 3, 4, 8], dtype=torch.int32, device=device)
     yield call(t(1, 10, 4, 8), t(1, 10, 2, 8), t(1, 10, 2, 8), (-1, 0), False, cu_q=cu)
+    # learnable sink (its gradient), padding with padded queries, GQA, cross attention
+    sink = torch.tensor([0.5, -1.0, 2.0, 0.0], device=device, requires_grad=True)
+    yield call(t(2, 5, 4, 8), t(2, 6, 2, 8), t(2, 6, 2, 8), (-1, 0), sink=sink,
+               q_pad=padding(5, [3, 5]), kv_pad=padding(6, [6, 2]))  # fmt: skip
+    # off-by-one sink (zero logits), an arbitrary mask with a row that sees no key, bf16
+    mask = torch.rand(1, 2, 4, 5, device=device) < 0.3
+    mask[0, 0, 1] = True
+    yield call(t(1, 4, 2, 8, dtype=bf16), t(1, 5, 2, 8, dtype=bf16), t(1, 5, 2, 8, dtype=bf16),
+               (-1, -1), mask=mask, sink=torch.zeros(2, device=device))  # fmt: skip
     if device.type == "cpu":  # CUDA's kernels draw their own Philox state (attention_cuda)
         rng = torch.tensor([1234, 5], dtype=torch.int64, device=device)
         yield call(t(2, 5, 2, 8), t(2, 5, 2, 8), t(2, 5, 2, 8), (-1, 0), False, p=0.25, rng=rng)
+        sink = torch.tensor([1.0, -0.5], device=device, requires_grad=True)
+        yield call(t(2, 5, 2, 8), t(2, 5, 2, 8), t(2, 5, 2, 8), (-1, 0), False, p=0.25, rng=rng,
+                   sink=sink)  # fmt: skip
 
 
 _attention = differentiable(
@@ -635,8 +693,10 @@ def dot_product_attention(
     softmax_scale: float | None = None,
     dropout_p: float = 0.0,
     rng_state: Tensor | None = None,
+    softmax_type: str = "vanilla",
+    softmax_offset: Tensor | None = None,
 ) -> Tensor:
-    """Attention with the conventions of Transformer Engine's ``DotProductAttention.forward``,
+    r"""Attention with the conventions of Transformer Engine's ``DotProductAttention.forward``,
     through ``te::attention_fwd``. ``query`` is ``[s, b, h, d]`` (``sbhd``), ``[b, s, h, d]``
     (``bshd``) or ``[t, h, d]`` (``thd``: packed sequences given by ``cu_seqlens_q`` /
     ``cu_seqlens_kv``); ``key`` and ``value`` have ``h_kv`` heads dividing ``h`` (GQA). Returns
@@ -648,11 +708,15 @@ def dot_product_attention(
     otherwise, as in Transformer Engine. ``softmax_scale`` defaults to ``1/sqrt(d)``;
     ``core_attention_bias_type="alibi"`` without ``alibi_slopes`` uses the standard slopes.
     ``dropout_p > 0`` draws ``rng_state`` (int64 ``(seed, offset)``) from torch's generator
-    unless given. Bad arguments raise ValueError naming them."""
+    unless given. ``softmax_type``: ``"vanilla"`` (softmax), ``"off-by-one"`` (a sink of logit 0:
+    :math:`e^{S_i} / (1 + \sum_j e^{S_j})`) or ``"learnable"`` (a sink of logit
+    ``softmax_offset[n]`` per query head, ``[h]``, any floating dtype, computed in fp32 and
+    differentiable). Bad arguments raise ValueError naming them."""
     args = attention_args.op_arguments(
         query, key, value, attention_mask, qkv_format, attn_mask_type, window_size, cu_seqlens_q,
         cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, core_attention_bias_type,
-        core_attention_bias, alibi_slopes, softmax_scale, dropout_p, rng_state,
+        core_attention_bias, alibi_slopes, softmax_scale, dropout_p, rng_state, softmax_type,
+        softmax_offset,
     )  # fmt: skip
     out, _ = _attention(*args)
     b, s, h, dv = out.shape

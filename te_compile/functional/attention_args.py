@@ -18,6 +18,9 @@ Transformer Engine's conventions, checked here with a ValueError naming the argu
   ``core_attention_bias`` in ``[b|1, h|1, s_q|1, s_kv]`` (not with ``thd``), ``alibi`` with
   ``alibi_slopes`` fp32 ``[h]`` or ``[b, h]`` (``[h]`` with ``thd``) or, without them, the
   standard slopes of ``h`` heads.
+* ``softmax_type``: ``vanilla``, ``off-by-one`` (a sink of logit 0) or ``learnable`` (a sink of
+  logit ``softmax_offset[n]``, a ``[h]`` floating tensor given to the op as fp32, so that a bf16
+  parameter gets its gradient through the cast); ``softmax_offset`` only with ``learnable``.
 * ``max_seqlen_q`` / ``max_seqlen_kv`` (``thd`` only): bounds for the CUDA varlen kernels,
   capped at the token count; unset, the token count (never read from ``cu_seqlens``: no host
   synchronisation).
@@ -37,6 +40,7 @@ __all__ = [
     "ATTN_MASK_TYPES",
     "BIAS_TYPES",
     "QKV_FORMATS",
+    "SOFTMAX_TYPES",
     "default_alibi_slopes",
     "normalize_mask_type",
     "normalize_window",
@@ -54,6 +58,7 @@ ATTN_MASK_TYPES = (
     "arbitrary",
 )
 BIAS_TYPES = ("no_bias", "pre_scale_bias", "post_scale_bias", "alibi")
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 _OWNER = "te.dot_product_attention"
 
 
@@ -242,6 +247,33 @@ def _slopes(alibi_slopes, b: int, h: int, thd: bool, device) -> Tensor:
     return alibi_slopes
 
 
+def _softmax_offset(softmax_type, softmax_offset, h: int, device) -> Tensor | None:
+    """The op's ``softmax_offset``: None (vanilla), zeros (off-by-one) or the given logits as
+    fp32 ``[h]``."""
+    if softmax_type not in SOFTMAX_TYPES:
+        raise _fail(f"softmax_type must be one of {SOFTMAX_TYPES}, got {softmax_type!r}")
+    if softmax_type != "learnable":
+        if softmax_offset is not None:
+            raise _fail(f"softmax_offset must be None for softmax_type={softmax_type!r} (only "
+                        "'learnable' takes one)")  # fmt: skip
+        return None if softmax_type == "vanilla" else torch.zeros(h, device=device)
+    if softmax_offset is None:
+        raise _fail("softmax_type='learnable' needs softmax_offset, a floating tensor [h]")
+    if (
+        not isinstance(softmax_offset, Tensor)
+        or not softmax_offset.is_floating_point()
+        or tuple(softmax_offset.shape) != (h,)
+    ):
+        got = softmax_offset
+        if isinstance(got, Tensor):
+            got = f"{got.dtype} {list(got.shape)}"
+        raise _fail(f"softmax_offset must be a floating tensor [{h}] (one logit per query "
+                    f"head), got {got}")  # fmt: skip
+    if softmax_offset.device != device:
+        raise _fail(f"softmax_offset must be on {device}, got {softmax_offset.device}")
+    return softmax_offset.float()
+
+
 def _max_seqlen(name: str, value, tokens):
     if value is None:
         return tokens
@@ -253,7 +285,7 @@ def _max_seqlen(name: str, value, tokens):
 def op_arguments(
     query, key, value, attention_mask, qkv_format, attn_mask_type, window_size, cu_seqlens_q,
     cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, core_attention_bias_type, core_attention_bias,
-    alibi_slopes, softmax_scale, dropout_p, rng_state,
+    alibi_slopes, softmax_scale, dropout_p, rng_state, softmax_type, softmax_offset,
 ) -> tuple:  # fmt: skip
     """``te::attention_fwd``'s arguments for a call of
     :func:`te_compile.functional.dot_product_attention` (its arguments, in order)."""
@@ -337,6 +369,7 @@ def op_arguments(
     elif alibi_slopes is not None:
         raise _fail("alibi_slopes needs core_attention_bias_type='alibi'")
 
+    sink = _softmax_offset(softmax_type, softmax_offset, h, device)
     p = float(dropout_p)
     if p > 0 and rng_state is None:
         rng_state = new_rng_state(device)
@@ -348,5 +381,5 @@ def op_arguments(
     bottom_right = mask_type not in ("causal", "padding_causal")
     return (
         q, k, v, bias, slopes, q_pad, kv_pad, mask, cu_q, cu_kv, rng_state if p > 0 else None,
-        scale, left, right, bottom_right, p, max_q, max_kv, qkv_format == "sbhd",
+        sink, scale, left, right, bottom_right, p, max_q, max_kv, qkv_format == "sbhd",
     )  # fmt: skip

@@ -26,9 +26,10 @@ kernel              used when                                 aten forward / bac
                     arbitrary masks, windows                  (GQA by expanding K/V)
 ``efficient_varlen`` ``thd`` with dropout (or fp32) and plain  the same ops with ``cu_seqlens_q/k``
                     causal / no mask                          (batch 1)
-``math``            fp64, and ``thd`` with sliding windows,   the reference math (the CPU
-                    ALiBi or a layout the kernels cannot      implementation)
-                    express
+``math``            fp64, a sink softmax (``softmax_offset``: the reference math (the CPU
+                    the kernels have no sink term), and       implementation)
+                    ``thd`` with sliding windows, ALiBi or a
+                    layout the kernels cannot express
 =================== ========================================= ===================================
 
 ``cudnn`` follows SDPA: where PyTorch's own dispatcher prefers cuDNN's attention for these

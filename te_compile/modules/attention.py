@@ -8,7 +8,13 @@ are those of :func:`te_compile.functional.dot_product_attention` (``functional/a
 With tensor parallelism each rank holds ``num_attention_heads / tp_size`` query heads and
 ``num_gqa_groups / tp_size`` key/value heads: attention needs no communication. Not supported:
 context parallelism, FP8 attention, KV caching (``inference_params``), packed ``qkv_layer``
-inputs, ``cu_seqlens_*_padded`` and sink softmax types.
+inputs and ``cu_seqlens_*_padded``.
+
+``softmax_type`` (Transformer Engine's attention sinks): ``"vanilla"``, ``"off-by-one"`` (a sink
+of logit 0 in every head's softmax denominator) or ``"learnable"``, whose per-head sink logits
+are the Parameter ``softmax_offset`` (fp32 ``[num_attention_heads / tp_size]``, zeros at
+construction; the name, shape and initial value of Transformer Engine's, so checkpoints load
+either way). The math is in ``functional/attention.py``.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ class DotProductAttention(nn.Module):
     ``get_rng_state_tracker`` (Transformer Engine's: a callable returning a tracker with a
     ``fork()`` context manager, e.g. Megatron's ``CudaRNGStatesTracker``) its mask is drawn
     inside the tracker's ``fork()`` (not with ``sequence_parallel``, as in Transformer Engine),
-    so torch's default generator is not advanced."""
+    so torch's default generator is not advanced. ``softmax_type``: see the module docstring."""
 
     def __init__(
         self,
@@ -66,6 +72,7 @@ class DotProductAttention(nn.Module):
         tp_group=None,
         sequence_parallel: bool = False,
         get_rng_state_tracker: Callable | None = None,
+        softmax_type: str = "vanilla",
     ) -> None:
         super().__init__()
         accept_te_extra_state(self, attention=True)  # TE's FP8 attention state: none taken
@@ -109,6 +116,7 @@ class DotProductAttention(nn.Module):
             check_positive_finite(_NAME, softmax_scale=softmax_scale)
         if layer_number is not None:
             check_int(_NAME, 1, layer_number=layer_number)
+        check_choice(_NAME, "softmax_type", softmax_type, A.SOFTMAX_TYPES)
 
         self.num_attention_heads = num_attention_heads
         self.num_gqa_groups = gqa
@@ -125,6 +133,12 @@ class DotProductAttention(nn.Module):
         self.softmax_scale = (
             1.0 / math.sqrt(channels_k) if softmax_scale is None else float(softmax_scale)
         )
+        self.softmax_type = softmax_type
+        # Transformer Engine's off-by-one sink is a fixed zero; only the learnable one is state.
+        self.softmax_offset = None
+        if softmax_type == "learnable":
+            heads = self.num_attention_heads_per_partition
+            self.softmax_offset = nn.Parameter(torch.zeros(heads, dtype=torch.float32))
 
     def _check_shapes(self, query: Tensor, key: Tensor, value: Tensor) -> None:
         if not all(isinstance(x, Tensor) and x.dim() >= 2 for x in (query, key, value)):
@@ -210,6 +224,8 @@ class DotProductAttention(nn.Module):
             softmax_scale=self.softmax_scale,
             dropout_p=dropout_p,
             rng_state=rng_state,
+            softmax_type=self.softmax_type,
+            softmax_offset=self.softmax_offset,
         )
 
     def extra_repr(self) -> str:
@@ -218,4 +234,5 @@ class DotProductAttention(nn.Module):
             f"({self.hidden_size_per_attention_head_k}, {self.hidden_size_per_attention_head_v})"
             f", num_gqa_groups={self.num_gqa_groups}, qkv_format={self.qkv_format!r}, "
             f"attn_mask_type={self.attn_mask_type!r}, attention_dropout={self.attention_dropout}"
+            f", softmax_type={self.softmax_type!r}"
         )

@@ -39,6 +39,7 @@ from te_compile._checks import (
     check_tensor,
 )
 from te_compile.functional import apply_rotary_pos_emb
+from te_compile.functional.attention_args import SOFTMAX_TYPES
 from te_compile.modules._common import check_choice, check_positive, check_rng_tracker
 from te_compile.modules.attention import DotProductAttention
 from te_compile.modules.layernorm_linear import LayerNormLinear
@@ -86,8 +87,9 @@ class MultiheadAttention(nn.Module):
     ``qkv_weight_interleaved``, ``rotary_pos_interleaved``, ``bias``, ``normalization``,
     ``device``, ``qkv_format`` ("sbhd", "bshd" or "thd"), ``qk_norm_type`` (None, "RMSNorm",
     "LayerNorm", "L2Normalization"; ``qk_layernorm=True`` is "LayerNorm"), ``qk_norm_eps``,
-    ``qk_norm_before_rope``). Unlike Transformer Engine, ``device=None`` means torch's default
-    device.
+    ``qk_norm_before_rope``, ``softmax_type``: the attention sink of
+    :class:`DotProductAttention`, whose learnable logits are ``core_attention.softmax_offset``).
+    Unlike Transformer Engine, ``device=None`` means torch's default device.
 
     ``forward`` returns the output, then the projection's bias if ``return_bias``, then the
     norm's output if ``input_layernorm`` and ``return_layernorm_output``.
@@ -129,6 +131,7 @@ class MultiheadAttention(nn.Module):
         qk_norm_eps: float = 1e-6,
         qk_norm_before_rope: bool = False,
         qk_layernorm: bool = False,
+        softmax_type: str = "vanilla",
     ) -> None:
         super().__init__()
         owner = "MultiheadAttention"
@@ -148,6 +151,7 @@ class MultiheadAttention(nn.Module):
         _positive_int(owner, "layer_number", layer_number)
         check_choice(owner, "attention_type", attention_type, ATTENTION_TYPES)
         check_choice(owner, "qkv_format", qkv_format, ("sbhd", "bshd", "thd"))
+        check_choice(owner, "softmax_type", softmax_type, SOFTMAX_TYPES)
         check_int(owner, 1, tp_size=tp_size)
         check_choice(owner, "normalization", normalization, ("LayerNorm", "RMSNorm"))
         check_callable(
@@ -267,7 +271,8 @@ class MultiheadAttention(nn.Module):
             tp_size=tp,
             sequence_parallel=sequence_parallel,
             get_rng_state_tracker=get_rng_state_tracker,
-        )
+            softmax_type=softmax_type,
+        ).to(device)  # its only state: the learnable sink logits
         out_init = output_layer_init_method
         self.proj = Linear(
             hq,

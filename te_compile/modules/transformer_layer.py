@@ -55,9 +55,9 @@ class TransformerLayer(nn.Module):
     ``parallel_attention_mlp``, ``layer_type``, ``drop_path_rate``, ``set_parallel_mode``,
     ``fuse_qkv_params``, ``zero_centered_gamma``, ``qkv_weight_interleaved``, ``bias``,
     ``activation``, ``normalization``, ``device``, ``attn_input_format`` ("sbhd", "bshd" or
-    "thd"), and MultiheadAttention's ``rotary_pos_interleaved``, ``qk_norm_type``,
-    ``qk_norm_eps``, ``qk_norm_before_rope``). Unlike Transformer Engine, ``device=None``
-    means torch's default device.
+    "thd"), ``softmax_type`` (both attentions' sink softmax), and MultiheadAttention's
+    ``rotary_pos_interleaved``, ``qk_norm_type``, ``qk_norm_eps``, ``qk_norm_before_rope``).
+    Unlike Transformer Engine, ``device=None`` means torch's default device.
     """
 
     def __init__(
@@ -101,6 +101,7 @@ class TransformerLayer(nn.Module):
         qk_norm_type: str | None = None,
         qk_norm_eps: float = 1e-6,
         qk_norm_before_rope: bool = False,
+        softmax_type: str = "vanilla",
     ) -> None:
         super().__init__()
         owner = "TransformerLayer"
@@ -128,6 +129,7 @@ class TransformerLayer(nn.Module):
             )
         check_int(owner, 1, tp_size=tp_size)
         check_choice(owner, "attn_input_format", attn_input_format, A.QKV_FORMATS)
+        check_choice(owner, "softmax_type", softmax_type, A.SOFTMAX_TYPES)
         _check_mask(owner, "self_attn_mask_type", self_attn_mask_type, window_size)
         _check_mask(owner, "enc_dec_attn_mask_type", enc_dec_attn_mask_type, enc_dec_window_size)
         tp_mlp = {"tp_group": tp_group, "tp_size": tp_size if tp_group is None else None}
@@ -173,6 +175,7 @@ class TransformerLayer(nn.Module):
             "qk_norm_eps": qk_norm_eps,
             "qk_norm_before_rope": qk_norm_before_rope,
             "fuse_wgrad_accumulation": fuse_wgrad_accumulation,
+            "softmax_type": softmax_type,
         }
         self.self_attention = MultiheadAttention(
             hidden_size,

@@ -68,8 +68,11 @@ def alibi_bias(slopes, b, h, sq, skv, mask_type, q_lens=None, kv_lens=None):
     return out
 
 
-def reference(q, k, v, visible, scale, bias=None):
-    """Attention on float64 ``[b, s, h, d]`` tensors; a row that sees no key outputs zeros."""
+def reference(q, k, v, visible, scale, bias=None, sink=None, keep=None, p_drop=0.0):
+    """Attention on float64 ``[b, s, h, d]`` tensors; a row that sees no key outputs zeros.
+    ``sink`` ``[h]``: Transformer Engine's attention sink, one more key that every query sees,
+    with logit ``sink[n]`` and a zero value (``softmax_type``). ``keep`` ``[b, h, sq, skv]``: the
+    dropout keep mask, applied to the probabilities of the keys with ``1 / (1 - p_drop)``."""
     h, hk = q.shape[2], k.shape[2]
     outs = []
     for n in range(h):
@@ -77,9 +80,19 @@ def reference(q, k, v, visible, scale, bias=None):
         s = torch.einsum("bid,bjd->bij", q[:, :, n], kn) * scale
         if bias is not None:
             s = s + bias[:, n]
-        row = visible[:, n].any(-1, keepdim=True)
-        s = s.masked_fill(~visible[:, n], -math.inf).masked_fill(~row, 0.0)
+        seen = visible[:, n]
+        if sink is not None:
+            s = torch.cat([s, sink[n].expand(*s.shape[:-1], 1)], -1)
+            seen = torch.cat([seen, torch.ones_like(seen[..., :1])], -1)
+            vn = torch.cat([vn, torch.zeros_like(vn[:, :1])], 1)
+        row = seen.any(-1, keepdim=True)
+        s = s.masked_fill(~seen, -math.inf).masked_fill(~row, 0.0)
         p = torch.softmax(s, -1) * row
+        if keep is not None:
+            kept = keep[:, n]
+            if sink is not None:
+                kept = torch.cat([kept, torch.ones_like(kept[..., :1])], -1)
+            p = torch.where(kept, p / (1 - p_drop), 0.0)
         outs.append(p @ vn)
     return torch.stack(outs, 2)
 
@@ -688,6 +701,7 @@ def test_op_checks_its_arguments():
         None,
         None,
         None,
+        None,
         1.0,
         -1,
         -1,
@@ -699,7 +713,7 @@ def test_op_checks_its_arguments():
     ]
     with pytest.raises(ValueError, match=r"te\.attention_fwd: rng_state must be"):
         torch.ops.te.attention_fwd(*args)
-    args[15], args[8] = 0.0, torch.tensor([0, 4])
+    args[16], args[8] = 0.0, torch.tensor([0, 4])
     with pytest.raises(ValueError, match=r"te\.attention_fwd: cu_seqlens_q must be int32"):
         torch.ops.te.attention_fwd(*args)
 
@@ -744,6 +758,7 @@ def test_kernel_bias_reproduces_the_masks(case):
         kw["q_padding"],
         kw["kv_padding"],
         kw["mask"],
+        None,
         None,
         None,
         None,

@@ -7,6 +7,7 @@ a CUDA GPU: the CPU suite covers the reference math and the kernel table's choic
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 from dataclasses import dataclass, field
@@ -53,6 +54,7 @@ class Case:
     alibi: bool = False
     lens_q: tuple[int, ...] | None = None  # thd: sequence lengths (padding tokens after them)
     lens_kv: tuple[int, ...] | None = None
+    sink: str | None = None  # a softmax_type with a sink: "off-by-one" or "learnable"
     extra: dict = field(default_factory=dict)
 
 
@@ -98,6 +100,14 @@ CASES = {
         "efficient_varlen", "padding_causal", "thd", lens_q=(5, 12, 3), lens_kv=(20, 12, 31)
     ),
     "math-varlen-alibi": Case("math", "padding_causal", "thd", lens_q=(9, 16), alibi=True),
+    # PyTorch's fused kernels have no sink term: the reference math runs.
+    "math-sink-off-by-one-padding": Case(
+        "math", mask_type="padding_causal", padding=((37, 20), (30, 37)), sink="off-by-one"
+    ),
+    "math-sink-learnable-gqa": Case("math", hk=2, sink="learnable"),
+    "math-sink-learnable-varlen": Case(
+        "math", "padding_causal", "thd", lens_q=(17, 1, 40), hk=2, sink="learnable"
+    ),
 }
 
 
@@ -169,6 +179,11 @@ def _inputs(case: Case, dtype: torch.dtype, device: str) -> tuple[list[torch.Ten
         kw["core_attention_bias"] = bias.to(device=device, dtype=dtype).requires_grad_()
     if case.alibi:
         kw["core_attention_bias_type"] = "alibi"
+    if case.sink is not None:
+        kw["softmax_type"] = case.sink
+        if case.sink == "learnable":  # fp32, as the module's Parameter
+            sink = torch.randn(case.h, generator=gen) * 2
+            kw["softmax_offset"] = sink.to(device).requires_grad_()
     leaves = [x.to(device=device, dtype=dtype).requires_grad_() for x in qkv]
     return leaves, kw
 
@@ -178,8 +193,8 @@ def _run(case: Case, dtype: torch.dtype, device: str, grad_seed: int = 1):
     out = F.dot_product_attention(q, k, v, **kw)
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(grad_seed))
     out.backward(grad.to(device=device, dtype=dtype))
-    bias = kw.get("core_attention_bias")
-    grads = [q.grad, k.grad, v.grad] + ([bias.grad] if bias is not None else [])
+    extra = [kw.get(name) for name in ("core_attention_bias", "softmax_offset")]
+    grads = [q.grad, k.grad, v.grad] + [t.grad for t in extra if t is not None]
     return out, grads
 
 
@@ -244,7 +259,14 @@ def test_cuda_follows_sdpa_and_matches_it(kernels_run):
 
 
 @pytest.mark.parametrize(
-    "name", ["cudnn-causal", "flash-causal", "efficient-padding-causal", "flash-varlen"]
+    "name",
+    [
+        "cudnn-causal",
+        "flash-causal",
+        "efficient-padding-causal",
+        "flash-varlen",
+        "math-sink-learnable-gqa",
+    ],
 )
 def test_cuda_compiled_matches_eager_without_recompiles(name, kernels_run):
     """fullgraph, dynamic shapes: one frame for two batch / sequence sizes; the compiled step
@@ -270,7 +292,7 @@ def _compiled_matches_eager(case: Case) -> None:
         variants.append(Case(case.kernel, case.mask_type, b=3, sq=53, skv=53,
                              padding=((53, 10, 40), (53, 53, 2))))  # fmt: skip
     else:
-        variants.append(Case(case.kernel, b=3, sq=53, skv=53, hk=case.hk))
+        variants.append(dataclasses.replace(case, b=3, sq=53, skv=53))
     for variant in variants:
         (q, k, v), kw = _inputs(variant, torch.bfloat16, "cuda")
         out = compiled(q, k, v, kw)

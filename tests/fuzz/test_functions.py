@@ -111,9 +111,11 @@ def test_functional_linear(seed, p, bias):
     _compare(recipe, y, y_ref, dtype, 2)
 
 
-def _attention_ref(q, k, v, layout, mask, scale=None):
+def _attention_ref(q, k, v, layout, mask, scale=None, sink=None):
     """Softmax attention of ``[s, b, h, d]`` (sbhd) or ``[b, s, h, d]`` (bshd) heads, GQA
-    (``k`` / ``v`` with fewer heads, each shared by consecutive query heads): ``[.., h * d]``."""
+    (``k`` / ``v`` with fewer heads, each shared by consecutive query heads): ``[.., h * d]``.
+    ``sink`` ``[h]``: an extra softmax column of these logits, dropped after the softmax
+    (Transformer Engine's ``softmax_type``)."""
     if layout == "sbhd":
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
     else:
@@ -123,7 +125,12 @@ def _attention_ref(q, k, v, layout, mask, scale=None):
     if mask == "causal":
         seq = q.shape[2]
         scores = scores.masked_fill(torch.ones(seq, seq).triu(1).bool(), float("-inf"))
-    out = scores.softmax(-1) @ v  # [b, h, s, d]
+    if sink is None:
+        probs = scores.softmax(-1)
+    else:
+        column = sink.view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.cat([scores, column], -1).softmax(-1)[..., :-1]
+    out = probs @ v  # [b, h, s, d]
     out = out.permute(2, 0, 1, 3) if layout == "sbhd" else out.transpose(1, 2)
     return out.flatten(-2)
 
@@ -141,10 +148,12 @@ def _attention_ref(q, k, v, layout, mask, scale=None):
     layout=st.sampled_from(["sbhd", "bshd"]),
     functional=st.booleans(),
     scale=st.sampled_from([None, 0.3]),
+    softmax_type=st.sampled_from(["vanilla", "off-by-one", "learnable"]),
 )
 def test_dot_product_attention(seed, dtype, seq, batch, groups, heads_per_group, head_dim, mask,
-                               layout, functional, scale):  # fmt: skip
-    """The module, or ``te.functional.dot_product_attention`` (with a ``softmax_scale``)."""
+                               layout, functional, scale, softmax_type):  # fmt: skip
+    """The module, or ``te.functional.dot_product_attention`` (with a ``softmax_scale``); a sink
+    softmax, the learnable sink's logits drawn at random and their gradient checked."""
     torch.manual_seed(seed)
     dtype = capped_dtype(dtype, 6)  # the gradients: 6 roundings (bfloat16 runs in float32)
     heads = groups * heads_per_group
@@ -152,20 +161,29 @@ def test_dot_product_attention(seed, dtype, seq, batch, groups, heads_per_group,
     q, k, v = (torch.randn(*shape, h, head_dim).to(dtype).requires_grad_()
                for h in (heads, groups, groups))  # fmt: skip
     refs = to_reference((q, k, v))
+    sink = (torch.randn(heads) * 2).requires_grad_() if softmax_type == "learnable" else None
     if functional:
         y = te.functional.dot_product_attention(q, k, v, qkv_format=layout, attn_mask_type=mask,
-                                                softmax_scale=scale)  # fmt: skip
+                                                softmax_scale=scale, softmax_type=softmax_type,
+                                                softmax_offset=sink)  # fmt: skip
     else:
         scale = None
         m = te.DotProductAttention(heads, head_dim, num_gqa_groups=groups, qkv_format=layout,
-                                   attn_mask_type=mask)  # fmt: skip
+                                   attn_mask_type=mask, softmax_type=softmax_type)  # fmt: skip
+        if sink is not None:
+            m.softmax_offset.data.copy_(sink.detach())
+            sink = m.softmax_offset
         y = m(q, k, v)
-    y_ref = _attention_ref(*refs, layout, mask, scale)
+    sink_ref = torch.zeros(heads, dtype=torch.float64) if softmax_type == "off-by-one" else None
+    if sink is not None:
+        sink_ref = to_reference(sink)
+    y_ref = _attention_ref(*refs, layout, mask, scale, sink_ref)
     assert_close(y, y_ref, dtype, roundings=4, reduced=True)
     dy = torch.randn(y.shape).to(dtype)
     y.backward(dy)
     y_ref.backward(to_reference(dy))
-    for t, r in zip((q, k, v), refs, strict=True):
+    pairs = [*zip((q, k, v), refs, strict=True)] + ([(sink, sink_ref)] if sink is not None else [])
+    for t, r in pairs:
         assert_close(t.grad, r.grad, dtype, roundings=6, reduced=True)
 
 

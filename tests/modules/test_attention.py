@@ -1,7 +1,8 @@
 """``te.DotProductAttention``: Transformer Engine's constructor and forward arguments (defaults,
 kv_channels pairs, GQA, tensor-parallel head counts, per-call overrides), dropout in training only
-and under activation checkpointing, a compiled module without graph breaks or recompiles, and
-bad arguments named in the error."""
+and under activation checkpointing, the sink softmax types and their parameter (through
+``MultiheadAttention`` and ``TransformerLayer`` too), a compiled module without graph breaks or
+recompiles, and bad arguments named in the error."""
 
 from __future__ import annotations
 
@@ -143,6 +144,87 @@ def test_compiled_module_one_frame_for_new_sizes():
     assert counter.frame_count == 1
 
 
+# Sink softmax ----------------------------------------------------------------------------------
+
+
+def test_softmax_types_state_follows_transformer_engine():
+    """``learnable``: one fp32 Parameter ``softmax_offset`` of the local heads, zeros at
+    construction (Transformer Engine's name, shape and value); ``off-by-one`` and ``vanilla``:
+    no state. The module computes the functional's sink softmax, and the sink gets a gradient."""
+    assert te.DotProductAttention(4, 8).softmax_type == "vanilla"
+    for softmax_type in ("vanilla", "off-by-one"):
+        attn = te.DotProductAttention(4, 8, softmax_type=softmax_type)
+        assert attn.softmax_offset is None and not attn.state_dict()
+    attn = te.DotProductAttention(8, 8, num_gqa_groups=4, tp_size=2, softmax_type="learnable")
+    assert list(attn.state_dict()) == ["softmax_offset"]
+    offset = attn.softmax_offset
+    assert isinstance(offset, torch.nn.Parameter) and offset.dtype == torch.float32
+    assert offset.shape == (4,) and not offset.any()
+    attn.load_state_dict({"softmax_offset": torch.tensor([0.5, -1.0, 2.0, 0.0])})
+    q, k, v = _qkv()
+    y = attn(q, k, v)
+    expected = te.functional.dot_product_attention(
+        q, k, v, softmax_type="learnable", softmax_offset=attn.softmax_offset.detach()
+    )
+    assert torch.equal(y, expected)
+    y.sum().backward()
+    assert attn.softmax_offset.grad.shape == (4,) and attn.softmax_offset.grad.abs().sum() > 0
+    off = te.DotProductAttention(4, 8, num_gqa_groups=2, softmax_type="off-by-one")
+    assert torch.equal(
+        off(q, k, v), te.functional.dot_product_attention(q, k, v, softmax_type="off-by-one")
+    )
+
+
+def test_layers_pass_softmax_type_to_their_attention():
+    """``MultiheadAttention`` and ``TransformerLayer`` (both attentions of a decoder) hold the
+    learnable sink where Transformer Engine does, under its ``state_dict`` keys."""
+    mha = te.MultiheadAttention(16, 2, softmax_type="learnable")
+    assert mha.core_attention.softmax_type == "learnable"
+    assert "core_attention.softmax_offset" in mha.state_dict()
+    layer = te.TransformerLayer(16, 32, 2, layer_type="decoder", softmax_type="learnable")
+    sinks = sorted(k for k in layer.state_dict() if k.endswith("softmax_offset"))
+    assert sinks == [
+        "inter_attention.core_attention.softmax_offset",
+        "self_attention.core_attention.softmax_offset",
+    ]
+    x = torch.randn(4, 2, 16)
+    layer(x, encoder_output=torch.randn(3, 2, 16)).sum().backward()
+    assert layer.self_attention.core_attention.softmax_offset.grad is not None
+    off = te.TransformerLayer(16, 32, 2, softmax_type="off-by-one")
+    assert off.self_attention.core_attention.softmax_type == "off-by-one"
+    for make in (
+        lambda: te.MultiheadAttention(16, 2, softmax_type="sink"),
+        lambda: te.TransformerLayer(16, 32, 2, softmax_type="sink"),
+    ):
+        with pytest.raises(ValueError, match=r"softmax_type must be one of \('vanilla'"):
+            make()
+
+
+def test_compiled_module_with_learnable_sink():
+    """fullgraph, one frame, the sink Parameter's gradient as in eager (a bf16 module, as
+    Transformer Engine's compile tests build it: the sink is cast to bf16 with the module)."""
+    torch._dynamo.reset()
+    attn = te.DotProductAttention(4, 8, num_gqa_groups=2, softmax_type="learnable")
+    with torch.no_grad():
+        attn.softmax_offset.copy_(torch.tensor([0.5, -1.0, 1.5, 0.0]))
+    for dtype in (torch.float32, torch.bfloat16):
+        torch._dynamo.reset()
+        module = attn.to(dtype)
+        compiled, counter = compile_counted(module)
+        q, k, v = (x.detach().to(dtype).requires_grad_() for x in _qkv(seed=5))
+        y = compiled(q, k, v)
+        y.sum().backward()
+        grad = module.softmax_offset.grad
+        module.softmax_offset.grad = None
+        ye = module(q, k, v)
+        ye.sum().backward()
+        assert_matches_eager(y, ye)
+        assert grad.dtype == dtype
+        assert_matches_eager(grad, module.softmax_offset.grad)
+        module.softmax_offset.grad = None
+        assert counter.frame_count == 1
+
+
 BAD_CONSTRUCTOR = [
     (
         dict(num_attention_heads=6, kv_channels=8, num_gqa_groups=4),
@@ -170,6 +252,10 @@ BAD_CONSTRUCTOR = [
     (
         dict(num_attention_heads=4, kv_channels=8, attention_type="encoder"),
         "attention_type must be one of",
+    ),
+    (
+        dict(num_attention_heads=4, kv_channels=8, softmax_type="off_by_one"),
+        "softmax_type must be one of ('vanilla', 'off-by-one', 'learnable'), got 'off_by_one'",
     ),
 ]
 

@@ -245,6 +245,7 @@ _ATTN = {
     "attention_type": CHOICE("self", "cross"),
     "layer_number": POS_INT(),
     "softmax_scale": POS_FLOAT(),
+    "softmax_type": CHOICE("vanilla", "off-by-one", "learnable"),
     "kv_channels": POS_INT(),
     "set_parallel_mode": SWITCH(),
     "fuse_qkv_params": SWITCH(),
@@ -651,6 +652,8 @@ DOMAINS: dict[str, dict[str, Domain]] = {
         "softmax_scale": POS_FLOAT(),
         "dropout_p": PROB(),
         "rng_state": INDEX_TENSOR(),
+        "softmax_type": CHOICE("vanilla", "off-by-one", "learnable"),
+        "softmax_offset": TENSOR(),
     },
     "te.functional.dropout": {"inp": ANY_RANK_TENSOR(), "p": PROB(), "rng_state": INDEX_TENSOR()},
     "te.functional.fake_quantize": {

@@ -170,11 +170,14 @@ def _visibility(b, sq, skv, cu_q, cu_kv, q_padding, kv_padding, window, bottom_r
 
 
 def attention(query, key, value, bias, alibi_slopes, q_padding, kv_padding, mask, cu_seqlens_q,
-              cu_seqlens_kv, rng_state, scale, window_left, window_right, bottom_right, dropout_p,
-              max_seqlen_q, max_seqlen_kv, sbhd):  # fmt: skip
+              cu_seqlens_kv, rng_state, softmax_offset, scale, window_left, window_right,
+              bottom_right, dropout_p, max_seqlen_q, max_seqlen_kv, sbhd):  # fmt: skip
     """``softmax(scale q k^T + bias - m |i + o - j|) v`` in float64 over the keys each query
     sees (masks built pair by pair), the softmax written out; GQA by repeating key/value heads;
-    a query that sees no key gives zeros. ``(out [b, sq, h, dv], [logsumexp])``."""
+    a query that sees no key gives zeros. ``softmax_offset`` (Transformer Engine's attention
+    sink): one more key that every query sees, with logit ``softmax_offset[n]`` and a zero
+    value. ``(out [b, sq, h, dv], [logsumexp])``, the logsumexp over the keys and the sink,
+    ``+inf`` for a query that sees no key (the op's convention)."""
     q, k, v = _f64(query), _f64(key), _f64(value)
     b, sq, h, _ = q.shape
     skv, groups = k.shape[1], h // k.shape[2]
@@ -193,12 +196,17 @@ def attention(query, key, value, bias, alibi_slopes, q_padding, kv_padding, mask
         visible = visible & ~mask.cpu()
     visible = visible.expand(b, h, sq, skv)
     sees = visible.any(-1, keepdim=True)
+    if softmax_offset is not None:
+        sink = _f64(softmax_offset).cpu().reshape(1, h, 1, 1).expand(b, h, sq, 1)
+        scores = torch.cat([scores, sink], -1)
+        visible = torch.cat([visible, torch.ones(b, h, sq, 1, dtype=torch.bool)], -1)
+    seen = visible.any(-1, keepdim=True)
     top = scores.detach().masked_fill(~visible, -math.inf).amax(-1, keepdim=True)
-    top = torch.where(sees, top, 0.0)
+    top = torch.where(seen, top, 0.0)
     weights = torch.exp((scores - top).masked_fill(~visible, -math.inf))
     total = weights.sum(-1, keepdim=True)
-    norm = torch.where(sees, total, 1.0)
-    probs = weights / norm
+    norm = torch.where(seen, total, 1.0)
+    probs = (weights / norm)[..., :skv]  # the sink's column has a zero value: dropped
     lse = torch.where(sees, top + torch.log(norm), math.inf).squeeze(-1)
     if dropout_p > 0:
         probs = probs * dropout_mask(rng_state, probs.shape, dropout_p) / (1 - dropout_p)
