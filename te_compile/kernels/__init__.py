@@ -46,7 +46,9 @@ def device_constant(values: tuple, dtype: torch.dtype, device: torch.device) -> 
     the graph's memory pool untracked, which its CUDA graphs refuse; a copy from pageable memory
     would make the host wait for the GPU. The copy from pinned memory does neither and is
     captured into the graph."""
-    if tracing():  # a constant of the compiled graph, made when it is compiled
+    # Dynamo tracing a module's code, or AOTAutograd an op's: a constant of the compiled graph,
+    # made when it is compiled (``is_compiling`` first: dynamo cannot trace ``tracing``'s call).
+    if torch.compiler.is_compiling() or tracing():
         return torch.tensor(values, dtype=dtype, device=device)
     if device.type != "cuda":
         return _host_constant(values, dtype, False)

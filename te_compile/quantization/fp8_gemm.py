@@ -219,12 +219,9 @@ def _custom_update(
     if not callable(algo):
         algo = _HISTORY_AMAX[algo]
     amax = algo(rolled)
-    if torch.compiler.is_compiling():  # a constant of the compiled graph
-        fp8_max = torch.tensor(limits, dtype=torch.float32, device=scale.device)
-    else:
-        from te_compile.kernels import device_constant
+    from te_compile.kernels import device_constant
 
-        fp8_max = device_constant(tuple(limits), torch.float32, scale.device)
+    fp8_max = device_constant(tuple(limits), torch.float32, scale.device)
     compute = recipe.scaling_factor_compute_algo
     if compute is not None:
         new = compute(amax, old, fp8_max, recipe)

@@ -338,3 +338,20 @@ def test_a_mask_the_mask_type_ignores_is_announced(mask_type):
         te.DotProductAttention(2, 8, attn_mask_type="padding_causal")(
             q, q, q, attention_mask=padded
         )
+
+
+def test_alibi_with_its_default_slopes_compiles_in_one_graph():
+    """core_attention_bias_type="alibi" without alibi_slopes: the module makes the default
+    slopes (``kernels.device_constant``) inside the traced forward; under dynamo that is a graph
+    constant, with no graph break, and the compiled result is the eager one."""
+    torch._dynamo.reset()
+    attn = te.DotProductAttention(4, 8, num_gqa_groups=2, attn_mask_type="causal")
+    q, k, v = _qkv()
+
+    def f(q, k, v):
+        return attn(q, k, v, core_attention_bias_type="alibi")
+
+    compiled, counter = compile_counted(f, backend="aot_eager")
+    y = compiled(q, k, v)
+    assert counter.frame_count == 1
+    assert_matches_eager(y, f(q, k, v))
