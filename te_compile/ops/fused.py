@@ -10,6 +10,7 @@ Each fusion replaces a run of consecutive basic ops (in forward order) with one 
   residual epilogue
 * ``BackwardLinearAdd``: ``MakeExtraOutput, BasicLinear, [Bias]`` -> ``te::linear`` with
   ``branch`` (the branch's gradient joins the dgrad GEMM)
+* ``BackwardLinearScale``: ``BasicLinear, ConstantScale`` -> ``te::linear`` with ``out_scale``
 * ``ForwardLinearBiasActivation``: ``BasicLinear, Bias`` -> ``te::linear`` (the bias in the
   GEMM's epilogue)
 * ``BackwardActivationBias``: ``Bias, <activation>`` -> ``te::(gated_)activation_fwd/_bwd``
@@ -64,13 +65,14 @@ from te_compile.ops.activation import ActivationOperation
 from te_compile.ops.linear import BasicLinear, Bias
 from te_compile.ops.norm import RMSNorm
 from te_compile.ops.op import BasicOperation, FusedOperation, OpOutput
-from te_compile.ops.structural import AddExtraInput, ConstantScale, MakeExtraOutput
+from te_compile.ops.structural import AddExtraInput, ConstantScale, MakeExtraOutput, store_into
 
 __all__ = [
     "FUSIONS",
     "BackwardActivationBias",
     "BackwardAddRMSNorm",
     "BackwardLinearAdd",
+    "BackwardLinearScale",
     "ForwardLinearBiasActivation",
     "ForwardLinearBiasAdd",
     "ForwardLinearScaleAdd",
@@ -122,11 +124,12 @@ class ForwardLinearBiasActivation(FusedOperation):
 
 
 class ForwardLinearBiasAdd(FusedOperation):
-    """``BasicLinear, [Bias], [ConstantScale], AddExtraInput``: ``r + alpha * (x W^T + b)``."""
+    """``BasicLinear, [Bias], [ConstantScale], AddExtraInput``: ``r + alpha * (x W^T + b)``;
+    with ``AddExtraInput(in_place=True)`` the sum is then written into ``r``, the output."""
 
     @classmethod
     def accepts(cls, basic_ops: Sequence[BasicOperation]) -> bool:
-        return _tp_mode(basic_ops[0]) != "row" and not _find(basic_ops, AddExtraInput).in_place
+        return _tp_mode(basic_ops[0]) != "row"
 
     def __init__(self, basic_ops: Sequence[BasicOperation]) -> None:
         super().__init__(basic_ops)
@@ -134,6 +137,7 @@ class ForwardLinearBiasAdd(FusedOperation):
         self.bias: Bias | None = _find(basic_ops, Bias)
         scale = _find(basic_ops, ConstantScale)
         self.alpha = 1.0 if scale is None else scale.scale
+        self.in_place = _find(basic_ops, AddExtraInput).in_place
 
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
         (residual,) = extra_inputs
@@ -148,11 +152,25 @@ class ForwardLinearBiasAdd(FusedOperation):
         ):
             return self.unfused(x, extra_inputs)
         bias = None if self.bias is None else self.bias.bias
-        return self.linear.linear(x, bias, residual=residual, out_scale=self.alpha), ()
+        y = self.linear.linear(x, bias, residual=residual, out_scale=self.alpha)
+        return (store_into(residual, y) if self.in_place else y), ()
 
 
 class ForwardLinearScaleAdd(ForwardLinearBiasAdd):
     """``BasicLinear, [Bias], ConstantScale, AddExtraInput``: ``r + alpha * (x W^T + b)``."""
+
+
+class BackwardLinearScale(FusedOperation):
+    """``BasicLinear, ConstantScale``: ``alpha * x W^T`` from the GEMM's epilogue; the backward
+    scales the output's gradient in the same op (the dgrad and wgrad GEMMs read ``alpha dy``)."""
+
+    @classmethod
+    def accepts(cls, basic_ops: Sequence[BasicOperation]) -> bool:
+        return _tp_mode(basic_ops[0]) is None
+
+    def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
+        linear, scale = self.basic_ops
+        return linear.linear(x, None, out_scale=scale.scale), ()
 
 
 class BackwardLinearAdd(FusedOperation):
@@ -215,6 +233,7 @@ FUSIONS: tuple[tuple[type[FusedOperation], tuple], ...] = (
     (ForwardLinearScaleAdd, (BasicLinear, _optional(Bias), ConstantScale, AddExtraInput)),
     (ForwardLinearBiasAdd, (BasicLinear, _optional(Bias), AddExtraInput)),
     (BackwardLinearAdd, (MakeExtraOutput, BasicLinear, _optional(Bias))),
+    (BackwardLinearScale, (BasicLinear, ConstantScale)),
     (ForwardLinearBiasActivation, (BasicLinear, Bias)),
     (BackwardActivationBias, (Bias, ActivationOperation)),
     (BackwardAddRMSNorm, (MakeExtraOutput, RMSNorm)),

@@ -88,8 +88,9 @@ class AddExtraInput(BasicOperation):
     records the in-place add, except on a leaf that requires grad, which it refuses to write:
     there (as TE writes into ``r.detach()`` in every case) an autograd function writes into
     :math:`r` with autograd off and passes the output's gradient to both. ``torch.compile``
-    functionalises the write. :math:`r` must have the output's shape; ``in_place`` runs the add
-    unfused (it is what the residual-epilogue GEMM replaces).
+    functionalises the write. :math:`r` must have the output's shape. After a linear, the
+    fusers put the add in the GEMM's epilogue and, with ``in_place``, write the result into
+    :math:`r` (:func:`store_into`).
     """
 
     num_extra_inputs = 1
@@ -126,6 +127,30 @@ class AddExtraInput(BasicOperation):
 
     def extra_repr(self) -> str:
         return "in_place=True" if self.in_place else ""
+
+
+def store_into(residual: Tensor, y: Tensor) -> Tensor:
+    """``y`` (a sum that already includes ``residual``, from a GEMM's residual epilogue)
+    written into ``residual``'s storage, which is returned as the output: in-place
+    ``AddExtraInput`` after the fused linear. The output's gradient goes to ``y`` (which passes
+    it on to ``residual``); a leaf that requires grad is written with autograd off, as
+    :class:`_AddInto` does."""
+    if residual.is_leaf and residual.requires_grad and torch.is_grad_enabled():
+        return _StoreInto.apply(y, residual)
+    return residual.copy_(y)
+
+
+class _StoreInto(torch.autograd.Function):
+    """``residual[...] = y`` for a leaf that requires grad; the output aliases ``residual``."""
+
+    @staticmethod
+    def forward(ctx, y: Tensor, residual: Tensor) -> Tensor:
+        residual.copy_(y)
+        return residual.view_as(residual)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor) -> tuple[Tensor, None]:
+        return dy, None
 
 
 class _AddInto(torch.autograd.Function):

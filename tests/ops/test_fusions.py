@@ -205,16 +205,20 @@ ADD_CASES = [
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("in_place", [False, True], ids=["new-output", "in-place"])
 @pytest.mark.parametrize(
     ("bias", "scale", "fused_name"), [c[1:] for c in ADD_CASES], ids=[c[0] for c in ADD_CASES]
 )
-def test_linear_add(bias, scale, fused_name, dtype, device):
+def test_linear_add(bias, scale, fused_name, in_place, dtype, device):
+    """With ``AddExtraInput(in_place=True)`` the fused sum is written into the residual (a leaf
+    that requires grad here), which is the output; its gradient is the output's."""
+
     def modules():
         return [
             ops.BasicLinear(24, 16),
             *([ops.Bias(16)] if bias else []),
             *([ops.ConstantScale(scale)] if scale is not None else []),
-            ops.AddExtraInput(),
+            ops.AddExtraInput(in_place=in_place),
         ]
 
     def reference(p, x, residual):
@@ -238,6 +242,49 @@ def test_linear_add(bias, scale, fused_name, dtype, device):
     linear = _linear_args(results["fused"])
     assert linear["residual"] is not None
     assert linear["ep"].scale == (1.0 if scale is None else scale)
+    for label in ("fused", "unfused"):
+        (out,), (_, residual), *_ = results[label]
+        assert (out.data_ptr() == residual.data_ptr()) == in_place
+        if in_place:
+            assert torch.equal(residual.detach(), out.detach())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_linear_add_in_place_into_a_computed_residual(device):
+    """In-place add after the fused linear into a residual that autograd computed (not a leaf):
+    the residual's storage holds the sum, and the gradients through it and through the linear
+    are those of the unfused ops."""
+    results = []
+    for fuse in (True, False):
+        seq = _build(lambda: [ops.BasicLinear(8, 8), ops.AddExtraInput(in_place=True)],
+                     torch.float32, device, fuse)  # fmt: skip
+        torch.manual_seed(0)
+        x = torch.randn(4, 8, device=device, requires_grad=True)
+        base = torch.randn(4, 8, device=device, requires_grad=True)
+        residual = base * 2.0
+        out = seq(x, residual)
+        assert out.data_ptr() == residual.data_ptr()
+        out.pow(2).sum().backward()
+        results.append((out.detach(), x.grad, base.grad, seq[0].weight.grad))
+    assert seq.fusions() == []  # the unfused run (built last)
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_scale_runs_one_te_linear_with_the_scale(dtype, device):
+    results = check_fusion(
+        lambda: [ops.BasicLinear(24, 16), ops.ConstantScale(-0.75)],
+        lambda p, x: -0.75 * (x @ p["0.weight"].t()),
+        [(5, 3, 24)],
+        dtype,
+        device,
+        [("BackwardLinearScale", ("0", "1"))],
+        [],
+    )
+    assert results["fused"][2] == LINEAR_OPS
+    assert _linear_args(results["fused"])["ep"].scale == -0.75
 
 
 @pytest.mark.parametrize("device", DEVICES)
