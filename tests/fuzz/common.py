@@ -248,6 +248,7 @@ _FUSION_MOTIFS = [
     ["BasicLinear", "Bias?", "ConstantScale", "AddExtraInput"],  # ForwardLinearScaleAdd
     ["BasicLinear", "Bias?", "AddExtraInput"],  # ForwardLinearBiasAdd
     ["MakeExtraOutput", "BasicLinear", "Bias?"],  # BackwardLinearAdd
+    ["BasicLinear", "ConstantScale"],  # BackwardLinearScale
     ["Bias", "act"],  # BackwardActivationBias
     ["MakeExtraOutput", "RMSNorm"],  # BackwardAddRMSNorm
 ]

@@ -89,6 +89,7 @@ FUZZED = {
             "ForwardLinearBiasAdd",
             "ForwardLinearScaleAdd",
             "BackwardLinearAdd",
+            "BackwardLinearScale",
             "BackwardActivationBias",
             "BackwardAddRMSNorm",
         ]
