@@ -17,6 +17,7 @@ from te_compile.functional.gemm import (
     BLOCK_KINDS,
     HIGH_DTYPES,
     PER_TENSOR,
+    DeferredWgrad,
     blockwise_supported,
     check_specs,
 )
@@ -172,15 +173,8 @@ def _diagnose(
 
 def check_grouped_linear(a: GroupedLinearArgs) -> None:
     _check_args(a.inp, a.m_splits, a.weight, a.bias, a.main_grad)
-    stash = a.wgrad_stash
-    if stash is not None:
-        shape = (a.inp.shape[0], a.weight.shape[1])
-        if stash.shape != shape or stash.dtype != a.inp.dtype or stash.device != a.inp.device:
-            raise ValueError(
-                f"te.grouped_linear: wgrad_stash must have the output's shape {list(shape)}, "
-                f"inp's dtype {a.inp.dtype} and device, got {list(stash.shape)} {stash.dtype} "
-                f"{stash.device}"
-            )
+    shape = (a.inp.shape[0], a.weight.shape[1])
+    DeferredWgrad.check_stash("te.grouped_linear: ", a.wgrad_stash, shape, a.inp)
     if not (
         a.input_spec or a.weight_spec or a.grad_spec or a.backward or a.scale is not None
         or a.grad_amax is not None or a.rng_state is not None or a.weight_q is not None

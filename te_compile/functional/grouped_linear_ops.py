@@ -91,7 +91,7 @@ from te_compile.functional.gemm import (
     quantize_per_tensor,
     save_for_backward_except_written,
 )
-from te_compile.functional.gemm_ref import as_specs, quantized_linear_ref
+from te_compile.functional.gemm_ref import quantized_linear_ref
 from te_compile.functional.grouped_fp8 import (
     as_e4m3,
     per_tensor_backward,
@@ -121,7 +121,7 @@ from te_compile.functional.grouped_linear_args import (
 )
 from te_compile.functional.grouped_linear_samples import sample_inputs
 from te_compile.functional.quantize_mx_ref import nvfp4_qdq
-from te_compile.functional.spec import BackwardSpec, QuantSpec, parse
+from te_compile.functional.spec import BackwardSpec, QuantSpec, as_specs, as_strings, parse
 
 __all__ = [
     "GROUPED_GEMMS",
@@ -245,22 +245,29 @@ def scaled_grouped_linear_ref(
     return out
 
 
+def _nvfp4_operands(x: Tensor, w: Tensor, splits: list[int], r: GroupedRecipe) -> tuple:
+    """NVFP4's forward operands ``(x_row, w_row)`` in ``x``'s dtype and their columnwise copies
+    ``(x_col_t, w_col_t)`` (fp32), each expert's tokens and weight with a global scale of their
+    own."""
+    g, n, k = w.shape
+    x_row, x_col_t = nvfp4_qdq(x, rht=r.rht, four_over_six=r.input_4over6,
+                               row_splits=torch.tensor(splits))  # fmt: skip
+    w_row, w_col_t = nvfp4_qdq(w.reshape(g * n, k), tiles=r.weight_block_rows == 16,
+                               four_over_six=r.weight_4over6,
+                               row_splits=torch.full((g,), n))  # fmt: skip
+    return x_row.to(x.dtype), w_row.to(x.dtype).view(g, n, k), x_col_t, w_col_t
+
+
 def _ref_operands(x: Tensor, w: Tensor, splits: list[int], r: GroupedRecipe) -> tuple[Tensor, ...]:
     """The forward GEMM's operands, quantised and dequantised: per row (per tensor with delayed
     scales) or in blocks along ``in_features``, each expert's weight in its blocks (NVFP4: the
-    rowwise copies, each expert's tokens and weight with a global scale of their own)."""
+    rowwise copies of :func:`_nvfp4_operands`)."""
     if r.recipe in PER_TENSOR:
         scale = r.scale if r.recipe == "delayed" else None
         xq, wq = (_fake_quant(t, r.fwd_dtype, -1, _slot(scale, i)) for i, t in enumerate((x, w)))
         return xq, wq
     if r.recipe == "nvfp4":
-        g, n, k = w.shape
-        x_row, _ = nvfp4_qdq(x, rht=r.rht, four_over_six=r.input_4over6,
-                             row_splits=torch.tensor(splits))  # fmt: skip
-        w_row, _ = nvfp4_qdq(w.reshape(g * n, k), tiles=r.weight_block_rows == 16,
-                             four_over_six=r.weight_4over6,
-                             row_splits=torch.full((g,), n))  # fmt: skip
-        return x_row.to(x.dtype), w_row.to(x.dtype).view(g, n, k)
+        return _nvfp4_operands(x, w, splits, r)[:2]
     p2 = r.power_2_scale if r.recipe == "block" else False
     rows = r.weight_block_rows if r.recipe == "block" else 1
     wq = torch.stack([qdq(w_g, r.recipe, r.fwd_dtype, rows, p2) for w_g in w])
@@ -269,59 +276,38 @@ def _ref_operands(x: Tensor, w: Tensor, splits: list[int], r: GroupedRecipe) -> 
 
 class _RefDequantized(torch.autograd.Function):
     """The emulated block-scaled recipes: the GEMMs of the quantised-dequantised operands, the
-    incoming gradient quantised in blocks along ``out_features`` (per expert for NVFP4), the
-    operands' gradients straight through."""
+    incoming gradient quantised in blocks along ``out_features``, the operands' gradients
+    straight through. NVFP4: every expert's GEMMs as ``functional.gemm_ref.quantized_linear_ref``
+    defines a dense one (its own global scales; the backward GEMMs on copies quantised along
+    the other dim, the transform, stochastic rounding from one stream over the whole gradient,
+    4over6), in the input's dtype (float64 in the tests)."""
 
     @staticmethod
     def forward(ctx, x, w, splits, r: GroupedRecipe):
-        n = w.shape[1]
-        xq, wq = _ref_operands(x, w, splits, r)
-        ctx.save_for_backward(xq, wq)
+        if r.recipe == "nvfp4":
+            xq, wq, x_col_t, w_col_t = _nvfp4_operands(x, w, splits, r)
+            ctx.save_for_backward(x_col_t.t().to(x.dtype), w_col_t.t().to(x.dtype).view(w.shape))
+        else:
+            xq, wq = _ref_operands(x, w, splits, r)
+            ctx.save_for_backward(xq, wq)
         ctx.splits, ctx.r = splits, r
         outs = [x_g @ wq[g].t() for g, x_g in enumerate(xq.split(splits))]
-        return torch.cat(outs) if outs else x.new_empty(0, n)
+        return torch.cat(outs) if outs else x.new_empty(0, w.shape[1])
 
     @staticmethod
     def backward(ctx, dy):
-        xq, wq = ctx.saved_tensors
+        x_b, w_b = ctx.saved_tensors  # the backward GEMMs' copies of the operands
         r, splits = ctx.r, ctx.splits
-        dyq = qdq(dy, r.recipe, r.bwd_dtype, 1, r.recipe == "block" and r.power_2_scale)
-        parts = list(zip(dyq.split(splits), xq.split(splits), strict=True))
-        dx = torch.cat([d @ wq[g] for g, (d, _) in enumerate(parts)])
-        dw = torch.stack([d.t() @ x_g for d, x_g in parts])
-        return dx, dw, None, None
-
-
-class _RefNVFP4(torch.autograd.Function):
-    """NVFP4: every expert's GEMMs as ``functional.gemm_ref.quantized_linear_ref`` defines a dense
-    one (its own global scales; the backward GEMMs on copies quantised along the other dim,
-    the transform, stochastic rounding from one stream over the whole gradient, 4over6), in
-    the input's dtype (float64 in the tests)."""
-
-    @staticmethod
-    def forward(ctx, x, w, splits, r: GroupedRecipe):
-        g, n, k = w.shape
-        row_splits = torch.tensor(splits)
-        x_row, x_col_t = nvfp4_qdq(x, rht=r.rht, four_over_six=r.input_4over6,
-                                   row_splits=row_splits)  # fmt: skip
-        w_row, w_col_t = nvfp4_qdq(w.reshape(g * n, k), tiles=r.weight_block_rows == 16,
-                                   four_over_six=r.weight_4over6,
-                                   row_splits=torch.full((g,), n))  # fmt: skip
-        x_row, w_row = x_row.to(x.dtype), w_row.to(x.dtype).view(g, n, k)
-        ctx.save_for_backward(x_col_t.t().to(x.dtype), w_col_t.t().to(x.dtype).view(g, n, k))
-        ctx.splits, ctx.r = splits, r
-        outs = [x_g @ w_row[i].t() for i, x_g in enumerate(x_row.split(splits))]
-        return torch.cat(outs) if outs else x.new_empty(0, n)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x_col, w_col = ctx.saved_tensors
-        r, splits = ctx.r, ctx.splits
-        g_row, g_col_t = nvfp4_qdq(dy, rht=r.rht, rng_state=r.rng_state,
-                                   row_splits=torch.tensor(splits))  # fmt: skip
-        g_row, g_col = g_row.to(dy.dtype), g_col_t.t().to(dy.dtype)
-        dx = torch.cat([d @ w_col[i] for i, d in enumerate(g_row.split(splits))])
-        parts = zip(g_col.split(splits), x_col.split(splits), strict=True)
+        if r.recipe == "nvfp4":
+            g_row, g_col_t = nvfp4_qdq(dy, rht=r.rht, rng_state=r.rng_state,
+                                       row_splits=torch.tensor(splits))  # fmt: skip
+            g_row, g_col = g_row.to(dy.dtype), g_col_t.t().to(dy.dtype)
+        else:
+            g_row = g_col = qdq(
+                dy, r.recipe, r.bwd_dtype, 1, r.recipe == "block" and r.power_2_scale
+            )
+        dx = torch.cat([d @ w_b[i] for i, d in enumerate(g_row.split(splits))])
+        parts = zip(g_col.split(splits), x_b.split(splits), strict=True)
         dw = torch.stack([d.t() @ x_g for d, x_g in parts])
         return dx, dw, None, None
 
@@ -347,8 +333,6 @@ def _reference(*args):
                 outs.append(quantized_linear_ref(inp[row : row + m], weight[i], x, w, g))
             row += m
         out = torch.cat(outs)
-    elif x.kind == "nvfp4":
-        out = _RefNVFP4.apply(inp, weight, splits, a.grouped_recipe)
     else:
         out = _RefDequantized.apply(inp, weight, splits, a.grouped_recipe)
     if bias is not None:
@@ -546,36 +530,36 @@ def grouped_linear_bwd(
     ``amax(dY)`` into ``grad_amax`` when given. ``wgrad_stash`` (delayed weight gradient):
     ``grad_out`` is copied into it and the weight gradient is not computed (``DeferredWgrad``
     replays this op for it). Default (CPU): fp32 math, the exact emulation of the FP8 GEMMs."""
-    if wgrad_stash is not None:
-        wgrad_stash.copy_(grad_out)
-        need_wgrad = False
-    c = _Bwd.of(input_spec, weight_spec, grad_spec, backward, has_bias, need_dgrad, need_wgrad)
-    return _backward_impl(grad_out, saved, inp, m_splits, weight, main_grad, scale, grad_amax,
-                          rng_state, c, cuda=False)  # fmt: skip
+    args = (grad_out, saved, inp, m_splits, weight, main_grad, scale, grad_amax, rng_state,
+            input_spec, weight_spec, grad_spec, backward, has_bias, need_dgrad, need_wgrad,
+            wgrad_stash)  # fmt: skip
+    return _backward_op(args, cuda=False)
 
 
-def _bwd_args(args: tuple) -> tuple[tuple, _Bwd]:
-    """The tensors and scalars of a backward call; a ``wgrad_stash`` gets ``grad_out`` (copied
-    by the CUDA kernel) and takes the weight gradient's place (``need_wgrad`` becomes
-    False)."""
+def _bwd_args(args: tuple) -> tuple[tuple, _Bwd, Tensor | None]:
+    """The tensors, the scalars and the ``wgrad_stash`` of a backward call; a stash takes the
+    weight gradient's place (``need_wgrad`` becomes False)."""
     n, end = _N_BWD_TENSORS, _N_BWD_TENSORS + _N_BWD_SCALARS
     c = _Bwd.of(*args[n:end])
     stash = args[end] if len(args) > end else None
-    return args[:n], (c if stash is None else c._replace(need_wgrad=False))
+    return args[:n], (c if stash is None else c._replace(need_wgrad=False)), stash
+
+
+def _backward_op(args: tuple, cuda: bool) -> tuple[Tensor, Tensor, Tensor]:
+    tensors, c, stash = _bwd_args(args)
+    if stash is not None:
+        stash.copy_(tensors[0])
+    return _backward_impl(*tensors, c, cuda=cuda)
 
 
 @grouped_linear_bwd.register_kernel("cuda")
 def _grouped_linear_bwd_cuda(*args):
-    tensors, c = _bwd_args(args)
-    end = _N_BWD_TENSORS + _N_BWD_SCALARS
-    if len(args) > end and args[end] is not None:
-        args[end].copy_(tensors[0])
-    return _backward_impl(*tensors, c, cuda=True)
+    return _backward_op(args, cuda=True)
 
 
 @grouped_linear_bwd.register_fake
 def _grouped_linear_bwd_fake(*args):
-    (grad_out, _saved, inp, _splits, weight, main_grad, *_), c = _bwd_args(args)
+    (grad_out, _saved, inp, _splits, weight, main_grad, *_), c, _ = _bwd_args(args)
     g, n, k = weight.shape
     if c.need_wgrad and c.x.kind in ("", *PER_TENSOR) and not c.bw.fp8_wgrad:
         torch._check(inp is not None, lambda: "te.grouped_linear_bwd: the wgrad needs inp")
@@ -716,8 +700,7 @@ def grouped_linear(
                           main_grad=main_grad)  # fmt: skip
     rows = inp.shape[0] if inp.dim() == 2 else None  # a 3-D inp: refused by the op's check
     args = (inp, checked_splits("te.grouped_linear", m_splits, rows), weight, bias, main_grad)
-    specs = [s.encode() if isinstance(s, QuantSpec) else s
-             for s in (input_spec, weight_spec, grad_spec)]  # fmt: skip
+    specs = as_strings(input_spec, weight_spec, grad_spec)
     stash = None
     if delay_wgrad:
         DeferredWgrad.check("te.grouped_linear", delay_wgrad)

@@ -11,8 +11,6 @@ high precision is fp32 math rounded once.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 from torch import Tensor
 
@@ -21,6 +19,7 @@ from te_compile.functional.activation import activation_backward, activation_for
 from te_compile.functional.dense_weight import weight_operand
 from te_compile.functional.gemm import (
     PER_TENSOR,
+    BwdArgs,
     accumulate_wgrad,
     empty,
     fp8_bytes,
@@ -34,11 +33,10 @@ from te_compile.functional.gemm import (
     unpad,
     wgrad_gemm,
 )
-from te_compile.functional.gemm_ref import as_specs
 from te_compile.functional.linear_args import LinearArgs, check_linear
 from te_compile.functional.prologue import norm_backward, norm_forward, norm_quantize
 from te_compile.functional.quantize import dequantize_blockwise
-from te_compile.functional.spec import EpilogueSpec, NormSpec, QuantSpec, parse
+from te_compile.functional.spec import QuantSpec
 
 
 def forward_impl(a: LinearArgs, cuda: bool) -> tuple[Tensor, Tensor, list[Tensor]]:
@@ -128,28 +126,6 @@ def _dequantized(spec: QuantSpec, q, rows: int, dtype) -> Tensor:
                                             spec.fp8_dtype, f32)  # fmt: skip
     # A copy where the values are the operand's own tensor (an output may not alias another).
     return values[:rows].to(dtype, copy=values is q.data)
-
-
-class BwdArgs(NamedTuple):
-    """The backward op's arguments after the tensors, parsed."""
-
-    x: QuantSpec
-    w: QuantSpec
-    g: QuantSpec
-    norm: NormSpec
-    ep: EpilogueSpec
-    need_dbias: bool
-    need_dgrad: bool
-    need_wgrad: bool
-
-    @classmethod
-    def of(cls, input_spec, weight_spec, grad_spec, norm, epilogue, *need) -> BwdArgs:
-        return cls(*as_specs(input_spec, weight_spec, grad_spec), parse(NormSpec, norm),
-                   parse(EpilogueSpec, epilogue), *need)  # fmt: skip
-
-    @property
-    def recipe(self) -> str:
-        return self.x.kind
 
 
 def _split_saved(

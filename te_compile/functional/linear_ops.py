@@ -98,6 +98,7 @@ from te_compile.functional.gemm import (
     BACKWARD_OVERRIDES,
     FP8_DTYPES,
     PER_TENSOR,
+    BwdArgs,
     DeferredWgrad,
     check_gemm_args,
     empty,
@@ -116,7 +117,7 @@ from te_compile.functional.linear_args import (
     check_linear_tensors,
     out_features,
 )
-from te_compile.functional.linear_impl import BwdArgs, backward_impl, forward_impl
+from te_compile.functional.linear_impl import backward_impl, forward_impl
 from te_compile.functional.linear_samples import sample_inputs
 from te_compile.functional.prologue import NORMALIZATIONS, fake_dnorm, fake_stats, norm_ref
 from te_compile.functional.spec import (
@@ -124,6 +125,7 @@ from te_compile.functional.spec import (
     EpilogueSpec,
     NormSpec,
     QuantSpec,
+    as_strings,
     eager_cached,
     parse,
 )
@@ -299,16 +301,11 @@ def linear_bwd(
     computed (a later call with ``grad=wgrad_stash`` and only ``need_wgrad`` computes it,
     ``DeferredWgrad``). Default (CPU): high precision in fp32 (fp64 stays fp64), each gradient
     rounded once."""
-    if wgrad_stash is not None:
-        wgrad_stash.copy_(grad)
-        need_wgrad = False
-    if not (input_spec or norm or epilogue) and grad_branch is None:
-        return (*hp_linear_backward(grad, inp, weight, main_grad, need_dbias, need_dgrad,
-                                    need_wgrad, cuda=False), empty(grad), empty(grad))  # fmt: skip
-    c = BwdArgs.of(input_spec, weight_spec, grad_spec, norm, epilogue, need_dbias, need_dgrad,
-                   need_wgrad)  # fmt: skip
-    return backward_impl(grad, grad_branch, saved, inp, weight, bias, main_grad, scale,
-                         grad_amax, norm_weight, rng_state, c, cuda=False)  # fmt: skip
+    return _backward_op(
+        (grad, grad_branch, saved, inp, weight, bias, main_grad, scale, grad_amax, norm_weight,
+         rng_state, input_spec, weight_spec, grad_spec, norm, epilogue, need_dbias, need_dgrad,
+         need_wgrad, wgrad_stash), cuda=False,
+    )  # fmt: skip
 
 
 _BWD_TENSORS = 11  # grad, grad_branch, saved, inp, weight, bias, main_grad, scale, grad_amax,
@@ -322,8 +319,9 @@ def _bwd_args(args: tuple) -> tuple[tuple, tuple, Tensor | None]:
     return args[:n], args[n:end], args[end] if len(args) > end else None
 
 
-@linear_bwd.register_kernel("cuda")
-def _linear_bwd_cuda(*args):
+def _backward_op(args: tuple, cuda: bool) -> tuple[Tensor, ...]:
+    """``linear_bwd`` on a device: ``wgrad_stash`` takes the incoming gradient in place of the
+    weight gradient; a call without recipe, norm, epilogue or branch is plain high precision."""
     tensors, scalars, stash = _bwd_args(args)
     need_wgrad = scalars[-1]
     if stash is not None:
@@ -333,9 +331,13 @@ def _linear_bwd_cuda(*args):
     if not (input_spec or norm or epilogue) and tensors[1] is None:
         grad, _, _, inp, weight, _, main_grad = tensors[:7]
         return (*hp_linear_backward(grad, inp, weight, main_grad, need_dbias, need_dgrad,
-                                    need_wgrad, cuda=True), empty(grad), empty(grad))  # fmt: skip
-    c = BwdArgs.of(*scalars[:-1], need_wgrad)
-    return backward_impl(*tensors, c, cuda=True)
+                                    need_wgrad, cuda=cuda), empty(grad), empty(grad))  # fmt: skip
+    return backward_impl(*tensors, BwdArgs.of(*scalars[:-1], need_wgrad), cuda=cuda)
+
+
+@linear_bwd.register_kernel("cuda")
+def _linear_bwd_cuda(*args):
+    return _backward_op(args, cuda=True)
 
 
 @linear_bwd.register_fake
@@ -580,8 +582,7 @@ def linear(
         or (main_grad is not None and main_grad.device != device)
     ):  # fmt: skip
         check_same_device("te.linear", "inp", inp, weight=weight, bias=bias, main_grad=main_grad)
-    specs = [s.encode() if isinstance(s, QuantSpec) else s
-             for s in (input_spec, weight_spec, grad_spec)]  # fmt: skip
+    specs = as_strings(input_spec, weight_spec, grad_spec)
     if save_original_input:
         check_bool("te.linear", save_original_input=save_original_input)
         save_original_input = bool(specs[0])  # high precision saves the input itself anyway

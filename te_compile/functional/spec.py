@@ -42,6 +42,8 @@ __all__ = [
     "EpilogueSpec",
     "NormSpec",
     "QuantSpec",
+    "as_specs",
+    "as_strings",
     "eager_cached",
     "parse",
     "parse_roles",
@@ -283,6 +285,16 @@ def parse(cls: type[S], text: str, name: str = "spec") -> S:
 
 
 ROLES = ("input_spec", "weight_spec", "grad_spec")
+
+
+def as_specs(*specs: str | QuantSpec) -> tuple[QuantSpec, ...]:
+    """Spec objects of spec strings (or objects)."""
+    return tuple(s if isinstance(s, QuantSpec) else parse(QuantSpec, s) for s in specs)
+
+
+def as_strings(*specs: str | QuantSpec) -> list[str]:
+    """Spec strings of spec objects (or strings): what an op's schema takes."""
+    return [s.encode() if isinstance(s, QuantSpec) else s for s in specs]
 
 
 def parse_roles(owner: str, *texts: str) -> tuple[QuantSpec, QuantSpec, QuantSpec]:

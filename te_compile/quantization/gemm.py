@@ -397,15 +397,13 @@ def _recipe_args(owner, state, inp, weights, metas, grouped) -> GemmArgs:
     recipe = state.recipe
     override = recipe.backward_override or ""
     specs = x, w, g = recipe_specs(recipe)
-    if x.kind == "nvfp4":
-        if x.row_scaled and recipe.backward_override is None:
-            raise ValueError(
-                f"{owner}: NVFP4BlockScaling(row_scaled_activation=True) needs backward_override "
-                "'high_precision' or 'dequantized' (a row-scaled NVFP4 input has no columnwise "
-                "copy for the wgrad GEMM, as in Transformer Engine), got None"
-            )
-        return GemmArgs(specs, backward_override=override)
-    if x.kind == "mxfp8":
+    if x.row_scaled and recipe.backward_override is None:  # (NVFP4's option)
+        raise ValueError(
+            f"{owner}: NVFP4BlockScaling(row_scaled_activation=True) needs backward_override "
+            "'high_precision' or 'dequantized' (a row-scaled NVFP4 input has no columnwise "
+            "copy for the wgrad GEMM, as in Transformer Engine), got None"
+        )
+    if x.kind in ("nvfp4", "mxfp8"):
         return GemmArgs(specs, backward_override=override)
     if x.kind == "block":
         if x.block_rows != 1 or g.block_rows != 1:

@@ -96,7 +96,6 @@ __all__ = [
     "get_high_precision_init_val",
     "grouped_primary",
     "high_precision_init",
-    "init_state",
     "is_primary",
     "make_primary",
     "primary_operand",
@@ -146,11 +145,6 @@ def quantized_model_init(
 
 
 fp8_model_init = quantized_model_init  # Transformer Engine's older name, same arguments
-
-
-def init_state() -> _InitState | None:
-    """The enclosing ``quantized_model_init``'s recipe and preserve flag, or None."""
-    return _STATE[0]
 
 
 def _quantize(weight: Tensor, recipe: Recipe, owner: str) -> list[Tensor]:
