@@ -16,22 +16,14 @@ the input's device or on the CPU; the public function also takes a Python list (
 CPU tensor; under ``torch.compile`` a list is a constant, so pass a tensor when the splits change
 from step to step).
 
-After the five tensors the op takes the recipe as data, as the linear family does
-(``functional.spec``): ``input_spec``, ``weight_spec``, ``grad_spec`` (a ``QuantSpec`` string
-each; one power-of-two option for all three and the input's format for the weight), the
-delayed-scaling ``scale`` ``[3]`` and ``grad_amax`` ``[1]`` (into which the backward writes the
-gradient's amax), ``rng_state`` (a gradient spec's stochastic rounding) and ``backward`` (a
-``BackwardSpec`` string: ``fp8_wgrad``, per-tensor specs: the wgrad GEMM in FP8 too, the input
-kept as its FP8 wgrad operand instead of in high precision; ``save_input``: the input kept
-itself and quantised again in the backward; ``"high_precision"`` / ``"dequantized"``,
-``te::linear``'s overrides: the backward is high precision's on ``inp`` and ``weight``, or on
-the forward GEMM's operands dequantised to the input dtype, the gradient not quantised and
-``grad_amax`` not written).
-The GEMMs of each recipe are a row of :data:`GROUPED_GEMMS`:
-``torch._grouped_mm`` and ``torch._scaled_grouped_mm`` on device offsets (no host sync, no
-recompilation when the splits change), a blockwise-scaled ``_scaled_mm`` per expert, or the
-emulation of the block-scaled recipes: the rows of :data:`GROUPED_GEMMS`, one table
-(``functional.grouped_gemm`` and ``functional.grouped_fp8`` have the details).
+After the five tensors the op takes the recipe as data as ``te::linear`` does
+(``functional.linear_ops``: ``input_spec``, ``weight_spec``, ``grad_spec``, ``scale``,
+``grad_amax``, ``rng_state``; here one power-of-two option for all three specs and the input's
+format for the weight) and ``backward`` (a ``BackwardSpec`` string: ``te::linear``'s
+``"high_precision"`` / ``"dequantized"`` and ``save_input``, and ``fp8_wgrad``, per-tensor
+specs: the wgrad GEMM in FP8 too, the input kept as its FP8 wgrad operand instead of in high
+precision). The GEMMs of each recipe are a row of :data:`GROUPED_GEMMS` (one table;
+``functional.grouped_gemm`` and ``functional.grouped_fp8`` have the details).
 
 ``saved`` (the tensors the backward needs that are not inputs): per-tensor recipes ``[W_8
 [G, K, N] (uint8 bytes, quantised along N or per tensor), its inverse scales [G, K]]`` and
@@ -43,12 +35,9 @@ recipes the dequantised ``X`` and ``W``; nothing in high precision. Under an ove
 (``"high_precision"``) or the dequantised forward operands ``[X, W]`` (``"dequantized"``), then
 the amaxes as above.
 
-Pre-quantised weight: ``weight_q``, the five tensors ``weight_data``, ``weight_scale``,
-``weight_data_t``, ``weight_scale_t``, ``weight_amax`` (with a recipe), is ``weight`` already
-cast by ``te::quantize_grouped_weight`` (``functional.grouped_weight``, the bytes of the op's
-own cast); the op then does not quantise ``weight``, leaves the weight's copies out of
-``saved`` (the backward gets them from the inputs), and reports ``weight_amax`` as the weight's
-amax.
+Pre-quantised weight: ``weight_q``, as ``te::linear``'s, cast by ``te::quantize_grouped_weight``
+(``functional.grouped_weight``, the bytes of the op's own cast); ``saved`` then lacks the
+weight's copies (the backward gets them from the inputs).
 
 Under ``torch.compile`` Inductor traces into a high-precision call on CUDA that takes the
 ``torch._grouped_mm`` path (bf16, sizes multiples of 8, the splits on the input's device): it
@@ -663,27 +652,17 @@ def grouped_linear(
 ) -> Tensor | tuple[Tensor, ...]:
     """Rows of ``inp`` split into groups by ``m_splits``; group ``g`` gets
     ``inp_g @ weight[g].T + bias[g]`` through ``te::grouped_linear_fwd`` (module docstring; by
-    default high precision). ``input_spec`` / ``weight_spec`` / ``grad_spec``: the quantisation
-    of each operand, as :func:`~te_compile.functional.linear` takes them (NVFP4's options
-    apply to each expert's GEMMs as ``te.linear`` applies them; ``rng_state``: one stream over
-    the whole gradient for its stochastic rounding, None draws one; every group's token count
-    a multiple of 16), with the delayed scales ``scale`` and the gradient's amax buffer
-    ``grad_amax``. ``main_grad`` (fp32, ``weight``'s shape): the weight gradient is added to
-    it instead of being returned. ``fp8_wgrad`` (per-tensor specs): the wgrad GEMM in FP8
-    too. ``return_amax=True`` also returns ``[amax(inp), amax(weight)]`` (delayed scaling, or
-    current scaling given ``grad_amax``; 0-element otherwise). ``delay_wgrad=True``: the
-    backward leaves the weight gradient GEMMs out and a ``functional.gemm.DeferredWgrad`` is
-    also returned (before the amaxes) whose ``compute()`` runs them later (``te.linear``'s
-    ``delay_wgrad`` says more; eager only). ``save_original_input=True``: with ``fp8_wgrad``
-    the backward keeps ``inp`` itself rather than its FP8 copy and quantises it again for the
-    wgrad GEMM (the same gradients); high precision and the high-precision wgrad keep ``inp``
-    anyway; other recipes raise. ``weight_quantized``: ``weight`` already quantised by the
-    weight spec, the five tensors of :func:`~te_compile.functional.quantize_grouped_weight`,
-    used instead of quantising ``weight`` (whose gradient is still computed).
-    ``backward_override`` (with a recipe, as :func:`~te_compile.functional.linear`'s):
-    ``"high_precision"``, the backward is high precision's on ``inp`` and ``weight``;
-    ``"dequantized"``, on the forward GEMM's operands dequantised to the input dtype (saved
-    instead of FP8 copies); the gradient is not quantised with either."""
+    default high precision). The arguments are :func:`~te_compile.functional.linear`'s, per
+    expert: the specs (NVFP4's options apply to each expert's GEMMs; ``rng_state`` is one stream
+    over the whole gradient; every group's token count a multiple of 16), ``scale``,
+    ``grad_amax``, ``main_grad``, ``delay_wgrad``, ``backward_override`` and
+    ``weight_quantized`` (:func:`~te_compile.functional.quantize_grouped_weight`'s five
+    tensors). ``fp8_wgrad`` (per-tensor specs): the wgrad GEMM in FP8 too.
+    ``save_original_input=True``: with ``fp8_wgrad`` the backward keeps ``inp`` itself rather
+    than its FP8 copy and quantises it again (the same gradients); high precision and the
+    high-precision wgrad keep ``inp`` anyway; other recipes raise. ``return_amax=True`` also
+    returns ``[amax(inp), amax(weight)]`` (delayed scaling, or current scaling given
+    ``grad_amax``; 0-element otherwise), after the ``DeferredWgrad``."""
     check_weight_quantized("te.grouped_linear", "weight_quantized", weight_quantized)
     tensors = {"inp": inp, "weight": weight, "bias": bias, "main_grad": main_grad}
     if not (isinstance(inp, Tensor) and isinstance(weight, Tensor)) or not all(

@@ -539,33 +539,25 @@ def linear(
     save_original_input: bool = False,
 ) -> Tensor | tuple[Tensor, ...]:
     """``residual + out_scale * activation(norm(inp) @ weight.T + bias)`` through
-    ``te::linear_fwd``, every part optional (module docstring); by default ``inp @ weight.T +
-    bias`` in high precision.
+    ``te::linear_fwd``, every part optional; by default ``inp @ weight.T + bias`` in high
+    precision. The op's arguments (module docstring), unpacked: the specs as a ``QuantSpec`` or
+    its string (``quantization.gemm.recipe_specs`` gives a recipe's); ``rng_state`` None draws
+    one from torch's generator; ``normalization`` to ``zero_centered_gamma`` make ``norm``,
+    ``activation`` to ``return_branch`` ``epilogue``, ``backward_override`` and
+    ``save_original_input`` ``backward``; ``weight_quantized`` is ``weight_q``
+    (:func:`~te_compile.functional.quantize_weight`'s five tensors).
 
-    ``main_grad`` (fp32, weight's shape): the weight gradient is accumulated into it and
-    ``weight.grad`` is left untouched. ``input_spec`` / ``weight_spec`` / ``grad_spec``: the
-    quantisation of each operand (``functional.spec.QuantSpec`` or its string, e.g.
-    ``"current:e4m3"``; ``quantization.gemm.recipe_specs`` gives a recipe's), with the delayed
-    scales ``scale``, the gradient's amax buffer ``grad_amax`` and ``rng_state`` (int64 ``(seed,
-    offset)`` of a gradient spec's stochastic rounding; None draws one from torch's
-    generator). ``return_branch=True`` also returns ``branch``, a tensor with ``inp``'s values
-    whose gradient joins the dgrad GEMM; ``return_amax=True`` also returns ``[amax(X),
-    amax(W)]`` (per-tensor recipes; X is the norm's output with a prologue), last.
-    ``backward_override`` (with a recipe): ``"high_precision"`` or ``"dequantized"`` backward
-    GEMMs (module docstring). ``weight_quantized``: ``weight`` already quantised by the recipe,
-    the five tensors of :func:`~te_compile.functional.quantize_weight`, used instead of
-    quantising ``weight`` (whose gradient is still computed); ``weight`` may then be the FP8
-    codes themselves (FP8 primary weights), with ``main_grad`` taking its gradient.
-    ``delay_wgrad=True``: the backward leaves the weight gradient GEMM out (the input's, the
-    bias's and the norm's gradients are computed) and a ``functional.gemm.DeferredWgrad`` is
-    also returned (before the amaxes) whose ``compute()`` runs it later: the modules'
-    ``delay_wgrad_compute`` / ``backward_dw()``. Eager only: under ``torch.compile`` no tensor
-    written by the backward can leave the compiled graph. ``save_original_input=True`` (with a
-    recipe; Transformer Engine's option): the backward keeps ``inp`` itself (no bytes of its
-    own when the caller keeps ``inp`` alive, e.g. an input several modules read) instead of the
-    quantised transposed copy the forward would make, and quantises it again for the wgrad
-    GEMM: the same gradients; not with ``DelayedScaling`` (ValueError), nor with a norm
-    prologue. In high precision the input is what is saved anyway.
+    Also returned, in this order: ``branch`` (``return_branch=True``: ``inp``'s values, whose
+    gradient joins the dgrad GEMM); a ``functional.gemm.DeferredWgrad`` (``delay_wgrad=True``:
+    the backward leaves the weight-gradient GEMM out and its ``compute()`` runs it later, the
+    modules' ``delay_wgrad_compute`` / ``backward_dw()``; eager only: under ``torch.compile`` no
+    tensor the backward writes can leave the graph); ``[amax(X), amax(W)]``
+    (``return_amax=True``, per-tensor recipes; X is the norm's output with a prologue).
+
+    ``save_original_input=True`` (Transformer Engine's option, with a recipe): the backward
+    keeps ``inp`` itself (no bytes of its own when the caller keeps it alive) instead of the
+    quantised transposed copy, and quantises it again for the wgrad GEMM: the same gradients;
+    not with ``DelayedScaling`` (ValueError), nor with a norm prologue.
     """
     check_weight_quantized("te.linear", "weight_quantized", weight_quantized)
     args = (inp, weight, bias, main_grad)

@@ -537,18 +537,13 @@ def mlp(
     main_grad2: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """``activation(norm(inp) @ fc1_weight.T + fc1_bias) @ fc2_weight.T + fc2_bias`` through
-    ``te::mlp_fwd`` (module docstring). ``input_spec`` / ``weight_spec`` / ``grad_spec``: the
-    quantisation of the GEMMs' operands, as :func:`~te_compile.functional.linear` takes them
-    (the activation is quantised as an input, its gradient as a gradient), with each GEMM's
-    delayed scales ``scale1`` / ``scale2`` and gradient amax buffers ``grad_amax1`` /
-    ``grad_amax2``. ``return_amax=True`` also returns ``[amax(X), amax(fc1_weight), amax(h),
-    amax(fc2_weight)]`` (per-tensor recipes; X is the norm's output with a prologue; 0-element
-    otherwise). ``limit`` / ``alpha`` / ``glu_linear_offset``: ``clamped_swiglu``'s parameters
-    (as :func:`bias_activation` takes them). ``fc1_weight_quantized`` /
-    ``fc2_weight_quantized``: a weight already quantised by the weight spec
-    (:func:`~te_compile.functional.quantize_weight`'s five tensors), used instead of quantising
-    it (its gradient is still computed). ``main_grad1`` / ``main_grad2``: each weight's
-    ``main_grad``, as :func:`~te_compile.functional.linear` takes it."""
+    ``te::mlp_fwd`` (module docstring). The arguments are
+    :func:`~te_compile.functional.linear`'s, per GEMM where they are per GEMM (``scale1`` /
+    ``scale2``, ``grad_amax1`` / ``grad_amax2``, ``fc1_weight_quantized`` /
+    ``fc2_weight_quantized``, ``main_grad1`` / ``main_grad2``); the activation is quantised as
+    an input, its gradient as a gradient; ``limit`` / ``alpha`` / ``glu_linear_offset`` are
+    ``clamped_swiglu``'s. ``return_amax=True`` also returns ``[amax(X), amax(fc1_weight),
+    amax(h), amax(fc2_weight)]`` (per-tensor recipes; 0-element otherwise)."""
     for name, q in (("fc1_weight_quantized", fc1_weight_quantized),
                     ("fc2_weight_quantized", fc2_weight_quantized)):  # fmt: skip
         check_weight_quantized("te.mlp", name, q)

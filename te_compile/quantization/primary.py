@@ -1,74 +1,17 @@
 """FP8 primary weights: ``quantized_model_init`` / ``fp8_model_init`` and ``FP8MasterWeights``.
 
 Modules built inside ``te_compile.quantized_model_init(recipe=...)`` keep each GEMM weight in
-FP8 only: the ``weight`` Parameter holds the E4M3 codes (``torch.float8_e4m3fn``, one byte per
-parameter) with a persistent fp32 buffer ``weight_scale_inv`` ``[1]`` (the dequantisation
-scale) and ``weight_amax`` ``[1]`` (the amax measured at the cast), all plain tensors. The
-forward hands them to the GEMM op as its pre-quantised weight operand
-(``functional.quantize_weight``'s five tensors; the transposed codes the backward's dgrad GEMM
-reads are made from the codes each step, a byte per parameter alive until the backward), so no
-weight is cast per step.
-
-Gradients and the optimizer. A float8 Parameter cannot hold a bf16 gradient, so the weight
-gradient goes to ``weight.main_grad`` (fp32, as ``fuse_wgrad_accumulation``), and the weights
-the optimizer updates are fp32 masters kept next to it (Transformer Engine's FusedAdam
-``master_weights`` idea, written for any ``torch.optim`` optimizer):
-
-.. code-block:: python
-
-    with te.quantized_model_init(recipe=recipe, preserve_high_precision_init_val=True):
-        model = build_model()
-    masters = te.FP8MasterWeights(model)  # fp32 masters, main_grad buffers
-    optimizer = torch.optim.AdamW([*masters.parameters(), *masters.other_parameters()])
-    for x in data:
-        with te.autocast(recipe=recipe):
-            loss = model(x).float().square().mean()
-        loss.backward()
-        masters.step(optimizer)  # masters' grads = main_grad, optimizer.step(), FP8 refresh
-        optimizer.zero_grad()
-
-``masters.step`` hands each master its ``main_grad`` as ``.grad`` (the same tensor: no copy),
-runs ``optimizer.step()``, then re-quantises every master into its FP8 weight in one pass per
-weight (``te::quantize_weight``: amax, scale and cast; current scaling of the weight, as
-Transformer Engine does for its primary weights) and zeroes ``main_grad``.
-``preserve_high_precision_init_val=True`` keeps each weight's initial high-precision values on
-the CPU (``weight.get_high_precision_init_val()`` / ``clear_high_precision_init_val()``, as in
-Transformer Engine), from which ``FP8MasterWeights`` builds the masters (else from the
-dequantised FP8 values) and then clears them.
-
-Memory (tensor sizes, per weight parameter): the model holds 1 byte (bf16: 2), plus 4 bytes of
-``main_grad`` (bf16 grads: 2) and 4 of the master (a bf16 model trained with fp32 masters: 4);
-under FSDP2 all of them divided by the group size (plus the all-gathered codes of the modules
-being run, and each module's weight gradient during its backward).
-
-FSDP2 (``fully_shard``): the codes Parameter is sharded on dim 0 (a DTensor of float8 codes,
-no tensor subclass) and all-gathered as FP8 bytes; the scale buffers are replicated.
-``FP8MasterWeights`` built after ``fully_shard`` keeps DTensor-shard masters, sets the sharded
-codes to ``requires_grad=False`` (FSDP2 wants one dtype among trainable parameters, and reduces
-``.grad``, which float8 cannot hold) and keeps a SHARDED fp32 ``main_grad`` per weight (this
-rank's rows, the master's local shape). The forward hands the GEMM op a zero-byte stand-in of
-the weight that requires grad (``_ShardedGrad``); the op returns the weight gradient to it, and
-its backward reduce-scatters that gradient (fp32, the mean over the group, FSDP2's chunks) and
-autograd adds this rank's rows to ``main_grad``: the full-size gradient lives only inside each
-module's backward, and several backward calls before ``step`` accumulate. ``step`` all-reduces
-(max) each shard's amax before the refresh, so the codes equal the unsharded refresh's.
-``docs/fp8.md``, "FSDP2".
-
-Supported: the per-tensor recipes (``Float8CurrentScaling``, ``DelayedScaling``) on every
-module with GEMM weights (``Linear``, ``LayerNormLinear``, ``LayerNormMLP``, ``GroupedLinear``,
-``GroupedMLP``, and those built of them) and on ``te.ops.BasicLinear`` / ``te.ops.Linear`` /
-``te.ops.GroupedLinear``; the weights run inside a ``te_compile.autocast`` with a per-tensor
-recipe (outside it, or under calibration, a module with FP8 weights raises). Other recipes
-raise ``NotImplementedError`` at construction.
-
-``GroupedLinear``: each ``weight{i}`` is cast with its own scale (one ``weight`` ``[G, N, K]``,
-``single_grouped_weight=True``: one scale for all groups); the forward stacks the codes into
-the grouped GEMM's pre-quantised operand (:func:`grouped_primary`; a byte per parameter, and
-its transposed copy for the dgrad GEMM, alive until the backward). The gradients of all groups
-go to one fp32 ``[G, N, K]`` buffer (``GroupedLinear.allocate_main_grad``, which
-``FP8MasterWeights`` calls; ``weight{i}.main_grad`` are its views); sharded by FSDP2, a
-sharded ``main_grad`` per weight as above. Not with ``delay_wgrad_compute=True``
-(``NotImplementedError``).
+FP8 only: the ``weight`` Parameter holds the E4M3 codes (one byte per parameter) with fp32
+buffers ``weight_scale_inv`` and ``weight_amax`` ``[1]``, plain tensors, which the forward hands
+to the GEMM op as its pre-quantised weight operand (:func:`primary_operand`,
+:func:`grouped_primary`), so no weight is cast per step. The weight gradient goes to an fp32
+``weight.main_grad``; ``FP8MasterWeights`` keeps fp32 masters for any ``torch.optim`` optimizer
+and re-quantises them into the codes after each step (current scaling of the weight, as
+Transformer Engine casts its primary weights). Under FSDP2 the codes are sharded on dim 0, the
+weight gradient reaches a sharded ``main_grad`` through a zero-byte stand-in whose backward
+reduce-scatters it (:class:`_ShardedGrad`), and the refresh all-reduces each shard's amax.
+The per-tensor recipes only, inside an FP8 autocast. ``docs/fp8.md``, "FP8 primary weights"
+and "FSDP2", is the full account: usage, memory, the grouped layouts, the limits.
 """
 
 from __future__ import annotations
