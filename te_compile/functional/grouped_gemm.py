@@ -66,6 +66,8 @@ __all__ = [
     "high_precision_backward",
     "high_precision_forward",
     "host_splits",
+    "nvfp4_input",
+    "nvfp4_weight",
     "row_bias",
     "uses_grouped_mm",
 ]
@@ -440,11 +442,11 @@ def _cast(x2: Tensor, r: GroupedRecipe, fp8_dtype: torch.dtype, block_rows: int 
 
 def dequantized_weight(weight: Tensor, r: GroupedRecipe) -> Tensor:
     """``W`` ``[G, N, K]`` quantised exactly, each expert in the recipe's weight blocks (NVFP4:
-    with a global scale per expert, as :func:`_nvfp4_weight`), dequantised to its dtype: the
+    with a global scale per expert, as :func:`nvfp4_weight`), dequantised to its dtype: the
     emulated GEMMs' weight operand, also as a pre-quantised weight."""
     g, n, k = weight.shape
     if r.recipe == "nvfp4":
-        return _nvfp4_weight(weight, r)[0]
+        return nvfp4_weight(weight, r)[0]
     w_rows = r.weight_block_rows if r.recipe == "block" else 1
     if w_rows == 1 or n % w_rows == 0:  # no block of rows straddles two experts
         return _cast(weight.reshape(g * n, k), r, r.fwd_dtype, w_rows).view(g, n, k)
@@ -503,7 +505,7 @@ def blockwise_backward(grad, saved, inp, m_splits, weight, main_grad, r, has_bia
                                r.weight_block_rows, has_bias, dgrad, wgrad)  # fmt: skip
 
 
-def _nvfp4_input(inp, m_splits, r: GroupedRecipe) -> tuple[Tensor, Tensor]:
+def nvfp4_input(inp, m_splits, r: GroupedRecipe) -> tuple[Tensor, Tensor]:
     """NVFP4, as a dense GEMM per expert quantises its operands (``functional.gemm``): ``(X,
     X^T's copy)`` dequantised, each expert's tokens with a global scale of their own, the copy
     for the wgrad GEMM quantised along the tokens (with the random Hadamard transform with
@@ -514,8 +516,8 @@ def _nvfp4_input(inp, m_splits, r: GroupedRecipe) -> tuple[Tensor, Tensor]:
     return x_row.to(inp.dtype), x_col_t.t().to(inp.dtype).contiguous()
 
 
-def _nvfp4_weight(weight: Tensor, r: GroupedRecipe) -> tuple[Tensor, Tensor]:
-    """``(W, W^T's copy)`` dequantised to the weight's dtype, as :func:`_nvfp4_input` for the
+def nvfp4_weight(weight: Tensor, r: GroupedRecipe) -> tuple[Tensor, Tensor]:
+    """``(W, W^T's copy)`` dequantised to the weight's dtype, as :func:`nvfp4_input` for the
     weight: each expert with a global scale of its own, the dgrad copy quantised along
     ``out_features`` (the same values with 16x16 tiles), 4over6 as ``r.weight_4over6`` says."""
     g, n, k = weight.shape
@@ -531,7 +533,7 @@ def dequantized_input(inp: Tensor, m_splits: Tensor, r: GroupedRecipe) -> Tensor
     copy quantised along the tokens), made again from ``inp`` by a backward that kept the input
     itself (``save_original_input``): the same values, the quantisation being deterministic."""
     if r.recipe == "nvfp4":
-        return _nvfp4_input(inp, m_splits, r)[1]
+        return nvfp4_input(inp, m_splits, r)[1]
     return _cast(inp, r, r.fwd_dtype)
 
 
@@ -542,8 +544,8 @@ def dequantized_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
     first tensor is :func:`dequantized_weight`'s ``W``: an input, the caller saves it; NVFP4's
     weight copies then need 16x16 tiles, which make ``W^T``'s copy ``W`` itself)."""
     if r.recipe == "nvfp4":
-        x, x_col = _nvfp4_input(inp, m_splits, r)
-        w, w_col = _nvfp4_weight(weight, r) if weight_q is None else (weight_q[0], weight_q[0])
+        x, x_col = nvfp4_input(inp, m_splits, r)
+        w, w_col = nvfp4_weight(weight, r) if weight_q is None else (weight_q[0], weight_q[0])
         saved = [x_col, w_col]
     else:
         x = _cast(inp, r, r.fwd_dtype)

@@ -99,6 +99,8 @@ from te_compile.functional.grouped_gemm import (
     dequantized_input,
     high_precision_backward,
     high_precision_forward,
+    nvfp4_input,
+    nvfp4_weight,
     uses_grouped_mm,
 )
 from te_compile.functional.grouped_linear_args import (
@@ -234,29 +236,16 @@ def scaled_grouped_linear_ref(
     return out
 
 
-def _nvfp4_operands(x: Tensor, w: Tensor, splits: list[int], r: GroupedRecipe) -> tuple:
-    """NVFP4's forward operands ``(x_row, w_row)`` in ``x``'s dtype and their columnwise copies
-    ``(x_col_t, w_col_t)`` (fp32), each expert's tokens and weight with a global scale of their
-    own."""
-    g, n, k = w.shape
-    x_row, x_col_t = nvfp4_qdq(x, rht=r.rht, four_over_six=r.input_4over6,
-                               row_splits=torch.tensor(splits))  # fmt: skip
-    w_row, w_col_t = nvfp4_qdq(w.reshape(g * n, k), tiles=r.weight_block_rows == 16,
-                               four_over_six=r.weight_4over6,
-                               row_splits=torch.full((g,), n))  # fmt: skip
-    return x_row.to(x.dtype), w_row.to(x.dtype).view(g, n, k), x_col_t, w_col_t
-
-
 def _ref_operands(x: Tensor, w: Tensor, splits: list[int], r: GroupedRecipe) -> tuple[Tensor, ...]:
     """The forward GEMM's operands, quantised and dequantised: per row (per tensor with delayed
     scales) or in blocks along ``in_features``, each expert's weight in its blocks (NVFP4: the
-    rowwise copies of :func:`_nvfp4_operands`)."""
+    rowwise copies of ``functional.grouped_gemm.nvfp4_input`` / ``nvfp4_weight``)."""
     if r.recipe in PER_TENSOR:
         scale = r.scale if r.recipe == "delayed" else None
         xq, wq = (_fake_quant(t, r.fwd_dtype, -1, _slot(scale, i)) for i, t in enumerate((x, w)))
         return xq, wq
     if r.recipe == "nvfp4":
-        return _nvfp4_operands(x, w, splits, r)[:2]
+        return nvfp4_input(x, torch.tensor(splits), r)[0], nvfp4_weight(w, r)[0]
     p2 = r.power_2_scale if r.recipe == "block" else False
     rows = r.weight_block_rows if r.recipe == "block" else 1
     wq = torch.stack([qdq(w_g, r.recipe, r.fwd_dtype, rows, p2) for w_g in w])
@@ -273,9 +262,9 @@ class _RefDequantized(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, splits, r: GroupedRecipe):
-        if r.recipe == "nvfp4":
-            xq, wq, x_col_t, w_col_t = _nvfp4_operands(x, w, splits, r)
-            ctx.save_for_backward(x_col_t.t().to(x.dtype), w_col_t.t().to(x.dtype).view(w.shape))
+        if r.recipe == "nvfp4":  # the backward GEMMs read the copies quantised along the other dim
+            (xq, x_col), (wq, w_col) = nvfp4_input(x, torch.tensor(splits), r), nvfp4_weight(w, r)
+            ctx.save_for_backward(x_col, w_col)
         else:
             xq, wq = _ref_operands(x, w, splits, r)
             ctx.save_for_backward(xq, wq)
