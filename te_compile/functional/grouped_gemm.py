@@ -43,6 +43,7 @@ from torch import Tensor
 from te_compile._checks import shown
 from te_compile._numerics import acc_dtype
 from te_compile.functional.gemm import (
+    PER_TENSOR,
     block_scaled_mm,
     empty,
     padded,
@@ -63,6 +64,7 @@ __all__ = [
     "dequantized_forward",
     "dequantized_weight",
     "device_splits",
+    "grouped_gemm_kind",
     "high_precision_backward",
     "high_precision_forward",
     "host_splits",
@@ -73,6 +75,15 @@ __all__ = [
 ]
 
 _E4M3 = torch.float8_e4m3fn
+
+
+def grouped_gemm_kind(recipe: str, emulate: bool) -> str:
+    """The ``GROUPED_GEMMS`` row (module docstring) of a recipe kind."""
+    if not recipe:
+        return "grouped_mm"
+    if recipe in PER_TENSOR:
+        return "scaled_grouped_mm"
+    return "blockwise" if recipe == "block" and not emulate else "dequantized"
 
 
 class GroupedRecipe(NamedTuple):

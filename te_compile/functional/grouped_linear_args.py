@@ -1,8 +1,7 @@
 """The grouped linear family's arguments and their checks (``grouped_linear_ops.py`` defines the
-ops): ``GroupedLinearArgs`` names the forward op's arguments and parses its specs,
-``grouped_gemm_kind`` picks a recipe's row of ``GROUPED_GEMMS``; the checks are shared by the
-implementations (eager) and the fake (trace time), so a bad argument raises the same ValueError
-in both."""
+ops): ``GroupedLinearArgs`` names the forward op's arguments and parses its specs; the checks are
+shared by the implementations (eager) and the fake (trace time), so a bad argument raises the
+same ValueError in both."""
 
 from __future__ import annotations
 
@@ -21,7 +20,7 @@ from te_compile.functional.gemm import (
     blockwise_supported,
     check_specs,
 )
-from te_compile.functional.grouped_gemm import GroupedRecipe
+from te_compile.functional.grouped_gemm import GroupedRecipe, grouped_gemm_kind
 from te_compile.functional.grouped_weight import check_grouped_weight_operand
 from te_compile.functional.spec import BackwardSpec, QuantSpec, parse, parse_roles
 
@@ -29,22 +28,12 @@ __all__ = [
     "GroupedLinearArgs",
     "appends_amaxes",
     "check_grouped_linear",
-    "grouped_gemm_kind",
     "make_grouped_recipe",
 ]
 
 # The block-scaled kinds whose emulated backward can quantise a kept input again
 # (``save_input``): their quantisation is deterministic.
 _EMULATED_SAVE_INPUT = ("block", "mxfp8", "nvfp4")
-
-
-def grouped_gemm_kind(recipe: str, emulate: bool) -> str:
-    """The :data:`GROUPED_GEMMS` row of a recipe kind."""
-    if not recipe:
-        return "grouped_mm"
-    if recipe in PER_TENSOR:
-        return "scaled_grouped_mm"
-    return "blockwise" if recipe == "block" and not emulate else "dequantized"
 
 
 class GroupedLinearArgs(NamedTuple):

@@ -97,6 +97,7 @@ from te_compile.functional.grouped_gemm import (
     dequantized_backward,
     dequantized_forward,
     dequantized_input,
+    grouped_gemm_kind,
     high_precision_backward,
     high_precision_forward,
     nvfp4_input,
@@ -107,7 +108,6 @@ from te_compile.functional.grouped_linear_args import (
     GroupedLinearArgs,
     appends_amaxes,
     check_grouped_linear,
-    grouped_gemm_kind,
     make_grouped_recipe,
 )
 from te_compile.functional.grouped_linear_samples import sample_inputs
