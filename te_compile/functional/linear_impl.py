@@ -76,10 +76,7 @@ def forward_impl(a: LinearArgs, cuda: bool) -> tuple[Tensor, Tensor, list[Tensor
             xq, *stats = norm_quantize(xs, x2, norm, scale=s_x)
         else:  # save_input: the backward quantises the input again for the wgrad
             xq = quantize_operand(xs, pad_rows(x2), scale=s_x, columnwise=not bw.save_input)
-        if a.weight_q is not None:  # pre-quantised: the saved copy is an input's
-            wq = weight_operand(a.weight_q, ws.fp8_dtype)
-        else:
-            wq = quantize_operand(ws, weight, scale=s_w)
+        wq = weight_operand(a.weight_q, ws, weight, s_w)  # pre-quantised: a copy is an input's
         h = gemm(gemm_kind(recipe, xs.emulate), xq.data, xq.scale, wq.data, wq.scale, dtype,
                  bias=fuse_bias, fast_accum=True, b_block_rows=ws.block_rows)  # fmt: skip
         h = unpad(h, m)

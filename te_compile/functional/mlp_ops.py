@@ -213,18 +213,12 @@ def _forward(a: MLPArgs) -> tuple[Tensor, list[Tensor]]:
         xq, *stats = norm_quantize(xs, x2, norm, scale=s_x, mn_major=_native_block(xs))
     else:
         xq = quantize_operand(xs, pad_rows(x2), scale=s_x)
-    q1, q2 = a.fc1_weight_q, a.fc2_weight_q
-    if q1 is not None:  # pre-quantised: setup_context saves its transposed copy
-        w1q = weight_operand(q1, ws.fp8_dtype)
-    else:
-        w1q = quantize_operand(ws, w1, scale=s_w1)
+    q1, q2 = a.fc1_weight_q, a.fc2_weight_q  # pre-quantised: setup_context saves their copies
+    w1q = weight_operand(q1, ws, w1, s_w1)
     z = gemm(kind, xq.data, xq.scale, w1q.data, w1q.scale, dtype, fast_accum=True,
              b_block_rows=rows)  # fmt: skip
     hq, _ = _act_operand(xs, z, b1, None, ep.activation, s_h, m, False, params)
-    if q2 is not None:
-        w2q = weight_operand(q2, ws.fp8_dtype)
-    else:
-        w2q = quantize_operand(ws, w2, scale=s_w2)
+    w2q = weight_operand(q2, ws, w2, s_w2)
     out = gemm(kind, hq.data, hq.scale, w2q.data, w2q.scale, dtype, bias=b2, fast_accum=True,
                b_block_rows=rows)  # fmt: skip
     out = unpad(out, m)
