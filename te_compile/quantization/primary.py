@@ -217,7 +217,7 @@ def grouped_primary(
     operand) that requires grad where the codes do: the op then accumulates the weight
     gradient into the ``main_grad`` it is given and returns none. Sharded by FSDP2 (with
     ``FP8MasterWeights`` and grad enabled), the stand-in requires grad through the weights'
-    sharded ``main_grad`` leaves instead (:class:`_ShardedGroupedGrad`; the module passes no
+    sharded ``main_grad`` leaves instead (:class:`_ShardedGrad`; the module passes no
     ``main_grad``, the op returns the ``[G, N, K]`` gradient to the stand-in)."""
     weights = [getattr(module, n) for n in names]
     if not is_primary(weights[0]):
@@ -236,7 +236,8 @@ def grouped_primary(
         return _StandIn.apply(dtype, (g, n, k), *weights), operand
     _refuse_delayed_wgrad(module)
     group_name, world = module.__dict__[_SHARD_GROUP][names[0]]
-    return _ShardedGroupedGrad.apply(dtype, (g, n, k), group_name, world, *sinks), operand
+    per_group = sinks[0].dim() == 2  # G weights [N, K] (else one [G, N, K])
+    return _ShardedGrad.apply(dtype, (g, n, k), group_name, world, per_group, *sinks), operand
 
 
 def required_main_grad(owner: str, main_grad: Tensor | None, weight: Tensor) -> Tensor | None:
@@ -296,34 +297,7 @@ def primary_weight(
         return weight, main_grad
     _refuse_delayed_wgrad(module)
     group_name, world = module.__dict__[_SHARD_GROUP][name]
-    return _ShardedGrad.apply(weight, sink, dtype, group_name, world), None
-
-
-class _ShardedGrad(torch.autograd.Function):
-    """The weight argument of a GEMM op whose FP8 weight FSDP2 shards: ``codes``' shape in
-    ``dtype``, zero bytes (an expanded scalar; the op reads the codes from its pre-quantised
-    operand, never this), requiring grad through ``sink`` (a zero-byte fp32 leaf of the local
-    shard's shape whose ``.grad`` is the sharded ``main_grad``).
-
-    Backward: the op's weight gradient ``dW`` (full size, made by the op's backward and freed
-    when this returns) is reduce-scattered in fp32 over the FSDP2 group (sum, divided by the
-    group size: the mean FSDP2 takes of the other gradients), with FSDP2's chunks along dim 0
-    (``ceil(rows / world)`` rows per rank, the last ones short: zero padding); this rank's rows
-    are ``sink``'s gradient, which autograd accumulates into ``sink.grad`` (in place: several
-    backward calls before ``step`` sum their reduce-scattered gradients). A functional
-    collective: torch.compile traces it into the compiled backward."""
-
-    @staticmethod
-    def forward(ctx, codes: Tensor, sink: Tensor, dtype: torch.dtype, group_name: str,
-                world: int) -> Tensor:  # fmt: skip
-        ctx.group_name, ctx.world = group_name, world
-        ctx.local_rows = sink.shape[0]
-        return sink.new_zeros((), dtype=dtype).expand(codes.shape)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[None, Tensor, None, None, None]:
-        shard = _reduce_scatter_rows(grad, ctx.world, ctx.group_name, ctx.local_rows)
-        return None, shard, None, None, None
+    return _ShardedGrad.apply(dtype, weight.shape, group_name, world, False, sink), None
 
 
 def _reduce_scatter_rows(grad: Tensor, world: int, group_name: str, local_rows: int) -> Tensor:
@@ -342,18 +316,25 @@ def _reduce_scatter_rows(grad: Tensor, world: int, group_name: str, local_rows: 
     return out[:local_rows].div(world)
 
 
-class _ShardedGroupedGrad(torch.autograd.Function):
-    """:class:`_ShardedGrad` for a grouped GEMM's weights (:func:`grouped_primary`): the
-    stand-in ``[G, N, K]`` requires grad through ``sinks`` (one per FP8 weight: ``G`` weights
-    ``[N, K]`` sharded on their rows, or one ``[G, N, K]`` sharded on its groups); the backward
-    reduce-scatters each weight's part of the gradient into its sink."""
+class _ShardedGrad(torch.autograd.Function):
+    """The weight argument of a GEMM op whose FP8 weights FSDP2 shards: ``shape`` in ``dtype``,
+    zero bytes (an expanded scalar; the op reads the codes from its pre-quantised operand, never
+    this), requiring grad through ``sinks``: one zero-byte fp32 leaf per FP8 weight, of its local
+    shard's shape, whose ``.grad`` is the sharded ``main_grad`` (a dense weight's one; a grouped
+    GEMM's ``G`` weights ``[N, K]`` sharded on their rows, ``per_group``, or one ``[G, N, K]``
+    sharded on its groups).
+
+    Backward: the op's weight gradient ``dW`` (full size, made by the op's backward and freed
+    when this returns) is reduce-scattered, each weight's part into its sink
+    (:func:`_reduce_scatter_rows`), and autograd accumulates it into ``sink.grad`` (in place:
+    several backward calls before ``step`` sum their reduce-scattered gradients). A functional
+    collective: torch.compile traces it into the compiled backward."""
 
     @staticmethod
     def forward(ctx, dtype: torch.dtype, shape: tuple[int, ...], group_name: str, world: int,
-                *sinks: Tensor) -> Tensor:  # fmt: skip
-        ctx.group_name, ctx.world = group_name, world
+                per_group: bool, *sinks: Tensor) -> Tensor:  # fmt: skip
+        ctx.group_name, ctx.world, ctx.per_group = group_name, world, per_group
         ctx.local_rows = [s.shape[0] for s in sinks]
-        ctx.per_group = sinks[0].dim() == 2  # G weights [N, K] (else one [G, N, K])
         return sinks[0].new_zeros((), dtype=dtype).expand(shape)
 
     @staticmethod
@@ -361,7 +342,7 @@ class _ShardedGroupedGrad(torch.autograd.Function):
         parts = grad.unbind(0) if ctx.per_group else (grad,)
         shards = [_reduce_scatter_rows(p, ctx.world, ctx.group_name, rows)
                   for p, rows in zip(parts, ctx.local_rows, strict=True)]  # fmt: skip
-        return (None, None, None, None, *shards)
+        return (None, None, None, None, None, *shards)
 
 
 def primary_main_grad(module: nn.Module, name: str) -> Tensor | None:
