@@ -64,6 +64,7 @@ __all__ = [
     "dequantized_forward",
     "dequantized_weight",
     "device_splits",
+    "group_sums",
     "grouped_gemm_kind",
     "high_precision_backward",
     "high_precision_forward",
@@ -191,6 +192,17 @@ def row_bias(bias: Tensor, splits: Tensor, rows: int) -> Tensor:
     return torch.repeat_interleave(bias, splits, dim=0, output_size=rows)
 
 
+def group_sums(grad: Tensor, splits: Tensor, groups: int) -> Tensor:
+    """Every group's column sums of ``grad`` ``[rows, N]`` (a bias gradient) by the device
+    ``splits``: one fp32 ``index_add_``, no host sync."""
+    rows, n = grad.shape
+    row_group = torch.repeat_interleave(
+        torch.arange(groups, device=grad.device), splits, output_size=rows
+    )
+    out = grad.new_zeros(groups, n, dtype=torch.float32)
+    return out.index_add_(0, row_group, grad.float()).to(grad.dtype)
+
+
 def _grouped_mm_forward(
     inp: Tensor, m_splits: Tensor, weight: Tensor, bias: Tensor | None
 ) -> Tensor:
@@ -258,12 +270,7 @@ def _grouped_mm_backward(
             main_grad.add_(dw)
         else:
             dweight = dw
-    dbias = empty(grad_out)
-    if has_bias:
-        groups = torch.arange(weight.shape[0], device=inp.device)
-        row_group = torch.repeat_interleave(groups, splits, output_size=inp.shape[0])
-        dbias = grad_out.new_zeros(weight.shape[:2], dtype=torch.float32)
-        dbias = dbias.index_add_(0, row_group, grad_out.float()).to(grad_out.dtype)
+    dbias = group_sums(grad_out, splits, weight.shape[0]) if has_bias else empty(grad_out)
     return dinp, dweight, dbias
 
 
@@ -465,16 +472,11 @@ def dequantized_weight(weight: Tensor, r: GroupedRecipe) -> Tensor:
 
 
 def _group_sums(grad: Tensor, m_splits: Tensor, groups: int, cuda: bool) -> Tensor:
-    """Every group's column sums of ``grad`` (a bias gradient), fp32 accumulation: on CUDA an
-    ``index_add_`` over the device splits (no host sync), else a sum per group."""
+    """Every group's column sums of ``grad`` (a bias gradient), fp32 accumulation: on CUDA
+    :func:`group_sums` over the device splits, else a sum per group."""
     rows, n = grad.shape
     if cuda:
-        splits, _ = device_splits(m_splits, grad)
-        row_group = torch.repeat_interleave(
-            torch.arange(groups, device=grad.device), splits, output_size=rows
-        )
-        out = grad.new_zeros(groups, n, dtype=torch.float32)
-        return out.index_add_(0, row_group, grad.float()).to(grad.dtype)
+        return group_sums(grad, device_splits(m_splits, grad)[0], groups)
     out, start = grad.new_zeros(groups, n), 0
     for g, m in enumerate(host_splits(m_splits, rows)):
         out[g] = grad[start : start + m].sum(0, dtype=torch.float32).to(grad.dtype)
