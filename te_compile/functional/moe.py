@@ -386,17 +386,17 @@ def _permute_backward(ctx, bwd, grad, _grad_map, grad_probs):
     return grad_inp, None, (grad_p if probs is not None else None), None, None
 
 
-def _index_map(tokens: int, k: int, experts: int, device) -> Tensor:
-    """Top-``k`` distinct experts per token, int32."""
-    return torch.rand(tokens, experts, device=device).topk(k, dim=1).indices.to(torch.int32)
+def _routing(tokens: int, k: int, experts: int, device) -> tuple[Tensor, Tensor]:
+    """Top-``k`` distinct experts per token (int32 indices) and the same routing as a mask."""
+    index = torch.rand(tokens, experts, device=device).topk(k, dim=1).indices.to(torch.int32)
+    mask = torch.zeros(tokens, experts, dtype=torch.bool, device=device)
+    return index, mask.scatter_(1, index.long(), True)
 
 
 def _permute_samples(device: torch.device):
     tokens, experts, hidden = 7, 4, 6
     inp = torch.randn(tokens, hidden, device=device, requires_grad=True)
-    index = _index_map(tokens, 2, experts, device)
-    mask = torch.zeros(tokens, experts, dtype=torch.bool, device=device)
-    mask.scatter_(1, index.long(), True)
+    index, mask = _routing(tokens, 2, experts, device)
     n = tokens * 2
     yield SampleInput((inp, mask, None, n, "mask"))
     probs = torch.rand(tokens, experts, device=device) * mask
@@ -467,9 +467,7 @@ def _unpermute_backward(ctx, bwd, grad):
 
 def _unpermute_samples(device: torch.device):
     tokens, experts, hidden = 7, 4, 6
-    index = _index_map(tokens, 2, experts, device)
-    mask = torch.zeros(tokens, experts, dtype=torch.bool, device=device)
-    mask.scatter_(1, index.long(), True)
+    index, mask = _routing(tokens, 2, experts, device)
     mask_map = make_row_id_map(mask, tokens * 2, "mask")
     index_map = make_row_id_map(index, tokens * 2 - 3, "index")  # 3 rows dropped
 
