@@ -37,12 +37,11 @@ type and on every field the traced code read (``quantization.gemm.gemm_args`` re
 compiled model never runs with a stale recipe: setting a field it read recompiles it at the next
 call, and setting it back reuses the first graph.
 
-``backward_override`` (not for ``DelayedScaling``, as in TE) chooses the backward GEMMs' operands:
-``None``, the recipe's quantised ones (the gradient quantised too); ``"high_precision"``, the
-original high-precision input and weight with the gradient unquantised (the forward saves the
-high-precision tensors instead of the FP8 copies); ``"dequantized"``, the forward's quantised
-input and weight dequantised to the input dtype, with the gradient unquantised. The forward is
-the recipe's either way.
+``backward_override`` (not for ``DelayedScaling``, as in TE) chooses the backward GEMMs' operands
+(``docs/fp8.md`` says what each saves): ``None``, the recipe's quantised ones;
+``"high_precision"``, the high-precision input and weight; ``"dequantized"``, the forward's
+quantised ones dequantised; the gradient is not quantised with either. The forward is the
+recipe's either way.
 
 Where this module departs from Transformer Engine (``docs/te_compat.md``, "FP8 recipes and
 autocast", has each recipe's list): no default is read from ``NVTE_*`` environment variables;
