@@ -28,36 +28,24 @@ Layout of the gated input, as in Transformer Engine: by default the first half o
 alternating blocks ``[a_0:k, l_0:k, a_k:2k, l_k:2k, ...]``, the layout a fused grouped MLP's FC1
 produces (``k`` must divide H). Interleaving a contiguous input that way gives the same output.
 
-Ops (one pair per family, the activation chosen by name)::
+Ops: ``te::activation_fwd/_bwd`` and ``te::gated_activation_fwd/_bwd`` (their schemas are the
+signatures below), one pair per family, the activation chosen by name. Why by name and not one op
+per activation: every activation shares the checks, the layouts, the kernels and the bias/dbias
+fusion; 24 ops would repeat them 12 times and cost a registry entry each, while the name is a
+compile-time constant to Triton (one specialisation per activation) and shows in FX graphs and
+profiles as an argument. Why the bias is an optional input rather than a third op pair: it is the
+same kernel with one more load (the bias ``Linear`` of LayerNormMLP's FC1 does not add, this op
+does, in the same pass), like ``te::linear_fwd``'s ``Tensor? bias``. The backward recomputes
+``inp + bias`` instead of saving it (nothing but the inputs is saved) and returns ``dbias`` — the
+column sums of ``dinp``, in fp32 from the unrounded ``dinp`` — from the same pass; ``dbias`` is a
+0-element tensor unless ``need_dbias``. The bias has ``inp``'s last dim (2H for gated activations,
+in the input's column layout) and dtype.
 
-    te::activation_fwd(Tensor inp, Tensor? bias, str activation) -> Tensor
-    te::activation_bwd(Tensor grad, Tensor inp, Tensor? bias, str activation,
-                       bool need_dbias) -> (Tensor dinp, Tensor dbias)
-    te::gated_activation_fwd(Tensor inp, Tensor? bias, str activation,
-                             int glu_interleave_size=0, float limit=7.0, float alpha=1.702,
-                             float glu_linear_offset=1.0) -> Tensor
-    te::gated_activation_bwd(Tensor grad, Tensor inp, Tensor? bias, str activation,
-                             int glu_interleave_size, float limit, float alpha,
-                             float glu_linear_offset, bool need_dbias)
-                             -> (Tensor dinp, Tensor dbias)
-
-Why by name and not one op per activation: every activation shares the checks, the layouts, the
-kernels and the bias/dbias fusion; 24 ops would repeat them 12 times and cost a registry entry
-each, while the name is a compile-time constant to Triton (one specialisation per activation) and
-shows in FX graphs and profiles as an argument. Why the bias is an optional input rather than a
-third op pair: it is the same kernel with one more load (the bias ``Linear`` of LayerNormMLP's FC1
-does not add, this op does, in the same pass), like ``te::linear_fwd``'s ``Tensor? bias``. The
-backward recomputes ``inp + bias`` instead of saving it (nothing but the inputs is saved) and
-returns ``dbias`` — the column sums of ``dinp``, in fp32 from the unrounded ``dinp`` — from the
-same pass; ``dbias`` is a 0-element tensor unless ``need_dbias``. The bias has ``inp``'s last dim
-(2H for gated activations, in the input's column layout) and dtype.
-
-Implementations: the CPU one is the reference math below (fp32, rounded once); CUDA runs the
-Triton kernels of ``te_compile.kernels.activation`` (fp64 inputs take the reference math there
-too). FP8 output quantisation will be trailing arguments with defaults (scale, amax) and extra
-returns, without changing these signatures' meaning. Under ``torch.autocast`` the op runs in the
-autocast dtype (input and bias cast as ``nn.Linear`` casts its bias), as Transformer Engine's
-activation ops do: in a transformer block it sits between autocast GEMMs.
+Implementations: the CPU one is the reference math below (fp32, rounded once); CUDA runs the Triton
+kernels of ``te_compile.kernels.activation`` (fp64 inputs take the reference math there too). Under
+``torch.autocast`` the op runs in the autocast dtype (input and bias cast as ``nn.Linear`` casts
+its bias), as Transformer Engine's activation ops do: in a transformer block it sits between
+autocast GEMMs.
 """
 
 from __future__ import annotations

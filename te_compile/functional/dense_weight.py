@@ -135,12 +135,18 @@ def refuse_fp8_weight_grad(owner: str, name: str, main_grad: str) -> None:
     )
 
 
-def weight_operand(tensors, fp8_dtype: torch.dtype) -> Operand:
-    """The :class:`Operand` of the five pre-quantised tensors (codes viewed as ``fp8_dtype``)."""
-    data, scale, data_t, scale_t, amax = tensors
+def weight_operand(
+    tensors, spec: QuantSpec, weight: Tensor, scale: Tensor | None, slot=None
+) -> Operand:
+    """A GEMM's weight :class:`Operand`: ``weight`` quantised by ``spec`` (``scale``: its delayed
+    scale; ``slot``: as ``gemm.quantize_operand``'s), or its five pre-quantised ``tensors``
+    where given (codes viewed as the spec's format)."""
+    if tensors is None:
+        return quantize_operand(spec, weight, scale=scale, slot=slot)
+    data, s, data_t, s_t, amax = tensors
     if data.dtype is torch.uint8:
-        data, data_t = data.view(fp8_dtype), data_t.view(fp8_dtype)
-    return Operand(data, scale, data_t, scale_t, amax)
+        data, data_t = data.view(spec.fp8_dtype), data_t.view(spec.fp8_dtype)
+    return Operand(data, s, data_t, s_t, amax)
 
 
 def check_weight_spec(p: str, spec: str, scale: Tensor | None) -> QuantSpec:

@@ -36,7 +36,7 @@ from te_compile._checks import check_tensor
 from te_compile._library import SampleInput, differentiable, op
 from te_compile.functional import quantize_table as _q
 from te_compile.functional.quantize_mx_ref import nvfp4_qdq_row_groups
-from te_compile.functional.spec import QuantSpec, parse
+from te_compile.functional.spec import QuantSpec, as_strings, parse
 
 __all__ = ["fake_quantize", "fake_quantize_ref", "qdq"]
 
@@ -251,7 +251,7 @@ def fake_quantize(
     check_tensor(p, "inp", inp, floating=False, min_dim=0)
     if row_splits is not None:
         check_tensor(p, "row_splits", row_splits, floating=False, min_dim=0)
-    spec, grad_spec = (s.encode() if isinstance(s, QuantSpec) else s for s in (spec, grad_spec))
+    spec, grad_spec = as_strings(spec, grad_spec)
     if row_splits is None:
         return _fake_quantize(inp, spec, grad_spec)
     return _fake_quantize(inp, spec, grad_spec, row_splits)

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from te_compile._checks import check_bool
-from te_compile._library import SampleInput, differentiable, op
+from te_compile._library import differentiable, op
 from te_compile.functional.norm import check_norm_args as _check_norm
 from te_compile.functional.norm import (
     check_public_args,
@@ -33,6 +33,7 @@ from te_compile.functional.norm import (
     rmsnorm_bwd_ref,
     rmsnorm_fwd,
     rmsnorm_ref,
+    rmsnorm_samples,
 )
 
 __all__ = ["branch_rmsnorm", "branch_rmsnorm_ref"]
@@ -150,22 +151,12 @@ def _backward(ctx, bwd, grad_out, grad_branch, _grad_rsigma):
     return dinp if need_dgrad else None, dweight if need_wgrad else None, None, None
 
 
-def _samples(device: torch.device):
-    def t(*shape, dtype=torch.float32):
-        return torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
-
-    yield SampleInput((t(5, 16), t(16), 1e-5, False))
-    yield SampleInput((t(2, 3, 24, dtype=torch.bfloat16), t(24), 1e-5, True))
-    yield SampleInput((t(7, 33, dtype=torch.bfloat16), t(33, dtype=torch.bfloat16), 1e-3, False))
-    yield SampleInput((t(3, 4, 8, dtype=torch.float16), t(8, dtype=torch.float16), 1e-5, True))
-
-
 _branch_rmsnorm = differentiable(
     branch_rmsnorm_fwd,
     branch_rmsnorm_bwd,
     setup_context=_setup_context,
     backward=_backward,
-    sample_inputs=_samples,
+    sample_inputs=rmsnorm_samples,  # te::rmsnorm_fwd's arguments
     reference=branch_rmsnorm_ref,
 )
 

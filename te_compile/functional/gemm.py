@@ -77,7 +77,7 @@ from te_compile.functional.quantize_mx import (
     quantize_nvfp4,
 )
 from te_compile.functional.quantize_mx_ref import FOUR_OVER_SIX, mxfp8_qdq_tiles, nvfp4_qdq
-from te_compile.functional.spec import QuantSpec
+from te_compile.functional.spec import EpilogueSpec, NormSpec, QuantSpec, as_specs, parse
 
 __all__ = [
     "BACKWARD_OVERRIDES",
@@ -87,6 +87,7 @@ __all__ = [
     "HIGH_DTYPES",
     "PER_TENSOR",
     "QUANTIZERS",
+    "BwdArgs",
     "DeferredWgrad",
     "Operand",
     "accumulate_wgrad",
@@ -689,6 +690,29 @@ def accumulate_wgrad(main_grad: Tensor, dy: Tensor, x: Tensor) -> None:
         main_grad.addmm_(dy.t().float(), x.float())
 
 
+class BwdArgs(NamedTuple):
+    """A dense family's backward op arguments after the tensors, parsed (``te::mlp_bwd`` always
+    computes its weight gradients: ``need_wgrad`` True)."""
+
+    x: QuantSpec
+    w: QuantSpec
+    g: QuantSpec
+    norm: NormSpec
+    ep: EpilogueSpec
+    need_dbias: bool
+    need_dgrad: bool
+    need_wgrad: bool = True
+
+    @classmethod
+    def of(cls, input_spec, weight_spec, grad_spec, norm, epilogue, *need) -> BwdArgs:
+        return cls(*as_specs(input_spec, weight_spec, grad_spec), parse(NormSpec, norm),
+                   parse(EpilogueSpec, epilogue), *need)  # fmt: skip
+
+    @property
+    def recipe(self) -> str:
+        return self.x.kind
+
+
 class DeferredWgrad(NamedTuple):
     """A weight gradient left for later (the GEMM families' ``delay_wgrad=True``, Transformer
     Engine's ``delay_wgrad_compute``): the family's backward op copies its incoming gradient
@@ -713,6 +737,18 @@ class DeferredWgrad(NamedTuple):
     def compute(self) -> Tensor | None:
         """The weight gradient, or None where it was accumulated into ``main_grad``."""
         return self.replay(self.stash)
+
+    @staticmethod
+    def check_stash(p: str, stash: Tensor | None, shape: tuple, inp: Tensor) -> None:
+        """A family op's ``wgrad_stash`` (None, or the output's ``shape`` in ``inp``'s dtype and
+        device); ``p`` begins the message."""
+        if stash is not None and (
+            stash.shape != shape or stash.dtype != inp.dtype or stash.device != inp.device
+        ):
+            raise ValueError(
+                p + f"wgrad_stash must have the output's shape {list(shape)}, inp's dtype "
+                f"{inp.dtype} and device, got {list(stash.shape)} {stash.dtype} {stash.device}"
+            )
 
     @staticmethod
     def check(owner: str, delay_wgrad: object) -> None:

@@ -10,9 +10,9 @@ from torch import Tensor
 
 # The definition of every kind's GEMM ----------------------------------------------------------
 from te_compile.functional.gemm import PER_TENSOR, qdq_both, quantize_per_tensor, scale_slots
-from te_compile.functional.spec import QuantSpec, parse
+from te_compile.functional.spec import QuantSpec, as_specs
 
-__all__ = ["as_specs", "quantized_linear_ref"]
+__all__ = ["quantized_linear_ref"]
 
 
 def _fake_quant(x: Tensor, fp8_dtype: torch.dtype, scale: Tensor | None) -> Tensor:
@@ -61,11 +61,6 @@ class _BlockReference(torch.autograd.Function):
         rng_state = rng_state if ctx.grad_spec.stochastic_rounding else None
         g_row, g_col_t = qdq_both(grad, ctx.grad_spec, rng_state)
         return g_row @ w_col_t.t(), g_col_t @ x_col_t.t(), None, None
-
-
-def as_specs(*specs: str | QuantSpec) -> tuple[QuantSpec, ...]:
-    """Spec objects of spec strings (or objects)."""
-    return tuple(s if isinstance(s, QuantSpec) else parse(QuantSpec, s) for s in specs)
 
 
 def quantized_linear_ref(

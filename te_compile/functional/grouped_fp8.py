@@ -52,6 +52,7 @@ from te_compile._numerics import div_rn, reciprocal_rn
 from te_compile.functional.gemm import HIGH_DTYPES, empty, quantize_per_tensor
 from te_compile.functional.grouped_gemm import (
     device_splits,
+    group_sums,
     host_splits,
     row_bias,
 )
@@ -461,10 +462,7 @@ def _scaled_backward(
                 main_grad.add_(dweight)
                 dweight = empty(grad_out)
         if has_bias:
-            group_ids = torch.arange(groups, device=grad_out.device)
-            row_group = torch.repeat_interleave(group_ids, splits, output_size=rows)
-            dbias = grad_out.new_zeros(groups, n, dtype=torch.float32)
-            dbias = dbias.index_add_(0, row_group, grad_out.float()).to(dtype)
+            dbias = group_sums(grad_out, splits, groups)
         return dinp, dweight, dbias
     splits = host_splits(m_splits, rows)
     if need_dgrad:

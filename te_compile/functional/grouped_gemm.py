@@ -43,6 +43,7 @@ from torch import Tensor
 from te_compile._checks import shown
 from te_compile._numerics import acc_dtype
 from te_compile.functional.gemm import (
+    PER_TENSOR,
     block_scaled_mm,
     empty,
     padded,
@@ -63,14 +64,27 @@ __all__ = [
     "dequantized_forward",
     "dequantized_weight",
     "device_splits",
+    "group_sums",
+    "grouped_gemm_kind",
     "high_precision_backward",
     "high_precision_forward",
     "host_splits",
+    "nvfp4_input",
+    "nvfp4_weight",
     "row_bias",
     "uses_grouped_mm",
 ]
 
 _E4M3 = torch.float8_e4m3fn
+
+
+def grouped_gemm_kind(recipe: str, emulate: bool) -> str:
+    """The ``GROUPED_GEMMS`` row (module docstring) of a recipe kind."""
+    if not recipe:
+        return "grouped_mm"
+    if recipe in PER_TENSOR:
+        return "scaled_grouped_mm"
+    return "blockwise" if recipe == "block" and not emulate else "dequantized"
 
 
 class GroupedRecipe(NamedTuple):
@@ -178,6 +192,17 @@ def row_bias(bias: Tensor, splits: Tensor, rows: int) -> Tensor:
     return torch.repeat_interleave(bias, splits, dim=0, output_size=rows)
 
 
+def group_sums(grad: Tensor, splits: Tensor, groups: int) -> Tensor:
+    """Every group's column sums of ``grad`` ``[rows, N]`` (a bias gradient) by the device
+    ``splits``: one fp32 ``index_add_``, no host sync."""
+    rows, n = grad.shape
+    row_group = torch.repeat_interleave(
+        torch.arange(groups, device=grad.device), splits, output_size=rows
+    )
+    out = grad.new_zeros(groups, n, dtype=torch.float32)
+    return out.index_add_(0, row_group, grad.float()).to(grad.dtype)
+
+
 def _grouped_mm_forward(
     inp: Tensor, m_splits: Tensor, weight: Tensor, bias: Tensor | None
 ) -> Tensor:
@@ -245,12 +270,7 @@ def _grouped_mm_backward(
             main_grad.add_(dw)
         else:
             dweight = dw
-    dbias = empty(grad_out)
-    if has_bias:
-        groups = torch.arange(weight.shape[0], device=inp.device)
-        row_group = torch.repeat_interleave(groups, splits, output_size=inp.shape[0])
-        dbias = grad_out.new_zeros(weight.shape[:2], dtype=torch.float32)
-        dbias = dbias.index_add_(0, row_group, grad_out.float()).to(grad_out.dtype)
+    dbias = group_sums(grad_out, splits, weight.shape[0]) if has_bias else empty(grad_out)
     return dinp, dweight, dbias
 
 
@@ -440,11 +460,11 @@ def _cast(x2: Tensor, r: GroupedRecipe, fp8_dtype: torch.dtype, block_rows: int 
 
 def dequantized_weight(weight: Tensor, r: GroupedRecipe) -> Tensor:
     """``W`` ``[G, N, K]`` quantised exactly, each expert in the recipe's weight blocks (NVFP4:
-    with a global scale per expert, as :func:`_nvfp4_weight`), dequantised to its dtype: the
+    with a global scale per expert, as :func:`nvfp4_weight`), dequantised to its dtype: the
     emulated GEMMs' weight operand, also as a pre-quantised weight."""
     g, n, k = weight.shape
     if r.recipe == "nvfp4":
-        return _nvfp4_weight(weight, r)[0]
+        return nvfp4_weight(weight, r)[0]
     w_rows = r.weight_block_rows if r.recipe == "block" else 1
     if w_rows == 1 or n % w_rows == 0:  # no block of rows straddles two experts
         return _cast(weight.reshape(g * n, k), r, r.fwd_dtype, w_rows).view(g, n, k)
@@ -452,16 +472,11 @@ def dequantized_weight(weight: Tensor, r: GroupedRecipe) -> Tensor:
 
 
 def _group_sums(grad: Tensor, m_splits: Tensor, groups: int, cuda: bool) -> Tensor:
-    """Every group's column sums of ``grad`` (a bias gradient), fp32 accumulation: on CUDA an
-    ``index_add_`` over the device splits (no host sync), else a sum per group."""
+    """Every group's column sums of ``grad`` (a bias gradient), fp32 accumulation: on CUDA
+    :func:`group_sums` over the device splits, else a sum per group."""
     rows, n = grad.shape
     if cuda:
-        splits, _ = device_splits(m_splits, grad)
-        row_group = torch.repeat_interleave(
-            torch.arange(groups, device=grad.device), splits, output_size=rows
-        )
-        out = grad.new_zeros(groups, n, dtype=torch.float32)
-        return out.index_add_(0, row_group, grad.float()).to(grad.dtype)
+        return group_sums(grad, device_splits(m_splits, grad)[0], groups)
     out, start = grad.new_zeros(groups, n), 0
     for g, m in enumerate(host_splits(m_splits, rows)):
         out[g] = grad[start : start + m].sum(0, dtype=torch.float32).to(grad.dtype)
@@ -503,7 +518,7 @@ def blockwise_backward(grad, saved, inp, m_splits, weight, main_grad, r, has_bia
                                r.weight_block_rows, has_bias, dgrad, wgrad)  # fmt: skip
 
 
-def _nvfp4_input(inp, m_splits, r: GroupedRecipe) -> tuple[Tensor, Tensor]:
+def nvfp4_input(inp, m_splits, r: GroupedRecipe) -> tuple[Tensor, Tensor]:
     """NVFP4, as a dense GEMM per expert quantises its operands (``functional.gemm``): ``(X,
     X^T's copy)`` dequantised, each expert's tokens with a global scale of their own, the copy
     for the wgrad GEMM quantised along the tokens (with the random Hadamard transform with
@@ -514,8 +529,8 @@ def _nvfp4_input(inp, m_splits, r: GroupedRecipe) -> tuple[Tensor, Tensor]:
     return x_row.to(inp.dtype), x_col_t.t().to(inp.dtype).contiguous()
 
 
-def _nvfp4_weight(weight: Tensor, r: GroupedRecipe) -> tuple[Tensor, Tensor]:
-    """``(W, W^T's copy)`` dequantised to the weight's dtype, as :func:`_nvfp4_input` for the
+def nvfp4_weight(weight: Tensor, r: GroupedRecipe) -> tuple[Tensor, Tensor]:
+    """``(W, W^T's copy)`` dequantised to the weight's dtype, as :func:`nvfp4_input` for the
     weight: each expert with a global scale of its own, the dgrad copy quantised along
     ``out_features`` (the same values with 16x16 tiles), 4over6 as ``r.weight_4over6`` says."""
     g, n, k = weight.shape
@@ -531,7 +546,7 @@ def dequantized_input(inp: Tensor, m_splits: Tensor, r: GroupedRecipe) -> Tensor
     copy quantised along the tokens), made again from ``inp`` by a backward that kept the input
     itself (``save_original_input``): the same values, the quantisation being deterministic."""
     if r.recipe == "nvfp4":
-        return _nvfp4_input(inp, m_splits, r)[1]
+        return nvfp4_input(inp, m_splits, r)[1]
     return _cast(inp, r, r.fwd_dtype)
 
 
@@ -542,8 +557,8 @@ def dequantized_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
     first tensor is :func:`dequantized_weight`'s ``W``: an input, the caller saves it; NVFP4's
     weight copies then need 16x16 tiles, which make ``W^T``'s copy ``W`` itself)."""
     if r.recipe == "nvfp4":
-        x, x_col = _nvfp4_input(inp, m_splits, r)
-        w, w_col = _nvfp4_weight(weight, r) if weight_q is None else (weight_q[0], weight_q[0])
+        x, x_col = nvfp4_input(inp, m_splits, r)
+        w, w_col = nvfp4_weight(weight, r) if weight_q is None else (weight_q[0], weight_q[0])
         saved = [x_col, w_col]
     else:
         x = _cast(inp, r, r.fwd_dtype)

@@ -1,8 +1,7 @@
 """The grouped linear family's arguments and their checks (``grouped_linear_ops.py`` defines the
-ops): ``GroupedLinearArgs`` names the forward op's arguments and parses its specs,
-``grouped_gemm_kind`` picks a recipe's row of ``GROUPED_GEMMS``; the checks are shared by the
-implementations (eager) and the fake (trace time), so a bad argument raises the same ValueError
-in both."""
+ops): ``GroupedLinearArgs`` names the forward op's arguments and parses its specs; the checks are
+shared by the implementations (eager) and the fake (trace time), so a bad argument raises the
+same ValueError in both."""
 
 from __future__ import annotations
 
@@ -17,10 +16,11 @@ from te_compile.functional.gemm import (
     BLOCK_KINDS,
     HIGH_DTYPES,
     PER_TENSOR,
+    DeferredWgrad,
     blockwise_supported,
     check_specs,
 )
-from te_compile.functional.grouped_gemm import GroupedRecipe
+from te_compile.functional.grouped_gemm import GroupedRecipe, grouped_gemm_kind
 from te_compile.functional.grouped_weight import check_grouped_weight_operand
 from te_compile.functional.spec import BackwardSpec, QuantSpec, parse, parse_roles
 
@@ -28,22 +28,12 @@ __all__ = [
     "GroupedLinearArgs",
     "appends_amaxes",
     "check_grouped_linear",
-    "grouped_gemm_kind",
     "make_grouped_recipe",
 ]
 
 # The block-scaled kinds whose emulated backward can quantise a kept input again
 # (``save_input``): their quantisation is deterministic.
 _EMULATED_SAVE_INPUT = ("block", "mxfp8", "nvfp4")
-
-
-def grouped_gemm_kind(recipe: str, emulate: bool) -> str:
-    """The :data:`GROUPED_GEMMS` row of a recipe kind."""
-    if not recipe:
-        return "grouped_mm"
-    if recipe in PER_TENSOR:
-        return "scaled_grouped_mm"
-    return "blockwise" if recipe == "block" and not emulate else "dequantized"
 
 
 class GroupedLinearArgs(NamedTuple):
@@ -172,15 +162,8 @@ def _diagnose(
 
 def check_grouped_linear(a: GroupedLinearArgs) -> None:
     _check_args(a.inp, a.m_splits, a.weight, a.bias, a.main_grad)
-    stash = a.wgrad_stash
-    if stash is not None:
-        shape = (a.inp.shape[0], a.weight.shape[1])
-        if stash.shape != shape or stash.dtype != a.inp.dtype or stash.device != a.inp.device:
-            raise ValueError(
-                f"te.grouped_linear: wgrad_stash must have the output's shape {list(shape)}, "
-                f"inp's dtype {a.inp.dtype} and device, got {list(stash.shape)} {stash.dtype} "
-                f"{stash.device}"
-            )
+    shape = (a.inp.shape[0], a.weight.shape[1])
+    DeferredWgrad.check_stash("te.grouped_linear: ", a.wgrad_stash, shape, a.inp)
     if not (
         a.input_spec or a.weight_spec or a.grad_spec or a.backward or a.scale is not None
         or a.grad_amax is not None or a.rng_state is not None or a.weight_q is not None

@@ -16,22 +16,14 @@ the input's device or on the CPU; the public function also takes a Python list (
 CPU tensor; under ``torch.compile`` a list is a constant, so pass a tensor when the splits change
 from step to step).
 
-After the five tensors the op takes the recipe as data, as the linear family does
-(``functional.spec``): ``input_spec``, ``weight_spec``, ``grad_spec`` (a ``QuantSpec`` string
-each; one power-of-two option for all three and the input's format for the weight), the
-delayed-scaling ``scale`` ``[3]`` and ``grad_amax`` ``[1]`` (into which the backward writes the
-gradient's amax), ``rng_state`` (a gradient spec's stochastic rounding) and ``backward`` (a
-``BackwardSpec`` string: ``fp8_wgrad``, per-tensor specs: the wgrad GEMM in FP8 too, the input
-kept as its FP8 wgrad operand instead of in high precision; ``save_input``: the input kept
-itself and quantised again in the backward; ``"high_precision"`` / ``"dequantized"``,
-``te::linear``'s overrides: the backward is high precision's on ``inp`` and ``weight``, or on
-the forward GEMM's operands dequantised to the input dtype, the gradient not quantised and
-``grad_amax`` not written).
-The GEMMs of each recipe are a row of :data:`GROUPED_GEMMS`:
-``torch._grouped_mm`` and ``torch._scaled_grouped_mm`` on device offsets (no host sync, no
-recompilation when the splits change), a blockwise-scaled ``_scaled_mm`` per expert, or the
-emulation of the block-scaled recipes: the rows of :data:`GROUPED_GEMMS`, one table
-(``functional.grouped_gemm`` and ``functional.grouped_fp8`` have the details).
+After the five tensors the op takes the recipe as data as ``te::linear`` does
+(``functional.linear_ops``: ``input_spec``, ``weight_spec``, ``grad_spec``, ``scale``,
+``grad_amax``, ``rng_state``; here one power-of-two option for all three specs and the input's
+format for the weight) and ``backward`` (a ``BackwardSpec`` string: ``te::linear``'s
+``"high_precision"`` / ``"dequantized"`` and ``save_input``, and ``fp8_wgrad``, per-tensor
+specs: the wgrad GEMM in FP8 too, the input kept as its FP8 wgrad operand instead of in high
+precision). The GEMMs of each recipe are a row of :data:`GROUPED_GEMMS` (one table;
+``functional.grouped_gemm`` and ``functional.grouped_fp8`` have the details).
 
 ``saved`` (the tensors the backward needs that are not inputs): per-tensor recipes ``[W_8
 [G, K, N] (uint8 bytes, quantised along N or per tensor), its inverse scales [G, K]]`` and
@@ -43,12 +35,9 @@ recipes the dequantised ``X`` and ``W``; nothing in high precision. Under an ove
 (``"high_precision"``) or the dequantised forward operands ``[X, W]`` (``"dequantized"``), then
 the amaxes as above.
 
-Pre-quantised weight: ``weight_q``, the five tensors ``weight_data``, ``weight_scale``,
-``weight_data_t``, ``weight_scale_t``, ``weight_amax`` (with a recipe), is ``weight`` already
-cast by ``te::quantize_grouped_weight`` (``functional.grouped_weight``, the bytes of the op's
-own cast); the op then does not quantise ``weight``, leaves the weight's copies out of
-``saved`` (the backward gets them from the inputs), and reports ``weight_amax`` as the weight's
-amax.
+Pre-quantised weight: ``weight_q``, as ``te::linear``'s, cast by ``te::quantize_grouped_weight``
+(``functional.grouped_weight``, the bytes of the op's own cast); ``saved`` then lacks the
+weight's copies (the backward gets them from the inputs).
 
 Under ``torch.compile`` Inductor traces into a high-precision call on CUDA that takes the
 ``torch._grouped_mm`` path (bf16, sizes multiples of 8, the splits on the input's device): it
@@ -91,7 +80,7 @@ from te_compile.functional.gemm import (
     quantize_per_tensor,
     save_for_backward_except_written,
 )
-from te_compile.functional.gemm_ref import as_specs, quantized_linear_ref
+from te_compile.functional.gemm_ref import quantized_linear_ref
 from te_compile.functional.grouped_fp8 import (
     as_e4m3,
     per_tensor_backward,
@@ -108,20 +97,22 @@ from te_compile.functional.grouped_gemm import (
     dequantized_backward,
     dequantized_forward,
     dequantized_input,
+    grouped_gemm_kind,
     high_precision_backward,
     high_precision_forward,
+    nvfp4_input,
+    nvfp4_weight,
     uses_grouped_mm,
 )
 from te_compile.functional.grouped_linear_args import (
     GroupedLinearArgs,
     appends_amaxes,
     check_grouped_linear,
-    grouped_gemm_kind,
     make_grouped_recipe,
 )
 from te_compile.functional.grouped_linear_samples import sample_inputs
 from te_compile.functional.quantize_mx_ref import nvfp4_qdq
-from te_compile.functional.spec import BackwardSpec, QuantSpec, parse
+from te_compile.functional.spec import BackwardSpec, QuantSpec, as_specs, as_strings, parse
 
 __all__ = [
     "GROUPED_GEMMS",
@@ -248,19 +239,13 @@ def scaled_grouped_linear_ref(
 def _ref_operands(x: Tensor, w: Tensor, splits: list[int], r: GroupedRecipe) -> tuple[Tensor, ...]:
     """The forward GEMM's operands, quantised and dequantised: per row (per tensor with delayed
     scales) or in blocks along ``in_features``, each expert's weight in its blocks (NVFP4: the
-    rowwise copies, each expert's tokens and weight with a global scale of their own)."""
+    rowwise copies of ``functional.grouped_gemm.nvfp4_input`` / ``nvfp4_weight``)."""
     if r.recipe in PER_TENSOR:
         scale = r.scale if r.recipe == "delayed" else None
         xq, wq = (_fake_quant(t, r.fwd_dtype, -1, _slot(scale, i)) for i, t in enumerate((x, w)))
         return xq, wq
     if r.recipe == "nvfp4":
-        g, n, k = w.shape
-        x_row, _ = nvfp4_qdq(x, rht=r.rht, four_over_six=r.input_4over6,
-                             row_splits=torch.tensor(splits))  # fmt: skip
-        w_row, _ = nvfp4_qdq(w.reshape(g * n, k), tiles=r.weight_block_rows == 16,
-                             four_over_six=r.weight_4over6,
-                             row_splits=torch.full((g,), n))  # fmt: skip
-        return x_row.to(x.dtype), w_row.to(x.dtype).view(g, n, k)
+        return nvfp4_input(x, torch.tensor(splits), r)[0], nvfp4_weight(w, r)[0]
     p2 = r.power_2_scale if r.recipe == "block" else False
     rows = r.weight_block_rows if r.recipe == "block" else 1
     wq = torch.stack([qdq(w_g, r.recipe, r.fwd_dtype, rows, p2) for w_g in w])
@@ -269,59 +254,38 @@ def _ref_operands(x: Tensor, w: Tensor, splits: list[int], r: GroupedRecipe) -> 
 
 class _RefDequantized(torch.autograd.Function):
     """The emulated block-scaled recipes: the GEMMs of the quantised-dequantised operands, the
-    incoming gradient quantised in blocks along ``out_features`` (per expert for NVFP4), the
-    operands' gradients straight through."""
+    incoming gradient quantised in blocks along ``out_features``, the operands' gradients
+    straight through. NVFP4: every expert's GEMMs as ``functional.gemm_ref.quantized_linear_ref``
+    defines a dense one (its own global scales; the backward GEMMs on copies quantised along
+    the other dim, the transform, stochastic rounding from one stream over the whole gradient,
+    4over6), in the input's dtype (float64 in the tests)."""
 
     @staticmethod
     def forward(ctx, x, w, splits, r: GroupedRecipe):
-        n = w.shape[1]
-        xq, wq = _ref_operands(x, w, splits, r)
-        ctx.save_for_backward(xq, wq)
+        if r.recipe == "nvfp4":  # the backward GEMMs read the copies quantised along the other dim
+            (xq, x_col), (wq, w_col) = nvfp4_input(x, torch.tensor(splits), r), nvfp4_weight(w, r)
+            ctx.save_for_backward(x_col, w_col)
+        else:
+            xq, wq = _ref_operands(x, w, splits, r)
+            ctx.save_for_backward(xq, wq)
         ctx.splits, ctx.r = splits, r
         outs = [x_g @ wq[g].t() for g, x_g in enumerate(xq.split(splits))]
-        return torch.cat(outs) if outs else x.new_empty(0, n)
+        return torch.cat(outs) if outs else x.new_empty(0, w.shape[1])
 
     @staticmethod
     def backward(ctx, dy):
-        xq, wq = ctx.saved_tensors
+        x_b, w_b = ctx.saved_tensors  # the backward GEMMs' copies of the operands
         r, splits = ctx.r, ctx.splits
-        dyq = qdq(dy, r.recipe, r.bwd_dtype, 1, r.recipe == "block" and r.power_2_scale)
-        parts = list(zip(dyq.split(splits), xq.split(splits), strict=True))
-        dx = torch.cat([d @ wq[g] for g, (d, _) in enumerate(parts)])
-        dw = torch.stack([d.t() @ x_g for d, x_g in parts])
-        return dx, dw, None, None
-
-
-class _RefNVFP4(torch.autograd.Function):
-    """NVFP4: every expert's GEMMs as ``functional.gemm_ref.quantized_linear_ref`` defines a dense
-    one (its own global scales; the backward GEMMs on copies quantised along the other dim,
-    the transform, stochastic rounding from one stream over the whole gradient, 4over6), in
-    the input's dtype (float64 in the tests)."""
-
-    @staticmethod
-    def forward(ctx, x, w, splits, r: GroupedRecipe):
-        g, n, k = w.shape
-        row_splits = torch.tensor(splits)
-        x_row, x_col_t = nvfp4_qdq(x, rht=r.rht, four_over_six=r.input_4over6,
-                                   row_splits=row_splits)  # fmt: skip
-        w_row, w_col_t = nvfp4_qdq(w.reshape(g * n, k), tiles=r.weight_block_rows == 16,
-                                   four_over_six=r.weight_4over6,
-                                   row_splits=torch.full((g,), n))  # fmt: skip
-        x_row, w_row = x_row.to(x.dtype), w_row.to(x.dtype).view(g, n, k)
-        ctx.save_for_backward(x_col_t.t().to(x.dtype), w_col_t.t().to(x.dtype).view(g, n, k))
-        ctx.splits, ctx.r = splits, r
-        outs = [x_g @ w_row[i].t() for i, x_g in enumerate(x_row.split(splits))]
-        return torch.cat(outs) if outs else x.new_empty(0, n)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x_col, w_col = ctx.saved_tensors
-        r, splits = ctx.r, ctx.splits
-        g_row, g_col_t = nvfp4_qdq(dy, rht=r.rht, rng_state=r.rng_state,
-                                   row_splits=torch.tensor(splits))  # fmt: skip
-        g_row, g_col = g_row.to(dy.dtype), g_col_t.t().to(dy.dtype)
-        dx = torch.cat([d @ w_col[i] for i, d in enumerate(g_row.split(splits))])
-        parts = zip(g_col.split(splits), x_col.split(splits), strict=True)
+        if r.recipe == "nvfp4":
+            g_row, g_col_t = nvfp4_qdq(dy, rht=r.rht, rng_state=r.rng_state,
+                                       row_splits=torch.tensor(splits))  # fmt: skip
+            g_row, g_col = g_row.to(dy.dtype), g_col_t.t().to(dy.dtype)
+        else:
+            g_row = g_col = qdq(
+                dy, r.recipe, r.bwd_dtype, 1, r.recipe == "block" and r.power_2_scale
+            )
+        dx = torch.cat([d @ w_b[i] for i, d in enumerate(g_row.split(splits))])
+        parts = zip(g_col.split(splits), x_b.split(splits), strict=True)
         dw = torch.stack([d.t() @ x_g for d, x_g in parts])
         return dx, dw, None, None
 
@@ -347,8 +311,6 @@ def _reference(*args):
                 outs.append(quantized_linear_ref(inp[row : row + m], weight[i], x, w, g))
             row += m
         out = torch.cat(outs)
-    elif x.kind == "nvfp4":
-        out = _RefNVFP4.apply(inp, weight, splits, a.grouped_recipe)
     else:
         out = _RefDequantized.apply(inp, weight, splits, a.grouped_recipe)
     if bias is not None:
@@ -546,36 +508,36 @@ def grouped_linear_bwd(
     ``amax(dY)`` into ``grad_amax`` when given. ``wgrad_stash`` (delayed weight gradient):
     ``grad_out`` is copied into it and the weight gradient is not computed (``DeferredWgrad``
     replays this op for it). Default (CPU): fp32 math, the exact emulation of the FP8 GEMMs."""
-    if wgrad_stash is not None:
-        wgrad_stash.copy_(grad_out)
-        need_wgrad = False
-    c = _Bwd.of(input_spec, weight_spec, grad_spec, backward, has_bias, need_dgrad, need_wgrad)
-    return _backward_impl(grad_out, saved, inp, m_splits, weight, main_grad, scale, grad_amax,
-                          rng_state, c, cuda=False)  # fmt: skip
+    args = (grad_out, saved, inp, m_splits, weight, main_grad, scale, grad_amax, rng_state,
+            input_spec, weight_spec, grad_spec, backward, has_bias, need_dgrad, need_wgrad,
+            wgrad_stash)  # fmt: skip
+    return _backward_op(args, cuda=False)
 
 
-def _bwd_args(args: tuple) -> tuple[tuple, _Bwd]:
-    """The tensors and scalars of a backward call; a ``wgrad_stash`` gets ``grad_out`` (copied
-    by the CUDA kernel) and takes the weight gradient's place (``need_wgrad`` becomes
-    False)."""
+def _bwd_args(args: tuple) -> tuple[tuple, _Bwd, Tensor | None]:
+    """The tensors, the scalars and the ``wgrad_stash`` of a backward call; a stash takes the
+    weight gradient's place (``need_wgrad`` becomes False)."""
     n, end = _N_BWD_TENSORS, _N_BWD_TENSORS + _N_BWD_SCALARS
     c = _Bwd.of(*args[n:end])
     stash = args[end] if len(args) > end else None
-    return args[:n], (c if stash is None else c._replace(need_wgrad=False))
+    return args[:n], (c if stash is None else c._replace(need_wgrad=False)), stash
+
+
+def _backward_op(args: tuple, cuda: bool) -> tuple[Tensor, Tensor, Tensor]:
+    tensors, c, stash = _bwd_args(args)
+    if stash is not None:
+        stash.copy_(tensors[0])
+    return _backward_impl(*tensors, c, cuda=cuda)
 
 
 @grouped_linear_bwd.register_kernel("cuda")
 def _grouped_linear_bwd_cuda(*args):
-    tensors, c = _bwd_args(args)
-    end = _N_BWD_TENSORS + _N_BWD_SCALARS
-    if len(args) > end and args[end] is not None:
-        args[end].copy_(tensors[0])
-    return _backward_impl(*tensors, c, cuda=True)
+    return _backward_op(args, cuda=True)
 
 
 @grouped_linear_bwd.register_fake
 def _grouped_linear_bwd_fake(*args):
-    (grad_out, _saved, inp, _splits, weight, main_grad, *_), c = _bwd_args(args)
+    (grad_out, _saved, inp, _splits, weight, main_grad, *_), c, _ = _bwd_args(args)
     g, n, k = weight.shape
     if c.need_wgrad and c.x.kind in ("", *PER_TENSOR) and not c.bw.fp8_wgrad:
         torch._check(inp is not None, lambda: "te.grouped_linear_bwd: the wgrad needs inp")
@@ -679,27 +641,17 @@ def grouped_linear(
 ) -> Tensor | tuple[Tensor, ...]:
     """Rows of ``inp`` split into groups by ``m_splits``; group ``g`` gets
     ``inp_g @ weight[g].T + bias[g]`` through ``te::grouped_linear_fwd`` (module docstring; by
-    default high precision). ``input_spec`` / ``weight_spec`` / ``grad_spec``: the quantisation
-    of each operand, as :func:`~te_compile.functional.linear` takes them (NVFP4's options
-    apply to each expert's GEMMs as ``te.linear`` applies them; ``rng_state``: one stream over
-    the whole gradient for its stochastic rounding, None draws one; every group's token count
-    a multiple of 16), with the delayed scales ``scale`` and the gradient's amax buffer
-    ``grad_amax``. ``main_grad`` (fp32, ``weight``'s shape): the weight gradient is added to
-    it instead of being returned. ``fp8_wgrad`` (per-tensor specs): the wgrad GEMM in FP8
-    too. ``return_amax=True`` also returns ``[amax(inp), amax(weight)]`` (delayed scaling, or
-    current scaling given ``grad_amax``; 0-element otherwise). ``delay_wgrad=True``: the
-    backward leaves the weight gradient GEMMs out and a ``functional.gemm.DeferredWgrad`` is
-    also returned (before the amaxes) whose ``compute()`` runs them later (``te.linear``'s
-    ``delay_wgrad`` says more; eager only). ``save_original_input=True``: with ``fp8_wgrad``
-    the backward keeps ``inp`` itself rather than its FP8 copy and quantises it again for the
-    wgrad GEMM (the same gradients); high precision and the high-precision wgrad keep ``inp``
-    anyway; other recipes raise. ``weight_quantized``: ``weight`` already quantised by the
-    weight spec, the five tensors of :func:`~te_compile.functional.quantize_grouped_weight`,
-    used instead of quantising ``weight`` (whose gradient is still computed).
-    ``backward_override`` (with a recipe, as :func:`~te_compile.functional.linear`'s):
-    ``"high_precision"``, the backward is high precision's on ``inp`` and ``weight``;
-    ``"dequantized"``, on the forward GEMM's operands dequantised to the input dtype (saved
-    instead of FP8 copies); the gradient is not quantised with either."""
+    default high precision). The arguments are :func:`~te_compile.functional.linear`'s, per
+    expert: the specs (NVFP4's options apply to each expert's GEMMs; ``rng_state`` is one stream
+    over the whole gradient; every group's token count a multiple of 16), ``scale``,
+    ``grad_amax``, ``main_grad``, ``delay_wgrad``, ``backward_override`` and
+    ``weight_quantized`` (:func:`~te_compile.functional.quantize_grouped_weight`'s five
+    tensors). ``fp8_wgrad`` (per-tensor specs): the wgrad GEMM in FP8 too.
+    ``save_original_input=True``: with ``fp8_wgrad`` the backward keeps ``inp`` itself rather
+    than its FP8 copy and quantises it again (the same gradients); high precision and the
+    high-precision wgrad keep ``inp`` anyway; other recipes raise. ``return_amax=True`` also
+    returns ``[amax(inp), amax(weight)]`` (delayed scaling, or current scaling given
+    ``grad_amax``; 0-element otherwise), after the ``DeferredWgrad``."""
     check_weight_quantized("te.grouped_linear", "weight_quantized", weight_quantized)
     tensors = {"inp": inp, "weight": weight, "bias": bias, "main_grad": main_grad}
     if not (isinstance(inp, Tensor) and isinstance(weight, Tensor)) or not all(
@@ -716,8 +668,7 @@ def grouped_linear(
                           main_grad=main_grad)  # fmt: skip
     rows = inp.shape[0] if inp.dim() == 2 else None  # a 3-D inp: refused by the op's check
     args = (inp, checked_splits("te.grouped_linear", m_splits, rows), weight, bias, main_grad)
-    specs = [s.encode() if isinstance(s, QuantSpec) else s
-             for s in (input_spec, weight_spec, grad_spec)]  # fmt: skip
+    specs = as_strings(input_spec, weight_spec, grad_spec)
     stash = None
     if delay_wgrad:
         DeferredWgrad.check("te.grouped_linear", delay_wgrad)

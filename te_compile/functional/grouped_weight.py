@@ -9,7 +9,7 @@ it: its shape, and its gradient) and saves the weight's dgrad copy for the backw
 inputs. ``GroupedLinear`` uses it to cast its weights once per optimizer step
 (``is_first_microbatch``, ``quantization.gemm``).
 
-The five tensors by the GEMM kind of the recipe (``grouped_linear_args.grouped_gemm_kind``):
+The five tensors by the GEMM kind of the recipe (``grouped_gemm.grouped_gemm_kind``):
 
 =======================  ======================================================================
 kind                     ``weight_data``, ``weight_scale``, ``weight_data_t``,
@@ -42,12 +42,13 @@ from te_compile.functional.dense_weight import (
     check_weight_spec,
     checked_weight_cast,
 )
-from te_compile.functional.gemm import HIGH_DTYPES, PER_TENSOR
+from te_compile.functional.gemm import HIGH_DTYPES
 from te_compile.functional.grouped_fp8 import per_tensor_weight
 from te_compile.functional.grouped_gemm import (
     GroupedRecipe,
     blockwise_weight,
     dequantized_weight,
+    grouped_gemm_kind,
 )
 from te_compile.functional.spec import QuantSpec
 
@@ -58,17 +59,11 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _kind(recipe: str, emulate: bool) -> str:
-    if recipe in PER_TENSOR:
-        return "scaled_grouped_mm"
-    return "blockwise" if recipe == "block" and not emulate else "dequantized"
-
-
 def _shapes(recipe: str, weight: Tensor, block_rows: int, emulate: bool):
     """``[(shape, dtype)]`` of the five tensors of ``weight`` ``[G, N, K]`` pre-quantised."""
     g, n, k = weight.shape
     f32, u8 = torch.float32, torch.uint8
-    kind = _kind(recipe, emulate)
+    kind = grouped_gemm_kind(recipe, emulate)
     if kind == "scaled_grouped_mm":
         return [((g, n, k), u8), ((g, n), f32), ((g, k, n), u8), ((g, k), f32), ((1,), f32)]
     if kind == "blockwise":
@@ -100,7 +95,7 @@ def _check(weight: Tensor, spec: str, scale: Tensor | None) -> QuantSpec:
 
 def _impl(weight: Tensor, spec: str, scale: Tensor | None) -> list[Tensor]:
     w = _check(weight, spec, scale)
-    kind = _kind(w.kind, w.emulate)
+    kind = grouped_gemm_kind(w.kind, w.emulate)
     none = weight.new_empty(0, dtype=torch.float32)
     if kind == "scaled_grouped_mm":
         w_scale = scale[1:2] if w.kind == "delayed" else None

@@ -22,7 +22,13 @@ from te_compile.functional.dense_weight import (
     check_weight_quantized,
     fp8_weight_for_checks,
 )
-from te_compile.functional.gemm import BLOCK_KINDS, HIGH_DTYPES, PER_TENSOR, check_specs
+from te_compile.functional.gemm import (
+    BLOCK_KINDS,
+    HIGH_DTYPES,
+    PER_TENSOR,
+    DeferredWgrad,
+    check_specs,
+)
 from te_compile.functional.prologue import Norm, check_norm
 from te_compile.functional.spec import (
     BackwardSpec,
@@ -232,18 +238,10 @@ def check_linear(a: LinearArgs) -> None:
         gemm_out = torch.empty((*inp.shape[:-1], n), dtype=inp.dtype, device="meta")
         check_activation(gemm_out, a.bias, ep.activation, ep.interleave)
         check_gated_params("te.linear", ep.limit, ep.alpha, ep.offset)
-    if a.wgrad_stash is not None:
-        shape = (*inp.shape[:-1], out_features(n, ep.activation))
-        stash = a.wgrad_stash
-        if stash.shape != shape or stash.dtype != inp.dtype or stash.device != inp.device:
-            raise ValueError(
-                p + f"wgrad_stash must have the output's shape {list(shape)}, inp's dtype "
-                f"{inp.dtype} and device, got {list(stash.shape)} {stash.dtype} {stash.device}"
-            )
-    if a.residual is not None:
-        shape = (*inp.shape[:-1], out_features(n, ep.activation))
-        if a.residual.shape != shape or a.residual.dtype != inp.dtype:
-            raise ValueError(
-                p + f"residual must have the output's shape {list(shape)} and inp's dtype "
-                f"{inp.dtype}, got {list(a.residual.shape)} {a.residual.dtype}"
-            )
+    shape = (*inp.shape[:-1], out_features(n, ep.activation))
+    DeferredWgrad.check_stash(p, a.wgrad_stash, shape, inp)
+    if a.residual is not None and (a.residual.shape != shape or a.residual.dtype != inp.dtype):
+        raise ValueError(
+            p + f"residual must have the output's shape {list(shape)} and inp's dtype "
+            f"{inp.dtype}, got {list(a.residual.shape)} {a.residual.dtype}"
+        )

@@ -11,8 +11,6 @@ high precision is fp32 math rounded once.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 from torch import Tensor
 
@@ -21,6 +19,7 @@ from te_compile.functional.activation import activation_backward, activation_for
 from te_compile.functional.dense_weight import weight_operand
 from te_compile.functional.gemm import (
     PER_TENSOR,
+    BwdArgs,
     accumulate_wgrad,
     amax_buffer,
     empty,
@@ -35,11 +34,10 @@ from te_compile.functional.gemm import (
     unpad,
     wgrad_gemm,
 )
-from te_compile.functional.gemm_ref import as_specs
 from te_compile.functional.linear_args import LinearArgs, check_linear
 from te_compile.functional.prologue import norm_backward, norm_forward, norm_quantize
 from te_compile.functional.quantize import dequantize_blockwise
-from te_compile.functional.spec import EpilogueSpec, NormSpec, QuantSpec, parse
+from te_compile.functional.spec import QuantSpec
 
 
 def forward_impl(a: LinearArgs, cuda: bool) -> tuple[Tensor, Tensor, list[Tensor]]:
@@ -83,10 +81,8 @@ def forward_impl(a: LinearArgs, cuda: bool) -> tuple[Tensor, Tensor, list[Tensor
         else:  # save_input: the backward quantises the input again for the wgrad
             xq = quantize_operand(xs, pad_rows(x2), scale=s_x, columnwise=not bw.save_input,
                                   slot=a_x)  # fmt: skip
-        if a.weight_q is not None:  # pre-quantised: the saved copy is an input's
-            wq = weight_operand(a.weight_q, ws.fp8_dtype)
-        else:
-            wq = quantize_operand(ws, weight, scale=s_w, slot=a_w)
+        # Pre-quantised: a copy is an input's.
+        wq = weight_operand(a.weight_q, ws, weight, s_w, slot=a_w)
         h = gemm(gemm_kind(recipe, xs.emulate), xq.data, xq.scale, wq.data, wq.scale, dtype,
                  bias=fuse_bias, fast_accum=True, b_block_rows=ws.block_rows)  # fmt: skip
         h = unpad(h, m)
@@ -135,28 +131,6 @@ def _dequantized(spec: QuantSpec, q, rows: int, dtype) -> Tensor:
                                             spec.fp8_dtype, f32)  # fmt: skip
     # A copy where the values are the operand's own tensor (an output may not alias another).
     return values[:rows].to(dtype, copy=values is q.data)
-
-
-class BwdArgs(NamedTuple):
-    """The backward op's arguments after the tensors, parsed."""
-
-    x: QuantSpec
-    w: QuantSpec
-    g: QuantSpec
-    norm: NormSpec
-    ep: EpilogueSpec
-    need_dbias: bool
-    need_dgrad: bool
-    need_wgrad: bool
-
-    @classmethod
-    def of(cls, input_spec, weight_spec, grad_spec, norm, epilogue, *need) -> BwdArgs:
-        return cls(*as_specs(input_spec, weight_spec, grad_spec), parse(NormSpec, norm),
-                   parse(EpilogueSpec, epilogue), *need)  # fmt: skip
-
-    @property
-    def recipe(self) -> str:
-        return self.x.kind
 
 
 def _split_saved(

@@ -98,6 +98,7 @@ from te_compile.functional.gemm import (
     BACKWARD_OVERRIDES,
     FP8_DTYPES,
     PER_TENSOR,
+    BwdArgs,
     DeferredWgrad,
     check_gemm_args,
     empty,
@@ -116,7 +117,7 @@ from te_compile.functional.linear_args import (
     check_linear_tensors,
     out_features,
 )
-from te_compile.functional.linear_impl import BwdArgs, backward_impl, forward_impl
+from te_compile.functional.linear_impl import backward_impl, forward_impl
 from te_compile.functional.linear_samples import sample_inputs
 from te_compile.functional.prologue import NORMALIZATIONS, fake_dnorm, fake_stats, norm_ref
 from te_compile.functional.spec import (
@@ -124,6 +125,7 @@ from te_compile.functional.spec import (
     EpilogueSpec,
     NormSpec,
     QuantSpec,
+    as_strings,
     eager_cached,
     parse,
 )
@@ -299,16 +301,11 @@ def linear_bwd(
     computed (a later call with ``grad=wgrad_stash`` and only ``need_wgrad`` computes it,
     ``DeferredWgrad``). Default (CPU): high precision in fp32 (fp64 stays fp64), each gradient
     rounded once."""
-    if wgrad_stash is not None:
-        wgrad_stash.copy_(grad)
-        need_wgrad = False
-    if not (input_spec or norm or epilogue) and grad_branch is None:
-        return (*hp_linear_backward(grad, inp, weight, main_grad, need_dbias, need_dgrad,
-                                    need_wgrad, cuda=False), empty(grad), empty(grad))  # fmt: skip
-    c = BwdArgs.of(input_spec, weight_spec, grad_spec, norm, epilogue, need_dbias, need_dgrad,
-                   need_wgrad)  # fmt: skip
-    return backward_impl(grad, grad_branch, saved, inp, weight, bias, main_grad, scale,
-                         grad_amax, norm_weight, rng_state, c, cuda=False)  # fmt: skip
+    return _backward_op(
+        (grad, grad_branch, saved, inp, weight, bias, main_grad, scale, grad_amax, norm_weight,
+         rng_state, input_spec, weight_spec, grad_spec, norm, epilogue, need_dbias, need_dgrad,
+         need_wgrad, wgrad_stash), cuda=False,
+    )  # fmt: skip
 
 
 _BWD_TENSORS = 11  # grad, grad_branch, saved, inp, weight, bias, main_grad, scale, grad_amax,
@@ -322,8 +319,9 @@ def _bwd_args(args: tuple) -> tuple[tuple, tuple, Tensor | None]:
     return args[:n], args[n:end], args[end] if len(args) > end else None
 
 
-@linear_bwd.register_kernel("cuda")
-def _linear_bwd_cuda(*args):
+def _backward_op(args: tuple, cuda: bool) -> tuple[Tensor, ...]:
+    """``linear_bwd`` on a device: ``wgrad_stash`` takes the incoming gradient in place of the
+    weight gradient; a call without recipe, norm, epilogue or branch is plain high precision."""
     tensors, scalars, stash = _bwd_args(args)
     need_wgrad = scalars[-1]
     if stash is not None:
@@ -333,9 +331,13 @@ def _linear_bwd_cuda(*args):
     if not (input_spec or norm or epilogue) and tensors[1] is None:
         grad, _, _, inp, weight, _, main_grad = tensors[:7]
         return (*hp_linear_backward(grad, inp, weight, main_grad, need_dbias, need_dgrad,
-                                    need_wgrad, cuda=True), empty(grad), empty(grad))  # fmt: skip
-    c = BwdArgs.of(*scalars[:-1], need_wgrad)
-    return backward_impl(*tensors, c, cuda=True)
+                                    need_wgrad, cuda=cuda), empty(grad), empty(grad))  # fmt: skip
+    return backward_impl(*tensors, BwdArgs.of(*scalars[:-1], need_wgrad), cuda=cuda)
+
+
+@linear_bwd.register_kernel("cuda")
+def _linear_bwd_cuda(*args):
+    return _backward_op(args, cuda=True)
 
 
 @linear_bwd.register_fake
@@ -537,33 +539,25 @@ def linear(
     save_original_input: bool = False,
 ) -> Tensor | tuple[Tensor, ...]:
     """``residual + out_scale * activation(norm(inp) @ weight.T + bias)`` through
-    ``te::linear_fwd``, every part optional (module docstring); by default ``inp @ weight.T +
-    bias`` in high precision.
+    ``te::linear_fwd``, every part optional; by default ``inp @ weight.T + bias`` in high
+    precision. The op's arguments (module docstring), unpacked: the specs as a ``QuantSpec`` or
+    its string (``quantization.gemm.recipe_specs`` gives a recipe's); ``rng_state`` None draws
+    one from torch's generator; ``normalization`` to ``zero_centered_gamma`` make ``norm``,
+    ``activation`` to ``return_branch`` ``epilogue``, ``backward_override`` and
+    ``save_original_input`` ``backward``; ``weight_quantized`` is ``weight_q``
+    (:func:`~te_compile.functional.quantize_weight`'s five tensors).
 
-    ``main_grad`` (fp32, weight's shape): the weight gradient is accumulated into it and
-    ``weight.grad`` is left untouched. ``input_spec`` / ``weight_spec`` / ``grad_spec``: the
-    quantisation of each operand (``functional.spec.QuantSpec`` or its string, e.g.
-    ``"current:e4m3"``; ``quantization.gemm.recipe_specs`` gives a recipe's), with the delayed
-    scales ``scale``, the gradient's amax buffer ``grad_amax`` and ``rng_state`` (int64 ``(seed,
-    offset)`` of a gradient spec's stochastic rounding; None draws one from torch's
-    generator). ``return_branch=True`` also returns ``branch``, a tensor with ``inp``'s values
-    whose gradient joins the dgrad GEMM; ``return_amax=True`` also returns ``[amax(X),
-    amax(W)]`` (per-tensor recipes; X is the norm's output with a prologue), last.
-    ``backward_override`` (with a recipe): ``"high_precision"`` or ``"dequantized"`` backward
-    GEMMs (module docstring). ``weight_quantized``: ``weight`` already quantised by the recipe,
-    the five tensors of :func:`~te_compile.functional.quantize_weight`, used instead of
-    quantising ``weight`` (whose gradient is still computed); ``weight`` may then be the FP8
-    codes themselves (FP8 primary weights), with ``main_grad`` taking its gradient.
-    ``delay_wgrad=True``: the backward leaves the weight gradient GEMM out (the input's, the
-    bias's and the norm's gradients are computed) and a ``functional.gemm.DeferredWgrad`` is
-    also returned (before the amaxes) whose ``compute()`` runs it later: the modules'
-    ``delay_wgrad_compute`` / ``backward_dw()``. Eager only: under ``torch.compile`` no tensor
-    written by the backward can leave the compiled graph. ``save_original_input=True`` (with a
-    recipe; Transformer Engine's option): the backward keeps ``inp`` itself (no bytes of its
-    own when the caller keeps ``inp`` alive, e.g. an input several modules read) instead of the
-    quantised transposed copy the forward would make, and quantises it again for the wgrad
-    GEMM: the same gradients; not with ``DelayedScaling`` (ValueError), nor with a norm
-    prologue. In high precision the input is what is saved anyway.
+    Also returned, in this order: ``branch`` (``return_branch=True``: ``inp``'s values, whose
+    gradient joins the dgrad GEMM); a ``functional.gemm.DeferredWgrad`` (``delay_wgrad=True``:
+    the backward leaves the weight-gradient GEMM out and its ``compute()`` runs it later, the
+    modules' ``delay_wgrad_compute`` / ``backward_dw()``; eager only: under ``torch.compile`` no
+    tensor the backward writes can leave the graph); ``[amax(X), amax(W)]``
+    (``return_amax=True``, per-tensor recipes; X is the norm's output with a prologue).
+
+    ``save_original_input=True`` (Transformer Engine's option, with a recipe): the backward
+    keeps ``inp`` itself (no bytes of its own when the caller keeps it alive) instead of the
+    quantised transposed copy, and quantises it again for the wgrad GEMM: the same gradients;
+    not with ``DelayedScaling`` (ValueError), nor with a norm prologue.
     """
     check_weight_quantized("te.linear", "weight_quantized", weight_quantized)
     args = (inp, weight, bias, main_grad)
@@ -580,8 +574,7 @@ def linear(
         or (main_grad is not None and main_grad.device != device)
     ):  # fmt: skip
         check_same_device("te.linear", "inp", inp, weight=weight, bias=bias, main_grad=main_grad)
-    specs = [s.encode() if isinstance(s, QuantSpec) else s
-             for s in (input_spec, weight_spec, grad_spec)]  # fmt: skip
+    specs = as_strings(input_spec, weight_spec, grad_spec)
     if save_original_input:
         check_bool("te.linear", save_original_input=save_original_input)
         save_original_input = bool(specs[0])  # high precision saves the input itself anyway

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -71,6 +70,7 @@ from te_compile.functional.dense_weight import (
 )
 from te_compile.functional.gemm import (
     PER_TENSOR,
+    BwdArgs,
     Operand,
     amax_buffer,
     check_gemm_args,
@@ -89,7 +89,7 @@ from te_compile.functional.gemm import (
     unpad,
     wgrad_gemm,
 )
-from te_compile.functional.gemm_ref import as_specs, quantized_linear_ref
+from te_compile.functional.gemm_ref import quantized_linear_ref
 from te_compile.functional.mlp_args import NORM_WEIGHT, MLPArgs, check_mlp
 from te_compile.functional.mlp_samples import sample_inputs
 from te_compile.functional.prologue import (
@@ -101,7 +101,14 @@ from te_compile.functional.prologue import (
     norm_quantize,
     norm_ref,
 )
-from te_compile.functional.spec import EpilogueSpec, NormSpec, QuantSpec, eager_cached, parse
+from te_compile.functional.spec import (
+    EpilogueSpec,
+    NormSpec,
+    QuantSpec,
+    as_strings,
+    eager_cached,
+    parse,
+)
 
 __all__ = ["mlp", "mlp_ref"]
 
@@ -205,7 +212,7 @@ def _forward(a: MLPArgs) -> tuple[Tensor, list[Tensor]]:
         return out.reshape(*inp.shape[:-1], w2.shape[0]), [*saved, z, h, *stats]
     kind, rows = gemm_kind(recipe, xs.emulate), ws.block_rows
     (s_x, s_w1, _), (s_h, s_w2, _) = scale_slots(a.scale1, recipe), scale_slots(a.scale2, recipe)
-    q1, q2 = a.fc1_weight_q, a.fc2_weight_q
+    q1, q2 = a.fc1_weight_q, a.fc2_weight_q  # pre-quantised: setup_context saves their copies
     # The four amaxes (X, W1, h, W2) in one buffer (pre-quantised weights have their own).
     bits = amax_buffer(recipe, x2, 4) if q1 is None and q2 is None else None
     a_x, a_w1, a_h, a_w2 = [(bits, i) for i in range(4)] if bits is not None else [None] * 4
@@ -213,17 +220,11 @@ def _forward(a: MLPArgs) -> tuple[Tensor, list[Tensor]]:
         xq, *stats = norm_quantize(xs, x2, norm, scale=s_x, mn_major=_native_block(xs), slot=a_x)
     else:
         xq = quantize_operand(xs, pad_rows(x2), scale=s_x, slot=a_x)
-    if q1 is not None:  # pre-quantised: setup_context saves its transposed copy
-        w1q = weight_operand(q1, ws.fp8_dtype)
-    else:
-        w1q = quantize_operand(ws, w1, scale=s_w1, slot=a_w1)
+    w1q = weight_operand(q1, ws, w1, s_w1, slot=a_w1)
     z = gemm(kind, xq.data, xq.scale, w1q.data, w1q.scale, dtype, fast_accum=True,
              b_block_rows=rows)  # fmt: skip
     hq, _ = _act_operand(xs, z, b1, None, ep.activation, s_h, m, False, params, a_h)
-    if q2 is not None:
-        w2q = weight_operand(q2, ws.fp8_dtype)
-    else:
-        w2q = quantize_operand(ws, w2, scale=s_w2, slot=a_w2)
+    w2q = weight_operand(q2, ws, w2, s_w2, slot=a_w2)
     out = gemm(kind, hq.data, hq.scale, w2q.data, w2q.scale, dtype, bias=b2, fast_accum=True,
                b_block_rows=rows)  # fmt: skip
     out = unpad(out, m)
@@ -314,29 +315,12 @@ def _mlp_fwd_fake(*args):
 # 3. Backward op ---------------------------------------------------------------------------------
 
 
-class _Bwd(NamedTuple):
-    """The backward op's arguments after the tensors, parsed."""
-
-    x: QuantSpec
-    w: QuantSpec
-    g: QuantSpec
-    norm: NormSpec
-    ep: EpilogueSpec
-    need_db2: bool
-    need_dgrad: bool
-
-    @classmethod
-    def of(cls, input_spec, weight_spec, grad_spec, norm, epilogue, *need) -> _Bwd:
-        return cls(*as_specs(input_spec, weight_spec, grad_spec), parse(NormSpec, norm),
-                   parse(EpilogueSpec, epilogue), *need)  # fmt: skip
-
-
 _N_BWD_TENSORS = 13  # grad, saved, inp, fc1_weight, fc1_bias, fc2_weight, scale1, scale2,
 # grad_amax1, grad_amax2, main_grad1, main_grad2, norm_weight
 
 
 def _backward_impl(grad, saved, inp, w1, b1, w2, scale1, scale2, grad_amax1, grad_amax2,
-                   main_grad1, main_grad2, norm_weight, c: _Bwd):  # fmt: skip
+                   main_grad1, main_grad2, norm_weight, c: BwdArgs):  # fmt: skip
     dtype = grad.dtype
     dy = grad.reshape(-1, grad.shape[-1])
     m = dy.shape[0]
@@ -348,7 +332,7 @@ def _backward_impl(grad, saved, inp, w1, b1, w2, scale1, scale2, grad_amax1, gra
     if not recipe:
         z, h = saved[-2 - n_stats], saved[-1 - n_stats]
         x2 = saved[0] if normalization else inp.reshape(-1, inp.shape[-1])
-        dh, dw2, db2 = hp_linear_backward(dy, h, w2, main_grad2, c.need_db2, True, True,
+        dh, dw2, db2 = hp_linear_backward(dy, h, w2, main_grad2, c.need_dbias, True, True,
                                           dy.is_cuda)  # fmt: skip
         dz, db1 = activation_backward(dh, z, b1, ep.activation, 0, *params, need_dbias=need_db1)
         dx, dw1, _ = hp_linear_backward(dz, x2, w1, main_grad1, False, c.need_dgrad, True,
@@ -360,14 +344,14 @@ def _backward_impl(grad, saved, inp, w1, b1, w2, scale1, scale2, grad_amax1, gra
         w1_t, w2_t = fp8_codes(w1_t, c.w.fp8_dtype), fp8_codes(w2_t, c.w.fp8_dtype)
         kind, rows = gemm_kind(recipe, c.x.emulate), c.w.block_rows
         (_, _, s_dz), (_, _, s_dy) = scale_slots(scale1, recipe), scale_slots(scale2, recipe)
-        sums = c.need_db2 and _native_block(c.x)
+        sums = c.need_dbias and _native_block(c.x)
         g = quantize_operand(c.g, pad_rows(dy), scale=s_dy, mn_major=True, sums=sums)
         if grad_amax2 is not None:
             grad_amax2.copy_(g.amax)
         # fc2: dh [M, F] = dY @ W2 (W2^T is the GEMM's b); dW2 [N, F] = dY^T @ h
         dh = gemm(kind, g.data, g.scale, w2_t, w2s, dtype, b_block_rows=rows)
         dw2 = wgrad_gemm(kind, g.data_t, g.scale_t, h_t, _wgrad_scale(c.x, hs), dtype, main_grad2)
-        db2 = g.sums if sums else (dy.sum(0, dtype=torch.float32) if c.need_db2 else None)
+        db2 = g.sums if sums else (dy.sum(0, dtype=torch.float32) if c.need_dbias else None)
         dq, db1 = _act_operand(c.g, z, b1, dh, ep.activation, s_dz, m, need_db1, params)
         if grad_amax1 is not None:
             grad_amax1.copy_(dq.amax)
@@ -384,7 +368,7 @@ def _backward_impl(grad, saved, inp, w1, b1, w2, scale1, scale2, grad_amax1, gra
                                      c.norm.zero_centered_gamma, c.norm.bias)  # fmt: skip
     dinp = empty(grad) if dinp is None else dinp.reshape(*grad.shape[:-1], dinp.shape[-1])
     db1 = empty(grad) if db1 is None else db1.to(dtype)
-    db2 = empty(grad) if db2 is None or not c.need_db2 else db2.to(dtype)
+    db2 = empty(grad) if db2 is None or not c.need_dbias else db2.to(dtype)
     return dinp, dw1, db1, dw2, db2, *dnorm
 
 
@@ -418,7 +402,7 @@ def mlp_bwd(
     ``fc1_weight`` / ``fc2_weight``: in high precision; the strings are the forward's, ``norm``
     with ``bias`` where the norm has one. ``need_dgrad``: any of the input and the norm's
     parameters needs a gradient."""
-    c = _Bwd.of(input_spec, weight_spec, grad_spec, norm, epilogue, need_db2, need_dgrad)
+    c = BwdArgs.of(input_spec, weight_spec, grad_spec, norm, epilogue, need_db2, need_dgrad)
     return _backward_impl(grad, saved, inp, fc1_weight, fc1_bias, fc2_weight, scale1, scale2,
                           grad_amax1, grad_amax2, main_grad1, main_grad2, norm_weight,
                           c)  # fmt: skip
@@ -427,14 +411,14 @@ def mlp_bwd(
 @mlp_bwd.register_fake
 def _mlp_bwd_fake(*args):
     grad, saved, _inp, w1, b1, w2, *_, mg1, mg2, norm_weight = args[:_N_BWD_TENSORS]
-    c = _Bwd.of(*args[_N_BWD_TENSORS:])
+    c = BwdArgs.of(*args[_N_BWD_TENSORS:])
     if c.x.kind:
         (d, f1), (f, n) = saved[2].shape, saved[7].shape
     else:
         (f1, d), (n, f) = w1.shape, w2.shape
     dinp = grad.new_empty(*grad.shape[:-1], d) if c.need_dgrad else empty(grad)
     db1 = grad.new_empty(f1) if b1 is not None else empty(grad)
-    db2 = grad.new_empty(n) if c.need_db2 else empty(grad)
+    db2 = grad.new_empty(n) if c.need_dbias else empty(grad)
     dnorm = fake_dnorm(grad, norm_weight, c.norm.normalization, c.norm.bias, c.need_dgrad)
     dw1 = grad.new_empty(f1, d) if mg1 is None else empty(grad)
     dw2 = grad.new_empty(n, f) if mg2 is None else empty(grad)
@@ -555,18 +539,13 @@ def mlp(
     main_grad2: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """``activation(norm(inp) @ fc1_weight.T + fc1_bias) @ fc2_weight.T + fc2_bias`` through
-    ``te::mlp_fwd`` (module docstring). ``input_spec`` / ``weight_spec`` / ``grad_spec``: the
-    quantisation of the GEMMs' operands, as :func:`~te_compile.functional.linear` takes them
-    (the activation is quantised as an input, its gradient as a gradient), with each GEMM's
-    delayed scales ``scale1`` / ``scale2`` and gradient amax buffers ``grad_amax1`` /
-    ``grad_amax2``. ``return_amax=True`` also returns ``[amax(X), amax(fc1_weight), amax(h),
-    amax(fc2_weight)]`` (per-tensor recipes; X is the norm's output with a prologue; 0-element
-    otherwise). ``limit`` / ``alpha`` / ``glu_linear_offset``: ``clamped_swiglu``'s parameters
-    (as :func:`bias_activation` takes them). ``fc1_weight_quantized`` /
-    ``fc2_weight_quantized``: a weight already quantised by the weight spec
-    (:func:`~te_compile.functional.quantize_weight`'s five tensors), used instead of quantising
-    it (its gradient is still computed). ``main_grad1`` / ``main_grad2``: each weight's
-    ``main_grad``, as :func:`~te_compile.functional.linear` takes it."""
+    ``te::mlp_fwd`` (module docstring). The arguments are
+    :func:`~te_compile.functional.linear`'s, per GEMM where they are per GEMM (``scale1`` /
+    ``scale2``, ``grad_amax1`` / ``grad_amax2``, ``fc1_weight_quantized`` /
+    ``fc2_weight_quantized``, ``main_grad1`` / ``main_grad2``); the activation is quantised as
+    an input, its gradient as a gradient; ``limit`` / ``alpha`` / ``glu_linear_offset`` are
+    ``clamped_swiglu``'s. ``return_amax=True`` also returns ``[amax(X), amax(fc1_weight),
+    amax(h), amax(fc2_weight)]`` (per-tensor recipes; 0-element otherwise)."""
     for name, q in (("fc1_weight_quantized", fc1_weight_quantized),
                     ("fc2_weight_quantized", fc2_weight_quantized)):  # fmt: skip
         check_weight_quantized("te.mlp", name, q)
@@ -606,8 +585,7 @@ def mlp(
     scalars = (normalization, norm_eps, zero_centered_gamma, activation, limit, alpha,
                glu_linear_offset)  # fmt: skip
     norm, epilogue = _scalar_specs(*scalars)
-    specs = [s.encode() if isinstance(s, QuantSpec) else s
-             for s in (input_spec, weight_spec, grad_spec)]  # fmt: skip
+    specs = as_strings(input_spec, weight_spec, grad_spec)
     out, saved = _mlp(
         inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, epilogue, *specs, scale1, scale2,
         grad_amax1, grad_amax2, norm, norm_weight, norm_bias,

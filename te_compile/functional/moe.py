@@ -1,32 +1,12 @@
 r"""Mixture-of-experts token routing: Transformer Engine's ``moe_permute``, ``moe_unpermute``,
 ``moe_permute_with_probs`` and ``moe_sort_chunks_by_index`` (``_with_probs``), as
 ``te::moe_permute_fwd/_bwd``, ``te::moe_unpermute_fwd/_bwd`` and ``te::moe_sort_chunks_fwd/_bwd``.
-
-**Permute.** ``inp [T, H]`` holds ``T`` tokens; the router sends each to some experts, given as
-a mask ``routing_map [T, E]`` (``map_type="mask"``, nonzero = routed) or as expert indices
-``[T, K]`` (``map_type="index"``, top-K). The permuted tokens are grouped by expert, experts in
-ascending order, and within an expert in token order (for indices: the stable sort of the
-flattened ``[T * K]`` indices); a token routed to ``n`` experts appears ``n`` times. The output
-has ``num_out_tokens`` rows: the routed count for the mask (it must be given: it is
-``routing_map.sum()``, which would cost a host sync to read), ``T * K`` for indices when not
-positive (the default).
-Rows past ``num_out_tokens`` are dropped (the last experts' tokens), rows past the routed count
-are 0. ``moe_permute_with_probs`` permutes ``probs [T, E]`` along: ``permuted_probs [n]``; a
-routed slot whose probability is 0 is a padding slot and its row is written as 0 (Transformer
-Engine's convention for padded routing maps).
-
-**row_id_map.** One layout for both map types: ``[T, S]`` int32 (``S = E`` for the mask,
-``K`` for indices), ``row_id_map[t, s]`` the permuted row of token ``t``'s slot ``s``, or -1
-(not routed, or dropped). It is an internal layout (Transformer Engine's differs between map
-types); pass it back to :func:`moe_unpermute` only.
-
-**Unpermute.** ``out[t] = sum_s p[t, s] * inp[row_id_map[t, s]]`` over routed slots, ``p`` the
-``merging_probs [T, S]`` or 1; fp32 sums, rounded once. Without probabilities it is the adjoint
-of the permute: the backward of each is the other.
-
-**Chunk sort.** ``inp [N, H]`` cut into ``len(split_sizes)`` consecutive chunks; the output
-holds chunk ``sorted_index[0]``, then ``sorted_index[1]``, ... (expert-parallel all-to-all
-reordering). Rows past ``split_sizes.sum()`` keep their place.
+``docs/moe.md`` gives their semantics (the order of the permuted rows, ``num_out_tokens``, the
+probabilities, the chunk sort). ``row_id_map`` is one internal layout for both map types: ``[T,
+S]`` int32 (``S = E`` for the mask, ``K`` for indices), the permuted row of token ``t``'s slot
+``s`` or -1. The unpermute is ``out[t] = sum_s p[t, s] * inp[row_id_map[t, s]]`` (fp32 sums,
+rounded once); without probabilities it is the adjoint of the permute, and the backward of each
+is the other.
 
 Nothing is read on the host: the maps are built with device ops (a cumulative sum for the mask,
 a stable sort for indices, ``searchsorted`` for chunks) and every data-dependent size comes from
@@ -406,17 +386,17 @@ def _permute_backward(ctx, bwd, grad, _grad_map, grad_probs):
     return grad_inp, None, (grad_p if probs is not None else None), None, None
 
 
-def _index_map(tokens: int, k: int, experts: int, device) -> Tensor:
-    """Top-``k`` distinct experts per token, int32."""
-    return torch.rand(tokens, experts, device=device).topk(k, dim=1).indices.to(torch.int32)
+def _routing(tokens: int, k: int, experts: int, device) -> tuple[Tensor, Tensor]:
+    """Top-``k`` distinct experts per token (int32 indices) and the same routing as a mask."""
+    index = torch.rand(tokens, experts, device=device).topk(k, dim=1).indices.to(torch.int32)
+    mask = torch.zeros(tokens, experts, dtype=torch.bool, device=device)
+    return index, mask.scatter_(1, index.long(), True)
 
 
 def _permute_samples(device: torch.device):
     tokens, experts, hidden = 7, 4, 6
     inp = torch.randn(tokens, hidden, device=device, requires_grad=True)
-    index = _index_map(tokens, 2, experts, device)
-    mask = torch.zeros(tokens, experts, dtype=torch.bool, device=device)
-    mask.scatter_(1, index.long(), True)
+    index, mask = _routing(tokens, 2, experts, device)
     n = tokens * 2
     yield SampleInput((inp, mask, None, n, "mask"))
     probs = torch.rand(tokens, experts, device=device) * mask
@@ -487,9 +467,7 @@ def _unpermute_backward(ctx, bwd, grad):
 
 def _unpermute_samples(device: torch.device):
     tokens, experts, hidden = 7, 4, 6
-    index = _index_map(tokens, 2, experts, device)
-    mask = torch.zeros(tokens, experts, dtype=torch.bool, device=device)
-    mask.scatter_(1, index.long(), True)
+    index, mask = _routing(tokens, 2, experts, device)
     mask_map = make_row_id_map(mask, tokens * 2, "mask")
     index_map = make_row_id_map(index, tokens * 2 - 3, "index")  # 3 rows dropped
 

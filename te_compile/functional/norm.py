@@ -478,7 +478,7 @@ def _layernorm_samples(device: torch.device):
     yield SampleInput((t(3, 4, 8, dtype=fp16), t(8, dtype=fp16), t(8, dtype=fp16), 1e-5, True))
 
 
-def _rmsnorm_samples(device: torch.device):
+def rmsnorm_samples(device: torch.device):
     t = lambda *shape, **kw: _tensor(device, *shape, **kw)  # noqa: E731
     yield SampleInput((t(5, 16), t(16), 1e-5, False))
     yield SampleInput((t(2, 3, 24, dtype=torch.bfloat16), t(24), 1e-5, True))
@@ -506,7 +506,7 @@ _rmsnorm = differentiable(
     rmsnorm_bwd,
     setup_context=_rmsnorm_setup_context,
     backward=_rmsnorm_backward,
-    sample_inputs=_rmsnorm_samples,
+    sample_inputs=rmsnorm_samples,
     reference=rmsnorm_ref,
 )
 _l2normalization = differentiable(

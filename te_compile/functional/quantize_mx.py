@@ -5,22 +5,12 @@ The quantisation is exact: bit for bit as defined below, on CPU and CUDA alike. 
 GEMMs exist only on Blackwell; elsewhere the recipes that use these ops emulate the GEMM by
 dequantising and running a bf16 GEMM, which gives the numerics of the format without its speed.
 
-Schemas (public functions of the same names, with defaults, below)::
-
-    te::quantize_mxfp8(Tensor x, ScalarType fp8_dtype, bool rowwise, bool columnwise)
-        -> (Tensor data, Tensor scale, Tensor data_t, Tensor scale_t)
-    te::dequantize_mxfp8(Tensor data, Tensor scale, ScalarType fp8_dtype, ScalarType out_dtype)
-        -> Tensor
-    te::quantize_nvfp4(Tensor x, Tensor? global_amax, bool rowwise, bool columnwise)
-        -> (Tensor data, Tensor scale, Tensor global_scale, Tensor data_t, Tensor scale_t)
-    te::dequantize_nvfp4(Tensor data, Tensor scale, Tensor global_scale, ScalarType out_dtype)
-        -> Tensor
-
-The dequantise *ops* take fp8 inputs as their uint8 bytes (MXFP8 ``data``, with its
+The schemas are the op functions' signatures below (public functions of the same names add
+defaults). The dequantise *ops* take fp8 inputs as their uint8 bytes (MXFP8 ``data``, with its
 ``fp8_dtype``; NVFP4's E4M3 ``scale``), as the GEMM family ops do: ``opcheck``'s schema test
-compares every input before and after the call with ``torch.allclose``, which has no fp8 kernel
-on the CPU. The public :func:`dequantize_mxfp8` / :func:`dequantize_nvfp4` take the fp8 tensors
-that quantisation returns and pass ``.view(torch.uint8)`` (free, and traced by the compiler).
+compares every input before and after the call with ``torch.allclose``, which has no fp8 kernel on
+the CPU. The public :func:`dequantize_mxfp8` / :func:`dequantize_nvfp4` take the fp8 tensors that
+quantisation returns and pass ``.view(torch.uint8)`` (free, and traced by the compiler).
 
 The input ``x`` ``[..., K]`` is viewed as ``[M, K]`` (``M`` = product of the leading dims).
 *Rowwise* blocks are ``1 x B`` runs along ``K``; *columnwise* blocks are ``B x 1`` runs along

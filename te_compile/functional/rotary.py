@@ -182,8 +182,9 @@ def _cos_sin(
     acc: torch.dtype,
 ) -> tuple[Tensor, Tensor]:
     """cos and sin of each token's frequencies, shaped to broadcast against ``t[..., :d2]``."""
-    seq_len = t.shape[1] if tensor_format == "bshd" else t.shape[0]
-    pos, inside = token_positions(tensor_format, seq_len, cu_seqlens, cp_size, cp_rank, t.device)
+    pos, inside = token_positions(
+        tensor_format, _seq_len(t, tensor_format), cu_seqlens, cp_size, cp_rank, t.device
+    )
     table = freqs.reshape(freqs.shape[0], freqs.shape[-1]).to(acc)
     rows = table.shape[0]
     f = table[pos.clamp(0, rows - 1)]
@@ -201,36 +202,27 @@ def rotary_ref(
     interleaved: bool,
     cp_size: int,
     cp_rank: int,
+    backward: bool = False,
 ) -> Tensor:
     """``y = x cos f + r(x) sin f`` on the first ``d2`` channels, the rest copied; in fp32
-    (fp64 for fp64 ``t``), rounded once. Differentiable by autograd (``t`` and ``freqs``)."""
+    (fp64 for fp64 ``t``), rounded once. Differentiable by autograd (``t`` and ``freqs``).
+    ``backward``: ``t`` is the output's gradient and the result the input's, ``dy cos f -
+    r(dy sin f)`` (``r`` is antisymmetric)."""
     acc = acc_dtype(t)
     d2 = freqs.shape[-1]
     cos, sin = _cos_sin(t, freqs, cu_seqlens, tensor_format, cp_size, cp_rank, acc)
     x = t.to(acc)
     xr = x[..., :d2]
-    y = torch.cat((xr * cos + _rotate(xr, interleaved) * sin, x[..., d2:]), dim=-1)
-    return y.to(t.dtype).contiguous()
+    if backward:
+        yr = xr * cos - _rotate(xr * sin, interleaved)
+    else:
+        yr = xr * cos + _rotate(xr, interleaved) * sin
+    return torch.cat((yr, x[..., d2:]), dim=-1).to(t.dtype).contiguous()
 
 
-def rotary_bwd_ref(
-    grad: Tensor,
-    freqs: Tensor,
-    cu_seqlens: Tensor | None,
-    tensor_format: str,
-    interleaved: bool,
-    cp_size: int,
-    cp_rank: int,
-) -> Tensor:
-    """The gradient of :func:`rotary_ref` with respect to ``t``: ``dy cos f - r(dy sin f)``
-    (``r`` is antisymmetric), the rest of the channels copied; fp32, rounded once."""
-    acc = acc_dtype(grad)
-    d2 = freqs.shape[-1]
-    cos, sin = _cos_sin(grad, freqs, cu_seqlens, tensor_format, cp_size, cp_rank, acc)
-    g = grad.to(acc)
-    gr = g[..., :d2]
-    dx = torch.cat((gr * cos - _rotate(gr * sin, interleaved), g[..., d2:]), dim=-1)
-    return dx.to(grad.dtype).contiguous()
+def rotary_bwd_ref(grad: Tensor, *args: object) -> Tensor:
+    """The gradient of :func:`rotary_ref` with respect to ``t`` (its ``backward``)."""
+    return rotary_ref(grad, *args, backward=True)
 
 
 def _seq_len(t: Tensor, tensor_format: str) -> int:

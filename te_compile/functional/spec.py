@@ -17,15 +17,11 @@ no norm, no epilogue). Examples::
     RMSNorm:eps=1e-05:zero_centered   a norm prologue
     swiglu:interleave=4:scale=0.5     an epilogue
 
-Why strings: an op's schema takes primitives only (no dataclasses), and one string per role
-keeps the schema short and readable wherever it is printed (``torch.ops.te.linear_fwd``,
-an FX graph, Inductor's code) while a new recipe option becomes a field here, never a new
-argument threaded through every op, fake, backward and call site. :func:`parse` is cached, so a
-call pays one dictionary look-up per string; ``encode`` gives the canonical string back
-(``parse(s).encode() == s`` for a canonical ``s``). ``quantization.gemm.recipe_specs`` makes
-the three quantisation specs of a recipe object; constraints that join the roles (one kind,
-the Hadamard transform on input and gradient together) are checked by the families
-(``functional.gemm.check_specs``).
+Why strings (``docs/op_mechanism.md``, "Why spec strings"): a schema takes primitives only,
+and one string per role keeps it short and readable while a new recipe option becomes a field
+here. :func:`parse` is cached; ``encode`` gives the canonical string back (``parse(s).encode()
+== s`` for a canonical ``s``). ``quantization.gemm.recipe_specs`` makes the three quantisation
+specs of a recipe object; ``functional.gemm.check_specs`` checks what joins the roles.
 """
 
 from __future__ import annotations
@@ -42,6 +38,8 @@ __all__ = [
     "EpilogueSpec",
     "NormSpec",
     "QuantSpec",
+    "as_specs",
+    "as_strings",
     "eager_cached",
     "parse",
     "parse_roles",
@@ -283,6 +281,16 @@ def parse(cls: type[S], text: str, name: str = "spec") -> S:
 
 
 ROLES = ("input_spec", "weight_spec", "grad_spec")
+
+
+def as_specs(*specs: str | QuantSpec) -> tuple[QuantSpec, ...]:
+    """Spec objects of spec strings (or objects)."""
+    return tuple(s if isinstance(s, QuantSpec) else parse(QuantSpec, s) for s in specs)
+
+
+def as_strings(*specs: str | QuantSpec) -> list[str]:
+    """Spec strings of spec objects (or strings): what an op's schema takes."""
+    return [s.encode() if isinstance(s, QuantSpec) else s for s in specs]
 
 
 def parse_roles(owner: str, *texts: str) -> tuple[QuantSpec, QuantSpec, QuantSpec]:

@@ -22,17 +22,11 @@ recomputes the scales (``te::delayed_scaling_update``, a mutating op: compiled s
 buffers with zero graph breaks), then the GEMM family op takes a copy of the scales
 (``quantization.gemm.gemm_args``, the one place a recipe becomes the ops' arguments).
 
-**The first delayed step is calibrated.** With an empty history every scale would be 1 (what
-Transformer Engine does): a typical model's gradients (~1e-5 and below) then mostly underflow
-E5M2 and its weights sit in E4M3's subnormals, so the first optimizer step, and Adam's moments
-for many steps after it, see a wrong gradient (the demo GPT's first-step gradients are 100%
-off, and its 300-step loss ended 0.7-8.6% above bf16 at every seed; calibrated, it tracks current
-scaling: ``bench/results/2026-11-23_h100/README.md``). So a state's first step under
-``DelayedScaling`` runs current scaling and records the amaxes it measured; the next step folds
-them into the history. A step without tokens (an empty batch: amaxes of 0) runs current
-scaling as well and leaves the calibration to the first step with tokens. ``calibrated`` (a
-Python bool, saved with the buffers: a loaded state_dict that holds them is calibrated) is
-what a compiled step specialises on: one recompile after the first step.
+**The first delayed step is calibrated** (``docs/fp8.md`` says why, with the numbers): a
+state's first step under ``DelayedScaling`` runs current scaling and records the amaxes it
+measured, and the next step folds them into the history; a step without tokens leaves the
+calibration to the first step with tokens. ``calibrated`` (a Python bool, saved with the
+buffers) is what a compiled step specialises on: one recompile after the first step.
 A recipe with ``amax_compute_algo`` or ``scaling_factor_compute_algo`` callables runs the same
 update as plain torch code around them (:func:`_custom_update`), traced by torch.compile.
 With ``amax_reduction_group`` (or ``reduce_amax`` and an initialised default process group)

@@ -21,18 +21,10 @@ recorded. The GEMM input of a norm prologue is the norm's output, computed once 
 amax; ``mlp`` runs its two GEMMs one by one (``_FUSE_MLP = False``'s path) so that the second
 GEMM's input exists.
 
-Weight caching (``is_first_microbatch``, Transformer Engine's semantics): a module hands the
-entry points a :class:`WeightCache`, its store of pre-quantised weights
-(``functional.quantize_weight``, or ``functional.quantize_grouped_weight`` for the ``[G, N,
-K]`` weight of :func:`grouped_linear`; plain tensors) and the forward's
-``is_first_microbatch``.
-``None``: the op quantises the weight itself, every call; ``True``: the weight is quantised now
-(``te::quantize_weight``, with the GEMM's delayed weight scale under DelayedScaling, its amax
-measured at the cast) and kept; ``False``: the kept copy is used as it is, however the weight
-changed since (one cast per optimizer step over the micro-batches of gradient accumulation). A
-``False`` call with nothing kept, or a copy of another recipe kind (per-tensor / block /
-MXFP8 / NVFP4, formats, block shape), quantises and keeps, as Transformer Engine does. The
-amax recorded under DelayedScaling is then the one measured at the cast. Outside an FP8
+Weight caching (``is_first_microbatch``, Transformer Engine's semantics; ``docs/fp8.md``,
+"Weight caching"): a module hands the entry points a :class:`WeightCache`, its store of
+pre-quantised weights and the forward's ``is_first_microbatch`` (:func:`cached_weight`: None
+casts in the op every call, True casts and keeps, False uses the kept copy). Outside an FP8
 autocast the cache is not read.
 """
 
@@ -397,15 +389,13 @@ def _recipe_args(owner, state, inp, weights, metas, grouped) -> GemmArgs:
     recipe = state.recipe
     override = recipe.backward_override or ""
     specs = x, w, g = recipe_specs(recipe)
-    if x.kind == "nvfp4":
-        if x.row_scaled and recipe.backward_override is None:
-            raise ValueError(
-                f"{owner}: NVFP4BlockScaling(row_scaled_activation=True) needs backward_override "
-                "'high_precision' or 'dequantized' (a row-scaled NVFP4 input has no columnwise "
-                "copy for the wgrad GEMM, as in Transformer Engine), got None"
-            )
-        return GemmArgs(specs, backward_override=override)
-    if x.kind == "mxfp8":
+    if x.row_scaled and recipe.backward_override is None:  # (NVFP4's option)
+        raise ValueError(
+            f"{owner}: NVFP4BlockScaling(row_scaled_activation=True) needs backward_override "
+            "'high_precision' or 'dequantized' (a row-scaled NVFP4 input has no columnwise "
+            "copy for the wgrad GEMM, as in Transformer Engine), got None"
+        )
+    if x.kind in ("nvfp4", "mxfp8"):
         return GemmArgs(specs, backward_override=override)
     if x.kind == "block":
         if x.block_rows != 1 or g.block_rows != 1:
@@ -695,28 +685,15 @@ def grouped_linear(
     weight_quantized: Sequence[Tensor] | None = None,
 ) -> Tensor:
     """A module's grouped GEMM (``weight`` ``[G, N, K]``) through ``te::grouped_linear`` with
-    the autocast state's recipe (high precision outside it). Under the per-tensor recipes the
-    forward, dgrad and wgrad GEMMs run in FP8: ``Float8CurrentScaling`` with rowwise scales
-    (what Hopper's grouped FP8 GEMM takes), ``DelayedScaling`` with ``meta``'s per-tensor
-    scales (input, weight and gradient of all groups; its calibration step runs rowwise current
-    scaling and records the amaxes it measures). Float8BlockScaling runs natively where the
-    dense GEMMs do and the input is bf16; the block-scaled recipes are emulated elsewhere.
-    Calibration records the amaxes of the whole input and of every group's weight (one
-    per-tensor state). A recipe's ``backward_override`` applies as in :func:`linear` (the
-    backward GEMMs high precision's, on the high-precision or the forward's dequantised
-    operands); NVFP4's row-scaled activations raise NotImplementedError; its 16x16 weight
-    tiles, random Hadamard transform, stochastic rounding and 4over6 apply to each expert as to
-    a dense GEMM. ``defer``: as
-    :func:`linear`'s (``(DeferredWgrad, weight)`` appended). ``save_original_input``: the
-    backward must keep the input itself, not a quantised copy: what high precision,
-    ``Float8CurrentScaling`` (its FP8 wgrad operand quantised again in the backward) and the
-    emulated block-scaled recipes (the input's dequantised copy made again) do; DelayedScaling
-    refuses it (as Transformer Engine), the native Float8BlockScaling GEMMs do not implement
-    it. ``cache``: the module's kept FP8 weight (``is_first_microbatch``, entry ``"weight"``:
-    all groups' ``[G, N, K]`` weight in one ``functional.quantize_grouped_weight`` cast), handed
-    to ``te::grouped_linear`` as its pre-quantised weight. ``weight_quantized``: ``weight``'s
-    pre-quantised operand (FP8 primary weights, ``quantization.primary.grouped_primary``), for a
-    per-tensor recipe's autocast only."""
+    the autocast state's recipe (high precision outside it), as :func:`linear` runs a dense one
+    (``defer``, ``cache`` with the entry ``"weight"``, ``weight_quantized``:
+    ``quantization.primary.grouped_primary``'s). The per-tensor recipes run the wgrad GEMM in
+    FP8 too (``fp8_wgrad``), ``DelayedScaling`` with ``meta``'s scales for all groups;
+    Float8BlockScaling runs natively where the dense GEMMs do and the input is bf16, emulated
+    elsewhere; NVFP4's row-scaled activations raise NotImplementedError.
+    ``save_original_input``: the backward keeps the input itself (high precision, current
+    scaling, the emulated block-scaled recipes); DelayedScaling refuses it (as Transformer
+    Engine) and the native Float8BlockScaling GEMMs do not implement it."""
     state = get_autocast_state()
     if weight_quantized is not None:
         check_primary(owner, state)

@@ -1,50 +1,15 @@
 """CUDA graphs of modules' forward and backward: ``te_compile.make_graphed_callables``.
 
 Transformer Engine's ``make_graphed_callables`` (its signature, its return shape): each callable
-(an ``nn.Module`` or a function) is run ``num_warmup_iters`` times on ``sample_args`` /
-``sample_kwargs`` on a side stream, then its forward and its backward are captured in two CUDA
-graphs (forwards in order, backwards in reverse order, all in one memory pool). A graphed module
-is the same module object with its ``forward`` replaced: called in the training mode it was
-captured in, with tensors like the samples (same structure, shapes, dtypes, devices, and in a
-training step the same ``requires_grad``), it copies the new tensors into the captured inputs,
-replays the forward graph and returns the graph's outputs; its backward replays the backward
-graph. Called in the other mode it runs its original forward; called with other tensors it raises
-``ValueError``. Functions are returned as graphed functions.
-
-**FP8.** Each callable runs under ``te_compile.autocast(enabled, calibrating, recipe,
-amax_reduction_group)`` during warm-up and capture, so the graphs hold the recipe's casts. In
-te_compile every state update of a recipe is a tensor op on module buffers inside the forward
-(``quantization.fp8_gemm``: delayed scaling folds the last amaxes into the history and recomputes
-the scales at the start of each forward; the forward and the backward write their amaxes into
-buffers), so the updates are captured with the casts and happen on every replay, as in eager:
-there is no work left for the end of a step, and no autocast is needed around a replay (the
-recipe is the captured one, whatever autocast the call is made in).
-
-Warm-up and capture run the callables on the samples; like Transformer Engine, the FP8 state
-buffers (history, scales, amaxes) of the modules are saved first and restored after capture (in
-place: the graphs hold their addresses), and so is the CUDA RNG state, so building the graphs
-changes neither. One departure from te_compile's eager path: under ``DelayedScaling`` a fresh
-FP8 state's first step is not the calibration step (current scaling, ``quantization.fp8_gemm``):
-the graphs are captured on the delayed path, and a state that never ran starts, as in
-Transformer Engine, from scales of 1. Run one eager training step under ``te_compile.autocast``
-before graphing to start from measured scales.
-
-The states of a function's modules are found while it runs (a global forward pre-hook during
-warm-up), so a function under FP8 needs ``num_warmup_iters >= 1``. A function's backward graph
-differentiates its tensor arguments only: parameters it reads are constants of the graph (graph
-the module to get their gradients).
-
-``_order`` (with ``_num_layers_per_chunk``) is Megatron's interleaved pipeline schedule in
-Transformer Engine's layout (:class:`_Schedule`): one pair of graphs per forward pass (layer x
-micro-batch), captured in the schedule's order, and one graphed forward per pass returned; the
-modules keep their own forward.
-
-Limits: the graphed callables replay fixed shapes and fixed parameter storage (an optimizer
-must update parameters in place); ``cache_quantized_params`` / ``fp8_weight_caching`` (te_compile
-modules keep no FP8 weight cache across micro-batches), ``_reuse_graph_input_output_buffers``
-and ``capture_time_hooks`` raise ``NotImplementedError``. Each call's backward must run before
-the next call's forward replays the same graph (the backward of an earlier call raises
-``RuntimeError``: the saved tensors it needs were overwritten).
+(an ``nn.Module`` or a function) is warmed up on its samples on a side stream, then its forward
+and its backward are captured in two CUDA graphs (forwards in order, backwards in reverse order,
+one memory pool), under ``te_compile.autocast(enabled, calibrating, recipe,
+amax_reduction_group)`` so that the graphs hold the recipe's casts and its state updates (tensor
+ops on module buffers: every replay advances them as an eager step does). The FP8 state buffers
+and the CUDA RNG state are saved before warm-up and restored after capture. ``docs/graphs.md``
+is the full account: what a graphed callable checks and replays (``graph_replay``), functions,
+DelayedScaling's first step, the interleaved schedules (``_order``, :class:`_Schedule`) and
+the arguments that raise ``NotImplementedError``.
 """
 
 from __future__ import annotations

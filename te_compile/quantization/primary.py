@@ -1,74 +1,17 @@
 """FP8 primary weights: ``quantized_model_init`` / ``fp8_model_init`` and ``FP8MasterWeights``.
 
 Modules built inside ``te_compile.quantized_model_init(recipe=...)`` keep each GEMM weight in
-FP8 only: the ``weight`` Parameter holds the E4M3 codes (``torch.float8_e4m3fn``, one byte per
-parameter) with a persistent fp32 buffer ``weight_scale_inv`` ``[1]`` (the dequantisation
-scale) and ``weight_amax`` ``[1]`` (the amax measured at the cast), all plain tensors. The
-forward hands them to the GEMM op as its pre-quantised weight operand
-(``functional.quantize_weight``'s five tensors; the transposed codes the backward's dgrad GEMM
-reads are made from the codes each step, a byte per parameter alive until the backward), so no
-weight is cast per step.
-
-Gradients and the optimizer. A float8 Parameter cannot hold a bf16 gradient, so the weight
-gradient goes to ``weight.main_grad`` (fp32, as ``fuse_wgrad_accumulation``), and the weights
-the optimizer updates are fp32 masters kept next to it (Transformer Engine's FusedAdam
-``master_weights`` idea, written for any ``torch.optim`` optimizer):
-
-.. code-block:: python
-
-    with te.quantized_model_init(recipe=recipe, preserve_high_precision_init_val=True):
-        model = build_model()
-    masters = te.FP8MasterWeights(model)  # fp32 masters, main_grad buffers
-    optimizer = torch.optim.AdamW([*masters.parameters(), *masters.other_parameters()])
-    for x in data:
-        with te.autocast(recipe=recipe):
-            loss = model(x).float().square().mean()
-        loss.backward()
-        masters.step(optimizer)  # masters' grads = main_grad, optimizer.step(), FP8 refresh
-        optimizer.zero_grad()
-
-``masters.step`` hands each master its ``main_grad`` as ``.grad`` (the same tensor: no copy),
-runs ``optimizer.step()``, then re-quantises every master into its FP8 weight in one pass per
-weight (``te::quantize_weight``: amax, scale and cast; current scaling of the weight, as
-Transformer Engine does for its primary weights) and zeroes ``main_grad``.
-``preserve_high_precision_init_val=True`` keeps each weight's initial high-precision values on
-the CPU (``weight.get_high_precision_init_val()`` / ``clear_high_precision_init_val()``, as in
-Transformer Engine), from which ``FP8MasterWeights`` builds the masters (else from the
-dequantised FP8 values) and then clears them.
-
-Memory (tensor sizes, per weight parameter): the model holds 1 byte (bf16: 2), plus 4 bytes of
-``main_grad`` (bf16 grads: 2) and 4 of the master (a bf16 model trained with fp32 masters: 4);
-under FSDP2 all of them divided by the group size (plus the all-gathered codes of the modules
-being run, and each module's weight gradient during its backward).
-
-FSDP2 (``fully_shard``): the codes Parameter is sharded on dim 0 (a DTensor of float8 codes,
-no tensor subclass) and all-gathered as FP8 bytes; the scale buffers are replicated.
-``FP8MasterWeights`` built after ``fully_shard`` keeps DTensor-shard masters, sets the sharded
-codes to ``requires_grad=False`` (FSDP2 wants one dtype among trainable parameters, and reduces
-``.grad``, which float8 cannot hold) and keeps a SHARDED fp32 ``main_grad`` per weight (this
-rank's rows, the master's local shape). The forward hands the GEMM op a zero-byte stand-in of
-the weight that requires grad (``_ShardedGrad``); the op returns the weight gradient to it, and
-its backward reduce-scatters that gradient (fp32, the mean over the group, FSDP2's chunks) and
-autograd adds this rank's rows to ``main_grad``: the full-size gradient lives only inside each
-module's backward, and several backward calls before ``step`` accumulate. ``step`` all-reduces
-(max) each shard's amax before the refresh, so the codes equal the unsharded refresh's.
-``docs/fp8.md``, "FSDP2".
-
-Supported: the per-tensor recipes (``Float8CurrentScaling``, ``DelayedScaling``) on every
-module with GEMM weights (``Linear``, ``LayerNormLinear``, ``LayerNormMLP``, ``GroupedLinear``,
-``GroupedMLP``, and those built of them) and on ``te.ops.BasicLinear`` / ``te.ops.Linear`` /
-``te.ops.GroupedLinear``; the weights run inside a ``te_compile.autocast`` with a per-tensor
-recipe (outside it, or under calibration, a module with FP8 weights raises). Other recipes
-raise ``NotImplementedError`` at construction.
-
-``GroupedLinear``: each ``weight{i}`` is cast with its own scale (one ``weight`` ``[G, N, K]``,
-``single_grouped_weight=True``: one scale for all groups); the forward stacks the codes into
-the grouped GEMM's pre-quantised operand (:func:`grouped_primary`; a byte per parameter, and
-its transposed copy for the dgrad GEMM, alive until the backward). The gradients of all groups
-go to one fp32 ``[G, N, K]`` buffer (``GroupedLinear.allocate_main_grad``, which
-``FP8MasterWeights`` calls; ``weight{i}.main_grad`` are its views); sharded by FSDP2, a
-sharded ``main_grad`` per weight as above. Not with ``delay_wgrad_compute=True``
-(``NotImplementedError``).
+FP8 only: the ``weight`` Parameter holds the E4M3 codes (one byte per parameter) with fp32
+buffers ``weight_scale_inv`` and ``weight_amax`` ``[1]``, plain tensors, which the forward hands
+to the GEMM op as its pre-quantised weight operand (:func:`primary_operand`,
+:func:`grouped_primary`), so no weight is cast per step. The weight gradient goes to an fp32
+``weight.main_grad``; ``FP8MasterWeights`` keeps fp32 masters for any ``torch.optim`` optimizer
+and re-quantises them into the codes after each step (current scaling of the weight, as
+Transformer Engine casts its primary weights). Under FSDP2 the codes are sharded on dim 0, the
+weight gradient reaches a sharded ``main_grad`` through a zero-byte stand-in whose backward
+reduce-scatters it (:class:`_ShardedGrad`), and the refresh all-reduces each shard's amax.
+The per-tensor recipes only, inside an FP8 autocast. ``docs/fp8.md``, "FP8 primary weights"
+and "FSDP2", is the full account: usage, memory, the grouped layouts, the limits.
 """
 
 from __future__ import annotations
@@ -96,7 +39,6 @@ __all__ = [
     "get_high_precision_init_val",
     "grouped_primary",
     "high_precision_init",
-    "init_state",
     "is_primary",
     "make_primary",
     "primary_operand",
@@ -146,11 +88,6 @@ def quantized_model_init(
 
 
 fp8_model_init = quantized_model_init  # Transformer Engine's older name, same arguments
-
-
-def init_state() -> _InitState | None:
-    """The enclosing ``quantized_model_init``'s recipe and preserve flag, or None."""
-    return _STATE[0]
 
 
 def _quantize(weight: Tensor, recipe: Recipe, owner: str) -> list[Tensor]:
@@ -280,7 +217,7 @@ def grouped_primary(
     operand) that requires grad where the codes do: the op then accumulates the weight
     gradient into the ``main_grad`` it is given and returns none. Sharded by FSDP2 (with
     ``FP8MasterWeights`` and grad enabled), the stand-in requires grad through the weights'
-    sharded ``main_grad`` leaves instead (:class:`_ShardedGroupedGrad`; the module passes no
+    sharded ``main_grad`` leaves instead (:class:`_ShardedGrad`; the module passes no
     ``main_grad``, the op returns the ``[G, N, K]`` gradient to the stand-in)."""
     weights = [getattr(module, n) for n in names]
     if not is_primary(weights[0]):
@@ -299,7 +236,8 @@ def grouped_primary(
         return _StandIn.apply(dtype, (g, n, k), *weights), operand
     _refuse_delayed_wgrad(module)
     group_name, world = module.__dict__[_SHARD_GROUP][names[0]]
-    return _ShardedGroupedGrad.apply(dtype, (g, n, k), group_name, world, *sinks), operand
+    per_group = sinks[0].dim() == 2  # G weights [N, K] (else one [G, N, K])
+    return _ShardedGrad.apply(dtype, (g, n, k), group_name, world, per_group, *sinks), operand
 
 
 def required_main_grad(owner: str, main_grad: Tensor | None, weight: Tensor) -> Tensor | None:
@@ -359,34 +297,7 @@ def primary_weight(
         return weight, main_grad
     _refuse_delayed_wgrad(module)
     group_name, world = module.__dict__[_SHARD_GROUP][name]
-    return _ShardedGrad.apply(weight, sink, dtype, group_name, world), None
-
-
-class _ShardedGrad(torch.autograd.Function):
-    """The weight argument of a GEMM op whose FP8 weight FSDP2 shards: ``codes``' shape in
-    ``dtype``, zero bytes (an expanded scalar; the op reads the codes from its pre-quantised
-    operand, never this), requiring grad through ``sink`` (a zero-byte fp32 leaf of the local
-    shard's shape whose ``.grad`` is the sharded ``main_grad``).
-
-    Backward: the op's weight gradient ``dW`` (full size, made by the op's backward and freed
-    when this returns) is reduce-scattered in fp32 over the FSDP2 group (sum, divided by the
-    group size: the mean FSDP2 takes of the other gradients), with FSDP2's chunks along dim 0
-    (``ceil(rows / world)`` rows per rank, the last ones short: zero padding); this rank's rows
-    are ``sink``'s gradient, which autograd accumulates into ``sink.grad`` (in place: several
-    backward calls before ``step`` sum their reduce-scattered gradients). A functional
-    collective: torch.compile traces it into the compiled backward."""
-
-    @staticmethod
-    def forward(ctx, codes: Tensor, sink: Tensor, dtype: torch.dtype, group_name: str,
-                world: int) -> Tensor:  # fmt: skip
-        ctx.group_name, ctx.world = group_name, world
-        ctx.local_rows = sink.shape[0]
-        return sink.new_zeros((), dtype=dtype).expand(codes.shape)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[None, Tensor, None, None, None]:
-        shard = _reduce_scatter_rows(grad, ctx.world, ctx.group_name, ctx.local_rows)
-        return None, shard, None, None, None
+    return _ShardedGrad.apply(dtype, weight.shape, group_name, world, False, sink), None
 
 
 def _reduce_scatter_rows(grad: Tensor, world: int, group_name: str, local_rows: int) -> Tensor:
@@ -405,18 +316,25 @@ def _reduce_scatter_rows(grad: Tensor, world: int, group_name: str, local_rows: 
     return out[:local_rows].div(world)
 
 
-class _ShardedGroupedGrad(torch.autograd.Function):
-    """:class:`_ShardedGrad` for a grouped GEMM's weights (:func:`grouped_primary`): the
-    stand-in ``[G, N, K]`` requires grad through ``sinks`` (one per FP8 weight: ``G`` weights
-    ``[N, K]`` sharded on their rows, or one ``[G, N, K]`` sharded on its groups); the backward
-    reduce-scatters each weight's part of the gradient into its sink."""
+class _ShardedGrad(torch.autograd.Function):
+    """The weight argument of a GEMM op whose FP8 weights FSDP2 shards: ``shape`` in ``dtype``,
+    zero bytes (an expanded scalar; the op reads the codes from its pre-quantised operand, never
+    this), requiring grad through ``sinks``: one zero-byte fp32 leaf per FP8 weight, of its local
+    shard's shape, whose ``.grad`` is the sharded ``main_grad`` (a dense weight's one; a grouped
+    GEMM's ``G`` weights ``[N, K]`` sharded on their rows, ``per_group``, or one ``[G, N, K]``
+    sharded on its groups).
+
+    Backward: the op's weight gradient ``dW`` (full size, made by the op's backward and freed
+    when this returns) is reduce-scattered, each weight's part into its sink
+    (:func:`_reduce_scatter_rows`), and autograd accumulates it into ``sink.grad`` (in place:
+    several backward calls before ``step`` sum their reduce-scattered gradients). A functional
+    collective: torch.compile traces it into the compiled backward."""
 
     @staticmethod
     def forward(ctx, dtype: torch.dtype, shape: tuple[int, ...], group_name: str, world: int,
-                *sinks: Tensor) -> Tensor:  # fmt: skip
-        ctx.group_name, ctx.world = group_name, world
+                per_group: bool, *sinks: Tensor) -> Tensor:  # fmt: skip
+        ctx.group_name, ctx.world, ctx.per_group = group_name, world, per_group
         ctx.local_rows = [s.shape[0] for s in sinks]
-        ctx.per_group = sinks[0].dim() == 2  # G weights [N, K] (else one [G, N, K])
         return sinks[0].new_zeros((), dtype=dtype).expand(shape)
 
     @staticmethod
@@ -424,7 +342,7 @@ class _ShardedGroupedGrad(torch.autograd.Function):
         parts = grad.unbind(0) if ctx.per_group else (grad,)
         shards = [_reduce_scatter_rows(p, ctx.world, ctx.group_name, rows)
                   for p, rows in zip(parts, ctx.local_rows, strict=True)]  # fmt: skip
-        return (None, None, None, None, *shards)
+        return (None, None, None, None, None, *shards)
 
 
 def primary_main_grad(module: nn.Module, name: str) -> Tensor | None:

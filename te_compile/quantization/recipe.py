@@ -37,46 +37,22 @@ type and on every field the traced code read (``quantization.gemm.gemm_args`` re
 compiled model never runs with a stale recipe: setting a field it read recompiles it at the next
 call, and setting it back reuses the first graph.
 
-``backward_override`` (not for ``DelayedScaling``, as in TE) chooses the backward GEMMs' operands:
-``None``, the recipe's quantised ones (the gradient quantised too); ``"high_precision"``, the
-original high-precision input and weight with the gradient unquantised (the forward saves the
-high-precision tensors instead of the FP8 copies); ``"dequantized"``, the forward's quantised
-input and weight dequantised to the input dtype, with the gradient unquantised. The forward is
-the recipe's either way.
+``backward_override`` (not for ``DelayedScaling``, as in TE) chooses the backward GEMMs' operands
+(``docs/fp8.md`` says what each saves): ``None``, the recipe's quantised ones;
+``"high_precision"``, the high-precision input and weight; ``"dequantized"``, the forward's
+quantised ones dequantised; the gradient is not quantised with either. The forward is the
+recipe's either way.
 
-Where this module departs from Transformer Engine, and why:
-
-- TE reads some defaults from ``NVTE_*`` environment variables when it is imported; here a
-  default is always the value written below. Pass the field instead.
-- Per-operand ``QParams`` (``NVFP4BlockScaling.fp4_quant_*``, ``Float8CurrentScaling`` and
-  ``Float8BlockScaling``'s ``fp8_quant_*``: input, weight, gradient) are fields as in TE: not
-  constructor arguments, set from the recipe's flags at construction (TE's ``__post_init__``),
-  replaceable afterwards per operand (validated, compared, printed and copied with the other
-  fields; ``dataclasses.replace`` builds them from the flags again, as TE's ``__post_init__``
-  would). Where TE leaves them stale, a flag set after construction (``disable_rht``,
-  ``use_power_2_scales``, ...) sets the option it governs in the fields it covers and leaves
-  their other options alone. ``quantization.gemm.recipe_specs`` reads each for its operand
-  only, and an option no kernel applies to that operand (NVFP4's stochastic rounding of the
-  input, a nonzero ``amax_epsilon``, ...) raises NotImplementedError naming the field where the
-  recipe is used, not when it is set (TE code sets the three fields one after the other). TE's
-  own current-scaling quantisers read only ``use_power_2_scales``, and TE keeps the
-  ``fp8_quant_*`` defaults as class attributes fixed at import time (``use_power_2_scales=True``
-  passed to the constructor does not reach them); here they follow the instance's flag.
-- ``fp8_dpa`` / ``fp8_mha`` (FP8 attention) exist so that TE code constructs unchanged, but
-  te_compile's attention (``DotProductAttention``, ``MultiheadAttention``) computes in high
-  precision only, so only ``False`` is accepted.
-- What the modules do not implement is refused, not ignored: ``Float8CurrentScaling``'s
-  ``fp8_gemm_*`` must be TE's defaults (fast accumulation forward, split accumulation backward:
-  what the per-tensor GEMMs run); and
-  ``autocast(recipe=Float8CurrentScaling(use_power_2_scales=True))`` raises, as does a
-  recipe with one operand's ``fp8_quant_*.power_2_scale`` set (``te_compile.quantize`` applies
-  power-of-two scales, the modules' kernels do not);
-  ``backward_override`` is implemented by the linear, MLP and grouped modules.
-- NVFP4's ``nvfp4_4over6`` (4over6 adaptive block scaling) applies to the weights and the
-  forward input, never to gradients. ``GroupedLinear`` / ``GroupedMLP`` apply every NVFP4
-  option per expert as a dense ``Linear`` would, but raise on row-scaled activations.
-- Accepted and documented as not applied (the emulated formats, docs/fp8.md): MXFP8's
-  ``margin``.
+Where this module departs from Transformer Engine (``docs/te_compat.md``, "FP8 recipes and
+autocast", has each recipe's list): no default is read from ``NVTE_*`` environment variables;
+the per-operand ``QParams`` fields (``fp4_quant_*``, ``fp8_quant_*``: input, weight, gradient)
+follow the recipe's flags whenever a flag is set (TE's stay as its ``__post_init__`` left them)
+and may be replaced one by one, and ``quantization.gemm.recipe_specs`` refuses, naming the field,
+an option no kernel applies to that operand, where the recipe is used; ``fp8_dpa`` /
+``fp8_mha`` accept only ``False`` (te_compile's attention computes in high precision); what the
+modules do not implement is refused, not ignored (``Float8CurrentScaling``'s ``fp8_gemm_*`` must
+be TE's defaults, power-of-two scales of the per-tensor recipes raise in ``autocast``); NVFP4's
+``nvfp4_4over6`` never applies to gradients; MXFP8's ``margin`` is accepted and not applied.
 """
 
 from __future__ import annotations

@@ -9,13 +9,9 @@ their ops (``quantization.gemm.gemm_args``). Outside any autocast the state is
 ``AutocastState(enabled=False, recipe=None, amax_reduction_group=None, calibrating=False)``.
 
 ``calibrating=True`` with ``enabled=False`` is TE's calibration mode: the GEMMs compute in high
-precision (the outputs and gradients are those of no autocast at all) while the per-tensor
-recipes' FP8 state is kept as if they ran in FP8: each GEMM measures the amaxes of its input
-and weight, and under ``DelayedScaling`` folds them into the amax history and updates the
-scales at the next forward. A model trained (or run) in high precision then holds the scales
-an FP8 run or an FP8 inference checkpoint needs. The backward stays high precision and
-measures no gradient amax. With ``enabled=True`` the GEMMs run in FP8 and ``calibrating``
-changes nothing (TE's meaning).
+precision while the per-tensor recipes' FP8 state is kept as an FP8 run keeps it
+(``quantization.gemm.calibrate``; ``docs/fp8.md``, "Calibration"). With ``enabled=True``
+``calibrating`` changes nothing (TE's meaning).
 
 How this works with ``torch.compile`` (checked on torch 2.13, see tests/quantization):
 
