@@ -144,6 +144,67 @@ def make_primary(module: nn.Module, names: tuple[str, ...], owner: str) -> None:
         module.register_buffer(f"{name}_scale_inv", scale_inv)
         module.register_buffer(f"{name}_amax", amax)
         module.__dict__.setdefault(_INIT_DTYPES, {})[name] = hp.dtype
+        _stamp(module, name)
+    if _STAMPS not in module.__dict__ or _HOOKED in module.__dict__:
+        return
+    module.__dict__[_HOOKED] = True
+    module.register_load_state_dict_pre_hook(_quantize_loaded_weights)
+    module.register_load_state_dict_post_hook(_stamp_after_load)
+
+
+def _quantize_loaded_weights(module, state_dict, prefix, *args) -> None:
+    """``load_state_dict``'s pre-hook: a high-precision value for an FP8 weight (a checkpoint of
+    the model without FP8 primary weights) is quantised as ``FP8MasterWeights`` quantises its
+    masters (current scaling of the weight), codes, scale and amax; loaded as they were, its
+    values would be cast into the codes without the weight's scale."""
+    for name in module.__dict__.get(_STAMPS, {}):
+        value, param = state_dict.get(prefix + name), getattr(module, name)
+        if value is None or not value.is_floating_point() or is_primary(value):
+            continue
+        if type(param.data) is not Tensor:  # a DTensor shard (FSDP2): distributed checkpointing
+            continue
+        data, scale_inv, _, _, amax = _cast(value.to(param.device), param.dtype)
+        state_dict[prefix + name] = data.view(param.dtype)
+        state_dict[prefix + f"{name}_scale_inv"] = scale_inv
+        state_dict[prefix + f"{name}_amax"] = amax
+
+
+def _stamp(module: nn.Module, name: str) -> None:
+    """Remember the storage and version of FP8 weight ``name`` and the version of its scale
+    after te_compile set the codes with their scale (:func:`check_unchanged`)."""
+    w = getattr(module, name)
+    if type(w.data) is Tensor:  # a DTensor shard (FSDP2) is written through its local tensor
+        versions = (w._version, getattr(module, f"{name}_scale_inv")._version)
+        module.__dict__.setdefault(_STAMPS, {})[name] = (w.data_ptr(), versions)
+
+
+def _stamp_after_load(module: nn.Module, incompatible_keys: object) -> None:
+    for name in list(module.__dict__.get(_STAMPS, {})):
+        _stamp(module, name)
+
+
+def check_unchanged(module: nn.Module, name: str, weight: Tensor) -> None:
+    """Refuse an FP8 weight written in place since te_compile set its codes and scale: a plain
+    ``weight.copy_(values)`` (or an in-place initialiser) casts the values to float8 without
+    the weight's scale, so the codes no longer match ``<name>_scale_inv`` and every result
+    would be wrong. Same storage, newer codes and the same scale: written. Codes written with
+    their scale (an FP8 copy of codes and ``<name>_scale_inv``), or other storage (``.to()``, a
+    deep copy, same values): stamped again. Eager calls only."""
+    stamps = module.__dict__.get(_STAMPS)
+    if stamps is None or torch.compiler.is_compiling() or type(weight.data) is not Tensor:
+        return
+    ptr, (codes, scale) = stamps.get(name, (None, (None, None)))
+    if weight.data_ptr() != ptr or getattr(module, f"{name}_scale_inv")._version != scale:
+        _stamp(module, name)
+    elif weight._version != codes:
+        raise RuntimeError(
+            f"{type(module).__name__}: the FP8 weight {name!r} was written in place since its "
+            f"codes and scale were set (weight.copy_(values), an in-place init, ...): a plain "
+            f"copy casts values to float8 without the weight's scale ({name}_scale_inv), so "
+            "the codes no longer match it. Set FP8 weights with load_state_dict (a "
+            "high-precision value is quantised), FP8MasterWeights, reset_parameters(), or by "
+            f"writing FP8 codes together with {name}_scale_inv"
+        )
 
 
 @contextlib.contextmanager
@@ -175,6 +236,7 @@ def high_precision_init(module: nn.Module, names: tuple[str, ...]) -> Iterator[N
                 p.copy_(data.view(p.dtype))
                 getattr(module, f"{n}_scale_inv").copy_(scale_inv)
                 getattr(module, f"{n}_amax").copy_(amax)
+            _stamp(module, n)
             if get_high_precision_init_val(p) is not None:
                 p._high_precision_init_val = hp.to("cpu", copy=True)
 
@@ -199,6 +261,7 @@ def primary_operand(
                 "=...) does); shard modules with FP8 weights with param_dtype=None"
             )
         return None
+    check_unchanged(module, name, weight)
     scale_inv, amax = getattr(module, f"{name}_scale_inv"), getattr(module, f"{name}_amax")
     codes_t = weight.detach().view(torch.uint8).t().contiguous()
     return weight, scale_inv, codes_t, scale_inv, amax
@@ -358,6 +421,8 @@ def primary_main_grad(module: nn.Module, name: str) -> Tensor | None:
 
 
 _INIT_DTYPES = "_fp8_init_dtypes"  # {name: the dtype the FP8 weight was built in}
+_STAMPS = "_fp8_weight_stamps"  # {name: (data_ptr, _version) when te_compile last set it}
+_HOOKED = "_fp8_load_hooks"  # the load_state_dict hooks are registered
 _SHARDED_MAIN_GRADS = "_fp8_sharded_main_grads"  # {name: the zero-byte leaf holding it as .grad}
 _SHARD_GROUP = "_fp8_shard_group"  # {name: (the FSDP2 group's name, its size)}
 
@@ -493,6 +558,7 @@ class FP8MasterWeights:
                 weight.to_local().copy_(data.view(weight.dtype))
             scale_inv.copy_(new_scale_inv)
             getattr(e.module, f"{e.name}_amax").copy_(amax)
+            _stamp(e.module, e.name)
 
 
 def _quantize_shard(e: _Entry, fp8_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:

@@ -5,6 +5,7 @@ fp32 masters and refreshes the codes after each optimizer step."""
 
 from __future__ import annotations
 
+import copy
 import io
 
 import pytest
@@ -668,3 +669,46 @@ def test_reset_parameters_reinitialises_and_requantises(name):
         assert torch.equal(m.get_buffer(f"{n}_scale_inv"), codes[1]), n
         assert torch.equal(m.get_buffer(f"{n}_amax"), codes[4]), n
         assert not torch.equal(w.detach().view(torch.uint8), before[n]), n
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_a_high_precision_state_dict_loads_quantised(name):
+    """A checkpoint of the model without FP8 weights loads into one with them: each weight is
+    quantised (current scaling of the weight, as FP8MasterWeights casts), codes, scale and
+    amax, and the module computes what one built from those weights computes. Copied into the
+    codes as they were, the values would have lost the weight's scale (every result wrong)."""
+    recipe = Float8CurrentScaling()
+    torch.manual_seed(5)
+    hp = _build(name, "cpu")
+    with torch.no_grad():
+        for p in hp.parameters():
+            p.normal_(0, 0.05)
+    m = _primary(name, "cpu", recipe)
+    m.load_state_dict(hp.state_dict(), strict=False)
+    for n in _fp8_names(m):
+        codes = te.functional.quantize_weight(getattr(hp, n).detach(), "current:e4m3")
+        assert torch.equal(getattr(m, n).detach().view(torch.uint8), codes[0])
+        assert torch.equal(getattr(m, f"{n}_scale_inv"), codes[1])
+        assert torch.equal(getattr(m, f"{n}_amax"), codes[4])
+    with torch.no_grad(), autocast(recipe=recipe):  # the cast the FP8 run of ``hp`` makes
+        assert torch.equal(m(_x("cpu", 3)), hp(_x("cpu", 3)))
+
+
+@pytest.mark.parametrize("name", ["Linear", "LayerNormMLP"])
+def test_an_fp8_weight_written_in_place_is_refused_by_name(name):
+    """``weight.copy_(values)`` casts the values to float8 without the weight's scale: the next
+    forward refuses it, naming the weight, instead of computing with codes that no longer match
+    their scale. A copy of the module (new storage, same values) is no write."""
+    recipe = Float8CurrentScaling()
+    m = copy.deepcopy(_primary(name, "cpu", recipe))
+    n = _fp8_names(m)[0]
+    with autocast(recipe=recipe):
+        m(_x("cpu"))  # unchanged: runs
+    with torch.no_grad():
+        getattr(m, n).copy_(torch.randn(getattr(m, n).shape, dtype=torch.bfloat16))
+    written = rf"FP8 weight '{n}' was written in place"
+    with pytest.raises(RuntimeError, match=written), autocast(recipe=recipe):
+        m(_x("cpu"))
+    m.load_state_dict(_primary(name, "cpu", recipe).state_dict())  # set again: runs
+    with autocast(recipe=recipe):
+        m(_x("cpu"))
