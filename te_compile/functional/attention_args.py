@@ -237,14 +237,16 @@ def _slopes(alibi_slopes, b: int, h: int, thd: bool, device) -> Tensor:
         or alibi_slopes.dtype != torch.float32
         or tuple(alibi_slopes.shape) not in shapes
     ):
-        got = alibi_slopes
-        if isinstance(got, Tensor):
-            got = f"{got.dtype} {list(got.shape)}"
         raise _fail(f"alibi_slopes must be a float32 tensor {' or '.join(map(str, shapes))}, "
-                    f"got {got}")  # fmt: skip
+                    f"got {_described(alibi_slopes)}")  # fmt: skip
     if alibi_slopes.device != device:
         raise _fail(f"alibi_slopes must be on {device}, got {alibi_slopes.device}")
     return alibi_slopes
+
+
+def _described(x: object) -> object:
+    """``x`` as an error message shows it: a tensor by dtype and shape."""
+    return f"{x.dtype} {list(x.shape)}" if isinstance(x, Tensor) else x
 
 
 def _softmax_offset(softmax_type, softmax_offset, h: int, device) -> Tensor | None:
@@ -264,11 +266,8 @@ def _softmax_offset(softmax_type, softmax_offset, h: int, device) -> Tensor | No
         or not softmax_offset.is_floating_point()
         or tuple(softmax_offset.shape) != (h,)
     ):
-        got = softmax_offset
-        if isinstance(got, Tensor):
-            got = f"{got.dtype} {list(got.shape)}"
         raise _fail(f"softmax_offset must be a floating tensor [{h}] (one logit per query "
-                    f"head), got {got}")  # fmt: skip
+                    f"head), got {_described(softmax_offset)}")  # fmt: skip
     if softmax_offset.device != device:
         raise _fail(f"softmax_offset must be on {device}, got {softmax_offset.device}")
     return softmax_offset.float()
