@@ -355,6 +355,45 @@ def test_fuse_wgrad_accumulation_per_weight_main_grad_delayed():
         assert_close(g, to_reference(initial[i]) + dy_rows[i].t() @ x_rows[i], torch.float32)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", ["eager", "compiled", "delayed_wgrad"])
+def test_per_weight_main_grad_equals_linears_bit_for_bit(dtype, mode):
+    """Transformer Engine's test_grouped_linear_accuracy with fuse_wgrad_accumulation on the
+    CPU: each weight{i}.main_grad its own tensor holding values, and a te.Linear per expert with
+    the same weight and a copy of that main_grad: the grouped GEMM accumulates each expert's
+    gradient into its main_grad's values as the Linear does (one GEMM adding into them, not a
+    product rounded and then added), so the two are equal bit for bit."""
+    delay = mode == "delayed_wgrad"
+    m = te.GroupedLinear(3, 64, 48, fuse_wgrad_accumulation=True, delay_wgrad_compute=delay,
+                         params_dtype=dtype)  # fmt: skip
+    _random_params(m)
+    initial = [torch.rand(48, 64) * 100 for _ in range(3)]
+    main_grads = _per_weight_main_grads(m, initial)
+    linears = []
+    for w, g0 in zip(m.weights(), initial, strict=True):
+        lin = te.Linear(64, 48, fuse_wgrad_accumulation=True, params_dtype=dtype)
+        lin.weight = nn.Parameter(w.detach().clone())
+        lin.bias = nn.Parameter(torch.zeros(48, dtype=dtype))
+        lin.weight.main_grad = g0.clone()
+        linears.append(lin)
+    # Hundreds of tokens in an expert: the CPU GEMM then adds partial sums along the tokens
+    # into main_grad (a product rounded first and then added differs in the last bit).
+    splits = [384, 0, 1152]
+    x = torch.randn(1536, 64, dtype=dtype, requires_grad=True)
+    x_loop = x.detach().clone().requires_grad_()
+    dy = torch.randn(1536, 48, dtype=dtype)
+    fn = torch.compile(m, backend="aot_eager", fullgraph=True) if mode == "compiled" else m
+    fn(x, splits).backward(dy)
+    if delay:
+        m.backward_dw()
+    y_loop = torch.cat([lin(x_g) for lin, x_g in zip(linears, x_loop.split(splits), strict=True)])
+    y_loop.backward(dy)
+    assert torch.equal(x.grad, x_loop.grad)
+    for g, lin in zip(main_grads, linears, strict=True):
+        assert torch.equal(g, lin.weight.main_grad)
+    assert not torch.equal(main_grads[0], initial[0])
+
+
 @pytest.mark.parametrize("recipe", ["current", "delayed", "mxfp8", "nvfp4"])
 @pytest.mark.parametrize("delay", [False, True], ids=["now", "delayed_wgrad"])
 def test_per_weight_main_grad_equals_one_buffer_under_recipes(recipe, delay):
