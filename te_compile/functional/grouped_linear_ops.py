@@ -39,7 +39,8 @@ with ``fp8_wgrad`` ``[X_8^T [K, capacity], its inverse scales [G, K]]``, then ``
 amax(W)]`` under delayed scaling (and under current scaling when ``grad_amax`` is given: a
 delayed state's calibration step); native blockwise the FP8 copies of ``X^T`` (every expert's
 tokens from a multiple of 128) and of each ``W_g^T`` with their 1x128 scales; the emulated
-recipes the dequantised ``X`` and ``W``; nothing in high precision. Under an override, nothing
+recipes the dequantised copies of ``X`` and ``W`` the backward GEMMs read (quantised along the
+tokens within each expert, and along ``N``); nothing in high precision. Under an override, nothing
 (``"high_precision"``) or the dequantised forward operands ``[X, W]`` (``"dequantized"``), then
 the amaxes as above.
 
@@ -267,28 +268,44 @@ def _ref_operands(x: Tensor, w: Tensor, splits: list[int], r: GroupedRecipe) -> 
     return qdq(x, r.recipe, r.fwd_dtype, 1, p2), wq
 
 
+def _ref_columns(x_g: Tensor, r: GroupedRecipe, fp8_dtype: torch.dtype) -> Tensor:
+    """One group's (or expert's) ``[m, C]`` quantised-dequantised along ``m`` (blocks of 32
+    rows for MXFP8, 128 for Float8BlockScaling's 1x128 blocks), a partial last block as if
+    padded with zeros."""
+    m = x_g.shape[0]
+    step = 32 if r.recipe == "mxfp8" else 128
+    padded_t = torch.nn.functional.pad(x_g.t(), (0, -m % step))
+    p2 = r.recipe == "block" and r.power_2_scale
+    return qdq(padded_t, r.recipe, fp8_dtype, 1, p2)[:, :m].t()
+
+
 class _RefDequantized(torch.autograd.Function):
-    """The emulated block-scaled recipes: the GEMMs of the quantised-dequantised operands, the
-    incoming gradient quantised in blocks along ``out_features`` (per expert for NVFP4), the
-    operands' gradients straight through."""
+    """The emulated block-scaled recipes, every expert as a dense GEMM quantises its operands:
+    the forward GEMM of the operands quantised along ``in_features``; the dgrad GEMM of the
+    gradient quantised along ``out_features`` and the weight along ``out_features`` (128x128
+    blocks: the forward's); the wgrad GEMM of the gradient and the input quantised along each
+    expert's own tokens."""
 
     @staticmethod
     def forward(ctx, x, w, splits, r: GroupedRecipe):
         n = w.shape[1]
         xq, wq = _ref_operands(x, w, splits, r)
-        ctx.save_for_backward(xq, wq)
+        w_rows = r.weight_block_rows if r.recipe == "block" else 1
+        w_col = wq if w_rows != 1 else torch.stack([_ref_columns(w_g, r, r.fwd_dtype) for w_g in w])
+        x_col = [_ref_columns(x_g, r, r.fwd_dtype) for x_g in x.split(splits)]
+        ctx.save_for_backward(w_col, *x_col)
         ctx.splits, ctx.r = splits, r
         outs = [x_g @ wq[g].t() for g, x_g in enumerate(xq.split(splits))]
         return torch.cat(outs) if outs else x.new_empty(0, n)
 
     @staticmethod
     def backward(ctx, dy):
-        xq, wq = ctx.saved_tensors
+        w_col, *x_col = ctx.saved_tensors
         r, splits = ctx.r, ctx.splits
         dyq = qdq(dy, r.recipe, r.bwd_dtype, 1, r.recipe == "block" and r.power_2_scale)
-        parts = list(zip(dyq.split(splits), xq.split(splits), strict=True))
-        dx = torch.cat([d @ wq[g] for g, (d, _) in enumerate(parts)])
-        dw = torch.stack([d.t() @ x_g for d, x_g in parts])
+        dx = torch.cat([d @ w_col[g] for g, d in enumerate(dyq.split(splits))])
+        parts = zip(dy.split(splits), x_col, strict=True)
+        dw = torch.stack([_ref_columns(d, r, r.bwd_dtype).t() @ x_g for d, x_g in parts])
         return dx, dw, None, None
 
 
@@ -619,8 +636,10 @@ def _for_backward(a: GroupedLinearArgs, saved: list[Tensor]) -> tuple[tuple, tup
             saved = [data_t, scale_t, *saved]
         elif kind == "blockwise":  # stacked: the backward reads them so
             saved = [*saved, data_t, scale_t]
-        else:
+        elif x.kind == "nvfp4":  # 16x16 tiles: the kept W is its own dgrad copy
             saved = [*saved, a.weight_q[0]]
+        else:  # 0-element: the dgrad copy (W along N) is made from weight in the backward
+            saved = [*saved, a.weight_q[2]]
     tensors = (a.inp if keeps_inp else None, a.m_splits, a.weight, a.main_grad, a.scale,
                a.grad_amax, a.rng_state, *saved)  # fmt: skip
     return tensors, (a.input_spec, a.weight_spec, a.grad_spec, a.backward)

@@ -394,6 +394,50 @@ def test_per_weight_main_grad_equals_linears_bit_for_bit(dtype, mode):
     assert not torch.equal(main_grads[0], initial[0])
 
 
+@pytest.mark.parametrize("recipe", ["mxfp8", "block"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fuse", [False, True], ids=["grad", "main_grad"])
+def test_emulated_block_recipes_equal_linears_bit_for_bit(recipe, dtype, fuse):
+    """MXFP8BlockScaling and Float8BlockScaling (emulated on the CPU): GroupedLinear gives what a
+    te.Linear per expert gives, bit for bit (Transformer Engine's test_grouped_linear_accuracy):
+    the dgrad GEMM takes the weight quantised along out_features, the wgrad GEMM the gradient
+    and the input quantised along each expert's own tokens (splits that are not multiples of
+    the 32 / 128-row blocks: no block straddles two experts), each GEMM the dense one."""
+    make = {"mxfp8": te.recipe.MXFP8BlockScaling, "block": te.recipe.Float8BlockScaling}
+    m = te.GroupedLinear(3, 64, 96, bias=True, fuse_wgrad_accumulation=fuse, params_dtype=dtype)
+    _random_params(m)
+    initial = [torch.rand(96, 64) for _ in range(3)]
+    if fuse:
+        _per_weight_main_grads(m, initial)
+    linears = []
+    for i, (w, b) in enumerate(zip(m.weights(), m.biases(), strict=True)):
+        lin = te.Linear(64, 96, fuse_wgrad_accumulation=fuse, params_dtype=dtype)
+        lin.weight, lin.bias = nn.Parameter(w.detach().clone()), nn.Parameter(b.detach().clone())
+        if fuse:
+            lin.weight.main_grad = initial[i].clone()
+        linears.append(lin)
+    # Float8BlockScaling: experts that start inside a 128-row block (MXFP8's dense GEMM needs
+    # tokens in multiples of 32, so its experts start on a block).
+    splits = [48, 0, 80] if recipe == "block" else [64, 0, 64]
+    x = torch.randn(128, 64, dtype=dtype, requires_grad=True)
+    x_loop = x.detach().clone().requires_grad_()
+    dy = torch.randn(128, 96, dtype=dtype) * torch.logspace(-2, 2, 128, dtype=dtype)[:, None]
+    with te.autocast(recipe=make[recipe]()):
+        y = m(x, splits)
+        y_loop = torch.cat(
+            [lin(x_g) for lin, x_g in zip(linears, x_loop.split(splits), strict=True)]
+        )
+    y.backward(dy)
+    y_loop.backward(dy)
+    assert torch.equal(y, y_loop)
+    assert torch.equal(x.grad, x_loop.grad)
+    for w, lin in zip(m.weights(), linears, strict=True):
+        if fuse:
+            assert torch.equal(w.main_grad, lin.weight.main_grad)
+        elif lin.weight.grad is not None:  # a Linear that saw no rows gets no gradient
+            assert torch.equal(w.grad, lin.weight.grad)
+
+
 @pytest.mark.parametrize("recipe", ["current", "delayed", "mxfp8", "nvfp4"])
 @pytest.mark.parametrize("delay", [False, True], ids=["now", "delayed_wgrad"])
 def test_per_weight_main_grad_equals_one_buffer_under_recipes(recipe, delay):
