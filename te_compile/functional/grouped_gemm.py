@@ -635,30 +635,30 @@ def dequantized_backward(grad, saved, inp, m_splits, weight, main_grad, r, has_b
     g_row = _cast(grad, r, r.bwd_dtype) if dgrad else None
     g_col = _cast_columns(grad, m_splits, r, r.bwd_dtype) if wgrad else None
     if cuda:  # the grouped GEMMs on device offsets
-        dinp, _, _ = high_precision_backward(g_row, [], x, m_splits, w, main_grad, r, False,
-                                             dgrad, False, cuda)  # fmt: skip
-        dweight = empty(grad)
+        dinp, dweight = empty(grad), empty(grad)
+        if dgrad:
+            dinp, _, _ = high_precision_backward(g_row, [], x, m_splits, w, main_grad, r, False,
+                                                 True, False, cuda)  # fmt: skip
         if wgrad:
             _, dweight, _ = high_precision_backward(g_col, [], x, m_splits, w, main_grad, r,
                                                     False, False, True, cuda)  # fmt: skip
     else:
-        dinp, dweight = _emulated_loop(g_row, g_col, x, m_splits, w, main_grad, grad.dtype)
+        dinp, dweight = _emulated_loop(grad, g_row, g_col, x, m_splits, w, main_grad)
     dbias = _group_sums(grad, m_splits, w.shape[0], cuda) if has_bias else empty(grad)
     return dinp, dweight, dbias
 
 
-def _emulated_loop(g_row, g_col, x_col, m_splits, w_col, main_grad, dtype):
+def _emulated_loop(grad, g_row, g_col, x_col, m_splits, w_col, main_grad):
     """The CPU's backward GEMMs of the emulated recipes, per group the calls a dense
     ``te::linear`` makes (``functional.gemm``'s ``"dequantized"`` GEMM on the fp32 values, the
     transposed copies contiguous, the weight gradient added to ``main_grad`` after its GEMM), so
     a group's gradients are those of a Linear with its rows, bit for bit. ``g_row`` / ``g_col``:
     None where that gradient is not wanted."""
-    rows, (groups, n, k) = x_col.shape[0], w_col.shape
-    ref = g_row if g_row is not None else g_col
-    dinp = ref.new_empty(rows, k) if g_row is not None else empty(ref)
+    rows, (groups, n, k), dtype = x_col.shape[0], w_col.shape, grad.dtype
+    dinp = grad.new_empty(rows, k) if g_row is not None else empty(grad)
     into_weight = g_col is not None and main_grad is None
-    dweight = ref.new_empty(groups, n, k) if into_weight else empty(ref)
-    none, start, f32 = empty(ref), 0, torch.float32
+    dweight = grad.new_empty(groups, n, k) if into_weight else empty(grad)
+    none, start, f32 = empty(grad), 0, torch.float32
     for g, m in enumerate(host_splits(m_splits, rows)):
         span = slice(start, start + m)
         if g_row is not None and m:

@@ -438,6 +438,27 @@ def test_emulated_block_recipes_equal_linears_bit_for_bit(recipe, dtype, fuse):
             assert torch.equal(w.grad, lin.weight.grad)
 
 
+@pytest.mark.parametrize("wanted", ["bias", "weights"])
+def test_emulated_block_recipe_partial_backward(wanted):
+    """MXFP8 (emulated): a backward that wants the bias gradient alone (frozen weights, an
+    input without grad), or the weights' without the input's, gives what the full one gives."""
+    torch.manual_seed(0)
+    m = te.GroupedLinear(3, 64, 32, params_dtype=torch.bfloat16)
+    _random_params(m)
+    x, dy = torch.randn(96, 64, dtype=torch.bfloat16), torch.randn(96, 32, dtype=torch.bfloat16)
+    with te.autocast(recipe=te.recipe.MXFP8BlockScaling()):
+        m(x.clone().requires_grad_(), [32, 0, 64]).backward(dy)
+        full = {n: p.grad.clone() for n, p in m.named_parameters()}
+        m.zero_grad(set_to_none=True)
+        if wanted == "bias":
+            for w in m.weights():
+                w.requires_grad_(False)
+        m(x, [32, 0, 64]).backward(dy)
+    for n, p in m.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(p.grad, full[n]), n
+
+
 @pytest.mark.parametrize("recipe", ["current", "delayed", "mxfp8", "nvfp4"])
 @pytest.mark.parametrize("delay", [False, True], ids=["now", "delayed_wgrad"])
 def test_per_weight_main_grad_equals_one_buffer_under_recipes(recipe, delay):
