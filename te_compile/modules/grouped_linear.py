@@ -510,7 +510,11 @@ class _LoadMainGrads(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
         buffer, *main_grads = ctx.written
-        torch._foreach_copy_(list(buffer.unbind(0)), main_grads)
+        # Read after the gradient exists: a copy that does not depend on it is, traced, a value
+        # of the forward's inputs, which the partitioner computes in the forward graph (the
+        # main_grads of that time: a pipeline's F1 F2 B2 B1 then lost B2's gradient).
+        after = grad.new_ones((), dtype=torch.bool)
+        buffer.copy_(torch.where(after, torch.stack(main_grads), buffer))
         return (grad, *(None,) * (1 + len(main_grads)))
 
 
