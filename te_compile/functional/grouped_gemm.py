@@ -14,10 +14,12 @@ kind                     GEMMs
                          layout)
 ``"dequantized"``        the block-scaled recipes emulated: the operands quantised exactly (the
                          dense family's quantiser table, ``functional.gemm.QUANTIZERS``) and
-                         dequantised to the model's dtype, the high-precision grouped GEMMs on
-                         those values (NVFP4: each expert as a dense GEMM quantises it, its own
-                         global scales, the backward GEMMs on copies quantised along the other
-                         dim, with the Hadamard transform, stochastic rounding and 4over6)
+                         dequantised to the model's dtype, each expert as a dense GEMM
+                         quantises it (the backward GEMMs on copies quantised along the other
+                         dim, blocks along the tokens within each expert; NVFP4: its own global
+                         scales, the Hadamard transform, stochastic rounding and 4over6), the
+                         high-precision grouped GEMMs on those values on CUDA, on the CPU per
+                         expert the dense family's GEMM calls (bit for bit a Linear's)
 =======================  ===================================================================
 
 Every row is ``forward(inp, m_splits, weight, bias, r, cuda) -> (out, saved)`` and
@@ -46,8 +48,10 @@ from te_compile.functional.gemm import (
     PER_TENSOR,
     block_scaled_mm,
     empty,
+    gemm,
     padded,
     quantize_operand,
+    wgrad_gemm,
 )
 from te_compile.functional.quantize import quantize_blockwise
 from te_compile.functional.quantize_mx_ref import NVFP4_BLOCK, nvfp4_qdq
@@ -218,15 +222,14 @@ def _grouped_mm_forward(
 def _fwd_loop(
     inp: Tensor, splits: list[int], weight: Tensor, bias: Tensor | None, acc: torch.dtype | None
 ) -> Tensor:
-    """One GEMM per group, in ``acc`` (None: the input dtype), rounded once."""
+    """One GEMM per group, in ``acc`` (None: the input dtype), the bias in it, rounded once: the
+    call a dense ``te::linear`` makes for the group's rows (``functional.gemm.hp_linear``)."""
     out = inp.new_empty(inp.shape[0], weight.shape[1])
+    cast = (lambda t: t) if acc is None else (lambda t: t.to(acc))
     start = 0
     for g, rows in enumerate(splits):
-        x = inp[start : start + rows]
-        w = weight[g] if acc is None else weight[g].to(acc)
-        y = (x if acc is None else x.to(acc)) @ w.t()
-        if bias is not None:
-            y = y + (bias[g] if acc is None else bias[g].to(acc))
+        b = None if bias is None else cast(bias[g])
+        y = torch.nn.functional.linear(cast(inp[start : start + rows]), cast(weight[g]), b)
         out[start : start + rows] = y
         start += rows
     return out
@@ -458,6 +461,45 @@ def _cast(x2: Tensor, r: GroupedRecipe, fp8_dtype: torch.dtype, block_rows: int 
     return torch.where(values.isinf(), values, values.clamp(-big, big)).to(x2.dtype)
 
 
+def _cast_columns(x2: Tensor, m_splits: Tensor, r: GroupedRecipe, fp8_dtype: torch.dtype,
+                  block_rows: int = 1) -> Tensor:  # fmt: skip
+    """``x2`` ``[M, K]`` as :func:`_cast`, but quantised along ``M`` (the copy a wgrad or dgrad
+    GEMM contracts over ``M`` with, as the dense family's ``quantize_operand(columnwise=True)``
+    makes it) with every group of ``m_splits`` rows quantised on its own, as a dense GEMM per
+    group does: no block straddles two groups. Each group is moved to a multiple of the block
+    length (MXFP8 32 rows, Float8BlockScaling 128) in a zero-padded layout of static size (zero
+    rows change no block's amax), quantised there in one call and gathered back; no host
+    sync."""
+    rows, k = x2.shape
+    step = 32 if r.recipe == "mxfp8" else 128
+    groups = m_splits.shape[0]
+    splits = m_splits.to(x2.device, non_blocking=True)
+    padded_splits = (splits + step - 1) // step * step
+    shift = torch.cumsum(padded_splits - splits, 0) - (padded_splits - splits)
+    group = torch.repeat_interleave(torch.arange(groups, device=x2.device), splits,
+                                    output_size=rows)  # fmt: skip
+    dest = torch.arange(rows, device=x2.device) + shift[group]
+    width = (rows + groups * (step - 1) + step - 1) // step * step
+    layout = x2.new_zeros(width, k).index_copy_(0, dest, x2)
+    p2 = r.recipe == "block" and r.power_2_scale
+    spec = QuantSpec(r.recipe, fp8_dtype, block_rows, p2, emulate=True)
+    values = quantize_operand(spec, layout, columnwise=True).data_t.t()[dest]
+    big = torch.finfo(x2.dtype).max
+    return torch.where(values.isinf(), values, values.clamp(-big, big)).to(x2.dtype)
+
+
+def _weight_columns(weight: Tensor, w: Tensor | None, r: GroupedRecipe) -> Tensor:
+    """The dgrad GEMM's weight operand: ``weight`` ``[G, N, K]`` quantised along ``N``, each
+    expert on its own (:func:`_cast_columns`); 128x128 blocks (Float8BlockScaling's weight) are
+    the same both ways, so ``w``, the forward's copy, is it (made again where None)."""
+    g, n, k = weight.shape
+    w_rows = r.weight_block_rows if r.recipe == "block" else 1
+    if w_rows != 1:
+        return w if w is not None else dequantized_weight(weight, r)
+    per_expert = torch.full((g,), n, dtype=torch.int64, device=weight.device)
+    return _cast_columns(weight.reshape(g * n, k), per_expert, r, r.fwd_dtype).view(g, n, k)
+
+
 def dequantized_weight(weight: Tensor, r: GroupedRecipe) -> Tensor:
     """``W`` ``[G, N, K]`` quantised exactly, each expert in the recipe's weight blocks (NVFP4:
     with a global scale per expert, as :func:`nvfp4_weight`), dequantised to its dtype: the
@@ -547,37 +589,49 @@ def dequantized_input(inp: Tensor, m_splits: Tensor, r: GroupedRecipe) -> Tensor
     itself (``save_original_input``): the same values, the quantisation being deterministic."""
     if r.recipe == "nvfp4":
         return nvfp4_input(inp, m_splits, r)[1]
-    return _cast(inp, r, r.fwd_dtype)
+    return _cast_columns(inp, m_splits, r, r.fwd_dtype)
 
 
 def dequantized_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
-    """The high-precision grouped GEMM of the quantised-dequantised operands; the bias added to
-    its rounded output in high precision; ``saved = [X, W]`` (dequantised; NVFP4: the copies
-    the backward GEMMs read, quantised along the other dim; ``[X]`` with ``weight_q``, whose
-    first tensor is :func:`dequantized_weight`'s ``W``: an input, the caller saves it; NVFP4's
-    weight copies then need 16x16 tiles, which make ``W^T``'s copy ``W`` itself)."""
+    """The high-precision grouped GEMM of the quantised-dequantised operands (CUDA: the bias
+    added to its rounded output; CPU: per expert :func:`_fwd_loop`, the bias in the GEMM, as a
+    dense ``te::linear``); ``saved = [X, W]``, the copies the backward GEMMs read, dequantised
+    and quantised along the other dim (:func:`_cast_columns`, :func:`_weight_columns`); ``[X]``
+    with ``weight_q``, whose first tensor is :func:`dequantized_weight`'s ``W`` (an input: the
+    caller saves it, for NVFP4, whose kept weight needs 16x16 tiles, which make ``W^T``'s copy
+    ``W`` itself; the others' ``W`` along ``N`` is then made from ``weight`` in the
+    backward)."""
     if r.recipe == "nvfp4":
         x, x_col = nvfp4_input(inp, m_splits, r)
         w, w_col = nvfp4_weight(weight, r) if weight_q is None else (weight_q[0], weight_q[0])
         saved = [x_col, w_col]
-    else:
+    else:  # the backward GEMMs' copies, quantised along the other dim (as the dense family's)
         x = _cast(inp, r, r.fwd_dtype)
         w = dequantized_weight(weight, r) if weight_q is None else weight_q[0]
-        saved = [x, w]
-    out, _ = high_precision_forward(x, m_splits, w, None, r, cuda)
-    if bias is not None:
-        splits = m_splits.to(bias.device)
-        out = out + bias.repeat_interleave(splits, dim=0, output_size=out.shape[0])
+        saved = [] if r.override else [_cast_columns(inp, m_splits, r, r.fwd_dtype)]
+        if weight_q is None and not r.override:
+            saved.append(_weight_columns(weight, w, r))
+    if cuda:
+        out, _ = high_precision_forward(x, m_splits, w, None, r, cuda)
+        if bias is not None:
+            splits = m_splits.to(bias.device)
+            out = out + bias.repeat_interleave(splits, dim=0, output_size=out.shape[0])
+    else:  # per group the dense GEMM of the fp32 values, the bias in it (functional.gemm)
+        out = _fwd_loop(x, host_splits(m_splits, x.shape[0]), w, bias, acc_dtype(x))
     if r.override == "dequantized":  # the forward's operands (a copy of an input's)
         return out, [x, w if weight_q is None else w.clone()]
-    return out, [] if r.override else (saved if weight_q is None else saved[:1])
+    if r.recipe == "nvfp4" and weight_q is not None:
+        saved = saved[:1]
+    return out, [] if r.override else saved
 
 
 def dequantized_backward(grad, saved, inp, m_splits, weight, main_grad, r, has_bias, dgrad,
                           wgrad, cuda):  # fmt: skip
-    """The gradient quantised in blocks along ``out_features`` (NVFP4: per expert), then the
-    high-precision grouped backward against the forward's dequantised operands; the bias
-    gradient from the high-precision gradient."""
+    """The gradient quantised in blocks along ``out_features`` for the dgrad and along each
+    expert's tokens for the wgrad (NVFP4: with its global scales per expert), then the
+    high-precision grouped GEMMs against the forward's copies (on the CPU per expert the dense
+    family's calls, :func:`_emulated_loop`); the bias gradient from the high-precision
+    gradient."""
     x, w = saved
     if r.recipe == "nvfp4":  # dgrad on the rowwise copy, wgrad on the columnwise one
         g_row, g_col_t = nvfp4_qdq(grad, columnwise=wgrad, rht=r.rht, rng_state=r.rng_state,
@@ -591,8 +645,46 @@ def dequantized_backward(grad, saved, inp, m_splits, weight, main_grad, r, has_b
                                                     True, cuda)  # fmt: skip
         dbias = _group_sums(grad, m_splits, w.shape[0], cuda) if has_bias else empty(grad)
         return dinp, dweight, dbias
-    dinp, dweight, _ = high_precision_backward(
-        _cast(grad, r, r.bwd_dtype), [], x, m_splits, w, main_grad, r, False, dgrad, wgrad, cuda
-    )
+    if not w.numel() and weight.numel():  # a pre-quantised weight's: made from weight here
+        w = _weight_columns(weight, None, r)
+    g_row = _cast(grad, r, r.bwd_dtype) if dgrad else None
+    g_col = _cast_columns(grad, m_splits, r, r.bwd_dtype) if wgrad else None
+    if cuda:  # the grouped GEMMs on device offsets
+        dinp, dweight = empty(grad), empty(grad)
+        if dgrad:
+            dinp, _, _ = high_precision_backward(g_row, [], x, m_splits, w, main_grad, r, False,
+                                                 True, False, cuda)  # fmt: skip
+        if wgrad:
+            _, dweight, _ = high_precision_backward(g_col, [], x, m_splits, w, main_grad, r,
+                                                    False, False, True, cuda)  # fmt: skip
+    else:
+        dinp, dweight = _emulated_loop(grad, g_row, g_col, x, m_splits, w, main_grad)
     dbias = _group_sums(grad, m_splits, w.shape[0], cuda) if has_bias else empty(grad)
     return dinp, dweight, dbias
+
+
+def _emulated_loop(grad, g_row, g_col, x_col, m_splits, w_col, main_grad):
+    """The CPU's backward GEMMs of the emulated recipes, per group the calls a dense
+    ``te::linear`` makes (``functional.gemm``'s ``"dequantized"`` GEMM on the fp32 values, the
+    transposed copies contiguous, the weight gradient added to ``main_grad`` after its GEMM), so
+    a group's gradients are those of a Linear with its rows, bit for bit. ``g_row`` / ``g_col``:
+    None where that gradient is not wanted."""
+    rows, (groups, n, k), dtype = x_col.shape[0], w_col.shape, grad.dtype
+    dinp = grad.new_empty(rows, k) if g_row is not None else empty(grad)
+    into_weight = g_col is not None and main_grad is None
+    dweight = grad.new_empty(groups, n, k) if into_weight else empty(grad)
+    none, start, f32 = empty(grad), 0, torch.float32
+    for g, m in enumerate(host_splits(m_splits, rows)):
+        span = slice(start, start + m)
+        if g_row is not None and m:
+            b = w_col[g].t().to(f32).contiguous()
+            dinp[span] = gemm("dequantized", g_row[span].to(f32), none, b, none, dtype)
+        if g_col is not None:
+            a = g_col[span].t().to(f32).contiguous()
+            b = x_col[span].t().to(f32).contiguous()
+            mg = None if main_grad is None else main_grad[g]
+            dw = wgrad_gemm("dequantized", a, none, b, none, dtype, mg)
+            if into_weight:
+                dweight[g] = dw
+        start += m
+    return dinp, dweight

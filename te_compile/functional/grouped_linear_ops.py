@@ -31,7 +31,8 @@ with ``fp8_wgrad`` ``[X_8^T [K, capacity], its inverse scales [G, K]]``, then ``
 amax(W)]`` under delayed scaling (and under current scaling when ``grad_amax`` is given: a
 delayed state's calibration step); native blockwise the FP8 copies of ``X^T`` (every expert's
 tokens from a multiple of 128) and of each ``W_g^T`` with their 1x128 scales; the emulated
-recipes the dequantised ``X`` and ``W``; nothing in high precision. Under an override, nothing
+recipes the dequantised copies of ``X`` and ``W`` the backward GEMMs read (quantised along the
+tokens within each expert, and along ``N``); nothing in high precision. Under an override, nothing
 (``"high_precision"``) or the dequantised forward operands ``[X, W]`` (``"dequantized"``), then
 the amaxes as above.
 
@@ -252,40 +253,57 @@ def _ref_operands(x: Tensor, w: Tensor, splits: list[int], r: GroupedRecipe) -> 
     return qdq(x, r.recipe, r.fwd_dtype, 1, p2), wq
 
 
+def _ref_columns(x_g: Tensor, r: GroupedRecipe, fp8_dtype: torch.dtype) -> Tensor:
+    """One group's (or expert's) ``[m, C]`` quantised-dequantised along ``m`` (blocks of 32
+    rows for MXFP8, 128 for Float8BlockScaling's 1x128 blocks), a partial last block as if
+    padded with zeros."""
+    m = x_g.shape[0]
+    step = 32 if r.recipe == "mxfp8" else 128
+    padded_t = torch.nn.functional.pad(x_g.t(), (0, -m % step))
+    p2 = r.recipe == "block" and r.power_2_scale
+    return qdq(padded_t, r.recipe, fp8_dtype, 1, p2)[:, :m].t()
+
+
 class _RefDequantized(torch.autograd.Function):
-    """The emulated block-scaled recipes: the GEMMs of the quantised-dequantised operands, the
-    incoming gradient quantised in blocks along ``out_features``, the operands' gradients
-    straight through. NVFP4: every expert's GEMMs as ``functional.gemm_ref.quantized_linear_ref``
-    defines a dense one (its own global scales; the backward GEMMs on copies quantised along
-    the other dim, the transform, stochastic rounding from one stream over the whole gradient,
-    4over6), in the input's dtype (float64 in the tests)."""
+    """The emulated block-scaled recipes, every expert as a dense GEMM quantises its operands:
+    the forward GEMM of the operands quantised along ``in_features``; the dgrad GEMM of the
+    gradient quantised along ``out_features`` and the weight along ``out_features`` (128x128
+    blocks: the forward's); the wgrad GEMM of the gradient and the input quantised along each
+    expert's own tokens. NVFP4: every expert's GEMMs as
+    ``functional.gemm_ref.quantized_linear_ref`` defines a dense one (its own global scales;
+    the backward GEMMs on copies quantised along the other dim, the transform, stochastic
+    rounding from one stream over the whole gradient, 4over6), in the input's dtype (float64 in
+    the tests)."""
 
     @staticmethod
     def forward(ctx, x, w, splits, r: GroupedRecipe):
         if r.recipe == "nvfp4":  # the backward GEMMs read the copies quantised along the other dim
             (xq, x_col), (wq, w_col) = nvfp4_input(x, torch.tensor(splits), r), nvfp4_weight(w, r)
-            ctx.save_for_backward(x_col, w_col)
         else:
             xq, wq = _ref_operands(x, w, splits, r)
-            ctx.save_for_backward(xq, wq)
+            w_rows = r.weight_block_rows if r.recipe == "block" else 1
+            w_col = (
+                wq if w_rows != 1 else torch.stack([_ref_columns(w_g, r, r.fwd_dtype) for w_g in w])
+            )
+            x_col = torch.cat([_ref_columns(x_g, r, r.fwd_dtype) for x_g in x.split(splits)])
+        ctx.save_for_backward(x_col, w_col)
         ctx.splits, ctx.r = splits, r
         outs = [x_g @ wq[g].t() for g, x_g in enumerate(xq.split(splits))]
         return torch.cat(outs) if outs else x.new_empty(0, w.shape[1])
 
     @staticmethod
     def backward(ctx, dy):
-        x_b, w_b = ctx.saved_tensors  # the backward GEMMs' copies of the operands
+        x_col, w_col = ctx.saved_tensors  # the backward GEMMs' copies of the operands
         r, splits = ctx.r, ctx.splits
         if r.recipe == "nvfp4":
             g_row, g_col_t = nvfp4_qdq(dy, rht=r.rht, rng_state=r.rng_state,
                                        row_splits=torch.tensor(splits))  # fmt: skip
-            g_row, g_col = g_row.to(dy.dtype), g_col_t.t().to(dy.dtype)
+            g_row, g_cols = g_row.to(dy.dtype), g_col_t.t().to(dy.dtype).split(splits)
         else:
-            g_row = g_col = qdq(
-                dy, r.recipe, r.bwd_dtype, 1, r.recipe == "block" and r.power_2_scale
-            )
-        dx = torch.cat([d @ w_b[i] for i, d in enumerate(g_row.split(splits))])
-        parts = zip(g_col.split(splits), x_b.split(splits), strict=True)
+            g_row = qdq(dy, r.recipe, r.bwd_dtype, 1, r.recipe == "block" and r.power_2_scale)
+            g_cols = [_ref_columns(d, r, r.bwd_dtype) for d in dy.split(splits)]
+        dx = torch.cat([d @ w_col[i] for i, d in enumerate(g_row.split(splits))])
+        parts = zip(g_cols, x_col.split(splits), strict=True)
         dw = torch.stack([d.t() @ x_g for d, x_g in parts])
         return dx, dw, None, None
 
@@ -581,8 +599,10 @@ def _for_backward(a: GroupedLinearArgs, saved: list[Tensor]) -> tuple[tuple, tup
             saved = [data_t, scale_t, *saved]
         elif kind == "blockwise":  # stacked: the backward reads them so
             saved = [*saved, data_t, scale_t]
-        else:
+        elif x.kind == "nvfp4":  # 16x16 tiles: the kept W is its own dgrad copy
             saved = [*saved, a.weight_q[0]]
+        else:  # 0-element: the dgrad copy (W along N) is made from weight in the backward
+            saved = [*saved, a.weight_q[2]]
     tensors = (a.inp if keeps_inp else None, a.m_splits, a.weight, a.main_grad, a.scale,
                a.grad_amax, a.rng_state, *saved)  # fmt: skip
     return tensors, (a.input_spec, a.weight_spec, a.grad_spec, a.backward)

@@ -41,9 +41,12 @@ it changes nothing.
 single layout; in the default layout each ``weight{i}.main_grad`` (fp32, ``[out, in]``), as in
 Transformer Engine. Where they are still the views of one buffer that
 :meth:`GroupedLinear.allocate_main_grad` made, the grouped GEMM accumulates into that buffer;
-otherwise (separate tensors, e.g. views of a data-parallel gradient buffer) it accumulates into a
-zeroed fp32 ``[num_gemms, out, in]`` buffer made in the forward, whose parts are then added into
-each ``main_grad`` (in the backward, or in :meth:`backward_dw`).
+otherwise (separate tensors, e.g. views of a data-parallel gradient buffer) it accumulates into an
+fp32 ``[num_gemms, out, in]`` buffer made in the forward, loaded with the ``main_grad`` values just
+before the op's backward and copied back after it (in the backward, or in :meth:`backward_dw`):
+each group's gradient is then accumulated into its ``main_grad`` as a :class:`~te_compile.Linear`
+accumulates into its own, bit for bit (the GEMM adds into the values; summing a separate product
+into them would round otherwise).
 
 Tensor parallelism (expert tensor parallelism; ``parallel_mode``, ``tp_group``, ``tp_size`` as
 in :class:`~te_compile.Linear`): "column" shards every expert's ``out_features``, "row" its
@@ -333,16 +336,17 @@ class GroupedLinear(DelayedWgrad, nn.Module):
         to add that buffer into afterwards (None where the buffer is theirs). Where every
         ``weight{i}.main_grad`` is still the view :meth:`allocate_main_grad` made, the op adds
         into that buffer directly; otherwise (each weight its own buffer, as Transformer Engine
-        and Megatron-LM's gradient buffers set them) into a zeroed one, whose parts
-        :class:`_AddToMainGrads` (or, delayed, :class:`_DeferredIntoMainGrads`) add into each
-        weight's ``main_grad`` after the op's backward (one fp32 ``[G, N, K]`` buffer more)."""
+        and Megatron-LM's gradient buffers set them) into a buffer of their own values (one fp32
+        ``[G, N, K]`` buffer more): :class:`_LoadMainGrads` (on the op's output) stacks the
+        ``main_grad`` tensors into it before the op's backward, :class:`_AddToMainGrads` (on
+        its weight argument) copies it back after (delayed: :class:`_DeferredIntoMainGrads`)."""
         main_grads = self._per_weight_main_grads(params)
         views = self.__dict__.get("_main_grad_views", ())
         if len(views) == len(params) and all(
             g is v for g, v in zip(main_grads, views, strict=True)
         ):
             return weight, self._main_grad_buffer, None
-        buffer = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        buffer = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
         if defer is None:
             weight = _AddToMainGrads.apply(weight, buffer, *main_grads)
         return weight, buffer, main_grads
@@ -381,7 +385,7 @@ class GroupedLinear(DelayedWgrad, nn.Module):
         else:
             weight, main_grad = torch.stack(params), None
         defer = self._wgrad_defer(*params)
-        into = None  # the weights' own main_grads, which main_grad is added into afterwards
+        into = None  # the weights' own main_grads, loaded into main_grad and back
         wanted = torch.is_grad_enabled() and any(p.requires_grad for p in params)
         if primary is None and not self.single_weight and self.fuse_wgrad_accumulation and wanted:
             weight, main_grad, into = self._per_weight_accumulation(weight, params, defer)
@@ -390,7 +394,7 @@ class GroupedLinear(DelayedWgrad, nn.Module):
             bias = self.bias if self.single_bias else torch.stack(self.biases())
 
         def gemm(x: Tensor, b: Tensor | None) -> Tensor:
-            return _gemm.grouped_linear(
+            out = _gemm.grouped_linear(
                 "GroupedLinear",
                 self.fp8_meta,
                 x,
@@ -403,6 +407,9 @@ class GroupedLinear(DelayedWgrad, nn.Module):
                 cache=cache,
                 weight_quantized=weight_q,
             )
+            if into is not None and defer is None:  # main_grads loaded before the op's backward
+                out = _LoadMainGrads.apply(out, main_grad, *into)
+            return out
 
         def add_expert_bias(out: Tensor, b: Tensor) -> Tensor:
             splits = m_splits.to(b.device)
@@ -471,11 +478,12 @@ def _grouped_tensor_path(use_grouped_tensor: object, single: bool) -> bool:
 class _AddToMainGrads(torch.autograd.Function):
     """The stacked ``[G, N, K]`` weight, unchanged, for weights that each have their own
     ``main_grad`` (``fuse_wgrad_accumulation``, the default layout, buffers not made by
-    ``allocate_main_grad``). The grouped op accumulates the weight gradient in fp32 into the
-    zeroed ``buffer`` (and gives the weight none); this node's backward, which autograd runs after
-    the op's (the op's weight argument is this node's output), adds ``buffer[i]`` into
-    ``main_grads[i]``. The accumulators are kept on ``ctx``, out of the version-counter check,
-    as the op keeps its ``main_grad``."""
+    ``allocate_main_grad``). The grouped op accumulates the weight gradient in fp32 into
+    ``buffer``, which :class:`_LoadMainGrads` filled with the ``main_grad`` values (and gives the
+    weight none); this node's backward, which autograd runs after the op's (the op's weight
+    argument is this node's output), copies ``buffer[i]`` into ``main_grads[i]``. The
+    accumulators are kept on ``ctx``, out of the version-counter check, as the op keeps its
+    ``main_grad``."""
 
     @staticmethod
     def forward(ctx, weight: Tensor, buffer: Tensor, *main_grads: Tensor) -> Tensor:
@@ -485,15 +493,36 @@ class _AddToMainGrads(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _grad: Tensor) -> tuple[None, ...]:
         buffer, *main_grads = ctx.written
-        torch._foreach_add_(main_grads, list(buffer.unbind(0)))
+        torch._foreach_copy_(main_grads, list(buffer.unbind(0)))
         return (None,) * (2 + len(main_grads))  # the weight gradient went to main_grad
+
+
+class _LoadMainGrads(torch.autograd.Function):
+    """The grouped op's output, unchanged; its backward, which autograd runs before the op's
+    (the gradient reaches the op through it), stacks the ``main_grads`` into ``buffer``, so the
+    op accumulates into their values as of its backward (:class:`_AddToMainGrads`)."""
+
+    @staticmethod
+    def forward(ctx, out: Tensor, buffer: Tensor, *main_grads: Tensor) -> Tensor:
+        ctx.written = (buffer, *main_grads)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        buffer, *main_grads = ctx.written
+        # Read after the gradient exists: a copy that does not depend on it is, traced, a value
+        # of the forward's inputs, which the partitioner computes in the forward graph (the
+        # main_grads of that time: a pipeline's F1 F2 B2 B1 then lost B2's gradient).
+        after = grad.new_ones((), dtype=torch.bool)
+        buffer.copy_(torch.where(after, torch.stack(main_grads), buffer))
+        return (grad, *(None,) * (1 + len(main_grads)))
 
 
 class _DeferredIntoMainGrads(NamedTuple):
     """A :class:`~te_compile.functional.gemm.DeferredWgrad` of weights that each have their own
     ``main_grad`` (:class:`_AddToMainGrads`, with ``delay_wgrad_compute``): :meth:`compute`
-    runs the op's weight-gradient GEMMs into the zeroed ``buffer``, then adds ``buffer[i]``
-    into ``main_grads[i]``."""
+    stacks the ``main_grads`` into ``buffer``, runs the op's weight-gradient GEMMs into it, then
+    copies ``buffer[i]`` back into ``main_grads[i]``."""
 
     deferred: Any
     buffer: Tensor
@@ -504,8 +533,9 @@ class _DeferredIntoMainGrads(NamedTuple):
         return self.deferred.ready
 
     def compute(self) -> None:
+        torch._foreach_copy_(list(self.buffer.unbind(0)), self.main_grads)
         self.deferred.compute()  # None: accumulated into buffer
-        torch._foreach_add_(self.main_grads, list(self.buffer.unbind(0)))
+        torch._foreach_copy_(self.main_grads, list(self.buffer.unbind(0)))
 
 
 def _convert_layout(

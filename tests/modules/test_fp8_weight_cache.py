@@ -236,9 +236,9 @@ def _grouped_step(m, x, recipe, first):
     return y.detach(), x.grad, [p.grad for p in m.parameters()]
 
 
-# Every layout of the kept weight (per-tensor, blockwise, dequantised: MXFP8 shares NVFP4's) in
-# the per-group layout; the single layout (the weight passed as is) once more.
-_GROUPED_CASES = [(kind, False) for kind in GROUPED_RECIPES if kind != "mxfp8"] + [("block", True)]
+# Every layout of the kept weight (per-tensor, blockwise, dequantised) in the per-group layout;
+# the single layout (the weight passed as is) once more.
+_GROUPED_CASES = [(kind, False) for kind in GROUPED_RECIPES] + [("block", True)]
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -355,6 +355,110 @@ def test_fuse_wgrad_accumulation_per_weight_main_grad_delayed():
         assert_close(g, to_reference(initial[i]) + dy_rows[i].t() @ x_rows[i], torch.float32)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", ["eager", "compiled", "delayed_wgrad"])
+def test_per_weight_main_grad_equals_linears_bit_for_bit(dtype, mode):
+    """Transformer Engine's test_grouped_linear_accuracy with fuse_wgrad_accumulation on the
+    CPU: each weight{i}.main_grad its own tensor holding values, and a te.Linear per expert with
+    the same weight and a copy of that main_grad: the grouped GEMM accumulates each expert's
+    gradient into its main_grad's values as the Linear does (one GEMM adding into them, not a
+    product rounded and then added), so the two are equal bit for bit."""
+    delay = mode == "delayed_wgrad"
+    m = te.GroupedLinear(3, 64, 48, fuse_wgrad_accumulation=True, delay_wgrad_compute=delay,
+                         params_dtype=dtype)  # fmt: skip
+    _random_params(m)
+    initial = [torch.rand(48, 64) * 100 for _ in range(3)]
+    main_grads = _per_weight_main_grads(m, initial)
+    linears = []
+    for w, g0 in zip(m.weights(), initial, strict=True):
+        lin = te.Linear(64, 48, fuse_wgrad_accumulation=True, params_dtype=dtype)
+        lin.weight = nn.Parameter(w.detach().clone())
+        lin.bias = nn.Parameter(torch.zeros(48, dtype=dtype))
+        lin.weight.main_grad = g0.clone()
+        linears.append(lin)
+    # Hundreds of tokens in an expert: the CPU GEMM then adds partial sums along the tokens
+    # into main_grad (a product rounded first and then added differs in the last bit).
+    splits = [384, 0, 1152]
+    x = torch.randn(1536, 64, dtype=dtype, requires_grad=True)
+    x_loop = x.detach().clone().requires_grad_()
+    dy = torch.randn(1536, 48, dtype=dtype)
+    fn = torch.compile(m, backend="aot_eager", fullgraph=True) if mode == "compiled" else m
+    fn(x, splits).backward(dy)
+    if delay:
+        m.backward_dw()
+    y_loop = torch.cat([lin(x_g) for lin, x_g in zip(linears, x_loop.split(splits), strict=True)])
+    y_loop.backward(dy)
+    assert torch.equal(x.grad, x_loop.grad)
+    for g, lin in zip(main_grads, linears, strict=True):
+        assert torch.equal(g, lin.weight.main_grad)
+    assert not torch.equal(main_grads[0], initial[0])
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "block"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fuse", [False, True], ids=["grad", "main_grad"])
+def test_emulated_block_recipes_equal_linears_bit_for_bit(recipe, dtype, fuse):
+    """MXFP8BlockScaling and Float8BlockScaling (emulated on the CPU): GroupedLinear gives what a
+    te.Linear per expert gives, bit for bit (Transformer Engine's test_grouped_linear_accuracy):
+    the dgrad GEMM takes the weight quantised along out_features, the wgrad GEMM the gradient
+    and the input quantised along each expert's own tokens (splits that are not multiples of
+    the 32 / 128-row blocks: no block straddles two experts), each GEMM the dense one."""
+    make = {"mxfp8": te.recipe.MXFP8BlockScaling, "block": te.recipe.Float8BlockScaling}
+    m = te.GroupedLinear(3, 64, 96, bias=True, fuse_wgrad_accumulation=fuse, params_dtype=dtype)
+    _random_params(m)
+    initial = [torch.rand(96, 64) for _ in range(3)]
+    if fuse:
+        _per_weight_main_grads(m, initial)
+    linears = []
+    for i, (w, b) in enumerate(zip(m.weights(), m.biases(), strict=True)):
+        lin = te.Linear(64, 96, fuse_wgrad_accumulation=fuse, params_dtype=dtype)
+        lin.weight, lin.bias = nn.Parameter(w.detach().clone()), nn.Parameter(b.detach().clone())
+        if fuse:
+            lin.weight.main_grad = initial[i].clone()
+        linears.append(lin)
+    # Float8BlockScaling: experts that start inside a 128-row block (MXFP8's dense GEMM needs
+    # tokens in multiples of 32, so its experts start on a block).
+    splits = [48, 0, 80] if recipe == "block" else [64, 0, 64]
+    x = torch.randn(128, 64, dtype=dtype, requires_grad=True)
+    x_loop = x.detach().clone().requires_grad_()
+    dy = torch.randn(128, 96, dtype=dtype) * torch.logspace(-2, 2, 128, dtype=dtype)[:, None]
+    with te.autocast(recipe=make[recipe]()):
+        y = m(x, splits)
+        y_loop = torch.cat(
+            [lin(x_g) for lin, x_g in zip(linears, x_loop.split(splits), strict=True)]
+        )
+    y.backward(dy)
+    y_loop.backward(dy)
+    assert torch.equal(y, y_loop)
+    assert torch.equal(x.grad, x_loop.grad)
+    for w, lin in zip(m.weights(), linears, strict=True):
+        if fuse:
+            assert torch.equal(w.main_grad, lin.weight.main_grad)
+        elif lin.weight.grad is not None:  # a Linear that saw no rows gets no gradient
+            assert torch.equal(w.grad, lin.weight.grad)
+
+
+@pytest.mark.parametrize("wanted", ["bias", "weights"])
+def test_emulated_block_recipe_partial_backward(wanted):
+    """MXFP8 (emulated): a backward that wants the bias gradient alone (frozen weights, an
+    input without grad), or the weights' without the input's, gives what the full one gives."""
+    torch.manual_seed(0)
+    m = te.GroupedLinear(3, 64, 32, params_dtype=torch.bfloat16)
+    _random_params(m)
+    x, dy = torch.randn(96, 64, dtype=torch.bfloat16), torch.randn(96, 32, dtype=torch.bfloat16)
+    with te.autocast(recipe=te.recipe.MXFP8BlockScaling()):
+        m(x.clone().requires_grad_(), [32, 0, 64]).backward(dy)
+        full = {n: p.grad.clone() for n, p in m.named_parameters()}
+        m.zero_grad(set_to_none=True)
+        if wanted == "bias":
+            for w in m.weights():
+                w.requires_grad_(False)
+        m(x, [32, 0, 64]).backward(dy)
+    for n, p in m.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(p.grad, full[n]), n
+
+
 @pytest.mark.parametrize("recipe", ["current", "delayed", "mxfp8", "nvfp4"])
 @pytest.mark.parametrize("delay", [False, True], ids=["now", "delayed_wgrad"])
 def test_per_weight_main_grad_equals_one_buffer_under_recipes(recipe, delay):
