@@ -287,6 +287,8 @@ def grouped_primary(
         for n in names:
             primary_operand(module, n)  # raises for codes some cast turned high-precision
         return None
+    for name, w in zip(names, weights, strict=True):
+        check_unchanged(module, name, w)
     codes = [w.detach().view(torch.uint8) for w in weights]
     data = codes[0] if codes[0].dim() == 3 else torch.stack(codes)  # one [G, N, K], or G
     g, n, k = data.shape

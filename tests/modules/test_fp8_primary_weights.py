@@ -712,3 +712,17 @@ def test_an_fp8_weight_written_in_place_is_refused_by_name(name):
     m.load_state_dict(_primary(name, "cpu", recipe).state_dict())  # set again: runs
     with autocast(recipe=recipe):
         m(_x("cpu"))
+
+
+@pytest.mark.parametrize("single", [False, True], ids=["per_group", "single"])
+def test_grouped_fp8_weight_written_in_place_is_refused_by_name(single):
+    recipe = Float8CurrentScaling()
+    with te.quantized_model_init(recipe=recipe):
+        m = te.GroupedLinear(2, 128, 64, params_dtype=torch.bfloat16, single_grouped_weight=single)
+    name = "weight" if single else "weight1"
+    with autocast(recipe=recipe), torch.no_grad():
+        m(_x("cpu"), [40, 56])
+        getattr(m, name).copy_(torch.randn(getattr(m, name).shape, dtype=torch.bfloat16))
+    written = rf"FP8 weight '{name}' was written in place"
+    with pytest.raises(RuntimeError, match=written), autocast(recipe=recipe), torch.no_grad():
+        m(_x("cpu"), [40, 56])
