@@ -514,6 +514,7 @@ NOT_WALKED = {
             "BackwardActivationBias",
             "BackwardAddRMSNorm",
             "BackwardLinearAdd",
+            "BackwardLinearScale",
             "ForwardLinearBiasActivation",
             "ForwardLinearBiasAdd",
             "ForwardLinearScaleAdd",
