@@ -237,7 +237,7 @@ def _max_abs_bits(r):
     return tl.max(tl.max(abs_bits(r), axis=1), axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["AMAX_SLOT"])  # one compile for every slot
 def _act_amax_kernel(
     Z, B, G, MEAN, RSIG, AMAX_BITS, AMAX_SLOT, PART, M, N,
     FN: tl.constexpr, BWD: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -297,7 +297,7 @@ def _cast_store(
             tl.store(DATA_T + offs_t, tl.trans(q), mask=mask_t)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["AMAX_SLOT"])  # one compile for every slot
 def _act_cast_kernel(
     Z, B, G, MEAN, RSIG, SCALE, AMAX_BITS, AMAX_SLOT, DATA, DATA_T, SCALE_INV, PART, M, M_OUT, N,
     fp8_max, eps,

@@ -99,7 +99,7 @@ __all__ = [
 ]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["AMAX_SLOT"])  # one compile for every slot
 def _amax_kernel(X, AMAX_BITS, AMAX_SLOT, numel, chunk, BLOCK_SIZE: tl.constexpr):
     """Program ``p`` reduces elements ``[p * chunk, (p + 1) * chunk)``; one atomic max each,
     into element ``AMAX_SLOT`` of ``AMAX_BITS``."""
@@ -113,7 +113,7 @@ def _amax_kernel(X, AMAX_BITS, AMAX_SLOT, numel, chunk, BLOCK_SIZE: tl.constexpr
     tl.atomic_max(AMAX_BITS + AMAX_SLOT, tl.max(acc, axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["AMAX_SLOT"])  # one compile for every slot
 def _cast_kernel(
     X,
     SCALE,
