@@ -476,17 +476,22 @@ def quantize_operand(
     return quantizer(spec, x2, scale, columnwise, mn_major, sums, rng_state)
 
 
-def amax_buffer(recipe: str, x2: Tensor, n: int) -> Tensor | None:
-    """The amax output of a GEMM family's call under a per-tensor ``recipe`` on CUDA: one zeroed
-    ``[n]`` int32 buffer (``kernels.quantize.amax_bits``) whose elements the call's casts fold
-    their amaxes into (``slot=(buffer, i)``), read as fp32 afterwards: one zero fill for the
-    call and no gather, where a buffer per cast costs a fill each and a concatenation. None
-    elsewhere (each cast returns its own amax)."""
-    if recipe not in PER_TENSOR or not x2.is_cuda:
-        return None
+def amax_buffer(
+    recipe: str, x2: Tensor, n: int, shared: bool = True
+) -> tuple[Tensor | None, list[tuple[Tensor, int] | None]]:
+    """The amax output of a GEMM family's call under a per-tensor ``recipe`` on CUDA (and
+    ``shared``: no operand comes pre-quantised with an amax of its own): one zeroed ``[n]``
+    int32 buffer (``kernels.quantize.amax_bits``) and its ``n`` slots ``(buffer, i)``, one per
+    cast of the call, which fold their amaxes into them (``slot=``); the buffer is read as fp32
+    afterwards: one zero fill for the call and no gather, where a buffer per cast costs a fill
+    each and a concatenation. Elsewhere ``(None, [None] * n)``: each cast returns its own
+    amax."""
+    if not shared or recipe not in PER_TENSOR or not x2.is_cuda:
+        return None, [None] * n
     from te_compile.kernels.quantize import amax_bits
 
-    return amax_bits(x2.device, n)
+    bits = amax_bits(x2.device, n)
+    return bits, [(bits, i) for i in range(n)]
 
 
 # GEMMs: one table, keyed by gemm_kind(recipe, emulate) ----------------------------------------

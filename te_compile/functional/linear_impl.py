@@ -71,8 +71,7 @@ def forward_impl(a: LinearArgs, cuda: bool) -> tuple[Tensor, Tensor, list[Tensor
         override = bw.override
         s_x, s_w, _ = scale_slots(a.scale, recipe)
         # The input's and the weight's amax in one buffer (a pre-quantised weight has its own).
-        bits = amax_buffer(recipe, x2, 2) if a.weight_q is None else None
-        a_x, a_w = ((bits, 0), (bits, 1)) if bits is not None else (None, None)
+        bits, (a_x, a_w) = amax_buffer(recipe, x2, 2, shared=a.weight_q is None)
         if norm.normalization and override == "high_precision":  # the norm's output is kept
             x2, *stats = norm_forward(x2, norm)
             xq = quantize_operand(xs, pad_rows(x2), scale=s_x, slot=a_x)

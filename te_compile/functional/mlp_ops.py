@@ -214,8 +214,8 @@ def _forward(a: MLPArgs) -> tuple[Tensor, list[Tensor]]:
     (s_x, s_w1, _), (s_h, s_w2, _) = scale_slots(a.scale1, recipe), scale_slots(a.scale2, recipe)
     q1, q2 = a.fc1_weight_q, a.fc2_weight_q  # pre-quantised: setup_context saves their copies
     # The four amaxes (X, W1, h, W2) in one buffer (pre-quantised weights have their own).
-    bits = amax_buffer(recipe, x2, 4) if q1 is None and q2 is None else None
-    a_x, a_w1, a_h, a_w2 = [(bits, i) for i in range(4)] if bits is not None else [None] * 4
+    shared = q1 is None and q2 is None
+    bits, (a_x, a_w1, a_h, a_w2) = amax_buffer(recipe, x2, 4, shared=shared)
     if norm.normalization:
         xq, *stats = norm_quantize(xs, x2, norm, scale=s_x, mn_major=_native_block(xs), slot=a_x)
     else:
