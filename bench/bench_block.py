@@ -647,6 +647,10 @@ def _measure_row(
             torch.cuda.synchronize(device)
 
     def step() -> None:  # nothing kept across steps
+        # The parameters' gradients are dropped first, as zero_grad(set_to_none=True) does: a
+        # gradient accumulated across CUDA-graph steps reads a graph output a later replay
+        # overwrote (pytorch#169545; triton's do_bench drops them only in its timed loop).
+        clear_grads(params, x)
         forward_backward(call, x, grad, cudagraphs)
 
     clear_grads(params, x)
