@@ -28,6 +28,7 @@ module works with every recipe.
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -86,6 +87,11 @@ def current_scope() -> RecomputeScope | None:
     return _SCOPE.current
 
 
+# torch.utils.checkpoint's own keyword arguments; te.checkpoint's other ones are function's.
+_TORCH_CHECKPOINT_ARGS = ("context_fn", "determinism_check", "debug", "preserve_rng_state",
+                          "early_stop")  # fmt: skip
+
+
 def checkpoint(
     function: Callable[..., Any],
     *args: Any,
@@ -99,7 +105,10 @@ def checkpoint(
     included (module docstring); Transformer Engine's ``checkpoint``.
 
     ``use_reentrant``: as ``torch.utils.checkpoint`` (TE's default, True, needs an input that
-    requires grad and no keyword arguments for ``function``). ``distribute_saved_activations``
+    requires grad). ``kwargs``: ``torch.utils.checkpoint``'s own (``context_fn``,
+    ``determinism_check``, ``debug``, ``preserve_rng_state``, ``early_stop``) go to it; the others
+    are ``function``'s, also with ``use_reentrant=True`` (as in TE: they are passed as they are to
+    the forward and to the recompute, not as checkpointed inputs). ``distribute_saved_activations``
     (sharding the saved input over the tensor-parallel group) is not implemented: only False.
     ``get_rng_state_tracker``: only None (te_compile's dropout draws from torch's generators,
     which the checkpoint restores). ``tp_group``: used by TE only with
@@ -119,6 +128,9 @@ def checkpoint(
         )
     if not isinstance(use_reentrant, bool):
         raise ValueError(f"te.checkpoint: use_reentrant must be a bool, got {use_reentrant!r}")
+    options = {k: kwargs.pop(k) for k in _TORCH_CHECKPOINT_ARGS if k in kwargs}
+    if kwargs:  # function's keyword arguments: bound here (the reentrant checkpoint takes none)
+        function = functools.partial(function, **kwargs)
     if torch.compiler.is_compiling():
         recipe = get_autocast_state().recipe if get_autocast_state().enabled else None
         if recipe is not None and recipe.delayed():
@@ -130,7 +142,7 @@ def checkpoint(
                 "Float8CurrentScaling"
             )
         return torch.utils.checkpoint.checkpoint(
-            function, *args, use_reentrant=use_reentrant, **kwargs
+            function, *args, use_reentrant=use_reentrant, **options
         )
     state = get_autocast_state()
     if state.recipe is not None:
@@ -138,7 +150,7 @@ def checkpoint(
     scope = RecomputeScope()
     runs = [0]
 
-    def run(*a: Any, **kw: Any) -> Any:
+    def run(*a: Any) -> Any:
         # Each recompute (a second backward recomputes again) starts from the FP8 state the
         # forward started from, and leaves the state as it found it.
         after = scope.rewound() if runs[0] > 0 else {}
@@ -146,10 +158,10 @@ def checkpoint(
         outer_state, outer_scope = STATE_HOLDER.current, _SCOPE.current
         STATE_HOLDER.current, _SCOPE.current = state, scope
         try:
-            return function(*a, **kw)
+            return function(*a)
         finally:
             STATE_HOLDER.current, _SCOPE.current = outer_state, outer_scope
             for fp8_state, calibrated, copies in after.values():
                 _restore(fp8_state, calibrated, copies)
 
-    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=use_reentrant, **kwargs)
+    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=use_reentrant, **options)

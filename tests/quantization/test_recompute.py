@@ -146,6 +146,34 @@ def test_checkpoint_inside_a_compiled_region():
         torch.compile(step, fullgraph=True)(m, b, te.recipe.DelayedScaling())
 
 
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+def test_function_keyword_arguments(use_reentrant):
+    """``function``'s keyword arguments reach it with either implementation (TE's tests call a
+    TransformerLayer through ``te.checkpoint(layer, x, attention_mask=m, ...)``), the forward
+    and the recompute alike; a tensor among them gets its gradient. torch.utils.checkpoint's own
+    keyword arguments still go to it."""
+    torch.manual_seed(0)
+    m = te.Linear(8, 8)
+    x, bias = torch.randn(4, 8), torch.randn(8)
+
+    def fn(inp, *, shift, scale=1.0):
+        return m(inp) * scale + shift
+
+    def grads(checkpointed):
+        m.zero_grad(set_to_none=True)
+        xi, b = x.clone().requires_grad_(), bias.clone().requires_grad_()
+        if checkpointed:
+            y = te.checkpoint(fn, xi, shift=b, scale=3.0, use_reentrant=use_reentrant,
+                              preserve_rng_state=False)  # fmt: skip
+        else:
+            y = fn(xi, shift=b, scale=3.0)
+        y.square().sum().backward()
+        return y, xi.grad, b.grad, m.weight.grad
+
+    for a, b in zip(grads(False), grads(True), strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
