@@ -51,8 +51,9 @@ from torch import Tensor
 from te_compile._numerics import div_rn, reciprocal_rn
 from te_compile.functional.gemm import HIGH_DTYPES, empty, quantize_per_tensor
 from te_compile.functional.grouped_gemm import (
+    bwd_loop,
     device_splits,
-    group_sums,
+    grouped_mm_backward,
     host_splits,
     row_bias,
 )
@@ -124,11 +125,6 @@ def _gemm_loop(
         out[start : start + rows] = acc.to(dtype)
         start += rows
     return out
-
-
-def _use_native(inp: Tensor) -> bool:
-    """The grouped (device-offset, no host sync) CUDA path: bf16 output only."""
-    return inp.dtype is torch.bfloat16
 
 
 def as_e4m3(q: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
@@ -381,10 +377,25 @@ def per_tensor_weight(
     return wq, ws, wq_t, ws_t, amax
 
 
-def _scaled_forward(
-    inp, m_splits, weight, bias, scale, fwd_dtype, fp8_wgrad: bool, native: bool, measure: bool,
-    weight_q=None, override: str = "",
-):  # fmt: skip
+def _dequantized(q: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Tensor:
+    """The values a grouped GEMM multiplies (E5M2 as its E4M3 codes): codes ``q`` times their
+    inverse scales (one per row of ``q``'s last dim), in fp32, rounded to ``dtype``."""
+    q, scale_inv = as_e4m3(q, scale_inv)
+    return (q.float() * scale_inv.unsqueeze(-1)).to(dtype)
+
+
+def per_tensor_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
+    """Current scaling rowwise, delayed per tensor; ``saved`` ends with ``[amax(X), amax(W)]``
+    under delayed scaling, and under current scaling when ``grad_amax`` is given (a delayed
+    state's calibration step: the amaxes cost a read of each operand more). ``weight_q``: the
+    weight pre-quantised by :func:`per_tensor_weight` (its amax then the cast's); ``saved``
+    then lacks the weight's dgrad copy (an input: the caller saves it). ``cuda`` with a bf16
+    ``inp`` and not ``r.emulate``: the grouped GEMM on device offsets (no host sync), else the
+    exact emulation per group."""
+    native = cuda and inp.dtype is torch.bfloat16 and not r.emulate
+    measure = r.grad_amax is not None
+    scale = r.scale if r.recipe == "delayed" else None
+    fwd_dtype = r.fwd_dtype
     if weight_q is None:
         wq, ws, wq_t, ws_t, w_amax = per_tensor_weight(weight, fwd_dtype, _slot(scale, 1), measure)
     else:  # pre-quantised (uint8 codes); its dgrad copy is the caller's to save
@@ -408,102 +419,49 @@ def _scaled_forward(
     else:
         splits = host_splits(m_splits, inp.shape[0])
         out = _gemm_loop(xq, xs, wq, ws, splits, inp.dtype, bias)
-    if override == "dequantized":  # the forward GEMM's operands, dequantised
-        return out, amax, [_dequantized(xq, xs, inp.dtype), _dequantized(wq, ws, inp.dtype)]
-    saved = [wq_t.view(torch.uint8), ws_t] if weight_q is None and not override else []
-    if fp8_wgrad:
-        x_scale = _slot(scale, 0)
-        xt, xs_t, _ = quantize_group_columns(inp, m_splits, fwd_dtype, x_scale, dsplits)
+    amaxes = [amax] if amax.numel() else []
+    if r.override == "dequantized":  # the forward GEMM's operands, dequantised
+        return out, [_dequantized(xq, xs, inp.dtype), _dequantized(wq, ws, inp.dtype), *amaxes]
+    saved = [wq_t.view(torch.uint8), ws_t] if weight_q is None and not r.override else []
+    if r.fp8_wgrad:
+        xt, xs_t, _ = quantize_group_columns(inp, m_splits, fwd_dtype, _slot(scale, 0), dsplits)
         saved += [xt.view(torch.uint8), xs_t]
-    return out, amax, saved
+    return out, saved + amaxes
 
 
-def _dequantized(q: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Tensor:
-    """The values a grouped GEMM multiplies (E5M2 as its E4M3 codes): codes ``q`` times their
-    inverse scales (one per row of ``q``'s last dim), in fp32, rounded to ``dtype``."""
-    q, scale_inv = as_e4m3(q, scale_inv)
-    return (q.float() * scale_inv.unsqueeze(-1)).to(dtype)
-
-
-def _scaled_backward(
-    grad_out, saved, inp, m_splits, main_grad, scale, grad_amax, fwd_dtype, bwd_dtype, has_bias,
-    need_dgrad, need_wgrad, native, fp8_wgrad=False,
-):  # fmt: skip
-    wq_t, ws_t = saved[:2]
-    wq_t = wq_t.view(fwd_dtype)
-    dtype = grad_out.dtype
-    groups, k, n = wq_t.shape
-    rows = grad_out.shape[0]
-    dinp, dweight, dbias = empty(grad_out), empty(grad_out), empty(grad_out)
-    if need_dgrad or grad_amax is not None:
-        gq, gs = _quantize_grad(grad_out, scale, grad_amax, bwd_dtype)
+def per_tensor_backward(grad_out, saved, inp, m_splits, weight, main_grad, r, has_bias,
+                        need_dgrad, need_wgrad, cuda):  # fmt: skip
+    """The dgrad in FP8; the wgrad in FP8 where the forward saved the input's FP8 copy (or
+    ``r.fp8_wgrad`` and the input kept), else in high precision
+    (``functional.grouped_gemm``'s loop in fp32, or ``torch._grouped_mm``)."""
+    native = cuda and grad_out.dtype is torch.bfloat16 and not r.emulate
+    scale = r.scale if r.recipe == "delayed" else None
+    fwd_dtype, bwd_dtype = r.fwd_dtype, r.bwd_dtype
+    wq_t, ws_t = saved[0].view(fwd_dtype), saved[1]
+    dinp, dweight = empty(grad_out), empty(grad_out)
+    if need_dgrad or r.grad_amax is not None:
+        gq, gs = _quantize_grad(grad_out, scale, r.grad_amax, bwd_dtype)
     dsplits = device_splits(m_splits, grad_out) if native else None
-    if need_wgrad and fp8_wgrad and len(saved) == 2:  # save_original_input: quantised here
+    if need_wgrad and r.fp8_wgrad and len(saved) == 2:  # save_original_input: quantised here
         xt, xs_t, _ = quantize_group_columns(inp, m_splits, fwd_dtype, _slot(scale, 0), dsplits)
         saved = [*saved, xt.view(torch.uint8), xs_t]
     if need_wgrad and len(saved) == 4:  # the forward saved the FP8 wgrad operand of the input
         dyt, dys, pad_ends = quantize_group_columns(
             grad_out, m_splits, bwd_dtype, _slot(scale, 2), dsplits, e4m3_codes=True
         )
-        dw = _gemm_wgrad(
-            dyt, dys, saved[2].view(fwd_dtype), saved[3], pad_ends, native, dtype, main_grad
-        )
+        dw = _gemm_wgrad(dyt, dys, saved[2].view(fwd_dtype), saved[3], pad_ends, native,
+                         grad_out.dtype, main_grad)  # fmt: skip
         dweight = empty(grad_out) if dw is None else dw
         need_wgrad = False
     if native:
-        splits, offs = dsplits
         if need_dgrad:
-            dinp = _gemm_grouped(gq, gs, wq_t, ws_t, splits, offs)
-        if need_wgrad:
-            # [N, M] x [M, K] -> [G, N, K], grouped along the reduction dim, high precision
-            # (bf16 out: torch's grouped GEMM has no fp32 output; added to main_grad in fp32).
-            dweight = torch._grouped_mm(grad_out.t(), inp, offs=offs)
-            if main_grad is not None:
-                main_grad.add_(dweight)
-                dweight = empty(grad_out)
-        if has_bias:
-            dbias = group_sums(grad_out, splits, groups)
-        return dinp, dweight, dbias
-    splits = host_splits(m_splits, rows)
-    if need_dgrad:
-        dinp = _gemm_loop(gq, gs, wq_t, ws_t, splits, dtype)
-    if need_wgrad and main_grad is None:
-        dweight = grad_out.new_zeros(groups, n, k)
-    if has_bias:
-        dbias = grad_out.new_zeros(groups, n)
-    start = 0
-    for g, m in enumerate(splits):
-        dy = grad_out[start : start + m].float()
-        if need_wgrad and main_grad is not None:
-            main_grad[g].addmm_(dy.t(), inp[start : start + m].float())
-        elif need_wgrad:
-            dweight[g] = (dy.t() @ inp[start : start + m].float()).to(dtype)
-        if has_bias:
-            dbias[g] = dy.sum(0).to(dtype)
-        start += m
-    return dinp, dweight, dbias
-
-
-def per_tensor_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
-    """Current scaling rowwise, delayed per tensor; ``saved`` ends with ``[amax(X), amax(W)]``
-    under delayed scaling, and under current scaling when ``grad_amax`` is given (a delayed
-    state's calibration step: the amaxes cost a read of each operand more). ``weight_q``: the
-    weight pre-quantised by :func:`per_tensor_weight` (its amax then the cast's); ``saved``
-    then lacks the weight's dgrad copy (an input: the caller saves it)."""
-    native = cuda and _use_native(inp) and not r.emulate
-    measure = r.grad_amax is not None
-    scale = r.scale if r.recipe == "delayed" else None
-    out, amax, saved = _scaled_forward(inp, m_splits, weight, bias, scale, r.fwd_dtype,
-                                       r.fp8_wgrad, native, measure, weight_q,
-                                       r.override)  # fmt: skip
-    return out, saved + ([amax] if amax.numel() else [])
-
-
-def per_tensor_backward(grad, saved, inp, m_splits, weight, main_grad, r, has_bias, dgrad,
-                         wgrad, cuda):  # fmt: skip
-    native = cuda and _use_native(grad) and not r.emulate
-    scale = r.scale if r.recipe == "delayed" else None
-    return _scaled_backward(
-        grad, saved, inp, m_splits, main_grad, scale, r.grad_amax, r.fwd_dtype, r.bwd_dtype,
-        has_bias, dgrad, wgrad, native, r.fp8_wgrad,
-    )  # fmt: skip
+            dinp = _gemm_grouped(gq, gs, wq_t, ws_t, *dsplits)
+        hp = grouped_mm_backward(grad_out, inp, dsplits, weight, main_grad, has_bias, False,
+                                 need_wgrad)  # fmt: skip
+    else:
+        splits = host_splits(m_splits, grad_out.shape[0])
+        if need_dgrad:
+            dinp = _gemm_loop(gq, gs, wq_t, ws_t, splits, grad_out.dtype)
+        hp = bwd_loop(grad_out, inp, splits, weight, main_grad, has_bias, False, need_wgrad,
+                      torch.float32)  # fmt: skip
+    return dinp, hp[1] if need_wgrad else dweight, hp[2]
