@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from te_compile._numerics import div_rn, reciprocal_rn
-from te_compile.functional.gemm import HIGH_DTYPES, empty, quantize_per_tensor
+from te_compile.functional.gemm import HIGH_DTYPES, empty, quantize_per_tensor, scale_slots
 from te_compile.functional.grouped_gemm import (
     bwd_loop,
     device_splits,
@@ -189,18 +189,25 @@ def _balanced(sa: Tensor, sb: Tensor) -> tuple[Tensor, Tensor]:
     return sa * torch.exp2(-s), sb * torch.exp2(s)
 
 
-def _quantize_weight_dgrad(weight: Tensor, fwd_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """``weight`` ``[G, N, K]`` quantised per (group, input column), amax over ``N``: data
-    transposed to ``[G, K, N]`` (row-major along ``N``, the dgrad GEMM's contraction dim) and
-    inverse scales ``[G, K]``. CUDA: one Triton kernel reads ``weight`` along ``K`` and writes
-    the FP8 data transposed (``kernels.quantize_rows.quantize_columnwise_transposed``, bit-identical
-    to the path below: the kernel tests check it); the path below first copies the transposed
-    bf16 weight (a strided copy: most likely the 0.5 ms element-wise kernel of the H100 profile,
-    2026-11-22)."""
+def _quantize_weight_dgrad(
+    weight: Tensor, fwd_dtype: torch.dtype, scale: Tensor | None = None, wq: Tensor | None = None
+) -> tuple[Tensor, Tensor | None]:
+    """``weight`` ``[G, N, K]`` for the dgrad GEMM, data transposed to ``[G, K, N]`` (row-major
+    along ``N``, its contraction dim): current scaling per (group, input column), amax over
+    ``N``, inverse scales ``[G, K]``; with the per-tensor ``scale``, the forward's codes ``wq``
+    transposed (the inverse scales are the forward's: None). CUDA: one Triton kernel reads
+    ``weight`` along ``K`` and writes the FP8 data transposed
+    (``kernels.quantize_rows.quantize_columnwise_transposed``, bit-identical to the paths below:
+    the kernel tests check it). The path below first copies the transposed bf16 weight (a
+    strided copy: most likely the 0.5 ms element-wise kernel of the H100 profile, 2026-11-22); a
+    strided uint8 transpose of the codes took 0.48 ms at 8 x 2048 x 4096 on the H100
+    (2026-11-22)."""
     if weight.is_cuda and weight.dtype in HIGH_DTYPES:
         from te_compile.kernels import quantize_rows
 
-        return quantize_rows.quantize_columnwise_transposed(weight, fwd_dtype)
+        return quantize_rows.quantize_columnwise_transposed(weight, fwd_dtype, scale=scale)
+    if scale is not None:
+        return wq.view(torch.uint8).transpose(1, 2).contiguous().view(fwd_dtype), None
     data, scale_inv = quantize_rowwise(weight.transpose(1, 2), fwd_dtype)  # along N, last
     return data.contiguous(), scale_inv
 
@@ -320,35 +327,19 @@ def _quantize_delayed(
     return data.view(x.shape), scale_inv, amax
 
 
-def _transposed_codes(weight: Tensor, wq: Tensor, scale: Tensor, fp8_dtype) -> Tensor:
-    """Per tensor, the dgrad copy ``[G, K, N]`` of the weight is its codes ``wq`` transposed. On
-    CUDA one Triton pass casts ``weight`` again and stores it transposed (the same bytes:
-    ``kernels.quantize_rows.quantize_columnwise_transposed`` with the given scale); a strided uint8
-    transpose of the codes took 0.48 ms at 8 x 2048 x 4096 on the H100 (2026-11-22)."""
-    if weight.is_cuda and weight.dtype in HIGH_DTYPES:
-        from te_compile.kernels import quantize_rows
-
-        return quantize_rows.quantize_columnwise_transposed(weight, fp8_dtype, scale=scale)[0]
-    return wq.view(torch.uint8).transpose(1, 2).contiguous().view(fp8_dtype)
-
-
-def _slot(scale: Tensor | None, i: int) -> Tensor | None:
-    return None if scale is None else scale[i : i + 1]
-
-
 def _amax(x: Tensor) -> Tensor:
     """``max |x|`` as a 0-dim fp32 tensor (0 for an empty ``x``, NaN if it holds one)."""
     return x.abs().amax().float() if x.numel() else x.new_zeros((), dtype=torch.float32)
 
 
 def _quantize_grad(grad_out, scale, grad_amax, bwd_dtype):
-    """The dgrad operand: rowwise (E5M2 as E4M3 codes), or per tensor with ``scale[2]``; its
-    amax written into ``grad_amax`` when given."""
+    """The dgrad operand: rowwise (E5M2 as E4M3 codes), or per tensor with ``scale`` ``[1]``;
+    its amax written into ``grad_amax`` when given."""
     if scale is None:
         if grad_amax is not None:
             grad_amax.copy_(_amax(grad_out).reshape(1))
         return quantize_rowwise(grad_out, bwd_dtype, e4m3_codes=True)
-    gq, gs, amax = _quantize_delayed(grad_out, bwd_dtype, scale[2:3], (grad_out.shape[0],))
+    gq, gs, amax = _quantize_delayed(grad_out, bwd_dtype, scale, (grad_out.shape[0],))
     if grad_amax is not None:
         grad_amax.copy_(amax)
     return gq, gs
@@ -372,7 +363,7 @@ def per_tensor_weight(
         amax = _amax(weight).reshape(1) if measure else weight.new_empty(0, dtype=torch.float32)
         return wq, ws, wq_t, ws_t, amax
     wq, ws, amax = _quantize_delayed(weight, fwd_dtype, w_scale, (g, n))
-    wq_t = _transposed_codes(weight, wq, w_scale, fwd_dtype)
+    wq_t = _quantize_weight_dgrad(weight, fwd_dtype, w_scale, wq)[0]
     ws_t = ws[:, :1].expand(g, k).contiguous()
     return wq, ws, wq_t, ws_t, amax
 
@@ -394,21 +385,21 @@ def per_tensor_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
     exact emulation per group."""
     native = cuda and inp.dtype is torch.bfloat16 and not r.emulate
     measure = r.grad_amax is not None
-    scale = r.scale if r.recipe == "delayed" else None
+    s_x, s_w, _ = scale_slots(r.scale, r.recipe)
     fwd_dtype = r.fwd_dtype
     if weight_q is None:
-        wq, ws, wq_t, ws_t, w_amax = per_tensor_weight(weight, fwd_dtype, _slot(scale, 1), measure)
+        wq, ws, wq_t, ws_t, w_amax = per_tensor_weight(weight, fwd_dtype, s_w, measure)
     else:  # pre-quantised (uint8 codes); its dgrad copy is the caller's to save
         wq, ws, wq_t, ws_t, w_amax = weight_q
         wq, wq_t = wq.view(fwd_dtype), wq_t.view(fwd_dtype)
-    if scale is None:
+    if s_x is None:
         xq, xs = quantize_rowwise(inp, fwd_dtype)
         # Measured only when asked for (grad_amax given): a read of each operand more.
         amax = inp.new_empty(0, dtype=torch.float32)
         if measure:
             amax = torch.cat([_amax(inp).reshape(1), w_amax])
     else:
-        xq, xs, x_amax = _quantize_delayed(inp, fwd_dtype, scale[0:1], (inp.shape[0],))
+        xq, xs, x_amax = _quantize_delayed(inp, fwd_dtype, s_x, (inp.shape[0],))
         amax = torch.cat([x_amax, w_amax])
     dsplits = None
     if native:
@@ -424,7 +415,7 @@ def per_tensor_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
         return out, [_dequantized(xq, xs, inp.dtype), _dequantized(wq, ws, inp.dtype), *amaxes]
     saved = [wq_t.view(torch.uint8), ws_t] if weight_q is None and not r.override else []
     if r.fp8_wgrad:
-        xt, xs_t, _ = quantize_group_columns(inp, m_splits, fwd_dtype, _slot(scale, 0), dsplits)
+        xt, xs_t, _ = quantize_group_columns(inp, m_splits, fwd_dtype, s_x, dsplits)
         saved += [xt.view(torch.uint8), xs_t]
     return out, saved + amaxes
 
@@ -435,19 +426,19 @@ def per_tensor_backward(grad_out, saved, inp, m_splits, weight, main_grad, r, ha
     ``r.fp8_wgrad`` and the input kept), else in high precision
     (``functional.grouped_gemm``'s loop in fp32, or ``torch._grouped_mm``)."""
     native = cuda and grad_out.dtype is torch.bfloat16 and not r.emulate
-    scale = r.scale if r.recipe == "delayed" else None
+    s_x, _, s_g = scale_slots(r.scale, r.recipe)
     fwd_dtype, bwd_dtype = r.fwd_dtype, r.bwd_dtype
     wq_t, ws_t = saved[0].view(fwd_dtype), saved[1]
     dinp, dweight = empty(grad_out), empty(grad_out)
     if need_dgrad or r.grad_amax is not None:
-        gq, gs = _quantize_grad(grad_out, scale, r.grad_amax, bwd_dtype)
+        gq, gs = _quantize_grad(grad_out, s_g, r.grad_amax, bwd_dtype)
     dsplits = device_splits(m_splits, grad_out) if native else None
     if need_wgrad and r.fp8_wgrad and len(saved) == 2:  # save_original_input: quantised here
-        xt, xs_t, _ = quantize_group_columns(inp, m_splits, fwd_dtype, _slot(scale, 0), dsplits)
+        xt, xs_t, _ = quantize_group_columns(inp, m_splits, fwd_dtype, s_x, dsplits)
         saved = [*saved, xt.view(torch.uint8), xs_t]
     if need_wgrad and len(saved) == 4:  # the forward saved the FP8 wgrad operand of the input
         dyt, dys, pad_ends = quantize_group_columns(
-            grad_out, m_splits, bwd_dtype, _slot(scale, 2), dsplits, e4m3_codes=True
+            grad_out, m_splits, bwd_dtype, s_g, dsplits, e4m3_codes=True
         )
         dw = _gemm_wgrad(dyt, dys, saved[2].view(fwd_dtype), saved[3], pad_ends, native,
                          grad_out.dtype, main_grad)  # fmt: skip

@@ -513,19 +513,6 @@ def dequantized_weight(weight: Tensor, r: GroupedRecipe) -> Tensor:
     return torch.stack([_cast(w_g, r, r.fwd_dtype, w_rows) for w_g in weight])
 
 
-def _group_sums(grad: Tensor, m_splits: Tensor, groups: int, cuda: bool) -> Tensor:
-    """Every group's column sums of ``grad`` (a bias gradient), fp32 accumulation: on CUDA
-    :func:`group_sums` over the device splits, else a sum per group."""
-    rows, n = grad.shape
-    if cuda:
-        return group_sums(grad, device_splits(m_splits, grad)[0], groups)
-    out, start = grad.new_zeros(groups, n), 0
-    for g, m in enumerate(host_splits(m_splits, rows)):
-        out[g] = grad[start : start + m].sum(0, dtype=torch.float32).to(grad.dtype)
-        start += m
-    return out
-
-
 # The rows of grouped_linear_ops.GROUPED_GEMMS (module docstring) -----------------------------
 
 
@@ -640,7 +627,12 @@ def dequantized_backward(grad, saved, inp, m_splits, weight, main_grad, r, has_b
                                               False, True, cuda)[1]  # fmt: skip
     else:
         dinp, dweight = _emulated_loop(grad, g_row, g_col, x, m_splits, w, main_grad)
-    dbias = _group_sums(grad, m_splits, w.shape[0], cuda) if has_bias else empty(grad)
+    dbias = empty(grad)  # fp32 sums: on CUDA over the device splits, else per group
+    if has_bias and cuda:
+        dbias = group_sums(grad, device_splits(m_splits, grad)[0], w.shape[0])
+    elif has_bias:
+        splits = host_splits(m_splits, grad.shape[0])
+        dbias = bwd_loop(grad, None, splits, w, None, True, False, False, torch.float32)[2]
     return dinp, dweight, dbias
 
 

@@ -80,6 +80,7 @@ from te_compile.functional.gemm import (
     empty,
     quantize_per_tensor,
     save_for_backward_except_written,
+    scale_slots,
 )
 from te_compile.functional.gemm_ref import quantized_linear_ref
 from te_compile.functional.grouped_fp8 import (
@@ -152,26 +153,18 @@ def grouped_linear_ref(
     return out.to(inp.dtype)
 
 
-def _slot(scale: Tensor | None, i: int) -> Tensor | None:
-    return None if scale is None else scale[i : i + 1]
-
-
-def _dequantize(data: Tensor, scale_inv: Tensor, dim: int, dtype: torch.dtype) -> Tensor:
-    """``data * scale_inv`` (broadcast along ``dim``) in ``dtype``; exact in float64."""
-    acc = torch.float64 if dtype is torch.float64 else torch.float32
-    return (data.to(acc) * scale_inv.unsqueeze(dim).to(acc)).to(dtype)
-
-
 def _fake_quant(x: Tensor, fp8_dtype: torch.dtype, dim: int, scale: Tensor | None = None) -> Tensor:
-    """Quantised-dequantised ``x``: rowwise along ``dim``, or with the given per-tensor
-    ``scale`` (``[1]``, delayed scaling); E5M2 values as the grouped GEMMs take them, recoded
-    to E4M3 (:func:`as_e4m3`)."""
+    """Quantised-dequantised ``x`` (exact in float64): rowwise along ``dim``, or with the given
+    per-tensor ``scale`` (``[1]``, delayed scaling); E5M2 values as the grouped GEMMs take them,
+    recoded to E4M3 (:func:`as_e4m3`)."""
     if scale is None:
-        return _dequantize(*quantize_rowwise(x, fp8_dtype, dim, e4m3_codes=True), dim, x.dtype)
-    data, scale_inv, _ = quantize_per_tensor(x.reshape(-1, x.shape[-1]), fp8_dtype, scale)
-    data, scale_inv = as_e4m3(data, scale_inv)
-    acc = torch.float64 if x.dtype is torch.float64 else torch.float32
-    return (data.to(acc) * scale_inv.to(acc)).to(x.dtype).reshape(x.shape)
+        data, scale_inv = quantize_rowwise(x, fp8_dtype, dim, e4m3_codes=True)
+        scale_inv = scale_inv.unsqueeze(dim)
+    else:
+        data, scale_inv, _ = quantize_per_tensor(x.reshape(-1, x.shape[-1]), fp8_dtype, scale)
+        data, scale_inv = as_e4m3(data.view(x.shape), scale_inv)
+    acc = acc_dtype(x)
+    return (data.to(acc) * scale_inv.to(acc)).to(x.dtype)
 
 
 def _fake_quant_columns(x_g: Tensor, fp8_dtype: torch.dtype, scale: Tensor | None) -> Tensor:
@@ -185,9 +178,8 @@ def _ref_operands(x: Tensor, w: Tensor, splits: list[int], r: GroupedRecipe) -> 
     scales) or in blocks along ``in_features``, each expert's weight in its blocks (NVFP4: the
     rowwise copies of ``functional.grouped_gemm.nvfp4_input`` / ``nvfp4_weight``)."""
     if r.recipe in PER_TENSOR:
-        scale = r.scale if r.recipe == "delayed" else None
-        xq, wq = (_fake_quant(t, r.fwd_dtype, -1, _slot(scale, i)) for i, t in enumerate((x, w)))
-        return xq, wq
+        s_x, s_w, _ = scale_slots(r.scale, r.recipe)
+        return _fake_quant(x, r.fwd_dtype, -1, s_x), _fake_quant(w, r.fwd_dtype, -1, s_w)
     if r.recipe == "nvfp4":
         return nvfp4_input(x, torch.tensor(splits), r)[0], nvfp4_weight(w, r)[0]
     p2 = r.power_2_scale if r.recipe == "block" else False
@@ -220,10 +212,9 @@ def _ref_copies(x: Tensor, w: Tensor, splits: list[int], r: GroupedRecipe) -> tu
         return xq, wq, x_col, w_col
     xq, wq = _ref_operands(x, w, splits, r)
     if r.recipe in PER_TENSOR:
-        scale = r.scale if r.recipe == "delayed" else None
-        w_col = _fake_quant(w, r.fwd_dtype, 1, _slot(scale, 1))
-        x_slot = _slot(scale, 0)
-        x_cols = [_fake_quant_columns(x_g, r.fwd_dtype, x_slot) for x_g in x.split(splits)]
+        s_x, s_w, _ = scale_slots(r.scale, r.recipe)
+        w_col = _fake_quant(w, r.fwd_dtype, 1, s_w)
+        x_cols = [_fake_quant_columns(x_g, r.fwd_dtype, s_x) for x_g in x.split(splits)]
         return xq, wq, torch.cat(x_cols) if r.fp8_wgrad else x, w_col
     w_rows = r.weight_block_rows if r.recipe == "block" else 1
     w_col = wq if w_rows != 1 else torch.stack([_ref_columns(w_g, r, r.fwd_dtype) for w_g in w])
@@ -241,7 +232,7 @@ def _ref_grads(dy: Tensor, splits: list[int], r: GroupedRecipe) -> tuple[Tensor,
                                    row_splits=torch.tensor(splits))  # fmt: skip
         return g_row.to(dy.dtype), g_col_t.t().to(dy.dtype).split(splits)
     if r.recipe in PER_TENSOR:
-        g_slot = _slot(r.scale if r.recipe == "delayed" else None, 2)
+        g_slot = scale_slots(r.scale, r.recipe)[2]
         g_row = _fake_quant(dy, r.bwd_dtype, -1, g_slot)
         if not r.fp8_wgrad:
             return g_row, dy.split(splits)
