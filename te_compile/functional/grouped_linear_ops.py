@@ -64,8 +64,6 @@ from torch import Tensor
 from te_compile._checks import (
     check_bool,
     check_choice,
-    check_required,
-    check_same_device,
     check_tensors,
 )
 from te_compile._library import HOST_SPLITS, differentiable, op
@@ -77,6 +75,7 @@ from te_compile.functional.gemm import (
     BACKWARD_OVERRIDES,
     PER_TENSOR,
     DeferredWgrad,
+    check_gemm_tensors,
     empty,
     quantize_per_tensor,
     save_for_backward_except_written,
@@ -646,19 +645,7 @@ def grouped_linear(
     returns ``[amax(inp), amax(weight)]`` (delayed scaling, or current scaling given
     ``grad_amax``; 0-element otherwise), after the ``DeferredWgrad``."""
     check_weight_quantized("te.grouped_linear", "weight_quantized", weight_quantized)
-    tensors = {"inp": inp, "weight": weight, "bias": bias, "main_grad": main_grad}
-    if not (isinstance(inp, Tensor) and isinstance(weight, Tensor)) or not all(
-        t is None or isinstance(t, Tensor) for t in tensors.values()
-    ):
-        check_required("te.grouped_linear", inp=inp, weight=weight)
-        check_tensors("te.grouped_linear", **tensors)
-    device = inp.device
-    if (
-        weight.device != device or (bias is not None and bias.device != device)
-        or (main_grad is not None and main_grad.device != device)
-    ):  # fmt: skip
-        check_same_device("te.grouped_linear", "inp", inp, weight=weight, bias=bias,
-                          main_grad=main_grad)  # fmt: skip
+    check_gemm_tensors("te.grouped_linear", inp, weight, bias, main_grad)
     rows = inp.shape[0] if inp.dim() == 2 else None  # a 3-D inp: refused by the op's check
     args = (inp, checked_splits("te.grouped_linear", m_splits, rows), weight, bias, main_grad)
     specs = as_strings(input_spec, weight_spec, grad_spec)
