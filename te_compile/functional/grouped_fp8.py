@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from te_compile._numerics import div_rn, reciprocal_rn
-from te_compile.functional.gemm import HIGH_DTYPES, empty, quantize_per_tensor, scale_slots
+from te_compile.functional.gemm import HIGH_DTYPES, empty, quantize_operand, scale_slots
 from te_compile.functional.grouped_gemm import (
     bwd_loop,
     device_splits,
@@ -57,7 +57,7 @@ from te_compile.functional.grouped_gemm import (
     host_splits,
     row_bias,
 )
-from te_compile.functional.quantize import quantize_tensorwise
+from te_compile.functional.spec import QuantSpec
 from te_compile.kernels import e5m2_to_e4m3_table
 
 __all__ = [
@@ -261,7 +261,7 @@ def quantize_group_columns(
             if scale is None:
                 data, scale_inv[g] = quantize_rowwise(x_g.t(), fp8_dtype)
             else:
-                data, inv, _ = quantize_per_tensor(x_g, fp8_dtype, scale)
+                data, inv, _ = _quantize_delayed(x_g, fp8_dtype, scale, (1,))
                 data, scale_inv[g] = data.t(), inv.reshape(())
             data_t[:, dst : dst + m] = data.view(torch.uint8)
         start, dst = start + m, dst + p
@@ -319,12 +319,12 @@ def _gemm_wgrad(
 def _quantize_delayed(
     x: Tensor, fp8_dtype: torch.dtype, scale: Tensor, rows: tuple[int, ...]
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``x`` (viewed 2-D over its last dim) cast with the per-tensor ``scale`` ``[1]``:
-    ``(data of x's shape, inverse scale broadcast to rows, amax [1])`` (the quantisation op:
-    one Triton pass on CUDA)."""
-    data, _, amax = quantize_tensorwise.eager(x.reshape(-1, x.shape[-1]), scale, fp8_dtype, False)
-    scale_inv = reciprocal_rn(scale).expand(rows).contiguous()
-    return data.view(x.shape), scale_inv, amax
+    """``x`` (viewed 2-D over its last dim) cast with the per-tensor ``scale`` ``[1]`` by the
+    one quantiser table (``functional.gemm.quantize_operand``, a ``"delayed"`` row: one Triton
+    pass on CUDA): ``(data of x's shape, inverse scale broadcast to rows, amax [1])``."""
+    spec = QuantSpec("delayed", fp8_dtype)
+    q = quantize_operand(spec, x.reshape(-1, x.shape[-1]), scale=scale, columnwise=False)
+    return q.data.view(x.shape), q.scale.expand(rows).contiguous(), q.amax
 
 
 def _amax(x: Tensor) -> Tensor:
