@@ -17,7 +17,8 @@ contraction dim (current scaling: measured now):
 * dgrad ``dX_g = dY_g W_g``: ``dY`` per token row to ``bwd_dtype``, ``W`` per (group, input
   column), i.e. amax over ``N`` (the forward writes this copy, transposed to ``[G, K, N]``, and
   saves it);
-* wgrad ``dW_g = dY_g^T X_g``: high precision (``torch._grouped_mm`` on CUDA), or with
+* wgrad ``dW_g = dY_g^T X_g``: high precision (``functional.grouped_gemm``'s: ``torch._grouped_mm``
+  on CUDA, a loop in fp32 elsewhere), or with
   ``fp8_wgrad`` in FP8 with scales along the token dim, ``X`` per (group, input column) and
   ``dY`` per (group, output column), amax over the group's tokens, both written transposed with
   every group padded to a multiple of 16 tokens (zeros; :func:`quantize_group_columns`). The
@@ -25,7 +26,9 @@ contraction dim (current scaling: measured now):
   per-group sum of the high-precision ``dY``.
 
 Delayed scaling: one given scale per tensor instead, ``scale`` ``[3]`` (input, weight,
-gradient), each inverse scale broadcast to the rowwise vectors the grouped GEMM takes; the
+gradient), the casts the ``"delayed"`` row of the one quantiser table
+(``functional.gemm.quantize_operand``), each inverse scale broadcast to the rowwise vectors the
+grouped GEMM takes; the
 forward returns ``[amax(X), amax(W)]``, the backward writes ``amax(dY)`` into ``grad_amax``.
 Current scaling measures the amaxes (extra reads) only when ``grad_amax`` is given: a delayed
 state's first step runs current scaling and records them.

@@ -22,7 +22,8 @@ kind                     GEMMs
                          expert the dense family's GEMM calls (bit for bit a Linear's)
 =======================  ===================================================================
 
-Every row is ``forward(inp, m_splits, weight, bias, r, cuda) -> (out, saved)`` and
+Every row is ``forward(inp, m_splits, weight, bias, r, cuda, weight_q) -> (out, saved)``
+(``weight_q``: the pre-quantised weight, or None) and
 ``backward(grad, saved, inp, m_splits, weight, main_grad, r, has_bias, need_dgrad, need_wgrad,
 cuda) -> (dinp, dweight, dbias)`` (0-element where not computed; ``dweight`` also when it went
 into ``main_grad``; ``saved`` without the amaxes a forward appends), ``r`` a

@@ -331,8 +331,7 @@ def _forward(a: GroupedLinearArgs, cuda: bool) -> tuple[Tensor, list[Tensor]]:
     r = a.grouped_recipe
     if a.bw.save_input:  # no FP8 copy of the input: the backward quantises it again
         r = r._replace(fp8_wgrad=False)
-    kw = {} if a.weight_q is None else {"weight_q": a.weight_q}
-    out, saved = forward(a.inp, a.m_splits, a.weight, a.bias, r, cuda, **kw)
+    out, saved = forward(a.inp, a.m_splits, a.weight, a.bias, r, cuda, a.weight_q)
     if a.bw.save_input and forward is dequantized_forward:  # the input's copy: made again
         saved = saved[1:]
     return out, saved
