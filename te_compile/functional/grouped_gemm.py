@@ -605,9 +605,9 @@ def dequantized_backward(grad, saved, inp, m_splits, weight, main_grad, r, has_b
                           wgrad, cuda):  # fmt: skip
     """The gradient quantised in blocks along ``out_features`` for the dgrad and along each
     expert's tokens for the wgrad (NVFP4: with its global scales per expert), then the
-    high-precision grouped GEMMs against the forward's copies (on the CPU per expert the dense
-    family's calls, :func:`_emulated_loop`); the bias gradient from the high-precision
-    gradient."""
+    high-precision grouped GEMMs against the forward's copies (on the CPU, NVFP4 aside, per
+    expert the dense family's calls, :func:`_emulated_loop`); the bias gradient from the
+    high-precision gradient."""
     x, w = saved
     if r.recipe == "nvfp4":  # dgrad on the rowwise copy, wgrad on the columnwise one
         g_row, g_col_t = nvfp4_qdq(grad, columnwise=wgrad, rht=r.rht, rng_state=r.rng_state,
