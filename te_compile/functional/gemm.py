@@ -57,6 +57,8 @@ from te_compile._checks import (
     check_finite,
     check_int,
     check_positive_finite,
+    check_required,
+    check_same_device,
     check_tensor,
     check_tensors,
 )
@@ -284,6 +286,27 @@ def check_gemm_args(owner: str, tensors: dict[str, Tensor | None], **reals: obje
                 check_int(owner, 0, glu_interleave_size=value)
         else:
             check_positive_finite(owner, **{name: value})
+
+
+def check_gemm_tensors(
+    owner: str, inp: object, weight: object, bias: object, main_grad: object
+) -> None:
+    """A family function's input, weight and optional bias and main_grad: tensors, on
+    ``inp``'s device. One cheap compound test on the hot path; the checks naming the argument
+    run only when it fails."""
+    if not (
+        isinstance(inp, Tensor) and isinstance(weight, Tensor)
+        and (bias is None or isinstance(bias, Tensor))
+        and (main_grad is None or isinstance(main_grad, Tensor))
+    ):  # fmt: skip
+        check_required(owner, inp=inp, weight=weight)
+        check_tensors(owner, bias=bias, main_grad=main_grad)
+    device = inp.device
+    if (
+        weight.device != device or (bias is not None and bias.device != device)
+        or (main_grad is not None and main_grad.device != device)
+    ):  # fmt: skip
+        check_same_device(owner, "inp", inp, weight=weight, bias=bias, main_grad=main_grad)
 
 
 def blockwise_supported(

@@ -17,7 +17,8 @@ contraction dim (current scaling: measured now):
 * dgrad ``dX_g = dY_g W_g``: ``dY`` per token row to ``bwd_dtype``, ``W`` per (group, input
   column), i.e. amax over ``N`` (the forward writes this copy, transposed to ``[G, K, N]``, and
   saves it);
-* wgrad ``dW_g = dY_g^T X_g``: high precision (``torch._grouped_mm`` on CUDA), or with
+* wgrad ``dW_g = dY_g^T X_g``: high precision (``functional.grouped_gemm``'s: ``torch._grouped_mm``
+  on CUDA, a loop in fp32 elsewhere), or with
   ``fp8_wgrad`` in FP8 with scales along the token dim, ``X`` per (group, input column) and
   ``dY`` per (group, output column), amax over the group's tokens, both written transposed with
   every group padded to a multiple of 16 tokens (zeros; :func:`quantize_group_columns`). The
@@ -25,7 +26,9 @@ contraction dim (current scaling: measured now):
   per-group sum of the high-precision ``dY``.
 
 Delayed scaling: one given scale per tensor instead, ``scale`` ``[3]`` (input, weight,
-gradient), each inverse scale broadcast to the rowwise vectors the grouped GEMM takes; the
+gradient), the casts the ``"delayed"`` row of the one quantiser table
+(``functional.gemm.quantize_operand``), each inverse scale broadcast to the rowwise vectors the
+grouped GEMM takes; the
 forward returns ``[amax(X), amax(W)]``, the backward writes ``amax(dY)`` into ``grad_amax``.
 Current scaling measures the amaxes (extra reads) only when ``grad_amax`` is given: a delayed
 state's first step runs current scaling and records them.
@@ -49,14 +52,15 @@ import torch
 from torch import Tensor
 
 from te_compile._numerics import div_rn, reciprocal_rn
-from te_compile.functional.gemm import HIGH_DTYPES, empty, quantize_per_tensor
+from te_compile.functional.gemm import HIGH_DTYPES, empty, quantize_operand, scale_slots
 from te_compile.functional.grouped_gemm import (
+    bwd_loop,
     device_splits,
-    group_sums,
+    grouped_mm_backward,
     host_splits,
     row_bias,
 )
-from te_compile.functional.quantize import quantize_tensorwise
+from te_compile.functional.spec import QuantSpec
 from te_compile.kernels import e5m2_to_e4m3_table
 
 __all__ = [
@@ -126,11 +130,6 @@ def _gemm_loop(
     return out
 
 
-def _use_native(inp: Tensor) -> bool:
-    """The grouped (device-offset, no host sync) CUDA path: bf16 output only."""
-    return inp.dtype is torch.bfloat16
-
-
 def as_e4m3(q: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
     """A GEMM operand in E4M3 codes: E4M3 ``q`` as is; E5M2 ``q`` recoded to the E4M3 codes of
     its values times ``2**-7`` with its inverse scales ``s`` times 128 (exact for every value
@@ -193,18 +192,25 @@ def _balanced(sa: Tensor, sb: Tensor) -> tuple[Tensor, Tensor]:
     return sa * torch.exp2(-s), sb * torch.exp2(s)
 
 
-def _quantize_weight_dgrad(weight: Tensor, fwd_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """``weight`` ``[G, N, K]`` quantised per (group, input column), amax over ``N``: data
-    transposed to ``[G, K, N]`` (row-major along ``N``, the dgrad GEMM's contraction dim) and
-    inverse scales ``[G, K]``. CUDA: one Triton kernel reads ``weight`` along ``K`` and writes
-    the FP8 data transposed (``kernels.quantize_rows.quantize_columnwise_transposed``, bit-identical
-    to the path below: the kernel tests check it); the path below first copies the transposed
-    bf16 weight (a strided copy: most likely the 0.5 ms element-wise kernel of the H100 profile,
-    2026-11-22)."""
+def _quantize_weight_dgrad(
+    weight: Tensor, fwd_dtype: torch.dtype, scale: Tensor | None = None, wq: Tensor | None = None
+) -> tuple[Tensor, Tensor | None]:
+    """``weight`` ``[G, N, K]`` for the dgrad GEMM, data transposed to ``[G, K, N]`` (row-major
+    along ``N``, its contraction dim): current scaling per (group, input column), amax over
+    ``N``, inverse scales ``[G, K]``; with the per-tensor ``scale``, the forward's codes ``wq``
+    transposed (the inverse scales are the forward's: None). CUDA: one Triton kernel reads
+    ``weight`` along ``K`` and writes the FP8 data transposed
+    (``kernels.quantize_rows.quantize_columnwise_transposed``, bit-identical to the paths below:
+    the kernel tests check it). The path below first copies the transposed bf16 weight (a
+    strided copy: most likely the 0.5 ms element-wise kernel of the H100 profile, 2026-11-22); a
+    strided uint8 transpose of the codes took 0.48 ms at 8 x 2048 x 4096 on the H100
+    (2026-11-22)."""
     if weight.is_cuda and weight.dtype in HIGH_DTYPES:
         from te_compile.kernels import quantize_rows
 
-        return quantize_rows.quantize_columnwise_transposed(weight, fwd_dtype)
+        return quantize_rows.quantize_columnwise_transposed(weight, fwd_dtype, scale=scale)
+    if scale is not None:
+        return wq.view(torch.uint8).transpose(1, 2).contiguous().view(fwd_dtype), None
     data, scale_inv = quantize_rowwise(weight.transpose(1, 2), fwd_dtype)  # along N, last
     return data.contiguous(), scale_inv
 
@@ -258,7 +264,7 @@ def quantize_group_columns(
             if scale is None:
                 data, scale_inv[g] = quantize_rowwise(x_g.t(), fp8_dtype)
             else:
-                data, inv, _ = quantize_per_tensor(x_g, fp8_dtype, scale)
+                data, inv, _ = _quantize_delayed(x_g, fp8_dtype, scale, (1,))
                 data, scale_inv[g] = data.t(), inv.reshape(())
             data_t[:, dst : dst + m] = data.view(torch.uint8)
         start, dst = start + m, dst + p
@@ -316,28 +322,12 @@ def _gemm_wgrad(
 def _quantize_delayed(
     x: Tensor, fp8_dtype: torch.dtype, scale: Tensor, rows: tuple[int, ...]
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``x`` (viewed 2-D over its last dim) cast with the per-tensor ``scale`` ``[1]``:
-    ``(data of x's shape, inverse scale broadcast to rows, amax [1])`` (the quantisation op:
-    one Triton pass on CUDA)."""
-    data, _, amax = quantize_tensorwise.eager(x.reshape(-1, x.shape[-1]), scale, fp8_dtype, False)
-    scale_inv = reciprocal_rn(scale).expand(rows).contiguous()
-    return data.view(x.shape), scale_inv, amax
-
-
-def _transposed_codes(weight: Tensor, wq: Tensor, scale: Tensor, fp8_dtype) -> Tensor:
-    """Per tensor, the dgrad copy ``[G, K, N]`` of the weight is its codes ``wq`` transposed. On
-    CUDA one Triton pass casts ``weight`` again and stores it transposed (the same bytes:
-    ``kernels.quantize_rows.quantize_columnwise_transposed`` with the given scale); a strided uint8
-    transpose of the codes took 0.48 ms at 8 x 2048 x 4096 on the H100 (2026-11-22)."""
-    if weight.is_cuda and weight.dtype in HIGH_DTYPES:
-        from te_compile.kernels import quantize_rows
-
-        return quantize_rows.quantize_columnwise_transposed(weight, fp8_dtype, scale=scale)[0]
-    return wq.view(torch.uint8).transpose(1, 2).contiguous().view(fp8_dtype)
-
-
-def _slot(scale: Tensor | None, i: int) -> Tensor | None:
-    return None if scale is None else scale[i : i + 1]
+    """``x`` (viewed 2-D over its last dim) cast with the per-tensor ``scale`` ``[1]`` by the
+    one quantiser table (``functional.gemm.quantize_operand``, a ``"delayed"`` row: one Triton
+    pass on CUDA): ``(data of x's shape, inverse scale broadcast to rows, amax [1])``."""
+    spec = QuantSpec("delayed", fp8_dtype)
+    q = quantize_operand(spec, x.reshape(-1, x.shape[-1]), scale=scale, columnwise=False)
+    return q.data.view(x.shape), q.scale.expand(rows).contiguous(), q.amax
 
 
 def _amax(x: Tensor) -> Tensor:
@@ -346,13 +336,13 @@ def _amax(x: Tensor) -> Tensor:
 
 
 def _quantize_grad(grad_out, scale, grad_amax, bwd_dtype):
-    """The dgrad operand: rowwise (E5M2 as E4M3 codes), or per tensor with ``scale[2]``; its
-    amax written into ``grad_amax`` when given."""
+    """The dgrad operand: rowwise (E5M2 as E4M3 codes), or per tensor with ``scale`` ``[1]``;
+    its amax written into ``grad_amax`` when given."""
     if scale is None:
         if grad_amax is not None:
             grad_amax.copy_(_amax(grad_out).reshape(1))
         return quantize_rowwise(grad_out, bwd_dtype, e4m3_codes=True)
-    gq, gs, amax = _quantize_delayed(grad_out, bwd_dtype, scale[2:3], (grad_out.shape[0],))
+    gq, gs, amax = _quantize_delayed(grad_out, bwd_dtype, scale, (grad_out.shape[0],))
     if grad_amax is not None:
         grad_amax.copy_(amax)
     return gq, gs
@@ -376,28 +366,43 @@ def per_tensor_weight(
         amax = _amax(weight).reshape(1) if measure else weight.new_empty(0, dtype=torch.float32)
         return wq, ws, wq_t, ws_t, amax
     wq, ws, amax = _quantize_delayed(weight, fwd_dtype, w_scale, (g, n))
-    wq_t = _transposed_codes(weight, wq, w_scale, fwd_dtype)
+    wq_t = _quantize_weight_dgrad(weight, fwd_dtype, w_scale, wq)[0]
     ws_t = ws[:, :1].expand(g, k).contiguous()
     return wq, ws, wq_t, ws_t, amax
 
 
-def _scaled_forward(
-    inp, m_splits, weight, bias, scale, fwd_dtype, fp8_wgrad: bool, native: bool, measure: bool,
-    weight_q=None, override: str = "",
-):  # fmt: skip
+def _dequantized(q: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Tensor:
+    """The values a grouped GEMM multiplies (E5M2 as its E4M3 codes): codes ``q`` times their
+    inverse scales (one per row of ``q``'s last dim), in fp32, rounded to ``dtype``."""
+    q, scale_inv = as_e4m3(q, scale_inv)
+    return (q.float() * scale_inv.unsqueeze(-1)).to(dtype)
+
+
+def per_tensor_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
+    """Current scaling rowwise, delayed per tensor; ``saved`` ends with ``[amax(X), amax(W)]``
+    under delayed scaling, and under current scaling when ``grad_amax`` is given (a delayed
+    state's calibration step: the amaxes cost a read of each operand more). ``weight_q``: the
+    weight pre-quantised by :func:`per_tensor_weight` (its amax then the cast's); ``saved``
+    then lacks the weight's dgrad copy (an input: the caller saves it). ``cuda`` with a bf16
+    ``inp`` and not ``r.emulate``: the grouped GEMM on device offsets (no host sync), else the
+    exact emulation per group."""
+    native = cuda and inp.dtype is torch.bfloat16 and not r.emulate
+    measure = r.grad_amax is not None
+    s_x, s_w, _ = scale_slots(r.scale, r.recipe)
+    fwd_dtype = r.fwd_dtype
     if weight_q is None:
-        wq, ws, wq_t, ws_t, w_amax = per_tensor_weight(weight, fwd_dtype, _slot(scale, 1), measure)
+        wq, ws, wq_t, ws_t, w_amax = per_tensor_weight(weight, fwd_dtype, s_w, measure)
     else:  # pre-quantised (uint8 codes); its dgrad copy is the caller's to save
         wq, ws, wq_t, ws_t, w_amax = weight_q
         wq, wq_t = wq.view(fwd_dtype), wq_t.view(fwd_dtype)
-    if scale is None:
+    if s_x is None:
         xq, xs = quantize_rowwise(inp, fwd_dtype)
         # Measured only when asked for (grad_amax given): a read of each operand more.
         amax = inp.new_empty(0, dtype=torch.float32)
         if measure:
             amax = torch.cat([_amax(inp).reshape(1), w_amax])
     else:
-        xq, xs, x_amax = _quantize_delayed(inp, fwd_dtype, scale[0:1], (inp.shape[0],))
+        xq, xs, x_amax = _quantize_delayed(inp, fwd_dtype, s_x, (inp.shape[0],))
         amax = torch.cat([x_amax, w_amax])
     dsplits = None
     if native:
@@ -408,102 +413,49 @@ def _scaled_forward(
     else:
         splits = host_splits(m_splits, inp.shape[0])
         out = _gemm_loop(xq, xs, wq, ws, splits, inp.dtype, bias)
-    if override == "dequantized":  # the forward GEMM's operands, dequantised
-        return out, amax, [_dequantized(xq, xs, inp.dtype), _dequantized(wq, ws, inp.dtype)]
-    saved = [wq_t.view(torch.uint8), ws_t] if weight_q is None and not override else []
-    if fp8_wgrad:
-        x_scale = _slot(scale, 0)
-        xt, xs_t, _ = quantize_group_columns(inp, m_splits, fwd_dtype, x_scale, dsplits)
+    amaxes = [amax] if amax.numel() else []
+    if r.override == "dequantized":  # the forward GEMM's operands, dequantised
+        return out, [_dequantized(xq, xs, inp.dtype), _dequantized(wq, ws, inp.dtype), *amaxes]
+    saved = [wq_t.view(torch.uint8), ws_t] if weight_q is None and not r.override else []
+    if r.fp8_wgrad:
+        xt, xs_t, _ = quantize_group_columns(inp, m_splits, fwd_dtype, s_x, dsplits)
         saved += [xt.view(torch.uint8), xs_t]
-    return out, amax, saved
+    return out, saved + amaxes
 
 
-def _dequantized(q: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Tensor:
-    """The values a grouped GEMM multiplies (E5M2 as its E4M3 codes): codes ``q`` times their
-    inverse scales (one per row of ``q``'s last dim), in fp32, rounded to ``dtype``."""
-    q, scale_inv = as_e4m3(q, scale_inv)
-    return (q.float() * scale_inv.unsqueeze(-1)).to(dtype)
-
-
-def _scaled_backward(
-    grad_out, saved, inp, m_splits, main_grad, scale, grad_amax, fwd_dtype, bwd_dtype, has_bias,
-    need_dgrad, need_wgrad, native, fp8_wgrad=False,
-):  # fmt: skip
-    wq_t, ws_t = saved[:2]
-    wq_t = wq_t.view(fwd_dtype)
-    dtype = grad_out.dtype
-    groups, k, n = wq_t.shape
-    rows = grad_out.shape[0]
-    dinp, dweight, dbias = empty(grad_out), empty(grad_out), empty(grad_out)
-    if need_dgrad or grad_amax is not None:
-        gq, gs = _quantize_grad(grad_out, scale, grad_amax, bwd_dtype)
+def per_tensor_backward(grad_out, saved, inp, m_splits, weight, main_grad, r, has_bias,
+                        need_dgrad, need_wgrad, cuda):  # fmt: skip
+    """The dgrad in FP8; the wgrad in FP8 where the forward saved the input's FP8 copy (or
+    ``r.fp8_wgrad`` and the input kept), else in high precision
+    (``functional.grouped_gemm``'s loop in fp32, or ``torch._grouped_mm``)."""
+    native = cuda and grad_out.dtype is torch.bfloat16 and not r.emulate
+    s_x, _, s_g = scale_slots(r.scale, r.recipe)
+    fwd_dtype, bwd_dtype = r.fwd_dtype, r.bwd_dtype
+    wq_t, ws_t = saved[0].view(fwd_dtype), saved[1]
+    dinp, dweight = empty(grad_out), empty(grad_out)
+    if need_dgrad or r.grad_amax is not None:
+        gq, gs = _quantize_grad(grad_out, s_g, r.grad_amax, bwd_dtype)
     dsplits = device_splits(m_splits, grad_out) if native else None
-    if need_wgrad and fp8_wgrad and len(saved) == 2:  # save_original_input: quantised here
-        xt, xs_t, _ = quantize_group_columns(inp, m_splits, fwd_dtype, _slot(scale, 0), dsplits)
+    if need_wgrad and r.fp8_wgrad and len(saved) == 2:  # save_original_input: quantised here
+        xt, xs_t, _ = quantize_group_columns(inp, m_splits, fwd_dtype, s_x, dsplits)
         saved = [*saved, xt.view(torch.uint8), xs_t]
     if need_wgrad and len(saved) == 4:  # the forward saved the FP8 wgrad operand of the input
         dyt, dys, pad_ends = quantize_group_columns(
-            grad_out, m_splits, bwd_dtype, _slot(scale, 2), dsplits, e4m3_codes=True
+            grad_out, m_splits, bwd_dtype, s_g, dsplits, e4m3_codes=True
         )
-        dw = _gemm_wgrad(
-            dyt, dys, saved[2].view(fwd_dtype), saved[3], pad_ends, native, dtype, main_grad
-        )
+        dw = _gemm_wgrad(dyt, dys, saved[2].view(fwd_dtype), saved[3], pad_ends, native,
+                         grad_out.dtype, main_grad)  # fmt: skip
         dweight = empty(grad_out) if dw is None else dw
         need_wgrad = False
     if native:
-        splits, offs = dsplits
         if need_dgrad:
-            dinp = _gemm_grouped(gq, gs, wq_t, ws_t, splits, offs)
-        if need_wgrad:
-            # [N, M] x [M, K] -> [G, N, K], grouped along the reduction dim, high precision
-            # (bf16 out: torch's grouped GEMM has no fp32 output; added to main_grad in fp32).
-            dweight = torch._grouped_mm(grad_out.t(), inp, offs=offs)
-            if main_grad is not None:
-                main_grad.add_(dweight)
-                dweight = empty(grad_out)
-        if has_bias:
-            dbias = group_sums(grad_out, splits, groups)
-        return dinp, dweight, dbias
-    splits = host_splits(m_splits, rows)
-    if need_dgrad:
-        dinp = _gemm_loop(gq, gs, wq_t, ws_t, splits, dtype)
-    if need_wgrad and main_grad is None:
-        dweight = grad_out.new_zeros(groups, n, k)
-    if has_bias:
-        dbias = grad_out.new_zeros(groups, n)
-    start = 0
-    for g, m in enumerate(splits):
-        dy = grad_out[start : start + m].float()
-        if need_wgrad and main_grad is not None:
-            main_grad[g].addmm_(dy.t(), inp[start : start + m].float())
-        elif need_wgrad:
-            dweight[g] = (dy.t() @ inp[start : start + m].float()).to(dtype)
-        if has_bias:
-            dbias[g] = dy.sum(0).to(dtype)
-        start += m
-    return dinp, dweight, dbias
-
-
-def per_tensor_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
-    """Current scaling rowwise, delayed per tensor; ``saved`` ends with ``[amax(X), amax(W)]``
-    under delayed scaling, and under current scaling when ``grad_amax`` is given (a delayed
-    state's calibration step: the amaxes cost a read of each operand more). ``weight_q``: the
-    weight pre-quantised by :func:`per_tensor_weight` (its amax then the cast's); ``saved``
-    then lacks the weight's dgrad copy (an input: the caller saves it)."""
-    native = cuda and _use_native(inp) and not r.emulate
-    measure = r.grad_amax is not None
-    scale = r.scale if r.recipe == "delayed" else None
-    out, amax, saved = _scaled_forward(inp, m_splits, weight, bias, scale, r.fwd_dtype,
-                                       r.fp8_wgrad, native, measure, weight_q,
-                                       r.override)  # fmt: skip
-    return out, saved + ([amax] if amax.numel() else [])
-
-
-def per_tensor_backward(grad, saved, inp, m_splits, weight, main_grad, r, has_bias, dgrad,
-                         wgrad, cuda):  # fmt: skip
-    native = cuda and _use_native(grad) and not r.emulate
-    scale = r.scale if r.recipe == "delayed" else None
-    return _scaled_backward(
-        grad, saved, inp, m_splits, main_grad, scale, r.grad_amax, r.fwd_dtype, r.bwd_dtype,
-        has_bias, dgrad, wgrad, native, r.fp8_wgrad,
-    )  # fmt: skip
+            dinp = _gemm_grouped(gq, gs, wq_t, ws_t, *dsplits)
+        hp = grouped_mm_backward(grad_out, inp, dsplits, weight, main_grad, has_bias, False,
+                                 need_wgrad)  # fmt: skip
+    else:
+        splits = host_splits(m_splits, grad_out.shape[0])
+        if need_dgrad:
+            dinp = _gemm_loop(gq, gs, wq_t, ws_t, splits, grad_out.dtype)
+        hp = bwd_loop(grad_out, inp, splits, weight, main_grad, has_bias, False, need_wgrad,
+                      torch.float32)  # fmt: skip
+    return dinp, hp[1] if need_wgrad else dweight, hp[2]

@@ -22,7 +22,8 @@ kind                     GEMMs
                          expert the dense family's GEMM calls (bit for bit a Linear's)
 =======================  ===================================================================
 
-Every row is ``forward(inp, m_splits, weight, bias, r, cuda) -> (out, saved)`` and
+Every row is ``forward(inp, m_splits, weight, bias, r, cuda, weight_q) -> (out, saved)``
+(``weight_q``: the pre-quantised weight, or None) and
 ``backward(grad, saved, inp, m_splits, weight, main_grad, r, has_bias, need_dgrad, need_wgrad,
 cuda) -> (dinp, dweight, dbias)`` (0-element where not computed; ``dweight`` also when it went
 into ``main_grad``; ``saved`` without the amaxes a forward appends), ``r`` a
@@ -63,6 +64,7 @@ __all__ = [
     "blockwise_backward",
     "blockwise_forward",
     "blockwise_weight",
+    "bwd_loop",
     "checked_splits",
     "dequantized_backward",
     "dequantized_forward",
@@ -70,6 +72,7 @@ __all__ = [
     "device_splits",
     "group_sums",
     "grouped_gemm_kind",
+    "grouped_mm_backward",
     "high_precision_backward",
     "high_precision_forward",
     "host_splits",
@@ -207,18 +210,6 @@ def group_sums(grad: Tensor, splits: Tensor, groups: int) -> Tensor:
     return out.index_add_(0, row_group, grad.float()).to(grad.dtype)
 
 
-def _grouped_mm_forward(
-    inp: Tensor, m_splits: Tensor, weight: Tensor, bias: Tensor | None
-) -> Tensor:
-    if not uses_grouped_mm(inp, weight):
-        return _fwd_loop(inp, host_splits(m_splits, inp.shape[0]), weight, bias, None)
-    splits, offs = device_splits(m_splits, inp)
-    out = torch._grouped_mm(inp, weight.transpose(-2, -1), offs=offs)
-    if bias is not None:
-        out += row_bias(bias, splits, inp.shape[0])
-    return out
-
-
 def _fwd_loop(
     inp: Tensor, splits: list[int], weight: Tensor, bias: Tensor | None, acc: torch.dtype | None
 ) -> Tensor:
@@ -235,33 +226,37 @@ def _fwd_loop(
     return out
 
 
-def _bwd_loop(grad_out, inp, splits, weight, main_grad, has_bias, need_dgrad, need_wgrad, acc):
-    """Per-group GEMMs in ``acc`` (None: the input dtype); dW and db summed in fp32 at least."""
+def bwd_loop(grad_out, inp, splits, weight, main_grad, has_bias, need_dgrad, need_wgrad, acc):
+    """Per-group GEMMs in ``acc`` (None: the input dtype); dW and db summed in fp32 at least.
+    ``inp`` is read by the wgrad alone, ``weight`` by the dgrad (its shape always)."""
     dtype = grad_out.dtype
     cast = (lambda t: t) if acc is None else (lambda t: t.to(acc))
-    dinp = grad_out.new_empty(inp.shape) if need_dgrad else empty(grad_out)
+    dinp = grad_out.new_empty(grad_out.shape[0], weight.shape[2]) if need_dgrad else empty(grad_out)
     want_dw = need_wgrad and main_grad is None
     dweight = grad_out.new_zeros(weight.shape) if want_dw else empty(grad_out)
     dbias = grad_out.new_zeros(weight.shape[:2]) if has_bias else empty(grad_out)
     start = 0
     for g, rows in enumerate(splits):
-        dy, x = grad_out[start : start + rows], inp[start : start + rows]
+        span = slice(start, start + rows)
+        dy = grad_out[span]
         if need_dgrad:
-            dinp[start : start + rows] = (cast(dy) @ cast(weight[g])).to(dtype)
+            dinp[span] = (cast(dy) @ cast(weight[g])).to(dtype)
         if need_wgrad and main_grad is not None:
-            main_grad[g].addmm_(dy.t().float(), x.float())
+            main_grad[g].addmm_(dy.t().float(), inp[span].float())
         elif need_wgrad:
-            dweight[g] = (cast(dy).t() @ cast(x)).to(dtype)
+            dweight[g] = (cast(dy).t() @ cast(inp[span])).to(dtype)
         if has_bias:
             dbias[g] = dy.sum(0, dtype=acc or torch.float32).to(dtype)
         start += rows
     return dinp, dweight, dbias
 
 
-def _grouped_mm_backward(
-    grad_out, inp, m_splits, weight, main_grad, has_bias, need_dgrad, need_wgrad
+def grouped_mm_backward(
+    grad_out, inp, dsplits, weight, main_grad, has_bias, need_dgrad, need_wgrad
 ):
-    splits, offs = device_splits(m_splits, inp)
+    """:func:`high_precision_backward` on the device ``(splits, offsets)`` of
+    :func:`device_splits`: ``torch._grouped_mm`` (no host sync)."""
+    splits, offs = dsplits
     dinp = torch._grouped_mm(grad_out, weight, offs=offs) if need_dgrad else empty(grad_out)
     dweight = empty(grad_out)
     if need_wgrad:
@@ -359,7 +354,7 @@ def blockwise_weight(
     return data.view(torch.uint8), s, data_t.view(torch.uint8), s_t
 
 
-def _native_forward(inp, m_splits, weight, bias, power_2_scale, weight_block_rows, weight_q=None):
+def blockwise_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
     """``(out, saved)``: ``out`` ``[M, out_features]``; ``saved = [X^T codes (uint8, flat: the
     first ``K * width`` bytes are ``[K, width]``, every expert's tokens from a multiple of 128),
     their 1x128 scales (fp32, flat, ``[width / 128, K]``), W_g^T codes ``[K, N]`` (uint8) for
@@ -367,7 +362,10 @@ def _native_forward(inp, m_splits, weight, bias, power_2_scale, weight_block_row
     are a multiple of 128, else the static capacity ``128 * (M // 128 + G)``. ``main_grad`` is
     only carried to the backward. ``weight_q``: the weight pre-quantised by
     :func:`blockwise_weight`; ``saved`` then ends after the input's copy (the weight's dgrad
-    copy is an input: the caller saves it, and the backward takes it stacked)."""
+    copy is an input: the caller saves it, and the backward takes it stacked). Under
+    ``r.override`` nothing, or (``"dequantized"``) the forward's operands dequantised (the same
+    values as its codes: one cast more)."""
+    power_2_scale, weight_block_rows = r.power_2_scale, r.weight_block_rows
     groups, n, k = weight.shape
     rows = inp.shape[0]
     splits = host_splits(m_splits, rows)
@@ -390,16 +388,18 @@ def _native_forward(inp, m_splits, weight, bias, power_2_scale, weight_block_row
             b = None if bias is None else bias[g]
             _gemm_rows(xd[pos:], xs[pos:], wd, ws, weight_block_rows, inp.dtype, b,
                        out[row : row + m])  # fmt: skip
-    return out, [x_t, x_s, *w_t, *w_s]
+    if r.override == "dequantized":
+        return out, [_cast(inp, r, r.fwd_dtype), dequantized_weight(weight, r)]
+    return out, [] if r.override else [x_t, x_s, *w_t, *w_s]
 
 
-def _native_backward(
-    grad_out, saved, m_splits, main_grad, power_2_scale, w_rows, has_bias, need_dgrad, need_wgrad
-):  # fmt: skip
+def blockwise_backward(grad_out, saved, inp, m_splits, weight, main_grad, r, has_bias,
+                       need_dgrad, need_wgrad, cuda):  # fmt: skip
     """``(dinp, dweight, dbias)``, 0-element where not computed (``dweight`` also when it was
     added to ``main_grad``, fp32). ``dY`` in the forward's padded layout, quantised once in
     1x128 blocks both ways; per expert the dgrad against the saved ``W_g^T`` and the wgrad
     against the saved ``X^T`` columns of the expert (blocks along its own tokens)."""
+    power_2_scale, w_rows = r.power_2_scale, r.weight_block_rows
     x_t, x_s = saved[:2]
     if len(saved) == 4 and saved[2].dim() == 3:  # a pre-quantised weight's stacked copies
         w_t, w_s = saved[2].unbind(0), saved[3].unbind(0)
@@ -449,14 +449,19 @@ def _native_backward(
 # Emulated block-scaled recipes ("dequantized") --------------------------------------------------
 
 
-def _cast(x2: Tensor, r: GroupedRecipe, fp8_dtype: torch.dtype, block_rows: int = 1) -> Tensor:
+def _cast(x2: Tensor, r: GroupedRecipe, fp8_dtype: torch.dtype, block_rows: int = 1,
+          dest: Tensor | None = None) -> Tensor:  # fmt: skip
     """``x2`` ``[M, K]`` quantised exactly by the one quantiser table
     (``functional.gemm.quantize_operand``: Float8BlockScaling's ``block_rows`` x 128 blocks or
     MXFP8's 32 elements along ``K``, emulated, its rowwise copy alone) and dequantised to its
-    dtype, saturating at the dtype's largest value (an E5M2 infinity stays infinite)."""
+    dtype, saturating at the dtype's largest value (an E5M2 infinity stays infinite). With
+    ``dest``: the columnwise copy instead (blocks along ``M``), transposed back, rows ``dest``."""
     p2 = r.recipe == "block" and r.power_2_scale
     spec = QuantSpec(r.recipe, fp8_dtype, block_rows, p2, emulate=True)
-    values = quantize_operand(spec, x2.contiguous(), columnwise=False).data
+    if dest is None:
+        values = quantize_operand(spec, x2.contiguous(), columnwise=False).data
+    else:
+        values = quantize_operand(spec, x2, columnwise=True).data_t.t()[dest]
     big = torch.finfo(x2.dtype).max
     return torch.where(values.isinf(), values, values.clamp(-big, big)).to(x2.dtype)
 
@@ -481,11 +486,7 @@ def _cast_columns(x2: Tensor, m_splits: Tensor, r: GroupedRecipe, fp8_dtype: tor
     dest = torch.arange(rows, device=x2.device) + shift[group]
     width = (rows + groups * (step - 1) + step - 1) // step * step
     layout = x2.new_zeros(width, k).index_copy_(0, dest, x2)
-    p2 = r.recipe == "block" and r.power_2_scale
-    spec = QuantSpec(r.recipe, fp8_dtype, block_rows, p2, emulate=True)
-    values = quantize_operand(spec, layout, columnwise=True).data_t.t()[dest]
-    big = torch.finfo(x2.dtype).max
-    return torch.where(values.isinf(), values, values.clamp(-big, big)).to(x2.dtype)
+    return _cast(layout, r, fp8_dtype, block_rows, dest)
 
 
 def _weight_columns(weight: Tensor, w: Tensor | None, r: GroupedRecipe) -> Tensor:
@@ -513,27 +514,18 @@ def dequantized_weight(weight: Tensor, r: GroupedRecipe) -> Tensor:
     return torch.stack([_cast(w_g, r, r.fwd_dtype, w_rows) for w_g in weight])
 
 
-def _group_sums(grad: Tensor, m_splits: Tensor, groups: int, cuda: bool) -> Tensor:
-    """Every group's column sums of ``grad`` (a bias gradient), fp32 accumulation: on CUDA
-    :func:`group_sums` over the device splits, else a sum per group."""
-    rows, n = grad.shape
-    if cuda:
-        return group_sums(grad, device_splits(m_splits, grad)[0], groups)
-    out, start = grad.new_zeros(groups, n), 0
-    for g, m in enumerate(host_splits(m_splits, rows)):
-        out[g] = grad[start : start + m].sum(0, dtype=torch.float32).to(grad.dtype)
-        start += m
-    return out
-
-
 # The rows of grouped_linear_ops.GROUPED_GEMMS (module docstring) -----------------------------
 
 
 def high_precision_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
-    if not cuda or inp.dtype is torch.float64:
+    if not cuda or not uses_grouped_mm(inp, weight):
         splits = host_splits(m_splits, inp.shape[0])
-        return _fwd_loop(inp, splits, weight, bias, acc_dtype(inp)), []
-    return _grouped_mm_forward(inp, m_splits, weight, bias), []
+        return _fwd_loop(inp, splits, weight, bias, None if cuda else acc_dtype(inp)), []
+    splits, offs = device_splits(m_splits, inp)
+    out = torch._grouped_mm(inp, weight.transpose(-2, -1), offs=offs)
+    if bias is not None:
+        out += row_bias(bias, splits, inp.shape[0])
+    return out, []
 
 
 def high_precision_backward(
@@ -542,22 +534,9 @@ def high_precision_backward(
     if not cuda or inp.dtype is torch.float64 or not uses_grouped_mm(inp, weight):
         splits = host_splits(m_splits, inp.shape[0])
         acc = None if cuda and inp.dtype is not torch.float64 else acc_dtype(inp)
-        return _bwd_loop(grad, inp, splits, weight, main_grad, has_bias, dgrad, wgrad, acc)
-    return _grouped_mm_backward(grad, inp, m_splits, weight, main_grad, has_bias, dgrad, wgrad)
-
-
-def blockwise_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
-    out, saved = _native_forward(inp, m_splits, weight, bias, r.power_2_scale,
-                                 r.weight_block_rows, weight_q)  # fmt: skip
-    if r.override == "dequantized":  # the same values as the forward's codes (one cast more)
-        return out, [_cast(inp, r, r.fwd_dtype), dequantized_weight(weight, r)]
-    return out, [] if r.override else saved
-
-
-def blockwise_backward(grad, saved, inp, m_splits, weight, main_grad, r, has_bias, dgrad,
-                           wgrad, cuda):  # fmt: skip
-    return _native_backward(grad, saved, m_splits, main_grad, r.power_2_scale,
-                               r.weight_block_rows, has_bias, dgrad, wgrad)  # fmt: skip
+        return bwd_loop(grad, inp, splits, weight, main_grad, has_bias, dgrad, wgrad, acc)
+    dsplits = device_splits(m_splits, inp)
+    return grouped_mm_backward(grad, inp, dsplits, weight, main_grad, has_bias, dgrad, wgrad)
 
 
 def nvfp4_input(inp, m_splits, r: GroupedRecipe) -> tuple[Tensor, Tensor]:
@@ -611,13 +590,10 @@ def dequantized_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
         saved = [] if r.override else [_cast_columns(inp, m_splits, r, r.fwd_dtype)]
         if weight_q is None and not r.override:
             saved.append(_weight_columns(weight, w, r))
-    if cuda:
-        out, _ = high_precision_forward(x, m_splits, w, None, r, cuda)
-        if bias is not None:
-            splits = m_splits.to(bias.device)
-            out = out + bias.repeat_interleave(splits, dim=0, output_size=out.shape[0])
-    else:  # per group the dense GEMM of the fp32 values, the bias in it (functional.gemm)
-        out = _fwd_loop(x, host_splits(m_splits, x.shape[0]), w, bias, acc_dtype(x))
+    # CPU: per group the dense GEMM of the fp32 values, the bias in it (functional.gemm)
+    out, _ = high_precision_forward(x, m_splits, w, None if cuda else bias, r, cuda)
+    if cuda and bias is not None:
+        out = out + row_bias(bias, m_splits.to(bias.device), out.shape[0])
     if r.override == "dequantized":  # the forward's operands (a copy of an input's)
         return out, [x, w if weight_q is None else w.clone()]
     if r.recipe == "nvfp4" and weight_q is not None:
@@ -629,37 +605,35 @@ def dequantized_backward(grad, saved, inp, m_splits, weight, main_grad, r, has_b
                           wgrad, cuda):  # fmt: skip
     """The gradient quantised in blocks along ``out_features`` for the dgrad and along each
     expert's tokens for the wgrad (NVFP4: with its global scales per expert), then the
-    high-precision grouped GEMMs against the forward's copies (on the CPU per expert the dense
-    family's calls, :func:`_emulated_loop`); the bias gradient from the high-precision
-    gradient."""
+    high-precision grouped GEMMs against the forward's copies (on the CPU, NVFP4 aside, per
+    expert the dense family's calls, :func:`_emulated_loop`); the bias gradient from the
+    high-precision gradient."""
     x, w = saved
     if r.recipe == "nvfp4":  # dgrad on the rowwise copy, wgrad on the columnwise one
         g_row, g_col_t = nvfp4_qdq(grad, columnwise=wgrad, rht=r.rht, rng_state=r.rng_state,
                                    row_splits=m_splits)  # fmt: skip
-        dinp, _, _ = high_precision_backward(g_row.to(grad.dtype), [], x, m_splits, w,
-                                             main_grad, r, False, dgrad, False, cuda)  # fmt: skip
-        dweight = empty(grad)
-        if wgrad:
-            _, dweight, _ = high_precision_backward(g_col_t.t().to(grad.dtype), [], x,
-                                                    m_splits, w, main_grad, r, False, False,
-                                                    True, cuda)  # fmt: skip
-        dbias = _group_sums(grad, m_splits, w.shape[0], cuda) if has_bias else empty(grad)
-        return dinp, dweight, dbias
-    if not w.numel() and weight.numel():  # a pre-quantised weight's: made from weight here
-        w = _weight_columns(weight, None, r)
-    g_row = _cast(grad, r, r.bwd_dtype) if dgrad else None
-    g_col = _cast_columns(grad, m_splits, r, r.bwd_dtype) if wgrad else None
-    if cuda:  # the grouped GEMMs on device offsets
+        g_row, g_col = g_row.to(grad.dtype), g_col_t.t().to(grad.dtype) if wgrad else None
+    else:
+        if not w.numel() and weight.numel():  # a pre-quantised weight's: made from weight here
+            w = _weight_columns(weight, None, r)
+        g_row = _cast(grad, r, r.bwd_dtype) if dgrad else None
+        g_col = _cast_columns(grad, m_splits, r, r.bwd_dtype) if wgrad else None
+    if cuda or r.recipe == "nvfp4":  # the grouped GEMMs (CUDA: on device offsets)
         dinp, dweight = empty(grad), empty(grad)
         if dgrad:
-            dinp, _, _ = high_precision_backward(g_row, [], x, m_splits, w, main_grad, r, False,
-                                                 True, False, cuda)  # fmt: skip
+            dinp = high_precision_backward(g_row, [], x, m_splits, w, main_grad, r, False, True,
+                                           False, cuda)[0]  # fmt: skip
         if wgrad:
-            _, dweight, _ = high_precision_backward(g_col, [], x, m_splits, w, main_grad, r,
-                                                    False, False, True, cuda)  # fmt: skip
+            dweight = high_precision_backward(g_col, [], x, m_splits, w, main_grad, r, False,
+                                              False, True, cuda)[1]  # fmt: skip
     else:
         dinp, dweight = _emulated_loop(grad, g_row, g_col, x, m_splits, w, main_grad)
-    dbias = _group_sums(grad, m_splits, w.shape[0], cuda) if has_bias else empty(grad)
+    dbias = empty(grad)  # fp32 sums: on CUDA over the device splits, else per group
+    if has_bias and cuda:
+        dbias = group_sums(grad, device_splits(m_splits, grad)[0], w.shape[0])
+    elif has_bias:
+        splits = host_splits(m_splits, grad.shape[0])
+        dbias = bwd_loop(grad, None, splits, w, None, True, False, False, torch.float32)[2]
     return dinp, dweight, dbias
 
 

@@ -64,8 +64,6 @@ from torch import Tensor
 from te_compile._checks import (
     check_bool,
     check_choice,
-    check_required,
-    check_same_device,
     check_tensors,
 )
 from te_compile._library import HOST_SPLITS, differentiable, op
@@ -77,9 +75,11 @@ from te_compile.functional.gemm import (
     BACKWARD_OVERRIDES,
     PER_TENSOR,
     DeferredWgrad,
+    check_gemm_tensors,
     empty,
     quantize_per_tensor,
     save_for_backward_except_written,
+    scale_slots,
 )
 from te_compile.functional.gemm_ref import quantized_linear_ref
 from te_compile.functional.grouped_fp8 import (
@@ -152,26 +152,18 @@ def grouped_linear_ref(
     return out.to(inp.dtype)
 
 
-def _slot(scale: Tensor | None, i: int) -> Tensor | None:
-    return None if scale is None else scale[i : i + 1]
-
-
-def _dequantize(data: Tensor, scale_inv: Tensor, dim: int, dtype: torch.dtype) -> Tensor:
-    """``data * scale_inv`` (broadcast along ``dim``) in ``dtype``; exact in float64."""
-    acc = torch.float64 if dtype is torch.float64 else torch.float32
-    return (data.to(acc) * scale_inv.unsqueeze(dim).to(acc)).to(dtype)
-
-
 def _fake_quant(x: Tensor, fp8_dtype: torch.dtype, dim: int, scale: Tensor | None = None) -> Tensor:
-    """Quantised-dequantised ``x``: rowwise along ``dim``, or with the given per-tensor
-    ``scale`` (``[1]``, delayed scaling); E5M2 values as the grouped GEMMs take them, recoded
-    to E4M3 (:func:`as_e4m3`)."""
+    """Quantised-dequantised ``x`` (exact in float64): rowwise along ``dim``, or with the given
+    per-tensor ``scale`` (``[1]``, delayed scaling); E5M2 values as the grouped GEMMs take them,
+    recoded to E4M3 (:func:`as_e4m3`)."""
     if scale is None:
-        return _dequantize(*quantize_rowwise(x, fp8_dtype, dim, e4m3_codes=True), dim, x.dtype)
-    data, scale_inv, _ = quantize_per_tensor(x.reshape(-1, x.shape[-1]), fp8_dtype, scale)
-    data, scale_inv = as_e4m3(data, scale_inv)
-    acc = torch.float64 if x.dtype is torch.float64 else torch.float32
-    return (data.to(acc) * scale_inv.to(acc)).to(x.dtype).reshape(x.shape)
+        data, scale_inv = quantize_rowwise(x, fp8_dtype, dim, e4m3_codes=True)
+        scale_inv = scale_inv.unsqueeze(dim)
+    else:
+        data, scale_inv, _ = quantize_per_tensor(x.reshape(-1, x.shape[-1]), fp8_dtype, scale)
+        data, scale_inv = as_e4m3(data.view(x.shape), scale_inv)
+    acc = acc_dtype(x)
+    return (data.to(acc) * scale_inv.to(acc)).to(x.dtype)
 
 
 def _fake_quant_columns(x_g: Tensor, fp8_dtype: torch.dtype, scale: Tensor | None) -> Tensor:
@@ -180,71 +172,13 @@ def _fake_quant_columns(x_g: Tensor, fp8_dtype: torch.dtype, scale: Tensor | Non
     return x_g if x_g.shape[0] == 0 else _fake_quant(x_g, fp8_dtype, 0, scale)
 
 
-class _RefGroupedGemm(torch.autograd.Function):
-    """``Y_g = fq(X_g) fq(W_g)^T`` with the FP8 op's gradients: dgrad from the rowwise-quantised
-    gradient and the weight quantised along ``N``; wgrad from the unquantised ``dY`` and ``X``,
-    or with ``fp8_wgrad`` from both quantised per (group, column) along the group's tokens."""
-
-    @staticmethod
-    def forward(ctx, x, w, splits, fwd_dtype, bwd_dtype, scale, fp8_wgrad):
-        ctx.save_for_backward(x, w)
-        ctx.splits, ctx.fwd_dtype, ctx.bwd_dtype, ctx.scale = splits, fwd_dtype, bwd_dtype, scale
-        ctx.fp8_wgrad = fp8_wgrad
-        xq = _fake_quant(x, fwd_dtype, -1, _slot(scale, 0))
-        wq = _fake_quant(w, fwd_dtype, -1, _slot(scale, 1))
-        outs = [x_g @ wq[g].t() for g, x_g in enumerate(xq.split(splits))]
-        return torch.cat(outs) if outs else x.new_empty(0, w.shape[1])
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, w = ctx.saved_tensors
-        dyq = _fake_quant(dy, ctx.bwd_dtype, -1, _slot(ctx.scale, 2))
-        # Along N (rowwise), or the same per-tensor values as the forward's (delayed).
-        wq_n = _fake_quant(w, ctx.fwd_dtype, 1, _slot(ctx.scale, 1))
-        dx = torch.cat([d @ wq_n[g] for g, d in enumerate(dyq.split(ctx.splits))])
-        pairs = zip(dy.split(ctx.splits), x.split(ctx.splits), strict=True)
-        if ctx.fp8_wgrad:
-            x_scale, g_scale = _slot(ctx.scale, 0), _slot(ctx.scale, 2)
-            pairs = [
-                (_fake_quant_columns(d, ctx.bwd_dtype, g_scale),
-                 _fake_quant_columns(x_g, ctx.fwd_dtype, x_scale))
-                for d, x_g in pairs
-            ]  # fmt: skip
-        dw = torch.stack([d.t() @ x_g for d, x_g in pairs])
-        return dx, dw, None, None, None, None, None
-
-
-def scaled_grouped_linear_ref(
-    inp: Tensor,
-    m_splits: Tensor | Sequence[int],
-    weight: Tensor,
-    bias: Tensor | None = None,
-    fwd_dtype: torch.dtype = _E4M3,
-    bwd_dtype: torch.dtype = _E5M2,
-    scale: Tensor | None = None,
-    fp8_wgrad: bool = False,
-) -> Tensor:
-    """The per-tensor recipes' definition, differentiable: exact fake-quant emulation in the
-    input's dtype (float64 in the tests). Operands quantised-dequantised as the op does
-    (rowwise, or with the per-tensor delayed ``scale`` ``[3]``); the incoming gradient quantised
-    for the dgrad GEMM; the wgrad from the high-precision gradient and input, or with
-    ``fp8_wgrad`` from both quantised per (group, column) over the group's tokens (per tensor
-    under delayed scaling). The bias gradient is always the high-precision gradient's."""
-    splits = m_splits.tolist() if isinstance(m_splits, Tensor) else list(m_splits)
-    out = _RefGroupedGemm.apply(inp, weight, splits, fwd_dtype, bwd_dtype, scale, fp8_wgrad)
-    if bias is not None:
-        out = out + torch.repeat_interleave(bias, torch.tensor(splits), dim=0)
-    return out
-
-
 def _ref_operands(x: Tensor, w: Tensor, splits: list[int], r: GroupedRecipe) -> tuple[Tensor, ...]:
     """The forward GEMM's operands, quantised and dequantised: per row (per tensor with delayed
     scales) or in blocks along ``in_features``, each expert's weight in its blocks (NVFP4: the
     rowwise copies of ``functional.grouped_gemm.nvfp4_input`` / ``nvfp4_weight``)."""
     if r.recipe in PER_TENSOR:
-        scale = r.scale if r.recipe == "delayed" else None
-        xq, wq = (_fake_quant(t, r.fwd_dtype, -1, _slot(scale, i)) for i, t in enumerate((x, w)))
-        return xq, wq
+        s_x, s_w, _ = scale_slots(r.scale, r.recipe)
+        return _fake_quant(x, r.fwd_dtype, -1, s_x), _fake_quant(w, r.fwd_dtype, -1, s_w)
     if r.recipe == "nvfp4":
         return nvfp4_input(x, torch.tensor(splits), r)[0], nvfp4_weight(w, r)[0]
     p2 = r.power_2_scale if r.recipe == "block" else False
@@ -264,28 +198,57 @@ def _ref_columns(x_g: Tensor, r: GroupedRecipe, fp8_dtype: torch.dtype) -> Tenso
     return qdq(padded_t, r.recipe, fp8_dtype, 1, p2)[:, :m].t()
 
 
-class _RefDequantized(torch.autograd.Function):
-    """The emulated block-scaled recipes, every expert as a dense GEMM quantises its operands:
-    the forward GEMM of the operands quantised along ``in_features``; the dgrad GEMM of the
-    gradient quantised along ``out_features`` and the weight along ``out_features`` (128x128
-    blocks: the forward's); the wgrad GEMM of the gradient and the input quantised along each
-    expert's own tokens. NVFP4: every expert's GEMMs as
-    ``functional.gemm_ref.quantized_linear_ref`` defines a dense one (its own global scales;
-    the backward GEMMs on copies quantised along the other dim, the transform, stochastic
-    rounding from one stream over the whole gradient, 4over6), in the input's dtype (float64 in
-    the tests)."""
+def _ref_copies(x: Tensor, w: Tensor, splits: list[int], r: GroupedRecipe) -> tuple[Tensor, ...]:
+    """``(X, W, X_col, W_col)``: the forward GEMM's operands and the copies the backward GEMMs
+    read, quantised-dequantised. Per-tensor recipes: ``W`` along ``N`` (rowwise; delayed: the
+    forward's per-tensor values), ``X`` in high precision or, with ``fp8_wgrad``, per (group,
+    column) over the group's tokens. Block-scaled: along ``out_features`` (128x128 weight
+    blocks: the forward's) and along each expert's own tokens. NVFP4: as
+    ``functional.gemm_ref.quantized_linear_ref`` defines a dense GEMM per expert (its own global
+    scales, copies quantised along the other dim, the transform, 4over6)."""
+    if r.recipe == "nvfp4":
+        (xq, x_col), (wq, w_col) = nvfp4_input(x, torch.tensor(splits), r), nvfp4_weight(w, r)
+        return xq, wq, x_col, w_col
+    xq, wq = _ref_operands(x, w, splits, r)
+    if r.recipe in PER_TENSOR:
+        s_x, s_w, _ = scale_slots(r.scale, r.recipe)
+        w_col = _fake_quant(w, r.fwd_dtype, 1, s_w)
+        x_cols = [_fake_quant_columns(x_g, r.fwd_dtype, s_x) for x_g in x.split(splits)]
+        return xq, wq, torch.cat(x_cols) if r.fp8_wgrad else x, w_col
+    w_rows = r.weight_block_rows if r.recipe == "block" else 1
+    w_col = wq if w_rows != 1 else torch.stack([_ref_columns(w_g, r, r.fwd_dtype) for w_g in w])
+    x_col = torch.cat([_ref_columns(x_g, r, r.fwd_dtype) for x_g in x.split(splits)])
+    return xq, wq, x_col, w_col
+
+
+def _ref_grads(dy: Tensor, splits: list[int], r: GroupedRecipe) -> tuple[Tensor, list[Tensor]]:
+    """``(dY for the dgrad, every group's dY for the wgrad)``, quantised-dequantised as
+    :func:`_ref_copies` quantises the operands they meet (per-tensor recipes: the wgrad's in
+    high precision without ``fp8_wgrad``; NVFP4: stochastic rounding from one stream over the
+    whole gradient)."""
+    if r.recipe == "nvfp4":
+        g_row, g_col_t = nvfp4_qdq(dy, rht=r.rht, rng_state=r.rng_state,
+                                   row_splits=torch.tensor(splits))  # fmt: skip
+        return g_row.to(dy.dtype), g_col_t.t().to(dy.dtype).split(splits)
+    if r.recipe in PER_TENSOR:
+        g_slot = scale_slots(r.scale, r.recipe)[2]
+        g_row = _fake_quant(dy, r.bwd_dtype, -1, g_slot)
+        if not r.fp8_wgrad:
+            return g_row, dy.split(splits)
+        return g_row, [_fake_quant_columns(d, r.bwd_dtype, g_slot) for d in dy.split(splits)]
+    g_row = qdq(dy, r.recipe, r.bwd_dtype, 1, r.recipe == "block" and r.power_2_scale)
+    return g_row, [_ref_columns(d, r, r.bwd_dtype) for d in dy.split(splits)]
+
+
+class _RefGrouped(torch.autograd.Function):
+    """Every quantised recipe but the native blockwise one, in the input's dtype (float64 in the
+    tests): ``Y_g = X_g W_g^T`` of :func:`_ref_copies`' operands, ``dX_g = dY_g W_{col,g}`` and
+    ``dW_g = dY_g^T X_{col,g}`` of :func:`_ref_grads`' gradients and its copies. The bias
+    gradient is the high-precision gradient's."""
 
     @staticmethod
     def forward(ctx, x, w, splits, r: GroupedRecipe):
-        if r.recipe == "nvfp4":  # the backward GEMMs read the copies quantised along the other dim
-            (xq, x_col), (wq, w_col) = nvfp4_input(x, torch.tensor(splits), r), nvfp4_weight(w, r)
-        else:
-            xq, wq = _ref_operands(x, w, splits, r)
-            w_rows = r.weight_block_rows if r.recipe == "block" else 1
-            w_col = (
-                wq if w_rows != 1 else torch.stack([_ref_columns(w_g, r, r.fwd_dtype) for w_g in w])
-            )
-            x_col = torch.cat([_ref_columns(x_g, r, r.fwd_dtype) for x_g in x.split(splits)])
+        xq, wq, x_col, w_col = _ref_copies(x, w, splits, r)
         ctx.save_for_backward(x_col, w_col)
         ctx.splits, ctx.r = splits, r
         outs = [x_g @ wq[g].t() for g, x_g in enumerate(xq.split(splits))]
@@ -293,19 +256,32 @@ class _RefDequantized(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x_col, w_col = ctx.saved_tensors  # the backward GEMMs' copies of the operands
-        r, splits = ctx.r, ctx.splits
-        if r.recipe == "nvfp4":
-            g_row, g_col_t = nvfp4_qdq(dy, rht=r.rht, rng_state=r.rng_state,
-                                       row_splits=torch.tensor(splits))  # fmt: skip
-            g_row, g_cols = g_row.to(dy.dtype), g_col_t.t().to(dy.dtype).split(splits)
-        else:
-            g_row = qdq(dy, r.recipe, r.bwd_dtype, 1, r.recipe == "block" and r.power_2_scale)
-            g_cols = [_ref_columns(d, r, r.bwd_dtype) for d in dy.split(splits)]
-        dx = torch.cat([d @ w_col[i] for i, d in enumerate(g_row.split(splits))])
-        parts = zip(g_cols, x_col.split(splits), strict=True)
+        x_col, w_col = ctx.saved_tensors
+        g_row, g_cols = _ref_grads(dy, ctx.splits, ctx.r)
+        dx = torch.cat([d @ w_col[i] for i, d in enumerate(g_row.split(ctx.splits))])
+        parts = zip(g_cols, x_col.split(ctx.splits), strict=True)
         dw = torch.stack([d.t() @ x_g for d, x_g in parts])
         return dx, dw, None, None
+
+
+def scaled_grouped_linear_ref(
+    inp: Tensor,
+    m_splits: Tensor | Sequence[int],
+    weight: Tensor,
+    bias: Tensor | None = None,
+    fwd_dtype: torch.dtype = _E4M3,
+    bwd_dtype: torch.dtype = _E5M2,
+    scale: Tensor | None = None,
+    fp8_wgrad: bool = False,
+) -> Tensor:
+    """The per-tensor recipes' definition, differentiable (:class:`_RefGrouped`): current
+    scaling rowwise, or delayed with the per-tensor ``scale`` ``[3]``; ``fp8_wgrad``: the wgrad
+    from both operands quantised per (group, column) over the group's tokens."""
+    splits = m_splits.tolist() if isinstance(m_splits, Tensor) else list(m_splits)
+    kind = "current" if scale is None else "delayed"
+    r = GroupedRecipe(kind, fwd_dtype, bwd_dtype, scale=scale, fp8_wgrad=fp8_wgrad)
+    out = _RefGrouped.apply(inp, weight, splits, r)
+    return out if bias is None else out + torch.repeat_interleave(bias, torch.tensor(splits), 0)
 
 
 def _reference(*args):
@@ -318,10 +294,6 @@ def _reference(*args):
     if not x.kind:
         return grouped_linear_ref(inp, a.m_splits, weight, bias)
     splits = a.m_splits.tolist()
-    if x.kind in PER_TENSOR:
-        scale = a.scale if x.kind == "delayed" else None
-        config = (x.fp8_dtype, g.fp8_dtype, scale, a.bw.fp8_wgrad)
-        return scaled_grouped_linear_ref(inp, splits, weight, bias, *config)
     if grouped_gemm_kind(x.kind, x.emulate) == "blockwise":
         outs, row = [inp.new_zeros(0, weight.shape[1])], 0
         for i, m in enumerate(splits):
@@ -330,7 +302,7 @@ def _reference(*args):
             row += m
         out = torch.cat(outs)
     else:
-        out = _RefDequantized.apply(inp, weight, splits, a.grouped_recipe)
+        out = _RefGrouped.apply(inp, weight, splits, a.grouped_recipe)
     if bias is not None:
         out = out + torch.repeat_interleave(bias, torch.tensor(splits), dim=0)
     return out
@@ -359,8 +331,7 @@ def _forward(a: GroupedLinearArgs, cuda: bool) -> tuple[Tensor, list[Tensor]]:
     r = a.grouped_recipe
     if a.bw.save_input:  # no FP8 copy of the input: the backward quantises it again
         r = r._replace(fp8_wgrad=False)
-    kw = {} if a.weight_q is None else {"weight_q": a.weight_q}
-    out, saved = forward(a.inp, a.m_splits, a.weight, a.bias, r, cuda, **kw)
+    out, saved = forward(a.inp, a.m_splits, a.weight, a.bias, r, cuda, a.weight_q)
     if a.bw.save_input and forward is dequantized_forward:  # the input's copy: made again
         saved = saved[1:]
     return out, saved
@@ -673,19 +644,7 @@ def grouped_linear(
     returns ``[amax(inp), amax(weight)]`` (delayed scaling, or current scaling given
     ``grad_amax``; 0-element otherwise), after the ``DeferredWgrad``."""
     check_weight_quantized("te.grouped_linear", "weight_quantized", weight_quantized)
-    tensors = {"inp": inp, "weight": weight, "bias": bias, "main_grad": main_grad}
-    if not (isinstance(inp, Tensor) and isinstance(weight, Tensor)) or not all(
-        t is None or isinstance(t, Tensor) for t in tensors.values()
-    ):
-        check_required("te.grouped_linear", inp=inp, weight=weight)
-        check_tensors("te.grouped_linear", **tensors)
-    device = inp.device
-    if (
-        weight.device != device or (bias is not None and bias.device != device)
-        or (main_grad is not None and main_grad.device != device)
-    ):  # fmt: skip
-        check_same_device("te.grouped_linear", "inp", inp, weight=weight, bias=bias,
-                          main_grad=main_grad)  # fmt: skip
+    check_gemm_tensors("te.grouped_linear", inp, weight, bias, main_grad)
     rows = inp.shape[0] if inp.dim() == 2 else None  # a 3-D inp: refused by the op's check
     args = (inp, checked_splits("te.grouped_linear", m_splits, rows), weight, bias, main_grad)
     specs = as_strings(input_spec, weight_spec, grad_spec)

@@ -85,7 +85,6 @@ from torch import Tensor
 from te_compile._checks import (
     check_bool,
     check_choice,
-    check_required,
     check_same_device,
     check_tensors,
 )
@@ -101,6 +100,7 @@ from te_compile.functional.gemm import (
     BwdArgs,
     DeferredWgrad,
     check_gemm_args,
+    check_gemm_tensors,
     empty,
     gemm_kind,
     hp_linear,
@@ -560,20 +560,8 @@ def linear(
     not with ``DelayedScaling`` (ValueError), nor with a norm prologue.
     """
     check_weight_quantized("te.linear", "weight_quantized", weight_quantized)
+    check_gemm_tensors("te.linear", inp, weight, bias, main_grad)
     args = (inp, weight, bias, main_grad)
-    if not (
-        isinstance(inp, Tensor) and isinstance(weight, Tensor)
-        and (bias is None or isinstance(bias, Tensor))
-        and (main_grad is None or isinstance(main_grad, Tensor))
-    ):  # fmt: skip
-        check_required("te.linear", inp=inp, weight=weight)
-        check_tensors("te.linear", bias=bias, main_grad=main_grad)
-    device = inp.device
-    if (
-        weight.device != device or (bias is not None and bias.device != device)
-        or (main_grad is not None and main_grad.device != device)
-    ):  # fmt: skip
-        check_same_device("te.linear", "inp", inp, weight=weight, bias=bias, main_grad=main_grad)
     specs = as_strings(input_spec, weight_spec, grad_spec)
     if save_original_input:
         check_bool("te.linear", save_original_input=save_original_input)

@@ -220,8 +220,8 @@ def test_backward_op_skips_gradients_not_needed(device):
 
 # 3. The grouped-GEMM (CUDA) path, on CPU tensors ---------------------------------------------
 #
-# On CUDA, bf16 with in/out features multiples of 8 runs ``grouped_gemm._grouped_mm_forward`` /
-# ``_grouped_mm_backward``:
+# On CUDA, bf16 with in/out features multiples of 8 runs ``grouped_gemm.high_precision_forward`` /
+# ``high_precision_backward`` (``cuda=True``) as
 # ``torch._grouped_mm`` on device offsets, a ``repeat_interleave`` row bias and an ``index_add_``
 # dbias, with no host sync. ``torch._grouped_mm`` also runs on CPU bf16 tensors, so calling these
 # helpers (and the registered CUDA kernels) directly on CPU tensors checks that path's logic —
@@ -260,12 +260,14 @@ def test_cuda_path_helpers_match_reference_on_cpu(splits, split_dtype, bias):
     bf16 = torch.bfloat16
     (x, s, w), b, dy, (y_ref, x_ref, w_ref, b_ref) = _cuda_path_case(splits, split_dtype, bias)
     b = None if b is None else b.detach()
-    y = GG._grouped_mm_forward(x, s, w, b)
+    y = GG.high_precision_forward(x, s, w, b, None, True)[0]
     assert y.shape == y_ref.shape and y.dtype == bf16
     # The bias is added to the bf16 GEMM output: two roundings, the first relative to the GEMM
     # output, not to the sum (which can cancel), hence ``reduced``.
     assert_close(y, y_ref, bf16, roundings=2 if bias else 1, reduced=bias)
-    dinp, dweight, dbias = GG._grouped_mm_backward(dy, x, s, w, None, bias, True, True)
+    dinp, dweight, dbias = GG.high_precision_backward(
+        dy, [], x, s, w, None, None, bias, True, True, cuda=True
+    )
     assert_close(dinp, x_ref.grad, bf16)
     assert_close(dweight, w_ref.grad, bf16, reduced=True)
     if bias:
@@ -284,9 +286,15 @@ def test_cuda_path_many_groups_on_cpu():
     )
     bf16 = torch.bfloat16
     assert_close(
-        GG._grouped_mm_forward(x, s, w, b.detach()), y_ref, bf16, roundings=2, reduced=True
+        GG.high_precision_forward(x, s, w, b.detach(), None, True)[0],
+        y_ref,
+        bf16,
+        roundings=2,
+        reduced=True,
     )
-    dinp, dweight, dbias = GG._grouped_mm_backward(dy, x, s, w, None, True, True, True)
+    dinp, dweight, dbias = GG.high_precision_backward(
+        dy, [], x, s, w, None, None, True, True, True, cuda=True
+    )
     assert_close(dinp, x_ref.grad, bf16)
     assert_close(dweight, w_ref.grad, bf16, reduced=True)
     assert_close(dbias, b_ref.grad, bf16, reduced=True)
@@ -298,13 +306,19 @@ def test_cuda_path_main_grad_and_gradient_subsets_on_cpu():
     )
     main_grad = torch.zeros(w.shape, dtype=torch.float32)
     for _step in range(2):
-        dinp, dweight, dbias = GG._grouped_mm_backward(dy, x, s, w, main_grad, False, False, True)
+        dinp, dweight, dbias = GG.high_precision_backward(
+            dy, [], x, s, w, main_grad, None, False, False, True, cuda=True
+        )
         assert dinp.numel() == 0 and dweight.numel() == 0 and dbias.numel() == 0
     # torch._grouped_mm has no fp32 output: dW is rounded to bf16 once, then accumulated in fp32.
-    _, dweight, _ = GG._grouped_mm_backward(dy, x, s, w, None, False, False, True)
+    _, dweight, _ = GG.high_precision_backward(
+        dy, [], x, s, w, None, None, False, False, True, cuda=True
+    )
     assert torch.equal(main_grad, 2 * dweight.float())
     assert_close(main_grad / 2, w_ref.grad, torch.bfloat16, reduced=True)
-    dinp, dweight, dbias = GG._grouped_mm_backward(dy, x, s, w, None, False, True, False)
+    dinp, dweight, dbias = GG.high_precision_backward(
+        dy, [], x, s, w, None, None, False, True, False, cuda=True
+    )
     assert dweight.numel() == 0 and dbias.numel() == 0
     assert_close(dinp, x_ref.grad, torch.bfloat16)
 

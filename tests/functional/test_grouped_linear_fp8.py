@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import te_compile
+from te_compile.functional.grouped_gemm import GroupedRecipe
 from tests.utils import (
     DEVICES,
     assert_close,
@@ -385,7 +386,7 @@ def test_e5m2_operand_recoded_to_e4m3(delayed):
     x = torch.randn(6, 64) * torch.logspace(-12, 0, 64, base=2.0)  # down to 2**-12 of amax
     x[5, 7] = float("nan")
     if delayed:
-        data, s, _ = GF.quantize_per_tensor(x, E5M2, torch.tensor([2.0**10]))
+        data, s, _ = GL.quantize_per_tensor(x, E5M2, torch.tensor([2.0**10]))
         s_rows = s.expand(6)
     else:
         data, s_rows = GF.quantize_rowwise(x, E5M2)
@@ -446,10 +447,11 @@ def test_native_path_on_cpu_tensors(bias, delayed, fp8_wgrad):
     _ref, (x, w, b) = _make(splits, 32, 16, torch.bfloat16, "cpu", bias=bias)
     s = torch.tensor(splits)
     scale = torch.tensor([4.0, 32.0, 512.0]) if delayed else None
-    out_n, amax_n, saved_n = GF._scaled_forward(x, s, w, b, scale, E4M3, fp8_wgrad, True, False)
-    out_l, amax_l, saved_l = GF._scaled_forward(x, s, w, b, scale, E4M3, fp8_wgrad, False, False)
-    assert len(saved_n) == (4 if fp8_wgrad else 2)
-    for a, e in zip([amax_n, *saved_n], [amax_l, *saved_l], strict=True):
+    r = GroupedRecipe("delayed" if delayed else "current", scale=scale, fp8_wgrad=fp8_wgrad)
+    out_n, saved_n = GF.per_tensor_forward(x, s, w, b, r, cuda=True)
+    out_l, saved_l = GF.per_tensor_forward(x, s, w, b, r, cuda=False)
+    assert len(saved_n) == (4 if fp8_wgrad else 2) + delayed  # the amaxes last
+    for a, e in zip(saved_n, saved_l, strict=True):
         assert torch.equal(a, e)
     # The native path adds the bias to the GEMM's rounded bf16 output: an error of the GEMM's
     # magnitude, which a cancelling sum leaves large relative to the result (hence `reduced`).
@@ -461,9 +463,9 @@ def test_native_path_on_cpu_tensors(bias, delayed, fp8_wgrad):
         reduced=bias,
     )
     dy = torch.randn_like(out_l)
-    args = (dy, saved_l, x, s, None, scale, None, E4M3, E5M2, bias, True, True)
-    grads_n = GF._scaled_backward(*args, native=True)
-    grads_l = GF._scaled_backward(*args, native=False)
+    args = (dy, saved_l[: 4 if fp8_wgrad else 2], x, s, w, None, r, bias, True, True)
+    grads_n = GF.per_tensor_backward(*args, cuda=True)
+    grads_l = GF.per_tensor_backward(*args, cuda=False)
     assert_close(grads_n[0], grads_l[0].double(), torch.bfloat16, roundings=2)
     assert_close(grads_n[1], grads_l[1].double(), torch.bfloat16, reduced=True)
     if bias:

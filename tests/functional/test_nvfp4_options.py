@@ -364,12 +364,12 @@ def test_grouped_linear_is_per_expert_dense_under_the_default_recipe():
     out = F.grouped_linear(x.detach(), splits, w3, **with_specs(**kw))
     (da,) = torch.autograd.grad(out, (w3,), dy)
     from te_compile.functional.grouped_gemm import GroupedRecipe
-    from te_compile.functional.grouped_linear_ops import _RefDequantized
+    from te_compile.functional.grouped_linear_ops import _RefGrouped
 
     r = GroupedRecipe("nvfp4", E4M3, E4M3, weight_block_rows=16, rht=True, rng_state=state,
                       input_4over6="MAE:256", weight_4over6="MAE:256")  # fmt: skip
     w64 = to_reference(w3)
-    ref = _RefDequantized.apply(to_reference(x.detach()), w64, splits, r)
+    ref = _RefGrouped.apply(to_reference(x.detach()), w64, splits, r)
     (ref_dw,) = torch.autograd.grad(ref, (w64,), to_reference(dy))
     assert_close(out, ref, torch.float32)
     assert_close(da, ref_dw, torch.float32, reduced=True)
