@@ -39,6 +39,7 @@ from torch import Tensor
 
 from te_compile import functional as F
 from te_compile.functional.gemm import PER_TENSOR, blockwise_supported
+from te_compile.functional.quantize import dequantize_blockwise
 from te_compile.functional.spec import QuantSpec
 from te_compile.quantization.device import is_fp8_block_scaling_available
 from te_compile.quantization.fp8_gemm import FP8GemmState
@@ -147,15 +148,19 @@ def check_first_microbatch(owner: str, is_first_microbatch: object) -> None:
         )
 
 
-def check_primary(owner: str, state: AutocastState, name: str = "weight") -> None:
-    """A module with FP8 primary weights runs inside an FP8 autocast of a per-tensor recipe,
-    without ``backward_override="high_precision"`` (its backward GEMMs would read a
-    high-precision weight, which FP8 primary weights do not keep). The weight ``name`` holds
-    per-tensor FP8 codes, which either per-tensor recipe reads (Transformer Engine ties a
-    weight to the one it was made under); another recipe is Transformer Engine's "Recipe
-    mismatch" (a ``NotImplementedError``, which is a ``RuntimeError`` as TE's is)."""
+def check_primary(
+    owner: str, state: AutocastState, name: str = "weight", block: bool = False
+) -> None:
+    """A module with FP8 primary weights runs inside an FP8 autocast of the recipe family its
+    weight ``name`` was made for (``block``: Float8BlockScaling's blocks, with the same weight
+    blocks; else per-tensor codes, which either per-tensor recipe reads), without
+    ``backward_override="high_precision"`` (its backward GEMMs would read a high-precision
+    weight, which FP8 primary weights do not keep). Another recipe is Transformer Engine's
+    "Recipe mismatch" (a ``NotImplementedError``, which is a ``RuntimeError`` as TE's is)."""
     recipe = state.recipe
-    if state.enabled and not state.calibration and recipe.float8_per_tensor_scaling():
+    made = "Float8BlockScaling" if block else "Float8CurrentScaling or DelayedScaling"
+    on = state.enabled and not state.calibration
+    if on and (recipe.float8_block_scaling() if block else recipe.float8_per_tensor_scaling()):
         if recipe.backward_override == "high_precision":
             raise ValueError(
                 f"{owner}: recipe.backward_override='high_precision' needs a high-precision "
@@ -163,19 +168,53 @@ def check_primary(owner: str, state: AutocastState, name: str = "weight") -> Non
                 "(use None or 'dequantized')"
             )
         return
-    if state.enabled and not state.calibration:
+    if on:
+        kept = "Float8BlockScaling blocks" if block else "per-tensor FP8 codes"
         raise NotImplementedError(
-            f"{owner}: Recipe mismatch for {name!r}: the weight holds per-tensor FP8 codes "
-            "(quantized_model_init with Float8CurrentScaling or DelayedScaling), which "
-            f"autocast's {type(recipe).__name__} cannot use; run it under "
-            "te_compile.autocast(recipe=Float8CurrentScaling() or DelayedScaling()), or build "
+            f"{owner}: Recipe mismatch for {name!r}: the weight holds {kept} "
+            f"(quantized_model_init with {made}), which autocast's {type(recipe).__name__} "
+            f"cannot use; run it under te_compile.autocast(recipe={made}()), or build "
             "the module outside quantized_model_init to use this recipe"
         )
     now = "calibration" if state.calibration else "no FP8 autocast"
     raise NotImplementedError(
         f"{owner}: FP8 primary weights (quantized_model_init) run inside te_compile.autocast "
-        f"with Float8CurrentScaling or DelayedScaling, got {now}"
+        f"with {made}, got {now}"
     )
+
+
+def primary_block(
+    owner: str, state: AutocastState, name: str, weight_quantized: Sequence[Tensor] | None
+) -> bool:
+    """:func:`check_primary` of an FP8 primary weight's operand (None: not one); whether it holds
+    Float8BlockScaling blocks (2-D scales; per-tensor codes have one scale)."""
+    if weight_quantized is None:
+        return False
+    data, scale = weight_quantized[:2]
+    block = scale.dim() == 2
+    check_primary(owner, state, name, block)
+    if block:
+        w, rows = recipe_specs(state.recipe)[1], 1 if scale.shape[0] == data.shape[0] else 128
+        if (w.block_rows, w.fp8_dtype) != (rows, data.dtype):
+            raise NotImplementedError(
+                f"{owner}: Recipe mismatch for {name!r}: the weight holds {rows}x128 blocks of "
+                f"{weight_quantized[0].dtype}, autocast's Float8BlockScaling quantises weights "
+                f"in {w.block_rows}x128 blocks of {w.fp8_dtype}"
+            )
+    return block
+
+
+def as_gemm_takes(spec: QuantSpec, weight_q: Sequence[Tensor] | None, block: bool):
+    """An FP8 primary weight's Float8BlockScaling operand (``block``) as the GEMM of weight spec
+    ``spec`` takes it: the codes, or their fp32 values where the GEMM is emulated."""
+    if not (block and spec.emulate):
+        return weight_q
+    data, s, data_t, s_t, amax = weight_q
+    none = s.new_empty(0)
+    rows, fp8, f32 = spec.block_rows, spec.fp8_dtype, torch.float32
+    return [dequantize_blockwise(data.view(torch.uint8), s, rows, fp8, f32), none,
+            dequantize_blockwise(data_t.view(torch.uint8), s_t, rows, fp8, f32), none.clone(),
+            amax]  # fmt: skip
 
 
 def cached_weight(
@@ -527,8 +566,7 @@ def linear(
     weight gradient is delayed (``delay_wgrad_compute``): ``(DeferredWgrad, weight)`` is
     appended."""
     state = get_autocast_state()
-    if weight_quantized is not None:
-        check_primary(owner, state, cache_name)
+    block = primary_block(owner, state, cache_name, weight_quantized)
     if state.calibration:
         state = calibrate(owner, state, (meta,), (_no_grad_norm(inp, norm),), (weight,))
     if epilogue.get("save_original_input") and state.enabled:
@@ -541,7 +579,9 @@ def linear(
         return F.linear(inp, weight, bias, main_grad=main_grad)
     args = gemm_args(owner, state, inp, (weight,), (meta,))
     kw = {**_norm_kwargs(norm), **epilogue}
-    weight_q = weight_quantized or cached_weight(args, weight, cache, cache_name)
+    weight_q = as_gemm_takes(args.specs[1], weight_quantized, block) or cached_weight(
+        args, weight, cache, cache_name
+    )
     specs = args.spec_kwargs()
     if weight_q is not None:
         kw["weight_quantized"] = weight_q
@@ -614,9 +654,9 @@ def mlp(
     state = get_autocast_state()
     by_op = mlp_as_two_linears(state, recompute_fc1, defer)
     (q1, q2), (g1, g2) = weights_quantized, main_grads or (None, None)
-    for name, q in (("fc1_weight", q1), ("fc2_weight", q2)):
-        if q is not None:
-            check_primary(owner, state, name)
+    blocks = [
+        primary_block(owner, state, n, q) for n, q in (("fc1_weight", q1), ("fc2_weight", q2))
+    ]
     if recompute_fc1 and defer is not None:
         raise NotImplementedError(
             f"{owner}: checkpoint=True with delay_wgrad_compute=True is not supported (the "
@@ -638,6 +678,7 @@ def mlp(
     args = gemm_args(owner, state, inp, weights, metas)
     kw = {**_norm_kwargs(norm), **args.spec_kwargs(), **act_kw, "main_grad1": g1,
           "main_grad2": g2}  # fmt: skip
+    q1, q2 = (as_gemm_takes(args.specs[1], q, b) for q, b in zip((q1, q2), blocks, strict=True))
     kw["fc1_weight_quantized"] = q1 or cached_weight(args, fc1_weight, cache, "fc1_weight", 0)
     kw["fc2_weight_quantized"] = q2 or cached_weight(args, fc2_weight, cache, "fc2_weight", 1)
     if args.recipe not in PER_TENSOR:

@@ -17,6 +17,7 @@ from te_compile.quantization import (
     Float8BlockScaling,
     Float8CurrentScaling,
     MXFP8BlockScaling,
+    NVFP4BlockScaling,
     autocast,
 )
 from tests.utils import (
@@ -233,8 +234,8 @@ def test_compiled_step_one_graph_values_as_eager(name):
 
 def test_refused_uses():
     recipe = Float8CurrentScaling()
-    for other in (Float8BlockScaling(), MXFP8BlockScaling()):
-        with pytest.raises(NotImplementedError, match=type(other).__name__):
+    for other in (MXFP8BlockScaling(), NVFP4BlockScaling()):
+        with pytest.raises(NotImplementedError, match=f"recipe.*got {type(other).__name__}"):
             _primary("Linear", "cpu", other)
     m = _primary("Linear", "cpu", recipe)
     with pytest.raises(NotImplementedError, match="no FP8 autocast"):
@@ -283,6 +284,214 @@ def test_transformer_layer_trains_with_fp8_weights():
         assert torch.equal(w.detach().view(torch.uint8), codes[0])
         assert torch.equal(getattr(module, f"{name}_scale_inv"), codes[1])
         assert not w.main_grad.any()
+
+
+# Float8BlockScaling ----------------------------------------------------------------------------
+
+BLOCK = Float8BlockScaling()
+BLOCK_SPEC = "block:e4m3:128x128:p2"  # its weight spec: 128x128 blocks, power-of-two scales
+
+
+BLOCK_1D = Float8BlockScaling(w_block_scaling_dim=1)  # 1x128 weight blocks: two casts
+BLOCK_1D_SPEC = "block:e4m3:p2"
+
+
+def _assert_kept_cast_of(m, values, spec=BLOCK_SPEC):
+    """Each FP8 weight of ``m`` holds ``quantize_weight``'s five tensors of ``values[name]``:
+    the codes (Parameter), their block scales, the dgrad GEMM's copy and its scales (buffers,
+    kept for 1x128 blocks only: of 128x128 blocks they are transposes) and a 0-element amax."""
+    for n in _fp8_names(m):
+        want = te.functional.quantize_weight(values[n].detach(), spec)
+        for suffix, w in zip(("", "_scale_inv", "_t", "_scale_inv_t", "_amax"), want, strict=True):
+            if suffix == "":
+                got = m.get_parameter(n)
+            elif suffix.endswith("_t") and spec == BLOCK_SPEC:
+                assert f"{n}{suffix}" not in dict(m.named_buffers())
+                got = (m.get_parameter(n) if suffix == "_t" else m.get_buffer(f"{n}_scale_inv")).T
+            else:
+                got = m.get_buffer(n + suffix)
+            assert torch.equal(got.detach().view(w.dtype), w), n + suffix
+
+
+def _block_dequantized(m, n):
+    """FP8 weight ``n``'s values, fp32, from its codes and 128x128 block scales."""
+    codes = m.get_parameter(n).detach().float()
+    scale = m.get_buffer(f"{n}_scale_inv").repeat_interleave(128, 0).repeat_interleave(128, 1)
+    return codes * scale[: codes.shape[0], : codes.shape[1]]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_block_weights_keep_the_blockwise_cast_of_the_initial_values(name):
+    """Under Float8BlockScaling each weight keeps its blockwise cast as ``quantize_weight``
+    makes it (the dgrad GEMM's copy too where it is not the transpose: 1x128 blocks)."""
+    hp = _build(name, "cpu")
+    for recipe, spec in ((BLOCK, BLOCK_SPEC), (BLOCK_1D, BLOCK_1D_SPEC)):
+        m = _primary(name, "cpu", recipe, preserve=True)
+        _assert_kept_cast_of(m, {n: getattr(hp, n) for n in _fp8_names(m)}, spec)
+        for n in _fp8_names(m):
+            assert torch.equal(getattr(m, n).get_high_precision_init_val(), getattr(hp, n).detach())
+            assert getattr(m, n).element_size() == 1
+
+
+def _block_pair(m, hp, device):
+    """``m`` (Float8BlockScaling FP8 weights) with FP8MasterWeights, and ``hp`` (high-precision
+    weights) given their values (exact in bf16: codes times power-of-two scales) and fp32
+    ``main_grad`` buffers."""
+    te.FP8MasterWeights(m)
+    with torch.no_grad():
+        for n in _fp8_names(m):
+            w = _block_dequantized(m, n)
+            assert torch.equal(w.bfloat16().float(), w), n  # exact in bf16
+            hp.get_parameter(n).copy_(w)
+            hp.get_parameter(n).main_grad = torch.zeros(w.shape, device=device)
+    return m, hp
+
+
+def _assert_same_step(m, hp, device):
+    x = _x(device).requires_grad_()
+    x0 = x.detach().clone().requires_grad_()
+    with autocast(recipe=BLOCK):
+        y, y0 = m(x), hp(x0)
+    assert torch.equal(y, y0)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y0.backward(g)
+    assert torch.equal(x.grad, x0.grad)
+    for n in _fp8_names(m):
+        w, w0 = m.get_parameter(n), hp.get_parameter(n)
+        assert w.main_grad.any() and w.grad is None, n
+        assert torch.equal(w.main_grad, w0.main_grad), n
+    for (n, p), p0 in zip(m.named_parameters(), hp.parameters(), strict=True):
+        if p.dtype != E4M3:
+            assert torch.equal(p.grad, p0.grad), n
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", MODULES)
+def test_block_forward_and_gradients_match_the_dequantised_weights(device, name):
+    """Under Float8BlockScaling the module with FP8 weights computes what the module with
+    high-precision weights equal to their values computes (its cast of them gives the same
+    blocks back): the same output, input gradient and fp32 weight gradient, exactly."""
+    hp = _build(name, device, fuse_wgrad_accumulation=True)
+    _assert_same_step(*_block_pair(_primary(name, device, BLOCK), hp, device), device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_block_ops_linear_matches_the_dequantised_weight(device):
+    hp = _ops_linear(device, accumulate_into_main_grad=True)
+    _assert_same_step(*_block_pair(_ops_linear(device, BLOCK), hp, device), device)
+
+
+def test_block_1x128_weights_dgrad_reads_the_kept_second_cast():
+    """1x128 weight blocks: the forward reads the codes (what the high-precision module of their
+    values computes, exactly), the dgrad GEMM the kept cast along the other dim
+    (``weight_t``), against float64 of the quantised gradient times its values."""
+    from te_compile.functional.gemm import qdq_both
+    from te_compile.functional.spec import QuantSpec
+
+    m = _primary("Linear", "cpu", BLOCK_1D)
+    hp = _build("Linear", "cpu", fuse_wgrad_accumulation=True)
+    te.FP8MasterWeights(m)
+    spec = QuantSpec("block", E4M3, 1, True)
+    w_t = m.weight_t.float() * m.weight_scale_inv_t.repeat_interleave(128, 1)[:, :64]
+    with torch.no_grad():
+        hp.weight.copy_(m.weight.float() * m.weight_scale_inv.repeat_interleave(128, 1))
+    hp.weight.main_grad = torch.zeros(hp.weight.shape)
+    x = _x("cpu").requires_grad_()
+    x0 = x.detach().clone().requires_grad_()
+    with autocast(recipe=BLOCK_1D):
+        y, y0 = m(x), hp(x0)
+    assert torch.equal(y, y0)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y0.backward(g)
+    assert torch.equal(m.weight.main_grad, hp.weight.main_grad)
+    g_q = qdq_both(g.float(), spec, columnwise=False)[0]
+    assert_close(x.grad, g_q.double() @ w_t.double().T, torch.bfloat16)
+
+
+def test_block_master_step_requantises_and_training_tracks_high_precision():
+    """FP8MasterWeights.step re-quantises each fp32 master into the codes and all four
+    buffers by Float8BlockScaling's weight cast; the losses track the high-precision module."""
+    m = _primary("LayerNormMLP", "cpu", BLOCK, preserve=True)
+    before = {n: getattr(m, n).detach().clone() for n in _fp8_names(m)}
+    losses, masters = _train(m, BLOCK, 4, primary=True)
+    ref, _ = _train(_build("LayerNormMLP", "cpu", fuse_wgrad_accumulation=True), BLOCK, 4, False)
+    _assert_kept_cast_of(m, {e.name: e.master for e in masters._entries})
+    assert all(not torch.equal(getattr(m, n), w) for n, w in before.items())
+    assert losses[-1] < losses[0]
+    assert_close(losses, ref, torch.bfloat16, roundings=chain_roundings(torch.bfloat16, 4))
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_block_state_dict_round_trip_and_high_precision_load(name):
+    m = _primary(name, "cpu", BLOCK)
+    _train(m, BLOCK, 2, primary=True)
+    buf = io.BytesIO()
+    torch.save(m.state_dict(), buf)
+    buf.seek(0)
+    fresh = _primary(name, "cpu", BLOCK)
+    fresh.load_state_dict(torch.load(buf))
+    with autocast(recipe=BLOCK), torch.no_grad():
+        assert torch.equal(fresh(_x("cpu", 7)), m(_x("cpu", 7)))
+    torch.manual_seed(5)
+    hp = _build(name, "cpu")
+    with torch.no_grad():
+        for p in hp.parameters():
+            p.normal_(0, 0.05)
+    fresh.load_state_dict(hp.state_dict(), strict=False)  # quantised by the blocks
+    _assert_kept_cast_of(fresh, {n: getattr(hp, n) for n in _fp8_names(fresh)})
+    with torch.no_grad(), autocast(recipe=BLOCK):
+        assert torch.equal(fresh(_x("cpu", 3)), hp(_x("cpu", 3)))
+
+
+def test_block_reset_parameters_requantises_and_in_place_writes_are_refused():
+    with te.quantized_model_init(recipe=BLOCK, preserve_high_precision_init_val=True):
+        m = te.Linear(64, 32)
+    torch.manual_seed(123)
+    m.reset_parameters()
+    _assert_kept_cast_of(m, {"weight": m.weight.get_high_precision_init_val()})
+    with torch.no_grad():
+        m.weight.copy_(torch.randn(m.weight.shape))
+    with pytest.raises(RuntimeError, match="'weight' was written in place"), autocast(recipe=BLOCK):
+        m(torch.randn(4, 64))
+
+
+@pytest.mark.parametrize("name", ["Linear", "LayerNormMLP"])
+def test_block_compiled_step_one_graph_values_as_eager(name):
+    _assert_compiled_step_as_eager(lambda: _primary(name, "cpu", BLOCK), BLOCK)
+
+
+def test_block_refused_uses():
+    """A weight's recipe family is the autocast's (Transformer Engine's "Recipe mismatch"), the
+    same weight blocks; grouped GEMMs keep per-tensor FP8 weights only."""
+    m, per_tensor = (
+        _primary("Linear", "cpu", BLOCK),
+        _primary("Linear", "cpu", Float8CurrentScaling()),
+    )
+    with (
+        autocast(recipe=Float8CurrentScaling()),
+        pytest.raises(NotImplementedError, match=r"Recipe mismatch.*Float8BlockScaling blocks"),
+    ):
+        m(_x("cpu"))
+    with autocast(recipe=BLOCK), pytest.raises(NotImplementedError, match="per-tensor FP8 codes"):
+        per_tensor(_x("cpu"))
+    with (
+        autocast(recipe=Float8BlockScaling(w_block_scaling_dim=1)),
+        pytest.raises(NotImplementedError, match="holds 128x128 blocks"),
+    ):
+        m(_x("cpu"))
+    with (
+        autocast(recipe=Float8BlockScaling(backward_override="high_precision")),
+        pytest.raises(ValueError, match="backward_override='high_precision'"),
+    ):
+        m(_x("cpu"))
+    for build in (lambda: te.GroupedLinear(G, 64, 32), lambda: te.ops.GroupedLinear(G, 64, 32)):
+        with (
+            te.quantized_model_init(recipe=BLOCK),
+            pytest.raises(NotImplementedError, match="for dense modules, Float8BlockScaling"),
+        ):
+            build()
 
 
 # GroupedLinear ---------------------------------------------------------------------------------
