@@ -148,19 +148,29 @@ def check_first_microbatch(owner: str, is_first_microbatch: object) -> None:
         )
 
 
+# The recipe families FP8 primary weights are kept for (quantization.primary), by the dtype and
+# dim of the weight's scale: the autocast recipe that reads them and what they are.
+_PRIMARY = {
+    "tensor": ("Float8CurrentScaling or DelayedScaling", "per-tensor FP8 codes"),
+    "block": ("Float8BlockScaling", "Float8BlockScaling blocks"),
+    "mxfp8": ("MXFP8BlockScaling", "MXFP8 blocks"),
+}
+
+
 def check_primary(
-    owner: str, state: AutocastState, name: str = "weight", block: bool = False
+    owner: str, state: AutocastState, name: str = "weight", kind: str = "tensor"
 ) -> None:
     """A module with FP8 primary weights runs inside an FP8 autocast of the recipe family its
-    weight ``name`` was made for (``block``: Float8BlockScaling's blocks, with the same weight
-    blocks; else per-tensor codes, which either per-tensor recipe reads), without
+    weight ``name`` was made for (``kind``, a key of :data:`_PRIMARY`: per-tensor codes, which
+    either per-tensor recipe reads, or the blocks of a block-scaled recipe), without
     ``backward_override="high_precision"`` (its backward GEMMs would read a high-precision
     weight, which FP8 primary weights do not keep). Another recipe is Transformer Engine's
     "Recipe mismatch" (a ``NotImplementedError``, which is a ``RuntimeError`` as TE's is)."""
     recipe = state.recipe
-    made = "Float8BlockScaling" if block else "Float8CurrentScaling or DelayedScaling"
+    made, kept = _PRIMARY[kind]
     on = state.enabled and not state.calibration
-    if on and (recipe.float8_block_scaling() if block else recipe.float8_per_tensor_scaling()):
+    if on and {"tensor": recipe.float8_per_tensor_scaling, "block": recipe.float8_block_scaling,
+               "mxfp8": recipe.mxfp8}[kind]():  # fmt: skip
         if recipe.backward_override == "high_precision":
             raise ValueError(
                 f"{owner}: recipe.backward_override='high_precision' needs a high-precision "
@@ -169,7 +179,6 @@ def check_primary(
             )
         return
     if on:
-        kept = "Float8BlockScaling blocks" if block else "per-tensor FP8 codes"
         raise NotImplementedError(
             f"{owner}: Recipe mismatch for {name!r}: the weight holds {kept} "
             f"(quantized_model_init with {made}), which autocast's {type(recipe).__name__} "
@@ -183,38 +192,45 @@ def check_primary(
     )
 
 
-def primary_block(
+def primary_kind(
     owner: str, state: AutocastState, name: str, weight_quantized: Sequence[Tensor] | None
-) -> bool:
-    """:func:`check_primary` of an FP8 primary weight's operand (None: not one); whether it holds
-    Float8BlockScaling blocks (2-D scales; per-tensor codes have one scale)."""
+) -> str:
+    """:func:`check_primary` of an FP8 primary weight's operand; its kind (:data:`_PRIMARY`;
+    ``""``: None, not one), told by its scale: one fp32 scale per tensor, fp32 block scales,
+    MXFP8's uint8 (E8M0) ones. Block-scaled weights have the autocast recipe's weight blocks."""
     if weight_quantized is None:
-        return False
+        return ""
     data, scale = weight_quantized[:2]
-    block = scale.dim() == 2
-    check_primary(owner, state, name, block)
-    if block:
-        w, rows = recipe_specs(state.recipe)[1], 1 if scale.shape[0] == data.shape[0] else 128
+    kind = "mxfp8" if scale.dtype is torch.uint8 else "block" if scale.dim() == 2 else "tensor"
+    check_primary(owner, state, name, kind)
+    if kind != "tensor":
+        w, wide = recipe_specs(state.recipe)[1], 128 if kind == "block" else 32
+        rows = 1 if scale.shape[0] == data.shape[0] else 128
         if (w.block_rows, w.fp8_dtype) != (rows, data.dtype):
             raise NotImplementedError(
-                f"{owner}: Recipe mismatch for {name!r}: the weight holds {rows}x128 blocks of "
-                f"{weight_quantized[0].dtype}, autocast's Float8BlockScaling quantises weights "
-                f"in {w.block_rows}x128 blocks of {w.fp8_dtype}"
+                f"{owner}: Recipe mismatch for {name!r}: the weight holds {rows}x{wide} blocks "
+                f"of {data.dtype}, autocast's {type(state.recipe).__name__} quantises weights in "
+                f"{w.block_rows}x{wide} blocks of {w.fp8_dtype}"
             )
-    return block
+    return kind
 
 
-def as_gemm_takes(spec: QuantSpec, weight_q: Sequence[Tensor] | None, block: bool):
-    """An FP8 primary weight's Float8BlockScaling operand (``block``) as the GEMM of weight spec
-    ``spec`` takes it: the codes, or their fp32 values where the GEMM is emulated."""
-    if not (block and spec.emulate):
+def as_gemm_takes(spec: QuantSpec, weight_q: Sequence[Tensor] | None, kind: str):
+    """An FP8 primary weight's block-scaled operand (``kind``: :func:`primary_kind`'s) as the
+    GEMM of weight spec ``spec`` takes it: the codes, or their fp32 values where the GEMM is
+    emulated (MXFP8's always are)."""
+    if kind in ("", "tensor") or not spec.emulate:
         return weight_q
     data, s, data_t, s_t, amax = weight_q
-    none = s.new_empty(0)
-    rows, fp8, f32 = spec.block_rows, spec.fp8_dtype, torch.float32
-    return [dequantize_blockwise(data.view(torch.uint8), s, rows, fp8, f32), none,
-            dequantize_blockwise(data_t.view(torch.uint8), s_t, rows, fp8, f32), none.clone(),
-            amax]  # fmt: skip
+    f32 = torch.float32
+    none = s.new_empty(0, dtype=f32)
+    if kind == "mxfp8":
+        row, col = F.dequantize_mxfp8(data, s, f32), F.dequantize_mxfp8(data_t, s_t, f32)
+    else:
+        rows, fp8, u8 = spec.block_rows, spec.fp8_dtype, torch.uint8
+        row = dequantize_blockwise(data.view(u8), s, rows, fp8, f32)
+        col = dequantize_blockwise(data_t.view(u8), s_t, rows, fp8, f32)
+    return [row, none, col, none.clone(), amax]
 
 
 def cached_weight(
@@ -566,7 +582,7 @@ def linear(
     weight gradient is delayed (``delay_wgrad_compute``): ``(DeferredWgrad, weight)`` is
     appended."""
     state = get_autocast_state()
-    block = primary_block(owner, state, cache_name, weight_quantized)
+    kind = primary_kind(owner, state, cache_name, weight_quantized)
     if state.calibration:
         state = calibrate(owner, state, (meta,), (_no_grad_norm(inp, norm),), (weight,))
     if epilogue.get("save_original_input") and state.enabled:
@@ -579,7 +595,7 @@ def linear(
         return F.linear(inp, weight, bias, main_grad=main_grad)
     args = gemm_args(owner, state, inp, (weight,), (meta,))
     kw = {**_norm_kwargs(norm), **epilogue}
-    weight_q = as_gemm_takes(args.specs[1], weight_quantized, block) or cached_weight(
+    weight_q = as_gemm_takes(args.specs[1], weight_quantized, kind) or cached_weight(
         args, weight, cache, cache_name
     )
     specs = args.spec_kwargs()
@@ -654,9 +670,7 @@ def mlp(
     state = get_autocast_state()
     by_op = mlp_as_two_linears(state, recompute_fc1, defer)
     (q1, q2), (g1, g2) = weights_quantized, main_grads or (None, None)
-    blocks = [
-        primary_block(owner, state, n, q) for n, q in (("fc1_weight", q1), ("fc2_weight", q2))
-    ]
+    kinds = [primary_kind(owner, state, n, q) for n, q in (("fc1_weight", q1), ("fc2_weight", q2))]
     if recompute_fc1 and defer is not None:
         raise NotImplementedError(
             f"{owner}: checkpoint=True with delay_wgrad_compute=True is not supported (the "
@@ -678,7 +692,7 @@ def mlp(
     args = gemm_args(owner, state, inp, weights, metas)
     kw = {**_norm_kwargs(norm), **args.spec_kwargs(), **act_kw, "main_grad1": g1,
           "main_grad2": g2}  # fmt: skip
-    q1, q2 = (as_gemm_takes(args.specs[1], q, b) for q, b in zip((q1, q2), blocks, strict=True))
+    q1, q2 = (as_gemm_takes(args.specs[1], q, k) for q, k in zip((q1, q2), kinds, strict=True))
     kw["fc1_weight_quantized"] = q1 or cached_weight(args, fc1_weight, cache, "fc1_weight", 0)
     kw["fc2_weight_quantized"] = q2 or cached_weight(args, fc2_weight, cache, "fc2_weight", 1)
     if args.recipe not in PER_TENSOR:

@@ -1,25 +1,26 @@
 """FP8 primary weights: ``quantized_model_init`` / ``fp8_model_init`` and ``FP8MasterWeights``.
 
 Modules built inside ``te_compile.quantized_model_init(recipe=...)`` keep each GEMM weight in
-FP8 only, as ``functional.quantize_weight`` casts it for the recipe (:func:`_weight_spec`): the
-``weight`` Parameter holds the E4M3 codes (one byte per parameter) and buffers the rest, plain
-tensors. Per-tensor recipes (Float8CurrentScaling, DelayedScaling): current scaling of the
-weight, fp32 ``weight_scale_inv`` and ``weight_amax`` ``[1]``. Float8BlockScaling (dense
-modules): its weight blocks, ``weight_scale_inv`` the block scales, a 0-element
-``weight_amax``, and for 1x128 weight blocks ``weight_t`` / ``weight_scale_inv_t``, the dgrad
-GEMM's copy quantised along the other dim (of 128x128 blocks it is the transpose, made per
-step as per tensor). The forward hands them to the GEMM op as its pre-quantised weight
-operand (:func:`primary_operand`, :func:`grouped_primary`; an emulated Float8BlockScaling GEMM
-takes their dequantised values, ``quantization.gemm.as_gemm_takes``), so no weight is cast per
-step. The weight gradient goes to an fp32 ``weight.main_grad``; ``FP8MasterWeights`` keeps fp32
-masters for any ``torch.optim`` optimizer and re-quantises them the same way after each step
-(:func:`_set`, which ``load_state_dict`` of high-precision values and ``reset_parameters`` use
-too). Under FSDP2 (per-tensor recipes) the codes are sharded on dim 0, the weight gradient
-reaches a sharded ``main_grad`` through a zero-byte stand-in whose backward reduce-scatters it
-(:class:`_ShardedGrad`), and the refresh all-reduces each shard's amax. Inside an FP8 autocast
-of the recipe family the weight was made for; MXFP8 and NVFP4 are refused. ``docs/fp8.md``, "FP8
-primary weights" and "FSDP2", is the full account: usage, memory, the grouped layouts, the
-limits.
+FP8 only, as the recipe casts weights (:func:`_weight_spec`, :func:`_cast`): the ``weight``
+Parameter holds the E4M3 codes (one byte per parameter) and buffers the rest, plain tensors.
+Per-tensor recipes (Float8CurrentScaling, DelayedScaling): current scaling of the weight, fp32
+``weight_scale_inv`` and ``weight_amax`` ``[1]``. Float8BlockScaling (dense modules): its
+weight blocks, ``weight_scale_inv`` the block scales, a 0-element ``weight_amax``, and for
+1x128 weight blocks ``weight_t`` / ``weight_scale_inv_t``, the dgrad GEMM's copy quantised
+along the other dim (of 128x128 blocks it is the transpose, made per step as per tensor).
+MXFP8BlockScaling (dense modules, 1-D blocks): both casts of ``functional.quantize_mxfp8``
+under the same five names (E8M0 scales as uint8). The forward hands them to the GEMM op as
+its pre-quantised weight operand (:func:`primary_operand`, :func:`grouped_primary`; an
+emulated block-scaled GEMM takes their dequantised values, ``quantization.gemm.as_gemm_takes``),
+so no weight is cast per step. The weight gradient goes to an fp32 ``weight.main_grad``;
+``FP8MasterWeights`` keeps fp32 masters for any ``torch.optim`` optimizer and re-quantises them
+the same way after each step (:func:`_set`, which ``load_state_dict`` of high-precision values
+and ``reset_parameters`` use too). Under FSDP2 (per-tensor recipes) the codes are sharded on
+dim 0, the weight gradient reaches a sharded ``main_grad`` through a zero-byte stand-in whose
+backward reduce-scatters it (:class:`_ShardedGrad`), and the refresh all-reduces each shard's
+amax. The modules run inside an FP8 autocast of the recipe family the weight was made for;
+NVFP4 and MXFP8's 32x32 tiles are refused. ``docs/fp8.md``, "FP8 primary weights" and
+"FSDP2", is the full account: usage, memory, the grouped layouts, the limits.
 """
 
 from __future__ import annotations
@@ -101,19 +102,20 @@ fp8_model_init = quantized_model_init  # Transformer Engine's older name, same a
 def _weight_spec(recipe: Recipe, owner: str, grouped: bool) -> QuantSpec:
     """How FP8 weights made under ``recipe`` are kept: the per-tensor recipes' weights by current
     scaling of the weight itself (either per-tensor recipe reads them, as Transformer Engine
-    casts its primary weights); Float8BlockScaling's in its weight blocks, the codes as its
+    casts its primary weights); the block-scaled recipes' in their weight blocks, the codes as a
     native GEMM takes them (an emulated GEMM dequantises them: ``quantization.gemm``)."""
     spec = recipe_specs(recipe)[1]
     if spec.kind in ("current", "delayed"):
         return QuantSpec("current", spec.fp8_dtype)
     if spec.kind == "block" and not grouped:  # (recipe_specs: native; gemm_args emulates)
         return spec
-    what = "dense modules" if spec.kind == "block" else "FP8 weights"
+    if spec.kind == "mxfp8" and not grouped and spec.block_rows == 1:
+        return spec
     raise NotImplementedError(
         f"{owner}: FP8 primary weights (quantized_model_init's recipe) support "
-        f"Float8CurrentScaling, DelayedScaling and, for {what}, Float8BlockScaling; got "
-        f"{type(recipe).__name__} (build the module outside quantized_model_init to train it "
-        "with this recipe)"
+        "Float8CurrentScaling, DelayedScaling and, for dense modules, Float8BlockScaling and "
+        f"MXFP8BlockScaling(enable_2d_quantization=False); got {recipe!r} (build the module "
+        "outside quantized_model_init to train it with this recipe)"
     )
 
 
@@ -122,7 +124,10 @@ def _cast(weight: Tensor, spec: QuantSpec) -> list[Tensor]:
     as float8 in ``weight``'s shape (a grouped ``[G, N, K]`` weight is cast as ``[G * N, K]``:
     one scale for the whole tensor)."""
     flat = weight.reshape(-1, weight.shape[-1]) if weight.dim() > 2 else weight
-    out = F.quantize_weight(flat, spec)
+    if spec.kind == "mxfp8":  # the codes of both casts (quantize_weight: their values)
+        out = [*F.quantize_mxfp8(flat, spec.fp8_dtype), flat.new_empty(0, dtype=torch.float32)]
+    else:
+        out = F.quantize_weight(flat, spec)
     out[0], out[2] = out[0].view(spec.fp8_dtype), out[2].view(spec.fp8_dtype)
     out[0] = out[0].view(weight.shape)
     return out
@@ -135,7 +140,7 @@ _SUFFIXES = ("", "_scale_inv", "_t", "_scale_inv_t", "_amax")
 
 
 def _kept(spec: QuantSpec) -> tuple[int, ...]:
-    return (0, 1, 2, 3, 4) if spec.kind == "block" and spec.block_rows == 1 else (0, 1, 4)
+    return (0, 1, 4) if spec.kind == "current" or spec.block_rows == 128 else (0, 1, 2, 3, 4)
 
 
 def _spec(module: nn.Module, name: str) -> QuantSpec:
@@ -157,7 +162,7 @@ def make_primary(
 ) -> None:
     """Inside ``quantized_model_init``: replace ``module``'s weights ``names`` (initialised in
     high precision) by FP8 Parameters with their ``<name>_scale_inv`` / ``<name>_amax`` buffers
-    (and ``<name>_t`` / ``<name>_scale_inv_t`` of Float8BlockScaling's 1x128 weight blocks).
+    (and ``<name>_t`` / ``<name>_scale_inv_t`` of 1-D weight blocks: 1x128, MXFP8).
     ``grouped``: the weights of a grouped GEMM (per-tensor recipes only). Outside it: nothing."""
     state = _STATE[0]
     if state is None:
@@ -285,8 +290,10 @@ def _dequantized(module: nn.Module, name: str) -> Tensor:
     """FP8 weight ``name``'s values, fp32."""
     codes, scale_inv = getattr(module, name).detach(), getattr(module, f"{name}_scale_inv")
     spec = _spec(module, name)
-    if spec.kind != "block":
+    if spec.kind == "current":
         return codes.float() * scale_inv
+    if spec.kind == "mxfp8":
+        return F.dequantize_mxfp8(codes, scale_inv, torch.float32)
     rows, fp8 = spec.block_rows, spec.fp8_dtype
     return dequantize_blockwise(codes.view(torch.uint8), scale_inv, rows, fp8, torch.float32)
 
@@ -314,7 +321,7 @@ def primary_operand(
     check_unchanged(module, name, weight)
     scale_inv, amax = getattr(module, f"{name}_scale_inv"), getattr(module, f"{name}_amax")
     kept = module._buffers
-    if f"{name}_t" in kept:  # Float8BlockScaling's 1x128 weight blocks: a cast of its own
+    if f"{name}_t" in kept:  # 1x128 or MXFP8's 1x32 weight blocks: a cast of its own
         return weight, scale_inv, kept[f"{name}_t"], kept[f"{name}_scale_inv_t"], amax
     codes_t = weight.detach().view(torch.uint8).t().contiguous()
     return weight, scale_inv, codes_t, scale_inv.t().contiguous(), amax
