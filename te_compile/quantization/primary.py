@@ -111,20 +111,22 @@ def _weight_spec(recipe: Recipe, owner: str, grouped: bool) -> QuantSpec:
         return spec
     if spec.kind == "mxfp8" and not grouped and spec.block_rows == 1:
         return spec
+    got = type(recipe).__name__ + ("(enable_2d_quantization=True)" if spec.kind == "mxfp8" else "")
     raise NotImplementedError(
         f"{owner}: FP8 primary weights (quantized_model_init's recipe) support "
         "Float8CurrentScaling, DelayedScaling and, for dense modules, Float8BlockScaling and "
-        f"MXFP8BlockScaling(enable_2d_quantization=False); got {recipe!r} (build the module "
-        "outside quantized_model_init to train it with this recipe)"
+        f"MXFP8BlockScaling(enable_2d_quantization=False); got {got} (build the module outside "
+        "quantized_model_init to train it with this recipe)"
     )
 
 
 def _cast(weight: Tensor, spec: QuantSpec) -> list[Tensor]:
-    """The five tensors of ``functional.quantize_weight`` of ``weight`` by ``spec``, the codes
-    as float8 in ``weight``'s shape (a grouped ``[G, N, K]`` weight is cast as ``[G * N, K]``:
-    one scale for the whole tensor)."""
+    """The five tensors of ``functional.quantize_weight`` of ``weight`` by ``spec`` (MXFP8: the
+    codes of ``functional.quantize_mxfp8``, whose values quantize_weight gives), the codes as
+    float8 in ``weight``'s shape (a grouped ``[G, N, K]`` weight is cast as ``[G * N, K]``: one
+    scale for the whole tensor)."""
     flat = weight.reshape(-1, weight.shape[-1]) if weight.dim() > 2 else weight
-    if spec.kind == "mxfp8":  # the codes of both casts (quantize_weight: their values)
+    if spec.kind == "mxfp8":
         out = [*F.quantize_mxfp8(flat, spec.fp8_dtype), flat.new_empty(0, dtype=torch.float32)]
     else:
         out = F.quantize_weight(flat, spec)
