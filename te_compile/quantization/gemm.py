@@ -578,9 +578,9 @@ def linear(
     The forward's amaxes go into ``meta`` (per-tensor recipes). ``cache``: the module's kept
     FP8 weights and ``is_first_microbatch`` (module docstring), ``cache_name`` this weight's
     entry. ``weight_quantized``: ``weight``'s pre-quantised operand (FP8 primary weights,
-    ``quantization.primary``), for a per-tensor recipe's autocast only. ``defer``: a list, the
-    weight gradient is delayed (``delay_wgrad_compute``): ``(DeferredWgrad, weight)`` is
-    appended."""
+    ``quantization.primary``), under an autocast of the recipe it was made for
+    (:func:`primary_kind`). ``defer``: a list, the weight gradient is delayed
+    (``delay_wgrad_compute``): ``(DeferredWgrad, weight)`` is appended."""
     state = get_autocast_state()
     kind = primary_kind(owner, state, cache_name, weight_quantized)
     if state.calibration:
