@@ -58,6 +58,7 @@ __all__ = [
     "calibrate",
     "check_first_microbatch",
     "check_primary",
+    "dequantized",
     "gemm_args",
     "grouped_linear",
     "kept_weights",
@@ -222,15 +223,20 @@ def as_gemm_takes(spec: QuantSpec, weight_q: Sequence[Tensor] | None, kind: str)
     if kind in ("", "tensor") or not spec.emulate:
         return weight_q
     data, s, data_t, s_t, amax = weight_q
-    f32 = torch.float32
-    none = s.new_empty(0, dtype=f32)
-    if kind == "mxfp8":
-        row, col = F.dequantize_mxfp8(data, s, f32), F.dequantize_mxfp8(data_t, s_t, f32)
-    else:
-        rows, fp8, u8 = spec.block_rows, spec.fp8_dtype, torch.uint8
-        row = dequantize_blockwise(data.view(u8), s, rows, fp8, f32)
-        col = dequantize_blockwise(data_t.view(u8), s_t, rows, fp8, f32)
-    return [row, none, col, none.clone(), amax]
+    f32, none = torch.float32, s.new_empty(0, dtype=torch.float32)
+    return [dequantized(data, s, spec, f32), none, dequantized(data_t, s_t, spec, f32),
+            none.clone(), amax]  # fmt: skip
+
+
+def dequantized(codes: Tensor, scale_inv: Tensor, spec: QuantSpec, dtype: torch.dtype) -> Tensor:
+    """The values of an FP8 primary weight's ``codes`` (float8) with their ``scale_inv``, kept
+    as ``spec`` keeps them (``quantization.primary._cast``), in ``dtype``."""
+    if spec.kind == "mxfp8":
+        return F.dequantize_mxfp8(codes, scale_inv, dtype)
+    if spec.kind == "block":
+        rows, u8 = spec.block_rows, torch.uint8
+        return dequantize_blockwise(codes.view(u8), scale_inv, rows, spec.fp8_dtype, dtype)
+    return (codes.float() * scale_inv).to(dtype)
 
 
 def cached_weight(

@@ -35,10 +35,10 @@ from torch import Tensor, nn
 
 from te_compile import functional as F
 from te_compile._numerics import reciprocal_rn
-from te_compile.functional.quantize import dequantize_blockwise, scale_from_amax
+from te_compile.functional.quantize import scale_from_amax
 from te_compile.functional.spec import QuantSpec
 from te_compile.quantization.device import get_default_fp8_recipe
-from te_compile.quantization.gemm import recipe_specs
+from te_compile.quantization.gemm import dequantized, recipe_specs
 from te_compile.quantization.recipe import Recipe
 
 __all__ = [
@@ -291,13 +291,7 @@ def _set(module: nn.Module, name: str, values: Tensor) -> None:
 def _dequantized(module: nn.Module, name: str) -> Tensor:
     """FP8 weight ``name``'s values, fp32."""
     codes, scale_inv = getattr(module, name).detach(), getattr(module, f"{name}_scale_inv")
-    spec = _spec(module, name)
-    if spec.kind == "current":
-        return codes.float() * scale_inv
-    if spec.kind == "mxfp8":
-        return F.dequantize_mxfp8(codes, scale_inv, torch.float32)
-    rows, fp8 = spec.block_rows, spec.fp8_dtype
-    return dequantize_blockwise(codes.view(torch.uint8), scale_inv, rows, fp8, torch.float32)
+    return dequantized(codes, scale_inv, _spec(module, name), torch.float32)
 
 
 def is_primary(weight: Tensor) -> bool:
