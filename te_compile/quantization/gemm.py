@@ -39,6 +39,7 @@ from torch import Tensor
 
 from te_compile import functional as F
 from te_compile.functional.gemm import PER_TENSOR, blockwise_supported
+from te_compile.functional.quantize import dequantize_blockwise
 from te_compile.functional.spec import QuantSpec
 from te_compile.quantization.device import is_fp8_block_scaling_available
 from te_compile.quantization.fp8_gemm import FP8GemmState
@@ -57,6 +58,7 @@ __all__ = [
     "calibrate",
     "check_first_microbatch",
     "check_primary",
+    "dequantized",
     "gemm_args",
     "grouped_linear",
     "kept_weights",
@@ -147,15 +149,29 @@ def check_first_microbatch(owner: str, is_first_microbatch: object) -> None:
         )
 
 
-def check_primary(owner: str, state: AutocastState, name: str = "weight") -> None:
-    """A module with FP8 primary weights runs inside an FP8 autocast of a per-tensor recipe,
-    without ``backward_override="high_precision"`` (its backward GEMMs would read a
-    high-precision weight, which FP8 primary weights do not keep). The weight ``name`` holds
-    per-tensor FP8 codes, which either per-tensor recipe reads (Transformer Engine ties a
-    weight to the one it was made under); another recipe is Transformer Engine's "Recipe
-    mismatch" (a ``NotImplementedError``, which is a ``RuntimeError`` as TE's is)."""
+# The recipe families FP8 primary weights are kept for (quantization.primary), by the dtype and
+# dim of the weight's scale: the autocast recipe that reads them and what they are.
+_PRIMARY = {
+    "tensor": ("Float8CurrentScaling or DelayedScaling", "per-tensor FP8 codes"),
+    "block": ("Float8BlockScaling", "Float8BlockScaling blocks"),
+    "mxfp8": ("MXFP8BlockScaling", "MXFP8 blocks"),
+}
+
+
+def check_primary(
+    owner: str, state: AutocastState, name: str = "weight", kind: str = "tensor"
+) -> None:
+    """A module with FP8 primary weights runs inside an FP8 autocast of the recipe family its
+    weight ``name`` was made for (``kind``, a key of :data:`_PRIMARY`: per-tensor codes, which
+    either per-tensor recipe reads, or the blocks of a block-scaled recipe), without
+    ``backward_override="high_precision"`` (its backward GEMMs would read a high-precision
+    weight, which FP8 primary weights do not keep). Another recipe is Transformer Engine's
+    "Recipe mismatch" (a ``NotImplementedError``, which is a ``RuntimeError`` as TE's is)."""
     recipe = state.recipe
-    if state.enabled and not state.calibration and recipe.float8_per_tensor_scaling():
+    made, kept = _PRIMARY[kind]
+    on = state.enabled and not state.calibration
+    if on and {"tensor": recipe.float8_per_tensor_scaling, "block": recipe.float8_block_scaling,
+               "mxfp8": recipe.mxfp8}[kind]():  # fmt: skip
         if recipe.backward_override == "high_precision":
             raise ValueError(
                 f"{owner}: recipe.backward_override='high_precision' needs a high-precision "
@@ -163,19 +179,64 @@ def check_primary(owner: str, state: AutocastState, name: str = "weight") -> Non
                 "(use None or 'dequantized')"
             )
         return
-    if state.enabled and not state.calibration:
+    if on:
         raise NotImplementedError(
-            f"{owner}: Recipe mismatch for {name!r}: the weight holds per-tensor FP8 codes "
-            "(quantized_model_init with Float8CurrentScaling or DelayedScaling), which "
-            f"autocast's {type(recipe).__name__} cannot use; run it under "
-            "te_compile.autocast(recipe=Float8CurrentScaling() or DelayedScaling()), or build "
+            f"{owner}: Recipe mismatch for {name!r}: the weight holds {kept} "
+            f"(quantized_model_init with {made}), which autocast's {type(recipe).__name__} "
+            f"cannot use; run it under te_compile.autocast(recipe={made}()), or build "
             "the module outside quantized_model_init to use this recipe"
         )
     now = "calibration" if state.calibration else "no FP8 autocast"
     raise NotImplementedError(
         f"{owner}: FP8 primary weights (quantized_model_init) run inside te_compile.autocast "
-        f"with Float8CurrentScaling or DelayedScaling, got {now}"
+        f"with {made}, got {now}"
     )
+
+
+def primary_kind(
+    owner: str, state: AutocastState, name: str, weight_quantized: Sequence[Tensor] | None
+) -> str:
+    """:func:`check_primary` of an FP8 primary weight's operand; its kind (:data:`_PRIMARY`;
+    ``""``: None, not one), told by its scale: one fp32 scale per tensor, fp32 block scales,
+    MXFP8's uint8 (E8M0) ones. Block-scaled weights have the autocast recipe's weight blocks."""
+    if weight_quantized is None:
+        return ""
+    data, scale = weight_quantized[:2]
+    kind = "mxfp8" if scale.dtype is torch.uint8 else "block" if scale.dim() == 2 else "tensor"
+    check_primary(owner, state, name, kind)
+    if kind != "tensor":
+        w, wide = recipe_specs(state.recipe)[1], 128 if kind == "block" else 32
+        rows = 1 if scale.shape[0] == data.shape[0] else 128
+        if (w.block_rows, w.fp8_dtype) != (rows, data.dtype):
+            raise NotImplementedError(
+                f"{owner}: Recipe mismatch for {name!r}: the weight holds {rows}x{wide} blocks "
+                f"of {data.dtype}, autocast's {type(state.recipe).__name__} quantises weights in "
+                f"{w.block_rows}x{wide} blocks of {w.fp8_dtype}"
+            )
+    return kind
+
+
+def as_gemm_takes(spec: QuantSpec, weight_q: Sequence[Tensor] | None, kind: str):
+    """An FP8 primary weight's block-scaled operand (``kind``: :func:`primary_kind`'s) as the
+    GEMM of weight spec ``spec`` takes it: the codes, or their fp32 values where the GEMM is
+    emulated (MXFP8's always are)."""
+    if kind in ("", "tensor") or not spec.emulate:
+        return weight_q
+    data, s, data_t, s_t, amax = weight_q
+    f32, none = torch.float32, s.new_empty(0, dtype=torch.float32)
+    return [dequantized(data, s, spec, f32), none, dequantized(data_t, s_t, spec, f32),
+            none.clone(), amax]  # fmt: skip
+
+
+def dequantized(codes: Tensor, scale_inv: Tensor, spec: QuantSpec, dtype: torch.dtype) -> Tensor:
+    """The values of an FP8 primary weight's ``codes`` (float8) with their ``scale_inv``, kept
+    as ``spec`` keeps them (``quantization.primary._cast``), in ``dtype``."""
+    if spec.kind == "mxfp8":
+        return F.dequantize_mxfp8(codes, scale_inv, dtype)
+    if spec.kind == "block":
+        rows, u8 = spec.block_rows, torch.uint8
+        return dequantize_blockwise(codes.view(u8), scale_inv, rows, spec.fp8_dtype, dtype)
+    return (codes.float() * scale_inv).to(dtype)
 
 
 def cached_weight(
@@ -523,12 +584,11 @@ def linear(
     The forward's amaxes go into ``meta`` (per-tensor recipes). ``cache``: the module's kept
     FP8 weights and ``is_first_microbatch`` (module docstring), ``cache_name`` this weight's
     entry. ``weight_quantized``: ``weight``'s pre-quantised operand (FP8 primary weights,
-    ``quantization.primary``), for a per-tensor recipe's autocast only. ``defer``: a list, the
-    weight gradient is delayed (``delay_wgrad_compute``): ``(DeferredWgrad, weight)`` is
-    appended."""
+    ``quantization.primary``), under an autocast of the recipe it was made for
+    (:func:`primary_kind`). ``defer``: a list, the weight gradient is delayed
+    (``delay_wgrad_compute``): ``(DeferredWgrad, weight)`` is appended."""
     state = get_autocast_state()
-    if weight_quantized is not None:
-        check_primary(owner, state, cache_name)
+    kind = primary_kind(owner, state, cache_name, weight_quantized)
     if state.calibration:
         state = calibrate(owner, state, (meta,), (_no_grad_norm(inp, norm),), (weight,))
     if epilogue.get("save_original_input") and state.enabled:
@@ -541,7 +601,9 @@ def linear(
         return F.linear(inp, weight, bias, main_grad=main_grad)
     args = gemm_args(owner, state, inp, (weight,), (meta,))
     kw = {**_norm_kwargs(norm), **epilogue}
-    weight_q = weight_quantized or cached_weight(args, weight, cache, cache_name)
+    weight_q = as_gemm_takes(args.specs[1], weight_quantized, kind) or cached_weight(
+        args, weight, cache, cache_name
+    )
     specs = args.spec_kwargs()
     if weight_q is not None:
         kw["weight_quantized"] = weight_q
@@ -614,9 +676,7 @@ def mlp(
     state = get_autocast_state()
     by_op = mlp_as_two_linears(state, recompute_fc1, defer)
     (q1, q2), (g1, g2) = weights_quantized, main_grads or (None, None)
-    for name, q in (("fc1_weight", q1), ("fc2_weight", q2)):
-        if q is not None:
-            check_primary(owner, state, name)
+    kinds = [primary_kind(owner, state, n, q) for n, q in (("fc1_weight", q1), ("fc2_weight", q2))]
     if recompute_fc1 and defer is not None:
         raise NotImplementedError(
             f"{owner}: checkpoint=True with delay_wgrad_compute=True is not supported (the "
@@ -638,6 +698,7 @@ def mlp(
     args = gemm_args(owner, state, inp, weights, metas)
     kw = {**_norm_kwargs(norm), **args.spec_kwargs(), **act_kw, "main_grad1": g1,
           "main_grad2": g2}  # fmt: skip
+    q1, q2 = (as_gemm_takes(args.specs[1], q, k) for q, k in zip((q1, q2), kinds, strict=True))
     kw["fc1_weight_quantized"] = q1 or cached_weight(args, fc1_weight, cache, "fc1_weight", 0)
     kw["fc2_weight_quantized"] = q2 or cached_weight(args, fc2_weight, cache, "fc2_weight", 1)
     if args.recipe not in PER_TENSOR:

@@ -1,17 +1,26 @@
 """FP8 primary weights: ``quantized_model_init`` / ``fp8_model_init`` and ``FP8MasterWeights``.
 
 Modules built inside ``te_compile.quantized_model_init(recipe=...)`` keep each GEMM weight in
-FP8 only: the ``weight`` Parameter holds the E4M3 codes (one byte per parameter) with fp32
-buffers ``weight_scale_inv`` and ``weight_amax`` ``[1]``, plain tensors, which the forward hands
-to the GEMM op as its pre-quantised weight operand (:func:`primary_operand`,
-:func:`grouped_primary`), so no weight is cast per step. The weight gradient goes to an fp32
-``weight.main_grad``; ``FP8MasterWeights`` keeps fp32 masters for any ``torch.optim`` optimizer
-and re-quantises them into the codes after each step (current scaling of the weight, as
-Transformer Engine casts its primary weights). Under FSDP2 the codes are sharded on dim 0, the
-weight gradient reaches a sharded ``main_grad`` through a zero-byte stand-in whose backward
-reduce-scatters it (:class:`_ShardedGrad`), and the refresh all-reduces each shard's amax.
-The per-tensor recipes only, inside an FP8 autocast. ``docs/fp8.md``, "FP8 primary weights"
-and "FSDP2", is the full account: usage, memory, the grouped layouts, the limits.
+FP8 only, as the recipe casts weights (:func:`_weight_spec`, :func:`_cast`): the ``weight``
+Parameter holds the E4M3 codes (one byte per parameter) and buffers the rest, plain tensors.
+Per-tensor recipes (Float8CurrentScaling, DelayedScaling): current scaling of the weight, fp32
+``weight_scale_inv`` and ``weight_amax`` ``[1]``. Float8BlockScaling (dense modules): its
+weight blocks, ``weight_scale_inv`` the block scales, a 0-element ``weight_amax``, and for
+1x128 weight blocks ``weight_t`` / ``weight_scale_inv_t``, the dgrad GEMM's copy quantised
+along the other dim (of 128x128 blocks it is the transpose, made per step as per tensor).
+MXFP8BlockScaling (dense modules, 1-D blocks): both casts of ``functional.quantize_mxfp8``
+under the same five names (E8M0 scales as uint8). The forward hands them to the GEMM op as
+its pre-quantised weight operand (:func:`primary_operand`, :func:`grouped_primary`; an
+emulated block-scaled GEMM takes their dequantised values, ``quantization.gemm.as_gemm_takes``),
+so no weight is cast per step. The weight gradient goes to an fp32 ``weight.main_grad``;
+``FP8MasterWeights`` keeps fp32 masters for any ``torch.optim`` optimizer and re-quantises them
+the same way after each step (:func:`_set`, which ``load_state_dict`` of high-precision values
+and ``reset_parameters`` use too). Under FSDP2 (per-tensor recipes) the codes are sharded on
+dim 0, the weight gradient reaches a sharded ``main_grad`` through a zero-byte stand-in whose
+backward reduce-scatters it (:class:`_ShardedGrad`), and the refresh all-reduces each shard's
+amax. The modules run inside an FP8 autocast of the recipe family the weight was made for;
+NVFP4 and MXFP8's 32x32 tiles are refused. ``docs/fp8.md``, "FP8 primary weights" and
+"FSDP2", is the full account: usage, memory, the grouped layouts, the limits.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ from te_compile._numerics import reciprocal_rn
 from te_compile.functional.quantize import scale_from_amax
 from te_compile.functional.spec import QuantSpec
 from te_compile.quantization.device import get_default_fp8_recipe
-from te_compile.quantization.gemm import recipe_specs
+from te_compile.quantization.gemm import dequantized, recipe_specs
 from te_compile.quantization.recipe import Recipe
 
 __all__ = [
@@ -90,24 +99,54 @@ def quantized_model_init(
 fp8_model_init = quantized_model_init  # Transformer Engine's older name, same arguments
 
 
-def _quantize(weight: Tensor, recipe: Recipe, owner: str) -> list[Tensor]:
+def _weight_spec(recipe: Recipe, owner: str, grouped: bool) -> QuantSpec:
+    """How FP8 weights made under ``recipe`` are kept: the per-tensor recipes' weights by current
+    scaling of the weight itself (either per-tensor recipe reads them, as Transformer Engine
+    casts its primary weights); the block-scaled recipes' in their weight blocks, the codes as a
+    native GEMM takes them (an emulated GEMM dequantises them: ``quantization.gemm``)."""
     spec = recipe_specs(recipe)[1]
-    if spec.kind not in ("current", "delayed"):
-        raise NotImplementedError(
-            f"{owner}: FP8 primary weights support the per-tensor recipes (Float8CurrentScaling, "
-            f"DelayedScaling); got {type(recipe).__name__}"
-        )
-    return _cast(weight, spec.fp8_dtype)
+    if spec.kind in ("current", "delayed"):
+        return QuantSpec("current", spec.fp8_dtype)
+    if spec.kind == "block" and not grouped:  # (recipe_specs: native; gemm_args emulates)
+        return spec
+    if spec.kind == "mxfp8" and not grouped and spec.block_rows == 1:
+        return spec
+    got = type(recipe).__name__ + ("(enable_2d_quantization=True)" if spec.kind == "mxfp8" else "")
+    raise NotImplementedError(
+        f"{owner}: FP8 primary weights (quantized_model_init's recipe) support "
+        "Float8CurrentScaling, DelayedScaling and, for dense modules, Float8BlockScaling and "
+        f"MXFP8BlockScaling(enable_2d_quantization=False); got {got} (build the module outside "
+        "quantized_model_init to train it with this recipe)"
+    )
 
 
-def _cast(weight: Tensor, fp8_dtype: torch.dtype) -> list[Tensor]:
-    """Current scaling of the weight itself, whatever the per-tensor recipe: the five tensors
-    of ``functional.quantize_weight``, the codes in ``weight``'s shape (a grouped ``[G, N, K]``
-    weight is cast as ``[G * N, K]``: one scale for the whole tensor)."""
+def _cast(weight: Tensor, spec: QuantSpec) -> list[Tensor]:
+    """The five tensors of ``functional.quantize_weight`` of ``weight`` by ``spec`` (MXFP8: the
+    codes of ``functional.quantize_mxfp8``, whose values quantize_weight gives), the codes as
+    float8 in ``weight``'s shape (a grouped ``[G, N, K]`` weight is cast as ``[G * N, K]``: one
+    scale for the whole tensor)."""
     flat = weight.reshape(-1, weight.shape[-1]) if weight.dim() > 2 else weight
-    out = F.quantize_weight(flat, QuantSpec("current", fp8_dtype))
+    if spec.kind == "mxfp8":
+        out = [*F.quantize_mxfp8(flat, spec.fp8_dtype), flat.new_empty(0, dtype=torch.float32)]
+    else:
+        out = F.quantize_weight(flat, spec)
+    out[0], out[2] = out[0].view(spec.fp8_dtype), out[2].view(spec.fp8_dtype)
     out[0] = out[0].view(weight.shape)
     return out
+
+
+# What each of quantize_weight's five tensors is kept as, by suffix of the weight's name: the
+# codes are the Parameter, the others buffers. A transposed copy that is the transpose of the
+# codes and scale (per tensor, 128x128 blocks) is not kept: ``primary_operand`` makes it.
+_SUFFIXES = ("", "_scale_inv", "_t", "_scale_inv_t", "_amax")
+
+
+def _kept(spec: QuantSpec) -> tuple[int, ...]:
+    return (0, 1, 4) if spec.kind == "current" or spec.block_rows == 128 else (0, 1, 2, 3, 4)
+
+
+def _spec(module: nn.Module, name: str) -> QuantSpec:
+    return module.__dict__[_SPECS][name]
 
 
 def get_high_precision_init_val(param: nn.Parameter) -> Tensor | None:
@@ -120,18 +159,21 @@ def clear_high_precision_init_val(param: nn.Parameter) -> None:
 
 
 @torch.no_grad()
-def make_primary(module: nn.Module, names: tuple[str, ...], owner: str) -> None:
+def make_primary(
+    module: nn.Module, names: tuple[str, ...], owner: str, grouped: bool = False
+) -> None:
     """Inside ``quantized_model_init``: replace ``module``'s weights ``names`` (initialised in
-    high precision) by FP8 Parameters with their ``<name>_scale_inv`` / ``<name>_amax`` buffers.
-    Outside it: nothing."""
+    high precision) by FP8 Parameters with their ``<name>_scale_inv`` / ``<name>_amax`` buffers
+    (and ``<name>_t`` / ``<name>_scale_inv_t`` of 1-D weight blocks: 1x128, MXFP8).
+    ``grouped``: the weights of a grouped GEMM (per-tensor recipes only). Outside it: nothing."""
     state = _STATE[0]
     if state is None:
         return
+    spec = _weight_spec(state.recipe, owner, grouped)
     for name in names:
         hp = getattr(module, name)
-        data, scale_inv, _, _, amax = _quantize(hp.detach(), state.recipe, owner)
-        fp8_dtype = recipe_specs(state.recipe)[1].fp8_dtype
-        param = nn.Parameter(data.view(fp8_dtype), requires_grad=hp.requires_grad)
+        tensors = _cast(hp.detach(), spec)
+        param = nn.Parameter(tensors[0], requires_grad=hp.requires_grad)
         for attr, value in vars(hp).items():  # tensor-parallel attributes and the like
             setattr(param, attr, value)
         if state.preserve:
@@ -141,9 +183,10 @@ def make_primary(module: nn.Module, names: tuple[str, ...], owner: str) -> None:
         param.get_high_precision_init_val = types.MethodType(get_high_precision_init_val, param)
         param.clear_high_precision_init_val = types.MethodType(clear_high_precision_init_val, param)
         setattr(module, name, param)
-        module.register_buffer(f"{name}_scale_inv", scale_inv)
-        module.register_buffer(f"{name}_amax", amax)
+        for i in _kept(spec)[1:]:
+            module.register_buffer(name + _SUFFIXES[i], tensors[i])
         module.__dict__.setdefault(_INIT_DTYPES, {})[name] = hp.dtype
+        module.__dict__.setdefault(_SPECS, {})[name] = spec
         _stamp(module, name)
     if _STAMPS not in module.__dict__ or _HOOKED in module.__dict__:
         return
@@ -155,18 +198,18 @@ def make_primary(module: nn.Module, names: tuple[str, ...], owner: str) -> None:
 def _quantize_loaded_weights(module, state_dict, prefix, *args) -> None:
     """``load_state_dict``'s pre-hook: a high-precision value for an FP8 weight (a checkpoint of
     the model without FP8 primary weights) is quantised as ``FP8MasterWeights`` quantises its
-    masters (current scaling of the weight), codes, scale and amax; loaded as they were, its
-    values would be cast into the codes without the weight's scale."""
+    masters, codes and buffers; loaded as they were, its values would be cast into the codes
+    without the weight's scale."""
     for name in module.__dict__.get(_STAMPS, {}):
         value, param = state_dict.get(prefix + name), getattr(module, name)
         if value is None or not value.is_floating_point() or is_primary(value):
             continue
         if type(param.data) is not Tensor:  # a DTensor shard (FSDP2): distributed checkpointing
             continue
-        data, scale_inv, _, _, amax = _cast(value.to(param.device), param.dtype)
-        state_dict[prefix + name] = data.view(param.dtype)
-        state_dict[prefix + f"{name}_scale_inv"] = scale_inv
-        state_dict[prefix + f"{name}_amax"] = amax
+        spec = _spec(module, name)
+        tensors = _cast(value.to(param.device), spec)
+        for i in _kept(spec):
+            state_dict[prefix + name + _SUFFIXES[i]] = tensors[i]
 
 
 def _stamp(module: nn.Module, name: str) -> None:
@@ -231,14 +274,24 @@ def high_precision_init(module: nn.Module, names: tuple[str, ...]) -> Iterator[N
         for n, p in fp8.items():
             hp = module._parameters[n].detach()
             module._parameters[n] = p
-            data, scale_inv, _, _, amax = _cast(hp, p.dtype)
-            with torch.no_grad():
-                p.copy_(data.view(p.dtype))
-                getattr(module, f"{n}_scale_inv").copy_(scale_inv)
-                getattr(module, f"{n}_amax").copy_(amax)
-            _stamp(module, n)
+            _set(module, n, hp)
             if get_high_precision_init_val(p) is not None:
                 p._high_precision_init_val = hp.to("cpu", copy=True)
+
+
+@torch.no_grad()
+def _set(module: nn.Module, name: str, values: Tensor) -> None:
+    """Quantise ``values`` into FP8 weight ``name``'s codes and buffers (as it was made)."""
+    tensors = _cast(values, _spec(module, name))
+    for i in _kept(_spec(module, name)):
+        getattr(module, name + _SUFFIXES[i]).copy_(tensors[i])
+    _stamp(module, name)
+
+
+def _dequantized(module: nn.Module, name: str) -> Tensor:
+    """FP8 weight ``name``'s values, fp32."""
+    codes, scale_inv = getattr(module, name).detach(), getattr(module, f"{name}_scale_inv")
+    return dequantized(codes, scale_inv, _spec(module, name), torch.float32)
 
 
 def is_primary(weight: Tensor) -> bool:
@@ -263,8 +316,11 @@ def primary_operand(
         return None
     check_unchanged(module, name, weight)
     scale_inv, amax = getattr(module, f"{name}_scale_inv"), getattr(module, f"{name}_amax")
+    kept = module._buffers
+    if f"{name}_t" in kept:  # 1x128 or MXFP8's 1x32 weight blocks: a cast of its own
+        return weight, scale_inv, kept[f"{name}_t"], kept[f"{name}_scale_inv_t"], amax
     codes_t = weight.detach().view(torch.uint8).t().contiguous()
-    return weight, scale_inv, codes_t, scale_inv, amax
+    return weight, scale_inv, codes_t, scale_inv.t().contiguous(), amax
 
 
 def grouped_primary(
@@ -423,6 +479,7 @@ def primary_main_grad(module: nn.Module, name: str) -> Tensor | None:
 
 
 _INIT_DTYPES = "_fp8_init_dtypes"  # {name: the dtype the FP8 weight was built in}
+_SPECS = "_fp8_weight_specs"  # {name: the QuantSpec it is kept by (_weight_spec)}
 _STAMPS = "_fp8_weight_stamps"  # {name: (data_ptr, _version) when te_compile last set it}
 _HOOKED = "_fp8_load_hooks"  # the load_state_dict hooks are registered
 _SHARDED_MAIN_GRADS = "_fp8_sharded_main_grads"  # {name: the zero-byte leaf holding it as .grad}
@@ -484,6 +541,13 @@ class FP8MasterWeights:
                     self._others.append(param)
                     continue
                 group = _fsdp_group(owner, param)
+                if group is not None and _spec(module, name).kind == "block":
+                    raise NotImplementedError(
+                        f"{owner}: the FP8 weight {name!r} of {type(module).__name__} is sharded "
+                        "by FSDP2 and kept in Float8BlockScaling's blocks; sharded FP8 primary "
+                        "weights support the per-tensor recipes (Float8CurrentScaling, "
+                        "DelayedScaling)"
+                    )
                 init = get_high_precision_init_val(param)
                 if group is not None:  # a DTensor shard: the master is this rank's shard
                     codes = param.to_local()
@@ -504,8 +568,7 @@ class FP8MasterWeights:
                 elif init is not None:
                     master = init.to(param.device, torch.float32, copy=True)
                 else:
-                    scale_inv = getattr(module, f"{name}_scale_inv")
-                    master = param.detach().float() * scale_inv
+                    master = _dequantized(module, name)
                 clear_high_precision_init_val(param)
                 master = nn.Parameter(master)
                 if group is None and not allocated:
@@ -550,15 +613,13 @@ class FP8MasterWeights:
         the amax is the max over its FSDP2 group (all-reduced), so every rank casts its shard
         with the scale of the whole weight and the codes equal the unsharded cast's."""
         for e in self._entries:
-            weight = getattr(e.module, e.name)
-            scale_inv = getattr(e.module, f"{e.name}_scale_inv")
             if e.group is None:
-                data, new_scale_inv, _, _, amax = _cast(e.master, weight.dtype)
-                weight.copy_(data.view(weight.dtype))
-            else:
-                data, new_scale_inv, amax = _quantize_shard(e, weight.dtype)
-                weight.to_local().copy_(data.view(weight.dtype))
-            scale_inv.copy_(new_scale_inv)
+                _set(e.module, e.name, e.master)
+                continue
+            weight = getattr(e.module, e.name)
+            data, scale_inv, amax = _quantize_shard(e, weight.dtype)
+            weight.to_local().copy_(data.view(weight.dtype))
+            getattr(e.module, f"{e.name}_scale_inv").copy_(scale_inv)
             getattr(e.module, f"{e.name}_amax").copy_(amax)
             _stamp(e.module, e.name)
 

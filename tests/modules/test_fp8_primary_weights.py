@@ -17,6 +17,7 @@ from te_compile.quantization import (
     Float8BlockScaling,
     Float8CurrentScaling,
     MXFP8BlockScaling,
+    NVFP4BlockScaling,
     autocast,
 )
 from tests.utils import (
@@ -233,9 +234,6 @@ def test_compiled_step_one_graph_values_as_eager(name):
 
 def test_refused_uses():
     recipe = Float8CurrentScaling()
-    for other in (Float8BlockScaling(), MXFP8BlockScaling()):
-        with pytest.raises(NotImplementedError, match=type(other).__name__):
-            _primary("Linear", "cpu", other)
     m = _primary("Linear", "cpu", recipe)
     with pytest.raises(NotImplementedError, match="no FP8 autocast"):
         m(_x("cpu"))
@@ -283,6 +281,247 @@ def test_transformer_layer_trains_with_fp8_weights():
         assert torch.equal(w.detach().view(torch.uint8), codes[0])
         assert torch.equal(getattr(module, f"{name}_scale_inv"), codes[1])
         assert not w.main_grad.any()
+
+
+# Block-scaled recipes: Float8BlockScaling, MXFP8BlockScaling -----------------------------------
+
+BLOCK = Float8BlockScaling()  # 128x128 weight blocks, power-of-two scales
+BLOCK_1D = Float8BlockScaling(w_block_scaling_dim=1)  # 1x128 weight blocks: two casts
+MXFP8 = MXFP8BlockScaling()  # 1x32 blocks along each dim: two casts
+BLOCK_RECIPES = {"block": BLOCK, "block_1x128": BLOCK_1D, "mxfp8": MXFP8}
+
+
+def _block_cast(values, recipe):
+    """The five tensors of ``values``' weight cast under ``recipe``, in FP8 codes: the codes,
+    their scales, the dgrad GEMM's copy, its scales, a 0-element amax."""
+    if recipe is MXFP8:
+        return [*te.functional.quantize_mxfp8(values.float()), torch.empty(0)]
+    spec = "block:e4m3:128x128:p2" if recipe is BLOCK else "block:e4m3:p2"
+    return te.functional.quantize_weight(values, spec)
+
+
+def _assert_kept_cast_of(m, values, recipe=BLOCK):
+    """Each FP8 weight of ``m`` holds :func:`_block_cast` of ``values[name]``: the codes
+    (Parameter), the rest as buffers (the dgrad GEMM's copy and its scales only where it is a
+    cast of its own: of 128x128 blocks they are transposes)."""
+    for n in _fp8_names(m):
+        want = _block_cast(values[n].detach(), recipe)
+        for suffix, w in zip(("", "_scale_inv", "_t", "_scale_inv_t", "_amax"), want, strict=True):
+            if suffix == "":
+                got = m.get_parameter(n)
+            elif suffix.endswith("_t") and recipe is BLOCK:
+                assert f"{n}{suffix}" not in dict(m.named_buffers())
+                got = (m.get_parameter(n) if suffix == "_t" else m.get_buffer(f"{n}_scale_inv")).T
+            else:
+                got = m.get_buffer(n + suffix)
+            got, w = got.detach(), w.detach()
+            if w.element_size() == 1:  # FP8 codes (or uint8 bytes), E8M0 scales
+                got, w = got.view(torch.uint8), w.view(torch.uint8)
+            assert torch.equal(got, w), n + suffix
+
+
+def _kept_values(m, n, suffix=""):
+    """FP8 weight ``n``'s values, fp32, from its codes and scales (``suffix="_t"``: from the
+    dgrad GEMM's kept copy, ``[in, out]``)."""
+    codes, scale = m.get_buffer(n + suffix) if suffix else m.get_parameter(n).detach(), None
+    scale = m.get_buffer(f"{n}_scale_inv{suffix}")
+    if scale.dtype == torch.uint8:  # MXFP8's E8M0 scales
+        return te.functional.dequantize_mxfp8(codes, scale, torch.float32)
+    rows = 128 if scale.shape[0] != codes.shape[0] else 1
+    scale = scale.repeat_interleave(rows, 0).repeat_interleave(128, 1)
+    return codes.float() * scale[: codes.shape[0], : codes.shape[1]]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_block_weights_keep_the_blockwise_cast_of_the_initial_values(name):
+    """Under a block-scaled recipe each weight keeps its weight cast (the dgrad GEMM's copy too
+    where it is not the transpose: 1x128 and MXFP8 blocks)."""
+    hp = _build(name, "cpu")
+    for recipe in BLOCK_RECIPES.values():
+        m = _primary(name, "cpu", recipe, preserve=True)
+        _assert_kept_cast_of(m, {n: getattr(hp, n) for n in _fp8_names(m)}, recipe)
+        for n in _fp8_names(m):
+            assert torch.equal(getattr(m, n).get_high_precision_init_val(), getattr(hp, n).detach())
+            assert getattr(m, n).element_size() == 1
+
+
+def _block_pair(m, hp, device):
+    """``m`` (Float8BlockScaling FP8 weights) with FP8MasterWeights, and ``hp`` (high-precision
+    weights) given their values (exact in bf16: codes times power-of-two scales) and fp32
+    ``main_grad`` buffers."""
+    te.FP8MasterWeights(m)
+    with torch.no_grad():
+        for n in _fp8_names(m):
+            w = _kept_values(m, n)
+            assert torch.equal(w.bfloat16().float(), w), n  # exact in bf16
+            hp.get_parameter(n).copy_(w)
+            hp.get_parameter(n).main_grad = torch.zeros(w.shape, device=device)
+    return m, hp
+
+
+def _assert_same_step(m, hp, device):
+    x = _x(device).requires_grad_()
+    x0 = x.detach().clone().requires_grad_()
+    with autocast(recipe=BLOCK):
+        y, y0 = m(x), hp(x0)
+    assert torch.equal(y, y0)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y0.backward(g)
+    assert torch.equal(x.grad, x0.grad)
+    for n in _fp8_names(m):
+        w, w0 = m.get_parameter(n), hp.get_parameter(n)
+        assert w.main_grad.any() and w.grad is None, n
+        assert torch.equal(w.main_grad, w0.main_grad), n
+    for (n, p), p0 in zip(m.named_parameters(), hp.parameters(), strict=True):
+        if p.dtype != E4M3:
+            assert torch.equal(p.grad, p0.grad), n
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", MODULES)
+def test_block_forward_and_gradients_match_the_dequantised_weights(device, name):
+    """Under Float8BlockScaling the module with FP8 weights computes what the module with
+    high-precision weights equal to their values computes (its cast of them gives the same
+    blocks back): the same output, input gradient and fp32 weight gradient, exactly."""
+    hp = _build(name, device, fuse_wgrad_accumulation=True)
+    _assert_same_step(*_block_pair(_primary(name, device, BLOCK), hp, device), device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_block_ops_linear_matches_the_dequantised_weight(device):
+    hp = _ops_linear(device, accumulate_into_main_grad=True)
+    _assert_same_step(*_block_pair(_ops_linear(device, BLOCK), hp, device), device)
+
+
+@pytest.mark.parametrize("recipe", [BLOCK_1D, MXFP8], ids=["block_1x128", "mxfp8"])
+def test_block_1d_weights_dgrad_reads_the_kept_second_cast(recipe):
+    """1-D weight blocks (1x128, MXFP8's 1x32): the forward reads the codes (what the
+    high-precision module of their values computes, exactly), the dgrad GEMM the kept cast
+    along the other dim (``weight_t``), against float64 of the quantised gradient times its
+    values; the weight gradient reads no weight (exactly the high-precision module's)."""
+    from te_compile.functional.gemm import qdq_both
+    from te_compile.quantization.gemm import recipe_specs
+
+    m = _primary("Linear", "cpu", recipe)
+    hp = _build("Linear", "cpu", fuse_wgrad_accumulation=True)
+    te.FP8MasterWeights(m)
+    spec = recipe_specs(recipe)[2]  # the gradient's (not emulated on CPU: the same casts)
+    with torch.no_grad():
+        hp.weight.copy_(_kept_values(m, "weight"))
+    hp.weight.main_grad = torch.zeros(hp.weight.shape)
+    x = _x("cpu").requires_grad_()
+    x0 = x.detach().clone().requires_grad_()
+    with autocast(recipe=recipe):
+        y, y0 = m(x), hp(x0)
+    assert torch.equal(y, y0)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y0.backward(g)
+    assert torch.equal(m.weight.main_grad, hp.weight.main_grad)
+    g_q = qdq_both(g.float(), spec, columnwise=False)[0]
+    w_t = _kept_values(m, "weight", "_t")
+    assert_close(x.grad, g_q.double() @ w_t.double().T, torch.bfloat16)
+
+
+@pytest.mark.parametrize("recipe", list(BLOCK_RECIPES.values()), ids=list(BLOCK_RECIPES))
+def test_block_master_step_requantises_and_training_tracks_high_precision(recipe):
+    """FP8MasterWeights.step re-quantises each fp32 master into the codes and buffers by the
+    recipe's weight cast; the losses track the high-precision module."""
+    m = _primary("LayerNormMLP", "cpu", recipe, preserve=True)
+    before = {n: getattr(m, n).detach().clone() for n in _fp8_names(m)}
+    losses, masters = _train(m, recipe, 4, primary=True)
+    hp = _build("LayerNormMLP", "cpu", fuse_wgrad_accumulation=True)
+    ref, _ = _train(hp, recipe, 4, False)
+    _assert_kept_cast_of(m, {e.name: e.master for e in masters._entries}, recipe)
+    assert all(not torch.equal(getattr(m, n), w) for n, w in before.items())
+    assert losses[-1] < losses[0]
+    assert_close(losses, ref, torch.bfloat16, roundings=chain_roundings(torch.bfloat16, 4))
+
+
+@pytest.mark.parametrize("recipe", list(BLOCK_RECIPES.values()), ids=list(BLOCK_RECIPES))
+@pytest.mark.parametrize("name", MODULES)
+def test_block_state_dict_round_trip_and_high_precision_load(name, recipe):
+    m = _primary(name, "cpu", recipe)
+    _train(m, recipe, 2, primary=True)
+    buf = io.BytesIO()
+    torch.save(m.state_dict(), buf)
+    buf.seek(0)
+    fresh = _primary(name, "cpu", recipe)
+    fresh.load_state_dict(torch.load(buf))
+    with autocast(recipe=recipe), torch.no_grad():
+        assert torch.equal(fresh(_x("cpu", 7)), m(_x("cpu", 7)))
+    torch.manual_seed(5)
+    hp = _build(name, "cpu")
+    with torch.no_grad():
+        for p in hp.parameters():
+            p.normal_(0, 0.05)
+    fresh.load_state_dict(hp.state_dict(), strict=False)  # quantised by the blocks
+    _assert_kept_cast_of(fresh, {n: getattr(hp, n) for n in _fp8_names(fresh)}, recipe)
+    with torch.no_grad(), autocast(recipe=recipe):
+        assert torch.equal(fresh(_x("cpu", 3)), hp(_x("cpu", 3)))
+
+
+def test_block_reset_parameters_requantises_and_in_place_writes_are_refused():
+    with te.quantized_model_init(recipe=BLOCK, preserve_high_precision_init_val=True):
+        m = te.Linear(64, 32)
+    torch.manual_seed(123)
+    m.reset_parameters()
+    _assert_kept_cast_of(m, {"weight": m.weight.get_high_precision_init_val()})
+    with torch.no_grad():
+        m.weight.copy_(torch.randn(m.weight.shape))
+    with pytest.raises(RuntimeError, match="'weight' was written in place"), autocast(recipe=BLOCK):
+        m(torch.randn(4, 64))
+
+
+@pytest.mark.parametrize(
+    ("name", "recipe"),
+    [("Linear", BLOCK), ("LayerNormMLP", BLOCK), ("LayerNormMLP", MXFP8)],
+    ids=["Linear-block", "LayerNormMLP-block", "LayerNormMLP-mxfp8"],
+)
+def test_block_compiled_step_one_graph_values_as_eager(name, recipe):
+    _assert_compiled_step_as_eager(lambda: _primary(name, "cpu", recipe), recipe)
+
+
+def test_block_refused_uses():
+    """A weight's recipe family is the autocast's (Transformer Engine's "Recipe mismatch"), the
+    same weight blocks; grouped GEMMs keep per-tensor FP8 weights only; NVFP4 and MXFP8's
+    32x32 tiles are refused."""
+    m, per_tensor = (
+        _primary("Linear", "cpu", BLOCK),
+        _primary("Linear", "cpu", Float8CurrentScaling()),
+    )
+    with (
+        autocast(recipe=Float8CurrentScaling()),
+        pytest.raises(NotImplementedError, match=r"Recipe mismatch.*Float8BlockScaling blocks"),
+    ):
+        m(_x("cpu"))
+    with autocast(recipe=BLOCK), pytest.raises(NotImplementedError, match="per-tensor FP8 codes"):
+        per_tensor(_x("cpu"))
+    with (
+        autocast(recipe=Float8BlockScaling(w_block_scaling_dim=1)),
+        pytest.raises(NotImplementedError, match="holds 128x128 blocks"),
+    ):
+        m(_x("cpu"))
+    with autocast(recipe=MXFP8), pytest.raises(NotImplementedError, match="Recipe mismatch"):
+        m(_x("cpu"))
+    mx = _primary("Linear", "cpu", MXFP8)
+    with autocast(recipe=BLOCK), pytest.raises(NotImplementedError, match="holds MXFP8 blocks"):
+        mx(_x("cpu"))
+    with (
+        autocast(recipe=Float8BlockScaling(backward_override="high_precision")),
+        pytest.raises(ValueError, match="backward_override='high_precision'"),
+    ):
+        m(_x("cpu"))
+    for build in (lambda: te.GroupedLinear(G, 64, 32), lambda: te.ops.GroupedLinear(G, 64, 32)):
+        with (
+            te.quantized_model_init(recipe=BLOCK),
+            pytest.raises(NotImplementedError, match="for dense modules, Float8BlockScaling"),
+        ):
+            build()
+    for other in (NVFP4BlockScaling(), MXFP8BlockScaling(enable_2d_quantization=True)):
+        with pytest.raises(NotImplementedError, match=f"recipe.*got {type(other).__name__}"):
+            _primary("Linear", "cpu", other)
 
 
 # GroupedLinear ---------------------------------------------------------------------------------
