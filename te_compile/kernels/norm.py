@@ -467,10 +467,10 @@ def _norm_bwd(
     rows_per_program = triton.cdiv(triton.cdiv(rows, max(programs, 1)), cfg.block_m) * cfg.block_m
     rows_per_program = max(rows_per_program, cfg.block_m)
     programs = triton.cdiv(m, rows_per_program)
-    n_partial = 0 if kind == L2NORM else 1 + has_bias
-    # Chunked rows accumulate into the buffer across row tiles, so it must start at zero.
+    # Chunked rows accumulate into the buffers across row tiles, so they must start at zero.
     alloc = torch.zeros if cfg.chunked or programs == 0 else torch.empty
-    partial = alloc(n_partial, programs, n, device=x.device, dtype=torch.float32)
+    dw_p, db_p = (alloc(programs, n, device=x.device, dtype=torch.float32) if need else None
+                  for need in (kind != L2NORM, has_bias))  # fmt: skip
     if m > 0:
         rsigma = rsigma.contiguous()
         launch(_norm_bwd_kernel, (programs,))(
@@ -480,8 +480,10 @@ def _norm_bwd(
             rsigma if mean is None else mean.contiguous(),
             rsigma,
             dx,
-            partial[0] if n_partial else dx,
-            partial[n_partial - 1] if n_partial else dx,
+            # A partial buffer the kernel does not write: rsigma, which it only reads (a view
+            # or a tensor written twice would cost a compiled graph a copy around the launch).
+            rsigma if dw_p is None else dw_p,
+            rsigma if db_p is None else db_p,
             m,
             n,
             rows_per_program,
@@ -497,8 +499,8 @@ def _norm_bwd(
         return dx.view(inp.shape), None, None
     # Stage 2: sum the per-program partials (fp32), round once to the weight's dtype. One
     # reduction per output: views of one result would alias (custom ops' outputs must not).
-    dw = partial[0].sum(0).to(weight.dtype)
-    return dx.view(inp.shape), dw, partial[1].sum(0).to(weight.dtype) if has_bias else None
+    dw = dw_p.sum(0).to(weight.dtype)
+    return dx.view(inp.shape), dw, None if db_p is None else db_p.sum(0).to(weight.dtype)
 
 
 def layernorm_fwd(
