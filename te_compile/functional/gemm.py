@@ -494,6 +494,23 @@ def amax_buffer(
     return bits, [(bits, i) for i in range(n)]
 
 
+def grad_amax_slots(
+    recipe: str, x2: Tensor, *grad_amax: Tensor | None
+) -> list[tuple[Tensor, int] | None]:
+    """The slots of a backward's gradient casts (``slot=``, one per ``grad_amax``): on CUDA
+    under a per-tensor ``recipe`` each ``[1]`` fp32 ``grad_amax`` itself (a fresh one where
+    None), zeroed in one launch (``kernels.quantize.zero_amaxes``, at most two) and folded into
+    in place by its cast: no buffer to fill and copy from. Elsewhere None: the caller copies
+    the cast's amax into ``grad_amax``."""
+    if recipe not in PER_TENSOR or not x2.is_cuda:
+        return [None] * len(grad_amax)
+    from te_compile.kernels.quantize import zero_amaxes
+
+    outs = [x2.new_empty(1, dtype=torch.float32) if a is None else a for a in grad_amax]
+    zero_amaxes(*outs)
+    return [(a, 0) for a in outs]
+
+
 # GEMMs: one table, keyed by gemm_kind(recipe, emulate) ----------------------------------------
 
 

@@ -128,6 +128,14 @@ def abs_bits(x):
 
 
 @triton.jit
+def amax_slot(AMAX, SLOT):
+    """Element ``SLOT`` of an amax buffer as an int32 pointer: an int32 buffer
+    (``kernels.quantize.amax_bits``) or an fp32 one (a state's ``grad_amax``, written in place),
+    read and folded as the int32 bits of ``|x|`` either way."""
+    return AMAX.to(tl.pointer_type(tl.int32)) + SLOT
+
+
+@triton.jit
 def scale_from_amax(amax, fp8_max, eps, POW2: tl.constexpr):
     """Transformer Engine's ``compute_scale_from_amax`` (module docstring), elementwise."""
     amax = tl.where(amax < eps, eps, amax)  # not tl.maximum: a NaN amax must stay NaN

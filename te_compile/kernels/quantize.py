@@ -74,6 +74,7 @@ from te_compile.kernels.fp8 import (
     FORMATS,
     QuantizeLaunchConfig,
     abs_bits,
+    amax_slot,
     as_rows,
     block_scale,
     cast_args,
@@ -110,7 +111,14 @@ def _amax_kernel(X, AMAX_BITS, AMAX_SLOT, numel, chunk, BLOCK_SIZE: tl.constexpr
         offs = s + tl.arange(0, BLOCK_SIZE)
         x = tl.load(X + offs, mask=offs < end, other=0.0).to(tl.float32)
         acc = tl.maximum(acc, abs_bits(x))
-    tl.atomic_max(AMAX_BITS + AMAX_SLOT, tl.max(acc, axis=0))
+    tl.atomic_max(amax_slot(AMAX_BITS, AMAX_SLOT), tl.max(acc, axis=0))
+
+
+@triton.jit
+def _zero_kernel(A, B, TWO: tl.constexpr):
+    tl.store(A, 0.0)
+    if TWO:
+        tl.store(B, 0.0)
 
 
 @triton.jit(do_not_specialize=["AMAX_SLOT"])  # one compile for every slot
@@ -151,7 +159,7 @@ def _cast_kernel(
     x = tl.load(X + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask, other=0.0)
     x = x.to(tl.float32)
     first = (pid_m == 0) & (pid_k == 0)
-    amax = AMAX_BITS + AMAX_SLOT
+    amax = amax_slot(AMAX_BITS, AMAX_SLOT)
     scale = tile_scale(SCALE, amax, SCALE_INV, x, first, fp8_max, eps, FROM_AMAX, POW2)
     q = cast_fp8(x * scale, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, GUARD)
     tl.store(DATA + rows.to(tl.int64)[:, None] * K + cols[None, :], q, mask=mask)
@@ -349,6 +357,14 @@ def amax_bits(device: torch.device, n: int = 1) -> Tensor:
     (torch 2.11) cannot lower a kernel's write through a dtype view of a buffer the graph made
     (``make_reindexer NYI on DtypeView``)."""
     return torch.zeros(n, device=device, dtype=torch.int32)
+
+
+def zero_amaxes(a: Tensor, b: Tensor | None = None) -> None:
+    """Zero the 1-element amax buffers ``a`` (and ``b``) in place, in one launch: a backward's
+    ``grad_amax`` buffers, which its casts then fold their amaxes into. A kernel of ours writes
+    a graph input in place; Inductor's fill would be a new buffer, copied in after the casts."""
+    b_arg = a.new_empty(0) if b is None else b  # not written without TWO
+    launch(_zero_kernel, (1,))(a, b_arg, TWO=b is not None)
 
 
 def amax(x: Tensor, *, config: QuantizeLaunchConfig | None = None) -> Tensor:
