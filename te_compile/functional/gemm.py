@@ -481,11 +481,10 @@ def amax_buffer(
 ) -> tuple[Tensor | None, list[tuple[Tensor, int] | None]]:
     """The amax output of a GEMM family's call under a per-tensor ``recipe`` on CUDA (and
     ``shared``: no operand comes pre-quantised with an amax of its own): one zeroed ``[n]``
-    int32 buffer (``kernels.quantize.amax_bits``) and its ``n`` slots ``(buffer, i)``, one per
-    cast of the call, which fold their amaxes into them (``slot=``); the buffer is read as fp32
-    afterwards: one zero fill for the call and no gather, where a buffer per cast costs a fill
-    each and a concatenation. Elsewhere ``(None, [None] * n)``: each cast returns its own
-    amax."""
+    buffer (``kernels.quantize.amax_bits``) and its ``n`` slots ``(buffer, i)``, one per cast
+    of the call, which fold their amaxes into them (``slot=``): one zero fill for the call and
+    no gather, where a buffer per cast costs a fill each and a concatenation. Elsewhere
+    ``(None, [None] * n)``: each cast returns its own amax."""
     if not shared or recipe not in PER_TENSOR or not x2.is_cuda:
         return None, [None] * n
     from te_compile.kernels.quantize import amax_bits

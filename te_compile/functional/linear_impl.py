@@ -101,7 +101,7 @@ def forward_impl(a: LinearArgs, cuda: bool) -> tuple[Tensor, Tensor, list[Tensor
             w_slots = [] if a.weight_q is not None else [fp8_bytes(wq.data_t), wq.scale_t]
             saved = [*x_slots, *w_slots]
         if bits is not None:
-            amax = [bits.view(torch.float32)]
+            amax = [bits]
         elif recipe in PER_TENSOR:
             amax = [torch.cat([xq.amax, wq.amax])]
     y = h

@@ -236,7 +236,7 @@ def _forward(a: MLPArgs) -> tuple[Tensor, list[Tensor]]:
         fp8_bytes(hq.data_t), _saved_scale(xs, hq.scale_t), *w2_copy, *stats,
     ]  # fmt: skip
     if bits is not None:
-        saved.append(bits.view(torch.float32))
+        saved.append(bits)
     elif recipe in PER_TENSOR:
         saved.append(torch.cat([xq.amax, w1q.amax, hq.amax, w2q.amax]))
     return out.reshape(*inp.shape[:-1], w2.shape[0]), saved

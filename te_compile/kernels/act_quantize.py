@@ -463,9 +463,9 @@ def _per_tensor(
     name: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
     """The launches of :func:`act_quantize` / :func:`norm_quantize`: ``z`` ``[>= rows, N]``
-    read up to row ``rows``, outputs of ``m_out`` rows. ``amax``: the zeroed int32 buffer
+    read up to row ``rows``, outputs of ``m_out`` rows. ``amax``: the zeroed buffer
     (``kernels.quantize.amax_bits``; None: a new ``[1]`` one) whose element ``slot`` takes the
-    amax, returned whole as fp32; ``amax_folded``: current scaling's first pass already folded
+    amax, returned whole; ``amax_folded``: current scaling's first pass already folded
     it (the norm statistics kernel), else ``_act_amax_kernel`` runs it. ``norm``: the norm's
     ``(gamma, mean, rsigma)`` (``bias`` is its beta). ``gated``:
     ``z`` is ``[>= rows, 2N]`` (:func:`act_quantize`)."""
@@ -528,7 +528,7 @@ def _per_tensor(
         **common,
     )
     db = part.sum(0).to(bias.dtype) if dbias else None
-    return data, data_t, scale_inv, amax.view(torch.float32), db
+    return data, data_t, scale_inv, amax, db
 
 
 def _blockwise(

@@ -129,9 +129,8 @@ def abs_bits(x):
 
 @triton.jit
 def amax_slot(AMAX, SLOT):
-    """Element ``SLOT`` of an amax buffer as an int32 pointer: an int32 buffer
-    (``kernels.quantize.amax_bits``) or an fp32 one (a state's ``grad_amax``, written in place),
-    read and folded as the int32 bits of ``|x|`` either way."""
+    """Element ``SLOT`` of an fp32 amax buffer (``kernels.quantize.amax_bits``, a state's
+    ``grad_amax``) as an int32 pointer: amaxes are folded as the int32 bits of ``|x|``."""
     return AMAX.to(tl.pointer_type(tl.int32)) + SLOT
 
 

@@ -55,7 +55,7 @@ import triton.language as tl
 from torch import Tensor
 
 from te_compile.kernels import launch, programs_per_sm, size_hint
-from te_compile.kernels.fp8 import ROUNDING, abs_bits, round_to
+from te_compile.kernels.fp8 import ROUNDING, abs_bits, amax_slot, round_to
 
 __all__ = [
     "NormLaunchConfig",
@@ -210,7 +210,7 @@ def _norm_fwd_kernel(
             tl.store(Y + row_off + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
         if AMAX:
             a = tl.where(mask, abs_bits(round_to(y, ROUND, SOFTWARE)), 0)
-            tl.atomic_max(AMAX_BITS + AMAX_SLOT, tl.max(tl.max(a, axis=1), axis=0))
+            tl.atomic_max(amax_slot(AMAX_BITS, AMAX_SLOT), tl.max(tl.max(a, axis=1), axis=0))
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if KIND == LAYERNORM:
@@ -241,7 +241,7 @@ def _norm_fwd_kernel(
                     a = tl.where(mask, abs_bits(round_to(y, ROUND, SOFTWARE)), 0)
                     amax = tl.maximum(amax, a)
             if AMAX:
-                tl.atomic_max(AMAX_BITS + AMAX_SLOT, tl.max(tl.max(amax, axis=1), axis=0))
+                tl.atomic_max(amax_slot(AMAX_BITS, AMAX_SLOT), tl.max(tl.max(amax, axis=1), axis=0))
     if KIND == LAYERNORM:
         tl.store(MEAN + rows, mean, mask=row_mask)
     tl.store(RSIGMA + rows, rsigma, mask=row_mask)
@@ -378,7 +378,7 @@ def _norm_fwd(
     slot: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(out, mean, rsigma)``; without ``store_y`` ``out`` is a 0-element tensor (statistics
-    only). ``amax`` (``[1]`` int32, the bits of a zero or running fp32 max,
+    only). ``amax`` (a zero or running max,
     ``kernels.quantize.amax_bits``): the output's amax, rounded to the input's dtype, is folded
     into its element ``slot``."""
     x = as_rows(inp)
@@ -430,8 +430,8 @@ def norm_stats(
     slot: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """``(mean, rsigma)`` of "LayerNorm" or "RMSNorm" (``mean`` 0-element for RMSNorm) as the
-    forward kernels compute them, without writing the output; with ``amax`` (int32 bits,
-    ``kernels.quantize.amax_bits``) the amax of the output rounded to ``inp``'s dtype is folded
+    forward kernels compute them, without writing the output; with ``amax``
+    (``kernels.quantize.amax_bits``) the amax of the output rounded to ``inp``'s dtype is folded
     into its element ``slot``. The statistics pass of the norm fused into an FP8 cast
     (``kernels.act_quantize.norm_quantize``)."""
     kind = LAYERNORM.value if normalization == "LayerNorm" else RMSNORM.value

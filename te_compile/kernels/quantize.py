@@ -348,15 +348,13 @@ def _delayed_update_kernel(
 
 
 def amax_bits(device: torch.device, n: int = 1) -> Tensor:
-    """A zeroed ``[n]`` int32 buffer that kernels fold amaxes into (``tl.atomic_max`` over the
-    int32 bits of ``|x|``, module docstring), one per element (the casts of one GEMM share one
-    buffer, each given its slot: one zero fill, no gather after; a slot goes to a kernel as an
-    int, not as a view, which Inductor would copy around the write); ``.view(torch.float32)``
-    reads the amaxes.
-    Kernels are given this int32 buffer itself, never an int32 view of an fp32 one: Inductor
-    (torch 2.11) cannot lower a kernel's write through a dtype view of a buffer the graph made
-    (``make_reindexer NYI on DtypeView``)."""
-    return torch.zeros(n, device=device, dtype=torch.int32)
+    """A zeroed ``[n]`` fp32 buffer that kernels fold amaxes into (``tl.atomic_max`` over the
+    int32 bits of ``|x|`` through an int32 pointer, module docstring), one per element (the
+    casts of one GEMM share one buffer, each given its slot: one zero fill, no gather after; a
+    slot goes to a kernel as an int, not as a view, which Inductor would copy around the
+    write). A dtype view would not do either: Inductor (torch 2.11) cannot lower a kernel's
+    write through one (``make_reindexer NYI on DtypeView``)."""
+    return torch.zeros(n, device=device, dtype=torch.float32)
 
 
 def zero_amaxes(a: Tensor, b: Tensor | None = None) -> None:
@@ -369,12 +367,11 @@ def zero_amaxes(a: Tensor, b: Tensor | None = None) -> None:
 
 def amax(x: Tensor, *, config: QuantizeLaunchConfig | None = None) -> Tensor:
     """``max|x|`` as a 1-element fp32 tensor (0 for an empty ``x``; NaN if any is NaN)."""
-    return _amax_bits(x, config or DEFAULT_CONFIG).view(torch.float32)
+    return _amax_bits(x, config or DEFAULT_CONFIG)
 
 
 def _amax_bits(x: Tensor, cfg: QuantizeLaunchConfig, out: Tensor | None = None, slot: int = 0):
-    """:func:`amax` as its int32 bits (:func:`amax_bits`), folded into ``out[slot]`` where
-    ``out`` is given."""
+    """:func:`amax`, folded into ``out[slot]`` (:func:`amax_bits`) where ``out`` is given."""
     x = x.contiguous()
     out = amax_bits(x.device) if out is None else out
     n = x.numel()
@@ -438,7 +435,7 @@ def _cast(
     data = torch.empty(shape, device=x.device, dtype=fp8_dtype)
     data_t = _transposed(x, m, k, fp8_dtype, columnwise)
     if not from_amax and not m * k:
-        return data, data_t, reciprocal_rn(scale), bits.view(torch.float32)
+        return data, data_t, reciprocal_rn(scale), bits
     scale_inv = torch.empty(1, device=x.device, dtype=torch.float32)
     launch(_cast_kernel, grid_2d(m, k, cfg.block_m, cfg.block_k))(
         x,
@@ -460,7 +457,7 @@ def _cast(
         BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps,
     )
-    return data, data_t, scale_inv, bits.view(torch.float32)
+    return data, data_t, scale_inv, bits
 
 
 def quantize_tensorwise(
