@@ -496,11 +496,9 @@ def amax_buffer(
 def grad_amax_slots(
     recipe: str, x2: Tensor, *grad_amax: Tensor | None
 ) -> list[tuple[Tensor, int] | None]:
-    """The slots of a backward's gradient casts (``slot=``, one per ``grad_amax``): on CUDA
-    under a per-tensor ``recipe`` each ``[1]`` fp32 ``grad_amax`` itself (a fresh one where
-    None), zeroed in one launch (``kernels.quantize.zero_amaxes``, at most two) and folded into
-    in place by its cast: no buffer to fill and copy from. Elsewhere None: the caller copies
-    the cast's amax into ``grad_amax``."""
+    """``slot=`` of a backward's gradient casts, one per ``grad_amax``: on CUDA under a
+    per-tensor ``recipe`` that ``[1]`` fp32 buffer itself (a new one for None), zeroed in one
+    launch and folded into in place, no buffer to fill and copy; else None (the caller copies)."""
     if recipe not in PER_TENSOR or not x2.is_cuda:
         return [None] * len(grad_amax)
     from te_compile.kernels.quantize import zero_amaxes

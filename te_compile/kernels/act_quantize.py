@@ -67,7 +67,6 @@ from te_compile.kernels.fp8 import (
     ROUNDING,
     QuantizeLaunchConfig,
     abs_bits,
-    amax_slot,
     cast_args,
     cast_fp8,
     round_to,
@@ -247,7 +246,7 @@ def _act_amax_kernel(
 ):  # fmt: skip
     """The amax goes into ``AMAX_BITS[AMAX_SLOT]``. The gated backward's ``PART`` rows are
     ``2N`` wide: the activation half's sums, then the linear half's."""
-    AMAX_BITS = amax_slot(AMAX_BITS, AMAX_SLOT)
+    AMAX_BITS = AMAX_BITS.to(tl.pointer_type(tl.int32)) + AMAX_SLOT
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if GATED and BWD:
@@ -312,7 +311,7 @@ def _act_cast_kernel(
     tile's amax (and, with ``DBIAS``, its column sums) are folded. Program (0, 0) writes
     ``SCALE_INV``. The gated backward casts both halves of ``dz`` (``[M_OUT, 2N]``) from one
     read."""
-    AMAX_BITS = amax_slot(AMAX_BITS, AMAX_SLOT)
+    AMAX_BITS = AMAX_BITS.to(tl.pointer_type(tl.int32)) + AMAX_SLOT
     # Inductor passes Python floats as fp64; Triton's own launcher as fp32.
     fp8_max = tl.cast(fp8_max, tl.float32)
     eps = tl.cast(eps, tl.float32)
@@ -481,8 +480,7 @@ def _per_tensor(
     if cfg.block_m * z.shape[1] >= 2**31 or cfg.block_k * m_out >= 2**31:
         raise ValueError(f"{name}: [{m_out}, {z.shape[1]}] is too large for 32-bit tile offsets")
     dbias = need_dbias and bias is not None and grad is not None
-    # Without dbias PART is a placeholder the kernel does not write: z, which it only reads (the
-    # amax buffer, written, would cost a compiled graph a copy of it around the launch).
+    # Unused without dbias: z, read only (the written amax buffer would cost Inductor a copy).
     part = z.new_empty((grid[0], n_out), dtype=torch.float32) if dbias else z
     g = z if grad is None else grad
     gamma, mean, rsig = norm if norm is not None else (g, z, z)

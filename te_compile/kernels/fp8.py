@@ -128,13 +128,6 @@ def abs_bits(x):
 
 
 @triton.jit
-def amax_slot(AMAX, SLOT):
-    """Element ``SLOT`` of an fp32 amax buffer (``kernels.quantize.amax_bits``, a state's
-    ``grad_amax``) as an int32 pointer: amaxes are folded as the int32 bits of ``|x|``."""
-    return AMAX.to(tl.pointer_type(tl.int32)) + SLOT
-
-
-@triton.jit
 def scale_from_amax(amax, fp8_max, eps, POW2: tl.constexpr):
     """Transformer Engine's ``compute_scale_from_amax`` (module docstring), elementwise."""
     amax = tl.where(amax < eps, eps, amax)  # not tl.maximum: a NaN amax must stay NaN

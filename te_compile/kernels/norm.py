@@ -55,7 +55,7 @@ import triton.language as tl
 from torch import Tensor
 
 from te_compile.kernels import launch, programs_per_sm, size_hint
-from te_compile.kernels.fp8 import ROUNDING, abs_bits, amax_slot, round_to
+from te_compile.kernels.fp8 import ROUNDING, abs_bits, round_to
 
 __all__ = [
     "NormLaunchConfig",
@@ -192,6 +192,7 @@ def _norm_fwd_kernel(
     never written (``kernels.act_quantize.norm_quantize``)."""
     # Inductor passes Python floats as fp64; Triton's own launcher as fp32.
     eps = tl.cast(eps, tl.float32)
+    AMAX_BITS = AMAX_BITS.to(tl.pointer_type(tl.int32)) + AMAX_SLOT
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
     row_off = rows.to(tl.int64)[:, None] * N
@@ -210,7 +211,7 @@ def _norm_fwd_kernel(
             tl.store(Y + row_off + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
         if AMAX:
             a = tl.where(mask, abs_bits(round_to(y, ROUND, SOFTWARE)), 0)
-            tl.atomic_max(amax_slot(AMAX_BITS, AMAX_SLOT), tl.max(tl.max(a, axis=1), axis=0))
+            tl.atomic_max(AMAX_BITS, tl.max(tl.max(a, axis=1), axis=0))
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if KIND == LAYERNORM:
@@ -241,7 +242,7 @@ def _norm_fwd_kernel(
                     a = tl.where(mask, abs_bits(round_to(y, ROUND, SOFTWARE)), 0)
                     amax = tl.maximum(amax, a)
             if AMAX:
-                tl.atomic_max(amax_slot(AMAX_BITS, AMAX_SLOT), tl.max(tl.max(amax, axis=1), axis=0))
+                tl.atomic_max(AMAX_BITS, tl.max(tl.max(amax, axis=1), axis=0))
     if KIND == LAYERNORM:
         tl.store(MEAN + rows, mean, mask=row_mask)
     tl.store(RSIGMA + rows, rsigma, mask=row_mask)
@@ -480,8 +481,7 @@ def _norm_bwd(
             rsigma if mean is None else mean.contiguous(),
             rsigma,
             dx,
-            # A partial buffer the kernel does not write: rsigma, which it only reads (a view
-            # or a tensor written twice would cost a compiled graph a copy around the launch).
+            # Unused: rsigma, read only (a view or alias of a written one costs Inductor a copy).
             rsigma if dw_p is None else dw_p,
             rsigma if db_p is None else db_p,
             m,

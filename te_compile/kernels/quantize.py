@@ -26,7 +26,8 @@ Kernels:
   The maximum is taken over the *int32 bits* of :math:`|x|`: for non-negative floats the
   integer order is the float order, and every NaN lies above :math:`+\infty`, so the integer
   max is a NaN-propagating float max (the float ``max`` of Triton is not NaN-propagating) and
-  the int32 atomic max needs no compare-and-swap loop.
+  the int32 atomic max needs no compare-and-swap loop. The amax buffers are fp32, folded into
+  through an int32 pointer.
 * ``_cast_kernel``: per-tensor cast of one ``BLOCK_M x BLOCK_K`` tile per program: ``data``,
   and with ``COLUMNWISE`` the transposed tile into ``data_t`` (``[K, M]``) from the same
   registers, so ``x`` is read once. Delayed scaling loads the given scale and folds the tile's
@@ -74,7 +75,6 @@ from te_compile.kernels.fp8 import (
     FORMATS,
     QuantizeLaunchConfig,
     abs_bits,
-    amax_slot,
     as_rows,
     block_scale,
     cast_args,
@@ -111,7 +111,7 @@ def _amax_kernel(X, AMAX_BITS, AMAX_SLOT, numel, chunk, BLOCK_SIZE: tl.constexpr
         offs = s + tl.arange(0, BLOCK_SIZE)
         x = tl.load(X + offs, mask=offs < end, other=0.0).to(tl.float32)
         acc = tl.maximum(acc, abs_bits(x))
-    tl.atomic_max(amax_slot(AMAX_BITS, AMAX_SLOT), tl.max(acc, axis=0))
+    tl.atomic_max(AMAX_BITS.to(tl.pointer_type(tl.int32)) + AMAX_SLOT, tl.max(acc, axis=0))
 
 
 @triton.jit
@@ -159,7 +159,7 @@ def _cast_kernel(
     x = tl.load(X + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask, other=0.0)
     x = x.to(tl.float32)
     first = (pid_m == 0) & (pid_k == 0)
-    amax = amax_slot(AMAX_BITS, AMAX_SLOT)
+    amax = AMAX_BITS.to(tl.pointer_type(tl.int32)) + AMAX_SLOT
     scale = tile_scale(SCALE, amax, SCALE_INV, x, first, fp8_max, eps, FROM_AMAX, POW2)
     q = cast_fp8(x * scale, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, GUARD)
     tl.store(DATA + rows.to(tl.int64)[:, None] * K + cols[None, :], q, mask=mask)
@@ -348,21 +348,16 @@ def _delayed_update_kernel(
 
 
 def amax_bits(device: torch.device, n: int = 1) -> Tensor:
-    """A zeroed ``[n]`` fp32 buffer that kernels fold amaxes into (``tl.atomic_max`` over the
-    int32 bits of ``|x|`` through an int32 pointer, module docstring), one per element (the
-    casts of one GEMM share one buffer, each given its slot: one zero fill, no gather after; a
-    slot goes to a kernel as an int, not as a view, which Inductor would copy around the
-    write). A dtype view would not do either: Inductor (torch 2.11) cannot lower a kernel's
-    write through one (``make_reindexer NYI on DtypeView``)."""
+    """A zeroed ``[n]`` fp32 buffer that kernels fold amaxes into (module docstring), one per
+    element (the casts of one GEMM share one buffer, each given its slot as an int: one zero
+    fill, no gather after; a view would be copied around the write by Inductor)."""
     return torch.zeros(n, device=device, dtype=torch.float32)
 
 
 def zero_amaxes(a: Tensor, b: Tensor | None = None) -> None:
-    """Zero the 1-element amax buffers ``a`` (and ``b``) in place, in one launch: a backward's
-    ``grad_amax`` buffers, which its casts then fold their amaxes into. A kernel of ours writes
-    a graph input in place; Inductor's fill would be a new buffer, copied in after the casts."""
-    b_arg = a.new_empty(0) if b is None else b  # not written without TWO
-    launch(_zero_kernel, (1,))(a, b_arg, TWO=b is not None)
+    """Zero the ``[1]`` amax buffers ``a`` (and ``b``) in place, in one launch (Inductor's fill
+    of a graph input would be a new buffer, copied in after the kernels that fold into it)."""
+    launch(_zero_kernel, (1,))(a, a.new_empty(0) if b is None else b, TWO=b is not None)
 
 
 def amax(x: Tensor, *, config: QuantizeLaunchConfig | None = None) -> Tensor:
