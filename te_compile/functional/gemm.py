@@ -504,17 +504,31 @@ def amax_buffer(
 ) -> tuple[Tensor | None, list[tuple[Tensor, int] | None]]:
     """The amax output of a GEMM family's call under a per-tensor ``recipe`` on CUDA (and
     ``shared``: no operand comes pre-quantised with an amax of its own): one zeroed ``[n]``
-    int32 buffer (``kernels.quantize.amax_bits``) and its ``n`` slots ``(buffer, i)``, one per
-    cast of the call, which fold their amaxes into them (``slot=``); the buffer is read as fp32
-    afterwards: one zero fill for the call and no gather, where a buffer per cast costs a fill
-    each and a concatenation. Elsewhere ``(None, [None] * n)``: each cast returns its own
-    amax."""
+    buffer (``kernels.quantize.amax_bits``) and its ``n`` slots ``(buffer, i)``, one per cast
+    of the call, which fold their amaxes into them (``slot=``): one zero fill for the call and
+    no gather, where a buffer per cast costs a fill each and a concatenation. Elsewhere
+    ``(None, [None] * n)``: each cast returns its own amax."""
     if not shared or recipe not in PER_TENSOR or not x2.is_cuda:
         return None, [None] * n
     from te_compile.kernels.quantize import amax_bits
 
     bits = amax_bits(x2.device, n)
     return bits, [(bits, i) for i in range(n)]
+
+
+def grad_amax_slots(
+    recipe: str, x2: Tensor, *grad_amax: Tensor | None
+) -> list[tuple[Tensor, int] | None]:
+    """``slot=`` of a backward's gradient casts, one per ``grad_amax``: on CUDA under a
+    per-tensor ``recipe`` that ``[1]`` fp32 buffer itself (a new one for None), zeroed in one
+    launch and folded into in place, no buffer to fill and copy; else None (the caller copies)."""
+    if recipe not in PER_TENSOR or not x2.is_cuda:
+        return [None] * len(grad_amax)
+    from te_compile.kernels.quantize import zero_amaxes
+
+    outs = [x2.new_empty(1, dtype=torch.float32) if a is None else a for a in grad_amax]
+    zero_amaxes(*outs)
+    return [(a, 0) for a in outs]
 
 
 # GEMMs: one table, keyed by gemm_kind(recipe, emulate) ----------------------------------------

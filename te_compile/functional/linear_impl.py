@@ -27,6 +27,7 @@ from te_compile.functional.gemm import (
     fp8_codes,
     gemm,
     gemm_kind,
+    grad_amax_slots,
     hp_linear,
     pad_rows,
     quantize_operand,
@@ -100,7 +101,7 @@ def forward_impl(a: LinearArgs, cuda: bool) -> tuple[Tensor, Tensor, list[Tensor
             w_slots = [] if a.weight_q is not None else [fp8_bytes(wq.data_t), wq.scale_t]
             saved = [*x_slots, *w_slots]
         if bits is not None:
-            amax = [bits.view(torch.float32)]
+            amax = [bits]
         elif recipe in PER_TENSOR:
             amax = [torch.cat([xq.amax, wq.amax])]
     y = h
@@ -211,9 +212,10 @@ def _quantized_backward(dy, copies, main_grad, scale, grad_amax, rng_state, c: B
     kind = gemm_kind(c.recipe, c.x.emulate)
     sums = c.need_dbias and kind == "blockwise" and not c.ep.activation
     _, _, s_g = scale_slots(scale, c.recipe)
+    (slot,) = grad_amax_slots(c.recipe, dy, grad_amax)
     g = quantize_operand(c.g, pad_rows(dy), scale=s_g, columnwise=c.need_wgrad, mn_major=True,
-                         sums=sums, rng_state=rng_state)  # fmt: skip
-    if grad_amax is not None:
+                         sums=sums, rng_state=rng_state, slot=slot)  # fmt: skip
+    if grad_amax is not None and slot is None:
         grad_amax.copy_(g.amax)
     dinp = None
     if c.need_dgrad:  # dX [M, K] = dY [M, N] @ W [N, K]; W^T [K, N] is the GEMM's b

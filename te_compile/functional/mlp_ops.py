@@ -79,6 +79,7 @@ from te_compile.functional.gemm import (
     fp8_codes,
     gemm,
     gemm_kind,
+    grad_amax_slots,
     hp_linear,
     hp_linear_backward,
     pad_rows,
@@ -235,7 +236,7 @@ def _forward(a: MLPArgs) -> tuple[Tensor, list[Tensor]]:
         fp8_bytes(hq.data_t), _saved_scale(xs, hq.scale_t), *w2_copy, *stats,
     ]  # fmt: skip
     if bits is not None:
-        saved.append(bits.view(torch.float32))
+        saved.append(bits)
     elif recipe in PER_TENSOR:
         saved.append(torch.cat([xq.amax, w1q.amax, hq.amax, w2q.amax]))
     return out.reshape(*inp.shape[:-1], w2.shape[0]), saved
@@ -345,15 +346,16 @@ def _backward_impl(grad, saved, inp, w1, b1, w2, scale1, scale2, grad_amax1, gra
         kind, rows = gemm_kind(recipe, c.x.emulate), c.w.block_rows
         (_, _, s_dz), (_, _, s_dy) = scale_slots(scale1, recipe), scale_slots(scale2, recipe)
         sums = c.need_dbias and _native_block(c.x)
-        g = quantize_operand(c.g, pad_rows(dy), scale=s_dy, mn_major=True, sums=sums)
-        if grad_amax2 is not None:
+        a_dz, a_dy = grad_amax_slots(recipe, dy, grad_amax1, grad_amax2)
+        g = quantize_operand(c.g, pad_rows(dy), scale=s_dy, mn_major=True, sums=sums, slot=a_dy)
+        if grad_amax2 is not None and a_dy is None:
             grad_amax2.copy_(g.amax)
         # fc2: dh [M, F] = dY @ W2 (W2^T is the GEMM's b); dW2 [N, F] = dY^T @ h
         dh = gemm(kind, g.data, g.scale, w2_t, w2s, dtype, b_block_rows=rows)
         dw2 = wgrad_gemm(kind, g.data_t, g.scale_t, h_t, _wgrad_scale(c.x, hs), dtype, main_grad2)
         db2 = g.sums if sums else (dy.sum(0, dtype=torch.float32) if c.need_dbias else None)
-        dq, db1 = _act_operand(c.g, z, b1, dh, ep.activation, s_dz, m, need_db1, params)
-        if grad_amax1 is not None:
+        dq, db1 = _act_operand(c.g, z, b1, dh, ep.activation, s_dz, m, need_db1, params, a_dz)
+        if grad_amax1 is not None and a_dz is None:
             grad_amax1.copy_(dq.amax)
         # fc1: dX [M, D] = dz @ W1; dW1 [F1, D] = dz^T @ X
         dinp = None

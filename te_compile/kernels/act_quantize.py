@@ -246,7 +246,7 @@ def _act_amax_kernel(
 ):  # fmt: skip
     """The amax goes into ``AMAX_BITS[AMAX_SLOT]``. The gated backward's ``PART`` rows are
     ``2N`` wide: the activation half's sums, then the linear half's."""
-    AMAX_BITS += AMAX_SLOT
+    AMAX_BITS = AMAX_BITS.to(tl.pointer_type(tl.int32)) + AMAX_SLOT
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if GATED and BWD:
@@ -311,7 +311,7 @@ def _act_cast_kernel(
     tile's amax (and, with ``DBIAS``, its column sums) are folded. Program (0, 0) writes
     ``SCALE_INV``. The gated backward casts both halves of ``dz`` (``[M_OUT, 2N]``) from one
     read."""
-    AMAX_BITS += AMAX_SLOT
+    AMAX_BITS = AMAX_BITS.to(tl.pointer_type(tl.int32)) + AMAX_SLOT
     # Inductor passes Python floats as fp64; Triton's own launcher as fp32.
     fp8_max = tl.cast(fp8_max, tl.float32)
     eps = tl.cast(eps, tl.float32)
@@ -462,9 +462,9 @@ def _per_tensor(
     name: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
     """The launches of :func:`act_quantize` / :func:`norm_quantize`: ``z`` ``[>= rows, N]``
-    read up to row ``rows``, outputs of ``m_out`` rows. ``amax``: the zeroed int32 buffer
+    read up to row ``rows``, outputs of ``m_out`` rows. ``amax``: the zeroed buffer
     (``kernels.quantize.amax_bits``; None: a new ``[1]`` one) whose element ``slot`` takes the
-    amax, returned whole as fp32; ``amax_folded``: current scaling's first pass already folded
+    amax, returned whole; ``amax_folded``: current scaling's first pass already folded
     it (the norm statistics kernel), else ``_act_amax_kernel`` runs it. ``norm``: the norm's
     ``(gamma, mean, rsigma)`` (``bias`` is its beta). ``gated``:
     ``z`` is ``[>= rows, 2N]`` (:func:`act_quantize`)."""
@@ -480,7 +480,8 @@ def _per_tensor(
     if cfg.block_m * z.shape[1] >= 2**31 or cfg.block_k * m_out >= 2**31:
         raise ValueError(f"{name}: [{m_out}, {z.shape[1]}] is too large for 32-bit tile offsets")
     dbias = need_dbias and bias is not None and grad is not None
-    part = z.new_empty((grid[0], n_out), dtype=torch.float32) if dbias else amax
+    # Unused without dbias: z, read only (the written amax buffer would cost Inductor a copy).
+    part = z.new_empty((grid[0], n_out), dtype=torch.float32) if dbias else z
     g = z if grad is None else grad
     gamma, mean, rsig = norm if norm is not None else (g, z, z)
     common = {
@@ -525,7 +526,7 @@ def _per_tensor(
         **common,
     )
     db = part.sum(0).to(bias.dtype) if dbias else None
-    return data, data_t, scale_inv, amax.view(torch.float32), db
+    return data, data_t, scale_inv, amax, db
 
 
 def _blockwise(

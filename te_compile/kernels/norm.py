@@ -192,6 +192,7 @@ def _norm_fwd_kernel(
     never written (``kernels.act_quantize.norm_quantize``)."""
     # Inductor passes Python floats as fp64; Triton's own launcher as fp32.
     eps = tl.cast(eps, tl.float32)
+    AMAX_BITS = AMAX_BITS.to(tl.pointer_type(tl.int32)) + AMAX_SLOT
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
     row_off = rows.to(tl.int64)[:, None] * N
@@ -210,7 +211,7 @@ def _norm_fwd_kernel(
             tl.store(Y + row_off + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
         if AMAX:
             a = tl.where(mask, abs_bits(round_to(y, ROUND, SOFTWARE)), 0)
-            tl.atomic_max(AMAX_BITS + AMAX_SLOT, tl.max(tl.max(a, axis=1), axis=0))
+            tl.atomic_max(AMAX_BITS, tl.max(tl.max(a, axis=1), axis=0))
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if KIND == LAYERNORM:
@@ -241,7 +242,7 @@ def _norm_fwd_kernel(
                     a = tl.where(mask, abs_bits(round_to(y, ROUND, SOFTWARE)), 0)
                     amax = tl.maximum(amax, a)
             if AMAX:
-                tl.atomic_max(AMAX_BITS + AMAX_SLOT, tl.max(tl.max(amax, axis=1), axis=0))
+                tl.atomic_max(AMAX_BITS, tl.max(tl.max(amax, axis=1), axis=0))
     if KIND == LAYERNORM:
         tl.store(MEAN + rows, mean, mask=row_mask)
     tl.store(RSIGMA + rows, rsigma, mask=row_mask)
@@ -378,7 +379,7 @@ def _norm_fwd(
     slot: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(out, mean, rsigma)``; without ``store_y`` ``out`` is a 0-element tensor (statistics
-    only). ``amax`` (``[1]`` int32, the bits of a zero or running fp32 max,
+    only). ``amax`` (a zero or running max,
     ``kernels.quantize.amax_bits``): the output's amax, rounded to the input's dtype, is folded
     into its element ``slot``."""
     x = as_rows(inp)
@@ -430,8 +431,8 @@ def norm_stats(
     slot: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """``(mean, rsigma)`` of "LayerNorm" or "RMSNorm" (``mean`` 0-element for RMSNorm) as the
-    forward kernels compute them, without writing the output; with ``amax`` (int32 bits,
-    ``kernels.quantize.amax_bits``) the amax of the output rounded to ``inp``'s dtype is folded
+    forward kernels compute them, without writing the output; with ``amax``
+    (``kernels.quantize.amax_bits``) the amax of the output rounded to ``inp``'s dtype is folded
     into its element ``slot``. The statistics pass of the norm fused into an FP8 cast
     (``kernels.act_quantize.norm_quantize``)."""
     kind = LAYERNORM.value if normalization == "LayerNorm" else RMSNORM.value
@@ -467,10 +468,10 @@ def _norm_bwd(
     rows_per_program = triton.cdiv(triton.cdiv(rows, max(programs, 1)), cfg.block_m) * cfg.block_m
     rows_per_program = max(rows_per_program, cfg.block_m)
     programs = triton.cdiv(m, rows_per_program)
-    n_partial = 0 if kind == L2NORM else 1 + has_bias
-    # Chunked rows accumulate into the buffer across row tiles, so it must start at zero.
+    # Chunked rows accumulate into the buffers across row tiles, so they must start at zero.
     alloc = torch.zeros if cfg.chunked or programs == 0 else torch.empty
-    partial = alloc(n_partial, programs, n, device=x.device, dtype=torch.float32)
+    dw_p, db_p = (alloc(programs, n, device=x.device, dtype=torch.float32) if need else None
+                  for need in (kind != L2NORM, has_bias))  # fmt: skip
     if m > 0:
         rsigma = rsigma.contiguous()
         launch(_norm_bwd_kernel, (programs,))(
@@ -480,8 +481,9 @@ def _norm_bwd(
             rsigma if mean is None else mean.contiguous(),
             rsigma,
             dx,
-            partial[0] if n_partial else dx,
-            partial[n_partial - 1] if n_partial else dx,
+            # Unused: rsigma, read only (a view or alias of a written one costs Inductor a copy).
+            rsigma if dw_p is None else dw_p,
+            rsigma if db_p is None else db_p,
             m,
             n,
             rows_per_program,
@@ -497,8 +499,8 @@ def _norm_bwd(
         return dx.view(inp.shape), None, None
     # Stage 2: sum the per-program partials (fp32), round once to the weight's dtype. One
     # reduction per output: views of one result would alias (custom ops' outputs must not).
-    dw = partial[0].sum(0).to(weight.dtype)
-    return dx.view(inp.shape), dw, partial[1].sum(0).to(weight.dtype) if has_bias else None
+    dw = dw_p.sum(0).to(weight.dtype)
+    return dx.view(inp.shape), dw, None if db_p is None else db_p.sum(0).to(weight.dtype)
 
 
 def layernorm_fwd(

@@ -26,7 +26,8 @@ Kernels:
   The maximum is taken over the *int32 bits* of :math:`|x|`: for non-negative floats the
   integer order is the float order, and every NaN lies above :math:`+\infty`, so the integer
   max is a NaN-propagating float max (the float ``max`` of Triton is not NaN-propagating) and
-  the int32 atomic max needs no compare-and-swap loop.
+  the int32 atomic max needs no compare-and-swap loop. The amax buffers are fp32, folded into
+  through an int32 pointer.
 * ``_cast_kernel``: per-tensor cast of one ``BLOCK_M x BLOCK_K`` tile per program: ``data``,
   and with ``COLUMNWISE`` the transposed tile into ``data_t`` (``[K, M]``) from the same
   registers, so ``x`` is read once. Delayed scaling loads the given scale and folds the tile's
@@ -110,7 +111,14 @@ def _amax_kernel(X, AMAX_BITS, AMAX_SLOT, numel, chunk, BLOCK_SIZE: tl.constexpr
         offs = s + tl.arange(0, BLOCK_SIZE)
         x = tl.load(X + offs, mask=offs < end, other=0.0).to(tl.float32)
         acc = tl.maximum(acc, abs_bits(x))
-    tl.atomic_max(AMAX_BITS + AMAX_SLOT, tl.max(acc, axis=0))
+    tl.atomic_max(AMAX_BITS.to(tl.pointer_type(tl.int32)) + AMAX_SLOT, tl.max(acc, axis=0))
+
+
+@triton.jit
+def _zero_kernel(A, B, TWO: tl.constexpr):
+    tl.store(A, 0.0)
+    if TWO:
+        tl.store(B, 0.0)
 
 
 @triton.jit(do_not_specialize=["AMAX_SLOT"])  # one compile for every slot
@@ -151,7 +159,7 @@ def _cast_kernel(
     x = tl.load(X + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask, other=0.0)
     x = x.to(tl.float32)
     first = (pid_m == 0) & (pid_k == 0)
-    amax = AMAX_BITS + AMAX_SLOT
+    amax = AMAX_BITS.to(tl.pointer_type(tl.int32)) + AMAX_SLOT
     scale = tile_scale(SCALE, amax, SCALE_INV, x, first, fp8_max, eps, FROM_AMAX, POW2)
     q = cast_fp8(x * scale, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, GUARD)
     tl.store(DATA + rows.to(tl.int64)[:, None] * K + cols[None, :], q, mask=mask)
@@ -340,25 +348,25 @@ def _delayed_update_kernel(
 
 
 def amax_bits(device: torch.device, n: int = 1) -> Tensor:
-    """A zeroed ``[n]`` int32 buffer that kernels fold amaxes into (``tl.atomic_max`` over the
-    int32 bits of ``|x|``, module docstring), one per element (the casts of one GEMM share one
-    buffer, each given its slot: one zero fill, no gather after; a slot goes to a kernel as an
-    int, not as a view, which Inductor would copy around the write); ``.view(torch.float32)``
-    reads the amaxes.
-    Kernels are given this int32 buffer itself, never an int32 view of an fp32 one: Inductor
-    (torch 2.11) cannot lower a kernel's write through a dtype view of a buffer the graph made
-    (``make_reindexer NYI on DtypeView``)."""
-    return torch.zeros(n, device=device, dtype=torch.int32)
+    """A zeroed ``[n]`` fp32 buffer that kernels fold amaxes into (module docstring), one per
+    element (the casts of one GEMM share one buffer, each given its slot as an int: one zero
+    fill, no gather after; a view would be copied around the write by Inductor)."""
+    return torch.zeros(n, device=device, dtype=torch.float32)
+
+
+def zero_amaxes(a: Tensor, b: Tensor | None = None) -> None:
+    """Zero the ``[1]`` amax buffers ``a`` (and ``b``) in place, in one launch (Inductor's fill
+    of a graph input would be a new buffer, copied in after the kernels that fold into it)."""
+    launch(_zero_kernel, (1,))(a, a.new_empty(0) if b is None else b, TWO=b is not None)
 
 
 def amax(x: Tensor, *, config: QuantizeLaunchConfig | None = None) -> Tensor:
     """``max|x|`` as a 1-element fp32 tensor (0 for an empty ``x``; NaN if any is NaN)."""
-    return _amax_bits(x, config or DEFAULT_CONFIG).view(torch.float32)
+    return _amax_bits(x, config or DEFAULT_CONFIG)
 
 
 def _amax_bits(x: Tensor, cfg: QuantizeLaunchConfig, out: Tensor | None = None, slot: int = 0):
-    """:func:`amax` as its int32 bits (:func:`amax_bits`), folded into ``out[slot]`` where
-    ``out`` is given."""
+    """:func:`amax`, folded into ``out[slot]`` (:func:`amax_bits`) where ``out`` is given."""
     x = x.contiguous()
     out = amax_bits(x.device) if out is None else out
     n = x.numel()
@@ -422,7 +430,7 @@ def _cast(
     data = torch.empty(shape, device=x.device, dtype=fp8_dtype)
     data_t = _transposed(x, m, k, fp8_dtype, columnwise)
     if not from_amax and not m * k:
-        return data, data_t, reciprocal_rn(scale), bits.view(torch.float32)
+        return data, data_t, reciprocal_rn(scale), bits
     scale_inv = torch.empty(1, device=x.device, dtype=torch.float32)
     launch(_cast_kernel, grid_2d(m, k, cfg.block_m, cfg.block_k))(
         x,
@@ -444,7 +452,7 @@ def _cast(
         BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps,
     )
-    return data, data_t, scale_inv, bits.view(torch.float32)
+    return data, data_t, scale_inv, bits
 
 
 def quantize_tensorwise(

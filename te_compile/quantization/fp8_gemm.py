@@ -164,13 +164,19 @@ class FP8GemmState(nn.Module):
             stacklevel=5,
         )
 
-    def record(self, amax: Tensor, state: AutocastState) -> None:
+    def record(self, amax: Tensor, state: AutocastState, *more: FP8GemmState) -> None:
         """Keep the forward's ``[amax(input), amax(weight)]``: delayed scaling folds them into
         the history at the next forward (reduced over the amax group first); under current
-        scaling they are kept for :func:`non_finite_amaxes`."""
+        scaling they are kept for :func:`non_finite_amaxes`. ``more``: the states whose pairs
+        follow in ``amax`` (a GEMM family call's), all copied in one launch (a compiled graph's
+        separate copies are as many kernels)."""
         if state.recipe.delayed():
             amax = _reduce_amax(amax, state, state.recipe)
-        self.fwd_amax.copy_(amax)
+        if more:
+            states = (self, *more)
+            torch._foreach_copy_([s.fwd_amax for s in states], amax.reshape(-1, 2).unbind())
+        else:
+            self.fwd_amax.copy_(amax)
 
 
 def non_finite_amaxes(model: nn.Module) -> dict[str, list[str]]:

@@ -708,8 +708,7 @@ def mlp(
         inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, scale1=s1, scale2=s2,
         grad_amax1=g1, grad_amax2=g2, return_amax=True, **kw,
     )  # fmt: skip
-    metas[0].record(amax[:2], state)
-    metas[1].record(amax[2:], state)
+    metas[0].record(amax, state, metas[1])
     return out
 
 
