@@ -99,21 +99,7 @@ def test_forward_and_gradients_match_the_high_precision_module(device, name):
     te.FP8MasterWeights(m)  # main_grad buffers
     for n in _fp8_names(m):
         getattr(hp, n).main_grad = torch.zeros(getattr(hp, n).shape, device=device)
-    x = _x(device).requires_grad_()
-    x0 = x.detach().clone().requires_grad_()
-    with autocast(recipe=recipe):
-        y, y0 = m(x), hp(x0)
-    assert torch.equal(y, y0)
-    g = torch.randn_like(y)
-    y.backward(g)
-    y0.backward(g)
-    assert torch.equal(x.grad, x0.grad)
-    for n in _fp8_names(m):
-        assert torch.equal(getattr(m, n).main_grad, getattr(hp, n).main_grad)
-        assert getattr(m, n).grad is None
-    for (n, p), p0 in zip(m.named_parameters(), hp.parameters(), strict=True):
-        if p.dtype != E4M3:
-            assert torch.equal(p.grad, p0.grad), n
+    _assert_same_step(m, hp, device, recipe)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -359,10 +345,12 @@ def _block_pair(m, hp, device):
     return m, hp
 
 
-def _assert_same_step(m, hp, device):
+def _assert_same_step(m, hp, device, recipe=BLOCK):
+    """One fwd+bwd of the FP8-weight module ``m`` and the high-precision ``hp``: the same
+    output, input gradient, weight gradient (``main_grad``) and other gradients, exactly."""
     x = _x(device).requires_grad_()
     x0 = x.detach().clone().requires_grad_()
-    with autocast(recipe=BLOCK):
+    with autocast(recipe=recipe):
         y, y0 = m(x), hp(x0)
     assert torch.equal(y, y0)
     g = torch.randn_like(y)
