@@ -66,6 +66,16 @@ class SampleInput:
 SampleFn = Callable[[torch.device], Iterable[SampleInput]]
 
 
+def sample_tensor(device: torch.device) -> Callable[..., torch.Tensor]:
+    """``t(*shape, dtype=torch.float32, grad=True)``: a sample function's ``torch.randn``
+    tensor on ``device`` (``requires_grad=grad``)."""
+
+    def t(*shape, dtype=torch.float32, grad=True):
+        return torch.randn(*shape, device=device, dtype=dtype, requires_grad=grad)
+
+    return t
+
+
 # ---------------------------------------------------------------------------------------------
 # Eager fast-path switch
 # ---------------------------------------------------------------------------------------------

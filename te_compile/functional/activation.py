@@ -65,7 +65,7 @@ from te_compile._checks import (
     check_tensor,
     check_tensors,
 )
-from te_compile._library import SampleInput, differentiable, op
+from te_compile._library import SampleInput, differentiable, op, sample_tensor
 from te_compile._numerics import acc_dtype
 from te_compile.kernels import submodule
 
@@ -501,15 +501,8 @@ def _backward(ctx, bwd, grad):
     )
 
 
-def _tensor(device: torch.device):
-    def t(*shape, dtype=torch.float32):
-        return torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
-
-    return t
-
-
 def _activation_samples(device: torch.device):
-    t, bf16, fp16 = _tensor(device), torch.bfloat16, torch.float16
+    t, bf16, fp16 = sample_tensor(device), torch.bfloat16, torch.float16
     yield SampleInput((t(5, 16), None, "gelu"))
     yield SampleInput((t(2, 3, 24, dtype=bf16), t(24, dtype=bf16), "qgelu"))
     yield SampleInput((t(7, 33), t(33), "relu"))
@@ -518,7 +511,7 @@ def _activation_samples(device: torch.device):
 
 
 def _gated_samples(device: torch.device):
-    t, bf16, fp16 = _tensor(device), torch.bfloat16, torch.float16
+    t, bf16, fp16 = sample_tensor(device), torch.bfloat16, torch.float16
     yield SampleInput((t(5, 16), None, "swiglu", 0, 7.0, 1.702, 1.0))
     yield SampleInput((t(2, 3, 16, dtype=bf16), t(16, dtype=bf16), "geglu", 4, 7.0, 1.702, 1.0))
     yield SampleInput((t(6, 12), t(12), "glu", 0, 7.0, 1.702, 1.0))

@@ -63,7 +63,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from te_compile._checks import FLOAT_DTYPES
-from te_compile._library import SampleInput, differentiable, op
+from te_compile._library import SampleInput, differentiable, op, sample_tensor
 from te_compile._numerics import acc_dtype
 from te_compile.functional import attention_args, attention_cuda
 from te_compile.functional.dropout_ops import dropout_mask
@@ -611,8 +611,7 @@ def _samples(device: torch.device):
     """Small odd shapes covering each mask family, GQA and MQA, cross attention, bias, ALiBi,
     padding, sliding windows, packed ``thd``, sink softmaxes and (CPU only) dropout."""
 
-    def t(*shape, dtype=torch.float32):
-        return torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
+    t = sample_tensor(device)
 
     def call(q, k, v, window, bottom_right=True, sbhd=False, p=0.0, **tensors):
         names = ("bias", "slopes", "q_pad", "kv_pad", "mask", "cu_q", "cu_kv", "rng", "sink")

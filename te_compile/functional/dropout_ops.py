@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from te_compile._checks import FLOAT_DTYPES, check_bool, check_tensor
-from te_compile._library import SampleInput, differentiable, op
+from te_compile._library import SampleInput, differentiable, op, sample_tensor
 from te_compile.kernels import submodule
 
 __all__ = [
@@ -209,8 +209,7 @@ def _backward(ctx, bwd, grad):
 
 
 def _samples(device: torch.device):
-    def t(*shape, dtype=torch.float32):
-        return torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
+    t = sample_tensor(device)
 
     def state(seed, offset):
         return torch.tensor([seed, offset], dtype=torch.int64, device=device)

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from te_compile._checks import check_tensor
-from te_compile._library import SampleInput, differentiable, op
+from te_compile._library import SampleInput, differentiable, op, sample_tensor
 from te_compile.functional import quantize_table as _q
 from te_compile.functional.quantize_mx_ref import nvfp4_qdq_row_groups
 from te_compile.functional.spec import QuantSpec, as_strings, parse
@@ -208,8 +208,7 @@ def _backward(ctx, bwd, grad):
 
 
 def _samples(device: torch.device):
-    def t(*shape, dtype=torch.float32):
-        return torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
+    t = sample_tensor(device)
 
     bf16, e4m3 = torch.bfloat16, "e4m3"
     yield SampleInput((t(5, 32), "current:e4m3", "current:e5m2"))

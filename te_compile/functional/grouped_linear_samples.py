@@ -6,24 +6,20 @@ from __future__ import annotations
 
 import torch
 
-from te_compile._library import SampleInput
+from te_compile._library import SampleInput, sample_tensor
 from te_compile.functional.grouped_linear_args import GroupedLinearArgs
 from te_compile.functional.grouped_weight import quantize_grouped_weight
+from te_compile.functional.linear_samples import specs
 
 
 def sample_inputs(device: torch.device):
-    def t(*shape, dtype=torch.float32, grad=True):
-        return torch.randn(*shape, device=device, dtype=dtype, requires_grad=grad)
+    t = sample_tensor(device)
 
     def splits(*values, on=device):
         return torch.tensor(values, device=on, dtype=torch.int64)
 
     def call(*args, **kw):
         return SampleInput(tuple(GroupedLinearArgs(*args, **kw)) if kw else args)
-
-    def specs(x, w=None, g=None):  # the weight's as the input's, the gradient's E5M2 unless given
-        return {"input_spec": x, "weight_spec": x if w is None else w,
-                "grad_spec": x.replace("e4m3", "e5m2") if g is None else g}  # fmt: skip
 
     bf16, f16 = torch.bfloat16, torch.float16
     # High precision: a zero-size group, a CPU m_splits, bf16 (the grouped GEMM on CUDA), fp16

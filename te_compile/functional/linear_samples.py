@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from te_compile._library import SampleInput
+from te_compile._library import SampleInput, sample_tensor
 from te_compile.functional.dense_weight import quantize_weight
 from te_compile.functional.linear_args import LinearArgs
 from te_compile.functional.prologue import unit_rows
@@ -19,15 +19,14 @@ def _call(inp, weight, bias=None, main_grad=None, **kw) -> SampleInput:
     return SampleInput(tuple(LinearArgs(inp, weight, bias, main_grad, **kw)))
 
 
-def _specs(x: str, w: str | None = None, g: str | None = None) -> dict[str, str]:
+def specs(x: str, w: str | None = None, g: str | None = None) -> dict[str, str]:
     """The three specs (the weight's as the input's, the gradient's E5M2 unless given)."""
     return {"input_spec": x, "weight_spec": x if w is None else w,
             "grad_spec": x.replace("e4m3", "e5m2") if g is None else g}  # fmt: skip
 
 
 def sample_inputs(device: torch.device):
-    def t(*shape, dtype=torch.float32, grad=True):
-        return torch.randn(*shape, device=device, dtype=dtype, requires_grad=grad)
+    t = sample_tensor(device)
 
     bf16, fp16 = torch.bfloat16, torch.float16
     # High precision.
@@ -57,16 +56,16 @@ def sample_inputs(device: torch.device):
     yield _call(t(2, 5, 16), t(8, 16), t(8), norm_weight=t(16), norm_bias=t(16),
                 norm="LayerNorm:zero_centered")  # fmt: skip
     # Per-tensor FP8. 10 tokens: padded to 16 inside the ops.
-    cur = _specs("current:e4m3")
+    cur = specs("current:e4m3")
     yield _call(t(32, 16, dtype=bf16), t(16, 16, dtype=bf16), t(16, dtype=bf16), **cur)
     yield _call(t(2, 5, 16, dtype=bf16), t(32, 16, dtype=bf16), t(32, dtype=bf16), **cur)
     scale = torch.tensor([8.0, 16.0, 1.0], device=device)
     pending = torch.zeros(1, device=device)
-    delayed = _specs("delayed:e4m3")
+    delayed = specs("delayed:e4m3")
     yield _call(t(2, 16, 32, dtype=bf16), t(48, 32, dtype=bf16), **delayed, scale=scale,
                 grad_amax=pending)  # fmt: skip
     yield _call(t(16, 32), t(16, 32), None, torch.zeros(16, 32, device=device),
-                **_specs("current:e4m3", g="current:e4m3"))  # fmt: skip
+                **specs("current:e4m3", g="current:e4m3"))  # fmt: skip
     # float32 with a bias: _scaled_mm refuses a bias with an fp32 output (added after it).
     yield _call(t(16, 32), t(32, 32), t(32), **cur)
     # Norm prologues: inputs whose norm is exact in fp32 and float64 alike (``unit_rows``; the
@@ -82,18 +81,18 @@ def sample_inputs(device: torch.device):
     yield _call(t(16, 32), t(16, 32), None, **cur, epilogue="branch")
     # Block-scaled recipes, emulated: MXFP8 (E5M2 gradients in fp32), NVFP4, Float8BlockScaling
     # with 1x128 activations (a partial block: K=144) and 128x128 weight tiles.
-    mx = _specs("mxfp8:e4m3:emulate", g="mxfp8:e4m3:emulate")
+    mx = specs("mxfp8:e4m3:emulate", g="mxfp8:e4m3:emulate")
     yield _call(t(32, 64, dtype=bf16), t(32, 64, dtype=bf16), t(32, dtype=bf16), **mx)
-    yield _call(t(2, 16, 32), t(64, 32), **_specs("mxfp8:e4m3:emulate"))
-    nv = _specs("nvfp4:emulate")
+    yield _call(t(2, 16, 32), t(64, 32), **specs("mxfp8:e4m3:emulate"))
+    nv = specs("nvfp4:emulate")
     yield _call(t(16, 32, dtype=bf16), t(48, 32, dtype=bf16), t(48, dtype=bf16), **nv)
     yield _call(t(32, 144, dtype=bf16), t(160, 144, dtype=bf16),
-                **_specs("block:e4m3:p2:emulate", "block:e4m3:128x128:p2:emulate",
+                **specs("block:e4m3:p2:emulate", "block:e4m3:128x128:p2:emulate",
                          "block:e4m3:p2:emulate"))  # fmt: skip
     # Native blockwise (its GEMMs emulated off CUDA), a bias, 1x128 weight blocks, main_grad.
-    blk = _specs("block:e4m3", "block:e4m3:128x128", "block:e4m3")
+    blk = specs("block:e4m3", "block:e4m3:128x128", "block:e4m3")
     yield _call(t(32, 512, dtype=bf16), t(512, 512, dtype=bf16), t(512, dtype=bf16), **blk)
-    blk_p2 = _specs("block:e4m3:p2", g="block:e4m3:p2")
+    blk_p2 = specs("block:e4m3:p2", g="block:e4m3:p2")
     yield _call(t(48, 256, dtype=bf16), t(32, 256, dtype=bf16), None,
                 torch.zeros(32, 256, device=device), **blk_p2)  # fmt: skip
     # Norm prologues: native blockwise with RMSNorm, emulated MXFP8 with LayerNorm.
@@ -126,18 +125,18 @@ def sample_inputs(device: torch.device):
     # GEMM's operands, stochastic rounding of the gradient (a fixed stream); with a norm.
     rng = torch.tensor([3, 5], device=device)
     yield _call(t(32, 48, dtype=bf16), t(32, 48, dtype=bf16), t(32, dtype=bf16),
-                **_specs("nvfp4:emulate:rht", "nvfp4:16x16:emulate", "nvfp4:emulate:rht:sr"),
+                **specs("nvfp4:emulate:rht", "nvfp4:16x16:emulate", "nvfp4:emulate:rht:sr"),
                 rng_state=rng)  # fmt: skip
     yield _call(unit_rows(16, 32, device=device), t(48, 32),
-                **_specs("nvfp4:emulate:rht", "nvfp4:emulate", "nvfp4:emulate:rht:sr"),
+                **specs("nvfp4:emulate:rht", "nvfp4:emulate", "nvfp4:emulate:rht:sr"),
                 norm_weight=t(32), norm="RMSNorm:eps=1e-30", rng_state=rng.clone())  # fmt: skip
     yield _call(t(32, 32), t(16, 32), t(16),
-                **_specs("nvfp4:emulate:row_scaled", "nvfp4:16x16:emulate", "nvfp4:emulate"),
+                **specs("nvfp4:emulate:row_scaled", "nvfp4:16x16:emulate", "nvfp4:emulate"),
                 backward="dequantized")  # fmt: skip
     # 4over6 block scaling of the input (with the transform of its wgrad copy) and of the
     # weight's 16x16 tiles.
     yield _call(t(32, 48, dtype=bf16), t(32, 48, dtype=bf16),
-                **_specs("nvfp4:emulate:rht:4over6=MAE/448",
+                **specs("nvfp4:emulate:rht:4over6=MAE/448",
                          "nvfp4:16x16:emulate:4over6=MSE/256", "nvfp4:emulate:rht"))  # fmt: skip
 
     # A pre-quantised weight (functional.dense_weight.quantize_weight): per tensor, delayed (its

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from te_compile._library import SampleInput
+from te_compile._library import SampleInput, sample_tensor
 from te_compile.functional.dense_weight import quantize_weight
+from te_compile.functional.linear_samples import specs
 from te_compile.functional.mlp_args import MLPArgs
 from te_compile.functional.prologue import unit_rows
 
@@ -15,15 +16,10 @@ def sample_inputs(device: torch.device):
     # float32: a bf16 sample's intermediate roundings (z, h, dh) would move some FP8 codes of
     # the float64 reference by one step; the bf16 path is checked bit for bit against the
     # unfused ops in tests/functional/test_mlp.py.
-    def t(*shape, grad=True):
-        return torch.randn(*shape, device=device, dtype=torch.float32, requires_grad=grad)
+    t = sample_tensor(device)
 
     def call(*args, **kw):
         return SampleInput(tuple(MLPArgs(*args, **kw)))
-
-    def specs(x, w=None, g=None):  # the weight's as the input's, the gradient's E5M2 unless given
-        return {"input_spec": x, "weight_spec": x if w is None else w,
-                "grad_spec": x.replace("e4m3", "e5m2") if g is None else g}  # fmt: skip
 
     pending = {"grad_amax1": torch.zeros(1, device=device),
                "grad_amax2": torch.zeros(1, device=device)}  # fmt: skip

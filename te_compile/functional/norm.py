@@ -60,7 +60,7 @@ from te_compile._checks import (
     check_required,
     check_tensors,
 )
-from te_compile._library import SampleInput, differentiable, op
+from te_compile._library import SampleInput, differentiable, op, sample_tensor
 from te_compile._numerics import acc_dtype
 from te_compile.kernels import submodule
 
@@ -464,12 +464,8 @@ def _l2normalization_backward(ctx, bwd, grad_out, _grad_rsigma):
     return bwd(grad_out.contiguous(), inp, rsigma), None
 
 
-def _tensor(device, *shape, dtype=torch.float32, grad=True):
-    return torch.randn(*shape, device=device, dtype=dtype, requires_grad=grad)
-
-
 def _layernorm_samples(device: torch.device):
-    t = lambda *shape, **kw: _tensor(device, *shape, **kw)  # noqa: E731
+    t = sample_tensor(device)
     bf16, fp16 = torch.bfloat16, torch.float16
     yield SampleInput((t(5, 16), t(16), t(16), 1e-5, False))
     # bf16 activations with fp32 parameters, 3-D, zero-centred gamma.
@@ -479,7 +475,7 @@ def _layernorm_samples(device: torch.device):
 
 
 def rmsnorm_samples(device: torch.device):
-    t = lambda *shape, **kw: _tensor(device, *shape, **kw)  # noqa: E731
+    t = sample_tensor(device)
     yield SampleInput((t(5, 16), t(16), 1e-5, False))
     yield SampleInput((t(2, 3, 24, dtype=torch.bfloat16), t(24), 1e-5, True))
     yield SampleInput((t(7, 33, dtype=torch.bfloat16), t(33, dtype=torch.bfloat16), 1e-3, False))
@@ -487,7 +483,7 @@ def rmsnorm_samples(device: torch.device):
 
 
 def _l2normalization_samples(device: torch.device):
-    t = lambda *shape, **kw: _tensor(device, *shape, **kw)  # noqa: E731
+    t = sample_tensor(device)
     yield SampleInput((t(5, 16), 1e-6))
     yield SampleInput((t(2, 3, 24, dtype=torch.bfloat16), 1e-6))
     yield SampleInput((t(7, 33, dtype=torch.float16), 1e-3))

@@ -62,7 +62,7 @@ from te_compile._checks import (
     check_positive_finite,
     check_tensor,
 )
-from te_compile._library import SampleInput, differentiable, op
+from te_compile._library import SampleInput, differentiable, op, sample_tensor
 from te_compile._numerics import acc_dtype
 from te_compile.kernels import submodule
 
@@ -438,8 +438,7 @@ def _backward(ctx, bwd, grad):
 
 
 def _samples(device: torch.device):
-    def t(*shape, dtype=torch.float32):
-        return torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
+    t = sample_tensor(device)
 
     def freqs(rows, d2, interleaved=False):
         inv_freq = 1.0 / 10000.0 ** (torch.arange(0, d2, 2, dtype=torch.float32) / d2)
