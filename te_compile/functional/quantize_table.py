@@ -107,10 +107,7 @@ def _dequantize_tensorwise(q: Quantized, out_dtype: torch.dtype, columnwise: boo
 
 
 def _dequantize_block(q: Quantized, out_dtype: torch.dtype, columnwise: bool) -> Tensor:
-    if columnwise:
-        data, scale_inv = q.data_t, q.scale_inv_t
-    else:
-        data, scale_inv = q.data, q.scale_inv
+    data, scale_inv = (q.data_t, q.scale_inv_t) if columnwise else (q.data, q.scale_inv)
     return dequantize_blockwise(_bytes(data), scale_inv, q.block_rows, data.dtype, out_dtype)
 
 
