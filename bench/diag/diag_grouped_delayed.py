@@ -97,7 +97,10 @@ def _cuda_graphs(splits, x, dy) -> None:
         graphed = torch.compile(te, mode="reduce-overhead", fullgraph=True, dynamic=False)
         call = _under_fp8(_bind(graphed, splits), kind=kind)
 
-        def step(x, call=call):
+        def step(x, call=call, module=te):
+            # Gradients dropped first: CUDA-graph steps cannot accumulate them (docs/graphs.md).
+            for t in (*module.parameters(), x):
+                t.grad = None
             torch.compiler.cudagraph_mark_step_begin()
             return call(x)
 
