@@ -345,9 +345,9 @@ def _block_pair(m, hp, device):
     return m, hp
 
 
-def _assert_same_step(m, hp, device, recipe=BLOCK):
-    """One fwd+bwd of the FP8-weight module ``m`` and the high-precision ``hp``: the same
-    output, input gradient, weight gradient (``main_grad``) and other gradients, exactly."""
+def _step_both(m, hp, device, recipe):
+    """One fwd+bwd of the FP8-weight module ``m`` and the high-precision ``hp`` on the same
+    input and output gradient; the outputs are equal. Returns the two inputs."""
     x = _x(device).requires_grad_()
     x0 = x.detach().clone().requires_grad_()
     with autocast(recipe=recipe):
@@ -356,6 +356,13 @@ def _assert_same_step(m, hp, device, recipe=BLOCK):
     g = torch.randn_like(y)
     y.backward(g)
     y0.backward(g)
+    return x, x0, g
+
+
+def _assert_same_step(m, hp, device, recipe=BLOCK):
+    """:func:`_step_both`, and the same input gradient, weight gradient (``main_grad``) and
+    other gradients, exactly."""
+    x, x0, _ = _step_both(m, hp, device, recipe)
     assert torch.equal(x.grad, x0.grad)
     for n in _fp8_names(m):
         w, w0 = m.get_parameter(n), hp.get_parameter(n)
@@ -398,14 +405,7 @@ def test_block_1d_weights_dgrad_reads_the_kept_second_cast(recipe):
     with torch.no_grad():
         hp.weight.copy_(_kept_values(m, "weight"))
     hp.weight.main_grad = torch.zeros(hp.weight.shape)
-    x = _x("cpu").requires_grad_()
-    x0 = x.detach().clone().requires_grad_()
-    with autocast(recipe=recipe):
-        y, y0 = m(x), hp(x0)
-    assert torch.equal(y, y0)
-    g = torch.randn_like(y)
-    y.backward(g)
-    y0.backward(g)
+    x, _, g = _step_both(m, hp, "cpu", recipe)
     assert torch.equal(m.weight.main_grad, hp.weight.main_grad)
     g_q = qdq_both(g.float(), spec, columnwise=False)[0]
     w_t = _kept_values(m, "weight", "_t")
