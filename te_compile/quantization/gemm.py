@@ -38,8 +38,8 @@ import torch
 from torch import Tensor
 
 from te_compile import functional as F
+from te_compile.functional import quantize_table as _q
 from te_compile.functional.gemm import PER_TENSOR, blockwise_supported
-from te_compile.functional.quantize import dequantize_blockwise
 from te_compile.functional.spec import QuantSpec
 from te_compile.quantization.device import is_fp8_block_scaling_available
 from te_compile.quantization.fp8_gemm import FP8GemmState
@@ -230,13 +230,11 @@ def as_gemm_takes(spec: QuantSpec, weight_q: Sequence[Tensor] | None, kind: str)
 
 def dequantized(codes: Tensor, scale_inv: Tensor, spec: QuantSpec, dtype: torch.dtype) -> Tensor:
     """The values of an FP8 primary weight's ``codes`` (float8) with their ``scale_inv``, kept
-    as ``spec`` keeps them (``quantization.primary._cast``), in ``dtype``."""
-    if spec.kind == "mxfp8":
-        return F.dequantize_mxfp8(codes, scale_inv, dtype)
-    if spec.kind == "block":
-        rows, u8 = spec.block_rows, torch.uint8
-        return dequantize_blockwise(codes.view(u8), scale_inv, rows, spec.fp8_dtype, dtype)
-    return (codes.float() * scale_inv).to(dtype)
+    as ``spec`` keeps them (``quantization.primary._cast``; an operand's codes may be their
+    bytes), in ``dtype``: ``te.dequantize``'s table (``functional.quantize_table``)."""
+    data = codes.view(spec.fp8_dtype)
+    q = _q.Quantized(data, scale_inv, None, None, None, spec.kind, spec.block_rows)
+    return _q.dequantize(q, dtype)
 
 
 def cached_weight(
