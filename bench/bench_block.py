@@ -653,7 +653,6 @@ def _measure_row(
         clear_grads(params, x)
         forward_backward(call, x, grad, cudagraphs)
 
-    clear_grads(params, x)
     sync()
     t0 = time.perf_counter()
     step()
