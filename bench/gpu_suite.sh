@@ -2,7 +2,8 @@
 # The whole GPU test suite in two device calls, each under the 10-minute limit of one call:
 #
 #   bash bench/gpu_suite.sh 1   # tests/functional, kernels, quantization, modules, ops and
-#                               # the op registry's samples (tests/test_registry.py)
+#                               # the op registry's samples (tests/test_registry.py), less the
+#                               # CPU cases of tests that also have a CUDA case (CI runs those)
 #   bash bench/gpu_suite.sh 2   # tests/distributed (NCCL on every GPU of the machine), fuzz,
 #                               # the other top-level tests; the long runs (--long-runs) beside
 #
@@ -51,8 +52,11 @@ run() {  # name, pytest arguments... (PYTEST, or the array named by $RUNNER)
   timeout -s INT -k 30 "$left" "${cmd[@]}" --junitxml="$OUT/$name.xml" "$@" 2>&1 | tee "$OUT/$name.log" | tail -8
 }
 case $part in
-  1) run part1 tests/functional tests/kernels tests/quantization tests/modules tests/ops \
-       tests/test_registry.py ;;
+  1) # The CPU cases of tests that also have a CUDA case are CI's (marker cpu_case).
+     # Longest first (the registry's CUDA samples and the module compiles take up to two minutes
+     # each): the short tests then fill the workers' gaps instead of a few long ones ending late.
+     run part1 -m "not cpu_case" tests/test_registry.py tests/modules tests/functional \
+       tests/kernels tests/quantization tests/ops ;;
   2) # The long runs beside the suite: the part takes the longest of the three, not their sum.
      RUNNER=SERIAL run long_runs -s --long-runs tests/test_long_run.py -k gpu > /dev/null &
      RUNNER=SERIAL run long_cases --long-runs tests/distributed/test_fsdp_fp8_primary.py \

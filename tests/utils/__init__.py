@@ -23,8 +23,10 @@ from torch._functorch.aot_autograd import aot_module_simplified
 HAS_CUDA = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU; none on this machine")
 
+# The CPU case carries ``cpu_case``: CI runs it; the GPU suite (bench/gpu_suite.sh) deselects it
+# and runs the CUDA cases CI cannot.
 DEVICES = [
-    pytest.param("cpu", id="cpu"),
+    pytest.param("cpu", id="cpu", marks=pytest.mark.cpu_case),
     pytest.param("cuda", id="cuda", marks=requires_cuda),
 ]
 
