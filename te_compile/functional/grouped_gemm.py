@@ -578,8 +578,8 @@ def dequantized_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
     and quantised along the other dim (:func:`_cast_columns`, :func:`_weight_columns`); ``[X]``
     with ``weight_q``, whose first tensor is :func:`dequantized_weight`'s ``W`` (an input: the
     caller saves it, for NVFP4, whose kept weight needs 16x16 tiles, which make ``W^T``'s copy
-    ``W`` itself; the others' ``W`` along ``N`` is then made from ``weight`` in the
-    backward)."""
+    ``W`` itself; the others' ``W`` along ``N`` is ``weight_q``'s third tensor where given,
+    else made from ``weight`` in the backward)."""
     if r.recipe == "nvfp4":
         x, x_col = nvfp4_input(inp, m_splits, r)
         w, w_col = nvfp4_weight(weight, r) if weight_q is None else (weight_q[0], weight_q[0])

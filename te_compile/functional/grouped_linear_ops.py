@@ -572,7 +572,7 @@ def _for_backward(a: GroupedLinearArgs, saved: list[Tensor]) -> tuple[tuple, tup
             saved = [*saved, data_t, scale_t]
         elif x.kind == "nvfp4":  # 16x16 tiles: the kept W is its own dgrad copy
             saved = [*saved, a.weight_q[0]]
-        else:  # 0-element: the dgrad copy (W along N) is made from weight in the backward
+        else:  # the dgrad copy (W along N), or 0-element: made from weight in the backward
             saved = [*saved, a.weight_q[2]]
     tensors = (a.inp if keeps_inp else None, a.m_splits, a.weight, a.main_grad, a.scale,
                a.grad_amax, a.rng_state, *saved)  # fmt: skip

@@ -24,7 +24,10 @@ kind                     ``weight_data``, ``weight_scale``, ``weight_data_t``,
                          scales ``[G, K / rows, N / 128]``, a 0-element amax
 ``"dequantized"``        the exact dequantised values ``[G, N, K]`` in the weight's dtype (the
                          emulated block-scaled recipes; NVFP4 with a global scale per expert),
-                         then four 0-element fp32 tensors
+                         then four 0-element fp32 tensors; or, third, the dgrad copy (``W``
+                         quantised along ``N``, dequantised, ``[G, N, K]`` in the weight's
+                         dtype), which the backward then reads instead of casting ``weight``
+                         (FP8 primary weights, which have no high-precision ``weight``)
 =======================  ======================================================================
 
 Current and delayed scaling take each other's weight (both kinds' GEMMs read a scale per row):
@@ -79,6 +82,9 @@ def check_grouped_weight_operand(
     """The pre-quantised weight ``tensors`` (five, or all None) of ``te::grouped_linear_fwd``
     whose weight is ``weight`` ``[G, N, K]`` (``p`` begins the messages)."""
     shapes = _shapes(recipe, weight, block_rows, emulate) if recipe else None
+    data_t = tensors[2]
+    if shapes and shapes[2][0] == (0,) and data_t is not None and data_t.numel():
+        shapes[2] = shapes[0]  # "dequantized" with the dgrad copy given (module docstring)
     check_weight_operand(p, recipe, weight, block_rows, emulate, tensors, shapes)
 
 

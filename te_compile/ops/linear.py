@@ -403,7 +403,7 @@ class GroupedLinear(BasicOperation):
         # TE's slots per group (input, weight / grad), folded into our one state.
         accept_te_extra_state(self, ("fp8_meta",), (num_groups,), slots=(2, 1))
         self.reset_parameters()
-        primary.make_primary(self, self._weight_names(), "te.ops.GroupedLinear", grouped=True)
+        primary.make_primary(self, self._weight_names(), "te.ops.GroupedLinear")
 
     def _weight_names(self) -> tuple[str, ...]:
         if self.single_grouped_weight:

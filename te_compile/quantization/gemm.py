@@ -216,14 +216,21 @@ def primary_kind(
     return kind
 
 
-def as_gemm_takes(spec: QuantSpec, weight_q: Sequence[Tensor] | None, kind: str):
+def as_gemm_takes(spec: QuantSpec, weight_q: Sequence[Tensor] | None, kind: str,
+                  dtype: torch.dtype = torch.float32):  # fmt: skip
     """An FP8 primary weight's block-scaled operand (``kind``: :func:`primary_kind`'s) as the
     GEMM of weight spec ``spec`` takes it: the codes, or their fp32 values where the GEMM is
-    emulated (MXFP8's always are)."""
+    emulated (MXFP8's always are); grouped (``[G, N, K]``), each expert's values in the
+    activation ``dtype`` and the dgrad copy as ``[G, N, K]`` (``functional.grouped_weight``)."""
     if kind in ("", "tensor") or not spec.emulate:
         return weight_q
     data, s, data_t, s_t, amax = weight_q
     f32, none = torch.float32, s.new_empty(0, dtype=torch.float32)
+    if data.dim() == 3:
+        w, w_t = (torch.stack([dequantized(c, sc, spec, f32) for c, sc in zip(*q, strict=True)])
+                  for q in ((data, s), (data_t, s_t)))  # fmt: skip
+        w_t = w_t.transpose(1, 2).to(dtype).contiguous()
+        return [w.to(dtype), none, w_t, none.clone(), none.clone()]
     return [dequantized(data, s, spec, f32), none, dequantized(data_t, s_t, spec, f32),
             none.clone(), amax]  # fmt: skip
 
@@ -753,8 +760,8 @@ def grouped_linear(
     scaling, the emulated block-scaled recipes); DelayedScaling refuses it (as Transformer
     Engine) and the native Float8BlockScaling GEMMs do not implement it."""
     state = get_autocast_state()
-    if weight_quantized is not None:
-        check_primary(owner, state)
+    expert = weight_quantized and [t[0] for t in weight_quantized[:2]]  # read as a dense one's
+    kind = primary_kind(owner, state, "weight", expert)
     if state.calibration:
         state = calibrate(owner, state, (meta,), (inp,), (weight,))
     args = gemm_args(owner, state, inp, (weight,), (meta,), grouped=True)
@@ -780,7 +787,9 @@ def grouped_linear(
         kw["delay_wgrad"] = True
     if args.recipe in PER_TENSOR and not args.backward_override:
         kw["fp8_wgrad"] = True
-    weight_q = weight_quantized or cached_weight(args, weight, cache, "weight", grouped=True)
+    weight_q = as_gemm_takes(args.specs[1], weight_quantized, kind, inp.dtype) or cached_weight(
+        args, weight, cache, "weight", grouped=True
+    )
     if weight_q is not None:
         kw["weight_quantized"] = weight_q
     if args.recipe in PER_TENSOR and state.recipe.delayed():

@@ -99,7 +99,7 @@ def quantized_model_init(
 fp8_model_init = quantized_model_init  # Transformer Engine's older name, same arguments
 
 
-def _weight_spec(recipe: Recipe, owner: str, grouped: bool) -> QuantSpec:
+def _weight_spec(recipe: Recipe, owner: str) -> QuantSpec:
     """How FP8 weights made under ``recipe`` are kept: the per-tensor recipes' weights by current
     scaling of the weight itself (either per-tensor recipe reads them, as Transformer Engine
     casts its primary weights); the block-scaled recipes' in their weight blocks, the codes as a
@@ -107,14 +107,14 @@ def _weight_spec(recipe: Recipe, owner: str, grouped: bool) -> QuantSpec:
     spec = recipe_specs(recipe)[1]
     if spec.kind in ("current", "delayed"):
         return QuantSpec("current", spec.fp8_dtype)
-    if spec.kind == "block" and not grouped:  # (recipe_specs: native; gemm_args emulates)
+    if spec.kind == "block":  # (recipe_specs: native; gemm_args emulates)
         return spec
-    if spec.kind == "mxfp8" and not grouped and spec.block_rows == 1:
+    if spec.kind == "mxfp8" and spec.block_rows == 1:
         return spec
     got = type(recipe).__name__ + ("(enable_2d_quantization=True)" if spec.kind == "mxfp8" else "")
     raise NotImplementedError(
         f"{owner}: FP8 primary weights (quantized_model_init's recipe) support "
-        "Float8CurrentScaling, DelayedScaling and, for dense modules, Float8BlockScaling and "
+        "Float8CurrentScaling, DelayedScaling, Float8BlockScaling and "
         f"MXFP8BlockScaling(enable_2d_quantization=False); got {got} (build the module outside "
         "quantized_model_init to train it with this recipe)"
     )
@@ -123,8 +123,12 @@ def _weight_spec(recipe: Recipe, owner: str, grouped: bool) -> QuantSpec:
 def _cast(weight: Tensor, spec: QuantSpec) -> list[Tensor]:
     """The five tensors of ``functional.quantize_weight`` of ``weight`` by ``spec`` (MXFP8: the
     codes of ``functional.quantize_mxfp8``, whose values quantize_weight gives), the codes as
-    float8 in ``weight``'s shape (a grouped ``[G, N, K]`` weight is cast as ``[G * N, K]``: one
-    scale for the whole tensor)."""
+    float8 in ``weight``'s shape. A grouped ``[G, N, K]`` weight: per tensor cast as ``[G * N,
+    K]`` (one scale for the whole tensor); in blocks each expert on its own, as the grouped GEMM
+    casts a weight (no block straddles two experts), the four tensors stacked, ``[G, ...]``."""
+    if weight.dim() > 2 and spec.kind != "current":
+        parts = [_cast(w, spec) for w in weight.unbind(0)]
+        return [*(torch.stack(t) for t in zip(*(p[:4] for p in parts), strict=True)), parts[0][4]]
     flat = weight.reshape(-1, weight.shape[-1]) if weight.dim() > 2 else weight
     if spec.kind == "mxfp8":
         out = [*F.quantize_mxfp8(flat, spec.fp8_dtype), flat.new_empty(0, dtype=torch.float32)]
@@ -159,17 +163,15 @@ def clear_high_precision_init_val(param: nn.Parameter) -> None:
 
 
 @torch.no_grad()
-def make_primary(
-    module: nn.Module, names: tuple[str, ...], owner: str, grouped: bool = False
-) -> None:
+def make_primary(module: nn.Module, names: tuple[str, ...], owner: str) -> None:
     """Inside ``quantized_model_init``: replace ``module``'s weights ``names`` (initialised in
-    high precision) by FP8 Parameters with their ``<name>_scale_inv`` / ``<name>_amax`` buffers
-    (and ``<name>_t`` / ``<name>_scale_inv_t`` of 1-D weight blocks: 1x128, MXFP8).
-    ``grouped``: the weights of a grouped GEMM (per-tensor recipes only). Outside it: nothing."""
+    high precision; a grouped GEMM's ``[G, N, K]`` weight or its ``G`` weights ``[N, K]``) by FP8
+    Parameters with their ``<name>_scale_inv`` / ``<name>_amax`` buffers (and ``<name>_t`` /
+    ``<name>_scale_inv_t`` of 1-D weight blocks: 1x128, MXFP8). Outside it: nothing."""
     state = _STATE[0]
     if state is None:
         return
-    spec = _weight_spec(state.recipe, owner, grouped)
+    spec = _weight_spec(state.recipe, owner)
     for name in names:
         hp = getattr(module, name)
         tensors = _cast(hp.detach(), spec)
@@ -289,9 +291,13 @@ def _set(module: nn.Module, name: str, values: Tensor) -> None:
 
 
 def _dequantized(module: nn.Module, name: str) -> Tensor:
-    """FP8 weight ``name``'s values, fp32."""
+    """FP8 weight ``name``'s values, fp32 (a grouped weight in blocks: expert by expert)."""
     codes, scale_inv = getattr(module, name).detach(), getattr(module, f"{name}_scale_inv")
-    return dequantized(codes, scale_inv, _spec(module, name), torch.float32)
+    spec = _spec(module, name)
+    if codes.dim() > 2 and spec.kind != "current":
+        return torch.stack([dequantized(c, s, spec, torch.float32)
+                            for c, s in zip(codes, scale_inv, strict=True)])  # fmt: skip
+    return dequantized(codes, scale_inv, spec, torch.float32)
 
 
 def is_primary(weight: Tensor) -> bool:
@@ -331,7 +337,8 @@ def grouped_primary(
     argument and its pre-quantised operand (``functional.quantize_grouped_weight``'s
     ``scaled_grouped_mm`` kind: the codes ``[G, N, K]``, each group's per-tensor inverse scale
     broadcast over its rows ``[G, N]``, the transposed codes ``[G, K, N]`` with the scales
-    ``[G, K]``, the largest amax ``[1]``). The ``weight`` argument is a zero-byte stand-in of
+    ``[G, K]``, the largest amax ``[1]``; kept in blocks, :func:`_grouped_blocks`). The
+    ``weight`` argument is a zero-byte stand-in of
     the weight's shape in ``dtype`` (an expanded scalar; the op reads the codes from the
     operand) that requires grad where the codes do: the op then accumulates the weight
     gradient into the ``main_grad`` it is given and returns none. Sharded by FSDP2 (with
@@ -345,13 +352,16 @@ def grouped_primary(
         return None
     for name, w in zip(names, weights, strict=True):
         check_unchanged(module, name, w)
-    codes = [w.detach().view(torch.uint8) for w in weights]
-    data = codes[0] if codes[0].dim() == 3 else torch.stack(codes)  # one [G, N, K], or G
+    data = _stacked([w.detach() for w in weights])  # one [G, N, K], or G [N, K]
     g, n, k = data.shape
-    inv = torch.cat([getattr(module, f"{name}_scale_inv") for name in names]).expand(g)
-    amax = torch.cat([getattr(module, f"{name}_amax") for name in names]).amax().reshape(1)
-    operand = [data, inv[:, None].expand(g, n).contiguous(), data.transpose(1, 2).contiguous(),
-               inv[:, None].expand(g, k).contiguous(), amax]  # fmt: skip
+    if _spec(module, names[0]).kind != "current":
+        operand = _grouped_blocks(module, names, data)
+    else:
+        data = data.view(torch.uint8)
+        inv = torch.cat([getattr(module, f"{name}_scale_inv") for name in names]).expand(g)
+        amax = torch.cat([getattr(module, f"{name}_amax") for name in names]).amax().reshape(1)
+        operand = [data, inv[:, None].expand(g, n).contiguous(), data.transpose(1, 2).contiguous(),
+                   inv[:, None].expand(g, k).contiguous(), amax]  # fmt: skip
     sinks = [module.__dict__.get(_SHARDED_MAIN_GRADS, {}).get(name) for name in names]
     if sinks[0] is None or weights[0].requires_grad or not torch.is_grad_enabled():
         return _StandIn.apply(dtype, (g, n, k), *weights), operand
@@ -359,6 +369,27 @@ def grouped_primary(
     group_name, world = module.__dict__[_SHARD_GROUP][names[0]]
     per_group = sinks[0].dim() == 2  # G weights [N, K] (else one [G, N, K])
     return _ShardedGrad.apply(dtype, (g, n, k), group_name, world, per_group, *sinks), operand
+
+
+def _stacked(tensors: list[Tensor]) -> Tensor:
+    """One grouped weight's tensor ``[G, ...]`` as it is, or ``G`` per-expert ones stacked."""
+    return tensors[0] if len(tensors) == 1 and tensors[0].dim() == 3 else torch.stack(tensors)
+
+
+def _grouped_blocks(module: nn.Module, names: tuple[str, ...], data: Tensor) -> list[Tensor]:
+    """The pre-quantised operand of a grouped GEMM's weights kept in blocks (Float8BlockScaling,
+    MXFP8), every expert's tensors stacked: the codes ``data`` ``[G, N, K]`` (float8), their
+    scales, the dgrad GEMM's copy ``[G, K, N]`` and its scales (of 128x128 blocks the
+    transposes, made per step as for a dense weight), a 0-element amax: the native blockwise
+    grouped GEMM's layout; ``quantization.gemm.as_gemm_takes`` dequantises them where the
+    grouped GEMM is emulated."""
+    scale = _stacked([module._buffers[f"{n}_scale_inv"] for n in names])
+    if f"{names[0]}_t" in module._buffers:  # 1-D blocks: a cast of its own
+        data_t = _stacked([module._buffers[f"{n}_t"] for n in names])
+        scale_t = _stacked([module._buffers[f"{n}_scale_inv_t"] for n in names])
+    else:
+        data_t, scale_t = data.transpose(1, 2).contiguous(), scale.transpose(1, 2).contiguous()
+    return [data, scale, data_t, scale_t, module._buffers[f"{names[0]}_amax"]]
 
 
 def required_main_grad(owner: str, main_grad: Tensor | None, weight: Tensor) -> Tensor | None:
@@ -541,12 +572,12 @@ class FP8MasterWeights:
                     self._others.append(param)
                     continue
                 group = _fsdp_group(owner, param)
-                if group is not None and _spec(module, name).kind == "block":
+                if group is not None and _spec(module, name).kind != "current":
                     raise NotImplementedError(
                         f"{owner}: the FP8 weight {name!r} of {type(module).__name__} is sharded "
-                        "by FSDP2 and kept in Float8BlockScaling's blocks; sharded FP8 primary "
-                        "weights support the per-tensor recipes (Float8CurrentScaling, "
-                        "DelayedScaling)"
+                        "by FSDP2 and kept in blocks (Float8BlockScaling, MXFP8BlockScaling); "
+                        "sharded FP8 primary weights support the per-tensor recipes "
+                        "(Float8CurrentScaling, DelayedScaling)"
                     )
                 init = get_high_precision_init_val(param)
                 if group is not None:  # a DTensor shard: the master is this rank's shard

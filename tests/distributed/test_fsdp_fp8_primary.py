@@ -35,7 +35,13 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 import te_compile as te
-from te_compile.quantization import DelayedScaling, Float8CurrentScaling, autocast
+from te_compile.quantization import (
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    MXFP8BlockScaling,
+    autocast,
+)
 from tests.distributed.harness import (
     BACKENDS,
     WORLD,
@@ -288,6 +294,19 @@ def _delayed_wgrad_refused(rank, group, device):
                 raise AssertionError(f"{model[0]}: a delayed wgrad of a sharded FP8 weight")
 
 
+def _blocks_refused(rank, group, device):
+    """FP8 weights kept in blocks (Float8BlockScaling, MXFP8), dense or grouped, sharded by
+    FSDP2: FP8MasterWeights refuses them by name (the sharded refresh is per tensor)."""
+    for recipe in (Float8BlockScaling(), MXFP8BlockScaling()):
+        for model in (_model(device, recipe), _grouped_model(device, recipe, False)):
+            try:
+                te.FP8MasterWeights(_shard(model))
+            except NotImplementedError as err:
+                assert "sharded by FSDP2 and kept in blocks" in str(err), err
+            else:
+                raise AssertionError(f"{type(recipe).__name__}: sharded block-scaled weights")
+
+
 SPLITS = [5, 0, 11]  # BATCH rows over three experts, one without tokens
 
 
@@ -395,6 +414,7 @@ def _worker(names, rank, group, backend):
         "param_dtype_refused": functools.partial(_cast_weights_refused, rank, group, device),
         "delay_wgrad_refused": functools.partial(_delayed_wgrad_refused, rank, group, device),
         "reset_refused": functools.partial(_reset_refused, rank, group, device),
+        "blocks_refused": functools.partial(_blocks_refused, rank, group, device),
         "tensor_parallel": functools.partial(_tensor_parallel, rank, group, device, False),
         "tensor_parallel_grouped": functools.partial(_tensor_parallel, rank, group, device, True),
         "grouped": functools.partial(_grouped_matches_unsharded, rank, group, device, False),
@@ -404,7 +424,7 @@ def _worker(names, rank, group, backend):
 
 
 DEFAULT = ("current", "checkpoint", "param_dtype_refused", "delay_wgrad_refused", "grouped",
-           "grouped_single", "reset_refused", "tensor_parallel",
+           "grouped_single", "reset_refused", "blocks_refused", "tensor_parallel",
            "tensor_parallel_grouped")  # fmt: skip
 LONG = ("delayed", "current_compiled")  # --long-runs: CI's time is tight
 

@@ -285,7 +285,11 @@ BLOCK_RECIPES = {"block": BLOCK, "block_1x128": BLOCK_1D, "mxfp8": MXFP8}
 
 def _block_cast(values, recipe):
     """The five tensors of ``values``' weight cast under ``recipe``, in FP8 codes: the codes,
-    their scales, the dgrad GEMM's copy, its scales, a 0-element amax."""
+    their scales, the dgrad GEMM's copy, its scales, a 0-element amax (a grouped ``[G, out,
+    in]`` weight: each expert's cast, stacked)."""
+    if values.dim() == 3:
+        parts = [_block_cast(v, recipe) for v in values]
+        return [*(torch.stack(t) for t in zip(*(p[:4] for p in parts), strict=True)), parts[0][4]]
     if recipe is MXFP8:
         return [*te.functional.quantize_mxfp8(values.float()), torch.empty(0)]
     spec = "block:e4m3:128x128:p2" if recipe is BLOCK else "block:e4m3:p2"
@@ -303,7 +307,8 @@ def _assert_kept_cast_of(m, values, recipe=BLOCK):
                 got = m.get_parameter(n)
             elif suffix.endswith("_t") and recipe is BLOCK:
                 assert f"{n}{suffix}" not in dict(m.named_buffers())
-                got = (m.get_parameter(n) if suffix == "_t" else m.get_buffer(f"{n}_scale_inv")).T
+                got = m.get_parameter(n) if suffix == "_t" else m.get_buffer(f"{n}_scale_inv")
+                got = got.transpose(-2, -1)
             else:
                 got = m.get_buffer(n + suffix)
             got, w = got.detach(), w.detach()
@@ -314,9 +319,15 @@ def _assert_kept_cast_of(m, values, recipe=BLOCK):
 
 def _kept_values(m, n, suffix=""):
     """FP8 weight ``n``'s values, fp32, from its codes and scales (``suffix="_t"``: from the
-    dgrad GEMM's kept copy, ``[in, out]``)."""
-    codes, scale = m.get_buffer(n + suffix) if suffix else m.get_parameter(n).detach(), None
+    dgrad GEMM's kept copy, ``[in, out]``; a grouped ``[G, ...]`` weight expert by expert)."""
+    codes = m.get_buffer(n + suffix) if suffix else m.get_parameter(n).detach()
     scale = m.get_buffer(f"{n}_scale_inv{suffix}")
+    if codes.dim() == 3:
+        return torch.stack([_values(c, s) for c, s in zip(codes, scale, strict=True)])
+    return _values(codes, scale)
+
+
+def _values(codes, scale):
     if scale.dtype == torch.uint8:  # MXFP8's E8M0 scales
         return te.functional.dequantize_mxfp8(codes, scale, torch.float32)
     rows = 128 if scale.shape[0] != codes.shape[0] else 1
@@ -471,8 +482,7 @@ def test_block_compiled_step_one_graph_values_as_eager(name, recipe):
 
 def test_block_refused_uses():
     """A weight's recipe family is the autocast's (Transformer Engine's "Recipe mismatch"), the
-    same weight blocks; grouped GEMMs keep per-tensor FP8 weights only; NVFP4 and MXFP8's
-    32x32 tiles are refused."""
+    same weight blocks; NVFP4 and MXFP8's 32x32 tiles are refused, dense and grouped."""
     m, per_tensor = (
         _primary("Linear", "cpu", BLOCK),
         _primary("Linear", "cpu", Float8CurrentScaling()),
@@ -499,15 +509,15 @@ def test_block_refused_uses():
         pytest.raises(ValueError, match="backward_override='high_precision'"),
     ):
         m(_x("cpu"))
-    for build in (lambda: te.GroupedLinear(G, 64, 32), lambda: te.ops.GroupedLinear(G, 64, 32)):
-        with (
-            te.quantized_model_init(recipe=BLOCK),
-            pytest.raises(NotImplementedError, match="for dense modules, Float8BlockScaling"),
-        ):
-            build()
     for other in (NVFP4BlockScaling(), MXFP8BlockScaling(enable_2d_quantization=True)):
         with pytest.raises(NotImplementedError, match=f"recipe.*got {type(other).__name__}"):
             _primary("Linear", "cpu", other)
+        for build in (lambda: te.GroupedLinear(G, 64, 32), lambda: te.ops.GroupedLinear(G, 64, 32)):
+            with (
+                te.quantized_model_init(recipe=other),
+                pytest.raises(NotImplementedError, match=f"recipe.*got {type(other).__name__}"),
+            ):
+                build()
 
 
 # GroupedLinear ---------------------------------------------------------------------------------
@@ -742,6 +752,247 @@ def test_grouped_mlp_fp8_weights_train_and_compile(device):
         losses.append(loss.item())
     assert losses[-1] < losses[0], losses
     assert_single_graph(loss_fn, m, _x(device))
+
+
+# GroupedLinear, GroupedMLP, te.ops.GroupedLinear under the block-scaled recipes ----------------
+
+LAYOUTS = {"ids": ["per_group", "single"], "argvalues": [False, True]}
+
+
+@pytest.mark.parametrize("single", **LAYOUTS)
+@pytest.mark.parametrize("recipe", list(BLOCK_RECIPES.values()), ids=list(BLOCK_RECIPES))
+def test_grouped_block_weights_keep_each_expert_s_cast(recipe, single):
+    """Each expert's weight keeps its block cast, as a dense weight does (the single ``[G, out,
+    in]`` weight: every expert cast on its own, no block across two, the tensors stacked)."""
+    hp = _grouped("cpu", single=single)
+    m = _grouped("cpu", recipe, single=single, preserve=True)
+    names = ["weight"] if single else [f"weight{i}" for i in range(G)]
+    assert _fp8_names(m) == names
+    _assert_kept_cast_of(m, {n: getattr(hp, n) for n in names}, recipe)
+
+
+def _grouped_block_step(m, hp, recipe):
+    """``m`` (grouped FP8 weights in blocks) with FP8MasterWeights and ``hp`` (bf16 weights equal
+    to their values, exact in bf16) with a main_grad buffer: one step each on the same input
+    and output gradient. The outputs, weight gradients (no weight read) and bias gradients are
+    equal; returns ``(x, x0, g)``."""
+    te.FP8MasterWeights(m)
+    with torch.no_grad():
+        for n in _fp8_names(m):
+            w = _kept_values(m, n)
+            assert torch.equal(w.bfloat16().float(), w), n
+            hp.get_parameter(n).copy_(w)
+    hp.allocate_main_grad()
+    x = _x("cpu").requires_grad_()
+    x0 = x.detach().clone().requires_grad_()
+    with autocast(recipe=recipe):
+        y, y0 = m(x, SPLITS), hp(x0, SPLITS)
+    assert torch.equal(y, y0)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y0.backward(g)
+    assert m._main_grad_buffer.any()
+    assert torch.equal(m._main_grad_buffer, hp._main_grad_buffer)
+    for n in _fp8_names(m):
+        assert m.get_parameter(n).grad is None, n
+    for b, b0 in zip(m.biases(), hp.biases(), strict=True):
+        assert torch.equal(b.grad, b0.grad)
+    return x, x0, g
+
+
+@pytest.mark.parametrize("single", **LAYOUTS)
+@pytest.mark.parametrize("recipe", list(BLOCK_RECIPES.values()), ids=list(BLOCK_RECIPES))
+def test_grouped_block_forward_and_gradients_match_the_dequantised_weights(recipe, single):
+    """The grouped GEMM (emulated) takes each expert's kept values: what the module with bf16
+    weights equal to them computes, exactly (output, weight and bias gradients). The input
+    gradient too for 128x128 blocks (the same values both ways); with 1-D blocks (1x128,
+    MXFP8's 1x32) the dgrad GEMM reads the kept cast along the other dim (``weight_t``), where
+    the bf16 module casts its weight again: against float64 of the quantised gradient times
+    those values."""
+    from te_compile.functional.gemm import qdq_both
+    from te_compile.quantization.gemm import recipe_specs
+
+    m = _grouped("cpu", recipe, single=single)
+    hp = _grouped("cpu", single=single, fuse_wgrad_accumulation=True)
+    x, x0, g = _grouped_block_step(m, hp, recipe)
+    if recipe is BLOCK:
+        assert torch.equal(x.grad, x0.grad)
+        return
+    names = _fp8_names(m)
+    w_t = torch.cat([_kept_values(m, n, "_t").reshape(-1, 128, 64) for n in names])
+    rows = torch.repeat_interleave(torch.arange(G), torch.tensor(SPLITS))
+    g_q = qdq_both(g.float(), recipe_specs(recipe)[2], columnwise=False)[0]
+    dx_ref = torch.einsum("mn,mkn->mk", g_q.double(), w_t.double()[rows])
+    assert_close(x.grad, dx_ref, torch.bfloat16)
+    if recipe is MXFP8:  # here the bf16 module's second cast differs
+        assert not torch.equal(x.grad, x0.grad)
+
+
+@pytest.mark.parametrize("single", **LAYOUTS)
+@pytest.mark.parametrize("recipe", list(BLOCK_RECIPES.values()), ids=list(BLOCK_RECIPES))
+def test_grouped_block_master_step_requantises_and_training_tracks_high_precision(recipe, single):
+    """FP8MasterWeights.step re-quantises each expert's fp32 master into its codes and buffers;
+    the losses track the bf16 module's; both layouts train alike, bit for bit (the same blocks
+    per expert)."""
+    m = _grouped("cpu", recipe, single=single, preserve=True)
+    losses, masters = _train(m, recipe, 4, True, SPLITS)
+    _assert_kept_cast_of(m, {e.name: e.master for e in masters._entries}, recipe)
+    assert not _grouped_main_grads(m).any()
+    assert losses[-1] < losses[0]
+    if single:
+        other, _ = _train(_grouped("cpu", recipe, preserve=True), recipe, 4, True, SPLITS)
+        assert torch.equal(losses, other)
+        return
+    ref, _ = _train(_grouped("cpu", fuse_wgrad_accumulation=True), recipe, 4, False, SPLITS)
+    assert_close(losses, ref, torch.bfloat16, roundings=chain_roundings(torch.bfloat16, 4))
+
+
+def _grouped_main_grads(m):
+    return torch.stack([m.get_parameter(n).main_grad.reshape(-1, 64, 128) for n in _fp8_names(m)])
+
+
+@pytest.mark.parametrize("single", **LAYOUTS)
+@pytest.mark.parametrize("recipe", list(BLOCK_RECIPES.values()), ids=list(BLOCK_RECIPES))
+def test_grouped_block_state_dict_round_trip_and_high_precision_load(recipe, single):
+    """The codes and every scale round-trip (the same bytes, the same outputs); a state_dict of
+    the bf16 module loads quantised, expert by expert."""
+    m = _grouped("cpu", recipe, single=single)
+    _train(m, recipe, 2, True, SPLITS)
+    buf = io.BytesIO()
+    torch.save(m.state_dict(), buf)
+    buf.seek(0)
+    fresh = _grouped("cpu", recipe, single=single)
+    fresh.load_state_dict(torch.load(buf))
+    for (k, v), v0 in zip(fresh.state_dict().items(), m.state_dict().values(), strict=True):
+        assert torch.equal(v.view(torch.uint8) if v.element_size() == 1 else v,
+                           v0.view(torch.uint8) if v0.element_size() == 1 else v0), k  # fmt: skip
+    with autocast(recipe=recipe), torch.no_grad():
+        assert torch.equal(fresh(_x("cpu", 7), SPLITS), m(_x("cpu", 7), SPLITS))
+    torch.manual_seed(5)
+    hp = _grouped("cpu", single=single)
+    with torch.no_grad():
+        for p in hp.parameters():
+            p.normal_(0, 0.05)
+    fresh.load_state_dict(hp.state_dict(), strict=False)
+    _assert_kept_cast_of(fresh, {n: getattr(hp, n) for n in _fp8_names(fresh)}, recipe)
+    with torch.no_grad(), autocast(recipe=recipe):
+        assert torch.equal(fresh(_x("cpu", 3), SPLITS), hp(_x("cpu", 3), SPLITS))
+
+
+@pytest.mark.parametrize(
+    ("recipe", "single"), [(BLOCK, False), (MXFP8, True)], ids=["block-per_group", "mxfp8-single"]
+)
+def test_grouped_block_compiled_step_one_graph_values_as_eager(recipe, single):
+    _assert_compiled_step_as_eager(lambda: _grouped("cpu", recipe, single=single), recipe, SPLITS)
+
+
+def test_grouped_block_refused_uses():
+    """The recipe family and the weight blocks are the autocast's, as for dense weights."""
+    m = _grouped("cpu", BLOCK)
+    te.FP8MasterWeights(m)
+    refusals = [
+        (Float8CurrentScaling(), r"Recipe mismatch for 'weight'.*Float8BlockScaling blocks"),
+        (BLOCK_1D, "holds 128x128 blocks"),
+        (MXFP8, "Recipe mismatch"),
+    ]
+    for recipe, match in refusals:
+        with autocast(recipe=recipe), pytest.raises(NotImplementedError, match=match):
+            m(_x("cpu"), SPLITS)
+    with (
+        autocast(recipe=Float8BlockScaling(backward_override="high_precision")),
+        pytest.raises(ValueError, match="backward_override='high_precision'"),
+    ):
+        m(_x("cpu"), SPLITS)
+    per_tensor = _grouped("cpu", Float8CurrentScaling())
+    with (
+        autocast(recipe=BLOCK),
+        torch.no_grad(),
+        pytest.raises(NotImplementedError, match="per-tensor FP8 codes"),
+    ):
+        per_tensor(_x("cpu"), SPLITS)
+
+
+def test_grouped_block_operand_of_the_wrong_shape_is_refused_by_name():
+    """The emulated grouped GEMM's pre-quantised weight may carry the dgrad copy (``[G, N,
+    K]``); another shape is refused, naming it."""
+    w = torch.randn(G, 64, 128, dtype=torch.bfloat16)
+    spec = "mxfp8:e4m3:emulate"
+    q = te.functional.quantize_grouped_weight(w, spec)
+    for bad in (w.transpose(1, 2).contiguous(), w.float()):
+        with pytest.raises(
+            ValueError, match=r"weight_data_t must be torch\.bfloat16 \[3, 64, 128\]"
+        ):
+            te.functional.grouped_linear(_x("cpu"), SPLITS, w, input_spec=spec, weight_spec=spec,
+                                         grad_spec="mxfp8:e5m2:emulate",
+                                         weight_quantized=[q[0], q[1], bad, *q[3:]])  # fmt: skip
+
+
+@pytest.mark.parametrize("recipe", [BLOCK, MXFP8], ids=["block", "mxfp8"])
+def test_grouped_mlp_block_fp8_weights_match_and_train(recipe):
+    """GroupedMLP's FC1 and FC2 keep block-scaled FP8 weights: the output is the bf16 module's
+    of their values, bit for bit; the loss falls under FP8MasterWeights."""
+
+    def build(fp8):
+        torch.manual_seed(0)
+        kw = {"params_dtype": torch.bfloat16, "single_grouped_parameter": False}
+        if not fp8:
+            return te.GroupedMLP(G, 128, 128, **kw)
+        with te.quantized_model_init(recipe=recipe):
+            return te.GroupedMLP(G, 128, 128, **kw)
+
+    m, hp = build(True), build(False)
+    assert _fp8_names(m) == [f"fc{j}.weight{i}" for j in (1, 2) for i in range(G)]
+    masters = te.FP8MasterWeights(m)
+    with torch.no_grad():
+        for n in _fp8_names(m):
+            module, name = n.split(".")
+            hp.get_parameter(n).copy_(_kept_values(getattr(m, module), name))
+    with autocast(recipe=recipe), torch.no_grad():
+        assert torch.equal(m(_x("cpu"), SPLITS), hp(_x("cpu"), SPLITS))
+    opt = torch.optim.SGD(masters.parameters(), lr=0.5)
+    losses = []
+    for step in range(3):
+        with autocast(recipe=recipe):
+            loss = m(_x("cpu", step), SPLITS).float().square().sum(-1).mean()
+        loss.backward()
+        masters.step(opt)
+        losses.append(loss.item())
+    assert losses[-1] < losses[0], losses
+
+
+@pytest.mark.parametrize("single", **LAYOUTS)
+@pytest.mark.parametrize("recipe", [BLOCK, MXFP8], ids=["block", "mxfp8"])
+def test_ops_grouped_linear_block_matches_the_dequantised_weights(recipe, single):
+    """te.ops.GroupedLinear with block-scaled FP8 weights computes what the op with bf16 weights
+    equal to their values computes: the output and the weight gradient (fp32 main_grad, the
+    bf16 op's .grad its rounding) exactly; the input gradient too for 128x128 blocks."""
+    flags = {"single_grouped_weight": single, "single_grouped_bias": single}
+
+    def build(fp8):
+        torch.manual_seed(0)
+        if not fp8:
+            return te.ops.GroupedLinear(G, 128, 64, dtype=torch.bfloat16, **flags)
+        with te.quantized_model_init(recipe=recipe):
+            return te.ops.GroupedLinear(G, 128, 64, dtype=torch.bfloat16, **flags)
+
+    op, hp = build(True), build(False)
+    te.FP8MasterWeights(op)
+    with torch.no_grad():
+        for n in _fp8_names(op):
+            hp.get_parameter(n).copy_(_kept_values(op, n))
+    x = _x("cpu").requires_grad_()
+    x0 = x.detach().clone().requires_grad_()
+    with autocast(recipe=recipe):
+        y, y0 = te.ops.Sequential(op)(x, SPLITS), te.ops.Sequential(hp)(x0, SPLITS)
+    assert torch.equal(y, y0)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y0.backward(g)
+    assert (recipe is BLOCK) == torch.equal(x.grad, x0.grad)
+    for n in _fp8_names(op):
+        main_grad = op.get_parameter(n).main_grad
+        assert main_grad.any() or n == "weight1", n  # the expert without tokens
+        assert torch.equal(main_grad.bfloat16(), hp.get_parameter(n).grad), n
 
 
 # te.ops ----------------------------------------------------------------------------------------
