@@ -324,9 +324,10 @@ class GroupedLinear(BasicOperation):
     ``NVTE_GROUPED_LINEAR_SINGLE_PARAM`` environment variable set (else it warns and builds
     per-group parameters); here True always builds the single layout. The attributes of the
     other layout are None, as in Transformer Engine. FP8 primary weights
-    (``quantized_model_init``): a scale per ``weight{i}`` (one for the single ``weight``), the
-    gradients accumulated into one ``[G, out, in]`` fp32 buffer that ``FP8MasterWeights``
-    allocates (``allocate_main_grad``; each ``weight{i}.main_grad`` a view of it).
+    (``quantized_model_init``): per tensor a scale per ``weight{i}`` (one for the single
+    ``weight``), in blocks each expert's own blocks (``quantization.primary``), the gradients
+    accumulated into one ``[G, out, in]`` fp32 buffer that ``FP8MasterWeights`` allocates
+    (``allocate_main_grad``; each ``weight{i}.main_grad`` a view of it).
 
     Inside ``te_compile.autocast`` the GEMMs run with the recipe
     as data (``te::grouped_linear``): rowwise scales under ``Float8CurrentScaling``,

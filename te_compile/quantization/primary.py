@@ -4,12 +4,13 @@ Modules built inside ``te_compile.quantized_model_init(recipe=...)`` keep each G
 FP8 only, as the recipe casts weights (:func:`_weight_spec`, :func:`_cast`): the ``weight``
 Parameter holds the E4M3 codes (one byte per parameter) and buffers the rest, plain tensors.
 Per-tensor recipes (Float8CurrentScaling, DelayedScaling): current scaling of the weight, fp32
-``weight_scale_inv`` and ``weight_amax`` ``[1]``. Float8BlockScaling (dense modules): its
-weight blocks, ``weight_scale_inv`` the block scales, a 0-element ``weight_amax``, and for
-1x128 weight blocks ``weight_t`` / ``weight_scale_inv_t``, the dgrad GEMM's copy quantised
-along the other dim (of 128x128 blocks it is the transpose, made per step as per tensor).
-MXFP8BlockScaling (dense modules, 1-D blocks): both casts of ``functional.quantize_mxfp8``
-under the same five names (E8M0 scales as uint8). The forward hands them to the GEMM op as
+``weight_scale_inv`` and ``weight_amax`` ``[1]``. Float8BlockScaling: its weight blocks,
+``weight_scale_inv`` the block scales, a 0-element ``weight_amax``, and for 1x128 weight blocks
+``weight_t`` / ``weight_scale_inv_t``, the dgrad GEMM's copy quantised along the other dim (of
+128x128 blocks it is the transpose, made per step as per tensor). MXFP8BlockScaling (1-D
+blocks): both casts of ``functional.quantize_mxfp8`` under the same five names (E8M0 scales as
+uint8). A grouped ``[G, N, K]`` weight in blocks is cast expert by expert, its tensors stacked.
+The forward hands them to the GEMM op as
 its pre-quantised weight operand (:func:`primary_operand`, :func:`grouped_primary`; an
 emulated block-scaled GEMM takes their dequantised values, ``quantization.gemm.as_gemm_takes``),
 so no weight is cast per step. The weight gradient goes to an fp32 ``weight.main_grad``;
