@@ -675,7 +675,9 @@ def test_grouped_compiled_step_one_graph_values_as_eager(single):
 
 @pytest.mark.parametrize("single", [False, True], ids=["per_group", "single"])
 @pytest.mark.parametrize(
-    "recipe", [Float8CurrentScaling, DelayedScaling], ids=["current", "delayed"]
+    "recipe",
+    [Float8CurrentScaling, DelayedScaling, Float8BlockScaling, MXFP8BlockScaling],
+    ids=["current", "delayed", "block", "mxfp8"],
 )
 def test_grouped_delay_wgrad_compute_gives_the_backward_s_main_grad(recipe, single):
     """delay_wgrad_compute=True: the backward leaves main_grad alone, backward_dw() adds the
