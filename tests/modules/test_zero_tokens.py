@@ -168,7 +168,7 @@ def test_zero_tokens_nvfp4_row_scaled(compiled):
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("recipe", ["current", "delayed"])
+@pytest.mark.parametrize("recipe", ["current", "delayed", "block", "mxfp8"])
 @pytest.mark.parametrize("module", MODULES)
 def test_zero_tokens_fp8_primary_weights(module, recipe, compiled):
     """``quantized_model_init`` (TE's ``fp8_model_params``): the gradient goes to
