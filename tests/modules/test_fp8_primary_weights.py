@@ -773,7 +773,7 @@ def test_grouped_block_weights_keep_each_expert_s_cast(recipe, single):
     _assert_kept_cast_of(m, {n: getattr(hp, n) for n in names}, recipe)
 
 
-def _grouped_block_step(m, hp, recipe):
+def _grouped_block_step(m, hp, recipe, device="cpu"):
     """``m`` (grouped FP8 weights in blocks) with FP8MasterWeights and ``hp`` (bf16 weights equal
     to their values, exact in bf16) with a main_grad buffer: one step each on the same input
     and output gradient. The outputs, weight gradients (no weight read) and bias gradients are
@@ -785,7 +785,7 @@ def _grouped_block_step(m, hp, recipe):
             assert torch.equal(w.bfloat16().float(), w), n
             hp.get_parameter(n).copy_(w)
     hp.allocate_main_grad()
-    x = _x("cpu").requires_grad_()
+    x = _x(device).requires_grad_()
     x0 = x.detach().clone().requires_grad_()
     with autocast(recipe=recipe):
         y, y0 = m(x, SPLITS), hp(x0, SPLITS)
@@ -802,11 +802,13 @@ def _grouped_block_step(m, hp, recipe):
     return x, x0, g
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("single", **LAYOUTS)
 @pytest.mark.parametrize("recipe", list(BLOCK_RECIPES.values()), ids=list(BLOCK_RECIPES))
-def test_grouped_block_forward_and_gradients_match_the_dequantised_weights(recipe, single):
-    """The grouped GEMM (emulated) takes each expert's kept values: what the module with bf16
-    weights equal to them computes, exactly (output, weight and bias gradients). The input
+def test_grouped_block_forward_and_gradients_match_the_dequantised_weights(recipe, single, device):
+    """The grouped GEMM takes each expert's kept codes (native: Float8BlockScaling's 1x128 weight
+    blocks on Hopper) or their values (emulated): what the module with bf16 weights equal to
+    them computes, exactly (output, weight and bias gradients). The input
     gradient too for 128x128 blocks (the same values both ways); with 1-D blocks (1x128,
     MXFP8's 1x32) the dgrad GEMM reads the kept cast along the other dim (``weight_t``), where
     the bf16 module casts its weight again: against float64 of the quantised gradient times
@@ -814,16 +816,16 @@ def test_grouped_block_forward_and_gradients_match_the_dequantised_weights(recip
     from te_compile.functional.gemm import qdq_both
     from te_compile.quantization.gemm import recipe_specs
 
-    m = _grouped("cpu", recipe, single=single)
-    hp = _grouped("cpu", single=single, fuse_wgrad_accumulation=True)
-    x, x0, g = _grouped_block_step(m, hp, recipe)
+    m = _grouped(device, recipe, single=single)
+    hp = _grouped(device, single=single, fuse_wgrad_accumulation=True)
+    x, x0, g = _grouped_block_step(m, hp, recipe, device)
     if recipe is BLOCK:
         assert torch.equal(x.grad, x0.grad)
         return
     names = _fp8_names(m)
-    w_t = torch.cat([_kept_values(m, n, "_t").reshape(-1, 128, 64) for n in names])
+    w_t = torch.cat([_kept_values(m, n, "_t").reshape(-1, 128, 64) for n in names]).cpu()
     rows = torch.repeat_interleave(torch.arange(G), torch.tensor(SPLITS))
-    g_q = qdq_both(g.float(), recipe_specs(recipe)[2], columnwise=False)[0]
+    g_q = qdq_both(g.float(), recipe_specs(recipe)[2], columnwise=False)[0].cpu()
     dx_ref = torch.einsum("mn,mkn->mk", g_q.double(), w_t.double()[rows])
     assert_close(x.grad, dx_ref, torch.bfloat16)
     if recipe is MXFP8:  # here the bf16 module's second cast differs
