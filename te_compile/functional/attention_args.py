@@ -273,14 +273,6 @@ def _softmax_offset(softmax_type, softmax_offset, h: int, device) -> Tensor | No
     return softmax_offset.float()
 
 
-def _max_seqlen(name: str, value, tokens):
-    if value is None:
-        return tokens
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise _fail(f"{name} must be a positive int, got {value!r}")
-    return torch.sym_min(value, tokens)
-
-
 def op_arguments(
     query, key, value, attention_mask, qkv_format, attn_mask_type, window_size, cu_seqlens_q,
     cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, core_attention_bias_type, core_attention_bias,
@@ -372,11 +364,10 @@ def op_arguments(
     p = float(dropout_p)
     if p > 0 and rng_state is None:
         rng_state = new_rng_state(device)
-    if thd:
-        max_q = _max_seqlen("max_seqlen_q", max_seqlen_q, sq)
-        max_kv = _max_seqlen("max_seqlen_kv", max_seqlen_kv, skv)
-    else:
-        max_q, max_kv = sq, skv
+    max_q, max_kv = sq, skv
+    if thd:  # the bounds are checked above
+        max_q = sq if max_seqlen_q is None else torch.sym_min(max_seqlen_q, sq)
+        max_kv = skv if max_seqlen_kv is None else torch.sym_min(max_seqlen_kv, skv)
     bottom_right = mask_type not in ("causal", "padding_causal")
     return (
         q, k, v, bias, slopes, q_pad, kv_pad, mask, cu_q, cu_kv, rng_state if p > 0 else None,

@@ -261,26 +261,24 @@ def dequantize_blockwise_ref(
 
 
 def _check_x(name: str, x: Tensor, fp8_dtype: torch.dtype) -> None:
-    if x.dtype in HIGH_DTYPES and x.dim() >= 1 and fp8_dtype in FP8_DTYPES:
-        return  # one cheap test per call: the checks below name the argument on failure
-    torch._check_value(
-        x.dtype in HIGH_DTYPES,
-        lambda: (
-            f"te.{name}: x.dtype must be torch.float32, torch.bfloat16 or torch.float16, "
-            f"got {x.dtype}"
-        ),
-    )
-    torch._check_value(
-        x.dim() >= 1, lambda: f"te.{name}: x must have at least 1 dim (K), got a 0-dim tensor"
-    )
-    _check_fp8_dtype(name, "fp8_dtype", fp8_dtype)
+    _check_high(name, "x.dtype", x.dtype)
+    if x.dim() < 1:
+        raise ValueError(f"te.{name}: x must have at least 1 dim (K), got a 0-dim tensor")
+    _check_fp8_dtype(name, fp8_dtype)
 
 
-def _check_fp8_dtype(name: str, arg: str, dtype: torch.dtype) -> None:
-    torch._check_value(
-        dtype in FP8_DTYPES,
-        lambda: f"te.{name}: {arg} must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}",
-    )
+def _check_high(name: str, arg: str, dtype: torch.dtype) -> None:
+    if dtype not in HIGH_DTYPES:
+        raise ValueError(
+            f"te.{name}: {arg} must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}"
+        )
+
+
+def _check_fp8_dtype(name: str, dtype: torch.dtype) -> None:
+    if dtype not in FP8_DTYPES:
+        raise ValueError(
+            f"te.{name}: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}"
+        )
 
 
 def _check_per_tensor_scale(name: str, arg: str, scale: Tensor, x: Tensor) -> None:
@@ -291,64 +289,53 @@ def _check_per_tensor_scale(name: str, arg: str, scale: Tensor, x: Tensor) -> No
             f"{list(scale.shape)} and dtype {scale.dtype}"
         ),
     )
-    torch._check_value(
-        scale.device == x.device,
-        lambda: f"te.{name}: {arg} must be on the input's device ({x.device}), got {scale.device}",
-    )
+    if scale.device != x.device:
+        raise ValueError(
+            f"te.{name}: {arg} must be on the input's device ({x.device}), got {scale.device}"
+        )
 
 
 def _check_block_rows(name: str, block_rows: int) -> None:
-    torch._check_value(
-        block_rows in (1, BLOCK),
-        lambda: (
+    if block_rows not in (1, BLOCK):
+        raise ValueError(
             f"te.{name}: block_rows must be 1 (1x128 blocks) or 128 (128x128 blocks), "
             f"got {block_rows}"
-        ),
-    )
+        )
 
 
 def _check_quantize_current(name: str, x: Tensor, fp8_dtype: torch.dtype, eps: float) -> None:
     _check_x(name, x, fp8_dtype)
-    if eps >= 0 and math.isfinite(eps):
-        return
-    torch._check_value(
-        eps >= 0 and math.isfinite(eps),
-        lambda: f"te.{name}: amax_epsilon must be finite and >= 0, got {eps}",
-    )
+    if not (eps >= 0 and math.isfinite(eps)):
+        raise ValueError(f"te.{name}: amax_epsilon must be finite and >= 0, got {eps}")
 
 
 def _check_dequantize(
     name: str, data: Tensor, fp8_dtype: torch.dtype, out_dtype: torch.dtype
 ) -> None:
-    torch._check_value(
-        data.dtype == torch.uint8 and data.dim() >= 1,
-        lambda: (
+    if data.dtype != torch.uint8 or data.dim() < 1:
+        raise ValueError(
             f"te.{name}: data must be the uint8 bytes of the fp8 data "
             f"(data.view(torch.uint8)) with at least 1 dim, got {data.dtype} of shape "
             f"{list(data.shape)}"
-        ),
-    )
-    _check_fp8_dtype(name, "fp8_dtype", fp8_dtype)
-    torch._check_value(
-        out_dtype in HIGH_DTYPES,
-        lambda: (
-            f"te.{name}: out_dtype must be torch.float32, torch.bfloat16 or torch.float16, "
-            f"got {out_dtype}"
-        ),
-    )
+        )
+    _check_fp8_dtype(name, fp8_dtype)
+    _check_high(name, "out_dtype", out_dtype)
+
+
+def _scale_shape(m: int, k: int, block_rows: int) -> tuple[int, int]:
+    """``[ceil(M / block_rows), ceil(K / 128)]``: the block scales of ``[M, K]`` data."""
+    return (m + block_rows - 1) // block_rows, (k + BLOCK - 1) // BLOCK
 
 
 def _check_block_scale_inv(name: str, data: Tensor, scale_inv: Tensor, block_rows: int) -> None:
     _check_block_rows(name, block_rows)
     m, k = math.prod(data.shape[:-1]), data.shape[-1]
-    torch._check_value(
-        scale_inv.dtype == torch.float32 and scale_inv.dim() == 2,
-        lambda: (
+    if scale_inv.dtype != torch.float32 or scale_inv.dim() != 2:
+        raise ValueError(
             f"te.{name}: scale_inv must be a 2-dim torch.float32 tensor, got shape "
             f"{list(scale_inv.shape)} and dtype {scale_inv.dtype}"
-        ),
-    )
-    expected = ((m + block_rows - 1) // block_rows, (k + BLOCK - 1) // BLOCK)
+        )
+    expected = _scale_shape(m, k, block_rows)
     for d in range(2):
         torch._check_value(
             scale_inv.shape[d] == expected[d],
@@ -358,12 +345,10 @@ def _check_block_scale_inv(name: str, data: Tensor, scale_inv: Tensor, block_row
                 f"got {list(scale_inv.shape)}"
             ),
         )
-    torch._check_value(
-        scale_inv.device == data.device,
-        lambda: (
+    if scale_inv.device != data.device:
+        raise ValueError(
             f"te.{name}: scale_inv must be on data's device ({data.device}), got {scale_inv.device}"
-        ),
-    )
+        )
 
 
 def check_fp8_gemm_dims(name: str, **dims: int) -> None:
@@ -586,14 +571,9 @@ def _quantize_blockwise_fake(x, fp8_dtype, block_rows, power_2_scale, columnwise
     m, k = math.prod(x.shape[:-1]), x.shape[-1]
     data, data_t = _fake_fp8(x, fp8_dtype, columnwise)
     f32 = torch.float32
-    scale_inv = x.new_empty(
-        ((m + block_rows - 1) // block_rows, (k + BLOCK - 1) // BLOCK), dtype=f32
-    )
-    if columnwise:
-        t_shape = ((k + block_rows - 1) // block_rows, (m + BLOCK - 1) // BLOCK)
-        scale_inv_t = x.new_empty(t_shape, dtype=f32)
-    else:
-        scale_inv_t = _empty(x, f32)
+    scale_inv = x.new_empty(_scale_shape(m, k, block_rows), dtype=f32)
+    t = _scale_shape(k, m, block_rows)
+    scale_inv_t = x.new_empty(t, dtype=f32) if columnwise else _empty(x, f32)
     return data, scale_inv, data_t, scale_inv_t
 
 

@@ -85,6 +85,8 @@ _NVFP4_4OVER6_ERR_MODES = ("MAE", "MSE")
 # te::grouped_linear run).
 _PER_TENSOR_GEMMS = {"fp8_gemm_fprop": False, "fp8_gemm_dgrad": True, "fp8_gemm_wgrad": True}
 _AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+# The per-operand QParams fields of the FP8 recipes that have them.
+FP8_QPARAMS = ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad")
 
 
 class _FormatSpec(NamedTuple):
@@ -187,7 +189,8 @@ def _fast_accumulation() -> MMParams:
 def _no_options() -> QParams:
     """Default of the per-operand QParams fields: not constructor arguments (as in TE, where
     ``__post_init__`` sets them from the recipe's flags); set afterwards to override one operand,
-    compared, printed and copied with the other fields."""
+    compared, printed and copied with the other fields. A function: dynamo cannot call the
+    class as a default factory."""
     return QParams()
 
 
@@ -439,11 +442,7 @@ class Float8CurrentScaling(Recipe):
 
     kind: ClassVar[str] = "current"
     _qparam_flags: ClassVar[dict[str, tuple[str, tuple[str, ...], bool]]] = {
-        "use_power_2_scales": (
-            "power_2_scale",
-            ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad"),
-            False,
-        ),
+        "use_power_2_scales": ("power_2_scale", FP8_QPARAMS, False),
     }
 
     use_power_2_scales: bool = False
@@ -490,11 +489,7 @@ class Float8BlockScaling(Recipe):
     kind: ClassVar[str] = "block"
     block_len: ClassVar[int] = 128
     _qparam_flags: ClassVar[dict[str, tuple[str, tuple[str, ...], bool]]] = {
-        "use_f32_scales": (
-            "power_2_scale",
-            ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad"),
-            True,
-        ),
+        "use_f32_scales": ("power_2_scale", FP8_QPARAMS, True),
     }
 
     use_f32_scales: bool = False

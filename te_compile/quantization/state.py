@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from te_compile.quantization.device import emulation_reason, get_default_fp8_recipe
-from te_compile.quantization.recipe import Recipe
+from te_compile.quantization.recipe import FP8_QPARAMS, Recipe
 
 __all__ = [
     "AutocastState",
@@ -159,8 +159,7 @@ def check_power_2_scales(owner: str, recipe: Recipe) -> None:
     """Float8CurrentScaling's power-of-two scales (``use_power_2_scales``, or one operand's
     ``fp8_quant_*.power_2_scale``): te_compile.quantize applies them, the modules' per-tensor
     kernels do not, so a recipe that asks for them is refused rather than ignored."""
-    on = [name for name in ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad")
-          if getattr(recipe, name).power_2_scale]  # fmt: skip
+    on = [name for name in FP8_QPARAMS if getattr(recipe, name).power_2_scale]
     if on:
         asked = ("(use_power_2_scales=True)" if recipe.use_power_2_scales
                  else f" with {', '.join(f'{n}.power_2_scale=True' for n in on)}")  # fmt: skip
