@@ -436,7 +436,7 @@ def _dequantize_blockwise_samples(device: torch.device) -> list[SampleInput]:
     ]
 
 
-# 2. Ops (default implementation: the reference math; CUDA: the Triton kernels) ---------------
+# 2. Ops (on CPU the reference math; on CUDA the Triton kernels) ------------------------------
 
 
 @op("quantize_tensorwise", sample_inputs=_tensorwise_samples)
@@ -447,13 +447,8 @@ def quantize_tensorwise(
     ``columnwise``, else 0-element. One read of ``x``."""
     _check_x("quantize_tensorwise", x, fp8_dtype)
     _check_per_tensor_scale("quantize_tensorwise", "scale", scale, x)
-    return quantize_tensorwise_ref(x, scale, fp8_dtype, columnwise)
-
-
-@quantize_tensorwise.register_kernel("cuda")
-def _quantize_tensorwise_cuda(x, scale, fp8_dtype, columnwise):
-    _check_x("quantize_tensorwise", x, fp8_dtype)
-    _check_per_tensor_scale("quantize_tensorwise", "scale", scale, x)
+    if not x.is_cuda:
+        return quantize_tensorwise_ref(x, scale, fp8_dtype, columnwise)
     data, data_t, _, amax = _kernels().quantize_tensorwise(x, scale, fp8_dtype, columnwise)
     return data, data_t, amax
 
@@ -469,13 +464,8 @@ def quantize_current(
     """Current scaling: returns ``(data, data_t, scale_inv, amax)``. Two reads of ``x``: the
     global amax must be known before the first element is cast."""
     _check_quantize_current("quantize_current", x, fp8_dtype, amax_epsilon)
-    return quantize_current_ref(x, fp8_dtype, columnwise, amax_epsilon, power_2_scale)
-
-
-@quantize_current.register_kernel("cuda")
-def _quantize_current_cuda(x, fp8_dtype, columnwise, amax_epsilon=0.0, power_2_scale=False):
-    _check_quantize_current("quantize_current", x, fp8_dtype, amax_epsilon)
-    return _kernels().quantize_current(x, fp8_dtype, columnwise, amax_epsilon, power_2_scale)
+    impl = _kernels().quantize_current if x.is_cuda else quantize_current_ref
+    return impl(x, fp8_dtype, columnwise, amax_epsilon, power_2_scale)
 
 
 @op("quantize_blockwise", sample_inputs=_blockwise_samples)
@@ -486,14 +476,8 @@ def quantize_blockwise(
     module docstring). One read of ``x``."""
     _check_x("quantize_blockwise", x, fp8_dtype)
     _check_block_rows("quantize_blockwise", block_rows)
-    return quantize_blockwise_ref(x, fp8_dtype, block_rows, power_2_scale, columnwise)
-
-
-@quantize_blockwise.register_kernel("cuda")
-def _quantize_blockwise_cuda(x, fp8_dtype, block_rows, power_2_scale, columnwise):
-    _check_x("quantize_blockwise", x, fp8_dtype)
-    _check_block_rows("quantize_blockwise", block_rows)
-    return _kernels().quantize_blockwise(x, fp8_dtype, block_rows, power_2_scale, columnwise)
+    impl = _kernels().quantize_blockwise if x.is_cuda else quantize_blockwise_ref
+    return impl(x, fp8_dtype, block_rows, power_2_scale, columnwise)
 
 
 @op("dequantize_tensorwise", sample_inputs=_dequantize_tensorwise_samples)
@@ -504,14 +488,8 @@ def dequantize_tensorwise(
     ``out_dtype``; ``data``'s shape."""
     _check_dequantize("dequantize_tensorwise", data, fp8_dtype, out_dtype)
     _check_per_tensor_scale("dequantize_tensorwise", "scale_inv", scale_inv, data)
-    return dequantize_tensorwise_ref(data.view(fp8_dtype), scale_inv, out_dtype)
-
-
-@dequantize_tensorwise.register_kernel("cuda")
-def _dequantize_tensorwise_cuda(data, scale_inv, fp8_dtype, out_dtype):
-    _check_dequantize("dequantize_tensorwise", data, fp8_dtype, out_dtype)
-    _check_per_tensor_scale("dequantize_tensorwise", "scale_inv", scale_inv, data)
-    return _kernels().dequantize_tensorwise(data.view(fp8_dtype), scale_inv, out_dtype)
+    impl = _kernels().dequantize_tensorwise if data.is_cuda else dequantize_tensorwise_ref
+    return impl(data.view(fp8_dtype), scale_inv, out_dtype)
 
 
 @op("dequantize_blockwise", sample_inputs=_dequantize_blockwise_samples)
@@ -527,14 +505,8 @@ def dequantize_blockwise(
     shape."""
     _check_dequantize("dequantize_blockwise", data, fp8_dtype, out_dtype)
     _check_block_scale_inv("dequantize_blockwise", data, scale_inv, block_rows)
-    return dequantize_blockwise_ref(data.view(fp8_dtype), scale_inv, block_rows, out_dtype)
-
-
-@dequantize_blockwise.register_kernel("cuda")
-def _dequantize_blockwise_cuda(data, scale_inv, block_rows, fp8_dtype, out_dtype):
-    _check_dequantize("dequantize_blockwise", data, fp8_dtype, out_dtype)
-    _check_block_scale_inv("dequantize_blockwise", data, scale_inv, block_rows)
-    return _kernels().dequantize_blockwise(data.view(fp8_dtype), scale_inv, block_rows, out_dtype)
+    impl = _kernels().dequantize_blockwise if data.is_cuda else dequantize_blockwise_ref
+    return impl(data.view(fp8_dtype), scale_inv, block_rows, out_dtype)
 
 
 # 3. Fakes -----------------------------------------------------------------------------------

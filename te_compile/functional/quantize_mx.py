@@ -191,15 +191,6 @@ def _check_out_dtype(name: str, out_dtype: torch.dtype) -> None:
         )
 
 
-def _check_fp8_data(data: Tensor) -> None:
-    """The public function's check: the op itself takes the bytes (module docstring)."""
-    if data.dtype not in FP8_DTYPES:
-        raise ValueError(
-            "te.dequantize_mxfp8: data must be a float8_e4m3fn or float8_e5m2 tensor, got "
-            f"{data.dtype}"
-        )
-
-
 def _check_dequantize_mxfp8(
     data: Tensor, scale: Tensor, fp8_dtype: torch.dtype, out_dtype: torch.dtype
 ) -> None:
@@ -282,53 +273,37 @@ def _dequantize_nvfp4_samples(device: torch.device):
         yield SampleInput((data.to(device), scale, g.to(device), out_dtype))
 
 
-# 2. Ops ---------------------------------------------------------------------------------------
+# 2. Ops (on CPU the reference math; on CUDA the Triton kernels) ------------------------------
 
 
 @op("quantize_mxfp8", sample_inputs=_quantize_mxfp8_samples)
 def quantize_mxfp8_op(
     x: Tensor, fp8_dtype: torch.dtype, rowwise: bool, columnwise: bool
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Returns ``(data, scale, data_t, scale_t)``. Default (CPU) implementation: the reference."""
+    """Returns ``(data, scale, data_t, scale_t)``."""
     _check_quantize_mxfp8(x, fp8_dtype, rowwise, columnwise)
-    return quantize_mxfp8_ref(x, fp8_dtype, rowwise, columnwise)
-
-
-@quantize_mxfp8_op.register_kernel("cuda")
-def _quantize_mxfp8_cuda(x, fp8_dtype, rowwise, columnwise):
-    _check_quantize_mxfp8(x, fp8_dtype, rowwise, columnwise)
-    return _kernels().quantize_mxfp8(x, fp8_dtype, rowwise, columnwise)
+    impl = _kernels().quantize_mxfp8 if x.is_cuda else quantize_mxfp8_ref
+    return impl(x, fp8_dtype, rowwise, columnwise)
 
 
 @op("dequantize_mxfp8", sample_inputs=_dequantize_mxfp8_samples)
 def dequantize_mxfp8_op(
     data: Tensor, scale: Tensor, fp8_dtype: torch.dtype, out_dtype: torch.dtype
 ) -> Tensor:
-    """``data`` (the uint8 bytes of ``fp8_dtype`` values) dequantised to ``out_dtype``. Default
-    (CPU) implementation: the reference."""
+    """``data`` (the uint8 bytes of ``fp8_dtype`` values) dequantised to ``out_dtype``."""
     _check_dequantize_mxfp8(data, scale, fp8_dtype, out_dtype)
-    return dequantize_mxfp8_ref(data.view(fp8_dtype), scale, out_dtype)
-
-
-@dequantize_mxfp8_op.register_kernel("cuda")
-def _dequantize_mxfp8_cuda(data, scale, fp8_dtype, out_dtype):
-    _check_dequantize_mxfp8(data, scale, fp8_dtype, out_dtype)
-    return _kernels().dequantize_mxfp8(data.view(fp8_dtype), scale, out_dtype)
+    impl = _kernels().dequantize_mxfp8 if data.is_cuda else dequantize_mxfp8_ref
+    return impl(data.view(fp8_dtype), scale, out_dtype)
 
 
 @op("quantize_nvfp4", sample_inputs=_quantize_nvfp4_samples)
 def quantize_nvfp4_op(
     x: Tensor, global_amax: Tensor | None, rowwise: bool, columnwise: bool
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Returns ``(data, scale, global_scale, data_t, scale_t)``. Default (CPU) implementation:
-    the reference."""
+    """Returns ``(data, scale, global_scale, data_t, scale_t)``."""
     check_quantize_nvfp4(x, global_amax, rowwise, columnwise)
-    return quantize_nvfp4_ref(x, global_amax, rowwise, columnwise)
-
-
-@quantize_nvfp4_op.register_kernel("cuda")
-def _quantize_nvfp4_cuda(x, global_amax, rowwise, columnwise):
-    check_quantize_nvfp4(x, global_amax, rowwise, columnwise)
+    if not x.is_cuda:
+        return quantize_nvfp4_ref(x, global_amax, rowwise, columnwise)
     # The tensor amax is a reduction over all of x before any block can be scaled: torch's.
     g = nvfp4_global_scale(tensor_amax(x) if global_amax is None else global_amax)
     data, scale, data_t, scale_t = _kernels().quantize_nvfp4(x, g, rowwise, columnwise)
@@ -339,17 +314,10 @@ def _quantize_nvfp4_cuda(x, global_amax, rowwise, columnwise):
 def dequantize_nvfp4_op(
     data: Tensor, scale: Tensor, global_scale: Tensor, out_dtype: torch.dtype
 ) -> Tensor:
-    """``data`` dequantised to ``out_dtype``; ``scale`` is the uint8 bytes of the E4M3 scales.
-    Default (CPU) implementation: the reference."""
+    """``data`` dequantised to ``out_dtype``; ``scale`` is the uint8 bytes of the E4M3 scales."""
     _check_dequantize_nvfp4(data, scale, global_scale, out_dtype)
-    return dequantize_nvfp4_ref(data, scale.view(torch.float8_e4m3fn), global_scale, out_dtype)
-
-
-@dequantize_nvfp4_op.register_kernel("cuda")
-def _dequantize_nvfp4_cuda(data, scale, global_scale, out_dtype):
-    _check_dequantize_nvfp4(data, scale, global_scale, out_dtype)
-    e4m3 = scale.view(torch.float8_e4m3fn)
-    return _kernels().dequantize_nvfp4(data, e4m3, global_scale, out_dtype)
+    impl = _kernels().dequantize_nvfp4 if data.is_cuda else dequantize_nvfp4_ref
+    return impl(data, scale.view(torch.float8_e4m3fn), global_scale, out_dtype)
 
 
 # 3. Fakes -------------------------------------------------------------------------------------
@@ -438,7 +406,11 @@ def dequantize_mxfp8(
     """Inverse of :func:`quantize_mxfp8` for one direction: ``(data, scale)`` or
     ``(data_t, scale_t)`` (which gives ``x`` transposed, ``[K, M]``)."""
     _check_public("te.dequantize_mxfp8", {"data": data, "scale": scale}, out_dtype=out_dtype)
-    _check_fp8_data(data)
+    if data.dtype not in FP8_DTYPES:  # the op takes the bytes (module docstring)
+        raise ValueError(
+            "te.dequantize_mxfp8: data must be a float8_e4m3fn or float8_e5m2 tensor, got "
+            f"{data.dtype}"
+        )
     return dequantize_mxfp8_op(data.view(torch.uint8), scale, data.dtype, out_dtype)
 
 
