@@ -102,7 +102,7 @@ import math
 import torch
 from torch import Tensor
 
-from te_compile._checks import FP8_DTYPES, HIGH_DTYPES, check_bool
+from te_compile._checks import FP8_DTYPES, HIGH_DTYPES, check_bool, check_tensor
 from te_compile._library import SampleInput, op
 from te_compile.functional.quantize_mx_ref import (
     MXFP8_BLOCK,
@@ -373,9 +373,7 @@ def _check_public(
     (it would raise a RuntimeError naming the op's own parameters); ``tensors`` holds the
     required ones (None refused)."""
     for name, t in tensors.items():
-        if not isinstance(t, Tensor):
-            got = "None" if t is None else type(t).__name__
-            raise TypeError(f"{owner}: {name} must be a torch.Tensor, got {got}")
+        check_tensor(owner, name, t, floating=False, min_dim=0)
     check_bool(owner, rowwise=rowwise, columnwise=columnwise)
     for name, dtype in dtypes.items():
         if name == "fp8_dtype" and dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
