@@ -51,9 +51,7 @@ Layouts (all outputs are fresh, contiguous tensors):
 * ``amax``: ``[1]`` fp32, :math:`\max|x|` (blockwise ops do not return one).
 
 The quantise ops return FP8 tensors; the dequantise *ops* take FP8 data as its uint8 bytes plus
-its ``fp8_dtype`` (the project's rule, ``docs/fp8.md``: ``opcheck``'s schema test compares every
-input before and after a call with ``torch.allclose``, which has no FP8 kernel on the CPU).
-:func:`dequantize` passes ``data.view(torch.uint8)``, which is free and traced by the compiler.
+its ``fp8_dtype`` (``docs/fp8.md``, "FP8 data crosses op boundaries as bytes").
 
 Edge semantics: per tensor, an inf or NaN in ``x`` propagates to ``amax`` (inf or NaN: the
 caller reports it, as Transformer Engine's recipes do: ``te.non_finite_amaxes``); finite
@@ -264,7 +262,7 @@ def _check_x(name: str, x: Tensor, fp8_dtype: torch.dtype) -> None:
     _check_high(name, "x.dtype", x.dtype)
     if x.dim() < 1:
         raise ValueError(f"te.{name}: x must have at least 1 dim (K), got a 0-dim tensor")
-    _check_fp8_dtype(name, fp8_dtype)
+    check_fp8_dtype(name, fp8_dtype)
 
 
 def _check_high(name: str, arg: str, dtype: torch.dtype) -> None:
@@ -274,7 +272,7 @@ def _check_high(name: str, arg: str, dtype: torch.dtype) -> None:
         )
 
 
-def _check_fp8_dtype(name: str, dtype: torch.dtype) -> None:
+def check_fp8_dtype(name: str, dtype: torch.dtype) -> None:
     if dtype not in FP8_DTYPES:
         raise ValueError(
             f"te.{name}: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}"
@@ -318,7 +316,7 @@ def _check_dequantize(
             f"(data.view(torch.uint8)) with at least 1 dim, got {data.dtype} of shape "
             f"{list(data.shape)}"
         )
-    _check_fp8_dtype(name, fp8_dtype)
+    check_fp8_dtype(name, fp8_dtype)
     _check_high(name, "out_dtype", out_dtype)
 
 

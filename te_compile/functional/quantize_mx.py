@@ -7,10 +7,8 @@ dequantising and running a bf16 GEMM, which gives the numerics of the format wit
 
 The schemas are the op functions' signatures below (public functions of the same names add
 defaults). The dequantise *ops* take fp8 inputs as their uint8 bytes (MXFP8 ``data``, with its
-``fp8_dtype``; NVFP4's E4M3 ``scale``), as the GEMM family ops do: ``opcheck``'s schema test
-compares every input before and after the call with ``torch.allclose``, which has no fp8 kernel on
-the CPU. The public :func:`dequantize_mxfp8` / :func:`dequantize_nvfp4` take the fp8 tensors that
-quantisation returns and pass ``.view(torch.uint8)`` (free, and traced by the compiler).
+``fp8_dtype``; NVFP4's E4M3 ``scale``: ``docs/fp8.md``, "FP8 data crosses op boundaries as
+bytes"); the public :func:`dequantize_mxfp8` / :func:`dequantize_nvfp4` take the fp8 tensors.
 
 The input ``x`` ``[..., K]`` is viewed as ``[M, K]`` (``M`` = product of the leading dims).
 *Rowwise* blocks are ``1 x B`` runs along ``K``; *columnwise* blocks are ``B x 1`` runs along
@@ -104,6 +102,7 @@ from torch import Tensor
 
 from te_compile._checks import FP8_DTYPES, HIGH_DTYPES, check_bool, check_tensor
 from te_compile._library import SampleInput, op
+from te_compile.functional.quantize import check_fp8_dtype
 from te_compile.functional.quantize_mx_ref import (
     MXFP8_BLOCK,
     NVFP4_BLOCK,
@@ -138,11 +137,7 @@ def _check_input(name: str, x: Tensor, rowwise: bool, columnwise: bool) -> None:
 
 def _check_quantize_mxfp8(x: Tensor, fp8_dtype: torch.dtype, rowwise: bool, columnwise: bool):
     _check_input("quantize_mxfp8", x, rowwise, columnwise)
-    if fp8_dtype not in FP8_DTYPES:
-        raise ValueError(
-            "te.quantize_mxfp8: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, "
-            f"got {fp8_dtype}"
-        )
+    check_fp8_dtype("quantize_mxfp8", fp8_dtype)
 
 
 def check_quantize_nvfp4(x: Tensor, global_amax: Tensor | None, rowwise: bool, columnwise: bool):
@@ -199,11 +194,7 @@ def _check_dequantize_mxfp8(
             "te.dequantize_mxfp8: data must be the uint8 bytes of the fp8 data with at least 1 "
             f"dim, got {data.dtype} of shape {list(data.shape)}"
         )
-    if fp8_dtype not in FP8_DTYPES:
-        raise ValueError(
-            "te.dequantize_mxfp8: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, "
-            f"got {fp8_dtype}"
-        )
+    check_fp8_dtype("dequantize_mxfp8", fp8_dtype)
     k = data.shape[-1]
     _check_scale("dequantize_mxfp8", data, scale, k, MXFP8_BLOCK, "E8M0 exponents (uint8)")
     _check_out_dtype("dequantize_mxfp8", out_dtype)

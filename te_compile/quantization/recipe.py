@@ -28,20 +28,12 @@ maximum, or the most recent entry), so quantising needs no extra pass over the d
 overflow when a tensor grows quickly; current scaling measures this tensor's amax first. Block
 recipes give each block its own scale, which keeps outliers from crushing the rest of the tensor.
 
-Every recipe is a dataclass, validated at construction and again whenever a field is set
-afterwards, as Transformer Engine code does (``recipe.backward_override = "high_precision"``):
-a bad value raises ``ValueError`` naming the field and the constraint and leaves the old value
-in place; a name that is not a field raises ``AttributeError``. Recipes compare by value and,
-being mutable, are not hashable (TE's are not either). ``torch.compile`` guards on the recipe's
-type and on every field the traced code read (``quantization.gemm.gemm_args`` reads them), so a
-compiled model never runs with a stale recipe: setting a field it read recompiles it at the next
-call, and setting it back reuses the first graph.
-
-``backward_override`` (not for ``DelayedScaling``, as in TE) chooses the backward GEMMs' operands
-(``docs/fp8.md`` says what each saves): ``None``, the recipe's quantised ones;
-``"high_precision"``, the high-precision input and weight; ``"dequantized"``, the forward's
-quantised ones dequantised; the gradient is not quantised with either. The forward is the
-recipe's either way.
+Every recipe is a mutable dataclass, validated at construction and on every field assignment
+(a refused value raises ``ValueError`` and is not kept), compared by value, not hashable;
+``torch.compile`` guards on the fields the traced code read (``docs/fp8.md``, "Recipes are
+mutable dataclasses, as TE's are"). ``backward_override`` (not for ``DelayedScaling``, as in TE)
+chooses the backward GEMMs' operands: ``None``, ``"high_precision"`` or ``"dequantized"``
+(``docs/fp8.md``).
 
 Where this module departs from Transformer Engine (``docs/te_compat.md``, "FP8 recipes and
 autocast", has each recipe's list): no default is read from ``NVTE_*`` environment variables;
