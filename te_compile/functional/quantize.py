@@ -114,10 +114,6 @@ def _rows(t: Tensor) -> Tensor:
     return t.reshape(math.prod(t.shape[:-1]), t.shape[-1]).float()
 
 
-def _fp32(value: float, like: Tensor) -> Tensor:
-    return torch.full((), value, dtype=torch.float32, device=like.device)
-
-
 def scale_from_amax(
     amax: Tensor, fp8_max: float, amax_epsilon: float = 0.0, power_2_scale: bool = False
 ) -> Tensor:
@@ -128,7 +124,7 @@ def scale_from_amax(
     if not 0 < fp8_max < math.inf:
         raise ValueError(f"te.scale_from_amax: fp8_max must be finite and > 0, got {fp8_max}")
     amax = amax.float()
-    eps = _fp32(amax_epsilon, amax)
+    eps = torch.full((), amax_epsilon, dtype=torch.float32, device=amax.device)
     amax = torch.where(amax < eps, eps, amax)  # not clamp_min: a NaN amax stays NaN
     scale = div_rn(fp8_max, amax)
     scale = torch.where(torch.isinf(scale), _FLT_MAX, scale)

@@ -143,7 +143,9 @@ def make_graphed_callables(
                     f"{_NAME}: sample_kwargs keys must be strings, got {key!r} in "
                     f"{reprlib.repr(kwargs)}"
                 )
-    _check_int("num_warmup_iters", num_warmup_iters)
+    warmup = num_warmup_iters
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"{_NAME}: num_warmup_iters must be an int >= 0, got {warmup!r}")
     for name, value in (
         ("allow_unused_input", allow_unused_input),
         ("retain_graph_in_backward", retain_graph_in_backward),
@@ -311,11 +313,6 @@ def _per_callable(
                 f"{' or '.join(k.__name__ for k in kinds)}, got {reprlib.repr(v)}"
             )
     return list(value)
-
-
-def _check_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{_NAME}: {name} must be an int >= 0, got {value!r}")
 
 
 def _check_enabled(name: str, enabled: Any, single: bool, n: int) -> list[bool]:
