@@ -255,13 +255,14 @@ def dequantize_blockwise_ref(
 
 
 def _check_x(name: str, x: Tensor, fp8_dtype: torch.dtype) -> None:
-    _check_high(name, "x.dtype", x.dtype)
+    check_high_dtype(name, "x.dtype", x.dtype)
     if x.dim() < 1:
         raise ValueError(f"te.{name}: x must have at least 1 dim (K), got a 0-dim tensor")
     check_fp8_dtype(name, fp8_dtype)
 
 
-def _check_high(name: str, arg: str, dtype: torch.dtype) -> None:
+def check_high_dtype(name: str, arg: str, dtype: torch.dtype) -> None:
+    """fp32, bf16 or fp16 (the quantise ops' inputs, the dequantise ops' outputs; also MX's)."""
     if dtype not in HIGH_DTYPES:
         raise ValueError(
             f"te.{name}: {arg} must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}"
@@ -303,9 +304,10 @@ def _check_quantize_current(name: str, x: Tensor, fp8_dtype: torch.dtype, eps: f
         raise ValueError(f"te.{name}: amax_epsilon must be finite and >= 0, got {eps}")
 
 
-def _check_dequantize(
+def check_dequantize(
     name: str, data: Tensor, fp8_dtype: torch.dtype, out_dtype: torch.dtype
 ) -> None:
+    """A dequantise op's FP8 bytes and dtypes (this module's and ``quantize_mx``'s MXFP8)."""
     if data.dtype != torch.uint8 or data.dim() < 1:
         raise ValueError(
             f"te.{name}: data must be the uint8 bytes of the fp8 data "
@@ -313,7 +315,7 @@ def _check_dequantize(
             f"{list(data.shape)}"
         )
     check_fp8_dtype(name, fp8_dtype)
-    _check_high(name, "out_dtype", out_dtype)
+    check_high_dtype(name, "out_dtype", out_dtype)
 
 
 def _scale_shape(m: int, k: int, block_rows: int) -> tuple[int, int]:
@@ -480,7 +482,7 @@ def dequantize_tensorwise(
 ) -> Tensor:
     """``data`` (the uint8 bytes of ``fp8_dtype`` values) times ``scale_inv``, rounded to
     ``out_dtype``; ``data``'s shape."""
-    _check_dequantize("dequantize_tensorwise", data, fp8_dtype, out_dtype)
+    check_dequantize("dequantize_tensorwise", data, fp8_dtype, out_dtype)
     _check_per_tensor_scale("dequantize_tensorwise", "scale_inv", scale_inv, data)
     impl = _kernels().dequantize_tensorwise if data.is_cuda else dequantize_tensorwise_ref
     return impl(data.view(fp8_dtype), scale_inv, out_dtype)
@@ -497,7 +499,7 @@ def dequantize_blockwise(
     """``data`` (the uint8 bytes of ``fp8_dtype`` values) times ``scale_inv`` per
     ``block_rows x 128`` block of the ``[M, K]`` view, rounded to ``out_dtype``; ``data``'s
     shape."""
-    _check_dequantize("dequantize_blockwise", data, fp8_dtype, out_dtype)
+    check_dequantize("dequantize_blockwise", data, fp8_dtype, out_dtype)
     _check_block_scale_inv("dequantize_blockwise", data, scale_inv, block_rows)
     impl = _kernels().dequantize_blockwise if data.is_cuda else dequantize_blockwise_ref
     return impl(data.view(fp8_dtype), scale_inv, block_rows, out_dtype)
@@ -545,13 +547,13 @@ def _quantize_blockwise_fake(x, fp8_dtype, block_rows, power_2_scale, columnwise
 
 @dequantize_tensorwise.register_fake
 def _dequantize_tensorwise_fake(data, scale_inv, fp8_dtype, out_dtype):
-    _check_dequantize("dequantize_tensorwise", data, fp8_dtype, out_dtype)
+    check_dequantize("dequantize_tensorwise", data, fp8_dtype, out_dtype)
     _check_per_tensor_scale("dequantize_tensorwise", "scale_inv", scale_inv, data)
     return data.new_empty(data.shape, dtype=out_dtype)
 
 
 @dequantize_blockwise.register_fake
 def _dequantize_blockwise_fake(data, scale_inv, block_rows, fp8_dtype, out_dtype):
-    _check_dequantize("dequantize_blockwise", data, fp8_dtype, out_dtype)
+    check_dequantize("dequantize_blockwise", data, fp8_dtype, out_dtype)
     _check_block_scale_inv("dequantize_blockwise", data, scale_inv, block_rows)
     return data.new_empty(data.shape, dtype=out_dtype)

@@ -102,7 +102,7 @@ from torch import Tensor
 
 from te_compile._checks import FP8_DTYPES, HIGH_DTYPES, check_bool, check_tensor
 from te_compile._library import SampleInput, op
-from te_compile.functional.quantize import check_fp8_dtype
+from te_compile.functional.quantize import check_dequantize, check_fp8_dtype, check_high_dtype
 from te_compile.functional.quantize_mx_ref import (
     MXFP8_BLOCK,
     NVFP4_BLOCK,
@@ -179,25 +179,12 @@ def _check_scale(name: str, data: Tensor, scale: Tensor, k: int, block: int, wha
         raise ValueError(f"te.{name}: scale must be on data's device ({data.device})")
 
 
-def _check_out_dtype(name: str, out_dtype: torch.dtype) -> None:
-    if out_dtype not in HIGH_DTYPES:
-        raise ValueError(
-            f"te.{name}: out_dtype must be float32, bfloat16 or float16, got {out_dtype}"
-        )
-
-
 def _check_dequantize_mxfp8(
     data: Tensor, scale: Tensor, fp8_dtype: torch.dtype, out_dtype: torch.dtype
 ) -> None:
-    if data.dtype != torch.uint8 or data.ndim < 1:
-        raise ValueError(
-            "te.dequantize_mxfp8: data must be the uint8 bytes of the fp8 data with at least 1 "
-            f"dim, got {data.dtype} of shape {list(data.shape)}"
-        )
-    check_fp8_dtype("dequantize_mxfp8", fp8_dtype)
+    check_dequantize("dequantize_mxfp8", data, fp8_dtype, out_dtype)
     k = data.shape[-1]
     _check_scale("dequantize_mxfp8", data, scale, k, MXFP8_BLOCK, "E8M0 exponents (uint8)")
-    _check_out_dtype("dequantize_mxfp8", out_dtype)
 
 
 def _check_dequantize_nvfp4(
@@ -219,7 +206,7 @@ def _check_dequantize_nvfp4(
         raise ValueError(
             f"te.dequantize_nvfp4: global_scale must be on data's device ({data.device})"
         )
-    _check_out_dtype("dequantize_nvfp4", out_dtype)
+    check_high_dtype("dequantize_nvfp4", "out_dtype", out_dtype)
 
 
 _kernels = functools.partial(submodule, "quantize_mx")  # Triton: imported on first CUDA use
