@@ -1,29 +1,12 @@
 """Transformer Engine's attention arguments -> those of ``te::attention_fwd`` (``attention.py``).
 
-Transformer Engine's conventions, checked here with a ValueError naming the argument:
-
-* ``qkv_format``: ``sbhd`` ``[s, b, h, d]``, ``bshd`` ``[b, s, h, d]`` or ``thd`` ``[t, h, d]``
-  (packed sequences; ``cu_seqlens_q`` / ``cu_seqlens_kv`` int32 ``[n + 1]`` are required and a
-  padding mask type). The op takes ``[b, s, h, d]``; ``sbhd`` and ``thd`` are views of it.
-* ``attn_mask_type``: ``no_mask``, ``causal``, ``causal_bottom_right``, ``padding``,
-  ``padding_causal`` (also spelt ``"padding,causal"``, ``"causal,padding"``,
-  ``"causal_padding"``), ``padding_causal_bottom_right``, ``arbitrary``. Padding masks come from
-  ``attention_mask`` (``[b, 1, 1, s]``, True = padded; a ``(q, kv)`` pair for cross attention) or
-  from ``cu_seqlens`` (lengths, right padding); ``arbitrary`` reads ``attention_mask`` (True =
-  masked out, broadcastable to ``[b, h, s_q, s_kv]``); the others ignore ``attention_mask``.
-* ``window_size = (left, right)``: causal types take ``(-1, 0)`` or ``(>=0, 0)``, the others
-  ``(-1, -1)`` or ``(>=0, >=0)``; ``None`` is the mask type's default. Where Transformer Engine
-  warns and replaces an incompatible window, this raises.
-* ``core_attention_bias_type``: ``no_bias``, ``post_scale_bias`` / ``pre_scale_bias`` with
-  ``core_attention_bias`` in ``[b|1, h|1, s_q|1, s_kv]`` (not with ``thd``), ``alibi`` with
-  ``alibi_slopes`` fp32 ``[h]`` or ``[b, h]`` (``[h]`` with ``thd``) or, without them, the
-  standard slopes of ``h`` heads.
-* ``softmax_type``: ``vanilla``, ``off-by-one`` (a sink of logit 0) or ``learnable`` (a sink of
-  logit ``softmax_offset[n]``, a ``[h]`` floating tensor given to the op as fp32, so that a bf16
-  parameter gets its gradient through the cast); ``softmax_offset`` only with ``learnable``.
-* ``max_seqlen_q`` / ``max_seqlen_kv`` (``thd`` only): bounds for the CUDA varlen kernels,
-  capped at the token count; unset, the token count (never read from ``cu_seqlens``: no host
-  synchronisation).
+The conventions are Transformer Engine's (``docs/attention.md``'s argument table: ``qkv_format``,
+``attn_mask_type`` and its other spellings, ``window_size``, ``attention_mask``, the bias types,
+``softmax_type``), each checked here with a ValueError naming the argument; where Transformer
+Engine warns and replaces an incompatible window, this raises. The op takes ``[b, s, h, d]``;
+``sbhd`` and ``thd`` are views of it. ``max_seqlen_q`` / ``max_seqlen_kv`` (``thd`` only) bound
+the CUDA varlen kernels, capped at the token count; unset, the token count (never read from
+``cu_seqlens``: no host synchronisation).
 """
 
 from __future__ import annotations
