@@ -1,17 +1,11 @@
 """The autocast state: which recipe modules quantise with, read in ``forward``.
 
 ``autocast(enabled=True, calibrating=False, recipe=None, amax_reduction_group=None)`` (Transformer
-Engine's signature; ``fp8_autocast(enabled, calibrating, fp8_recipe, fp8_group, _graph)`` is TE's
-older name for it) is a context manager (and a decorator) that replaces the current
-:class:`AutocastState` and restores the previous one on exit, exception or not. Modules call
-:func:`get_autocast_state` in ``forward`` and flatten the snapshot into the scalar arguments of
-their ops (``quantization.gemm.gemm_args``). Outside any autocast the state is
-``AutocastState(enabled=False, recipe=None, amax_reduction_group=None, calibrating=False)``.
-
-``calibrating=True`` with ``enabled=False`` is TE's calibration mode: the GEMMs compute in high
-precision while the per-tensor recipes' FP8 state is kept as an FP8 run keeps it
-(``quantization.gemm.calibrate``; ``docs/fp8.md``, "Calibration"). With ``enabled=True``
-``calibrating`` changes nothing (TE's meaning).
+Engine's signature; ``fp8_autocast`` is TE's older name for it) is a context manager (and a
+decorator) that replaces the current :class:`AutocastState` and restores the previous one on
+exit, exception or not. Modules call :func:`get_autocast_state` in ``forward`` and flatten the
+snapshot into the scalar arguments of their ops (``quantization.gemm.gemm_args``). Calibration
+(``calibrating=True`` with ``enabled=False``): ``docs/fp8.md``, "Calibration".
 
 How this works with ``torch.compile`` (checked on torch 2.13, see tests/quantization):
 
