@@ -122,16 +122,16 @@ def quantize_mxfp8_ref(
     """``(data, scale, data_t, scale_t)`` (module docstring); 0-element tensors for a direction
     not asked for."""
     x2 = _rows(x)
-    if rowwise:
-        data, scale = _mxfp8_rows(x2, fp8_dtype)
-        data = data.view(x.shape)
-    else:
-        data, scale = x.new_empty(0, dtype=fp8_dtype), x.new_empty(0, dtype=torch.uint8)
-    if columnwise:
-        data_t, scale_t = _mxfp8_rows(x2.t(), fp8_dtype)
-    else:
-        data_t, scale_t = x.new_empty(0, dtype=fp8_dtype), x.new_empty(0, dtype=torch.uint8)
-    return data, scale, data_t, scale_t
+    data, scale = _mxfp8_rows(x2, fp8_dtype) if rowwise else _skipped(x, fp8_dtype, torch.uint8)
+    data_t, scale_t = (
+        _mxfp8_rows(x2.t(), fp8_dtype) if columnwise else _skipped(x, fp8_dtype, torch.uint8)
+    )
+    return data.view(x.shape) if rowwise else data, scale, data_t, scale_t
+
+
+def _skipped(x: Tensor, data_dtype: torch.dtype, scale_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The 0-element ``(data, scale)`` of a direction not asked for."""
+    return x.new_empty(0, dtype=data_dtype), x.new_empty(0, dtype=scale_dtype)
 
 
 def mxfp8_qdq_tiles(x2: Tensor, fp8_dtype: torch.dtype) -> Tensor:
@@ -313,18 +313,17 @@ def quantize_nvfp4_ref(
     err_mode, e4m3_max = parse_four_over_six(four_over_six)
     g = nvfp4_global_scale(tensor_amax(x) if global_amax is None else global_amax, e4m3_max)
     x2 = _rows(x)
-    e4m3 = torch.float8_e4m3fn
     pick = _tile_pick(x2.float(), g, err_mode) if tiles and err_mode else None
+    skipped = (torch.uint8, torch.float8_e4m3fn)
     if rowwise:
         data, scale = _nvfp4_tiled(x2, g, tiles, err_mode, pick)
         data = data.reshape(*x.shape[:-1], x.shape[-1] // 2)
     else:
-        data, scale = x.new_empty(0, dtype=torch.uint8), x.new_empty(0, dtype=e4m3)
-    if columnwise:
-        pick_t = None if pick is None else pick.t()
-        data_t, scale_t = _nvfp4_tiled(x2.t(), g, tiles, err_mode, pick_t)
-    else:
-        data_t, scale_t = x.new_empty(0, dtype=torch.uint8), x.new_empty(0, dtype=e4m3)
+        data, scale = _skipped(x, *skipped)
+    pick_t = None if pick is None else pick.t()
+    data_t, scale_t = (
+        _nvfp4_tiled(x2.t(), g, tiles, err_mode, pick_t) if columnwise else _skipped(x, *skipped)
+    )
     return data, scale, g, data_t, scale_t
 
 
