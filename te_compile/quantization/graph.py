@@ -161,7 +161,7 @@ def make_graphed_callables(
             f"{_NAME}: _reuse_graph_input_output_buffers=True is not implemented (every forward "
             "pass keeps its own input and output buffers); pass False"
         )
-    enabled_list = _check_enabled(spelled["enabled"], enabled, single, n)
+    enabled_list = _check_enabled(spelled["enabled"], enabled, n)
     if recipe is not None and not isinstance(recipe, Recipe):
         raise TypeError(
             f"{_NAME}: {spelled['recipe']} must be a Recipe (e.g. DelayedScaling()) or None, got "
@@ -315,7 +315,7 @@ def _per_callable(
     return list(value)
 
 
-def _check_enabled(name: str, enabled: Any, single: bool, n: int) -> list[bool]:
+def _check_enabled(name: str, enabled: Any, n: int) -> list[bool]:
     if isinstance(enabled, bool):
         return [enabled] * n
     if not isinstance(enabled, tuple) or not all(isinstance(e, bool) for e in enabled):
