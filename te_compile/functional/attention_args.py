@@ -1,29 +1,12 @@
 """Transformer Engine's attention arguments -> those of ``te::attention_fwd`` (``attention.py``).
 
-Transformer Engine's conventions, checked here with a ValueError naming the argument:
-
-* ``qkv_format``: ``sbhd`` ``[s, b, h, d]``, ``bshd`` ``[b, s, h, d]`` or ``thd`` ``[t, h, d]``
-  (packed sequences; ``cu_seqlens_q`` / ``cu_seqlens_kv`` int32 ``[n + 1]`` are required and a
-  padding mask type). The op takes ``[b, s, h, d]``; ``sbhd`` and ``thd`` are views of it.
-* ``attn_mask_type``: ``no_mask``, ``causal``, ``causal_bottom_right``, ``padding``,
-  ``padding_causal`` (also spelt ``"padding,causal"``, ``"causal,padding"``,
-  ``"causal_padding"``), ``padding_causal_bottom_right``, ``arbitrary``. Padding masks come from
-  ``attention_mask`` (``[b, 1, 1, s]``, True = padded; a ``(q, kv)`` pair for cross attention) or
-  from ``cu_seqlens`` (lengths, right padding); ``arbitrary`` reads ``attention_mask`` (True =
-  masked out, broadcastable to ``[b, h, s_q, s_kv]``); the others ignore ``attention_mask``.
-* ``window_size = (left, right)``: causal types take ``(-1, 0)`` or ``(>=0, 0)``, the others
-  ``(-1, -1)`` or ``(>=0, >=0)``; ``None`` is the mask type's default. Where Transformer Engine
-  warns and replaces an incompatible window, this raises.
-* ``core_attention_bias_type``: ``no_bias``, ``post_scale_bias`` / ``pre_scale_bias`` with
-  ``core_attention_bias`` in ``[b|1, h|1, s_q|1, s_kv]`` (not with ``thd``), ``alibi`` with
-  ``alibi_slopes`` fp32 ``[h]`` or ``[b, h]`` (``[h]`` with ``thd``) or, without them, the
-  standard slopes of ``h`` heads.
-* ``softmax_type``: ``vanilla``, ``off-by-one`` (a sink of logit 0) or ``learnable`` (a sink of
-  logit ``softmax_offset[n]``, a ``[h]`` floating tensor given to the op as fp32, so that a bf16
-  parameter gets its gradient through the cast); ``softmax_offset`` only with ``learnable``.
-* ``max_seqlen_q`` / ``max_seqlen_kv`` (``thd`` only): bounds for the CUDA varlen kernels,
-  capped at the token count; unset, the token count (never read from ``cu_seqlens``: no host
-  synchronisation).
+The conventions are Transformer Engine's (``docs/attention.md``'s argument table: ``qkv_format``,
+``attn_mask_type`` and its other spellings, ``window_size``, ``attention_mask``, the bias types,
+``softmax_type``), each checked here with a ValueError naming the argument; where Transformer
+Engine warns and replaces an incompatible window, this raises. The op takes ``[b, s, h, d]``;
+``sbhd`` and ``thd`` are views of it. ``max_seqlen_q`` / ``max_seqlen_kv`` (``thd`` only) bound
+the CUDA varlen kernels, capped at the token count; unset, the token count (never read from
+``cu_seqlens``: no host synchronisation).
 """
 
 from __future__ import annotations
@@ -273,14 +256,6 @@ def _softmax_offset(softmax_type, softmax_offset, h: int, device) -> Tensor | No
     return softmax_offset.float()
 
 
-def _max_seqlen(name: str, value, tokens):
-    if value is None:
-        return tokens
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise _fail(f"{name} must be a positive int, got {value!r}")
-    return torch.sym_min(value, tokens)
-
-
 def op_arguments(
     query, key, value, attention_mask, qkv_format, attn_mask_type, window_size, cu_seqlens_q,
     cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, core_attention_bias_type, core_attention_bias,
@@ -372,11 +347,10 @@ def op_arguments(
     p = float(dropout_p)
     if p > 0 and rng_state is None:
         rng_state = new_rng_state(device)
-    if thd:
-        max_q = _max_seqlen("max_seqlen_q", max_seqlen_q, sq)
-        max_kv = _max_seqlen("max_seqlen_kv", max_seqlen_kv, skv)
-    else:
-        max_q, max_kv = sq, skv
+    max_q, max_kv = sq, skv
+    if thd:  # the bounds are checked above
+        max_q = sq if max_seqlen_q is None else torch.sym_min(max_seqlen_q, sq)
+        max_kv = skv if max_seqlen_kv is None else torch.sym_min(max_seqlen_kv, skv)
     bottom_right = mask_type not in ("causal", "padding_causal")
     return (
         q, k, v, bias, slopes, q_pad, kv_pad, mask, cu_q, cu_kv, rng_state if p > 0 else None,

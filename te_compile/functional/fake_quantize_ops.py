@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from te_compile._checks import check_tensor
+from te_compile._checks import HIGH_DTYPES, check_tensor
 from te_compile._library import SampleInput, differentiable, op, sample_tensor
 from te_compile.functional import quantize_table as _q
 from te_compile.functional.quantize_mx_ref import nvfp4_qdq_row_groups
@@ -41,7 +41,6 @@ from te_compile.functional.spec import QuantSpec, as_strings, parse
 __all__ = ["fake_quantize", "fake_quantize_ref", "qdq"]
 
 _KINDS = ("", "current", "block", "mxfp8", "nvfp4")
-_HIGH = (torch.float32, torch.bfloat16, torch.float16)
 
 
 # 1. Reference math ----------------------------------------------------------------------------
@@ -59,16 +58,14 @@ def qdq(
     with ``row_splits``: a global scale per group of rows (``block_rows=16``: 16x16 tiles)."""
     if not kind:
         return x.clone(memory_format=torch.contiguous_format)
-    src = x if x.dtype in _HIGH else x.float()
+    src = x if x.dtype in HIGH_DTYPES else x.float()
     if kind == "nvfp4" and row_splits is not None:
         tiles = block_rows == 16
         return nvfp4_qdq_row_groups(src.contiguous(), row_splits, tiles).to(x.dtype)
-    kw = {"fp8_dtype": fp8_dtype, "power_2_scale": power_2}
-    if kind == "block":
-        kw["block_rows"] = block_rows
-    if kind in ("mxfp8", "nvfp4"):
-        kw = {"fp8_dtype": fp8_dtype} if kind == "mxfp8" else {}
-    q = _q.quantize(src.contiguous(), kind, **kw)
+    # The kinds but "block" take 1 block row here (NVFP4's 16x16 tiles only with row_splits).
+    rows = block_rows if kind == "block" else 1
+    q = _q.quantize(src.contiguous(), kind, fp8_dtype=fp8_dtype, block_rows=rows,
+                    power_2_scale=power_2)  # fmt: skip
     return _q.dequantize(q, src.dtype).to(x.dtype)
 
 
@@ -132,7 +129,7 @@ def _check(inp: Tensor, spec: str, grad_spec: str, row_splits=None) -> None:
                 f"{p}row_splits needs per-group scales, which {name}={text!r} does not have: "
                 "use 'nvfp4', 'mxfp8', 'block' with 1x128 blocks or ''"
             )
-    if inp.dtype not in _HIGH or inp.dim() < 1:
+    if inp.dtype not in HIGH_DTYPES or inp.dim() < 1:
         raise ValueError(
             p + f"inp must be float32, bfloat16 or float16 with at least 1 dim, got {inp.dtype} "
             f"of shape {list(inp.shape)}"

@@ -110,23 +110,6 @@ def _limit_runs(fp8_max: list[float]) -> tuple[float, float, int] | None:
 
 
 def _check(amax_history, scale, amax, fp8_max, margin, amax_compute_algo, amax_tail) -> None:
-    slots = scale.shape[0] if scale.ndim == 1 else -1
-    amaxes = (amax,) if amax_tail is None else (amax, amax_tail)
-    if (
-        amax_history.ndim == 2
-        and amax_history.shape[1] == slots
-        and amax_history.shape[0] >= 1
-        and all(t.ndim == 1 for t in amaxes)
-        and sum(t.shape[0] for t in amaxes) == slots
-        and len(fp8_max) == slots
-        and all(0 < m < math.inf for m in fp8_max)
-        and _limit_runs(fp8_max) is not None
-        and all(t.dtype is torch.float32 for t in (amax_history, scale, *amaxes))
-        and margin >= 0
-        and margin is not True
-        and amax_compute_algo in AMAX_COMPUTE_ALGOS
-    ):
-        return
     p = "te.delayed_scaling_update: "
     if amax_compute_algo not in AMAX_COMPUTE_ALGOS:
         raise ValueError(
@@ -134,6 +117,7 @@ def _check(amax_history, scale, amax, fp8_max, margin, amax_compute_algo, amax_t
         )
     if margin < 0 or margin is True:
         raise ValueError(p + f"margin must be an int >= 0, got {margin!r}")
+    slots = scale.shape[0] if scale.ndim == 1 else -1
     if len(fp8_max) == slots and not all(0 < m < math.inf for m in fp8_max):
         raise ValueError(
             p + f"fp8_max (the formats' largest values) must be finite and > 0, got {fp8_max}"
@@ -143,6 +127,17 @@ def _check(amax_history, scale, amax, fp8_max, margin, amax_compute_algo, amax_t
             p + "fp8_max must be one format's largest value for the first slots and one for the "
             f"others (the forward and the backward format), got {fp8_max}"
         )
+    amaxes = (amax,) if amax_tail is None else (amax, amax_tail)
+    if (
+        amax_history.ndim == 2
+        and amax_history.shape[1] == slots
+        and amax_history.shape[0] >= 1
+        and all(t.ndim == 1 for t in amaxes)
+        and sum(t.shape[0] for t in amaxes) == slots
+        and len(fp8_max) == slots
+        and all(t.dtype is torch.float32 for t in (amax_history, scale, *amaxes))
+    ):
+        return
     tail = "" if amax_tail is None else f" + {list(amax_tail.shape)} ({amax_tail.dtype})"
     raise ValueError(
         p + "expected float32 amax_history [len >= 1, slots], scale [slots], amax "

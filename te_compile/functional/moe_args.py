@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from te_compile._checks import FLOAT_DTYPES, INDEX_DTYPES
+from te_compile._checks import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
 
 __all__ = [
     "MAP_TYPES",
@@ -131,9 +131,7 @@ def int_arg(prefix: str, name: str, value, default: int) -> int:
     """An int ``>= -1`` (-1 or None: the default)."""
     if value is None:
         return default
-    if not isinstance(value, (int, torch.SymInt)) or isinstance(value, bool):
-        fail(prefix, f"{name} must be an int >= -1 or None, got {value!r}")
-    if not value >= -1:
+    if not isinstance(value, (int, torch.SymInt)) or isinstance(value, bool) or not value >= -1:
         fail(prefix, f"{name} must be an int >= -1 or None, got {value!r}")
     return value
 
@@ -142,9 +140,8 @@ def check_tensor_args(prefix: str, optional: tuple[str, ...] = (), **tensors: ob
     """Each value is a tensor (None only for the names in ``optional``): a list, a number or
     None is refused by name before the shape checks read it."""
     for name, t in tensors.items():
-        if not isinstance(t, Tensor) and not (t is None and name in optional):
-            got = "None" if t is None else type(t).__name__
-            raise TypeError(f"{prefix}: {name} must be a torch.Tensor, got {got}")
+        if t is not None or name not in optional:
+            check_tensor(prefix, name, t, floating=False, min_dim=0)
 
 
 def num_out(prefix: str, inp: Tensor, routing_map: Tensor, num_out_tokens, map_type: str) -> int:

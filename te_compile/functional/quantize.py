@@ -51,9 +51,7 @@ Layouts (all outputs are fresh, contiguous tensors):
 * ``amax``: ``[1]`` fp32, :math:`\max|x|` (blockwise ops do not return one).
 
 The quantise ops return FP8 tensors; the dequantise *ops* take FP8 data as its uint8 bytes plus
-its ``fp8_dtype`` (the project's rule, ``docs/fp8.md``: ``opcheck``'s schema test compares every
-input before and after a call with ``torch.allclose``, which has no FP8 kernel on the CPU).
-:func:`dequantize` passes ``data.view(torch.uint8)``, which is free and traced by the compiler.
+its ``fp8_dtype`` (``docs/fp8.md``, "FP8 data crosses op boundaries as bytes").
 
 Edge semantics: per tensor, an inf or NaN in ``x`` propagates to ``amax`` (inf or NaN: the
 caller reports it, as Transformer Engine's recipes do: ``te.non_finite_amaxes``); finite
@@ -116,10 +114,6 @@ def _rows(t: Tensor) -> Tensor:
     return t.reshape(math.prod(t.shape[:-1]), t.shape[-1]).float()
 
 
-def _fp32(value: float, like: Tensor) -> Tensor:
-    return torch.full((), value, dtype=torch.float32, device=like.device)
-
-
 def scale_from_amax(
     amax: Tensor, fp8_max: float, amax_epsilon: float = 0.0, power_2_scale: bool = False
 ) -> Tensor:
@@ -130,7 +124,7 @@ def scale_from_amax(
     if not 0 < fp8_max < math.inf:
         raise ValueError(f"te.scale_from_amax: fp8_max must be finite and > 0, got {fp8_max}")
     amax = amax.float()
-    eps = _fp32(amax_epsilon, amax)
+    eps = torch.full((), amax_epsilon, dtype=torch.float32, device=amax.device)
     amax = torch.where(amax < eps, eps, amax)  # not clamp_min: a NaN amax stays NaN
     scale = div_rn(fp8_max, amax)
     scale = torch.where(torch.isinf(scale), _FLT_MAX, scale)
@@ -261,26 +255,25 @@ def dequantize_blockwise_ref(
 
 
 def _check_x(name: str, x: Tensor, fp8_dtype: torch.dtype) -> None:
-    if x.dtype in HIGH_DTYPES and x.dim() >= 1 and fp8_dtype in FP8_DTYPES:
-        return  # one cheap test per call: the checks below name the argument on failure
-    torch._check_value(
-        x.dtype in HIGH_DTYPES,
-        lambda: (
-            f"te.{name}: x.dtype must be torch.float32, torch.bfloat16 or torch.float16, "
-            f"got {x.dtype}"
-        ),
-    )
-    torch._check_value(
-        x.dim() >= 1, lambda: f"te.{name}: x must have at least 1 dim (K), got a 0-dim tensor"
-    )
-    _check_fp8_dtype(name, "fp8_dtype", fp8_dtype)
+    check_high_dtype(name, "x.dtype", x.dtype)
+    if x.dim() < 1:
+        raise ValueError(f"te.{name}: x must have at least 1 dim (K), got a 0-dim tensor")
+    check_fp8_dtype(name, fp8_dtype)
 
 
-def _check_fp8_dtype(name: str, arg: str, dtype: torch.dtype) -> None:
-    torch._check_value(
-        dtype in FP8_DTYPES,
-        lambda: f"te.{name}: {arg} must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}",
-    )
+def check_high_dtype(name: str, arg: str, dtype: torch.dtype) -> None:
+    """fp32, bf16 or fp16 (the quantise ops' inputs, the dequantise ops' outputs; also MX's)."""
+    if dtype not in HIGH_DTYPES:
+        raise ValueError(
+            f"te.{name}: {arg} must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}"
+        )
+
+
+def check_fp8_dtype(name: str, dtype: torch.dtype) -> None:
+    if dtype not in FP8_DTYPES:
+        raise ValueError(
+            f"te.{name}: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}"
+        )
 
 
 def _check_per_tensor_scale(name: str, arg: str, scale: Tensor, x: Tensor) -> None:
@@ -291,64 +284,54 @@ def _check_per_tensor_scale(name: str, arg: str, scale: Tensor, x: Tensor) -> No
             f"{list(scale.shape)} and dtype {scale.dtype}"
         ),
     )
-    torch._check_value(
-        scale.device == x.device,
-        lambda: f"te.{name}: {arg} must be on the input's device ({x.device}), got {scale.device}",
-    )
+    if scale.device != x.device:
+        raise ValueError(
+            f"te.{name}: {arg} must be on the input's device ({x.device}), got {scale.device}"
+        )
 
 
 def _check_block_rows(name: str, block_rows: int) -> None:
-    torch._check_value(
-        block_rows in (1, BLOCK),
-        lambda: (
+    if block_rows not in (1, BLOCK):
+        raise ValueError(
             f"te.{name}: block_rows must be 1 (1x128 blocks) or 128 (128x128 blocks), "
             f"got {block_rows}"
-        ),
-    )
+        )
 
 
 def _check_quantize_current(name: str, x: Tensor, fp8_dtype: torch.dtype, eps: float) -> None:
     _check_x(name, x, fp8_dtype)
-    if eps >= 0 and math.isfinite(eps):
-        return
-    torch._check_value(
-        eps >= 0 and math.isfinite(eps),
-        lambda: f"te.{name}: amax_epsilon must be finite and >= 0, got {eps}",
-    )
+    if not (eps >= 0 and math.isfinite(eps)):
+        raise ValueError(f"te.{name}: amax_epsilon must be finite and >= 0, got {eps}")
 
 
-def _check_dequantize(
+def check_dequantize(
     name: str, data: Tensor, fp8_dtype: torch.dtype, out_dtype: torch.dtype
 ) -> None:
-    torch._check_value(
-        data.dtype == torch.uint8 and data.dim() >= 1,
-        lambda: (
+    """A dequantise op's FP8 bytes and dtypes (this module's and ``quantize_mx``'s MXFP8)."""
+    if data.dtype != torch.uint8 or data.dim() < 1:
+        raise ValueError(
             f"te.{name}: data must be the uint8 bytes of the fp8 data "
             f"(data.view(torch.uint8)) with at least 1 dim, got {data.dtype} of shape "
             f"{list(data.shape)}"
-        ),
-    )
-    _check_fp8_dtype(name, "fp8_dtype", fp8_dtype)
-    torch._check_value(
-        out_dtype in HIGH_DTYPES,
-        lambda: (
-            f"te.{name}: out_dtype must be torch.float32, torch.bfloat16 or torch.float16, "
-            f"got {out_dtype}"
-        ),
-    )
+        )
+    check_fp8_dtype(name, fp8_dtype)
+    check_high_dtype(name, "out_dtype", out_dtype)
+
+
+def _scale_shape(m: int, k: int, block_rows: int) -> tuple[int, int]:
+    """``[ceil(M / block_rows), ceil(K / 128)]``: the block scales of ``[M, K]`` data."""
+    return (m + block_rows - 1) // block_rows, (k + BLOCK - 1) // BLOCK
 
 
 def _check_block_scale_inv(name: str, data: Tensor, scale_inv: Tensor, block_rows: int) -> None:
     _check_block_rows(name, block_rows)
     m, k = math.prod(data.shape[:-1]), data.shape[-1]
-    torch._check_value(
-        scale_inv.dtype == torch.float32 and scale_inv.dim() == 2,
-        lambda: (
+    if scale_inv.dtype != torch.float32 or scale_inv.dim() != 2:
+        raise ValueError(
             f"te.{name}: scale_inv must be a 2-dim torch.float32 tensor, got shape "
             f"{list(scale_inv.shape)} and dtype {scale_inv.dtype}"
-        ),
-    )
-    expected = ((m + block_rows - 1) // block_rows, (k + BLOCK - 1) // BLOCK)
+        )
+    expected = _scale_shape(m, k, block_rows)
     for d in range(2):
         torch._check_value(
             scale_inv.shape[d] == expected[d],
@@ -358,12 +341,10 @@ def _check_block_scale_inv(name: str, data: Tensor, scale_inv: Tensor, block_row
                 f"got {list(scale_inv.shape)}"
             ),
         )
-    torch._check_value(
-        scale_inv.device == data.device,
-        lambda: (
+    if scale_inv.device != data.device:
+        raise ValueError(
             f"te.{name}: scale_inv must be on data's device ({data.device}), got {scale_inv.device}"
-        ),
-    )
+        )
 
 
 def check_fp8_gemm_dims(name: str, **dims: int) -> None:
@@ -451,7 +432,7 @@ def _dequantize_blockwise_samples(device: torch.device) -> list[SampleInput]:
     ]
 
 
-# 2. Ops (default implementation: the reference math; CUDA: the Triton kernels) ---------------
+# 2. Ops (on CPU the reference math; on CUDA the Triton kernels) ------------------------------
 
 
 @op("quantize_tensorwise", sample_inputs=_tensorwise_samples)
@@ -462,13 +443,8 @@ def quantize_tensorwise(
     ``columnwise``, else 0-element. One read of ``x``."""
     _check_x("quantize_tensorwise", x, fp8_dtype)
     _check_per_tensor_scale("quantize_tensorwise", "scale", scale, x)
-    return quantize_tensorwise_ref(x, scale, fp8_dtype, columnwise)
-
-
-@quantize_tensorwise.register_kernel("cuda")
-def _quantize_tensorwise_cuda(x, scale, fp8_dtype, columnwise):
-    _check_x("quantize_tensorwise", x, fp8_dtype)
-    _check_per_tensor_scale("quantize_tensorwise", "scale", scale, x)
+    if not x.is_cuda:
+        return quantize_tensorwise_ref(x, scale, fp8_dtype, columnwise)
     data, data_t, _, amax = _kernels().quantize_tensorwise(x, scale, fp8_dtype, columnwise)
     return data, data_t, amax
 
@@ -484,13 +460,8 @@ def quantize_current(
     """Current scaling: returns ``(data, data_t, scale_inv, amax)``. Two reads of ``x``: the
     global amax must be known before the first element is cast."""
     _check_quantize_current("quantize_current", x, fp8_dtype, amax_epsilon)
-    return quantize_current_ref(x, fp8_dtype, columnwise, amax_epsilon, power_2_scale)
-
-
-@quantize_current.register_kernel("cuda")
-def _quantize_current_cuda(x, fp8_dtype, columnwise, amax_epsilon=0.0, power_2_scale=False):
-    _check_quantize_current("quantize_current", x, fp8_dtype, amax_epsilon)
-    return _kernels().quantize_current(x, fp8_dtype, columnwise, amax_epsilon, power_2_scale)
+    impl = _kernels().quantize_current if x.is_cuda else quantize_current_ref
+    return impl(x, fp8_dtype, columnwise, amax_epsilon, power_2_scale)
 
 
 @op("quantize_blockwise", sample_inputs=_blockwise_samples)
@@ -501,14 +472,8 @@ def quantize_blockwise(
     module docstring). One read of ``x``."""
     _check_x("quantize_blockwise", x, fp8_dtype)
     _check_block_rows("quantize_blockwise", block_rows)
-    return quantize_blockwise_ref(x, fp8_dtype, block_rows, power_2_scale, columnwise)
-
-
-@quantize_blockwise.register_kernel("cuda")
-def _quantize_blockwise_cuda(x, fp8_dtype, block_rows, power_2_scale, columnwise):
-    _check_x("quantize_blockwise", x, fp8_dtype)
-    _check_block_rows("quantize_blockwise", block_rows)
-    return _kernels().quantize_blockwise(x, fp8_dtype, block_rows, power_2_scale, columnwise)
+    impl = _kernels().quantize_blockwise if x.is_cuda else quantize_blockwise_ref
+    return impl(x, fp8_dtype, block_rows, power_2_scale, columnwise)
 
 
 @op("dequantize_tensorwise", sample_inputs=_dequantize_tensorwise_samples)
@@ -517,16 +482,10 @@ def dequantize_tensorwise(
 ) -> Tensor:
     """``data`` (the uint8 bytes of ``fp8_dtype`` values) times ``scale_inv``, rounded to
     ``out_dtype``; ``data``'s shape."""
-    _check_dequantize("dequantize_tensorwise", data, fp8_dtype, out_dtype)
+    check_dequantize("dequantize_tensorwise", data, fp8_dtype, out_dtype)
     _check_per_tensor_scale("dequantize_tensorwise", "scale_inv", scale_inv, data)
-    return dequantize_tensorwise_ref(data.view(fp8_dtype), scale_inv, out_dtype)
-
-
-@dequantize_tensorwise.register_kernel("cuda")
-def _dequantize_tensorwise_cuda(data, scale_inv, fp8_dtype, out_dtype):
-    _check_dequantize("dequantize_tensorwise", data, fp8_dtype, out_dtype)
-    _check_per_tensor_scale("dequantize_tensorwise", "scale_inv", scale_inv, data)
-    return _kernels().dequantize_tensorwise(data.view(fp8_dtype), scale_inv, out_dtype)
+    impl = _kernels().dequantize_tensorwise if data.is_cuda else dequantize_tensorwise_ref
+    return impl(data.view(fp8_dtype), scale_inv, out_dtype)
 
 
 @op("dequantize_blockwise", sample_inputs=_dequantize_blockwise_samples)
@@ -540,16 +499,10 @@ def dequantize_blockwise(
     """``data`` (the uint8 bytes of ``fp8_dtype`` values) times ``scale_inv`` per
     ``block_rows x 128`` block of the ``[M, K]`` view, rounded to ``out_dtype``; ``data``'s
     shape."""
-    _check_dequantize("dequantize_blockwise", data, fp8_dtype, out_dtype)
+    check_dequantize("dequantize_blockwise", data, fp8_dtype, out_dtype)
     _check_block_scale_inv("dequantize_blockwise", data, scale_inv, block_rows)
-    return dequantize_blockwise_ref(data.view(fp8_dtype), scale_inv, block_rows, out_dtype)
-
-
-@dequantize_blockwise.register_kernel("cuda")
-def _dequantize_blockwise_cuda(data, scale_inv, block_rows, fp8_dtype, out_dtype):
-    _check_dequantize("dequantize_blockwise", data, fp8_dtype, out_dtype)
-    _check_block_scale_inv("dequantize_blockwise", data, scale_inv, block_rows)
-    return _kernels().dequantize_blockwise(data.view(fp8_dtype), scale_inv, block_rows, out_dtype)
+    impl = _kernels().dequantize_blockwise if data.is_cuda else dequantize_blockwise_ref
+    return impl(data.view(fp8_dtype), scale_inv, block_rows, out_dtype)
 
 
 # 3. Fakes -----------------------------------------------------------------------------------
@@ -586,26 +539,21 @@ def _quantize_blockwise_fake(x, fp8_dtype, block_rows, power_2_scale, columnwise
     m, k = math.prod(x.shape[:-1]), x.shape[-1]
     data, data_t = _fake_fp8(x, fp8_dtype, columnwise)
     f32 = torch.float32
-    scale_inv = x.new_empty(
-        ((m + block_rows - 1) // block_rows, (k + BLOCK - 1) // BLOCK), dtype=f32
-    )
-    if columnwise:
-        t_shape = ((k + block_rows - 1) // block_rows, (m + BLOCK - 1) // BLOCK)
-        scale_inv_t = x.new_empty(t_shape, dtype=f32)
-    else:
-        scale_inv_t = _empty(x, f32)
+    scale_inv = x.new_empty(_scale_shape(m, k, block_rows), dtype=f32)
+    t = _scale_shape(k, m, block_rows)
+    scale_inv_t = x.new_empty(t, dtype=f32) if columnwise else _empty(x, f32)
     return data, scale_inv, data_t, scale_inv_t
 
 
 @dequantize_tensorwise.register_fake
 def _dequantize_tensorwise_fake(data, scale_inv, fp8_dtype, out_dtype):
-    _check_dequantize("dequantize_tensorwise", data, fp8_dtype, out_dtype)
+    check_dequantize("dequantize_tensorwise", data, fp8_dtype, out_dtype)
     _check_per_tensor_scale("dequantize_tensorwise", "scale_inv", scale_inv, data)
     return data.new_empty(data.shape, dtype=out_dtype)
 
 
 @dequantize_blockwise.register_fake
 def _dequantize_blockwise_fake(data, scale_inv, block_rows, fp8_dtype, out_dtype):
-    _check_dequantize("dequantize_blockwise", data, fp8_dtype, out_dtype)
+    check_dequantize("dequantize_blockwise", data, fp8_dtype, out_dtype)
     _check_block_scale_inv("dequantize_blockwise", data, scale_inv, block_rows)
     return data.new_empty(data.shape, dtype=out_dtype)

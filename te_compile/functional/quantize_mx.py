@@ -7,10 +7,8 @@ dequantising and running a bf16 GEMM, which gives the numerics of the format wit
 
 The schemas are the op functions' signatures below (public functions of the same names add
 defaults). The dequantise *ops* take fp8 inputs as their uint8 bytes (MXFP8 ``data``, with its
-``fp8_dtype``; NVFP4's E4M3 ``scale``), as the GEMM family ops do: ``opcheck``'s schema test
-compares every input before and after the call with ``torch.allclose``, which has no fp8 kernel on
-the CPU. The public :func:`dequantize_mxfp8` / :func:`dequantize_nvfp4` take the fp8 tensors that
-quantisation returns and pass ``.view(torch.uint8)`` (free, and traced by the compiler).
+``fp8_dtype``; NVFP4's E4M3 ``scale``: ``docs/fp8.md``, "FP8 data crosses op boundaries as
+bytes"); the public :func:`dequantize_mxfp8` / :func:`dequantize_nvfp4` take the fp8 tensors.
 
 The input ``x`` ``[..., K]`` is viewed as ``[M, K]`` (``M`` = product of the leading dims).
 *Rowwise* blocks are ``1 x B`` runs along ``K``; *columnwise* blocks are ``B x 1`` runs along
@@ -102,8 +100,9 @@ import math
 import torch
 from torch import Tensor
 
-from te_compile._checks import FP8_DTYPES, HIGH_DTYPES, check_bool
+from te_compile._checks import FP8_DTYPES, HIGH_DTYPES, check_bool, check_tensor
 from te_compile._library import SampleInput, op
+from te_compile.functional.quantize import check_dequantize, check_fp8_dtype, check_high_dtype
 from te_compile.functional.quantize_mx_ref import (
     MXFP8_BLOCK,
     NVFP4_BLOCK,
@@ -138,11 +137,7 @@ def _check_input(name: str, x: Tensor, rowwise: bool, columnwise: bool) -> None:
 
 def _check_quantize_mxfp8(x: Tensor, fp8_dtype: torch.dtype, rowwise: bool, columnwise: bool):
     _check_input("quantize_mxfp8", x, rowwise, columnwise)
-    if fp8_dtype not in FP8_DTYPES:
-        raise ValueError(
-            "te.quantize_mxfp8: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, "
-            f"got {fp8_dtype}"
-        )
+    check_fp8_dtype("quantize_mxfp8", fp8_dtype)
 
 
 def check_quantize_nvfp4(x: Tensor, global_amax: Tensor | None, rowwise: bool, columnwise: bool):
@@ -184,38 +179,12 @@ def _check_scale(name: str, data: Tensor, scale: Tensor, k: int, block: int, wha
         raise ValueError(f"te.{name}: scale must be on data's device ({data.device})")
 
 
-def _check_out_dtype(name: str, out_dtype: torch.dtype) -> None:
-    if out_dtype not in HIGH_DTYPES:
-        raise ValueError(
-            f"te.{name}: out_dtype must be float32, bfloat16 or float16, got {out_dtype}"
-        )
-
-
-def _check_fp8_data(data: Tensor) -> None:
-    """The public function's check: the op itself takes the bytes (module docstring)."""
-    if data.dtype not in FP8_DTYPES:
-        raise ValueError(
-            "te.dequantize_mxfp8: data must be a float8_e4m3fn or float8_e5m2 tensor, got "
-            f"{data.dtype}"
-        )
-
-
 def _check_dequantize_mxfp8(
     data: Tensor, scale: Tensor, fp8_dtype: torch.dtype, out_dtype: torch.dtype
 ) -> None:
-    if data.dtype != torch.uint8 or data.ndim < 1:
-        raise ValueError(
-            "te.dequantize_mxfp8: data must be the uint8 bytes of the fp8 data with at least 1 "
-            f"dim, got {data.dtype} of shape {list(data.shape)}"
-        )
-    if fp8_dtype not in FP8_DTYPES:
-        raise ValueError(
-            "te.dequantize_mxfp8: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, "
-            f"got {fp8_dtype}"
-        )
+    check_dequantize("dequantize_mxfp8", data, fp8_dtype, out_dtype)
     k = data.shape[-1]
     _check_scale("dequantize_mxfp8", data, scale, k, MXFP8_BLOCK, "E8M0 exponents (uint8)")
-    _check_out_dtype("dequantize_mxfp8", out_dtype)
 
 
 def _check_dequantize_nvfp4(
@@ -237,7 +206,7 @@ def _check_dequantize_nvfp4(
         raise ValueError(
             f"te.dequantize_nvfp4: global_scale must be on data's device ({data.device})"
         )
-    _check_out_dtype("dequantize_nvfp4", out_dtype)
+    check_high_dtype("dequantize_nvfp4", "out_dtype", out_dtype)
 
 
 _kernels = functools.partial(submodule, "quantize_mx")  # Triton: imported on first CUDA use
@@ -282,53 +251,37 @@ def _dequantize_nvfp4_samples(device: torch.device):
         yield SampleInput((data.to(device), scale, g.to(device), out_dtype))
 
 
-# 2. Ops ---------------------------------------------------------------------------------------
+# 2. Ops (on CPU the reference math; on CUDA the Triton kernels) ------------------------------
 
 
 @op("quantize_mxfp8", sample_inputs=_quantize_mxfp8_samples)
 def quantize_mxfp8_op(
     x: Tensor, fp8_dtype: torch.dtype, rowwise: bool, columnwise: bool
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Returns ``(data, scale, data_t, scale_t)``. Default (CPU) implementation: the reference."""
+    """Returns ``(data, scale, data_t, scale_t)``."""
     _check_quantize_mxfp8(x, fp8_dtype, rowwise, columnwise)
-    return quantize_mxfp8_ref(x, fp8_dtype, rowwise, columnwise)
-
-
-@quantize_mxfp8_op.register_kernel("cuda")
-def _quantize_mxfp8_cuda(x, fp8_dtype, rowwise, columnwise):
-    _check_quantize_mxfp8(x, fp8_dtype, rowwise, columnwise)
-    return _kernels().quantize_mxfp8(x, fp8_dtype, rowwise, columnwise)
+    impl = _kernels().quantize_mxfp8 if x.is_cuda else quantize_mxfp8_ref
+    return impl(x, fp8_dtype, rowwise, columnwise)
 
 
 @op("dequantize_mxfp8", sample_inputs=_dequantize_mxfp8_samples)
 def dequantize_mxfp8_op(
     data: Tensor, scale: Tensor, fp8_dtype: torch.dtype, out_dtype: torch.dtype
 ) -> Tensor:
-    """``data`` (the uint8 bytes of ``fp8_dtype`` values) dequantised to ``out_dtype``. Default
-    (CPU) implementation: the reference."""
+    """``data`` (the uint8 bytes of ``fp8_dtype`` values) dequantised to ``out_dtype``."""
     _check_dequantize_mxfp8(data, scale, fp8_dtype, out_dtype)
-    return dequantize_mxfp8_ref(data.view(fp8_dtype), scale, out_dtype)
-
-
-@dequantize_mxfp8_op.register_kernel("cuda")
-def _dequantize_mxfp8_cuda(data, scale, fp8_dtype, out_dtype):
-    _check_dequantize_mxfp8(data, scale, fp8_dtype, out_dtype)
-    return _kernels().dequantize_mxfp8(data.view(fp8_dtype), scale, out_dtype)
+    impl = _kernels().dequantize_mxfp8 if data.is_cuda else dequantize_mxfp8_ref
+    return impl(data.view(fp8_dtype), scale, out_dtype)
 
 
 @op("quantize_nvfp4", sample_inputs=_quantize_nvfp4_samples)
 def quantize_nvfp4_op(
     x: Tensor, global_amax: Tensor | None, rowwise: bool, columnwise: bool
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Returns ``(data, scale, global_scale, data_t, scale_t)``. Default (CPU) implementation:
-    the reference."""
+    """Returns ``(data, scale, global_scale, data_t, scale_t)``."""
     check_quantize_nvfp4(x, global_amax, rowwise, columnwise)
-    return quantize_nvfp4_ref(x, global_amax, rowwise, columnwise)
-
-
-@quantize_nvfp4_op.register_kernel("cuda")
-def _quantize_nvfp4_cuda(x, global_amax, rowwise, columnwise):
-    check_quantize_nvfp4(x, global_amax, rowwise, columnwise)
+    if not x.is_cuda:
+        return quantize_nvfp4_ref(x, global_amax, rowwise, columnwise)
     # The tensor amax is a reduction over all of x before any block can be scaled: torch's.
     g = nvfp4_global_scale(tensor_amax(x) if global_amax is None else global_amax)
     data, scale, data_t, scale_t = _kernels().quantize_nvfp4(x, g, rowwise, columnwise)
@@ -339,17 +292,10 @@ def _quantize_nvfp4_cuda(x, global_amax, rowwise, columnwise):
 def dequantize_nvfp4_op(
     data: Tensor, scale: Tensor, global_scale: Tensor, out_dtype: torch.dtype
 ) -> Tensor:
-    """``data`` dequantised to ``out_dtype``; ``scale`` is the uint8 bytes of the E4M3 scales.
-    Default (CPU) implementation: the reference."""
+    """``data`` dequantised to ``out_dtype``; ``scale`` is the uint8 bytes of the E4M3 scales."""
     _check_dequantize_nvfp4(data, scale, global_scale, out_dtype)
-    return dequantize_nvfp4_ref(data, scale.view(torch.float8_e4m3fn), global_scale, out_dtype)
-
-
-@dequantize_nvfp4_op.register_kernel("cuda")
-def _dequantize_nvfp4_cuda(data, scale, global_scale, out_dtype):
-    _check_dequantize_nvfp4(data, scale, global_scale, out_dtype)
-    e4m3 = scale.view(torch.float8_e4m3fn)
-    return _kernels().dequantize_nvfp4(data, e4m3, global_scale, out_dtype)
+    impl = _kernels().dequantize_nvfp4 if data.is_cuda else dequantize_nvfp4_ref
+    return impl(data, scale.view(torch.float8_e4m3fn), global_scale, out_dtype)
 
 
 # 3. Fakes -------------------------------------------------------------------------------------
@@ -405,9 +351,7 @@ def _check_public(
     (it would raise a RuntimeError naming the op's own parameters); ``tensors`` holds the
     required ones (None refused)."""
     for name, t in tensors.items():
-        if not isinstance(t, Tensor):
-            got = "None" if t is None else type(t).__name__
-            raise TypeError(f"{owner}: {name} must be a torch.Tensor, got {got}")
+        check_tensor(owner, name, t, floating=False, min_dim=0)
     check_bool(owner, rowwise=rowwise, columnwise=columnwise)
     for name, dtype in dtypes.items():
         if name == "fp8_dtype" and dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
@@ -438,7 +382,11 @@ def dequantize_mxfp8(
     """Inverse of :func:`quantize_mxfp8` for one direction: ``(data, scale)`` or
     ``(data_t, scale_t)`` (which gives ``x`` transposed, ``[K, M]``)."""
     _check_public("te.dequantize_mxfp8", {"data": data, "scale": scale}, out_dtype=out_dtype)
-    _check_fp8_data(data)
+    if data.dtype not in FP8_DTYPES:  # the op takes the bytes (module docstring)
+        raise ValueError(
+            "te.dequantize_mxfp8: data must be a float8_e4m3fn or float8_e5m2 tensor, got "
+            f"{data.dtype}"
+        )
     return dequantize_mxfp8_op(data.view(torch.uint8), scale, data.dtype, out_dtype)
 
 

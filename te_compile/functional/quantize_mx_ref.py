@@ -122,16 +122,16 @@ def quantize_mxfp8_ref(
     """``(data, scale, data_t, scale_t)`` (module docstring); 0-element tensors for a direction
     not asked for."""
     x2 = _rows(x)
-    if rowwise:
-        data, scale = _mxfp8_rows(x2, fp8_dtype)
-        data = data.view(x.shape)
-    else:
-        data, scale = x.new_empty(0, dtype=fp8_dtype), x.new_empty(0, dtype=torch.uint8)
-    if columnwise:
-        data_t, scale_t = _mxfp8_rows(x2.t(), fp8_dtype)
-    else:
-        data_t, scale_t = x.new_empty(0, dtype=fp8_dtype), x.new_empty(0, dtype=torch.uint8)
-    return data, scale, data_t, scale_t
+    data, scale = _mxfp8_rows(x2, fp8_dtype) if rowwise else _skipped(x, fp8_dtype, torch.uint8)
+    data_t, scale_t = (
+        _mxfp8_rows(x2.t(), fp8_dtype) if columnwise else _skipped(x, fp8_dtype, torch.uint8)
+    )
+    return data.view(x.shape) if rowwise else data, scale, data_t, scale_t
+
+
+def _skipped(x: Tensor, data_dtype: torch.dtype, scale_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The 0-element ``(data, scale)`` of a direction not asked for."""
+    return x.new_empty(0, dtype=data_dtype), x.new_empty(0, dtype=scale_dtype)
 
 
 def mxfp8_qdq_tiles(x2: Tensor, fp8_dtype: torch.dtype) -> Tensor:
@@ -139,11 +139,8 @@ def mxfp8_qdq_tiles(x2: Tensor, fp8_dtype: torch.dtype) -> Tensor:
     ``MXFP8BlockScaling(enable_2d_quantization=True)``), dequantised to fp32: each 1x32 block
     takes its tile's amax, so the rowwise and the columnwise copy hold the same values (the
     forward and the dgrad GEMM see one quantised weight)."""
-    m, k = x2.shape
-    tile = MXFP8_BLOCK
-    padded = F.pad(x2.float().abs(), (0, -k % tile, 0, -m % tile))
-    tiles = padded.view(-(-m // tile), tile, -(-k // tile), tile).amax((1, 3))
-    data, scale = _mxfp8_rows(x2, fp8_dtype, spread_blocks(tiles, 0, m, tile))
+    tiles = _tile_amax(x2, MXFP8_BLOCK)
+    data, scale = _mxfp8_rows(x2, fp8_dtype, spread_blocks(tiles, 0, x2.shape[0], MXFP8_BLOCK))
     return dequantize_mxfp8_ref(data, scale, torch.float32)
 
 
@@ -291,6 +288,16 @@ def _expand_tiles(pick: Tensor, rows: int) -> Tensor:
     return pick.repeat_interleave(NVFP4_BLOCK, 0)[:rows]
 
 
+def _nvfp4_tiled(
+    x2: Tensor, g: Tensor, tiles: bool, err_mode: str, pick: Tensor | None, u: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """:func:`_nvfp4_rows` of ``x2`` with every block's amax taken over its 16x16 tile
+    (``tiles``) and 4over6's choice per tile ``pick`` (bool ``[ceil(M/16), ceil(K/16)]``) when
+    given."""
+    picks = None if pick is None else _expand_tiles(pick, x2.shape[0])
+    return _nvfp4_rows(x2, g, _tile_amaxes(x2) if tiles else None, u, err_mode, picks)
+
+
 def quantize_nvfp4_ref(
     x: Tensor,
     global_amax: Tensor | None = None,
@@ -306,27 +313,17 @@ def quantize_nvfp4_ref(
     err_mode, e4m3_max = parse_four_over_six(four_over_six)
     g = nvfp4_global_scale(tensor_amax(x) if global_amax is None else global_amax, e4m3_max)
     x2 = _rows(x)
-    e4m3 = torch.float8_e4m3fn
     pick = _tile_pick(x2.float(), g, err_mode) if tiles and err_mode else None
+    skipped = (torch.uint8, torch.float8_e4m3fn)
     if rowwise:
-        data, scale = _nvfp4_rows(
-            x2,
-            g,
-            _tile_amaxes(x2) if tiles else None,
-            None,
-            err_mode,
-            None if pick is None else _expand_tiles(pick, x2.shape[0]),
-        )
+        data, scale = _nvfp4_tiled(x2, g, tiles, err_mode, pick)
         data = data.reshape(*x.shape[:-1], x.shape[-1] // 2)
     else:
-        data, scale = x.new_empty(0, dtype=torch.uint8), x.new_empty(0, dtype=e4m3)
-    if columnwise:
-        pick_t = None if pick is None else _expand_tiles(pick.t(), x2.shape[1])
-        data_t, scale_t = _nvfp4_rows(
-            x2.t(), g, _tile_amaxes(x2.t()) if tiles else None, None, err_mode, pick_t
-        )
-    else:
-        data_t, scale_t = x.new_empty(0, dtype=torch.uint8), x.new_empty(0, dtype=e4m3)
+        data, scale = _skipped(x, *skipped)
+    pick_t = None if pick is None else pick.t()
+    data_t, scale_t = (
+        _nvfp4_tiled(x2.t(), g, tiles, err_mode, pick_t) if columnwise else _skipped(x, *skipped)
+    )
     return data, scale, g, data_t, scale_t
 
 
@@ -396,13 +393,17 @@ def _uniforms(rng_state: Tensor, numel: int) -> Tensor:
     return (random_words(rng_state, numel) >> 8).to(torch.float32) * 2.0**-24
 
 
+def _tile_amax(x2: Tensor, tile: int) -> Tensor:
+    """The amax ``[ceil(M/tile), ceil(K/tile)]`` of every ``tile x tile`` tile of ``x2`` (fp32,
+    zero-padded)."""
+    m, k = x2.shape
+    padded = F.pad(x2.float().abs(), (0, -k % tile, 0, -m % tile))
+    return padded.view(-(-m // tile), tile, -(-k // tile), tile).amax((1, 3))
+
+
 def _tile_amaxes(x2: Tensor) -> Tensor:
     """Each row block's amax ``[M, ceil(K/16)]`` taken over its 16x16 tile (zero-padded)."""
-    m, k = x2.shape
-    xp = F.pad(x2.float().abs(), (0, -k % NVFP4_BLOCK, 0, -m % NVFP4_BLOCK))
-    mt, kt = xp.shape[0] // NVFP4_BLOCK, xp.shape[1] // NVFP4_BLOCK
-    tiles = xp.view(mt, NVFP4_BLOCK, kt, NVFP4_BLOCK).amax((1, 3))
-    return tiles.repeat_interleave(NVFP4_BLOCK, 0)[:m]
+    return _expand_tiles(_tile_amax(x2, NVFP4_BLOCK), x2.shape[0])
 
 
 def parse_four_over_six(spec: str) -> tuple[str, float]:
@@ -489,9 +490,7 @@ def nvfp4_qdq(
         g = nvfp4_global_scale(tensor_amax(x), e4m3_max)
     g_row = _global_scales(_row_amax(x), e4m3_max)[:, None] if row_scaled else g
     pick = _tile_pick(x, g_row, err_mode) if tiles and err_mode else None
-    block_amax = _tile_amaxes(x) if tiles else None
-    data, scale = _nvfp4_rows(x, g_row, block_amax, u_row, err_mode,
-                              None if pick is None else _expand_tiles(pick, m))  # fmt: skip
+    data, scale = _nvfp4_tiled(x, g_row, tiles, err_mode, pick, u_row)
     row = _nvfp4_values(data, scale, g_row)
     if not columnwise:
         return row, x.new_empty(0)
@@ -511,10 +510,7 @@ def nvfp4_qdq(
         g_t = nvfp4_global_scale(tensor_amax(xt), e4m3_max)
     else:
         g_t = g
-    pick_t = None
     if pick is not None:
-        pick_t = _tile_pick(xt, g_t, err_mode) if rht else pick.t()
-        pick_t = _expand_tiles(pick_t, k)
-    block_amax_t = _tile_amaxes(xt) if tiles else None
-    data_t, scale_t = _nvfp4_rows(xt, g_t, block_amax_t, u_col, err_mode, pick_t)
+        pick = _tile_pick(xt, g_t, err_mode) if rht else pick.t()
+    data_t, scale_t = _nvfp4_tiled(xt, g_t, tiles, err_mode, pick, u_col)
     return row, _nvfp4_values(data_t, scale_t, g_t)

@@ -60,8 +60,13 @@ def _quantize_delayed(x: Tensor, *, fp8_dtype, scale, columnwise, **_) -> Quanti
     _check_scale_value(scale)
     data, data_t, amax = quantize_tensorwise(x, scale, fp8_dtype, columnwise)
     scale_inv = reciprocal_rn(scale.reshape(1))
-    t = (data_t, scale_inv) if columnwise else (None, None)
-    return Quantized(data, scale_inv, *t, amax, "delayed")
+    return _quantized(columnwise, data, scale_inv, data_t, scale_inv, amax, "delayed")
+
+
+def _quantized(columnwise: bool, data, scale_inv, data_t, scale_inv_t, *rest) -> Quantized:
+    """A :class:`Quantized` whose columnwise copy is None unless ``columnwise``."""
+    t = (data_t, scale_inv_t) if columnwise else (None, None)
+    return Quantized(data, scale_inv, *t, *rest)
 
 
 def _check_scale_value(scale: Tensor) -> None:
@@ -83,8 +88,7 @@ def _quantize_current(
     data, data_t, scale_inv, amax = quantize_current(
         x, fp8_dtype, columnwise, amax_epsilon, power_2_scale
     )
-    t = (data_t, scale_inv) if columnwise else (None, None)
-    return Quantized(data, scale_inv, *t, amax, "current")
+    return _quantized(columnwise, data, scale_inv, data_t, scale_inv, amax, "current")
 
 
 def _quantize_block(
@@ -93,29 +97,24 @@ def _quantize_block(
     data, scale_inv, data_t, scale_inv_t = quantize_blockwise(
         x, fp8_dtype, block_rows, power_2_scale, columnwise
     )
-    t = (data_t, scale_inv_t) if columnwise else (None, None)
-    return Quantized(data, scale_inv, *t, None, "block", block_rows)
-
-
-def _bytes(data: Tensor) -> Tensor:
-    return data.view(torch.uint8)
+    return _quantized(columnwise, data, scale_inv, data_t, scale_inv_t, None, "block", block_rows)
 
 
 def _dequantize_tensorwise(q: Quantized, out_dtype: torch.dtype, columnwise: bool) -> Tensor:
     data = q.data_t if columnwise else q.data
-    return dequantize_tensorwise(_bytes(data), q.scale_inv, data.dtype, out_dtype)
+    return dequantize_tensorwise(data.view(torch.uint8), q.scale_inv, data.dtype, out_dtype)
 
 
 def _dequantize_block(q: Quantized, out_dtype: torch.dtype, columnwise: bool) -> Tensor:
     data, scale_inv = (q.data_t, q.scale_inv_t) if columnwise else (q.data, q.scale_inv)
-    return dequantize_blockwise(_bytes(data), scale_inv, q.block_rows, data.dtype, out_dtype)
+    u8 = data.view(torch.uint8)
+    return dequantize_blockwise(u8, scale_inv, q.block_rows, data.dtype, out_dtype)
 
 
 # One entry per recipe kind and direction: a new kind (MXFP8, NVFP4) adds one to each.
 def _quantize_mxfp8(x: Tensor, *, fp8_dtype: torch.dtype, columnwise, **_) -> Quantized:
     data, s, data_t, s_t = quantize_mx.quantize_mxfp8(x, fp8_dtype, columnwise=columnwise)
-    t = (data_t, s_t) if columnwise else (None, None)
-    return Quantized(data, s, *t, None, "mxfp8", 1)
+    return _quantized(columnwise, data, s, data_t, s_t, None, "mxfp8", 1)
 
 
 def _quantize_nvfp4(x: Tensor, *, columnwise, block_rows, four_over_six, **_) -> Quantized:
@@ -143,8 +142,7 @@ def _quantize_nvfp4(x: Tensor, *, columnwise, block_rows, four_over_six, **_) ->
         )
     else:
         data, s, g, data_t, s_t = quantize_mx.quantize_nvfp4(x, columnwise=columnwise)
-    t = (data_t, s_t) if columnwise else (None, None)
-    return Quantized(data, s, *t, None, "nvfp4", block_rows, g)
+    return _quantized(columnwise, data, s, data_t, s_t, None, "nvfp4", block_rows, g)
 
 
 def _dequantize_mx(q: Quantized, out_dtype: torch.dtype, columnwise: bool) -> Tensor:
@@ -210,7 +208,6 @@ def quantize(
             f'te.quantize: scale= is only for recipe_kind "delayed"; "{recipe_kind}" computes '
             "its own"
         )
-    extra = {"four_over_six": four_over_six} if recipe_kind == "nvfp4" else {}
     return quantizer(
         tensor,
         fp8_dtype=fp8_dtype,
@@ -219,7 +216,7 @@ def quantize(
         power_2_scale=power_2_scale,
         columnwise=columnwise,
         amax_epsilon=amax_epsilon,
-        **extra,
+        four_over_six=four_over_six,
     )
 
 

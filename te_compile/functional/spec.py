@@ -210,16 +210,9 @@ class BackwardSpec:
         return _encode(self)
 
 
-def _fields(cls: type) -> tuple[tuple[str, Any, dict[str, Any]], ...]:
-    """``(name, default, metadata)`` of a spec class's fields, read once: ``torch.compile``
-    traces :func:`_encode` (a family function builds its strings in the traced code), and
-    dynamo cannot trace ``dataclasses.fields``."""
-    return _FIELDS[cls]
-
-
 def _encode(spec: Any) -> str:
     tokens = []
-    for name, default, meta in _fields(type(spec)):
+    for name, default, meta in _FIELDS[type(spec)]:
         value = getattr(spec, name)
         if value == default:
             continue
@@ -237,13 +230,16 @@ def _encode(spec: Any) -> str:
 
 def _bad(cls: type, name: str, text: str, why: str) -> ValueError:
     tokens = []
-    for _, _, meta in _fields(cls):
+    for _, _, meta in _FIELDS[cls]:
         tokens += [meta["flag"]] if "flag" in meta else list(meta.get("choices", ()))
         tokens += [meta["value"] + "=..."] if "value" in meta else []
     return ValueError(f"{name} {text!r}: {why} ({cls.__name__} tokens: {', '.join(tokens)})")
 
 
-_FIELDS = {
+# ``(name, default, metadata)`` of each spec class's fields, read once: ``torch.compile`` traces
+# :func:`_encode` (a family function builds its strings in the traced code), and dynamo cannot
+# trace ``dataclasses.fields``.
+_FIELDS: dict[type, tuple[tuple[str, Any, dict[str, Any]], ...]] = {
     cls: tuple((f.name, f.default, dict(f.metadata)) for f in dataclasses.fields(cls))
     for cls in (QuantSpec, NormSpec, EpilogueSpec, BackwardSpec)
 }
@@ -258,7 +254,7 @@ def parse(cls: type[S], text: str, name: str = "spec") -> S:
     values: dict[str, Any] = {}
     for token in text.split(":") if text else ():
         key, eq, raw = token.partition("=")
-        for field, default, meta in _fields(cls):
+        for field, default, meta in _FIELDS[cls]:
             if eq and meta.get("value") == key:
                 try:
                     value = type(default)(raw.replace("/", ":"))

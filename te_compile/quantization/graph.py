@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from te_compile._checks import check_callable
 from te_compile.quantization.device import get_default_fp8_recipe
 from te_compile.quantization.fp8_gemm import FP8GemmState
 from te_compile.quantization.graph_replay import (
@@ -114,16 +115,6 @@ def make_graphed_callables(
     callables = (modules,) if single else modules
     _check_callables(callables, modules)
     n = len(callables)
-    if not isinstance(_reuse_graph_input_output_buffers, bool):
-        raise TypeError(
-            f"{_NAME}: _reuse_graph_input_output_buffers must be a bool, got "
-            f"{_reuse_graph_input_output_buffers!r}"
-        )
-    if _reuse_graph_input_output_buffers:
-        raise NotImplementedError(
-            f"{_NAME}: _reuse_graph_input_output_buffers=True is not implemented (every forward "
-            "pass keeps its own input and output buffers); pass False"
-        )
     if capture_time_hooks is not None and not isinstance(capture_time_hooks, list):
         raise TypeError(
             f"{_NAME}: capture_time_hooks must be None (a list of hook dicts is not "
@@ -152,17 +143,25 @@ def make_graphed_callables(
                     f"{_NAME}: sample_kwargs keys must be strings, got {key!r} in "
                     f"{reprlib.repr(kwargs)}"
                 )
-    _check_int("num_warmup_iters", num_warmup_iters)
+    warmup = num_warmup_iters
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"{_NAME}: num_warmup_iters must be an int >= 0, got {warmup!r}")
     for name, value in (
         ("allow_unused_input", allow_unused_input),
         ("retain_graph_in_backward", retain_graph_in_backward),
         ("_clone_param_grads_on_return", _clone_param_grads_on_return),
+        ("_reuse_graph_input_output_buffers", _reuse_graph_input_output_buffers),
         (spelled["calibrating"], calibrating),
         (spelled["cache_quantized_params"], cache_quantized_params),
     ):
         if not isinstance(value, bool):
             raise TypeError(f"{_NAME}: {name} must be a bool, got {value!r}")
-    enabled_list = _check_enabled(spelled["enabled"], enabled, single, n)
+    if _reuse_graph_input_output_buffers:
+        raise NotImplementedError(
+            f"{_NAME}: _reuse_graph_input_output_buffers=True is not implemented (every forward "
+            "pass keeps its own input and output buffers); pass False"
+        )
+    enabled_list = _check_enabled(spelled["enabled"], enabled, n)
     if recipe is not None and not isinstance(recipe, Recipe):
         raise TypeError(
             f"{_NAME}: {spelled['recipe']} must be a Recipe (e.g. DelayedScaling()) or None, got "
@@ -184,10 +183,7 @@ def make_graphed_callables(
             f"{_NAME}: pool must be None or a handle from torch.cuda.graph_pool_handle() "
             f"(a tuple of ints), got {pool!r}"
         )
-    warmup_hooks = (("pre_warmup_hook", pre_warmup_hook), ("post_warmup_hook", post_warmup_hook))
-    for name, hook in warmup_hooks:
-        if hook is not None and not callable(hook):
-            raise TypeError(f"{_NAME}: {name} must be callable or None, got {hook!r}")
+    check_callable(_NAME, pre_warmup_hook=pre_warmup_hook, post_warmup_hook=post_warmup_hook)
     if capture_stream is not None and not isinstance(capture_stream, torch.cuda.Stream):
         raise TypeError(
             f"{_NAME}: capture_stream must be a torch.cuda.Stream or None, got {capture_stream!r}"
@@ -319,12 +315,7 @@ def _per_callable(
     return list(value)
 
 
-def _check_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{_NAME}: {name} must be an int >= 0, got {value!r}")
-
-
-def _check_enabled(name: str, enabled: Any, single: bool, n: int) -> list[bool]:
+def _check_enabled(name: str, enabled: Any, n: int) -> list[bool]:
     if isinstance(enabled, bool):
         return [enabled] * n
     if not isinstance(enabled, tuple) or not all(isinstance(e, bool) for e in enabled):

@@ -28,20 +28,12 @@ maximum, or the most recent entry), so quantising needs no extra pass over the d
 overflow when a tensor grows quickly; current scaling measures this tensor's amax first. Block
 recipes give each block its own scale, which keeps outliers from crushing the rest of the tensor.
 
-Every recipe is a dataclass, validated at construction and again whenever a field is set
-afterwards, as Transformer Engine code does (``recipe.backward_override = "high_precision"``):
-a bad value raises ``ValueError`` naming the field and the constraint and leaves the old value
-in place; a name that is not a field raises ``AttributeError``. Recipes compare by value and,
-being mutable, are not hashable (TE's are not either). ``torch.compile`` guards on the recipe's
-type and on every field the traced code read (``quantization.gemm.gemm_args`` reads them), so a
-compiled model never runs with a stale recipe: setting a field it read recompiles it at the next
-call, and setting it back reuses the first graph.
-
-``backward_override`` (not for ``DelayedScaling``, as in TE) chooses the backward GEMMs' operands
-(``docs/fp8.md`` says what each saves): ``None``, the recipe's quantised ones;
-``"high_precision"``, the high-precision input and weight; ``"dequantized"``, the forward's
-quantised ones dequantised; the gradient is not quantised with either. The forward is the
-recipe's either way.
+Every recipe is a mutable dataclass, validated at construction and on every field assignment
+(a refused value raises ``ValueError`` and is not kept), compared by value, not hashable;
+``torch.compile`` guards on the fields the traced code read (``docs/fp8.md``, "Recipes are
+mutable dataclasses, as TE's are"). ``backward_override`` (not for ``DelayedScaling``, as in TE)
+chooses the backward GEMMs' operands: ``None``, ``"high_precision"`` or ``"dequantized"``
+(``docs/fp8.md``).
 
 Where this module departs from Transformer Engine (``docs/te_compat.md``, "FP8 recipes and
 autocast", has each recipe's list): no default is read from ``NVTE_*`` environment variables;
@@ -85,6 +77,8 @@ _NVFP4_4OVER6_ERR_MODES = ("MAE", "MSE")
 # te::grouped_linear run).
 _PER_TENSOR_GEMMS = {"fp8_gemm_fprop": False, "fp8_gemm_dgrad": True, "fp8_gemm_wgrad": True}
 _AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+# The per-operand QParams fields of the FP8 recipes that have them.
+FP8_QPARAMS = ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad")
 
 
 class _FormatSpec(NamedTuple):
@@ -187,7 +181,8 @@ def _fast_accumulation() -> MMParams:
 def _no_options() -> QParams:
     """Default of the per-operand QParams fields: not constructor arguments (as in TE, where
     ``__post_init__`` sets them from the recipe's flags); set afterwards to override one operand,
-    compared, printed and copied with the other fields."""
+    compared, printed and copied with the other fields. A function: dynamo cannot call the
+    class as a default factory."""
     return QParams()
 
 
@@ -439,11 +434,7 @@ class Float8CurrentScaling(Recipe):
 
     kind: ClassVar[str] = "current"
     _qparam_flags: ClassVar[dict[str, tuple[str, tuple[str, ...], bool]]] = {
-        "use_power_2_scales": (
-            "power_2_scale",
-            ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad"),
-            False,
-        ),
+        "use_power_2_scales": ("power_2_scale", FP8_QPARAMS, False),
     }
 
     use_power_2_scales: bool = False
@@ -490,11 +481,7 @@ class Float8BlockScaling(Recipe):
     kind: ClassVar[str] = "block"
     block_len: ClassVar[int] = 128
     _qparam_flags: ClassVar[dict[str, tuple[str, tuple[str, ...], bool]]] = {
-        "use_f32_scales": (
-            "power_2_scale",
-            ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad"),
-            True,
-        ),
+        "use_f32_scales": ("power_2_scale", FP8_QPARAMS, True),
     }
 
     use_f32_scales: bool = False

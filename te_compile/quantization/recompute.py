@@ -1,28 +1,17 @@
-"""Activation checkpointing that recomputes FP8 modules exactly: ``te_compile.checkpoint``.
+"""Activation checkpointing that recomputes FP8 modules exactly: ``te_compile.checkpoint``
+(``docs/distributed.md``, "Activation checkpointing", says what it guarantees).
 
-``torch.utils.checkpoint`` alone recomputes a region in the backward outside the region's
-``autocast``: the recompute would run in high precision (other saved tensors: checkpoint fails)
-and, under ``DelayedScaling``, fold the amaxes into the history a second time and quantise with
-other scales than the forward did. :func:`checkpoint` runs the function under
-``torch.utils.checkpoint`` with two additions:
-
-* the recompute runs under the autocast state the forward saw (recipe, enabled, group,
-  calibrating), with a copy of the recipe as it was in the forward (recipes are mutable: a field
-  set between the forward and the backward must not change the recompute);
-* a :class:`RecomputeScope` is open while the function runs: in the forward every FP8 GEMM
-  state (``quantization.fp8_gemm.FP8GemmState``) is snapshotted before its first update; the
-  recompute starts from those snapshots, so it runs the forward's code path on the forward's
-  state (the same scales, the same calibration step: the same result bit for bit, and, around a
-  compiled module, the same compiled graph with the same saved tensors), and the state is put
-  back as the forward left it afterwards: it is updated once.
-
-Dropout masks come out the same because ``torch.utils.checkpoint`` restores torch's CPU and CUDA
-generators, from which every te dropout draws its seed. Under ``torch.compile`` the compiler does
-the recomputation itself (from the traced graph, where the autocast state and the scales are
-already fixed, and mutations are never recomputed): :func:`checkpoint` then calls
-``torch.utils.checkpoint.checkpoint`` as it is, and refuses ``DelayedScaling``, whose state
-update (a write) a compiled checkpoint region cannot hold; ``te.checkpoint`` around a compiled
-module works with every recipe.
+``torch.utils.checkpoint`` alone recomputes a region in the backward outside its ``autocast``
+(in high precision) and, under ``DelayedScaling``, would fold the amaxes into the history twice.
+:func:`checkpoint` runs the function under ``torch.utils.checkpoint`` with two additions: the
+recompute runs under the autocast state the forward saw, with a copy of the recipe as it was then
+(recipes are mutable); and a :class:`RecomputeScope` is open while the function runs, in which
+every FP8 GEMM state (``quantization.fp8_gemm.FP8GemmState``) is snapshotted before the forward's
+first update of it, so the recompute starts from the forward's state (same scales, same
+calibration step: the same result bit for bit) and the state is put back as the forward left it.
+Under ``torch.compile`` the compiler recomputes from its traced graph: :func:`checkpoint` calls
+``torch.utils.checkpoint.checkpoint`` as it is and refuses ``DelayedScaling``, whose state update
+(a write) a compiled checkpoint region cannot hold.
 """
 
 from __future__ import annotations

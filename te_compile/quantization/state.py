@@ -1,17 +1,11 @@
 """The autocast state: which recipe modules quantise with, read in ``forward``.
 
 ``autocast(enabled=True, calibrating=False, recipe=None, amax_reduction_group=None)`` (Transformer
-Engine's signature; ``fp8_autocast(enabled, calibrating, fp8_recipe, fp8_group, _graph)`` is TE's
-older name for it) is a context manager (and a decorator) that replaces the current
-:class:`AutocastState` and restores the previous one on exit, exception or not. Modules call
-:func:`get_autocast_state` in ``forward`` and flatten the snapshot into the scalar arguments of
-their ops (``quantization.gemm.gemm_args``). Outside any autocast the state is
-``AutocastState(enabled=False, recipe=None, amax_reduction_group=None, calibrating=False)``.
-
-``calibrating=True`` with ``enabled=False`` is TE's calibration mode: the GEMMs compute in high
-precision while the per-tensor recipes' FP8 state is kept as an FP8 run keeps it
-(``quantization.gemm.calibrate``; ``docs/fp8.md``, "Calibration"). With ``enabled=True``
-``calibrating`` changes nothing (TE's meaning).
+Engine's signature; ``fp8_autocast`` is TE's older name for it) is a context manager (and a
+decorator) that replaces the current :class:`AutocastState` and restores the previous one on
+exit, exception or not. Modules call :func:`get_autocast_state` in ``forward`` and flatten the
+snapshot into the scalar arguments of their ops (``quantization.gemm.gemm_args``). Calibration
+(``calibrating=True`` with ``enabled=False``): ``docs/fp8.md``, "Calibration".
 
 How this works with ``torch.compile`` (checked on torch 2.13, see tests/quantization):
 
@@ -46,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from te_compile.quantization.device import emulation_reason, get_default_fp8_recipe
-from te_compile.quantization.recipe import Recipe
+from te_compile.quantization.recipe import FP8_QPARAMS, Recipe
 
 __all__ = [
     "AutocastState",
@@ -159,8 +153,7 @@ def check_power_2_scales(owner: str, recipe: Recipe) -> None:
     """Float8CurrentScaling's power-of-two scales (``use_power_2_scales``, or one operand's
     ``fp8_quant_*.power_2_scale``): te_compile.quantize applies them, the modules' per-tensor
     kernels do not, so a recipe that asks for them is refused rather than ignored."""
-    on = [name for name in ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad")
-          if getattr(recipe, name).power_2_scale]  # fmt: skip
+    on = [name for name in FP8_QPARAMS if getattr(recipe, name).power_2_scale]
     if on:
         asked = ("(use_power_2_scales=True)" if recipe.use_power_2_scales
                  else f" with {', '.join(f'{n}.power_2_scale=True' for n in on)}")  # fmt: skip

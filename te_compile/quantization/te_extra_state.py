@@ -1,10 +1,9 @@
 """Loading Transformer Engine's ``_extra_state`` (its FP8 metadata) into te_compile modules.
 
-Every Transformer Engine module built on its ``TransformerEngineBaseModule`` (``Linear``,
-``LayerNormLinear``, ``LayerNormMLP``, ``GroupedLinear``, ``DotProductAttention``) and every
-``te.ops`` operation (which ``LayerNorm`` / ``RMSNorm`` are) saves a ``<prefix>_extra_state``
-entry: an empty ``uint8`` tensor when it holds no FP8 state (FP8 never ran, or a stateless
-recipe), else a Python pickle in a ``uint8`` tensor of::
+What TE saves, which modules save it and what te_compile takes of it: ``docs/te_compat.md``,
+"Checkpoints across Transformer Engine and te_compile" (our own FP8 state is the ``*fp8_meta.*``
+buffers; our state_dict emits no ``_extra_state``). The value is an empty ``uint8`` tensor
+without FP8 state, else a Python pickle in a ``uint8`` tensor of::
 
     {"recipe": <transformer_engine.common.recipe.DelayedScaling ...>,
      "scale_fwd": [3 * num_gemms], "amax_history_fwd": [amax_history_len, 3 * num_gemms],
@@ -20,14 +19,10 @@ grad_input; LayerNormMLP's FC1 is GEMM 1 and FC2 GEMM 2; GroupedLinear's group `
 
 :func:`accept_te_extra_state` registers a load_state_dict pre-hook that takes that key (so
 ``strict=True`` loads a Transformer Engine checkpoint) and, for delayed scaling, writes the
-history and scales into the module's :class:`FP8GemmState` buffers (see :func:`_te_to_ours`
-for the mapping). The pickle is read by :class:`_RestrictedUnpickler`: tensors are rebuilt
-with ``torch.load(weights_only=True)``, TE's recipe classes become inert records
-(:class:`TERecipeRecord`), and any other global is refused (the load reports an error naming
-the key), so loading never runs code from the checkpoint and needs no Transformer Engine.
-
-Our state_dict emits no ``_extra_state``: our FP8 state is the ``*fp8_meta.*`` buffers
-(``docs/te_compat.md``, "Checkpoints across Transformer Engine and te_compile").
+history and scales into the module's :class:`FP8GemmState` buffers (:func:`_te_to_ours`). The
+pickle is read by :class:`_RestrictedUnpickler`: tensors are rebuilt with
+``torch.load(weights_only=True)``, TE's recipe classes become inert records
+(:class:`TERecipeRecord`), any other global is refused (an error naming the key).
 """
 
 from __future__ import annotations
