@@ -371,6 +371,8 @@ def stand_in_cuda(monkeypatch):
     monkeypatch.setattr(graph_replay.CallSpec, "check_devices", lambda self: None)
     # The default recipe asks the (absent) GPU for its compute capability.
     monkeypatch.setattr(te.quantization.state, "get_default_fp8_recipe", te.recipe.DelayedScaling)
+    # So does the once-per-process emulation notice, when this is the process's first autocast.
+    monkeypatch.setattr(te.quantization.device, "_capability", lambda: None)
     return graphs
 
 
