@@ -23,22 +23,11 @@ mxfp8       32-element blocks, E8M0 scales              ``"dequantized"`` only (
 nvfp4       16-element E4M3 blocks and a global scale   ``"dequantized"`` only
 ==========  ==========================================  ===========================================
 
-(the grouped family adds ``"grouped_mm"`` and ``"scaled_grouped_mm"``, ``torch._grouped_mm`` and
-``torch._scaled_grouped_mm`` on device offsets, in ``functional.grouped_gemm``).
-
 An :class:`Operand` is one GEMM operand quantised along its contraction dim (``data`` ``[M,
 K]``, row-major) and, for the backward GEMMs, along the other dim, transposed (``data_t`` ``[K,
 M]``): FP8 codes with their inverse scales, or, for an emulated GEMM of a block-scaled kind, the
-dequantised fp32 values (exact: the quantisation is the recipe's) with 0-element scales. Rows of
-the quantised operands are padded with zeros to a multiple of 16 (``_scaled_mm``'s constraint;
-zero rows change neither an amax nor another row of a GEMM's result).
-
-Beside this file: ``functional.dense_weight`` (pre-quantised weights, ``te::quantize_weight``)
-and ``functional.gemm_ref`` (the definition of every kind's GEMM, ``quantized_linear_ref``).
-
-A new recipe kind is a choice of ``QuantSpec.kind``, one row in each table here, one branch in
-``recipe_specs`` / ``gemm_args``, and the recipe class (``docs/op_mechanism.md``, "Adding a
-recipe").
+dequantised fp32 values (exact) with 0-element scales. Rows are padded with zeros to a multiple
+of 16 (:func:`pad_rows`). Adding a recipe kind: ``docs/op_mechanism.md``, "Adding a recipe".
 """
 
 from __future__ import annotations
@@ -157,9 +146,8 @@ def unpad(t2: Tensor, rows: int) -> Tensor:
 
 def scale_slots(scale: Tensor | None, recipe: str) -> tuple[Tensor | None, ...]:
     """The delayed scales of a GEMM's input, weight and gradient as ``[1]`` views of ``scale``
-    ``[3]``, or three Nones (every other kind). Views of the copy of the scales that
-    ``te::delayed_scaling_update`` returns, never of the state buffer itself: a compiled step
-    may save them for its backward, which Inductor may then overwrite (a donated buffer)."""
+    ``[3]`` (the copy ``te::delayed_scaling_update`` returns, never the state buffer, which a
+    compiled step may donate), or three Nones (every other kind)."""
     if recipe != "delayed":
         return None, None, None
     return scale[0:1], scale[1:2], scale[2:3]
@@ -265,18 +253,10 @@ def _named(name: str, spec: QuantSpec) -> str:
     return f"{name} {spec.encode()!r}: "
 
 
-def _is_int(value: object) -> bool:
-    """An int (or a symbolic one: torch.compile with dynamic shapes traces int arguments as
-    SymInts), not a bool."""
-    return isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool)
-
-
 def check_gemm_args(owner: str, tensors: dict[str, Tensor | None], **reals: object) -> None:
-    """A family function's arguments, whether or not the call uses them (an argument given
-    that the call does not use is still checked, never silently ignored): tensors (or None) and
-    ``reals`` (``norm_eps``, ``limit``, ``alpha``: positive; ``glu_linear_offset``,
-    ``out_scale``: finite; ``glu_interleave_size``: None or an int >= 0). The callers run it
-    only off the hot path (some argument not at its default)."""
+    """A family function's arguments, used by the call or not (never silently ignored):
+    tensors (or None) and ``reals`` (``norm_eps``, ``limit``, ``alpha``: positive;
+    ``glu_linear_offset``, ``out_scale``: finite; ``glu_interleave_size``: None or an int >= 0)."""
     check_tensors(owner, **tensors)
     for name, value in reals.items():
         if name in ("glu_linear_offset", "out_scale"):
@@ -313,20 +293,19 @@ def blockwise_supported(
     weight: Tensor, weight_block_rows: int, fwd_dtype: torch.dtype, bwd_dtype: torch.dtype
 ) -> bool:
     """Whether the native blockwise GEMMs take these operands (the device aside): E4M3 in both
-    directions (cuBLAS's blockwise kernels take E4M3 operands) and, with 128x128 weight blocks,
-    both feature counts multiples of 512 (the weight's K / 128 scale dimension, in_features for
-    the forward and out_features for dgrad, a multiple of 4). On the H100 (torch 2.11,
-    2026-11-22) other widths gave wrong dgrad products with the compact scale layout, and a
-    padded one was refused; 1x128 weight blocks have no such limit."""
+    directions (cuBLAS's blockwise kernels take E4M3 only) and, with 128x128 weight blocks, both
+    feature counts multiples of 512 (the K / 128 scale dim a multiple of 4: on the H100, torch
+    2.11, other widths gave wrong dgrad products and a padded layout was refused)."""
     p = "te.blockwise_supported"
     check_tensor(p, "weight", weight, min_dim=2)
     for name, value in (("fwd_dtype", fwd_dtype), ("bwd_dtype", bwd_dtype)):
         if value not in FP8_DTYPES:
             raise ValueError(f"{p}: {name} must be one of {FP8_DTYPES}, got {value!r}")
-    if not _is_int(weight_block_rows) or weight_block_rows not in (1, 128):
-        raise ValueError(f"{p}: weight_block_rows must be 1 or 128, got {weight_block_rows!r}")
+    rows = weight_block_rows  # an int (a SymInt where dynamic shapes trace it), not a bool
+    if isinstance(rows, bool) or not isinstance(rows, (int, torch.SymInt)) or rows not in (1, 128):
+        raise ValueError(f"{p}: weight_block_rows must be 1 or 128, got {rows!r}")
     return fwd_dtype == bwd_dtype == _BLOCKWISE_FP8 and (
-        weight_block_rows == 1 or (weight.shape[-2] % 512 == 0 and weight.shape[-1] % 512 == 0)
+        rows == 1 or (weight.shape[-2] % 512 == 0 and weight.shape[-1] % 512 == 0)
     )
 
 
@@ -366,14 +345,10 @@ def qdq_both(
     x2: Tensor, spec: QuantSpec, rng_state: Tensor | None = None, columnwise: bool = True
 ) -> tuple[Tensor, Tensor | None]:
     """``(rowwise, columnwise^T)``: ``x2`` ``[M, K]`` quantised by a block-scaled ``spec`` in
-    blocks along K and along M (the latter returned transposed, ``[K, M]``; None without
-    ``columnwise``, but for NVFP4), both dequantised to fp32, where every dequantised value is
-    exact (an NVFP4 value times its E4M3 scale over the global scale is not always a bf16
-    number). fp64 input (the tests' references) is quantised
-    from its fp32 values and returned as fp64. NVFP4's options
-    (``functional.quantize_mx_ref.nvfp4_qdq``): 16x16 tiles, the random Hadamard transform of the
-    columnwise copy, stochastic rounding (``rng_state``), one global scale per row for the
-    rowwise copy, 4over6 block scaling."""
+    blocks along K and along M (the latter transposed, ``[K, M]``; None without ``columnwise``,
+    but for NVFP4), both dequantised to fp32, where every value is exact (fp64 input, the tests'
+    references: quantised from its fp32 values, returned as fp64). NVFP4's options:
+    ``functional.quantize_mx_ref.nvfp4_qdq`` (``rng_state``: stochastic rounding)."""
     x = x2.float() if x2.dtype == torch.float64 else x2
     f32, fp8_dtype, rows = torch.float32, spec.fp8_dtype, spec.block_rows
     col_t = None
@@ -408,10 +383,9 @@ def _col_sums(x2: Tensor, sums: bool) -> Tensor | None:
     return x2.sum(0, dtype=torch.float32) if sums else None
 
 
-# Every entry: (spec, x2, scale, columnwise, mn_major, sums, rng_state) -> Operand.
-def _quantize_per_tensor(
-    spec, x2, scale, columnwise, mn_major, sums, rng_state, slot=None
-) -> Operand:
+# Every entry: (spec, x2, scale, columnwise, mn_major, sums, rng_state, slot) -> Operand; slot:
+# the per-tensor kinds' (:func:`quantize_operand`), None for the others.
+def _quantize_per_tensor(spec, x2, scale, columnwise, mn_major, sums, rng_state, slot) -> Operand:
     """Current (``scale`` None) or delayed scaling, both copies in one pass (the quantisation
     ops: one Triton kernel on CUDA, the reference elsewhere); the GEMM's emulation reads the
     same codes. ``slot``: ``(buffer, i)``, the GEMM's amax buffer on CUDA (:func:`amax_buffer`)
@@ -439,7 +413,7 @@ def _quantize_per_tensor(
     return Operand(data, scale_inv, data_t, scale_inv, amax, _col_sums(x2, sums))
 
 
-def _quantize_dequantized(spec, x2, scale, columnwise, mn_major, sums, rng_state) -> Operand:
+def _quantize_dequantized(spec, x2, scale, columnwise, mn_major, sums, rng_state, slot) -> Operand:
     """MXFP8, NVFP4 and emulated Float8BlockScaling: the dequantised values (exact; the GEMM is
     emulated)."""
     row, col_t = qdq_both(x2, spec, rng_state, columnwise)
@@ -448,12 +422,12 @@ def _quantize_dequantized(spec, x2, scale, columnwise, mn_major, sums, rng_state
     return Operand(row, none, col_t, none.clone(), none.clone(), _col_sums(x2, sums))
 
 
-def _quantize_block(spec, x2, scale, columnwise, mn_major, sums, rng_state) -> Operand:
+def _quantize_block(spec, x2, scale, columnwise, mn_major, sums, rng_state, slot) -> Operand:
     """Float8BlockScaling: FP8 codes and fp32 block scales (emulated: dequantised). With
     ``sums`` on CUDA one kernel reads ``x2`` once for the casts and the column sums (both scale
     tensors in the GEMM's layout with ``mn_major``)."""
     if spec.emulate:
-        return _quantize_dequantized(spec, x2, scale, columnwise, mn_major, sums, rng_state)
+        return _quantize_dequantized(spec, x2, scale, columnwise, mn_major, sums, rng_state, None)
     none = x2.new_empty(0, dtype=torch.float32)
     fp8_dtype, rows, p2 = spec.fp8_dtype, spec.block_rows, spec.power_2_scale
     if sums and x2.is_cuda and rows == 1:
@@ -493,21 +467,16 @@ def quantize_operand(
     ``stochastic_rounding``; ``slot``: the GEMM's amax buffer and this operand's element of it,
     from :func:`amax_buffer`, for the per-tensor kinds)."""
     rng_state = rng_state if spec.stochastic_rounding else None
-    quantizer = QUANTIZERS[spec.kind]
-    if slot is not None:
-        return quantizer(spec, x2, scale, columnwise, mn_major, sums, rng_state, slot)
-    return quantizer(spec, x2, scale, columnwise, mn_major, sums, rng_state)
+    return QUANTIZERS[spec.kind](spec, x2, scale, columnwise, mn_major, sums, rng_state, slot)
 
 
 def amax_buffer(
     recipe: str, x2: Tensor, n: int, shared: bool = True
 ) -> tuple[Tensor | None, list[tuple[Tensor, int] | None]]:
     """The amax output of a GEMM family's call under a per-tensor ``recipe`` on CUDA (and
-    ``shared``: no operand comes pre-quantised with an amax of its own): one zeroed ``[n]``
-    buffer (``kernels.quantize.amax_bits``) and its ``n`` slots ``(buffer, i)``, one per cast
-    of the call, which fold their amaxes into them (``slot=``): one zero fill for the call and
-    no gather, where a buffer per cast costs a fill each and a concatenation. Elsewhere
-    ``(None, [None] * n)``: each cast returns its own amax."""
+    ``shared``: no operand pre-quantised with an amax of its own): one zeroed ``[n]`` buffer
+    (``kernels.quantize.amax_bits``) and its slots ``(buffer, i)``, one per cast, which fold
+    their amaxes into it (one fill, no gather). Elsewhere ``(None, [None] * n)``."""
     if not shared or recipe not in PER_TENSOR or not x2.is_cuda:
         return None, [None] * n
     from te_compile.kernels.quantize import amax_bits
@@ -535,15 +504,12 @@ def grad_amax_slots(
 
 
 def _scaled_mm(a, b, sa, sb, out_dtype, bias=None, fast_accum=False) -> Tensor:
-    """``(sa a) @ (sb b) + bias`` rounded to ``out_dtype`` (``a`` row-major, ``b``
-    column-major, FP8; ``sa`` / ``sb`` one-element fp32 inverse scales). ``torch._scaled_mm``
-    takes a bias only for a bf16/fp16 output; for fp32 the bias is added to the fp32 result,
-    which is the same sum. ``fast_accum``: Hopper's FP8 tensor-core accumulation without the
-    periodic promotion to fp32 (Transformer Engine's default for the forward GEMM; gradient
-    GEMMs, long sums of small terms, promote). On the CPU the two scales go in as one product,
-    as cuBLAS applies them: oneDNN's FP8 GEMM (CPUs with AMX) multiplies the sum by ``sa`` and
-    then by ``sb``, which overflows where ``sa`` is huge (an input near the dtype's max) though
-    the result is finite."""
+    """``(sa a) @ (sb b) + bias`` rounded to ``out_dtype`` (``a`` row-major, ``b`` column-major,
+    FP8; ``sa`` / ``sb`` ``[1]`` fp32 inverse scales); ``_scaled_mm`` takes a bias only for a
+    16-bit output, so an fp32 one adds it after (the same sum). ``fast_accum``: Hopper's FP8
+    accumulation without periodic promotion (TE's default for the forward GEMM). On the CPU the
+    scales go in as one product, as cuBLAS applies them: oneDNN's FP8 GEMM (AMX) applies ``sa``
+    then ``sb``, which overflows where ``sa`` is huge though the result is finite."""
     if a.device.type != "cuda":
         sa, sb = sa * sb, torch.ones_like(sb)
     kw = {"scale_a": sa, "scale_b": sb, "out_dtype": out_dtype, "use_fast_accum": fast_accum}
@@ -756,12 +722,10 @@ class BwdArgs(NamedTuple):
 
 
 class DeferredWgrad(NamedTuple):
-    """A weight gradient left for later (the GEMM families' ``delay_wgrad=True``, Transformer
-    Engine's ``delay_wgrad_compute``): the family's backward op copies its incoming gradient
-    into ``stash`` instead of running the wgrad GEMM; :meth:`compute` later runs the same
-    backward op with only the weight gradient asked for, on the tensors the autograd context
-    saved (``replay(stash)``), so the result is the one the normal backward gives, bit for
-    bit."""
+    """A weight gradient left for later (``delay_wgrad=True``, Transformer Engine's
+    ``delay_wgrad_compute``): the backward op copies its incoming gradient into ``stash``
+    instead of running the wgrad GEMM; :meth:`compute` later runs the same backward op for the
+    weight gradient alone on the saved tensors (``replay(stash)``): the same bits."""
 
     stash: Tensor
     version: int
@@ -807,12 +771,9 @@ class DeferredWgrad(NamedTuple):
 
 def save_for_backward_except_written(ctx, tensors: Sequence[Tensor | None],
                                      written: Sequence[int]) -> None:  # fmt: skip
-    """``ctx.save_for_backward(*tensors)`` but for those at positions ``written``, the buffers
-    the backward writes into (``main_grad``, a delayed-scaling gradient amax): they are kept as
-    ``ctx.written``, in order. They are the caller's accumulators, not values of this forward,
-    and autograd's version check would refuse the backward of a second forward (pipeline
-    schedules: forward, forward, backward, backward) once the first backward wrote them. Under
-    ``torch.compile`` they are marked so that the compiled graph keeps them out of the check
-    too (``_library.stash_for_backward``)."""
+    """``ctx.save_for_backward(*tensors)`` but for those at positions ``written``, the caller's
+    accumulators the backward writes (``main_grad``, a gradient amax), kept as ``ctx.written``
+    out of autograd's version check, which would refuse a second forward's backward once the
+    first wrote them (pipeline schedules); ``_library.stash_for_backward`` under compile."""
     stash_for_backward(ctx, "written", tuple(tensors[i] for i in written))
     ctx.save_for_backward(*(None if i in written else t for i, t in enumerate(tensors)))

@@ -11,21 +11,11 @@ measured; none of them chooses an op per recipe: there is one op per GEMM shape
 (``functional.gemm`` has the tables inside it).
 
 Outside an enabled ``te_compile.autocast`` the specs are those of high precision (``""``), so
-a module's forward reads the same with and without FP8.
-
-Calibration (``autocast(enabled=False, calibrating=True)``, ``quantization.state``): the entry
-points run the high-precision GEMMs and, under the per-tensor recipes, keep each GEMM's FP8
-state as an FP8 run would (:func:`calibrate`): delayed scaling folds the last amaxes into the
-history and updates the scales, then the amaxes of this call's GEMM input and weight are
-recorded. The GEMM input of a norm prologue is the norm's output, computed once more for its
-amax; ``mlp`` runs its two GEMMs one by one (``_FUSE_MLP = False``'s path) so that the second
-GEMM's input exists.
-
-Weight caching (``is_first_microbatch``, Transformer Engine's semantics; ``docs/fp8.md``,
-"Weight caching"): a module hands the entry points a :class:`WeightCache`, its store of
-pre-quantised weights and the forward's ``is_first_microbatch`` (:func:`cached_weight`: None
-casts in the op every call, True casts and keeps, False uses the kept copy). Outside an FP8
-autocast the cache is not read.
+a module's forward reads the same with and without FP8. Calibration (``docs/fp8.md``): the
+entry points run high precision and keep each GEMM's FP8 state (:func:`calibrate`; a norm
+prologue's output computed once more for its amax, ``mlp`` as two ``linear`` calls). Weight
+caching (``is_first_microbatch``, ``docs/fp8.md``): a module hands the entry points a
+:class:`WeightCache` (:func:`cached_weight`), not read outside an FP8 autocast.
 """
 
 from __future__ import annotations
@@ -274,16 +264,13 @@ def cached_weight(
 
 
 def recipe_specs(recipe: Recipe) -> tuple[QuantSpec, QuantSpec, QuantSpec]:
-    """How ``recipe`` quantises a GEMM's input, weight and gradient (``ROLES``), as the GEMM
-    families take it (``functional.spec.QuantSpec``): the recipe kind, the FP8 format (the
-    forward one for inputs and weights, the backward one for gradients), block rows (128 for
-    128x128 blocks, 16 for NVFP4's 16x16 tiles), power-of-two scales and NVFP4's options (an
-    operand's from its QParams field, ``fp4_quant_*`` / ``fp8_quant_*``: :func:`_checked_qparams`
-    refuses an option no kernel applies to that operand). The
-    one place a recipe's fields are read: :func:`gemm_args`, ``te_compile.quantize``,
-    ``ops.Quantize`` and FP8 primary weights build on it. MXFP8 and NVFP4 GEMMs are emulated
-    (``emulate``; native ones need Blackwell); Float8BlockScaling's are native, and
-    :func:`gemm_args` emulates them where cuBLAS cannot run them."""
+    """How ``recipe`` quantises a GEMM's input, weight and gradient (``ROLES``) as
+    ``functional.spec.QuantSpec``s: the kind, the FP8 format (forward for inputs and weights,
+    backward for gradients), block rows, power-of-two scales and NVFP4's options (from each
+    operand's QParams field; :func:`_checked_qparams` refuses one no kernel applies). The one
+    place a recipe's fields are read (:func:`gemm_args`, ``te_compile.quantize``,
+    ``ops.Quantize``, FP8 primary weights). MXFP8 and NVFP4 GEMMs are emulated (native ones
+    need Blackwell); Float8BlockScaling's are native (:func:`gemm_args` may emulate them)."""
     if torch.compiler.is_compiling():  # dynamo specialises on the recipe: built in the graph
         return _recipe_specs(recipe)
     memo = recipe.memo()  # eager: once per recipe and field values, not once per GEMM call
@@ -418,18 +405,12 @@ def gemm_args(
     *,
     grouped: bool = False,
 ) -> GemmArgs:
-    """The GEMM family arguments of ``state``'s recipe (``backward_override``: the recipe's, ``""``
-    for None) for GEMMs with these ``weights`` (2-D,
-    or ``[G, N, K]`` with ``grouped``) and input, with the delayed-scaling state of ``metas``
-    (one per GEMM: under DelayedScaling this folds the last amaxes into the history and
-    computes the scales, ``FP8GemmState.delayed_scale``; at a state's first delayed step, the
-    calibration, every GEMM of the call runs current scaling and records its amaxes).
-
-    The formats, block sizes and power-of-two scales are those :func:`recipe_specs` gives
-    each operand. Float8BlockScaling runs native blockwise GEMMs on a GPU with blockwise-scaled
-    ``_scaled_mm`` (Hopper, CUDA 12.9+) where cuBLAS takes the operands
-    (``functional.blockwise_supported``; a grouped GEMM also needs a bf16 input), and is
-    emulated elsewhere; MXFP8 and NVFP4 are emulated (native GEMMs need Blackwell)."""
+    """The GEMM family arguments of ``state``'s recipe (:func:`recipe_specs`'s specs) for GEMMs
+    with these ``weights`` (2-D, or ``[G, N, K]`` with ``grouped``) and input, with the
+    delayed-scaling state of ``metas``, one per GEMM (``FP8GemmState.delayed_scale``: a state's
+    first delayed step runs current scaling). Float8BlockScaling runs native blockwise GEMMs
+    (Hopper, CUDA 12.9+) where cuBLAS takes the operands (``functional.blockwise_supported``; a
+    grouped GEMM also needs a bf16 input), emulated elsewhere; MXFP8 and NVFP4 are emulated."""
     if not state.enabled:
         return _HIGH_ARGS
     _note_recipe(owner, state, metas)
@@ -610,19 +591,14 @@ def linear(
         specs["weight_spec"] = replace(specs["weight_spec"], four_over_six="")
     if args.backward_override:
         kw["backward_override"] = args.backward_override
-    if args.recipe not in PER_TENSOR:
-        out = F.linear(inp, weight, bias, main_grad=main_grad, **specs, **kw)
-    else:
-        out, *rest, amax = F.linear(
-            inp, weight, bias, main_grad=main_grad, **specs, scale=args.scales[0],
-            grad_amax=args.grad_amaxes[0], return_amax=True, **kw,
-        )  # fmt: skip
-        meta.record(amax, state)
-        out = (out, *rest) if rest else out
-    if defer is None:
-        return out
-    *out, deferred = out
-    defer.append((deferred, weight))
+    if args.recipe in PER_TENSOR:
+        kw.update(scale=args.scales[0], grad_amax=args.grad_amaxes[0], return_amax=True)
+    out = F.linear(inp, weight, bias, main_grad=main_grad, **specs, **kw)
+    out = list(out) if isinstance(out, tuple) else [out]  # (out, branch?, deferred?, amax?)
+    if args.recipe in PER_TENSOR:
+        meta.record(out.pop(), state)
+    if defer is not None:
+        defer.append((out.pop(), weight))
     return tuple(out) if len(out) > 1 else out[0]
 
 
@@ -790,12 +766,8 @@ def grouped_linear(
         )  # fmt: skip
         meta.record(amax, state)
     else:  # current scaling measures no amaxes (a read each)
-        out, *rest = _as_tuple(F.grouped_linear(inp, m_splits, weight, bias, main_grad=main_grad,
-                                                **kw))  # fmt: skip
+        out = F.grouped_linear(inp, m_splits, weight, bias, main_grad=main_grad, **kw)
+        out, *rest = out if isinstance(out, tuple) else (out,)
     if rest:
         defer.append((rest[0], weight))
     return out
-
-
-def _as_tuple(result: Tensor | tuple) -> tuple:
-    return result if isinstance(result, tuple) else (result,)
