@@ -91,7 +91,11 @@ from te_compile._checks import (
 from te_compile._library import differentiable, op
 from te_compile._numerics import acc_dtype
 from te_compile.functional.activation import GATED_ACTIVATIONS, activation_ref, gated_activation_ref
-from te_compile.functional.dense_weight import check_weight_quantized, refuse_fp8_weight_grad
+from te_compile.functional.dense_weight import (
+    check_weight_quantized,
+    fake_copy,
+    refuse_fp8_weight_grad,
+)
 from te_compile.functional.dropout_ops import new_rng_state
 from te_compile.functional.gemm import (
     BACKWARD_OVERRIDES,
@@ -102,7 +106,6 @@ from te_compile.functional.gemm import (
     check_gemm_args,
     check_gemm_tensors,
     empty,
-    gemm_kind,
     hp_linear,
     hp_linear_backward,
     padded,
@@ -223,7 +226,7 @@ def _linear_fwd_fake(*args):
     branch = inp.new_empty(inp.shape) if ep.branch else empty(inp)
     if a.plain:
         return out, branch, []
-    f32, u8 = torch.float32, torch.uint8
+    f32 = torch.float32
     saved = []
     xs, ws, _ = a.specs
     recipe, override, normalized = xs.kind, a.bw.override, bool(a.nrm.normalization)
@@ -231,20 +234,9 @@ def _linear_fwd_fake(*args):
         saved = [inp.new_empty(rows, k)] if normalized else []
     elif override == "dequantized":
         saved = [inp.new_empty(rows, k), inp.new_empty(n, k)]
-    elif recipe:
-        m = padded(rows)
-        kind = gemm_kind(recipe, xs.emulate)
-        if kind == "dequantized":
-            saved = [inp.new_empty(k, m, dtype=f32), inp.new_empty(0, dtype=f32),
-                     inp.new_empty(k, n, dtype=f32), inp.new_empty(0, dtype=f32)]  # fmt: skip
-        elif recipe in PER_TENSOR:
-            one = inp.new_empty(1, dtype=f32)
-            saved = [inp.new_empty(k, m, dtype=u8), one, inp.new_empty(k, n, dtype=u8), one.clone()]
-        else:
-            w_rows = ws.block_rows
-            saved = [inp.new_empty(k, m, dtype=u8), inp.new_empty(k, -(-m // 128), dtype=f32),
-                     inp.new_empty(k, n, dtype=u8),
-                     inp.new_empty(-(-k // w_rows), -(-n // 128), dtype=f32)]  # fmt: skip
+    elif recipe:  # the input's and the weight's transposed copies
+        saved = [*fake_copy(inp, recipe, padded(rows), k, 1, xs.emulate),
+                 *fake_copy(inp, recipe, n, k, ws.block_rows, xs.emulate)]  # fmt: skip
         if a.bw.save_input:  # the input's slots: 0-element (the input itself is saved)
             saved[:2] = [inp.new_empty(0, dtype=saved[0].dtype), inp.new_empty(0, dtype=f32)]
         if a.weight_q is not None:  # the weight's copies are inputs (setup_context)
