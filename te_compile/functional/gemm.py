@@ -167,24 +167,26 @@ def check_specs(
     grad_amax: Tensor | None = None,
     rng_state: Tensor | None = None,
     like: Tensor | None = None,
+    gemm: str = "",
 ) -> str:
     """The quantisation specs of a GEMM family op by argument name (``"input_spec"``,
-    ``"grad_spec"``; any other name is a weight's) with its delayed-scaling state (``scale``
-    ``[3]``, ``grad_amax`` ``[1]``) and its stochastic-rounding stream (``rng_state``, int64
-    ``[2]`` on ``like``'s device); ``p`` begins the messages. Returns the recipe kind."""
+    ``"grad_spec"``; any other a weight's) with a GEMM's delayed-scaling state (``scale{gemm}``
+    ``[3]``, ``grad_amax{gemm}`` ``[1]``) and the stochastic-rounding stream (``rng_state``,
+    int64 ``[2]`` on ``like``'s device); ``p`` begins the messages. Returns the recipe kind."""
     kind = _check_spec_set(p, tuple(specs.items()))
     g = specs.get("grad_spec")
     if kind == "delayed" and (
         scale is None or scale.shape != (3,) or scale.dtype is not torch.float32
     ):
-        raise ValueError(p + 'a "delayed" spec needs scale: a [3] float32 tensor (input, '
-                         "weight, grad)")  # fmt: skip
+        raise ValueError(
+            p + f'a "delayed" spec needs scale{gemm} [3] float32 (input, weight, grad)'
+        )
     if kind != "delayed" and scale is not None:
-        raise ValueError(p + 'scale is for "delayed" specs only')
+        raise ValueError(p + f'scale{gemm} is for "delayed" specs only')
     if grad_amax is not None and (grad_amax.shape != (1,) or grad_amax.dtype is not torch.float32):
-        raise ValueError(p + "grad_amax must be a [1] float32 tensor")
+        raise ValueError(p + f"grad_amax{gemm} must be a [1] float32 tensor")
     if grad_amax is not None and kind not in PER_TENSOR:
-        raise ValueError(p + "grad_amax is for the per-tensor kinds (current, delayed)")
+        raise ValueError(p + f"grad_amax{gemm} is for the per-tensor kinds (current, delayed)")
     if g is None or not g.stochastic_rounding:
         if rng_state is not None:
             raise ValueError(p + "rng_state is for a grad_spec with 'sr' (stochastic rounding)")
@@ -676,9 +678,8 @@ def hp_linear_backward(grad, inp, weight, main_grad, need_dbias, need_dgrad, nee
 
 
 def wgrad_gemm(kind, a, sa, b, sb, out_dtype, main_grad: Tensor | None) -> Tensor:
-    """A quantised recipe's weight gradient ``a @ b.T``, or, with ``main_grad`` (fp32), added
-    into it (the GEMM's output fp32 but for the blockwise kind's) and a 0-element tensor
-    returned."""
+    """A quantised recipe's weight gradient ``a @ b.T``; with ``main_grad`` (fp32) added into it
+    (an fp32 GEMM output but for the blockwise kind) and a 0-element tensor returned."""
     if main_grad is None:
         return gemm(kind, a, sa, b, sb, out_dtype)
     main_grad.add_(gemm(kind, a, sa, b, sb, out_dtype if kind == "blockwise" else torch.float32))

@@ -102,13 +102,9 @@ def check_mlp(a: MLPArgs) -> None:
     check_gated_params("te.mlp", ep.limit, ep.alpha, ep.offset)
     x, w, g = specs = a.specs
     recipe = x.kind
-    for name, s in (("scale1", a.scale1), ("scale2", a.scale2)):
-        if recipe == "delayed" and (s is None or s.shape != (3,) or s.dtype != torch.float32):
-            raise ValueError(p + f'a "delayed" spec needs {name} [3] float32 (input, weight, grad)')
-        if recipe != "delayed" and s is not None:
-            raise ValueError(p + f'{name} is for "delayed" specs only')
     named = dict(zip(("input_spec", "weight_spec", "grad_spec"), specs, strict=True))
-    check_specs(p, named, a.scale1)
+    for i, scale, grad_amax in ((1, a.scale1, a.grad_amax1), (2, a.scale2, a.grad_amax2)):
+        check_specs(p, named, scale, grad_amax, gemm=str(i))
     for name, spec in named.items():
         if spec.options() or spec.stochastic_rounding:
             raise ValueError(
@@ -165,12 +161,6 @@ def check_mlp(a: MLPArgs) -> None:
     ):
         if b is not None and (b.shape != (n,) or b.dtype != inp.dtype):
             raise ValueError(p + f"{name} must be [{n}] of dtype {inp.dtype}")
-    for name, ga in (("grad_amax1", a.grad_amax1), ("grad_amax2", a.grad_amax2)):
-        if ga is not None and (
-            ga.shape != (1,) or ga.dtype is not torch.float32 or recipe not in PER_TENSOR
-        ):
-            raise ValueError(p + f"{name} must be a [1] float32 tensor and is for the per-tensor "
-                             "kinds (current, delayed)")  # fmt: skip
     for i, wt, q, g in ((1, w1, a.fc1_weight_q, a.main_grad1),
                         (2, w2, a.fc2_weight_q, a.main_grad2)):  # fmt: skip
         if g is not None and (g.dtype is not torch.float32 or g.shape != wt.shape):
