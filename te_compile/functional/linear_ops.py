@@ -349,9 +349,6 @@ def _linear_bwd_fake(*args):
 # 5. setup_context + autograd ------------------------------------------------------------------
 
 
-_PLAIN_SCALARS = ("", "", "", "", "")  # the specs, norm and epilogue of a plain call
-
-
 def _setup_context(ctx, inputs, output) -> None:
     if len(inputs) == 4:  # a plain call (the eager fast path passes the tensors only)
         inp, weight, bias, main_grad = inputs
@@ -360,7 +357,7 @@ def _setup_context(ctx, inputs, output) -> None:
         save_for_backward_except_written(
             ctx, (inp, weight, None, main_grad, None, None, None, None, None), _WRITTEN
         )
-        ctx.scalars, ctx.has_bias = _PLAIN_SCALARS, bias is not None
+        ctx.scalars, ctx.has_bias = ("", "", "", "", ""), bias is not None  # specs, norm, epilogue
         ctx.branch = ctx.has_norm = False
         return
     a = LinearArgs(*inputs)

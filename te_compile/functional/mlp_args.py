@@ -75,8 +75,6 @@ class MLPArgs(NamedTuple):
 
 
 NORM_WEIGHT = MLPArgs._fields.index("norm_weight")
-# The kinds whose token count must be a multiple of the block (the others pad to 16 rows).
-_TOKEN_BLOCKS = ("mxfp8", "nvfp4")
 
 # Checks -----------------------------------------------------------------------------------------
 
@@ -141,7 +139,7 @@ def check_mlp(a: MLPArgs) -> None:
             f"and out ({dims[3]}) sizes that are multiples of {multiple}"
         )
     rows = inp.numel() // inp.shape[-1] if inp.shape[-1] else 0
-    if recipe in _TOKEN_BLOCKS and rows % multiple:
+    if recipe in ("mxfp8", "nvfp4") and rows % multiple:  # (the others pad to 16 rows)
         raise ValueError(p + f"{recipe} needs the number of tokens ({rows}) to be a multiple of "
                          f"{multiple}")  # fmt: skip
     if (

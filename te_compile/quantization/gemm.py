@@ -513,14 +513,6 @@ def _amax(t: Tensor) -> Tensor:
     return t.abs().amax().float()
 
 
-def _no_grad_norm(inp: Tensor, norm: Norm | None) -> Tensor:
-    """The GEMM input of a prologue (the norm's output), for its amax only."""
-    if norm is None:
-        return inp
-    with torch.no_grad():
-        return _apply_norm(inp.detach(), norm)
-
-
 def quantized() -> bool:
     """Whether the GEMMs run now are quantised: inside an enabled ``te_compile.autocast``."""
     return get_autocast_state().enabled
@@ -568,8 +560,10 @@ def linear(
     (``delay_wgrad_compute``): ``(DeferredWgrad, weight)`` is appended."""
     state = get_autocast_state()
     kind = primary_kind(owner, state, cache_name, weight_quantized)
-    if state.calibration:
-        state = calibrate(owner, state, (meta,), (_no_grad_norm(inp, norm),), (weight,))
+    if state.calibration:  # a prologue's GEMM input is the norm's output: computed for its amax
+        with torch.no_grad():
+            x = inp if norm is None else _apply_norm(inp.detach(), norm)
+        state = calibrate(owner, state, (meta,), (x,), (weight,))
     if epilogue.get("save_original_input") and state.enabled:
         _refuse_delayed(owner, state)
     if defer is not None and not weight.requires_grad:
