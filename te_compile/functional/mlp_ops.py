@@ -17,14 +17,12 @@ One op pair for the whole block, so that the activation and its gradient are nev
 high precision between two quantisations: on CUDA, for the per-tensor recipes and native
 Float8BlockScaling, ``kernels.act_quantize`` computes :math:`h` from :math:`z` inside the
 quantisation of the second GEMM's input, and :math:`dz = dh \odot f'(z + b_1)` (with
-:math:`db_1`) inside the quantisation of the first GEMM's gradient. What that saves per step,
-for ``z`` ``[T, F]``: the write and two reads of :math:`h` and of :math:`dz` (current scaling
-reads :math:`z` twice instead; delayed scaling once). For a gated activation :math:`h` is
-quantised from ``z``'s two halves, and both halves of :math:`dz` (``[T, 2F]``) from one read of
-:math:`dh` and ``z``, under one scale (per tensor) or in 1x128 blocks that never straddle the
-halves. Elsewhere (the CPU, the emulated recipes, high precision) the op composes the linear
-family's GEMMs (``functional.gemm``) and the activation ops' implementations: the same bytes as
-``linear -> bias_activation -> linear`` (compared bit for bit in the tests).
+:math:`db_1`) inside the quantisation of the first GEMM's gradient: for ``z`` ``[T, F]``, a
+write and two reads of :math:`h` and of :math:`dz` saved per step (a gated activation's halves
+under one scale, or in 1x128 blocks that never straddle them). Elsewhere (the CPU, the emulated
+recipes, high precision) the op composes the linear family's GEMMs (``functional.gemm``) and the
+activation ops' implementations: the same bytes as ``linear -> bias_activation -> linear``
+(compared bit for bit in the tests).
 
 ``saved``: quantised recipes ``[X^T, s_x, W_1^T, s_w1, z, h^T, s_h, W_2^T, s_w2]`` (FP8 bytes
 and inverse scales as the linear family saves them; ``z`` with its rows padded to a multiple
@@ -33,12 +31,9 @@ them, ``[M / 128, K]``), high precision ``[norm output (with a norm), z, h]``; t
 ``mean, rsigma``, then for the per-tensor recipes ``[amax(X), amax(W_1), amax(h),
 amax(W_2)]`` (fp32).
 
-Pre-quantised weights (``functional.dense_weight``): ``fc1_weight_q`` and
-``fc2_weight_q``, the last arguments, each None or a weight's five tensors
-(``te::quantize_weight``'s); a given weight is not quantised, its transposed copy is saved from
-the input (``saved`` then holds no copy of it) and its gradient still computed.
-``main_grad1`` / ``main_grad2`` (fp32, the weights' shapes; ``fuse_wgrad_accumulation``): the
-backward op adds the weight's gradient into it, as ``te::linear`` into its ``main_grad``.
+``fc1_weight_q`` / ``fc2_weight_q`` (pre-quantised weights) and ``main_grad1`` / ``main_grad2``
+are ``te::linear``'s ``weight_q`` and ``main_grad``, per GEMM (``saved`` then holds no copy of
+a given weight).
 
 This file holds the ops (reference, schemas, fakes, autograd) and the public function; beside
 it, ``mlp_args.py`` (the arguments and their checks) and ``mlp_samples.py`` (the registry
