@@ -626,20 +626,13 @@ def mlp(
     defer: list | None = None,
 ) -> Tensor:
     """``fc2(activation(fc1(norm(inp))))`` through ``te::mlp`` with the autocast state's
-    recipe (high precision outside it); ``metas``: the two GEMMs' FP8 states, used as two
-    :func:`linear` calls would use them (``_FUSE_MLP = False``: two :func:`linear` calls around
-    the activation op; also where :func:`mlp_as_two_linears` names what ``te::mlp`` does not
-    implement).
-    ``activation_params``: keyword arguments of the activation (``clamped_swiglu``'s ``limit``,
-    ``alpha``, ``glu_linear_offset``). ``main_grads``: the two weights' fp32 ``main_grad``
-    buffers (``fuse_wgrad_accumulation``), which ``te::mlp``'s backward accumulates into
-    (``main_grad1`` / ``main_grad2``). ``recompute_fc1``: the norm, FC1 and the activation
-    are recomputed in the backward (:func:`~te_compile.checkpoint`, FP8 state included) rather
-    than their outputs saved; FC2 runs once. ``cache``: the module's kept FP8 weights
-    (``is_first_microbatch``, entries ``"fc1_weight"`` and ``"fc2_weight"``), handed to
-    ``te::mlp`` (or ``te::linear``) as pre-quantised weights. ``weights_quantized``: the two
-    weights' pre-quantised operands (FP8 primary weights). ``defer``: both weight gradients are
-    delayed (:func:`linear`'s ``defer``)."""
+    recipe, each GEMM as :func:`linear` runs one (``metas``: their FP8 states; ``main_grads``,
+    ``weights_quantized``: per weight; ``cache`` entries ``"fc1_weight"`` / ``"fc2_weight"``;
+    ``defer``: both weight gradients), or as two :func:`linear` calls around the activation op
+    where :func:`mlp_as_two_linears` says (or ``_FUSE_MLP = False``). ``activation_params``:
+    ``clamped_swiglu``'s ``limit``, ``alpha``, ``glu_linear_offset``. ``recompute_fc1``: the
+    norm, FC1 and the activation are recomputed in the backward (:func:`~te_compile.checkpoint`,
+    FP8 state included) rather than their outputs saved; FC2 runs once."""
     act_kw = activation_params or {}
     state = get_autocast_state()
     by_op = mlp_as_two_linears(state, recompute_fc1, defer)
@@ -671,11 +664,9 @@ def mlp(
     kw["fc2_weight_quantized"] = q2 or cached_weight(args, fc2_weight, cache, "fc2_weight", 1)
     if args.recipe not in PER_TENSOR:
         return F.mlp(inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, **kw)
-    (s1, s2), (g1, g2) = args.scales, args.grad_amaxes
-    out, amax = F.mlp(
-        inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, scale1=s1, scale2=s2,
-        grad_amax1=g1, grad_amax2=g2, return_amax=True, **kw,
-    )  # fmt: skip
+    (s1, s2), (a1, a2) = args.scales, args.grad_amaxes
+    kw.update(scale1=s1, scale2=s2, grad_amax1=a1, grad_amax2=a2, return_amax=True)
+    out, amax = F.mlp(inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, **kw)
     metas[0].record(amax, state, metas[1])
     return out
 
