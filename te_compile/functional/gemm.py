@@ -218,28 +218,26 @@ def _check_spec_set(p: str, items: tuple[tuple[str, QuantSpec], ...]) -> str:
 
     for name, spec in specs.items():
         role = {"input_spec": "input", "grad_spec": "grad"}.get(name, "weight")
+        at = p + f"{name} {spec.encode()!r}: "  # (cached: built once per spec set)
         if spec.kind != kind or spec.emulate != emulate:
             raise ValueError(p + f"the specs must share one kind and emulate, got {given()}")
         if not kind and spec != first:
-            raise ValueError(p + _named(name, spec) + "a high-precision spec ('') takes no other "
-                             "token")  # fmt: skip
+            raise ValueError(at + "a high-precision spec ('') takes no other token")
         tiles = {"block": (1, 128), "mxfp8": (1, 32), "nvfp4": (1, 16)}
         rows = tiles.get(kind, (1,)) if role == "weight" else (1,)
         if spec.block_rows not in rows:
-            raise ValueError(p + _named(name, spec) + f"blocks of {spec.block_rows} rows are not "
-                             f"implemented for {role} operands of {kind!r} (block rows "
-                             f"{rows})")  # fmt: skip
+            raise ValueError(at + f"blocks of {spec.block_rows} rows are not implemented for "
+                             f"{role} operands of {kind!r} (block rows {rows})")  # fmt: skip
         allowed = _ROLE_OPTIONS[role] if kind == "nvfp4" else ()
         bad = [o for o in _OPTIONS if getattr(spec, o) and o not in allowed]
         if bad:
-            raise ValueError(p + _named(name, spec) + f"{', '.join(bad)}: not an option of "
-                             f"{role} operands"
+            raise ValueError(at + f"{', '.join(bad)}: not an option of {role} operands"
                              + ("" if kind == "nvfp4" else " (NVFP4's options)"))  # fmt: skip
         if spec.four_over_six not in FOUR_OVER_SIX:
-            raise ValueError(p + _named(name, spec) + f"4over6 must be one of {FOUR_OVER_SIX[1:]}")
+            raise ValueError(at + f"4over6 must be one of {FOUR_OVER_SIX[1:]}")
         if kind == "block" and not emulate and spec.fp8_dtype is not _BLOCKWISE_FP8:
-            raise ValueError(p + _named(name, spec) + "native blockwise GEMMs take E4M3 operands "
-                             "(add 'emulate' to run other formats)")  # fmt: skip
+            raise ValueError(at + "native blockwise GEMMs take E4M3 operands (add 'emulate' to "
+                             "run other formats)")  # fmt: skip
     if kind in ("mxfp8", "nvfp4") and not emulate:
         raise ValueError(p + f"{kind} GEMMs are emulated here (native ones need Blackwell): add "
                          f"'emulate' to the specs, got {given()}")  # fmt: skip
@@ -250,9 +248,21 @@ def _check_spec_set(p: str, items: tuple[tuple[str, QuantSpec], ...]) -> str:
     return kind
 
 
-def _named(name: str, spec: QuantSpec) -> str:
-    """``name 'spec': ``, an error message's subject (built only for an error)."""
-    return f"{name} {spec.encode()!r}: "
+def check_gemm_dims(p: str, recipe: str, w: QuantSpec, tokens: int, **dims: int) -> None:
+    """``dims`` (features by name) multiples of 16 (per tensor) or of ``recipe``'s block, and of
+    512 with native 128x128 weight blocks; MXFP8's and NVFP4's ``tokens`` too (others pad rows)."""
+    multiple = 16 if recipe in PER_TENSOR else BLOCK_KINDS.get(recipe, 1)
+    names = ", ".join(f"{name} ({d})" for name, d in dims.items())
+    if any(d % multiple for d in dims.values()):
+        kind = "FP8" if recipe in PER_TENSOR else recipe  # (delayed calibrates with current)
+        raise ValueError(p + f"{kind} GEMMs need {names} to be multiples of {multiple}")
+    if recipe in ("mxfp8", "nvfp4") and tokens % multiple:
+        raise ValueError(p + f"{recipe} needs the number of tokens ({tokens}) to be a multiple "
+                         f"of {multiple}")  # fmt: skip
+    native_128 = recipe == "block" and not w.emulate and w.block_rows == 128
+    if native_128 and any(d % 512 for d in dims.values()):
+        raise ValueError(p + "native blockwise GEMMs (specs without 'emulate') with 128x128 "
+                         f"weight blocks need {names} to be multiples of 512")  # fmt: skip
 
 
 def check_gemm_args(owner: str, tensors: dict[str, Tensor | None], **reals: object) -> None:
@@ -273,9 +283,8 @@ def check_gemm_args(owner: str, tensors: dict[str, Tensor | None], **reals: obje
 def check_gemm_tensors(
     owner: str, inp: object, weight: object, bias: object, main_grad: object
 ) -> None:
-    """A family function's input, weight and optional bias and main_grad: tensors, on
-    ``inp``'s device. One cheap compound test on the hot path; the checks naming the argument
-    run only when it fails."""
+    """A family function's input, weight, bias and main_grad (optional): tensors on ``inp``'s
+    device; one cheap test on the hot path, the checks naming the argument only if it fails."""
     if not (
         isinstance(inp, Tensor) and isinstance(weight, Tensor)
         and (bias is None or isinstance(bias, Tensor))
@@ -315,10 +324,9 @@ def blockwise_supported(
 
 
 class Operand(NamedTuple):
-    """A GEMM operand (module docstring): ``data`` ``[M, K]`` and its inverse ``scale``,
-    ``data_t`` ``[K, M]`` (0-element without ``columnwise``) and ``scale_t``, ``amax`` ``[1]``
-    (per-tensor kinds; 0-element otherwise), ``sums``: with ``sums=True`` the fp32 column sums
-    of the input (a bias gradient, when the operand is an output gradient), else None."""
+    """A GEMM operand (module docstring): ``data`` ``[M, K]`` and its inverse ``scale``, ``data_t``
+    ``[K, M]`` (0-element without ``columnwise``) and ``scale_t``, ``amax`` ``[1]`` (per-tensor
+    kinds; else 0-element), ``sums``: the fp32 column sums (``sums=True``: a bias gradient)."""
 
     data: Tensor
     scale: Tensor
@@ -332,9 +340,8 @@ def quantize_per_tensor(
     x: Tensor, fp8_dtype: torch.dtype, scale: Tensor | None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(data, scale_inv, amax)`` of a 2-D tensor by the reference quantisers on its fp32
-    values (what the float64 references of the tests quantise with: the same bytes as the ops).
-    ``scale=None``: current scaling with Transformer Engine's edge rules; else the given
-    1-element scale (delayed scaling)."""
+    values (the tests' float64 references: the ops' bytes); ``scale``: None for current scaling
+    (Transformer Engine's edge rules), else the ``[1]`` delayed scale."""
     xf = x.float()
     if scale is None:
         data, _, scale_inv, amax = quantize_current_ref(xf, fp8_dtype, False)
@@ -385,13 +392,10 @@ def _col_sums(x2: Tensor, sums: bool) -> Tensor | None:
     return x2.sum(0, dtype=torch.float32) if sums else None
 
 
-# Every entry: (spec, x2, scale, columnwise, mn_major, sums, rng_state, slot) -> Operand; slot:
-# the per-tensor kinds' (:func:`quantize_operand`), None for the others.
+# Every entry: (spec, x2, scale, columnwise, mn_major, sums, rng_state, slot) -> Operand.
 def _quantize_per_tensor(spec, x2, scale, columnwise, mn_major, sums, rng_state, slot) -> Operand:
-    """Current (``scale`` None) or delayed scaling, both copies in one pass (the quantisation
-    ops: one Triton kernel on CUDA, the reference elsewhere); the GEMM's emulation reads the
-    same codes. ``slot``: ``(buffer, i)``, the GEMM's amax buffer on CUDA (:func:`amax_buffer`)
-    and this cast's element of it."""
+    """Current (``scale`` None) or delayed scaling, both copies in one pass (one Triton kernel on
+    CUDA, the reference elsewhere); ``slot``: the amax buffer's element (:func:`amax_buffer`)."""
     if slot is not None:
         from te_compile.kernels import quantize as kernels
 
@@ -416,8 +420,7 @@ def _quantize_per_tensor(spec, x2, scale, columnwise, mn_major, sums, rng_state,
 
 
 def _quantize_dequantized(spec, x2, scale, columnwise, mn_major, sums, rng_state, slot) -> Operand:
-    """MXFP8, NVFP4 and emulated Float8BlockScaling: the dequantised values (exact; the GEMM is
-    emulated)."""
+    """MXFP8, NVFP4 and emulated Float8BlockScaling: the dequantised values (exact)."""
     row, col_t = qdq_both(x2, spec, rng_state, columnwise)
     none = x2.new_empty(0, dtype=torch.float32)
     col_t = none.clone() if col_t is None else col_t
@@ -425,9 +428,8 @@ def _quantize_dequantized(spec, x2, scale, columnwise, mn_major, sums, rng_state
 
 
 def _quantize_block(spec, x2, scale, columnwise, mn_major, sums, rng_state, slot) -> Operand:
-    """Float8BlockScaling: FP8 codes and fp32 block scales (emulated: dequantised). With
-    ``sums`` on CUDA one kernel reads ``x2`` once for the casts and the column sums (both scale
-    tensors in the GEMM's layout with ``mn_major``)."""
+    """Float8BlockScaling: FP8 codes and fp32 block scales (emulated: dequantised); with ``sums``
+    on CUDA one kernel for the casts and the column sums (``mn_major``: the GEMM's layout)."""
     if spec.emulate:
         return _quantize_dequantized(spec, x2, scale, columnwise, mn_major, sums, rng_state, None)
     none = x2.new_empty(0, dtype=torch.float32)
@@ -465,9 +467,8 @@ def quantize_operand(
 ) -> Operand:
     """``x2`` ``[M, K]`` as an :class:`Operand` quantised as ``spec`` says (``scale``: the
     ``[1]`` delayed scale; ``mn_major``: 1x128 block scales in the blockwise GEMM's layout where
-    a CUDA kernel writes them; ``rng_state``: NVFP4's stochastic rounding, with the spec's
-    ``stochastic_rounding``; ``slot``: the GEMM's amax buffer and this operand's element of it,
-    from :func:`amax_buffer`, for the per-tensor kinds)."""
+    a CUDA kernel writes them; ``rng_state``: with the spec's ``stochastic_rounding``; ``slot``:
+    a per-tensor kind's element of the GEMM's amax buffer, :func:`amax_buffer`)."""
     rng_state = rng_state if spec.stochastic_rounding else None
     return QUANTIZERS[spec.kind](spec, x2, scale, columnwise, mn_major, sums, rng_state, slot)
 
@@ -490,9 +491,8 @@ def amax_buffer(
 def grad_amax_slots(
     recipe: str, x2: Tensor, *grad_amax: Tensor | None
 ) -> list[tuple[Tensor, int] | None]:
-    """``slot=`` of a backward's gradient casts, one per ``grad_amax``: on CUDA under a
-    per-tensor ``recipe`` that ``[1]`` fp32 buffer itself (a new one for None), zeroed in one
-    launch and folded into in place, no buffer to fill and copy; else None (the caller copies)."""
+    """``slot=`` of a backward's gradient casts, one per ``grad_amax``: on CUDA under a per-tensor
+    ``recipe`` that buffer itself (a new one for None), zeroed; else None (the caller copies)."""
     if recipe not in PER_TENSOR or not x2.is_cuda:
         return [None] * len(grad_amax)
     from te_compile.kernels.quantize import zero_amaxes
@@ -644,9 +644,8 @@ def gemm(
 
 
 def hp_linear(inp: Tensor, weight: Tensor, bias: Tensor | None, cuda: bool) -> Tensor:
-    """``inp @ weight.T + bias`` in high precision: on CUDA cuBLAS in the input dtype, the bias
-    in the GEMM's epilogue; elsewhere (the definition of correctness) fp32 math (fp64 stays
-    fp64) rounded once to the input dtype."""
+    """``inp @ weight.T + bias`` in high precision: on CUDA cuBLAS in the input dtype (the bias
+    in its epilogue); elsewhere (the definition of correctness) ``acc_dtype`` math, rounded once."""
     if cuda:
         return torch.nn.functional.linear(inp, weight, bias)
     acc = acc_dtype(inp)

@@ -18,9 +18,7 @@ from te_compile.functional.dense_weight import (
     fp8_weight_for_checks,
 )
 from te_compile.functional.gemm import (
-    BLOCK_KINDS,
-    PER_TENSOR,
-    blockwise_supported,
+    check_gemm_dims,
     check_specs,
 )
 from te_compile.functional.prologue import Norm, check_norm
@@ -98,7 +96,7 @@ def check_mlp(a: MLPArgs) -> None:
             "offset (interleave, scale and branch are te::linear's)"
         )
     check_gated_params("te.mlp", ep.limit, ep.alpha, ep.offset)
-    x, w, g = specs = a.specs
+    x, w, _ = specs = a.specs
     recipe = x.kind
     named = dict(zip(("input_spec", "weight_spec", "grad_spec"), specs, strict=True))
     for i, scale, grad_amax in ((1, a.scale1, a.grad_amax1), (2, a.scale2, a.grad_amax2)):
@@ -130,29 +128,9 @@ def check_mlp(a: MLPArgs) -> None:
             p + f"inp [..., hidden], fc1_weight {fc1} and fc2_weight [out, ffn] do not "
             f"match: {list(inp.shape)}, {list(w1.shape)}, {list(w2.shape)}"
         )
-    dims = (w1.shape[1], w2.shape[1], w1.shape[0], w2.shape[0])
-    multiple = 16 if recipe in PER_TENSOR else BLOCK_KINDS.get(recipe, 1)
-    if any(d % multiple for d in dims):
-        kind = "FP8" if recipe in PER_TENSOR else recipe  # delayed calibrates with current
-        raise ValueError(
-            p + f"{kind} GEMMs need hidden ({dims[0]}), ffn ({dims[1]}), fc1 out ({dims[2]}) "
-            f"and out ({dims[3]}) sizes that are multiples of {multiple}"
-        )
     rows = inp.numel() // inp.shape[-1] if inp.shape[-1] else 0
-    if recipe in ("mxfp8", "nvfp4") and rows % multiple:  # (the others pad to 16 rows)
-        raise ValueError(p + f"{recipe} needs the number of tokens ({rows}) to be a multiple of "
-                         f"{multiple}")  # fmt: skip
-    if (
-        recipe == "block"
-        and not x.emulate
-        and not all(
-            blockwise_supported(t, w.block_rows, w.fp8_dtype, g.fp8_dtype) for t in (w1, w2)
-        )
-    ):
-        raise ValueError(
-            p + "native blockwise GEMMs (specs without 'emulate') with 128x128 weight blocks "
-            f"need hidden, ffn and out multiples of 512 (got {dims[0]}, {dims[2]}, {dims[3]})"
-        )
+    check_gemm_dims(p, recipe, w, rows, hidden=w1.shape[1], ffn=w2.shape[1],
+                    fc1_out=w1.shape[0], out=w2.shape[0])  # fmt: skip
     for name, b, n in (
         ("fc1_bias", a.fc1_bias, w1.shape[0]),
         ("fc2_bias", a.fc2_bias, w2.shape[0]),
