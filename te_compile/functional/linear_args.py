@@ -211,8 +211,7 @@ def check_linear(a: LinearArgs) -> None:
                 p + "backward 'save_input' is for a quantised linear without a norm prologue and "
                 f"without 'dequantized', got norm={a.norm!r}, backward={a.backward!r}"
             )
-    if a.weight_q is not None:
-        check_weight_quantized("te.linear", "weight_q", a.weight_q)
+    check_weight_quantized("te.linear", "weight_q", a.weight_q)
     check_weight_operand(p, recipe, weight, w.block_rows, w.emulate, a.weight_q or (None,) * 5)
     check_finite("te.linear", out_scale=ep.scale)
     check_norm(p, inp, norm)

@@ -80,12 +80,9 @@ NORM_WEIGHT = MLPArgs._fields.index("norm_weight")
 def check_mlp(a: MLPArgs) -> None:
     p = "te.mlp: "
     inp = a.inp
-    w1 = fp8_weight_for_checks(
-        "te.mlp", "fc1_weight", a.fc1_weight, a.fc1_weight_q, inp.dtype, "main_grad1"
-    )
-    w2 = fp8_weight_for_checks(
-        "te.mlp", "fc2_weight", a.fc2_weight, a.fc2_weight_q, inp.dtype, "main_grad2"
-    )
+    pairs = ((a.fc1_weight, a.fc1_weight_q), (a.fc2_weight, a.fc2_weight_q))
+    w1, w2 = (fp8_weight_for_checks("te.mlp", f"fc{i}_weight", w, q, inp.dtype, f"main_grad{i}")
+              for i, (w, q) in enumerate(pairs, 1))  # fmt: skip
     check_norm(p, inp, a.nrm)
     ep = a.ep
     if ep.activation not in MLP_ACTIVATIONS:
@@ -131,18 +128,13 @@ def check_mlp(a: MLPArgs) -> None:
     rows = inp.numel() // inp.shape[-1] if inp.shape[-1] else 0
     check_gemm_dims(p, recipe, w, rows, hidden=w1.shape[1], ffn=w2.shape[1],
                     fc1_out=w1.shape[0], out=w2.shape[0])  # fmt: skip
-    for name, b, n in (
-        ("fc1_bias", a.fc1_bias, w1.shape[0]),
-        ("fc2_bias", a.fc2_bias, w2.shape[0]),
-    ):
-        if b is not None and (b.shape != (n,) or b.dtype != inp.dtype):
-            raise ValueError(p + f"{name} must be [{n}] of dtype {inp.dtype}")
-    for i, wt, q, g in ((1, w1, a.fc1_weight_q, a.main_grad1),
-                        (2, w2, a.fc2_weight_q, a.main_grad2)):  # fmt: skip
+    for i, wt, b, q, g in ((1, w1, a.fc1_bias, a.fc1_weight_q, a.main_grad1),
+                           (2, w2, a.fc2_bias, a.fc2_weight_q, a.main_grad2)):  # fmt: skip
+        if b is not None and (b.shape != wt.shape[:1] or b.dtype != inp.dtype):
+            raise ValueError(p + f"fc{i}_bias must be [{wt.shape[0]}] of dtype {inp.dtype}")
         if g is not None and (g.dtype is not torch.float32 or g.shape != wt.shape):
             raise ValueError(p + f"main_grad{i} must be float32 with fc{i}_weight's shape "
                              f"{list(wt.shape)}, got {g.dtype} {list(g.shape)}")  # fmt: skip
-        if q is not None:
-            check_weight_quantized("te.mlp", f"fc{i}_weight_q", q)
+        check_weight_quantized("te.mlp", f"fc{i}_weight_q", q)
         check_weight_operand(p + f"fc{i}_", recipe, wt, w.block_rows, w.emulate,
                              q or (None,) * len(WEIGHT_OPERAND))  # fmt: skip
