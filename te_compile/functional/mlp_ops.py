@@ -560,9 +560,8 @@ def mlp(
     if normalization not in ("", *NORMALIZATIONS):
         raise ValueError('te.mlp: normalization must be "", "LayerNorm" or "RMSNorm", '
                          f"got {normalization!r}")  # fmt: skip
-    scalars = (normalization, norm_eps, zero_centered_gamma, activation, limit, alpha,
-               glu_linear_offset)  # fmt: skip
-    norm, epilogue = _scalar_specs(*scalars)
+    norm, epilogue = _scalar_specs(normalization, norm_eps, zero_centered_gamma, activation, limit,
+                                   alpha, glu_linear_offset)  # fmt: skip
     specs = as_strings(input_spec, weight_spec, grad_spec)
     out, saved = _mlp(
         inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, epilogue, *specs, scale1, scale2,

@@ -414,18 +414,6 @@ def gemm_args(
     if not state.enabled:
         return _HIGH_ARGS
     _note_recipe(owner, state, metas)
-    return _recipe_args(owner, state, inp, weights, metas, grouped)
-
-
-def _note_recipe(owner: str, state: AutocastState, metas: Sequence[FP8GemmState]) -> None:
-    """Each GEMM state remembers the recipe class of its last eager FP8 or calibration call and
-    warns when it changes (``FP8GemmState.note_recipe``); not while dynamo traces."""
-    if not torch.compiler.is_compiling():
-        for meta in metas:
-            meta.note_recipe(owner, state.recipe)
-
-
-def _recipe_args(owner, state, inp, weights, metas, grouped) -> GemmArgs:
     recipe = state.recipe
     override = recipe.backward_override or ""
     specs = x, w, g = recipe_specs(recipe)
@@ -466,6 +454,14 @@ def _recipe_args(owner, state, inp, weights, metas, grouped) -> GemmArgs:
         check_power_2_scales(owner, recipe)
     specs = _respecified(recipe, specs, key, kind=kind, emulate=_EMULATE)
     return GemmArgs(specs, scales, grad_amaxes, override)
+
+
+def _note_recipe(owner: str, state: AutocastState, metas: Sequence[FP8GemmState]) -> None:
+    """Each GEMM state remembers the recipe class of its last eager FP8 or calibration call and
+    warns when it changes (``FP8GemmState.note_recipe``); not while dynamo traces."""
+    if not torch.compiler.is_compiling():
+        for meta in metas:
+            meta.note_recipe(owner, state.recipe)
 
 
 def _respecified(recipe: Recipe, specs: tuple, key: tuple, **changes: Any) -> tuple:
