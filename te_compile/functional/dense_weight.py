@@ -36,6 +36,7 @@ __all__ = [
     "check_weight_quantized",
     "check_weight_spec",
     "checked_weight_cast",
+    "fake_copy",
     "fp8_weight_for_checks",
     "quantize_weight",
     "refuse_fp8_weight_grad",
@@ -76,6 +77,13 @@ def _weight_shapes(recipe: str, n: int, k: int, block_rows: int, emulate: bool):
     rows = block_rows
     s, s_t = (-(-n // rows), -(-k // 128)), (-(-k // rows), -(-n // 128))
     return [((n, k), u8), (s, f32), ((k, n), u8), (s_t, f32), ((0,), f32)]
+
+
+def fake_copy(like: Tensor, recipe: str, n: int, k: int, block_rows: int, emulate: bool) -> list:
+    """Fakes of the transposed copy ``[k, n]`` of an ``[n, k]`` operand and of its scales, as
+    :func:`quantize_weight` makes a weight's (an input's: ``block_rows`` 1)."""
+    shapes = _weight_shapes(recipe, n, k, block_rows, emulate)[2:4]
+    return [like.new_empty(shape, dtype=dtype) for shape, dtype in shapes]
 
 
 def check_weight_operand(

@@ -23,22 +23,11 @@ mxfp8       32-element blocks, E8M0 scales              ``"dequantized"`` only (
 nvfp4       16-element E4M3 blocks and a global scale   ``"dequantized"`` only
 ==========  ==========================================  ===========================================
 
-(the grouped family adds ``"grouped_mm"`` and ``"scaled_grouped_mm"``, ``torch._grouped_mm`` and
-``torch._scaled_grouped_mm`` on device offsets, in ``functional.grouped_gemm``).
-
 An :class:`Operand` is one GEMM operand quantised along its contraction dim (``data`` ``[M,
 K]``, row-major) and, for the backward GEMMs, along the other dim, transposed (``data_t`` ``[K,
 M]``): FP8 codes with their inverse scales, or, for an emulated GEMM of a block-scaled kind, the
-dequantised fp32 values (exact: the quantisation is the recipe's) with 0-element scales. Rows of
-the quantised operands are padded with zeros to a multiple of 16 (``_scaled_mm``'s constraint;
-zero rows change neither an amax nor another row of a GEMM's result).
-
-Beside this file: ``functional.dense_weight`` (pre-quantised weights, ``te::quantize_weight``)
-and ``functional.gemm_ref`` (the definition of every kind's GEMM, ``quantized_linear_ref``).
-
-A new recipe kind is a choice of ``QuantSpec.kind``, one row in each table here, one branch in
-``recipe_specs`` / ``gemm_args``, and the recipe class (``docs/op_mechanism.md``, "Adding a
-recipe").
+dequantised fp32 values (exact) with 0-element scales. Rows are padded with zeros to a multiple
+of 16 (:func:`pad_rows`). Adding a recipe kind: ``docs/op_mechanism.md``, "Adding a recipe".
 """
 
 from __future__ import annotations
@@ -157,9 +146,8 @@ def unpad(t2: Tensor, rows: int) -> Tensor:
 
 def scale_slots(scale: Tensor | None, recipe: str) -> tuple[Tensor | None, ...]:
     """The delayed scales of a GEMM's input, weight and gradient as ``[1]`` views of ``scale``
-    ``[3]``, or three Nones (every other kind). Views of the copy of the scales that
-    ``te::delayed_scaling_update`` returns, never of the state buffer itself: a compiled step
-    may save them for its backward, which Inductor may then overwrite (a donated buffer)."""
+    ``[3]`` (the copy ``te::delayed_scaling_update`` returns, never the state buffer, which a
+    compiled step may donate), or three Nones (every other kind)."""
     if recipe != "delayed":
         return None, None, None
     return scale[0:1], scale[1:2], scale[2:3]
@@ -179,24 +167,26 @@ def check_specs(
     grad_amax: Tensor | None = None,
     rng_state: Tensor | None = None,
     like: Tensor | None = None,
+    gemm: str = "",
 ) -> str:
     """The quantisation specs of a GEMM family op by argument name (``"input_spec"``,
-    ``"grad_spec"``; any other name is a weight's) with its delayed-scaling state (``scale``
-    ``[3]``, ``grad_amax`` ``[1]``) and its stochastic-rounding stream (``rng_state``, int64
-    ``[2]`` on ``like``'s device); ``p`` begins the messages. Returns the recipe kind."""
+    ``"grad_spec"``; any other a weight's) with a GEMM's delayed-scaling state (``scale{gemm}``
+    ``[3]``, ``grad_amax{gemm}`` ``[1]``) and the stochastic-rounding stream (``rng_state``,
+    int64 ``[2]`` on ``like``'s device); ``p`` begins the messages. Returns the recipe kind."""
     kind = _check_spec_set(p, tuple(specs.items()))
     g = specs.get("grad_spec")
     if kind == "delayed" and (
         scale is None or scale.shape != (3,) or scale.dtype is not torch.float32
     ):
-        raise ValueError(p + 'a "delayed" spec needs scale: a [3] float32 tensor (input, '
-                         "weight, grad)")  # fmt: skip
+        raise ValueError(
+            p + f'a "delayed" spec needs scale{gemm} [3] float32 (input, weight, grad)'
+        )
     if kind != "delayed" and scale is not None:
-        raise ValueError(p + 'scale is for "delayed" specs only')
+        raise ValueError(p + f'scale{gemm} is for "delayed" specs only')
     if grad_amax is not None and (grad_amax.shape != (1,) or grad_amax.dtype is not torch.float32):
-        raise ValueError(p + "grad_amax must be a [1] float32 tensor")
+        raise ValueError(p + f"grad_amax{gemm} must be a [1] float32 tensor")
     if grad_amax is not None and kind not in PER_TENSOR:
-        raise ValueError(p + "grad_amax is for the per-tensor kinds (current, delayed)")
+        raise ValueError(p + f"grad_amax{gemm} is for the per-tensor kinds (current, delayed)")
     if g is None or not g.stochastic_rounding:
         if rng_state is not None:
             raise ValueError(p + "rng_state is for a grad_spec with 'sr' (stochastic rounding)")
@@ -228,28 +218,26 @@ def _check_spec_set(p: str, items: tuple[tuple[str, QuantSpec], ...]) -> str:
 
     for name, spec in specs.items():
         role = {"input_spec": "input", "grad_spec": "grad"}.get(name, "weight")
+        at = p + f"{name} {spec.encode()!r}: "  # (cached: built once per spec set)
         if spec.kind != kind or spec.emulate != emulate:
             raise ValueError(p + f"the specs must share one kind and emulate, got {given()}")
         if not kind and spec != first:
-            raise ValueError(p + _named(name, spec) + "a high-precision spec ('') takes no other "
-                             "token")  # fmt: skip
+            raise ValueError(at + "a high-precision spec ('') takes no other token")
         tiles = {"block": (1, 128), "mxfp8": (1, 32), "nvfp4": (1, 16)}
         rows = tiles.get(kind, (1,)) if role == "weight" else (1,)
         if spec.block_rows not in rows:
-            raise ValueError(p + _named(name, spec) + f"blocks of {spec.block_rows} rows are not "
-                             f"implemented for {role} operands of {kind!r} (block rows "
-                             f"{rows})")  # fmt: skip
+            raise ValueError(at + f"blocks of {spec.block_rows} rows are not implemented for "
+                             f"{role} operands of {kind!r} (block rows {rows})")  # fmt: skip
         allowed = _ROLE_OPTIONS[role] if kind == "nvfp4" else ()
         bad = [o for o in _OPTIONS if getattr(spec, o) and o not in allowed]
         if bad:
-            raise ValueError(p + _named(name, spec) + f"{', '.join(bad)}: not an option of "
-                             f"{role} operands"
+            raise ValueError(at + f"{', '.join(bad)}: not an option of {role} operands"
                              + ("" if kind == "nvfp4" else " (NVFP4's options)"))  # fmt: skip
         if spec.four_over_six not in FOUR_OVER_SIX:
-            raise ValueError(p + _named(name, spec) + f"4over6 must be one of {FOUR_OVER_SIX[1:]}")
+            raise ValueError(at + f"4over6 must be one of {FOUR_OVER_SIX[1:]}")
         if kind == "block" and not emulate and spec.fp8_dtype is not _BLOCKWISE_FP8:
-            raise ValueError(p + _named(name, spec) + "native blockwise GEMMs take E4M3 operands "
-                             "(add 'emulate' to run other formats)")  # fmt: skip
+            raise ValueError(at + "native blockwise GEMMs take E4M3 operands (add 'emulate' to "
+                             "run other formats)")  # fmt: skip
     if kind in ("mxfp8", "nvfp4") and not emulate:
         raise ValueError(p + f"{kind} GEMMs are emulated here (native ones need Blackwell): add "
                          f"'emulate' to the specs, got {given()}")  # fmt: skip
@@ -260,23 +248,27 @@ def _check_spec_set(p: str, items: tuple[tuple[str, QuantSpec], ...]) -> str:
     return kind
 
 
-def _named(name: str, spec: QuantSpec) -> str:
-    """``name 'spec': ``, an error message's subject (built only for an error)."""
-    return f"{name} {spec.encode()!r}: "
-
-
-def _is_int(value: object) -> bool:
-    """An int (or a symbolic one: torch.compile with dynamic shapes traces int arguments as
-    SymInts), not a bool."""
-    return isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool)
+def check_gemm_dims(p: str, recipe: str, w: QuantSpec, tokens: int, **dims: int) -> None:
+    """``dims`` (features by name) multiples of 16 (per tensor) or of ``recipe``'s block, and of
+    512 with native 128x128 weight blocks; MXFP8's and NVFP4's ``tokens`` too (others pad rows)."""
+    multiple = 16 if recipe in PER_TENSOR else BLOCK_KINDS.get(recipe, 1)
+    names = ", ".join(f"{name} ({d})" for name, d in dims.items())
+    if any(d % multiple for d in dims.values()):
+        kind = "FP8" if recipe in PER_TENSOR else recipe  # (delayed calibrates with current)
+        raise ValueError(p + f"{kind} GEMMs need {names} to be multiples of {multiple}")
+    if recipe in ("mxfp8", "nvfp4") and tokens % multiple:
+        raise ValueError(p + f"{recipe} needs the number of tokens ({tokens}) to be a multiple "
+                         f"of {multiple}")  # fmt: skip
+    native_128 = recipe == "block" and not w.emulate and w.block_rows == 128
+    if native_128 and any(d % 512 for d in dims.values()):
+        raise ValueError(p + "native blockwise GEMMs (specs without 'emulate') with 128x128 "
+                         f"weight blocks need {names} to be multiples of 512")  # fmt: skip
 
 
 def check_gemm_args(owner: str, tensors: dict[str, Tensor | None], **reals: object) -> None:
-    """A family function's arguments, whether or not the call uses them (an argument given
-    that the call does not use is still checked, never silently ignored): tensors (or None) and
-    ``reals`` (``norm_eps``, ``limit``, ``alpha``: positive; ``glu_linear_offset``,
-    ``out_scale``: finite; ``glu_interleave_size``: None or an int >= 0). The callers run it
-    only off the hot path (some argument not at its default)."""
+    """A family function's arguments, used by the call or not (never silently ignored):
+    tensors (or None) and ``reals`` (``norm_eps``, ``limit``, ``alpha``: positive;
+    ``glu_linear_offset``, ``out_scale``: finite; ``glu_interleave_size``: None or an int >= 0)."""
     check_tensors(owner, **tensors)
     for name, value in reals.items():
         if name in ("glu_linear_offset", "out_scale"):
@@ -291,9 +283,8 @@ def check_gemm_args(owner: str, tensors: dict[str, Tensor | None], **reals: obje
 def check_gemm_tensors(
     owner: str, inp: object, weight: object, bias: object, main_grad: object
 ) -> None:
-    """A family function's input, weight and optional bias and main_grad: tensors, on
-    ``inp``'s device. One cheap compound test on the hot path; the checks naming the argument
-    run only when it fails."""
+    """A family function's input, weight, bias and main_grad (optional): tensors on ``inp``'s
+    device; one cheap test on the hot path, the checks naming the argument only if it fails."""
     if not (
         isinstance(inp, Tensor) and isinstance(weight, Tensor)
         and (bias is None or isinstance(bias, Tensor))
@@ -313,20 +304,19 @@ def blockwise_supported(
     weight: Tensor, weight_block_rows: int, fwd_dtype: torch.dtype, bwd_dtype: torch.dtype
 ) -> bool:
     """Whether the native blockwise GEMMs take these operands (the device aside): E4M3 in both
-    directions (cuBLAS's blockwise kernels take E4M3 operands) and, with 128x128 weight blocks,
-    both feature counts multiples of 512 (the weight's K / 128 scale dimension, in_features for
-    the forward and out_features for dgrad, a multiple of 4). On the H100 (torch 2.11,
-    2026-11-22) other widths gave wrong dgrad products with the compact scale layout, and a
-    padded one was refused; 1x128 weight blocks have no such limit."""
+    directions (cuBLAS's blockwise kernels take E4M3 only) and, with 128x128 weight blocks, both
+    feature counts multiples of 512 (the K / 128 scale dim a multiple of 4: on the H100, torch
+    2.11, other widths gave wrong dgrad products and a padded layout was refused)."""
     p = "te.blockwise_supported"
     check_tensor(p, "weight", weight, min_dim=2)
     for name, value in (("fwd_dtype", fwd_dtype), ("bwd_dtype", bwd_dtype)):
         if value not in FP8_DTYPES:
             raise ValueError(f"{p}: {name} must be one of {FP8_DTYPES}, got {value!r}")
-    if not _is_int(weight_block_rows) or weight_block_rows not in (1, 128):
-        raise ValueError(f"{p}: weight_block_rows must be 1 or 128, got {weight_block_rows!r}")
+    rows = weight_block_rows  # an int (a SymInt where dynamic shapes trace it), not a bool
+    if isinstance(rows, bool) or not isinstance(rows, (int, torch.SymInt)) or rows not in (1, 128):
+        raise ValueError(f"{p}: weight_block_rows must be 1 or 128, got {rows!r}")
     return fwd_dtype == bwd_dtype == _BLOCKWISE_FP8 and (
-        weight_block_rows == 1 or (weight.shape[-2] % 512 == 0 and weight.shape[-1] % 512 == 0)
+        rows == 1 or (weight.shape[-2] % 512 == 0 and weight.shape[-1] % 512 == 0)
     )
 
 
@@ -334,10 +324,9 @@ def blockwise_supported(
 
 
 class Operand(NamedTuple):
-    """A GEMM operand (module docstring): ``data`` ``[M, K]`` and its inverse ``scale``,
-    ``data_t`` ``[K, M]`` (0-element without ``columnwise``) and ``scale_t``, ``amax`` ``[1]``
-    (per-tensor kinds; 0-element otherwise), ``sums``: with ``sums=True`` the fp32 column sums
-    of the input (a bias gradient, when the operand is an output gradient), else None."""
+    """A GEMM operand (module docstring): ``data`` ``[M, K]`` and its inverse ``scale``, ``data_t``
+    ``[K, M]`` (0-element without ``columnwise``) and ``scale_t``, ``amax`` ``[1]`` (per-tensor
+    kinds; else 0-element), ``sums``: the fp32 column sums (``sums=True``: a bias gradient)."""
 
     data: Tensor
     scale: Tensor
@@ -351,9 +340,8 @@ def quantize_per_tensor(
     x: Tensor, fp8_dtype: torch.dtype, scale: Tensor | None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(data, scale_inv, amax)`` of a 2-D tensor by the reference quantisers on its fp32
-    values (what the float64 references of the tests quantise with: the same bytes as the ops).
-    ``scale=None``: current scaling with Transformer Engine's edge rules; else the given
-    1-element scale (delayed scaling)."""
+    values (the tests' float64 references: the ops' bytes); ``scale``: None for current scaling
+    (Transformer Engine's edge rules), else the ``[1]`` delayed scale."""
     xf = x.float()
     if scale is None:
         data, _, scale_inv, amax = quantize_current_ref(xf, fp8_dtype, False)
@@ -366,14 +354,10 @@ def qdq_both(
     x2: Tensor, spec: QuantSpec, rng_state: Tensor | None = None, columnwise: bool = True
 ) -> tuple[Tensor, Tensor | None]:
     """``(rowwise, columnwise^T)``: ``x2`` ``[M, K]`` quantised by a block-scaled ``spec`` in
-    blocks along K and along M (the latter returned transposed, ``[K, M]``; None without
-    ``columnwise``, but for NVFP4), both dequantised to fp32, where every dequantised value is
-    exact (an NVFP4 value times its E4M3 scale over the global scale is not always a bf16
-    number). fp64 input (the tests' references) is quantised
-    from its fp32 values and returned as fp64. NVFP4's options
-    (``functional.quantize_mx_ref.nvfp4_qdq``): 16x16 tiles, the random Hadamard transform of the
-    columnwise copy, stochastic rounding (``rng_state``), one global scale per row for the
-    rowwise copy, 4over6 block scaling."""
+    blocks along K and along M (the latter transposed, ``[K, M]``; None without ``columnwise``,
+    but for NVFP4), both dequantised to fp32, where every value is exact (fp64 input, the tests'
+    references: quantised from its fp32 values, returned as fp64). NVFP4's options:
+    ``functional.quantize_mx_ref.nvfp4_qdq`` (``rng_state``: stochastic rounding)."""
     x = x2.float() if x2.dtype == torch.float64 else x2
     f32, fp8_dtype, rows = torch.float32, spec.fp8_dtype, spec.block_rows
     col_t = None
@@ -408,14 +392,10 @@ def _col_sums(x2: Tensor, sums: bool) -> Tensor | None:
     return x2.sum(0, dtype=torch.float32) if sums else None
 
 
-# Every entry: (spec, x2, scale, columnwise, mn_major, sums, rng_state) -> Operand.
-def _quantize_per_tensor(
-    spec, x2, scale, columnwise, mn_major, sums, rng_state, slot=None
-) -> Operand:
-    """Current (``scale`` None) or delayed scaling, both copies in one pass (the quantisation
-    ops: one Triton kernel on CUDA, the reference elsewhere); the GEMM's emulation reads the
-    same codes. ``slot``: ``(buffer, i)``, the GEMM's amax buffer on CUDA (:func:`amax_buffer`)
-    and this cast's element of it."""
+# Every entry: (spec, x2, scale, columnwise, mn_major, sums, rng_state, slot) -> Operand.
+def _quantize_per_tensor(spec, x2, scale, columnwise, mn_major, sums, rng_state, slot) -> Operand:
+    """Current (``scale`` None) or delayed scaling, both copies in one pass (one Triton kernel on
+    CUDA, the reference elsewhere); ``slot``: the amax buffer's element (:func:`amax_buffer`)."""
     if slot is not None:
         from te_compile.kernels import quantize as kernels
 
@@ -439,21 +419,19 @@ def _quantize_per_tensor(
     return Operand(data, scale_inv, data_t, scale_inv, amax, _col_sums(x2, sums))
 
 
-def _quantize_dequantized(spec, x2, scale, columnwise, mn_major, sums, rng_state) -> Operand:
-    """MXFP8, NVFP4 and emulated Float8BlockScaling: the dequantised values (exact; the GEMM is
-    emulated)."""
+def _quantize_dequantized(spec, x2, scale, columnwise, mn_major, sums, rng_state, slot) -> Operand:
+    """MXFP8, NVFP4 and emulated Float8BlockScaling: the dequantised values (exact)."""
     row, col_t = qdq_both(x2, spec, rng_state, columnwise)
     none = x2.new_empty(0, dtype=torch.float32)
     col_t = none.clone() if col_t is None else col_t
     return Operand(row, none, col_t, none.clone(), none.clone(), _col_sums(x2, sums))
 
 
-def _quantize_block(spec, x2, scale, columnwise, mn_major, sums, rng_state) -> Operand:
-    """Float8BlockScaling: FP8 codes and fp32 block scales (emulated: dequantised). With
-    ``sums`` on CUDA one kernel reads ``x2`` once for the casts and the column sums (both scale
-    tensors in the GEMM's layout with ``mn_major``)."""
+def _quantize_block(spec, x2, scale, columnwise, mn_major, sums, rng_state, slot) -> Operand:
+    """Float8BlockScaling: FP8 codes and fp32 block scales (emulated: dequantised); with ``sums``
+    on CUDA one kernel for the casts and the column sums (``mn_major``: the GEMM's layout)."""
     if spec.emulate:
-        return _quantize_dequantized(spec, x2, scale, columnwise, mn_major, sums, rng_state)
+        return _quantize_dequantized(spec, x2, scale, columnwise, mn_major, sums, rng_state, None)
     none = x2.new_empty(0, dtype=torch.float32)
     fp8_dtype, rows, p2 = spec.fp8_dtype, spec.block_rows, spec.power_2_scale
     if sums and x2.is_cuda and rows == 1:
@@ -489,25 +467,19 @@ def quantize_operand(
 ) -> Operand:
     """``x2`` ``[M, K]`` as an :class:`Operand` quantised as ``spec`` says (``scale``: the
     ``[1]`` delayed scale; ``mn_major``: 1x128 block scales in the blockwise GEMM's layout where
-    a CUDA kernel writes them; ``rng_state``: NVFP4's stochastic rounding, with the spec's
-    ``stochastic_rounding``; ``slot``: the GEMM's amax buffer and this operand's element of it,
-    from :func:`amax_buffer`, for the per-tensor kinds)."""
+    a CUDA kernel writes them; ``rng_state``: with the spec's ``stochastic_rounding``; ``slot``:
+    a per-tensor kind's element of the GEMM's amax buffer, :func:`amax_buffer`)."""
     rng_state = rng_state if spec.stochastic_rounding else None
-    quantizer = QUANTIZERS[spec.kind]
-    if slot is not None:
-        return quantizer(spec, x2, scale, columnwise, mn_major, sums, rng_state, slot)
-    return quantizer(spec, x2, scale, columnwise, mn_major, sums, rng_state)
+    return QUANTIZERS[spec.kind](spec, x2, scale, columnwise, mn_major, sums, rng_state, slot)
 
 
 def amax_buffer(
     recipe: str, x2: Tensor, n: int, shared: bool = True
 ) -> tuple[Tensor | None, list[tuple[Tensor, int] | None]]:
     """The amax output of a GEMM family's call under a per-tensor ``recipe`` on CUDA (and
-    ``shared``: no operand comes pre-quantised with an amax of its own): one zeroed ``[n]``
-    buffer (``kernels.quantize.amax_bits``) and its ``n`` slots ``(buffer, i)``, one per cast
-    of the call, which fold their amaxes into them (``slot=``): one zero fill for the call and
-    no gather, where a buffer per cast costs a fill each and a concatenation. Elsewhere
-    ``(None, [None] * n)``: each cast returns its own amax."""
+    ``shared``: no operand pre-quantised with an amax of its own): one zeroed ``[n]`` buffer
+    (``kernels.quantize.amax_bits``) and its slots ``(buffer, i)``, one per cast, which fold
+    their amaxes into it (one fill, no gather). Elsewhere ``(None, [None] * n)``."""
     if not shared or recipe not in PER_TENSOR or not x2.is_cuda:
         return None, [None] * n
     from te_compile.kernels.quantize import amax_bits
@@ -519,9 +491,8 @@ def amax_buffer(
 def grad_amax_slots(
     recipe: str, x2: Tensor, *grad_amax: Tensor | None
 ) -> list[tuple[Tensor, int] | None]:
-    """``slot=`` of a backward's gradient casts, one per ``grad_amax``: on CUDA under a
-    per-tensor ``recipe`` that ``[1]`` fp32 buffer itself (a new one for None), zeroed in one
-    launch and folded into in place, no buffer to fill and copy; else None (the caller copies)."""
+    """``slot=`` of a backward's gradient casts, one per ``grad_amax``: on CUDA under a per-tensor
+    ``recipe`` that buffer itself (a new one for None), zeroed; else None (the caller copies)."""
     if recipe not in PER_TENSOR or not x2.is_cuda:
         return [None] * len(grad_amax)
     from te_compile.kernels.quantize import zero_amaxes
@@ -535,15 +506,12 @@ def grad_amax_slots(
 
 
 def _scaled_mm(a, b, sa, sb, out_dtype, bias=None, fast_accum=False) -> Tensor:
-    """``(sa a) @ (sb b) + bias`` rounded to ``out_dtype`` (``a`` row-major, ``b``
-    column-major, FP8; ``sa`` / ``sb`` one-element fp32 inverse scales). ``torch._scaled_mm``
-    takes a bias only for a bf16/fp16 output; for fp32 the bias is added to the fp32 result,
-    which is the same sum. ``fast_accum``: Hopper's FP8 tensor-core accumulation without the
-    periodic promotion to fp32 (Transformer Engine's default for the forward GEMM; gradient
-    GEMMs, long sums of small terms, promote). On the CPU the two scales go in as one product,
-    as cuBLAS applies them: oneDNN's FP8 GEMM (CPUs with AMX) multiplies the sum by ``sa`` and
-    then by ``sb``, which overflows where ``sa`` is huge (an input near the dtype's max) though
-    the result is finite."""
+    """``(sa a) @ (sb b) + bias`` rounded to ``out_dtype`` (``a`` row-major, ``b`` column-major,
+    FP8; ``sa`` / ``sb`` ``[1]`` fp32 inverse scales); ``_scaled_mm`` takes a bias only for a
+    16-bit output, so an fp32 one adds it after (the same sum). ``fast_accum``: Hopper's FP8
+    accumulation without periodic promotion (TE's default for the forward GEMM). On the CPU the
+    scales go in as one product, as cuBLAS applies them: oneDNN's FP8 GEMM (AMX) applies ``sa``
+    then ``sb``, which overflows where ``sa`` is huge though the result is finite."""
     if a.device.type != "cuda":
         sa, sb = sa * sb, torch.ones_like(sb)
     kw = {"scale_a": sa, "scale_b": sb, "out_dtype": out_dtype, "use_fast_accum": fast_accum}
@@ -676,9 +644,8 @@ def gemm(
 
 
 def hp_linear(inp: Tensor, weight: Tensor, bias: Tensor | None, cuda: bool) -> Tensor:
-    """``inp @ weight.T + bias`` in high precision: on CUDA cuBLAS in the input dtype, the bias
-    in the GEMM's epilogue; elsewhere (the definition of correctness) fp32 math (fp64 stays
-    fp64) rounded once to the input dtype."""
+    """``inp @ weight.T + bias`` in high precision: on CUDA cuBLAS in the input dtype (the bias
+    in its epilogue); elsewhere (the definition of correctness) ``acc_dtype`` math, rounded once."""
     if cuda:
         return torch.nn.functional.linear(inp, weight, bias)
     acc = acc_dtype(inp)
@@ -710,9 +677,8 @@ def hp_linear_backward(grad, inp, weight, main_grad, need_dbias, need_dgrad, nee
 
 
 def wgrad_gemm(kind, a, sa, b, sb, out_dtype, main_grad: Tensor | None) -> Tensor:
-    """A quantised recipe's weight gradient ``a @ b.T``, or, with ``main_grad`` (fp32), added
-    into it (the GEMM's output fp32 but for the blockwise kind's) and a 0-element tensor
-    returned."""
+    """A quantised recipe's weight gradient ``a @ b.T``; with ``main_grad`` (fp32) added into it
+    (an fp32 GEMM output but for the blockwise kind) and a 0-element tensor returned."""
     if main_grad is None:
         return gemm(kind, a, sa, b, sb, out_dtype)
     main_grad.add_(gemm(kind, a, sa, b, sb, out_dtype if kind == "blockwise" else torch.float32))
@@ -756,12 +722,10 @@ class BwdArgs(NamedTuple):
 
 
 class DeferredWgrad(NamedTuple):
-    """A weight gradient left for later (the GEMM families' ``delay_wgrad=True``, Transformer
-    Engine's ``delay_wgrad_compute``): the family's backward op copies its incoming gradient
-    into ``stash`` instead of running the wgrad GEMM; :meth:`compute` later runs the same
-    backward op with only the weight gradient asked for, on the tensors the autograd context
-    saved (``replay(stash)``), so the result is the one the normal backward gives, bit for
-    bit."""
+    """A weight gradient left for later (``delay_wgrad=True``, Transformer Engine's
+    ``delay_wgrad_compute``): the backward op copies its incoming gradient into ``stash``
+    instead of running the wgrad GEMM; :meth:`compute` later runs the same backward op for the
+    weight gradient alone on the saved tensors (``replay(stash)``): the same bits."""
 
     stash: Tensor
     version: int
@@ -807,12 +771,9 @@ class DeferredWgrad(NamedTuple):
 
 def save_for_backward_except_written(ctx, tensors: Sequence[Tensor | None],
                                      written: Sequence[int]) -> None:  # fmt: skip
-    """``ctx.save_for_backward(*tensors)`` but for those at positions ``written``, the buffers
-    the backward writes into (``main_grad``, a delayed-scaling gradient amax): they are kept as
-    ``ctx.written``, in order. They are the caller's accumulators, not values of this forward,
-    and autograd's version check would refuse the backward of a second forward (pipeline
-    schedules: forward, forward, backward, backward) once the first backward wrote them. Under
-    ``torch.compile`` they are marked so that the compiled graph keeps them out of the check
-    too (``_library.stash_for_backward``)."""
+    """``ctx.save_for_backward(*tensors)`` but for those at positions ``written``, the caller's
+    accumulators the backward writes (``main_grad``, a gradient amax), kept as ``ctx.written``
+    out of autograd's version check, which would refuse a second forward's backward once the
+    first wrote them (pipeline schedules); ``_library.stash_for_backward`` under compile."""
     stash_for_backward(ctx, "written", tuple(tensors[i] for i in written))
     ctx.save_for_backward(*(None if i in written else t for i, t in enumerate(tensors)))

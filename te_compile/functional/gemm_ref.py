@@ -15,14 +15,14 @@ from te_compile.functional.spec import QuantSpec, as_specs
 __all__ = ["quantized_linear_ref"]
 
 
-def _fake_quant(x: Tensor, fp8_dtype: torch.dtype, scale: Tensor | None) -> Tensor:
-    """``dequantize(quantize(x))`` per tensor in ``x``'s dtype, straight-through gradient."""
-    q, s_inv, _ = quantize_per_tensor(x, fp8_dtype, scale)
-    return x + ((q.float() * s_inv).to(x.dtype) - x).detach()
-
-
-def _straight_through(x: Tensor, values: Tensor) -> Tensor:
-    """``values`` (``x``'s shape) in the forward, the identity's gradient to ``x``."""
+def _fake_quant(x: Tensor, spec: QuantSpec, scale: Tensor | None) -> Tensor:
+    """``dequantize(quantize(x))`` by ``spec`` along the rows (``scale``: a delayed scale) in
+    ``x``'s dtype, the identity's gradient (straight through)."""
+    if spec.kind in PER_TENSOR:
+        q, s_inv, _ = quantize_per_tensor(x, spec.fp8_dtype, scale)
+        values = q.float() * s_inv
+    else:
+        values = qdq_both(x, spec)[0]
     return x + (values.to(x.dtype) - x).detach()
 
 
@@ -89,20 +89,13 @@ def quantized_linear_ref(
         quantized = quantized_linear_ref(x, weight, *specs, scale).detach()
         high = x @ weight.t()
         out = high + (quantized - high).detach()
-    elif recipe and backward_override == "dequantized":
-        s_x, s_w, _ = scale_slots(scale, recipe)
-        if recipe in PER_TENSOR:
-            xq, wq = _fake_quant(x, xs.fp8_dtype, s_x), _fake_quant(weight, ws.fp8_dtype, s_w)
-        else:
-            xq = _straight_through(x, qdq_both(x, xs)[0])
-            wq = _straight_through(weight, qdq_both(weight, ws)[0])
-        out = xq @ wq.t()
     elif not recipe:
         out = x @ weight.t()
-    elif recipe in PER_TENSOR:
+    elif backward_override == "dequantized" or recipe in PER_TENSOR:
         s_x, s_w, s_g = scale_slots(scale, recipe)
-        w = _fake_quant(weight, ws.fp8_dtype, s_w)
-        out = _FakeQuantGrad.apply(_fake_quant(x, xs.fp8_dtype, s_x) @ w.t(), gs.fp8_dtype, s_g)
+        out = _fake_quant(x, xs, s_x) @ _fake_quant(weight, ws, s_w).t()
+        if not backward_override:  # the gradient quantised per tensor on its way back
+            out = _FakeQuantGrad.apply(out, gs.fp8_dtype, s_g)
     else:
         out = _BlockReference.apply(x, weight, specs, rng_state)
     return out.reshape(*inp.shape[:-1], weight.shape[0])

@@ -23,10 +23,9 @@ from te_compile.functional.dense_weight import (
     fp8_weight_for_checks,
 )
 from te_compile.functional.gemm import (
-    BLOCK_KINDS,
     HIGH_DTYPES,
-    PER_TENSOR,
     DeferredWgrad,
+    check_gemm_dims,
     check_specs,
 )
 from te_compile.functional.prologue import Norm, check_norm
@@ -194,23 +193,8 @@ def check_linear(a: LinearArgs) -> None:
             raise ValueError(
                 p + f"FP8 recipes take float32/bfloat16/float16 inputs, got {inp.dtype}"
             )
-        if recipe in PER_TENSOR and (n % 16 or k % 16):
-            raise ValueError(p + f"FP8 GEMMs need in_features ({k}) and out_features ({n}) to be "
-                             "multiples of 16")  # fmt: skip
-        block = BLOCK_KINDS.get(recipe, 0)
         m = inp.numel() // k if k else 0
-        if block and (n % block or k % block or (recipe != "block" and m % block)):
-            raise ValueError(
-                p
-                + f"{recipe} needs in_features ({k}), out_features ({n})"
-                + ("" if recipe == "block" else f" and the number of tokens ({m})")
-                + f" to be multiples of its block ({block})"
-            )
-        if recipe == "block" and not w.emulate and w.block_rows == 128 and (n % 512 or k % 512):
-            raise ValueError(
-                p + "native GEMMs with 128x128 weight blocks need in_features and out_features "
-                f"to be multiples of 512; weight is {list(weight.shape)}"
-            )
+        check_gemm_dims(p, recipe, w, m, in_features=k, out_features=n)
     if bw.fp8_wgrad:
         raise ValueError(p + "backward 'fp8_wgrad' is for the grouped family")
     if bw.override and not recipe:
@@ -227,8 +211,7 @@ def check_linear(a: LinearArgs) -> None:
                 p + "backward 'save_input' is for a quantised linear without a norm prologue and "
                 f"without 'dequantized', got norm={a.norm!r}, backward={a.backward!r}"
             )
-    if a.weight_q is not None:
-        check_weight_quantized("te.linear", "weight_q", a.weight_q)
+    check_weight_quantized("te.linear", "weight_q", a.weight_q)
     check_weight_operand(p, recipe, weight, w.block_rows, w.emulate, a.weight_q or (None,) * 5)
     check_finite("te.linear", out_scale=ep.scale)
     check_norm(p, inp, norm)

@@ -133,25 +133,16 @@ def _dequantized(spec: QuantSpec, q, rows: int, dtype) -> Tensor:
     return values[:rows].to(dtype, copy=values is q.data)
 
 
-def _split_saved(
-    saved: list[Tensor], c: BwdArgs
-) -> tuple[list, Tensor | None, Tensor | None, list]:
-    """``(quantised copies [4] or [], high-precision GEMM input or None, GEMM output before the
-    activation or None, norm statistics)``."""
-    normalized, act = bool(c.norm.normalization), bool(c.ep.activation)
-    i = 4 if c.recipe else int(normalized)
-    copies = saved[:4] if c.recipe else []
-    x_hp = saved[0] if not c.recipe and normalized else None
-    h = saved[i] if act else None
-    stats = saved[i + act :]
-    return copies, x_hp, h, stats
-
-
 def backward_impl(grad, grad_branch, saved, inp, weight, bias, main_grad, scale, grad_amax,
                   norm_weight, rng_state, c: BwdArgs, cuda: bool):  # fmt: skip
     dtype = grad.dtype
     ep, normalization = c.ep, c.norm.normalization
-    copies, x_hp, h, stats = _split_saved(saved, c)
+    # saved: the quantised copies [4] or the high-precision GEMM input (with a norm), then the
+    # GEMM output before the activation (with one), then the norm's statistics.
+    act, i = bool(ep.activation), 4 if c.recipe else int(bool(normalization))
+    copies = saved[:4] if c.recipe else []
+    x_hp = saved[0] if not c.recipe and normalization else None
+    h, stats = saved[i] if act else None, saved[i + act :]
     if copies and c.need_wgrad and copies[0].numel() == 0 and inp is not None and inp.numel():
         # save_input: the input's quantised transposed copy, made again here.
         x2 = inp.reshape(-1, inp.shape[-1])

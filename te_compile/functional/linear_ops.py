@@ -12,14 +12,10 @@ for the GEMM), ``weight`` is ``[out_features, in_features]`` like ``nn.Linear``,
 ``te::linear_fwd(inp, weight, bias?, main_grad?, <recipe>, <prologue>, <epilogue>, <backward>,
 weight_q?, wgrad_stash?) -> (out, branch, saved)`` takes, after the four tensors:
 
-* the recipe as data (``functional.spec``; ``quantization.gemm.gemm_args`` makes it from the
-  autocast recipe): ``input_spec``, ``weight_spec``, ``grad_spec`` (a ``QuantSpec`` string each:
-  kind, format, block rows, power-of-two scales, emulation, NVFP4's options), the delayed-scaling
-  state ``scale`` ``[3]`` (input, weight, gradient) from ``te::delayed_scaling_update`` and
-  ``grad_amax`` ``[1]``, into which the backward writes the gradient's amax (per-tensor recipes;
-  a buffer of its own: a saved tensor must not be modified between the passes), and
-  ``rng_state`` (int64 ``[2]`` ``(seed, offset)``: the Philox stream of a gradient spec's
-  stochastic rounding, saved for the backward op);
+* the recipe as data (``docs/op_mechanism.md``): ``input_spec``, ``weight_spec``, ``grad_spec``
+  (a ``QuantSpec`` string each), the delayed scales ``scale`` ``[3]`` (input, weight, gradient),
+  ``grad_amax`` ``[1]``, which the backward writes the gradient's amax into (per-tensor recipes),
+  and ``rng_state`` (int64 ``(seed, offset)``: a gradient spec's stochastic rounding);
 * the norm prologue (``functional.prologue``): ``norm`` (a ``NormSpec`` string: ``""``,
   ``"LayerNorm"`` or ``"RMSNorm"`` with ``eps`` and ``zero_centered``), ``norm_weight``,
   ``norm_bias``: ``inp`` is normalised first (written straight into FP8 on CUDA by the
@@ -30,13 +26,10 @@ weight_q?, wgrad_stash?) -> (out, branch, saved)`` takes, after the four tensors
   ``branch``: also return a copy of ``inp``, a residual connection's branch, whose gradient joins
   the dgrad GEMM) and ``residual`` (the output's shape): ``residual + scale * y``;
 * ``backward`` (a ``BackwardSpec`` string, with a recipe): ``""``, the backward GEMMs on the
-  recipe's quantised operands and gradient; ``"high_precision"``, the forward saves the
-  high-precision GEMM input (the norm's output with a prologue: the norm is then computed,
-  kept and quantised, not fused into the cast) and the backward is high precision's on it and
-  the weight; ``"dequantized"``, the forward saves its quantised operands dequantised to the
-  input dtype and the backward is high precision's on them (the gradient is not quantised with
-  either, and ``grad_amax`` is not written; a row-scaled input needs one); ``"save_input"``,
-  the backward keeps ``inp`` and quantises it again (``save_original_input``).
+  recipe's quantised operands and gradient; ``"high_precision"`` / ``"dequantized"``, high
+  precision's backward on the forward's high-precision operands (with a prologue the norm is
+  then not fused into the cast) or on its quantised ones dequantised (``docs/fp8.md``,
+  ``backward_override``); ``"save_input"``, the backward keeps ``inp`` and quantises it again.
 
 Outputs: ``out``; ``branch`` (0-element unless asked: an op's output may not alias its input);
 ``saved``, the tensors the backward needs that are not inputs (the FP8 transposed copies of
@@ -54,19 +47,11 @@ need in/out features multiples of 16 (token counts are padded with zero rows ins
 block-scaled ones every dim a multiple of their block (32 for MXFP8, 16 otherwise). An inf/NaN
 input gives an inf/NaN amax, which the delayed-scaling update ignores (keeps the old scale).
 
-Weight-gradient fusion (``main_grad``): as in Transformer Engine, a module built with
-``fuse_wgrad_accumulation=True`` keeps an fp32 ``weight.main_grad`` and the backward GEMM
-accumulates into it (fp32 output) instead of producing ``weight.grad``; ``te::linear_bwd``
-declares it mutated, which torch.compile supports in the backward graph. Tensor parallelism
-stays outside the op (``distributed.tensor_parallel``).
-
-Pre-quantised weight (``functional.dense_weight``): ``weight_q``, the five
-tensors ``weight_data``, ``weight_scale``, ``weight_data_t``, ``weight_scale_t``,
-``weight_amax`` (with a recipe), is ``weight`` already quantised by ``te::quantize_weight``; the
-op does not quantise ``weight``, saves ``weight_data_t`` / ``weight_scale_t`` for the dgrad GEMM
-from its inputs (``saved`` then holds only the input's copy), and reports ``weight_amax``.
-``weight`` may then be the FP8 codes themselves (FP8 primary weights, ``quantization.primary``):
-its gradient must go to ``main_grad`` (the backward raises otherwise), and
+``main_grad`` (``fuse_wgrad_accumulation``): the backward GEMM accumulates into this fp32
+buffer (mutated by ``te::linear_bwd``) instead of producing ``weight.grad``. ``weight_q``: the
+five tensors of ``te::quantize_weight`` (``functional.dense_weight``, ``docs/fp8.md``), the
+weight already quantised: ``saved`` then holds only the input's copy. ``weight`` may then be
+the FP8 codes themselves (FP8 primary weights): its gradient must go to ``main_grad``, and
 ``backward="high_precision"`` is refused.
 
 This file holds the ops (reference, schemas, fakes, autograd) and the public function; beside
@@ -91,7 +76,11 @@ from te_compile._checks import (
 from te_compile._library import differentiable, op
 from te_compile._numerics import acc_dtype
 from te_compile.functional.activation import GATED_ACTIVATIONS, activation_ref, gated_activation_ref
-from te_compile.functional.dense_weight import check_weight_quantized, refuse_fp8_weight_grad
+from te_compile.functional.dense_weight import (
+    check_weight_quantized,
+    fake_copy,
+    refuse_fp8_weight_grad,
+)
 from te_compile.functional.dropout_ops import new_rng_state
 from te_compile.functional.gemm import (
     BACKWARD_OVERRIDES,
@@ -102,7 +91,6 @@ from te_compile.functional.gemm import (
     check_gemm_args,
     check_gemm_tensors,
     empty,
-    gemm_kind,
     hp_linear,
     hp_linear_backward,
     padded,
@@ -223,7 +211,7 @@ def _linear_fwd_fake(*args):
     branch = inp.new_empty(inp.shape) if ep.branch else empty(inp)
     if a.plain:
         return out, branch, []
-    f32, u8 = torch.float32, torch.uint8
+    f32 = torch.float32
     saved = []
     xs, ws, _ = a.specs
     recipe, override, normalized = xs.kind, a.bw.override, bool(a.nrm.normalization)
@@ -231,20 +219,9 @@ def _linear_fwd_fake(*args):
         saved = [inp.new_empty(rows, k)] if normalized else []
     elif override == "dequantized":
         saved = [inp.new_empty(rows, k), inp.new_empty(n, k)]
-    elif recipe:
-        m = padded(rows)
-        kind = gemm_kind(recipe, xs.emulate)
-        if kind == "dequantized":
-            saved = [inp.new_empty(k, m, dtype=f32), inp.new_empty(0, dtype=f32),
-                     inp.new_empty(k, n, dtype=f32), inp.new_empty(0, dtype=f32)]  # fmt: skip
-        elif recipe in PER_TENSOR:
-            one = inp.new_empty(1, dtype=f32)
-            saved = [inp.new_empty(k, m, dtype=u8), one, inp.new_empty(k, n, dtype=u8), one.clone()]
-        else:
-            w_rows = ws.block_rows
-            saved = [inp.new_empty(k, m, dtype=u8), inp.new_empty(k, -(-m // 128), dtype=f32),
-                     inp.new_empty(k, n, dtype=u8),
-                     inp.new_empty(-(-k // w_rows), -(-n // 128), dtype=f32)]  # fmt: skip
+    elif recipe:  # the input's and the weight's transposed copies
+        saved = [*fake_copy(inp, recipe, padded(rows), k, 1, xs.emulate),
+                 *fake_copy(inp, recipe, n, k, ws.block_rows, xs.emulate)]  # fmt: skip
         if a.bw.save_input:  # the input's slots: 0-element (the input itself is saved)
             saved[:2] = [inp.new_empty(0, dtype=saved[0].dtype), inp.new_empty(0, dtype=f32)]
         if a.weight_q is not None:  # the weight's copies are inputs (setup_context)
@@ -357,9 +334,6 @@ def _linear_bwd_fake(*args):
 # 5. setup_context + autograd ------------------------------------------------------------------
 
 
-_PLAIN_SCALARS = ("", "", "", "", "")  # the specs, norm and epilogue of a plain call
-
-
 def _setup_context(ctx, inputs, output) -> None:
     if len(inputs) == 4:  # a plain call (the eager fast path passes the tensors only)
         inp, weight, bias, main_grad = inputs
@@ -368,7 +342,7 @@ def _setup_context(ctx, inputs, output) -> None:
         save_for_backward_except_written(
             ctx, (inp, weight, None, main_grad, None, None, None, None, None), _WRITTEN
         )
-        ctx.scalars, ctx.has_bias = _PLAIN_SCALARS, bias is not None
+        ctx.scalars, ctx.has_bias = ("", "", "", "", ""), bias is not None  # specs, norm, epilogue
         ctx.branch = ctx.has_norm = False
         return
     a = LinearArgs(*inputs)

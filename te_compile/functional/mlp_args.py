@@ -18,9 +18,7 @@ from te_compile.functional.dense_weight import (
     fp8_weight_for_checks,
 )
 from te_compile.functional.gemm import (
-    BLOCK_KINDS,
-    PER_TENSOR,
-    blockwise_supported,
+    check_gemm_dims,
     check_specs,
 )
 from te_compile.functional.prologue import Norm, check_norm
@@ -75,8 +73,6 @@ class MLPArgs(NamedTuple):
 
 
 NORM_WEIGHT = MLPArgs._fields.index("norm_weight")
-# The kinds whose token count must be a multiple of the block (the others pad to 16 rows).
-_TOKEN_BLOCKS = ("mxfp8", "nvfp4")
 
 # Checks -----------------------------------------------------------------------------------------
 
@@ -84,12 +80,9 @@ _TOKEN_BLOCKS = ("mxfp8", "nvfp4")
 def check_mlp(a: MLPArgs) -> None:
     p = "te.mlp: "
     inp = a.inp
-    w1 = fp8_weight_for_checks(
-        "te.mlp", "fc1_weight", a.fc1_weight, a.fc1_weight_q, inp.dtype, "main_grad1"
-    )
-    w2 = fp8_weight_for_checks(
-        "te.mlp", "fc2_weight", a.fc2_weight, a.fc2_weight_q, inp.dtype, "main_grad2"
-    )
+    pairs = ((a.fc1_weight, a.fc1_weight_q), (a.fc2_weight, a.fc2_weight_q))
+    w1, w2 = (fp8_weight_for_checks("te.mlp", f"fc{i}_weight", w, q, inp.dtype, f"main_grad{i}")
+              for i, (w, q) in enumerate(pairs, 1))  # fmt: skip
     check_norm(p, inp, a.nrm)
     ep = a.ep
     if ep.activation not in MLP_ACTIVATIONS:
@@ -100,15 +93,11 @@ def check_mlp(a: MLPArgs) -> None:
             "offset (interleave, scale and branch are te::linear's)"
         )
     check_gated_params("te.mlp", ep.limit, ep.alpha, ep.offset)
-    x, w, g = specs = a.specs
+    x, w, _ = specs = a.specs
     recipe = x.kind
-    for name, s in (("scale1", a.scale1), ("scale2", a.scale2)):
-        if recipe == "delayed" and (s is None or s.shape != (3,) or s.dtype != torch.float32):
-            raise ValueError(p + f'a "delayed" spec needs {name} [3] float32 (input, weight, grad)')
-        if recipe != "delayed" and s is not None:
-            raise ValueError(p + f'{name} is for "delayed" specs only')
     named = dict(zip(("input_spec", "weight_spec", "grad_spec"), specs, strict=True))
-    check_specs(p, named, a.scale1)
+    for i, scale, grad_amax in ((1, a.scale1, a.grad_amax1), (2, a.scale2, a.grad_amax2)):
+        check_specs(p, named, scale, grad_amax, gemm=str(i))
     for name, spec in named.items():
         if spec.options() or spec.stochastic_rounding:
             raise ValueError(
@@ -136,47 +125,16 @@ def check_mlp(a: MLPArgs) -> None:
             p + f"inp [..., hidden], fc1_weight {fc1} and fc2_weight [out, ffn] do not "
             f"match: {list(inp.shape)}, {list(w1.shape)}, {list(w2.shape)}"
         )
-    dims = (w1.shape[1], w2.shape[1], w1.shape[0], w2.shape[0])
-    multiple = 16 if recipe in PER_TENSOR else BLOCK_KINDS.get(recipe, 1)
-    if any(d % multiple for d in dims):
-        kind = "FP8" if recipe in PER_TENSOR else recipe  # delayed calibrates with current
-        raise ValueError(
-            p + f"{kind} GEMMs need hidden ({dims[0]}), ffn ({dims[1]}), fc1 out ({dims[2]}) "
-            f"and out ({dims[3]}) sizes that are multiples of {multiple}"
-        )
     rows = inp.numel() // inp.shape[-1] if inp.shape[-1] else 0
-    if recipe in _TOKEN_BLOCKS and rows % multiple:
-        raise ValueError(p + f"{recipe} needs the number of tokens ({rows}) to be a multiple of "
-                         f"{multiple}")  # fmt: skip
-    if (
-        recipe == "block"
-        and not x.emulate
-        and not all(
-            blockwise_supported(t, w.block_rows, w.fp8_dtype, g.fp8_dtype) for t in (w1, w2)
-        )
-    ):
-        raise ValueError(
-            p + "native blockwise GEMMs (specs without 'emulate') with 128x128 weight blocks "
-            f"need hidden, ffn and out multiples of 512 (got {dims[0]}, {dims[2]}, {dims[3]})"
-        )
-    for name, b, n in (
-        ("fc1_bias", a.fc1_bias, w1.shape[0]),
-        ("fc2_bias", a.fc2_bias, w2.shape[0]),
-    ):
-        if b is not None and (b.shape != (n,) or b.dtype != inp.dtype):
-            raise ValueError(p + f"{name} must be [{n}] of dtype {inp.dtype}")
-    for name, ga in (("grad_amax1", a.grad_amax1), ("grad_amax2", a.grad_amax2)):
-        if ga is not None and (
-            ga.shape != (1,) or ga.dtype is not torch.float32 or recipe not in PER_TENSOR
-        ):
-            raise ValueError(p + f"{name} must be a [1] float32 tensor and is for the per-tensor "
-                             "kinds (current, delayed)")  # fmt: skip
-    for i, wt, q, g in ((1, w1, a.fc1_weight_q, a.main_grad1),
-                        (2, w2, a.fc2_weight_q, a.main_grad2)):  # fmt: skip
+    check_gemm_dims(p, recipe, w, rows, hidden=w1.shape[1], ffn=w2.shape[1],
+                    fc1_out=w1.shape[0], out=w2.shape[0])  # fmt: skip
+    for i, wt, b, q, g in ((1, w1, a.fc1_bias, a.fc1_weight_q, a.main_grad1),
+                           (2, w2, a.fc2_bias, a.fc2_weight_q, a.main_grad2)):  # fmt: skip
+        if b is not None and (b.shape != wt.shape[:1] or b.dtype != inp.dtype):
+            raise ValueError(p + f"fc{i}_bias must be [{wt.shape[0]}] of dtype {inp.dtype}")
         if g is not None and (g.dtype is not torch.float32 or g.shape != wt.shape):
             raise ValueError(p + f"main_grad{i} must be float32 with fc{i}_weight's shape "
                              f"{list(wt.shape)}, got {g.dtype} {list(g.shape)}")  # fmt: skip
-        if q is not None:
-            check_weight_quantized("te.mlp", f"fc{i}_weight_q", q)
+        check_weight_quantized("te.mlp", f"fc{i}_weight_q", q)
         check_weight_operand(p + f"fc{i}_", recipe, wt, w.block_rows, w.emulate,
                              q or (None,) * len(WEIGHT_OPERAND))  # fmt: skip

@@ -17,14 +17,12 @@ One op pair for the whole block, so that the activation and its gradient are nev
 high precision between two quantisations: on CUDA, for the per-tensor recipes and native
 Float8BlockScaling, ``kernels.act_quantize`` computes :math:`h` from :math:`z` inside the
 quantisation of the second GEMM's input, and :math:`dz = dh \odot f'(z + b_1)` (with
-:math:`db_1`) inside the quantisation of the first GEMM's gradient. What that saves per step,
-for ``z`` ``[T, F]``: the write and two reads of :math:`h` and of :math:`dz` (current scaling
-reads :math:`z` twice instead; delayed scaling once). For a gated activation :math:`h` is
-quantised from ``z``'s two halves, and both halves of :math:`dz` (``[T, 2F]``) from one read of
-:math:`dh` and ``z``, under one scale (per tensor) or in 1x128 blocks that never straddle the
-halves. Elsewhere (the CPU, the emulated recipes, high precision) the op composes the linear
-family's GEMMs (``functional.gemm``) and the activation ops' implementations: the same bytes as
-``linear -> bias_activation -> linear`` (compared bit for bit in the tests).
+:math:`db_1`) inside the quantisation of the first GEMM's gradient: for ``z`` ``[T, F]``, a
+write and two reads of :math:`h` and of :math:`dz` saved per step (a gated activation's halves
+under one scale, or in 1x128 blocks that never straddle them). Elsewhere (the CPU, the emulated
+recipes, high precision) the op composes the linear family's GEMMs (``functional.gemm``) and the
+activation ops' implementations: the same bytes as ``linear -> bias_activation -> linear``
+(compared bit for bit in the tests).
 
 ``saved``: quantised recipes ``[X^T, s_x, W_1^T, s_w1, z, h^T, s_h, W_2^T, s_w2]`` (FP8 bytes
 and inverse scales as the linear family saves them; ``z`` with its rows padded to a multiple
@@ -33,12 +31,9 @@ them, ``[M / 128, K]``), high precision ``[norm output (with a norm), z, h]``; t
 ``mean, rsigma``, then for the per-tensor recipes ``[amax(X), amax(W_1), amax(h),
 amax(W_2)]`` (fp32).
 
-Pre-quantised weights (``functional.dense_weight``): ``fc1_weight_q`` and
-``fc2_weight_q``, the last arguments, each None or a weight's five tensors
-(``te::quantize_weight``'s); a given weight is not quantised, its transposed copy is saved from
-the input (``saved`` then holds no copy of it) and its gradient still computed.
-``main_grad1`` / ``main_grad2`` (fp32, the weights' shapes; ``fuse_wgrad_accumulation``): the
-backward op adds the weight's gradient into it, as ``te::linear`` into its ``main_grad``.
+``fc1_weight_q`` / ``fc2_weight_q`` (pre-quantised weights) and ``main_grad1`` / ``main_grad2``
+are ``te::linear``'s ``weight_q`` and ``main_grad``, per GEMM (``saved`` then holds no copy of
+a given weight).
 
 This file holds the ops (reference, schemas, fakes, autograd) and the public function; beside
 it, ``mlp_args.py`` (the arguments and their checks) and ``mlp_samples.py`` (the registry
@@ -65,6 +60,7 @@ from te_compile.functional.activation import (
 )
 from te_compile.functional.dense_weight import (
     check_weight_quantized,
+    fake_copy,
     refuse_fp8_weight_grad,
     weight_operand,
 )
@@ -113,18 +109,10 @@ from te_compile.functional.spec import (
 
 __all__ = ["mlp", "mlp_ref"]
 
-_DEFAULT_PARAMS = tuple(CLAMPED_SWIGLU_DEFAULTS.values())  # (limit, alpha, glu_linear_offset)
+_DEFAULT_PARAMS = (0, *CLAMPED_SWIGLU_DEFAULTS.values())  # EpilogueSpec.params, no interleave
 
 
 # 1. Reference math ----------------------------------------------------------------------------
-
-
-def _activation_ref(
-    z: Tensor, bias: Tensor | None, activation: str, params: tuple[float, float, float]
-) -> Tensor:
-    if activation in GATED_ACTIVATIONS:
-        return gated_activation_ref(z, bias, activation, 0, *params)
-    return activation_ref(z, bias, activation)
 
 
 def mlp_ref(*args) -> Tensor:
@@ -136,7 +124,10 @@ def mlp_ref(*args) -> Tensor:
     delayed = a.recipe == "delayed"
     specs, ep = a.specs, a.ep
     z = quantized_linear_ref(x, a.fc1_weight, *specs, a.scale1 if delayed else None)
-    h = _activation_ref(z, a.fc1_bias, ep.activation, (ep.limit, ep.alpha, ep.offset))
+    if ep.activation in GATED_ACTIVATIONS:
+        h = gated_activation_ref(z, a.fc1_bias, ep.activation, *ep.params)
+    else:
+        h = activation_ref(z, a.fc1_bias, ep.activation)
     out = quantized_linear_ref(h, a.fc2_weight, *specs, a.scale2 if delayed else None)
     return out if a.fc2_bias is None else out + a.fc2_bias
 
@@ -148,18 +139,16 @@ def _native_block(spec: QuantSpec) -> bool:
     return spec.kind == "block" and not spec.emulate
 
 
-def _act_operand(spec: QuantSpec, z, bias, grad, activation, scale, rows, need_dbias,
-                 params, slot=None) -> tuple[Operand, Tensor | None]:  # fmt: skip
+def _act_operand(spec: QuantSpec, z, bias, grad, ep: EpilogueSpec, scale, rows, need_dbias,
+                 slot=None) -> tuple[Operand, Tensor | None]:  # fmt: skip
     """``(operand, dbias)``: the activation of ``z + bias`` (forward) or its gradient ``grad *
     f'(z + bias)`` (backward, ``dbias`` with ``need_dbias``) as the next GEMM's operand,
     quantised by ``spec``, rows past ``rows`` zero. On CUDA in the fused kernels (per-tensor,
-    native 1x128 blocks with the scales in the GEMM's layout); elsewhere the activation op's
-    implementation, rounded to ``z``'s dtype, zero rows appended, quantised. ``params``:
-    ``clamped_swiglu``'s ``(limit, alpha, glu_linear_offset)``; the fused kernels apply the
-    defaults only, so other values take the activation op's path. ``slot``: as
-    ``gemm.quantize_operand``'s."""
-    recipe, fp8_dtype = spec.kind, spec.fp8_dtype
-    fused = z.is_cuda and (activation != "clamped_swiglu" or params == _DEFAULT_PARAMS)
+    native 1x128 blocks with the scales in the GEMM's layout; ``clamped_swiglu`` with its
+    default parameters only); elsewhere the activation op's implementation, rounded to ``z``'s
+    dtype, zero rows appended, quantised. ``slot``: as ``gemm.quantize_operand``'s."""
+    recipe, fp8_dtype, activation = spec.kind, spec.fp8_dtype, ep.activation
+    fused = z.is_cuda and (activation != "clamped_swiglu" or ep.params == _DEFAULT_PARAMS)
     if fused and recipe in PER_TENSOR:
         from te_compile.kernels.act_quantize import act_quantize
 
@@ -177,9 +166,9 @@ def _act_operand(spec: QuantSpec, z, bias, grad, activation, scale, rows, need_d
         )  # fmt: skip
         return Operand(data, s, data_t, s_t, z.new_empty(0, dtype=torch.float32)), dbias
     if grad is None:
-        v, dbias = activation_forward(z[:rows], bias, activation, 0, *params), None
+        v, dbias = activation_forward(z[:rows], bias, activation, *ep.params), None
     else:
-        v, dbias = activation_backward(grad[:rows], z[:rows], bias, activation, 0, *params,
+        v, dbias = activation_backward(grad[:rows], z[:rows], bias, activation, *ep.params,
                                        need_dbias=need_dbias)  # fmt: skip
     operand = quantize_operand(spec, pad_rows(v), scale=scale, slot=slot)
     return operand, dbias if need_dbias else None
@@ -201,14 +190,13 @@ def _forward(a: MLPArgs) -> tuple[Tensor, list[Tensor]]:
     x2 = inp.reshape(-1, inp.shape[-1])
     xs, ws, _ = a.specs
     m, dtype, recipe, ep, norm = x2.shape[0], inp.dtype, xs.kind, a.ep, a.nrm
-    params = (ep.limit, ep.alpha, ep.offset)
     stats, saved = [], []
     if not recipe:
         if norm.normalization:
             x2, *stats = norm_forward(x2, norm)
             saved.append(x2)
         z = hp_linear(x2, w1, None, x2.is_cuda)
-        h = activation_forward(z, b1, ep.activation, 0, *params)
+        h = activation_forward(z, b1, ep.activation, *ep.params)
         out = hp_linear(h, w2, b2, x2.is_cuda)
         return out.reshape(*inp.shape[:-1], w2.shape[0]), [*saved, z, h, *stats]
     kind, rows = gemm_kind(recipe, xs.emulate), ws.block_rows
@@ -224,7 +212,7 @@ def _forward(a: MLPArgs) -> tuple[Tensor, list[Tensor]]:
     w1q = weight_operand(q1, ws, w1, s_w1, slot=a_w1)
     z = gemm(kind, xq.data, xq.scale, w1q.data, w1q.scale, dtype, fast_accum=True,
              b_block_rows=rows)  # fmt: skip
-    hq, _ = _act_operand(xs, z, b1, None, ep.activation, s_h, m, False, params, a_h)
+    hq, _ = _act_operand(xs, z, b1, None, ep, s_h, m, False, a_h)
     w2q = weight_operand(q2, ws, w2, s_w2, slot=a_w2)
     out = gemm(kind, hq.data, hq.scale, w2q.data, w2q.scale, dtype, bias=b2, fast_accum=True,
                b_block_rows=rows)  # fmt: skip
@@ -287,29 +275,18 @@ def _mlp_fwd_fake(*args):
         normed = [inp.new_empty(rows, d)] if normalization else []
         return out, [*normed, inp.new_empty(rows, f1), inp.new_empty(rows, f), *stats]
     m = padded(rows)
-    u8, f32 = torch.uint8, torch.float32
-    kind = gemm_kind(xs.kind, xs.emulate)
-    w_rows = ws.block_rows
 
-    def copy(k, cols):  # a transposed copy [k, cols] and its scales
-        if kind == "dequantized":
-            return [inp.new_empty(k, cols, dtype=f32), inp.new_empty(0, dtype=f32)]
-        if xs.kind in PER_TENSOR:
-            return [inp.new_empty(k, cols, dtype=u8), inp.new_empty(1, dtype=f32)]
-        return [inp.new_empty(k, cols, dtype=u8), inp.new_empty(-(-cols // 128), k, dtype=f32)]
+    def copy(n, k):  # an activation's transposed copy [k, n] (native blockwise: scales [n/128, k])
+        data, s = fake_copy(inp, xs.kind, n, k, 1, xs.emulate)
+        return [data, s.new_empty(s.shape[::-1]) if _native_block(xs) else s]
 
-    def weight(k, cols):  # a weight's transposed copy [k, cols] (cols: its out features)
-        if kind == "blockwise":
-            scales = inp.new_empty(-(-k // w_rows), -(-cols // 128), dtype=f32)
-            return [inp.new_empty(k, cols, dtype=u8), scales]
-        return copy(k, cols)
+    def weight_copy(n, k, q):  # a pre-quantised weight's copy is its input's (setup_context)
+        return [] if q is not None else fake_copy(inp, xs.kind, n, k, ws.block_rows, xs.emulate)
 
-    # A pre-quantised weight's copy is its input's (setup_context).
-    w1_copy = weight(d, f1) if a.fc1_weight_q is None else []
-    w2_copy = weight(f, n) if a.fc2_weight_q is None else []
-    saved = [*copy(d, m), *w1_copy, inp.new_empty(m, f1), *copy(f, m), *w2_copy, *stats]
+    saved = [*copy(m, d), *weight_copy(f1, d, a.fc1_weight_q), inp.new_empty(m, f1), *copy(m, f),
+             *weight_copy(n, f, a.fc2_weight_q), *stats]  # fmt: skip
     if xs.kind in PER_TENSOR:
-        saved.append(inp.new_empty(4, dtype=f32))
+        saved.append(inp.new_empty(4, dtype=torch.float32))
     return out, saved
 
 
@@ -326,7 +303,6 @@ def _backward_impl(grad, saved, inp, w1, b1, w2, scale1, scale2, grad_amax1, gra
     dy = grad.reshape(-1, grad.shape[-1])
     m = dy.shape[0]
     ep, normalization, recipe = c.ep, c.norm.normalization, c.x.kind
-    params = (ep.limit, ep.alpha, ep.offset)
     n_stats = 2 if normalization else 0
     stats = saved[len(saved) - n_stats :]
     need_db1 = b1 is not None
@@ -335,7 +311,7 @@ def _backward_impl(grad, saved, inp, w1, b1, w2, scale1, scale2, grad_amax1, gra
         x2 = saved[0] if normalization else inp.reshape(-1, inp.shape[-1])
         dh, dw2, db2 = hp_linear_backward(dy, h, w2, main_grad2, c.need_dbias, True, True,
                                           dy.is_cuda)  # fmt: skip
-        dz, db1 = activation_backward(dh, z, b1, ep.activation, 0, *params, need_dbias=need_db1)
+        dz, db1 = activation_backward(dh, z, b1, ep.activation, *ep.params, need_dbias=need_db1)
         dx, dw1, _ = hp_linear_backward(dz, x2, w1, main_grad1, False, c.need_dgrad, True,
                                         dz.is_cuda)  # fmt: skip
         dinp = dx if c.need_dgrad else None
@@ -354,7 +330,7 @@ def _backward_impl(grad, saved, inp, w1, b1, w2, scale1, scale2, grad_amax1, gra
         dh = gemm(kind, g.data, g.scale, w2_t, w2s, dtype, b_block_rows=rows)
         dw2 = wgrad_gemm(kind, g.data_t, g.scale_t, h_t, _wgrad_scale(c.x, hs), dtype, main_grad2)
         db2 = g.sums if sums else (dy.sum(0, dtype=torch.float32) if c.need_dbias else None)
-        dq, db1 = _act_operand(c.g, z, b1, dh, ep.activation, s_dz, m, need_db1, params, a_dz)
+        dq, db1 = _act_operand(c.g, z, b1, dh, ep, s_dz, m, need_db1, a_dz)
         if grad_amax1 is not None and a_dz is None:
             grad_amax1.copy_(dq.amax)
         # fc1: dX [M, D] = dz @ W1; dW1 [F1, D] = dz^T @ X
@@ -584,9 +560,8 @@ def mlp(
     if normalization not in ("", *NORMALIZATIONS):
         raise ValueError('te.mlp: normalization must be "", "LayerNorm" or "RMSNorm", '
                          f"got {normalization!r}")  # fmt: skip
-    scalars = (normalization, norm_eps, zero_centered_gamma, activation, limit, alpha,
-               glu_linear_offset)  # fmt: skip
-    norm, epilogue = _scalar_specs(*scalars)
+    norm, epilogue = _scalar_specs(normalization, norm_eps, zero_centered_gamma, activation, limit,
+                                   alpha, glu_linear_offset)  # fmt: skip
     specs = as_strings(input_spec, weight_spec, grad_spec)
     out, saved = _mlp(
         inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, epilogue, *specs, scale1, scale2,

@@ -11,21 +11,11 @@ measured; none of them chooses an op per recipe: there is one op per GEMM shape
 (``functional.gemm`` has the tables inside it).
 
 Outside an enabled ``te_compile.autocast`` the specs are those of high precision (``""``), so
-a module's forward reads the same with and without FP8.
-
-Calibration (``autocast(enabled=False, calibrating=True)``, ``quantization.state``): the entry
-points run the high-precision GEMMs and, under the per-tensor recipes, keep each GEMM's FP8
-state as an FP8 run would (:func:`calibrate`): delayed scaling folds the last amaxes into the
-history and updates the scales, then the amaxes of this call's GEMM input and weight are
-recorded. The GEMM input of a norm prologue is the norm's output, computed once more for its
-amax; ``mlp`` runs its two GEMMs one by one (``_FUSE_MLP = False``'s path) so that the second
-GEMM's input exists.
-
-Weight caching (``is_first_microbatch``, Transformer Engine's semantics; ``docs/fp8.md``,
-"Weight caching"): a module hands the entry points a :class:`WeightCache`, its store of
-pre-quantised weights and the forward's ``is_first_microbatch`` (:func:`cached_weight`: None
-casts in the op every call, True casts and keeps, False uses the kept copy). Outside an FP8
-autocast the cache is not read.
+a module's forward reads the same with and without FP8. Calibration (``docs/fp8.md``): the
+entry points run high precision and keep each GEMM's FP8 state (:func:`calibrate`; a norm
+prologue's output computed once more for its amax, ``mlp`` as two ``linear`` calls). Weight
+caching (``is_first_microbatch``, ``docs/fp8.md``): a module hands the entry points a
+:class:`WeightCache` (:func:`cached_weight`), not read outside an FP8 autocast.
 """
 
 from __future__ import annotations
@@ -281,16 +271,13 @@ def cached_weight(
 
 
 def recipe_specs(recipe: Recipe) -> tuple[QuantSpec, QuantSpec, QuantSpec]:
-    """How ``recipe`` quantises a GEMM's input, weight and gradient (``ROLES``), as the GEMM
-    families take it (``functional.spec.QuantSpec``): the recipe kind, the FP8 format (the
-    forward one for inputs and weights, the backward one for gradients), block rows (128 for
-    128x128 blocks, 16 for NVFP4's 16x16 tiles), power-of-two scales and NVFP4's options (an
-    operand's from its QParams field, ``fp4_quant_*`` / ``fp8_quant_*``: :func:`_checked_qparams`
-    refuses an option no kernel applies to that operand). The
-    one place a recipe's fields are read: :func:`gemm_args`, ``te_compile.quantize``,
-    ``ops.Quantize`` and FP8 primary weights build on it. MXFP8 and NVFP4 GEMMs are emulated
-    (``emulate``; native ones need Blackwell); Float8BlockScaling's are native, and
-    :func:`gemm_args` emulates them where cuBLAS cannot run them."""
+    """How ``recipe`` quantises a GEMM's input, weight and gradient (``ROLES``) as
+    ``functional.spec.QuantSpec``s: the kind, the FP8 format (forward for inputs and weights,
+    backward for gradients), block rows, power-of-two scales and NVFP4's options (from each
+    operand's QParams field; :func:`_checked_qparams` refuses one no kernel applies). The one
+    place a recipe's fields are read (:func:`gemm_args`, ``te_compile.quantize``,
+    ``ops.Quantize``, FP8 primary weights). MXFP8 and NVFP4 GEMMs are emulated (native ones
+    need Blackwell); Float8BlockScaling's are native (:func:`gemm_args` may emulate them)."""
     if torch.compiler.is_compiling():  # dynamo specialises on the recipe: built in the graph
         return _recipe_specs(recipe)
     memo = recipe.memo()  # eager: once per recipe and field values, not once per GEMM call
@@ -425,33 +412,15 @@ def gemm_args(
     *,
     grouped: bool = False,
 ) -> GemmArgs:
-    """The GEMM family arguments of ``state``'s recipe (``backward_override``: the recipe's, ``""``
-    for None) for GEMMs with these ``weights`` (2-D,
-    or ``[G, N, K]`` with ``grouped``) and input, with the delayed-scaling state of ``metas``
-    (one per GEMM: under DelayedScaling this folds the last amaxes into the history and
-    computes the scales, ``FP8GemmState.delayed_scale``; at a state's first delayed step, the
-    calibration, every GEMM of the call runs current scaling and records its amaxes).
-
-    The formats, block sizes and power-of-two scales are those :func:`recipe_specs` gives
-    each operand. Float8BlockScaling runs native blockwise GEMMs on a GPU with blockwise-scaled
-    ``_scaled_mm`` (Hopper, CUDA 12.9+) where cuBLAS takes the operands
-    (``functional.blockwise_supported``; a grouped GEMM also needs a bf16 input), and is
-    emulated elsewhere; MXFP8 and NVFP4 are emulated (native GEMMs need Blackwell)."""
+    """The GEMM family arguments of ``state``'s recipe (:func:`recipe_specs`'s specs) for GEMMs
+    with these ``weights`` (2-D, or ``[G, N, K]`` with ``grouped``) and input, with the
+    delayed-scaling state of ``metas``, one per GEMM (``FP8GemmState.delayed_scale``: a state's
+    first delayed step runs current scaling). Float8BlockScaling runs native blockwise GEMMs
+    (Hopper, CUDA 12.9+) where cuBLAS takes the operands (``functional.blockwise_supported``; a
+    grouped GEMM also needs a bf16 input), emulated elsewhere; MXFP8 and NVFP4 are emulated."""
     if not state.enabled:
         return _HIGH_ARGS
     _note_recipe(owner, state, metas)
-    return _recipe_args(owner, state, inp, weights, metas, grouped)
-
-
-def _note_recipe(owner: str, state: AutocastState, metas: Sequence[FP8GemmState]) -> None:
-    """Each GEMM state remembers the recipe class of its last eager FP8 or calibration call and
-    warns when it changes (``FP8GemmState.note_recipe``); not while dynamo traces."""
-    if not torch.compiler.is_compiling():
-        for meta in metas:
-            meta.note_recipe(owner, state.recipe)
-
-
-def _recipe_args(owner, state, inp, weights, metas, grouped) -> GemmArgs:
     recipe = state.recipe
     override = recipe.backward_override or ""
     specs = x, w, g = recipe_specs(recipe)
@@ -492,6 +461,14 @@ def _recipe_args(owner, state, inp, weights, metas, grouped) -> GemmArgs:
         check_power_2_scales(owner, recipe)
     specs = _respecified(recipe, specs, key, kind=kind, emulate=_EMULATE)
     return GemmArgs(specs, scales, grad_amaxes, override)
+
+
+def _note_recipe(owner: str, state: AutocastState, metas: Sequence[FP8GemmState]) -> None:
+    """Each GEMM state remembers the recipe class of its last eager FP8 or calibration call and
+    warns when it changes (``FP8GemmState.note_recipe``); not while dynamo traces."""
+    if not torch.compiler.is_compiling():
+        for meta in metas:
+            meta.note_recipe(owner, state.recipe)
 
 
 def _respecified(recipe: Recipe, specs: tuple, key: tuple, **changes: Any) -> tuple:
@@ -537,14 +514,6 @@ def _amax(t: Tensor) -> Tensor:
     if t.numel() == 0:
         return t.new_zeros((), dtype=torch.float32)
     return t.abs().amax().float()
-
-
-def _no_grad_norm(inp: Tensor, norm: Norm | None) -> Tensor:
-    """The GEMM input of a prologue (the norm's output), for its amax only."""
-    if norm is None:
-        return inp
-    with torch.no_grad():
-        return _apply_norm(inp.detach(), norm)
 
 
 def quantized() -> bool:
@@ -594,8 +563,10 @@ def linear(
     (``delay_wgrad_compute``): ``(DeferredWgrad, weight)`` is appended."""
     state = get_autocast_state()
     kind = primary_kind(owner, state, cache_name, weight_quantized)
-    if state.calibration:
-        state = calibrate(owner, state, (meta,), (_no_grad_norm(inp, norm),), (weight,))
+    if state.calibration:  # a prologue's GEMM input is the norm's output: computed for its amax
+        with torch.no_grad():
+            x = inp if norm is None else _apply_norm(inp.detach(), norm)
+        state = calibrate(owner, state, (meta,), (x,), (weight,))
     if epilogue.get("save_original_input") and state.enabled:
         _refuse_delayed(owner, state)
     if defer is not None and not weight.requires_grad:
@@ -617,19 +588,14 @@ def linear(
         specs["weight_spec"] = replace(specs["weight_spec"], four_over_six="")
     if args.backward_override:
         kw["backward_override"] = args.backward_override
-    if args.recipe not in PER_TENSOR:
-        out = F.linear(inp, weight, bias, main_grad=main_grad, **specs, **kw)
-    else:
-        out, *rest, amax = F.linear(
-            inp, weight, bias, main_grad=main_grad, **specs, scale=args.scales[0],
-            grad_amax=args.grad_amaxes[0], return_amax=True, **kw,
-        )  # fmt: skip
-        meta.record(amax, state)
-        out = (out, *rest) if rest else out
-    if defer is None:
-        return out
-    *out, deferred = out
-    defer.append((deferred, weight))
+    if args.recipe in PER_TENSOR:
+        kw.update(scale=args.scales[0], grad_amax=args.grad_amaxes[0], return_amax=True)
+    out = F.linear(inp, weight, bias, main_grad=main_grad, **specs, **kw)
+    out = list(out) if isinstance(out, tuple) else [out]  # (out, branch?, deferred?, amax?)
+    if args.recipe in PER_TENSOR:
+        meta.record(out.pop(), state)
+    if defer is not None:
+        defer.append((out.pop(), weight))
     return tuple(out) if len(out) > 1 else out[0]
 
 
@@ -663,20 +629,13 @@ def mlp(
     defer: list | None = None,
 ) -> Tensor:
     """``fc2(activation(fc1(norm(inp))))`` through ``te::mlp`` with the autocast state's
-    recipe (high precision outside it); ``metas``: the two GEMMs' FP8 states, used as two
-    :func:`linear` calls would use them (``_FUSE_MLP = False``: two :func:`linear` calls around
-    the activation op; also where :func:`mlp_as_two_linears` names what ``te::mlp`` does not
-    implement).
-    ``activation_params``: keyword arguments of the activation (``clamped_swiglu``'s ``limit``,
-    ``alpha``, ``glu_linear_offset``). ``main_grads``: the two weights' fp32 ``main_grad``
-    buffers (``fuse_wgrad_accumulation``), which ``te::mlp``'s backward accumulates into
-    (``main_grad1`` / ``main_grad2``). ``recompute_fc1``: the norm, FC1 and the activation
-    are recomputed in the backward (:func:`~te_compile.checkpoint`, FP8 state included) rather
-    than their outputs saved; FC2 runs once. ``cache``: the module's kept FP8 weights
-    (``is_first_microbatch``, entries ``"fc1_weight"`` and ``"fc2_weight"``), handed to
-    ``te::mlp`` (or ``te::linear``) as pre-quantised weights. ``weights_quantized``: the two
-    weights' pre-quantised operands (FP8 primary weights). ``defer``: both weight gradients are
-    delayed (:func:`linear`'s ``defer``)."""
+    recipe, each GEMM as :func:`linear` runs one (``metas``: their FP8 states; ``main_grads``,
+    ``weights_quantized``: per weight; ``cache`` entries ``"fc1_weight"`` / ``"fc2_weight"``;
+    ``defer``: both weight gradients), or as two :func:`linear` calls around the activation op
+    where :func:`mlp_as_two_linears` says (or ``_FUSE_MLP = False``). ``activation_params``:
+    ``clamped_swiglu``'s ``limit``, ``alpha``, ``glu_linear_offset``. ``recompute_fc1``: the
+    norm, FC1 and the activation are recomputed in the backward (:func:`~te_compile.checkpoint`,
+    FP8 state included) rather than their outputs saved; FC2 runs once."""
     act_kw = activation_params or {}
     state = get_autocast_state()
     by_op = mlp_as_two_linears(state, recompute_fc1, defer)
@@ -708,11 +667,9 @@ def mlp(
     kw["fc2_weight_quantized"] = q2 or cached_weight(args, fc2_weight, cache, "fc2_weight", 1)
     if args.recipe not in PER_TENSOR:
         return F.mlp(inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, **kw)
-    (s1, s2), (g1, g2) = args.scales, args.grad_amaxes
-    out, amax = F.mlp(
-        inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, scale1=s1, scale2=s2,
-        grad_amax1=g1, grad_amax2=g2, return_amax=True, **kw,
-    )  # fmt: skip
+    (s1, s2), (a1, a2) = args.scales, args.grad_amaxes
+    kw.update(scale1=s1, scale2=s2, grad_amax1=a1, grad_amax2=a2, return_amax=True)
+    out, amax = F.mlp(inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, **kw)
     metas[0].record(amax, state, metas[1])
     return out
 
@@ -799,12 +756,8 @@ def grouped_linear(
         )  # fmt: skip
         meta.record(amax, state)
     else:  # current scaling measures no amaxes (a read each)
-        out, *rest = _as_tuple(F.grouped_linear(inp, m_splits, weight, bias, main_grad=main_grad,
-                                                **kw))  # fmt: skip
+        out = F.grouped_linear(inp, m_splits, weight, bias, main_grad=main_grad, **kw)
+        out, *rest = out if isinstance(out, tuple) else (out,)
     if rest:
         defer.append((rest[0], weight))
     return out
-
-
-def _as_tuple(result: Tensor | tuple) -> tuple:
-    return result if isinstance(result, tuple) else (result,)
