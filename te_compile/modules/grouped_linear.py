@@ -256,7 +256,8 @@ class GroupedLinear(GroupedParameters, DelayedWgrad, nn.Module):
 
     # Parameters in either layout ---------------------------------------------------------------
 
-    # (weights(), biases(), allocate_main_grad(): ops.linear.GroupedParameters)
+    # (weights(), biases(), allocate_main_grad(), _primary_main_grad():
+    # ops.linear.GroupedParameters)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -323,13 +324,6 @@ class GroupedLinear(GroupedParameters, DelayedWgrad, nn.Module):
             weight = _AddToMainGrads.apply(weight, buffer, *main_grads)
         return weight, buffer, main_grads
 
-    def _primary_main_grad(self, params: tuple[Tensor, ...]) -> Tensor | None:
-        """The ``[num_gemms, out, in]`` fp32 buffer FP8 primary weights' gradient goes to
-        (``FP8MasterWeights`` allocates it); None where no gradient is wanted."""
-        main_grad = (getattr(self.weight, "main_grad", None) if self.single_weight
-                     else getattr(self, "_main_grad_buffer", None))  # fmt: skip
-        return _primary.required_main_grad("GroupedLinear", main_grad, params[0])
-
     # Forward -------------------------------------------------------------------------------------
 
     @eager_when_delaying_wgrad
@@ -350,7 +344,7 @@ class GroupedLinear(GroupedParameters, DelayedWgrad, nn.Module):
         weight_q = None
         if primary is not None:  # FP8 primary weights: their gradient goes to main_grad
             weight, weight_q = primary
-            main_grad = self._primary_main_grad(params)
+            main_grad = self._primary_main_grad()
         elif self.single_weight:
             weight = self.weight
             main_grad = self._main_grad() if self.fuse_wgrad_accumulation else None

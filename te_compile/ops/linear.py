@@ -353,6 +353,15 @@ class GroupedParameters:
         self._main_grad_buffer = buffer
         return buffer
 
+    def _primary_main_grad(self) -> Tensor | None:
+        """The ``[num_groups, out, in]`` fp32 buffer FP8 primary weights' gradient goes to
+        (``FP8MasterWeights`` allocates it); None where no gradient is wanted."""
+        single = self.single_grouped_weight
+        main_grad = (getattr(self.weight, "main_grad", None) if single
+                     else getattr(self, "_main_grad_buffer", None))  # fmt: skip
+        first = self.weight if single else self.weight0
+        return primary.required_main_grad("GroupedLinear", main_grad, first)
+
 
 class GroupedLinear(GroupedParameters, BasicOperation):
     r"""One linear layer per group of rows (mixture-of-experts experts):
@@ -469,10 +478,7 @@ class GroupedLinear(GroupedParameters, BasicOperation):
         fp8 = primary.grouped_primary(self, self._weight_names(), x.dtype)
         if fp8 is not None:  # FP8 primary weights: the gradient goes to the main_grad buffer
             weight, weight_q = fp8
-            first = self.weight if self.single_grouped_weight else self.weight0
-            main_grad = (getattr(self.weight, "main_grad", None) if self.single_grouped_weight
-                         else getattr(self, "_main_grad_buffer", None))  # fmt: skip
-            main_grad = primary.required_main_grad("GroupedLinear", main_grad, first)
+            main_grad = self._primary_main_grad()
         bias = None if self.scale_bias else self._grouped_bias()
         out = gemm.grouped_linear("GroupedLinear", self.fp8_meta, x, m_splits, weight, bias,
                                   main_grad=main_grad, weight_quantized=weight_q)  # fmt: skip
