@@ -40,13 +40,10 @@ Pre-quantised weight: ``weight_q``, as ``te::linear``'s, cast by ``te::quantize_
 (``functional.grouped_weight``, the bytes of the op's own cast); ``saved`` then lacks the
 weight's copies (the backward gets them from the inputs).
 
-Under ``torch.compile`` Inductor traces into a high-precision call on CUDA that takes the
-``torch._grouped_mm`` path (bf16, sizes multiples of 8, the splits on the input's device): it
-then launches the grouped GEMMs itself. Every other call is kept whole (``kept_whole``:
-:func:`host_split_path`), as its path reads the splits on the host (the per-group loops, the
-blockwise GEMMs, the emulation) or has not been validated traced (the per-tensor FP8 GEMMs).
-Weight-gradient fusion: ``main_grad`` (fp32, weight's shape) receives ``+= dW``
-instead of a ``dweight`` output, as in ``te::linear_bwd``.
+Under ``torch.compile`` Inductor traces into a high-precision call on CUDA on the
+``torch._grouped_mm`` path; every other call is kept whole (:func:`host_split_path`; the
+reasons are in ``docs/op_mechanism.md``). Weight-gradient fusion: ``main_grad`` (fp32, weight's
+shape) receives ``+= dW`` instead of a ``dweight`` output, as in ``te::linear_bwd``.
 
 This file holds the ops (reference, schemas, fakes, autograd) and the public function; beside
 it, ``grouped_linear_args.py`` (the arguments and their checks) and ``grouped_linear_samples.py``
@@ -290,13 +287,10 @@ def _reference(*args):
     if not x.kind:
         return grouped_linear_ref(inp, a.m_splits, weight, bias)
     splits = a.m_splits.tolist()
-    if grouped_gemm_kind(x.kind, x.emulate) == "blockwise":
-        outs, row = [inp.new_zeros(0, weight.shape[1])], 0
-        for i, m in enumerate(splits):
-            if m:
-                outs.append(quantized_linear_ref(inp[row : row + m], weight[i], x, w, g))
-            row += m
-        out = torch.cat(outs)
+    if grouped_gemm_kind(x.kind, x.emulate) == "blockwise":  # the dense op's, per expert
+        outs = [quantized_linear_ref(x_i, weight[i], x, w, g)
+                for i, x_i in enumerate(inp.split(splits)) if x_i.shape[0]]  # fmt: skip
+        out = torch.cat([inp.new_zeros(0, weight.shape[1]), *outs])
     else:
         out = _RefGrouped.apply(inp, weight, splits, a.grouped_recipe)
     if bias is not None:
