@@ -38,7 +38,7 @@ from te_compile.ops.op import BasicOperation, FusibleOperation, OpOutput, check_
 from te_compile.quantization import fp8_gemm, gemm, primary
 from te_compile.quantization.te_extra_state import accept_te_extra_state
 
-__all__ = ["BasicLinear", "Bias", "GroupedLinear", "GroupedParameters", "Linear"]
+__all__ = ["BasicLinear", "Bias", "GroupedLinear", "Linear"]
 
 DEFAULT_INIT_STD = 0.023  # Transformer Engine's default weight init std
 
