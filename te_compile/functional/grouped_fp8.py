@@ -35,15 +35,12 @@ state's first step runs current scaling and records them.
 
 CUDA (bf16): ``torch._scaled_grouped_mm(a_8, b_8.transpose(-2, -1), scale_a [M], scale_b [G,
 N], offs=offs, out_dtype=bfloat16)`` on device offsets (no host sync). That kernel takes E4M3
-operands only and gives a bf16 output only. An E5M2 operand (the gradient under ``HYBRID``)
-goes in as the E4M3 codes of its values times ``2**-7``, its inverse scales times 128
-(:func:`as_e4m3`): E5M2's largest value 57344 becomes E4M3's 448 and its 2 mantissa bits fit in
-E4M3's 3, so every E5M2 value down to ``amax / 57344`` of its slice is exact and the smaller
-ones are rounded to E4M3's subnormal grid (an error of at most ``amax * 2**-18.8`` on elements
-below ``amax * 2**-15.8``). The emulation applies the same recoding, so the two paths see the
-same codes. float32 / float16 inputs, the CPU and ``emulate`` use the exact emulation per group:
-the same FP8 values and scales, the GEMM of the FP8 values in fp32, the scales applied to the
-fp32 accumulator, the bias added in fp32, rounded once. Zero rows get scale 1 (no NaN).
+operands only: an E5M2 operand (the gradient under ``HYBRID``) goes in as the E4M3 codes of its
+values times ``2**-7``, its inverse scales times 128 (:func:`as_e4m3`; ``docs/fp8.md`` gives
+the error bound), on every path, so all see the same codes. float32 / float16 inputs, the CPU
+and ``emulate`` use the exact emulation per group: the same FP8 values and scales, the GEMM of
+the FP8 values in fp32, the scales applied to the fp32 accumulator, the bias added in fp32,
+rounded once. Zero rows get scale 1 (no NaN).
 """
 
 from __future__ import annotations
@@ -132,11 +129,10 @@ def _gemm_loop(
 
 def as_e4m3(q: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
     """A GEMM operand in E4M3 codes: E4M3 ``q`` as is; E5M2 ``q`` recoded to the E4M3 codes of
-    its values times ``2**-7`` with its inverse scales ``s`` times 128 (exact for every value
-    of magnitude 1 or more, i.e. down to ``amax / 57344`` of its slice; smaller ones are
-    rounded to E4M3's subnormal grid: ``kernels.e5m2_to_e4m3_table``). Hopper's grouped
-    FP8 GEMM takes E4M3 operands only; every grouped GEMM here, on any device, sees the same
-    codes."""
+    its values times ``2**-7`` with its inverse scales ``s`` times 128
+    (``kernels.e5m2_to_e4m3_table``; exact down to ``amax / 57344`` of a slice, ``docs/fp8.md``).
+    Hopper's grouped FP8 GEMM takes E4M3 operands only; every grouped GEMM here, on any
+    device, sees the same codes."""
     if q.dtype is not torch.float8_e5m2:
         return q, s
     if q.is_cuda:
@@ -155,9 +151,8 @@ def _gemm_grouped(
     """The grouped GEMM of :func:`_gemm_loop` on device offsets, bf16 output, no host sync:
     ``torch._scaled_grouped_mm`` on the E4M3 codes of the operands (:func:`as_e4m3`; ``a``
     row-major, ``b`` column-major, scales ``[M]`` and ``[G, P]`` fp32; ``fast_accum``: Hopper's
-    fast FP8 accumulation, which the forward GEMM uses as ``te::linear``'s per-tensor one does,
-    ~20% faster at 32768 x 4096 -> 2048 on the H100, 2026-11-23; the dgrad promotes its partial
-    sums to fp32).
+    fast FP8 accumulation, the forward GEMM's as ``te::linear``'s per-tensor one; the dgrad
+    promotes its partial sums to fp32).
     CPU tensors (tests of this path): the bf16 grouped GEMM of the same FP8 values, scales
     after in fp32."""
     aq, sa = as_e4m3(aq, sa)
@@ -176,12 +171,9 @@ def _gemm_grouped(
 
 def _balanced(sa: Tensor, sb: Tensor) -> tuple[Tensor, Tensor]:
     """``(sa * 2**-s, sb * 2**s)``: the same products ``sa[i] * sb[j]`` (exactly: powers of
-    two), the largest exponents of the two evened out. An input at the bf16 max under current
-    scaling (a row scale near 2**119) gave a non-finite ``torch._scaled_grouped_mm`` result on
-    the H100: the fp32 accumulator times that scale overflows if the two scales are applied one
-    after the other. Two reductions and two multiplications on the scale vectors, no host
-    sync: on CUDA one Triton launch (``kernels.quantize_rows.balance_scales``; the torch ops below
-    are ten launches, about 130 us of host time per GEMM in eager on the H100)."""
+    two), the largest exponents of the two evened out, so that the fp32 accumulator times one
+    scale cannot overflow before the other brings it back (``docs/fp8.md``). No host sync; on
+    CUDA one Triton launch (``kernels.quantize_rows.balance_scales``) for the ten below."""
     if sa.is_cuda:
         from te_compile.kernels import quantize_rows
 
@@ -201,10 +193,8 @@ def _quantize_weight_dgrad(
     transposed (the inverse scales are the forward's: None). CUDA: one Triton kernel reads
     ``weight`` along ``K`` and writes the FP8 data transposed
     (``kernels.quantize_rows.quantize_columnwise_transposed``, bit-identical to the paths below:
-    the kernel tests check it). The path below first copies the transposed bf16 weight (a
-    strided copy: most likely the 0.5 ms element-wise kernel of the H100 profile, 2026-11-22); a
-    strided uint8 transpose of the codes took 0.48 ms at 8 x 2048 x 4096 on the H100
-    (2026-11-22)."""
+    the kernel tests check it), where a strided copy of the weight or of its codes took about
+    0.5 ms at 8 x 2048 x 4096 on the H100."""
     if weight.is_cuda and weight.dtype in HIGH_DTYPES:
         from te_compile.kernels import quantize_rows
 

@@ -40,13 +40,10 @@ Pre-quantised weight: ``weight_q``, as ``te::linear``'s, cast by ``te::quantize_
 (``functional.grouped_weight``, the bytes of the op's own cast); ``saved`` then lacks the
 weight's copies (the backward gets them from the inputs).
 
-Under ``torch.compile`` Inductor traces into a high-precision call on CUDA that takes the
-``torch._grouped_mm`` path (bf16, sizes multiples of 8, the splits on the input's device): it
-then launches the grouped GEMMs itself. Every other call is kept whole (``kept_whole``:
-:func:`host_split_path`), as its path reads the splits on the host (the per-group loops, the
-blockwise GEMMs, the emulation) or has not been validated traced (the per-tensor FP8 GEMMs).
-Weight-gradient fusion: ``main_grad`` (fp32, weight's shape) receives ``+= dW``
-instead of a ``dweight`` output, as in ``te::linear_bwd``.
+Under ``torch.compile`` Inductor traces into a high-precision call on CUDA on the
+``torch._grouped_mm`` path; every other call is kept whole (:func:`host_split_path`; the
+reasons are in ``docs/op_mechanism.md``). Weight-gradient fusion: ``main_grad`` (fp32, weight's
+shape) receives ``+= dW`` instead of a ``dweight`` output, as in ``te::linear_bwd``.
 
 This file holds the ops (reference, schemas, fakes, autograd) and the public function; beside
 it, ``grouped_linear_args.py`` (the arguments and their checks) and ``grouped_linear_samples.py``
@@ -155,7 +152,9 @@ def grouped_linear_ref(
 def _fake_quant(x: Tensor, fp8_dtype: torch.dtype, dim: int, scale: Tensor | None = None) -> Tensor:
     """Quantised-dequantised ``x`` (exact in float64): rowwise along ``dim``, or with the given
     per-tensor ``scale`` (``[1]``, delayed scaling); E5M2 values as the grouped GEMMs take them,
-    recoded to E4M3 (:func:`as_e4m3`)."""
+    recoded to E4M3 (:func:`as_e4m3`). An empty token group stays empty."""
+    if x.shape[0] == 0:
+        return x
     if scale is None:
         data, scale_inv = quantize_rowwise(x, fp8_dtype, dim, e4m3_codes=True)
         scale_inv = scale_inv.unsqueeze(dim)
@@ -164,12 +163,6 @@ def _fake_quant(x: Tensor, fp8_dtype: torch.dtype, dim: int, scale: Tensor | Non
         data, scale_inv = as_e4m3(data.view(x.shape), scale_inv)
     acc = acc_dtype(x)
     return (data.to(acc) * scale_inv.to(acc)).to(x.dtype)
-
-
-def _fake_quant_columns(x_g: Tensor, fp8_dtype: torch.dtype, scale: Tensor | None) -> Tensor:
-    """A token group's wgrad operand: each column quantised over the group's rows (or with the
-    per-tensor ``scale``), dequantised; an empty group stays empty."""
-    return x_g if x_g.shape[0] == 0 else _fake_quant(x_g, fp8_dtype, 0, scale)
 
 
 def _ref_operands(x: Tensor, w: Tensor, splits: list[int], r: GroupedRecipe) -> tuple[Tensor, ...]:
@@ -213,7 +206,7 @@ def _ref_copies(x: Tensor, w: Tensor, splits: list[int], r: GroupedRecipe) -> tu
     if r.recipe in PER_TENSOR:
         s_x, s_w, _ = scale_slots(r.scale, r.recipe)
         w_col = _fake_quant(w, r.fwd_dtype, 1, s_w)
-        x_cols = [_fake_quant_columns(x_g, r.fwd_dtype, s_x) for x_g in x.split(splits)]
+        x_cols = [_fake_quant(x_g, r.fwd_dtype, 0, s_x) for x_g in x.split(splits)]
         return xq, wq, torch.cat(x_cols) if r.fp8_wgrad else x, w_col
     w_rows = r.weight_block_rows if r.recipe == "block" else 1
     w_col = wq if w_rows != 1 else torch.stack([_ref_columns(w_g, r, r.fwd_dtype) for w_g in w])
@@ -235,7 +228,7 @@ def _ref_grads(dy: Tensor, splits: list[int], r: GroupedRecipe) -> tuple[Tensor,
         g_row = _fake_quant(dy, r.bwd_dtype, -1, g_slot)
         if not r.fp8_wgrad:
             return g_row, dy.split(splits)
-        return g_row, [_fake_quant_columns(d, r.bwd_dtype, g_slot) for d in dy.split(splits)]
+        return g_row, [_fake_quant(d, r.bwd_dtype, 0, g_slot) for d in dy.split(splits)]
     g_row = qdq(dy, r.recipe, r.bwd_dtype, 1, r.recipe == "block" and r.power_2_scale)
     return g_row, [_ref_columns(d, r, r.bwd_dtype) for d in dy.split(splits)]
 
@@ -294,13 +287,10 @@ def _reference(*args):
     if not x.kind:
         return grouped_linear_ref(inp, a.m_splits, weight, bias)
     splits = a.m_splits.tolist()
-    if grouped_gemm_kind(x.kind, x.emulate) == "blockwise":
-        outs, row = [inp.new_zeros(0, weight.shape[1])], 0
-        for i, m in enumerate(splits):
-            if m:
-                outs.append(quantized_linear_ref(inp[row : row + m], weight[i], x, w, g))
-            row += m
-        out = torch.cat(outs)
+    if grouped_gemm_kind(x.kind, x.emulate) == "blockwise":  # the dense op's, per expert
+        outs = [quantized_linear_ref(x_i, weight[i], x, w, g)
+                for i, x_i in enumerate(inp.split(splits)) if x_i.shape[0]]  # fmt: skip
+        out = torch.cat([inp.new_zeros(0, weight.shape[1]), *outs])
     else:
         out = _RefGrouped.apply(inp, weight, splits, a.grouped_recipe)
     if bias is not None:
@@ -544,9 +534,6 @@ def _setup_context(ctx, inputs, output) -> None:
     a = GroupedLinearArgs(*inputs)
     _out, saved = output
     ctx.mark_non_differentiable(*saved)
-    recipe = a.recipe
-    if recipe in PER_TENSOR and appends_amaxes(recipe, a.grad_amax):
-        saved = saved[:-1]  # the amaxes: for the caller
     tensors, ctx.scalars = _for_backward(a, saved)
     # main_grad and grad_amax (positions 3 and 5): written by the backward.
     save_for_backward_except_written(ctx, (*tensors, a.wgrad_stash), (3, 5))
@@ -554,11 +541,13 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _for_backward(a: GroupedLinearArgs, saved: list[Tensor]) -> tuple[tuple, tuple]:
-    """What the backward op takes from a forward call (the tensors, then the strings). The
-    input is read by a high-precision wgrad (not by FP8 wgrads, the native blockwise GEMMs
-    or the emulation, which saved their own copies) and by a backward that quantises it again
-    (``save_input``)."""
+    """What the backward op takes from a forward call's ``saved`` (the tensors, then the
+    strings); the amaxes ending ``saved`` are the caller's. The input is read by a
+    high-precision wgrad (not by FP8 wgrads, the native blockwise GEMMs or the emulation, which
+    saved their own copies) and by a backward that quantises it again (``save_input``)."""
     x, bw = a.specs[0], a.bw
+    if appends_amaxes(x.kind, a.grad_amax):
+        saved = saved[:-1]
     if bw.override:  # high precision's backward on the high-precision or dequantised X and W
         inp, weight = saved if bw.override == "dequantized" else (a.inp, a.weight)
         return (inp, a.m_splits, weight, a.main_grad, None, None, None), ("", "", "", "")
@@ -684,8 +673,6 @@ def grouped_linear(
 
 def _deferred(args: tuple, saved: list[Tensor]) -> DeferredWgrad:
     a = GroupedLinearArgs(*args)
-    if a.recipe in PER_TENSOR and appends_amaxes(a.recipe, a.grad_amax):
-        saved = saved[:-1]
     tensors, scalars = _for_backward(a, saved)
 
     def replay(grad: Tensor) -> Tensor | None:

@@ -75,6 +75,7 @@ from te_compile.modules._common import (
     params_dtype_or_default,
     rng_fork,
 )
+from te_compile.ops.linear import GroupedParameters
 from te_compile.quantization import fp8_gemm as _fp8
 from te_compile.quantization import gemm as _gemm
 from te_compile.quantization import primary as _primary
@@ -83,7 +84,7 @@ from te_compile.quantization.te_extra_state import accept_te_extra_state
 __all__ = ["GroupedLinear"]
 
 
-class GroupedLinear(DelayedWgrad, nn.Module):
+class GroupedLinear(GroupedParameters, DelayedWgrad, nn.Module):
     """``num_gemms`` independent linear layers applied to consecutive groups of rows.
 
     Args:
@@ -221,6 +222,10 @@ class GroupedLinear(DelayedWgrad, nn.Module):
         return self.tp.mode
 
     @property
+    def num_groups(self) -> int:
+        return self.num_gemms
+
+    @property
     def single_grouped_parameter(self) -> bool:
         """One ``weight`` and one ``bias`` (both single layouts)."""
         return self.single_weight and self.single_bias
@@ -251,23 +256,8 @@ class GroupedLinear(DelayedWgrad, nn.Module):
 
     # Parameters in either layout ---------------------------------------------------------------
 
-    def _weight_names(self) -> tuple[str, ...]:
-        if self.single_weight:
-            return ("weight",)
-        return tuple(f"weight{i}" for i in range(self.num_gemms))
-
-    def weights(self) -> list[Tensor]:
-        """Every group's ``[out, in]`` weight (views of ``weight`` in the single layout)."""
-        if self.single_weight:
-            return list(self.weight.unbind(0))
-        return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
-
-    def biases(self) -> list[Tensor] | None:
-        if not self.use_bias:
-            return None
-        if self.single_bias:
-            return list(self.bias.unbind(0))
-        return [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
+    # (weights(), biases(), allocate_main_grad(), _primary_main_grad():
+    # ops.linear.GroupedParameters)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -279,23 +269,6 @@ class GroupedLinear(DelayedWgrad, nn.Module):
                 self.init_method(w)
         for b in self.biases() or ():
             b.zero_()
-
-    def allocate_main_grad(self) -> Tensor:
-        """Allocate (zeroed) the fp32 ``[num_gemms, out, in]`` buffer weight gradients are
-        accumulated into with ``fuse_wgrad_accumulation``, and point every weight's
-        ``main_grad`` at it (``weight.main_grad`` or ``weight{i}.main_grad = buffer[i]``)."""
-        first = self.weights()[0]
-        shape = (self.num_gemms, self.out_features, self.in_features)
-        buffer = torch.zeros(shape, dtype=torch.float32, device=first.device)
-        if self.single_weight:
-            self.weight.main_grad = buffer
-        else:
-            for i, w in enumerate(self.weights()):
-                w.main_grad = buffer[i]
-            # The views, to recognise them in the forward (then the op accumulates into buffer).
-            self._main_grad_views = tuple(w.main_grad for w in self.weights())
-        self._main_grad_buffer = buffer
-        return buffer
 
     def _main_grad(self) -> Tensor:
         main_grad = getattr(self.weight, "main_grad", None)
@@ -351,13 +324,6 @@ class GroupedLinear(DelayedWgrad, nn.Module):
             weight = _AddToMainGrads.apply(weight, buffer, *main_grads)
         return weight, buffer, main_grads
 
-    def _primary_main_grad(self, params: tuple[Tensor, ...]) -> Tensor | None:
-        """The ``[num_gemms, out, in]`` fp32 buffer FP8 primary weights' gradient goes to
-        (``FP8MasterWeights`` allocates it); None where no gradient is wanted."""
-        main_grad = (getattr(self.weight, "main_grad", None) if self.single_weight
-                     else getattr(self, "_main_grad_buffer", None))  # fmt: skip
-        return _primary.required_main_grad("GroupedLinear", main_grad, params[0])
-
     # Forward -------------------------------------------------------------------------------------
 
     @eager_when_delaying_wgrad
@@ -378,7 +344,7 @@ class GroupedLinear(DelayedWgrad, nn.Module):
         weight_q = None
         if primary is not None:  # FP8 primary weights: their gradient goes to main_grad
             weight, weight_q = primary
-            main_grad = self._primary_main_grad(params)
+            main_grad = self._primary_main_grad()
         elif self.single_weight:
             weight = self.weight
             main_grad = self._main_grad() if self.fuse_wgrad_accumulation else None
@@ -389,9 +355,7 @@ class GroupedLinear(DelayedWgrad, nn.Module):
         wanted = torch.is_grad_enabled() and any(p.requires_grad for p in params)
         if primary is None and not self.single_weight and self.fuse_wgrad_accumulation and wanted:
             weight, main_grad, into = self._per_weight_accumulation(weight, params, defer)
-        bias = None
-        if self.use_bias:
-            bias = self.bias if self.single_bias else torch.stack(self.biases())
+        bias = self._grouped_bias()
 
         def gemm(x: Tensor, b: Tensor | None) -> Tensor:
             out = _gemm.grouped_linear(

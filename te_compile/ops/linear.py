@@ -306,7 +306,64 @@ class Bias(BasicOperation):
         return f"size={self.size}, dtype={self.bias.dtype}{tp}"
 
 
-class GroupedLinear(BasicOperation):
+class GroupedParameters:
+    """A grouped GEMM's parameters in Transformer Engine's two layouts, for :class:`GroupedLinear`
+    and ``te_compile.GroupedLinear``: one ``weight`` ``[num_groups, out, in]``
+    (``single_grouped_weight``) or ``weight0 .. weight{G-1}``, and likewise the bias."""
+
+    def _weight_names(self) -> tuple[str, ...]:
+        if self.single_grouped_weight:
+            return ("weight",)
+        return tuple(f"weight{i}" for i in range(self.num_groups))
+
+    def weights(self) -> list[Tensor]:
+        """Every group's ``[out, in]`` weight (views of ``weight`` in the single layout)."""
+        if self.single_grouped_weight:
+            return list(self.weight.unbind(0))
+        return [getattr(self, f"weight{i}") for i in range(self.num_groups)]
+
+    def biases(self) -> list[Tensor] | None:
+        """Every group's ``[out]`` bias (views of ``bias`` in the single layout); None without."""
+        if not self.use_bias:
+            return None
+        if self.single_grouped_bias:
+            return list(self.bias.unbind(0))
+        return [getattr(self, f"bias{i}") for i in range(self.num_groups)]
+
+    def _grouped_bias(self) -> Tensor | None:
+        """The ``[G, out]`` bias operand: ``bias``, or the per-group biases stacked."""
+        if not self.use_bias:
+            return None
+        return self.bias if self.single_grouped_bias else torch.stack(self.biases())
+
+    def allocate_main_grad(self) -> Tensor:
+        """The zeroed fp32 ``[num_groups, out, in]`` buffer weight gradients are accumulated into
+        (``fuse_wgrad_accumulation``; FP8 primary weights', which ``FP8MasterWeights``
+        allocates): ``weight.main_grad``, or ``weight{i}.main_grad = buffer[i]`` per group."""
+        weights = self.weights()
+        shape = (self.num_groups, self.out_features, self.in_features)
+        buffer = torch.zeros(shape, dtype=torch.float32, device=weights[0].device)
+        if self.single_grouped_weight:
+            self.weight.main_grad = buffer
+        else:
+            for w, view in zip(weights, buffer.unbind(0), strict=True):
+                w.main_grad = view
+            # The views, to recognise them in the forward (then the op accumulates into buffer).
+            self._main_grad_views = tuple(w.main_grad for w in weights)
+        self._main_grad_buffer = buffer
+        return buffer
+
+    def _primary_main_grad(self) -> Tensor | None:
+        """The ``[num_groups, out, in]`` fp32 buffer FP8 primary weights' gradient goes to
+        (``FP8MasterWeights`` allocates it); None where no gradient is wanted."""
+        single = self.single_grouped_weight
+        main_grad = (getattr(self.weight, "main_grad", None) if single
+                     else getattr(self, "_main_grad_buffer", None))  # fmt: skip
+        first = self.weight if single else self.weight0
+        return primary.required_main_grad("GroupedLinear", main_grad, first)
+
+
+class GroupedLinear(GroupedParameters, BasicOperation):
     r"""One linear layer per group of rows (mixture-of-experts experts):
     :math:`y_g = x_g W_g^\top + b_g`, through ``te::grouped_linear_fwd``.
 
@@ -406,46 +463,6 @@ class GroupedLinear(BasicOperation):
         self.reset_parameters()
         primary.make_primary(self, self._weight_names(), "te.ops.GroupedLinear")
 
-    def _weight_names(self) -> tuple[str, ...]:
-        if self.single_grouped_weight:
-            return ("weight",)
-        return tuple(f"weight{i}" for i in range(self.num_groups))
-
-    def weights(self) -> list[Tensor]:
-        """Every group's ``[out, in]`` weight (views of ``weight`` in the single layout)."""
-        if self.single_grouped_weight:
-            return list(self.weight.unbind(0))
-        return [getattr(self, f"weight{i}") for i in range(self.num_groups)]
-
-    def biases(self) -> list[Tensor] | None:
-        """Every group's ``[out]`` bias (views of ``bias`` in the single layout); None without."""
-        if not self.use_bias:
-            return None
-        if self.single_grouped_bias:
-            return list(self.bias.unbind(0))
-        return [getattr(self, f"bias{i}") for i in range(self.num_groups)]
-
-    def allocate_main_grad(self) -> Tensor:
-        """The zeroed fp32 ``[num_groups, out, in]`` buffer the grouped GEMM accumulates FP8
-        primary weights' gradients into (``FP8MasterWeights`` calls it): ``weight.main_grad``,
-        or ``weight{i}.main_grad = buffer[i]`` per group."""
-        weights = self.weights()
-        shape = (self.num_groups, self.out_features, self.in_features)
-        buffer = torch.zeros(shape, dtype=torch.float32, device=weights[0].device)
-        if self.single_grouped_weight:
-            self.weight.main_grad = buffer
-        else:
-            for w, view in zip(weights, buffer.unbind(0), strict=True):
-                w.main_grad = view
-        self._main_grad_buffer = buffer
-        return buffer
-
-    def _grouped_bias(self) -> Tensor | None:
-        """The ``[G, out]`` bias operand: ``bias``, or the per-group biases stacked."""
-        if not self.use_bias:
-            return None
-        return self.bias if self.single_grouped_bias else torch.stack(self.biases())
-
     @torch.no_grad()
     def reset_parameters(self) -> None:
         with primary.high_precision_init(self, self._weight_names()):
@@ -461,10 +478,7 @@ class GroupedLinear(BasicOperation):
         fp8 = primary.grouped_primary(self, self._weight_names(), x.dtype)
         if fp8 is not None:  # FP8 primary weights: the gradient goes to the main_grad buffer
             weight, weight_q = fp8
-            first = self.weight if self.single_grouped_weight else self.weight0
-            main_grad = (getattr(self.weight, "main_grad", None) if self.single_grouped_weight
-                         else getattr(self, "_main_grad_buffer", None))  # fmt: skip
-            main_grad = primary.required_main_grad("GroupedLinear", main_grad, first)
+            main_grad = self._primary_main_grad()
         bias = None if self.scale_bias else self._grouped_bias()
         out = gemm.grouped_linear("GroupedLinear", self.fp8_meta, x, m_splits, weight, bias,
                                   main_grad=main_grad, weight_quantized=weight_q)  # fmt: skip
