@@ -342,9 +342,15 @@ class GroupedLinear(GroupedParameters, DelayedWgrad, nn.Module):
         primary = _primary.grouped_primary(self, self._weight_names(), inp.dtype)
         params = (self.weight,) if self.single_weight else tuple(self.weights())
         weight_q = None
+        wanted = torch.is_grad_enabled() and any(p.requires_grad for p in params)
+        # FP8 primary weights in the default layout whose main_grads the user set, one per
+        # weight{i} (Transformer Engine's tests, Megatron-LM's buffers): as fuse_wgrad_accumulation
+        # below, whatever the flag (their gradient can go nowhere else).
+        own = (primary is not None and not self.single_weight and wanted
+               and all(getattr(p, "main_grad", None) is not None for p in params))  # fmt: skip
         if primary is not None:  # FP8 primary weights: their gradient goes to main_grad
             weight, weight_q = primary
-            main_grad = self._primary_main_grad()
+            main_grad = None if own else self._primary_main_grad()
         elif self.single_weight:
             weight = self.weight
             main_grad = self._main_grad() if self.fuse_wgrad_accumulation else None
@@ -352,8 +358,8 @@ class GroupedLinear(GroupedParameters, DelayedWgrad, nn.Module):
             weight, main_grad = torch.stack(params), None
         defer = self._wgrad_defer(*params)
         into = None  # the weights' own main_grads, loaded into main_grad and back
-        wanted = torch.is_grad_enabled() and any(p.requires_grad for p in params)
-        if primary is None and not self.single_weight and self.fuse_wgrad_accumulation and wanted:
+        per_weight = primary is None and not self.single_weight and self.fuse_wgrad_accumulation
+        if own or (per_weight and wanted):
             weight, main_grad, into = self._per_weight_accumulation(weight, params, defer)
         bias = self._grouped_bias()
 

@@ -701,6 +701,43 @@ def test_grouped_delay_wgrad_compute_gives_the_backward_s_main_grad(recipe, sing
     assert g0.abs().sum() > 0
 
 
+@pytest.mark.parametrize(
+    "recipe",
+    [Float8CurrentScaling, DelayedScaling, Float8BlockScaling, MXFP8BlockScaling],
+    ids=["current", "delayed", "block", "mxfp8"],
+)
+@pytest.mark.parametrize("delay", [False, True], ids=["", "delay_wgrad"])
+def test_grouped_weights_own_main_grads_get_the_buffer_s_gradient(recipe, delay):
+    """Each weight{i} with a main_grad of its own (set by the user, as Transformer Engine's tests
+    and Megatron-LM's gradient buffers do, not FP8MasterWeights' views): the backward adds the
+    weight gradient into each one, bit for bit what FP8MasterWeights' buffer receives, over two
+    steps, and leaves it alone without a gradient to give."""
+    runs = []
+    for own in (False, True):
+        m = _grouped("cpu", recipe(), delay_wgrad_compute=delay)
+        start = [torch.rand(64, 128, generator=torch.Generator().manual_seed(i)) for i in range(G)]
+        if own:
+            for i, g0 in enumerate(start):
+                getattr(m, f"weight{i}").main_grad = g0.clone()
+        else:  # the buffer starts from the same values
+            te.FP8MasterWeights(m)
+            m._main_grad_buffer.copy_(torch.stack(start))
+        for step in range(2):
+            x = _x("cpu", step).requires_grad_()
+            with autocast(recipe=recipe()):
+                m(x, SPLITS).float().square().sum().backward()
+            if delay:
+                m.backward_dw()
+        grads = _grouped_main_grads(m)
+        runs.append((grads, x.grad))
+    (expected, dx0), (got, dx1) = runs
+    assert torch.equal(got, expected) and torch.equal(dx1, dx0)
+    assert not torch.equal(got, torch.stack(start))  # a gradient arrived
+    with torch.no_grad(), autocast(recipe=recipe()):  # no gradient wanted: untouched
+        m(_x("cpu"), SPLITS)
+    assert torch.equal(_grouped_main_grads(m), got)
+
+
 def test_grouped_refused_uses():
     recipe = Float8CurrentScaling()
     m = _grouped("cpu", recipe)
