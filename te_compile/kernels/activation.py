@@ -58,6 +58,8 @@ import triton.language as tl
 from te_compile.kernels import launch, programs_per_sm, size_hint
 
 __all__ = [
+    "ALL_FUNCTIONS",
+    "ALL_GATED",
     "FUNCTION_OF",
     "GATED",
     "FlatConfig",
@@ -94,11 +96,11 @@ FUNCTION_OF: dict[str, int] = {
     "clamped_swiglu": FN_CLAMPED_SILU.value,
 }
 GATED = frozenset({"glu", "geglu", "qgeglu", "reglu", "sreglu", "swiglu", "clamped_swiglu"})
-# Names only these kernels run. ``FUNCTION_OF`` / ``GATED`` list what ``kernels.act_quantize``
+# Every name these kernels run. ``FUNCTION_OF`` / ``GATED`` list the ones ``kernels.act_quantize``
 # also runs (it applies clamped SwiGLU's default parameters as literals and has no SiTU-GLU up
 # branch), so it refuses a name outside them rather than computing it wrong.
-_OWN_FUNCTION_OF = {**FUNCTION_OF, "situglu": FN_SITU.value}
-_OWN_GATED = GATED | {"situglu"}
+ALL_FUNCTIONS = {**FUNCTION_OF, "situglu": FN_SITU.value}
+ALL_GATED = GATED | {"situglu"}
 
 
 # Device functions ----------------------------------------------------------------------------
@@ -461,8 +463,8 @@ def activation_forward(
 
     Arguments are trusted (``te_compile.functional.activation`` validates them). The output is a
     new contiguous tensor of the input's dtype."""
-    fn = _OWN_FUNCTION_OF[activation]
-    gated = activation in _OWN_GATED
+    fn = ALL_FUNCTIONS[activation]
+    gated = activation in ALL_GATED
     x = inp.contiguous()
     if not gated and bias is None:
         out = torch.empty_like(x)
@@ -514,8 +516,8 @@ def activation_backward(
     """``(dinp, dbias)`` for the forward above; ``dbias`` is None unless ``need_dbias`` (which
     needs a bias). ``dbias`` is the column sum of ``dinp`` before its rounding, in fp32, then
     cast to the bias dtype."""
-    fn = _OWN_FUNCTION_OF[activation]
-    gated = activation in _OWN_GATED
+    fn = ALL_FUNCTIONS[activation]
+    gated = activation in ALL_GATED
     x = inp.contiguous()
     g = grad.contiguous()
     dx = torch.empty_like(x)
