@@ -94,6 +94,7 @@ __all__ = [
     "check_activation",
     "check_gated_params",
     "clamped_swiglu",
+    "fused_quantize_runs",
     "gated_activation_ref",
     "geglu",
     "gelu",
@@ -279,6 +280,16 @@ def check_situ_slots(owner: str, beta1: float, beta2: float, glu_linear_offset: 
         f"{owner}: activation 'situglu' has no glu_linear_offset; its slot must be 0.0 (beta1 "
         f"travels in limit, beta2 in alpha), got glu_linear_offset={glu_linear_offset}"
     )
+
+
+def fused_quantize_runs(activation: str, params: tuple[float, float, float]) -> bool:
+    """Whether ``kernels.act_quantize`` (the activation fused into the next GEMM's quantisation,
+    ``te::mlp`` on CUDA) computes ``activation`` with these ``(limit, alpha, glu_linear_offset)``
+    slots: it applies ``clamped_swiglu``'s defaults as literals and has no ``situglu`` up branch,
+    so those take the activation op's path."""
+    if activation == "clamped_swiglu":
+        return params == tuple(CLAMPED_SWIGLU_DEFAULTS.values())
+    return activation != "situglu"
 
 
 def check_activation(

@@ -56,11 +56,11 @@ from torch import Tensor
 from te_compile._checks import FP8_DTYPES, check_bool, check_required, check_same_device
 from te_compile._library import differentiable, op
 from te_compile.functional.activation import (
-    CLAMPED_SWIGLU_DEFAULTS,
     GATED_ACTIVATIONS,
     activation_backward,
     activation_forward,
     activation_ref,
+    fused_quantize_runs,
     gated_activation_ref,
 )
 from te_compile.functional.dense_weight import (
@@ -113,8 +113,6 @@ from te_compile.functional.spec import (
 
 __all__ = ["mlp", "mlp_ref"]
 
-_DEFAULT_PARAMS = tuple(CLAMPED_SWIGLU_DEFAULTS.values())  # (limit, alpha, glu_linear_offset)
-
 
 # 1. Reference math ----------------------------------------------------------------------------
 
@@ -155,11 +153,11 @@ def _act_operand(spec: QuantSpec, z, bias, grad, activation, scale, rows, need_d
     quantised by ``spec``, rows past ``rows`` zero. On CUDA in the fused kernels (per-tensor,
     native 1x128 blocks with the scales in the GEMM's layout); elsewhere the activation op's
     implementation, rounded to ``z``'s dtype, zero rows appended, quantised. ``params``:
-    ``clamped_swiglu``'s ``(limit, alpha, glu_linear_offset)``; the fused kernels apply the
-    defaults only, so other values take the activation op's path. ``slot``: as
+    the activation's ``(limit, alpha, glu_linear_offset)`` slots; the fused kernels run what
+    ``fused_quantize_runs`` admits, the rest takes the activation op's path. ``slot``: as
     ``gemm.quantize_operand``'s."""
     recipe, fp8_dtype = spec.kind, spec.fp8_dtype
-    fused = z.is_cuda and (activation != "clamped_swiglu" or params == _DEFAULT_PARAMS)
+    fused = z.is_cuda and fused_quantize_runs(activation, params)
     if fused and recipe in PER_TENSOR:
         from te_compile.kernels.act_quantize import act_quantize
 

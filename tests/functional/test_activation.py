@@ -685,6 +685,16 @@ def test_bad_input_raises_clear_error(case, mode):
         assert info.type is ValueError
 
 
+def test_fused_quantize_runs_only_what_the_act_quantize_kernels_compute():
+    """kernels.act_quantize applies clamped_swiglu's default parameters as literals and has no
+    situglu up branch: te::mlp sends the rest to the activation op (functional.mlp_ops)."""
+    defaults = tuple(activation.CLAMPED_SWIGLU_DEFAULTS.values())
+    for name in (*ELEMENTWISE, *GATED):
+        assert activation.fused_quantize_runs(name, defaults) == (name != "situglu"), name
+    assert not activation.fused_quantize_runs("clamped_swiglu", (0.75, 1.702, 1.0))
+    assert not activation.fused_quantize_runs("situglu", (4.0, 25.0, 0.0))
+
+
 def test_package_names_are_the_functions():
     """``te.functional.<name>`` is the activation function for every public activation name (a
     submodule of the same name once shadowed ``glu``)."""
