@@ -442,6 +442,18 @@ def test_scaled_glu_after_linear_bias_is_not_fused_with_its_scales_and_compiles(
     assert_close(compiled(x, s), seq(x, s).double(), torch.float32)
 
 
+def test_scaled_situglu_after_linear_bias_compiles_in_one_graph():
+    torch.manual_seed(0)
+    seq = ops.Sequential(
+        ops.BasicLinear(8, 12), ops.Bias(12), ops.ScaledSiTUGLU(2, beta1=0.5, beta2=0.75)
+    )
+    x = torch.randn(4, 8, requires_grad=True)
+    s = torch.rand(4, requires_grad=True)
+    assert_single_graph(seq, x, s)
+    compiled, _ = compile_counted(seq, backend="aot_eager")
+    assert_close(compiled(x, s), seq(x, s).double(), torch.float32)
+
+
 def test_scaled_glu_bad_arguments():
     with pytest.raises(ValueError, match="scales"):
         ops.ScaledSwiGLU()(torch.randn(2, 4), torch.randn(2, 1))
