@@ -32,9 +32,9 @@ with defaults ``beta1=4.0, beta2=25.0`` (both finite and > 0).
 The gated ops carry an activation's parameters in three float slots named after
 ``clamped_swiglu``'s (``limit, alpha, glu_linear_offset``), so that a parametrised activation
 adds no op argument (and no argument to ``te::linear``'s epilogue): ``situglu`` reads
-``beta1`` from ``limit`` and ``beta2`` from ``alpha`` (``SITUGLU_SLOTS`` maps them) and
-requires ``glu_linear_offset == 0``, which it does not have: a caller passing
-``clamped_swiglu``'s defaults (7.0, 1.702, 1.0) for it gets an error, never wrong betas.
+``beta1`` from ``limit`` and ``beta2`` from ``alpha`` and requires ``glu_linear_offset == 0``
+(it has no offset): a caller passing ``clamped_swiglu``'s defaults (7.0, 1.702, 1.0) for it gets
+an error, never wrong betas.
 
 Layout of the gated input, as in Transformer Engine: by default the first half of the last dim is
 :math:`a` and the second half :math:`l`. With ``glu_interleave_size=k`` the last dim holds
@@ -86,7 +86,6 @@ __all__ = [
     "ACTIVATIONS",
     "CLAMPED_SWIGLU_DEFAULTS",
     "GATED_ACTIVATIONS",
-    "SITUGLU_DEFAULTS",
     "activation_backward",
     "activation_forward",
     "activation_ref",
@@ -134,9 +133,6 @@ _FUNCTION = {
 _QGELU_ALPHA = 1.702
 # clamped_swiglu's parameters by name, at their defaults (the ops' signatures spell them out).
 CLAMPED_SWIGLU_DEFAULTS = {"limit": 7.0, "alpha": 1.702, "glu_linear_offset": 1.0}
-# situglu's parameters at their defaults, and the op's slot each travels in (module docstring).
-SITUGLU_DEFAULTS = {"beta1": 4.0, "beta2": 25.0}
-SITUGLU_SLOTS = {"beta1": "limit", "beta2": "alpha"}
 _GELU_C = (2.0 / torch.pi) ** 0.5
 
 
