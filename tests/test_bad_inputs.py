@@ -459,6 +459,8 @@ _OPS: dict[str, tuple[Callable[[], Any], dict[str, Any], Callable[[], dict[str, 
     "Reshape": (te.ops.Reshape, {"shape": (-1, 4)}, None),
     "Sequential": (te.ops.Sequential, {}, None),
     "ClampedSwiGLU": (te.ops.ClampedSwiGLU, {}, None),
+    "SiTUGLU": (te.ops.SiTUGLU, {}, None),
+    "ScaledSiTUGLU": (te.ops.ScaledSiTUGLU, {}, None),
     **{
         n: (getattr(te.ops, n), {}, None)
         for n in (

@@ -21,7 +21,20 @@ half :math:`a` and a linear half :math:`l`, and :math:`y = f(a)\,l` has last dim
         + \mathrm{glu\_linear\_offset}\right)
 
 with defaults ``limit=7.0, alpha=1.702, glu_linear_offset=1.0``; the clamps pass gradient where
-the input is inside the range, bounds included (as ``torch.clamp``).
+the input is inside the range, bounds included (as ``torch.clamp``). ``situglu`` (soft-capped
+SiLU GLU of Kimi K3, Transformer Engine's ``SiTUGLU``) soft-caps both halves with ``tanh``:
+
+.. math::
+    y = \beta_1 \tanh(a/\beta_1)\,\sigma(a)\;\beta_2 \tanh(l/\beta_2)
+
+with defaults ``beta1=4.0, beta2=25.0`` (both finite and > 0).
+
+The gated ops carry an activation's parameters in three float slots named after
+``clamped_swiglu``'s (``limit, alpha, glu_linear_offset``), so that a parametrised activation
+adds no op argument (and no argument to ``te::linear``'s epilogue): ``situglu`` reads
+``beta1`` from ``limit`` and ``beta2`` from ``alpha`` and requires ``glu_linear_offset == 0``
+(it has no offset): a caller passing ``clamped_swiglu``'s defaults (7.0, 1.702, 1.0) for it gets
+an error, never wrong betas.
 
 Layout of the gated input, as in Transformer Engine: by default the first half of the last dim is
 :math:`a` and the second half :math:`l`. With ``glu_interleave_size=k`` the last dim holds
@@ -80,6 +93,7 @@ __all__ = [
     "check_activation",
     "check_gated_params",
     "clamped_swiglu",
+    "fused_quantize_runs",
     "gated_activation_ref",
     "geglu",
     "gelu",
@@ -96,7 +110,9 @@ __all__ = [
 
 _INF = float("inf")
 ACTIVATIONS = ("gelu", "qgelu", "relu", "srelu", "silu")
-GATED_ACTIVATIONS = ("glu", "geglu", "qgeglu", "reglu", "sreglu", "swiglu", "clamped_swiglu")
+GATED_ACTIVATIONS = (
+    "glu", "geglu", "qgeglu", "reglu", "sreglu", "swiglu", "clamped_swiglu", "situglu",
+)  # fmt: skip
 
 # The function each name applies (gated: to its activation half).
 _FUNCTION = {
@@ -112,6 +128,7 @@ _FUNCTION = {
     "sreglu": "srelu",
     "swiglu": "silu",
     "clamped_swiglu": "clamped_silu",
+    "situglu": "situ",
 }
 _QGELU_ALPHA = 1.702
 # clamped_swiglu's parameters by name, at their defaults (the ops' signatures spell them out).
@@ -135,6 +152,8 @@ def _act(x: Tensor, fn: str, limit: float, alpha: float) -> Tensor:
         return F.silu(x)
     if fn == "sigmoid":
         return torch.sigmoid(x)
+    if fn == "situ":  # limit, alpha: beta1, beta2
+        return limit * torch.tanh(x / limit) * torch.sigmoid(x)
     c = x.clamp(max=limit)  # clamped_silu
     return c * torch.sigmoid(alpha * c)
 
@@ -151,6 +170,9 @@ def _dact(x: Tensor, fn: str, limit: float, alpha: float) -> Tensor:
     if fn == "sigmoid":
         s = torch.sigmoid(x)
         return s * (1 - s)
+    if fn == "situ":
+        t, s = torch.tanh(x / limit), torch.sigmoid(x)
+        return (1 - t * t) * s + limit * t * s * (1 - s)
     a = {"qgelu": _QGELU_ALPHA, "silu": 1.0, "clamped_silu": alpha}[fn]
     c = x.clamp(max=limit) if fn == "clamped_silu" else x
     s = torch.sigmoid(a * c)
@@ -198,6 +220,9 @@ def gated_activation_ref(
     a, lin = _split_glu(_with_bias(inp, bias), glu_interleave_size)
     if activation == "clamped_swiglu":
         lin = lin.clamp(-limit, limit) + glu_linear_offset
+    elif activation == "situglu":
+        check_situ_slots("te.gated_activation", limit, alpha, glu_linear_offset)
+        lin = alpha * torch.tanh(lin / alpha)
     return (_act(a, _FUNCTION[activation], limit, alpha) * lin).to(inp.dtype)
 
 
@@ -239,6 +264,28 @@ def check_gated_params(owner: str, limit: float, alpha: float, glu_linear_offset
         return  # the hot path: one compound test (0.1 us against 1 us for the diagnosis)
     check_positive_finite(owner, limit=limit, alpha=alpha)
     check_finite(owner, glu_linear_offset=glu_linear_offset)
+
+
+def check_situ_slots(owner: str, beta1: float, beta2: float, glu_linear_offset: float) -> None:
+    """``situglu``'s slots: ``beta1`` (``limit``) and ``beta2`` (``alpha``) finite and > 0,
+    ``glu_linear_offset`` 0 (module docstring); a ValueError naming the argument."""
+    if 0 < beta1 < _INF and 0 < beta2 < _INF and glu_linear_offset == 0.0:
+        return
+    check_positive_finite(owner, beta1=beta1, beta2=beta2)
+    raise ValueError(
+        f"{owner}: activation 'situglu' has no glu_linear_offset; its slot must be 0.0 (beta1 "
+        f"travels in limit, beta2 in alpha), got glu_linear_offset={glu_linear_offset}"
+    )
+
+
+def fused_quantize_runs(activation: str, params: tuple[float, float, float]) -> bool:
+    """Whether ``kernels.act_quantize`` (the activation fused into the next GEMM's quantisation,
+    ``te::mlp`` on CUDA) computes ``activation`` with these ``(limit, alpha, glu_linear_offset)``
+    slots: it applies ``clamped_swiglu``'s defaults as literals and has no ``situglu`` up branch,
+    so those take the activation op's path."""
+    if activation == "clamped_swiglu":
+        return params == tuple(CLAMPED_SWIGLU_DEFAULTS.values())
+    return activation != "situglu"
 
 
 def check_activation(
@@ -324,6 +371,8 @@ def gated_activation_fwd(
 ) -> Tensor:
     """Gated ``activation`` of ``inp + bias``; default (CPU) implementation: the reference math."""
     _check_args(inp, bias, activation, True, glu_interleave_size)
+    if activation == "situglu":
+        check_situ_slots("te.gated_activation", limit, alpha, glu_linear_offset)
     check_gated_params("te.gated_activation", limit, alpha, glu_linear_offset)
     return gated_activation_ref(
         inp.contiguous(), bias, activation, glu_interleave_size, limit, alpha, glu_linear_offset
@@ -333,6 +382,8 @@ def gated_activation_fwd(
 @gated_activation_fwd.register_kernel("cuda")
 def _gated_activation_fwd_cuda(inp, bias, activation, k=0, limit=7.0, alpha=1.702, offset=1.0):
     _check_args(inp, bias, activation, True, k)
+    if activation == "situglu":
+        check_situ_slots("te.gated_activation", limit, alpha, offset)
     check_gated_params("te.gated_activation", limit, alpha, offset)
     if inp.dtype == torch.float64:
         return gated_activation_ref(inp.contiguous(), bias, activation, k, limit, alpha, offset)
@@ -351,6 +402,8 @@ def _activation_fwd_fake(inp, bias, activation):
 @gated_activation_fwd.register_fake
 def _gated_activation_fwd_fake(inp, bias, activation, k=0, limit=7.0, alpha=1.702, offset=1.0):
     _check_args(inp, bias, activation, True, k)
+    if activation == "situglu":
+        check_situ_slots("te.gated_activation", limit, alpha, offset)
     check_gated_params("te.gated_activation", limit, alpha, offset)
     return inp.new_empty((*inp.shape[:-1], inp.shape[-1] // 2))
 
@@ -378,6 +431,10 @@ def _gated_activation_bwd_ref(grad, inp, bias, activation, k, limit, alpha, offs
     if activation == "clamped_swiglu":
         dlin = torch.where((lin >= -limit) & (lin <= limit), dlin, 0.0)
         lin = lin.clamp(-limit, limit) + offset
+    elif activation == "situglu":
+        t = torch.tanh(lin / alpha)
+        dlin = dlin * (1 - t * t)
+        lin = alpha * t
     dx = _merge_glu(g * lin * _dact(a, fn, limit, alpha), dlin, k)
     return dx.to(inp.dtype), _dbias(dx, inp, bias, need_dbias)
 
@@ -522,6 +579,9 @@ def _gated_samples(device: torch.device):
     yield SampleInput(
         (t(2, 3, 32, dtype=bf16), t(32, dtype=bf16), "clamped_swiglu", 4, 0.75, 1.702, 0.5)
     )
+    # Small betas (limit, alpha slots) so that both tanh caps bend; one default-beta sample.
+    yield SampleInput((t(3, 5, 16), t(16), "situglu", 2, 0.5, 0.75, 0.0))
+    yield SampleInput((t(4, 24, dtype=bf16), None, "situglu", 0, 4.0, 25.0, 0.0))
 
 
 _activation = differentiable(
@@ -655,7 +715,8 @@ def bias_activation(
     """Any activation of ``ACTIVATIONS`` or ``GATED_ACTIVATIONS`` applied to ``inp + bias`` in one
     fused pass; the backward returns ``dbias`` from the same pass. ``bias`` (or None) has
     ``inp``'s last dim and dtype; ``limit``/``alpha``/``glu_linear_offset`` are used by
-    ``clamped_swiglu`` only. This is what LayerNormMLP calls after its FC1 GEMM."""
+    ``clamped_swiglu`` only (``situglu`` reads ``beta1``, ``beta2`` from ``limit``, ``alpha``
+    and needs ``glu_linear_offset=0.0``). This is what LayerNormMLP calls after its FC1 GEMM."""
     check_gated_params("te.bias_activation", limit, alpha, glu_linear_offset)
     if not isinstance(inp, Tensor) or not (bias is None or isinstance(bias, Tensor)):
         check_tensor("te.bias_activation", "inp", inp)

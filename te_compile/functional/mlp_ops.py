@@ -51,11 +51,11 @@ from torch import Tensor
 from te_compile._checks import FP8_DTYPES, check_bool, check_required, check_same_device
 from te_compile._library import differentiable, op
 from te_compile.functional.activation import (
-    CLAMPED_SWIGLU_DEFAULTS,
     GATED_ACTIVATIONS,
     activation_backward,
     activation_forward,
     activation_ref,
+    fused_quantize_runs,
     gated_activation_ref,
 )
 from te_compile.functional.dense_weight import (
@@ -109,8 +109,6 @@ from te_compile.functional.spec import (
 
 __all__ = ["mlp", "mlp_ref"]
 
-_DEFAULT_PARAMS = (0, *CLAMPED_SWIGLU_DEFAULTS.values())  # EpilogueSpec.params, no interleave
-
 
 # 1. Reference math ----------------------------------------------------------------------------
 
@@ -144,11 +142,12 @@ def _act_operand(spec: QuantSpec, z, bias, grad, ep: EpilogueSpec, scale, rows, 
     """``(operand, dbias)``: the activation of ``z + bias`` (forward) or its gradient ``grad *
     f'(z + bias)`` (backward, ``dbias`` with ``need_dbias``) as the next GEMM's operand,
     quantised by ``spec``, rows past ``rows`` zero. On CUDA in the fused kernels (per-tensor,
-    native 1x128 blocks with the scales in the GEMM's layout; ``clamped_swiglu`` with its
-    default parameters only); elsewhere the activation op's implementation, rounded to ``z``'s
-    dtype, zero rows appended, quantised. ``slot``: as ``gemm.quantize_operand``'s."""
+    native 1x128 blocks with the scales in the GEMM's layout); elsewhere the activation op's
+    implementation, rounded to ``z``'s dtype, zero rows appended, quantised. The fused kernels
+    run what ``fused_quantize_runs`` admits for ``ep``'s activation and parameters; the rest
+    takes the activation op's path. ``slot``: as ``gemm.quantize_operand``'s."""
     recipe, fp8_dtype, activation = spec.kind, spec.fp8_dtype, ep.activation
-    fused = z.is_cuda and (activation != "clamped_swiglu" or ep.params == _DEFAULT_PARAMS)
+    fused = z.is_cuda and fused_quantize_runs(activation, ep.params[1:])  # no interleave here
     if fused and recipe in PER_TENSOR:
         from te_compile.kernels.act_quantize import act_quantize
 

@@ -11,7 +11,11 @@ Functions (``FN_*``; a gated activation applies one of them to its activation ha
     \mathrm{qgelu}(x) = x\,\sigma(1.702\,x), \quad \mathrm{silu}(x) = x\,\sigma(x),
     \quad \mathrm{relu}(x) = \max(x, 0), \quad \mathrm{srelu}(x) = \max(x, 0)^2
 
-    \mathrm{clamped\_silu}(x) = c\,\sigma(\alpha c), \quad c = \min(x, \mathrm{limit})
+    \mathrm{clamped\_silu}(x) = c\,\sigma(\alpha c), \quad c = \min(x, \mathrm{limit}),
+    \quad \mathrm{situ}(x) = \beta_1 \tanh(x/\beta_1)\,\sigma(x)
+
+(``situ``'s :math:`\beta_1` arrives in the ``limit`` argument, :math:`\beta_2` in ``alpha``;
+``tanh`` is evaluated as :math:`2\sigma(2x) - 1` on the same ``exp2`` path as the sigmoid.)
 
 (gelu is evaluated through the identity :math:`\tfrac12(1 + \tanh u) = \sigma(2u)`: one ``exp``,
 no ``tanh`` instruction needed, and it saturates cleanly for large :math:`|x|`.)
@@ -28,15 +32,16 @@ Kernels and layouts (all tensors contiguous, the caller flattens leading dims to
   K linear columns). Contiguous halves are the special case ``K = H`` (:math:`a(j) = j`, linear
   column :math:`j + H`), so one kernel serves both layouts. The bias is ``[2H]``, laid out like
   the input columns. ``y = f(a) \cdot l``; for clamped SwiGLU ``l`` is first clamped to
-  ``[-limit, limit]`` and ``glu_linear_offset`` is added.
+  ``[-limit, limit]`` and ``glu_linear_offset`` is added; for SiTU-GLU it is soft-capped to
+  :math:`\beta_2 \tanh(l/\beta_2)`.
 * dbias is a two-stage reduction: the backward kernel's program ``p`` walks ``rows_per_program``
   rows and writes the fp32 column sums of ``dx`` it computed into row ``p`` of a
   ``[num_row_programs, N]`` buffer; a ``sum(0)`` over that small buffer finishes it. No atomics,
   so the result is deterministic.
 
 Backward: ``da = dy * l * f'(a)`` and ``dl = dy * f(a)`` (times the clamp's mask for clamped
-SwiGLU). Clamp derivatives follow ``torch.clamp``: the gradient passes where
-``min <= x <= max``, inclusive.
+SwiGLU, times :math:`1 - \tanh^2(l/\beta_2)` for SiTU-GLU). Clamp derivatives follow
+``torch.clamp``: the gradient passes where ``min <= x <= max``, inclusive.
 
 The kernels run on CPU tensors under ``TRITON_INTERPRET=1`` (the tests do, at small sizes).
 """
@@ -53,6 +58,8 @@ import triton.language as tl
 from te_compile.kernels import launch, programs_per_sm, size_hint
 
 __all__ = [
+    "ALL_FUNCTIONS",
+    "ALL_GATED",
     "FUNCTION_OF",
     "GATED",
     "FlatConfig",
@@ -70,6 +77,7 @@ FN_SRELU = tl.constexpr(3)
 FN_SILU = tl.constexpr(4)
 FN_SIGMOID = tl.constexpr(5)
 FN_CLAMPED_SILU = tl.constexpr(6)
+FN_SITU = tl.constexpr(7)
 
 # Public activation name -> device function applied to the input (element-wise) or to the
 # activation half (gated).
@@ -88,6 +96,11 @@ FUNCTION_OF: dict[str, int] = {
     "clamped_swiglu": FN_CLAMPED_SILU.value,
 }
 GATED = frozenset({"glu", "geglu", "qgeglu", "reglu", "sreglu", "swiglu", "clamped_swiglu"})
+# Every name these kernels run. ``FUNCTION_OF`` / ``GATED`` list the ones ``kernels.act_quantize``
+# also runs (it applies clamped SwiGLU's default parameters as literals and has no SiTU-GLU up
+# branch), so it refuses a name outside them rather than computing it wrong.
+ALL_FUNCTIONS = {**FUNCTION_OF, "situglu": FN_SITU.value}
+ALL_GATED = GATED | {"situglu"}
 
 
 # Device functions ----------------------------------------------------------------------------
@@ -140,6 +153,12 @@ def _gelu_sigmoid(x):
 
 
 @triton.jit
+def _tanh(x):
+    """``tanh(x) = 2 sigmoid(2x) - 1``, saturating to +-1 without NaN."""
+    return 2.0 * _sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
 def apply_act(x, FN: tl.constexpr, limit, alpha):
     """f(x) in fp32."""
     if FN == FN_GELU:
@@ -155,6 +174,8 @@ def apply_act(x, FN: tl.constexpr, limit, alpha):
         y = x * _sigmoid(x)
     elif FN == FN_SIGMOID:
         y = _sigmoid(x)
+    elif FN == FN_SITU:  # limit: beta1
+        y = limit * _tanh(x / limit) * _sigmoid(x)
     else:  # FN_CLAMPED_SILU
         c = tl.minimum(x, limit)
         y = c * _sigmoid(alpha * c)
@@ -185,6 +206,10 @@ def apply_dact(x, FN: tl.constexpr, limit, alpha):
     elif FN == FN_SIGMOID:
         s = _sigmoid(x)
         d = s * (1.0 - s)
+    elif FN == FN_SITU:
+        t = _tanh(x / limit)
+        s = _sigmoid(x)
+        d = (1.0 - t * t) * s + limit * t * (s - s * s)
     else:  # FN_CLAMPED_SILU
         c = tl.minimum(x, limit)
         s = _sigmoid(alpha * c)
@@ -265,6 +290,8 @@ def _rows_fwd_kernel(
             lin += tl.load(b_ptr + a_col + K, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         if FN == FN_CLAMPED_SILU:
             lin = tl.minimum(tl.maximum(lin, -limit), limit) + offset
+        elif FN == FN_SITU:  # alpha: beta2
+            lin = alpha * _tanh(lin / alpha)
         y = y * lin
     y_off = rows.to(tl.int64)[:, None] * N + cols[None, :]
     tl.store(y_ptr + y_off, y.to(y_ptr.dtype.element_ty), mask=mask)
@@ -327,6 +354,10 @@ def _rows_bwd_kernel(
             if FN == FN_CLAMPED_SILU:
                 dl = tl.where((lin >= -limit) & (lin <= limit), dl, 0.0)
                 lin = tl.minimum(tl.maximum(lin, -limit), limit) + offset
+            elif FN == FN_SITU:
+                t2 = _tanh(lin / alpha)
+                dl = dl * (1.0 - t2 * t2)
+                lin = alpha * t2
             da = g * lin * apply_dact(a, FN, limit, alpha)
             tl.store(dx_ptr + x_row + l_col[None, :], dl.to(dx_ptr.dtype.element_ty), mask=mask)
             if DBIAS:
@@ -432,8 +463,8 @@ def activation_forward(
 
     Arguments are trusted (``te_compile.functional.activation`` validates them). The output is a
     new contiguous tensor of the input's dtype."""
-    fn = FUNCTION_OF[activation]
-    gated = activation in GATED
+    fn = ALL_FUNCTIONS[activation]
+    gated = activation in ALL_GATED
     x = inp.contiguous()
     if not gated and bias is None:
         out = torch.empty_like(x)
@@ -485,8 +516,8 @@ def activation_backward(
     """``(dinp, dbias)`` for the forward above; ``dbias`` is None unless ``need_dbias`` (which
     needs a bias). ``dbias`` is the column sum of ``dinp`` before its rounding, in fp32, then
     cast to the bias dtype."""
-    fn = FUNCTION_OF[activation]
-    gated = activation in GATED
+    fn = ALL_FUNCTIONS[activation]
+    gated = activation in ALL_GATED
     x = inp.contiguous()
     g = grad.contiguous()
     dx = torch.empty_like(x)

@@ -4,8 +4,8 @@ Basic ops (``nn.Module``\\ s, Transformer Engine's names) and what they compute:
 
     Linear (BasicLinear + Bias container, TE's state_dict keys)
     BasicLinear (x W^T)   Bias (x + b)   GroupedLinear (per-group x_g W_g^T + b_g; m_splits extra)
-    GELU QGELU ReLU SReLU SiLU   GLU GEGLU QGEGLU ReGLU SReGLU SwiGLU ClampedSwiGLU
-    ScaledSwiGLU ScaledClampedQGeGLU (gated, times the extra input scales)
+    GELU QGELU ReLU SReLU SiLU   GLU GEGLU QGEGLU ReGLU SReGLU SwiGLU ClampedSwiGLU SiTUGLU
+    ScaledSwiGLU ScaledClampedQGeGLU ScaledSiTUGLU (gated, times the extra input scales)
     LayerNorm RMSNorm L2Normalization   Dropout(p)   Quantize
     Identity Reshape ConstantScale   AddExtraInput (residual add)   MakeExtraOutput (branch)
     AllGather AllReduce ReduceScatter (functional collectives; identity without a group)
@@ -28,8 +28,10 @@ from te_compile.ops.activation import (
     ReGLU,
     ReLU,
     ScaledClampedQGeGLU,
+    ScaledSiTUGLU,
     ScaledSwiGLU,
     SiLU,
+    SiTUGLU,
     SReGLU,
     SReLU,
     SwiGLU,
@@ -108,9 +110,11 @@ __all__ = [
     "SReGLU",
     "SReLU",
     "ScaledClampedQGeGLU",
+    "ScaledSiTUGLU",
     "ScaledSwiGLU",
     "Sequential",
     "SiLU",
+    "SiTUGLU",
     "SwiGLU",
     "register_backward_fusion",
     "register_forward_backward_fusion",

@@ -3,7 +3,9 @@ r"""Activation basic ops, through ``te::activation_fwd`` / ``te::gated_activatio
 Element-wise: ``GELU`` (tanh approximation), ``QGELU`` (:math:`x\sigma(1.702x)`), ``ReLU``,
 ``SReLU`` (:math:`\max(x, 0)^2`), ``SiLU``. Gated, over the halves :math:`a, l` of the last dim
 (which halves halve the last dim): ``GLU`` (:math:`\sigma(a)\,l`), ``GEGLU``, ``QGEGLU``,
-``ReGLU``, ``SReGLU``, ``SwiGLU``, ``ClampedSwiGLU`` (GPT-OSS). ``glu_interleave_size=k``
+``ReGLU``, ``SReGLU``, ``SwiGLU``, ``ClampedSwiGLU`` (GPT-OSS), ``SiTUGLU`` (soft-capped SiLU
+GLU of Kimi K3: :math:`\beta_1\tanh(a/\beta_1)\,\sigma(a)\,\beta_2\tanh(l/\beta_2)`).
+``glu_interleave_size=k``
 reads the halves from alternating blocks of ``k`` columns (the layout of an interleaved FC1;
 ``te_compile.functional.activation`` has the details).
 
@@ -21,7 +23,8 @@ fused with a preceding ``Bias`` or ``BasicLinear`` (the fused ops save the high-
 Post-scaled gated activations (Transformer Engine's mixture-of-experts ops, one extra input
 ``scales`` of the input's shape without its last dim, e.g. the router's per-token weights):
 ``ScaledSwiGLU`` (:math:`\mathrm{silu}(a)\,l\,s`) and ``ScaledClampedQGeGLU`` (the
-``ClampedSwiGLU`` math times :math:`s`). The activation is the te op, the product with
+``ClampedSwiGLU`` math times :math:`s`), ``ScaledSiTUGLU`` (the ``SiTUGLU`` math times
+:math:`s`). The activation is the te op, the product with
 ``scales`` a broadcast multiply that autograd differentiates (``scales`` gets
 :math:`\sum_j \mathrm{act}_j\,dy_j`).
 """
@@ -50,8 +53,10 @@ __all__ = [
     "SReGLU",
     "SReLU",
     "ScaledClampedQGeGLU",
+    "ScaledSiTUGLU",
     "ScaledSwiGLU",
     "SiLU",
+    "SiTUGLU",
     "SwiGLU",
 ]
 
@@ -244,6 +249,44 @@ class ClampedSwiGLU(_GatedActivation):
         return f"{own}, {base}" if base else own
 
 
+class _SiTU:
+    """``situglu``'s parameters: ``beta1`` and ``beta2`` travel in the op's ``limit`` and
+    ``alpha`` slots, its ``glu_linear_offset`` slot is 0 (``functional.activation``)."""
+
+    activation = "situglu"
+
+    def _set_betas(self, beta1: float, beta2: float) -> None:
+        check_positive_finite(type(self).__name__, beta1=beta1, beta2=beta2)
+        self.beta1, self.beta2 = float(beta1), float(beta2)
+
+    def config(self) -> tuple[int, float, float, float]:
+        return (self.glu_interleave_size or 0, self.beta1, self.beta2, 0.0)
+
+    def extra_repr(self) -> str:
+        base = super().extra_repr()
+        own = f"beta1={self.beta1}, beta2={self.beta2}"
+        return f"{own}, {base}" if base else own
+
+
+class SiTUGLU(_SiTU, _GatedActivation):
+    r"""Soft-capped SiLU GLU (Kimi K3):
+    :math:`\beta_1\tanh(a/\beta_1)\,\sigma(a)\;\beta_2\tanh(l/\beta_2)`, ``beta1``
+    :math:`\beta_1` and ``beta2`` :math:`\beta_2` finite and > 0."""
+
+    def __init__(
+        self,
+        *,
+        beta1: float = 4.0,
+        beta2: float = 25.0,
+        cache_quantized_input: bool = False,
+        glu_interleave_size: int | None = None,
+    ) -> None:
+        super().__init__(
+            cache_quantized_input=cache_quantized_input, glu_interleave_size=glu_interleave_size
+        )
+        self._set_betas(beta1, beta2)
+
+
 class _ScaledGLU(_GatedActivation):
     """A gated activation times the extra input ``scales`` (``[...]``: the input's shape without
     its last dim), broadcast over the output's last dim."""
@@ -306,3 +349,19 @@ class ScaledClampedQGeGLU(_ScaledGLU):
     def config(self) -> tuple[int, float, float, float]:
         k = self.glu_interleave_size or 0
         return (k, self.limit, self.alpha, self.glu_linear_offset)
+
+
+class ScaledSiTUGLU(_SiTU, _ScaledGLU):
+    r"""``SiTUGLU``'s :math:`\beta_1\tanh(a/\beta_1)\,\sigma(a)\,\beta_2\tanh(l/\beta_2)`
+    times the extra input ``scales``; ``beta1``, ``beta2`` as there."""
+
+    def __init__(
+        self,
+        glu_interleave_size: int | None = None,
+        *,
+        activation_recompute_in_mlp: bool = False,
+        beta1: float = 4.0,
+        beta2: float = 25.0,
+    ) -> None:
+        super().__init__(glu_interleave_size, activation_recompute_in_mlp)
+        self._set_betas(beta1, beta2)

@@ -53,6 +53,7 @@ GATED = {
     "sreglu": _srelu,
     "swiglu": F.silu,
     "clamped_swiglu": None,
+    "situglu": None,
 }
 NAMES = [*ELEMENTWISE, *GATED]
 
@@ -60,6 +61,14 @@ NAMES = [*ELEMENTWISE, *GATED]
 # is a bf16/fp16 number, so some low-precision inputs sit exactly on a bound.
 CLAMP = {"limit": 0.75, "alpha": 1.5, "glu_linear_offset": 0.5}
 CLAMP_DEFAULTS = {"limit": 7.0, "alpha": 1.702, "glu_linear_offset": 1.0}
+# situglu's slots: beta1 in limit, beta2 in alpha, no offset. Small betas so that randn inputs
+# reach the bent part of both tanh caps.
+SITU = {"limit": 0.5, "alpha": 0.75, "glu_linear_offset": 0.0}
+
+
+def _params(name):
+    """The gated ops' parameter slots for ``name`` (the other names ignore CLAMP's)."""
+    return SITU if name == "situglu" else CLAMP
 
 
 def _expected(name, x, bias=None, clamp=None):
@@ -70,6 +79,10 @@ def _expected(name, x, bias=None, clamp=None):
     if name in ELEMENTWISE:
         return ELEMENTWISE[name](x)
     a, lin = x.chunk(2, dim=-1)
+    if name == "situglu":
+        b1, b2 = SITU["limit"], SITU["alpha"]
+        gate = b1 * torch.tanh(a / b1) / (1 + torch.exp(-a))
+        return gate * b2 * torch.tanh(lin / b2)
     if name == "clamped_swiglu":
         limit = clamp["limit"]
         c = a.clamp(max=limit)
@@ -85,6 +98,8 @@ def _call(name, x, k=None):
         return getattr(activation, name)(x)
     if name == "clamped_swiglu":
         return activation.clamped_swiglu(x, **CLAMP, glu_interleave_size=k)
+    if name == "situglu":  # no public function: te.ops.SiTUGLU calls bias_activation
+        return activation.bias_activation(x, None, name, k, **SITU)
     return getattr(activation, name)(x, k)
 
 
@@ -179,13 +194,16 @@ def test_non_contiguous_input(device, name):
     trusts the fake's strides, fails), equal to that of the contiguous input."""
     x = torch.randn(48, 5, device=device).t().requires_grad_()  # [5, 48], last dim strided
     b = torch.randn(48, device=device)
-    y = activation.bias_activation(x, b, name, **CLAMP)
+    y = activation.bias_activation(x, b, name, **_params(name))
     assert y.is_contiguous()
-    assert torch.equal(y, activation.bias_activation(x.contiguous(), b, name, **CLAMP))
+    assert torch.equal(y, activation.bias_activation(x.contiguous(), b, name, **_params(name)))
     if name in ELEMENTWISE:
         op, args = torch.ops.te.activation_fwd.default, (x, b, name)
     else:
-        op, args = torch.ops.te.gated_activation_fwd.default, (x, b, name, 0, *CLAMP.values())
+        op, args = (
+            torch.ops.te.gated_activation_fwd.default,
+            (x, b, name, 0, *_params(name).values()),
+        )
     torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
 
 
@@ -194,7 +212,7 @@ def test_non_contiguous_input(device, name):
 def test_empty_rows(device, name):
     x = torch.randn(0, 16, device=device, requires_grad=True)
     b = torch.randn(16, device=device, requires_grad=True)
-    y = activation.bias_activation(x, b, name)
+    y = activation.bias_activation(x, b, name, **_params(name))
     y.sum().backward()
     assert y.shape == (0, 8 if name in GATED else 16) and x.grad.shape == (0, 16)
     assert torch.equal(b.grad, torch.zeros_like(b))
@@ -224,8 +242,8 @@ def test_interleaved_layout_equals_contiguous(device, dtype, k, bias, name):
     x_il = x.detach()[..., index].requires_grad_()
     b_il = None if b is None else b.detach()[index].requires_grad_()
     if bias:
-        y = activation.bias_activation(x, b, name, **CLAMP)
-        y_il = activation.bias_activation(x_il, b_il, name, k, **CLAMP)
+        y = activation.bias_activation(x, b, name, **_params(name))
+        y_il = activation.bias_activation(x_il, b_il, name, k, **_params(name))
     else:
         y = _call(name, x)
         y_il = _call(name, x_il, k)
@@ -284,7 +302,7 @@ def test_bias_activation_matches_float64_reference(device, dtype, name, eager_pa
     )
     y_ref.backward(dy_ref)
     # The clamped_swiglu parameters are passed for every name: the others ignore them.
-    y = activation.bias_activation(x, b, name, **CLAMP)
+    y = activation.bias_activation(x, b, name, **_params(name))
     y.backward(dy)
     assert y.shape == y_ref.shape and y.dtype == dtype
     assert_close(y, y_ref, dtype)
@@ -298,7 +316,7 @@ def test_bias_activation_matches_float64_reference(device, dtype, name, eager_pa
 def test_bias_none_is_the_plain_activation(device, name, eager_path):
     x = torch.randn(3, 2 * H, device=device, requires_grad=True)
     twin = x.detach().clone().requires_grad_()
-    y = activation.bias_activation(x, None, name, **CLAMP)
+    y = activation.bias_activation(x, None, name, **_params(name))
     y_plain = _call(name, twin)
     assert torch.equal(y, y_plain)
     dy = torch.randn_like(y)
@@ -346,9 +364,9 @@ def test_only_needed_gradients_are_computed(device, name, frozen, mode):
     try:
         if mode == "recorded":
             with recorder:
-                activation.bias_activation(x, b, name, **CLAMP).sum().backward()
+                activation.bias_activation(x, b, name, **_params(name)).sum().backward()
         else:
-            activation.bias_activation(x, b, name, **CLAMP).sum().backward()
+            activation.bias_activation(x, b, name, **_params(name)).sum().backward()
     finally:
         te.set_eager_fast_path(previous)
     if frozen == "bias":
@@ -371,6 +389,7 @@ COMPILE_CASES = [
     ("swiglu", None, False),
     ("geglu", 4, True),
     ("clamped_swiglu", 2, True),
+    ("situglu", 2, True),
 ]
 
 
@@ -397,8 +416,8 @@ def test_compiled_equals_eager(device, name, k, bias):
             b = None
         x_twin = x.detach().clone().requires_grad_()
         b_twin = None if b is None else b.detach().clone().requires_grad_()
-        y = compiled(x, b, *CLAMP.values())
-        y_eager = fn(x_twin, b_twin, *CLAMP.values())
+        y = compiled(x, b, *_params(name).values())
+        y_eager = fn(x_twin, b_twin, *_params(name).values())
         assert torch.equal(y, y_eager)
         y.float().square().sum().backward()
         y_eager.float().square().sum().backward()
@@ -449,8 +468,10 @@ def test_autocast_runs_in_autocast_dtype(device, name):
     b = torch.randn(2 * H, device=device, requires_grad=True)
     with torch.autocast(device_type=device, dtype=low):
         y_plain = _call(name, x)
-        y = activation.bias_activation(x, b, name, **CLAMP)
-        compiled_fn, _ = compile_counted(lambda x: activation.bias_activation(x, b, name, **CLAMP))
+        y = activation.bias_activation(x, b, name, **_params(name))
+        compiled_fn, _ = compile_counted(
+            lambda x: activation.bias_activation(x, b, name, **_params(name))
+        )
         y_compiled = compiled_fn(x)
     assert y_plain.dtype == low
     assert_close(y_plain, _expected(name, to_reference(x.to(low))), low)
@@ -614,6 +635,28 @@ BAD_INPUTS = [
         lambda: (_t(4, 8), None),
         _GATED + "limit must be a positive float (finite, > 0), got 0.0",
     ),
+    # situglu: beta1 / beta2 in the limit / alpha slots, named as betas; its offset slot is 0,
+    # so clamped_swiglu's defaults (bias_activation's) are refused, never read as betas.
+    (
+        "situglu with clamped defaults",
+        lambda x, b: ba(x, b, "situglu"),
+        lambda: (_t(4, 8), _t(8)),
+        _GATED + "activation 'situglu' has no glu_linear_offset; its slot must be 0.0",
+    ),
+    *(
+        (
+            f"gated op situglu {arg}={value}",
+            lambda x, b, args=args: torch.ops.te.gated_activation_fwd(x, b, "situglu", 0, *args),
+            lambda: (_t(4, 8), None),
+            _GATED + f"{arg} must be a positive float (finite, > 0), got {value}",
+        )
+        for arg, value, args in (
+            ("beta1", 0.0, (0.0, 25.0, 0.0)),
+            ("beta1", math.inf, (math.inf, 25.0, 0.0)),
+            ("beta2", -1.0, (4.0, -1.0, 0.0)),
+            ("beta2", math.nan, (4.0, math.nan, 0.0)),
+        )
+    ),
 ]
 
 
@@ -642,13 +685,26 @@ def test_bad_input_raises_clear_error(case, mode):
         assert info.type is ValueError
 
 
+def test_fused_quantize_runs_only_what_the_act_quantize_kernels_compute():
+    """kernels.act_quantize applies clamped_swiglu's default parameters as literals and has no
+    situglu up branch: te::mlp sends the rest to the activation op (functional.mlp_ops)."""
+    defaults = tuple(activation.CLAMPED_SWIGLU_DEFAULTS.values())
+    for name in (*ELEMENTWISE, *GATED):
+        assert activation.fused_quantize_runs(name, defaults) == (name != "situglu"), name
+    assert not activation.fused_quantize_runs("clamped_swiglu", (0.75, 1.702, 1.0))
+    assert not activation.fused_quantize_runs("situglu", (4.0, 25.0, 0.0))
+
+
 def test_package_names_are_the_functions():
     """``te.functional.<name>`` is the activation function for every public activation name (a
     submodule of the same name once shadowed ``glu``)."""
     import te_compile as te
 
     x = torch.randn(3, 8)
-    for name in (*ELEMENTWISE, *GATED):
+    # situglu has no function of its own (te.ops.SiTUGLU and bias_activation run it; its betas
+    # travel in the limit/alpha slots): docs/op_mechanism.md, "A new activation".
+    assert not hasattr(te.functional, "situglu")
+    for name in (*ELEMENTWISE, *(n for n in GATED if n != "situglu")):
         fn = getattr(te.functional, name)
         assert callable(fn) and fn is getattr(activation, name), name
     a, lin = x.chunk(2, -1)

@@ -237,10 +237,12 @@ _OPS_ACT = {"GELU": "gelu", "QGELU": "qgelu", "ReLU": "relu", "SReLU": "srelu", 
 
 
 _OPS_GLU = {"GLU": "glu", "GEGLU": "geglu", "QGEGLU": "qgeglu", "ReGLU": "reglu",
-            "SReGLU": "sreglu", "SwiGLU": "swiglu", "ClampedSwiGLU": "clamped_swiglu"}  # fmt: skip
+            "SReGLU": "sreglu", "SwiGLU": "swiglu", "ClampedSwiGLU": "clamped_swiglu",
+            "SiTUGLU": "situglu"}  # fmt: skip
 
 
-_OPS_SCALED_GLU = {"ScaledSwiGLU": "swiglu", "ScaledClampedQGeGLU": "clamped_swiglu"}
+_OPS_SCALED_GLU = {"ScaledSwiGLU": "swiglu", "ScaledClampedQGeGLU": "clamped_swiglu",
+                   "ScaledSiTUGLU": "situglu"}  # fmt: skip
 
 
 _FUSION_MOTIFS = [
@@ -374,12 +376,15 @@ _GLU_REF = {
 
 def _gated(name, x, interleave=None, limit=7.0, alpha=1.702, offset=1.0):
     """A gated activation of ``x``'s last dim: the activation half ``a`` and the linear half
-    ``l``, contiguous or in blocks of ``interleave``; ``clamped_swiglu`` clamps both."""
+    ``l``, contiguous or in blocks of ``interleave``; ``clamped_swiglu`` clamps both,
+    ``situglu`` soft-caps both (its default betas 4 and 25)."""
     blocks = x.unflatten(-1, (-1, 2, interleave or x.shape[-1] // 2))
     a, lin = blocks.select(-2, 0).flatten(-2), blocks.select(-2, 1).flatten(-2)
     if name == "clamped_swiglu":
         c = a.clamp(max=limit)
         return c * torch.sigmoid(alpha * c) * (lin.clamp(-limit, limit) + offset)
+    if name == "situglu":
+        return 4.0 * torch.tanh(a / 4.0) * torch.sigmoid(a) * 25.0 * torch.tanh(lin / 25.0)
     return _GLU_REF[name](a) * lin
 
 

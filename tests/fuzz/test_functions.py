@@ -371,6 +371,8 @@ def test_functional_mlp(seed, p, activation, normalization, zc, bias, out):
         shapes |= {"norm_bias": (hidden,)} if normalization == "LayerNorm" else {}
     kw = with_specs(**_recipe_kwargs(recipe))
     kw |= {"normalization": normalization, "zero_centered_gamma": zc}
+    if activation == "situglu":  # its default betas in the limit / alpha slots, no offset
+        kw |= {"limit": 4.0, "alpha": 25.0, "glu_linear_offset": 0.0}
     m = _Fn(lambda x, **t: te.functional.mlp(x, t["fc1_weight"], t.get("fc1_bias"),
                                              t["fc2_weight"], t.get("fc2_bias"), activation,
                                              **kw, **{k: v for k, v in t.items()

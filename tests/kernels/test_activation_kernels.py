@@ -65,8 +65,19 @@ def _check(activation, shape, dtype, *, bias, k=0, limit=7.0, alpha=1.702, offse
 
 
 def test_kernel_table_covers_every_public_name():
-    assert set(kernels.FUNCTION_OF) == {*ACTIVATIONS, *GATED_ACTIVATIONS}
-    assert set(GATED_ACTIVATIONS) == kernels.GATED
+    assert set(kernels.ALL_FUNCTIONS) == {*ACTIVATIONS, *GATED_ACTIVATIONS}
+    assert set(GATED_ACTIVATIONS) == kernels.ALL_GATED
+    # The activation-quantise kernels' tables: all but situglu (whose betas they cannot take).
+    assert set(kernels.FUNCTION_OF) == {*ACTIVATIONS, *GATED_ACTIVATIONS} - {"situglu"}
+    assert kernels.ALL_GATED - {"situglu"} == kernels.GATED
+
+
+# Per-activation parameter slots: clamped_swiglu with both clamps cutting randn inputs; situglu
+# with betas (limit, alpha slots) small enough that both tanh caps bend, and no offset.
+PARAMS = {
+    "clamped_swiglu": {"limit": 0.75, "offset": 0.5},
+    "situglu": {"limit": 0.5, "alpha": 0.75, "offset": 0.0},
+}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -90,15 +101,30 @@ def test_bias_elementwise(activation, dtype):
 @pytest.mark.parametrize("activation", GATED_ACTIVATIONS)
 def test_gated(activation, bias, k):
     # H = 64 output columns; the small tiles cut the columns into 4 blocks and rows into 3.
-    clamp = {"limit": 0.75, "offset": 0.5} if activation == "clamped_swiglu" else {}
-    _check(activation, (5, 128), torch.float32, bias=bias, k=k, config=SMALL_ROWS, **clamp)
+    params = PARAMS.get(activation, {})
+    _check(activation, (5, 128), torch.float32, bias=bias, k=k, config=SMALL_ROWS, **params)
 
 
-@pytest.mark.parametrize("activation", ["swiglu", "geglu", "clamped_swiglu"])
+@pytest.mark.parametrize("activation", ["swiglu", "geglu", "clamped_swiglu", "situglu"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gated_low_precision(activation, dtype):
-    _check(activation, (2, 3, 96), dtype, bias=True, k=8)
-    _check(activation, (4, 96), dtype, bias=False)
+    params = PARAMS.get(activation, {})
+    _check(activation, (2, 3, 96), dtype, bias=True, k=8, **params)
+    _check(activation, (4, 96), dtype, bias=False, **params)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp2")  # 2^t -> inf, by design
+def test_situglu_default_betas_and_saturation():
+    """Default betas (4, 25) on inputs scaled to reach both caps; large |a| and |l| saturate
+    tanh to +-1 without NaN."""
+    _check("situglu", (6, 64), torch.float32, bias=True, k=4, limit=4.0, alpha=25.0, offset=0.0)
+    x = torch.tensor([[-200.0, -9.0, 0.0, 9.0, 200.0, 1e-4, -60.0, 60.0, 400.0, -400.0]])
+    x = x.to(TRITON_DEVICE)
+    y = kernels.activation_forward(x, None, "situglu", 0, 4.0, 25.0, 0.0)
+    dx, _ = kernels.activation_backward(torch.ones_like(y), x, None, "situglu", 0, 4.0, 25.0, 0.0)
+    y_ref = gated_activation_ref(x.double(), None, "situglu", 0, 4.0, 25.0, 0.0)
+    assert torch.isfinite(y).all() and torch.isfinite(dx).all()
+    assert_close(y, y_ref, torch.float32)
 
 
 @pytest.mark.parametrize("k", [0, 1, 8])

@@ -72,6 +72,11 @@ def _clamped_swiglu(x, k, limit, alpha, offset):
     return c * torch.sigmoid(alpha * c) * (lin.clamp(-limit, limit) + offset)
 
 
+def _situglu(x, k, beta1=4.0, beta2=25.0):
+    a, lin = _split(x, k)
+    return beta1 * torch.tanh(a / beta1) * torch.sigmoid(a) * beta2 * torch.tanh(lin / beta2)
+
+
 def _grouped(x, m_splits, weight, bias):
     outs, start = [], 0
     for g, m in enumerate(m_splits):
@@ -109,6 +114,15 @@ CASES = [
         (5, 3, 16),
         (),
     ),
+    # Small betas bend both tanh caps on randn inputs; the defaults barely do.
+    (
+        "SiTUGLU",
+        lambda: ops.SiTUGLU(beta1=0.5, beta2=0.75, glu_interleave_size=2),
+        lambda p, x: _situglu(x, 2, 0.5, 0.75),
+        (5, 3, 16),
+        (),
+    ),
+    ("SiTUGLU-defaults", lambda: ops.SiTUGLU(), lambda p, x: _situglu(x, None), (5, 3, 16), ()),
     (
         "LayerNorm",
         lambda: ops.LayerNorm(16, eps=1e-3),
@@ -368,6 +382,11 @@ def test_comm_ops_are_the_identity_without_a_group(device):
         (lambda: ops.ClampedSwiGLU(limit=-1.0), "ClampedSwiGLU: limit must be a positive float"),
         (lambda: ops.ClampedSwiGLU(alpha=0), "ClampedSwiGLU: alpha must be a positive float"),
         (lambda: ops.ClampedSwiGLU(glu_linear_offset="1"), "glu_linear_offset must be a float"),
+        (lambda: ops.SiTUGLU(beta1=0.0), "SiTUGLU: beta1 must be a positive float"),
+        (lambda: ops.SiTUGLU(beta1=float("inf")), "SiTUGLU: beta1 must be a positive float"),
+        (lambda: ops.SiTUGLU(beta2=-2.0), "SiTUGLU: beta2 must be a positive float"),
+        (lambda: ops.SiTUGLU(beta2=float("nan")), "SiTUGLU: beta2 must be a positive float"),
+        (lambda: ops.SiTUGLU(glu_interleave_size=0), "SiTUGLU: glu_interleave_size must be"),
         (lambda: ops.LayerNorm(0), "LayerNorm: normalized_shape must be a positive int"),
         (lambda: ops.RMSNorm((4, 0)), "RMSNorm: normalized_shape must be"),
         (lambda: ops.RMSNorm(8, eps=0.0), "RMSNorm: eps must be a positive float"),

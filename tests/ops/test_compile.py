@@ -14,6 +14,7 @@ from tests.utils import DEVICES, GraphRecorder, assert_close, compile_counted
 # (id, Sequential factory, number of extra inputs of shape [..., 8] after the [..., 16] input)
 MODELS = [
     ("linear-bias-swiglu", lambda: ops.Sequential(ops.BasicLinear(16, 32), ops.Bias(32), ops.SwiGLU(glu_interleave_size=4)), 0),  # noqa: E501
+    ("bias-situglu-cached", lambda: ops.Sequential(ops.Bias(16), ops.SiTUGLU(cache_quantized_input=True), ops.BasicLinear(8, 8)), 0),  # noqa: E501
     ("linear-gelu", lambda: ops.Sequential(ops.BasicLinear(16, 8), ops.GELU()), 0),
     ("linear-bias", lambda: ops.Sequential(ops.BasicLinear(16, 8), ops.Bias(8)), 0),
     ("linear-bias-add", lambda: ops.Sequential(ops.BasicLinear(16, 8), ops.Bias(8), ops.AddExtraInput()), 1),  # noqa: E501
@@ -200,3 +201,42 @@ backward:
   auto_functionalized_v2(te.linear_bwd.default)
   te.branch_rmsnorm_bwd.default""",
         )
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: ops.SiTUGLU(beta1=0.5, beta2=0.75, glu_interleave_size=4),
+        lambda: ops.ClampedSwiGLU(limit=0.75, alpha=1.5, glu_linear_offset=0.5),
+    ],
+    ids=["situglu", "clamped_swiglu"],
+)
+def test_parametrised_activation_fused_with_linear_compiles(make):
+    """Linear, Bias and a parametrised gated activation: one te::linear with the activation's
+    parameters in its epilogue, fullgraph, zero graph breaks, equal to eager."""
+    torch.manual_seed(0)
+    seq = ops.Sequential(ops.BasicLinear(16, 32), ops.Bias(32), make())
+    assert seq.fusions() == [("ForwardLinearBiasActivation", ("0", "1", "2"))]
+    x = torch.randn(6, 16)
+    explanation = torch._dynamo.explain(seq)(x)
+    assert explanation.graph_count == 1 and explanation.graph_break_count == 0
+    compiled, _ = compile_counted(seq)
+    assert_close(compiled(x), seq(x).double(), torch.float32)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known bug: a symbolic float (dynamic=True, or automatic dynamic after a second "
+    "parameter value) reaches te::linear's epilogue encoder (functional/spec.py) as text",
+)
+@pytest.mark.parametrize("act", ["situglu", "clamped_swiglu"])
+def test_fused_activation_parameters_under_dynamic_compile(act):
+    """Two Sequentials whose fused activations differ only in their parameters, one compiled
+    code: the second compile marks the parameters dynamic."""
+    outs = []
+    for value in (0.75, 2.0):
+        make = ops.SiTUGLU if act == "situglu" else ops.ClampedSwiGLU
+        kw = {"beta1": value} if act == "situglu" else {"limit": value}
+        seq = ops.Sequential(ops.BasicLinear(16, 32), ops.Bias(32), make(**kw))
+        outs.append(torch.compile(seq, fullgraph=True, backend="aot_eager")(torch.randn(6, 16)))
+    assert all(o.shape == (6, 16) for o in outs)

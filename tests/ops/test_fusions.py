@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from te_compile import ops
 from te_compile.functional.spec import EpilogueSpec, parse
-from tests.ops.test_basic_ops import ELEMENTWISE, GATED, _clamped_swiglu, _split
+from tests.ops.test_basic_ops import ELEMENTWISE, GATED, _clamped_swiglu, _situglu, _split
 from tests.utils import (
     DEVICES,
     assert_close,
@@ -55,13 +55,16 @@ def _act_case(name, k=None):
     if name == "ClampedSwiGLU":
         op = ops.ClampedSwiGLU(limit=0.75, alpha=1.5, glu_linear_offset=0.5, glu_interleave_size=k)
         return op, lambda h: _clamped_swiglu(h, k, 0.75, 1.5, 0.5), 2
+    if name == "SiTUGLU":
+        op = ops.SiTUGLU(beta1=0.5, beta2=0.75, glu_interleave_size=k)
+        return op, lambda h: _situglu(h, k, 0.5, 0.75), 2
     fn = GATED[name]
     op = getattr(ops, name)(glu_interleave_size=k)
     return op, lambda h: (lambda a, lin: fn(a) * lin)(*_split(h, k)), 2
 
 
 ACTIVATIONS = [(n, None) for n in ELEMENTWISE] + [
-    (n, k) for n in [*GATED, "ClampedSwiGLU"] for k in (None, 4)
+    (n, k) for n in [*GATED, "ClampedSwiGLU", "SiTUGLU"] for k in (None, 4)
 ]
 
 

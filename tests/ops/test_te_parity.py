@@ -389,6 +389,12 @@ def _scaled_clamped_ref(x, s, k, limit=7.0, alpha=1.702, offset=1.0):
     return c * torch.sigmoid(alpha * c) * (lin.clamp(-limit, limit) + offset) * s.unsqueeze(-1)
 
 
+def _scaled_situglu_ref(x, s, k, beta1=4.0, beta2=25.0):
+    a, lin = _halves(x, k)
+    gate = beta1 * torch.tanh(a / beta1) * torch.sigmoid(a)
+    return gate * beta2 * torch.tanh(lin / beta2) * s.unsqueeze(-1)
+
+
 SCALED = [
     ("swiglu", lambda k: ops.ScaledSwiGLU(k), _scaled_swiglu_ref),
     ("clamped", lambda k: ops.ScaledClampedQGeGLU(k), _scaled_clamped_ref),
@@ -396,6 +402,12 @@ SCALED = [
         "clamped_params",
         lambda k: ops.ScaledClampedQGeGLU(k, limit=0.75, alpha=1.5, glu_linear_offset=0.5),
         lambda x, s, k: _scaled_clamped_ref(x, s, k, 0.75, 1.5, 0.5),
+    ),
+    ("situglu", lambda k: ops.ScaledSiTUGLU(k), _scaled_situglu_ref),
+    (
+        "situglu_params",
+        lambda k: ops.ScaledSiTUGLU(k, beta1=0.5, beta2=0.75),
+        lambda x, s, k: _scaled_situglu_ref(x, s, k, 0.5, 0.75),
     ),
 ]
 
@@ -430,6 +442,18 @@ def test_scaled_glu_after_linear_bias_is_not_fused_with_its_scales_and_compiles(
     assert_close(compiled(x, s), seq(x, s).double(), torch.float32)
 
 
+def test_scaled_situglu_after_linear_bias_compiles_in_one_graph():
+    torch.manual_seed(0)
+    seq = ops.Sequential(
+        ops.BasicLinear(8, 12), ops.Bias(12), ops.ScaledSiTUGLU(2, beta1=0.5, beta2=0.75)
+    )
+    x = torch.randn(4, 8, requires_grad=True)
+    s = torch.rand(4, requires_grad=True)
+    assert_single_graph(seq, x, s)
+    compiled, _ = compile_counted(seq, backend="aot_eager")
+    assert_close(compiled(x, s), seq(x, s).double(), torch.float32)
+
+
 def test_scaled_glu_bad_arguments():
     with pytest.raises(ValueError, match="scales"):
         ops.ScaledSwiGLU()(torch.randn(2, 4), torch.randn(2, 1))
@@ -439,6 +463,16 @@ def test_scaled_glu_bad_arguments():
         ops.ScaledClampedQGeGLU(limit=-1.0)
     with pytest.raises(ValueError, match="glu_interleave_size"):
         ops.ScaledSwiGLU(0)
+    with pytest.raises(ValueError, match="ScaledSiTUGLU: beta1 must be a positive float"):
+        ops.ScaledSiTUGLU(beta1=-1.0)
+    with pytest.raises(ValueError, match="ScaledSiTUGLU: beta2 must be a positive float"):
+        ops.ScaledSiTUGLU(beta2=float("inf"))
+    with pytest.raises(NotImplementedError, match="activation_recompute_in_mlp"):
+        ops.ScaledSiTUGLU(activation_recompute_in_mlp=True)
+    with pytest.raises(TypeError):
+        ops.ScaledSiTUGLU(None, True)  # activation_recompute_in_mlp is keyword-only, as in TE
+    with pytest.raises(TypeError):
+        ops.SiTUGLU(4.0)  # every SiTUGLU argument is keyword-only, as in TE
 
 
 # cache_quantized_input ---------------------------------------------------------------------------
@@ -456,6 +490,7 @@ CACHED = [
     ("srelu", lambda: ops.SReLU(cache_quantized_input=True), lambda x: torch.relu(x).square()),
     ("swiglu", lambda: ops.SwiGLU(cache_quantized_input=True), lambda x: _scaled_swiglu_ref(x, torch.ones(x.shape[:-1], dtype=x.dtype), None)),  # noqa: E501
     ("clamped_k2", lambda: ops.ClampedSwiGLU(cache_quantized_input=True, glu_interleave_size=2), lambda x: _scaled_clamped_ref(x, torch.ones(x.shape[:-1], dtype=x.dtype), 2)),  # noqa: E501
+    ("situglu_k2", lambda: ops.SiTUGLU(cache_quantized_input=True, glu_interleave_size=2), lambda x: _scaled_situglu_ref(x, torch.ones(x.shape[:-1], dtype=x.dtype), 2)),  # noqa: E501
 ]  # fmt: skip
 
 

@@ -195,6 +195,8 @@ COMMON: dict[str, Domain] = {
     "limit": POS_FLOAT(),
     "alpha": POS_FLOAT(),
     "glu_linear_offset": FINITE_FLOAT(),
+    "beta1": POS_FLOAT(),  # SiTUGLU's soft caps
+    "beta2": POS_FLOAT(),
     "interleaved": SWITCH(),
     "fp8_dpa": SWITCH(),
     "fp8_mha": SWITCH(),

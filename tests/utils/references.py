@@ -115,11 +115,14 @@ def glu_halves(x, glu_interleave_size=0):
 def gated_activation(inp, bias, activation, glu_interleave_size=0, limit=7.0, alpha=1.702,
                      glu_linear_offset=1.0):  # fmt: skip
     """``f(a) * l`` of ``x + b`` in float64; ``clamped_swiglu``: ``c sigmoid(alpha c)
-    (clamp(l, -limit, limit) + offset)`` with ``c = min(a, limit)`` (GPT-OSS)."""
+    (clamp(l, -limit, limit) + offset)`` with ``c = min(a, limit)`` (GPT-OSS); ``situglu``:
+    ``b1 tanh(a / b1) sigmoid(a) b2 tanh(l / b2)``, ``b1 = limit``, ``b2 = alpha``."""
     a, lin = glu_halves(_biased(inp, bias), glu_interleave_size)
     if activation == "clamped_swiglu":
         c = a.clamp(max=limit)
         return c / (1 + torch.exp(-alpha * c)) * (lin.clamp(-limit, limit) + glu_linear_offset)
+    if activation == "situglu":  # beta1, beta2 in the limit, alpha slots
+        return limit * torch.tanh(a / limit) * torch.sigmoid(a) * alpha * torch.tanh(lin / alpha)
     return GATE[activation](a) * lin
 
 
