@@ -113,6 +113,9 @@ ACTIVATIONS = ("gelu", "qgelu", "relu", "srelu", "silu")
 GATED_ACTIVATIONS = (
     "glu", "geglu", "qgeglu", "reglu", "sreglu", "swiglu", "clamped_swiglu", "situglu",
 )  # fmt: skip
+# The activations of LayerNormMLP and GroupedMLP, as in Transformer Engine: situglu is a te.ops
+# activation only (those modules' activation_params have no slot for its betas).
+MODULE_ACTIVATIONS = tuple(a for a in (*ACTIVATIONS, *GATED_ACTIVATIONS) if a != "situglu")
 
 # The function each name applies (gated: to its activation half).
 _FUNCTION = {

@@ -50,7 +50,7 @@ from torch import Tensor, nn
 
 from te_compile import functional as F
 from te_compile._checks import check_int
-from te_compile.functional.activation import ACTIVATIONS, GATED_ACTIVATIONS
+from te_compile.functional.activation import GATED_ACTIVATIONS, MODULE_ACTIVATIONS
 from te_compile.functional.glu_layout import deinterleave_glu_tensor, interleave_glu_tensor
 from te_compile.functional.grouped_gemm import checked_splits
 from te_compile.modules._common import check_bool, check_choice, check_positive
@@ -103,7 +103,7 @@ class GroupedMLP(nn.Module):
             hidden_size=hidden_size,
             ffn_hidden_size=ffn_hidden_size,
         )
-        check_choice(owner, "activation", activation, (*GATED_ACTIVATIONS, *ACTIVATIONS))
+        check_choice(owner, "activation", activation, MODULE_ACTIVATIONS)
         check_bool(
             owner, bias=bias, single_grouped_parameter=single_grouped_parameter,
             sequence_parallel=sequence_parallel,

@@ -43,9 +43,9 @@ from torch import Tensor, nn
 from te_compile._checks import check_int
 from te_compile.distributed.tensor_parallel import TensorParallel, set_parallel_attributes
 from te_compile.functional.activation import (
-    ACTIVATIONS,
     CLAMPED_SWIGLU_DEFAULTS,
     GATED_ACTIVATIONS,
+    MODULE_ACTIVATIONS,
     check_gated_params,
 )
 from te_compile.modules._common import (
@@ -171,7 +171,7 @@ class LayerNormMLP(DelayedWgrad, PreNorm):
         )  # fmt: skip
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.checkpoint = checkpoint
-        check_choice(owner, "activation", activation, (*ACTIVATIONS, *GATED_ACTIVATIONS))
+        check_choice(owner, "activation", activation, MODULE_ACTIVATIONS)
         self.activation_params = _activation_params(owner, activation, activation_params)
         dtype = params_dtype_or_default(owner, params_dtype, device)
         if tp_size is not None:

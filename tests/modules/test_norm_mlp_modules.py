@@ -226,6 +226,11 @@ def test_layernorm_mlp_bad_activation_params(activation, params, match):
 def test_bad_arguments():
     with pytest.raises(ValueError, match="LayerNormMLP: activation must be one of"):
         te.LayerNormMLP(8, 16, activation="tanh")
+    # situglu is a te.ops activation: refused when built, not at the first forward.
+    with pytest.raises(ValueError, match="LayerNormMLP: activation must be one of"):
+        te.LayerNormMLP(8, 16, activation="situglu")
+    with pytest.raises(ValueError, match="GroupedMLP: activation must be one of"):
+        te.GroupedMLP(2, 8, 16, activation="situglu")
     with pytest.raises(ValueError, match="normalization must be one of"):
         te.LayerNormLinear(8, 16, normalization="BatchNorm")
     with pytest.raises(ValueError, match="eps must be a positive float"):
