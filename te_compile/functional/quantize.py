@@ -272,7 +272,7 @@ def check_high_dtype(name: str, arg: str, dtype: torch.dtype) -> None:
 def check_fp8_dtype(name: str, dtype: torch.dtype) -> None:
     if dtype not in FP8_DTYPES:
         raise ValueError(
-            f"te.{name}: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}"
+            f"te.{name}: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype!r}"
         )
 
 

@@ -354,11 +354,8 @@ def _check_public(
         check_tensor(owner, name, t, floating=False, min_dim=0)
     check_bool(owner, rowwise=rowwise, columnwise=columnwise)
     for name, dtype in dtypes.items():
-        if name == "fp8_dtype" and dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
-            raise ValueError(
-                f"{owner}: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, "
-                f"got {dtype!r}"
-            )
+        if name == "fp8_dtype":
+            check_fp8_dtype(owner.removeprefix("te."), dtype)
         if name == "out_dtype" and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise ValueError(f"{owner}: out_dtype must be a floating torch.dtype, got {dtype!r}")
 
