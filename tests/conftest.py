@@ -28,9 +28,10 @@ import torch  # noqa: E402
 import torch._dynamo  # noqa: E402
 import torch._inductor.config  # noqa: E402
 
-# Without a GPU each xdist worker holds a core: Inductor compiles in the worker itself instead of
-# starting its own pool of compile processes (each one importing torch).
-if not torch.cuda.is_available():
+# Without a GPU, and in every xdist worker (the GPU suite runs one per core), each process holds
+# a core: Inductor compiles in the process itself instead of starting its own pool of compile
+# processes (each one importing torch; a pool per worker oversubscribes the host many times over).
+if not torch.cuda.is_available() or "PYTEST_XDIST_WORKER" in os.environ:
     torch._inductor.config.compile_threads = 1
 
 # Hypothesis settings of the fuzz tests (tests/fuzz/), chosen with --fuzz-profile: "ci"

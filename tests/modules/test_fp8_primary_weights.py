@@ -864,7 +864,8 @@ def test_grouped_block_forward_and_gradients_match_the_dequantised_weights(recip
     rows = torch.repeat_interleave(torch.arange(G), torch.tensor(SPLITS))
     g_q = qdq_both(g.float(), recipe_specs(recipe)[2], columnwise=False)[0].cpu()
     dx_ref = torch.einsum("mn,mkn->mk", g_q.double(), w_t.double()[rows])
-    assert_close(x.grad, dx_ref, torch.bfloat16)
+    # reduced: a GPU GEMM's accumulation order moves the elements that cancel to near zero.
+    assert_close(x.grad, dx_ref, torch.bfloat16, reduced=True)
     if recipe is MXFP8:  # here the bf16 module's second cast differs
         assert not torch.equal(x.grad, x0.grad)
 
