@@ -31,7 +31,7 @@ nvidia-smi -L | tee "$OUT/gpu_$part.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
   | tee -a "$OUT/gpu_$part.txt"
 CC=gcc CXX=g++ python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -3
-# Workers on all cores but a few (Triton's compiles are host-bound), sharing the first GPU;
+# Workers on all cores but a few (Triton's compiles are host-bound): part 1 spreads them over the GPUs;
 # part 2 leaves more for the long runs' training processes and their compiles.
 workers=$(( $(nproc) - (part == 1 ? 4 : 10) ))
 PYTEST=(python3 -m pytest -q -rfE -p no:cacheprovider --durations=30)
@@ -55,6 +55,8 @@ case $part in
   1) # The CPU cases of tests that also have a CUDA case are CI's (marker cpu_case).
      # Longest first (the registry's CUDA samples and the module compiles take up to two minutes
      # each): the short tests then fill the workers' gaps instead of a few long ones ending late.
+     # The workers spread over the GPUs (tests/conftest.py): none of part 1 needs two.
+     export TE_COMPILE_TEST_SPREAD_GPUS=$(nvidia-smi -L | wc -l)
      run part1 -m "not cpu_case" tests/test_registry.py tests/modules tests/functional \
        tests/kernels tests/quantization tests/ops ;;
   2) # The long runs beside the suite: the part takes the longest of the three, not their sum.
