@@ -31,7 +31,8 @@ Post-scaled gated activations (Transformer Engine's mixture-of-experts ops, one 
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -92,11 +93,45 @@ class _CachedQuantizedInput(torch.autograd.Function):
         return dx, None, None, None
 
 
+def _check_interleave(owner: str, glu_interleave_size: Any) -> None:
+    k = glu_interleave_size
+    if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k <= 0):
+        raise ValueError(f"{owner}: glu_interleave_size must be a positive int or None, got {k!r}")
+
+
+class _Param:
+    """An activation parameter, kept in its op's ``_config`` tuple (what ``config()`` returns):
+    ``torch.compile`` takes a tuple of Python numbers for a constant, where a float attribute
+    read through the fuser becomes a symbolic float once its value differs between compiles
+    (or under ``dynamic=True``), which the fused GEMM's epilogue spec string cannot hold.
+    Setting one checks it, as the constructor does."""
+
+    def __init__(self, index: int, check: Callable[..., None]) -> None:
+        self.index, self.check = index, check
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, op: Any, owner: type | None = None) -> Any:
+        if op is None:
+            return self
+        value = op._config[self.index]
+        return (value or None) if self.index == 0 else value
+
+    def __set__(self, op: Any, value: Any) -> None:
+        self.check(type(op).__name__, **{self.name: value})
+        config = list(op._config)
+        config[self.index] = (value or 0) if self.index == 0 else float(value)
+        op._config = tuple(config)
+
+
 class ActivationOperation(BasicOperation):
     """Base of the activation ops: ``activation`` names the te activation."""
 
     activation: ClassVar[str]
     gated: ClassVar[bool] = False
+    # (glu_interleave_size or 0, limit, alpha, glu_linear_offset): see _Param.
+    _config: tuple[int, float, float, float] = (0, 7.0, 1.702, 1.0)
 
     def __init__(self, *, cache_quantized_input: bool = False) -> None:
         super().__init__()
@@ -105,7 +140,7 @@ class ActivationOperation(BasicOperation):
 
     def config(self) -> tuple[int, float, float, float]:
         """``(glu_interleave_size, limit, alpha, glu_linear_offset)`` of the te op."""
-        return (0, 7.0, 1.702, 1.0)
+        return self._config
 
     def apply(self, x: Tensor, bias: Tensor | None) -> Tensor:
         """This activation of ``x + bias`` in one fused op."""
@@ -127,21 +162,13 @@ class ActivationOperation(BasicOperation):
 
 class _GatedActivation(ActivationOperation):
     gated = True
+    glu_interleave_size = _Param(0, _check_interleave)
 
     def __init__(
         self, *, cache_quantized_input: bool = False, glu_interleave_size: int | None = None
     ) -> None:
         super().__init__(cache_quantized_input=cache_quantized_input)
-        k = glu_interleave_size
-        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k <= 0):
-            raise ValueError(
-                f"{type(self).__name__}: glu_interleave_size must be a positive int or None, "
-                f"got {k!r}"
-            )
-        self.glu_interleave_size = k
-
-    def config(self) -> tuple[int, float, float, float]:
-        return (self.glu_interleave_size or 0, 7.0, 1.702, 1.0)
+        self.glu_interleave_size = glu_interleave_size
 
     def extra_repr(self) -> str:
         k = self.glu_interleave_size
@@ -215,7 +242,16 @@ class SwiGLU(_GatedActivation):
     activation = "swiglu"
 
 
-class ClampedSwiGLU(_GatedActivation):
+class _Clamped:
+    """The clamped SwiGLU's parameters, in the op's ``limit``, ``alpha`` and
+    ``glu_linear_offset`` slots."""
+
+    limit = _Param(1, check_positive_finite)
+    alpha = _Param(2, check_positive_finite)
+    glu_linear_offset = _Param(3, check_finite)
+
+
+class ClampedSwiGLU(_Clamped, _GatedActivation):
     r"""GPT-OSS SwiGLU: :math:`c\,\sigma(\alpha c)\,(\mathrm{clamp}(l, -L, L) + o)` with
     :math:`c = \min(a, L)`, ``limit`` :math:`L`, ``alpha`` :math:`\alpha`,
     ``glu_linear_offset`` :math:`o`."""
@@ -234,14 +270,7 @@ class ClampedSwiGLU(_GatedActivation):
         super().__init__(
             cache_quantized_input=cache_quantized_input, glu_interleave_size=glu_interleave_size
         )
-        check_positive_finite("ClampedSwiGLU", limit=limit, alpha=alpha)
-        check_finite("ClampedSwiGLU", glu_linear_offset=glu_linear_offset)
-        self.limit, self.alpha = float(limit), float(alpha)
-        self.glu_linear_offset = float(glu_linear_offset)
-
-    def config(self) -> tuple[int, float, float, float]:
-        k = self.glu_interleave_size or 0
-        return (k, self.limit, self.alpha, self.glu_linear_offset)
+        self.limit, self.alpha, self.glu_linear_offset = limit, alpha, glu_linear_offset
 
     def extra_repr(self) -> str:
         base = super().extra_repr()
@@ -254,13 +283,9 @@ class _SiTU:
     ``alpha`` slots, its ``glu_linear_offset`` slot is 0 (``functional.activation``)."""
 
     activation = "situglu"
-
-    def _set_betas(self, beta1: float, beta2: float) -> None:
-        check_positive_finite(type(self).__name__, beta1=beta1, beta2=beta2)
-        self.beta1, self.beta2 = float(beta1), float(beta2)
-
-    def config(self) -> tuple[int, float, float, float]:
-        return (self.glu_interleave_size or 0, self.beta1, self.beta2, 0.0)
+    _config = (0, 4.0, 25.0, 0.0)
+    beta1 = _Param(1, check_positive_finite)
+    beta2 = _Param(2, check_positive_finite)
 
     def extra_repr(self) -> str:
         base = super().extra_repr()
@@ -284,7 +309,7 @@ class SiTUGLU(_SiTU, _GatedActivation):
         super().__init__(
             cache_quantized_input=cache_quantized_input, glu_interleave_size=glu_interleave_size
         )
-        self._set_betas(beta1, beta2)
+        self.beta1, self.beta2 = beta1, beta2
 
 
 class _ScaledGLU(_GatedActivation):
@@ -325,7 +350,7 @@ class ScaledSwiGLU(_ScaledGLU):
     activation = "swiglu"
 
 
-class ScaledClampedQGeGLU(_ScaledGLU):
+class ScaledClampedQGeGLU(_Clamped, _ScaledGLU):
     r"""``ClampedSwiGLU``'s :math:`c\,\sigma(\alpha c)\,(\mathrm{clamp}(l, -L, L) + o)` times
     the extra input ``scales``; ``limit``, ``alpha``, ``glu_linear_offset`` as there."""
 
@@ -341,14 +366,7 @@ class ScaledClampedQGeGLU(_ScaledGLU):
         glu_linear_offset: float = 1.0,
     ) -> None:
         super().__init__(glu_interleave_size, activation_recompute_in_mlp)
-        check_positive_finite("ScaledClampedQGeGLU", limit=limit, alpha=alpha)
-        check_finite("ScaledClampedQGeGLU", glu_linear_offset=glu_linear_offset)
-        self.limit, self.alpha = float(limit), float(alpha)
-        self.glu_linear_offset = float(glu_linear_offset)
-
-    def config(self) -> tuple[int, float, float, float]:
-        k = self.glu_interleave_size or 0
-        return (k, self.limit, self.alpha, self.glu_linear_offset)
+        self.limit, self.alpha, self.glu_linear_offset = limit, alpha, glu_linear_offset
 
 
 class ScaledSiTUGLU(_SiTU, _ScaledGLU):
@@ -364,4 +382,4 @@ class ScaledSiTUGLU(_SiTU, _ScaledGLU):
         beta2: float = 25.0,
     ) -> None:
         super().__init__(glu_interleave_size, activation_recompute_in_mlp)
-        self._set_betas(beta1, beta2)
+        self.beta1, self.beta2 = beta1, beta2

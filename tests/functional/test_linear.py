@@ -738,3 +738,23 @@ def test_fp8_weight_needs_its_operand_and_a_main_grad():
     y = F.linear(x, codes.requires_grad_(), None, weight_quantized=wq, **specs)
     with pytest.raises(RuntimeError, match=r"an FP8 weight's gradient goes to main_grad"):
         y.sum().backward()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known limitation (docs/op_mechanism.md, 'Why spec strings'): a float argument of "
+    "the compiled function that dynamo makes symbolic cannot enter te::linear's epilogue spec",
+)
+@pytest.mark.parametrize("dynamic", [None, True], ids=["automatic", "dynamic"])
+def test_float_argument_of_the_compiled_function(dynamic):
+    """``limit`` passed to the compiled function itself, with three values: automatic dynamic
+    makes it symbolic from the second (``dynamic=True``: from the first)."""
+
+    def fn(x, w, b, limit):
+        return tef.linear(x, w, b, activation="clamped_swiglu", limit=limit)
+
+    torch.manual_seed(0)
+    x, w, b = torch.randn(4, 16), torch.randn(32, 16), torch.randn(32)
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager", dynamic=dynamic)
+    for limit in (0.75, 2.0, 3.5):
+        assert_close(compiled(x, w, b, limit), fn(x, w, b, limit).double(), torch.float32)

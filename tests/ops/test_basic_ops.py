@@ -402,6 +402,29 @@ def test_bad_constructor_arguments_name_the_argument(make, match):
         make()
 
 
+@pytest.mark.parametrize(
+    ("make", "name", "good", "bad"),
+    [
+        (ops.ClampedSwiGLU, "limit", 0.5, -1.0),
+        (ops.ClampedSwiGLU, "glu_linear_offset", -0.25, float("nan")),
+        (ops.ScaledClampedQGeGLU, "alpha", 2.5, 0.0),
+        (ops.SiTUGLU, "beta2", 3.0, float("inf")),
+        (ops.ScaledSiTUGLU, "beta1", 0.5, -2.0),
+        (ops.SwiGLU, "glu_interleave_size", 2, 0),
+    ],
+)
+def test_activation_parameters_set_later_are_checked_and_used(make, name, good, bad):
+    """An activation parameter set after construction is checked as the constructor checks it
+    and is what the op computes with (the parameters live in the tuple ``config()`` returns)."""
+    op, fresh = make(), make(**{name: good})
+    setattr(op, name, good)
+    assert getattr(op, name) == good
+    assert op.config() == fresh.config() != make().config()
+    with pytest.raises(ValueError, match=f"{make.__name__}: {name} must be"):
+        setattr(op, name, bad)
+    assert getattr(op, name) == good
+
+
 # The arguments every op needs, by name; the walker below tries bad scalars for the others.
 _GIVEN = {"in_features": 8, "out_features": 8, "size": 8, "num_groups": 2, "normalized_shape": 8}
 _OPS = {

@@ -224,19 +224,17 @@ def test_parametrised_activation_fused_with_linear_compiles(make):
     assert_close(compiled(x), seq(x).double(), torch.float32)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug: a symbolic float (dynamic=True, or automatic dynamic after a second "
-    "parameter value) reaches te::linear's epilogue encoder (functional/spec.py) as text",
-)
+@pytest.mark.parametrize("dynamic", [None, True], ids=["automatic", "dynamic"])
 @pytest.mark.parametrize("act", ["situglu", "clamped_swiglu"])
-def test_fused_activation_parameters_under_dynamic_compile(act):
-    """Two Sequentials whose fused activations differ only in their parameters, one compiled
-    code: the second compile marks the parameters dynamic."""
-    outs = []
-    for value in (0.75, 2.0):
-        make = ops.SiTUGLU if act == "situglu" else ops.ClampedSwiGLU
+def test_fused_activation_parameters_under_dynamic_compile(act, dynamic):
+    """Sequentials whose fused activations differ only in their parameters, one compiled code
+    (automatic dynamic would make the parameters symbolic from the second value on; so would
+    ``dynamic=True`` from the first): each compiles whole and computes with its own values."""
+    make = ops.SiTUGLU if act == "situglu" else ops.ClampedSwiGLU
+    for value in (0.75, 2.0, 3.5):
+        torch.manual_seed(0)
         kw = {"beta1": value} if act == "situglu" else {"limit": value}
         seq = ops.Sequential(ops.BasicLinear(16, 32), ops.Bias(32), make(**kw))
-        outs.append(torch.compile(seq, fullgraph=True, backend="aot_eager")(torch.randn(6, 16)))
-    assert all(o.shape == (6, 16) for o in outs)
+        x = torch.randn(6, 16)
+        compiled = torch.compile(seq, fullgraph=True, backend="aot_eager", dynamic=dynamic)
+        assert_close(compiled(x), seq(x).double(), torch.float32)
