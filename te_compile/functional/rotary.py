@@ -32,19 +32,14 @@ Positions:
   :math:`j + r L/2` in the first half and :math:`L c - (r + 1) L/2 + (j - L/2)` in the second
   (rank :math:`r` of :math:`c`: the load-balanced split of Transformer Engine and Megatron).
 
-A position past the last row of ``freqs`` is left unrotated where it cannot be checked. The checks
-that need the data of ``cu_seqlens`` (non-decreasing, within ``t``, lengths a multiple of
-``2 cp_size``, no sequence longer than ``freqs``) run where it can be read without a device sync:
-eagerly, on the CPU; on a GPU or under ``torch.compile`` they would cost a host sync or a graph
-break, and are skipped.
-
-Numerics: ``cos``/``sin`` and the products in fp32 (fp64 for fp64 input), rounded once to
-``t``'s dtype; ``freqs`` is read in fp32 whatever its dtype (Transformer Engine's fused path
-casts it so). Implementations: the CPU one is the reference math below; CUDA runs the Triton
-kernel of ``te_compile.kernels.rotary`` (one read and one write of ``t``, forward and backward;
-fp64 takes the reference math). No autocast rule: like torch's element-wise ops and Transformer
-Engine's RoPE, the op runs in ``t``'s dtype, and an autocast cast would round ``freqs`` (angles
-of thousands of radians) to bf16.
+A position past the last row of ``freqs`` is left unrotated; the checks that read the data of
+``cu_seqlens`` run only eagerly on the CPU, where they cost no device sync (``docs/ops.md``).
+Numerics: fp32 (fp64 for fp64 input), rounded once to ``t``'s dtype; ``freqs`` is read in fp32
+whatever its dtype, as Transformer Engine's fused path casts it. CPU: the reference math below;
+CUDA: the Triton kernel of ``te_compile.kernels.rotary`` (one read and one write of ``t``; fp64:
+the reference). No autocast rule: the op runs in ``t``'s dtype, as torch's element-wise ops and
+Transformer Engine's RoPE do; an autocast cast would round ``freqs`` (angles of thousands of
+radians) to bf16.
 """
 
 from __future__ import annotations
