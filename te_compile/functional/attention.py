@@ -402,28 +402,13 @@ def _empty_out(like: Tensor, d: int, sbhd: bool) -> Tensor:
 
 
 @op("attention_fwd")
-def attention_fwd(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    bias: Tensor | None,
-    alibi_slopes: Tensor | None,
-    q_padding: Tensor | None,
-    kv_padding: Tensor | None,
-    mask: Tensor | None,
-    cu_seqlens_q: Tensor | None,
-    cu_seqlens_kv: Tensor | None,
-    rng_state: Tensor | None,
-    softmax_offset: Tensor | None,
-    scale: float,
-    window_left: int,
-    window_right: int,
-    bottom_right: bool,
-    dropout_p: float,
-    max_seqlen_q: int,
-    max_seqlen_kv: int,
-    sbhd: bool,
-) -> tuple[Tensor, list[Tensor]]:
+def attention_fwd(query: Tensor, key: Tensor, value: Tensor, bias: Tensor | None,
+                  alibi_slopes: Tensor | None, q_padding: Tensor | None,
+                  kv_padding: Tensor | None, mask: Tensor | None, cu_seqlens_q: Tensor | None,
+                  cu_seqlens_kv: Tensor | None, rng_state: Tensor | None,
+                  softmax_offset: Tensor | None, scale: float, window_left: int,
+                  window_right: int, bottom_right: bool, dropout_p: float, max_seqlen_q: int,
+                  max_seqlen_kv: int, sbhd: bool) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
     """``(out, saved)``; ``saved``: what the backward needs (the logsumexp; with dropout on CUDA
     also the kernel's Philox seed and offset). CPU implementation: the reference math."""
     a = _Args(query, key, value, bias, alibi_slopes, q_padding, kv_padding, mask, cu_seqlens_q,
@@ -486,33 +471,14 @@ def _efficient_bwd_on_cuda(grad_out, out, saved, *args) -> str | None:
 
 
 @op("attention_bwd", kept_whole=_efficient_bwd_on_cuda)
-def attention_bwd(
-    grad_out: Tensor,
-    out: Tensor,
-    saved: list[Tensor],
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    bias: Tensor | None,
-    alibi_slopes: Tensor | None,
-    q_padding: Tensor | None,
-    kv_padding: Tensor | None,
-    mask: Tensor | None,
-    cu_seqlens_q: Tensor | None,
-    cu_seqlens_kv: Tensor | None,
-    rng_state: Tensor | None,
-    softmax_offset: Tensor | None,
-    scale: float,
-    window_left: int,
-    window_right: int,
-    bottom_right: bool,
-    dropout_p: float,
-    max_seqlen_q: int,
-    max_seqlen_kv: int,
-    sbhd: bool,
-    bias_grad: bool,
-    offset_grad: bool,
-) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+def attention_bwd(grad_out: Tensor, out: Tensor, saved: list[Tensor], query: Tensor,
+                  key: Tensor, value: Tensor, bias: Tensor | None, alibi_slopes: Tensor | None,
+                  q_padding: Tensor | None, kv_padding: Tensor | None, mask: Tensor | None,
+                  cu_seqlens_q: Tensor | None, cu_seqlens_kv: Tensor | None,
+                  rng_state: Tensor | None, softmax_offset: Tensor | None, scale: float,
+                  window_left: int, window_right: int, bottom_right: bool, dropout_p: float,
+                  max_seqlen_q: int, max_seqlen_kv: int, sbhd: bool, bias_grad: bool,
+                  offset_grad: bool) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:  # fmt: skip
     """``(dq, dk, dv, extra)``: ``extra`` holds ``d bias`` when ``bias_grad``, then
     ``d softmax_offset`` when ``offset_grad``; the forward's arguments follow ``grad_out``,
     ``out`` and ``saved``. CPU implementation: the reference math (``out`` is for the fused
@@ -669,22 +635,15 @@ def dot_product_attention(
     softmax_type: str = "vanilla",
     softmax_offset: Tensor | None = None,
 ) -> Tensor:
-    r"""Attention with the conventions of Transformer Engine's ``DotProductAttention.forward``,
-    through ``te::attention_fwd``. ``query`` is ``[s, b, h, d]`` (``sbhd``), ``[b, s, h, d]``
-    (``bshd``) or ``[t, h, d]`` (``thd``: packed sequences given by ``cu_seqlens_q`` /
-    ``cu_seqlens_kv``); ``key`` and ``value`` have ``h_kv`` heads dividing ``h`` (GQA). Returns
-    ``[s, b, h*d_v]``, ``[b, s, h*d_v]`` or ``[t, h*d_v]``.
-
-    ``attention_mask`` (True = masked out) is read for the padding mask types (``[b, 1, 1, s]``
-    for self attention or a ``(q_mask, kv_mask)`` pair; ``cu_seqlens`` may give the lengths
-    instead) and for ``"arbitrary"`` (broadcastable to ``[b, h, s_q, s_kv]``), and ignored
-    otherwise, as in Transformer Engine. ``softmax_scale`` defaults to ``1/sqrt(d)``;
-    ``core_attention_bias_type="alibi"`` without ``alibi_slopes`` uses the standard slopes.
-    ``dropout_p > 0`` draws ``rng_state`` (int64 ``(seed, offset)``) from torch's generator
-    unless given. ``softmax_type``: ``"vanilla"`` (softmax), ``"off-by-one"`` (a sink of logit 0:
-    :math:`e^{S_i} / (1 + \sum_j e^{S_j})`) or ``"learnable"`` (a sink of logit
-    ``softmax_offset[n]`` per query head, ``[h]``, any floating dtype, computed in fp32 and
-    differentiable). Bad arguments raise ValueError naming them."""
+    r"""Attention with the conventions of Transformer Engine's ``DotProductAttention.forward``
+    (``docs/attention.md`` gives every argument), through ``te::attention_fwd``. ``query`` is
+    ``[s, b, h, d]`` (``sbhd``), ``[b, s, h, d]`` (``bshd``) or ``[t, h, d]`` (``thd``: packed
+    sequences given by ``cu_seqlens_q`` / ``cu_seqlens_kv``); ``key`` and ``value`` have ``h_kv``
+    heads dividing ``h`` (GQA). Returns ``[s, b, h*d_v]``, ``[b, s, h*d_v]`` or ``[t, h*d_v]``.
+    ``attention_mask`` (True = masked out) is read for the padding mask types and ``"arbitrary"``
+    only. ``dropout_p > 0`` draws ``rng_state`` (int64 ``(seed, offset)``) from torch's generator
+    unless given. ``softmax_offset``: the ``"learnable"`` sink logits ``[h]``, any floating dtype
+    (computed in fp32). Bad arguments raise ValueError naming them."""
     args = attention_args.op_arguments(
         query, key, value, attention_mask, qkv_format, attn_mask_type, window_size, cu_seqlens_q,
         cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, core_attention_bias_type,

@@ -137,18 +137,9 @@ def _causal_type(window_left: int, window_right: int, bottom_right: bool) -> int
     return 2 if bottom_right else 1
 
 
-def plan(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    plain: bool,
-    varlen: bool,
-    same_layout: bool,
-    window_left: int,
-    window_right: int,
-    bottom_right: bool,
-    dropout_p: float,
-) -> Plan:
+def plan(q: Tensor, k: Tensor, v: Tensor, plain: bool, varlen: bool, same_layout: bool,
+         window_left: int, window_right: int, bottom_right: bool,
+         dropout_p: float) -> Plan:  # fmt: skip
     """The kernel for these arguments (shapes, dtypes and flags only: the fake makes the same
     choice). ``plain``: no bias, ALiBi, mask or padding; ``same_layout``: q and kv share
     cu_seqlens, so top-left and bottom-right alignment coincide per sequence."""
@@ -228,22 +219,10 @@ def _valid_tokens(cu_seqlens: Tensor, n: int) -> Tensor:
     return (torch.arange(n, device=cu_seqlens.device) < cu_seqlens[-1])[:, None, None]
 
 
-def forward(
-    p: Plan,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    bias: Tensor | None,
-    row_valid: Tensor | None,
-    cu_seqlens_q: Tensor | None,
-    cu_seqlens_kv: Tensor | None,
-    scale: float,
-    window_left: int,
-    window_right: int,
-    dropout_p: float,
-    max_seqlen_q: int,
-    max_seqlen_kv: int,
-) -> tuple[Tensor, list[Tensor]]:
+def forward(p: Plan, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None,
+            row_valid: Tensor | None, cu_seqlens_q: Tensor | None, cu_seqlens_kv: Tensor | None,
+            scale: float, window_left: int, window_right: int, dropout_p: float,
+            max_seqlen_q: int, max_seqlen_kv: int) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
     """``(out [b, sq, h, dv], saved)``; ``saved`` = ``[lse]`` (+ the Philox seed and offset the
     mem-efficient kernel drew, with dropout). ``bias``: the kernel bias of the bias path
     (``[b, h, sq, skv]``, q's dtype), ``row_valid``: ``[b|1, h|1, sq, 1]``, False for rows that
@@ -291,26 +270,11 @@ def forward(
     return out, [lse, seed, offset] if dropout_p > 0 else [lse]
 
 
-def backward(
-    p: Plan,
-    grad_out: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    saved: list[Tensor],
-    bias: Tensor | None,
-    row_valid: Tensor | None,
-    bias_grad: bool,
-    cu_seqlens_q: Tensor | None,
-    cu_seqlens_kv: Tensor | None,
-    scale: float,
-    window_left: int,
-    window_right: int,
-    dropout_p: float,
-    max_seqlen_q: int,
-    max_seqlen_kv: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+def backward(p: Plan, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+             saved: list[Tensor], bias: Tensor | None, row_valid: Tensor | None, bias_grad: bool,
+             cu_seqlens_q: Tensor | None, cu_seqlens_kv: Tensor | None, scale: float,
+             window_left: int, window_right: int, dropout_p: float, max_seqlen_q: int,
+             max_seqlen_kv: int) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:  # fmt: skip
     """``(dq, dk, dv, dbias)`` through the backward of the forward's kernel; ``dbias`` is the
     gradient of the kernel bias (``[b, h, sq, skv]``) when ``bias_grad``, else None."""
     d, dv, hk = q.shape[-1], v.shape[-1], k.shape[2]

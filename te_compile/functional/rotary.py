@@ -210,14 +210,7 @@ def _seq_len(t: Tensor, tensor_format: str) -> int:
     return t.shape[1] if tensor_format == "bshd" else t.shape[0]
 
 
-def _check_args(
-    t: Tensor,
-    freqs: Tensor,
-    cu_seqlens: Tensor | None,
-    tensor_format: str,
-    cp_size: int,
-    cp_rank: int,
-) -> None:
+def _check_args(t, freqs, cu_seqlens, tensor_format, cp_size, cp_rank) -> None:
     """Shapes, dtypes and scalars: a ValueError naming the argument, the same in eager and at
     trace time."""
 
@@ -427,18 +420,13 @@ def apply_rotary_pos_emb(
     cp_rank: int = 0,
 ) -> Tensor:
     """Rotary position embeddings applied to ``t`` (Transformer Engine's
-    ``apply_rotary_pos_emb``; see the module docstring for the math and the layouts).
-
-    ``t``: ``[s, b, h, d]`` (``tensor_format="sbhd"``), ``[b, s, h, d]`` (``"bshd"``) or
-    ``[t, h, d]`` (``"thd"``, packed sequences delimited by ``cu_seqlens``). ``freqs``:
-    ``[s2, 1, 1, d2]`` from :class:`te_compile.RotaryPositionEmbedding`; the first ``d2``
-    channels of each head are rotated, the rest pass through. ``fused=True``: ``te::rotary_fwd``
-    (the Triton kernel on CUDA); ``fused=False``: the same math in plain torch ops (autograd
-    differentiates ``freqs`` too). ``cp_size`` / ``cp_rank``: context parallelism.
-
-    The arguments are Transformer Engine's, in its order. Unlike there, the fused op is the
-    default (``fused=False`` in TE), and ``start_positions`` (per-sequence offsets for inference
-    with a KV cache) must be None: it is not implemented."""
+    ``apply_rotary_pos_emb``, its arguments in its order; the module docstring gives the math and
+    the layouts, ``docs/ops.md`` the rest). ``t``: ``[s, b, h, d]`` (``"sbhd"``), ``[b, s, h, d]``
+    (``"bshd"``) or ``[t, h, d]`` (``"thd"``, packed sequences delimited by ``cu_seqlens``);
+    ``freqs``: ``[s2, 1, 1, d2]``, the first ``d2`` channels of each head are rotated.
+    ``fused=True`` (the default here, not in TE): ``te::rotary_fwd``; ``fused=False``: the same
+    math in plain torch ops (autograd differentiates ``freqs`` too). ``start_positions`` must be
+    None (KV-cache offsets are not implemented)."""
     if start_positions is not None:
         raise ValueError(
             _PREFIX + "start_positions must be None: per-sequence position offsets (inference "
