@@ -107,42 +107,36 @@ _N_TENSORS = 12  # query .. softmax_offset
 # 1. Reference math ----------------------------------------------------------------------------
 
 
-def _token_layout(a: _Args) -> tuple[Tensor | None, Tensor]:
-    """``(valid, rel)``: ``valid`` ``[b|1, 1, sq, skv]`` (None: every pair) says that query and
-    key are real tokens of one sequence; ``rel`` = :math:`i + o - j` in local positions. No host
-    reads: sequence ids come from ``searchsorted`` on ``cu_seqlens``."""
+def _visible(a: _Args) -> tuple[Tensor, Tensor]:
+    """``(visible, rel)``: ``visible`` ``[b|1, h|1, sq, skv]`` bool, True where key ``j`` may be
+    seen by query ``i`` (both real tokens of one sequence, inside the window and the mask);
+    ``rel`` = :math:`i + o - j` in local positions. No host reads: sequence ids come from
+    ``searchsorted`` on ``cu_seqlens``."""
     sq, skv, device = a.query.shape[1], a.key.shape[1], a.query.device
     iq = torch.arange(sq, device=device)
     ik = torch.arange(skv, device=device)
+    visible = torch.ones((1, 1, sq, skv), dtype=torch.bool, device=device)
     if a.cu_seqlens_q is not None:
         cq = a.cu_seqlens_q.long()
         ck = cq if a.cu_seqlens_kv is None else a.cu_seqlens_kv.long()
         n = cq.shape[0] - 1
         seq_q = torch.searchsorted(cq, iq, right=True) - 1  # n: past the last sequence
         seq_k = torch.searchsorted(ck, ik, right=True) - 1
-        valid = (seq_q[:, None] == seq_k[None, :]) & (seq_q < n)[:, None]
+        visible = visible & ((seq_q[:, None] == seq_k[None, :]) & (seq_q < n)[:, None])[None, None]
         seq_q, seq_k = seq_q.clamp(max=n - 1), seq_k.clamp(max=n - 1)
         pos_q, pos_k = iq - cq[seq_q], ik - ck[seq_k]
         if a.bottom_right:
             pos_q = pos_q + (ck[1:] - ck[:-1] - cq[1:] + cq[:-1])[seq_q]
-        return valid[None, None], (pos_q[:, None] - pos_k[None, :])[None, None]
-    rel = (iq[:, None] - ik[None, :])[None, None]
-    if a.q_padding is None:
-        return None, rel + (skv - sq) if a.bottom_right else rel
-    keep_q, keep_k = ~a.q_padding, ~a.kv_padding
-    valid = (keep_q[:, :, None] & keep_k[:, None, :])[:, None]
-    if a.bottom_right:
-        rel = rel + (keep_k.sum(-1) - keep_q.sum(-1))[:, None, None, None]
-    return valid, rel
-
-
-def _visible(a: _Args) -> tuple[Tensor, Tensor]:
-    """``(visible, rel)``: ``visible`` ``[b|1, h|1, sq, skv]`` bool, True where key ``j`` may be
-    seen by query ``i``."""
-    valid, rel = _token_layout(a)
-    visible = torch.ones((1, 1) + rel.shape[2:], dtype=torch.bool, device=rel.device)
-    if valid is not None:
-        visible = visible & valid
+        rel = (pos_q[:, None] - pos_k[None, :])[None, None]
+    else:
+        rel = (iq[:, None] - ik[None, :])[None, None]
+        if a.q_padding is not None:
+            keep_q, keep_k = ~a.q_padding, ~a.kv_padding
+            visible = visible & (keep_q[:, :, None] & keep_k[:, None, :])[:, None]
+            if a.bottom_right:
+                rel = rel + (keep_k.sum(-1) - keep_q.sum(-1))[:, None, None, None]
+        elif a.bottom_right:
+            rel = rel + (skv - sq)
     if a.window_left >= 0:
         visible = visible & (rel <= a.window_left)
     if a.window_right >= 0:
