@@ -645,9 +645,6 @@ def dot_product_attention(
         softmax_offset,
     )  # fmt: skip
     out, _ = _attention(*args)
-    b, s, h, dv = out.shape
-    if qkv_format == "thd":
-        return out[0].reshape(s, h * dv)
-    if qkv_format == "sbhd":
-        return out.transpose(0, 1).reshape(s, b, h * dv)
-    return out.reshape(b, s, h * dv)
+    if qkv_format != "bshd":
+        out = out[0] if qkv_format == "thd" else out.transpose(0, 1)
+    return out.reshape(*out.shape[:-2], out.shape[-2] * out.shape[-1])

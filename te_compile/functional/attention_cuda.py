@@ -98,13 +98,10 @@ def _sdpa_choice(
 ) -> int:
     """The backend (an ``SDPBackend`` value) SDPA's dispatcher picks for dense ``[b, h, s, d]``
     tensors of these dtype, heads and head dims, no dropout, no mask, under the current SDPA
-    settings (backends enabled, their priority order, deterministic mode).
-
-    Asked of small real tensors, never of the op's own: on fake tensors (the op's fake and its
-    trace under ``torch.compile``) ``torch._fused_sdp_choice`` answers from its meta kernel,
-    which picks the math backend, so the fake and the CUDA kernel would disagree. The choice
-    does not depend on the batch or the sequence lengths beyond what ``_cudnn_ok`` checks
-    (``skv != 1``, batch and heads <= 65535), nor on the strides (last dim contiguous)."""
+    settings (backends enabled, their priority order, deterministic mode). Asked of small real
+    tensors: on fake ones (the op's fake, its trace) ``torch._fused_sdp_choice``'s meta answers
+    math. The batch, the sequence lengths (beyond ``_cudnn_ok``'s checks) and the strides do not
+    change the choice."""
     state = (
         torch.backends.cuda.cudnn_sdp_enabled(),
         torch.backends.cuda.flash_sdp_enabled(),

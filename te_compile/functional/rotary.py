@@ -448,6 +448,5 @@ def apply_rotary_pos_emb(
         and torch._C._len_torch_dispatch_stack() == 0
     ):
         _check_cu_seqlens_values(t, freqs, cu_seqlens, cp_size)
-    if not fused:
-        return rotary_ref(t, freqs, cu_seqlens, tensor_format, bool(interleaved), cp_size, cp_rank)
-    return _rotary(t, freqs, cu_seqlens, tensor_format, bool(interleaved), cp_size, cp_rank)
+    rope = _rotary if fused else rotary_ref
+    return rope(t, freqs, cu_seqlens, tensor_format, bool(interleaved), cp_size, cp_rank)
