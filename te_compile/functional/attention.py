@@ -272,12 +272,8 @@ def attention_bwd_ref(
         sink = a.softmax_offset.to(acc).view(1, -1, 1, 1)
         p_sink = torch.exp(sink - saved[0][..., None].to(acc))
         extra.append(-(p_sink * delta).sum((0, 2, 3)).to(a.softmax_offset.dtype))
-    return (
-        _in_layout(dq.to(a.query.dtype), a.sbhd),
-        _in_layout(_sum_groups(dk, hk).to(a.key.dtype), a.sbhd),
-        _in_layout(_sum_groups(dv, hk).to(a.value.dtype), a.sbhd),
-        extra,
-    )
+    dk, dv = _sum_groups(dk, hk).to(a.key.dtype), _sum_groups(dv, hk).to(a.value.dtype)
+    return *(_in_layout(x, a.sbhd) for x in (dq.to(a.query.dtype), dk, dv)), extra
 
 
 def _kernel_bias(a: _Args) -> tuple[Tensor, Tensor]:

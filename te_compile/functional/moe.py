@@ -1,19 +1,13 @@
 r"""Mixture-of-experts token routing: Transformer Engine's ``moe_permute``, ``moe_unpermute``,
 ``moe_permute_with_probs`` and ``moe_sort_chunks_by_index`` (``_with_probs``), as
 ``te::moe_permute_fwd/_bwd``, ``te::moe_unpermute_fwd/_bwd`` and ``te::moe_sort_chunks_fwd/_bwd``.
-``docs/moe.md`` gives their semantics (the order of the permuted rows, ``num_out_tokens``, the
-probabilities, the chunk sort). ``row_id_map`` is one internal layout for both map types: ``[T,
-S]`` int32 (``S = E`` for the mask, ``K`` for indices), the permuted row of token ``t``'s slot
-``s`` or -1. The unpermute is ``out[t] = sum_s p[t, s] * inp[row_id_map[t, s]]`` (fp32 sums,
-rounded once); without probabilities it is the adjoint of the permute, and the backward of each
-is the other.
-
-Nothing is read on the host: the maps are built with device ops (a cumulative sum for the mask,
-a stable sort for indices, ``searchsorted`` for chunks) and every data-dependent size comes from
-an argument, so the ops compile with ``dynamic=True`` once and run for any routing. On CUDA the
-row movement is one Triton kernel (``kernels.moe.gather_sum``: a weighted gather, each output
-row written once); on CPU the same math in torch (``index_add_`` in fp32). The argument checks
-are in ``functional/moe_args.py``.
+``docs/moe.md`` gives their semantics and what the compiler sees. ``row_id_map`` is one internal
+layout for both map types: ``[T, S]`` int32 (``S = E`` for the mask, ``K`` for indices), the
+permuted row of token ``t``'s slot ``s`` or -1. The unpermute is ``out[t] = sum_s p[t, s] *
+inp[row_id_map[t, s]]`` (fp32 sums, rounded once); without probabilities it is the adjoint of the
+permute, and the backward of each is the other. Nothing is read on the host (every
+data-dependent size is an argument). The row movement: on CUDA one Triton kernel
+(``kernels.moe.gather_sum``), on CPU the same math in torch. Argument checks: ``moe_args.py``.
 """
 
 from __future__ import annotations
