@@ -6,13 +6,10 @@ r"""Dropout with a counter-based RNG: ``te::dropout_fwd`` / ``te::dropout_bwd``.
 
 where :math:`u_i` is a 32-bit random word that is a pure function of ``rng_state`` and the
 element's index :math:`i` in ``inp``'s logical (row-major) order. ``rng_state`` is an int64
-tensor ``[2]`` = ``(seed, offset)`` on ``inp``'s device, an explicit *input* of both ops. Hence:
-
-* the backward recomputes the mask from ``rng_state`` instead of saving it (no mask in memory);
-* activation checkpointing reproduces the mask: the recomputed forward gets the same
-  ``rng_state`` (``torch.utils.checkpoint`` restores the RNG state that drew it; under
-  ``torch.compile`` the partitioner saves, never recomputes, the random draw), eager and compiled;
-* the ops are pure: no global RNG is read inside them, which opcheck and torch.compile require.
+tensor ``[2]`` = ``(seed, offset)`` on ``inp``'s device, an explicit *input* of both ops: they
+are pure (no global RNG is read inside them, as opcheck and torch.compile require), the backward
+recomputes the mask instead of saving it, and a checkpointed recompute gets the same
+``rng_state``, eager and compiled (``docs/ops.md``).
 
 The words come from Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3",
 SC 2011): key ``(seed mod 2^32, seed >> 32)``, counter ``(g mod 2^32, g >> 32, offset mod 2^32,
