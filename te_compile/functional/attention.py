@@ -24,38 +24,32 @@ with :math:`P_{i0} = e^{\alpha_n - \mathrm{lse}_i}` the sink's probability (zero
 that sees no key). The sink enters the logsumexp only: the saved ``lse`` includes it, so the
 backward's probabilities are the sink softmax's without a change.
 
-Masks, in Transformer Engine's terms (positions local to a sequence, :math:`o` the diagonal
-offset): the window ``(left, right)`` lets query :math:`i` see keys :math:`j` with
-:math:`i + o - \text{left} \le j \le i + o + \text{right}`, ``-1`` meaning unbounded; a causal
-mask is the window ``(left, 0)``. The diagonal is aligned to the top left (:math:`o = 0`) for
-``causal`` and ``padding_causal`` and to the bottom right (:math:`o = s_{kv} - s_q`, per
-sequence for padded and packed batches) for every other mask type; ALiBi uses the same
-diagonal. Padding masks (True = padded) remove padded queries and keys; a ``thd`` batch packs
-sequences given by ``cu_seqlens`` (a query sees keys of its own sequence only; tokens past
-``cu_seqlens[-1]`` are padding); an ``arbitrary`` mask (True = masked out) broadcasts to
-``[b, h, s_q, s_kv]``. ``functional/attention_args.py`` turns Transformer Engine's arguments
-into the op's.
+Masks (positions local to a sequence; ``docs/attention.md`` gives them in Transformer Engine's
+terms, and ``functional/attention_args.py`` turns its arguments into the op's): the window
+``(left, right)`` lets query :math:`i` see keys :math:`i + o - \text{left} \le j \le i + o +
+\text{right}`, ``-1`` unbounded, causal being ``(left, 0)``; the diagonal offset :math:`o` is 0
+(top left) or :math:`s_{kv} - s_q` (bottom right, per sequence for padded and packed batches),
+ALiBi using the same. Padding masks remove padded queries and keys; in a packed ``thd`` batch a
+query sees keys of its own sequence only, and tokens past ``cu_seqlens[-1]`` are padding.
 
 The op's tensors are ``[b, s, h, d]`` (``thd``: ``b = 1``); ``sbhd`` says that the output and
 the gradients are laid out ``[s, b, h, d]`` in memory, so that the module's ``[s, b, h*d]``
 output is a view. Arguments: see :class:`_Args`.
 
-Implementations. CPU (and fp64 on CUDA): the reference math below, in fp32 (fp64 for fp64)
-rounded once at the end; the forward saves the logsumexp (``+inf`` for a row that sees no key)
-and the backward recomputes the probabilities from it, as the fused kernels do. CUDA: PyTorch's
-fused flash and memory-efficient attention kernels, chosen per case (``attention_cuda.py`` holds
-the table); causal, no-mask, padding and GQA attention never materialise the softmax there.
-
-Dropout: on CPU the keep mask is te_compile's Philox stream (``functional.dropout_ops``) of the
-``rng_state = (seed, offset)`` input over the probabilities in ``[b, h, s_q, s_kv]`` order, so the
-backward and a checkpointed recompute regenerate it from that input. On CUDA the fused kernels
-draw their own Philox seed and offset and return them for the backward (``attention_cuda``).
+CPU (and fp64 on CUDA): the reference math below, in fp32 (fp64 for fp64) rounded once at the
+end; the forward saves the logsumexp (``+inf`` for a row that sees no key) and the backward
+recomputes the probabilities from it, as the fused kernels do. CUDA: PyTorch's fused kernels,
+which never materialise the softmax, chosen per case (``attention_cuda.py``), or the reference
+math where none expresses the case. Dropout's keep mask on CPU is te_compile's Philox stream
+(``functional.dropout_ops``) of the ``rng_state = (seed, offset)`` input over the probabilities
+in ``[b, h, s_q, s_kv]`` order, so the backward and a checkpointed recompute regenerate it.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -113,42 +107,36 @@ _N_TENSORS = 12  # query .. softmax_offset
 # 1. Reference math ----------------------------------------------------------------------------
 
 
-def _token_layout(a: _Args) -> tuple[Tensor | None, Tensor]:
-    """``(valid, rel)``: ``valid`` ``[b|1, 1, sq, skv]`` (None: every pair) says that query and
-    key are real tokens of one sequence; ``rel`` = :math:`i + o - j` in local positions. No host
-    reads: sequence ids come from ``searchsorted`` on ``cu_seqlens``."""
+def _visible(a: _Args) -> tuple[Tensor, Tensor]:
+    """``(visible, rel)``: ``visible`` ``[b|1, h|1, sq, skv]`` bool, True where key ``j`` may be
+    seen by query ``i`` (both real tokens of one sequence, inside the window and the mask);
+    ``rel`` = :math:`i + o - j` in local positions. No host reads: sequence ids come from
+    ``searchsorted`` on ``cu_seqlens``."""
     sq, skv, device = a.query.shape[1], a.key.shape[1], a.query.device
     iq = torch.arange(sq, device=device)
     ik = torch.arange(skv, device=device)
+    visible = torch.ones((1, 1, sq, skv), dtype=torch.bool, device=device)
     if a.cu_seqlens_q is not None:
         cq = a.cu_seqlens_q.long()
         ck = cq if a.cu_seqlens_kv is None else a.cu_seqlens_kv.long()
         n = cq.shape[0] - 1
         seq_q = torch.searchsorted(cq, iq, right=True) - 1  # n: past the last sequence
         seq_k = torch.searchsorted(ck, ik, right=True) - 1
-        valid = (seq_q[:, None] == seq_k[None, :]) & (seq_q < n)[:, None]
+        visible = visible & ((seq_q[:, None] == seq_k[None, :]) & (seq_q < n)[:, None])[None, None]
         seq_q, seq_k = seq_q.clamp(max=n - 1), seq_k.clamp(max=n - 1)
         pos_q, pos_k = iq - cq[seq_q], ik - ck[seq_k]
         if a.bottom_right:
             pos_q = pos_q + (ck[1:] - ck[:-1] - cq[1:] + cq[:-1])[seq_q]
-        return valid[None, None], (pos_q[:, None] - pos_k[None, :])[None, None]
-    rel = (iq[:, None] - ik[None, :])[None, None]
-    if a.q_padding is None:
-        return None, rel + (skv - sq) if a.bottom_right else rel
-    keep_q, keep_k = ~a.q_padding, ~a.kv_padding
-    valid = (keep_q[:, :, None] & keep_k[:, None, :])[:, None]
-    if a.bottom_right:
-        rel = rel + (keep_k.sum(-1) - keep_q.sum(-1))[:, None, None, None]
-    return valid, rel
-
-
-def _visible(a: _Args) -> tuple[Tensor, Tensor]:
-    """``(visible, rel)``: ``visible`` ``[b|1, h|1, sq, skv]`` bool, True where key ``j`` may be
-    seen by query ``i``."""
-    valid, rel = _token_layout(a)
-    visible = torch.ones((1, 1) + rel.shape[2:], dtype=torch.bool, device=rel.device)
-    if valid is not None:
-        visible = visible & valid
+        rel = (pos_q[:, None] - pos_k[None, :])[None, None]
+    else:
+        rel = (iq[:, None] - ik[None, :])[None, None]
+        if a.q_padding is not None:
+            keep_q, keep_k = ~a.q_padding, ~a.kv_padding
+            visible = visible & (keep_q[:, :, None] & keep_k[:, None, :])[:, None]
+            if a.bottom_right:
+                rel = rel + (keep_k.sum(-1) - keep_q.sum(-1))[:, None, None, None]
+        elif a.bottom_right:
+            rel = rel + (skv - sq)
     if a.window_left >= 0:
         visible = visible & (rel <= a.window_left)
     if a.window_right >= 0:
@@ -156,11 +144,6 @@ def _visible(a: _Args) -> tuple[Tensor, Tensor]:
     if a.mask is not None:
         visible = visible & ~a.mask
     return visible, rel
-
-
-def _sink(softmax_offset: Tensor, dtype: torch.dtype) -> Tensor:
-    r"""The sink logits :math:`\alpha_n` as ``[1, h, 1, 1]`` in ``dtype``."""
-    return softmax_offset.to(dtype).view(1, -1, 1, 1)
 
 
 def _alibi(slopes: Tensor, rel: Tensor, dtype: torch.dtype) -> Tensor:
@@ -193,11 +176,18 @@ def _scores(a: _Args, rel: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return s, q, k
 
 
-def _no_autocast(t: Tensor) -> torch.autocast:
-    """The math runs in the dtypes written here: the op path runs an implementation with
-    autocast's dispatch key excluded, and the eager fast path, which enters it while autocast
-    is on (after casting the op's arguments), must compute the same."""
-    return torch.autocast(t.device.type, enabled=False)
+def _no_autocast(fn: Callable) -> Callable:
+    """Runs ``fn(a, ...)`` with autocast off, so that the math runs in the dtypes written here:
+    the op path runs an implementation with autocast's dispatch key excluded, and the eager fast
+    path, which enters it while autocast is on (after casting the op's arguments), must compute
+    the same."""
+
+    @functools.wraps(fn)
+    def run(a: _Args, *args):
+        with torch.autocast(a.query.device.type, enabled=False):
+            return fn(a, *args)
+
+    return run
 
 
 def _in_layout(x: Tensor, sbhd: bool) -> Tensor:
@@ -208,12 +198,8 @@ def _in_layout(x: Tensor, sbhd: bool) -> Tensor:
     return x.contiguous()
 
 
+@_no_autocast
 def _forward_ref(a: _Args) -> tuple[Tensor, list[Tensor]]:
-    with _no_autocast(a.query):
-        return _forward_math(a)
-
-
-def _forward_math(a: _Args) -> tuple[Tensor, list[Tensor]]:
     visible, rel = _visible(a)
     s, _, _ = _scores(a, rel)
     row = visible.any(-1, keepdim=True)
@@ -221,7 +207,7 @@ def _forward_math(a: _Args) -> tuple[Tensor, list[Tensor]]:
     s = s.masked_fill(~visible, -math.inf).masked_fill(~row, 0.0)
     lse = torch.logsumexp(s, -1, keepdim=True)
     if a.softmax_offset is not None:
-        lse = torch.logaddexp(lse, _sink(a.softmax_offset, s.dtype))
+        lse = torch.logaddexp(lse, a.softmax_offset.to(s.dtype).view(1, -1, 1, 1))
     probs = torch.exp(s - lse).masked_fill(~row, 0.0)
     if a.dropout_p > 0:
         keep = dropout_mask(a.rng_state, probs.shape, a.dropout_p)
@@ -252,14 +238,8 @@ def _sum_groups(dx: Tensor, kv_heads: int) -> Tensor:
     return dx.transpose(1, 2)
 
 
+@_no_autocast
 def attention_bwd_ref(
-    a: _Args, grad_out: Tensor, saved: list[Tensor], bias_grad: bool, offset_grad: bool
-) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
-    with _no_autocast(a.query):
-        return _backward_math(a, grad_out, saved, bias_grad, offset_grad)
-
-
-def _backward_math(
     a: _Args, grad_out: Tensor, saved: list[Tensor], bias_grad: bool, offset_grad: bool
 ) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
     r"""``(dq, dk, dv, [dbias, dsoftmax_offset])`` (each where asked) from the saved logsumexp
@@ -289,15 +269,11 @@ def _backward_math(
     if offset_grad:
         # The sink's value is zero: its dP is 0, so its dS is -P_sink * delta. A row that sees
         # no key has lse = +inf there, hence P_sink = 0.
-        sink = _sink(a.softmax_offset, acc)
+        sink = a.softmax_offset.to(acc).view(1, -1, 1, 1)
         p_sink = torch.exp(sink - saved[0][..., None].to(acc))
         extra.append(-(p_sink * delta).sum((0, 2, 3)).to(a.softmax_offset.dtype))
-    return (
-        _in_layout(dq.to(a.query.dtype), a.sbhd),
-        _in_layout(_sum_groups(dk, hk).to(a.key.dtype), a.sbhd),
-        _in_layout(_sum_groups(dv, hk).to(a.value.dtype), a.sbhd),
-        extra,
-    )
+    dk, dv = _sum_groups(dk, hk).to(a.key.dtype), _sum_groups(dv, hk).to(a.value.dtype)
+    return *(_in_layout(x, a.sbhd) for x in (dq.to(a.query.dtype), dk, dv)), extra
 
 
 def _kernel_bias(a: _Args) -> tuple[Tensor, Tensor]:
@@ -372,15 +348,8 @@ def _check(a: _Args) -> None:
     ):
         raise fail(f"alibi_slopes must be float32 [{h}] or [{b}, {h}], got {slopes.dtype} "
                    f"{list(slopes.shape)}")  # fmt: skip
-    qp, kvp = a.q_padding, a.kv_padding
-    if (qp is None) != (kvp is None) or (
-        qp is not None
-        and not (
-            qp.dtype == kvp.dtype == torch.bool
-            and tuple(qp.shape) == (b, sq)
-            and tuple(kvp.shape) == (b, skv)
-        )
-    ):
+    pads = [(x.dtype, tuple(x.shape)) for x in (a.q_padding, a.kv_padding) if x is not None]
+    if pads and pads != [(torch.bool, (b, sq)), (torch.bool, (b, skv))]:
         raise fail(f"q_padding and kv_padding must both be bool [{b}, {sq}] and [{b}, {skv}]")
     if a.mask is not None and (
         a.mask.dtype != torch.bool or not _broadcasts(a.mask, b, h, sq, skv)
@@ -392,7 +361,7 @@ def _check(a: _Args) -> None:
     ):
         raise fail(f"cu_seqlens_q must be int32 [n + 1], n >= 1, got {cu_q.dtype} "
                    f"{list(cu_q.shape)}")  # fmt: skip
-    if cu_q is not None and (b != 1 or qp is not None):
+    if cu_q is not None and (b != 1 or pads):
         raise fail(f"cu_seqlens_q needs packed tokens (b == 1, got {b}) and no padding masks")
     if cu_kv is not None and (
         cu_q is None or cu_kv.dtype != torch.int32 or cu_kv.shape != cu_q.shape
@@ -423,28 +392,13 @@ def _empty_out(like: Tensor, d: int, sbhd: bool) -> Tensor:
 
 
 @op("attention_fwd")
-def attention_fwd(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    bias: Tensor | None,
-    alibi_slopes: Tensor | None,
-    q_padding: Tensor | None,
-    kv_padding: Tensor | None,
-    mask: Tensor | None,
-    cu_seqlens_q: Tensor | None,
-    cu_seqlens_kv: Tensor | None,
-    rng_state: Tensor | None,
-    softmax_offset: Tensor | None,
-    scale: float,
-    window_left: int,
-    window_right: int,
-    bottom_right: bool,
-    dropout_p: float,
-    max_seqlen_q: int,
-    max_seqlen_kv: int,
-    sbhd: bool,
-) -> tuple[Tensor, list[Tensor]]:
+def attention_fwd(query: Tensor, key: Tensor, value: Tensor, bias: Tensor | None,
+                  alibi_slopes: Tensor | None, q_padding: Tensor | None,
+                  kv_padding: Tensor | None, mask: Tensor | None, cu_seqlens_q: Tensor | None,
+                  cu_seqlens_kv: Tensor | None, rng_state: Tensor | None,
+                  softmax_offset: Tensor | None, scale: float, window_left: int,
+                  window_right: int, bottom_right: bool, dropout_p: float, max_seqlen_q: int,
+                  max_seqlen_kv: int, sbhd: bool) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
     """``(out, saved)``; ``saved``: what the backward needs (the logsumexp; with dropout on CUDA
     also the kernel's Philox seed and offset). CPU implementation: the reference math."""
     a = _Args(query, key, value, bias, alibi_slopes, q_padding, kv_padding, mask, cu_seqlens_q,
@@ -499,10 +453,7 @@ def _attention_fwd_fake(*args):
 
 def _efficient_bwd_on_cuda(grad_out, out, saved, *args) -> str | None:
     """``kept_whole`` of ``te::attention_bwd``: the calls that run the memory-efficient kernel's
-    backward stay one opaque call under compile. Traced through, Inductor's fake tensors run
-    aten's meta of ``_efficient_attention_backward``, which lacks the op's ``out`` argument
-    (torch 2.11 - 2.13) and fails with "got multiple values for argument 'scale'"; our own
-    fake gives the shapes instead."""
+    backward stay one opaque call under compile (why: ``docs/op_mechanism.md``)."""
     a = _Args(*args[:-2])
     if a.query.device.type == "cuda" and _plan(a).kind.startswith("efficient"):
         return "aten's meta of _efficient_attention_backward does not match its schema"
@@ -510,33 +461,14 @@ def _efficient_bwd_on_cuda(grad_out, out, saved, *args) -> str | None:
 
 
 @op("attention_bwd", kept_whole=_efficient_bwd_on_cuda)
-def attention_bwd(
-    grad_out: Tensor,
-    out: Tensor,
-    saved: list[Tensor],
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    bias: Tensor | None,
-    alibi_slopes: Tensor | None,
-    q_padding: Tensor | None,
-    kv_padding: Tensor | None,
-    mask: Tensor | None,
-    cu_seqlens_q: Tensor | None,
-    cu_seqlens_kv: Tensor | None,
-    rng_state: Tensor | None,
-    softmax_offset: Tensor | None,
-    scale: float,
-    window_left: int,
-    window_right: int,
-    bottom_right: bool,
-    dropout_p: float,
-    max_seqlen_q: int,
-    max_seqlen_kv: int,
-    sbhd: bool,
-    bias_grad: bool,
-    offset_grad: bool,
-) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+def attention_bwd(grad_out: Tensor, out: Tensor, saved: list[Tensor], query: Tensor,
+                  key: Tensor, value: Tensor, bias: Tensor | None, alibi_slopes: Tensor | None,
+                  q_padding: Tensor | None, kv_padding: Tensor | None, mask: Tensor | None,
+                  cu_seqlens_q: Tensor | None, cu_seqlens_kv: Tensor | None,
+                  rng_state: Tensor | None, softmax_offset: Tensor | None, scale: float,
+                  window_left: int, window_right: int, bottom_right: bool, dropout_p: float,
+                  max_seqlen_q: int, max_seqlen_kv: int, sbhd: bool, bias_grad: bool,
+                  offset_grad: bool) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:  # fmt: skip
     """``(dq, dk, dv, extra)``: ``extra`` holds ``d bias`` when ``bias_grad``, then
     ``d softmax_offset`` when ``offset_grad``; the forward's arguments follow ``grad_out``,
     ``out`` and ``saved``. CPU implementation: the reference math (``out`` is for the fused
@@ -562,8 +494,7 @@ def _attention_bwd_cuda(grad_out, out, saved, *args):
     )  # fmt: skip
     if bias_grad:
         dbias = [_reduce_to(dbias.float(), a.bias.shape).to(a.bias.dtype).contiguous()]
-    sbhd = a.sbhd
-    return _in_layout(dq, sbhd), _in_layout(dk, sbhd), _in_layout(dv, sbhd), dbias or []
+    return *(_in_layout(x, a.sbhd) for x in (dq, dk, dv)), dbias or []
 
 
 @attention_bwd.register_fake
@@ -597,9 +528,8 @@ def _backward(ctx, bwd, grad_out, _grad_saved):
     bias_grad = args[3] is not None and need[3]
     offset_grad = args[11] is not None and need[11]
     dq, dk, dv, extra = bwd(grad_out, out, saved, *args, *ctx.scalars, bias_grad, offset_grad)
-    grads = [None] * len(need)
-    for i, grad in enumerate((dq, dk, dv)):
-        grads[i] = grad if need[i] else None
+    grads = [g if n else None for g, n in zip((dq, dk, dv), need[:3], strict=True)]
+    grads += [None] * (len(need) - 3)
     if bias_grad:
         grads[3] = extra[0]
     if offset_grad:
@@ -695,22 +625,15 @@ def dot_product_attention(
     softmax_type: str = "vanilla",
     softmax_offset: Tensor | None = None,
 ) -> Tensor:
-    r"""Attention with the conventions of Transformer Engine's ``DotProductAttention.forward``,
-    through ``te::attention_fwd``. ``query`` is ``[s, b, h, d]`` (``sbhd``), ``[b, s, h, d]``
-    (``bshd``) or ``[t, h, d]`` (``thd``: packed sequences given by ``cu_seqlens_q`` /
-    ``cu_seqlens_kv``); ``key`` and ``value`` have ``h_kv`` heads dividing ``h`` (GQA). Returns
-    ``[s, b, h*d_v]``, ``[b, s, h*d_v]`` or ``[t, h*d_v]``.
-
-    ``attention_mask`` (True = masked out) is read for the padding mask types (``[b, 1, 1, s]``
-    for self attention or a ``(q_mask, kv_mask)`` pair; ``cu_seqlens`` may give the lengths
-    instead) and for ``"arbitrary"`` (broadcastable to ``[b, h, s_q, s_kv]``), and ignored
-    otherwise, as in Transformer Engine. ``softmax_scale`` defaults to ``1/sqrt(d)``;
-    ``core_attention_bias_type="alibi"`` without ``alibi_slopes`` uses the standard slopes.
-    ``dropout_p > 0`` draws ``rng_state`` (int64 ``(seed, offset)``) from torch's generator
-    unless given. ``softmax_type``: ``"vanilla"`` (softmax), ``"off-by-one"`` (a sink of logit 0:
-    :math:`e^{S_i} / (1 + \sum_j e^{S_j})`) or ``"learnable"`` (a sink of logit
-    ``softmax_offset[n]`` per query head, ``[h]``, any floating dtype, computed in fp32 and
-    differentiable). Bad arguments raise ValueError naming them."""
+    r"""Attention with the conventions of Transformer Engine's ``DotProductAttention.forward``
+    (``docs/attention.md`` gives every argument), through ``te::attention_fwd``. ``query`` is
+    ``[s, b, h, d]`` (``sbhd``), ``[b, s, h, d]`` (``bshd``) or ``[t, h, d]`` (``thd``: packed
+    sequences given by ``cu_seqlens_q`` / ``cu_seqlens_kv``); ``key`` and ``value`` have ``h_kv``
+    heads dividing ``h`` (GQA). Returns ``[s, b, h*d_v]``, ``[b, s, h*d_v]`` or ``[t, h*d_v]``.
+    ``attention_mask`` (True = masked out) is read for the padding mask types and ``"arbitrary"``
+    only. ``dropout_p > 0`` draws ``rng_state`` (int64 ``(seed, offset)``) from torch's generator
+    unless given. ``softmax_offset``: the ``"learnable"`` sink logits ``[h]``, any floating dtype
+    (computed in fp32). Bad arguments raise ValueError naming them."""
     args = attention_args.op_arguments(
         query, key, value, attention_mask, qkv_format, attn_mask_type, window_size, cu_seqlens_q,
         cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, core_attention_bias_type,
@@ -718,9 +641,6 @@ def dot_product_attention(
         softmax_offset,
     )  # fmt: skip
     out, _ = _attention(*args)
-    b, s, h, dv = out.shape
-    if qkv_format == "thd":
-        return out[0].reshape(s, h * dv)
-    if qkv_format == "sbhd":
-        return out.transpose(0, 1).reshape(s, b, h * dv)
-    return out.reshape(b, s, h * dv)
+    if qkv_format != "bshd":
+        out = out[0] if qkv_format == "thd" else out.transpose(0, 1)
+    return out.reshape(*out.shape[:-2], out.shape[-2] * out.shape[-1])

@@ -201,10 +201,8 @@ def _bias(bias, b: int, h: int, sq: int, skv: int) -> Tensor:
         raise _fail("core_attention_bias must be a floating tensor")
     if (
         bias.dim() != 4
-        or bias.shape[0] not in (1, b)
-        or bias.shape[1] not in (1, h)
-        or bias.shape[2] not in (1, sq)
         or bias.shape[3] != skv
+        or any(m not in (1, w) for m, w in zip(bias.shape[:3], (b, h, sq), strict=True))
     ):
         raise _fail(f"core_attention_bias must be [1 or {b}, 1 or {h}, 1 or {sq}, {skv}], got "
                     f"{list(bias.shape)}")  # fmt: skip
@@ -225,6 +223,10 @@ def _slopes(alibi_slopes, b: int, h: int, thd: bool, device) -> Tensor:
     if alibi_slopes.device != device:
         raise _fail(f"alibi_slopes must be on {device}, got {alibi_slopes.device}")
     return alibi_slopes
+
+
+def _real(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _described(x: object) -> object:
@@ -271,17 +273,9 @@ def op_arguments(
     if core_attention_bias_type not in BIAS_TYPES:
         raise _fail(f"core_attention_bias_type must be one of {BIAS_TYPES}, got "
                     f"{core_attention_bias_type!r}")  # fmt: skip
-    if (
-        not isinstance(dropout_p, (int, float))
-        or isinstance(dropout_p, bool)
-        or not 0.0 <= dropout_p < 1.0
-    ):
+    if not _real(dropout_p) or not 0.0 <= dropout_p < 1.0:
         raise _fail(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
-    if softmax_scale is not None and not (
-        isinstance(softmax_scale, (int, float))
-        and not isinstance(softmax_scale, bool)
-        and 0 < softmax_scale < math.inf
-    ):
+    if softmax_scale is not None and not (_real(softmax_scale) and 0 < softmax_scale < math.inf):
         raise _fail(f"softmax_scale must be a positive float (finite, > 0), got {softmax_scale!r}")
     # Checked for every format (a bound given for sbhd / bshd is not silently ignored).
     for name, bound in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_kv", max_seqlen_kv)):

@@ -1,42 +1,17 @@
 """PyTorch's fused attention kernels on CUDA: which one runs each case of ``te::attention_fwd/_bwd``
 and how it is called. CUDA only (written against the aten schemas of torch 2.11 - 2.13, which
-match; ``tests/functional/test_attention_cuda.py`` checks every row of the table on a GPU).
+match; ``tests/functional/test_attention_cuda.py`` checks every kind on a GPU).
 
-The table, first match wins (``plan``):
-
-=================== ========================================= ===================================
-kernel              used when                                 aten forward / backward
-=================== ========================================= ===================================
-``cudnn``           bf16/fp16, dense, head dims <= 128 and    ``_scaled_dot_product_cudnn_``
-                    multiples of 8, no dropout, no bias /     ``attention`` (+ ``_backward``;
-                    ALiBi / mask / padding / window; causal   [b, h, s, d] views of the op's
-                    only with sq == skv; and SDPA itself      tensors, any strides; GQA native)
-                    would pick cuDNN for these tensors
-                    (``torch._fused_sdp_choice``: cuDNN 9.15+
-                    on sm90 / sm100, unless disabled)
-``flash``           bf16/fp16, head dims <= 256, no dropout,  ``_flash_attention_forward`` /
-                    no bias / ALiBi / mask / padding; causal  ``_flash_attention_backward``
-                    and sliding windows aligned bottom-right  (dense [b, s, h, d]; GQA native;
-                    or sq == skv                              window_size_left/right)
-``flash_varlen``    same, ``thd`` (cu_seqlens); top-left      the same ops with ``cum_seq_q/k``
-                    windows only when q and kv share          (3-D [t, h, d])
-                    cu_seqlens
-``efficient``       everything else dense: fp32, dropout,     ``_efficient_attention_forward`` /
-                    post-scale bias, ALiBi, padding,          ``_efficient_attention_backward``
-                    arbitrary masks, windows                  (GQA by expanding K/V)
-``efficient_varlen`` ``thd`` with dropout (or fp32) and plain  the same ops with ``cu_seqlens_q/k``
-                    causal / no mask                          (batch 1)
-``math``            fp64, a sink softmax (``softmax_offset``: the reference math (the CPU
-                    the kernels have no sink term), and       implementation)
-                    ``thd`` with sliding windows, ALiBi or a
-                    layout the kernels cannot express
-=================== ========================================= ===================================
-
-``cudnn`` follows SDPA: where PyTorch's own dispatcher prefers cuDNN's attention for these
-tensors (its priority order puts cuDNN first on Hopper and Blackwell with a recent cuDNN), the op
-runs it too; ``torch.nn.attention.sdpa_kernel`` and ``torch.backends.cuda.enable_cudnn_sdp``
-steer both alike. The dispatcher is asked about small real tensors of the same dtype, heads and
-head dims (``_sdpa_choice``), so the fake and the CUDA kernel make the same choice.
+``plan`` walks the kernel table of ``docs/attention.md`` (first match wins) and names a kind:
+``cudnn`` (``aten._scaled_dot_product_cudnn_attention`` / ``_backward`` on ``[b, h, s, d]``
+views of the op's tensors, any strides); ``flash`` / ``flash_varlen``
+(``_flash_attention_forward`` / ``_backward``, dense or 3-D ``[t, h, d]`` with ``cum_seq_q/k``;
+varlen takes top-left windows only when q and kv share cu_seqlens); ``efficient`` /
+``efficient_varlen`` (``_efficient_attention_forward`` / ``_backward``, GQA by expanding K/V;
+varlen: batch 1, plain causal or no mask); ``math`` (the reference math: fp64, a sink softmax,
+``thd`` cases no kernel expresses). ``cudnn`` runs where SDPA's own dispatcher would pick
+cuDNN for these tensors, asked of small real tensors (``_sdpa_choice``) so that the fake and
+the CUDA kernel choose alike; ``sdpa_kernel`` and ``enable_*_sdp`` steer both.
 
 ``efficient`` takes masks as an additive bias (``custom_mask_type`` 1 / 2 = causal from the top
 left / bottom right when the mask is only causal): the bias path materialises one
@@ -46,11 +21,9 @@ last dim padded to 16 elements as the kernel's loads need) and expands it to ``[
 sq > skv) is given an all-zero bias row instead, and its output and incoming gradient are zeroed
 around the kernel: the kernels' behaviour on an all ``-inf`` row is not relied on.
 
-Dropout on CUDA: the fused kernels draw their Philox seed and offset from the CUDA generator
-(aten's kernels take no seed) and return them; they are saved for the backward, so the backward
-regenerates the forward's mask. ``torch.utils.checkpoint`` restores the CUDA generator before a
-recompute, so the recomputed forward draws the same seed. The ``rng_state`` input of the op is
-used by the ``math`` path only. Under ``torch.compile`` the aten ops are traced (they are tagged
+Dropout: the fused kernels draw their Philox seed and offset from the CUDA generator and return
+them; they are saved for the backward (``docs/attention.md``, Dropout). The op's ``rng_state``
+input is used by the ``math`` path only. Under ``torch.compile`` the aten ops are traced (tagged
 ``nondeterministic_seeded``) as they are for ``F.scaled_dot_product_attention``.
 
 Head dims: flash needs q, k and v with one head dim, a multiple of 8; the mem-efficient kernel's
@@ -125,13 +98,10 @@ def _sdpa_choice(
 ) -> int:
     """The backend (an ``SDPBackend`` value) SDPA's dispatcher picks for dense ``[b, h, s, d]``
     tensors of these dtype, heads and head dims, no dropout, no mask, under the current SDPA
-    settings (backends enabled, their priority order, deterministic mode).
-
-    Asked of small real tensors, never of the op's own: on fake tensors (the op's fake and its
-    trace under ``torch.compile``) ``torch._fused_sdp_choice`` answers from its meta kernel,
-    which picks the math backend, so the fake and the CUDA kernel would disagree. The choice
-    does not depend on the batch or the sequence lengths beyond what ``_cudnn_ok`` checks
-    (``skv != 1``, batch and heads <= 65535), nor on the strides (last dim contiguous)."""
+    settings (backends enabled, their priority order, deterministic mode). Asked of small real
+    tensors: on fake ones (the op's fake, its trace) ``torch._fused_sdp_choice``'s meta answers
+    math. The batch, the sequence lengths (beyond ``_cudnn_ok``'s checks) and the strides do not
+    change the choice."""
     state = (
         torch.backends.cuda.cudnn_sdp_enabled(),
         torch.backends.cuda.flash_sdp_enabled(),
@@ -164,18 +134,9 @@ def _causal_type(window_left: int, window_right: int, bottom_right: bool) -> int
     return 2 if bottom_right else 1
 
 
-def plan(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    plain: bool,
-    varlen: bool,
-    same_layout: bool,
-    window_left: int,
-    window_right: int,
-    bottom_right: bool,
-    dropout_p: float,
-) -> Plan:
+def plan(q: Tensor, k: Tensor, v: Tensor, plain: bool, varlen: bool, same_layout: bool,
+         window_left: int, window_right: int, bottom_right: bool,
+         dropout_p: float) -> Plan:  # fmt: skip
     """The kernel for these arguments (shapes, dtypes and flags only: the fake makes the same
     choice). ``plain``: no bias, ALiBi, mask or padding; ``same_layout``: q and kv share
     cu_seqlens, so top-left and bottom-right alignment coincide per sequence."""
@@ -241,10 +202,6 @@ def _sum_heads(dx: Tensor, kv_heads: int) -> Tensor:
     return dx.reshape(b, s, kv_heads, h // kv_heads, d).sum(3)
 
 
-def _flash_window(window_left: int, window_right: int) -> dict:
-    return {"window_size_left": window_left, "window_size_right": window_right}
-
-
 def _padded(p: Plan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Zero-padded head dims: one common dim for flash, each a multiple of 8 for efficient."""
     if p.kind.startswith("flash"):
@@ -259,28 +216,18 @@ def _valid_tokens(cu_seqlens: Tensor, n: int) -> Tensor:
     return (torch.arange(n, device=cu_seqlens.device) < cu_seqlens[-1])[:, None, None]
 
 
-def forward(
-    p: Plan,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    bias: Tensor | None,
-    row_valid: Tensor | None,
-    cu_seqlens_q: Tensor | None,
-    cu_seqlens_kv: Tensor | None,
-    scale: float,
-    window_left: int,
-    window_right: int,
-    dropout_p: float,
-    max_seqlen_q: int,
-    max_seqlen_kv: int,
-) -> tuple[Tensor, list[Tensor]]:
+def forward(p: Plan, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None,
+            row_valid: Tensor | None, cu_seqlens_q: Tensor | None, cu_seqlens_kv: Tensor | None,
+            scale: float, window_left: int, window_right: int, dropout_p: float,
+            max_seqlen_q: int, max_seqlen_kv: int) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
     """``(out [b, sq, h, dv], saved)``; ``saved`` = ``[lse]`` (+ the Philox seed and offset the
     mem-efficient kernel drew, with dropout). ``bias``: the kernel bias of the bias path
     (``[b, h, sq, skv]``, q's dtype), ``row_valid``: ``[b|1, h|1, sq, 1]``, False for rows that
     see no key."""
     dv = v.shape[-1]
     causal = window_right == 0
+    window = {"window_size_left": window_left, "window_size_right": window_right}
+    cu_kv = cu_seqlens_q if cu_seqlens_kv is None else cu_seqlens_kv
     if p.kind == "cudnn":
         out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, True, 0.0, causal,
@@ -291,21 +238,19 @@ def forward(
     if p.kind == "flash":
         out, lse, *_ = torch.ops.aten._flash_attention_forward(
             qp, kp, vp, None, None, q.shape[1], k.shape[1], 0.0, causal, False,
-            scale=scale, **_flash_window(window_left, window_right),
+            scale=scale, **window,
         )  # fmt: skip
         return out[..., :dv], [lse]
     if p.kind == "flash_varlen":
-        cu_kv = cu_seqlens_q if cu_seqlens_kv is None else cu_seqlens_kv
         out, lse, *_ = torch.ops.aten._flash_attention_forward(
             qp[0], kp[0], vp[0], cu_seqlens_q, cu_kv, max_seqlen_q, max_seqlen_kv, 0.0, causal,
-            False, scale=scale, **_flash_window(window_left, window_right),
+            False, scale=scale, **window,
         )  # fmt: skip
         out = torch.where(_valid_tokens(cu_seqlens_q, out.shape[0]), out[..., :dv], 0.0)
         return out[None], [lse]
     heads = q.shape[2]
     kp, vp = _expand_heads(kp, heads), _expand_heads(vp, heads)
     if p.kind == "efficient_varlen":
-        cu_kv = cu_seqlens_q if cu_seqlens_kv is None else cu_seqlens_kv
         out, lse, seed, offset, *_ = torch.ops.aten._efficient_attention_forward(
             qp, kp, vp, None, cu_seqlens_q, cu_kv, max_seqlen_q, max_seqlen_kv, dropout_p,
             p.mask_type, True, scale=scale,
@@ -322,30 +267,17 @@ def forward(
     return out, [lse, seed, offset] if dropout_p > 0 else [lse]
 
 
-def backward(
-    p: Plan,
-    grad_out: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    saved: list[Tensor],
-    bias: Tensor | None,
-    row_valid: Tensor | None,
-    bias_grad: bool,
-    cu_seqlens_q: Tensor | None,
-    cu_seqlens_kv: Tensor | None,
-    scale: float,
-    window_left: int,
-    window_right: int,
-    dropout_p: float,
-    max_seqlen_q: int,
-    max_seqlen_kv: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+def backward(p: Plan, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+             saved: list[Tensor], bias: Tensor | None, row_valid: Tensor | None, bias_grad: bool,
+             cu_seqlens_q: Tensor | None, cu_seqlens_kv: Tensor | None, scale: float,
+             window_left: int, window_right: int, dropout_p: float, max_seqlen_q: int,
+             max_seqlen_kv: int) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:  # fmt: skip
     """``(dq, dk, dv, dbias)`` through the backward of the forward's kernel; ``dbias`` is the
     gradient of the kernel bias (``[b, h, sq, skv]``) when ``bias_grad``, else None."""
     d, dv, hk = q.shape[-1], v.shape[-1], k.shape[2]
     causal = window_right == 0
+    window = {"window_size_left": window_left, "window_size_right": window_right}
+    cu_kv = cu_seqlens_q if cu_seqlens_kv is None else cu_seqlens_kv
     if p.kind == "cudnn":
         # No dropout on this path: placeholders for the Philox seed and offset.
         unused = torch.empty((), dtype=torch.int64, device=q.device)
@@ -364,14 +296,12 @@ def backward(
         # No dropout on this path: the kernel reads no RNG state; placeholders of the forward's.
         rng = torch.empty(2, dtype=torch.int64, device=q.device)
         unused = torch.empty((), dtype=torch.int64, device=q.device)
-        window = _flash_window(window_left, window_right)
         if p.kind == "flash":
             dq, dk, dvv = torch.ops.aten._flash_attention_backward(
                 gp, qp, kp, vp, outp, lse, None, None, q.shape[1], k.shape[1], 0.0, causal,
                 rng, unused, scale=scale, **window,
             )  # fmt: skip
             return dq[..., :d], dk[..., :d], dvv[..., :dv], None
-        cu_kv = cu_seqlens_q if cu_seqlens_kv is None else cu_seqlens_kv
         dq, dk, dvv = torch.ops.aten._flash_attention_backward(
             gp[0], qp[0], kp[0], vp[0], outp[0], lse, cu_seqlens_q, cu_kv, max_seqlen_q,
             max_seqlen_kv, 0.0, causal, rng, unused, scale=scale, **window,
@@ -387,7 +317,6 @@ def backward(
     else:  # not read by the kernel without dropout
         seed = offset = torch.empty((), dtype=torch.int64, device=q.device)
     if p.kind == "efficient_varlen":
-        cu_kv = cu_seqlens_q if cu_seqlens_kv is None else cu_seqlens_kv
         dq, dk, dvv, _ = torch.ops.aten._efficient_attention_backward(
             gp, qp, kp, vp, None, outp, cu_seqlens_q, cu_kv, max_seqlen_q, max_seqlen_kv, lse,
             dropout_p, seed, offset, p.mask_type, False, scale=scale,

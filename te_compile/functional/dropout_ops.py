@@ -6,13 +6,10 @@ r"""Dropout with a counter-based RNG: ``te::dropout_fwd`` / ``te::dropout_bwd``.
 
 where :math:`u_i` is a 32-bit random word that is a pure function of ``rng_state`` and the
 element's index :math:`i` in ``inp``'s logical (row-major) order. ``rng_state`` is an int64
-tensor ``[2]`` = ``(seed, offset)`` on ``inp``'s device, an explicit *input* of both ops. Hence:
-
-* the backward recomputes the mask from ``rng_state`` instead of saving it (no mask in memory);
-* activation checkpointing reproduces the mask: the recomputed forward gets the same
-  ``rng_state`` (``torch.utils.checkpoint`` restores the RNG state that drew it; under
-  ``torch.compile`` the partitioner saves, never recomputes, the random draw), eager and compiled;
-* the ops are pure: no global RNG is read inside them, which opcheck and torch.compile require.
+tensor ``[2]`` = ``(seed, offset)`` on ``inp``'s device, an explicit *input* of both ops: they
+are pure (no global RNG is read inside them, as opcheck and torch.compile require), the backward
+recomputes the mask instead of saving it, and a checkpointed recompute gets the same
+``rng_state``, eager and compiled (``docs/ops.md``).
 
 The words come from Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3",
 SC 2011): key ``(seed mod 2^32, seed >> 32)``, counter ``(g mod 2^32, g >> 32, offset mod 2^32,
@@ -31,12 +28,14 @@ input), so the CPU and the kernel agree on the output bits as well.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 from torch import Tensor
 
 from te_compile._checks import FLOAT_DTYPES, check_bool, check_tensor
 from te_compile._library import SampleInput, differentiable, op, sample_tensor
+from te_compile._numerics import acc_dtype
 from te_compile.kernels import submodule
 
 __all__ = [
@@ -105,42 +104,31 @@ def scale(p: float) -> float:
 
 def dropout_mask(rng_state: Tensor, shape: torch.Size | tuple[int, ...], p: float) -> Tensor:
     """The keep mask (bool, ``shape``) of the stream ``rng_state`` with drop probability ``p``."""
-    numel = 1
-    for s in shape:
-        numel *= s
-    return (random_words(rng_state, numel) >= threshold(p)).reshape(shape)
+    return (random_words(rng_state, math.prod(shape)) >= threshold(p)).reshape(shape)
 
 
 def dropout_ref(inp: Tensor, rng_state: Tensor, p: float) -> Tensor:
     """``inp * mask / (1 - p)``: the scaling in fp32 (fp64 stays fp64), rounded once."""
-    acc = torch.float64 if inp.dtype == torch.float64 else torch.float32
     keep = dropout_mask(rng_state, inp.shape, p)
-    x = inp.to(acc)
-    return torch.where(keep, x * scale(p), torch.zeros((), dtype=acc, device=x.device)).to(
-        inp.dtype
-    )
+    return torch.where(keep, inp.to(acc_dtype(inp)) * scale(p), 0.0).to(inp.dtype)
 
 
 def _check_args(inp: Tensor, rng_state: Tensor, p: float) -> None:
-    """One cheap compound test; the per-argument diagnosis only on failure (same message in
-    eager and at trace time)."""
-    if (
-        0.0 <= p <= 1.0
-        and inp.dtype in FLOAT_DTYPES
-        and rng_state.dtype is torch.int64
-        and rng_state.shape == (2,)
-        and rng_state.device == inp.device
-    ):
-        return
+    """The same message in eager and at trace time."""
     prefix = "te.dropout: "
     if not 0.0 <= p <= 1.0:
         raise ValueError(prefix + f"p must be in [0, 1], got {p}")
     if inp.dtype not in FLOAT_DTYPES:
         raise ValueError(prefix + f"inp.dtype must be a floating type, got {inp.dtype}")
-    raise ValueError(
-        prefix + f"rng_state must be an int64 tensor [2] = (seed, offset) on inp's device "
-        f"({inp.device}), got {rng_state.dtype} {list(rng_state.shape)} on {rng_state.device}"
-    )
+    if (
+        rng_state.dtype is not torch.int64
+        or rng_state.shape != (2,)
+        or rng_state.device != inp.device
+    ):
+        raise ValueError(
+            prefix + f"rng_state must be an int64 tensor [2] = (seed, offset) on inp's device "
+            f"({inp.device}), got {rng_state.dtype} {list(rng_state.shape)} on {rng_state.device}"
+        )
 
 
 _kernels = functools.partial(submodule, "dropout")  # Triton: imported on first CUDA use
@@ -156,12 +144,17 @@ def dropout_fwd(inp: Tensor, rng_state: Tensor, p: float) -> Tensor:
     return dropout_ref(inp.contiguous(), rng_state, p)
 
 
+def _dropout_cuda(x: Tensor, rng_state: Tensor, p: float) -> Tensor:
+    """CUDA implementation of both ops: the Triton kernel (fp64: the reference math)."""
+    if x.dtype is torch.float64:
+        return dropout_ref(x.contiguous(), rng_state, p)
+    return _kernels().dropout(x, rng_state, threshold(p), scale(p))
+
+
 @dropout_fwd.register_kernel("cuda")
 def _dropout_fwd_cuda(inp, rng_state, p):
     _check_args(inp, rng_state, p)
-    if inp.dtype is torch.float64:
-        return dropout_ref(inp.contiguous(), rng_state, p)
-    return _kernels().dropout(inp, rng_state, threshold(p), scale(p))
+    return _dropout_cuda(inp, rng_state, p)
 
 
 # 3. Fake --------------------------------------------------------------------------------------
@@ -182,11 +175,7 @@ def dropout_bwd(grad: Tensor, rng_state: Tensor, p: float) -> Tensor:
     return dropout_ref(grad.contiguous(), rng_state, p)
 
 
-@dropout_bwd.register_kernel("cuda")
-def _dropout_bwd_cuda(grad, rng_state, p):
-    if grad.dtype is torch.float64:
-        return dropout_ref(grad.contiguous(), rng_state, p)
-    return _kernels().dropout(grad, rng_state, threshold(p), scale(p))
+dropout_bwd.register_kernel("cuda")(_dropout_cuda)
 
 
 @dropout_bwd.register_fake

@@ -1,19 +1,13 @@
 r"""Mixture-of-experts token routing: Transformer Engine's ``moe_permute``, ``moe_unpermute``,
 ``moe_permute_with_probs`` and ``moe_sort_chunks_by_index`` (``_with_probs``), as
 ``te::moe_permute_fwd/_bwd``, ``te::moe_unpermute_fwd/_bwd`` and ``te::moe_sort_chunks_fwd/_bwd``.
-``docs/moe.md`` gives their semantics (the order of the permuted rows, ``num_out_tokens``, the
-probabilities, the chunk sort). ``row_id_map`` is one internal layout for both map types: ``[T,
-S]`` int32 (``S = E`` for the mask, ``K`` for indices), the permuted row of token ``t``'s slot
-``s`` or -1. The unpermute is ``out[t] = sum_s p[t, s] * inp[row_id_map[t, s]]`` (fp32 sums,
-rounded once); without probabilities it is the adjoint of the permute, and the backward of each
-is the other.
-
-Nothing is read on the host: the maps are built with device ops (a cumulative sum for the mask,
-a stable sort for indices, ``searchsorted`` for chunks) and every data-dependent size comes from
-an argument, so the ops compile with ``dynamic=True`` once and run for any routing. On CUDA the
-row movement is one Triton kernel (``kernels.moe.gather_sum``: a weighted gather, each output
-row written once); on CPU the same math in torch (``index_add_`` in fp32). The argument checks
-are in ``functional/moe_args.py``.
+``docs/moe.md`` gives their semantics and what the compiler sees. ``row_id_map`` is one internal
+layout for both map types: ``[T, S]`` int32 (``S = E`` for the mask, ``K`` for indices), the
+permuted row of token ``t``'s slot ``s`` or -1. The unpermute is ``out[t] = sum_s p[t, s] *
+inp[row_id_map[t, s]]`` (fp32 sums, rounded once); without probabilities it is the adjoint of the
+permute, and the backward of each is the other. Nothing is read on the host (every
+data-dependent size is an argument). The row movement: on CUDA one Triton kernel
+(``kernels.moe.gather_sum``), on CPU the same math in torch. Argument checks: ``moe_args.py``.
 """
 
 from __future__ import annotations
@@ -111,6 +105,11 @@ def _combine_ref(x: Tensor, row_id_map: Tensor, weight: Tensor | None) -> Tensor
     return out[:tokens].to(x.dtype)
 
 
+def _empty_probs(like: Tensor, probs: Tensor | None) -> Tensor:
+    """The probabilities' slot of a result: 0 elements without ``probs``, else like it."""
+    return like.new_empty((0,)) if probs is None else torch.empty_like(probs)
+
+
 def _pad_mask(probs: Tensor | None) -> Tensor | None:
     """The permute's row weights: 0 for a padding slot (probability 0), else 1."""
     return None if probs is None else (probs != 0).to(acc_dtype(probs))
@@ -139,18 +138,6 @@ def moe_permute_ref(
     return out, row_id_map, permuted
 
 
-def _permute_probs_grad(
-    grad_probs: Tensor | None, row_id_map: Tensor, probs: Tensor | None, like: Tensor
-) -> Tensor:
-    """The gradient for ``probs`` of the permute: each routed slot reads its row's gradient."""
-    if probs is None:
-        return like.new_empty((0,))
-    if grad_probs is None:
-        return torch.zeros_like(probs)
-    picked = grad_probs[row_id_map.clamp(min=0).to(torch.int64)]
-    return torch.where(row_id_map >= 0, picked, 0.0).to(probs.dtype)
-
-
 def moe_permute_bwd_ref(
     grad: Tensor,
     grad_probs: Tensor | None,
@@ -159,9 +146,15 @@ def moe_permute_bwd_ref(
     *,
     combine: Mover = _combine_ref,
 ) -> tuple[Tensor, Tensor]:
-    """Gradients of :func:`moe_permute_ref` for ``inp`` and ``probs`` (0 elements without)."""
+    """Gradients of :func:`moe_permute_ref` for ``inp`` and ``probs`` (0 elements without):
+    each routed slot of ``probs`` reads its row's gradient."""
     grad_inp = combine(grad, row_id_map, _pad_mask(probs))
-    return grad_inp, _permute_probs_grad(grad_probs, row_id_map, probs, grad)
+    if probs is None:
+        return grad_inp, grad.new_empty((0,))
+    if grad_probs is None:
+        return grad_inp, torch.zeros_like(probs)
+    picked = grad_probs[row_id_map.clamp(min=0).to(torch.int64)]
+    return grad_inp, torch.where(row_id_map >= 0, picked, 0.0).to(probs.dtype)
 
 
 def moe_unpermute_ref(
@@ -208,18 +201,12 @@ def moe_unpermute_bwd_ref(
     if merging_probs is None or inp is None:
         return gather(grad, token, weight), grad.new_empty((0,))
     grad_inp, dots = gather_dot(grad, token, weight, inp)
-    grad_p = _scatter_slots(merging_probs.shape, token, slot, dots)
-    return grad_inp, grad_p.to(merging_probs.dtype)
-
-
-def _scatter_slots(shape: torch.Size, token: Tensor, slot: Tensor, values: Tensor) -> Tensor:
-    """``[T, S]`` zeros with ``values[r]`` at ``(token[r], slot[r])`` for the rows with a slot."""
-    tokens, slots = shape
+    # Each row's dot to its slot (token, slot); the rows with no slot to a spare element.
+    tokens, slots = merging_probs.shape
     ok = token >= 0
-    flat = values.new_zeros((tokens * slots + 1,))
-    where = torch.where(ok, token * slots + slot, tokens * slots)  # a spare element for the rest
-    flat = flat.index_put((where,), torch.where(ok, values, 0.0))
-    return flat[: tokens * slots].view(tokens, slots)
+    where = torch.where(ok, token * slots + slot, tokens * slots)
+    flat = dots.new_zeros((tokens * slots + 1,)).index_put((where,), torch.where(ok, dots, 0.0))
+    return grad_inp, flat[: tokens * slots].view(tokens, slots).to(merging_probs.dtype)
 
 
 def chunk_sort_map(split_sizes: Tensor, sorted_index: Tensor, rows: int) -> Tensor:
@@ -237,14 +224,6 @@ def chunk_sort_map(split_sizes: Tensor, sorted_index: Tensor, rows: int) -> Tens
     src = in_start[order[qc]] + j - (out_end[qc] - out_sizes[qc])
     src = torch.where(inside, src, j)  # rows past the chunks keep their place
     return torch.where(src < rows, src, -1)
-
-
-def _invert_rows(src: Tensor) -> Tensor:
-    """The inverse of a row map: ``dest[src[j]] = j`` (-1 for rows nothing reads)."""
-    rows = src.numel()
-    dest = torch.full((rows + 1,), -1, dtype=torch.int64, device=src.device)
-    dest[torch.where(src >= 0, src, rows)] = torch.arange(rows, device=src.device)
-    return dest[:rows]
 
 
 def _gather_probs(probs: Tensor, index: Tensor) -> Tensor:
@@ -275,7 +254,8 @@ def moe_sort_chunks_bwd_ref(
     gather: Mover = _gather_ref,
 ) -> tuple[Tensor, Tensor]:
     """Gradients of :func:`moe_sort_chunks_ref`: the inverse row permutation."""
-    dest = _invert_rows(chunk_sort_map(split_sizes, sorted_index, grad.shape[0]))
+    src = chunk_sort_map(split_sizes, sorted_index, grad.shape[0])
+    dest = inverse_map(src[:, None], grad.shape[0])[0]  # dest[src[j]] = j, -1 where none reads
     grad_inp = gather(grad, dest, None)
     return grad_inp, (
         grad.new_empty((0,)) if grad_probs is None else _gather_probs(grad_probs, dest)
@@ -369,8 +349,7 @@ def moe_permute_bwd(
 
 @moe_permute_bwd.register_fake
 def _moe_permute_bwd_fake(grad, grad_probs, row_id_map, probs):
-    grad_inp = grad.new_empty((row_id_map.shape[0], grad.shape[1]))
-    return grad_inp, (grad.new_empty((0,)) if probs is None else torch.empty_like(probs))
+    return grad.new_empty((row_id_map.shape[0], grad.shape[1])), _empty_probs(grad, probs)
 
 
 def _permute_setup(ctx, inputs, output) -> None:
@@ -446,10 +425,8 @@ def moe_unpermute_bwd(
 
 @moe_unpermute_bwd.register_fake
 def _moe_unpermute_bwd_fake(grad, inp, row_id_map, merging_probs, rows):
-    grad_inp = grad.new_empty((rows, grad.shape[1]))
-    if merging_probs is None or inp is None:
-        return grad_inp, grad.new_empty((0,))
-    return grad_inp, torch.empty_like(merging_probs)
+    probs = None if inp is None else merging_probs
+    return grad.new_empty((rows, grad.shape[1])), _empty_probs(grad, probs)
 
 
 def _unpermute_setup(ctx, inputs, output) -> None:
@@ -509,9 +486,7 @@ def moe_sort_chunks_fwd(
 @moe_sort_chunks_fwd.register_fake
 def _moe_sort_chunks_fwd_fake(inp, split_sizes, sorted_index, probs):
     check_sort_chunks_args(inp, split_sizes, sorted_index, probs)
-    return torch.empty_like(inp), (
-        inp.new_empty((0,)) if probs is None else torch.empty_like(probs)
-    )
+    return torch.empty_like(inp), _empty_probs(inp, probs)
 
 
 @op("moe_sort_chunks_bwd")
@@ -525,8 +500,7 @@ def moe_sort_chunks_bwd(
 
 @moe_sort_chunks_bwd.register_fake
 def _moe_sort_chunks_bwd_fake(grad, grad_probs, split_sizes, sorted_index):
-    probs = grad.new_empty((0,)) if grad_probs is None else torch.empty_like(grad_probs)
-    return torch.empty_like(grad), probs
+    return torch.empty_like(grad), _empty_probs(grad, grad_probs)
 
 
 def _sort_setup(ctx, inputs, output) -> None:

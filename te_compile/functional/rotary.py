@@ -32,19 +32,14 @@ Positions:
   :math:`j + r L/2` in the first half and :math:`L c - (r + 1) L/2 + (j - L/2)` in the second
   (rank :math:`r` of :math:`c`: the load-balanced split of Transformer Engine and Megatron).
 
-A position past the last row of ``freqs`` is left unrotated where it cannot be checked. The checks
-that need the data of ``cu_seqlens`` (non-decreasing, within ``t``, lengths a multiple of
-``2 cp_size``, no sequence longer than ``freqs``) run where it can be read without a device sync:
-eagerly, on the CPU; on a GPU or under ``torch.compile`` they would cost a host sync or a graph
-break, and are skipped.
-
-Numerics: ``cos``/``sin`` and the products in fp32 (fp64 for fp64 input), rounded once to
-``t``'s dtype; ``freqs`` is read in fp32 whatever its dtype (Transformer Engine's fused path
-casts it so). Implementations: the CPU one is the reference math below; CUDA runs the Triton
-kernel of ``te_compile.kernels.rotary`` (one read and one write of ``t``, forward and backward;
-fp64 takes the reference math). No autocast rule: like torch's element-wise ops and Transformer
-Engine's RoPE, the op runs in ``t``'s dtype, and an autocast cast would round ``freqs`` (angles
-of thousands of radians) to bf16.
+A position past the last row of ``freqs`` is left unrotated; the checks that read the data of
+``cu_seqlens`` run only eagerly on the CPU, where they cost no device sync (``docs/ops.md``).
+Numerics: fp32 (fp64 for fp64 input), rounded once to ``t``'s dtype; ``freqs`` is read in fp32
+whatever its dtype, as Transformer Engine's fused path casts it. CPU: the reference math below;
+CUDA: the Triton kernel of ``te_compile.kernels.rotary`` (one read and one write of ``t``; fp64:
+the reference). No autocast rule: the op runs in ``t``'s dtype, as torch's element-wise ops and
+Transformer Engine's RoPE do; an autocast cast would round ``freqs`` (angles of thousands of
+radians) to bf16.
 """
 
 from __future__ import annotations
@@ -172,28 +167,6 @@ def _rotate(x: Tensor, interleaved: bool) -> Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def _cos_sin(
-    t: Tensor,
-    freqs: Tensor,
-    cu_seqlens: Tensor | None,
-    tensor_format: str,
-    cp_size: int,
-    cp_rank: int,
-    acc: torch.dtype,
-) -> tuple[Tensor, Tensor]:
-    """cos and sin of each token's frequencies, shaped to broadcast against ``t[..., :d2]``."""
-    pos, inside = token_positions(
-        tensor_format, _seq_len(t, tensor_format), cu_seqlens, cp_size, cp_rank, t.device
-    )
-    table = freqs.reshape(freqs.shape[0], freqs.shape[-1]).to(acc)
-    rows = table.shape[0]
-    f = table[pos.clamp(0, rows - 1)]
-    f = torch.where((inside & (pos >= 0) & (pos < rows))[:, None], f, 0.0)  # unrotated
-    shape = {"sbhd": (-1, 1, 1, f.shape[-1]), "bshd": (1, -1, 1, f.shape[-1])}
-    f = f.view(shape.get(tensor_format, (-1, 1, f.shape[-1])))
-    return f.cos(), f.sin()
-
-
 def rotary_ref(
     t: Tensor,
     freqs: Tensor,
@@ -209,8 +182,16 @@ def rotary_ref(
     ``backward``: ``t`` is the output's gradient and the result the input's, ``dy cos f -
     r(dy sin f)`` (``r`` is antisymmetric)."""
     acc = acc_dtype(t)
-    d2 = freqs.shape[-1]
-    cos, sin = _cos_sin(t, freqs, cu_seqlens, tensor_format, cp_size, cp_rank, acc)
+    pos, inside = token_positions(
+        tensor_format, _seq_len(t, tensor_format), cu_seqlens, cp_size, cp_rank, t.device
+    )
+    table = freqs.reshape(freqs.shape[0], freqs.shape[-1]).to(acc)
+    rows, d2 = table.shape
+    f = table[pos.clamp(0, rows - 1)]
+    f = torch.where((inside & (pos >= 0) & (pos < rows))[:, None], f, 0.0)  # unrotated
+    shape = {"sbhd": (-1, 1, 1, d2), "bshd": (1, -1, 1, d2)}  # to broadcast against t[..., :d2]
+    f = f.view(shape.get(tensor_format, (-1, 1, d2)))
+    cos, sin = f.cos(), f.sin()
     x = t.to(acc)
     xr = x[..., :d2]
     if backward:
@@ -229,52 +210,10 @@ def _seq_len(t: Tensor, tensor_format: str) -> int:
     return t.shape[1] if tensor_format == "bshd" else t.shape[0]
 
 
-def _check_args(
-    t: Tensor,
-    freqs: Tensor,
-    cu_seqlens: Tensor | None,
-    tensor_format: str,
-    cp_size: int,
-    cp_rank: int,
-) -> None:
-    """Shapes, dtypes and scalars: one cheap compound test, the per-argument diagnosis only on
-    failure (the same message in eager and at trace time)."""
-    thd = tensor_format == "thd"
-    if (
-        tensor_format in TENSOR_FORMATS
-        and t.dtype in FLOAT_DTYPES
-        and freqs.is_floating_point()
-        and t.dim() == (3 if thd else 4)
-        and freqs.dim() == 4
-        and freqs.shape[1] == 1
-        and freqs.shape[2] == 1
-        and freqs.shape[0] >= 1
-        and 2 <= freqs.shape[3] <= t.shape[-1]
-        and freqs.shape[3] % 2 == 0
-        and freqs.device == t.device
-        and cp_size >= 1
-        and 0 <= cp_rank < cp_size
-        and (
-            (
-                cu_seqlens is not None
-                and cu_seqlens.dtype in INDEX_DTYPES
-                and cu_seqlens.dim() == 1
-                and cu_seqlens.shape[0] >= 2
-                and cu_seqlens.device == t.device
-            )
-            if thd
-            else (
-                cu_seqlens is None
-                and _seq_len(t, tensor_format) * cp_size <= freqs.shape[0]
-                and (cp_size == 1 or _seq_len(t, tensor_format) % 2 == 0)
-            )
-        )
-    ):
-        return
-    _diagnose(t, freqs, cu_seqlens, tensor_format, cp_size, cp_rank)
+def _check_args(t, freqs, cu_seqlens, tensor_format, cp_size, cp_rank) -> None:
+    """Shapes, dtypes and scalars: a ValueError naming the argument, the same in eager and at
+    trace time."""
 
-
-def _diagnose(t, freqs, cu_seqlens, tensor_format, cp_size, cp_rank) -> None:
     def fail(message: str) -> None:
         raise ValueError(_PREFIX + message)
 
@@ -326,7 +265,8 @@ def _diagnose(t, freqs, cu_seqlens, tensor_format, cp_size, cp_rank) -> None:
             f"freqs has {freqs.shape[0]} positions, fewer than the sequence length {s} times "
             f"cp_size {cp_size}"
         )
-    fail(f"with cp_size > 1 the local sequence length must be even, got {s}")
+    if cp_size > 1 and s % 2:
+        fail(f"with cp_size > 1 the local sequence length must be even, got {s}")
 
 
 def _check_cu_seqlens_values(t: Tensor, freqs: Tensor, cu_seqlens: Tensor, cp_size: int) -> None:
@@ -334,24 +274,19 @@ def _check_cu_seqlens_values(t: Tensor, freqs: Tensor, cu_seqlens: Tensor, cp_si
     cu = cu_seqlens.to(torch.int64)
     lengths = cu[1:] - cu[:-1]
     if bool(cu[0] < 0) or bool((lengths < 0).any()):
-        raise ValueError(
-            _PREFIX + f"cu_seqlens must be non-decreasing from 0, got {cu_seqlens.tolist()}"
-        )
-    if int(cu[-1]) // cp_size > t.shape[0]:
-        raise ValueError(
-            _PREFIX + f"cu_seqlens[-1] // cp_size ({int(cu[-1]) // cp_size}) exceeds the "
-            f"{t.shape[0]} tokens of t"
-        )
-    if cp_size > 1 and bool((lengths % (2 * cp_size) != 0).any()):
-        raise ValueError(
-            _PREFIX + f"with cp_size={cp_size} every sequence length in cu_seqlens must be a "
-            f"multiple of 2 * cp_size, got {lengths.tolist()}"
-        )
-    if int(lengths.max()) > freqs.shape[0]:
-        raise ValueError(
-            _PREFIX + f"freqs has {freqs.shape[0]} positions, fewer than the longest sequence "
-            f"in cu_seqlens ({int(lengths.max())})"
-        )
+        message = f"cu_seqlens must be non-decreasing from 0, got {cu_seqlens.tolist()}"
+    elif int(cu[-1]) // cp_size > t.shape[0]:
+        message = (f"cu_seqlens[-1] // cp_size ({int(cu[-1]) // cp_size}) exceeds the "
+                   f"{t.shape[0]} tokens of t")  # fmt: skip
+    elif cp_size > 1 and bool((lengths % (2 * cp_size) != 0).any()):
+        message = (f"with cp_size={cp_size} every sequence length in cu_seqlens must be a "
+                   f"multiple of 2 * cp_size, got {lengths.tolist()}")  # fmt: skip
+    elif int(lengths.max()) > freqs.shape[0]:
+        message = (f"freqs has {freqs.shape[0]} positions, fewer than the longest sequence "
+                   f"in cu_seqlens ({int(lengths.max())})")  # fmt: skip
+    else:
+        return
+    raise ValueError(_PREFIX + message)
 
 
 _kernels = functools.partial(submodule, "rotary")  # Triton: imported on first CUDA use
@@ -376,11 +311,14 @@ def rotary_fwd(
 
 
 @rotary_fwd.register_kernel("cuda")
-def _rotary_fwd_cuda(t, freqs, cu_seqlens, tensor_format, interleaved, cp_size, cp_rank):
-    _check_args(t, freqs, cu_seqlens, tensor_format, cp_size, cp_rank)
+def _rotary_fwd_cuda(*args, backward=False):
+    """The Triton kernel, forward or (``backward``) the op's backward; fp64: the reference."""
+    t, freqs, cu_seqlens, tensor_format, _interleaved, cp_size, cp_rank = args
+    if not backward:
+        _check_args(t, freqs, cu_seqlens, tensor_format, cp_size, cp_rank)
     if t.dtype is torch.float64:
-        return rotary_ref(t, freqs, cu_seqlens, tensor_format, interleaved, cp_size, cp_rank)
-    return _kernels().rotary(t, freqs, cu_seqlens, tensor_format, interleaved, cp_size, cp_rank)
+        return rotary_ref(*args, backward=backward)
+    return _kernels().rotary(*args, backward=backward)
 
 
 # 3. Fake --------------------------------------------------------------------------------------
@@ -410,12 +348,8 @@ def rotary_bwd(
 
 
 @rotary_bwd.register_kernel("cuda")
-def _rotary_bwd_cuda(grad, freqs, cu_seqlens, tensor_format, interleaved, cp_size, cp_rank):
-    if grad.dtype is torch.float64:
-        return rotary_bwd_ref(grad, freqs, cu_seqlens, tensor_format, interleaved, cp_size, cp_rank)
-    return _kernels().rotary(
-        grad, freqs, cu_seqlens, tensor_format, interleaved, cp_size, cp_rank, backward=True
-    )
+def _rotary_bwd_cuda(*args):
+    return _rotary_fwd_cuda(*args, backward=True)
 
 
 @rotary_bwd.register_fake
@@ -486,18 +420,13 @@ def apply_rotary_pos_emb(
     cp_rank: int = 0,
 ) -> Tensor:
     """Rotary position embeddings applied to ``t`` (Transformer Engine's
-    ``apply_rotary_pos_emb``; see the module docstring for the math and the layouts).
-
-    ``t``: ``[s, b, h, d]`` (``tensor_format="sbhd"``), ``[b, s, h, d]`` (``"bshd"``) or
-    ``[t, h, d]`` (``"thd"``, packed sequences delimited by ``cu_seqlens``). ``freqs``:
-    ``[s2, 1, 1, d2]`` from :class:`te_compile.RotaryPositionEmbedding`; the first ``d2``
-    channels of each head are rotated, the rest pass through. ``fused=True``: ``te::rotary_fwd``
-    (the Triton kernel on CUDA); ``fused=False``: the same math in plain torch ops (autograd
-    differentiates ``freqs`` too). ``cp_size`` / ``cp_rank``: context parallelism.
-
-    The arguments are Transformer Engine's, in its order. Unlike there, the fused op is the
-    default (``fused=False`` in TE), and ``start_positions`` (per-sequence offsets for inference
-    with a KV cache) must be None: it is not implemented."""
+    ``apply_rotary_pos_emb``, its arguments in its order; the module docstring gives the math and
+    the layouts, ``docs/ops.md`` the rest). ``t``: ``[s, b, h, d]`` (``"sbhd"``), ``[b, s, h, d]``
+    (``"bshd"``) or ``[t, h, d]`` (``"thd"``, packed sequences delimited by ``cu_seqlens``);
+    ``freqs``: ``[s2, 1, 1, d2]``, the first ``d2`` channels of each head are rotated.
+    ``fused=True`` (the default here, not in TE): ``te::rotary_fwd``; ``fused=False``: the same
+    math in plain torch ops (autograd differentiates ``freqs`` too). ``start_positions`` must be
+    None (KV-cache offsets are not implemented)."""
     if start_positions is not None:
         raise ValueError(
             _PREFIX + "start_positions must be None: per-sequence position offsets (inference "
@@ -519,6 +448,5 @@ def apply_rotary_pos_emb(
         and torch._C._len_torch_dispatch_stack() == 0
     ):
         _check_cu_seqlens_values(t, freqs, cu_seqlens, cp_size)
-    if not fused:
-        return rotary_ref(t, freqs, cu_seqlens, tensor_format, bool(interleaved), cp_size, cp_rank)
-    return _rotary(t, freqs, cu_seqlens, tensor_format, bool(interleaved), cp_size, cp_rank)
+    rope = _rotary if fused else rotary_ref
+    return rope(t, freqs, cu_seqlens, tensor_format, bool(interleaved), cp_size, cp_rank)
