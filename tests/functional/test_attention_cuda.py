@@ -1,9 +1,10 @@
 """Attention on CUDA (``te::attention_fwd/_bwd`` through PyTorch's fused kernels): every row of
-``attention_cuda``'s kernel table against the float64 reference on the CPU (the op's reference
-math, itself checked against the (i, j) loop definitions in ``test_attention.py``), the kernel
-each case runs, dropout (a function of the CUDA generator, the same mask in the forward and the
-backward, recomputed under checkpointing, at its rate) and compile on the GPU. Skipped without
-a CUDA GPU: the CPU suite covers the reference math and the kernel table's choices."""
+the kernel table (``docs/attention.md``, "Kernels") against the float64 reference on the CPU
+(the op's reference math, itself checked against the (i, j) loop definitions in
+``test_attention.py``), the kernel each case runs, dropout (a function of the CUDA generator,
+the same mask in the forward and the backward, recomputed under checkpointing, at its rate) and
+compile on the GPU. Skipped without a CUDA GPU: the CPU suite covers the reference math and the
+kernel table's choices."""
 
 from __future__ import annotations
 
