@@ -35,16 +35,11 @@ mutable dataclasses, as TE's are"). ``backward_override`` (not for ``DelayedScal
 chooses the backward GEMMs' operands: ``None``, ``"high_precision"`` or ``"dequantized"``
 (``docs/fp8.md``).
 
-Where this module departs from Transformer Engine (``docs/te_compat.md``, "FP8 recipes and
-autocast", has each recipe's list): no default is read from ``NVTE_*`` environment variables;
-the per-operand ``QParams`` fields (``fp4_quant_*``, ``fp8_quant_*``: input, weight, gradient)
-follow the recipe's flags whenever a flag is set (TE's stay as its ``__post_init__`` left them)
-and may be replaced one by one, and ``quantization.gemm.recipe_specs`` refuses, naming the field,
-an option no kernel applies to that operand, where the recipe is used; ``fp8_dpa`` /
-``fp8_mha`` accept only ``False`` (te_compile's attention computes in high precision); what the
-modules do not implement is refused, not ignored (``Float8CurrentScaling``'s ``fp8_gemm_*`` must
-be TE's defaults, power-of-two scales of the per-tensor recipes raise in ``autocast``); NVFP4's
-``nvfp4_4over6`` never applies to gradients; MXFP8's ``margin`` is accepted and not applied.
+Departures from Transformer Engine (each recipe's list: ``docs/te_compat.md``, "FP8 recipes
+and autocast"): no default comes from ``NVTE_*`` variables; the per-operand ``QParams`` fields
+(``fp4_quant_*``, ``fp8_quant_*``) follow the recipe's flags whenever a flag is set; ``fp8_dpa`` /
+``fp8_mha`` accept only ``False`` (no FP8 attention); what the modules do not implement is
+refused, not ignored (``quantization.gemm.recipe_specs`` names the field).
 """
 
 from __future__ import annotations
@@ -109,25 +104,10 @@ class Format(enum.Enum):
     def __repr__(self) -> str:
         return f"Format.{self.name}"
 
-    @property
-    def max_fwd(self) -> float:
-        """Largest finite value of the forward (activation/weight) format."""
-        return self.value.max_fwd
-
-    @property
-    def max_bwd(self) -> float:
-        """Largest finite value of the backward (gradient) format."""
-        return self.value.max_bwd
-
-    @property
-    def fwd_dtype(self) -> torch.dtype:
-        """torch dtype of forward (activation/weight) tensors."""
-        return self.value.dtype_fwd
-
-    @property
-    def bwd_dtype(self) -> torch.dtype:
-        """torch dtype of backward (gradient) tensors."""
-        return self.value.dtype_bwd
+    max_fwd = property(lambda self: self.value.max_fwd)
+    max_bwd = property(lambda self: self.value.max_bwd)
+    fwd_dtype = property(lambda self: self.value.dtype_fwd)
+    bwd_dtype = property(lambda self: self.value.dtype_bwd)
 
 
 _T = TypeVar("_T", bound=type)
@@ -167,9 +147,11 @@ def _check_field_types(obj: Any) -> None:
             )
 
 
-# Default factories of the GEMM fields. A shared default instance would do for a frozen value,
-# but dynamo cannot wrap an object held in ``__init__.__defaults__`` (nor a functools.partial),
-# so a recipe with one could not be constructed inside a compiled region; a plain function can.
+# Default factories. A shared default instance would do for a frozen value, but dynamo cannot
+# wrap an object held in ``__init__.__defaults__`` (nor a functools.partial, nor call the class
+# as a factory), so a recipe with one could not be constructed inside a compiled region; a plain
+# function can. The per-operand QParams fields (``_no_options``) are not constructor arguments
+# (as in TE, where ``__post_init__`` sets them from the recipe's flags).
 def _split_accumulation() -> MMParams:
     return MMParams(use_split_accumulator=True)
 
@@ -179,19 +161,7 @@ def _fast_accumulation() -> MMParams:
 
 
 def _no_options() -> QParams:
-    """Default of the per-operand QParams fields: not constructor arguments (as in TE, where
-    ``__post_init__`` sets them from the recipe's flags); set afterwards to override one operand,
-    compared, printed and copied with the other fields. A function: dynamo cannot call the
-    class as a default factory."""
     return QParams()
-
-
-def _with_option(q: QParams, name: str, value: bool) -> QParams:
-    """``q`` with its option ``name`` set to ``value`` (``dataclasses.replace`` without
-    ``dataclasses.fields``, which dynamo cannot trace)."""
-    values = {n: getattr(q, n) for n in QParams._field_names}
-    values[name] = value
-    return QParams(**values)
 
 
 def _fail(obj: Any, field: str, constraint: str) -> None:
@@ -268,8 +238,11 @@ class Recipe:
         value = getattr(self, flag)
         if isinstance(value, bool):  # otherwise _validate refuses the flag itself
             for name in operands:
-                q = _with_option(getattr(self, name), option, value != negated)
-                object.__setattr__(self, name, q)
+                # dataclasses.replace without dataclasses.fields, which dynamo cannot trace
+                q = getattr(self, name)
+                values = {n: getattr(q, n) for n in QParams._field_names}
+                values[option] = value != negated
+                object.__setattr__(self, name, QParams(**values))
 
     def __setattr__(self, name: str, value: Any) -> None:
         """Set a field after construction, as TE code does (``recipe.margin = 1``): the recipe
@@ -322,12 +295,10 @@ class Recipe:
 
     @classmethod
     def delayed(cls) -> bool:
-        """Per-tensor delayed scaling."""
         return issubclass(cls, DelayedScaling)
 
     @classmethod
     def float8_current_scaling(cls) -> bool:
-        """Per-tensor current scaling."""
         return issubclass(cls, Float8CurrentScaling)
 
     @classmethod
@@ -342,17 +313,14 @@ class Recipe:
 
     @classmethod
     def float8_block_scaling(cls) -> bool:
-        """FP8 with 1x128 / 128x128 block scales."""
         return issubclass(cls, Float8BlockScaling)
 
     @classmethod
     def mxfp8(cls) -> bool:
-        """MXFP8 (1x32 blocks, E8M0 scales)."""
         return issubclass(cls, MXFP8BlockScaling)
 
     @classmethod
     def nvfp4(cls) -> bool:
-        """NVFP4 (1x16 blocks, E4M3 scales, fp32 global scale)."""
         return issubclass(cls, NVFP4BlockScaling)
 
 
@@ -364,16 +332,11 @@ class DelayedScaling(Recipe):
     ``margin`` (>= 0): the scale is divided by ``2**margin`` for headroom. ``fp8_format``:
     ``E4M3`` or ``HYBRID``. ``amax_history_len`` (>= 1): steps of amax history kept.
     ``amax_compute_algo``: ``"max"`` (largest amax in the history), ``"most_recent"``, or a
-    callable ``amax_compute_algo(amax_history) -> amax``: ``amax_history`` is the
-    ``[amax_history_len, 3]`` history (newest in row 0; columns: input, weight, gradient), the
-    result one amax per column ``[3]``.
-    ``scaling_factor_compute_algo``: ``None`` (the scale formula in the module docstring) or a
-    callable ``scaling_factor_compute_algo(amax, old_scaling_factor, fp8_max, recipe) -> scale``,
-    TE's signature: ``amax``, ``old_scaling_factor`` and ``fp8_max`` are ``[3]`` fp32 tensors
-    (input, weight, gradient; ``fp8_max`` the largest value of each slot's format), ``recipe``
-    this recipe; the ``[3]`` result is stored as the new scales as it is (no guard against a zero
-    amax: the callable owns the formula). Callables run as plain torch code each forward (traced
-    by ``torch.compile``, which recompiles when a different function is set).
+    callable ``amax_compute_algo(amax_history) -> amax`` (``[amax_history_len, 3]``, newest in row
+    0, columns input, weight, gradient, to ``[3]``). ``scaling_factor_compute_algo``: ``None``
+    (the scale formula in the module docstring) or a callable with TE's signature
+    ``(amax, old_scaling_factor, fp8_max, recipe) -> scale`` on ``[3]`` fp32 tensors, whose
+    result becomes the scales as it is (``docs/fp8.md``, "DelayedScaling's callables").
     ``reduce_amax``: all-reduce amaxes (MAX) over the autocast's ``amax_reduction_group`` so
     every rank uses the same scales; with ``False`` each rank keeps its own.
     ``backward_override``: ``None`` only, as in TE.
@@ -552,33 +515,23 @@ class NVFP4BlockScaling(Recipe):
     """NVFP4: E2M1 values, one E4M3 scale per ``block_len`` (16) values and one fp32 global
     scale per tensor (two levels, since E4M3 alone cannot span a tensor's range).
 
-    TE's default training recipe adds three techniques, each with a switch to turn it off, and
-    the emulated GEMMs apply all three as TE does (docs/fp8.md). Each switch sets its option in
-    the per-operand QParams named after it; those may be replaced one by one after construction
-    (``recipe.fp4_quant_fwd_weight = QParams()``, as TE's tests do), within what the GEMMs
-    apply: the transform on the input and the gradient together, tiles on the weight,
-    stochastic rounding on the gradient (``quantization.gemm.recipe_specs`` refuses the rest):
+    TE's default training recipe adds three techniques, each with a switch to turn it off, that
+    the emulated GEMMs apply as TE does (``docs/fp8.md``, "NVFP4's recipe options"): 16x16 weight
+    tiles (``disable_2d_quantization``; QParams ``fp4_quant_fwd_weight``), the random Hadamard
+    transform of the wgrad GEMM's operands (``disable_rht``; ``fp4_quant_fwd_inp``,
+    ``fp4_quant_bwd_grad``), stochastic rounding of the gradient (``disable_stochastic_rounding``;
+    ``fp4_quant_bwd_grad``). Each switch sets its option in those per-operand QParams, which may
+    be replaced one by one after construction (``recipe.fp4_quant_fwd_weight = QParams()``, as
+    TE's tests do) within what the GEMMs apply (``quantization.gemm.recipe_specs`` refuses the
+    rest).
 
-    - ``disable_2d_quantization``: weights get one E4M3 scale per 16x16 tile, so the forward
-      and the dgrad GEMM see the same quantised weight (``fp4_quant_fwd_weight``);
-    - ``disable_rht``: the wgrad GEMM's operands (the input's and the gradient's columnwise
-      copies, blocks of 16 along the tokens) are multiplied by ``S H / 4`` (``H`` the 16x16
-      Hadamard matrix, ``S`` TE's fixed random signs) before they are quantised, with a global
-      scale of their own amax; the GEMM of two transformed operands approximates ``dY^T X``
-      since ``S H / 4`` is orthogonal (``fp4_quant_fwd_inp``, ``fp4_quant_bwd_grad``);
-    - ``disable_stochastic_rounding``: the gradient's E2M1 values round up or down with
-      probabilities that make the rounding unbiased, from a Philox stream drawn from torch's
-      generator at each forward (``fp4_quant_bwd_grad``).
-
-    ``row_scaled_activation``: the forward GEMM's input gets one global scale per row (its
-    amax) instead of one per tensor; such a tensor has no columnwise copy, so a
-    ``backward_override`` (``"high_precision"`` or ``"dequantized"``) is required when it is
-    used, as in TE. ``nvfp4_4over6`` (``"none"``, ``"weights"``, ``"activations"``, ``"all"``),
-    ``nvfp4_4over6_e4m3_use_256`` (same scopes) and ``nvfp4_4over6_err_mode`` (``"MAE"``,
-    ``"MSE"``) select 4over6 block scaling of the weights and the forward input (each block of 16
-    values has its amax mapped to E2M1's 4 or 6, whichever gives the smaller error; gradients
-    never). ``fp4_format`` must be ``E2M1`` and ``fp8_format`` (the block scales) ``E4M3``.
-    Native GEMMs need Blackwell; elsewhere the GEMM is emulated.
+    ``row_scaled_activation``: one global scale per row of the forward GEMM's input; it needs a
+    ``backward_override``, as in TE. ``nvfp4_4over6`` / ``nvfp4_4over6_e4m3_use_256`` (scopes
+    ``"none"``, ``"weights"``, ``"activations"``, ``"all"``) and ``nvfp4_4over6_err_mode``
+    (``"MAE"``, ``"MSE"``): 4over6 block scaling of the weights and the forward input (each block's
+    amax mapped to E2M1's 4 or 6, whichever errs less; gradients never). ``fp4_format`` must be
+    ``E2M1`` and ``fp8_format`` (the block scales) ``E4M3``. Native GEMMs need Blackwell;
+    elsewhere the GEMM is emulated.
     """
 
     kind: ClassVar[str] = "nvfp4"
