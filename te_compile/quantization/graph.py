@@ -36,7 +36,7 @@ from te_compile.quantization.graph_replay import (
     tensor_outputs,
 )
 from te_compile.quantization.recipe import Recipe
-from te_compile.quantization.state import autocast
+from te_compile.quantization.state import autocast, check_recipe_and_group
 
 __all__ = ["make_graphed_callables"]
 
@@ -156,16 +156,8 @@ def make_graphed_callables(
             "pass keeps its own input and output buffers); pass False"
         )
     enabled_list = _check_enabled(spelled["enabled"], enabled, n)
-    if recipe is not None and not isinstance(recipe, Recipe):
-        raise TypeError(
-            f"{_NAME}: {spelled['recipe']} must be a Recipe (e.g. DelayedScaling()) or None, got "
-            f"{recipe!r}"
-        )
-    if group is not None and not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
-        raise TypeError(
-            f"{_NAME}: {spelled['amax_reduction_group']} must be a torch.distributed.ProcessGroup "
-            f"or None, got {group!r}"
-        )
+    group_name = spelled["amax_reduction_group"]
+    check_recipe_and_group(_NAME, spelled["recipe"], recipe, group_name, group, TypeError)
     if cache_quantized_params:
         raise NotImplementedError(
             f"{_NAME}: {spelled['cache_quantized_params']}=True is not implemented (the "

@@ -1,21 +1,13 @@
 """Loading Transformer Engine's ``_extra_state`` (its FP8 metadata) into te_compile modules.
 
-What TE saves, which modules save it and what te_compile takes of it: ``docs/te_compat.md``,
-"Checkpoints across Transformer Engine and te_compile" (our own FP8 state is the ``*fp8_meta.*``
-buffers; our state_dict emits no ``_extra_state``). The value is an empty ``uint8`` tensor
-without FP8 state, else a Python pickle in a ``uint8`` tensor of::
-
-    {"recipe": <transformer_engine.common.recipe.DelayedScaling ...>,
-     "scale_fwd": [3 * num_gemms], "amax_history_fwd": [amax_history_len, 3 * num_gemms],
-     "scale_bwd": [2 * num_gemms], "amax_history_bwd": [amax_history_len, 2 * num_gemms],
-     "extra_fp8_variables": {"num_gemms": ..., ...}}
-
-(``transformer_engine/pytorch/module/base.py``, ``get_extra_state``; TE 1.x omitted
-``recipe`` and also stored ``scale_inv_*``; the oldest format was an ``io.BytesIO`` of
-``torch.save``). Forward slots per GEMM are input, weight, output; backward slots grad_output,
-grad_input; LayerNormMLP's FC1 is GEMM 1 and FC2 GEMM 2; GroupedLinear's group ``i`` is GEMM
-``i + 1``. A ``te.ops`` operation saves ``{"forward": {recipe, scale_fwd, amax_history_fwd,
-...}, "backward": {...}}`` (``ops/op.py``), its linears' slots input, weight / grad_output.
+What TE saves, which modules save it, its slots and what te_compile takes of it:
+``docs/te_compat.md``, "Checkpoints across Transformer Engine and te_compile". The value is an
+empty ``uint8`` tensor without FP8 state, else a pickled dict in a ``uint8`` tensor (``recipe``,
+``scale_fwd`` / ``amax_history_fwd`` with input, weight, output slots per GEMM, ``scale_bwd`` /
+``amax_history_bwd`` with grad_output, grad_input slots, ``extra_fp8_variables``; TE 1.x
+omitted ``recipe`` and also stored ``scale_inv_*``; the oldest format was an ``io.BytesIO`` of
+``torch.save``). GroupedLinear's group ``i`` is TE's GEMM ``i + 1``; a ``te.ops`` operation
+saves ``{"forward": {...}, "backward": {...}}``.
 
 :func:`accept_te_extra_state` registers a load_state_dict pre-hook that takes that key (so
 ``strict=True`` loads a Transformer Engine checkpoint) and, for delayed scaling, writes the
@@ -235,13 +227,9 @@ def _load_delayed(mod, state, state_dict, prefix, key, spec: _Spec) -> None:
     total, (per_fwd, per_bwd) = sum(spec.te_gemms), spec.slots
     tensors = {k: torch.as_tensor(state[k], dtype=torch.float32) for k in _DELAYED_KEYS}
     length = tensors["amax_history_fwd"].shape[0]
-    expected = {
-        "scale_fwd": (per_fwd * total,),
-        "amax_history_fwd": (length, per_fwd * total),
-        "scale_bwd": (per_bwd * total,),
-        "amax_history_bwd": (length, per_bwd * total),
-    }
-    for k, shape in expected.items():
+    for k in _DELAYED_KEYS:
+        n = (per_fwd if k.endswith("_fwd") else per_bwd) * total
+        shape = (length, n) if k.startswith("amax") else (n,)
         if tuple(tensors[k].shape) != shape:
             raise ValueError(
                 f"{key}: {k} has shape {tuple(tensors[k].shape)}; this "
