@@ -209,8 +209,7 @@ class MMParams:
 class Recipe:
     """Base of all recipes; not constructed directly.
 
-    ``kind`` names the recipe in one short string (handy to branch on in traced code); the class
-    methods below are TE's predicates (``recipe.delayed()``, ``recipe.mxfp8()``, ...)."""
+    ``kind`` names the recipe in one short string (handy to branch on in traced code)."""
 
     kind: ClassVar[str]
     # Set once construction validated the fields: from then on every field assignment is
@@ -293,35 +292,16 @@ class Recipe:
         if self.fp8_format in (Format.E5M2, Format.E2M1):
             _fail(self, "fp8_format", "must be Format.E4M3 or Format.HYBRID (E4M3 forward)")
 
-    @classmethod
-    def delayed(cls) -> bool:
-        return issubclass(cls, DelayedScaling)
-
-    @classmethod
-    def float8_current_scaling(cls) -> bool:
-        return issubclass(cls, Float8CurrentScaling)
-
-    @classmethod
-    def float8_current(cls) -> bool:
-        """Short name for :meth:`float8_current_scaling`."""
-        return cls.float8_current_scaling()
-
-    @classmethod
-    def float8_per_tensor_scaling(cls) -> bool:
-        """Per-tensor scaling, delayed or current."""
-        return issubclass(cls, (DelayedScaling, Float8CurrentScaling))
-
-    @classmethod
-    def float8_block_scaling(cls) -> bool:
-        return issubclass(cls, Float8BlockScaling)
-
-    @classmethod
-    def mxfp8(cls) -> bool:
-        return issubclass(cls, MXFP8BlockScaling)
-
-    @classmethod
-    def nvfp4(cls) -> bool:
-        return issubclass(cls, NVFP4BlockScaling)
+    # TE's predicates, class methods: ``recipe.delayed()``, ``recipe.mxfp8()``, ...
+    delayed = classmethod(lambda cls: issubclass(cls, DelayedScaling))
+    float8_current_scaling = classmethod(lambda cls: issubclass(cls, Float8CurrentScaling))
+    float8_current = float8_current_scaling  # the short name
+    float8_per_tensor_scaling = classmethod(
+        lambda cls: issubclass(cls, (DelayedScaling, Float8CurrentScaling))
+    )
+    float8_block_scaling = classmethod(lambda cls: issubclass(cls, Float8BlockScaling))
+    mxfp8 = classmethod(lambda cls: issubclass(cls, MXFP8BlockScaling))
+    nvfp4 = classmethod(lambda cls: issubclass(cls, NVFP4BlockScaling))
 
 
 @_with_field_types

@@ -1,17 +1,13 @@
 """Activation checkpointing that recomputes FP8 modules exactly: ``te_compile.checkpoint``
 (``docs/distributed.md``, "Activation checkpointing", says what it guarantees).
 
-``torch.utils.checkpoint`` alone recomputes a region in the backward outside its ``autocast``
-(in high precision) and, under ``DelayedScaling``, would fold the amaxes into the history twice.
 :func:`checkpoint` runs the function under ``torch.utils.checkpoint`` with two additions: the
 recompute runs under the autocast state the forward saw, with a copy of the recipe as it was then
 (recipes are mutable); and a :class:`RecomputeScope` is open while the function runs, in which
 every FP8 GEMM state (``quantization.fp8_gemm.FP8GemmState``) is snapshotted before the forward's
-first update of it, so the recompute starts from the forward's state (same scales, same
-calibration step: the same result bit for bit) and the state is put back as the forward left it.
-Under ``torch.compile`` the compiler recomputes from its traced graph: :func:`checkpoint` calls
-``torch.utils.checkpoint.checkpoint`` as it is and refuses ``DelayedScaling``, whose state update
-(a write) a compiled checkpoint region cannot hold.
+first update of it, so the recompute starts from the forward's state and the state is put back as
+the forward left it. Under ``torch.compile`` it calls ``torch.utils.checkpoint.checkpoint`` as it
+is (the compiler recomputes from its traced graph) and refuses ``DelayedScaling``.
 """
 
 from __future__ import annotations
