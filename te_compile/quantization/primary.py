@@ -97,10 +97,8 @@ def _weight_spec(recipe: Recipe, owner: str) -> QuantSpec:
     spec = recipe_specs(recipe)[1]
     if spec.kind in ("current", "delayed"):
         return QuantSpec("current", spec.fp8_dtype)
-    if spec.kind == "block":  # (recipe_specs: native; gemm_args emulates)
-        return spec
-    if spec.kind == "mxfp8" and spec.block_rows == 1:
-        return spec
+    if spec.kind == "block" or (spec.kind == "mxfp8" and spec.block_rows == 1):
+        return spec  # (block: recipe_specs' native spec; gemm_args emulates)
     got = type(recipe).__name__ + ("(enable_2d_quantization=True)" if spec.kind == "mxfp8" else "")
     raise NotImplementedError(
         f"{owner}: FP8 primary weights (quantized_model_init's recipe) support "
@@ -219,12 +217,10 @@ def _stamp_after_load(module: nn.Module, incompatible_keys: object) -> None:
 
 
 def check_unchanged(module: nn.Module, name: str, weight: Tensor) -> None:
-    """Refuse an FP8 weight written in place since te_compile set its codes and scale: a plain
-    ``weight.copy_(values)`` (or an in-place initialiser) casts the values to float8 without
-    the weight's scale, so the codes no longer match ``<name>_scale_inv`` and every result
-    would be wrong. Same storage, newer codes and the same scale: written. Codes written with
-    their scale (an FP8 copy of codes and ``<name>_scale_inv``), or other storage (``.to()``, a
-    deep copy, same values): stamped again. Eager calls only."""
+    """Refuse an FP8 weight written in place since te_compile set its codes and scale (a plain
+    ``weight.copy_(values)`` casts values to float8 without the weight's scale): same storage,
+    newer codes and the same scale. Codes written with their scale, or other storage (``.to()``,
+    a deep copy): stamped again. Eager calls only."""
     stamps = module.__dict__.get(_STAMPS)
     if stamps is None or torch.compiler.is_compiling() or type(weight.data) is not Tensor:
         return

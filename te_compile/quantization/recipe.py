@@ -287,10 +287,11 @@ class Recipe:
                 _fail(self, name, "must be False (te_compile has no FP8 attention)")
         if self.backward_override not in _BACKWARD_OVERRIDES:
             _fail(self, "backward_override", f"must be one of {_BACKWARD_OVERRIDES}")
-
-    def _check_fp8_format(self) -> None:
-        if self.fp8_format in (Format.E5M2, Format.E2M1):
+        # NVFP4's fp8_format is its block scales' (its _validate); the others' forward format.
+        if self.kind != "nvfp4" and self.fp8_format in (Format.E5M2, Format.E2M1):
             _fail(self, "fp8_format", "must be Format.E4M3 or Format.HYBRID (E4M3 forward)")
+        if "margin" in self._field_types and self.margin < 0:
+            _fail(self, "margin", "must be >= 0")
 
     # TE's predicates, class methods: ``recipe.delayed()``, ``recipe.mxfp8()``, ...
     delayed = classmethod(lambda cls: issubclass(cls, DelayedScaling))
@@ -340,14 +341,9 @@ class DelayedScaling(Recipe):
 
     def _validate(self) -> None:
         super()._validate()
-        self._check_fp8_format()
-        if self.margin < 0:
-            _fail(self, "margin", "must be >= 0")
         if self.amax_history_len < 1:
             _fail(self, "amax_history_len", "must be >= 1")
-        if not callable(self.amax_compute_algo) and (
-            self.amax_compute_algo not in _AMAX_COMPUTE_ALGOS
-        ):
+        if not (callable(self.amax_compute_algo) or self.amax_compute_algo in _AMAX_COMPUTE_ALGOS):
             _fail(self, "amax_compute_algo", f"must be one of {_AMAX_COMPUTE_ALGOS} or a callable")
         algo = self.scaling_factor_compute_algo
         if algo is not None and not callable(algo):
@@ -394,7 +390,6 @@ class Float8CurrentScaling(Recipe):
 
     def _validate(self) -> None:
         super()._validate()
-        self._check_fp8_format()
         for name, split in _PER_TENSOR_GEMMS.items():
             if getattr(self, name).use_split_accumulator != split:
                 _fail(
@@ -444,7 +439,6 @@ class Float8BlockScaling(Recipe):
 
     def _validate(self) -> None:
         super()._validate()
-        self._check_fp8_format()
         dims = ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim")
         for name in dims:
             if getattr(self, name) not in (1, 2):
@@ -481,12 +475,6 @@ class MXFP8BlockScaling(Recipe):
     fp8_mha: bool = False
     backward_override: str | None = None
     enable_2d_quantization: bool = False
-
-    def _validate(self) -> None:
-        super()._validate()
-        self._check_fp8_format()
-        if self.margin < 0:
-            _fail(self, "margin", "must be >= 0")
 
 
 @_with_field_types
