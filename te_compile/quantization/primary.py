@@ -618,22 +618,14 @@ class FP8MasterWeights:
             if e.group is None:
                 _set(e.module, e.name, e.master)
                 continue
-            weight = getattr(e.module, e.name)
-            data, scale_inv, amax = _quantize_shard(e, weight.dtype)
+            import torch.distributed._functional_collectives as funcol
+
+            weight, local = getattr(e.module, e.name), e.master.to_local()
+            amax = local.abs().amax().reshape(1) if local.numel() else local.new_zeros(1)
+            amax = funcol.wait_tensor(funcol.all_reduce(amax, "max", e.group))
+            scale = scale_from_amax(amax, torch.finfo(weight.dtype).max)
+            data, _, _ = torch.ops.te.quantize_tensorwise(local, scale, weight.dtype, False)
             weight.to_local().copy_(data.view(weight.dtype))
-            getattr(e.module, f"{e.name}_scale_inv").copy_(scale_inv)
+            getattr(e.module, f"{e.name}_scale_inv").copy_(reciprocal_rn(scale))
             getattr(e.module, f"{e.name}_amax").copy_(amax)
             _stamp(e.module, e.name)
-
-
-def _quantize_shard(e: _Entry, fp8_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-    """Current scaling of a sharded master with the amax of the whole weight: the shard's
-    amax, all-reduced (max) over the group, then the cast with that scale."""
-    import torch.distributed._functional_collectives as funcol
-
-    local = e.master.to_local()
-    amax = local.abs().amax().reshape(1) if local.numel() else local.new_zeros(1)
-    amax = funcol.wait_tensor(funcol.all_reduce(amax, "max", e.group))
-    scale = scale_from_amax(amax, torch.finfo(fp8_dtype).max)
-    data, _, _ = torch.ops.te.quantize_tensorwise(local, scale, fp8_dtype, False)
-    return data, reciprocal_rn(scale), amax
