@@ -198,20 +198,11 @@ def make_graphed_callables(
     regions = [autocast(e, calibrating, recipe, group) for e in enabled_list]
     delayed = recipe is not None and recipe.delayed()
     calibrate_off = [delayed and (e or calibrating) for e in enabled_list]
-    graphed = _capture(
-        callables,
-        schedule,
-        specs,
-        regions,
-        calibrate_off,
-        num_warmup_iters=num_warmup_iters,
-        allow_unused_input=allow_unused_input,
-        pool=pool,
-        retain_graph=retain_graph_in_backward,
-        clone_param_grads=_clone_param_grads_on_return,
-        hooks=(pre_warmup_hook, post_warmup_hook),
-        stream=capture_stream,
-    )
+    graphed = _capture(callables, schedule, specs, regions, calibrate_off,
+                       num_warmup_iters=num_warmup_iters, allow_unused_input=allow_unused_input,
+                       pool=pool, retain_graph=retain_graph_in_backward, stream=capture_stream,
+                       clone_param_grads=_clone_param_grads_on_return,
+                       hooks=(pre_warmup_hook, post_warmup_hook))  # fmt: skip
     return graphed[0] if single else tuple(graphed)
 
 
