@@ -242,10 +242,8 @@ def check_unchanged(module: nn.Module, name: str, weight: Tensor) -> None:
 def high_precision_init(module: nn.Module, names: tuple[str, ...]) -> Iterator[None]:
     """For ``module.reset_parameters()``: inside, each FP8 weight of ``names`` is a
     high-precision Parameter (the dtype it was built in) for the initialiser to fill; on exit
-    it is cast into the codes, scale and amax as at construction (Transformer Engine
-    re-quantises its FP8 parameters too), and a kept initial value
-    (``preserve_high_precision_init_val``) is replaced. Weights that are not FP8 are left as
-    they are. ``FP8MasterWeights`` built before keeps the old masters: build it after."""
+    it is cast into the codes, scale and amax as at construction (as TE re-quantises), and a
+    kept initial value is replaced. ``FP8MasterWeights`` built before keeps the old masters."""
     fp8 = {n: getattr(module, n) for n in names if is_primary(getattr(module, n))}
     dtypes = module.__dict__.get(_INIT_DTYPES, {})
     for n, p in fp8.items():
@@ -407,14 +405,10 @@ def primary_weight(
     module: nn.Module, name: str, dtype: torch.dtype
 ) -> tuple[Tensor, Tensor | None]:
     """The GEMM op's ``weight`` argument for ``module``'s FP8 weight ``name`` (its operand is
-    :func:`primary_operand`) and the fp32 buffer the op accumulates its gradient into
-    (``main_grad``), for activations of ``dtype``.
-
-    Not sharded: the codes Parameter and ``weight.main_grad`` (None without
-    ``FP8MasterWeights``: the backward then raises, the gradient has nowhere to go). Sharded by
-    FSDP2, with ``FP8MasterWeights`` and grad enabled: a zero-byte stand-in of the weight's
-    shape in ``dtype`` that requires grad (:class:`_StandIn`), and None: the op returns the
-    weight gradient to it, whose backward reduce-scatters it into the sharded ``main_grad``."""
+    :func:`primary_operand`) and the fp32 ``main_grad`` the op accumulates its gradient into:
+    the codes Parameter and ``weight.main_grad`` (None without ``FP8MasterWeights``: the
+    backward then raises). Sharded by FSDP2, with ``FP8MasterWeights`` and grad enabled: a
+    :class:`_StandIn` in ``dtype`` and None (the op returns the gradient to the stand-in)."""
     weight = getattr(module, name)
     stand_in = _sharded_stand_in(module, (name,), weight, dtype, weight.shape, False)
     return (weight, getattr(weight, "main_grad", None)) if stand_in is None else (stand_in, None)

@@ -274,11 +274,7 @@ class Recipe:
         """A dict of values derived from this recipe's fields alone, for eager callers to keep
         (``quantization.gemm`` keeps its specs here rather than rebuilding them every GEMM
         call); emptied whenever a field is set. Not a field: not compared, not printed."""
-        memo = self.__dict__.get("_memo")
-        if memo is None:
-            memo = {}
-            object.__setattr__(self, "_memo", memo)
-        return memo
+        return self.__dict__.setdefault("_memo", {})
 
     def _validate(self) -> None:
         _check_field_types(self)
@@ -363,12 +359,10 @@ class Float8CurrentScaling(Recipe):
 
     ``use_power_2_scales``: round scales down to powers of two; it sets ``power_2_scale`` of
     the per-operand ``fp8_quant_fwd_inp``, ``fp8_quant_fwd_weight`` and ``fp8_quant_bwd_grad``,
-    which may be replaced one by one after construction (module docstring; the modules' GEMMs
-    refuse power-of-two scales, ``te_compile.quantize`` applies them). ``fp8_format``: ``E4M3`` or
-    ``HYBRID``. ``fp8_gemm_*``: split accumulation, TE's defaults only (off for the forward
-    GEMM, on for the two backward GEMMs: what te_compile's per-tensor GEMMs run; other settings
-    raise rather than being ignored). ``backward_override``: ``None``, ``"high_precision"`` or
-    ``"dequantized"`` (module docstring).
+    which may be replaced one by one after construction (the modules' GEMMs refuse power-of-two
+    scales, ``te_compile.quantize`` applies them). ``fp8_format``: ``E4M3`` or ``HYBRID``.
+    ``fp8_gemm_*``: TE's defaults only (split accumulation off forward, on for the backward
+    GEMMs: what te_compile's per-tensor GEMMs run).
     """
 
     kind: ClassVar[str] = "current"
