@@ -1,13 +1,10 @@
 """What a graphed callable does when called: ``make_graphed_callables``' replay side.
 
-:class:`CallSpec` holds one callable's samples (the tensor leaves of its positional and keyword
-arguments, the keyword values that are not tensors, the structure) and checks every call against
-them. :class:`CapturedGraphs` holds its two CUDA graphs and their static tensors: the inputs the
-forward graph reads (the samples and the module's parameters), its outputs, the gradient buffers
-of the backward graph. :func:`make_replay` makes the graphed function: check the call, copy its
-tensors into the static inputs, replay through an autograd function whose backward replays the
-backward graph; :func:`graphed_forward` the forward a graphed module gets (the replay in the mode
-it was captured in, its own forward in the other). ``quantization.graph`` builds all of them.
+:class:`CallSpec` holds one callable's samples and checks every call against them;
+:class:`CapturedGraphs` its two CUDA graphs and their static tensors; :func:`make_replay` makes
+the graphed function (check the call, copy its tensors into the static inputs, replay through an
+autograd function whose backward replays the backward graph), :func:`graphed_forward` the
+forward a graphed module gets. ``quantization.graph`` builds all of them.
 """
 
 from __future__ import annotations

@@ -435,14 +435,10 @@ class _StandIn(torch.autograd.Function):
     expanded scalar; the op reads the codes from its pre-quantised operand, never this),
     requiring grad through ``leaves``. Not sharded (``group_name`` None): the leaves are the
     codes (:func:`grouped_primary`), the gradient went to ``main_grad`` and none flows back.
-
     Sharded by FSDP2: one zero-byte fp32 leaf per FP8 weight, of its local shard's shape, whose
-    ``.grad`` is the sharded ``main_grad`` (a dense weight's one; a grouped GEMM's ``G`` weights
-    ``[N, K]`` sharded on their rows, ``per_group``, or one ``[G, N, K]`` sharded on its groups).
-    Backward: the op's weight gradient ``dW`` (full size, made by the op's backward and freed
-    when this returns) is reduce-scattered, each weight's part into its leaf
-    (:func:`_reduce_scatter_rows`), and autograd accumulates it into ``leaf.grad`` (in place:
-    several backward calls before ``step`` sum their reduce-scattered gradients). A functional
+    ``.grad`` is the sharded ``main_grad`` (``per_group``: a grouped GEMM's ``G`` weights ``[N,
+    K]``, else one weight); the full-size ``dW`` is reduce-scattered into each leaf
+    (:func:`_reduce_scatter_rows`); autograd sums micro-batches into ``leaf.grad``. A functional
     collective: torch.compile traces it into the compiled backward."""
 
     @staticmethod
