@@ -154,16 +154,11 @@ class CapturedGraphs:
             elif static is not None and grad is None:
                 static.zero_()
         self.bwd.replay()
-        n_user = len(self.spec.tensors)
-        out = []
-        for k, g in enumerate(self.grad_inputs):
-            if g is None:
-                out.append(None)
-            elif k >= n_user and self.clone_param_grads:
-                out.append(g.detach().clone())
-            else:
-                out.append(g.detach())
-        return tuple(out)
+        n_user, clone = len(self.spec.tensors), self.clone_param_grads  # params' grads: copies
+        return tuple(
+            None if g is None else g.detach().clone() if k >= n_user and clone else g.detach()
+            for k, g in enumerate(self.grad_inputs)
+        )
 
 
 class _Replay(torch.autograd.Function):

@@ -309,11 +309,9 @@ class DelayedScaling(Recipe):
     ``margin`` (>= 0): the scale is divided by ``2**margin`` for headroom. ``fp8_format``:
     ``E4M3`` or ``HYBRID``. ``amax_history_len`` (>= 1): steps of amax history kept.
     ``amax_compute_algo``: ``"max"`` (largest amax in the history), ``"most_recent"``, or a
-    callable ``amax_compute_algo(amax_history) -> amax`` (``[amax_history_len, 3]``, newest in row
-    0, columns input, weight, gradient, to ``[3]``). ``scaling_factor_compute_algo``: ``None``
-    (the scale formula in the module docstring) or a callable with TE's signature
-    ``(amax, old_scaling_factor, fp8_max, recipe) -> scale`` on ``[3]`` fp32 tensors, whose
-    result becomes the scales as it is (``docs/fp8.md``, "DelayedScaling's callables").
+    callable; ``scaling_factor_compute_algo``: ``None`` (the scale formula in the module
+    docstring) or a callable with TE's signature (``docs/fp8.md``, "DelayedScaling's callables",
+    gives both callables' arguments and results).
     ``reduce_amax``: all-reduce amaxes (MAX) over the autocast's ``amax_reduction_group`` so
     every rank uses the same scales; with ``False`` each rank keeps its own.
     ``backward_override``: ``None`` only, as in TE.
