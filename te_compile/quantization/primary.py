@@ -7,8 +7,7 @@ weight blocks also ``<name>_t`` / ``<name>_scale_inv_t``). The forward hands the
 as its pre-quantised weight operand (:func:`primary_operand`, :func:`grouped_primary`), so no
 weight is cast per step. The weight gradient goes to an fp32 ``weight.main_grad``;
 ``FP8MasterWeights`` keeps fp32 masters for any ``torch.optim`` optimizer and re-quantises them
-after each step (:func:`_set`, which ``load_state_dict`` of high-precision values and
-``reset_parameters`` use too). Under FSDP2 (per-tensor recipes) the codes are sharded on dim 0,
+after each step (:func:`_set`). Under FSDP2 (per-tensor recipes) the codes are sharded on dim 0,
 the weight gradient reaches a sharded ``main_grad`` through a zero-byte stand-in whose backward
 reduce-scatters it (:class:`_StandIn`), and the refresh all-reduces each shard's amax.
 ``docs/fp8.md``, "FP8 primary weights" and "FSDP2", is the full account: what each recipe

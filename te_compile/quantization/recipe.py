@@ -29,11 +29,9 @@ overflow when a tensor grows quickly; current scaling measures this tensor's ama
 recipes give each block its own scale, which keeps outliers from crushing the rest of the tensor.
 
 Every recipe is a mutable dataclass, validated at construction and on every field assignment
-(a refused value raises ``ValueError`` and is not kept), compared by value, not hashable;
-``torch.compile`` guards on the fields the traced code read (``docs/fp8.md``, "Recipes are
-mutable dataclasses, as TE's are"). ``backward_override`` (not for ``DelayedScaling``, as in TE)
-chooses the backward GEMMs' operands: ``None``, ``"high_precision"`` or ``"dequantized"``
-(``docs/fp8.md``).
+(a refused value raises ``ValueError`` and is not kept; ``docs/fp8.md``, "Recipes are mutable
+dataclasses, as TE's are"). ``backward_override`` (not for ``DelayedScaling``, as in TE) chooses
+the backward GEMMs' operands: ``None``, ``"high_precision"`` or ``"dequantized"``.
 
 Departures from Transformer Engine (each recipe's list: ``docs/te_compat.md``, "FP8 recipes
 and autocast"): no default comes from ``NVTE_*`` variables; the per-operand ``QParams`` fields
@@ -548,8 +546,4 @@ def get_align_size_for_quantization(recipe: Recipe | None) -> int:
             "get_align_size_for_quantization: recipe must be a Recipe or None, got "
             f"{type(recipe).__name__}"
         )
-    if isinstance(recipe, MXFP8BlockScaling):
-        return 32
-    if isinstance(recipe, NVFP4BlockScaling):
-        return 128
-    return 16
+    return 16 if recipe is None else {"mxfp8": 32, "nvfp4": 128}.get(recipe.kind, 16)
