@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 
-from te_compile.quantization.state import STATE_HOLDER, get_autocast_state
+from te_compile.quantization.state import STATE_HOLDER, Holder, get_autocast_state
 
 __all__ = ["RecomputeScope", "checkpoint", "current_scope"]
 
@@ -59,12 +59,7 @@ def _restore(state, calibrated: bool, copies: list[torch.Tensor]) -> None:
     state.calibrated = calibrated
 
 
-class _ScopeHolder:
-    def __init__(self) -> None:
-        self.current: RecomputeScope | None = None
-
-
-_SCOPE = _ScopeHolder()
+_SCOPE = Holder(None)  # current: the RecomputeScope of the checkpointed call running now
 
 
 def current_scope() -> RecomputeScope | None:

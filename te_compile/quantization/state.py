@@ -69,14 +69,14 @@ class AutocastState(NamedTuple):
         return self.calibrating and not self.enabled
 
 
-class _Holder:
-    """Holds the current state; a plain object so that dynamo can trace stores to it."""
+class Holder:
+    """Holds ``current``; a plain object so that dynamo can trace stores to it."""
 
-    def __init__(self) -> None:
-        self.current = AutocastState(enabled=False, recipe=None, amax_reduction_group=None)
+    def __init__(self, current: Any) -> None:
+        self.current = current
 
 
-STATE_HOLDER = _Holder()
+STATE_HOLDER = Holder(AutocastState(enabled=False, recipe=None, amax_reduction_group=None))
 
 
 def get_autocast_state() -> AutocastState:

@@ -70,9 +70,7 @@ class TERecipeRecord:
         return f"TERecipeRecord({self.te_name}, {self.fields or self.args})"
 
 
-_RECORD_CLASSES = {
-    name: type(name, (TERecipeRecord,), {"te_name": name}) for name in _TE_RECIPE_NAMES
-}
+_RECORD_CLASSES = {n: type(n, (TERecipeRecord,), {"te_name": n}) for n in _TE_RECIPE_NAMES}
 
 
 def _load_storage_bytes(data: bytes) -> object:
