@@ -1,15 +1,11 @@
 """CUDA graphs of modules' forward and backward: ``te_compile.make_graphed_callables``.
 
 Transformer Engine's ``make_graphed_callables`` (its signature, its return shape): each callable
-(an ``nn.Module`` or a function) is warmed up on its samples on a side stream, then its forward
-and its backward are captured in two CUDA graphs (forwards in order, backwards in reverse order,
-one memory pool), under ``te_compile.autocast(enabled, calibrating, recipe,
-amax_reduction_group)`` so that the graphs hold the recipe's casts and its state updates (tensor
-ops on module buffers: every replay advances them as an eager step does). The FP8 state buffers
-and the CUDA RNG state are saved before warm-up and restored after capture. ``docs/graphs.md``
-is the full account: what a graphed callable checks and replays (``graph_replay``), functions,
-DelayedScaling's first step, the interleaved schedules (``_order``, :class:`_Schedule`) and
-the arguments that raise ``NotImplementedError``.
+is warmed up on its samples on a side stream, then its forward and backward are captured in two
+CUDA graphs under ``te_compile.autocast``, so the graphs hold the recipe's casts and its state
+updates. ``docs/graphs.md`` is the full account: the steps, what a graphed callable checks and
+replays (``graph_replay``), DelayedScaling's first step, the interleaved schedules (``_order``,
+:class:`_Schedule`) and the arguments that raise ``NotImplementedError``.
 """
 
 from __future__ import annotations

@@ -352,12 +352,10 @@ def _stacked(tensors: list[Tensor]) -> Tensor:
 
 
 def _grouped_blocks(module: nn.Module, names: tuple[str, ...], data: Tensor) -> list[Tensor]:
-    """The pre-quantised operand of a grouped GEMM's weights kept in blocks (Float8BlockScaling,
-    MXFP8), every expert's tensors stacked: the codes ``data`` ``[G, N, K]`` (float8), their
-    scales, the dgrad GEMM's copy ``[G, K, N]`` and its scales (of 128x128 blocks the
-    transposes, made per step as for a dense weight), a 0-element amax: the native blockwise
-    grouped GEMM's layout; ``quantization.gemm.as_gemm_takes`` dequantises them where the
-    grouped GEMM is emulated."""
+    """The pre-quantised operand of a grouped GEMM's weights kept in blocks, every expert's
+    tensors stacked: the codes ``data`` ``[G, N, K]``, their scales, the dgrad GEMM's copy ``[G,
+    K, N]`` and its scales (of 128x128 blocks the transposes, made per step), a 0-element amax
+    (``quantization.gemm.as_gemm_takes`` dequantises them where the GEMM is emulated)."""
     scale = _stacked([module._buffers[f"{n}_scale_inv"] for n in names])
     if f"{names[0]}_t" in module._buffers:  # 1-D blocks: a cast of its own
         data_t = _stacked([module._buffers[f"{n}_t"] for n in names])

@@ -89,10 +89,8 @@ def checkpoint(
     ``determinism_check``, ``debug``, ``preserve_rng_state``, ``early_stop``) go to it; the others
     are ``function``'s, also with ``use_reentrant=True`` (as in TE: they are passed as they are to
     the forward and to the recompute, not as checkpointed inputs). ``distribute_saved_activations``
-    (sharding the saved input over the tensor-parallel group) is not implemented: only False.
-    ``get_rng_state_tracker``: only None (te_compile's dropout draws from torch's generators,
-    which the checkpoint restores). ``tp_group``: used by TE only with
-    ``distribute_saved_activations``; any value is accepted and unused."""
+    only False, ``get_rng_state_tracker`` only None (their messages say why); ``tp_group``, used
+    by TE only with ``distribute_saved_activations``, is accepted and unused."""
     if not callable(function):
         raise ValueError(f"te.checkpoint: function must be callable, got {function!r}")
     if distribute_saved_activations is not False:

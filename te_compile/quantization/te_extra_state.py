@@ -9,12 +9,9 @@ omitted ``recipe`` and also stored ``scale_inv_*``; the oldest format was an ``i
 ``torch.save``). GroupedLinear's group ``i`` is TE's GEMM ``i + 1``; a ``te.ops`` operation
 saves ``{"forward": {...}, "backward": {...}}``.
 
-:func:`accept_te_extra_state` registers a load_state_dict pre-hook that takes that key (so
-``strict=True`` loads a Transformer Engine checkpoint) and, for delayed scaling, writes the
-history and scales into the module's :class:`FP8GemmState` buffers (:func:`_te_to_ours`). The
-pickle is read by :class:`_RestrictedUnpickler`: tensors are rebuilt with
-``torch.load(weights_only=True)``, TE's recipe classes become inert records
-(:class:`TERecipeRecord`), any other global is refused (an error naming the key).
+:func:`accept_te_extra_state` registers a load_state_dict pre-hook that takes that key and, for
+delayed scaling, writes the history and scales into the module's :class:`FP8GemmState` buffers
+(:func:`_te_to_ours`); the pickle is read by :class:`_RestrictedUnpickler`, which runs no code.
 """
 
 from __future__ import annotations
