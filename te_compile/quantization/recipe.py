@@ -75,8 +75,6 @@ FP8_QPARAMS = ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad"
 
 
 class _FormatSpec(NamedTuple):
-    """Largest finite value and torch dtype of a format, for forward and backward tensors."""
-
     max_fwd: float
     max_bwd: float
     dtype_fwd: torch.dtype
@@ -86,12 +84,11 @@ class _FormatSpec(NamedTuple):
 class Format(enum.Enum):
     """Low-precision data formats, as in TE (``Format.E4M3.value.max_fwd == 448``).
 
-    - ``E4M3``: every FP8 tensor in e4m3 (``torch.float8_e4m3fn``, largest finite 448).
-    - ``E5M2``: every FP8 tensor in e5m2 (``torch.float8_e5m2``, largest finite 57344).
-    - ``HYBRID``: forward tensors (activations, weights) in e4m3 for precision, backward tensors
-      (gradients) in e5m2 for range.
-    - ``E2M1``: FP4 (largest finite 6), stored two values per byte (``torch.float4_e2m1fn_x2``);
-      only NVFP4's ``fp4_format``.
+    ``E4M3`` / ``E5M2``: every FP8 tensor in that format; ``HYBRID``: forward tensors
+    (activations, weights) in e4m3 for precision, backward tensors (gradients) in e5m2 for range;
+    ``E2M1``: FP4, two values per byte, only NVFP4's ``fp4_format``. A member's value holds the
+    largest finite value and torch dtype of forward and backward tensors, which its properties
+    ``max_fwd``, ``max_bwd``, ``fwd_dtype`` and ``bwd_dtype`` read.
     """
 
     E4M3 = _FormatSpec(448.0, 448.0, torch.float8_e4m3fn, torch.float8_e4m3fn)

@@ -9,13 +9,11 @@ snapshot into their ops' scalar arguments (``quantization.gemm.gemm_args``). Cal
 
 How this works with ``torch.compile`` (checked on torch 2.13, see tests/quantization):
 
-- The state is one immutable ``NamedTuple`` on one module-level holder object. Dynamo traces
-  attribute stores on a plain object as side effects it replays after the graph runs, so an
-  ``autocast`` entered *inside* a ``fullgraph=True`` region compiles with zero graph breaks and
-  leaves the holder as it found it.
-- A compiled function that reads the state *set outside* it guards on what it read: the
-  recipe's type (``recipe.kind``, ``recipe.delayed()``) and every field it read. Under another
-  recipe a guard fails and dynamo recompiles; reading nothing, one graph serves every recipe.
+- The state is one immutable ``NamedTuple`` on one module-level holder object; dynamo replays
+  attribute stores on a plain object after the graph runs, so an ``autocast`` entered *inside*
+  a ``fullgraph=True`` region compiles with zero graph breaks.
+- A compiled function that reads the state *set outside* it guards on what it read (the
+  recipe's type, every field read): another recipe recompiles, reading nothing reuses.
 - ``autocast`` is a plain class with ``__enter__``/``__exit__``, which dynamo inlines (a
   ``contextlib.contextmanager`` costs more per entry in eager; ``contextlib.ContextDecorator``
   re-enters an instance made outside the compiled region, which dynamo refuses, so
