@@ -397,10 +397,9 @@ class Float8BlockScaling(Recipe):
     activations (``x``) and gradients (``grad``) use 1x128 and weights (``w``) 128x128, which
     Hopper's blockwise-scaled GEMM takes natively. No GEMM may have both operands 2D.
     ``use_f32_scales``: keep scales as any fp32 value; by default they are powers of two. It sets
-    ``power_2_scale`` of the per-operand ``fp8_quant_fwd_inp``, ``fp8_quant_fwd_weight`` and
-    ``fp8_quant_bwd_grad``, which may be replaced one by one after construction (module
-    docstring; the grouped GEMMs take one setting for all three).
-    ``fp8_gemm_*``: split accumulation is required (``use_split_accumulator=True``).
+    ``power_2_scale`` of the per-operand ``fp8_quant_*``, which may be replaced one by one after
+    construction (the grouped GEMMs take one setting for all three). ``fp8_gemm_*``: split
+    accumulation is required.
     """
 
     kind: ClassVar[str] = "block"

@@ -155,9 +155,8 @@ def accept_te_extra_state(
     ``gemm_states``: the names of its :class:`FP8GemmState` children; ``te_gemms[i]``: the
     number of TE GEMMs whose slots fold into ``gemm_states[i]`` (GroupedLinear: one per group;
     TE numbers the GEMMs in this order); ``slots``: TE's forward and backward slots per GEMM
-    (modules: input, weight, output / grad_output, grad_input; ``te.ops`` linears: input,
-    weight / grad_output). No ``gemm_states``: the key is accepted and its FP8 state not taken,
-    with a warning when it held some (``attention``: only under FP8 attention, ``fp8_dpa`` /
+    (modules 3, 2; ``te.ops`` linears 2, 1). No ``gemm_states``: the key is accepted and its FP8
+    state not taken, with a warning when it held some (``attention``: only under ``fp8_dpa`` /
     ``fp8_mha``, as TE saves the attention's slots under any FP8 recipe). A later call (a
     subclass's ``__init__``) replaces an earlier one's choice."""
     # Not while dynamo traces (an op built inside a compiled region, e.g. under checkpoint):
