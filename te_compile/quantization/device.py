@@ -114,17 +114,15 @@ def is_nvfp4_available(return_reason: bool = False) -> bool | tuple[bool, str]:
 
 def get_default_fp8_recipe() -> Recipe:
     """The recipe ``autocast(recipe=None)`` uses, chosen as TE does: ``MXFP8BlockScaling()``
-    where MXFP8 is native (Blackwell), ``DelayedScaling()`` everywhere else (CPU included). A
-    new recipe on each call (recipes are mutable: a shared default could be changed for every
-    later caller); it can be built inside a compiled region."""
+    where MXFP8 is native (Blackwell), else ``DelayedScaling()``; a new recipe on each call
+    (recipes are mutable), also inside a compiled region."""
     return MXFP8BlockScaling() if is_mxfp8_available() else DelayedScaling()
 
 
 def emulation_reason(recipe: Recipe) -> str:
     """Why ``recipe``'s GEMMs are emulated on this machine (quantised operands multiplied in
-    fp32: the recipe's numerics, not its speed), ``""`` where they run natively on CUDA
-    tensors: per-tensor FP8 from compute capability 8.9, Float8BlockScaling from 9.0 with CUDA
-    12.9; MXFP8 and NVFP4 GEMMs are emulated everywhere (te_compile has no Blackwell GEMMs)."""
+    fp32), ``""`` where they run natively (the module table); MXFP8 and NVFP4 GEMMs are emulated
+    everywhere (te_compile has no Blackwell GEMMs)."""
     if recipe.mxfp8() or recipe.nvfp4():
         return f"te_compile runs {type(recipe).__name__}'s GEMMs emulated on every GPU"
     native = is_fp8_block_scaling_available if recipe.float8_block_scaling() else is_fp8_available

@@ -102,12 +102,10 @@ class CallSpec:
 
 
 class CapturedGraphs:
-    """The graphs of one forward pass (a callable, or under ``_order`` one micro-batch of a
-    layer) and their static tensors: ``surface`` is what the forward graph reads (the sample
-    tensors, then the module's parameters), ``outputs`` what it writes, ``grad_outputs`` /
-    ``grad_inputs`` what the backward graph reads and writes (None where nothing requires
-    grad). ``generation`` counts forward replays, so that a backward can tell whether its
-    forward's saved tensors are still there."""
+    """The graphs of one forward pass and their static tensors: ``surface`` (the samples, then
+    the module's parameters) and ``outputs``, what the forward graph reads and writes;
+    ``grad_outputs`` / ``grad_inputs`` the backward graph's (None where nothing requires grad);
+    ``generation`` counts forward replays (is a backward's forward still there?)."""
 
     def __init__(
         self, spec: CallSpec, params: tuple[Tensor, ...], training: bool, fwd: Any, bwd: Any
