@@ -92,9 +92,8 @@ def make_graphed_callables(
     capture the backward with ``retain_graph=True``; ``_clone_param_grads_on_return``: parameter
     gradients as copies (False: views of the graph's buffers, overwritten by the next replay);
     ``pre_warmup_hook`` / ``post_warmup_hook``: called once before / after all warm-up runs;
-    ``capture_stream``: the stream of warm-up and capture (default: a new one).
-
-    Returns the graphed callable, or a tuple of them when ``modules`` is a tuple.
+    ``capture_stream``: the stream of warm-up and capture (default: a new one). Returns the
+    graphed callable, or a tuple of them when ``modules`` is a tuple.
     """
     given = locals()
     resolved, spelled = _resolve_renamed(given)
@@ -303,10 +302,8 @@ def _check_enabled(name: str, enabled: Any, n: int) -> list[bool]:
 class _Schedule:
     """Which callable each forward pass runs, in which order the passes warm up, and the order
     of the captures (``(True, p)``: forward of pass ``p``; ``(False, p)``: its backward).
-
-    Without ``_order`` each callable is one pass: forwards in order, then backwards in reverse
-    order. With ``_order`` (Megatron's interleaved pipeline schedule, ``docs/graphs.md``), pass
-    ``p`` of chunk ``m``, micro-batch ``k``, layer ``l`` is
+    Without ``_order`` each callable is one pass: forwards in order, backwards in reverse. With
+    ``_order`` (``docs/graphs.md``), pass ``p`` of chunk ``m``, micro-batch ``k``, layer ``l`` is
     ``first_layer[m] * microbatches + k * layers[m] + l``."""
 
     def __init__(self, callable_of, warmup, events, count_name) -> None:

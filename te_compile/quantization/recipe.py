@@ -239,9 +239,8 @@ class Recipe:
                 object.__setattr__(self, name, QParams(**values))
 
     def __setattr__(self, name: str, value: Any) -> None:
-        """Set a field after construction, as TE code does (``recipe.margin = 1``): the recipe
-        is validated again and keeps its old value when the new one is refused. A name that is
-        not a field raises ``AttributeError`` rather than being stored and ignored."""
+        """Set a field after construction, as TE code does (``recipe.margin = 1``): validated
+        again, the old value kept when the new one is refused; not a field: ``AttributeError``."""
         if not self._constructed:  # the dataclass __init__
             object.__setattr__(self, name, value)
             return

@@ -17,11 +17,11 @@ delayed scaling, writes the history and scales into the module's :class:`FP8Gemm
 from __future__ import annotations
 
 import collections
-import dataclasses
 import io
 import pickle
 import warnings
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -132,8 +132,7 @@ def decode_te_extra_state(value: object, key: str) -> dict | None:
     return state or None
 
 
-@dataclasses.dataclass(frozen=True)
-class _Spec:
+class _Spec(NamedTuple):
     """How a module takes TE's extra state (see :func:`accept_te_extra_state`)."""
 
     gemm_states: tuple[str, ...]
