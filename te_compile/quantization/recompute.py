@@ -34,9 +34,8 @@ class RecomputeScope:
         self._before: dict[int, tuple[object, bool, list[torch.Tensor]]] = {}
 
     def snapshot(self, state) -> None:
-        """Called by an FP8 state before it updates (``FP8GemmState.delayed_scale``): keeps
-        the buffers a forward writes and the calibration flag, the first time the forward
-        calls it."""
+        """Called by an FP8 state before it updates (``FP8GemmState.delayed_scale``): keeps the
+        buffers a forward writes and the calibration flag, at the forward's first call."""
         copies = [b.clone() for b in state.forward_state()]
         if not self.replay and id(state) not in self._before:
             self._before[id(state)] = (state, state.calibrated, copies)
