@@ -4,8 +4,7 @@
 ``autocast``, ``fp8_autocast`` and ``get_autocast_state``. ``recompute``: ``checkpoint``,
 activation checkpointing that recomputes FP8 modules exactly. ``graph``:
 ``make_graphed_callables``, CUDA graphs of modules' forward and backward with their FP8 state
-updates inside. ``device``: which recipes the GPU
-runs natively, the compute capability.
+updates inside. ``device``: which recipes the GPU runs natively, the compute capability.
 """
 
 from te_compile.quantization.api import dequantize, quantize

@@ -2,10 +2,7 @@
 
 ``quantize(tensor, recipe, role=...)`` maps a recipe and the tensor's role in a linear layer
 (``"input"``, ``"weight"`` or ``"grad"``) to the quantisation op and its settings, exactly as the
-modules do: the element format (forward format for inputs and weights, backward format for
-gradients under ``Format.HYBRID``), per-tensor delayed (``scale=`` required: the scale the
-amax history gives) or current scaling, 1x128 / 128x128 FP8 blocks (``*_block_scaling_dim``),
-MXFP8 32-element blocks, NVFP4. The result is a
+modules do (delayed scaling needs ``scale=``, the scale the amax history gives). The result is a
 :class:`~te_compile.functional.quantize_table.Quantized` of plain tensors (data and scales;
 ``columnwise=True`` adds the transposed copy a backward GEMM needs); ``dequantize`` inverts it.
 """

@@ -78,60 +78,51 @@ def get_device_compute_capability() -> tuple[int, int]:
 
 
 def is_bf16_available(return_reason: bool = False) -> bool | tuple[bool, str]:
-    """Whether bf16 GEMMs run natively: compute capability 8.0 or higher (Ampere and later).
-    With ``return_reason=True``: ``(available, reason)``."""
+    """Whether bf16 GEMMs run natively (module docstring)."""
     check_bool("is_bf16_available", return_reason=return_reason)
     return _native((8, 0), "BF16", return_reason)
 
 
 def is_fp8_available(return_reason: bool = False) -> bool | tuple[bool, str]:
-    """Whether per-tensor FP8 (delayed and current scaling) runs natively: compute capability
-    8.9 or higher. With ``return_reason=True``: ``(available, reason)``."""
+    """Whether per-tensor FP8 (delayed and current scaling) runs natively (module docstring)."""
     check_bool("is_fp8_available", return_reason=return_reason)
     return _native((8, 9), "FP8", return_reason)
 
 
 def is_fp8_block_scaling_available(return_reason: bool = False) -> bool | tuple[bool, str]:
-    """Whether FP8 block scaling (1x128 / 128x128 scales) runs natively: compute capability 9.0
-    or higher and CUDA 12.9 or newer. With ``return_reason=True``: ``(available, reason)``."""
+    """Whether FP8 block scaling (1x128 / 128x128 scales) runs natively (module docstring)."""
     check_bool("is_fp8_block_scaling_available", return_reason=return_reason)
     ok, reason = _native((9, 0), "FP8 block scaling", return_reason=True)
     cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
     if ok and cuda < (12, 9):
-        ok, reason = (
-            False,
-            f"FP8 block scaling needs CUDA 12.9 or newer; torch has {cuda[0]}.{cuda[1]}",
-        )
+        reason = f"FP8 block scaling needs CUDA 12.9 or newer; torch has {cuda[0]}.{cuda[1]}"
+        ok = False
     return (ok, reason) if return_reason else ok
 
 
 def is_mxfp8_available(return_reason: bool = False) -> bool | tuple[bool, str]:
-    """Whether MXFP8 runs natively: compute capability 10.0 or higher (Blackwell).
-    With ``return_reason=True``: ``(available, reason)``."""
+    """Whether MXFP8 runs natively (module docstring)."""
     check_bool("is_mxfp8_available", return_reason=return_reason)
     return _native((10, 0), "MXFP8", return_reason)
 
 
 def is_nvfp4_available(return_reason: bool = False) -> bool | tuple[bool, str]:
-    """Whether NVFP4 runs natively: compute capability 10.0 or higher (Blackwell).
-    With ``return_reason=True``: ``(available, reason)``."""
+    """Whether NVFP4 runs natively (module docstring)."""
     check_bool("is_nvfp4_available", return_reason=return_reason)
     return _native((10, 0), "NVFP4", return_reason)
 
 
 def get_default_fp8_recipe() -> Recipe:
     """The recipe ``autocast(recipe=None)`` uses, chosen as TE does: ``MXFP8BlockScaling()``
-    where MXFP8 is native (Blackwell), ``DelayedScaling()`` everywhere else (CPU included). A
-    new recipe on each call (recipes are mutable: a shared default could be changed for every
-    later caller); it can be built inside a compiled region."""
+    where MXFP8 is native (Blackwell), else ``DelayedScaling()``; a new recipe on each call
+    (recipes are mutable), also inside a compiled region."""
     return MXFP8BlockScaling() if is_mxfp8_available() else DelayedScaling()
 
 
 def emulation_reason(recipe: Recipe) -> str:
     """Why ``recipe``'s GEMMs are emulated on this machine (quantised operands multiplied in
-    fp32: the recipe's numerics, not its speed), ``""`` where they run natively on CUDA
-    tensors: per-tensor FP8 from compute capability 8.9, Float8BlockScaling from 9.0 with CUDA
-    12.9; MXFP8 and NVFP4 GEMMs are emulated everywhere (te_compile has no Blackwell GEMMs)."""
+    fp32), ``""`` where they run natively (the module table); MXFP8 and NVFP4 GEMMs are emulated
+    everywhere (te_compile has no Blackwell GEMMs)."""
     if recipe.mxfp8() or recipe.nvfp4():
         return f"te_compile runs {type(recipe).__name__}'s GEMMs emulated on every GPU"
     native = is_fp8_block_scaling_available if recipe.float8_block_scaling() else is_fp8_available

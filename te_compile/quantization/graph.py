@@ -1,15 +1,11 @@
 """CUDA graphs of modules' forward and backward: ``te_compile.make_graphed_callables``.
 
 Transformer Engine's ``make_graphed_callables`` (its signature, its return shape): each callable
-(an ``nn.Module`` or a function) is warmed up on its samples on a side stream, then its forward
-and its backward are captured in two CUDA graphs (forwards in order, backwards in reverse order,
-one memory pool), under ``te_compile.autocast(enabled, calibrating, recipe,
-amax_reduction_group)`` so that the graphs hold the recipe's casts and its state updates (tensor
-ops on module buffers: every replay advances them as an eager step does). The FP8 state buffers
-and the CUDA RNG state are saved before warm-up and restored after capture. ``docs/graphs.md``
-is the full account: what a graphed callable checks and replays (``graph_replay``), functions,
-DelayedScaling's first step, the interleaved schedules (``_order``, :class:`_Schedule`) and
-the arguments that raise ``NotImplementedError``.
+is warmed up on its samples on a side stream, then its forward and backward are captured in two
+CUDA graphs under ``te_compile.autocast``, so the graphs hold the recipe's casts and its state
+updates. ``docs/graphs.md`` is the full account: the steps, what a graphed callable checks and
+replays (``graph_replay``), DelayedScaling's first step, the interleaved schedules (``_order``,
+:class:`_Schedule`) and the arguments that raise ``NotImplementedError``.
 """
 
 from __future__ import annotations
@@ -36,7 +32,7 @@ from te_compile.quantization.graph_replay import (
     tensor_outputs,
 )
 from te_compile.quantization.recipe import Recipe
-from te_compile.quantization.state import autocast
+from te_compile.quantization.state import autocast, check_recipe_and_group
 
 __all__ = ["make_graphed_callables"]
 
@@ -81,29 +77,23 @@ def make_graphed_callables(
 ) -> Callable | tuple[Callable, ...]:
     """CUDA-graphed versions of ``modules`` (module docstring); Transformer Engine's signature.
 
-    ``modules``: a callable or a tuple of callables (``nn.Module`` or function).
-    ``sample_args``: the positional arguments of the callable (a tuple of tensors), or a tuple of
-    such tuples, one per callable. ``sample_kwargs``: a dict, or a tuple of dicts, of keyword
-    arguments (tensors, or other values that every call must repeat). ``num_warmup_iters``: eager
-    runs before capture. ``allow_unused_input``: allow inputs (and parameters) that the outputs do
-    not depend on (their gradient is None). ``pool``: a ``torch.cuda.graph_pool_handle()`` to
-    share with other graphs. ``retain_graph_in_backward``: capture the backward with
-    ``retain_graph=True``. ``_clone_param_grads_on_return``: return parameter gradients as copies
-    (False: views of the graph's buffers, overwritten by the next replay). ``pre_warmup_hook`` /
-    ``post_warmup_hook``: called once before / after all warm-up runs. ``capture_stream``: the
-    stream warm-up and capture run on (default: a new one).
-
-    ``enabled`` (a bool, or one per callable), ``calibrating``, ``recipe`` (None: the default
-    recipe) and ``amax_reduction_group``: the ``te_compile.autocast`` the callables are captured
-    under; ``fp8_enabled``, ``fp8_calibrating``, ``fp8_recipe``, ``fp8_group`` and
+    ``modules``: a callable (``nn.Module`` or function) or a tuple of them; ``sample_args``: the
+    positional arguments (tensors) of the callable, or a tuple of them per callable;
+    ``sample_kwargs`` likewise, dicts (tensors, or values every call must repeat). ``enabled``
+    (a bool, or one per callable), ``calibrating``, ``recipe`` (None: the default recipe) and
+    ``amax_reduction_group``: the ``te_compile.autocast`` the callables are captured under;
+    ``fp8_enabled``, ``fp8_calibrating``, ``fp8_recipe``, ``fp8_group`` and
     ``fp8_weight_caching`` are their older names (a ``DeprecationWarning``; giving both names of
-    one argument raises ``ValueError``).
-
-    ``_order`` / ``_num_layers_per_chunk``: an interleaved pipeline schedule (:class:`_Schedule`);
-    ``sample_args`` then holds one entry per forward pass and the result is one graphed forward
-    per pass.
-
-    Returns the graphed callable, or a tuple of them when ``modules`` is a tuple.
+    one argument raises ``ValueError``). ``_order`` / ``_num_layers_per_chunk``: an interleaved
+    pipeline schedule (:class:`_Schedule`), one ``sample_args`` entry and one graphed forward
+    per pass. ``num_warmup_iters``: eager runs before capture; ``allow_unused_input``: inputs
+    (and parameters) the outputs do not depend on get a None gradient instead of an error;
+    ``pool``: a ``torch.cuda.graph_pool_handle()`` to share; ``retain_graph_in_backward``:
+    capture the backward with ``retain_graph=True``; ``_clone_param_grads_on_return``: parameter
+    gradients as copies (False: views of the graph's buffers, overwritten by the next replay);
+    ``pre_warmup_hook`` / ``post_warmup_hook``: called once before / after all warm-up runs;
+    ``capture_stream``: the stream of warm-up and capture (default: a new one). Returns the
+    graphed callable, or a tuple of them when ``modules`` is a tuple.
     """
     given = locals()
     resolved, spelled = _resolve_renamed(given)
@@ -130,12 +120,11 @@ def make_graphed_callables(
     count = schedule.count_name
     n_passes = len(schedule.callable_of)
     args_list = _per_callable("sample_args", sample_args, single, n_passes, (tuple, list), count)
-    if sample_kwargs is None:
-        kwargs_list = [{} for _ in range(n_passes)]
-    else:
-        kwargs_list = _per_callable(
-            "sample_kwargs", sample_kwargs, single, n_passes, (dict,), count
-        )
+    kwargs_list = (
+        [{} for _ in range(n_passes)]
+        if sample_kwargs is None
+        else _per_callable("sample_kwargs", sample_kwargs, single, n_passes, (dict,), count)
+    )
     for kwargs in kwargs_list:
         for key in kwargs:
             if not isinstance(key, str):
@@ -162,16 +151,8 @@ def make_graphed_callables(
             "pass keeps its own input and output buffers); pass False"
         )
     enabled_list = _check_enabled(spelled["enabled"], enabled, n)
-    if recipe is not None and not isinstance(recipe, Recipe):
-        raise TypeError(
-            f"{_NAME}: {spelled['recipe']} must be a Recipe (e.g. DelayedScaling()) or None, got "
-            f"{recipe!r}"
-        )
-    if group is not None and not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
-        raise TypeError(
-            f"{_NAME}: {spelled['amax_reduction_group']} must be a torch.distributed.ProcessGroup "
-            f"or None, got {group!r}"
-        )
+    group_name = spelled["amax_reduction_group"]
+    check_recipe_and_group(_NAME, spelled["recipe"], recipe, group_name, group, TypeError)
     if cache_quantized_params:
         raise NotImplementedError(
             f"{_NAME}: {spelled['cache_quantized_params']}=True is not implemented (the "
@@ -212,20 +193,11 @@ def make_graphed_callables(
     regions = [autocast(e, calibrating, recipe, group) for e in enabled_list]
     delayed = recipe is not None and recipe.delayed()
     calibrate_off = [delayed and (e or calibrating) for e in enabled_list]
-    graphed = _capture(
-        callables,
-        schedule,
-        specs,
-        regions,
-        calibrate_off,
-        num_warmup_iters=num_warmup_iters,
-        allow_unused_input=allow_unused_input,
-        pool=pool,
-        retain_graph=retain_graph_in_backward,
-        clone_param_grads=_clone_param_grads_on_return,
-        hooks=(pre_warmup_hook, post_warmup_hook),
-        stream=capture_stream,
-    )
+    graphed = _capture(callables, schedule, specs, regions, calibrate_off,
+                       num_warmup_iters=num_warmup_iters, allow_unused_input=allow_unused_input,
+                       pool=pool, retain_graph=retain_graph_in_backward, stream=capture_stream,
+                       clone_param_grads=_clone_param_grads_on_return,
+                       hooks=(pre_warmup_hook, post_warmup_hook))  # fmt: skip
     return graphed[0] if single else tuple(graphed)
 
 
@@ -330,16 +302,9 @@ def _check_enabled(name: str, enabled: Any, n: int) -> list[bool]:
 class _Schedule:
     """Which callable each forward pass runs, in which order the passes warm up, and the order
     of the captures (``(True, p)``: forward of pass ``p``; ``(False, p)``: its backward).
-
-    Without ``_order`` each callable is one pass: forwards in order, then backwards in reverse
-    order (the order a chain of them runs in a step). With ``_order`` (Megatron's interleaved
-    pipeline schedule, Transformer Engine's layout): the callables are the layers of
-    ``max(_order)`` model chunks (``_num_layers_per_chunk`` each, or equal shares), every chunk
-    runs ``len(_order) / (2 * chunks)`` micro-batches, and each entry of ``_order`` is a chunk
-    number, positive for the forward of its next micro-batch (its layers in order), negative for
-    the backward of its next one (its layers in reverse order). Pass ``p`` of chunk ``m``,
-    micro-batch ``k``, layer ``l`` is ``first_layer[m] * microbatches + k * layers[m] + l``:
-    ``sample_args`` holds one entry per pass, and the result one graphed forward per pass."""
+    Without ``_order`` each callable is one pass: forwards in order, backwards in reverse. With
+    ``_order`` (``docs/graphs.md``), pass ``p`` of chunk ``m``, micro-batch ``k``, layer ``l`` is
+    ``first_layer[m] * microbatches + k * layers[m] + l``."""
 
     def __init__(self, callable_of, warmup, events, count_name) -> None:
         self.callable_of: list[int] = callable_of
@@ -468,14 +433,7 @@ def _buffers(state: FP8GemmState) -> tuple[Tensor, ...]:
 
 def _grad(outs, ins, grad_outputs, allow_unused: bool, retain_graph: bool) -> tuple:
     try:
-        return torch.autograd.grad(
-            outs,
-            ins,
-            grad_outputs=grad_outputs,
-            only_inputs=True,
-            allow_unused=allow_unused,
-            retain_graph=retain_graph,
-        )
+        return torch.autograd.grad(outs, ins, grad_outputs, retain_graph, allow_unused=allow_unused)
     except RuntimeError as err:
         if "appears to not have been used" in str(err):
             raise ValueError(

@@ -1,13 +1,10 @@
 """What a graphed callable does when called: ``make_graphed_callables``' replay side.
 
-:class:`CallSpec` holds one callable's samples (the tensor leaves of its positional and keyword
-arguments, the keyword values that are not tensors, the structure) and checks every call against
-them. :class:`CapturedGraphs` holds its two CUDA graphs and their static tensors: the inputs the
-forward graph reads (the samples and the module's parameters), its outputs, the gradient buffers
-of the backward graph. :func:`make_replay` makes the graphed function: check the call, copy its
-tensors into the static inputs, replay through an autograd function whose backward replays the
-backward graph; :func:`graphed_forward` the forward a graphed module gets (the replay in the mode
-it was captured in, its own forward in the other). ``quantization.graph`` builds all of them.
+:class:`CallSpec` holds one callable's samples and checks every call against them;
+:class:`CapturedGraphs` its two CUDA graphs and their static tensors; :func:`make_replay` makes
+the graphed function (check the call, copy its tensors into the static inputs, replay through an
+autograd function whose backward replays the backward graph), :func:`graphed_forward` the
+forward a graphed module gets. ``quantization.graph`` builds all of them.
 """
 
 from __future__ import annotations
@@ -105,12 +102,10 @@ class CallSpec:
 
 
 class CapturedGraphs:
-    """The graphs of one forward pass (a callable, or under ``_order`` one micro-batch of a
-    layer) and their static tensors: ``surface`` is what the forward graph reads (the sample
-    tensors, then the module's parameters), ``outputs`` what it writes, ``grad_outputs`` /
-    ``grad_inputs`` what the backward graph reads and writes (None where nothing requires
-    grad). ``generation`` counts forward replays, so that a backward can tell whether its
-    forward's saved tensors are still there."""
+    """The graphs of one forward pass and their static tensors: ``surface`` (the samples, then
+    the module's parameters) and ``outputs``, what the forward graph reads and writes;
+    ``grad_outputs`` / ``grad_inputs`` the backward graph's (None where nothing requires grad);
+    ``generation`` counts forward replays (is a backward's forward still there?)."""
 
     def __init__(
         self, spec: CallSpec, params: tuple[Tensor, ...], training: bool, fwd: Any, bwd: Any
@@ -157,16 +152,11 @@ class CapturedGraphs:
             elif static is not None and grad is None:
                 static.zero_()
         self.bwd.replay()
-        n_user = len(self.spec.tensors)
-        out = []
-        for k, g in enumerate(self.grad_inputs):
-            if g is None:
-                out.append(None)
-            elif k >= n_user and self.clone_param_grads:
-                out.append(g.detach().clone())
-            else:
-                out.append(g.detach())
-        return tuple(out)
+        n_user, clone = len(self.spec.tensors), self.clone_param_grads  # params' grads: copies
+        return tuple(
+            None if g is None else g.detach().clone() if k >= n_user and clone else g.detach()
+            for k, g in enumerate(self.grad_inputs)
+        )
 
 
 class _Replay(torch.autograd.Function):

@@ -2,26 +2,16 @@
 
 Modules built inside ``te_compile.quantized_model_init(recipe=...)`` keep each GEMM weight in
 FP8 only, as the recipe casts weights (:func:`_weight_spec`, :func:`_cast`): the ``weight``
-Parameter holds the E4M3 codes (one byte per parameter) and buffers the rest, plain tensors.
-Per-tensor recipes (Float8CurrentScaling, DelayedScaling): current scaling of the weight, fp32
-``weight_scale_inv`` and ``weight_amax`` ``[1]``. Float8BlockScaling: its weight blocks,
-``weight_scale_inv`` the block scales, a 0-element ``weight_amax``, and for 1x128 weight blocks
-``weight_t`` / ``weight_scale_inv_t``, the dgrad GEMM's copy quantised along the other dim (of
-128x128 blocks it is the transpose, made per step as per tensor). MXFP8BlockScaling (1-D
-blocks): both casts of ``functional.quantize_mxfp8`` under the same five names (E8M0 scales as
-uint8). A grouped ``[G, N, K]`` weight in blocks is cast expert by expert, its tensors stacked.
-The forward hands them to the GEMM op as
-its pre-quantised weight operand (:func:`primary_operand`, :func:`grouped_primary`; an
-emulated block-scaled GEMM takes their dequantised values, ``quantization.gemm.as_gemm_takes``),
-so no weight is cast per step. The weight gradient goes to an fp32 ``weight.main_grad``;
+Parameter holds the E4M3 codes, buffers the rest (``<name>_scale_inv``, ``<name>_amax``; of 1-D
+weight blocks also ``<name>_t`` / ``<name>_scale_inv_t``). The forward hands them to the GEMM op
+as its pre-quantised weight operand (:func:`primary_operand`, :func:`grouped_primary`), so no
+weight is cast per step. The weight gradient goes to an fp32 ``weight.main_grad``;
 ``FP8MasterWeights`` keeps fp32 masters for any ``torch.optim`` optimizer and re-quantises them
-the same way after each step (:func:`_set`, which ``load_state_dict`` of high-precision values
-and ``reset_parameters`` use too). Under FSDP2 (per-tensor recipes) the codes are sharded on
-dim 0, the weight gradient reaches a sharded ``main_grad`` through a zero-byte stand-in whose
-backward reduce-scatters it (:class:`_ShardedGrad`), and the refresh all-reduces each shard's
-amax. The modules run inside an FP8 autocast of the recipe family the weight was made for;
-NVFP4 and MXFP8's 32x32 tiles are refused. ``docs/fp8.md``, "FP8 primary weights" and
-"FSDP2", is the full account: usage, memory, the grouped layouts, the limits.
+after each step (:func:`_set`). Under FSDP2 (per-tensor recipes) the codes are sharded on dim 0,
+the weight gradient reaches a sharded ``main_grad`` through a zero-byte stand-in whose backward
+reduce-scatters it (:class:`_StandIn`), and the refresh all-reduces each shard's amax.
+``docs/fp8.md``, "FP8 primary weights" and "FSDP2", is the full account: what each recipe
+keeps, usage, memory, the grouped layouts, the limits.
 """
 
 from __future__ import annotations
@@ -88,9 +78,7 @@ def quantized_model_init(
     previous = _STATE[0]
     if enabled:
         recipe = recipe if recipe is not None else get_default_fp8_recipe()
-        _STATE[0] = _InitState(recipe, preserve_high_precision_init_val)
-    else:
-        _STATE[0] = None
+    _STATE[0] = _InitState(recipe, preserve_high_precision_init_val) if enabled else None
     try:
         yield
     finally:
@@ -108,10 +96,8 @@ def _weight_spec(recipe: Recipe, owner: str) -> QuantSpec:
     spec = recipe_specs(recipe)[1]
     if spec.kind in ("current", "delayed"):
         return QuantSpec("current", spec.fp8_dtype)
-    if spec.kind == "block":  # (recipe_specs: native; gemm_args emulates)
-        return spec
-    if spec.kind == "mxfp8" and spec.block_rows == 1:
-        return spec
+    if spec.kind == "block" or (spec.kind == "mxfp8" and spec.block_rows == 1):
+        return spec  # (block: recipe_specs' native spec; gemm_args emulates)
     got = type(recipe).__name__ + ("(enable_2d_quantization=True)" if spec.kind == "mxfp8" else "")
     raise NotImplementedError(
         f"{owner}: FP8 primary weights (quantized_model_init's recipe) support "
@@ -230,12 +216,10 @@ def _stamp_after_load(module: nn.Module, incompatible_keys: object) -> None:
 
 
 def check_unchanged(module: nn.Module, name: str, weight: Tensor) -> None:
-    """Refuse an FP8 weight written in place since te_compile set its codes and scale: a plain
-    ``weight.copy_(values)`` (or an in-place initialiser) casts the values to float8 without
-    the weight's scale, so the codes no longer match ``<name>_scale_inv`` and every result
-    would be wrong. Same storage, newer codes and the same scale: written. Codes written with
-    their scale (an FP8 copy of codes and ``<name>_scale_inv``), or other storage (``.to()``, a
-    deep copy, same values): stamped again. Eager calls only."""
+    """Refuse an FP8 weight written in place since te_compile set its codes and scale (a plain
+    ``weight.copy_(values)`` casts values to float8 without the weight's scale): same storage,
+    newer codes and the same scale. Codes written with their scale, or other storage (``.to()``,
+    a deep copy): stamped again. Eager calls only."""
     stamps = module.__dict__.get(_STAMPS)
     if stamps is None or torch.compiler.is_compiling() or type(weight.data) is not Tensor:
         return
@@ -257,10 +241,8 @@ def check_unchanged(module: nn.Module, name: str, weight: Tensor) -> None:
 def high_precision_init(module: nn.Module, names: tuple[str, ...]) -> Iterator[None]:
     """For ``module.reset_parameters()``: inside, each FP8 weight of ``names`` is a
     high-precision Parameter (the dtype it was built in) for the initialiser to fill; on exit
-    it is cast into the codes, scale and amax as at construction (Transformer Engine
-    re-quantises its FP8 parameters too), and a kept initial value
-    (``preserve_high_precision_init_val``) is replaced. Weights that are not FP8 are left as
-    they are. ``FP8MasterWeights`` built before keeps the old masters: build it after."""
+    it is cast into the codes, scale and amax as at construction (as TE re-quantises), and a
+    kept initial value is replaced. ``FP8MasterWeights`` built before keeps the old masters."""
     fp8 = {n: getattr(module, n) for n in names if is_primary(getattr(module, n))}
     dtypes = module.__dict__.get(_INIT_DTYPES, {})
     for n, p in fp8.items():
@@ -335,17 +317,12 @@ def grouped_primary(
 ) -> tuple[Tensor, list[Tensor]] | None:
     """For a grouped GEMM whose weights are ``module``'s ``names`` (one ``[G, N, K]`` weight,
     or ``G`` weights ``[N, K]``): None when they are not FP8, else the GEMM op's ``weight``
-    argument and its pre-quantised operand (``functional.quantize_grouped_weight``'s
-    ``scaled_grouped_mm`` kind: the codes ``[G, N, K]``, each group's per-tensor inverse scale
-    broadcast over its rows ``[G, N]``, the transposed codes ``[G, K, N]`` with the scales
-    ``[G, K]``, the largest amax ``[1]``; kept in blocks, :func:`_grouped_blocks`). The
-    ``weight`` argument is a zero-byte stand-in of
-    the weight's shape in ``dtype`` (an expanded scalar; the op reads the codes from the
-    operand) that requires grad where the codes do: the op then accumulates the weight
-    gradient into the ``main_grad`` it is given and returns none. Sharded by FSDP2 (with
-    ``FP8MasterWeights`` and grad enabled), the stand-in requires grad through the weights'
-    sharded ``main_grad`` leaves instead (:class:`_ShardedGrad`; the module passes no
-    ``main_grad``, the op returns the ``[G, N, K]`` gradient to the stand-in)."""
+    argument, a :class:`_StandIn` of shape ``[G, N, K]`` (the op accumulates the gradient into
+    the ``main_grad`` it is given; sharded, returns it to the stand-in), and its pre-quantised
+    operand (``functional.quantize_grouped_weight``'s ``scaled_grouped_mm`` kind: the codes
+    ``[G, N, K]``, each group's inverse scale broadcast over its rows ``[G, N]``, the transposed
+    codes ``[G, K, N]`` with the scales ``[G, K]``, the largest amax ``[1]``; kept in blocks,
+    :func:`_grouped_blocks`)."""
     weights = [getattr(module, n) for n in names]
     if not is_primary(weights[0]):
         for n in names:
@@ -363,13 +340,10 @@ def grouped_primary(
         amax = torch.cat([getattr(module, f"{name}_amax") for name in names]).amax().reshape(1)
         operand = [data, inv[:, None].expand(g, n).contiguous(), data.transpose(1, 2).contiguous(),
                    inv[:, None].expand(g, k).contiguous(), amax]  # fmt: skip
-    sinks = [module.__dict__.get(_SHARDED_MAIN_GRADS, {}).get(name) for name in names]
-    if sinks[0] is None or weights[0].requires_grad or not torch.is_grad_enabled():
-        return _StandIn.apply(dtype, (g, n, k), *weights), operand
-    _refuse_delayed_wgrad(module)
-    group_name, world = module.__dict__[_SHARD_GROUP][names[0]]
-    per_group = sinks[0].dim() == 2  # G weights [N, K] (else one [G, N, K])
-    return _ShardedGrad.apply(dtype, (g, n, k), group_name, world, per_group, *sinks), operand
+    stand_in = _sharded_stand_in(module, names, weights[0], dtype, (g, n, k), True)
+    if stand_in is None:
+        stand_in = _StandIn.apply(dtype, (g, n, k), None, 0, False, *weights)
+    return stand_in, operand
 
 
 def _stacked(tensors: list[Tensor]) -> Tensor:
@@ -378,12 +352,10 @@ def _stacked(tensors: list[Tensor]) -> Tensor:
 
 
 def _grouped_blocks(module: nn.Module, names: tuple[str, ...], data: Tensor) -> list[Tensor]:
-    """The pre-quantised operand of a grouped GEMM's weights kept in blocks (Float8BlockScaling,
-    MXFP8), every expert's tensors stacked: the codes ``data`` ``[G, N, K]`` (float8), their
-    scales, the dgrad GEMM's copy ``[G, K, N]`` and its scales (of 128x128 blocks the
-    transposes, made per step as for a dense weight), a 0-element amax: the native blockwise
-    grouped GEMM's layout; ``quantization.gemm.as_gemm_takes`` dequantises them where the
-    grouped GEMM is emulated."""
+    """The pre-quantised operand of a grouped GEMM's weights kept in blocks, every expert's
+    tensors stacked: the codes ``data`` ``[G, N, K]``, their scales, the dgrad GEMM's copy ``[G,
+    K, N]`` and its scales (of 128x128 blocks the transposes, made per step), a 0-element amax
+    (``quantization.gemm.as_gemm_takes`` dequantises them where the GEMM is emulated)."""
     scale = _stacked([module._buffers[f"{n}_scale_inv"] for n in names])
     if f"{names[0]}_t" in module._buffers:  # 1-D blocks: a cast of its own
         data_t = _stacked([module._buffers[f"{n}_t"] for n in names])
@@ -406,51 +378,37 @@ def required_main_grad(owner: str, main_grad: Tensor | None, weight: Tensor) -> 
     return main_grad
 
 
-def _refuse_delayed_wgrad(module: nn.Module) -> None:
-    """A module whose FP8 weights FSDP2 shards cannot delay their gradient: it is
-    reduce-scattered during the backward."""
+def _sharded_stand_in(
+    module: nn.Module, names: tuple[str, ...], weight: Tensor, dtype, shape, grouped: bool
+) -> Tensor | None:
+    """The :class:`_StandIn` of FP8 weights ``names`` sharded by FSDP2, with ``FP8MasterWeights``
+    and grad enabled; else None. A module whose FP8 weights FSDP2 shards cannot delay their
+    gradient: it is reduce-scattered during the backward."""
+    sinks = [module.__dict__.get(_SHARDED_MAIN_GRADS, {}).get(n) for n in names]
+    if sinks[0] is None or weight.requires_grad or not torch.is_grad_enabled():
+        return None
     if getattr(module, "delay_wgrad_compute", False):
         raise NotImplementedError(
             f"{type(module).__name__}: delay_wgrad_compute=True with FP8 primary weights sharded "
             "by FSDP2 is not supported (their gradient is reduce-scattered during the backward); "
             "build the module with delay_wgrad_compute=False"
         )
-
-
-class _StandIn(torch.autograd.Function):
-    """A zero-byte tensor of ``shape`` in ``dtype`` that requires grad where the FP8 codes do
-    (:func:`grouped_primary`); the gradient went to ``main_grad``, none flows back."""
-
-    @staticmethod
-    def forward(ctx, dtype: torch.dtype, shape: tuple[int, ...], *codes: Tensor) -> Tensor:
-        ctx.n = len(codes)
-        return codes[0].new_zeros((), dtype=dtype).expand(shape)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[None, ...]:
-        return (None,) * (2 + ctx.n)
+    group_name, world = module.__dict__[_SHARD_GROUP][names[0]]
+    per_group = grouped and sinks[0].dim() == 2  # G weights [N, K] (else one [G, N, K])
+    return _StandIn.apply(dtype, shape, group_name, world, per_group, *sinks)
 
 
 def primary_weight(
     module: nn.Module, name: str, dtype: torch.dtype
 ) -> tuple[Tensor, Tensor | None]:
     """The GEMM op's ``weight`` argument for ``module``'s FP8 weight ``name`` (its operand is
-    :func:`primary_operand`) and the fp32 buffer the op accumulates its gradient into
-    (``main_grad``), for activations of ``dtype``.
-
-    Not sharded: the codes Parameter and ``weight.main_grad`` (None without
-    ``FP8MasterWeights``: the backward then raises, the gradient has nowhere to go). Sharded by
-    FSDP2, with ``FP8MasterWeights`` and grad enabled: a zero-byte stand-in of the weight's
-    shape in ``dtype`` that requires grad (:class:`_ShardedGrad`), and None: the op returns the
-    weight gradient to it, whose backward reduce-scatters it into the sharded ``main_grad``."""
+    :func:`primary_operand`) and the fp32 ``main_grad`` the op accumulates its gradient into:
+    the codes Parameter and ``weight.main_grad`` (None without ``FP8MasterWeights``: the
+    backward then raises). Sharded by FSDP2, with ``FP8MasterWeights`` and grad enabled: a
+    :class:`_StandIn` in ``dtype`` and None (the op returns the gradient to the stand-in)."""
     weight = getattr(module, name)
-    main_grad = getattr(weight, "main_grad", None)
-    sink = module.__dict__.get(_SHARDED_MAIN_GRADS, {}).get(name)
-    if sink is None or weight.requires_grad or not torch.is_grad_enabled():
-        return weight, main_grad
-    _refuse_delayed_wgrad(module)
-    group_name, world = module.__dict__[_SHARD_GROUP][name]
-    return _ShardedGrad.apply(dtype, weight.shape, group_name, world, False, sink), None
+    stand_in = _sharded_stand_in(module, (name,), weight, dtype, weight.shape, False)
+    return (weight, getattr(weight, "main_grad", None)) if stand_in is None else (stand_in, None)
 
 
 def _reduce_scatter_rows(grad: Tensor, world: int, group_name: str, local_rows: int) -> Tensor:
@@ -469,29 +427,28 @@ def _reduce_scatter_rows(grad: Tensor, world: int, group_name: str, local_rows: 
     return out[:local_rows].div(world)
 
 
-class _ShardedGrad(torch.autograd.Function):
-    """The weight argument of a GEMM op whose FP8 weights FSDP2 shards: ``shape`` in ``dtype``,
-    zero bytes (an expanded scalar; the op reads the codes from its pre-quantised operand, never
-    this), requiring grad through ``sinks``: one zero-byte fp32 leaf per FP8 weight, of its local
-    shard's shape, whose ``.grad`` is the sharded ``main_grad`` (a dense weight's one; a grouped
-    GEMM's ``G`` weights ``[N, K]`` sharded on their rows, ``per_group``, or one ``[G, N, K]``
-    sharded on its groups).
-
-    Backward: the op's weight gradient ``dW`` (full size, made by the op's backward and freed
-    when this returns) is reduce-scattered, each weight's part into its sink
-    (:func:`_reduce_scatter_rows`), and autograd accumulates it into ``sink.grad`` (in place:
-    several backward calls before ``step`` sum their reduce-scattered gradients). A functional
+class _StandIn(torch.autograd.Function):
+    """The weight argument of a GEMM op on FP8 weights: ``shape`` in ``dtype``, zero bytes (an
+    expanded scalar; the op reads the codes from its pre-quantised operand, never this),
+    requiring grad through ``leaves``. Not sharded (``group_name`` None): the leaves are the
+    codes (:func:`grouped_primary`), the gradient went to ``main_grad`` and none flows back.
+    Sharded by FSDP2: one zero-byte fp32 leaf per FP8 weight, of its local shard's shape, whose
+    ``.grad`` is the sharded ``main_grad`` (``per_group``: a grouped GEMM's ``G`` weights ``[N,
+    K]``, else one weight); the full-size ``dW`` is reduce-scattered into each leaf
+    (:func:`_reduce_scatter_rows`); autograd sums micro-batches into ``leaf.grad``. A functional
     collective: torch.compile traces it into the compiled backward."""
 
     @staticmethod
-    def forward(ctx, dtype: torch.dtype, shape: tuple[int, ...], group_name: str, world: int,
-                per_group: bool, *sinks: Tensor) -> Tensor:  # fmt: skip
+    def forward(ctx, dtype: torch.dtype, shape: tuple[int, ...], group_name: str | None,
+                world: int, per_group: bool, *leaves: Tensor) -> Tensor:  # fmt: skip
         ctx.group_name, ctx.world, ctx.per_group = group_name, world, per_group
-        ctx.local_rows = [s.shape[0] for s in sinks]
-        return sinks[0].new_zeros((), dtype=dtype).expand(shape)
+        ctx.local_rows = [s.shape[0] for s in leaves]
+        return leaves[0].new_zeros((), dtype=dtype).expand(shape)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        if ctx.group_name is None:
+            return (None,) * (5 + len(ctx.local_rows))
         parts = grad.unbind(0) if ctx.per_group else (grad,)
         shards = [_reduce_scatter_rows(p, ctx.world, ctx.group_name, rows)
                   for p, rows in zip(parts, ctx.local_rows, strict=True)]  # fmt: skip
@@ -648,22 +605,14 @@ class FP8MasterWeights:
             if e.group is None:
                 _set(e.module, e.name, e.master)
                 continue
-            weight = getattr(e.module, e.name)
-            data, scale_inv, amax = _quantize_shard(e, weight.dtype)
+            import torch.distributed._functional_collectives as funcol
+
+            weight, local = getattr(e.module, e.name), e.master.to_local()
+            amax = local.abs().amax().reshape(1) if local.numel() else local.new_zeros(1)
+            amax = funcol.wait_tensor(funcol.all_reduce(amax, "max", e.group))
+            scale = scale_from_amax(amax, torch.finfo(weight.dtype).max)
+            data, _, _ = torch.ops.te.quantize_tensorwise(local, scale, weight.dtype, False)
             weight.to_local().copy_(data.view(weight.dtype))
-            getattr(e.module, f"{e.name}_scale_inv").copy_(scale_inv)
+            getattr(e.module, f"{e.name}_scale_inv").copy_(reciprocal_rn(scale))
             getattr(e.module, f"{e.name}_amax").copy_(amax)
             _stamp(e.module, e.name)
-
-
-def _quantize_shard(e: _Entry, fp8_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-    """Current scaling of a sharded master with the amax of the whole weight: the shard's
-    amax, all-reduced (max) over the group, then the cast with that scale."""
-    import torch.distributed._functional_collectives as funcol
-
-    local = e.master.to_local()
-    amax = local.abs().amax().reshape(1) if local.numel() else local.new_zeros(1)
-    amax = funcol.wait_tensor(funcol.all_reduce(amax, "max", e.group))
-    scale = scale_from_amax(amax, torch.finfo(fp8_dtype).max)
-    data, _, _ = torch.ops.te.quantize_tensorwise(local, scale, fp8_dtype, False)
-    return data, reciprocal_rn(scale), amax

@@ -29,22 +29,15 @@ overflow when a tensor grows quickly; current scaling measures this tensor's ama
 recipes give each block its own scale, which keeps outliers from crushing the rest of the tensor.
 
 Every recipe is a mutable dataclass, validated at construction and on every field assignment
-(a refused value raises ``ValueError`` and is not kept), compared by value, not hashable;
-``torch.compile`` guards on the fields the traced code read (``docs/fp8.md``, "Recipes are
-mutable dataclasses, as TE's are"). ``backward_override`` (not for ``DelayedScaling``, as in TE)
-chooses the backward GEMMs' operands: ``None``, ``"high_precision"`` or ``"dequantized"``
-(``docs/fp8.md``).
+(a refused value raises ``ValueError`` and is not kept; ``docs/fp8.md``, "Recipes are mutable
+dataclasses, as TE's are"). ``backward_override`` (not for ``DelayedScaling``, as in TE) chooses
+the backward GEMMs' operands: ``None``, ``"high_precision"`` or ``"dequantized"``.
 
-Where this module departs from Transformer Engine (``docs/te_compat.md``, "FP8 recipes and
-autocast", has each recipe's list): no default is read from ``NVTE_*`` environment variables;
-the per-operand ``QParams`` fields (``fp4_quant_*``, ``fp8_quant_*``: input, weight, gradient)
-follow the recipe's flags whenever a flag is set (TE's stay as its ``__post_init__`` left them)
-and may be replaced one by one, and ``quantization.gemm.recipe_specs`` refuses, naming the field,
-an option no kernel applies to that operand, where the recipe is used; ``fp8_dpa`` /
-``fp8_mha`` accept only ``False`` (te_compile's attention computes in high precision); what the
-modules do not implement is refused, not ignored (``Float8CurrentScaling``'s ``fp8_gemm_*`` must
-be TE's defaults, power-of-two scales of the per-tensor recipes raise in ``autocast``); NVFP4's
-``nvfp4_4over6`` never applies to gradients; MXFP8's ``margin`` is accepted and not applied.
+Departures from Transformer Engine (each recipe's list: ``docs/te_compat.md``, "FP8 recipes
+and autocast"): no default comes from ``NVTE_*`` variables; the per-operand ``QParams`` fields
+(``fp4_quant_*``, ``fp8_quant_*``) follow the recipe's flags whenever a flag is set; ``fp8_dpa`` /
+``fp8_mha`` accept only ``False`` (no FP8 attention); what the modules do not implement is
+refused, not ignored (``quantization.gemm.recipe_specs`` names the field).
 """
 
 from __future__ import annotations
@@ -82,8 +75,6 @@ FP8_QPARAMS = ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad"
 
 
 class _FormatSpec(NamedTuple):
-    """Largest finite value and torch dtype of a format, for forward and backward tensors."""
-
     max_fwd: float
     max_bwd: float
     dtype_fwd: torch.dtype
@@ -93,12 +84,11 @@ class _FormatSpec(NamedTuple):
 class Format(enum.Enum):
     """Low-precision data formats, as in TE (``Format.E4M3.value.max_fwd == 448``).
 
-    - ``E4M3``: every FP8 tensor in e4m3 (``torch.float8_e4m3fn``, largest finite 448).
-    - ``E5M2``: every FP8 tensor in e5m2 (``torch.float8_e5m2``, largest finite 57344).
-    - ``HYBRID``: forward tensors (activations, weights) in e4m3 for precision, backward tensors
-      (gradients) in e5m2 for range.
-    - ``E2M1``: FP4 (largest finite 6), stored two values per byte (``torch.float4_e2m1fn_x2``);
-      only NVFP4's ``fp4_format``.
+    ``E4M3`` / ``E5M2``: every FP8 tensor in that format; ``HYBRID``: forward tensors
+    (activations, weights) in e4m3 for precision, backward tensors (gradients) in e5m2 for range;
+    ``E2M1``: FP4, two values per byte, only NVFP4's ``fp4_format``. A member's value holds the
+    largest finite value and torch dtype of forward and backward tensors, which its properties
+    ``max_fwd``, ``max_bwd``, ``fwd_dtype`` and ``bwd_dtype`` read.
     """
 
     E4M3 = _FormatSpec(448.0, 448.0, torch.float8_e4m3fn, torch.float8_e4m3fn)
@@ -109,25 +99,10 @@ class Format(enum.Enum):
     def __repr__(self) -> str:
         return f"Format.{self.name}"
 
-    @property
-    def max_fwd(self) -> float:
-        """Largest finite value of the forward (activation/weight) format."""
-        return self.value.max_fwd
-
-    @property
-    def max_bwd(self) -> float:
-        """Largest finite value of the backward (gradient) format."""
-        return self.value.max_bwd
-
-    @property
-    def fwd_dtype(self) -> torch.dtype:
-        """torch dtype of forward (activation/weight) tensors."""
-        return self.value.dtype_fwd
-
-    @property
-    def bwd_dtype(self) -> torch.dtype:
-        """torch dtype of backward (gradient) tensors."""
-        return self.value.dtype_bwd
+    max_fwd = property(lambda self: self.value.max_fwd)
+    max_bwd = property(lambda self: self.value.max_bwd)
+    fwd_dtype = property(lambda self: self.value.dtype_fwd)
+    bwd_dtype = property(lambda self: self.value.dtype_bwd)
 
 
 _T = TypeVar("_T", bound=type)
@@ -167,9 +142,11 @@ def _check_field_types(obj: Any) -> None:
             )
 
 
-# Default factories of the GEMM fields. A shared default instance would do for a frozen value,
-# but dynamo cannot wrap an object held in ``__init__.__defaults__`` (nor a functools.partial),
-# so a recipe with one could not be constructed inside a compiled region; a plain function can.
+# Default factories. A shared default instance would do for a frozen value, but dynamo cannot
+# wrap an object held in ``__init__.__defaults__`` (nor a functools.partial, nor call the class
+# as a factory), so a recipe with one could not be constructed inside a compiled region; a plain
+# function can. The per-operand QParams fields (``_no_options``) are not constructor arguments
+# (as in TE, where ``__post_init__`` sets them from the recipe's flags).
 def _split_accumulation() -> MMParams:
     return MMParams(use_split_accumulator=True)
 
@@ -179,19 +156,7 @@ def _fast_accumulation() -> MMParams:
 
 
 def _no_options() -> QParams:
-    """Default of the per-operand QParams fields: not constructor arguments (as in TE, where
-    ``__post_init__`` sets them from the recipe's flags); set afterwards to override one operand,
-    compared, printed and copied with the other fields. A function: dynamo cannot call the
-    class as a default factory."""
     return QParams()
-
-
-def _with_option(q: QParams, name: str, value: bool) -> QParams:
-    """``q`` with its option ``name`` set to ``value`` (``dataclasses.replace`` without
-    ``dataclasses.fields``, which dynamo cannot trace)."""
-    values = {n: getattr(q, n) for n in QParams._field_names}
-    values[name] = value
-    return QParams(**values)
 
 
 def _fail(obj: Any, field: str, constraint: str) -> None:
@@ -239,8 +204,7 @@ class MMParams:
 class Recipe:
     """Base of all recipes; not constructed directly.
 
-    ``kind`` names the recipe in one short string (handy to branch on in traced code); the class
-    methods below are TE's predicates (``recipe.delayed()``, ``recipe.mxfp8()``, ...)."""
+    ``kind`` names the recipe in one short string (handy to branch on in traced code)."""
 
     kind: ClassVar[str]
     # Set once construction validated the fields: from then on every field assignment is
@@ -268,13 +232,15 @@ class Recipe:
         value = getattr(self, flag)
         if isinstance(value, bool):  # otherwise _validate refuses the flag itself
             for name in operands:
-                q = _with_option(getattr(self, name), option, value != negated)
-                object.__setattr__(self, name, q)
+                # dataclasses.replace without dataclasses.fields, which dynamo cannot trace
+                q = getattr(self, name)
+                values = {n: getattr(q, n) for n in QParams._field_names}
+                values[option] = value != negated
+                object.__setattr__(self, name, QParams(**values))
 
     def __setattr__(self, name: str, value: Any) -> None:
-        """Set a field after construction, as TE code does (``recipe.margin = 1``): the recipe
-        is validated again and keeps its old value when the new one is refused. A name that is
-        not a field raises ``AttributeError`` rather than being stored and ignored."""
+        """Set a field after construction, as TE code does (``recipe.margin = 1``): validated
+        again, the old value kept when the new one is refused; not a field: ``AttributeError``."""
         if not self._constructed:  # the dataclass __init__
             object.__setattr__(self, name, value)
             return
@@ -302,11 +268,7 @@ class Recipe:
         """A dict of values derived from this recipe's fields alone, for eager callers to keep
         (``quantization.gemm`` keeps its specs here rather than rebuilding them every GEMM
         call); emptied whenever a field is set. Not a field: not compared, not printed."""
-        memo = self.__dict__.get("_memo")
-        if memo is None:
-            memo = {}
-            object.__setattr__(self, "_memo", memo)
-        return memo
+        return self.__dict__.setdefault("_memo", {})
 
     def _validate(self) -> None:
         _check_field_types(self)
@@ -315,45 +277,22 @@ class Recipe:
                 _fail(self, name, "must be False (te_compile has no FP8 attention)")
         if self.backward_override not in _BACKWARD_OVERRIDES:
             _fail(self, "backward_override", f"must be one of {_BACKWARD_OVERRIDES}")
-
-    def _check_fp8_format(self) -> None:
-        if self.fp8_format in (Format.E5M2, Format.E2M1):
+        # NVFP4's fp8_format is its block scales' (its _validate); the others' forward format.
+        if self.kind != "nvfp4" and self.fp8_format in (Format.E5M2, Format.E2M1):
             _fail(self, "fp8_format", "must be Format.E4M3 or Format.HYBRID (E4M3 forward)")
+        if "margin" in self._field_types and self.margin < 0:
+            _fail(self, "margin", "must be >= 0")
 
-    @classmethod
-    def delayed(cls) -> bool:
-        """Per-tensor delayed scaling."""
-        return issubclass(cls, DelayedScaling)
-
-    @classmethod
-    def float8_current_scaling(cls) -> bool:
-        """Per-tensor current scaling."""
-        return issubclass(cls, Float8CurrentScaling)
-
-    @classmethod
-    def float8_current(cls) -> bool:
-        """Short name for :meth:`float8_current_scaling`."""
-        return cls.float8_current_scaling()
-
-    @classmethod
-    def float8_per_tensor_scaling(cls) -> bool:
-        """Per-tensor scaling, delayed or current."""
-        return issubclass(cls, (DelayedScaling, Float8CurrentScaling))
-
-    @classmethod
-    def float8_block_scaling(cls) -> bool:
-        """FP8 with 1x128 / 128x128 block scales."""
-        return issubclass(cls, Float8BlockScaling)
-
-    @classmethod
-    def mxfp8(cls) -> bool:
-        """MXFP8 (1x32 blocks, E8M0 scales)."""
-        return issubclass(cls, MXFP8BlockScaling)
-
-    @classmethod
-    def nvfp4(cls) -> bool:
-        """NVFP4 (1x16 blocks, E4M3 scales, fp32 global scale)."""
-        return issubclass(cls, NVFP4BlockScaling)
+    # TE's predicates, class methods: ``recipe.delayed()``, ``recipe.mxfp8()``, ...
+    delayed = classmethod(lambda cls: issubclass(cls, DelayedScaling))
+    float8_current_scaling = classmethod(lambda cls: issubclass(cls, Float8CurrentScaling))
+    float8_current = float8_current_scaling  # the short name
+    float8_per_tensor_scaling = classmethod(
+        lambda cls: issubclass(cls, (DelayedScaling, Float8CurrentScaling))
+    )
+    float8_block_scaling = classmethod(lambda cls: issubclass(cls, Float8BlockScaling))
+    mxfp8 = classmethod(lambda cls: issubclass(cls, MXFP8BlockScaling))
+    nvfp4 = classmethod(lambda cls: issubclass(cls, NVFP4BlockScaling))
 
 
 @_with_field_types
@@ -364,16 +303,9 @@ class DelayedScaling(Recipe):
     ``margin`` (>= 0): the scale is divided by ``2**margin`` for headroom. ``fp8_format``:
     ``E4M3`` or ``HYBRID``. ``amax_history_len`` (>= 1): steps of amax history kept.
     ``amax_compute_algo``: ``"max"`` (largest amax in the history), ``"most_recent"``, or a
-    callable ``amax_compute_algo(amax_history) -> amax``: ``amax_history`` is the
-    ``[amax_history_len, 3]`` history (newest in row 0; columns: input, weight, gradient), the
-    result one amax per column ``[3]``.
-    ``scaling_factor_compute_algo``: ``None`` (the scale formula in the module docstring) or a
-    callable ``scaling_factor_compute_algo(amax, old_scaling_factor, fp8_max, recipe) -> scale``,
-    TE's signature: ``amax``, ``old_scaling_factor`` and ``fp8_max`` are ``[3]`` fp32 tensors
-    (input, weight, gradient; ``fp8_max`` the largest value of each slot's format), ``recipe``
-    this recipe; the ``[3]`` result is stored as the new scales as it is (no guard against a zero
-    amax: the callable owns the formula). Callables run as plain torch code each forward (traced
-    by ``torch.compile``, which recompiles when a different function is set).
+    callable; ``scaling_factor_compute_algo``: ``None`` (the scale formula in the module
+    docstring) or a callable with TE's signature (``docs/fp8.md``, "DelayedScaling's callables",
+    gives both callables' arguments and results).
     ``reduce_amax``: all-reduce amaxes (MAX) over the autocast's ``amax_reduction_group`` so
     every rank uses the same scales; with ``False`` each rank keeps its own.
     ``backward_override``: ``None`` only, as in TE.
@@ -397,14 +329,9 @@ class DelayedScaling(Recipe):
 
     def _validate(self) -> None:
         super()._validate()
-        self._check_fp8_format()
-        if self.margin < 0:
-            _fail(self, "margin", "must be >= 0")
         if self.amax_history_len < 1:
             _fail(self, "amax_history_len", "must be >= 1")
-        if not callable(self.amax_compute_algo) and (
-            self.amax_compute_algo not in _AMAX_COMPUTE_ALGOS
-        ):
+        if not (callable(self.amax_compute_algo) or self.amax_compute_algo in _AMAX_COMPUTE_ALGOS):
             _fail(self, "amax_compute_algo", f"must be one of {_AMAX_COMPUTE_ALGOS} or a callable")
         algo = self.scaling_factor_compute_algo
         if algo is not None and not callable(algo):
@@ -424,12 +351,10 @@ class Float8CurrentScaling(Recipe):
 
     ``use_power_2_scales``: round scales down to powers of two; it sets ``power_2_scale`` of
     the per-operand ``fp8_quant_fwd_inp``, ``fp8_quant_fwd_weight`` and ``fp8_quant_bwd_grad``,
-    which may be replaced one by one after construction (module docstring; the modules' GEMMs
-    refuse power-of-two scales, ``te_compile.quantize`` applies them). ``fp8_format``: ``E4M3`` or
-    ``HYBRID``. ``fp8_gemm_*``: split accumulation, TE's defaults only (off for the forward
-    GEMM, on for the two backward GEMMs: what te_compile's per-tensor GEMMs run; other settings
-    raise rather than being ignored). ``backward_override``: ``None``, ``"high_precision"`` or
-    ``"dequantized"`` (module docstring).
+    which may be replaced one by one after construction (the modules' GEMMs refuse power-of-two
+    scales, ``te_compile.quantize`` applies them). ``fp8_format``: ``E4M3`` or ``HYBRID``.
+    ``fp8_gemm_*``: TE's defaults only (split accumulation off forward, on for the backward
+    GEMMs: what te_compile's per-tensor GEMMs run).
     """
 
     kind: ClassVar[str] = "current"
@@ -451,7 +376,6 @@ class Float8CurrentScaling(Recipe):
 
     def _validate(self) -> None:
         super()._validate()
-        self._check_fp8_format()
         for name, split in _PER_TENSOR_GEMMS.items():
             if getattr(self, name).use_split_accumulator != split:
                 _fail(
@@ -472,10 +396,9 @@ class Float8BlockScaling(Recipe):
     activations (``x``) and gradients (``grad``) use 1x128 and weights (``w``) 128x128, which
     Hopper's blockwise-scaled GEMM takes natively. No GEMM may have both operands 2D.
     ``use_f32_scales``: keep scales as any fp32 value; by default they are powers of two. It sets
-    ``power_2_scale`` of the per-operand ``fp8_quant_fwd_inp``, ``fp8_quant_fwd_weight`` and
-    ``fp8_quant_bwd_grad``, which may be replaced one by one after construction (module
-    docstring; the grouped GEMMs take one setting for all three).
-    ``fp8_gemm_*``: split accumulation is required (``use_split_accumulator=True``).
+    ``power_2_scale`` of the per-operand ``fp8_quant_*``, which may be replaced one by one after
+    construction (the grouped GEMMs take one setting for all three). ``fp8_gemm_*``: split
+    accumulation is required.
     """
 
     kind: ClassVar[str] = "block"
@@ -501,7 +424,6 @@ class Float8BlockScaling(Recipe):
 
     def _validate(self) -> None:
         super()._validate()
-        self._check_fp8_format()
         dims = ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim")
         for name in dims:
             if getattr(self, name) not in (1, 2):
@@ -539,12 +461,6 @@ class MXFP8BlockScaling(Recipe):
     backward_override: str | None = None
     enable_2d_quantization: bool = False
 
-    def _validate(self) -> None:
-        super()._validate()
-        self._check_fp8_format()
-        if self.margin < 0:
-            _fail(self, "margin", "must be >= 0")
-
 
 @_with_field_types
 @dataclasses.dataclass
@@ -552,33 +468,23 @@ class NVFP4BlockScaling(Recipe):
     """NVFP4: E2M1 values, one E4M3 scale per ``block_len`` (16) values and one fp32 global
     scale per tensor (two levels, since E4M3 alone cannot span a tensor's range).
 
-    TE's default training recipe adds three techniques, each with a switch to turn it off, and
-    the emulated GEMMs apply all three as TE does (docs/fp8.md). Each switch sets its option in
-    the per-operand QParams named after it; those may be replaced one by one after construction
-    (``recipe.fp4_quant_fwd_weight = QParams()``, as TE's tests do), within what the GEMMs
-    apply: the transform on the input and the gradient together, tiles on the weight,
-    stochastic rounding on the gradient (``quantization.gemm.recipe_specs`` refuses the rest):
+    TE's default training recipe adds three techniques, each with a switch to turn it off, that
+    the emulated GEMMs apply as TE does (``docs/fp8.md``, "NVFP4's recipe options"): 16x16 weight
+    tiles (``disable_2d_quantization``; QParams ``fp4_quant_fwd_weight``), the random Hadamard
+    transform of the wgrad GEMM's operands (``disable_rht``; ``fp4_quant_fwd_inp``,
+    ``fp4_quant_bwd_grad``), stochastic rounding of the gradient (``disable_stochastic_rounding``;
+    ``fp4_quant_bwd_grad``). Each switch sets its option in those per-operand QParams, which may
+    be replaced one by one after construction (``recipe.fp4_quant_fwd_weight = QParams()``, as
+    TE's tests do) within what the GEMMs apply (``quantization.gemm.recipe_specs`` refuses the
+    rest).
 
-    - ``disable_2d_quantization``: weights get one E4M3 scale per 16x16 tile, so the forward
-      and the dgrad GEMM see the same quantised weight (``fp4_quant_fwd_weight``);
-    - ``disable_rht``: the wgrad GEMM's operands (the input's and the gradient's columnwise
-      copies, blocks of 16 along the tokens) are multiplied by ``S H / 4`` (``H`` the 16x16
-      Hadamard matrix, ``S`` TE's fixed random signs) before they are quantised, with a global
-      scale of their own amax; the GEMM of two transformed operands approximates ``dY^T X``
-      since ``S H / 4`` is orthogonal (``fp4_quant_fwd_inp``, ``fp4_quant_bwd_grad``);
-    - ``disable_stochastic_rounding``: the gradient's E2M1 values round up or down with
-      probabilities that make the rounding unbiased, from a Philox stream drawn from torch's
-      generator at each forward (``fp4_quant_bwd_grad``).
-
-    ``row_scaled_activation``: the forward GEMM's input gets one global scale per row (its
-    amax) instead of one per tensor; such a tensor has no columnwise copy, so a
-    ``backward_override`` (``"high_precision"`` or ``"dequantized"``) is required when it is
-    used, as in TE. ``nvfp4_4over6`` (``"none"``, ``"weights"``, ``"activations"``, ``"all"``),
-    ``nvfp4_4over6_e4m3_use_256`` (same scopes) and ``nvfp4_4over6_err_mode`` (``"MAE"``,
-    ``"MSE"``) select 4over6 block scaling of the weights and the forward input (each block of 16
-    values has its amax mapped to E2M1's 4 or 6, whichever gives the smaller error; gradients
-    never). ``fp4_format`` must be ``E2M1`` and ``fp8_format`` (the block scales) ``E4M3``.
-    Native GEMMs need Blackwell; elsewhere the GEMM is emulated.
+    ``row_scaled_activation``: one global scale per row of the forward GEMM's input; it needs a
+    ``backward_override``, as in TE. ``nvfp4_4over6`` / ``nvfp4_4over6_e4m3_use_256`` (scopes
+    ``"none"``, ``"weights"``, ``"activations"``, ``"all"``) and ``nvfp4_4over6_err_mode``
+    (``"MAE"``, ``"MSE"``): 4over6 block scaling of the weights and the forward input (each block's
+    amax mapped to E2M1's 4 or 6, whichever errs less; gradients never). ``fp4_format`` must be
+    ``E2M1`` and ``fp8_format`` (the block scales) ``E4M3``. Native GEMMs need Blackwell;
+    elsewhere the GEMM is emulated.
     """
 
     kind: ClassVar[str] = "nvfp4"
@@ -635,8 +541,4 @@ def get_align_size_for_quantization(recipe: Recipe | None) -> int:
             "get_align_size_for_quantization: recipe must be a Recipe or None, got "
             f"{type(recipe).__name__}"
         )
-    if isinstance(recipe, MXFP8BlockScaling):
-        return 32
-    if isinstance(recipe, NVFP4BlockScaling):
-        return 128
-    return 16
+    return 16 if recipe is None else {"mxfp8": 32, "nvfp4": 128}.get(recipe.kind, 16)

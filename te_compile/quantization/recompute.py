@@ -1,17 +1,13 @@
 """Activation checkpointing that recomputes FP8 modules exactly: ``te_compile.checkpoint``
 (``docs/distributed.md``, "Activation checkpointing", says what it guarantees).
 
-``torch.utils.checkpoint`` alone recomputes a region in the backward outside its ``autocast``
-(in high precision) and, under ``DelayedScaling``, would fold the amaxes into the history twice.
 :func:`checkpoint` runs the function under ``torch.utils.checkpoint`` with two additions: the
 recompute runs under the autocast state the forward saw, with a copy of the recipe as it was then
 (recipes are mutable); and a :class:`RecomputeScope` is open while the function runs, in which
 every FP8 GEMM state (``quantization.fp8_gemm.FP8GemmState``) is snapshotted before the forward's
-first update of it, so the recompute starts from the forward's state (same scales, same
-calibration step: the same result bit for bit) and the state is put back as the forward left it.
-Under ``torch.compile`` the compiler recomputes from its traced graph: :func:`checkpoint` calls
-``torch.utils.checkpoint.checkpoint`` as it is and refuses ``DelayedScaling``, whose state update
-(a write) a compiled checkpoint region cannot hold.
+first update of it, so the recompute starts from the forward's state and the state is put back as
+the forward left it. Under ``torch.compile`` it calls ``torch.utils.checkpoint.checkpoint`` as it
+is (the compiler recomputes from its traced graph) and refuses ``DelayedScaling``.
 """
 
 from __future__ import annotations
@@ -24,7 +20,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 
-from te_compile.quantization.state import STATE_HOLDER, get_autocast_state
+from te_compile.quantization.state import STATE_HOLDER, Holder, get_autocast_state
 
 __all__ = ["RecomputeScope", "checkpoint", "current_scope"]
 
@@ -38,9 +34,8 @@ class RecomputeScope:
         self._before: dict[int, tuple[object, bool, list[torch.Tensor]]] = {}
 
     def snapshot(self, state) -> None:
-        """Called by an FP8 state before it updates (``FP8GemmState.delayed_scale``): keeps
-        the buffers a forward writes and the calibration flag, the first time the forward
-        calls it."""
+        """Called by an FP8 state before it updates (``FP8GemmState.delayed_scale``): keeps the
+        buffers a forward writes and the calibration flag, at the forward's first call."""
         copies = [b.clone() for b in state.forward_state()]
         if not self.replay and id(state) not in self._before:
             self._before[id(state)] = (state, state.calibrated, copies)
@@ -63,12 +58,7 @@ def _restore(state, calibrated: bool, copies: list[torch.Tensor]) -> None:
     state.calibrated = calibrated
 
 
-class _ScopeHolder:
-    def __init__(self) -> None:
-        self.current: RecomputeScope | None = None
-
-
-_SCOPE = _ScopeHolder()
+_SCOPE = Holder(None)  # current: the RecomputeScope of the checkpointed call running now
 
 
 def current_scope() -> RecomputeScope | None:
@@ -98,10 +88,8 @@ def checkpoint(
     ``determinism_check``, ``debug``, ``preserve_rng_state``, ``early_stop``) go to it; the others
     are ``function``'s, also with ``use_reentrant=True`` (as in TE: they are passed as they are to
     the forward and to the recompute, not as checkpointed inputs). ``distribute_saved_activations``
-    (sharding the saved input over the tensor-parallel group) is not implemented: only False.
-    ``get_rng_state_tracker``: only None (te_compile's dropout draws from torch's generators,
-    which the checkpoint restores). ``tp_group``: used by TE only with
-    ``distribute_saved_activations``; any value is accepted and unused."""
+    only False, ``get_rng_state_tracker`` only None (their messages say why); ``tp_group``, used
+    by TE only with ``distribute_saved_activations``, is accepted and unused."""
     if not callable(function):
         raise ValueError(f"te.checkpoint: function must be callable, got {function!r}")
     if distribute_saved_activations is not False:

@@ -1,32 +1,25 @@
 """The autocast state: which recipe modules quantise with, read in ``forward``.
 
-``autocast(enabled=True, calibrating=False, recipe=None, amax_reduction_group=None)`` (Transformer
-Engine's signature; ``fp8_autocast`` is TE's older name for it) is a context manager (and a
-decorator) that replaces the current :class:`AutocastState` and restores the previous one on
-exit, exception or not. Modules call :func:`get_autocast_state` in ``forward`` and flatten the
-snapshot into the scalar arguments of their ops (``quantization.gemm.gemm_args``). Calibration
+``autocast(enabled=True, calibrating=False, recipe=None, amax_reduction_group=None)`` (TE's
+signature; ``fp8_autocast`` is TE's older name for it) is a context manager (and a decorator)
+that replaces the current :class:`AutocastState` and restores the previous one on exit,
+exception or not. Modules call :func:`get_autocast_state` in ``forward`` and flatten the
+snapshot into their ops' scalar arguments (``quantization.gemm.gemm_args``). Calibration
 (``calibrating=True`` with ``enabled=False``): ``docs/fp8.md``, "Calibration".
 
 How this works with ``torch.compile`` (checked on torch 2.13, see tests/quantization):
 
-- The state is one immutable ``NamedTuple`` stored on one module-level holder object; entering
-  stores a new snapshot on the holder, exiting stores back the one saved on entry. Dynamo traces
-  attribute stores on a plain object as side effects it replays after the graph runs, so an
-  ``autocast`` entered *inside* a ``fullgraph=True`` region compiles with zero graph breaks and
-  leaves the holder as it found it.
-- A compiled function that reads the state *set outside* it gets guards on what it read: the
-  recipe's type (reading ``recipe.kind`` or calling ``recipe.delayed()`` reads the class) and
-  every field it read (``recipe.margin == 0``). Called again under a different recipe, a guard
-  fails and dynamo recompiles instead of reusing the stale graph. Reading nothing, it guards on
-  nothing, and one graph serves every recipe.
-- ``autocast`` is a plain class with ``__enter__``/``__exit__``, which dynamo inlines. A
-  ``contextlib.contextmanager`` generator traces as well but costs more per entry in eager;
-  ``contextlib.ContextDecorator`` does not trace as a decorator (it re-enters an instance made
-  outside the compiled region, which dynamo refuses), so ``__call__`` builds a fresh ``autocast``
-  per call instead.
-- The state is process-wide, not thread-local, as in Transformer Engine; the autograd engine
-  runs backward on other threads, so modules capture the recipe in forward rather than reading
-  the state in backward.
+- The state is one immutable ``NamedTuple`` on one module-level holder object; dynamo replays
+  attribute stores on a plain object after the graph runs, so an ``autocast`` entered *inside*
+  a ``fullgraph=True`` region compiles with zero graph breaks.
+- A compiled function that reads the state *set outside* it guards on what it read (the
+  recipe's type, every field read): another recipe recompiles, reading nothing reuses.
+- ``autocast`` is a plain class with ``__enter__``/``__exit__``, which dynamo inlines (a
+  ``contextlib.contextmanager`` costs more per entry in eager; ``contextlib.ContextDecorator``
+  re-enters an instance made outside the compiled region, which dynamo refuses, so
+  ``__call__`` builds a fresh ``autocast`` per call).
+- The state is process-wide, not thread-local, as in Transformer Engine; autograd runs
+  backward on other threads, so modules capture the recipe in forward.
 """
 
 from __future__ import annotations
@@ -46,6 +39,7 @@ __all__ = [
     "AutocastState",
     "autocast",
     "check_power_2_scales",
+    "check_recipe_and_group",
     "fp8_autocast",
     "get_autocast_state",
 ]
@@ -73,14 +67,14 @@ class AutocastState(NamedTuple):
         return self.calibrating and not self.enabled
 
 
-class _Holder:
-    """Holds the current state; a plain object so that dynamo can trace stores to it."""
+class Holder:
+    """Holds ``current``; a plain object so that dynamo can trace stores to it."""
 
-    def __init__(self) -> None:
-        self.current = AutocastState(enabled=False, recipe=None, amax_reduction_group=None)
+    def __init__(self, current: Any) -> None:
+        self.current = current
 
 
-STATE_HOLDER = _Holder()
+STATE_HOLDER = Holder(AutocastState(enabled=False, recipe=None, amax_reduction_group=None))
 
 
 def get_autocast_state() -> AutocastState:
@@ -89,22 +83,18 @@ def get_autocast_state() -> AutocastState:
 
 
 class autocast:
-    """Quantise the modules run inside this region with ``recipe``.
+    """Quantise the modules run inside this region with ``recipe``; TE's parameters, in TE's
+    order.
 
     ``enabled``: ``False`` turns quantisation off inside an enabled region. ``calibrating``:
     with ``enabled=False``, compute in high precision while measuring amaxes and updating the
-    recipe's scales (module docstring); ``recipe``: a
-    :class:`~te_compile.quantization.recipe.Recipe`; ``None`` picks
-    :func:`~te_compile.quantization.device.get_default_fp8_recipe` (``DelayedScaling()`` except on
-    Blackwell, as in TE). ``amax_reduction_group``: a ``torch.distributed`` process group for the
-    amax all-reduce, or ``None``. The parameters are TE's, in TE's order.
-
-    The recipe is read when a module runs, not copied on entry: a field set on it inside the
-    region (``recipe.backward_override = "high_precision"``) applies to the next forward, and a
-    compiled region recompiles for it (``te_compile.quantization.recipe``).
-
-    Use as ``with autocast(recipe=r): ...`` or as a decorator ``@autocast(recipe=r)``; both work
-    around and inside a ``torch.compile(fullgraph=True)`` region.
+    recipe's scales. ``recipe``: ``None`` picks
+    :func:`~te_compile.quantization.device.get_default_fp8_recipe`. ``amax_reduction_group``: a
+    ``torch.distributed`` process group for the amax all-reduce, or ``None``. The recipe is read
+    when a module runs, not copied on entry: a field set on it inside the region applies to the
+    next forward (a compiled region recompiles). Use as ``with autocast(recipe=r): ...`` or as
+    a decorator ``@autocast(recipe=r)``, around or inside a ``torch.compile(fullgraph=True)``
+    region.
     """
 
     def __init__(
@@ -191,10 +181,8 @@ def fp8_autocast(
     _graph: bool = False,
 ) -> autocast:
     """Transformer Engine's older name for :class:`autocast`: ``fp8_recipe`` is ``recipe``,
-    ``fp8_group`` is ``amax_reduction_group``. ``_graph`` (TE: skip the amax reduction and
-    scale update TE runs when the region exits, for a region captured in a CUDA graph) takes
-    either value and changes nothing: te_compile reduces amaxes and updates scales inside each
-    module's forward, never on exit, so every region behaves as TE's graph-captured ones."""
+    ``fp8_group`` is ``amax_reduction_group``. ``_graph`` (TE: skip the work TE runs when the
+    region exits, for a CUDA graph) changes nothing: te_compile has no work at the exit."""
     _check_args("fp8_autocast", "fp8_recipe", enabled, calibrating, fp8_recipe, fp8_group)
     if not isinstance(_graph, bool):
         raise ValueError(f"fp8_autocast: _graph must be a bool, got {_graph!r}")
@@ -205,13 +193,18 @@ def _check_args(owner: str, recipe_name: str, enabled, calibrating, recipe, grou
     for name, value in (("enabled", enabled), ("calibrating", calibrating)):
         if not isinstance(value, bool):
             raise ValueError(f"{owner}: {name} must be a bool, got {value!r}")
+    group_name = "amax_reduction_group" if owner == "autocast" else "fp8_group"
+    check_recipe_and_group(owner, recipe_name, recipe, group_name, group)
+
+
+def check_recipe_and_group(owner, recipe_name, recipe, group_name, group, error=ValueError) -> None:
+    """``recipe`` must be a Recipe or None and ``group`` a process group or None (``error``)."""
     if recipe is not None and not isinstance(recipe, Recipe):
-        raise ValueError(
+        raise error(
             f"{owner}: {recipe_name} must be a Recipe (e.g. DelayedScaling()) or None, "
             f"got {recipe!r}"
         )
     if group is not None and not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
-        raise ValueError(
-            f"{owner}: {'amax_reduction_group' if owner == 'autocast' else 'fp8_group'} must be a "
-            f"torch.distributed.ProcessGroup or None, got {group!r}"
+        raise error(
+            f"{owner}: {group_name} must be a torch.distributed.ProcessGroup or None, got {group!r}"
         )

@@ -1,38 +1,27 @@
 """Loading Transformer Engine's ``_extra_state`` (its FP8 metadata) into te_compile modules.
 
-What TE saves, which modules save it and what te_compile takes of it: ``docs/te_compat.md``,
-"Checkpoints across Transformer Engine and te_compile" (our own FP8 state is the ``*fp8_meta.*``
-buffers; our state_dict emits no ``_extra_state``). The value is an empty ``uint8`` tensor
-without FP8 state, else a Python pickle in a ``uint8`` tensor of::
+What TE saves, which modules save it, its slots and what te_compile takes of it:
+``docs/te_compat.md``, "Checkpoints across Transformer Engine and te_compile". The value is an
+empty ``uint8`` tensor without FP8 state, else a pickled dict in a ``uint8`` tensor (``recipe``,
+``scale_fwd`` / ``amax_history_fwd`` with input, weight, output slots per GEMM, ``scale_bwd`` /
+``amax_history_bwd`` with grad_output, grad_input slots, ``extra_fp8_variables``; TE 1.x
+omitted ``recipe`` and also stored ``scale_inv_*``; the oldest format was an ``io.BytesIO`` of
+``torch.save``). GroupedLinear's group ``i`` is TE's GEMM ``i + 1``; a ``te.ops`` operation
+saves ``{"forward": {...}, "backward": {...}}``.
 
-    {"recipe": <transformer_engine.common.recipe.DelayedScaling ...>,
-     "scale_fwd": [3 * num_gemms], "amax_history_fwd": [amax_history_len, 3 * num_gemms],
-     "scale_bwd": [2 * num_gemms], "amax_history_bwd": [amax_history_len, 2 * num_gemms],
-     "extra_fp8_variables": {"num_gemms": ..., ...}}
-
-(``transformer_engine/pytorch/module/base.py``, ``get_extra_state``; TE 1.x omitted
-``recipe`` and also stored ``scale_inv_*``; the oldest format was an ``io.BytesIO`` of
-``torch.save``). Forward slots per GEMM are input, weight, output; backward slots grad_output,
-grad_input; LayerNormMLP's FC1 is GEMM 1 and FC2 GEMM 2; GroupedLinear's group ``i`` is GEMM
-``i + 1``. A ``te.ops`` operation saves ``{"forward": {recipe, scale_fwd, amax_history_fwd,
-...}, "backward": {...}}`` (``ops/op.py``), its linears' slots input, weight / grad_output.
-
-:func:`accept_te_extra_state` registers a load_state_dict pre-hook that takes that key (so
-``strict=True`` loads a Transformer Engine checkpoint) and, for delayed scaling, writes the
-history and scales into the module's :class:`FP8GemmState` buffers (:func:`_te_to_ours`). The
-pickle is read by :class:`_RestrictedUnpickler`: tensors are rebuilt with
-``torch.load(weights_only=True)``, TE's recipe classes become inert records
-(:class:`TERecipeRecord`), any other global is refused (an error naming the key).
+:func:`accept_te_extra_state` registers a load_state_dict pre-hook that takes that key and, for
+delayed scaling, writes the history and scales into the module's :class:`FP8GemmState` buffers
+(:func:`_te_to_ours`); the pickle is read by :class:`_RestrictedUnpickler`, which runs no code.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import io
 import pickle
 import warnings
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -78,9 +67,7 @@ class TERecipeRecord:
         return f"TERecipeRecord({self.te_name}, {self.fields or self.args})"
 
 
-_RECORD_CLASSES = {
-    name: type(name, (TERecipeRecord,), {"te_name": name}) for name in _TE_RECIPE_NAMES
-}
+_RECORD_CLASSES = {n: type(n, (TERecipeRecord,), {"te_name": n}) for n in _TE_RECIPE_NAMES}
 
 
 def _load_storage_bytes(data: bytes) -> object:
@@ -145,8 +132,7 @@ def decode_te_extra_state(value: object, key: str) -> dict | None:
     return state or None
 
 
-@dataclasses.dataclass(frozen=True)
-class _Spec:
+class _Spec(NamedTuple):
     """How a module takes TE's extra state (see :func:`accept_te_extra_state`)."""
 
     gemm_states: tuple[str, ...]
@@ -168,9 +154,8 @@ def accept_te_extra_state(
     ``gemm_states``: the names of its :class:`FP8GemmState` children; ``te_gemms[i]``: the
     number of TE GEMMs whose slots fold into ``gemm_states[i]`` (GroupedLinear: one per group;
     TE numbers the GEMMs in this order); ``slots``: TE's forward and backward slots per GEMM
-    (modules: input, weight, output / grad_output, grad_input; ``te.ops`` linears: input,
-    weight / grad_output). No ``gemm_states``: the key is accepted and its FP8 state not taken,
-    with a warning when it held some (``attention``: only under FP8 attention, ``fp8_dpa`` /
+    (modules 3, 2; ``te.ops`` linears 2, 1). No ``gemm_states``: the key is accepted and its FP8
+    state not taken, with a warning when it held some (``attention``: only under ``fp8_dpa`` /
     ``fp8_mha``, as TE saves the attention's slots under any FP8 recipe). A later call (a
     subclass's ``__init__``) replaces an earlier one's choice."""
     # Not while dynamo traces (an op built inside a compiled region, e.g. under checkpoint):
@@ -235,13 +220,9 @@ def _load_delayed(mod, state, state_dict, prefix, key, spec: _Spec) -> None:
     total, (per_fwd, per_bwd) = sum(spec.te_gemms), spec.slots
     tensors = {k: torch.as_tensor(state[k], dtype=torch.float32) for k in _DELAYED_KEYS}
     length = tensors["amax_history_fwd"].shape[0]
-    expected = {
-        "scale_fwd": (per_fwd * total,),
-        "amax_history_fwd": (length, per_fwd * total),
-        "scale_bwd": (per_bwd * total,),
-        "amax_history_bwd": (length, per_bwd * total),
-    }
-    for k, shape in expected.items():
+    for k in _DELAYED_KEYS:
+        n = (per_fwd if k.endswith("_fwd") else per_bwd) * total
+        shape = (length, n) if k.startswith("amax") else (n,)
         if tuple(tensors[k].shape) != shape:
             raise ValueError(
                 f"{key}: {k} has shape {tuple(tensors[k].shape)}; this "
