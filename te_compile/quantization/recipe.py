@@ -99,10 +99,21 @@ class Format(enum.Enum):
     def __repr__(self) -> str:
         return f"Format.{self.name}"
 
-    max_fwd = property(lambda self: self.value.max_fwd)
-    max_bwd = property(lambda self: self.value.max_bwd)
-    fwd_dtype = property(lambda self: self.value.dtype_fwd)
-    bwd_dtype = property(lambda self: self.value.dtype_bwd)
+    @property
+    def max_fwd(self) -> float:
+        return self.value.max_fwd
+
+    @property
+    def max_bwd(self) -> float:
+        return self.value.max_bwd
+
+    @property
+    def fwd_dtype(self) -> torch.dtype:
+        return self.value.dtype_fwd
+
+    @property
+    def bwd_dtype(self) -> torch.dtype:
+        return self.value.dtype_bwd
 
 
 _T = TypeVar("_T", bound=type)
@@ -284,15 +295,31 @@ class Recipe:
             _fail(self, "margin", "must be >= 0")
 
     # TE's predicates, class methods: ``recipe.delayed()``, ``recipe.mxfp8()``, ...
-    delayed = classmethod(lambda cls: issubclass(cls, DelayedScaling))
-    float8_current_scaling = classmethod(lambda cls: issubclass(cls, Float8CurrentScaling))
+    @classmethod
+    def delayed(cls) -> bool:
+        return issubclass(cls, DelayedScaling)
+
+    @classmethod
+    def float8_current_scaling(cls) -> bool:
+        return issubclass(cls, Float8CurrentScaling)
+
     float8_current = float8_current_scaling  # the short name
-    float8_per_tensor_scaling = classmethod(
-        lambda cls: issubclass(cls, (DelayedScaling, Float8CurrentScaling))
-    )
-    float8_block_scaling = classmethod(lambda cls: issubclass(cls, Float8BlockScaling))
-    mxfp8 = classmethod(lambda cls: issubclass(cls, MXFP8BlockScaling))
-    nvfp4 = classmethod(lambda cls: issubclass(cls, NVFP4BlockScaling))
+
+    @classmethod
+    def float8_per_tensor_scaling(cls) -> bool:
+        return issubclass(cls, (DelayedScaling, Float8CurrentScaling))
+
+    @classmethod
+    def float8_block_scaling(cls) -> bool:
+        return issubclass(cls, Float8BlockScaling)
+
+    @classmethod
+    def mxfp8(cls) -> bool:
+        return issubclass(cls, MXFP8BlockScaling)
+
+    @classmethod
+    def nvfp4(cls) -> bool:
+        return issubclass(cls, NVFP4BlockScaling)
 
 
 @_with_field_types
