@@ -1,7 +1,7 @@
 r"""The grouped GEMMs of the grouped linear family (``functional.grouped_linear_ops``): the
-splits, and the forward and backward of every group's GEMMs for the recipes other than the
-per-tensor ones (those are ``functional.grouped_fp8``). ``grouped_linear_ops.GROUPED_GEMMS`` is the
-table of them, keyed by the GEMM kind:
+splits, and every group's forward and backward GEMMs for the recipes but the per-tensor ones
+(``functional.grouped_fp8``). ``grouped_linear_ops.GROUPED_GEMMS`` is their table, keyed by the
+GEMM kind (:func:`grouped_gemm_kind`):
 
 =======================  ===================================================================
 kind                     GEMMs
@@ -12,14 +12,13 @@ kind                     GEMMs
 ``"blockwise"``          Float8BlockScaling, native: a blockwise-scaled ``torch._scaled_mm`` per
                          expert (host splits; every expert's tokens padded to 128 in one
                          layout)
-``"dequantized"``        the block-scaled recipes emulated: the operands quantised exactly (the
-                         dense family's quantiser table, ``functional.gemm.QUANTIZERS``) and
-                         dequantised to the model's dtype, each expert as a dense GEMM
-                         quantises it (the backward GEMMs on copies quantised along the other
-                         dim, blocks along the tokens within each expert; NVFP4: its own global
-                         scales, the Hadamard transform, stochastic rounding and 4over6), the
-                         high-precision grouped GEMMs on those values on CUDA, on the CPU per
-                         expert the dense family's GEMM calls (bit for bit a Linear's)
+``"dequantized"``        the block-scaled recipes emulated: each expert's operands quantised
+                         exactly as a dense GEMM quantises them (``functional.gemm.QUANTIZERS``;
+                         the backward's copies along the other dim, blocks along each expert's
+                         own tokens; NVFP4: its global scales, the Hadamard transform,
+                         stochastic rounding, 4over6), dequantised to the model's dtype, then
+                         high precision's grouped GEMMs on CUDA, on the CPU per expert the
+                         dense family's GEMM calls (bit for bit a Linear's)
 =======================  ===================================================================
 
 Every row is ``forward(inp, m_splits, weight, bias, r, cuda, weight_q) -> (out, saved)``
@@ -129,12 +128,10 @@ def as_splits_tensor(m_splits: Tensor | Sequence[int]) -> Tensor:
 def checked_splits(
     owner: str, m_splits: object, rows: int | None = None, rows_name: str = "inp.shape[0]"
 ) -> Tensor:
-    """:func:`as_splits_tensor` for ``owner``'s ``m_splits``, refused by name when it is neither
-    a list of ints >= 0 nor a tensor. A list's sum is checked here against ``rows`` (the input's,
-    where given; ``rows_name`` in the message), before any other constraint of the call: its
-    values are on the host, so this is free. A tensor's values are checked where the GEMMs read
-    them: a CPU tensor on the host (:func:`host_splits`), a device tensor on the device without
-    a sync (:func:`device_splits`)."""
+    """:func:`as_splits_tensor` for ``owner``'s ``m_splits``, refused by name when neither a list
+    of ints >= 0 nor a tensor. A list's sum is checked here (free: on the host) against ``rows``
+    where given (``rows_name`` in the message), before any other check; a tensor's values where
+    the GEMMs read them (:func:`host_splits`, or on the device: :func:`device_splits`)."""
     if isinstance(m_splits, Tensor):
         return m_splits
     if not isinstance(m_splits, Sequence) or isinstance(m_splits, (str, bytes)):
@@ -213,8 +210,8 @@ def group_sums(grad: Tensor, splits: Tensor, groups: int) -> Tensor:
 def _fwd_loop(
     inp: Tensor, splits: list[int], weight: Tensor, bias: Tensor | None, acc: torch.dtype | None
 ) -> Tensor:
-    """One GEMM per group, in ``acc`` (None: the input dtype), the bias in it, rounded once: the
-    call a dense ``te::linear`` makes for the group's rows (``functional.gemm.hp_linear``)."""
+    """One GEMM per group in ``acc`` (None: the input dtype), the bias in it, rounded once: a
+    dense ``te::linear``'s call on the group's rows (``functional.gemm.hp_linear``)."""
     out = inp.new_empty(inp.shape[0], weight.shape[1])
     cast = (lambda t: t) if acc is None else (lambda t: t.to(acc))
     start = 0
@@ -276,8 +273,7 @@ def grouped_mm_backward(
 
 
 def _capacity(rows: int, groups: int) -> int:
-    """Static token capacity of the padded layout: every expert's tokens rounded up to 128 fit
-    in ``128 * (rows // 128 + groups)``."""
+    """Static token capacity of the padded layout (every expert's tokens rounded up to 128)."""
     return 128 * (rows // 128 + groups)
 
 
@@ -308,9 +304,8 @@ def _padded_rows(x: Tensor, splits, firsts, starts, width: int) -> Tensor:
 
 
 def _quantize_block(x: Tensor, power_2_scale: bool, block_rows: int = 1, out_t=None):
-    """``(data, scale_inv, data_t, scale_inv_t)`` of ``x`` in E4M3, one pass for both directions;
-    the transposed copy written into ``out_t`` when given (its scales may be rows-major, the
-    GEMM's layout; on CUDA the kernel writes them in place)."""
+    """``(data, scale_inv, data_t, scale_inv_t)`` of ``x`` in E4M3, one pass for both directions,
+    the transposed copy into ``out_t`` when given (scales possibly rows-major, the GEMM's)."""
     if x.is_cuda:
         from te_compile.kernels.quantize import quantize_blockwise as kernel
 
@@ -324,9 +319,8 @@ def _quantize_block(x: Tensor, power_2_scale: bool, block_rows: int = 1, out_t=N
 
 
 def _transposed_views(codes: Tensor, scales: Tensor, width: int, k: int):
-    """``[K, width]`` codes and their ``[K, width / 128]`` scales, rows-major (strides
-    ``(1, K)``: an expert's columns are then in cuBLAS's layout without a copy), over the
-    first elements of flat buffers."""
+    """``[K, width]`` codes and ``[K, width / 128]`` scales (rows-major, strides ``(1, K)``: an
+    expert's columns in cuBLAS's layout without a copy) over the start of flat buffers."""
     return codes[: k * width].view(k, width), scales[: k * width // 128].view(-1, k).t()
 
 
@@ -355,16 +349,13 @@ def blockwise_weight(
 
 
 def blockwise_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
-    """``(out, saved)``: ``out`` ``[M, out_features]``; ``saved = [X^T codes (uint8, flat: the
-    first ``K * width`` bytes are ``[K, width]``, every expert's tokens from a multiple of 128),
-    their 1x128 scales (fp32, flat, ``[width / 128, K]``), W_g^T codes ``[K, N]`` (uint8) for
-    each expert, their scales for each expert]``; ``width`` is ``M`` when every expert's tokens
-    are a multiple of 128, else the static capacity ``128 * (M // 128 + G)``. ``main_grad`` is
-    only carried to the backward. ``weight_q``: the weight pre-quantised by
-    :func:`blockwise_weight`; ``saved`` then ends after the input's copy (the weight's dgrad
-    copy is an input: the caller saves it, and the backward takes it stacked). Under
-    ``r.override`` nothing, or (``"dequantized"``) the forward's operands dequantised (the same
-    values as its codes: one cast more)."""
+    """``saved = [X^T codes (uint8, flat: the first ``K * width`` bytes are ``[K, width]``, every
+    expert's tokens from a multiple of 128), their 1x128 scales (fp32, flat, ``[width / 128,
+    K]``), each expert's W_g^T codes ``[K, N]`` (uint8), each expert's scales]``; ``width`` is
+    ``M`` when every expert's tokens are a multiple of 128, else the static capacity ``128 * (M
+    // 128 + G)``. With ``weight_q`` (:func:`blockwise_weight`) ``saved`` ends after the input's
+    copy (the caller saves the weight's, the backward takes it stacked). Under ``r.override``
+    nothing, or (``"dequantized"``) the forward's operands dequantised (one cast more)."""
     power_2_scale, weight_block_rows = r.power_2_scale, r.weight_block_rows
     groups, n, k = weight.shape
     rows = inp.shape[0]
@@ -395,10 +386,9 @@ def blockwise_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
 
 def blockwise_backward(grad_out, saved, inp, m_splits, weight, main_grad, r, has_bias,
                        need_dgrad, need_wgrad, cuda):  # fmt: skip
-    """``(dinp, dweight, dbias)``, 0-element where not computed (``dweight`` also when it was
-    added to ``main_grad``, fp32). ``dY`` in the forward's padded layout, quantised once in
-    1x128 blocks both ways; per expert the dgrad against the saved ``W_g^T`` and the wgrad
-    against the saved ``X^T`` columns of the expert (blocks along its own tokens)."""
+    """``dY`` in the forward's padded layout, quantised once in 1x128 blocks both ways; per expert
+    the dgrad against the saved ``W_g^T`` and the wgrad against the expert's saved ``X^T``
+    columns (blocks along its own tokens)."""
     power_2_scale, w_rows = r.power_2_scale, r.weight_block_rows
     x_t, x_s = saved[:2]
     if len(saved) == 4 and saved[2].dim() == 3:  # a pre-quantised weight's stacked copies
@@ -451,11 +441,10 @@ def blockwise_backward(grad_out, saved, inp, m_splits, weight, main_grad, r, has
 
 def _cast(x2: Tensor, r: GroupedRecipe, fp8_dtype: torch.dtype, block_rows: int = 1,
           dest: Tensor | None = None) -> Tensor:  # fmt: skip
-    """``x2`` ``[M, K]`` quantised exactly by the one quantiser table
-    (``functional.gemm.quantize_operand``: Float8BlockScaling's ``block_rows`` x 128 blocks or
-    MXFP8's 32 elements along ``K``, emulated, its rowwise copy alone) and dequantised to its
-    dtype, saturating at the dtype's largest value (an E5M2 infinity stays infinite). With
-    ``dest``: the columnwise copy instead (blocks along ``M``), transposed back, rows ``dest``."""
+    """``x2`` ``[M, K]`` quantised exactly (``functional.gemm.quantize_operand``, its rowwise
+    copy: ``block_rows`` x 128 blocks or MXFP8's 32 elements along ``K``) and dequantised to its
+    dtype, saturating at its largest value (an E5M2 infinity stays infinite). With ``dest``: the
+    columnwise copy instead (blocks along ``M``), transposed back, rows ``dest``."""
     p2 = r.recipe == "block" and r.power_2_scale
     spec = QuantSpec(r.recipe, fp8_dtype, block_rows, p2, emulate=True)
     if dest is None:
@@ -466,15 +455,12 @@ def _cast(x2: Tensor, r: GroupedRecipe, fp8_dtype: torch.dtype, block_rows: int 
     return torch.where(values.isinf(), values, values.clamp(-big, big)).to(x2.dtype)
 
 
-def _cast_columns(x2: Tensor, m_splits: Tensor, r: GroupedRecipe, fp8_dtype: torch.dtype,
-                  block_rows: int = 1) -> Tensor:  # fmt: skip
-    """``x2`` ``[M, K]`` as :func:`_cast`, but quantised along ``M`` (the copy a wgrad or dgrad
-    GEMM contracts over ``M`` with, as the dense family's ``quantize_operand(columnwise=True)``
-    makes it) with every group of ``m_splits`` rows quantised on its own, as a dense GEMM per
-    group does: no block straddles two groups. Each group is moved to a multiple of the block
-    length (MXFP8 32 rows, Float8BlockScaling 128) in a zero-padded layout of static size (zero
-    rows change no block's amax), quantised there in one call and gathered back; no host
-    sync."""
+def _cast_columns(x2: Tensor, m_splits: Tensor, r: GroupedRecipe, fp8_dtype: torch.dtype):
+    """``x2`` ``[M, K]`` as :func:`_cast`, but quantised along ``M`` (the copy a GEMM contracting
+    over ``M`` takes) with every group of ``m_splits`` rows on its own, as a dense GEMM per group
+    quantises it. Each group is moved to a multiple of the block length (MXFP8 32 rows,
+    Float8BlockScaling 128) in a zero-padded layout of static size (zero rows change no block's
+    amax), quantised there in one call and gathered back; no host sync."""
     rows, k = x2.shape
     step = 32 if r.recipe == "mxfp8" else 128
     groups = m_splits.shape[0]
@@ -486,7 +472,7 @@ def _cast_columns(x2: Tensor, m_splits: Tensor, r: GroupedRecipe, fp8_dtype: tor
     dest = torch.arange(rows, device=x2.device) + shift[group]
     width = (rows + groups * (step - 1) + step - 1) // step * step
     layout = x2.new_zeros(width, k).index_copy_(0, dest, x2)
-    return _cast(layout, r, fp8_dtype, block_rows, dest)
+    return _cast(layout, r, fp8_dtype, 1, dest)
 
 
 def _weight_columns(weight: Tensor, w: Tensor | None, r: GroupedRecipe) -> Tensor:
@@ -573,12 +559,11 @@ def dequantized_input(inp: Tensor, m_splits: Tensor, r: GroupedRecipe) -> Tensor
 
 def dequantized_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
     """The high-precision grouped GEMM of the quantised-dequantised operands (CUDA: the bias
-    added to its rounded output; CPU: per expert :func:`_fwd_loop`, the bias in the GEMM, as a
-    dense ``te::linear``); ``saved = [X, W]``, the copies the backward GEMMs read, dequantised
-    and quantised along the other dim (:func:`_cast_columns`, :func:`_weight_columns`); ``[X]``
-    with ``weight_q``, whose first tensor is :func:`dequantized_weight`'s ``W`` (an input: the
-    caller saves it, for NVFP4, whose kept weight needs 16x16 tiles, which make ``W^T``'s copy
-    ``W`` itself; the others' ``W`` along ``N`` is ``weight_q``'s third tensor where given,
+    added to its rounded output; CPU: :func:`_fwd_loop`, the bias in the GEMM, as a dense
+    ``te::linear``); ``saved = [X, W]``, the backward GEMMs' copies quantised along the other dim
+    (:func:`_cast_columns`, :func:`_weight_columns`), ``[X]`` with ``weight_q`` (whose first
+    tensor is :func:`dequantized_weight`'s ``W``; the caller saves the weight's copy: NVFP4's
+    16x16 tiles make ``W`` its own, the others' is ``weight_q``'s third tensor where given,
     else made from ``weight`` in the backward)."""
     if r.recipe == "nvfp4":
         x, x_col = nvfp4_input(inp, m_splits, r)
@@ -603,11 +588,10 @@ def dequantized_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
 
 def dequantized_backward(grad, saved, inp, m_splits, weight, main_grad, r, has_bias, dgrad,
                           wgrad, cuda):  # fmt: skip
-    """The gradient quantised in blocks along ``out_features`` for the dgrad and along each
-    expert's tokens for the wgrad (NVFP4: with its global scales per expert), then the
-    high-precision grouped GEMMs against the forward's copies (on the CPU, NVFP4 aside, per
-    expert the dense family's calls, :func:`_emulated_loop`); the bias gradient from the
-    high-precision gradient."""
+    """The gradient quantised along ``out_features`` for the dgrad and along each expert's tokens
+    for the wgrad (NVFP4: global scales per expert), then the high-precision grouped GEMMs
+    against the forward's copies (CPU, NVFP4 aside: :func:`_emulated_loop`); the bias gradient
+    from the high-precision gradient."""
     x, w = saved
     if r.recipe == "nvfp4":  # dgrad on the rowwise copy, wgrad on the columnwise one
         g_row, g_col_t = nvfp4_qdq(grad, columnwise=wgrad, rht=r.rht, rng_state=r.rng_state,
@@ -638,11 +622,10 @@ def dequantized_backward(grad, saved, inp, m_splits, weight, main_grad, r, has_b
 
 
 def _emulated_loop(grad, g_row, g_col, x_col, m_splits, w_col, main_grad):
-    """The CPU's backward GEMMs of the emulated recipes, per group the calls a dense
-    ``te::linear`` makes (``functional.gemm``'s ``"dequantized"`` GEMM on the fp32 values, the
-    transposed copies contiguous, the weight gradient added to ``main_grad`` after its GEMM), so
-    a group's gradients are those of a Linear with its rows, bit for bit. ``g_row`` / ``g_col``:
-    None where that gradient is not wanted."""
+    """The CPU's backward GEMMs of the emulated recipes: per group a dense ``te::linear``'s calls
+    (``functional.gemm``'s ``"dequantized"`` GEMM on the fp32 values, ``main_grad`` added to
+    after its GEMM), so a group's gradients are a Linear's on its rows, bit for bit. ``g_row`` /
+    ``g_col``: None where that gradient is not wanted."""
     rows, (groups, n, k), dtype = x_col.shape[0], w_col.shape, grad.dtype
     dinp = grad.new_empty(rows, k) if g_row is not None else empty(grad)
     into_weight = g_col is not None and main_grad is None
