@@ -25,17 +25,11 @@ specs: the wgrad GEMM in FP8 too, the input kept as its FP8 wgrad operand instea
 precision). The GEMMs of each recipe are a row of :data:`GROUPED_GEMMS` (one table;
 ``functional.grouped_gemm`` and ``functional.grouped_fp8`` have the details).
 
-``saved`` (the tensors the backward needs that are not inputs): per-tensor recipes ``[W_8
-[G, K, N] (uint8 bytes, quantised along N or per tensor), its inverse scales [G, K]]`` and
-with ``fp8_wgrad`` ``[X_8^T [K, capacity], its inverse scales [G, K]]``, then ``[amax(X),
-amax(W)]`` under delayed scaling (and under current scaling when ``grad_amax`` is given: a
-delayed state's calibration step); native blockwise the FP8 copies of ``X^T`` (every expert's
-tokens from a multiple of 128) and of each ``W_g^T`` with their 1x128 scales; the emulated
-recipes the dequantised copies of ``X`` and ``W`` the backward GEMMs read (quantised along the
-tokens within each expert, and along ``N``); nothing in high precision. Under an override, nothing
-(``"high_precision"``) or the dequantised forward operands ``[X, W]`` (``"dequantized"``), then
-the amaxes as above.
-
+``saved`` (the tensors the backward needs that are not inputs) is the row's forward's (each
+documents it; the fake below gives every shape): the operands' copies the backward GEMMs read
+(nothing in high precision), then under the per-tensor recipes ``[amax(X), amax(W)]`` where
+:func:`~te_compile.functional.grouped_linear_args.appends_amaxes`. Under an override, nothing
+(``"high_precision"``) or the dequantised forward operands ``[X, W]`` (``"dequantized"``).
 Pre-quantised weight: ``weight_q``, as ``te::linear``'s, cast by ``te::quantize_grouped_weight``
 (``functional.grouped_weight``, the bytes of the op's own cast); ``saved`` then lacks the
 weight's copies (the backward gets them from the inputs).
@@ -44,10 +38,8 @@ Under ``torch.compile`` Inductor traces into a high-precision call on CUDA on th
 ``torch._grouped_mm`` path; every other call is kept whole (:func:`host_split_path`; the
 reasons are in ``docs/op_mechanism.md``). Weight-gradient fusion: ``main_grad`` (fp32, weight's
 shape) receives ``+= dW`` instead of a ``dweight`` output, as in ``te::linear_bwd``.
-
-This file holds the ops (reference, schemas, fakes, autograd) and the public function; beside
-it, ``grouped_linear_args.py`` (the arguments and their checks) and ``grouped_linear_samples.py``
-(the registry test's sample inputs).
+Beside this file: ``grouped_linear_args.py`` (the arguments and their checks) and
+``grouped_linear_samples.py`` (the registry test's sample inputs).
 """
 
 from __future__ import annotations
@@ -435,25 +427,9 @@ class _Bwd(NamedTuple):
     need_dgrad: bool
     need_wgrad: bool
 
-    @classmethod
-    def of(cls, input_spec, weight_spec, grad_spec, backward, *flags) -> _Bwd:
-        return cls(*as_specs(input_spec, weight_spec, grad_spec),
-                   parse(BackwardSpec, backward), *flags)  # fmt: skip
 
-
-_N_BWD_TENSORS = 9  # grad_out, saved, inp, m_splits, weight, main_grad, scale, grad_amax,
-# rng_state
-_N_BWD_SCALARS = 7  # the specs, backward, has_bias, need_dgrad, need_wgrad
-
-
-def _backward_impl(grad_out, saved, inp, m_splits, weight, main_grad, scale, grad_amax,
-                   rng_state, c: _Bwd, cuda: bool):  # fmt: skip
-    r = make_grouped_recipe((c.x, c.w, c.g), scale, grad_amax, c.bw, rng_state)
-    _, backward = GROUPED_GEMMS[grouped_gemm_kind(c.x.kind, c.x.emulate)]
-    if c.bw.save_input and backward is dequantized_backward:  # the kept input quantised again
-        saved = [dequantized_input(inp, m_splits, r) if c.need_wgrad else inp, *saved]
-    return backward(grad_out, saved, inp, m_splits, weight, main_grad, r, c.has_bias,
-                    c.need_dgrad, c.need_wgrad, cuda)  # fmt: skip
+# grad_out, saved, inp, m_splits, weight, main_grad, scale, grad_amax, rng_state
+_N_BWD_TENSORS = 9
 
 
 @op(
@@ -494,19 +470,26 @@ def grouped_linear_bwd(
 
 
 def _bwd_args(args: tuple) -> tuple[tuple, _Bwd, Tensor | None]:
-    """The tensors, the scalars and the ``wgrad_stash`` of a backward call; a stash takes the
-    weight gradient's place (``need_wgrad`` becomes False)."""
-    n, end = _N_BWD_TENSORS, _N_BWD_TENSORS + _N_BWD_SCALARS
-    c = _Bwd.of(*args[n:end])
+    """The tensors, the scalars (the specs, backward, has_bias, need_dgrad, need_wgrad) and the
+    ``wgrad_stash`` of a backward call; a stash takes the weight gradient's place (``need_wgrad``
+    becomes False)."""
+    n, end = _N_BWD_TENSORS, _N_BWD_TENSORS + 7
+    c = _Bwd(*as_specs(*args[n : n + 3]), parse(BackwardSpec, args[n + 3]), *args[n + 4 : end])
     stash = args[end] if len(args) > end else None
     return args[:n], (c if stash is None else c._replace(need_wgrad=False)), stash
 
 
 def _backward_op(args: tuple, cuda: bool) -> tuple[Tensor, Tensor, Tensor]:
     tensors, c, stash = _bwd_args(args)
+    grad_out, saved, inp, m_splits, weight, main_grad, scale, grad_amax, rng_state = tensors
     if stash is not None:
-        stash.copy_(tensors[0])
-    return _backward_impl(*tensors, c, cuda=cuda)
+        stash.copy_(grad_out)
+    r = make_grouped_recipe((c.x, c.w, c.g), scale, grad_amax, c.bw, rng_state)
+    _, backward = GROUPED_GEMMS[grouped_gemm_kind(c.x.kind, c.x.emulate)]
+    if c.bw.save_input and backward is dequantized_backward:  # the kept input quantised again
+        saved = [dequantized_input(inp, m_splits, r) if c.need_wgrad else inp, *saved]
+    return backward(grad_out, saved, inp, m_splits, weight, main_grad, r, c.has_bias,
+                    c.need_dgrad, c.need_wgrad, cuda)  # fmt: skip
 
 
 @grouped_linear_bwd.register_kernel("cuda")
