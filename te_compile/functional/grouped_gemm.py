@@ -9,9 +9,8 @@ kind                     GEMMs
 ``"grouped_mm"``         high precision: ``torch._grouped_mm`` on device offsets (CUDA, bf16,
                          dims multiples of 8), else a GEMM per group (fp32 math on the CPU)
 ``"scaled_grouped_mm"``  per-tensor recipes (``functional.grouped_fp8``)
-``"blockwise"``          Float8BlockScaling, native: a blockwise-scaled ``torch._scaled_mm`` per
-                         expert (host splits; every expert's tokens padded to 128 in one
-                         layout)
+``"blockwise"``          Float8BlockScaling, native: a blockwise ``torch._scaled_mm`` per expert
+                         (host splits; every expert's tokens padded to 128 in one layout)
 ``"dequantized"``        the block-scaled recipes emulated: each expert's operands quantised
                          exactly as a dense GEMM quantises them (``functional.gemm.QUANTIZERS``;
                          the backward's copies along the other dim, blocks along each expert's
@@ -22,16 +21,14 @@ kind                     GEMMs
 =======================  ===================================================================
 
 Every row is ``forward(inp, m_splits, weight, bias, r, cuda, weight_q) -> (out, saved)``
-(``weight_q``: the pre-quantised weight, or None) and
-``backward(grad, saved, inp, m_splits, weight, main_grad, r, has_bias, need_dgrad, need_wgrad,
-cuda) -> (dinp, dweight, dbias)`` (0-element where not computed; ``dweight`` also when it went
-into ``main_grad``; ``saved`` without the amaxes a forward appends), ``r`` a
-:class:`GroupedRecipe`.
+(``weight_q``: the pre-quantised weight, or None) and ``backward(grad, saved, inp, m_splits,
+weight, main_grad, r, has_bias, need_dgrad, need_wgrad, cuda) -> (dinp, dweight, dbias)``
+(0-element where not computed; ``dweight`` also when it went into ``main_grad``; ``saved``
+without the amaxes a forward appends), ``r`` a :class:`GroupedRecipe`.
 
-The rows of ``inp`` ``[M, K]`` are split into ``G`` consecutive groups of ``m_splits[g]`` rows
-(zero-size groups allowed). ``m_splits`` is an integer tensor on the input's device or the CPU;
-the device-offset paths never read it on the host (``torch._assert_async`` checks ``sum == M``
-and ``>= 0``), the loops do (one sync on CUDA).
+``m_splits`` (``grouped_linear_ops``' module docstring): the device-offset paths never read it
+on the host (``torch._assert_async`` checks ``sum == M`` and ``>= 0``), the loops do (one sync
+on CUDA).
 """
 
 from __future__ import annotations
@@ -69,7 +66,6 @@ __all__ = [
     "dequantized_forward",
     "dequantized_weight",
     "device_splits",
-    "group_sums",
     "grouped_gemm_kind",
     "grouped_mm_backward",
     "high_precision_backward",
@@ -94,11 +90,10 @@ def grouped_gemm_kind(recipe: str, emulate: bool) -> str:
 
 
 class GroupedRecipe(NamedTuple):
-    """A grouped linear op's specs as its GEMMs take them (``functional.grouped_linear_ops`` makes
-    it from the three ``QuantSpec``s), with the delayed state, ``fp8_wgrad``, the stochastic
-    rounding stream and the backward ``override`` (``"high_precision"``: the forward saves
-    nothing, ``"dequantized"``: ``[X, W]``, the forward GEMM's operands dequantised to the input
-    dtype; the backward is then high precision's)."""
+    """A grouped linear op's three ``QuantSpec``s as its GEMMs take them, with the delayed state,
+    ``fp8_wgrad``, the stochastic rounding stream and the backward ``override`` (the forward then
+    saves nothing, or for ``"dequantized"`` its operands dequantised ``[X, W]``; the backward is
+    high precision's)."""
 
     recipe: str = ""
     fwd_dtype: torch.dtype = _E4M3
@@ -196,7 +191,7 @@ def row_bias(bias: Tensor, splits: Tensor, rows: int) -> Tensor:
     return torch.repeat_interleave(bias, splits, dim=0, output_size=rows)
 
 
-def group_sums(grad: Tensor, splits: Tensor, groups: int) -> Tensor:
+def _group_sums(grad: Tensor, splits: Tensor, groups: int) -> Tensor:
     """Every group's column sums of ``grad`` ``[rows, N]`` (a bias gradient) by the device
     ``splits``: one fp32 ``index_add_``, no host sync."""
     rows, n = grad.shape
@@ -265,7 +260,7 @@ def grouped_mm_backward(
             main_grad.add_(dw)
         else:
             dweight = dw
-    dbias = group_sums(grad_out, splits, weight.shape[0]) if has_bias else empty(grad_out)
+    dbias = _group_sums(grad_out, splits, weight.shape[0]) if has_bias else empty(grad_out)
     return dinp, dweight, dbias
 
 
@@ -277,30 +272,24 @@ def _capacity(rows: int, groups: int) -> int:
     return 128 * (rows // 128 + groups)
 
 
-def _plan(splits: Sequence[int], rows: int) -> tuple[list[int], list[int], int]:
-    """``(first row of each expert in inp, first row in the padded layout, padded rows)``. When
-    every expert's tokens are a multiple of 128 the padded layout is ``inp`` itself; otherwise
-    each expert starts at a multiple of 128 of a ``_capacity`` layout (zero rows between)."""
+def _padded(x: Tensor, m_splits: Tensor):
+    """``(splits, first row of each expert in x, first row in the padded layout, padded rows, x
+    in it)``. When every expert's tokens are a multiple of 128 the padded layout is ``x``
+    itself; otherwise each expert starts at a multiple of 128 of a :func:`_capacity` layout
+    (zero rows between; one scatter)."""
+    rows = x.shape[0]
+    splits = host_splits(m_splits, rows)
     firsts, starts, row, pos = [], [], 0, 0
     for m in splits:
         firsts.append(row)
         starts.append(pos)
         row, pos = row + m, pos - (-m // 128) * 128
     if all(m % 128 == 0 for m in splits):
-        return firsts, firsts, rows
-    return firsts, starts, _capacity(rows, len(splits))
-
-
-def _padded_rows(x: Tensor, splits, firsts, starts, width: int) -> Tensor:
-    """``x`` in the padded layout (one scatter; the original when they coincide)."""
-    if width == x.shape[0] and starts == firsts:
-        return x
-    index = torch.cat(
-        [torch.arange(p, p + m) for p, m in zip(starts, splits, strict=True)]
-        + [torch.empty(0, dtype=torch.int64)]
-    )
-    out = x.new_zeros(width, x.shape[1])
-    return out.index_copy_(0, index.to(x.device, non_blocking=True), x)
+        return splits, firsts, firsts, rows, x
+    width = _capacity(rows, len(splits))
+    index = torch.cat([torch.arange(p, p + m) for p, m in zip(starts, splits, strict=True)])
+    out = x.new_zeros(width, x.shape[1]).index_copy_(0, index.to(x.device, non_blocking=True), x)
+    return splits, firsts, starts, width, out
 
 
 def _quantize_block(x: Tensor, power_2_scale: bool, block_rows: int = 1, out_t=None):
@@ -359,12 +348,10 @@ def blockwise_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
     power_2_scale, weight_block_rows = r.power_2_scale, r.weight_block_rows
     groups, n, k = weight.shape
     rows = inp.shape[0]
-    splits = host_splits(m_splits, rows)
-    firsts, starts, width = _plan(splits, rows)
+    splits, firsts, starts, width, x = _padded(inp, m_splits)
     cap = _capacity(rows, groups)
     x_t = inp.new_empty(k * cap, dtype=torch.uint8)
     x_s = inp.new_empty(k * cap // 128, dtype=torch.float32)
-    x = _padded_rows(inp, splits, firsts, starts, width)
     xd, xs, _, _ = _quantize_block(x, power_2_scale, 1, _transposed_views(x_t, x_s, width, k))
     out = inp.new_empty(rows, n)
     w_t, w_s = [], []
@@ -400,9 +387,7 @@ def blockwise_backward(grad_out, saved, inp, m_splits, weight, main_grad, r, has
     k, n = w_t[0].shape
     dtype = grad_out.dtype
     rows = grad_out.shape[0]
-    splits = host_splits(m_splits, rows)
-    firsts, starts, width = _plan(splits, rows)
-    dy = _padded_rows(grad_out, splits, firsts, starts, width)
+    splits, firsts, starts, width, dy = _padded(grad_out, m_splits)
     codes = grad_out.new_empty(n * width, dtype=torch.uint8)
     scales = grad_out.new_empty(n * width // 128, dtype=torch.float32)
     gd, gs, gd_t, gs_t = _quantize_block(
@@ -421,10 +406,8 @@ def blockwise_backward(grad_out, saved, inp, m_splits, weight, main_grad, r, has
             w = w_t[g].view(_E4M3)
             _gemm_rows(gd[pos:], gs[pos:], w, w_s[g], w_rows, dtype, None, dinp[row : row + m])
         if need_wgrad:
-            cols, blocks = (
-                slice(pos, pos + padded(m)),
-                slice(pos // 128, pos // 128 - (-m // 128)),
-            )
+            cols = slice(pos, pos + padded(m))
+            blocks = slice(pos // 128, pos // 128 - (-m // 128))
             a, sa = gd_t[:, cols], gs_t[:, blocks]
             b, sb = xd_t[:, cols], xs_t[:, blocks]
             if into_weight:
@@ -614,7 +597,7 @@ def dequantized_backward(grad, saved, inp, m_splits, weight, main_grad, r, has_b
         dinp, dweight = _emulated_loop(grad, g_row, g_col, x, m_splits, w, main_grad)
     dbias = empty(grad)  # fp32 sums: on CUDA over the device splits, else per group
     if has_bias and cuda:
-        dbias = group_sums(grad, device_splits(m_splits, grad)[0], w.shape[0])
+        dbias = _group_sums(grad, device_splits(m_splits, grad)[0], w.shape[0])
     elif has_bias:
         splits = host_splits(m_splits, grad.shape[0])
         dbias = bwd_loop(grad, None, splits, w, None, True, False, False, torch.float32)[2]
