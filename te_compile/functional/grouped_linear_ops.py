@@ -50,11 +50,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from te_compile._checks import (
-    check_bool,
-    check_choice,
-    check_tensors,
-)
+from te_compile._checks import check_bool, check_choice, check_tensors
 from te_compile._library import HOST_SPLITS, differentiable, op
 from te_compile._numerics import acc_dtype
 from te_compile.functional.dense_weight import check_weight_quantized
@@ -157,21 +153,6 @@ def _fake_quant(x: Tensor, fp8_dtype: torch.dtype, dim: int, scale: Tensor | Non
     return (data.to(acc) * scale_inv.to(acc)).to(x.dtype)
 
 
-def _ref_operands(x: Tensor, w: Tensor, splits: list[int], r: GroupedRecipe) -> tuple[Tensor, ...]:
-    """The forward GEMM's operands, quantised and dequantised: per row (per tensor with delayed
-    scales) or in blocks along ``in_features``, each expert's weight in its blocks (NVFP4: the
-    rowwise copies of ``functional.grouped_gemm.nvfp4_input`` / ``nvfp4_weight``)."""
-    if r.recipe in PER_TENSOR:
-        s_x, s_w, _ = scale_slots(r.scale, r.recipe)
-        return _fake_quant(x, r.fwd_dtype, -1, s_x), _fake_quant(w, r.fwd_dtype, -1, s_w)
-    if r.recipe == "nvfp4":
-        return nvfp4_input(x, torch.tensor(splits), r)[0], nvfp4_weight(w, r)[0]
-    p2 = r.power_2_scale if r.recipe == "block" else False
-    rows = r.weight_block_rows if r.recipe == "block" else 1
-    wq = torch.stack([qdq(w_g, r.recipe, r.fwd_dtype, rows, p2) for w_g in w])
-    return qdq(x, r.recipe, r.fwd_dtype, 1, p2), wq
-
-
 def _ref_columns(x_g: Tensor, r: GroupedRecipe, fp8_dtype: torch.dtype) -> Tensor:
     """One group's (or expert's) ``[m, C]`` quantised-dequantised along ``m`` (blocks of 32
     rows for MXFP8, 128 for Float8BlockScaling's 1x128 blocks), a partial last block as if
@@ -184,33 +165,36 @@ def _ref_columns(x_g: Tensor, r: GroupedRecipe, fp8_dtype: torch.dtype) -> Tenso
 
 
 def _ref_copies(x: Tensor, w: Tensor, splits: list[int], r: GroupedRecipe) -> tuple[Tensor, ...]:
-    """``(X, W, X_col, W_col)``: the forward GEMM's operands and the copies the backward GEMMs
-    read, quantised-dequantised. Per-tensor recipes: ``W`` along ``N`` (rowwise; delayed: the
-    forward's per-tensor values), ``X`` in high precision or, with ``fp8_wgrad``, per (group,
-    column) over the group's tokens. Block-scaled: along ``out_features`` (128x128 weight
-    blocks: the forward's) and along each expert's own tokens. NVFP4: as
-    ``functional.gemm_ref.quantized_linear_ref`` defines a dense GEMM per expert (its own global
-    scales, copies quantised along the other dim, the transform, 4over6)."""
+    """``(X, W, X_col, W_col)``: the forward GEMM's operands (per row, per tensor with delayed
+    scales, or in blocks along ``in_features``, each expert's weight in its blocks) and the
+    copies the backward GEMMs read, quantised-dequantised. Per-tensor recipes: ``W`` along ``N``
+    (rowwise; delayed: the forward's per-tensor values), ``X`` in high precision or, with
+    ``fp8_wgrad``, per (group, column) over the group's tokens. Block-scaled: along
+    ``out_features`` (128x128 weight blocks: the forward's) and along each expert's own tokens.
+    NVFP4: as ``functional.gemm_ref.quantized_linear_ref`` defines a dense GEMM per expert (the
+    copies of ``functional.grouped_gemm.nvfp4_input`` / ``nvfp4_weight``)."""
     if r.recipe == "nvfp4":
         (xq, x_col), (wq, w_col) = nvfp4_input(x, torch.tensor(splits), r), nvfp4_weight(w, r)
         return xq, wq, x_col, w_col
-    xq, wq = _ref_operands(x, w, splits, r)
     if r.recipe in PER_TENSOR:
         s_x, s_w, _ = scale_slots(r.scale, r.recipe)
+        xq, wq = _fake_quant(x, r.fwd_dtype, -1, s_x), _fake_quant(w, r.fwd_dtype, -1, s_w)
         w_col = _fake_quant(w, r.fwd_dtype, 1, s_w)
         x_cols = [_fake_quant(x_g, r.fwd_dtype, 0, s_x) for x_g in x.split(splits)]
         return xq, wq, torch.cat(x_cols) if r.fp8_wgrad else x, w_col
+    p2 = r.power_2_scale if r.recipe == "block" else False
     w_rows = r.weight_block_rows if r.recipe == "block" else 1
+    wq = torch.stack([qdq(w_g, r.recipe, r.fwd_dtype, w_rows, p2) for w_g in w])
+    xq = qdq(x, r.recipe, r.fwd_dtype, 1, p2)
     w_col = wq if w_rows != 1 else torch.stack([_ref_columns(w_g, r, r.fwd_dtype) for w_g in w])
     x_col = torch.cat([_ref_columns(x_g, r, r.fwd_dtype) for x_g in x.split(splits)])
     return xq, wq, x_col, w_col
 
 
 def _ref_grads(dy: Tensor, splits: list[int], r: GroupedRecipe) -> tuple[Tensor, list[Tensor]]:
-    """``(dY for the dgrad, every group's dY for the wgrad)``, quantised-dequantised as
-    :func:`_ref_copies` quantises the operands they meet (per-tensor recipes: the wgrad's in
-    high precision without ``fp8_wgrad``; NVFP4: stochastic rounding from one stream over the
-    whole gradient)."""
+    """``(dY for the dgrad, every group's dY for the wgrad)``, quantised-dequantised as the
+    operands they meet (per-tensor recipes: the wgrad's in high precision without
+    ``fp8_wgrad``; NVFP4: stochastic rounding from one stream over the whole gradient)."""
     if r.recipe == "nvfp4":
         g_row, g_col_t = nvfp4_qdq(dy, rht=r.rht, rng_state=r.rng_state,
                                    row_splits=torch.tensor(splits))  # fmt: skip
@@ -297,7 +281,7 @@ def _override_reference(a: GroupedLinearArgs) -> Tensor:
     value = _reference(*a._replace(backward="")).detach()
     x, w = a.inp, a.weight
     if a.bw.override == "dequantized":
-        xq, wq = _ref_operands(x, w, a.m_splits.tolist(), a.grouped_recipe)
+        xq, wq = _ref_copies(x, w, a.m_splits.tolist(), a.grouped_recipe)[:2]
         x, w = x + (xq - x).detach(), w + (wq - w).detach()
     y = grouped_linear_ref(x, a.m_splits, w, a.bias)
     return y + (value - y).detach()
@@ -359,10 +343,8 @@ def grouped_linear_fwd(
     weight_q: list[Tensor] | None = None,
     wgrad_stash: Tensor | None = None,
 ) -> tuple[Tensor, list[Tensor]]:
-    """``(out [M, out_features], saved)`` (module docstring). ``main_grad`` is only carried to
-    the backward. ``weight_q``: ``weight`` pre-quantised (``functional.grouped_weight``);
-    ``saved`` then lacks the weight's copies. Default (CPU): fp32 math (fp64 stays fp64) in
-    high precision, the exact emulation of the FP8 GEMMs."""
+    """``(out [M, out_features], saved)`` (module docstring); ``main_grad`` is only carried to the
+    backward. Default (CPU): fp32 math (fp64 stays fp64), the exact emulation of FP8 GEMMs."""
     a = GroupedLinearArgs(inp, m_splits, weight, bias, main_grad, input_spec, weight_spec,
                           grad_spec, scale, grad_amax, rng_state, backward, weight_q,
                           wgrad_stash)  # fmt: skip
@@ -456,13 +438,11 @@ def grouped_linear_bwd(
     need_wgrad: bool,
     wgrad_stash: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dinp, dweight, dbias)``; a gradient not computed is a 0-element tensor (dweight also
-    when it went into ``main_grad``). ``saved``: the forward's, without the amaxes; ``inp`` is
-    needed (and passed) only where a high-precision wgrad reads it; the strings are the
-    forward's (``rng_state``: its stream for a gradient spec's stochastic rounding). Writes
-    ``amax(dY)`` into ``grad_amax`` when given. ``wgrad_stash`` (delayed weight gradient):
-    ``grad_out`` is copied into it and the weight gradient is not computed (``DeferredWgrad``
-    replays this op for it). Default (CPU): fp32 math, the exact emulation of the FP8 GEMMs."""
+    """``(dinp, dweight, dbias)``, 0-element where not computed (dweight also when it went into
+    ``main_grad``). ``saved``: the forward's without the amaxes; ``inp`` only where the backward
+    reads it (:func:`_for_backward`); the strings and ``rng_state`` the forward's. Writes
+    ``amax(dY)`` into ``grad_amax`` when given. ``wgrad_stash``: ``grad_out`` copied into it,
+    the weight gradient not computed (``DeferredWgrad`` replays this op for it)."""
     args = (grad_out, saved, inp, m_splits, weight, main_grad, scale, grad_amax, rng_state,
             input_spec, weight_spec, grad_spec, backward, has_bias, need_dgrad, need_wgrad,
             wgrad_stash)  # fmt: skip
