@@ -18,29 +18,27 @@ contraction dim (current scaling: measured now):
   column), i.e. amax over ``N`` (the forward writes this copy, transposed to ``[G, K, N]``, and
   saves it);
 * wgrad ``dW_g = dY_g^T X_g``: high precision (``functional.grouped_gemm``'s: ``torch._grouped_mm``
-  on CUDA, a loop in fp32 elsewhere), or with
-  ``fp8_wgrad`` in FP8 with scales along the token dim, ``X`` per (group, input column) and
-  ``dY`` per (group, output column), amax over the group's tokens, both written transposed with
-  every group padded to a multiple of 16 tokens (zeros; :func:`quantize_group_columns`). The
-  forward makes the input's copy and saves it instead of the input. The bias gradient is the
-  per-group sum of the high-precision ``dY``.
+  on CUDA, a loop in fp32 elsewhere), or with ``fp8_wgrad`` in FP8 with scales along the token
+  dim, ``X`` per (group, input column) and ``dY`` per (group, output column), amax over the
+  group's tokens, both written transposed with every group padded to a multiple of 16 tokens
+  (zeros; :func:`quantize_group_columns`). The forward makes the input's copy and saves it
+  instead of the input. The bias gradient is the per-group sum of the high-precision ``dY``.
 
 Delayed scaling: one given scale per tensor instead, ``scale`` ``[3]`` (input, weight,
 gradient), the casts the ``"delayed"`` row of the one quantiser table
 (``functional.gemm.quantize_operand``), each inverse scale broadcast to the rowwise vectors the
-grouped GEMM takes; the
-forward returns ``[amax(X), amax(W)]``, the backward writes ``amax(dY)`` into ``grad_amax``.
+grouped GEMM takes; the forward returns ``[amax(X), amax(W)]``, the backward writes
+``amax(dY)`` into ``grad_amax``.
 Current scaling measures the amaxes (extra reads) only when ``grad_amax`` is given: a delayed
 state's first step runs current scaling and records them.
 
 CUDA (bf16): ``torch._scaled_grouped_mm(a_8, b_8.transpose(-2, -1), scale_a [M], scale_b [G,
 N], offs=offs, out_dtype=bfloat16)`` on device offsets (no host sync). That kernel takes E4M3
-operands only: an E5M2 operand (the gradient under ``HYBRID``) goes in as the E4M3 codes of its
-values times ``2**-7``, its inverse scales times 128 (:func:`as_e4m3`; ``docs/fp8.md`` gives
-the error bound), on every path, so all see the same codes. float32 / float16 inputs, the CPU
-and ``emulate`` use the exact emulation per group: the same FP8 values and scales, the GEMM of
-the FP8 values in fp32, the scales applied to the fp32 accumulator, the bias added in fp32,
-rounded once. Zero rows get scale 1 (no NaN).
+operands only: an E5M2 operand (the gradient under ``HYBRID``) goes in as E4M3 codes on every
+path (:func:`as_e4m3`). float32 / float16 inputs, the CPU and ``emulate`` use the exact
+emulation per group: the same FP8 values and scales, the GEMM of the FP8 values in fp32, the
+scales applied to the fp32 accumulator, the bias added in fp32, rounded once. Zero rows get
+scale 1 (no NaN).
 """
 
 from __future__ import annotations
@@ -105,9 +103,7 @@ def _gemm_loop(
 ) -> Tensor:
     """Exact emulation: rows of group ``g`` get ``(aq_g @ bq[g]^T) * (sa_g[:, None] * sb[g])``
     (+ ``bias[g]``) in fp32, rounded once (``aq`` ``[M, C]``, ``bq`` ``[G, P, C]`` as E4M3
-    codes, scales ``[M]``, ``[G, P]``). The scales multiply each other first: an input at fp32's
-    max has an inverse scale near ``FLT_MAX / 448``, which times the FP8 product overflows
-    before the weight's small scale would bring it back."""
+    codes, scales ``[M]``, ``[G, P]``); the scales multiplied first (``docs/fp8.md``)."""
     aq, sa = as_e4m3(aq, sa)
     bq, sb = as_e4m3(bq, sb)
     out = torch.empty(aq.shape[0], bq.shape[1], dtype=dtype, device=aq.device)
@@ -124,10 +120,8 @@ def _gemm_loop(
 
 def as_e4m3(q: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
     """A GEMM operand in E4M3 codes: E4M3 ``q`` as is; E5M2 ``q`` recoded to the E4M3 codes of
-    its values times ``2**-7`` with its inverse scales ``s`` times 128
-    (``kernels.e5m2_to_e4m3_table``; exact down to ``amax / 57344`` of a slice, ``docs/fp8.md``).
-    Hopper's grouped FP8 GEMM takes E4M3 operands only; every grouped GEMM here, on any
-    device, sees the same codes."""
+    its values times ``2**-7``, its inverse scales ``s`` times 128 (``kernels.e5m2_to_e4m3_table``;
+    ``docs/fp8.md``), for every grouped GEMM here on any device."""
     if q.dtype is not torch.float8_e5m2:
         return q, s
     if q.is_cuda:
@@ -162,10 +156,9 @@ def _gemm_grouped(
 
 
 def _balanced(sa: Tensor, sb: Tensor) -> tuple[Tensor, Tensor]:
-    """``(sa * 2**-s, sb * 2**s)``: the same products ``sa[i] * sb[j]`` (exactly: powers of
-    two), the largest exponents of the two evened out, so that the fp32 accumulator times one
-    scale cannot overflow before the other brings it back (``docs/fp8.md``). No host sync; on
-    CUDA one Triton launch (``kernels.quantize_rows.balance_scales``) for the ten below."""
+    """``(sa * 2**-s, sb * 2**s)``: the same products ``sa[i] * sb[j]``, the largest exponents of
+    the two evened out (``docs/fp8.md``). No host sync; on CUDA one Triton launch
+    (``kernels.quantize_rows.balance_scales``) for the ten below."""
     if sa.is_cuda:
         from te_compile.kernels import quantize_rows
 
