@@ -377,14 +377,12 @@ def blockwise_backward(grad_out, saved, inp, m_splits, weight, main_grad, r, has
     the dgrad against the saved ``W_g^T`` and the wgrad against the expert's saved ``X^T``
     columns (blocks along its own tokens)."""
     power_2_scale, w_rows = r.power_2_scale, r.weight_block_rows
+    groups, n, k = weight.shape
     x_t, x_s = saved[:2]
-    if len(saved) == 4 and saved[2].dim() == 3:  # a pre-quantised weight's stacked copies
+    if saved[2].dim() == 3:  # a pre-quantised weight's stacked copies
         w_t, w_s = saved[2].unbind(0), saved[3].unbind(0)
     else:
-        groups = (len(saved) - 2) // 2
         w_t, w_s = saved[2 : 2 + groups], saved[2 + groups :]
-    groups = len(w_t)
-    k, n = w_t[0].shape
     dtype = grad_out.dtype
     rows = grad_out.shape[0]
     splits, firsts, starts, width, dy = _padded(grad_out, m_splits)
