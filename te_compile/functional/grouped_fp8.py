@@ -28,9 +28,8 @@ Delayed scaling: one given scale per tensor instead, ``scale`` ``[3]`` (input, w
 gradient), the casts the ``"delayed"`` row of the one quantiser table
 (``functional.gemm.quantize_operand``), each inverse scale broadcast to the rowwise vectors the
 grouped GEMM takes; the forward returns ``[amax(X), amax(W)]``, the backward writes
-``amax(dY)`` into ``grad_amax``.
-Current scaling measures the amaxes (extra reads) only when ``grad_amax`` is given: a delayed
-state's first step runs current scaling and records them.
+``amax(dY)`` into ``grad_amax``. Current scaling measures the amaxes (a read of each operand
+more) only when ``grad_amax`` is given: a delayed state's first step runs it and records them.
 
 CUDA (bf16): ``torch._scaled_grouped_mm(a_8, b_8.transpose(-2, -1), scale_a [M], scale_b [G,
 N], offs=offs, out_dtype=bfloat16)`` on device offsets (no host sync). That kernel takes E4M3
@@ -318,14 +317,12 @@ def per_tensor_weight(
 
 
 def per_tensor_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
-    """Current scaling rowwise, delayed per tensor. ``saved = [W_8^T [G, K, N] (uint8), its
-    inverse scales [G, K]]``, with ``fp8_wgrad`` then ``[X_8^T [K, capacity] (uint8), its
-    inverse scales [G, K]]`` (:func:`quantize_group_columns`), then ``[amax(X), amax(W)]`` under
-    delayed scaling and under current scaling when ``grad_amax`` is given (a delayed state's
-    calibration step: a read of each operand more). ``weight_q``: the weight pre-quantised by
-    :func:`per_tensor_weight` (its amax then the cast's); ``saved`` then lacks the weight's
-    copy (the caller saves it). ``cuda`` with a bf16 ``inp`` and not ``r.emulate``: the grouped
-    GEMM on device offsets (no host sync), else the exact emulation per group."""
+    """``saved = [W_8^T [G, K, N] (uint8), its inverse scales [G, K]]``, with ``fp8_wgrad`` then
+    ``[X_8^T [K, capacity] (uint8), its inverse scales [G, K]]`` (:func:`quantize_group_columns`),
+    then the amaxes (module docstring). ``weight_q``: the weight pre-quantised by
+    :func:`per_tensor_weight` (its amax then the cast's); ``saved`` then lacks the weight's copy
+    (the caller saves it). ``cuda`` with a bf16 ``inp`` and not ``r.emulate``: the grouped GEMM
+    on device offsets (no host sync), else the exact emulation per group."""
     native = cuda and inp.dtype is torch.bfloat16 and not r.emulate
     measure = r.grad_amax is not None
     s_x, s_w, _ = scale_slots(r.scale, r.recipe)
@@ -337,22 +334,19 @@ def per_tensor_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
         wq, wq_t = wq.view(fwd_dtype), wq_t.view(fwd_dtype)
     if s_x is None:
         xq, xs = quantize_rowwise(inp, fwd_dtype)
-        # Measured only when asked for (grad_amax given): a read of each operand more.
         amax = inp.new_empty(0, dtype=torch.float32)
         if measure:
             amax = torch.cat([_amax(inp).reshape(1), w_amax])
     else:
         xq, xs, x_amax = _quantize_delayed(inp, fwd_dtype, s_x, (inp.shape[0],))
         amax = torch.cat([x_amax, w_amax])
-    dsplits = None
+    dsplits = device_splits(m_splits, inp) if native else None
     if native:
-        dsplits = splits, offs = device_splits(m_splits, inp)
-        out = _gemm_grouped(xq, xs, wq, ws, splits, offs, fast_accum=True)
+        out = _gemm_grouped(xq, xs, wq, ws, *dsplits, fast_accum=True)
         if bias is not None:
-            out += row_bias(bias, splits, inp.shape[0])
+            out += row_bias(bias, dsplits[0], inp.shape[0])
     else:
-        splits = host_splits(m_splits, inp.shape[0])
-        out = _gemm_loop(xq, xs, wq, ws, splits, inp.dtype, bias)
+        out = _gemm_loop(xq, xs, wq, ws, host_splits(m_splits, inp.shape[0]), inp.dtype, bias)
     amaxes = [amax] if amax.numel() else []
     if r.override == "dequantized":  # the values the GEMM multiplied (E5M2: its E4M3 codes')
         pairs = as_e4m3(xq, xs), as_e4m3(wq, ws)
