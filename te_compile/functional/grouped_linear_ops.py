@@ -27,9 +27,9 @@ precision). The GEMMs of each recipe are a row of :data:`GROUPED_GEMMS` (one tab
 
 ``saved`` (the tensors the backward needs that are not inputs) is the row's forward's (each
 documents it; the fake below gives every shape): the operands' copies the backward GEMMs read
-(nothing in high precision), then under the per-tensor recipes ``[amax(X), amax(W)]`` where
-:func:`~te_compile.functional.grouped_linear_args.appends_amaxes`. Under an override, nothing
-(``"high_precision"``) or the dequantised forward operands ``[X, W]`` (``"dequantized"``).
+(nothing in high precision; under an override nothing, ``"high_precision"``, or the dequantised
+forward operands ``[X, W]``, ``"dequantized"``), then under the per-tensor recipes ``[amax(X),
+amax(W)]`` where :func:`~te_compile.functional.grouped_linear_args.appends_amaxes`.
 Pre-quantised weight: ``weight_q``, as ``te::linear``'s, cast by ``te::quantize_grouped_weight``
 (``functional.grouped_weight``, the bytes of the op's own cast); ``saved`` then lacks the
 weight's copies (the backward gets them from the inputs).
@@ -410,10 +410,6 @@ class _Bwd(NamedTuple):
     need_wgrad: bool
 
 
-# grad_out, saved, inp, m_splits, weight, main_grad, scale, grad_amax, rng_state
-_N_BWD_TENSORS = 9
-
-
 @op(
     "grouped_linear_bwd",
     mutates_args=("main_grad", "grad_amax", "wgrad_stash"),
@@ -450,10 +446,10 @@ def grouped_linear_bwd(
 
 
 def _bwd_args(args: tuple) -> tuple[tuple, _Bwd, Tensor | None]:
-    """The tensors, the scalars (the specs, backward, has_bias, need_dgrad, need_wgrad) and the
-    ``wgrad_stash`` of a backward call; a stash takes the weight gradient's place (``need_wgrad``
-    becomes False)."""
-    n, end = _N_BWD_TENSORS, _N_BWD_TENSORS + 7
+    """The 9 tensors (``grad_out`` to ``rng_state``), the scalars (the specs, backward, has_bias,
+    need_dgrad, need_wgrad) and the ``wgrad_stash`` of a backward call; a stash takes the weight
+    gradient's place (``need_wgrad`` becomes False)."""
+    n, end = 9, 16
     c = _Bwd(*as_specs(*args[n : n + 3]), parse(BackwardSpec, args[n + 3]), *args[n + 4 : end])
     stash = args[end] if len(args) > end else None
     return args[:n], (c if stash is None else c._replace(need_wgrad=False)), stash
@@ -522,10 +518,9 @@ def _for_backward(a: GroupedLinearArgs, saved: list[Tensor]) -> tuple[tuple, tup
             saved = [data_t, scale_t, *saved]
         elif kind == "blockwise":  # stacked: the backward reads them so
             saved = [*saved, data_t, scale_t]
-        elif x.kind == "nvfp4":  # 16x16 tiles: the kept W is its own dgrad copy
-            saved = [*saved, a.weight_q[0]]
-        else:  # the dgrad copy (W along N), or 0-element: made from weight in the backward
-            saved = [*saved, a.weight_q[2]]
+        else:  # NVFP4: the kept W (16x16 tiles: its own dgrad copy); the others: the dgrad copy
+            # (W along N), or 0-element: made from weight in the backward
+            saved = [*saved, a.weight_q[0 if x.kind == "nvfp4" else 2]]
     tensors = (a.inp if keeps_inp else None, a.m_splits, a.weight, a.main_grad, a.scale,
                a.grad_amax, a.rng_state, *saved)  # fmt: skip
     return tensors, (a.input_spec, a.weight_spec, a.grad_spec, a.backward)
