@@ -18,29 +18,26 @@ contraction dim (current scaling: measured now):
   column), i.e. amax over ``N`` (the forward writes this copy, transposed to ``[G, K, N]``, and
   saves it);
 * wgrad ``dW_g = dY_g^T X_g``: high precision (``functional.grouped_gemm``'s: ``torch._grouped_mm``
-  on CUDA, a loop in fp32 elsewhere), or with
-  ``fp8_wgrad`` in FP8 with scales along the token dim, ``X`` per (group, input column) and
-  ``dY`` per (group, output column), amax over the group's tokens, both written transposed with
-  every group padded to a multiple of 16 tokens (zeros; :func:`quantize_group_columns`). The
-  forward makes the input's copy and saves it instead of the input. The bias gradient is the
-  per-group sum of the high-precision ``dY``.
+  on CUDA, a loop in fp32 elsewhere), or with ``fp8_wgrad`` in FP8 with scales along the token
+  dim, ``X`` per (group, input column) and ``dY`` per (group, output column), amax over the
+  group's tokens, both written transposed with every group padded to a multiple of 16 tokens
+  (zeros; :func:`quantize_group_columns`). The forward makes the input's copy and saves it
+  instead of the input. The bias gradient is the per-group sum of the high-precision ``dY``.
 
 Delayed scaling: one given scale per tensor instead, ``scale`` ``[3]`` (input, weight,
 gradient), the casts the ``"delayed"`` row of the one quantiser table
 (``functional.gemm.quantize_operand``), each inverse scale broadcast to the rowwise vectors the
-grouped GEMM takes; the
-forward returns ``[amax(X), amax(W)]``, the backward writes ``amax(dY)`` into ``grad_amax``.
-Current scaling measures the amaxes (extra reads) only when ``grad_amax`` is given: a delayed
-state's first step runs current scaling and records them.
+grouped GEMM takes; the forward returns ``[amax(X), amax(W)]``, the backward writes
+``amax(dY)`` into ``grad_amax``. Current scaling measures the amaxes (a read of each operand
+more) only when ``grad_amax`` is given: a delayed state's first step runs it and records them.
 
 CUDA (bf16): ``torch._scaled_grouped_mm(a_8, b_8.transpose(-2, -1), scale_a [M], scale_b [G,
 N], offs=offs, out_dtype=bfloat16)`` on device offsets (no host sync). That kernel takes E4M3
-operands only: an E5M2 operand (the gradient under ``HYBRID``) goes in as the E4M3 codes of its
-values times ``2**-7``, its inverse scales times 128 (:func:`as_e4m3`; ``docs/fp8.md`` gives
-the error bound), on every path, so all see the same codes. float32 / float16 inputs, the CPU
-and ``emulate`` use the exact emulation per group: the same FP8 values and scales, the GEMM of
-the FP8 values in fp32, the scales applied to the fp32 accumulator, the bias added in fp32,
-rounded once. Zero rows get scale 1 (no NaN).
+operands only: an E5M2 operand (the gradient under ``HYBRID``) goes in as E4M3 codes on every
+path (:func:`as_e4m3`). float32 / float16 inputs, the CPU and ``emulate`` use the exact
+emulation per group: the same FP8 values and scales, the GEMM of the FP8 values in fp32, the
+scales applied to the fp32 accumulator, the bias added in fp32, rounded once. Zero rows get
+scale 1 (no NaN).
 """
 
 from __future__ import annotations
@@ -75,14 +72,11 @@ def quantize_rowwise(
     x: Tensor, fp8_dtype: torch.dtype, dim: int = -1, e4m3_codes: bool = False
 ) -> tuple[Tensor, Tensor]:
     """``(data, scale_inv)``: ``x`` cast to ``fp8_dtype`` with one current scale per slice along
-    ``dim`` (``fp8_max / amax`` over ``dim``; 1 for an all-zero or non-finite slice);
-    ``scale_inv`` fp32 has ``x``'s shape without ``dim``. Computed in fp32 whatever ``x``'s
-    dtype, so a float64 copy of a bf16/fp32 tensor gets the same bytes and scales. CUDA
-    (float32/bfloat16/float16): one Triton kernel per call
-    (``kernels.quantize_rows.quantize_rowwise``, bit-identical, the kernel tests check it), the
-    quantised dim moved last first.
-    ``e4m3_codes``: an E5M2 result as the grouped GEMM takes it (:func:`as_e4m3`; on CUDA
-    written so by the same kernel)."""
+    ``dim`` (``fp8_max / amax``; 1 for an all-zero or non-finite slice), ``scale_inv`` fp32 of
+    ``x``'s shape without ``dim``; in fp32 whatever ``x``'s dtype (a float64 copy gets the same
+    bytes). CUDA (float32/bfloat16/float16): one Triton kernel, bit-identical
+    (``kernels.quantize_rows.quantize_rowwise``). ``e4m3_codes``: an E5M2 result as the grouped
+    GEMM takes it (:func:`as_e4m3`)."""
     if x.is_cuda and x.dtype in HIGH_DTYPES:
         from te_compile.kernels import quantize_rows
 
@@ -107,12 +101,8 @@ def _gemm_loop(
     aq: Tensor, sa: Tensor, bq: Tensor, sb: Tensor, splits: list[int], dtype, bias=None
 ) -> Tensor:
     """Exact emulation: rows of group ``g`` get ``(aq_g @ bq[g]^T) * (sa_g[:, None] * sb[g])``
-    (+ ``bias[g]``), in fp32, rounded once to ``dtype``. The scales multiply each other first:
-    an input at fp32's max has an inverse scale near ``FLT_MAX / 448``, which times the FP8
-    product (up to ``448 * 448`` per term) overflows before the weight's small scale would
-    bring it back. ``aq`` ``[M, C]`` and ``bq``
-    ``[G, P, C]`` FP8 (E5M2 as its E4M3 codes, :func:`as_e4m3`, as on the GPU), ``sa`` ``[M]``
-    and ``sb`` ``[G, P]`` fp32 inverse scales."""
+    (+ ``bias[g]``) in fp32, rounded once (``aq`` ``[M, C]``, ``bq`` ``[G, P, C]`` as E4M3
+    codes, scales ``[M]``, ``[G, P]``); the scales multiplied first (``docs/fp8.md``)."""
     aq, sa = as_e4m3(aq, sa)
     bq, sb = as_e4m3(bq, sb)
     out = torch.empty(aq.shape[0], bq.shape[1], dtype=dtype, device=aq.device)
@@ -129,10 +119,8 @@ def _gemm_loop(
 
 def as_e4m3(q: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
     """A GEMM operand in E4M3 codes: E4M3 ``q`` as is; E5M2 ``q`` recoded to the E4M3 codes of
-    its values times ``2**-7`` with its inverse scales ``s`` times 128
-    (``kernels.e5m2_to_e4m3_table``; exact down to ``amax / 57344`` of a slice, ``docs/fp8.md``).
-    Hopper's grouped FP8 GEMM takes E4M3 operands only; every grouped GEMM here, on any
-    device, sees the same codes."""
+    its values times ``2**-7``, its inverse scales ``s`` times 128 (``kernels.e5m2_to_e4m3_table``;
+    ``docs/fp8.md``), for every grouped GEMM here on any device."""
     if q.dtype is not torch.float8_e5m2:
         return q, s
     if q.is_cuda:
@@ -148,13 +136,10 @@ def as_e4m3(q: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
 def _gemm_grouped(
     aq: Tensor, sa: Tensor, bq: Tensor, sb: Tensor, splits: Tensor, offs: Tensor, fast_accum=False
 ) -> Tensor:
-    """The grouped GEMM of :func:`_gemm_loop` on device offsets, bf16 output, no host sync:
-    ``torch._scaled_grouped_mm`` on the E4M3 codes of the operands (:func:`as_e4m3`; ``a``
-    row-major, ``b`` column-major, scales ``[M]`` and ``[G, P]`` fp32; ``fast_accum``: Hopper's
-    fast FP8 accumulation, the forward GEMM's as ``te::linear``'s per-tensor one; the dgrad
-    promotes its partial sums to fp32).
-    CPU tensors (tests of this path): the bf16 grouped GEMM of the same FP8 values, scales
-    after in fp32."""
+    """:func:`_gemm_loop` on device offsets, bf16 out, no host sync: ``torch._scaled_grouped_mm``
+    (``fast_accum``: the forward's, as ``te::linear``'s per-tensor one; the dgrad promotes its
+    partial sums to fp32). CPU tensors (tests of this path): the bf16 grouped GEMM of the same
+    FP8 values, scales after in fp32."""
     aq, sa = as_e4m3(aq, sa)
     bq, sb = as_e4m3(bq, sb)
     if aq.is_cuda:
@@ -170,10 +155,9 @@ def _gemm_grouped(
 
 
 def _balanced(sa: Tensor, sb: Tensor) -> tuple[Tensor, Tensor]:
-    """``(sa * 2**-s, sb * 2**s)``: the same products ``sa[i] * sb[j]`` (exactly: powers of
-    two), the largest exponents of the two evened out, so that the fp32 accumulator times one
-    scale cannot overflow before the other brings it back (``docs/fp8.md``). No host sync; on
-    CUDA one Triton launch (``kernels.quantize_rows.balance_scales``) for the ten below."""
+    """``(sa * 2**-s, sb * 2**s)``: the same products ``sa[i] * sb[j]``, the largest exponents of
+    the two evened out (``docs/fp8.md``). No host sync; on CUDA one Triton launch
+    (``kernels.quantize_rows.balance_scales``) for the ten below."""
     if sa.is_cuda:
         from te_compile.kernels import quantize_rows
 
@@ -182,27 +166,6 @@ def _balanced(sa: Tensor, sb: Tensor) -> tuple[Tensor, Tensor]:
     eb = torch.frexp(sb.amax()).exponent
     s = torch.div(ea - eb, 2, rounding_mode="floor").clamp(-126, 126).float()
     return sa * torch.exp2(-s), sb * torch.exp2(s)
-
-
-def _quantize_weight_dgrad(
-    weight: Tensor, fwd_dtype: torch.dtype, scale: Tensor | None = None, wq: Tensor | None = None
-) -> tuple[Tensor, Tensor | None]:
-    """``weight`` ``[G, N, K]`` for the dgrad GEMM, data transposed to ``[G, K, N]`` (row-major
-    along ``N``, its contraction dim): current scaling per (group, input column), amax over
-    ``N``, inverse scales ``[G, K]``; with the per-tensor ``scale``, the forward's codes ``wq``
-    transposed (the inverse scales are the forward's: None). CUDA: one Triton kernel reads
-    ``weight`` along ``K`` and writes the FP8 data transposed
-    (``kernels.quantize_rows.quantize_columnwise_transposed``, bit-identical to the paths below:
-    the kernel tests check it), where a strided copy of the weight or of its codes took about
-    0.5 ms at 8 x 2048 x 4096 on the H100."""
-    if weight.is_cuda and weight.dtype in HIGH_DTYPES:
-        from te_compile.kernels import quantize_rows
-
-        return quantize_rows.quantize_columnwise_transposed(weight, fwd_dtype, scale=scale)
-    if scale is not None:
-        return wq.view(torch.uint8).transpose(1, 2).contiguous().view(fwd_dtype), None
-    data, scale_inv = quantize_rowwise(weight.transpose(1, 2), fwd_dtype)  # along N, last
-    return data.contiguous(), scale_inv
 
 
 def wgrad_capacity(rows: int, groups: int) -> int:
@@ -220,16 +183,14 @@ def quantize_group_columns(
     e4m3_codes: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """A grouped wgrad operand: ``(data_t, scale_inv, pad_ends)``. Every column of every token
-    group of ``x`` ``[M, C]`` cast with its own current scale (amax over the group's rows;
-    with ``scale`` ``[1]``: that per-tensor scale), written transposed into ``data_t``
-    ``[C, capacity]`` (:func:`wgrad_capacity`) with each group's columns starting at a
-    multiple of 16 (zero padding); ``scale_inv`` fp32 ``[G, C]`` (current scaling: 1 for an
-    empty group) and
-    ``pad_ends`` int32 ``[G]``, the padded groups' end offsets: the grouped GEMM's ``offs``.
-    CUDA (float32/bfloat16/float16): one Triton launch on device offsets
-    (``kernels.quantize_rows.quantize_group_columns``, the same bytes as the loop below);
-    ``splits_ends``: the ``(splits, ends)`` of :func:`device_splits` when the caller has
-    them already; ``e4m3_codes``: as in :func:`quantize_rowwise`."""
+    group of ``x`` ``[M, C]`` cast with its own current scale (amax over the group's rows; with
+    ``scale`` ``[1]``: that per-tensor scale), written transposed into ``data_t`` ``[C,
+    capacity]`` (:func:`wgrad_capacity`), each group's columns from a multiple of 16 (zero
+    padding); ``scale_inv`` fp32 ``[G, C]`` (current: 1 for an empty group); ``pad_ends`` int32
+    ``[G]``, the padded groups' ends: the grouped GEMM's ``offs``. CUDA: one Triton launch on
+    device offsets (``kernels.quantize_rows.quantize_group_columns``, the loop's bytes);
+    ``splits_ends``: :func:`device_splits`' where the caller has them; ``e4m3_codes``: as in
+    :func:`quantize_rowwise`."""
     groups, c = m_splits.shape[0], x.shape[1]
     capacity = wgrad_capacity(x.shape[0], groups)
     if x.is_cuda and x.dtype in HIGH_DTYPES:
@@ -271,13 +232,9 @@ def _gemm_wgrad(
 ):  # fmt: skip
     """The FP8 wgrad ``dW_g = (dY_g^T diag(dys_g)) (diag(xs_g) X_g)`` from the operands of
     :func:`quantize_group_columns` (``dyt`` ``[N, P]``, ``xt`` ``[K, P]``, grouped along ``P``
-    by ``pad_ends``): ``[G, N, K]`` in ``dtype``, or added to ``main_grad`` (fp32; None is
-    returned then), both operands as E4M3 codes (:func:`as_e4m3`). ``native`` (bf16):
-    ``torch._scaled_grouped_mm`` with the scales ``[G*N]`` / ``[G*K]`` and the promoted (not
-    fast) accumulation of a gradient GEMM, bf16 out (CPU tensors, tests of this path: the bf16
-    grouped GEMM of the FP8 values, scales after in fp32). Otherwise exact emulation per group:
-    the fp32 GEMM of the FP8 values, the scales applied, rounded once (added in fp32 to
-    ``main_grad``)."""
+    by ``pad_ends``): ``[G, N, K]``, or None where added to ``main_grad``. ``native``:
+    :func:`_gemm_grouped`'s GEMM (scales ``[G*N]`` / ``[G*K]``, promoted accumulation), else the
+    exact emulation per group in fp32 (added in fp32 to ``main_grad``)."""
     dyt, dys = as_e4m3(dyt, dys)
     xt, xs = as_e4m3(xt, xs)
     if native:
@@ -325,57 +282,47 @@ def _amax(x: Tensor) -> Tensor:
     return x.abs().amax().float() if x.numel() else x.new_zeros((), dtype=torch.float32)
 
 
-def _quantize_grad(grad_out, scale, grad_amax, bwd_dtype):
-    """The dgrad operand: rowwise (E5M2 as E4M3 codes), or per tensor with ``scale`` ``[1]``;
-    its amax written into ``grad_amax`` when given."""
-    if scale is None:
-        if grad_amax is not None:
-            grad_amax.copy_(_amax(grad_out).reshape(1))
-        return quantize_rowwise(grad_out, bwd_dtype, e4m3_codes=True)
-    gq, gs, amax = _quantize_delayed(grad_out, bwd_dtype, scale, (grad_out.shape[0],))
-    if grad_amax is not None:
-        grad_amax.copy_(amax)
-    return gq, gs
-
-
 def per_tensor_weight(
     weight: Tensor, fwd_dtype: torch.dtype, w_scale: Tensor | None, measure: bool
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``weight`` ``[G, N, K]`` as the per-tensor grouped GEMMs take it: ``(data [G, N, K],
     scale_inv [G, N], data_t [G, K, N], scale_inv_t [G, K], amax)``, FP8 codes of
     ``fwd_dtype``. Current scaling (``w_scale`` None): rowwise along ``K`` for the forward and
-    along ``N`` for the dgrad copy, ``amax`` ``[1]`` measured only with ``measure`` (else
-    0-element); delayed: the per-tensor ``w_scale`` ``[1]`` broadcast, ``amax`` ``[1]``. The
+    along ``N`` for the dgrad copy, ``amax`` ``[1]`` measured only with ``measure`` (a read of
+    the weight more; else 0-element); delayed: the per-tensor ``w_scale`` ``[1]`` broadcast (the
+    dgrad copy: the forward's codes transposed), ``amax`` ``[1]``. CUDA: the dgrad copy by one
+    Triton kernel that reads ``weight`` along ``K`` and writes the FP8 data transposed
+    (``kernels.quantize_rows.quantize_columnwise_transposed``, bit-identical, the kernel tests
+    check it), where a strided copy took about 0.5 ms at 8 x 2048 x 4096 on the H100. The
     forward's own cast and the pre-quantised weight (``functional.grouped_weight``) both come
     from here: the same bytes."""
     g, n, k = weight.shape
     if w_scale is None:
         wq, ws = quantize_rowwise(weight, fwd_dtype)
-        wq_t, ws_t = _quantize_weight_dgrad(weight, fwd_dtype)
-        # Measured only when asked for (grad_amax given): a read of the weight more.
         amax = _amax(weight).reshape(1) if measure else weight.new_empty(0, dtype=torch.float32)
-        return wq, ws, wq_t, ws_t, amax
-    wq, ws, amax = _quantize_delayed(weight, fwd_dtype, w_scale, (g, n))
-    wq_t = _quantize_weight_dgrad(weight, fwd_dtype, w_scale, wq)[0]
-    ws_t = ws[:, :1].expand(g, k).contiguous()
+    else:
+        wq, ws, amax = _quantize_delayed(weight, fwd_dtype, w_scale, (g, n))
+    if weight.is_cuda and weight.dtype in HIGH_DTYPES:
+        from te_compile.kernels import quantize_rows
+
+        wq_t, ws_t = quantize_rows.quantize_columnwise_transposed(weight, fwd_dtype, scale=w_scale)
+    elif w_scale is None:
+        wq_t, ws_t = quantize_rowwise(weight.transpose(1, 2), fwd_dtype)  # along N, last
+        wq_t = wq_t.contiguous()
+    else:
+        wq_t = wq.view(torch.uint8).transpose(1, 2).contiguous().view(fwd_dtype)
+    if w_scale is not None:
+        ws_t = ws[:, :1].expand(g, k).contiguous()
     return wq, ws, wq_t, ws_t, amax
 
 
-def _dequantized(q: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Tensor:
-    """The values a grouped GEMM multiplies (E5M2 as its E4M3 codes): codes ``q`` times their
-    inverse scales (one per row of ``q``'s last dim), in fp32, rounded to ``dtype``."""
-    q, scale_inv = as_e4m3(q, scale_inv)
-    return (q.float() * scale_inv.unsqueeze(-1)).to(dtype)
-
-
 def per_tensor_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
-    """Current scaling rowwise, delayed per tensor; ``saved`` ends with ``[amax(X), amax(W)]``
-    under delayed scaling, and under current scaling when ``grad_amax`` is given (a delayed
-    state's calibration step: the amaxes cost a read of each operand more). ``weight_q``: the
-    weight pre-quantised by :func:`per_tensor_weight` (its amax then the cast's); ``saved``
-    then lacks the weight's dgrad copy (an input: the caller saves it). ``cuda`` with a bf16
-    ``inp`` and not ``r.emulate``: the grouped GEMM on device offsets (no host sync), else the
-    exact emulation per group."""
+    """``saved = [W_8^T [G, K, N] (uint8), its inverse scales [G, K]]``, with ``fp8_wgrad`` then
+    ``[X_8^T [K, capacity] (uint8), its inverse scales [G, K]]`` (:func:`quantize_group_columns`),
+    then the amaxes (module docstring). ``weight_q``: the weight pre-quantised by
+    :func:`per_tensor_weight` (its amax then the cast's); ``saved`` then lacks the weight's copy
+    (the caller saves it). ``cuda`` with a bf16 ``inp`` and not ``r.emulate``: the grouped GEMM
+    on device offsets (no host sync), else the exact emulation per group."""
     native = cuda and inp.dtype is torch.bfloat16 and not r.emulate
     measure = r.grad_amax is not None
     s_x, s_w, _ = scale_slots(r.scale, r.recipe)
@@ -387,25 +334,23 @@ def per_tensor_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
         wq, wq_t = wq.view(fwd_dtype), wq_t.view(fwd_dtype)
     if s_x is None:
         xq, xs = quantize_rowwise(inp, fwd_dtype)
-        # Measured only when asked for (grad_amax given): a read of each operand more.
         amax = inp.new_empty(0, dtype=torch.float32)
         if measure:
             amax = torch.cat([_amax(inp).reshape(1), w_amax])
     else:
         xq, xs, x_amax = _quantize_delayed(inp, fwd_dtype, s_x, (inp.shape[0],))
         amax = torch.cat([x_amax, w_amax])
-    dsplits = None
+    dsplits = device_splits(m_splits, inp) if native else None
     if native:
-        dsplits = splits, offs = device_splits(m_splits, inp)
-        out = _gemm_grouped(xq, xs, wq, ws, splits, offs, fast_accum=True)
+        out = _gemm_grouped(xq, xs, wq, ws, *dsplits, fast_accum=True)
         if bias is not None:
-            out += row_bias(bias, splits, inp.shape[0])
+            out += row_bias(bias, dsplits[0], inp.shape[0])
     else:
-        splits = host_splits(m_splits, inp.shape[0])
-        out = _gemm_loop(xq, xs, wq, ws, splits, inp.dtype, bias)
+        out = _gemm_loop(xq, xs, wq, ws, host_splits(m_splits, inp.shape[0]), inp.dtype, bias)
     amaxes = [amax] if amax.numel() else []
-    if r.override == "dequantized":  # the forward GEMM's operands, dequantised
-        return out, [_dequantized(xq, xs, inp.dtype), _dequantized(wq, ws, inp.dtype), *amaxes]
+    if r.override == "dequantized":  # the values the GEMM multiplied (E5M2: its E4M3 codes')
+        pairs = as_e4m3(xq, xs), as_e4m3(wq, ws)
+        return out, [*((q.float() * s.unsqueeze(-1)).to(inp.dtype) for q, s in pairs), *amaxes]
     saved = [wq_t.view(torch.uint8), ws_t] if weight_q is None and not r.override else []
     if r.fp8_wgrad:
         xt, xs_t, _ = quantize_group_columns(inp, m_splits, fwd_dtype, s_x, dsplits)
@@ -423,8 +368,15 @@ def per_tensor_backward(grad_out, saved, inp, m_splits, weight, main_grad, r, ha
     fwd_dtype, bwd_dtype = r.fwd_dtype, r.bwd_dtype
     wq_t, ws_t = saved[0].view(fwd_dtype), saved[1]
     dinp, dweight = empty(grad_out), empty(grad_out)
-    if need_dgrad or r.grad_amax is not None:
-        gq, gs = _quantize_grad(grad_out, s_g, r.grad_amax, bwd_dtype)
+    if need_dgrad or r.grad_amax is not None:  # the dgrad operand; amax(dY) into grad_amax
+        if s_g is None:
+            if r.grad_amax is not None:
+                r.grad_amax.copy_(_amax(grad_out).reshape(1))
+            gq, gs = quantize_rowwise(grad_out, bwd_dtype, e4m3_codes=True)
+        else:
+            gq, gs, g_amax = _quantize_delayed(grad_out, bwd_dtype, s_g, (grad_out.shape[0],))
+            if r.grad_amax is not None:
+                r.grad_amax.copy_(g_amax)
     dsplits = device_splits(m_splits, grad_out) if native else None
     if need_wgrad and r.fp8_wgrad and len(saved) == 2:  # save_original_input: quantised here
         xt, xs_t, _ = quantize_group_columns(inp, m_splits, fwd_dtype, s_x, dsplits)

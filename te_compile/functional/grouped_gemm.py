@@ -1,7 +1,7 @@
 r"""The grouped GEMMs of the grouped linear family (``functional.grouped_linear_ops``): the
-splits, and the forward and backward of every group's GEMMs for the recipes other than the
-per-tensor ones (those are ``functional.grouped_fp8``). ``grouped_linear_ops.GROUPED_GEMMS`` is the
-table of them, keyed by the GEMM kind:
+splits, and every group's forward and backward GEMMs for the recipes but the per-tensor ones
+(``functional.grouped_fp8``). ``grouped_linear_ops.GROUPED_GEMMS`` is their table, keyed by the
+GEMM kind (:func:`grouped_gemm_kind`):
 
 =======================  ===================================================================
 kind                     GEMMs
@@ -9,30 +9,26 @@ kind                     GEMMs
 ``"grouped_mm"``         high precision: ``torch._grouped_mm`` on device offsets (CUDA, bf16,
                          dims multiples of 8), else a GEMM per group (fp32 math on the CPU)
 ``"scaled_grouped_mm"``  per-tensor recipes (``functional.grouped_fp8``)
-``"blockwise"``          Float8BlockScaling, native: a blockwise-scaled ``torch._scaled_mm`` per
-                         expert (host splits; every expert's tokens padded to 128 in one
-                         layout)
-``"dequantized"``        the block-scaled recipes emulated: the operands quantised exactly (the
-                         dense family's quantiser table, ``functional.gemm.QUANTIZERS``) and
-                         dequantised to the model's dtype, each expert as a dense GEMM
-                         quantises it (the backward GEMMs on copies quantised along the other
-                         dim, blocks along the tokens within each expert; NVFP4: its own global
-                         scales, the Hadamard transform, stochastic rounding and 4over6), the
-                         high-precision grouped GEMMs on those values on CUDA, on the CPU per
-                         expert the dense family's GEMM calls (bit for bit a Linear's)
+``"blockwise"``          Float8BlockScaling, native: a blockwise ``torch._scaled_mm`` per expert
+                         (host splits; every expert's tokens padded to 128 in one layout)
+``"dequantized"``        the block-scaled recipes emulated: each expert's operands quantised
+                         exactly as a dense GEMM quantises them (``functional.gemm.QUANTIZERS``;
+                         the backward's copies along the other dim, blocks along each expert's
+                         own tokens; NVFP4: its global scales, the Hadamard transform,
+                         stochastic rounding, 4over6), dequantised to the model's dtype, then
+                         high precision's grouped GEMMs on CUDA, on the CPU per expert the
+                         dense family's GEMM calls (bit for bit a Linear's)
 =======================  ===================================================================
 
 Every row is ``forward(inp, m_splits, weight, bias, r, cuda, weight_q) -> (out, saved)``
-(``weight_q``: the pre-quantised weight, or None) and
-``backward(grad, saved, inp, m_splits, weight, main_grad, r, has_bias, need_dgrad, need_wgrad,
-cuda) -> (dinp, dweight, dbias)`` (0-element where not computed; ``dweight`` also when it went
-into ``main_grad``; ``saved`` without the amaxes a forward appends), ``r`` a
-:class:`GroupedRecipe`.
+(``weight_q``: the pre-quantised weight, or None) and ``backward(grad, saved, inp, m_splits,
+weight, main_grad, r, has_bias, need_dgrad, need_wgrad, cuda) -> (dinp, dweight, dbias)``
+(0-element where not computed; ``dweight`` also when it went into ``main_grad``; ``saved``
+without the amaxes a forward appends), ``r`` a :class:`GroupedRecipe`.
 
-The rows of ``inp`` ``[M, K]`` are split into ``G`` consecutive groups of ``m_splits[g]`` rows
-(zero-size groups allowed). ``m_splits`` is an integer tensor on the input's device or the CPU;
-the device-offset paths never read it on the host (``torch._assert_async`` checks ``sum == M``
-and ``>= 0``), the loops do (one sync on CUDA).
+``m_splits`` (``grouped_linear_ops``' module docstring): the device-offset paths never read it
+on the host (``torch._assert_async`` checks ``sum == M`` and ``>= 0``), the loops do (one sync
+on CUDA).
 """
 
 from __future__ import annotations
@@ -70,7 +66,6 @@ __all__ = [
     "dequantized_forward",
     "dequantized_weight",
     "device_splits",
-    "group_sums",
     "grouped_gemm_kind",
     "grouped_mm_backward",
     "high_precision_backward",
@@ -95,11 +90,10 @@ def grouped_gemm_kind(recipe: str, emulate: bool) -> str:
 
 
 class GroupedRecipe(NamedTuple):
-    """A grouped linear op's specs as its GEMMs take them (``functional.grouped_linear_ops`` makes
-    it from the three ``QuantSpec``s), with the delayed state, ``fp8_wgrad``, the stochastic
-    rounding stream and the backward ``override`` (``"high_precision"``: the forward saves
-    nothing, ``"dequantized"``: ``[X, W]``, the forward GEMM's operands dequantised to the input
-    dtype; the backward is then high precision's)."""
+    """A grouped linear op's three ``QuantSpec``s as its GEMMs take them, with the delayed state,
+    ``fp8_wgrad``, the stochastic rounding stream and the backward ``override`` (the forward then
+    saves nothing, or for ``"dequantized"`` its operands dequantised ``[X, W]``; the backward is
+    high precision's)."""
 
     recipe: str = ""
     fwd_dtype: torch.dtype = _E4M3
@@ -129,12 +123,10 @@ def as_splits_tensor(m_splits: Tensor | Sequence[int]) -> Tensor:
 def checked_splits(
     owner: str, m_splits: object, rows: int | None = None, rows_name: str = "inp.shape[0]"
 ) -> Tensor:
-    """:func:`as_splits_tensor` for ``owner``'s ``m_splits``, refused by name when it is neither
-    a list of ints >= 0 nor a tensor. A list's sum is checked here against ``rows`` (the input's,
-    where given; ``rows_name`` in the message), before any other constraint of the call: its
-    values are on the host, so this is free. A tensor's values are checked where the GEMMs read
-    them: a CPU tensor on the host (:func:`host_splits`), a device tensor on the device without
-    a sync (:func:`device_splits`)."""
+    """:func:`as_splits_tensor` for ``owner``'s ``m_splits``, refused by name when neither a list
+    of ints >= 0 nor a tensor. A list's sum is checked here (free: on the host) against ``rows``
+    where given (``rows_name`` in the message), before any other check; a tensor's values where
+    the GEMMs read them (:func:`host_splits`, or on the device: :func:`device_splits`)."""
     if isinstance(m_splits, Tensor):
         return m_splits
     if not isinstance(m_splits, Sequence) or isinstance(m_splits, (str, bytes)):
@@ -199,7 +191,7 @@ def row_bias(bias: Tensor, splits: Tensor, rows: int) -> Tensor:
     return torch.repeat_interleave(bias, splits, dim=0, output_size=rows)
 
 
-def group_sums(grad: Tensor, splits: Tensor, groups: int) -> Tensor:
+def _group_sums(grad: Tensor, splits: Tensor, groups: int) -> Tensor:
     """Every group's column sums of ``grad`` ``[rows, N]`` (a bias gradient) by the device
     ``splits``: one fp32 ``index_add_``, no host sync."""
     rows, n = grad.shape
@@ -213,8 +205,8 @@ def group_sums(grad: Tensor, splits: Tensor, groups: int) -> Tensor:
 def _fwd_loop(
     inp: Tensor, splits: list[int], weight: Tensor, bias: Tensor | None, acc: torch.dtype | None
 ) -> Tensor:
-    """One GEMM per group, in ``acc`` (None: the input dtype), the bias in it, rounded once: the
-    call a dense ``te::linear`` makes for the group's rows (``functional.gemm.hp_linear``)."""
+    """One GEMM per group in ``acc`` (None: the input dtype), the bias in it, rounded once: a
+    dense ``te::linear``'s call on the group's rows (``functional.gemm.hp_linear``)."""
     out = inp.new_empty(inp.shape[0], weight.shape[1])
     cast = (lambda t: t) if acc is None else (lambda t: t.to(acc))
     start = 0
@@ -268,7 +260,7 @@ def grouped_mm_backward(
             main_grad.add_(dw)
         else:
             dweight = dw
-    dbias = group_sums(grad_out, splits, weight.shape[0]) if has_bias else empty(grad_out)
+    dbias = _group_sums(grad_out, splits, weight.shape[0]) if has_bias else empty(grad_out)
     return dinp, dweight, dbias
 
 
@@ -276,41 +268,33 @@ def grouped_mm_backward(
 
 
 def _capacity(rows: int, groups: int) -> int:
-    """Static token capacity of the padded layout: every expert's tokens rounded up to 128 fit
-    in ``128 * (rows // 128 + groups)``."""
+    """Static token capacity of the padded layout (every expert's tokens rounded up to 128)."""
     return 128 * (rows // 128 + groups)
 
 
-def _plan(splits: Sequence[int], rows: int) -> tuple[list[int], list[int], int]:
-    """``(first row of each expert in inp, first row in the padded layout, padded rows)``. When
-    every expert's tokens are a multiple of 128 the padded layout is ``inp`` itself; otherwise
-    each expert starts at a multiple of 128 of a ``_capacity`` layout (zero rows between)."""
+def _padded(x: Tensor, m_splits: Tensor):
+    """``(splits, first row of each expert in x, first row in the padded layout, padded rows, x
+    in it)``. When every expert's tokens are a multiple of 128 the padded layout is ``x``
+    itself; otherwise each expert starts at a multiple of 128 of a :func:`_capacity` layout
+    (zero rows between; one scatter)."""
+    rows = x.shape[0]
+    splits = host_splits(m_splits, rows)
     firsts, starts, row, pos = [], [], 0, 0
     for m in splits:
         firsts.append(row)
         starts.append(pos)
         row, pos = row + m, pos - (-m // 128) * 128
     if all(m % 128 == 0 for m in splits):
-        return firsts, firsts, rows
-    return firsts, starts, _capacity(rows, len(splits))
-
-
-def _padded_rows(x: Tensor, splits, firsts, starts, width: int) -> Tensor:
-    """``x`` in the padded layout (one scatter; the original when they coincide)."""
-    if width == x.shape[0] and starts == firsts:
-        return x
-    index = torch.cat(
-        [torch.arange(p, p + m) for p, m in zip(starts, splits, strict=True)]
-        + [torch.empty(0, dtype=torch.int64)]
-    )
-    out = x.new_zeros(width, x.shape[1])
-    return out.index_copy_(0, index.to(x.device, non_blocking=True), x)
+        return splits, firsts, firsts, rows, x
+    width = _capacity(rows, len(splits))
+    index = torch.cat([torch.arange(p, p + m) for p, m in zip(starts, splits, strict=True)])
+    out = x.new_zeros(width, x.shape[1]).index_copy_(0, index.to(x.device, non_blocking=True), x)
+    return splits, firsts, starts, width, out
 
 
 def _quantize_block(x: Tensor, power_2_scale: bool, block_rows: int = 1, out_t=None):
-    """``(data, scale_inv, data_t, scale_inv_t)`` of ``x`` in E4M3, one pass for both directions;
-    the transposed copy written into ``out_t`` when given (its scales may be rows-major, the
-    GEMM's layout; on CUDA the kernel writes them in place)."""
+    """``(data, scale_inv, data_t, scale_inv_t)`` of ``x`` in E4M3, one pass for both directions,
+    the transposed copy into ``out_t`` when given (scales possibly rows-major, the GEMM's)."""
     if x.is_cuda:
         from te_compile.kernels.quantize import quantize_blockwise as kernel
 
@@ -324,9 +308,8 @@ def _quantize_block(x: Tensor, power_2_scale: bool, block_rows: int = 1, out_t=N
 
 
 def _transposed_views(codes: Tensor, scales: Tensor, width: int, k: int):
-    """``[K, width]`` codes and their ``[K, width / 128]`` scales, rows-major (strides
-    ``(1, K)``: an expert's columns are then in cuBLAS's layout without a copy), over the
-    first elements of flat buffers."""
+    """``[K, width]`` codes and ``[K, width / 128]`` scales (rows-major, strides ``(1, K)``: an
+    expert's columns in cuBLAS's layout without a copy) over the start of flat buffers."""
     return codes[: k * width].view(k, width), scales[: k * width // 128].view(-1, k).t()
 
 
@@ -355,25 +338,20 @@ def blockwise_weight(
 
 
 def blockwise_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
-    """``(out, saved)``: ``out`` ``[M, out_features]``; ``saved = [X^T codes (uint8, flat: the
-    first ``K * width`` bytes are ``[K, width]``, every expert's tokens from a multiple of 128),
-    their 1x128 scales (fp32, flat, ``[width / 128, K]``), W_g^T codes ``[K, N]`` (uint8) for
-    each expert, their scales for each expert]``; ``width`` is ``M`` when every expert's tokens
-    are a multiple of 128, else the static capacity ``128 * (M // 128 + G)``. ``main_grad`` is
-    only carried to the backward. ``weight_q``: the weight pre-quantised by
-    :func:`blockwise_weight`; ``saved`` then ends after the input's copy (the weight's dgrad
-    copy is an input: the caller saves it, and the backward takes it stacked). Under
-    ``r.override`` nothing, or (``"dequantized"``) the forward's operands dequantised (the same
-    values as its codes: one cast more)."""
+    """``saved = [X^T codes (uint8, flat: the first ``K * width`` bytes are ``[K, width]``, every
+    expert's tokens from a multiple of 128), their 1x128 scales (fp32, flat, ``[width / 128,
+    K]``), each expert's W_g^T codes ``[K, N]`` (uint8), each expert's scales]``; ``width`` is
+    ``M`` when every expert's tokens are a multiple of 128, else the static capacity ``128 * (M
+    // 128 + G)``. With ``weight_q`` (:func:`blockwise_weight`) ``saved`` ends after the input's
+    copy (the caller saves the weight's, the backward takes it stacked). Under ``r.override``
+    nothing, or (``"dequantized"``) the forward's operands dequantised (one cast more)."""
     power_2_scale, weight_block_rows = r.power_2_scale, r.weight_block_rows
     groups, n, k = weight.shape
     rows = inp.shape[0]
-    splits = host_splits(m_splits, rows)
-    firsts, starts, width = _plan(splits, rows)
+    splits, firsts, starts, width, x = _padded(inp, m_splits)
     cap = _capacity(rows, groups)
     x_t = inp.new_empty(k * cap, dtype=torch.uint8)
     x_s = inp.new_empty(k * cap // 128, dtype=torch.float32)
-    x = _padded_rows(inp, splits, firsts, starts, width)
     xd, xs, _, _ = _quantize_block(x, power_2_scale, 1, _transposed_views(x_t, x_s, width, k))
     out = inp.new_empty(rows, n)
     w_t, w_s = [], []
@@ -395,24 +373,19 @@ def blockwise_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
 
 def blockwise_backward(grad_out, saved, inp, m_splits, weight, main_grad, r, has_bias,
                        need_dgrad, need_wgrad, cuda):  # fmt: skip
-    """``(dinp, dweight, dbias)``, 0-element where not computed (``dweight`` also when it was
-    added to ``main_grad``, fp32). ``dY`` in the forward's padded layout, quantised once in
-    1x128 blocks both ways; per expert the dgrad against the saved ``W_g^T`` and the wgrad
-    against the saved ``X^T`` columns of the expert (blocks along its own tokens)."""
+    """``dY`` in the forward's padded layout, quantised once in 1x128 blocks both ways; per expert
+    the dgrad against the saved ``W_g^T`` and the wgrad against the expert's saved ``X^T``
+    columns (blocks along its own tokens)."""
     power_2_scale, w_rows = r.power_2_scale, r.weight_block_rows
+    groups, n, k = weight.shape
     x_t, x_s = saved[:2]
-    if len(saved) == 4 and saved[2].dim() == 3:  # a pre-quantised weight's stacked copies
+    if saved[2].dim() == 3:  # a pre-quantised weight's stacked copies
         w_t, w_s = saved[2].unbind(0), saved[3].unbind(0)
     else:
-        groups = (len(saved) - 2) // 2
         w_t, w_s = saved[2 : 2 + groups], saved[2 + groups :]
-    groups = len(w_t)
-    k, n = w_t[0].shape
     dtype = grad_out.dtype
     rows = grad_out.shape[0]
-    splits = host_splits(m_splits, rows)
-    firsts, starts, width = _plan(splits, rows)
-    dy = _padded_rows(grad_out, splits, firsts, starts, width)
+    splits, firsts, starts, width, dy = _padded(grad_out, m_splits)
     codes = grad_out.new_empty(n * width, dtype=torch.uint8)
     scales = grad_out.new_empty(n * width // 128, dtype=torch.float32)
     gd, gs, gd_t, gs_t = _quantize_block(
@@ -431,10 +404,8 @@ def blockwise_backward(grad_out, saved, inp, m_splits, weight, main_grad, r, has
             w = w_t[g].view(_E4M3)
             _gemm_rows(gd[pos:], gs[pos:], w, w_s[g], w_rows, dtype, None, dinp[row : row + m])
         if need_wgrad:
-            cols, blocks = (
-                slice(pos, pos + padded(m)),
-                slice(pos // 128, pos // 128 - (-m // 128)),
-            )
+            cols = slice(pos, pos + padded(m))
+            blocks = slice(pos // 128, pos // 128 - (-m // 128))
             a, sa = gd_t[:, cols], gs_t[:, blocks]
             b, sb = xd_t[:, cols], xs_t[:, blocks]
             if into_weight:
@@ -451,11 +422,10 @@ def blockwise_backward(grad_out, saved, inp, m_splits, weight, main_grad, r, has
 
 def _cast(x2: Tensor, r: GroupedRecipe, fp8_dtype: torch.dtype, block_rows: int = 1,
           dest: Tensor | None = None) -> Tensor:  # fmt: skip
-    """``x2`` ``[M, K]`` quantised exactly by the one quantiser table
-    (``functional.gemm.quantize_operand``: Float8BlockScaling's ``block_rows`` x 128 blocks or
-    MXFP8's 32 elements along ``K``, emulated, its rowwise copy alone) and dequantised to its
-    dtype, saturating at the dtype's largest value (an E5M2 infinity stays infinite). With
-    ``dest``: the columnwise copy instead (blocks along ``M``), transposed back, rows ``dest``."""
+    """``x2`` ``[M, K]`` quantised exactly (``functional.gemm.quantize_operand``, its rowwise
+    copy: ``block_rows`` x 128 blocks or MXFP8's 32 elements along ``K``) and dequantised to its
+    dtype, saturating at its largest value (an E5M2 infinity stays infinite). With ``dest``: the
+    columnwise copy instead (blocks along ``M``), transposed back, rows ``dest``."""
     p2 = r.recipe == "block" and r.power_2_scale
     spec = QuantSpec(r.recipe, fp8_dtype, block_rows, p2, emulate=True)
     if dest is None:
@@ -466,15 +436,12 @@ def _cast(x2: Tensor, r: GroupedRecipe, fp8_dtype: torch.dtype, block_rows: int 
     return torch.where(values.isinf(), values, values.clamp(-big, big)).to(x2.dtype)
 
 
-def _cast_columns(x2: Tensor, m_splits: Tensor, r: GroupedRecipe, fp8_dtype: torch.dtype,
-                  block_rows: int = 1) -> Tensor:  # fmt: skip
-    """``x2`` ``[M, K]`` as :func:`_cast`, but quantised along ``M`` (the copy a wgrad or dgrad
-    GEMM contracts over ``M`` with, as the dense family's ``quantize_operand(columnwise=True)``
-    makes it) with every group of ``m_splits`` rows quantised on its own, as a dense GEMM per
-    group does: no block straddles two groups. Each group is moved to a multiple of the block
-    length (MXFP8 32 rows, Float8BlockScaling 128) in a zero-padded layout of static size (zero
-    rows change no block's amax), quantised there in one call and gathered back; no host
-    sync."""
+def _cast_columns(x2: Tensor, m_splits: Tensor, r: GroupedRecipe, fp8_dtype: torch.dtype):
+    """``x2`` ``[M, K]`` as :func:`_cast`, but quantised along ``M`` (the copy a GEMM contracting
+    over ``M`` takes) with every group of ``m_splits`` rows on its own, as a dense GEMM per group
+    quantises it. Each group is moved to a multiple of the block length (MXFP8 32 rows,
+    Float8BlockScaling 128) in a zero-padded layout of static size (zero rows change no block's
+    amax), quantised there in one call and gathered back; no host sync."""
     rows, k = x2.shape
     step = 32 if r.recipe == "mxfp8" else 128
     groups = m_splits.shape[0]
@@ -486,7 +453,7 @@ def _cast_columns(x2: Tensor, m_splits: Tensor, r: GroupedRecipe, fp8_dtype: tor
     dest = torch.arange(rows, device=x2.device) + shift[group]
     width = (rows + groups * (step - 1) + step - 1) // step * step
     layout = x2.new_zeros(width, k).index_copy_(0, dest, x2)
-    return _cast(layout, r, fp8_dtype, block_rows, dest)
+    return _cast(layout, r, fp8_dtype, 1, dest)
 
 
 def _weight_columns(weight: Tensor, w: Tensor | None, r: GroupedRecipe) -> Tensor:
@@ -573,12 +540,11 @@ def dequantized_input(inp: Tensor, m_splits: Tensor, r: GroupedRecipe) -> Tensor
 
 def dequantized_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
     """The high-precision grouped GEMM of the quantised-dequantised operands (CUDA: the bias
-    added to its rounded output; CPU: per expert :func:`_fwd_loop`, the bias in the GEMM, as a
-    dense ``te::linear``); ``saved = [X, W]``, the copies the backward GEMMs read, dequantised
-    and quantised along the other dim (:func:`_cast_columns`, :func:`_weight_columns`); ``[X]``
-    with ``weight_q``, whose first tensor is :func:`dequantized_weight`'s ``W`` (an input: the
-    caller saves it, for NVFP4, whose kept weight needs 16x16 tiles, which make ``W^T``'s copy
-    ``W`` itself; the others' ``W`` along ``N`` is ``weight_q``'s third tensor where given,
+    added to its rounded output; CPU: :func:`_fwd_loop`, the bias in the GEMM, as a dense
+    ``te::linear``); ``saved = [X, W]``, the backward GEMMs' copies quantised along the other dim
+    (:func:`_cast_columns`, :func:`_weight_columns`), ``[X]`` with ``weight_q`` (whose first
+    tensor is :func:`dequantized_weight`'s ``W``; the caller saves the weight's copy: NVFP4's
+    16x16 tiles make ``W`` its own, the others' is ``weight_q``'s third tensor where given,
     else made from ``weight`` in the backward)."""
     if r.recipe == "nvfp4":
         x, x_col = nvfp4_input(inp, m_splits, r)
@@ -603,11 +569,10 @@ def dequantized_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
 
 def dequantized_backward(grad, saved, inp, m_splits, weight, main_grad, r, has_bias, dgrad,
                           wgrad, cuda):  # fmt: skip
-    """The gradient quantised in blocks along ``out_features`` for the dgrad and along each
-    expert's tokens for the wgrad (NVFP4: with its global scales per expert), then the
-    high-precision grouped GEMMs against the forward's copies (on the CPU, NVFP4 aside, per
-    expert the dense family's calls, :func:`_emulated_loop`); the bias gradient from the
-    high-precision gradient."""
+    """The gradient quantised along ``out_features`` for the dgrad and along each expert's tokens
+    for the wgrad (NVFP4: global scales per expert), then the high-precision grouped GEMMs
+    against the forward's copies (CPU, NVFP4 aside: :func:`_emulated_loop`); the bias gradient
+    from the high-precision gradient."""
     x, w = saved
     if r.recipe == "nvfp4":  # dgrad on the rowwise copy, wgrad on the columnwise one
         g_row, g_col_t = nvfp4_qdq(grad, columnwise=wgrad, rht=r.rht, rng_state=r.rng_state,
@@ -630,7 +595,7 @@ def dequantized_backward(grad, saved, inp, m_splits, weight, main_grad, r, has_b
         dinp, dweight = _emulated_loop(grad, g_row, g_col, x, m_splits, w, main_grad)
     dbias = empty(grad)  # fp32 sums: on CUDA over the device splits, else per group
     if has_bias and cuda:
-        dbias = group_sums(grad, device_splits(m_splits, grad)[0], w.shape[0])
+        dbias = _group_sums(grad, device_splits(m_splits, grad)[0], w.shape[0])
     elif has_bias:
         splits = host_splits(m_splits, grad.shape[0])
         dbias = bwd_loop(grad, None, splits, w, None, True, False, False, torch.float32)[2]
@@ -638,11 +603,10 @@ def dequantized_backward(grad, saved, inp, m_splits, weight, main_grad, r, has_b
 
 
 def _emulated_loop(grad, g_row, g_col, x_col, m_splits, w_col, main_grad):
-    """The CPU's backward GEMMs of the emulated recipes, per group the calls a dense
-    ``te::linear`` makes (``functional.gemm``'s ``"dequantized"`` GEMM on the fp32 values, the
-    transposed copies contiguous, the weight gradient added to ``main_grad`` after its GEMM), so
-    a group's gradients are those of a Linear with its rows, bit for bit. ``g_row`` / ``g_col``:
-    None where that gradient is not wanted."""
+    """The CPU's backward GEMMs of the emulated recipes: per group a dense ``te::linear``'s calls
+    (``functional.gemm``'s ``"dequantized"`` GEMM on the fp32 values, ``main_grad`` added to
+    after its GEMM), so a group's gradients are a Linear's on its rows, bit for bit. ``g_row`` /
+    ``g_col``: None where that gradient is not wanted."""
     rows, (groups, n, k), dtype = x_col.shape[0], w_col.shape, grad.dtype
     dinp = grad.new_empty(rows, k) if g_row is not None else empty(grad)
     into_weight = g_col is not None and main_grad is None

@@ -25,17 +25,11 @@ specs: the wgrad GEMM in FP8 too, the input kept as its FP8 wgrad operand instea
 precision). The GEMMs of each recipe are a row of :data:`GROUPED_GEMMS` (one table;
 ``functional.grouped_gemm`` and ``functional.grouped_fp8`` have the details).
 
-``saved`` (the tensors the backward needs that are not inputs): per-tensor recipes ``[W_8
-[G, K, N] (uint8 bytes, quantised along N or per tensor), its inverse scales [G, K]]`` and
-with ``fp8_wgrad`` ``[X_8^T [K, capacity], its inverse scales [G, K]]``, then ``[amax(X),
-amax(W)]`` under delayed scaling (and under current scaling when ``grad_amax`` is given: a
-delayed state's calibration step); native blockwise the FP8 copies of ``X^T`` (every expert's
-tokens from a multiple of 128) and of each ``W_g^T`` with their 1x128 scales; the emulated
-recipes the dequantised copies of ``X`` and ``W`` the backward GEMMs read (quantised along the
-tokens within each expert, and along ``N``); nothing in high precision. Under an override, nothing
-(``"high_precision"``) or the dequantised forward operands ``[X, W]`` (``"dequantized"``), then
-the amaxes as above.
-
+``saved`` (the tensors the backward needs that are not inputs) is the row's forward's (each
+documents it; the fake below gives every shape): the operands' copies the backward GEMMs read
+(nothing in high precision; under an override nothing, ``"high_precision"``, or the dequantised
+forward operands ``[X, W]``, ``"dequantized"``), then under the per-tensor recipes ``[amax(X),
+amax(W)]`` where :func:`~te_compile.functional.grouped_linear_args.appends_amaxes`.
 Pre-quantised weight: ``weight_q``, as ``te::linear``'s, cast by ``te::quantize_grouped_weight``
 (``functional.grouped_weight``, the bytes of the op's own cast); ``saved`` then lacks the
 weight's copies (the backward gets them from the inputs).
@@ -44,10 +38,8 @@ Under ``torch.compile`` Inductor traces into a high-precision call on CUDA on th
 ``torch._grouped_mm`` path; every other call is kept whole (:func:`host_split_path`; the
 reasons are in ``docs/op_mechanism.md``). Weight-gradient fusion: ``main_grad`` (fp32, weight's
 shape) receives ``+= dW`` instead of a ``dweight`` output, as in ``te::linear_bwd``.
-
-This file holds the ops (reference, schemas, fakes, autograd) and the public function; beside
-it, ``grouped_linear_args.py`` (the arguments and their checks) and ``grouped_linear_samples.py``
-(the registry test's sample inputs).
+Beside this file: ``grouped_linear_args.py`` (the arguments and their checks) and
+``grouped_linear_samples.py`` (the registry test's sample inputs).
 """
 
 from __future__ import annotations
@@ -58,11 +50,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from te_compile._checks import (
-    check_bool,
-    check_choice,
-    check_tensors,
-)
+from te_compile._checks import check_bool, check_choice, check_tensors
 from te_compile._library import HOST_SPLITS, differentiable, op
 from te_compile._numerics import acc_dtype
 from te_compile.functional.dense_weight import check_weight_quantized
@@ -165,21 +153,6 @@ def _fake_quant(x: Tensor, fp8_dtype: torch.dtype, dim: int, scale: Tensor | Non
     return (data.to(acc) * scale_inv.to(acc)).to(x.dtype)
 
 
-def _ref_operands(x: Tensor, w: Tensor, splits: list[int], r: GroupedRecipe) -> tuple[Tensor, ...]:
-    """The forward GEMM's operands, quantised and dequantised: per row (per tensor with delayed
-    scales) or in blocks along ``in_features``, each expert's weight in its blocks (NVFP4: the
-    rowwise copies of ``functional.grouped_gemm.nvfp4_input`` / ``nvfp4_weight``)."""
-    if r.recipe in PER_TENSOR:
-        s_x, s_w, _ = scale_slots(r.scale, r.recipe)
-        return _fake_quant(x, r.fwd_dtype, -1, s_x), _fake_quant(w, r.fwd_dtype, -1, s_w)
-    if r.recipe == "nvfp4":
-        return nvfp4_input(x, torch.tensor(splits), r)[0], nvfp4_weight(w, r)[0]
-    p2 = r.power_2_scale if r.recipe == "block" else False
-    rows = r.weight_block_rows if r.recipe == "block" else 1
-    wq = torch.stack([qdq(w_g, r.recipe, r.fwd_dtype, rows, p2) for w_g in w])
-    return qdq(x, r.recipe, r.fwd_dtype, 1, p2), wq
-
-
 def _ref_columns(x_g: Tensor, r: GroupedRecipe, fp8_dtype: torch.dtype) -> Tensor:
     """One group's (or expert's) ``[m, C]`` quantised-dequantised along ``m`` (blocks of 32
     rows for MXFP8, 128 for Float8BlockScaling's 1x128 blocks), a partial last block as if
@@ -192,33 +165,36 @@ def _ref_columns(x_g: Tensor, r: GroupedRecipe, fp8_dtype: torch.dtype) -> Tenso
 
 
 def _ref_copies(x: Tensor, w: Tensor, splits: list[int], r: GroupedRecipe) -> tuple[Tensor, ...]:
-    """``(X, W, X_col, W_col)``: the forward GEMM's operands and the copies the backward GEMMs
-    read, quantised-dequantised. Per-tensor recipes: ``W`` along ``N`` (rowwise; delayed: the
-    forward's per-tensor values), ``X`` in high precision or, with ``fp8_wgrad``, per (group,
-    column) over the group's tokens. Block-scaled: along ``out_features`` (128x128 weight
-    blocks: the forward's) and along each expert's own tokens. NVFP4: as
-    ``functional.gemm_ref.quantized_linear_ref`` defines a dense GEMM per expert (its own global
-    scales, copies quantised along the other dim, the transform, 4over6)."""
+    """``(X, W, X_col, W_col)``: the forward GEMM's operands (per row, per tensor with delayed
+    scales, or in blocks along ``in_features``, each expert's weight in its blocks) and the
+    copies the backward GEMMs read, quantised-dequantised. Per-tensor recipes: ``W`` along ``N``
+    (rowwise; delayed: the forward's per-tensor values), ``X`` in high precision or, with
+    ``fp8_wgrad``, per (group, column) over the group's tokens. Block-scaled: along
+    ``out_features`` (128x128 weight blocks: the forward's) and along each expert's own tokens.
+    NVFP4: as ``functional.gemm_ref.quantized_linear_ref`` defines a dense GEMM per expert (the
+    copies of ``functional.grouped_gemm.nvfp4_input`` / ``nvfp4_weight``)."""
     if r.recipe == "nvfp4":
         (xq, x_col), (wq, w_col) = nvfp4_input(x, torch.tensor(splits), r), nvfp4_weight(w, r)
         return xq, wq, x_col, w_col
-    xq, wq = _ref_operands(x, w, splits, r)
     if r.recipe in PER_TENSOR:
         s_x, s_w, _ = scale_slots(r.scale, r.recipe)
+        xq, wq = _fake_quant(x, r.fwd_dtype, -1, s_x), _fake_quant(w, r.fwd_dtype, -1, s_w)
         w_col = _fake_quant(w, r.fwd_dtype, 1, s_w)
         x_cols = [_fake_quant(x_g, r.fwd_dtype, 0, s_x) for x_g in x.split(splits)]
         return xq, wq, torch.cat(x_cols) if r.fp8_wgrad else x, w_col
+    p2 = r.power_2_scale if r.recipe == "block" else False
     w_rows = r.weight_block_rows if r.recipe == "block" else 1
+    wq = torch.stack([qdq(w_g, r.recipe, r.fwd_dtype, w_rows, p2) for w_g in w])
+    xq = qdq(x, r.recipe, r.fwd_dtype, 1, p2)
     w_col = wq if w_rows != 1 else torch.stack([_ref_columns(w_g, r, r.fwd_dtype) for w_g in w])
     x_col = torch.cat([_ref_columns(x_g, r, r.fwd_dtype) for x_g in x.split(splits)])
     return xq, wq, x_col, w_col
 
 
 def _ref_grads(dy: Tensor, splits: list[int], r: GroupedRecipe) -> tuple[Tensor, list[Tensor]]:
-    """``(dY for the dgrad, every group's dY for the wgrad)``, quantised-dequantised as
-    :func:`_ref_copies` quantises the operands they meet (per-tensor recipes: the wgrad's in
-    high precision without ``fp8_wgrad``; NVFP4: stochastic rounding from one stream over the
-    whole gradient)."""
+    """``(dY for the dgrad, every group's dY for the wgrad)``, quantised-dequantised as the
+    operands they meet (per-tensor recipes: the wgrad's in high precision without
+    ``fp8_wgrad``; NVFP4: stochastic rounding from one stream over the whole gradient)."""
     if r.recipe == "nvfp4":
         g_row, g_col_t = nvfp4_qdq(dy, rht=r.rht, rng_state=r.rng_state,
                                    row_splits=torch.tensor(splits))  # fmt: skip
@@ -305,7 +281,7 @@ def _override_reference(a: GroupedLinearArgs) -> Tensor:
     value = _reference(*a._replace(backward="")).detach()
     x, w = a.inp, a.weight
     if a.bw.override == "dequantized":
-        xq, wq = _ref_operands(x, w, a.m_splits.tolist(), a.grouped_recipe)
+        xq, wq = _ref_copies(x, w, a.m_splits.tolist(), a.grouped_recipe)[:2]
         x, w = x + (xq - x).detach(), w + (wq - w).detach()
     y = grouped_linear_ref(x, a.m_splits, w, a.bias)
     return y + (value - y).detach()
@@ -367,10 +343,8 @@ def grouped_linear_fwd(
     weight_q: list[Tensor] | None = None,
     wgrad_stash: Tensor | None = None,
 ) -> tuple[Tensor, list[Tensor]]:
-    """``(out [M, out_features], saved)`` (module docstring). ``main_grad`` is only carried to
-    the backward. ``weight_q``: ``weight`` pre-quantised (``functional.grouped_weight``);
-    ``saved`` then lacks the weight's copies. Default (CPU): fp32 math (fp64 stays fp64) in
-    high precision, the exact emulation of the FP8 GEMMs."""
+    """``(out [M, out_features], saved)`` (module docstring); ``main_grad`` is only carried to the
+    backward. Default (CPU): fp32 math (fp64 stays fp64), the exact emulation of FP8 GEMMs."""
     a = GroupedLinearArgs(inp, m_splits, weight, bias, main_grad, input_spec, weight_spec,
                           grad_spec, scale, grad_amax, rng_state, backward, weight_q,
                           wgrad_stash)  # fmt: skip
@@ -435,26 +409,6 @@ class _Bwd(NamedTuple):
     need_dgrad: bool
     need_wgrad: bool
 
-    @classmethod
-    def of(cls, input_spec, weight_spec, grad_spec, backward, *flags) -> _Bwd:
-        return cls(*as_specs(input_spec, weight_spec, grad_spec),
-                   parse(BackwardSpec, backward), *flags)  # fmt: skip
-
-
-_N_BWD_TENSORS = 9  # grad_out, saved, inp, m_splits, weight, main_grad, scale, grad_amax,
-# rng_state
-_N_BWD_SCALARS = 7  # the specs, backward, has_bias, need_dgrad, need_wgrad
-
-
-def _backward_impl(grad_out, saved, inp, m_splits, weight, main_grad, scale, grad_amax,
-                   rng_state, c: _Bwd, cuda: bool):  # fmt: skip
-    r = make_grouped_recipe((c.x, c.w, c.g), scale, grad_amax, c.bw, rng_state)
-    _, backward = GROUPED_GEMMS[grouped_gemm_kind(c.x.kind, c.x.emulate)]
-    if c.bw.save_input and backward is dequantized_backward:  # the kept input quantised again
-        saved = [dequantized_input(inp, m_splits, r) if c.need_wgrad else inp, *saved]
-    return backward(grad_out, saved, inp, m_splits, weight, main_grad, r, c.has_bias,
-                    c.need_dgrad, c.need_wgrad, cuda)  # fmt: skip
-
 
 @op(
     "grouped_linear_bwd",
@@ -480,13 +434,11 @@ def grouped_linear_bwd(
     need_wgrad: bool,
     wgrad_stash: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dinp, dweight, dbias)``; a gradient not computed is a 0-element tensor (dweight also
-    when it went into ``main_grad``). ``saved``: the forward's, without the amaxes; ``inp`` is
-    needed (and passed) only where a high-precision wgrad reads it; the strings are the
-    forward's (``rng_state``: its stream for a gradient spec's stochastic rounding). Writes
-    ``amax(dY)`` into ``grad_amax`` when given. ``wgrad_stash`` (delayed weight gradient):
-    ``grad_out`` is copied into it and the weight gradient is not computed (``DeferredWgrad``
-    replays this op for it). Default (CPU): fp32 math, the exact emulation of the FP8 GEMMs."""
+    """``(dinp, dweight, dbias)``, 0-element where not computed (dweight also when it went into
+    ``main_grad``). ``saved``: the forward's without the amaxes; ``inp`` only where the backward
+    reads it (:func:`_for_backward`); the strings and ``rng_state`` the forward's. Writes
+    ``amax(dY)`` into ``grad_amax`` when given. ``wgrad_stash``: ``grad_out`` copied into it,
+    the weight gradient not computed (``DeferredWgrad`` replays this op for it)."""
     args = (grad_out, saved, inp, m_splits, weight, main_grad, scale, grad_amax, rng_state,
             input_spec, weight_spec, grad_spec, backward, has_bias, need_dgrad, need_wgrad,
             wgrad_stash)  # fmt: skip
@@ -494,19 +446,26 @@ def grouped_linear_bwd(
 
 
 def _bwd_args(args: tuple) -> tuple[tuple, _Bwd, Tensor | None]:
-    """The tensors, the scalars and the ``wgrad_stash`` of a backward call; a stash takes the
-    weight gradient's place (``need_wgrad`` becomes False)."""
-    n, end = _N_BWD_TENSORS, _N_BWD_TENSORS + _N_BWD_SCALARS
-    c = _Bwd.of(*args[n:end])
+    """The 9 tensors (``grad_out`` to ``rng_state``), the scalars (the specs, backward, has_bias,
+    need_dgrad, need_wgrad) and the ``wgrad_stash`` of a backward call; a stash takes the weight
+    gradient's place (``need_wgrad`` becomes False)."""
+    n, end = 9, 16
+    c = _Bwd(*as_specs(*args[n : n + 3]), parse(BackwardSpec, args[n + 3]), *args[n + 4 : end])
     stash = args[end] if len(args) > end else None
     return args[:n], (c if stash is None else c._replace(need_wgrad=False)), stash
 
 
 def _backward_op(args: tuple, cuda: bool) -> tuple[Tensor, Tensor, Tensor]:
     tensors, c, stash = _bwd_args(args)
+    grad_out, saved, inp, m_splits, weight, main_grad, scale, grad_amax, rng_state = tensors
     if stash is not None:
-        stash.copy_(tensors[0])
-    return _backward_impl(*tensors, c, cuda=cuda)
+        stash.copy_(grad_out)
+    r = make_grouped_recipe((c.x, c.w, c.g), scale, grad_amax, c.bw, rng_state)
+    _, backward = GROUPED_GEMMS[grouped_gemm_kind(c.x.kind, c.x.emulate)]
+    if c.bw.save_input and backward is dequantized_backward:  # the kept input quantised again
+        saved = [dequantized_input(inp, m_splits, r) if c.need_wgrad else inp, *saved]
+    return backward(grad_out, saved, inp, m_splits, weight, main_grad, r, c.has_bias,
+                    c.need_dgrad, c.need_wgrad, cuda)  # fmt: skip
 
 
 @grouped_linear_bwd.register_kernel("cuda")
@@ -559,10 +518,9 @@ def _for_backward(a: GroupedLinearArgs, saved: list[Tensor]) -> tuple[tuple, tup
             saved = [data_t, scale_t, *saved]
         elif kind == "blockwise":  # stacked: the backward reads them so
             saved = [*saved, data_t, scale_t]
-        elif x.kind == "nvfp4":  # 16x16 tiles: the kept W is its own dgrad copy
-            saved = [*saved, a.weight_q[0]]
-        else:  # the dgrad copy (W along N), or 0-element: made from weight in the backward
-            saved = [*saved, a.weight_q[2]]
+        else:  # NVFP4: the kept W (16x16 tiles: its own dgrad copy); the others: the dgrad copy
+            # (W along N), or 0-element: made from weight in the backward
+            saved = [*saved, a.weight_q[0 if x.kind == "nvfp4" else 2]]
     tensors = (a.inp if keeps_inp else None, a.m_splits, a.weight, a.main_grad, a.scale,
                a.grad_amax, a.rng_state, *saved)  # fmt: skip
     return tensors, (a.input_spec, a.weight_spec, a.grad_spec, a.backward)

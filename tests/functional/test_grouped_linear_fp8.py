@@ -367,7 +367,7 @@ def test_weight_scales_per_group_and_dim():
     data, s = GF.quantize_rowwise(w, E4M3)
     assert data.shape == (3, 16, 32) and s.shape == (3, 16)
     torch.testing.assert_close(s, w.abs().amax(-1) / 448)
-    data_t, s_t = GF._quantize_weight_dgrad(w, E4M3)
+    _, _, data_t, s_t, _ = GF.per_tensor_weight(w, E4M3, None, False)
     assert data_t.shape == (3, 32, 16) and data_t.is_contiguous() and s_t.shape == (3, 32)
     torch.testing.assert_close(s_t, w.abs().amax(1) / 448)
     for g in range(3):
