@@ -31,8 +31,8 @@ nvidia-smi -L | tee "$OUT/gpu_$part.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
   | tee -a "$OUT/gpu_$part.txt"
 CC=gcc CXX=g++ python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -3
-# Workers on all cores but a few (Triton's compiles are host-bound): part 1 spreads them over the GPUs;
-# part 2 leaves more for the long runs' training processes and their compiles.
+# Workers on all cores but a few (Triton's compiles are host-bound), spread over the GPUs in
+# part 1; part 2 leaves more for the long runs' training processes and their compiles.
 workers=$(( $(nproc) - (part == 1 ? 4 : 10) ))
 PYTEST=(python3 -m pytest -q -rfE -p no:cacheprovider --durations=30)
 SERIAL=("${PYTEST[@]}")

@@ -24,12 +24,14 @@ os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "0")
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
 # The GPU suite's part 1 (bench/gpu_suite.sh) spreads its xdist workers over the machine's GPUs:
-# TE_COMPILE_TEST_SPREAD_GPUS=n shows worker k only GPU k mod n (set before torch reads it).
-# Without it every worker shares GPU 0, which time-slices between a few dozen processes.
+# TE_COMPILE_TEST_SPREAD_GPUS=n shows worker k only the (k mod n)-th visible GPU (set before
+# torch reads it). Without it every worker shares GPU 0, which time-slices between a few dozen
+# processes.
 _SPREAD = int(os.environ.get("TE_COMPILE_TEST_SPREAD_GPUS", "0"))
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 if _SPREAD > 1 and _WORKER.startswith("gw"):
-    os.environ["CUDA_VISIBLE_DEVICES"] = str(int(_WORKER[2:]) % _SPREAD)
+    _GPUS = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(_SPREAD)))).split(",")
+    os.environ["CUDA_VISIBLE_DEVICES"] = _GPUS[int(_WORKER[2:]) % len(_GPUS)]
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
