@@ -219,7 +219,8 @@ def _fwd_loop(
 
 
 def bwd_loop(grad_out, inp, splits, weight, main_grad, has_bias, need_dgrad, need_wgrad, acc):
-    """Per-group GEMMs in ``acc`` (None: the input dtype); dW and db summed in fp32 at least.
+    """Per-group GEMMs in ``acc`` (None: the input dtype); db, and dW into ``main_grad``, summed
+    in fp32 at least.
     ``inp`` is read by the wgrad alone, ``weight`` by the dgrad (its shape always)."""
     dtype = grad_out.dtype
     cast = (lambda t: t) if acc is None else (lambda t: t.to(acc))
