@@ -233,27 +233,52 @@ def gated_activation_ref(
 
 
 def _check_args(inp: Tensor, bias: Tensor | None, activation: str, gated: bool, k: int = 0) -> None:
-    """One cheap compound test on the hot path; the per-argument diagnosis only on failure, so
-    eager and compile raise the same ValueError naming the argument."""
-    if (
-        inp.dtype in FLOAT_DTYPES
-        and activation in (GATED_ACTIVATIONS if gated else ACTIVATIONS)
-        and (
-            bias is None
-            or (inp.dim() >= 1 and bias.dtype is inp.dtype and bias.shape == inp.shape[-1:])
+    """A ValueError naming the argument, the same in eager and at trace time."""
+    p = "te.gated_activation" if gated else "te.activation"
+    if activation not in _FUNCTION:
+        raise ValueError(
+            f"{p}: unknown activation {activation!r}; element-wise activations are "
+            f"{', '.join(ACTIVATIONS)}; gated activations are {', '.join(GATED_ACTIVATIONS)}"
         )
-        and (
-            not gated
-            or (
-                inp.dim() >= 1
-                and inp.shape[-1] % 2 == 0
-                and k >= 0
-                and (k == 0 or inp.shape[-1] // 2 % k == 0)
-            )
+    if gated and activation in ACTIVATIONS:
+        raise ValueError(
+            f"{p}: activation must be a gated activation ({', '.join(GATED_ACTIVATIONS)}), got "
+            f"the element-wise {activation!r}; glu_interleave_size applies to gated activations"
         )
-    ):
+    if not gated and activation in GATED_ACTIVATIONS:
+        raise ValueError(
+            f"{p}: activation must be element-wise ({', '.join(ACTIVATIONS)}), got the gated "
+            f"{activation!r}; use te_compile.functional.{activation} or bias_activation"
+        )
+    if inp.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{p}: inp.dtype must be a floating type, got {inp.dtype}")
+    if not gated and bias is None:
         return
-    raise ValueError(_diagnose(inp, bias, activation, gated, k))
+    if inp.dim() < 1:
+        raise ValueError(
+            f"{p}: inp must have at least 1 dimension (a bias or gated halves need a last dim)"
+        )
+    n = inp.shape[-1]
+    if gated and n % 2:
+        raise ValueError(
+            f"{p}: inp.shape[-1] ({n}) must be even: its first half is the activation input and "
+            f"its second half the linear input"
+        )
+    if gated and k < 0:
+        raise ValueError(
+            f"{p}: glu_interleave_size must be >= 0 (0 or None: contiguous halves), got {k}"
+        )
+    if gated and k and (n // 2) % k:
+        raise ValueError(
+            f"{p}: glu_interleave_size ({k}) must divide half the last dim, "
+            f"inp.shape[-1] // 2 = {n // 2}"
+        )
+    if bias is not None and bias.shape != inp.shape[-1:]:
+        raise ValueError(
+            f"{p}: bias must have shape [inp.shape[-1]] = [{n}], got {list(bias.shape)}"
+        )
+    if bias is not None and bias.dtype is not inp.dtype:
+        raise ValueError(f"{p}: bias.dtype ({bias.dtype}) must equal inp.dtype ({inp.dtype})")
 
 
 def check_gated_params(owner: str, limit: float, alpha: float, glu_linear_offset: float) -> None:
@@ -300,45 +325,6 @@ def check_activation(
     the GEMM output's shape and dtype on the meta device)."""
     gated = activation in GATED_ACTIVATIONS
     _check_args(inp, bias, activation, gated, glu_interleave_size)
-
-
-def _diagnose(inp: Tensor, bias: Tensor | None, activation: str, gated: bool, k: int) -> str:
-    p = "te.gated_activation" if gated else "te.activation"
-    if activation not in _FUNCTION:
-        return (
-            f"{p}: unknown activation {activation!r}; element-wise activations are "
-            f"{', '.join(ACTIVATIONS)}; gated activations are {', '.join(GATED_ACTIVATIONS)}"
-        )
-    if gated and activation in ACTIVATIONS:
-        return (
-            f"{p}: activation must be a gated activation ({', '.join(GATED_ACTIVATIONS)}), got "
-            f"the element-wise {activation!r}; glu_interleave_size applies to gated activations"
-        )
-    if not gated and activation in GATED_ACTIVATIONS:
-        return (
-            f"{p}: activation must be element-wise ({', '.join(ACTIVATIONS)}), got the gated "
-            f"{activation!r}; use te_compile.functional.{activation} or bias_activation"
-        )
-    if inp.dtype not in FLOAT_DTYPES:
-        return f"{p}: inp.dtype must be a floating type, got {inp.dtype}"
-    if inp.dim() < 1:
-        return f"{p}: inp must have at least 1 dimension (a bias or gated halves need a last dim)"
-    n = inp.shape[-1]
-    if gated and n % 2:
-        return (
-            f"{p}: inp.shape[-1] ({n}) must be even: its first half is the activation input and "
-            f"its second half the linear input"
-        )
-    if gated and k < 0:
-        return f"{p}: glu_interleave_size must be >= 0 (0 or None: contiguous halves), got {k}"
-    if gated and k and (n // 2) % k:
-        return (
-            f"{p}: glu_interleave_size ({k}) must divide half the last dim, "
-            f"inp.shape[-1] // 2 = {n // 2}"
-        )
-    if bias.shape != inp.shape[-1:]:
-        return f"{p}: bias must have shape [inp.shape[-1]] = [{n}], got {list(bias.shape)}"
-    return f"{p}: bias.dtype ({bias.dtype}) must equal inp.dtype ({inp.dtype})"
 
 
 _kernels = functools.partial(submodule, "activation")  # Triton: imported on first CUDA use
