@@ -281,6 +281,13 @@ def _check_args(inp: Tensor, bias: Tensor | None, activation: str, gated: bool, 
         raise ValueError(f"{p}: bias.dtype ({bias.dtype}) must equal inp.dtype ({inp.dtype})")
 
 
+def _check_gated(inp, bias, activation, k, limit, alpha, offset) -> None:
+    _check_args(inp, bias, activation, True, k)
+    if activation == "situglu":
+        check_situ_slots("te.gated_activation", limit, alpha, offset)
+    check_gated_params("te.gated_activation", limit, alpha, offset)
+
+
 def check_gated_params(owner: str, limit: float, alpha: float, glu_linear_offset: float) -> None:
     """``limit`` and ``alpha`` finite and > 0, ``glu_linear_offset`` finite (``clamped_swiglu``'s
     parameters; every gated op takes them): a ValueError naming the argument, from Python
@@ -359,10 +366,7 @@ def gated_activation_fwd(
     glu_linear_offset: float = 1.0,
 ) -> Tensor:
     """Gated ``activation`` of ``inp + bias``; default (CPU) implementation: the reference math."""
-    _check_args(inp, bias, activation, True, glu_interleave_size)
-    if activation == "situglu":
-        check_situ_slots("te.gated_activation", limit, alpha, glu_linear_offset)
-    check_gated_params("te.gated_activation", limit, alpha, glu_linear_offset)
+    _check_gated(inp, bias, activation, glu_interleave_size, limit, alpha, glu_linear_offset)
     return gated_activation_ref(
         inp.contiguous(), bias, activation, glu_interleave_size, limit, alpha, glu_linear_offset
     )
@@ -370,10 +374,7 @@ def gated_activation_fwd(
 
 @gated_activation_fwd.register_kernel("cuda")
 def _gated_activation_fwd_cuda(inp, bias, activation, k=0, limit=7.0, alpha=1.702, offset=1.0):
-    _check_args(inp, bias, activation, True, k)
-    if activation == "situglu":
-        check_situ_slots("te.gated_activation", limit, alpha, offset)
-    check_gated_params("te.gated_activation", limit, alpha, offset)
+    _check_gated(inp, bias, activation, k, limit, alpha, offset)
     if inp.dtype == torch.float64:
         return gated_activation_ref(inp.contiguous(), bias, activation, k, limit, alpha, offset)
     return _kernels().activation_forward(inp, bias, activation, k, limit, alpha, offset)
@@ -390,10 +391,7 @@ def _activation_fwd_fake(inp, bias, activation):
 
 @gated_activation_fwd.register_fake
 def _gated_activation_fwd_fake(inp, bias, activation, k=0, limit=7.0, alpha=1.702, offset=1.0):
-    _check_args(inp, bias, activation, True, k)
-    if activation == "situglu":
-        check_situ_slots("te.gated_activation", limit, alpha, offset)
-    check_gated_params("te.gated_activation", limit, alpha, offset)
+    _check_gated(inp, bias, activation, k, limit, alpha, offset)
     return inp.new_empty((*inp.shape[:-1], inp.shape[-1] // 2))
 
 
@@ -468,8 +466,7 @@ def _gated_activation_bwd_cuda(grad, inp, bias, activation, k, limit, alpha, off
     config = (k, limit, alpha, offset)
     if inp.dtype == torch.float64:
         return _gated_activation_bwd_ref(grad, inp, bias, activation, *config, need_dbias)
-    kernels = _kernels()
-    dx, dbias = kernels.activation_backward(
+    dx, dbias = _kernels().activation_backward(
         grad, inp, bias, activation, *config, need_dbias=need_dbias
     )
     return dx, inp.new_empty(0) if dbias is None else dbias

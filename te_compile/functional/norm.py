@@ -225,11 +225,6 @@ def check_norm_args(
 _kernels = functools.partial(submodule, "norm")  # Triton: imported on first CUDA use
 
 
-def _empty(like: Tensor) -> Tensor:
-    """A gradient that is not computed: a fresh 0-element tensor (outputs may not alias)."""
-    return like.new_empty(0)
-
-
 # 2. Forward ops -----------------------------------------------------------------------------
 
 
@@ -325,7 +320,7 @@ def layernorm_bwd(
     dx, dw, db = layernorm_bwd_ref(
         grad_out.contiguous(), inp.contiguous(), mean, rsigma, weight, zero_centered_gamma, has_bias
     )
-    return dx, dw, _empty(dw) if db is None else db
+    return dx, dw, dw.new_empty(0) if db is None else db
 
 
 @layernorm_bwd.register_kernel("cuda")
@@ -337,12 +332,12 @@ def _layernorm_bwd_cuda(grad_out, inp, mean, rsigma, weight, zero_centered_gamma
     dx, dw, db = _kernels().layernorm_bwd(
         grad_out, inp, mean, rsigma, weight, zero_centered_gamma, has_bias
     )
-    return dx, dw, _empty(dw) if db is None else db
+    return dx, dw, dw.new_empty(0) if db is None else db
 
 
 @layernorm_bwd.register_fake
 def _layernorm_bwd_fake(grad_out, inp, mean, rsigma, weight, zero_centered_gamma, has_bias):
-    dbias = weight.new_empty(weight.shape) if has_bias else _empty(weight)
+    dbias = weight.new_empty(weight.shape) if has_bias else weight.new_empty(0)
     return inp.new_empty(inp.shape), weight.new_empty(weight.shape), dbias
 
 
