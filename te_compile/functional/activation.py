@@ -117,13 +117,8 @@ GATED_ACTIVATIONS = (
 # activation only (those modules' activation_params have no slot for its betas).
 MODULE_ACTIVATIONS = tuple(a for a in (*ACTIVATIONS, *GATED_ACTIVATIONS) if a != "situglu")
 
-# The function each name applies (gated: to its activation half).
-_FUNCTION = {
-    "gelu": "gelu",
-    "qgelu": "qgelu",
-    "relu": "relu",
-    "srelu": "srelu",
-    "silu": "silu",
+# The function each name applies (gated: to its activation half; element-wise: itself).
+_FUNCTION = {a: a for a in ACTIVATIONS} | {
     "glu": "sigmoid",
     "geglu": "gelu",
     "qgeglu": "qgelu",
