@@ -117,13 +117,8 @@ GATED_ACTIVATIONS = (
 # activation only (those modules' activation_params have no slot for its betas).
 MODULE_ACTIVATIONS = tuple(a for a in (*ACTIVATIONS, *GATED_ACTIVATIONS) if a != "situglu")
 
-# The function each name applies (gated: to its activation half).
-_FUNCTION = {
-    "gelu": "gelu",
-    "qgelu": "qgelu",
-    "relu": "relu",
-    "srelu": "srelu",
-    "silu": "silu",
+# The function each name applies (gated: to its activation half; element-wise: itself).
+_FUNCTION = {a: a for a in ACTIVATIONS} | {
     "glu": "sigmoid",
     "geglu": "gelu",
     "qgeglu": "qgelu",
@@ -233,27 +228,59 @@ def gated_activation_ref(
 
 
 def _check_args(inp: Tensor, bias: Tensor | None, activation: str, gated: bool, k: int = 0) -> None:
-    """One cheap compound test on the hot path; the per-argument diagnosis only on failure, so
-    eager and compile raise the same ValueError naming the argument."""
-    if (
-        inp.dtype in FLOAT_DTYPES
-        and activation in (GATED_ACTIVATIONS if gated else ACTIVATIONS)
-        and (
-            bias is None
-            or (inp.dim() >= 1 and bias.dtype is inp.dtype and bias.shape == inp.shape[-1:])
+    """A ValueError naming the argument, the same in eager and at trace time."""
+    p = "te.gated_activation" if gated else "te.activation"
+    if activation not in _FUNCTION:
+        raise ValueError(
+            f"{p}: unknown activation {activation!r}; element-wise activations are "
+            f"{', '.join(ACTIVATIONS)}; gated activations are {', '.join(GATED_ACTIVATIONS)}"
         )
-        and (
-            not gated
-            or (
-                inp.dim() >= 1
-                and inp.shape[-1] % 2 == 0
-                and k >= 0
-                and (k == 0 or inp.shape[-1] // 2 % k == 0)
-            )
+    if gated and activation in ACTIVATIONS:
+        raise ValueError(
+            f"{p}: activation must be a gated activation ({', '.join(GATED_ACTIVATIONS)}), got "
+            f"the element-wise {activation!r}; glu_interleave_size applies to gated activations"
         )
-    ):
+    if not gated and activation in GATED_ACTIVATIONS:
+        raise ValueError(
+            f"{p}: activation must be element-wise ({', '.join(ACTIVATIONS)}), got the gated "
+            f"{activation!r}; use te_compile.functional.{activation} or bias_activation"
+        )
+    if inp.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{p}: inp.dtype must be a floating type, got {inp.dtype}")
+    if not gated and bias is None:
         return
-    raise ValueError(_diagnose(inp, bias, activation, gated, k))
+    if inp.dim() < 1:
+        raise ValueError(
+            f"{p}: inp must have at least 1 dimension (a bias or gated halves need a last dim)"
+        )
+    n = inp.shape[-1]
+    if gated and n % 2:
+        raise ValueError(
+            f"{p}: inp.shape[-1] ({n}) must be even: its first half is the activation input and "
+            f"its second half the linear input"
+        )
+    if gated and k < 0:
+        raise ValueError(
+            f"{p}: glu_interleave_size must be >= 0 (0 or None: contiguous halves), got {k}"
+        )
+    if gated and k and (n // 2) % k:
+        raise ValueError(
+            f"{p}: glu_interleave_size ({k}) must divide half the last dim, "
+            f"inp.shape[-1] // 2 = {n // 2}"
+        )
+    if bias is not None and bias.shape != inp.shape[-1:]:
+        raise ValueError(
+            f"{p}: bias must have shape [inp.shape[-1]] = [{n}], got {list(bias.shape)}"
+        )
+    if bias is not None and bias.dtype is not inp.dtype:
+        raise ValueError(f"{p}: bias.dtype ({bias.dtype}) must equal inp.dtype ({inp.dtype})")
+
+
+def _check_gated(inp, bias, activation, k, limit, alpha, offset) -> None:
+    _check_args(inp, bias, activation, True, k)
+    if activation == "situglu":
+        check_situ_slots("te.gated_activation", limit, alpha, offset)
+    check_gated_params("te.gated_activation", limit, alpha, offset)
 
 
 def check_gated_params(owner: str, limit: float, alpha: float, glu_linear_offset: float) -> None:
@@ -302,45 +329,6 @@ def check_activation(
     _check_args(inp, bias, activation, gated, glu_interleave_size)
 
 
-def _diagnose(inp: Tensor, bias: Tensor | None, activation: str, gated: bool, k: int) -> str:
-    p = "te.gated_activation" if gated else "te.activation"
-    if activation not in _FUNCTION:
-        return (
-            f"{p}: unknown activation {activation!r}; element-wise activations are "
-            f"{', '.join(ACTIVATIONS)}; gated activations are {', '.join(GATED_ACTIVATIONS)}"
-        )
-    if gated and activation in ACTIVATIONS:
-        return (
-            f"{p}: activation must be a gated activation ({', '.join(GATED_ACTIVATIONS)}), got "
-            f"the element-wise {activation!r}; glu_interleave_size applies to gated activations"
-        )
-    if not gated and activation in GATED_ACTIVATIONS:
-        return (
-            f"{p}: activation must be element-wise ({', '.join(ACTIVATIONS)}), got the gated "
-            f"{activation!r}; use te_compile.functional.{activation} or bias_activation"
-        )
-    if inp.dtype not in FLOAT_DTYPES:
-        return f"{p}: inp.dtype must be a floating type, got {inp.dtype}"
-    if inp.dim() < 1:
-        return f"{p}: inp must have at least 1 dimension (a bias or gated halves need a last dim)"
-    n = inp.shape[-1]
-    if gated and n % 2:
-        return (
-            f"{p}: inp.shape[-1] ({n}) must be even: its first half is the activation input and "
-            f"its second half the linear input"
-        )
-    if gated and k < 0:
-        return f"{p}: glu_interleave_size must be >= 0 (0 or None: contiguous halves), got {k}"
-    if gated and k and (n // 2) % k:
-        return (
-            f"{p}: glu_interleave_size ({k}) must divide half the last dim, "
-            f"inp.shape[-1] // 2 = {n // 2}"
-        )
-    if bias.shape != inp.shape[-1:]:
-        return f"{p}: bias must have shape [inp.shape[-1]] = [{n}], got {list(bias.shape)}"
-    return f"{p}: bias.dtype ({bias.dtype}) must equal inp.dtype ({inp.dtype})"
-
-
 _kernels = functools.partial(submodule, "activation")  # Triton: imported on first CUDA use
 
 
@@ -373,10 +361,7 @@ def gated_activation_fwd(
     glu_linear_offset: float = 1.0,
 ) -> Tensor:
     """Gated ``activation`` of ``inp + bias``; default (CPU) implementation: the reference math."""
-    _check_args(inp, bias, activation, True, glu_interleave_size)
-    if activation == "situglu":
-        check_situ_slots("te.gated_activation", limit, alpha, glu_linear_offset)
-    check_gated_params("te.gated_activation", limit, alpha, glu_linear_offset)
+    _check_gated(inp, bias, activation, glu_interleave_size, limit, alpha, glu_linear_offset)
     return gated_activation_ref(
         inp.contiguous(), bias, activation, glu_interleave_size, limit, alpha, glu_linear_offset
     )
@@ -384,10 +369,7 @@ def gated_activation_fwd(
 
 @gated_activation_fwd.register_kernel("cuda")
 def _gated_activation_fwd_cuda(inp, bias, activation, k=0, limit=7.0, alpha=1.702, offset=1.0):
-    _check_args(inp, bias, activation, True, k)
-    if activation == "situglu":
-        check_situ_slots("te.gated_activation", limit, alpha, offset)
-    check_gated_params("te.gated_activation", limit, alpha, offset)
+    _check_gated(inp, bias, activation, k, limit, alpha, offset)
     if inp.dtype == torch.float64:
         return gated_activation_ref(inp.contiguous(), bias, activation, k, limit, alpha, offset)
     return _kernels().activation_forward(inp, bias, activation, k, limit, alpha, offset)
@@ -404,10 +386,7 @@ def _activation_fwd_fake(inp, bias, activation):
 
 @gated_activation_fwd.register_fake
 def _gated_activation_fwd_fake(inp, bias, activation, k=0, limit=7.0, alpha=1.702, offset=1.0):
-    _check_args(inp, bias, activation, True, k)
-    if activation == "situglu":
-        check_situ_slots("te.gated_activation", limit, alpha, offset)
-    check_gated_params("te.gated_activation", limit, alpha, offset)
+    _check_gated(inp, bias, activation, k, limit, alpha, offset)
     return inp.new_empty((*inp.shape[:-1], inp.shape[-1] // 2))
 
 
@@ -482,8 +461,7 @@ def _gated_activation_bwd_cuda(grad, inp, bias, activation, k, limit, alpha, off
     config = (k, limit, alpha, offset)
     if inp.dtype == torch.float64:
         return _gated_activation_bwd_ref(grad, inp, bias, activation, *config, need_dbias)
-    kernels = _kernels()
-    dx, dbias = kernels.activation_backward(
+    dx, dbias = _kernels().activation_backward(
         grad, inp, bias, activation, *config, need_dbias=need_dbias
     )
     return dx, inp.new_empty(0) if dbias is None else dbias

@@ -60,16 +60,9 @@ FP32_MAX = torch.finfo(torch.float32).max  # an overflowing scale's value
 
 def scale_copy(scale: Tensor) -> Tensor:
     """An empty ``[slots]`` fp32 tensor for a copy of the delayed scales ``scale``, one slot per
-    16 bytes (stride 4): each slot's ``[1]`` view is a valid ``torch._scaled_mm`` scale.
-
-    Why a copy, and why the stride: a compiled training step saves the gradient's scale slot
-    for its backward. AOTAutograd judges a saved tensor that the graph made free for the
-    backward to reuse (a donated buffer). A ``scale.clone()`` is not such a tensor: Inductor
-    drops the clone as a no-op and stores the update's result straight into the ``scale``
-    buffer, so the backward overwrote the state. A contiguous copy is not enough either: the
-    saved ``[1]`` view of slot 2 lies 8 bytes into its buffer, Inductor reused it for the
-    backward's inverse scale and handed that to ``_scaled_mm`` (CUBLAS_STATUS_NOT_SUPPORTED,
-    H200, torch 2.11; ``bench/diag/diag_delayed_traced.py`` shows the generated code)."""
+    16 bytes (stride 4): each slot's ``[1]`` view is a valid ``torch._scaled_mm`` scale. Why a
+    copy (Inductor drops a ``clone``), and why the stride (a contiguous copy put a saved slot 8
+    bytes into a buffer that ``_scaled_mm`` refused, H200, torch 2.11): ``docs/op_mechanism.md``."""
     return torch.empty_strided((scale.shape[0],), (4,), dtype=torch.float32, device=scale.device)
 
 

@@ -187,74 +187,42 @@ def check_public_args(
 def check_norm_args(
     name: str, inp: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
 ) -> None:
-    """Constraints shared by the implementations (eager) and the fakes (trace time).
-
-    One cheap compound test on the hot path; the per-argument diagnosis runs only when it
-    fails, so eager and compile raise the same ValueError naming the argument."""
-    dtype = inp.dtype
-    if (
-        0 < eps < math.inf
-        and dtype in FLOAT_DTYPES
-        and inp.ndim >= 1
-        and inp.shape[-1] >= 1
-        and (
-            weight is None
-            or (
-                weight.ndim == 1
-                and weight.shape[0] == inp.shape[-1]
-                and (weight.dtype is dtype or weight.dtype is torch.float32)
-                and weight.device == inp.device
-            )
-        )
-        and (
-            bias is None
-            or (
-                bias.shape == weight.shape
-                and bias.dtype is weight.dtype
-                and bias.device == weight.device
-            )
-        )
-    ):
-        return
-    raise ValueError(_diagnose(name, inp, weight, bias, eps))
-
-
-def _diagnose(
-    name: str, inp: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
-) -> str:
+    """Constraints shared by the implementations (eager) and the fakes (trace time), so eager
+    and compile raise the same ValueError naming the argument."""
     prefix = f"te.{name}: "
     if not 0 < eps < math.inf:
-        return prefix + f"eps must be > 0 and finite, got {eps}"
+        raise ValueError(prefix + f"eps must be > 0 and finite, got {eps}")
     if inp.dtype not in FLOAT_DTYPES:
-        return prefix + f"inp.dtype must be a floating type, got {inp.dtype}"
+        raise ValueError(prefix + f"inp.dtype must be a floating type, got {inp.dtype}")
     if inp.ndim < 1 or inp.shape[-1] < 1:
-        return prefix + f"inp must have a non-empty last dim, got shape {list(inp.shape)}"
+        raise ValueError(
+            prefix + f"inp must have a non-empty last dim, got shape {list(inp.shape)}"
+        )
     n = inp.shape[-1]
     if weight is not None and (weight.ndim != 1 or weight.shape[0] != n):
-        return prefix + (
-            f"weight must have shape [inp.shape[-1]] = [{n}], got {list(weight.shape)}"
+        raise ValueError(
+            prefix + f"weight must have shape [inp.shape[-1]] = [{n}], got {list(weight.shape)}"
         )
     if weight is not None and weight.dtype not in (inp.dtype, torch.float32):
-        return prefix + (
-            f"weight.dtype ({weight.dtype}) must be torch.float32 or equal inp.dtype ({inp.dtype})"
+        raise ValueError(
+            prefix + f"weight.dtype ({weight.dtype}) must be torch.float32 or equal inp.dtype "
+            f"({inp.dtype})"
         )
     for arg, t in (("weight", weight), ("bias", bias)):
         if t is not None and t.device != inp.device:
-            return prefix + (
-                f"inp and {arg} must be on one device, got inp on {inp.device} and {arg} on "
-                f"{t.device}"
+            raise ValueError(
+                prefix + f"inp and {arg} must be on one device, got inp on {inp.device} and "
+                f"{arg} on {t.device}"
             )
-    if bias.shape != weight.shape:
-        return prefix + f"bias must have weight's shape [{n}], got {list(bias.shape)}"
-    return prefix + f"bias.dtype ({bias.dtype}) must equal weight.dtype ({weight.dtype})"
+    if bias is not None and bias.shape != weight.shape:
+        raise ValueError(prefix + f"bias must have weight's shape [{n}], got {list(bias.shape)}")
+    if bias is not None and bias.dtype is not weight.dtype:
+        raise ValueError(
+            prefix + f"bias.dtype ({bias.dtype}) must equal weight.dtype ({weight.dtype})"
+        )
 
 
 _kernels = functools.partial(submodule, "norm")  # Triton: imported on first CUDA use
-
-
-def _empty(like: Tensor) -> Tensor:
-    """A gradient that is not computed: a fresh 0-element tensor (outputs may not alias)."""
-    return like.new_empty(0)
 
 
 # 2. Forward ops -----------------------------------------------------------------------------
@@ -352,7 +320,7 @@ def layernorm_bwd(
     dx, dw, db = layernorm_bwd_ref(
         grad_out.contiguous(), inp.contiguous(), mean, rsigma, weight, zero_centered_gamma, has_bias
     )
-    return dx, dw, _empty(dw) if db is None else db
+    return dx, dw, dw.new_empty(0) if db is None else db
 
 
 @layernorm_bwd.register_kernel("cuda")
@@ -364,12 +332,12 @@ def _layernorm_bwd_cuda(grad_out, inp, mean, rsigma, weight, zero_centered_gamma
     dx, dw, db = _kernels().layernorm_bwd(
         grad_out, inp, mean, rsigma, weight, zero_centered_gamma, has_bias
     )
-    return dx, dw, _empty(dw) if db is None else db
+    return dx, dw, dw.new_empty(0) if db is None else db
 
 
 @layernorm_bwd.register_fake
 def _layernorm_bwd_fake(grad_out, inp, mean, rsigma, weight, zero_centered_gamma, has_bias):
-    dbias = weight.new_empty(weight.shape) if has_bias else _empty(weight)
+    dbias = weight.new_empty(weight.shape) if has_bias else weight.new_empty(0)
     return inp.new_empty(inp.shape), weight.new_empty(weight.shape), dbias
 
 

@@ -508,28 +508,26 @@ def dequantize_blockwise(
 # 3. Fakes -----------------------------------------------------------------------------------
 
 
-def _fake_fp8(x: Tensor, fp8_dtype: torch.dtype, columnwise: bool) -> tuple[Tensor, Tensor]:
-    """``(data, data_t)``: ``x``'s shape, and ``[K, M]`` or 0-element."""
+def _fake_fp8(x: Tensor, fp8_dtype: torch.dtype, columnwise: bool, scalars: int = 0):
+    """``(data, data_t, *scalars)``: ``x``'s shape, ``[K, M]`` or 0-element, then ``scalars``
+    fp32 ``[1]`` tensors."""
     m, k = math.prod(x.shape[:-1]), x.shape[-1]
     data_t = x.new_empty((k, m), dtype=fp8_dtype) if columnwise else _empty(x, fp8_dtype)
-    return x.new_empty(x.shape, dtype=fp8_dtype), data_t
-
-
-def _fake_scalar(x: Tensor) -> Tensor:
-    return x.new_empty((1,), dtype=torch.float32)
+    ones = (x.new_empty((1,), dtype=torch.float32) for _ in range(scalars))
+    return x.new_empty(x.shape, dtype=fp8_dtype), data_t, *ones
 
 
 @quantize_tensorwise.register_fake
 def _quantize_tensorwise_fake(x, scale, fp8_dtype, columnwise):
     _check_x("quantize_tensorwise", x, fp8_dtype)
     _check_per_tensor_scale("quantize_tensorwise", "scale", scale, x)
-    return (*_fake_fp8(x, fp8_dtype, columnwise), _fake_scalar(x))
+    return _fake_fp8(x, fp8_dtype, columnwise, 1)
 
 
 @quantize_current.register_fake
 def _quantize_current_fake(x, fp8_dtype, columnwise, amax_epsilon=0.0, power_2_scale=False):
     _check_quantize_current("quantize_current", x, fp8_dtype, amax_epsilon)
-    return (*_fake_fp8(x, fp8_dtype, columnwise), _fake_scalar(x), _fake_scalar(x))
+    return _fake_fp8(x, fp8_dtype, columnwise, 2)
 
 
 @quantize_blockwise.register_fake
