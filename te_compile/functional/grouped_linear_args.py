@@ -92,72 +92,55 @@ def appends_amaxes(recipe: str, grad_amax: Tensor | None) -> bool:
 def _check_args(
     inp: Tensor, m_splits: Tensor, weight: Tensor, bias: Tensor | None, main_grad: Tensor | None
 ) -> None:
-    """Static constraints shared by the implementations (eager) and the fake (trace time); the
-    per-argument diagnosis runs only when the compound test fails."""
-    if (
-        inp.ndim == 2
-        and weight.ndim == 3
-        and inp.dtype in FLOAT_DTYPES
-        and weight.dtype is inp.dtype
-        and inp.shape[1] == weight.shape[2]
-        and m_splits.ndim == 1
-        and m_splits.dtype in INDEX_DTYPES
-        and m_splits.shape[0] == weight.shape[0]
-        and (m_splits.device == inp.device or m_splits.device.type == "cpu")
-        and (bias is None or (bias.shape == weight.shape[:2] and bias.dtype is inp.dtype))
-        and (
-            main_grad is None
-            or (main_grad.dtype is torch.float32 and main_grad.shape == weight.shape)
-        )
-    ):
-        return
-    raise ValueError(_diagnose(inp, m_splits, weight, bias, main_grad))
-
-
-def _diagnose(
-    inp: Tensor, m_splits: Tensor, weight: Tensor, bias: Tensor | None, main_grad: Tensor | None
-) -> str:
+    """The tensors (the hot path: plain tests, each raising the ValueError naming its argument,
+    in eager and under compile)."""
     p = "te.grouped_linear: "
     if inp.ndim != 2:
-        return p + f"inp must be 2-D [sum(m_splits), in_features], got shape {list(inp.shape)}"
+        raise ValueError(
+            p + f"inp must be 2-D [sum(m_splits), in_features], got shape {list(inp.shape)}"
+        )
     if weight.ndim != 3:
-        return p + (
-            f"weight must be 3-D [num_gemms, out_features, in_features], got shape "
+        raise ValueError(
+            p + f"weight must be 3-D [num_gemms, out_features, in_features], got shape "
             f"{list(weight.shape)}"
         )
     if inp.dtype not in FLOAT_DTYPES:
-        return p + f"inp.dtype must be a floating type, got {inp.dtype}"
+        raise ValueError(p + f"inp.dtype must be a floating type, got {inp.dtype}")
     if weight.dtype != inp.dtype:
-        return p + f"inp.dtype ({inp.dtype}) must equal weight.dtype ({weight.dtype})"
+        raise ValueError(p + f"inp.dtype ({inp.dtype}) must equal weight.dtype ({weight.dtype})")
     if inp.shape[1] != weight.shape[2]:
-        return p + (
-            f"inp.shape[1] ({inp.shape[1]}) must equal in_features = weight.shape[2] "
+        raise ValueError(
+            p + f"inp.shape[1] ({inp.shape[1]}) must equal in_features = weight.shape[2] "
             f"({weight.shape[2]})"
         )
     if m_splits.ndim != 1 or m_splits.dtype not in INDEX_DTYPES:
-        return p + (
-            f"m_splits must be a 1-D int32/int64 tensor (or a list of ints), got "
+        raise ValueError(
+            p + f"m_splits must be a 1-D int32/int64 tensor (or a list of ints), got "
             f"{m_splits.dtype} of shape {list(m_splits.shape)}"
         )
     if m_splits.shape[0] != weight.shape[0]:
-        return p + (
-            f"m_splits has {m_splits.shape[0]} groups but weight has num_gemms = {weight.shape[0]}"
+        raise ValueError(
+            p + f"m_splits has {m_splits.shape[0]} groups but weight has num_gemms = "
+            f"{weight.shape[0]}"
         )
     if m_splits.device != inp.device and m_splits.device.type != "cpu":
-        return (
+        raise ValueError(
             p + f"m_splits must be on inp's device ({inp.device}) or the CPU, got {m_splits.device}"
         )
     if bias is not None and bias.shape != weight.shape[:2]:
-        return p + (
-            f"bias must have shape [num_gemms, out_features] = {list(weight.shape[:2])}, got "
+        raise ValueError(
+            p + f"bias must have shape [num_gemms, out_features] = {list(weight.shape[:2])}, got "
             f"{list(bias.shape)}"
         )
     if bias is not None and bias.dtype != inp.dtype:
-        return p + f"bias.dtype ({bias.dtype}) must equal inp.dtype ({inp.dtype})"
-    return p + (
-        f"main_grad must be float32 with weight's shape {list(weight.shape)}, got "
-        f"{main_grad.dtype} {list(main_grad.shape)}"
-    )
+        raise ValueError(p + f"bias.dtype ({bias.dtype}) must equal inp.dtype ({inp.dtype})")
+    if main_grad is not None and (
+        main_grad.dtype is not torch.float32 or main_grad.shape != weight.shape
+    ):
+        raise ValueError(
+            p + f"main_grad must be float32 with weight's shape {list(weight.shape)}, got "
+            f"{main_grad.dtype} {list(main_grad.shape)}"
+        )
 
 
 def check_grouped_linear(a: GroupedLinearArgs) -> None:

@@ -183,7 +183,33 @@ def _wgrad_scale(spec: QuantSpec, saved: Tensor) -> Tensor:
     return saved.t() if _native_block(spec) else saved
 
 
-def _forward(a: MLPArgs) -> tuple[Tensor, list[Tensor]]:
+@op("mlp_fwd")
+def mlp_fwd(
+    inp: Tensor,
+    fc1_weight: Tensor,
+    fc1_bias: Tensor | None,
+    fc2_weight: Tensor,
+    fc2_bias: Tensor | None,
+    epilogue: str,
+    input_spec: str = "",
+    weight_spec: str = "",
+    grad_spec: str = "",
+    scale1: Tensor | None = None,
+    scale2: Tensor | None = None,
+    grad_amax1: Tensor | None = None,
+    grad_amax2: Tensor | None = None,
+    norm: str = "",
+    norm_weight: Tensor | None = None,
+    norm_bias: Tensor | None = None,
+    fc1_weight_q: list[Tensor] | None = None,
+    fc2_weight_q: list[Tensor] | None = None,
+    main_grad1: Tensor | None = None,
+    main_grad2: Tensor | None = None,
+) -> tuple[Tensor, list[Tensor]]:
+    """``(out, saved)`` (module docstring)."""
+    a = MLPArgs(inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, epilogue, input_spec, weight_spec,
+                grad_spec, scale1, scale2, grad_amax1, grad_amax2, norm, norm_weight, norm_bias,
+                fc1_weight_q, fc2_weight_q, main_grad1, main_grad2)  # fmt: skip
     check_mlp(a)
     inp, w1, b1, w2, b2 = a.inp, a.fc1_weight, a.fc1_bias, a.fc2_weight, a.fc2_bias
     x2 = inp.reshape(-1, inp.shape[-1])
@@ -229,36 +255,6 @@ def _forward(a: MLPArgs) -> tuple[Tensor, list[Tensor]]:
     return out.reshape(*inp.shape[:-1], w2.shape[0]), saved
 
 
-@op("mlp_fwd")
-def mlp_fwd(
-    inp: Tensor,
-    fc1_weight: Tensor,
-    fc1_bias: Tensor | None,
-    fc2_weight: Tensor,
-    fc2_bias: Tensor | None,
-    epilogue: str,
-    input_spec: str = "",
-    weight_spec: str = "",
-    grad_spec: str = "",
-    scale1: Tensor | None = None,
-    scale2: Tensor | None = None,
-    grad_amax1: Tensor | None = None,
-    grad_amax2: Tensor | None = None,
-    norm: str = "",
-    norm_weight: Tensor | None = None,
-    norm_bias: Tensor | None = None,
-    fc1_weight_q: list[Tensor] | None = None,
-    fc2_weight_q: list[Tensor] | None = None,
-    main_grad1: Tensor | None = None,
-    main_grad2: Tensor | None = None,
-) -> tuple[Tensor, list[Tensor]]:
-    """``(out, saved)`` (module docstring)."""
-    return _forward(MLPArgs(inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, epilogue, input_spec,
-                          weight_spec, grad_spec, scale1, scale2, grad_amax1, grad_amax2, norm,
-                          norm_weight, norm_bias, fc1_weight_q, fc2_weight_q, main_grad1,
-                          main_grad2))  # fmt: skip
-
-
 @mlp_fwd.register_fake
 def _mlp_fwd_fake(*args):
     a = MLPArgs(*args)
@@ -292,12 +288,38 @@ def _mlp_fwd_fake(*args):
 # 3. Backward op ---------------------------------------------------------------------------------
 
 
-_N_BWD_TENSORS = 13  # grad, saved, inp, fc1_weight, fc1_bias, fc2_weight, scale1, scale2,
-# grad_amax1, grad_amax2, main_grad1, main_grad2, norm_weight
-
-
-def _backward_impl(grad, saved, inp, w1, b1, w2, scale1, scale2, grad_amax1, grad_amax2,
-                   main_grad1, main_grad2, norm_weight, c: BwdArgs):  # fmt: skip
+@op("mlp_bwd", mutates_args=("grad_amax1", "grad_amax2", "main_grad1", "main_grad2"))
+def mlp_bwd(
+    grad: Tensor,
+    saved: list[Tensor],
+    inp: Tensor | None,
+    fc1_weight: Tensor | None,
+    fc1_bias: Tensor | None,
+    fc2_weight: Tensor | None,
+    scale1: Tensor | None,
+    scale2: Tensor | None,
+    grad_amax1: Tensor | None,
+    grad_amax2: Tensor | None,
+    main_grad1: Tensor | None,
+    main_grad2: Tensor | None,
+    norm_weight: Tensor | None,
+    input_spec: str,
+    weight_spec: str,
+    grad_spec: str,
+    norm: str,
+    epilogue: str,
+    need_db2: bool,
+    need_dgrad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(dinp, dfc1_weight, dfc1_bias, dfc2_weight, dfc2_bias, dnorm_weight, dnorm_bias)``
+    (0-element where not computed); writes ``amax(dz)`` / ``amax(dY)`` into ``grad_amax1`` /
+    ``grad_amax2`` (per-tensor recipes); ``dfc1_weight`` / ``dfc2_weight`` are added into
+    ``main_grad1`` / ``main_grad2`` where given. ``inp``: with a norm or in high precision;
+    ``fc1_weight`` / ``fc2_weight``: in high precision; the strings are the forward's, ``norm``
+    with ``bias`` where the norm has one. ``need_dgrad``: any of the input and the norm's
+    parameters needs a gradient."""
+    c = BwdArgs.of(input_spec, weight_spec, grad_spec, norm, epilogue, need_db2, need_dgrad)
+    w1, b1, w2 = fc1_weight, fc1_bias, fc2_weight
     dtype = grad.dtype
     dy = grad.reshape(-1, grad.shape[-1])
     m = dy.shape[0]
@@ -349,46 +371,10 @@ def _backward_impl(grad, saved, inp, w1, b1, w2, scale1, scale2, grad_amax1, gra
     return dinp, dw1, db1, dw2, db2, *dnorm
 
 
-@op("mlp_bwd", mutates_args=("grad_amax1", "grad_amax2", "main_grad1", "main_grad2"))
-def mlp_bwd(
-    grad: Tensor,
-    saved: list[Tensor],
-    inp: Tensor | None,
-    fc1_weight: Tensor | None,
-    fc1_bias: Tensor | None,
-    fc2_weight: Tensor | None,
-    scale1: Tensor | None,
-    scale2: Tensor | None,
-    grad_amax1: Tensor | None,
-    grad_amax2: Tensor | None,
-    main_grad1: Tensor | None,
-    main_grad2: Tensor | None,
-    norm_weight: Tensor | None,
-    input_spec: str,
-    weight_spec: str,
-    grad_spec: str,
-    norm: str,
-    epilogue: str,
-    need_db2: bool,
-    need_dgrad: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``(dinp, dfc1_weight, dfc1_bias, dfc2_weight, dfc2_bias, dnorm_weight, dnorm_bias)``
-    (0-element where not computed); writes ``amax(dz)`` / ``amax(dY)`` into ``grad_amax1`` /
-    ``grad_amax2`` (per-tensor recipes); ``dfc1_weight`` / ``dfc2_weight`` are added into
-    ``main_grad1`` / ``main_grad2`` where given. ``inp``: with a norm or in high precision;
-    ``fc1_weight`` / ``fc2_weight``: in high precision; the strings are the forward's, ``norm``
-    with ``bias`` where the norm has one. ``need_dgrad``: any of the input and the norm's
-    parameters needs a gradient."""
-    c = BwdArgs.of(input_spec, weight_spec, grad_spec, norm, epilogue, need_db2, need_dgrad)
-    return _backward_impl(grad, saved, inp, fc1_weight, fc1_bias, fc2_weight, scale1, scale2,
-                          grad_amax1, grad_amax2, main_grad1, main_grad2, norm_weight,
-                          c)  # fmt: skip
-
-
 @mlp_bwd.register_fake
 def _mlp_bwd_fake(*args):
-    grad, saved, _inp, w1, b1, w2, *_, mg1, mg2, norm_weight = args[:_N_BWD_TENSORS]
-    c = BwdArgs.of(*args[_N_BWD_TENSORS:])
+    grad, saved, _inp, w1, b1, w2, *_, mg1, mg2, norm_weight = args[:13]
+    c = BwdArgs.of(*args[13:])
     if c.x.kind:
         (d, f1), (f, n) = saved[2].shape, saved[7].shape
     else:
