@@ -74,8 +74,7 @@ def _weight_shapes(recipe: str, n: int, k: int, block_rows: int, emulate: bool):
         return [((n, k), u8), ((1,), f32), ((k, n), u8), ((1,), f32), ((1,), f32)]
     if emulate:  # dequantised values (every block-scaled kind when its GEMM is emulated)
         return [((n, k), f32), ((0,), f32), ((k, n), f32), ((0,), f32), ((0,), f32)]
-    rows = block_rows
-    s, s_t = (-(-n // rows), -(-k // 128)), (-(-k // rows), -(-n // 128))
+    s, s_t = (-(-n // block_rows), -(-k // 128)), (-(-k // block_rows), -(-n // 128))
     return [((n, k), u8), (s, f32), ((k, n), u8), (s_t, f32), ((0,), f32)]
 
 

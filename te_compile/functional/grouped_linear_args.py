@@ -24,12 +24,7 @@ from te_compile.functional.grouped_gemm import GroupedRecipe, grouped_gemm_kind
 from te_compile.functional.grouped_weight import check_grouped_weight_operand
 from te_compile.functional.spec import BackwardSpec, QuantSpec, parse, parse_roles
 
-__all__ = [
-    "GroupedLinearArgs",
-    "appends_amaxes",
-    "check_grouped_linear",
-    "make_grouped_recipe",
-]
+__all__ = ["GroupedLinearArgs", "appends_amaxes", "check_grouped_linear", "make_grouped_recipe"]
 
 # The block-scaled kinds whose emulated backward can quantise a kept input again
 # (``save_input``): their quantisation is deterministic.

@@ -58,10 +58,6 @@ from te_compile.functional.spec import QuantSpec
 __all__ = ["check_grouped_weight_operand", "quantize_grouped_weight"]
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _shapes(recipe: str, weight: Tensor, block_rows: int, emulate: bool):
     """``[(shape, dtype)]`` of the five tensors of ``weight`` ``[G, N, K]`` pre-quantised."""
     g, n, k = weight.shape
@@ -71,7 +67,7 @@ def _shapes(recipe: str, weight: Tensor, block_rows: int, emulate: bool):
         return [((g, n, k), u8), ((g, n), f32), ((g, k, n), u8), ((g, k), f32), ((1,), f32)]
     if kind == "blockwise":
         r = block_rows
-        s, s_t = (g, _cdiv(n, r), _cdiv(k, 128)), (g, _cdiv(k, r), _cdiv(n, 128))
+        s, s_t = (g, -(-n // r), -(-k // 128)), (g, -(-k // r), -(-n // 128))
         return [((g, n, k), u8), (s, f32), ((g, k, n), u8), (s_t, f32), ((0,), f32)]
     return [((g, n, k), weight.dtype)] + [((0,), f32)] * 4
 

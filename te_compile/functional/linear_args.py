@@ -21,12 +21,7 @@ from te_compile.functional.dense_weight import (
     check_weight_quantized,
     fp8_weight_for_checks,
 )
-from te_compile.functional.gemm import (
-    HIGH_DTYPES,
-    DeferredWgrad,
-    check_gemm_dims,
-    check_specs,
-)
+from te_compile.functional.gemm import HIGH_DTYPES, DeferredWgrad, check_gemm_dims, check_specs
 from te_compile.functional.prologue import Norm, check_norm
 from te_compile.functional.spec import (
     BackwardSpec,

@@ -67,12 +67,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from te_compile._checks import (
-    check_bool,
-    check_choice,
-    check_same_device,
-    check_tensors,
-)
+from te_compile._checks import check_bool, check_choice, check_same_device, check_tensors
 from te_compile._library import differentiable, op
 from te_compile._numerics import acc_dtype
 from te_compile.functional.activation import GATED_ACTIVATIONS, activation_ref, gated_activation_ref
@@ -240,10 +235,7 @@ def _linear_fwd_fake(*args):
 # 4. Backward op -----------------------------------------------------------------------------
 
 
-@op(
-    "linear_bwd",
-    mutates_args=("main_grad", "grad_amax", "wgrad_stash"),
-)
+@op("linear_bwd", mutates_args=("main_grad", "grad_amax", "wgrad_stash"))
 def linear_bwd(
     grad: Tensor,
     grad_branch: Tensor | None,
@@ -285,14 +277,10 @@ def linear_bwd(
     )  # fmt: skip
 
 
-_BWD_TENSORS = 11  # grad, grad_branch, saved, inp, weight, bias, main_grad, scale, grad_amax,
-# norm_weight, rng_state
-_BWD_SCALARS = 8  # the specs, norm, epilogue, need_dbias, need_dgrad, need_wgrad
-
-
 def _bwd_args(args: tuple) -> tuple[tuple, tuple, Tensor | None]:
-    """The tensors, the strings and flags, and ``wgrad_stash`` of a ``linear_bwd`` call."""
-    n, end = _BWD_TENSORS, _BWD_TENSORS + _BWD_SCALARS
+    """The 11 tensors (``grad`` to ``rng_state``), the 8 strings and flags (the specs to
+    ``need_wgrad``) and the ``wgrad_stash`` of a ``linear_bwd`` call."""
+    n, end = 11, 19
     return args[:n], args[n:end], args[end] if len(args) > end else None
 
 

@@ -17,10 +17,7 @@ from te_compile.functional.dense_weight import (
     check_weight_quantized,
     fp8_weight_for_checks,
 )
-from te_compile.functional.gemm import (
-    check_gemm_dims,
-    check_specs,
-)
+from te_compile.functional.gemm import check_gemm_dims, check_specs
 from te_compile.functional.prologue import Norm, check_norm
 from te_compile.functional.spec import EpilogueSpec, NormSpec, QuantSpec, parse, parse_roles
 
