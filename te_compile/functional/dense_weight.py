@@ -88,15 +88,15 @@ def fake_copy(like: Tensor, recipe: str, n: int, k: int, block_rows: int, emulat
 def check_weight_operand(
     p: str, recipe: str, weight: Tensor, block_rows: int, emulate: bool, tensors, shapes=None
 ) -> None:
-    """The pre-quantised weight ``tensors`` (five, or all None) of a family op whose weight is
-    ``weight`` (``[N, K]``, or ``[G, N, K]``: then each tensor has the leading ``G``).
-    ``shapes``: the five ``(shape, dtype)`` the tensors must have, where a family lays them out
-    otherwise (the grouped family: ``functional.grouped_weight``)."""
-    given = [t is not None for t in tensors]
-    if not any(given):
+    """The pre-quantised weight ``tensors`` (None, or :func:`quantize_weight`'s five, argument
+    ``weight_q`` after ``p``'s prefix) of a family op whose weight is ``weight`` (``[N, K]``, or
+    ``[G, N, K]``: then each tensor has the leading ``G``). ``shapes``: the five ``(shape,
+    dtype)`` the tensors must have, where a family lays them out otherwise (the grouped family:
+    ``functional.grouped_weight``)."""
+    if tensors is None:
         return
-    if not all(given):
-        raise ValueError(p + f"the pre-quantised weight is all of {WEIGHT_OPERAND} or none")
+    owner, lead = p.split(": ", 1)
+    check_weight_quantized(owner, lead + "weight_q", tensors)
     if not recipe:
         raise ValueError(p + "a pre-quantised weight needs a quantised recipe (recipe is '')")
     maker = "quantize_weight"

@@ -11,7 +11,6 @@ import torch
 from torch import Tensor
 
 from te_compile._checks import FLOAT_DTYPES, INDEX_DTYPES
-from te_compile.functional.dense_weight import WEIGHT_OPERAND, check_weight_quantized
 from te_compile.functional.gemm import (
     BLOCK_KINDS,
     HIGH_DTYPES,
@@ -189,10 +188,7 @@ def check_grouped_linear(a: GroupedLinearArgs) -> None:
             "(MXFP8BlockScaling(enable_2d_quantization=True)) are not implemented by the grouped "
             "GEMMs; use enable_2d_quantization=False"
         )
-    if a.weight_q is not None:
-        check_weight_quantized("te.grouped_linear", "weight_q", a.weight_q)
-    weight_q = a.weight_q or (None,) * len(WEIGHT_OPERAND)
-    check_grouped_weight_operand(p, recipe, a.weight, w.block_rows, w.emulate, weight_q)
+    check_grouped_weight_operand(p, recipe, a.weight, w.block_rows, w.emulate, a.weight_q)
     if a.weight_q is not None and recipe == "nvfp4" and (w.four_over_six or w.block_rows != 16):
         raise ValueError(
             p + "an NVFP4 pre-quantised weight needs a weight_spec with 16x16 tiles (the dgrad "

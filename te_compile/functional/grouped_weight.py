@@ -42,6 +42,7 @@ from torch import Tensor
 from te_compile._library import SampleInput, op
 from te_compile.functional.dense_weight import (
     check_weight_operand,
+    check_weight_quantized,
     check_weight_spec,
     checked_weight_cast,
 )
@@ -75,11 +76,11 @@ def _shapes(recipe: str, weight: Tensor, block_rows: int, emulate: bool):
 def check_grouped_weight_operand(
     p: str, recipe: str, weight: Tensor, block_rows: int, emulate: bool, tensors
 ) -> None:
-    """The pre-quantised weight ``tensors`` (five, or all None) of ``te::grouped_linear_fwd``
-    whose weight is ``weight`` ``[G, N, K]`` (``p`` begins the messages)."""
+    """The pre-quantised weight ``tensors`` (None, or five) of ``te::grouped_linear_fwd`` whose
+    weight is ``weight`` ``[G, N, K]`` (``p`` begins the messages)."""
+    check_weight_quantized(p[: -len(": ")], "weight_q", tensors)
     shapes = _shapes(recipe, weight, block_rows, emulate) if recipe else None
-    data_t = tensors[2]
-    if shapes and shapes[2][0] == (0,) and data_t is not None and data_t.numel():
+    if shapes and shapes[2][0] == (0,) and tensors is not None and tensors[2].numel():
         shapes[2] = shapes[0]  # "dequantized" with the dgrad copy given (module docstring)
     check_weight_operand(p, recipe, weight, block_rows, emulate, tensors, shapes)
 

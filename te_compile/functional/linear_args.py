@@ -18,7 +18,6 @@ from te_compile._checks import FLOAT_DTYPES, check_finite
 from te_compile.functional.activation import GATED_ACTIVATIONS, check_activation, check_gated_params
 from te_compile.functional.dense_weight import (
     check_weight_operand,
-    check_weight_quantized,
     fp8_weight_for_checks,
 )
 from te_compile.functional.gemm import HIGH_DTYPES, DeferredWgrad, check_gemm_dims, check_specs
@@ -195,8 +194,7 @@ def check_linear(a: LinearArgs) -> None:
                 p + "backward 'save_input' is for a quantised linear without a norm prologue and "
                 f"without 'dequantized', got norm={a.norm!r}, backward={a.backward!r}"
             )
-    check_weight_quantized("te.linear", "weight_q", a.weight_q)
-    check_weight_operand(p, recipe, weight, w.block_rows, w.emulate, a.weight_q or (None,) * 5)
+    check_weight_operand(p, recipe, weight, w.block_rows, w.emulate, a.weight_q)
     check_finite("te.linear", out_scale=ep.scale)
     check_norm(p, inp, norm)
     if ep.activation:
