@@ -61,8 +61,6 @@ def check_weight_quantized(owner: str, name: str, value: object) -> None:
         )
 
 
-# Pre-quantised weight operands ----------------------------------------------------------------
-
 # The five tensors of a pre-quantised weight, by the family ops' argument names.
 WEIGHT_OPERAND = ("weight_data", "weight_scale", "weight_data_t", "weight_scale_t", "weight_amax")
 

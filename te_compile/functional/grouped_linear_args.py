@@ -53,10 +53,6 @@ class GroupedLinearArgs(NamedTuple):
         return parse_roles("te.grouped_linear", self.input_spec, self.weight_spec, self.grad_spec)
 
     @property
-    def recipe(self) -> str:
-        return self.specs[0].kind
-
-    @property
     def bw(self) -> BackwardSpec:
         return parse(BackwardSpec, self.backward, "te.grouped_linear: backward")
 

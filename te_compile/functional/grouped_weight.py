@@ -1,13 +1,9 @@
 r"""The grouped linear family's pre-quantised weight: ``te::quantize_grouped_weight``.
 
-The dense families' design (``functional.dense_weight``) for the grouped GEMM:
-``te::grouped_linear_fwd`` may take its ``[G, N, K]`` weight already quantised, as the same five
-plain tensors (``weight_q``, ``functional.dense_weight.WEIGHT_OPERAND``), made by
-:func:`quantize_grouped_weight` with the very functions the forward casts with, so the bytes
-are those of the forward's own cast. The op then does not quantise ``weight`` (it still takes
-it: its shape, and its gradient) and saves the weight's dgrad copy for the backward from its
-inputs. ``GroupedLinear`` uses it to cast its weights once per optimizer step
-(``is_first_microbatch``, ``quantization.gemm``).
+The dense families' design (``functional.dense_weight``; ``docs/fp8.md``, ``is_first_microbatch``)
+for the ``[G, N, K]`` weight of ``te::grouped_linear_fwd``: the same five tensors (``weight_q``),
+cast by :func:`quantize_grouped_weight` with the functions the forward casts with (the same
+bytes); the op saves the weight's dgrad copy for the backward from its inputs.
 
 The five tensors by the GEMM kind of the recipe (``grouped_gemm.grouped_gemm_kind``):
 

@@ -84,10 +84,7 @@ class LinearArgs(NamedTuple):
                     n.zero_centered_gamma)  # fmt: skip
 
 
-NORM_WEIGHT, RESIDUAL = (
-    LinearArgs._fields.index("norm_weight"),
-    LinearArgs._fields.index("residual"),
-)
+NORM_WEIGHT, RESIDUAL = (LinearArgs._fields.index(n) for n in ("norm_weight", "residual"))
 
 
 def out_features(n: int, activation: str) -> int:

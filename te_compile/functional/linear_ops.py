@@ -53,10 +53,6 @@ five tensors of ``te::quantize_weight`` (``functional.dense_weight``, ``docs/fp8
 weight already quantised: ``saved`` then holds only the input's copy. ``weight`` may then be
 the FP8 codes themselves (FP8 primary weights): its gradient must go to ``main_grad``, and
 ``backward="high_precision"`` is refused.
-
-This file holds the ops (reference, schemas, fakes, autograd) and the public function; beside
-it, ``linear_args.py`` (the arguments and their checks), ``linear_impl.py`` (the forward and
-backward implementations) and ``linear_samples.py`` (the registry test's sample inputs).
 """
 
 from __future__ import annotations

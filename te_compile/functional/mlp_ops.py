@@ -34,10 +34,6 @@ amax(W_2)]`` (fp32).
 ``fc1_weight_q`` / ``fc2_weight_q`` (pre-quantised weights) and ``main_grad1`` / ``main_grad2``
 are ``te::linear``'s ``weight_q`` and ``main_grad``, per GEMM (``saved`` then holds no copy of
 a given weight).
-
-This file holds the ops (reference, schemas, fakes, autograd) and the public function; beside
-it, ``mlp_args.py`` (the arguments and their checks) and ``mlp_samples.py`` (the registry
-test's sample inputs).
 """
 
 from __future__ import annotations
