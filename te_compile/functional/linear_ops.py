@@ -512,10 +512,8 @@ def linear(
     tensor the backward writes can leave the graph); ``[amax(X), amax(W)]``
     (``return_amax=True``, per-tensor recipes; X is the norm's output with a prologue).
 
-    ``save_original_input=True`` (Transformer Engine's option, with a recipe): the backward
-    keeps ``inp`` itself (no bytes of its own when the caller keeps it alive) instead of the
-    quantised transposed copy, and quantises it again for the wgrad GEMM: the same gradients;
-    not with ``DelayedScaling`` (ValueError), nor with a norm prologue.
+    ``save_original_input=True`` (Transformer Engine's option, with a recipe): the backward keeps
+    ``inp`` and quantises it again for the wgrad GEMM, the same gradients (``docs/fp8.md``).
     """
     check_weight_quantized("te.linear", "weight_quantized", weight_quantized)
     check_gemm_tensors("te.linear", inp, weight, bias, main_grad)

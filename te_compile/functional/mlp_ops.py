@@ -175,10 +175,6 @@ def _saved_scale(spec: QuantSpec, s_t: Tensor) -> Tensor:
     return s_t.t().contiguous() if _native_block(spec) else s_t
 
 
-def _wgrad_scale(spec: QuantSpec, saved: Tensor) -> Tensor:
-    return saved.t() if _native_block(spec) else saved
-
-
 @op("mlp_fwd")
 def mlp_fwd(
     inp: Tensor,
@@ -336,6 +332,8 @@ def mlp_bwd(
         x_t, xs, w1_t, w1s, z, h_t, hs, w2_t, w2s = saved[:9]
         x_t, h_t = fp8_codes(x_t, c.x.fp8_dtype), fp8_codes(h_t, c.x.fp8_dtype)
         w1_t, w2_t = fp8_codes(w1_t, c.w.fp8_dtype), fp8_codes(w2_t, c.w.fp8_dtype)
+        if _native_block(c.x):  # the 1x128 scales as the wgrad GEMM takes them (_saved_scale)
+            xs, hs = xs.t(), hs.t()
         kind, rows = gemm_kind(recipe, c.x.emulate), c.w.block_rows
         (_, _, s_dz), (_, _, s_dy) = scale_slots(scale1, recipe), scale_slots(scale2, recipe)
         sums = c.need_dbias and _native_block(c.x)
@@ -345,7 +343,7 @@ def mlp_bwd(
             grad_amax2.copy_(g.amax)
         # fc2: dh [M, F] = dY @ W2 (W2^T is the GEMM's b); dW2 [N, F] = dY^T @ h
         dh = gemm(kind, g.data, g.scale, w2_t, w2s, dtype, b_block_rows=rows)
-        dw2 = wgrad_gemm(kind, g.data_t, g.scale_t, h_t, _wgrad_scale(c.x, hs), dtype, main_grad2)
+        dw2 = wgrad_gemm(kind, g.data_t, g.scale_t, h_t, hs, dtype, main_grad2)
         db2 = g.sums if sums else (dy.sum(0, dtype=torch.float32) if c.need_dbias else None)
         dq, db1 = _act_operand(c.g, z, b1, dh, ep, s_dz, m, need_db1, a_dz)
         if grad_amax1 is not None and a_dz is None:
@@ -354,8 +352,7 @@ def mlp_bwd(
         dinp = None
         if c.need_dgrad:
             dinp = unpad(gemm(kind, dq.data, dq.scale, w1_t, w1s, dtype, b_block_rows=rows), m)
-        dw1 = wgrad_gemm(kind, dq.data_t, dq.scale_t, x_t, _wgrad_scale(c.x, xs), dtype,
-                         main_grad1)  # fmt: skip
+        dw1 = wgrad_gemm(kind, dq.data_t, dq.scale_t, x_t, xs, dtype, main_grad1)
     dnorm = [empty(grad), empty(grad)]
     if dinp is not None and normalization:
         x2 = inp.reshape(-1, inp.shape[-1])
