@@ -92,22 +92,6 @@ def _check(weight: Tensor, spec: str, scale: Tensor | None) -> QuantSpec:
     return w
 
 
-def _impl(weight: Tensor, spec: str, scale: Tensor | None) -> list[Tensor]:
-    w = _check(weight, spec, scale)
-    kind = grouped_gemm_kind(w.kind, w.emulate)
-    none = weight.new_empty(0, dtype=torch.float32)
-    if kind == "scaled_grouped_mm":
-        w_scale = scale[1:2] if w.kind == "delayed" else None
-        wq, ws, wq_t, ws_t, amax = per_tensor_weight(weight, w.fp8_dtype, w_scale, True)
-        return [wq.view(torch.uint8), ws, wq_t.view(torch.uint8), ws_t, amax]
-    if kind == "blockwise":
-        return [*blockwise_weight(weight, w.power_2_scale, w.block_rows), none]
-    r = GroupedRecipe(w.kind, w.fp8_dtype, power_2_scale=w.power_2_scale,
-                      weight_block_rows=w.block_rows, emulate=w.emulate,
-                      weight_4over6=w.four_over_six)  # fmt: skip
-    return [dequantized_weight(weight, r), none, none.clone(), none.clone(), none.clone()]
-
-
 def _samples(device: torch.device):
     def w(*shape, dtype=torch.bfloat16):
         return torch.randn(*shape, device=device, dtype=dtype)
@@ -122,7 +106,19 @@ def _samples(device: torch.device):
 def quantize_grouped_weight_op(weight: Tensor, spec: str, scale: Tensor | None) -> list[Tensor]:
     """``te::quantize_grouped_weight``: :func:`quantize_grouped_weight` without the argument
     checks."""
-    return _impl(weight, spec, scale)
+    w = _check(weight, spec, scale)
+    kind = grouped_gemm_kind(w.kind, w.emulate)
+    none = weight.new_empty(0, dtype=torch.float32)
+    if kind == "scaled_grouped_mm":
+        w_scale = scale[1:2] if w.kind == "delayed" else None
+        wq, ws, wq_t, ws_t, amax = per_tensor_weight(weight, w.fp8_dtype, w_scale, True)
+        return [wq.view(torch.uint8), ws, wq_t.view(torch.uint8), ws_t, amax]
+    if kind == "blockwise":
+        return [*blockwise_weight(weight, w.power_2_scale, w.block_rows), none]
+    r = GroupedRecipe(w.kind, w.fp8_dtype, power_2_scale=w.power_2_scale,
+                      weight_block_rows=w.block_rows, emulate=w.emulate,
+                      weight_4over6=w.four_over_six)  # fmt: skip
+    return [dequantized_weight(weight, r), none, none.clone(), none.clone(), none.clone()]
 
 
 @quantize_grouped_weight_op.register_fake
