@@ -25,10 +25,6 @@ from te_compile.functional.spec import BackwardSpec, QuantSpec, parse, parse_rol
 
 __all__ = ["GroupedLinearArgs", "appends_amaxes", "check_grouped_linear", "make_grouped_recipe"]
 
-# The block-scaled kinds whose emulated backward can quantise a kept input again
-# (``save_input``): their quantisation is deterministic.
-_EMULATED_SAVE_INPUT = ("block", "mxfp8", "nvfp4")
-
 
 class GroupedLinearArgs(NamedTuple):
     """The forward op's arguments, by name (a call passes the first five, or all)."""
@@ -154,7 +150,9 @@ def check_grouped_linear(a: GroupedLinearArgs) -> None:
             "recipe, without 'fp8_wgrad' (the backward GEMMs are high precision's) and, with "
             "'dequantized', without 'save_input' (the dequantised input is saved)"
         )
-    if bw.save_input and recipe not in ("", "current", *_EMULATED_SAVE_INPUT):
+    # the emulated block-scaled kinds quantise a kept input again: their quantisation is
+    # deterministic (native blockwise: below)
+    if bw.save_input and recipe not in ("", "current", "block", "mxfp8", "nvfp4"):
         error = ValueError if recipe == "delayed" else NotImplementedError
         raise error(
             p + f"backward 'save_input' (save_original_input) works with high precision, "

@@ -324,7 +324,7 @@ def _setup_context(ctx, inputs, output) -> None:
         ctx.mark_non_differentiable(output[1])  # no branch: no gradient to make for it
         # (inp, weight, bias, main_grad, scale, grad_amax, norm_weight, rng_state, stash)
         save_for_backward_except_written(
-            ctx, (inp, weight, None, main_grad, None, None, None, None, None), _WRITTEN
+            ctx, (inp, weight, None, main_grad, None, None, None, None, None), (3, 5)
         )
         ctx.scalars, ctx.has_bias = ("", "", "", "", ""), bias is not None  # specs, norm, epilogue
         ctx.branch = ctx.has_norm = False
@@ -334,15 +334,11 @@ def _setup_context(ctx, inputs, output) -> None:
     ep = a.ep
     ctx.mark_non_differentiable(*saved, *(() if ep.branch else (branch,)))
     tensors, ctx.scalars = _for_backward(a, saved)
-    save_for_backward_except_written(ctx, (*tensors, a.wgrad_stash), _WRITTEN)
+    # main_grad and grad_amax (positions 3 and 5): written by the backward.
+    save_for_backward_except_written(ctx, (*tensors, a.wgrad_stash), (3, 5))
     ctx.has_bias, ctx.branch = a.bias is not None, ep.branch
     ctx.has_norm = bool(a.nrm.normalization)
     ctx.fp8_weight = a.weight.dtype in FP8_DTYPES and a.main_grad is None
-
-
-# Positions of main_grad and grad_amax in the backward's tensors (_for_backward): the buffers
-# the backward writes into (functional.gemm.save_for_backward_except_written).
-_WRITTEN = (3, 5)
 
 
 def _for_backward(a: LinearArgs, saved: list[Tensor]) -> tuple[tuple, tuple]:
