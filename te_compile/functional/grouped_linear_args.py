@@ -213,11 +213,10 @@ def check_grouped_linear(a: GroupedLinearArgs) -> None:
         recipe == "nvfp4"
         and splits.device.type == "cpu"
         and not isinstance(splits, torch._subclasses.FakeTensor)
+        and any(int(m) % 16 for m in splits.tolist())
     ):
-        bad = [int(m) for m in splits.tolist() if m % 16]
-        if bad:
-            raise ValueError(
-                p + "nvfp4 grouped GEMMs need every group's token count (m_splits) to be a "
-                f"multiple of 16 (blocks of 16 tokens along M), got {splits.tolist()} "
-                "(te.Fp8Padding pads them)"
-            )
+        raise ValueError(
+            p + "nvfp4 grouped GEMMs need every group's token count (m_splits) to be a "
+            f"multiple of 16 (blocks of 16 tokens along M), got {splits.tolist()} "
+            "(te.Fp8Padding pads them)"
+        )
