@@ -1,15 +1,14 @@
 r"""Pre-quantised weight operands of the dense GEMM families (``linear``, ``mlp``):
 ``te::quantize_weight`` and the checks of its five tensors.
 
-A family op may take its weight operand already quantised, as five
-plain tensors (:data:`WEIGHT_OPERAND`, FP8 codes as their uint8 bytes) that
-:func:`quantize_weight` (``te::quantize_weight``) makes: the ``data`` ``[N, K]`` and ``scale``
-the forward GEMM reads, the ``data_t`` ``[K, N]`` and ``scale_t`` the dgrad GEMM reads, and the
-``amax`` ``[1]`` measured at the cast (per-tensor kinds; 0-element otherwise). The op then does
-not quantise ``weight`` (it still takes it: its shape, and its gradient). Modules use it to
-cast a weight once per optimizer step (``is_first_microbatch``) and for FP8 primary weights
-(``quantization.primary``). The grouped family takes the same five tensors in its own layouts
-(``functional.grouped_weight``, ``te::quantize_grouped_weight``).
+A family op may take its weight operand already quantised, as five plain tensors
+(:data:`WEIGHT_OPERAND`, FP8 codes as their uint8 bytes) that :func:`quantize_weight` makes: the
+``data`` ``[N, K]`` and ``scale`` the forward GEMM reads, the ``data_t`` ``[K, N]`` and
+``scale_t`` the dgrad GEMM reads, and the ``amax`` ``[1]`` measured at the cast (per-tensor
+kinds; 0-element otherwise). The op then does not quantise ``weight`` (it still takes it: its
+shape, and its gradient). Modules use it for ``is_first_microbatch`` and FP8 primary weights
+(``quantization.primary``; ``docs/fp8.md``); the grouped family's layouts are
+``functional.grouped_weight``'s (``te::quantize_grouped_weight``).
 """
 
 from __future__ import annotations
@@ -61,8 +60,6 @@ def check_weight_quantized(owner: str, name: str, value: object) -> None:
         )
 
 
-# Pre-quantised weight operands ----------------------------------------------------------------
-
 # The five tensors of a pre-quantised weight, by the family ops' argument names.
 WEIGHT_OPERAND = ("weight_data", "weight_scale", "weight_data_t", "weight_scale_t", "weight_amax")
 
@@ -74,8 +71,7 @@ def _weight_shapes(recipe: str, n: int, k: int, block_rows: int, emulate: bool):
         return [((n, k), u8), ((1,), f32), ((k, n), u8), ((1,), f32), ((1,), f32)]
     if emulate:  # dequantised values (every block-scaled kind when its GEMM is emulated)
         return [((n, k), f32), ((0,), f32), ((k, n), f32), ((0,), f32), ((0,), f32)]
-    rows = block_rows
-    s, s_t = (-(-n // rows), -(-k // 128)), (-(-k // rows), -(-n // 128))
+    s, s_t = (-(-n // block_rows), -(-k // 128)), (-(-k // block_rows), -(-n // 128))
     return [((n, k), u8), (s, f32), ((k, n), u8), (s_t, f32), ((0,), f32)]
 
 
@@ -89,15 +85,15 @@ def fake_copy(like: Tensor, recipe: str, n: int, k: int, block_rows: int, emulat
 def check_weight_operand(
     p: str, recipe: str, weight: Tensor, block_rows: int, emulate: bool, tensors, shapes=None
 ) -> None:
-    """The pre-quantised weight ``tensors`` (five, or all None) of a family op whose weight is
-    ``weight`` (``[N, K]``, or ``[G, N, K]``: then each tensor has the leading ``G``).
-    ``shapes``: the five ``(shape, dtype)`` the tensors must have, where a family lays them out
-    otherwise (the grouped family: ``functional.grouped_weight``)."""
-    given = [t is not None for t in tensors]
-    if not any(given):
+    """The pre-quantised weight ``tensors`` (None, or :func:`quantize_weight`'s five, argument
+    ``weight_q`` after ``p``'s prefix) of a family op whose weight is ``weight`` (``[N, K]``, or
+    ``[G, N, K]``: then each tensor has the leading ``G``). ``shapes``: the five ``(shape,
+    dtype)`` the tensors must have, where a family lays them out otherwise (the grouped family:
+    ``functional.grouped_weight``)."""
+    if tensors is None:
         return
-    if not all(given):
-        raise ValueError(p + f"the pre-quantised weight is all of {WEIGHT_OPERAND} or none")
+    owner, lead = p.split(": ", 1)
+    check_weight_quantized(owner, lead + "weight_q", tensors)
     if not recipe:
         raise ValueError(p + "a pre-quantised weight needs a quantised recipe (recipe is '')")
     maker = "quantize_weight"
@@ -166,25 +162,6 @@ def check_weight_spec(p: str, spec: str, scale: Tensor | None) -> QuantSpec:
     return w
 
 
-def _quantize_weight_impl(weight, spec, scale) -> list[Tensor]:
-    p = "te.quantize_weight: "
-    w = check_weight_spec(p, spec, scale)
-    if weight.dim() != 2 or weight.dtype not in HIGH_DTYPES + (torch.float64,):
-        raise ValueError(
-            p + f"weight must be a 2-D floating tensor, got {weight.dim()}-D {weight.dtype}"
-        )
-    q = quantize_operand(w, weight, scale=scale_slots(scale, w.kind)[1])
-    data, data_t = (t.view(torch.uint8) if t.dtype in FP8_DTYPES else t for t in (q.data, q.data_t))
-    # Fresh outputs (an op's outputs may not alias): per tensor, the copies share one scale;
-    # 128x128 blocks give data_t and scale_t as transposed views of data and scale.
-    fmt = torch.contiguous_format
-    if w.kind == "block" and w.block_rows == 128 and not w.emulate:
-        data_t = data_t.clone(memory_format=fmt)
-    scale_t = q.scale_t.clone(memory_format=fmt)  # a few bytes
-    amax = q.amax if w.kind in PER_TENSOR else weight.new_empty(0, dtype=torch.float32)
-    return [data, q.scale, data_t, scale_t, amax]
-
-
 def _quantize_weight_samples(device: torch.device):
     def w(n, k, dtype=torch.bfloat16):
         return torch.randn(n, k, device=device, dtype=dtype)
@@ -202,7 +179,22 @@ def _quantize_weight_samples(device: torch.device):
 @op("quantize_weight", sample_inputs=_quantize_weight_samples)
 def quantize_weight_op(weight: Tensor, spec: str, scale: Tensor | None) -> list[Tensor]:
     """``te::quantize_weight``: :func:`quantize_weight` without the argument checks."""
-    return _quantize_weight_impl(weight, spec, scale)
+    p = "te.quantize_weight: "
+    w = check_weight_spec(p, spec, scale)
+    if weight.dim() != 2 or weight.dtype not in HIGH_DTYPES + (torch.float64,):
+        raise ValueError(
+            p + f"weight must be a 2-D floating tensor, got {weight.dim()}-D {weight.dtype}"
+        )
+    q = quantize_operand(w, weight, scale=scale_slots(scale, w.kind)[1])
+    data, data_t = (t.view(torch.uint8) if t.dtype in FP8_DTYPES else t for t in (q.data, q.data_t))
+    # Fresh outputs (an op's outputs may not alias): per tensor, the copies share one scale;
+    # 128x128 blocks give data_t and scale_t as transposed views of data and scale.
+    fmt = torch.contiguous_format
+    if w.kind == "block" and w.block_rows == 128 and not w.emulate:
+        data_t = data_t.clone(memory_format=fmt)
+    scale_t = q.scale_t.clone(memory_format=fmt)  # a few bytes
+    amax = q.amax if w.kind in PER_TENSOR else weight.new_empty(0, dtype=torch.float32)
+    return [data, q.scale, data_t, scale_t, amax]
 
 
 def quantize_weight(

@@ -11,7 +11,6 @@ import torch
 from torch import Tensor
 
 from te_compile._checks import FLOAT_DTYPES, INDEX_DTYPES
-from te_compile.functional.dense_weight import WEIGHT_OPERAND, check_weight_quantized
 from te_compile.functional.gemm import (
     BLOCK_KINDS,
     HIGH_DTYPES,
@@ -24,16 +23,7 @@ from te_compile.functional.grouped_gemm import GroupedRecipe, grouped_gemm_kind
 from te_compile.functional.grouped_weight import check_grouped_weight_operand
 from te_compile.functional.spec import BackwardSpec, QuantSpec, parse, parse_roles
 
-__all__ = [
-    "GroupedLinearArgs",
-    "appends_amaxes",
-    "check_grouped_linear",
-    "make_grouped_recipe",
-]
-
-# The block-scaled kinds whose emulated backward can quantise a kept input again
-# (``save_input``): their quantisation is deterministic.
-_EMULATED_SAVE_INPUT = ("block", "mxfp8", "nvfp4")
+__all__ = ["GroupedLinearArgs", "appends_amaxes", "check_grouped_linear", "make_grouped_recipe"]
 
 
 class GroupedLinearArgs(NamedTuple):
@@ -57,10 +47,6 @@ class GroupedLinearArgs(NamedTuple):
     @property
     def specs(self) -> tuple[QuantSpec, QuantSpec, QuantSpec]:
         return parse_roles("te.grouped_linear", self.input_spec, self.weight_spec, self.grad_spec)
-
-    @property
-    def recipe(self) -> str:
-        return self.specs[0].kind
 
     @property
     def bw(self) -> BackwardSpec:
@@ -92,72 +78,55 @@ def appends_amaxes(recipe: str, grad_amax: Tensor | None) -> bool:
 def _check_args(
     inp: Tensor, m_splits: Tensor, weight: Tensor, bias: Tensor | None, main_grad: Tensor | None
 ) -> None:
-    """Static constraints shared by the implementations (eager) and the fake (trace time); the
-    per-argument diagnosis runs only when the compound test fails."""
-    if (
-        inp.ndim == 2
-        and weight.ndim == 3
-        and inp.dtype in FLOAT_DTYPES
-        and weight.dtype is inp.dtype
-        and inp.shape[1] == weight.shape[2]
-        and m_splits.ndim == 1
-        and m_splits.dtype in INDEX_DTYPES
-        and m_splits.shape[0] == weight.shape[0]
-        and (m_splits.device == inp.device or m_splits.device.type == "cpu")
-        and (bias is None or (bias.shape == weight.shape[:2] and bias.dtype is inp.dtype))
-        and (
-            main_grad is None
-            or (main_grad.dtype is torch.float32 and main_grad.shape == weight.shape)
-        )
-    ):
-        return
-    raise ValueError(_diagnose(inp, m_splits, weight, bias, main_grad))
-
-
-def _diagnose(
-    inp: Tensor, m_splits: Tensor, weight: Tensor, bias: Tensor | None, main_grad: Tensor | None
-) -> str:
+    """The tensors (the hot path: plain tests, each raising the ValueError naming its argument,
+    in eager and under compile)."""
     p = "te.grouped_linear: "
     if inp.ndim != 2:
-        return p + f"inp must be 2-D [sum(m_splits), in_features], got shape {list(inp.shape)}"
+        raise ValueError(
+            p + f"inp must be 2-D [sum(m_splits), in_features], got shape {list(inp.shape)}"
+        )
     if weight.ndim != 3:
-        return p + (
-            f"weight must be 3-D [num_gemms, out_features, in_features], got shape "
+        raise ValueError(
+            p + f"weight must be 3-D [num_gemms, out_features, in_features], got shape "
             f"{list(weight.shape)}"
         )
     if inp.dtype not in FLOAT_DTYPES:
-        return p + f"inp.dtype must be a floating type, got {inp.dtype}"
+        raise ValueError(p + f"inp.dtype must be a floating type, got {inp.dtype}")
     if weight.dtype != inp.dtype:
-        return p + f"inp.dtype ({inp.dtype}) must equal weight.dtype ({weight.dtype})"
+        raise ValueError(p + f"inp.dtype ({inp.dtype}) must equal weight.dtype ({weight.dtype})")
     if inp.shape[1] != weight.shape[2]:
-        return p + (
-            f"inp.shape[1] ({inp.shape[1]}) must equal in_features = weight.shape[2] "
+        raise ValueError(
+            p + f"inp.shape[1] ({inp.shape[1]}) must equal in_features = weight.shape[2] "
             f"({weight.shape[2]})"
         )
     if m_splits.ndim != 1 or m_splits.dtype not in INDEX_DTYPES:
-        return p + (
-            f"m_splits must be a 1-D int32/int64 tensor (or a list of ints), got "
+        raise ValueError(
+            p + f"m_splits must be a 1-D int32/int64 tensor (or a list of ints), got "
             f"{m_splits.dtype} of shape {list(m_splits.shape)}"
         )
     if m_splits.shape[0] != weight.shape[0]:
-        return p + (
-            f"m_splits has {m_splits.shape[0]} groups but weight has num_gemms = {weight.shape[0]}"
+        raise ValueError(
+            p + f"m_splits has {m_splits.shape[0]} groups but weight has num_gemms = "
+            f"{weight.shape[0]}"
         )
     if m_splits.device != inp.device and m_splits.device.type != "cpu":
-        return (
+        raise ValueError(
             p + f"m_splits must be on inp's device ({inp.device}) or the CPU, got {m_splits.device}"
         )
     if bias is not None and bias.shape != weight.shape[:2]:
-        return p + (
-            f"bias must have shape [num_gemms, out_features] = {list(weight.shape[:2])}, got "
+        raise ValueError(
+            p + f"bias must have shape [num_gemms, out_features] = {list(weight.shape[:2])}, got "
             f"{list(bias.shape)}"
         )
     if bias is not None and bias.dtype != inp.dtype:
-        return p + f"bias.dtype ({bias.dtype}) must equal inp.dtype ({inp.dtype})"
-    return p + (
-        f"main_grad must be float32 with weight's shape {list(weight.shape)}, got "
-        f"{main_grad.dtype} {list(main_grad.shape)}"
-    )
+        raise ValueError(p + f"bias.dtype ({bias.dtype}) must equal inp.dtype ({inp.dtype})")
+    if main_grad is not None and (
+        main_grad.dtype is not torch.float32 or main_grad.shape != weight.shape
+    ):
+        raise ValueError(
+            p + f"main_grad must be float32 with weight's shape {list(weight.shape)}, got "
+            f"{main_grad.dtype} {list(main_grad.shape)}"
+        )
 
 
 def check_grouped_linear(a: GroupedLinearArgs) -> None:
@@ -181,7 +150,9 @@ def check_grouped_linear(a: GroupedLinearArgs) -> None:
             "recipe, without 'fp8_wgrad' (the backward GEMMs are high precision's) and, with "
             "'dequantized', without 'save_input' (the dequantised input is saved)"
         )
-    if bw.save_input and recipe not in ("", "current", *_EMULATED_SAVE_INPUT):
+    # the emulated block-scaled kinds quantise a kept input again: their quantisation is
+    # deterministic (native blockwise: below)
+    if bw.save_input and recipe not in ("", "current", "block", "mxfp8", "nvfp4"):
         error = ValueError if recipe == "delayed" else NotImplementedError
         raise error(
             p + f"backward 'save_input' (save_original_input) works with high precision, "
@@ -211,10 +182,7 @@ def check_grouped_linear(a: GroupedLinearArgs) -> None:
             "(MXFP8BlockScaling(enable_2d_quantization=True)) are not implemented by the grouped "
             "GEMMs; use enable_2d_quantization=False"
         )
-    if a.weight_q is not None:
-        check_weight_quantized("te.grouped_linear", "weight_q", a.weight_q)
-    weight_q = a.weight_q or (None,) * len(WEIGHT_OPERAND)
-    check_grouped_weight_operand(p, recipe, a.weight, w.block_rows, w.emulate, weight_q)
+    check_grouped_weight_operand(p, recipe, a.weight, w.block_rows, w.emulate, a.weight_q)
     if a.weight_q is not None and recipe == "nvfp4" and (w.four_over_six or w.block_rows != 16):
         raise ValueError(
             p + "an NVFP4 pre-quantised weight needs a weight_spec with 16x16 tiles (the dgrad "
@@ -245,11 +213,10 @@ def check_grouped_linear(a: GroupedLinearArgs) -> None:
         recipe == "nvfp4"
         and splits.device.type == "cpu"
         and not isinstance(splits, torch._subclasses.FakeTensor)
+        and any(int(m) % 16 for m in splits.tolist())
     ):
-        bad = [int(m) for m in splits.tolist() if m % 16]
-        if bad:
-            raise ValueError(
-                p + "nvfp4 grouped GEMMs need every group's token count (m_splits) to be a "
-                f"multiple of 16 (blocks of 16 tokens along M), got {splits.tolist()} "
-                "(te.Fp8Padding pads them)"
-            )
+        raise ValueError(
+            p + "nvfp4 grouped GEMMs need every group's token count (m_splits) to be a "
+            f"multiple of 16 (blocks of 16 tokens along M), got {splits.tolist()} "
+            "(te.Fp8Padding pads them)"
+        )

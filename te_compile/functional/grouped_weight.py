@@ -1,13 +1,9 @@
 r"""The grouped linear family's pre-quantised weight: ``te::quantize_grouped_weight``.
 
-The dense families' design (``functional.dense_weight``) for the grouped GEMM:
-``te::grouped_linear_fwd`` may take its ``[G, N, K]`` weight already quantised, as the same five
-plain tensors (``weight_q``, ``functional.dense_weight.WEIGHT_OPERAND``), made by
-:func:`quantize_grouped_weight` with the very functions the forward casts with, so the bytes
-are those of the forward's own cast. The op then does not quantise ``weight`` (it still takes
-it: its shape, and its gradient) and saves the weight's dgrad copy for the backward from its
-inputs. ``GroupedLinear`` uses it to cast its weights once per optimizer step
-(``is_first_microbatch``, ``quantization.gemm``).
+The dense families' design (``functional.dense_weight``; ``docs/fp8.md``, ``is_first_microbatch``)
+for the ``[G, N, K]`` weight of ``te::grouped_linear_fwd``: the same five tensors (``weight_q``),
+cast by :func:`quantize_grouped_weight` with the functions the forward casts with (the same
+bytes); the op saves the weight's dgrad copy for the backward from its inputs.
 
 The five tensors by the GEMM kind of the recipe (``grouped_gemm.grouped_gemm_kind``):
 
@@ -42,6 +38,7 @@ from torch import Tensor
 from te_compile._library import SampleInput, op
 from te_compile.functional.dense_weight import (
     check_weight_operand,
+    check_weight_quantized,
     check_weight_spec,
     checked_weight_cast,
 )
@@ -58,10 +55,6 @@ from te_compile.functional.spec import QuantSpec
 __all__ = ["check_grouped_weight_operand", "quantize_grouped_weight"]
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _shapes(recipe: str, weight: Tensor, block_rows: int, emulate: bool):
     """``[(shape, dtype)]`` of the five tensors of ``weight`` ``[G, N, K]`` pre-quantised."""
     g, n, k = weight.shape
@@ -71,7 +64,7 @@ def _shapes(recipe: str, weight: Tensor, block_rows: int, emulate: bool):
         return [((g, n, k), u8), ((g, n), f32), ((g, k, n), u8), ((g, k), f32), ((1,), f32)]
     if kind == "blockwise":
         r = block_rows
-        s, s_t = (g, _cdiv(n, r), _cdiv(k, 128)), (g, _cdiv(k, r), _cdiv(n, 128))
+        s, s_t = (g, -(-n // r), -(-k // 128)), (g, -(-k // r), -(-n // 128))
         return [((g, n, k), u8), (s, f32), ((g, k, n), u8), (s_t, f32), ((0,), f32)]
     return [((g, n, k), weight.dtype)] + [((0,), f32)] * 4
 
@@ -79,11 +72,11 @@ def _shapes(recipe: str, weight: Tensor, block_rows: int, emulate: bool):
 def check_grouped_weight_operand(
     p: str, recipe: str, weight: Tensor, block_rows: int, emulate: bool, tensors
 ) -> None:
-    """The pre-quantised weight ``tensors`` (five, or all None) of ``te::grouped_linear_fwd``
-    whose weight is ``weight`` ``[G, N, K]`` (``p`` begins the messages)."""
+    """The pre-quantised weight ``tensors`` (None, or five) of ``te::grouped_linear_fwd`` whose
+    weight is ``weight`` ``[G, N, K]`` (``p`` begins the messages)."""
+    check_weight_quantized(p[: -len(": ")], "weight_q", tensors)
     shapes = _shapes(recipe, weight, block_rows, emulate) if recipe else None
-    data_t = tensors[2]
-    if shapes and shapes[2][0] == (0,) and data_t is not None and data_t.numel():
+    if shapes and shapes[2][0] == (0,) and tensors is not None and tensors[2].numel():
         shapes[2] = shapes[0]  # "dequantized" with the dgrad copy given (module docstring)
     check_weight_operand(p, recipe, weight, block_rows, emulate, tensors, shapes)
 
@@ -97,22 +90,6 @@ def _check(weight: Tensor, spec: str, scale: Tensor | None) -> QuantSpec:
             f"got {weight.dim()}-D {weight.dtype}"
         )
     return w
-
-
-def _impl(weight: Tensor, spec: str, scale: Tensor | None) -> list[Tensor]:
-    w = _check(weight, spec, scale)
-    kind = grouped_gemm_kind(w.kind, w.emulate)
-    none = weight.new_empty(0, dtype=torch.float32)
-    if kind == "scaled_grouped_mm":
-        w_scale = scale[1:2] if w.kind == "delayed" else None
-        wq, ws, wq_t, ws_t, amax = per_tensor_weight(weight, w.fp8_dtype, w_scale, True)
-        return [wq.view(torch.uint8), ws, wq_t.view(torch.uint8), ws_t, amax]
-    if kind == "blockwise":
-        return [*blockwise_weight(weight, w.power_2_scale, w.block_rows), none]
-    r = GroupedRecipe(w.kind, w.fp8_dtype, power_2_scale=w.power_2_scale,
-                      weight_block_rows=w.block_rows, emulate=w.emulate,
-                      weight_4over6=w.four_over_six)  # fmt: skip
-    return [dequantized_weight(weight, r), none, none.clone(), none.clone(), none.clone()]
 
 
 def _samples(device: torch.device):
@@ -129,7 +106,19 @@ def _samples(device: torch.device):
 def quantize_grouped_weight_op(weight: Tensor, spec: str, scale: Tensor | None) -> list[Tensor]:
     """``te::quantize_grouped_weight``: :func:`quantize_grouped_weight` without the argument
     checks."""
-    return _impl(weight, spec, scale)
+    w = _check(weight, spec, scale)
+    kind = grouped_gemm_kind(w.kind, w.emulate)
+    none = weight.new_empty(0, dtype=torch.float32)
+    if kind == "scaled_grouped_mm":
+        w_scale = scale[1:2] if w.kind == "delayed" else None
+        wq, ws, wq_t, ws_t, amax = per_tensor_weight(weight, w.fp8_dtype, w_scale, True)
+        return [wq.view(torch.uint8), ws, wq_t.view(torch.uint8), ws_t, amax]
+    if kind == "blockwise":
+        return [*blockwise_weight(weight, w.power_2_scale, w.block_rows), none]
+    r = GroupedRecipe(w.kind, w.fp8_dtype, power_2_scale=w.power_2_scale,
+                      weight_block_rows=w.block_rows, emulate=w.emulate,
+                      weight_4over6=w.four_over_six)  # fmt: skip
+    return [dequantized_weight(weight, r), none, none.clone(), none.clone(), none.clone()]
 
 
 @quantize_grouped_weight_op.register_fake

@@ -3,9 +3,8 @@
 ``LinearArgs`` names the forward op's arguments (a call passes the first four, or all) and parses
 its spec strings; the checks are shared by the implementations (eager) and the fakes (trace
 time), so a bad argument raises the same ValueError, naming it, in eager and under
-``torch.compile``. ``check_linear_tensors`` is the hot path's one cheap compound test of the four
-tensors; ``check_linear`` the whole call (recipe, prologue, epilogue, backward, pre-quantised
-weight).
+``torch.compile``. ``check_linear_tensors`` checks the four tensors (the hot path);
+``check_linear`` the whole call (recipe, prologue, epilogue, backward, pre-quantised weight).
 """
 
 from __future__ import annotations
@@ -19,15 +18,9 @@ from te_compile._checks import FLOAT_DTYPES, check_finite
 from te_compile.functional.activation import GATED_ACTIVATIONS, check_activation, check_gated_params
 from te_compile.functional.dense_weight import (
     check_weight_operand,
-    check_weight_quantized,
     fp8_weight_for_checks,
 )
-from te_compile.functional.gemm import (
-    HIGH_DTYPES,
-    DeferredWgrad,
-    check_gemm_dims,
-    check_specs,
-)
+from te_compile.functional.gemm import HIGH_DTYPES, DeferredWgrad, check_gemm_dims, check_specs
 from te_compile.functional.prologue import Norm, check_norm
 from te_compile.functional.spec import (
     BackwardSpec,
@@ -91,10 +84,7 @@ class LinearArgs(NamedTuple):
                     n.zero_centered_gamma)  # fmt: skip
 
 
-NORM_WEIGHT, RESIDUAL = (
-    LinearArgs._fields.index("norm_weight"),
-    LinearArgs._fields.index("residual"),
-)
+NORM_WEIGHT, RESIDUAL = (LinearArgs._fields.index(n) for n in ("norm_weight", "residual"))
 
 
 def out_features(n: int, activation: str) -> int:
@@ -107,52 +97,42 @@ def out_features(n: int, activation: str) -> int:
 def check_linear_tensors(
     inp: Tensor, weight: Tensor, bias: Tensor | None, main_grad: Tensor | None
 ) -> None:
-    """The four tensors. One cheap compound test on the hot path (eager calls pay for it on
-    every step); the per-argument diagnosis runs only when it fails, so eager and compile raise
-    the same ValueError naming the argument."""
-    w_shape = weight.shape
-    dtype = inp.dtype
-    if (
-        len(w_shape) == 2
-        and dtype is weight.dtype
-        and dtype in FLOAT_DTYPES
-        and inp.ndim >= 1
-        and inp.shape[-1] == w_shape[1]
-        and (bias is None or (bias.shape == (w_shape[0],) and bias.dtype is dtype))
-        and (main_grad is None or (main_grad.dtype is torch.float32 and main_grad.shape == w_shape))
-    ):
-        return
-    raise ValueError(_diagnose(inp, weight, bias, main_grad))
-
-
-def _diagnose(inp: Tensor, weight: Tensor, bias: Tensor | None, main_grad: Tensor | None) -> str:
+    """The four tensors (the hot path: plain tests, each raising the ValueError naming its
+    argument, in eager and under compile)."""
     if weight.dim() != 2:
-        return f"te.linear: weight must be 2-D [out_features, in_features], got {weight.dim()}-D"
+        raise ValueError(
+            f"te.linear: weight must be 2-D [out_features, in_features], got {weight.dim()}-D"
+        )
     if inp.dim() < 1:
-        return "te.linear: inp must have at least 1 dimension"
+        raise ValueError("te.linear: inp must have at least 1 dimension")
     if inp.dtype not in FLOAT_DTYPES:
-        return f"te.linear: inp.dtype must be a floating type, got {inp.dtype}"
+        raise ValueError(f"te.linear: inp.dtype must be a floating type, got {inp.dtype}")
     if inp.dtype != weight.dtype:
-        return (
+        raise ValueError(
             f"te.linear: inp.dtype ({inp.dtype}) must equal weight.dtype ({weight.dtype}); "
             "use torch.autocast or cast the input"
         )
     if inp.shape[-1] != weight.shape[1]:
-        return (
+        raise ValueError(
             f"te.linear: inp.shape[-1] ({inp.shape[-1]}) must equal in_features = "
             f"weight.shape[1] ({weight.shape[1]})"
         )
     if bias is not None and bias.shape != weight.shape[:1]:
-        return (
+        raise ValueError(
             f"te.linear: bias must have shape [out_features] = [{weight.shape[0]}], "
             f"got {list(bias.shape)}"
         )
     if bias is not None and bias.dtype != weight.dtype:
-        return f"te.linear: bias.dtype ({bias.dtype}) must equal weight.dtype ({weight.dtype})"
-    return (
-        f"te.linear: main_grad must be float32 with weight's shape {list(weight.shape)}, "
-        f"got {main_grad.dtype} {list(main_grad.shape)}"
-    )
+        raise ValueError(
+            f"te.linear: bias.dtype ({bias.dtype}) must equal weight.dtype ({weight.dtype})"
+        )
+    if main_grad is not None and (
+        main_grad.dtype is not torch.float32 or main_grad.shape != weight.shape
+    ):
+        raise ValueError(
+            f"te.linear: main_grad must be float32 with weight's shape {list(weight.shape)}, "
+            f"got {main_grad.dtype} {list(main_grad.shape)}"
+        )
 
 
 def check_linear(a: LinearArgs) -> None:
@@ -211,8 +191,7 @@ def check_linear(a: LinearArgs) -> None:
                 p + "backward 'save_input' is for a quantised linear without a norm prologue and "
                 f"without 'dequantized', got norm={a.norm!r}, backward={a.backward!r}"
             )
-    check_weight_quantized("te.linear", "weight_q", a.weight_q)
-    check_weight_operand(p, recipe, weight, w.block_rows, w.emulate, a.weight_q or (None,) * 5)
+    check_weight_operand(p, recipe, weight, w.block_rows, w.emulate, a.weight_q)
     check_finite("te.linear", out_scale=ep.scale)
     check_norm(p, inp, norm)
     if ep.activation:

@@ -53,10 +53,6 @@ five tensors of ``te::quantize_weight`` (``functional.dense_weight``, ``docs/fp8
 weight already quantised: ``saved`` then holds only the input's copy. ``weight`` may then be
 the FP8 codes themselves (FP8 primary weights): its gradient must go to ``main_grad``, and
 ``backward="high_precision"`` is refused.
-
-This file holds the ops (reference, schemas, fakes, autograd) and the public function; beside
-it, ``linear_args.py`` (the arguments and their checks), ``linear_impl.py`` (the forward and
-backward implementations) and ``linear_samples.py`` (the registry test's sample inputs).
 """
 
 from __future__ import annotations
@@ -67,12 +63,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from te_compile._checks import (
-    check_bool,
-    check_choice,
-    check_same_device,
-    check_tensors,
-)
+from te_compile._checks import check_bool, check_choice, check_same_device, check_tensors
 from te_compile._library import differentiable, op
 from te_compile._numerics import acc_dtype
 from te_compile.functional.activation import GATED_ACTIVATIONS, activation_ref, gated_activation_ref
@@ -240,10 +231,7 @@ def _linear_fwd_fake(*args):
 # 4. Backward op -----------------------------------------------------------------------------
 
 
-@op(
-    "linear_bwd",
-    mutates_args=("main_grad", "grad_amax", "wgrad_stash"),
-)
+@op("linear_bwd", mutates_args=("main_grad", "grad_amax", "wgrad_stash"))
 def linear_bwd(
     grad: Tensor,
     grad_branch: Tensor | None,
@@ -285,14 +273,10 @@ def linear_bwd(
     )  # fmt: skip
 
 
-_BWD_TENSORS = 11  # grad, grad_branch, saved, inp, weight, bias, main_grad, scale, grad_amax,
-# norm_weight, rng_state
-_BWD_SCALARS = 8  # the specs, norm, epilogue, need_dbias, need_dgrad, need_wgrad
-
-
 def _bwd_args(args: tuple) -> tuple[tuple, tuple, Tensor | None]:
-    """The tensors, the strings and flags, and ``wgrad_stash`` of a ``linear_bwd`` call."""
-    n, end = _BWD_TENSORS, _BWD_TENSORS + _BWD_SCALARS
+    """The 11 tensors (``grad`` to ``rng_state``), the 8 strings and flags (the specs to
+    ``need_wgrad``) and the ``wgrad_stash`` of a ``linear_bwd`` call."""
+    n, end = 11, 19
     return args[:n], args[n:end], args[end] if len(args) > end else None
 
 
@@ -340,7 +324,7 @@ def _setup_context(ctx, inputs, output) -> None:
         ctx.mark_non_differentiable(output[1])  # no branch: no gradient to make for it
         # (inp, weight, bias, main_grad, scale, grad_amax, norm_weight, rng_state, stash)
         save_for_backward_except_written(
-            ctx, (inp, weight, None, main_grad, None, None, None, None, None), _WRITTEN
+            ctx, (inp, weight, None, main_grad, None, None, None, None, None), (3, 5)
         )
         ctx.scalars, ctx.has_bias = ("", "", "", "", ""), bias is not None  # specs, norm, epilogue
         ctx.branch = ctx.has_norm = False
@@ -350,15 +334,11 @@ def _setup_context(ctx, inputs, output) -> None:
     ep = a.ep
     ctx.mark_non_differentiable(*saved, *(() if ep.branch else (branch,)))
     tensors, ctx.scalars = _for_backward(a, saved)
-    save_for_backward_except_written(ctx, (*tensors, a.wgrad_stash), _WRITTEN)
+    # main_grad and grad_amax (positions 3 and 5): written by the backward.
+    save_for_backward_except_written(ctx, (*tensors, a.wgrad_stash), (3, 5))
     ctx.has_bias, ctx.branch = a.bias is not None, ep.branch
     ctx.has_norm = bool(a.nrm.normalization)
     ctx.fp8_weight = a.weight.dtype in FP8_DTYPES and a.main_grad is None
-
-
-# Positions of main_grad and grad_amax in the backward's tensors (_for_backward): the buffers
-# the backward writes into (functional.gemm.save_for_backward_except_written).
-_WRITTEN = (3, 5)
 
 
 def _for_backward(a: LinearArgs, saved: list[Tensor]) -> tuple[tuple, tuple]:
@@ -528,10 +508,8 @@ def linear(
     tensor the backward writes can leave the graph); ``[amax(X), amax(W)]``
     (``return_amax=True``, per-tensor recipes; X is the norm's output with a prologue).
 
-    ``save_original_input=True`` (Transformer Engine's option, with a recipe): the backward
-    keeps ``inp`` itself (no bytes of its own when the caller keeps it alive) instead of the
-    quantised transposed copy, and quantises it again for the wgrad GEMM: the same gradients;
-    not with ``DelayedScaling`` (ValueError), nor with a norm prologue.
+    ``save_original_input=True`` (Transformer Engine's option, with a recipe): the backward keeps
+    ``inp`` and quantises it again for the wgrad GEMM, the same gradients (``docs/fp8.md``).
     """
     check_weight_quantized("te.linear", "weight_quantized", weight_quantized)
     check_gemm_tensors("te.linear", inp, weight, bias, main_grad)

@@ -11,16 +11,8 @@ from torch import Tensor
 
 from te_compile._checks import HIGH_DTYPES
 from te_compile.functional.activation import ACTIVATIONS, GATED_ACTIVATIONS, check_gated_params
-from te_compile.functional.dense_weight import (
-    WEIGHT_OPERAND,
-    check_weight_operand,
-    check_weight_quantized,
-    fp8_weight_for_checks,
-)
-from te_compile.functional.gemm import (
-    check_gemm_dims,
-    check_specs,
-)
+from te_compile.functional.dense_weight import check_weight_operand, fp8_weight_for_checks
+from te_compile.functional.gemm import check_gemm_dims, check_specs
 from te_compile.functional.prologue import Norm, check_norm
 from te_compile.functional.spec import EpilogueSpec, NormSpec, QuantSpec, parse, parse_roles
 
@@ -135,6 +127,4 @@ def check_mlp(a: MLPArgs) -> None:
         if g is not None and (g.dtype is not torch.float32 or g.shape != wt.shape):
             raise ValueError(p + f"main_grad{i} must be float32 with fc{i}_weight's shape "
                              f"{list(wt.shape)}, got {g.dtype} {list(g.shape)}")  # fmt: skip
-        check_weight_quantized("te.mlp", f"fc{i}_weight_q", q)
-        check_weight_operand(p + f"fc{i}_", recipe, wt, w.block_rows, w.emulate,
-                             q or (None,) * len(WEIGHT_OPERAND))  # fmt: skip
+        check_weight_operand(p + f"fc{i}_", recipe, wt, w.block_rows, w.emulate, q)

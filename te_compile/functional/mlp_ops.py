@@ -34,10 +34,6 @@ amax(W_2)]`` (fp32).
 ``fc1_weight_q`` / ``fc2_weight_q`` (pre-quantised weights) and ``main_grad1`` / ``main_grad2``
 are ``te::linear``'s ``weight_q`` and ``main_grad``, per GEMM (``saved`` then holds no copy of
 a given weight).
-
-This file holds the ops (reference, schemas, fakes, autograd) and the public function; beside
-it, ``mlp_args.py`` (the arguments and their checks) and ``mlp_samples.py`` (the registry
-test's sample inputs).
 """
 
 from __future__ import annotations
@@ -179,11 +175,33 @@ def _saved_scale(spec: QuantSpec, s_t: Tensor) -> Tensor:
     return s_t.t().contiguous() if _native_block(spec) else s_t
 
 
-def _wgrad_scale(spec: QuantSpec, saved: Tensor) -> Tensor:
-    return saved.t() if _native_block(spec) else saved
-
-
-def _forward(a: MLPArgs) -> tuple[Tensor, list[Tensor]]:
+@op("mlp_fwd")
+def mlp_fwd(
+    inp: Tensor,
+    fc1_weight: Tensor,
+    fc1_bias: Tensor | None,
+    fc2_weight: Tensor,
+    fc2_bias: Tensor | None,
+    epilogue: str,
+    input_spec: str = "",
+    weight_spec: str = "",
+    grad_spec: str = "",
+    scale1: Tensor | None = None,
+    scale2: Tensor | None = None,
+    grad_amax1: Tensor | None = None,
+    grad_amax2: Tensor | None = None,
+    norm: str = "",
+    norm_weight: Tensor | None = None,
+    norm_bias: Tensor | None = None,
+    fc1_weight_q: list[Tensor] | None = None,
+    fc2_weight_q: list[Tensor] | None = None,
+    main_grad1: Tensor | None = None,
+    main_grad2: Tensor | None = None,
+) -> tuple[Tensor, list[Tensor]]:
+    """``(out, saved)`` (module docstring)."""
+    a = MLPArgs(inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, epilogue, input_spec, weight_spec,
+                grad_spec, scale1, scale2, grad_amax1, grad_amax2, norm, norm_weight, norm_bias,
+                fc1_weight_q, fc2_weight_q, main_grad1, main_grad2)  # fmt: skip
     check_mlp(a)
     inp, w1, b1, w2, b2 = a.inp, a.fc1_weight, a.fc1_bias, a.fc2_weight, a.fc2_bias
     x2 = inp.reshape(-1, inp.shape[-1])
@@ -229,36 +247,6 @@ def _forward(a: MLPArgs) -> tuple[Tensor, list[Tensor]]:
     return out.reshape(*inp.shape[:-1], w2.shape[0]), saved
 
 
-@op("mlp_fwd")
-def mlp_fwd(
-    inp: Tensor,
-    fc1_weight: Tensor,
-    fc1_bias: Tensor | None,
-    fc2_weight: Tensor,
-    fc2_bias: Tensor | None,
-    epilogue: str,
-    input_spec: str = "",
-    weight_spec: str = "",
-    grad_spec: str = "",
-    scale1: Tensor | None = None,
-    scale2: Tensor | None = None,
-    grad_amax1: Tensor | None = None,
-    grad_amax2: Tensor | None = None,
-    norm: str = "",
-    norm_weight: Tensor | None = None,
-    norm_bias: Tensor | None = None,
-    fc1_weight_q: list[Tensor] | None = None,
-    fc2_weight_q: list[Tensor] | None = None,
-    main_grad1: Tensor | None = None,
-    main_grad2: Tensor | None = None,
-) -> tuple[Tensor, list[Tensor]]:
-    """``(out, saved)`` (module docstring)."""
-    return _forward(MLPArgs(inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, epilogue, input_spec,
-                          weight_spec, grad_spec, scale1, scale2, grad_amax1, grad_amax2, norm,
-                          norm_weight, norm_bias, fc1_weight_q, fc2_weight_q, main_grad1,
-                          main_grad2))  # fmt: skip
-
-
 @mlp_fwd.register_fake
 def _mlp_fwd_fake(*args):
     a = MLPArgs(*args)
@@ -292,63 +280,6 @@ def _mlp_fwd_fake(*args):
 # 3. Backward op ---------------------------------------------------------------------------------
 
 
-_N_BWD_TENSORS = 13  # grad, saved, inp, fc1_weight, fc1_bias, fc2_weight, scale1, scale2,
-# grad_amax1, grad_amax2, main_grad1, main_grad2, norm_weight
-
-
-def _backward_impl(grad, saved, inp, w1, b1, w2, scale1, scale2, grad_amax1, grad_amax2,
-                   main_grad1, main_grad2, norm_weight, c: BwdArgs):  # fmt: skip
-    dtype = grad.dtype
-    dy = grad.reshape(-1, grad.shape[-1])
-    m = dy.shape[0]
-    ep, normalization, recipe = c.ep, c.norm.normalization, c.x.kind
-    n_stats = 2 if normalization else 0
-    stats = saved[len(saved) - n_stats :]
-    need_db1 = b1 is not None
-    if not recipe:
-        z, h = saved[-2 - n_stats], saved[-1 - n_stats]
-        x2 = saved[0] if normalization else inp.reshape(-1, inp.shape[-1])
-        dh, dw2, db2 = hp_linear_backward(dy, h, w2, main_grad2, c.need_dbias, True, True,
-                                          dy.is_cuda)  # fmt: skip
-        dz, db1 = activation_backward(dh, z, b1, ep.activation, *ep.params, need_dbias=need_db1)
-        dx, dw1, _ = hp_linear_backward(dz, x2, w1, main_grad1, False, c.need_dgrad, True,
-                                        dz.is_cuda)  # fmt: skip
-        dinp = dx if c.need_dgrad else None
-    else:
-        x_t, xs, w1_t, w1s, z, h_t, hs, w2_t, w2s = saved[:9]
-        x_t, h_t = fp8_codes(x_t, c.x.fp8_dtype), fp8_codes(h_t, c.x.fp8_dtype)
-        w1_t, w2_t = fp8_codes(w1_t, c.w.fp8_dtype), fp8_codes(w2_t, c.w.fp8_dtype)
-        kind, rows = gemm_kind(recipe, c.x.emulate), c.w.block_rows
-        (_, _, s_dz), (_, _, s_dy) = scale_slots(scale1, recipe), scale_slots(scale2, recipe)
-        sums = c.need_dbias and _native_block(c.x)
-        a_dz, a_dy = grad_amax_slots(recipe, dy, grad_amax1, grad_amax2)
-        g = quantize_operand(c.g, pad_rows(dy), scale=s_dy, mn_major=True, sums=sums, slot=a_dy)
-        if grad_amax2 is not None and a_dy is None:
-            grad_amax2.copy_(g.amax)
-        # fc2: dh [M, F] = dY @ W2 (W2^T is the GEMM's b); dW2 [N, F] = dY^T @ h
-        dh = gemm(kind, g.data, g.scale, w2_t, w2s, dtype, b_block_rows=rows)
-        dw2 = wgrad_gemm(kind, g.data_t, g.scale_t, h_t, _wgrad_scale(c.x, hs), dtype, main_grad2)
-        db2 = g.sums if sums else (dy.sum(0, dtype=torch.float32) if c.need_dbias else None)
-        dq, db1 = _act_operand(c.g, z, b1, dh, ep, s_dz, m, need_db1, a_dz)
-        if grad_amax1 is not None and a_dz is None:
-            grad_amax1.copy_(dq.amax)
-        # fc1: dX [M, D] = dz @ W1; dW1 [F1, D] = dz^T @ X
-        dinp = None
-        if c.need_dgrad:
-            dinp = unpad(gemm(kind, dq.data, dq.scale, w1_t, w1s, dtype, b_block_rows=rows), m)
-        dw1 = wgrad_gemm(kind, dq.data_t, dq.scale_t, x_t, _wgrad_scale(c.x, xs), dtype,
-                         main_grad1)  # fmt: skip
-    dnorm = [empty(grad), empty(grad)]
-    if dinp is not None and normalization:
-        x2 = inp.reshape(-1, inp.shape[-1])
-        dinp, *dnorm = norm_backward(dinp, x2, norm_weight, stats, normalization,
-                                     c.norm.zero_centered_gamma, c.norm.bias)  # fmt: skip
-    dinp = empty(grad) if dinp is None else dinp.reshape(*grad.shape[:-1], dinp.shape[-1])
-    db1 = empty(grad) if db1 is None else db1.to(dtype)
-    db2 = empty(grad) if db2 is None or not c.need_dbias else db2.to(dtype)
-    return dinp, dw1, db1, dw2, db2, *dnorm
-
-
 @op("mlp_bwd", mutates_args=("grad_amax1", "grad_amax2", "main_grad1", "main_grad2"))
 def mlp_bwd(
     grad: Tensor,
@@ -380,15 +311,63 @@ def mlp_bwd(
     with ``bias`` where the norm has one. ``need_dgrad``: any of the input and the norm's
     parameters needs a gradient."""
     c = BwdArgs.of(input_spec, weight_spec, grad_spec, norm, epilogue, need_db2, need_dgrad)
-    return _backward_impl(grad, saved, inp, fc1_weight, fc1_bias, fc2_weight, scale1, scale2,
-                          grad_amax1, grad_amax2, main_grad1, main_grad2, norm_weight,
-                          c)  # fmt: skip
+    w1, b1, w2 = fc1_weight, fc1_bias, fc2_weight
+    dtype = grad.dtype
+    dy = grad.reshape(-1, grad.shape[-1])
+    m = dy.shape[0]
+    ep, normalization, recipe = c.ep, c.norm.normalization, c.x.kind
+    n_stats = 2 if normalization else 0
+    stats = saved[len(saved) - n_stats :]
+    need_db1 = b1 is not None
+    if not recipe:
+        z, h = saved[-2 - n_stats], saved[-1 - n_stats]
+        x2 = saved[0] if normalization else inp.reshape(-1, inp.shape[-1])
+        dh, dw2, db2 = hp_linear_backward(dy, h, w2, main_grad2, c.need_dbias, True, True,
+                                          dy.is_cuda)  # fmt: skip
+        dz, db1 = activation_backward(dh, z, b1, ep.activation, *ep.params, need_dbias=need_db1)
+        dx, dw1, _ = hp_linear_backward(dz, x2, w1, main_grad1, False, c.need_dgrad, True,
+                                        dz.is_cuda)  # fmt: skip
+        dinp = dx if c.need_dgrad else None
+    else:
+        x_t, xs, w1_t, w1s, z, h_t, hs, w2_t, w2s = saved[:9]
+        x_t, h_t = fp8_codes(x_t, c.x.fp8_dtype), fp8_codes(h_t, c.x.fp8_dtype)
+        w1_t, w2_t = fp8_codes(w1_t, c.w.fp8_dtype), fp8_codes(w2_t, c.w.fp8_dtype)
+        if _native_block(c.x):  # the 1x128 scales as the wgrad GEMM takes them (_saved_scale)
+            xs, hs = xs.t(), hs.t()
+        kind, rows = gemm_kind(recipe, c.x.emulate), c.w.block_rows
+        (_, _, s_dz), (_, _, s_dy) = scale_slots(scale1, recipe), scale_slots(scale2, recipe)
+        sums = c.need_dbias and _native_block(c.x)
+        a_dz, a_dy = grad_amax_slots(recipe, dy, grad_amax1, grad_amax2)
+        g = quantize_operand(c.g, pad_rows(dy), scale=s_dy, mn_major=True, sums=sums, slot=a_dy)
+        if grad_amax2 is not None and a_dy is None:
+            grad_amax2.copy_(g.amax)
+        # fc2: dh [M, F] = dY @ W2 (W2^T is the GEMM's b); dW2 [N, F] = dY^T @ h
+        dh = gemm(kind, g.data, g.scale, w2_t, w2s, dtype, b_block_rows=rows)
+        dw2 = wgrad_gemm(kind, g.data_t, g.scale_t, h_t, hs, dtype, main_grad2)
+        db2 = g.sums if sums else (dy.sum(0, dtype=torch.float32) if c.need_dbias else None)
+        dq, db1 = _act_operand(c.g, z, b1, dh, ep, s_dz, m, need_db1, a_dz)
+        if grad_amax1 is not None and a_dz is None:
+            grad_amax1.copy_(dq.amax)
+        # fc1: dX [M, D] = dz @ W1; dW1 [F1, D] = dz^T @ X
+        dinp = None
+        if c.need_dgrad:
+            dinp = unpad(gemm(kind, dq.data, dq.scale, w1_t, w1s, dtype, b_block_rows=rows), m)
+        dw1 = wgrad_gemm(kind, dq.data_t, dq.scale_t, x_t, xs, dtype, main_grad1)
+    dnorm = [empty(grad), empty(grad)]
+    if dinp is not None and normalization:
+        x2 = inp.reshape(-1, inp.shape[-1])
+        dinp, *dnorm = norm_backward(dinp, x2, norm_weight, stats, normalization,
+                                     c.norm.zero_centered_gamma, c.norm.bias)  # fmt: skip
+    dinp = empty(grad) if dinp is None else dinp.reshape(*grad.shape[:-1], dinp.shape[-1])
+    db1 = empty(grad) if db1 is None else db1.to(dtype)
+    db2 = empty(grad) if db2 is None or not c.need_dbias else db2.to(dtype)
+    return dinp, dw1, db1, dw2, db2, *dnorm
 
 
 @mlp_bwd.register_fake
 def _mlp_bwd_fake(*args):
-    grad, saved, _inp, w1, b1, w2, *_, mg1, mg2, norm_weight = args[:_N_BWD_TENSORS]
-    c = BwdArgs.of(*args[_N_BWD_TENSORS:])
+    grad, saved, _inp, w1, b1, w2, *_, mg1, mg2, norm_weight = args[:13]
+    c = BwdArgs.of(*args[13:])
     if c.x.kind:
         (d, f1), (f, n) = saved[2].shape, saved[7].shape
     else:

@@ -171,9 +171,8 @@ def fake_stats(inp: Tensor, rows: int, normalization: str) -> list[Tensor]:
     """The statistics a forward op with a norm prologue saves (none without one)."""
     if not normalization:
         return []
-    f32 = torch.float32
-    mean = inp.new_empty(rows if normalization == "LayerNorm" else 0, dtype=f32)
-    return [mean, inp.new_empty(rows, dtype=f32)]
+    mean = inp.new_empty(rows if normalization == "LayerNorm" else 0, dtype=torch.float32)
+    return [mean, inp.new_empty(rows, dtype=torch.float32)]
 
 
 def fake_dnorm(like: Tensor, norm_weight, normalization, has_norm_bias, need) -> list[Tensor]:
