@@ -88,14 +88,14 @@ def check_mlp(a: MLPArgs) -> None:
     x, w, _ = specs = a.specs
     recipe = x.kind
     named = dict(zip(("input_spec", "weight_spec", "grad_spec"), specs, strict=True))
-    for i, scale, grad_amax in ((1, a.scale1, a.grad_amax1), (2, a.scale2, a.grad_amax2)):
-        check_specs(p, named, scale, grad_amax, gemm=str(i))
-    for name, spec in named.items():
+    for name, spec in named.items():  # first: check_specs would ask for the linear's rng_state
         if spec.options() or spec.stochastic_rounding:
             raise ValueError(
                 p + f"{name} {spec.encode()!r}: NVFP4's options are te::linear's "
                 "(quantization.gemm.mlp runs two te::linear calls for them)"
             )
+    for i, scale, grad_amax in ((1, a.scale1, a.grad_amax1), (2, a.scale2, a.grad_amax2)):
+        check_specs(p, named, scale, grad_amax, gemm=str(i))
     dtypes = HIGH_DTYPES if recipe else (*HIGH_DTYPES, torch.float64)
     if inp.dtype not in dtypes or w1.dtype != inp.dtype or w2.dtype != inp.dtype:
         raise ValueError(

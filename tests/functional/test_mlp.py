@@ -205,6 +205,10 @@ def test_errors_name_the_argument():
         F.mlp(x, w1, None, w2, None, "gelu", **{**cur, "grad_spec": "current:e4m3:bad"})
     with pytest.raises(ValueError, match="mxfp8 GEMMs are emulated here"):
         F.mlp(x, w1, None, w2, None, "gelu", **with_specs(recipe="mxfp8"))
+    nvfp4 = {"input_spec": "nvfp4:emulate", "weight_spec": "nvfp4:emulate"}
+    for grad in ("nvfp4:emulate:sr", "nvfp4:emulate:rht:sr"):  # before the rng_state check
+        with pytest.raises(ValueError, match=r"grad_spec .*: NVFP4's options are te::linear's"):
+            F.mlp(x, w1, None, w2, None, "gelu", **nvfp4, grad_spec=grad)
     block = with_specs(recipe="block", bwd_dtype=E4M3)
     with pytest.raises(
         ValueError, match=r"native blockwise GEMMs \(specs without 'emulate'\).*512"
