@@ -311,11 +311,12 @@ def check_situ_slots(owner: str, beta1: float, beta2: float, glu_linear_offset: 
 def fused_quantize_runs(activation: str, params: tuple[float, float, float]) -> bool:
     """Whether ``kernels.act_quantize`` (the activation fused into the next GEMM's quantisation,
     ``te::mlp`` on CUDA) computes ``activation`` with these ``(limit, alpha, glu_linear_offset)``
-    slots: it applies ``clamped_swiglu``'s defaults as literals and has no ``situglu`` up branch,
-    so those take the activation op's path."""
+    slots: it applies ``clamped_swiglu``'s defaults as literals and runs only the names of
+    ``kernels.activation.FUNCTION_OF`` (no ``situglu``); the rest take the activation op's path.
+    Imports Triton (a CUDA caller's question)."""
     if activation == "clamped_swiglu":
         return params == tuple(CLAMPED_SWIGLU_DEFAULTS.values())
-    return activation != "situglu"
+    return activation in _kernels().FUNCTION_OF
 
 
 def check_activation(
