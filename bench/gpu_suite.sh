@@ -13,8 +13,10 @@
 # The other --long-runs cases are CPU compiles (every bad value compiled, Inductor on every CPU
 # registry sample): `make test` covers their paths, `pytest --long-runs` on any machine runs them.
 # Each part writes under $OUT its log, a JUnit XML and summary_<part>.md (counts, every failure
-# with the first lines of its message, the 30 slowest tests), packed into results.tgz. Run it
-# whenever a change touches CUDA paths and record the summaries in bench/results/<date>/.
+# with the first lines of its message, the 30 slowest tests) and durations_<part>.tsv (every
+# test's seconds), packed into results.tgz. Run it whenever a change touches CUDA paths and
+# record the summaries in bench/results/<date>/; a full part 1's durations_1.tsv replaces
+# bench/gpu_durations.tsv.
 set -uo pipefail
 part=${1:?usage: bash bench/gpu_suite.sh 1|2}
 OUT=${OUT:-bench/results/latest}
@@ -53,12 +55,13 @@ run() {  # name, pytest arguments... (PYTEST, or the array named by $RUNNER)
 }
 case $part in
   1) # The CPU cases of tests that also have a CUDA case are CI's (marker cpu_case).
-     # Longest first (the registry's CUDA samples and the module compiles take up to two minutes
-     # each): the short tests then fill the workers' gaps instead of a few long ones ending late.
-     # The workers spread over the GPUs (tests/conftest.py): none of part 1 needs two.
+     # --balance-by: each worker starts on an equal share of the seconds the last run measured,
+     # longest first (the registry's CUDA samples and the module compiles take minutes each);
+     # collection order would queue them all on the first workers. The workers spread over the
+     # GPUs (tests/conftest.py): none of part 1 needs two.
      export TE_COMPILE_TEST_SPREAD_GPUS=$(nvidia-smi -L | wc -l)
-     run part1 -m "not cpu_case" tests/test_registry.py tests/modules tests/functional \
-       tests/kernels tests/quantization tests/ops ;;
+     run part1 -m "not cpu_case" --balance-by bench/gpu_durations.tsv tests/test_registry.py \
+       tests/modules tests/functional tests/kernels tests/quantization tests/ops ;;
   2) # The long runs beside the suite: the part takes the longest of the three, not their sum.
      RUNNER=SERIAL run long_runs -s --long-runs tests/test_long_run.py -k gpu > /dev/null &
      RUNNER=SERIAL run long_cases --long-runs tests/distributed/test_fsdp_fp8_primary.py \

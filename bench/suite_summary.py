@@ -1,6 +1,8 @@
 """Summary of a GPU test-suite part (``bench/gpu_suite.sh``): reads the JUnit XML files the
 part wrote under ``OUT`` and prints markdown: counts per run, every failure and error with the
-first lines of its message, and the 30 slowest tests.
+first lines of its message, and the 30 slowest tests. Writes beside them ``durations_PART.tsv``:
+the seconds of every test that took one or more (``seconds<TAB>classname::name``), what
+``pytest --balance-by`` reads; ``bench/gpu_durations.tsv`` is the last full run's.
 
     python bench/suite_summary.py OUT PART
 """
@@ -44,6 +46,8 @@ def main(out: str, part: str) -> None:
         node = c.find("failure") if c.find("failure") is not None else c.find("error")
         message = (node.get("message") or "").strip().splitlines()[:3]
         lines.append(f"- `{name}`: " + " / ".join(m.strip() for m in message)[:300])
+    slow = sorted((c for c in cases if c[0] >= 1.0), key=lambda x: -x[0])
+    (Path(out) / f"durations_{part}.tsv").write_text("".join(f"{t:.1f}\t{n}\n" for t, n, _ in slow))
     lines += ["", "## The 30 slowest tests", "", "| seconds | test |", "| ---: | --- |"]
     for t, name, _ in sorted(cases, key=lambda x: -x[0])[:30]:
         lines.append(f"| {t:.1f} | `{name}` |")

@@ -72,6 +72,14 @@ def pytest_addoption(parser):
         "tests/test_registry.py (and every quantised sample compiled there), and the tests "
         "marked long_compile",
     )
+    parser.addoption(
+        "--balance-by",
+        metavar="FILE",
+        help="seconds per test from an earlier run (lines 'seconds<TAB>classname::name' as "
+        "bench/suite_summary.py writes them, '#' comments): under pytest-xdist's worksteal "
+        "scheduler, each worker's first share of the tests then holds an equal share of the "
+        "known seconds, longest first (bench/gpu_suite.sh)",
+    )
 
 
 def pytest_configure(config):
@@ -102,10 +110,43 @@ def _fresh_state():
     yield
 
 
+def _junit_name(item) -> str:
+    """``classname::name`` as pytest's JUnit XML writes a test (bench/suite_summary.py)."""
+    parts = item.nodeid.split("::")
+    parts[0] = parts[0].removesuffix(".py").replace("/", ".")
+    return ".".join(parts[:-1]) + "::" + parts[-1]
+
+
+def _balance(items, seconds: dict, workers: int) -> None:
+    """Reorder ``items`` in place into ``workers`` contiguous shares, as xdist's worksteal
+    scheduler deals them out at the start (the first ``workers - N % workers`` get ``N //
+    workers`` tests, the rest one more): each test, longest first (a test not in ``seconds``
+    counts a second), goes to the share with the fewest seconds that still has room. Idle
+    workers steal the second half of a busy worker's queue: the short tests."""
+    n = len(items)
+    sizes = [n // workers + (i >= workers - n % workers) for i in range(workers)]
+    shares = [[] for _ in sizes]
+    load = [0.0] * workers
+    for item in sorted(items, key=lambda it: -seconds.get(_junit_name(it), 1.0)):
+        k = min((i for i in range(workers) if len(shares[i]) < sizes[i]), key=load.__getitem__)
+        shares[k].append(item)
+        load[k] += seconds.get(_junit_name(item), 1.0)
+    items[:] = [item for share in shares for item in share]
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``long_compile`` (Inductor's CPU code generation of the largest graphs:
+    """With ``--balance-by`` in an xdist worker, the tests are dealt into balanced shares
+    (``_balance``); every worker orders the same collection the same way.
+
+    Tests marked ``long_compile`` (Inductor's CPU code generation of the largest graphs:
     minutes of ``make test`` on a 2-core CI machine) run with ``--long-runs`` or where a GPU is
     present; elsewhere a smaller sibling of each covers the same path (see docs/testing.md)."""
+    workers = getattr(config, "workerinput", {}).get("workercount", 0)
+    if config.getoption("--balance-by") and workers > 1:
+        with open(config.getoption("--balance-by")) as f:
+            rows = (line.rstrip("\n").split("\t", 1) for line in f if line[:1] not in "#\n")
+            _balance(items, {name: float(t) for t, name in rows}, workers)
     if config.getoption("--long-runs") or torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="long_compile: Inductor's CPU compile of a large graph "

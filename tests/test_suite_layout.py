@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 TESTS = Path(__file__).resolve().parent
 
@@ -42,3 +43,51 @@ def test_tolerance_literals_come_from_tests_utils_or_say_why():
             if literals and not any("# tol:" in lines[j] for j in range(max(0, i - 3), i + 1)):
                 bad.append(f"{rel}:{i + 1}: {line.strip()}")
     assert not bad, "tolerance literals without '# tol:'\n" + "\n".join(bad)
+
+
+class _Node:
+    """A stand-in for xdist's WorkerController: records the test indices it is sent."""
+
+    shutting_down = False
+
+    def __init__(self, i):
+        self.gateway = SimpleNamespace(id=f"gw{i}")
+        self.sent = []
+
+    def send_runtest_some(self, indices):
+        self.sent += indices
+
+
+def test_balance_by_gives_each_worker_an_equal_share_of_the_seconds():
+    """``pytest --balance-by`` (bench/gpu_suite.sh): fed the reordered collection, xdist's own
+    worksteal scheduler hands every worker a first share whose known seconds are within the
+    longest test of each other's, longest first; every test is dealt exactly once."""
+    from xdist.scheduler import WorkStealingScheduling
+
+    from tests.conftest import _balance, _junit_name
+
+    workers = 4
+    items = [SimpleNamespace(nodeid=f"tests/a/test_x.py::test_{i}[p{i}]") for i in range(103)]
+    # Long tests bunched at the start, as collection order puts one file's compiles together.
+    seconds = {_junit_name(it): 300.0 - 10 * i for i, it in enumerate(items[:12])}
+    assert _junit_name(items[0]) == "tests.a.test_x::test_0[p0]"
+    order = list(items)
+    _balance(order, seconds, workers)
+    assert sorted(it.nodeid for it in order) == sorted(it.nodeid for it in items)
+
+    sched = WorkStealingScheduling(SimpleNamespace(getvalue=lambda k: [f"{workers}*popen"]))
+    nodes = [_Node(i) for i in range(workers)]
+    for node in nodes:
+        sched.add_node(node)
+    for node in nodes:
+        sched.add_node_collection(node, [it.nodeid for it in order])
+    sched.schedule()
+    loads = []
+    for node in nodes:
+        share = [seconds.get(_junit_name(order[i]), 1.0) for i in node.sent]
+        assert share == sorted(share, reverse=True)
+        loads.append(sum(share))
+    assert sum(len(n.sent) for n in nodes) == len(items)
+    assert max(loads) - min(loads) <= 300.0, loads
+    # Unbalanced, the first worker would get every long test.
+    assert max(loads) < sum(seconds.values()) / 2
