@@ -142,7 +142,7 @@ def _gemm_grouped(
     FP8 values, scales after in fp32."""
     aq, sa = as_e4m3(aq, sa)
     bq, sb = as_e4m3(bq, sb)
-    if aq.is_cuda:
+    if aq.is_cuda:  # also the FP8 wgrad's: 2-D operands grouped along the contraction dim
         sa, sb = _balanced(sa, sb)
         return torch._scaled_grouped_mm(
             aq, bq.transpose(-2, -1), sa, sb, offs=offs, out_dtype=torch.bfloat16,
@@ -239,11 +239,7 @@ def _gemm_wgrad(
     xt, xs = as_e4m3(xt, xs)
     if native:
         if dyt.is_cuda:
-            sa, sb = _balanced(dys.reshape(-1), xs.reshape(-1))
-            dw = torch._scaled_grouped_mm(
-                dyt, xt.t(), sa, sb, offs=pad_ends, out_dtype=torch.bfloat16,
-                use_fast_accum=False,
-            )  # fmt: skip
+            dw = _gemm_grouped(dyt, dys.reshape(-1), xt, xs.reshape(-1), None, pad_ends)
         else:
             acc = torch._grouped_mm(
                 dyt.to(torch.bfloat16), xt.to(torch.bfloat16).t(), offs=pad_ends
@@ -277,6 +273,18 @@ def _quantize_delayed(
     return q.data.view(x.shape), q.scale.expand(rows).contiguous(), q.amax
 
 
+def _quantize(
+    x: Tensor, fp8_dtype: torch.dtype, scale: Tensor | None, measure: bool, e4m3_codes=False
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(data, scale_inv, amax)`` of ``x`` cast along its last dim: current scaling (``scale``
+    None) by :func:`quantize_rowwise` (``e4m3_codes`` passed on), ``amax`` ``[1]`` measured
+    only with ``measure``, else 0-element; delayed by :func:`_quantize_delayed`."""
+    if scale is not None:
+        return _quantize_delayed(x, fp8_dtype, scale, x.shape[:-1])
+    amax = _amax(x).reshape(1) if measure else x.new_empty(0, dtype=torch.float32)
+    return (*quantize_rowwise(x, fp8_dtype, e4m3_codes=e4m3_codes), amax)
+
+
 def _amax(x: Tensor) -> Tensor:
     """``max |x|`` as a 0-dim fp32 tensor (0 for an empty ``x``, NaN if it holds one)."""
     return x.abs().amax().float() if x.numel() else x.new_zeros((), dtype=torch.float32)
@@ -296,12 +304,8 @@ def per_tensor_weight(
     check it), where a strided copy took about 0.5 ms at 8 x 2048 x 4096 on the H100. The
     forward's own cast and the pre-quantised weight (``functional.grouped_weight``) both come
     from here: the same bytes."""
-    g, n, k = weight.shape
-    if w_scale is None:
-        wq, ws = quantize_rowwise(weight, fwd_dtype)
-        amax = _amax(weight).reshape(1) if measure else weight.new_empty(0, dtype=torch.float32)
-    else:
-        wq, ws, amax = _quantize_delayed(weight, fwd_dtype, w_scale, (g, n))
+    g, _, k = weight.shape
+    wq, ws, amax = _quantize(weight, fwd_dtype, w_scale, measure)
     if weight.is_cuda and weight.dtype in HIGH_DTYPES:
         from te_compile.kernels import quantize_rows
 
@@ -332,14 +336,8 @@ def per_tensor_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
     else:  # pre-quantised (uint8 codes); its dgrad copy is the caller's to save
         wq, ws, wq_t, ws_t, w_amax = weight_q
         wq, wq_t = wq.view(fwd_dtype), wq_t.view(fwd_dtype)
-    if s_x is None:
-        xq, xs = quantize_rowwise(inp, fwd_dtype)
-        amax = inp.new_empty(0, dtype=torch.float32)
-        if measure:
-            amax = torch.cat([_amax(inp).reshape(1), w_amax])
-    else:
-        xq, xs, x_amax = _quantize_delayed(inp, fwd_dtype, s_x, (inp.shape[0],))
-        amax = torch.cat([x_amax, w_amax])
+    xq, xs, x_amax = _quantize(inp, fwd_dtype, s_x, measure)
+    amaxes = [torch.cat([x_amax, w_amax])] if x_amax.numel() else []
     dsplits = device_splits(m_splits, inp) if native else None
     if native:
         out = _gemm_grouped(xq, xs, wq, ws, *dsplits, fast_accum=True)
@@ -347,7 +345,6 @@ def per_tensor_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
             out += row_bias(bias, dsplits[0], inp.shape[0])
     else:
         out = _gemm_loop(xq, xs, wq, ws, host_splits(m_splits, inp.shape[0]), inp.dtype, bias)
-    amaxes = [amax] if amax.numel() else []
     if r.override == "dequantized":  # the values the GEMM multiplied (E5M2: its E4M3 codes')
         pairs = as_e4m3(xq, xs), as_e4m3(wq, ws)
         return out, [*((q.float() * s.unsqueeze(-1)).to(inp.dtype) for q, s in pairs), *amaxes]
@@ -369,14 +366,10 @@ def per_tensor_backward(grad_out, saved, inp, m_splits, weight, main_grad, r, ha
     wq_t, ws_t = saved[0].view(fwd_dtype), saved[1]
     dinp, dweight = empty(grad_out), empty(grad_out)
     if need_dgrad or r.grad_amax is not None:  # the dgrad operand; amax(dY) into grad_amax
-        if s_g is None:
-            if r.grad_amax is not None:
-                r.grad_amax.copy_(_amax(grad_out).reshape(1))
-            gq, gs = quantize_rowwise(grad_out, bwd_dtype, e4m3_codes=True)
-        else:
-            gq, gs, g_amax = _quantize_delayed(grad_out, bwd_dtype, s_g, (grad_out.shape[0],))
-            if r.grad_amax is not None:
-                r.grad_amax.copy_(g_amax)
+        measure = r.grad_amax is not None
+        gq, gs, g_amax = _quantize(grad_out, bwd_dtype, s_g, measure, e4m3_codes=True)
+        if measure:
+            r.grad_amax.copy_(g_amax)
     dsplits = device_splits(m_splits, grad_out) if native else None
     if need_wgrad and r.fp8_wgrad and len(saved) == 2:  # save_original_input: quantised here
         xt, xs_t, _ = quantize_group_columns(inp, m_splits, fwd_dtype, s_x, dsplits)
