@@ -12,12 +12,9 @@ kind                     GEMMs
 ``"blockwise"``          Float8BlockScaling, native: a blockwise ``torch._scaled_mm`` per expert
                          (host splits; every expert's tokens padded to 128 in one layout)
 ``"dequantized"``        the block-scaled recipes emulated: each expert's operands quantised
-                         exactly as a dense GEMM quantises them (``functional.gemm.QUANTIZERS``;
-                         the backward's copies along the other dim, blocks along each expert's
-                         own tokens; NVFP4: its global scales, the Hadamard transform,
-                         stochastic rounding, 4over6), dequantised to the model's dtype, then
-                         high precision's grouped GEMMs on CUDA, on the CPU per expert the
-                         dense family's GEMM calls (bit for bit a Linear's)
+                         exactly as a dense GEMM quantises them (the backward's copies along
+                         each expert's own tokens), dequantised, then high precision's grouped
+                         GEMMs on CUDA, on the CPU per expert a dense Linear's, bit for bit
 =======================  ===================================================================
 
 Every row is ``forward(inp, m_splits, weight, bias, r, cuda, weight_q) -> (out, saved)``
@@ -43,6 +40,7 @@ from te_compile.functional.gemm import (
     block_scaled_mm,
     empty,
     gemm,
+    hp_linear,
     padded,
     quantize_operand,
     wgrad_gemm,
@@ -71,7 +69,7 @@ __all__ = [
     "host_splits",
     "nvfp4_input",
     "nvfp4_weight",
-    "row_bias",
+    "per_row",
     "uses_grouped_mm",
 ]
 
@@ -183,33 +181,18 @@ def device_splits(m_splits: Tensor, inp: Tensor) -> tuple[Tensor, Tensor]:
     return splits, offs
 
 
-def row_bias(bias: Tensor, splits: Tensor, rows: int) -> Tensor:
-    """``bias[group of row]`` for every row, no host sync."""
-    return torch.repeat_interleave(bias, splits, dim=0, output_size=rows)
+def per_row(values: Tensor, splits: Tensor, rows: int) -> Tensor:
+    """``values[group of row]`` for every row (a bias ``[G, N]``: ``[rows, N]``), no host sync."""
+    return torch.repeat_interleave(values, splits, dim=0, output_size=rows)
 
 
 def _group_sums(grad: Tensor, splits: Tensor, groups: int) -> Tensor:
     """Every group's column sums of ``grad`` (a bias gradient): one fp32 ``index_add_`` by the
     device ``splits``, no host sync."""
     rows, n = grad.shape
-    row_group = torch.repeat_interleave(
-        torch.arange(groups, device=grad.device), splits, output_size=rows
-    )
+    row_group = per_row(torch.arange(groups, device=grad.device), splits, rows)
     out = grad.new_zeros(groups, n, dtype=torch.float32)
     return out.index_add_(0, row_group, grad.float()).to(grad.dtype)
-
-
-def _fwd_loop(
-    inp: Tensor, splits: list[int], weight: Tensor, bias: Tensor | None, acc: torch.dtype | None
-) -> Tensor:
-    """One GEMM per group in ``acc`` (None: the input dtype), the bias in it, rounded once: a
-    dense ``te::linear``'s call on the group's rows (``functional.gemm.hp_linear``)."""
-    out = inp.new_empty(inp.shape[0], weight.shape[1])
-    acc = acc or inp.dtype
-    for g, rows in group_rows(splits):
-        b = None if bias is None else bias[g].to(acc)
-        out[rows] = torch.nn.functional.linear(inp[rows].to(acc), weight[g].to(acc), b)
-    return out
 
 
 def group_rows(splits: list[int]):
@@ -274,9 +257,8 @@ def _capacity(rows: int, groups: int) -> int:
 
 def _padded(x: Tensor, m_splits: Tensor):
     """``(splits, first row of each expert in x, first row in the padded layout, padded rows, x
-    in it)``. When every expert's tokens are a multiple of 128 the padded layout is ``x``
-    itself; otherwise each expert starts at a multiple of 128 of a :func:`_capacity` layout
-    (zero rows between; one scatter)."""
+    in it)``: ``x`` itself when every expert's tokens are a multiple of 128, else each expert
+    from a multiple of 128 of a :func:`_capacity` layout (zero rows between; one scatter)."""
     rows = x.shape[0]
     splits = host_splits(m_splits, rows)
     firsts, starts, row, pos = [], [], 0, 0
@@ -339,11 +321,10 @@ def blockwise_weight(
 def blockwise_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
     """``saved = [X^T codes (uint8, flat: the first ``K * width`` bytes are ``[K, width]``, every
     expert's tokens from a multiple of 128), their 1x128 scales (fp32, flat, ``[width / 128,
-    K]``), each expert's W_g^T codes ``[K, N]`` (uint8), each expert's scales]``; ``width`` is
-    ``M`` when every expert's tokens are a multiple of 128, else the static capacity ``128 * (M
-    // 128 + G)``. With ``weight_q`` (:func:`blockwise_weight`) ``saved`` ends after the input's
-    copy (the caller saves the weight's, the backward takes it stacked). Under ``r.override``
-    nothing, or (``"dequantized"``) the forward's operands dequantised (one cast more)."""
+    K]``), each expert's W_g^T codes ``[K, N]`` (uint8), each expert's scales]``; ``width``:
+    :func:`_padded`'s, the buffers :func:`_capacity`'s. With ``weight_q``
+    (:func:`blockwise_weight`) ``saved`` ends after the input's copy (the caller saves the
+    weight's). Under ``r.override`` nothing, or the forward's operands dequantised."""
     power_2_scale, weight_block_rows = r.power_2_scale, r.weight_block_rows
     groups, n, k = weight.shape
     rows = inp.shape[0]
@@ -443,11 +424,9 @@ def _cast_columns(x2: Tensor, m_splits: Tensor, r: GroupedRecipe, fp8_dtype: tor
     step = 32 if r.recipe == "mxfp8" else 128
     groups = m_splits.shape[0]
     splits = m_splits.to(x2.device, non_blocking=True)
-    padded_splits = (splits + step - 1) // step * step
-    shift = torch.cumsum(padded_splits - splits, 0) - (padded_splits - splits)
-    group = torch.repeat_interleave(torch.arange(groups, device=x2.device), splits,
-                                    output_size=rows)  # fmt: skip
-    dest = torch.arange(rows, device=x2.device) + shift[group]
+    pad = -splits % step  # each group's zero rows up to a multiple of step
+    shift = torch.cumsum(pad, 0) - pad
+    dest = torch.arange(rows, device=x2.device) + per_row(shift, splits, rows)
     width = (rows + groups * (step - 1) + step - 1) // step * step
     layout = x2.new_zeros(width, k).index_copy_(0, dest, x2)
     return _cast(layout, r, fp8_dtype, 1, dest)
@@ -480,13 +459,17 @@ def dequantized_weight(weight: Tensor, r: GroupedRecipe) -> Tensor:
 
 
 def high_precision_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
+    """Per group a dense ``te::linear``'s GEMM (``functional.gemm.hp_linear``), or
+    ``torch._grouped_mm`` (:func:`uses_grouped_mm`)."""
     if not cuda or not uses_grouped_mm(inp, weight):
-        splits = host_splits(m_splits, inp.shape[0])
-        return _fwd_loop(inp, splits, weight, bias, None if cuda else acc_dtype(inp)), []
+        out = inp.new_empty(inp.shape[0], weight.shape[1])
+        for g, rows in group_rows(host_splits(m_splits, inp.shape[0])):
+            out[rows] = hp_linear(inp[rows], weight[g], None if bias is None else bias[g], cuda)
+        return out, []
     splits, offs = device_splits(m_splits, inp)
     out = torch._grouped_mm(inp, weight.transpose(-2, -1), offs=offs)
     if bias is not None:
-        out += row_bias(bias, splits, inp.shape[0])
+        out += per_row(bias, splits, inp.shape[0])
     return out, []
 
 
@@ -531,29 +514,24 @@ def dequantized_input(inp: Tensor, m_splits: Tensor, r: GroupedRecipe) -> Tensor
 
 def dequantized_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
     """The high-precision grouped GEMM of the quantised-dequantised operands (CUDA: the bias
-    added to its rounded output; CPU: in the GEMM, as a dense ``te::linear``); ``saved = [X,
+    added to its rounded output; CPU: in the GEMM, as a dense ``te::linear``'s); ``saved = [X,
     W]``, the backward GEMMs' copies, ``[X]`` with ``weight_q`` (the caller saves the weight's:
     NVFP4's 16x16 tiles make ``W`` its own, the others' is ``weight_q[2]`` where given, else
     made from ``weight`` in the backward)."""
     if r.recipe == "nvfp4":
         x, x_col = nvfp4_input(inp, m_splits, r)
-        w, w_col = nvfp4_weight(weight, r) if weight_q is None else (weight_q[0], weight_q[0])
-        saved = [x_col, w_col]
+        w, w_col = nvfp4_weight(weight, r) if weight_q is None else (weight_q[0], None)
     else:  # the backward GEMMs' copies, quantised along the other dim (as the dense family's)
         x = _cast(inp, r, r.fwd_dtype)
         w = dequantized_weight(weight, r) if weight_q is None else weight_q[0]
-        saved = [] if r.override else [_cast_columns(inp, m_splits, r, r.fwd_dtype)]
-        if weight_q is None and not r.override:
-            saved.append(_weight_columns(weight, w, r))
-    # CPU: per group the dense GEMM of the fp32 values, the bias in it (functional.gemm)
+        x_col = None if r.override else _cast_columns(inp, m_splits, r, r.fwd_dtype)
+        w_col = None if r.override or weight_q is not None else _weight_columns(weight, w, r)
     out, _ = high_precision_forward(x, m_splits, w, None if cuda else bias, r, cuda)
     if cuda and bias is not None:
-        out = out + row_bias(bias, m_splits.to(bias.device), out.shape[0])
+        out = out + per_row(bias, m_splits.to(bias.device), out.shape[0])
     if r.override == "dequantized":  # the forward's operands (a copy of an input's)
         return out, [x, w if weight_q is None else w.clone()]
-    if r.recipe == "nvfp4" and weight_q is not None:
-        saved = saved[:1]
-    return out, [] if r.override else saved
+    return out, [] if r.override else [t for t in (x_col, w_col) if t is not None]
 
 
 def dequantized_backward(grad, saved, inp, m_splits, weight, main_grad, r, has_bias, dgrad,

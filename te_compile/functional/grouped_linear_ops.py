@@ -144,38 +144,39 @@ def _fake_quant(x: Tensor, fp8_dtype: torch.dtype, dim: int, scale: Tensor | Non
     return (data.to(acc) * scale_inv.to(acc)).to(x.dtype)
 
 
-def _ref_columns(x_g: Tensor, r: GroupedRecipe, fp8_dtype: torch.dtype) -> Tensor:
-    """One group's ``[m, C]`` quantised-dequantised along ``m``, a partial last block as if
-    padded with zeros."""
-    m = x_g.shape[0]
-    step = 32 if r.recipe == "mxfp8" else 128
-    padded_t = torch.nn.functional.pad(x_g.t(), (0, -m % step))
+def _ref_quant(t: Tensor, r: GroupedRecipe, role: int, columns: bool, rows: int = 1) -> Tensor:
+    """``t`` ``[m, C]``, an operand of ``role`` (0 input, 1 weight, 2 gradient),
+    quantised-dequantised as the recipe's GEMMs take it: along ``C`` or, with ``columns``, along
+    ``m`` (one group's or expert's tokens). Per-tensor recipes: rowwise, or with the delayed
+    scale; block-scaled: in ``rows`` x 128 blocks (MXFP8: 32 elements), along ``m`` a partial
+    last block as if padded with zeros."""
+    fp8_dtype = r.bwd_dtype if role == 2 else r.fwd_dtype
+    if r.recipe in PER_TENSOR:
+        return _fake_quant(t, fp8_dtype, 0 if columns else -1, scale_slots(r.scale, r.recipe)[role])
     p2 = r.recipe == "block" and r.power_2_scale
+    if not columns:
+        return qdq(t, r.recipe, fp8_dtype, rows, p2)
+    m = t.shape[0]
+    padded_t = torch.nn.functional.pad(t.t(), (0, -m % (32 if r.recipe == "mxfp8" else 128)))
     return qdq(padded_t, r.recipe, fp8_dtype, 1, p2)[:, :m].t()
 
 
 def _ref_copies(x: Tensor, w: Tensor, splits: list[int], r: GroupedRecipe) -> tuple[Tensor, ...]:
     """``(X, W, X_col, W_col)``: the forward GEMM's operands and the copies the backward GEMMs
-    read, quantised-dequantised. Per-tensor recipes: ``W`` along ``N``, ``X`` in high precision
-    or, with ``fp8_wgrad``, per (group, column). Block-scaled: along ``out_features`` (128x128
-    weight blocks: the forward's) and along each expert's own tokens. NVFP4: a dense GEMM's per
-    expert (``functional.grouped_gemm.nvfp4_input`` / ``nvfp4_weight``)."""
+    read, quantised-dequantised: ``W_col`` along ``out_features`` (128x128 weight blocks: the
+    forward's), ``X_col`` along each group's own tokens (per-tensor recipes without
+    ``fp8_wgrad``: ``X``). NVFP4: a dense GEMM's per expert
+    (``functional.grouped_gemm.nvfp4_input`` / ``nvfp4_weight``)."""
     if r.recipe == "nvfp4":
         (xq, x_col), (wq, w_col) = nvfp4_input(x, torch.tensor(splits), r), nvfp4_weight(w, r)
         return xq, wq, x_col, w_col
-    if r.recipe in PER_TENSOR:
-        s_x, s_w, _ = scale_slots(r.scale, r.recipe)
-        xq, wq = _fake_quant(x, r.fwd_dtype, -1, s_x), _fake_quant(w, r.fwd_dtype, -1, s_w)
-        w_col = _fake_quant(w, r.fwd_dtype, 1, s_w)
-        x_cols = [_fake_quant(x_g, r.fwd_dtype, 0, s_x) for x_g in x.split(splits)]
-        return xq, wq, torch.cat(x_cols) if r.fp8_wgrad else x, w_col
-    p2 = r.power_2_scale if r.recipe == "block" else False
     w_rows = r.weight_block_rows if r.recipe == "block" else 1
-    wq = torch.stack([qdq(w_g, r.recipe, r.fwd_dtype, w_rows, p2) for w_g in w])
-    xq = qdq(x, r.recipe, r.fwd_dtype, 1, p2)
-    w_col = wq if w_rows != 1 else torch.stack([_ref_columns(w_g, r, r.fwd_dtype) for w_g in w])
-    x_col = torch.cat([_ref_columns(x_g, r, r.fwd_dtype) for x_g in x.split(splits)])
-    return xq, wq, x_col, w_col
+    wq = torch.stack([_ref_quant(w_g, r, 1, False, w_rows) for w_g in w])
+    w_col = wq if w_rows != 1 else torch.stack([_ref_quant(w_g, r, 1, True) for w_g in w])
+    x_col = x
+    if r.recipe not in PER_TENSOR or r.fp8_wgrad:
+        x_col = torch.cat([_ref_quant(x_g, r, 0, True) for x_g in x.split(splits)])
+    return _ref_quant(x, r, 0, False), wq, x_col, w_col
 
 
 def _ref_grads(dy: Tensor, splits: list[int], r: GroupedRecipe) -> tuple[Tensor, list[Tensor]]:
@@ -185,14 +186,10 @@ def _ref_grads(dy: Tensor, splits: list[int], r: GroupedRecipe) -> tuple[Tensor,
         g_row, g_col_t = nvfp4_qdq(dy, rht=r.rht, rng_state=r.rng_state,
                                    row_splits=torch.tensor(splits))  # fmt: skip
         return g_row.to(dy.dtype), g_col_t.t().to(dy.dtype).split(splits)
-    if r.recipe in PER_TENSOR:
-        g_slot = scale_slots(r.scale, r.recipe)[2]
-        g_row = _fake_quant(dy, r.bwd_dtype, -1, g_slot)
-        if not r.fp8_wgrad:
-            return g_row, dy.split(splits)
-        return g_row, [_fake_quant(d, r.bwd_dtype, 0, g_slot) for d in dy.split(splits)]
-    g_row = qdq(dy, r.recipe, r.bwd_dtype, 1, r.recipe == "block" and r.power_2_scale)
-    return g_row, [_ref_columns(d, r, r.bwd_dtype) for d in dy.split(splits)]
+    g_cols = dy.split(splits)
+    if r.recipe not in PER_TENSOR or r.fp8_wgrad:
+        g_cols = [_ref_quant(d, r, 2, True) for d in g_cols]
+    return _ref_quant(dy, r, 2, False), g_cols
 
 
 class _RefGrouped(torch.autograd.Function):
