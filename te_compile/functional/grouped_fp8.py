@@ -49,7 +49,7 @@ from te_compile.functional.grouped_gemm import (
     group_rows,
     grouped_mm_backward,
     host_splits,
-    per_row,
+    row_bias,
 )
 from te_compile.functional.spec import QuantSpec
 from te_compile.kernels import e5m2_to_e4m3_table
@@ -312,7 +312,7 @@ def per_tensor_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
     if native:
         out = _gemm_grouped(xq, xs, wq, ws, *dsplits, fast_accum=True)
         if bias is not None:
-            out += per_row(bias, dsplits[0], inp.shape[0])
+            out += row_bias(bias, dsplits[0], inp.shape[0])
     else:
         out = _gemm_loop(xq, xs, wq, ws, host_splits(m_splits, inp.shape[0]), inp.dtype, bias)
     if r.override == "dequantized":  # the values the GEMM multiplied (E5M2: its E4M3 codes')

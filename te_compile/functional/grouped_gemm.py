@@ -69,7 +69,7 @@ __all__ = [
     "host_splits",
     "nvfp4_input",
     "nvfp4_weight",
-    "per_row",
+    "row_bias",
     "uses_grouped_mm",
 ]
 
@@ -181,16 +181,17 @@ def device_splits(m_splits: Tensor, inp: Tensor) -> tuple[Tensor, Tensor]:
     return splits, offs
 
 
-def per_row(values: Tensor, splits: Tensor, rows: int) -> Tensor:
-    """``values[group of row]`` for every row (a bias ``[G, N]``: ``[rows, N]``), no host sync."""
-    return torch.repeat_interleave(values, splits, dim=0, output_size=rows)
+def row_bias(bias: Tensor, splits: Tensor, rows: int) -> Tensor:
+    """``bias[group of row]`` for every row (``[G, N]``: ``[rows, N]``; any per-group values),
+    no host sync."""
+    return torch.repeat_interleave(bias, splits, dim=0, output_size=rows)
 
 
 def _group_sums(grad: Tensor, splits: Tensor, groups: int) -> Tensor:
     """Every group's column sums of ``grad`` (a bias gradient): one fp32 ``index_add_`` by the
     device ``splits``, no host sync."""
     rows, n = grad.shape
-    row_group = per_row(torch.arange(groups, device=grad.device), splits, rows)
+    row_group = row_bias(torch.arange(groups, device=grad.device), splits, rows)
     out = grad.new_zeros(groups, n, dtype=torch.float32)
     return out.index_add_(0, row_group, grad.float()).to(grad.dtype)
 
@@ -426,7 +427,7 @@ def _cast_columns(x2: Tensor, m_splits: Tensor, r: GroupedRecipe, fp8_dtype: tor
     splits = m_splits.to(x2.device, non_blocking=True)
     pad = -splits % step  # each group's zero rows up to a multiple of step
     shift = torch.cumsum(pad, 0) - pad
-    dest = torch.arange(rows, device=x2.device) + per_row(shift, splits, rows)
+    dest = torch.arange(rows, device=x2.device) + row_bias(shift, splits, rows)
     width = (rows + groups * (step - 1) + step - 1) // step * step
     layout = x2.new_zeros(width, k).index_copy_(0, dest, x2)
     return _cast(layout, r, fp8_dtype, 1, dest)
@@ -469,7 +470,7 @@ def high_precision_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
     splits, offs = device_splits(m_splits, inp)
     out = torch._grouped_mm(inp, weight.transpose(-2, -1), offs=offs)
     if bias is not None:
-        out += per_row(bias, splits, inp.shape[0])
+        out += row_bias(bias, splits, inp.shape[0])
     return out, []
 
 
@@ -528,7 +529,7 @@ def dequantized_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
         w_col = None if r.override or weight_q is not None else _weight_columns(weight, w, r)
     out, _ = high_precision_forward(x, m_splits, w, None if cuda else bias, r, cuda)
     if cuda and bias is not None:
-        out = out + per_row(bias, m_splits.to(bias.device), out.shape[0])
+        out = out + row_bias(bias, m_splits.to(bias.device), out.shape[0])
     if r.override == "dequantized":  # the forward's operands (a copy of an input's)
         return out, [x, w if weight_q is None else w.clone()]
     return out, [] if r.override else [t for t in (x_col, w_col) if t is not None]
