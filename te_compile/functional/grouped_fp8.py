@@ -12,32 +12,28 @@ contraction dim (current scaling: measured now):
     Y_g = \mathrm{diag}(s_x^{-1})\, X_8\, W_{8,g}^\top\, \mathrm{diag}(s_{w,g}^{-1}) + b_g,\qquad
     dX_g = \mathrm{diag}(s_{dy}^{-1})\, dY_8\, \tilde W_{8,g}\, \mathrm{diag}(\tilde s_{w,g}^{-1})
 
-* forward: ``X`` quantised per token row (amax over ``K``) and ``W`` per (group, output row),
-  both to ``fwd_dtype``;
+* forward: ``X`` per token row (amax over ``K``), ``W`` per (group, output row), to
+  ``fwd_dtype``;
 * dgrad ``dX_g = dY_g W_g``: ``dY`` per token row to ``bwd_dtype``, ``W`` per (group, input
-  column), i.e. amax over ``N`` (the forward writes this copy, transposed to ``[G, K, N]``, and
-  saves it);
-* wgrad ``dW_g = dY_g^T X_g``: high precision (``functional.grouped_gemm``'s: ``torch._grouped_mm``
-  on CUDA, a loop in fp32 elsewhere), or with ``fp8_wgrad`` in FP8 with scales along the token
-  dim, ``X`` per (group, input column) and ``dY`` per (group, output column), amax over the
-  group's tokens, both written transposed with every group padded to a multiple of 16 tokens
-  (zeros; :func:`quantize_group_columns`). The forward makes the input's copy and saves it
-  instead of the input. The bias gradient is the per-group sum of the high-precision ``dY``.
+  column), amax over ``N`` (the forward saves this copy, transposed to ``[G, K, N]``);
+* wgrad ``dW_g = dY_g^T X_g``: high precision (``functional.grouped_gemm``'s), or with
+  ``fp8_wgrad`` in FP8 with scales per (group, column), amax over the group's tokens, both
+  operands written transposed with every group padded to a multiple of 16 tokens
+  (:func:`quantize_group_columns`; the forward saves the input's copy instead of the input).
+  The bias gradient is the per-group sum of the high-precision ``dY``.
 
-Delayed scaling: one given scale per tensor instead, ``scale`` ``[3]`` (input, weight,
-gradient), the casts the ``"delayed"`` row of the one quantiser table
-(``functional.gemm.quantize_operand``), each inverse scale broadcast to the rowwise vectors the
-grouped GEMM takes; the forward returns ``[amax(X), amax(W)]``, the backward writes
-``amax(dY)`` into ``grad_amax``. Current scaling measures the amaxes (a read of each operand
-more) only when ``grad_amax`` is given: a delayed state's first step runs it and records them.
+Delayed scaling: one given scale per tensor instead (``scale`` ``[3]``: input, weight,
+gradient; the ``"delayed"`` row of ``functional.gemm.quantize_operand``), each inverse scale
+broadcast to the rowwise vectors the grouped GEMM takes; the forward returns ``[amax(X),
+amax(W)]``, the backward writes ``amax(dY)`` into ``grad_amax``. Current scaling measures the
+amaxes (a read of each operand more) only when ``grad_amax`` is given: a delayed state's first
+step.
 
-CUDA (bf16): ``torch._scaled_grouped_mm(a_8, b_8.transpose(-2, -1), scale_a [M], scale_b [G,
-N], offs=offs, out_dtype=bfloat16)`` on device offsets (no host sync). That kernel takes E4M3
+CUDA (bf16): ``torch._scaled_grouped_mm`` on device offsets (no host sync). It takes E4M3
 operands only: an E5M2 operand (the gradient under ``HYBRID``) goes in as E4M3 codes on every
 path (:func:`as_e4m3`). float32 / float16 inputs, the CPU and ``emulate`` use the exact
-emulation per group: the same FP8 values and scales, the GEMM of the FP8 values in fp32, the
-scales applied to the fp32 accumulator, the bias added in fp32, rounded once. Zero rows get
-scale 1 (no NaN).
+emulation per group: the GEMM of the FP8 values in fp32, the scales applied to the fp32
+accumulator, the bias added in fp32, rounded once. Zero rows get scale 1 (no NaN).
 """
 
 from __future__ import annotations
@@ -50,6 +46,7 @@ from te_compile.functional.gemm import HIGH_DTYPES, empty, quantize_operand, sca
 from te_compile.functional.grouped_gemm import (
     bwd_loop,
     device_splits,
+    group_rows,
     grouped_mm_backward,
     host_splits,
     row_bias,
@@ -72,11 +69,9 @@ def quantize_rowwise(
     x: Tensor, fp8_dtype: torch.dtype, dim: int = -1, e4m3_codes: bool = False
 ) -> tuple[Tensor, Tensor]:
     """``(data, scale_inv)``: ``x`` cast to ``fp8_dtype`` with one current scale per slice along
-    ``dim`` (``fp8_max / amax``; 1 for an all-zero or non-finite slice), ``scale_inv`` fp32 of
-    ``x``'s shape without ``dim``; in fp32 whatever ``x``'s dtype (a float64 copy gets the same
-    bytes). CUDA (float32/bfloat16/float16): one Triton kernel, bit-identical
-    (``kernels.quantize_rows.quantize_rowwise``). ``e4m3_codes``: an E5M2 result as the grouped
-    GEMM takes it (:func:`as_e4m3`)."""
+    ``dim`` (``fp8_max / amax``; 1 for an all-zero or non-finite slice), in fp32 whatever
+    ``x``'s dtype (a float64 copy gets the same bytes). CUDA: one Triton kernel, bit-identical.
+    ``e4m3_codes``: an E5M2 result as the grouped GEMM takes it (:func:`as_e4m3`)."""
     if x.is_cuda and x.dtype in HIGH_DTYPES:
         from te_compile.kernels import quantize_rows
 
@@ -106,21 +101,17 @@ def _gemm_loop(
     aq, sa = as_e4m3(aq, sa)
     bq, sb = as_e4m3(bq, sb)
     out = torch.empty(aq.shape[0], bq.shape[1], dtype=dtype, device=aq.device)
-    start = 0
-    for g, rows in enumerate(splits):
-        acc = aq[start : start + rows].float() @ bq[g].float().t()
-        acc = acc * (sa[start : start + rows, None] * sb[g])
+    for g, rows in group_rows(splits):
+        acc = (aq[rows].float() @ bq[g].float().t()) * (sa[rows, None] * sb[g])
         if bias is not None:
             acc = acc + bias[g].float()
-        out[start : start + rows] = acc.to(dtype)
-        start += rows
+        out[rows] = acc.to(dtype)
     return out
 
 
 def as_e4m3(q: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
     """A GEMM operand in E4M3 codes: E4M3 ``q`` as is; E5M2 ``q`` recoded to the E4M3 codes of
-    its values times ``2**-7``, its inverse scales ``s`` times 128 (``kernels.e5m2_to_e4m3_table``;
-    ``docs/fp8.md``), for every grouped GEMM here on any device."""
+    its values times ``2**-7``, its inverse scales ``s`` times 128 (``docs/fp8.md``)."""
     if q.dtype is not torch.float8_e5m2:
         return q, s
     if q.is_cuda:
@@ -137,12 +128,11 @@ def _gemm_grouped(
     aq: Tensor, sa: Tensor, bq: Tensor, sb: Tensor, splits: Tensor, offs: Tensor, fast_accum=False
 ) -> Tensor:
     """:func:`_gemm_loop` on device offsets, bf16 out, no host sync: ``torch._scaled_grouped_mm``
-    (``fast_accum``: the forward's, as ``te::linear``'s per-tensor one; the dgrad promotes its
-    partial sums to fp32). CPU tensors (tests of this path): the bf16 grouped GEMM of the same
-    FP8 values, scales after in fp32."""
+    (``fast_accum``: the forward's, as ``te::linear``'s per-tensor one). CPU tensors (tests of
+    this path): the bf16 grouped GEMM of the same FP8 values, scales after in fp32."""
     aq, sa = as_e4m3(aq, sa)
     bq, sb = as_e4m3(bq, sb)
-    if aq.is_cuda:
+    if aq.is_cuda:  # also the FP8 wgrad's: 2-D operands grouped along the contraction dim
         sa, sb = _balanced(sa, sb)
         return torch._scaled_grouped_mm(
             aq, bq.transpose(-2, -1), sa, sb, offs=offs, out_dtype=torch.bfloat16,
@@ -156,8 +146,8 @@ def _gemm_grouped(
 
 def _balanced(sa: Tensor, sb: Tensor) -> tuple[Tensor, Tensor]:
     """``(sa * 2**-s, sb * 2**s)``: the same products ``sa[i] * sb[j]``, the largest exponents of
-    the two evened out (``docs/fp8.md``). No host sync; on CUDA one Triton launch
-    (``kernels.quantize_rows.balance_scales``) for the ten below."""
+    the two evened out (``docs/fp8.md``). No host sync; on CUDA one Triton launch for the ten
+    below."""
     if sa.is_cuda:
         from te_compile.kernels import quantize_rows
 
@@ -187,10 +177,8 @@ def quantize_group_columns(
     ``scale`` ``[1]``: that per-tensor scale), written transposed into ``data_t`` ``[C,
     capacity]`` (:func:`wgrad_capacity`), each group's columns from a multiple of 16 (zero
     padding); ``scale_inv`` fp32 ``[G, C]`` (current: 1 for an empty group); ``pad_ends`` int32
-    ``[G]``, the padded groups' ends: the grouped GEMM's ``offs``. CUDA: one Triton launch on
-    device offsets (``kernels.quantize_rows.quantize_group_columns``, the loop's bytes);
-    ``splits_ends``: :func:`device_splits`' where the caller has them; ``e4m3_codes``: as in
-    :func:`quantize_rowwise`."""
+    ``[G]``: the grouped GEMM's ``offs``. CUDA: one Triton launch on device offsets (the loop's
+    bytes); ``splits_ends``: :func:`device_splits`' where the caller has them."""
     groups, c = m_splits.shape[0], x.shape[1]
     capacity = wgrad_capacity(x.shape[0], groups)
     if x.is_cuda and x.dtype in HIGH_DTYPES:
@@ -211,12 +199,7 @@ def quantize_group_columns(
     start = dst = 0
     for g, (m, p) in enumerate(zip(splits, padded, strict=True)):
         if m:
-            x_g = x[start : start + m]
-            if scale is None:
-                data, scale_inv[g] = quantize_rowwise(x_g.t(), fp8_dtype)
-            else:
-                data, inv, _ = _quantize_delayed(x_g, fp8_dtype, scale, (1,))
-                data, scale_inv[g] = data.t(), inv.reshape(())
+            data, scale_inv[g], _ = _quantize(x[start : start + m].t(), fp8_dtype, scale, False)
             data_t[:, dst : dst + m] = data.view(torch.uint8)
         start, dst = start + m, dst + p
     pad_ends = torch.tensor(padded, dtype=torch.int64).cumsum(0).to(torch.int32)
@@ -231,19 +214,14 @@ def _gemm_wgrad(
     main_grad: Tensor | None,
 ):  # fmt: skip
     """The FP8 wgrad ``dW_g = (dY_g^T diag(dys_g)) (diag(xs_g) X_g)`` from the operands of
-    :func:`quantize_group_columns` (``dyt`` ``[N, P]``, ``xt`` ``[K, P]``, grouped along ``P``
-    by ``pad_ends``): ``[G, N, K]``, or None where added to ``main_grad``. ``native``:
-    :func:`_gemm_grouped`'s GEMM (scales ``[G*N]`` / ``[G*K]``, promoted accumulation), else the
+    :func:`quantize_group_columns` (grouped along their columns by ``pad_ends``): ``[G, N, K]``,
+    or None where added to ``main_grad``. ``native``: :func:`_gemm_grouped`'s GEMM, else the
     exact emulation per group in fp32 (added in fp32 to ``main_grad``)."""
     dyt, dys = as_e4m3(dyt, dys)
     xt, xs = as_e4m3(xt, xs)
     if native:
         if dyt.is_cuda:
-            sa, sb = _balanced(dys.reshape(-1), xs.reshape(-1))
-            dw = torch._scaled_grouped_mm(
-                dyt, xt.t(), sa, sb, offs=pad_ends, out_dtype=torch.bfloat16,
-                use_fast_accum=False,
-            )  # fmt: skip
+            dw = _gemm_grouped(dyt, dys.reshape(-1), xt, xs.reshape(-1), None, pad_ends)
         else:
             acc = torch._grouped_mm(
                 dyt.to(torch.bfloat16), xt.to(torch.bfloat16).t(), offs=pad_ends
@@ -266,15 +244,20 @@ def _gemm_wgrad(
     return out
 
 
-def _quantize_delayed(
-    x: Tensor, fp8_dtype: torch.dtype, scale: Tensor, rows: tuple[int, ...]
+def _quantize(
+    x: Tensor, fp8_dtype: torch.dtype, scale: Tensor | None, measure: bool, e4m3_codes=False
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``x`` (viewed 2-D over its last dim) cast with the per-tensor ``scale`` ``[1]`` by the
-    one quantiser table (``functional.gemm.quantize_operand``, a ``"delayed"`` row: one Triton
-    pass on CUDA): ``(data of x's shape, inverse scale broadcast to rows, amax [1])``."""
-    spec = QuantSpec("delayed", fp8_dtype)
-    q = quantize_operand(spec, x.reshape(-1, x.shape[-1]), scale=scale, columnwise=False)
-    return q.data.view(x.shape), q.scale.expand(rows).contiguous(), q.amax
+    """``(data, scale_inv, amax)`` of ``x`` cast along its last dim, ``scale_inv`` one per row.
+    Current scaling (``scale`` None): :func:`quantize_rowwise` (``e4m3_codes`` passed on),
+    ``amax`` ``[1]`` measured only with ``measure``, else 0-element. Delayed: the per-tensor
+    ``scale`` ``[1]`` by the ``"delayed"`` row of ``functional.gemm.quantize_operand`` (one
+    Triton pass on CUDA), ``amax`` ``[1]``."""
+    if scale is not None:
+        spec = QuantSpec("delayed", fp8_dtype)
+        q = quantize_operand(spec, x.reshape(-1, x.shape[-1]), scale=scale, columnwise=False)
+        return q.data.view(x.shape), q.scale.expand(x.shape[:-1]).contiguous(), q.amax
+    amax = _amax(x).reshape(1) if measure else x.new_empty(0, dtype=torch.float32)
+    return (*quantize_rowwise(x, fp8_dtype, e4m3_codes=e4m3_codes), amax)
 
 
 def _amax(x: Tensor) -> Tensor:
@@ -286,22 +269,14 @@ def per_tensor_weight(
     weight: Tensor, fwd_dtype: torch.dtype, w_scale: Tensor | None, measure: bool
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``weight`` ``[G, N, K]`` as the per-tensor grouped GEMMs take it: ``(data [G, N, K],
-    scale_inv [G, N], data_t [G, K, N], scale_inv_t [G, K], amax)``, FP8 codes of
-    ``fwd_dtype``. Current scaling (``w_scale`` None): rowwise along ``K`` for the forward and
-    along ``N`` for the dgrad copy, ``amax`` ``[1]`` measured only with ``measure`` (a read of
-    the weight more; else 0-element); delayed: the per-tensor ``w_scale`` ``[1]`` broadcast (the
-    dgrad copy: the forward's codes transposed), ``amax`` ``[1]``. CUDA: the dgrad copy by one
-    Triton kernel that reads ``weight`` along ``K`` and writes the FP8 data transposed
-    (``kernels.quantize_rows.quantize_columnwise_transposed``, bit-identical, the kernel tests
-    check it), where a strided copy took about 0.5 ms at 8 x 2048 x 4096 on the H100. The
+    scale_inv [G, N], data_t [G, K, N], scale_inv_t [G, K], amax)`` (:func:`_quantize`), the
+    dgrad copy along ``N`` (delayed: the forward's codes transposed). CUDA: the dgrad copy by
+    one Triton kernel that reads ``weight`` along ``K`` and writes the FP8 data transposed
+    (bit-identical), where a strided copy took about 0.5 ms at 8 x 2048 x 4096 on the H100. The
     forward's own cast and the pre-quantised weight (``functional.grouped_weight``) both come
     from here: the same bytes."""
-    g, n, k = weight.shape
-    if w_scale is None:
-        wq, ws = quantize_rowwise(weight, fwd_dtype)
-        amax = _amax(weight).reshape(1) if measure else weight.new_empty(0, dtype=torch.float32)
-    else:
-        wq, ws, amax = _quantize_delayed(weight, fwd_dtype, w_scale, (g, n))
+    g, _, k = weight.shape
+    wq, ws, amax = _quantize(weight, fwd_dtype, w_scale, measure)
     if weight.is_cuda and weight.dtype in HIGH_DTYPES:
         from te_compile.kernels import quantize_rows
 
@@ -317,12 +292,11 @@ def per_tensor_weight(
 
 
 def per_tensor_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
-    """``saved = [W_8^T [G, K, N] (uint8), its inverse scales [G, K]]``, with ``fp8_wgrad`` then
-    ``[X_8^T [K, capacity] (uint8), its inverse scales [G, K]]`` (:func:`quantize_group_columns`),
-    then the amaxes (module docstring). ``weight_q``: the weight pre-quantised by
-    :func:`per_tensor_weight` (its amax then the cast's); ``saved`` then lacks the weight's copy
-    (the caller saves it). ``cuda`` with a bf16 ``inp`` and not ``r.emulate``: the grouped GEMM
-    on device offsets (no host sync), else the exact emulation per group."""
+    """``saved = [W_8^T [G, K, N] (uint8), its inverse scales [G, K]]`` (not with ``weight_q``,
+    :func:`per_tensor_weight`'s: the caller saves it), with ``fp8_wgrad`` then ``[X_8^T [K,
+    capacity] (uint8), its inverse scales [G, K]]``, then the amaxes. ``cuda`` with a bf16
+    ``inp`` and not ``r.emulate``: the grouped GEMM on device offsets, else the exact emulation
+    per group."""
     native = cuda and inp.dtype is torch.bfloat16 and not r.emulate
     measure = r.grad_amax is not None
     s_x, s_w, _ = scale_slots(r.scale, r.recipe)
@@ -332,14 +306,8 @@ def per_tensor_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
     else:  # pre-quantised (uint8 codes); its dgrad copy is the caller's to save
         wq, ws, wq_t, ws_t, w_amax = weight_q
         wq, wq_t = wq.view(fwd_dtype), wq_t.view(fwd_dtype)
-    if s_x is None:
-        xq, xs = quantize_rowwise(inp, fwd_dtype)
-        amax = inp.new_empty(0, dtype=torch.float32)
-        if measure:
-            amax = torch.cat([_amax(inp).reshape(1), w_amax])
-    else:
-        xq, xs, x_amax = _quantize_delayed(inp, fwd_dtype, s_x, (inp.shape[0],))
-        amax = torch.cat([x_amax, w_amax])
+    xq, xs, x_amax = _quantize(inp, fwd_dtype, s_x, measure)
+    amaxes = [torch.cat([x_amax, w_amax])] if x_amax.numel() else []
     dsplits = device_splits(m_splits, inp) if native else None
     if native:
         out = _gemm_grouped(xq, xs, wq, ws, *dsplits, fast_accum=True)
@@ -347,7 +315,6 @@ def per_tensor_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
             out += row_bias(bias, dsplits[0], inp.shape[0])
     else:
         out = _gemm_loop(xq, xs, wq, ws, host_splits(m_splits, inp.shape[0]), inp.dtype, bias)
-    amaxes = [amax] if amax.numel() else []
     if r.override == "dequantized":  # the values the GEMM multiplied (E5M2: its E4M3 codes')
         pairs = as_e4m3(xq, xs), as_e4m3(wq, ws)
         return out, [*((q.float() * s.unsqueeze(-1)).to(inp.dtype) for q, s in pairs), *amaxes]
@@ -361,22 +328,17 @@ def per_tensor_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
 def per_tensor_backward(grad_out, saved, inp, m_splits, weight, main_grad, r, has_bias,
                         need_dgrad, need_wgrad, cuda):  # fmt: skip
     """The dgrad in FP8; the wgrad in FP8 where the forward saved the input's FP8 copy (or
-    ``r.fp8_wgrad`` and the input kept), else in high precision
-    (``functional.grouped_gemm``'s loop in fp32, or ``torch._grouped_mm``)."""
+    ``r.fp8_wgrad`` and the input kept), else in high precision."""
     native = cuda and grad_out.dtype is torch.bfloat16 and not r.emulate
     s_x, _, s_g = scale_slots(r.scale, r.recipe)
     fwd_dtype, bwd_dtype = r.fwd_dtype, r.bwd_dtype
     wq_t, ws_t = saved[0].view(fwd_dtype), saved[1]
     dinp, dweight = empty(grad_out), empty(grad_out)
     if need_dgrad or r.grad_amax is not None:  # the dgrad operand; amax(dY) into grad_amax
-        if s_g is None:
-            if r.grad_amax is not None:
-                r.grad_amax.copy_(_amax(grad_out).reshape(1))
-            gq, gs = quantize_rowwise(grad_out, bwd_dtype, e4m3_codes=True)
-        else:
-            gq, gs, g_amax = _quantize_delayed(grad_out, bwd_dtype, s_g, (grad_out.shape[0],))
-            if r.grad_amax is not None:
-                r.grad_amax.copy_(g_amax)
+        measure = r.grad_amax is not None
+        gq, gs, g_amax = _quantize(grad_out, bwd_dtype, s_g, measure, e4m3_codes=True)
+        if measure:
+            r.grad_amax.copy_(g_amax)
     dsplits = device_splits(m_splits, grad_out) if native else None
     if need_wgrad and r.fp8_wgrad and len(saved) == 2:  # save_original_input: quantised here
         xt, xs_t, _ = quantize_group_columns(inp, m_splits, fwd_dtype, s_x, dsplits)

@@ -12,23 +12,17 @@ kind                     GEMMs
 ``"blockwise"``          Float8BlockScaling, native: a blockwise ``torch._scaled_mm`` per expert
                          (host splits; every expert's tokens padded to 128 in one layout)
 ``"dequantized"``        the block-scaled recipes emulated: each expert's operands quantised
-                         exactly as a dense GEMM quantises them (``functional.gemm.QUANTIZERS``;
-                         the backward's copies along the other dim, blocks along each expert's
-                         own tokens; NVFP4: its global scales, the Hadamard transform,
-                         stochastic rounding, 4over6), dequantised to the model's dtype, then
-                         high precision's grouped GEMMs on CUDA, on the CPU per expert the
-                         dense family's GEMM calls (bit for bit a Linear's)
+                         exactly as a dense GEMM quantises them (the backward's copies along
+                         each expert's own tokens), dequantised, then high precision's grouped
+                         GEMMs on CUDA, on the CPU per expert a dense Linear's, bit for bit
 =======================  ===================================================================
 
 Every row is ``forward(inp, m_splits, weight, bias, r, cuda, weight_q) -> (out, saved)``
 (``weight_q``: the pre-quantised weight, or None) and ``backward(grad, saved, inp, m_splits,
 weight, main_grad, r, has_bias, need_dgrad, need_wgrad, cuda) -> (dinp, dweight, dbias)``
-(0-element where not computed; ``dweight`` also when it went into ``main_grad``; ``saved``
-without the amaxes a forward appends), ``r`` a :class:`GroupedRecipe`.
-
-``m_splits`` (``grouped_linear_ops``' module docstring): the device-offset paths never read it
-on the host (``torch._assert_async`` checks ``sum == M`` and ``>= 0``), the loops do (one sync
-on CUDA).
+(0-element where not computed or gone into ``main_grad``; ``saved`` without the amaxes a
+forward appends), ``r`` a :class:`GroupedRecipe`. The device-offset paths never read
+``m_splits`` on the host (``torch._assert_async`` checks it), the loops do (one sync on CUDA).
 """
 
 from __future__ import annotations
@@ -46,6 +40,7 @@ from te_compile.functional.gemm import (
     block_scaled_mm,
     empty,
     gemm,
+    hp_linear,
     padded,
     quantize_operand,
     wgrad_gemm,
@@ -66,6 +61,7 @@ __all__ = [
     "dequantized_forward",
     "dequantized_weight",
     "device_splits",
+    "group_rows",
     "grouped_gemm_kind",
     "grouped_mm_backward",
     "high_precision_backward",
@@ -92,8 +88,7 @@ def grouped_gemm_kind(recipe: str, emulate: bool) -> str:
 class GroupedRecipe(NamedTuple):
     """A grouped linear op's three ``QuantSpec``s as its GEMMs take them, with the delayed state,
     ``fp8_wgrad``, the stochastic rounding stream and the backward ``override`` (the forward then
-    saves nothing, or for ``"dequantized"`` its operands dequantised ``[X, W]``; the backward is
-    high precision's)."""
+    saves nothing, or for ``"dequantized"`` its dequantised ``[X, W]``)."""
 
     recipe: str = ""
     fwd_dtype: torch.dtype = _E4M3
@@ -125,8 +120,8 @@ def checked_splits(
 ) -> Tensor:
     """:func:`as_splits_tensor` for ``owner``'s ``m_splits``, refused by name when neither a list
     of ints >= 0 nor a tensor. A list's sum is checked here (free: on the host) against ``rows``
-    where given (``rows_name`` in the message), before any other check; a tensor's values where
-    the GEMMs read them (:func:`host_splits`, or on the device: :func:`device_splits`)."""
+    where given; a tensor's values where the GEMMs read them (:func:`host_splits`,
+    :func:`device_splits`)."""
     if isinstance(m_splits, Tensor):
         return m_splits
     if not isinstance(m_splits, Sequence) or isinstance(m_splits, (str, bytes)):
@@ -167,13 +162,13 @@ def host_splits(m_splits: Tensor, rows: int) -> list[int]:
 
 def uses_grouped_mm(inp: Tensor, weight: Tensor) -> bool:
     """Whether a high-precision call on CUDA takes ``torch._grouped_mm`` (bf16, sizes multiples
-    of 8) rather than a GEMM per group."""
+    of 8) rather than a GEMM per group (:func:`group_rows`)."""
     return inp.dtype is torch.bfloat16 and inp.shape[1] % 8 == 0 and weight.shape[1] % 8 == 0
 
 
 def device_splits(m_splits: Tensor, inp: Tensor) -> tuple[Tensor, Tensor]:
-    """``(splits, offsets)`` on ``inp``'s device, offsets int32 (end of each group), with the
-    constraints asserted on the device (no host sync)."""
+    """``(splits, offsets)`` on ``inp``'s device, offsets int32 (end of each group), checked on
+    the device (no host sync)."""
     splits = m_splits.to(inp.device, non_blocking=True)
     offs = torch.cumsum(splits, 0, dtype=torch.int32)
     if splits.numel():
@@ -187,68 +182,56 @@ def device_splits(m_splits: Tensor, inp: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def row_bias(bias: Tensor, splits: Tensor, rows: int) -> Tensor:
-    """``bias[group of row]`` for every row: ``[rows, out_features]``, no host sync."""
+    """``bias[group of row]`` for every row (``[G, N]``: ``[rows, N]``; any per-group values),
+    no host sync."""
     return torch.repeat_interleave(bias, splits, dim=0, output_size=rows)
 
 
 def _group_sums(grad: Tensor, splits: Tensor, groups: int) -> Tensor:
-    """Every group's column sums of ``grad`` ``[rows, N]`` (a bias gradient) by the device
-    ``splits``: one fp32 ``index_add_``, no host sync."""
+    """Every group's column sums of ``grad`` (a bias gradient): one fp32 ``index_add_`` by the
+    device ``splits``, no host sync."""
     rows, n = grad.shape
-    row_group = torch.repeat_interleave(
-        torch.arange(groups, device=grad.device), splits, output_size=rows
-    )
+    row_group = row_bias(torch.arange(groups, device=grad.device), splits, rows)
     out = grad.new_zeros(groups, n, dtype=torch.float32)
     return out.index_add_(0, row_group, grad.float()).to(grad.dtype)
 
 
-def _fwd_loop(
-    inp: Tensor, splits: list[int], weight: Tensor, bias: Tensor | None, acc: torch.dtype | None
-) -> Tensor:
-    """One GEMM per group in ``acc`` (None: the input dtype), the bias in it, rounded once: a
-    dense ``te::linear``'s call on the group's rows (``functional.gemm.hp_linear``)."""
-    out = inp.new_empty(inp.shape[0], weight.shape[1])
-    cast = (lambda t: t) if acc is None else (lambda t: t.to(acc))
+def group_rows(splits: list[int]):
+    """``(g, slice of group g's rows)`` for every group of the host ``splits``."""
     start = 0
-    for g, rows in enumerate(splits):
-        b = None if bias is None else cast(bias[g])
-        y = torch.nn.functional.linear(cast(inp[start : start + rows]), cast(weight[g]), b)
-        out[start : start + rows] = y
-        start += rows
-    return out
+    for g, m in enumerate(splits):
+        yield g, slice(start, start + m)
+        start += m
 
 
 def bwd_loop(grad_out, inp, splits, weight, main_grad, has_bias, need_dgrad, need_wgrad, acc):
     """Per-group GEMMs in ``acc`` (None: the input dtype); db, and dW into ``main_grad``, summed
-    in fp32 at least.
-    ``inp`` is read by the wgrad alone, ``weight`` by the dgrad (its shape always)."""
+    in fp32 at least. ``inp`` is read by the wgrad alone, ``weight`` by the dgrad (its shape
+    always)."""
     dtype = grad_out.dtype
-    cast = (lambda t: t) if acc is None else (lambda t: t.to(acc))
+    mm = acc or dtype
     dinp = grad_out.new_empty(grad_out.shape[0], weight.shape[2]) if need_dgrad else empty(grad_out)
     want_dw = need_wgrad and main_grad is None
     dweight = grad_out.new_zeros(weight.shape) if want_dw else empty(grad_out)
     dbias = grad_out.new_zeros(weight.shape[:2]) if has_bias else empty(grad_out)
-    start = 0
-    for g, rows in enumerate(splits):
-        span = slice(start, start + rows)
+    for g, span in group_rows(splits):
         dy = grad_out[span]
         if need_dgrad:
-            dinp[span] = (cast(dy) @ cast(weight[g])).to(dtype)
+            dinp[span] = (dy.to(mm) @ weight[g].to(mm)).to(dtype)
         if need_wgrad and main_grad is not None:
             main_grad[g].addmm_(dy.t().float(), inp[span].float())
         elif need_wgrad:
-            dweight[g] = (cast(dy).t() @ cast(inp[span])).to(dtype)
+            dweight[g] = (dy.to(mm).t() @ inp[span].to(mm)).to(dtype)
         if has_bias:
             dbias[g] = dy.sum(0, dtype=acc or torch.float32).to(dtype)
-        start += rows
     return dinp, dweight, dbias
 
 
 def grouped_mm_backward(
     grad_out, inp, dsplits, weight, main_grad, has_bias, need_dgrad, need_wgrad
 ):
-    """:func:`high_precision_backward` on the device ``(splits, offsets)`` of
-    :func:`device_splits`: ``torch._grouped_mm`` (no host sync)."""
+    """:func:`high_precision_backward` by ``torch._grouped_mm`` on :func:`device_splits`'
+    ``dsplits`` (no host sync)."""
     splits, offs = dsplits
     dinp = torch._grouped_mm(grad_out, weight, offs=offs) if need_dgrad else empty(grad_out)
     dweight = empty(grad_out)
@@ -269,15 +252,14 @@ def grouped_mm_backward(
 
 
 def _capacity(rows: int, groups: int) -> int:
-    """Static token capacity of the padded layout (every expert's tokens rounded up to 128)."""
+    """Static token count of the padded layout (every expert's tokens rounded up to 128)."""
     return 128 * (rows // 128 + groups)
 
 
 def _padded(x: Tensor, m_splits: Tensor):
     """``(splits, first row of each expert in x, first row in the padded layout, padded rows, x
-    in it)``. When every expert's tokens are a multiple of 128 the padded layout is ``x``
-    itself; otherwise each expert starts at a multiple of 128 of a :func:`_capacity` layout
-    (zero rows between; one scatter)."""
+    in it)``: ``x`` itself when every expert's tokens are a multiple of 128, else each expert
+    from a multiple of 128 of a :func:`_capacity` layout (zero rows between; one scatter)."""
     rows = x.shape[0]
     splits = host_splits(m_splits, rows)
     firsts, starts, row, pos = [], [], 0, 0
@@ -294,8 +276,8 @@ def _padded(x: Tensor, m_splits: Tensor):
 
 
 def _quantize_block(x: Tensor, power_2_scale: bool, block_rows: int = 1, out_t=None):
-    """``(data, scale_inv, data_t, scale_inv_t)`` of ``x`` in E4M3, one pass for both directions,
-    the transposed copy into ``out_t`` when given (scales possibly rows-major, the GEMM's)."""
+    """``(data, scale_inv, data_t, scale_inv_t)`` of ``x`` in E4M3 (one pass), the transposed
+    copy into ``out_t`` when given."""
     if x.is_cuda:
         from te_compile.kernels.quantize import quantize_blockwise as kernel
 
@@ -330,9 +312,8 @@ def _gemm_rows(a, sa, b, sb, b_rows, dtype, bias, out):
 def blockwise_weight(
     weight: Tensor, power_2_scale: bool, weight_block_rows: int
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``weight`` ``[G, N, K]`` pre-quantised for the native blockwise GEMMs: ``(data [G, N, K],
-    scale_inv, data_t [G, K, N], scale_inv_t)``, E4M3 codes as uint8, every expert cast as the
-    forward casts it (:func:`_quantize_block`, ``weight_block_rows`` x 128 blocks), stacked."""
+    """``weight`` ``[G, N, K]`` pre-quantised for the native blockwise GEMMs: every expert's
+    :func:`_quantize_block` (the forward's cast) stacked, E4M3 codes as uint8."""
     parts = [_quantize_block(w_g, power_2_scale, weight_block_rows) for w_g in weight]
     data, s, data_t, s_t = (torch.stack(list(t)) for t in zip(*parts, strict=True))
     return data.view(torch.uint8), s, data_t.view(torch.uint8), s_t
@@ -341,11 +322,10 @@ def blockwise_weight(
 def blockwise_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
     """``saved = [X^T codes (uint8, flat: the first ``K * width`` bytes are ``[K, width]``, every
     expert's tokens from a multiple of 128), their 1x128 scales (fp32, flat, ``[width / 128,
-    K]``), each expert's W_g^T codes ``[K, N]`` (uint8), each expert's scales]``; ``width`` is
-    ``M`` when every expert's tokens are a multiple of 128, else the static capacity ``128 * (M
-    // 128 + G)``. With ``weight_q`` (:func:`blockwise_weight`) ``saved`` ends after the input's
-    copy (the caller saves the weight's, the backward takes it stacked). Under ``r.override``
-    nothing, or (``"dequantized"``) the forward's operands dequantised (one cast more)."""
+    K]``), each expert's W_g^T codes ``[K, N]`` (uint8), each expert's scales]``; ``width``:
+    :func:`_padded`'s, the buffers :func:`_capacity`'s. With ``weight_q``
+    (:func:`blockwise_weight`) ``saved`` ends after the input's copy (the caller saves the
+    weight's). Under ``r.override`` nothing, or the forward's operands dequantised."""
     power_2_scale, weight_block_rows = r.power_2_scale, r.weight_block_rows
     groups, n, k = weight.shape
     rows = inp.shape[0]
@@ -375,8 +355,7 @@ def blockwise_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
 def blockwise_backward(grad_out, saved, inp, m_splits, weight, main_grad, r, has_bias,
                        need_dgrad, need_wgrad, cuda):  # fmt: skip
     """``dY`` in the forward's padded layout, quantised once in 1x128 blocks both ways; per expert
-    the dgrad against the saved ``W_g^T`` and the wgrad against the expert's saved ``X^T``
-    columns (blocks along its own tokens)."""
+    the dgrad against the saved ``W_g^T``, the wgrad against its saved ``X^T`` columns."""
     power_2_scale, w_rows = r.power_2_scale, r.weight_block_rows
     groups, n, k = weight.shape
     x_t, x_s = saved[:2]
@@ -423,10 +402,10 @@ def blockwise_backward(grad_out, saved, inp, m_splits, weight, main_grad, r, has
 
 def _cast(x2: Tensor, r: GroupedRecipe, fp8_dtype: torch.dtype, block_rows: int = 1,
           dest: Tensor | None = None) -> Tensor:  # fmt: skip
-    """``x2`` ``[M, K]`` quantised exactly (``functional.gemm.quantize_operand``, its rowwise
-    copy: ``block_rows`` x 128 blocks or MXFP8's 32 elements along ``K``) and dequantised to its
-    dtype, saturating at its largest value (an E5M2 infinity stays infinite). With ``dest``: the
-    columnwise copy instead (blocks along ``M``), transposed back, rows ``dest``."""
+    """``x2`` ``[M, K]`` quantised exactly (``functional.gemm.quantize_operand``'s rowwise copy)
+    and dequantised to its dtype, saturating at its largest value (an E5M2 infinity stays
+    infinite). With ``dest``: the columnwise copy (blocks along ``M``), transposed back, rows
+    ``dest``."""
     p2 = r.recipe == "block" and r.power_2_scale
     spec = QuantSpec(r.recipe, fp8_dtype, block_rows, p2, emulate=True)
     if dest is None:
@@ -438,29 +417,25 @@ def _cast(x2: Tensor, r: GroupedRecipe, fp8_dtype: torch.dtype, block_rows: int 
 
 
 def _cast_columns(x2: Tensor, m_splits: Tensor, r: GroupedRecipe, fp8_dtype: torch.dtype):
-    """``x2`` ``[M, K]`` as :func:`_cast`, but quantised along ``M`` (the copy a GEMM contracting
-    over ``M`` takes) with every group of ``m_splits`` rows on its own, as a dense GEMM per group
-    quantises it. Each group is moved to a multiple of the block length (MXFP8 32 rows,
-    Float8BlockScaling 128) in a zero-padded layout of static size (zero rows change no block's
-    amax), quantised there in one call and gathered back; no host sync."""
+    """``x2`` ``[M, K]`` as :func:`_cast`, but quantised along ``M`` with every group of
+    ``m_splits`` rows on its own (a dense GEMM's per group). Each group is moved to a multiple of
+    the block length in a zero-padded layout of static size (zero rows change no block's amax),
+    quantised there in one call and gathered back; no host sync."""
     rows, k = x2.shape
     step = 32 if r.recipe == "mxfp8" else 128
     groups = m_splits.shape[0]
     splits = m_splits.to(x2.device, non_blocking=True)
-    padded_splits = (splits + step - 1) // step * step
-    shift = torch.cumsum(padded_splits - splits, 0) - (padded_splits - splits)
-    group = torch.repeat_interleave(torch.arange(groups, device=x2.device), splits,
-                                    output_size=rows)  # fmt: skip
-    dest = torch.arange(rows, device=x2.device) + shift[group]
+    pad = -splits % step  # each group's zero rows up to a multiple of step
+    shift = torch.cumsum(pad, 0) - pad
+    dest = torch.arange(rows, device=x2.device) + row_bias(shift, splits, rows)
     width = (rows + groups * (step - 1) + step - 1) // step * step
     layout = x2.new_zeros(width, k).index_copy_(0, dest, x2)
     return _cast(layout, r, fp8_dtype, 1, dest)
 
 
 def _weight_columns(weight: Tensor, w: Tensor | None, r: GroupedRecipe) -> Tensor:
-    """The dgrad GEMM's weight operand: ``weight`` ``[G, N, K]`` quantised along ``N``, each
-    expert on its own (:func:`_cast_columns`); 128x128 blocks (Float8BlockScaling's weight) are
-    the same both ways, so ``w``, the forward's copy, is it (made again where None)."""
+    """The dgrad's weight operand: ``weight`` ``[G, N, K]`` quantised along ``N`` per expert;
+    128x128 blocks are the same both ways, so ``w``, the forward's copy (made where None)."""
     g, n, k = weight.shape
     w_rows = r.weight_block_rows if r.recipe == "block" else 1
     if w_rows != 1:
@@ -470,9 +445,8 @@ def _weight_columns(weight: Tensor, w: Tensor | None, r: GroupedRecipe) -> Tenso
 
 
 def dequantized_weight(weight: Tensor, r: GroupedRecipe) -> Tensor:
-    """``W`` ``[G, N, K]`` quantised exactly, each expert in the recipe's weight blocks (NVFP4:
-    with a global scale per expert, as :func:`nvfp4_weight`), dequantised to its dtype: the
-    emulated GEMMs' weight operand, also as a pre-quantised weight."""
+    """``W`` ``[G, N, K]`` quantised exactly per expert (NVFP4: :func:`nvfp4_weight`) and
+    dequantised: the emulated forward's weight operand, also as a pre-quantised weight."""
     g, n, k = weight.shape
     if r.recipe == "nvfp4":
         return nvfp4_weight(weight, r)[0]
@@ -486,9 +460,13 @@ def dequantized_weight(weight: Tensor, r: GroupedRecipe) -> Tensor:
 
 
 def high_precision_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
+    """Per group a dense ``te::linear``'s GEMM (``functional.gemm.hp_linear``), or
+    ``torch._grouped_mm`` (:func:`uses_grouped_mm`)."""
     if not cuda or not uses_grouped_mm(inp, weight):
-        splits = host_splits(m_splits, inp.shape[0])
-        return _fwd_loop(inp, splits, weight, bias, None if cuda else acc_dtype(inp)), []
+        out = inp.new_empty(inp.shape[0], weight.shape[1])
+        for g, rows in group_rows(host_splits(m_splits, inp.shape[0])):
+            out[rows] = hp_linear(inp[rows], weight[g], None if bias is None else bias[g], cuda)
+        return out, []
     splits, offs = device_splits(m_splits, inp)
     out = torch._grouped_mm(inp, weight.transpose(-2, -1), offs=offs)
     if bias is not None:
@@ -499,7 +477,7 @@ def high_precision_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
 def high_precision_backward(
     grad, saved, inp, m_splits, weight, main_grad, r, has_bias, dgrad, wgrad, cuda
 ):
-    if not cuda or inp.dtype is torch.float64 or not uses_grouped_mm(inp, weight):
+    if not cuda or not uses_grouped_mm(inp, weight):
         splits = host_splits(m_splits, inp.shape[0])
         acc = None if cuda and inp.dtype is not torch.float64 else acc_dtype(inp)
         return bwd_loop(grad, inp, splits, weight, main_grad, has_bias, dgrad, wgrad, acc)
@@ -508,10 +486,8 @@ def high_precision_backward(
 
 
 def nvfp4_input(inp, m_splits, r: GroupedRecipe) -> tuple[Tensor, Tensor]:
-    """NVFP4, as a dense GEMM per expert quantises its operands (``functional.gemm``): ``(X,
-    X^T's copy)`` dequantised, each expert's tokens with a global scale of their own, the copy
-    for the wgrad GEMM quantised along the tokens (with the random Hadamard transform with
-    ``r.rht``), 4over6 as ``r.input_4over6`` says."""
+    """``(X, X^T's copy)`` quantised as NVFP4 per expert (a global scale each), the wgrad's copy
+    along the tokens (with ``r.rht``), dequantised."""
     if inp.is_cuda:  # blocks of 16 tokens along M must not straddle two experts (no host sync)
         torch._assert_async((m_splits % NVFP4_BLOCK == 0).all())
     x_row, x_col_t = nvfp4_qdq(inp, rht=r.rht, four_over_six=r.input_4over6, row_splits=m_splits)
@@ -519,9 +495,8 @@ def nvfp4_input(inp, m_splits, r: GroupedRecipe) -> tuple[Tensor, Tensor]:
 
 
 def nvfp4_weight(weight: Tensor, r: GroupedRecipe) -> tuple[Tensor, Tensor]:
-    """``(W, W^T's copy)`` dequantised to the weight's dtype, as :func:`nvfp4_input` for the
-    weight: each expert with a global scale of its own, the dgrad copy quantised along
-    ``out_features`` (the same values with 16x16 tiles), 4over6 as ``r.weight_4over6`` says."""
+    """``(W, W^T's copy)`` as :func:`nvfp4_input`, the dgrad's copy along ``out_features`` (with
+    16x16 tiles: the same values)."""
     g, n, k = weight.shape
     per_expert = torch.full((g,), n, dtype=torch.int64, device=weight.device)
     w_row, w_col_t = nvfp4_qdq(weight.reshape(g * n, k), tiles=r.weight_block_rows == 16,
@@ -531,9 +506,8 @@ def nvfp4_weight(weight: Tensor, r: GroupedRecipe) -> tuple[Tensor, Tensor]:
 
 
 def dequantized_input(inp: Tensor, m_splits: Tensor, r: GroupedRecipe) -> Tensor:
-    """The input's copy :func:`dequantized_forward` saves first (``X`` dequantised; NVFP4: the
-    copy quantised along the tokens), made again from ``inp`` by a backward that kept the input
-    itself (``save_original_input``): the same values, the quantisation being deterministic."""
+    """The input's copy :func:`dequantized_forward` saves first, made again from ``inp`` by a
+    backward that kept the input (``save_input``): deterministic, the same values."""
     if r.recipe == "nvfp4":
         return nvfp4_input(inp, m_splits, r)[1]
     return _cast_columns(inp, m_splits, r, r.fwd_dtype)
@@ -541,39 +515,31 @@ def dequantized_input(inp: Tensor, m_splits: Tensor, r: GroupedRecipe) -> Tensor
 
 def dequantized_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
     """The high-precision grouped GEMM of the quantised-dequantised operands (CUDA: the bias
-    added to its rounded output; CPU: :func:`_fwd_loop`, the bias in the GEMM, as a dense
-    ``te::linear``); ``saved = [X, W]``, the backward GEMMs' copies quantised along the other dim
-    (:func:`_cast_columns`, :func:`_weight_columns`), ``[X]`` with ``weight_q`` (whose first
-    tensor is :func:`dequantized_weight`'s ``W``; the caller saves the weight's copy: NVFP4's
-    16x16 tiles make ``W`` its own, the others' is ``weight_q``'s third tensor where given,
-    else made from ``weight`` in the backward)."""
+    added to its rounded output; CPU: in the GEMM, as a dense ``te::linear``'s); ``saved = [X,
+    W]``, the backward GEMMs' copies, ``[X]`` with ``weight_q`` (the caller saves the weight's:
+    NVFP4's 16x16 tiles make ``W`` its own, the others' is ``weight_q[2]`` where given, else
+    made from ``weight`` in the backward)."""
     if r.recipe == "nvfp4":
         x, x_col = nvfp4_input(inp, m_splits, r)
-        w, w_col = nvfp4_weight(weight, r) if weight_q is None else (weight_q[0], weight_q[0])
-        saved = [x_col, w_col]
+        w, w_col = nvfp4_weight(weight, r) if weight_q is None else (weight_q[0], None)
     else:  # the backward GEMMs' copies, quantised along the other dim (as the dense family's)
         x = _cast(inp, r, r.fwd_dtype)
         w = dequantized_weight(weight, r) if weight_q is None else weight_q[0]
-        saved = [] if r.override else [_cast_columns(inp, m_splits, r, r.fwd_dtype)]
-        if weight_q is None and not r.override:
-            saved.append(_weight_columns(weight, w, r))
-    # CPU: per group the dense GEMM of the fp32 values, the bias in it (functional.gemm)
+        x_col = None if r.override else _cast_columns(inp, m_splits, r, r.fwd_dtype)
+        w_col = None if r.override or weight_q is not None else _weight_columns(weight, w, r)
     out, _ = high_precision_forward(x, m_splits, w, None if cuda else bias, r, cuda)
     if cuda and bias is not None:
         out = out + row_bias(bias, m_splits.to(bias.device), out.shape[0])
     if r.override == "dequantized":  # the forward's operands (a copy of an input's)
         return out, [x, w if weight_q is None else w.clone()]
-    if r.recipe == "nvfp4" and weight_q is not None:
-        saved = saved[:1]
-    return out, [] if r.override else saved
+    return out, [] if r.override else [t for t in (x_col, w_col) if t is not None]
 
 
 def dequantized_backward(grad, saved, inp, m_splits, weight, main_grad, r, has_bias, dgrad,
                           wgrad, cuda):  # fmt: skip
     """The gradient quantised along ``out_features`` for the dgrad and along each expert's tokens
-    for the wgrad (NVFP4: global scales per expert), then the high-precision grouped GEMMs
-    against the forward's copies (CPU, NVFP4 aside: :func:`_emulated_loop`); the bias gradient
-    from the high-precision gradient."""
+    for the wgrad, then the high-precision grouped GEMMs against the forward's copies (CPU,
+    NVFP4 aside: :func:`_emulated_loop`); the bias gradient the high-precision one's."""
     x, w = saved
     if r.recipe == "nvfp4":  # dgrad on the rowwise copy, wgrad on the columnwise one
         g_row, g_col_t = nvfp4_qdq(grad, columnwise=wgrad, rht=r.rht, rng_state=r.rng_state,
@@ -605,17 +571,15 @@ def dequantized_backward(grad, saved, inp, m_splits, weight, main_grad, r, has_b
 
 def _emulated_loop(grad, g_row, g_col, x_col, m_splits, w_col, main_grad):
     """The CPU's backward GEMMs of the emulated recipes: per group a dense ``te::linear``'s calls
-    (``functional.gemm``'s ``"dequantized"`` GEMM on the fp32 values, ``main_grad`` added to
-    after its GEMM), so a group's gradients are a Linear's on its rows, bit for bit. ``g_row`` /
-    ``g_col``: None where that gradient is not wanted."""
+    (``functional.gemm``'s ``"dequantized"`` GEMM), so a group's gradients are a Linear's on its
+    rows, bit for bit. ``g_row`` / ``g_col``: None where not wanted."""
     rows, (groups, n, k), dtype = x_col.shape[0], w_col.shape, grad.dtype
     dinp = grad.new_empty(rows, k) if g_row is not None else empty(grad)
     into_weight = g_col is not None and main_grad is None
     dweight = grad.new_empty(groups, n, k) if into_weight else empty(grad)
-    none, start, f32 = empty(grad), 0, torch.float32
-    for g, m in enumerate(host_splits(m_splits, rows)):
-        span = slice(start, start + m)
-        if g_row is not None and m:
+    none, f32 = empty(grad), torch.float32
+    for g, span in group_rows(host_splits(m_splits, rows)):
+        if g_row is not None and span.stop > span.start:
             b = w_col[g].t().to(f32).contiguous()
             dinp[span] = gemm("dequantized", g_row[span].to(f32), none, b, none, dtype)
         if g_col is not None:
@@ -625,5 +589,4 @@ def _emulated_loop(grad, g_row, g_col, x_col, m_splits, w_col, main_grad):
             dw = wgrad_gemm("dequantized", a, none, b, none, dtype, mg)
             if into_weight:
                 dweight[g] = dw
-        start += m
     return dinp, dweight

@@ -152,14 +152,13 @@ def check_grouped_linear(a: GroupedLinearArgs) -> None:
         )
     # the emulated block-scaled kinds quantise a kept input again: their quantisation is
     # deterministic (native blockwise: below)
-    if bw.save_input and recipe not in ("", "current", "block", "mxfp8", "nvfp4"):
-        error = ValueError if recipe == "delayed" else NotImplementedError
-        raise error(
-            p + f"backward 'save_input' (save_original_input) works with high precision, "
-            f"current scaling and the emulated block-scaled GEMMs, not with {recipe!r} specs"
-            + (" (DelayedScaling: the backward would quantise the input again with a scale "
-               "the update may have changed)" if recipe == "delayed" else "")
-        )  # fmt: skip
+    if bw.save_input and recipe == "delayed":
+        raise ValueError(
+            p + "backward 'save_input' (save_original_input) works with high precision, current "
+            "scaling and the emulated block-scaled GEMMs, not with 'delayed' specs "
+            "(DelayedScaling: the backward would quantise the input again with a scale the "
+            "update may have changed)"
+        )
     if bw.save_input and grouped_gemm_kind(recipe, x.emulate) == "blockwise":
         raise NotImplementedError(
             p + "backward 'save_input' (save_original_input) is not implemented for the native "

@@ -9,37 +9,29 @@ multiplied by its own weight:
     Y_g = X_g W_g^\top + b_g, \qquad dX_g = dY_g W_g, \qquad dW_g = dY_g^\top X_g, \qquad
     db_g = \textstyle\sum_{rows\ of\ g} dY_g
 
-``weight`` is ``[G, out_features, in_features]`` (one tensor: the layout of
-``GroupedLinear(single_grouped_parameter=True)``, and what a grouped GEMM consumes without a
-copy), ``bias`` ``[G, out_features]``. ``m_splits`` is an integer tensor of ``G`` elements, on
-the input's device or on the CPU; the public function also takes a Python list (converted to a
-CPU tensor; under ``torch.compile`` a list is a constant, so pass a tensor when the splits change
-from step to step).
+``weight`` is ``[G, out_features, in_features]`` (the layout of
+``GroupedLinear(single_grouped_parameter=True)``, which a grouped GEMM consumes without a copy),
+``bias`` ``[G, out_features]``. ``m_splits`` is an integer tensor of ``G`` elements, on the
+input's device or on the CPU; the public function also takes a Python list (a constant under
+``torch.compile``: pass a tensor when the splits change from step to step).
 
-After the five tensors the op takes the recipe as data as ``te::linear`` does
-(``functional.linear_ops``: ``input_spec``, ``weight_spec``, ``grad_spec``, ``scale``,
-``grad_amax``, ``rng_state``; here one power-of-two option for all three specs and the input's
-format for the weight) and ``backward`` (a ``BackwardSpec`` string: ``te::linear``'s
-``"high_precision"`` / ``"dequantized"`` and ``save_input``, and ``fp8_wgrad``, per-tensor
-specs: the wgrad GEMM in FP8 too, the input kept as its FP8 wgrad operand instead of in high
-precision). The GEMMs of each recipe are a row of :data:`GROUPED_GEMMS` (one table;
-``functional.grouped_gemm`` and ``functional.grouped_fp8`` have the details).
+After the five tensors the op takes the recipe as data as ``te::linear`` does (the three specs,
+with one power-of-two option and the input's format for the weight; ``scale``, ``grad_amax``,
+``rng_state``) and ``backward`` (a ``BackwardSpec``: ``te::linear``'s overrides and
+``save_input``, and ``fp8_wgrad``: per-tensor specs' wgrad GEMM in FP8 too, the input kept as
+its FP8 wgrad operand). The GEMMs of each recipe are a row of :data:`GROUPED_GEMMS`
+(``functional.grouped_gemm`` and ``functional.grouped_fp8``).
 
-``saved`` (the tensors the backward needs that are not inputs) is the row's forward's (each
-documents it; the fake below gives every shape): the operands' copies the backward GEMMs read
-(nothing in high precision; under an override nothing, ``"high_precision"``, or the dequantised
-forward operands ``[X, W]``, ``"dequantized"``), then under the per-tensor recipes ``[amax(X),
-amax(W)]`` where :func:`~te_compile.functional.grouped_linear_args.appends_amaxes`.
-Pre-quantised weight: ``weight_q``, as ``te::linear``'s, cast by ``te::quantize_grouped_weight``
-(``functional.grouped_weight``, the bytes of the op's own cast); ``saved`` then lacks the
-weight's copies (the backward gets them from the inputs).
+``saved`` is the row's forward's (the fake below gives every shape): the operands' copies the
+backward GEMMs read (under an override nothing, or the dequantised ``[X, W]``), then the
+per-tensor recipes' ``[amax(X), amax(W)]`` where
+:func:`~te_compile.functional.grouped_linear_args.appends_amaxes`. A pre-quantised weight
+(``weight_q``, ``functional.grouped_weight``) leaves the weight's copies out of ``saved``.
 
 Under ``torch.compile`` Inductor traces into a high-precision call on CUDA on the
-``torch._grouped_mm`` path; every other call is kept whole (:func:`host_split_path`; the
-reasons are in ``docs/op_mechanism.md``). Weight-gradient fusion: ``main_grad`` (fp32, weight's
-shape) receives ``+= dW`` instead of a ``dweight`` output, as in ``te::linear_bwd``.
-Beside this file: ``grouped_linear_args.py`` (the arguments and their checks) and
-``grouped_linear_samples.py`` (the registry test's sample inputs).
+``torch._grouped_mm`` path; every other call is kept whole (:func:`host_split_path`,
+``docs/op_mechanism.md``). ``main_grad`` (fp32, weight's shape) receives ``+= dW`` instead of a
+``dweight`` output, as in ``te::linear_bwd``.
 """
 
 from __future__ import annotations
@@ -111,7 +103,7 @@ __all__ = [
 _E4M3, _E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
-# The GEMMs of each recipe: one table (``functional.grouped_gemm`` describes the rows).
+# The GEMMs of each recipe (``functional.grouped_gemm`` describes the rows).
 GROUPED_GEMMS: dict[str, tuple[Callable, Callable]] = {
     "grouped_mm": (high_precision_forward, high_precision_backward),
     "scaled_grouped_mm": (per_tensor_forward, per_tensor_backward),
@@ -138,9 +130,8 @@ def grouped_linear_ref(
 
 
 def _fake_quant(x: Tensor, fp8_dtype: torch.dtype, dim: int, scale: Tensor | None = None) -> Tensor:
-    """Quantised-dequantised ``x`` (exact in float64): rowwise along ``dim``, or with the given
-    per-tensor ``scale`` (``[1]``, delayed scaling); E5M2 values as the grouped GEMMs take them,
-    recoded to E4M3 (:func:`as_e4m3`). An empty token group stays empty."""
+    """Quantised-dequantised ``x`` (exact in float64): rowwise along ``dim``, or with the
+    per-tensor ``scale`` (delayed); E5M2 recoded to E4M3 as the grouped GEMMs take it."""
     if x.shape[0] == 0:
         return x
     if scale is None:
@@ -153,67 +144,58 @@ def _fake_quant(x: Tensor, fp8_dtype: torch.dtype, dim: int, scale: Tensor | Non
     return (data.to(acc) * scale_inv.to(acc)).to(x.dtype)
 
 
-def _ref_columns(x_g: Tensor, r: GroupedRecipe, fp8_dtype: torch.dtype) -> Tensor:
-    """One group's (or expert's) ``[m, C]`` quantised-dequantised along ``m`` (blocks of 32
-    rows for MXFP8, 128 for Float8BlockScaling's 1x128 blocks), a partial last block as if
-    padded with zeros."""
-    m = x_g.shape[0]
-    step = 32 if r.recipe == "mxfp8" else 128
-    padded_t = torch.nn.functional.pad(x_g.t(), (0, -m % step))
+def _ref_quant(t: Tensor, r: GroupedRecipe, role: int, columns: bool, rows: int = 1) -> Tensor:
+    """``t`` ``[m, C]``, an operand of ``role`` (0 input, 1 weight, 2 gradient),
+    quantised-dequantised as the recipe's GEMMs take it: along ``C`` or, with ``columns``, along
+    ``m`` (one group's or expert's tokens). Per-tensor recipes: rowwise, or with the delayed
+    scale; block-scaled: in ``rows`` x 128 blocks (MXFP8: 32 elements), along ``m`` a partial
+    last block as if padded with zeros."""
+    fp8_dtype = r.bwd_dtype if role == 2 else r.fwd_dtype
+    if r.recipe in PER_TENSOR:
+        return _fake_quant(t, fp8_dtype, 0 if columns else -1, scale_slots(r.scale, r.recipe)[role])
     p2 = r.recipe == "block" and r.power_2_scale
+    if not columns:
+        return qdq(t, r.recipe, fp8_dtype, rows, p2)
+    m = t.shape[0]
+    padded_t = torch.nn.functional.pad(t.t(), (0, -m % (32 if r.recipe == "mxfp8" else 128)))
     return qdq(padded_t, r.recipe, fp8_dtype, 1, p2)[:, :m].t()
 
 
 def _ref_copies(x: Tensor, w: Tensor, splits: list[int], r: GroupedRecipe) -> tuple[Tensor, ...]:
-    """``(X, W, X_col, W_col)``: the forward GEMM's operands (per row, per tensor with delayed
-    scales, or in blocks along ``in_features``, each expert's weight in its blocks) and the
-    copies the backward GEMMs read, quantised-dequantised. Per-tensor recipes: ``W`` along ``N``
-    (rowwise; delayed: the forward's per-tensor values), ``X`` in high precision or, with
-    ``fp8_wgrad``, per (group, column) over the group's tokens. Block-scaled: along
-    ``out_features`` (128x128 weight blocks: the forward's) and along each expert's own tokens.
-    NVFP4: as ``functional.gemm_ref.quantized_linear_ref`` defines a dense GEMM per expert (the
-    copies of ``functional.grouped_gemm.nvfp4_input`` / ``nvfp4_weight``)."""
+    """``(X, W, X_col, W_col)``: the forward GEMM's operands and the copies the backward GEMMs
+    read, quantised-dequantised: ``W_col`` along ``out_features`` (128x128 weight blocks: the
+    forward's), ``X_col`` along each group's own tokens (per-tensor recipes without
+    ``fp8_wgrad``: ``X``). NVFP4: a dense GEMM's per expert
+    (``functional.grouped_gemm.nvfp4_input`` / ``nvfp4_weight``)."""
     if r.recipe == "nvfp4":
         (xq, x_col), (wq, w_col) = nvfp4_input(x, torch.tensor(splits), r), nvfp4_weight(w, r)
         return xq, wq, x_col, w_col
-    if r.recipe in PER_TENSOR:
-        s_x, s_w, _ = scale_slots(r.scale, r.recipe)
-        xq, wq = _fake_quant(x, r.fwd_dtype, -1, s_x), _fake_quant(w, r.fwd_dtype, -1, s_w)
-        w_col = _fake_quant(w, r.fwd_dtype, 1, s_w)
-        x_cols = [_fake_quant(x_g, r.fwd_dtype, 0, s_x) for x_g in x.split(splits)]
-        return xq, wq, torch.cat(x_cols) if r.fp8_wgrad else x, w_col
-    p2 = r.power_2_scale if r.recipe == "block" else False
     w_rows = r.weight_block_rows if r.recipe == "block" else 1
-    wq = torch.stack([qdq(w_g, r.recipe, r.fwd_dtype, w_rows, p2) for w_g in w])
-    xq = qdq(x, r.recipe, r.fwd_dtype, 1, p2)
-    w_col = wq if w_rows != 1 else torch.stack([_ref_columns(w_g, r, r.fwd_dtype) for w_g in w])
-    x_col = torch.cat([_ref_columns(x_g, r, r.fwd_dtype) for x_g in x.split(splits)])
-    return xq, wq, x_col, w_col
+    wq = torch.stack([_ref_quant(w_g, r, 1, False, w_rows) for w_g in w])
+    w_col = wq if w_rows != 1 else torch.stack([_ref_quant(w_g, r, 1, True) for w_g in w])
+    x_col = x
+    if r.recipe not in PER_TENSOR or r.fp8_wgrad:
+        x_col = torch.cat([_ref_quant(x_g, r, 0, True) for x_g in x.split(splits)])
+    return _ref_quant(x, r, 0, False), wq, x_col, w_col
 
 
 def _ref_grads(dy: Tensor, splits: list[int], r: GroupedRecipe) -> tuple[Tensor, list[Tensor]]:
     """``(dY for the dgrad, every group's dY for the wgrad)``, quantised-dequantised as the
-    operands they meet (per-tensor recipes: the wgrad's in high precision without
-    ``fp8_wgrad``; NVFP4: stochastic rounding from one stream over the whole gradient)."""
+    operands they meet (NVFP4: stochastic rounding from one stream over the whole gradient)."""
     if r.recipe == "nvfp4":
         g_row, g_col_t = nvfp4_qdq(dy, rht=r.rht, rng_state=r.rng_state,
                                    row_splits=torch.tensor(splits))  # fmt: skip
         return g_row.to(dy.dtype), g_col_t.t().to(dy.dtype).split(splits)
-    if r.recipe in PER_TENSOR:
-        g_slot = scale_slots(r.scale, r.recipe)[2]
-        g_row = _fake_quant(dy, r.bwd_dtype, -1, g_slot)
-        if not r.fp8_wgrad:
-            return g_row, dy.split(splits)
-        return g_row, [_fake_quant(d, r.bwd_dtype, 0, g_slot) for d in dy.split(splits)]
-    g_row = qdq(dy, r.recipe, r.bwd_dtype, 1, r.recipe == "block" and r.power_2_scale)
-    return g_row, [_ref_columns(d, r, r.bwd_dtype) for d in dy.split(splits)]
+    g_cols = dy.split(splits)
+    if r.recipe not in PER_TENSOR or r.fp8_wgrad:
+        g_cols = [_ref_quant(d, r, 2, True) for d in g_cols]
+    return _ref_quant(dy, r, 2, False), g_cols
 
 
 class _RefGrouped(torch.autograd.Function):
-    """Every quantised recipe but the native blockwise one, in the input's dtype (float64 in the
-    tests): ``Y_g = X_g W_g^T`` of :func:`_ref_copies`' operands, ``dX_g = dY_g W_{col,g}`` and
-    ``dW_g = dY_g^T X_{col,g}`` of :func:`_ref_grads`' gradients and its copies. The bias
-    gradient is the high-precision gradient's."""
+    """Every quantised recipe but the native blockwise one, in the input's dtype: ``Y_g = X_g
+    W_g^T``, ``dX_g = dY_g W_{col,g}``, ``dW_g = dY_g^T X_{col,g}`` of :func:`_ref_copies`' and
+    :func:`_ref_grads`' values."""
 
     @staticmethod
     def forward(ctx, x, w, splits, r: GroupedRecipe):
@@ -244,8 +226,7 @@ def scaled_grouped_linear_ref(
     fp8_wgrad: bool = False,
 ) -> Tensor:
     """The per-tensor recipes' definition, differentiable (:class:`_RefGrouped`): current
-    scaling rowwise, or delayed with the per-tensor ``scale`` ``[3]``; ``fp8_wgrad``: the wgrad
-    from both operands quantised per (group, column) over the group's tokens."""
+    scaling, or delayed with ``scale`` ``[3]``; ``fp8_wgrad``: the wgrad in FP8 too."""
     splits = m_splits.tolist() if isinstance(m_splits, Tensor) else list(m_splits)
     kind = "current" if scale is None else "delayed"
     r = GroupedRecipe(kind, fwd_dtype, bwd_dtype, scale=scale, fp8_wgrad=fp8_wgrad)
@@ -276,8 +257,7 @@ def _reference(*args):
 
 def _override_reference(a: GroupedLinearArgs) -> Tensor:
     """A backward override: the recipe's forward value, with the gradients of the grouped GEMM
-    of the high-precision operands (``"high_precision"``) or of the forward's dequantised ones,
-    straight through the quantisation (``"dequantized"``); the gradient is not quantised."""
+    of the high-precision operands or (``"dequantized"``) of the forward's dequantised ones."""
     value = _reference(*a._replace(backward="")).detach()
     x, w = a.inp, a.weight
     if a.bw.override == "dequantized":
@@ -304,10 +284,9 @@ def _forward(a: GroupedLinearArgs, cuda: bool) -> tuple[Tensor, list[Tensor]]:
 
 
 def host_split_path(*args: object, **kwargs: object) -> str | None:
-    """``kept_whole`` of the family's ops: None (trace through) for a call on the
-    ``torch._grouped_mm`` path, the reason to keep it whole otherwise. Forward and backward
-    calls alike: ``inp`` (the backward: None where the wgrad does not read it), ``m_splits``,
-    ``weight`` and ``input_spec`` (``""``: high precision) are found by position."""
+    """``kept_whole`` of the family's ops, forward and backward calls alike: None (trace
+    through) for a call on the ``torch._grouped_mm`` path, the reason to keep it whole
+    otherwise."""
     forward = len(args) < 2 or not isinstance(args[1], (list, tuple))
     if forward:
         a = GroupedLinearArgs(*args, **kwargs)
@@ -344,7 +323,7 @@ def grouped_linear_fwd(
     wgrad_stash: Tensor | None = None,
 ) -> tuple[Tensor, list[Tensor]]:
     """``(out [M, out_features], saved)`` (module docstring); ``main_grad`` is only carried to the
-    backward. Default (CPU): fp32 math (fp64 stays fp64), the exact emulation of FP8 GEMMs."""
+    backward. CPU: fp32 math (fp64 stays fp64), the exact emulation of FP8 GEMMs."""
     a = GroupedLinearArgs(inp, m_splits, weight, bias, main_grad, input_spec, weight_spec,
                           grad_spec, scale, grad_amax, rng_state, backward, weight_q,
                           wgrad_stash)  # fmt: skip
@@ -434,11 +413,10 @@ def grouped_linear_bwd(
     need_wgrad: bool,
     wgrad_stash: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dinp, dweight, dbias)``, 0-element where not computed (dweight also when it went into
-    ``main_grad``). ``saved``: the forward's without the amaxes; ``inp`` only where the backward
-    reads it (:func:`_for_backward`); the strings and ``rng_state`` the forward's. Writes
-    ``amax(dY)`` into ``grad_amax`` when given. ``wgrad_stash``: ``grad_out`` copied into it,
-    the weight gradient not computed (``DeferredWgrad`` replays this op for it)."""
+    """``(dinp, dweight, dbias)``, 0-element where not computed or gone into ``main_grad``.
+    ``saved``: the forward's without the amaxes; ``inp`` only where read (:func:`_for_backward`).
+    Writes ``amax(dY)`` into ``grad_amax`` when given. ``wgrad_stash``: ``grad_out`` copied into
+    it, the weight gradient not computed (``DeferredWgrad`` replays this op for it)."""
     args = (grad_out, saved, inp, m_splits, weight, main_grad, scale, grad_amax, rng_state,
             input_spec, weight_spec, grad_spec, backward, has_bias, need_dgrad, need_wgrad,
             wgrad_stash)  # fmt: skip
@@ -446,9 +424,8 @@ def grouped_linear_bwd(
 
 
 def _bwd_args(args: tuple) -> tuple[tuple, _Bwd, Tensor | None]:
-    """The 9 tensors (``grad_out`` to ``rng_state``), the scalars (the specs, backward, has_bias,
-    need_dgrad, need_wgrad) and the ``wgrad_stash`` of a backward call; a stash takes the weight
-    gradient's place (``need_wgrad`` becomes False)."""
+    """The 9 tensors, the scalars parsed and the ``wgrad_stash`` of a backward call; a stash
+    takes the weight gradient's place (``need_wgrad`` becomes False)."""
     n, end = 9, 16
     c = _Bwd(*as_specs(*args[n : n + 3]), parse(BackwardSpec, args[n + 3]), *args[n + 4 : end])
     stash = args[end] if len(args) > end else None
@@ -501,9 +478,8 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _for_backward(a: GroupedLinearArgs, saved: list[Tensor]) -> tuple[tuple, tuple]:
     """What the backward op takes from a forward call's ``saved`` (the tensors, then the
-    strings); the amaxes ending ``saved`` are the caller's. The input is read by a
-    high-precision wgrad (not by FP8 wgrads, the native blockwise GEMMs or the emulation, which
-    saved their own copies) and by a backward that quantises it again (``save_input``)."""
+    strings), the amaxes left out. The input is read by a high-precision wgrad (the others read
+    the forward's copies) and by a backward that quantises it again (``save_input``)."""
     x, bw = a.specs[0], a.bw
     if appends_amaxes(x.kind, a.grad_amax):
         saved = saved[:-1]
