@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from te_compile._numerics import div_rn, reciprocal_rn
+from te_compile._numerics import acc_dtype, div_rn, reciprocal_rn
 
 __all__ = [
     "FOUR_OVER_SIX",
@@ -315,15 +315,13 @@ def quantize_nvfp4_ref(
     x2 = _rows(x)
     pick = _tile_pick(x2.float(), g, err_mode) if tiles and err_mode else None
     skipped = (torch.uint8, torch.float8_e4m3fn)
-    if rowwise:
-        data, scale = _nvfp4_tiled(x2, g, tiles, err_mode, pick)
-        data = data.reshape(*x.shape[:-1], x.shape[-1] // 2)
-    else:
-        data, scale = _skipped(x, *skipped)
+    data, scale = _nvfp4_tiled(x2, g, tiles, err_mode, pick) if rowwise else _skipped(x, *skipped)
     pick_t = None if pick is None else pick.t()
     data_t, scale_t = (
         _nvfp4_tiled(x2.t(), g, tiles, err_mode, pick_t) if columnwise else _skipped(x, *skipped)
     )
+    if rowwise:
+        data = data.reshape(*x.shape[:-1], x.shape[-1] // 2)
     return data, scale, g, data_t, scale_t
 
 
@@ -372,7 +370,7 @@ def random_hadamard_transform(x2: Tensor) -> Tensor:
     (entries +-1, ``H[i, j] = (-1)^{popcount(i & j)}``), so ``S H / 4`` is orthogonal. Computed
     in fp32 (fp64 stays fp64) as four add/subtract butterfly stages, no matrix product: the
     same sums on every device, whatever TF32 setting."""
-    acc = torch.float64 if x2.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(x2)
     r, c = x2.shape
     i = torch.arange(NVFP4_BLOCK, device=x2.device)
     mask = sum(1 << j for j, s in enumerate(RHT_SIGNS) if s < 0)
