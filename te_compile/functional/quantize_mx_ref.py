@@ -284,17 +284,13 @@ def _tile_pick(x2: Tensor, g: Tensor, err_mode: str) -> Tensor:
     return tiles(err4) < tiles(err6)
 
 
-def _expand_tiles(pick: Tensor, rows: int) -> Tensor:
-    return pick.repeat_interleave(NVFP4_BLOCK, 0)[:rows]
-
-
 def _nvfp4_tiled(
     x2: Tensor, g: Tensor, tiles: bool, err_mode: str, pick: Tensor | None, u: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     """:func:`_nvfp4_rows` of ``x2`` with every block's amax taken over its 16x16 tile
     (``tiles``) and 4over6's choice per tile ``pick`` (bool ``[ceil(M/16), ceil(K/16)]``) when
     given."""
-    picks = None if pick is None else _expand_tiles(pick, x2.shape[0])
+    picks = None if pick is None else spread_blocks(pick, 0, x2.shape[0], NVFP4_BLOCK)
     return _nvfp4_rows(x2, g, _tile_amaxes(x2) if tiles else None, u, err_mode, picks)
 
 
@@ -401,7 +397,7 @@ def _tile_amax(x2: Tensor, tile: int) -> Tensor:
 
 def _tile_amaxes(x2: Tensor) -> Tensor:
     """Each row block's amax ``[M, ceil(K/16)]`` taken over its 16x16 tile (zero-padded)."""
-    return _expand_tiles(_tile_amax(x2, NVFP4_BLOCK), x2.shape[0])
+    return spread_blocks(_tile_amax(x2, NVFP4_BLOCK), 0, x2.shape[0], NVFP4_BLOCK)
 
 
 def parse_four_over_six(spec: str) -> tuple[str, float]:
