@@ -492,12 +492,7 @@ def _attention_bwd_fake(grad_out, out, saved, *args):
     extra = [a.bias.new_empty(a.bias.shape)] if bias_grad else []
     if offset_grad:
         extra.append(a.softmax_offset.new_empty(a.softmax_offset.shape))
-    return (
-        _empty_out(a.query, a.query.shape[-1], a.sbhd),
-        _empty_out(a.key, a.key.shape[-1], a.sbhd),
-        _empty_out(a.value, a.value.shape[-1], a.sbhd),
-        extra,
-    )
+    return *(_empty_out(x, x.shape[-1], a.sbhd) for x in (a.query, a.key, a.value)), extra
 
 
 # 5. setup_context + autograd ------------------------------------------------------------------
