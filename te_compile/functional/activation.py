@@ -64,6 +64,7 @@ autocast GEMMs.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -276,7 +277,12 @@ def _check_args(inp: Tensor, bias: Tensor | None, activation: str, gated: bool, 
         raise ValueError(f"{p}: bias.dtype ({bias.dtype}) must equal inp.dtype ({inp.dtype})")
 
 
-def _check_gated(inp, bias, activation, k, limit, alpha, offset) -> None:
+def _check_op(inp, bias, activation, config: tuple | None) -> None:
+    """The forward ops' checks; ``config``: the gated op's ``(glu_interleave_size, limit, alpha,
+    glu_linear_offset)``, None for the element-wise op."""
+    if config is None:
+        return _check_args(inp, bias, activation, False)
+    k, limit, alpha, offset = config
     _check_args(inp, bias, activation, True, k)
     if activation == "situglu":
         check_situ_slots("te.gated_activation", limit, alpha, offset)
@@ -336,19 +342,27 @@ _kernels = functools.partial(submodule, "activation")  # Triton: imported on fir
 # 2. Forward ops -------------------------------------------------------------------------------
 
 
+def _forward(cuda: bool, inp: Tensor, bias: Tensor | None, activation: str, config=None) -> Tensor:
+    """Both forward ops' implementations: the checks, then the Triton kernels (``cuda``, but not
+    for fp64) or the reference math. ``config``: the gated op's ``(glu_interleave_size, limit,
+    alpha, glu_linear_offset)``; None for the element-wise op."""
+    _check_op(inp, bias, activation, config)
+    if cuda and inp.dtype != torch.float64:
+        return _kernels().activation_forward(inp, bias, activation, *(config or ()))
+    if config is None:
+        return activation_ref(inp.contiguous(), bias, activation)
+    return gated_activation_ref(inp.contiguous(), bias, activation, *config)
+
+
 @op("activation_fwd")
 def activation_fwd(inp: Tensor, bias: Tensor | None, activation: str) -> Tensor:
     """``activation(inp + bias)``; the default (CPU) implementation is the reference math."""
-    _check_args(inp, bias, activation, False)
-    return activation_ref(inp.contiguous(), bias, activation)
+    return _forward(False, inp, bias, activation)
 
 
 @activation_fwd.register_kernel("cuda")
 def _activation_fwd_cuda(inp, bias, activation):
-    _check_args(inp, bias, activation, False)
-    if inp.dtype == torch.float64:
-        return activation_ref(inp.contiguous(), bias, activation)
-    return _kernels().activation_forward(inp, bias, activation)
+    return _forward(True, inp, bias, activation)
 
 
 @op("gated_activation_fwd")
@@ -362,18 +376,15 @@ def gated_activation_fwd(
     glu_linear_offset: float = 1.0,
 ) -> Tensor:
     """Gated ``activation`` of ``inp + bias``; default (CPU) implementation: the reference math."""
-    _check_gated(inp, bias, activation, glu_interleave_size, limit, alpha, glu_linear_offset)
-    return gated_activation_ref(
-        inp.contiguous(), bias, activation, glu_interleave_size, limit, alpha, glu_linear_offset
-    )
+    config = (glu_interleave_size, limit, alpha, glu_linear_offset)
+    return _forward(False, inp, bias, activation, config)
 
 
+# The dispatcher leaves out the arguments that equal their defaults: the gated op's
+# implementations and fake restate them.
 @gated_activation_fwd.register_kernel("cuda")
 def _gated_activation_fwd_cuda(inp, bias, activation, k=0, limit=7.0, alpha=1.702, offset=1.0):
-    _check_gated(inp, bias, activation, k, limit, alpha, offset)
-    if inp.dtype == torch.float64:
-        return gated_activation_ref(inp.contiguous(), bias, activation, k, limit, alpha, offset)
-    return _kernels().activation_forward(inp, bias, activation, k, limit, alpha, offset)
+    return _forward(True, inp, bias, activation, (k, limit, alpha, offset))
 
 
 # 3. Fakes -------------------------------------------------------------------------------------
@@ -381,45 +392,58 @@ def _gated_activation_fwd_cuda(inp, bias, activation, k=0, limit=7.0, alpha=1.70
 
 @activation_fwd.register_fake
 def _activation_fwd_fake(inp, bias, activation):
-    _check_args(inp, bias, activation, False)
+    _check_op(inp, bias, activation, None)
     return inp.new_empty(inp.shape)
 
 
 @gated_activation_fwd.register_fake
 def _gated_activation_fwd_fake(inp, bias, activation, k=0, limit=7.0, alpha=1.702, offset=1.0):
-    _check_gated(inp, bias, activation, k, limit, alpha, offset)
+    _check_op(inp, bias, activation, (k, limit, alpha, offset))
     return inp.new_empty((*inp.shape[:-1], inp.shape[-1] // 2))
 
 
 # 4. Backward ops ------------------------------------------------------------------------------
+# Their implementations and fake serve both ops: ``rest`` is the gated op's ``(k, limit, alpha,
+# offset)`` (nothing for the element-wise op), then ``need_dbias``.
 
 
-def _dbias(dx: Tensor, inp: Tensor, bias: Tensor | None, need_dbias: bool) -> Tensor:
-    """Column sums of the unrounded ``dx``, or a fresh 0-element tensor when not needed."""
+def _backward_ref(grad, inp, bias, activation, *rest):
+    """The derivatives written out, fp32 (fp64 stays fp64), rounded once."""
+    *config, need_dbias = rest
+    fn, g, x = _FUNCTION[activation], grad.to(acc_dtype(inp)), _with_bias(inp, bias)
+    if not config:
+        dx = g * _dact(x, fn, 0.0, 0.0)
+    else:
+        k, limit, alpha, offset = config
+        a, lin = _split_glu(x, k)
+        dlin = g * _act(a, fn, limit, alpha)
+        if activation == "clamped_swiglu":
+            dlin = torch.where((lin >= -limit) & (lin <= limit), dlin, 0.0)
+            lin = lin.clamp(-limit, limit) + offset
+        elif activation == "situglu":
+            t = torch.tanh(lin / alpha)
+            dlin = dlin * (1 - t * t)
+            lin = alpha * t
+        dx = _merge_glu(g * lin * _dact(a, fn, limit, alpha), dlin, k)
+    # dbias: the column sums of the unrounded dx, or a fresh 0-element tensor when not needed.
     if not need_dbias or bias is None:
-        return inp.new_empty(0)
-    return dx.reshape(-1, dx.shape[-1]).sum(0).to(inp.dtype)
+        return dx.to(inp.dtype), inp.new_empty(0)
+    return dx.to(inp.dtype), dx.reshape(-1, dx.shape[-1]).sum(0).to(inp.dtype)
 
 
-def _activation_bwd_ref(grad, inp, bias, activation, need_dbias):
-    dx = grad.to(acc_dtype(inp)) * _dact(_with_bias(inp, bias), _FUNCTION[activation], 0.0, 0.0)
-    return dx.to(inp.dtype), _dbias(dx, inp, bias, need_dbias)
+def _backward_cuda(grad, inp, bias, activation, *rest):
+    if inp.dtype == torch.float64:
+        return _backward_ref(grad, inp, bias, activation, *rest)
+    *config, need_dbias = rest
+    dx, dbias = _kernels().activation_backward(
+        grad, inp, bias, activation, *config, need_dbias=need_dbias
+    )
+    return dx, inp.new_empty(0) if dbias is None else dbias
 
 
-def _gated_activation_bwd_ref(grad, inp, bias, activation, k, limit, alpha, offset, need_dbias):
-    fn = _FUNCTION[activation]
-    g = grad.to(acc_dtype(inp))
-    a, lin = _split_glu(_with_bias(inp, bias), k)
-    dlin = g * _act(a, fn, limit, alpha)
-    if activation == "clamped_swiglu":
-        dlin = torch.where((lin >= -limit) & (lin <= limit), dlin, 0.0)
-        lin = lin.clamp(-limit, limit) + offset
-    elif activation == "situglu":
-        t = torch.tanh(lin / alpha)
-        dlin = dlin * (1 - t * t)
-        lin = alpha * t
-    dx = _merge_glu(g * lin * _dact(a, fn, limit, alpha), dlin, k)
-    return dx.to(inp.dtype), _dbias(dx, inp, bias, need_dbias)
+def _backward_fake(grad, inp, bias, activation, *rest):
+    dbias = inp.new_empty(bias.shape if rest[-1] and bias is not None else 0)
+    return inp.new_empty(inp.shape), dbias
 
 
 @op("activation_bwd")
@@ -428,15 +452,7 @@ def activation_bwd(
 ) -> tuple[Tensor, Tensor]:
     """``(dinp, dbias)``; ``dbias`` is a 0-element tensor unless ``need_dbias``. Default (CPU)
     implementation: the derivative written out, fp32 (fp64 stays fp64), rounded once."""
-    return _activation_bwd_ref(grad, inp, bias, activation, need_dbias)
-
-
-@activation_bwd.register_kernel("cuda")
-def _activation_bwd_cuda(grad, inp, bias, activation, need_dbias):
-    if inp.dtype == torch.float64:
-        return _activation_bwd_ref(grad, inp, bias, activation, need_dbias)
-    dx, dbias = _kernels().activation_backward(grad, inp, bias, activation, need_dbias=need_dbias)
-    return dx, inp.new_empty(0) if dbias is None else dbias
+    return _backward_ref(grad, inp, bias, activation, need_dbias)
 
 
 @op("gated_activation_bwd")
@@ -454,33 +470,12 @@ def gated_activation_bwd(
     """``(dinp, dbias)`` of the gated activation; ``dbias`` is 0-element unless ``need_dbias``.
     Default (CPU) implementation: the derivatives written out, fp32, rounded once."""
     config = (glu_interleave_size, limit, alpha, glu_linear_offset)
-    return _gated_activation_bwd_ref(grad, inp, bias, activation, *config, need_dbias)
+    return _backward_ref(grad, inp, bias, activation, *config, need_dbias)
 
 
-@gated_activation_bwd.register_kernel("cuda")
-def _gated_activation_bwd_cuda(grad, inp, bias, activation, k, limit, alpha, offset, need_dbias):
-    config = (k, limit, alpha, offset)
-    if inp.dtype == torch.float64:
-        return _gated_activation_bwd_ref(grad, inp, bias, activation, *config, need_dbias)
-    dx, dbias = _kernels().activation_backward(
-        grad, inp, bias, activation, *config, need_dbias=need_dbias
-    )
-    return dx, inp.new_empty(0) if dbias is None else dbias
-
-
-def _bwd_fake(inp: Tensor, bias: Tensor | None, need_dbias: bool) -> tuple[Tensor, Tensor]:
-    dbias = inp.new_empty(bias.shape if need_dbias and bias is not None else 0)
-    return inp.new_empty(inp.shape), dbias
-
-
-@activation_bwd.register_fake
-def _activation_bwd_fake(grad, inp, bias, activation, need_dbias):
-    return _bwd_fake(inp, bias, need_dbias)
-
-
-@gated_activation_bwd.register_fake
-def _gated_activation_bwd_fake(grad, inp, bias, activation, k, limit, alpha, offset, need_dbias):
-    return _bwd_fake(inp, bias, need_dbias)
+for _bwd in (activation_bwd, gated_activation_bwd):
+    _bwd.register_kernel("cuda")(_backward_cuda)
+    _bwd.register_fake(_backward_fake)
 
 
 def activation_forward(
@@ -587,34 +582,24 @@ _gated_activation = differentiable(
 # Public functions -----------------------------------------------------------------------------
 
 
-def gelu(inp: Tensor) -> Tensor:
-    """GELU, tanh approximation."""
-    return _elementwise(inp, "gelu")
+def _elementwise(activation: str, doc: str) -> Callable[[Tensor], Tensor]:
+    """The public function of an element-wise activation (``doc``: its math)."""
+
+    def fn(inp: Tensor) -> Tensor:
+        if not isinstance(inp, Tensor):
+            check_tensor(f"te.{activation}", "inp", inp, min_dim=0)
+        return _activation(inp, None, activation)
+
+    fn.__name__ = fn.__qualname__ = activation
+    fn.__doc__ = doc
+    return fn
 
 
-def qgelu(inp: Tensor) -> Tensor:
-    """Quick GELU, ``x * sigmoid(1.702 x)``."""
-    return _elementwise(inp, "qgelu")
-
-
-def relu(inp: Tensor) -> Tensor:
-    return _elementwise(inp, "relu")
-
-
-def srelu(inp: Tensor) -> Tensor:
-    """Squared ReLU, ``relu(x) ** 2``."""
-    return _elementwise(inp, "srelu")
-
-
-def silu(inp: Tensor) -> Tensor:
-    """SiLU (swish), ``x * sigmoid(x)``."""
-    return _elementwise(inp, "silu")
-
-
-def _elementwise(inp: Tensor, activation: str) -> Tensor:
-    if not isinstance(inp, Tensor):
-        check_tensor(f"te.{activation}", "inp", inp, min_dim=0)
-    return _activation(inp, None, activation)
+gelu = _elementwise("gelu", "GELU, tanh approximation.")
+qgelu = _elementwise("qgelu", "Quick GELU, ``x * sigmoid(1.702 x)``.")
+relu = _elementwise("relu", "ReLU, ``max(x, 0)``.")
+srelu = _elementwise("srelu", "Squared ReLU, ``relu(x) ** 2``.")
+silu = _elementwise("silu", "SiLU (swish), ``x * sigmoid(x)``.")
 
 
 def _gated(
@@ -641,34 +626,25 @@ def _gated(
     )
 
 
-def glu(inp: Tensor, glu_interleave_size: int | None = None) -> Tensor:
-    """``sigmoid(a) * l`` over the halves of the last dim (module docstring: layouts)."""
-    return _gated(inp, None, "glu", glu_interleave_size)
+def _glu_variant(activation: str, doc: str) -> Callable[..., Tensor]:
+    """The public function of a gated activation without parameters (``doc``: its math)."""
+
+    def fn(inp: Tensor, glu_interleave_size: int | None = None) -> Tensor:
+        return _gated(inp, None, activation, glu_interleave_size)
+
+    fn.__name__ = fn.__qualname__ = activation
+    fn.__doc__ = doc
+    return fn
 
 
-def geglu(inp: Tensor, glu_interleave_size: int | None = None) -> Tensor:
-    """``gelu(a) * l`` (tanh GELU)."""
-    return _gated(inp, None, "geglu", glu_interleave_size)
-
-
-def qgeglu(inp: Tensor, glu_interleave_size: int | None = None) -> Tensor:
-    """``qgelu(a) * l``."""
-    return _gated(inp, None, "qgeglu", glu_interleave_size)
-
-
-def reglu(inp: Tensor, glu_interleave_size: int | None = None) -> Tensor:
-    """``relu(a) * l``."""
-    return _gated(inp, None, "reglu", glu_interleave_size)
-
-
-def sreglu(inp: Tensor, glu_interleave_size: int | None = None) -> Tensor:
-    """``relu(a)**2 * l``."""
-    return _gated(inp, None, "sreglu", glu_interleave_size)
-
-
-def swiglu(inp: Tensor, glu_interleave_size: int | None = None) -> Tensor:
-    """``silu(a) * l``."""
-    return _gated(inp, None, "swiglu", glu_interleave_size)
+glu = _glu_variant(
+    "glu", "``sigmoid(a) * l`` over the halves of the last dim (module docstring: layouts)."
+)
+geglu = _glu_variant("geglu", "``gelu(a) * l`` (tanh GELU).")
+qgeglu = _glu_variant("qgeglu", "``qgelu(a) * l``.")
+reglu = _glu_variant("reglu", "``relu(a) * l``.")
+sreglu = _glu_variant("sreglu", "``relu(a)**2 * l``.")
+swiglu = _glu_variant("swiglu", "``silu(a) * l``.")
 
 
 def clamped_swiglu(

@@ -156,11 +156,7 @@ def _alibi(slopes: Tensor, rel: Tensor, dtype: torch.dtype) -> Tensor:
 def _heads(x: Tensor, heads: int, dtype: torch.dtype) -> Tensor:
     """``[b, s, hk, d]`` -> ``[b, heads, s, d]`` in ``dtype``, each key/value head serving its
     group of query heads."""
-    b, s, hk, d = x.shape
-    x = x.to(dtype).transpose(1, 2)
-    if hk == heads:
-        return x
-    return x[:, :, None].expand(b, hk, heads // hk, s, d).reshape(b, heads, s, d)
+    return attention_cuda.expand_heads(x.to(dtype), heads).transpose(1, 2)
 
 
 def _scores(a: _Args, rel: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -230,14 +226,6 @@ def _reduce_to(x: Tensor, shape: Sequence[int]) -> Tensor:
     return x.sum(dims, keepdim=True) if dims else x
 
 
-def _sum_groups(dx: Tensor, kv_heads: int) -> Tensor:
-    """``[b, h, s, d]`` gradient of the expanded key/value heads -> ``[b, s, hk, d]``."""
-    b, h, s, d = dx.shape
-    if h != kv_heads:
-        dx = dx.reshape(b, kv_heads, h // kv_heads, s, d).sum(2)
-    return dx.transpose(1, 2)
-
-
 @_no_autocast
 def attention_bwd_ref(
     a: _Args, grad_out: Tensor, saved: list[Tensor], bias_grad: bool, offset_grad: bool
@@ -272,7 +260,8 @@ def attention_bwd_ref(
         sink = a.softmax_offset.to(acc).view(1, -1, 1, 1)
         p_sink = torch.exp(sink - saved[0][..., None].to(acc))
         extra.append(-(p_sink * delta).sum((0, 2, 3)).to(a.softmax_offset.dtype))
-    dk, dv = _sum_groups(dk, hk).to(a.key.dtype), _sum_groups(dv, hk).to(a.value.dtype)
+    dk = attention_cuda.sum_heads(dk.transpose(1, 2), hk).to(a.key.dtype)
+    dv = attention_cuda.sum_heads(dv.transpose(1, 2), hk).to(a.value.dtype)
     return *(_in_layout(x, a.sbhd) for x in (dq.to(a.query.dtype), dk, dv)), extra
 
 
@@ -503,12 +492,7 @@ def _attention_bwd_fake(grad_out, out, saved, *args):
     extra = [a.bias.new_empty(a.bias.shape)] if bias_grad else []
     if offset_grad:
         extra.append(a.softmax_offset.new_empty(a.softmax_offset.shape))
-    return (
-        _empty_out(a.query, a.query.shape[-1], a.sbhd),
-        _empty_out(a.key, a.key.shape[-1], a.sbhd),
-        _empty_out(a.value, a.value.shape[-1], a.sbhd),
-        extra,
-    )
+    return *(_empty_out(x, x.shape[-1], a.sbhd) for x in (a.query, a.key, a.value)), extra
 
 
 # 5. setup_context + autograd ------------------------------------------------------------------

@@ -95,21 +95,17 @@ def normalize_window(
     )
 
 
-def _slope_values(heads: int) -> tuple[float, ...]:
-    """Press et al.'s ALiBi slopes as Transformer Engine computes them: the geometric sequence
-    from 2^(-8/n) for the largest power of two n <= heads, then every other slope of 2n heads."""
+def default_alibi_slopes(heads: int, device: torch.device | str = "cpu") -> Tensor:
+    """The standard ALiBi slopes of ``heads`` heads: float32 ``[heads]`` (a graph constant under
+    ``torch.compile``; no cached device tensor). Press et al.'s slopes as Transformer Engine
+    computes them: the geometric sequence from 2^(-8/n) for the largest power of two n <= heads,
+    then every other slope of 2n heads."""
+    from te_compile.kernels import device_constant
+
     n = 2 ** math.floor(math.log2(heads))
     slopes = [(2.0 ** (-8.0 / n)) ** i for i in range(1, n + 1)]
     slopes += [(2.0 ** (-4.0 / n)) ** i for i in range(1, 2 * (heads - n), 2)]
-    return tuple(slopes)
-
-
-def default_alibi_slopes(heads: int, device: torch.device | str = "cpu") -> Tensor:
-    """The standard ALiBi slopes of ``heads`` heads: float32 ``[heads]`` (a graph constant under
-    ``torch.compile``; no cached device tensor)."""
-    from te_compile.kernels import device_constant
-
-    return device_constant(_slope_values(heads), torch.float32, torch.device(device))
+    return device_constant(tuple(slopes), torch.float32, torch.device(device))
 
 
 def _check_qkv(query, key, value, qkv_format: str) -> None:

@@ -45,7 +45,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.nn.attention import SDPBackend
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["Plan", "backward", "forward", "plan"]
+__all__ = ["Plan", "backward", "expand_heads", "forward", "plan", "sum_heads"]
 
 _HALF = (torch.float16, torch.bfloat16)
 _CUDNN = SDPBackend.CUDNN_ATTENTION.value
@@ -186,16 +186,17 @@ def _pad_last(x: Tensor, size: int) -> Tensor:
     return x if x.shape[-1] == size else F.pad(x, (0, size - x.shape[-1]))
 
 
-def _expand_heads(x: Tensor, heads: int) -> Tensor:
-    """GQA for the mem-efficient kernel (equal head counts): kv head ``j`` serves query heads
-    ``j*g .. j*g+g-1``."""
+def expand_heads(x: Tensor, heads: int) -> Tensor:
+    """GQA as equal head counts (the mem-efficient kernel; the reference math): ``[b, s, hk, d]``
+    -> ``[b, s, heads, d]``, kv head ``j`` serving query heads ``j*g .. j*g+g-1``."""
     b, s, hk, d = x.shape
     if hk == heads:
         return x
     return x[:, :, :, None].expand(b, s, hk, heads // hk, d).reshape(b, s, heads, d)
 
 
-def _sum_heads(dx: Tensor, kv_heads: int) -> Tensor:
+def sum_heads(dx: Tensor, kv_heads: int) -> Tensor:
+    """The inverse's gradient: ``[b, s, h, d]`` summed over each kv head's group of query heads."""
     b, s, h, d = dx.shape
     if h == kv_heads:
         return dx
@@ -249,7 +250,7 @@ def forward(p: Plan, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None,
         out = torch.where(_valid_tokens(cu_seqlens_q, out.shape[0]), out[..., :dv], 0.0)
         return out[None], [lse]
     heads = q.shape[2]
-    kp, vp = _expand_heads(kp, heads), _expand_heads(vp, heads)
+    kp, vp = expand_heads(kp, heads), expand_heads(vp, heads)
     if p.kind == "efficient_varlen":
         out, lse, seed, offset, *_ = torch.ops.aten._efficient_attention_forward(
             qp, kp, vp, None, cu_seqlens_q, cu_kv, max_seqlen_q, max_seqlen_kv, dropout_p,
@@ -311,7 +312,7 @@ def backward(p: Plan, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
         dk, dvv = torch.where(vk, dk[..., :d], 0.0), torch.where(vk, dvv[..., :dv], 0.0)
         return dq[None], dk[None], dvv[None], None
     heads = q.shape[2]
-    kp, vp = _expand_heads(kp, heads), _expand_heads(vp, heads)
+    kp, vp = expand_heads(kp, heads), expand_heads(vp, heads)
     if dropout_p > 0:
         seed, offset = saved[1], saved[2]
     else:  # not read by the kernel without dropout
@@ -323,8 +324,8 @@ def backward(p: Plan, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
         )  # fmt: skip
         vq, vk = _valid_tokens(cu_seqlens_q, dq.shape[1]), _valid_tokens(cu_kv, dk.shape[1])
         dq = torch.where(vq[None], dq[..., :d], 0.0)
-        dk = torch.where(vk[None], _sum_heads(dk, hk)[..., :d], 0.0)
-        dvv = torch.where(vk[None], _sum_heads(dvv, hk)[..., :dv], 0.0)
+        dk = torch.where(vk[None], sum_heads(dk, hk)[..., :d], 0.0)
+        dvv = torch.where(vk[None], sum_heads(dvv, hk)[..., :dv], 0.0)
         return dq, dk, dvv, None
     if row_valid is not None:
         gp = torch.where(row_valid.transpose(1, 2), gp, 0.0)
@@ -332,5 +333,5 @@ def backward(p: Plan, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
         gp, qp, kp, vp, bias, outp, None, None, q.shape[1], k.shape[1], lse, dropout_p, seed,
         offset, max(p.mask_type, 0), bias_grad, scale=scale,
     )  # fmt: skip
-    dk, dvv = _sum_heads(dk, hk), _sum_heads(dvv, hk)
+    dk, dvv = sum_heads(dk, hk), sum_heads(dvv, hk)
     return dq[..., :d], dk[..., :d], dvv[..., :dv], dbias if bias_grad else None

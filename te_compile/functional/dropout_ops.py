@@ -59,10 +59,7 @@ PHILOX_ROUNDS = 10
 def _mulhilo(a: int, b: Tensor) -> tuple[Tensor, Tensor]:
     """``(hi, lo)`` 32-bit words of ``a * b`` for a 32-bit constant ``a`` and int64 ``b`` holding
     32-bit values, from 16-bit halves of ``b`` so that no int64 product overflows."""
-    t_lo = b & 0xFFFF
-    t_hi = b >> 16
-    p_lo = t_lo * a  # < 2^48
-    p_hi = t_hi * a  # < 2^48
+    p_lo, p_hi = (b & 0xFFFF) * a, (b >> 16) * a  # each < 2^48
     mid = p_lo + ((p_hi & 0xFFFF) << 16)  # < 2^49
     return (p_hi >> 16) + (mid >> 32), mid & _MASK32
 

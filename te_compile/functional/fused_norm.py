@@ -26,6 +26,7 @@ from torch import Tensor
 
 from te_compile._checks import check_bool
 from te_compile._library import differentiable, op
+from te_compile._numerics import acc_dtype
 from te_compile.functional.norm import check_norm_args as _check_norm
 from te_compile.functional.norm import (
     check_public_args,
@@ -65,9 +66,8 @@ def _check_branch(inp: Tensor, grad_branch: Tensor) -> None:
 def branch_rmsnorm_fwd(
     inp: Tensor, weight: Tensor, eps: float, zero_centered_gamma: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Returns ``(out, branch, rsigma)``: ``te::rmsnorm_fwd``'s implementation for the device and
-    a copy of ``inp``."""
-    _check_norm("rmsnorm", inp, weight, None, eps)
+    """Returns ``(out, branch, rsigma)``: ``te::rmsnorm_fwd``'s implementation for the device (its
+    checks included) and a copy of ``inp``."""
     out, rsigma = rmsnorm_fwd.eager(inp, weight, eps, zero_centered_gamma)
     return out, inp.clone(memory_format=torch.contiguous_format), rsigma
 
@@ -78,8 +78,7 @@ def branch_rmsnorm_fwd(
 @branch_rmsnorm_fwd.register_fake
 def _branch_rmsnorm_fwd_fake(inp, weight, eps, zero_centered_gamma):
     _check_norm("rmsnorm", inp, weight, None, eps)
-    acc = torch.float64 if inp.dtype == torch.float64 else torch.float32
-    stat = inp.new_empty(inp.shape[:-1], dtype=acc)
+    stat = inp.new_empty(inp.shape[:-1], dtype=acc_dtype(inp))
     return inp.new_empty(inp.shape), inp.new_empty(inp.shape), stat
 
 
@@ -139,14 +138,8 @@ def _backward(ctx, bwd, grad_out, grad_branch, _grad_rsigma):
         grad_out = torch.zeros_like(inp)
     if grad_branch is None:  # the branch was not used
         grad_branch = torch.zeros_like(inp)
-    dinp, dweight = bwd(
-        grad_out.contiguous(),
-        grad_branch.contiguous(),
-        inp,
-        rsigma,
-        weight,
-        ctx.zero_centered_gamma,
-    )
+    grads = grad_out.contiguous(), grad_branch.contiguous()
+    dinp, dweight = bwd(*grads, inp, rsigma, weight, ctx.zero_centered_gamma)
     need_dgrad, need_wgrad = ctx.needs_input_grad[:2]
     return dinp if need_dgrad else None, dweight if need_wgrad else None, None, None
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from te_compile._numerics import div_rn, reciprocal_rn
+from te_compile._numerics import acc_dtype, div_rn, reciprocal_rn
 
 __all__ = [
     "FOUR_OVER_SIX",
@@ -232,32 +232,26 @@ def _four_over_six_errors(xb, amax, g, err_mode: str) -> tuple[Tensor, Tensor, T
 
 
 def _nvfp4_rows(
-    x2: Tensor,
-    g: Tensor,
-    amax: Tensor | None = None,
-    u: Tensor | None = None,
-    four_over_six: str = "",
-    pick: Tensor | None = None,
+    x2: Tensor, g: Tensor, tiles: bool, err_mode: str, pick: Tensor | None, u: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     """NVFP4 of the rows of ``x2`` ``[M, K]`` (K even) with global scale ``g`` (0-dim, or
     broadcastable to ``[M, ceil(K/16)]``: one per row or per block):
-    ``(data [M, K/2] uint8, scale [M, ceil(K/16)] e4m3)``. ``amax``: each block's amax ``[M,
-    ceil(K/16)]`` when not its own (16x16 tiles); ``u``: uniforms ``[M, K]`` for stochastic
-    rounding (:func:`_e2m1_codes`); ``four_over_six``: the error metric (``"MAE"``, ``"MSE"``)
-    of 4over6 block scaling, each block keeping the candidate of lower error (map to 4 when
-    strictly lower, else 6), or ``pick`` (bool ``[M, ceil(K/16)]``, True: map to 4) given."""
+    ``(data [M, K/2] uint8, scale [M, ceil(K/16)] e4m3)``. ``tiles``: each block's amax taken
+    over its 16x16 tile; ``err_mode``: the error metric (``"MAE"``, ``"MSE"``; ``""``: off) of
+    4over6 block scaling, each block keeping the candidate of lower error (map to 4 when
+    strictly lower, else 6), or its tile's choice in ``pick`` (bool ``[ceil(M/16),
+    ceil(K/16)]``, True: map to 4) when given; ``u``: uniforms ``[M, K]`` for stochastic
+    rounding (:func:`_e2m1_codes`)."""
     xb = _blocks(x2, NVFP4_BLOCK)
-    if amax is None:
-        amax = xb.abs().amax(-1)
+    amax = _tile_amaxes(x2) if tiles else xb.abs().amax(-1)
     if g.dim() == 2:
         g = g.expand(amax.shape)
-    if not four_over_six and pick is None:
+    if not err_mode and pick is None:
         ub = None if u is None else _blocks(u, NVFP4_BLOCK)
         codes, scale = _nvfp4_candidate(xb, amax, g, False, ub)
     else:
-        err4, err6, (c4, s4), (c6, s6) = _four_over_six_errors(xb, amax, g, four_over_six or "MAE")
-        if pick is None:
-            pick = err4 < err6
+        err4, err6, (c4, s4), (c6, s6) = _four_over_six_errors(xb, amax, g, err_mode or "MAE")
+        pick = err4 < err6 if pick is None else spread_blocks(pick, 0, x2.shape[0], NVFP4_BLOCK)
         codes = torch.where(pick[..., None], c4, c6)
         scale = torch.where(pick, s4.view(torch.uint8), s6.view(torch.uint8))
         scale = scale.view(torch.float8_e4m3fn)
@@ -284,20 +278,6 @@ def _tile_pick(x2: Tensor, g: Tensor, err_mode: str) -> Tensor:
     return tiles(err4) < tiles(err6)
 
 
-def _expand_tiles(pick: Tensor, rows: int) -> Tensor:
-    return pick.repeat_interleave(NVFP4_BLOCK, 0)[:rows]
-
-
-def _nvfp4_tiled(
-    x2: Tensor, g: Tensor, tiles: bool, err_mode: str, pick: Tensor | None, u: Tensor | None = None
-) -> tuple[Tensor, Tensor]:
-    """:func:`_nvfp4_rows` of ``x2`` with every block's amax taken over its 16x16 tile
-    (``tiles``) and 4over6's choice per tile ``pick`` (bool ``[ceil(M/16), ceil(K/16)]``) when
-    given."""
-    picks = None if pick is None else _expand_tiles(pick, x2.shape[0])
-    return _nvfp4_rows(x2, g, _tile_amaxes(x2) if tiles else None, u, err_mode, picks)
-
-
 def quantize_nvfp4_ref(
     x: Tensor,
     global_amax: Tensor | None = None,
@@ -315,15 +295,13 @@ def quantize_nvfp4_ref(
     x2 = _rows(x)
     pick = _tile_pick(x2.float(), g, err_mode) if tiles and err_mode else None
     skipped = (torch.uint8, torch.float8_e4m3fn)
-    if rowwise:
-        data, scale = _nvfp4_tiled(x2, g, tiles, err_mode, pick)
-        data = data.reshape(*x.shape[:-1], x.shape[-1] // 2)
-    else:
-        data, scale = _skipped(x, *skipped)
+    data, scale = _nvfp4_rows(x2, g, tiles, err_mode, pick) if rowwise else _skipped(x, *skipped)
     pick_t = None if pick is None else pick.t()
     data_t, scale_t = (
-        _nvfp4_tiled(x2.t(), g, tiles, err_mode, pick_t) if columnwise else _skipped(x, *skipped)
+        _nvfp4_rows(x2.t(), g, tiles, err_mode, pick_t) if columnwise else _skipped(x, *skipped)
     )
+    if rowwise:
+        data = data.reshape(*x.shape[:-1], x.shape[-1] // 2)
     return data, scale, g, data_t, scale_t
 
 
@@ -372,7 +350,7 @@ def random_hadamard_transform(x2: Tensor) -> Tensor:
     (entries +-1, ``H[i, j] = (-1)^{popcount(i & j)}``), so ``S H / 4`` is orthogonal. Computed
     in fp32 (fp64 stays fp64) as four add/subtract butterfly stages, no matrix product: the
     same sums on every device, whatever TF32 setting."""
-    acc = torch.float64 if x2.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(x2)
     r, c = x2.shape
     i = torch.arange(NVFP4_BLOCK, device=x2.device)
     mask = sum(1 << j for j, s in enumerate(RHT_SIGNS) if s < 0)
@@ -403,7 +381,7 @@ def _tile_amax(x2: Tensor, tile: int) -> Tensor:
 
 def _tile_amaxes(x2: Tensor) -> Tensor:
     """Each row block's amax ``[M, ceil(K/16)]`` taken over its 16x16 tile (zero-padded)."""
-    return _expand_tiles(_tile_amax(x2, NVFP4_BLOCK), x2.shape[0])
+    return spread_blocks(_tile_amax(x2, NVFP4_BLOCK), 0, x2.shape[0], NVFP4_BLOCK)
 
 
 def parse_four_over_six(spec: str) -> tuple[str, float]:
@@ -490,7 +468,7 @@ def nvfp4_qdq(
         g = nvfp4_global_scale(tensor_amax(x), e4m3_max)
     g_row = _global_scales(_row_amax(x), e4m3_max)[:, None] if row_scaled else g
     pick = _tile_pick(x, g_row, err_mode) if tiles and err_mode else None
-    data, scale = _nvfp4_tiled(x, g_row, tiles, err_mode, pick, u_row)
+    data, scale = _nvfp4_rows(x, g_row, tiles, err_mode, pick, u_row)
     row = _nvfp4_values(data, scale, g_row)
     if not columnwise:
         return row, x.new_empty(0)
@@ -512,5 +490,5 @@ def nvfp4_qdq(
         g_t = g
     if pick is not None:
         pick = _tile_pick(xt, g_t, err_mode) if rht else pick.t()
-    data_t, scale_t = _nvfp4_tiled(xt, g_t, tiles, err_mode, pick, u_col)
+    data_t, scale_t = _nvfp4_rows(xt, g_t, tiles, err_mode, pick, u_col)
     return row, _nvfp4_values(data_t, scale_t, g_t)

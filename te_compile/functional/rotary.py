@@ -361,9 +361,8 @@ def _rotary_bwd_fake(grad, freqs, cu_seqlens, tensor_format, interleaved, cp_siz
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    _t, freqs, cu_seqlens, tensor_format, interleaved, cp_size, cp_rank = inputs
-    ctx.save_for_backward(freqs, cu_seqlens)
-    ctx.config = (tensor_format, interleaved, cp_size, cp_rank)
+    ctx.save_for_backward(*inputs[1:3])  # freqs, cu_seqlens
+    ctx.config = tuple(inputs[3:])  # tensor_format, interleaved, cp_size, cp_rank
 
 
 def _backward(ctx, bwd, grad):
