@@ -440,7 +440,7 @@ def _attention_fwd_fake(*args):
 # 4. Backward op -------------------------------------------------------------------------------
 
 
-def _efficient_bwd_on_cuda(grad_out, out, saved, *args) -> str | None:
+def _efficient_bwd_on_cuda(grad_out, saved, *args) -> str | None:
     """``kept_whole`` of ``te::attention_bwd``: the calls that run the memory-efficient kernel's
     backward stay one opaque call under compile (why: ``docs/op_mechanism.md``)."""
     a = _Args(*args[:-2])
@@ -450,8 +450,8 @@ def _efficient_bwd_on_cuda(grad_out, out, saved, *args) -> str | None:
 
 
 @op("attention_bwd", kept_whole=_efficient_bwd_on_cuda)
-def attention_bwd(grad_out: Tensor, out: Tensor, saved: list[Tensor], query: Tensor,
-                  key: Tensor, value: Tensor, bias: Tensor | None, alibi_slopes: Tensor | None,
+def attention_bwd(grad_out: Tensor, saved: list[Tensor], query: Tensor, key: Tensor,
+                  value: Tensor, bias: Tensor | None, alibi_slopes: Tensor | None,
                   q_padding: Tensor | None, kv_padding: Tensor | None, mask: Tensor | None,
                   cu_seqlens_q: Tensor | None, cu_seqlens_kv: Tensor | None,
                   rng_state: Tensor | None, softmax_offset: Tensor | None, scale: float,
@@ -459,20 +459,21 @@ def attention_bwd(grad_out: Tensor, out: Tensor, saved: list[Tensor], query: Ten
                   max_seqlen_q: int, max_seqlen_kv: int, sbhd: bool, bias_grad: bool,
                   offset_grad: bool) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:  # fmt: skip
     """``(dq, dk, dv, extra)``: ``extra`` holds ``d bias`` when ``bias_grad``, then
-    ``d softmax_offset`` when ``offset_grad``; the forward's arguments follow ``grad_out``,
-    ``out`` and ``saved``. CPU implementation: the reference math (``out`` is for the fused
-    kernels)."""
+    ``d softmax_offset`` when ``offset_grad``. ``saved``: the forward's ``out`` (what the fused
+    kernels' backward reads), then its ``saved``; the forward's arguments follow. CPU
+    implementation: the reference math."""
     a = _Args(query, key, value, bias, alibi_slopes, q_padding, kv_padding, mask, cu_seqlens_q,
               cu_seqlens_kv, rng_state, softmax_offset, scale, window_left, window_right,
               bottom_right, dropout_p, max_seqlen_q, max_seqlen_kv, sbhd)  # fmt: skip
-    return attention_bwd_ref(a, grad_out, saved, bias_grad, offset_grad)
+    return attention_bwd_ref(a, grad_out, saved[1:], bias_grad, offset_grad)
 
 
 @attention_bwd.register_kernel("cuda")
-def _attention_bwd_cuda(grad_out, out, saved, *args):
+def _attention_bwd_cuda(grad_out, saved, *args):
     """CUDA only: the backward of the forward's kernel (the same plan, from the same args)."""
     a, bias_grad, offset_grad = _Args(*args[:-2]), args[-2], args[-1]
     plan = _plan(a)
+    out, saved = saved[0], saved[1:]
     if plan.kind == "math":
         return attention_bwd_ref(a, grad_out, saved, bias_grad, offset_grad)
     bias, row = _kernel_bias(a) if plan.uses_bias else (None, None)
@@ -487,7 +488,7 @@ def _attention_bwd_cuda(grad_out, out, saved, *args):
 
 
 @attention_bwd.register_fake
-def _attention_bwd_fake(grad_out, out, saved, *args):
+def _attention_bwd_fake(grad_out, saved, *args):
     a, bias_grad, offset_grad = _Args(*args[:-2]), args[-2], args[-1]
     extra = [a.bias.new_empty(a.bias.shape)] if bias_grad else []
     if offset_grad:
@@ -507,11 +508,11 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, bwd, grad_out, _grad_saved):
     out, *tensors = ctx.saved_tensors
-    args, saved = tensors[:_N_TENSORS], tensors[_N_TENSORS:]
+    args, saved = tensors[:_N_TENSORS], [out, *tensors[_N_TENSORS:]]
     need = ctx.needs_input_grad
     bias_grad = args[3] is not None and need[3]
     offset_grad = args[11] is not None and need[11]
-    dq, dk, dv, extra = bwd(grad_out, out, saved, *args, *ctx.scalars, bias_grad, offset_grad)
+    dq, dk, dv, extra = bwd(grad_out, saved, *args, *ctx.scalars, bias_grad, offset_grad)
     grads = [g if n else None for g, n in zip((dq, dk, dv), need[:3], strict=True)]
     grads += [None] * (len(need) - 3)
     if bias_grad:
