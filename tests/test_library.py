@@ -125,6 +125,24 @@ def test_list_ops_names():
     assert names == sorted(names)
 
 
+GEMM_FAMILIES = ("linear", "mlp", "grouped_linear")
+
+
+def test_op_schemas_stay_readable():
+    """A person calling ``torch.ops.te.*`` reads the schema: at most 24 arguments per op, 20
+    per GEMM family op (the recipe travels as one spec string per operand role,
+    docs/op_mechanism.md)."""
+    widths = {}
+    for name in te.list_ops():
+        overload = getattr(torch.ops.te, name.removeprefix("te::")).default
+        widths[name] = len(overload._schema.arguments)
+    assert len(widths) > 30
+    too_wide = {n: w for n, w in widths.items() if w > 24}
+    gemm = [f"te::{f}_{d}" for f in GEMM_FAMILIES for d in ("fwd", "bwd")]
+    too_wide |= {n: widths[n] for n in gemm if widths[n] > 20}
+    assert not too_wide, too_wide
+
+
 def test_explained_training_step_sees_no_more_graphs_than_plain_pytorch():
     """A step that calls ``loss.backward()`` breaks the graph there; the eager backward that
     follows runs our ops' Python backward, which dynamo must not trace as graphs of its own
