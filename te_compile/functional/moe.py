@@ -68,16 +68,21 @@ def make_row_id_map(routing_map: Tensor, num_out_tokens: int, map_type: str) -> 
 
 
 def inverse_map(row_id_map: Tensor, rows: int) -> tuple[Tensor, Tensor]:
-    """For each of ``rows`` permuted rows: its token and slot (int64), -1 for a row no slot
-    points at. Each row is pointed at by at most one slot."""
+    """For each of ``rows`` permuted rows: its token and its slot's flat index ``t * S + s`` in
+    the map (int64), -1 for a row no slot points at. Each row is pointed at by at most one
+    slot."""
     tokens, slots = row_id_map.shape
     dest = row_id_map.reshape(-1).to(torch.int64)
     where = torch.where(dest >= 0, dest, rows)  # a spare row takes the empty slots
     flat = torch.full((rows + 1,), -1, dtype=torch.int64, device=row_id_map.device)
     flat[where] = torch.arange(tokens * slots, device=row_id_map.device)
     flat = flat[:rows]
-    found = flat >= 0
-    return torch.where(found, flat // max(slots, 1), -1), torch.where(found, flat % slots, -1)
+    return torch.where(flat >= 0, flat // max(slots, 1), -1), flat
+
+
+def _pick(values: Tensor, index: Tensor) -> Tensor:
+    """``values.flatten()[index]``, 0 where ``index < 0``, in ``values``' dtype."""
+    return torch.where(index >= 0, values.reshape(-1)[index.clamp(min=0)], 0).to(values.dtype)
 
 
 def _gather_ref(x: Tensor, index: Tensor, weight: Tensor | None) -> Tensor:
@@ -92,16 +97,13 @@ def _gather_ref(x: Tensor, index: Tensor, weight: Tensor | None) -> Tensor:
 def _combine_ref(x: Tensor, row_id_map: Tensor, weight: Tensor | None) -> Tensor:
     """``out[t] = sum_s weight[t, s] * x[row_id_map[t, s]]`` (the routed slots), in fp32,
     rounded once; through the inverse map, one ``index_add_`` of the rows of ``x``."""
-    acc = acc_dtype(x)
     tokens = row_id_map.shape[0]
-    token, slot = inverse_map(row_id_map, x.shape[0])
-    ok = token >= 0
-    xs = x.to(acc)
+    token, flat = inverse_map(row_id_map, x.shape[0])
+    xs = x.to(acc_dtype(x))
     if weight is not None:
-        w = weight.to(acc)[token.clamp(min=0), slot.clamp(min=0)]
-        xs = xs * torch.where(ok, w, 0.0)[:, None]
+        xs = xs * _pick(weight.to(xs.dtype), flat)[:, None]
     out = xs.new_zeros((tokens + 1, x.shape[1]))
-    out = out.index_add(0, torch.where(ok, token, tokens), xs)
+    out = out.index_add(0, torch.where(token >= 0, token, tokens), xs)
     return out[:tokens].to(x.dtype)
 
 
@@ -128,14 +130,10 @@ def moe_permute_ref(
     (``[num_out_tokens]``, 0 elements without ``probs``). Differentiable by autograd. (The ops
     pass ``gather``: the Triton kernel on CUDA.)"""
     row_id_map = make_row_id_map(routing_map, num_out_tokens, map_type)
-    token, slot = inverse_map(row_id_map, num_out_tokens)
-    t, s = token.clamp(min=0), slot.clamp(min=0)
-    mask = _pad_mask(probs)
-    out = gather(inp, token, None if mask is None else mask[t, s])
+    token, flat = inverse_map(row_id_map, num_out_tokens)
     if probs is None:
-        return out, row_id_map, inp.new_empty((0,))
-    permuted = torch.where(token >= 0, probs[t, s], 0.0).to(probs.dtype)
-    return out, row_id_map, permuted
+        return gather(inp, token, None), row_id_map, inp.new_empty((0,))
+    return gather(inp, token, _pick(_pad_mask(probs), flat)), row_id_map, _pick(probs, flat)
 
 
 def moe_permute_bwd_ref(
@@ -153,8 +151,7 @@ def moe_permute_bwd_ref(
         return grad_inp, grad.new_empty((0,))
     if grad_probs is None:
         return grad_inp, torch.zeros_like(probs)
-    picked = grad_probs[row_id_map.clamp(min=0).to(torch.int64)]
-    return grad_inp, torch.where(row_id_map >= 0, picked, 0.0).to(probs.dtype)
+    return grad_inp, _pick(grad_probs, row_id_map.to(torch.int64)).to(probs.dtype)
 
 
 def moe_unpermute_ref(
@@ -195,18 +192,15 @@ def moe_unpermute_bwd_ref(
     """Gradients of :func:`moe_unpermute_ref` for ``inp [rows, H]`` and ``merging_probs``:
     ``d inp[r] = p[t, s] * grad[t]`` for the slot ``(t, s)`` of row ``r``, and
     ``d p[t, s] = <grad[t], inp[row_id_map[t, s]]>`` (fp32 dots)."""
-    token, slot = inverse_map(row_id_map, rows)
-    t, s = token.clamp(min=0), slot.clamp(min=0)
-    weight = None if merging_probs is None else merging_probs[t, s]
+    token, flat = inverse_map(row_id_map, rows)
+    weight = None if merging_probs is None else _pick(merging_probs, flat)
     if merging_probs is None or inp is None:
         return gather(grad, token, weight), grad.new_empty((0,))
     grad_inp, dots = gather_dot(grad, token, weight, inp)
-    # Each row's dot to its slot (token, slot); the rows with no slot to a spare element.
-    tokens, slots = merging_probs.shape
-    ok = token >= 0
-    where = torch.where(ok, token * slots + slot, tokens * slots)
-    flat = dots.new_zeros((tokens * slots + 1,)).index_put((where,), torch.where(ok, dots, 0.0))
-    return grad_inp, flat[: tokens * slots].view(tokens, slots).to(merging_probs.dtype)
+    # Each row's dot to its slot; the rows with no slot to a spare element.
+    n = merging_probs.numel()
+    grad_p = dots.new_zeros((n + 1,)).index_put((torch.where(flat >= 0, flat, n),), dots)
+    return grad_inp, grad_p[:n].view_as(merging_probs).to(merging_probs.dtype)
 
 
 def chunk_sort_map(split_sizes: Tensor, sorted_index: Tensor, rows: int) -> Tensor:
@@ -226,8 +220,10 @@ def chunk_sort_map(split_sizes: Tensor, sorted_index: Tensor, rows: int) -> Tens
     return torch.where(src < rows, src, -1)
 
 
-def _gather_probs(probs: Tensor, index: Tensor) -> Tensor:
-    return torch.where(index >= 0, probs[index.clamp(min=0)], 0.0).to(probs.dtype)
+def _move_rows(x: Tensor, probs: Tensor | None, index: Tensor, gather: Mover):
+    """Rows ``x[index]`` and entries ``probs[index]`` (0 elements without), 0 where
+    ``index < 0``."""
+    return gather(x, index, None), (x.new_empty((0,)) if probs is None else _pick(probs, index))
 
 
 def moe_sort_chunks_ref(
@@ -240,9 +236,7 @@ def moe_sort_chunks_ref(
 ) -> tuple[Tensor, Tensor]:
     """The chunks of ``inp`` (and ``probs``) in the order ``sorted_index``; probabilities 0
     elements without ``probs``. Differentiable by autograd."""
-    src = chunk_sort_map(split_sizes, sorted_index, inp.shape[0])
-    out = gather(inp, src, None)
-    return out, (inp.new_empty((0,)) if probs is None else _gather_probs(probs, src))
+    return _move_rows(inp, probs, chunk_sort_map(split_sizes, sorted_index, inp.shape[0]), gather)
 
 
 def moe_sort_chunks_bwd_ref(
@@ -256,10 +250,7 @@ def moe_sort_chunks_bwd_ref(
     """Gradients of :func:`moe_sort_chunks_ref`: the inverse row permutation."""
     src = chunk_sort_map(split_sizes, sorted_index, grad.shape[0])
     dest = inverse_map(src[:, None], grad.shape[0])[0]  # dest[src[j]] = j, -1 where none reads
-    grad_inp = gather(grad, dest, None)
-    return grad_inp, (
-        grad.new_empty((0,)) if grad_probs is None else _gather_probs(grad_probs, dest)
-    )
+    return _move_rows(grad, grad_probs, dest, gather)
 
 
 _kernels = functools.partial(submodule, "moe")  # Triton: imported on first CUDA use
