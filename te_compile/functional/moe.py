@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from te_compile._checks import check_choice
 from te_compile._library import SampleInput, differentiable, op
 from te_compile._numerics import acc_dtype
 from te_compile.functional.moe_args import (
@@ -94,9 +95,10 @@ def _gather_ref(x: Tensor, index: Tensor, weight: Tensor | None) -> Tensor:
     return (rows * w[:, None]).to(x.dtype)
 
 
-def _combine_ref(x: Tensor, row_id_map: Tensor, weight: Tensor | None) -> Tensor:
-    """``out[t] = sum_s weight[t, s] * x[row_id_map[t, s]]`` (the routed slots), in fp32,
-    rounded once; through the inverse map, one ``index_add_`` of the rows of ``x``."""
+def moe_unpermute_ref(x: Tensor, row_id_map: Tensor, weight: Tensor | None) -> Tensor:
+    """``[T, H]``: ``out[t] = sum_s weight[t, s] * x[row_id_map[t, s]]`` (the routed slots), in
+    fp32, rounded once; through the inverse map, one ``index_add_`` of the rows of ``x``.
+    Differentiable."""
     tokens = row_id_map.shape[0]
     token, flat = inverse_map(row_id_map, x.shape[0])
     xs = x.to(acc_dtype(x))
@@ -142,7 +144,7 @@ def moe_permute_bwd_ref(
     row_id_map: Tensor,
     probs: Tensor | None,
     *,
-    combine: Mover = _combine_ref,
+    combine: Mover = moe_unpermute_ref,
 ) -> tuple[Tensor, Tensor]:
     """Gradients of :func:`moe_permute_ref` for ``inp`` and ``probs`` (0 elements without):
     each routed slot of ``probs`` reads its row's gradient."""
@@ -152,17 +154,6 @@ def moe_permute_bwd_ref(
     if grad_probs is None:
         return grad_inp, torch.zeros_like(probs)
     return grad_inp, _pick(grad_probs, row_id_map.to(torch.int64)).to(probs.dtype)
-
-
-def moe_unpermute_ref(
-    inp: Tensor,
-    row_id_map: Tensor,
-    merging_probs: Tensor | None,
-    *,
-    combine: Mover = _combine_ref,
-) -> Tensor:
-    """``[T, H]``: each token's rows summed, weighted by ``merging_probs``. Differentiable."""
-    return combine(inp, row_id_map, merging_probs)
 
 
 def _gather_dot_ref(
@@ -175,10 +166,6 @@ def _gather_dot_ref(
     return _gather_ref(grad, token, weight), dots
 
 
-# A row mover that also takes each gathered row's dot with a second tensor's row.
-DotMover = Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
-
-
 def moe_unpermute_bwd_ref(
     grad: Tensor,
     inp: Tensor | None,
@@ -187,7 +174,7 @@ def moe_unpermute_bwd_ref(
     rows: int,
     *,
     gather: Mover = _gather_ref,
-    gather_dot: DotMover = _gather_dot_ref,
+    gather_dot: Callable[..., tuple[Tensor, Tensor]] = _gather_dot_ref,
 ) -> tuple[Tensor, Tensor]:
     """Gradients of :func:`moe_unpermute_ref` for ``inp [rows, H]`` and ``merging_probs``:
     ``d inp[r] = p[t, s] * grad[t]`` for the slot ``(t, s)`` of row ``r``, and
@@ -297,9 +284,9 @@ def _gather_dot(grad: Tensor, token: Tensor, weight: Tensor, inp: Tensor) -> tup
 
 
 def _combine(x: Tensor, row_id_map: Tensor, weight: Tensor | None) -> Tensor:
-    """:func:`_combine_ref` with the Triton kernel on CUDA."""
+    """:func:`moe_unpermute_ref` with the Triton kernel on CUDA."""
     if not _on_triton(x):
-        return _combine_ref(x, row_id_map, weight)
+        return moe_unpermute_ref(x, row_id_map, weight)
     w = None if weight is None else weight.to(torch.float32)
     if row_id_map.shape[1] <= _COMPACT_SLOTS:
         return _kernels().gather_sum(x, row_id_map, w)
@@ -323,10 +310,9 @@ def moe_permute_fwd(
 @moe_permute_fwd.register_fake
 def _moe_permute_fwd_fake(inp, routing_map, probs, num_out_tokens, map_type):
     check_permute_args(inp, routing_map, probs, num_out_tokens, map_type)
-    out = inp.new_empty((num_out_tokens, inp.shape[1]))
     row_id_map = routing_map.new_empty(routing_map.shape, dtype=torch.int32)
     permuted = inp.new_empty((0,)) if probs is None else probs.new_empty((num_out_tokens,))
-    return out, row_id_map, permuted
+    return inp.new_empty((num_out_tokens, inp.shape[1])), row_id_map, permuted
 
 
 @op("moe_permute_bwd")
@@ -394,7 +380,7 @@ _moe_permute = differentiable(
 def moe_unpermute_fwd(inp: Tensor, row_id_map: Tensor, merging_probs: Tensor | None) -> Tensor:
     """Each token's permuted rows summed, weighted by ``merging_probs``."""
     check_unpermute_args(inp, row_id_map, merging_probs)
-    return moe_unpermute_ref(inp, row_id_map, merging_probs, combine=_combine)
+    return _combine(inp, row_id_map, merging_probs)
 
 
 @moe_unpermute_fwd.register_fake
@@ -595,8 +581,7 @@ def moe_unpermute(
         if merging_probs is not None:
             fail(prefix, "give merging_probs or its old name probs, not both")
         merging_probs = probs
-    if map_type not in MAP_TYPES:
-        fail(prefix, f"map_type must be one of {MAP_TYPES}, got {map_type!r}")
+    check_choice(prefix, "map_type", map_type, MAP_TYPES)
     check_unpermute_args(inp, row_id_map, merging_probs, prefix)
     shape = (row_id_map.shape[0], inp.shape[1])
     if restore_shape is not None and tuple(restore_shape) != shape:

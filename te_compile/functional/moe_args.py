@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from te_compile._checks import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
+from te_compile._checks import FLOAT_DTYPES, INDEX_DTYPES, check_choice, check_tensor
 
 __all__ = [
     "MAP_TYPES",
@@ -55,8 +55,7 @@ def check_permute_args(
     prefix: str = "te.moe_permute",
 ) -> None:
     """Shapes, dtypes and scalars of a permute (the same message in eager and at trace time)."""
-    if map_type not in MAP_TYPES:
-        fail(prefix, f"map_type must be one of {MAP_TYPES}, got {map_type!r}")
+    check_choice(prefix, "map_type", map_type, MAP_TYPES)
     _check_float(prefix, "inp", inp, 2)
     allowed = _MASK_DTYPES if map_type == "mask" else INDEX_DTYPES
     if routing_map.dtype not in allowed:
@@ -148,8 +147,7 @@ def num_out(prefix: str, inp: Tensor, routing_map: Tensor, num_out_tokens, map_t
     """``num_out_tokens`` resolved: for indices, ``T * K`` when not positive (None, -1, 0: as
     Transformer Engine reads it); the mask needs it (0 is 0 rows there)."""
     n = int_arg(prefix, "num_out_tokens", num_out_tokens, -1)
-    if map_type not in MAP_TYPES:
-        fail(prefix, f"map_type must be one of {MAP_TYPES}, got {map_type!r}")
+    check_choice(prefix, "map_type", map_type, MAP_TYPES)
     if routing_map.dim() != 2:
         return n
     if map_type == "index":
