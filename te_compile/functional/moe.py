@@ -226,20 +226,6 @@ def moe_sort_chunks_ref(
     return _move_rows(inp, probs, chunk_sort_map(split_sizes, sorted_index, inp.shape[0]), gather)
 
 
-def moe_sort_chunks_bwd_ref(
-    grad: Tensor,
-    grad_probs: Tensor | None,
-    split_sizes: Tensor,
-    sorted_index: Tensor,
-    *,
-    gather: Mover = _gather_ref,
-) -> tuple[Tensor, Tensor]:
-    """Gradients of :func:`moe_sort_chunks_ref`: the inverse row permutation."""
-    src = chunk_sort_map(split_sizes, sorted_index, grad.shape[0])
-    dest = inverse_map(src[:, None], grad.shape[0])[0]  # dest[src[j]] = j, -1 where none reads
-    return _move_rows(grad, grad_probs, dest, gather)
-
-
 _kernels = functools.partial(submodule, "moe")  # Triton: imported on first CUDA use
 
 
@@ -330,8 +316,7 @@ def _moe_permute_bwd_fake(grad, grad_probs, row_id_map, probs):
 
 
 def _permute_setup(ctx, inputs, output) -> None:
-    _inp, _routing_map, probs, _num_out, _map_type = inputs
-    ctx.save_for_backward(output[1], probs)
+    ctx.save_for_backward(output[1], inputs[2])  # row_id_map, probs
 
 
 def _permute_backward(ctx, bwd, grad, _grad_map, grad_probs):
@@ -472,7 +457,9 @@ def moe_sort_chunks_bwd(
 ) -> tuple[Tensor, Tensor]:
     """Gradients of ``te::moe_sort_chunks_fwd``: the inverse row permutation of ``grad`` (and
     of ``grad_probs``, 0 elements without)."""
-    return moe_sort_chunks_bwd_ref(grad, grad_probs, split_sizes, sorted_index, gather=_gather)
+    src = chunk_sort_map(split_sizes, sorted_index, grad.shape[0])
+    dest = inverse_map(src[:, None], grad.shape[0])[0]  # dest[src[j]] = j, -1 where none reads
+    return _move_rows(grad, grad_probs, dest, _gather)
 
 
 @moe_sort_chunks_bwd.register_fake
@@ -481,17 +468,15 @@ def _moe_sort_chunks_bwd_fake(grad, grad_probs, split_sizes, sorted_index):
 
 
 def _sort_setup(ctx, inputs, output) -> None:
-    _inp, split_sizes, sorted_index, probs = inputs
-    ctx.save_for_backward(split_sizes, sorted_index)
-    ctx.has_probs = probs is not None
+    ctx.save_for_backward(inputs[1], inputs[2])  # split_sizes, sorted_index
 
 
 def _sort_backward(ctx, bwd, grad, grad_probs):
-    split_sizes, sorted_index = ctx.saved_tensors
-    if not ctx.has_probs or (grad_probs is not None and grad_probs.numel() == 0):
+    # Without probs the probabilities' output has 0 elements: its gradient too, or None.
+    if grad_probs is not None and grad_probs.numel() == 0:
         grad_probs = None
-    grad_inp, grad_p = bwd(grad, grad_probs, split_sizes, sorted_index)
-    return grad_inp, None, None, (grad_p if ctx.has_probs and grad_probs is not None else None)
+    grad_inp, grad_p = bwd(grad, grad_probs, *ctx.saved_tensors)
+    return grad_inp, None, None, (grad_p if grad_probs is not None else None)
 
 
 def _sort_samples(device: torch.device):
