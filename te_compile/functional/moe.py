@@ -519,7 +519,7 @@ def moe_permute(
     module docstring."""
     prefix = "te.moe_permute"
     check_tensor_args(prefix, inp=inp, routing_map=routing_map)
-    int_arg(prefix, "max_token_num", max_token_num, -1)
+    int_arg(prefix, "max_token_num", max_token_num)
     n = num_out(prefix, inp, routing_map, num_out_tokens, map_type)
     check_permute_args(inp, routing_map, None, n, map_type, prefix)
     out, row_id_map, _ = _moe_permute(inp, routing_map, None, n, map_type)
