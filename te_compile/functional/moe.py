@@ -520,7 +520,7 @@ def moe_permute(
     prefix = "te.moe_permute"
     check_tensor_args(prefix, inp=inp, routing_map=routing_map)
     int_arg(prefix, "max_token_num", max_token_num)
-    n = num_out(prefix, inp, routing_map, num_out_tokens, map_type)
+    n = num_out(prefix, routing_map, num_out_tokens, map_type)
     check_permute_args(inp, routing_map, None, n, map_type, prefix)
     out, row_id_map, _ = _moe_permute(inp, routing_map, None, n, map_type)
     return out, row_id_map
@@ -534,7 +534,7 @@ def moe_permute_with_probs(
     (padding) gives a zero row."""
     prefix = "te.moe_permute_with_probs"
     check_tensor_args(prefix, inp=inp, probs=probs, routing_map=routing_map)
-    n = num_out(prefix, inp, routing_map, num_out_tokens, "mask")
+    n = num_out(prefix, routing_map, num_out_tokens, "mask")
     check_permute_args(inp, routing_map, probs, n, "mask", prefix)
     out, row_id_map, permuted_probs = _moe_permute(inp, routing_map, probs, n, "mask")
     return out, permuted_probs, row_id_map

@@ -132,7 +132,7 @@ def check_tensor_args(prefix: str, optional: tuple[str, ...] = (), **tensors: ob
             check_tensor(prefix, name, t, floating=False, min_dim=0)
 
 
-def num_out(prefix: str, inp: Tensor, routing_map: Tensor, num_out_tokens, map_type: str) -> int:
+def num_out(prefix: str, routing_map: Tensor, num_out_tokens, map_type: str) -> int:
     """``num_out_tokens`` resolved: for indices, ``T * K`` when not positive (None, -1, 0: as
     Transformer Engine reads it); the mask needs it (0 is 0 rows there)."""
     n = int_arg(prefix, "num_out_tokens", num_out_tokens)
