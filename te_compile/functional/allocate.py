@@ -64,37 +64,31 @@ def _default_device() -> torch.device:
 
 def _bulk_allocate_fake(dims, ranks, dtypes, device, alignments, zero=False):
     """Fresh, independent tensors of the requested shapes; checks what the C++ kernel checks."""
-    torch._check_value(
-        len(dtypes) == len(ranks) and len(alignments) == len(ranks),
-        lambda: (
+    if len(dtypes) != len(ranks) or len(alignments) != len(ranks):
+        raise ValueError(
             "te::bulk_allocate: ranks, dtypes and alignments need one entry per tensor, "
             f"got lengths {len(ranks)}, {len(dtypes)} and {len(alignments)}"
-        ),
-    )
-    torch._check_value(
-        all(r >= 0 for r in ranks), lambda: f"te::bulk_allocate: negative entry in ranks {ranks}"
-    )
-    torch._check_value(
-        sum(ranks) == len(dims),
-        lambda: f"te::bulk_allocate: ranks sum to {sum(ranks)} but dims has {len(dims)} entries",
-    )
+        )
+    if any(r < 0 for r in ranks):
+        raise ValueError(f"te::bulk_allocate: negative entry in ranks {ranks}")
+    if sum(ranks) != len(dims):
+        raise ValueError(
+            f"te::bulk_allocate: ranks sum to {sum(ranks)} but dims has {len(dims)} entries"
+        )
     out = []
     start = 0
     for i, (rank, name, alignment) in enumerate(zip(ranks, dtypes, alignments, strict=True)):
         dtype = getattr(torch, name, None)
-        torch._check_value(
-            isinstance(dtype, torch.dtype),
-            lambda i=i, name=name: (
-                f'te::bulk_allocate: dtypes[{i}] = "{name}" is not a dtype '
-                'name (expected e.g. "float32")'
-            ),
-        )
-        torch._check_value(
-            alignment > 0 and alignment & (alignment - 1) == 0,
-            lambda i=i, a=alignment: (
-                f"te::bulk_allocate: alignments[{i}] must be a positive power of two, got {a}"
-            ),
-        )
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(
+                f'te::bulk_allocate: dtypes[{i}] = "{name}" is not a dtype name (expected e.g. '
+                '"float32")'
+            )
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(
+                f"te::bulk_allocate: alignments[{i}] must be a positive power of two, got "
+                f"{alignment}"
+            )
         shape = dims[start : start + rank]
         start += rank
         for d in shape:

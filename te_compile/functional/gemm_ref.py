@@ -8,7 +8,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-# The definition of every kind's GEMM ----------------------------------------------------------
 from te_compile.functional.gemm import PER_TENSOR, qdq_both, quantize_per_tensor, scale_slots
 from te_compile.functional.spec import QuantSpec, as_specs
 

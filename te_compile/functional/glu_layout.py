@@ -39,15 +39,11 @@ def _check_args(fn: str, tensor: Tensor, interleave_size: int, dim: int) -> int:
     """``dim`` made non-negative, after checking the arguments; ValueError naming the argument."""
     if not isinstance(tensor, Tensor):
         raise TypeError(f"{fn}: tensor must be a torch.Tensor, got {type(tensor).__name__}")
-    if isinstance(interleave_size, bool) or not isinstance(interleave_size, int):
-        raise ValueError(
-            f"{fn}: interleave_size must be an int, got {type(interleave_size).__name__} "
-            f"{interleave_size!r}"
-        )
+    for name, value in (("interleave_size", interleave_size), ("dim", dim)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{fn}: {name} must be an int, got {type(value).__name__} {value!r}")
     if interleave_size <= 0:
         raise ValueError(f"{fn}: interleave_size must be positive, got {interleave_size}")
-    if isinstance(dim, bool) or not isinstance(dim, int):
-        raise ValueError(f"{fn}: dim must be an int, got {type(dim).__name__} {dim!r}")
     rank = tensor.dim()
     if rank == 0:
         raise ValueError(
@@ -69,12 +65,14 @@ def _check_args(fn: str, tensor: Tensor, interleave_size: int, dim: int) -> int:
     return d
 
 
-def _swap_blocks(tensor: Tensor, d: int, outer: tuple[int, int], k: int) -> Tensor:
-    """View dim ``d`` as ``[*outer, k]``, swap the two outer factors, copy back to one dim."""
-    shape = tensor.shape
-    blocks = tensor.unflatten(d, (*outer, k)).transpose(d, d + 1)
+def _swap_blocks(fn: str, tensor: Tensor, k: int, dim: int, interleave: bool) -> Tensor:
+    """View the GLU dim as ``[2, H / k, k]`` (contiguous halves) or ``[H / k, 2, k]``
+    (interleaved), swap the two outer factors, copy back to one dim."""
+    d = _check_args(fn, tensor, k, dim)
+    outer = (2, tensor.shape[d] // (2 * k))
+    blocks = tensor.unflatten(d, (*(outer if interleave else outer[::-1]), k)).transpose(d, d + 1)
     # clone, not contiguous(): always a new tensor, also where the swap is a no-op (k = H).
-    return blocks.clone(memory_format=torch.contiguous_format).view(shape)
+    return blocks.clone(memory_format=torch.contiguous_format).view(tensor.shape)
 
 
 def interleave_glu_tensor(tensor: Tensor, interleave_size: int, dim: int = 0) -> Tensor:
@@ -83,9 +81,7 @@ def interleave_glu_tensor(tensor: Tensor, interleave_size: int, dim: int = 0) ->
 
     ``tensor.shape[dim]`` (2H) must be divisible by ``2 * interleave_size``; other dims are kept.
     Returns a new contiguous tensor of the same shape, dtype and device."""
-    d = _check_args("interleave_glu_tensor", tensor, interleave_size, dim)
-    h = tensor.shape[d] // 2
-    return _swap_blocks(tensor, d, (2, h // interleave_size), interleave_size)
+    return _swap_blocks("interleave_glu_tensor", tensor, interleave_size, dim, interleave=True)
 
 
 def deinterleave_glu_tensor(tensor: Tensor, interleave_size: int, dim: int = 0) -> Tensor:
@@ -93,6 +89,4 @@ def deinterleave_glu_tensor(tensor: Tensor, interleave_size: int, dim: int = 0) 
     along ``dim`` back to contiguous halves ``[W_0 .. W_{H-1}, V_0 .. V_{H-1}]``.
 
     Same requirements and result (a new contiguous tensor) as :func:`interleave_glu_tensor`."""
-    d = _check_args("deinterleave_glu_tensor", tensor, interleave_size, dim)
-    h = tensor.shape[d] // 2
-    return _swap_blocks(tensor, d, (h // interleave_size, 2), interleave_size)
+    return _swap_blocks("deinterleave_glu_tensor", tensor, interleave_size, dim, interleave=False)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from te_compile._checks import check_choice
 from te_compile._library import SampleInput, differentiable, op
 from te_compile._numerics import acc_dtype
 from te_compile.functional.moe_args import (
@@ -68,16 +69,21 @@ def make_row_id_map(routing_map: Tensor, num_out_tokens: int, map_type: str) -> 
 
 
 def inverse_map(row_id_map: Tensor, rows: int) -> tuple[Tensor, Tensor]:
-    """For each of ``rows`` permuted rows: its token and slot (int64), -1 for a row no slot
-    points at. Each row is pointed at by at most one slot."""
+    """For each of ``rows`` permuted rows: its token and its slot's flat index ``t * S + s`` in
+    the map (int64), -1 for a row no slot points at. Each row is pointed at by at most one
+    slot."""
     tokens, slots = row_id_map.shape
     dest = row_id_map.reshape(-1).to(torch.int64)
     where = torch.where(dest >= 0, dest, rows)  # a spare row takes the empty slots
     flat = torch.full((rows + 1,), -1, dtype=torch.int64, device=row_id_map.device)
     flat[where] = torch.arange(tokens * slots, device=row_id_map.device)
     flat = flat[:rows]
-    found = flat >= 0
-    return torch.where(found, flat // max(slots, 1), -1), torch.where(found, flat % slots, -1)
+    return torch.where(flat >= 0, flat // max(slots, 1), -1), flat
+
+
+def _pick(values: Tensor, index: Tensor) -> Tensor:
+    """``values.flatten()[index]``, 0 where ``index < 0``, in ``values``' dtype."""
+    return torch.where(index >= 0, values.reshape(-1)[index.clamp(min=0)], 0).to(values.dtype)
 
 
 def _gather_ref(x: Tensor, index: Tensor, weight: Tensor | None) -> Tensor:
@@ -89,19 +95,17 @@ def _gather_ref(x: Tensor, index: Tensor, weight: Tensor | None) -> Tensor:
     return (rows * w[:, None]).to(x.dtype)
 
 
-def _combine_ref(x: Tensor, row_id_map: Tensor, weight: Tensor | None) -> Tensor:
-    """``out[t] = sum_s weight[t, s] * x[row_id_map[t, s]]`` (the routed slots), in fp32,
-    rounded once; through the inverse map, one ``index_add_`` of the rows of ``x``."""
-    acc = acc_dtype(x)
+def moe_unpermute_ref(x: Tensor, row_id_map: Tensor, weight: Tensor | None) -> Tensor:
+    """``[T, H]``: ``out[t] = sum_s weight[t, s] * x[row_id_map[t, s]]`` (the routed slots), in
+    fp32, rounded once; through the inverse map, one ``index_add_`` of the rows of ``x``.
+    Differentiable."""
     tokens = row_id_map.shape[0]
-    token, slot = inverse_map(row_id_map, x.shape[0])
-    ok = token >= 0
-    xs = x.to(acc)
+    token, flat = inverse_map(row_id_map, x.shape[0])
+    xs = x.to(acc_dtype(x))
     if weight is not None:
-        w = weight.to(acc)[token.clamp(min=0), slot.clamp(min=0)]
-        xs = xs * torch.where(ok, w, 0.0)[:, None]
+        xs = xs * _pick(weight.to(xs.dtype), flat)[:, None]
     out = xs.new_zeros((tokens + 1, x.shape[1]))
-    out = out.index_add(0, torch.where(ok, token, tokens), xs)
+    out = out.index_add(0, torch.where(token >= 0, token, tokens), xs)
     return out[:tokens].to(x.dtype)
 
 
@@ -128,14 +132,10 @@ def moe_permute_ref(
     (``[num_out_tokens]``, 0 elements without ``probs``). Differentiable by autograd. (The ops
     pass ``gather``: the Triton kernel on CUDA.)"""
     row_id_map = make_row_id_map(routing_map, num_out_tokens, map_type)
-    token, slot = inverse_map(row_id_map, num_out_tokens)
-    t, s = token.clamp(min=0), slot.clamp(min=0)
-    mask = _pad_mask(probs)
-    out = gather(inp, token, None if mask is None else mask[t, s])
+    token, flat = inverse_map(row_id_map, num_out_tokens)
     if probs is None:
-        return out, row_id_map, inp.new_empty((0,))
-    permuted = torch.where(token >= 0, probs[t, s], 0.0).to(probs.dtype)
-    return out, row_id_map, permuted
+        return gather(inp, token, None), row_id_map, inp.new_empty((0,))
+    return gather(inp, token, _pick(_pad_mask(probs), flat)), row_id_map, _pick(probs, flat)
 
 
 def moe_permute_bwd_ref(
@@ -144,7 +144,7 @@ def moe_permute_bwd_ref(
     row_id_map: Tensor,
     probs: Tensor | None,
     *,
-    combine: Mover = _combine_ref,
+    combine: Mover = moe_unpermute_ref,
 ) -> tuple[Tensor, Tensor]:
     """Gradients of :func:`moe_permute_ref` for ``inp`` and ``probs`` (0 elements without):
     each routed slot of ``probs`` reads its row's gradient."""
@@ -153,19 +153,7 @@ def moe_permute_bwd_ref(
         return grad_inp, grad.new_empty((0,))
     if grad_probs is None:
         return grad_inp, torch.zeros_like(probs)
-    picked = grad_probs[row_id_map.clamp(min=0).to(torch.int64)]
-    return grad_inp, torch.where(row_id_map >= 0, picked, 0.0).to(probs.dtype)
-
-
-def moe_unpermute_ref(
-    inp: Tensor,
-    row_id_map: Tensor,
-    merging_probs: Tensor | None,
-    *,
-    combine: Mover = _combine_ref,
-) -> Tensor:
-    """``[T, H]``: each token's rows summed, weighted by ``merging_probs``. Differentiable."""
-    return combine(inp, row_id_map, merging_probs)
+    return grad_inp, _pick(grad_probs, row_id_map.to(torch.int64)).to(probs.dtype)
 
 
 def _gather_dot_ref(
@@ -178,10 +166,6 @@ def _gather_dot_ref(
     return _gather_ref(grad, token, weight), dots
 
 
-# A row mover that also takes each gathered row's dot with a second tensor's row.
-DotMover = Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
-
-
 def moe_unpermute_bwd_ref(
     grad: Tensor,
     inp: Tensor | None,
@@ -190,23 +174,20 @@ def moe_unpermute_bwd_ref(
     rows: int,
     *,
     gather: Mover = _gather_ref,
-    gather_dot: DotMover = _gather_dot_ref,
+    gather_dot: Callable[..., tuple[Tensor, Tensor]] = _gather_dot_ref,
 ) -> tuple[Tensor, Tensor]:
     """Gradients of :func:`moe_unpermute_ref` for ``inp [rows, H]`` and ``merging_probs``:
     ``d inp[r] = p[t, s] * grad[t]`` for the slot ``(t, s)`` of row ``r``, and
     ``d p[t, s] = <grad[t], inp[row_id_map[t, s]]>`` (fp32 dots)."""
-    token, slot = inverse_map(row_id_map, rows)
-    t, s = token.clamp(min=0), slot.clamp(min=0)
-    weight = None if merging_probs is None else merging_probs[t, s]
+    token, flat = inverse_map(row_id_map, rows)
+    weight = None if merging_probs is None else _pick(merging_probs, flat)
     if merging_probs is None or inp is None:
         return gather(grad, token, weight), grad.new_empty((0,))
     grad_inp, dots = gather_dot(grad, token, weight, inp)
-    # Each row's dot to its slot (token, slot); the rows with no slot to a spare element.
-    tokens, slots = merging_probs.shape
-    ok = token >= 0
-    where = torch.where(ok, token * slots + slot, tokens * slots)
-    flat = dots.new_zeros((tokens * slots + 1,)).index_put((where,), torch.where(ok, dots, 0.0))
-    return grad_inp, flat[: tokens * slots].view(tokens, slots).to(merging_probs.dtype)
+    # Each row's dot to its slot; the rows with no slot to a spare element.
+    n = merging_probs.numel()
+    grad_p = dots.new_zeros((n + 1,)).index_put((torch.where(flat >= 0, flat, n),), dots)
+    return grad_inp, grad_p[:n].view_as(merging_probs).to(merging_probs.dtype)
 
 
 def chunk_sort_map(split_sizes: Tensor, sorted_index: Tensor, rows: int) -> Tensor:
@@ -226,8 +207,10 @@ def chunk_sort_map(split_sizes: Tensor, sorted_index: Tensor, rows: int) -> Tens
     return torch.where(src < rows, src, -1)
 
 
-def _gather_probs(probs: Tensor, index: Tensor) -> Tensor:
-    return torch.where(index >= 0, probs[index.clamp(min=0)], 0.0).to(probs.dtype)
+def _move_rows(x: Tensor, probs: Tensor | None, index: Tensor, gather: Mover):
+    """Rows ``x[index]`` and entries ``probs[index]`` (0 elements without), 0 where
+    ``index < 0``."""
+    return gather(x, index, None), (x.new_empty((0,)) if probs is None else _pick(probs, index))
 
 
 def moe_sort_chunks_ref(
@@ -240,26 +223,7 @@ def moe_sort_chunks_ref(
 ) -> tuple[Tensor, Tensor]:
     """The chunks of ``inp`` (and ``probs``) in the order ``sorted_index``; probabilities 0
     elements without ``probs``. Differentiable by autograd."""
-    src = chunk_sort_map(split_sizes, sorted_index, inp.shape[0])
-    out = gather(inp, src, None)
-    return out, (inp.new_empty((0,)) if probs is None else _gather_probs(probs, src))
-
-
-def moe_sort_chunks_bwd_ref(
-    grad: Tensor,
-    grad_probs: Tensor | None,
-    split_sizes: Tensor,
-    sorted_index: Tensor,
-    *,
-    gather: Mover = _gather_ref,
-) -> tuple[Tensor, Tensor]:
-    """Gradients of :func:`moe_sort_chunks_ref`: the inverse row permutation."""
-    src = chunk_sort_map(split_sizes, sorted_index, grad.shape[0])
-    dest = inverse_map(src[:, None], grad.shape[0])[0]  # dest[src[j]] = j, -1 where none reads
-    grad_inp = gather(grad, dest, None)
-    return grad_inp, (
-        grad.new_empty((0,)) if grad_probs is None else _gather_probs(grad_probs, dest)
-    )
+    return _move_rows(inp, probs, chunk_sort_map(split_sizes, sorted_index, inp.shape[0]), gather)
 
 
 _kernels = functools.partial(submodule, "moe")  # Triton: imported on first CUDA use
@@ -306,9 +270,9 @@ def _gather_dot(grad: Tensor, token: Tensor, weight: Tensor, inp: Tensor) -> tup
 
 
 def _combine(x: Tensor, row_id_map: Tensor, weight: Tensor | None) -> Tensor:
-    """:func:`_combine_ref` with the Triton kernel on CUDA."""
+    """:func:`moe_unpermute_ref` with the Triton kernel on CUDA."""
     if not _on_triton(x):
-        return _combine_ref(x, row_id_map, weight)
+        return moe_unpermute_ref(x, row_id_map, weight)
     w = None if weight is None else weight.to(torch.float32)
     if row_id_map.shape[1] <= _COMPACT_SLOTS:
         return _kernels().gather_sum(x, row_id_map, w)
@@ -332,10 +296,9 @@ def moe_permute_fwd(
 @moe_permute_fwd.register_fake
 def _moe_permute_fwd_fake(inp, routing_map, probs, num_out_tokens, map_type):
     check_permute_args(inp, routing_map, probs, num_out_tokens, map_type)
-    out = inp.new_empty((num_out_tokens, inp.shape[1]))
     row_id_map = routing_map.new_empty(routing_map.shape, dtype=torch.int32)
     permuted = inp.new_empty((0,)) if probs is None else probs.new_empty((num_out_tokens,))
-    return out, row_id_map, permuted
+    return inp.new_empty((num_out_tokens, inp.shape[1])), row_id_map, permuted
 
 
 @op("moe_permute_bwd")
@@ -353,8 +316,7 @@ def _moe_permute_bwd_fake(grad, grad_probs, row_id_map, probs):
 
 
 def _permute_setup(ctx, inputs, output) -> None:
-    _inp, _routing_map, probs, _num_out, _map_type = inputs
-    ctx.save_for_backward(output[1], probs)
+    ctx.save_for_backward(output[1], inputs[2])  # row_id_map, probs
 
 
 def _permute_backward(ctx, bwd, grad, _grad_map, grad_probs):
@@ -403,7 +365,7 @@ _moe_permute = differentiable(
 def moe_unpermute_fwd(inp: Tensor, row_id_map: Tensor, merging_probs: Tensor | None) -> Tensor:
     """Each token's permuted rows summed, weighted by ``merging_probs``."""
     check_unpermute_args(inp, row_id_map, merging_probs)
-    return moe_unpermute_ref(inp, row_id_map, merging_probs, combine=_combine)
+    return _combine(inp, row_id_map, merging_probs)
 
 
 @moe_unpermute_fwd.register_fake
@@ -495,7 +457,9 @@ def moe_sort_chunks_bwd(
 ) -> tuple[Tensor, Tensor]:
     """Gradients of ``te::moe_sort_chunks_fwd``: the inverse row permutation of ``grad`` (and
     of ``grad_probs``, 0 elements without)."""
-    return moe_sort_chunks_bwd_ref(grad, grad_probs, split_sizes, sorted_index, gather=_gather)
+    src = chunk_sort_map(split_sizes, sorted_index, grad.shape[0])
+    dest = inverse_map(src[:, None], grad.shape[0])[0]  # dest[src[j]] = j, -1 where none reads
+    return _move_rows(grad, grad_probs, dest, _gather)
 
 
 @moe_sort_chunks_bwd.register_fake
@@ -504,17 +468,15 @@ def _moe_sort_chunks_bwd_fake(grad, grad_probs, split_sizes, sorted_index):
 
 
 def _sort_setup(ctx, inputs, output) -> None:
-    _inp, split_sizes, sorted_index, probs = inputs
-    ctx.save_for_backward(split_sizes, sorted_index)
-    ctx.has_probs = probs is not None
+    ctx.save_for_backward(inputs[1], inputs[2])  # split_sizes, sorted_index
 
 
 def _sort_backward(ctx, bwd, grad, grad_probs):
-    split_sizes, sorted_index = ctx.saved_tensors
-    if not ctx.has_probs or (grad_probs is not None and grad_probs.numel() == 0):
+    # Without probs the probabilities' output has 0 elements: its gradient too, or None.
+    if grad_probs is not None and grad_probs.numel() == 0:
         grad_probs = None
-    grad_inp, grad_p = bwd(grad, grad_probs, split_sizes, sorted_index)
-    return grad_inp, None, None, (grad_p if ctx.has_probs and grad_probs is not None else None)
+    grad_inp, grad_p = bwd(grad, grad_probs, *ctx.saved_tensors)
+    return grad_inp, None, None, (grad_p if grad_probs is not None else None)
 
 
 def _sort_samples(device: torch.device):
@@ -557,8 +519,8 @@ def moe_permute(
     module docstring."""
     prefix = "te.moe_permute"
     check_tensor_args(prefix, inp=inp, routing_map=routing_map)
-    int_arg(prefix, "max_token_num", max_token_num, -1)
-    n = num_out(prefix, inp, routing_map, num_out_tokens, map_type)
+    int_arg(prefix, "max_token_num", max_token_num)
+    n = num_out(prefix, routing_map, num_out_tokens, map_type)
     check_permute_args(inp, routing_map, None, n, map_type, prefix)
     out, row_id_map, _ = _moe_permute(inp, routing_map, None, n, map_type)
     return out, row_id_map
@@ -572,7 +534,7 @@ def moe_permute_with_probs(
     (padding) gives a zero row."""
     prefix = "te.moe_permute_with_probs"
     check_tensor_args(prefix, inp=inp, probs=probs, routing_map=routing_map)
-    n = num_out(prefix, inp, routing_map, num_out_tokens, "mask")
+    n = num_out(prefix, routing_map, num_out_tokens, "mask")
     check_permute_args(inp, routing_map, probs, n, "mask", prefix)
     out, row_id_map, permuted_probs = _moe_permute(inp, routing_map, probs, n, "mask")
     return out, permuted_probs, row_id_map
@@ -604,8 +566,7 @@ def moe_unpermute(
         if merging_probs is not None:
             fail(prefix, "give merging_probs or its old name probs, not both")
         merging_probs = probs
-    if map_type not in MAP_TYPES:
-        fail(prefix, f"map_type must be one of {MAP_TYPES}, got {map_type!r}")
+    check_choice(prefix, "map_type", map_type, MAP_TYPES)
     check_unpermute_args(inp, row_id_map, merging_probs, prefix)
     shape = (row_id_map.shape[0], inp.shape[1])
     if restore_shape is not None and tuple(restore_shape) != shape:

@@ -7,18 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from te_compile._checks import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
-
-__all__ = [
-    "MAP_TYPES",
-    "check_permute_args",
-    "check_sort_chunks_args",
-    "check_tensor_args",
-    "check_unpermute_args",
-    "fail",
-    "int_arg",
-    "num_out",
-]
+from te_compile._checks import FLOAT_DTYPES, INDEX_DTYPES, check_choice, check_tensor
 
 MAP_TYPES = ("mask", "index")
 _MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int32, torch.int64)
@@ -55,8 +44,7 @@ def check_permute_args(
     prefix: str = "te.moe_permute",
 ) -> None:
     """Shapes, dtypes and scalars of a permute (the same message in eager and at trace time)."""
-    if map_type not in MAP_TYPES:
-        fail(prefix, f"map_type must be one of {MAP_TYPES}, got {map_type!r}")
+    check_choice(prefix, "map_type", map_type, MAP_TYPES)
     _check_float(prefix, "inp", inp, 2)
     allowed = _MASK_DTYPES if map_type == "mask" else INDEX_DTYPES
     if routing_map.dtype not in allowed:
@@ -127,10 +115,10 @@ def check_sort_chunks_args(
     _check_probs(prefix, "probs", probs, inp.shape[:1], inp.device)
 
 
-def int_arg(prefix: str, name: str, value, default: int) -> int:
-    """An int ``>= -1`` (-1 or None: the default)."""
+def int_arg(prefix: str, name: str, value) -> int:
+    """An int ``>= -1`` (None: -1, the default)."""
     if value is None:
-        return default
+        return -1
     if not isinstance(value, (int, torch.SymInt)) or isinstance(value, bool) or not value >= -1:
         fail(prefix, f"{name} must be an int >= -1 or None, got {value!r}")
     return value
@@ -144,12 +132,11 @@ def check_tensor_args(prefix: str, optional: tuple[str, ...] = (), **tensors: ob
             check_tensor(prefix, name, t, floating=False, min_dim=0)
 
 
-def num_out(prefix: str, inp: Tensor, routing_map: Tensor, num_out_tokens, map_type: str) -> int:
+def num_out(prefix: str, routing_map: Tensor, num_out_tokens, map_type: str) -> int:
     """``num_out_tokens`` resolved: for indices, ``T * K`` when not positive (None, -1, 0: as
     Transformer Engine reads it); the mask needs it (0 is 0 rows there)."""
-    n = int_arg(prefix, "num_out_tokens", num_out_tokens, -1)
-    if map_type not in MAP_TYPES:
-        fail(prefix, f"map_type must be one of {MAP_TYPES}, got {map_type!r}")
+    n = int_arg(prefix, "num_out_tokens", num_out_tokens)
+    check_choice(prefix, "map_type", map_type, MAP_TYPES)
     if routing_map.dim() != 2:
         return n
     if map_type == "index":
