@@ -188,10 +188,8 @@ def non_finite_amaxes(model: nn.Module) -> dict[str, list[str]]:
     report = {}
     for name, state in model.named_modules():
         if isinstance(state, FP8GemmState):
-            amax = torch.cat([state.fwd_amax, state.grad_amax]).isfinite().tolist()
-            bad = [
-                slot for slot, ok in zip(("input", "weight", "grad"), amax, strict=True) if not ok
-            ]
+            finite = torch.cat([state.fwd_amax, state.grad_amax]).isfinite().tolist()
+            bad = [s for s, ok in zip(("input", "weight", "grad"), finite, strict=True) if not ok]
             if bad:
                 report[name] = bad
     return report

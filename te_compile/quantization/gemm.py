@@ -219,19 +219,21 @@ def as_gemm_takes(spec: QuantSpec, weight_q: Sequence[Tensor] | None, kind: str,
         return weight_q
     data, s, data_t, s_t, amax = weight_q
     f32, none = torch.float32, s.new_empty(0, dtype=torch.float32)
+    w, w_t = dequantized(data, s, spec, f32), dequantized(data_t, s_t, spec, f32)
     if data.dim() == 3:
-        w, w_t = (torch.stack([dequantized(c, sc, spec, f32) for c, sc in zip(*q, strict=True)])
-                  for q in ((data, s), (data_t, s_t)))  # fmt: skip
         w_t = w_t.transpose(1, 2).to(dtype).contiguous()
         return [w.to(dtype), none, w_t, none.clone(), none.clone()]
-    return [dequantized(data, s, spec, f32), none, dequantized(data_t, s_t, spec, f32),
-            none.clone(), amax]  # fmt: skip
+    return [w, none, w_t, none.clone(), amax]
 
 
 def dequantized(codes: Tensor, scale_inv: Tensor, spec: QuantSpec, dtype: torch.dtype) -> Tensor:
     """The values of an FP8 primary weight's ``codes`` (float8) with their ``scale_inv``, kept
     as ``spec`` keeps them (``quantization.primary._cast``; an operand's codes may be their
-    bytes), in ``dtype``: ``te.dequantize``'s table (``functional.quantize_table``)."""
+    bytes), in ``dtype``: ``te.dequantize``'s table (``functional.quantize_table``). A grouped
+    ``[G, N, K]`` weight in blocks: expert by expert."""
+    if codes.dim() > 2 and spec.kind != "current":
+        experts = zip(codes, scale_inv, strict=True)
+        return torch.stack([dequantized(c, s, spec, dtype) for c, s in experts])
     data = codes.view(spec.fp8_dtype)
     q = _q.Quantized(data, scale_inv, None, None, None, spec.kind, spec.block_rows)
     return _q.dequantize(q, dtype)
