@@ -707,15 +707,14 @@ def grouped_linear(
         )
     # Current scaling measures no amaxes here (a read each).
     kw = args.op_kwargs(("",) if state.enabled and state.recipe.delayed() else ())
-    if save_original_input and state.enabled:
+    if save_original_input and args.recipe:  # (high precision keeps its input anyway)
         _refuse_delayed(owner, state)
-    if save_original_input and args.recipe == "block" and not args.specs[0].emulate:
-        raise NotImplementedError(
-            f"{owner}: save_original_input=True is not implemented for the native "
-            "Float8BlockScaling grouped GEMMs (they save blockwise FP8 copies of the input); "
-            "build the module with save_original_input=False"
-        )
-    if save_original_input and args.recipe:
+        if args.recipe == "block" and not args.specs[0].emulate:
+            raise NotImplementedError(
+                f"{owner}: save_original_input=True is not implemented for the native "
+                "Float8BlockScaling grouped GEMMs (they save blockwise FP8 copies of the input); "
+                "build the module with save_original_input=False"
+            )
         kw["save_original_input"] = True
     if defer is not None and weight.requires_grad:
         kw["delay_wgrad"] = True
