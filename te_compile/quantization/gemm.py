@@ -553,9 +553,7 @@ def linear(
         state = calibrate(owner, state, (meta,), (x,), (weight,))
     if epilogue.get("save_original_input") and state.enabled:
         _refuse_delayed(owner, state)
-    if defer is not None and not weight.requires_grad:
-        defer = None  # no weight gradient to delay
-    if defer is not None:
+    if defer is not None and weight.requires_grad:  # (else no weight gradient to delay)
         epilogue = {**epilogue, "delay_wgrad": True}
     if not (state.enabled or norm or epilogue):  # te.Linear's hot path in high precision
         return F.linear(inp, weight, bias, main_grad=main_grad)
