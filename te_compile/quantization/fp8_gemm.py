@@ -90,13 +90,11 @@ class FP8GemmState(nn.Module):
         return super()._apply(keep_float32, recurse)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        names = ("amax_history", "scale", "fwd_amax", "grad_amax")
         # Saved only once used, so a state_dict that holds the state is calibrated.
-        self.calibrated = any(prefix + n in state_dict for n in names)
+        self.calibrated = any(prefix + n in state_dict for n in self._buffers)
         if not self.calibrated:
             fresh = FP8GemmState(self.scale.device)
-            for n in names:
-                state_dict[prefix + n] = getattr(fresh, n)
+            state_dict.update({prefix + n: b for n, b in fresh.named_buffers()})
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def delayed_scale(
@@ -190,10 +188,8 @@ def non_finite_amaxes(model: nn.Module) -> dict[str, list[str]]:
     report = {}
     for name, state in model.named_modules():
         if isinstance(state, FP8GemmState):
-            amax = torch.cat([state.fwd_amax, state.grad_amax]).isfinite().tolist()
-            bad = [
-                slot for slot, ok in zip(("input", "weight", "grad"), amax, strict=True) if not ok
-            ]
+            finite = torch.cat([state.fwd_amax, state.grad_amax]).isfinite().tolist()
+            bad = [s for s, ok in zip(("input", "weight", "grad"), finite, strict=True) if not ok]
             if bad:
                 report[name] = bad
     return report
@@ -235,7 +231,7 @@ def _custom_update(
 
 def _drop_if_unused(module: FP8GemmState, state_dict, prefix: str, local_metadata) -> None:
     if module.is_unused():
-        for name in ("amax_history", "scale", "fwd_amax", "grad_amax"):
+        for name in module._buffers:
             state_dict.pop(prefix + name, None)
 
 

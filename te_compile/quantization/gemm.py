@@ -6,7 +6,7 @@ for a GEMM: from the autocast state, the GEMM's input and weights and the FP8 st
 GEMMs it makes a :class:`GemmArgs`, those specs (native or emulated GEMMs decided here) and the
 delayed-scaling state tensors of each GEMM. The module entry points below (:func:`linear`,
 :func:`mlp`, :func:`grouped_linear`) flatten, call the family function of
-``te_compile.functional`` with :meth:`GemmArgs.spec_kwargs` and record the amaxes the op
+``te_compile.functional`` with :meth:`GemmArgs.op_kwargs` and record the amaxes the op
 measured; none of them chooses an op per recipe: there is one op per GEMM shape
 (``functional.gemm`` has the tables inside it).
 
@@ -20,7 +20,7 @@ caching (``is_first_microbatch``, ``docs/fp8.md``): a module hands the entry poi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any, NamedTuple
 
@@ -47,7 +47,6 @@ __all__ = [
     "cached_weight",
     "calibrate",
     "check_first_microbatch",
-    "check_primary",
     "dequantized",
     "gemm_args",
     "grouped_linear",
@@ -95,9 +94,19 @@ class GemmArgs(NamedTuple):
         """The recipe kind (``""`` for high precision)."""
         return self.specs[0].kind
 
-    def spec_kwargs(self) -> dict[str, QuantSpec]:
-        """The specs by the family functions' names."""
-        return dict(zip(("input_spec", "weight_spec", "grad_spec"), self.specs, strict=True))
+    def op_kwargs(self, amaxes: tuple[str, ...] = ("",)) -> dict[str, Any]:
+        """The family functions' keyword arguments: the specs by their names,
+        ``backward_override`` where set and, under a per-tensor recipe, each GEMM's ``scale`` and
+        ``grad_amax`` (``amaxes``: their names' suffixes, one per GEMM; ``()``: none) with
+        ``return_amax``."""
+        kw: dict[str, Any] = {f"{r}_spec": s for r, s in zip(ROLES, self.specs, strict=True)}
+        if self.backward_override:
+            kw["backward_override"] = self.backward_override
+        if self.recipe in PER_TENSOR and amaxes:
+            for suffix, scale, amax in zip(amaxes, self.scales, self.grad_amaxes, strict=True):
+                kw.update({f"scale{suffix}": scale, f"grad_amax{suffix}": amax})
+            kw["return_amax"] = True
+        return kw
 
 
 # Returned, not built, in traced code: torch 2.11's dynamo cannot build a NamedTuple whose
@@ -140,67 +149,61 @@ def check_first_microbatch(owner: str, is_first_microbatch: object) -> None:
 
 
 # The recipe families FP8 primary weights are kept for (quantization.primary), by the dtype and
-# dim of the weight's scale: the autocast recipe that reads them and what they are.
+# dim of the weight's scale: the autocast recipe that reads them, what they are, and that
+# recipe's predicate.
 _PRIMARY = {
-    "tensor": ("Float8CurrentScaling or DelayedScaling", "per-tensor FP8 codes"),
-    "block": ("Float8BlockScaling", "Float8BlockScaling blocks"),
-    "mxfp8": ("MXFP8BlockScaling", "MXFP8 blocks"),
+    "tensor": (
+        "Float8CurrentScaling or DelayedScaling",
+        "per-tensor FP8 codes",
+        "float8_per_tensor_scaling",
+    ),
+    "block": ("Float8BlockScaling", "Float8BlockScaling blocks", "float8_block_scaling"),
+    "mxfp8": ("MXFP8BlockScaling", "MXFP8 blocks", "mxfp8"),
 }
 
 
-def check_primary(
-    owner: str, state: AutocastState, name: str = "weight", kind: str = "tensor"
-) -> None:
-    """A module with FP8 primary weights runs inside an FP8 autocast of the recipe family its
-    weight ``name`` was made for (``kind``, a key of :data:`_PRIMARY`: per-tensor codes, which
-    either per-tensor recipe reads, or the blocks of a block-scaled recipe), without
-    ``backward_override="high_precision"`` (its backward GEMMs would read a high-precision
-    weight, which FP8 primary weights do not keep). Another recipe is Transformer Engine's
-    "Recipe mismatch" (a ``NotImplementedError``, which is a ``RuntimeError`` as TE's is)."""
-    recipe = state.recipe
-    made, kept = _PRIMARY[kind]
-    on = state.enabled and not state.calibration
-    if on and {"tensor": recipe.float8_per_tensor_scaling, "block": recipe.float8_block_scaling,
-               "mxfp8": recipe.mxfp8}[kind]():  # fmt: skip
-        if recipe.backward_override == "high_precision":
-            raise ValueError(
-                f"{owner}: recipe.backward_override='high_precision' needs a high-precision "
-                "weight; FP8 primary weights (quantized_model_init) keep only the FP8 codes "
-                "(use None or 'dequantized')"
-            )
-        return
-    if on:
+def primary_kind(
+    owner: str, state: AutocastState, name: str, weight_quantized: Sequence[Tensor] | None
+) -> str:
+    """The kind of an FP8 primary weight's operand (:data:`_PRIMARY`; ``""``: None, not one),
+    told by its scale: one fp32 scale per tensor, fp32 block scales, MXFP8's uint8 (E8M0) ones.
+    Such a weight ``name`` runs inside an FP8 autocast of the recipe family it was made for
+    (per-tensor codes, which either per-tensor recipe reads, or the blocks of a block-scaled
+    recipe, of the autocast recipe's weight blocks), without ``backward_override=
+    "high_precision"`` (its backward GEMMs would read a high-precision weight, which FP8
+    primary weights do not keep). Another recipe is Transformer Engine's "Recipe mismatch" (a
+    ``NotImplementedError``, which is a ``RuntimeError`` as TE's is)."""
+    if weight_quantized is None:
+        return ""
+    data, scale = weight_quantized[:2]
+    kind = "mxfp8" if scale.dtype is torch.uint8 else "block" if scale.dim() == 2 else "tensor"
+    recipe, (made, kept, family) = state.recipe, _PRIMARY[kind]
+    if not state.enabled:
+        now = "calibration" if state.calibration else "no FP8 autocast"
+        raise NotImplementedError(
+            f"{owner}: FP8 primary weights (quantized_model_init) run inside te_compile.autocast "
+            f"with {made}, got {now}"
+        )
+    if not getattr(recipe, family)():
         raise NotImplementedError(
             f"{owner}: Recipe mismatch for {name!r}: the weight holds {kept} "
             f"(quantized_model_init with {made}), which autocast's {type(recipe).__name__} "
             f"cannot use; run it under te_compile.autocast(recipe={made}()), or build "
             "the module outside quantized_model_init to use this recipe"
         )
-    now = "calibration" if state.calibration else "no FP8 autocast"
-    raise NotImplementedError(
-        f"{owner}: FP8 primary weights (quantized_model_init) run inside te_compile.autocast "
-        f"with {made}, got {now}"
-    )
-
-
-def primary_kind(
-    owner: str, state: AutocastState, name: str, weight_quantized: Sequence[Tensor] | None
-) -> str:
-    """:func:`check_primary` of an FP8 primary weight's operand; its kind (:data:`_PRIMARY`;
-    ``""``: None, not one), told by its scale: one fp32 scale per tensor, fp32 block scales,
-    MXFP8's uint8 (E8M0) ones. Block-scaled weights have the autocast recipe's weight blocks."""
-    if weight_quantized is None:
-        return ""
-    data, scale = weight_quantized[:2]
-    kind = "mxfp8" if scale.dtype is torch.uint8 else "block" if scale.dim() == 2 else "tensor"
-    check_primary(owner, state, name, kind)
+    if recipe.backward_override == "high_precision":
+        raise ValueError(
+            f"{owner}: recipe.backward_override='high_precision' needs a high-precision "
+            "weight; FP8 primary weights (quantized_model_init) keep only the FP8 codes "
+            "(use None or 'dequantized')"
+        )
     if kind != "tensor":
-        w, wide = recipe_specs(state.recipe)[1], 128 if kind == "block" else 32
+        w, wide = recipe_specs(recipe)[1], 128 if kind == "block" else 32
         rows = 1 if scale.shape[0] == data.shape[0] else 128
         if (w.block_rows, w.fp8_dtype) != (rows, data.dtype):
             raise NotImplementedError(
                 f"{owner}: Recipe mismatch for {name!r}: the weight holds {rows}x{wide} blocks "
-                f"of {data.dtype}, autocast's {type(state.recipe).__name__} quantises weights in "
+                f"of {data.dtype}, autocast's {type(recipe).__name__} quantises weights in "
                 f"{w.block_rows}x{wide} blocks of {w.fp8_dtype}"
             )
     return kind
@@ -216,19 +219,21 @@ def as_gemm_takes(spec: QuantSpec, weight_q: Sequence[Tensor] | None, kind: str,
         return weight_q
     data, s, data_t, s_t, amax = weight_q
     f32, none = torch.float32, s.new_empty(0, dtype=torch.float32)
+    w, w_t = dequantized(data, s, spec, f32), dequantized(data_t, s_t, spec, f32)
     if data.dim() == 3:
-        w, w_t = (torch.stack([dequantized(c, sc, spec, f32) for c, sc in zip(*q, strict=True)])
-                  for q in ((data, s), (data_t, s_t)))  # fmt: skip
         w_t = w_t.transpose(1, 2).to(dtype).contiguous()
         return [w.to(dtype), none, w_t, none.clone(), none.clone()]
-    return [dequantized(data, s, spec, f32), none, dequantized(data_t, s_t, spec, f32),
-            none.clone(), amax]  # fmt: skip
+    return [w, none, w_t, none.clone(), amax]
 
 
 def dequantized(codes: Tensor, scale_inv: Tensor, spec: QuantSpec, dtype: torch.dtype) -> Tensor:
     """The values of an FP8 primary weight's ``codes`` (float8) with their ``scale_inv``, kept
     as ``spec`` keeps them (``quantization.primary._cast``; an operand's codes may be their
-    bytes), in ``dtype``: ``te.dequantize``'s table (``functional.quantize_table``)."""
+    bytes), in ``dtype``: ``te.dequantize``'s table (``functional.quantize_table``). A grouped
+    ``[G, N, K]`` weight in blocks: expert by expert."""
+    if codes.dim() > 2 and spec.kind != "current":
+        experts = zip(codes, scale_inv, strict=True)
+        return torch.stack([dequantized(c, s, spec, dtype) for c, s in experts])
     data = codes.view(spec.fp8_dtype)
     q = _q.Quantized(data, scale_inv, None, None, None, spec.kind, spec.block_rows)
     return _q.dequantize(q, dtype)
@@ -278,13 +283,24 @@ def recipe_specs(recipe: Recipe) -> tuple[QuantSpec, QuantSpec, QuantSpec]:
     place a recipe's fields are read (:func:`gemm_args`, ``te_compile.quantize``,
     ``ops.Quantize``, FP8 primary weights). MXFP8 and NVFP4 GEMMs are emulated (native ones
     need Blackwell); Float8BlockScaling's are native (:func:`gemm_args` may emulate them)."""
-    if torch.compiler.is_compiling():  # dynamo specialises on the recipe: built in the graph
-        return _recipe_specs(recipe)
-    memo = recipe.memo()  # eager: once per recipe and field values, not once per GEMM call
-    specs = memo.get("specs")
-    if specs is None:
-        specs = memo["specs"] = _recipe_specs(recipe)
-    return specs
+    return _memoised(recipe, "specs", _recipe_specs, recipe)
+
+
+def _memoised(recipe: Recipe, key: Any, make: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+    """``make(*args, **kw)``, kept in ``recipe``'s memo under ``key`` in eager calls (three
+    ``dataclasses.replace`` per GEMM call cost ~8 us of host time); under dynamo, which
+    specialises on the recipe, built in the graph."""
+    if torch.compiler.is_compiling():
+        return make(*args, **kw)
+    memo = recipe.memo()
+    out = memo.get(key)
+    if out is None:
+        out = memo[key] = make(*args, **kw)
+    return out
+
+
+def _replaced(specs: tuple, **changes: Any) -> tuple:
+    return tuple(replace(s, **changes) for s in specs)
 
 
 def _recipe_specs(recipe: Recipe) -> tuple[QuantSpec, QuantSpec, QuantSpec]:
@@ -300,18 +316,13 @@ def _recipe_specs(recipe: Recipe) -> tuple[QuantSpec, QuantSpec, QuantSpec]:
 
         return tuple(nvfp4(q, role) for q, role in zip(qparams, ROLES, strict=True))  # type: ignore[return-value]
     fwd, bwd = recipe.fp8_format.fwd_dtype, recipe.fp8_format.bwd_dtype
-    if recipe.float8_block_scaling():
-        dims = (recipe.x_block_scaling_dim, recipe.w_block_scaling_dim,
-                recipe.grad_block_scaling_dim)  # fmt: skip
-        qs = _checked_qparams(recipe, _FP8_QPARAMS)
-        return tuple(QuantSpec("block", dtype, 128 if dim == 2 else 1, q.power_2_scale)
-                     for dim, dtype, q in zip(dims, (fwd, fwd, bwd), qs, strict=True))  # fmt: skip
     kind = recipe.kind
-    if recipe.float8_current_scaling():
-        x, w, g = _checked_qparams(recipe, _FP8_QPARAMS)
-        return (QuantSpec(kind, fwd, power_2_scale=x.power_2_scale),
-                QuantSpec(kind, fwd, power_2_scale=w.power_2_scale),
-                QuantSpec(kind, bwd, power_2_scale=g.power_2_scale))  # fmt: skip
+    if kind in ("block", "current"):  # (current scaling: block_rows 1, QuantSpec's default)
+        dims = (recipe.x_block_scaling_dim, recipe.w_block_scaling_dim,
+                recipe.grad_block_scaling_dim) if kind == "block" else (1, 1, 1)  # fmt: skip
+        qs = _checked_qparams(recipe, _FP8_QPARAMS)
+        return tuple(QuantSpec(kind, dtype, 128 if dim == 2 else 1, q.power_2_scale)
+                     for dim, dtype, q in zip(dims, (fwd, fwd, bwd), qs, strict=True))  # fmt: skip
     kw = {"emulate": True} if recipe.mxfp8() else {}
     tiles = 32 if recipe.mxfp8() and recipe.enable_2d_quantization else 1
     return (QuantSpec(kind, fwd, **kw), QuantSpec(kind, fwd, tiles, **kw),
@@ -345,45 +356,31 @@ _REFUSED = {
 
 def _checked_qparams(recipe: Recipe, fields: dict[str, tuple[str, ...]]) -> list[Any]:
     """``recipe``'s per-operand QParams (``fields``: name -> the options implemented for that
-    operand); an option set where it is not implemented, or a nonzero ``amax_epsilon``, raises
-    NotImplementedError naming the field, rather than being ignored. Plain loops over
-    :data:`_REFUSED` first (a few attribute reads per module call), the diagnosis only when one
-    is set."""
-    out, refused = [], False
-    for name in fields:
-        q = getattr(recipe, name)
-        out.append(q)
+    operand); an option set where it is not implemented (:data:`_REFUSED`), or a nonzero
+    ``amax_epsilon``, raises NotImplementedError naming the field, rather than being ignored."""
+    out, owner = [getattr(recipe, name) for name in fields], type(recipe).__name__
+    for name, q in zip(fields, out, strict=True):
         for option in _REFUSED[name]:
-            if getattr(q, option):
-                refused = True
-    rht_differs = fields is _FP4_QPARAMS and (
-        out[0].random_hadamard_transform != out[2].random_hadamard_transform
-    )
-    if refused or rht_differs:
-        _refuse(recipe, fields, out)
-    return out
-
-
-def _refuse(recipe: Recipe, fields: dict[str, tuple[str, ...]], qparams: list[Any]) -> None:
-    owner = type(recipe).__name__
-    for (name, allowed), q in zip(fields.items(), qparams, strict=True):
-        bad = [o for o in _QPARAM_OPTIONS if getattr(q, o) and o not in allowed]
-        if bad:
+            if not getattr(q, option):
+                continue
+            if option == "amax_epsilon":
+                raise NotImplementedError(
+                    f"{owner}: {name}.amax_epsilon={q.amax_epsilon!r} is not implemented (the "
+                    "GEMMs' quantisers take no amax floor); use 0.0"
+                )
             raise NotImplementedError(
-                f"{owner}: {name}.{bad[0]}=True is not implemented for this operand (te_compile's "
+                f"{owner}: {name}.{option}=True is not implemented for this operand (te_compile's "
                 f"{owner} takes {', '.join(f'{n}.{o}' for n, os in fields.items() for o in os)})"
             )
-        if q.amax_epsilon != 0:
-            raise NotImplementedError(
-                f"{owner}: {name}.amax_epsilon={q.amax_epsilon!r} is not implemented (the GEMMs' "
-                "quantisers take no amax floor); use 0.0"
-            )
-    x, g = qparams[0].random_hadamard_transform, qparams[2].random_hadamard_transform
-    raise ValueError(
-        f"{owner}: fp4_quant_fwd_inp.random_hadamard_transform and "
-        "fp4_quant_bwd_grad.random_hadamard_transform must be equal (the wgrad GEMM multiplies "
-        f"the two transformed operands, whose transforms cancel only together), got {x} and {g}"
-    )
+    x, g = out[0], out[2]
+    if fields is _FP4_QPARAMS and x.random_hadamard_transform != g.random_hadamard_transform:
+        raise ValueError(
+            f"{owner}: fp4_quant_fwd_inp.random_hadamard_transform and "
+            "fp4_quant_bwd_grad.random_hadamard_transform must be equal (the wgrad GEMM "
+            "multiplies the two transformed operands, whose transforms cancel only together), "
+            f"got {x.random_hadamard_transform} and {g.random_hadamard_transform}"
+        )
+    return out
 
 
 # The operands each scope of NVFP4BlockScaling's nvfp4_4over6 / nvfp4_4over6_e4m3_use_256
@@ -446,7 +443,7 @@ def gemm_args(
             and (not grouped or inp.dtype is torch.bfloat16)
             and all(blockwise_supported(t, w.block_rows, x.fp8_dtype, g.fp8_dtype) for t in w2d)
         )
-        specs = _respecified(recipe, specs, ("block", not native), emulate=not native)
+        specs = _memoised(recipe, ("block", not native), _replaced, specs, emulate=not native)
         return GemmArgs(specs, backward_override=override)
     has_tokens = inp.numel() > 0  # a zero-token step does not calibrate (FP8GemmState)
     scales = tuple(meta.delayed_scale(owner, state, has_tokens) for meta in metas)
@@ -459,7 +456,7 @@ def gemm_args(
     # for it, and this a field set since (which empties the memo).
     if recipe.float8_current() and (torch.compiler.is_compiling() or key not in recipe.memo()):
         check_power_2_scales(owner, recipe)
-    specs = _respecified(recipe, specs, key, kind=kind, emulate=_EMULATE)
+    specs = _memoised(recipe, key, _replaced, specs, kind=kind, emulate=_EMULATE)
     return GemmArgs(specs, scales, grad_amaxes, override)
 
 
@@ -469,19 +466,6 @@ def _note_recipe(owner: str, state: AutocastState, metas: Sequence[FP8GemmState]
     if not torch.compiler.is_compiling():
         for meta in metas:
             meta.note_recipe(owner, state.recipe)
-
-
-def _respecified(recipe: Recipe, specs: tuple, key: tuple, **changes: Any) -> tuple:
-    """``specs`` with ``changes`` made to each, kept in the recipe's memo under ``key`` (the
-    changes' values) in eager calls, where three ``dataclasses.replace`` per GEMM call cost
-    about 8 us of host time (2-core dev CPU)."""
-    if torch.compiler.is_compiling():
-        return tuple(replace(s, **changes) for s in specs)
-    memo = recipe.memo()
-    out = memo.get(key)
-    if out is None:
-        out = memo[key] = tuple(replace(s, **changes) for s in specs)
-    return out
 
 
 def calibrate(
@@ -569,32 +553,31 @@ def linear(
         state = calibrate(owner, state, (meta,), (x,), (weight,))
     if epilogue.get("save_original_input") and state.enabled:
         _refuse_delayed(owner, state)
-    if defer is not None and not weight.requires_grad:
-        defer = None  # no weight gradient to delay
-    if defer is not None:
+    if defer is not None and weight.requires_grad:  # (else no weight gradient to delay)
         epilogue = {**epilogue, "delay_wgrad": True}
     if not (state.enabled or norm or epilogue):  # te.Linear's hot path in high precision
         return F.linear(inp, weight, bias, main_grad=main_grad)
     args = gemm_args(owner, state, inp, (weight,), (meta,))
-    kw = {**_norm_kwargs(norm), **epilogue}
+    kw = {**_norm_kwargs(norm), **epilogue, **args.op_kwargs()}
     weight_q = as_gemm_takes(args.specs[1], weight_quantized, kind) or cached_weight(
         args, weight, cache, cache_name
     )
-    specs = args.spec_kwargs()
     if weight_q is not None:
-        kw["weight_quantized"] = weight_q
         # A kept NVFP4 weight was cast with the weight's 4over6 (cached_weight keys on it), so
         # the op takes it as it is and is told no 4over6 of its own.
-        specs["weight_spec"] = replace(specs["weight_spec"], four_over_six="")
-    if args.backward_override:
-        kw["backward_override"] = args.backward_override
-    if args.recipe in PER_TENSOR:
-        kw.update(scale=args.scales[0], grad_amax=args.grad_amaxes[0], return_amax=True)
-    out = F.linear(inp, weight, bias, main_grad=main_grad, **specs, **kw)
-    out = list(out) if isinstance(out, tuple) else [out]  # (out, branch?, deferred?, amax?)
-    if args.recipe in PER_TENSOR:
-        meta.record(out.pop(), state)
-    if defer is not None:
+        kw.update(weight_quantized=weight_q, weight_spec=replace(args.specs[1], four_over_six=""))
+    out = F.linear(inp, weight, bias, main_grad=main_grad, **kw)
+    return _outputs(out, kw, state, (meta,), defer, weight)
+
+
+def _outputs(out, kw: dict[str, Any], state: AutocastState, metas, defer, weight) -> Any:
+    """A family op's outputs ``(out, branch?, deferred?, amax?)`` as a module takes them: the
+    amaxes (``kw`` asked for them) recorded into ``metas``, the deferred weight gradient
+    appended to ``defer`` (``kw`` delayed it), the rest."""
+    out = list(out) if isinstance(out, tuple) else [out]
+    if kw.get("return_amax"):
+        metas[0].record(out.pop(), state, *metas[1:])
+    if kw.get("delay_wgrad"):
         defer.append((out.pop(), weight))
     return tuple(out) if len(out) > 1 else out[0]
 
@@ -658,20 +641,14 @@ def mlp(
         act = checkpoint(fc1_act, inp, use_reentrant=False) if recompute_fc1 else fc1_act(inp)
         return linear(owner, metas[1], act, fc2_weight, fc2_bias, g2, cache=cache,
                       cache_name="fc2_weight", weight_quantized=q2, defer=defer)  # fmt: skip
-    weights = (fc1_weight, fc2_weight)
-    args = gemm_args(owner, state, inp, weights, metas)
-    kw = {**_norm_kwargs(norm), **args.spec_kwargs(), **act_kw, "main_grad1": g1,
+    args = gemm_args(owner, state, inp, (fc1_weight, fc2_weight), metas)
+    kw = {**_norm_kwargs(norm), **args.op_kwargs(("1", "2")), **act_kw, "main_grad1": g1,
           "main_grad2": g2}  # fmt: skip
     q1, q2 = (as_gemm_takes(args.specs[1], q, k) for q, k in zip((q1, q2), kinds, strict=True))
     kw["fc1_weight_quantized"] = q1 or cached_weight(args, fc1_weight, cache, "fc1_weight", 0)
     kw["fc2_weight_quantized"] = q2 or cached_weight(args, fc2_weight, cache, "fc2_weight", 1)
-    if args.recipe not in PER_TENSOR:
-        return F.mlp(inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, **kw)
-    (s1, s2), (a1, a2) = args.scales, args.grad_amaxes
-    kw.update(scale1=s1, scale2=s2, grad_amax1=a1, grad_amax2=a2, return_amax=True)
-    out, amax = F.mlp(inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, **kw)
-    metas[0].record(amax, state, metas[1])
-    return out
+    out = F.mlp(inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, **kw)
+    return _outputs(out, kw, state, metas, None, None)
 
 
 # What te::mlp does not implement: :func:`mlp` then runs two te::linear calls around the activation
@@ -719,26 +696,23 @@ def grouped_linear(
     state = get_autocast_state()
     expert = weight_quantized and [t[0] for t in weight_quantized[:2]]  # read as a dense one's
     kind = primary_kind(owner, state, "weight", expert)
-    if state.calibration:
-        state = calibrate(owner, state, (meta,), (inp,), (weight,))
+    state = calibrate(owner, state, (meta,), (inp,), (weight,))
     args = gemm_args(owner, state, inp, (weight,), (meta,), grouped=True)
     if args.specs[0].row_scaled:
         raise NotImplementedError(
             f"{owner}: the grouped GEMM does not implement NVFP4's row-scaled activations; "
             "construct NVFP4BlockScaling(row_scaled_activation=False)"
         )
-    kw: dict[str, Any] = args.spec_kwargs()
-    if args.backward_override:
-        kw["backward_override"] = args.backward_override
-    if save_original_input and state.enabled:
+    # Current scaling measures no amaxes here (a read each).
+    kw = args.op_kwargs(("",) if state.enabled and state.recipe.delayed() else ())
+    if save_original_input and args.recipe:  # (high precision keeps its input anyway)
         _refuse_delayed(owner, state)
-    if save_original_input and args.recipe == "block" and not args.specs[0].emulate:
-        raise NotImplementedError(
-            f"{owner}: save_original_input=True is not implemented for the native "
-            "Float8BlockScaling grouped GEMMs (they save blockwise FP8 copies of the input); "
-            "build the module with save_original_input=False"
-        )
-    if save_original_input and args.recipe:
+        if args.recipe == "block" and not args.specs[0].emulate:
+            raise NotImplementedError(
+                f"{owner}: save_original_input=True is not implemented for the native "
+                "Float8BlockScaling grouped GEMMs (they save blockwise FP8 copies of the input); "
+                "build the module with save_original_input=False"
+            )
         kw["save_original_input"] = True
     if defer is not None and weight.requires_grad:
         kw["delay_wgrad"] = True
@@ -749,15 +723,5 @@ def grouped_linear(
     )
     if weight_q is not None:
         kw["weight_quantized"] = weight_q
-    if args.recipe in PER_TENSOR and state.recipe.delayed():
-        out, *rest, amax = F.grouped_linear(
-            inp, m_splits, weight, bias, main_grad=main_grad, scale=args.scales[0],
-            grad_amax=meta.grad_amax, return_amax=True, **kw,
-        )  # fmt: skip
-        meta.record(amax, state)
-    else:  # current scaling measures no amaxes (a read each)
-        out = F.grouped_linear(inp, m_splits, weight, bias, main_grad=main_grad, **kw)
-        out, *rest = out if isinstance(out, tuple) else (out,)
-    if rest:
-        defer.append((rest[0], weight))
-    return out
+    out = F.grouped_linear(inp, m_splits, weight, bias, main_grad=main_grad, **kw)
+    return _outputs(out, kw, state, (meta,), defer, weight)

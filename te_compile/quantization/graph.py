@@ -95,11 +95,8 @@ def make_graphed_callables(
     ``capture_stream``: the stream of warm-up and capture (default: a new one). Returns the
     graphed callable, or a tuple of them when ``modules`` is a tuple.
     """
-    given = locals()
-    resolved, spelled = _resolve_renamed(given)
-    enabled, calibrating = resolved["enabled"], resolved["calibrating"]
-    recipe, group = resolved["recipe"], resolved["amax_reduction_group"]
-    cache_quantized_params = resolved["cache_quantized_params"]
+    resolved, spelled = _resolve_renamed(locals())
+    enabled, calibrating, recipe, group, cache_quantized_params = resolved
 
     single = not isinstance(modules, tuple)
     callables = (modules,) if single else modules
@@ -201,11 +198,11 @@ def make_graphed_callables(
     return graphed[0] if single else tuple(graphed)
 
 
-def _resolve_renamed(given: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
-    """The values under their new names, and each new name as the caller spelled it (the
-    deprecated name where that was given), for the messages."""
+def _resolve_renamed(given: dict[str, Any]) -> tuple[list[Any], dict[str, str]]:
+    """The values of the new names (in :data:`_RENAMED`'s order), and each new name as the
+    caller spelled it (the deprecated name where that was given), for the messages."""
     defaults = {"enabled": False, "calibrating": False, "cache_quantized_params": False}
-    out, spelled = {}, {}
+    out, spelled = [], {}
     for old, new in _RENAMED:
         spelled[new] = new
         value = given[new]
@@ -220,7 +217,7 @@ def _resolve_renamed(given: dict[str, Any]) -> tuple[dict[str, Any], dict[str, s
             )
             value = given[old]
             spelled[new] = old
-        out[new] = defaults.get(new) if value is None else value
+        out.append(defaults.get(new) if value is None else value)
     return out, spelled
 
 

@@ -273,16 +273,6 @@ def _set(module: nn.Module, name: str, values: Tensor) -> None:
     _stamp(module, name)
 
 
-def _dequantized(module: nn.Module, name: str) -> Tensor:
-    """FP8 weight ``name``'s values, fp32 (a grouped weight in blocks: expert by expert)."""
-    codes, scale_inv = getattr(module, name).detach(), getattr(module, f"{name}_scale_inv")
-    spec = _spec(module, name)
-    if codes.dim() > 2 and spec.kind != "current":
-        return torch.stack([dequantized(c, s, spec, torch.float32)
-                            for c, s in zip(codes, scale_inv, strict=True)])  # fmt: skip
-    return dequantized(codes, scale_inv, spec, torch.float32)
-
-
 def is_primary(weight: Tensor) -> bool:
     return weight.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -529,8 +519,8 @@ class FP8MasterWeights:
                 if not is_primary(param):
                     self._others.append(param)
                     continue
-                group = _fsdp_group(owner, param)
-                if group is not None and _spec(module, name).kind != "current":
+                group, spec = _fsdp_group(owner, param), _spec(module, name)
+                if group is not None and spec.kind != "current":
                     raise NotImplementedError(
                         f"{owner}: the FP8 weight {name!r} of {type(module).__name__} is sharded "
                         "by FSDP2 and kept in blocks (Float8BlockScaling, MXFP8BlockScaling); "
@@ -557,7 +547,8 @@ class FP8MasterWeights:
                 elif init is not None:
                     master = init.to(param.device, torch.float32, copy=True)
                 else:
-                    master = _dequantized(module, name)
+                    scale_inv = getattr(module, f"{name}_scale_inv")
+                    master = dequantized(param.detach(), scale_inv, spec, torch.float32)
                 clear_high_precision_init_val(param)
                 master = nn.Parameter(master)
                 if group is None and not allocated:

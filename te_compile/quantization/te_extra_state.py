@@ -123,9 +123,7 @@ def decode_te_extra_state(value: object, key: str) -> dict | None:
             "running any code from the checkpoint. To load the rest without it, drop the key "
             f"(state_dict.pop({key!r}))"
         ) from e
-    if state is None:
-        return None
-    if not isinstance(state, dict):
+    if state is not None and not isinstance(state, dict):
         raise RuntimeError(
             f"{key}: Transformer Engine's extra state holds a dict, got a {type(state).__name__}"
         )
