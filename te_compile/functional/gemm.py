@@ -265,6 +265,9 @@ def check_gemm_dims(p: str, recipe: str, w: QuantSpec, tokens: int, **dims: int)
                          f"weight blocks need {names} to be multiples of 512")  # fmt: skip
 
 
+_GEMM_ARGS = ("weight", "bias", "main_grad")
+
+
 def check_gemm_args(owner: str, tensors: dict[str, Tensor | None], **reals: object) -> None:
     """A family function's arguments, used by the call or not (never silently ignored):
     tensors (or None) and ``reals`` (``norm_eps``, ``limit``, ``alpha``: positive;
@@ -281,23 +284,25 @@ def check_gemm_args(owner: str, tensors: dict[str, Tensor | None], **reals: obje
 
 
 def check_gemm_tensors(
-    owner: str, inp: object, weight: object, bias: object, main_grad: object
+    owner: str, inp: object, weight: object, bias: object, main_grad: object, names=_GEMM_ARGS
 ) -> None:
-    """A family function's input, weight, bias and main_grad (optional): tensors on ``inp``'s
-    device; one cheap test on the hot path, the checks naming the argument only if it fails."""
+    """A family function's input, weight, bias and main_grad (optional; ``names``: the last
+    three's argument names): tensors on ``inp``'s device; one cheap test on the hot path, the
+    checks naming the argument only if it fails."""
     if not (
         isinstance(inp, Tensor) and isinstance(weight, Tensor)
         and (bias is None or isinstance(bias, Tensor))
         and (main_grad is None or isinstance(main_grad, Tensor))
     ):  # fmt: skip
-        check_required(owner, inp=inp, weight=weight)
-        check_tensors(owner, bias=bias, main_grad=main_grad)
+        check_required(owner, inp=inp, **{names[0]: weight})
+        check_tensors(owner, **{names[1]: bias, names[2]: main_grad})
     device = inp.device
     if (
         weight.device != device or (bias is not None and bias.device != device)
         or (main_grad is not None and main_grad.device != device)
     ):  # fmt: skip
-        check_same_device(owner, "inp", inp, weight=weight, bias=bias, main_grad=main_grad)
+        tensors = dict(zip(names, (weight, bias, main_grad), strict=True))
+        check_same_device(owner, "inp", inp, **tensors)
 
 
 def blockwise_supported(
