@@ -186,9 +186,7 @@ def backward_impl(grad, grad_branch, saved, inp, weight, bias, main_grad, scale,
     dnorm = [empty(grad), empty(grad)]
     if dinp is not None:
         if normalization:
-            x2 = inp.reshape(-1, inp.shape[-1])
-            dinp, *dnorm = norm_backward(dinp, x2, norm_weight, stats, normalization,
-                                         c.norm.zero_centered_gamma, c.norm.bias)  # fmt: skip
+            dinp, *dnorm = norm_backward(dinp, inp, norm_weight, stats, c.norm)
         if b2 is not None and not fused_branch:
             dinp = dinp + b2
         dinp = dinp.reshape(*grad.shape[:-1], dinp.shape[-1])

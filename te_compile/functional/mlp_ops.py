@@ -356,9 +356,7 @@ def mlp_bwd(
         dw1 = wgrad_gemm(kind, dq.data_t, dq.scale_t, x_t, xs, dtype, main_grad1)
     dnorm = [empty(grad), empty(grad)]
     if dinp is not None and normalization:
-        x2 = inp.reshape(-1, inp.shape[-1])
-        dinp, *dnorm = norm_backward(dinp, x2, norm_weight, stats, normalization,
-                                     c.norm.zero_centered_gamma, c.norm.bias)  # fmt: skip
+        dinp, *dnorm = norm_backward(dinp, inp, norm_weight, stats, c.norm)
     dinp = empty(grad) if dinp is None else dinp.reshape(*grad.shape[:-1], dinp.shape[-1])
     db1 = empty(grad) if db1 is None else db1.to(dtype)
     db2 = empty(grad) if db2 is None or not c.need_dbias else db2.to(dtype)

@@ -132,13 +132,8 @@ def _quantize_nvfp4(x: Tensor, *, columnwise, block_rows, four_over_six, **_) ->
         )
     if block_rows == 16 or four_over_six:
         quantize_mx.check_quantize_nvfp4(x, None, True, columnwise)
-        data, s, g, data_t, s_t = quantize_mx_ref.quantize_nvfp4_ref(
-            x,
-            rowwise=True,
-            columnwise=columnwise,
-            tiles=block_rows == 16,
-            four_over_six=four_over_six,
-        )
+        ref = quantize_mx_ref.quantize_nvfp4_ref
+        data, s, g, data_t, s_t = ref(x, None, True, columnwise, block_rows == 16, four_over_six)
     else:
         data, s, g, data_t, s_t = quantize_mx.quantize_nvfp4(x, columnwise=columnwise)
     return _quantized(columnwise, data, s, data_t, s_t, None, "nvfp4", block_rows, g)
