@@ -510,21 +510,6 @@ def grad_amax_slots(
 # GEMMs: one table, keyed by gemm_kind(recipe, emulate) ----------------------------------------
 
 
-def _scaled_mm(a, b, sa, sb, out_dtype, bias=None, fast_accum=False) -> Tensor:
-    """``(sa a) @ (sb b) + bias`` rounded to ``out_dtype`` (``a`` row-major, ``b`` column-major,
-    FP8; ``sa`` / ``sb`` ``[1]`` fp32 inverse scales); ``_scaled_mm`` takes a bias only for a
-    16-bit output, so an fp32 one adds it after (the same sum). ``fast_accum``: Hopper's FP8
-    accumulation without periodic promotion (TE's default for the forward GEMM). On the CPU the
-    scales go in as one product, as cuBLAS applies them: oneDNN's FP8 GEMM (AMX) applies ``sa``
-    then ``sb``, which overflows where ``sa`` is huge though the result is finite."""
-    if a.device.type != "cuda":
-        sa, sb = sa * sb, torch.ones_like(sb)
-    kw = {"scale_a": sa, "scale_b": sb, "out_dtype": out_dtype, "use_fast_accum": fast_accum}
-    if bias is not None and out_dtype is torch.float32:
-        return torch._scaled_mm(a, b, **kw).add_(bias)
-    return torch._scaled_mm(a, b, bias=bias, **kw)
-
-
 def _row_major(t: Tensor) -> Tensor:
     """``t`` when its rows are contiguous and 16-byte aligned (a leading dimension is fine),
     else a contiguous copy."""
@@ -592,7 +577,18 @@ def _mm(a, sa, b, sb, out_dtype, bias, fast_accum, b_rows) -> Tensor:
 
 
 def _tensorwise(a, sa, b, sb, out_dtype, bias, fast_accum, b_rows) -> Tensor:
-    return _scaled_mm(a, b.t(), sa, sb, out_dtype, bias, fast_accum)
+    """``torch._scaled_mm`` of the FP8 operands (``b.t()``: column-major, as it wants its second;
+    ``sa`` / ``sb`` ``[1]`` fp32 inverse scales); it takes a bias only for a 16-bit output, so
+    an fp32 one adds it after (the same sum). ``fast_accum``: Hopper's FP8 accumulation without
+    periodic promotion (TE's default for the forward GEMM). On the CPU the scales go in as one
+    product, as cuBLAS applies them: oneDNN's FP8 GEMM (AMX) applies ``sa`` then ``sb``, which
+    overflows where ``sa`` is huge though the result is finite."""
+    if a.device.type != "cuda":
+        sa, sb = sa * sb, torch.ones_like(sb)
+    kw = {"scale_a": sa, "scale_b": sb, "out_dtype": out_dtype, "use_fast_accum": fast_accum}
+    if bias is not None and out_dtype is torch.float32:
+        return torch._scaled_mm(a, b.t(), **kw).add_(bias)
+    return torch._scaled_mm(a, b.t(), bias=bias, **kw)
 
 
 def _tensorwise_emulated(a, sa, b, sb, out_dtype, bias, fast_accum, b_rows) -> Tensor:

@@ -272,8 +272,7 @@ def linear_bwd(
 def _bwd_args(args: tuple) -> tuple[tuple, tuple, Tensor | None]:
     """The 11 tensors (``grad`` to ``rng_state``), the 8 strings and flags (the specs to
     ``need_wgrad``) and the ``wgrad_stash`` of a ``linear_bwd`` call."""
-    n, end = 11, 19
-    return args[:n], args[n:end], args[end] if len(args) > end else None
+    return args[:11], args[11:19], args[19] if len(args) > 19 else None
 
 
 def _backward_op(args: tuple, cuda: bool) -> tuple[Tensor, ...]:
@@ -301,10 +300,9 @@ def _linear_bwd_cuda(*args):
 def _linear_bwd_fake(*args):
     (grad, _, saved, _, weight, _, main_grad, *_, norm_weight, _), scalars, stash = _bwd_args(args)
     c = BwdArgs.of(*scalars)
-    need_wgrad = c.need_wgrad and stash is None
     n, k = weight.shape if weight is not None else saved[2].shape[::-1]
     dinp = grad.new_empty(*grad.shape[:-1], k) if c.need_dgrad else empty(grad)
-    want_dw = need_wgrad and main_grad is None
+    want_dw = c.need_wgrad and stash is None and main_grad is None
     dweight = grad.new_empty(n, k) if want_dw else empty(grad)
     dbias = grad.new_empty(n) if c.need_dbias else empty(grad)
     dnorm = fake_dnorm(grad, norm_weight, c.norm.normalization, c.norm.bias, c.need_dgrad)
