@@ -325,12 +325,11 @@ def _setup_context(ctx, inputs, output) -> None:
         return
     a = LinearArgs(*inputs)
     _out, branch, saved = output
-    ep = a.ep
-    ctx.mark_non_differentiable(*saved, *(() if ep.branch else (branch,)))
+    ctx.has_bias, ctx.branch = a.bias is not None, a.ep.branch
+    ctx.mark_non_differentiable(*saved, *(() if ctx.branch else (branch,)))
     tensors, ctx.scalars = _for_backward(a, saved)
     # main_grad and grad_amax (positions 3 and 5): written by the backward.
     save_for_backward_except_written(ctx, (*tensors, a.wgrad_stash), (3, 5))
-    ctx.has_bias, ctx.branch = a.bias is not None, ep.branch
     ctx.has_norm = bool(a.nrm.normalization)
     ctx.fp8_weight = a.weight.dtype in FP8_DTYPES and a.main_grad is None
 
