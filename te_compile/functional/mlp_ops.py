@@ -116,8 +116,8 @@ def mlp_ref(*args) -> Tensor:
     around the activation's reference."""
     a = MLPArgs(*args)
     x = norm_ref(a.inp, a.nrm)
-    delayed = a.recipe == "delayed"
     specs, ep = a.specs, a.ep
+    delayed = specs[0].kind == "delayed"
     z = quantized_linear_ref(x, a.fc1_weight, *specs, a.scale1 if delayed else None)
     if ep.activation in GATED_ACTIVATIONS:
         h = gated_activation_ref(z, a.fc1_bias, ep.activation, *ep.params)
@@ -387,7 +387,7 @@ def _setup_context(ctx, inputs, output) -> None:
     a = MLPArgs(*inputs)
     _out, saved = output
     ctx.mark_non_differentiable(*saved)
-    recipe = a.recipe
+    recipe = a.specs[0].kind
     if recipe in PER_TENSOR:
         saved = saved[:-1]  # the amaxes: for the caller
     (q1, q2), saved = (a.fc1_weight_q, a.fc2_weight_q), list(saved)
