@@ -247,7 +247,4 @@ def fake_quantize(
     check_tensor(p, "inp", inp, floating=False, min_dim=0)
     if row_splits is not None:
         check_tensor(p, "row_splits", row_splits, floating=False, min_dim=0)
-    spec, grad_spec = as_strings(spec, grad_spec)
-    if row_splits is None:
-        return _fake_quantize(inp, spec, grad_spec)
-    return _fake_quantize(inp, spec, grad_spec, row_splits)
+    return _fake_quantize(inp, *as_strings(spec, grad_spec), row_splits)

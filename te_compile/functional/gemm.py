@@ -265,6 +265,9 @@ def check_gemm_dims(p: str, recipe: str, w: QuantSpec, tokens: int, **dims: int)
                          f"weight blocks need {names} to be multiples of 512")  # fmt: skip
 
 
+_GEMM_ARGS = ("weight", "bias", "main_grad")
+
+
 def check_gemm_args(owner: str, tensors: dict[str, Tensor | None], **reals: object) -> None:
     """A family function's arguments, used by the call or not (never silently ignored):
     tensors (or None) and ``reals`` (``norm_eps``, ``limit``, ``alpha``: positive;
@@ -281,23 +284,25 @@ def check_gemm_args(owner: str, tensors: dict[str, Tensor | None], **reals: obje
 
 
 def check_gemm_tensors(
-    owner: str, inp: object, weight: object, bias: object, main_grad: object
+    owner: str, inp: object, weight: object, bias: object, main_grad: object, names=_GEMM_ARGS
 ) -> None:
-    """A family function's input, weight, bias and main_grad (optional): tensors on ``inp``'s
-    device; one cheap test on the hot path, the checks naming the argument only if it fails."""
+    """A family function's input, weight, bias and main_grad (optional; ``names``: the last
+    three's argument names): tensors on ``inp``'s device; one cheap test on the hot path, the
+    checks naming the argument only if it fails."""
     if not (
         isinstance(inp, Tensor) and isinstance(weight, Tensor)
         and (bias is None or isinstance(bias, Tensor))
         and (main_grad is None or isinstance(main_grad, Tensor))
     ):  # fmt: skip
-        check_required(owner, inp=inp, weight=weight)
-        check_tensors(owner, bias=bias, main_grad=main_grad)
+        check_required(owner, inp=inp, **{names[0]: weight})
+        check_tensors(owner, **{names[1]: bias, names[2]: main_grad})
     device = inp.device
     if (
         weight.device != device or (bias is not None and bias.device != device)
         or (main_grad is not None and main_grad.device != device)
     ):  # fmt: skip
-        check_same_device(owner, "inp", inp, weight=weight, bias=bias, main_grad=main_grad)
+        tensors = dict(zip(names, (weight, bias, main_grad), strict=True))
+        check_same_device(owner, "inp", inp, **tensors)
 
 
 def blockwise_supported(
@@ -505,21 +510,6 @@ def grad_amax_slots(
 # GEMMs: one table, keyed by gemm_kind(recipe, emulate) ----------------------------------------
 
 
-def _scaled_mm(a, b, sa, sb, out_dtype, bias=None, fast_accum=False) -> Tensor:
-    """``(sa a) @ (sb b) + bias`` rounded to ``out_dtype`` (``a`` row-major, ``b`` column-major,
-    FP8; ``sa`` / ``sb`` ``[1]`` fp32 inverse scales); ``_scaled_mm`` takes a bias only for a
-    16-bit output, so an fp32 one adds it after (the same sum). ``fast_accum``: Hopper's FP8
-    accumulation without periodic promotion (TE's default for the forward GEMM). On the CPU the
-    scales go in as one product, as cuBLAS applies them: oneDNN's FP8 GEMM (AMX) applies ``sa``
-    then ``sb``, which overflows where ``sa`` is huge though the result is finite."""
-    if a.device.type != "cuda":
-        sa, sb = sa * sb, torch.ones_like(sb)
-    kw = {"scale_a": sa, "scale_b": sb, "out_dtype": out_dtype, "use_fast_accum": fast_accum}
-    if bias is not None and out_dtype is torch.float32:
-        return torch._scaled_mm(a, b, **kw).add_(bias)
-    return torch._scaled_mm(a, b, bias=bias, **kw)
-
-
 def _row_major(t: Tensor) -> Tensor:
     """``t`` when its rows are contiguous and 16-byte aligned (a leading dimension is fine),
     else a contiguous copy."""
@@ -587,7 +577,18 @@ def _mm(a, sa, b, sb, out_dtype, bias, fast_accum, b_rows) -> Tensor:
 
 
 def _tensorwise(a, sa, b, sb, out_dtype, bias, fast_accum, b_rows) -> Tensor:
-    return _scaled_mm(a, b.t(), sa, sb, out_dtype, bias, fast_accum)
+    """``torch._scaled_mm`` of the FP8 operands (``b.t()``: column-major, as it wants its second;
+    ``sa`` / ``sb`` ``[1]`` fp32 inverse scales); it takes a bias only for a 16-bit output, so
+    an fp32 one adds it after (the same sum). ``fast_accum``: Hopper's FP8 accumulation without
+    periodic promotion (TE's default for the forward GEMM). On the CPU the scales go in as one
+    product, as cuBLAS applies them: oneDNN's FP8 GEMM (AMX) applies ``sa`` then ``sb``, which
+    overflows where ``sa`` is huge though the result is finite."""
+    if a.device.type != "cuda":
+        sa, sb = sa * sb, torch.ones_like(sb)
+    kw = {"scale_a": sa, "scale_b": sb, "out_dtype": out_dtype, "use_fast_accum": fast_accum}
+    if bias is not None and out_dtype is torch.float32:
+        return torch._scaled_mm(a, b.t(), **kw).add_(bias)
+    return torch._scaled_mm(a, b.t(), bias=bias, **kw)
 
 
 def _tensorwise_emulated(a, sa, b, sb, out_dtype, bias, fast_accum, b_rows) -> Tensor:

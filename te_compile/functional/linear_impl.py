@@ -73,12 +73,11 @@ def forward_impl(a: LinearArgs, cuda: bool) -> tuple[Tensor, Tensor, list[Tensor
         s_x, s_w, _ = scale_slots(a.scale, recipe)
         # The input's and the weight's amax in one buffer (a pre-quantised weight has its own).
         bits, (a_x, a_w) = amax_buffer(recipe, x2, 2, shared=a.weight_q is None)
-        if norm.normalization and override == "high_precision":  # the norm's output is kept
-            x2, *stats = norm_forward(x2, norm)
-            xq = quantize_operand(xs, pad_rows(x2), scale=s_x, slot=a_x)
-        elif norm.normalization:
+        if norm.normalization and override != "high_precision":
             xq, *stats = norm_quantize(xs, x2, norm, scale=s_x, slot=a_x)
-        else:  # save_input: the backward quantises the input again for the wgrad
+        else:  # high_precision keeps the norm's output; save_input quantises the input again
+            if norm.normalization:
+                x2, *stats = norm_forward(x2, norm)
             xq = quantize_operand(xs, pad_rows(x2), scale=s_x, columnwise=not bw.save_input,
                                   slot=a_x)  # fmt: skip
         # Pre-quantised: a copy is an input's.
@@ -186,9 +185,7 @@ def backward_impl(grad, grad_branch, saved, inp, weight, bias, main_grad, scale,
     dnorm = [empty(grad), empty(grad)]
     if dinp is not None:
         if normalization:
-            x2 = inp.reshape(-1, inp.shape[-1])
-            dinp, *dnorm = norm_backward(dinp, x2, norm_weight, stats, normalization,
-                                         c.norm.zero_centered_gamma, c.norm.bias)  # fmt: skip
+            dinp, *dnorm = norm_backward(dinp, inp, norm_weight, stats, c.norm)
         if b2 is not None and not fused_branch:
             dinp = dinp + b2
         dinp = dinp.reshape(*grad.shape[:-1], dinp.shape[-1])

@@ -203,22 +203,18 @@ def _linear_fwd_fake(*args):
     if a.plain:
         return out, branch, []
     f32 = torch.float32
-    saved = []
     xs, ws, _ = a.specs
     recipe, override, normalized = xs.kind, a.bw.override, bool(a.nrm.normalization)
-    if override == "high_precision":
-        saved = [inp.new_empty(rows, k)] if normalized else []
-    elif override == "dequantized":
+    saved = [inp.new_empty(rows, k)] if normalized else []  # the norm's output, high precision
+    if override == "dequantized":
         saved = [inp.new_empty(rows, k), inp.new_empty(n, k)]
-    elif recipe:  # the input's and the weight's transposed copies
+    elif recipe and not override:  # the input's and the weight's transposed copies
         saved = [*fake_copy(inp, recipe, padded(rows), k, 1, xs.emulate),
                  *fake_copy(inp, recipe, n, k, ws.block_rows, xs.emulate)]  # fmt: skip
         if a.bw.save_input:  # the input's slots: 0-element (the input itself is saved)
             saved[:2] = [inp.new_empty(0, dtype=saved[0].dtype), inp.new_empty(0, dtype=f32)]
         if a.weight_q is not None:  # the weight's copies are inputs (setup_context)
             saved = saved[:2]
-    elif normalized:
-        saved = [inp.new_empty(rows, k)]
     if ep.activation:
         h_dtype = acc_dtype(inp) if not recipe and inp.device.type == "cpu" else inp.dtype
         saved.append(inp.new_empty(rows, n, dtype=h_dtype))
@@ -276,8 +272,7 @@ def linear_bwd(
 def _bwd_args(args: tuple) -> tuple[tuple, tuple, Tensor | None]:
     """The 11 tensors (``grad`` to ``rng_state``), the 8 strings and flags (the specs to
     ``need_wgrad``) and the ``wgrad_stash`` of a ``linear_bwd`` call."""
-    n, end = 11, 19
-    return args[:n], args[n:end], args[end] if len(args) > end else None
+    return args[:11], args[11:19], args[19] if len(args) > 19 else None
 
 
 def _backward_op(args: tuple, cuda: bool) -> tuple[Tensor, ...]:
@@ -305,10 +300,9 @@ def _linear_bwd_cuda(*args):
 def _linear_bwd_fake(*args):
     (grad, _, saved, _, weight, _, main_grad, *_, norm_weight, _), scalars, stash = _bwd_args(args)
     c = BwdArgs.of(*scalars)
-    need_wgrad = c.need_wgrad and stash is None
     n, k = weight.shape if weight is not None else saved[2].shape[::-1]
     dinp = grad.new_empty(*grad.shape[:-1], k) if c.need_dgrad else empty(grad)
-    want_dw = need_wgrad and main_grad is None
+    want_dw = c.need_wgrad and stash is None and main_grad is None
     dweight = grad.new_empty(n, k) if want_dw else empty(grad)
     dbias = grad.new_empty(n) if c.need_dbias else empty(grad)
     dnorm = fake_dnorm(grad, norm_weight, c.norm.normalization, c.norm.bias, c.need_dgrad)
@@ -331,12 +325,11 @@ def _setup_context(ctx, inputs, output) -> None:
         return
     a = LinearArgs(*inputs)
     _out, branch, saved = output
-    ep = a.ep
-    ctx.mark_non_differentiable(*saved, *(() if ep.branch else (branch,)))
+    ctx.has_bias, ctx.branch = a.bias is not None, a.ep.branch
+    ctx.mark_non_differentiable(*saved, *(() if ctx.branch else (branch,)))
     tensors, ctx.scalars = _for_backward(a, saved)
     # main_grad and grad_amax (positions 3 and 5): written by the backward.
     save_for_backward_except_written(ctx, (*tensors, a.wgrad_stash), (3, 5))
-    ctx.has_bias, ctx.branch = a.bias is not None, ep.branch
     ctx.has_norm = bool(a.nrm.normalization)
     ctx.fp8_weight = a.weight.dtype in FP8_DTYPES and a.main_grad is None
 
@@ -523,26 +516,18 @@ def linear(
         DeferredWgrad.check("te.linear", delay_wgrad)
         n = weight.shape[0] if weight.dim() == 2 else 0
         stash = inp.new_empty((*inp.shape[:-1], out_features(n, activation)))
-    if (
-        any(specs) or normalization or activation or return_branch or residual is not None
-        or out_scale != 1.0 or norm_weight is not None or norm_bias is not None
-        or scale is not None or grad_amax is not None or backward_override
-        or rng_state is not None or weight_quantized is not None
-        or stash is not None or save_original_input
-        or norm_eps != 1e-5 or zero_centered_gamma is not False
-        or glu_interleave_size is not None or limit != 7.0 or alpha != 1.702
-        or glu_linear_offset != 1.0
-    ):  # fmt: skip
+    norm, epilogue, backward = _scalar_specs(
+        normalization, norm_eps, zero_centered_gamma, activation, glu_interleave_size, limit,
+        alpha, glu_linear_offset, out_scale, return_branch, backward_override, save_original_input,
+    )  # fmt: skip
+    given = (scale, grad_amax, rng_state, norm_weight, norm_bias, residual, weight_quantized, stash)
+    if any(specs) or norm or epilogue or backward or any(t is not None for t in given):
         check_tensors("te.linear", scale=scale, grad_amax=grad_amax, norm_weight=norm_weight,
                       norm_bias=norm_bias, residual=residual)  # fmt: skip
         check_same_device("te.linear", "inp", inp, norm_weight=norm_weight, norm_bias=norm_bias,
                           residual=residual)  # fmt: skip
-        scalars = (normalization, norm_eps, zero_centered_gamma, activation, glu_interleave_size,
-                   limit, alpha, glu_linear_offset, out_scale, return_branch, backward_override,
-                   save_original_input)  # fmt: skip
         if rng_state is None and isinstance(specs[2], str) and "sr" in specs[2].split(":"):
             rng_state = new_rng_state(inp.device)
-        norm, epilogue, backward = _scalar_specs(*scalars)
         args += (
             *specs, scale, grad_amax, rng_state, norm, norm_weight, norm_bias, epilogue, residual,
             backward, list(weight_quantized) if weight_quantized is not None else None, stash,

@@ -50,10 +50,6 @@ class MLPArgs(NamedTuple):
         return parse_roles("te.mlp", self.input_spec, self.weight_spec, self.grad_spec)
 
     @property
-    def recipe(self) -> str:
-        return self.specs[0].kind
-
-    @property
     def ep(self) -> EpilogueSpec:
         return parse(EpilogueSpec, self.epilogue, "te.mlp: epilogue")
 

@@ -44,7 +44,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from te_compile._checks import FP8_DTYPES, check_bool, check_required, check_same_device
+from te_compile._checks import FP8_DTYPES, check_bool, check_same_device, check_tensors
 from te_compile._library import differentiable, op
 from te_compile.functional.activation import (
     GATED_ACTIVATIONS,
@@ -66,6 +66,7 @@ from te_compile.functional.gemm import (
     Operand,
     amax_buffer,
     check_gemm_args,
+    check_gemm_tensors,
     empty,
     fp8_bytes,
     fp8_codes,
@@ -115,8 +116,8 @@ def mlp_ref(*args) -> Tensor:
     around the activation's reference."""
     a = MLPArgs(*args)
     x = norm_ref(a.inp, a.nrm)
-    delayed = a.recipe == "delayed"
     specs, ep = a.specs, a.ep
+    delayed = specs[0].kind == "delayed"
     z = quantized_linear_ref(x, a.fc1_weight, *specs, a.scale1 if delayed else None)
     if ep.activation in GATED_ACTIVATIONS:
         h = gated_activation_ref(z, a.fc1_bias, ep.activation, *ep.params)
@@ -355,9 +356,7 @@ def mlp_bwd(
         dw1 = wgrad_gemm(kind, dq.data_t, dq.scale_t, x_t, xs, dtype, main_grad1)
     dnorm = [empty(grad), empty(grad)]
     if dinp is not None and normalization:
-        x2 = inp.reshape(-1, inp.shape[-1])
-        dinp, *dnorm = norm_backward(dinp, x2, norm_weight, stats, normalization,
-                                     c.norm.zero_centered_gamma, c.norm.bias)  # fmt: skip
+        dinp, *dnorm = norm_backward(dinp, inp, norm_weight, stats, c.norm)
     dinp = empty(grad) if dinp is None else dinp.reshape(*grad.shape[:-1], dinp.shape[-1])
     db1 = empty(grad) if db1 is None else db1.to(dtype)
     db2 = empty(grad) if db2 is None or not c.need_dbias else db2.to(dtype)
@@ -388,7 +387,7 @@ def _setup_context(ctx, inputs, output) -> None:
     a = MLPArgs(*inputs)
     _out, saved = output
     ctx.mark_non_differentiable(*saved)
-    recipe = a.recipe
+    recipe = a.specs[0].kind
     if recipe in PER_TENSOR:
         saved = saved[:-1]  # the amaxes: for the caller
     (q1, q2), saved = (a.fc1_weight_q, a.fc2_weight_q), list(saved)
@@ -454,12 +453,29 @@ _mlp = differentiable(
 )
 
 
+# The argument names of each GEMM's weight, bias and main_grad (gemm.check_gemm_tensors).
+_GEMM_NAMES = tuple((f"fc{i}_weight", f"fc{i}_bias", f"main_grad{i}") for i in (1, 2))
+_OPTIONAL = ("scale1", "scale2", "grad_amax1", "grad_amax2", "norm_weight", "norm_bias")
+
+
 @eager_cached(1024, typed=True)
 def _scalar_specs(normalization, norm_eps, zero_centered_gamma, activation, limit, alpha,
                   glu_linear_offset) -> tuple[str, str]:  # fmt: skip
-    """The ``norm`` and ``epilogue`` strings of ``te::mlp_fwd`` (:func:`mlp` checked the
-    values); they depend on the values alone (and their types), so an eager call computes them
-    once."""
+    """:func:`mlp`'s scalar arguments checked (each error names its argument) and encoded: the
+    ``norm`` and ``epilogue`` strings of ``te::mlp_fwd``. They depend on the values alone (and
+    their types), so an eager call computes them once."""
+    check_bool("te.mlp", zero_centered_gamma=zero_centered_gamma)
+    check_gemm_args(
+        "te.mlp",
+        {},
+        norm_eps=norm_eps,
+        limit=limit,
+        alpha=alpha,
+        glu_linear_offset=glu_linear_offset,
+    )
+    if normalization not in ("", *NORMALIZATIONS):
+        raise ValueError('te.mlp: normalization must be "", "LayerNorm" or "RMSNorm", '
+                         f"got {normalization!r}")  # fmt: skip
     norm = NormSpec(normalization, float(norm_eps), zero_centered_gamma) if normalization else None
     epilogue = EpilogueSpec(activation, 0, float(limit), float(alpha), float(glu_linear_offset))
     return norm.encode() if norm else "", epilogue.encode()
@@ -505,39 +521,13 @@ def mlp(
     for name, q in (("fc1_weight_quantized", fc1_weight_quantized),
                     ("fc2_weight_quantized", fc2_weight_quantized)):  # fmt: skip
         check_weight_quantized("te.mlp", name, q)
-    check_bool("te.mlp", zero_centered_gamma=zero_centered_gamma, return_amax=return_amax)
-    tensors = {"inp": inp, "fc1_weight": fc1_weight, "fc1_bias": fc1_bias,
-               "fc2_weight": fc2_weight, "fc2_bias": fc2_bias}  # fmt: skip
-    if (
-        not (isinstance(inp, Tensor) and isinstance(fc1_weight, Tensor)
-             and isinstance(fc2_weight, Tensor))
-        or not all(t is None or isinstance(t, Tensor) for t in tensors.values())
-        or norm_eps != 1e-5 or limit != 7.0 or alpha != 1.702 or glu_linear_offset != 1.0
-        or scale1 is not None or scale2 is not None or grad_amax1 is not None
-        or grad_amax2 is not None or norm_weight is not None or norm_bias is not None
-        or main_grad1 is not None or main_grad2 is not None
-    ):  # fmt: skip
-        check_required("te.mlp", inp=inp, fc1_weight=fc1_weight, fc2_weight=fc2_weight)
-        check_gemm_args(
-            "te.mlp",
-            {**tensors, "scale1": scale1, "scale2": scale2, "grad_amax1": grad_amax1,
-             "grad_amax2": grad_amax2, "norm_weight": norm_weight, "norm_bias": norm_bias,
-             "main_grad1": main_grad1, "main_grad2": main_grad2},
-            norm_eps=norm_eps, limit=limit, alpha=alpha, glu_linear_offset=glu_linear_offset,
-        )  # fmt: skip
-        check_same_device("te.mlp", "inp", inp, norm_weight=norm_weight, norm_bias=norm_bias,
-                          main_grad1=main_grad1, main_grad2=main_grad2)  # fmt: skip
-    device = inp.device
-    if (
-        fc1_weight.device != device or fc2_weight.device != device
-        or (fc1_bias is not None and fc1_bias.device != device)
-        or (fc2_bias is not None and fc2_bias.device != device)
-    ):  # fmt: skip
-        check_same_device("te.mlp", "inp", inp, fc1_weight=fc1_weight, fc1_bias=fc1_bias,
-                          fc2_weight=fc2_weight, fc2_bias=fc2_bias)  # fmt: skip
-    if normalization not in ("", *NORMALIZATIONS):
-        raise ValueError('te.mlp: normalization must be "", "LayerNorm" or "RMSNorm", '
-                         f"got {normalization!r}")  # fmt: skip
+    check_bool("te.mlp", return_amax=return_amax)
+    check_gemm_tensors("te.mlp", inp, fc1_weight, fc1_bias, main_grad1, _GEMM_NAMES[0])
+    check_gemm_tensors("te.mlp", inp, fc2_weight, fc2_bias, main_grad2, _GEMM_NAMES[1])
+    optional = (scale1, scale2, grad_amax1, grad_amax2, norm_weight, norm_bias)
+    if any(t is not None for t in optional):
+        check_tensors("te.mlp", **dict(zip(_OPTIONAL, optional, strict=True)))
+        check_same_device("te.mlp", "inp", inp, norm_weight=norm_weight, norm_bias=norm_bias)
     norm, epilogue = _scalar_specs(normalization, norm_eps, zero_centered_gamma, activation, limit,
                                    alpha, glu_linear_offset)  # fmt: skip
     specs = as_strings(input_spec, weight_spec, grad_spec)

@@ -35,7 +35,7 @@ from te_compile.functional.norm import (
     rmsnorm_fwd,
     rmsnorm_ref,
 )
-from te_compile.functional.spec import QuantSpec
+from te_compile.functional.spec import NormSpec, QuantSpec
 
 __all__ = [
     "NORMALIZATIONS",
@@ -137,22 +137,16 @@ def norm_quantize(
 
 
 def norm_backward(
-    dout: Tensor,
-    x2: Tensor,
-    weight: Tensor,
-    stats: list[Tensor],
-    normalization: str,
-    zero_centered_gamma: bool,
-    has_bias: bool,
+    dout: Tensor, inp: Tensor, weight: Tensor, stats: list[Tensor], norm: NormSpec
 ) -> list[Tensor]:
-    """``[dx, dweight, dbias]`` of the norm from the gradient of its output ``dout`` (2-D;
-    ``dbias`` 0-element without a bias); ``stats``: the forward's ``[mean, rsigma]``."""
+    """``[dx, dweight, dbias]`` of the norm of ``inp`` (its ``[M, K]`` view) from the gradient
+    of its output ``dout`` (2-D; ``dbias`` 0-element without a bias); ``stats``: the forward's
+    ``[mean, rsigma]``."""
     mean, rsigma = stats
-    if normalization == "LayerNorm":
-        return list(
-            layernorm_bwd.eager(dout, x2, mean, rsigma, weight, zero_centered_gamma, has_bias)
-        )
-    dx, dw = rmsnorm_bwd.eager(dout, x2, rsigma, weight, zero_centered_gamma)
+    x2, zcg = inp.reshape(-1, inp.shape[-1]), norm.zero_centered_gamma
+    if norm.normalization == "LayerNorm":
+        return list(layernorm_bwd.eager(dout, x2, mean, rsigma, weight, zcg, norm.bias))
+    dx, dw = rmsnorm_bwd.eager(dout, x2, rsigma, weight, zcg)
     return [dx, dw, empty(dw)]
 
 

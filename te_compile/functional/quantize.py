@@ -536,11 +536,9 @@ def _quantize_blockwise_fake(x, fp8_dtype, block_rows, power_2_scale, columnwise
     _check_block_rows("quantize_blockwise", block_rows)
     m, k = math.prod(x.shape[:-1]), x.shape[-1]
     data, data_t = _fake_fp8(x, fp8_dtype, columnwise)
-    f32 = torch.float32
-    scale_inv = x.new_empty(_scale_shape(m, k, block_rows), dtype=f32)
-    t = _scale_shape(k, m, block_rows)
-    scale_inv_t = x.new_empty(t, dtype=f32) if columnwise else _empty(x, f32)
-    return data, scale_inv, data_t, scale_inv_t
+    scale_inv = x.new_empty(_scale_shape(m, k, block_rows), dtype=torch.float32)
+    t = _scale_shape(k, m, block_rows) if columnwise else (0,)
+    return data, scale_inv, data_t, x.new_empty(t, dtype=torch.float32)
 
 
 @dequantize_tensorwise.register_fake

@@ -100,13 +100,12 @@ def _quantize_block(
     return _quantized(columnwise, data, scale_inv, data_t, scale_inv_t, None, "block", block_rows)
 
 
-def _dequantize_tensorwise(q: Quantized, out_dtype: torch.dtype, columnwise: bool) -> Tensor:
-    data = q.data_t if columnwise else q.data
-    return dequantize_tensorwise(data.view(torch.uint8), q.scale_inv, data.dtype, out_dtype)
+# Every dequantiser: (q, data, scale_inv, out_dtype), the rowwise or the columnwise pair of q.
+def _dequantize_tensorwise(q: Quantized, data, scale_inv, out_dtype: torch.dtype) -> Tensor:
+    return dequantize_tensorwise(data.view(torch.uint8), scale_inv, data.dtype, out_dtype)
 
 
-def _dequantize_block(q: Quantized, out_dtype: torch.dtype, columnwise: bool) -> Tensor:
-    data, scale_inv = (q.data_t, q.scale_inv_t) if columnwise else (q.data, q.scale_inv)
+def _dequantize_block(q: Quantized, data, scale_inv, out_dtype: torch.dtype) -> Tensor:
     u8 = data.view(torch.uint8)
     return dequantize_blockwise(u8, scale_inv, q.block_rows, data.dtype, out_dtype)
 
@@ -133,20 +132,14 @@ def _quantize_nvfp4(x: Tensor, *, columnwise, block_rows, four_over_six, **_) ->
         )
     if block_rows == 16 or four_over_six:
         quantize_mx.check_quantize_nvfp4(x, None, True, columnwise)
-        data, s, g, data_t, s_t = quantize_mx_ref.quantize_nvfp4_ref(
-            x,
-            rowwise=True,
-            columnwise=columnwise,
-            tiles=block_rows == 16,
-            four_over_six=four_over_six,
-        )
+        ref = quantize_mx_ref.quantize_nvfp4_ref
+        data, s, g, data_t, s_t = ref(x, None, True, columnwise, block_rows == 16, four_over_six)
     else:
         data, s, g, data_t, s_t = quantize_mx.quantize_nvfp4(x, columnwise=columnwise)
     return _quantized(columnwise, data, s, data_t, s_t, None, "nvfp4", block_rows, g)
 
 
-def _dequantize_mx(q: Quantized, out_dtype: torch.dtype, columnwise: bool) -> Tensor:
-    data, s = (q.data_t, q.scale_inv_t) if columnwise else (q.data, q.scale_inv)
+def _dequantize_mx(q: Quantized, data, s, out_dtype: torch.dtype) -> Tensor:
     if q.kind == "mxfp8":
         return quantize_mx.dequantize_mxfp8(data, s, out_dtype)
     return quantize_mx.dequantize_nvfp4(data, s, q.global_scale, out_dtype)
@@ -159,7 +152,7 @@ _QUANTIZERS: dict[str, Callable[..., Quantized]] = {
     "mxfp8": _quantize_mxfp8,
     "nvfp4": _quantize_nvfp4,
 }
-_DEQUANTIZERS: dict[str, Callable[[Quantized, torch.dtype, bool], Tensor]] = {
+_DEQUANTIZERS: dict[str, Callable[..., Tensor]] = {
     "delayed": _dequantize_tensorwise,
     "current": _dequantize_tensorwise,
     "block": _dequantize_block,
@@ -228,4 +221,5 @@ def dequantize(q: Quantized, out_dtype: torch.dtype, *, columnwise: bool = False
         raise ValueError(
             "te.dequantize: columnwise=True needs q.data_t (quantize(..., columnwise=True))"
         )
-    return _DEQUANTIZERS[q.kind](q, out_dtype, columnwise)
+    data, scale_inv = (q.data_t, q.scale_inv_t) if columnwise else (q.data, q.scale_inv)
+    return _DEQUANTIZERS[q.kind](q, data, scale_inv, out_dtype)
