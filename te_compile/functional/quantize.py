@@ -424,11 +424,10 @@ def _dequantize_blockwise_samples(device: torch.device) -> list[SampleInput]:
     data128, scale_inv128, _, _ = quantize_blockwise_ref(
         _randn(device, (3, 50, 129), _BF16), _E5M2, 128, True, False
     )
-    u8 = torch.uint8
     return [
-        SampleInput((data.view(u8), scale_inv, 1, _E4M3, _F32)),
-        SampleInput((data_t.view(u8), scale_inv_t, 1, _E4M3, _F16)),
-        SampleInput((data128.view(u8), scale_inv128, 128, _E5M2, _BF16)),
+        SampleInput((data.view(torch.uint8), scale_inv, 1, _E4M3, _F32)),
+        SampleInput((data_t.view(torch.uint8), scale_inv_t, 1, _E4M3, _F16)),
+        SampleInput((data128.view(torch.uint8), scale_inv128, 128, _E5M2, _BF16)),
     ]
 
 

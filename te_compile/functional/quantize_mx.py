@@ -222,8 +222,7 @@ def _x(device: torch.device, *shape: int, dtype=torch.float32, spread: float = 4
 
 
 def _quantize_mxfp8_samples(device: torch.device):
-    bf16 = torch.bfloat16
-    yield SampleInput((_x(device, 5, 40, dtype=bf16), torch.float8_e4m3fn, True, True))
+    yield SampleInput((_x(device, 5, 40, dtype=torch.bfloat16), torch.float8_e4m3fn, True, True))
     yield SampleInput((_x(device, 2, 3, 64), torch.float8_e5m2, True, False))
     yield SampleInput((_x(device, 33, 7), torch.float8_e4m3fn, False, True))
 
