@@ -27,6 +27,9 @@ def sample_inputs(device: torch.device):
     def call(*args, **kw):
         return SampleInput(tuple(GroupedLinearArgs(*args, **kw)) if kw else args)
 
+    def bf_40x16(*counts, bias=True):  # bf16: input [40, 16], m_splits, weight [3, 32, 16], bias
+        return bf(40, 16), splits(*counts), bf(3, 32, 16), bf(3, 32) if bias else None
+
     f16 = torch.float16
     # High precision: a zero-size group, a CPU m_splits, bf16 (the grouped GEMM on CUDA), fp16
     # with no input gradient, the weight gradient into main_grad.
@@ -39,7 +42,7 @@ def sample_inputs(device: torch.device):
     # Per-tensor FP8: current scaling rowwise (a zero-size group; a CPU int32 m_splits with
     # empty first and last groups and no input gradient; float32, one group, E4M3 gradients).
     cur = specs("current:e4m3")
-    yield call(bf(40, 16), splits(11, 0, 29), bf(3, 32, 16), bf(3, 32), None, **cur)
+    yield call(*bf_40x16(11, 0, 29), None, **cur)
     cpu_i32 = torch.tensor([0, 7, 13, 0], dtype=torch.int32)
     yield call(bf(20, 32, grad=False), cpu_i32, bf(4, 16, 32), None, None, **cur)
     cur_e4 = specs("current:e4m3", g="current:e4m3")
@@ -48,21 +51,18 @@ def sample_inputs(device: torch.device):
     # gradient's amax written into grad_amax.
     scale = torch.tensor([8.0, 16.0, 2048.0], device=device)
     delayed = specs("delayed:e4m3")
-    yield call(bf(40, 16), splits(11, 0, 29), bf(3, 32, 16), bf(3, 32), None, **delayed,
-               scale=scale, grad_amax=zeros(1))  # fmt: skip
+    yield call(*bf_40x16(11, 0, 29), None, **delayed, scale=scale, grad_amax=zeros(1))
     # Weight gradient accumulated into main_grad (fp32), current scaling with the amaxes
     # measured (a delayed state's calibration step).
     yield call(bf(24, 16), splits(8, 16), bf(2, 32, 16), None, zeros(2, 32, 16), **cur,
                grad_amax=zeros(1))  # fmt: skip
     # FP8 wgrad: E4M3 both ways, groups of 17 / 0 / 23 rows (padded to 32 / 0 / 32 in the
     # transposed operands), bias; with an E5M2 gradient, delayed scaling, into main_grad.
-    yield call(bf(40, 16), splits(17, 0, 23), bf(3, 32, 16), bf(3, 32), None, **cur_e4,
-               backward="fp8_wgrad")  # fmt: skip
-    yield call(bf(40, 16), splits(11, 29, 0), bf(3, 32, 16), None, zeros(3, 32, 16), **delayed,
-               scale=scale.clone(), grad_amax=zeros(1), backward="fp8_wgrad")  # fmt: skip
+    yield call(*bf_40x16(17, 0, 23), None, **cur_e4, backward="fp8_wgrad")
+    yield call(*bf_40x16(11, 29, 0, bias=False), zeros(3, 32, 16), **delayed, scale=scale.clone(),
+               grad_amax=zeros(1), backward="fp8_wgrad")  # fmt: skip
     # save_input: the FP8 wgrad operand quantised again in the backward from the input.
-    yield call(bf(40, 16), splits(17, 0, 23), bf(3, 32, 16), bf(3, 32), None, **cur,
-               backward="save_input:fp8_wgrad")  # fmt: skip
+    yield call(*bf_40x16(17, 0, 23), None, **cur, backward="save_input:fp8_wgrad")
     # Float8BlockScaling, native (its GEMMs emulated off CUDA): experts of 17 / 0 / 40 tokens
     # (the padded layout: experts from rows 0 and 128), a partial 128-block of features
     # (K = 144), 1x128 weight blocks, power-of-two scales, bias; 128x128 weight blocks (features
@@ -100,10 +100,8 @@ def sample_inputs(device: torch.device):
     # Backward overrides: high precision's backward on the input and the weight (current
     # scaling into main_grad), or on the forward's dequantised operands (current scaling's
     # rowwise ones, MXFP8's blocks).
-    yield call(bf(40, 16), splits(11, 0, 29), bf(3, 32, 16), bf(3, 32), zeros(3, 32, 16), **cur,
-               backward="high_precision")  # fmt: skip
-    yield call(bf(40, 16), splits(11, 0, 29), bf(3, 32, 16), bf(3, 32), None, **cur,
-               backward="dequantized")  # fmt: skip
+    yield call(*bf_40x16(11, 0, 29), zeros(3, 32, 16), **cur, backward="high_precision")
+    yield call(*bf_40x16(11, 0, 29), None, **cur, backward="dequantized")
     yield call(t(40, 64), splits(11, 0, 29), t(3, 32, 64), t(3, 32), None, **mx,
                backward="dequantized")  # fmt: skip
 
