@@ -88,8 +88,9 @@ def sample_inputs(device: torch.device):
     yield _call(t(2, 16, 32), t(64, 32), **specs("mxfp8:e4m3:emulate"))
     nv = specs("nvfp4:emulate")
     yield _call(bf(16, 32), bf(48, 32), bf(48), **nv)
-    yield _call(bf(32, 144), bf(160, 144), **specs("block:e4m3:p2:emulate",
-                "block:e4m3:128x128:p2:emulate", "block:e4m3:p2:emulate"))  # fmt: skip
+    yield _call(bf(32, 144), bf(160, 144),
+                **specs("block:e4m3:p2:emulate", "block:e4m3:128x128:p2:emulate",
+                         "block:e4m3:p2:emulate"))  # fmt: skip
     # Native blockwise (its GEMMs emulated off CUDA), a bias, 1x128 weight blocks, main_grad.
     blk = specs("block:e4m3", "block:e4m3:128x128", "block:e4m3")
     yield _call(bf(32, 512), bf(512, 512), bf(512), **blk)
