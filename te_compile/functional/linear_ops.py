@@ -318,7 +318,7 @@ def _setup_context(ctx, inputs, output) -> None:
         ctx.mark_non_differentiable(output[1])  # no branch: no gradient to make for it
         # (inp, weight, bias, main_grad, scale, grad_amax, norm_weight, rng_state, stash)
         save_for_backward_except_written(
-            ctx, (inp, weight, None, main_grad, None, None, None, None, None), (3, 5)
+            ctx, (inp, weight, None, main_grad, None, None, None, None, None), _WRITTEN
         )
         ctx.scalars, ctx.has_bias = ("", "", "", "", ""), bias is not None  # specs, norm, epilogue
         ctx.branch = ctx.has_norm = False
@@ -328,10 +328,14 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.has_bias, ctx.branch = a.bias is not None, a.ep.branch
     ctx.mark_non_differentiable(*saved, *(() if ctx.branch else (branch,)))
     tensors, ctx.scalars = _for_backward(a, saved)
-    # main_grad and grad_amax (positions 3 and 5): written by the backward.
-    save_for_backward_except_written(ctx, (*tensors, a.wgrad_stash), (3, 5))
+    save_for_backward_except_written(ctx, (*tensors, a.wgrad_stash), _WRITTEN)
     ctx.has_norm = bool(a.nrm.normalization)
     ctx.fp8_weight = a.weight.dtype in FP8_DTYPES and a.main_grad is None
+
+
+# Positions of main_grad and grad_amax in the backward's tensors (_for_backward): the buffers
+# the backward writes into (functional.gemm.save_for_backward_except_written).
+_WRITTEN = (3, 5)
 
 
 def _for_backward(a: LinearArgs, saved: list[Tensor]) -> tuple[tuple, tuple]:
@@ -516,12 +520,21 @@ def linear(
         DeferredWgrad.check("te.linear", delay_wgrad)
         n = weight.shape[0] if weight.dim() == 2 else 0
         stash = inp.new_empty((*inp.shape[:-1], out_features(n, activation)))
-    norm, epilogue, backward = _scalar_specs(
-        normalization, norm_eps, zero_centered_gamma, activation, glu_interleave_size, limit,
-        alpha, glu_linear_offset, out_scale, return_branch, backward_override, save_original_input,
-    )  # fmt: skip
-    given = (scale, grad_amax, rng_state, norm_weight, norm_bias, residual, weight_quantized, stash)
-    if any(specs) or norm or epilogue or backward or any(t is not None for t in given):
+    # te.Linear's hot path: every argument at its default is a plain call, told without
+    # encoding anything (a few us of host time per call).
+    if (
+        any(specs) or normalization or activation or return_branch or backward_override
+        or save_original_input or stash is not None or residual is not None
+        or scale is not None or grad_amax is not None or rng_state is not None
+        or norm_weight is not None or norm_bias is not None or weight_quantized is not None
+        or norm_eps != 1e-5 or zero_centered_gamma is not False or glu_interleave_size is not None
+        or limit != 7.0 or alpha != 1.702 or glu_linear_offset != 1.0 or out_scale != 1.0
+    ):  # fmt: skip
+        norm, epilogue, backward = _scalar_specs(
+            normalization, norm_eps, zero_centered_gamma, activation, glu_interleave_size,
+            limit, alpha, glu_linear_offset, out_scale, return_branch, backward_override,
+            save_original_input,
+        )  # fmt: skip
         check_tensors("te.linear", scale=scale, grad_amax=grad_amax, norm_weight=norm_weight,
                       norm_bias=norm_bias, residual=residual)  # fmt: skip
         check_same_device("te.linear", "inp", inp, norm_weight=norm_weight, norm_bias=norm_bias,
