@@ -48,9 +48,9 @@ DIFFERENTIABLE = sorted(name for name, e in ENTRIES.items() if e.differentiable 
 EXACT = sorted(name for name in references.REFERENCES if not ENTRIES[name].differentiable)
 _PART = 6
 # te::mlp_fwd's quantised samples compile with Inductor for minutes each on CUDA (the emulated
-# MXFP8 and NVFP4 ones most); in parts of 6, one part held the GPU suite's longest test (310 s,
-# more with every worker compiling).
-_PART_SIZES = {"te::mlp_fwd": 2}
+# MXFP8 and NVFP4 ones most): one sample per test, else one test holds several of them and
+# outlasts the GPU suite's call (in parts of 6, 310 s, over 430 s with every worker compiling).
+_PART_SIZES = {"te::mlp_fwd": 1}
 
 
 def _part_size(name: str) -> int:
