@@ -36,9 +36,6 @@ CC=gcc CXX=g++ python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&
 # Workers on all cores but a few (Triton's compiles are host-bound), spread over the GPUs in
 # part 1; part 2 leaves more for the long runs' training processes and their compiles.
 workers=$(( $(nproc) - (part == 1 ? 4 : 10) ))
-# Every worker compiles in its own process: a pool of compile subprocesses per worker (Inductor's
-# default) only adds processes to cores the other workers already keep busy.
-export TORCHINDUCTOR_COMPILE_THREADS=1
 PYTEST=(python3 -m pytest -q -rfE -p no:cacheprovider --durations=30)
 SERIAL=("${PYTEST[@]}")
 # worksteal: idle workers take queued tests from busy ones (a few CUDA registry samples compile
