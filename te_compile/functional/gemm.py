@@ -580,11 +580,12 @@ def _tensorwise(a, sa, b, sb, out_dtype, bias, fast_accum, b_rows) -> Tensor:
     """``torch._scaled_mm`` of the FP8 operands (``b.t()``: column-major, as it wants its second;
     ``sa`` / ``sb`` ``[1]`` fp32 inverse scales); it takes a bias only for a 16-bit output, so
     an fp32 one adds it after (the same sum). ``fast_accum``: Hopper's FP8 accumulation without
-    periodic promotion (TE's default for the forward GEMM). On the CPU the scales go in as one
-    product, as cuBLAS applies them: oneDNN's FP8 GEMM (AMX) applies ``sa`` then ``sb``, which
-    overflows where ``sa`` is huge though the result is finite."""
+    periodic promotion (TE's default for the forward GEMM). Off CUDA it is
+    :func:`_tensorwise_emulated`: torch's CPU FP8 GEMM is a reference loop, some hundred times
+    slower than the fp32 GEMM of the same (exact) values, and the grouped family's CPU GEMMs
+    are that emulation already."""
     if a.device.type != "cuda":
-        sa, sb = sa * sb, torch.ones_like(sb)
+        return _tensorwise_emulated(a, sa, b, sb, out_dtype, bias, fast_accum, b_rows)
     kw = {"scale_a": sa, "scale_b": sb, "out_dtype": out_dtype, "use_fast_accum": fast_accum}
     if bias is not None and out_dtype is torch.float32:
         return torch._scaled_mm(a, b.t(), **kw).add_(bias)
