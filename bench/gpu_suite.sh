@@ -3,7 +3,8 @@
 #
 #   bash bench/gpu_suite.sh 1   # tests/functional, kernels, quantization, modules, ops and
 #                               # the op registry's samples (tests/test_registry.py), less the
-#                               # CPU cases of tests that also have a CUDA case (CI runs those)
+#                               # CPU cases of tests that also have a CUDA case and the files
+#                               # that never name CUDA (CI runs those)
 #   bash bench/gpu_suite.sh 2   # tests/distributed (NCCL on every GPU of the machine), fuzz,
 #                               # the other top-level tests; the long runs (--long-runs) beside
 #
@@ -56,13 +57,14 @@ run() {  # name, pytest arguments... (PYTEST, or the array named by $RUNNER)
   timeout -s INT -k 30 "$left" "${cmd[@]}" --junitxml="$OUT/$name.xml" "$@" 2>&1 | tee "$OUT/$name.log" | tail -8
 }
 case $part in
-  1) # The CPU cases of tests that also have a CUDA case are CI's (marker cpu_case).
+  1) # The CPU cases of tests that also have a CUDA case are CI's (marker cpu_case), and so are
+     # the files that never name CUDA (cpu_only: tests/conftest.py), about 15% of this part.
      # --balance-by: each worker starts on an equal share of the seconds the last run measured,
      # longest first (the registry's CUDA samples and the module compiles take minutes each);
      # collection order would queue them all on the first workers. The workers spread over the
      # GPUs (tests/conftest.py): none of part 1 needs two.
      export TE_COMPILE_TEST_SPREAD_GPUS=$(nvidia-smi -L | wc -l)
-     run part1 -m "not cpu_case" --balance-by bench/gpu_durations.tsv tests/test_registry.py \
+     run part1 -m "not cpu_case and not cpu_only" --balance-by bench/gpu_durations.tsv tests/test_registry.py \
        tests/modules tests/functional tests/kernels tests/quantization tests/ops ;;
   2) # The long runs beside the suite: the part takes the longest of the three, not their sum.
      RUNNER=SERIAL run long_runs -s --long-runs tests/test_long_run.py -k gpu > /dev/null &

@@ -1,7 +1,10 @@
+import functools
 import os
+import re
 import shutil
 import tempfile
 from collections import Counter
+from pathlib import Path
 
 # Inductor's caches in a fresh folder per run (unless one is given), set before torch is
 # imported (torch writes its default into the environment on first use): a cache key does not
@@ -132,6 +135,27 @@ def _balance(items, seconds: dict, workers: int) -> None:
         shares[k].append(item)
         load[k] += seconds.get(_junit_name(item), 1.0)
     items[:] = [item for share in shares for item in share]
+
+
+# The directories of the GPU suite's part 1 (bench/gpu_suite.sh), where a test runs on the CPU
+# unless its file names CUDA: modules and tensors are made on the default device, the CPU.
+_PART1_DIRS = ("functional", "kernels", "modules", "ops", "quantization")
+_NAMES_CUDA = re.compile("cuda|DEVICES|TRITON_DEVICE", re.IGNORECASE)
+
+
+@functools.cache
+def cpu_only_file(path: Path) -> bool:
+    """True for a test file of part 1's directories whose source never names CUDA (no
+    ``"cuda"`` device, ``DEVICES``, ``TRITON_DEVICE``, ``HAS_CUDA`` or ``requires_cuda``):
+    everything it runs, it runs on the CPU, as CI does."""
+    return path.parent.name in _PART1_DIRS and not _NAMES_CUDA.search(path.read_text())
+
+
+def pytest_itemcollected(item):
+    """A test of a :func:`cpu_only_file` carries the marker ``cpu_only``: CI runs it, the GPU
+    suite leaves it out (``-m "not cpu_only"``), as it leaves out ``cpu_case``."""
+    if cpu_only_file(item.path):
+        item.add_marker(pytest.mark.cpu_only)
 
 
 @pytest.hookimpl(trylast=True)  # after -m and -k have deselected

@@ -91,3 +91,26 @@ def test_balance_by_gives_each_worker_an_equal_share_of_the_seconds():
     assert max(loads) - min(loads) <= 300.0, loads
     # Unbalanced, the first worker would get every long test.
     assert max(loads) < sum(seconds.values()) / 2
+
+
+def test_cpu_only_marks_exactly_the_part1_files_that_never_name_cuda(tmp_path):
+    """``cpu_only`` (the GPU suite leaves those tests to CI): a part 1 file that names CUDA in
+    any of the ways the suite selects a GPU is not marked, whatever the case; one that does not
+    is; files outside part 1's directories never are (their examples pick a GPU themselves)."""
+    from tests.conftest import cpu_only_file
+
+    assert cpu_only_file(TESTS / "modules" / "test_zero_tokens.py")
+    assert not cpu_only_file(TESTS / "functional" / "test_linear.py")
+    assert not cpu_only_file(TESTS / "test_examples.py")
+    modules = tmp_path / "modules"
+    modules.mkdir()
+    body = "def test_x():\n    x = torch.ones(2{})\n"
+    for i, names_cuda in enumerate(
+        ("", ', device="cuda"', ", device=DEVICES[1]", ", device=TRITON_DEVICE", ").CUDA(")
+    ):
+        path = modules / f"test_{i}.py"
+        path.write_text(("@requires_cuda\n" if i == 0 else "") + body.format(names_cuda))
+        assert cpu_only_file(path) is False, path.read_text()
+    plain = modules / "test_plain.py"
+    plain.write_text(body.format(", dtype=torch.float64"))
+    assert cpu_only_file(plain)
