@@ -64,8 +64,9 @@ case $part in
      # collection order would queue them all on the first workers. The workers spread over the
      # GPUs (tests/conftest.py): none of part 1 needs two.
      export TE_COMPILE_TEST_SPREAD_GPUS=$(nvidia-smi -L | wc -l)
-     run part1 -m "not cpu_case and not cpu_only" --balance-by bench/gpu_durations.tsv tests/test_registry.py \
-       tests/modules tests/functional tests/kernels tests/quantization tests/ops ;;
+     run part1 -m "not cpu_case and not cpu_only" --balance-by bench/gpu_durations.tsv \
+       tests/test_registry.py tests/modules tests/functional tests/kernels tests/quantization \
+       tests/ops ;;
   2) # The long runs beside the suite: the part takes the longest of the three, not their sum.
      RUNNER=SERIAL run long_runs -s --long-runs tests/test_long_run.py -k gpu > /dev/null &
      RUNNER=SERIAL run long_cases --long-runs tests/distributed/test_fsdp_fp8_primary.py \
