@@ -35,8 +35,7 @@ if _SHIM and _SHIM not in sys.path:
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-
-# importing the shim installs the import mapping
+import transformer_engine  # noqa: E402  (importing the shim installs the mapping)
 from transformer_engine import STANDINS, ShimMissing, _StubMeta  # noqa: E402
 
 import te_compile  # noqa: E402
@@ -346,6 +345,15 @@ def pytest_runtest_protocol(item, nextitem):
         if _TIMEOUT > 0:
             signal.alarm(0)
             signal.signal(signal.SIGALRM, old)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_collection(session):
+    transformer_engine.COLLECTING = True
+    try:
+        yield
+    finally:
+        transformer_engine.COLLECTING = False
 
 
 def pytest_collection_modifyitems(session, config, items):

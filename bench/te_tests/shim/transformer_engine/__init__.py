@@ -23,7 +23,12 @@ import importlib.util
 import sys
 import types
 
-__all__ = ["STANDINS", "ShimMissing", "stub"]
+__all__ = ["COLLECTING", "STANDINS", "ShimMissing", "stub"]
+
+#: True while pytest collects (set by the conftest): a stub called then, at module level or in
+#: a parameter list, gives a placeholder that raises ShimMissing when used, so collection goes
+#: on and the tests that use it fail by name.
+COLLECTING = False
 
 #: Names (bare, e.g. ``"Float8Quantizer"``) that resolve to the given object in every
 #: ``transformer_engine.pytorch`` module, before te_compile is consulted.
@@ -48,6 +53,8 @@ class _StubMeta(type):
 
     def __call__(cls, *args, **kwargs):
         if cls.__dict__.get("_shim_stub", False):
+            if COLLECTING:
+                return _Placeholder(cls._shim_name)
             raise _missing(cls._shim_name)
         return super().__call__(*args, **kwargs)
 
@@ -76,6 +83,33 @@ class _StubMeta(type):
 
     def __exit__(cls, *exc):
         return False
+
+
+class _Placeholder:
+    """What a stub called during collection gives: raises ShimMissing when used."""
+
+    def __init__(self, name: str):
+        object.__setattr__(self, "_shim_name", name)
+
+    def __repr__(self):
+        return f"shim-placeholder({self._shim_name})"
+
+    def __getattr__(self, attr):
+        if attr.startswith("__") and attr.endswith("__"):
+            raise AttributeError(attr)
+        raise _missing(f"{self._shim_name}(...).{attr}")
+
+    def __setattr__(self, attr, value):
+        raise _missing(f"{self._shim_name}(...).{attr}")
+
+    def __call__(self, *args, **kwargs):
+        raise _missing(f"{self._shim_name}(...)")
+
+    def __iter__(self):
+        raise _missing(f"{self._shim_name}(...)")
+
+    def __getitem__(self, key):
+        raise _missing(f"{self._shim_name}(...)")
 
 
 _STUBS: dict[str, type] = {}
