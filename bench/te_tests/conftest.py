@@ -356,6 +356,7 @@ def pytest_collection(session):
         transformer_engine.COLLECTING = False
 
 
+@pytest.hookimpl(trylast=True)  # after -k / -m deselection: "collected" counts what remains
 def pytest_collection_modifyitems(session, config, items):
     collected = len(items)
     if _STRIDE > 1:
