@@ -84,7 +84,7 @@ from te_compile.quantization.te_extra_state import accept_te_extra_state
 __all__ = ["GroupedLinear"]
 
 
-class GroupedLinear(GroupedParameters, DelayedWgrad, nn.Module):
+class GroupedLinear(_primary.KeepFP8OnCast, GroupedParameters, DelayedWgrad, nn.Module):
     """``num_gemms`` independent linear layers applied to consecutive groups of rows.
 
     Args:

@@ -43,7 +43,7 @@ from te_compile.quantization.te_extra_state import accept_te_extra_state
 __all__ = ["LayerNormLinear"]
 
 
-class LayerNormLinear(DelayedWgrad, NamedSlices, PreNorm):
+class LayerNormLinear(_primary.KeepFP8OnCast, DelayedWgrad, NamedSlices, PreNorm):
     r""":math:`y = \mathrm{norm}(x) W^\top + b`, the norm over ``in_features``.
 
     Args:

@@ -91,7 +91,7 @@ def _activation_params(owner: str, activation: str, params: object) -> dict[str,
     return {name: float(value) for name, value in params.items()}
 
 
-class LayerNormMLP(DelayedWgrad, PreNorm):
+class LayerNormMLP(_primary.KeepFP8OnCast, DelayedWgrad, PreNorm):
     """A transformer MLP block with its pre-norm.
 
     Args:

@@ -50,7 +50,7 @@ from te_compile.quantization.te_extra_state import accept_te_extra_state
 __all__ = ["Linear"]
 
 
-class Linear(DelayedWgrad, NamedSlices, nn.Module):
+class Linear(_primary.KeepFP8OnCast, DelayedWgrad, NamedSlices, nn.Module):
     r"""Applies :math:`y = x W^\top + b` over the last dimension of ``inp``.
 
     Args:

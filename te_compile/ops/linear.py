@@ -89,7 +89,7 @@ def _init_with_tracker(init: Callable[[], None], tracker: Callable[[], Any] | No
         init()
 
 
-class BasicLinear(BasicOperation):
+class BasicLinear(primary.KeepFP8OnCast, BasicOperation):
     r""":math:`y = x W^\top` over the last dim; ``weight`` is ``[out_features, in_features]``.
 
     Args:
@@ -363,7 +363,7 @@ class GroupedParameters:
         return primary.required_main_grad("GroupedLinear", main_grad, first)
 
 
-class GroupedLinear(GroupedParameters, BasicOperation):
+class GroupedLinear(primary.KeepFP8OnCast, GroupedParameters, BasicOperation):
     r"""One linear layer per group of rows (mixture-of-experts experts):
     :math:`y_g = x_g W_g^\top + b_g`, through ``te::grouped_linear_fwd``.
 

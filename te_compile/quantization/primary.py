@@ -34,6 +34,7 @@ from te_compile.quantization.recipe import Recipe
 
 __all__ = [
     "FP8MasterWeights",
+    "KeepFP8OnCast",
     "clear_high_precision_init_val",
     "fp8_model_init",
     "get_high_precision_init_val",
@@ -208,6 +209,40 @@ def _stamp(module: nn.Module, name: str) -> None:
     if type(w.data) is Tensor:  # a DTensor shard (FSDP2) is written through its local tensor
         versions = (w._version, getattr(module, f"{name}_scale_inv")._version)
         module.__dict__.setdefault(_STAMPS, {})[name] = (w.data_ptr(), versions)
+
+
+class KeepFP8OnCast:
+    """Mixin of the modules that can hold FP8 primary weights: a dtype cast of the module
+    (``.half()``, ``.bfloat16()``, ``.float()``, ``.to(dtype)``) leaves each FP8 weight's codes and
+    its ``<name>_scale_inv`` / ``_t`` / ``_scale_inv_t`` / ``_amax`` buffers as they are (cast, the
+    codes would become their values without the scale, and the scale would be rounded); the
+    device still follows. The cast's dtype becomes the weight's nominal dtype (the one
+    ``reset_parameters()`` initialises in), as a cast of Transformer Engine's quantized weight
+    changes only its nominal dtype. The forward already computes in the input's dtype."""
+
+    def _apply(self, fn, recurse=True):
+        specs = self.__dict__.get(_SPECS)
+        if not specs:
+            return super()._apply(fn, recurse)
+        kept = {}  # id(tensor) -> the FP8 weight's name, or None for its buffers
+        for name in specs:
+            kept[id(getattr(self, name))] = name
+            for suffix in _SUFFIXES[1:]:
+                buf = self._buffers.get(name + suffix)
+                if buf is not None:
+                    kept[id(buf)] = None
+        dtypes = self.__dict__.setdefault(_INIT_DTYPES, {})
+
+        def keep_fp8(t: Tensor) -> Tensor:
+            out = fn(t)
+            if id(t) not in kept or out.dtype == t.dtype:
+                return out
+            name = kept[id(t)]
+            if name is not None and out.is_floating_point():
+                dtypes[name] = out.dtype
+            return t.data if out.device == t.device else t.data.to(out.device)
+
+        return super()._apply(keep_fp8, recurse)
 
 
 def _stamp_after_load(module: nn.Module, incompatible_keys: object) -> None:

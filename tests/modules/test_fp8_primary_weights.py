@@ -1244,3 +1244,89 @@ def test_grouped_fp8_weight_written_in_place_is_refused_by_name(single):
     written = rf"FP8 weight '{name}' was written in place"
     with pytest.raises(RuntimeError, match=written), autocast(recipe=recipe), torch.no_grad():
         m(_x("cpu"), [40, 56])
+
+
+_CASTS = {
+    "half": (lambda m: m.half(), torch.float16),
+    "bfloat16": (lambda m: m.bfloat16(), torch.bfloat16),
+    "float": (lambda m: m.float(), torch.float32),
+    "to_float32": (lambda m: m.to(torch.float32), torch.float32),
+}
+_CAST_RECIPES = {
+    "current": Float8CurrentScaling,
+    "delayed": DelayedScaling,
+    "block": Float8BlockScaling,
+    "mxfp8": MXFP8BlockScaling,
+}
+
+
+def _cast_build(name):
+    torch.manual_seed(0)
+    kw = {"params_dtype": torch.bfloat16}
+    if name == "GroupedLinear":
+        return te.GroupedLinear(2, 128, 64, **kw)
+    if name == "ops.Linear":
+        return te.ops.Linear(128, 64, dtype=torch.bfloat16)
+    return _build(name, "cpu")
+
+
+def _fp8_state(m):
+    """The FP8 weights' codes and their buffers, as bytes (uint8 views), by name."""
+    names = _fp8_names(m)
+    kept = {n: p for n, p in m.named_parameters() if n in names}
+    for n, b in m.named_buffers():
+        if any(n.startswith(w + "_") for w in names):
+            kept[n] = b
+    return {n: (t.dtype, t.detach().clone().view(torch.uint8)) for n, t in kept.items()}
+
+
+@pytest.mark.parametrize("cast", list(_CASTS))
+@pytest.mark.parametrize("recipe", list(_CAST_RECIPES))
+@pytest.mark.parametrize("name", [*MODULES, "GroupedLinear", "ops.Linear"])
+def test_dtype_cast_of_the_module_keeps_the_fp8_weights(name, recipe, cast):
+    """``module.half()`` / ``.bfloat16()`` / ``.float()`` / ``.to(dtype)`` leave each FP8 weight's
+    codes and buffers (scales, amax, the dgrad GEMM's copy) bit for bit (cast, the codes would
+    turn into their values without the scale), cast every other floating-point parameter, and
+    the module then computes in the input's dtype what a module built the same way, with only
+    those parameters cast, computes."""
+    make_recipe = _CAST_RECIPES[recipe]
+    apply_cast, dtype = _CASTS[cast]
+    with te.quantized_model_init(recipe=make_recipe()):
+        m, want = _cast_build(name), _cast_build(name)
+    before = _fp8_state(m)
+    assert before, "no FP8 weights"
+    apply_cast(m)
+    after = _fp8_state(m)
+    assert after.keys() == before.keys()
+    for n, (dt, data) in before.items():
+        assert after[n][0] == dt, n
+        assert torch.equal(after[n][1], data), n
+    fp8 = set(_fp8_names(want))
+    with torch.no_grad():  # the expected module: only the other parameters cast
+        for n, p in want.named_parameters():
+            if n not in fp8 and p.is_floating_point():
+                p.data = p.data.to(dtype)
+    for (n, p), (_, q) in zip(m.named_parameters(), want.named_parameters(), strict=True):
+        assert p.dtype == q.dtype, n
+    x = _x("cpu").to(dtype)
+    args = (x, [48, 48]) if name == "GroupedLinear" else (x,)
+    with torch.no_grad(), autocast(recipe=make_recipe()):
+        y = m(*args)
+        y_want = want(*args)
+    assert y.dtype == dtype
+    assert torch.equal(y, y_want)
+
+
+def test_reset_parameters_after_a_cast_requantises_in_the_new_dtype():
+    """After ``.half()`` an FP8 weight's nominal dtype is float16: ``reset_parameters()``
+    initialises in it and casts the values into codes and scale again (the weight stays FP8)."""
+    with te.quantized_model_init(recipe=BLOCK, preserve_high_precision_init_val=True):
+        m = te.Linear(64, 32)
+    m.half()
+    assert m.weight.dtype == E4M3
+    torch.manual_seed(123)
+    m.reset_parameters()
+    assert m.weight.dtype == E4M3
+    init = m.weight.get_high_precision_init_val()
+    assert init.dtype == torch.float16
+    _assert_kept_cast_of(m, {"weight": init})
