@@ -58,7 +58,7 @@ run() {  # name, pytest arguments... (PYTEST, or the array named by $RUNNER)
 }
 case $part in
   1) # The CPU cases of tests that also have a CUDA case are CI's (marker cpu_case), and so are
-     # the files that never name CUDA (cpu_only: tests/conftest.py), about 15% of this part.
+     # the files that never name CUDA (cpu_only: tests/conftest.py), about 14% of this part.
      # --balance-by: each worker starts on an equal share of the seconds the last run measured,
      # longest first (the registry's CUDA samples and the module compiles take minutes each);
      # collection order would queue them all on the first workers. The workers spread over the
