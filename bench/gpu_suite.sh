@@ -43,10 +43,12 @@ SERIAL=("${PYTEST[@]}")
 # for minutes each).
 python3 -c "import xdist" 2>/dev/null && PYTEST+=(-n "$workers" --dist worksteal)
 export TE_COMPILE_TEST_WORLD=$(python3 -c "import torch; print(max(2, torch.cuda.device_count()))")
-# SUITE_TIMEOUT: seconds for the whole part, the build included (under one device call's limit).
-# The pytest runs stop 60 s before it: an interrupted xdist run takes up to the 30 s grace below
-# to shut down, then the summary and results.tgz must still be written inside the call.
-budget=$(( ${SUITE_TIMEOUT:-570} - 60 ))
+# SUITE_TIMEOUT: seconds for the whole part, the build included: at most the device call's limit
+# (590 for a call of 600 s). The pytest runs stop 60 s before it: an interrupted xdist run takes
+# up to the 30 s grace below to shut down, then the summary and results.tgz must still be written
+# inside the call (a call killed at its limit returns neither, and leaves its workers running on
+# the machine, which then measures nothing reliably).
+budget=$(( ${SUITE_TIMEOUT:-590} - 60 ))
 run() {  # name, pytest arguments... (PYTEST, or the array named by $RUNNER)
   local name=$1; shift
   local -n cmd=${RUNNER:-PYTEST}
