@@ -46,6 +46,11 @@ import torch._inductor.config  # noqa: E402
 # processes (each one importing torch; a pool per worker oversubscribes the host many times over).
 if not torch.cuda.is_available() or "PYTEST_XDIST_WORKER" in os.environ:
     torch._inductor.config.compile_threads = 1
+# For the same reason an xdist worker runs its CPU kernels (eager ops, the OpenMP loops of
+# Inductor's C++ code) on one thread: a pool of one thread per core in each of a few dozen
+# workers oversubscribes the host, and OpenMP's spinning threads then starve every other worker.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    torch.set_num_threads(1)
 
 # Hypothesis settings of the fuzz tests (tests/fuzz/), chosen with --fuzz-profile: "ci"
 # (the default) is seeded and derandomized with a few examples per test, so `make test` stays

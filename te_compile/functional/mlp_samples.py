@@ -21,6 +21,16 @@ def sample_inputs(device: torch.device):
     def call(*args, **kw):
         return SampleInput(tuple(MLPArgs(*args, **kw)))
 
+    def ints(*shape, amax):
+        # Integers in [-amax, amax], amax a power of two present: exact FP8 codes at the
+        # current scale (448 / amax) and at the delayed samples' scales, so z = x W^T is an exact
+        # integer however the GEMM accumulates. For the clamped activation: Hopper's FP8 GEMMs
+        # accumulate with fewer bits than fp32, and a z within that error of a clamp limit (a
+        # kink) would take the other side's derivative than the float64 reference.
+        v = torch.randint(-amax, amax + 1, shape, device=device).float()
+        v.view(-1)[0] = amax
+        return v.requires_grad_()
+
     pending = {"grad_amax1": torch.zeros(1, device=device),
                "grad_amax2": torch.zeros(1, device=device)}  # fmt: skip
     # High precision: element-wise and gated, a norm prologue.
@@ -55,17 +65,19 @@ def sample_inputs(device: torch.device):
     yield call(unit_rows(24, 512, device=device), t(512, 512), None, t(512, 512), None,
                "act=relu", **block, norm_weight=t(512), norm="RMSNorm:eps=1e-30")  # fmt: skip
     # Gated: fc1_weight [2 * ffn, hidden]; SwiGLU under current scaling, clamped SwiGLU under
-    # delayed scaling (z = x W^T over 16 features, std 4: entries past its limit of 7), GEGLU
+    # delayed scaling (z = x W^T over 16 features, std 4.6: entries past its limit of 7), GEGLU
     # in 1x128 blocks.
     yield call(t(2, 5, 32), t(64, 32), t(64), t(16, 32), t(16), "act=swiglu", **cur, **pending)
-    yield call(t(32, 16), t(96, 16), t(96), t(32, 48), None, "act=clamped_swiglu", **delayed,
-               scale1=s1.clone(), scale2=s2.clone(), **pending)  # fmt: skip
+    yield call(ints(32, 16, amax=2), ints(96, 16, amax=1), t(96), t(32, 48), None,
+               "act=clamped_swiglu", **delayed, scale1=s1.clone(), scale2=s2.clone(),
+               **pending)  # fmt: skip
     yield call(t(24, 512), t(1024, 512), t(1024), t(512, 512), t(512), "act=geglu", **block)
     # Clamped SwiGLU with other parameters (LayerNormMLP's activation_params): in high
     # precision and under current scaling (the activation op's path, not the fused kernel's).
     clamp = "act=clamped_swiglu:limit=2.5:alpha=1.25:offset=0.5"
     yield call(t(12, 16), t(64, 16), t(64), t(16, 32), t(16), clamp)
-    yield call(t(32, 16), t(96, 16), None, t(32, 48), t(32), clamp, **cur, **pending)
+    yield call(ints(32, 16, amax=2), ints(96, 16, amax=1), None, t(32, 48), t(32), clamp, **cur,
+               **pending)  # fmt: skip
     # Emulated: MXFP8 (E5M2 gradients), NVFP4, Float8BlockScaling 1x128 weight blocks.
     yield call(t(32, 64), t(64, 64), t(64), t(32, 64), t(32), "act=gelu",
                **specs("mxfp8:e4m3:emulate"))  # fmt: skip
