@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import types
+import weakref
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -168,11 +169,8 @@ def make_primary(module: nn.Module, names: tuple[str, ...], owner: str) -> None:
             setattr(param, attr, value)
         if state.preserve:
             param._high_precision_init_val = hp.detach().to("cpu", copy=True)
-        # TE's methods on the weight (also module functions: a deep copy of a Parameter keeps
-        # neither its attributes nor these).
-        param.get_high_precision_init_val = types.MethodType(get_high_precision_init_val, param)
-        param.clear_high_precision_init_val = types.MethodType(clear_high_precision_init_val, param)
         setattr(module, name, param)
+        _add_methods(module, name)
         for i in _kept(spec)[1:]:
             module.register_buffer(name + _SUFFIXES[i], tensors[i])
         module.__dict__.setdefault(_INIT_DTYPES, {})[name] = hp.dtype
@@ -183,6 +181,36 @@ def make_primary(module: nn.Module, names: tuple[str, ...], owner: str) -> None:
     module.__dict__[_HOOKED] = True
     module.register_load_state_dict_pre_hook(_quantize_loaded_weights)
     module.register_load_state_dict_post_hook(_stamp_after_load)
+
+
+def _add_methods(module: nn.Module, name: str) -> None:
+    """TE's methods on FP8 weight ``name`` (also module functions), and its quantising
+    ``copy_``; again after a deep copy of the module (a Parameter's copy keeps no attributes)."""
+    param = getattr(module, name)
+    param.get_high_precision_init_val = types.MethodType(get_high_precision_init_val, param)
+    param.clear_high_precision_init_val = types.MethodType(clear_high_precision_init_val, param)
+    param.copy_ = types.MethodType(_quantizing_copy(module, name), param)
+
+
+def _quantizing_copy(module: nn.Module, name: str):
+    """``weight.copy_(src)`` of FP8 weight ``name``: high-precision values are quantised into
+    its codes and buffers as at construction (Transformer Engine's ``QuantizedTensor.copy_``);
+    float8 codes are copied as they are (their scale is the caller's to set)."""
+    owner = weakref.ref(module)
+
+    def copy_(weight: Tensor, src: Tensor, non_blocking: bool = False) -> Tensor:
+        module = owner()
+        if module is None or is_primary(src) or getattr(module, name) is not weight:
+            return Tensor.copy_(weight, src, non_blocking)
+        if torch.is_grad_enabled() and weight.requires_grad:
+            raise RuntimeError(
+                f"{type(module).__name__}: copy_ into the FP8 weight {name!r}, a leaf that "
+                "requires grad: write it under torch.no_grad()"
+            )
+        _set(module, name, src.to(weight.device, torch.float32).expand(weight.shape))
+        return weight
+
+    return copy_
 
 
 def _quantize_loaded_weights(module, state_dict, prefix, *args) -> None:
@@ -220,6 +248,11 @@ class KeepFP8OnCast:
     ``reset_parameters()`` initialises in), as a cast of Transformer Engine's quantized weight
     changes only its nominal dtype. The forward already computes in the input's dtype."""
 
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        for name in self.__dict__.get(_SPECS, {}):
+            _add_methods(self, name)
+
     def _apply(self, fn, recurse=True):
         specs = self.__dict__.get(_SPECS)
         if not specs:
@@ -251,10 +284,10 @@ def _stamp_after_load(module: nn.Module, incompatible_keys: object) -> None:
 
 
 def check_unchanged(module: nn.Module, name: str, weight: Tensor) -> None:
-    """Refuse an FP8 weight written in place since te_compile set its codes and scale (a plain
-    ``weight.copy_(values)`` casts values to float8 without the weight's scale): same storage,
-    newer codes and the same scale. Codes written with their scale, or other storage (``.to()``,
-    a deep copy): stamped again. Eager calls only."""
+    """Refuse an FP8 weight written in place since te_compile set its codes and scale (an
+    in-place write other than its quantising ``weight.copy_`` casts values to float8 without
+    the weight's scale): same storage, newer codes and the same scale. Codes written with
+    their scale, or other storage (``.to()``, a deep copy): stamped again. Eager calls only."""
     stamps = module.__dict__.get(_STAMPS)
     if stamps is None or torch.compiler.is_compiling() or type(weight.data) is not Tensor:
         return
@@ -264,11 +297,11 @@ def check_unchanged(module: nn.Module, name: str, weight: Tensor) -> None:
     elif weight._version != codes:
         raise RuntimeError(
             f"{type(module).__name__}: the FP8 weight {name!r} was written in place since its "
-            f"codes and scale were set (weight.copy_(values), an in-place init, ...): a plain "
-            f"copy casts values to float8 without the weight's scale ({name}_scale_inv), so "
-            "the codes no longer match it. Set FP8 weights with load_state_dict (a "
-            "high-precision value is quantised), FP8MasterWeights, reset_parameters(), or by "
-            f"writing FP8 codes together with {name}_scale_inv"
+            f"codes and scale were set (weight.detach().copy_(values), an in-place init, ...): "
+            f"such a write casts values to float8 without the weight's scale ({name}_scale_inv), "
+            "so the codes no longer match it. Set FP8 weights with weight.copy_(values) (which "
+            "quantises), load_state_dict, FP8MasterWeights, reset_parameters(), or by writing "
+            f"FP8 codes together with {name}_scale_inv"
         )
 
 

@@ -466,7 +466,7 @@ def test_block_reset_parameters_requantises_and_in_place_writes_are_refused():
     m.reset_parameters()
     _assert_kept_cast_of(m, {"weight": m.weight.get_high_precision_init_val()})
     with torch.no_grad():
-        m.weight.copy_(torch.randn(m.weight.shape))
+        m.weight.detach().copy_(torch.randn(m.weight.shape))
     with pytest.raises(RuntimeError, match="'weight' was written in place"), autocast(recipe=BLOCK):
         m(torch.randn(4, 64))
 
@@ -1214,8 +1214,8 @@ def test_a_high_precision_state_dict_loads_quantised(name):
 
 @pytest.mark.parametrize("name", ["Linear", "LayerNormMLP"])
 def test_an_fp8_weight_written_in_place_is_refused_by_name(name):
-    """``weight.copy_(values)`` casts the values to float8 without the weight's scale: the next
-    forward refuses it, naming the weight, instead of computing with codes that no longer match
+    """``weight.detach().copy_(values)`` casts the values to float8 without the weight's scale: the
+    next forward refuses it, naming the weight, instead of computing with codes that no longer match
     their scale. A copy of the module (new storage, same values) is no write."""
     recipe = Float8CurrentScaling()
     m = copy.deepcopy(_primary(name, "cpu", recipe))
@@ -1223,13 +1223,50 @@ def test_an_fp8_weight_written_in_place_is_refused_by_name(name):
     with autocast(recipe=recipe):
         m(_x("cpu"))  # unchanged: runs
     with torch.no_grad():
-        getattr(m, n).copy_(torch.randn(getattr(m, n).shape, dtype=torch.bfloat16))
+        getattr(m, n).detach().copy_(torch.randn(getattr(m, n).shape, dtype=torch.bfloat16))
     written = rf"FP8 weight '{n}' was written in place"
     with pytest.raises(RuntimeError, match=written), autocast(recipe=recipe):
         m(_x("cpu"))
     m.load_state_dict(_primary(name, "cpu", recipe).state_dict())  # set again: runs
     with autocast(recipe=recipe):
         m(_x("cpu"))
+
+
+_COPY_RECIPES = {"current": Float8CurrentScaling(), "block": BLOCK, "mxfp8": MXFP8}
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["BasicLinear", "GroupedLinear"])
+@pytest.mark.parametrize("recipe", _COPY_RECIPES.values(), ids=_COPY_RECIPES.keys())
+def test_weight_copy_quantises_as_construction_does(recipe, grouped):
+    """``weight.copy_(values)`` (Transformer Engine's ``QuantizedTensor.copy_``) quantises the
+    values with the weight's recipe: codes and buffers bit for bit those of a module built
+    from the same values, whose dequantised values are the values to E4M3's half ulp; the same
+    after a deep copy of the module. Refused for a leaf that requires grad, outside no_grad."""
+    torch.manual_seed(0)
+    values = torch.randn(64, 128, dtype=torch.float64) * 0.05
+    n = "weight1" if grouped else "weight"
+
+    def build(init=None):
+        with te.quantized_model_init(recipe=recipe):
+            if grouped:
+                return te.ops.GroupedLinear(2, 128, 64, bias=False, init_method=init)
+            return te.ops.BasicLinear(128, 64, init_method=init)
+
+    built = build(lambda w: w.copy_(values))  # the construction path: cast at init
+    for m in (build(), copy.deepcopy(build())):
+        with torch.no_grad():
+            assert m.get_parameter(n).copy_(values) is m.get_parameter(n)
+        for key, want in built.state_dict().items():
+            if key.startswith(n) and not key.endswith("_extra_state"):
+                got = m.state_dict()[key]
+                assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), key
+    if recipe is _COPY_RECIPES["current"]:  # one scale: amax to 448, E4M3's half ulp
+        scale = m.get_buffer(f"{n}_scale_inv").double()
+        assert torch.allclose(scale, values.abs().max() / 448, rtol=2**-20)
+        got = m.get_parameter(n).detach().double() * scale
+        assert (got - values).abs().le(values.abs() / 16 + 2.0**-10 * scale).all()
+    with pytest.raises(RuntimeError, match=f"copy_ into the FP8 weight '{n}'"):
+        m.get_parameter(n).copy_(values)
 
 
 @pytest.mark.parametrize("single", [False, True], ids=["per_group", "single"])
@@ -1240,7 +1277,7 @@ def test_grouped_fp8_weight_written_in_place_is_refused_by_name(single):
     name = "weight" if single else "weight1"
     with autocast(recipe=recipe), torch.no_grad():
         m(_x("cpu"), [40, 56])
-        getattr(m, name).copy_(torch.randn(getattr(m, name).shape, dtype=torch.bfloat16))
+        getattr(m, name).detach().copy_(torch.randn(getattr(m, name).shape, dtype=torch.bfloat16))
     written = rf"FP8 weight '{name}' was written in place"
     with pytest.raises(RuntimeError, match=written), autocast(recipe=recipe), torch.no_grad():
         m(_x("cpu"), [40, 56])
