@@ -36,6 +36,7 @@ from te_compile.distributed.tensor_parallel import TensorParallel, set_parallel_
 from te_compile.functional.grouped_gemm import checked_splits
 from te_compile.ops.op import BasicOperation, FusibleOperation, OpOutput, check_input
 from te_compile.quantization import fp8_gemm, gemm, primary
+from te_compile.quantization.state import get_autocast_state
 from te_compile.quantization.te_extra_state import accept_te_extra_state
 
 __all__ = ["BasicLinear", "Bias", "GroupedLinear", "Linear"]
@@ -87,6 +88,22 @@ def _init_with_tracker(init: Callable[[], None], tracker: Callable[[], Any] | No
     """``init()`` inside ``tracker().fork()`` (Megatron's model-parallel RNG) when given."""
     with tracker().fork() if tracker is not None else contextlib.nullcontext():
         init()
+
+
+def _high_precision(weight: Tensor) -> bool:
+    """An FP8 primary weight outside an FP8 autocast (and outside calibration): Transformer
+    Engine dequantises it, the GEMMs run in high precision on its values (not sharded)."""
+    state = get_autocast_state()
+    return not (state.enabled or state.calibration) and type(weight.data) is Tensor
+
+
+def _values(
+    module: nn.Module, names: tuple[str, ...], dtype: torch.dtype, main_grad: Tensor | None
+) -> list[Tensor]:
+    """FP8 weights ``names``' values in ``dtype``, for a high-precision GEMM whose weight
+    gradient the op accumulates into ``main_grad`` (None: no weight gradient)."""
+    grad = main_grad is not None and getattr(module, names[0]).requires_grad
+    return [primary.weight_values(module, n, dtype).requires_grad_(grad) for n in names]
 
 
 class BasicLinear(primary.KeepFP8OnCast, BasicOperation):
@@ -216,6 +233,10 @@ class BasicLinear(primary.KeepFP8OnCast, BasicOperation):
             x = x.to(self.weight.dtype)
         if weight_q is None:
             weight, main_grad = self.weight, self.main_grad()
+        elif _high_precision(self.weight):
+            main_grad = getattr(self.weight, "main_grad", None)
+            primary.required_main_grad("BasicLinear", main_grad, self.weight)
+            weight_q, weight = None, _values(self, ("weight",), x.dtype, main_grad)[0]
         else:
             weight, main_grad = primary.primary_weight(self, "weight", x.dtype)
 
@@ -475,10 +496,14 @@ class GroupedLinear(primary.KeepFP8OnCast, GroupedParameters, BasicOperation):
         m_splits, *scales = extra_inputs
         main_grad, weight_q = None, None
         weight = self.weight if self.single_grouped_weight else torch.stack(self.weights())
-        fp8 = primary.grouped_primary(self, self._weight_names(), x.dtype)
+        names = self._weight_names()
+        fp8 = primary.grouped_primary(self, names, x.dtype)
         if fp8 is not None:  # FP8 primary weights: the gradient goes to the main_grad buffer
-            weight, weight_q = fp8
             main_grad = self._primary_main_grad()
+            weight, weight_q = fp8
+            if _high_precision(getattr(self, names[0])):
+                values = _values(self, names, x.dtype, main_grad)
+                weight, weight_q = values[0] if len(values) == 1 else torch.stack(values), None
         bias = None if self.scale_bias else self._grouped_bias()
         out = gemm.grouped_linear("GroupedLinear", self.fp8_meta, x, m_splits, weight, bias,
                                   main_grad=main_grad, weight_quantized=weight_q)  # fmt: skip

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from te_compile import functional as F
+from te_compile._checks import check_bool
 from te_compile._numerics import reciprocal_rn
 from te_compile.functional.quantize import scale_from_amax
 from te_compile.functional.spec import QuantSpec
@@ -46,6 +47,7 @@ __all__ = [
     "primary_operand",
     "quantized_model_init",
     "required_main_grad",
+    "weight_values",
 ]
 
 
@@ -66,13 +68,8 @@ def quantized_model_init(
     """Modules built inside keep their GEMM weights in FP8 only (module docstring). ``recipe``:
     the recipe the weights are quantised for (None: ``get_default_fp8_recipe()``);
     ``preserve_high_precision_init_val``: keep the initial high-precision values on the CPU."""
-    flags = {
-        "enabled": enabled,
-        "preserve_high_precision_init_val": preserve_high_precision_init_val,
-    }
-    for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise ValueError(f"te.quantized_model_init: {name} must be a bool, got {value!r}")
+    check_bool("te.quantized_model_init", enabled=enabled,
+               preserve_high_precision_init_val=preserve_high_precision_init_val)  # fmt: skip
     if recipe is not None and not isinstance(recipe, Recipe):
         raise ValueError(
             f"te.quantized_model_init: recipe must be a Recipe or None, got {recipe!r}"
@@ -199,14 +196,9 @@ def _quantizing_copy(module: nn.Module, name: str):
     owner = weakref.ref(module)
 
     def copy_(weight: Tensor, src: Tensor, non_blocking: bool = False) -> Tensor:
-        module = owner()
-        if module is None or is_primary(src) or getattr(module, name) is not weight:
-            return Tensor.copy_(weight, src, non_blocking)
-        if torch.is_grad_enabled() and weight.requires_grad:
-            raise RuntimeError(
-                f"{type(module).__name__}: copy_ into the FP8 weight {name!r}, a leaf that "
-                "requires grad: write it under torch.no_grad()"
-            )
+        module, grad = owner(), torch.is_grad_enabled() and weight.requires_grad
+        if module is None or grad or is_primary(src) or getattr(module, name) is not weight:
+            return Tensor.copy_(weight, src, non_blocking)  # (grad: torch's in-place error)
         _set(module, name, src.to(weight.device, torch.float32).expand(weight.shape))
         return weight
 
@@ -339,6 +331,12 @@ def _set(module: nn.Module, name: str, values: Tensor) -> None:
     for i in _kept(_spec(module, name)):
         getattr(module, name + _SUFFIXES[i]).copy_(tensors[i])
     _stamp(module, name)
+
+
+def weight_values(module: nn.Module, name: str, dtype: torch.dtype) -> Tensor:
+    """FP8 weight ``name``'s values (its codes with their scales) in ``dtype``, no gradient."""
+    scale_inv = getattr(module, f"{name}_scale_inv")
+    return dequantized(getattr(module, name).detach(), scale_inv, _spec(module, name), dtype)
 
 
 def is_primary(weight: Tensor) -> bool:
@@ -615,8 +613,7 @@ class FP8MasterWeights:
                 elif init is not None:
                     master = init.to(param.device, torch.float32, copy=True)
                 else:
-                    scale_inv = getattr(module, f"{name}_scale_inv")
-                    master = dequantized(param.detach(), scale_inv, spec, torch.float32)
+                    master = weight_values(module, name, torch.float32)
                 clear_high_precision_init_val(param)
                 master = nn.Parameter(master)
                 if group is None and not allocated:

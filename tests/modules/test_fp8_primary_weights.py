@@ -239,7 +239,7 @@ def test_refused_uses():
     ):
         m(_x("cpu"))
     with (
-        pytest.raises(ValueError, match="enabled must be a bool, got 1"),
+        pytest.raises(ValueError, match=r"enabled must be a bool \(True or False\), got 1"),
         te.fp8_model_init(enabled=1),
     ):
         pass
@@ -281,6 +281,7 @@ BLOCK = Float8BlockScaling()  # 128x128 weight blocks, power-of-two scales
 BLOCK_1D = Float8BlockScaling(w_block_scaling_dim=1)  # 1x128 weight blocks: two casts
 MXFP8 = MXFP8BlockScaling()  # 1x32 blocks along each dim: two casts
 BLOCK_RECIPES = {"block": BLOCK, "block_1x128": BLOCK_1D, "mxfp8": MXFP8}
+_COPY_RECIPES = {"current": Float8CurrentScaling(), "block": BLOCK, "mxfp8": MXFP8}
 
 
 def _block_cast(values, recipe):
@@ -1108,6 +1109,45 @@ def test_ops_grouped_linear_against_float64(device, single):
         te.ops.Sequential(_ops_grouped_without_masters(device, recipe, flags))(x, SPLITS)
 
 
+@pytest.mark.parametrize("recipe", _COPY_RECIPES.values(), ids=_COPY_RECIPES.keys())
+@pytest.mark.parametrize("grouped", [False, True], ids=["Linear", "GroupedLinear"])
+def test_ops_outside_fp8_autocast_compute_with_the_weight_values(grouped, recipe):
+    """Outside an FP8 autocast te.ops' FP8 weights are dequantised (as Transformer Engine
+    does): a high-precision GEMM of their values against float64, the weight gradient into
+    main_grad (FP8MasterWeights), refused by name without one unless no gradient is wanted."""
+    torch.manual_seed(0)
+    names = [f"weight{i}" for i in range(G)] if grouped else ["weight"]
+    with te.quantized_model_init(recipe=recipe):
+        if grouped:
+            op = te.ops.GroupedLinear(G, 128, 64, bias=False, dtype=torch.bfloat16)
+        else:
+            op = te.ops.Linear(128, 64, bias=False, dtype=torch.bfloat16)
+    run = (lambda x: op(x, SPLITS)) if grouped else op
+    splits = SPLITS if grouped else [96]
+    x = _x("cpu").requires_grad_()
+    with torch.no_grad():
+        y0 = run(x)  # no gradient wanted: no main_grad needed
+    with pytest.raises(RuntimeError, match="main_grad"):
+        run(x)
+    te.FP8MasterWeights(op)
+    y = run(x)
+    assert torch.equal(y, y0) and y.dtype == torch.bfloat16
+    g = torch.randn_like(y)
+    y.backward(g)
+    owner = op if grouped else op.basic_ops[0]
+    ws = [_kept_values(owner, n).double() if recipe is not _COPY_RECIPES["current"]
+          else owner.get_parameter(n).detach().double() * owner.get_buffer(f"{n}_scale_inv")
+          for n in names]  # fmt: skip
+    ws = [w.to(torch.bfloat16).double() for w in ws]  # the GEMM's operand: values in x's dtype
+    xs, gs = x.detach().double().split(splits), g.double().split(splits)
+    assert_close(y, torch.cat([a @ w.T for a, w in zip(xs, ws, strict=True)]), torch.bfloat16)
+    dx = torch.cat([d @ w for d, w in zip(gs, ws, strict=True)])
+    assert_close(x.grad, dx, torch.bfloat16)
+    for n, d, a in zip(names, gs, xs, strict=True):
+        main_grad = op.get_parameter(n).main_grad if grouped else op.weight.main_grad
+        assert_close(main_grad, d.T @ a, torch.bfloat16)
+
+
 def _ops_grouped_without_masters(device, recipe, flags):
     with te.quantized_model_init(recipe=recipe):
         return te.ops.GroupedLinear(G, 128, 64, dtype=torch.bfloat16, device=device, **flags)
@@ -1232,16 +1272,13 @@ def test_an_fp8_weight_written_in_place_is_refused_by_name(name):
         m(_x("cpu"))
 
 
-_COPY_RECIPES = {"current": Float8CurrentScaling(), "block": BLOCK, "mxfp8": MXFP8}
-
-
 @pytest.mark.parametrize("grouped", [False, True], ids=["BasicLinear", "GroupedLinear"])
 @pytest.mark.parametrize("recipe", _COPY_RECIPES.values(), ids=_COPY_RECIPES.keys())
 def test_weight_copy_quantises_as_construction_does(recipe, grouped):
     """``weight.copy_(values)`` (Transformer Engine's ``QuantizedTensor.copy_``) quantises the
     values with the weight's recipe: codes and buffers bit for bit those of a module built
     from the same values, whose dequantised values are the values to E4M3's half ulp; the same
-    after a deep copy of the module. Refused for a leaf that requires grad, outside no_grad."""
+    after a deep copy of the module. Outside no_grad, torch's error (in-place on a leaf)."""
     torch.manual_seed(0)
     values = torch.randn(64, 128, dtype=torch.float64) * 0.05
     n = "weight1" if grouped else "weight"
@@ -1265,7 +1302,7 @@ def test_weight_copy_quantises_as_construction_does(recipe, grouped):
         assert torch.allclose(scale, values.abs().max() / 448, rtol=2**-20)
         got = m.get_parameter(n).detach().double() * scale
         assert (got - values).abs().le(values.abs() / 16 + 2.0**-10 * scale).all()
-    with pytest.raises(RuntimeError, match=f"copy_ into the FP8 weight '{n}'"):
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
         m.get_parameter(n).copy_(values)
 
 
