@@ -448,9 +448,7 @@ def _scalar_specs(normalization, norm_eps, zero_centered_gamma, activation, glu_
         alpha=alpha, glu_linear_offset=glu_linear_offset, out_scale=out_scale,
     )  # fmt: skip
     check_choice("te.linear", "backward_override", backward_override, BACKWARD_OVERRIDES)
-    if normalization not in ("", *NORMALIZATIONS):
-        raise ValueError('te.linear: normalization must be "", "LayerNorm" or "RMSNorm", '
-                         f"got {normalization!r}")  # fmt: skip
+    check_choice("te.linear", "normalization", normalization, ("", *NORMALIZATIONS))
     norm = NormSpec(normalization, float(norm_eps), zero_centered_gamma) if normalization else None
     epilogue = EpilogueSpec(activation, glu_interleave_size or 0, limit, alpha,
                             glu_linear_offset, float(out_scale), return_branch)  # fmt: skip

@@ -74,10 +74,8 @@ def quantized_model_init(
         raise ValueError(
             f"te.quantized_model_init: recipe must be a Recipe or None, got {recipe!r}"
         )
-    previous = _STATE[0]
-    if enabled:
-        recipe = recipe if recipe is not None else get_default_fp8_recipe()
-    _STATE[0] = _InitState(recipe, preserve_high_precision_init_val) if enabled else None
+    previous, keep = _STATE[0], preserve_high_precision_init_val
+    _STATE[0] = _InitState(recipe or get_default_fp8_recipe(), keep) if enabled else None
     try:
         yield
     finally:
@@ -181,28 +179,22 @@ def make_primary(module: nn.Module, names: tuple[str, ...], owner: str) -> None:
 
 
 def _add_methods(module: nn.Module, name: str) -> None:
-    """TE's methods on FP8 weight ``name`` (also module functions), and its quantising
-    ``copy_``; again after a deep copy of the module (a Parameter's copy keeps no attributes)."""
-    param = getattr(module, name)
+    """TE's methods on FP8 weight ``name`` (also module functions) and ``weight.copy_(src)``,
+    which quantises high-precision values into the codes and buffers as at construction (TE's
+    ``QuantizedTensor.copy_``; float8 codes are copied as they are, their scale the caller's);
+    again after a deep copy of the module (a Parameter's copy keeps no attributes)."""
+    param, owner = getattr(module, name), weakref.ref(module)
+
+    def copy_(src: Tensor, non_blocking: bool = False) -> Tensor:
+        m, grad = owner(), torch.is_grad_enabled() and param.requires_grad
+        if m is None or grad or is_primary(src) or getattr(m, name) is not param:
+            return Tensor.copy_(param, src, non_blocking)  # (grad: torch's in-place error)
+        _set(m, name, src.to(param.device, torch.float32).expand(param.shape))
+        return param
+
     param.get_high_precision_init_val = types.MethodType(get_high_precision_init_val, param)
     param.clear_high_precision_init_val = types.MethodType(clear_high_precision_init_val, param)
-    param.copy_ = types.MethodType(_quantizing_copy(module, name), param)
-
-
-def _quantizing_copy(module: nn.Module, name: str):
-    """``weight.copy_(src)`` of FP8 weight ``name``: high-precision values are quantised into
-    its codes and buffers as at construction (Transformer Engine's ``QuantizedTensor.copy_``);
-    float8 codes are copied as they are (their scale is the caller's to set)."""
-    owner = weakref.ref(module)
-
-    def copy_(weight: Tensor, src: Tensor, non_blocking: bool = False) -> Tensor:
-        module, grad = owner(), torch.is_grad_enabled() and weight.requires_grad
-        if module is None or grad or is_primary(src) or getattr(module, name) is not weight:
-            return Tensor.copy_(weight, src, non_blocking)  # (grad: torch's in-place error)
-        _set(module, name, src.to(weight.device, torch.float32).expand(weight.shape))
-        return weight
-
-    return copy_
+    param.copy_ = copy_
 
 
 def _quantize_loaded_weights(module, state_dict, prefix, *args) -> None:
@@ -288,12 +280,10 @@ def check_unchanged(module: nn.Module, name: str, weight: Tensor) -> None:
         _stamp(module, name)
     elif weight._version != codes:
         raise RuntimeError(
-            f"{type(module).__name__}: the FP8 weight {name!r} was written in place since its "
-            f"codes and scale were set (weight.detach().copy_(values), an in-place init, ...): "
-            f"such a write casts values to float8 without the weight's scale ({name}_scale_inv), "
-            "so the codes no longer match it. Set FP8 weights with weight.copy_(values) (which "
-            "quantises), load_state_dict, FP8MasterWeights, reset_parameters(), or by writing "
-            f"FP8 codes together with {name}_scale_inv"
+            f"{type(module).__name__}: the FP8 weight {name!r} was written in place without "
+            f"its scale ({name}_scale_inv; weight.detach().copy_(values), an in-place init, ...)"
+            ": set FP8 weights with weight.copy_(values) (which quantises), load_state_dict, "
+            f"FP8MasterWeights, reset_parameters(), or FP8 codes together with {name}_scale_inv"
         )
 
 
