@@ -46,7 +46,6 @@ __all__ = [
     "make_primary",
     "primary_operand",
     "quantized_model_init",
-    "required_main_grad",
     "weight_values",
 ]
 
@@ -165,10 +164,10 @@ def make_primary(module: nn.Module, names: tuple[str, ...], owner: str) -> None:
         if state.preserve:
             param._high_precision_init_val = hp.detach().to("cpu", copy=True)
         setattr(module, name, param)
+        module.__dict__.setdefault(_INIT_DTYPES, {})[name] = hp.dtype
         _add_methods(module, name)
         for i in _kept(spec)[1:]:
             module.register_buffer(name + _SUFFIXES[i], tensors[i])
-        module.__dict__.setdefault(_INIT_DTYPES, {})[name] = hp.dtype
         module.__dict__.setdefault(_SPECS, {})[name] = spec
         _stamp(module, name)
     if _STAMPS not in module.__dict__ or _HOOKED in module.__dict__:
@@ -195,6 +194,7 @@ def _add_methods(module: nn.Module, name: str) -> None:
     param.get_high_precision_init_val = types.MethodType(get_high_precision_init_val, param)
     param.clear_high_precision_init_val = types.MethodType(clear_high_precision_init_val, param)
     param.copy_ = copy_
+    param.grad_dtype = module.__dict__[_INIT_DTYPES][name]  # .grad without main_grad (as TE)
 
 
 def _quantize_loaded_weights(module, state_dict, prefix, *args) -> None:
@@ -256,7 +256,7 @@ class KeepFP8OnCast:
                 return out
             name = kept[id(t)]
             if name is not None and out.is_floating_point():
-                dtypes[name] = out.dtype
+                t.grad_dtype = dtypes[name] = out.dtype
             return t.data if out.device == t.device else t.data.to(out.device)
 
         return super()._apply(keep_fp8, recurse)
@@ -411,19 +411,6 @@ def _grouped_blocks(module: nn.Module, names: tuple[str, ...], data: Tensor) -> 
     return [data, scale, data_t, scale_t, module._buffers[f"{names[0]}_amax"]]
 
 
-def required_main_grad(owner: str, main_grad: Tensor | None, weight: Tensor) -> Tensor | None:
-    """``main_grad`` of FP8 weights for a GEMM op that accumulates their gradient into it; a
-    clear error where a gradient is wanted (grad enabled, ``weight`` trainable) and there is
-    none (no ``FP8MasterWeights`` yet)."""
-    if main_grad is None and torch.is_grad_enabled() and weight.requires_grad:
-        raise RuntimeError(
-            f"{owner}: FP8 primary weights (quantized_model_init) accumulate their gradient "
-            "into main_grad: build te.FP8MasterWeights(model) before training, or run the "
-            "forward under torch.no_grad()"
-        )
-    return main_grad
-
-
 def _sharded_stand_in(
     module: nn.Module, names: tuple[str, ...], weight: Tensor, dtype, shape, grouped: bool
 ) -> Tensor | None:
@@ -477,7 +464,8 @@ class _StandIn(torch.autograd.Function):
     """The weight argument of a GEMM op on FP8 weights: ``shape`` in ``dtype``, zero bytes (an
     expanded scalar; the op reads the codes from its pre-quantised operand, never this),
     requiring grad through ``leaves``. Not sharded (``group_name`` None): the leaves are the
-    codes (:func:`grouped_primary`), the gradient went to ``main_grad`` and none flows back.
+    codes (:func:`grouped_primary`); a gradient the op returns (it had no ``main_grad``) goes to
+    their ``.grad`` (in their ``grad_dtype``), ``[G, N, K]`` split per leaf.
     Sharded by FSDP2: one zero-byte fp32 leaf per FP8 weight, of its local shard's shape, whose
     ``.grad`` is the sharded ``main_grad`` (``per_group``: a grouped GEMM's ``G`` weights ``[N,
     K]``, else one weight); the full-size ``dW`` is reduce-scattered into each leaf
@@ -489,12 +477,15 @@ class _StandIn(torch.autograd.Function):
                 world: int, per_group: bool, *leaves: Tensor) -> Tensor:  # fmt: skip
         ctx.group_name, ctx.world, ctx.per_group = group_name, world, per_group
         ctx.local_rows = [s.shape[0] for s in leaves]
+        ctx.set_materialize_grads(False)
         return leaves[0].new_zeros((), dtype=dtype).expand(shape)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
-        if ctx.group_name is None:
+    def backward(ctx, grad: Tensor | None) -> tuple[Tensor | None, ...]:
+        if grad is None:
             return (None,) * (5 + len(ctx.local_rows))
+        if ctx.group_name is None:
+            return (None,) * 5 + (grad.unbind(0) if len(ctx.local_rows) > 1 else (grad,))
         parts = grad.unbind(0) if ctx.per_group else (grad,)
         shards = [_reduce_scatter_rows(p, ctx.world, ctx.group_name, rows)
                   for p, rows in zip(parts, ctx.local_rows, strict=True)]  # fmt: skip

@@ -229,10 +229,13 @@ def test_refused_uses():
     m = _primary("Linear", "cpu", recipe)
     with pytest.raises(NotImplementedError, match="no FP8 autocast"):
         m(_x("cpu"))
+    x = _x("cpu")
     with autocast(recipe=recipe):
-        y = m(_x("cpu"))
-    with pytest.raises(RuntimeError, match="main_grad"):
-        y.sum().backward()
+        y = m(x)
+    y.float().sum().backward()  # no FP8MasterWeights: .grad in the nominal dtype, as in TE
+    assert m.weight.grad.dtype == torch.bfloat16 and m.weight.dtype == E4M3
+    dw = x.double().sum(0).expand(64, 128)
+    assert_close_quantized(m.weight.grad, dw, "current", grad=True)
     with (
         autocast(recipe=Float8CurrentScaling(backward_override="high_precision")),
         pytest.raises(ValueError, match="backward_override='high_precision'"),
@@ -744,10 +747,17 @@ def test_grouped_refused_uses():
     m = _grouped("cpu", recipe)
     with torch.no_grad(), pytest.raises(NotImplementedError, match="no FP8 autocast"):
         m(_x("cpu"), SPLITS)
-    with autocast(recipe=recipe), pytest.raises(RuntimeError, match=r"te\.FP8MasterWeights"):
-        m(_x("cpu"), SPLITS)
     with autocast(recipe=recipe), torch.no_grad():  # inference needs no masters
         assert m(_x("cpu"), SPLITS).isfinite().all()
+    x = _x("cpu")
+    with autocast(recipe=recipe):  # no FP8MasterWeights: each weight's .grad, as in TE
+        m(x, SPLITS).float().sum().backward()
+    rows = torch.repeat_interleave(torch.arange(G), torch.tensor(SPLITS))
+    for i in range(G):
+        grad = m.get_parameter(f"weight{i}").grad
+        assert grad.dtype == torch.bfloat16
+        dw = x[rows == i].double().sum(0).expand(grad.shape)
+        assert_close_quantized(grad, dw, "current", grad=True)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -1105,8 +1115,13 @@ def test_ops_grouped_linear_against_float64(device, single):
     main_grad = torch.stack([getattr(op, n).main_grad.reshape(-1, 64, 128) for n in names])
     assert_close_quantized(main_grad.reshape(G, 64, 128), dw, "current", grad=True)
     assert all(getattr(op, n).grad is None for n in names)
-    with autocast(recipe=recipe), pytest.raises(RuntimeError, match="main_grad"):
-        te.ops.Sequential(_ops_grouped_without_masters(device, recipe, flags))(x, SPLITS)
+    bare = _ops_grouped_without_masters(device, recipe, flags)  # no FP8MasterWeights: .grad
+    bare.load_state_dict(op.state_dict())
+    with autocast(recipe=recipe):
+        te.ops.Sequential(bare)(x.detach(), SPLITS).backward(g)
+    grads = torch.stack([getattr(bare, n).grad.reshape(-1, 64, 128) for n in names])
+    assert grads.dtype == torch.bfloat16
+    assert_close_quantized(grads.reshape(G, 64, 128), dw, "current", grad=True)
 
 
 @pytest.mark.parametrize("recipe", _COPY_RECIPES.values(), ids=_COPY_RECIPES.keys())
@@ -1114,7 +1129,7 @@ def test_ops_grouped_linear_against_float64(device, single):
 def test_ops_outside_fp8_autocast_compute_with_the_weight_values(grouped, recipe):
     """Outside an FP8 autocast te.ops' FP8 weights are dequantised (as Transformer Engine
     does): a high-precision GEMM of their values against float64, the weight gradient into
-    main_grad (FP8MasterWeights), refused by name without one unless no gradient is wanted."""
+    main_grad (FP8MasterWeights), else into .grad in the nominal dtype (as in TE)."""
     torch.manual_seed(0)
     names = [f"weight{i}" for i in range(G)] if grouped else ["weight"]
     with te.quantized_model_init(recipe=recipe):
@@ -1126,13 +1141,14 @@ def test_ops_outside_fp8_autocast_compute_with_the_weight_values(grouped, recipe
     splits = SPLITS if grouped else [96]
     x = _x("cpu").requires_grad_()
     with torch.no_grad():
-        y0 = run(x)  # no gradient wanted: no main_grad needed
-    with pytest.raises(RuntimeError, match="main_grad"):
-        run(x)
+        y0 = run(x)
+    g = torch.randn_like(y0)
+    run(x).backward(g)  # no main_grad: .grad
+    grads = [op.get_parameter(n).grad.clone() for n in names] if grouped else [op.weight.grad]
+    x.grad = None
     te.FP8MasterWeights(op)
     y = run(x)
     assert torch.equal(y, y0) and y.dtype == torch.bfloat16
-    g = torch.randn_like(y)
     y.backward(g)
     owner = op if grouped else op.basic_ops[0]
     ws = [_kept_values(owner, n).double() if recipe is not _COPY_RECIPES["current"]
@@ -1143,9 +1159,11 @@ def test_ops_outside_fp8_autocast_compute_with_the_weight_values(grouped, recipe
     assert_close(y, torch.cat([a @ w.T for a, w in zip(xs, ws, strict=True)]), torch.bfloat16)
     dx = torch.cat([d @ w for d, w in zip(gs, ws, strict=True)])
     assert_close(x.grad, dx, torch.bfloat16)
-    for n, d, a in zip(names, gs, xs, strict=True):
+    for n, d, a, grad in zip(names, gs, xs, grads, strict=True):
         main_grad = op.get_parameter(n).main_grad if grouped else op.weight.main_grad
         assert_close(main_grad, d.T @ a, torch.bfloat16)
+        assert grad.dtype == torch.bfloat16
+        assert_close(grad, d.T @ a, torch.bfloat16)
 
 
 def _ops_grouped_without_masters(device, recipe, flags):
