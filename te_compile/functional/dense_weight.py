@@ -140,10 +140,10 @@ def fp8_grad(weight: Tensor) -> bool:
 
 def refuse_fp8_weight_grad(owner: str, name: str, main_grad: str) -> None:
     """The backward's error for an FP8 weight ``name`` whose gradient is wanted without a
-    ``main_grad`` buffer (argument ``main_grad``) to take it, nor a high-precision
-    ``grad_dtype`` (:func:`fp8_grad`)."""
+    ``main_grad`` buffer (argument ``main_grad``) nor a high-precision ``grad_dtype``."""
     raise RuntimeError(
-        f"{owner}: an FP8 {name}'s gradient goes to {main_grad} (fp32), and none was given"
+        f"{owner}: an FP8 {name}'s gradient needs {main_grad} (fp32) or a high-precision "
+        f"{name}.grad_dtype (a leaf's), and neither was given"
     )
 
 
