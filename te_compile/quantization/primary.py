@@ -464,7 +464,7 @@ class _StandIn(torch.autograd.Function):
     """The weight argument of a GEMM op on FP8 weights: ``shape`` in ``dtype``, zero bytes (an
     expanded scalar; the op reads the codes from its pre-quantised operand, never this),
     requiring grad through ``leaves``. Not sharded (``group_name`` None): the leaves are the
-    codes (:func:`grouped_primary`); a gradient the op returns (it had no ``main_grad``) goes to
+    codes (:func:`grouped_primary`); without a ``main_grad`` on them the op's gradient goes to
     their ``.grad`` (in their ``grad_dtype``), ``[G, N, K]`` split per leaf.
     Sharded by FSDP2: one zero-byte fp32 leaf per FP8 weight, of its local shard's shape, whose
     ``.grad`` is the sharded ``main_grad`` (``per_group``: a grouped GEMM's ``G`` weights ``[N,
@@ -477,15 +477,15 @@ class _StandIn(torch.autograd.Function):
                 world: int, per_group: bool, *leaves: Tensor) -> Tensor:  # fmt: skip
         ctx.group_name, ctx.world, ctx.per_group = group_name, world, per_group
         ctx.local_rows = [s.shape[0] for s in leaves]
-        ctx.set_materialize_grads(False)
+        ctx.to_leaves = all(getattr(leaf, "main_grad", None) is None for leaf in leaves)
         return leaves[0].new_zeros((), dtype=dtype).expand(shape)
 
     @staticmethod
-    def backward(ctx, grad: Tensor | None) -> tuple[Tensor | None, ...]:
-        if grad is None:
-            return (None,) * (5 + len(ctx.local_rows))
-        if ctx.group_name is None:
-            return (None,) * 5 + (grad.unbind(0) if len(ctx.local_rows) > 1 else (grad,))
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        if ctx.group_name is None:  # to the codes' .grad where no main_grad took it
+            n = len(ctx.local_rows)
+            return (None,) * 5 + ((None,) * n if not ctx.to_leaves else grad.unbind(0) if n > 1
+                                  else (grad,))  # fmt: skip
         parts = grad.unbind(0) if ctx.per_group else (grad,)
         shards = [_reduce_scatter_rows(p, ctx.world, ctx.group_name, rows)
                   for p, rows in zip(parts, ctx.local_rows, strict=True)]  # fmt: skip
