@@ -3,9 +3,9 @@
 Modules built inside ``te_compile.quantized_model_init(recipe=...)`` keep each GEMM weight in
 FP8 only, as the recipe casts weights (:func:`_weight_spec`, :func:`_cast`): the ``weight``
 Parameter holds the E4M3 codes, buffers the rest (``<name>_scale_inv``, ``<name>_amax``; of 1-D
-weight blocks also ``<name>_t`` / ``<name>_scale_inv_t``). The forward hands them to the GEMM op
-as its pre-quantised weight operand (:func:`primary_operand`, :func:`grouped_primary`), so no
-weight is cast per step. The weight gradient goes to an fp32 ``weight.main_grad``;
+weight blocks also ``<name>_t`` / ``<name>_scale_inv_t``), handed to the GEMM op as its
+pre-quantised operand (:func:`primary_operand`, :func:`grouped_primary`): no per-step cast. The
+weight gradient goes to an fp32 ``weight.main_grad``, else to ``.grad`` (its ``grad_dtype``);
 ``FP8MasterWeights`` keeps fp32 masters for any ``torch.optim`` optimizer and re-quantises them
 after each step (:func:`_set`). Under FSDP2 (per-tensor recipes) the codes are sharded on dim 0,
 the weight gradient reaches a sharded ``main_grad`` through a zero-byte stand-in whose backward
