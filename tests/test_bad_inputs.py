@@ -461,6 +461,7 @@ _OPS: dict[str, tuple[Callable[[], Any], dict[str, Any], Callable[[], dict[str, 
     "ClampedSwiGLU": (te.ops.ClampedSwiGLU, {}, None),
     "SiTUGLU": (te.ops.SiTUGLU, {}, None),
     "ScaledSiTUGLU": (te.ops.ScaledSiTUGLU, {}, None),
+    "ScaledSReLU": (te.ops.ScaledSReLU, {}, None),
     **{
         n: (getattr(te.ops, n), {}, None)
         for n in (

@@ -16,7 +16,7 @@ import math
 import torch
 from torch import Tensor
 
-from te_compile._checks import FLOAT_DTYPES
+from te_compile._checks import FLOAT_DTYPES, check_choice
 from te_compile.functional.dropout_ops import new_rng_state
 
 __all__ = [
@@ -233,8 +233,7 @@ def _described(x: object) -> object:
 def _softmax_offset(softmax_type, softmax_offset, h: int, device) -> Tensor | None:
     """The op's ``softmax_offset``: None (vanilla), zeros (off-by-one) or the given logits as
     fp32 ``[h]``."""
-    if softmax_type not in SOFTMAX_TYPES:
-        raise _fail(f"softmax_type must be one of {SOFTMAX_TYPES}, got {softmax_type!r}")
+    check_choice(_OWNER, "softmax_type", softmax_type, SOFTMAX_TYPES)
     if softmax_type != "learnable":
         if softmax_offset is not None:
             raise _fail(f"softmax_offset must be None for softmax_type={softmax_type!r} (only "
@@ -261,14 +260,11 @@ def op_arguments(
 ) -> tuple:  # fmt: skip
     """``te::attention_fwd``'s arguments for a call of
     :func:`te_compile.functional.dot_product_attention` (its arguments, in order)."""
-    if qkv_format not in QKV_FORMATS:
-        raise _fail(f"qkv_format must be one of {QKV_FORMATS}, got {qkv_format!r}")
+    check_choice(_OWNER, "qkv_format", qkv_format, QKV_FORMATS)
     mask_type = normalize_mask_type(attn_mask_type)
     left, right = normalize_window(mask_type, window_size)
     _check_qkv(query, key, value, qkv_format)
-    if core_attention_bias_type not in BIAS_TYPES:
-        raise _fail(f"core_attention_bias_type must be one of {BIAS_TYPES}, got "
-                    f"{core_attention_bias_type!r}")  # fmt: skip
+    check_choice(_OWNER, "core_attention_bias_type", core_attention_bias_type, BIAS_TYPES)
     if not _real(dropout_p) or not 0.0 <= dropout_p < 1.0:
         raise _fail(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
     if softmax_scale is not None and not (_real(softmax_scale) and 0 < softmax_scale < math.inf):

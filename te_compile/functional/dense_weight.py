@@ -36,6 +36,7 @@ __all__ = [
     "check_weight_spec",
     "checked_weight_cast",
     "fake_copy",
+    "fp8_grad",
     "fp8_weight_for_checks",
     "quantize_weight",
     "refuse_fp8_weight_grad",
@@ -131,11 +132,18 @@ def fp8_weight_for_checks(
     return torch.empty(weight.shape, dtype=dtype, device="meta")
 
 
+def fp8_grad(weight: Tensor) -> bool:
+    """Whether ``weight``'s gradient would be FP8: an FP8 weight without a high-precision
+    ``grad_dtype`` (FP8 primary weights have their nominal dtype there)."""
+    return weight.dtype in FP8_DTYPES and (not weight.is_leaf or weight.grad_dtype in FP8_DTYPES)
+
+
 def refuse_fp8_weight_grad(owner: str, name: str, main_grad: str) -> None:
     """The backward's error for an FP8 weight ``name`` whose gradient is wanted without a
-    ``main_grad`` buffer (argument ``main_grad``) to take it."""
+    ``main_grad`` buffer (argument ``main_grad``) nor a high-precision ``grad_dtype``."""
     raise RuntimeError(
-        f"{owner}: an FP8 {name}'s gradient goes to {main_grad} (fp32), and none was given"
+        f"{owner}: an FP8 {name}'s gradient needs {main_grad} (fp32) or a high-precision "
+        f"{name}.grad_dtype (a leaf's), and neither was given"
     )
 
 

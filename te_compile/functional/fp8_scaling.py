@@ -42,7 +42,7 @@ import math
 import torch
 from torch import Tensor
 
-from te_compile._checks import check_int, check_tensor
+from te_compile._checks import check_choice, check_int, check_tensor
 from te_compile._library import SampleInput, op
 
 __all__ = [
@@ -104,10 +104,7 @@ def _limit_runs(fp8_max: list[float]) -> tuple[float, float, int] | None:
 
 def _check(amax_history, scale, amax, fp8_max, margin, amax_compute_algo, amax_tail) -> None:
     p = "te.delayed_scaling_update: "
-    if amax_compute_algo not in AMAX_COMPUTE_ALGOS:
-        raise ValueError(
-            p + f"amax_compute_algo must be one of {AMAX_COMPUTE_ALGOS}, got {amax_compute_algo!r}"
-        )
+    check_choice(p[:-2], "amax_compute_algo", amax_compute_algo, AMAX_COMPUTE_ALGOS)
     if margin < 0 or margin is True:
         raise ValueError(p + f"margin must be an int >= 0, got {margin!r}")
     slots = scale.shape[0] if scale.ndim == 1 else -1

@@ -43,6 +43,7 @@ from te_compile._checks import (
     FP8_DTYPES,
     HIGH_DTYPES,
     check_bool,
+    check_choice,
     check_finite,
     check_int,
     check_positive_finite,
@@ -314,9 +315,8 @@ def blockwise_supported(
     2.11, other widths gave wrong dgrad products and a padded layout was refused)."""
     p = "te.blockwise_supported"
     check_tensor(p, "weight", weight, min_dim=2)
-    for name, value in (("fwd_dtype", fwd_dtype), ("bwd_dtype", bwd_dtype)):
-        if value not in FP8_DTYPES:
-            raise ValueError(f"{p}: {name} must be one of {FP8_DTYPES}, got {value!r}")
+    check_choice(p, "fwd_dtype", fwd_dtype, FP8_DTYPES)
+    check_choice(p, "bwd_dtype", bwd_dtype, FP8_DTYPES)
     rows = weight_block_rows  # an int (a SymInt where dynamic shapes trace it), not a bool
     if isinstance(rows, bool) or not isinstance(rows, (int, torch.SymInt)) or rows not in (1, 128):
         raise ValueError(f"{p}: weight_block_rows must be 1 or 128, got {rows!r}")

@@ -70,12 +70,12 @@ from te_compile.functional.activation import GATED_ACTIVATIONS, activation_ref, 
 from te_compile.functional.dense_weight import (
     check_weight_quantized,
     fake_copy,
+    fp8_grad,
     refuse_fp8_weight_grad,
 )
 from te_compile.functional.dropout_ops import new_rng_state
 from te_compile.functional.gemm import (
     BACKWARD_OVERRIDES,
-    FP8_DTYPES,
     PER_TENSOR,
     BwdArgs,
     DeferredWgrad,
@@ -330,7 +330,7 @@ def _setup_context(ctx, inputs, output) -> None:
     tensors, ctx.scalars = _for_backward(a, saved)
     save_for_backward_except_written(ctx, (*tensors, a.wgrad_stash), _WRITTEN)
     ctx.has_norm = bool(a.nrm.normalization)
-    ctx.fp8_weight = a.weight.dtype in FP8_DTYPES and a.main_grad is None
+    ctx.fp8_weight = a.main_grad is None and fp8_grad(a.weight)
 
 
 # Positions of main_grad and grad_amax in the backward's tensors (_for_backward): the buffers
@@ -448,9 +448,7 @@ def _scalar_specs(normalization, norm_eps, zero_centered_gamma, activation, glu_
         alpha=alpha, glu_linear_offset=glu_linear_offset, out_scale=out_scale,
     )  # fmt: skip
     check_choice("te.linear", "backward_override", backward_override, BACKWARD_OVERRIDES)
-    if normalization not in ("", *NORMALIZATIONS):
-        raise ValueError('te.linear: normalization must be "", "LayerNorm" or "RMSNorm", '
-                         f"got {normalization!r}")  # fmt: skip
+    check_choice("te.linear", "normalization", normalization, ("", *NORMALIZATIONS))
     norm = NormSpec(normalization, float(norm_eps), zero_centered_gamma) if normalization else None
     epilogue = EpilogueSpec(activation, glu_interleave_size or 0, limit, alpha,
                             glu_linear_offset, float(out_scale), return_branch)  # fmt: skip

@@ -9,7 +9,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from te_compile._checks import HIGH_DTYPES
+from te_compile._checks import HIGH_DTYPES, check_choice
 from te_compile.functional.activation import ACTIVATIONS, GATED_ACTIVATIONS, check_gated_params
 from te_compile.functional.dense_weight import check_weight_operand, fp8_weight_for_checks
 from te_compile.functional.gemm import check_gemm_dims, check_specs
@@ -73,8 +73,7 @@ def check_mlp(a: MLPArgs) -> None:
               for i, (w, q) in enumerate(pairs, 1))  # fmt: skip
     check_norm(p, inp, a.nrm)
     ep = a.ep
-    if ep.activation not in MLP_ACTIVATIONS:
-        raise ValueError(p + f"activation must be one of {MLP_ACTIVATIONS}, got {ep.activation!r}")
+    check_choice(p[:-2], "activation", ep.activation, MLP_ACTIVATIONS)
     if (ep.interleave, ep.scale, ep.branch) != (0, 1.0, False):
         raise ValueError(
             p + f"epilogue {a.epilogue!r}: te::mlp takes the activation with limit, alpha and "

@@ -44,7 +44,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from te_compile._checks import FP8_DTYPES, check_bool, check_same_device, check_tensors
+from te_compile._checks import check_bool, check_same_device, check_tensors
 from te_compile._library import differentiable, op
 from te_compile.functional.activation import (
     GATED_ACTIVATIONS,
@@ -57,6 +57,7 @@ from te_compile.functional.activation import (
 from te_compile.functional.dense_weight import (
     check_weight_quantized,
     fake_copy,
+    fp8_grad,
     refuse_fp8_weight_grad,
     weight_operand,
 )
@@ -411,7 +412,7 @@ def _setup_context(ctx, inputs, output) -> None:
         a.fc2_bias is not None, normed, a.norm_bias is not None)  # fmt: skip
     # FP8 weights (FP8 primary weights) without a main_grad: their gradient has nowhere to go.
     pairs = ((a.fc1_weight, a.main_grad1), (a.fc2_weight, a.main_grad2))
-    ctx.fp8_weights = tuple(w.dtype in FP8_DTYPES and g is None for w, g in pairs)
+    ctx.fp8_weights = tuple(g is None and fp8_grad(w) for w, g in pairs)
 
 
 def _backward(ctx, bwd, grad, _grad_saved):

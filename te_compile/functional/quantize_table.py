@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from te_compile._checks import check_bool
+from te_compile._checks import check_bool, check_choice
 from te_compile._numerics import reciprocal_rn
 from te_compile.functional import quantize_mx, quantize_mx_ref
 from te_compile.functional.quantize import (
@@ -125,11 +125,7 @@ def _quantize_nvfp4(x: Tensor, *, columnwise, block_rows, four_over_six, **_) ->
             "te.quantize: block_rows must be 1 (1x16 blocks) or 16 (16x16 tiles) for 'nvfp4', "
             f"got {block_rows}"
         )
-    if four_over_six not in quantize_mx_ref.FOUR_OVER_SIX:
-        raise ValueError(
-            f"te.quantize: four_over_six must be one of {quantize_mx_ref.FOUR_OVER_SIX}, got "
-            f"{four_over_six!r}"
-        )
+    quantize_mx_ref.parse_four_over_six(four_over_six)  # raises for an unknown setting
     if block_rows == 16 or four_over_six:
         quantize_mx.check_quantize_nvfp4(x, None, True, columnwise)
         ref = quantize_mx_ref.quantize_nvfp4_ref
@@ -187,11 +183,8 @@ def quantize(
     :class:`Quantized`; :func:`dequantize` inverts it. ``scale`` must be finite and > 0 (read
     on the host in eager; not checked while ``torch.compile`` traces)."""
     check_bool("te.quantize", power_2_scale=power_2_scale, columnwise=columnwise)
-    quantizer = _QUANTIZERS.get(recipe_kind)
-    if quantizer is None:
-        raise ValueError(
-            f"te.quantize: recipe_kind must be one of {sorted(_QUANTIZERS)}, got {recipe_kind!r}"
-        )
+    check_choice("te.quantize", "recipe_kind", recipe_kind, tuple(sorted(_QUANTIZERS)))
+    quantizer = _QUANTIZERS[recipe_kind]
     if four_over_six and recipe_kind != "nvfp4":
         raise ValueError(
             f"te.quantize: four_over_six is for recipe_kind='nvfp4', got {recipe_kind!r}"

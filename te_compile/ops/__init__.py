@@ -5,7 +5,7 @@ Basic ops (``nn.Module``\\ s, Transformer Engine's names) and what they compute:
     Linear (BasicLinear + Bias container, TE's state_dict keys)
     BasicLinear (x W^T)   Bias (x + b)   GroupedLinear (per-group x_g W_g^T + b_g; m_splits extra)
     GELU QGELU ReLU SReLU SiLU   GLU GEGLU QGEGLU ReGLU SReGLU SwiGLU ClampedSwiGLU SiTUGLU
-    ScaledSwiGLU ScaledClampedQGeGLU ScaledSiTUGLU (gated, times the extra input scales)
+    ScaledSwiGLU ScaledClampedQGeGLU ScaledSiTUGLU ScaledSReLU (times the extra input scales)
     LayerNorm RMSNorm L2Normalization   Dropout(p)   Quantize
     Identity Reshape ConstantScale   AddExtraInput (residual add)   MakeExtraOutput (branch)
     AllGather AllReduce ReduceScatter (functional collectives; identity without a group)
@@ -29,6 +29,7 @@ from te_compile.ops.activation import (
     ReLU,
     ScaledClampedQGeGLU,
     ScaledSiTUGLU,
+    ScaledSReLU,
     ScaledSwiGLU,
     SiLU,
     SiTUGLU,
@@ -110,6 +111,7 @@ __all__ = [
     "SReGLU",
     "SReLU",
     "ScaledClampedQGeGLU",
+    "ScaledSReLU",
     "ScaledSiTUGLU",
     "ScaledSwiGLU",
     "Sequential",

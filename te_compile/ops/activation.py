@@ -24,9 +24,9 @@ Post-scaled gated activations (Transformer Engine's mixture-of-experts ops, one 
 ``scales`` of the input's shape without its last dim, e.g. the router's per-token weights):
 ``ScaledSwiGLU`` (:math:`\mathrm{silu}(a)\,l\,s`) and ``ScaledClampedQGeGLU`` (the
 ``ClampedSwiGLU`` math times :math:`s`), ``ScaledSiTUGLU`` (the ``SiTUGLU`` math times
-:math:`s`). The activation is the te op, the product with
-``scales`` a broadcast multiply that autograd differentiates (``scales`` gets
-:math:`\sum_j \mathrm{act}_j\,dy_j`).
+:math:`s`), and one element-wise, ``ScaledSReLU`` (:math:`\max(x, 0)^2\,s`). The
+activation is the te op, the product with ``scales`` a broadcast multiply that autograd
+differentiates (``scales`` gets :math:`\sum_j \mathrm{act}_j\,dy_j`).
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ __all__ = [
     "SReGLU",
     "SReLU",
     "ScaledClampedQGeGLU",
+    "ScaledSReLU",
     "ScaledSiTUGLU",
     "ScaledSwiGLU",
     "SiLU",
@@ -312,25 +313,11 @@ class SiTUGLU(_SiTU, _GatedActivation):
         self.beta1, self.beta2 = beta1, beta2
 
 
-class _ScaledGLU(_GatedActivation):
-    """A gated activation times the extra input ``scales`` (``[...]``: the input's shape without
-    its last dim), broadcast over the output's last dim."""
+class _PostScaled:
+    """An activation times the extra input ``scales`` (``[...]``: the input's shape without its
+    last dim), broadcast over the output's last dim."""
 
     num_extra_inputs = 1
-
-    def __init__(
-        self,
-        glu_interleave_size: int | None = None,
-        activation_recompute_in_mlp: bool = False,
-    ) -> None:
-        super().__init__(glu_interleave_size=glu_interleave_size)
-        check_bool(type(self).__name__, activation_recompute_in_mlp=activation_recompute_in_mlp)
-        if activation_recompute_in_mlp:
-            raise NotImplementedError(
-                f"{type(self).__name__}: activation_recompute_in_mlp=True needs TE's fused "
-                "grouped-MLP kernels, which te_compile does not have; pass False"
-            )
-        self.activation_recompute_in_mlp = activation_recompute_in_mlp
 
     def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
         (scales,) = extra_inputs
@@ -342,6 +329,48 @@ class _ScaledGLU(_GatedActivation):
             )
         y = self.apply(x, None)
         return y * scales.unsqueeze(-1).to(y.dtype), ()
+
+
+class _ScaledGLU(_PostScaled, _GatedActivation):
+    """A gated activation times ``scales``; ``activation_recompute_in_mlp`` must be False (as
+    in Transformer Engine, whose fused grouped MLP recomputes no scaled GLU)."""
+
+    def __init__(
+        self,
+        glu_interleave_size: int | None = None,
+        activation_recompute_in_mlp: bool = False,
+    ) -> None:
+        super().__init__(glu_interleave_size=glu_interleave_size)
+        check_bool(type(self).__name__, activation_recompute_in_mlp=activation_recompute_in_mlp)
+        if activation_recompute_in_mlp:
+            raise ValueError(
+                f"{type(self).__name__}: activation_recompute_in_mlp=True: a scaled GLU does not "
+                "support activation recomputation (Transformer Engine's fused grouped MLP has "
+                "none for it); pass False"
+            )
+        self.activation_recompute_in_mlp = activation_recompute_in_mlp
+
+
+class ScaledSReLU(_PostScaled, ActivationOperation):
+    r""":math:`\max(x, 0)^2\,s` with ``scales`` :math:`s` the extra input.
+    ``activation_recompute_in_mlp=True`` is Transformer Engine's request to its fused grouped
+    MLP kernels (recompute the activation in the backward), which te_compile does not have:
+    accepted and kept, the forward raises ``RuntimeError``, as TE's does outside that path."""
+
+    activation = "srelu"
+
+    def __init__(self, *, activation_recompute_in_mlp: bool = False) -> None:
+        super().__init__()
+        check_bool("ScaledSReLU", activation_recompute_in_mlp=activation_recompute_in_mlp)
+        self.activation_recompute_in_mlp = activation_recompute_in_mlp
+
+    def op_forward(self, x: Tensor, extra_inputs: tuple[Tensor, ...]) -> OpOutput:
+        if self.activation_recompute_in_mlp:
+            raise RuntimeError(
+                "ScaledSReLU(activation_recompute_in_mlp=True) runs only inside Transformer "
+                "Engine's fused grouped MLP kernels, which te_compile does not have"
+            )
+        return super().op_forward(x, extra_inputs)
 
 
 class ScaledSwiGLU(_ScaledGLU):

@@ -36,6 +36,7 @@ from te_compile.distributed.tensor_parallel import TensorParallel, set_parallel_
 from te_compile.functional.grouped_gemm import checked_splits
 from te_compile.ops.op import BasicOperation, FusibleOperation, OpOutput, check_input
 from te_compile.quantization import fp8_gemm, gemm, primary
+from te_compile.quantization.state import get_autocast_state
 from te_compile.quantization.te_extra_state import accept_te_extra_state
 
 __all__ = ["BasicLinear", "Bias", "GroupedLinear", "Linear"]
@@ -87,6 +88,41 @@ def _init_with_tracker(init: Callable[[], None], tracker: Callable[[], Any] | No
     """``init()`` inside ``tracker().fork()`` (Megatron's model-parallel RNG) when given."""
     with tracker().fork() if tracker is not None else contextlib.nullcontext():
         init()
+
+
+def _high_precision(weight: Tensor) -> bool:
+    """An FP8 primary weight outside an FP8 autocast (and outside calibration): Transformer
+    Engine dequantises it, the GEMMs run in high precision on its values (not sharded)."""
+    state = get_autocast_state()
+    return not (state.enabled or state.calibration) and type(weight.data) is Tensor
+
+
+def _values(
+    module: nn.Module, names: tuple[str, ...], dtype: torch.dtype, main_grad: Tensor | None
+) -> Tensor:
+    """FP8 weights ``names``' values in ``dtype`` (``G`` weights stacked ``[G, N, K]``) for a
+    high-precision GEMM: a leaf whose gradient the op accumulates into ``main_grad``, or
+    without one a tensor whose gradient goes to the weights' ``.grad`` (:class:`_ToWeights`)."""
+    params = [getattr(module, n) for n in names]
+    values = [primary.weight_values(module, n, dtype) for n in names]
+    values = values[0] if len(values) == 1 else torch.stack(values)
+    if main_grad is not None or not (params[0].requires_grad and torch.is_grad_enabled()):
+        return values.requires_grad_(main_grad is not None and params[0].requires_grad)
+    return _ToWeights.apply(values, *params)
+
+
+class _ToWeights(torch.autograd.Function):
+    """``values`` as they are; their gradient goes to the FP8 Parameters ``params`` (in their
+    ``grad_dtype``, the nominal dtype), ``[G, N, K]`` split per Parameter."""
+
+    @staticmethod
+    def forward(ctx, values: Tensor, *params: Tensor) -> Tensor:
+        ctx.count = len(params)
+        return values.view_as(values)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        return None, *(grad.unbind(0) if ctx.count > 1 else (grad,))
 
 
 class BasicLinear(primary.KeepFP8OnCast, BasicOperation):
@@ -216,6 +252,9 @@ class BasicLinear(primary.KeepFP8OnCast, BasicOperation):
             x = x.to(self.weight.dtype)
         if weight_q is None:
             weight, main_grad = self.weight, self.main_grad()
+        elif _high_precision(self.weight):
+            main_grad = getattr(self.weight, "main_grad", None)
+            weight_q, weight = None, _values(self, ("weight",), x.dtype, main_grad)
         else:
             weight, main_grad = primary.primary_weight(self, "weight", x.dtype)
 
@@ -355,12 +394,10 @@ class GroupedParameters:
 
     def _primary_main_grad(self) -> Tensor | None:
         """The ``[num_groups, out, in]`` fp32 buffer FP8 primary weights' gradient goes to
-        (``FP8MasterWeights`` allocates it); None where no gradient is wanted."""
-        single = self.single_grouped_weight
-        main_grad = (getattr(self.weight, "main_grad", None) if single
-                     else getattr(self, "_main_grad_buffer", None))  # fmt: skip
-        first = self.weight if single else self.weight0
-        return primary.required_main_grad("GroupedLinear", main_grad, first)
+        (``FP8MasterWeights`` allocates it); None: to the weights' ``.grad``, as in TE."""
+        if self.single_grouped_weight:
+            return getattr(self.weight, "main_grad", None)
+        return getattr(self, "_main_grad_buffer", None)
 
 
 class GroupedLinear(primary.KeepFP8OnCast, GroupedParameters, BasicOperation):
@@ -475,10 +512,13 @@ class GroupedLinear(primary.KeepFP8OnCast, GroupedParameters, BasicOperation):
         m_splits, *scales = extra_inputs
         main_grad, weight_q = None, None
         weight = self.weight if self.single_grouped_weight else torch.stack(self.weights())
-        fp8 = primary.grouped_primary(self, self._weight_names(), x.dtype)
+        names = self._weight_names()
+        fp8 = primary.grouped_primary(self, names, x.dtype)
         if fp8 is not None:  # FP8 primary weights: the gradient goes to the main_grad buffer
-            weight, weight_q = fp8
             main_grad = self._primary_main_grad()
+            weight, weight_q = fp8
+            if _high_precision(getattr(self, names[0])):
+                weight, weight_q = _values(self, names, x.dtype, main_grad), None
         bias = None if self.scale_bias else self._grouped_bias()
         out = gemm.grouped_linear("GroupedLinear", self.fp8_meta, x, m_splits, weight, bias,
                                   main_grad=main_grad, weight_quantized=weight_q)  # fmt: skip

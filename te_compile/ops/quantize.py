@@ -4,10 +4,11 @@ tensor as the recipe's quantiser leaves it; outside (or disabled), the identity.
 The forward quantises and dequantises the input as the recipe quantises a GEMM input (role
 ``"input"``), the backward (with ``backward=True``) the gradient as it quantises a GEMM's
 gradient (role ``"grad"``), through ``te::fake_quantize_fwd/_bwd``: per-tensor current scaling,
-1x128 / 128x128 FP8 blocks, MXFP8, NVFP4. Quantised data crosses op boundaries only as plain
-tensors here, so the op hands on the dequantised values rather than Transformer Engine's FP8
-tensor: the numerics of a quantised activation, for studying or emulating low precision where
-no GEMM follows (the FP8 GEMMs of ``BasicLinear`` quantise their own operands).
+1x128 / 128x128 FP8 blocks, MXFP8, NVFP4 (with the input's 4over6 block scaling). Quantised
+data crosses op boundaries only as plain tensors here, so the op hands on the dequantised
+values rather than Transformer Engine's FP8 tensor: the numerics of a quantised activation,
+for studying or emulating low precision where no GEMM follows (the FP8 GEMMs of
+``BasicLinear`` quantise their own operands).
 
 Under ``DelayedScaling`` the op keeps its own scaling state, as a module's GEMM does: the
 ``fp8_meta`` child (:class:`te_compile.quantization.fp8_gemm.FP8GemmState`: amax history,
@@ -29,6 +30,7 @@ from torch import Tensor
 
 from te_compile import functional as F
 from te_compile._numerics import reciprocal_rn
+from te_compile.functional.quantize_mx_ref import nvfp4_qdq
 from te_compile.ops.op import BasicOperation, OpOutput
 from te_compile.quantization import fp8_gemm
 from te_compile.quantization.gemm import recipe_specs
@@ -77,6 +79,22 @@ class _DelayedQDQ(torch.autograd.Function):
         return dx, None, None, None, None, None, None
 
 
+class _FourOverSix(torch.autograd.Function):
+    """NVFP4 with 4over6 block scaling (``functional.quantize_mx_ref.nvfp4_qdq``'s rowwise
+    copy, blocks along the last dim), quantised and dequantised in the input's dtype; the
+    gradient passes straight through (``fake_quantize`` before it quantises the gradient)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, four_over_six: str) -> Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        y, _ = nvfp4_qdq(rows, columnwise=False, four_over_six=four_over_six)
+        return y.to(x.dtype).view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor) -> tuple[Tensor, None]:
+        return dy, None
+
+
 class Quantize(BasicOperation):
     """Quantise-dequantise the input (``forward``) and/or its gradient (``backward``) with the
     recipe of the enclosing ``te_compile.autocast``; ``fp8_meta``: the delayed-scaling state
@@ -110,7 +128,8 @@ class Quantize(BasicOperation):
         sx, _, sg = recipe_specs(state.recipe)
         fwd, bwd = self.quantize_forward, self.quantize_backward
         # NVFP4's options as the GEMMs take them: the Hadamard transform touches only the
-        # columnwise copy (not made here); stochastic rounding, row scaling and 4over6 block
+        # columnwise copy (not made here); 4over6 block scaling of the input is applied (as
+        # TE's input quantiser does; never to the gradient); stochastic rounding and row
         # scaling are not done here.
         for name, on, fix in (
             (
@@ -119,17 +138,20 @@ class Quantize(BasicOperation):
                 "disable_stochastic_rounding=True",
             ),
             ("row_scaled", fwd and sx.row_scaled, "row_scaled_activation=False"),
-            ("four_over_six", fwd and sx.four_over_six, "nvfp4_4over6='none' or 'weights'"),
         ):
             if on:
                 raise NotImplementedError(
                     f"Quantize: NVFP4's {name} is applied inside the GEMMs only; use "
                     f"NVFP4BlockScaling({fix})"
                 )
-        plain = {"rht": False, "emulate": False}
-        spec = replace(sx, **plain).encode() if fwd else ""
+        four_over_six = sx.four_over_six if fwd else ""
+        plain = {"rht": False, "emulate": False, "four_over_six": ""}
+        spec = replace(sx, **plain).encode() if fwd and not four_over_six else ""
         grad_spec = replace(sg, **plain).encode() if bwd else ""
-        return F.fake_quantize(x, spec, grad_spec=grad_spec), ()
+        y = F.fake_quantize(x, spec, grad_spec=grad_spec)
+        if four_over_six:
+            y = _FourOverSix.apply(y, four_over_six)
+        return y, ()
 
     def extra_repr(self) -> str:
         return f"forward={self.quantize_forward}, backward={self.quantize_backward}"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from te_compile._checks import check_dtype, check_tensor
+from te_compile._checks import check_choice, check_dtype, check_tensor
 from te_compile.functional import quantize_table as _q
 from te_compile.quantization.gemm import ROLES, recipe_specs
 from te_compile.quantization.recipe import Recipe
@@ -38,8 +38,7 @@ def quantize(
     check_tensor("te.quantize", "tensor", tensor)
     if scale is not None:
         check_tensor("te.quantize", "scale", scale, min_dim=0)
-    if role not in ROLES:
-        raise ValueError(f"te.quantize: role must be one of {ROLES}, got {role!r}")
+    check_choice("te.quantize", "role", role, ROLES)
     spec = recipe_specs(recipe)[ROLES.index(role)]
     unsupported = {
         "rht": ("disable_rht=True", spec.rht and columnwise),

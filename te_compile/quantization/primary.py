@@ -3,9 +3,9 @@
 Modules built inside ``te_compile.quantized_model_init(recipe=...)`` keep each GEMM weight in
 FP8 only, as the recipe casts weights (:func:`_weight_spec`, :func:`_cast`): the ``weight``
 Parameter holds the E4M3 codes, buffers the rest (``<name>_scale_inv``, ``<name>_amax``; of 1-D
-weight blocks also ``<name>_t`` / ``<name>_scale_inv_t``). The forward hands them to the GEMM op
-as its pre-quantised weight operand (:func:`primary_operand`, :func:`grouped_primary`), so no
-weight is cast per step. The weight gradient goes to an fp32 ``weight.main_grad``;
+weight blocks also ``<name>_t`` / ``<name>_scale_inv_t``), handed to the GEMM op as its
+pre-quantised operand (:func:`primary_operand`, :func:`grouped_primary`): no per-step cast. The
+weight gradient goes to an fp32 ``weight.main_grad``, else to ``.grad`` (its ``grad_dtype``);
 ``FP8MasterWeights`` keeps fp32 masters for any ``torch.optim`` optimizer and re-quantises them
 after each step (:func:`_set`). Under FSDP2 (per-tensor recipes) the codes are sharded on dim 0,
 the weight gradient reaches a sharded ``main_grad`` through a zero-byte stand-in whose backward
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import types
+import weakref
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -25,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from te_compile import functional as F
+from te_compile._checks import check_bool
 from te_compile._numerics import reciprocal_rn
 from te_compile.functional.quantize import scale_from_amax
 from te_compile.functional.spec import QuantSpec
@@ -44,7 +46,7 @@ __all__ = [
     "make_primary",
     "primary_operand",
     "quantized_model_init",
-    "required_main_grad",
+    "weight_values",
 ]
 
 
@@ -65,21 +67,14 @@ def quantized_model_init(
     """Modules built inside keep their GEMM weights in FP8 only (module docstring). ``recipe``:
     the recipe the weights are quantised for (None: ``get_default_fp8_recipe()``);
     ``preserve_high_precision_init_val``: keep the initial high-precision values on the CPU."""
-    flags = {
-        "enabled": enabled,
-        "preserve_high_precision_init_val": preserve_high_precision_init_val,
-    }
-    for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise ValueError(f"te.quantized_model_init: {name} must be a bool, got {value!r}")
+    check_bool("te.quantized_model_init", enabled=enabled,
+               preserve_high_precision_init_val=preserve_high_precision_init_val)  # fmt: skip
     if recipe is not None and not isinstance(recipe, Recipe):
         raise ValueError(
             f"te.quantized_model_init: recipe must be a Recipe or None, got {recipe!r}"
         )
-    previous = _STATE[0]
-    if enabled:
-        recipe = recipe if recipe is not None else get_default_fp8_recipe()
-    _STATE[0] = _InitState(recipe, preserve_high_precision_init_val) if enabled else None
+    previous, keep = _STATE[0], preserve_high_precision_init_val
+    _STATE[0] = _InitState(recipe or get_default_fp8_recipe(), keep) if enabled else None
     try:
         yield
     finally:
@@ -168,14 +163,11 @@ def make_primary(module: nn.Module, names: tuple[str, ...], owner: str) -> None:
             setattr(param, attr, value)
         if state.preserve:
             param._high_precision_init_val = hp.detach().to("cpu", copy=True)
-        # TE's methods on the weight (also module functions: a deep copy of a Parameter keeps
-        # neither its attributes nor these).
-        param.get_high_precision_init_val = types.MethodType(get_high_precision_init_val, param)
-        param.clear_high_precision_init_val = types.MethodType(clear_high_precision_init_val, param)
         setattr(module, name, param)
+        module.__dict__.setdefault(_INIT_DTYPES, {})[name] = hp.dtype
+        _add_methods(module, name)
         for i in _kept(spec)[1:]:
             module.register_buffer(name + _SUFFIXES[i], tensors[i])
-        module.__dict__.setdefault(_INIT_DTYPES, {})[name] = hp.dtype
         module.__dict__.setdefault(_SPECS, {})[name] = spec
         _stamp(module, name)
     if _STAMPS not in module.__dict__ or _HOOKED in module.__dict__:
@@ -183,6 +175,26 @@ def make_primary(module: nn.Module, names: tuple[str, ...], owner: str) -> None:
     module.__dict__[_HOOKED] = True
     module.register_load_state_dict_pre_hook(_quantize_loaded_weights)
     module.register_load_state_dict_post_hook(_stamp_after_load)
+
+
+def _add_methods(module: nn.Module, name: str) -> None:
+    """TE's methods on FP8 weight ``name`` (also module functions) and ``weight.copy_(src)``,
+    which quantises high-precision values into the codes and buffers as at construction (TE's
+    ``QuantizedTensor.copy_``; float8 codes are copied as they are, their scale the caller's);
+    again after a deep copy of the module (a Parameter's copy keeps no attributes)."""
+    param, owner = getattr(module, name), weakref.ref(module)
+
+    def copy_(src: Tensor, non_blocking: bool = False) -> Tensor:
+        m, grad = owner(), torch.is_grad_enabled() and param.requires_grad
+        if m is None or grad or is_primary(src) or getattr(m, name) is not param:
+            return Tensor.copy_(param, src, non_blocking)  # (grad: torch's in-place error)
+        _set(m, name, src.to(param.device, torch.float32).expand(param.shape))
+        return param
+
+    param.get_high_precision_init_val = types.MethodType(get_high_precision_init_val, param)
+    param.clear_high_precision_init_val = types.MethodType(clear_high_precision_init_val, param)
+    param.copy_ = copy_
+    param.grad_dtype = module.__dict__[_INIT_DTYPES][name]  # .grad without main_grad (as TE)
 
 
 def _quantize_loaded_weights(module, state_dict, prefix, *args) -> None:
@@ -220,6 +232,11 @@ class KeepFP8OnCast:
     ``reset_parameters()`` initialises in), as a cast of Transformer Engine's quantized weight
     changes only its nominal dtype. The forward already computes in the input's dtype."""
 
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        for name in self.__dict__.get(_SPECS, {}):
+            _add_methods(self, name)
+
     def _apply(self, fn, recurse=True):
         specs = self.__dict__.get(_SPECS)
         if not specs:
@@ -239,7 +256,7 @@ class KeepFP8OnCast:
                 return out
             name = kept[id(t)]
             if name is not None and out.is_floating_point():
-                dtypes[name] = out.dtype
+                t.grad_dtype = dtypes[name] = out.dtype
             return t.data if out.device == t.device else t.data.to(out.device)
 
         return super()._apply(keep_fp8, recurse)
@@ -251,10 +268,10 @@ def _stamp_after_load(module: nn.Module, incompatible_keys: object) -> None:
 
 
 def check_unchanged(module: nn.Module, name: str, weight: Tensor) -> None:
-    """Refuse an FP8 weight written in place since te_compile set its codes and scale (a plain
-    ``weight.copy_(values)`` casts values to float8 without the weight's scale): same storage,
-    newer codes and the same scale. Codes written with their scale, or other storage (``.to()``,
-    a deep copy): stamped again. Eager calls only."""
+    """Refuse an FP8 weight written in place since te_compile set its codes and scale (an
+    in-place write other than its quantising ``weight.copy_`` casts values to float8 without
+    the weight's scale): same storage, newer codes and the same scale. Codes written with
+    their scale, or other storage (``.to()``, a deep copy): stamped again. Eager calls only."""
     stamps = module.__dict__.get(_STAMPS)
     if stamps is None or torch.compiler.is_compiling() or type(weight.data) is not Tensor:
         return
@@ -263,12 +280,10 @@ def check_unchanged(module: nn.Module, name: str, weight: Tensor) -> None:
         _stamp(module, name)
     elif weight._version != codes:
         raise RuntimeError(
-            f"{type(module).__name__}: the FP8 weight {name!r} was written in place since its "
-            f"codes and scale were set (weight.copy_(values), an in-place init, ...): a plain "
-            f"copy casts values to float8 without the weight's scale ({name}_scale_inv), so "
-            "the codes no longer match it. Set FP8 weights with load_state_dict (a "
-            "high-precision value is quantised), FP8MasterWeights, reset_parameters(), or by "
-            f"writing FP8 codes together with {name}_scale_inv"
+            f"{type(module).__name__}: the FP8 weight {name!r} was written in place without "
+            f"its scale ({name}_scale_inv; weight.detach().copy_(values), an in-place init, ...)"
+            ": set FP8 weights with weight.copy_(values) (which quantises), load_state_dict, "
+            f"FP8MasterWeights, reset_parameters(), or FP8 codes together with {name}_scale_inv"
         )
 
 
@@ -306,6 +321,12 @@ def _set(module: nn.Module, name: str, values: Tensor) -> None:
     for i in _kept(_spec(module, name)):
         getattr(module, name + _SUFFIXES[i]).copy_(tensors[i])
     _stamp(module, name)
+
+
+def weight_values(module: nn.Module, name: str, dtype: torch.dtype) -> Tensor:
+    """FP8 weight ``name``'s values (its codes with their scales) in ``dtype``, no gradient."""
+    scale_inv = getattr(module, f"{name}_scale_inv")
+    return dequantized(getattr(module, name).detach(), scale_inv, _spec(module, name), dtype)
 
 
 def is_primary(weight: Tensor) -> bool:
@@ -390,19 +411,6 @@ def _grouped_blocks(module: nn.Module, names: tuple[str, ...], data: Tensor) -> 
     return [data, scale, data_t, scale_t, module._buffers[f"{names[0]}_amax"]]
 
 
-def required_main_grad(owner: str, main_grad: Tensor | None, weight: Tensor) -> Tensor | None:
-    """``main_grad`` of FP8 weights for a GEMM op that accumulates their gradient into it; a
-    clear error where a gradient is wanted (grad enabled, ``weight`` trainable) and there is
-    none (no ``FP8MasterWeights`` yet)."""
-    if main_grad is None and torch.is_grad_enabled() and weight.requires_grad:
-        raise RuntimeError(
-            f"{owner}: FP8 primary weights (quantized_model_init) accumulate their gradient "
-            "into main_grad: build te.FP8MasterWeights(model) before training, or run the "
-            "forward under torch.no_grad()"
-        )
-    return main_grad
-
-
 def _sharded_stand_in(
     module: nn.Module, names: tuple[str, ...], weight: Tensor, dtype, shape, grouped: bool
 ) -> Tensor | None:
@@ -456,7 +464,8 @@ class _StandIn(torch.autograd.Function):
     """The weight argument of a GEMM op on FP8 weights: ``shape`` in ``dtype``, zero bytes (an
     expanded scalar; the op reads the codes from its pre-quantised operand, never this),
     requiring grad through ``leaves``. Not sharded (``group_name`` None): the leaves are the
-    codes (:func:`grouped_primary`), the gradient went to ``main_grad`` and none flows back.
+    codes (:func:`grouped_primary`); without a ``main_grad`` on them the op's gradient goes to
+    their ``.grad`` (in their ``grad_dtype``), ``[G, N, K]`` split per leaf.
     Sharded by FSDP2: one zero-byte fp32 leaf per FP8 weight, of its local shard's shape, whose
     ``.grad`` is the sharded ``main_grad`` (``per_group``: a grouped GEMM's ``G`` weights ``[N,
     K]``, else one weight); the full-size ``dW`` is reduce-scattered into each leaf
@@ -468,12 +477,15 @@ class _StandIn(torch.autograd.Function):
                 world: int, per_group: bool, *leaves: Tensor) -> Tensor:  # fmt: skip
         ctx.group_name, ctx.world, ctx.per_group = group_name, world, per_group
         ctx.local_rows = [s.shape[0] for s in leaves]
+        ctx.to_leaves = all(getattr(leaf, "main_grad", None) is None for leaf in leaves)
         return leaves[0].new_zeros((), dtype=dtype).expand(shape)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
-        if ctx.group_name is None:
-            return (None,) * (5 + len(ctx.local_rows))
+        if ctx.group_name is None:  # to the codes' .grad where no main_grad took it
+            n = len(ctx.local_rows)
+            return (None,) * 5 + ((None,) * n if not ctx.to_leaves else grad.unbind(0) if n > 1
+                                  else (grad,))  # fmt: skip
         parts = grad.unbind(0) if ctx.per_group else (grad,)
         shards = [_reduce_scatter_rows(p, ctx.world, ctx.group_name, rows)
                   for p, rows in zip(parts, ctx.local_rows, strict=True)]  # fmt: skip
@@ -582,8 +594,7 @@ class FP8MasterWeights:
                 elif init is not None:
                     master = init.to(param.device, torch.float32, copy=True)
                 else:
-                    scale_inv = getattr(module, f"{name}_scale_inv")
-                    master = dequantized(param.detach(), scale_inv, spec, torch.float32)
+                    master = weight_values(module, name, torch.float32)
                 clear_high_precision_init_val(param)
                 master = nn.Parameter(master)
                 if group is None and not allocated:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 
+from te_compile._checks import check_bool
 from te_compile.quantization.state import STATE_HOLDER, Holder, get_autocast_state
 
 __all__ = ["RecomputeScope", "checkpoint", "current_scope"]
@@ -103,8 +104,7 @@ def checkpoint(
             "te.checkpoint: get_rng_state_tracker must be None: te_compile's dropout draws its "
             "seeds from torch's generators, which the checkpoint restores for the recompute"
         )
-    if not isinstance(use_reentrant, bool):
-        raise ValueError(f"te.checkpoint: use_reentrant must be a bool, got {use_reentrant!r}")
+    check_bool("te.checkpoint", use_reentrant=use_reentrant)
     options = {k: kwargs.pop(k) for k in _TORCH_CHECKPOINT_ARGS if k in kwargs}
     if kwargs:  # function's keyword arguments: bound here (the reentrant checkpoint takes none)
         function = functools.partial(function, **kwargs)

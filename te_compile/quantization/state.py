@@ -32,6 +32,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 import torch.distributed as dist
 
+from te_compile._checks import check_bool
 from te_compile.quantization.device import emulation_reason, get_default_fp8_recipe
 from te_compile.quantization.recipe import FP8_QPARAMS, Recipe
 
@@ -184,15 +185,12 @@ def fp8_autocast(
     ``fp8_group`` is ``amax_reduction_group``. ``_graph`` (TE: skip the work TE runs when the
     region exits, for a CUDA graph) changes nothing: te_compile has no work at the exit."""
     _check_args("fp8_autocast", "fp8_recipe", enabled, calibrating, fp8_recipe, fp8_group)
-    if not isinstance(_graph, bool):
-        raise ValueError(f"fp8_autocast: _graph must be a bool, got {_graph!r}")
+    check_bool("fp8_autocast", _graph=_graph)
     return autocast(enabled, calibrating, fp8_recipe, fp8_group)
 
 
 def _check_args(owner: str, recipe_name: str, enabled, calibrating, recipe, group) -> None:
-    for name, value in (("enabled", enabled), ("calibrating", calibrating)):
-        if not isinstance(value, bool):
-            raise ValueError(f"{owner}: {name} must be a bool, got {value!r}")
+    check_bool(owner, enabled=enabled, calibrating=calibrating)
     group_name = "amax_reduction_group" if owner == "autocast" else "fp8_group"
     check_recipe_and_group(owner, recipe_name, recipe, group_name, group)
 

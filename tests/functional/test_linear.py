@@ -20,6 +20,7 @@ from te_compile.functional.gemm_ref import quantized_linear_ref
 from tests.utils import (
     DEVICES,
     assert_close,
+    assert_close_quantized,
     compile_counted,
     gemm_specs,
     make_reference_and_test_tensors,
@@ -726,7 +727,7 @@ def test_branch_rmsnorm_backward_checks_the_branch_gradient():
 def test_fp8_weight_needs_its_operand_and_a_main_grad():
     """An FP8 weight (FP8 primary weights) without its pre-quantised operand is refused naming
     weight_q; with it but without main_grad, a backward that wants its gradient is refused
-    naming main_grad."""
+    naming main_grad, unless the weight's grad_dtype is high precision (then its .grad)."""
     x = torch.randn(16, 32, requires_grad=True)
     w = torch.randn(48, 32)
     specs = gemm_specs("current")
@@ -737,8 +738,13 @@ def test_fp8_weight_needs_its_operand_and_a_main_grad():
         F.linear(x, codes, None, **specs)
     wq = F.quantize_weight(w, specs["weight_spec"])
     y = F.linear(x, codes.requires_grad_(), None, weight_quantized=wq, **specs)
-    with pytest.raises(RuntimeError, match=r"an FP8 weight's gradient goes to main_grad"):
+    with pytest.raises(RuntimeError, match=r"an FP8 weight's gradient needs main_grad"):
         y.sum().backward()
+    codes.grad_dtype = torch.float32  # a high-precision gradient dtype: into .grad, as in TE
+    g = torch.randn(16, 48)
+    F.linear(x, codes, None, weight_quantized=wq, **specs).backward(g)
+    assert codes.grad.dtype == torch.float32
+    assert_close_quantized(codes.grad, g.double().T @ x.detach().double(), "current", grad=True)
 
 
 @pytest.mark.xfail(

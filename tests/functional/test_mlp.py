@@ -442,5 +442,5 @@ def test_fp8_weight_gradient_needs_a_main_grad():
     c1, c2 = w1.to(E4M3).requires_grad_(), w2.to(E4M3).requires_grad_()
     y = F.mlp(x, c1, None, c2, None, "gelu", fc1_weight_quantized=q1, fc2_weight_quantized=q2,
               main_grad1=torch.zeros(64, 32), **cur)  # fmt: skip
-    with pytest.raises(RuntimeError, match=r"an FP8 fc2_weight's gradient goes to main_grad2"):
+    with pytest.raises(RuntimeError, match=r"an FP8 fc2_weight's gradient needs main_grad2"):
         y.sum().backward()

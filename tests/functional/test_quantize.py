@@ -540,7 +540,7 @@ BAD_INPUTS = [
         "unknown recipe kind",
         "quantize",
         lambda: QT.quantize(_x(4, 8), "mxfp9"),
-        "recipe_kind must be one of ['block', 'current', 'delayed', 'mxfp8', 'nvfp4'], got 'mxfp9'",
+        "recipe_kind must be one of ('block', 'current', 'delayed', 'mxfp8', 'nvfp4'), got 'mxfp9'",
     ),
     (
         "delayed without scale",

@@ -243,6 +243,8 @@ _OPS_GLU = {"GLU": "glu", "GEGLU": "geglu", "QGEGLU": "qgeglu", "ReGLU": "reglu"
 
 _OPS_SCALED_GLU = {"ScaledSwiGLU": "swiglu", "ScaledClampedQGeGLU": "clamped_swiglu",
                    "ScaledSiTUGLU": "situglu"}  # fmt: skip
+_OPS_SCALED_ACT = {"ScaledSReLU": "srelu"}
+_OPS_SCALED = {**_OPS_SCALED_GLU, **_OPS_SCALED_ACT}  # an activation times the extra input
 
 
 _FUSION_MOTIFS = [
@@ -321,6 +323,18 @@ def _build_chain(steps, hidden, lead, dtype, data):
 
             refs.append(scaled)
             h //= 2
+        elif kind in _OPS_SCALED_ACT:
+            ops.append(getattr(te.ops, kind)())
+            extras.append(torch.randn(shape).to(dtype))
+
+            def scaled_act(x, q, p, e, out, f=_ACT_REF[_OPS_SCALED_ACT[kind]]):
+                g, s = f(x), next(e)
+                y = g * s[..., None]
+                y.retain_grad()
+                scaled_terms.append((s, g, y))
+                return y
+
+            refs.append(scaled_act)
         elif kind in ("LayerNorm", "RMSNorm"):
             ops.append(getattr(te.ops, kind)(h, dtype=dtype, zero_centered_gamma=o["zc"]))
             refs.append(lambda x, q, p, e, out, kind=kind, zc=o["zc"]:

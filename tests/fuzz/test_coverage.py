@@ -13,7 +13,7 @@ from tests.fuzz.common import (
     _GLU_REF,
     _OPS_ACT,
     _OPS_GLU,
-    _OPS_SCALED_GLU,
+    _OPS_SCALED,
     _build_chain,
 )
 
@@ -74,7 +74,7 @@ FUZZED = {
             "Bias",
             *_OPS_ACT,
             *_OPS_GLU,
-            *_OPS_SCALED_GLU,
+            *_OPS_SCALED,
             "LayerNorm",
             "RMSNorm",
             "L2Normalization",

@@ -14,7 +14,7 @@ from tests.fuzz.common import (
     _FUSION_MOTIFS,
     _OPS_ACT,
     _OPS_GLU,
-    _OPS_SCALED_GLU,
+    _OPS_SCALED,
     DTYPES,
     FUZZ,
     SEED,
@@ -46,7 +46,7 @@ def _op_chain(draw):
             elif kind == "glu":
                 kind = draw(st.sampled_from(sorted(_OPS_GLU)))
             elif kind == "scaled_glu":
-                kind = draw(st.sampled_from(sorted(_OPS_SCALED_GLU)))
+                kind = draw(st.sampled_from(sorted(_OPS_SCALED)))
             steps.append((kind, {
                 "features": draw(st.integers(2, 12)), "bias": draw(st.booleans()),
                 "zc": draw(st.booleans()), "interleave": draw(st.sampled_from([None, 1, 2])),

@@ -229,17 +229,20 @@ def test_refused_uses():
     m = _primary("Linear", "cpu", recipe)
     with pytest.raises(NotImplementedError, match="no FP8 autocast"):
         m(_x("cpu"))
+    x = _x("cpu")
     with autocast(recipe=recipe):
-        y = m(_x("cpu"))
-    with pytest.raises(RuntimeError, match="main_grad"):
-        y.sum().backward()
+        y = m(x)
+    y.float().sum().backward()  # no FP8MasterWeights: .grad in the nominal dtype, as in TE
+    assert m.weight.grad.dtype == torch.bfloat16 and m.weight.dtype == E4M3
+    dw = x.double().sum(0).expand(64, 128)
+    assert_close_quantized(m.weight.grad, dw, "current", grad=True)
     with (
         autocast(recipe=Float8CurrentScaling(backward_override="high_precision")),
         pytest.raises(ValueError, match="backward_override='high_precision'"),
     ):
         m(_x("cpu"))
     with (
-        pytest.raises(ValueError, match="enabled must be a bool, got 1"),
+        pytest.raises(ValueError, match=r"enabled must be a bool \(True or False\), got 1"),
         te.fp8_model_init(enabled=1),
     ):
         pass
@@ -281,6 +284,7 @@ BLOCK = Float8BlockScaling()  # 128x128 weight blocks, power-of-two scales
 BLOCK_1D = Float8BlockScaling(w_block_scaling_dim=1)  # 1x128 weight blocks: two casts
 MXFP8 = MXFP8BlockScaling()  # 1x32 blocks along each dim: two casts
 BLOCK_RECIPES = {"block": BLOCK, "block_1x128": BLOCK_1D, "mxfp8": MXFP8}
+_COPY_RECIPES = {"current": Float8CurrentScaling(), "block": BLOCK, "mxfp8": MXFP8}
 
 
 def _block_cast(values, recipe):
@@ -466,7 +470,7 @@ def test_block_reset_parameters_requantises_and_in_place_writes_are_refused():
     m.reset_parameters()
     _assert_kept_cast_of(m, {"weight": m.weight.get_high_precision_init_val()})
     with torch.no_grad():
-        m.weight.copy_(torch.randn(m.weight.shape))
+        m.weight.detach().copy_(torch.randn(m.weight.shape))
     with pytest.raises(RuntimeError, match="'weight' was written in place"), autocast(recipe=BLOCK):
         m(torch.randn(4, 64))
 
@@ -743,10 +747,17 @@ def test_grouped_refused_uses():
     m = _grouped("cpu", recipe)
     with torch.no_grad(), pytest.raises(NotImplementedError, match="no FP8 autocast"):
         m(_x("cpu"), SPLITS)
-    with autocast(recipe=recipe), pytest.raises(RuntimeError, match=r"te\.FP8MasterWeights"):
-        m(_x("cpu"), SPLITS)
     with autocast(recipe=recipe), torch.no_grad():  # inference needs no masters
         assert m(_x("cpu"), SPLITS).isfinite().all()
+    x = _x("cpu")
+    with autocast(recipe=recipe):  # no FP8MasterWeights: each weight's .grad, as in TE
+        m(x, SPLITS).float().sum().backward()
+    rows = torch.repeat_interleave(torch.arange(G), torch.tensor(SPLITS))
+    for i in range(G):
+        grad = m.get_parameter(f"weight{i}").grad
+        assert grad.dtype == torch.bfloat16
+        dw = x[rows == i].double().sum(0).expand(grad.shape)
+        assert_close_quantized(grad, dw, "current", grad=True)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -1104,8 +1115,55 @@ def test_ops_grouped_linear_against_float64(device, single):
     main_grad = torch.stack([getattr(op, n).main_grad.reshape(-1, 64, 128) for n in names])
     assert_close_quantized(main_grad.reshape(G, 64, 128), dw, "current", grad=True)
     assert all(getattr(op, n).grad is None for n in names)
-    with autocast(recipe=recipe), pytest.raises(RuntimeError, match="main_grad"):
-        te.ops.Sequential(_ops_grouped_without_masters(device, recipe, flags))(x, SPLITS)
+    bare = _ops_grouped_without_masters(device, recipe, flags)  # no FP8MasterWeights: .grad
+    bare.load_state_dict(op.state_dict())
+    with autocast(recipe=recipe):
+        te.ops.Sequential(bare)(x.detach(), SPLITS).backward(g)
+    grads = torch.stack([getattr(bare, n).grad.reshape(-1, 64, 128) for n in names])
+    assert grads.dtype == torch.bfloat16
+    assert_close_quantized(grads.reshape(G, 64, 128), dw, "current", grad=True)
+
+
+@pytest.mark.parametrize("recipe", _COPY_RECIPES.values(), ids=_COPY_RECIPES.keys())
+@pytest.mark.parametrize("grouped", [False, True], ids=["Linear", "GroupedLinear"])
+def test_ops_outside_fp8_autocast_compute_with_the_weight_values(grouped, recipe):
+    """Outside an FP8 autocast te.ops' FP8 weights are dequantised (as Transformer Engine
+    does): a high-precision GEMM of their values against float64, the weight gradient into
+    main_grad (FP8MasterWeights), else into .grad in the nominal dtype (as in TE)."""
+    torch.manual_seed(0)
+    names = [f"weight{i}" for i in range(G)] if grouped else ["weight"]
+    with te.quantized_model_init(recipe=recipe):
+        if grouped:
+            op = te.ops.GroupedLinear(G, 128, 64, bias=False, dtype=torch.bfloat16)
+        else:
+            op = te.ops.Linear(128, 64, bias=False, dtype=torch.bfloat16)
+    run = (lambda x: op(x, SPLITS)) if grouped else op
+    splits = SPLITS if grouped else [96]
+    x = _x("cpu").requires_grad_()
+    with torch.no_grad():
+        y0 = run(x)
+    g = torch.randn_like(y0)
+    run(x).backward(g)  # no main_grad: .grad
+    grads = [op.get_parameter(n).grad.clone() for n in names] if grouped else [op.weight.grad]
+    x.grad = None
+    te.FP8MasterWeights(op)
+    y = run(x)
+    assert torch.equal(y, y0) and y.dtype == torch.bfloat16
+    y.backward(g)
+    owner = op if grouped else op.basic_ops[0]
+    ws = [_kept_values(owner, n).double() if recipe is not _COPY_RECIPES["current"]
+          else owner.get_parameter(n).detach().double() * owner.get_buffer(f"{n}_scale_inv")
+          for n in names]  # fmt: skip
+    ws = [w.to(torch.bfloat16).double() for w in ws]  # the GEMM's operand: values in x's dtype
+    xs, gs = x.detach().double().split(splits), g.double().split(splits)
+    assert_close(y, torch.cat([a @ w.T for a, w in zip(xs, ws, strict=True)]), torch.bfloat16)
+    dx = torch.cat([d @ w for d, w in zip(gs, ws, strict=True)])
+    assert_close(x.grad, dx, torch.bfloat16)
+    for n, d, a, grad in zip(names, gs, xs, grads, strict=True):
+        main_grad = op.get_parameter(n).main_grad if grouped else op.weight.main_grad
+        assert_close(main_grad, d.T @ a, torch.bfloat16)
+        assert grad.dtype == torch.bfloat16
+        assert_close(grad, d.T @ a, torch.bfloat16)
 
 
 def _ops_grouped_without_masters(device, recipe, flags):
@@ -1214,8 +1272,8 @@ def test_a_high_precision_state_dict_loads_quantised(name):
 
 @pytest.mark.parametrize("name", ["Linear", "LayerNormMLP"])
 def test_an_fp8_weight_written_in_place_is_refused_by_name(name):
-    """``weight.copy_(values)`` casts the values to float8 without the weight's scale: the next
-    forward refuses it, naming the weight, instead of computing with codes that no longer match
+    """``weight.detach().copy_(values)`` casts the values to float8 without the weight's scale: the
+    next forward refuses it, naming the weight, instead of computing with codes that no longer match
     their scale. A copy of the module (new storage, same values) is no write."""
     recipe = Float8CurrentScaling()
     m = copy.deepcopy(_primary(name, "cpu", recipe))
@@ -1223,13 +1281,47 @@ def test_an_fp8_weight_written_in_place_is_refused_by_name(name):
     with autocast(recipe=recipe):
         m(_x("cpu"))  # unchanged: runs
     with torch.no_grad():
-        getattr(m, n).copy_(torch.randn(getattr(m, n).shape, dtype=torch.bfloat16))
+        getattr(m, n).detach().copy_(torch.randn(getattr(m, n).shape, dtype=torch.bfloat16))
     written = rf"FP8 weight '{n}' was written in place"
     with pytest.raises(RuntimeError, match=written), autocast(recipe=recipe):
         m(_x("cpu"))
     m.load_state_dict(_primary(name, "cpu", recipe).state_dict())  # set again: runs
     with autocast(recipe=recipe):
         m(_x("cpu"))
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["BasicLinear", "GroupedLinear"])
+@pytest.mark.parametrize("recipe", _COPY_RECIPES.values(), ids=_COPY_RECIPES.keys())
+def test_weight_copy_quantises_as_construction_does(recipe, grouped):
+    """``weight.copy_(values)`` (Transformer Engine's ``QuantizedTensor.copy_``) quantises the
+    values with the weight's recipe: codes and buffers bit for bit those of a module built
+    from the same values, whose dequantised values are the values to E4M3's half ulp; the same
+    after a deep copy of the module. Outside no_grad, torch's error (in-place on a leaf)."""
+    torch.manual_seed(0)
+    values = torch.randn(64, 128, dtype=torch.float64) * 0.05
+    n = "weight1" if grouped else "weight"
+
+    def build(init=None):
+        with te.quantized_model_init(recipe=recipe):
+            if grouped:
+                return te.ops.GroupedLinear(2, 128, 64, bias=False, init_method=init)
+            return te.ops.BasicLinear(128, 64, init_method=init)
+
+    built = build(lambda w: w.copy_(values))  # the construction path: cast at init
+    for m in (build(), copy.deepcopy(build())):
+        with torch.no_grad():
+            assert m.get_parameter(n).copy_(values) is m.get_parameter(n)
+        for key, want in built.state_dict().items():
+            if key.startswith(n) and not key.endswith("_extra_state"):
+                got = m.state_dict()[key]
+                assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), key
+    if recipe is _COPY_RECIPES["current"]:  # one scale: amax to 448, E4M3's half ulp
+        scale = m.get_buffer(f"{n}_scale_inv").double()
+        assert torch.allclose(scale, values.abs().max() / 448, rtol=2**-20)
+        got = m.get_parameter(n).detach().double() * scale
+        assert (got - values).abs().le(values.abs() / 16 + 2.0**-10 * scale).all()
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        m.get_parameter(n).copy_(values)
 
 
 @pytest.mark.parametrize("single", [False, True], ids=["per_group", "single"])
@@ -1240,7 +1332,7 @@ def test_grouped_fp8_weight_written_in_place_is_refused_by_name(single):
     name = "weight" if single else "weight1"
     with autocast(recipe=recipe), torch.no_grad():
         m(_x("cpu"), [40, 56])
-        getattr(m, name).copy_(torch.randn(getattr(m, name).shape, dtype=torch.bfloat16))
+        getattr(m, name).detach().copy_(torch.randn(getattr(m, name).shape, dtype=torch.bfloat16))
     written = rf"FP8 weight '{name}' was written in place"
     with pytest.raises(RuntimeError, match=written), autocast(recipe=recipe), torch.no_grad():
         m(_x("cpu"), [40, 56])

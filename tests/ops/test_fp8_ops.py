@@ -157,12 +157,16 @@ RECIPES = [
     MXFP8BlockScaling(),
     # Stochastic rounding is the GEMMs' (Quantize refuses it, below).
     NVFP4BlockScaling(disable_stochastic_rounding=True),
+    # 4over6 block scaling of the input (never of the gradient), as te.quantize applies it.
+    NVFP4BlockScaling(disable_stochastic_rounding=True, nvfp4_4over6="all"),
 ]
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
-    "recipe", RECIPES, ids=["current", "block1x128", "block128x128", "mxfp8", "nvfp4"]
+    "recipe",
+    RECIPES,
+    ids=["current", "block1x128", "block128x128", "mxfp8", "nvfp4", "nvfp4_4over6"],
 )
 @pytest.mark.parametrize("backward", [False, True], ids=["fwd", "fwd+bwd"])
 def test_quantize_is_the_recipe_quantiser(recipe, backward, device):

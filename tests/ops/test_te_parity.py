@@ -367,7 +367,7 @@ def test_make_extra_output_in_place_gradients_add_up():
     assert_close(x.grad, x_ref.grad, torch.float32)
 
 
-# ScaledSwiGLU / ScaledClampedQGeGLU ------------------------------------------------------------
+# ScaledSwiGLU / ScaledClampedQGeGLU / ScaledSReLU --------------------------------------------
 
 
 def _halves(x, k):
@@ -404,6 +404,8 @@ SCALED = [
         lambda x, s, k: _scaled_clamped_ref(x, s, k, 0.75, 1.5, 0.5),
     ),
     ("situglu", lambda k: ops.ScaledSiTUGLU(k), _scaled_situglu_ref),
+    # element-wise: k does not apply
+    ("srelu", lambda k: ops.ScaledSReLU(), lambda x, s, k: x.relu().square() * s.unsqueeze(-1)),
     (
         "situglu_params",
         lambda k: ops.ScaledSiTUGLU(k, beta1=0.5, beta2=0.75),
@@ -457,7 +459,8 @@ def test_scaled_situglu_after_linear_bias_compiles_in_one_graph():
 def test_scaled_glu_bad_arguments():
     with pytest.raises(ValueError, match="scales"):
         ops.ScaledSwiGLU()(torch.randn(2, 4), torch.randn(2, 1))
-    with pytest.raises(NotImplementedError, match="activation_recompute_in_mlp"):
+    recompute = "does not support activation recomputation"  # TE's ValueError
+    with pytest.raises(ValueError, match=recompute):
         ops.ScaledSwiGLU(activation_recompute_in_mlp=True)
     with pytest.raises(ValueError, match="limit"):
         ops.ScaledClampedQGeGLU(limit=-1.0)
@@ -467,8 +470,12 @@ def test_scaled_glu_bad_arguments():
         ops.ScaledSiTUGLU(beta1=-1.0)
     with pytest.raises(ValueError, match="ScaledSiTUGLU: beta2 must be a positive float"):
         ops.ScaledSiTUGLU(beta2=float("inf"))
-    with pytest.raises(NotImplementedError, match="activation_recompute_in_mlp"):
+    with pytest.raises(ValueError, match=recompute):
         ops.ScaledSiTUGLU(activation_recompute_in_mlp=True)
+    srelu = ops.ScaledSReLU(activation_recompute_in_mlp=True)  # TE's fused grouped MLP's knob
+    assert srelu.activation_recompute_in_mlp and not ops.ScaledSReLU().activation_recompute_in_mlp
+    with pytest.raises(RuntimeError, match="fused grouped MLP"):
+        srelu(torch.randn(2, 4), torch.randn(2))
     with pytest.raises(TypeError):
         ops.ScaledSiTUGLU(None, True)  # activation_recompute_in_mlp is keyword-only, as in TE
     with pytest.raises(TypeError):

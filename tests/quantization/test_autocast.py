@@ -145,7 +145,7 @@ def test_decorator_restores_on_exception():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"enabled": 1}, "autocast: enabled must be a bool, got 1"),
+        ({"enabled": 1}, "autocast: enabled must be a bool (True or False), got 1"),
         (
             {"recipe": "delayed"},
             "autocast: recipe must be a Recipe (e.g. DelayedScaling()) or None",
