@@ -22,11 +22,9 @@ def sample_inputs(device: torch.device):
         return SampleInput(tuple(MLPArgs(*args, **kw)))
 
     def ints(*shape, amax):
-        # Integers in [-amax, amax], amax a power of two present: exact FP8 codes at the
-        # current scale (448 / amax) and at the delayed samples' scales, so z = x W^T is an exact
-        # integer however the GEMM accumulates. For the clamped activation: Hopper's FP8 GEMMs
-        # accumulate with fewer bits than fp32, and a z within that error of a clamp limit (a
-        # kink) would take the other side's derivative than the float64 reference.
+        # Integers, amax a power of two: exact FP8 codes, so z = x W^T is an exact integer
+        # however a GEMM accumulates (Hopper's FP8 GEMMs drop bits: a z that close to a clamp
+        # limit would take the other side's derivative than the float64 reference).
         v = torch.randint(-amax, amax + 1, shape, device=device).float()
         v.view(-1)[0] = amax
         return v.requires_grad_()
