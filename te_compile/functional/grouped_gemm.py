@@ -67,6 +67,7 @@ __all__ = [
     "high_precision_backward",
     "high_precision_forward",
     "host_splits",
+    "nvfp4_dtype",
     "nvfp4_input",
     "nvfp4_weight",
     "row_bias",
@@ -104,6 +105,7 @@ class GroupedRecipe(NamedTuple):
     input_4over6: str = ""
     weight_4over6: str = ""
     override: str = ""
+    row_scaled: bool = False
 
 
 # Splits ------------------------------------------------------------------------------------------
@@ -485,13 +487,22 @@ def high_precision_backward(
     return grouped_mm_backward(grad, inp, dsplits, weight, main_grad, has_bias, dgrad, wgrad)
 
 
+def nvfp4_dtype(t: Tensor) -> torch.dtype:
+    """The dtype of NVFP4's dequantised operands for activations ``t``: on the CPU the exact
+    values (fp32; fp64 for fp64), which a dense ``te::linear`` multiplies as they are (a value
+    over a global scale rarely fits bf16); CUDA's grouped GEMMs take ``t``'s dtype."""
+    return t.dtype if t.is_cuda else acc_dtype(t)
+
+
 def nvfp4_input(inp, m_splits, r: GroupedRecipe) -> tuple[Tensor, Tensor]:
     """``(X, X^T's copy)`` quantised as NVFP4 per expert (a global scale each), the wgrad's copy
-    along the tokens (with ``r.rht``), dequantised."""
+    along the tokens (with ``r.rht``), dequantised to :func:`nvfp4_dtype`."""
     if inp.is_cuda:  # blocks of 16 tokens along M must not straddle two experts (no host sync)
         torch._assert_async((m_splits % NVFP4_BLOCK == 0).all())
-    x_row, x_col_t = nvfp4_qdq(inp, rht=r.rht, four_over_six=r.input_4over6, row_splits=m_splits)
-    return x_row.to(inp.dtype), x_col_t.t().to(inp.dtype).contiguous()
+    x_row, x_col_t = nvfp4_qdq(inp, rht=r.rht, four_over_six=r.input_4over6,
+                               row_scaled=r.row_scaled, row_splits=m_splits)  # fmt: skip
+    dtype = nvfp4_dtype(inp)
+    return x_row.to(dtype), x_col_t.t().to(dtype).contiguous()
 
 
 def nvfp4_weight(weight: Tensor, r: GroupedRecipe) -> tuple[Tensor, Tensor]:
@@ -501,7 +512,7 @@ def nvfp4_weight(weight: Tensor, r: GroupedRecipe) -> tuple[Tensor, Tensor]:
     per_expert = torch.full((g,), n, dtype=torch.int64, device=weight.device)
     w_row, w_col_t = nvfp4_qdq(weight.reshape(g * n, k), tiles=r.weight_block_rows == 16,
                                four_over_six=r.weight_4over6, row_splits=per_expert)  # fmt: skip
-    dtype = weight.dtype
+    dtype = nvfp4_dtype(weight)
     return (w_row.to(dtype).view(g, n, k), w_col_t.t().to(dtype).reshape(g, n, k).contiguous())
 
 
@@ -530,27 +541,29 @@ def dequantized_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
     out, _ = high_precision_forward(x, m_splits, w, None if cuda else bias, r, cuda)
     if cuda and bias is not None:
         out = out + row_bias(bias, m_splits.to(bias.device), out.shape[0])
-    if r.override == "dequantized":  # the forward's operands (a copy of an input's)
-        return out, [x, w if weight_q is None else w.clone()]
+    out = out.to(inp.dtype)  # (NVFP4 on the CPU: fp32, rounded once, as te::linear's)
+    if r.override == "dequantized":  # the forward's operands in the input dtype (a fresh copy)
+        return out, [x.to(inp.dtype), w.to(inp.dtype, copy=weight_q is not None)]
     return out, [] if r.override else [t for t in (x_col, w_col) if t is not None]
 
 
 def dequantized_backward(grad, saved, inp, m_splits, weight, main_grad, r, has_bias, dgrad,
                           wgrad, cuda):  # fmt: skip
     """The gradient quantised along ``out_features`` for the dgrad and along each expert's tokens
-    for the wgrad, then the high-precision grouped GEMMs against the forward's copies (CPU,
-    NVFP4 aside: :func:`_emulated_loop`); the bias gradient the high-precision one's."""
+    for the wgrad, then the high-precision grouped GEMMs against the forward's copies (CPU:
+    :func:`_emulated_loop`); the bias gradient the high-precision one's."""
     x, w = saved
     if r.recipe == "nvfp4":  # dgrad on the rowwise copy, wgrad on the columnwise one
         g_row, g_col_t = nvfp4_qdq(grad, columnwise=wgrad, rht=r.rht, rng_state=r.rng_state,
                                    row_splits=m_splits)  # fmt: skip
-        g_row, g_col = g_row.to(grad.dtype), g_col_t.t().to(grad.dtype) if wgrad else None
+        dtype = nvfp4_dtype(grad)
+        g_row, g_col = g_row.to(dtype), g_col_t.t().to(dtype) if wgrad else None
     else:
         if not w.numel() and weight.numel():  # a pre-quantised weight's: made from weight here
             w = _weight_columns(weight, None, r)
         g_row = _cast(grad, r, r.bwd_dtype) if dgrad else None
         g_col = _cast_columns(grad, m_splits, r, r.bwd_dtype) if wgrad else None
-    if cuda or r.recipe == "nvfp4":  # the grouped GEMMs (CUDA: on device offsets)
+    if cuda:  # the grouped GEMMs on device offsets
         dinp, dweight = empty(grad), empty(grad)
         if dgrad:
             dinp = high_precision_backward(g_row, [], x, m_splits, w, main_grad, r, False, True,

@@ -64,7 +64,7 @@ def make_grouped_recipe(specs, scale, grad_amax, bw: BackwardSpec, rng_state) ->
     return GroupedRecipe(x.kind, x.fp8_dtype, g.fp8_dtype, w.power_2_scale, w.block_rows,
                          x.emulate, scale, grad_amax, bw.fp8_wgrad, x.rht,
                          rng_state if g.stochastic_rounding else None, x.four_over_six,
-                         w.four_over_six, bw.override)  # fmt: skip
+                         w.four_over_six, bw.override, x.row_scaled)  # fmt: skip
 
 
 def appends_amaxes(recipe: str, grad_amax: Tensor | None) -> bool:
@@ -166,9 +166,9 @@ def check_grouped_linear(a: GroupedLinearArgs) -> None:
         )
     if bw.fp8_wgrad and recipe not in PER_TENSOR:
         raise ValueError(p + "backward 'fp8_wgrad' is for the per-tensor kinds (current, delayed)")
-    if x.row_scaled:
-        raise ValueError(p + f"input_spec {a.input_spec!r}: row_scaled is not implemented "
-                         "by the grouped GEMMs")  # fmt: skip
+    if x.row_scaled and not bw.override:
+        raise ValueError(p + "a row_scaled input_spec needs backward 'high_precision' or "
+                         f"'dequantized', got backward={a.backward!r}")  # fmt: skip
     if w.fp8_dtype is not x.fp8_dtype or not x.power_2_scale == w.power_2_scale == g.power_2_scale:
         raise ValueError(
             p + "the grouped GEMMs take the input's format for the weight and one power-of-two "

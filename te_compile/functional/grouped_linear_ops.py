@@ -78,6 +78,7 @@ from te_compile.functional.grouped_gemm import (
     grouped_gemm_kind,
     high_precision_backward,
     high_precision_forward,
+    nvfp4_dtype,
     nvfp4_input,
     nvfp4_weight,
     uses_grouped_mm,
@@ -366,9 +367,10 @@ def _grouped_linear_fwd_fake(*args):
             saved += [inp.new_empty(k, n, dtype=u8) for _ in range(g)]
             saved += [inp.new_empty(w_rows, -(-n // 128), dtype=f32) for _ in range(g)]
     elif kind == "dequantized":
-        saved = [] if a.bw.save_input else [inp.new_empty(inp.shape)]
+        dtype = nvfp4_dtype(inp) if x.kind == "nvfp4" else inp.dtype
+        saved = [] if a.bw.save_input else [inp.new_empty(inp.shape, dtype=dtype)]
         if not pre:
-            saved.append(a.weight.new_empty(a.weight.shape))
+            saved.append(a.weight.new_empty(a.weight.shape, dtype=dtype))
     if kind == "scaled_grouped_mm" and appends_amaxes(x.kind, a.grad_amax):
         saved.append(inp.new_empty(2, dtype=f32))
     return out, saved

@@ -19,7 +19,8 @@ kind                     ``weight_data``, ``weight_scale``, ``weight_data_t``,
                          (``rows``: the weight spec's block rows, rounded up), codes ``[G, K, N]``,
                          scales ``[G, K / rows, N / 128]``, a 0-element amax
 ``"dequantized"``        the exact dequantised values ``[G, N, K]`` in the weight's dtype (the
-                         emulated block-scaled recipes; NVFP4 with a global scale per expert),
+                         emulated block-scaled recipes; NVFP4 with a global scale per expert,
+                         on the CPU in ``grouped_gemm.nvfp4_dtype``, fp32),
                          then four 0-element fp32 tensors; or, third, the dgrad copy (``W``
                          quantised along ``N``, dequantised, ``[G, N, K]`` in the weight's
                          dtype), which the backward then reads instead of casting ``weight``
@@ -49,6 +50,7 @@ from te_compile.functional.grouped_gemm import (
     blockwise_weight,
     dequantized_weight,
     grouped_gemm_kind,
+    nvfp4_dtype,
 )
 from te_compile.functional.spec import QuantSpec
 
@@ -66,7 +68,8 @@ def _shapes(recipe: str, weight: Tensor, block_rows: int, emulate: bool):
         r = block_rows
         s, s_t = (g, -(-n // r), -(-k // 128)), (g, -(-k // r), -(-n // 128))
         return [((g, n, k), u8), (s, f32), ((g, k, n), u8), (s_t, f32), ((0,), f32)]
-    return [((g, n, k), weight.dtype)] + [((0,), f32)] * 4
+    dtype = nvfp4_dtype(weight) if recipe == "nvfp4" else weight.dtype
+    return [((g, n, k), dtype)] + [((0,), f32)] * 4
 
 
 def check_grouped_weight_operand(

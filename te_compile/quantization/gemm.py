@@ -689,7 +689,7 @@ def grouped_linear(
     ``quantization.primary.grouped_primary``'s). The per-tensor recipes run the wgrad GEMM in
     FP8 too (``fp8_wgrad``), ``DelayedScaling`` with ``meta``'s scales for all groups;
     Float8BlockScaling runs natively where the dense GEMMs do and the input is bf16, emulated
-    elsewhere; NVFP4's row-scaled activations raise NotImplementedError.
+    elsewhere.
     ``save_original_input``: the backward keeps the input itself (high precision, current
     scaling, the emulated block-scaled recipes); DelayedScaling refuses it (as Transformer
     Engine) and the native Float8BlockScaling GEMMs do not implement it."""
@@ -698,11 +698,6 @@ def grouped_linear(
     kind = primary_kind(owner, state, "weight", expert)
     state = calibrate(owner, state, (meta,), (inp,), (weight,))
     args = gemm_args(owner, state, inp, (weight,), (meta,), grouped=True)
-    if args.specs[0].row_scaled:
-        raise NotImplementedError(
-            f"{owner}: the grouped GEMM does not implement NVFP4's row-scaled activations; "
-            "construct NVFP4BlockScaling(row_scaled_activation=False)"
-        )
     # Current scaling measures no amaxes here (a read each).
     kw = args.op_kwargs(("",) if state.enabled and state.recipe.delayed() else ())
     if save_original_input and args.recipe:  # (high precision keeps its input anyway)

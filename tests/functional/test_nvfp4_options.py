@@ -388,3 +388,93 @@ def test_te_quantize_tiles_weights_and_refuses_what_only_gemms_apply():
     with pytest.raises(NotImplementedError, match="rht"):
         te.quantize(x, te.recipe.NVFP4BlockScaling(), role="input", columnwise=True)
     te.quantize(x, te.recipe.NVFP4BlockScaling(), role="input")  # rowwise: no transform
+
+
+def _dense_per_expert(m: te.GroupedLinear, dtype: torch.dtype, **kw) -> list[te.Linear]:
+    """A te.Linear per expert of ``m`` (``kw``: its arguments) with its weights and (random)
+    biases."""
+    k, n = m.in_features, m.out_features
+    dense = [te.Linear(k, n, params_dtype=dtype, **kw) for _ in m.weights()]
+    with torch.no_grad():
+        for i, d in enumerate(dense):
+            d.weight.copy_(getattr(m, f"weight{i}"))
+            d.bias.copy_(getattr(m, f"bias{i}").normal_())
+    return dense
+
+
+def _grouped_and_dense_step(m, dense, x, dy, splits, recipe):
+    """``(out, dx)`` of ``m`` and of ``dense`` on each expert's rows, under ``recipe`` (the
+    same stochastic-rounding draws: one seed for both)."""
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    with te.autocast(recipe=recipe):
+        torch.manual_seed(1)
+        y = m(xs[0], splits)
+        torch.manual_seed(1)
+        y_dense = torch.cat([d(p) for d, p in zip(dense, xs[1].split(splits), strict=True)])
+    y.backward(dy)
+    y_dense.backward(dy)
+    return (y, xs[0].grad), (y_dense, xs[1].grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("override", ["high_precision", "dequantized"])
+def test_grouped_linear_row_scaled_is_a_dense_linear_per_expert(override, dtype):
+    """GroupedLinear under row-scaled activations (every token's own global scale, whatever its
+    expert) is a te.Linear per expert under the same recipe, bit for bit (Transformer Engine's
+    test_grouped_linear_accuracy), and each expert its float64 reference; without a
+    backward_override the recipe is refused as for Linear."""
+    torch.manual_seed(0)
+    splits, k, n = [32, 0, 48], 64, 32
+    m = te.GroupedLinear(len(splits), k, n, params_dtype=dtype)
+    dense = _dense_per_expert(m, dtype)
+    x = (torch.randn(sum(splits), k) * torch.logspace(-6, 2, sum(splits))[:, None]).to(dtype)
+    dy = torch.randn(sum(splits), n, dtype=dtype)
+    plain = {"disable_rht": True, "disable_stochastic_rounding": True,
+             "disable_2d_quantization": True, "row_scaled_activation": True}  # fmt: skip
+    recipe = te.recipe.NVFP4BlockScaling(**plain, backward_override=override)
+    grouped, per_expert = _grouped_and_dense_step(m, dense, x, dy, splits, recipe)
+    assert all(torch.equal(a, b) for a, b in zip(grouped, per_expert, strict=True))
+    y = grouped[0]
+    row = 0
+    for i, (s, d) in enumerate(zip(splits, dense, strict=True)):
+        assert torch.equal(getattr(m, f"weight{i}").grad, d.weight.grad)
+        assert torch.equal(getattr(m, f"bias{i}").grad, d.bias.grad)
+        if s:
+            x64 = to_reference(x[row : row + s])
+            spec = with_specs(**NVFP4, row_scaled=True, backward_override=override)
+            ref = quantized_linear_ref(x64, to_reference(d.weight), **spec)
+            assert_close(y[row : row + s], ref + to_reference(d.bias), dtype)
+        row += s
+    with (
+        te.autocast(recipe=te.recipe.NVFP4BlockScaling(**plain)),
+        pytest.raises(ValueError, match=r"row_scaled_activation=True\) needs backward_override"),
+    ):
+        m(x, splits)
+    w3 = torch.stack(m.weights()).detach()
+    with pytest.raises(ValueError, match="a row_scaled input_spec needs backward"):
+        F.grouped_linear(x, splits, w3, **with_specs(**NVFP4, row_scaled=True))
+
+
+@pytest.mark.parametrize("fuse_wgrad", [False, True], ids=["grad", "main_grad"])
+def test_grouped_linear_bf16_is_a_dense_linear_per_expert(fuse_wgrad):
+    """In bf16 GroupedLinear under NVFP4 (16x16 tiles, the transform, its quantised backward)
+    is a te.Linear per expert bit for bit: the dequantised operands stay fp32 on the CPU as the
+    dense op keeps them (one rounding, of the GEMM's output), main_grad accumulation included."""
+    torch.manual_seed(0)
+    splits, k, n, bf16 = [16, 0, 48], 64, 32, torch.bfloat16
+    m = te.GroupedLinear(len(splits), k, n, params_dtype=bf16, fuse_wgrad_accumulation=fuse_wgrad)
+    dense = _dense_per_expert(m, bf16, fuse_wgrad_accumulation=fuse_wgrad)
+    for i, d in enumerate(dense):
+        if fuse_wgrad:
+            w = getattr(m, f"weight{i}")
+            w.main_grad = torch.rand_like(w, dtype=torch.float32)
+            d.weight.main_grad = w.main_grad.clone()
+    x, dy = torch.randn(sum(splits), k, dtype=bf16), torch.randn(sum(splits), n, dtype=bf16)
+    recipe = te.recipe.NVFP4BlockScaling(disable_stochastic_rounding=True)
+    grouped, per_expert = _grouped_and_dense_step(m, dense, x, dy, splits, recipe)
+    assert all(torch.equal(a, b) for a, b in zip(grouped, per_expert, strict=True))
+    for i, d in enumerate(dense):
+        w = getattr(m, f"weight{i}")
+        assert torch.equal(w.main_grad if fuse_wgrad else w.grad,
+                           d.weight.main_grad if fuse_wgrad else d.weight.grad)  # fmt: skip
+        assert torch.equal(getattr(m, f"bias{i}").grad, d.bias.grad)
