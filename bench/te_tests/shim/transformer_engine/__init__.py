@@ -6,7 +6,8 @@ Importing it installs a meta-path finder that maps
 - ``transformer_engine.pytorch`` and its submodules onto ``te_compile`` and its submodules
   (``transformer_engine.pytorch.ops`` is a view of ``te_compile.ops``, ...),
 - ``transformer_engine.common.recipe`` onto ``te_compile.common.recipe``,
-- ``transformer_engine_torch`` (TE's C++ extension) onto a module of stubs.
+- ``transformer_engine_torch`` (TE's C++ extension) onto a module of stubs, but for the
+  queries in :data:`ENVIRONMENT` (facts about this machine, never a computed result).
 
 A name te_compile lacks resolves to a stub: calling, instantiating, iterating or indexing it
 raises :class:`ShimMissing` naming it, so every test failure through a TE internal can be told
@@ -23,7 +24,7 @@ import importlib.util
 import sys
 import types
 
-__all__ = ["COLLECTING", "STANDINS", "ShimMissing", "stub"]
+__all__ = ["COLLECTING", "ENVIRONMENT", "STANDINS", "ShimMissing", "stub"]
 
 #: True while pytest collects (set by the conftest): a stub called then, at module level or in
 #: a parameter list, gives a placeholder that raises ShimMissing when used, so collection goes
@@ -33,6 +34,11 @@ COLLECTING = False
 #: Names (bare, e.g. ``"Float8Quantizer"``) that resolve to the given object in every
 #: ``transformer_engine.pytorch`` module, before te_compile is consulted.
 STANDINS: dict[str, object] = {}
+
+#: ``transformer_engine_torch`` functions whose answer is a fact about the environment the tests
+#: run in: no CUDA library here, so no cuBLASLt (version 0, as a version below every minimum;
+#: the tests of TE's cuBLASLt grouped GEMM then skip for their cuBLAS requirement).
+ENVIRONMENT: dict[str, object] = {"get_cublasLt_version": lambda: 0}
 
 _TE = "transformer_engine"
 _PT = "transformer_engine.pytorch"
@@ -132,6 +138,8 @@ def _stub_module(fullname: str) -> types.ModuleType:
             raise AttributeError(attr)
         if attr in STANDINS:
             return STANDINS[attr]
+        if fullname == _TEX and attr in ENVIRONMENT:
+            return ENVIRONMENT[attr]
         return stub(f"{fullname}.{attr}")
 
     mod.__getattr__ = __getattr__
