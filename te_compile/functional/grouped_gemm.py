@@ -28,6 +28,7 @@ forward appends), ``r`` a :class:`GroupedRecipe`. The device-offset paths never 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
 from typing import NamedTuple
 
 import torch
@@ -264,11 +265,8 @@ def _padded(x: Tensor, m_splits: Tensor):
     from a multiple of 128 of a :func:`_capacity` layout (zero rows between; one scatter)."""
     rows = x.shape[0]
     splits = host_splits(m_splits, rows)
-    firsts, starts, row, pos = [], [], 0, 0
-    for m in splits:
-        firsts.append(row)
-        starts.append(pos)
-        row, pos = row + m, pos - (-m // 128) * 128
+    firsts = list(accumulate(splits, initial=0))[:-1]
+    starts = list(accumulate((-(-m // 128) * 128 for m in splits), initial=0))[:-1]
     if all(m % 128 == 0 for m in splits):
         return splits, firsts, firsts, rows, x
     width = _capacity(rows, len(splits))
@@ -488,9 +486,8 @@ def high_precision_backward(
 
 
 def nvfp4_dtype(t: Tensor) -> torch.dtype:
-    """The dtype of NVFP4's dequantised operands for activations ``t``: on the CPU the exact
-    values (fp32; fp64 for fp64), which a dense ``te::linear`` multiplies as they are (a value
-    over a global scale rarely fits bf16); CUDA's grouped GEMMs take ``t``'s dtype."""
+    """NVFP4's dequantised operands' dtype for activations ``t``: on the CPU the exact fp32 values
+    a dense ``te::linear`` multiplies (rarely bf16's); CUDA's grouped GEMMs take ``t``'s."""
     return t.dtype if t.is_cuda else acc_dtype(t)
 
 

@@ -19,8 +19,7 @@ kind                     ``weight_data``, ``weight_scale``, ``weight_data_t``,
                          (``rows``: the weight spec's block rows, rounded up), codes ``[G, K, N]``,
                          scales ``[G, K / rows, N / 128]``, a 0-element amax
 ``"dequantized"``        the exact dequantised values ``[G, N, K]`` in the weight's dtype (the
-                         emulated block-scaled recipes; NVFP4 with a global scale per expert,
-                         on the CPU in ``grouped_gemm.nvfp4_dtype``, fp32),
+                         emulated block-scaled recipes; NVFP4 per expert, ``nvfp4_dtype``),
                          then four 0-element fp32 tensors; or, third, the dgrad copy (``W``
                          quantised along ``N``, dequantised, ``[G, N, K]`` in the weight's
                          dtype), which the backward then reads instead of casting ``weight``
