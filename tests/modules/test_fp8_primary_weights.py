@@ -1317,6 +1317,8 @@ def test_weight_copy_quantises_as_construction_does(recipe, grouped):
                 assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), key
     if recipe is _COPY_RECIPES["current"]:  # one scale: amax to 448, E4M3's half ulp
         scale = m.get_buffer(f"{n}_scale_inv").double()
+        # tol: scale_inv is amax / 448 rounded to fp32 (2**-24 relative); E4M3 codes round to
+        # half an ulp (1/16 relative), subnormals to half of 2**-9 times the scale.
         assert torch.allclose(scale, values.abs().max() / 448, rtol=2**-20)
         got = m.get_parameter(n).detach().double() * scale
         assert (got - values).abs().le(values.abs() / 16 + 2.0**-10 * scale).all()
