@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from te_compile import functional as F
+from te_compile._checks import check_choice
 from te_compile.functional import quantize_table as _q
 from te_compile.functional.gemm import PER_TENSOR, blockwise_supported
 from te_compile.functional.spec import QuantSpec
@@ -142,10 +143,7 @@ class WeightCache(NamedTuple):
 
 def check_first_microbatch(owner: str, is_first_microbatch: object) -> None:
     """``is_first_microbatch`` is None or a bool."""
-    if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
-        raise ValueError(
-            f"{owner}: is_first_microbatch must be None, True or False, got {is_first_microbatch!r}"
-        )
+    check_choice(owner, "is_first_microbatch", is_first_microbatch, (None, True, False))
 
 
 # The recipe families FP8 primary weights are kept for (quantization.primary), by the dtype and

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from te_compile._checks import check_callable
+from te_compile._checks import check_bool, check_callable, check_int
 from te_compile.quantization.device import get_default_fp8_recipe
 from te_compile.quantization.fp8_gemm import FP8GemmState
 from te_compile.quantization.graph_replay import (
@@ -129,19 +129,13 @@ def make_graphed_callables(
                     f"{_NAME}: sample_kwargs keys must be strings, got {key!r} in "
                     f"{reprlib.repr(kwargs)}"
                 )
-    warmup = num_warmup_iters
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"{_NAME}: num_warmup_iters must be an int >= 0, got {warmup!r}")
-    for name, value in (
-        ("allow_unused_input", allow_unused_input),
-        ("retain_graph_in_backward", retain_graph_in_backward),
-        ("_clone_param_grads_on_return", _clone_param_grads_on_return),
-        ("_reuse_graph_input_output_buffers", _reuse_graph_input_output_buffers),
-        (spelled["calibrating"], calibrating),
-        (spelled["cache_quantized_params"], cache_quantized_params),
-    ):
-        if not isinstance(value, bool):
-            raise TypeError(f"{_NAME}: {name} must be a bool, got {value!r}")
+    check_int(_NAME, minimum=0, num_warmup_iters=num_warmup_iters)
+    check_bool(_NAME, allow_unused_input=allow_unused_input,
+               retain_graph_in_backward=retain_graph_in_backward,
+               _clone_param_grads_on_return=_clone_param_grads_on_return,
+               _reuse_graph_input_output_buffers=_reuse_graph_input_output_buffers,
+               **{spelled["calibrating"]: calibrating,
+                  spelled["cache_quantized_params"]: cache_quantized_params})  # fmt: skip
     if _reuse_graph_input_output_buffers:
         raise NotImplementedError(
             f"{_NAME}: _reuse_graph_input_output_buffers=True is not implemented (every forward "
