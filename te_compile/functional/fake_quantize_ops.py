@@ -17,7 +17,9 @@ and block kinds whose scale they reproduce). The gradient is straight-through, o
 ``spec=""`` leaves the forward values as they are (a copy: an op's output may not alias its
 input), for a ``Quantize`` that only quantises the gradient. Delayed scaling needs an amax
 history and is not an option here, nor are NVFP4's GEMM options (Hadamard transform,
-stochastic rounding, row scaling, 4over6); ``emulate`` changes nothing here.
+stochastic rounding, row scaling); NVFP4's 4over6 block scaling is an option of ``spec`` (the
+input's, as Transformer Engine's input quantiser applies it), never of ``grad_spec``;
+``emulate`` changes nothing here.
 
 ``row_splits`` (an integer tensor, on any device) cuts the rows of ``inp`` (its leading dims
 flattened) into consecutive groups that are quantised as separate tensors, forward and backward:
@@ -35,7 +37,7 @@ from torch import Tensor
 from te_compile._checks import HIGH_DTYPES, check_tensor
 from te_compile._library import SampleInput, differentiable, op, sample_tensor
 from te_compile.functional import quantize_table as _q
-from te_compile.functional.quantize_mx_ref import nvfp4_qdq_row_groups
+from te_compile.functional.quantize_mx_ref import nvfp4_qdq, nvfp4_qdq_row_groups
 from te_compile.functional.spec import QuantSpec, as_strings, parse
 
 __all__ = ["fake_quantize", "fake_quantize_ref", "qdq"]
@@ -53,12 +55,18 @@ def qdq(
     block_rows: int,
     power_2: bool,
     row_splits: Tensor | None = None,
+    four_over_six: str = "",
 ) -> Tensor:
     """``dequantize(quantize(x))`` in ``x``'s dtype (fp64 input is quantised from fp32); NVFP4
-    with ``row_splits``: a global scale per group of rows (``block_rows=16``: 16x16 tiles)."""
+    with ``row_splits``: a global scale per group of rows (``block_rows=16``: 16x16 tiles);
+    ``four_over_six``: NVFP4's 4over6 block scaling (blocks along the last dim)."""
     if not kind:
         return x.clone(memory_format=torch.contiguous_format)
     src = x if x.dtype in HIGH_DTYPES else x.float()
+    if four_over_six:
+        rows = src.reshape(-1, src.shape[-1])
+        y, _ = nvfp4_qdq(rows, columnwise=False, four_over_six=four_over_six)
+        return y.to(x.dtype).view(x.shape)
     if kind == "nvfp4" and row_splits is not None:
         tiles = block_rows == 16
         return nvfp4_qdq_row_groups(src.contiguous(), row_splits, tiles).to(x.dtype)
@@ -71,7 +79,7 @@ def qdq(
 
 def _qdq_spec(x: Tensor, spec: str, splits: Tensor | None = None) -> Tensor:
     s = parse(QuantSpec, spec)
-    return qdq(x, s.kind, s.fp8_dtype, s.block_rows, s.power_2_scale, splits)
+    return qdq(x, s.kind, s.fp8_dtype, s.block_rows, s.power_2_scale, splits, s.four_over_six)
 
 
 def _qdq_groups(x: Tensor, spec: str, splits) -> Tensor:
@@ -117,12 +125,13 @@ def _check(inp: Tensor, spec: str, grad_spec: str, row_splits=None) -> None:
             or s.block_rows not in rows
             or s.rht
             or s.stochastic_rounding
-            or (s.row_scaled or s.four_over_six)
+            or s.row_scaled
+            or (s.four_over_six and (name == "grad_spec" or row_splits is not None))
         ):
             raise ValueError(
                 p + f"{name} must be one of the kinds {_KINDS} without NVFP4's GEMM options "
-                f"(rht, sr, row_scaled, 4over6) and with 128x128 blocks for 'block' only, got "
-                f"{text!r}"
+                f"(rht, sr, row_scaled; 4over6 in spec only, without row_splits) and with "
+                f"128x128 blocks for 'block' only, got {text!r}"
             )
         if row_splits is not None and (s.kind == "current" or s.block_rows == 128):
             raise ValueError(
@@ -212,6 +221,7 @@ def _samples(device: torch.device):
     yield SampleInput((t(3, 2, 128, dtype=bf16), "block:e4m3:p2", "block:e5m2:p2"))
     yield SampleInput((t(4, 64), "mxfp8:e4m3", "mxfp8:e5m2"))
     yield SampleInput((t(4, 64, dtype=bf16), "nvfp4", f"block:{e4m3}"))
+    yield SampleInput((t(4, 64, dtype=bf16), "nvfp4:4over6=MAE/256", "nvfp4"))
     yield SampleInput((t(6, 48, dtype=torch.float16), "", f"current:{e4m3}"))
     # NVFP4 in row groups (an empty one, and 128 rows split mid-block-column), both ways.
     splits = torch.tensor([40, 0, 24, 64], device=device)

@@ -30,7 +30,6 @@ from torch import Tensor
 
 from te_compile import functional as F
 from te_compile._numerics import reciprocal_rn
-from te_compile.functional.quantize_mx_ref import nvfp4_qdq
 from te_compile.ops.op import BasicOperation, OpOutput
 from te_compile.quantization import fp8_gemm
 from te_compile.quantization.gemm import recipe_specs
@@ -77,22 +76,6 @@ class _DelayedQDQ(torch.autograd.Function):
         dx, amax = _qdq_tensorwise(dy, None if scales is None else scales[2:3], ctx.bwd_dtype)
         grad_amax.copy_(amax)
         return dx, None, None, None, None, None, None
-
-
-class _FourOverSix(torch.autograd.Function):
-    """NVFP4 with 4over6 block scaling (``functional.quantize_mx_ref.nvfp4_qdq``'s rowwise
-    copy, blocks along the last dim), quantised and dequantised in the input's dtype; the
-    gradient passes straight through (``fake_quantize`` before it quantises the gradient)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, four_over_six: str) -> Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        y, _ = nvfp4_qdq(rows, columnwise=False, four_over_six=four_over_six)
-        return y.to(x.dtype).view(x.shape)
-
-    @staticmethod
-    def backward(ctx, dy: Tensor) -> tuple[Tensor, None]:
-        return dy, None
 
 
 class Quantize(BasicOperation):
@@ -144,14 +127,10 @@ class Quantize(BasicOperation):
                     f"Quantize: NVFP4's {name} is applied inside the GEMMs only; use "
                     f"NVFP4BlockScaling({fix})"
                 )
-        four_over_six = sx.four_over_six if fwd else ""
-        plain = {"rht": False, "emulate": False, "four_over_six": ""}
-        spec = replace(sx, **plain).encode() if fwd and not four_over_six else ""
+        plain = {"rht": False, "emulate": False}
+        spec = replace(sx, **plain).encode() if fwd else ""
         grad_spec = replace(sg, **plain).encode() if bwd else ""
-        y = F.fake_quantize(x, spec, grad_spec=grad_spec)
-        if four_over_six:
-            y = _FourOverSix.apply(y, four_over_six)
-        return y, ()
+        return F.fake_quantize(x, spec, grad_spec=grad_spec), ()
 
     def extra_repr(self) -> str:
         return f"forward={self.quantize_forward}, backward={self.quantize_backward}"

@@ -215,6 +215,10 @@ def test_quantize_outside_autocast_and_backward_only(device):
 def test_quantize_errors():
     with pytest.raises(ValueError, match="Quantize: forward must be a bool"):
         ops.Quantize(forward=1)
+    # te::fake_quantize_fwd takes 4over6 for its forward spec only (NVFP4's gradients never).
+    x = torch.randn(16, 64, requires_grad=True)
+    with pytest.raises(ValueError, match=r"4over6 in spec only"):
+        te.functional.fake_quantize(x, "nvfp4", grad_spec="nvfp4:4over6=MAE/256")
 
 
 def _qdq_ref(t: torch.Tensor, scale: float, fp8_dtype: torch.dtype) -> torch.Tensor:
