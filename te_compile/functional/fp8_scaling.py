@@ -104,7 +104,9 @@ def _limit_runs(fp8_max: list[float]) -> tuple[float, float, int] | None:
 
 def _check(amax_history, scale, amax, fp8_max, margin, amax_compute_algo, amax_tail) -> None:
     p = "te.delayed_scaling_update: "
-    check_choice(p[:-2], "amax_compute_algo", amax_compute_algo, AMAX_COMPUTE_ALGOS)
+    check_choice(
+        "te.delayed_scaling_update", "amax_compute_algo", amax_compute_algo, AMAX_COMPUTE_ALGOS
+    )
     if margin < 0 or margin is True:
         raise ValueError(p + f"margin must be an int >= 0, got {margin!r}")
     slots = scale.shape[0] if scale.ndim == 1 else -1

@@ -73,7 +73,7 @@ def check_mlp(a: MLPArgs) -> None:
               for i, (w, q) in enumerate(pairs, 1))  # fmt: skip
     check_norm(p, inp, a.nrm)
     ep = a.ep
-    check_choice(p[:-2], "activation", ep.activation, MLP_ACTIVATIONS)
+    check_choice("te.mlp", "activation", ep.activation, MLP_ACTIVATIONS)
     if (ep.interleave, ep.scale, ep.branch) != (0, 1.0, False):
         raise ValueError(
             p + f"epilogue {a.epilogue!r}: te::mlp takes the activation with limit, alpha and "

@@ -148,6 +148,7 @@ _QUANTIZERS: dict[str, Callable[..., Quantized]] = {
     "mxfp8": _quantize_mxfp8,
     "nvfp4": _quantize_nvfp4,
 }
+_KINDS = tuple(sorted(_QUANTIZERS))
 _DEQUANTIZERS: dict[str, Callable[..., Tensor]] = {
     "delayed": _dequantize_tensorwise,
     "current": _dequantize_tensorwise,
@@ -183,7 +184,7 @@ def quantize(
     :class:`Quantized`; :func:`dequantize` inverts it. ``scale`` must be finite and > 0 (read
     on the host in eager; not checked while ``torch.compile`` traces)."""
     check_bool("te.quantize", power_2_scale=power_2_scale, columnwise=columnwise)
-    check_choice("te.quantize", "recipe_kind", recipe_kind, tuple(sorted(_QUANTIZERS)))
+    check_choice("te.quantize", "recipe_kind", recipe_kind, _KINDS)
     quantizer = _QUANTIZERS[recipe_kind]
     if four_over_six and recipe_kind != "nvfp4":
         raise ValueError(
