@@ -10,13 +10,15 @@
 4. Maps the trained weights back into a ``transformers`` model (``te_compile.convert.to_hf``,
    ready for ``save_pretrained``) and checks that it gives our logits.
 5. Times a compiled training step (forward, cross-entropy, backward) of both models and prints
-   tokens/s side by side.
+   tokens/s side by side, with the first compiled step's seconds (compilation included); ours
+   in bf16 and under each te FP8 recipe named by ``--recipes``.
 
 Needs ``transformers`` (``pip install 'te-compile[hf]'``). Usage::
 
     python examples/convert_hf_llama.py                      # small config, CPU or GPU
     python examples/convert_hf_llama.py --arch qwen2 --steps 5
     python examples/convert_hf_llama.py --device cuda --dtype bfloat16 --hidden 2048 --layers 4
+    python examples/convert_hf_llama.py --recipes none current delayed   # FP8 speeds too
 """
 
 from __future__ import annotations
@@ -28,8 +30,17 @@ import time
 
 import torch
 import torch._dynamo
+import torch._inductor.utils
 
 import te_compile as te
+
+# --recipes: our model's precisions in the speed comparison (``none``: bf16, no FP8 autocast).
+RECIPES = {
+    "none": None,
+    "current": te.recipe.Float8CurrentScaling,
+    "delayed": te.recipe.DelayedScaling,
+    "block": te.recipe.Float8BlockScaling,
+}
 
 
 def build_hf(args: argparse.Namespace) -> torch.nn.Module:
@@ -54,25 +65,34 @@ def build_hf(args: argparse.Namespace) -> torch.nn.Module:
     return model_cls(config).to(device=args.device, dtype=args.dtype)
 
 
-def tokens_per_s(loss_fn, params: list[torch.Tensor], ids: torch.Tensor, iters: int) -> float:
-    """Training steps (forward, loss, backward; the gradients set to None before each, as
-    ``zero_grad`` does) per second, times the tokens of a step."""
+def tokens_per_s(
+    loss_fn, params: list[torch.Tensor], ids: torch.Tensor, iters: int
+) -> tuple[float, float]:
+    """``(tokens/s, first step s)``: training steps (forward, loss, backward; the gradients set
+    to None before each, as ``zero_grad`` does) per second times the tokens of a step, and the
+    first step's seconds (its compilation included)."""
 
     def step() -> None:
         for p in params:
             p.grad = None
         loss_fn(ids).backward()
 
-    for _ in range(3):  # compile and warm up
+    def sync() -> None:
+        if ids.is_cuda:
+            torch.cuda.synchronize()
+
+    start = time.perf_counter()
+    step()  # compiles
+    sync()
+    first = time.perf_counter() - start
+    for _ in range(2):  # warm up (a delayed-scaling model compiles its calibrated step here)
         step()
-    if ids.is_cuda:
-        torch.cuda.synchronize()
+    sync()
     start = time.perf_counter()
     for _ in range(iters):
         step()
-    if ids.is_cuda:
-        torch.cuda.synchronize()
-    return ids.numel() * iters / (time.perf_counter() - start)
+    sync()
+    return ids.numel() * iters / (time.perf_counter() - start), first
 
 
 def main() -> int:
@@ -90,6 +110,10 @@ def main() -> int:
     p.add_argument("--seq", type=int, default=None)
     p.add_argument("--steps", type=int, default=3, help="compiled training steps of our model")
     p.add_argument("--iters", type=int, default=None, help="timed steps per model")
+    p.add_argument(
+        "--recipes", nargs="+", choices=tuple(RECIPES), default=["none"],
+        help="our model's precisions in the speed comparison: none (bf16) and te FP8 recipes",
+    )  # fmt: skip
     args = p.parse_args()
     gpu = args.device.startswith("cuda")
     defaults = (
@@ -160,14 +184,32 @@ def main() -> int:
     print(f"to_hf: logits relative error {back_rel:.2e} (tolerance {back_tol:.0e})")
     ours.train()
 
-    # 4. Speed of a compiled training step, side by side.
-    compiled_hf = torch.compile(hf_loss)
-    ours_tps = tokens_per_s(compiled_ours, list(ours.parameters()), ids, args.iters)
-    hf_tps = tokens_per_s(compiled_hf, list(hf.parameters()), ids, args.iters)
+    # 4. Speed of a compiled training step, side by side: a cold compile per precision (an
+    # empty Inductor cache: the first step's seconds are a compile from scratch).
     device = torch.cuda.get_device_name() if gpu else "CPU"
-    print(f"tokens/s on {device} ({args.dtype}, batch {args.batch} x seq {args.seq}): "
-          f"te_compile {ours_tps:,.0f}, transformers {hf_tps:,.0f} "
-          f"({ours_tps / hf_tps:.2f}x)")  # fmt: skip
+    torch._dynamo.reset()
+    with torch._inductor.utils.fresh_cache():
+        hf_tps, hf_first = tokens_per_s(
+            torch.compile(hf_loss), list(hf.parameters()), ids, args.iters
+        )
+    print(
+        f"tokens/s on {device} ({args.dtype}, batch {args.batch} x seq {args.seq}), against "
+        f"transformers compiled ({hf_tps:,.0f} tokens/s, first step {hf_first:.1f} s):"
+    )
+    for name in args.recipes:
+        torch._dynamo.reset()
+        recipe = RECIPES[name]() if RECIPES[name] else None
+
+        def loss_under(batch: torch.Tensor, recipe=recipe) -> torch.Tensor:
+            with te.autocast(enabled=recipe is not None, recipe=recipe):
+                return ours_loss(batch)
+
+        compiled = torch.compile(loss_under, fullgraph=True)
+        with torch._inductor.utils.fresh_cache():
+            tps, first = tokens_per_s(compiled, list(ours.parameters()), ids, args.iters)
+        label = "without FP8" if recipe is None else f"FP8 {name}"
+        print(f"  te_compile {label}: {tps:,.0f} ({tps / hf_tps:.2f}x), first step {first:.1f} s "
+              f"({first / hf_first:.2f}x)")  # fmt: skip
     ok = rel <= tol and back_rel <= back_tol and breaks == 0
     print("OK" if ok else "FAILED")
     return 0 if ok else 1

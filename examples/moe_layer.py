@@ -14,6 +14,7 @@ hidden 4096, ffn 1408, 64 experts, top-2, bf16. Usage::
 
     python examples/moe_layer.py                       # small config on CPU, full on GPU
     python examples/moe_layer.py --tokens 4096 --experts 16
+    python examples/moe_layer.py --recipe current     # te_compile's experts in FP8, timed too
 """
 
 from __future__ import annotations
@@ -29,6 +30,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import te_compile as te
+
+# --recipe: te FP8 recipes the te_compile layer is also timed under (against the bf16 layers).
+RECIPES = {
+    "current": te.recipe.Float8CurrentScaling,
+    "delayed": te.recipe.DelayedScaling,
+    "block": te.recipe.Float8BlockScaling,
+}
 
 
 def route(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,6 +130,10 @@ def main() -> int:
     p.add_argument("--experts", type=int, default=None)
     p.add_argument("--topk", type=int, default=2)
     p.add_argument("--iters", type=int, default=None, help="timed steps per layer")
+    p.add_argument(
+        "--recipe", nargs="+", choices=tuple(RECIPES), default=[],
+        help="also time the te_compile layer under these FP8 recipes (te.autocast)",
+    )  # fmt: skip
     args = p.parse_args()
     gpu = args.device.startswith("cuda")
     defaults = (
@@ -172,6 +184,17 @@ def main() -> int:
     )
     print(f"ms/step: te_compile {ours_ms:.3f}, plain PyTorch {theirs_ms:.3f} "
           f"({theirs_ms / ours_ms:.2f}x)")  # fmt: skip
+    for name in args.recipe:
+        torch._dynamo.reset()
+        recipe = RECIPES[name]()
+
+        def under(x: torch.Tensor, recipe=recipe) -> torch.Tensor:
+            with te.autocast(recipe=recipe):
+                return ours(x)
+
+        fp8_ms = step_ms(ours, torch.compile(under, fullgraph=True), xr, args.iters)
+        print(f"ms/step: te_compile FP8 {name} {fp8_ms:.3f} ({theirs_ms / fp8_ms:.2f}x plain "
+              f"PyTorch bf16)")  # fmt: skip
     ok = out_err <= tol and grad_err <= tol and breaks == 0
     print("OK" if ok else "FAILED")
     return 0 if ok else 1
