@@ -62,7 +62,16 @@ def build_hf(args: argparse.Namespace) -> torch.nn.Module:
     )
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    return model_cls(config).to(device=args.device, dtype=args.dtype)
+    # Built as from_pretrained(dtype=...) builds it: parameters in the dtype, the rotary
+    # frequencies float32. model.to(dtype) would round those too, and the reference below (that
+    # model in fp32) would then carry angles off by radians at position 2,048.
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(args.dtype)
+    try:
+        model = model_cls(config)
+    finally:
+        torch.set_default_dtype(before)
+    return model.to(args.device)
 
 
 def tokens_per_s(

@@ -61,6 +61,8 @@ Face checkpoint.
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -318,6 +320,21 @@ def from_hf(model: nn.Module, dtype: torch.dtype | None = None) -> CausalLM:
         window = (sliding - 1, 0)  # the query and the sliding_window - 1 keys before it
     elif kind == "qwen2" and _config_value(config, "use_sliding_window", False):
         raise ValueError("from_hf: Qwen2's use_sliding_window is not supported")
+    rounded = [
+        n for n, b in model.named_buffers() if n.endswith("inv_freq") and b.dtype != torch.float32
+    ]
+    if rounded:
+        warnings.warn(
+            f"from_hf: the transformers model's rotary frequencies ({rounded[0]}) are "
+            f"{model.get_buffer(rounded[0]).dtype}, not float32: model.to(dtype) rounded them "
+            "(from_pretrained / from_config with a dtype keep them float32). The converted "
+            "model computes them in float32 from the config, so its logits differ from this "
+            "model's at long positions (the rounded angles are off by up to 2^-9 of the "
+            "position, several radians at position 2,048); build the transformers model with "
+            "a dtype rather than casting it to compare the two",
+            UserWarning,
+            stacklevel=2,
+        )
     state = model.state_dict()
     dtype = dtype or next(model.parameters()).dtype
     device = next(model.parameters()).device
@@ -368,10 +385,23 @@ def to_hf(model: CausalLM, hf_model: nn.Module | None = None) -> nn.Module:
         import transformers
 
         weight = model.embed_tokens.weight
-        hf_model = transformers.AutoModelForCausalLM.from_config(model.config)
-        hf_model = hf_model.to(device=weight.device, dtype=weight.dtype)
+        # Built as from_pretrained(dtype=...) builds it: parameters in the dtype, the rotary
+        # frequencies float32 (``.to(dtype)`` would round them too: from_hf's warning).
+        with _default_dtype(weight.dtype):
+            hf_model = transformers.AutoModelForCausalLM.from_config(model.config)
+        hf_model = hf_model.to(device=weight.device)
     hf_model.load_state_dict(state, strict=True)
     return hf_model
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 def _rope(config: object) -> tuple[dict, RopeScaling | None]:

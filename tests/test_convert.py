@@ -6,6 +6,7 @@ refusals."""
 from __future__ import annotations
 
 import re
+import warnings
 
 import pytest
 import torch
@@ -38,7 +39,9 @@ LLAMA3 = {
 }
 
 
-def _hf(kind: str, **extra):
+def _hf(kind: str, dtype: torch.dtype = torch.float32, **extra):
+    """The small model, built as ``from_pretrained(dtype=dtype)`` builds one: parameters in
+    ``dtype``, the rotary frequencies float32 (``model.to(dtype)`` would round them)."""
     config_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
@@ -47,7 +50,12 @@ def _hf(kind: str, **extra):
     torch.manual_seed(0)
     config = config_cls(**SMALL, **extra)
     config._attn_implementation = "eager"
-    model = model_cls(config).eval()
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        model = model_cls(config).eval()
+    finally:
+        torch.set_default_dtype(before)
     with torch.no_grad():  # norms away from 1, so a misplaced norm weight shows
         for name, p in model.named_parameters():
             if "norm" in name or "bias" in name:
@@ -116,7 +124,7 @@ def test_tied_embeddings_stay_one_parameter_through_training():
 
 
 def test_bf16_logits_within_bf16_tolerance():
-    hf = _hf("llama").to(torch.bfloat16)
+    hf = _hf("llama", torch.bfloat16)
     ours = te.convert.from_hf(hf).eval()
     ids = torch.randint(0, SMALL["vocab_size"], (2, 12))
     with torch.no_grad():
@@ -125,6 +133,27 @@ def test_bf16_logits_within_bf16_tolerance():
     assert actual.dtype is torch.bfloat16
     err = (actual.double() - expected).norm() / expected.norm()
     assert err < 2e-2, err
+
+
+def test_rotary_frequencies_stay_float32_both_ways():
+    """``model.to(torch.bfloat16)`` rounds a transformers model's rotary ``inv_freq`` to bf16
+    (angles off by up to 2^-9 of the position): from_hf says so, and to_hf builds its model as
+    from_pretrained does, with float32 frequencies, equal to those of the model built in bf16."""
+    built = _hf("llama", torch.bfloat16)
+    assert built.model.rotary_emb.inv_freq.dtype is torch.float32
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ours = te.convert.from_hf(built)  # float32 frequencies: no warning
+    with pytest.warns(UserWarning, match=r"rotary frequencies \(model\.rotary_emb\.inv_freq\) "
+                      r"are torch\.bfloat16"):  # fmt: skip
+        te.convert.from_hf(_hf("llama").to(torch.bfloat16))
+    back = te.convert.to_hf(ours)
+    assert torch.get_default_dtype() is torch.float32
+    assert back.model.embed_tokens.weight.dtype is torch.bfloat16
+    assert torch.equal(back.model.rotary_emb.inv_freq, built.model.rotary_emb.inv_freq)
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 12))
+    with torch.no_grad():
+        assert torch.equal(back.eval()(ids).logits, built(ids).logits)
 
 
 def test_converted_model_trains_compiled_without_breaks():
