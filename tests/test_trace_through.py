@@ -35,8 +35,8 @@ RECIPES = {
 }
 
 # The ops whose implementation runs C++: their names, so that a new opaque op is a decision
-# this file records. (The grouped GEMM ops are traced through on their torch._grouped_mm path
-# and kept whole elsewhere: test_compiled_grouped_modules_trace_through_the_grouped_mm_path.)
+# this file records. (The grouped GEMM ops are traced through on CUDA's device-offset paths and
+# kept whole elsewhere: test_compiled_grouped_modules_trace_through_on_device_offsets.)
 EXPECTED_OPAQUE = {"te::bulk_allocate"}
 
 
@@ -189,38 +189,45 @@ def test_block_trains_under_cuda_graphs(recipe):
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
 
 
-GROUPED_CASES = ["bf16", "bf16_mlp", "fp8_per_group", "fp8_single", "fp8_mlp"]
+GROUPED_CASES = ["bf16", "bf16_mlp", "fp8_per_group", "fp8_single", "fp8_mlp", "delayed_mlp"]
 _CPU_GROUPED_CASES = ("bf16_mlp", "fp8_mlp")
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", GROUPED_CASES)
-def test_compiled_grouped_modules_trace_through_the_grouped_mm_path(device, case):
-    """GroupedLinear / GroupedMLP in bf16, and with FP8 primary weights (``quantized_model_init``,
-    per-expert or one weight), the splits a device tensor. On CUDA the bf16 grouped GEMMs take
-    the ``torch._grouped_mm`` path, which Inductor traces into: its code of the training step
-    calls no te op. Elsewhere (the CPU's per-group loops, the FP8 grouped GEMMs) the grouped
-    GEMM op is kept whole, once in the forward and once in the backward, and everything around
-    it (the FP8 weights' operands, the activation, the scales) is traced through. The step's
+def test_compiled_grouped_modules_trace_through_on_device_offsets(device, case):
+    """GroupedLinear / GroupedMLP in bf16, with FP8 primary weights under current scaling
+    (``quantized_model_init``, per-expert or one weight), and a GroupedMLP under delayed
+    scaling (its states calibrated: the delayed step's graph), the splits a device tensor. On
+    CUDA the grouped GEMMs take device offsets (``torch._grouped_mm``, and
+    ``torch._scaled_grouped_mm`` for the per-tensor FP8 recipes), which Inductor traces into:
+    its code of the training step calls no te op. On the CPU (per-group loops) the grouped GEMM
+    op is kept whole, once in the forward and once in the backward, and everything around it
+    (the FP8 weights' operands, the activation, the scales) is traced through. The step's
     output, input gradient and weight gradients (``main_grad`` for FP8 weights) match eager."""
-    fp8 = case.startswith("fp8")
+    fp8 = case.startswith(("fp8", "delayed"))
     if device == "cpu" and case not in _CPU_GROUPED_CASES:
         pytest.skip("the CPU runs bf16_mlp and fp8_mlp only (Inductor's C++ compile time)")
     if fp8 and device == "cuda" and not te.is_fp8_available():
         pytest.skip("no FP8 on this GPU; the CPU case covers the emulation")
-    recipe = te.recipe.Float8CurrentScaling() if fp8 else None
+    delayed = case.startswith("delayed")
+    recipe = (te.recipe.DelayedScaling if delayed else te.recipe.Float8CurrentScaling)()
+    recipe = recipe if fp8 else None
     experts, splits = 3, torch.tensor([40, 0, 24], device=device)
 
     def build():
         torch.manual_seed(0)
         kw = {"params_dtype": torch.bfloat16, "device": device}
-        with te.quantized_model_init(enabled=fp8, recipe=recipe):
+        with te.quantized_model_init(enabled=fp8 and not delayed, recipe=recipe):
             if case.endswith("mlp"):
                 m = te.GroupedMLP(experts, HIDDEN, FFN, single_grouped_parameter=False, **kw)
             else:
                 single = case == "fp8_single"
                 m = te.GroupedLinear(experts, HIDDEN, HIDDEN, single_grouped_weight=single, **kw)
-        return m, te.FP8MasterWeights(m) if fp8 else None
+        for state in m.modules():  # the delayed step's graph, not the calibration step's
+            if hasattr(state, "calibrated"):
+                state.calibrated = delayed
+        return m, te.FP8MasterWeights(m) if fp8 and not delayed else None
 
     (model, _masters), (twin, _twin_masters) = build(), build()
 
@@ -231,7 +238,7 @@ def test_compiled_grouped_modules_trace_through_the_grouped_mm_path(device, case
     out, codes = run_and_get_code(_step(lambda inp: compiled(inp, splits), x, recipe))
     assert len(codes) == 2, "one forward and one backward graph"
     fwd, bwd = (_te_calls(code) for code in codes)
-    if device == "cuda" and not fp8:
+    if device == "cuda":
         assert fwd | bwd == set(), "Inductor's code enters te ops through the dispatcher"
     else:
         assert fwd == {"torch.ops.te.grouped_linear_fwd"}, fwd

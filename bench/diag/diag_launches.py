@@ -21,6 +21,11 @@ launches were cut).
 
     python -m bench.diag.diag_launches                      # bf16, current, delayed
     python -m bench.diag.diag_launches --recipes delayed --list
+    python -m bench.diag.diag_launches --model grouped_mlp  # te.GroupedMLP, 4 experts
+
+``--model grouped_mlp`` counts a ``te.GroupedMLP`` step instead (4 experts, hidden 64, ffn 128,
+SwiGLU, 64 tokens split ``[40, 0, 24, 0]`` by a device tensor) and lists the ``te`` ops
+Inductor's code still calls (those kept whole).
 """
 
 from __future__ import annotations
@@ -73,7 +78,14 @@ def launches(code: str) -> list[list[str]]:
     return out
 
 
-def _child(recipe: str) -> None:
+def _grouped_mlp(te, torch):
+    """``(module, input, extra args)`` of the ``grouped_mlp`` model."""
+    m = te.GroupedMLP(4, 64, 128, activation="swiglu", params_dtype=torch.bfloat16, device="cpu")
+    x = torch.randn(64, 64, dtype=torch.bfloat16, requires_grad=True)
+    return m, x, (torch.tensor([40, 0, 24, 0]),)
+
+
+def _child(recipe: str, model: str) -> None:
     import torch
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
@@ -94,7 +106,11 @@ def _child(recipe: str) -> None:
     triton_heuristics.CachingAutotuner.precompile = lambda self, *a, **k: None  # no compile
     torch.manual_seed(0)
     size = SMOKE_SIZES["block"]
-    layer = TeLayer(size, torch.device("cpu"))
+    if model == "grouped_mlp":
+        layer, x, extra = _grouped_mlp(te, torch)
+    else:
+        layer, extra = TeLayer(size, torch.device("cpu")), ()
+        x = torch.randn(size.input_shape, dtype=torch.bfloat16, requires_grad=True)
     for m in layer.modules():
         if hasattr(m, "calibrated"):
             m.calibrated = True
@@ -103,9 +119,8 @@ def _child(recipe: str) -> None:
 
     def step(x):
         with te.autocast(enabled=rec is not None, recipe=rec):
-            return layer(x)
+            return layer(x, *extra)
 
-    x = torch.randn(size.input_shape, dtype=torch.bfloat16, requires_grad=True)
     try:
         torch.compile(step, fullgraph=True)(x)
     except Exception as e:  # the generated code cannot run here: its text is what counts
@@ -116,10 +131,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--recipes", nargs="+", choices=RECIPES, default=list(RECIPES))
     parser.add_argument("--list", action="store_true", help="every launch, by kernel name")
+    parser.add_argument("--model", choices=("layer", "grouped_mlp"), default="layer")
     parser.add_argument("--child", choices=RECIPES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        _child(args.child)
+        _child(args.child, args.model)
         return
     with tempfile.TemporaryDirectory() as tmp:
         _patched_copy(Path(tmp))
@@ -129,7 +145,8 @@ def main() -> None:
         listing = []
         for recipe in args.recipes:
             run = subprocess.run(
-                [sys.executable, "-m", "bench.diag.diag_launches", "--child", recipe],
+                [sys.executable, "-m", "bench.diag.diag_launches", "--child", recipe,
+                 "--model", args.model],
                 cwd=tmp, env=env, capture_output=True, text=True, check=False,
             )  # fmt: skip
             graphs = launches(_LOG_PREFIX.sub("", run.stderr))
@@ -139,6 +156,9 @@ def main() -> None:
                 )
             fwd, bwd = map(len, graphs)
             print(f"| {recipe} | {fwd} | {bwd} | {fwd + bwd} |")
+            te_calls = sorted({k for g in graphs for k in g if k.startswith("torch.ops.te.")})
+            if te_calls:
+                listing.append(f"\n{recipe}: te ops kept whole: {', '.join(te_calls)}")
             for name, graph in zip(("forward", "backward"), graphs, strict=True):
                 listing.append(f"\n{recipe}, {name}:" + "".join(f"\n    {k}" for k in graph))
         if args.list:

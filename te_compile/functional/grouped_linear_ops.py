@@ -28,10 +28,11 @@ per-tensor recipes' ``[amax(X), amax(W)]`` where
 :func:`~te_compile.functional.grouped_linear_args.appends_amaxes`. A pre-quantised weight
 (``weight_q``, ``functional.grouped_weight``) leaves the weight's copies out of ``saved``.
 
-Under ``torch.compile`` Inductor traces into a high-precision call on CUDA on the
-``torch._grouped_mm`` path; every other call is kept whole (:func:`host_split_path`,
-``docs/op_mechanism.md``). ``main_grad`` (fp32, weight's shape) receives ``+= dW`` instead of a
-``dweight`` output, as in ``te::linear_bwd``.
+Under ``torch.compile`` Inductor traces into a call on CUDA whose GEMMs take device offsets
+(bf16 ``torch._grouped_mm``, the per-tensor FP8 recipes' ``torch._scaled_grouped_mm``); every
+other call is kept whole (:func:`host_split_path`, ``docs/op_mechanism.md``). ``main_grad``
+(fp32, weight's shape) receives ``+= dW`` instead of a ``dweight`` output, as in
+``te::linear_bwd``.
 """
 
 from __future__ import annotations
@@ -286,21 +287,33 @@ def _forward(a: GroupedLinearArgs, cuda: bool) -> tuple[Tensor, list[Tensor]]:
 
 def host_split_path(*args: object, **kwargs: object) -> str | None:
     """``kept_whole`` of the family's ops, forward and backward calls alike: None (trace
-    through) for a call on the ``torch._grouped_mm`` path, the reason to keep it whole
-    otherwise."""
+    through) for a call whose GEMMs take device offsets — on CUDA with the splits on the device,
+    the high-precision ``torch._grouped_mm`` path and the per-tensor FP8 recipes'
+    ``torch._scaled_grouped_mm`` (bf16, not emulated, no backward override) — the reason to keep
+    it whole otherwise: the per-group loops read the splits on the host."""
     forward = len(args) < 2 or not isinstance(args[1], (list, tuple))
     if forward:
         a = GroupedLinearArgs(*args, **kwargs)
-        inp, m_splits, weight, quantised = a.inp, a.m_splits, a.weight, a.input_spec
+        inp, m_splits, weight, quantised, backward = (
+            a.inp, a.m_splits, a.weight, a.input_spec, a.backward
+        )  # fmt: skip
+        data = inp
     else:  # grouped_linear_bwd(grad_out, saved, inp, m_splits, weight, ..., input_spec, ...)
-        inp, m_splits, weight = args[2], args[3], args[4]
+        data, inp, m_splits, weight = args[0], args[2], args[3], args[4]
         quantised = args[9] if len(args) > 9 else kwargs.get("input_spec", "")
+        backward = args[12] if len(args) > 12 else kwargs.get("backward", "")
+    if not quantised:
+        on_device = isinstance(inp, Tensor) and inp.device.type == "cuda"
+        if on_device and m_splits.device == inp.device and uses_grouped_mm(inp, weight):
+            return None
+        return HOST_SPLITS
+    spec = parse(QuantSpec, quantised)
     if (
-        not quantised
-        and isinstance(inp, Tensor)
-        and inp.device.type == "cuda"
-        and m_splits.device == inp.device
-        and uses_grouped_mm(inp, weight)
+        grouped_gemm_kind(spec.kind, spec.emulate) == "scaled_grouped_mm"
+        and not parse(BackwardSpec, backward).override
+        and data.device.type == "cuda"
+        and data.dtype is torch.bfloat16
+        and m_splits.device == data.device
     ):
         return None
     return HOST_SPLITS

@@ -232,6 +232,15 @@ def e5m2_to_e4m3_table(device: torch.device) -> torch.Tensor:
 
 @functools.cache
 def _e5m2_to_e4m3_codes() -> tuple[int, ...]:
+    # Real tensors, also when first asked while a graph is traced (fake tensors would give
+    # data-dependent symbols for the codes).
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        return _codes_table()
+
+
+def _codes_table() -> tuple[int, ...]:
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     e5m2 = codes.view(torch.float8_e5m2).float()
     table = (e5m2 * 2.0**-7).to(torch.float8_e4m3fn).view(torch.uint8)

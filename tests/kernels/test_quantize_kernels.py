@@ -371,6 +371,20 @@ def test_e5m2_to_e4m3_table_is_exact_down_to_one():
     assert torch.equal(small, (shifted[~exact] * 2.0**9).round() * 2.0**-9)  # round half even
 
 
+def test_e5m2_to_e4m3_table_first_made_while_tracing():
+    """Asked for the first time while a graph is traced (fake tensors: AOTAutograd tracing a
+    grouped FP8 op for Inductor), the table is made of real codes, eager's."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import te_compile.kernels as k
+
+    expected = e5m2_to_e4m3_table(torch.device("cpu"))
+    k._e5m2_to_e4m3_codes.cache_clear()
+    with FakeTensorMode():
+        k._e5m2_to_e4m3_codes()
+    assert torch.equal(e5m2_to_e4m3_table(torch.device("cpu")), expected)
+
+
 @pytest.mark.parametrize("numel", [0, 1, 255, 4096 * 3 + 17])
 def test_recode_e5m2_kernel_matches_the_table(numel):
     """``recode_e5m2_as_e4m3`` maps every byte through the table (all 256 codes, a tail cut by
