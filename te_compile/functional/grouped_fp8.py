@@ -250,8 +250,18 @@ def _quantize(
     """``(data, scale_inv, amax)`` of ``x`` cast along its last dim, ``scale_inv`` one per row.
     Current scaling (``scale`` None): :func:`quantize_rowwise` (``e4m3_codes`` passed on),
     ``amax`` ``[1]`` measured only with ``measure``, else 0-element. Delayed: the per-tensor
-    ``scale`` ``[1]`` by the ``"delayed"`` row of ``functional.gemm.quantize_operand`` (one
-    Triton pass on CUDA), ``amax`` ``[1]``."""
+    ``scale`` ``[1]``, ``amax`` ``[1]``; on CUDA the rowwise kernel's given-scale pass (cast,
+    every row's ``scale_inv``, E4M3 codes and the amax in one launch), elsewhere the
+    ``"delayed"`` row of ``functional.gemm.quantize_operand`` (the same bytes)."""
+    if scale is not None and x.is_cuda and x.dtype in HIGH_DTYPES:
+        from te_compile.kernels import quantize_rows
+        from te_compile.kernels.quantize import amax_bits
+
+        amax = amax_bits(x.device)
+        data, scale_inv = quantize_rows.quantize_rowwise(
+            x, fp8_dtype, scale=scale, amax=amax, e4m3_codes=e4m3_codes
+        )
+        return data, scale_inv, amax
     if scale is not None:
         spec = QuantSpec("delayed", fp8_dtype)
         q = quantize_operand(spec, x.reshape(-1, x.shape[-1]), scale=scale, columnwise=False)
@@ -286,7 +296,6 @@ def per_tensor_weight(
         wq_t = wq_t.contiguous()
     else:
         wq_t = wq.view(torch.uint8).transpose(1, 2).contiguous().view(fwd_dtype)
-    if w_scale is not None:
         ws_t = ws[:, :1].expand(g, k).contiguous()
     return wq, ws, wq_t, ws_t, amax
 

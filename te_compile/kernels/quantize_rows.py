@@ -4,7 +4,8 @@ takes E4M3 only. The encoding, scale rule and conversions are ``kernels.fp8``'s.
 
 * ``_rowwise_kernel``: one scale per row (``fp8_max / amax`` of the row; 1 for a zero or
   non-finite result): ``BLOCK_M`` rows per program, the amax loop over the row, then the cast
-  loop over it again (a re-read from L2).
+  loop over it again (a re-read from L2). Or one given scale for every row (delayed scaling),
+  the tensor's amax folded in during the one cast loop.
 * ``_columnwise_kernel``: the same per-slice quantisation along the *rows* of each matrix of a
   ``[B, N, K]`` tensor (one scale per column), stored transposed ``[B, K, N]``: the grouped
   dgrad's weight copy without a strided transpose of the high-precision weight first. Or along
@@ -24,6 +25,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from te_compile._numerics import reciprocal_rn
 from te_compile.kernels import e5m2_to_e4m3_table, launch
 from te_compile.kernels.fp8 import (
     DEFAULT_CONFIG,
@@ -69,6 +71,8 @@ def _rowwise_kernel(
     X,
     DATA,
     SCALE_INV,
+    SCALE,
+    AMAX_BITS,
     M,
     K,
     fp8_max,
@@ -79,6 +83,7 @@ def _rowwise_kernel(
     SOFTWARE: tl.constexpr,
     GUARD: tl.constexpr,
     RECODE: tl.constexpr,
+    GIVEN: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -86,26 +91,36 @@ def _rowwise_kernel(
     ``scale = fp8_max / amax`` where ``amax > 0`` else 1, and 1 where that is not finite; then
     ``DATA = fp8(clamp(x * scale))`` and ``SCALE_INV = 1 / scale`` (both divisions correctly
     rounded: the same bytes as the torch definition in ``functional.grouped_fp8``).
-    ``RECODE``: E5M2 stored as its E4M3 codes, ``SCALE_INV`` times 128 (:func:`_recoded`)."""
+    ``RECODE``: E5M2 stored as its E4M3 codes, ``SCALE_INV`` times 128 (:func:`_recoded`).
+    ``GIVEN``: every row cast with the one scale ``SCALE`` instead (per tensor, delayed scaling:
+    the bytes of ``_cast_kernel``), in one loop that also folds the tensor's amax into
+    ``AMAX_BITS`` (``kernels.quantize.amax_bits``)."""
     # Inductor passes Python floats as fp64; Triton's own launcher as fp32.
     fp8_max = tl.cast(fp8_max, tl.float32)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     in_rows = rows < M
     base = rows.to(tl.int64)[:, None] * K
     acc = tl.zeros([BLOCK_M], dtype=tl.int32)
+    if GIVEN:
+        scale = tl.load(SCALE) + tl.zeros([BLOCK_M], dtype=tl.float32)
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            mask = in_rows[:, None] & (cols[None, :] < K)
+            x = tl.load(X + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            acc = tl.maximum(acc, tl.max(abs_bits(x), axis=1))
+        scale = slice_scale(acc, fp8_max)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         mask = in_rows[:, None] & (cols[None, :] < K)
         x = tl.load(X + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        acc = tl.maximum(acc, tl.max(abs_bits(x), axis=1))
-    scale = slice_scale(acc, fp8_max)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        mask = in_rows[:, None] & (cols[None, :] < K)
-        x = tl.load(X + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if GIVEN:
+            acc = tl.maximum(acc, tl.max(abs_bits(x), axis=1))
         q = cast_fp8(x * scale[:, None], fp8_max, E4M3, MBITS, BIAS, SOFTWARE, GUARD)
         tl.store(DATA + base + cols[None, :], _recoded(q, TABLE, RECODE), mask=mask)
     tl.store(SCALE_INV + rows, _inverse(scale, RECODE), mask=in_rows)
+    if GIVEN:
+        tl.atomic_max(AMAX_BITS.to(tl.pointer_type(tl.int32)), tl.max(acc, axis=0))
 
 
 @triton.jit
@@ -324,6 +339,8 @@ def quantize_rowwise(
     x: Tensor,
     fp8_dtype: torch.dtype,
     *,
+    scale: Tensor | None = None,
+    amax: Tensor | None = None,
     e4m3_codes: bool = False,
     block_m: int = 4,
     block_k: int = 1024,
@@ -332,7 +349,12 @@ def quantize_rowwise(
     ``fp8_dtype`` with its own current scale; ``scale_inv`` fp32 of ``x``'s shape without the
     last dim. One launch, ``x`` read from memory once (see ``_rowwise_kernel``).
     ``e4m3_codes``: an E5M2 cast stored as E4M3 codes with ``scale_inv`` times 128, the bytes
-    of :func:`recode_e5m2_as_e4m3` without its pass."""
+    of :func:`recode_e5m2_as_e4m3` without its pass. ``scale`` (``[1]`` fp32): every row cast
+    with it instead (delayed scaling; ``scale_inv`` its inverse in every row), in one pass that
+    folds ``max|x|`` into ``amax`` (a zeroed fp32 ``[1]``, ``kernels.quantize.amax_bits``;
+    required with ``scale``)."""
+    if (scale is None) != (amax is None):
+        raise ValueError("quantize_rowwise: scale and amax go together (delayed scaling)")
     x2, m, k = as_rows(x)
     data = torch.empty(x.shape, device=x.device, dtype=_codes_dtype(fp8_dtype, e4m3_codes))
     scale_inv = torch.empty(x.shape[:-1], device=x.device, dtype=torch.float32)
@@ -342,17 +364,24 @@ def quantize_rowwise(
             x2,
             uint8_view(data),
             scale_inv,
+            scale_inv if scale is None else scale,  # unused without a given scale
+            scale_inv if amax is None else amax,
             m,
             k,
             FORMATS[fp8_dtype].max,
             **_recode_args(fp8_dtype, data, scale_inv),
             **cast_args(fp8_dtype, software_convert(x.device, DEFAULT_CONFIG), x.dtype),
+            GIVEN=scale is not None,
             BLOCK_M=block_m,
             BLOCK_K=bk,
             num_warps=4,
         )
-    elif m:
-        scale_inv.fill_(128.0 if data.dtype != fp8_dtype else 1.0)  # an empty row: scale 1
+    elif m:  # an empty row: scale 1 (current), or the given one
+        recode = 128.0 if data.dtype != fp8_dtype else 1.0
+        if scale is None:
+            scale_inv.fill_(recode)
+        else:
+            scale_inv.copy_((reciprocal_rn(scale) * recode).expand(m))
     return data, scale_inv
 
 

@@ -11,6 +11,8 @@ code, every midpoint between neighbouring codes and the fp32 values one ulp eith
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -352,6 +354,50 @@ def test_rowwise_kernel_matches_reference(fp8, dtype, shape):
     want_data, want_scale_inv = reference(x, fp8)
     assert_bits_equal(data, want_data)
     assert_bits_equal(scale_inv, want_scale_inv)
+
+
+@pytest.mark.parametrize("e4m3_codes", [False, True], ids=["fp8", "e4m3_codes"])
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(37, 45), (2, 3, 1100), (0, 32), (3, 0)])
+@pytest.mark.parametrize("special", ["finite", "nan"])
+def test_rowwise_kernel_with_a_given_scale_is_the_per_tensor_cast(
+    special, shape, dtype, fp8, e4m3_codes
+):
+    """With a given scale (delayed scaling), the rowwise kernel writes the per-tensor cast's
+    bytes (``functional.gemm.quantize_per_tensor``; E4M3 codes with ``e4m3_codes``, as
+    ``functional.grouped_fp8.as_e4m3`` recodes them), the scale's inverse in every row, and
+    folds ``max|x|`` into the amax buffer in the same pass: saturating, subnormal-sized, inf and
+    (``nan``) NaN entries, rows cut by the block; scale and amax go together."""
+    import importlib
+
+    from te_compile.functional.gemm import quantize_per_tensor
+
+    GF = importlib.import_module("te_compile.functional.grouped_fp8")
+    torch.manual_seed(sum(shape))
+    x = torch.randn(shape) * 3
+    flat = x.view(math.prod(shape[:-1]), shape[-1])
+    if flat.numel() and flat.shape[0] >= 4:
+        flat[0, -1] = 1e6  # saturates
+        flat[1] = torch.randn(shape[-1]) * 1e-30
+        flat[2, 3] = float("nan") if special == "nan" else -7.5
+        flat[3, 1] = float("inf") if special == "nan" else 2.0
+    x = x.to(dtype)
+    scale = torch.tensor([2.0**5 * 1.3])
+    amax = _dev(torch.zeros(1))
+    data, scale_inv = row_kernels.quantize_rowwise(
+        _dev(x), fp8, scale=_dev(scale), amax=amax, e4m3_codes=e4m3_codes, block_m=4,
+        block_k=32,
+    )  # fmt: skip
+    want_data, want_inv, want_amax = quantize_per_tensor(flat.to(dtype), fp8, scale)
+    want_inv = want_inv.expand(flat.shape[0])
+    if e4m3_codes:
+        want_data, want_inv = GF.as_e4m3(want_data, want_inv)
+    assert_bits_equal(data.view(flat.shape), want_data)
+    assert_bits_equal(scale_inv.reshape(-1), want_inv)
+    assert_bits_equal(amax.reshape(()), want_amax.reshape(()).float())
+    with pytest.raises(ValueError, match="scale and amax go together"):
+        row_kernels.quantize_rowwise(_dev(x), fp8, scale=_dev(scale))
 
 
 def test_e5m2_to_e4m3_table_is_exact_down_to_one():
