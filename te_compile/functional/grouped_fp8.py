@@ -65,6 +65,11 @@ __all__ = [
 ]
 
 
+def _kernel_cast(x: Tensor) -> bool:
+    """Whether ``x`` is cast by the Triton kernels (``kernels.quantize_rows``)."""
+    return x.is_cuda and x.dtype in HIGH_DTYPES
+
+
 def quantize_rowwise(
     x: Tensor, fp8_dtype: torch.dtype, dim: int = -1, e4m3_codes: bool = False
 ) -> tuple[Tensor, Tensor]:
@@ -72,7 +77,7 @@ def quantize_rowwise(
     ``dim`` (``fp8_max / amax``; 1 for an all-zero or non-finite slice), in fp32 whatever
     ``x``'s dtype (a float64 copy gets the same bytes). CUDA: one Triton kernel, bit-identical.
     ``e4m3_codes``: an E5M2 result as the grouped GEMM takes it (:func:`as_e4m3`)."""
-    if x.is_cuda and x.dtype in HIGH_DTYPES:
+    if _kernel_cast(x):
         from te_compile.kernels import quantize_rows
 
         moved = dim not in (-1, x.ndim - 1)
@@ -181,7 +186,7 @@ def quantize_group_columns(
     bytes); ``splits_ends``: :func:`device_splits`' where the caller has them."""
     groups, c = m_splits.shape[0], x.shape[1]
     capacity = wgrad_capacity(x.shape[0], groups)
-    if x.is_cuda and x.dtype in HIGH_DTYPES:
+    if _kernel_cast(x):
         from te_compile.kernels import quantize_rows
 
         splits, ends = splits_ends if splits_ends is not None else device_splits(m_splits, x)
@@ -245,21 +250,24 @@ def _gemm_wgrad(
 
 
 def _quantize(
-    x: Tensor, fp8_dtype: torch.dtype, scale: Tensor | None, measure: bool, e4m3_codes=False
-) -> tuple[Tensor, Tensor, Tensor]:
+    x: Tensor, fp8_dtype: torch.dtype, scale: Tensor | None, measure: bool, e4m3_codes=False,
+    slot: tuple[Tensor, int] | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """``(data, scale_inv, amax)`` of ``x`` cast along its last dim, ``scale_inv`` one per row.
     Current scaling (``scale`` None): :func:`quantize_rowwise` (``e4m3_codes`` passed on),
     ``amax`` ``[1]`` measured only with ``measure``, else 0-element. Delayed: the per-tensor
-    ``scale`` ``[1]``, ``amax`` ``[1]``; on CUDA the rowwise kernel's given-scale pass (cast,
-    every row's ``scale_inv``, E4M3 codes and the amax in one launch), elsewhere the
-    ``"delayed"`` row of ``functional.gemm.quantize_operand`` (the same bytes)."""
-    if scale is not None and x.is_cuda and x.dtype in HIGH_DTYPES:
+    ``scale`` ``[1]``, ``amax`` ``[1]``; where :func:`_kernel_cast`, the rowwise kernel's
+    given-scale pass (cast, every row's ``scale_inv``, E4M3 codes and the amax in one launch;
+    ``slot``: ``(buffer, i)``, a zeroed amax buffer the amax is folded into instead, returned
+    whole), elsewhere the ``"delayed"`` row of ``functional.gemm.quantize_operand`` (the same
+    bytes)."""
+    if scale is not None and _kernel_cast(x):
         from te_compile.kernels import quantize_rows
         from te_compile.kernels.quantize import amax_bits
 
-        amax = amax_bits(x.device)
+        amax, i = slot or (amax_bits(x.device), 0)
         data, scale_inv = quantize_rows.quantize_rowwise(
-            x, fp8_dtype, scale=scale, amax=amax, e4m3_codes=e4m3_codes
+            x, fp8_dtype, scale=scale, amax=amax, amax_slot=i, e4m3_codes=e4m3_codes
         )
         return data, scale_inv, amax
     if scale is not None:
@@ -276,7 +284,7 @@ def _amax(x: Tensor) -> Tensor:
 
 
 def per_tensor_weight(
-    weight: Tensor, fwd_dtype: torch.dtype, w_scale: Tensor | None, measure: bool
+    weight: Tensor, fwd_dtype: torch.dtype, w_scale: Tensor | None, measure: bool, slot=None
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``weight`` ``[G, N, K]`` as the per-tensor grouped GEMMs take it: ``(data [G, N, K],
     scale_inv [G, N], data_t [G, K, N], scale_inv_t [G, K], amax)`` (:func:`_quantize`), the
@@ -284,10 +292,10 @@ def per_tensor_weight(
     one Triton kernel that reads ``weight`` along ``K`` and writes the FP8 data transposed
     (bit-identical), where a strided copy took about 0.5 ms at 8 x 2048 x 4096 on the H100. The
     forward's own cast and the pre-quantised weight (``functional.grouped_weight``) both come
-    from here: the same bytes."""
+    from here: the same bytes. ``slot``: :func:`_quantize`'s."""
     g, _, k = weight.shape
-    wq, ws, amax = _quantize(weight, fwd_dtype, w_scale, measure)
-    if weight.is_cuda and weight.dtype in HIGH_DTYPES:
+    wq, ws, amax = _quantize(weight, fwd_dtype, w_scale, measure, slot=slot)
+    if _kernel_cast(weight):
         from te_compile.kernels import quantize_rows
 
         wq_t, ws_t = quantize_rows.quantize_columnwise_transposed(weight, fwd_dtype, scale=w_scale)
@@ -310,13 +318,21 @@ def per_tensor_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
     measure = r.grad_amax is not None
     s_x, s_w, _ = scale_slots(r.scale, r.recipe)
     fwd_dtype = r.fwd_dtype
+    # Delayed scaling, both casts by the kernel: one [2] amax buffer they fold into (no cat).
+    shared = s_x is not None and weight_q is None and _kernel_cast(inp) and _kernel_cast(weight)
+    buf = None
+    if shared:
+        from te_compile.kernels.quantize import amax_bits
+
+        buf = amax_bits(inp.device, 2)
     if weight_q is None:
-        wq, ws, wq_t, ws_t, w_amax = per_tensor_weight(weight, fwd_dtype, s_w, measure)
+        w_slot = (buf, 1) if shared else None
+        wq, ws, wq_t, ws_t, w_amax = per_tensor_weight(weight, fwd_dtype, s_w, measure, w_slot)
     else:  # pre-quantised (uint8 codes); its dgrad copy is the caller's to save
         wq, ws, wq_t, ws_t, w_amax = weight_q
         wq, wq_t = wq.view(fwd_dtype), wq_t.view(fwd_dtype)
-    xq, xs, x_amax = _quantize(inp, fwd_dtype, s_x, measure)
-    amaxes = [torch.cat([x_amax, w_amax])] if x_amax.numel() else []
+    xq, xs, x_amax = _quantize(inp, fwd_dtype, s_x, measure, slot=(buf, 0) if shared else None)
+    amaxes = [buf] if shared else [torch.cat([x_amax, w_amax])] if x_amax.numel() else []
     dsplits = device_splits(m_splits, inp) if native else None
     if native:
         out = _gemm_grouped(xq, xs, wq, ws, *dsplits, fast_accum=True)
@@ -345,8 +361,15 @@ def per_tensor_backward(grad_out, saved, inp, m_splits, weight, main_grad, r, ha
     dinp, dweight = empty(grad_out), empty(grad_out)
     if need_dgrad or r.grad_amax is not None:  # the dgrad operand; amax(dY) into grad_amax
         measure = r.grad_amax is not None
-        gq, gs, g_amax = _quantize(grad_out, bwd_dtype, s_g, measure, e4m3_codes=True)
-        if measure:
+        # Delayed scaling by the kernel: amax(dY) folded into grad_amax itself, zeroed first.
+        fold = measure and s_g is not None and _kernel_cast(grad_out)
+        if fold:
+            from te_compile.kernels.quantize import zero_amaxes
+
+            zero_amaxes(r.grad_amax)
+        slot = (r.grad_amax, 0) if fold else None
+        gq, gs, g_amax = _quantize(grad_out, bwd_dtype, s_g, measure, e4m3_codes=True, slot=slot)
+        if measure and not fold:
             r.grad_amax.copy_(g_amax)
     dsplits = device_splits(m_splits, grad_out) if native else None
     if need_wgrad and r.fp8_wgrad and len(saved) == 2:  # save_original_input: quantised here

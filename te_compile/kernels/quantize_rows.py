@@ -66,13 +66,14 @@ def _inverse(scale, RECODE: tl.constexpr):
     return inv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["AMAX_SLOT"])  # one compile for every slot
 def _rowwise_kernel(
     X,
     DATA,
     SCALE_INV,
     SCALE,
     AMAX_BITS,
+    AMAX_SLOT,
     M,
     K,
     fp8_max,
@@ -94,7 +95,7 @@ def _rowwise_kernel(
     ``RECODE``: E5M2 stored as its E4M3 codes, ``SCALE_INV`` times 128 (:func:`_recoded`).
     ``GIVEN``: every row cast with the one scale ``SCALE`` instead (per tensor, delayed scaling:
     the bytes of ``_cast_kernel``), in one loop that also folds the tensor's amax into
-    ``AMAX_BITS`` (``kernels.quantize.amax_bits``)."""
+    ``AMAX_BITS[AMAX_SLOT]`` (``kernels.quantize.amax_bits``)."""
     # Inductor passes Python floats as fp64; Triton's own launcher as fp32.
     fp8_max = tl.cast(fp8_max, tl.float32)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -120,7 +121,7 @@ def _rowwise_kernel(
         tl.store(DATA + base + cols[None, :], _recoded(q, TABLE, RECODE), mask=mask)
     tl.store(SCALE_INV + rows, _inverse(scale, RECODE), mask=in_rows)
     if GIVEN:
-        tl.atomic_max(AMAX_BITS.to(tl.pointer_type(tl.int32)), tl.max(acc, axis=0))
+        tl.atomic_max(AMAX_BITS.to(tl.pointer_type(tl.int32)) + AMAX_SLOT, tl.max(acc, axis=0))
 
 
 @triton.jit
@@ -341,6 +342,7 @@ def quantize_rowwise(
     *,
     scale: Tensor | None = None,
     amax: Tensor | None = None,
+    amax_slot: int = 0,
     e4m3_codes: bool = False,
     block_m: int = 4,
     block_k: int = 1024,
@@ -351,8 +353,8 @@ def quantize_rowwise(
     ``e4m3_codes``: an E5M2 cast stored as E4M3 codes with ``scale_inv`` times 128, the bytes
     of :func:`recode_e5m2_as_e4m3` without its pass. ``scale`` (``[1]`` fp32): every row cast
     with it instead (delayed scaling; ``scale_inv`` its inverse in every row), in one pass that
-    folds ``max|x|`` into ``amax`` (a zeroed fp32 ``[1]``, ``kernels.quantize.amax_bits``;
-    required with ``scale``)."""
+    folds ``max|x|`` into ``amax[amax_slot]`` (a zeroed fp32 buffer,
+    ``kernels.quantize.amax_bits``; required with ``scale``)."""
     if (scale is None) != (amax is None):
         raise ValueError("quantize_rowwise: scale and amax go together (delayed scaling)")
     x2, m, k = as_rows(x)
@@ -366,6 +368,7 @@ def quantize_rowwise(
             scale_inv,
             scale_inv if scale is None else scale,  # unused without a given scale
             scale_inv if amax is None else amax,
+            amax_slot,
             m,
             k,
             FORMATS[fp8_dtype].max,

@@ -367,8 +367,9 @@ def test_rowwise_kernel_with_a_given_scale_is_the_per_tensor_cast(
     """With a given scale (delayed scaling), the rowwise kernel writes the per-tensor cast's
     bytes (``functional.gemm.quantize_per_tensor``; E4M3 codes with ``e4m3_codes``, as
     ``functional.grouped_fp8.as_e4m3`` recodes them), the scale's inverse in every row, and
-    folds ``max|x|`` into the amax buffer in the same pass: saturating, subnormal-sized, inf and
-    (``nan``) NaN entries, rows cut by the block; scale and amax go together."""
+    folds ``max|x|`` into its slot of the amax buffer in the same pass: saturating,
+    subnormal-sized, inf and (``nan``) NaN entries, rows cut by the block; scale and amax go
+    together."""
     import importlib
 
     from te_compile.functional.gemm import quantize_per_tensor
@@ -384,10 +385,10 @@ def test_rowwise_kernel_with_a_given_scale_is_the_per_tensor_cast(
         flat[3, 1] = float("inf") if special == "nan" else 2.0
     x = x.to(dtype)
     scale = torch.tensor([2.0**5 * 1.3])
-    amax = _dev(torch.zeros(1))
+    amax = _dev(torch.zeros(2))  # folded into slot 1; slot 0 is another cast's
     data, scale_inv = row_kernels.quantize_rowwise(
-        _dev(x), fp8, scale=_dev(scale), amax=amax, e4m3_codes=e4m3_codes, block_m=4,
-        block_k=32,
+        _dev(x), fp8, scale=_dev(scale), amax=amax, amax_slot=1, e4m3_codes=e4m3_codes,
+        block_m=4, block_k=32,
     )  # fmt: skip
     want_data, want_inv, want_amax = quantize_per_tensor(flat.to(dtype), fp8, scale)
     want_inv = want_inv.expand(flat.shape[0])
@@ -395,7 +396,7 @@ def test_rowwise_kernel_with_a_given_scale_is_the_per_tensor_cast(
         want_data, want_inv = GF.as_e4m3(want_data, want_inv)
     assert_bits_equal(data.view(flat.shape), want_data)
     assert_bits_equal(scale_inv.reshape(-1), want_inv)
-    assert_bits_equal(amax.reshape(()), want_amax.reshape(()).float())
+    assert_bits_equal(amax.cpu(), torch.stack([torch.zeros(()), want_amax.reshape(()).float()]))
     with pytest.raises(ValueError, match="scale and amax go together"):
         row_kernels.quantize_rowwise(_dev(x), fp8, scale=_dev(scale))
 
