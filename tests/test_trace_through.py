@@ -10,6 +10,7 @@ itself. Dynamo's graph keeps the ops by name (``test_dynamo_graph_names_the_ops`
 from __future__ import annotations
 
 import functools
+import os
 import re
 
 import pytest
@@ -283,3 +284,60 @@ def test_compiled_grouped_modules_trace_through_on_device_offsets(device, case):
         grad, grad_twin = (getattr(q, "main_grad", q.grad) for q in (p, twin.get_parameter(name)))
         assert grad is not None, name
         assert_close(grad, grad_twin, grad.dtype, roundings=2, reduced=True)
+
+
+def test_kernel_write_analysis_runs_once_per_signature(monkeypatch):
+    """torch's analysis of the tensors a Triton kernel writes (TTIR built and walked per
+    ``wrap_triton`` launch and compile stage) runs once per kernel and argument signature for
+    ours (``_library._memoize_kernel_analysis``): the same answers as torch's own function, a
+    constexpr's value and a Triton integer specialisation (a multiple of 16) telling signatures
+    apart, other integers not."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the analysis builds TTIR for a GPU target, not the interpreter's")
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+
+    from te_compile import _library
+    from te_compile.kernels import quantize, quantize_rows
+
+    wrap = pytest.importorskip("torch._higher_order_ops.triton_kernel_wrap")
+    name = next(
+        (n for n in ("identify_accessed_tensors", "identify_mutated_tensors") if hasattr(wrap, n)),
+        None,
+    )
+    if name is None:
+        pytest.skip("this torch has neither analysis function")
+
+    class Sm90:  # TTIR needs a target; this machine may have no GPU
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+    monkeypatch.setattr(driver, "_active", Sm90())  # restored after the test
+    _library._memoize_kernel_analysis()
+    memoized = getattr(wrap, name)
+    assert memoized.te_memoized
+    built = []
+    generate = wrap.generate_ttir
+    monkeypatch.setattr(wrap, "generate_ttir", lambda *a, **k: built.append(1) or generate(*a, **k))
+
+    def writes(result) -> set[str]:
+        deps = result.read_writes.writes if hasattr(result, "read_writes") else result
+        return {getattr(d, "name", d) for d in deps}
+
+    a, b = torch.zeros(1), torch.zeros(1)
+    zero = quantize._zero_kernel
+    for two, expected in ((True, {"A", "B"}), (False, {"A"})):
+        kwargs = {"A": a, "B": b, "TWO": two}
+        before = len(built)
+        assert writes(memoized(zero, kwargs, {})) == expected
+        assert writes(memoized(zero, dict(kwargs), {})) == expected  # the memo's answer
+        assert writes(memoized.__wrapped__(zero, kwargs, {})) == expected  # torch's own
+        assert len(built) == before + 2, "one analysis by the memo, one by torch's function"
+    src, dst, table = (torch.zeros(512, dtype=torch.uint8) for _ in range(3))
+    recode = quantize_rows._recode_kernel
+    before = len(built)
+    for n in (300, 301, 320):  # 320: a multiple of 16, specialised by Triton
+        kwargs = {"SRC": src, "DST": dst, "TABLE": table, "N": n, "BLOCK_SIZE": 128}
+        assert writes(memoized(recode, kwargs, {})) == {"DST"}
+    assert len(built) == before + 2
