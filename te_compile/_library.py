@@ -303,16 +303,17 @@ def _memoize_kernel_analysis() -> None:
         memo: dict[tuple, Any] = {}
 
         @functools.wraps(analyse)
-        def memoized(kernel, kwargs, tma_descriptor_metadata, *, _analyse=analyse, _memo=memo):
-            key = key_of(kernel, kwargs, tma_descriptor_metadata)
+        def memoized(kernel, kwargs, *rest, _analyse=analyse, _memo=memo, **named):
+            tma = rest[0] if rest else named.get("tma_descriptor_metadata")
+            key = key_of(kernel, kwargs, tma)
             try:
                 hit = key is not None and key in _memo
             except TypeError:  # an unhashable config value
                 key = None
             if key is None:
-                return _analyse(kernel, kwargs, tma_descriptor_metadata)
+                return _analyse(kernel, kwargs, *rest, **named)
             if not hit:
-                _memo[key] = _analyse(kernel, kwargs, tma_descriptor_metadata)
+                _memo[key] = _analyse(kernel, kwargs, *rest, **named)
             return copy.deepcopy(_memo[key])  # callers may extend the sets they get
 
         memoized.te_memoized = True
