@@ -59,6 +59,7 @@ from te_compile._checks import (
     check_bool,
     check_positive_finite,
     check_required,
+    check_same_device,
     check_tensors,
 )
 from te_compile._library import SampleInput, differentiable, op, sample_tensor
@@ -209,12 +210,7 @@ def check_norm_args(
             prefix + f"weight.dtype ({weight.dtype}) must be torch.float32 or equal inp.dtype "
             f"({inp.dtype})"
         )
-    for arg, t in (("weight", weight), ("bias", bias)):
-        if t is not None and t.device != inp.device:
-            raise ValueError(
-                prefix + f"inp and {arg} must be on one device, got inp on {inp.device} and "
-                f"{arg} on {t.device}"
-            )
+    check_same_device(f"te.{name}", "inp", inp, weight=weight, bias=bias)
     if bias is not None and bias.shape != weight.shape:
         raise ValueError(prefix + f"bias must have weight's shape [{n}], got {list(bias.shape)}")
     if bias is not None and bias.dtype is not weight.dtype:
