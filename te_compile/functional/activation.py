@@ -342,12 +342,16 @@ _kernels = functools.partial(submodule, "activation")  # Triton: imported on fir
 # 2. Forward ops -------------------------------------------------------------------------------
 
 
-def _forward(cuda: bool, inp: Tensor, bias: Tensor | None, activation: str, config=None) -> Tensor:
-    """Both forward ops' implementations: the checks, then the Triton kernels (``cuda``, but not
-    for fp64) or the reference math. ``config``: the gated op's ``(glu_interleave_size, limit,
+def _on_triton(inp: Tensor) -> bool:
+    return inp.is_cuda and inp.dtype != torch.float64
+
+
+def _forward(inp: Tensor, bias: Tensor | None, activation: str, config=None) -> Tensor:
+    """Both forward ops' implementations: the checks, then the Triton kernels (CUDA, but not
+    fp64) or the reference math. ``config``: the gated op's ``(glu_interleave_size, limit,
     alpha, glu_linear_offset)``; None for the element-wise op."""
     _check_op(inp, bias, activation, config)
-    if cuda and inp.dtype != torch.float64:
+    if _on_triton(inp):
         return _kernels().activation_forward(inp, bias, activation, *(config or ()))
     if config is None:
         return activation_ref(inp.contiguous(), bias, activation)
@@ -356,13 +360,8 @@ def _forward(cuda: bool, inp: Tensor, bias: Tensor | None, activation: str, conf
 
 @op("activation_fwd")
 def activation_fwd(inp: Tensor, bias: Tensor | None, activation: str) -> Tensor:
-    """``activation(inp + bias)``; the default (CPU) implementation is the reference math."""
-    return _forward(False, inp, bias, activation)
-
-
-@activation_fwd.register_kernel("cuda")
-def _activation_fwd_cuda(inp, bias, activation):
-    return _forward(True, inp, bias, activation)
+    """``activation(inp + bias)``."""
+    return _forward(inp, bias, activation)
 
 
 @op("gated_activation_fwd")
@@ -375,16 +374,9 @@ def gated_activation_fwd(
     alpha: float = 1.702,
     glu_linear_offset: float = 1.0,
 ) -> Tensor:
-    """Gated ``activation`` of ``inp + bias``; default (CPU) implementation: the reference math."""
+    """Gated ``activation`` of ``inp + bias``."""
     config = (glu_interleave_size, limit, alpha, glu_linear_offset)
-    return _forward(False, inp, bias, activation, config)
-
-
-# The dispatcher leaves out the arguments that equal their defaults: the gated op's
-# implementations and fake restate them.
-@gated_activation_fwd.register_kernel("cuda")
-def _gated_activation_fwd_cuda(inp, bias, activation, k=0, limit=7.0, alpha=1.702, offset=1.0):
-    return _forward(True, inp, bias, activation, (k, limit, alpha, offset))
+    return _forward(inp, bias, activation, config)
 
 
 # 3. Fakes -------------------------------------------------------------------------------------
@@ -396,6 +388,7 @@ def _activation_fwd_fake(inp, bias, activation):
     return inp.new_empty(inp.shape)
 
 
+# The dispatcher leaves out the arguments that equal their defaults: the fake restates them.
 @gated_activation_fwd.register_fake
 def _gated_activation_fwd_fake(inp, bias, activation, k=0, limit=7.0, alpha=1.702, offset=1.0):
     _check_op(inp, bias, activation, (k, limit, alpha, offset))
@@ -431,8 +424,10 @@ def _backward_ref(grad, inp, bias, activation, *rest):
     return dx.to(inp.dtype), dx.reshape(-1, dx.shape[-1]).sum(0).to(inp.dtype)
 
 
-def _backward_cuda(grad, inp, bias, activation, *rest):
-    if inp.dtype == torch.float64:
+def _backward_impl(grad, inp, bias, activation, *rest):
+    """Both backward ops' implementations: the Triton kernels (CUDA, but not fp64) or the
+    reference math."""
+    if not _on_triton(inp):
         return _backward_ref(grad, inp, bias, activation, *rest)
     *config, need_dbias = rest
     dx, dbias = _kernels().activation_backward(
@@ -450,9 +445,8 @@ def _backward_fake(grad, inp, bias, activation, *rest):
 def activation_bwd(
     grad: Tensor, inp: Tensor, bias: Tensor | None, activation: str, need_dbias: bool
 ) -> tuple[Tensor, Tensor]:
-    """``(dinp, dbias)``; ``dbias`` is a 0-element tensor unless ``need_dbias``. Default (CPU)
-    implementation: the derivative written out, fp32 (fp64 stays fp64), rounded once."""
-    return _backward_ref(grad, inp, bias, activation, need_dbias)
+    """``(dinp, dbias)``; ``dbias`` is a 0-element tensor unless ``need_dbias``."""
+    return _backward_impl(grad, inp, bias, activation, need_dbias)
 
 
 @op("gated_activation_bwd")
@@ -467,15 +461,13 @@ def gated_activation_bwd(
     glu_linear_offset: float,
     need_dbias: bool,
 ) -> tuple[Tensor, Tensor]:
-    """``(dinp, dbias)`` of the gated activation; ``dbias`` is 0-element unless ``need_dbias``.
-    Default (CPU) implementation: the derivatives written out, fp32, rounded once."""
+    """``(dinp, dbias)`` of the gated activation; ``dbias`` is 0-element unless ``need_dbias``."""
     config = (glu_interleave_size, limit, alpha, glu_linear_offset)
-    return _backward_ref(grad, inp, bias, activation, *config, need_dbias)
+    return _backward_impl(grad, inp, bias, activation, *config, need_dbias)
 
 
-for _bwd in (activation_bwd, gated_activation_bwd):
-    _bwd.register_kernel("cuda")(_backward_cuda)
-    _bwd.register_fake(_backward_fake)
+activation_bwd.register_fake(_backward_fake)
+gated_activation_bwd.register_fake(_backward_fake)
 
 
 def activation_forward(

@@ -285,15 +285,18 @@ def _kernel_bias(a: _Args) -> tuple[Tensor, Tensor]:
     return total.expand(b, h, sq, skv), row
 
 
-def _plan(a: _Args) -> attention_cuda.Plan:
-    if a.softmax_offset is not None:
-        # PyTorch's fused kernels have no sink; the reference math runs (attention_cuda's table).
-        return attention_cuda.Plan("math")
+def _plan(a: _Args) -> attention_cuda.Plan | None:
+    """The fused CUDA kernel that runs ``a`` (``attention_cuda.plan``), or None where the
+    reference math runs: on CPU, and where no kernel expresses the case (fp64; a sink, which
+    PyTorch's fused kernels lack: attention_cuda's table)."""
+    if a.query.device.type != "cuda" or a.softmax_offset is not None:
+        return None
     plain = a.bias is None and a.alibi_slopes is None and a.q_padding is None and a.mask is None
-    return attention_cuda.plan(
+    plan = attention_cuda.plan(
         a.query, a.key, a.value, plain, a.cu_seqlens_q is not None, a.cu_seqlens_kv is None,
         a.window_left, a.window_right, a.bottom_right, a.dropout_p,
     )  # fmt: skip
+    return None if plan.kind == "math" else plan
 
 
 def _broadcasts(t: Tensor, b: int, h: int, sq: int, skv: int) -> bool:
@@ -389,26 +392,18 @@ def attention_fwd(query: Tensor, key: Tensor, value: Tensor, bias: Tensor | None
                   window_right: int, bottom_right: bool, dropout_p: float, max_seqlen_q: int,
                   max_seqlen_kv: int, sbhd: bool) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
     """``(out, saved)``; ``saved``: what the backward needs (the logsumexp; with dropout on CUDA
-    also the kernel's Philox seed and offset). CPU implementation: the reference math."""
+    also the kernel's Philox seed and offset). The fused kernel :func:`_plan` picks, else the
+    reference math."""
     a = _Args(query, key, value, bias, alibi_slopes, q_padding, kv_padding, mask, cu_seqlens_q,
               cu_seqlens_kv, rng_state, softmax_offset, scale, window_left, window_right,
               bottom_right, dropout_p, max_seqlen_q, max_seqlen_kv, sbhd)  # fmt: skip
     _check(a)
-    return _forward_ref(a)
-
-
-@attention_fwd.register_kernel("cuda")
-def _attention_fwd_cuda(*args):
-    """CUDA only: the fused kernel ``attention_cuda.plan`` picks; fp64 and the cases no kernel
-    expresses run the reference math."""
-    a = _Args(*args)
-    _check(a)
     plan = _plan(a)
-    if plan.kind == "math":
+    if plan is None:
         return _forward_ref(a)
-    bias, row = _kernel_bias(a) if plan.uses_bias else (None, None)
+    kernel_bias, row = _kernel_bias(a) if plan.uses_bias else (None, None)
     out, saved = attention_cuda.forward(
-        plan, a.query, a.key, a.value, bias, row, a.cu_seqlens_q, a.cu_seqlens_kv, a.scale,
+        plan, a.query, a.key, a.value, kernel_bias, row, a.cu_seqlens_q, a.cu_seqlens_kv, a.scale,
         a.window_left, a.window_right, a.dropout_p, a.max_seqlen_q, a.max_seqlen_kv,
     )  # fmt: skip
     return _in_layout(out, a.sbhd), saved
@@ -421,18 +416,16 @@ def _attention_fwd_cuda(*args):
 def _attention_fwd_fake(*args):
     a = _Args(*args)
     _check(a)
-    q = a.query
+    q, plan = a.query, _plan(a)
     out = _empty_out(q, a.value.shape[-1], a.sbhd)
-    if q.device.type == "cuda":
-        plan = _plan(a)
-        if plan.kind != "math":
-            shape = attention_cuda.lse_shape(plan, q, a.cu_seqlens_q, a.max_seqlen_q)
-            saved = [q.new_empty(shape, dtype=torch.float32)]
-            if a.dropout_p > 0 and plan.kind.startswith("efficient"):
-                # aten returns the Philox seed and offset as CPU scalars (as CUDA ones only while
-                # a CUDA graph is being captured).
-                saved += [torch.empty((), dtype=torch.int64), torch.empty((), dtype=torch.int64)]
-            return out, saved
+    if plan is not None:
+        shape = attention_cuda.lse_shape(plan, q, a.cu_seqlens_q, a.max_seqlen_q)
+        saved = [q.new_empty(shape, dtype=torch.float32)]
+        if a.dropout_p > 0 and plan.kind.startswith("efficient"):
+            # aten returns the Philox seed and offset as CPU scalars (as CUDA ones only while a
+            # CUDA graph is being captured).
+            saved += [torch.empty((), dtype=torch.int64), torch.empty((), dtype=torch.int64)]
+        return out, saved
     b, sq, h = q.shape[:3]
     return out, [q.new_empty((b, h, sq), dtype=acc_dtype(q))]
 
@@ -443,8 +436,8 @@ def _attention_fwd_fake(*args):
 def _efficient_bwd_on_cuda(grad_out, saved, *args) -> str | None:
     """``kept_whole`` of ``te::attention_bwd``: the calls that run the memory-efficient kernel's
     backward stay one opaque call under compile (why: ``docs/op_mechanism.md``)."""
-    a = _Args(*args[:-2])
-    if a.query.device.type == "cuda" and _plan(a).kind.startswith("efficient"):
+    plan = _plan(_Args(*args[:-2]))
+    if plan is not None and plan.kind.startswith("efficient"):
         return "aten's meta of _efficient_attention_backward does not match its schema"
     return None
 
@@ -460,25 +453,18 @@ def attention_bwd(grad_out: Tensor, saved: list[Tensor], query: Tensor, key: Ten
                   offset_grad: bool) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:  # fmt: skip
     """``(dq, dk, dv, extra)``: ``extra`` holds ``d bias`` when ``bias_grad``, then
     ``d softmax_offset`` when ``offset_grad``. ``saved``: the forward's ``out`` (what the fused
-    kernels' backward reads), then its ``saved``; the forward's arguments follow. CPU
-    implementation: the reference math."""
+    kernels' backward reads), then its ``saved``; the forward's arguments follow. The backward
+    of the forward's kernel (the same plan, from the same arguments), else the reference math."""
     a = _Args(query, key, value, bias, alibi_slopes, q_padding, kv_padding, mask, cu_seqlens_q,
               cu_seqlens_kv, rng_state, softmax_offset, scale, window_left, window_right,
               bottom_right, dropout_p, max_seqlen_q, max_seqlen_kv, sbhd)  # fmt: skip
-    return attention_bwd_ref(a, grad_out, saved[1:], bias_grad, offset_grad)
-
-
-@attention_bwd.register_kernel("cuda")
-def _attention_bwd_cuda(grad_out, saved, *args):
-    """CUDA only: the backward of the forward's kernel (the same plan, from the same args)."""
-    a, bias_grad, offset_grad = _Args(*args[:-2]), args[-2], args[-1]
     plan = _plan(a)
     out, saved = saved[0], saved[1:]
-    if plan.kind == "math":
+    if plan is None:
         return attention_bwd_ref(a, grad_out, saved, bias_grad, offset_grad)
-    bias, row = _kernel_bias(a) if plan.uses_bias else (None, None)
+    kernel_bias, row = _kernel_bias(a) if plan.uses_bias else (None, None)
     dq, dk, dv, dbias = attention_cuda.backward(
-        plan, grad_out, a.query, a.key, a.value, out, saved, bias, row, bias_grad,
+        plan, grad_out, a.query, a.key, a.value, out, saved, kernel_bias, row, bias_grad,
         a.cu_seqlens_q, a.cu_seqlens_kv, a.scale, a.window_left, a.window_right, a.dropout_p,
         a.max_seqlen_q, a.max_seqlen_kv,
     )  # fmt: skip

@@ -131,27 +131,21 @@ def _check_args(inp: Tensor, rng_state: Tensor, p: float) -> None:
 _kernels = functools.partial(submodule, "dropout")  # Triton: imported on first CUDA use
 
 
+def _dropout_by_device(x: Tensor, rng_state: Tensor, p: float) -> Tensor:
+    """Both ops' implementations: the Triton kernel (CUDA, but not fp64) or the reference math."""
+    if x.is_cuda and x.dtype is not torch.float64:
+        return _kernels().dropout(x, rng_state, threshold(p), scale(p))
+    return dropout_ref(x.contiguous(), rng_state, p)
+
+
 # 2. Forward op --------------------------------------------------------------------------------
 
 
 @op("dropout_fwd")
 def dropout_fwd(inp: Tensor, rng_state: Tensor, p: float) -> Tensor:
-    """``inp * mask / (1 - p)``. Default (CPU) implementation: the reference math."""
+    """``inp * mask / (1 - p)``."""
     _check_args(inp, rng_state, p)
-    return dropout_ref(inp.contiguous(), rng_state, p)
-
-
-def _dropout_cuda(x: Tensor, rng_state: Tensor, p: float) -> Tensor:
-    """CUDA implementation of both ops: the Triton kernel (fp64: the reference math)."""
-    if x.dtype is torch.float64:
-        return dropout_ref(x.contiguous(), rng_state, p)
-    return _kernels().dropout(x, rng_state, threshold(p), scale(p))
-
-
-@dropout_fwd.register_kernel("cuda")
-def _dropout_fwd_cuda(inp, rng_state, p):
-    _check_args(inp, rng_state, p)
-    return _dropout_cuda(inp, rng_state, p)
+    return _dropout_by_device(inp, rng_state, p)
 
 
 # 3. Fake --------------------------------------------------------------------------------------
@@ -169,10 +163,7 @@ def _dropout_fwd_fake(inp, rng_state, p):
 @op("dropout_bwd")
 def dropout_bwd(grad: Tensor, rng_state: Tensor, p: float) -> Tensor:
     """``grad * mask / (1 - p)`` with the mask recomputed from ``rng_state``."""
-    return dropout_ref(grad.contiguous(), rng_state, p)
-
-
-dropout_bwd.register_kernel("cuda")(_dropout_cuda)
+    return _dropout_by_device(grad, rng_state, p)
 
 
 @dropout_bwd.register_fake

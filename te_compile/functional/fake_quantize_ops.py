@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from te_compile._checks import HIGH_DTYPES, check_tensor
+from te_compile._checks import HIGH_DTYPES, INDEX_DTYPES, check_tensor
 from te_compile._library import SampleInput, differentiable, op, sample_tensor
 from te_compile.functional import quantize_table as _q
 from te_compile.functional.quantize_mx_ref import nvfp4_qdq, nvfp4_qdq_row_groups
@@ -143,9 +143,7 @@ def _check(inp: Tensor, spec: str, grad_spec: str, row_splits=None) -> None:
             p + f"inp must be float32, bfloat16 or float16 with at least 1 dim, got {inp.dtype} "
             f"of shape {list(inp.shape)}"
         )
-    if row_splits is not None and (
-        row_splits.dim() != 1 or row_splits.dtype not in (torch.int32, torch.int64)
-    ):
+    if row_splits is not None and (row_splits.dim() != 1 or row_splits.dtype not in INDEX_DTYPES):
         raise ValueError(
             p + f"row_splits must be a 1-D int32 or int64 tensor, got {row_splits.dtype} of "
             f"shape {list(row_splits.shape)}"

@@ -94,25 +94,18 @@ def branch_rmsnorm_bwd(
     weight: Tensor,
     zero_centered_gamma: bool,
 ) -> tuple[Tensor, Tensor]:
-    """``(dinp, dweight)`` with the branch gradient in ``dinp``. Default (CPU) implementation:
-    the norm's reference backward in fp32 (fp64 stays fp64) plus ``grad_branch``, rounded once."""
+    """``(dinp, dweight)`` with the branch gradient in ``dinp``. CPU (and fp64): the norm's
+    reference backward in fp32 (fp64 stays fp64) plus ``grad_branch``, rounded once; CUDA:
+    ``te::rmsnorm_bwd``'s kernel, then the add."""
     _check_branch(inp, grad_branch)
+    if inp.is_cuda and inp.dtype is not torch.float64:
+        dx, dweight = rmsnorm_bwd.eager(grad_out, inp, rsigma, weight, zero_centered_gamma)
+        return dx.add_(grad_branch), dweight
     acc = rsigma.dtype  # fp32, or fp64 for fp64 input
     dx, dweight = rmsnorm_bwd_ref(
         grad_out.to(acc), inp.to(acc), rsigma, weight, zero_centered_gamma
     )
     return (dx + grad_branch.to(acc)).to(inp.dtype), dweight
-
-
-@branch_rmsnorm_bwd.register_kernel("cuda")
-def _branch_rmsnorm_bwd_cuda(grad_out, grad_branch, inp, rsigma, weight, zero_centered_gamma):
-    _check_branch(inp, grad_branch)
-    if inp.dtype is torch.float64:
-        return branch_rmsnorm_bwd.__wrapped__(
-            grad_out, grad_branch, inp, rsigma, weight, zero_centered_gamma
-        )
-    dx, dweight = rmsnorm_bwd.eager(grad_out, inp, rsigma, weight, zero_centered_gamma)
-    return dx.add_(grad_branch), dweight
 
 
 @branch_rmsnorm_bwd.register_fake

@@ -7,7 +7,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from te_compile._checks import FLOAT_DTYPES, INDEX_DTYPES, check_choice, check_tensor
+from te_compile._checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_choice,
+    check_same_device,
+    check_tensor,
+)
 
 MAP_TYPES = ("mask", "index")
 _MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int32, torch.int64)
@@ -24,15 +30,14 @@ def _check_float(prefix: str, name: str, t: Tensor, dims: int) -> None:
         fail(prefix, f"{name} must be {dims}-D, got {t.dim()}-D {list(t.shape)}")
 
 
-def _check_probs(prefix: str, name: str, probs: Tensor | None, shape, device) -> None:
+def _check_probs(prefix: str, name: str, probs: Tensor | None, shape, inp: Tensor) -> None:
     if probs is None:
         return
     if not probs.is_floating_point():
         fail(prefix, f"{name}.dtype must be a floating type, got {probs.dtype}")
     if tuple(probs.shape) != tuple(shape):
         fail(prefix, f"{name} must have shape {list(shape)}, got {list(probs.shape)}")
-    if probs.device != device:
-        fail(prefix, f"{name} must be on inp's device ({device}), got {probs.device}")
+    check_same_device(prefix, "inp", inp, **{name: probs})
 
 
 def check_permute_args(
@@ -60,11 +65,8 @@ def check_permute_args(
             f"routing_map must be {what} with num_tokens = inp.shape[0] "
             f"({inp.shape[0]}), got {list(routing_map.shape)}",
         )
-    if routing_map.device != inp.device:
-        fail(
-            prefix, f"routing_map must be on inp's device ({inp.device}), got {routing_map.device}"
-        )
-    _check_probs(prefix, "probs", probs, routing_map.shape, inp.device)
+    check_same_device(prefix, "inp", inp, routing_map=routing_map)
+    _check_probs(prefix, "probs", probs, routing_map.shape, inp)
     slots = routing_map.shape[0] * routing_map.shape[1]
     if not 0 <= num_out_tokens <= slots:
         fail(
@@ -84,9 +86,8 @@ def check_unpermute_args(
             f"row_id_map must be the int32 [num_tokens, slots] map moe_permute "
             f"returned, got {row_id_map.dtype} {list(row_id_map.shape)}",
         )
-    if row_id_map.device != inp.device:
-        fail(prefix, f"row_id_map must be on inp's device ({inp.device}), got {row_id_map.device}")
-    _check_probs(prefix, "merging_probs", merging_probs, row_id_map.shape, inp.device)
+    check_same_device(prefix, "inp", inp, row_id_map=row_id_map)
+    _check_probs(prefix, "merging_probs", merging_probs, row_id_map.shape, inp)
 
 
 def check_sort_chunks_args(
@@ -104,15 +105,14 @@ def check_sort_chunks_args(
                 f"{name} must be a 1-D int32 or int64 tensor with at least one chunk, "
                 f"got {t.dtype} {list(t.shape)}",
             )
-        if t.device != inp.device:
-            fail(prefix, f"{name} must be on inp's device ({inp.device}), got {t.device}")
+        check_same_device(prefix, "inp", inp, **{name: t})
     if sorted_index.shape[0] != split_sizes.shape[0]:
         fail(
             prefix,
             f"sorted_index must have one entry per chunk ({split_sizes.shape[0]}), "
             f"got {sorted_index.shape[0]}",
         )
-    _check_probs(prefix, "probs", probs, inp.shape[:1], inp.device)
+    _check_probs(prefix, "probs", probs, inp.shape[:1], inp)
 
 
 def int_arg(prefix: str, name: str, value) -> int:

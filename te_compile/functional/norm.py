@@ -37,9 +37,10 @@ once; weight gradients are reduced in fp32 and rounded once to the weight's dtyp
 ``torch.autocast`` the op mechanism casts every floating argument, weight included, to the
 autocast dtype, as it does for ``nn.Linear``.
 
-Implementations: on CPU the reference math below (``*_ref``); on CUDA the Triton kernels of
-``te_compile.kernels.norm`` (one program per row tile forward; backward with a two-stage
-``dgamma``/``dbeta`` reduction), except fp64 which uses the reference math.
+Implementations (one function per op, choosing by device): on CPU the reference math below
+(``*_ref``); on CUDA the Triton kernels of ``te_compile.kernels.norm`` (one program per row tile
+forward; backward with a two-stage ``dgamma``/``dbeta`` reduction), except fp64 which uses the
+reference math.
 
 Argument order leaves room to grow: an FP8 recipe appends output-quantisation arguments with
 defaults after ``zero_centered_gamma`` (``eps`` for L2).
@@ -58,6 +59,7 @@ from te_compile._checks import (
     check_bool,
     check_positive_finite,
     check_required,
+    check_same_device,
     check_tensors,
 )
 from te_compile._library import SampleInput, differentiable, op, sample_tensor
@@ -208,12 +210,7 @@ def check_norm_args(
             prefix + f"weight.dtype ({weight.dtype}) must be torch.float32 or equal inp.dtype "
             f"({inp.dtype})"
         )
-    for arg, t in (("weight", weight), ("bias", bias)):
-        if t is not None and t.device != inp.device:
-            raise ValueError(
-                prefix + f"inp and {arg} must be on one device, got inp on {inp.device} and "
-                f"{arg} on {t.device}"
-            )
+    check_same_device(f"te.{name}", "inp", inp, weight=weight, bias=bias)
     if bias is not None and bias.shape != weight.shape:
         raise ValueError(prefix + f"bias must have weight's shape [{n}], got {list(bias.shape)}")
     if bias is not None and bias.dtype is not weight.dtype:
@@ -225,6 +222,11 @@ def check_norm_args(
 _kernels = functools.partial(submodule, "norm")  # Triton: imported on first CUDA use
 
 
+def _on_triton(inp: Tensor) -> bool:
+    """Whether the ops run the Triton kernels (CUDA, but not fp64) rather than the reference."""
+    return inp.is_cuda and inp.dtype is not torch.float64
+
+
 # 2. Forward ops -----------------------------------------------------------------------------
 
 
@@ -232,49 +234,31 @@ _kernels = functools.partial(submodule, "norm")  # Triton: imported on first CUD
 def layernorm_fwd(
     inp: Tensor, weight: Tensor, bias: Tensor | None, eps: float, zero_centered_gamma: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Returns ``(out, mean, rsigma)``. Default (CPU) implementation: the reference math."""
+    """Returns ``(out, mean, rsigma)``."""
     check_norm_args("layernorm", inp, weight, bias, eps)
+    if _on_triton(inp):
+        return _kernels().layernorm_fwd(inp, weight, bias, eps, zero_centered_gamma)
     return layernorm_ref(inp.contiguous(), weight, bias, eps, zero_centered_gamma)
-
-
-@layernorm_fwd.register_kernel("cuda")
-def _layernorm_fwd_cuda(inp, weight, bias, eps, zero_centered_gamma):
-    check_norm_args("layernorm", inp, weight, bias, eps)
-    if inp.dtype is torch.float64:
-        return layernorm_ref(inp.contiguous(), weight, bias, eps, zero_centered_gamma)
-    return _kernels().layernorm_fwd(inp, weight, bias, eps, zero_centered_gamma)
 
 
 @op("rmsnorm_fwd")
 def rmsnorm_fwd(
     inp: Tensor, weight: Tensor, eps: float, zero_centered_gamma: bool
 ) -> tuple[Tensor, Tensor]:
-    """Returns ``(out, rsigma)``. Default (CPU) implementation: the reference math."""
+    """Returns ``(out, rsigma)``."""
     check_norm_args("rmsnorm", inp, weight, None, eps)
+    if _on_triton(inp):
+        return _kernels().rmsnorm_fwd(inp, weight, eps, zero_centered_gamma)
     return rmsnorm_ref(inp.contiguous(), weight, eps, zero_centered_gamma)
-
-
-@rmsnorm_fwd.register_kernel("cuda")
-def _rmsnorm_fwd_cuda(inp, weight, eps, zero_centered_gamma):
-    check_norm_args("rmsnorm", inp, weight, None, eps)
-    if inp.dtype is torch.float64:
-        return rmsnorm_ref(inp.contiguous(), weight, eps, zero_centered_gamma)
-    return _kernels().rmsnorm_fwd(inp, weight, eps, zero_centered_gamma)
 
 
 @op("l2normalization_fwd")
 def l2normalization_fwd(inp: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """Returns ``(out, rsigma)``. Default (CPU) implementation: the reference math."""
+    """Returns ``(out, rsigma)``."""
     check_norm_args("l2normalization", inp, None, None, eps)
+    if _on_triton(inp):
+        return _kernels().l2normalization_fwd(inp, eps)
     return l2normalization_ref(inp.contiguous(), eps)
-
-
-@l2normalization_fwd.register_kernel("cuda")
-def _l2normalization_fwd_cuda(inp, eps):
-    check_norm_args("l2normalization", inp, None, None, eps)
-    if inp.dtype is torch.float64:
-        return l2normalization_ref(inp.contiguous(), eps)
-    return _kernels().l2normalization_fwd(inp, eps)
 
 
 # 3. Fakes -----------------------------------------------------------------------------------
@@ -316,22 +300,12 @@ def layernorm_bwd(
     has_bias: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Returns ``(dinp, dweight, dbias)``; ``dbias`` is a 0-element tensor unless
-    ``has_bias``. Default (CPU) implementation: the reference math."""
-    dx, dw, db = layernorm_bwd_ref(
-        grad_out.contiguous(), inp.contiguous(), mean, rsigma, weight, zero_centered_gamma, has_bias
-    )
-    return dx, dw, dw.new_empty(0) if db is None else db
-
-
-@layernorm_bwd.register_kernel("cuda")
-def _layernorm_bwd_cuda(grad_out, inp, mean, rsigma, weight, zero_centered_gamma, has_bias):
-    if inp.dtype is torch.float64:
-        return layernorm_bwd.__wrapped__(
-            grad_out, inp, mean, rsigma, weight, zero_centered_gamma, has_bias
-        )
-    dx, dw, db = _kernels().layernorm_bwd(
-        grad_out, inp, mean, rsigma, weight, zero_centered_gamma, has_bias
-    )
+    ``has_bias``."""
+    rest = (mean, rsigma, weight, zero_centered_gamma, has_bias)
+    if _on_triton(inp):
+        dx, dw, db = _kernels().layernorm_bwd(grad_out, inp, *rest)
+    else:
+        dx, dw, db = layernorm_bwd_ref(grad_out.contiguous(), inp.contiguous(), *rest)
     return dx, dw, dw.new_empty(0) if db is None else db
 
 
@@ -345,17 +319,11 @@ def _layernorm_bwd_fake(grad_out, inp, mean, rsigma, weight, zero_centered_gamma
 def rmsnorm_bwd(
     grad_out: Tensor, inp: Tensor, rsigma: Tensor, weight: Tensor, zero_centered_gamma: bool
 ) -> tuple[Tensor, Tensor]:
-    """Returns ``(dinp, dweight)``. Default (CPU) implementation: the reference math."""
-    return rmsnorm_bwd_ref(
-        grad_out.contiguous(), inp.contiguous(), rsigma, weight, zero_centered_gamma
-    )
-
-
-@rmsnorm_bwd.register_kernel("cuda")
-def _rmsnorm_bwd_cuda(grad_out, inp, rsigma, weight, zero_centered_gamma):
-    if inp.dtype is torch.float64:
-        return rmsnorm_bwd.__wrapped__(grad_out, inp, rsigma, weight, zero_centered_gamma)
-    return _kernels().rmsnorm_bwd(grad_out, inp, rsigma, weight, zero_centered_gamma)
+    """Returns ``(dinp, dweight)``."""
+    rest = (rsigma, weight, zero_centered_gamma)
+    if _on_triton(inp):
+        return _kernels().rmsnorm_bwd(grad_out, inp, *rest)
+    return rmsnorm_bwd_ref(grad_out.contiguous(), inp.contiguous(), *rest)
 
 
 @rmsnorm_bwd.register_fake
@@ -365,15 +333,10 @@ def _rmsnorm_bwd_fake(grad_out, inp, rsigma, weight, zero_centered_gamma):
 
 @op("l2normalization_bwd")
 def l2normalization_bwd(grad_out: Tensor, inp: Tensor, rsigma: Tensor) -> Tensor:
-    """Returns ``dinp``. Default (CPU) implementation: the reference math."""
+    """Returns ``dinp``."""
+    if _on_triton(inp):
+        return _kernels().l2normalization_bwd(grad_out, inp, rsigma)
     return l2normalization_bwd_ref(grad_out.contiguous(), inp.contiguous(), rsigma)
-
-
-@l2normalization_bwd.register_kernel("cuda")
-def _l2normalization_bwd_cuda(grad_out, inp, rsigma):
-    if inp.dtype is torch.float64:
-        return l2normalization_bwd.__wrapped__(grad_out, inp, rsigma)
-    return _kernels().l2normalization_bwd(grad_out, inp, rsigma)
 
 
 @l2normalization_bwd.register_fake

@@ -292,6 +292,15 @@ def _check_cu_seqlens_values(t: Tensor, freqs: Tensor, cu_seqlens: Tensor, cp_si
 _kernels = functools.partial(submodule, "rotary")  # Triton: imported on first CUDA use
 
 
+def _rotate_by_device(*args: object, backward: bool) -> Tensor:
+    """Both ops' implementations, forward or (``backward``) the op's backward: the Triton kernel
+    (CUDA, but not fp64) or the reference math."""
+    t = args[0]
+    if t.is_cuda and t.dtype is not torch.float64:
+        return _kernels().rotary(*args, backward=backward)
+    return rotary_ref(*args, backward=backward)
+
+
 # 2. Forward op --------------------------------------------------------------------------------
 
 
@@ -305,20 +314,10 @@ def rotary_fwd(
     cp_size: int,
     cp_rank: int,
 ) -> Tensor:
-    """RoPE of ``t``. Default (CPU) implementation: the reference math."""
+    """RoPE of ``t``."""
     _check_args(t, freqs, cu_seqlens, tensor_format, cp_size, cp_rank)
-    return rotary_ref(t, freqs, cu_seqlens, tensor_format, interleaved, cp_size, cp_rank)
-
-
-@rotary_fwd.register_kernel("cuda")
-def _rotary_fwd_cuda(*args, backward=False):
-    """The Triton kernel, forward or (``backward``) the op's backward; fp64: the reference."""
-    t, freqs, cu_seqlens, tensor_format, _interleaved, cp_size, cp_rank = args
-    if not backward:
-        _check_args(t, freqs, cu_seqlens, tensor_format, cp_size, cp_rank)
-    if t.dtype is torch.float64:
-        return rotary_ref(*args, backward=backward)
-    return _kernels().rotary(*args, backward=backward)
+    args = (t, freqs, cu_seqlens, tensor_format, interleaved, cp_size, cp_rank)
+    return _rotate_by_device(*args, backward=False)
 
 
 # 3. Fake --------------------------------------------------------------------------------------
@@ -344,12 +343,8 @@ def rotary_bwd(
     cp_rank: int,
 ) -> Tensor:
     """The gradient of ``te::rotary_fwd`` with respect to ``t``: the rotation by ``-theta``."""
-    return rotary_bwd_ref(grad, freqs, cu_seqlens, tensor_format, interleaved, cp_size, cp_rank)
-
-
-@rotary_bwd.register_kernel("cuda")
-def _rotary_bwd_cuda(*args):
-    return _rotary_fwd_cuda(*args, backward=True)
+    args = (grad, freqs, cu_seqlens, tensor_format, interleaved, cp_size, cp_rank)
+    return _rotate_by_device(*args, backward=True)
 
 
 @rotary_bwd.register_fake

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from te_compile import functional as F
-from te_compile._checks import check_bool
+from te_compile._checks import FP8_DTYPES, check_bool
 from te_compile._numerics import reciprocal_rn
 from te_compile.functional.quantize import scale_from_amax
 from te_compile.functional.spec import QuantSpec
@@ -330,7 +330,7 @@ def weight_values(module: nn.Module, name: str, dtype: torch.dtype) -> Tensor:
 
 
 def is_primary(weight: Tensor) -> bool:
-    return weight.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    return weight.dtype in FP8_DTYPES
 
 
 def primary_operand(
