@@ -21,7 +21,14 @@ from torch._inductor.utils import run_and_get_code
 
 import te_compile as te
 from te_compile._library import opaque_ops, registry
-from tests.utils import DEVICES, assert_close, assert_matches_eager, chain_roundings, requires_cuda
+from tests.utils import (
+    DEVICES,
+    assert_close,
+    assert_matches_eager,
+    chain_roundings,
+    requires_cuda,
+    start_cuda_graph_case,
+)
 
 HIDDEN, FFN, TOKENS = 64, 128, 32
 
@@ -167,11 +174,7 @@ def test_block_trains_under_cuda_graphs(recipe):
     factory = RECIPES[recipe]
     if factory is not None and recipe == "block" and not te.is_fp8_block_scaling_available():
         pytest.skip("Float8BlockScaling is emulated on this GPU")
-    if factory is not None and not te.is_fp8_available():
-        pytest.skip("no FP8 on this GPU")
-    torch._dynamo.reset()
-    counters.clear()
-    torch.manual_seed(0)
+    start_cuda_graph_case(factory)
     eager, graphed = Block("cuda"), Block("cuda")
     graphed.load_state_dict(eager.state_dict())
     call = torch.compile(graphed, mode="reduce-overhead", fullgraph=True)
@@ -197,11 +200,7 @@ def test_grouped_mlp_trains_under_cuda_graphs(recipe):
     """``mode="reduce-overhead"`` on a GroupedMLP traced through (the splits a device tensor,
     changing every step): its steps are captured in CUDA graphs, no skip, and match eager."""
     factory = RECIPES[recipe]
-    if factory is not None and not te.is_fp8_available():
-        pytest.skip("no FP8 on this GPU")
-    torch._dynamo.reset()
-    counters.clear()
-    torch.manual_seed(0)
+    start_cuda_graph_case(factory)
     kw = {"params_dtype": torch.bfloat16, "device": "cuda"}
     eager, graphed = te.GroupedMLP(3, HIDDEN, FFN, **kw), te.GroupedMLP(3, HIDDEN, FFN, **kw)
     graphed.load_state_dict(eager.state_dict())

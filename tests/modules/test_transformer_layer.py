@@ -18,6 +18,7 @@ from tests.utils import (
     assert_matches_eager,
     compile_counted,
     requires_cuda,
+    start_cuda_graph_case,
 )
 
 H, FFN, HEADS = 32, 48, 4
@@ -354,13 +355,9 @@ def test_stack_trains_under_cuda_graphs(recipe):
     """``mode="reduce-overhead"``: training steps of a Llama-style stack (RMSNorm, GQA, RoPE,
     SwiGLU; bf16 parameters) are captured in CUDA graphs with no skip and match eager."""
     factory = RECIPES[recipe]
-    if factory is not None and not te.is_fp8_available():
-        pytest.skip("no FP8 on this GPU")
+    start_cuda_graph_case(factory)
     from torch._dynamo.utils import counters
 
-    torch._dynamo.reset()
-    counters.clear()
-    torch.manual_seed(0)
     kw = {"normalization": "RMSNorm", "activation": "swiglu", "bias": False, "num_gqa_groups": 2}
 
     def stack():

@@ -285,6 +285,19 @@ def assert_matches_eager(compiled: torch.Tensor, eager: torch.Tensor, roundings:
     torch.testing.assert_close(compiled, eager, **dtype_tols(eager.dtype, roundings))
 
 
+def start_cuda_graph_case(recipe: Any) -> None:
+    """The start of a ``mode="reduce-overhead"`` test under ``recipe`` (a recipe factory, None
+    for bf16): skipped without FP8 on this GPU; Dynamo reset, its counters (``cudagraph_skips``
+    among them) cleared, the seed set."""
+    from te_compile import is_fp8_available
+
+    if recipe is not None and not is_fp8_available():
+        pytest.skip("no FP8 on this GPU")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+
+
 def to_reference(value: Any) -> Any:
     """float64 CPU copy of a tensor (keeping requires_grad), or of each tensor in a tuple/list."""
     if isinstance(value, torch.Tensor):
