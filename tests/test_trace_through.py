@@ -333,6 +333,14 @@ def test_kernel_write_analysis_runs_once_per_signature(monkeypatch):
         assert writes(memoized(zero, dict(kwargs), {})) == expected  # the memo's answer
         assert writes(memoized.__wrapped__(zero, kwargs, {})) == expected  # torch's own
         assert len(built) == before + 2, "one analysis by the memo, one by torch's function"
+    # As torch passes a launch with options: the kernel inside an Autotuner of one config.
+    import triton
+
+    tuned = triton.autotune(configs=[triton.Config({}, num_warps=4)], key=[])(zero)
+    before = len(built)
+    for _ in range(2):
+        assert writes(memoized(tuned, {"A": a, "B": b, "TWO": True}, {})) == {"A", "B"}
+    assert len(built) == before + 1
     src, dst, table = (torch.zeros(512, dtype=torch.uint8) for _ in range(3))
     recode = quantize_rows._recode_kernel
     before = len(built)
