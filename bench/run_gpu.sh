@@ -12,7 +12,8 @@
 # diag_grouped_gemm, diag_grouped_delayed, diag_delayed_traced, diag_eager_host,
 # diag_kernels, diag_hf_step, diag_sdpa_choice, diag_launch,
 # tune_norm, tune_rotary, tune_quantize[:part], tune_group_columns;
-# rope (bench_rope) and moe (bench_moe, MoE token routing), not in the default list.
+# rope (bench_rope) and moe (bench_moe, MoE token routing), not in the default list;
+# moe_layer (examples/moe_layer.py under FP8) and hf_llama (the converted Llama's FP8 speed).
 # Each step writes one log under $OUT (a bench step also its .md/.json, --no-chart), packed into
 # $OUT/results.tgz. long_runs: tests/test_long_run.py's GPU test (the demo 2,000 steps per native
 # FP8 recipe against bf16; minutes). Carry `.whl` (expecttest, liger-kernel, torchao, pytest-xdist + execnet: not
@@ -165,6 +166,15 @@ runpy.run_path('examples/train_gpt.py', run_name='__main__')" "${tg[@]:1}" \
       python3 -m bench.bench_block --out "$OUT" --no-chart ${BENCH_ARGS:-} 2>&1 \
         | tee "$OUT/bench_block.log" \
         | grep -v "^  \[" | tail -60 ;;
+    moe_layer)  # examples/moe_layer.py (64 experts, top-2, hidden 4096) in bf16 and under FP8
+                # current and delayed scaling, against the plain-PyTorch bf16 layer
+      python3 examples/moe_layer.py --recipe current delayed 2>&1 | grep -v Warn \
+        | tee "$OUT/moe_layer.log" | tail -8 ;;
+    hf_llama)  # examples/convert_hf_llama.py at issue 41's size (hidden 2048, 8 layers, 32 / 8
+               # heads, ffn 8192, 4 x 2048 tokens), FP8 current and delayed against transformers
+      python3 examples/convert_hf_llama.py --hidden 2048 --layers 8 --heads 32 --kv-heads 8 \
+        --ffn 8192 --batch 4 --seq 2048 --steps 1 --iters 20 --recipes ${HF_RECIPES:-current delayed} \
+        2>&1 | grep -v Warn | tee "$OUT/convert_hf_llama.log" | tail -12 ;;
     tp)  # TP=1 vs TP=2 (+SP) through examples/tensor_parallel.py under torchrun: needs 2 GPUs
       python3 -m bench.bench_tp --out "$OUT" ${TP_ARGS:-} 2>&1 | tee "$OUT/bench_tp.log" | tail -30 ;;
     tp_fp8)  # FP8 (current scaling) on 1 GPU, TP=all GPUs and a TP x FSDP2 mesh
