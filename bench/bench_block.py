@@ -73,7 +73,8 @@ grad cleared inside the step) and ``grad``; parameter grads are set to None befo
 - graph breaks (compiled modes): compiled regions one steady-state step enters - 1 (profiler
   events "Torch-Compiled Region", one per call of a Dynamo-compiled frame: a graph that serves
   every layer after a break counts once per layer); graphs compiled after the first step
-  (recompiles) are noted under the table, as are Inductor's CUDA graph skips;
+  (recompiles: delayed scaling's calibrated step) are noted under the table with the second
+  step's seconds, as are Inductor's CUDA graph skips;
 - rel. err out / dx: ``||a - b|| / ||b||`` of the output and of the input gradient against
   the plain-PyTorch bf16 eager stack on the same input, measured on a step after the timing
   (delayed scaling has its amax history by then).
@@ -659,6 +660,11 @@ def _measure_row(
     sync()
     first_step_s = time.perf_counter() - t0
     graphs = dynamo_graphs()
+    # The second step on its own: delayed scaling compiles its calibrated graph here.
+    t0 = time.perf_counter()
+    step()
+    sync()
+    second_step_s = time.perf_counter() - t0
     clear_grads(params, x)
 
     if device.type == "cuda":
@@ -681,6 +687,7 @@ def _measure_row(
         "precision": spec.precision,
         "mode": spec.mode,
         "first_step_s": first_step_s,
+        "second_step_s": second_step_s,
         "host_ms": host,
         "kernels_per_layer": None if kernels is None else kernels / size.layers,
         "peak_mem_bytes": peak,
@@ -702,7 +709,8 @@ def row_notes(spec: RowSpec, extras: dict[str, Any]) -> list[str]:
     """Recompiles, CUDA graph skips, non-finite or too-large errors of one row."""
     notes = []
     if extras["recompiled_graphs"]:
-        notes.append(f"{spec.name}: {extras['recompiled_graphs']} graph(s) compiled after step 1")
+        notes.append(f"{spec.name}: {extras['recompiled_graphs']} graph(s) compiled after step 1 "
+                     f"(step 2: {extras['second_step_s']:.3g} s)")  # fmt: skip
     if extras["cudagraph_skips"]:
         notes.append(f"{spec.name}: Inductor skipped CUDA graphs ({extras['cudagraph_skips']}x)")
     errs = (extras["rel_err_out"], extras["rel_err_dx"])
