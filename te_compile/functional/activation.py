@@ -81,7 +81,7 @@ from te_compile._checks import (
 )
 from te_compile._library import SampleInput, differentiable, op, sample_tensor
 from te_compile._numerics import acc_dtype
-from te_compile.kernels import submodule
+from te_compile.kernels import runs_triton, submodule
 
 __all__ = [
     "ACTIVATIONS",
@@ -342,16 +342,12 @@ _kernels = functools.partial(submodule, "activation")  # Triton: imported on fir
 # 2. Forward ops -------------------------------------------------------------------------------
 
 
-def _on_triton(inp: Tensor) -> bool:
-    return inp.is_cuda and inp.dtype != torch.float64
-
-
 def _forward(inp: Tensor, bias: Tensor | None, activation: str, config=None) -> Tensor:
     """Both forward ops' implementations: the checks, then the Triton kernels (CUDA, but not
     fp64) or the reference math. ``config``: the gated op's ``(glu_interleave_size, limit,
     alpha, glu_linear_offset)``; None for the element-wise op."""
     _check_op(inp, bias, activation, config)
-    if _on_triton(inp):
+    if runs_triton(inp):
         return _kernels().activation_forward(inp, bias, activation, *(config or ()))
     if config is None:
         return activation_ref(inp.contiguous(), bias, activation)
@@ -427,7 +423,7 @@ def _backward_ref(grad, inp, bias, activation, *rest):
 def _backward_impl(grad, inp, bias, activation, *rest):
     """Both backward ops' implementations: the Triton kernels (CUDA, but not fp64) or the
     reference math."""
-    if not _on_triton(inp):
+    if not runs_triton(inp):
         return _backward_ref(grad, inp, bias, activation, *rest)
     *config, need_dbias = rest
     dx, dbias = _kernels().activation_backward(

@@ -36,7 +36,7 @@ from torch import Tensor
 from te_compile._checks import FLOAT_DTYPES, check_bool, check_tensor
 from te_compile._library import SampleInput, differentiable, op, sample_tensor
 from te_compile._numerics import acc_dtype
-from te_compile.kernels import submodule
+from te_compile.kernels import runs_triton, submodule
 
 __all__ = [
     "dropout",
@@ -133,7 +133,7 @@ _kernels = functools.partial(submodule, "dropout")  # Triton: imported on first 
 
 def _dropout_by_device(x: Tensor, rng_state: Tensor, p: float) -> Tensor:
     """Both ops' implementations: the Triton kernel (CUDA, but not fp64) or the reference math."""
-    if x.is_cuda and x.dtype is not torch.float64:
+    if runs_triton(x):
         return _kernels().dropout(x, rng_state, threshold(p), scale(p))
     return dropout_ref(x.contiguous(), rng_state, p)
 

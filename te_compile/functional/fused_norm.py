@@ -36,6 +36,7 @@ from te_compile.functional.norm import (
     rmsnorm_ref,
     rmsnorm_samples,
 )
+from te_compile.kernels import runs_triton
 
 __all__ = ["branch_rmsnorm", "branch_rmsnorm_ref"]
 
@@ -98,7 +99,7 @@ def branch_rmsnorm_bwd(
     reference backward in fp32 (fp64 stays fp64) plus ``grad_branch``, rounded once; CUDA:
     ``te::rmsnorm_bwd``'s kernel, then the add."""
     _check_branch(inp, grad_branch)
-    if inp.is_cuda and inp.dtype is not torch.float64:
+    if runs_triton(inp):
         dx, dweight = rmsnorm_bwd.eager(grad_out, inp, rsigma, weight, zero_centered_gamma)
         return dx.add_(grad_branch), dweight
     acc = rsigma.dtype  # fp32, or fp64 for fp64 input

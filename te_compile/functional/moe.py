@@ -31,7 +31,7 @@ from te_compile.functional.moe_args import (
     int_arg,
     num_out,
 )
-from te_compile.kernels import submodule
+from te_compile.kernels import runs_triton, submodule
 
 __all__ = [
     "moe_permute",
@@ -229,13 +229,9 @@ def moe_sort_chunks_ref(
 _kernels = functools.partial(submodule, "moe")  # Triton: imported on first CUDA use
 
 
-def _on_triton(x: Tensor) -> bool:
-    return x.device.type == "cuda" and x.dtype != torch.float64
-
-
 def _gather(x: Tensor, index: Tensor, weight: Tensor | None) -> Tensor:
     """:func:`_gather_ref` with the Triton kernel on CUDA."""
-    if not _on_triton(x):
+    if not runs_triton(x):
         return _gather_ref(x, index, weight)
     w = None if weight is None else weight.to(torch.float32)[:, None]
     return _kernels().gather_sum(x, index.to(torch.int32)[:, None], w)
@@ -263,7 +259,7 @@ def _compact(row_id_map: Tensor, weight: Tensor | None) -> tuple[Tensor, Tensor 
 
 def _gather_dot(grad: Tensor, token: Tensor, weight: Tensor, inp: Tensor) -> tuple[Tensor, Tensor]:
     """:func:`_gather_dot_ref` with the Triton kernel on CUDA (one read of each row)."""
-    if not _on_triton(grad):
+    if not runs_triton(grad):
         return _gather_dot_ref(grad, token, weight, inp)
     w = weight.to(torch.float32)
     return _kernels().gather_dot(grad, token.to(torch.int32), w, inp)
@@ -271,7 +267,7 @@ def _gather_dot(grad: Tensor, token: Tensor, weight: Tensor, inp: Tensor) -> tup
 
 def _combine(x: Tensor, row_id_map: Tensor, weight: Tensor | None) -> Tensor:
     """:func:`moe_unpermute_ref` with the Triton kernel on CUDA."""
-    if not _on_triton(x):
+    if not runs_triton(x):
         return moe_unpermute_ref(x, row_id_map, weight)
     w = None if weight is None else weight.to(torch.float32)
     if row_id_map.shape[1] <= _COMPACT_SLOTS:

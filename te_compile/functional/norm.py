@@ -64,7 +64,7 @@ from te_compile._checks import (
 )
 from te_compile._library import SampleInput, differentiable, op, sample_tensor
 from te_compile._numerics import acc_dtype
-from te_compile.kernels import submodule
+from te_compile.kernels import runs_triton, submodule
 
 __all__ = [
     "check_norm_args",
@@ -222,11 +222,6 @@ def check_norm_args(
 _kernels = functools.partial(submodule, "norm")  # Triton: imported on first CUDA use
 
 
-def _on_triton(inp: Tensor) -> bool:
-    """Whether the ops run the Triton kernels (CUDA, but not fp64) rather than the reference."""
-    return inp.is_cuda and inp.dtype is not torch.float64
-
-
 # 2. Forward ops -----------------------------------------------------------------------------
 
 
@@ -236,7 +231,7 @@ def layernorm_fwd(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Returns ``(out, mean, rsigma)``."""
     check_norm_args("layernorm", inp, weight, bias, eps)
-    if _on_triton(inp):
+    if runs_triton(inp):
         return _kernels().layernorm_fwd(inp, weight, bias, eps, zero_centered_gamma)
     return layernorm_ref(inp.contiguous(), weight, bias, eps, zero_centered_gamma)
 
@@ -247,7 +242,7 @@ def rmsnorm_fwd(
 ) -> tuple[Tensor, Tensor]:
     """Returns ``(out, rsigma)``."""
     check_norm_args("rmsnorm", inp, weight, None, eps)
-    if _on_triton(inp):
+    if runs_triton(inp):
         return _kernels().rmsnorm_fwd(inp, weight, eps, zero_centered_gamma)
     return rmsnorm_ref(inp.contiguous(), weight, eps, zero_centered_gamma)
 
@@ -256,7 +251,7 @@ def rmsnorm_fwd(
 def l2normalization_fwd(inp: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """Returns ``(out, rsigma)``."""
     check_norm_args("l2normalization", inp, None, None, eps)
-    if _on_triton(inp):
+    if runs_triton(inp):
         return _kernels().l2normalization_fwd(inp, eps)
     return l2normalization_ref(inp.contiguous(), eps)
 
@@ -302,7 +297,7 @@ def layernorm_bwd(
     """Returns ``(dinp, dweight, dbias)``; ``dbias`` is a 0-element tensor unless
     ``has_bias``."""
     rest = (mean, rsigma, weight, zero_centered_gamma, has_bias)
-    if _on_triton(inp):
+    if runs_triton(inp):
         dx, dw, db = _kernels().layernorm_bwd(grad_out, inp, *rest)
     else:
         dx, dw, db = layernorm_bwd_ref(grad_out.contiguous(), inp.contiguous(), *rest)
@@ -321,7 +316,7 @@ def rmsnorm_bwd(
 ) -> tuple[Tensor, Tensor]:
     """Returns ``(dinp, dweight)``."""
     rest = (rsigma, weight, zero_centered_gamma)
-    if _on_triton(inp):
+    if runs_triton(inp):
         return _kernels().rmsnorm_bwd(grad_out, inp, *rest)
     return rmsnorm_bwd_ref(grad_out.contiguous(), inp.contiguous(), *rest)
 
@@ -334,7 +329,7 @@ def _rmsnorm_bwd_fake(grad_out, inp, rsigma, weight, zero_centered_gamma):
 @op("l2normalization_bwd")
 def l2normalization_bwd(grad_out: Tensor, inp: Tensor, rsigma: Tensor) -> Tensor:
     """Returns ``dinp``."""
-    if _on_triton(inp):
+    if runs_triton(inp):
         return _kernels().l2normalization_bwd(grad_out, inp, rsigma)
     return l2normalization_bwd_ref(grad_out.contiguous(), inp.contiguous(), rsigma)
 

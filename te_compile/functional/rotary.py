@@ -59,7 +59,7 @@ from te_compile._checks import (
 )
 from te_compile._library import SampleInput, differentiable, op, sample_tensor
 from te_compile._numerics import acc_dtype
-from te_compile.kernels import submodule
+from te_compile.kernels import runs_triton, submodule
 
 __all__ = [
     "TENSOR_FORMATS",
@@ -296,7 +296,7 @@ def _rotate_by_device(*args: object, backward: bool) -> Tensor:
     """Both ops' implementations, forward or (``backward``) the op's backward: the Triton kernel
     (CUDA, but not fp64) or the reference math."""
     t = args[0]
-    if t.is_cuda and t.dtype is not torch.float64:
+    if runs_triton(t):
         return _kernels().rotary(*args, backward=backward)
     return rotary_ref(*args, backward=backward)
 
