@@ -288,7 +288,7 @@ def test_compiled_grouped_modules_trace_through_on_device_offsets(device, case):
 def test_kernel_write_analysis_runs_once_per_signature(monkeypatch):
     """torch's analysis of the tensors a Triton kernel writes (TTIR built and walked per
     ``wrap_triton`` launch and compile stage) runs once per kernel and argument signature for
-    ours (``_library._memoize_kernel_analysis``): the same answers as torch's own function, a
+    ours (``kernels.memoize_write_analysis``): the same answers as torch's own function, a
     constexpr's value and a Triton integer specialisation (a multiple of 16) telling signatures
     apart, other integers not."""
     pytest.importorskip("triton")
@@ -297,7 +297,7 @@ def test_kernel_write_analysis_runs_once_per_signature(monkeypatch):
     from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
 
-    from te_compile import _library
+    from te_compile import kernels
     from te_compile.kernels import quantize, quantize_rows
 
     wrap = pytest.importorskip("torch._higher_order_ops.triton_kernel_wrap")
@@ -313,7 +313,7 @@ def test_kernel_write_analysis_runs_once_per_signature(monkeypatch):
             return GPUTarget("cuda", 90, 32)
 
     monkeypatch.setattr(driver, "_active", Sm90())  # restored after the test
-    _library._memoize_kernel_analysis()
+    kernels.memoize_write_analysis()
     memoized = getattr(wrap, name)
     assert memoized.te_memoized
     built = []

@@ -9,6 +9,7 @@ the E5M2-to-E4M3 recoding table).
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 from typing import Any, ClassVar
@@ -61,6 +62,82 @@ def device_constant(values: tuple, dtype: torch.dtype, device: torch.device) -> 
     return _host_constant(values, dtype, True).to(device, non_blocking=True)
 
 
+@functools.cache
+def memoize_write_analysis() -> None:
+    """Make torch's analysis of which arguments a user Triton kernel writes run once per kernel
+    and argument signature for our kernels, instead of once per launch and compile stage.
+
+    For every ``wrap_triton`` launch torch compiles the kernel to TTIR and walks it to find the
+    tensors it writes (``torch._higher_order_ops.triton_kernel_wrap``'s
+    ``identify_accessed_tensors``, ``identify_mutated_tensors`` before torch 2.12), in
+    functionalization, in Inductor's lowering and in its IR node: on the 2-core dev machine
+    about 25 ms each, 103 times for one FP8 decoder layer of ``bench_block``'s smoke stack
+    (3.2 s of its 16.7 s compile), and as many again for every further layer. The answer
+    depends only on the TTIR, that is on the kernel, which arguments are tensors (of which class
+    and dtype), the constexprs' values and how Triton specialises the other integers (1, a
+    multiple of 16, 32 or 64 bits), so it is kept per such key. Other kernels, symbolic
+    arguments and TMA descriptors go through torch's function as they are. Installed at the
+    first traced launch (:func:`launch`); a torch without either function keeps its own."""
+    try:
+        import sympy
+        from torch._higher_order_ops import triton_kernel_wrap as wrap
+        from triton.runtime.autotuner import Autotuner
+    except ImportError:
+        return
+    ours = {id(k): {p.name for p in k.params if p.is_constexpr} for k in all_kernels()}
+    plain = (bool, str, type(None), torch.dtype)
+
+    def key_of(kernel: Any, kwargs: dict[str, Any], tma: Any) -> tuple | None:
+        configs = ()
+        if isinstance(kernel, Autotuner):  # a launch's options: torch wraps the kernel in one
+            configs = tuple((tuple(sorted(c.kwargs.items())), c.num_warps, c.num_stages)
+                            for c in kernel.configs)  # fmt: skip
+            kernel = kernel.fn
+        constexprs = ours.get(id(kernel))
+        if constexprs is None or tma:
+            return None
+        parts: list[tuple] = [configs]
+        for name, value in sorted(kwargs.items()):
+            if isinstance(value, (int, sympy.Integer)) and not isinstance(value, bool):
+                value = int(value)
+                if name not in constexprs:  # as Triton specialises it: the TTIR's only input
+                    value = (value == 1, value % 16 == 0, -(2**31) <= value < 2**31)
+                parts.append((name, "int", value))
+            elif isinstance(value, float):
+                parts.append((name, "float", value if name in constexprs else None))
+            elif isinstance(value, plain):
+                parts.append((name, type(value).__name__, value))
+            elif isinstance(value, torch.Tensor) or hasattr(value, "get_dtype"):  # Inductor IR
+                dtype = value.dtype if isinstance(value, torch.Tensor) else value.get_dtype()
+                parts.append((name, type(value).__name__, dtype))
+            else:  # a SymInt, a constexpr object: analysed every time
+                return None
+        return id(kernel), tuple(parts)
+
+    for name in ("identify_accessed_tensors", "identify_mutated_tensors"):
+        analyse = getattr(wrap, name, None)
+        if analyse is None or getattr(analyse, "te_memoized", False):
+            continue
+        memo: dict[tuple, Any] = {}
+
+        @functools.wraps(analyse)
+        def memoized(kernel, kwargs, *rest, _analyse=analyse, _memo=memo, **named):
+            tma = rest[0] if rest else named.get("tma_descriptor_metadata")
+            key = key_of(kernel, kwargs, tma)
+            try:
+                hit = key is not None and key in _memo
+            except TypeError:  # an unhashable config value
+                key = None
+            if key is None:
+                return _analyse(kernel, kwargs, *rest, **named)
+            if not hit:
+                _memo[key] = _analyse(kernel, kwargs, *rest, **named)
+            return copy.deepcopy(_memo[key])  # callers may extend the sets they get
+
+        memoized.te_memoized = True
+        setattr(wrap, name, memoized)
+
+
 def launch(kernel: Any, grid: Any) -> Any:
     """``kernel[grid]``, the launcher every kernel call of this package goes through.
 
@@ -71,6 +148,7 @@ def launch(kernel: Any, grid: Any) -> Any:
     costs host time that eager calls should not pay, and so does most of Triton's own per-call
     work."""
     if tracing():
+        memoize_write_analysis()
         return torch.library.wrap_triton(kernel)[grid]
     if torch.compiler.is_compiling():  # dynamo tracing a launch: its own Triton support
         return kernel[grid]
