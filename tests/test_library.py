@@ -164,3 +164,19 @@ def test_explained_training_step_sees_no_more_graphs_than_plain_pytorch():
     plain = counts(torch.nn.Sequential(torch.nn.LayerNorm(64), torch.nn.Linear(64, 64)))
     assert counts(te.LayerNormLinear(64, 64)) == plain
     assert counts(te.TransformerLayer(64, 128, 4, params_dtype=torch.float32)) == plain
+
+
+def test_runs_triton_keeps_no_tensor_alive():
+    """``kernels.runs_triton`` (the functional ops' device choice) answers per call and keeps
+    no reference: a cache keyed on tensors would hold them, and their memory, alive."""
+    import gc
+    import weakref
+
+    from te_compile.kernels import runs_triton
+
+    t = torch.zeros(3)
+    alive = weakref.ref(t)
+    assert not runs_triton(t) and not runs_triton(torch.zeros(1, dtype=torch.float64))
+    del t
+    gc.collect()
+    assert alive() is None

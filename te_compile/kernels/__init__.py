@@ -24,13 +24,13 @@ def submodule(name: str) -> Any:
     return importlib.import_module(f"{__name__}.{name}")
 
 
-@functools.lru_cache(maxsize=32)
 def runs_triton(t: torch.Tensor) -> bool:
     """Whether the functional ops launch this package's Triton kernels on ``t``'s data: a CUDA
     tensor, but not fp64 (fp64 runs the reference math, on every device)."""
     return t.is_cuda and t.dtype is not torch.float64
 
 
+@functools.lru_cache(maxsize=32)
 def programs_per_sm(device: torch.device, per_sm: int, off_cuda: int = 4) -> int:
     """``per_sm`` programs for every SM of ``device``'s GPU: the size of a launch of programs
     that each walk many row tiles. Off CUDA (the Triton interpreter) a fixed ``off_cuda``, so
