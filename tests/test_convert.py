@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import te_compile as te
+from te_compile.convert import _default_dtype as default_dtype
 from tests.utils import assert_close, compile_counted
 
 transformers = pytest.importorskip(
@@ -50,12 +51,8 @@ def _hf(kind: str, dtype: torch.dtype = torch.float32, **extra):
     torch.manual_seed(0)
     config = config_cls(**SMALL, **extra)
     config._attn_implementation = "eager"
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
+    with default_dtype(dtype):
         model = model_cls(config).eval()
-    finally:
-        torch.set_default_dtype(before)
     with torch.no_grad():  # norms away from 1, so a misplaced norm weight shows
         for name, p in model.named_parameters():
             if "norm" in name or "bias" in name:

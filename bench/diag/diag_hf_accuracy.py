@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import te_compile as te
+from te_compile.convert import _default_dtype as default_dtype
 
 DEFAULT_CONFIGS = (
     "1024:4:16:4:2816:4:1024",
@@ -49,12 +50,8 @@ def build(spec: str, device: str, cast: bool):
     torch.manual_seed(0)
     # As from_pretrained(dtype=torch.bfloat16) builds it (float32 rotary frequencies), unless
     # --cast: model.to(torch.bfloat16), which rounds the frequencies to bf16 too.
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float32 if cast else torch.bfloat16)
-    try:
+    with default_dtype(torch.float32 if cast else torch.bfloat16):
         hf = transformers.LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(before)
     hf = hf.to(device=device, dtype=torch.bfloat16 if cast else None).eval()
     exact = copy.deepcopy(hf).float().eval()
     ours = te.convert.from_hf(hf).eval()
