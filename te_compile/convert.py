@@ -320,13 +320,12 @@ def from_hf(model: nn.Module, dtype: torch.dtype | None = None) -> CausalLM:
         window = (sliding - 1, 0)  # the query and the sliding_window - 1 keys before it
     elif kind == "qwen2" and _config_value(config, "use_sliding_window", False):
         raise ValueError("from_hf: Qwen2's use_sliding_window is not supported")
-    rounded = [
-        n for n, b in model.named_buffers() if n.endswith("inv_freq") and b.dtype != torch.float32
-    ]
+    rounded = [(n, b.dtype) for n, b in model.named_buffers()
+               if n.endswith("inv_freq") and b.dtype != torch.float32]  # fmt: skip
     if rounded:
         warnings.warn(
-            f"from_hf: the transformers model's rotary frequencies ({rounded[0]}) are "
-            f"{model.get_buffer(rounded[0]).dtype}, not float32: model.to(dtype) rounded them "
+            f"from_hf: the transformers model's rotary frequencies ({rounded[0][0]}) are "
+            f"{rounded[0][1]}, not float32: model.to(dtype) rounded them "
             "(from_pretrained / from_config with a dtype keep them float32). The converted "
             "model computes them in float32 from the config, so its logits differ from this "
             "model's at long positions (the rounded angles are off by up to 2^-9 of the "
