@@ -1,0 +1,81 @@
+"""Where the MoE layer's compiled FP8 step spends its GPU time, GPU only.
+
+examples/moe_layer.py's layer (64 experts, top-2, hidden 4096, ffn 1408, 16384 tokens) compiled
+with ``fullgraph=True``, bf16 and under each FP8 recipe named, next to the plain-PyTorch layer:
+for each, the CUDA kernels of one fwd+bwd step (``torch.profiler``, averaged over 5 steps), the
+25 longest by total time, and the step's total kernel time. Answers whether an FP8 step loses
+to its GEMMs or to its casts.
+
+    python -m bench.diag.diag_moe_kernels --recipes current delayed
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch
+
+import te_compile as te
+from examples.moe_layer import RECIPES, TeMoE, TorchMoE
+
+
+def kernels(fn, x, steps: int = 5) -> tuple[list[tuple[str, int, float]], float]:
+    """``([(name, calls per step, us per step)], total us per step)`` of ``fn``'s training step."""
+
+    def step():
+        fn(x).float().square().mean().backward()
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    calls: dict[str, int] = defaultdict(int)
+    us: dict[str, float] = defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            calls[e.name] += 1
+            us[e.name] += e.device_time
+    rows = sorted(((n, calls[n] // steps, us[n] / steps) for n in us), key=lambda r: -r[2])
+    return rows, sum(r[2] for r in rows)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--recipes", nargs="*", default=["current"], choices=sorted(RECIPES))
+    p.add_argument("--tokens", type=int, default=16384)
+    args = p.parse_args()
+    torch.manual_seed(0)
+    factory = {"device": "cuda", "dtype": torch.bfloat16}
+    moe = TeMoE(64, 4096, 1408, 2, **factory)
+    x = torch.randn(args.tokens, 4096, **factory, requires_grad=True)
+    runs = {"torch bf16": torch.compile(TorchMoE(moe), fullgraph=True)}
+    runs["te bf16"] = torch.compile(moe, fullgraph=True)
+    for name in args.recipes:
+        recipe = RECIPES[name]()
+
+        def under(x, recipe=recipe):
+            with te.autocast(recipe=recipe):
+                return moe(x)
+
+        runs[f"te {name}"] = torch.compile(under, fullgraph=True)
+    for name, fn in runs.items():
+        torch._dynamo.reset()
+        rows, total = kernels(fn, x)
+        print(f"\n## {name}: {total:.0f} us of kernels per step, {sum(r[1] for r in rows)} launches")
+        print("| us | calls | kernel |\n| ---: | ---: | --- |")
+        for n, c, t in rows[:25]:
+            print(f"| {t:.0f} | {c} | `{n[:110]}` |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
