@@ -10,10 +10,12 @@ prints the best speedup an FP8 step can have: bf16 GEMMs / (FP8 GEMMs + the leas
 casts must move at copy bandwidth), for each choice of accumulation and wgrad precision.
 
     python -m bench.diag.diag_grouped_gemm
+    python -m bench.diag.diag_grouped_gemm --experts 64 --in 4096 --out 2816  # moe_layer's fc1
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -34,8 +36,16 @@ def _time(fn) -> float:
 
 
 def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--experts", type=int, default=FP8_EXPERTS)
+    p.add_argument("--tokens", type=int, default=TOKENS, help="rows over all experts")
+    p.add_argument("--in", dest="k", type=int, default=IN_FEATURES)
+    p.add_argument("--out", dest="n", type=int, default=OUT_FEATURES)
+    p.add_argument("--no-autotune", action="store_true", help="skip Inductor's max-autotune row")
+    args = p.parse_args()
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    g, m, k, n = FP8_EXPERTS, TOKENS, IN_FEATURES, OUT_FEATURES
+    g, m, k, n = args.experts, args.tokens, args.k, args.n
+    print(f"{g} experts, {m} rows in uneven splits, {k} -> {n}")
     splits = torch.tensor(make_splits(m, g, 0), device="cuda")
     ends = splits.cumsum(0).to(torch.int32)
     pad_ends = ((splits + 15) // 16 * 16).cumsum(0).to(torch.int32)
@@ -80,6 +90,8 @@ def main() -> int:
 
     # Inductor's own choice for the forward GEMM (Triton templates vs the ATen kernel).
     try:
+        if args.no_autotune:
+            raise RuntimeError("skipped (--no-autotune)")
         auto = torch.compile(sgmm, mode="max-autotune-no-cudagraphs", dynamic=False)
         auto(xq, wq.transpose(-2, -1), sx, sw, ends, True)
         t = _time(lambda: auto(xq, wq.transpose(-2, -1), sx, sw, ends, True))

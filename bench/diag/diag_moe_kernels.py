@@ -70,7 +70,9 @@ def main() -> int:
     for name, fn in runs.items():
         torch._dynamo.reset()
         rows, total = kernels(fn, x)
-        print(f"\n## {name}: {total:.0f} us of kernels per step, {sum(r[1] for r in rows)} launches")
+        print(
+            f"\n## {name}: {total:.0f} us of kernels per step, {sum(r[1] for r in rows)} launches"
+        )
         print("| us | calls | kernel |\n| ---: | ---: | --- |")
         for n, c, t in rows[:25]:
             print(f"| {t:.0f} | {c} | `{n[:110]}` |")
