@@ -167,10 +167,10 @@ def primary_kind(
     told by its scale: one fp32 scale per tensor, fp32 block scales, MXFP8's uint8 (E8M0) ones.
     Such a weight ``name`` runs inside an FP8 autocast of the recipe family it was made for
     (per-tensor codes, which either per-tensor recipe reads, or the blocks of a block-scaled
-    recipe, of the autocast recipe's weight blocks), without ``backward_override=
-    "high_precision"`` (its backward GEMMs would read a high-precision weight, which FP8
-    primary weights do not keep). Another recipe is Transformer Engine's "Recipe mismatch" (a
-    ``NotImplementedError``, which is a ``RuntimeError`` as TE's is)."""
+    recipe, of the autocast recipe's weight blocks; under ``backward_override=
+    "high_precision"`` the backward reads the weight's values, ``quantization.primary``). Another
+    recipe is Transformer Engine's "Recipe mismatch" (a ``NotImplementedError``, which is a
+    ``RuntimeError`` as TE's is)."""
     if weight_quantized is None:
         return ""
     data, scale = weight_quantized[:2]
@@ -188,12 +188,6 @@ def primary_kind(
             f"(quantized_model_init with {made}), which autocast's {type(recipe).__name__} "
             f"cannot use; run it under te_compile.autocast(recipe={made}()), or build "
             "the module outside quantized_model_init to use this recipe"
-        )
-    if recipe.backward_override == "high_precision":
-        raise ValueError(
-            f"{owner}: recipe.backward_override='high_precision' needs a high-precision "
-            "weight; FP8 primary weights (quantized_model_init) keep only the FP8 codes "
-            "(use None or 'dequantized')"
         )
     if kind != "tensor":
         w, wide = recipe_specs(recipe)[1], 128 if kind == "block" else 32

@@ -33,6 +33,7 @@ from te_compile.functional.spec import QuantSpec
 from te_compile.quantization.device import get_default_fp8_recipe
 from te_compile.quantization.gemm import dequantized, recipe_specs
 from te_compile.quantization.recipe import Recipe
+from te_compile.quantization.state import get_autocast_state
 
 __all__ = [
     "FP8MasterWeights",
@@ -386,9 +387,10 @@ def grouped_primary(
         amax = torch.cat([getattr(module, f"{name}_amax") for name in names]).amax().reshape(1)
         operand = [data, inv[:, None].expand(g, n).contiguous(), data.transpose(1, 2).contiguous(),
                    inv[:, None].expand(g, k).contiguous(), amax]  # fmt: skip
-    stand_in = _sharded_stand_in(module, names, weights[0], dtype, (g, n, k), True)
+    values = _backward_values(module, names, weights[0], dtype)
+    stand_in = _sharded_stand_in(module, names, weights[0], dtype, (g, n, k), True, values)
     if stand_in is None:
-        stand_in = _StandIn.apply(dtype, (g, n, k), None, 0, False, *weights)
+        stand_in = _StandIn.apply(dtype, (g, n, k), values, None, 0, False, *weights)
     return stand_in, operand
 
 
@@ -411,12 +413,37 @@ def _grouped_blocks(module: nn.Module, names: tuple[str, ...], data: Tensor) -> 
     return [data, scale, data_t, scale_t, module._buffers[f"{names[0]}_amax"]]
 
 
-def _sharded_stand_in(
-    module: nn.Module, names: tuple[str, ...], weight: Tensor, dtype, shape, grouped: bool
+def _backward_values(
+    module: nn.Module, names: tuple[str, ...], weight: Tensor, dtype: torch.dtype
 ) -> Tensor | None:
+    """The values of FP8 weights ``names`` (one weight, one ``[G, N, K]`` grouped weight, or
+    ``G`` expert weights stacked) in ``dtype``, for the GEMM op's ``weight`` argument where its
+    backward reads a high-precision weight: inside an FP8 autocast whose recipe has
+    ``backward_override="high_precision"``, as Transformer Engine dequantises a quantised weight
+    for that backward's dgrad GEMM (the forward GEMM still reads the codes). Else None: the
+    op's weight argument carries no values."""
+    state = get_autocast_state()
+    if not (state.enabled and state.recipe.backward_override == "high_precision"):
+        return None
+    if getattr(module, "delay_wgrad_compute", False):
+        raise NotImplementedError(
+            f"{type(module).__name__}: delay_wgrad_compute=True with FP8 primary weights and "
+            "backward_override='high_precision' is not supported; build the module with "
+            "delay_wgrad_compute=False or use backward_override='dequantized' or None"
+        )
+    with torch.no_grad():
+        parts = [weight_values(module, name, dtype) for name in names]
+    return parts[0] if len(parts) == 1 else torch.stack(parts)
+
+
+def _sharded_stand_in(
+    module: nn.Module, names: tuple[str, ...], weight: Tensor, dtype, shape, grouped: bool,
+    values: Tensor | None = None,
+) -> Tensor | None:  # fmt: skip
     """The :class:`_StandIn` of FP8 weights ``names`` sharded by FSDP2, with ``FP8MasterWeights``
     and grad enabled; else None. A module whose FP8 weights FSDP2 shards cannot delay their
-    gradient: it is reduce-scattered during the backward."""
+    gradient: it is reduce-scattered during the backward. ``values``: the stand-in's
+    (:func:`_backward_values`)."""
     sinks = [module.__dict__.get(_SHARDED_MAIN_GRADS, {}).get(n) for n in names]
     if sinks[0] is None or weight.requires_grad or not torch.is_grad_enabled():
         return None
@@ -428,7 +455,7 @@ def _sharded_stand_in(
         )
     group_name, world = module.__dict__[_SHARD_GROUP][names[0]]
     per_group = grouped and sinks[0].dim() == 2  # G weights [N, K] (else one [G, N, K])
-    return _StandIn.apply(dtype, shape, group_name, world, per_group, *sinks)
+    return _StandIn.apply(dtype, shape, values, group_name, world, per_group, *sinks)
 
 
 def primary_weight(
@@ -440,8 +467,14 @@ def primary_weight(
     backward then raises). Sharded by FSDP2, with ``FP8MasterWeights`` and grad enabled: a
     :class:`_StandIn` in ``dtype`` and None (the op returns the gradient to the stand-in)."""
     weight = getattr(module, name)
-    stand_in = _sharded_stand_in(module, (name,), weight, dtype, weight.shape, False)
-    return (weight, getattr(weight, "main_grad", None)) if stand_in is None else (stand_in, None)
+    values = _backward_values(module, (name,), weight, dtype)
+    stand_in = _sharded_stand_in(module, (name,), weight, dtype, weight.shape, False, values)
+    if stand_in is not None:
+        return stand_in, None
+    main_grad = getattr(weight, "main_grad", None)
+    if values is not None and weight.requires_grad and torch.is_grad_enabled():
+        return _StandIn.apply(dtype, weight.shape, values, None, 0, False, weight), main_grad
+    return weight, main_grad
 
 
 def _reduce_scatter_rows(grad: Tensor, world: int, group_name: str, local_rows: int) -> Tensor:
@@ -462,7 +495,8 @@ def _reduce_scatter_rows(grad: Tensor, world: int, group_name: str, local_rows: 
 
 class _StandIn(torch.autograd.Function):
     """The weight argument of a GEMM op on FP8 weights: ``shape`` in ``dtype``, zero bytes (an
-    expanded scalar; the op reads the codes from its pre-quantised operand, never this),
+    expanded scalar; the op reads the codes from its pre-quantised operand, never this), or
+    ``values`` where a high-precision backward reads them (:func:`_backward_values`),
     requiring grad through ``leaves``. Not sharded (``group_name`` None): the leaves are the
     codes (:func:`grouped_primary`); without a ``main_grad`` on them the op's gradient goes to
     their ``.grad`` (in their ``grad_dtype``), ``[G, N, K]`` split per leaf.
@@ -473,23 +507,26 @@ class _StandIn(torch.autograd.Function):
     collective: torch.compile traces it into the compiled backward."""
 
     @staticmethod
-    def forward(ctx, dtype: torch.dtype, shape: tuple[int, ...], group_name: str | None,
-                world: int, per_group: bool, *leaves: Tensor) -> Tensor:  # fmt: skip
+    def forward(ctx, dtype: torch.dtype, shape: tuple[int, ...], values: Tensor | None,
+                group_name: str | None, world: int, per_group: bool,
+                *leaves: Tensor) -> Tensor:  # fmt: skip
         ctx.group_name, ctx.world, ctx.per_group = group_name, world, per_group
         ctx.local_rows = [s.shape[0] for s in leaves]
         ctx.to_leaves = all(getattr(leaf, "main_grad", None) is None for leaf in leaves)
+        if values is not None:
+            return values.view(shape)
         return leaves[0].new_zeros((), dtype=dtype).expand(shape)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
         if ctx.group_name is None:  # to the codes' .grad where no main_grad took it
             n = len(ctx.local_rows)
-            return (None,) * 5 + ((None,) * n if not ctx.to_leaves else grad.unbind(0) if n > 1
+            return (None,) * 6 + ((None,) * n if not ctx.to_leaves else grad.unbind(0) if n > 1
                                   else (grad,))  # fmt: skip
         parts = grad.unbind(0) if ctx.per_group else (grad,)
         shards = [_reduce_scatter_rows(p, ctx.world, ctx.group_name, rows)
                   for p, rows in zip(parts, ctx.local_rows, strict=True)]  # fmt: skip
-        return (None, None, None, None, None, *shards)
+        return (None,) * 6 + tuple(shards)
 
 
 def primary_main_grad(module: nn.Module, name: str) -> Tensor | None:

@@ -237,11 +237,6 @@ def test_refused_uses():
     dw = x.double().sum(0).expand(64, 128)
     assert_close_quantized(m.weight.grad, dw, "current", grad=True)
     with (
-        autocast(recipe=Float8CurrentScaling(backward_override="high_precision")),
-        pytest.raises(ValueError, match="backward_override='high_precision'"),
-    ):
-        m(_x("cpu"))
-    with (
         pytest.raises(ValueError, match=r"enabled must be a bool \(True or False\), got 1"),
         te.fp8_model_init(enabled=1),
     ):
@@ -508,11 +503,6 @@ def test_block_refused_uses():
     mx = _primary("Linear", "cpu", MXFP8)
     with autocast(recipe=BLOCK), pytest.raises(NotImplementedError, match="holds MXFP8 blocks"):
         mx(_x("cpu"))
-    with (
-        autocast(recipe=Float8BlockScaling(backward_override="high_precision")),
-        pytest.raises(ValueError, match="backward_override='high_precision'"),
-    ):
-        m(_x("cpu"))
     for other in (NVFP4BlockScaling(), MXFP8BlockScaling(enable_2d_quantization=True)):
         with pytest.raises(NotImplementedError, match=f"recipe.*got {type(other).__name__}"):
             _primary("Linear", "cpu", other)
@@ -545,6 +535,61 @@ def _dequantized(m):
     codes = [getattr(m, f"weight{i}").detach().double() for i in range(G)]
     scales = [getattr(m, f"weight{i}_scale_inv").double() for i in range(G)]
     return torch.stack([c * s for c, s in zip(codes, scales, strict=True)])
+
+
+@pytest.mark.parametrize(
+    "recipe", [Float8CurrentScaling, Float8BlockScaling], ids=["current", "block"]
+)
+@pytest.mark.parametrize("layout", ["Linear", "GroupedLinear", "GroupedLinear_single"])
+def test_high_precision_backward_dgrad_reads_the_weight_values(layout, recipe):
+    """``backward_override="high_precision"`` with FP8 weights, as Transformer Engine runs it:
+    the forward GEMM reads the codes (the output without the override, exactly), the dgrad GEMM
+    the weight's values in the input dtype (against float64 of the output gradient times them),
+    the wgrad GEMM the high-precision input (``main_grad`` as the module with bf16 weights
+    computes it, exactly); without FP8MasterWeights ``.grad`` gets it in the nominal dtype."""
+    override = recipe(backward_override="high_precision")
+    grouped, args = layout != "Linear", (SPLITS,) if layout != "Linear" else ()
+    if grouped:
+        single, fuse = layout.endswith("single"), {"fuse_wgrad_accumulation": True}
+        m, hp = _grouped("cpu", recipe(), single=single), _grouped("cpu", single=single, **fuse)
+        rows = torch.repeat_interleave(torch.arange(G), torch.tensor(SPLITS))
+    else:
+        m = _primary("Linear", "cpu", recipe())
+        hp = _build("Linear", "cpu", fuse_wgrad_accumulation=True)
+    if recipe is Float8BlockScaling:
+        values = torch.stack([_kept_values(m, n) for n in _fp8_names(m)]).reshape(-1, 64, 128)
+    elif grouped:
+        values = _dequantized(m)
+    else:
+        values = m.weight.detach().double() * m.weight_scale_inv.double()
+    values = values.squeeze(0).bfloat16().double()  # as the op reads them: in the input dtype
+    plain = copy.deepcopy(m)
+    te.FP8MasterWeights(m)
+    if grouped:
+        hp.allocate_main_grad()
+    else:
+        hp.weight.main_grad = torch.zeros(hp.weight.shape)
+    x = _x("cpu").requires_grad_()
+    x0 = x.detach().clone().requires_grad_()
+    with autocast(recipe=override):
+        y, y0 = m(x, *args), hp(x0, *args)
+    with autocast(recipe=recipe()):
+        assert torch.equal(y, plain(x.detach(), *args))
+    g = torch.randn_like(y)
+    y.backward(g)
+    y0.backward(g)
+    if grouped:  # each token's row of dY times its expert's weight values
+        expected = torch.einsum("tn,tnk->tk", g.double(), values[rows])
+    else:
+        expected = g.double() @ values
+    assert_close(x.grad, expected, torch.bfloat16, reduced=True)
+    for n in _fp8_names(m):  # (the expert without tokens: a zero gradient)
+        w, w0 = m.get_parameter(n), hp.get_parameter(n)
+        assert w.grad is None and torch.equal(w.main_grad, w0.main_grad), n
+    assert m.get_parameter(_fp8_names(m)[-1]).main_grad.any()
+    with autocast(recipe=override):  # no main_grad: .grad in the nominal dtype
+        plain(x.detach(), *args).float().square().mean().backward()
+    assert all(plain.get_parameter(n).grad.dtype == torch.bfloat16 for n in _fp8_names(plain))
 
 
 @pytest.mark.parametrize("single", [False, True], ids=["per_group", "single"])
@@ -951,11 +996,6 @@ def test_grouped_block_refused_uses():
     for recipe, match in refusals:
         with autocast(recipe=recipe), pytest.raises(NotImplementedError, match=match):
             m(_x("cpu"), SPLITS)
-    with (
-        autocast(recipe=Float8BlockScaling(backward_override="high_precision")),
-        pytest.raises(ValueError, match="backward_override='high_precision'"),
-    ):
-        m(_x("cpu"), SPLITS)
     per_tensor = _grouped("cpu", Float8CurrentScaling())
     with (
         autocast(recipe=BLOCK),
