@@ -416,20 +416,16 @@ def _grouped_blocks(module: nn.Module, names: tuple[str, ...], data: Tensor) -> 
 def _backward_values(
     module: nn.Module, names: tuple[str, ...], weight: Tensor, dtype: torch.dtype
 ) -> Tensor | None:
-    """The values of FP8 weights ``names`` (one weight, one ``[G, N, K]`` grouped weight, or
-    ``G`` expert weights stacked) in ``dtype``, for the GEMM op's ``weight`` argument where its
-    backward reads a high-precision weight: inside an FP8 autocast whose recipe has
-    ``backward_override="high_precision"``, as Transformer Engine dequantises a quantised weight
-    for that backward's dgrad GEMM (the forward GEMM still reads the codes). Else None: the
-    op's weight argument carries no values."""
+    """FP8 weights ``names``' values in ``dtype`` (G expert weights stacked) under an autocast
+    recipe with ``backward_override="high_precision"``, whose dgrad GEMM reads them (as TE
+    dequantises a quantised weight there; the forward still reads the codes); else None."""
     state = get_autocast_state()
     if not (state.enabled and state.recipe.backward_override == "high_precision"):
         return None
     if getattr(module, "delay_wgrad_compute", False):
         raise NotImplementedError(
-            f"{type(module).__name__}: delay_wgrad_compute=True with FP8 primary weights and "
-            "backward_override='high_precision' is not supported; build the module with "
-            "delay_wgrad_compute=False or use backward_override='dequantized' or None"
+            f"{type(module).__name__}: delay_wgrad_compute=True is not supported with FP8 "
+            "primary weights under backward_override='high_precision'"
         )
     with torch.no_grad():
         parts = [weight_values(module, name, dtype) for name in names]
@@ -442,8 +438,7 @@ def _sharded_stand_in(
 ) -> Tensor | None:  # fmt: skip
     """The :class:`_StandIn` of FP8 weights ``names`` sharded by FSDP2, with ``FP8MasterWeights``
     and grad enabled; else None. A module whose FP8 weights FSDP2 shards cannot delay their
-    gradient: it is reduce-scattered during the backward. ``values``: the stand-in's
-    (:func:`_backward_values`)."""
+    gradient: it is reduce-scattered during the backward. ``values``: :func:`_backward_values`."""
     sinks = [module.__dict__.get(_SHARDED_MAIN_GRADS, {}).get(n) for n in names]
     if sinks[0] is None or weight.requires_grad or not torch.is_grad_enabled():
         return None
