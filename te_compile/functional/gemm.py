@@ -158,7 +158,7 @@ def scale_slots(scale: Tensor | None, recipe: str) -> tuple[Tensor | None, ...]:
 # operands, stochastic rounding of the gradient, row-scaled inputs, 4over6 block scaling).
 _ROLE_OPTIONS = {"input": ("rht", "row_scaled", "four_over_six"), "weight": ("four_over_six",),
                  "grad": ("rht", "stochastic_rounding")}  # fmt: skip
-_OPTIONS = ("rht", "stochastic_rounding", "row_scaled", "four_over_six")
+_OPTIONS = ("rht", "stochastic_rounding", "row_scaled", "four_over_six", "fast_dgrad", "fast_wgrad")
 
 
 def check_specs(
@@ -229,11 +229,13 @@ def _check_spec_set(p: str, items: tuple[tuple[str, QuantSpec], ...]) -> str:
         if spec.block_rows not in rows:
             raise ValueError(at + f"blocks of {spec.block_rows} rows are not implemented for "
                              f"{role} operands of {kind!r} (block rows {rows})")  # fmt: skip
-        allowed = _ROLE_OPTIONS[role] if kind == "nvfp4" else ()
+        fast = ("fast_dgrad", "fast_wgrad") if role == "grad" and kind in PER_TENSOR else ()
+        allowed = _ROLE_OPTIONS[role] if kind == "nvfp4" else fast
         bad = [o for o in _OPTIONS if getattr(spec, o) and o not in allowed]
         if bad:
-            raise ValueError(at + f"{', '.join(bad)}: not an option of {role} operands"
-                             + ("" if kind == "nvfp4" else " (NVFP4's options)"))  # fmt: skip
+            raise ValueError(at + f"{', '.join(bad)}: not an option of {role} operands" + (
+                "" if kind == "nvfp4" else " (NVFP4's options; fast_dgrad / fast_wgrad: a "
+                "per-tensor grad_spec's)"))  # fmt: skip
         if spec.four_over_six not in FOUR_OVER_SIX:
             raise ValueError(at + f"4over6 must be one of {FOUR_OVER_SIX[1:]}")
         if kind == "block" and not emulate and spec.fp8_dtype is not _BLOCKWISE_FP8:
@@ -678,12 +680,14 @@ def hp_linear_backward(grad, inp, weight, main_grad, need_dbias, need_dgrad, nee
     return dinp, dweight, dbias
 
 
-def wgrad_gemm(kind, a, sa, b, sb, out_dtype, main_grad: Tensor | None) -> Tensor:
+def wgrad_gemm(kind, a, sa, b, sb, out_dtype, main_grad: Tensor | None, fast=False) -> Tensor:
     """A quantised recipe's weight gradient ``a @ b.T``; with ``main_grad`` (fp32) added into it
-    (an fp32 GEMM output but for the blockwise kind) and a 0-element tensor returned."""
+    (an fp32 GEMM output but for the blockwise kind) and a 0-element tensor returned.
+    ``fast``: the grad spec's ``fast_wgrad``."""
     if main_grad is None:
-        return gemm(kind, a, sa, b, sb, out_dtype)
-    main_grad.add_(gemm(kind, a, sa, b, sb, out_dtype if kind == "blockwise" else torch.float32))
+        return gemm(kind, a, sa, b, sb, out_dtype, fast_accum=fast)
+    out = out_dtype if kind == "blockwise" else torch.float32
+    main_grad.add_(gemm(kind, a, sa, b, sb, out, fast_accum=fast))
     return main_grad.new_empty(0, dtype=out_dtype)
 
 

@@ -216,17 +216,18 @@ def quantize_group_columns(
 
 def _gemm_wgrad(
     dyt: Tensor, dys: Tensor, xt: Tensor, xs: Tensor, pad_ends: Tensor, native: bool, dtype,
-    main_grad: Tensor | None,
+    main_grad: Tensor | None, fast: bool = False,
 ):  # fmt: skip
     """The FP8 wgrad ``dW_g = (dY_g^T diag(dys_g)) (diag(xs_g) X_g)`` from the operands of
     :func:`quantize_group_columns` (grouped along their columns by ``pad_ends``): ``[G, N, K]``,
     or None where added to ``main_grad``. ``native``: :func:`_gemm_grouped`'s GEMM, else the
-    exact emulation per group in fp32 (added in fp32 to ``main_grad``)."""
+    exact emulation per group in fp32 (added in fp32 to ``main_grad``). ``fast``:
+    ``fast_wgrad``."""
     dyt, dys = as_e4m3(dyt, dys)
     xt, xs = as_e4m3(xt, xs)
     if native:
         if dyt.is_cuda:
-            dw = _gemm_grouped(dyt, dys.reshape(-1), xt, xs.reshape(-1), None, pad_ends)
+            dw = _gemm_grouped(dyt, dys.reshape(-1), xt, xs.reshape(-1), None, pad_ends, fast)
         else:
             acc = torch._grouped_mm(
                 dyt.to(torch.bfloat16), xt.to(torch.bfloat16).t(), offs=pad_ends
@@ -380,12 +381,12 @@ def per_tensor_backward(grad_out, saved, inp, m_splits, weight, main_grad, r, ha
             grad_out, m_splits, bwd_dtype, s_g, dsplits, e4m3_codes=True
         )
         dw = _gemm_wgrad(dyt, dys, saved[2].view(fwd_dtype), saved[3], pad_ends, native,
-                         grad_out.dtype, main_grad)  # fmt: skip
+                         grad_out.dtype, main_grad, r.fast_wgrad)  # fmt: skip
         dweight = empty(grad_out) if dw is None else dw
         need_wgrad = False
     if native:
         if need_dgrad:
-            dinp = _gemm_grouped(gq, gs, wq_t, ws_t, *dsplits)
+            dinp = _gemm_grouped(gq, gs, wq_t, ws_t, *dsplits, r.fast_dgrad)
         hp = grouped_mm_backward(grad_out, inp, dsplits, weight, main_grad, has_bias, False,
                                  need_wgrad)  # fmt: skip
     else:

@@ -90,7 +90,8 @@ def grouped_gemm_kind(recipe: str, emulate: bool) -> str:
 class GroupedRecipe(NamedTuple):
     """A grouped linear op's three ``QuantSpec``s as its GEMMs take them, with the delayed state,
     ``fp8_wgrad``, the stochastic rounding stream and the backward ``override`` (the forward then
-    saves nothing, or for ``"dequantized"`` its dequantised ``[X, W]``)."""
+    saves nothing, or for ``"dequantized"`` its dequantised ``[X, W]``), and the gradient spec's
+    ``fast_dgrad`` / ``fast_wgrad``."""
 
     recipe: str = ""
     fwd_dtype: torch.dtype = _E4M3
@@ -107,6 +108,8 @@ class GroupedRecipe(NamedTuple):
     weight_4over6: str = ""
     override: str = ""
     row_scaled: bool = False
+    fast_dgrad: bool = False
+    fast_wgrad: bool = False
 
 
 # Splits ------------------------------------------------------------------------------------------

@@ -64,7 +64,8 @@ def make_grouped_recipe(specs, scale, grad_amax, bw: BackwardSpec, rng_state) ->
     return GroupedRecipe(x.kind, x.fp8_dtype, g.fp8_dtype, w.power_2_scale, w.block_rows,
                          x.emulate, scale, grad_amax, bw.fp8_wgrad, x.rht,
                          rng_state if g.stochastic_rounding else None, x.four_over_six,
-                         w.four_over_six, bw.override, x.row_scaled)  # fmt: skip
+                         w.four_over_six, bw.override, x.row_scaled, g.fast_dgrad,
+                         g.fast_wgrad)  # fmt: skip
 
 
 def appends_amaxes(recipe: str, grad_amax: Tensor | None) -> bool:

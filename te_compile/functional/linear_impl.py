@@ -208,10 +208,10 @@ def _quantized_backward(dy, copies, main_grad, scale, grad_amax, rng_state, c: B
     dinp = None
     if c.need_dgrad:  # dX [M, K] = dY [M, N] @ W [N, K]; W^T [K, N] is the GEMM's b
         dinp = gemm(kind, g.data, g.scale, fp8_codes(w_t, c.w.fp8_dtype), w_st, dtype,
-                    b_block_rows=c.w.block_rows)  # fmt: skip
+                    fast_accum=c.g.fast_dgrad, b_block_rows=c.w.block_rows)  # fmt: skip
         dinp = unpad(dinp, m)
     dweight = empty(dy)
     if c.need_wgrad:  # dW [N, K] = dY^T [N, M] @ X [M, K]; X^T [K, M] is the GEMM's b
         dweight = wgrad_gemm(kind, g.data_t, g.scale_t, fp8_codes(x_t, c.x.fp8_dtype), x_st, dtype,
-                             main_grad)  # fmt: skip
+                             main_grad, c.g.fast_wgrad)  # fmt: skip
     return dinp, dweight, g.sums

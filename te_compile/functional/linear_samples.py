@@ -69,6 +69,10 @@ def sample_inputs(device: torch.device):
     yield _call(bf(2, 16, 32), bf(48, 32), **delayed, scale=scale, grad_amax=pending)
     cur_e4 = specs("current:e4m3", g="current:e4m3")
     yield _call(t(16, 32), t(16, 32), None, zeros(16, 32), **cur_e4)
+    # The backward GEMMs with fast accumulation (Float8CurrentScaling's MMParams).
+    yield _call(
+        bf(32, 16), bf(16, 16), **specs("current:e4m3", g="current:e5m2:fast_dgrad:fast_wgrad")
+    )
     # float32 with a bias: _scaled_mm refuses a bias with an fp32 output (added after it).
     yield _call(t(16, 32), t(32, 32), t(32), **cur)
     # Norm prologues: inputs whose norm is exact in fp32 and float64 alike (``unit_rows``; the

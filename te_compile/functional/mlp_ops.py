@@ -344,8 +344,9 @@ def mlp_bwd(
         if grad_amax2 is not None and a_dy is None:
             grad_amax2.copy_(g.amax)
         # fc2: dh [M, F] = dY @ W2 (W2^T is the GEMM's b); dW2 [N, F] = dY^T @ h
-        dh = gemm(kind, g.data, g.scale, w2_t, w2s, dtype, b_block_rows=rows)
-        dw2 = wgrad_gemm(kind, g.data_t, g.scale_t, h_t, hs, dtype, main_grad2)
+        fast_d, fast_w = c.g.fast_dgrad, c.g.fast_wgrad
+        dh = gemm(kind, g.data, g.scale, w2_t, w2s, dtype, fast_accum=fast_d, b_block_rows=rows)
+        dw2 = wgrad_gemm(kind, g.data_t, g.scale_t, h_t, hs, dtype, main_grad2, fast_w)
         db2 = g.sums if sums else (dy.sum(0, dtype=torch.float32) if c.need_dbias else None)
         dq, db1 = _act_operand(c.g, z, b1, dh, ep, s_dz, m, need_db1, a_dz)
         if grad_amax1 is not None and a_dz is None:
@@ -353,8 +354,10 @@ def mlp_bwd(
         # fc1: dX [M, D] = dz @ W1; dW1 [F1, D] = dz^T @ X
         dinp = None
         if c.need_dgrad:
-            dinp = unpad(gemm(kind, dq.data, dq.scale, w1_t, w1s, dtype, b_block_rows=rows), m)
-        dw1 = wgrad_gemm(kind, dq.data_t, dq.scale_t, x_t, xs, dtype, main_grad1)
+            dinp = gemm(kind, dq.data, dq.scale, w1_t, w1s, dtype, fast_accum=fast_d,
+                        b_block_rows=rows)  # fmt: skip
+            dinp = unpad(dinp, m)
+        dw1 = wgrad_gemm(kind, dq.data_t, dq.scale_t, x_t, xs, dtype, main_grad1, fast_w)
     dnorm = [empty(grad), empty(grad)]
     if dinp is not None and normalization:
         dinp, *dnorm = norm_backward(dinp, inp, norm_weight, stats, c.norm)

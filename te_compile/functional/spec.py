@@ -126,7 +126,10 @@ class QuantSpec:
     ``rht`` (the random Hadamard transform of the columnwise copy: input and gradient together),
     ``stochastic_rounding`` (gradient), ``row_scaled`` (a global scale per row: input),
     ``four_over_six`` (4over6 block scaling: input, weight;
-    ``functional.quantize_mx_ref.FOUR_OVER_SIX``)."""
+    ``functional.quantize_mx_ref.FOUR_OVER_SIX``); the per-tensor kinds' gradient options
+    ``fast_dgrad`` / ``fast_wgrad``: the dgrad / wgrad GEMM (both read the gradient) accumulates
+    in the tensor cores' own precision, without Hopper's split (promoted) accumulation
+    (Transformer Engine's ``MMParams(use_split_accumulator=False)``)."""
 
     kind: str = _choice("", _names("current", "delayed", "block", "mxfp8", "nvfp4"))
     fp8_dtype: torch.dtype = _choice(_E4M3, {"e4m3": _E4M3, "e5m2": _E5M2})  # noqa: RUF009
@@ -137,6 +140,8 @@ class QuantSpec:
     stochastic_rounding: bool = _flag("sr")
     row_scaled: bool = _flag("row_scaled")
     four_over_six: str = _value("", "4over6")
+    fast_dgrad: bool = _flag("fast_dgrad")
+    fast_wgrad: bool = _flag("fast_wgrad")
 
     @_cached
     def encode(self) -> str:

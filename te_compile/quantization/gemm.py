@@ -313,8 +313,12 @@ def _recipe_specs(recipe: Recipe) -> tuple[QuantSpec, QuantSpec, QuantSpec]:
         dims = (recipe.x_block_scaling_dim, recipe.w_block_scaling_dim,
                 recipe.grad_block_scaling_dim) if kind == "block" else (1, 1, 1)  # fmt: skip
         qs = _checked_qparams(recipe, _FP8_QPARAMS)
-        return tuple(QuantSpec(kind, dtype, 128 if dim == 2 else 1, q.power_2_scale)
-                     for dim, dtype, q in zip(dims, (fwd, fwd, bwd), qs, strict=True))  # fmt: skip
+        x, w, g = (QuantSpec(kind, dtype, 128 if dim == 2 else 1, q.power_2_scale)
+                   for dim, dtype, q in zip(dims, (fwd, fwd, bwd), qs, strict=True))  # fmt: skip
+        if kind == "current":  # MMParams: the backward GEMMs' fast accumulation (both read g)
+            g = replace(g, fast_dgrad=not recipe.fp8_gemm_dgrad.use_split_accumulator,
+                        fast_wgrad=not recipe.fp8_gemm_wgrad.use_split_accumulator)  # fmt: skip
+        return x, w, g
     kw = {"emulate": True} if recipe.mxfp8() else {}
     tiles = 32 if recipe.mxfp8() and recipe.enable_2d_quantization else 1
     return (QuantSpec(kind, fwd, **kw), QuantSpec(kind, fwd, tiles, **kw),

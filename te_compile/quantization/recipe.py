@@ -68,7 +68,6 @@ _NVFP4_4OVER6_SCOPES = ("none", "weights", "activations", "all")
 _NVFP4_4OVER6_ERR_MODES = ("MAE", "MSE")
 # use_split_accumulator of each GEMM under the per-tensor recipes (what te::linear, te::mlp and
 # te::grouped_linear run).
-_PER_TENSOR_GEMMS = {"fp8_gemm_fprop": False, "fp8_gemm_dgrad": True, "fp8_gemm_wgrad": True}
 _AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 # The per-operand QParams fields of the FP8 recipes that have them.
 FP8_QPARAMS = ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad")
@@ -380,8 +379,9 @@ class Float8CurrentScaling(Recipe):
     the per-operand ``fp8_quant_fwd_inp``, ``fp8_quant_fwd_weight`` and ``fp8_quant_bwd_grad``,
     which may be replaced one by one after construction (the modules' GEMMs refuse power-of-two
     scales, ``te_compile.quantize`` applies them). ``fp8_format``: ``E4M3`` or ``HYBRID``.
-    ``fp8_gemm_*``: TE's defaults only (split accumulation off forward, on for the backward
-    GEMMs: what te_compile's per-tensor GEMMs run).
+    ``fp8_gemm_*``: split accumulation off forward (the only setting implemented there), on
+    for the backward GEMMs by default (TE's); ``fp8_gemm_dgrad`` / ``fp8_gemm_wgrad`` with
+    ``use_split_accumulator=False`` run that GEMM with Hopper's fast FP8 accumulation.
     """
 
     kind: ClassVar[str] = "current"
@@ -403,15 +403,13 @@ class Float8CurrentScaling(Recipe):
 
     def _validate(self) -> None:
         super()._validate()
-        for name, split in _PER_TENSOR_GEMMS.items():
-            if getattr(self, name).use_split_accumulator != split:
-                _fail(
-                    self,
-                    name,
-                    f"must be MMParams(use_split_accumulator={split}): te_compile's per-tensor "
-                    "FP8 GEMMs run Transformer Engine's defaults (fast accumulation forward, "
-                    "split accumulation backward)",
-                )
+        if self.fp8_gemm_fprop.use_split_accumulator:
+            _fail(
+                self,
+                "fp8_gemm_fprop",
+                "must be MMParams(use_split_accumulator=False): te_compile's per-tensor forward "
+                "GEMMs run fast accumulation (TE's default)",
+            )
 
 
 @_with_field_types

@@ -665,3 +665,100 @@ def test_nvfp4_forward_is_the_gemm_of_the_quantised_operands(device, two_d, modu
     w = nvfp4_dequantized(m.weight.detach().cpu(), tile_rows=16 if two_d else 1)
     expected = nvfp4_dequantized(gemm_input.detach().cpu()) @ w.T + m.bias.detach().cpu().double()
     assert_close(y, expected, torch.float32, reduced=True, roundings=2)
+
+
+# Float8CurrentScaling's MMParams: the backward GEMMs' accumulation ------------------------------
+
+SPLITS = [(True, True), (False, True), (True, False), (False, False)]
+
+
+@pytest.mark.parametrize(("dgrad_split", "wgrad_split"), SPLITS)
+@pytest.mark.parametrize("name", ["Linear", "LayerNormMLP"])
+def test_mmparams_set_each_backward_gemms_accumulation(name, dgrad_split, wgrad_split, monkeypatch):
+    """``fp8_gemm_dgrad`` / ``fp8_gemm_wgrad`` reach the per-tensor GEMMs as their fast
+    accumulation (``use_fast_accum`` of ``torch._scaled_mm`` on CUDA): the dgrad GEMMs (``a``:
+    the gradient, a row per token) and the wgrad GEMMs (``a``: its transpose) each as their
+    MMParams says, the forward GEMMs always fast (the only forward setting, TE's default)."""
+    from te_compile.functional import gemm as G
+
+    recipe = Float8CurrentScaling(
+        fp8_gemm_dgrad=te.recipe.MMParams(use_split_accumulator=dgrad_split),
+        fp8_gemm_wgrad=te.recipe.MMParams(use_split_accumulator=wgrad_split),
+    )
+    calls, real = [], G.GEMMS["tensorwise"]
+
+    def spy(a, sa, b, sb, out_dtype, bias, fast_accum, rows):
+        calls.append((a.shape[0], fast_accum))
+        return real(a, sa, b, sb, out_dtype, bias, fast_accum, rows)
+
+    monkeypatch.setitem(G.GEMMS, "tensorwise", spy)
+    torch.manual_seed(0)
+    kw = {"params_dtype": torch.bfloat16}
+    m = te.Linear(32, 48, **kw) if name == "Linear" else te.LayerNormMLP(32, 64, **kw)
+    tokens = 80  # no feature dim
+    x = torch.randn(tokens, 32, dtype=torch.bfloat16, requires_grad=True)
+    with autocast(recipe=recipe):
+        y = m(x)
+    forward = len(calls)
+    y.float().square().sum().backward()
+    assert forward == (1 if name == "Linear" else 2)
+    assert all(fast for _, fast in calls[:forward])
+    dgrad = [fast for rows, fast in calls[forward:] if rows == tokens]
+    wgrad = [fast for rows, fast in calls[forward:] if rows != tokens]
+    assert len(dgrad) == len(wgrad) == forward
+    assert dgrad == [not dgrad_split] * forward and wgrad == [not wgrad_split] * forward
+
+
+@pytest.mark.parametrize(("dgrad_split", "wgrad_split"), SPLITS)
+def test_mmparams_reach_the_grouped_backward_gemms(dgrad_split, wgrad_split, monkeypatch):
+    """The grouped module's recipe (``make_grouped_recipe`` of its specs) carries them, and the
+    grouped FP8 backward (the CUDA path, run on CPU bf16 tensors) passes them to the dgrad and
+    the FP8 wgrad grouped GEMMs."""
+    from te_compile.functional import grouped_fp8 as GF
+    from te_compile.functional.grouped_linear_args import make_grouped_recipe
+    from te_compile.functional.spec import BackwardSpec
+
+    recipe = Float8CurrentScaling(
+        fp8_gemm_dgrad=te.recipe.MMParams(use_split_accumulator=dgrad_split),
+        fp8_gemm_wgrad=te.recipe.MMParams(use_split_accumulator=wgrad_split),
+    )
+    r = make_grouped_recipe(gemm.recipe_specs(recipe), None, None, BackwardSpec(), None)
+    assert (r.fast_dgrad, r.fast_wgrad) == (not dgrad_split, not wgrad_split)
+    r = r._replace(fp8_wgrad=True)
+    calls, real, real_wgrad = [], GF._gemm_grouped, GF._gemm_wgrad
+
+    def spy(aq, sa, bq, sb, splits, offs, fast_accum=False):
+        calls.append(("gemm", fast_accum))
+        return real(aq, sa, bq, sb, splits, offs, fast_accum)
+
+    def spy_wgrad(*args):  # (on CUDA its grouped GEMM; on the CPU the bf16 one, scales after)
+        calls.append(("wgrad", args[-1]))
+        return real_wgrad(*args)
+
+    monkeypatch.setattr(GF, "_gemm_grouped", spy)
+    monkeypatch.setattr(GF, "_gemm_wgrad", spy_wgrad)
+    torch.manual_seed(0)
+    x, w = torch.randn(32, 32, dtype=torch.bfloat16), torch.randn(3, 16, 32, dtype=torch.bfloat16)
+    s = torch.tensor([16, 0, 16])
+    out, saved = GF.per_tensor_forward(x, s, w, None, r, cuda=True)
+    GF.per_tensor_backward(torch.randn_like(out), saved, x, s, w, None, r, False, True, True, True)
+    assert calls == [("gemm", True), ("wgrad", not wgrad_split), ("gemm", not dgrad_split)]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize(
+    ("specs", "message"),
+    [
+        ({"input_spec": "current:e4m3:fast_dgrad"}, "fast_dgrad: not an option of input operands"),
+        ({"grad_spec": "block:e4m3:fast_wgrad"}, "fast_wgrad: not an option of grad operands"),
+    ],
+    ids=["input", "block"],
+)
+def test_fast_accumulation_only_on_a_per_tensor_grad_spec(specs, message, compiled):
+    kind = specs.get("grad_spec", specs.get("input_spec")).split(":")[0]
+    full = {"input_spec": f"{kind}:e4m3", "weight_spec": f"{kind}:e4m3",
+            "grad_spec": f"{kind}:e5m2", **specs}  # fmt: skip
+    x, w = torch.randn(32, 128), torch.randn(128, 128)
+    fn = torch.compile(F.linear, backend="aot_eager", fullgraph=True) if compiled else F.linear
+    with pytest.raises(Exception if compiled else ValueError, match=message):
+        fn(x, w, **full)

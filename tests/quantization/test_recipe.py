@@ -236,12 +236,7 @@ BAD = [
         Float8CurrentScaling,
         {"fp8_gemm_fprop": MMParams(use_split_accumulator=True)},
         "fp8_gemm_fprop must be MMParams(use_split_accumulator=False): te_compile's per-tensor "
-        "FP8 GEMMs run Transformer Engine's defaults",
-    ),
-    (
-        Float8CurrentScaling,
-        {"fp8_gemm_wgrad": MMParams(use_split_accumulator=False)},
-        "fp8_gemm_wgrad must be MMParams(use_split_accumulator=True)",
+        "forward GEMMs run fast accumulation",
     ),
     (
         Float8BlockScaling,
