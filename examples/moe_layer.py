@@ -31,9 +31,14 @@ from torch import nn
 
 import te_compile as te
 
-# --recipe: te FP8 recipes the te_compile layer is also timed under (against the bf16 layers).
+# --recipe: te FP8 recipes the te_compile layer is also timed under (against the bf16 layers);
+# current_fast: current scaling with the backward GEMMs' fast accumulation (MMParams).
+_FAST = te.recipe.MMParams(use_split_accumulator=False)
 RECIPES = {
     "current": te.recipe.Float8CurrentScaling,
+    "current_fast": lambda: te.recipe.Float8CurrentScaling(
+        fp8_gemm_dgrad=_FAST, fp8_gemm_wgrad=_FAST
+    ),
     "delayed": te.recipe.DelayedScaling,
     "block": te.recipe.Float8BlockScaling,
 }
