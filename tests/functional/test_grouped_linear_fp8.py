@@ -418,6 +418,14 @@ def test_balanced_scales_keep_every_product_exactly():
     assert (2.0**17 * a2).isfinite().all()
     same = torch.tensor([1.0, 2.0])
     assert all(torch.equal(t, same) for t in GF._balanced(same, same))
+    # Traced (the torch ops Inductor fuses on CUDA too): the same bits.
+    compiled = torch.compile(GF._balanced, fullgraph=True)
+    for x, y in ((sa, sb), (sb, sa), (torch.tensor([2.0**-140, 1.5]), sb)):
+        assert all(
+            torch.equal(c, e) for c, e in zip(compiled(x, y), GF._balanced(x, y), strict=True)
+        )
+    a0, b0 = GF._balanced(torch.empty(0), sb)  # no rows (exponent 0): sb's, 126, halved
+    assert a0.numel() == 0 and torch.equal(b0, sb * 2.0**-63)
 
 
 @pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=["e4m3", "e5m2"])
