@@ -25,6 +25,8 @@ __all__ = [
     "nvfp4_global_scale",
     "nvfp4_qdq",
     "nvfp4_qdq_row_groups",
+    "nvfp4_weight",
+    "nvfp4_weight_values",
     "parse_four_over_six",
     "quantize_mxfp8_ref",
     "quantize_nvfp4_ref",
@@ -323,6 +325,26 @@ def _nvfp4_values(data: Tensor, scale: Tensor, g: Tensor) -> Tensor:
     codes = torch.stack([data & 0xF, data >> 4], -1).reshape(m, k)
     codes = F.pad(codes, (0, -k % NVFP4_BLOCK)).view(m, scale.shape[-1], NVFP4_BLOCK)
     return _unblock(_block_values(codes, scale, g), k)
+
+
+def nvfp4_weight(w2: Tensor, tiles: bool, four_over_six: str) -> tuple[Tensor, Tensor, Tensor]:
+    """A weight ``[N, K]`` kept in NVFP4 (FP8 primary weights): ``(elements, scale, g)``, each
+    element's E2M1 value as ``float8_e4m3fn`` (exact; one byte an element, not two a byte), the
+    E4M3 block scales ``[N, ceil(K/16)]`` (``tiles``: of 16x16 tiles) and the global scale
+    ``[1]``: the quantisation of :func:`quantize_nvfp4_ref` with ``four_over_six``."""
+    data, scale, g, _, _ = quantize_nvfp4_ref(w2, None, True, False, tiles, four_over_six)
+    n, k = w2.shape
+    codes = torch.stack([data & 0xF, data >> 4], -1).reshape(n, k)
+    values = codes.new_tensor(_E2M1_VALUES, dtype=torch.float32)[(codes & 7).long()]
+    values = torch.where((codes & 8) != 0, -values, values)
+    return values.to(torch.float8_e4m3fn), scale, g.reshape(1)
+
+
+def nvfp4_weight_values(elements: Tensor, scale: Tensor, g: Tensor) -> Tensor:
+    """fp32 values ``[N, K]`` of :func:`nvfp4_weight`'s ``(elements, scale, g)``: the bits of
+    :func:`dequantize_nvfp4_ref` of the quantisation it kept."""
+    codes = _e2m1_codes(_blocks(elements, NVFP4_BLOCK))
+    return _unblock(_block_values(codes, scale, g.reshape(())), elements.shape[1])
 
 
 def nvfp4_qdq_row_groups(x: Tensor, row_splits: Tensor, tiles: bool = False) -> Tensor:

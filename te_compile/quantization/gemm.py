@@ -31,6 +31,7 @@ from te_compile import functional as F
 from te_compile._checks import check_choice
 from te_compile.functional import quantize_table as _q
 from te_compile.functional.gemm import PER_TENSOR, blockwise_supported
+from te_compile.functional.quantize_mx_ref import nvfp4_weight_values
 from te_compile.functional.spec import QuantSpec
 from te_compile.quantization.device import is_fp8_block_scaling_available
 from te_compile.quantization.fp8_gemm import FP8GemmState
@@ -157,6 +158,7 @@ _PRIMARY = {
     ),
     "block": ("Float8BlockScaling", "Float8BlockScaling blocks", "float8_block_scaling"),
     "mxfp8": ("MXFP8BlockScaling", "MXFP8 blocks", "mxfp8"),
+    "nvfp4": ("NVFP4BlockScaling", "NVFP4 16x16 tiles", "nvfp4"),
 }
 
 
@@ -174,7 +176,9 @@ def primary_kind(
     if weight_quantized is None:
         return ""
     data, scale = weight_quantized[:2]
-    kind = "mxfp8" if scale.dtype is torch.uint8 else "block" if scale.dim() == 2 else "tensor"
+    kind = {torch.uint8: "mxfp8", torch.float8_e4m3fn: "nvfp4"}.get(
+        scale.dtype, "block" if scale.dim() == 2 else "tensor"
+    )
     recipe, (made, kept, family) = state.recipe, _PRIMARY[kind]
     if not state.enabled:
         now = "calibration" if state.calibration else "no FP8 autocast"
@@ -189,7 +193,12 @@ def primary_kind(
             f"cannot use; run it under te_compile.autocast(recipe={made}()), or build "
             "the module outside quantized_model_init to use this recipe"
         )
-    if kind != "tensor":
+    if kind == "nvfp4" and recipe_specs(recipe)[1].block_rows != 16:
+        raise NotImplementedError(
+            f"{owner}: Recipe mismatch for {name!r}: the weight holds NVFP4 16x16 tiles, "
+            f"autocast's {type(recipe).__name__} quantises weights in 1x16 blocks"
+        )
+    if kind in ("block", "mxfp8"):
         w, wide = recipe_specs(recipe)[1], 128 if kind == "block" else 32
         rows = 1 if scale.shape[0] == data.shape[0] else 128
         if (w.block_rows, w.fp8_dtype) != (rows, data.dtype):
@@ -211,6 +220,9 @@ def as_gemm_takes(spec: QuantSpec, weight_q: Sequence[Tensor] | None, kind: str,
         return weight_q
     data, s, data_t, s_t, amax = weight_q
     f32, none = torch.float32, s.new_empty(0, dtype=torch.float32)
+    if kind == "nvfp4":  # 16x16 tiles: the dgrad copy is the values transposed
+        w = dequantized(data, s, spec, f32, amax)
+        return [w, none, w.t().contiguous(), none.clone(), none.clone()]
     w, w_t = dequantized(data, s, spec, f32), dequantized(data_t, s_t, spec, f32)
     if data.dim() == 3:
         w_t = w_t.transpose(1, 2).to(dtype).contiguous()
@@ -218,11 +230,15 @@ def as_gemm_takes(spec: QuantSpec, weight_q: Sequence[Tensor] | None, kind: str,
     return [w, none, w_t, none.clone(), amax]
 
 
-def dequantized(codes: Tensor, scale_inv: Tensor, spec: QuantSpec, dtype: torch.dtype) -> Tensor:
+def dequantized(codes: Tensor, scale_inv: Tensor, spec: QuantSpec, dtype: torch.dtype,
+                g: Tensor | None = None) -> Tensor:  # fmt: skip
     """The values of an FP8 primary weight's ``codes`` (float8) with their ``scale_inv``, kept
     as ``spec`` keeps them (``quantization.primary._cast``; an operand's codes may be their
-    bytes), in ``dtype``: ``te.dequantize``'s table (``functional.quantize_table``). A grouped
-    ``[G, N, K]`` weight in blocks: expert by expert."""
+    bytes), in ``dtype``: ``te.dequantize``'s table (``functional.quantize_table``); NVFP4's
+    E2M1 elements with their global scale ``g``. A grouped ``[G, N, K]`` weight in blocks:
+    expert by expert."""
+    if spec.kind == "nvfp4":
+        return nvfp4_weight_values(codes.view(torch.float8_e4m3fn), scale_inv, g).to(dtype)
     if codes.dim() > 2 and spec.kind != "current":
         experts = zip(codes, scale_inv, strict=True)
         return torch.stack([dequantized(c, s, spec, dtype) for c, s in experts])

@@ -29,6 +29,7 @@ from te_compile import functional as F
 from te_compile._checks import FP8_DTYPES, check_bool
 from te_compile._numerics import reciprocal_rn
 from te_compile.functional.quantize import scale_from_amax
+from te_compile.functional.quantize_mx_ref import nvfp4_weight
 from te_compile.functional.spec import QuantSpec
 from te_compile.quantization.device import get_default_fp8_recipe
 from te_compile.quantization.gemm import dequantized, recipe_specs
@@ -93,13 +94,18 @@ def _weight_spec(recipe: Recipe, owner: str) -> QuantSpec:
     spec = recipe_specs(recipe)[1]
     if spec.kind in ("current", "delayed"):
         return QuantSpec("current", spec.fp8_dtype)
-    if spec.kind == "block" or (spec.kind == "mxfp8" and spec.block_rows == 1):
+    tiles = spec.kind == "nvfp4" and spec.block_rows == 16 and "Grouped" not in owner
+    if spec.kind == "block" or (spec.kind == "mxfp8" and spec.block_rows == 1) or tiles:
         return spec  # (block: recipe_specs' native spec; gemm_args emulates)
-    got = type(recipe).__name__ + ("(enable_2d_quantization=True)" if spec.kind == "mxfp8" else "")
+    flag = {"mxfp8": "enable_2d_quantization=True", "nvfp4": "disable_2d_quantization=True"}
+    got = type(recipe).__name__ + (f"({flag[spec.kind]})" if spec.kind in flag else "")
+    if spec.kind == "nvfp4" and "Grouped" in owner:
+        got = "NVFP4BlockScaling on a grouped GEMM's weights"
     raise NotImplementedError(
         f"{owner}: FP8 primary weights (quantized_model_init's recipe) support "
-        "Float8CurrentScaling, DelayedScaling, Float8BlockScaling and "
-        f"MXFP8BlockScaling(enable_2d_quantization=False); got {got} (build the module outside "
+        "Float8CurrentScaling, DelayedScaling, Float8BlockScaling, "
+        "MXFP8BlockScaling(enable_2d_quantization=False) and, on the dense modules, "
+        f"NVFP4BlockScaling with 16x16 weight tiles; got {got} (build the module outside "
         "quantized_model_init to train it with this recipe)"
     )
 
@@ -114,6 +120,9 @@ def _cast(weight: Tensor, spec: QuantSpec) -> list[Tensor]:
         parts = [_cast(w, spec) for w in weight.unbind(0)]
         return [*(torch.stack(t) for t in zip(*(p[:4] for p in parts), strict=True)), parts[0][4]]
     flat = weight.reshape(-1, weight.shape[-1]) if weight.dim() > 2 else weight
+    if spec.kind == "nvfp4":  # each element's E2M1 value, the tiles' scales, the global scale
+        elements, scale, g = nvfp4_weight(flat.float(), True, spec.four_over_six)
+        return [elements, scale, scale.new_empty(0), scale.new_empty(0), g]
     if spec.kind == "mxfp8":
         out = [*F.quantize_mxfp8(flat, spec.fp8_dtype), flat.new_empty(0, dtype=torch.float32)]
     else:
@@ -130,7 +139,8 @@ _SUFFIXES = ("", "_scale_inv", "_t", "_scale_inv_t", "_amax")
 
 
 def _kept(spec: QuantSpec) -> tuple[int, ...]:
-    return (0, 1, 4) if spec.kind == "current" or spec.block_rows == 128 else (0, 1, 2, 3, 4)
+    transposable = spec.kind == "current" or spec.block_rows in (128, 16)  # (16: NVFP4 tiles)
+    return (0, 1, 4) if transposable else (0, 1, 2, 3, 4)
 
 
 def _spec(module: nn.Module, name: str) -> QuantSpec:
@@ -326,8 +336,8 @@ def _set(module: nn.Module, name: str, values: Tensor) -> None:
 
 def weight_values(module: nn.Module, name: str, dtype: torch.dtype) -> Tensor:
     """FP8 weight ``name``'s values (its codes with their scales) in ``dtype``, no gradient."""
-    scale_inv = getattr(module, f"{name}_scale_inv")
-    return dequantized(getattr(module, name).detach(), scale_inv, _spec(module, name), dtype)
+    scale_inv, g = getattr(module, f"{name}_scale_inv"), getattr(module, f"{name}_amax")
+    return dequantized(getattr(module, name).detach(), scale_inv, _spec(module, name), dtype, g)
 
 
 def is_primary(weight: Tensor) -> bool:
@@ -355,6 +365,8 @@ def primary_operand(
     kept = module._buffers
     if f"{name}_t" in kept:  # 1x128 or MXFP8's 1x32 weight blocks: a cast of its own
         return weight, scale_inv, kept[f"{name}_t"], kept[f"{name}_scale_inv_t"], amax
+    if _spec(module, name).kind == "nvfp4":  # dgrad copy: the values transposed (as_gemm_takes)
+        return weight, scale_inv, weight, scale_inv, amax
     codes_t = weight.detach().view(torch.uint8).t().contiguous()
     return weight, scale_inv, codes_t, scale_inv.t().contiguous(), amax
 

@@ -479,9 +479,59 @@ def test_block_compiled_step_one_graph_values_as_eager(name, recipe):
     _assert_compiled_step_as_eager(lambda: _primary(name, "cpu", recipe), recipe)
 
 
+# Without stochastic rounding: two modules' backward passes draw different random words.
+NVFP4 = NVFP4BlockScaling(disable_stochastic_rounding=True)
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_nvfp4_forward_and_gradients_match_the_high_precision_module(name):
+    """NVFP4BlockScaling (16x16 weight tiles): the kept elements, tile scales and global scale
+    are the cast the high-precision module makes each step (its columnwise copy the transpose),
+    so the output, input gradient and fp32 weight gradient are equal, exactly; the values are
+    those of ``te.quantize(w, recipe, role="weight")`` dequantised."""
+    hp = _build(name, "cpu", fuse_wgrad_accumulation=True)
+    m = _primary(name, "cpu", NVFP4)
+    te.FP8MasterWeights(m)
+    for n in _fp8_names(m):
+        getattr(hp, n).main_grad = torch.zeros(getattr(hp, n).shape)
+        w = getattr(hp, n).detach()
+        q = te.quantize(w, NVFP4, role="weight")
+        expected = te.dequantize(q, torch.float32)
+        assert torch.equal(_weight_values(m, n), expected), n
+        assert m.get_parameter(n).element_size() == 1  # an E2M1 value a byte
+    _assert_same_step(m, hp, "cpu", NVFP4)
+
+
+def test_nvfp4_compiled_step_one_graph_values_as_eager():
+    _assert_compiled_step_as_eager(lambda: _primary("Linear", "cpu", NVFP4), NVFP4)
+
+
+def _weight_values(m, n):
+    from te_compile.quantization.primary import weight_values
+
+    return weight_values(m, n, torch.float32)
+
+
+def test_nvfp4_weights_train_save_and_load():
+    """FP8MasterWeights refreshes the NVFP4 weight from its fp32 master after each step (the
+    loss falls); the state_dict round-trips the elements and scales; a bf16 checkpoint loads
+    quantised."""
+    m = _primary("Linear", "cpu", NVFP4)
+    losses, _ = _train(m, NVFP4, 4, True)
+    assert losses[-1] < losses[0]
+    fresh = _primary("Linear", "cpu", NVFP4)
+    fresh.load_state_dict(m.state_dict())
+    assert torch.equal(_weight_values(fresh, "weight"), _weight_values(m, "weight"))
+    hp = _build("Linear", "cpu")
+    fresh.load_state_dict(hp.state_dict())
+    q = te.quantize(hp.weight.detach(), NVFP4, role="weight")
+    assert torch.equal(_weight_values(fresh, "weight"), te.dequantize(q, torch.float32))
+
+
 def test_block_refused_uses():
     """A weight's recipe family is the autocast's (Transformer Engine's "Recipe mismatch"), the
-    same weight blocks; NVFP4 and MXFP8's 32x32 tiles are refused, dense and grouped."""
+    same weight blocks; MXFP8's 32x32 tiles and NVFP4's 1x16 weight blocks are refused, dense
+    and grouped, NVFP4 on grouped weights too."""
     m, per_tensor = (
         _primary("Linear", "cpu", BLOCK),
         _primary("Linear", "cpu", Float8CurrentScaling()),
@@ -503,15 +553,20 @@ def test_block_refused_uses():
     mx = _primary("Linear", "cpu", MXFP8)
     with autocast(recipe=BLOCK), pytest.raises(NotImplementedError, match="holds MXFP8 blocks"):
         mx(_x("cpu"))
-    for other in (NVFP4BlockScaling(), MXFP8BlockScaling(enable_2d_quantization=True)):
+    nvfp4_1d = NVFP4BlockScaling(disable_2d_quantization=True)
+    for other in (nvfp4_1d, MXFP8BlockScaling(enable_2d_quantization=True)):
         with pytest.raises(NotImplementedError, match=f"recipe.*got {type(other).__name__}"):
             _primary("Linear", "cpu", other)
+    for other in (NVFP4BlockScaling(), MXFP8BlockScaling(enable_2d_quantization=True)):
         for build in (lambda: te.GroupedLinear(G, 64, 32), lambda: te.ops.GroupedLinear(G, 64, 32)):
             with (
                 te.quantized_model_init(recipe=other),
                 pytest.raises(NotImplementedError, match=f"recipe.*got {type(other).__name__}"),
             ):
                 build()
+    nv = _primary("Linear", "cpu", NVFP4BlockScaling())
+    with autocast(recipe=nvfp4_1d), pytest.raises(NotImplementedError, match="holds NVFP4 16x16"):
+        nv(_x("cpu"))
 
 
 # GroupedLinear ---------------------------------------------------------------------------------
