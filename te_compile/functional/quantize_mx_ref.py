@@ -327,22 +327,34 @@ def _nvfp4_values(data: Tensor, scale: Tensor, g: Tensor) -> Tensor:
     return _unblock(_block_values(codes, scale, g), k)
 
 
-def nvfp4_weight(w2: Tensor, tiles: bool, four_over_six: str) -> tuple[Tensor, Tensor, Tensor]:
-    """A weight ``[N, K]`` kept in NVFP4 (FP8 primary weights): ``(elements, scale, g)``, each
-    element's E2M1 value as ``float8_e4m3fn`` (exact; one byte an element, not two a byte), the
-    E4M3 block scales ``[N, ceil(K/16)]`` (``tiles``: of 16x16 tiles) and the global scale
-    ``[1]``: the quantisation of :func:`quantize_nvfp4_ref` with ``four_over_six``."""
-    data, scale, g, _, _ = quantize_nvfp4_ref(w2, None, True, False, tiles, four_over_six)
-    n, k = w2.shape
-    codes = torch.stack([data & 0xF, data >> 4], -1).reshape(n, k)
-    values = codes.new_tensor(_E2M1_VALUES, dtype=torch.float32)[(codes & 7).long()]
-    values = torch.where((codes & 8) != 0, -values, values)
-    return values.to(torch.float8_e4m3fn), scale, g.reshape(1)
+def nvfp4_weight(w2: Tensor, tiles: bool, four_over_six: str) -> list[Tensor]:
+    """A weight ``[N, K]`` kept in NVFP4 (FP8 primary weights): ``[elements, scale, elements_t,
+    scale_t, g]``. Each element's E2M1 value as ``float8_e4m3fn`` (exact; one byte an element,
+    not two a byte) with its E4M3 block scales, ``[N, ceil(K/16)]``, or with ``tiles`` one a
+    16x16 tile, ``[ceil(N/16), ceil(K/16)]`` (then ``elements_t`` / ``scale_t`` are 0-element:
+    the transposes are the columnwise copy); else the columnwise copy quantised along ``N``;
+    ``g``: the global scale ``[1]``. :func:`quantize_nvfp4_ref` with ``four_over_six``."""
+    data, scale, g, data_t, scale_t = quantize_nvfp4_ref(w2, None, True, not tiles, tiles,
+                                                         four_over_six)  # fmt: skip
+
+    def elements(packed: Tensor) -> Tensor:
+        codes = torch.stack([packed & 0xF, packed >> 4], -1).reshape(packed.shape[0], -1)
+        values = codes.new_tensor(_E2M1_VALUES, dtype=torch.float32)[(codes & 7).long()]
+        return torch.where((codes & 8) != 0, -values, values).to(torch.float8_e4m3fn)
+
+    if tiles:
+        none = scale.new_empty(0)
+        return [elements(data), scale[::NVFP4_BLOCK].contiguous(), none, none, g.reshape(1)]
+    return [elements(data), scale, elements(data_t), scale_t, g.reshape(1)]
 
 
 def nvfp4_weight_values(elements: Tensor, scale: Tensor, g: Tensor) -> Tensor:
-    """fp32 values ``[N, K]`` of :func:`nvfp4_weight`'s ``(elements, scale, g)``: the bits of
-    :func:`dequantize_nvfp4_ref` of the quantisation it kept."""
+    """fp32 values ``[N, K]`` of :func:`nvfp4_weight`'s ``elements`` with their ``scale`` (of
+    blocks, or of tiles) over ``g``: the bits of :func:`dequantize_nvfp4_ref` of the
+    quantisation it kept."""
+    n = elements.shape[0]
+    if scale.shape[0] != n:  # one scale a 16x16 tile
+        scale = spread_blocks(scale, 0, n, NVFP4_BLOCK)
     codes = _e2m1_codes(_blocks(elements, NVFP4_BLOCK))
     return _unblock(_block_values(codes, scale, g.reshape(())), elements.shape[1])
 

@@ -158,7 +158,7 @@ _PRIMARY = {
     ),
     "block": ("Float8BlockScaling", "Float8BlockScaling blocks", "float8_block_scaling"),
     "mxfp8": ("MXFP8BlockScaling", "MXFP8 blocks", "mxfp8"),
-    "nvfp4": ("NVFP4BlockScaling", "NVFP4 16x16 tiles", "nvfp4"),
+    "nvfp4": ("NVFP4BlockScaling", "NVFP4 blocks", "nvfp4"),
 }
 
 
@@ -193,14 +193,9 @@ def primary_kind(
             f"cannot use; run it under te_compile.autocast(recipe={made}()), or build "
             "the module outside quantized_model_init to use this recipe"
         )
-    if kind == "nvfp4" and recipe_specs(recipe)[1].block_rows != 16:
-        raise NotImplementedError(
-            f"{owner}: Recipe mismatch for {name!r}: the weight holds NVFP4 16x16 tiles, "
-            f"autocast's {type(recipe).__name__} quantises weights in 1x16 blocks"
-        )
-    if kind in ("block", "mxfp8"):
-        w, wide = recipe_specs(recipe)[1], 128 if kind == "block" else 32
-        rows = 1 if scale.shape[0] == data.shape[0] else 128
+    if kind != "tensor":
+        w, wide = recipe_specs(recipe)[1], {"block": 128, "mxfp8": 32, "nvfp4": 16}[kind]
+        rows = 1 if scale.shape[0] == data.shape[0] else wide
         if (w.block_rows, w.fp8_dtype) != (rows, data.dtype):
             raise NotImplementedError(
                 f"{owner}: Recipe mismatch for {name!r}: the weight holds {rows}x{wide} blocks "
@@ -220,14 +215,11 @@ def as_gemm_takes(spec: QuantSpec, weight_q: Sequence[Tensor] | None, kind: str,
         return weight_q
     data, s, data_t, s_t, amax = weight_q
     f32, none = torch.float32, s.new_empty(0, dtype=torch.float32)
-    if kind == "nvfp4":  # 16x16 tiles: the dgrad copy is the values transposed
-        w = dequantized(data, s, spec, f32, amax)
-        return [w, none, w.t().contiguous(), none.clone(), none.clone()]
-    w, w_t = dequantized(data, s, spec, f32), dequantized(data_t, s_t, spec, f32)
+    w, w_t = dequantized(data, s, spec, f32, amax), dequantized(data_t, s_t, spec, f32, amax)
     if data.dim() == 3:
         w_t = w_t.transpose(1, 2).to(dtype).contiguous()
         return [w.to(dtype), none, w_t, none.clone(), none.clone()]
-    return [w, none, w_t, none.clone(), amax]
+    return [w, none, w_t, none.clone(), none.clone()]
 
 
 def dequantized(codes: Tensor, scale_inv: Tensor, spec: QuantSpec, dtype: torch.dtype,

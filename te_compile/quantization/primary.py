@@ -94,19 +94,16 @@ def _weight_spec(recipe: Recipe, owner: str) -> QuantSpec:
     spec = recipe_specs(recipe)[1]
     if spec.kind in ("current", "delayed"):
         return QuantSpec("current", spec.fp8_dtype)
-    tiles = spec.kind == "nvfp4" and spec.block_rows == 16 and "Grouped" not in owner
-    if spec.kind == "block" or (spec.kind == "mxfp8" and spec.block_rows == 1) or tiles:
+    dense_nvfp4 = spec.kind == "nvfp4" and "Grouped" not in owner
+    if spec.kind == "block" or (spec.kind == "mxfp8" and spec.block_rows == 1) or dense_nvfp4:
         return spec  # (block: recipe_specs' native spec; gemm_args emulates)
-    flag = {"mxfp8": "enable_2d_quantization=True", "nvfp4": "disable_2d_quantization=True"}
-    got = type(recipe).__name__ + (f"({flag[spec.kind]})" if spec.kind in flag else "")
-    if spec.kind == "nvfp4" and "Grouped" in owner:
-        got = "NVFP4BlockScaling on a grouped GEMM's weights"
+    got = type(recipe).__name__ + ("(enable_2d_quantization=True)" if spec.kind == "mxfp8" else "")
     raise NotImplementedError(
         f"{owner}: FP8 primary weights (quantized_model_init's recipe) support "
         "Float8CurrentScaling, DelayedScaling, Float8BlockScaling, "
         "MXFP8BlockScaling(enable_2d_quantization=False) and, on the dense modules, "
-        f"NVFP4BlockScaling with 16x16 weight tiles; got {got} (build the module outside "
-        "quantized_model_init to train it with this recipe)"
+        f"NVFP4BlockScaling; got {got} (build the module outside quantized_model_init to train "
+        "it with this recipe)"
     )
 
 
@@ -120,9 +117,8 @@ def _cast(weight: Tensor, spec: QuantSpec) -> list[Tensor]:
         parts = [_cast(w, spec) for w in weight.unbind(0)]
         return [*(torch.stack(t) for t in zip(*(p[:4] for p in parts), strict=True)), parts[0][4]]
     flat = weight.reshape(-1, weight.shape[-1]) if weight.dim() > 2 else weight
-    if spec.kind == "nvfp4":  # each element's E2M1 value, the tiles' scales, the global scale
-        elements, scale, g = nvfp4_weight(flat.float(), True, spec.four_over_six)
-        return [elements, scale, scale.new_empty(0), scale.new_empty(0), g]
+    if spec.kind == "nvfp4":  # each element's E2M1 value with its scales, the global scale
+        return nvfp4_weight(flat.float(), spec.block_rows == 16, spec.four_over_six)
     if spec.kind == "mxfp8":
         out = [*F.quantize_mxfp8(flat, spec.fp8_dtype), flat.new_empty(0, dtype=torch.float32)]
     else:
@@ -365,8 +361,6 @@ def primary_operand(
     kept = module._buffers
     if f"{name}_t" in kept:  # 1x128 or MXFP8's 1x32 weight blocks: a cast of its own
         return weight, scale_inv, kept[f"{name}_t"], kept[f"{name}_scale_inv_t"], amax
-    if _spec(module, name).kind == "nvfp4":  # dgrad copy: the values transposed (as_gemm_takes)
-        return weight, scale_inv, weight, scale_inv, amax
     codes_t = weight.detach().view(torch.uint8).t().contiguous()
     return weight, scale_inv, codes_t, scale_inv.t().contiguous(), amax
 

@@ -481,25 +481,28 @@ def test_block_compiled_step_one_graph_values_as_eager(name, recipe):
 
 # Without stochastic rounding: two modules' backward passes draw different random words.
 NVFP4 = NVFP4BlockScaling(disable_stochastic_rounding=True)
+NVFP4_1D = NVFP4BlockScaling(disable_stochastic_rounding=True, disable_2d_quantization=True)
 
 
+@pytest.mark.parametrize("recipe", [NVFP4, NVFP4_1D], ids=["16x16", "1x16"])
 @pytest.mark.parametrize("name", MODULES)
-def test_nvfp4_forward_and_gradients_match_the_high_precision_module(name):
-    """NVFP4BlockScaling (16x16 weight tiles): the kept elements, tile scales and global scale
-    are the cast the high-precision module makes each step (its columnwise copy the transpose),
-    so the output, input gradient and fp32 weight gradient are equal, exactly; the values are
-    those of ``te.quantize(w, recipe, role="weight")`` dequantised."""
+def test_nvfp4_forward_and_gradients_match_the_high_precision_module(name, recipe):
+    """NVFP4BlockScaling: the kept elements, block scales (of 16x16 tiles, the recipe's
+    default, whose columnwise copy is the transpose; or of 1x16 blocks, with a columnwise copy
+    kept) and global scale are the cast the high-precision module makes each step, so the
+    output, input gradient and fp32 weight gradient are equal, exactly; the values are those of
+    ``te.quantize(w, recipe, role="weight")`` dequantised."""
     hp = _build(name, "cpu", fuse_wgrad_accumulation=True)
-    m = _primary(name, "cpu", NVFP4)
+    m = _primary(name, "cpu", recipe)
     te.FP8MasterWeights(m)
     for n in _fp8_names(m):
         getattr(hp, n).main_grad = torch.zeros(getattr(hp, n).shape)
         w = getattr(hp, n).detach()
-        q = te.quantize(w, NVFP4, role="weight")
+        q = te.quantize(w, recipe, role="weight")
         expected = te.dequantize(q, torch.float32)
         assert torch.equal(_weight_values(m, n), expected), n
         assert m.get_parameter(n).element_size() == 1  # an E2M1 value a byte
-    _assert_same_step(m, hp, "cpu", NVFP4)
+    _assert_same_step(m, hp, "cpu", recipe)
 
 
 def test_nvfp4_compiled_step_one_graph_values_as_eager():
@@ -553,10 +556,9 @@ def test_block_refused_uses():
     mx = _primary("Linear", "cpu", MXFP8)
     with autocast(recipe=BLOCK), pytest.raises(NotImplementedError, match="holds MXFP8 blocks"):
         mx(_x("cpu"))
-    nvfp4_1d = NVFP4BlockScaling(disable_2d_quantization=True)
-    for other in (nvfp4_1d, MXFP8BlockScaling(enable_2d_quantization=True)):
-        with pytest.raises(NotImplementedError, match=f"recipe.*got {type(other).__name__}"):
-            _primary("Linear", "cpu", other)
+    other = MXFP8BlockScaling(enable_2d_quantization=True)
+    with pytest.raises(NotImplementedError, match=f"recipe.*got {type(other).__name__}"):
+        _primary("Linear", "cpu", other)
     for other in (NVFP4BlockScaling(), MXFP8BlockScaling(enable_2d_quantization=True)):
         for build in (lambda: te.GroupedLinear(G, 64, 32), lambda: te.ops.GroupedLinear(G, 64, 32)):
             with (
@@ -565,8 +567,11 @@ def test_block_refused_uses():
             ):
                 build()
     nv = _primary("Linear", "cpu", NVFP4BlockScaling())
-    with autocast(recipe=nvfp4_1d), pytest.raises(NotImplementedError, match="holds NVFP4 16x16"):
+    nvfp4_1d = NVFP4BlockScaling(disable_2d_quantization=True)
+    with autocast(recipe=nvfp4_1d), pytest.raises(NotImplementedError, match="holds 16x16 blocks"):
         nv(_x("cpu"))
+    with autocast(recipe=NVFP4), pytest.raises(NotImplementedError, match="holds 1x16 blocks"):
+        _primary("Linear", "cpu", nvfp4_1d)(_x("cpu"))
 
 
 # GroupedLinear ---------------------------------------------------------------------------------
