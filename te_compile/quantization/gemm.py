@@ -166,7 +166,8 @@ def primary_kind(
     owner: str, state: AutocastState, name: str, weight_quantized: Sequence[Tensor] | None
 ) -> str:
     """The kind of an FP8 primary weight's operand (:data:`_PRIMARY`; ``""``: None, not one),
-    told by its scale: one fp32 scale per tensor, fp32 block scales, MXFP8's uint8 (E8M0) ones.
+    told by its scale: one fp32 scale per tensor, fp32 block scales, MXFP8's uint8 (E8M0) ones,
+    NVFP4's E4M3 ones.
     Such a weight ``name`` runs inside an FP8 autocast of the recipe family it was made for
     (per-tensor codes, which either per-tensor recipe reads, or the blocks of a block-scaled
     recipe, of the autocast recipe's weight blocks; under ``backward_override=
