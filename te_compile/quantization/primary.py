@@ -426,7 +426,8 @@ def _backward_values(
     recipe with ``backward_override="high_precision"``, whose dgrad GEMM reads them (as TE
     dequantises a quantised weight there; the forward still reads the codes); else None."""
     state = get_autocast_state()
-    if not (state.enabled and state.recipe.backward_override == "high_precision"):
+    hp_backward = state.enabled and state.recipe.backward_override == "high_precision"
+    if not (hp_backward and torch.is_grad_enabled()):
         return None
     if getattr(module, "delay_wgrad_compute", False):
         raise NotImplementedError(
@@ -473,7 +474,7 @@ def primary_weight(
     if stand_in is not None:
         return stand_in, None
     main_grad = getattr(weight, "main_grad", None)
-    if values is not None and weight.requires_grad and torch.is_grad_enabled():
+    if values is not None:  # (a frozen weight too: the input's gradient reads the values)
         return _StandIn.apply(dtype, weight.shape, values, None, 0, False, weight), main_grad
     return weight, main_grad
 

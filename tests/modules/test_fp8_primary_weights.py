@@ -647,6 +647,11 @@ def test_high_precision_backward_dgrad_reads_the_weight_values(layout, recipe):
         w, w0 = m.get_parameter(n), hp.get_parameter(n)
         assert w.grad is None and torch.equal(w.main_grad, w0.main_grad), n
     assert m.get_parameter(_fp8_names(m)[-1]).main_grad.any()
+    frozen = copy.deepcopy(plain).requires_grad_(False)  # the input's gradient still reads them
+    x1 = x.detach().clone().requires_grad_()
+    with autocast(recipe=override):
+        frozen(x1, *args).backward(g)
+    assert torch.equal(x1.grad, x.grad)
     with autocast(recipe=override):  # no main_grad: .grad in the nominal dtype
         plain(x.detach(), *args).float().square().mean().backward()
     assert all(plain.get_parameter(n).grad.dtype == torch.bfloat16 for n in _fp8_names(plain))
