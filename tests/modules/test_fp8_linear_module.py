@@ -672,9 +672,12 @@ def test_nvfp4_forward_is_the_gemm_of_the_quantised_operands(device, two_d, modu
 SPLITS = [(True, True), (False, True), (True, False), (False, False)]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("dgrad_split", "wgrad_split"), SPLITS)
 @pytest.mark.parametrize("name", ["Linear", "LayerNormMLP"])
-def test_mmparams_set_each_backward_gemms_accumulation(name, dgrad_split, wgrad_split, monkeypatch):
+def test_mmparams_set_each_backward_gemms_accumulation(
+    name, dgrad_split, wgrad_split, device, monkeypatch
+):
     """``fp8_gemm_dgrad`` / ``fp8_gemm_wgrad`` reach the per-tensor GEMMs as their fast
     accumulation (``use_fast_accum`` of ``torch._scaled_mm`` on CUDA): the dgrad GEMMs (``a``:
     the gradient, a row per token) and the wgrad GEMMs (``a``: its transpose) each as their
@@ -693,10 +696,10 @@ def test_mmparams_set_each_backward_gemms_accumulation(name, dgrad_split, wgrad_
 
     monkeypatch.setitem(G.GEMMS, "tensorwise", spy)
     torch.manual_seed(0)
-    kw = {"params_dtype": torch.bfloat16}
+    kw = {"params_dtype": torch.bfloat16, "device": device}
     m = te.Linear(32, 48, **kw) if name == "Linear" else te.LayerNormMLP(32, 64, **kw)
     tokens = 80  # no feature dim
-    x = torch.randn(tokens, 32, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(tokens, 32, dtype=torch.bfloat16, device=device, requires_grad=True)
     with autocast(recipe=recipe):
         y = m(x)
     forward = len(calls)
@@ -709,11 +712,12 @@ def test_mmparams_set_each_backward_gemms_accumulation(name, dgrad_split, wgrad_
     assert dgrad == [not dgrad_split] * forward and wgrad == [not wgrad_split] * forward
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("dgrad_split", "wgrad_split"), SPLITS)
-def test_mmparams_reach_the_grouped_backward_gemms(dgrad_split, wgrad_split, monkeypatch):
+def test_mmparams_reach_the_grouped_backward_gemms(dgrad_split, wgrad_split, device, monkeypatch):
     """The grouped module's recipe (``make_grouped_recipe`` of its specs) carries them, and the
-    grouped FP8 backward (the CUDA path, run on CPU bf16 tensors) passes them to the dgrad and
-    the FP8 wgrad grouped GEMMs."""
+    grouped FP8 backward (the CUDA path; on the CPU run on CPU bf16 tensors) passes them to the
+    dgrad and the FP8 wgrad grouped GEMMs."""
     from te_compile.functional import grouped_fp8 as GF
     from te_compile.functional.grouped_linear_args import make_grouped_recipe
     from te_compile.functional.spec import BackwardSpec
@@ -738,11 +742,15 @@ def test_mmparams_reach_the_grouped_backward_gemms(dgrad_split, wgrad_split, mon
     monkeypatch.setattr(GF, "_gemm_grouped", spy)
     monkeypatch.setattr(GF, "_gemm_wgrad", spy_wgrad)
     torch.manual_seed(0)
-    x, w = torch.randn(32, 32, dtype=torch.bfloat16), torch.randn(3, 16, 32, dtype=torch.bfloat16)
-    s = torch.tensor([16, 0, 16])
+    kw = {"dtype": torch.bfloat16, "device": device}
+    x, w = torch.randn(32, 32, **kw), torch.randn(3, 16, 32, **kw)
+    s = torch.tensor([16, 0, 16], device=device)
     out, saved = GF.per_tensor_forward(x, s, w, None, r, cuda=True)
     GF.per_tensor_backward(torch.randn_like(out), saved, x, s, w, None, r, False, True, True, True)
-    assert calls == [("gemm", True), ("wgrad", not wgrad_split), ("gemm", not dgrad_split)]
+    wgrad = [("wgrad", not wgrad_split)]
+    if device == "cuda":  # the wgrad's own grouped GEMM
+        wgrad.append(("gemm", not wgrad_split))
+    assert calls == [("gemm", True), *wgrad, ("gemm", not dgrad_split)]
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])

@@ -484,25 +484,26 @@ NVFP4 = NVFP4BlockScaling(disable_stochastic_rounding=True)
 NVFP4_1D = NVFP4BlockScaling(disable_stochastic_rounding=True, disable_2d_quantization=True)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("recipe", [NVFP4, NVFP4_1D], ids=["16x16", "1x16"])
 @pytest.mark.parametrize("name", MODULES)
-def test_nvfp4_forward_and_gradients_match_the_high_precision_module(name, recipe):
+def test_nvfp4_forward_and_gradients_match_the_high_precision_module(name, recipe, device):
     """NVFP4BlockScaling: the kept elements, block scales (of 16x16 tiles, the recipe's
     default, whose columnwise copy is the transpose; or of 1x16 blocks, with a columnwise copy
     kept) and global scale are the cast the high-precision module makes each step, so the
     output, input gradient and fp32 weight gradient are equal, exactly; the values are those of
     ``te.quantize(w, recipe, role="weight")`` dequantised."""
-    hp = _build(name, "cpu", fuse_wgrad_accumulation=True)
-    m = _primary(name, "cpu", recipe)
+    hp = _build(name, device, fuse_wgrad_accumulation=True)
+    m = _primary(name, device, recipe)
     te.FP8MasterWeights(m)
     for n in _fp8_names(m):
-        getattr(hp, n).main_grad = torch.zeros(getattr(hp, n).shape)
+        getattr(hp, n).main_grad = torch.zeros(getattr(hp, n).shape, device=device)
         w = getattr(hp, n).detach()
         q = te.quantize(w, recipe, role="weight")
         expected = te.dequantize(q, torch.float32)
         assert torch.equal(_weight_values(m, n), expected), n
         assert m.get_parameter(n).element_size() == 1  # an E2M1 value a byte
-    _assert_same_step(m, hp, "cpu", recipe)
+    _assert_same_step(m, hp, device, recipe)
 
 
 def test_nvfp4_compiled_step_one_graph_values_as_eager():
