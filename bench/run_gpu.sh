@@ -168,9 +168,10 @@ runpy.run_path('examples/train_gpt.py', run_name='__main__')" "${tg[@]:1}" \
         | grep -v "^  \[" | tail -60 ;;
     moe_layer)  # examples/moe_layer.py (64 experts, top-2, hidden 4096) in bf16 and under FP8
                 # current (split and fast backward accumulation) and delayed scaling, against
-                # the plain-PyTorch bf16 layer
-      python3 examples/moe_layer.py --recipe current current_fast delayed 2>&1 | grep -v Warn \
-        | tee "$OUT/moe_layer.log" | tail -8 ;;
+                # the plain-PyTorch bf16 layer; with FP8 expert weights too (--fp8-weights)
+      python3 examples/moe_layer.py --recipe current current_fast delayed --fp8-weights 2>&1 \
+        | grep -v Warn \
+        | tee "$OUT/moe_layer.log" | tail -10 ;;
     hf_llama)  # examples/convert_hf_llama.py at issue 41's size (hidden 2048, 8 layers, 32 / 8
                # heads, ffn 8192, 4 x 2048 tokens), FP8 current and delayed against transformers
       python3 examples/convert_hf_llama.py --hidden 2048 --layers 8 --heads 32 --kv-heads 8 \

@@ -15,6 +15,7 @@ hidden 4096, ffn 1408, 64 experts, top-2, bf16. Usage::
     python examples/moe_layer.py                       # small config on CPU, full on GPU
     python examples/moe_layer.py --tokens 4096 --experts 16
     python examples/moe_layer.py --recipe current     # te_compile's experts in FP8, timed too
+    python examples/moe_layer.py --recipe current --fp8-weights  # and with FP8 expert weights
 """
 
 from __future__ import annotations
@@ -101,9 +102,9 @@ class TorchMoE(nn.Module):
         return torch.zeros_like(x).index_add_(0, token, y * w[:, None])
 
 
-def step_ms(model: nn.Module, fn, x: torch.Tensor, iters: int) -> float:
-    """Median wall time of a training step (forward, loss, backward; gradients set to None
-    before each, synchronised), after three warm-up steps."""
+def step_ms(model: nn.Module, fn, x: torch.Tensor, iters: int, after=None) -> float:
+    """Median wall time of a training step (forward, loss, backward, then ``after()``;
+    gradients set to None before each, synchronised), after three warm-up steps."""
     params = list(model.parameters())
     gpu = x.is_cuda
 
@@ -111,6 +112,8 @@ def step_ms(model: nn.Module, fn, x: torch.Tensor, iters: int) -> float:
         for p in params:
             p.grad = None
         fn(x).float().square().mean().backward()
+        if after is not None:
+            after()
 
     for _ in range(3):  # compile, warm up
         step()
@@ -138,6 +141,12 @@ def main() -> int:
     p.add_argument(
         "--recipe", nargs="+", choices=tuple(RECIPES), default=[],
         help="also time the te_compile layer under these FP8 recipes (te.autocast)",
+    )  # fmt: skip
+    p.add_argument(
+        "--fp8-weights", action="store_true",
+        help="with --recipe current / delayed / block: also the layer whose experts keep FP8 "
+        "weights (te.quantized_model_init), the step including FP8MasterWeights' refresh of "
+        "them (the optimizer step's cast)",
     )  # fmt: skip
     args = p.parse_args()
     gpu = args.device.startswith("cuda")
@@ -200,6 +209,21 @@ def main() -> int:
         fp8_ms = step_ms(ours, torch.compile(under, fullgraph=True), xr, args.iters)
         print(f"ms/step: te_compile FP8 {name} {fp8_ms:.3f} ({theirs_ms / fp8_ms:.2f}x plain "
               f"PyTorch bf16)")  # fmt: skip
+        if args.fp8_weights and name in ("current", "delayed", "block"):
+            torch._dynamo.reset()
+            with te.quantized_model_init(recipe=recipe):
+                kept = TeMoE(args.experts, args.hidden, args.ffn, args.topk, **factory)
+            kept.load_state_dict(ours.state_dict())  # the same weights, quantised
+            masters = te.FP8MasterWeights(kept)
+
+            def under_kept(x: torch.Tensor, recipe=recipe, kept=kept) -> torch.Tensor:
+                with te.autocast(recipe=recipe):
+                    return kept(x)
+
+            fn = torch.compile(under_kept, fullgraph=True)
+            kept_ms = step_ms(kept, fn, xr, args.iters, after=masters.refresh)
+            print(f"ms/step: te_compile FP8 {name}, FP8 expert weights {kept_ms:.3f} "
+                  f"({theirs_ms / kept_ms:.2f}x plain PyTorch bf16)")  # fmt: skip
     ok = out_err <= tol and grad_err <= tol and breaks == 0
     print("OK" if ok else "FAILED")
     return 0 if ok else 1
