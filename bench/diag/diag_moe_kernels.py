@@ -3,8 +3,8 @@
 examples/moe_layer.py's layer (64 experts, top-2, hidden 4096, ffn 1408, 16384 tokens) compiled
 with ``fullgraph=True``, bf16 and under each FP8 recipe named, next to the plain-PyTorch layer:
 for each, the CUDA kernels of one fwd+bwd step (``torch.profiler``, averaged over 5 steps), the
-25 longest by total time, and the step's total kernel time. Answers whether an FP8 step loses
-to its GEMMs or to its casts.
+25 longest by total time, the step's total kernel time and its split into GEMMs, FP8 casts and
+the rest. Answers whether an FP8 step loses to its GEMMs or to its casts.
 
     python -m bench.diag.diag_moe_kernels --recipes current delayed
 """
@@ -48,6 +48,15 @@ def kernels(fn, x, steps: int = 5) -> tuple[list[tuple[str, int, float]], float]
     return rows, sum(r[2] for r in rows)
 
 
+def kind(name: str) -> str:
+    """``"GEMM"`` (cuBLAS, CUTLASS), ``"cast"`` (te's quantisation kernels) or ``"other"``."""
+    if any(k in name for k in ("cutlass", "nvjet", "gemm", "sm90_xmma")):
+        return "GEMM"
+    if any(k in name for k in ("_rowwise", "_columnwise", "_balance_scales", "quantize", "amax")):
+        return "cast"
+    return "other"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipes", nargs="*", default=["current"], choices=sorted(RECIPES))
@@ -73,6 +82,9 @@ def main() -> int:
         print(
             f"\n## {name}: {total:.0f} us of kernels per step, {sum(r[1] for r in rows)} launches"
         )
+        sums = {k: sum(t for n, _, t in rows if kind(n) == k) for k in ("GEMM", "cast")}
+        print(f"GEMMs {sums['GEMM']:.0f} us, FP8 casts {sums['cast']:.0f} us, other "
+              f"{total - sum(sums.values()):.0f} us\n")  # fmt: skip
         print("| us | calls | kernel |\n| ---: | ---: | --- |")
         for n, c, t in rows[:25]:
             print(f"| {t:.0f} | {c} | `{n[:110]}` |")
