@@ -212,12 +212,21 @@ def _nvfp4_candidate(
     return codes, scale
 
 
-def _block_values(codes: Tensor, scale: Tensor, g: Tensor) -> Tensor:
-    """fp32 values ``e2m1 * scale / g`` of E2M1 ``codes`` ``[M, nb, 16]`` (E4M3 ``scale``
-    ``[M, nb]``; ``g`` broadcastable to ``[M, nb]``)."""
+def _e2m1_values(codes: Tensor) -> Tensor:
+    """The fp32 E2M1 values of 4-bit ``codes`` (``sign << 3 | magnitude``)."""
     values = codes.new_tensor(_E2M1_VALUES, dtype=torch.float32)[(codes & 7).long()]
-    values = torch.where((codes & 8) != 0, -values, values)
-    return div_rn(values * scale.float()[..., None], g[..., None])
+    return torch.where((codes & 8) != 0, -values, values)
+
+
+def _unpacked(data: Tensor) -> Tensor:
+    """The 4-bit codes ``[M, K]`` of NVFP4 bytes ``[M, K/2]`` (two a byte, low nibble first)."""
+    return torch.stack([data & 0xF, data >> 4], -1).reshape(data.shape[0], 2 * data.shape[1])
+
+
+def _block_values(e2m1: Tensor, scale: Tensor, g: Tensor) -> Tensor:
+    """fp32 values ``e2m1 * scale / g`` of E2M1 values ``[M, nb, 16]`` (:func:`_e2m1_values`;
+    E4M3 ``scale`` ``[M, nb]``; ``g`` broadcastable to ``[M, nb]``)."""
+    return div_rn(e2m1 * scale.float()[..., None], g[..., None])
 
 
 def _four_over_six_errors(xb, amax, g, err_mode: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -228,7 +237,7 @@ def _four_over_six_errors(xb, amax, g, err_mode: str) -> tuple[Tensor, Tensor, T
     cand6 = _nvfp4_candidate(xb, amax, g, False, None)
     errs = []
     for codes, scale in (cand4, cand6):
-        diff = _block_values(codes, scale, g) - xb
+        diff = _block_values(_e2m1_values(codes), scale, g) - xb
         errs.append((diff.abs() if err_mode == "MAE" else diff * diff).sum(-1))
     return errs[0], errs[1], cand4, cand6
 
@@ -322,9 +331,8 @@ def _nvfp4_values(data: Tensor, scale: Tensor, g: Tensor) -> Tensor:
     """fp32 ``[M, K]`` values of the NVFP4 rows ``data`` ``[M, K/2]`` (E4M3 ``scale``) over the
     global scale ``g`` (0-dim, or broadcastable to ``scale``'s shape: one a row or a block)."""
     m, k = data.shape[0], 2 * data.shape[1]
-    codes = torch.stack([data & 0xF, data >> 4], -1).reshape(m, k)
-    codes = F.pad(codes, (0, -k % NVFP4_BLOCK)).view(m, scale.shape[-1], NVFP4_BLOCK)
-    return _unblock(_block_values(codes, scale, g), k)
+    codes = F.pad(_unpacked(data), (0, -k % NVFP4_BLOCK)).view(m, scale.shape[-1], NVFP4_BLOCK)
+    return _unblock(_block_values(_e2m1_values(codes), scale, g), k)
 
 
 def nvfp4_weight(w2: Tensor, tiles: bool, four_over_six: str) -> list[Tensor]:
@@ -338,9 +346,7 @@ def nvfp4_weight(w2: Tensor, tiles: bool, four_over_six: str) -> list[Tensor]:
                                                          four_over_six)  # fmt: skip
 
     def elements(packed: Tensor) -> Tensor:
-        codes = torch.stack([packed & 0xF, packed >> 4], -1).reshape(packed.shape[0], -1)
-        values = codes.new_tensor(_E2M1_VALUES, dtype=torch.float32)[(codes & 7).long()]
-        return torch.where((codes & 8) != 0, -values, values).to(torch.float8_e4m3fn)
+        return _e2m1_values(_unpacked(packed)).to(torch.float8_e4m3fn)
 
     if tiles:
         none = scale.new_empty(0)
@@ -355,8 +361,8 @@ def nvfp4_weight_values(elements: Tensor, scale: Tensor, g: Tensor) -> Tensor:
     n = elements.shape[0]
     if scale.shape[0] != n:  # one scale a 16x16 tile
         scale = spread_blocks(scale, 0, n, NVFP4_BLOCK)
-    codes = _e2m1_codes(_blocks(elements, NVFP4_BLOCK))
-    return _unblock(_block_values(codes, scale, g.reshape(())), elements.shape[1])
+    values = _block_values(_blocks(elements, NVFP4_BLOCK), scale, g.reshape(()))
+    return _unblock(values, elements.shape[1])
 
 
 def nvfp4_qdq_row_groups(x: Tensor, row_splits: Tensor, tiles: bool = False) -> Tensor:
