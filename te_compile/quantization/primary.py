@@ -86,15 +86,16 @@ def quantized_model_init(
 fp8_model_init = quantized_model_init  # Transformer Engine's older name, same arguments
 
 
-def _weight_spec(recipe: Recipe, owner: str) -> QuantSpec:
+def _weight_spec(recipe: Recipe, owner: str, grouped: bool) -> QuantSpec:
     """How FP8 weights made under ``recipe`` are kept: the per-tensor recipes' weights by current
     scaling of the weight itself (either per-tensor recipe reads them, as Transformer Engine
     casts its primary weights); the block-scaled recipes' in their weight blocks, the codes as a
-    native GEMM takes them (an emulated GEMM dequantises them: ``quantization.gemm``)."""
+    native GEMM takes them (an emulated GEMM dequantises them: ``quantization.gemm``); NVFP4's
+    not for a ``grouped`` GEMM."""
     spec = recipe_specs(recipe)[1]
     if spec.kind in ("current", "delayed"):
         return QuantSpec("current", spec.fp8_dtype)
-    dense_nvfp4 = spec.kind == "nvfp4" and "Grouped" not in owner
+    dense_nvfp4 = spec.kind == "nvfp4" and not grouped
     if spec.kind == "block" or (spec.kind == "mxfp8" and spec.block_rows == 1) or dense_nvfp4:
         return spec  # (block: recipe_specs' native spec; gemm_args emulates)
     got = type(recipe).__name__ + ("(enable_2d_quantization=True)" if spec.kind == "mxfp8" else "")
@@ -153,15 +154,18 @@ def clear_high_precision_init_val(param: nn.Parameter) -> None:
 
 
 @torch.no_grad()
-def make_primary(module: nn.Module, names: tuple[str, ...], owner: str) -> None:
+def make_primary(
+    module: nn.Module, names: tuple[str, ...], owner: str, grouped: bool = False
+) -> None:
     """Inside ``quantized_model_init``: replace ``module``'s weights ``names`` (initialised in
-    high precision; a grouped GEMM's ``[G, N, K]`` weight or its ``G`` weights ``[N, K]``) by FP8
-    Parameters with their ``<name>_scale_inv`` / ``<name>_amax`` buffers (and ``<name>_t`` /
-    ``<name>_scale_inv_t`` of 1-D weight blocks: 1x128, MXFP8). Outside it: nothing."""
+    high precision; ``grouped``: a grouped GEMM's ``[G, N, K]`` weight or its ``G`` weights
+    ``[N, K]``) by FP8 Parameters with their ``<name>_scale_inv`` / ``<name>_amax`` buffers (and
+    ``<name>_t`` / ``<name>_scale_inv_t`` of 1-D weight blocks: 1x128, MXFP8, NVFP4's 1x16).
+    Outside it: nothing."""
     state = _STATE[0]
     if state is None:
         return
-    spec = _weight_spec(state.recipe, owner)
+    spec = _weight_spec(state.recipe, owner, grouped)
     for name in names:
         hp = getattr(module, name)
         tensors = _cast(hp.detach(), spec)
