@@ -4,9 +4,11 @@ examples/moe_layer.py's layer (64 experts, top-2, hidden 4096, ffn 1408, 16384 t
 with ``fullgraph=True``, bf16 and under each FP8 recipe named, next to the plain-PyTorch layer:
 for each, the CUDA kernels of one fwd+bwd step (``torch.profiler``, averaged over 5 steps), the
 25 longest by total time, the step's total kernel time and its split into GEMMs, FP8 casts and
-the rest. Answers whether an FP8 step loses to its GEMMs or to its casts.
+the rest. Answers whether an FP8 step loses to its GEMMs or to its casts. ``--fp8-weights``:
+each recipe also with FP8 expert weights (``te.quantized_model_init``), its step and, apart, the
+optimizer step's refresh of the FP8 weights from their fp32 masters (``FP8MasterWeights``).
 
-    python -m bench.diag.diag_moe_kernels --recipes current delayed
+    python -m bench.diag.diag_moe_kernels --recipes current delayed --fp8-weights
 """
 
 from __future__ import annotations
@@ -25,11 +27,17 @@ import te_compile as te
 from examples.moe_layer import RECIPES, TeMoE, TorchMoE
 
 
-def kernels(fn, x, steps: int = 5) -> tuple[list[tuple[str, int, float]], float]:
-    """``([(name, calls per step, us per step)], total us per step)`` of ``fn``'s training step."""
+def kernels(
+    fn, x, steps: int = 5, refresh: bool = False
+) -> tuple[list[tuple[str, int, float]], float]:
+    """``([(name, calls per step, us per step)], total us per step)`` of ``fn``'s training step
+    (``refresh``: of ``fn()``, an FP8 weight refresh)."""
 
     def step():
-        fn(x).float().square().mean().backward()
+        if refresh:
+            fn()
+        else:
+            fn(x).float().square().mean().backward()
 
     for _ in range(3):
         step()
@@ -61,6 +69,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipes", nargs="*", default=["current"], choices=sorted(RECIPES))
     p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--fp8-weights", action="store_true")
     args = p.parse_args()
     torch.manual_seed(0)
     factory = {"device": "cuda", "dtype": torch.bfloat16}
@@ -76,9 +85,21 @@ def main() -> int:
                 return moe(x)
 
         runs[f"te {name}"] = torch.compile(under, fullgraph=True)
+        if args.fp8_weights:
+            with te.quantized_model_init(recipe=recipe):
+                kept = TeMoE(64, 4096, 1408, 2, **factory)
+            kept.load_state_dict(moe.state_dict())
+            masters = te.FP8MasterWeights(kept)
+
+            def under_kept(x, recipe=recipe, kept=kept):
+                with te.autocast(recipe=recipe):
+                    return kept(x)
+
+            runs[f"te {name}, FP8 expert weights"] = torch.compile(under_kept, fullgraph=True)
+            runs[f"FP8MasterWeights.refresh ({name})"] = masters.refresh
     for name, fn in runs.items():
         torch._dynamo.reset()
-        rows, total = kernels(fn, x)
+        rows, total = kernels(fn, x, refresh=name.startswith("FP8MasterWeights"))
         print(
             f"\n## {name}: {total:.0f} us of kernels per step, {sum(r[1] for r in rows)} launches"
         )
