@@ -678,21 +678,26 @@ class FP8MasterWeights:
 
     @torch.no_grad()
     def refresh(self) -> None:
-        """Re-quantise every master into its FP8 weight (codes, scale, amax). A sharded weight:
-        the amax is the max over its FSDP2 group (all-reduced), so every rank casts its shard
-        with the scale of the whole weight and the codes equal the unsharded cast's."""
+        """Re-quantise every master into its FP8 weight (codes, scale, amax). Per tensor: the
+        amax of the master, then one cast into the codes alone (the dgrad GEMM's transposed
+        copy is made where it is used, not kept). A sharded weight: the amax is the max over
+        its FSDP2 group (all-reduced), so every rank casts its shard with the scale of the
+        whole weight and the codes equal the unsharded cast's."""
         for e in self._entries:
-            if e.group is None:
+            if _spec(e.module, e.name).kind != "current":  # in blocks: the whole cast
                 _set(e.module, e.name, e.master)
                 continue
-            import torch.distributed._functional_collectives as funcol
-
-            weight, local = getattr(e.module, e.name), e.master.to_local()
+            weight, local = getattr(e.module, e.name), e.master
+            if e.group is not None:
+                weight, local = weight.to_local(), local.to_local()
             amax = local.abs().amax().reshape(1) if local.numel() else local.new_zeros(1)
-            amax = funcol.wait_tensor(funcol.all_reduce(amax, "max", e.group))
+            if e.group is not None:
+                import torch.distributed._functional_collectives as funcol
+
+                amax = funcol.wait_tensor(funcol.all_reduce(amax, "max", e.group))
             scale = scale_from_amax(amax, torch.finfo(weight.dtype).max)
             data, _, _ = torch.ops.te.quantize_tensorwise(local, scale, weight.dtype, False)
-            weight.to_local().copy_(data.view(weight.dtype))
+            weight.copy_(data.view(weight.dtype))
             getattr(e.module, f"{e.name}_scale_inv").copy_(reciprocal_rn(scale))
             getattr(e.module, f"{e.name}_amax").copy_(amax)
             _stamp(e.module, e.name)
