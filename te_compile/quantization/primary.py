@@ -678,11 +678,9 @@ class FP8MasterWeights:
 
     @torch.no_grad()
     def refresh(self) -> None:
-        """Re-quantise every master into its FP8 weight (codes, scale, amax). Per tensor: the
-        amax of the master, then one cast into the codes alone (the dgrad GEMM's transposed
-        copy is made where it is used, not kept). A sharded weight: the amax is the max over
-        its FSDP2 group (all-reduced), so every rank casts its shard with the scale of the
-        whole weight and the codes equal the unsharded cast's."""
+        """Re-quantise every master into its FP8 weight (codes, scale, amax; per tensor the
+        codes alone, one cast). A sharded weight's amax is the max over its FSDP2 group, so
+        each rank casts its shard with the whole weight's scale: the unsharded cast's codes."""
         for e in self._entries:
             if _spec(e.module, e.name).kind != "current":  # in blocks: the whole cast
                 _set(e.module, e.name, e.master)
