@@ -679,23 +679,28 @@ class FP8MasterWeights:
     @torch.no_grad()
     def refresh(self) -> None:
         """Re-quantise every master into its FP8 weight (codes, scale, amax; per tensor the
-        codes alone, one cast). A sharded weight's amax is the max over its FSDP2 group, so
-        each rank casts its shard with the whole weight's scale: the unsharded cast's codes."""
+        codes alone: an amax pass and one cast). A sharded weight's amax is the max over its
+        FSDP2 group, so each rank casts its shard with the whole weight's scale: the unsharded
+        cast's codes."""
         for e in self._entries:
             if _spec(e.module, e.name).kind != "current":  # in blocks: the whole cast
                 _set(e.module, e.name, e.master)
                 continue
-            weight, local = getattr(e.module, e.name), e.master
-            if e.group is not None:
-                weight, local = weight.to_local(), local.to_local()
-            amax = local.abs().amax().reshape(1) if local.numel() else local.new_zeros(1)
-            if e.group is not None:
+            weight = getattr(e.module, e.name)
+            if e.group is None:
+                data, _, scale_inv, amax = torch.ops.te.quantize_current(
+                    e.master, weight.dtype, False
+                )
+            else:
                 import torch.distributed._functional_collectives as funcol
 
+                weight, local = weight.to_local(), e.master.to_local()
+                amax = local.abs().amax().reshape(1) if local.numel() else local.new_zeros(1)
                 amax = funcol.wait_tensor(funcol.all_reduce(amax, "max", e.group))
-            scale = scale_from_amax(amax, torch.finfo(weight.dtype).max)
-            data, _, _ = torch.ops.te.quantize_tensorwise(local, scale, weight.dtype, False)
+                scale = scale_from_amax(amax, torch.finfo(weight.dtype).max)
+                data, _, _ = torch.ops.te.quantize_tensorwise(local, scale, weight.dtype, False)
+                scale_inv = reciprocal_rn(scale)
             weight.copy_(data.view(weight.dtype))
-            getattr(e.module, f"{e.name}_scale_inv").copy_(reciprocal_rn(scale))
+            getattr(e.module, f"{e.name}_scale_inv").copy_(scale_inv)
             getattr(e.module, f"{e.name}_amax").copy_(amax)
             _stamp(e.module, e.name)
