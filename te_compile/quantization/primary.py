@@ -226,12 +226,12 @@ def _quantize_loaded_weights(module, state_dict, prefix, *args) -> None:
 
 
 def _stamp(module: nn.Module, name: str) -> None:
-    """Remember the storage and version of FP8 weight ``name`` and the version of its scale
-    after te_compile set the codes with their scale (:func:`check_unchanged`)."""
-    w = getattr(module, name)
+    """Remember the storage and version of FP8 weight ``name`` and of its scale after
+    te_compile set the codes with their scale (:func:`check_unchanged`)."""
+    w, scale = getattr(module, name), getattr(module, f"{name}_scale_inv")
     if type(w.data) is Tensor:  # a DTensor shard (FSDP2) is written through its local tensor
-        versions = (w._version, getattr(module, f"{name}_scale_inv")._version)
-        module.__dict__.setdefault(_STAMPS, {})[name] = (w.data_ptr(), versions)
+        stamp = (w.data_ptr(), w._version, scale.data_ptr(), scale._version)
+        module.__dict__.setdefault(_STAMPS, {})[name] = stamp
 
 
 class KeepFP8OnCast:
@@ -279,23 +279,33 @@ def _stamp_after_load(module: nn.Module, incompatible_keys: object) -> None:
 
 
 def check_unchanged(module: nn.Module, name: str, weight: Tensor) -> None:
-    """Refuse an FP8 weight written in place since te_compile set its codes and scale (an
-    in-place write other than its quantising ``weight.copy_`` casts values to float8 without
-    the weight's scale): same storage, newer codes and the same scale. Codes written with
-    their scale, or other storage (``.to()``, a deep copy): stamped again. Eager calls only."""
+    """Refuse an FP8 weight whose codes changed without its scale since te_compile set them:
+    written in place (same storage, newer codes, the same scale; an in-place write other than
+    its quantising ``weight.copy_`` casts values to float8 without the weight's scale), or
+    replaced (other storage, a new Parameter or ``weight.data = ...``, while the scale buffer
+    is the one stamped, unwritten: it belongs to the old codes; outside ``torch.distributed``,
+    where FSDP2 gives the weight new storage at every forward). Codes written with their
+    scale, or moved with it (``.to()``, a deep copy): stamped again. Eager calls only."""
     stamps = module.__dict__.get(_STAMPS)
     if stamps is None or torch.compiler.is_compiling() or type(weight.data) is not Tensor:
         return
-    ptr, (codes, scale) = stamps.get(name, (None, (None, None)))
-    if weight.data_ptr() != ptr or getattr(module, f"{name}_scale_inv")._version != scale:
+    scale = getattr(module, f"{name}_scale_inv")
+    ptr, codes, scale_ptr, scale_version = stamps.get(name, (None,) * 4)
+    kept_scale = scale.data_ptr() == scale_ptr and scale._version == scale_version
+    dist = torch.distributed.is_available() and torch.distributed.is_initialized()
+    moved = weight.data_ptr() != ptr and dist
+    if (weight.data_ptr() == ptr and weight._version == codes) or not kept_scale or moved:
         _stamp(module, name)
-    elif weight._version != codes:
-        raise RuntimeError(
-            f"{type(module).__name__}: the FP8 weight {name!r} was written in place without "
-            f"its scale ({name}_scale_inv; weight.detach().copy_(values), an in-place init, ...)"
-            ": set FP8 weights with weight.copy_(values) (which quantises), load_state_dict, "
-            f"FP8MasterWeights, reset_parameters(), or FP8 codes together with {name}_scale_inv"
-        )
+        return
+    how = "written in place" if weight.data_ptr() == ptr else "replaced by other codes"
+    raise RuntimeError(
+        f"{type(module).__name__}: the FP8 weight {name!r} was {how} without its scale "
+        f"({name}_scale_inv; weight.detach().copy_(codes), an in-place init, a new Parameter "
+        "of FP8 codes, ...): its values would be wrong. Set FP8 weights with "
+        "weight.copy_(values) (which quantises), load_state_dict, FP8MasterWeights, "
+        f"reset_parameters(), or FP8 codes together with their {name}_scale_inv "
+        f"(module.{name}_scale_inv.copy_(...))"
+    )
 
 
 @contextlib.contextmanager
@@ -549,7 +559,7 @@ def primary_main_grad(module: nn.Module, name: str) -> Tensor | None:
 
 _INIT_DTYPES = "_fp8_init_dtypes"  # {name: the dtype the FP8 weight was built in}
 _SPECS = "_fp8_weight_specs"  # {name: the QuantSpec it is kept by (_weight_spec)}
-_STAMPS = "_fp8_weight_stamps"  # {name: (data_ptr, _version) when te_compile last set it}
+_STAMPS = "_fp8_weight_stamps"  # {name: the codes' and the scale's (data_ptr, _version) when set}
 _HOOKED = "_fp8_load_hooks"  # the load_state_dict hooks are registered
 _SHARDED_MAIN_GRADS = "_fp8_sharded_main_grads"  # {name: the zero-byte leaf holding it as .grad}
 _SHARD_GROUP = "_fp8_shard_group"  # {name: (the FSDP2 group's name, its size)}

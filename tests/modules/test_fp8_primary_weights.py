@@ -1396,6 +1396,49 @@ def test_an_fp8_weight_written_in_place_is_refused_by_name(name):
         m(_x("cpu"))
 
 
+@pytest.mark.parametrize("name", ["Linear", "LayerNormMLP", "GroupedLinear"])
+def test_an_fp8_weight_replaced_without_its_scale_is_refused_by_name(name):
+    """A new Parameter of FP8 codes (Transformer Engine's tests share weights as
+    ``dst.weight = Parameter(src.weight.clone())``, where the clone carries its scale) leaves
+    the module's scale buffer behind, which belongs to the old codes: the next forward refuses
+    it, naming the weight, instead of computing with the wrong scale. Assigned together with
+    their scale, the codes compute what the module they came from computes, bit for bit; a
+    Parameter on the same storage is no change."""
+    recipe = Float8CurrentScaling()
+    grouped = name == "GroupedLinear"
+
+    def build(gain: float) -> torch.nn.Module:
+        torch.manual_seed(0)
+        if grouped:
+            with te.quantized_model_init(recipe=recipe):
+                m = te.GroupedLinear(2, 128, 64, params_dtype=torch.bfloat16)
+        else:
+            m = _primary(name, "cpu", recipe)
+        with torch.no_grad():
+            for n in _fp8_names(m):
+                w = m.get_parameter(n)
+                w.copy_(torch.randn(w.shape, dtype=torch.float64) * gain)  # quantises
+        return m
+
+    def run(m: torch.nn.Module) -> torch.Tensor:
+        with autocast(recipe=recipe), torch.no_grad():
+            return m(_x("cpu"), [40, 56]) if grouped else m(_x("cpu"))
+
+    src, dst = build(8.0), build(0.01)
+    n = _fp8_names(dst)[-1]
+    assert not torch.equal(dst.get_buffer(f"{n}_scale_inv"), src.get_buffer(f"{n}_scale_inv"))
+    setattr(dst, n, torch.nn.Parameter(dst.get_parameter(n).detach(), requires_grad=False))
+    run(dst)  # the same storage: runs
+    setattr(dst, n, torch.nn.Parameter(src.get_parameter(n).detach().clone()))
+    with pytest.raises(RuntimeError, match=rf"FP8 weight '{n}' was replaced by other codes"):
+        run(dst)
+    with torch.no_grad():
+        for k in _fp8_names(dst):
+            setattr(dst, k, torch.nn.Parameter(src.get_parameter(k).detach().clone()))
+            dst.get_buffer(f"{k}_scale_inv").copy_(src.get_buffer(f"{k}_scale_inv"))
+    assert torch.equal(run(dst), run(src))
+
+
 @pytest.mark.parametrize("grouped", [False, True], ids=["BasicLinear", "GroupedLinear"])
 @pytest.mark.parametrize("recipe", _COPY_RECIPES.values(), ids=_COPY_RECIPES.keys())
 def test_weight_copy_quantises_as_construction_does(recipe, grouped):
