@@ -183,10 +183,12 @@ def check_grouped_linear(a: GroupedLinearArgs) -> None:
             "GEMMs; use enable_2d_quantization=False"
         )
     check_grouped_weight_operand(p, recipe, a.weight, w.block_rows, w.emulate, a.weight_q)
-    if a.weight_q is not None and recipe == "nvfp4" and (w.four_over_six or w.block_rows != 16):
+    q = a.weight_q  # without its dgrad copy, NVFP4's is the weight's transpose: 16x16 tiles
+    own_copy = q is not None and not q[2].numel() and w.block_rows != 16
+    if q is not None and recipe == "nvfp4" and (w.four_over_six or own_copy):
         raise ValueError(
-            p + "an NVFP4 pre-quantised weight needs a weight_spec with 16x16 tiles (the dgrad "
-            f"copy is the weight itself) and without 4over6, got {a.weight_spec!r}"
+            p + "an NVFP4 pre-quantised weight needs a weight_spec without 4over6 and, without "
+            f"its dgrad copy, 16x16 tiles (the copy is then the weight), got {a.weight_spec!r}"
         )
     if not recipe:
         return

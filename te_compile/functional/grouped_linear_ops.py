@@ -509,9 +509,10 @@ def _for_backward(a: GroupedLinearArgs, saved: list[Tensor]) -> tuple[tuple, tup
             saved = [data_t, scale_t, *saved]
         elif kind == "blockwise":  # stacked: the backward reads them so
             saved = [*saved, data_t, scale_t]
-        else:  # NVFP4: the kept W (16x16 tiles: its own dgrad copy); the others: the dgrad copy
-            # (W along N), or 0-element: made from weight in the backward
-            saved = [*saved, a.weight_q[0 if x.kind == "nvfp4" else 2]]
+        else:  # the dgrad copy (W along N) where given; else NVFP4's W (16x16 tiles: its own
+            # dgrad copy), the others' 0-element: made from weight in the backward
+            own = x.kind == "nvfp4" and not data_t.numel()
+            saved = [*saved, a.weight_q[0 if own else 2]]
     tensors = (a.inp if keeps_inp else None, a.m_splits, a.weight, a.main_grad, a.scale,
                a.grad_amax, a.rng_state, *saved)  # fmt: skip
     return tensors, (a.input_spec, a.weight_spec, a.grad_spec, a.backward)

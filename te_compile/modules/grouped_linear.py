@@ -215,7 +215,7 @@ class GroupedLinear(_primary.KeepFP8OnCast, GroupedParameters, DelayedWgrad, nn.
         # is_first_microbatch: all groups' weights as one kept [num_gemms, out, in] cast.
         self._fp8_weights = _gemm.kept_weights("weight")
         self.reset_parameters()
-        _primary.make_primary(self, self._weight_names(), owner, grouped=True)
+        _primary.make_primary(self, self._weight_names(), owner)
 
     @property
     def parallel_mode(self) -> str | None:

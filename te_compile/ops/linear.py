@@ -498,7 +498,7 @@ class GroupedLinear(primary.KeepFP8OnCast, GroupedParameters, BasicOperation):
         # TE's slots per group (input, weight / grad), folded into our one state.
         accept_te_extra_state(self, ("fp8_meta",), (num_groups,), slots=(2, 1))
         self.reset_parameters()
-        primary.make_primary(self, self._weight_names(), "te.ops.GroupedLinear", grouped=True)
+        primary.make_primary(self, self._weight_names(), "te.ops.GroupedLinear")
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from te_compile import functional as F
 from te_compile._checks import check_choice
+from te_compile._numerics import acc_dtype
 from te_compile.functional import quantize_table as _q
 from te_compile.functional.gemm import PER_TENSOR, blockwise_supported
 from te_compile.functional.quantize_mx_ref import nvfp4_weight_values
@@ -230,11 +231,12 @@ def dequantized(codes: Tensor, scale_inv: Tensor, spec: QuantSpec, dtype: torch.
     bytes), in ``dtype``: ``te.dequantize``'s table (``functional.quantize_table``); NVFP4's
     E2M1 elements with their global scale ``g``. A grouped ``[G, N, K]`` weight in blocks:
     expert by expert."""
+    if codes.dim() > 2 and spec.kind != "current":
+        gs = g if spec.kind == "nvfp4" else [None] * len(codes)
+        experts = zip(codes, scale_inv, gs, strict=True)
+        return torch.stack([dequantized(c, s, spec, dtype, e) for c, s, e in experts])
     if spec.kind == "nvfp4":
         return nvfp4_weight_values(codes.view(torch.float8_e4m3fn), scale_inv, g).to(dtype)
-    if codes.dim() > 2 and spec.kind != "current":
-        experts = zip(codes, scale_inv, strict=True)
-        return torch.stack([dequantized(c, s, spec, dtype) for c, s in experts])
     data = codes.view(spec.fp8_dtype)
     q = _q.Quantized(data, scale_inv, None, None, None, spec.kind, spec.block_rows)
     return _q.dequantize(q, dtype)
@@ -718,10 +720,13 @@ def grouped_linear(
         kw["delay_wgrad"] = True
     if args.recipe in PER_TENSOR and not args.backward_override:
         kw["fp8_wgrad"] = True
-    weight_q = as_gemm_takes(args.specs[1], weight_quantized, kind, inp.dtype) or cached_weight(
+    # NVFP4's grouped GEMM on the CPU takes fp32 values (functional.grouped_gemm.nvfp4_dtype).
+    nvfp4_cpu = args.specs[1].kind == "nvfp4" and not inp.is_cuda
+    dtype = acc_dtype(inp) if nvfp4_cpu else inp.dtype
+    weight_q = as_gemm_takes(args.specs[1], weight_quantized, kind, dtype) or cached_weight(
         args, weight, cache, "weight", grouped=True
     )
-    if weight_q is not None:
-        kw["weight_quantized"] = weight_q
+    if weight_q is not None:  # (cast with the weight's 4over6: the op is told none, as dense)
+        kw.update(weight_quantized=weight_q, weight_spec=replace(args.specs[1], four_over_six=""))
     out = F.grouped_linear(inp, m_splits, weight, bias, main_grad=main_grad, **kw)
     return _outputs(out, kw, state, (meta,), defer, weight)

@@ -86,25 +86,22 @@ def quantized_model_init(
 fp8_model_init = quantized_model_init  # Transformer Engine's older name, same arguments
 
 
-def _weight_spec(recipe: Recipe, owner: str, grouped: bool) -> QuantSpec:
+def _weight_spec(recipe: Recipe, owner: str) -> QuantSpec:
     """How FP8 weights made under ``recipe`` are kept: the per-tensor recipes' weights by current
     scaling of the weight itself (either per-tensor recipe reads them, as Transformer Engine
     casts its primary weights); the block-scaled recipes' in their weight blocks, the codes as a
-    native GEMM takes them (an emulated GEMM dequantises them: ``quantization.gemm``); NVFP4's
-    not for a ``grouped`` GEMM."""
+    native GEMM takes them (an emulated GEMM dequantises them: ``quantization.gemm``)."""
     spec = recipe_specs(recipe)[1]
     if spec.kind in ("current", "delayed"):
         return QuantSpec("current", spec.fp8_dtype)
-    dense_nvfp4 = spec.kind == "nvfp4" and not grouped
-    if spec.kind == "block" or (spec.kind == "mxfp8" and spec.block_rows == 1) or dense_nvfp4:
+    if spec.kind in ("block", "nvfp4") or (spec.kind == "mxfp8" and spec.block_rows == 1):
         return spec  # (block: recipe_specs' native spec; gemm_args emulates)
     got = type(recipe).__name__ + ("(enable_2d_quantization=True)" if spec.kind == "mxfp8" else "")
     raise NotImplementedError(
         f"{owner}: FP8 primary weights (quantized_model_init's recipe) support "
-        "Float8CurrentScaling, DelayedScaling, Float8BlockScaling, "
-        "MXFP8BlockScaling(enable_2d_quantization=False) and, on the dense modules, "
-        f"NVFP4BlockScaling; got {got} (build the module outside quantized_model_init to train "
-        "it with this recipe)"
+        "Float8CurrentScaling, DelayedScaling, Float8BlockScaling, NVFP4BlockScaling and "
+        f"MXFP8BlockScaling(enable_2d_quantization=False); got {got} (build the module outside "
+        "quantized_model_init to train it with this recipe)"
     )
 
 
@@ -113,10 +110,12 @@ def _cast(weight: Tensor, spec: QuantSpec) -> list[Tensor]:
     codes of ``functional.quantize_mxfp8``, whose values quantize_weight gives), the codes as
     float8 in ``weight``'s shape. A grouped ``[G, N, K]`` weight: per tensor cast as ``[G * N,
     K]`` (one scale for the whole tensor); in blocks each expert on its own, as the grouped GEMM
-    casts a weight (no block straddles two experts), the four tensors stacked, ``[G, ...]``."""
+    casts a weight (no block straddles two experts), the tensors stacked, ``[G, ...]`` (NVFP4's
+    global scales too, one an expert)."""
     if weight.dim() > 2 and spec.kind != "current":
         parts = [_cast(w, spec) for w in weight.unbind(0)]
-        return [*(torch.stack(t) for t in zip(*(p[:4] for p in parts), strict=True)), parts[0][4]]
+        stacked = [torch.stack(t) for t in zip(*parts, strict=True)]
+        return stacked if spec.kind == "nvfp4" else [*stacked[:4], parts[0][4]]
     flat = weight.reshape(-1, weight.shape[-1]) if weight.dim() > 2 else weight
     if spec.kind == "nvfp4":  # each element's E2M1 value with its scales, the global scale
         return nvfp4_weight(flat.float(), spec.block_rows == 16, spec.four_over_six)
@@ -154,18 +153,16 @@ def clear_high_precision_init_val(param: nn.Parameter) -> None:
 
 
 @torch.no_grad()
-def make_primary(
-    module: nn.Module, names: tuple[str, ...], owner: str, grouped: bool = False
-) -> None:
+def make_primary(module: nn.Module, names: tuple[str, ...], owner: str) -> None:
     """Inside ``quantized_model_init``: replace ``module``'s weights ``names`` (initialised in
-    high precision; ``grouped``: a grouped GEMM's ``[G, N, K]`` weight or its ``G`` weights
-    ``[N, K]``) by FP8 Parameters with their ``<name>_scale_inv`` / ``<name>_amax`` buffers (and
+    high precision; a grouped GEMM's ``[G, N, K]`` weight or its ``G`` weights ``[N, K]``) by
+    FP8 Parameters with their ``<name>_scale_inv`` / ``<name>_amax`` buffers (and
     ``<name>_t`` / ``<name>_scale_inv_t`` of 1-D weight blocks: 1x128, MXFP8, NVFP4's 1x16).
     Outside it: nothing."""
     state = _STATE[0]
     if state is None:
         return
-    spec = _weight_spec(state.recipe, owner, grouped)
+    spec = _weight_spec(state.recipe, owner)
     for name in names:
         hp = getattr(module, name)
         tensors = _cast(hp.detach(), spec)
@@ -423,14 +420,16 @@ def _grouped_blocks(module: nn.Module, names: tuple[str, ...], data: Tensor) -> 
     """The pre-quantised operand of a grouped GEMM's weights kept in blocks, every expert's
     tensors stacked: the codes ``data`` ``[G, N, K]``, their scales, the dgrad GEMM's copy ``[G,
     K, N]`` and its scales (of 128x128 blocks the transposes, made per step), a 0-element amax
-    (``quantization.gemm.as_gemm_takes`` dequantises them where the GEMM is emulated)."""
+    or NVFP4's global scales ``[G, 1]`` (``quantization.gemm.as_gemm_takes`` dequantises them
+    where the GEMM is emulated)."""
     scale = _stacked([module._buffers[f"{n}_scale_inv"] for n in names])
     if f"{names[0]}_t" in module._buffers:  # 1-D blocks: a cast of its own
         data_t = _stacked([module._buffers[f"{n}_t"] for n in names])
         scale_t = _stacked([module._buffers[f"{n}_scale_inv_t"] for n in names])
     else:
         data_t, scale_t = data.transpose(1, 2).contiguous(), scale.transpose(1, 2).contiguous()
-    return [data, scale, data_t, scale_t, module._buffers[f"{names[0]}_amax"]]
+    amax = [module._buffers[f"{n}_amax"] for n in names]
+    return [data, scale, data_t, scale_t, amax[0] if len(names) == 1 else torch.stack(amax)]
 
 
 def _backward_values(

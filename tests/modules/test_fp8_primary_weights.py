@@ -534,8 +534,8 @@ def test_nvfp4_weights_train_save_and_load():
 
 def test_block_refused_uses():
     """A weight's recipe family is the autocast's (Transformer Engine's "Recipe mismatch"), the
-    same weight blocks; MXFP8's 32x32 tiles and NVFP4's 1x16 weight blocks are refused, dense
-    and grouped, NVFP4 on grouped weights too."""
+    same weight blocks; MXFP8's 32x32 tiles are refused, dense and grouped, and NVFP4's tiles
+    and 1x16 blocks serve only their own recipe."""
     m, per_tensor = (
         _primary("Linear", "cpu", BLOCK),
         _primary("Linear", "cpu", Float8CurrentScaling()),
@@ -560,7 +560,7 @@ def test_block_refused_uses():
     other = MXFP8BlockScaling(enable_2d_quantization=True)
     with pytest.raises(NotImplementedError, match=f"recipe.*got {type(other).__name__}"):
         _primary("Linear", "cpu", other)
-    for other in (NVFP4BlockScaling(), MXFP8BlockScaling(enable_2d_quantization=True)):
+    for other in (MXFP8BlockScaling(enable_2d_quantization=True),):
         for build in (lambda: te.GroupedLinear(G, 64, 32), lambda: te.ops.GroupedLinear(G, 64, 32)):
             with (
                 te.quantized_model_init(recipe=other),
@@ -1009,6 +1009,45 @@ def test_grouped_block_master_step_requantises_and_training_tracks_high_precisio
         return
     ref, _ = _train(_grouped("cpu", fuse_wgrad_accumulation=True), recipe, 4, False, SPLITS)
     assert_close(losses, ref, torch.bfloat16, roundings=chain_roundings(torch.bfloat16, 4))
+
+
+@pytest.mark.parametrize("single", **LAYOUTS)
+@pytest.mark.parametrize("recipe", [NVFP4, NVFP4_1D], ids=["16x16", "1x16"])
+def test_grouped_nvfp4_weights_step_as_the_high_precision_module_and_train(recipe, single):
+    """NVFP4BlockScaling primary weights on GroupedLinear: each expert keeps its own cast (E2M1
+    values, block or tile scales, its own global scale), the values of ``te.quantize(w_i,
+    recipe, role="weight")``; one step equals the bf16 module's, which casts the same weights
+    each step: output, input gradient (with 1x16 blocks the dgrad GEMM reads the kept
+    columnwise copy) and ``main_grad``, exactly. FP8MasterWeights trains it; the state_dict
+    round-trips."""
+    nv_splits = [48, 0, 48]  # NVFP4's grouped GEMMs take multiples of 16 tokens
+    m = _grouped("cpu", recipe, single=single)
+    hp = _grouped("cpu", single=single, fuse_wgrad_accumulation=True)
+    experts = [hp.weight[i] for i in range(G)] if single else list(hp.weights())
+    kept = torch.cat([_weight_values(m, n).reshape(-1, 64, 128) for n in _fp8_names(m)])
+    for i, w in enumerate(experts):
+        q = te.quantize(w.detach(), recipe, role="weight")
+        assert torch.equal(kept[i], te.dequantize(q, torch.float32)), i
+    gs = torch.cat([m.get_buffer(f"{n}_amax").flatten() for n in _fp8_names(m)])
+    assert gs.numel() == G and len(set(gs.tolist())) == G  # a global scale an expert
+    te.FP8MasterWeights(m)
+    hp.allocate_main_grad()
+    x = _x("cpu").requires_grad_()
+    x0 = x.detach().clone().requires_grad_()
+    with autocast(recipe=recipe):
+        y, y0 = m(x, nv_splits), hp(x0, nv_splits)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y0.backward(g)
+    assert torch.equal(y, y0) and torch.equal(x.grad, x0.grad)
+    assert m._main_grad_buffer.any() and torch.equal(m._main_grad_buffer, hp._main_grad_buffer)
+    m = _grouped("cpu", recipe, single=single)
+    losses, _ = _train(m, recipe, 4, True, nv_splits)
+    assert losses[-1] < losses[0]
+    fresh = _grouped("cpu", recipe, single=single)
+    fresh.load_state_dict(m.state_dict())
+    with autocast(recipe=recipe), torch.no_grad():
+        assert torch.equal(fresh(_x("cpu", 7), nv_splits), m(_x("cpu", 7), nv_splits))
 
 
 def _grouped_main_grads(m):

@@ -273,6 +273,21 @@ def test_grouped_kept_nvfp4_weight_needs_tiles_and_no_4over6(recipe):
         m(_gx("cpu"), SPLITS, is_first_microbatch=True)
 
 
+def test_grouped_nvfp4_pre_quantised_weight_needs_its_dgrad_copy_or_tiles():
+    """``te::grouped_linear`` with an NVFP4 pre-quantised weight of 1x16 blocks: refused without
+    the dgrad copy (the weight is its own only with 16x16 tiles), naming the spec; with it (FP8
+    primary weights give it), the forward reads the given weight, as the op's own cast."""
+    torch.manual_seed(0)
+    w, x, spec = torch.randn(2, 32, 64), torch.randn(32, 64), "nvfp4:emulate"
+    specs = {"input_spec": spec, "weight_spec": spec, "grad_spec": spec}
+    q = te.functional.quantize_grouped_weight(w, spec)
+    with pytest.raises(ValueError, match=r"without its dgrad copy, 16x16 tiles.*'nvfp4:emulate'"):
+        te.functional.grouped_linear(x, [16, 16], w, None, weight_quantized=q, **specs)
+    given = [q[0], q[1], q[0].clone(), q[3], q[4]]
+    y = te.functional.grouped_linear(x, [16, 16], w, None, weight_quantized=given, **specs)
+    assert torch.equal(y, te.functional.grouped_linear(x, [16, 16], w, None, **specs))
+
+
 class _GroupedCasts:
     """Counts the per-tensor casts of a grouped weight: ``op`` in ``te::quantize_grouped_weight``
     (the kept copy), ``inline`` inside the grouped GEMM op (the per-call cast)."""
