@@ -54,6 +54,7 @@ from te_compile.functional.gemm import (
     PER_TENSOR,
     DeferredWgrad,
     check_gemm_tensors,
+    check_overwrite,
     empty,
     quantize_per_tensor,
     save_for_backward_except_written,
@@ -488,7 +489,7 @@ def _setup_context(ctx, inputs, output) -> None:
     tensors, ctx.scalars = _for_backward(a, saved)
     # main_grad and grad_amax (positions 3 and 5): written by the backward.
     save_for_backward_except_written(ctx, (*tensors, a.wgrad_stash), (3, 5))
-    ctx.has_bias = a.bias is not None
+    ctx.has_bias, ctx.overwrite = a.bias is not None, a.bw.overwrite_main_grad
 
 
 def _for_backward(a: GroupedLinearArgs, saved: list[Tensor]) -> tuple[tuple, tuple]:
@@ -524,6 +525,8 @@ def _backward(ctx, bwd, grad_out, _grad_saved):
     need = ctx.needs_input_grad
     need_dgrad, need_wgrad = need[0], need[2]
     has_bias = ctx.has_bias and need[3]
+    if need_wgrad and ctx.overwrite:  # (a deferred wgrad adds to the zeros)
+        main_grad.zero_()
     dinp, dweight, dbias = bwd(
         grad_out.contiguous(), saved, inp, m_splits, weight, main_grad, scale, grad_amax,
         rng_state, *ctx.scalars, has_bias, need_dgrad, need_wgrad,
@@ -568,6 +571,7 @@ def grouped_linear(
     save_original_input: bool = False,
     weight_quantized: Sequence[Tensor] | None = None,
     backward_override: str = "",
+    overwrite_main_grad: bool = False,
 ) -> Tensor | tuple[Tensor, ...]:
     """Rows of ``inp`` split into groups by ``m_splits``; group ``g`` gets
     ``inp_g @ weight[g].T + bias[g]`` through ``te::grouped_linear_fwd`` (module docstring; by
@@ -595,16 +599,18 @@ def grouped_linear(
     if (
         any(specs) or scale is not None or grad_amax is not None or rng_state is not None
         or fp8_wgrad or stash is not None or save_original_input or weight_quantized is not None
-        or backward_override
+        or backward_override or overwrite_main_grad is not False
     ):  # fmt: skip
-        check_bool("te.grouped_linear", fp8_wgrad=fp8_wgrad,
-                   save_original_input=save_original_input)  # fmt: skip
+        flags = {"fp8_wgrad": fp8_wgrad, "save_original_input": save_original_input}
+        check_bool("te.grouped_linear", **flags, overwrite_main_grad=overwrite_main_grad)
+        check_overwrite("te.grouped_linear", overwrite_main_grad, main_grad)
         check_choice("te.grouped_linear", "backward_override", backward_override,
                      BACKWARD_OVERRIDES)  # fmt: skip
         check_tensors("te.grouped_linear", scale=scale, grad_amax=grad_amax)
         if rng_state is None and isinstance(specs[2], str) and "sr" in specs[2].split(":"):
             rng_state = new_rng_state(inp.device)
-        backward = BackwardSpec(backward_override, save_original_input, fp8_wgrad).encode()
+        backward = BackwardSpec(backward_override, save_original_input, fp8_wgrad,
+                                overwrite_main_grad).encode()  # fmt: skip
         weight_q = None if weight_quantized is None else list(weight_quantized)
         args += (*specs, scale, grad_amax, rng_state, backward, weight_q, stash)
     out, saved = _grouped_linear(*args)

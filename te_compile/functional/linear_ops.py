@@ -81,6 +81,7 @@ from te_compile.functional.gemm import (
     DeferredWgrad,
     check_gemm_args,
     check_gemm_tensors,
+    check_overwrite,
     empty,
     hp_linear,
     hp_linear_backward,
@@ -331,6 +332,7 @@ def _setup_context(ctx, inputs, output) -> None:
     save_for_backward_except_written(ctx, (*tensors, a.wgrad_stash), _WRITTEN)
     ctx.has_norm = bool(a.nrm.normalization)
     ctx.fp8_weight = a.main_grad is None and fp8_grad(a.weight)
+    ctx.overwrite = a.bw.overwrite_main_grad
 
 
 # Positions of main_grad and grad_amax in the backward's tensors (_for_backward): the buffers
@@ -379,6 +381,8 @@ def _backward(ctx, bwd, grad, grad_branch, _grad_saved):
     need = ctx.needs_input_grad
     if need[1] and getattr(ctx, "fp8_weight", False):
         refuse_fp8_weight_grad("te.linear", "weight", "main_grad")
+    if need[1] and getattr(ctx, "overwrite", False):  # (a deferred wgrad adds to the zeros)
+        main_grad.zero_()
     need_norm = ctx.has_norm and any(need[NORM_WEIGHT : NORM_WEIGHT + 2])
     need_dbias = ctx.has_bias and need[2]
     need_dgrad = need[0] or need_norm
@@ -437,12 +441,12 @@ def _deferred(args: tuple, saved: list[Tensor]) -> DeferredWgrad:
 @eager_cached(1024, typed=True)
 def _scalar_specs(normalization, norm_eps, zero_centered_gamma, activation, glu_interleave_size,
                   limit, alpha, glu_linear_offset, out_scale, return_branch, backward_override,
-                  save_original_input) -> tuple[str, str, str]:  # fmt: skip
+                  save_original_input, overwrite_main_grad) -> tuple[str, str, str]:  # fmt: skip
     """:func:`linear`'s scalar arguments checked (each error names its argument) and encoded:
     the ``norm``, ``epilogue`` and ``backward`` strings of ``te::linear_fwd``. They depend on
     the values alone (and their types), so an eager call computes them once."""
-    check_bool("te.linear", zero_centered_gamma=zero_centered_gamma,
-               return_branch=return_branch)  # fmt: skip
+    check_bool("te.linear", zero_centered_gamma=zero_centered_gamma, return_branch=return_branch,
+               overwrite_main_grad=overwrite_main_grad)  # fmt: skip
     check_gemm_args(
         "te.linear", {}, norm_eps=norm_eps, glu_interleave_size=glu_interleave_size, limit=limit,
         alpha=alpha, glu_linear_offset=glu_linear_offset, out_scale=out_scale,
@@ -452,7 +456,7 @@ def _scalar_specs(normalization, norm_eps, zero_centered_gamma, activation, glu_
     norm = NormSpec(normalization, float(norm_eps), zero_centered_gamma) if normalization else None
     epilogue = EpilogueSpec(activation, glu_interleave_size or 0, limit, alpha,
                             glu_linear_offset, float(out_scale), return_branch)  # fmt: skip
-    backward = BackwardSpec(backward_override, save_original_input)
+    backward = BackwardSpec(backward_override, save_original_input, False, overwrite_main_grad)
     return norm.encode() if norm else "", epilogue.encode(), backward.encode()
 
 
@@ -486,6 +490,7 @@ def linear(
     weight_quantized: Sequence[Tensor] | None = None,
     delay_wgrad: bool = False,
     save_original_input: bool = False,
+    overwrite_main_grad: bool = False,
 ) -> Tensor | tuple[Tensor, ...]:
     """``residual + out_scale * activation(norm(inp) @ weight.T + bias)`` through
     ``te::linear_fwd``, every part optional; by default ``inp @ weight.T + bias`` in high
@@ -527,12 +532,14 @@ def linear(
         or norm_weight is not None or norm_bias is not None or weight_quantized is not None
         or norm_eps != 1e-5 or zero_centered_gamma is not False or glu_interleave_size is not None
         or limit != 7.0 or alpha != 1.702 or glu_linear_offset != 1.0 or out_scale != 1.0
+        or overwrite_main_grad is not False
     ):  # fmt: skip
         norm, epilogue, backward = _scalar_specs(
             normalization, norm_eps, zero_centered_gamma, activation, glu_interleave_size,
             limit, alpha, glu_linear_offset, out_scale, return_branch, backward_override,
-            save_original_input,
+            save_original_input, overwrite_main_grad,
         )  # fmt: skip
+        check_overwrite("te.linear", overwrite_main_grad, main_grad)
         check_tensors("te.linear", scale=scale, grad_amax=grad_amax, norm_weight=norm_weight,
                       norm_bias=norm_bias, residual=residual)  # fmt: skip
         check_same_device("te.linear", "inp", inp, norm_weight=norm_weight, norm_bias=norm_bias,

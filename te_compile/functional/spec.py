@@ -204,11 +204,13 @@ class BackwardSpec:
     ``"high_precision"`` / ``"dequantized"``: Transformer Engine's ``backward_override``);
     ``save_input``: the backward keeps the input itself and quantises it again
     (``save_original_input``); ``fp8_wgrad``: the grouped family's per-tensor wgrad GEMM in
-    FP8."""
+    FP8; ``overwrite_main_grad``: the weight gradient replaces ``main_grad``'s values instead of
+    adding to them (Transformer Engine's ``weight.overwrite_main_grad``)."""
 
     override: str = _choice("", _names("high_precision", "dequantized"))
     save_input: bool = _flag("save_input")
     fp8_wgrad: bool = _flag("fp8_wgrad")
+    overwrite_main_grad: bool = _flag("overwrite")
 
     @_cached
     def encode(self) -> str:

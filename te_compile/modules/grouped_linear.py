@@ -362,6 +362,8 @@ class GroupedLinear(_primary.KeepFP8OnCast, GroupedParameters, DelayedWgrad, nn.
         if own or (per_weight and wanted):
             weight, main_grad, into = self._per_weight_accumulation(weight, params, defer)
         bias = self._grouped_bias()
+        # Transformer Engine's weight attribute: the gradient replaces main_grad's values.
+        overwrite = main_grad is not None and bool(getattr(params[0], "overwrite_main_grad", 0))
 
         def gemm(x: Tensor, b: Tensor | None) -> Tensor:
             out = _gemm.grouped_linear(
@@ -376,6 +378,7 @@ class GroupedLinear(_primary.KeepFP8OnCast, GroupedParameters, DelayedWgrad, nn.
                 save_original_input=self.save_original_input,
                 cache=cache,
                 weight_quantized=weight_q,
+                overwrite_main_grad=overwrite,
             )
             if into is not None and defer is None:  # main_grads loaded before the op's backward
                 out = _LoadMainGrads.apply(out, main_grad, *into)

@@ -19,10 +19,12 @@ the fusion) where ``te::mlp`` does not implement what is asked of it
 (``quantization.gemm.MLP_AS_TWO_LINEARS``; docs/op_mechanism.md says why for each):
 ``delay_wgrad_compute`` (the weight gradients wait for ``backward_dw``), ``checkpoint=True``
 (FC1's output is recomputed), a recipe's ``backward_override``, calibration
-(``calibrating=True``) and NVFP4's per-operand options (the Hadamard transform,
-stochastic rounding, row-scaled activations, 4over6). ``fuse_wgrad_accumulation`` and FP8
-primary weights (``quantized_model_init``: the pre-quantised weights ``fc1_weight_q`` /
-``fc2_weight_q``, the gradients into ``main_grad1`` / ``main_grad2``) run in ``te::mlp``.
+(``calibrating=True``), NVFP4's per-operand options (the Hadamard transform,
+stochastic rounding, row-scaled activations, 4over6) and a weight's ``overwrite_main_grad``
+(Transformer Engine's attribute: its gradient replaces ``main_grad``'s values).
+``fuse_wgrad_accumulation`` and FP8 primary weights (``quantized_model_init``: the
+pre-quantised weights ``fc1_weight_q`` / ``fc2_weight_q``, the gradients into ``main_grad1`` /
+``main_grad2``) run in ``te::mlp``.
 
 Tensor parallelism: with a ``tp_group`` (or ``tp_size > 1``) FC1 is column-parallel and FC2
 row-parallel, as Transformer Engine's ``set_parallel_mode=True``: each rank holds

@@ -562,6 +562,8 @@ def linear(
         _refuse_delayed(owner, state)
     if defer is not None and weight.requires_grad:  # (else no weight gradient to delay)
         epilogue = {**epilogue, "delay_wgrad": True}
+    if main_grad is not None and getattr(weight, "overwrite_main_grad", False):  # TE's attribute
+        epilogue = {**epilogue, "overwrite_main_grad": True}
     if not (state.enabled or norm or epilogue):  # te.Linear's hot path in high precision
         return F.linear(inp, weight, bias, main_grad=main_grad)
     args = gemm_args(owner, state, inp, (weight,), (meta,))
@@ -628,8 +630,10 @@ def mlp(
     FP8 state included) rather than their outputs saved; FC2 runs once."""
     act_kw = activation_params or {}
     state = get_autocast_state()
-    by_op = mlp_as_two_linears(state, recompute_fc1, defer)
     (q1, q2), (g1, g2) = weights_quantized, main_grads or (None, None)
+    pairs = ((fc1_weight, g1), (fc2_weight, g2))
+    overwrite = any(g is not None and getattr(w, "overwrite_main_grad", False) for w, g in pairs)
+    by_op = mlp_as_two_linears(state, recompute_fc1, defer, overwrite)
     kinds = [primary_kind(owner, state, n, q) for n, q in (("fc1_weight", q1), ("fc2_weight", q2))]
     if recompute_fc1 and defer is not None:
         raise NotImplementedError(
@@ -662,17 +666,19 @@ def mlp(
 # op (the same bytes); LayerNormMLP's docstring and docs/op_mechanism.md name each (test_mlp.py).
 MLP_AS_TWO_LINEARS = ("delay_wgrad_compute", "checkpoint=True", "backward_override",
                       "calibrating=True", "Hadamard transform", "stochastic rounding",
-                      "row-scaled activations", "4over6")  # fmt: skip
+                      "row-scaled activations", "4over6", "overwrite_main_grad")  # fmt: skip
 
 
-def mlp_as_two_linears(state: AutocastState, recompute_fc1: bool, defer: list | None) -> str:
+def mlp_as_two_linears(state: AutocastState, recompute_fc1: bool, defer: list | None,
+                       overwrite_main_grad: bool = False) -> str:  # fmt: skip
     """The first of :data:`MLP_AS_TWO_LINEARS` that applies to an :func:`mlp` call, or ``""``:
     ``te::mlp`` runs it. The one place that decides."""
     nvfp4 = recipe_specs(state.recipe) if state.enabled and state.recipe.nvfp4() else ()
     applies = (defer is not None, recompute_fc1,
                state.enabled and state.recipe.backward_override is not None, state.calibration,
                any(s.rht for s in nvfp4), any(s.stochastic_rounding for s in nvfp4),
-               any(s.row_scaled for s in nvfp4), any(s.four_over_six for s in nvfp4))  # fmt: skip
+               any(s.row_scaled for s in nvfp4), any(s.four_over_six for s in nvfp4),
+               overwrite_main_grad)  # fmt: skip
     return MLP_AS_TWO_LINEARS[applies.index(True)] if True in applies else ""
 
 
@@ -689,6 +695,7 @@ def grouped_linear(
     save_original_input: bool = False,
     cache: WeightCache | None = None,
     weight_quantized: Sequence[Tensor] | None = None,
+    overwrite_main_grad: bool = False,
 ) -> Tensor:
     """A module's grouped GEMM (``weight`` ``[G, N, K]``) through ``te::grouped_linear`` with
     the autocast state's recipe (high precision outside it), as :func:`linear` runs a dense one
@@ -726,6 +733,8 @@ def grouped_linear(
     weight_q = as_gemm_takes(args.specs[1], weight_quantized, kind, dtype) or cached_weight(
         args, weight, cache, "weight", grouped=True
     )
+    if overwrite_main_grad:  # (Transformer Engine's attribute of the module's weights)
+        kw["overwrite_main_grad"] = True
     if weight_q is not None:  # (cast with the weight's 4over6: the op is told none, as dense)
         kw.update(weight_quantized=weight_q, weight_spec=replace(args.specs[1], four_over_six=""))
     out = F.grouped_linear(inp, m_splits, weight, bias, main_grad=main_grad, **kw)

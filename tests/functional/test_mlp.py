@@ -411,8 +411,8 @@ def test_every_case_run_as_two_linears_is_documented():
     def on(recipe):
         return AutocastState(True, recipe, None)
 
-    def call(state, recompute_fc1=False, defer=None):
-        return gemm.mlp_as_two_linears(state, recompute_fc1, defer)
+    def call(state, recompute_fc1=False, defer=None, overwrite=False):
+        return gemm.mlp_as_two_linears(state, recompute_fc1, defer, overwrite)
 
     reasons = {
         "delay_wgrad_compute": call(off, defer=[]),
@@ -425,6 +425,7 @@ def test_every_case_run_as_two_linears_is_documented():
             on(r.NVFP4BlockScaling(**plain, row_scaled_activation=True))
         ),
         "4over6": call(on(r.NVFP4BlockScaling(**plain, nvfp4_4over6="weights"))),
+        "overwrite_main_grad": call(off, overwrite=True),
     }
     assert set(reasons) == set(gemm.MLP_AS_TWO_LINEARS)
     assert all(got == reason for reason, got in reasons.items()), reasons

@@ -193,3 +193,64 @@ def test_layernorm_linear_accumulates_into_main_grad(recipe, compiled):
     torch.testing.assert_close(fused.weight.main_grad, plain.weight.grad)
     for name in ("bias", "layer_norm_weight", "layer_norm_bias"):
         torch.testing.assert_close(getattr(fused, name).grad, getattr(plain, name).grad)
+
+
+def _overwrite_modules():
+    g = {"params_dtype": torch.float32}
+    return {
+        "Linear": lambda: te.Linear(32, 16, fuse_wgrad_accumulation=True, **g),
+        "LayerNormLinear": lambda: te.LayerNormLinear(32, 16, fuse_wgrad_accumulation=True, **g),
+        "LayerNormMLP": lambda: te.LayerNormMLP(32, 32, fuse_wgrad_accumulation=True, **g),
+        "GroupedLinear": lambda: te.GroupedLinear(2, 32, 16, fuse_wgrad_accumulation=True, **g),
+        "GroupedLinear_single": lambda: te.GroupedLinear(
+            2, 32, 16, fuse_wgrad_accumulation=True, single_grouped_weight=True, **g
+        ),
+        "ops.BasicLinear": lambda: te.ops.BasicLinear(32, 16, accumulate_into_main_grad=True),
+    }
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("recipe", [None, "current"], ids=["hp", "fp8_current"])
+@pytest.mark.parametrize("name", list(_overwrite_modules()))
+def test_overwrite_main_grad_replaces_its_values(name, recipe, compiled):
+    """Transformer Engine's ``weight.overwrite_main_grad = True``: the backward writes the
+    weight gradient into ``main_grad`` instead of adding it to what is there (Megatron-FSDP's
+    convention). Against the same step into a zeroed ``main_grad``, exactly; without the
+    attribute the old values stay added (the attribute is not ignored)."""
+    grouped = name.startswith("GroupedLinear")
+    x = torch.randn(32, 32, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    m = _overwrite_modules()[name]()
+    weights = [p for n, p in m.named_parameters() if "weight" in n and "layer_norm" not in n]
+    single = name.endswith("single")
+    if single:
+        m.allocate_main_grad()
+    r = te.recipe.Float8CurrentScaling() if recipe else None
+
+    def step(start: float, overwrite: bool) -> list[torch.Tensor]:
+        for w in weights:
+            if single:  # the buffer allocate_main_grad made
+                w.main_grad.fill_(start)
+            else:
+                w.main_grad = torch.full(w.shape, start)
+            w.overwrite_main_grad = overwrite
+        fn = torch.compile(m, fullgraph=True) if compiled else m
+        with te.autocast(enabled=r is not None, recipe=r):
+            y = fn(x, [16, 16]) if grouped else fn(x)
+        y.square().sum().backward()
+        return [w.main_grad.clone() for w in weights]
+
+    zero = step(0.0, False)
+    assert all(g.abs().sum() > 0 for g in zero)
+    for got, want in zip(step(7.0, True), zero, strict=True):
+        assert torch.equal(got, want)
+    for got, want in zip(step(7.0, False), zero, strict=True):  # accumulated: 7 + the gradient
+        assert_close(got, want.double() + 7.0, torch.float32, roundings=2)
+
+
+def test_overwrite_main_grad_needs_main_grad():
+    x, w = torch.randn(4, 16), torch.randn(8, 16, requires_grad=True)
+    with pytest.raises(ValueError, match="overwrite_main_grad=True needs main_grad"):
+        te.functional.linear(x, w, overwrite_main_grad=True)
+    with pytest.raises(ValueError, match="overwrite_main_grad=True needs main_grad"):
+        te.functional.grouped_linear(x, [2, 2], w.view(2, 4, 16), overwrite_main_grad=True)

@@ -213,6 +213,7 @@ COMMON: dict[str, Domain] = {
     "power_2_scale": SWITCH(),
     "delay_wgrad_compute": SWITCH(),
     "save_original_input": SWITCH(),
+    "overwrite_main_grad": SWITCH(),
     "rng_tracker_name": Domain("str or None", (3, True)),
     "is_first_microbatch": Domain("bool or None", ("yes", 1)),
     "cache_quantized_input": SWITCH(),
