@@ -284,8 +284,9 @@ class LayerNormMLP(_primary.KeepFP8OnCast, DelayedWgrad, PreNorm):
         wq = (_primary.primary_operand(self, "fc1_weight"),
               _primary.primary_operand(self, "fc2_weight"))  # fmt: skip
         if wq != (None, None):  # FP8 primary weights: their gradients go to main_grad
-            w1, g1 = _primary.primary_weight(self, "fc1_weight", inp.dtype)
-            w2, g2 = _primary.primary_weight(self, "fc2_weight", inp.dtype)
+            fuse = self.fuse_wgrad_accumulation
+            w1, g1 = _primary.primary_weight(self, "fc1_weight", inp.dtype, fuse)
+            w2, g2 = _primary.primary_weight(self, "fc2_weight", inp.dtype, fuse)
             main_grads = (g1, g2)
         defer = self._wgrad_defer(w1, w2)
         out = _gemm.mlp(owner, metas, inp, w1, b1, self.activation, w2, fc2_bias, norm=norm,

@@ -185,7 +185,9 @@ class Linear(_primary.KeepFP8OnCast, DelayedWgrad, NamedSlices, nn.Module):
         main_grad = weight_main_grad("Linear", param) if self.fuse_wgrad_accumulation else None
         wq = _primary.primary_operand(self, "weight", param)
         if wq is not None:  # FP8 primary weight: its gradient goes to main_grad
-            weight, main_grad = _primary.primary_weight(self, "weight", inp.dtype)
+            weight, main_grad = _primary.primary_weight(
+                self, "weight", inp.dtype, self.fuse_wgrad_accumulation
+            )
         cache = None
         if is_first_microbatch is not None:
             _gemm.check_first_microbatch("Linear", is_first_microbatch)

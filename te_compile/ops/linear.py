@@ -253,10 +253,12 @@ class BasicLinear(primary.KeepFP8OnCast, BasicOperation):
         if weight_q is None:
             weight, main_grad = self.weight, self.main_grad()
         elif _high_precision(self.weight):
-            main_grad = getattr(self.weight, "main_grad", None)
+            main_grad = primary.taken_main_grad(self.weight, self.accumulate_into_main_grad)
             weight_q, weight = None, _values(self, ("weight",), x.dtype, main_grad)
         else:
-            weight, main_grad = primary.primary_weight(self, "weight", x.dtype)
+            weight, main_grad = primary.primary_weight(
+                self, "weight", x.dtype, self.accumulate_into_main_grad
+            )
 
         def run(inp: Tensor, b: Tensor | None) -> Tensor | tuple[Tensor, ...]:
             return gemm.linear("BasicLinear", self.fp8_meta, inp, weight, b, main_grad,

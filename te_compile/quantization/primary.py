@@ -474,22 +474,31 @@ def _sharded_stand_in(
 
 
 def primary_weight(
-    module: nn.Module, name: str, dtype: torch.dtype
+    module: nn.Module, name: str, dtype: torch.dtype, accumulate: bool
 ) -> tuple[Tensor, Tensor | None]:
     """The GEMM op's ``weight`` argument for ``module``'s FP8 weight ``name`` (its operand is
     :func:`primary_operand`) and the fp32 ``main_grad`` the op accumulates its gradient into:
-    the codes Parameter and ``weight.main_grad`` (None without ``FP8MasterWeights``: the
-    backward then raises). Sharded by FSDP2, with ``FP8MasterWeights`` and grad enabled: a
+    the codes Parameter and :func:`taken_main_grad` (None: the gradient goes to ``.grad`` in the
+    nominal dtype). Sharded by FSDP2, with ``FP8MasterWeights`` and grad enabled: a
     :class:`_StandIn` in ``dtype`` and None (the op returns the gradient to the stand-in)."""
     weight = getattr(module, name)
     values = _backward_values(module, (name,), weight, dtype)
     stand_in = _sharded_stand_in(module, (name,), weight, dtype, weight.shape, False, values)
     if stand_in is not None:
         return stand_in, None
-    main_grad = getattr(weight, "main_grad", None)
+    main_grad = taken_main_grad(weight, accumulate)
     if values is not None:  # (a frozen weight too: the input's gradient reads the values)
         return _StandIn.apply(dtype, weight.shape, values, None, 0, False, weight), main_grad
     return weight, main_grad
+
+
+def taken_main_grad(weight: Tensor, accumulate: bool) -> Tensor | None:
+    """``weight.main_grad`` where the module accumulates into it (``accumulate``: its
+    ``fuse_wgrad_accumulation`` / ``accumulate_into_main_grad``) or ``FP8MasterWeights`` made
+    it; else None, as Transformer Engine leaves a ``main_grad`` the module was not told of."""
+    main_grad = getattr(weight, "main_grad", None)
+    take = main_grad is not None and (accumulate or getattr(main_grad, _MASTERS, False))
+    return main_grad if take else None
 
 
 def _reduce_scatter_rows(grad: Tensor, world: int, group_name: str, local_rows: int) -> Tensor:
@@ -556,6 +565,7 @@ def primary_main_grad(module: nn.Module, name: str) -> Tensor | None:
     return main_grad
 
 
+_MASTERS = "_fp8_masters"  # on the main_grad tensors FP8MasterWeights made (taken_main_grad)
 _INIT_DTYPES = "_fp8_init_dtypes"  # {name: the dtype the FP8 weight was built in}
 _SPECS = "_fp8_weight_specs"  # {name: the QuantSpec it is kept by (_weight_spec)}
 _STAMPS = "_fp8_weight_stamps"  # {name: the codes' and the scale's (data_ptr, _version) when set}
@@ -651,6 +661,8 @@ class FP8MasterWeights:
                 master = nn.Parameter(master)
                 if group is None and not allocated:
                     param.main_grad = torch.zeros_like(master)
+                if group is None:  # the modules accumulate into it whatever their flags say
+                    setattr(param.main_grad, _MASTERS, True)
                 self._entries.append(_Entry(module, name, master, group))
         if not self._entries:
             raise ValueError(

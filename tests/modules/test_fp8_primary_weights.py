@@ -1612,3 +1612,43 @@ def test_reset_parameters_after_a_cast_requantises_in_the_new_dtype():
     init = m.weight.get_high_precision_init_val()
     assert init.dtype == torch.float16
     _assert_kept_cast_of(m, {"weight": init})
+
+
+@pytest.mark.parametrize("accumulate", [False, True], ids=["grad", "main_grad"])
+@pytest.mark.parametrize("name", ["Linear", "LayerNormMLP", "ops.BasicLinear"])
+def test_a_main_grad_the_module_was_not_told_of_is_left_alone(name, accumulate):
+    """A ``main_grad`` the user set on an FP8 weight goes to the module only with its
+    ``fuse_wgrad_accumulation`` / ``accumulate_into_main_grad``; without, the gradient goes to
+    ``.grad`` in the nominal dtype and ``main_grad`` keeps its values, as in Transformer Engine
+    (whose fusible-ops test sets ``main_grad`` to 0.5 either way). ``FP8MasterWeights``' own
+    ``main_grad`` takes the gradient whatever the flags. Both ways, the same gradient."""
+    recipe = Float8CurrentScaling()
+
+    def build():
+        flag = {"accumulate_into_main_grad" if name.startswith("ops") else
+                "fuse_wgrad_accumulation": accumulate}  # fmt: skip
+        with te.quantized_model_init(recipe=recipe):
+            torch.manual_seed(0)
+            if name.startswith("ops"):
+                return te.ops.BasicLinear(128, 64, dtype=torch.bfloat16, **flag)
+            return _build(name, "cpu", **flag)
+
+    def step(m):
+        with autocast(recipe=recipe):
+            m(_x("cpu")).float().square().sum().backward()
+
+    m = build()
+    for n in _fp8_names(m):
+        m.get_parameter(n).main_grad = torch.full(m.get_parameter(n).shape, 0.5)
+    step(m)
+    masters = build()
+    te.FP8MasterWeights(masters)
+    step(masters)
+    for n in _fp8_names(m):
+        w, want = m.get_parameter(n), masters.get_parameter(n).main_grad
+        if accumulate:  # 0.5 + the gradient, rounded once more
+            assert w.grad is None, n
+            assert_close(w.main_grad, want.double() + 0.5, torch.float32, roundings=2)
+        else:
+            assert torch.equal(w.main_grad, torch.full_like(w.main_grad, 0.5)), n
+            assert w.grad.dtype == torch.bfloat16 and torch.equal(w.grad, want.bfloat16()), n
