@@ -29,9 +29,9 @@ from torch import Tensor
 
 from te_compile import functional as F
 from te_compile._checks import check_choice
-from te_compile._numerics import acc_dtype
 from te_compile.functional import quantize_table as _q
 from te_compile.functional.gemm import PER_TENSOR, blockwise_supported
+from te_compile.functional.grouped_gemm import nvfp4_dtype
 from te_compile.functional.quantize_mx_ref import nvfp4_weight_values
 from te_compile.functional.spec import QuantSpec
 from te_compile.quantization.device import is_fp8_block_scaling_available
@@ -727,9 +727,7 @@ def grouped_linear(
         kw["delay_wgrad"] = True
     if args.recipe in PER_TENSOR and not args.backward_override:
         kw["fp8_wgrad"] = True
-    # NVFP4's grouped GEMM on the CPU takes fp32 values (functional.grouped_gemm.nvfp4_dtype).
-    nvfp4_cpu = args.specs[1].kind == "nvfp4" and not inp.is_cuda
-    dtype = acc_dtype(inp) if nvfp4_cpu else inp.dtype
+    dtype = nvfp4_dtype(inp) if args.specs[1].kind == "nvfp4" else inp.dtype  # (CPU: fp32)
     weight_q = as_gemm_takes(args.specs[1], weight_quantized, kind, dtype) or cached_weight(
         args, weight, cache, "weight", grouped=True
     )

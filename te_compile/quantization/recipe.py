@@ -66,8 +66,6 @@ __all__ = [
 _BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
 _NVFP4_4OVER6_SCOPES = ("none", "weights", "activations", "all")
 _NVFP4_4OVER6_ERR_MODES = ("MAE", "MSE")
-# use_split_accumulator of each GEMM under the per-tensor recipes (what te::linear, te::mlp and
-# te::grouped_linear run).
 _AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 # The per-operand QParams fields of the FP8 recipes that have them.
 FP8_QPARAMS = ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad")
