@@ -429,7 +429,8 @@ def _grouped_blocks(module: nn.Module, names: tuple[str, ...], data: Tensor) -> 
     else:
         data_t, scale_t = data.transpose(1, 2).contiguous(), scale.transpose(1, 2).contiguous()
     amax = [module._buffers[f"{n}_amax"] for n in names]
-    return [data, scale, data_t, scale_t, amax[0] if len(names) == 1 else torch.stack(amax)]
+    one = len(names) == 1 or not amax[0].numel()  # one grouped weight's, or the 0-element amax
+    return [data, scale, data_t, scale_t, amax[0] if one else torch.stack(amax)]
 
 
 def _backward_values(
