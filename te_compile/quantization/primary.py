@@ -17,7 +17,9 @@ keeps, usage, memory, the grouped layouts, the limits.
 from __future__ import annotations
 
 import contextlib
+import sys
 import types
+import warnings
 import weakref
 from collections.abc import Iterator
 from typing import NamedTuple
@@ -178,6 +180,7 @@ def make_primary(module: nn.Module, names: tuple[str, ...], owner: str) -> None:
             module.register_buffer(name + _SUFFIXES[i], tensors[i])
         module.__dict__.setdefault(_SPECS, {})[name] = spec
         _stamp(module, name)
+    module.__dict__[_RECIPE] = state.recipe
     if _STAMPS not in module.__dict__ or _HOOKED in module.__dict__:
         return
     module.__dict__[_HOOKED] = True
@@ -305,6 +308,34 @@ def check_unchanged(module: nn.Module, name: str, weight: Tensor) -> None:
     )
 
 
+def _note_recipe(module: nn.Module) -> None:
+    """Transformer Engine's warning when a module's FP8 weights run under a recipe unequal to
+    the one they were made or last ran under (TE then replaces their quantizer). Here nothing
+    is replaced: the codes and scales stay, and ``FP8MasterWeights`` / ``weight.copy_`` keep
+    casting as ``quantized_model_init``'s recipe said. Eager calls only (a warning would break
+    a compiled graph); one ``is`` test per call while the recipe object stays the same."""
+    state, last = get_autocast_state(), module.__dict__.get(_RECIPE)
+    if not state.enabled or state.recipe is last or torch.compiler.is_compiling():
+        return
+    module.__dict__[_RECIPE] = state.recipe
+    if last is None or state.recipe == last:
+        return
+    level, frame = 2, sys._getframe(1)  # the warning points at the user's call
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(_OURS):
+        level, frame = level + 1, frame.f_back
+    warnings.warn(
+        f"Quantizer is being updated, this may affect model behavior: {type(module).__name__}'s "
+        f"FP8 weights last ran under {last!r} and now run under {state.recipe!r}. They keep "
+        "their codes and scales, and FP8MasterWeights / weight.copy_ keep casting them as "
+        "quantized_model_init's recipe said",
+        UserWarning,
+        stacklevel=level,
+    )
+
+
+_OURS = ("te_compile.", "torch.")
+
+
 @contextlib.contextmanager
 def high_precision_init(module: nn.Module, names: tuple[str, ...]) -> Iterator[None]:
     """For ``module.reset_parameters()``: inside, each FP8 weight of ``names`` is a
@@ -368,6 +399,7 @@ def primary_operand(
             )
         return None
     check_unchanged(module, name, weight)
+    _note_recipe(module)
     scale_inv, amax = getattr(module, f"{name}_scale_inv"), getattr(module, f"{name}_amax")
     kept = module._buffers
     if f"{name}_t" in kept:  # 1x128 or MXFP8's 1x32 weight blocks: a cast of its own
@@ -394,6 +426,7 @@ def grouped_primary(
         return None
     for name, w in zip(names, weights, strict=True):
         check_unchanged(module, name, w)
+    _note_recipe(module)
     data = _stacked([w.detach() for w in weights])  # one [G, N, K], or G [N, K]
     g, n, k = data.shape
     if _spec(module, names[0]).kind != "current":
@@ -568,6 +601,7 @@ def primary_main_grad(module: nn.Module, name: str) -> Tensor | None:
 
 _MASTERS = "_fp8_masters"  # on the main_grad tensors FP8MasterWeights made (taken_main_grad)
 _INIT_DTYPES = "_fp8_init_dtypes"  # {name: the dtype the FP8 weight was built in}
+_RECIPE = "_fp8_recipe"  # the recipe the FP8 weights were made or last ran under (_note_recipe)
 _SPECS = "_fp8_weight_specs"  # {name: the QuantSpec it is kept by (_weight_spec)}
 _STAMPS = "_fp8_weight_stamps"  # {name: the codes' and the scale's (data_ptr, _version) when set}
 _HOOKED = "_fp8_load_hooks"  # the load_state_dict hooks are registered

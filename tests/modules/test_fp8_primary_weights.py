@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import io
+import warnings
 
 import pytest
 import torch
@@ -573,6 +574,40 @@ def test_block_refused_uses():
         nv(_x("cpu"))
     with autocast(recipe=NVFP4), pytest.raises(NotImplementedError, match="holds 1x16 blocks"):
         _primary("Linear", "cpu", nvfp4_1d)(_x("cpu"))
+
+
+@pytest.mark.parametrize("name", ["Linear", "LayerNormMLP", "GroupedLinear"])
+def test_a_recipe_with_other_fields_warns_that_the_quantizer_is_updated(name):
+    """Transformer Engine's ``Quantizer is being updated`` warning: FP8 weights made under one
+    recipe run under an unequal one (its test_quantizer_update: another amax history length),
+    once a module (LayerNormMLP's two weights: one warning) and again only for a recipe unequal
+    to the last; an equal recipe object and the same object are silent, and so is a module
+    without FP8 weights. The codes stay as they were."""
+    build = (lambda r: _grouped("cpu", r)) if name == "GroupedLinear" else (
+        lambda r: _primary(name, "cpu", r))  # fmt: skip
+    m = build(DelayedScaling(amax_history_len=1024))
+    codes = {n: p.detach().clone() for n, p in m.named_parameters() if p.dtype == E4M3}
+    args = (SPLITS,) if name == "GroupedLinear" else ()
+    x = _x("cpu")
+
+    def warned(recipe):
+        with warnings.catch_warnings(record=True) as seen, autocast(recipe=recipe):
+            warnings.simplefilter("always")
+            m(x, *args)
+        return [w for w in seen if "Quantizer is being updated" in str(w.message)]
+
+    short = DelayedScaling(amax_history_len=1)
+    first = warned(short)
+    assert len(first) == 1 and first[0].filename == __file__, [str(w.message) for w in first]
+    assert "amax_history_len=1024" in str(first[0].message)
+    assert warned(short) == [] and warned(DelayedScaling(amax_history_len=1)) == []
+    assert len(warned(DelayedScaling())) == 1
+    assert all(torch.equal(p, codes[n]) for n, p in m.named_parameters() if n in codes)
+    hp = _build("Linear", "cpu")
+    with warnings.catch_warnings(record=True) as seen, autocast(recipe=DelayedScaling()):
+        warnings.simplefilter("always")
+        hp(x)
+    assert not [w for w in seen if "Quantizer is being updated" in str(w.message)]
 
 
 # GroupedLinear ---------------------------------------------------------------------------------

@@ -143,8 +143,8 @@ def test_fp8_primary_weights_under_another_recipe_class_raise_recipe_mismatch():
                                         (Float8CurrentScaling, DelayedScaling)])  # fmt: skip
 def test_fp8_primary_weights_serve_either_per_tensor_recipe(made, used):
     """A deliberate difference (docs/te_compat.md): the per-tensor FP8 codes of a primary
-    weight serve both per-tensor recipes, and a recipe of other fields (Transformer Engine's
-    "Quantizer is being updated" warning) changes nothing of the weight, so nothing warns."""
+    weight serve both per-tensor recipes; the recipe change warns Transformer Engine's
+    "Quantizer is being updated" (nothing else) and changes nothing of the weight."""
     with te.quantized_model_init(recipe=made(amax_history_len=1024) if made is DelayedScaling
                                  else made()):  # fmt: skip
         m = _module("Linear")
@@ -153,6 +153,8 @@ def test_fp8_primary_weights_serve_either_per_tensor_recipe(made, used):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         warnings.filterwarnings("ignore", message="autocast: .* emulated")
-        _step(m, used(amax_history_len=1) if used is DelayedScaling else used())
+        with pytest.warns(UserWarning, match="Quantizer is being updated") as seen:
+            _step(m, used(amax_history_len=1) if used is DelayedScaling else used())
+    assert len(seen) == 1
     assert torch.isfinite(m.weight.main_grad).all() and m.weight.main_grad.abs().sum() > 0
     assert torch.equal(m.weight.view(torch.uint8), codes.view(torch.uint8))
