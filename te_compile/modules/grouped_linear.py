@@ -339,18 +339,22 @@ class GroupedLinear(_primary.KeepFP8OnCast, GroupedParameters, DelayedWgrad, nn.
             cache = _gemm.WeightCache(self._fp8_weights, is_first_microbatch)
         if not isinstance(inp, Tensor):
             raise TypeError(f"GroupedLinear: inp must be a torch.Tensor, got {type(inp).__name__}")
-        primary = _primary.grouped_primary(self, self._weight_names(), inp.dtype)
         params = (self.weight,) if self.single_weight else tuple(self.weights())
+        fp8, fuse = _primary.is_primary(params[0]), self.fuse_wgrad_accumulation
         weight_q = None
         wanted = torch.is_grad_enabled() and any(p.requires_grad for p in params)
-        # FP8 primary weights in the default layout whose main_grads the user set, one per
-        # weight{i} (Transformer Engine's tests, Megatron-LM's buffers): as fuse_wgrad_accumulation
-        # below, whatever the flag (their gradient can go nowhere else).
-        own = (primary is not None and not self.single_weight and wanted
-               and all(getattr(p, "main_grad", None) is not None for p in params))  # fmt: skip
-        if primary is not None:  # FP8 primary weights: their gradient goes to main_grad
+        # FP8 primary weights in the default layout with a main_grad each that the module takes
+        # (fuse_wgrad_accumulation, or FP8MasterWeights'; Transformer Engine's tests,
+        # Megatron-LM's buffers): as fuse_wgrad_accumulation below. Else their gradient goes to
+        # the single weight's main_grad (taken likewise), or to the weights' .grad.
+        own = (fp8 and not self.single_weight and wanted
+               and all(_primary.taken_main_grad(p, fuse) is not None for p in params))  # fmt: skip
+        taken = None if own or not fp8 else self._primary_main_grad(fuse)
+        primary = _primary.grouped_primary(self, self._weight_names(), inp.dtype,
+                                           to_leaves=not own and taken is None)  # fmt: skip
+        if primary is not None:  # FP8 primary weights
             weight, weight_q = primary
-            main_grad = None if own else self._primary_main_grad()
+            main_grad = taken
         elif self.single_weight:
             weight = self.weight
             main_grad = self._main_grad() if self.fuse_wgrad_accumulation else None

@@ -394,12 +394,15 @@ class GroupedParameters:
         self._main_grad_buffer = buffer
         return buffer
 
-    def _primary_main_grad(self) -> Tensor | None:
-        """The ``[num_groups, out, in]`` fp32 buffer FP8 primary weights' gradient goes to
-        (``FP8MasterWeights`` allocates it); None: to the weights' ``.grad``, as in TE."""
+    def _primary_main_grad(self, accumulate: bool = False) -> Tensor | None:
+        """The ``[num_groups, out, in]`` fp32 buffer FP8 primary weights' gradient goes to:
+        ``weight.main_grad``, or the buffer of the ``weight{i}.main_grad`` views, where the
+        module accumulates into them (``accumulate``) or ``FP8MasterWeights`` made them
+        (``primary.taken_main_grad``); None: to the weights' ``.grad``, as in TE."""
         if self.single_grouped_weight:
-            return getattr(self.weight, "main_grad", None)
-        return getattr(self, "_main_grad_buffer", None)
+            return primary.taken_main_grad(self.weight, accumulate)
+        taken = all(primary.taken_main_grad(w, accumulate) is not None for w in self.weights())
+        return getattr(self, "_main_grad_buffer", None) if taken else None
 
 
 class GroupedLinear(primary.KeepFP8OnCast, GroupedParameters, BasicOperation):
@@ -515,9 +518,10 @@ class GroupedLinear(primary.KeepFP8OnCast, GroupedParameters, BasicOperation):
         main_grad, weight_q = None, None
         weight = self.weight if self.single_grouped_weight else torch.stack(self.weights())
         names = self._weight_names()
-        fp8 = primary.grouped_primary(self, names, x.dtype)
-        if fp8 is not None:  # FP8 primary weights: the gradient goes to the main_grad buffer
-            main_grad = self._primary_main_grad()
+        taken = self._primary_main_grad() if primary.is_primary(getattr(self, names[0])) else None
+        fp8 = primary.grouped_primary(self, names, x.dtype, to_leaves=taken is None)
+        if fp8 is not None:  # FP8 primary weights: the gradient goes to main_grad, or .grad
+            main_grad = taken
             weight, weight_q = fp8
             if _high_precision(getattr(self, names[0])):
                 weight, weight_q = _values(self, names, x.dtype, main_grad), None

@@ -409,12 +409,13 @@ def primary_operand(
 
 
 def grouped_primary(
-    module: nn.Module, names: tuple[str, ...], dtype: torch.dtype
+    module: nn.Module, names: tuple[str, ...], dtype: torch.dtype, to_leaves: bool = True
 ) -> tuple[Tensor, list[Tensor]] | None:
     """For a grouped GEMM whose weights are ``module``'s ``names`` (one ``[G, N, K]`` weight,
     or ``G`` weights ``[N, K]``): None when they are not FP8, else the GEMM op's ``weight``
     argument, a :class:`_StandIn` of shape ``[G, N, K]`` (the op accumulates the gradient into
-    the ``main_grad`` it is given; sharded, returns it to the stand-in), and its pre-quantised
+    the ``main_grad`` it is given, else, with ``to_leaves``, returns it to the weights' ``.grad``;
+    sharded, returns it to the stand-in), and its pre-quantised
     operand (``functional.quantize_grouped_weight``'s ``scaled_grouped_mm`` kind: the codes
     ``[G, N, K]``, each group's inverse scale broadcast over its rows ``[G, N]``, the transposed
     codes ``[G, K, N]`` with the scales ``[G, K]``, the largest amax ``[1]``; kept in blocks,
@@ -440,7 +441,7 @@ def grouped_primary(
     values = _backward_values(module, names, weights[0], dtype)
     stand_in = _sharded_stand_in(module, names, weights[0], dtype, (g, n, k), True, values)
     if stand_in is None:
-        stand_in = _StandIn.apply(dtype, (g, n, k), values, None, 0, False, *weights)
+        stand_in = _StandIn.apply(dtype, (g, n, k), values, None, 0, False, to_leaves, *weights)
     return stand_in, operand
 
 
@@ -504,7 +505,7 @@ def _sharded_stand_in(
         )
     group_name, world = module.__dict__[_SHARD_GROUP][names[0]]
     per_group = grouped and sinks[0].dim() == 2  # G weights [N, K] (else one [G, N, K])
-    return _StandIn.apply(dtype, shape, values, group_name, world, per_group, *sinks)
+    return _StandIn.apply(dtype, shape, values, group_name, world, per_group, False, *sinks)
 
 
 def primary_weight(
@@ -522,7 +523,9 @@ def primary_weight(
         return stand_in, None
     main_grad = taken_main_grad(weight, accumulate)
     if values is not None:  # (a frozen weight too: the input's gradient reads the values)
-        return _StandIn.apply(dtype, weight.shape, values, None, 0, False, weight), main_grad
+        stand_in = _StandIn.apply(dtype, weight.shape, values, None, 0, False, main_grad is None,
+                                  weight)  # fmt: skip
+        return stand_in, main_grad
     return weight, main_grad
 
 
@@ -556,8 +559,9 @@ class _StandIn(torch.autograd.Function):
     expanded scalar; the op reads the codes from its pre-quantised operand, never this), or
     ``values`` where a high-precision backward reads them (:func:`_backward_values`),
     requiring grad through ``leaves``. Not sharded (``group_name`` None): the leaves are the
-    codes (:func:`grouped_primary`); without a ``main_grad`` on them the op's gradient goes to
-    their ``.grad`` (in their ``grad_dtype``), ``[G, N, K]`` split per leaf.
+    codes; with ``to_leaves`` (the op is given no ``main_grad``: :func:`taken_main_grad`) the
+    op's gradient goes to their ``.grad`` (in their ``grad_dtype``), ``[G, N, K]`` split per
+    leaf.
     Sharded by FSDP2: one zero-byte fp32 leaf per FP8 weight, of its local shard's shape, whose
     ``.grad`` is the sharded ``main_grad`` (``per_group``: a grouped GEMM's ``G`` weights ``[N,
     K]``, else one weight); the full-size ``dW`` is reduce-scattered into each leaf
@@ -566,11 +570,11 @@ class _StandIn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, dtype: torch.dtype, shape: tuple[int, ...], values: Tensor | None,
-                group_name: str | None, world: int, per_group: bool,
+                group_name: str | None, world: int, per_group: bool, to_leaves: bool,
                 *leaves: Tensor) -> Tensor:  # fmt: skip
         ctx.group_name, ctx.world, ctx.per_group = group_name, world, per_group
         ctx.local_rows = [s.shape[0] for s in leaves]
-        ctx.to_leaves = all(getattr(leaf, "main_grad", None) is None for leaf in leaves)
+        ctx.to_leaves = to_leaves
         if values is not None:
             return values.view(shape)
         return leaves[0].new_zeros((), dtype=dtype).expand(shape)
@@ -579,12 +583,12 @@ class _StandIn(torch.autograd.Function):
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
         if ctx.group_name is None:  # to the codes' .grad where no main_grad took it
             n = len(ctx.local_rows)
-            return (None,) * 6 + ((None,) * n if not ctx.to_leaves else grad.unbind(0) if n > 1
+            return (None,) * 7 + ((None,) * n if not ctx.to_leaves else grad.unbind(0) if n > 1
                                   else (grad,))  # fmt: skip
         parts = grad.unbind(0) if ctx.per_group else (grad,)
         shards = [_reduce_scatter_rows(p, ctx.world, ctx.group_name, rows)
                   for p, rows in zip(parts, ctx.local_rows, strict=True)]  # fmt: skip
-        return (None,) * 6 + tuple(shards)
+        return (None,) * 7 + tuple(shards)
 
 
 def primary_main_grad(module: nn.Module, name: str) -> Tensor | None:

@@ -864,7 +864,7 @@ def test_grouped_weights_own_main_grads_get_the_buffer_s_gradient(recipe, delay)
     steps, and leaves it alone without a gradient to give."""
     runs = []
     for own in (False, True):
-        m = _grouped("cpu", recipe(), delay_wgrad_compute=delay)
+        m = _grouped("cpu", recipe(), delay_wgrad_compute=delay, fuse_wgrad_accumulation=True)
         start = [torch.rand(64, 128, generator=torch.Generator().manual_seed(i)) for i in range(G)]
         if own:
             for i, g0 in enumerate(start):
@@ -1652,20 +1652,27 @@ def test_reset_parameters_after_a_cast_requantises_in_the_new_dtype():
     _assert_kept_cast_of(m, {"weight": init})
 
 
+@pytest.mark.parametrize("override", [None, "high_precision"], ids=["", "high_precision"])
 @pytest.mark.parametrize("accumulate", [False, True], ids=["grad", "main_grad"])
-@pytest.mark.parametrize("name", ["Linear", "LayerNormMLP", "ops.BasicLinear"])
-def test_a_main_grad_the_module_was_not_told_of_is_left_alone(name, accumulate):
+@pytest.mark.parametrize(
+    "name", ["Linear", "LayerNormMLP", "ops.BasicLinear", "GroupedLinear", "GroupedLinear_single"]
+)
+def test_a_main_grad_the_module_was_not_told_of_is_left_alone(name, accumulate, override):
     """A ``main_grad`` the user set on an FP8 weight goes to the module only with its
     ``fuse_wgrad_accumulation`` / ``accumulate_into_main_grad``; without, the gradient goes to
     ``.grad`` in the nominal dtype and ``main_grad`` keeps its values, as in Transformer Engine
-    (whose fusible-ops test sets ``main_grad`` to 0.5 either way). ``FP8MasterWeights``' own
-    ``main_grad`` takes the gradient whatever the flags. Both ways, the same gradient."""
-    recipe = Float8CurrentScaling()
+    (whose fusible-ops test sets ``main_grad`` to 0.5 either way), also where the dgrad GEMM
+    reads the weight's values (``backward_override="high_precision"``). ``FP8MasterWeights``'
+    own ``main_grad`` takes the gradient whatever the flags. Both ways, the same gradient."""
+    recipe = fwd = Float8CurrentScaling(backward_override=override)
+    grouped = name.startswith("Grouped")
 
     def build():
         flag = {"accumulate_into_main_grad" if name.startswith("ops") else
                 "fuse_wgrad_accumulation": accumulate}  # fmt: skip
-        with te.quantized_model_init(recipe=recipe):
+        if grouped:
+            return _grouped("cpu", fwd, single=name.endswith("single"), **flag)
+        with te.quantized_model_init(recipe=fwd):
             torch.manual_seed(0)
             if name.startswith("ops"):
                 return te.ops.BasicLinear(128, 64, dtype=torch.bfloat16, **flag)
@@ -1673,7 +1680,7 @@ def test_a_main_grad_the_module_was_not_told_of_is_left_alone(name, accumulate):
 
     def step(m):
         with autocast(recipe=recipe):
-            m(_x("cpu")).float().square().sum().backward()
+            m(_x("cpu"), *((SPLITS,) if grouped else ())).float().square().sum().backward()
 
     m = build()
     for n in _fp8_names(m):
