@@ -10,6 +10,7 @@ a small shape, so that the GPU stays idle and only the host shows.
     python -m bench.diag.diag_eager_host --device cpu --tokens 8 --features 64 --top 40
     python -m bench.diag.diag_eager_host --device cpu --tokens 8 --features 64 --top 0 \\
         --timer process --threads 1 --plain --recipes bf16 current delayed  # timings, nn's
+    python -m bench.diag.diag_eager_host --plain --top 0 --autograd-on-caller  # no GIL handoff
 
 On CPU the kernels are the reference math (FP8 GEMMs emulated), so a tiny shape (8 x 64) keeps
 their share small and the Python above them (modules, ``quantization.gemm``, the family
@@ -116,6 +117,13 @@ def main() -> None:
         "--plain", action="store_true", help="also time the plain-PyTorch equivalent (bf16)"
     )
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (process timer: 1)")
+    parser.add_argument(
+        "--autograd-on-caller",
+        action="store_true",
+        help="run the backward on the calling thread (torch.autograd.set_multithreading_enabled"
+        "(False)): on CUDA autograd runs Python backward functions on its device thread, and "
+        "the GIL passes between the two threads at every one",
+    )
     parser.add_argument("--tokens", type=int, default=128, help="rows of the input")
     parser.add_argument("--features", type=int, default=256, help="in and out features")
     args = parser.parse_args()
@@ -130,12 +138,13 @@ def main() -> None:
     x = torch.randn(t, n, dtype=torch.bfloat16, device=args.device, requires_grad=True)
     print(f"te.{args.module}({n}, {n}), bf16 input {t} x {n}, {args.device}")
     clock = time.process_time if args.timer == "process" else time.perf_counter
-    if args.plain:
-        ref = plain(args.module, n, dtype=torch.bfloat16, device=args.device)
-        us = time_calls(ref, x, None, clock, args.calls)
-        print(f"=== plain PyTorch: {us:.1f} us per fwd+bwd call")
-    for name in args.recipes:
-        profile_recipe(module, x, name, args.top, clock, args.calls)
+    with torch.autograd.set_multithreading_enabled(not args.autograd_on_caller):
+        if args.plain:
+            ref = plain(args.module, n, dtype=torch.bfloat16, device=args.device)
+            us = time_calls(ref, x, None, clock, args.calls)
+            print(f"=== plain PyTorch: {us:.1f} us per fwd+bwd call")
+        for name in args.recipes:
+            profile_recipe(module, x, name, args.top, clock, args.calls)
 
 
 if __name__ == "__main__":
