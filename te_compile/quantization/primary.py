@@ -180,7 +180,7 @@ def make_primary(module: nn.Module, names: tuple[str, ...], owner: str) -> None:
             module.register_buffer(name + _SUFFIXES[i], tensors[i])
         module.__dict__.setdefault(_SPECS, {})[name] = spec
         _stamp(module, name)
-    module.__dict__[_RECIPE] = state.recipe
+    _LAST_RECIPES[module] = state.recipe
     if _STAMPS not in module.__dict__ or _HOOKED in module.__dict__:
         return
     module.__dict__[_HOOKED] = True
@@ -313,11 +313,15 @@ def _note_recipe(module: nn.Module) -> None:
     the one they were made or last ran under (TE then replaces their quantizer). Here nothing
     is replaced: the codes and scales stay, and ``FP8MasterWeights`` / ``weight.copy_`` keep
     casting as ``quantized_model_init``'s recipe said. Eager calls only (a warning would break
-    a compiled graph); one ``is`` test per call while the recipe object stays the same."""
-    state, last = get_autocast_state(), module.__dict__.get(_RECIPE)
-    if not state.enabled or state.recipe is last or torch.compiler.is_compiling():
+    a compiled graph); one ``is`` test per call while the recipe object stays the same. The
+    recipe is held beside the module, not in it: a module stays picklable whatever its recipe
+    holds (``amax_compute_algo`` callables), and a copy starts without one."""
+    if torch.compiler.is_compiling():
         return
-    module.__dict__[_RECIPE] = state.recipe
+    state, last = get_autocast_state(), _LAST_RECIPES.get(module)
+    if not state.enabled or state.recipe is last:
+        return
+    _LAST_RECIPES[module] = state.recipe
     if last is None or state.recipe == last:
         return
     level, frame = 2, sys._getframe(1)  # the warning points at the user's call
@@ -334,6 +338,8 @@ def _note_recipe(module: nn.Module) -> None:
 
 
 _OURS = ("te_compile.", "torch.")
+# {module: the recipe its FP8 weights were made or last ran under} (_note_recipe)
+_LAST_RECIPES: weakref.WeakKeyDictionary[nn.Module, Recipe] = weakref.WeakKeyDictionary()
 
 
 @contextlib.contextmanager
@@ -605,7 +611,6 @@ def primary_main_grad(module: nn.Module, name: str) -> Tensor | None:
 
 _MASTERS = "_fp8_masters"  # on the main_grad tensors FP8MasterWeights made (taken_main_grad)
 _INIT_DTYPES = "_fp8_init_dtypes"  # {name: the dtype the FP8 weight was built in}
-_RECIPE = "_fp8_recipe"  # the recipe the FP8 weights were made or last ran under (_note_recipe)
 _SPECS = "_fp8_weight_specs"  # {name: the QuantSpec it is kept by (_weight_spec)}
 _STAMPS = "_fp8_weight_stamps"  # {name: the codes' and the scale's (data_ptr, _version) when set}
 _HOOKED = "_fp8_load_hooks"  # the load_state_dict hooks are registered
