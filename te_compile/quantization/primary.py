@@ -181,6 +181,7 @@ def make_primary(module: nn.Module, names: tuple[str, ...], owner: str) -> None:
         module.__dict__.setdefault(_SPECS, {})[name] = spec
         _stamp(module, name)
     _LAST_RECIPES[module] = state.recipe
+    _HOLDERS.add(module)
     if _STAMPS not in module.__dict__ or _HOOKED in module.__dict__:
         return
     module.__dict__[_HOOKED] = True
@@ -247,6 +248,7 @@ class KeepFP8OnCast:
         super().__setstate__(state)
         for name in self.__dict__.get(_SPECS, {}):
             _add_methods(self, name)
+            _HOLDERS.add(self)
 
     def _apply(self, fn, recurse=True):
         specs = self.__dict__.get(_SPECS)
@@ -284,8 +286,9 @@ def check_unchanged(module: nn.Module, name: str, weight: Tensor) -> None:
     its quantising ``weight.copy_`` casts values to float8 without the weight's scale), or
     replaced (other storage, a new Parameter or ``weight.data = ...``, while the scale buffer
     is the one stamped, unwritten: it belongs to the old codes; outside ``torch.distributed``,
-    where FSDP2 gives the weight new storage at every forward). Codes written with their
-    scale, or moved with it (``.to()``, a deep copy): stamped again. Eager calls only."""
+    where FSDP2 gives the weight new storage at every forward), unless live FP8 weights hold
+    those codes (:func:`_take_scale_of_same_codes`). Codes written with their scale, or moved
+    with it (``.to()``, a deep copy): stamped again. Eager calls only."""
     stamps = module.__dict__.get(_STAMPS)
     if stamps is None or torch.compiler.is_compiling() or type(weight.data) is not Tensor:
         return
@@ -298,6 +301,9 @@ def check_unchanged(module: nn.Module, name: str, weight: Tensor) -> None:
         _stamp(module, name)
         return
     how = "written in place" if weight.data_ptr() == ptr else "replaced by other codes"
+    if how != "written in place" and _take_scale_of_same_codes(module, name, weight):
+        _stamp(module, name)
+        return
     raise RuntimeError(
         f"{type(module).__name__}: the FP8 weight {name!r} was {how} without its scale "
         f"({name}_scale_inv; weight.detach().copy_(codes), an in-place init, a new Parameter "
@@ -339,7 +345,36 @@ def _note_recipe(module: nn.Module) -> None:
 
 _OURS = ("te_compile.", "torch.")
 # {module: the recipe its FP8 weights were made or last ran under} (_note_recipe)
+_HOLDERS: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # the modules with FP8 weights
 _LAST_RECIPES: weakref.WeakKeyDictionary[nn.Module, Recipe] = weakref.WeakKeyDictionary()
+
+
+def _take_scale_of_same_codes(module: nn.Module, name: str, weight: Tensor) -> bool:
+    """FP8 weight ``name`` replaced by codes bit for bit those of live FP8 weights kept as it
+    is (same spec, shape and device) whose scale buffers all agree: take those buffers and
+    return True, as Transformer Engine's ``Parameter(src.weight.clone())`` carries the source's
+    scale with the clone (its tests share a ``Float8Tensor`` that way). No such weight, or two
+    with other scales (equal codes do not make equal values): False."""
+    spec, codes, found = _spec(module, name), weight.detach().view(torch.uint8), None
+    for other in list(_HOLDERS):
+        for n in other.__dict__.get(_SPECS, {}):
+            src = getattr(other, n)
+            if ((other is module and n == name) or _spec(other, n) != spec
+                    or src.shape != weight.shape or src.device != weight.device
+                    or not torch.equal(src.detach().view(torch.uint8), codes)):  # fmt: skip
+                continue
+            bufs = [other._buffers.get(n + suffix) for suffix in _SUFFIXES[1:]]
+            if found is not None and not all(
+                a is None or torch.equal(a, b) for a, b in zip(found, bufs, strict=True)
+            ):
+                return False
+            found = bufs
+    if found is None:
+        return False
+    for suffix, buf in zip(_SUFFIXES[1:], found, strict=True):
+        if buf is not None:
+            module._buffers[name + suffix].copy_(buf)
+    return True
 
 
 @contextlib.contextmanager

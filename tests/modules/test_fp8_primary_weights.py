@@ -1475,22 +1475,24 @@ def test_an_fp8_weight_written_in_place_is_refused_by_name(name):
 
 @pytest.mark.parametrize("name", ["Linear", "LayerNormMLP", "GroupedLinear"])
 def test_an_fp8_weight_replaced_without_its_scale_is_refused_by_name(name):
-    """A new Parameter of FP8 codes (Transformer Engine's tests share weights as
-    ``dst.weight = Parameter(src.weight.clone())``, where the clone carries its scale) leaves
-    the module's scale buffer behind, which belongs to the old codes: the next forward refuses
-    it, naming the weight, instead of computing with the wrong scale. Assigned together with
-    their scale, the codes compute what the module they came from computes, bit for bit; a
-    Parameter on the same storage is no change."""
+    """A new Parameter of FP8 codes leaves the module's scale buffer behind, which belongs to
+    the old codes. Codes bit for bit those of a live FP8 weight kept alike take that weight's
+    scale (Transformer Engine's tests share weights as ``dst.weight =
+    Parameter(src.weight.clone())``, where the clone carries its scale): the module then
+    computes what the source computes, bit for bit. Codes of no live weight, or of two whose
+    scales differ, are refused at the next forward, naming the weight, instead of computing
+    with the wrong scale. Assigned together with their scale, the codes compute what the
+    module they came from computes; a Parameter on the same storage is no change."""
     recipe = Float8CurrentScaling()
     grouped = name == "GroupedLinear"
 
-    def build(gain: float) -> torch.nn.Module:
-        torch.manual_seed(0)
+    def build(gain: float, seed: int = 0) -> torch.nn.Module:
         if grouped:
             with te.quantized_model_init(recipe=recipe):
                 m = te.GroupedLinear(2, 128, 64, params_dtype=torch.bfloat16)
         else:
             m = _primary(name, "cpu", recipe)
+        torch.manual_seed(seed)
         with torch.no_grad():
             for n in _fp8_names(m):
                 w = m.get_parameter(n)
@@ -1501,14 +1503,27 @@ def test_an_fp8_weight_replaced_without_its_scale_is_refused_by_name(name):
         with autocast(recipe=recipe), torch.no_grad():
             return m(_x("cpu"), [40, 56]) if grouped else m(_x("cpu"))
 
-    src, dst = build(8.0), build(0.01)
+    src, dst = build(8.0, seed=1), build(0.01)  # (one seed: the same codes, other scales)
     n = _fp8_names(dst)[-1]
     assert not torch.equal(dst.get_buffer(f"{n}_scale_inv"), src.get_buffer(f"{n}_scale_inv"))
     setattr(dst, n, torch.nn.Parameter(dst.get_parameter(n).detach(), requires_grad=False))
     run(dst)  # the same storage: runs
-    setattr(dst, n, torch.nn.Parameter(src.get_parameter(n).detach().clone()))
-    with pytest.raises(RuntimeError, match=rf"FP8 weight '{n}' was replaced by other codes"):
+    refused = pytest.raises(RuntimeError, match=rf"FP8 weight '{n}' was replaced by other codes")
+    shared = build(0.01)
+    for k in _fp8_names(shared):  # TE's way: the clone's scale comes from its live source
+        setattr(shared, k, torch.nn.Parameter(src.get_parameter(k).detach().clone()))
+    assert torch.equal(run(shared), run(src))
+    codes = src.get_parameter(n).detach().clone()
+    other = (codes.view(torch.uint8) ^ 1).view(codes.dtype)  # the codes of no live weight
+    setattr(dst, n, torch.nn.Parameter(other))
+    with refused:
         run(dst)
+    twin = copy.deepcopy(src)  # the same codes, another scale: which one is meant is unknown
+    twin.get_buffer(f"{n}_scale_inv").mul_(2)
+    setattr(dst, n, torch.nn.Parameter(codes))
+    with refused:
+        run(dst)
+    del twin, shared
     with torch.no_grad():
         for k in _fp8_names(dst):
             setattr(dst, k, torch.nn.Parameter(src.get_parameter(k).detach().clone()))
