@@ -302,6 +302,7 @@ def check_unchanged(module: nn.Module, name: str, weight: Tensor) -> None:
         return
     how = "written in place" if weight.data_ptr() == ptr else "replaced by other codes"
     if how != "written in place" and _take_scale_of_same_codes(module, name, weight):
+        _add_methods(module, name)  # (the new Parameter has none of them)
         _stamp(module, name)
         return
     raise RuntimeError(

@@ -1513,6 +1513,8 @@ def test_an_fp8_weight_replaced_without_its_scale_is_refused_by_name(name):
     for k in _fp8_names(shared):  # TE's way: the clone's scale comes from its live source
         setattr(shared, k, torch.nn.Parameter(src.get_parameter(k).detach().clone()))
     assert torch.equal(run(shared), run(src))
+    w = shared.get_parameter(n)  # TE's attributes on the new Parameter too
+    assert w.grad_dtype == torch.bfloat16 and w.get_high_precision_init_val() is None
     codes = src.get_parameter(n).detach().clone()
     other = (codes.view(torch.uint8) ^ 1).view(codes.dtype)  # the codes of no live weight
     setattr(dst, n, torch.nn.Parameter(other))
