@@ -351,28 +351,21 @@ _LAST_RECIPES: weakref.WeakKeyDictionary[nn.Module, Recipe] = weakref.WeakKeyDic
 
 
 def _take_scale_of_same_codes(module: nn.Module, name: str, weight: Tensor) -> bool:
-    """FP8 weight ``name`` replaced by codes bit for bit those of live FP8 weights kept as it
-    is (same spec, shape and device) whose scale buffers all agree: take those buffers and
-    return True, as Transformer Engine's ``Parameter(src.weight.clone())`` carries the source's
-    scale with the clone (its tests share a ``Float8Tensor`` that way). No such weight, or two
-    with other scales (equal codes do not make equal values): False."""
-    spec, codes, found = _spec(module, name), weight.detach().view(torch.uint8), None
-    for other in list(_HOLDERS):
-        for n in other.__dict__.get(_SPECS, {}):
-            src = getattr(other, n)
-            if ((other is module and n == name) or _spec(other, n) != spec
-                    or src.shape != weight.shape or src.device != weight.device
-                    or not torch.equal(src.detach().view(torch.uint8), codes)):  # fmt: skip
-                continue
-            bufs = [other._buffers.get(n + suffix) for suffix in _SUFFIXES[1:]]
-            if found is not None and not all(
-                a is None or torch.equal(a, b) for a, b in zip(found, bufs, strict=True)
-            ):
-                return False
-            found = bufs
-    if found is None:
+    """FP8 weight ``name`` replaced by codes bit for bit those of live FP8 weights kept alike
+    (spec, shape, device) whose scale buffers all agree: take those buffers (True), as TE's
+    ``Parameter(src.weight.clone())`` carries the source's scale (its tests share a
+    ``Float8Tensor`` that way). None, or two with other scales (equal codes, other values):
+    False."""
+    spec, codes = _spec(module, name), weight.detach().view(torch.uint8)
+    found = [[o._buffers.get(n + suffix) for suffix in _SUFFIXES[1:]]
+             for o in list(_HOLDERS) for n, w in ((n, getattr(o, n)) for n in o.__dict__[_SPECS])
+             if not (o is module and n == name) and _spec(o, n) == spec
+             and w.shape == codes.shape and w.device == codes.device
+             and torch.equal(w.detach().view(torch.uint8), codes)]  # fmt: skip
+    if not found or not all(a is None or torch.equal(a, b) for f in found[1:]
+                            for a, b in zip(found[0], f, strict=True)):  # fmt: skip
         return False
-    for suffix, buf in zip(_SUFFIXES[1:], found, strict=True):
+    for suffix, buf in zip(_SUFFIXES[1:], found[0], strict=True):
         if buf is not None:
             module._buffers[name + suffix].copy_(buf)
     return True
