@@ -1057,7 +1057,7 @@ def test_grouped_nvfp4_weights_step_as_the_high_precision_module_and_train(recip
     round-trips."""
     nv_splits = [48, 0, 48]  # NVFP4's grouped GEMMs take multiples of 16 tokens
     # Normal draws in float32: under torch 2.11 the default init of a bf16 weight gave every
-    # expert the same amax (0.0762, 3.3 std: the tail of its bf16 normals is capped).
+    # expert the same amax (0.0762, 3.3 std: the tail of its bf16 normals looks capped).
     init = {"init_method": lambda w: w.copy_(torch.randn(w.shape) * 0.02)}
     m = _grouped("cpu", recipe, single=single, **init)
     hp = _grouped("cpu", single=single, fuse_wgrad_accumulation=True, **init)
