@@ -248,6 +248,7 @@ class KeepFP8OnCast:
         super().__setstate__(state)
         for name in self.__dict__.get(_SPECS, {}):
             _add_methods(self, name)
+        if self.__dict__.get(_SPECS):
             _HOLDERS.add(self)
 
     def _apply(self, fn, recurse=True):
@@ -282,22 +283,23 @@ def _stamp_after_load(module: nn.Module, incompatible_keys: object) -> None:
 
 def check_unchanged(module: nn.Module, name: str, weight: Tensor) -> None:
     """Refuse an FP8 weight whose codes changed without its scale since te_compile set them:
-    written in place (same storage, newer codes, the same scale; an in-place write other than
-    its quantising ``weight.copy_`` casts values to float8 without the weight's scale), or
-    replaced (other storage, a new Parameter or ``weight.data = ...``, while the scale buffer
-    is the one stamped, unwritten: it belongs to the old codes; outside ``torch.distributed``,
-    where FSDP2 gives the weight new storage at every forward), unless live FP8 weights hold
-    those codes (:func:`_take_scale_of_same_codes`). Codes written with their scale, or moved
-    with it (``.to()``, a deep copy): stamped again. Eager calls only."""
+    written in place (same storage, newer codes, the same scale: an in-place write other than
+    ``weight.copy_`` casts values without the weight's scale), or replaced (a new Parameter or
+    ``weight.data = ...`` while the stamped scale is unwritten: it belongs to the old codes;
+    outside ``torch.distributed``, where FSDP2 gives the weight new storage at every forward)
+    unless live FP8 weights hold those codes (:func:`_take_scale_of_same_codes`). Codes written
+    with their scale, or moved with it (``.to()``, a deep copy): stamped again. Eager only."""
     stamps = module.__dict__.get(_STAMPS)
     if stamps is None or torch.compiler.is_compiling() or type(weight.data) is not Tensor:
         return
-    scale = getattr(module, f"{name}_scale_inv")
+    scale = module._buffers[f"{name}_scale_inv"]
     ptr, codes, scale_ptr, scale_version = stamps.get(name, (None,) * 4)
     kept_scale = scale.data_ptr() == scale_ptr and scale._version == scale_version
+    same_codes = weight.data_ptr() == ptr and weight._version == codes
+    if same_codes and kept_scale:  # nothing changed: the stamp stands (every call's case)
+        return
     dist = torch.distributed.is_available() and torch.distributed.is_initialized()
-    moved = weight.data_ptr() != ptr and dist
-    if (weight.data_ptr() == ptr and weight._version == codes) or not kept_scale or moved:
+    if same_codes or not kept_scale or (weight.data_ptr() != ptr and dist):
         _stamp(module, name)
         return
     how = "written in place" if weight.data_ptr() == ptr else "replaced by other codes"
@@ -316,13 +318,11 @@ def check_unchanged(module: nn.Module, name: str, weight: Tensor) -> None:
 
 
 def _note_recipe(module: nn.Module) -> None:
-    """Transformer Engine's warning when a module's FP8 weights run under a recipe unequal to
-    the one they were made or last ran under (TE then replaces their quantizer). Here nothing
-    is replaced: the codes and scales stay, and ``FP8MasterWeights`` / ``weight.copy_`` keep
-    casting as ``quantized_model_init``'s recipe said. Eager calls only (a warning would break
-    a compiled graph); one ``is`` test per call while the recipe object stays the same. The
-    recipe is held beside the module, not in it: a module stays picklable whatever its recipe
-    holds (``amax_compute_algo`` callables), and a copy starts without one."""
+    """TE's warning when FP8 weights run under a recipe unequal to the one they were made or
+    last ran under (TE replaces their quantizer; here the codes and scales stay, and the
+    refreshes cast as ``quantized_model_init``'s recipe said). Eager calls only (a warning
+    breaks a compiled graph). The recipe is held beside the module (a copy starts without
+    one, and the module keeps no recipe alive)."""
     if torch.compiler.is_compiling():
         return
     state, last = get_autocast_state(), _LAST_RECIPES.get(module)
@@ -344,9 +344,9 @@ def _note_recipe(module: nn.Module) -> None:
     )
 
 
-_OURS = ("te_compile.", "torch.")
-# {module: the recipe its FP8 weights were made or last ran under} (_note_recipe)
+_OURS = ("te_compile.", "torch.")  # modules whose frames a warning skips (_note_recipe)
 _HOLDERS: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # the modules with FP8 weights
+# {module: the recipe its FP8 weights were made or last ran under} (_note_recipe)
 _LAST_RECIPES: weakref.WeakKeyDictionary[nn.Module, Recipe] = weakref.WeakKeyDictionary()
 
 
