@@ -35,7 +35,9 @@ groups).
 Rows, per mode (``eager``; ``compiled``: ``torch.compile(dynamic=False)``, default mode, not
 fullgraph so that graph breaks are counted rather than fatal; ``reduce-overhead``:
 ``torch.compile(mode="reduce-overhead")``, CUDA only, ``torch.compiler.cudagraph_mark_step_begin()``
-before each step) and precision:
+before each step; ``graphed``: eager modules captured whole into CUDA graphs, CUDA only, the te
+rows by ``te.make_graphed_callables`` (with the row's recipe), the others by
+``torch.cuda.make_graphed_callables``) and precision:
 
 - ``torch bf16 <mode>``: the plain-PyTorch stack, the baseline of its mode (always run);
 - ``te bf16 <mode>``: the te_compile stack;
@@ -116,7 +118,7 @@ DTYPE = torch.bfloat16
 EPS = 1e-5
 TE_BF16_RTOL = 5e-2  # te bf16 vs torch bf16 eager, relative L2 error: bf16 through the stack
 
-MODES = ("eager", "compiled", "reduce-overhead")
+MODES = ("eager", "compiled", "reduce-overhead", "graphed")
 PRECISIONS = ("bf16", "current", "delayed", "block", "tensorwise", "rowwise")
 # Not in the default list: current_fast, current scaling whose backward GEMMs accumulate fast
 # (Float8CurrentScaling's fp8_gemm_dgrad / fp8_gemm_wgrad with use_split_accumulator=False).
@@ -496,7 +498,7 @@ def row_specs(
         for p in precisions:
             if p == "bf16" or p in TE_RECIPES:
                 specs.append(RowSpec("te", p, mode))
-                if opaque and mode != "eager":
+                if opaque and mode in ("compiled", "reduce-overhead"):
                     specs.append(RowSpec("te", p, mode, opaque=True))
             elif p in TORCHAO_RECIPES and torchao:
                 specs.append(RowSpec("torchao", p, mode))
@@ -529,15 +531,25 @@ def build_model(
     return model
 
 
-def make_call(spec: RowSpec, model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The model compiled per the row's mode, under te's autocast for the te FP8 rows."""
+def make_call(
+    spec: RowSpec, model: nn.Module, x: torch.Tensor
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The model compiled (or CUDA-graphed) per the row's mode, under te's autocast for the te
+    FP8 rows; ``x``: the sample input a graphed row is captured with."""
+    recipe = TE_RECIPES[spec.precision]() if spec.precision in TE_RECIPES else None
+    if spec.mode == "graphed":
+        sample = (x.detach().clone().requires_grad_(),)
+        if spec.impl == "te":
+            return te.make_graphed_callables(
+                model, sample, enabled=recipe is not None, recipe=recipe
+            )
+        return torch.cuda.make_graphed_callables(model, sample)
     fn: Callable[[torch.Tensor], torch.Tensor] = model
     if spec.mode != "eager":
         mode = "reduce-overhead" if spec.mode == "reduce-overhead" else None
         fn = torch.compile(model, mode=mode, dynamic=False)
-    if spec.impl != "te" or spec.precision not in TE_RECIPES:
+    if spec.impl != "te" or recipe is None:
         return fn
-    recipe = TE_RECIPES[spec.precision]()
 
     def under_autocast(x: torch.Tensor) -> torch.Tensor:
         with te.autocast(recipe=recipe):
@@ -613,7 +625,7 @@ def run_row(
     warm_cache: bool,
 ) -> RowOutcome:
     """Build, compile (first step), time, measure peak memory and errors of one row."""
-    compiled = spec.mode != "eager"
+    compiled = spec.mode in ("compiled", "reduce-overhead")
     cache = (
         torch._inductor.utils.fresh_cache()
         if compiled and not warm_cache
@@ -644,10 +656,11 @@ def _measure_row(
     timing: dict[str, Any],
 ) -> RowOutcome:
     x, grad = inputs
-    compiled, cudagraphs = spec.mode != "eager", spec.mode == "reduce-overhead"
+    compiled = spec.mode in ("compiled", "reduce-overhead")
+    cudagraphs = spec.mode == "reduce-overhead"
     model = build_model(spec, size, weights, device)
     params = list(model.parameters())
-    call = make_call(spec, model)
+    call = make_call(spec, model, x)
 
     def sync() -> None:
         if device.type == "cuda":
@@ -1016,9 +1029,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         report.metadata["torchao"] = torchao.__version__
     modes = list(args.modes)
     skipped = []
-    if device.type != "cuda" and "reduce-overhead" in modes:
-        modes.remove("reduce-overhead")
-        skipped.append("reduce-overhead rows skipped: CUDA graphs need a CUDA device")
+    for mode in ("reduce-overhead", "graphed"):
+        if device.type != "cuda" and mode in modes:
+            modes.remove(mode)
+            skipped.append(f"{mode} rows skipped: CUDA graphs need a CUDA device")
     if torchao_note and set(args.precisions) & set(TORCHAO_RECIPES):
         skipped.append(torchao_note)
     for note in skipped:
