@@ -58,6 +58,9 @@ if "PYTEST_XDIST_WORKER" in os.environ:
 FUZZ_PROFILES = {
     "ci": {"max_examples": 10, "derandomize": True},
     "full": {"max_examples": 200, "derandomize": False},
+    # ci's examples without shrinking a failure: tests/test_mutations.py plants bugs that every
+    # example catches, and shrinking each to a minimal case would only cost time.
+    "mutation": {"max_examples": 10, "derandomize": True, "no_shrink": True},
 }
 
 
@@ -66,8 +69,9 @@ def pytest_addoption(parser):
         "--fuzz-profile",
         choices=sorted(FUZZ_PROFILES),
         default="ci",
-        help="hypothesis profile of tests/fuzz/: ci (seeded, few cases) or full "
-        "(200 random cases per module and function)",
+        help="hypothesis profile of tests/fuzz/: ci (seeded, few cases), full "
+        "(200 random cases per module and function) or mutation (ci's cases, a failure not "
+        "shrunk)",
     )
     parser.addoption(
         "--long-runs",
@@ -97,10 +101,12 @@ def pytest_configure(config):
     no global profile is loaded, so other hypothesis tests keep their own settings."""
     torch._logging.set_logs(recompiles=True)
     try:
-        from hypothesis import HealthCheck, settings
+        from hypothesis import HealthCheck, Phase, settings
     except ImportError:  # an install without the test extras (tests/test_without_triton.py)
         return
-    profile = FUZZ_PROFILES[config.getoption("--fuzz-profile")]
+    profile = dict(FUZZ_PROFILES[config.getoption("--fuzz-profile")])
+    if profile.pop("no_shrink", False):
+        profile["phases"] = [Phase.explicit, Phase.reuse, Phase.generate]
     settings.register_profile(
         "te-fuzz",
         deadline=None,

@@ -64,6 +64,7 @@ def test_planted_bug_fails_the_tests_that_cover_it(plant, tmp_path):
     report = tmp_path / "report.xml"
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
                "-p", "tests.mutation.plant", f"--plant={plant}", f"--junitxml={report}",
+               "--fuzz-profile=mutation",
                *CASES[plant]]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
     run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
