@@ -570,26 +570,6 @@ _gated_activation = differentiable(
 # Public functions -----------------------------------------------------------------------------
 
 
-def _elementwise(activation: str, doc: str) -> Callable[[Tensor], Tensor]:
-    """The public function of an element-wise activation (``doc``: its math)."""
-
-    def fn(inp: Tensor) -> Tensor:
-        if not isinstance(inp, Tensor):
-            check_tensor(f"te.{activation}", "inp", inp, min_dim=0)
-        return _activation(inp, None, activation)
-
-    fn.__name__ = fn.__qualname__ = activation
-    fn.__doc__ = doc
-    return fn
-
-
-gelu = _elementwise("gelu", "GELU, tanh approximation.")
-qgelu = _elementwise("qgelu", "Quick GELU, ``x * sigmoid(1.702 x)``.")
-relu = _elementwise("relu", "ReLU, ``max(x, 0)``.")
-srelu = _elementwise("srelu", "Squared ReLU, ``relu(x) ** 2``.")
-silu = _elementwise("silu", "SiLU (swish), ``x * sigmoid(x)``.")
-
-
 def _gated(
     inp: Tensor,
     bias: Tensor | None,
@@ -614,25 +594,36 @@ def _gated(
     )
 
 
-def _glu_variant(activation: str, doc: str) -> Callable[..., Tensor]:
-    """The public function of a gated activation without parameters (``doc``: its math)."""
+def _public(activation: str, doc: str) -> Callable[..., Tensor]:
+    """The public function of an activation without parameters (``doc``: its math)."""
 
-    def fn(inp: Tensor, glu_interleave_size: int | None = None) -> Tensor:
+    def elementwise(inp: Tensor) -> Tensor:
+        if not isinstance(inp, Tensor):
+            check_tensor(f"te.{activation}", "inp", inp, min_dim=0)
+        return _activation(inp, None, activation)
+
+    def gated(inp: Tensor, glu_interleave_size: int | None = None) -> Tensor:
         return _gated(inp, None, activation, glu_interleave_size)
 
+    fn = elementwise if activation in ACTIVATIONS else gated
     fn.__name__ = fn.__qualname__ = activation
     fn.__doc__ = doc
     return fn
 
 
-glu = _glu_variant(
+gelu = _public("gelu", "GELU, tanh approximation.")
+qgelu = _public("qgelu", "Quick GELU, ``x * sigmoid(1.702 x)``.")
+relu = _public("relu", "ReLU, ``max(x, 0)``.")
+srelu = _public("srelu", "Squared ReLU, ``relu(x) ** 2``.")
+silu = _public("silu", "SiLU (swish), ``x * sigmoid(x)``.")
+glu = _public(
     "glu", "``sigmoid(a) * l`` over the halves of the last dim (module docstring: layouts)."
 )
-geglu = _glu_variant("geglu", "``gelu(a) * l`` (tanh GELU).")
-qgeglu = _glu_variant("qgeglu", "``qgelu(a) * l``.")
-reglu = _glu_variant("reglu", "``relu(a) * l``.")
-sreglu = _glu_variant("sreglu", "``relu(a)**2 * l``.")
-swiglu = _glu_variant("swiglu", "``silu(a) * l``.")
+geglu = _public("geglu", "``gelu(a) * l`` (tanh GELU).")
+qgeglu = _public("qgeglu", "``qgelu(a) * l``.")
+reglu = _public("reglu", "``relu(a) * l``.")
+sreglu = _public("sreglu", "``relu(a)**2 * l``.")
+swiglu = _public("swiglu", "``silu(a) * l``.")
 
 
 def clamped_swiglu(
