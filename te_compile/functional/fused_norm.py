@@ -24,7 +24,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from te_compile._checks import check_bool
 from te_compile._library import differentiable, op
 from te_compile._numerics import acc_dtype
 from te_compile.functional.norm import check_norm_args as _check_norm
@@ -156,7 +155,6 @@ def branch_rmsnorm(
 ) -> tuple[Tensor, Tensor]:
     """``(rmsnorm(inp), branch)`` through ``te::branch_rmsnorm_fwd``: ``branch`` holds ``inp``'s
     values, and its gradient is added inside the norm's backward."""
-    check_bool("te.branch_rmsnorm", zero_centered_gamma=zero_centered_gamma)
-    check_public_args("te.branch_rmsnorm", eps, inp=inp, weight=weight)
+    check_public_args("te.branch_rmsnorm", eps, inp=inp, weight=weight, zcg=zero_centered_gamma)
     out, branch, _rsigma = _branch_rmsnorm(inp, weight, eps, zero_centered_gamma)
     return out, branch

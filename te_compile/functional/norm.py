@@ -170,17 +170,19 @@ def l2normalization_bwd_ref(grad_out: Tensor, inp: Tensor, rsigma: Tensor) -> Te
 
 
 def check_public_args(
-    owner: str, eps: float, bias: Tensor | None = None, **required: Tensor
+    owner: str, eps: float, bias: Tensor | None = None, zcg: bool = False, **required: Tensor
 ) -> None:
     """The public functions' argument types: tensors (``bias`` may be None, the ``required``
-    ones not) and a real ``eps``, so that a wrong type is refused by name before the ops' shape
-    checks read it. One cheap test on the hot path."""
+    ones not), a real ``eps`` and a bool ``zero_centered_gamma`` (``zcg``), so that a wrong type
+    is refused by name before the ops' shape checks read it. One cheap test on the hot path."""
     if (
         type(eps) is float
+        and (zcg is True or zcg is False)
         and (bias is None or isinstance(bias, Tensor))
         and all(isinstance(t, Tensor) for t in required.values())
     ):
         return
+    check_bool(owner, zero_centered_gamma=zcg)
     check_required(owner, **required)
     check_tensors(owner, bias=bias)
     check_positive_finite(owner, eps=eps)
@@ -455,9 +457,9 @@ def layernorm(
 
     ``weight`` and ``bias`` are ``[inp.shape[-1]]``, fp32 or ``inp``'s dtype. With
     ``zero_centered_gamma`` the scale applied is ``weight + 1``."""
-    if zero_centered_gamma is not True and zero_centered_gamma is not False:
-        check_bool("te.layernorm", zero_centered_gamma=zero_centered_gamma)
-    check_public_args("te.layernorm", eps, inp=inp, weight=weight, bias=bias)
+    check_public_args(
+        "te.layernorm", eps, inp=inp, weight=weight, bias=bias, zcg=zero_centered_gamma
+    )
     out, _mean, _rsigma = _layernorm(inp, weight, bias, eps, zero_centered_gamma)
     return out
 
@@ -469,9 +471,7 @@ def rmsnorm(
 
     ``weight`` is ``[inp.shape[-1]]``, fp32 or ``inp``'s dtype. With ``zero_centered_gamma``
     the scale applied is ``weight + 1``."""
-    if zero_centered_gamma is not True and zero_centered_gamma is not False:
-        check_bool("te.rmsnorm", zero_centered_gamma=zero_centered_gamma)
-    check_public_args("te.rmsnorm", eps, inp=inp, weight=weight)
+    check_public_args("te.rmsnorm", eps, inp=inp, weight=weight, zcg=zero_centered_gamma)
     out, _rsigma = _rmsnorm(inp, weight, eps, zero_centered_gamma)
     return out
 
