@@ -517,7 +517,6 @@ def moe_permute(
     check_tensor_args(prefix, inp=inp, routing_map=routing_map)
     int_arg(prefix, "max_token_num", max_token_num)
     n = num_out(prefix, routing_map, num_out_tokens, map_type)
-    check_permute_args(inp, routing_map, None, n, map_type, prefix)
     out, row_id_map, _ = _moe_permute(inp, routing_map, None, n, map_type)
     return out, row_id_map
 
@@ -580,7 +579,6 @@ def moe_sort_chunks_by_index(inp: Tensor, split_sizes: Tensor, sorted_index: Ten
     check_tensor_args(
         "te.moe_sort_chunks_by_index", inp=inp, split_sizes=split_sizes, sorted_index=sorted_index
     )
-    check_sort_chunks_args(inp, split_sizes, sorted_index, None)
     return _moe_sort_chunks(inp, split_sizes, sorted_index, None)[0]
 
 
