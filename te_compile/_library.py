@@ -504,10 +504,11 @@ class DifferentiableOp:
             def forward(ctx: Any, *args: Any) -> Any:
                 out = fwd_eager(*args)
                 setup_context(ctx, args, out)
+                _no_zero_grads(ctx, out if type(out) in (tuple, list) else (out,))
                 return tuple(out) if type(out) is list else out
 
             def backward_(ctx: Any, *grads: Any) -> Any:
-                return backward(ctx, bwd_eager, *grads)
+                return backward(ctx, bwd_eager, *_zero_fill(ctx, grads))
 
         else:
 
@@ -515,10 +516,12 @@ class DifferentiableOp:
                 out = fwd_eager(*args)
                 setup_context(ctx, args, out)
                 flat, sizes = _flatten(out, layout)
+                _no_zero_grads(ctx, flat)
                 ctx._te_sizes = sizes
                 return flat[0] if len(flat) == 1 else flat
 
             def backward_(ctx: Any, *grads: Any) -> Any:
+                grads = _zero_fill(ctx, grads)
                 return backward(ctx, bwd_eager, *_flatten_grads(grads, ctx._te_sizes))
 
         # Built with type() so that autograd names the node after the op: te_linear_fwdBackward.
@@ -563,6 +566,31 @@ def _function_entry(cls: type[torch.autograd.Function]) -> Callable[..., Any]:
         return c_apply(*[unwrap_if_dead(a) if isinstance(a, torch.Tensor) else a for a in args])
 
     return apply
+
+
+def _no_zero_grads(ctx: Any, flat: Sequence[torch.Tensor]) -> None:
+    """Autograd gives the backward no zero gradients: without this it fills a zero tensor for
+    every output that got no gradient, the saved tensors included (each op returns what its
+    backward keeps, FP8 copies among them, marked non-differentiable by its setup_context): an
+    allocation and a fill kernel each, every backward, read by no one. Kept instead: the
+    shapes of the differentiable floating outputs, whose missing gradient (an output the
+    caller did not use) :func:`_zero_fill` makes, as autograd would have."""
+    ctx.set_materialize_grads(False)
+    fixed = getattr(ctx, "non_differentiable", ())
+    ctx._te_zeros = [(i, t.shape, t.dtype, t.device) for i, t in enumerate(flat)
+                     if t.is_floating_point() and not any(t is n for n in fixed)]  # fmt: skip
+
+
+def _zero_fill(ctx: Any, grads: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``grads`` with zeros for the differentiable outputs that got none (:func:`_no_zero_grads`);
+    the non-differentiable ones stay None (their backward parameters are unused)."""
+    missing = [z for z in ctx._te_zeros if grads[z[0]] is None]
+    if not missing:
+        return grads
+    grads = list(grads)
+    for i, shape, dtype, device in missing:
+        grads[i] = torch.zeros(shape, dtype=dtype, device=device)
+    return tuple(grads)
 
 
 def _flatten_grads(grads: Sequence[Any], sizes: Sequence[int]) -> tuple[Any, ...]:

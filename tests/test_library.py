@@ -3,6 +3,8 @@ bitwise, and the op path is taken whenever something may be watching."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -180,3 +182,43 @@ def test_runs_triton_keeps_no_tensor_alive():
     del t
     gc.collect()
     assert alive() is None
+
+
+@pytest.mark.parametrize("recipe", [None, "Float8CurrentScaling"])
+def test_eager_backward_makes_no_zero_gradients_for_saved_outputs(recipe):
+    """An op returns the tensors its backward keeps (FP8 copies among them) as outputs marked
+    non-differentiable; autograd must not fill a zero gradient for each of them every backward
+    (an allocation and a kernel each, read by no one)."""
+    m = te.LayerNormMLP(64, 64, params_dtype=torch.bfloat16)
+    x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
+    r = None if recipe is None else getattr(te.recipe, recipe)()
+    with warnings.catch_warnings(), te.autocast(enabled=r is not None, recipe=r):
+        warnings.filterwarnings("ignore", message=".*emulated")  # (CPU: said once a process)
+        loss = m(x).float().sum()  # the fast path: no mode is watching the forward
+    with _Count() as mode:
+        loss.backward()
+    assert "te.mlp_bwd.default" not in mode.seen  # the eager backward, not the op path's
+    assert "aten.zeros.default" not in mode.seen, mode.seen
+    assert x.grad is not None and x.grad.abs().sum() > 0
+
+
+def test_an_unused_differentiable_output_gets_a_zero_gradient():
+    """Of ``linear(..., return_branch=True)``'s two differentiable outputs only the branch (the
+    input) is used: the op's backward gets zeros for the other, as autograd would give, and both
+    paths agree bitwise."""
+    torch.manual_seed(0)
+    inp, weight = torch.randn(4, 16, requires_grad=True), torch.randn(8, 16, requires_grad=True)
+    grads = []
+    for fast in (True, False):
+        te.set_eager_fast_path(fast)
+        try:
+            x, w = inp.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+            _out, branch = te.functional.linear(x, w, return_branch=True)
+            (branch * torch.arange(16.0)).sum().backward()
+            grads.append((x.grad, w.grad))
+        finally:
+            te.set_eager_fast_path(True)
+    (gx, gw), (sx, sw) = grads
+    assert torch.equal(gx, torch.arange(16.0).expand(4, 16))  # the branch is the input
+    assert torch.equal(gw, torch.zeros(8, 16))
+    assert torch.equal(gx, sx) and torch.equal(gw, sw)
