@@ -576,7 +576,7 @@ def _no_zero_grads(ctx: Any, flat: Sequence[torch.Tensor]) -> None:
     shapes of the differentiable floating outputs, whose missing gradient (an output the
     caller did not use) :func:`_zero_fill` makes, as autograd would have."""
     ctx.set_materialize_grads(False)
-    fixed = getattr(ctx, "non_differentiable", ())
+    fixed = getattr(ctx, "non_differentiable", None) or ()
     ctx._te_zeros = [(i, t.shape, t.dtype, t.device) for i, t in enumerate(flat)
                      if t.is_floating_point() and not any(t is n for n in fixed)]  # fmt: skip
 
