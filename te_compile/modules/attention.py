@@ -31,6 +31,7 @@ from te_compile.functional import attention_args as A
 from te_compile.functional.attention import dot_product_attention
 from te_compile.functional.dropout_ops import new_rng_state
 from te_compile.modules._common import check_choice, check_positive, check_rng_tracker, rng_fork
+from te_compile.modules._te_signature import te_signature
 from te_compile.quantization.te_extra_state import accept_te_extra_state
 
 __all__ = ["DotProductAttention"]
@@ -56,6 +57,7 @@ class DotProductAttention(nn.Module):
     inside the tracker's ``fork()`` (not with ``sequence_parallel``, as in Transformer Engine),
     so torch's default generator is not advanced. ``softmax_type``: see the module docstring."""
 
+    @te_signature("DotProductAttention")
     def __init__(
         self,
         num_attention_heads: int,
@@ -65,6 +67,7 @@ class DotProductAttention(nn.Module):
         qkv_format: str = "sbhd",
         attn_mask_type: str = "causal",
         window_size: tuple[int, int] | None = None,
+        *,
         attention_type: str = "self",
         layer_number: int | None = None,
         softmax_scale: float | None = None,

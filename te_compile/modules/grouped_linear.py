@@ -75,6 +75,7 @@ from te_compile.modules._common import (
     params_dtype_or_default,
     rng_fork,
 )
+from te_compile.modules._te_signature import te_signature
 from te_compile.ops.linear import GroupedParameters
 from te_compile.quantization import fp8_gemm as _fp8
 from te_compile.quantization import gemm as _gemm
@@ -119,13 +120,14 @@ class GroupedLinear(_primary.KeepFP8OnCast, GroupedParameters, DelayedWgrad, nn.
     each (``quantization.primary``: ``grouped_primary``, ``FP8MasterWeights``).
     """
 
+    @te_signature("GroupedLinear")
     def __init__(
         self,
         num_gemms: int,
         in_features: int,
         out_features: int,
-        bias: bool = True,
         *,
+        bias: bool = True,
         single_grouped_parameter: bool = False,
         single_grouped_weight: bool | None = None,
         single_grouped_bias: bool | None = None,

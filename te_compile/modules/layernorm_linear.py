@@ -34,6 +34,7 @@ from te_compile.modules._common import (
     rng_fork,
     weight_main_grad,
 )
+from te_compile.modules._te_signature import te_signature
 from te_compile.modules.norm import PreNorm
 from te_compile.quantization import fp8_gemm as _fp8
 from te_compile.quantization import gemm as _gemm
@@ -70,6 +71,7 @@ class LayerNormLinear(_primary.KeepFP8OnCast, DelayedWgrad, NamedSlices, PreNorm
             when the name is None), as in Transformer Engine (``rng_fork``).
     """
 
+    @te_signature("LayerNormLinear")
     def __init__(
         self,
         in_features: int,

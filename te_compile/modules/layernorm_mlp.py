@@ -62,6 +62,7 @@ from te_compile.modules._common import (
     rng_fork,
     weight_main_grad,
 )
+from te_compile.modules._te_signature import te_signature
 from te_compile.modules.norm import PreNorm
 from te_compile.quantization import fp8_gemm as _fp8
 from te_compile.quantization import gemm as _gemm
@@ -128,6 +129,7 @@ class LayerNormMLP(_primary.KeepFP8OnCast, DelayedWgrad, PreNorm):
             when the name is None), as in Transformer Engine (``rng_fork``).
     """
 
+    @te_signature("LayerNormMLP")
     def __init__(
         self,
         hidden_size: int,

@@ -42,6 +42,7 @@ from te_compile.modules._common import (
     rng_fork,
     weight_main_grad,
 )
+from te_compile.modules._te_signature import te_signature
 from te_compile.quantization import fp8_gemm as _fp8
 from te_compile.quantization import gemm as _gemm
 from te_compile.quantization import primary as _primary
@@ -90,6 +91,7 @@ class Linear(_primary.KeepFP8OnCast, DelayedWgrad, NamedSlices, nn.Module):
     optimizer step), as in Transformer Engine (``quantization.gemm``, "Weight caching").
     """
 
+    @te_signature("Linear")
     def __init__(
         self,
         in_features: int,

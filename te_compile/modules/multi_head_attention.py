@@ -41,6 +41,7 @@ from te_compile._checks import (
 from te_compile.functional import apply_rotary_pos_emb
 from te_compile.functional.attention_args import SOFTMAX_TYPES
 from te_compile.modules._common import check_choice, check_positive, check_rng_tracker
+from te_compile.modules._te_signature import te_signature
 from te_compile.modules.attention import DotProductAttention
 from te_compile.modules.layernorm_linear import LayerNormLinear
 from te_compile.modules.linear import Linear
@@ -95,6 +96,7 @@ class MultiheadAttention(nn.Module):
     norm's output if ``input_layernorm`` and ``return_layernorm_output``.
     """
 
+    @te_signature("MultiheadAttention")
     def __init__(
         self,
         hidden_size: int,
@@ -107,6 +109,7 @@ class MultiheadAttention(nn.Module):
         layer_number: int | None = None,
         attn_mask_type: str = "causal",
         window_size: tuple[int, int] | None = None,
+        *,
         tp_group: object = None,
         tp_size: int = 1,
         num_gqa_groups: int | None = None,

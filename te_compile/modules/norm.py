@@ -28,6 +28,7 @@ from te_compile.modules._common import (
     check_positive,
     params_dtype_or_default,
 )
+from te_compile.modules._te_signature import te_signature
 from te_compile.quantization.te_extra_state import accept_te_extra_state
 
 __all__ = ["NORMALIZATIONS", "LayerNorm", "PreNorm", "RMSNorm", "apply_normalization"]
@@ -75,6 +76,7 @@ class _Norm(nn.Module):
     normalization: str
     has_bias: bool
 
+    @te_signature("LayerNorm")  # (RMSNorm's order is the same)
     def __init__(
         self,
         normalized_shape: int | Sequence[int] | None = None,

@@ -25,6 +25,7 @@ from te_compile._checks import check_bool, check_int, check_positive_finite, che
 from te_compile.functional import attention_args as A
 from te_compile.functional import dropout
 from te_compile.modules._common import check_choice, check_positive
+from te_compile.modules._te_signature import te_signature
 from te_compile.modules.layernorm_mlp import LayerNormMLP
 from te_compile.modules.multi_head_attention import MultiheadAttention, check_probability
 from te_compile.modules.norm import LayerNorm, RMSNorm
@@ -54,12 +55,15 @@ class TransformerLayer(nn.Module):
     ``apply_residual_connection_post_layernorm``, ``output_layernorm``,
     ``parallel_attention_mlp``, ``layer_type``, ``drop_path_rate``, ``set_parallel_mode``,
     ``fuse_qkv_params``, ``zero_centered_gamma``, ``qkv_weight_interleaved``, ``bias``,
-    ``activation``, ``normalization``, ``device``, ``attn_input_format`` ("sbhd", "bshd" or
-    "thd"), ``softmax_type`` (both attentions' sink softmax), and MultiheadAttention's
-    ``rotary_pos_interleaved``, ``qk_norm_type``, ``qk_norm_eps``, ``qk_norm_before_rope``).
+    ``activation``, ``activation_params`` (:class:`LayerNormMLP`'s), ``normalization``,
+    ``device``, ``attn_input_format`` ("sbhd", "bshd" or "thd"), ``softmax_type`` (both
+    attentions' sink softmax), and MultiheadAttention's ``rotary_pos_interleaved``,
+    ``qk_norm_type``, ``qk_norm_eps``, ``qk_norm_before_rope``). Positional arguments follow
+    Transformer Engine's order (``modules._te_signature``).
     Unlike Transformer Engine, ``device=None`` means torch's default device.
     """
 
+    @te_signature("TransformerLayer")
     def __init__(
         self,
         hidden_size: int,
@@ -75,6 +79,7 @@ class TransformerLayer(nn.Module):
         kv_channels: int | None = None,
         self_attn_mask_type: str = "causal",
         window_size: tuple[int, int] | None = None,
+        *,
         enc_dec_attn_mask_type: str = "no_mask",
         enc_dec_window_size: tuple[int, int] | None = None,
         tp_group: object = None,
@@ -94,6 +99,7 @@ class TransformerLayer(nn.Module):
         qkv_weight_interleaved: bool = True,
         bias: bool = True,
         activation: str = "gelu",
+        activation_params: dict | None = None,
         normalization: str = "LayerNorm",
         device: torch.device | str | None = None,
         attn_input_format: str = "sbhd",
@@ -204,6 +210,7 @@ class TransformerLayer(nn.Module):
             eps=layernorm_epsilon,
             bias=bias,
             activation=activation,
+            activation_params=activation_params,
             normalization=normalization,
             zero_centered_gamma=zero_centered_gamma,
             return_layernorm_output=post_ln,

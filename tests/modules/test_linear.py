@@ -152,22 +152,6 @@ backward:
         )
 
 
-@pytest.mark.parametrize(
-    "make",
-    [
-        lambda: te.Linear(8, 8, True),
-        lambda: te.LayerNormLinear(8, 8, 1e-5, True),
-        lambda: te.LayerNormMLP(8, 16, 1e-5, True),
-    ],
-    ids=["Linear", "LayerNormLinear", "LayerNormMLP"],
-)
-def test_arguments_past_the_sizes_are_keyword_only(make):
-    """Transformer Engine's next positional argument is ``sequence_parallel``: passed
-    positionally it must fail loudly, not set ``bias``."""
-    with pytest.raises(TypeError):
-        make()
-
-
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("recipe", [None, "current"], ids=["hp", "fp8_current"])
 def test_layernorm_linear_accumulates_into_main_grad(recipe, compiled):
