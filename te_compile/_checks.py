@@ -108,8 +108,20 @@ def check_same_device(owner: str, ref_name: str, ref: torch.Tensor, **tensors: o
         if value is not None and value.device != ref.device:
             raise ValueError(
                 f"{owner}: {ref_name} and {name} must be on one device, got {ref_name} on "
-                f"{ref.device} and {name} on {value.device}"
+                f"{ref.device} and {name} on {value.device}" + _device_hint(ref, value)
             )
+
+
+def _device_hint(a: torch.Tensor, b: torch.Tensor) -> str:
+    """Where one tensor is on CUDA and the other on the CPU: most likely a module built without
+    ``device``, which Transformer Engine puts on CUDA and te_compile on torch's default."""
+    if {a.device.type, b.device.type} != {"cuda", "cpu"}:
+        return ""
+    return (
+        " (te_compile's modules are created on torch's default device, Transformer Engine's on "
+        "CUDA: build them with device='cuda', move them with .cuda(), or call "
+        "torch.set_default_device('cuda') first)"
+    )
 
 
 def check_dtype(owner: str, name: str, value: object, *, floating: bool = True) -> None:

@@ -181,6 +181,25 @@ def test_a_module_on_another_device_than_its_input_is_refused(make, words):
         module(*args)
 
 
+def test_a_cuda_input_to_a_cpu_module_says_how_to_place_the_module():
+    """Transformer Engine builds modules on CUDA, te_compile on torch's default device: the
+    refusal says how to place the module (only ``.device`` is read, so no GPU is needed)."""
+    from types import SimpleNamespace
+
+    from te_compile._checks import check_same_device
+
+    cuda, cpu = (
+        SimpleNamespace(device=torch.device("cuda", 0)),
+        SimpleNamespace(device=torch.device("cpu")),
+    )
+    with pytest.raises(ValueError, match=r"on cuda:0 and weight on cpu \(.*device='cuda'"):
+        check_same_device("te.linear", "inp", cuda, weight=cpu)
+    with pytest.raises(ValueError, match=r"on meta\Z"):
+        check_same_device(
+            "te.linear", "inp", cpu, weight=SimpleNamespace(device=torch.device("meta"))
+        )
+
+
 # Representative cases of each kind: the same message eager and at trace time.
 _COMPILED = {
     "grouped_linear_m_splits_int": lambda: (
