@@ -1,17 +1,11 @@
 """FP8 primary weights: ``quantized_model_init`` / ``fp8_model_init`` and ``FP8MasterWeights``.
 
-Modules built inside ``te_compile.quantized_model_init(recipe=...)`` keep each GEMM weight in
-FP8 only, as the recipe casts weights (:func:`_weight_spec`, :func:`_cast`): the ``weight``
-Parameter holds the E4M3 codes, buffers the rest (``<name>_scale_inv``, ``<name>_amax``; of 1-D
-weight blocks also ``<name>_t`` / ``<name>_scale_inv_t``), handed to the GEMM op as its
-pre-quantised operand (:func:`primary_operand`, :func:`grouped_primary`): no per-step cast. The
-weight gradient goes to an fp32 ``weight.main_grad``, else to ``.grad`` (its ``grad_dtype``);
-``FP8MasterWeights`` keeps fp32 masters for any ``torch.optim`` optimizer and re-quantises them
-after each step (:func:`_set`). Under FSDP2 (per-tensor recipes) the codes are sharded on dim 0,
-the weight gradient reaches a sharded ``main_grad`` through a zero-byte stand-in whose backward
-reduce-scatters it (:class:`_StandIn`), and the refresh all-reduces each shard's amax.
-``docs/fp8.md``, "FP8 primary weights" and "FSDP2", is the full account: what each recipe
-keeps, usage, memory, the grouped layouts, the limits.
+Modules built inside ``quantized_model_init(recipe=...)`` keep each GEMM weight in FP8 only, as the
+recipe casts weights: the Parameter holds the codes, buffers the scales and amax (and the transposed
+copy of 1-D blocks), handed to the GEMM op as its pre-quantised operand: no per-step cast. Gradients
+go to an fp32 ``weight.main_grad``, else ``.grad``; ``FP8MasterWeights`` keeps fp32 masters for any
+optimizer and re-quantises them after each step. ``docs/fp8.md`` ("FP8 primary weights", "FSDP2")
+is the full account: what each recipe keeps, usage, memory, grouped layouts, FSDP2, the limits.
 """
 
 from __future__ import annotations
@@ -134,6 +128,7 @@ def _cast(weight: Tensor, spec: QuantSpec) -> list[Tensor]:
 # codes are the Parameter, the others buffers. A transposed copy that is the transpose of the
 # codes and scale (per tensor, 128x128 blocks) is not kept: ``primary_operand`` makes it.
 _SUFFIXES = ("", "_scale_inv", "_t", "_scale_inv_t", "_amax")
+_METHODS = ("copy_", "get_high_precision_init_val", "clear_high_precision_init_val")  # (set below)
 
 
 def _kept(spec: QuantSpec) -> tuple[int, ...]:
@@ -156,11 +151,11 @@ def clear_high_precision_init_val(param: nn.Parameter) -> None:
 
 @torch.no_grad()
 def make_primary(module: nn.Module, names: tuple[str, ...], owner: str) -> None:
-    """Inside ``quantized_model_init``: replace ``module``'s weights ``names`` (initialised in
-    high precision; a grouped GEMM's ``[G, N, K]`` weight or its ``G`` weights ``[N, K]``) by
-    FP8 Parameters with their ``<name>_scale_inv`` / ``<name>_amax`` buffers (and
-    ``<name>_t`` / ``<name>_scale_inv_t`` of 1-D weight blocks: 1x128, MXFP8, NVFP4's 1x16).
-    Outside it: nothing."""
+    """Inside ``quantized_model_init``: replace ``module``'s weights ``names`` (initialised in high
+    precision; a grouped GEMM's ``[G, N, K]`` weight or its ``G`` weights ``[N, K]``) by FP8
+    Parameters with their ``<name>_scale_inv`` / ``<name>_amax`` buffers (and ``<name>_t`` /
+    ``<name>_scale_inv_t`` of 1-D weight blocks: 1x128, MXFP8, NVFP4's 1x16). Outside it: nothing.
+    """
     state = _STATE[0]
     if state is None:
         return
@@ -191,9 +186,8 @@ def make_primary(module: nn.Module, names: tuple[str, ...], owner: str) -> None:
 
 def _add_methods(module: nn.Module, name: str) -> None:
     """TE's methods on FP8 weight ``name`` (also module functions) and ``weight.copy_(src)``,
-    which quantises high-precision values into the codes and buffers as at construction (TE's
-    ``QuantizedTensor.copy_``; float8 codes are copied as they are, their scale the caller's);
-    again after a deep copy of the module (a Parameter's copy keeps no attributes)."""
+    quantising high-precision values as at construction (TE's ``QuantizedTensor.copy_``; float8
+    codes are copied as they are); again after a deep copy or unpickling of the module."""
     param, owner = getattr(module, name), weakref.ref(module)
 
     def copy_(src: Tensor, non_blocking: bool = False) -> Tensor:
@@ -211,9 +205,8 @@ def _add_methods(module: nn.Module, name: str) -> None:
 
 def _quantize_loaded_weights(module, state_dict, prefix, *args) -> None:
     """``load_state_dict``'s pre-hook: a high-precision value for an FP8 weight (a checkpoint of
-    the model without FP8 primary weights) is quantised as ``FP8MasterWeights`` quantises its
-    masters, codes and buffers; loaded as they were, its values would be cast into the codes
-    without the weight's scale."""
+    the model without FP8 primary weights) is quantised into codes and buffers, as
+    ``FP8MasterWeights`` quantises its masters (cast as it is, it would lose the scale)."""
     for name in module.__dict__.get(_STAMPS, {}):
         value, param = state_dict.get(prefix + name), getattr(module, name)
         if value is None or not value.is_floating_point() or is_primary(value):
@@ -239,10 +232,20 @@ class KeepFP8OnCast:
     """Mixin of the modules that can hold FP8 primary weights: a dtype cast of the module
     (``.half()``, ``.bfloat16()``, ``.float()``, ``.to(dtype)``) leaves each FP8 weight's codes and
     its ``<name>_scale_inv`` / ``_t`` / ``_scale_inv_t`` / ``_amax`` buffers as they are (cast, the
-    codes would become their values without the scale, and the scale would be rounded); the
-    device still follows. The cast's dtype becomes the weight's nominal dtype (the one
+    codes would become their values without the scale, and the scale would be rounded); the device
+    still follows. The cast's dtype becomes the weight's nominal dtype (the one
     ``reset_parameters()`` initialises in), as a cast of Transformer Engine's quantized weight
     changes only its nominal dtype. The forward already computes in the input's dtype."""
+
+    def __getstate__(self) -> dict:
+        """Pickled (``torch.save(model)``): each FP8 weight without :func:`_add_methods`'s
+        methods (``copy_`` is a closure), which ``__setstate__`` sets again."""
+        state = dict(self.__dict__)
+        params = state["_parameters"] = dict(state["_parameters"])
+        for name, p in ((n, params[n]) for n in state.get(_SPECS, {})):
+            params[name] = nn.Parameter(p.data, requires_grad=p.requires_grad)
+            params[name].__dict__.update((k, v) for k, v in vars(p).items() if k not in _METHODS)
+        return state
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
@@ -282,13 +285,13 @@ def _stamp_after_load(module: nn.Module, incompatible_keys: object) -> None:
 
 
 def check_unchanged(module: nn.Module, name: str, weight: Tensor) -> None:
-    """Refuse an FP8 weight whose codes changed without its scale since te_compile set them:
-    written in place (same storage, newer codes, the same scale: an in-place write other than
+    """Refuse an FP8 weight whose codes changed without its scale since te_compile set them: written
+    in place (same storage, newer codes, the same scale: an in-place write other than
     ``weight.copy_`` casts values without the weight's scale), or replaced (a new Parameter or
-    ``weight.data = ...`` while the stamped scale is unwritten: it belongs to the old codes;
-    outside ``torch.distributed``, where FSDP2 gives the weight new storage at every forward)
-    unless live FP8 weights hold those codes (:func:`_take_scale_of_same_codes`). Codes written
-    with their scale, or moved with it (``.to()``, a deep copy): stamped again. Eager only."""
+    ``weight.data = ...`` while the stamped scale is unwritten: it belongs to the old codes; outside
+    ``torch.distributed``, where FSDP2 gives the weight new storage at every forward) unless live
+    FP8 weights hold those codes (:func:`_take_scale_of_same_codes`). Codes written with their
+    scale, or moved with it (``.to()``, a deep copy): stamped again. Eager only."""
     stamps = module.__dict__.get(_STAMPS)
     if stamps is None or torch.compiler.is_compiling() or type(weight.data) is not Tensor:
         return
@@ -351,11 +354,10 @@ _LAST_RECIPES: weakref.WeakKeyDictionary[nn.Module, Recipe] = weakref.WeakKeyDic
 
 
 def _take_scale_of_same_codes(module: nn.Module, name: str, weight: Tensor) -> bool:
-    """FP8 weight ``name`` replaced by codes bit for bit those of live FP8 weights kept alike
-    (spec, shape, device) whose scale buffers all agree: take those buffers (True), as TE's
-    ``Parameter(src.weight.clone())`` carries the source's scale (its tests share a
-    ``Float8Tensor`` that way). None, or two with other scales (equal codes, other values):
-    False."""
+    """FP8 weight ``name`` replaced by codes bit for bit those of live FP8 weights kept alike (spec,
+    shape, device) whose scale buffers all agree: take those buffers (True), as TE's
+    ``Parameter(src.weight.clone())`` carries the source's scale (its tests share a ``Float8Tensor``
+    that way). None, or two with other scales (equal codes, other values): False."""
     spec, codes = _spec(module, name), weight.detach().view(torch.uint8)
     found = [[o._buffers.get(n + suffix) for suffix in _SUFFIXES[1:]]
              for o in list(_HOLDERS) for n, w in ((n, getattr(o, n)) for n in o.__dict__[_SPECS])
@@ -446,15 +448,14 @@ def primary_operand(
 def grouped_primary(
     module: nn.Module, names: tuple[str, ...], dtype: torch.dtype, to_leaves: bool = True
 ) -> tuple[Tensor, list[Tensor]] | None:
-    """For a grouped GEMM whose weights are ``module``'s ``names`` (one ``[G, N, K]`` weight,
-    or ``G`` weights ``[N, K]``): None when they are not FP8, else the GEMM op's ``weight``
-    argument, a :class:`_StandIn` of shape ``[G, N, K]`` (the op accumulates the gradient into
-    the ``main_grad`` it is given, else, with ``to_leaves``, returns it to the weights' ``.grad``;
-    sharded, returns it to the stand-in), and its pre-quantised
-    operand (``functional.quantize_grouped_weight``'s ``scaled_grouped_mm`` kind: the codes
-    ``[G, N, K]``, each group's inverse scale broadcast over its rows ``[G, N]``, the transposed
-    codes ``[G, K, N]`` with the scales ``[G, K]``, the largest amax ``[1]``; kept in blocks,
-    :func:`_grouped_blocks`)."""
+    """For a grouped GEMM whose weights are ``module``'s ``names`` (one ``[G, N, K]`` weight, or
+    ``G`` weights ``[N, K]``): None when they are not FP8, else the GEMM op's ``weight`` argument, a
+    :class:`_StandIn` of shape ``[G, N, K]`` (the op accumulates the gradient into the ``main_grad``
+    it is given, else, with ``to_leaves``, returns it to the weights' ``.grad``; sharded, returns it
+    to the stand-in), and its pre-quantised operand (``functional.quantize_grouped_weight``'s
+    ``scaled_grouped_mm`` kind: the codes ``[G, N, K]``, each group's inverse scale broadcast over
+    its rows ``[G, N]``, the transposed codes ``[G, K, N]`` with the scales ``[G, K]``, the largest
+    amax ``[1]``; kept in blocks, :func:`_grouped_blocks`)."""
     weights = [getattr(module, n) for n in names]
     if not is_primary(weights[0]):
         for n in names:
@@ -592,16 +593,15 @@ def _reduce_scatter_rows(grad: Tensor, world: int, group_name: str, local_rows: 
 class _StandIn(torch.autograd.Function):
     """The weight argument of a GEMM op on FP8 weights: ``shape`` in ``dtype``, zero bytes (an
     expanded scalar; the op reads the codes from its pre-quantised operand, never this), or
-    ``values`` where a high-precision backward reads them (:func:`_backward_values`),
-    requiring grad through ``leaves``. Not sharded (``group_name`` None): the leaves are the
-    codes; with ``to_leaves`` (the op is given no ``main_grad``: :func:`taken_main_grad`) the
-    op's gradient goes to their ``.grad`` (in their ``grad_dtype``), ``[G, N, K]`` split per
-    leaf.
-    Sharded by FSDP2: one zero-byte fp32 leaf per FP8 weight, of its local shard's shape, whose
-    ``.grad`` is the sharded ``main_grad`` (``per_group``: a grouped GEMM's ``G`` weights ``[N,
-    K]``, else one weight); the full-size ``dW`` is reduce-scattered into each leaf
-    (:func:`_reduce_scatter_rows`); autograd sums micro-batches into ``leaf.grad``. A functional
-    collective: torch.compile traces it into the compiled backward."""
+    ``values`` where a high-precision backward reads them (:func:`_backward_values`), requiring grad
+    through ``leaves``. Not sharded (``group_name`` None): the leaves are the codes; with
+    ``to_leaves`` (the op is given no ``main_grad``: :func:`taken_main_grad`) the op's gradient goes
+    to their ``.grad`` (in their ``grad_dtype``), ``[G, N, K]`` split per leaf. Sharded by FSDP2:
+    one zero-byte fp32 leaf per FP8 weight, of its local shard's shape, whose ``.grad`` is the
+    sharded ``main_grad`` (``per_group``: a grouped GEMM's ``G`` weights ``[N, K]``, else one
+    weight); the full-size ``dW`` is reduce-scattered into each leaf (:func:`_reduce_scatter_rows`);
+    autograd sums micro-batches into ``leaf.grad``. A functional collective: torch.compile traces it
+    into the compiled backward."""
 
     @staticmethod
     def forward(ctx, dtype: torch.dtype, shape: tuple[int, ...], values: Tensor | None,

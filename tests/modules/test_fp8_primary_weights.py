@@ -1714,3 +1714,41 @@ def test_a_main_grad_the_module_was_not_told_of_is_left_alone(name, accumulate, 
         else:
             assert torch.equal(w.main_grad, torch.full_like(w.main_grad, 0.5)), n
             assert w.grad.dtype == torch.bfloat16 and torch.equal(w.grad, want.bfloat16()), n
+
+
+@pytest.mark.parametrize(
+    "recipe", [Float8CurrentScaling(), Float8BlockScaling()], ids=["current", "block"]
+)
+@pytest.mark.parametrize("name", MODULES)
+def test_a_model_with_fp8_weights_pickles_whole(name, recipe):
+    """``torch.save(model)`` / ``torch.load``: the same codes and buffers, the same forward, and
+    the loaded weights quantise on ``weight.copy_(values)`` as the saved ones do; the saved
+    module keeps its weights' methods."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the CPU's emulation notice
+        m = _primary(name, "cpu", recipe)
+        buffer = io.BytesIO()
+        torch.save(m, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+        _assert_same_state(loaded, m)
+        with autocast(recipe=recipe):
+            assert torch.equal(loaded(_x("cpu")), m(_x("cpu")))
+        n = _fp8_names(m)[0]
+        values = torch.randn(getattr(m, n).shape, dtype=torch.bfloat16)
+        with torch.no_grad():
+            getattr(m, n).copy_(values)
+            getattr(loaded, n).copy_(values)
+        _assert_same_state(loaded, m)
+        with autocast(recipe=recipe):
+            assert torch.equal(loaded(_x("cpu", 1)), m(_x("cpu", 1)))
+
+
+def _assert_same_state(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        x, y = sa[k], sb[k]
+        if x.dtype == E4M3:
+            x, y = x.view(torch.uint8), y.view(torch.uint8)
+        assert torch.equal(x, y), k
