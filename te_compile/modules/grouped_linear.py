@@ -76,7 +76,7 @@ from te_compile.modules._common import (
     rng_fork,
 )
 from te_compile.modules._te_signature import te_signature
-from te_compile.ops.linear import GroupedParameters
+from te_compile.ops.linear import GroupedParameters, dequantised_primary, primary_values
 from te_compile.quantization import fp8_gemm as _fp8
 from te_compile.quantization import gemm as _gemm
 from te_compile.quantization import primary as _primary
@@ -357,6 +357,9 @@ class GroupedLinear(_primary.KeepFP8OnCast, GroupedParameters, DelayedWgrad, nn.
         if primary is not None:  # FP8 primary weights
             weight, weight_q = primary
             main_grad = taken
+            if dequantised_primary(params[0]):  # outside an FP8 autocast: their values, as TE
+                names = self._weight_names()
+                weight, weight_q = primary_values(self, names, inp.dtype, taken), None
         elif self.single_weight:
             weight = self.weight
             main_grad = self._main_grad() if self.fuse_wgrad_accumulation else None

@@ -64,6 +64,7 @@ from te_compile.modules._common import (
 )
 from te_compile.modules._te_signature import te_signature
 from te_compile.modules.norm import PreNorm
+from te_compile.ops.linear import dense_primary
 from te_compile.quantization import fp8_gemm as _fp8
 from te_compile.quantization import gemm as _gemm
 from te_compile.quantization import primary as _primary
@@ -283,13 +284,12 @@ class LayerNormMLP(_primary.KeepFP8OnCast, DelayedWgrad, PreNorm):
         main_grads = None
         if self.fuse_wgrad_accumulation:
             main_grads = (weight_main_grad(owner, w1), weight_main_grad(owner, w2))
-        wq = (_primary.primary_operand(self, "fc1_weight"),
-              _primary.primary_operand(self, "fc2_weight"))  # fmt: skip
-        if wq != (None, None):  # FP8 primary weights: their gradients go to main_grad
-            fuse = self.fuse_wgrad_accumulation
-            w1, g1 = _primary.primary_weight(self, "fc1_weight", inp.dtype, fuse)
-            w2, g2 = _primary.primary_weight(self, "fc2_weight", inp.dtype, fuse)
-            main_grads = (g1, g2)
+        fuse, wq = self.fuse_wgrad_accumulation, (None, None)
+        fp8 = [dense_primary(self, "fc1_weight", w1, inp.dtype, fuse),
+               dense_primary(self, "fc2_weight", w2, inp.dtype, fuse)]  # fmt: skip
+        if fp8[0] is not None:  # FP8 primary weights: their gradients go to main_grad, or .grad
+            (w1, g1, q1), (w2, g2, q2) = fp8
+            main_grads, wq = (g1, g2), (q1, q2)
         defer = self._wgrad_defer(w1, w2)
         out = _gemm.mlp(owner, metas, inp, w1, b1, self.activation, w2, fc2_bias, norm=norm,
                         activation_params=self.activation_params, main_grads=main_grads,

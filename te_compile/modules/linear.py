@@ -43,6 +43,7 @@ from te_compile.modules._common import (
     weight_main_grad,
 )
 from te_compile.modules._te_signature import te_signature
+from te_compile.ops.linear import dense_primary
 from te_compile.quantization import fp8_gemm as _fp8
 from te_compile.quantization import gemm as _gemm
 from te_compile.quantization import primary as _primary
@@ -185,11 +186,10 @@ class Linear(_primary.KeepFP8OnCast, DelayedWgrad, NamedSlices, nn.Module):
     ) -> Tensor | tuple[Tensor, Tensor | None]:
         param = weight = self.weight
         main_grad = weight_main_grad("Linear", param) if self.fuse_wgrad_accumulation else None
-        wq = _primary.primary_operand(self, "weight", param)
-        if wq is not None:  # FP8 primary weight: its gradient goes to main_grad
-            weight, main_grad = _primary.primary_weight(
-                self, "weight", inp.dtype, self.fuse_wgrad_accumulation
-            )
+        wq = None
+        fp8 = dense_primary(self, "weight", param, inp.dtype, self.fuse_wgrad_accumulation)
+        if fp8 is not None:  # FP8 primary weight: its gradient goes to main_grad, or .grad
+            weight, main_grad, wq = fp8
         cache = None
         if is_first_microbatch is not None:
             _gemm.check_first_microbatch("Linear", is_first_microbatch)

@@ -90,14 +90,14 @@ def _init_with_tracker(init: Callable[[], None], tracker: Callable[[], Any] | No
         init()
 
 
-def _high_precision(weight: Tensor) -> bool:
+def dequantised_primary(weight: Tensor) -> bool:
     """An FP8 primary weight outside an FP8 autocast (and outside calibration): Transformer
     Engine dequantises it, the GEMMs run in high precision on its values (not sharded)."""
     state = get_autocast_state()
     return not (state.enabled or state.calibration) and type(weight.data) is Tensor
 
 
-def _values(
+def primary_values(
     module: nn.Module, names: tuple[str, ...], dtype: torch.dtype, main_grad: Tensor | None
 ) -> Tensor:
     """FP8 weights ``names``' values in ``dtype`` (``G`` weights stacked ``[G, N, K]``) for a
@@ -109,6 +109,23 @@ def _values(
     if main_grad is not None or not (params[0].requires_grad and torch.is_grad_enabled()):
         return values.requires_grad_(main_grad is not None and params[0].requires_grad)
     return _ToWeights.apply(values, *params)
+
+
+def dense_primary(
+    module: nn.Module, name: str, weight: Tensor, dtype: torch.dtype, accumulate: bool
+) -> tuple[Tensor, Tensor | None, tuple[Tensor, ...] | None] | None:
+    """The GEMM arguments ``(weight, main_grad, weight_quantized)`` of ``module``'s FP8 primary
+    weight ``name`` (the Parameter ``weight``), or None where it is not FP8: inside an FP8
+    autocast the codes with their pre-quantised operand (``quantization.primary``), outside one
+    a high-precision GEMM on their values (:func:`dequantised_primary`). ``accumulate``: the
+    module adds its gradient into ``main_grad`` (``primary.taken_main_grad``)."""
+    weight_q = primary.primary_operand(module, name, weight)
+    if weight_q is None:
+        return None
+    if dequantised_primary(weight):
+        main_grad = primary.taken_main_grad(weight, accumulate)
+        return primary_values(module, (name,), dtype, main_grad), main_grad, None
+    return *primary.primary_weight(module, name, dtype, accumulate), weight_q
 
 
 class _ToWeights(torch.autograd.Function):
@@ -243,22 +260,13 @@ class BasicLinear(primary.KeepFP8OnCast, BasicOperation):
         An input whose dtype is not the weight's is cast to it, as Transformer Engine casts it
         (the output has the weight's dtype, the input's gradient its own); under
         ``torch.autocast`` the GEMM takes autocast's dtype instead."""
-        weight_q = primary.primary_operand(self, "weight")
-        if (
-            weight_q is None
-            and x.dtype != self.weight.dtype
-            and not torch.is_autocast_enabled(x.device.type)
-        ):
-            x = x.to(self.weight.dtype)
-        if weight_q is None:
-            weight, main_grad = self.weight, self.main_grad()
-        elif _high_precision(self.weight):
-            main_grad = primary.taken_main_grad(self.weight, self.accumulate_into_main_grad)
-            weight_q, weight = None, _values(self, ("weight",), x.dtype, main_grad)
+        fp8 = dense_primary(self, "weight", self.weight, x.dtype, self.accumulate_into_main_grad)
+        if fp8 is not None:
+            weight, main_grad, weight_q = fp8
         else:
-            weight, main_grad = primary.primary_weight(
-                self, "weight", x.dtype, self.accumulate_into_main_grad
-            )
+            if x.dtype != self.weight.dtype and not torch.is_autocast_enabled(x.device.type):
+                x = x.to(self.weight.dtype)
+            weight, main_grad, weight_q = self.weight, self.main_grad(), None
 
         def run(inp: Tensor, b: Tensor | None) -> Tensor | tuple[Tensor, ...]:
             return gemm.linear("BasicLinear", self.fp8_meta, inp, weight, b, main_grad,
@@ -523,8 +531,8 @@ class GroupedLinear(primary.KeepFP8OnCast, GroupedParameters, BasicOperation):
         if fp8 is not None:  # FP8 primary weights: the gradient goes to main_grad, or .grad
             main_grad = taken
             weight, weight_q = fp8
-            if _high_precision(getattr(self, names[0])):
-                weight, weight_q = _values(self, names, x.dtype, main_grad), None
+            if dequantised_primary(getattr(self, names[0])):
+                weight, weight_q = primary_values(self, names, x.dtype, main_grad), None
         bias = None if self.scale_bias else self._grouped_bias()
         out = gemm.grouped_linear("GroupedLinear", self.fp8_meta, x, m_splits, weight, bias,
                                   main_grad=main_grad, weight_quantized=weight_q)  # fmt: skip

@@ -20,6 +20,7 @@ from te_compile.quantization import (
     MXFP8BlockScaling,
     NVFP4BlockScaling,
     autocast,
+    primary,
 )
 from tests.utils import (
     DEVICES,
@@ -228,7 +229,10 @@ def test_compiled_step_one_graph_values_as_eager(name):
 def test_refused_uses():
     recipe = Float8CurrentScaling()
     m = _primary("Linear", "cpu", recipe)
-    with pytest.raises(NotImplementedError, match="no FP8 autocast"):
+    with (
+        autocast(enabled=False, calibrating=True),
+        pytest.raises(NotImplementedError, match="got calibration"),
+    ):
         m(_x("cpu"))
     x = _x("cpu")
     with autocast(recipe=recipe):
@@ -891,7 +895,8 @@ def test_grouped_weights_own_main_grads_get_the_buffer_s_gradient(recipe, delay)
 def test_grouped_refused_uses():
     recipe = Float8CurrentScaling()
     m = _grouped("cpu", recipe)
-    with torch.no_grad(), pytest.raises(NotImplementedError, match="no FP8 autocast"):
+    calibrating = autocast(enabled=False, calibrating=True)
+    with torch.no_grad(), calibrating, pytest.raises(NotImplementedError, match="calibration"):
         m(_x("cpu"), SPLITS)
     with autocast(recipe=recipe), torch.no_grad():  # inference needs no masters
         assert m(_x("cpu"), SPLITS).isfinite().all()
@@ -1752,3 +1757,37 @@ def _assert_same_state(a, b):
         if x.dtype == E4M3:
             x, y = x.view(torch.uint8), y.view(torch.uint8)
         assert torch.equal(x, y), k
+
+
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling(), BLOCK], ids=["current", "block"])
+@pytest.mark.parametrize("name", [*MODULES, "GroupedLinear"])
+def test_modules_outside_fp8_autocast_compute_with_the_weight_values(name, recipe):
+    """Outside an FP8 autocast the FP8 weights are dequantised, as Transformer Engine does: the
+    module computes as its high-precision twin holding the values the codes stand for (output
+    and input gradient bit for bit), the weight gradient into ``.grad`` in the nominal dtype,
+    or with ``FP8MasterWeights`` into ``main_grad`` (against float64)."""
+    grouped = name == "GroupedLinear"
+    m = _grouped("cpu", recipe) if grouped else _primary(name, "cpu", recipe)
+    twin = _grouped("cpu") if grouped else _build(name, "cpu")
+    names = _fp8_names(m)
+    state = {k: v for k, v in m.state_dict().items() if k in twin.state_dict()}
+    state.update({n: primary.weight_values(m, n, torch.bfloat16) for n in names})
+    twin.load_state_dict(state)
+    args = (SPLITS,) if grouped else ()
+    runs = []
+    for module in (m, twin):
+        x = _x("cpu").requires_grad_()
+        y = module(x, *args)
+        g = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(y.dtype)
+        y.backward(g)
+        runs.append((y, x.grad, [module.get_parameter(n).grad for n in names]))
+    (y, dx, dws), (y_hp, dx_hp, dws_hp) = runs
+    assert torch.equal(y, y_hp) and torch.equal(dx, dx_hp)
+    for dw, dw_hp in zip(dws, dws_hp, strict=True):
+        assert dw.dtype == torch.bfloat16 and torch.equal(dw, dw_hp)
+    if name != "Linear":
+        return
+    te.FP8MasterWeights(m)  # the gradient goes to main_grad
+    x = _x("cpu").requires_grad_()
+    m(x).backward(g)
+    assert_close(m.weight.main_grad, g.double().T @ x.double(), torch.bfloat16)
