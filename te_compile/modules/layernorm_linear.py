@@ -169,7 +169,7 @@ class LayerNormLinear(_primary.KeepFP8OnCast, DelayedWgrad, NamedSlices, PreNorm
         param = weight = self.weight
         main_grad = weight_main_grad(owner, param) if self.fuse_wgrad_accumulation else None
         wq = None
-        fp8 = dense_primary(self, "weight", param, inp.dtype, self.fuse_wgrad_accumulation)
+        fp8 = dense_primary(self, "weight", param, inp, self.fuse_wgrad_accumulation)
         if fp8 is not None:  # FP8 primary weight: its gradient goes to main_grad, or .grad
             weight, main_grad, wq = fp8
         cache = None

@@ -285,8 +285,8 @@ class LayerNormMLP(_primary.KeepFP8OnCast, DelayedWgrad, PreNorm):
         if self.fuse_wgrad_accumulation:
             main_grads = (weight_main_grad(owner, w1), weight_main_grad(owner, w2))
         fuse, wq = self.fuse_wgrad_accumulation, (None, None)
-        fp8 = [dense_primary(self, "fc1_weight", w1, inp.dtype, fuse),
-               dense_primary(self, "fc2_weight", w2, inp.dtype, fuse)]  # fmt: skip
+        fp8 = [dense_primary(self, "fc1_weight", w1, inp, fuse),
+               dense_primary(self, "fc2_weight", w2, inp, fuse)]  # fmt: skip
         if fp8[0] is not None:  # FP8 primary weights: their gradients go to main_grad, or .grad
             (w1, g1, q1), (w2, g2, q2) = fp8
             main_grads, wq = (g1, g2), (q1, q2)

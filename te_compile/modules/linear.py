@@ -187,7 +187,7 @@ class Linear(_primary.KeepFP8OnCast, DelayedWgrad, NamedSlices, nn.Module):
         param = weight = self.weight
         main_grad = weight_main_grad("Linear", param) if self.fuse_wgrad_accumulation else None
         wq = None
-        fp8 = dense_primary(self, "weight", param, inp.dtype, self.fuse_wgrad_accumulation)
+        fp8 = dense_primary(self, "weight", param, inp, self.fuse_wgrad_accumulation)
         if fp8 is not None:  # FP8 primary weight: its gradient goes to main_grad, or .grad
             weight, main_grad, wq = fp8
         cache = None

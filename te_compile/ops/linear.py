@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from te_compile._checks import check_bool, check_callable, check_device
+from te_compile._checks import check_bool, check_callable, check_device, check_tensor
 from te_compile.distributed.tensor_parallel import TensorParallel, set_parallel_attributes
 from te_compile.functional.grouped_gemm import checked_splits
 from te_compile.ops.op import BasicOperation, FusibleOperation, OpOutput, check_input
@@ -112,16 +112,19 @@ def primary_values(
 
 
 def dense_primary(
-    module: nn.Module, name: str, weight: Tensor, dtype: torch.dtype, accumulate: bool
+    module: nn.Module, name: str, weight: Tensor, inp: object, accumulate: bool
 ) -> tuple[Tensor, Tensor | None, tuple[Tensor, ...] | None] | None:
     """The GEMM arguments ``(weight, main_grad, weight_quantized)`` of ``module``'s FP8 primary
-    weight ``name`` (the Parameter ``weight``), or None where it is not FP8: inside an FP8
-    autocast the codes with their pre-quantised operand (``quantization.primary``), outside one
-    a high-precision GEMM on their values (:func:`dequantised_primary`). ``accumulate``: the
-    module adds its gradient into ``main_grad`` (``primary.taken_main_grad``)."""
+    weight ``name`` (the Parameter ``weight``) for input ``inp``, or None where it is not FP8:
+    inside an FP8 autocast the codes with their pre-quantised operand (``quantization.primary``),
+    outside one a high-precision GEMM on their values (:func:`dequantised_primary`) in ``inp``'s
+    dtype. ``accumulate``: the module adds its gradient into ``main_grad``
+    (``primary.taken_main_grad``)."""
     weight_q = primary.primary_operand(module, name, weight)
     if weight_q is None:
         return None
+    check_tensor(type(module).__name__, "inp", inp)
+    dtype = inp.dtype
     if dequantised_primary(weight):
         main_grad = primary.taken_main_grad(weight, accumulate)
         return primary_values(module, (name,), dtype, main_grad), main_grad, None
@@ -260,7 +263,7 @@ class BasicLinear(primary.KeepFP8OnCast, BasicOperation):
         An input whose dtype is not the weight's is cast to it, as Transformer Engine casts it
         (the output has the weight's dtype, the input's gradient its own); under
         ``torch.autocast`` the GEMM takes autocast's dtype instead."""
-        fp8 = dense_primary(self, "weight", self.weight, x.dtype, self.accumulate_into_main_grad)
+        fp8 = dense_primary(self, "weight", self.weight, x, self.accumulate_into_main_grad)
         if fp8 is not None:
             weight, main_grad, weight_q = fp8
         else:

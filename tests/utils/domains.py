@@ -359,7 +359,10 @@ DOMAINS: dict[str, dict[str, Domain]] = {
     "te.Fp8Unpadding": {"num_gemms": POS_INT(), "align_size": POS_INT()},
     "te.DotProductAttention": _ATTN,
     "te.MultiheadAttention": _ATTN,
-    "te.TransformerLayer": _ATTN,
+    "te.TransformerLayer": {
+        **_ATTN,
+        "activation_params": Domain("dict of clamped_swiglu params", (3, "x")),
+    },
     "te.RotaryPositionEmbedding": {
         "dim": POS_INT(),
         "rotary_percent": Domain("float in (0, 1]", _floats(0.0, 1.5)),
