@@ -32,9 +32,12 @@ rotary module's ``inv_freq`` (:class:`~te_compile.RopeScaling`):
 - ``"llama3"`` (Llama 3.1 / 3.2 / 3.3: ``factor``, ``low_freq_factor``, ``high_freq_factor``,
   ``original_max_position_embeddings``, which defaults to ``max_position_embeddings`` as in
   ``transformers``);
+- ``"yarn"`` (Qwen2.5's long-context configs: ``factor``, ``original_max_position_embeddings``,
+  and ``beta_fast``, ``beta_slow``, ``mscale``, ``mscale_all_dim``, ``attention_factor``,
+  ``truncate`` where given), its attention factor folded into each layer's softmax scale (as its
+  square: ``transformers`` multiplies cos and sin by it);
 - refused with a ValueError naming the field and its value, and why (``_ROPE_REFUSED``):
-  ``"dynamic"``, ``"yarn"``, ``"longrope"`` and any other type, and a ``partial_rotary_factor``
-  other than 1.
+  ``"dynamic"``, ``"longrope"`` and any other type, and a ``partial_rotary_factor`` other than 1.
 
 The converted model takes what a Hugging Face training loop passes: ``CausalLM.forward(input_ids,
 attention_mask=None, position_ids=None, labels=None, return_dict=False)``, and keeps the model's
@@ -88,14 +91,14 @@ from te_compile.modules import (
 __all__ = ["CausalLM", "CausalLMOutput", "from_hf", "to_hf"]
 
 _SUPPORTED = ("llama", "mistral", "qwen2")
-_ROPE_TYPES = ("default", "linear", "llama3")
+_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # Why each rope type of transformers' table that we do not map is refused.
 _ROPE_REFUSED = {
     "dynamic": "its frequencies change with the longest sequence the model has seen",
-    "yarn": "its attention factor multiplies cos and sin, which needs a softmax scale "
-    "TransformerLayer does not take",
     "longrope": "its frequencies switch with the sequence length",
 }
+_YARN_FIELDS = ("original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+                "mscale_all_dim", "attention_factor", "truncate")  # fmt: skip
 _INDEX_DTYPES = (torch.int64, torch.int32)
 # Our layer's biases without a place in transformers' layout (Qwen2 has Q/K/V biases only).
 _NOT_IN_HF = ("self_attention.proj.bias", "layernorm_mlp.fc1_bias", "layernorm_mlp.fc2_bias")
@@ -115,7 +118,8 @@ class CausalLM(nn.Module):
     """Token embedding, ``TransformerLayer`` stack (``bshd``, causal, RMSNorm, SwiGLU, RoPE),
     final RMSNorm and LM head; ``forward(input_ids [b, s], ...) -> logits [b, s, vocab]``.
     ``tie_word_embeddings``: the LM head's weight is the embedding's parameter;
-    ``rope_scaling``: the rotary frequencies' :class:`~te_compile.RopeScaling`. ``config``: the
+    ``rope_scaling``: the rotary frequencies' :class:`~te_compile.RopeScaling` (and YaRN's
+    logit scale, in every layer's softmax scale). ``config``: the
     ``transformers`` config of the model :func:`from_hf` converted (None when built directly),
     which :func:`to_hf` builds the model back from."""
 
@@ -188,6 +192,9 @@ class CausalLM(nn.Module):
         self.rotary = RotaryPositionEmbedding(
             kv_channels, rotary_base=rotary_base, rope_scaling=rope_scaling
         )
+        if rope_scaling is not None:  # YaRN's attention factor, on every logit (else 1)
+            for layer in self.layers:
+                layer.self_attention.core_attention.softmax_scale *= rope_scaling.logit_scale
         self.config: object | None = None
 
     def forward(
@@ -426,6 +433,12 @@ def _rope(config: object) -> tuple[dict, RopeScaling | None]:
         fields["original_max_position_embeddings"] = rope.get(
             "original_max_position_embeddings", _config_value(config, "max_position_embeddings")
         )
+    if kind == "yarn":  # (transformers: no factor is the context's growth)
+        fields |= {name: rope.get(name) for name in _YARN_FIELDS}
+        original = fields["original_max_position_embeddings"]
+        longest = _config_value(config, "max_position_embeddings")
+        if fields["factor"] is None and isinstance(original, int) and longest:
+            fields["factor"] = longest / original
     try:
         return rope, RopeScaling(kind, **fields)
     except (TypeError, ValueError) as error:

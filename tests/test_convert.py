@@ -38,6 +38,7 @@ LLAMA3 = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 32,
 }
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
 
 
 def _hf(kind: str, dtype: torch.dtype = torch.float32, **extra):
@@ -87,8 +88,12 @@ def test_logits_match_the_hugging_face_model(kind, extra):
         ("llama", {"rope_scaling": LLAMA3, "rope_theta": 500000.0}),  # Llama 3.1 / 3.3
         ("qwen2", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
         ("mistral", {"rope_scaling": LLAMA3, "sliding_window": None}),
+        ("qwen2", {"rope_scaling": YARN}),  # Qwen2.5's long-context config
+        ("llama", {"rope_scaling": {**YARN, "beta_fast": 8, "attention_factor": 1.3}}),
+        ("llama", {"rope_scaling": {**YARN, "mscale": 2.0, "mscale_all_dim": 1.0,
+                                    "truncate": False}}),
     ],
-)
+)  # fmt: skip
 def test_rope_scaled_logits_match_in_float64(kind, extra):
     """The float64 models, over 40 positions (past the original context of 32). Both compute the
     rotary angles in fp32 whatever the model's dtype (transformers its cos and sin too), so
@@ -186,10 +191,6 @@ def test_unsupported_models_are_refused():
     ("rope_scaling", "match"),
     [
         ({"rope_type": "dynamic", "factor": 2.0}, r"\['rope_type'\] = 'dynamic' is not supported"),
-        (
-            {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
-            r"\['rope_type'\] = 'yarn' is not supported",
-        ),
         ({"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5},
          "partial_rotary_factor must be 1.0, got 0.5"),
         ({**LLAMA3, "low_freq_factor": 4.0},

@@ -21,6 +21,14 @@ Face configs' ``rope_type``; the frequencies are computed once, in fp32, into ``
   :math:`w_i = \\mathrm{clamp}((r_i - a) / (b - a), 0, 1)` keeps fast frequencies
   (:math:`r_i \\ge b`), divides slow ones (:math:`r_i \\le a`) by the ``factor`` :math:`s` and
   blends between: :math:`(1 - w_i)\\,\\theta_i / s + w_i\\,\\theta_i`.
+- ``"yarn"`` (YaRN, arXiv:2309.00071; Qwen2.5's long-context configs): the same blend with the
+  weight a ramp over the frequency's index instead of its turns, between the indices where
+  frequencies make ``beta_fast`` (32) and ``beta_slow`` (1) turns over
+  ``original_max_position_embeddings`` (rounded outwards unless ``truncate`` is False), as
+  ``transformers`` computes it; and an ``attention_factor`` (default
+  :math:`0.1 \\ln s + 1`, or the ratio of ``mscale`` and ``mscale_all_dim``'s) by which
+  ``transformers`` multiplies cos and sin, that is every attention logit by its square:
+  :attr:`RopeScaling.attention_factor`, which the converted model folds into its softmax scale.
 """
 
 from __future__ import annotations
@@ -42,39 +50,56 @@ from te_compile.functional.rotary import rotary_frequencies
 
 __all__ = ["RopeScaling", "RotaryPositionEmbedding"]
 
-_LLAMA3_FIELDS = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-
 
 @dataclass(frozen=True)
 class RopeScaling:
     """How :class:`RotaryPositionEmbedding` rescales its frequencies (the module docstring gives
     the math); the fields are those of a Hugging Face config's ``rope_parameters`` /
-    ``rope_scaling``. ``rope_type``: ``"linear"`` (``factor`` only) or ``"llama3"`` (all four
-    numbers; Llama 3.1's are ``factor=8``, ``low_freq_factor=1``, ``high_freq_factor=4``,
-    ``original_max_position_embeddings=8192``)."""
+    ``rope_scaling``. ``rope_type``: ``"linear"`` (``factor`` only), ``"llama3"`` (``factor``
+    and the three llama3 numbers; Llama 3.1's are ``factor=8``, ``low_freq_factor=1``,
+    ``high_freq_factor=4``, ``original_max_position_embeddings=8192``) or ``"yarn"``
+    (``factor``, ``original_max_position_embeddings`` and optionally ``beta_fast``,
+    ``beta_slow``, ``mscale``, ``mscale_all_dim``, ``attention_factor``, ``truncate``)."""
 
     rope_type: str
     factor: float
     low_freq_factor: float | None = None
     high_freq_factor: float | None = None
     original_max_position_embeddings: int | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool | None = None
 
     def __post_init__(self) -> None:
         owner = "RopeScaling"
-        check_choice(owner, "rope_type", self.rope_type, ("linear", "llama3"))
+        check_choice(owner, "rope_type", self.rope_type, ("linear", "llama3", "yarn"))
         check_positive_finite(owner, factor=self.factor)
+        allowed = {"linear": (), "llama3": _LLAMA3_FIELDS, "yarn": _YARN_FIELDS}[self.rope_type]
+        for name in (*_LLAMA3_FIELDS, *_YARN_FIELDS[1:]):
+            if name not in allowed and getattr(self, name) is not None:
+                kind = "llama3" if name in _LLAMA3_FIELDS else "yarn"
+                raise ValueError(
+                    f"{owner}: {name} is a field of rope_type={kind!r}, got "
+                    f"{shown(getattr(self, name))} with rope_type={self.rope_type!r}"
+                )
         if self.rope_type == "linear":
-            for name in _LLAMA3_FIELDS:
-                if getattr(self, name) is not None:
-                    raise ValueError(
-                        f"{owner}: {name} is a field of rope_type='llama3', got "
-                        f"{shown(getattr(self, name))} with rope_type='linear'"
-                    )
             return
-        check_positive_finite(
-            owner, low_freq_factor=self.low_freq_factor, high_freq_factor=self.high_freq_factor
-        )
+        if self.rope_type == "llama3":
+            check_positive_finite(
+                owner, low_freq_factor=self.low_freq_factor, high_freq_factor=self.high_freq_factor
+            )
         check_int(owner, original_max_position_embeddings=self.original_max_position_embeddings)
+        if self.rope_type == "yarn":
+            given = {n: getattr(self, n) for n in _YARN_FIELDS[1:6] if getattr(self, n) is not None}
+            check_positive_finite(owner, **given)
+            if not (self.truncate is None or isinstance(self.truncate, bool)):
+                raise ValueError(
+                    f"{owner}: truncate must be a bool or None, got {shown(self.truncate)}"
+                )
+            return
         if not self.low_freq_factor < self.high_freq_factor:
             raise ValueError(
                 f"{owner}: high_freq_factor must be greater than low_freq_factor (the blend "
@@ -82,14 +107,53 @@ class RopeScaling:
                 f"{self.high_freq_factor!r} and low_freq_factor={self.low_freq_factor!r}"
             )
 
-    def scale(self, inv_freq: Tensor) -> Tensor:
-        """The rescaled frequencies, in ``inv_freq``'s dtype."""
+    @property
+    def logit_scale(self) -> float:
+        """What the scaling multiplies every attention logit by: YaRN's attention factor
+        squared (``transformers`` multiplies cos and sin by it), else 1."""
+        if self.rope_type != "yarn":
+            return 1.0
+        factor = self.attention_factor
+        if factor is None:
+
+            def m(scale: float) -> float:
+                return 1.0 if self.factor <= 1 else 0.1 * scale * math.log(self.factor) + 1.0
+
+            both = self.mscale and self.mscale_all_dim
+            factor = m(self.mscale) / m(self.mscale_all_dim) if both else m(1.0)
+        return float(factor) ** 2
+
+    def scale(self, inv_freq: Tensor, base: float) -> Tensor:
+        """The rescaled frequencies, in ``inv_freq``'s dtype (``base``: the RoPE base they were
+        made with)."""
         if self.rope_type == "linear":
             return inv_freq / self.factor
+        if self.rope_type == "yarn":
+            return self._yarn(inv_freq, base)
         low, high = self.low_freq_factor, self.high_freq_factor
         turns = self.original_max_position_embeddings * inv_freq / (2 * math.pi)
         weight = ((turns - low) / (high - low)).clamp(0.0, 1.0)
         return (1 - weight) * inv_freq / self.factor + weight * inv_freq
+
+    def _yarn(self, inv_freq: Tensor, base: float) -> Tensor:
+        dim, length = 2 * inv_freq.numel(), self.original_max_position_embeddings
+
+        def index(turns: float) -> float:  # the pair index whose frequency makes ``turns``
+            return dim * math.log(length / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+        low, high = index(self.beta_fast or 32.0), index(self.beta_slow or 1.0)
+        if self.truncate is not False:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        high = high + 0.001 if low == high else high
+        i = torch.arange(inv_freq.numel(), dtype=torch.float32, device=inv_freq.device)
+        keep = 1 - ((i - low) / (high - low)).clamp(0.0, 1.0)  # 1: the original frequency
+        return (inv_freq / self.factor * (1 - keep) + inv_freq * keep).to(inv_freq.dtype)
+
+
+_YARN_FIELDS = ("original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+                "mscale_all_dim", "attention_factor", "truncate")  # fmt: skip
+_LLAMA3_FIELDS = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 def _is_int(value: object) -> bool:
@@ -165,7 +229,7 @@ class RotaryPositionEmbedding(nn.Module):
         exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim
         inv_freq = 1.0 / (rotary_base**exponents)
         if rope_scaling is not None:
-            inv_freq = rope_scaling.scale(inv_freq)
+            inv_freq = rope_scaling.scale(inv_freq, rotary_base)
         self.register_buffer("inv_freq", inv_freq)
 
     def forward(self, max_seq_len: int, offset: int = 0) -> Tensor:

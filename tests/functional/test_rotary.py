@@ -290,6 +290,9 @@ def test_linear_scaling_divides_the_frequencies():
     assert_close(scaled(40), plain(40).double() / 4, torch.float32)
 
 
+_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
@@ -300,6 +303,12 @@ def test_linear_scaling_divides_the_frequencies():
              "original_max_position_embeddings": 8192},
             "high_freq_factor must be greater than low_freq_factor",
         ),
+        ({**_YARN, "beta_fast": -1.0}, "beta_fast must be a positive"),
+        ({**_YARN, "low_freq_factor": 1.0}, "low_freq_factor is a field of rope_type='llama3'"),
+        ({**_YARN, "truncate": 1}, "truncate must be a bool or None, got 1"),
+        ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 32, "beta_slow": 2.0}, "beta_slow is a field of "
+         "rope_type='yarn'"),
     ],
 )  # fmt: skip
 def test_rope_scaling_refuses_inconsistent_fields(kwargs, match):
