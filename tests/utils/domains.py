@@ -372,11 +372,18 @@ DOMAINS: dict[str, dict[str, Domain]] = {
         "rope_scaling": _ROPE_SCALING,
     },
     "te.RopeScaling": {
-        "rope_type": CHOICE("linear", "llama3"),
+        "rope_type": CHOICE("linear", "llama3", "yarn"),
         "factor": POS_FLOAT(),
         "low_freq_factor": POS_FLOAT(),
         "high_freq_factor": POS_FLOAT(),
         "original_max_position_embeddings": POS_INT(),
+        # yarn's (the walker's call is llama3's: refused as another rope_type's field, or bad)
+        "beta_fast": POS_FLOAT(),
+        "beta_slow": POS_FLOAT(),
+        "mscale": POS_FLOAT(),
+        "mscale_all_dim": POS_FLOAT(),
+        "attention_factor": POS_FLOAT(),
+        "truncate": SWITCH(),
     },
     # modules: forwards
     "te.Linear.forward": {"inp": TENSOR(LAST, META)},
