@@ -28,7 +28,8 @@ Face configs' ``rope_type``; the frequencies are computed once, in fp32, into ``
   ``transformers`` computes it; and an ``attention_factor`` (default
   :math:`0.1 \\ln s + 1`, or the ratio of ``mscale`` and ``mscale_all_dim``'s) by which
   ``transformers`` multiplies cos and sin, that is every attention logit by its square:
-  :attr:`RopeScaling.attention_factor`, which the converted model folds into its softmax scale.
+  :attr:`RopeScaling.logit_scale`, which this module leaves to the attention (the converted
+  model of ``te.convert`` folds it into each layer's softmax scale).
 """
 
 from __future__ import annotations
