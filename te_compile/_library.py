@@ -576,9 +576,9 @@ def _no_zero_grads(ctx: Any, flat: Sequence[torch.Tensor]) -> None:
     shapes of the differentiable floating outputs, whose missing gradient (an output the
     caller did not use) :func:`_zero_fill` makes, as autograd would have."""
     ctx.set_materialize_grads(False)
-    fixed = getattr(ctx, "non_differentiable", None) or ()
+    fixed = {id(t) for t in getattr(ctx, "non_differentiable", None) or ()}
     ctx._te_zeros = [(i, t.shape, t.dtype, t.device) for i, t in enumerate(flat)
-                     if t.is_floating_point() and not any(t is n for n in fixed)]  # fmt: skip
+                     if id(t) not in fixed and t.is_floating_point()]  # fmt: skip
 
 
 def _zero_fill(ctx: Any, grads: tuple[Any, ...]) -> tuple[Any, ...]:
