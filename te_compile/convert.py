@@ -87,6 +87,7 @@ from te_compile.modules import (
     RotaryPositionEmbedding,
     TransformerLayer,
 )
+from te_compile.modules.rotary import YARN_FIELDS
 
 __all__ = ["CausalLM", "CausalLMOutput", "from_hf", "to_hf"]
 
@@ -97,8 +98,6 @@ _ROPE_REFUSED = {
     "dynamic": "its frequencies change with the longest sequence the model has seen",
     "longrope": "its frequencies switch with the sequence length",
 }
-_YARN_FIELDS = ("original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
-                "mscale_all_dim", "attention_factor", "truncate")  # fmt: skip
 _INDEX_DTYPES = (torch.int64, torch.int32)
 # Our layer's biases without a place in transformers' layout (Qwen2 has Q/K/V biases only).
 _NOT_IN_HF = ("self_attention.proj.bias", "layernorm_mlp.fc1_bias", "layernorm_mlp.fc2_bias")
@@ -434,7 +433,7 @@ def _rope(config: object) -> tuple[dict, RopeScaling | None]:
             "original_max_position_embeddings", _config_value(config, "max_position_embeddings")
         )
     if kind == "yarn":  # (transformers: no factor is the context's growth)
-        fields |= {name: rope.get(name) for name in _YARN_FIELDS}
+        fields |= {name: rope.get(name) for name in YARN_FIELDS}
         original = fields["original_max_position_embeddings"]
         longest = _config_value(config, "max_position_embeddings")
         if fields["factor"] is None and isinstance(original, int) and longest:

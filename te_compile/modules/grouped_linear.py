@@ -76,7 +76,7 @@ from te_compile.modules._common import (
     rng_fork,
 )
 from te_compile.modules._te_signature import te_signature
-from te_compile.ops.linear import GroupedParameters, dequantised_primary, primary_values
+from te_compile.ops.linear import GroupedParameters, grouped_primary_args
 from te_compile.quantization import fp8_gemm as _fp8
 from te_compile.quantization import gemm as _gemm
 from te_compile.quantization import primary as _primary
@@ -352,14 +352,12 @@ class GroupedLinear(_primary.KeepFP8OnCast, GroupedParameters, DelayedWgrad, nn.
         own = (fp8 and not self.single_weight and wanted
                and all(_primary.taken_main_grad(p, fuse) is not None for p in params))  # fmt: skip
         taken = None if own or not fp8 else self._primary_main_grad(fuse)
-        primary = _primary.grouped_primary(self, self._weight_names(), inp.dtype,
-                                           to_leaves=not own and taken is None)  # fmt: skip
-        if primary is not None:  # FP8 primary weights
+        # FP8 primary weights: their codes, or outside an FP8 autocast their values, as TE
+        primary = grouped_primary_args(self, self._weight_names(), inp.dtype, taken,
+                                       to_leaves=not own and taken is None)  # fmt: skip
+        if primary is not None:
             weight, weight_q = primary
             main_grad = taken
-            if dequantised_primary(params[0]):  # outside an FP8 autocast: their values, as TE
-                names = self._weight_names()
-                weight, weight_q = primary_values(self, names, inp.dtype, taken), None
         elif self.single_weight:
             weight = self.weight
             main_grad = self._main_grad() if self.fuse_wgrad_accumulation else None

@@ -78,8 +78,8 @@ class RopeScaling:
         owner = "RopeScaling"
         check_choice(owner, "rope_type", self.rope_type, ("linear", "llama3", "yarn"))
         check_positive_finite(owner, factor=self.factor)
-        allowed = {"linear": (), "llama3": _LLAMA3_FIELDS, "yarn": _YARN_FIELDS}[self.rope_type]
-        for name in (*_LLAMA3_FIELDS, *_YARN_FIELDS[1:]):
+        allowed = {"linear": (), "llama3": _LLAMA3_FIELDS, "yarn": YARN_FIELDS}[self.rope_type]
+        for name in dict.fromkeys((*_LLAMA3_FIELDS, *YARN_FIELDS)):
             if name not in allowed and getattr(self, name) is not None:
                 kind = "llama3" if name in _LLAMA3_FIELDS else "yarn"
                 raise ValueError(
@@ -94,7 +94,7 @@ class RopeScaling:
             )
         check_int(owner, original_max_position_embeddings=self.original_max_position_embeddings)
         if self.rope_type == "yarn":
-            given = {n: getattr(self, n) for n in _YARN_FIELDS[1:6] if getattr(self, n) is not None}
+            given = {n: getattr(self, n) for n in _YARN_NUMBERS if getattr(self, n) is not None}
             check_positive_finite(owner, **given)
             if not (self.truncate is None or isinstance(self.truncate, bool)):
                 raise ValueError(
@@ -152,8 +152,9 @@ class RopeScaling:
         return (inv_freq / self.factor * (1 - keep) + inv_freq * keep).to(inv_freq.dtype)
 
 
-_YARN_FIELDS = ("original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
-                "mscale_all_dim", "attention_factor", "truncate")  # fmt: skip
+_YARN_NUMBERS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor")
+# yarn's fields past ``factor`` (``te.convert`` reads them from a config by these names)
+YARN_FIELDS = ("original_max_position_embeddings", *_YARN_NUMBERS, "truncate")
 _LLAMA3_FIELDS = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 

@@ -118,17 +118,39 @@ def dense_primary(
     weight ``name`` (the Parameter ``weight``) for input ``inp``, or None where it is not FP8:
     inside an FP8 autocast the codes with their pre-quantised operand (``quantization.primary``),
     outside one a high-precision GEMM on their values (:func:`dequantised_primary`) in ``inp``'s
-    dtype. ``accumulate``: the module adds its gradient into ``main_grad``
+    dtype, no operand built. ``accumulate``: the module adds its gradient into ``main_grad``
     (``primary.taken_main_grad``)."""
-    weight_q = primary.primary_operand(module, name, weight)
-    if weight_q is None:
-        return None
+    weight_q = None
+    if primary.is_primary(weight) and dequantised_primary(weight):
+        primary.check_unchanged(module, name, weight)
+    else:
+        weight_q = primary.primary_operand(module, name, weight)
+        if weight_q is None:
+            return None
     check_tensor(type(module).__name__, "inp", inp)
-    dtype = inp.dtype
-    if dequantised_primary(weight):
+    if weight_q is None:
         main_grad = primary.taken_main_grad(weight, accumulate)
-        return primary_values(module, (name,), dtype, main_grad), main_grad, None
-    return *primary.primary_weight(module, name, dtype, accumulate), weight_q
+        return primary_values(module, (name,), inp.dtype, main_grad), main_grad, None
+    return *primary.primary_weight(module, name, inp.dtype, accumulate), weight_q
+
+
+def grouped_primary_args(
+    module: nn.Module,
+    names: tuple[str, ...],
+    dtype: torch.dtype,
+    main_grad: Tensor | None,
+    to_leaves: bool,
+) -> tuple[Tensor, list[Tensor] | None] | None:
+    """The grouped GEMM's ``(weight, weight_quantized)`` for ``module``'s FP8 weights ``names``,
+    or None where they are not FP8: inside an FP8 autocast ``primary.grouped_primary``'s stand-in
+    and operand, outside one their values in ``dtype`` (:func:`dequantised_primary`; the gradient
+    into ``main_grad`` where given), no operand built."""
+    first = getattr(module, names[0])
+    if not (primary.is_primary(first) and dequantised_primary(first)):
+        return primary.grouped_primary(module, names, dtype, to_leaves=to_leaves)
+    for n in names:
+        primary.check_unchanged(module, n, getattr(module, n))
+    return primary_values(module, names, dtype, main_grad), None
 
 
 class _ToWeights(torch.autograd.Function):
@@ -530,12 +552,10 @@ class GroupedLinear(primary.KeepFP8OnCast, GroupedParameters, BasicOperation):
         weight = self.weight if self.single_grouped_weight else torch.stack(self.weights())
         names = self._weight_names()
         taken = self._primary_main_grad() if primary.is_primary(getattr(self, names[0])) else None
-        fp8 = primary.grouped_primary(self, names, x.dtype, to_leaves=taken is None)
+        fp8 = grouped_primary_args(self, names, x.dtype, taken, to_leaves=taken is None)
         if fp8 is not None:  # FP8 primary weights: the gradient goes to main_grad, or .grad
             main_grad = taken
             weight, weight_q = fp8
-            if dequantised_primary(getattr(self, names[0])):
-                weight, weight_q = primary_values(self, names, x.dtype, main_grad), None
         bias = None if self.scale_bias else self._grouped_bias()
         out = gemm.grouped_linear("GroupedLinear", self.fp8_meta, x, m_splits, weight, bias,
                                   main_grad=main_grad, weight_quantized=weight_q)  # fmt: skip

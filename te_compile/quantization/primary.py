@@ -298,20 +298,20 @@ def check_unchanged(module: nn.Module, name: str, weight: Tensor) -> None:
     scale = module._buffers[f"{name}_scale_inv"]
     ptr, codes, scale_ptr, scale_version = stamps.get(name, (None,) * 4)
     kept_scale = scale.data_ptr() == scale_ptr and scale._version == scale_version
-    same_codes = weight.data_ptr() == ptr and weight._version == codes
+    same_codes = not (replaced := weight.data_ptr() != ptr) and weight._version == codes
     if same_codes and kept_scale:  # nothing changed: the stamp stands (every call's case)
         return
     dist = torch.distributed.is_available() and torch.distributed.is_initialized()
-    if same_codes or not kept_scale or (weight.data_ptr() != ptr and dist):
+    if same_codes or not kept_scale or (replaced and dist):
         _stamp(module, name)
         return
-    how = "written in place" if weight.data_ptr() == ptr else "replaced by other codes"
-    if how != "written in place" and _take_scale_of_same_codes(module, name, weight):
+    if replaced and _take_scale_of_same_codes(module, name, weight):
         _add_methods(module, name)  # (the new Parameter has none of them)
         _stamp(module, name)
         return
     raise RuntimeError(
-        f"{type(module).__name__}: the FP8 weight {name!r} was {how} without its scale "
+        f"{type(module).__name__}: the FP8 weight {name!r} was "
+        f"{'replaced by other codes' if replaced else 'written in place'} without its scale "
         f"({name}_scale_inv; weight.detach().copy_(codes), an in-place init, a new Parameter "
         "of FP8 codes, ...): its values would be wrong. Set FP8 weights with "
         "weight.copy_(values) (which quantises), load_state_dict, FP8MasterWeights, "
