@@ -152,7 +152,14 @@ def launch(kernel: Any, grid: Any) -> Any:
         return torch.library.wrap_triton(kernel)[grid]
     if torch.compiler.is_compiling():  # dynamo tracing a launch: its own Triton support
         return kernel[grid]
-    return functools.partial(EagerLauncher.of(kernel), grid)
+    launcher = EagerLauncher._launchers.get(kernel) or EagerLauncher.of(kernel)
+    return lambda *args, **kwargs: launcher(grid, *args, **kwargs)
+
+
+def cdiv(n: Any, d: int) -> Any:
+    """``ceil(n / d)`` for a launch's host code (ints or SymInts): ``triton.cdiv`` without its
+    per-call constexpr unwrapping, which costs host time on every eager launch."""
+    return (n + d - 1) // d
 
 
 class EagerLauncher:
@@ -197,14 +204,18 @@ class EagerLauncher:
 
     def __call__(self, grid: Any, *args: Any, **kwargs: Any) -> Any:
         key = self._key(grid, args, kwargs) if self.direct else None
-        if key is None:
-            return self.kernel[grid](*args, **kwargs)
-        compiled = self.compiled.get(key)
+        compiled = None
+        if key is not None:
+            try:
+                compiled = self.compiled.get(key)
+            except TypeError:  # an unhashable argument: no key
+                key = None
         if compiled is not None:
-            grid3 = (*grid, 1, 1)[:3]
-            compiled[grid3](*self._bound(args, kwargs))
+            compiled[(*grid, 1, 1)[:3]](*self._bound(args, kwargs))
             return compiled
         compiled = self.kernel[grid](*args, **kwargs)
+        if key is None:
+            return compiled
         if hasattr(compiled, "result"):  # Triton's asynchronous compile: the finished kernel
             compiled = compiled.result()
         if compiled is None or not hasattr(compiled, "packed_metadata"):
@@ -215,25 +226,30 @@ class EagerLauncher:
             self.compiled[key] = compiled
         return compiled
 
-    def _key(self, grid: Any, args: tuple, kwargs: dict) -> tuple | None:
-        if not isinstance(grid, tuple) or len(grid) > 3:
+    @staticmethod
+    def _key(grid: Any, args: tuple, kwargs: dict) -> tuple | None:
+        if type(grid) is not tuple or len(grid) > 3:
             return None
         # Triton loads a compiled kernel per device: the current one, as Triton's own launch.
-        key = [torch.cuda.current_device() if torch.cuda.is_initialized() else -1]
+        key = [torch._C._cuda_getDevice() if torch.cuda.is_initialized() else -1]
+        append = key.append
         for value in (*args, *kwargs.values()):
-            if isinstance(value, torch.Tensor):
-                key.append((value.dtype, value.data_ptr() % 16 == 0))
-            elif isinstance(value, (bool, int)):
-                key.append((type(value), value))
+            kind = type(value)
+            # The exact types first (the common case), then their subclasses (a Parameter, an
+            # IntEnum): the same key parts either way.
+            if kind is int or kind is bool:
+                append((kind, value))
+            elif kind is float:
+                append(float)
+            elif isinstance(value, torch.Tensor):
+                append((value.dtype, value.data_ptr() % 16 == 0))
+            elif isinstance(value, int):  # bool is an int
+                append((kind, value))
             elif isinstance(value, float):
-                key.append(float)
+                append(float)
             else:
-                key.append(value)
-        key.append(tuple(kwargs))
-        try:
-            hash(tuple(key))
-        except TypeError:
-            return None
+                append(value)
+        append(tuple(kwargs))
         return tuple(key)
 
     def _bound(self, args: tuple, kwargs: dict) -> list:

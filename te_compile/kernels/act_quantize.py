@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from te_compile.kernels import launch
+from te_compile.kernels import cdiv, launch
 from te_compile.kernels.activation import (
     FN_CLAMPED_SILU,
     FN_GELU,
@@ -476,7 +476,7 @@ def _per_tensor(
     if amax is None:
         amax = amax_bits(z.device)
     scale_inv = torch.empty(1, device=z.device, dtype=torch.float32)
-    grid = (max(triton.cdiv(m_out, cfg.block_m), 1), max(triton.cdiv(n, cfg.block_k), 1))
+    grid = (max(cdiv(m_out, cfg.block_m), 1), max(cdiv(n, cfg.block_k), 1))
     if cfg.block_m * z.shape[1] >= 2**31 or cfg.block_k * m_out >= 2**31:
         raise ValueError(f"{name}: [{m_out}, {z.shape[1]}] is too large for 32-bit tile offsets")
     dbias = need_dbias and bias is not None and grad is not None
@@ -564,8 +564,8 @@ def _blockwise(
     cuda_act = {(FN_GELU.value, False): "gelu", (FN_SILU.value, True): "swiglu"}.get((fn, gated))
     cuda = cuda_cast(cfg, "act_cast_1x128", m_out, n, z, bias, grad)
     cuda = cuda if norm is None and cuda_act and rows == m_out else None
-    scale_inv = block_scales(z, m_out, triton.cdiv(n_out, blk), mn_major[0])
-    scale_inv_t = block_scales(z, n_out, triton.cdiv(m_out, blk), mn_major[1])
+    scale_inv = block_scales(z, m_out, cdiv(n_out, blk), mn_major[0])
+    scale_inv_t = block_scales(z, n_out, cdiv(m_out, blk), mn_major[1])
     if cuda is not None:
         # One read of the input, both layouts (csrc/block_cast.cu; same bytes).
         part = z.new_empty((m_out // blk, n_out), dtype=f32) if dbias else None
@@ -583,12 +583,12 @@ def _blockwise(
         passes = [(1, cfg.block_split_m, blk, w), (0, blk, cfg.block_split_n, w)]
     else:
         passes = [(2, blk, blk, cfg.block_num_warps)]
-    part = z.new_empty((triton.cdiv(m_out, passes[0][1]), n_out), dtype=f32) if dbias else None
+    part = z.new_empty((cdiv(m_out, passes[0][1]), n_out), dtype=f32) if dbias else None
     part = scale_inv if part is None else part
     g = z if grad is None else grad
     gamma, mean, rsig = norm if norm is not None else (g, z, z)
     for axes, bm, bn, warps in passes if m_out * n else ():
-        launch(_act_block_kernel, (triton.cdiv(m_out, bm), triton.cdiv(n, bn)))(
+        launch(_act_block_kernel, (cdiv(m_out, bm), cdiv(n, bn)))(
             z,
             z if bias is None else bias,
             gamma,

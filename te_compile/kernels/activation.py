@@ -55,7 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
-from te_compile.kernels import launch, programs_per_sm, size_hint
+from te_compile.kernels import cdiv, launch, programs_per_sm, size_hint
 
 __all__ = [
     "ALL_FUNCTIONS",
@@ -428,12 +428,12 @@ def rows_config(m: int, n: int, device: torch.device, *, dbias: bool) -> RowsCon
     block_n = min(256, triton.next_power_of_2(max(n, 1)))
     block_m = min(max(1, 4096 // block_n), triton.next_power_of_2(max(m, 1)))
     num_warps = 8 if block_m * block_n >= 4096 else 4
-    row_blocks = triton.cdiv(m, block_m)
+    row_blocks = cdiv(m, block_m)
     if not dbias:
         return RowsConfig(block_m, block_n, num_warps, block_m)
     target = programs_per_sm(device, _DBIAS_PER_SM)
-    programs = max(1, min(row_blocks, target // triton.cdiv(n, block_n)))
-    return RowsConfig(block_m, block_n, num_warps, triton.cdiv(row_blocks, programs) * block_m)
+    programs = max(1, min(row_blocks, target // cdiv(n, block_n)))
+    return RowsConfig(block_m, block_n, num_warps, cdiv(row_blocks, programs) * block_m)
 
 
 _DBIAS_PER_SM = 4
@@ -470,7 +470,7 @@ def activation_forward(
         out = torch.empty_like(x)
         if x.numel():
             cfg = config or flat_config(x.numel(), x.device)
-            grid = (triton.cdiv(x.numel(), cfg.block),)
+            grid = (cdiv(x.numel(), cfg.block),)
             launch(_flat_fwd_kernel, grid)(
                 x, out, x.numel(), fn, cfg.block, num_warps=cfg.num_warps
             )
@@ -479,7 +479,7 @@ def activation_forward(
     out = x.new_empty((*x.shape[:-1], n))
     if out.numel():
         cfg = config or rows_config(size_hint(m), n, x.device, dbias=False)
-        grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
+        grid = (cdiv(m, cfg.block_m), cdiv(n, cfg.block_n))
         launch(_rows_fwd_kernel, grid)(
             x,
             x if bias is None else bias.contiguous(),
@@ -524,7 +524,7 @@ def activation_backward(
     if not gated and bias is None:
         if x.numel():
             cfg = config or flat_config(x.numel(), x.device)
-            grid = (triton.cdiv(x.numel(), cfg.block),)
+            grid = (cdiv(x.numel(), cfg.block),)
             launch(_flat_bwd_kernel, grid)(
                 g, x, dx, x.numel(), fn, cfg.block, num_warps=cfg.num_warps
             )
@@ -539,13 +539,13 @@ def activation_backward(
         # dynamic shapes it is a constant: a symbolic count would be specialised where it is 1
         # (a size-1 dim) and the next row count would recompile. The programs then share the
         # actual rows (a multiple of block_m each); programs past the end write zero partials.
-        programs = max(1, triton.cdiv(size_hint(m), cfg.rows_per_program))
-        rows_per_program = triton.cdiv(triton.cdiv(m, programs), cfg.block_m) * cfg.block_m
+        programs = max(1, cdiv(size_hint(m), cfg.rows_per_program))
+        rows_per_program = cdiv(cdiv(m, programs), cfg.block_m) * cfg.block_m
     else:
         rows_per_program = cfg.block_m
-        programs = triton.cdiv(m, rows_per_program)
+        programs = cdiv(m, rows_per_program)
     part = torch.empty((programs, n_in), device=x.device, dtype=torch.float32) if dbias else dx
-    launch(_rows_bwd_kernel, (programs, triton.cdiv(n, cfg.block_n)))(
+    launch(_rows_bwd_kernel, (programs, cdiv(n, cfg.block_n)))(
         g,
         x,
         x if bias is None else bias.contiguous(),

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from te_compile.kernels import bf16_bits, kernel_arg, launch
+from te_compile.kernels import bf16_bits, cdiv, kernel_arg, launch
 from te_compile.kernels.quantize_mx import load_x, store_out
 
 __all__ = ["BLOCK", "dropout", "random_words"]
@@ -114,7 +114,7 @@ def dropout(
     x = x.contiguous()
     out = torch.empty_like(x)
     if x.numel():
-        grid = (triton.cdiv(x.numel(), BLOCK),)
+        grid = (cdiv(x.numel(), BLOCK),)
         # The threshold (up to 2^32) in two 16-bit halves: torch 2.11's Inductor fails on an int
         # argument above int32's range of a user-defined Triton kernel under dynamic shapes.
         launch(_dropout_kernel, grid)(
@@ -128,5 +128,5 @@ def random_words(rng_state: torch.Tensor, numel: int, rounds: int = 10) -> torch
     """The first ``numel`` words of the stream, as int64 (to compare with the CPU reference)."""
     out = torch.empty(numel, dtype=torch.int64, device=rng_state.device)
     if numel:
-        launch(_words_kernel, (triton.cdiv(numel, BLOCK),))(out, rng_state, numel, BLOCK, rounds)
+        launch(_words_kernel, (cdiv(numel, BLOCK),))(out, rng_state, numel, BLOCK, rounds)
     return out

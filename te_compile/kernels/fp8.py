@@ -15,6 +15,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from te_compile.kernels import cdiv
+
 __all__ = [
     "BLOCK",
     "DEFAULT_CONFIG",
@@ -343,4 +345,4 @@ def rounded_out(out: Tensor, software: bool) -> tuple[Tensor, bool]:
 
 def grid_2d(m: int, k: int, bm: int, bk: int) -> tuple[int, int]:
     # At least one program: current scaling writes scale_inv even for an empty input.
-    return max(triton.cdiv(m, bm), 1), max(triton.cdiv(k, bk), 1)
+    return max(cdiv(m, bm), 1), max(cdiv(k, bk), 1)

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from te_compile.kernels import bf16_bits, kernel_arg, launch, size_hint
+from te_compile.kernels import bf16_bits, cdiv, kernel_arg, launch, size_hint
 from te_compile.kernels.quantize_mx import load_x, store_out
 
 __all__ = ["gather_dot", "gather_sum"]
@@ -101,7 +101,7 @@ def gather_sum(
     weight = None if weight is None else weight.contiguous()
     count = None if count is None else count.contiguous()
     block = block_h or min(_MAX_BLOCK_H, triton.next_power_of_2(size_hint(hidden)))
-    grid = (rows, triton.cdiv(hidden, block))
+    grid = (rows, cdiv(hidden, block))
     launch(_gather_sum_kernel, grid)(
         kernel_arg(x),
         index,

@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from te_compile.kernels import launch, programs_per_sm, size_hint
+from te_compile.kernels import cdiv, launch, programs_per_sm, size_hint
 from te_compile.kernels.fp8 import ROUNDING, abs_bits, round_to
 
 __all__ = [
@@ -389,7 +389,7 @@ def _norm_fwd(
     mean = torch.empty(m if kind == LAYERNORM else 0, device=x.device, dtype=torch.float32)
     cfg = _config(n, False, config)
     if m > 0:
-        launch(_norm_fwd_kernel, (triton.cdiv(m, cfg.block_m),))(
+        launch(_norm_fwd_kernel, (cdiv(m, cfg.block_m),))(
             x,
             x if weight is None else weight.contiguous(),
             x if bias is None else bias.contiguous(),
@@ -464,10 +464,10 @@ def _norm_bwd(
     # Stage 1 grid: at most `programs`, each owning whole tiles of rows (at least one tile, so
     # that 0 rows give 0 programs, not a division by 0).
     rows = size_hint(m)
-    programs = min(triton.cdiv(rows, cfg.block_m), programs or _max_bwd_programs(x.device))
-    rows_per_program = triton.cdiv(triton.cdiv(rows, max(programs, 1)), cfg.block_m) * cfg.block_m
+    programs = min(cdiv(rows, cfg.block_m), programs or _max_bwd_programs(x.device))
+    rows_per_program = cdiv(cdiv(rows, max(programs, 1)), cfg.block_m) * cfg.block_m
     rows_per_program = max(rows_per_program, cfg.block_m)
-    programs = triton.cdiv(m, rows_per_program)
+    programs = cdiv(m, rows_per_program)
     # Chunked rows accumulate into the buffers across row tiles, so they must start at zero.
     alloc = torch.zeros if cfg.chunked or programs == 0 else torch.empty
     dw_p, db_p = (alloc(programs, n, device=x.device, dtype=torch.float32) if need else None

@@ -68,7 +68,7 @@ from torch import Tensor
 
 from te_compile import _csrc
 from te_compile._numerics import reciprocal_rn
-from te_compile.kernels import aligned16, launch, programs_per_sm, tracing
+from te_compile.kernels import aligned16, cdiv, launch, programs_per_sm, tracing
 from te_compile.kernels.fp8 import (
     BLOCK,
     DEFAULT_CONFIG,
@@ -372,9 +372,9 @@ def _amax_bits(x: Tensor, cfg: QuantizeLaunchConfig, out: Tensor | None = None, 
     n = x.numel()
     if n:
         cap = cfg.amax_programs or programs_per_sm(x.device, 4)
-        programs = min(triton.cdiv(n, cfg.amax_block), cap)
-        chunk = triton.cdiv(triton.cdiv(n, programs), cfg.amax_block) * cfg.amax_block
-        launch(_amax_kernel, (triton.cdiv(n, chunk),))(
+        programs = min(cdiv(n, cfg.amax_block), cap)
+        chunk = cdiv(cdiv(n, programs), cfg.amax_block) * cfg.amax_block
+        launch(_amax_kernel, (cdiv(n, chunk),))(
             x, out, slot, n, chunk, BLOCK_SIZE=cfg.amax_block, num_warps=cfg.num_warps
         )
     return out
@@ -519,8 +519,8 @@ def quantize_blockwise(
     block_m = cfg.block_m if block_rows == 1 and not columnwise else BLOCK
     data = torch.empty(x.shape, device=x.device, dtype=fp8_dtype)
     f32 = torch.float32
-    scale_inv = x.new_empty((triton.cdiv(m, block_rows), triton.cdiv(k, BLOCK)), dtype=f32)
-    t_shape = (triton.cdiv(k, block_rows), triton.cdiv(m, BLOCK)) if columnwise else (0,)
+    scale_inv = x.new_empty((cdiv(m, block_rows), cdiv(k, BLOCK)), dtype=f32)
+    t_shape = (cdiv(k, block_rows), cdiv(m, BLOCK)) if columnwise else (0,)
     if out_t is None:
         data_t = _transposed(x, m, k, fp8_dtype, columnwise)
         scale_inv_t = x.new_empty(t_shape, dtype=f32)
@@ -554,7 +554,7 @@ def quantize_blockwise(
         cuda(x2, uint8_view(data).view(m, k), scale_inv, uint8_view(data_t), scale_inv_t, f.max,
              f.e4m3, power_2_scale)  # fmt: skip
     elif m * k:
-        launch(_block_kernel, (triton.cdiv(m, block_m), triton.cdiv(k, BLOCK)))(
+        launch(_block_kernel, (cdiv(m, block_m), cdiv(k, BLOCK)))(
             x2,
             uint8_view(data),
             scale_inv,

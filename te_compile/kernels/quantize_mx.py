@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from te_compile.kernels import bf16_bits, kernel_arg, launch
+from te_compile.kernels import bf16_bits, cdiv, kernel_arg, launch
 from te_compile.kernels.fp8 import signed
 
 __all__ = ["dequantize_mxfp8", "dequantize_nvfp4", "quantize_mxfp8", "quantize_nvfp4"]
@@ -401,12 +401,12 @@ def quantize_mxfp8(
     mbits, emin, maxv, emax = _FP8_FORMATS[fp8_dtype]
     empty = x2.new_empty(0, dtype=torch.uint8)
     data = x2.new_empty((m, k) if rowwise else 0, dtype=torch.uint8)
-    scale = x2.new_empty((m, triton.cdiv(k, MXFP8_BLOCK)), dtype=torch.uint8) if rowwise else empty
+    scale = x2.new_empty((m, cdiv(k, MXFP8_BLOCK)), dtype=torch.uint8) if rowwise else empty
     data_t = x2.new_empty((k, m) if columnwise else 0, dtype=torch.uint8)
-    scale_t = x2.new_empty((k, triton.cdiv(m, MXFP8_BLOCK)), dtype=torch.uint8)
+    scale_t = x2.new_empty((k, cdiv(m, MXFP8_BLOCK)), dtype=torch.uint8)
     scale_t = scale_t if columnwise else empty.clone()
     if m and k:
-        launch(_mxfp8_quantize_kernel, (triton.cdiv(m, _TILE), triton.cdiv(k, _TILE)))(
+        launch(_mxfp8_quantize_kernel, (cdiv(m, _TILE), cdiv(k, _TILE)))(
             kernel_arg(x2),
             data,
             scale,
@@ -436,7 +436,7 @@ def dequantize_mxfp8(data: Tensor, scale: Tensor, out_dtype: torch.dtype) -> Ten
     m, k = d2.shape
     out = d2.new_empty((m, k), dtype=out_dtype)
     if m and k:
-        launch(_mxfp8_dequantize_kernel, (triton.cdiv(m, _TILE), triton.cdiv(k, _TILE)))(
+        launch(_mxfp8_dequantize_kernel, (cdiv(m, _TILE), cdiv(k, _TILE)))(
             d2,
             scale.contiguous(),
             kernel_arg(out),
@@ -462,12 +462,12 @@ def quantize_nvfp4(
     m, k = x2.shape
     empty = x2.new_empty(0, dtype=torch.uint8)
     data = x2.new_empty((m, k // 2) if rowwise else 0, dtype=torch.uint8)
-    scale = x2.new_empty((m, triton.cdiv(k, NVFP4_BLOCK)), dtype=torch.uint8) if rowwise else empty
+    scale = x2.new_empty((m, cdiv(k, NVFP4_BLOCK)), dtype=torch.uint8) if rowwise else empty
     data_t = x2.new_empty((k, m // 2) if columnwise else 0, dtype=torch.uint8)
-    scale_t = x2.new_empty((k, triton.cdiv(m, NVFP4_BLOCK)), dtype=torch.uint8)
+    scale_t = x2.new_empty((k, cdiv(m, NVFP4_BLOCK)), dtype=torch.uint8)
     scale_t = scale_t if columnwise else empty.clone()
     if m and k:
-        launch(_nvfp4_quantize_kernel, (triton.cdiv(m, _TILE), triton.cdiv(k, _TILE)))(
+        launch(_nvfp4_quantize_kernel, (cdiv(m, _TILE), cdiv(k, _TILE)))(
             kernel_arg(x2),
             global_scale.to(torch.float32).contiguous(),
             data,
@@ -497,7 +497,7 @@ def dequantize_nvfp4(
     m, p = d2.shape
     out = d2.new_empty((m, 2 * p), dtype=out_dtype)
     if m and p:
-        launch(_nvfp4_dequantize_kernel, (triton.cdiv(m, _TILE), triton.cdiv(p, _TILE)))(
+        launch(_nvfp4_dequantize_kernel, (cdiv(m, _TILE), cdiv(p, _TILE)))(
             d2,
             scale.contiguous().view(torch.uint8),
             global_scale.to(torch.float32).contiguous(),

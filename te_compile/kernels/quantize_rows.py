@@ -26,7 +26,7 @@ import triton.language as tl
 from torch import Tensor
 
 from te_compile._numerics import reciprocal_rn
-from te_compile.kernels import e5m2_to_e4m3_table, launch
+from te_compile.kernels import cdiv, e5m2_to_e4m3_table, launch
 from te_compile.kernels.fp8 import (
     DEFAULT_CONFIG,
     FORMATS,
@@ -262,7 +262,7 @@ def _launch_columnwise(
     block_n, block_k, num_warps = tiling
     k = x.shape[-1]
     fp8_dtype = fp8_dtype or data_t.dtype
-    launch(_columnwise_kernel, (slices, triton.cdiv(k, block_k)))(
+    launch(_columnwise_kernel, (slices, cdiv(k, block_k)))(
         x,
         uint8_view(data_t),
         scale_inv,
@@ -331,7 +331,7 @@ def recode_e5m2_as_e4m3(data: Tensor, *, block: int = 4096) -> Tensor:
     out = torch.empty_like(src)
     if src.numel():
         table = e5m2_to_e4m3_table(src.device)
-        grid = (triton.cdiv(src.numel(), block),)
+        grid = (cdiv(src.numel(), block),)
         launch(_recode_kernel, grid)(src, out, table, src.numel(), BLOCK_SIZE=block, num_warps=4)
     return out.view(torch.float8_e4m3fn)
 
@@ -362,7 +362,7 @@ def quantize_rowwise(
     scale_inv = torch.empty(x.shape[:-1], device=x.device, dtype=torch.float32)
     if m * k:
         bk = min(block_k, triton.next_power_of_2(k))
-        launch(_rowwise_kernel, (triton.cdiv(m, block_m),))(
+        launch(_rowwise_kernel, (cdiv(m, block_m),))(
             x2,
             uint8_view(data),
             scale_inv,

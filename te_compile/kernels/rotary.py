@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from te_compile.kernels import bf16_bits, kernel_arg, launch, size_hint
+from te_compile.kernels import bf16_bits, cdiv, kernel_arg, launch, size_hint
 from te_compile.kernels.quantize_mx import load_x, store_out
 
 __all__ = ["RotaryLaunchConfig", "launch_config", "rotary"]
@@ -290,12 +290,12 @@ def rotary(
             f"RotaryLaunchConfig: block_h ({cfg.block_h}) must be a multiple of head_unroll "
             f"({cfg.head_unroll}) when larger"
         )
-    rot_chunks = triton.cdiv(pairs, cfg.block_p)
+    rot_chunks = cdiv(pairs, cfg.block_p)
     n_rows = x4.shape[0] * x4.shape[1]
     grid = (
-        triton.cdiv(n_rows, cfg.block_t),
-        triton.cdiv(heads, cfg.block_h),
-        rot_chunks + triton.cdiv(d - d2, cfg.block_c),
+        cdiv(n_rows, cfg.block_t),
+        cdiv(heads, cfg.block_h),
+        rot_chunks + cdiv(d - d2, cfg.block_c),
     )
     cu = table if cu_seqlens is None else cu_seqlens.contiguous()
     launch(_rotary_kernel, grid)(
