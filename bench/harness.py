@@ -678,6 +678,7 @@ def collect_metadata(device: torch.device | str | None = None) -> dict[str, Any]
     meta: dict[str, Any] = {
         "date": datetime.now().astimezone().isoformat(timespec="seconds"),
         "hostname": socket.gethostname(),
+        "autograd_multithreading": torch._C._is_multithreading_enabled(),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpu": platform.processor() or platform.machine(),
@@ -747,8 +748,11 @@ class Report:
         return (
             f"## {self.script}\n\n"
             f"{m.get('date')} · {m.get('gpu') or 'CPU (' + str(m.get('cpu')) + ')'} · "
-            f"torch {m.get('torch')} · triton {m.get('triton')} · host {m.get('hostname')}\n"
-        )
+            f"torch {m.get('torch')} · triton {m.get('triton')} · host {m.get('hostname')}"
+            + (" · backward on the calling thread" if m.get("autograd_multithreading") is False
+               else "")
+            + "\n"
+        )  # fmt: skip
 
     def markdown(self) -> str:
         sections = [s["markdown"] for s in self.sections]
@@ -869,11 +873,20 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="torch intra-op threads (default: 1 on CPU, where the runs measure host overhead "
         "and thread hand-offs only add noise; torch's default on CUDA)",
     )
+    parser.add_argument(
+        "--autograd-on-caller",
+        action="store_true",
+        help="run every backward on the calling thread "
+        "(torch.autograd.set_multithreading_enabled(False), for the plain-PyTorch rows too): by "
+        "default autograd hands a CUDA backward to its device thread, and each Python backward "
+        "function (te_compile's ops, Transformer Engine's modules) pays a thread hand-off there",
+    )
     return parser
 
 
 def resolve_device(args: argparse.Namespace) -> torch.device:
-    """The device from ``--device`` (default cuda if available); applies ``--threads``."""
+    """The device from ``--device`` (default cuda if available); applies ``--threads`` and
+    ``--autograd-on-caller``."""
     if args.device:
         device = torch.device(args.device)
     else:
@@ -881,6 +894,8 @@ def resolve_device(args: argparse.Namespace) -> torch.device:
     threads = args.threads if args.threads is not None else (1 if device.type == "cpu" else None)
     if threads is not None:
         torch.set_num_threads(threads)
+    if getattr(args, "autograd_on_caller", False):
+        torch.autograd.set_multithreading_enabled(False)
     if device.type == "cuda":
         with torch.cuda.device(device):  # create the CUDA context on this thread
             torch.cuda.current_blas_handle()

@@ -435,7 +435,11 @@ def main(argv=None) -> int:
             group["lr"] = lr_at(step, args)
         x, y = data.batch("train", args.batch_size, args.block_size, gen)
         loss = train_model(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
-        loss.backward()
+        # On this thread, not autograd's CUDA device thread, where each Python backward function
+        # (te_compile's eager ops, a compiled graph's backward) pays a thread hand-off
+        # (docs/op_mechanism.md, "Eager backward: the calling thread").
+        with torch.autograd.set_multithreading_enabled(False):
+            loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         non_finite += ~loss.detach().isfinite()

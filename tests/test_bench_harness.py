@@ -217,3 +217,20 @@ def test_bench_overhead_module_part_smoke(tmp_path):
     assert section["markdown"] in markdown
     for module, precision in rows:
         assert f"| {module} | {precision} | " in markdown
+
+
+@pytest.mark.parametrize("flag", [[], ["--autograd-on-caller"]], ids=["default", "on-caller"])
+def test_autograd_on_caller_is_applied_and_recorded(flag):
+    """``--autograd-on-caller`` turns autograd's device threads off for the run (the benches'
+    rows then all run their backward on the calling thread) and the report's metadata and header
+    say so; without it the default is left as it is."""
+    parser = harness.add_common_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--device", "cpu", *flag])
+    with torch.autograd.set_multithreading_enabled(True):  # restores the default after
+        harness.resolve_device(args)
+        meta = harness.collect_metadata("cpu")
+        on_caller = not torch._C._is_multithreading_enabled()
+    assert on_caller == bool(flag)
+    assert meta["autograd_multithreading"] is not bool(flag)
+    header = harness.Report("x", meta).header_markdown()
+    assert ("backward on the calling thread" in header) == bool(flag)
