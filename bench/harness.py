@@ -878,8 +878,8 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         help="run every backward on the calling thread "
         "(torch.autograd.set_multithreading_enabled(False), for the plain-PyTorch rows too): by "
-        "default autograd hands a CUDA backward to its device thread, and each Python backward "
-        "function (te_compile's ops, Transformer Engine's modules) pays a thread hand-off there",
+        "default autograd hands a CUDA backward to its device thread, and a backward with Python "
+        "nodes (te_compile's ops, Transformer Engine's modules) pays thread hand-offs there",
     )
     return parser
 

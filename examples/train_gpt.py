@@ -435,8 +435,8 @@ def main(argv=None) -> int:
             group["lr"] = lr_at(step, args)
         x, y = data.batch("train", args.batch_size, args.block_size, gen)
         loss = train_model(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
-        # On this thread, not autograd's CUDA device thread, where each Python backward function
-        # (te_compile's eager ops, a compiled graph's backward) pays a thread hand-off
+        # On this thread, not autograd's CUDA device thread, where a backward with Python nodes
+        # (te_compile's eager ops, a compiled graph's backward) pays thread hand-offs
         # (docs/op_mechanism.md, "Eager backward: the calling thread").
         with torch.autograd.set_multithreading_enabled(False):
             loss.backward()
