@@ -58,6 +58,21 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "bench" / "results"
 
+
+def _cuda_at_least(major: int, minor: int) -> bool:
+    version = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+    return version >= (major, minor)
+
+
+# After a torch.profiler session Kineto keeps CUPTI attached unless TEARDOWN_CUPTI=1
+# (pytorch#144455): every later CUDA launch and runtime call then pays CUPTI's callbacks, so a
+# row timed after another row's kernel count (the benches count each row's kernels with the
+# profiler) would be slowed by that count, and more the more it launches. The benches tear
+# CUPTI down after each session unless the caller set the variable; CUDA 12.6 and newer tear
+# down safely around CUDA graphs (older CUDA crashed re-initialising it).
+if _cuda_at_least(12, 6):
+    os.environ.setdefault("TEARDOWN_CUPTI", "1")
+
 TIMERS = ("auto", "do_bench", "wall", "kernels")
 
 
@@ -679,6 +694,7 @@ def collect_metadata(device: torch.device | str | None = None) -> dict[str, Any]
         "date": datetime.now().astimezone().isoformat(timespec="seconds"),
         "hostname": socket.gethostname(),
         "autograd_multithreading": torch._C._is_multithreading_enabled(),
+        "teardown_cupti": os.environ.get("TEARDOWN_CUPTI"),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpu": platform.processor() or platform.machine(),
