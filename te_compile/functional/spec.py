@@ -84,10 +84,9 @@ def eager_cached(
 
 
 def _cached(build: Any) -> Any:
-    """An ``encode`` method that builds each spec's string once (:func:`eager_cached`): specs
-    are frozen and hashable, and an eager GEMM call encodes a dozen of them. Traced code calls
-    ``build`` itself: dynamo cannot pass a spec through the table's ``*args`` inside a
-    higher-order op (``torch.utils.checkpoint``)."""
+    """An ``encode`` method building each (frozen, hashable) spec's string once in eager calls
+    (:func:`eager_cached`; a GEMM call encodes a dozen); traced code calls ``build``: dynamo
+    cannot pass a spec through the table's ``*args`` in a higher-order op (checkpoint)."""
     cached = eager_cached(4096)(build)
 
     @functools.wraps(build)
@@ -226,7 +225,7 @@ def _encode(spec: Any) -> str:
         if "flag" in meta:
             tokens.append(meta["flag"])
         elif "choices" in meta:
-            tokens.append(next(k for k, v in meta["choices"].items() if v == value))
+            tokens.append(meta["tokens"][value])
         else:
             # f"{}": a float's repr, and what dynamo traces for a float it made symbolic (a
             # SymFloat under dynamic=True; repr() of one is a graph break).
@@ -243,13 +242,14 @@ def _bad(cls: type, name: str, text: str, why: str) -> ValueError:
     return ValueError(f"{name} {text!r}: {why} ({cls.__name__} tokens: {', '.join(tokens)})")
 
 
-# ``(name, default, metadata)`` of each spec class's fields, read once: ``torch.compile`` traces
-# :func:`_encode` (a family function builds its strings in the traced code), and dynamo cannot
-# trace ``dataclasses.fields``.
+# ``(name, default, metadata)`` of each spec class's fields, read once (dynamo, which traces
+# :func:`_encode` in a family function, cannot trace ``dataclasses.fields``); a field with
+# choices also has ``tokens``, value -> token: a look-up where dynamo would trace a generator.
 _FIELDS: dict[type, tuple[tuple[str, Any, dict[str, Any]], ...]] = {
-    cls: tuple((f.name, f.default, dict(f.metadata)) for f in dataclasses.fields(cls))
+    cls: tuple((f.name, f.default, {**f.metadata, "tokens": {v: k for k, v in
+                f.metadata.get("choices", {}).items()}}) for f in dataclasses.fields(cls))
     for cls in (QuantSpec, NormSpec, EpilogueSpec, BackwardSpec)
-}
+}  # fmt: skip
 
 
 @functools.lru_cache(maxsize=1024)

@@ -98,10 +98,9 @@ class GemmArgs(NamedTuple):
         return self.specs[0].kind
 
     def op_kwargs(self, amaxes: tuple[str, ...] = ("",)) -> dict[str, Any]:
-        """The family functions' keyword arguments: the specs by their names,
-        ``backward_override`` where set and, under a per-tensor recipe, each GEMM's ``scale`` and
-        ``grad_amax`` (``amaxes``: their names' suffixes, one per GEMM; ``()``: none) with
-        ``return_amax``."""
+        """The family functions' keyword arguments: the specs by their names, ``backward_override``
+        where set and, under a per-tensor recipe, each GEMM's ``scale`` and ``grad_amax``
+        (``amaxes``: their names' suffixes, one per GEMM; ``()``: none) with ``return_amax``."""
         kw: dict[str, Any] = {f"{r}_spec": s for r, s in zip(ROLES, self.specs, strict=True)}
         if self.backward_override:
             kw["backward_override"] = self.backward_override
@@ -120,10 +119,9 @@ ROLES = ("input", "weight", "grad")
 
 
 class KeptWeight:
-    """One weight's kept pre-quantised copy: ``tensors`` (``functional.quantize_weight``'s) and
-    the ``key`` of the recipe settings it was cast with. An object whose attributes a True
-    call sets: a compiled step then guards on neither (a dict entry that changed would be
-    guarded on)."""
+    """One weight's kept pre-quantised copy: ``tensors`` (``functional.quantize_weight``'s) and the
+    ``key`` of the recipe settings it was cast with. An object whose attributes a True call sets: a
+    compiled step then guards on neither (a dict entry that changed would be guarded on)."""
 
     def __init__(self) -> None:
         self.key: tuple | None = None
@@ -290,9 +288,9 @@ def recipe_specs(recipe: Recipe) -> tuple[QuantSpec, QuantSpec, QuantSpec]:
 
 
 def _memoised(recipe: Recipe, key: Any, make: Callable[..., Any], *args: Any, **kw: Any) -> Any:
-    """``make(*args, **kw)``, kept in ``recipe``'s memo under ``key`` in eager calls (three
-    ``dataclasses.replace`` per GEMM call cost ~8 us of host time); under dynamo, which
-    specialises on the recipe, built in the graph."""
+    """``make(*args, **kw)``, kept in ``recipe``'s memo under ``key`` in eager calls; under
+    dynamo, which specialises on the recipe, built in the graph (``dataclasses.replace`` only
+    where a spec changes: dynamo traces each one, ~10 ms of a compile)."""
     if torch.compiler.is_compiling():
         return make(*args, **kw)
     memo = recipe.memo()
@@ -302,8 +300,9 @@ def _memoised(recipe: Recipe, key: Any, make: Callable[..., Any], *args: Any, **
     return out
 
 
-def _replaced(specs: tuple, **changes: Any) -> tuple:
-    return tuple(replace(s, **changes) for s in specs)
+def _replaced(specs: tuple, **changes: Any) -> tuple:  # (kind / emulate: shared by the specs)
+    same = all(getattr(specs[0], name) == value for name, value in changes.items())
+    return specs if same else tuple(replace(s, **changes) for s in specs)
 
 
 def _recipe_specs(recipe: Recipe) -> tuple[QuantSpec, QuantSpec, QuantSpec]:
@@ -324,12 +323,13 @@ def _recipe_specs(recipe: Recipe) -> tuple[QuantSpec, QuantSpec, QuantSpec]:
         dims = (recipe.x_block_scaling_dim, recipe.w_block_scaling_dim,
                 recipe.grad_block_scaling_dim) if kind == "block" else (1, 1, 1)  # fmt: skip
         qs = _checked_qparams(recipe, _FP8_QPARAMS)
-        x, w, g = (QuantSpec(kind, dtype, 128 if dim == 2 else 1, q.power_2_scale)
-                   for dim, dtype, q in zip(dims, (fwd, fwd, bwd), qs, strict=True))  # fmt: skip
-        if kind == "current":  # MMParams: the backward GEMMs' fast accumulation (both read g)
-            g = replace(g, fast_dgrad=not recipe.fp8_gemm_dgrad.use_split_accumulator,
-                        fast_wgrad=not recipe.fp8_gemm_wgrad.use_split_accumulator)  # fmt: skip
-        return x, w, g
+        # MMParams (current scaling): the backward GEMMs' fast accumulation (both read g).
+        fast = {} if kind == "block" else {
+            "fast_dgrad": not recipe.fp8_gemm_dgrad.use_split_accumulator,
+            "fast_wgrad": not recipe.fp8_gemm_wgrad.use_split_accumulator}  # fmt: skip
+        each = zip(dims, (fwd, fwd, bwd), qs, ({}, {}, fast), strict=True)
+        return tuple(QuantSpec(kind, dtype, 128 if dim == 2 else 1, q.power_2_scale, **o)
+                     for dim, dtype, q, o in each)  # type: ignore[return-value]  # fmt: skip
     kw = {"emulate": True} if recipe.mxfp8() else {}
     tiles = 32 if recipe.mxfp8() and recipe.enable_2d_quantization else 1
     return (QuantSpec(kind, fwd, **kw), QuantSpec(kind, fwd, tiles, **kw),
@@ -390,9 +390,8 @@ def _checked_qparams(recipe: Recipe, fields: dict[str, tuple[str, ...]]) -> list
     return out
 
 
-# The operands each scope of NVFP4BlockScaling's nvfp4_4over6 / nvfp4_4over6_e4m3_use_256
-# covers: "activations" is the forward input (Transformer Engine never applies 4over6 to
-# gradients).
+# The operands each scope of NVFP4BlockScaling's nvfp4_4over6 / nvfp4_4over6_e4m3_use_256 covers:
+# "activations" is the forward input (Transformer Engine never applies 4over6 to gradients).
 _4OVER6_ROLES = {"none": (), "weights": ("weight",), "activations": ("input",),
                  "all": ("input", "weight")}  # fmt: skip
 
