@@ -101,7 +101,8 @@ class GemmArgs(NamedTuple):
         """The family functions' keyword arguments: the specs by their names, ``backward_override``
         where set and, under a per-tensor recipe, each GEMM's ``scale`` and ``grad_amax``
         (``amaxes``: their names' suffixes, one per GEMM; ``()``: none) with ``return_amax``."""
-        kw: dict[str, Any] = {f"{r}_spec": s for r, s in zip(ROLES, self.specs, strict=True)}
+        x, w, g = self.specs
+        kw: dict[str, Any] = {"input_spec": x, "weight_spec": w, "grad_spec": g}
         if self.backward_override:
             kw["backward_override"] = self.backward_override
         if self.recipe in PER_TENSOR and amaxes:
