@@ -152,7 +152,7 @@ def launch(kernel: Any, grid: Any) -> Any:
         return torch.library.wrap_triton(kernel)[grid]
     if torch.compiler.is_compiling():  # dynamo tracing a launch: its own Triton support
         return kernel[grid]
-    launcher = EagerLauncher._launchers.get(kernel) or EagerLauncher.of(kernel)
+    launcher = EagerLauncher.of(kernel)
     return lambda *args, **kwargs: launcher(grid, *args, **kwargs)
 
 
