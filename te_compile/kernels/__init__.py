@@ -193,6 +193,7 @@ class EagerLauncher:
         empty = inspect.Parameter.empty
         self.defaults = {p.name: p.default for p in params if p.default is not empty}
         self.compiled: dict[tuple, Any] = {}
+        self.fire: dict[tuple, Any] = {}  # direct_run of compiled[key], where it has one
         self.direct = fn is not None  # False once Triton returned no compiled kernel
 
     @classmethod
@@ -211,7 +212,11 @@ class EagerLauncher:
             except TypeError:  # an unhashable argument: no key
                 key = None
         if compiled is not None:
-            compiled[(*grid, 1, 1)[:3]](*self._bound(args, kwargs))
+            fire = self.fire.get(key)
+            if fire is None:
+                compiled[(*grid, 1, 1)[:3]](*self._bound(args, kwargs))
+            else:
+                fire((*grid, 1, 1)[:3], key[0], self._bound(args, kwargs))
             return compiled
         compiled = self.kernel[grid](*args, **kwargs)
         if key is None:
@@ -223,7 +228,11 @@ class EagerLauncher:
         else:
             if len(self.compiled) >= self.MAX_KEYS:
                 self.compiled.clear()
+                self.fire.clear()
             self.compiled[key] = compiled
+            fire = direct_run(compiled)
+            if fire is not None:
+                self.fire[key] = fire
         return compiled
 
     @staticmethod
@@ -259,6 +268,41 @@ class EagerLauncher:
         for name in self.names[len(args) :]:
             bound.append(kwargs[name] if name in kwargs else self.defaults[name])
         return bound
+
+
+def direct_run(compiled: Any) -> Any:
+    """``fire(grid, device, args)``: launch Triton's compiled kernel ``compiled`` on a 3-D
+    ``grid`` and ``device``'s current stream through its C launcher (``compiled.run``) with the
+    arguments Triton's own runner passes, without that runner's per-call Python (a closure, the
+    stream look-up, the launch metadata). While a launch hook is set (a profiler's), whose
+    metadata the runner builds, the runner launches. None where ``compiled`` is not a kernel of
+    a Triton with this launch signature (``triton.knobs``, ``run`` / ``function`` /
+    ``packed_metadata``)."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return None
+    parts = [getattr(compiled, name, None) for name in ("run", "function", "packed_metadata")]
+    stream_of = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if None in (*parts, stream_of) or not hasattr(knobs, "runtime"):
+        return None
+    run, function, packed = parts
+    runtime = knobs.runtime
+
+    def fire(grid: tuple, device: int, args: list) -> None:
+        enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+        if _hooked(enter) or _hooked(leave):
+            compiled[grid](*args)
+        else:
+            run(*grid, stream_of(device), function, packed, None, enter, leave, *args)
+
+    return fire
+
+
+def _hooked(hook: Any) -> bool:
+    """Whether a Triton launch hook is set: a function, or a chain of them (``HookChain``, newer
+    Tritons) that is not empty."""
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 def bf16_bits(t: torch.Tensor) -> bool:

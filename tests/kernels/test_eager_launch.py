@@ -31,7 +31,8 @@ class _Compiled:
 
 class _Kernel:
     """A JIT function: ``[grid](*args, **kwargs)`` records the call through Triton and returns
-    a new compiled kernel (``compiled=False``: None, as the interpreter does)."""
+    a new compiled kernel (``compiled=False``: None, as the interpreter does; else the class
+    of the compiled kernel)."""
 
     fn = staticmethod(_params)
 
@@ -42,7 +43,8 @@ class _Kernel:
     def __getitem__(self, grid):
         def run(*args, **kwargs):
             self.launches.append(("triton", grid, args, kwargs))
-            return _Compiled(self.launches) if self.returns_compiled else None
+            made = _Compiled if self.returns_compiled is True else self.returns_compiled
+            return made(self.launches) if made else None
 
         return run
 
@@ -113,6 +115,35 @@ def test_the_table_starts_over_past_its_size(monkeypatch):
     assert [entry[0] for entry in k.launches] == ["triton"] * 4
 
 
+class _Launchable(_Compiled):
+    """A compiled kernel of a Triton whose C launcher ``run`` takes the grid, the stream, the
+    function handle, the packed metadata, the launch metadata and the hooks, then the arguments."""
+
+    function = "cu-function"
+
+    def run(self, *args):
+        self.launches.append(("run", args))
+
+
+def test_a_compiled_kernel_with_a_c_launcher_is_launched_through_it(monkeypatch):
+    """Triton's own runner is skipped: the call goes to ``run`` with the arguments the runner
+    would pass, on the current stream; while a launch hook is set the runner launches."""
+    knobs = pytest.importorskip("triton.knobs")
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 1000 + d, raising=False)
+    k = _Kernel(compiled=_Launchable)
+    x, y = _x(), _x()
+    launch(k, (3, 2))(x, y, 64, 0.5, BLOCK=32)
+    launch(k, (3, 2))(x, y, 64, 0.25, BLOCK=32)
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    device = torch._C._cuda_getDevice() if torch.cuda.is_initialized() else -1
+    head = (3, 2, 1, 1000 + device, "cu-function", b"", None, enter, leave)
+    assert k.launches[0][0] == "triton"
+    assert k.launches[1:] == [("run", (*head, x, y, 64, 0.25, 32, False))]
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda metadata: None)
+    launch(k, (3, 2))(x, y, 64, 0.125, BLOCK=32)
+    assert k.launches[-1] == ("direct", (3, 2, 1), (x, y, 64, 0.125, 32, False))
+
+
 @requires_cuda
 @pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "misaligned"])
 def test_cuda_direct_launches_give_triton_launches_bits(offset):
@@ -133,6 +164,7 @@ def test_cuda_direct_launches_give_triton_launches_bits(offset):
         for a, b in zip(again, first, strict=True):
             assert_bits_equal(a, b)
     assert len(launcher.compiled) == keys >= 1
+    assert len(launcher.fire) == keys  # this Triton's kernels launch through their C launcher
     w = torch.randn(256, device="cuda", generator=g, dtype=torch.bfloat16)
     y1 = torch.ops.te.rmsnorm_fwd(x, w, 1e-5, False)
     y2 = torch.ops.te.rmsnorm_fwd(x, w, 1e-5, False)
