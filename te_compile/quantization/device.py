@@ -31,6 +31,8 @@ is computed once at trace time and becomes a constant of the graph.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from te_compile._checks import check_bool
@@ -52,10 +54,16 @@ NO_CUDA_REASON = "no CUDA device"
 
 @torch.compiler.assume_constant_result
 def _capability() -> tuple[int, int] | None:
-    """Compute capability of the current CUDA device, or None without one (or on ROCm)."""
+    """Compute capability of the current CUDA device, or None without one (or on ROCm); read
+    once per device (``autocast(recipe=None)`` asks on every entry)."""
     if not torch.cuda.is_available() or torch.version.hip is not None:
         return None
-    return torch.cuda.get_device_capability()
+    return _capability_of(torch.cuda.current_device())
+
+
+@functools.cache
+def _capability_of(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def _native(minimum: tuple[int, int], what: str, return_reason: bool) -> bool | tuple[bool, str]:
