@@ -146,6 +146,31 @@ def check_device(owner: str, name: str, value: object) -> None:
         raise ValueError(f"{owner}: {name} is not a device, got {shown(value)} ({error})") from None
 
 
+def default_device(owner: str, device: object) -> object:
+    """A module's ``device`` argument, checked (:func:`check_device`); None becomes Transformer
+    Engine's default, ``"cuda"``, where a CUDA device is present and torch's default device is
+    not set (``torch.set_default_device``, or a ``with torch.device(...)`` block such as a
+    meta-device initialisation: None is returned and that device applies); without CUDA, None
+    (torch's default device, the CPU)."""
+    check_device(owner, "device", device)
+    return TE_DEFAULT_DEVICE if device is None and cuda_is_default() else device
+
+
+TE_DEFAULT_DEVICE = "cuda"
+
+
+def cuda_is_default() -> bool:
+    """Whether a module built with ``device=None`` goes to CUDA (:func:`default_device`)."""
+    if not torch.cuda.is_available():
+        return False
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._device import DeviceContext
+
+    held = getattr(getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None), "device_context", None)
+    modes = _get_current_function_mode_stack()
+    return held is None and not any(isinstance(m, DeviceContext) for m in modes)
+
+
 def check_callable(owner: str, **values: object) -> None:
     """Each value is None or callable (initialisers, hooks)."""
     for name, value in values.items():

@@ -73,11 +73,11 @@ from torch import Tensor, nn
 
 from te_compile._checks import (
     check_bool,
-    check_device,
     check_dtype,
     check_int,
     check_positive_finite,
     check_tensor,
+    default_device,
     shown,
 )
 from te_compile.modules import (
@@ -157,7 +157,7 @@ class CausalLM(nn.Module):
         check_bool(owner, qkv_bias=qkv_bias, tie_word_embeddings=tie_word_embeddings)
         if params_dtype is not None:
             check_dtype(owner, "params_dtype", params_dtype)
-        check_device(owner, "device", device)
+        device = default_device(owner, device)
         factory = {"dtype": params_dtype, "device": device}
         self.embed_tokens = nn.Embedding(vocab_size, hidden_size, **factory)
         self.layers = nn.ModuleList(

@@ -124,6 +124,18 @@ def _fresh_state():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _modules_on_torch_default_device(request, monkeypatch):
+    """On a CUDA machine a module built with ``device=None`` goes to CUDA, Transformer Engine's
+    default (``te_compile._checks.default_device``); the tests that build modules without a
+    device mean torch's default device (the CPU, where their inputs are), so they get it. The
+    tests of the CUDA default are marked ``te_default_device``."""
+    if torch.cuda.is_available() and "te_default_device" not in request.keywords:
+        from te_compile import _checks
+
+        monkeypatch.setattr(_checks, "cuda_is_default", lambda: False)
+
+
 def _junit_name(item) -> str:
     """``classname::name`` as pytest's JUnit XML writes a test (bench/suite_summary.py)."""
     parts = item.nodeid.split("::")

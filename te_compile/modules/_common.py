@@ -16,6 +16,7 @@ from te_compile._checks import (
     check_device,
     check_dtype,
     check_positive_finite,
+    default_device,
 )
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "check_eps",
     "check_positive",
     "check_rng_tracker",
+    "default_device",
     "default_init_method",
     "eager_when_delaying_wgrad",
     "init_method_or_default",

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from te_compile._checks import check_bool, check_int, check_positive_finite
+from te_compile._checks import check_bool, check_int, check_positive_finite, default_device
 from te_compile.functional import attention_args as A
 from te_compile.functional.attention import dot_product_attention
 from te_compile.functional.dropout_ops import new_rng_state
@@ -141,7 +141,10 @@ class DotProductAttention(nn.Module):
         self.softmax_offset = None
         if softmax_type == "learnable":
             heads = self.num_attention_heads_per_partition
-            self.softmax_offset = nn.Parameter(torch.zeros(heads, dtype=torch.float32))
+            where = default_device("DotProductAttention", None)  # TE's: on CUDA
+            self.softmax_offset = nn.Parameter(
+                torch.zeros(heads, dtype=torch.float32, device=where)
+            )
 
     def _check_shapes(self, query: Tensor, key: Tensor, value: Tensor) -> None:
         if not all(isinstance(x, Tensor) and x.dim() >= 2 for x in (query, key, value)):

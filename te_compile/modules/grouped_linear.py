@@ -70,6 +70,7 @@ from te_compile.modules._common import (
     check_bool,
     check_positive,
     check_rng_tracker,
+    default_device,
     eager_when_delaying_wgrad,
     init_method_or_default,
     params_dtype_or_default,
@@ -169,6 +170,7 @@ class GroupedLinear(_primary.KeepFP8OnCast, GroupedParameters, DelayedWgrad, nn.
                     )
         single = single_grouped_parameter or bool(single_grouped_weight or single_grouped_bias)
         self.use_grouped_tensor = _grouped_tensor_path(use_grouped_tensor, single)
+        device = default_device(owner, device)
         dtype = params_dtype_or_default(owner, params_dtype, device)
         if sequence_parallel is True:
             raise ValueError(

@@ -27,6 +27,7 @@ from te_compile.modules._common import (
     check_bool,
     check_positive,
     check_rng_tracker,
+    default_device,
     eager_when_delaying_wgrad,
     init_method_or_default,
     params_dtype_or_default,
@@ -109,6 +110,7 @@ class LayerNormLinear(_primary.KeepFP8OnCast, DelayedWgrad, NamedSlices, PreNorm
             sequence_parallel=sequence_parallel, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
         )  # fmt: skip
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        device = default_device(owner, device)
         dtype = params_dtype_or_default(owner, params_dtype, device)
         self.tp = TensorParallel.create(
             owner, parallel_mode, sequence_parallel, tp_group, tp_size, modes=("column", None)

@@ -56,6 +56,7 @@ from te_compile.modules._common import (
     check_choice,
     check_positive,
     check_rng_tracker,
+    default_device,
     eager_when_delaying_wgrad,
     init_method_or_default,
     params_dtype_or_default,
@@ -178,6 +179,7 @@ class LayerNormMLP(_primary.KeepFP8OnCast, DelayedWgrad, PreNorm):
         self.checkpoint = checkpoint
         check_choice(owner, "activation", activation, MODULE_ACTIVATIONS)
         self.activation_params = _activation_params(owner, activation, activation_params)
+        device = default_device(owner, device)
         dtype = params_dtype_or_default(owner, params_dtype, device)
         if tp_size is not None:
             check_int(owner, 1, tp_size=tp_size)

@@ -5,7 +5,9 @@ Differences from ``nn.Linear`` that come from Transformer Engine: the weight is 
 ``return_bias=True`` returns the bias instead of adding it, so a following op can fuse the add;
 ``fuse_wgrad_accumulation=True`` accumulates the weight gradient into ``weight.main_grad`` (fp32,
 allocated by the caller, e.g. a Megatron-style distributed optimizer) instead of ``weight.grad``.
-Unlike Transformer Engine, ``device=None`` means torch's current default device, not "cuda".
+``device=None``: "cuda" where a CUDA device is present, as in Transformer Engine, unless
+torch's default device is set (``torch.set_default_device``, ``with torch.device("meta")``),
+which then applies; without CUDA, torch's default device (``_checks.default_device``).
 
 Tensor parallelism (``parallel_mode``, ``sequence_parallel``, ``tp_group``, ``tp_size``), as in
 Transformer Engine: "column" shards ``out_features`` (the weight and bias hold this rank's rows;
@@ -35,6 +37,7 @@ from te_compile.modules._common import (
     check_bool,
     check_positive,
     check_rng_tracker,
+    default_device,
     eager_when_delaying_wgrad,
     init_method_or_default,
     params_dtype_or_default,
@@ -125,6 +128,7 @@ class Linear(_primary.KeepFP8OnCast, DelayedWgrad, NamedSlices, nn.Module):
             "Linear", bias=bias, return_bias=return_bias,
             fuse_wgrad_accumulation=fuse_wgrad_accumulation, sequence_parallel=sequence_parallel,
         )  # fmt: skip
+        device = default_device("Linear", device)
         dtype = params_dtype_or_default("Linear", params_dtype, device)
         self.tp = TensorParallel.create(
             "Linear", parallel_mode, sequence_parallel, tp_group, tp_size

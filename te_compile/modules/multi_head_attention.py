@@ -90,7 +90,8 @@ class MultiheadAttention(nn.Module):
     "LayerNorm", "L2Normalization"; ``qk_layernorm=True`` is "LayerNorm"), ``qk_norm_eps``,
     ``qk_norm_before_rope``, ``softmax_type``: the attention sink of
     :class:`DotProductAttention`, whose learnable logits are ``core_attention.softmax_offset``).
-    Unlike Transformer Engine, ``device=None`` means torch's default device.
+    ``device=None``: as in ``Linear`` ("cuda" where present, unless torch's default device
+    is set).
 
     ``forward`` returns the output, then the projection's bias if ``return_bias``, then the
     norm's output if ``input_layernorm`` and ``return_layernorm_output``.

@@ -2,7 +2,8 @@
 
 With ``zero_centered_gamma=True`` the weight is stored as :math:`\\gamma - 1` (initialised to
 zeros) and the effective scale is ``weight + 1``, as in Transformer Engine: weight decay then
-pulls the scale towards 1 instead of 0. ``device=None`` means torch's current default device.
+pulls the scale towards 1 instead of 0. ``device=None``: as in ``Linear`` ("cuda" where
+present, unless torch's default device is set).
 
 ``sequence_parallel=True``: the norm runs on a rank's shard of the sequence, so its parameters'
 gradients are partial sums over the tensor-parallel group. They are marked
@@ -26,6 +27,7 @@ from te_compile.modules._common import (
     check_choice,
     check_eps,
     check_positive,
+    default_device,
     params_dtype_or_default,
 )
 from te_compile.modules._te_signature import te_signature
@@ -107,6 +109,7 @@ class _Norm(nn.Module):
             )
         self.sequence_parallel = sequence_parallel
         self.tp_group = C.resolve_group(tp_group, name)
+        device = default_device(name, device)
         dtype = params_dtype_or_default(name, params_dtype, device)
         self.hidden_size = hidden_size
         self.eps = float(eps)

@@ -5,7 +5,8 @@ Transformer Engine's module of the same name: ``forward(max_seq_len, offset=0)``
 ``d2 = int(dim * rotary_percent)`` and frequencies
 :math:`\\theta_i = \\mathrm{rotary\\_base}^{-2i/d_2}`. ``inv_freq`` is a buffer in the
 ``state_dict``, as in Transformer Engine; it is read in fp32 even after ``module.to(bf16)``
-(which rounds it). ``device=None`` means torch's current default device.
+(which rounds it). ``device=None``: as in ``Linear`` ("cuda" where present, unless torch's
+default device is set).
 
 ``rope_scaling`` (a :class:`RopeScaling`, not in Transformer Engine) rescales the frequencies of
 checkpoints trained for a longer context than their base RoPE was, with the rules of Hugging
@@ -42,9 +43,9 @@ from torch import Tensor, nn
 
 from te_compile._checks import (
     check_choice,
-    check_device,
     check_int,
     check_positive_finite,
+    default_device,
     shown,
 )
 from te_compile.functional.rotary import rotary_frequencies
@@ -191,7 +192,7 @@ class RotaryPositionEmbedding(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        check_device("RotaryPositionEmbedding", "device", device)
+        device = default_device("RotaryPositionEmbedding", device)
         factor, pretrained = seq_len_interpolation_factor, pretrained_max_position_embeddings
         for name, value, ok, expected in (
             ("dim", dim, _is_int(dim) and dim > 0, "a positive int"),

@@ -60,7 +60,8 @@ class TransformerLayer(nn.Module):
     attentions' sink softmax), and MultiheadAttention's ``rotary_pos_interleaved``,
     ``qk_norm_type``, ``qk_norm_eps``, ``qk_norm_before_rope``). Positional arguments follow
     Transformer Engine's order (``modules._te_signature``).
-    Unlike Transformer Engine, ``device=None`` means torch's default device.
+    ``device=None``: as in ``Linear`` ("cuda" where present, unless torch's default device
+    is set).
     """
 
     @te_signature("TransformerLayer")

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from te_compile._checks import check_bool, check_callable, check_device, check_tensor
+from te_compile._checks import check_bool, check_callable, check_tensor, default_device
 from te_compile.distributed.tensor_parallel import TensorParallel, set_parallel_attributes
 from te_compile.functional.grouped_gemm import checked_splits
 from te_compile.ops.op import BasicOperation, FusibleOperation, OpOutput, check_input
@@ -229,7 +229,7 @@ class BasicLinear(primary.KeepFP8OnCast, BasicOperation):
         elif self.tp.mode == "row":
             self.local_in_features = self.tp.divide("BasicLinear", "in_features", in_features)
         self.accumulate_into_main_grad = accumulate_into_main_grad
-        check_device("BasicLinear", "device", device)
+        device = default_device("BasicLinear", device)
         check_callable("BasicLinear", init_method=init_method)
         self.init_method = init_method or _init
         self.rng_state_tracker_function = rng_state_tracker_function
@@ -343,7 +343,7 @@ class Bias(BasicOperation):
         mode = "column" if tensor_parallel else None
         self.tp = _tensor_parallel("Bias", mode, tensor_parallel_group, False)
         self.size = size
-        check_device("Bias", "device", device)
+        device = default_device("Bias", device)
         self.local_size = self.tp.divide("Bias", "size", size) if tensor_parallel else size
         self.tensor_parallel = tensor_parallel
         self.bias = nn.Parameter(
@@ -507,7 +507,7 @@ class GroupedLinear(primary.KeepFP8OnCast, GroupedParameters, BasicOperation):
         )
         dtype = _dtype("GroupedLinear", dtype)
         self.num_groups, self.in_features, self.out_features = num_groups, in_features, out_features
-        check_device("GroupedLinear", "device", device)
+        device = default_device("GroupedLinear", device)
         check_callable("GroupedLinear", init_method=init_method)
         self.init_method = init_method or _init
         self.single_grouped_weight = single_grouped_weight

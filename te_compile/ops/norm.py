@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from te_compile import functional as F
-from te_compile._checks import check_bool, check_device, check_positive_finite
+from te_compile._checks import check_bool, check_positive_finite, default_device
 from te_compile.ops.op import BasicOperation, OpOutput, check_input
 
 __all__ = ["L2Normalization", "LayerNorm", "RMSNorm"]
@@ -73,7 +73,7 @@ class _Norm(BasicOperation):
         dtype = torch.get_default_dtype() if dtype is None else dtype
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"{name}: dtype must be a floating torch.dtype, got {dtype!r}")
-        check_device(name, "device", device)
+        device = default_device(name, device)
         kw = {"dtype": dtype, "device": device}
         self.weight = nn.Parameter(torch.empty(self.normalized_shape, **kw))
         self.bias = (
