@@ -34,7 +34,7 @@ import torch.multiprocessing as mp
 
 from te_compile.distributed import shard_state_dict
 from tests.mutation import plant
-from tests.utils import assert_close, chain_roundings
+from tests.utils import assert_close, chain_roundings, keep_torch_default_device
 
 WORLD = int(os.environ.get("TE_COMPILE_TEST_WORLD", "2"))
 # A check that fails on one rank only leaves the other waiting in a collective: fail after this
@@ -71,6 +71,7 @@ def fsdp_mesh(device: torch.device):
 
 
 def _entry(rank, worker, backend, init_file, results, errors) -> None:
+    keep_torch_default_device()
     if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(

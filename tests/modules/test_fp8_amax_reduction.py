@@ -10,9 +10,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import te_compile as te
+from tests.utils import keep_torch_default_device
 
 
 def _worker(rank: int, world: int, init_file: str, results) -> None:
+    keep_torch_default_device()
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         torch.manual_seed(0)  # same weights on both ranks

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from te_compile import ops
+from tests.utils import keep_torch_default_device
 
 WORLD = 2
 
@@ -36,6 +37,7 @@ def _fwd_bwd(fn, rank, out_rows):
 
 
 def _worker(rank: int, init_file: str, results) -> None:
+    keep_torch_default_device()
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
         group = dist.group.WORLD

@@ -47,6 +47,16 @@ _BASE_TOLS = {
 }
 
 
+def keep_torch_default_device() -> None:
+    """Modules built with ``device=None`` in this process go to torch's default device (the
+    CPU), as the tests that pass no device mean, not to CUDA (Transformer Engine's default,
+    ``te_compile._checks.default_device``): for processes the tests spawn, which
+    ``tests/conftest.py``'s fixture doing the same does not reach."""
+    from te_compile import _checks
+
+    _checks.cuda_is_default = lambda: False
+
+
 def max_roundings(dtype: torch.dtype) -> int:
     """The most roundings :func:`dtype_tols` accepts for ``dtype`` (both tolerances within
     :data:`MAX_TOL`): bfloat16 2, float16 31, float32 3124, float64 ~3e10."""
