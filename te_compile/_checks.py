@@ -113,14 +113,14 @@ def check_same_device(owner: str, ref_name: str, ref: torch.Tensor, **tensors: o
 
 
 def _device_hint(a: torch.Tensor, b: torch.Tensor) -> str:
-    """Where one tensor is on CUDA and the other on the CPU: most likely a module built without
-    ``device``, which Transformer Engine puts on CUDA and te_compile on torch's default."""
+    """Where one tensor is on CUDA and the other on the CPU: most likely a module built for one
+    device (:func:`default_device`) and fed an input on the other."""
     if {a.device.type, b.device.type} != {"cuda", "cpu"}:
         return ""
     return (
-        " (te_compile's modules are created on torch's default device, Transformer Engine's on "
-        "CUDA: build them with device='cuda', move them with .cuda(), or call "
-        "torch.set_default_device('cuda') first)"
+        " (a module built without device= is on CUDA where one is present, unless torch's "
+        "default device was set; move the module with .cuda() / .cpu(), or the input to the "
+        "module's device)"
     )
 
 
