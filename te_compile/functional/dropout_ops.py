@@ -50,7 +50,6 @@ __all__ = [
 _MASK32 = 0xFFFFFFFF
 _PHILOX_M = (0xD2511F53, 0xCD9E8D57)  # round multipliers
 _PHILOX_W = (0x9E3779B9, 0xBB67AE85)  # key increments (golden ratio, sqrt(3) - 1)
-PHILOX_ROUNDS = 10
 
 
 # 1. Reference math ----------------------------------------------------------------------------
@@ -67,12 +66,11 @@ def _mulhilo(a: int, b: Tensor) -> tuple[Tensor, Tensor]:
 def philox4x32(
     counter: tuple[Tensor, Tensor, Tensor, Tensor],
     key: tuple[Tensor, Tensor],
-    rounds: int = PHILOX_ROUNDS,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Philox4x32 on int64 tensors holding 32-bit words (broadcasting); returns four words."""
+    """Philox4x32-10 on int64 tensors holding 32-bit words (broadcasting); returns four words."""
     c0, c1, c2, c3 = counter
     k0, k1 = key
-    for _ in range(rounds):
+    for _ in range(10):
         hi0, lo0 = _mulhilo(_PHILOX_M[0], c0)
         hi1, lo1 = _mulhilo(_PHILOX_M[1], c2)
         c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
