@@ -32,7 +32,7 @@ from te_compile._checks import check_choice
 from te_compile.functional import quantize_table as _q
 from te_compile.functional.gemm import PER_TENSOR, blockwise_supported
 from te_compile.functional.grouped_gemm import nvfp4_dtype
-from te_compile.functional.quantize_mx_ref import nvfp4_weight_values
+from te_compile.functional.quantize_mx_ref import nvfp4_weight_values, tensor_amax
 from te_compile.functional.spec import QuantSpec
 from te_compile.quantization.device import is_fp8_block_scaling_available
 from te_compile.quantization.fp8_gemm import FP8GemmState
@@ -495,16 +495,8 @@ def calibrate(
         for meta, x, w in zip(metas, inputs, weights, strict=True):
             meta.delayed_scale(owner, state, x.numel() > 0)
             with torch.no_grad():
-                meta.record(torch.stack([_amax(x), _amax(w)]), state)
+                meta.record(torch.stack([tensor_amax(x), tensor_amax(w)]), state)
     return state._replace(calibrating=False)
-
-
-def _amax(t: Tensor) -> Tensor:
-    """``max |t|`` as an fp32 scalar (0 for an empty tensor)."""
-    t = t.detach()
-    if t.numel() == 0:
-        return t.new_zeros((), dtype=torch.float32)
-    return t.abs().amax().float()
 
 
 def quantized() -> bool:
