@@ -474,7 +474,7 @@ def grouped_primary(
         amax = torch.cat([getattr(module, f"{name}_amax") for name in names]).amax().reshape(1)
         operand = [data, inv[:, None].expand(g, n).contiguous(), data.transpose(1, 2).contiguous(),
                    inv[:, None].expand(g, k).contiguous(), amax]  # fmt: skip
-    values = _backward_values(module, names, weights[0], dtype)
+    values = _backward_values(module, names, dtype)
     stand_in = _sharded_stand_in(module, names, weights[0], dtype, (g, n, k), True, values)
     if stand_in is None:
         stand_in = _StandIn.apply(dtype, (g, n, k), values, None, 0, False, to_leaves, *weights)
@@ -504,7 +504,7 @@ def _grouped_blocks(module: nn.Module, names: tuple[str, ...], data: Tensor) -> 
 
 
 def _backward_values(
-    module: nn.Module, names: tuple[str, ...], weight: Tensor, dtype: torch.dtype
+    module: nn.Module, names: tuple[str, ...], dtype: torch.dtype
 ) -> Tensor | None:
     """FP8 weights ``names``' values in ``dtype`` (G expert weights stacked) under an autocast
     recipe with ``backward_override="high_precision"``, whose dgrad GEMM reads them (as TE
@@ -553,7 +553,7 @@ def primary_weight(
     nominal dtype). Sharded by FSDP2, with ``FP8MasterWeights`` and grad enabled: a
     :class:`_StandIn` in ``dtype`` and None (the op returns the gradient to the stand-in)."""
     weight = getattr(module, name)
-    values = _backward_values(module, (name,), weight, dtype)
+    values = _backward_values(module, (name,), dtype)
     stand_in = _sharded_stand_in(module, (name,), weight, dtype, weight.shape, False, values)
     if stand_in is not None:
         return stand_in, None
