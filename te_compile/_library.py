@@ -153,6 +153,8 @@ class Op:
         self._default = fn
         _LIB.impl(name, fn, "CompositeExplicitAutograd")
         self.overload: torch._ops.OpOverload = getattr(getattr(torch.ops, NAMESPACE), name).default
+        self._arg_names = [a.name for a in self.overload._schema.arguments]
+        self._written = tuple(mutates_args)
         self.opaque = opaque
         self.kept_whole = kept_whole
         if opaque is None:
@@ -188,10 +190,28 @@ class Op:
         return self._default(*args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The op; eagerly, when nothing is watching and autograd has nothing to record (grad
+        mode off, or no tensor argument that requires grad: the op has no autograd formula), its
+        implementation directly, as the differentiable ops' fast path (a dispatcher round trip
+        less per call)."""
+        if _use_fast_path() and not (
+            torch.is_grad_enabled() and _any_requires_grad((*args, *kwargs.values()))
+        ):
+            out = self.eager(*args, **kwargs)
+            if self._written:  # as the dispatcher's call does: what is written is a new version
+                named = dict(zip(self._arg_names, args, strict=False)) | kwargs
+                for name in self._written:
+                    if isinstance(t := named.get(name), torch.Tensor):
+                        torch.autograd.graph.increment_version(t)
+            return out
         return self.overload(*args, **kwargs)
 
     def __repr__(self) -> str:
         return f"Op({self.qualname})"
+
+
+def _any_requires_grad(args: Sequence[Any]) -> bool:
+    return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
 
 
 def op(

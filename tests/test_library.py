@@ -222,3 +222,51 @@ def test_an_unused_differentiable_output_gets_a_zero_gradient():
     assert torch.equal(gx, torch.arange(16.0).expand(4, 16))  # the branch is the input
     assert torch.equal(gw, torch.zeros(8, 16))
     assert torch.equal(gx, sx) and torch.equal(gw, sw)
+
+
+def _plain_op_samples(name, device):
+    entry = _library.registry()[f"te::{name}"]
+    return [sample.args for sample in entry.sample_inputs(torch.device(device))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_plain_op_fast_path_agrees_with_the_op_and_versions_what_it_writes(device):
+    """A non-differentiable op called eagerly runs its implementation without the dispatcher
+    (``Op.__call__``): outputs and the buffers it writes equal the op path's bit for bit, and a
+    written buffer gets a new version, as the dispatcher's call gives it (on CUDA a Triton
+    kernel writes it, which no version counter sees)."""
+    from te_compile.functional.fp8_scaling import delayed_scaling_update_op as op
+
+    for args in _plain_op_samples("delayed_scaling_update", device):
+        results = []
+        for fast in (True, False):
+            te.set_eager_fast_path(fast)
+            try:
+                mine = _clone(args)
+                versions = [t._version for t in mine[:2]]
+                out = op(*mine)
+                assert all(t._version > v for t, v in zip(mine[:2], versions, strict=True))
+                results.append([out, *mine[:2]])
+            finally:
+                te.set_eager_fast_path(True)
+        for a, b in zip(*results, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_plain_op_takes_the_op_path_where_autograd_or_a_mode_watches(monkeypatch):
+    from te_compile.functional.quantize import quantize_current as op
+
+    calls = []
+    overload = op.overload
+    monkeypatch.setattr(op, "overload", lambda *a, **k: calls.append(1) or overload(*a, **k))
+    x = torch.randn(4, 8)
+    op(x, torch.float8_e4m3fn, True)
+    assert calls == []  # eager, nothing watching: the implementation directly
+    op(x.requires_grad_(), torch.float8_e4m3fn, True)
+    assert calls == [1]  # an input that requires grad: the op (it has no autograd formula)
+    with torch.no_grad():
+        op(x, torch.float8_e4m3fn, True)
+    assert calls == [1]
+    with _Count() as mode:
+        op(x.detach(), torch.float8_e4m3fn, True)
+    assert calls == [1, 1] and "te.quantize_current.default" in mode.seen

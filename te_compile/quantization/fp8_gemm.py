@@ -43,7 +43,7 @@ import torch
 from torch import Tensor, nn
 
 from te_compile._numerics import div_rn
-from te_compile.functional.fp8_scaling import FP32_MAX, scale_copy
+from te_compile.functional.fp8_scaling import FP32_MAX, delayed_scaling_update_op, scale_copy
 from te_compile.quantization.recompute import current_scope
 from te_compile.quantization.state import AutocastState
 
@@ -138,7 +138,7 @@ class FP8GemmState(nn.Module):
         if callable(recipe.amax_compute_algo) or recipe.scaling_factor_compute_algo is not None:
             return _custom_update(history, self.scale, torch.cat([fwd, grad]), limits, recipe)
         # The two buffers as they are: the update's one kernel reads both (no cat first).
-        return torch.ops.te.delayed_scaling_update(
+        return delayed_scaling_update_op(
             history, self.scale, fwd, limits, recipe.margin, recipe.amax_compute_algo, grad
         )
 
