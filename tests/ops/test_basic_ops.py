@@ -455,13 +455,23 @@ def test_bad_switch_or_float_names_the_argument(name, arg, value):
     assert f"got {value!r}" in str(info.value)
 
 
+# Built at collection, before tests/conftest.py's fixture: on the CPU by name (device=None is
+# CUDA on a GPU machine), where the inputs are.
 @pytest.mark.parametrize(
     ("op", "x", "match"),
     [
-        (ops.Bias(8), torch.randn(2, 6), r"Bias: input's last dim \(6\) must equal size \(8\)"),
-        (ops.RMSNorm((3, 8)), torch.randn(2, 4, 8), r"RMSNorm: the input's trailing dims"),
         (
-            ops.BasicLinear(8, 4),
+            ops.Bias(8, device="cpu"),
+            torch.randn(2, 6),
+            r"Bias: input's last dim \(6\) must equal size \(8\)",
+        ),
+        (
+            ops.RMSNorm((3, 8), device="cpu"),
+            torch.randn(2, 4, 8),
+            r"RMSNorm: the input's trailing dims",
+        ),
+        (
+            ops.BasicLinear(8, 4, device="cpu"),
             torch.randn(2, 6),
             r"BasicLinear: input must be .* with 8 features in its last dim",
         ),
