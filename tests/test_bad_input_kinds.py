@@ -182,8 +182,9 @@ def test_a_module_on_another_device_than_its_input_is_refused(make, words):
 
 
 def test_a_cuda_input_to_a_cpu_module_says_how_to_place_the_module():
-    """Transformer Engine builds modules on CUDA, te_compile on torch's default device: the
-    refusal says how to place the module (only ``.device`` is read, so no GPU is needed)."""
+    """A module on the CPU fed a CUDA input (or the reverse): the refusal says where a module
+    built without ``device=`` goes and how to place it (only ``.device`` is read, so no GPU is
+    needed)."""
     from types import SimpleNamespace
 
     from te_compile._checks import check_same_device
@@ -192,7 +193,7 @@ def test_a_cuda_input_to_a_cpu_module_says_how_to_place_the_module():
         SimpleNamespace(device=torch.device("cuda", 0)),
         SimpleNamespace(device=torch.device("cpu")),
     )
-    with pytest.raises(ValueError, match=r"on cuda:0 and weight on cpu \(.*device='cuda'"):
+    with pytest.raises(ValueError, match=r"on cuda:0 and weight on cpu \(a module .* \.cuda\(\)"):
         check_same_device("te.linear", "inp", cuda, weight=cpu)
     with pytest.raises(ValueError, match=r"on meta\Z"):
         check_same_device(
