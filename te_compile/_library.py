@@ -211,7 +211,12 @@ class Op:
 
 
 def _any_requires_grad(args: Sequence[Any]) -> bool:
-    return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+    """Whether a tensor argument, or a tensor of a list argument, requires grad."""
+    return any(
+        a.requires_grad if isinstance(a, torch.Tensor)
+        else isinstance(a, (list, tuple)) and _any_requires_grad(a)
+        for a in args
+    )  # fmt: skip
 
 
 def op(

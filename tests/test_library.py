@@ -267,6 +267,7 @@ def test_plain_op_takes_the_op_path_where_autograd_or_a_mode_watches(monkeypatch
     with torch.no_grad():
         op(x, torch.float8_e4m3fn, True)
     assert calls == [1]
+    assert _library._any_requires_grad([1, [torch.ones(1), x]])  # in a list argument too
     with _Count() as mode:
         op(x.detach(), torch.float8_e4m3fn, True)
     assert calls == [1, 1] and "te.quantize_current.default" in mode.seen
