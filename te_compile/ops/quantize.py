@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from te_compile import functional as F
+from te_compile._checks import default_device
 from te_compile._numerics import reciprocal_rn
 from te_compile.ops.op import BasicOperation, OpOutput
 from te_compile.quantization import fp8_gemm
@@ -89,7 +90,8 @@ class Quantize(BasicOperation):
             if not isinstance(value, bool):
                 raise ValueError(f"Quantize: {name} must be a bool, got {value!r}")
         self.quantize_forward, self.quantize_backward = forward, backward
-        self.fp8_meta = fp8_gemm.FP8GemmState()
+        # Its delayed-scaling state where the modules' parameters go by default (TE: CUDA).
+        self.fp8_meta = fp8_gemm.FP8GemmState(default_device("Quantize", None))
 
     def _delayed(self, x: Tensor, state: AutocastState) -> Tensor:
         meta = self.fp8_meta

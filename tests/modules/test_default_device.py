@@ -33,6 +33,7 @@ MODULES = {
     "ops.GroupedLinear": lambda: te.ops.GroupedLinear(2, 16, 8),
     "ops.LayerNorm": lambda: te.ops.LayerNorm(16),
     "ops.RMSNorm": lambda: te.ops.RMSNorm(16),
+    "ops.Quantize": lambda: te.ops.Quantize(),
     "convert.CausalLM": lambda: te.convert.CausalLM(64, 32, 64, 2, 4, 2, 8),
 }
 
