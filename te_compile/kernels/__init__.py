@@ -192,8 +192,8 @@ class EagerLauncher:
         self.names = [p.name for p in params]
         empty = inspect.Parameter.empty
         self.defaults = {p.name: p.default for p in params if p.default is not empty}
-        self.compiled: dict[tuple, Any] = {}
-        self.fire: dict[tuple, Any] = {}  # direct_run of compiled[key], where it has one
+        # key -> (the compiled kernel, its direct_run or None): one look-up per launch
+        self.compiled: dict[tuple, tuple[Any, Any]] = {}
         self.direct = fn is not None  # False once Triton returned no compiled kernel
 
     @classmethod
@@ -205,14 +205,14 @@ class EagerLauncher:
 
     def __call__(self, grid: Any, *args: Any, **kwargs: Any) -> Any:
         key = self._key(grid, args, kwargs) if self.direct else None
-        compiled = None
+        known = None
         if key is not None:
             try:
-                compiled = self.compiled.get(key)
+                known = self.compiled.get(key)
             except TypeError:  # an unhashable argument: no key
                 key = None
-        if compiled is not None:
-            fire = self.fire.get(key)
+        if known is not None:
+            compiled, fire = known
             if fire is None:
                 compiled[(*grid, 1, 1)[:3]](*self._bound(args, kwargs))
             else:
@@ -228,11 +228,7 @@ class EagerLauncher:
         else:
             if len(self.compiled) >= self.MAX_KEYS:
                 self.compiled.clear()
-                self.fire.clear()
-            self.compiled[key] = compiled
-            fire = direct_run(compiled)
-            if fire is not None:
-                self.fire[key] = fire
+            self.compiled[key] = (compiled, direct_run(compiled))
         return compiled
 
     @staticmethod

@@ -164,7 +164,8 @@ def test_cuda_direct_launches_give_triton_launches_bits(offset):
         for a, b in zip(again, first, strict=True):
             assert_bits_equal(a, b)
     assert len(launcher.compiled) == keys >= 1
-    assert len(launcher.fire) == keys  # this Triton's kernels launch through their C launcher
+    # this Triton's kernels launch through their C launcher
+    assert all(fire is not None for _, fire in launcher.compiled.values())
     w = torch.randn(256, device="cuda", generator=g, dtype=torch.bfloat16)
     y1 = torch.ops.te.rmsnorm_fwd(x, w, 1e-5, False)
     y2 = torch.ops.te.rmsnorm_fwd(x, w, 1e-5, False)
