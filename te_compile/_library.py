@@ -155,12 +155,28 @@ class Op:
         self.overload: torch._ops.OpOverload = getattr(getattr(torch.ops, NAMESPACE), name).default
         self._arg_names = [a.name for a in self.overload._schema.arguments]
         self._written = tuple(mutates_args)
+        if self._written:
+            _LIB.impl(name, self._new_versions, "ADInplaceOrView", with_keyset=True)
         self.opaque = opaque
         self.kept_whole = kept_whole
         if opaque is None:
             _register_trace_through(self)
         self.__doc__ = fn.__doc__
         self.__wrapped__ = fn
+
+    def _new_versions(self, keyset: Any, *args: Any, **kwargs: Any) -> Any:
+        # What the op writes is a new version on every path (a Triton kernel's write is seen by
+        # no version counter), so autograd refuses a saved tensor the op has overwritten.
+        self._bump_written(args, kwargs)
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            below = keyset & torch._C._after_ADInplaceOrView_keyset
+            return self.overload.redispatch(below, *args, **kwargs)
+
+    def _bump_written(self, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        named = dict(zip(self._arg_names, args, strict=False)) | kwargs
+        for name in self._written:
+            if isinstance(t := named.get(name), torch.Tensor):
+                torch.autograd.graph.increment_version(t)
 
     def register_kernel(self, device_type: str) -> Callable[[Callable], Callable]:
         """Decorator: the implementation used for tensors on ``device_type`` (e.g. "cuda")."""
@@ -198,11 +214,8 @@ class Op:
             torch.is_grad_enabled() and _any_requires_grad((*args, *kwargs.values()))
         ):
             out = self.eager(*args, **kwargs)
-            if self._written:  # as the dispatcher's call does: what is written is a new version
-                named = dict(zip(self._arg_names, args, strict=False)) | kwargs
-                for name in self._written:
-                    if isinstance(t := named.get(name), torch.Tensor):
-                        torch.autograd.graph.increment_version(t)
+            if self._written:  # as the dispatcher's call does (``_new_versions``)
+                self._bump_written(args, kwargs)
             return out
         return self.overload(*args, **kwargs)
 

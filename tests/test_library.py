@@ -253,6 +253,29 @@ def test_plain_op_fast_path_agrees_with_the_op_and_versions_what_it_writes(devic
             assert torch.equal(a, b)
 
 
+def _overload(qualname):
+    namespace, name = qualname.split("::")
+    return getattr(getattr(torch.ops, namespace), name).default
+
+
+def test_every_op_that_writes_an_argument_versions_it_on_the_dispatcher_path():
+    """A ``Library``-defined op gets no version bump for what it writes (``custom_op`` registers
+    one): every te op with a written argument has its ADInplaceOrView kernel, so a write by a
+    Triton kernel, which no version counter sees, still makes a new version (the CUDA case of
+    the test above runs it)."""
+    writers = [
+        name
+        for name in te.list_ops()
+        if any(
+            a.alias_info is not None and a.alias_info.is_write
+            for a in _overload(name)._schema.arguments
+        )
+    ]
+    assert "te::delayed_scaling_update" in writers
+    for name in writers:
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "ADInplaceOrView"), name
+
+
 def test_plain_op_takes_the_op_path_where_autograd_or_a_mode_watches(monkeypatch):
     from te_compile.functional.quantize import quantize_current as op
 
