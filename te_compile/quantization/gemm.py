@@ -218,8 +218,7 @@ def as_gemm_takes(spec: QuantSpec, weight_q: Sequence[Tensor] | None, kind: str,
     f32, none = torch.float32, s.new_empty(0, dtype=torch.float32)
     w, w_t = dequantized(data, s, spec, f32, amax), dequantized(data_t, s_t, spec, f32, amax)
     if data.dim() == 3:
-        w_t = w_t.transpose(1, 2).to(dtype).contiguous()
-        return [w.to(dtype), none, w_t, none.clone(), none.clone()]
+        w, w_t = w.to(dtype), w_t.transpose(1, 2).to(dtype).contiguous()
     return [w, none, w_t, none.clone(), none.clone()]
 
 
@@ -354,31 +353,23 @@ _QPARAM_OPTIONS = ("power_2_scale", "random_hadamard_transform", "stochastic_rou
                    "fp4_2d_quantization")  # fmt: skip
 
 
-# Per field, what it may not set (the options outside its tuple above, a nonzero amax floor).
-_REFUSED = {
-    name: (*(o for o in _QPARAM_OPTIONS if o not in allowed), "amax_epsilon")
-    for table in (_FP4_QPARAMS, _FP8_QPARAMS)
-    for name, allowed in table.items()
-}
-
-
 def _checked_qparams(recipe: Recipe, fields: dict[str, tuple[str, ...]]) -> list[Any]:
     """``recipe``'s per-operand QParams (``fields``: name -> the options implemented for that
-    operand); an option set where it is not implemented (:data:`_REFUSED`), or a nonzero
+    operand); an option of :data:`_QPARAM_OPTIONS` set where it is not implemented, or a nonzero
     ``amax_epsilon``, raises NotImplementedError naming the field, rather than being ignored."""
     out, owner = [getattr(recipe, name) for name in fields], type(recipe).__name__
     for name, q in zip(fields, out, strict=True):
-        for option in _REFUSED[name]:
-            if not getattr(q, option):
-                continue
-            if option == "amax_epsilon":
-                raise NotImplementedError(
-                    f"{owner}: {name}.amax_epsilon={q.amax_epsilon!r} is not implemented (the "
-                    "GEMMs' quantisers take no amax floor); use 0.0"
-                )
+        refused = [o for o in _QPARAM_OPTIONS if o not in fields[name] and getattr(q, o)]
+        if refused:
             raise NotImplementedError(
-                f"{owner}: {name}.{option}=True is not implemented for this operand (te_compile's "
-                f"{owner} takes {', '.join(f'{n}.{o}' for n, os in fields.items() for o in os)})"
+                f"{owner}: {name}.{refused[0]}=True is not implemented for this operand "
+                f"(te_compile's {owner} takes "
+                f"{', '.join(f'{n}.{o}' for n, os in fields.items() for o in os)})"
+            )
+        if q.amax_epsilon:
+            raise NotImplementedError(
+                f"{owner}: {name}.amax_epsilon={q.amax_epsilon!r} is not implemented (the "
+                "GEMMs' quantisers take no amax floor); use 0.0"
             )
     x, g = out[0], out[2]
     if fields is _FP4_QPARAMS and x.random_hadamard_transform != g.random_hadamard_transform:
