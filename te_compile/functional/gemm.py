@@ -152,8 +152,7 @@ def scale_slots(scale: Tensor | None, recipe: str) -> tuple[Tensor | None, ...]:
     return scale[0:1], scale[1:2], scale[2:3]
 
 
-# The NVFP4 options an operand role takes (the random Hadamard transform of the wgrad GEMM's
-# operands, stochastic rounding of the gradient, row-scaled inputs, 4over6 block scaling).
+# The NVFP4 options an operand role takes (what each is: ``QuantSpec``'s docstring).
 _ROLE_OPTIONS = {"input": ("rht", "row_scaled", "four_over_six"), "weight": ("four_over_six",),
                  "grad": ("rht", "stochastic_rounding")}  # fmt: skip
 _OPTIONS = ("rht", "stochastic_rounding", "row_scaled", "four_over_six", "fast_dgrad", "fast_wgrad")
@@ -651,10 +650,8 @@ def hp_linear(inp: Tensor, weight: Tensor, bias: Tensor | None, cuda: bool) -> T
     if cuda:
         return torch.nn.functional.linear(inp, weight, bias)
     acc = acc_dtype(inp)
-    out = torch.nn.functional.linear(
-        inp.to(acc), weight.to(acc), None if bias is None else bias.to(acc)
-    )
-    return out.to(inp.dtype)
+    b = None if bias is None else bias.to(acc)
+    return torch.nn.functional.linear(inp.to(acc), weight.to(acc), b).to(inp.dtype)
 
 
 def hp_linear_backward(grad, inp, weight, main_grad, need_dbias, need_dgrad, need_wgrad,
