@@ -65,9 +65,7 @@ __all__ = [
 # path against another (mock.patch.object / harness.with_setting); users never set them.
 # False: Float8BlockScaling GEMMs emulated even where native ones exist.
 _NATIVE_BLOCK = True
-# True: every per-tensor FP8 GEMM runs as an fp32 GEMM of the exact FP8 values with the scales
-# applied after (same quantisation, no FP8 tensor-core arithmetic), to separate the GEMM's
-# arithmetic from the quantisation in a training run.
+# True: every per-tensor FP8 GEMM runs emulated (``functional.gemm.GEMMS["tensorwise_emulated"]``).
 _EMULATE = False
 # False: LayerNormMLP runs its GEMMs one by one (te::linear twice around the activation)
 # instead of te::mlp (same bytes).
@@ -683,10 +681,9 @@ def grouped_linear(
     """A module's grouped GEMM (``weight`` ``[G, N, K]``) through ``te::grouped_linear`` with
     the autocast state's recipe (high precision outside it), as :func:`linear` runs a dense one
     (``defer``, ``cache`` with the entry ``"weight"``, ``weight_quantized``:
-    ``quantization.primary.grouped_primary``'s). The per-tensor recipes run the wgrad GEMM in
-    FP8 too (``fp8_wgrad``), ``DelayedScaling`` with ``meta``'s scales for all groups;
-    Float8BlockScaling runs natively where the dense GEMMs do and the input is bf16, emulated
-    elsewhere.
+    ``quantization.primary.grouped_primary``'s; native or emulated GEMMs: :func:`gemm_args`).
+    The per-tensor recipes run the wgrad GEMM in FP8 too (``fp8_wgrad``), ``DelayedScaling``
+    with ``meta``'s scales for all groups.
     ``save_original_input``: the backward keeps the input itself (high precision, current
     scaling, the emulated block-scaled recipes); DelayedScaling refuses it (as Transformer
     Engine) and the native Float8BlockScaling GEMMs do not implement it."""
