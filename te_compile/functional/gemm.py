@@ -1,11 +1,9 @@
 r"""What the GEMM op families (``linear``, ``mlp``, ``grouped_linear``) share: the recipe kinds,
 the one table of operand quantisers and the one table of GEMM calls.
 
-A family op takes the quantisation recipe as one spec string per operand role
-(``input_spec``, ``weight_spec``, ``grad_spec``: a ``functional.spec.QuantSpec`` each, with
-the kind, ``""`` for high precision, the FP8 format, block rows, power-of-two scales, NVFP4's
-options and ``emulate``, which multiplies the dequantised operands in fp32 instead of calling
-the scaled GEMM); ``quantization.gemm.recipe_specs`` makes them from the recipe object and
+A family op takes the quantisation recipe as one spec string per operand role (``input_spec``,
+``weight_spec``, ``grad_spec``: a ``functional.spec.QuantSpec`` each, whose docstring lists what
+it holds); ``quantization.gemm.recipe_specs`` makes them from the recipe object and
 :func:`check_specs` checks what joins the roles. Inside, each GEMM operand goes through
 :data:`QUANTIZERS` (keyed by the spec's kind) and each GEMM through :data:`GEMMS` (keyed by
 :func:`gemm_kind`):
@@ -154,8 +152,7 @@ def scale_slots(scale: Tensor | None, recipe: str) -> tuple[Tensor | None, ...]:
     return scale[0:1], scale[1:2], scale[2:3]
 
 
-# The NVFP4 options an operand role takes (the random Hadamard transform of the wgrad GEMM's
-# operands, stochastic rounding of the gradient, row-scaled inputs, 4over6 block scaling).
+# The NVFP4 options an operand role takes (what each is: ``QuantSpec``'s docstring).
 _ROLE_OPTIONS = {"input": ("rht", "row_scaled", "four_over_six"), "weight": ("four_over_six",),
                  "grad": ("rht", "stochastic_rounding")}  # fmt: skip
 _OPTIONS = ("rht", "stochastic_rounding", "row_scaled", "four_over_six", "fast_dgrad", "fast_wgrad")
@@ -378,11 +375,9 @@ def qdq_both(
     if spec.kind == "block":  # 1 x 128 (block_rows=1) or 128 x 128 blocks, fp32 scales
         data, s, data_t, s_t = quantize_blockwise.eager(x, fp8_dtype, rows, spec.power_2_scale,
                                                         columnwise)  # fmt: skip
-        deq = dequantize_blockwise.eager
-        u8 = torch.uint8
-        row = deq(data.view(u8), s, rows, fp8_dtype, f32)
+        row = dequantize_blockwise.eager(data.view(torch.uint8), s, rows, fp8_dtype, f32)
         if columnwise:
-            col_t = deq(data_t.view(u8), s_t, rows, fp8_dtype, f32)
+            col_t = dequantize_blockwise.eager(data_t.view(torch.uint8), s_t, rows, fp8_dtype, f32)
     elif spec.kind == "mxfp8" and rows == 32:  # 32x32 tiles: both copies the same values
         row = mxfp8_qdq_tiles(x, fp8_dtype)
         col_t = row.t().contiguous() if columnwise else None
@@ -410,25 +405,20 @@ def _col_sums(x2: Tensor, sums: bool) -> Tensor | None:
 def _quantize_per_tensor(spec, x2, scale, columnwise, mn_major, sums, rng_state, slot) -> Operand:
     """Current (``scale`` None) or delayed scaling, both copies in one pass (one Triton kernel on
     CUDA, the reference elsewhere); ``slot``: the amax buffer's element (:func:`amax_buffer`)."""
-    if slot is not None:
-        from te_compile.kernels import quantize as kernels
-
-        bits, i = slot
-        if scale is None:
-            cast = kernels.quantize_current(x2, spec.fp8_dtype, columnwise, amax=bits, slot=i)
-        else:
-            cast = kernels.quantize_tensorwise(
-                x2, scale, spec.fp8_dtype, columnwise, amax=bits, slot=i
-            )
-        data, data_t, scale_inv, amax = cast
+    fp8_dtype, (bits, i) = spec.fp8_dtype, slot or (None, 0)  # (the kernels' defaults)
+    if scale is None and slot is None:
+        data, data_t, scale_inv, amax = quantize_current.eager(x2, fp8_dtype, columnwise)
     elif scale is None:
-        data, data_t, scale_inv, amax = quantize_current.eager(x2, spec.fp8_dtype, columnwise)
-    elif x2.is_cuda:  # the cast writes 1 / scale too: no reciprocal kernel in a compiled graph
+        from te_compile.kernels.quantize import quantize_current as cast
+
+        data, data_t, scale_inv, amax = cast(x2, fp8_dtype, columnwise, amax=bits, slot=i)
+    elif slot is not None or x2.is_cuda:
+        # The cast writes 1 / scale too: no reciprocal kernel in a compiled graph.
         from te_compile.kernels.quantize import quantize_tensorwise as cast
 
-        data, data_t, scale_inv, amax = cast(x2, scale, spec.fp8_dtype, columnwise)
+        data, data_t, scale_inv, amax = cast(x2, scale, fp8_dtype, columnwise, amax=bits, slot=i)
     else:
-        data, data_t, amax = quantize_tensorwise.eager(x2, scale, spec.fp8_dtype, columnwise)
+        data, data_t, amax = quantize_tensorwise.eager(x2, scale, fp8_dtype, columnwise)
         scale_inv = reciprocal_rn(scale)
     return Operand(data, scale_inv, data_t, scale_inv, amax, _col_sums(x2, sums))
 
@@ -660,10 +650,8 @@ def hp_linear(inp: Tensor, weight: Tensor, bias: Tensor | None, cuda: bool) -> T
     if cuda:
         return torch.nn.functional.linear(inp, weight, bias)
     acc = acc_dtype(inp)
-    out = torch.nn.functional.linear(
-        inp.to(acc), weight.to(acc), None if bias is None else bias.to(acc)
-    )
-    return out.to(inp.dtype)
+    b = None if bias is None else bias.to(acc)
+    return torch.nn.functional.linear(inp.to(acc), weight.to(acc), b).to(inp.dtype)
 
 
 def hp_linear_backward(grad, inp, weight, main_grad, need_dbias, need_dgrad, need_wgrad,

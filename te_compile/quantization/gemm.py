@@ -65,9 +65,7 @@ __all__ = [
 # path against another (mock.patch.object / harness.with_setting); users never set them.
 # False: Float8BlockScaling GEMMs emulated even where native ones exist.
 _NATIVE_BLOCK = True
-# True: every per-tensor FP8 GEMM runs as an fp32 GEMM of the exact FP8 values with the scales
-# applied after (same quantisation, no FP8 tensor-core arithmetic), to separate the GEMM's
-# arithmetic from the quantisation in a training run.
+# True: every per-tensor FP8 GEMM runs emulated (``functional.gemm.GEMMS["tensorwise_emulated"]``).
 _EMULATE = False
 # False: LayerNormMLP runs its GEMMs one by one (te::linear twice around the activation)
 # instead of te::mlp (same bytes).
@@ -218,8 +216,7 @@ def as_gemm_takes(spec: QuantSpec, weight_q: Sequence[Tensor] | None, kind: str,
     f32, none = torch.float32, s.new_empty(0, dtype=torch.float32)
     w, w_t = dequantized(data, s, spec, f32, amax), dequantized(data_t, s_t, spec, f32, amax)
     if data.dim() == 3:
-        w_t = w_t.transpose(1, 2).to(dtype).contiguous()
-        return [w.to(dtype), none, w_t, none.clone(), none.clone()]
+        w, w_t = w.to(dtype), w_t.transpose(1, 2).to(dtype).contiguous()
     return [w, none, w_t, none.clone(), none.clone()]
 
 
@@ -354,31 +351,23 @@ _QPARAM_OPTIONS = ("power_2_scale", "random_hadamard_transform", "stochastic_rou
                    "fp4_2d_quantization")  # fmt: skip
 
 
-# Per field, what it may not set (the options outside its tuple above, a nonzero amax floor).
-_REFUSED = {
-    name: (*(o for o in _QPARAM_OPTIONS if o not in allowed), "amax_epsilon")
-    for table in (_FP4_QPARAMS, _FP8_QPARAMS)
-    for name, allowed in table.items()
-}
-
-
 def _checked_qparams(recipe: Recipe, fields: dict[str, tuple[str, ...]]) -> list[Any]:
     """``recipe``'s per-operand QParams (``fields``: name -> the options implemented for that
-    operand); an option set where it is not implemented (:data:`_REFUSED`), or a nonzero
+    operand); an option of :data:`_QPARAM_OPTIONS` set where it is not implemented, or a nonzero
     ``amax_epsilon``, raises NotImplementedError naming the field, rather than being ignored."""
     out, owner = [getattr(recipe, name) for name in fields], type(recipe).__name__
     for name, q in zip(fields, out, strict=True):
-        for option in _REFUSED[name]:
-            if not getattr(q, option):
-                continue
-            if option == "amax_epsilon":
-                raise NotImplementedError(
-                    f"{owner}: {name}.amax_epsilon={q.amax_epsilon!r} is not implemented (the "
-                    "GEMMs' quantisers take no amax floor); use 0.0"
-                )
+        refused = [o for o in _QPARAM_OPTIONS if o not in fields[name] and getattr(q, o)]
+        if refused:
             raise NotImplementedError(
-                f"{owner}: {name}.{option}=True is not implemented for this operand (te_compile's "
-                f"{owner} takes {', '.join(f'{n}.{o}' for n, os in fields.items() for o in os)})"
+                f"{owner}: {name}.{refused[0]}=True is not implemented for this operand "
+                f"(te_compile's {owner} takes "
+                f"{', '.join(f'{n}.{o}' for n, os in fields.items() for o in os)})"
+            )
+        if q.amax_epsilon:
+            raise NotImplementedError(
+                f"{owner}: {name}.amax_epsilon={q.amax_epsilon!r} is not implemented (the "
+                "GEMMs' quantisers take no amax floor); use 0.0"
             )
     x, g = out[0], out[2]
     if fields is _FP4_QPARAMS and x.random_hadamard_transform != g.random_hadamard_transform:
@@ -692,10 +681,9 @@ def grouped_linear(
     """A module's grouped GEMM (``weight`` ``[G, N, K]``) through ``te::grouped_linear`` with
     the autocast state's recipe (high precision outside it), as :func:`linear` runs a dense one
     (``defer``, ``cache`` with the entry ``"weight"``, ``weight_quantized``:
-    ``quantization.primary.grouped_primary``'s). The per-tensor recipes run the wgrad GEMM in
-    FP8 too (``fp8_wgrad``), ``DelayedScaling`` with ``meta``'s scales for all groups;
-    Float8BlockScaling runs natively where the dense GEMMs do and the input is bf16, emulated
-    elsewhere.
+    ``quantization.primary.grouped_primary``'s; native or emulated GEMMs: :func:`gemm_args`).
+    The per-tensor recipes run the wgrad GEMM in FP8 too (``fp8_wgrad``), ``DelayedScaling``
+    with ``meta``'s scales for all groups.
     ``save_original_input``: the backward keeps the input itself (high precision, current
     scaling, the emulated block-scaled recipes); DelayedScaling refuses it (as Transformer
     Engine) and the native Float8BlockScaling GEMMs do not implement it."""
