@@ -344,9 +344,8 @@ _kernels = functools.partial(submodule, "activation")  # Triton: imported on fir
 
 
 def _forward(inp: Tensor, bias: Tensor | None, activation: str, config=None) -> Tensor:
-    """Both forward ops' implementations: the checks, then the Triton kernels (CUDA, but not
-    fp64) or the reference math. ``config``: the gated op's ``(glu_interleave_size, limit,
-    alpha, glu_linear_offset)``; None for the element-wise op."""
+    """Both forward ops' implementations (``config`` as :func:`_check_op`'s): the checks, then
+    the Triton kernels (CUDA, but not fp64) or the reference math."""
     _check_op(inp, bias, activation, config)
     if runs_triton(inp):
         return _kernels().activation_forward(inp, bias, activation, *(config or ()))
