@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from itertools import zip_longest
 
 import torch
 import torch.nn.functional as F
@@ -343,9 +344,8 @@ _kernels = functools.partial(submodule, "activation")  # Triton: imported on fir
 
 
 def _forward(inp: Tensor, bias: Tensor | None, activation: str, config=None) -> Tensor:
-    """Both forward ops' implementations: the checks, then the Triton kernels (CUDA, but not
-    fp64) or the reference math. ``config``: the gated op's ``(glu_interleave_size, limit,
-    alpha, glu_linear_offset)``; None for the element-wise op."""
+    """Both forward ops' implementations (``config`` as :func:`_check_op`'s): the checks, then
+    the Triton kernels (CUDA, but not fp64) or the reference math."""
     _check_op(inp, bias, activation, config)
     if runs_triton(inp):
         return _kernels().activation_forward(inp, bias, activation, *(config or ()))
@@ -478,10 +478,8 @@ def activation_forward(
     """``activation(inp + bias)`` by the forward op's implementation for ``inp``'s device
     (element-wise or gated by name), for ops that apply an activation inside their own
     implementation."""
-    if activation in GATED_ACTIVATIONS:
-        config = (glu_interleave_size, limit, alpha, glu_linear_offset)
-        return gated_activation_fwd.eager(inp, bias, activation, *config)
-    return activation_fwd.eager(inp, bias, activation)
+    config = (glu_interleave_size, limit, alpha, glu_linear_offset)
+    return _forward(inp, bias, activation, config if activation in GATED_ACTIVATIONS else None)
 
 
 def activation_backward(
@@ -497,10 +495,9 @@ def activation_backward(
 ) -> tuple[Tensor, Tensor]:
     """``(dinp, dbias)`` of :func:`activation_forward` by the backward op's implementation
     (``dbias`` from the same pass; 0-element unless ``need_dbias`` and a bias)."""
-    if activation in GATED_ACTIVATIONS:
-        config = (glu_interleave_size, limit, alpha, glu_linear_offset)
-        return gated_activation_bwd.eager(grad, inp, bias, activation, *config, need_dbias)
-    return activation_bwd.eager(grad, inp, bias, activation, need_dbias)
+    gated = activation in GATED_ACTIVATIONS
+    config = (glu_interleave_size, limit, alpha, glu_linear_offset) if gated else ()
+    return _backward_impl(grad, inp, bias, activation, *config, need_dbias)
 
 
 # 5. setup_context + autograd ------------------------------------------------------------------
@@ -513,14 +510,9 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, bwd, grad):
-    inp, bias = ctx.saved_tensors
-    need_dinp, need_dbias = ctx.needs_input_grad[:2]
-    dinp, dbias = bwd(grad.contiguous(), inp, bias, *ctx.config, bias is not None and need_dbias)
-    return (
-        dinp if need_dinp else None,
-        dbias if bias is not None and need_dbias else None,
-        *(None for _ in ctx.config),
-    )
+    need = ctx.needs_input_grad  # need[1] (dbias) is False without a bias
+    grads = bwd(grad.contiguous(), *ctx.saved_tensors, *ctx.config, need[1])
+    return tuple(g if n else None for g, n in zip_longest(grads, need))
 
 
 def _activation_samples(device: torch.device):

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import functools
 import math
+from itertools import zip_longest
 
 import torch
 from torch import Tensor
@@ -136,17 +137,19 @@ def _sum_rows(t: Tensor) -> Tensor:
 def layernorm_bwd_ref(
     grad_out: Tensor,
     inp: Tensor,
-    mean: Tensor,
+    mean: Tensor | None,
     rsigma: Tensor,
     weight: Tensor,
     zero_centered_gamma: bool,
     has_bias: bool,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """``(dinp, dweight, dbias)`` (``dbias`` None unless ``has_bias``); fp32 (or fp64) math."""
+    """``(dinp, dweight, dbias)`` (``dbias`` None unless ``has_bias``); fp32 (or fp64) math.
+    ``mean`` None: RMSNorm's backward (no mean, no ``<g>`` term)."""
     acc = acc_dtype(inp)
-    dy, x_hat = grad_out.to(acc), (inp.to(acc) - mean[..., None]) * rsigma[..., None]
+    x = inp.to(acc) if mean is None else inp.to(acc) - mean[..., None]
+    dy, x_hat = grad_out.to(acc), x * rsigma[..., None]
     g = dy * _gamma(weight, zero_centered_gamma, acc)
-    dx = _dx(g, x_hat, rsigma, True, 1.0 / inp.shape[-1])
+    dx = _dx(g, x_hat, rsigma, mean is not None, 1.0 / inp.shape[-1])
     dbias = _sum_rows(dy).to(weight.dtype) if has_bias else None
     return dx.to(inp.dtype), _sum_rows(dy * x_hat).to(weight.dtype), dbias
 
@@ -155,11 +158,7 @@ def rmsnorm_bwd_ref(
     grad_out: Tensor, inp: Tensor, rsigma: Tensor, weight: Tensor, zero_centered_gamma: bool
 ) -> tuple[Tensor, Tensor]:
     """``(dinp, dweight)``; fp32 (or fp64) math."""
-    acc = acc_dtype(inp)
-    dy, x_hat = grad_out.to(acc), inp.to(acc) * rsigma[..., None]
-    g = dy * _gamma(weight, zero_centered_gamma, acc)
-    dx = _dx(g, x_hat, rsigma, False, 1.0 / inp.shape[-1])
-    return dx.to(inp.dtype), _sum_rows(dy * x_hat).to(weight.dtype)
+    return layernorm_bwd_ref(grad_out, inp, None, rsigma, weight, zero_centered_gamma, False)[:2]
 
 
 def l2normalization_bwd_ref(grad_out: Tensor, inp: Tensor, rsigma: Tensor) -> Tensor:
@@ -346,50 +345,33 @@ def _l2normalization_bwd_fake(grad_out, inp, rsigma):
 
 def _layernorm_setup_context(ctx, inputs, output) -> None:
     inp, weight, bias, _eps, zero_centered_gamma = inputs
-    _out, mean, rsigma = output
-    ctx.mark_non_differentiable(mean, rsigma)
-    ctx.save_for_backward(inp, weight, mean, rsigma)
-    ctx.zero_centered_gamma = zero_centered_gamma
-    ctx.has_bias = bias is not None
-
-
-def _layernorm_backward(ctx, bwd, grad_out, _grad_mean, _grad_rsigma):
-    inp, weight, mean, rsigma = ctx.saved_tensors
-    need_dgrad, need_wgrad, need_bgrad = ctx.needs_input_grad[:3]
-    dinp, dweight, dbias = bwd(
-        grad_out.contiguous(), inp, mean, rsigma, weight, ctx.zero_centered_gamma, ctx.has_bias
-    )
-    return (
-        dinp if need_dgrad else None,
-        dweight if need_wgrad else None,
-        dbias if ctx.has_bias and need_bgrad else None,
-        None,
-        None,
-    )
+    _save(ctx, output, inp, weight, zero_centered_gamma, bias is not None)
 
 
 def _rmsnorm_setup_context(ctx, inputs, output) -> None:
     inp, weight, _eps, zero_centered_gamma = inputs
-    ctx.mark_non_differentiable(output[1])
-    ctx.save_for_backward(inp, weight, output[1])
-    ctx.zero_centered_gamma = zero_centered_gamma
-
-
-def _rmsnorm_backward(ctx, bwd, grad_out, _grad_rsigma):
-    inp, weight, rsigma = ctx.saved_tensors
-    dinp, dweight = bwd(grad_out.contiguous(), inp, rsigma, weight, ctx.zero_centered_gamma)
-    need_dgrad, need_wgrad = ctx.needs_input_grad[:2]
-    return dinp if need_dgrad else None, dweight if need_wgrad else None, None, None
+    _save(ctx, output, inp, weight, zero_centered_gamma)
 
 
 def _l2normalization_setup_context(ctx, inputs, output) -> None:
-    ctx.mark_non_differentiable(output[1])
-    ctx.save_for_backward(inputs[0], output[1])
+    _save(ctx, output, inputs[0])
 
 
-def _l2normalization_backward(ctx, bwd, grad_out, _grad_rsigma):
-    inp, rsigma = ctx.saved_tensors
-    return bwd(grad_out.contiguous(), inp, rsigma), None
+def _save(ctx, output, inp, *rest) -> None:
+    """Keeps the backward op's arguments after ``grad_out``: ``inp``, the statistics (the
+    forward's outputs after ``out``, not differentiable), then ``rest`` (``weight``, saved, and
+    the flags)."""
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.save_for_backward(inp, *output[1:], *rest[:1])
+    ctx.flags = rest[1:]
+
+
+def _backward(ctx, bwd, grad_out, *_grad_stats):
+    """The backward op's ``(dinp, dweight, dbias)`` (as far as the norm has them) for the
+    forward's inputs that need a gradient; None for the rest."""
+    grads = bwd(grad_out.contiguous(), *ctx.saved_tensors, *ctx.flags)
+    grads = (grads,) if isinstance(grads, Tensor) else grads
+    return tuple(g if need else None for g, need in zip_longest(grads, ctx.needs_input_grad))
 
 
 def _layernorm_samples(device: torch.device):
@@ -421,7 +403,7 @@ _layernorm = differentiable(
     layernorm_fwd,
     layernorm_bwd,
     setup_context=_layernorm_setup_context,
-    backward=_layernorm_backward,
+    backward=_backward,
     sample_inputs=_layernorm_samples,
     reference=layernorm_ref,
 )
@@ -429,7 +411,7 @@ _rmsnorm = differentiable(
     rmsnorm_fwd,
     rmsnorm_bwd,
     setup_context=_rmsnorm_setup_context,
-    backward=_rmsnorm_backward,
+    backward=_backward,
     sample_inputs=rmsnorm_samples,
     reference=rmsnorm_ref,
 )
@@ -437,7 +419,7 @@ _l2normalization = differentiable(
     l2normalization_fwd,
     l2normalization_bwd,
     setup_context=_l2normalization_setup_context,
-    backward=_l2normalization_backward,
+    backward=_backward,
     sample_inputs=_l2normalization_samples,
     reference=l2normalization_ref,
 )

@@ -361,8 +361,7 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, bwd, grad):
-    freqs, cu_seqlens = ctx.saved_tensors
-    return bwd(grad, freqs, cu_seqlens, *ctx.config), None, None, None, None, None, None
+    return bwd(grad, *ctx.saved_tensors, *ctx.config), None, None, None, None, None, None
 
 
 def _samples(device: torch.device):
@@ -415,12 +414,10 @@ def apply_rotary_pos_emb(
 ) -> Tensor:
     """Rotary position embeddings applied to ``t`` (Transformer Engine's
     ``apply_rotary_pos_emb``, its arguments in its order; the module docstring gives the math and
-    the layouts, ``docs/ops.md`` the rest). ``t``: ``[s, b, h, d]`` (``"sbhd"``), ``[b, s, h, d]``
-    (``"bshd"``) or ``[t, h, d]`` (``"thd"``, packed sequences delimited by ``cu_seqlens``);
-    ``freqs``: ``[s2, 1, 1, d2]``, the first ``d2`` channels of each head are rotated.
-    ``fused=True`` (the default here, not in TE): ``te::rotary_fwd``; ``fused=False``: the same
-    math in plain torch ops (autograd differentiates ``freqs`` too). ``start_positions`` must be
-    None (KV-cache offsets are not implemented)."""
+    the layouts, ``docs/ops.md`` the rest). ``fused=True`` (the default here, not in TE):
+    ``te::rotary_fwd``; ``fused=False``: the same math in plain torch ops (autograd
+    differentiates ``freqs`` too). ``start_positions`` must be None (KV-cache offsets are not
+    implemented)."""
     if start_positions is not None:
         raise ValueError(
             _PREFIX + "start_positions must be None: per-sequence position offsets (inference "

@@ -497,20 +497,16 @@ def _capture(
         torch.cuda.synchronize()
         states.restore(flags=not done)
         torch.cuda.set_rng_state(rng)
-    if schedule.interleaved:  # one graphed forward per pass; the modules keep their forward
-        return [
-            graphed_forward(c, c.training, make_replay(g)) if isinstance(c, nn.Module)
-            else make_replay(g)
-            for c, g in ((callables[of[p]], g) for p, g in enumerate(graphs))
-        ]  # fmt: skip
     out = []
-    for c, g in zip(callables, graphs, strict=True):
-        replay = make_replay(g)
-        if isinstance(c, nn.Module):
+    for p, g in enumerate(graphs):
+        c, replay = callables[of[p]], make_replay(g)
+        if not isinstance(c, nn.Module):
+            out.append(replay)
+        elif schedule.interleaved:  # one graphed forward per pass; the modules keep their forward
+            out.append(graphed_forward(c, c.training, replay))
+        else:
             c.forward = graphed_forward(c, c.training, replay)
             out.append(c)
-        else:
-            out.append(replay)
     return out
 
 
