@@ -68,8 +68,7 @@ def qdq(
         y, _ = nvfp4_qdq(rows, columnwise=False, four_over_six=four_over_six)
         return y.to(x.dtype).view(x.shape)
     if kind == "nvfp4" and row_splits is not None:
-        tiles = block_rows == 16
-        return nvfp4_qdq_row_groups(src.contiguous(), row_splits, tiles).to(x.dtype)
+        return nvfp4_qdq_row_groups(src.contiguous(), row_splits, block_rows == 16).to(x.dtype)
     # The kinds but "block" take 1 block row here (NVFP4's 16x16 tiles only with row_splits).
     rows = block_rows if kind == "block" else 1
     q = _q.quantize(src.contiguous(), kind, fp8_dtype=fp8_dtype, block_rows=rows,
@@ -150,15 +149,6 @@ def _check(inp: Tensor, spec: str, grad_spec: str, row_splits=None) -> None:
         )
 
 
-def _assert_splits_cover(row_splits: Tensor | None, x: Tensor) -> None:
-    """The groups must cover the rows exactly: asserted on the device (no host sync)."""
-    if row_splits is None:
-        return
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    ok = (row_splits.sum() == rows) & (row_splits >= 0).all()
-    torch._assert_async(ok, "te.fake_quantize: row_splits must be >= 0 and sum to the row count")
-
-
 # 2. Forward op / 3. fake ----------------------------------------------------------------------
 
 
@@ -169,7 +159,12 @@ def fake_quantize_fwd(
     """``dequantize(quantize(inp))``: the quantisation ops for the device (Triton on CUDA;
     NVFP4 in row groups: torch ops)."""
     _check(inp, spec, grad_spec, row_splits)
-    _assert_splits_cover(row_splits, inp)
+    if row_splits is not None:  # the groups must cover the rows: asserted on the device (no sync)
+        rows = inp.numel() // inp.shape[-1] if inp.shape[-1] else 0
+        ok = (row_splits.sum() == rows) & (row_splits >= 0).all()
+        torch._assert_async(
+            ok, "te.fake_quantize: row_splits must be >= 0 and sum to the row count"
+        )
     return _qdq_spec(inp, spec, row_splits)
 
 

@@ -233,13 +233,20 @@ def _four_over_six_errors(xb, amax, g, err_mode: str) -> tuple[Tensor, Tensor, T
     """``(err4, err6, cand4, cand6)``: each block's sum of ``|q - x|`` (``"MAE"``) or
     ``(q - x)^2`` (``"MSE"``) over its 16 values for the map-to-4 and map-to-6 candidates
     (:func:`_nvfp4_candidate`, ``q`` dequantised), and the candidates."""
-    cand4 = _nvfp4_candidate(xb, amax, g, True, None)
-    cand6 = _nvfp4_candidate(xb, amax, g, False, None)
-    errs = []
-    for codes, scale in (cand4, cand6):
-        diff = _block_values(_e2m1_values(codes), scale, g) - xb
-        errs.append((diff.abs() if err_mode == "MAE" else diff * diff).sum(-1))
-    return errs[0], errs[1], cand4, cand6
+    cands = [_nvfp4_candidate(xb, amax, g, four, None) for four in (True, False)]
+    diffs = [_block_values(_e2m1_values(codes), scale, g) - xb for codes, scale in cands]
+    return *((d.abs() if err_mode == "MAE" else d * d).sum(-1) for d in diffs), *cands
+
+
+def _nvfp4_blocks(x2: Tensor, g: Tensor, tiles: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``(xb, amax, g)``: the fp32 blocks ``[M, nb, 16]`` of ``x2`` ``[M, K]``, their amaxes
+    ``[M, nb]`` (with ``tiles``, each block's 16x16 tile's) and ``g`` broadcast to them."""
+    xb = _blocks(x2, NVFP4_BLOCK)
+    if tiles:
+        amax = spread_blocks(_tile_amax(x2, NVFP4_BLOCK), 0, x2.shape[0], NVFP4_BLOCK)
+    else:
+        amax = xb.abs().amax(-1)
+    return xb, amax, g.expand(amax.shape) if g.dim() == 2 else g
 
 
 def _nvfp4_rows(
@@ -253,10 +260,7 @@ def _nvfp4_rows(
     strictly lower, else 6), or its tile's choice in ``pick`` (bool ``[ceil(M/16),
     ceil(K/16)]``, True: map to 4) when given; ``u``: uniforms ``[M, K]`` for stochastic
     rounding (:func:`_e2m1_codes`)."""
-    xb = _blocks(x2, NVFP4_BLOCK)
-    amax = _tile_amaxes(x2) if tiles else xb.abs().amax(-1)
-    if g.dim() == 2:
-        g = g.expand(amax.shape)
+    xb, amax, g = _nvfp4_blocks(x2, g, tiles)
     if not err_mode and pick is None:
         ub = None if u is None else _blocks(u, NVFP4_BLOCK)
         codes, scale = _nvfp4_candidate(xb, amax, g, False, ub)
@@ -264,8 +268,7 @@ def _nvfp4_rows(
         err4, err6, (c4, s4), (c6, s6) = _four_over_six_errors(xb, amax, g, err_mode or "MAE")
         pick = err4 < err6 if pick is None else spread_blocks(pick, 0, x2.shape[0], NVFP4_BLOCK)
         codes = torch.where(pick[..., None], c4, c6)
-        scale = torch.where(pick, s4.view(torch.uint8), s6.view(torch.uint8))
-        scale = scale.view(torch.float8_e4m3fn)
+        scale = torch.where(pick, s4.view(torch.uint8), s6.view(torch.uint8)).view(s4.dtype)
     codes = _unblock(codes, x2.shape[1])
     return codes[:, 0::2] | (codes[:, 1::2] << 4), scale
 
@@ -274,13 +277,8 @@ def _tile_pick(x2: Tensor, g: Tensor, err_mode: str) -> Tensor:
     """4over6 with 16x16 tiles: bool ``[ceil(M/16), ceil(K/16)]``, True where the tile maps to
     4, from the tile's summed error (one choice per tile, so that the rowwise and columnwise
     copies stay the same quantised values)."""
-    m = x2.shape[0]
-    xb = _blocks(x2, NVFP4_BLOCK)
-    amax = _tile_amaxes(x2)
-    if g.dim() == 2:
-        g = g.expand(amax.shape)
-    err4, err6, _, _ = _four_over_six_errors(xb, amax, g, err_mode)
-    pad = -m % NVFP4_BLOCK
+    err4, err6, _, _ = _four_over_six_errors(*_nvfp4_blocks(x2, g, True), err_mode)
+    pad = -x2.shape[0] % NVFP4_BLOCK
 
     def tiles(e: Tensor) -> Tensor:
         e = F.pad(e, (0, 0, 0, pad))
@@ -366,14 +364,10 @@ def nvfp4_weight_values(elements: Tensor, scale: Tensor, g: Tensor) -> Tensor:
 
 
 def nvfp4_qdq_row_groups(x: Tensor, row_splits: Tensor, tiles: bool = False) -> Tensor:
-    """NVFP4 quantised and dequantised (fp32) in blocks along the rows of ``x`` ``[..., K]``, every
-    group of consecutive rows (``row_splits[i]`` rows, flattening the leading dims; they must
-    sum to the row count) with the global scale of its own amax: what quantising each group as
-    its own tensor gives (Transformer Engine's grouped NVFP4 quantisation of a mixture of
-    experts' tokens or weights), in one pass of torch ops on any device with no host sync
-    (:func:`nvfp4_qdq`'s ``row_splits``; a group holding a NaN gets ``g = 1``, as a tensor
-    does). ``K`` must be even. ``tiles``: one block scale per 16x16 tile (groups of a multiple
-    of 16 rows, so that no tile straddles two)."""
+    """The rowwise copy of :func:`nvfp4_qdq` with ``row_splits`` (its groups of rows, the
+    leading dims of ``x`` ``[..., K]`` flattened, each quantised as a tensor of its own: a group
+    holding a NaN gets ``g = 1``) and ``tiles`` (groups of a multiple of 16 rows), in ``x``'s
+    shape."""
     row, _ = nvfp4_qdq(_rows(x), columnwise=False, tiles=tiles, row_splits=row_splits)
     return row.view(x.shape)
 
@@ -417,11 +411,6 @@ def _tile_amax(x2: Tensor, tile: int) -> Tensor:
     m, k = x2.shape
     padded = F.pad(x2.float().abs(), (0, -k % tile, 0, -m % tile))
     return padded.view(-(-m // tile), tile, -(-k // tile), tile).amax((1, 3))
-
-
-def _tile_amaxes(x2: Tensor) -> Tensor:
-    """Each row block's amax ``[M, ceil(K/16)]`` taken over its 16x16 tile (zero-padded)."""
-    return spread_blocks(_tile_amax(x2, NVFP4_BLOCK), 0, x2.shape[0], NVFP4_BLOCK)
 
 
 def parse_four_over_six(spec: str) -> tuple[str, float]:
@@ -518,11 +507,7 @@ def nvfp4_qdq(
     if rht:
         xt = random_hadamard_transform(xt)
     if ids is not None:  # one scale per block of 16 tokens: its group's
-        if rht:
-            col_amax = xt.abs().amax(0) if k else xt.new_zeros(m)
-            g_col = _group_scales(col_amax, ids, groups, e4m3_max)[ids]
-        else:
-            g_col = g[:, 0]
+        g_col = _group_scales(_row_amax(xt.t()), ids, groups, e4m3_max)[ids] if rht else g[:, 0]
         g_t = g_col[::NVFP4_BLOCK][None, :]
     elif rht:
         g_t = nvfp4_global_scale(tensor_amax(xt), e4m3_max)
