@@ -301,11 +301,7 @@ def _plan(a: _Args) -> attention_cuda.Plan | None:
 
 def _broadcasts(t: Tensor, b: int, h: int, sq: int, skv: int) -> bool:
     return (
-        t.dim() == 4
-        and t.shape[0] in (1, b)
-        and t.shape[1] in (1, h)
-        and t.shape[2] == sq
-        and t.shape[3] == skv
+        t.dim() == 4 and t.shape[0] in (1, b) and t.shape[1] in (1, h) and t.shape[2:] == (sq, skv)
     )
 
 

@@ -242,10 +242,8 @@ def fake_quantize(
     grad_spec: str | QuantSpec = "",
     row_splits: Tensor | None = None,
 ) -> Tensor:
-    """``inp`` quantised and dequantised as ``spec`` says (a ``functional.spec.QuantSpec`` or
-    its string; see the module docstring); the gradient straight through (``grad_spec=""``) or
-    quantised and dequantised with ``grad_spec``; ``row_splits``: groups of rows quantised as
-    separate tensors."""
+    """``inp`` quantised and dequantised as ``spec`` (a ``functional.spec.QuantSpec`` or its
+    string) says, its gradient as ``grad_spec`` says: the module docstring."""
     p = "te.fake_quantize"
     check_tensor(p, "inp", inp, floating=False, min_dim=0)
     if row_splits is not None:
