@@ -397,14 +397,6 @@ def random_hadamard_transform(x2: Tensor) -> Tensor:
     return v.reshape(r, c) * 0.25
 
 
-def _uniforms(rng_state: Tensor, numel: int) -> Tensor:
-    """The first ``numel`` words of the stream ``rng_state`` as fp32 uniforms in [0, 1) (their
-    top 24 bits: exact in fp32)."""
-    from te_compile.functional.dropout_ops import random_words
-
-    return (random_words(rng_state, numel) >> 8).to(torch.float32) * 2.0**-24
-
-
 def _tile_amax(x2: Tensor, tile: int) -> Tensor:
     """The amax ``[ceil(M/tile), ceil(K/tile)]`` of every ``tile x tile`` tile of ``x2`` (fp32,
     zero-padded)."""
@@ -482,8 +474,10 @@ def nvfp4_qdq(
     x = x2.float()
     err_mode, e4m3_max = parse_four_over_six(four_over_six)
     u_row = u_col = None
-    if rng_state is not None:
-        u = _uniforms(rng_state, (2 if columnwise else 1) * m * k)
+    if rng_state is not None:  # fp32 uniforms in [0, 1): the words' top 24 bits (exact in fp32)
+        from te_compile.functional.dropout_ops import random_words
+
+        u = (random_words(rng_state, (2 if columnwise else 1) * m * k) >> 8).float() * 2.0**-24
         u_row = u[: m * k].view(m, k)
         u_col = u[m * k :].view(k, m) if columnwise else None
     ids = groups = None
