@@ -631,10 +631,8 @@ def primary_main_grad(module: nn.Module, name: str) -> Tensor | None:
     weight-sized; for a weight sharded by FSDP2 (whose unsharded Parameter FSDP2 makes at each
     all-gather), this rank's shard of it (the local shard's shape), kept for the module."""
     main_grad = getattr(getattr(module, name), "main_grad", None)
-    if main_grad is None:
-        sink = module.__dict__.get(_SHARDED_MAIN_GRADS, {}).get(name)
-        main_grad = None if sink is None else sink.grad
-    return main_grad
+    sink = module.__dict__.get(_SHARDED_MAIN_GRADS, {}).get(name)
+    return main_grad if main_grad is not None or sink is None else sink.grad
 
 
 _MASTERS = "_fp8_masters"  # on the main_grad tensors FP8MasterWeights made (taken_main_grad)

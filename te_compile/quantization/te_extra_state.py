@@ -203,11 +203,10 @@ def _flat(state: dict) -> dict:
 def _load_delayed(mod, state, state_dict, prefix, key, spec: _Spec) -> None:
     recipe = state.get("recipe")  # TE 1.x saved none: it had only delayed scaling
     name = "DelayedScaling" if recipe is None else getattr(recipe, "te_name", repr(recipe))
-    present = [k for k in _DELAYED_KEYS if k in state]
-    if not present:
+    missing = sorted(k for k in _DELAYED_KEYS if k not in state)
+    if len(missing) == len(_DELAYED_KEYS):
         return  # a stateless recipe (older TE pickled its name): nothing to take
-    if len(present) < len(_DELAYED_KEYS):
-        missing = sorted(set(_DELAYED_KEYS) - set(present))
+    if missing:
         raise ValueError(f"{key}: the delayed-scaling state lacks {missing}")
     if name != "DelayedScaling":
         raise ValueError(f"{key}: delayed-scaling tensors under a {name} recipe")
