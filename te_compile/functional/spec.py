@@ -114,6 +114,24 @@ def _names(*names: str) -> dict[str, str]:
     return {name: name for name in names}
 
 
+def _encode(spec: Any) -> str:
+    tokens = []
+    for name, default, meta in _FIELDS[type(spec)]:
+        value = getattr(spec, name)
+        if value == default:
+            continue
+        if "flag" in meta:
+            tokens.append(meta["flag"])
+        elif "choices" in meta:
+            tokens.append(meta["tokens"][value])
+        else:
+            # f"{}": a float's repr, and what dynamo traces for a float it made symbolic (a
+            # SymFloat under dynamic=True; repr() of one is a graph break).
+            text = value if isinstance(value, str) else f"{value}"
+            tokens.append(f"{meta['value']}={text.replace(':', '/')}")
+    return ":".join(tokens)
+
+
 @dataclasses.dataclass(frozen=True)
 class QuantSpec:
     """How one GEMM operand is quantised. ``kind``: ``""`` (high precision), ``"current"``,
@@ -166,9 +184,7 @@ class NormSpec:
     zero_centered_gamma: bool = _flag("zero_centered")
     bias: bool = _flag("bias")
 
-    @_cached
-    def encode(self) -> str:
-        return _encode(self)
+    encode = _cached(_encode)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,9 +203,7 @@ class EpilogueSpec:
     scale: float = _value(1.0, "scale")
     branch: bool = _flag("branch")
 
-    @_cached
-    def encode(self) -> str:
-        return _encode(self)
+    encode = _cached(_encode)
 
     @property
     def params(self) -> tuple[int, float, float, float]:
@@ -211,27 +225,7 @@ class BackwardSpec:
     fp8_wgrad: bool = _flag("fp8_wgrad")
     overwrite_main_grad: bool = _flag("overwrite")
 
-    @_cached
-    def encode(self) -> str:
-        return _encode(self)
-
-
-def _encode(spec: Any) -> str:
-    tokens = []
-    for name, default, meta in _FIELDS[type(spec)]:
-        value = getattr(spec, name)
-        if value == default:
-            continue
-        if "flag" in meta:
-            tokens.append(meta["flag"])
-        elif "choices" in meta:
-            tokens.append(meta["tokens"][value])
-        else:
-            # f"{}": a float's repr, and what dynamo traces for a float it made symbolic (a
-            # SymFloat under dynamic=True; repr() of one is a graph break).
-            text = value if isinstance(value, str) else f"{value}"
-            tokens.append(f"{meta['value']}={text.replace(':', '/')}")
-    return ":".join(tokens)
+    encode = _cached(_encode)
 
 
 def _bad(cls: type, name: str, text: str, why: str) -> ValueError:

@@ -131,9 +131,11 @@ _SUFFIXES = ("", "_scale_inv", "_t", "_scale_inv_t", "_amax")
 _METHODS = ("copy_", "get_high_precision_init_val", "clear_high_precision_init_val")  # (set below)
 
 
-def _kept(spec: QuantSpec) -> tuple[int, ...]:
+def _kept(values: Tensor, spec: QuantSpec) -> dict[str, Tensor]:
+    """The tensors of :func:`_cast` that are kept, by suffix (the codes: ``""``)."""
+    tensors = _cast(values, spec)
     transposable = spec.kind == "current" or spec.block_rows in (128, 16)  # (16: NVFP4 tiles)
-    return (0, 1, 4) if transposable else (0, 1, 2, 3, 4)
+    return {_SUFFIXES[i]: tensors[i] for i in ((0, 1, 4) if transposable else range(5))}
 
 
 def _spec(module: nn.Module, name: str) -> QuantSpec:
@@ -162,8 +164,8 @@ def make_primary(module: nn.Module, names: tuple[str, ...], owner: str) -> None:
     spec = _weight_spec(state.recipe, owner)
     for name in names:
         hp = getattr(module, name)
-        tensors = _cast(hp.detach(), spec)
-        param = nn.Parameter(tensors[0], requires_grad=hp.requires_grad)
+        tensors = _kept(hp.detach(), spec)
+        param = nn.Parameter(tensors.pop(""), requires_grad=hp.requires_grad)
         for attr, value in vars(hp).items():  # tensor-parallel attributes and the like
             setattr(param, attr, value)
         if state.preserve:
@@ -171,8 +173,8 @@ def make_primary(module: nn.Module, names: tuple[str, ...], owner: str) -> None:
         setattr(module, name, param)
         module.__dict__.setdefault(_INIT_DTYPES, {})[name] = hp.dtype
         _add_methods(module, name)
-        for i in _kept(spec)[1:]:
-            module.register_buffer(name + _SUFFIXES[i], tensors[i])
+        for suffix, tensor in tensors.items():
+            module.register_buffer(name + suffix, tensor)
         module.__dict__.setdefault(_SPECS, {})[name] = spec
         _stamp(module, name)
     _LAST_RECIPES[module] = state.recipe
@@ -213,10 +215,8 @@ def _quantize_loaded_weights(module, state_dict, prefix, *args) -> None:
             continue
         if type(param.data) is not Tensor:  # a DTensor shard (FSDP2): distributed checkpointing
             continue
-        spec = _spec(module, name)
-        tensors = _cast(value.to(param.device), spec)
-        for i in _kept(spec):
-            state_dict[prefix + name + _SUFFIXES[i]] = tensors[i]
+        for suffix, tensor in _kept(value.to(param.device), _spec(module, name)).items():
+            state_dict[prefix + name + suffix] = tensor
 
 
 def _stamp(module: nn.Module, name: str) -> None:
@@ -403,9 +403,8 @@ def high_precision_init(module: nn.Module, names: tuple[str, ...]) -> Iterator[N
 @torch.no_grad()
 def _set(module: nn.Module, name: str, values: Tensor) -> None:
     """Quantise ``values`` into FP8 weight ``name``'s codes and buffers (as it was made)."""
-    tensors = _cast(values, _spec(module, name))
-    for i in _kept(_spec(module, name)):
-        getattr(module, name + _SUFFIXES[i]).copy_(tensors[i])
+    for suffix, tensor in _kept(values, _spec(module, name)).items():
+        getattr(module, name + suffix).copy_(tensor)
     _stamp(module, name)
 
 
@@ -632,10 +631,8 @@ def primary_main_grad(module: nn.Module, name: str) -> Tensor | None:
     weight-sized; for a weight sharded by FSDP2 (whose unsharded Parameter FSDP2 makes at each
     all-gather), this rank's shard of it (the local shard's shape), kept for the module."""
     main_grad = getattr(getattr(module, name), "main_grad", None)
-    if main_grad is None:
-        sink = module.__dict__.get(_SHARDED_MAIN_GRADS, {}).get(name)
-        main_grad = None if sink is None else sink.grad
-    return main_grad
+    sink = module.__dict__.get(_SHARDED_MAIN_GRADS, {}).get(name)
+    return main_grad if main_grad is not None or sink is None else sink.grad
 
 
 _MASTERS = "_fp8_masters"  # on the main_grad tensors FP8MasterWeights made (taken_main_grad)

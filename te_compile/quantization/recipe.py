@@ -96,21 +96,10 @@ class Format(enum.Enum):
     def __repr__(self) -> str:
         return f"Format.{self.name}"
 
-    @property
-    def max_fwd(self) -> float:
-        return self.value.max_fwd
-
-    @property
-    def max_bwd(self) -> float:
-        return self.value.max_bwd
-
-    @property
-    def fwd_dtype(self) -> torch.dtype:
-        return self.value.dtype_fwd
-
-    @property
-    def bwd_dtype(self) -> torch.dtype:
-        return self.value.dtype_bwd
+    max_fwd = property(lambda self: self.value.max_fwd)
+    max_bwd = property(lambda self: self.value.max_bwd)
+    fwd_dtype = property(lambda self: self.value.dtype_fwd)
+    bwd_dtype = property(lambda self: self.value.dtype_bwd)
 
 
 _T = TypeVar("_T", bound=type)
@@ -138,13 +127,8 @@ def _check_field_types(obj: Any) -> None:
         value = getattr(obj, name)
         if name in callables and callable(value):
             continue
-        if expected is float:
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        elif expected is int:
-            ok = isinstance(value, int) and not isinstance(value, bool)
-        else:
-            ok = isinstance(value, expected)
-        if not ok:
+        ok = isinstance(value, (int, float) if expected is float else expected)
+        if not ok or (expected in (int, float) and isinstance(value, bool)):
             raise ValueError(
                 f"{type(obj).__name__}: {name} must be of type {expected.__name__}, got {value!r}"
             )

@@ -30,7 +30,6 @@ from te_compile.quantization.fp8_gemm import MAX_AMAX_HISTORY
 
 __all__ = ["TERecipeRecord", "accept_te_extra_state", "decode_te_extra_state"]
 
-_EXTRA = "_extra_state"
 _TE_RECIPE_MODULE = "transformer_engine.common.recipe"
 # TE's recipe module names a pickled recipe may reference (classes, the Format enum and the
 # named tuples of its fields). CustomRecipe is absent: its factory is a callable.
@@ -52,10 +51,7 @@ class TERecipeRecord:
     def __new__(cls, *args: object) -> TERecipeRecord:
         obj = super().__new__(cls)
         obj.args, obj.fields = args, {}
-        return obj
-
-    def __init__(self, *args: object) -> None:  # an enum member is rebuilt by a call
-        pass
+        return obj  # (also for a call, which rebuilds an enum member: object.__init__ takes args)
 
     def __setstate__(self, state: object) -> None:
         if isinstance(state, tuple) and len(state) == 2:  # (dict, slots)
@@ -165,7 +161,7 @@ def accept_te_extra_state(
 
 
 def _load_hook(mod, state_dict, prefix, _meta, _strict, _missing, _unexpected, error_msgs):
-    key = prefix + _EXTRA
+    key = prefix + "_extra_state"
     if key not in state_dict:
         return
     spec: _Spec = mod._te_extra_state
@@ -207,11 +203,10 @@ def _flat(state: dict) -> dict:
 def _load_delayed(mod, state, state_dict, prefix, key, spec: _Spec) -> None:
     recipe = state.get("recipe")  # TE 1.x saved none: it had only delayed scaling
     name = "DelayedScaling" if recipe is None else getattr(recipe, "te_name", repr(recipe))
-    present = [k for k in _DELAYED_KEYS if k in state]
-    if not present:
+    missing = sorted(k for k in _DELAYED_KEYS if k not in state)
+    if len(missing) == len(_DELAYED_KEYS):
         return  # a stateless recipe (older TE pickled its name): nothing to take
-    if len(present) < len(_DELAYED_KEYS):
-        missing = sorted(set(_DELAYED_KEYS) - set(present))
+    if missing:
         raise ValueError(f"{key}: the delayed-scaling state lacks {missing}")
     if name != "DelayedScaling":
         raise ValueError(f"{key}: delayed-scaling tensors under a {name} recipe")
@@ -277,8 +272,8 @@ def _te_to_ours(
     history = torch.zeros(MAX_AMAX_HISTORY, 3)
     pending = torch.zeros(3)
     for col, (seq, idx) in enumerate(((fwd, inp), (fwd, weight), (bwd, grad))):
-        amax = seq[:, idx].amax(1) if len(seq) else seq.new_zeros(0)
-        if len(amax):
+        if len(seq):
+            amax = seq[:, idx].amax(1)
             pending[col] = amax[0]
             rest = amax[1 : 1 + MAX_AMAX_HISTORY]
             history[: len(rest), col] = rest
