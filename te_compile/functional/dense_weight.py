@@ -97,13 +97,11 @@ def check_weight_operand(
     check_weight_quantized(owner, lead + "weight_q", tensors)
     if not recipe:
         raise ValueError(p + "a pre-quantised weight needs a quantised recipe (recipe is '')")
-    maker = "quantize_weight"
+    maker = "quantize_weight" if shapes is None else "quantize_grouped_weight"
     if shapes is None:
         *lead, n, k = weight.shape
         per_weight = _weight_shapes(recipe, n, k, block_rows, emulate)
         shapes = [((*lead, *shape), dtype) for shape, dtype in per_weight]
-    else:
-        maker = "quantize_grouped_weight"
     for name, t, (want, dtype) in zip(WEIGHT_OPERAND, tensors, shapes, strict=True):
         codes = dtype is torch.uint8 and t.dtype in FP8_DTYPES
         if tuple(t.shape) != tuple(want) or not (t.dtype is dtype or codes):

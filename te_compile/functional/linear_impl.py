@@ -5,8 +5,7 @@
 ``functional.gemm.QUANTIZERS``, calls the recipe's GEMM (``functional.gemm.GEMMS``) and the
 epilogue, and returns the tensors the backward needs; ``backward_impl`` runs the epilogue's and
 the prologue's backward around the dgrad and wgrad GEMMs (``_quantized_backward`` for a quantised
-recipe). ``cuda`` selects cuBLAS in the input dtype; on the CPU (the definition of correctness)
-high precision is fp32 math rounded once.
+recipe). ``cuda``: the device's numerics (``linear_ops.py``'s "Numerics").
 """
 
 from __future__ import annotations
@@ -43,8 +42,7 @@ from te_compile.functional.spec import QuantSpec
 
 def forward_impl(a: LinearArgs, cuda: bool) -> tuple[Tensor, Tensor, list[Tensor]]:
     check_linear(a)
-    inp, weight, bias = a.inp, a.weight, a.bias
-    ep = a.ep
+    inp, weight, bias, ep = a.inp, a.weight, a.bias, a.ep
     dtype, n = inp.dtype, weight.shape[0]
     branch = inp.clone(memory_format=torch.contiguous_format) if ep.branch else empty(inp)
     if a.plain:  # te.Linear in high precision: the hot path
@@ -91,9 +89,8 @@ def forward_impl(a: LinearArgs, cuda: bool) -> tuple[Tensor, Tensor, list[Tensor
             saved = [_dequantized(xs, xq, m, dtype), _dequantized(ws, wq, n, dtype)]
         else:
             if bw.save_input:  # the input itself is saved instead of its copy
-                f32 = torch.float32
                 x_slots = [x2.new_empty(0, dtype=fp8_bytes(wq.data_t).dtype),
-                           x2.new_empty(0, dtype=f32)]  # fmt: skip
+                           x2.new_empty(0, dtype=torch.float32)]  # fmt: skip
             else:
                 x_slots = [fp8_bytes(xq.data_t), xq.scale_t]
             # A pre-quantised weight's copies are inputs: setup_context saves them.
@@ -140,7 +137,6 @@ def backward_impl(grad, grad_branch, saved, inp, weight, bias, main_grad, scale,
     # GEMM output before the activation (with one), then the norm's statistics.
     act, i = bool(ep.activation), 4 if c.recipe else int(bool(normalization))
     copies = saved[:4] if c.recipe else []
-    x_hp = saved[0] if not c.recipe and normalization else None
     h, stats = saved[i] if act else None, saved[i + act :]
     if copies and c.need_wgrad and copies[0].numel() == 0 and inp is not None and inp.numel():
         # save_input: the input's quantised transposed copy, made again here.
@@ -167,7 +163,7 @@ def backward_impl(grad, grad_branch, saved, inp, weight, bias, main_grad, scale,
     fused_branch = b2 is not None and not c.recipe and not normalization
     dinp, dweight = None, empty(grad)
     if not c.recipe:
-        x2 = x_hp if x_hp is not None else inp.reshape(-1, inp.shape[-1])
+        x2 = saved[0] if normalization else inp.reshape(-1, inp.shape[-1])
         cast = (lambda t: t) if acc is None else (lambda t: t.to(acc))
         if c.need_dgrad:
             w = cast(weight)

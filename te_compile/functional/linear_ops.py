@@ -195,8 +195,7 @@ def _linear_fwd_cuda(*args):
 def _linear_fwd_fake(*args):
     a = LinearArgs(*args)
     check_linear(a)
-    inp, weight = a.inp, a.weight
-    ep = a.ep
+    inp, weight, ep = a.inp, a.weight, a.ep
     n, k = weight.shape
     rows = inp.numel() // k if k else 0
     out = inp.new_empty((*inp.shape[:-1], out_features(n, ep.activation)))

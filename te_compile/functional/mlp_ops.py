@@ -522,9 +522,8 @@ def mlp(
     an input, its gradient as a gradient; ``limit`` / ``alpha`` / ``glu_linear_offset`` are
     ``clamped_swiglu``'s. ``return_amax=True`` also returns ``[amax(X), amax(fc1_weight),
     amax(h), amax(fc2_weight)]`` (per-tensor recipes; 0-element otherwise)."""
-    for name, q in (("fc1_weight_quantized", fc1_weight_quantized),
-                    ("fc2_weight_quantized", fc2_weight_quantized)):  # fmt: skip
-        check_weight_quantized("te.mlp", name, q)
+    check_weight_quantized("te.mlp", "fc1_weight_quantized", fc1_weight_quantized)
+    check_weight_quantized("te.mlp", "fc2_weight_quantized", fc2_weight_quantized)
     check_bool("te.mlp", return_amax=return_amax)
     check_gemm_tensors("te.mlp", inp, fc1_weight, fc1_bias, main_grad1, _GEMM_NAMES[0])
     check_gemm_tensors("te.mlp", inp, fc2_weight, fc2_bias, main_grad2, _GEMM_NAMES[1])
