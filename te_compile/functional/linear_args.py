@@ -69,13 +69,7 @@ class LinearArgs(NamedTuple):
     @property
     def plain(self) -> bool:
         """High precision without a prologue or an epilogue: ``te.Linear``'s hot path."""
-        return not (
-            self.input_spec or self.weight_spec or self.grad_spec or self.norm or self.epilogue
-            or self.backward or self.scale is not None or self.grad_amax is not None
-            or self.rng_state is not None or self.norm_weight is not None
-            or self.norm_bias is not None or self.residual is not None
-            or self.weight_q is not None or self.wgrad_stash is not None
-        )  # fmt: skip
+        return at_defaults(self[4:])
 
     @property
     def nrm(self) -> Norm:
@@ -91,7 +85,22 @@ def out_features(n: int, activation: str) -> int:
     return n // 2 if activation in GATED_ACTIVATIONS else n
 
 
-# Checks, shared by the implementations (eager) and the fakes (trace time) ---------------------
+def at_defaults(args) -> bool:
+    """Whether each argument is at its default: an empty string, or None."""
+    return not any(a if isinstance(a, str) else a is not None for a in args)
+
+
+def check_main_grad(p: str, g: Tensor | None, w: Tensor, names=("main_grad", "weight")) -> None:
+    if g is not None and (g.dtype is not torch.float32 or g.shape != w.shape):
+        raise ValueError(
+            p + f"{names[0]} must be float32 with {names[1]}'s shape {list(w.shape)}, "
+            f"got {g.dtype} {list(g.shape)}"
+        )
+
+
+def check_fp8_input(p: str, inp: Tensor) -> None:
+    if inp.dtype not in HIGH_DTYPES:
+        raise ValueError(p + f"FP8 recipes take float32/bfloat16/float16 inputs, got {inp.dtype}")
 
 
 def check_linear_tensors(
@@ -126,13 +135,7 @@ def check_linear_tensors(
         raise ValueError(
             f"te.linear: bias.dtype ({bias.dtype}) must equal weight.dtype ({weight.dtype})"
         )
-    if main_grad is not None and (
-        main_grad.dtype is not torch.float32 or main_grad.shape != weight.shape
-    ):
-        raise ValueError(
-            f"te.linear: main_grad must be float32 with weight's shape {list(weight.shape)}, "
-            f"got {main_grad.dtype} {list(main_grad.shape)}"
-        )
+    check_main_grad("te.linear: ", main_grad, weight)
 
 
 def check_linear(a: LinearArgs) -> None:
@@ -169,10 +172,7 @@ def check_linear(a: LinearArgs) -> None:
         )
     n, k = weight.shape
     if recipe:
-        if inp.dtype not in HIGH_DTYPES:
-            raise ValueError(
-                p + f"FP8 recipes take float32/bfloat16/float16 inputs, got {inp.dtype}"
-            )
+        check_fp8_input(p, inp)
         m = inp.numel() // k if k else 0
         check_gemm_dims(p, recipe, w, m, in_features=k, out_features=n)
     if bw.fp8_wgrad:
