@@ -20,7 +20,7 @@ from te_compile.functional.gemm import (
 )
 from te_compile.functional.grouped_gemm import GroupedRecipe, grouped_gemm_kind
 from te_compile.functional.grouped_weight import check_grouped_weight_operand
-from te_compile.functional.linear_args import at_defaults, check_fp8_input, check_main_grad
+from te_compile.functional.linear_args import check_fp8_input, check_main_grad
 from te_compile.functional.spec import BackwardSpec, QuantSpec, parse, parse_roles
 
 __all__ = ["GroupedLinearArgs", "appends_amaxes", "check_grouped_linear", "make_grouped_recipe"]
@@ -117,7 +117,10 @@ def check_grouped_linear(a: GroupedLinearArgs) -> None:
         raise ValueError(p + f"bias.dtype ({bias.dtype}) must equal inp.dtype ({inp.dtype})")
     check_main_grad(p, a.main_grad, weight)
     DeferredWgrad.check_stash(p, a.wgrad_stash, (inp.shape[0], weight.shape[1]), inp)
-    if at_defaults(a[5:-1]):  # the specs, scales, backward and weight_q: none given
+    if not (
+        a.input_spec or a.weight_spec or a.grad_spec or a.backward or a.scale is not None
+        or a.grad_amax is not None or a.rng_state is not None or a.weight_q is not None
+    ):  # fmt: skip
         return  # high precision: the hot path
     x, w, g = a.specs
     bw = a.bw

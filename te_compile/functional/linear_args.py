@@ -69,7 +69,13 @@ class LinearArgs(NamedTuple):
     @property
     def plain(self) -> bool:
         """High precision without a prologue or an epilogue: ``te.Linear``'s hot path."""
-        return at_defaults(self[4:])
+        return not (
+            self.input_spec or self.weight_spec or self.grad_spec or self.norm or self.epilogue
+            or self.backward or self.scale is not None or self.grad_amax is not None
+            or self.rng_state is not None or self.norm_weight is not None
+            or self.norm_bias is not None or self.residual is not None
+            or self.weight_q is not None or self.wgrad_stash is not None
+        )  # fmt: skip
 
     @property
     def nrm(self) -> Norm:
@@ -83,11 +89,6 @@ NORM_WEIGHT, RESIDUAL = (LinearArgs._fields.index(n) for n in ("norm_weight", "r
 
 def out_features(n: int, activation: str) -> int:
     return n // 2 if activation in GATED_ACTIVATIONS else n
-
-
-def at_defaults(args) -> bool:
-    """Whether each argument is at its default: an empty string, or None."""
-    return not any(a if isinstance(a, str) else a is not None for a in args)
 
 
 def check_main_grad(p: str, g: Tensor | None, w: Tensor, names=("main_grad", "weight")) -> None:
