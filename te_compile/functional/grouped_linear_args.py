@@ -13,7 +13,6 @@ from torch import Tensor
 from te_compile._checks import FLOAT_DTYPES, INDEX_DTYPES
 from te_compile.functional.gemm import (
     BLOCK_KINDS,
-    HIGH_DTYPES,
     PER_TENSOR,
     DeferredWgrad,
     blockwise_supported,
@@ -21,6 +20,7 @@ from te_compile.functional.gemm import (
 )
 from te_compile.functional.grouped_gemm import GroupedRecipe, grouped_gemm_kind
 from te_compile.functional.grouped_weight import check_grouped_weight_operand
+from te_compile.functional.linear_args import check_fp8_input, check_main_grad
 from te_compile.functional.spec import BackwardSpec, QuantSpec, parse, parse_roles
 
 __all__ = ["GroupedLinearArgs", "appends_amaxes", "check_grouped_linear", "make_grouped_recipe"]
@@ -73,15 +73,9 @@ def appends_amaxes(recipe: str, grad_amax: Tensor | None) -> bool:
     return recipe == "delayed" or (recipe == "current" and grad_amax is not None)
 
 
-# Checks, shared by the implementations (eager) and the fake (trace time) ---------------------
-
-
-def _check_args(
-    inp: Tensor, m_splits: Tensor, weight: Tensor, bias: Tensor | None, main_grad: Tensor | None
-) -> None:
-    """The tensors (the hot path: plain tests, each raising the ValueError naming its argument,
-    in eager and under compile)."""
+def check_grouped_linear(a: GroupedLinearArgs) -> None:
     p = "te.grouped_linear: "
+    inp, m_splits, weight, bias = a[:4]
     if inp.ndim != 2:
         raise ValueError(
             p + f"inp must be 2-D [sum(m_splits), in_features], got shape {list(inp.shape)}"
@@ -121,25 +115,13 @@ def _check_args(
         )
     if bias is not None and bias.dtype != inp.dtype:
         raise ValueError(p + f"bias.dtype ({bias.dtype}) must equal inp.dtype ({inp.dtype})")
-    if main_grad is not None and (
-        main_grad.dtype is not torch.float32 or main_grad.shape != weight.shape
-    ):
-        raise ValueError(
-            p + f"main_grad must be float32 with weight's shape {list(weight.shape)}, got "
-            f"{main_grad.dtype} {list(main_grad.shape)}"
-        )
-
-
-def check_grouped_linear(a: GroupedLinearArgs) -> None:
-    _check_args(a.inp, a.m_splits, a.weight, a.bias, a.main_grad)
-    shape = (a.inp.shape[0], a.weight.shape[1])
-    DeferredWgrad.check_stash("te.grouped_linear: ", a.wgrad_stash, shape, a.inp)
+    check_main_grad(p, a.main_grad, weight)
+    DeferredWgrad.check_stash(p, a.wgrad_stash, (inp.shape[0], weight.shape[1]), inp)
     if not (
         a.input_spec or a.weight_spec or a.grad_spec or a.backward or a.scale is not None
         or a.grad_amax is not None or a.rng_state is not None or a.weight_q is not None
     ):  # fmt: skip
         return  # high precision: the hot path
-    p = "te.grouped_linear: "
     x, w, g = a.specs
     bw = a.bw
     recipe = check_specs(p, {"input_spec": x, "weight_spec": w, "grad_spec": g}, a.scale,
@@ -192,9 +174,7 @@ def check_grouped_linear(a: GroupedLinearArgs) -> None:
         )
     if not recipe:
         return
-    if a.inp.dtype not in HIGH_DTYPES:
-        raise ValueError(p + f"FP8 recipes take float32/bfloat16/float16 inputs, got "
-                         f"{a.inp.dtype}")  # fmt: skip
+    check_fp8_input(p, a.inp)
     _, n, k = a.weight.shape
     multiple = BLOCK_KINDS.get(recipe, 16)
     if n % multiple or k % multiple:

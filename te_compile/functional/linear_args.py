@@ -91,7 +91,17 @@ def out_features(n: int, activation: str) -> int:
     return n // 2 if activation in GATED_ACTIVATIONS else n
 
 
-# Checks, shared by the implementations (eager) and the fakes (trace time) ---------------------
+def check_main_grad(p: str, g: Tensor | None, w: Tensor, names=("main_grad", "weight")) -> None:
+    if g is not None and (g.dtype is not torch.float32 or g.shape != w.shape):
+        raise ValueError(
+            p + f"{names[0]} must be float32 with {names[1]}'s shape {list(w.shape)}, "
+            f"got {g.dtype} {list(g.shape)}"
+        )
+
+
+def check_fp8_input(p: str, inp: Tensor) -> None:
+    if inp.dtype not in HIGH_DTYPES:
+        raise ValueError(p + f"FP8 recipes take float32/bfloat16/float16 inputs, got {inp.dtype}")
 
 
 def check_linear_tensors(
@@ -126,13 +136,7 @@ def check_linear_tensors(
         raise ValueError(
             f"te.linear: bias.dtype ({bias.dtype}) must equal weight.dtype ({weight.dtype})"
         )
-    if main_grad is not None and (
-        main_grad.dtype is not torch.float32 or main_grad.shape != weight.shape
-    ):
-        raise ValueError(
-            f"te.linear: main_grad must be float32 with weight's shape {list(weight.shape)}, "
-            f"got {main_grad.dtype} {list(main_grad.shape)}"
-        )
+    check_main_grad("te.linear: ", main_grad, weight)
 
 
 def check_linear(a: LinearArgs) -> None:
@@ -169,10 +173,7 @@ def check_linear(a: LinearArgs) -> None:
         )
     n, k = weight.shape
     if recipe:
-        if inp.dtype not in HIGH_DTYPES:
-            raise ValueError(
-                p + f"FP8 recipes take float32/bfloat16/float16 inputs, got {inp.dtype}"
-            )
+        check_fp8_input(p, inp)
         m = inp.numel() // k if k else 0
         check_gemm_dims(p, recipe, w, m, in_features=k, out_features=n)
     if bw.fp8_wgrad:

@@ -13,6 +13,7 @@ from te_compile._checks import HIGH_DTYPES, check_choice
 from te_compile.functional.activation import ACTIVATIONS, GATED_ACTIVATIONS, check_gated_params
 from te_compile.functional.dense_weight import check_weight_operand, fp8_weight_for_checks
 from te_compile.functional.gemm import check_gemm_dims, check_specs
+from te_compile.functional.linear_args import check_main_grad
 from te_compile.functional.prologue import Norm, check_norm
 from te_compile.functional.spec import EpilogueSpec, NormSpec, QuantSpec, parse, parse_roles
 
@@ -61,8 +62,6 @@ class MLPArgs(NamedTuple):
 
 
 NORM_WEIGHT = MLPArgs._fields.index("norm_weight")
-
-# Checks -----------------------------------------------------------------------------------------
 
 
 def check_mlp(a: MLPArgs) -> None:
@@ -119,7 +118,5 @@ def check_mlp(a: MLPArgs) -> None:
                            (2, w2, a.fc2_bias, a.fc2_weight_q, a.main_grad2)):  # fmt: skip
         if b is not None and (b.shape != wt.shape[:1] or b.dtype != inp.dtype):
             raise ValueError(p + f"fc{i}_bias must be [{wt.shape[0]}] of dtype {inp.dtype}")
-        if g is not None and (g.dtype is not torch.float32 or g.shape != wt.shape):
-            raise ValueError(p + f"main_grad{i} must be float32 with fc{i}_weight's shape "
-                             f"{list(wt.shape)}, got {g.dtype} {list(g.shape)}")  # fmt: skip
+        check_main_grad(p, g, wt, (f"main_grad{i}", f"fc{i}_weight"))
         check_weight_operand(p + f"fc{i}_", recipe, wt, w.block_rows, w.emulate, q)
