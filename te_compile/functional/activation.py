@@ -541,21 +541,15 @@ def _gated_samples(device: torch.device):
     yield SampleInput((t(4, 24, dtype=bf16), None, "situglu", 0, 4.0, 25.0, 0.0))
 
 
-_activation = differentiable(
-    activation_fwd,
-    activation_bwd,
-    setup_context=_setup_context,
-    backward=_backward,
-    sample_inputs=_activation_samples,
-    reference=activation_ref,
-)
-_gated_activation = differentiable(
-    gated_activation_fwd,
-    gated_activation_bwd,
-    setup_context=_setup_context,
-    backward=_backward,
-    sample_inputs=_gated_samples,
-    reference=gated_activation_ref,
+# One op pair per family: forward, backward, sample inputs, reference.
+_activation, _gated_activation = (
+    differentiable(
+        f, b, setup_context=_setup_context, backward=_backward, sample_inputs=s, reference=r
+    )
+    for f, b, s, r in (
+        (activation_fwd, activation_bwd, _activation_samples, activation_ref),
+        (gated_activation_fwd, gated_activation_bwd, _gated_samples, gated_activation_ref),
+    )
 )
 
 

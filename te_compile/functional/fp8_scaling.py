@@ -56,6 +56,7 @@ __all__ = [
 
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 FP32_MAX = torch.finfo(torch.float32).max  # an overflowing scale's value
+_OWNER = "te.delayed_scaling_update"
 
 
 def scale_copy(scale: Tensor) -> Tensor:
@@ -103,10 +104,8 @@ def _limit_runs(fp8_max: list[float]) -> tuple[float, float, int] | None:
 
 
 def _check(amax_history, scale, amax, fp8_max, margin, amax_compute_algo, amax_tail) -> None:
-    p = "te.delayed_scaling_update: "
-    check_choice(
-        "te.delayed_scaling_update", "amax_compute_algo", amax_compute_algo, AMAX_COMPUTE_ALGOS
-    )
+    p = f"{_OWNER}: "
+    check_choice(_OWNER, "amax_compute_algo", amax_compute_algo, AMAX_COMPUTE_ALGOS)
     if margin < 0 or margin is True:
         raise ValueError(p + f"margin must be an int >= 0, got {margin!r}")
     slots = scale.shape[0] if scale.ndim == 1 else -1
@@ -212,14 +211,13 @@ def delayed_scaling_update(
 ) -> Tensor:
     """``te::delayed_scaling_update`` with its arguments' types checked by name first (the op's
     schema parser would refuse a wrong type with a RuntimeError, and turn ``True`` into 1)."""
-    p = "te.delayed_scaling_update"
     for name, t in (("amax_history", amax_history), ("scale", scale), ("amax", amax)):
-        check_tensor(p, name, t, min_dim=0)
+        check_tensor(_OWNER, name, t, min_dim=0)
     if amax_tail is not None:
-        check_tensor(p, "amax_tail", amax_tail, min_dim=0)
-    check_int(p, 0, margin=margin)
+        check_tensor(_OWNER, "amax_tail", amax_tail, min_dim=0)
+    check_int(_OWNER, 0, margin=margin)
     if not isinstance(amax_compute_algo, str):
-        raise TypeError(f"{p}: amax_compute_algo must be a str, got {amax_compute_algo!r}")
+        raise TypeError(f"{_OWNER}: amax_compute_algo must be a str, got {amax_compute_algo!r}")
     return delayed_scaling_update_op(
         amax_history, scale, amax, fp8_max, margin, amax_compute_algo, amax_tail
     )

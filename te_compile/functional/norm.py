@@ -399,29 +399,20 @@ def _l2normalization_samples(device: torch.device):
     yield SampleInput((t(7, 33, dtype=torch.float16), 1e-3))
 
 
-_layernorm = differentiable(
-    layernorm_fwd,
-    layernorm_bwd,
-    setup_context=_layernorm_setup_context,
-    backward=_backward,
-    sample_inputs=_layernorm_samples,
-    reference=layernorm_ref,
-)
-_rmsnorm = differentiable(
-    rmsnorm_fwd,
-    rmsnorm_bwd,
-    setup_context=_rmsnorm_setup_context,
-    backward=_backward,
-    sample_inputs=rmsnorm_samples,
-    reference=rmsnorm_ref,
-)
-_l2normalization = differentiable(
-    l2normalization_fwd,
-    l2normalization_bwd,
-    setup_context=_l2normalization_setup_context,
-    backward=_backward,
-    sample_inputs=_l2normalization_samples,
-    reference=l2normalization_ref,
+# One op pair per norm: forward, backward, setup_context, sample inputs, reference.
+_layernorm, _rmsnorm, _l2normalization = (
+    differentiable(f, b, setup_context=c, backward=_backward, sample_inputs=s, reference=r)
+    for f, b, c, s, r in (
+        (layernorm_fwd, layernorm_bwd, _layernorm_setup_context, _layernorm_samples, layernorm_ref),
+        (rmsnorm_fwd, rmsnorm_bwd, _rmsnorm_setup_context, rmsnorm_samples, rmsnorm_ref),
+        (
+            l2normalization_fwd,
+            l2normalization_bwd,
+            _l2normalization_setup_context,
+            _l2normalization_samples,
+            l2normalization_ref,
+        ),
+    )
 )
 
 

@@ -188,7 +188,7 @@ def _block_cast(
 ) -> tuple[Tensor, Tensor]:
     """fp32 ``[M, K]`` in ``block_rows x 128`` blocks: ``(q [M, K], scale_inv [Mb, Kb])``."""
     m, k = x2.shape
-    mb, kb = -(-m // block_rows), -(-k // BLOCK)
+    mb, kb = _scale_shape(m, k, block_rows)
     # Zero padding to whole blocks: it never raises a block's amax.
     blocks = F.pad(x2, (0, kb * BLOCK - k, 0, mb * block_rows - m))
     blocks = blocks.view(mb, block_rows, kb, BLOCK)
