@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from te_compile._numerics import div_rn, reciprocal_rn
-from te_compile.functional.gemm import HIGH_DTYPES, empty, quantize_operand, scale_slots
+from te_compile.functional.gemm import HIGH_DTYPES, empty, gemm, quantize_operand, scale_slots
 from te_compile.functional.grouped_gemm import (
     bwd_loop,
     device_splits,
@@ -107,10 +107,10 @@ def _gemm_loop(
     bq, sb = as_e4m3(bq, sb)
     out = torch.empty(aq.shape[0], bq.shape[1], dtype=dtype, device=aq.device)
     for g, rows in group_rows(splits):
-        acc = (aq[rows].float() @ bq[g].float().t()) * (sa[rows, None] * sb[g])
-        if bias is not None:
-            acc = acc + bias[g].float()
-        out[rows] = acc.to(dtype)
+        b = None if bias is None else bias[g]
+        out[rows] = gemm(
+            "tensorwise_emulated", aq[rows], sa[rows, None], bq[g], sb[g], dtype, bias=b
+        )
     return out
 
 
