@@ -51,6 +51,7 @@ from te_compile.functional.grouped_gemm import (
     host_splits,
     row_bias,
 )
+from te_compile.functional.quantize_mx_ref import tensor_amax
 from te_compile.functional.spec import QuantSpec
 from te_compile.kernels import e5m2_to_e4m3_table
 
@@ -283,13 +284,8 @@ def _quantize(
         spec = QuantSpec("delayed", fp8_dtype)
         q = quantize_operand(spec, x.reshape(-1, x.shape[-1]), scale=scale, columnwise=False)
         return q.data.view(x.shape), q.scale.expand(x.shape[:-1]).contiguous(), q.amax
-    amax = _amax(x).reshape(1) if measure else x.new_empty(0, dtype=torch.float32)
+    amax = tensor_amax(x).reshape(1) if measure else x.new_empty(0, dtype=torch.float32)
     return (*quantize_rowwise(x, fp8_dtype, e4m3_codes=e4m3_codes), amax)
-
-
-def _amax(x: Tensor) -> Tensor:
-    """``max |x|`` as a 0-dim fp32 tensor (0 for an empty ``x``, NaN if it holds one)."""
-    return x.abs().amax().float() if x.numel() else x.new_zeros((), dtype=torch.float32)
 
 
 def per_tensor_weight(
