@@ -42,7 +42,15 @@ import torch
 from torch import Tensor
 
 from te_compile._numerics import div_rn, reciprocal_rn
-from te_compile.functional.gemm import HIGH_DTYPES, empty, gemm, quantize_operand, scale_slots
+from te_compile.functional.gemm import (
+    HIGH_DTYPES,
+    amax_buffer,
+    empty,
+    gemm,
+    grad_amax_slots,
+    quantize_operand,
+    scale_slots,
+)
 from te_compile.functional.grouped_gemm import (
     bwd_loop,
     device_splits,
@@ -325,18 +333,13 @@ def per_tensor_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
     fwd_dtype = r.fwd_dtype
     # Delayed scaling, both casts by the kernel: one [2] amax buffer they fold into (no cat).
     shared = s_x is not None and weight_q is None and _kernel_cast(inp) and _kernel_cast(weight)
-    buf = None
-    if shared:
-        from te_compile.kernels.quantize import amax_bits
-
-        buf = amax_bits(inp.device, 2)
+    buf, (x_slot, w_slot) = amax_buffer(r.recipe, inp, 2, shared)
     if weight_q is None:
-        w_slot = (buf, 1) if shared else None
         wq, ws, wq_t, ws_t, w_amax = per_tensor_weight(weight, fwd_dtype, s_w, measure, w_slot)
     else:  # pre-quantised (uint8 codes); its dgrad copy is the caller's to save
         wq, ws, wq_t, ws_t, w_amax = weight_q
         wq, wq_t = wq.view(fwd_dtype), wq_t.view(fwd_dtype)
-    xq, xs, x_amax = _quantize(inp, fwd_dtype, s_x, measure, slot=(buf, 0) if shared else None)
+    xq, xs, x_amax = _quantize(inp, fwd_dtype, s_x, measure, slot=x_slot)
     amaxes = [buf] if shared else [torch.cat([x_amax, w_amax])] if x_amax.numel() else []
     dsplits = device_splits(m_splits, inp) if native else None
     if native:
@@ -368,11 +371,7 @@ def per_tensor_backward(grad_out, saved, inp, m_splits, weight, main_grad, r, ha
         measure = r.grad_amax is not None
         # Delayed scaling by the kernel: amax(dY) folded into grad_amax itself, zeroed first.
         fold = measure and s_g is not None and _kernel_cast(grad_out)
-        if fold:
-            from te_compile.kernels.quantize import zero_amaxes
-
-            zero_amaxes(r.grad_amax)
-        slot = (r.grad_amax, 0) if fold else None
+        (slot,) = grad_amax_slots(r.recipe if fold else "", grad_out, r.grad_amax)
         gq, gs, g_amax = _quantize(grad_out, bwd_dtype, s_g, measure, e4m3_codes=True, slot=slot)
         if measure and not fold:
             r.grad_amax.copy_(g_amax)
