@@ -42,7 +42,15 @@ import torch
 from torch import Tensor
 
 from te_compile._numerics import div_rn, reciprocal_rn
-from te_compile.functional.gemm import HIGH_DTYPES, empty, quantize_operand, scale_slots
+from te_compile.functional.gemm import (
+    HIGH_DTYPES,
+    amax_buffer,
+    empty,
+    gemm,
+    grad_amax_slots,
+    quantize_operand,
+    scale_slots,
+)
 from te_compile.functional.grouped_gemm import (
     bwd_loop,
     device_splits,
@@ -51,6 +59,7 @@ from te_compile.functional.grouped_gemm import (
     host_splits,
     row_bias,
 )
+from te_compile.functional.quantize_mx_ref import tensor_amax
 from te_compile.functional.spec import QuantSpec
 from te_compile.kernels import e5m2_to_e4m3_table
 
@@ -107,10 +116,10 @@ def _gemm_loop(
     bq, sb = as_e4m3(bq, sb)
     out = torch.empty(aq.shape[0], bq.shape[1], dtype=dtype, device=aq.device)
     for g, rows in group_rows(splits):
-        acc = (aq[rows].float() @ bq[g].float().t()) * (sa[rows, None] * sb[g])
-        if bias is not None:
-            acc = acc + bias[g].float()
-        out[rows] = acc.to(dtype)
+        b = None if bias is None else bias[g]
+        out[rows] = gemm(
+            "tensorwise_emulated", aq[rows], sa[rows, None], bq[g], sb[g], dtype, bias=b
+        )
     return out
 
 
@@ -283,13 +292,8 @@ def _quantize(
         spec = QuantSpec("delayed", fp8_dtype)
         q = quantize_operand(spec, x.reshape(-1, x.shape[-1]), scale=scale, columnwise=False)
         return q.data.view(x.shape), q.scale.expand(x.shape[:-1]).contiguous(), q.amax
-    amax = _amax(x).reshape(1) if measure else x.new_empty(0, dtype=torch.float32)
+    amax = tensor_amax(x).reshape(1) if measure else x.new_empty(0, dtype=torch.float32)
     return (*quantize_rowwise(x, fp8_dtype, e4m3_codes=e4m3_codes), amax)
-
-
-def _amax(x: Tensor) -> Tensor:
-    """``max |x|`` as a 0-dim fp32 tensor (0 for an empty ``x``, NaN if it holds one)."""
-    return x.abs().amax().float() if x.numel() else x.new_zeros((), dtype=torch.float32)
 
 
 def per_tensor_weight(
@@ -329,18 +333,13 @@ def per_tensor_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
     fwd_dtype = r.fwd_dtype
     # Delayed scaling, both casts by the kernel: one [2] amax buffer they fold into (no cat).
     shared = s_x is not None and weight_q is None and _kernel_cast(inp) and _kernel_cast(weight)
-    buf = None
-    if shared:
-        from te_compile.kernels.quantize import amax_bits
-
-        buf = amax_bits(inp.device, 2)
+    buf, (x_slot, w_slot) = amax_buffer(r.recipe, inp, 2, shared)
     if weight_q is None:
-        w_slot = (buf, 1) if shared else None
         wq, ws, wq_t, ws_t, w_amax = per_tensor_weight(weight, fwd_dtype, s_w, measure, w_slot)
     else:  # pre-quantised (uint8 codes); its dgrad copy is the caller's to save
         wq, ws, wq_t, ws_t, w_amax = weight_q
         wq, wq_t = wq.view(fwd_dtype), wq_t.view(fwd_dtype)
-    xq, xs, x_amax = _quantize(inp, fwd_dtype, s_x, measure, slot=(buf, 0) if shared else None)
+    xq, xs, x_amax = _quantize(inp, fwd_dtype, s_x, measure, slot=x_slot)
     amaxes = [buf] if shared else [torch.cat([x_amax, w_amax])] if x_amax.numel() else []
     dsplits = device_splits(m_splits, inp) if native else None
     if native:
@@ -372,11 +371,7 @@ def per_tensor_backward(grad_out, saved, inp, m_splits, weight, main_grad, r, ha
         measure = r.grad_amax is not None
         # Delayed scaling by the kernel: amax(dY) folded into grad_amax itself, zeroed first.
         fold = measure and s_g is not None and _kernel_cast(grad_out)
-        if fold:
-            from te_compile.kernels.quantize import zero_amaxes
-
-            zero_amaxes(r.grad_amax)
-        slot = (r.grad_amax, 0) if fold else None
+        (slot,) = grad_amax_slots(r.recipe if fold else "", grad_out, r.grad_amax)
         gq, gs, g_amax = _quantize(grad_out, bwd_dtype, s_g, measure, e4m3_codes=True, slot=slot)
         if measure and not fold:
             r.grad_amax.copy_(g_amax)

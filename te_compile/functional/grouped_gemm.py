@@ -278,16 +278,14 @@ def _padded(x: Tensor, m_splits: Tensor):
     return splits, firsts, starts, width, out
 
 
-def _quantize_block(x: Tensor, power_2_scale: bool, block_rows: int = 1, out_t=None):
-    """``(data, scale_inv, data_t, scale_inv_t)`` of ``x`` in E4M3 (one pass), the transposed
-    copy into ``out_t`` when given."""
+def _quantize_block(x: Tensor, power_2_scale: bool, out_t):
+    """``(data, scale_inv, data_t, scale_inv_t)`` of ``x`` in 1x128 E4M3 blocks (one pass), the
+    transposed copy written into ``out_t`` (weights: ``functional.gemm.quantize_operand``)."""
     if x.is_cuda:
         from te_compile.kernels.quantize import quantize_blockwise as kernel
 
-        return kernel(x, _E4M3, block_rows, power_2_scale, True, out_t=out_t)
-    data, s, data_t, s_t = quantize_blockwise.eager(x, _E4M3, block_rows, power_2_scale, True)
-    if out_t is None:
-        return data, s, data_t, s_t
+        return kernel(x, _E4M3, 1, power_2_scale, True, out_t=out_t)
+    data, s, data_t, s_t = quantize_blockwise.eager(x, _E4M3, 1, power_2_scale, True)
     out_t[0].copy_(data_t.view(out_t[0].dtype))
     out_t[1].copy_(s_t)
     return data, s, out_t[0].view(_E4M3), out_t[1]
@@ -316,8 +314,9 @@ def blockwise_weight(
     weight: Tensor, power_2_scale: bool, weight_block_rows: int
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``weight`` ``[G, N, K]`` pre-quantised for the native blockwise GEMMs: every expert's
-    :func:`_quantize_block` (the forward's cast) stacked, E4M3 codes as uint8."""
-    parts = [_quantize_block(w_g, power_2_scale, weight_block_rows) for w_g in weight]
+    ``functional.gemm.quantize_operand`` (the forward's cast) stacked, E4M3 codes as uint8."""
+    spec = QuantSpec("block", _E4M3, weight_block_rows, power_2_scale)
+    parts = [quantize_operand(spec, w_g)[:4] for w_g in weight]
     data, s, data_t, s_t = (torch.stack(list(t)) for t in zip(*parts, strict=True))
     return data.view(torch.uint8), s, data_t.view(torch.uint8), s_t
 
@@ -336,12 +335,13 @@ def blockwise_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
     cap = _capacity(rows, groups)
     x_t = inp.new_empty(k * cap, dtype=torch.uint8)
     x_s = inp.new_empty(k * cap // 128, dtype=torch.float32)
-    xd, xs, _, _ = _quantize_block(x, power_2_scale, 1, _transposed_views(x_t, x_s, width, k))
+    xd, xs, _, _ = _quantize_block(x, power_2_scale, _transposed_views(x_t, x_s, width, k))
     out = inp.new_empty(rows, n)
     w_t, w_s = [], []
+    spec = QuantSpec("block", _E4M3, weight_block_rows, power_2_scale)  # the weight's
     for g, (m, row, pos) in enumerate(zip(splits, firsts, starts, strict=True)):
         if weight_q is None:
-            wd, ws, wd_t, ws_t = _quantize_block(weight[g], power_2_scale, weight_block_rows)
+            wd, ws, wd_t, ws_t = quantize_operand(spec, weight[g])[:4]
             w_t.append(wd_t.view(torch.uint8))
             w_s.append(ws_t)
         else:
@@ -372,7 +372,7 @@ def blockwise_backward(grad_out, saved, inp, m_splits, weight, main_grad, r, has
     codes = grad_out.new_empty(n * width, dtype=torch.uint8)
     scales = grad_out.new_empty(n * width // 128, dtype=torch.float32)
     gd, gs, gd_t, gs_t = _quantize_block(
-        dy, power_2_scale, 1, _transposed_views(codes, scales, width, n)
+        dy, power_2_scale, _transposed_views(codes, scales, width, n)
     )
     xd_t, xs_t = _transposed_views(x_t, x_s, width, k)
     xd_t = xd_t.view(_E4M3)

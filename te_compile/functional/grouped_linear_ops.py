@@ -48,7 +48,6 @@ from te_compile._library import HOST_SPLITS, differentiable, op
 from te_compile._numerics import acc_dtype
 from te_compile.functional.dense_weight import check_weight_quantized
 from te_compile.functional.dropout_ops import new_rng_state
-from te_compile.functional.fake_quantize_ops import qdq
 from te_compile.functional.gemm import (
     BACKWARD_OVERRIDES,
     PER_TENSOR,
@@ -56,6 +55,7 @@ from te_compile.functional.gemm import (
     check_gemm_tensors,
     check_overwrite,
     empty,
+    qdq_both,
     quantize_per_tensor,
     save_for_backward_except_written,
     scale_slots,
@@ -156,12 +156,12 @@ def _ref_quant(t: Tensor, r: GroupedRecipe, role: int, columns: bool, rows: int 
     fp8_dtype = r.bwd_dtype if role == 2 else r.fwd_dtype
     if r.recipe in PER_TENSOR:
         return _fake_quant(t, fp8_dtype, 0 if columns else -1, scale_slots(r.scale, r.recipe)[role])
-    p2 = r.recipe == "block" and r.power_2_scale
+    spec = QuantSpec(r.recipe, fp8_dtype, rows, r.recipe == "block" and r.power_2_scale)
     if not columns:
-        return qdq(t, r.recipe, fp8_dtype, rows, p2)
+        return qdq_both(t, spec, columnwise=False)[0].to(t.dtype)
     m = t.shape[0]
     padded_t = torch.nn.functional.pad(t.t(), (0, -m % (32 if r.recipe == "mxfp8" else 128)))
-    return qdq(padded_t, r.recipe, fp8_dtype, 1, p2)[:, :m].t()
+    return qdq_both(padded_t, spec, columnwise=False)[0].to(t.dtype)[:, :m].t()
 
 
 def _ref_copies(x: Tensor, w: Tensor, splits: list[int], r: GroupedRecipe) -> tuple[Tensor, ...]:
