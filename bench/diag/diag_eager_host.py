@@ -15,6 +15,14 @@ a small shape, so that the GPU stays idle and only the host shows.
 On CPU the kernels are the reference math (FP8 GEMMs emulated), so a tiny shape (8 x 64) keeps
 their share small and the Python above them (modules, ``quantization.gemm``, the family
 functions, ``_library``'s eager path: the same code as on CUDA) shows in the profile.
+
+``--cuda-paths`` (CPU only) runs the CUDA code paths instead, in a child process importing a
+copy of ``te_compile`` whose CUDA checks accept the CPU (``bench.diag.diag_launches``'s
+patches), with every Triton launch a no-op and ``torch._scaled_mm`` an empty output: the host
+cost of the CUDA eager path's Python on a machine without a GPU (the launches themselves and
+cuBLAS's entry are not in it; bf16 still runs its CPU GEMM).
+
+    python -m bench.diag.diag_eager_host --device cpu --cuda-paths --timer process --threads 1
 """
 
 from __future__ import annotations
@@ -22,8 +30,11 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import os
 import pstats
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -100,6 +111,34 @@ def profile_recipe(
         print(text[text.index("ncalls") :] if "ncalls" in text else text)
 
 
+def _cuda_paths_child() -> int:
+    """Run this script again with ``--child`` on a patched copy of ``te_compile``."""
+    from bench.diag.diag_launches import ROOT, _patched_copy
+
+    with tempfile.TemporaryDirectory() as tmp:
+        _patched_copy(Path(tmp))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join((tmp, str(ROOT)))}
+        cmd = [sys.executable, "-m", "bench.diag.diag_eager_host", *sys.argv[1:], "--child"]
+        return subprocess.run(cmd, env=env, cwd=tmp, check=False).returncode
+
+
+def _null_kernels() -> None:
+    """No Triton launch, and ``torch._scaled_mm`` an uninitialised output of its shape."""
+    from te_compile import kernels
+
+    class _Null:
+        def __call__(self, grid, *args, **kwargs) -> None:
+            return None
+
+    kernels.EagerLauncher.of = classmethod(lambda cls, kernel: _Null())
+
+    def scaled_mm(a, b, *args, out_dtype=None, **kwargs):
+        return torch.empty(a.shape[0], b.shape[1], dtype=out_dtype or torch.bfloat16)
+
+    torch._scaled_mm = scaled_mm
+    print(f"(CUDA code paths on the CPU, null launches: te_compile from {kernels.__file__})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--module", choices=MODULES, default="Linear")
@@ -126,7 +165,15 @@ def main() -> None:
     )
     parser.add_argument("--tokens", type=int, default=128, help="rows of the input")
     parser.add_argument("--features", type=int, default=256, help="in and out features")
+    parser.add_argument(
+        "--cuda-paths", action="store_true", help="CPU: the CUDA code paths, null launches"
+    )
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.cuda_paths and not args.child:
+        sys.exit(_cuda_paths_child())
+    if args.child:
+        _null_kernels()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("diag_eager_host: no CUDA device (--device cpu profiles the CPU path)")
     if args.threads is not None:
