@@ -11,7 +11,10 @@ An op family file in ``functional/`` uses three calls, in the order of the op pa
     @linear_fwd.register_fake               # shapes/dtypes only, torch._check for constraints
 
     linear = differentiable(linear_fwd, linear_bwd, setup_context=..., backward=...,
-                            sample_inputs=..., reference=linear_ref)
+                            reference=linear_ref)
+
+The library ships no test data: the registry test's sample inputs of each op live in
+``tests/samples/<family>.py``, keyed by op name.
 
 Why not ``torch.library.custom_op``: the ops are defined with the lower-level
 ``torch.library.Library`` API (same dispatcher semantics, same ``opcheck`` guarantees) so that the
@@ -41,7 +44,7 @@ import dataclasses
 import functools
 import inspect
 import types
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -52,28 +55,6 @@ _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
 
 # Device types with an autocast dispatch key we register a rule for.
 _AUTOCAST_DEVICES = ("cpu", "cuda")
-
-
-@dataclasses.dataclass(frozen=True)
-class SampleInput:
-    """One call of an op for the registry test: positional args (tensors that should receive
-    gradients have ``requires_grad=True``) and keyword args."""
-
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-
-SampleFn = Callable[[torch.device], Iterable[SampleInput]]
-
-
-def sample_tensor(device: torch.device) -> Callable[..., torch.Tensor]:
-    """``t(*shape, dtype=torch.float32, grad=True)``: a sample function's ``torch.randn``
-    tensor on ``device`` (``requires_grad=grad``)."""
-
-    def t(*shape, dtype=torch.float32, grad=True):
-        return torch.randn(*shape, device=device, dtype=dtype, requires_grad=grad)
-
-    return t
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,16 +217,14 @@ def op(
     name: str,
     *,
     mutates_args: Sequence[str] = (),
-    sample_inputs: SampleFn | None = None,
     opaque: str | None = None,
     kept_whole: Callable[..., str | None] | None = None,
 ) -> Callable[[Callable], Op]:
     """Decorator defining ``te::<name>`` from its default (CPU / reference) implementation.
 
-    A non-differentiable op passes its ``sample_inputs`` here; a forward/backward pair gets
-    them from :func:`differentiable` instead. ``opaque="<reason>"`` keeps the op a call that
-    Inductor does not trace into (an implementation that reads tensor data on the host, or
-    calls code the compiler cannot trace); ``opaque_ops()`` lists them with their reasons.
+    ``opaque="<reason>"`` keeps the op a call that Inductor does not trace into (an
+    implementation that reads tensor data on the host, or calls code the compiler cannot trace);
+    ``opaque_ops()`` lists them with their reasons.
     ``kept_whole(*args)``: for the arguments of one call, the reason to keep this call opaque
     (None: trace through), for a case known to break under tracing."""
 
@@ -254,7 +233,7 @@ def op(
         if qualname in _REGISTRY:
             raise RuntimeError(f"{qualname} is already registered")
         new = Op(name, fn, mutates_args, opaque, kept_whole)
-        _REGISTRY[qualname] = RegistryEntry(qualname, new.overload, sample_inputs, None, new.opaque)
+        _REGISTRY[qualname] = RegistryEntry(qualname, new.overload, None, new.opaque)
         return new
 
     return deco
@@ -467,14 +446,13 @@ class DifferentiableOp:
         *,
         setup_context: Callable,
         backward: Callable,
-        sample_inputs: SampleFn,
         reference: Callable,
         autocast: bool = True,
         native_autograd: Callable[..., bool] | None = None,
     ) -> None:
         self.fwd, self.bwd = fwd, bwd
         self._native_autograd = native_autograd
-        self.sample_inputs, self.reference = sample_inputs, reference
+        self.reference = reference
         self._setup_context, self._backward = setup_context, backward
         self._autocast = autocast
         self._autocast_keep = _autocast_kept(fwd.overload)
@@ -642,7 +620,6 @@ def differentiable(
     *,
     setup_context: Callable,
     backward: Callable,
-    sample_inputs: SampleFn,
     reference: Callable,
     autocast: bool = True,
     native_autograd: Callable[..., bool] | None = None,
@@ -662,15 +639,12 @@ def differentiable(
         bwd,
         setup_context=setup_context,
         backward=backward,
-        sample_inputs=sample_inputs,
         reference=reference,
         autocast=autocast,
         native_autograd=native_autograd,
     )
-    _REGISTRY[fwd.qualname] = RegistryEntry(
-        fwd.qualname, fwd.overload, sample_inputs, dop, fwd.opaque
-    )
-    _REGISTRY[bwd.qualname] = RegistryEntry(bwd.qualname, bwd.overload, None, dop, bwd.opaque)
+    _REGISTRY[fwd.qualname] = RegistryEntry(fwd.qualname, fwd.overload, dop, fwd.opaque)
+    _REGISTRY[bwd.qualname] = RegistryEntry(bwd.qualname, bwd.overload, dop, bwd.opaque)
     return dop
 
 
@@ -679,15 +653,13 @@ def differentiable(
 # ---------------------------------------------------------------------------------------------
 
 
-def extern_op(
-    name: str, *, fake: Callable, sample_inputs: SampleFn, opaque: str
-) -> torch._ops.OpOverload:
-    """Register the fake and the sample inputs of a C++ op already loaded from ``te_compile._C``.
+def extern_op(name: str, *, fake: Callable, opaque: str) -> torch._ops.OpOverload:
+    """Register the fake of a C++ op already loaded from ``te_compile._C``.
     Inductor cannot trace C++: ``opaque`` says why the op needs to be C++."""
     qualname = f"{NAMESPACE}::{name}"
     torch.library.register_fake(qualname, fake, lib=_LIB)
     overload = getattr(getattr(torch.ops, NAMESPACE), name).default
-    _REGISTRY[qualname] = RegistryEntry(qualname, overload, sample_inputs, None, opaque)
+    _REGISTRY[qualname] = RegistryEntry(qualname, overload, None, opaque)
     return overload
 
 
@@ -698,12 +670,13 @@ def extern_op(
 
 @dataclasses.dataclass
 class RegistryEntry:
-    """One registered op. ``sample_inputs`` is None for backward ops: the registry test obtains
-    their inputs by recording the calls the forward's autograd makes."""
+    """One registered op. ``differentiable`` is the pair a forward or backward op belongs to
+    (None for an op without a backward). The registry test calls every op but the backward ops
+    on its sample inputs (``tests/samples``) and a backward op with the calls the forward's
+    autograd makes."""
 
     name: str
     overload: torch._ops.OpOverload
-    sample_inputs: SampleFn | None
     differentiable: DifferentiableOp | None
     opaque: str | None = None
 

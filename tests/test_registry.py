@@ -1,9 +1,10 @@
 """Every registered te op, checked the same way; a new op cannot skip this file.
 
-For each op with sample inputs, on every device: ``torch.library.opcheck`` (all default tests),
-``torch.compile(fullgraph=True, dynamic=True)`` with zero graph breaks, and forward and backward
-against the float64 reference (compiled by Inductor on CUDA; on the CPU by AOTAutograd's
-``aot_eager``, and by Inductor with ``--long-runs``). The reference is the independent one of
+For each op but the backward ops, on its sample inputs (``tests/samples``) on every device:
+``torch.library.opcheck`` (all default tests), ``torch.compile(fullgraph=True, dynamic=True)``
+with zero graph breaks, and forward and backward against the float64 reference (compiled by
+Inductor on CUDA; on the CPU by AOTAutograd's ``aot_eager``, and by Inductor with
+``--long-runs``). The reference is the independent one of
 ``tests/utils/references.py`` for the families whose library ``*_ref`` is their CPU
 implementation (norm, activation, attention, fused_norm; the quantisers of quantize and
 quantize_mx are compared with theirs bit for bit), the entry's own elsewhere. Backward ops get
@@ -32,6 +33,7 @@ from torch.utils._pytree import tree_map
 
 import te_compile
 from te_compile._library import registry
+from tests.samples import SAMPLES
 from tests.utils import (
     DEVICES,
     assert_bits_equal,
@@ -42,8 +44,18 @@ from tests.utils import (
 )
 
 ENTRIES = registry()
-FORWARD = sorted(name for name, e in ENTRIES.items() if e.sample_inputs is not None)
-DIFFERENTIABLE = sorted(name for name, e in ENTRIES.items() if e.differentiable and e.sample_inputs)
+
+
+def _is_backward(name: str) -> bool:
+    return (
+        ENTRIES[name].differentiable is not None
+        and ENTRIES[name].differentiable.bwd.qualname == name
+    )
+
+
+# The ops called on their samples: every op but the backward ops, whose inputs are recorded.
+FORWARD = sorted(name for name in ENTRIES if not _is_backward(name))
+DIFFERENTIABLE = sorted(name for name in FORWARD if ENTRIES[name].differentiable)
 # Non-differentiable ops with an independent reference (the quantisers): compared bit for bit.
 EXACT = sorted(name for name in references.REFERENCES if not ENTRIES[name].differentiable)
 _PART = 6
@@ -58,12 +70,14 @@ def _part_size(name: str) -> int:
 
 
 def _samples(name: str, device: str):
-    return list(ENTRIES[name].sample_inputs(torch.device(device)))
+    return list(SAMPLES[name](torch.device(device)))
 
 
 def _n_parts(name: str) -> int:
-    """How many parts op ``name``'s samples (counted on the CPU) make."""
-    return max(1, -(-len(_samples(name, "cpu")) // _part_size(name)))
+    """How many parts op ``name``'s samples (counted on the CPU) make (one for an op without
+    samples, whose tests fail, as ``test_every_forward_op_has_samples`` does)."""
+    n = len(_samples(name, "cpu")) if name in SAMPLES else 0
+    return max(1, -(-n // _part_size(name)))
 
 
 def _parts(names: list[str]) -> list:
@@ -105,21 +119,30 @@ def _tensors(out):
 
 
 def test_every_op_is_covered():
-    """Every op in the te namespace is in the registry, and every registry entry is testable."""
+    """Every op in the te namespace is in the registry, and every registry entry is testable:
+    called on its samples, or the backward of an op that is."""
     dispatcher_ops = {n for n in torch._C._dispatch_get_all_op_names() if n.startswith("te::")}
     assert dispatcher_ops == set(te_compile.list_ops())
     for name, entry in ENTRIES.items():
-        testable = entry.sample_inputs is not None or (
-            entry.differentiable is not None
-            and entry.differentiable.fwd.qualname in FORWARD
-            and entry.differentiable.bwd.qualname == name
+        testable = name in SAMPLES or (
+            _is_backward(name) and entry.differentiable.fwd.qualname in SAMPLES
         )
         assert testable, f"{name} has no sample inputs and is not the backward of a tested op"
 
 
+def test_every_forward_op_has_samples():
+    """``tests/samples`` has the samples of exactly the ops called on them: every op but the
+    backward ops (a new op without samples fails here), and no op that is not registered."""
+    assert sorted(SAMPLES) == FORWARD, (
+        f"without samples: {sorted(set(FORWARD) - set(SAMPLES))}; "
+        f"not registered or a backward op: {sorted(set(SAMPLES) - set(FORWARD))}"
+    )
+
+
 def _family(name: str) -> str:
-    """The ``te_compile/functional`` file that defines forward op ``name``."""
-    return ENTRIES[name].sample_inputs.__module__.rsplit(".", 1)[-1]
+    """The family (``tests/samples/<family>.py``, named after the ``te_compile/functional``
+    file) whose samples forward op ``name`` takes."""
+    return SAMPLES[name].__module__.rsplit(".", 1)[-1]
 
 
 def test_families_with_their_own_references_have_independent_ones():

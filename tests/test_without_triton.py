@@ -43,6 +43,7 @@ _SCRIPT = textwrap.dedent(
 
     _checks.cuda_is_default = lambda: False  # the modules below: on the CPU, as their inputs
     from te_compile._library import registry
+    from tests.samples import SAMPLES
     from te_compile.recipe import (
         DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling,
         NVFP4BlockScaling,
@@ -90,7 +91,7 @@ _SCRIPT = textwrap.dedent(
                 failures.append(f"{name} under {recipe_name}: {e!r}")
 
     for op_name, entry in sorted(registry().items()):
-        for sample in entry.sample_inputs(torch.device("cpu")) if entry.sample_inputs else ():
+        for sample in SAMPLES[op_name](torch.device("cpu")) if op_name in SAMPLES else ():
             try:
                 call = entry.differentiable or entry.overload
                 out = call(*sample.args, **sample.kwargs)

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from te_compile._checks import check_tensor, check_tensors
-from te_compile._library import SampleInput, op
+from te_compile._library import op
 from te_compile.functional.gemm import (
     FP8_DTYPES,
     HIGH_DTYPES,
@@ -168,21 +168,7 @@ def check_weight_spec(p: str, spec: str, scale: Tensor | None) -> QuantSpec:
     return w
 
 
-def _quantize_weight_samples(device: torch.device):
-    def w(n, k, dtype=torch.bfloat16):
-        return torch.randn(n, k, device=device, dtype=dtype)
-
-    yield SampleInput((w(32, 16), "current:e4m3", None))
-    scale = torch.tensor([8.0, 16.0, 1.0], device=device)
-    yield SampleInput((w(16, 48, torch.float32), "delayed:e4m3", scale))
-    yield SampleInput((w(512, 512), "block:e4m3:128x128", None))
-    yield SampleInput((w(32, 256), "block:e4m3:p2", None))
-    yield SampleInput((w(64, 32), "mxfp8:e4m3:emulate", None))
-    yield SampleInput((w(32, 48), "nvfp4:emulate", None))
-    yield SampleInput((w(32, 48), "nvfp4:16x16:emulate:4over6=MSE/256", None))
-
-
-@op("quantize_weight", sample_inputs=_quantize_weight_samples)
+@op("quantize_weight")
 def quantize_weight_op(weight: Tensor, spec: str, scale: Tensor | None) -> list[Tensor]:
     """``te::quantize_weight``: :func:`quantize_weight` without the argument checks."""
     p = "te.quantize_weight: "

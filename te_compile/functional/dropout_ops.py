@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from te_compile._checks import FLOAT_DTYPES, check_bool, check_tensor
-from te_compile._library import SampleInput, differentiable, op, sample_tensor
+from te_compile._library import differentiable, op
 from te_compile._numerics import acc_dtype
 from te_compile.kernels import runs_triton, submodule
 
@@ -183,26 +183,11 @@ def _backward(ctx, bwd, grad):
     return bwd(grad.contiguous(), rng_state, ctx.p), None, None
 
 
-def _samples(device: torch.device):
-    t = sample_tensor(device)
-
-    def state(seed, offset):
-        return torch.tensor([seed, offset], dtype=torch.int64, device=device)
-
-    yield SampleInput((t(5, 16), state(1234, 0), 0.1))
-    # Odd sizes (not a multiple of 4 elements), a 64-bit seed, a large offset.
-    yield SampleInput((t(2, 3, 7, dtype=torch.bfloat16), state(2**40 + 7, 2**33 + 5), 0.5))
-    yield SampleInput((t(33, dtype=torch.float16), state(-5, 3), 0.9))
-    yield SampleInput((t(4, 8), state(99, 1), 0.0))
-    yield SampleInput((t(3, 5), state(7, 7), 1.0))
-
-
 _dropout = differentiable(
     dropout_fwd,
     dropout_bwd,
     setup_context=_setup_context,
     backward=_backward,
-    sample_inputs=_samples,
     reference=dropout_ref,
 )
 

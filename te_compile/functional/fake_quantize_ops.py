@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from te_compile._checks import HIGH_DTYPES, INDEX_DTYPES, check_tensor
-from te_compile._library import SampleInput, differentiable, op, sample_tensor
+from te_compile._library import differentiable, op
 from te_compile.functional import quantize_table as _q
 from te_compile.functional.quantize_mx_ref import nvfp4_qdq, nvfp4_qdq_row_groups
 from te_compile.functional.spec import QuantSpec, as_strings, parse
@@ -206,28 +206,11 @@ def _backward(ctx, bwd, grad):
     return dx, *(None for _ in range(len(ctx.needs_input_grad) - 1))
 
 
-def _samples(device: torch.device):
-    t = sample_tensor(device)
-
-    bf16, e4m3 = torch.bfloat16, "e4m3"
-    yield SampleInput((t(5, 32), "current:e4m3", "current:e5m2"))
-    yield SampleInput((t(3, 2, 128, dtype=bf16), "block:e4m3:p2", "block:e5m2:p2"))
-    yield SampleInput((t(4, 64), "mxfp8:e4m3", "mxfp8:e5m2"))
-    yield SampleInput((t(4, 64, dtype=bf16), "nvfp4", f"block:{e4m3}"))
-    yield SampleInput((t(4, 64, dtype=bf16), "nvfp4:4over6=MAE/256", "nvfp4"))
-    yield SampleInput((t(6, 48, dtype=torch.float16), "", f"current:{e4m3}"))
-    # NVFP4 in row groups (an empty one, and 128 rows split mid-block-column), both ways.
-    splits = torch.tensor([40, 0, 24, 64], device=device)
-    yield SampleInput((t(128, 32, dtype=bf16), "nvfp4", "nvfp4", splits))
-    yield SampleInput((t(2, 8, 32), "mxfp8:e4m3", "nvfp4", splits.new_tensor([6, 10])))
-
-
 _fake_quantize = differentiable(
     fake_quantize_fwd,
     fake_quantize_bwd,
     setup_context=_setup_context,
     backward=_backward,
-    sample_inputs=_samples,
     reference=fake_quantize_ref,
 )
 

@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from te_compile._checks import check_choice, check_int, check_tensor
-from te_compile._library import SampleInput, op
+from te_compile._library import op
 
 __all__ = [
     "AMAX_COMPUTE_ALGOS",
@@ -138,28 +138,9 @@ def _check(amax_history, scale, amax, fp8_max, margin, amax_compute_algo, amax_t
     )
 
 
-def _samples(device: torch.device):
-    limits = [448.0, 448.0, 57344.0]
-    history, scale, last_amax = (torch.rand(4, 3, device=device), torch.ones(3, device=device),
-                               torch.rand(3, device=device))  # fmt: skip
-    yield SampleInput((history, scale, last_amax, limits, 0, "max"))
-    # A zero last_amax amax keeps its old scale; margin 1 halves the new one.
-    history, scale = torch.zeros(1, 2, device=device), torch.ones(2, device=device)
-    last_amax = torch.tensor([0.0, 2.0], device=device)
-    yield SampleInput((history, scale, last_amax, limits[:2], 1, "most_recent"))
-    # A tiny amax: the scale overflows fp32 and becomes its largest finite value.
-    history, last_amax = torch.zeros(2, 1, device=device), torch.tensor([1e-37], device=device)
-    yield SampleInput((history, torch.ones(1, device=device), last_amax, limits[:1], 0, "max"))
-    # The forward's and the backward's amaxes in their own buffers (FP8GemmState's).
-    history, scale = torch.rand(3, 3, device=device), torch.rand(3, device=device) + 0.5
-    fwd, grad = torch.rand(2, device=device), torch.rand(1, device=device)
-    yield SampleInput((history, scale, fwd, limits, 0, "max", grad))
-
-
 @op(
     "delayed_scaling_update",
     mutates_args=("amax_history", "scale"),
-    sample_inputs=_samples,
 )
 def delayed_scaling_update_op(
     amax_history: Tensor,

@@ -33,7 +33,6 @@ from te_compile.functional.norm import (
     rmsnorm_bwd_ref,
     rmsnorm_fwd,
     rmsnorm_ref,
-    rmsnorm_samples,
 )
 from te_compile.kernels import runs_triton
 
@@ -142,7 +141,6 @@ _branch_rmsnorm = differentiable(
     branch_rmsnorm_bwd,
     setup_context=_setup_context,
     backward=_backward,
-    sample_inputs=rmsnorm_samples,  # te::rmsnorm_fwd's arguments
     reference=branch_rmsnorm_ref,
 )
 

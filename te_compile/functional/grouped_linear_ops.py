@@ -91,7 +91,6 @@ from te_compile.functional.grouped_linear_args import (
     check_grouped_linear,
     make_grouped_recipe,
 )
-from te_compile.functional.grouped_linear_samples import sample_inputs
 from te_compile.functional.quantize_mx_ref import nvfp4_qdq
 from te_compile.functional.spec import BackwardSpec, QuantSpec, as_specs, as_strings, parse
 
@@ -544,7 +543,6 @@ _grouped_linear = differentiable(
     grouped_linear_bwd,
     setup_context=_setup_context,
     backward=_backward,
-    sample_inputs=sample_inputs,
     reference=_reference,
 )
 

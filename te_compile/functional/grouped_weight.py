@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from te_compile._library import SampleInput, op, sample_tensor
+from te_compile._library import op
 from te_compile.functional.dense_weight import (
     check_weight_operand,
     check_weight_quantized,
@@ -94,15 +94,7 @@ def _check(weight: Tensor, spec: str, scale: Tensor | None) -> QuantSpec:
     return w
 
 
-def _samples(device: torch.device):
-    t, bf16 = sample_tensor(device), torch.bfloat16
-    # Two layouts (a full opcheck costs ~3 s each on the CPU): tests/modules/
-    # test_fp8_weight_cache.py checks every kind's bytes and its fake's shapes.
-    yield SampleInput((t(3, 32, 16, dtype=bf16, grad=False), "current:e4m3", None))
-    yield SampleInput((t(2, 32, 144, dtype=bf16, grad=False), "block:e4m3:p2", None))
-
-
-@op("quantize_grouped_weight", sample_inputs=_samples)
+@op("quantize_grouped_weight")
 def quantize_grouped_weight_op(weight: Tensor, spec: str, scale: Tensor | None) -> list[Tensor]:
     """``te::quantize_grouped_weight``: :func:`quantize_grouped_weight` without the argument
     checks."""

@@ -98,7 +98,6 @@ from te_compile.functional.linear_args import (
     out_features,
 )
 from te_compile.functional.linear_impl import backward_impl, forward_impl
-from te_compile.functional.linear_samples import sample_inputs
 from te_compile.functional.prologue import NORMALIZATIONS, fake_dnorm, fake_stats, norm_ref
 from te_compile.functional.spec import (
     BackwardSpec,
@@ -408,7 +407,6 @@ _linear = differentiable(
     linear_bwd,
     setup_context=_setup_context,
     backward=_backward,
-    sample_inputs=sample_inputs,
     reference=_reference,
     # Plain high precision without main_grad: both implementations are differentiable torch ops
     # (CUDA: F.linear; CPU: fp32 F.linear between casts) whose autograd computes exactly

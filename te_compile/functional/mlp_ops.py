@@ -86,7 +86,6 @@ from te_compile.functional.gemm import (
 )
 from te_compile.functional.gemm_ref import quantized_linear_ref
 from te_compile.functional.mlp_args import NORM_WEIGHT, MLPArgs, check_mlp
-from te_compile.functional.mlp_samples import sample_inputs
 from te_compile.functional.prologue import (
     NORMALIZATIONS,
     fake_dnorm,
@@ -452,7 +451,6 @@ _mlp = differentiable(
     mlp_bwd,
     setup_context=_setup_context,
     backward=_backward,
-    sample_inputs=sample_inputs,
     reference=mlp_ref,
 )
 

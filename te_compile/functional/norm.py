@@ -63,7 +63,7 @@ from te_compile._checks import (
     check_same_device,
     check_tensors,
 )
-from te_compile._library import SampleInput, differentiable, op, sample_tensor
+from te_compile._library import differentiable, op
 from te_compile._numerics import acc_dtype
 from te_compile.kernels import runs_triton, submodule
 
@@ -374,42 +374,16 @@ def _backward(ctx, bwd, grad_out, *_grad_stats):
     return tuple(g if need else None for g, need in zip_longest(grads, ctx.needs_input_grad))
 
 
-def _layernorm_samples(device: torch.device):
-    t = sample_tensor(device)
-    bf16, fp16 = torch.bfloat16, torch.float16
-    yield SampleInput((t(5, 16), t(16), t(16), 1e-5, False))
-    # bf16 activations with fp32 parameters, 3-D, zero-centred gamma.
-    yield SampleInput((t(2, 3, 24, dtype=bf16), t(24), t(24), 1e-5, True))
-    yield SampleInput((t(7, 33, dtype=bf16), t(33, dtype=bf16), None, 1e-3, False))
-    yield SampleInput((t(3, 4, 8, dtype=fp16), t(8, dtype=fp16), t(8, dtype=fp16), 1e-5, True))
-
-
-def rmsnorm_samples(device: torch.device):
-    t = sample_tensor(device)
-    yield SampleInput((t(5, 16), t(16), 1e-5, False))
-    yield SampleInput((t(2, 3, 24, dtype=torch.bfloat16), t(24), 1e-5, True))
-    yield SampleInput((t(7, 33, dtype=torch.bfloat16), t(33, dtype=torch.bfloat16), 1e-3, False))
-    yield SampleInput((t(3, 4, 8, dtype=torch.float16), t(8, dtype=torch.float16), 1e-5, True))
-
-
-def _l2normalization_samples(device: torch.device):
-    t = sample_tensor(device)
-    yield SampleInput((t(5, 16), 1e-6))
-    yield SampleInput((t(2, 3, 24, dtype=torch.bfloat16), 1e-6))
-    yield SampleInput((t(7, 33, dtype=torch.float16), 1e-3))
-
-
-# One op pair per norm: forward, backward, setup_context, sample inputs, reference.
+# One op pair per norm: forward, backward, setup_context, reference.
 _layernorm, _rmsnorm, _l2normalization = (
-    differentiable(f, b, setup_context=c, backward=_backward, sample_inputs=s, reference=r)
-    for f, b, c, s, r in (
-        (layernorm_fwd, layernorm_bwd, _layernorm_setup_context, _layernorm_samples, layernorm_ref),
-        (rmsnorm_fwd, rmsnorm_bwd, _rmsnorm_setup_context, rmsnorm_samples, rmsnorm_ref),
+    differentiable(f, b, setup_context=c, backward=_backward, reference=r)
+    for f, b, c, r in (
+        (layernorm_fwd, layernorm_bwd, _layernorm_setup_context, layernorm_ref),
+        (rmsnorm_fwd, rmsnorm_bwd, _rmsnorm_setup_context, rmsnorm_ref),
         (
             l2normalization_fwd,
             l2normalization_bwd,
             _l2normalization_setup_context,
-            _l2normalization_samples,
             l2normalization_ref,
         ),
     )

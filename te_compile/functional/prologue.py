@@ -47,7 +47,6 @@ __all__ = [
     "norm_forward",
     "norm_quantize",
     "norm_ref",
-    "unit_rows",
 ]
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -174,12 +173,3 @@ def fake_dnorm(like: Tensor, norm_weight, normalization, has_norm_bias, need) ->
         return [empty(like), empty(like)]
     dbias = norm_weight.new_empty(norm_weight.shape) if has_norm_bias else empty(norm_weight)
     return [norm_weight.new_empty(norm_weight.shape), dbias]
-
-
-def unit_rows(*shape: int, device) -> Tensor:
-    """``±1`` with each row summing to 0 (requires grad): LayerNorm / RMSNorm of it with
-    ``eps=1e-30`` is exactly ``x * gamma + beta`` (mean 0, variance 1 and ``rsigma`` 1 in fp32
-    and float64), for registry samples of ops that quantise a norm's output."""
-    half = torch.randint(0, 2, (*shape[:-1], shape[-1] // 2), device=device) * 2.0 - 1.0
-    perm = torch.randperm(shape[-1], device=device)
-    return torch.cat([half, -half], -1)[..., perm].to(torch.float32).contiguous().requires_grad_()

@@ -86,7 +86,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from te_compile._checks import FP8_DTYPES, HIGH_DTYPES
-from te_compile._library import SampleInput, op
+from te_compile._library import op
 from te_compile._numerics import div_rn, reciprocal_rn
 from te_compile.functional import quantize_mx_ref
 from te_compile.kernels import submodule
@@ -363,78 +363,10 @@ def check_fp8_gemm_dims(name: str, **dims: int) -> None:
 _kernels = functools.partial(submodule, "quantize")  # Triton: imported on first CUDA use
 
 
-# Sample inputs for the registry test: small and odd shapes (partial 128-blocks, leading dims,
-# 1-D, empty), bf16/fp32/fp16, both FP8 formats, saturating values, an all-zero tensor.
-
-
-def _randn(device: torch.device, shape: tuple[int, ...], dtype: torch.dtype, std: float = 1.0):
-    return (torch.randn(shape, device=device) * std).to(dtype)
-
-
-def _scalar(device: torch.device, value: float) -> Tensor:
-    return torch.tensor([value], device=device)
-
-
-_E4M3, _E5M2 = FP8_DTYPES
-_F32, _BF16, _F16 = HIGH_DTYPES
-
-
-def _tensorwise_samples(device: torch.device) -> list[SampleInput]:
-    return [
-        SampleInput((_randn(device, (37, 45), _BF16), _scalar(device, 0.5), _E4M3, True)),
-        # std 100 at scale 1000: most values saturate
-        SampleInput((_randn(device, (2, 3, 20), _F32, 100), _scalar(device, 1e3), _E5M2, False)),
-        SampleInput((_randn(device, (17,), _F16), _scalar(device, 2.0), _E4M3, True)),
-        SampleInput((_randn(device, (0, 24), _BF16), _scalar(device, 1.0), _E5M2, True)),
-    ]
-
-
-def _current_samples(device: torch.device) -> list[SampleInput]:
-    return [
-        SampleInput((_randn(device, (37, 45), _BF16), _E4M3, True)),
-        SampleInput(
-            (_randn(device, (3, 5, 33), _F32, 1e-3), _E5M2, False),
-            {"amax_epsilon": 1e-2, "power_2_scale": True},
-        ),
-        SampleInput((torch.zeros(4, 16, device=device), _E4M3, True), {"power_2_scale": True}),
-    ]
-
-
-def _blockwise_samples(device: torch.device) -> list[SampleInput]:
-    return [
-        SampleInput((_randn(device, (130, 200), _BF16), _E4M3, 1, True, True)),
-        SampleInput((_randn(device, (3, 50, 129), _F32, 10), _E5M2, 128, False, True)),
-        SampleInput((_randn(device, (5, 300), _F32), _E4M3, 1, False, False)),
-        SampleInput((_randn(device, (130, 20), _F16), _E5M2, 128, True, False)),
-    ]
-
-
-def _dequantize_tensorwise_samples(device: torch.device) -> list[SampleInput]:
-    data, _, scale_inv, _ = quantize_current_ref(_randn(device, (37, 45), _BF16), _E4M3, False)
-    data5, _, scale_inv5, _ = quantize_current_ref(_randn(device, (2, 3, 20), _F32), _E5M2, False)
-    return [
-        SampleInput((data.view(torch.uint8), scale_inv, _E4M3, _BF16)),
-        SampleInput((data5.view(torch.uint8), scale_inv5, _E5M2, _F32)),
-    ]
-
-
-def _dequantize_blockwise_samples(device: torch.device) -> list[SampleInput]:
-    x = _randn(device, (130, 200), _F32)
-    data, scale_inv, data_t, scale_inv_t = quantize_blockwise_ref(x, _E4M3, 1, False, True)
-    data128, scale_inv128, _, _ = quantize_blockwise_ref(
-        _randn(device, (3, 50, 129), _BF16), _E5M2, 128, True, False
-    )
-    return [
-        SampleInput((data.view(torch.uint8), scale_inv, 1, _E4M3, _F32)),
-        SampleInput((data_t.view(torch.uint8), scale_inv_t, 1, _E4M3, _F16)),
-        SampleInput((data128.view(torch.uint8), scale_inv128, 128, _E5M2, _BF16)),
-    ]
-
-
 # 2. Ops (on CPU the reference math; on CUDA the Triton kernels) ------------------------------
 
 
-@op("quantize_tensorwise", sample_inputs=_tensorwise_samples)
+@op("quantize_tensorwise")
 def quantize_tensorwise(
     x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, columnwise: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -448,7 +380,7 @@ def quantize_tensorwise(
     return data, data_t, amax
 
 
-@op("quantize_current", sample_inputs=_current_samples)
+@op("quantize_current")
 def quantize_current(
     x: Tensor,
     fp8_dtype: torch.dtype,
@@ -463,7 +395,7 @@ def quantize_current(
     return impl(x, fp8_dtype, columnwise, amax_epsilon, power_2_scale)
 
 
-@op("quantize_blockwise", sample_inputs=_blockwise_samples)
+@op("quantize_blockwise")
 def quantize_blockwise(
     x: Tensor, fp8_dtype: torch.dtype, block_rows: int, power_2_scale: bool, columnwise: bool
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -475,7 +407,7 @@ def quantize_blockwise(
     return impl(x, fp8_dtype, block_rows, power_2_scale, columnwise)
 
 
-@op("dequantize_tensorwise", sample_inputs=_dequantize_tensorwise_samples)
+@op("dequantize_tensorwise")
 def dequantize_tensorwise(
     data: Tensor, scale_inv: Tensor, fp8_dtype: torch.dtype, out_dtype: torch.dtype
 ) -> Tensor:
@@ -487,7 +419,7 @@ def dequantize_tensorwise(
     return impl(data.view(fp8_dtype), scale_inv, out_dtype)
 
 
-@op("dequantize_blockwise", sample_inputs=_dequantize_blockwise_samples)
+@op("dequantize_blockwise")
 def dequantize_blockwise(
     data: Tensor,
     scale_inv: Tensor,

@@ -101,7 +101,7 @@ import torch
 from torch import Tensor
 
 from te_compile._checks import FP8_DTYPES, HIGH_DTYPES, check_bool, check_tensor
-from te_compile._library import SampleInput, op
+from te_compile._library import op
 from te_compile.functional.quantize import check_dequantize, check_fp8_dtype, check_high_dtype
 from te_compile.functional.quantize_mx_ref import (
     MXFP8_BLOCK,
@@ -212,48 +212,10 @@ def _check_dequantize_nvfp4(
 _kernels = functools.partial(submodule, "quantize_mx")  # Triton: imported on first CUDA use
 
 
-# Sample inputs for the registry test ---------------------------------------------------------
-
-
-def _x(device: torch.device, *shape: int, dtype=torch.float32, spread: float = 4.0) -> Tensor:
-    """Values over several binades, so blocks get different scales."""
-    x = torch.randn(*shape) * torch.exp2(torch.randint(-4, 5, shape) * spread / 4)
-    return x.to(device=device, dtype=dtype)
-
-
-def _quantize_mxfp8_samples(device: torch.device):
-    yield SampleInput((_x(device, 5, 40, dtype=torch.bfloat16), torch.float8_e4m3fn, True, True))
-    yield SampleInput((_x(device, 2, 3, 64), torch.float8_e5m2, True, False))
-    yield SampleInput((_x(device, 33, 7), torch.float8_e4m3fn, False, True))
-
-
-def _dequantize_mxfp8_samples(device: torch.device):
-    for shape, fp8_dtype, out_dtype in [
-        ((5, 40), torch.float8_e4m3fn, torch.bfloat16),
-        ((2, 3, 64), torch.float8_e5m2, torch.float32),
-    ]:
-        data, scale, _, _ = quantize_mxfp8_ref(_x(torch.device("cpu"), *shape), fp8_dtype)
-        data = data.view(torch.uint8).to(device)
-        yield SampleInput((data, scale.to(device), fp8_dtype, out_dtype))
-
-
-def _quantize_nvfp4_samples(device: torch.device):
-    yield SampleInput((_x(device, 6, 40, dtype=torch.bfloat16), None, True, True))
-    yield SampleInput((_x(device, 2, 3, 32), torch.tensor([8.0], device=device), True, False))
-    yield SampleInput((_x(device, 34, 7), None, False, True))
-
-
-def _dequantize_nvfp4_samples(device: torch.device):
-    for shape, out_dtype in [((6, 40), torch.bfloat16), ((2, 3, 32), torch.float32)]:
-        data, scale, g, _, _ = quantize_nvfp4_ref(_x(torch.device("cpu"), *shape))
-        scale = scale.view(torch.uint8).to(device)
-        yield SampleInput((data.to(device), scale, g.to(device), out_dtype))
-
-
 # 2. Ops (on CPU the reference math; on CUDA the Triton kernels) ------------------------------
 
 
-@op("quantize_mxfp8", sample_inputs=_quantize_mxfp8_samples)
+@op("quantize_mxfp8")
 def quantize_mxfp8_op(
     x: Tensor, fp8_dtype: torch.dtype, rowwise: bool, columnwise: bool
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -263,7 +225,7 @@ def quantize_mxfp8_op(
     return impl(x, fp8_dtype, rowwise, columnwise)
 
 
-@op("dequantize_mxfp8", sample_inputs=_dequantize_mxfp8_samples)
+@op("dequantize_mxfp8")
 def dequantize_mxfp8_op(
     data: Tensor, scale: Tensor, fp8_dtype: torch.dtype, out_dtype: torch.dtype
 ) -> Tensor:
@@ -273,7 +235,7 @@ def dequantize_mxfp8_op(
     return impl(data.view(fp8_dtype), scale, out_dtype)
 
 
-@op("quantize_nvfp4", sample_inputs=_quantize_nvfp4_samples)
+@op("quantize_nvfp4")
 def quantize_nvfp4_op(
     x: Tensor, global_amax: Tensor | None, rowwise: bool, columnwise: bool
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -287,7 +249,7 @@ def quantize_nvfp4_op(
     return data, scale, g, data_t, scale_t
 
 
-@op("dequantize_nvfp4", sample_inputs=_dequantize_nvfp4_samples)
+@op("dequantize_nvfp4")
 def dequantize_nvfp4_op(
     data: Tensor, scale: Tensor, global_scale: Tensor, out_dtype: torch.dtype
 ) -> Tensor:

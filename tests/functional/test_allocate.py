@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from te_compile.functional.allocate import bulk_allocate, bulk_allocate_samples
+from te_compile.functional.allocate import bulk_allocate
+from tests.samples.allocate import bulk_allocate_samples
 from tests.utils import DEVICES, compile_counted, count_graph_breaks
 
 OP = torch.ops.te.bulk_allocate.default

@@ -1,15 +1,15 @@
-"""Sample inputs of ``te::linear_fwd`` for the registry test (``linear_ops.py`` defines the op):
+"""Sample inputs of ``te::linear_fwd`` (``te_compile/functional/linear_ops.py``):
 every recipe kind, the norm prologue, each epilogue, the backward overrides, ``main_grad``,
 pre-quantised weights and odd shapes."""
 
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
-from te_compile._library import SampleInput, sample_tensor
 from te_compile.functional.dense_weight import quantize_weight
 from te_compile.functional.linear_args import LinearArgs
-from te_compile.functional.prologue import unit_rows
+from tests.samples import SampleInput, sample_tensor
 
 
 def _call(inp, weight, bias=None, main_grad=None, **kw) -> SampleInput:
@@ -25,7 +25,16 @@ def specs(x: str, w: str | None = None, g: str | None = None) -> dict[str, str]:
             "grad_spec": x.replace("e4m3", "e5m2") if g is None else g}  # fmt: skip
 
 
-def sample_inputs(device: torch.device):
+def unit_rows(*shape: int, device) -> Tensor:
+    """``±1`` with each row summing to 0 (requires grad): LayerNorm / RMSNorm of it with
+    ``eps=1e-30`` is exactly ``x * gamma + beta`` (mean 0, variance 1 and ``rsigma`` 1 in fp32
+    and float64), for registry samples of ops that quantise a norm's output."""
+    half = torch.randint(0, 2, (*shape[:-1], shape[-1] // 2), device=device) * 2.0 - 1.0
+    perm = torch.randperm(shape[-1], device=device)
+    return torch.cat([half, -half], -1)[..., perm].to(torch.float32).contiguous().requires_grad_()
+
+
+def linear_samples(device: torch.device):
     t = sample_tensor(device)
 
     def bf(*shape, grad=True):

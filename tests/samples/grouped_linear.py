@@ -1,18 +1,18 @@
-"""Sample inputs of ``te::grouped_linear_fwd`` for the registry test (``grouped_linear_ops.py``
-defines the op): every recipe kind, empty groups, per-expert bias, ``main_grad``, the backward
-options (the overrides among them) and pre-quantised weights."""
+"""Sample inputs of ``te::grouped_linear_fwd`` (``te_compile/functional/grouped_linear_ops.py``):
+every recipe kind, empty groups, per-expert bias, ``main_grad``, the backward options (the
+overrides among them) and pre-quantised weights."""
 
 from __future__ import annotations
 
 import torch
 
-from te_compile._library import SampleInput, sample_tensor
 from te_compile.functional.grouped_linear_args import GroupedLinearArgs
 from te_compile.functional.grouped_weight import quantize_grouped_weight
-from te_compile.functional.linear_samples import specs
+from tests.samples import SampleInput, sample_tensor
+from tests.samples.linear import specs
 
 
-def sample_inputs(device: torch.device):
+def grouped_linear_samples(device: torch.device):
     t = sample_tensor(device)
 
     def bf(*shape, grad=True):

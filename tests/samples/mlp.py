@@ -1,18 +1,17 @@
-"""Sample inputs of ``te::mlp_fwd`` for the registry test (``mlp_ops.py`` defines the op): every
+"""Sample inputs of ``te::mlp_fwd`` (``te_compile/functional/mlp_ops.py``): every
 activation and recipe kind, the norm prologue, ``main_grad`` and pre-quantised weights."""
 
 from __future__ import annotations
 
 import torch
 
-from te_compile._library import SampleInput, sample_tensor
 from te_compile.functional.dense_weight import quantize_weight
-from te_compile.functional.linear_samples import specs
 from te_compile.functional.mlp_args import MLPArgs
-from te_compile.functional.prologue import unit_rows
+from tests.samples import SampleInput, sample_tensor
+from tests.samples.linear import specs, unit_rows
 
 
-def sample_inputs(device: torch.device):
+def mlp_samples(device: torch.device):
     # float32: a bf16 sample's intermediate roundings (z, h, dh) would move some FP8 codes of
     # the float64 reference by one step; the bf16 path is checked bit for bit against the
     # unfused ops in tests/functional/test_mlp.py.
