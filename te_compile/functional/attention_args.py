@@ -135,8 +135,7 @@ def _check_qkv(query, key, value, qkv_format: str) -> None:
 
 def _check_cu_seqlens(name: str, cu, device: torch.device, batch: int | None) -> None:
     if not isinstance(cu, Tensor) or cu.dtype != torch.int32 or cu.dim() != 1:
-        got = f"{cu.dtype} {list(cu.shape)}" if isinstance(cu, Tensor) else repr(cu)
-        raise _fail(f"{name} must be an int32 tensor [batch_size + 1], got {got}")
+        raise _fail(f"{name} must be an int32 tensor [batch_size + 1], got {_described(cu)}")
     if cu.device != device:
         raise _fail(f"{name} must be on {device}, got {cu.device}")
     if cu.shape[0] < 2 or (batch is not None and cu.shape[0] != batch + 1):
@@ -150,9 +149,8 @@ def _padding(mask, which: str, b: int, s: int) -> Tensor:
         or mask.dtype != torch.bool
         or tuple(mask.shape) != (b, 1, 1, s)
     ):
-        got = f"{mask.dtype} {list(mask.shape)}" if isinstance(mask, Tensor) else repr(mask)
         raise _fail(f"attention_mask ({which}) must be a bool tensor [{b}, 1, 1, {s}] "
-                    f"(True = padded), got {got}")  # fmt: skip
+                    f"(True = padded), got {_described(mask)}")  # fmt: skip
     return mask[:, 0, 0, :]
 
 
@@ -225,9 +223,9 @@ def _real(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def _described(x: object) -> object:
-    """``x`` as an error message shows it: a tensor by dtype and shape."""
-    return f"{x.dtype} {list(x.shape)}" if isinstance(x, Tensor) else x
+def _described(x: object) -> str:
+    """``x`` as an error message shows it: a tensor by dtype and shape, else its repr."""
+    return f"{x.dtype} {list(x.shape)}" if isinstance(x, Tensor) else repr(x)
 
 
 def _softmax_offset(softmax_type, softmax_offset, h: int, device) -> Tensor | None:
@@ -277,12 +275,8 @@ def op_arguments(
             raise _fail(f"{name} must be a positive int, got {bound!r}")
 
     thd = qkv_format == "thd"
-    if thd:
-        q, k, v = query[None], key[None], value[None]
-    elif qkv_format == "sbhd":
-        q, k, v = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
-    else:
-        q, k, v = query, key, value
+    as_bshd = {"sbhd": lambda x: x.transpose(0, 1), "bshd": lambda x: x, "thd": lambda x: x[None]}
+    q, k, v = (as_bshd[qkv_format](x) for x in (query, key, value))
     b, sq, h, d = q.shape
     skv, device = k.shape[1], query.device
 

@@ -209,8 +209,7 @@ def dropout(
     None draws one with :func:`new_rng_state`. Not ``training`` or ``p == 0``: ``inp`` itself."""
     if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0.0 <= p <= 1.0:
         raise ValueError(f"te.dropout: p must be a float in [0, 1], got {p!r}")
-    if training is not True and training is not False:
-        check_bool("te.dropout", training=training)
+    check_bool("te.dropout", training=training)
     check_tensor("te.dropout", "inp", inp, min_dim=0)
     if rng_state is not None:
         check_tensor("te.dropout", "rng_state", rng_state, floating=False)

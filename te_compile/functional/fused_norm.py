@@ -46,8 +46,7 @@ def branch_rmsnorm_ref(
     inp: Tensor, weight: Tensor, eps: float = 1e-5, zero_centered_gamma: bool = False
 ) -> tuple[Tensor, Tensor]:
     """``(rmsnorm(inp), inp)``."""
-    out, _rsigma = rmsnorm_ref(inp, weight, eps, zero_centered_gamma)
-    return out, inp
+    return rmsnorm_ref(inp, weight, eps, zero_centered_gamma)[0], inp
 
 
 def _check_branch(inp: Tensor, grad_branch: Tensor) -> None:
@@ -126,12 +125,9 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, bwd, grad_out, grad_branch, _grad_rsigma):
     inp, weight, rsigma = ctx.saved_tensors
-    if grad_out is None:  # the norm output was not used
-        grad_out = torch.zeros_like(inp)
-    if grad_branch is None:  # the branch was not used
-        grad_branch = torch.zeros_like(inp)
-    grads = grad_out.contiguous(), grad_branch.contiguous()
-    dinp, dweight = bwd(*grads, inp, rsigma, weight, ctx.zero_centered_gamma)
+    # None: that output (the norm's, or the branch) was not used.
+    dy = [(torch.zeros_like(inp) if g is None else g).contiguous() for g in (grad_out, grad_branch)]
+    dinp, dweight = bwd(*dy, inp, rsigma, weight, ctx.zero_centered_gamma)
     need_dgrad, need_wgrad = ctx.needs_input_grad[:2]
     return dinp if need_dgrad else None, dweight if need_wgrad else None, None, None
 
