@@ -212,9 +212,7 @@ def _custom_update(
     rolled[0] = last
     history.copy_(rolled)
     algo = recipe.amax_compute_algo
-    if not callable(algo):
-        algo = _HISTORY_AMAX[algo]
-    amax = algo(rolled)
+    amax = (algo if callable(algo) else _HISTORY_AMAX[algo])(rolled)
     from te_compile.kernels import device_constant
 
     fp8_max = device_constant(tuple(limits), torch.float32, scale.device)

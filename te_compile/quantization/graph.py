@@ -403,7 +403,7 @@ class _FP8States:
         self.seen.add(id(root))
         for m in root.modules():
             if isinstance(m, FP8GemmState) and id(m) not in self.saved:
-                copies = [b.detach().clone() for b in _buffers(m)]
+                copies = [b.detach().clone() for b in m.buffers()]
                 self.saved[id(m)] = (m, m.calibrated, copies)
                 # The graphs hold the delayed path (module docstring), never the calibration one.
                 if calibrate_off:
@@ -412,14 +412,10 @@ class _FP8States:
     def restore(self, flags: bool) -> None:
         with torch.no_grad():
             for state, calibrated, copies in self.saved.values():
-                for buffer, saved in zip(_buffers(state), copies, strict=True):
+                for buffer, saved in zip(state.buffers(), copies, strict=True):
                     buffer.copy_(saved)
                 if flags:
                     state.calibrated = calibrated
-
-
-def _buffers(state: FP8GemmState) -> tuple[Tensor, ...]:
-    return (state.amax_history, state.scale, state.fwd_amax, state.grad_amax)
 
 
 def _grad(outs, ins, grad_outputs, allow_unused: bool, retain_graph: bool) -> tuple:

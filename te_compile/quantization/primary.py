@@ -558,9 +558,8 @@ def primary_weight(
         return stand_in, None
     main_grad = taken_main_grad(weight, accumulate)
     if values is not None:  # (a frozen weight too: the input's gradient reads the values)
-        stand_in = _StandIn.apply(dtype, weight.shape, values, None, 0, False, main_grad is None,
-                                  weight)  # fmt: skip
-        return stand_in, main_grad
+        weight = _StandIn.apply(dtype, weight.shape, values, None, 0, False, main_grad is None,
+                                weight)  # fmt: skip
     return weight, main_grad
 
 

@@ -108,9 +108,9 @@ def checkpoint(
     options = {k: kwargs.pop(k) for k in _TORCH_CHECKPOINT_ARGS if k in kwargs}
     if kwargs:  # function's keyword arguments: bound here (the reentrant checkpoint takes none)
         function = functools.partial(function, **kwargs)
+    state = get_autocast_state()
     if torch.compiler.is_compiling():
-        recipe = get_autocast_state().recipe if get_autocast_state().enabled else None
-        if recipe is not None and recipe.delayed():
+        if state.enabled and state.recipe is not None and state.recipe.delayed():
             raise ValueError(
                 "te.checkpoint: under DelayedScaling, checkpointing inside a torch.compile "
                 "region is not supported: the delayed-scaling update writes the FP8 state, "
@@ -121,7 +121,6 @@ def checkpoint(
         return torch.utils.checkpoint.checkpoint(
             function, *args, use_reentrant=use_reentrant, **options
         )
-    state = get_autocast_state()
     if state.recipe is not None:
         state = state._replace(recipe=copy.copy(state.recipe))
     scope = RecomputeScope()

@@ -75,6 +75,7 @@ _SAFE_GLOBALS = {
     ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
     ("torch.storage", "_load_from_bytes"): _load_storage_bytes,
     ("collections", "OrderedDict"): collections.OrderedDict,
+    **{(_TE_RECIPE_MODULE, n): cls for n, cls in _RECORD_CLASSES.items()},
 }
 
 
@@ -83,8 +84,6 @@ class _RestrictedUnpickler(pickle.Unpickler):
     global (a function, ``os.system``, a user's ``amax_compute_algo``) is refused."""
 
     def find_class(self, module: str, name: str) -> object:
-        if module == _TE_RECIPE_MODULE and name in _RECORD_CLASSES:
-            return _RECORD_CLASSES[name]
         safe = _SAFE_GLOBALS.get((module, name))
         if safe is None:
             raise pickle.UnpicklingError(f"refusing the global {module}.{name}")

@@ -306,19 +306,19 @@ def test_fp8_states_saved_and_restored():
     failed capture the flag is put back too."""
     lin = _lin()
     (state,) = _fp8_states(lin)
-    ptrs = [b.data_ptr() for b in graph_mod._buffers(state)]
-    before = [b.clone() for b in graph_mod._buffers(state)]
+    ptrs = [b.data_ptr() for b in state.buffers()]
+    before = [b.clone() for b in state.buffers()]
     for flags in (False, True):
         states = graph_mod._FP8States()
         states.add(lin, calibrate_off=True)
         states.add(lin, calibrate_off=True)  # a module met twice is saved once
         assert state.calibrated
-        for b in graph_mod._buffers(state):
+        for b in state.buffers():
             b.fill_(7.0)
         states.restore(flags=flags)
         assert state.calibrated is (not flags)
         state.calibrated = False
-        for b, ref, ptr in zip(graph_mod._buffers(state), before, ptrs, strict=True):
+        for b, ref, ptr in zip(state.buffers(), before, ptrs, strict=True):
             assert b.data_ptr() == ptr
             assert torch.equal(b, ref)
 
@@ -403,8 +403,8 @@ def test_capture_path_with_stand_ins(stand_in_cuda, callable_kind):
         model(x).sum().backward()
     model.runs.clear()
     (state,) = _fp8_states(model)
-    before = [b.clone() for b in graph_mod._buffers(state)]
-    ptrs = [b.data_ptr() for b in graph_mod._buffers(state)]
+    before = [b.clone() for b in state.buffers()]
+    ptrs = [b.data_ptr() for b in state.buffers()]
     hooks = []
     rng = torch.get_rng_state()
     target = model if callable_kind == "module" else (lambda t: model(t))
@@ -417,7 +417,7 @@ def test_capture_path_with_stand_ins(stand_in_cuda, callable_kind):
     assert hooks == ["pre", "post"]
     assert torch.equal(torch.get_rng_state(), rng)
     assert state.calibrated
-    for b, ref, ptr in zip(graph_mod._buffers(state), before, ptrs, strict=True):
+    for b, ref, ptr in zip(state.buffers(), before, ptrs, strict=True):
         assert b.data_ptr() == ptr
         assert torch.equal(b, ref)
     if callable_kind == "module":
@@ -598,7 +598,7 @@ def test_graphed_module_matches_eager(kind, recipe_name):
     assert graphed is model
     assert torch.equal(torch.cuda.get_rng_state(), rng)
     for s, t in zip(states, twin_states, strict=True):
-        for a, b in zip(graph_mod._buffers(s), graph_mod._buffers(t), strict=True):
+        for a, b in zip(s.buffers(), t.buffers(), strict=True):
             assert torch.equal(a, b)
     for step in range(1, 4):
         x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
@@ -742,11 +742,11 @@ def test_graphed_function_of_an_fp8_module():
     _step(model, x0, dy, {}, recipe)
     twin = copy.deepcopy(model)
     (state,) = _fp8_states(model)
-    before = [b.clone() for b in graph_mod._buffers(state)]
+    before = [b.clone() for b in state.buffers()]
     graphed = te.make_graphed_callables(
         lambda t: model(t), (x0.clone().requires_grad_(),), enabled=True, recipe=recipe
     )
-    for a, b in zip(graph_mod._buffers(state), before, strict=True):
+    for a, b in zip(state.buffers(), before, strict=True):
         assert torch.equal(a, b)
     for _ in range(3):
         x = torch.randn(64, H, device="cuda", dtype=torch.bfloat16)
