@@ -371,7 +371,7 @@ def per_tensor_backward(grad_out, saved, inp, m_splits, weight, main_grad, r, ha
         measure = r.grad_amax is not None
         # Delayed scaling by the kernel: amax(dY) folded into grad_amax itself, zeroed first.
         fold = measure and s_g is not None and _kernel_cast(grad_out)
-        (slot,) = grad_amax_slots(r.recipe if fold else "", grad_out, r.grad_amax)
+        (slot,) = grad_amax_slots(r.recipe, grad_out, r.grad_amax) if fold else (None,)
         gq, gs, g_amax = _quantize(grad_out, bwd_dtype, s_g, measure, e4m3_codes=True, slot=slot)
         if measure and not fold:
             r.grad_amax.copy_(g_amax)
