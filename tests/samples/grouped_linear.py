@@ -4,6 +4,8 @@ overrides among them) and pre-quantised weights."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from te_compile.functional.grouped_linear_args import GroupedLinearArgs
@@ -15,11 +17,8 @@ from tests.samples.linear import specs
 def grouped_linear_samples(device: torch.device):
     t = sample_tensor(device)
 
-    def bf(*shape, grad=True):
-        return t(*shape, dtype=torch.bfloat16, grad=grad)
-
-    def zeros(*shape):
-        return torch.zeros(*shape, device=device)
+    bf = functools.partial(t, dtype=torch.bfloat16)
+    zeros = functools.partial(torch.zeros, device=device)
 
     def splits(*values, on=device):
         return torch.tensor(values, device=on, dtype=torch.int64)

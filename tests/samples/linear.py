@@ -4,6 +4,8 @@ pre-quantised weights and odd shapes."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -37,11 +39,8 @@ def unit_rows(*shape: int, device) -> Tensor:
 def linear_samples(device: torch.device):
     t = sample_tensor(device)
 
-    def bf(*shape, grad=True):
-        return t(*shape, dtype=torch.bfloat16, grad=grad)
-
-    def zeros(*shape):
-        return torch.zeros(*shape, device=device)
+    bf = functools.partial(t, dtype=torch.bfloat16)
+    zeros = functools.partial(torch.zeros, device=device)
 
     fp16 = torch.float16
     # High precision.
