@@ -134,8 +134,9 @@ class Op:
         self._default = fn
         _LIB.impl(name, fn, "CompositeExplicitAutograd")
         self.overload: torch._ops.OpOverload = getattr(getattr(torch.ops, NAMESPACE), name).default
-        self._arg_names = [a.name for a in self.overload._schema.arguments]
+        names = [a.name for a in self.overload._schema.arguments]
         self._written = tuple(mutates_args)
+        self._written_at = [(names.index(n), n) for n in self._written]  # (position, name)
         if self._written:
             _LIB.impl(name, self._new_versions, "ADInplaceOrView", with_keyset=True)
         self.opaque = opaque
@@ -154,10 +155,8 @@ class Op:
             return self.overload.redispatch(below, *args, **kwargs)
 
     def _bump_written(self, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
-        named = dict(zip(self._arg_names, args, strict=False)) | kwargs
-        for name in self._written:
-            if isinstance(t := named.get(name), torch.Tensor):
-                torch.autograd.graph.increment_version(t)
+        written = [args[i] if i < len(args) else kwargs.get(name) for i, name in self._written_at]
+        torch.autograd.graph.increment_version([t for t in written if isinstance(t, torch.Tensor)])
 
     def register_kernel(self, device_type: str) -> Callable[[Callable], Callable]:
         """Decorator: the implementation used for tensors on ``device_type`` (e.g. "cuda")."""

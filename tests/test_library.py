@@ -233,24 +233,43 @@ def _plain_op_samples(name, device):
 def test_plain_op_fast_path_agrees_with_the_op_and_versions_what_it_writes(device):
     """A non-differentiable op called eagerly runs its implementation without the dispatcher
     (``Op.__call__``): outputs and the buffers it writes equal the op path's bit for bit, and a
-    written buffer gets a new version, as the dispatcher's call gives it (on CUDA a Triton
-    kernel writes it, which no version counter sees)."""
+    written buffer, passed by position or by name, gets a new version, as the dispatcher's call
+    gives it (on CUDA a Triton kernel writes it, which no version counter sees)."""
     from te_compile.functional.fp8_scaling import delayed_scaling_update_op as op
 
+    names = [a.name for a in op.overload._schema.arguments]
     for args in _plain_op_samples("delayed_scaling_update", device):
         results = []
-        for fast in (True, False):
+        for fast, by_name in ((True, False), (True, True), (False, False)):
             te.set_eager_fast_path(fast)
             try:
                 mine = _clone(args)
                 versions = [t._version for t in mine[:2]]
-                out = op(*mine)
+                out = op(**dict(zip(names, mine, strict=False))) if by_name else op(*mine)
                 assert all(t._version > v for t, v in zip(mine[:2], versions, strict=True))
                 results.append([out, *mine[:2]])
             finally:
                 te.set_eager_fast_path(True)
-        for a, b in zip(*results, strict=True):
-            assert torch.equal(a, b)
+        for other in results[1:]:
+            for a, b in zip(results[0], other, strict=True):
+                assert torch.equal(a, b)
+
+
+def test_bump_written_versions_the_written_arguments_by_position_and_by_name():
+    """The fast path's version bump (a Triton write bumps no counter) finds each written
+    argument wherever the call put it, and only those."""
+    from te_compile.functional.fp8_scaling import delayed_scaling_update_op as op
+
+    h, s, a = torch.zeros(4, 3), torch.ones(3), torch.zeros(3)
+    calls = [
+        ((h, s, a), {}),
+        ((h,), {"scale": s, "amax": a}),
+        ((), {"amax_history": h, "scale": s}),
+    ]
+    for args, kwargs in calls:
+        before = [t._version for t in (h, s, a)]
+        op._bump_written(args, kwargs)
+        assert [t._version - v for t, v in zip((h, s, a), before, strict=True)] == [1, 1, 0]
 
 
 def _overload(qualname):

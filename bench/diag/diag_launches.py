@@ -132,6 +132,7 @@ def main() -> None:
     parser.add_argument("--recipes", nargs="+", choices=RECIPES, default=list(RECIPES))
     parser.add_argument("--list", action="store_true", help="every launch, by kernel name")
     parser.add_argument("--model", choices=("layer", "grouped_mlp"), default="layer")
+    parser.add_argument("--dump", type=Path, help="write each recipe's generated code here")
     parser.add_argument("--child", choices=RECIPES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -149,7 +150,11 @@ def main() -> None:
                  "--model", args.model],
                 cwd=tmp, env=env, capture_output=True, text=True, check=False,
             )  # fmt: skip
-            graphs = launches(_LOG_PREFIX.sub("", run.stderr))
+            code = _LOG_PREFIX.sub("", run.stderr)
+            if args.dump:
+                args.dump.mkdir(parents=True, exist_ok=True)
+                (args.dump / f"{recipe}.py").write_text(code)
+            graphs = launches(code)
             if len(graphs) != 2:
                 sys.exit(
                     f"{recipe}: expected a forward and a backward graph:\n{run.stderr[-3000:]}"

@@ -156,6 +156,17 @@ def launch(kernel: Any, grid: Any) -> Any:
     return lambda *args, **kwargs: launcher(grid, *args, **kwargs)
 
 
+def next_pow2(n: int) -> int:
+    """The least power of 2 >= ``n`` (0 for 0), as ``triton.next_power_of_2``, which is a Triton
+    constexpr function now: it unwraps its arguments on every host call, which costs an eager
+    launch ~1.5 us. A SymInt goes to Triton's."""
+    if type(n) is not int:
+        import triton
+
+        return triton.next_power_of_2(n)
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 def cdiv(n: Any, d: int) -> Any:
     """``ceil(n / d)`` for a launch's host code (ints or SymInts): ``triton.cdiv`` without its
     per-call constexpr unwrapping, which costs host time on every eager launch."""

@@ -55,7 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
-from te_compile.kernels import cdiv, launch, programs_per_sm, size_hint
+from te_compile.kernels import cdiv, launch, next_pow2, programs_per_sm, size_hint
 
 __all__ = [
     "ALL_FUNCTIONS",
@@ -409,7 +409,7 @@ def flat_config(numel: int, device: torch.device) -> FlatConfig:
     sizes that matter (16384^2) hundreds of thousands of programs, so no tail effect. The
     interpreter runs one program at a time in numpy, so there fewer, larger programs are faster."""
     if device.type != "cuda":
-        return FlatConfig(block=min(4096, triton.next_power_of_2(max(numel, 1))), num_warps=1)
+        return FlatConfig(block=min(4096, next_pow2(max(numel, 1))), num_warps=1)
     return FlatConfig(block=2048, num_warps=4)
 
 
@@ -425,8 +425,8 @@ def rows_config(m: int, n: int, device: torch.device, *, dbias: bool) -> RowsCon
     (4 tiles per program, unrolled), about 3x its copy time; the per-tile reduction, common to
     all three, was the suspect. This layout: 0.58 ms (gelu) and 0.94 ms (swiglu, 16384 x 32768
     in) in the MLP benchmark on the same GPU, faster than Inductor's fused kernel (0.67 / 1.62)."""
-    block_n = min(256, triton.next_power_of_2(max(n, 1)))
-    block_m = min(max(1, 4096 // block_n), triton.next_power_of_2(max(m, 1)))
+    block_n = min(256, next_pow2(max(n, 1)))
+    block_m = min(max(1, 4096 // block_n), next_pow2(max(m, 1)))
     num_warps = 8 if block_m * block_n >= 4096 else 4
     row_blocks = cdiv(m, block_m)
     if not dbias:

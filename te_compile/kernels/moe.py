@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from te_compile.kernels import bf16_bits, cdiv, kernel_arg, launch, size_hint
+from te_compile.kernels import bf16_bits, cdiv, kernel_arg, launch, next_pow2, size_hint
 from te_compile.kernels.quantize_mx import load_x, store_out
 
 __all__ = ["gather_dot", "gather_sum"]
@@ -100,7 +100,7 @@ def gather_sum(
     index = index.contiguous()
     weight = None if weight is None else weight.contiguous()
     count = None if count is None else count.contiguous()
-    block = block_h or min(_MAX_BLOCK_H, triton.next_power_of_2(size_hint(hidden)))
+    block = block_h or min(_MAX_BLOCK_H, next_pow2(size_hint(hidden)))
     grid = (rows, cdiv(hidden, block))
     launch(_gather_sum_kernel, grid)(
         kernel_arg(x),
@@ -168,7 +168,7 @@ def gather_dot(
     g = g if g.stride(1) == 1 else g.contiguous()
     x = x if x.stride(1) == 1 else x.contiguous()
     index, weight = index.contiguous(), weight.contiguous()
-    block = block_h or min(_MAX_BLOCK_H, triton.next_power_of_2(size_hint(hidden)))
+    block = block_h or min(_MAX_BLOCK_H, next_pow2(size_hint(hidden)))
     launch(_gather_dot_kernel, (rows,))(
         kernel_arg(g),
         index,

@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from te_compile.kernels import cdiv, launch, programs_per_sm, size_hint
+from te_compile.kernels import cdiv, launch, next_pow2, programs_per_sm, size_hint
 from te_compile.kernels.fp8 import ROUNDING, abs_bits, round_to
 
 __all__ = [
@@ -106,7 +106,7 @@ _MIN_TILE = 2048
 def launch_config(n: int, backward: bool) -> NormLaunchConfig:
     """The tiling for rows of ``n`` elements (see :class:`NormLaunchConfig`)."""
     cap = _BWD_MAX_BLOCK_N if backward else _FWD_MAX_BLOCK_N
-    block_n = min(triton.next_power_of_2(n), cap)
+    block_n = min(next_pow2(n), cap)
     block_m = max(1, _MIN_TILE // block_n)
     num_warps = min(16, max(4, block_m * block_n // 512))
     return NormLaunchConfig(block_m, block_n, num_warps, chunked=n > block_n)

@@ -68,7 +68,7 @@ from torch import Tensor
 
 from te_compile import _csrc
 from te_compile._numerics import reciprocal_rn
-from te_compile.kernels import aligned16, cdiv, launch, programs_per_sm, tracing
+from te_compile.kernels import aligned16, cdiv, launch, next_pow2, programs_per_sm, tracing
 from te_compile.kernels.fp8 import (
     BLOCK,
     DEFAULT_CONFIG,
@@ -706,7 +706,7 @@ def delayed_scaling_update(
         out.stride(0),
         2.0**margin,
         MAX_ALGO=max_algo,
-        BLOCK_L=triton.next_power_of_2(length),
-        BLOCK_S=triton.next_power_of_2(slots),
+        BLOCK_L=next_pow2(length),
+        BLOCK_S=next_pow2(slots),
         num_warps=4,
     )

@@ -26,7 +26,7 @@ import triton.language as tl
 from torch import Tensor
 
 from te_compile._numerics import reciprocal_rn
-from te_compile.kernels import cdiv, e5m2_to_e4m3_table, launch
+from te_compile.kernels import cdiv, e5m2_to_e4m3_table, launch, next_pow2
 from te_compile.kernels.fp8 import (
     DEFAULT_CONFIG,
     FORMATS,
@@ -361,7 +361,7 @@ def quantize_rowwise(
     data = torch.empty(x.shape, device=x.device, dtype=_codes_dtype(fp8_dtype, e4m3_codes))
     scale_inv = torch.empty(x.shape[:-1], device=x.device, dtype=torch.float32)
     if m * k:
-        bk = min(block_k, triton.next_power_of_2(k))
+        bk = min(block_k, next_pow2(k))
         launch(_rowwise_kernel, (cdiv(m, block_m),))(
             x2,
             uint8_view(data),

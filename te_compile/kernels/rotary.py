@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from te_compile.kernels import bf16_bits, cdiv, kernel_arg, launch, size_hint
+from te_compile.kernels import bf16_bits, cdiv, kernel_arg, launch, next_pow2, size_hint
 from te_compile.kernels.quantize_mx import load_x, store_out
 
 __all__ = ["RotaryLaunchConfig", "launch_config", "rotary"]
@@ -97,10 +97,10 @@ _MAX_BLOCK_H = 8
 def launch_config(heads: int, pairs: int, passthrough: int) -> RotaryLaunchConfig:
     """The tiling for ``heads`` heads of ``pairs`` rotary pairs and ``passthrough`` copied
     channels (sizes to choose a tiling by: any tiling is correct for any size)."""
-    block_p = min(triton.next_power_of_2(max(pairs, 1)), _MAX_BLOCK_P)
-    block_h = min(triton.next_power_of_2(max(heads, 1)), _MAX_BLOCK_H)
+    block_p = min(next_pow2(max(pairs, 1)), _MAX_BLOCK_P)
+    block_h = min(next_pow2(max(heads, 1)), _MAX_BLOCK_H)
     block_t = max(1, _TILE // (2 * block_p))
-    block_c = min(triton.next_power_of_2(max(passthrough, 1)), 2 * block_p)
+    block_c = min(next_pow2(max(passthrough, 1)), 2 * block_p)
     return RotaryLaunchConfig(block_t, block_h, block_p, block_c, num_warps=_NUM_WARPS)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from te_compile.kernels import EagerLauncher, launch
+from te_compile.kernels import EagerLauncher, launch, next_pow2
 from tests.utils import assert_bits_equal, requires_cuda
 
 
@@ -171,3 +171,12 @@ def test_cuda_direct_launches_give_triton_launches_bits(offset):
     y2 = torch.ops.te.rmsnorm_fwd(x, w, 1e-5, False)
     for a, b in zip(y2, y1, strict=True):
         assert_bits_equal(a, b)
+
+
+def test_next_pow2_is_tritons_next_power_of_2():
+    """The host-side block-size helper gives Triton's values (0 for 0, the least power of 2 >= n
+    otherwise), for small sizes and past 2**31."""
+    import triton
+
+    for n in [*range(0, 1100), 2**20 - 1, 2**20, 2**20 + 1, 2**31 + 5, 3 * 2**40]:
+        assert next_pow2(n) == triton.next_power_of_2(n), n
