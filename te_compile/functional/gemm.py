@@ -94,6 +94,7 @@ __all__ = [
     "padded",
     "qdq_both",
     "quantize_operand",
+    "quantize_operands",
     "quantize_per_tensor",
     "save_for_backward_except_written",
     "scale_slots",
@@ -475,6 +476,29 @@ def quantize_operand(
     a per-tensor kind's element of the GEMM's amax buffer, :func:`amax_buffer`)."""
     rng_state = rng_state if spec.stochastic_rounding else None
     return QUANTIZERS[spec.kind](spec, x2, scale, columnwise, mn_major, sums, rng_state, slot)
+
+
+def quantize_operands(
+    specs: tuple[QuantSpec, QuantSpec],
+    x2: tuple[Tensor, Tensor],
+    scale: tuple[Tensor | None, Tensor | None],
+    slot: tuple[tuple[Tensor, int] | None, tuple[Tensor, int] | None],
+    columnwise: tuple[bool, bool] = (True, True),
+) -> list[Operand]:
+    """:func:`quantize_operand` of two tensors (a GEMM's input and weight, an MLP's weights).
+    Two per-tensor casts to one format that fold into one amax buffer (on CUDA) run as one launch
+    for both amax passes and one for both casts (``kernels.quantize.quantize_pair``): the same
+    bits, two launches fewer."""
+    (a, b), (s_a, s_b) = specs, slot
+    calls = zip(specs, x2, scale, columnwise, slot, strict=True)
+    if not (s_a and s_b and s_a[0] is s_b[0] and a.kind == b.kind and a.fp8_dtype is b.fp8_dtype
+            and (scale[0] is None) == (scale[1] is None)):  # fmt: skip
+        return [quantize_operand(p, t, scale=sc, columnwise=c, slot=i) for p, t, sc, c, i in calls]
+    from te_compile.kernels.quantize import quantize_pair
+
+    delayed = None if scale[0] is None else scale
+    out = quantize_pair(x2, a.fp8_dtype, columnwise, s_a[0], (s_a[1], s_b[1]), delayed)
+    return [Operand(data, s_inv, data_t, s_inv, amax) for data, data_t, s_inv, amax in out]
 
 
 def amax_buffer(

@@ -30,6 +30,7 @@ from te_compile.functional.gemm import (
     hp_linear,
     pad_rows,
     quantize_operand,
+    quantize_operands,
     scale_slots,
     unpad,
     wgrad_gemm,
@@ -71,15 +72,18 @@ def forward_impl(a: LinearArgs, cuda: bool) -> tuple[Tensor, Tensor, list[Tensor
         s_x, s_w, _ = scale_slots(a.scale, recipe)
         # The input's and the weight's amax in one buffer (a pre-quantised weight has its own).
         bits, (a_x, a_w) = amax_buffer(recipe, x2, 2, shared=a.weight_q is None)
+        xq, x_t = None, not bw.save_input  # save_input quantises the input again
         if norm.normalization and override != "high_precision":
             xq, *stats = norm_quantize(xs, x2, norm, scale=s_x, slot=a_x)
-        else:  # high_precision keeps the norm's output; save_input quantises the input again
-            if norm.normalization:
-                x2, *stats = norm_forward(x2, norm)
-            xq = quantize_operand(xs, pad_rows(x2), scale=s_x, columnwise=not bw.save_input,
-                                  slot=a_x)  # fmt: skip
-        # Pre-quantised: a copy is an input's.
-        wq = weight_operand(a.weight_q, ws, weight, s_w, slot=a_w)
+        elif norm.normalization:  # high_precision keeps the norm's output
+            x2, *stats = norm_forward(x2, norm)
+        if xq is None and a.weight_q is None:  # both casts in one launch where they can be
+            xq, wq = quantize_operands((xs, ws), (pad_rows(x2), weight), (s_x, s_w), (a_x, a_w),
+                                       (x_t, True))  # fmt: skip
+        else:  # pre-quantised: a copy is an input's
+            if xq is None:
+                xq = quantize_operand(xs, pad_rows(x2), scale=s_x, columnwise=x_t, slot=a_x)
+            wq = weight_operand(a.weight_q, ws, weight, s_w, slot=a_w)
         h = gemm(gemm_kind(recipe, xs.emulate), xq.data, xq.scale, wq.data, wq.scale, dtype,
                  bias=fuse_bias, fast_accum=True, b_block_rows=ws.block_rows)  # fmt: skip
         h = unpad(h, m)

@@ -79,6 +79,7 @@ from te_compile.functional.gemm import (
     pad_rows,
     padded,
     quantize_operand,
+    quantize_operands,
     save_for_backward_except_written,
     scale_slots,
     unpad,
@@ -227,11 +228,13 @@ def mlp_fwd(
         xq, *stats = norm_quantize(xs, x2, norm, scale=s_x, mn_major=_native_block(xs), slot=a_x)
     else:
         xq = quantize_operand(xs, pad_rows(x2), scale=s_x, slot=a_x)
-    w1q = weight_operand(q1, ws, w1, s_w1, slot=a_w1)
+    if shared:  # both weights' casts in one launch where they can be
+        w1q, w2q = quantize_operands((ws, ws), (w1, w2), (s_w1, s_w2), (a_w1, a_w2))
+    else:
+        w1q, w2q = weight_operand(q1, ws, w1, s_w1, a_w1), weight_operand(q2, ws, w2, s_w2, a_w2)
     z = gemm(kind, xq.data, xq.scale, w1q.data, w1q.scale, dtype, fast_accum=True,
              b_block_rows=rows)  # fmt: skip
     hq, _ = _act_operand(xs, z, b1, None, ep, s_h, m, False, a_h)
-    w2q = weight_operand(q2, ws, w2, s_w2, slot=a_w2)
     out = gemm(kind, hq.data, hq.scale, w2q.data, w2q.scale, dtype, bias=b2, fast_accum=True,
                b_block_rows=rows)  # fmt: skip
     out = unpad(out, m)

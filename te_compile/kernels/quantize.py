@@ -96,15 +96,16 @@ __all__ = [
     "dequantize_tensorwise",
     "quantize_blockwise",
     "quantize_current",
+    "quantize_pair",
     "quantize_tensorwise",
 ]
 
 
-@triton.jit(do_not_specialize=["AMAX_SLOT"])  # one compile for every slot
-def _amax_kernel(X, AMAX_BITS, AMAX_SLOT, numel, chunk, BLOCK_SIZE: tl.constexpr):
-    """Program ``p`` reduces elements ``[p * chunk, (p + 1) * chunk)``; one atomic max each,
-    into element ``AMAX_SLOT`` of ``AMAX_BITS``."""
-    start = tl.program_id(0).to(tl.int64) * chunk
+@triton.jit
+def _amax_chunk(X, AMAX_BITS, AMAX_SLOT, pid, numel, chunk, BLOCK_SIZE: tl.constexpr):
+    """Program ``pid`` of an amax pass: reduces elements ``[pid * chunk, (pid + 1) * chunk)`` of
+    ``X``; one atomic max into element ``AMAX_SLOT`` of ``AMAX_BITS``."""
+    start = pid.to(tl.int64) * chunk
     end = tl.minimum(start + chunk, numel)
     acc = tl.zeros([BLOCK_SIZE], dtype=tl.int32)
     for s in range(start, end, BLOCK_SIZE):
@@ -114,6 +115,26 @@ def _amax_kernel(X, AMAX_BITS, AMAX_SLOT, numel, chunk, BLOCK_SIZE: tl.constexpr
     tl.atomic_max(AMAX_BITS.to(tl.pointer_type(tl.int32)) + AMAX_SLOT, tl.max(acc, axis=0))
 
 
+@triton.jit(do_not_specialize=["AMAX_SLOT"])  # one compile for every slot
+def _amax_kernel(X, AMAX_BITS, AMAX_SLOT, numel, chunk, BLOCK_SIZE: tl.constexpr):
+    """``_amax_chunk`` of program ``p``: elements ``[p * chunk, (p + 1) * chunk)``."""
+    _amax_chunk(X, AMAX_BITS, AMAX_SLOT, tl.program_id(0), numel, chunk, BLOCK_SIZE)
+
+
+@triton.jit(do_not_specialize=["SLOT0", "SLOT1"])
+def _amax_pair_kernel(
+    X0, X1, AMAX_BITS, SLOT0, SLOT1, numel0, chunk0, programs0, numel1, chunk1,
+    BLOCK_SIZE: tl.constexpr,
+):  # fmt: skip
+    """The amax passes of two tensors in one launch: the first ``programs0`` programs reduce
+    ``X0`` into ``AMAX_SLOT`` ``SLOT0``, the others ``X1`` into ``SLOT1``."""
+    pid = tl.program_id(0)
+    if pid < programs0:
+        _amax_chunk(X0, AMAX_BITS, SLOT0, pid, numel0, chunk0, BLOCK_SIZE)
+    else:
+        _amax_chunk(X1, AMAX_BITS, SLOT1, pid - programs0, numel1, chunk1, BLOCK_SIZE)
+
+
 @triton.jit
 def _zero_kernel(A, B, TWO: tl.constexpr):
     tl.store(A, 0.0)
@@ -121,38 +142,19 @@ def _zero_kernel(A, B, TWO: tl.constexpr):
         tl.store(B, 0.0)
 
 
-@triton.jit(do_not_specialize=["AMAX_SLOT"])  # one compile for every slot
-def _cast_kernel(
-    X,
-    SCALE,
-    AMAX_BITS,
-    AMAX_SLOT,
-    DATA,
-    DATA_T,
-    SCALE_INV,
-    M,
-    K,
-    fp8_max,
-    eps,
-    E4M3: tl.constexpr,
-    MBITS: tl.constexpr,
-    BIAS: tl.constexpr,
-    SOFTWARE: tl.constexpr,
-    GUARD: tl.constexpr,
-    FROM_AMAX: tl.constexpr,
-    POW2: tl.constexpr,
-    COLUMNWISE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """Per-tensor cast of one tile. ``FROM_AMAX`` (current scaling): the scale comes from the
-    amax in ``AMAX_BITS[AMAX_SLOT]``; otherwise (delayed scaling) ``SCALE`` is given and the
-    tile's amax is folded into it. Program (0, 0) writes ``SCALE_INV``."""
+@triton.jit
+def _cast_tile(
+    X, SCALE, AMAX_BITS, AMAX_SLOT, DATA, DATA_T, SCALE_INV, M, K, pid_m, pid_k, fp8_max, eps,
+    E4M3: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, SOFTWARE: tl.constexpr,
+    GUARD: tl.constexpr, FROM_AMAX: tl.constexpr, POW2: tl.constexpr, COLUMNWISE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Per-tensor cast of tile ``(pid_m, pid_k)``. ``FROM_AMAX`` (current scaling): the scale
+    comes from the amax in ``AMAX_BITS[AMAX_SLOT]``; otherwise (delayed scaling) ``SCALE`` is
+    given and the tile's amax is folded into it. Tile (0, 0) writes ``SCALE_INV``."""
     # Inductor passes Python floats as fp64; Triton's own launcher as fp32.
     fp8_max = tl.cast(fp8_max, tl.float32)
     eps = tl.cast(eps, tl.float32)
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (rows[:, None] < M) & (cols[None, :] < K)
@@ -167,6 +169,46 @@ def _cast_kernel(
         mask_t = (cols[:, None] < K) & (rows[None, :] < M)
         offs_t = cols.to(tl.int64)[:, None] * M + rows[None, :]
         tl.store(DATA_T + offs_t, tl.trans(q), mask=mask_t)
+
+
+@triton.jit(do_not_specialize=["AMAX_SLOT"])  # one compile for every slot
+def _cast_kernel(
+    X, SCALE, AMAX_BITS, AMAX_SLOT, DATA, DATA_T, SCALE_INV, M, K, fp8_max, eps,
+    E4M3: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, SOFTWARE: tl.constexpr,
+    GUARD: tl.constexpr, FROM_AMAX: tl.constexpr, POW2: tl.constexpr, COLUMNWISE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """``_cast_tile`` of the program's tile: the per-tensor cast of both recipes."""
+    _cast_tile(X, SCALE, AMAX_BITS, AMAX_SLOT, DATA, DATA_T, SCALE_INV, M, K, tl.program_id(0),
+               tl.program_id(1), fp8_max, eps, E4M3, MBITS, BIAS, SOFTWARE, GUARD, FROM_AMAX,
+               POW2, COLUMNWISE, BLOCK_M, BLOCK_K)  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["SLOT0", "SLOT1"])
+def _cast_pair_kernel(
+    X0, SCALE0, SLOT0, DATA0, DATA_T0, SCALE_INV0, M0, K0,
+    X1, SCALE1, SLOT1, DATA1, DATA_T1, SCALE_INV1, M1, K1, AMAX_BITS, fp8_max, eps,
+    E4M3: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, SOFTWARE: tl.constexpr,
+    GUARD: tl.constexpr, FROM_AMAX: tl.constexpr, POW2: tl.constexpr,
+    COLUMNWISE0: tl.constexpr, COLUMNWISE1: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """The casts of two tensors (``_cast_kernel`` each) in one launch over a 1-D grid: the first
+    ``cdiv(M0, BLOCK_M) * cdiv(K0, BLOCK_K)`` programs take ``X0``'s tiles, the others
+    ``X1``'s; both tensors non-empty, their amaxes in one ``AMAX_BITS``."""
+    pid = tl.program_id(0)
+    tiles_k0 = tl.cdiv(K0, BLOCK_K)
+    tiles0 = tl.cdiv(M0, BLOCK_M) * tiles_k0
+    if pid < tiles0:
+        _cast_tile(X0, SCALE0, AMAX_BITS, SLOT0, DATA0, DATA_T0, SCALE_INV0, M0, K0,
+                   pid // tiles_k0, pid % tiles_k0, fp8_max, eps, E4M3, MBITS, BIAS, SOFTWARE,
+                   GUARD, FROM_AMAX, POW2, COLUMNWISE0, BLOCK_M, BLOCK_K)  # fmt: skip
+    else:
+        p = pid - tiles0
+        tiles_k1 = tl.cdiv(K1, BLOCK_K)
+        _cast_tile(X1, SCALE1, AMAX_BITS, SLOT1, DATA1, DATA_T1, SCALE_INV1, M1, K1,
+                   p // tiles_k1, p % tiles_k1, fp8_max, eps, E4M3, MBITS, BIAS, SOFTWARE,
+                   GUARD, FROM_AMAX, POW2, COLUMNWISE1, BLOCK_M, BLOCK_K)  # fmt: skip
 
 
 @triton.jit
@@ -371,13 +413,19 @@ def _amax_bits(x: Tensor, cfg: QuantizeLaunchConfig, out: Tensor | None = None, 
     out = amax_bits(x.device) if out is None else out
     n = x.numel()
     if n:
-        cap = cfg.amax_programs or programs_per_sm(x.device, 4)
-        programs = min(cdiv(n, cfg.amax_block), cap)
-        chunk = cdiv(cdiv(n, programs), cfg.amax_block) * cfg.amax_block
-        launch(_amax_kernel, (cdiv(n, chunk),))(
+        programs, chunk = _amax_split(x, cfg)
+        launch(_amax_kernel, (programs,))(
             x, out, slot, n, chunk, BLOCK_SIZE=cfg.amax_block, num_warps=cfg.num_warps
         )
     return out
+
+
+def _amax_split(x: Tensor, cfg: QuantizeLaunchConfig) -> tuple[int, int]:
+    """``(programs, chunk)`` of a non-empty ``x``'s amax pass: elements per program."""
+    n = x.numel()
+    programs = min(cdiv(n, cfg.amax_block), cfg.amax_programs or programs_per_sm(x.device, 4))
+    chunk = cdiv(cdiv(n, programs), cfg.amax_block) * cfg.amax_block
+    return cdiv(n, chunk), chunk
 
 
 @functools.cache
@@ -496,6 +544,58 @@ def quantize_current(
     # SCALE (the second ``bits``) is unused with FROM_AMAX.
     return _cast(x.shape, x2, bits, bits, fp8_dtype, columnwise, cfg, True, amax_epsilon,
                  power_2_scale, slot)  # fmt: skip
+
+
+def quantize_pair(
+    x: tuple[Tensor, Tensor],
+    fp8_dtype: torch.dtype,
+    columnwise: tuple[bool, bool],
+    bits: Tensor,
+    slots: tuple[int, int],
+    scale: tuple[Tensor, Tensor] | None = None,
+    *,
+    config: QuantizeLaunchConfig | None = None,
+) -> list[tuple[Tensor, Tensor, Tensor, Tensor]]:
+    """Two per-tensor casts to one ``fp8_dtype``, each tensor's result bit for bit the one
+    :func:`quantize_current` (``scale`` None) or :func:`quantize_tensorwise` (the delayed
+    ``scale`` of each) gives with ``amax=bits`` and its slot, in one launch for both amax passes
+    and one for both casts (a GEMM's two operands: two launches fewer). Tensors of two dtypes or
+    an empty one are cast one after the other."""
+    cfg = config or DEFAULT_CONFIG
+    x2 = [as_rows(t)[0] for t in x]
+    if x2[0].dtype != x2[1].dtype or not all(t.numel() for t in x2):
+        if scale is None:
+            return [quantize_current(t, fp8_dtype, c, config=cfg, amax=bits, slot=i)
+                    for t, c, i in zip(x, columnwise, slots, strict=True)]  # fmt: skip
+        return [quantize_tensorwise(t, s, fp8_dtype, c, config=cfg, amax=bits, slot=i)
+                for t, s, c, i in zip(x, scale, columnwise, slots, strict=True)]  # fmt: skip
+    from_amax = scale is None
+    if from_amax:  # both amax passes; the casts read the amaxes (SCALE unused)
+        (p0, c0), (p1, c1) = (_amax_split(t, cfg) for t in x2)
+        launch(_amax_pair_kernel, (p0 + p1,))(
+            x2[0], x2[1], bits, *slots, x2[0].numel(), c0, p0, x2[1].numel(), c1,
+            BLOCK_SIZE=cfg.amax_block, num_warps=cfg.num_warps,
+        )  # fmt: skip
+        scale = (bits, bits)
+    else:
+        scale = tuple(s.reshape(1).contiguous() for s in scale)
+    out, args = [], []
+    for t, xt, s, c, i in zip(x, x2, scale, columnwise, slots, strict=True):
+        m, k = xt.shape
+        data = torch.empty(t.shape, device=t.device, dtype=fp8_dtype)
+        data_t = _transposed(xt, m, k, fp8_dtype, c)
+        scale_inv = torch.empty(1, device=t.device, dtype=torch.float32)
+        out.append((data, data_t, scale_inv, bits))
+        args += [xt, s, i, uint8_view(data), uint8_view(data_t), scale_inv, m, k]
+    tiles = sum(cdiv(t.shape[0], cfg.block_m) * cdiv(t.shape[1], cfg.block_k) for t in x2)
+    launch(_cast_pair_kernel, (tiles,))(
+        *args, bits, FORMATS[fp8_dtype].max, 0.0,
+        **cast_args(fp8_dtype, software_convert(x2[0].device, cfg), x2[0].dtype),
+        FROM_AMAX=from_amax, POW2=False, COLUMNWISE0=columnwise[0],
+        COLUMNWISE1=columnwise[1], BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps,
+    )  # fmt: skip
+    return out
 
 
 def quantize_blockwise(

@@ -614,3 +614,47 @@ def test_balance_scales_kernel_equals_the_torch_ops(sizes):
         got = row_kernels.balance_scales(a.to(TRITON_DEVICE), b.to(TRITON_DEVICE))
         for g, w in zip(got, want, strict=True):
             assert_bits_equal(g.cpu(), w)
+
+
+PAIRS = [
+    pytest.param(((37, 45), (2, 3, 20)), id="two-shapes"),
+    pytest.param(((16, 16), (33, 17)), id="whole-and-cut-tiles"),
+    pytest.param(((5, 0), (9, 7)), id="one-empty"),
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("delayed", [False, True], ids=["current", "delayed"])
+@pytest.mark.parametrize("columnwise", [(True, True), (False, True)], ids=str)
+@pytest.mark.parametrize("shapes", PAIRS)
+def test_pair_equals_two_single_casts(shapes, columnwise, delayed, config):
+    """``quantize_pair`` (both amax passes in one launch, both casts in one) gives each tensor
+    the bits, the inverse scale and the amax slot that the single casts give, with the slots
+    either way round; a tensor of another dtype, or an empty one, goes through the single casts."""
+    torch.manual_seed(0)
+    x = [_dev(_x(shapes[0], std=3.0)), _dev(_x(shapes[1], std=0.25))]
+    scales = (_dev(torch.tensor([2.0**-3])), _dev(torch.tensor([6.0]))) if delayed else None
+    for slots in ((0, 1), (1, 0)):
+        bits = kernels.amax_bits(x[0].device, 2)
+        got = kernels.quantize_pair(x, E4M3, columnwise, bits, slots, scales, config=config)
+        ref_bits = kernels.amax_bits(x[0].device, 2)
+        for i, (t, c, slot) in enumerate(zip(x, columnwise, slots, strict=True)):
+            if delayed:
+                want = kernels.quantize_tensorwise(t, scales[i], E4M3, c, config=config,
+                                                   amax=ref_bits, slot=slot)  # fmt: skip
+            else:
+                want = kernels.quantize_current(t, E4M3, c, config=config, amax=ref_bits,
+                                                slot=slot)  # fmt: skip
+            _assert_all_equal(got[i][:3], want[:3])
+        assert_bits_equal(bits, ref_bits)
+        assert bits[slots[1]] > 0 and (bits[slots[0]] > 0 or not x[0].numel())
+
+
+def test_pair_of_two_dtypes_casts_each_alone():
+    x = [_dev(_x((20, 24))), _dev(_x((12, 8), dtype=torch.float32))]
+    bits, ref_bits = (kernels.amax_bits(x[0].device, 2) for _ in range(2))
+    got = kernels.quantize_pair(x, E5M2, (True, False), bits, (0, 1), config=SMALL)
+    for i, t in enumerate(x):
+        want = kernels.quantize_current(t, E5M2, i == 0, config=SMALL, amax=ref_bits, slot=i)
+        _assert_all_equal(got[i][:3], want[:3])
+    assert_bits_equal(bits, ref_bits)
