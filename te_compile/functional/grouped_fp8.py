@@ -170,11 +170,9 @@ def _balanced(sa: Tensor, sb: Tensor) -> tuple[Tensor, Tensor]:
         return quantize_rows.balance_scales(sa.contiguous(), sb.contiguous())
 
     def exponent(t: Tensor) -> Tensor:  # biased, of the largest (0 for none)
-        return (
-            (t.amax().view(torch.int32) >> 23) & 0xFF
-            if t.numel()
-            else t.new_zeros((), dtype=torch.int32)
-        )
+        if not t.numel():
+            return t.new_zeros((), dtype=torch.int32)
+        return (t.amax().view(torch.int32) >> 23) & 0xFF
 
     s = torch.div(exponent(sa) - exponent(sb), 2, rounding_mode="floor").clamp(-126, 126)
     return sa * ((127 - s) << 23).view(torch.float32), sb * ((127 + s) << 23).view(torch.float32)

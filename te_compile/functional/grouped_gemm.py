@@ -359,7 +359,7 @@ def blockwise_backward(grad_out, saved, inp, m_splits, weight, main_grad, r, has
                        need_dgrad, need_wgrad, cuda):  # fmt: skip
     """``dY`` in the forward's padded layout, quantised once in 1x128 blocks both ways; per expert
     the dgrad against the saved ``W_g^T``, the wgrad against its saved ``X^T`` columns."""
-    power_2_scale, w_rows = r.power_2_scale, r.weight_block_rows
+    w_rows = r.weight_block_rows
     groups, n, k = weight.shape
     x_t, x_s = saved[:2]
     if saved[2].dim() == 3:  # a pre-quantised weight's stacked copies
@@ -367,16 +367,15 @@ def blockwise_backward(grad_out, saved, inp, m_splits, weight, main_grad, r, has
     else:
         w_t, w_s = saved[2 : 2 + groups], saved[2 + groups :]
     dtype = grad_out.dtype
-    rows = grad_out.shape[0]
     splits, firsts, starts, width, dy = _padded(grad_out, m_splits)
     codes = grad_out.new_empty(n * width, dtype=torch.uint8)
     scales = grad_out.new_empty(n * width // 128, dtype=torch.float32)
     gd, gs, gd_t, gs_t = _quantize_block(
-        dy, power_2_scale, _transposed_views(codes, scales, width, n)
+        dy, r.power_2_scale, _transposed_views(codes, scales, width, n)
     )
     xd_t, xs_t = _transposed_views(x_t, x_s, width, k)
     xd_t = xd_t.view(_E4M3)
-    dinp = grad_out.new_empty(rows, k) if need_dgrad else empty(grad_out)
+    dinp = grad_out.new_empty(grad_out.shape[0], k) if need_dgrad else empty(grad_out)
     into_weight = need_wgrad and main_grad is None
     dweight = grad_out.new_zeros(groups, n, k) if into_weight else empty(grad_out)
     dbias = grad_out.new_zeros(groups, n) if has_bias else empty(grad_out)
