@@ -104,7 +104,6 @@ __all__ = [
 _E4M3, _E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
-# The GEMMs of each recipe (``functional.grouped_gemm`` describes the rows).
 GROUPED_GEMMS: dict[str, tuple[Callable, Callable]] = {
     "grouped_mm": (high_precision_forward, high_precision_backward),
     "scaled_grouped_mm": (per_tensor_forward, per_tensor_backward),
@@ -273,9 +272,8 @@ def _override_reference(a: GroupedLinearArgs) -> Tensor:
 
 def _forward(a: GroupedLinearArgs, cuda: bool) -> tuple[Tensor, list[Tensor]]:
     check_grouped_linear(a)
-    x = a.specs[0]
-    forward, _ = GROUPED_GEMMS[grouped_gemm_kind(x.kind, x.emulate)]
     r = a.grouped_recipe
+    forward, _ = GROUPED_GEMMS[grouped_gemm_kind(r.recipe, r.emulate)]
     if a.bw.save_input:  # no FP8 copy of the input: the backward quantises it again
         r = r._replace(fp8_wgrad=False)
     out, saved = forward(a.inp, a.m_splits, a.weight, a.bias, r, cuda, a.weight_q)
@@ -354,7 +352,6 @@ def _grouped_linear_fwd_fake(*args):
     check_grouped_linear(a)
     inp = a.inp
     g, n, k = a.weight.shape
-    out = inp.new_empty(inp.shape[0], n)
     u8, f32 = torch.uint8, torch.float32
     x, w, _ = a.specs
     kind = grouped_gemm_kind(x.kind, x.emulate)
@@ -382,7 +379,7 @@ def _grouped_linear_fwd_fake(*args):
             saved.append(a.weight.new_empty(a.weight.shape, dtype=dtype))
     if kind == "scaled_grouped_mm" and appends_amaxes(x.kind, a.grad_amax):
         saved.append(inp.new_empty(2, dtype=f32))
-    return out, saved
+    return inp.new_empty(inp.shape[0], n), saved
 
 
 # 4. Backward op -----------------------------------------------------------------------------
@@ -457,8 +454,7 @@ def _grouped_linear_bwd_fake(*args):
     if need_wgrad and x.kind in ("", *PER_TENSOR) and not bw.fp8_wgrad:
         torch._check(inp is not None, lambda: "te.grouped_linear_bwd: the wgrad needs inp")
     dinp = grad_out.new_empty(grad_out.shape[0], k) if need_dgrad else empty(grad_out)
-    want_dw = need_wgrad and main_grad is None
-    dweight = grad_out.new_empty(g, n, k) if want_dw else empty(grad_out)
+    dweight = grad_out.new_empty(g, n, k) if need_wgrad and main_grad is None else empty(grad_out)
     dbias = grad_out.new_empty(g, n) if has_bias else empty(grad_out)
     return dinp, dweight, dbias
 
