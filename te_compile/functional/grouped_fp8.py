@@ -244,10 +244,9 @@ def _gemm_wgrad(
         if dyt.is_cuda:
             dw = _gemm_grouped(dyt, dys.reshape(-1), xt, xs.reshape(-1), None, pad_ends, fast)
         else:
-            acc = torch._grouped_mm(
-                dyt.to(torch.bfloat16), xt.to(torch.bfloat16).t(), offs=pad_ends
-            )
-            dw = (acc.float() * dys[:, :, None] * xs[:, None, :]).to(torch.bfloat16)
+            bf16 = torch.bfloat16
+            acc = torch._grouped_mm(dyt.to(bf16), xt.to(bf16).t(), offs=pad_ends)
+            dw = (acc.float() * dys[:, :, None] * xs[:, None, :]).to(bf16)
         if main_grad is None:
             return dw
         main_grad.add_(dw)
