@@ -424,12 +424,11 @@ def _cast_columns(x2: Tensor, m_splits: Tensor, r: GroupedRecipe, fp8_dtype: tor
     quantised there in one call and gathered back; no host sync."""
     rows, k = x2.shape
     step = 32 if r.recipe == "mxfp8" else 128
-    groups = m_splits.shape[0]
     splits = m_splits.to(x2.device, non_blocking=True)
     pad = -splits % step  # each group's zero rows up to a multiple of step
     shift = torch.cumsum(pad, 0) - pad
     dest = torch.arange(rows, device=x2.device) + row_bias(shift, splits, rows)
-    width = (rows + groups * (step - 1) + step - 1) // step * step
+    width = (rows + splits.shape[0] * (step - 1) + step - 1) // step * step
     layout = x2.new_zeros(width, k).index_copy_(0, dest, x2)
     return _cast(layout, r, fp8_dtype, 1, dest)
 

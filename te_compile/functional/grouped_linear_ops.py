@@ -121,12 +121,11 @@ def grouped_linear_ref(
     """High precision's definition: a loop over groups in fp32 (fp64 stays fp64), rounded once."""
     splits = m_splits.tolist() if isinstance(m_splits, Tensor) else list(m_splits)
     acc = acc_dtype(inp)
-    outs = []
+    outs = [inp.new_empty(0, weight.shape[1], dtype=acc)]  # (no groups: no rows)
     for g, x in enumerate(inp.to(acc).split(splits)):
         y = x @ weight[g].to(acc).t()
         outs.append(y if bias is None else y + bias[g].to(acc))
-    out = torch.cat(outs) if outs else inp.new_empty(0, weight.shape[1], dtype=acc)
-    return out.to(inp.dtype)
+    return torch.cat(outs).to(inp.dtype)
 
 
 def _fake_quant(x: Tensor, fp8_dtype: torch.dtype, dim: int, scale: Tensor | None = None) -> Tensor:
