@@ -133,8 +133,7 @@ def as_e4m3(q: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
 
         codes = quantize_rows.recode_e5m2_as_e4m3(q)
     else:
-        table = e5m2_to_e4m3_table(q.device)
-        codes = table[q.view(torch.uint8).long()].view(torch.float8_e4m3fn)
+        codes = e5m2_to_e4m3_table(q.device)[q.view(torch.uint8).long()].view(torch.float8_e4m3fn)
     return codes, s * 128.0
 
 
