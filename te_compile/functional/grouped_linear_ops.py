@@ -419,9 +419,8 @@ def grouped_linear_bwd(
 
 
 def _bwd_args(args: tuple):
-    """The 9 tensors, the three specs and the backward spec parsed, ``(has_bias, need_dgrad,
-    need_wgrad)`` and the ``wgrad_stash`` of a backward call; a stash takes the weight
-    gradient's place (``need_wgrad`` becomes False)."""
+    """The 9 tensors, the parsed specs, ``(has_bias, need_dgrad, need_wgrad)`` and the stash of
+    a backward call; a ``wgrad_stash`` takes the weight gradient's place (``need_wgrad`` False)."""
     stash = args[16] if len(args) > 16 else None
     has_bias, need_dgrad, need_wgrad = args[13:16]
     need = (has_bias, need_dgrad, need_wgrad and stash is None)
