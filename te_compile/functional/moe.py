@@ -269,8 +269,7 @@ def _combine(x: Tensor, row_id_map: Tensor, weight: Tensor | None) -> Tensor:
     w = None if weight is None else weight.to(torch.float32)
     if row_id_map.shape[1] <= _COMPACT_SLOTS:
         return _kernels().gather_sum(x, row_id_map, w)
-    index, w, count = _compact(row_id_map, w)
-    return _kernels().gather_sum(x, index, w, count)
+    return _kernels().gather_sum(x, *_compact(row_id_map, w))
 
 
 # 2-5. Permute: forward op, fake, backward op, autograd -----------------------------------------
