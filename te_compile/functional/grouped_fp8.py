@@ -133,8 +133,7 @@ def as_e4m3(q: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
 
         codes = quantize_rows.recode_e5m2_as_e4m3(q)
     else:
-        table = e5m2_to_e4m3_table(q.device)
-        codes = table[q.view(torch.uint8).long()].view(torch.float8_e4m3fn)
+        codes = e5m2_to_e4m3_table(q.device)[q.view(torch.uint8).long()].view(torch.float8_e4m3fn)
     return codes, s * 128.0
 
 
@@ -170,11 +169,9 @@ def _balanced(sa: Tensor, sb: Tensor) -> tuple[Tensor, Tensor]:
         return quantize_rows.balance_scales(sa.contiguous(), sb.contiguous())
 
     def exponent(t: Tensor) -> Tensor:  # biased, of the largest (0 for none)
-        return (
-            (t.amax().view(torch.int32) >> 23) & 0xFF
-            if t.numel()
-            else t.new_zeros((), dtype=torch.int32)
-        )
+        if not t.numel():
+            return t.new_zeros((), dtype=torch.int32)
+        return (t.amax().view(torch.int32) >> 23) & 0xFF
 
     s = torch.div(exponent(sa) - exponent(sb), 2, rounding_mode="floor").clamp(-126, 126)
     return sa * ((127 - s) << 23).view(torch.float32), sb * ((127 + s) << 23).view(torch.float32)
@@ -246,10 +243,9 @@ def _gemm_wgrad(
         if dyt.is_cuda:
             dw = _gemm_grouped(dyt, dys.reshape(-1), xt, xs.reshape(-1), None, pad_ends, fast)
         else:
-            acc = torch._grouped_mm(
-                dyt.to(torch.bfloat16), xt.to(torch.bfloat16).t(), offs=pad_ends
-            )
-            dw = (acc.float() * dys[:, :, None] * xs[:, None, :]).to(torch.bfloat16)
+            bf16 = torch.bfloat16
+            acc = torch._grouped_mm(dyt.to(bf16), xt.to(bf16).t(), offs=pad_ends)
+            dw = (acc.float() * dys[:, :, None] * xs[:, None, :]).to(bf16)
         if main_grad is None:
             return dw
         main_grad.add_(dw)

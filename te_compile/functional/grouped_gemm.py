@@ -278,17 +278,23 @@ def _padded(x: Tensor, m_splits: Tensor):
     return splits, firsts, starts, width, out
 
 
-def _quantize_block(x: Tensor, power_2_scale: bool, out_t):
-    """``(data, scale_inv, data_t, scale_inv_t)`` of ``x`` in 1x128 E4M3 blocks (one pass), the
-    transposed copy written into ``out_t`` (weights: ``functional.gemm.quantize_operand``)."""
+def _quantize_block(x: Tensor, power_2_scale: bool, size: int):
+    """``(data, scale_inv, data_t, scale_inv_t, codes, scales)``: ``x`` ``[width, C]`` in 1x128
+    E4M3 blocks (one pass), the transposed copy written into new flat buffers ``codes`` and
+    ``scales`` with room for ``size`` rows (:func:`_transposed_views`; weights:
+    ``functional.gemm.quantize_operand``)."""
+    width, c = x.shape
+    codes = x.new_empty(c * size, dtype=torch.uint8)
+    scales = x.new_empty(c * size // 128, dtype=torch.float32)
+    out_t = _transposed_views(codes, scales, width, c)
     if x.is_cuda:
         from te_compile.kernels.quantize import quantize_blockwise as kernel
 
-        return kernel(x, _E4M3, 1, power_2_scale, True, out_t=out_t)
+        return *kernel(x, _E4M3, 1, power_2_scale, True, out_t=out_t), codes, scales
     data, s, data_t, s_t = quantize_blockwise.eager(x, _E4M3, 1, power_2_scale, True)
     out_t[0].copy_(data_t.view(out_t[0].dtype))
     out_t[1].copy_(s_t)
-    return data, s, out_t[0].view(_E4M3), out_t[1]
+    return data, s, out_t[0].view(_E4M3), out_t[1], codes, scales
 
 
 def _transposed_views(codes: Tensor, scales: Tensor, width: int, k: int):
@@ -329,13 +335,10 @@ def blockwise_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
     (:func:`blockwise_weight`) ``saved`` ends after the input's copy (the caller saves the
     weight's). Under ``r.override`` nothing, or the forward's operands dequantised."""
     power_2_scale, weight_block_rows = r.power_2_scale, r.weight_block_rows
-    groups, n, k = weight.shape
+    groups, n = weight.shape[:2]
     rows = inp.shape[0]
-    splits, firsts, starts, width, x = _padded(inp, m_splits)
-    cap = _capacity(rows, groups)
-    x_t = inp.new_empty(k * cap, dtype=torch.uint8)
-    x_s = inp.new_empty(k * cap // 128, dtype=torch.float32)
-    xd, xs, _, _ = _quantize_block(x, power_2_scale, _transposed_views(x_t, x_s, width, k))
+    splits, firsts, starts, _, x = _padded(inp, m_splits)
+    xd, xs, _, _, x_t, x_s = _quantize_block(x, power_2_scale, _capacity(rows, groups))
     out = inp.new_empty(rows, n)
     w_t, w_s = [], []
     spec = QuantSpec("block", _E4M3, weight_block_rows, power_2_scale)  # the weight's
@@ -359,7 +362,7 @@ def blockwise_backward(grad_out, saved, inp, m_splits, weight, main_grad, r, has
                        need_dgrad, need_wgrad, cuda):  # fmt: skip
     """``dY`` in the forward's padded layout, quantised once in 1x128 blocks both ways; per expert
     the dgrad against the saved ``W_g^T``, the wgrad against its saved ``X^T`` columns."""
-    power_2_scale, w_rows = r.power_2_scale, r.weight_block_rows
+    w_rows = r.weight_block_rows
     groups, n, k = weight.shape
     x_t, x_s = saved[:2]
     if saved[2].dim() == 3:  # a pre-quantised weight's stacked copies
@@ -367,16 +370,11 @@ def blockwise_backward(grad_out, saved, inp, m_splits, weight, main_grad, r, has
     else:
         w_t, w_s = saved[2 : 2 + groups], saved[2 + groups :]
     dtype = grad_out.dtype
-    rows = grad_out.shape[0]
     splits, firsts, starts, width, dy = _padded(grad_out, m_splits)
-    codes = grad_out.new_empty(n * width, dtype=torch.uint8)
-    scales = grad_out.new_empty(n * width // 128, dtype=torch.float32)
-    gd, gs, gd_t, gs_t = _quantize_block(
-        dy, power_2_scale, _transposed_views(codes, scales, width, n)
-    )
+    gd, gs, gd_t, gs_t, _, _ = _quantize_block(dy, r.power_2_scale, width)
     xd_t, xs_t = _transposed_views(x_t, x_s, width, k)
     xd_t = xd_t.view(_E4M3)
-    dinp = grad_out.new_empty(rows, k) if need_dgrad else empty(grad_out)
+    dinp = grad_out.new_empty(grad_out.shape[0], k) if need_dgrad else empty(grad_out)
     into_weight = need_wgrad and main_grad is None
     dweight = grad_out.new_zeros(groups, n, k) if into_weight else empty(grad_out)
     dbias = grad_out.new_zeros(groups, n) if has_bias else empty(grad_out)
@@ -426,12 +424,11 @@ def _cast_columns(x2: Tensor, m_splits: Tensor, r: GroupedRecipe, fp8_dtype: tor
     quantised there in one call and gathered back; no host sync."""
     rows, k = x2.shape
     step = 32 if r.recipe == "mxfp8" else 128
-    groups = m_splits.shape[0]
     splits = m_splits.to(x2.device, non_blocking=True)
     pad = -splits % step  # each group's zero rows up to a multiple of step
     shift = torch.cumsum(pad, 0) - pad
     dest = torch.arange(rows, device=x2.device) + row_bias(shift, splits, rows)
-    width = (rows + groups * (step - 1) + step - 1) // step * step
+    width = (rows + splits.shape[0] * (step - 1) + step - 1) // step * step
     layout = x2.new_zeros(width, k).index_copy_(0, dest, x2)
     return _cast(layout, r, fp8_dtype, 1, dest)
 

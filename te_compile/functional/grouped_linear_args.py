@@ -190,15 +190,14 @@ def check_grouped_linear(a: GroupedLinearArgs) -> None:
             p + "128x128 weight blocks need in_features and out_features to be multiples of 512 "
             f"(cuBLAS's blockwise GEMM); weight is {list(a.weight.shape)}"
         )
-    splits = a.m_splits
     if (
         recipe == "nvfp4"
-        and splits.device.type == "cpu"
-        and not isinstance(splits, torch._subclasses.FakeTensor)
-        and any(int(m) % 16 for m in splits.tolist())
+        and m_splits.device.type == "cpu"
+        and not isinstance(m_splits, torch._subclasses.FakeTensor)
+        and any(int(m) % 16 for m in m_splits.tolist())
     ):
         raise ValueError(
             p + "nvfp4 grouped GEMMs need every group's token count (m_splits) to be a "
-            f"multiple of 16 (blocks of 16 tokens along M), got {splits.tolist()} "
+            f"multiple of 16 (blocks of 16 tokens along M), got {m_splits.tolist()} "
             "(te.Fp8Padding pads them)"
         )

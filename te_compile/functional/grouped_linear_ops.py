@@ -38,7 +38,6 @@ other call is kept whole (:func:`host_split_path`, ``docs/op_mechanism.md``). ``
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -105,7 +104,6 @@ __all__ = [
 _E4M3, _E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
-# The GEMMs of each recipe (``functional.grouped_gemm`` describes the rows).
 GROUPED_GEMMS: dict[str, tuple[Callable, Callable]] = {
     "grouped_mm": (high_precision_forward, high_precision_backward),
     "scaled_grouped_mm": (per_tensor_forward, per_tensor_backward),
@@ -123,12 +121,11 @@ def grouped_linear_ref(
     """High precision's definition: a loop over groups in fp32 (fp64 stays fp64), rounded once."""
     splits = m_splits.tolist() if isinstance(m_splits, Tensor) else list(m_splits)
     acc = acc_dtype(inp)
-    outs = []
+    outs = [inp.new_empty(0, weight.shape[1], dtype=acc)]  # (no groups: no rows)
     for g, x in enumerate(inp.to(acc).split(splits)):
         y = x @ weight[g].to(acc).t()
         outs.append(y if bias is None else y + bias[g].to(acc))
-    out = torch.cat(outs) if outs else inp.new_empty(0, weight.shape[1], dtype=acc)
-    return out.to(inp.dtype)
+    return torch.cat(outs).to(inp.dtype)
 
 
 def _fake_quant(x: Tensor, fp8_dtype: torch.dtype, dim: int, scale: Tensor | None = None) -> Tensor:
@@ -274,9 +271,8 @@ def _override_reference(a: GroupedLinearArgs) -> Tensor:
 
 def _forward(a: GroupedLinearArgs, cuda: bool) -> tuple[Tensor, list[Tensor]]:
     check_grouped_linear(a)
-    x = a.specs[0]
-    forward, _ = GROUPED_GEMMS[grouped_gemm_kind(x.kind, x.emulate)]
     r = a.grouped_recipe
+    forward, _ = GROUPED_GEMMS[grouped_gemm_kind(r.recipe, r.emulate)]
     if a.bw.save_input:  # no FP8 copy of the input: the backward quantises it again
         r = r._replace(fp8_wgrad=False)
     out, saved = forward(a.inp, a.m_splits, a.weight, a.bias, r, cuda, a.weight_q)
@@ -291,13 +287,10 @@ def host_split_path(*args: object, **kwargs: object) -> str | None:
     the high-precision ``torch._grouped_mm`` path and the per-tensor FP8 recipes'
     ``torch._scaled_grouped_mm`` (bf16, not emulated, no backward override) — the reason to keep
     it whole otherwise: the per-group loops read the splits on the host."""
-    forward = len(args) < 2 or not isinstance(args[1], (list, tuple))
-    if forward:
+    if len(args) < 2 or not isinstance(args[1], (list, tuple)):  # grouped_linear_fwd
         a = GroupedLinearArgs(*args, **kwargs)
-        inp, m_splits, weight, quantised, backward = (
-            a.inp, a.m_splits, a.weight, a.input_spec, a.backward
-        )  # fmt: skip
-        data = inp
+        data = inp = a.inp
+        m_splits, weight, quantised, backward = a.m_splits, a.weight, a.input_spec, a.backward
     else:  # grouped_linear_bwd(grad_out, saved, inp, m_splits, weight, ..., input_spec, ...)
         data, inp, m_splits, weight = args[0], args[2], args[3], args[4]
         quantised = args[9] if len(args) > 9 else kwargs.get("input_spec", "")
@@ -358,7 +351,6 @@ def _grouped_linear_fwd_fake(*args):
     check_grouped_linear(a)
     inp = a.inp
     g, n, k = a.weight.shape
-    out = inp.new_empty(inp.shape[0], n)
     u8, f32 = torch.uint8, torch.float32
     x, w, _ = a.specs
     kind = grouped_gemm_kind(x.kind, x.emulate)
@@ -386,22 +378,10 @@ def _grouped_linear_fwd_fake(*args):
             saved.append(a.weight.new_empty(a.weight.shape, dtype=dtype))
     if kind == "scaled_grouped_mm" and appends_amaxes(x.kind, a.grad_amax):
         saved.append(inp.new_empty(2, dtype=f32))
-    return out, saved
+    return inp.new_empty(inp.shape[0], n), saved
 
 
 # 4. Backward op -----------------------------------------------------------------------------
-
-
-class _Bwd(NamedTuple):
-    """The backward op's arguments after the tensors, parsed."""
-
-    x: QuantSpec
-    w: QuantSpec
-    g: QuantSpec
-    bw: BackwardSpec
-    has_bias: bool
-    need_dgrad: bool
-    need_wgrad: bool
 
 
 @op(
@@ -438,26 +418,25 @@ def grouped_linear_bwd(
     return _backward_op(args, cuda=False)
 
 
-def _bwd_args(args: tuple) -> tuple[tuple, _Bwd, Tensor | None]:
-    """The 9 tensors, the scalars parsed and the ``wgrad_stash`` of a backward call; a stash
-    takes the weight gradient's place (``need_wgrad`` becomes False)."""
-    n, end = 9, 16
-    c = _Bwd(*as_specs(*args[n : n + 3]), parse(BackwardSpec, args[n + 3]), *args[n + 4 : end])
-    stash = args[end] if len(args) > end else None
-    return args[:n], (c if stash is None else c._replace(need_wgrad=False)), stash
+def _bwd_args(args: tuple):
+    """The 9 tensors, the parsed specs, ``(has_bias, need_dgrad, need_wgrad)`` and the stash of
+    a backward call; a ``wgrad_stash`` takes the weight gradient's place (``need_wgrad`` False)."""
+    stash = args[16] if len(args) > 16 else None
+    has_bias, need_dgrad, need_wgrad = args[13:16]
+    need = (has_bias, need_dgrad, need_wgrad and stash is None)
+    return args[:9], as_specs(*args[9:12]), parse(BackwardSpec, args[12]), need, stash
 
 
 def _backward_op(args: tuple, cuda: bool) -> tuple[Tensor, Tensor, Tensor]:
-    tensors, c, stash = _bwd_args(args)
+    tensors, specs, bw, need, stash = _bwd_args(args)
     grad_out, saved, inp, m_splits, weight, main_grad, scale, grad_amax, rng_state = tensors
     if stash is not None:
         stash.copy_(grad_out)
-    r = make_grouped_recipe((c.x, c.w, c.g), scale, grad_amax, c.bw, rng_state)
-    _, backward = GROUPED_GEMMS[grouped_gemm_kind(c.x.kind, c.x.emulate)]
-    if c.bw.save_input and backward is dequantized_backward:  # the kept input quantised again
-        saved = [dequantized_input(inp, m_splits, r) if c.need_wgrad else inp, *saved]
-    return backward(grad_out, saved, inp, m_splits, weight, main_grad, r, c.has_bias,
-                    c.need_dgrad, c.need_wgrad, cuda)  # fmt: skip
+    r = make_grouped_recipe(specs, scale, grad_amax, bw, rng_state)
+    _, backward = GROUPED_GEMMS[grouped_gemm_kind(r.recipe, r.emulate)]
+    if bw.save_input and backward is dequantized_backward:  # the kept input quantised again
+        saved = [dequantized_input(inp, m_splits, r) if need[2] else inp, *saved]
+    return backward(grad_out, saved, inp, m_splits, weight, main_grad, r, *need, cuda)
 
 
 @grouped_linear_bwd.register_kernel("cuda")
@@ -467,14 +446,14 @@ def _grouped_linear_bwd_cuda(*args):
 
 @grouped_linear_bwd.register_fake
 def _grouped_linear_bwd_fake(*args):
-    (grad_out, _saved, inp, _splits, weight, main_grad, *_), c, _ = _bwd_args(args)
+    (grad_out, _, inp, _, weight, main_grad, *_), (x, *_), bw, need, _ = _bwd_args(args)
+    has_bias, need_dgrad, need_wgrad = need
     g, n, k = weight.shape
-    if c.need_wgrad and c.x.kind in ("", *PER_TENSOR) and not c.bw.fp8_wgrad:
+    if need_wgrad and x.kind in ("", *PER_TENSOR) and not bw.fp8_wgrad:
         torch._check(inp is not None, lambda: "te.grouped_linear_bwd: the wgrad needs inp")
-    dinp = grad_out.new_empty(grad_out.shape[0], k) if c.need_dgrad else empty(grad_out)
-    want_dw = c.need_wgrad and main_grad is None
-    dweight = grad_out.new_empty(g, n, k) if want_dw else empty(grad_out)
-    dbias = grad_out.new_empty(g, n) if c.has_bias else empty(grad_out)
+    dinp = grad_out.new_empty(grad_out.shape[0], k) if need_dgrad else empty(grad_out)
+    dweight = grad_out.new_empty(g, n, k) if need_wgrad and main_grad is None else empty(grad_out)
+    dbias = grad_out.new_empty(g, n) if has_bias else empty(grad_out)
     return dinp, dweight, dbias
 
 

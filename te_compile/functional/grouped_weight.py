@@ -42,7 +42,7 @@ from te_compile.functional.dense_weight import (
     check_weight_spec,
     checked_weight_cast,
 )
-from te_compile.functional.gemm import HIGH_DTYPES
+from te_compile.functional.gemm import HIGH_DTYPES, fp8_bytes
 from te_compile.functional.grouped_fp8 import per_tensor_weight
 from te_compile.functional.grouped_gemm import (
     GroupedRecipe,
@@ -103,8 +103,7 @@ def quantize_grouped_weight_op(weight: Tensor, spec: str, scale: Tensor | None) 
     none = weight.new_empty(0, dtype=torch.float32)
     if kind == "scaled_grouped_mm":
         w_scale = scale[1:2] if w.kind == "delayed" else None
-        wq, ws, wq_t, ws_t, amax = per_tensor_weight(weight, w.fp8_dtype, w_scale, True)
-        return [wq.view(torch.uint8), ws, wq_t.view(torch.uint8), ws_t, amax]
+        return [fp8_bytes(t) for t in per_tensor_weight(weight, w.fp8_dtype, w_scale, True)]
     if kind == "blockwise":
         return [*blockwise_weight(weight, w.power_2_scale, w.block_rows), none]
     r = GroupedRecipe(w.kind, w.fp8_dtype, power_2_scale=w.power_2_scale,

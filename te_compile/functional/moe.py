@@ -56,12 +56,10 @@ def make_row_id_map(routing_map: Tensor, num_out_tokens: int, map_type: str) -> 
     if map_type == "mask":
         routed = routing_map != 0
         # Expert-major order: rows of expert e start after every token of experts < e.
-        counts = routed.to(torch.int64)
-        flat = counts.t().reshape(-1).cumsum(0).view(slots, tokens).t()
+        flat = routed.to(torch.int64).t().reshape(-1).cumsum(0).view(slots, tokens).t()
         dest = torch.where(routed, flat - 1, -1)
     else:
-        keys = routing_map.reshape(-1).to(torch.int64)
-        order = torch.argsort(keys, stable=True)
+        order = torch.argsort(routing_map.reshape(-1).to(torch.int64), stable=True)
         dest = torch.empty_like(order)
         dest[order] = torch.arange(order.numel(), device=order.device)
         dest = dest.view(tokens, slots)
@@ -261,8 +259,7 @@ def _gather_dot(grad: Tensor, token: Tensor, weight: Tensor, inp: Tensor) -> tup
     """:func:`_gather_dot_ref` with the Triton kernel on CUDA (one read of each row)."""
     if not runs_triton(grad):
         return _gather_dot_ref(grad, token, weight, inp)
-    w = weight.to(torch.float32)
-    return _kernels().gather_dot(grad, token.to(torch.int32), w, inp)
+    return _kernels().gather_dot(grad, token.to(torch.int32), weight.to(torch.float32), inp)
 
 
 def _combine(x: Tensor, row_id_map: Tensor, weight: Tensor | None) -> Tensor:
@@ -272,8 +269,7 @@ def _combine(x: Tensor, row_id_map: Tensor, weight: Tensor | None) -> Tensor:
     w = None if weight is None else weight.to(torch.float32)
     if row_id_map.shape[1] <= _COMPACT_SLOTS:
         return _kernels().gather_sum(x, row_id_map, w)
-    index, w, count = _compact(row_id_map, w)
-    return _kernels().gather_sum(x, index, w, count)
+    return _kernels().gather_sum(x, *_compact(row_id_map, w))
 
 
 # 2-5. Permute: forward op, fake, backward op, autograd -----------------------------------------
@@ -465,8 +461,7 @@ def moe_permute(
     check_tensor_args(prefix, inp=inp, routing_map=routing_map)
     int_arg(prefix, "max_token_num", max_token_num)
     n = num_out(prefix, routing_map, num_out_tokens, map_type)
-    out, row_id_map, _ = _moe_permute(inp, routing_map, None, n, map_type)
-    return out, row_id_map
+    return _moe_permute(inp, routing_map, None, n, map_type)[:2]  # (out, row_id_map)
 
 
 def moe_permute_with_probs(
