@@ -116,11 +116,11 @@ def make_graphed_callables(
     count = "forward pass" if schedule.interleaved else "callable"
     n_passes = len(schedule.callable_of)
     args_list = _per_callable("sample_args", sample_args, single, n_passes, (tuple, list), count)
-    kwargs_list = [{}] * n_passes  # (shared: CallSpec copies each)
-    if sample_kwargs is not None:
-        kwargs_list = _per_callable(
-            "sample_kwargs", sample_kwargs, single, n_passes, (dict,), count
-        )
+    kwargs_list = (
+        [{} for _ in range(n_passes)]
+        if sample_kwargs is None
+        else _per_callable("sample_kwargs", sample_kwargs, single, n_passes, (dict,), count)
+    )
     for kwargs in kwargs_list:
         for key in kwargs:
             if not isinstance(key, str):
