@@ -75,9 +75,7 @@ class FP8GemmState(nn.Module):
 
     def is_unused(self) -> bool:
         """True while delayed scaling never ran (a host sync: for state_dict, not forward)."""
-        if self.calibrated:
-            return False
-        return not bool(self.amax_history.any()) and bool((self.scale == 1).all())
+        return not self.calibrated and not self.amax_history.any() and bool((self.scale == 1).all())
 
     def _apply(self, fn, recurse=True):
         # The scaling state stays float32 when the model is cast (``.to(torch.bfloat16)``,

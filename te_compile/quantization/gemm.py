@@ -36,7 +36,7 @@ from te_compile.functional.quantize_mx_ref import nvfp4_weight_values, tensor_am
 from te_compile.functional.spec import QuantSpec
 from te_compile.quantization.device import is_fp8_block_scaling_available
 from te_compile.quantization.fp8_gemm import FP8GemmState
-from te_compile.quantization.recipe import Recipe
+from te_compile.quantization.recipe import FP8_QPARAMS, Recipe
 from te_compile.quantization.recompute import checkpoint
 from te_compile.quantization.state import AutocastState, check_power_2_scales, get_autocast_state
 
@@ -75,9 +75,6 @@ _FUSE_MLP = True
 Norm = tuple[Tensor, Tensor | None, str, float, bool]
 
 
-_HIGH = QuantSpec()
-
-
 class GemmArgs(NamedTuple):
     """A recipe as the GEMM family ops take it: ``specs``, the quantisation of the input, the
     weight and the gradient (``functional.spec.QuantSpec``; all ``QuantSpec()`` in high
@@ -85,7 +82,7 @@ class GemmArgs(NamedTuple):
     under delayed scaling) and the ``[1]`` buffer the backward writes the gradient's amax into
     (per-tensor recipes); ``backward_override``: the recipe's (``""`` for None)."""
 
-    specs: tuple[QuantSpec, QuantSpec, QuantSpec] = (_HIGH, _HIGH, _HIGH)
+    specs: tuple[QuantSpec, QuantSpec, QuantSpec] = (QuantSpec(),) * 3
     scales: tuple[Tensor | None, ...] = ()
     grad_amaxes: tuple[Tensor | None, ...] = ()
     backward_override: str = ""
@@ -259,17 +256,15 @@ def cached_weight(
     if not cache.first and kept.key == key:  # True never reads it (a compiled True step does
         return kept.tensors  # not guard on it)
     scale = args.scales[index] if args.recipe == "delayed" else None
-    if grouped:
-        if args.recipe == "nvfp4" and (spec.four_over_six or spec.block_rows != 16):
-            raise NotImplementedError(
-                "GroupedLinear: is_first_microbatch under NVFP4BlockScaling keeps the weight "
-                "with its 16x16 tiles and without 4over6 only (the recipe has "
-                f"disable_2d_quantization={spec.block_rows != 16}, nvfp4_4over6 scope "
-                f"covering the weight={bool(spec.four_over_six)}); pass is_first_microbatch=None"
-            )
-        tensors = F.quantize_grouped_weight(weight.detach(), spec, scale)
-    else:
-        tensors = F.quantize_weight(weight.detach(), spec, scale)
+    if grouped and args.recipe == "nvfp4" and (spec.four_over_six or spec.block_rows != 16):
+        raise NotImplementedError(
+            "GroupedLinear: is_first_microbatch under NVFP4BlockScaling keeps the weight "
+            "with its 16x16 tiles and without 4over6 only (the recipe has "
+            f"disable_2d_quantization={spec.block_rows != 16}, nvfp4_4over6 scope "
+            f"covering the weight={bool(spec.four_over_six)}); pass is_first_microbatch=None"
+        )
+    quantize = F.quantize_grouped_weight if grouped else F.quantize_weight
+    tensors = quantize(weight.detach(), spec, scale)
     kept.key, kept.tensors = key, tensors
     return tensors
 
@@ -344,9 +339,7 @@ _FP4_QPARAMS = {
     "fp4_quant_fwd_weight": ("fp4_2d_quantization",),
     "fp4_quant_bwd_grad": ("random_hadamard_transform", "stochastic_rounding"),
 }
-_FP8_QPARAMS = dict.fromkeys(
-    ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad"), ("power_2_scale",)
-)
+_FP8_QPARAMS = dict.fromkeys(FP8_QPARAMS, ("power_2_scale",))
 _QPARAM_OPTIONS = ("power_2_scale", "random_hadamard_transform", "stochastic_rounding",
                    "fp4_2d_quantization")  # fmt: skip
 
@@ -465,26 +458,20 @@ def _note_recipe(owner: str, state: AutocastState, metas: Sequence[FP8GemmState]
 
 
 def calibrate(
-    owner: str,
-    state: AutocastState,
-    metas: Sequence[FP8GemmState],
-    inputs: Sequence[Tensor],
-    weights: Sequence[Tensor],
+    owner: str, state: AutocastState, meta: FP8GemmState, x: Tensor, weight: Tensor
 ) -> AutocastState:
-    """Under calibration (``state.calibration``) with a per-tensor recipe, keep each GEMM's FP8
-    state as an FP8 forward would: fold the last amaxes into the history and update the scales
-    (delayed scaling; its first step only marks the state calibrated), then record the amaxes of
-    the GEMM's input and weight (``inputs``, ``weights``: one per state). Returns the state the
-    GEMMs then run with: high precision, calibration done. Other recipes keep no amax state:
-    nothing is recorded."""
+    """Under calibration (``state.calibration``) with a per-tensor recipe, keep the GEMM's FP8
+    state ``meta`` as an FP8 forward would: fold the last amaxes into the history and update the
+    scales (delayed scaling; its first step only marks the state calibrated), then record the
+    amaxes of the GEMM's input ``x`` and ``weight``. Returns the state the GEMM then runs with:
+    high precision, calibration done. Other recipes keep no amax state: nothing is recorded."""
     if not state.calibration:
         return state
-    _note_recipe(owner, state, metas)
+    _note_recipe(owner, state, (meta,))
     if state.recipe.float8_per_tensor_scaling():
-        for meta, x, w in zip(metas, inputs, weights, strict=True):
-            meta.delayed_scale(owner, state, x.numel() > 0)
-            with torch.no_grad():
-                meta.record(torch.stack([tensor_amax(x), tensor_amax(w)]), state)
+        meta.delayed_scale(owner, state, x.numel() > 0)
+        with torch.no_grad():
+            meta.record(torch.stack([tensor_amax(x), tensor_amax(weight)]), state)
     return state._replace(calibrating=False)
 
 
@@ -538,7 +525,7 @@ def linear(
     if state.calibration:  # a prologue's GEMM input is the norm's output: computed for its amax
         with torch.no_grad():
             x = inp if norm is None else _apply_norm(inp.detach(), norm)
-        state = calibrate(owner, state, (meta,), (x,), (weight,))
+        state = calibrate(owner, state, meta, x, weight)
     if epilogue.get("save_original_input") and state.enabled:
         _refuse_delayed(owner, state)
     if defer is not None and weight.requires_grad:  # (else no weight gradient to delay)
@@ -690,7 +677,7 @@ def grouped_linear(
     state = get_autocast_state()
     expert = weight_quantized and [t[0] for t in weight_quantized[:2]]  # read as a dense one's
     kind = primary_kind(owner, state, "weight", expert)
-    state = calibrate(owner, state, (meta,), (inp,), (weight,))
+    state = calibrate(owner, state, meta, inp, weight)
     args = gemm_args(owner, state, inp, (weight,), (meta,), grouped=True)
     # Current scaling measures no amaxes here (a read each).
     kw = args.op_kwargs(("",) if state.enabled and state.recipe.delayed() else ())
@@ -711,8 +698,7 @@ def grouped_linear(
     weight_q = as_gemm_takes(args.specs[1], weight_quantized, kind, dtype) or cached_weight(
         args, weight, cache, "weight", grouped=True
     )
-    if overwrite_main_grad:  # (Transformer Engine's attribute of the module's weights)
-        kw["overwrite_main_grad"] = True
+    kw["overwrite_main_grad"] = overwrite_main_grad  # (TE's attribute of the module's weights)
     if weight_q is not None:  # (cast with the weight's 4over6: the op is told none, as dense)
         kw.update(weight_quantized=weight_q, weight_spec=replace(args.specs[1], four_over_six=""))
     out = F.grouped_linear(inp, m_splits, weight, bias, main_grad=main_grad, **kw)

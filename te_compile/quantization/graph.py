@@ -14,7 +14,7 @@ import gc
 import reprlib
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,6 @@ from te_compile.quantization.fp8_gemm import FP8GemmState
 from te_compile.quantization.graph_replay import (
     CallSpec,
     CapturedGraphs,
-    NoGraph,
     graphed_forward,
     make_replay,
     tensor_outputs,
@@ -114,7 +113,7 @@ def make_graphed_callables(
         )
     n_samples = 1 if single or not isinstance(sample_args, (tuple, list)) else len(sample_args)
     schedule = _Schedule.build(_order, _num_layers_per_chunk, n, n_samples)
-    count = schedule.count_name
+    count = "forward pass" if schedule.interleaved else "callable"
     n_passes = len(schedule.callable_of)
     args_list = _per_callable("sample_args", sample_args, single, n_passes, (tuple, list), count)
     kwargs_list = (
@@ -253,6 +252,7 @@ def _check_callables(callables: tuple, modules: Any) -> None:
 def _per_callable(
     name: str, value: Any, single: bool, n: int, kinds: tuple, count: str = "callable"
 ) -> list:
+    allowed = " or ".join(k.__name__ for k in kinds)
     if single:
         if n != 1:
             raise ValueError(
@@ -261,8 +261,7 @@ def _per_callable(
             )
         if not isinstance(value, kinds):
             raise TypeError(
-                f"{_NAME}: {name} must be a {' or '.join(k.__name__ for k in kinds)} for one "
-                f"callable, got {reprlib.repr(value)}"
+                f"{_NAME}: {name} must be a {allowed} for one callable, got {reprlib.repr(value)}"
             )
         return [value]
     if not isinstance(value, (tuple, list)) or len(value) != n:
@@ -272,8 +271,7 @@ def _per_callable(
     for v in value:
         if not isinstance(v, kinds):
             raise TypeError(
-                f"{_NAME}: each entry of {name} must be a "
-                f"{' or '.join(k.__name__ for k in kinds)}, got {reprlib.repr(v)}"
+                f"{_NAME}: each entry of {name} must be a {allowed}, got {reprlib.repr(v)}"
             )
     return list(value)
 
@@ -290,19 +288,17 @@ def _check_enabled(name: str, enabled: Any, n: int) -> list[bool]:
     return list(enabled)
 
 
-class _Schedule:
+class _Schedule(NamedTuple):
     """Which callable each forward pass runs, in which order the passes warm up, and the order
     of the captures (``(True, p)``: forward of pass ``p``; ``(False, p)``: its backward).
     Without ``_order`` each callable is one pass: forwards in order, backwards in reverse. With
     ``_order`` (``docs/graphs.md``), pass ``p`` of chunk ``m``, micro-batch ``k``, layer ``l`` is
     ``first_layer[m] * microbatches + k * layers[m] + l``."""
 
-    def __init__(self, callable_of, warmup, events, count_name) -> None:
-        self.callable_of: list[int] = callable_of
-        self.warmup: list[int] = warmup
-        self.events: list[tuple[bool, int]] = events
-        self.count_name: str = count_name
-        self.interleaved = count_name != "callable"
+    callable_of: list[int]
+    warmup: list[int]
+    events: list[tuple[bool, int]]
+    interleaved: bool  # with _order
 
     @classmethod
     def build(cls, order: Any, layers: Any, n_callables: int, n_samples: int) -> _Schedule:
@@ -313,7 +309,7 @@ class _Schedule:
                 )
             passes = list(range(n_callables))
             events = [(True, p) for p in passes] + [(False, p) for p in reversed(passes)]
-            return cls(passes, passes, events, "callable")
+            return cls(passes, passes, events, False)
         chunks, microbatches = _check_order(order)
         layers = _layers_per_chunk(layers, chunks, microbatches, n_callables, n_samples)
         first = [sum(layers[:m]) for m in range(chunks)]
@@ -331,7 +327,7 @@ class _Schedule:
                 events.append((forward, p))
                 if forward:
                     warmup.append(p)
-        return cls(callable_of, warmup, events, "forward pass")
+        return cls(callable_of, warmup, events, True)
 
 
 def _check_order(order: Any) -> tuple[int, int]:
@@ -537,6 +533,6 @@ def _capture_backward(g: CapturedGraphs, allow_unused: bool, retain_graph: bool,
         with torch.cuda.graph(g.bwd, pool=mempool, stream=side):
             grads = _grad(o, ins, static, allow_unused, retain_graph)
     else:
-        g.bwd = NoGraph()
+        g.bwd = None  # nothing to replay
     it = iter(grads)
     g.grad_inputs = tuple(next(it) if t.requires_grad else None for t in g.surface)

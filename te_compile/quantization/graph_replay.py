@@ -19,7 +19,6 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 __all__ = [
     "CallSpec",
     "CapturedGraphs",
-    "NoGraph",
     "graphed_forward",
     "make_replay",
     "tensor_outputs",
@@ -112,12 +111,11 @@ class CapturedGraphs:
     ) -> None:
         self.spec = spec
         self.params = params
-        self.param_ptrs = tuple(p.data_ptr() for p in params)
-        self.param_requires_grad = tuple(p.requires_grad for p in params)
+        self.param_state = tuple((p.data_ptr(), p.requires_grad) for p in params)  # at capture
         self.training = training
         self.surface = spec.tensors + params
         self.fwd = fwd  # torch.cuda.CUDAGraph: replay()
-        self.bwd = bwd  # the same, or None for a graph captured in eval mode
+        self.bwd = bwd  # the same, or None: captured in eval mode, or no gradient to compute
         self.outputs: tuple[Tensor, ...] = ()
         self.out_spec = None
         self.out_requires_grad: tuple[bool, ...] = ()
@@ -151,7 +149,8 @@ class CapturedGraphs:
                 static.copy_(grad)
             elif static is not None and grad is None:
                 static.zero_()
-        self.bwd.replay()
+        if self.bwd is not None:
+            self.bwd.replay()
         n_user, clone = len(self.spec.tensors), self.clone_param_grads  # params' grads: copies
         return tuple(
             None if g is None else g.detach().clone() if k >= n_user and clone else g.detach()
@@ -185,9 +184,7 @@ def make_replay(graphs: CapturedGraphs) -> Callable:
     def graphed(*args: Any, **kwargs: Any) -> Any:
         grad = torch.is_grad_enabled() and graphs.training
         inputs = graphs.spec.flatten_call(args, kwargs, grad)
-        for p, ptr, rg in zip(
-            graphs.params, graphs.param_ptrs, graphs.param_requires_grad, strict=True
-        ):
+        for p, (ptr, rg) in zip(graphs.params, graphs.param_state, strict=True):
             if p.data_ptr() != ptr:
                 raise RuntimeError(
                     f"graphed callable {graphs.spec.index}: a parameter's storage changed since "
@@ -233,11 +230,3 @@ def tensor_outputs(result: Any, spec: CallSpec) -> tuple[list[Tensor], Any]:
                 f"dicts of them), got {type(o).__name__}"
             )
     return outs, out_spec
-
-
-class NoGraph:
-    """The backward of a callable none of whose outputs depends on a tensor that requires
-    grad: nothing to replay."""
-
-    def replay(self) -> None:
-        return None

@@ -119,8 +119,7 @@ def _cast(weight: Tensor, spec: QuantSpec) -> list[Tensor]:
         out = [*F.quantize_mxfp8(flat, spec.fp8_dtype), flat.new_empty(0, dtype=torch.float32)]
     else:
         out = F.quantize_weight(flat, spec)
-    out[0], out[2] = out[0].view(spec.fp8_dtype), out[2].view(spec.fp8_dtype)
-    out[0] = out[0].view(weight.shape)
+    out[0], out[2] = out[0].view(spec.fp8_dtype).view(weight.shape), out[2].view(spec.fp8_dtype)
     return out
 
 
@@ -418,14 +417,10 @@ def is_primary(weight: Tensor) -> bool:
     return weight.dtype in FP8_DTYPES
 
 
-def primary_operand(
-    module: nn.Module, name: str, weight: Tensor | None = None
-) -> tuple[Tensor, ...] | None:
+def primary_operand(module: nn.Module, name: str, weight: Tensor) -> tuple[Tensor, ...] | None:
     """The pre-quantised operand of ``module``'s FP8 weight ``name`` (``weight_quantized``'s
     five tensors: the codes, their scale, the transposed codes, its scale, the amax), or None:
-    the weight is not FP8. ``weight``: the parameter ``name`` where the caller has it."""
-    if weight is None:
-        weight = getattr(module, name)
+    the weight is not FP8. ``weight``: the parameter ``name``."""
     if not is_primary(weight):
         if f"{name}_scale_inv" in module._buffers:
             raise ValueError(
@@ -457,8 +452,8 @@ def grouped_primary(
     amax ``[1]``; kept in blocks, :func:`_grouped_blocks`)."""
     weights = [getattr(module, n) for n in names]
     if not is_primary(weights[0]):
-        for n in names:
-            primary_operand(module, n)  # raises for codes some cast turned high-precision
+        for n, w in zip(names, weights, strict=True):
+            primary_operand(module, n, w)  # raises for codes some cast turned high-precision
         return None
     for name, w in zip(names, weights, strict=True):
         check_unchanged(module, name, w)
@@ -474,7 +469,7 @@ def grouped_primary(
         operand = [data, inv[:, None].expand(g, n).contiguous(), data.transpose(1, 2).contiguous(),
                    inv[:, None].expand(g, k).contiguous(), amax]  # fmt: skip
     values = _backward_values(module, names, dtype)
-    stand_in = _sharded_stand_in(module, names, weights[0], dtype, (g, n, k), True, values)
+    stand_in = _sharded_stand_in(module, names, dtype, (g, n, k), True, values)
     if stand_in is None:
         stand_in = _StandIn.apply(dtype, (g, n, k), values, None, 0, False, to_leaves, *weights)
     return stand_in, operand
@@ -523,14 +518,13 @@ def _backward_values(
 
 
 def _sharded_stand_in(
-    module: nn.Module, names: tuple[str, ...], weight: Tensor, dtype, shape, grouped: bool,
-    values: Tensor | None = None,
-) -> Tensor | None:  # fmt: skip
+    module: nn.Module, names: tuple[str, ...], dtype, shape, grouped: bool, values: Tensor | None
+) -> Tensor | None:
     """The :class:`_StandIn` of FP8 weights ``names`` sharded by FSDP2, with ``FP8MasterWeights``
     and grad enabled; else None. A module whose FP8 weights FSDP2 shards cannot delay their
     gradient: it is reduce-scattered during the backward. ``values``: :func:`_backward_values`."""
-    sinks = [module.__dict__.get(_SHARDED_MAIN_GRADS, {}).get(n) for n in names]
-    if sinks[0] is None or weight.requires_grad or not torch.is_grad_enabled():
+    sharded = [module.__dict__.get(_SHARDED_MAIN_GRADS, {}).get(n) for n in names]
+    if sharded[0] is None or getattr(module, names[0]).requires_grad or not torch.is_grad_enabled():
         return None
     if getattr(module, "delay_wgrad_compute", False):
         raise NotImplementedError(
@@ -538,8 +532,8 @@ def _sharded_stand_in(
             "by FSDP2 is not supported (their gradient is reduce-scattered during the backward); "
             "build the module with delay_wgrad_compute=False"
         )
-    group_name, world = module.__dict__[_SHARD_GROUP][names[0]]
-    per_group = grouped and sinks[0].dim() == 2  # G weights [N, K] (else one [G, N, K])
+    (sink, group_name, world), sinks = sharded[0], [s[0] for s in sharded]
+    per_group = grouped and sink.dim() == 2  # G weights [N, K] (else one [G, N, K])
     return _StandIn.apply(dtype, shape, values, group_name, world, per_group, False, *sinks)
 
 
@@ -553,7 +547,7 @@ def primary_weight(
     :class:`_StandIn` in ``dtype`` and None (the op returns the gradient to the stand-in)."""
     weight = getattr(module, name)
     values = _backward_values(module, (name,), dtype)
-    stand_in = _sharded_stand_in(module, (name,), weight, dtype, weight.shape, False, values)
+    stand_in = _sharded_stand_in(module, (name,), dtype, weight.shape, False, values)
     if stand_in is not None:
         return stand_in, None
     main_grad = taken_main_grad(weight, accumulate)
@@ -631,7 +625,7 @@ def primary_main_grad(module: nn.Module, name: str) -> Tensor | None:
     all-gather), this rank's shard of it (the local shard's shape), kept for the module."""
     main_grad = getattr(getattr(module, name), "main_grad", None)
     sink = module.__dict__.get(_SHARDED_MAIN_GRADS, {}).get(name)
-    return main_grad if main_grad is not None or sink is None else sink.grad
+    return main_grad if main_grad is not None or sink is None else sink[0].grad
 
 
 _MASTERS = "_fp8_masters"  # on the main_grad tensors FP8MasterWeights made (taken_main_grad)
@@ -639,8 +633,8 @@ _INIT_DTYPES = "_fp8_init_dtypes"  # {name: the dtype the FP8 weight was built i
 _SPECS = "_fp8_weight_specs"  # {name: the QuantSpec it is kept by (_weight_spec)}
 _STAMPS = "_fp8_weight_stamps"  # {name: the codes' and the scale's (data_ptr, _version) when set}
 _HOOKED = "_fp8_load_hooks"  # the load_state_dict hooks are registered
-_SHARDED_MAIN_GRADS = "_fp8_sharded_main_grads"  # {name: the zero-byte leaf holding it as .grad}
-_SHARD_GROUP = "_fp8_shard_group"  # {name: (the FSDP2 group's name, its size)}
+# {name: (the zero-byte leaf holding it as .grad, the FSDP2 group's name, its size)}
+_SHARDED_MAIN_GRADS = "_fp8_sharded_main_grads"
 
 
 class _Entry(NamedTuple):
@@ -705,7 +699,6 @@ class FP8MasterWeights:
                         "sharded FP8 primary weights support the per-tensor recipes "
                         "(Float8CurrentScaling, DelayedScaling)"
                     )
-                init = get_high_precision_init_val(param)
                 if group is not None:  # a DTensor shard: the master is this rank's shard
                     codes = param.to_local()
                     local = codes.float() * getattr(module, f"{name}_scale_inv")
@@ -719,10 +712,9 @@ class FP8MasterWeights:
                     sink = torch.zeros((), device=codes.device).expand(local.shape)
                     sink = sink.detach().requires_grad_(True)
                     sink.grad = torch.zeros(local.shape, device=codes.device)
-                    module.__dict__.setdefault(_SHARDED_MAIN_GRADS, {})[name] = sink
-                    shard_group = module.__dict__.setdefault(_SHARD_GROUP, {})
-                    shard_group[name] = (group.group_name, group.size())
-                elif init is not None:
+                    sharded = (sink, group.group_name, group.size())
+                    module.__dict__.setdefault(_SHARDED_MAIN_GRADS, {})[name] = sharded
+                elif (init := get_high_precision_init_val(param)) is not None:
                     master = init.to(param.device, torch.float32, copy=True)
                 else:
                     master = weight_values(module, name, torch.float32)
