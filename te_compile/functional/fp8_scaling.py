@@ -159,10 +159,10 @@ def delayed_scaling_update_op(
         return delayed_scaling_update_ref(
             amax_history, scale, amax, fp8_max, margin, amax_compute_algo, amax_tail
         )
-    from te_compile.kernels import quantize
+    from te_compile.kernels.fp8_scaling import delayed_scaling_update as update
 
     out = scale_copy(scale)
-    quantize.delayed_scaling_update(
+    update(
         amax_history,
         scale,
         out,

@@ -148,9 +148,7 @@ def scale_slots(scale: Tensor | None, recipe: str) -> tuple[Tensor | None, ...]:
     """The delayed scales of a GEMM's input, weight and gradient as ``[1]`` views of ``scale``
     ``[3]`` (the copy ``te::delayed_scaling_update`` returns, never the state buffer, which a
     compiled step may donate), or three Nones (every other kind)."""
-    if recipe != "delayed":
-        return None, None, None
-    return scale[0:1], scale[1:2], scale[2:3]
+    return (scale[0:1], scale[1:2], scale[2:3]) if recipe == "delayed" else (None, None, None)
 
 
 # The NVFP4 options an operand role takes (what each is: ``QuantSpec``'s docstring).
@@ -485,10 +483,9 @@ def quantize_operands(
     slot: tuple[tuple[Tensor, int] | None, tuple[Tensor, int] | None],
     columnwise: tuple[bool, bool] = (True, True),
 ) -> list[Operand]:
-    """:func:`quantize_operand` of two tensors (a GEMM's input and weight, an MLP's weights).
-    Two per-tensor casts to one format that fold into one amax buffer (on CUDA) run as one launch
-    for both amax passes and one for both casts (``kernels.quantize.quantize_pair``): the same
-    bits, two launches fewer."""
+    """:func:`quantize_operand` of two tensors (a GEMM's input and weight, an MLP's weights): two
+    per-tensor casts to one format into one amax buffer (CUDA) as one amax launch and one cast
+    launch (``kernels.quantize.quantize_pair``), the same bits."""
     (a, b), (s_a, s_b) = specs, slot
     calls = zip(specs, x2, scale, columnwise, slot, strict=True)
     if not (s_a and s_b and s_a[0] is s_b[0] and a.kind == b.kind and a.fp8_dtype is b.fp8_dtype
@@ -496,8 +493,7 @@ def quantize_operands(
         return [quantize_operand(p, t, scale=sc, columnwise=c, slot=i) for p, t, sc, c, i in calls]
     from te_compile.kernels.quantize import quantize_pair
 
-    delayed = None if scale[0] is None else scale
-    out = quantize_pair(x2, a.fp8_dtype, columnwise, s_a[0], (s_a[1], s_b[1]), delayed)
+    out = quantize_pair(x2, a.fp8_dtype, columnwise, s_a[0], (s_a[1], s_b[1]), scale)
     return [Operand(data, s_inv, data_t, s_inv, amax) for data, data_t, s_inv, amax in out]
 
 

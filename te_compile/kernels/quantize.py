@@ -33,7 +33,10 @@ Kernels:
   registers, so ``x`` is read once. Delayed scaling loads the given scale and folds the tile's
   amax into the amax output (one pass); current scaling loads the amax of ``_amax_kernel`` and
   derives the scale in every program (a second pass). Program (0, 0) writes ``scale_inv``
-  either way.
+  either way. ``_amax_pair_kernel`` and ``_cast_pair_kernel`` run the passes of two tensors
+  (a GEMM's input and weight, an MLP's two weights) in one launch each: every tensor's programs
+  are a range of one 1-D grid, each doing what the single kernel's program does
+  (:func:`quantize_pair`).
 * ``_block_kernel``: blockwise cast of one tile of 128 columns per program, ``BLOCK_M`` rows
   (128 for 128x128 blocks and whenever the columnwise copy is made). Block amaxes are reduced in
   registers: per row for 1x128 blocks (and per column for the columnwise 1x128 copy of
@@ -41,10 +44,8 @@ Kernels:
   columnwise copy is the transposed tile with the same scale.
 * ``_dequant_kernel``: ``fp32(q) * scale_inv`` (one per tensor, or per block) to ``out_dtype``,
   saturating at its largest finite value.
-* ``_delayed_update_kernel``: delayed scaling's state update (``te::delayed_scaling_update``):
-  roll the ``[len, slots]`` amax history by one row, insert the last amaxes (read from the
-  forward's and the backward's buffers in place), recompute the scales (format limits as
-  scalars), in one program and one launch (the plain-torch version is ~8 tiny kernels).
+
+Delayed scaling's state update is ``kernels.fp8_scaling``'s kernel.
 
 Storage: fp8 outputs and inputs cross the kernel boundary as their ``torch.uint8`` bit pattern
 (``tensor.view(torch.uint8)``). On CUDA the conversion is the hardware's (``cvt.rn.satfinite``,
@@ -68,7 +69,7 @@ from torch import Tensor
 
 from te_compile import _csrc
 from te_compile._numerics import reciprocal_rn
-from te_compile.kernels import aligned16, cdiv, launch, next_pow2, programs_per_sm, tracing
+from te_compile.kernels import aligned16, cdiv, launch, programs_per_sm, tracing
 from te_compile.kernels.fp8 import (
     BLOCK,
     DEFAULT_CONFIG,
@@ -324,68 +325,6 @@ def _dequant_kernel(
     store_rounded(OUT + offs, y, mask, BF16_BITS)
 
 
-@triton.jit
-def _delayed_update_kernel(
-    HIST,
-    SCALE,
-    OUT,
-    AMAX,
-    AMAX_TAIL,
-    length,
-    slots,
-    n_amax,
-    n_head,
-    head_max,
-    tail_max,
-    row_stride,
-    out_stride,
-    margin_factor,
-    MAX_ALGO: tl.constexpr,
-    BLOCK_L: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-):
-    """One program: ``HIST[r] <- HIST[r - 1]`` (r >= 1), ``HIST[0] <- last``, then
-    ``SCALE <- limit / (window * margin_factor)`` where the window (max over the new history, or
-    its row 0) is positive and finite; NaN anywhere in the window keeps the old scale, as torch's
-    NaN-propagating ``amax`` does in the reference. ``last``: ``AMAX`` for the first ``n_amax``
-    slots, ``AMAX_TAIL`` for the others (two buffers read in place: no concatenation first);
-    ``limit``: ``head_max`` for the first ``n_head`` slots, ``tail_max`` for the others (scalars:
-    no device tensor). ``OUT`` receives the new scales too: the copy the GEMMs read
-    (:func:`delayed_scaling_update`)."""
-    # Inductor passes Python floats as fp64; Triton's own launcher as fp32.
-    margin_factor = tl.cast(margin_factor, tl.float32)
-    head_max = tl.cast(head_max, tl.float32)
-    tail_max = tl.cast(tail_max, tl.float32)
-    rows = tl.arange(0, BLOCK_L)[:, None]
-    cols = tl.arange(0, BLOCK_S)[None, :]
-    in_cols = cols < slots
-    shifted = (rows >= 1) & (rows < length) & in_cols
-    old = tl.load(HIST + (rows - 1) * row_stride + cols, mask=shifted, other=0.0)
-    head = tl.load(AMAX + cols, mask=cols < n_amax, other=0.0)
-    tail = tl.load(AMAX_TAIL + tl.maximum(cols - n_amax, 0), mask=in_cols & (cols >= n_amax),
-                   other=0.0)  # fmt: skip
-    new = tl.where(rows == 0, tl.where(cols < n_amax, head, tail), old)
-    if MAX_ALGO:
-        live = (rows < length) & in_cols
-        window = tl.max(tl.where(live, new, 0.0), axis=0)
-        has_nan = tl.max((live & (new != new)).to(tl.int32), axis=0) > 0
-        window = tl.where(has_nan, float("nan"), window)
-    else:  # row 0 alone (a sum of one value per column: NaN and inf pass through)
-        window = tl.sum(tl.where(rows == 0, new, 0.0), axis=0)
-    c = tl.arange(0, BLOCK_S)
-    limit = tl.where(c < n_head, head_max, tail_max)
-    old_scale = tl.load(SCALE + c, mask=c < slots, other=1.0)
-    ok = (window > 0) & (window < float("inf"))  # False for NaN
-    # An overflowing scale (a tiny amax) is fp32's largest finite value, as in the reference.
-    new_scale = tl.minimum(tl.div_rn(limit, window * margin_factor), 3.4028234663852886e38)
-    new_scale = tl.where(ok, new_scale, old_scale)
-    # Every thread has loaded its rows before any row is overwritten.
-    tl.debug_barrier()
-    tl.store(HIST + rows * row_stride + cols, new, mask=(rows < length) & in_cols)
-    tl.store(SCALE + c, new_scale, mask=c < slots)
-    tl.store(OUT + c * out_stride, new_scale, mask=c < slots)
-
-
 # Launch wrappers -----------------------------------------------------------------------------
 
 
@@ -552,24 +491,24 @@ def quantize_pair(
     columnwise: tuple[bool, bool],
     bits: Tensor,
     slots: tuple[int, int],
-    scale: tuple[Tensor, Tensor] | None = None,
+    scale: tuple[Tensor | None, Tensor | None] = (None, None),
     *,
     config: QuantizeLaunchConfig | None = None,
 ) -> list[tuple[Tensor, Tensor, Tensor, Tensor]]:
     """Two per-tensor casts to one ``fp8_dtype``, each tensor's result bit for bit the one
-    :func:`quantize_current` (``scale`` None) or :func:`quantize_tensorwise` (the delayed
-    ``scale`` of each) gives with ``amax=bits`` and its slot, in one launch for both amax passes
-    and one for both casts (a GEMM's two operands: two launches fewer). Tensors of two dtypes or
-    an empty one are cast one after the other."""
+    :func:`quantize_current` (``scale`` ``(None, None)``) or :func:`quantize_tensorwise` (the
+    delayed ``scale`` of each) gives with ``amax=bits`` and its slot, in one launch for both
+    amax passes and one for both casts (a GEMM's two operands: two launches fewer). Tensors of
+    two dtypes or an empty one are cast one after the other."""
     cfg = config or DEFAULT_CONFIG
     x2 = [as_rows(t)[0] for t in x]
+    from_amax = scale[0] is None
     if x2[0].dtype != x2[1].dtype or not all(t.numel() for t in x2):
-        if scale is None:
+        if from_amax:
             return [quantize_current(t, fp8_dtype, c, config=cfg, amax=bits, slot=i)
                     for t, c, i in zip(x, columnwise, slots, strict=True)]  # fmt: skip
         return [quantize_tensorwise(t, s, fp8_dtype, c, config=cfg, amax=bits, slot=i)
                 for t, s, c, i in zip(x, scale, columnwise, slots, strict=True)]  # fmt: skip
-    from_amax = scale is None
     if from_amax:  # both amax passes; the casts read the amaxes (SCALE unused)
         (p0, c0), (p1, c1) = (_amax_split(t, cfg) for t in x2)
         launch(_amax_pair_kernel, (p0 + p1,))(
@@ -767,46 +706,3 @@ def dequantize_blockwise(
 ) -> Tensor:
     """``fp32(data) * scale_inv`` per ``block_rows x 128`` block of the ``[M, K]`` view."""
     return _dequantize(data, scale_inv, block_rows, out_dtype, config or DEFAULT_CONFIG)
-
-
-def delayed_scaling_update(
-    amax_history: Tensor,
-    scale: Tensor,
-    out: Tensor,
-    amax: Tensor,
-    amax_tail: Tensor | None,
-    limits: tuple[float, float, int],
-    margin: int,
-    max_algo: bool,
-) -> None:
-    """In place, one launch: see ``_delayed_update_kernel``. ``amax_history`` ``[len, slots]``
-    with unit column stride (a leading-rows slice of a larger buffer is fine); ``scale``
-    contiguous fp32 ``[slots]``; the last amaxes ``amax`` (contiguous fp32, the first slots)
-    and ``amax_tail`` (the others; None: ``amax`` holds all); ``limits``: ``(head_max,
-    tail_max, n_head)``, the first ``n_head`` slots' format's largest value and the others';
-    ``out`` ``[slots]`` fp32 (any stride) receives the new scales too."""
-    length, slots = amax_history.shape
-    tail = amax if amax_tail is None else amax_tail
-    if amax_history.stride(1) != 1 or not all(t.is_contiguous() for t in (scale, amax, tail)):
-        raise ValueError("delayed_scaling_update: expects unit column stride / contiguous slots")
-    head_max, tail_max, n_head = limits
-    launch(_delayed_update_kernel, (1,))(
-        amax_history,
-        scale,
-        out,
-        amax,
-        tail,
-        length,
-        slots,
-        amax.numel(),
-        n_head,
-        head_max,
-        tail_max,
-        amax_history.stride(0),
-        out.stride(0),
-        2.0**margin,
-        MAX_ALGO=max_algo,
-        BLOCK_L=next_pow2(length),
-        BLOCK_S=next_pow2(slots),
-        num_warps=4,
-    )

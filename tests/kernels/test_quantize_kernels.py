@@ -23,6 +23,7 @@ from tests.utils import TRITON_DEVICE, assert_bits_equal, requires_cuda, require
 
 kernels = pytest.importorskip("te_compile.kernels.quantize")
 row_kernels = pytest.importorskip("te_compile.kernels.quantize_rows")
+scaling_kernels = pytest.importorskip("te_compile.kernels.fp8_scaling")
 
 QuantizeLaunchConfig = kernels.QuantizeLaunchConfig
 
@@ -321,7 +322,7 @@ def test_delayed_scaling_update_kernel_matches_reference(length, algo, margin, s
     h, s = _dev(history.clone()), _dev(scale.clone())
     out = scale_copy(s).fill_(-1.0)
     head, tail = (_dev(last), None) if split == 3 else (_dev(last[:split]), _dev(last[split:]))
-    kernels.delayed_scaling_update(
+    scaling_kernels.delayed_scaling_update(
         h[:length], s, out, head, tail, _limit_runs(limits), margin, algo == "max"
     )
     assert_bits_equal(h, h_ref)
@@ -633,7 +634,7 @@ def test_pair_equals_two_single_casts(shapes, columnwise, delayed, config):
     either way round; a tensor of another dtype, or an empty one, goes through the single casts."""
     torch.manual_seed(0)
     x = [_dev(_x(shapes[0], std=3.0)), _dev(_x(shapes[1], std=0.25))]
-    scales = (_dev(torch.tensor([2.0**-3])), _dev(torch.tensor([6.0]))) if delayed else None
+    scales = (_dev(torch.tensor([2.0**-3])), _dev(torch.tensor([6.0]))) if delayed else (None,) * 2
     for slots in ((0, 1), (1, 0)):
         bits = kernels.amax_bits(x[0].device, 2)
         got = kernels.quantize_pair(x, E4M3, columnwise, bits, slots, scales, config=config)
