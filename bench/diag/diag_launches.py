@@ -22,6 +22,7 @@ launches were cut).
     python -m bench.diag.diag_launches                      # bf16, current, delayed
     python -m bench.diag.diag_launches --recipes delayed --list
     python -m bench.diag.diag_launches --model grouped_mlp  # te.GroupedMLP, 4 experts
+    python -m bench.diag.diag_launches --dump /tmp/code     # each recipe's generated code
 
 ``--model grouped_mlp`` counts a ``te.GroupedMLP`` step instead (4 experts, hidden 64, ffn 128,
 SwiGLU, 64 tokens split ``[40, 0, 24, 0]`` by a device tensor) and lists the ``te`` ops
