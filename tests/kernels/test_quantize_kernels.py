@@ -652,6 +652,7 @@ def test_pair_equals_two_single_casts(shapes, columnwise, delayed, config):
 
 
 def test_pair_of_two_dtypes_casts_each_alone():
+    """A bf16 and an fp32 tensor (two GUARD settings, so not one launch): the single casts."""
     x = [_dev(_x((20, 24))), _dev(_x((12, 8), dtype=torch.float32))]
     bits, ref_bits = (kernels.amax_bits(x[0].device, 2) for _ in range(2))
     got = kernels.quantize_pair(x, E5M2, (True, False), bits, (0, 1), config=SMALL)
