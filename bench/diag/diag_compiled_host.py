@@ -13,6 +13,11 @@ process,
     python -m bench.diag.diag_compiled_host --size h1024 --precisions torch current delayed
     python -m bench.diag.diag_compiled_host --size h1024 --cpp-wrapper  # Inductor's C++ wrapper
     python -m bench.diag.diag_compiled_host --smoke --device cpu   # the script itself
+    python -m bench.diag.diag_compiled_host --size h1024 --rounds 7  # rows timed in alternation
+
+``--rounds N`` builds every row first and then times them in ``N`` rounds, the order rotated
+each round, so that a slow stretch of the host reaches every row: each row's speed against the
+first row (torch) is taken within a round, and the table gives the median over the rounds.
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ _SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaM
           "cudaEventSynchronize", "aten::_local_scalar_dense", "aten::item")  # fmt: skip
 
 
-def _row(precision: str, size: bb.Size, weights, x, grad, device, top: int, cpp: bool) -> None:
+def _build(precision: str, size: bb.Size, weights, x, grad, device, cpp: bool):
+    """``(row name, step)``: the row's compiled stack, one fwd+bwd per ``step()``, warmed up."""
     spec = bb.RowSpec("torch" if precision == "torch" else "te", "bf16" if precision == "torch"
                       else precision, "compiled")  # fmt: skip
     model = bb.build_model(spec, size, weights, device)
@@ -54,40 +60,79 @@ def _row(precision: str, size: bb.Size, weights, x, grad, device, top: int, cpp:
         bb.clear_grads(params, x)
         bb.forward_backward(call, x, grad, False)
 
-    cuda = device.type == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
     for _ in range(4):
         step()
-    sync()
+    _sync(device)
+    return spec.name + (" (cpp_wrapper)" if cpp else ""), step
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _steady(step, device: torch.device, steps: int = 20) -> float:
+    """ms per step over ``steps`` back-to-back steps, one sync at the end."""
+    _sync(device)
     t0 = time.perf_counter()
-    for _ in range(20):
+    for _ in range(steps):
         step()
-    sync()
-    steady = (time.perf_counter() - t0) / 20 * 1e3
+    _sync(device)
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
+def _host(step, device: torch.device, trials: int = 5) -> float:
+    """Median ms to issue one step while the GPU sleeps."""
     hosts = []
-    for _ in range(5):
-        if cuda:
+    for _ in range(trials):
+        if device.type == "cuda":
             torch.cuda._sleep(2_000_000_000)
         t0 = time.perf_counter()
         step()
         hosts.append((time.perf_counter() - t0) * 1e3)
-        sync()
+        _sync(device)
+    return statistics.median(hosts)
+
+
+def _row(name: str, step, device, top: int) -> None:
+    steady, host = _steady(step, device), _host(step, device)
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
             step()
-        sync()
+        _sync(device)
     syncs: dict[str, int] = {}
     for e in prof.events():
         if e.name in _SYNCS:
             syncs[e.name] = syncs.get(e.name, 0) + 1
-    name = spec.name + (" (cpp_wrapper)" if cpp else "")
-    print(f"### {name}: steady {steady:.2f} ms/step, host {statistics.median(hosts):.2f} ms "
-          f"(min {min(hosts):.2f}), syncs per step "
+    print(f"### {name}: steady {steady:.2f} ms/step, host {host:.2f} ms, syncs per step "
           f"{ {k: v / 3 for k, v in sorted(syncs.items())} }", flush=True)  # fmt: skip
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top), flush=True)
-    bb.reset_between_rows(device)
+
+
+def _rounds(rows: list, device, rounds: int) -> None:
+    """Every row timed once per round, the rows' order rotated each round, so that a drift of
+    the host's speed reaches every row alike; per row the median over the rounds of its steady
+    ms, its host ms and its speed against the first row measured in the same round."""
+    steady: dict[str, list[float]] = {name: [] for name, _ in rows}
+    host: dict[str, list[float]] = {name: [] for name, _ in rows}
+    speed: dict[str, list[float]] = {name: [] for name, _ in rows}
+    for r in range(rounds):
+        order = rows[r % len(rows) :] + rows[: r % len(rows)]
+        for name, step in order:
+            steady[name].append(_steady(step, device))
+            host[name].append(_host(step, device, trials=3))
+        base = steady[rows[0][0]][-1]
+        for name, _ in rows:
+            speed[name].append(base / steady[name][-1])
+    print(f"| row ({rounds} rounds) | steady ms: median (min-max) | host ms | speed vs "
+          f"{rows[0][0]}: median (min-max) |\n| --- | ---: | ---: | ---: |")  # fmt: skip
+    med = statistics.median
+    for name, _ in rows:
+        st, sp = steady[name], speed[name]
+        print(f"| {name} | {med(st):.2f} ({min(st):.2f}-{max(st):.2f}) | {med(host[name]):.2f} "
+              f"| {med(sp):.3f}x ({min(sp):.3f}-{max(sp):.3f}) |", flush=True)  # fmt: skip
 
 
 def main() -> None:
@@ -98,6 +143,9 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="bench_block's tiny size (any device)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--cpp-wrapper", action="store_true", help="compile with cpp_wrapper=True")
+    p.add_argument("--rounds", type=int, default=0,
+                   help="build every row, then time them in this many alternating rounds "
+                        "(speeds against the first row of each round; no profile)")  # fmt: skip
     args = p.parse_args()
     bb.raise_recompile_limits()
     device = torch.device(args.device)
@@ -107,8 +155,15 @@ def main() -> None:
     shape = (size.batch, size.seq, size.hidden)
     x = torch.randn(shape, device=device, dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(shape, device=device, dtype=torch.bfloat16)
+    cpp = args.cpp_wrapper
+    if args.rounds:  # every row built first, then timed in alternation
+        rows = [_build(p, size, weights, x, grad, device, cpp) for p in args.precisions]
+        _rounds(rows, device, args.rounds)
+        return
     for precision in args.precisions:
-        _row(precision, size, weights, x, grad, device, args.top, args.cpp_wrapper)
+        name, step = _build(precision, size, weights, x, grad, device, cpp)
+        _row(name, step, device, args.top)
+        bb.reset_between_rows(device)
 
 
 if __name__ == "__main__":
