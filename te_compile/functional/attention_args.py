@@ -275,8 +275,12 @@ def op_arguments(
             raise _fail(f"{name} must be a positive int, got {bound!r}")
 
     thd = qkv_format == "thd"
-    as_bshd = {"sbhd": lambda x: x.transpose(0, 1), "bshd": lambda x: x, "thd": lambda x: x[None]}
-    q, k, v = (as_bshd[qkv_format](x) for x in (query, key, value))
+    if thd:
+        q, k, v = query[None], key[None], value[None]
+    elif qkv_format == "sbhd":
+        q, k, v = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
+    else:
+        q, k, v = query, key, value
     b, sq, h, d = q.shape
     skv, device = k.shape[1], query.device
 
