@@ -14,6 +14,15 @@ process,
     python -m bench.diag.diag_compiled_host --size h1024 --cpp-wrapper  # Inductor's C++ wrapper
     python -m bench.diag.diag_compiled_host --smoke --device cpu   # the script itself
     python -m bench.diag.diag_compiled_host --size h1024 --rounds 7  # rows timed in alternation
+    python -m bench.diag.diag_compiled_host --precisions torch current current:static --rounds 7
+    python -m bench.diag.diag_compiled_host --precisions current --cprofile 20  # Python's view
+
+A precision ending in ``:static`` is compiled with Inductor's static launcher for our Triton
+kernels (``static_launch_user_defined_triton_kernels``), so that an A/B of the launcher runs in
+one process. ``--cprofile N`` profiles N steps per row with ``cProfile`` while the GPU sleeps
+and prints the functions with the most own time and the most cumulative time: which Python
+(Inductor's wrapper, its launchers, AOTAutograd's runtime wrappers, dynamo's guards as time of
+the frame's caller) the host spends a step in.
 
 ``--rounds N`` builds every row first and then times them in ``N`` rounds, the order rotated
 each round, so that a slow stretch of the host reaches every row: each row's speed against the
@@ -41,6 +50,14 @@ _SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaM
 
 def _build(precision: str, size: bb.Size, weights, x, grad, device, cpp: bool):
     """``(row name, step)``: the row's compiled stack, one fwd+bwd per ``step()``, warmed up."""
+    precision, static = precision.removesuffix(":static"), precision.endswith(":static")
+    from torch._inductor import config as inductor_config
+    from torch._inductor.codecache import PyCodeCache
+
+    inductor_config.static_launch_user_defined_triton_kernels = static
+    # A kernel's launcher is chosen when its module is loaded: without this, a row whose code
+    # another row already loaded reuses that row's modules, and so its launchers.
+    PyCodeCache.cache_clear(purge=False)
     spec = bb.RowSpec("torch" if precision == "torch" else "te", "bf16" if precision == "torch"
                       else precision, "compiled")  # fmt: skip
     model = bb.build_model(spec, size, weights, device)
@@ -63,7 +80,10 @@ def _build(precision: str, size: bb.Size, weights, x, grad, device, cpp: bool):
     for _ in range(4):
         step()
     _sync(device)
-    return spec.name + (" (cpp_wrapper)" if cpp else ""), step
+    inductor_config.static_launch_user_defined_triton_kernels = False
+    return spec.name + (" (cpp_wrapper)" if cpp else "") + (
+        " (static launch)" if static else ""
+    ), step
 
 
 def _sync(device: torch.device) -> None:
@@ -111,6 +131,26 @@ def _row(name: str, step, device, top: int) -> None:
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top), flush=True)
 
 
+def _cprofile(name: str, step, device, steps: int, top: int) -> None:
+    """``cProfile`` over ``steps`` steps issued while the GPU sleeps: the host's Python alone."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    for _ in range(steps):  # one step per sleep: more launches would fill the launch queue
+        if device.type == "cuda":
+            torch.cuda._sleep(2_000_000_000)
+        prof.enable()
+        step()
+        prof.disable()
+        _sync(device)
+    for key in ("tottime", "cumulative"):
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats(key).print_stats(top)
+        print(f"### {name}: cProfile of {steps} steps, by {key}\n{out.getvalue()}", flush=True)
+
+
 def _rounds(rows: list, device, rounds: int) -> None:
     """Every row timed once per round, the rows' order rotated each round, so that a drift of
     the host's speed reaches every row alike; per row the median over the rounds of its steady
@@ -146,6 +186,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=0,
                    help="build every row, then time them in this many alternating rounds "
                         "(speeds against the first row of each round; no profile)")  # fmt: skip
+    p.add_argument("--cprofile", type=int, default=0, metavar="STEPS",
+                   help="after the rounds (or instead of the profile), cProfile this many steps "
+                        "per row")  # fmt: skip
     args = p.parse_args()
     bb.raise_recompile_limits()
     device = torch.device(args.device)
@@ -159,10 +202,15 @@ def main() -> None:
     if args.rounds:  # every row built first, then timed in alternation
         rows = [_build(p, size, weights, x, grad, device, cpp) for p in args.precisions]
         _rounds(rows, device, args.rounds)
+        for name, step in rows if args.cprofile else ():
+            _cprofile(name, step, device, args.cprofile, args.top)
         return
     for precision in args.precisions:
         name, step = _build(precision, size, weights, x, grad, device, cpp)
-        _row(name, step, device, args.top)
+        if args.cprofile:
+            _cprofile(name, step, device, args.cprofile, args.top)
+        else:
+            _row(name, step, device, args.top)
         bb.reset_between_rows(device)
 
 

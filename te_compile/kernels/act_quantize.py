@@ -67,8 +67,10 @@ from te_compile.kernels.fp8 import (
     ROUNDING,
     QuantizeLaunchConfig,
     abs_bits,
+    as_stored,
     cast_args,
     cast_fp8,
+    fp8_out,
     round_to,
     software_convert,
     tile_scale,
@@ -285,16 +287,18 @@ def _cast_store(
     offs_t = (COL0 + pid_n * BLOCK_N).to(tl.int64) * M_OUT + pid_m * BLOCK_M
     offs_t += c_in[:, None] * M_OUT + r_in[None, :]
     if EVEN:
-        tl.store(DATA + offs, q)
+        tl.store(DATA + offs, as_stored(q, DATA))
         if COLUMNWISE:
-            tl.store(DATA_T + offs_t, tl.trans(q))
+            tl.store(DATA_T + offs_t, as_stored(tl.trans(q), DATA_T))
     else:
         rows = pid_m * BLOCK_M + r_in
         cols = pid_n * BLOCK_N + c_in
-        tl.store(DATA + offs, q, mask=(rows[:, None] < M_OUT) & (cols[None, :] < N))
+        tl.store(
+            DATA + offs, as_stored(q, DATA), mask=(rows[:, None] < M_OUT) & (cols[None, :] < N)
+        )
         if COLUMNWISE:
             mask_t = (cols[:, None] < N) & (rows[None, :] < M_OUT)
-            tl.store(DATA_T + offs_t, tl.trans(q), mask=mask_t)
+            tl.store(DATA_T + offs_t, as_stored(tl.trans(q), DATA_T), mask=mask_t)
 
 
 @triton.jit(do_not_specialize=["AMAX_SLOT"])  # one compile for every slot
@@ -372,10 +376,12 @@ def _block_store(
         offs += r_in[:, None] * ROW + c_in[None, :]
         s_offs = rows.to(tl.int64) * S_ROW + (COL0 // 128 + pid_n) * S_BLK
         if EVEN:
-            tl.store(DATA + offs, q)
+            tl.store(DATA + offs, as_stored(q, DATA))
             tl.store(SCALE_INV + s_offs, s)
         else:
-            tl.store(DATA + offs, q, mask=(rows[:, None] < M_OUT) & (cols[None, :] < N))
+            tl.store(
+                DATA + offs, as_stored(q, DATA), mask=(rows[:, None] < M_OUT) & (cols[None, :] < N)
+            )
             tl.store(SCALE_INV + s_offs, s, mask=rows < M_OUT)
     if AXES != 1:
         q_t, s_t = cast_1x128(x, a, 0, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, POW2, GUARD)
@@ -383,11 +389,11 @@ def _block_store(
         offs_t += c_in[:, None] * M_OUT + r_in[None, :]
         s_offs_t = (COL0 + cols).to(tl.int64) * T_ROW + pid_m * T_BLK
         if EVEN:
-            tl.store(DATA_T + offs_t, tl.trans(q_t))
+            tl.store(DATA_T + offs_t, as_stored(tl.trans(q_t), DATA_T))
             tl.store(SCALE_INV_T + s_offs_t, s_t)
         else:
             mask_t = (cols[:, None] < N) & (rows[None, :] < M_OUT)
-            tl.store(DATA_T + offs_t, tl.trans(q_t), mask=mask_t)
+            tl.store(DATA_T + offs_t, as_stored(tl.trans(q_t), DATA_T), mask=mask_t)
             tl.store(SCALE_INV_T + s_offs_t, s_t, mask=cols < N)
 
 
@@ -511,8 +517,8 @@ def _per_tensor(
         amax if scale is None else scale.reshape(1),  # current scaling: SCALE unused
         amax,
         slot,
-        uint8_view(data),
-        uint8_view(data_t),
+        fp8_out(data),
+        fp8_out(data_t),
         scale_inv,
         part,
         rows,
@@ -594,9 +600,9 @@ def _blockwise(
             gamma,
             mean,
             rsig,
-            uint8_view(data),
+            fp8_out(data),
             scale_inv,
-            uint8_view(data_t),
+            fp8_out(data_t),
             scale_inv_t,
             part,
             rows,

@@ -30,10 +30,12 @@ __all__ = [
     "QuantizeLaunchConfig",
     "abs_bits",
     "as_rows",
+    "as_stored",
     "block_scale",
     "cast_args",
     "cast_fp8",
     "fp8_args",
+    "fp8_out",
     "from_fp8_bits",
     "grid_2d",
     "round_to",
@@ -334,6 +336,20 @@ def cast_args(fp8_dtype: torch.dtype, software: bool, source: torch.dtype) -> di
 
 def uint8_view(t: Tensor) -> Tensor:
     return t.view(torch.uint8)
+
+
+def fp8_out(t: Tensor) -> Tensor:
+    """An fp8 output as our Triton kernels take it: the tensor itself on CUDA (the kernel stores
+    its codes through ``as_stored``), its uint8 bits elsewhere (Triton's interpreter has no fp8
+    arrays). On CUDA that is no view per call: under ``torch.compile`` each ``view(uint8)`` was
+    a dispatcher call of the host in Inductor's code, 24 per FP8 decoder layer."""
+    return t if t.is_cuda else t.view(torch.uint8)
+
+
+@triton.jit
+def as_stored(q, PTR):
+    """uint8 fp8 codes ``q`` as ``PTR``'s element type, bit for bit (``fp8_out``)."""
+    return q.to(PTR.dtype.element_ty, bitcast=True)
 
 
 def rounded_out(out: Tensor, software: bool) -> tuple[Tensor, bool]:

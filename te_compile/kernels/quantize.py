@@ -77,10 +77,12 @@ from te_compile.kernels.fp8 import (
     QuantizeLaunchConfig,
     abs_bits,
     as_rows,
+    as_stored,
     block_scale,
     cast_args,
     cast_fp8,
     fp8_args,
+    fp8_out,
     from_fp8_bits,
     grid_2d,
     rounded_out,
@@ -165,11 +167,11 @@ def _cast_tile(
     amax = AMAX_BITS.to(tl.pointer_type(tl.int32)) + AMAX_SLOT
     scale = tile_scale(SCALE, amax, SCALE_INV, x, first, fp8_max, eps, FROM_AMAX, POW2)
     q = cast_fp8(x * scale, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, GUARD)
-    tl.store(DATA + rows.to(tl.int64)[:, None] * K + cols[None, :], q, mask=mask)
+    tl.store(DATA + rows.to(tl.int64)[:, None] * K + cols[None, :], as_stored(q, DATA), mask=mask)
     if COLUMNWISE:
         mask_t = (cols[:, None] < K) & (rows[None, :] < M)
         offs_t = cols.to(tl.int64)[:, None] * M + rows[None, :]
-        tl.store(DATA_T + offs_t, tl.trans(q), mask=mask_t)
+        tl.store(DATA_T + offs_t, as_stored(tl.trans(q), DATA_T), mask=mask_t)
 
 
 @triton.jit(do_not_specialize=["AMAX_SLOT"])  # one compile for every slot
@@ -270,7 +272,7 @@ def _block_kernel(
         if COLUMNWISE:
             # x^T in 1x128 blocks along M: one block per column of this tile.
             q_t, s_t = cast_1x128(x, a, 0, fp8_max, E4M3, MBITS, BIAS, SOFTWARE, POW2, GUARD)
-            tl.store(DATA_T + offs_t, tl.trans(q_t), mask=mask_t)
+            tl.store(DATA_T + offs_t, as_stored(tl.trans(q_t), DATA_T), mask=mask_t)
             n_mb = tl.cdiv(M, BLOCK_M)
             tl.store(SCALE_INV_T + cols.to(tl.int64) * n_mb + pid_m, s_t, mask=cols < K)
     else:
@@ -281,9 +283,9 @@ def _block_kernel(
         tl.store(SCALE_INV + pid_m * n_kb + pid_k, scale_inv)
         if COLUMNWISE:
             # A 128x128 block of x^T is the transposed block of x: same scale, same codes.
-            tl.store(DATA_T + offs_t, tl.trans(q), mask=mask_t)
+            tl.store(DATA_T + offs_t, as_stored(tl.trans(q), DATA_T), mask=mask_t)
             tl.store(SCALE_INV_T + pid_k * tl.cdiv(M, BLOCK_M) + pid_m, scale_inv)
-    tl.store(DATA + offs, q, mask=mask)
+    tl.store(DATA + offs, as_stored(q, DATA), mask=mask)
 
 
 @triton.jit
@@ -424,8 +426,8 @@ def _cast(
         scale,
         bits,
         slot,
-        uint8_view(data),
-        uint8_view(data_t),
+        fp8_out(data),
+        fp8_out(data_t),
         scale_inv,
         m,
         k,
@@ -525,7 +527,7 @@ def quantize_pair(
         data_t = _transposed(xt, m, k, fp8_dtype, c)
         scale_inv = torch.empty(1, device=t.device, dtype=torch.float32)
         out.append((data, data_t, scale_inv, bits))
-        args += [xt, s, i, uint8_view(data), uint8_view(data_t), scale_inv, m, k]
+        args += [xt, s, i, fp8_out(data), fp8_out(data_t), scale_inv, m, k]
     tiles = sum(cdiv(t.shape[0], cfg.block_m) * cdiv(t.shape[1], cfg.block_k) for t in x2)
     launch(_cast_pair_kernel, (tiles,))(
         *args, bits, FORMATS[fp8_dtype].max, 0.0,
@@ -595,9 +597,9 @@ def quantize_blockwise(
     elif m * k:
         launch(_block_kernel, (cdiv(m, block_m), cdiv(k, BLOCK)))(
             x2,
-            uint8_view(data),
+            fp8_out(data),
             scale_inv,
-            uint8_view(data_t),
+            fp8_out(data_t),
             scale_inv_t,
             m,
             k,
