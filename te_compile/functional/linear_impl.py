@@ -67,8 +67,7 @@ def forward_impl(a: LinearArgs, cuda: bool) -> tuple[Tensor, Tensor, list[Tensor
         c = (lambda t: t) if acc is None else (lambda t: None if t is None else t.to(acc))
         h = gemm("mm", c(x2), None, c(weight), None, dtype, bias=c(fuse_bias))
     else:
-        bw = a.bw
-        override = bw.override
+        bw, override = a.bw, a.bw.override
         s_x, s_w, _ = scale_slots(a.scale, recipe)
         # The input's and the weight's amax in one buffer (a pre-quantised weight has its own).
         bits, (a_x, a_w) = amax_buffer(recipe, x2, 2, shared=a.weight_q is None)
@@ -91,15 +90,13 @@ def forward_impl(a: LinearArgs, cuda: bool) -> tuple[Tensor, Tensor, list[Tensor
             saved = [x2] if norm.normalization else []
         elif override == "dequantized":  # the forward's operands, dequantised
             saved = [_dequantized(xs, xq, m, dtype), _dequantized(ws, wq, n, dtype)]
+        elif bw.save_input:  # the input itself is saved instead of its copy
+            saved = [x2.new_empty(0, dtype=fp8_bytes(wq.data_t).dtype),
+                     x2.new_empty(0, dtype=torch.float32)]  # fmt: skip
         else:
-            if bw.save_input:  # the input itself is saved instead of its copy
-                x_slots = [x2.new_empty(0, dtype=fp8_bytes(wq.data_t).dtype),
-                           x2.new_empty(0, dtype=torch.float32)]  # fmt: skip
-            else:
-                x_slots = [fp8_bytes(xq.data_t), xq.scale_t]
-            # A pre-quantised weight's copies are inputs: setup_context saves them.
-            w_slots = [] if a.weight_q is not None else [fp8_bytes(wq.data_t), wq.scale_t]
-            saved = [*x_slots, *w_slots]
+            saved = [fp8_bytes(xq.data_t), xq.scale_t]
+        if not override and a.weight_q is None:  # (a pre-quantised weight's are inputs)
+            saved += [fp8_bytes(wq.data_t), wq.scale_t]
         if bits is not None:
             amax = [bits]
         elif recipe in PER_TENSOR:
@@ -171,8 +168,7 @@ def backward_impl(grad, grad_branch, saved, inp, weight, bias, main_grad, scale,
         cast = (lambda t: t) if acc is None else (lambda t: t.to(acc))
         if c.need_dgrad:
             w = cast(weight)
-            dinp = torch.addmm(cast(b2), dy, w) if fused_branch else dy @ w
-            dinp = dinp.to(dtype)
+            dinp = (torch.addmm(cast(b2), dy, w) if fused_branch else dy @ w).to(dtype)
         if c.need_wgrad and main_grad is not None:
             accumulate_wgrad(main_grad, dy, x2)
         elif c.need_wgrad:
