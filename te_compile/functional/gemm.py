@@ -267,19 +267,17 @@ def check_gemm_dims(p: str, recipe: str, w: QuantSpec, tokens: int, **dims: int)
 _GEMM_ARGS = ("weight", "bias", "main_grad")
 
 
-def check_gemm_args(owner: str, tensors: dict[str, Tensor | None], **reals: object) -> None:
-    """A family function's arguments, used by the call or not (never silently ignored):
-    tensors (or None) and ``reals`` (``norm_eps``, ``limit``, ``alpha``: positive;
-    ``glu_linear_offset``, ``out_scale``: finite; ``glu_interleave_size``: None or an int >= 0)."""
-    check_tensors(owner, **tensors)
+def check_gemm_args(owner: str, **reals: object) -> None:
+    """A family function's scalar arguments, used by the call or not (never silently ignored):
+    ``norm_eps``, ``limit``, ``alpha``: positive; ``glu_linear_offset``, ``out_scale``: finite;
+    ``glu_interleave_size``: None or an int >= 0."""
     for name, value in reals.items():
         if name in ("glu_linear_offset", "out_scale"):
             check_finite(owner, **{name: value})
-        elif name == "glu_interleave_size":
-            if value is not None:
-                check_int(owner, 0, glu_interleave_size=value)
-        else:
+        elif name != "glu_interleave_size":
             check_positive_finite(owner, **{name: value})
+        elif value is not None:
+            check_int(owner, 0, glu_interleave_size=value)
 
 
 def check_overwrite(owner: str, overwrite_main_grad: bool, main_grad: Tensor | None) -> None:

@@ -278,11 +278,10 @@ def _backward_op(args: tuple, cuda: bool) -> tuple[Tensor, ...]:
     """``linear_bwd`` on a device: ``wgrad_stash`` takes the incoming gradient in place of the
     weight gradient; a call without recipe, norm, epilogue or branch is plain high precision."""
     tensors, scalars, stash = _bwd_args(args)
-    need_wgrad = scalars[-1]
+    input_spec, _, _, norm, epilogue, need_dbias, need_dgrad, need_wgrad = scalars
     if stash is not None:
         stash.copy_(tensors[0])
         need_wgrad = False
-    input_spec, _, _, norm, epilogue, need_dbias, need_dgrad, _ = scalars
     if not (input_spec or norm or epilogue) and tensors[1] is None:
         grad, _, _, inp, weight, _, main_grad = tensors[:7]
         return (*hp_linear_backward(grad, inp, weight, main_grad, need_dbias, need_dgrad,
@@ -444,10 +443,9 @@ def _scalar_specs(normalization, norm_eps, zero_centered_gamma, activation, glu_
     the values alone (and their types), so an eager call computes them once."""
     check_bool("te.linear", zero_centered_gamma=zero_centered_gamma, return_branch=return_branch,
                overwrite_main_grad=overwrite_main_grad)  # fmt: skip
-    check_gemm_args(
-        "te.linear", {}, norm_eps=norm_eps, glu_interleave_size=glu_interleave_size, limit=limit,
-        alpha=alpha, glu_linear_offset=glu_linear_offset, out_scale=out_scale,
-    )  # fmt: skip
+    check_gemm_args("te.linear", norm_eps=norm_eps, glu_interleave_size=glu_interleave_size,
+                    limit=limit, alpha=alpha, glu_linear_offset=glu_linear_offset,
+                    out_scale=out_scale)  # fmt: skip
     check_choice("te.linear", "backward_override", backward_override, BACKWARD_OVERRIDES)
     check_choice("te.linear", "normalization", normalization, ("", *NORMALIZATIONS))
     norm = NormSpec(normalization, float(norm_eps), zero_centered_gamma) if normalization else None

@@ -44,7 +44,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from te_compile._checks import check_bool, check_same_device, check_tensors
+from te_compile._checks import check_bool, check_choice, check_same_device, check_tensors
 from te_compile._library import differentiable, op
 from te_compile.functional.activation import (
     GATED_ACTIVATIONS,
@@ -471,16 +471,9 @@ def _scalar_specs(normalization, norm_eps, zero_centered_gamma, activation, limi
     their types), so an eager call computes them once."""
     check_bool("te.mlp", zero_centered_gamma=zero_centered_gamma)
     check_gemm_args(
-        "te.mlp",
-        {},
-        norm_eps=norm_eps,
-        limit=limit,
-        alpha=alpha,
-        glu_linear_offset=glu_linear_offset,
+        "te.mlp", norm_eps=norm_eps, limit=limit, alpha=alpha, glu_linear_offset=glu_linear_offset
     )
-    if normalization not in ("", *NORMALIZATIONS):
-        raise ValueError('te.mlp: normalization must be "", "LayerNorm" or "RMSNorm", '
-                         f"got {normalization!r}")  # fmt: skip
+    check_choice("te.mlp", "normalization", normalization, ("", *NORMALIZATIONS))
     norm = NormSpec(normalization, float(norm_eps), zero_centered_gamma) if normalization else None
     epilogue = EpilogueSpec(activation, 0, float(limit), float(alpha), float(glu_linear_offset))
     return norm.encode() if norm else "", epilogue.encode()
@@ -544,5 +537,5 @@ def mlp(
     )  # fmt: skip
     if not return_amax:
         return out
-    per_tensor = isinstance(specs[0], str) and specs[0].startswith(PER_TENSOR)
+    per_tensor = specs[0].startswith(PER_TENSOR)  # (a str: the op took it)
     return out, saved[-1] if per_tensor else inp.new_empty(0, dtype=torch.float32)
