@@ -83,9 +83,8 @@ def forward_impl(a: LinearArgs, cuda: bool) -> tuple[Tensor, Tensor, list[Tensor
             if xq is None:
                 xq = quantize_operand(xs, pad_rows(x2), scale=s_x, columnwise=x_t, slot=a_x)
             wq = weight_operand(a.weight_q, ws, weight, s_w, slot=a_w)
-        h = gemm(gemm_kind(recipe, xs.emulate), xq.data, xq.scale, wq.data, wq.scale, dtype,
-                 bias=fuse_bias, fast_accum=True, b_block_rows=ws.block_rows)  # fmt: skip
-        h = unpad(h, m)
+        h = unpad(gemm(gemm_kind(recipe, xs.emulate), xq.data, xq.scale, wq.data, wq.scale, dtype,
+                       bias=fuse_bias, fast_accum=True, b_block_rows=ws.block_rows), m)  # fmt: skip
         if override == "high_precision":  # the GEMM input in high precision, with a norm
             saved = [x2] if norm.normalization else []
         elif override == "dequantized":  # the forward's operands, dequantised
@@ -123,9 +122,8 @@ def _dequantized(spec: QuantSpec, q, rows: int, dtype) -> Tensor:
     elif spec.kind in PER_TENSOR:
         values = q.data.float() * q.scale
     else:
-        u8, f32 = torch.uint8, torch.float32
-        values = dequantize_blockwise.eager(q.data.view(u8), q.scale, spec.block_rows,
-                                            spec.fp8_dtype, f32)  # fmt: skip
+        values = dequantize_blockwise.eager(q.data.view(torch.uint8), q.scale, spec.block_rows,
+                                            spec.fp8_dtype, torch.float32)  # fmt: skip
     # A copy where the values are the operand's own tensor (an output may not alias another).
     return values[:rows].to(dtype, copy=values is q.data)
 
@@ -203,9 +201,8 @@ def _quantized_backward(dy, copies, main_grad, scale, grad_amax, rng_state, c: B
         grad_amax.copy_(g.amax)
     dinp = None
     if c.need_dgrad:  # dX [M, K] = dY [M, N] @ W [N, K]; W^T [K, N] is the GEMM's b
-        dinp = gemm(kind, g.data, g.scale, fp8_codes(w_t, c.w.fp8_dtype), w_st, dtype,
-                    fast_accum=c.g.fast_dgrad, b_block_rows=c.w.block_rows)  # fmt: skip
-        dinp = unpad(dinp, m)
+        dinp = unpad(gemm(kind, g.data, g.scale, fp8_codes(w_t, c.w.fp8_dtype), w_st, dtype,
+                          fast_accum=c.g.fast_dgrad, b_block_rows=c.w.block_rows), m)  # fmt: skip
     dweight = empty(dy)
     if c.need_wgrad:  # dW [N, K] = dY^T [N, M] @ X [M, K]; X^T [K, M] is the GEMM's b
         dweight = wgrad_gemm(kind, g.data_t, g.scale_t, fp8_codes(x_t, c.x.fp8_dtype), x_st, dtype,

@@ -235,9 +235,8 @@ def mlp_fwd(
     z = gemm(kind, xq.data, xq.scale, w1q.data, w1q.scale, dtype, fast_accum=True,
              b_block_rows=rows)  # fmt: skip
     hq, _ = _act_operand(xs, z, b1, None, ep, s_h, m, False, a_h)
-    out = gemm(kind, hq.data, hq.scale, w2q.data, w2q.scale, dtype, bias=b2, fast_accum=True,
-               b_block_rows=rows)  # fmt: skip
-    out = unpad(out, m)
+    out = unpad(gemm(kind, hq.data, hq.scale, w2q.data, w2q.scale, dtype, bias=b2, fast_accum=True,
+                     b_block_rows=rows), m)  # fmt: skip
     w1_copy = [] if q1 is not None else [fp8_bytes(w1q.data_t), w1q.scale_t]
     w2_copy = [] if q2 is not None else [fp8_bytes(w2q.data_t), w2q.scale_t]
     saved = [
@@ -356,9 +355,8 @@ def mlp_bwd(
         # fc1: dX [M, D] = dz @ W1; dW1 [F1, D] = dz^T @ X
         dinp = None
         if c.need_dgrad:
-            dinp = gemm(kind, dq.data, dq.scale, w1_t, w1s, dtype, fast_accum=fast_d,
-                        b_block_rows=rows)  # fmt: skip
-            dinp = unpad(dinp, m)
+            dinp = unpad(gemm(kind, dq.data, dq.scale, w1_t, w1s, dtype, fast_accum=fast_d,
+                              b_block_rows=rows), m)  # fmt: skip
         dw1 = wgrad_gemm(kind, dq.data_t, dq.scale_t, x_t, xs, dtype, main_grad1, fast_w)
     dnorm = [empty(grad), empty(grad)]
     if dinp is not None and normalization:
@@ -450,11 +448,7 @@ def _backward(ctx, bwd, grad, _grad_saved):
 
 
 _mlp = differentiable(
-    mlp_fwd,
-    mlp_bwd,
-    setup_context=_setup_context,
-    backward=_backward,
-    reference=mlp_ref,
+    mlp_fwd, mlp_bwd, setup_context=_setup_context, backward=_backward, reference=mlp_ref
 )
 
 
