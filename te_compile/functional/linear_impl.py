@@ -49,13 +49,12 @@ def forward_impl(a: LinearArgs, cuda: bool) -> tuple[Tensor, Tensor, list[Tensor
     if a.plain:  # te.Linear in high precision: the hot path
         return hp_linear(inp, weight, bias, cuda), branch, []
     x2 = inp.reshape(-1, inp.shape[-1])
-    m, acc = x2.shape[0], None
     saved, stats, amax = [], [], []
     fuse_bias = bias if not ep.activation else None
     xs, ws, _ = a.specs
     recipe, norm = xs.kind, a.nrm
+    m, acc = x2.shape[0], None if cuda or recipe else acc_dtype(inp)
     if not recipe:
-        acc = None if cuda else acc_dtype(inp)
         if norm.normalization:
             x2, *stats = norm_forward(x2, norm)
             saved.append(x2)

@@ -382,11 +382,10 @@ def _backward(ctx, bwd, grad, grad_branch, _grad_saved):
         main_grad.zero_()
     need_norm = ctx.has_norm and any(need[NORM_WEIGHT : NORM_WEIGHT + 2])
     need_dbias = ctx.has_bias and need[2]
-    need_dgrad = need[0] or need_norm
     grad_branch = grad_branch.contiguous() if ctx.branch and grad_branch is not None else None
     dinp, dweight, dbias, *dnorm = bwd(
         grad.contiguous(), grad_branch, saved, inp, weight, bias, main_grad, scale, grad_amax,
-        norm_weight, rng_state, *ctx.scalars, need_dbias, need_dgrad, need[1],
+        norm_weight, rng_state, *ctx.scalars, need_dbias, need[0] or need_norm, need[1],
         *(() if stash is None else (stash,)),
     )  # fmt: skip
     grads = [None] * len(need)
