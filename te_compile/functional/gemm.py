@@ -281,7 +281,6 @@ def check_gemm_args(owner: str, **reals: object) -> None:
 
 
 def check_overwrite(owner: str, overwrite_main_grad: bool, main_grad: Tensor | None) -> None:
-    """``overwrite_main_grad=True`` makes the weight gradient replace ``main_grad``'s values."""
     if overwrite_main_grad and main_grad is None:
         raise ValueError(f"{owner}: overwrite_main_grad=True needs main_grad (the fp32 buffer "
                          "whose values the weight gradient replaces)")  # fmt: skip

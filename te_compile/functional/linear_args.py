@@ -1,10 +1,8 @@
-"""The linear family's arguments and their checks (``linear_ops.py`` defines the ops).
-
-``LinearArgs`` names the forward op's arguments (a call passes the first four, or all) and parses
-its spec strings; the checks are shared by the implementations (eager) and the fakes (trace
+"""The linear family's arguments (``LinearArgs``, which parses the spec strings) and their checks
+(``linear_ops.py`` defines the ops), shared by the implementations (eager) and the fakes (trace
 time), so a bad argument raises the same ValueError, naming it, in eager and under
-``torch.compile``. ``check_linear_tensors`` checks the four tensors (the hot path);
-``check_linear`` the whole call (recipe, prologue, epilogue, backward, pre-quantised weight).
+``torch.compile``: ``check_linear_tensors`` the four tensors (the hot path), ``check_linear``
+the whole call (recipe, prologue, epilogue, backward, pre-quantised weight).
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """The linear family's implementations: what ``te::linear_fwd`` / ``te::linear_bwd``
-(``linear_ops.py``, which documents them) compute on each device.
-
-``forward_impl`` runs the optional norm prologue, quantises the operands through
-``functional.gemm.QUANTIZERS``, calls the recipe's GEMM (``functional.gemm.GEMMS``) and the
-epilogue, and returns the tensors the backward needs; ``backward_impl`` runs the epilogue's and
-the prologue's backward around the dgrad and wgrad GEMMs (``_quantized_backward`` for a quantised
-recipe). ``cuda``: the device's numerics (``linear_ops.py``'s "Numerics").
+(``linear_ops.py``, which documents them) compute on each device (``cuda``: its numerics,
+``linear_ops.py``'s "Numerics"). ``forward_impl``: the optional norm prologue, the operands
+quantised through ``functional.gemm.QUANTIZERS``, the recipe's GEMM (``functional.gemm.GEMMS``),
+the epilogue, the tensors the backward needs; ``backward_impl``: the epilogue's and the
+prologue's backward around the dgrad and wgrad GEMMs (quantised: ``_quantized_backward``).
 """
 
 from __future__ import annotations
@@ -142,7 +140,6 @@ def backward_impl(grad, grad_branch, saved, inp, weight, bias, main_grad, scale,
         xq = quantize_operand(c.x, pad_rows(x2), scale=scale_slots(scale, c.recipe)[0])
         copies = [fp8_bytes(xq.data_t), xq.scale_t, *copies[2:]]
     g2 = grad.reshape(-1, grad.shape[-1])
-    m = g2.shape[0]
     acc = None if c.recipe or cuda else acc_dtype(grad)
     dy = g2 if acc is None else g2.to(acc)
     if ep.scale != 1.0:
@@ -172,7 +169,7 @@ def backward_impl(grad, grad_branch, saved, inp, weight, bias, main_grad, scale,
             dweight = (dy.t() @ cast(x2)).to(dtype)
     else:
         dinp, dweight, db = _quantized_backward(dy, copies, main_grad, scale, grad_amax,
-                                                rng_state, c, m)  # fmt: skip
+                                                rng_state, c, g2.shape[0])  # fmt: skip
         if db is not None:
             dbias = db.to(dtype)
     dnorm = [empty(grad), empty(grad)]
