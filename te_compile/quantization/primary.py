@@ -210,12 +210,10 @@ def _quantize_loaded_weights(module, state_dict, prefix, *args) -> None:
     ``FP8MasterWeights`` quantises its masters (cast as it is, it would lose the scale)."""
     for name in module.__dict__.get(_STAMPS, {}):
         value, param = state_dict.get(prefix + name), getattr(module, name)
-        if value is None or not value.is_floating_point() or is_primary(value):
-            continue
-        if type(param.data) is not Tensor:  # a DTensor shard (FSDP2): distributed checkpointing
-            continue
-        for suffix, tensor in _kept(value.to(param.device), _spec(module, name)).items():
-            state_dict[prefix + name + suffix] = tensor
+        high_precision = value is not None and value.is_floating_point() and not is_primary(value)
+        if high_precision and type(param.data) is Tensor:  # (a DTensor shard (FSDP2): DCP's)
+            for suffix, tensor in _kept(value.to(param.device), _spec(module, name)).items():
+                state_dict[prefix + name + suffix] = tensor
 
 
 def _stamp(module: nn.Module, name: str) -> None:
@@ -301,22 +299,20 @@ def check_unchanged(module: nn.Module, name: str, weight: Tensor) -> None:
     if same_codes and kept_scale:  # nothing changed: the stamp stands (every call's case)
         return
     dist = torch.distributed.is_available() and torch.distributed.is_initialized()
-    if same_codes or not kept_scale or (replaced and dist):
-        _stamp(module, name)
-        return
-    if replaced and _take_scale_of_same_codes(module, name, weight):
+    ok = same_codes or not kept_scale or (replaced and dist)  # set with its scale, or by FSDP2
+    if not ok and replaced and _take_scale_of_same_codes(module, name, weight):
         _add_methods(module, name)  # (the new Parameter has none of them)
-        _stamp(module, name)
-        return
-    raise RuntimeError(
-        f"{type(module).__name__}: the FP8 weight {name!r} was "
-        f"{'replaced by other codes' if replaced else 'written in place'} without its scale "
-        f"({name}_scale_inv; weight.detach().copy_(codes), an in-place init, a new Parameter "
-        "of FP8 codes, ...): its values would be wrong. Set FP8 weights with "
-        "weight.copy_(values) (which quantises), load_state_dict, FP8MasterWeights, "
-        f"reset_parameters(), or FP8 codes together with their {name}_scale_inv "
-        f"(module.{name}_scale_inv.copy_(...))"
-    )
+    elif not ok:
+        raise RuntimeError(
+            f"{type(module).__name__}: the FP8 weight {name!r} was "
+            f"{'replaced by other codes' if replaced else 'written in place'} without its scale "
+            f"({name}_scale_inv; weight.detach().copy_(codes), an in-place init, a new Parameter "
+            "of FP8 codes, ...): its values would be wrong. Set FP8 weights with "
+            "weight.copy_(values) (which quantises), load_state_dict, FP8MasterWeights, "
+            f"reset_parameters(), or FP8 codes together with their {name}_scale_inv "
+            f"(module.{name}_scale_inv.copy_(...))"
+        )
+    _stamp(module, name)
 
 
 def _note_recipe(module: nn.Module) -> None:
