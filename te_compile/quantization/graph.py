@@ -247,9 +247,7 @@ def _check_callables(callables: tuple, modules: Any) -> None:
         )
 
 
-def _per_callable(
-    name: str, value: Any, single: bool, n: int, kinds: tuple, count: str = "callable"
-) -> list:
+def _per_callable(name: str, value: Any, single: bool, n: int, kinds: tuple, count: str) -> list:
     allowed = " or ".join(k.__name__ for k in kinds)
     if single:
         if n != 1:
