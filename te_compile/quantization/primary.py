@@ -155,8 +155,7 @@ def make_primary(module: nn.Module, names: tuple[str, ...], owner: str) -> None:
     """Inside ``quantized_model_init``: replace ``module``'s weights ``names`` (initialised in high
     precision; a grouped GEMM's ``[G, N, K]`` weight or its ``G`` weights ``[N, K]``) by FP8
     Parameters with their ``<name>_scale_inv`` / ``<name>_amax`` buffers (and ``<name>_t`` /
-    ``<name>_scale_inv_t`` of 1-D weight blocks: 1x128, MXFP8, NVFP4's 1x16). Outside it: nothing.
-    """
+    ``<name>_scale_inv_t`` of 1-D weight blocks: 1x128, MXFP8, NVFP4's 1x16). Else nothing."""
     state = _STATE[0]
     if state is None:
         return
@@ -517,8 +516,7 @@ def _sharded_stand_in(
     module: nn.Module, names: tuple[str, ...], dtype, shape, grouped: bool, values: Tensor | None
 ) -> Tensor | None:
     """The :class:`_StandIn` of FP8 weights ``names`` sharded by FSDP2, with ``FP8MasterWeights``
-    and grad enabled; else None. A module whose FP8 weights FSDP2 shards cannot delay their
-    gradient: it is reduce-scattered during the backward. ``values``: :func:`_backward_values`."""
+    and grad enabled; else None. ``values``: :func:`_backward_values`."""
     sharded = [module.__dict__.get(_SHARDED_MAIN_GRADS, {}).get(n) for n in names]
     if sharded[0] is None or getattr(module, names[0]).requires_grad or not torch.is_grad_enabled():
         return None
