@@ -210,7 +210,7 @@ def _quantize_loaded_weights(module, state_dict, prefix, *args) -> None:
     for name in module.__dict__.get(_STAMPS, {}):
         value, param = state_dict.get(prefix + name), getattr(module, name)
         high_precision = value is not None and value.is_floating_point() and not is_primary(value)
-        if high_precision and type(param.data) is Tensor:  # (a DTensor shard (FSDP2): DCP's)
+        if high_precision and type(param.data) is Tensor:  # (not a DTensor shard: DCP loads those)
             for suffix, tensor in _kept(value.to(param.device), _spec(module, name)).items():
                 state_dict[prefix + name + suffix] = tensor
 
