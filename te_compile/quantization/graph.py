@@ -116,11 +116,9 @@ def make_graphed_callables(
     count = "forward pass" if schedule.interleaved else "callable"
     n_passes = len(schedule.callable_of)
     args_list = _per_callable("sample_args", sample_args, single, n_passes, (tuple, list), count)
-    kwargs_list = (
-        [{} for _ in range(n_passes)]
-        if sample_kwargs is None
-        else _per_callable("sample_kwargs", sample_kwargs, single, n_passes, (dict,), count)
-    )
+    if sample_kwargs is None:  # (single with several passes: args_list raised)
+        sample_kwargs = {} if single else ({},) * n_passes
+    kwargs_list = _per_callable("sample_kwargs", sample_kwargs, single, n_passes, (dict,), count)
     for kwargs in kwargs_list:
         for key in kwargs:
             if not isinstance(key, str):
@@ -249,9 +247,7 @@ def _check_callables(callables: tuple, modules: Any) -> None:
         )
 
 
-def _per_callable(
-    name: str, value: Any, single: bool, n: int, kinds: tuple, count: str = "callable"
-) -> list:
+def _per_callable(name: str, value: Any, single: bool, n: int, kinds: tuple, count: str) -> list:
     allowed = " or ".join(k.__name__ for k in kinds)
     if single:
         if n != 1:
@@ -503,9 +499,8 @@ def _capture(
 
 
 def _warm_up(c, g: CapturedGraphs, region, training: bool, allow_unused: bool) -> None:
-    spec = g.spec
     with torch.set_grad_enabled(training), region:
-        outs = tensor_outputs(c(*spec.args, **spec.kwargs), spec)[0]
+        outs = tensor_outputs(c(*g.spec.args, **g.spec.kwargs), g.spec)[0]
     if training:
         g.outputs = tuple(outs)
         o, ins = g.grad_targets()
@@ -515,11 +510,10 @@ def _warm_up(c, g: CapturedGraphs, region, training: bool, allow_unused: bool) -
 
 
 def _capture_forward(c, g: CapturedGraphs, region, training: bool, mempool, side) -> None:
-    spec = g.spec
     capture = torch.cuda.graph(g.fwd, pool=mempool, stream=side)
     with capture, torch.set_grad_enabled(training), region:
-        result = c(*spec.args, **spec.kwargs)
-    outs, g.out_spec = tensor_outputs(result, spec)
+        result = c(*g.spec.args, **g.spec.kwargs)
+    outs, g.out_spec = tensor_outputs(result, g.spec)
     g.outputs = tuple(outs)
     g.out_requires_grad = tuple(o.requires_grad for o in outs)
 

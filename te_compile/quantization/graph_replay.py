@@ -1,10 +1,8 @@
 """What a graphed callable does when called: ``make_graphed_callables``' replay side.
 
-:class:`CallSpec` holds one callable's samples and checks every call against them;
-:class:`CapturedGraphs` its two CUDA graphs and their static tensors; :func:`make_replay` makes
-the graphed function (check the call, copy its tensors into the static inputs, replay through an
-autograd function whose backward replays the backward graph), :func:`graphed_forward` the
-forward a graphed module gets. ``quantization.graph`` builds all of them.
+:class:`CallSpec` checks every call against the samples, :class:`CapturedGraphs` holds the two
+CUDA graphs and their static tensors, :func:`make_replay` makes the graphed function and
+:func:`graphed_forward` a graphed module's forward; ``quantization.graph`` builds all of them.
 """
 
 from __future__ import annotations

@@ -155,8 +155,7 @@ def make_primary(module: nn.Module, names: tuple[str, ...], owner: str) -> None:
     """Inside ``quantized_model_init``: replace ``module``'s weights ``names`` (initialised in high
     precision; a grouped GEMM's ``[G, N, K]`` weight or its ``G`` weights ``[N, K]``) by FP8
     Parameters with their ``<name>_scale_inv`` / ``<name>_amax`` buffers (and ``<name>_t`` /
-    ``<name>_scale_inv_t`` of 1-D weight blocks: 1x128, MXFP8, NVFP4's 1x16). Outside it: nothing.
-    """
+    ``<name>_scale_inv_t`` of 1-D weight blocks: 1x128, MXFP8, NVFP4's 1x16). Else nothing."""
     state = _STATE[0]
     if state is None:
         return
@@ -210,12 +209,10 @@ def _quantize_loaded_weights(module, state_dict, prefix, *args) -> None:
     ``FP8MasterWeights`` quantises its masters (cast as it is, it would lose the scale)."""
     for name in module.__dict__.get(_STAMPS, {}):
         value, param = state_dict.get(prefix + name), getattr(module, name)
-        if value is None or not value.is_floating_point() or is_primary(value):
-            continue
-        if type(param.data) is not Tensor:  # a DTensor shard (FSDP2): distributed checkpointing
-            continue
-        for suffix, tensor in _kept(value.to(param.device), _spec(module, name)).items():
-            state_dict[prefix + name + suffix] = tensor
+        high_precision = value is not None and value.is_floating_point() and not is_primary(value)
+        if high_precision and type(param.data) is Tensor:  # (not a DTensor shard: DCP loads those)
+            for suffix, tensor in _kept(value.to(param.device), _spec(module, name)).items():
+                state_dict[prefix + name + suffix] = tensor
 
 
 def _stamp(module: nn.Module, name: str) -> None:
@@ -301,22 +298,20 @@ def check_unchanged(module: nn.Module, name: str, weight: Tensor) -> None:
     if same_codes and kept_scale:  # nothing changed: the stamp stands (every call's case)
         return
     dist = torch.distributed.is_available() and torch.distributed.is_initialized()
-    if same_codes or not kept_scale or (replaced and dist):
-        _stamp(module, name)
-        return
-    if replaced and _take_scale_of_same_codes(module, name, weight):
+    ok = same_codes or not kept_scale or (replaced and dist)  # set with its scale, or by FSDP2
+    if not ok and replaced and _take_scale_of_same_codes(module, name, weight):
         _add_methods(module, name)  # (the new Parameter has none of them)
-        _stamp(module, name)
-        return
-    raise RuntimeError(
-        f"{type(module).__name__}: the FP8 weight {name!r} was "
-        f"{'replaced by other codes' if replaced else 'written in place'} without its scale "
-        f"({name}_scale_inv; weight.detach().copy_(codes), an in-place init, a new Parameter "
-        "of FP8 codes, ...): its values would be wrong. Set FP8 weights with "
-        "weight.copy_(values) (which quantises), load_state_dict, FP8MasterWeights, "
-        f"reset_parameters(), or FP8 codes together with their {name}_scale_inv "
-        f"(module.{name}_scale_inv.copy_(...))"
-    )
+    elif not ok:
+        raise RuntimeError(
+            f"{type(module).__name__}: the FP8 weight {name!r} was "
+            f"{'replaced by other codes' if replaced else 'written in place'} without its scale "
+            f"({name}_scale_inv; weight.detach().copy_(codes), an in-place init, a new Parameter "
+            "of FP8 codes, ...): its values would be wrong. Set FP8 weights with "
+            "weight.copy_(values) (which quantises), load_state_dict, FP8MasterWeights, "
+            f"reset_parameters(), or FP8 codes together with their {name}_scale_inv "
+            f"(module.{name}_scale_inv.copy_(...))"
+        )
+    _stamp(module, name)
 
 
 def _note_recipe(module: nn.Module) -> None:
@@ -521,8 +516,7 @@ def _sharded_stand_in(
     module: nn.Module, names: tuple[str, ...], dtype, shape, grouped: bool, values: Tensor | None
 ) -> Tensor | None:
     """The :class:`_StandIn` of FP8 weights ``names`` sharded by FSDP2, with ``FP8MasterWeights``
-    and grad enabled; else None. A module whose FP8 weights FSDP2 shards cannot delay their
-    gradient: it is reduce-scattered during the backward. ``values``: :func:`_backward_values`."""
+    and grad enabled; else None. ``values``: :func:`_backward_values`."""
     sharded = [module.__dict__.get(_SHARDED_MAIN_GRADS, {}).get(n) for n in names]
     if sharded[0] is None or getattr(module, names[0]).requires_grad or not torch.is_grad_enabled():
         return None

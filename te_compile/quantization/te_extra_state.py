@@ -171,7 +171,11 @@ def _load_hook(mod, state_dict, prefix, _meta, _strict, _missing, _unexpected, e
         return
     if state is None:
         return
-    state = _flat(state)
+    if "forward" in state or "backward" in state:  # a te.ops operation's: as a module's dict
+        fwd, bwd = state.get("forward") or {}, state.get("backward") or {}
+        state = {"recipe": fwd.get("recipe", bwd.get("recipe"))}
+        state.update({k: v for k, v in fwd.items() if k.endswith("_fwd")})
+        state.update({k: v for k, v in bwd.items() if k.endswith("_bwd")})
     if not spec.gemm_states:
         fields = getattr(state.get("recipe"), "fields", {})
         fp8_attention = fields.get("fp8_dpa") or fields.get("fp8_mha")
@@ -186,17 +190,6 @@ def _load_hook(mod, state_dict, prefix, _meta, _strict, _missing, _unexpected, e
         _load_delayed(mod, state, state_dict, prefix, key, spec)
     except ValueError as e:
         error_msgs.append(str(e))
-
-
-def _flat(state: dict) -> dict:
-    """A ``te.ops`` operation's ``{"forward": {...}, "backward": {...}}`` as a module's dict."""
-    if "forward" not in state and "backward" not in state:
-        return state
-    fwd, bwd = state.get("forward") or {}, state.get("backward") or {}
-    flat = {"recipe": fwd.get("recipe", bwd.get("recipe"))}
-    flat.update({k: v for k, v in fwd.items() if k.endswith("_fwd")})
-    flat.update({k: v for k, v in bwd.items() if k.endswith("_bwd")})
-    return flat
 
 
 def _load_delayed(mod, state, state_dict, prefix, key, spec: _Spec) -> None:
