@@ -47,15 +47,18 @@ Kernels:
 
 Delayed scaling's state update is ``kernels.fp8_scaling``'s kernel.
 
-Storage: fp8 outputs and inputs cross the kernel boundary as their ``torch.uint8`` bit pattern
-(``tensor.view(torch.uint8)``). On CUDA the conversion is the hardware's (``cvt.rn.satfinite``,
-round to nearest even). Under ``TRITON_INTERPRET=1`` it cannot be: Triton's interpreter (3.x)
-converts fp32 to fp8 rounding half *up* on the dropped bits with no carry into the exponent
-(127.9 becomes 64), without NaN handling, and fp32 to bf16 by truncation. So off CUDA (or when
-:attr:`QuantizeLaunchConfig.software_convert` asks for it) the kernels encode and decode fp8,
-and round bf16 outputs, with integer bit arithmetic that is exact on every backend; the CPU
-tests check it bit for bit against torch's conversions, and a CUDA test checks that both
-conversion paths agree.
+Storage: the kernels compute fp8 codes as uint8 bits. On CUDA a Triton kernel takes its fp8 outputs
+as they are and stores the codes bitcast to their type (``kernels.fp8.fp8_out`` / ``as_stored``: no
+``view`` per launch, which under ``torch.compile`` was a dispatcher call of the host each); off
+CUDA, and for fp8 inputs and the CUDA C++ casts, tensors cross the boundary as their ``torch.uint8``
+bit pattern (``tensor.view(torch.uint8)``). On CUDA the conversion is the hardware's
+(``cvt.rn.satfinite``, round to nearest even). Under ``TRITON_INTERPRET=1`` it cannot be: Triton's
+interpreter (3.x) converts fp32 to fp8 rounding half *up* on the dropped bits with no carry into the
+exponent (127.9 becomes 64), without NaN handling, and fp32 to bf16 by truncation. So off CUDA (or
+when :attr:`QuantizeLaunchConfig.software_convert` asks for it) the kernels encode and decode fp8,
+and round bf16 outputs, with integer bit arithmetic that is exact on every backend; the CPU tests
+check it bit for bit against torch's conversions, and a CUDA test checks that both conversion paths
+agree.
 """
 
 from __future__ import annotations
