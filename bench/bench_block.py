@@ -998,9 +998,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, torch.de
         action="store_true",
         help="Inductor launches user-defined Triton kernels (ours) with its static CUDA launcher "
         "(torch._inductor.config.static_launch_user_defined_triton_kernels; off by default in "
-        "torch), as it launches its own kernels. On torch 2.11 a profile still showed our kernels "
-        "launched by Triton's launcher with it set (bench/results/2026-12-01_h200, thirteenth "
-        "session): check the profile before reading a speed-up into it",
+        "torch), as it launches its own kernels. Which launcher ran shows in a profile "
+        "(python -m bench.diag.diag_compiled_host --cprofile 3: Triton's is "
+        "triton/backends/nvidia/driver.py); check it before reading a speed-up into this",
     )
     parser.add_argument(
         "--warm-cache",

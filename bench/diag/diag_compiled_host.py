@@ -52,12 +52,16 @@ def _build(precision: str, size: bb.Size, weights, x, grad, device, cpp: bool):
     """``(row name, step)``: the row's compiled stack, one fwd+bwd per ``step()``, warmed up."""
     precision, static = precision.removesuffix(":static"), precision.endswith(":static")
     from torch._inductor import config as inductor_config
+    from torch._inductor.async_compile import CompiledTritonKernels
     from torch._inductor.codecache import PyCodeCache
 
     inductor_config.static_launch_user_defined_triton_kernels = static
-    # A kernel's launcher is chosen when its module is loaded: without this, a row whose code
-    # another row already loaded reuses that row's modules, and so its launchers.
+    # A kernel's launcher is chosen when it is compiled: a row whose code or kernels another row
+    # already compiled in this process reuses them, launchers included (PyCodeCache's modules,
+    # CompiledTritonKernels' kernels), and the on-disk caches would serve them too.
     PyCodeCache.cache_clear(purge=False)
+    CompiledTritonKernels.cache_clear()
+    inductor_config.force_disable_caches = static
     spec = bb.RowSpec("torch" if precision == "torch" else "te", "bf16" if precision == "torch"
                       else precision, "compiled")  # fmt: skip
     model = bb.build_model(spec, size, weights, device)
@@ -81,6 +85,7 @@ def _build(precision: str, size: bb.Size, weights, x, grad, device, cpp: bool):
         step()
     _sync(device)
     inductor_config.static_launch_user_defined_triton_kernels = False
+    inductor_config.force_disable_caches = False
     return spec.name + (" (cpp_wrapper)" if cpp else "") + (
         " (static launch)" if static else ""
     ), step
