@@ -14,6 +14,10 @@ CPU tensors:
 * delayed scaling's states marked calibrated, so that the graph is the delayed step's (the
   second step of training).
 
+The "op calls" column counts the other dispatcher calls the generated code makes on every step:
+aten ops issued inline (``aten.view.dtype(buf, ...)`` as a kernel argument, for one), each a
+few microseconds of host time with no kernel behind it.
+
 Inductor's CUDA heuristics can differ in detail (a fusion more or less); the differences
 between recipes are what this is for. The H200 count of record is ``bench_block``'s
 "kernels/layer" (issue 41: 39 bf16, 84 current, 103 delayed before the delayed-scaling
@@ -53,6 +57,7 @@ _PATCHES = (
 )  # fmt: skip
 # A user or Inductor Triton kernel's ``.run(``, or an extern call (cuBLAS, SDPA, ...).
 _LAUNCH = re.compile(r"(\w+)\.run\(|(?:\w+ = )?(extern_kernels\.\w+|torch\.ops\.[\w.]+)\(")
+_INLINE_OP = re.compile(r"(?<![\w.])aten\.\w+\.\w+\(")  # an aten op issued inline, not a launch
 _LOG_PREFIX = re.compile(r"^V\d+ [\d:.]+ \d+ \S+\] \[[^\]]*\] \[__output_code\] ?", re.M)
 
 
@@ -143,7 +148,8 @@ def main() -> None:
         _patched_copy(Path(tmp))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([tmp, str(ROOT)]),
                "TORCH_LOGS": "output_code", "TRITON_INTERPRET": "0"}  # fmt: skip
-        print("| recipe | forward | backward | per layer |\n| --- | ---: | ---: | ---: |")
+        print("| recipe | forward | backward | per layer | op calls |")
+        print("| --- | ---: | ---: | ---: | ---: |")
         listing = []
         for recipe in args.recipes:
             run = subprocess.run(
@@ -161,7 +167,9 @@ def main() -> None:
                     f"{recipe}: expected a forward and a backward graph:\n{run.stderr[-3000:]}"
                 )
             fwd, bwd = map(len, graphs)
-            print(f"| {recipe} | {fwd} | {bwd} | {fwd + bwd} |")
+            bodies = re.findall(r"    def call\(self, args\):\n(.*?)\n        return ", code, re.S)
+            ops = sum(len(_INLINE_OP.findall(body)) for body in bodies)
+            print(f"| {recipe} | {fwd} | {bwd} | {fwd + bwd} | {ops} |")
             te_calls = sorted({k for g in graphs for k in g if k.startswith("torch.ops.te.")})
             if te_calls:
                 listing.append(f"\n{recipe}: te ops kept whole: {', '.join(te_calls)}")
