@@ -50,6 +50,7 @@ __all__ = [
     "FP32_MAX",
     "delayed_scaling_update",
     "delayed_scaling_update_op",
+    "delayed_scaling_update_pair",
     "delayed_scaling_update_ref",
     "scale_copy",
 ]
@@ -59,12 +60,14 @@ FP32_MAX = torch.finfo(torch.float32).max  # an overflowing scale's value
 _OWNER = "te.delayed_scaling_update"
 
 
-def scale_copy(scale: Tensor) -> Tensor:
-    """An empty ``[slots]`` fp32 tensor for a copy of the delayed scales ``scale``, one slot per
-    16 bytes (stride 4): each slot's ``[1]`` view is a valid ``torch._scaled_mm`` scale. Why a
-    copy (Inductor drops a ``clone``), and why the stride (a contiguous copy put a saved slot 8
-    bytes into a buffer that ``_scaled_mm`` refused, H200, torch 2.11): ``docs/op_mechanism.md``."""
-    return torch.empty_strided((scale.shape[0],), (4,), dtype=torch.float32, device=scale.device)
+def scale_copy(scale: Tensor, states: int = 1) -> Tensor:
+    """An empty ``[states * slots]`` fp32 tensor for a copy of the delayed scales ``scale`` (of
+    ``states`` states), one slot per 16 bytes (stride 4): each slot's ``[1]`` view is a valid
+    ``torch._scaled_mm`` scale. Why a copy (Inductor drops a ``clone``), and why the stride (a
+    contiguous copy put a saved slot 8 bytes into a buffer that ``_scaled_mm`` refused, H200,
+    torch 2.11): ``docs/op_mechanism.md``."""
+    n = states * scale.shape[0]
+    return torch.empty_strided((n,), (4,), dtype=torch.float32, device=scale.device)
 
 
 def delayed_scaling_update_ref(
@@ -138,10 +141,7 @@ def _check(amax_history, scale, amax, fp8_max, margin, amax_compute_algo, amax_t
     )
 
 
-@op(
-    "delayed_scaling_update",
-    mutates_args=("amax_history", "scale"),
-)
+@op("delayed_scaling_update", mutates_args=("amax_history", "scale"))
 def delayed_scaling_update_op(
     amax_history: Tensor,
     scale: Tensor,
@@ -155,30 +155,73 @@ def delayed_scaling_update_op(
     a copy of the new scales laid out by :func:`scale_copy`: what the GEMM ops read. The last
     amaxes are ``amax`` for the first slots and ``amax_tail`` (when given) for the others."""
     _check(amax_history, scale, amax, fp8_max, margin, amax_compute_algo, amax_tail)
+    return _update([(amax_history, scale, amax, amax_tail)], fp8_max, margin, amax_compute_algo)
+
+
+@op(
+    "delayed_scaling_update_pair",
+    mutates_args=("amax_history", "scale", "amax_history2", "scale2"),
+)
+def delayed_scaling_update_pair(
+    amax_history: Tensor,
+    scale: Tensor,
+    amax: Tensor,
+    amax_tail: Tensor,
+    amax_history2: Tensor,
+    scale2: Tensor,
+    amax2: Tensor,
+    amax_tail2: Tensor,
+    fp8_max: list[float],
+    margin: int,
+    amax_compute_algo: str,
+) -> Tensor:
+    """``te::delayed_scaling_update`` of two states of the same shapes and recipe in one launch
+    (a LayerNormMLP's two GEMMs); the copy holds both states' new scales, the first's first."""
+    states = _pair(amax_history, scale, amax, amax_tail, amax_history2, scale2, amax2, amax_tail2,
+                   fp8_max, margin, amax_compute_algo)  # fmt: skip
+    return _update(states, fp8_max, margin, amax_compute_algo)
+
+
+def _update(states: list, fp8_max: list[float], margin: int, algo: str) -> Tensor:
+    scale = states[0][1]
     if scale.device.type != "cuda":
-        return delayed_scaling_update_ref(
-            amax_history, scale, amax, fp8_max, margin, amax_compute_algo, amax_tail
-        )
+        copies = [
+            delayed_scaling_update_ref(*st[:3], fp8_max, margin, algo, st[3]) for st in states
+        ]
+        return copies[0] if len(copies) == 1 else scale_copy(scale, 2).copy_(torch.cat(copies))
     from te_compile.kernels.fp8_scaling import delayed_scaling_update as update
 
-    out = scale_copy(scale)
+    out = scale_copy(scale, len(states))
     update(
-        amax_history,
-        scale,
-        out,
-        amax.contiguous(),
-        None if amax_tail is None else amax_tail.contiguous(),
-        _limit_runs(fp8_max),
-        margin,
-        amax_compute_algo == "max",
-    )
+        [(hist, s, last.contiguous(), None if tail is None else tail.contiguous())
+         for hist, s, last, tail in states],
+        out, _limit_runs(fp8_max), margin, algo == "max",
+    )  # fmt: skip
     return out
+
+
+def _pair(hist, scale, amax, tail, hist2, scale2, amax2, tail2, fp8_max, margin, algo) -> list:
+    """The pair op's two states ``(amax_history, scale, amax, amax_tail)``, checked."""
+    states = [(hist, scale, amax, tail), (hist2, scale2, amax2, tail2)]
+    for h, s, a, t in states:
+        _check(h, s, a, fp8_max, margin, algo, t)
+    shapes = [(h.shape, h.stride(0), a.shape, t.shape) for h, _, a, t in states]
+    if shapes[0] != shapes[1]:
+        raise ValueError(f"{_OWNER}: the second state must have the first's shapes and history "
+                         f"stride, got {shapes[1]} against {shapes[0]}")  # fmt: skip
+    return states
 
 
 @delayed_scaling_update_op.register_fake
 def _delayed_scaling_update_fake(amax_history, scale, amax, fp8_max, margin, algo, amax_tail=None):
     _check(amax_history, scale, amax, fp8_max, margin, algo, amax_tail)
     return scale_copy(scale)
+
+
+@delayed_scaling_update_pair.register_fake
+def _delayed_scaling_update_pair_fake(*args):
+    _pair(*args)
+    return scale_copy(args[1], 2)
 
 
 def delayed_scaling_update(

@@ -1,9 +1,9 @@
 """Triton kernel of delayed scaling's state update (``te::delayed_scaling_update``,
 ``functional.fp8_scaling``): roll the ``[len, slots]`` amax history by one row, insert the last
-amaxes (read from the forward's and the backward's buffers in place), recompute the scales
-(format limits as scalars), in one program and one launch (the plain-torch version is ~8 tiny
-kernels). The scale rule and the NaN / inf handling are ``kernels.quantize``'s module
-docstring's."""
+amaxes (read from the forward's and the backward's buffers in place), recompute the scales (format
+limits as scalars), one program per state, one launch for one state or two (the plain-torch version
+is ~8 tiny kernels per state). The scale rule and the NaN / inf handling are ``kernels.quantize``'s
+module docstring's."""
 
 from __future__ import annotations
 
@@ -18,6 +18,62 @@ __all__ = ["delayed_scaling_update"]
 
 @triton.jit
 def _delayed_update_kernel(
+    HIST,
+    SCALE,
+    AMAX,
+    AMAX_TAIL,
+    HIST1,
+    SCALE1,
+    AMAX1,
+    AMAX_TAIL1,
+    OUT,
+    length,
+    slots,
+    n_amax,
+    n_head,
+    head_max,
+    tail_max,
+    row_stride,
+    out_stride,
+    margin_factor,
+    MAX_ALGO: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    PAIR: tl.constexpr,
+):
+    """One program per state: program 0 updates ``HIST`` / ``SCALE`` from ``AMAX`` /
+    ``AMAX_TAIL`` and writes the new scales to ``OUT``'s first ``slots`` entries; with ``PAIR``,
+    program 1 (a second state of the same shapes and recipe: a LayerNormMLP's two GEMMs)
+    ``HIST1`` / ``SCALE1`` from ``AMAX1`` / ``AMAX_TAIL1``, and ``OUT``'s next ``slots`` (one
+    output tensor: a write into a view of one would cost a copy in a compiled graph). Without
+    ``PAIR`` the second set is not read or written (the launcher passes the first again)."""
+    if PAIR:  # noqa: SIM102 (constexpr first: without PAIR the branch is not compiled)
+        if tl.program_id(0) == 1:
+            HIST, SCALE, AMAX, AMAX_TAIL = HIST1, SCALE1, AMAX1, AMAX_TAIL1
+            OUT += slots * out_stride
+    _update_state(
+        HIST,
+        SCALE,
+        OUT,
+        AMAX,
+        AMAX_TAIL,
+        length,
+        slots,
+        n_amax,
+        n_head,
+        head_max,
+        tail_max,
+        row_stride,
+        out_stride,
+        margin_factor,
+        MAX_ALGO,
+        BLOCK_L,
+        BLOCK_S,
+    )
+
+
+@triton.jit
+def _update_state(
     HIST,
     SCALE,
     OUT,
@@ -36,7 +92,7 @@ def _delayed_update_kernel(
     BLOCK_L: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
-    """One program: ``HIST[r] <- HIST[r - 1]`` (r >= 1), ``HIST[0] <- last``, then
+    """One state: ``HIST[r] <- HIST[r - 1]`` (r >= 1), ``HIST[0] <- last``, then
     ``SCALE <- limit / (window * margin_factor)`` where the window (max over the new history, or
     its row 0) is positive and finite; NaN anywhere in the window keeps the old scale, as torch's
     NaN-propagating ``amax`` does in the reference. ``last``: ``AMAX`` for the first ``n_amax``
@@ -79,43 +135,51 @@ def _delayed_update_kernel(
 
 
 def delayed_scaling_update(
-    amax_history: Tensor,
-    scale: Tensor,
+    states: list[tuple[Tensor, Tensor, Tensor, Tensor | None]],
     out: Tensor,
-    amax: Tensor,
-    amax_tail: Tensor | None,
     limits: tuple[float, float, int],
     margin: int,
     max_algo: bool,
 ) -> None:
-    """In place, one launch: see ``_delayed_update_kernel``. ``amax_history`` ``[len, slots]``
-    with unit column stride (a leading-rows slice of a larger buffer is fine); ``scale``
-    contiguous fp32 ``[slots]``; the last amaxes ``amax`` (contiguous fp32, the first slots)
-    and ``amax_tail`` (the others; None: ``amax`` holds all); ``limits``: ``(head_max,
-    tail_max, n_head)``, the first ``n_head`` slots' format's largest value and the others';
-    ``out`` ``[slots]`` fp32 (any stride) receives the new scales too."""
-    length, slots = amax_history.shape
-    tail = amax if amax_tail is None else amax_tail
-    if amax_history.stride(1) != 1 or not all(t.is_contiguous() for t in (scale, amax, tail)):
-        raise ValueError("delayed_scaling_update: expects unit column stride / contiguous slots")
+    """In place, one launch for one or two states ``(amax_history, scale, amax, amax_tail)`` of
+    the same shapes: see ``_delayed_update_kernel``. ``amax_history`` ``[len, slots]`` with unit
+    column stride (a leading-rows slice of a larger buffer is fine); ``scale`` contiguous fp32
+    ``[slots]``; the last amaxes ``amax`` (contiguous fp32, the first slots) and ``amax_tail``
+    (the others; None: ``amax`` holds all); ``limits``: ``(head_max, tail_max, n_head)``, the
+    first ``n_head`` slots' format's largest value and the others'; ``out`` ``[states *
+    slots]`` fp32 (any stride) receives the new scales too, state by state."""
+    args = []
+    for hist, scale, amax, tail in states:
+        tail = amax if tail is None else tail
+        if hist.stride(1) != 1 or not all(t.is_contiguous() for t in (scale, amax, tail)):
+            raise ValueError(
+                "delayed_scaling_update: expects unit column stride / contiguous slots"
+            )
+        args.append((hist, scale, amax, tail))
+    (hist, _, amax, _), last = args[0], args[-1]
+    length, slots = hist.shape
+    same = (last[0].shape, last[0].stride(0), last[2].numel()) == (hist.shape, hist.stride(0),
+                                                                  amax.numel())  # fmt: skip
+    if len(args) > 2 or not same or out.numel() != len(args) * slots:
+        raise ValueError("delayed_scaling_update: one or two states of the same shapes, and out "
+                         "of their slots")  # fmt: skip
     head_max, tail_max, n_head = limits
-    launch(_delayed_update_kernel, (1,))(
-        amax_history,
-        scale,
+    launch(_delayed_update_kernel, (len(args),))(
+        *args[0],
+        *last,
         out,
-        amax,
-        tail,
         length,
         slots,
         amax.numel(),
         n_head,
         head_max,
         tail_max,
-        amax_history.stride(0),
+        hist.stride(0),
         out.stride(0),
         2.0**margin,
         MAX_ALGO=max_algo,
         BLOCK_L=next_pow2(length),
         BLOCK_S=next_pow2(slots),
+        PAIR=len(args) == 2,
         num_warps=4,
     )

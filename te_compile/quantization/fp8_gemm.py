@@ -43,11 +43,16 @@ import torch
 from torch import Tensor, nn
 
 from te_compile._numerics import div_rn
-from te_compile.functional.fp8_scaling import FP32_MAX, delayed_scaling_update_op, scale_copy
+from te_compile.functional.fp8_scaling import (
+    FP32_MAX,
+    delayed_scaling_update_op,
+    delayed_scaling_update_pair,
+    scale_copy,
+)
 from te_compile.quantization.recompute import current_scope
 from te_compile.quantization.state import AutocastState
 
-__all__ = ["MAX_AMAX_HISTORY", "FP8GemmState", "non_finite_amaxes"]
+__all__ = ["MAX_AMAX_HISTORY", "FP8GemmState", "delayed_scales", "non_finite_amaxes"]
 
 MAX_AMAX_HISTORY = 1024
 
@@ -98,14 +103,12 @@ class FP8GemmState(nn.Module):
     def delayed_scale(
         self, owner: str, state: AutocastState, has_tokens: bool = True
     ) -> Tensor | None:
-        """None under current scaling and at the first delayed step (the calibration step: the
-        caller runs current scaling and records the amaxes); else fold the last amaxes into the
-        history, recompute the scales and return a copy of them (the ``[3]`` the FP8 ops take).
-        ``has_tokens``: the GEMM's input has rows. A step without any (a zero-token batch) runs
-        current scaling too but is not the calibration step: its input and gradient amaxes are
-        0, which would leave those scales at 1 for the next step. Inside
-        ``te_compile.checkpoint`` the state is first snapshotted, so that the recompute can
-        start from it again."""
+        """:func:`delayed_scales` of this state alone."""
+        return delayed_scales(owner, state, has_tokens, (self,))[0]
+
+    def _update(self, owner: str, state: AutocastState, has_tokens: bool) -> Tensor | tuple | None:
+        """:func:`delayed_scales`' work for this state: None (no delayed scale), the copy of the
+        scales a custom update made, or the arguments of ``te::delayed_scaling_update``."""
         recipe = state.recipe
         if recipe.float8_current():
             return None
@@ -136,9 +139,7 @@ class FP8GemmState(nn.Module):
         if callable(recipe.amax_compute_algo) or recipe.scaling_factor_compute_algo is not None:
             return _custom_update(history, self.scale, torch.cat([fwd, grad]), limits, recipe)
         # The two buffers as they are: the update's one kernel reads both (no cat first).
-        return delayed_scaling_update_op(
-            history, self.scale, fwd, limits, recipe.margin, recipe.amax_compute_algo, grad
-        )
+        return history, self.scale, fwd, limits, recipe.margin, recipe.amax_compute_algo, grad
 
     def note_recipe(self, owner: str, recipe: object) -> None:
         """Remember ``recipe``'s class and warn, as Transformer Engine does, when it is of
@@ -173,6 +174,27 @@ class FP8GemmState(nn.Module):
             torch._foreach_copy_([s.fwd_amax for s in states], amax.reshape(-1, 2).unbind())
         else:
             self.fwd_amax.copy_(amax)
+
+
+def delayed_scales(
+    owner: str, state: AutocastState, has_tokens: bool, metas: tuple[FP8GemmState, ...]
+) -> tuple[Tensor | None, ...]:
+    """Per state of ``metas`` (one GEMM family call's), None under current scaling and at the
+    first delayed step (the calibration step: the caller runs current scaling and records the
+    amaxes); else fold the last amaxes into the history, recompute the scales and return a copy
+    of them (the ``[3]`` the FP8 ops take). Two states with the built-in update (a
+    LayerNormMLP's) are updated by one ``te::delayed_scaling_update`` call: one launch.
+    ``has_tokens``: the GEMM's input has rows. A step without any (a zero-token batch) runs
+    current scaling too but is not the calibration step: its input and gradient amaxes are 0,
+    which would leave those scales at 1 for the next step. Inside ``te_compile.checkpoint``
+    each state is first snapshotted, so that the recompute can start from it again."""
+    todo = [meta._update(owner, state, has_tokens) for meta in metas]
+    if len(todo) == 2 and all(isinstance(t, tuple) for t in todo) and todo[0][3:6] == todo[1][3:6]:
+        (hist, scale, fwd, limits, margin, algo, grad), second = todo
+        both = delayed_scaling_update_pair(hist, scale, fwd, grad, *second[:3], second[6], limits,
+                                           margin, algo)  # fmt: skip
+        return tuple(both.split(scale.shape[0]))
+    return tuple(delayed_scaling_update_op(*t) if isinstance(t, tuple) else t for t in todo)
 
 
 def non_finite_amaxes(model: nn.Module) -> dict[str, list[str]]:

@@ -35,7 +35,7 @@ from te_compile.functional.grouped_gemm import nvfp4_dtype
 from te_compile.functional.quantize_mx_ref import nvfp4_weight_values, tensor_amax
 from te_compile.functional.spec import QuantSpec
 from te_compile.quantization.device import is_fp8_block_scaling_available
-from te_compile.quantization.fp8_gemm import FP8GemmState
+from te_compile.quantization.fp8_gemm import FP8GemmState, delayed_scales
 from te_compile.quantization.recipe import FP8_QPARAMS, Recipe
 from te_compile.quantization.recompute import checkpoint
 from te_compile.quantization.state import AutocastState, check_power_2_scales, get_autocast_state
@@ -435,7 +435,7 @@ def gemm_args(
         specs = _memoised(recipe, ("block", not native), _replaced, specs, emulate=not native)
         return GemmArgs(specs, backward_override=override)
     has_tokens = inp.numel() > 0  # a zero-token step does not calibrate (FP8GemmState)
-    scales = tuple(meta.delayed_scale(owner, state, has_tokens) for meta in metas)
+    scales = delayed_scales(owner, state, has_tokens, metas)
     kind = "delayed" if scales and all(s is not None for s in scales) else "current"
     if kind == "current":  # current scaling, or a state's calibration step
         scales = (None,) * len(scales)

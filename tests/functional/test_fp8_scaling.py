@@ -163,3 +163,39 @@ def test_bad_amax_tail_or_limit_runs(kwargs, match):
             torch.zeros(2, 3), torch.ones(3), torch.zeros(2), args["limits"], 0, "max",
             args["tail"],
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_pair_is_the_two_updates(device, algo, compiled):
+    """``te::delayed_scaling_update_pair`` (a LayerNormMLP's two states in one launch) leaves
+    both states as two ``te::delayed_scaling_update`` calls do, bit for bit, and returns their
+    scales' copies one after the other, one slot per 16 bytes; eager and compiled."""
+    torch.manual_seed(1)
+    limits = [E4M3_MAX, E4M3_MAX, E5M2_MAX]
+    states = []
+    for k in range(2):
+        history = torch.rand(6, 3, device=device) * (k + 1)
+        states.append([history, torch.rand(3, device=device) + 0.5,
+                       torch.rand(2, device=device) * 4, torch.rand(1, device=device)])  # fmt: skip
+    singles = [[t.clone() for t in st] for st in states]
+    copies = [
+        torch.ops.te.delayed_scaling_update(h[:4], s, fwd, limits, 1, algo, grad)
+        for h, s, fwd, grad in singles
+    ]
+
+    def pair(h, s, fwd, grad, h2, s2, fwd2, grad2):
+        return torch.ops.te.delayed_scaling_update_pair(
+            h[:4], s, fwd, grad, h2[:4], s2, fwd2, grad2, limits, 1, algo
+        )
+
+    fn = torch.compile(pair, fullgraph=True) if compiled else pair
+    out = fn(*states[0], *states[1])
+    for got, want in zip(states, singles, strict=True):
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(out, torch.cat(copies)) and out.stride() == (4,)
+    assert not torch.equal(copies[0], copies[1])
+    with pytest.raises(ValueError, match="the second state must have the first's shapes"):
+        torch.ops.te.delayed_scaling_update_pair(*states[0], states[1][0][:2], *states[1][1:],
+                                                 limits, 1, algo)  # fmt: skip

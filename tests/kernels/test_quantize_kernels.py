@@ -322,13 +322,29 @@ def test_delayed_scaling_update_kernel_matches_reference(length, algo, margin, s
     h, s = _dev(history.clone()), _dev(scale.clone())
     out = scale_copy(s).fill_(-1.0)
     head, tail = (_dev(last), None) if split == 3 else (_dev(last[:split]), _dev(last[split:]))
-    scaling_kernels.delayed_scaling_update(
-        h[:length], s, out, head, tail, _limit_runs(limits), margin, algo == "max"
-    )
+    # A second state of the same shapes in the same launch (a LayerNormMLP's two GEMMs), with
+    # other values: each program updates its own state.
+    history2, last2, scale2 = history.flip(0) * 0.5, last.flip(0) + 1.0, scale.flip(0)
+    h2_ref, s2_ref = history2.clone(), scale2.clone()
+    delayed_scaling_update_ref(h2_ref[:length], s2_ref, last2, limits, margin, algo)
+    h2, s2 = _dev(history2.clone()), _dev(scale2.clone())
+    head2, tail2 = (_dev(last2), None) if split == 3 else (_dev(last2[:split]), _dev(last2[split:]))
+    first, second = (h[:length], s, head, tail), (h2[:length], s2, head2, tail2)
+    scaling_kernels.delayed_scaling_update([first], out, _limit_runs(limits), margin, algo == "max")
     assert_bits_equal(h, h_ref)
     assert_bits_equal(s, s_ref)
     assert_bits_equal(out, s_ref)  # the strided copy of the new scales
+    h.copy_(_dev(history)), s.copy_(_dev(scale))
+    both = scale_copy(s, 2).fill_(-1.0)  # the first state as the launch's second program
+    scaling_kernels.delayed_scaling_update([second, first], both, _limit_runs(limits), margin,
+                                           algo == "max")  # fmt: skip
+    assert_bits_equal(h, h_ref)
+    assert_bits_equal(s, s_ref)
+    assert_bits_equal(h2, h2_ref)
+    assert_bits_equal(s2, s2_ref)
+    assert_bits_equal(both, torch.cat([s2_ref, s_ref]))
     assert not torch.equal(s_ref, scale)  # the case does change some scales
+    assert not torch.equal(s2_ref, s_ref)
 
 
 @pytest.mark.parametrize("fp8", FP8)

@@ -224,14 +224,13 @@ class TestFP8Graph(expecttest.TestCase):
         self.assertExpectedInline(
             "\n".join(te_ops),
             """\
-auto_functionalized_v2(te.delayed_scaling_update.default)
-auto_functionalized_v2(te.delayed_scaling_update.default)
+auto_functionalized_v2(te.delayed_scaling_update_pair.default)
 te.mlp_fwd.default
 |
 auto_functionalized_v2(te.mlp_bwd.default)""",
         )
-        # The update reads fwd_amax and grad_amax in place: no cat of the two (a kernel per
-        # buffer in Inductor's code) before it.
+        # One update for both GEMMs' states (one launch), reading fwd_amax and grad_amax in
+        # place: no cat of the two (a kernel per buffer in Inductor's code) before it.
         self.assertNotIn("aten.cat.default", rec.forward)
 
 

@@ -64,6 +64,7 @@ SAMPLES: dict[str, SampleFn] = {
     "te::branch_rmsnorm_fwd": norm.rmsnorm_samples,  # te::rmsnorm_fwd's arguments
     "te::bulk_allocate": allocate.bulk_allocate_samples,
     "te::delayed_scaling_update": fp8_scaling._samples,
+    "te::delayed_scaling_update_pair": fp8_scaling._pair_samples,
     "te::dequantize_blockwise": quantize._dequantize_blockwise_samples,
     "te::dequantize_mxfp8": quantize_mx._dequantize_mxfp8_samples,
     "te::dequantize_nvfp4": quantize_mx._dequantize_nvfp4_samples,

@@ -23,3 +23,16 @@ def _samples(device: torch.device):
     history, scale = torch.rand(3, 3, device=device), torch.rand(3, device=device) + 0.5
     fwd, grad = torch.rand(2, device=device), torch.rand(1, device=device)
     yield SampleInput((history, scale, fwd, limits, 0, "max", grad))
+
+
+def _pair_samples(device: torch.device):
+    """Two states of one LayerNormMLP (the forward's and the backward's amaxes in their own
+    buffers), one updated by "max" over a leading-rows slice of a longer history."""
+    limits = [448.0, 448.0, 57344.0]
+    for algo, rows in (("max", 3), ("most_recent", 1)):
+        states = []
+        for _ in range(2):
+            history = torch.rand(5, 3, device=device)[:rows]
+            states += [history, torch.rand(3, device=device) + 0.5,
+                       torch.rand(2, device=device), torch.rand(1, device=device)]  # fmt: skip
+        yield SampleInput((*states, limits, 1, algo))
