@@ -267,9 +267,8 @@ def _combine(x: Tensor, row_id_map: Tensor, weight: Tensor | None) -> Tensor:
     if not runs_triton(x):
         return moe_unpermute_ref(x, row_id_map, weight)
     w = None if weight is None else weight.to(torch.float32)
-    if row_id_map.shape[1] <= _COMPACT_SLOTS:
-        return _kernels().gather_sum(x, row_id_map, w)
-    return _kernels().gather_sum(x, *_compact(row_id_map, w))
+    narrow = row_id_map.shape[1] <= _COMPACT_SLOTS
+    return _kernels().gather_sum(x, *((row_id_map, w) if narrow else _compact(row_id_map, w)))
 
 
 # 2-5. Permute: forward op, fake, backward op, autograd -----------------------------------------
