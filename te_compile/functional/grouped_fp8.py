@@ -373,8 +373,7 @@ def per_tensor_backward(grad_out, saved, inp, m_splits, weight, main_grad, r, ha
             r.grad_amax.copy_(g_amax)
     dsplits = device_splits(m_splits, grad_out) if native else None
     if need_wgrad and r.fp8_wgrad and len(saved) == 2:  # save_original_input: quantised here
-        xt, xs_t, _ = quantize_group_columns(inp, m_splits, fwd_dtype, s_x, dsplits)
-        saved = [*saved, xt.view(torch.uint8), xs_t]
+        saved = [*saved, *quantize_group_columns(inp, m_splits, fwd_dtype, s_x, dsplits)[:2]]
     if need_wgrad and len(saved) == 4:  # the forward saved the FP8 wgrad operand of the input
         dyt, dys, pad_ends = quantize_group_columns(
             grad_out, m_splits, bwd_dtype, s_g, dsplits, e4m3_codes=True
