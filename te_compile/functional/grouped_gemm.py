@@ -178,9 +178,8 @@ def device_splits(m_splits: Tensor, inp: Tensor) -> tuple[Tensor, Tensor]:
     splits = m_splits.to(inp.device, non_blocking=True)
     offs = torch.cumsum(splits, 0, dtype=torch.int32)
     if splits.numel():
-        ok = (offs[-1] == inp.shape[0]) & (splits >= 0).all()
         torch._assert_async(
-            ok,
+            (offs[-1] == inp.shape[0]) & (splits >= 0).all(),
             "te.grouped_linear: m_splits must be >= 0 and sum to inp.shape[0] (a device tensor, "
             "checked on the device: its values are not read on the host)",
         )
@@ -400,10 +399,9 @@ def blockwise_backward(grad_out, saved, inp, m_splits, weight, main_grad, r, has
 
 def _cast(x2: Tensor, r: GroupedRecipe, fp8_dtype: torch.dtype, block_rows: int = 1,
           dest: Tensor | None = None) -> Tensor:  # fmt: skip
-    """``x2`` ``[M, K]`` quantised exactly (``functional.gemm.quantize_operand``'s rowwise copy)
-    and dequantised to its dtype, saturating at its largest value (an E5M2 infinity stays
-    infinite). With ``dest``: the columnwise copy (blocks along ``M``), transposed back, rows
-    ``dest``."""
+    """``x2`` ``[M, K]`` quantised exactly (``functional.gemm.quantize_operand``'s rowwise copy) and
+    dequantised to its dtype, saturating at its largest value (an E5M2 infinity stays infinite).
+    With ``dest``: the columnwise copy (blocks along ``M``), transposed back, rows ``dest``."""
     p2 = r.recipe == "block" and r.power_2_scale
     spec = QuantSpec(r.recipe, fp8_dtype, block_rows, p2, emulate=True)
     if dest is None:
