@@ -494,11 +494,9 @@ def _backward(ctx, bwd, grad_out, _grad_saved):
         rng_state, *ctx.scalars, has_bias, need_dgrad, need_wgrad,
         *(() if stash is None else (stash,)),
     )  # fmt: skip
-    grads = [None] * len(need)
-    grads[0] = dinp if need_dgrad else None
-    grads[2] = dweight if need_wgrad and main_grad is None and stash is None else None
-    grads[3] = dbias if has_bias else None
-    return tuple(grads)
+    dweight = dweight if need_wgrad and main_grad is None and stash is None else None
+    grads = (dinp if need_dgrad else None, None, dweight, dbias if has_bias else None)
+    return grads + (None,) * (len(need) - 4)
 
 
 _grouped_linear = differentiable(
