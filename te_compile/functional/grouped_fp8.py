@@ -249,9 +249,8 @@ def _gemm_wgrad(
         main_grad.add_(dw)
         return None
     ends = [0, *pad_ends.tolist()]
-    groups, n = dys.shape
-    out = None if main_grad is not None else dys.new_empty(groups, n, xs.shape[1], dtype=dtype)
-    for g in range(groups):
+    out = None if main_grad is not None else dys.new_empty(*dys.shape, xs.shape[1], dtype=dtype)
+    for g in range(dys.shape[0]):
         cols = slice(ends[g], ends[g + 1])
         acc = (dyt[:, cols].float() @ xt[:, cols].float().t()) * dys[g][:, None] * xs[g]
         if main_grad is not None:

@@ -406,8 +406,7 @@ def _bwd_args(args: tuple):
     """The 9 tensors, the parsed specs, ``(has_bias, need_dgrad, need_wgrad)`` and the stash of
     a backward call; a ``wgrad_stash`` takes the weight gradient's place (``need_wgrad`` False)."""
     stash = args[16] if len(args) > 16 else None
-    has_bias, need_dgrad, need_wgrad = args[13:16]
-    need = (has_bias, need_dgrad, need_wgrad and stash is None)
+    need = (*args[13:15], args[15] and stash is None)  # has_bias, need_dgrad, need_wgrad
     return args[:9], as_specs(*args[9:12]), parse(BackwardSpec, args[12]), need, stash
 
 

@@ -251,8 +251,7 @@ def _compact(row_id_map: Tensor, weight: Tensor | None) -> tuple[Tensor, Tensor 
     w = None
     if weight is not None:
         w = weight.new_zeros((tokens, slots + 1)).scatter(1, col, torch.where(routed, weight, 0))
-        w = w[:, :slots]
-    return index[:, :slots], w, routed.sum(1, dtype=torch.int32)
+    return index[:, :slots], w if w is None else w[:, :slots], routed.sum(1, dtype=torch.int32)
 
 
 def _gather_dot(grad: Tensor, token: Tensor, weight: Tensor, inp: Tensor) -> tuple[Tensor, Tensor]:
