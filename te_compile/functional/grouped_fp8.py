@@ -99,9 +99,8 @@ def quantize_rowwise(
     xf = x.float()
     limit = torch.finfo(fp8_dtype).max
     amax = xf.abs().amax(dim, keepdim=True)
-    one = torch.ones_like(amax)
-    scale = torch.where(amax > 0, div_rn(limit, amax), one)
-    scale = torch.where(torch.isfinite(scale), scale, one)
+    scale = div_rn(limit, amax)
+    scale = torch.where((amax > 0) & torch.isfinite(scale), scale, 1.0)
     data = (xf * scale).clamp(-limit, limit).to(fp8_dtype)
     return data, reciprocal_rn(scale).squeeze(dim)
 
@@ -233,10 +232,9 @@ def _gemm_wgrad(
     main_grad: Tensor | None, fast: bool = False,
 ):  # fmt: skip
     """The FP8 wgrad ``dW_g = (dY_g^T diag(dys_g)) (diag(xs_g) X_g)`` from the operands of
-    :func:`quantize_group_columns` (grouped along their columns by ``pad_ends``): ``[G, N, K]``,
-    or None where added to ``main_grad``. ``native``: :func:`_gemm_grouped`'s GEMM, else the
-    exact emulation per group in fp32 (added in fp32 to ``main_grad``). ``fast``:
-    ``fast_wgrad``."""
+    :func:`quantize_group_columns` (grouped along their columns by ``pad_ends``): ``[G, N, K]``, or
+    None where added to ``main_grad``. ``native``: :func:`_gemm_grouped`'s GEMM, else the exact
+    emulation per group in fp32 (added in fp32 to ``main_grad``). ``fast``: ``fast_wgrad``."""
     dyt, dys = as_e4m3(dyt, dys)
     xt, xs = as_e4m3(xt, xs)
     if native:
@@ -251,9 +249,8 @@ def _gemm_wgrad(
         main_grad.add_(dw)
         return None
     ends = [0, *pad_ends.tolist()]
-    groups, n = dys.shape
-    out = None if main_grad is not None else dys.new_empty(groups, n, xs.shape[1], dtype=dtype)
-    for g in range(groups):
+    out = None if main_grad is not None else dys.new_empty(*dys.shape, xs.shape[1], dtype=dtype)
+    for g in range(dys.shape[0]):
         cols = slice(ends[g], ends[g + 1])
         acc = (dyt[:, cols].float() @ xt[:, cols].float().t()) * dys[g][:, None] * xs[g]
         if main_grad is not None:
@@ -268,13 +265,12 @@ def _quantize(
     slot: tuple[Tensor, int] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """``(data, scale_inv, amax)`` of ``x`` cast along its last dim, ``scale_inv`` one per row.
-    Current scaling (``scale`` None): :func:`quantize_rowwise` (``e4m3_codes`` passed on),
-    ``amax`` ``[1]`` measured only with ``measure``, else 0-element. Delayed: the per-tensor
-    ``scale`` ``[1]``, ``amax`` ``[1]``; where :func:`_kernel_cast`, the rowwise kernel's
-    given-scale pass (cast, every row's ``scale_inv``, E4M3 codes and the amax in one launch;
-    ``slot``: ``(buffer, i)``, a zeroed amax buffer the amax is folded into instead, returned
-    whole), elsewhere the ``"delayed"`` row of ``functional.gemm.quantize_operand`` (the same
-    bytes)."""
+    Current scaling (``scale`` None): :func:`quantize_rowwise` (``e4m3_codes`` passed on), ``amax``
+    ``[1]`` measured only with ``measure``, else 0-element. Delayed: the per-tensor ``scale``
+    ``[1]``, ``amax`` ``[1]``; where :func:`_kernel_cast`, the rowwise kernel's given-scale pass
+    (cast, every row's ``scale_inv``, E4M3 codes and the amax in one launch; ``slot``: ``(buffer,
+    i)``, a zeroed amax buffer the amax is folded into instead, returned whole), elsewhere the
+    ``"delayed"`` row of ``functional.gemm.quantize_operand`` (the same bytes)."""
     if scale is not None and _kernel_cast(x):
         from te_compile.kernels import quantize_rows
         from te_compile.kernels.quantize import amax_bits
@@ -302,7 +298,6 @@ def per_tensor_weight(
     (bit-identical), where a strided copy took about 0.5 ms at 8 x 2048 x 4096 on the H100. The
     forward's own cast and the pre-quantised weight (``functional.grouped_weight``) both come
     from here: the same bytes. ``slot``: :func:`_quantize`'s."""
-    g, _, k = weight.shape
     wq, ws, amax = _quantize(weight, fwd_dtype, w_scale, measure, slot=slot)
     if _kernel_cast(weight):
         from te_compile.kernels import quantize_rows
@@ -313,7 +308,7 @@ def per_tensor_weight(
         wq_t = wq_t.contiguous()
     else:
         wq_t = wq.view(torch.uint8).transpose(1, 2).contiguous().view(fwd_dtype)
-        ws_t = ws[:, :1].expand(g, k).contiguous()
+        ws_t = ws[:, :1].expand(-1, weight.shape[2]).contiguous()
     return wq, ws, wq_t, ws_t, amax
 
 
@@ -373,8 +368,7 @@ def per_tensor_backward(grad_out, saved, inp, m_splits, weight, main_grad, r, ha
             r.grad_amax.copy_(g_amax)
     dsplits = device_splits(m_splits, grad_out) if native else None
     if need_wgrad and r.fp8_wgrad and len(saved) == 2:  # save_original_input: quantised here
-        xt, xs_t, _ = quantize_group_columns(inp, m_splits, fwd_dtype, s_x, dsplits)
-        saved = [*saved, xt.view(torch.uint8), xs_t]
+        saved = [*saved, *quantize_group_columns(inp, m_splits, fwd_dtype, s_x, dsplits)[:2]]
     if need_wgrad and len(saved) == 4:  # the forward saved the FP8 wgrad operand of the input
         dyt, dys, pad_ends = quantize_group_columns(
             grad_out, m_splits, bwd_dtype, s_g, dsplits, e4m3_codes=True

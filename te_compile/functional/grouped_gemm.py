@@ -178,9 +178,8 @@ def device_splits(m_splits: Tensor, inp: Tensor) -> tuple[Tensor, Tensor]:
     splits = m_splits.to(inp.device, non_blocking=True)
     offs = torch.cumsum(splits, 0, dtype=torch.int32)
     if splits.numel():
-        ok = (offs[-1] == inp.shape[0]) & (splits >= 0).all()
         torch._assert_async(
-            ok,
+            (offs[-1] == inp.shape[0]) & (splits >= 0).all(),
             "te.grouped_linear: m_splits must be >= 0 and sum to inp.shape[0] (a device tensor, "
             "checked on the device: its values are not read on the host)",
         )
@@ -188,8 +187,7 @@ def device_splits(m_splits: Tensor, inp: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def row_bias(bias: Tensor, splits: Tensor, rows: int) -> Tensor:
-    """``bias[group of row]`` for every row (``[G, N]``: ``[rows, N]``; any per-group values),
-    no host sync."""
+    """``bias[group of row]`` for every row: ``[G, ...]`` to ``[rows, ...]``, no host sync."""
     return torch.repeat_interleave(bias, splits, dim=0, output_size=rows)
 
 
@@ -334,14 +332,13 @@ def blockwise_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
     :func:`_padded`'s, the buffers :func:`_capacity`'s. With ``weight_q``
     (:func:`blockwise_weight`) ``saved`` ends after the input's copy (the caller saves the
     weight's). Under ``r.override`` nothing, or the forward's operands dequantised."""
-    power_2_scale, weight_block_rows = r.power_2_scale, r.weight_block_rows
     groups, n = weight.shape[:2]
     rows = inp.shape[0]
     splits, firsts, starts, _, x = _padded(inp, m_splits)
-    xd, xs, _, _, x_t, x_s = _quantize_block(x, power_2_scale, _capacity(rows, groups))
+    xd, xs, _, _, x_t, x_s = _quantize_block(x, r.power_2_scale, _capacity(rows, groups))
     out = inp.new_empty(rows, n)
     w_t, w_s = [], []
-    spec = QuantSpec("block", _E4M3, weight_block_rows, power_2_scale)  # the weight's
+    spec = QuantSpec("block", _E4M3, r.weight_block_rows, r.power_2_scale)  # the weight's
     for g, (m, row, pos) in enumerate(zip(splits, firsts, starts, strict=True)):
         if weight_q is None:
             wd, ws, wd_t, ws_t = quantize_operand(spec, weight[g])[:4]
@@ -351,7 +348,7 @@ def blockwise_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
             wd, ws = weight_q[0][g].view(_E4M3), weight_q[1][g]
         if m:
             b = None if bias is None else bias[g]
-            _gemm_rows(xd[pos:], xs[pos:], wd, ws, weight_block_rows, inp.dtype, b,
+            _gemm_rows(xd[pos:], xs[pos:], wd, ws, r.weight_block_rows, inp.dtype, b,
                        out[row : row + m])  # fmt: skip
     if r.override == "dequantized":
         return out, [_cast(inp, r, r.fwd_dtype), dequantized_weight(weight, r)]
@@ -364,7 +361,6 @@ def blockwise_backward(grad_out, saved, inp, m_splits, weight, main_grad, r, has
     the dgrad against the saved ``W_g^T``, the wgrad against its saved ``X^T`` columns."""
     w_rows = r.weight_block_rows
     groups, n, k = weight.shape
-    x_t, x_s = saved[:2]
     if saved[2].dim() == 3:  # a pre-quantised weight's stacked copies
         w_t, w_s = saved[2].unbind(0), saved[3].unbind(0)
     else:
@@ -372,7 +368,7 @@ def blockwise_backward(grad_out, saved, inp, m_splits, weight, main_grad, r, has
     dtype = grad_out.dtype
     splits, firsts, starts, width, dy = _padded(grad_out, m_splits)
     gd, gs, gd_t, gs_t, _, _ = _quantize_block(dy, r.power_2_scale, width)
-    xd_t, xs_t = _transposed_views(x_t, x_s, width, k)
+    xd_t, xs_t = _transposed_views(*saved[:2], width, k)
     xd_t = xd_t.view(_E4M3)
     dinp = grad_out.new_empty(grad_out.shape[0], k) if need_dgrad else empty(grad_out)
     into_weight = need_wgrad and main_grad is None
@@ -403,10 +399,9 @@ def blockwise_backward(grad_out, saved, inp, m_splits, weight, main_grad, r, has
 
 def _cast(x2: Tensor, r: GroupedRecipe, fp8_dtype: torch.dtype, block_rows: int = 1,
           dest: Tensor | None = None) -> Tensor:  # fmt: skip
-    """``x2`` ``[M, K]`` quantised exactly (``functional.gemm.quantize_operand``'s rowwise copy)
-    and dequantised to its dtype, saturating at its largest value (an E5M2 infinity stays
-    infinite). With ``dest``: the columnwise copy (blocks along ``M``), transposed back, rows
-    ``dest``."""
+    """``x2`` ``[M, K]`` quantised exactly (``functional.gemm.quantize_operand``'s rowwise copy) and
+    dequantised to its dtype, saturating at its largest value (an E5M2 infinity stays infinite).
+    With ``dest``: the columnwise copy (blocks along ``M``), transposed back, rows ``dest``."""
     p2 = r.recipe == "block" and r.power_2_scale
     spec = QuantSpec(r.recipe, fp8_dtype, block_rows, p2, emulate=True)
     if dest is None:

@@ -122,8 +122,7 @@ def check_grouped_linear(a: GroupedLinearArgs) -> None:
         or a.grad_amax is not None or a.rng_state is not None or a.weight_q is not None
     ):  # fmt: skip
         return  # high precision: the hot path
-    x, w, g = a.specs
-    bw = a.bw
+    (x, w, g), bw = a.specs, a.bw
     recipe = check_specs(p, {"input_spec": x, "weight_spec": w, "grad_spec": g}, a.scale,
                          a.grad_amax, a.rng_state, a.inp)  # fmt: skip
     dequantized_save_input = bw.save_input and bw.override == "dequantized"

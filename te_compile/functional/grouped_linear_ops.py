@@ -128,30 +128,25 @@ def grouped_linear_ref(
     return torch.cat(outs).to(inp.dtype)
 
 
-def _fake_quant(x: Tensor, fp8_dtype: torch.dtype, dim: int, scale: Tensor | None = None) -> Tensor:
-    """Quantised-dequantised ``x`` (exact in float64): rowwise along ``dim``, or with the
-    per-tensor ``scale`` (delayed); E5M2 recoded to E4M3 as the grouped GEMMs take it."""
-    if x.shape[0] == 0:
-        return x
-    if scale is None:
-        data, scale_inv = quantize_rowwise(x, fp8_dtype, dim, e4m3_codes=True)
-        scale_inv = scale_inv.unsqueeze(dim)
-    else:
-        data, scale_inv, _ = quantize_per_tensor(x.reshape(-1, x.shape[-1]), fp8_dtype, scale)
-        data, scale_inv = as_e4m3(data.view(x.shape), scale_inv)
-    acc = acc_dtype(x)
-    return (data.to(acc) * scale_inv.to(acc)).to(x.dtype)
-
-
 def _ref_quant(t: Tensor, r: GroupedRecipe, role: int, columns: bool, rows: int = 1) -> Tensor:
     """``t`` ``[m, C]``, an operand of ``role`` (0 input, 1 weight, 2 gradient),
     quantised-dequantised as the recipe's GEMMs take it: along ``C`` or, with ``columns``, along
     ``m`` (one group's or expert's tokens). Per-tensor recipes: rowwise, or with the delayed
-    scale; block-scaled: in ``rows`` x 128 blocks (MXFP8: 32 elements), along ``m`` a partial
-    last block as if padded with zeros."""
+    scale, E5M2 recoded to E4M3 (exact in float64); block-scaled: in ``rows`` x 128 blocks
+    (MXFP8: 32 elements), along ``m`` a partial last block as if padded with zeros."""
     fp8_dtype = r.bwd_dtype if role == 2 else r.fwd_dtype
     if r.recipe in PER_TENSOR:
-        return _fake_quant(t, fp8_dtype, 0 if columns else -1, scale_slots(r.scale, r.recipe)[role])
+        scale, dim = scale_slots(r.scale, r.recipe)[role], 0 if columns else -1
+        if t.shape[0] == 0:
+            return t
+        if scale is None:
+            data, scale_inv = quantize_rowwise(t, fp8_dtype, dim, e4m3_codes=True)
+            scale_inv = scale_inv.unsqueeze(dim)
+        else:
+            data, scale_inv, _ = quantize_per_tensor(t.reshape(-1, t.shape[-1]), fp8_dtype, scale)
+            data, scale_inv = as_e4m3(data.view(t.shape), scale_inv)
+        acc = acc_dtype(t)
+        return (data.to(acc) * scale_inv.to(acc)).to(t.dtype)
     spec = QuantSpec(r.recipe, fp8_dtype, rows, r.recipe == "block" and r.power_2_scale)
     if not columns:
         return qdq_both(t, spec, columnwise=False)[0].to(t.dtype)
@@ -178,23 +173,10 @@ def _ref_copies(x: Tensor, w: Tensor, splits: list[int], r: GroupedRecipe) -> tu
     return _ref_quant(x, r, 0, False), wq, x_col, w_col
 
 
-def _ref_grads(dy: Tensor, splits: list[int], r: GroupedRecipe) -> tuple[Tensor, list[Tensor]]:
-    """``(dY for the dgrad, every group's dY for the wgrad)``, quantised-dequantised as the
-    operands they meet (NVFP4: stochastic rounding from one stream over the whole gradient)."""
-    if r.recipe == "nvfp4":
-        g_row, g_col_t = nvfp4_qdq(dy, rht=r.rht, rng_state=r.rng_state,
-                                   row_splits=torch.tensor(splits))  # fmt: skip
-        return g_row.to(dy.dtype), g_col_t.t().to(dy.dtype).split(splits)
-    g_cols = dy.split(splits)
-    if r.recipe not in PER_TENSOR or r.fp8_wgrad:
-        g_cols = [_ref_quant(d, r, 2, True) for d in g_cols]
-    return _ref_quant(dy, r, 2, False), g_cols
-
-
 class _RefGrouped(torch.autograd.Function):
     """Every quantised recipe but the native blockwise one, in the input's dtype: ``Y_g = X_g
-    W_g^T``, ``dX_g = dY_g W_{col,g}``, ``dW_g = dY_g^T X_{col,g}`` of :func:`_ref_copies`' and
-    :func:`_ref_grads`' values."""
+    W_g^T``, ``dX_g = dY_g W_{col,g}``, ``dW_g = dY_g^T X_{col,g}`` of :func:`_ref_copies`'
+    values and ``dY`` quantised-dequantised as the operands it meets."""
 
     @staticmethod
     def forward(ctx, x, w, splits, r: GroupedRecipe):
@@ -207,9 +189,18 @@ class _RefGrouped(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x_col, w_col = ctx.saved_tensors
-        g_row, g_cols = _ref_grads(dy, ctx.splits, ctx.r)
-        dx = torch.cat([d @ w_col[i] for i, d in enumerate(g_row.split(ctx.splits))])
-        parts = zip(g_cols, x_col.split(ctx.splits), strict=True)
+        splits, r = ctx.splits, ctx.r
+        if r.recipe == "nvfp4":  # stochastic rounding from one stream over the whole gradient
+            g_row, g_col_t = nvfp4_qdq(dy, rht=r.rht, rng_state=r.rng_state,
+                                       row_splits=torch.tensor(splits))  # fmt: skip
+            g_row, g_cols = g_row.to(dy.dtype), g_col_t.t().to(dy.dtype).split(splits)
+        else:
+            g_cols = dy.split(splits)
+            if r.recipe not in PER_TENSOR or r.fp8_wgrad:
+                g_cols = [_ref_quant(d, r, 2, True) for d in g_cols]
+            g_row = _ref_quant(dy, r, 2, False)
+        dx = torch.cat([d @ w_col[i] for i, d in enumerate(g_row.split(splits))])
+        parts = zip(g_cols, x_col.split(splits), strict=True)
         dw = torch.stack([d.t() @ x_g for d, x_g in parts])
         return dx, dw, None, None
 
@@ -236,8 +227,15 @@ def scaled_grouped_linear_ref(
 def _reference(*args):
     """Every recipe's definition, in the inputs' dtype (float64 in the tests)."""
     a = GroupedLinearArgs(*args)
-    if a.bw.override:
-        return _override_reference(a)
+    if a.bw.override:  # the recipe's forward value, with the gradients of the grouped GEMM of the
+        # high-precision operands or ("dequantized") of the forward's dequantised ones
+        value = _reference(*a._replace(backward="")).detach()
+        x, w = a.inp, a.weight
+        if a.bw.override == "dequantized":
+            xq, wq = _ref_copies(x, w, a.m_splits.tolist(), a.grouped_recipe)[:2]
+            x, w = x + (xq - x).detach(), w + (wq - w).detach()
+        y = grouped_linear_ref(x, a.m_splits, w, a.bias)
+        return y + (value - y).detach()
     inp, weight, bias = a.inp, a.weight, a.bias
     x, w, g = a.specs
     if not x.kind:
@@ -252,18 +250,6 @@ def _reference(*args):
     if bias is not None:
         out = out + torch.repeat_interleave(bias, torch.tensor(splits), dim=0)
     return out
-
-
-def _override_reference(a: GroupedLinearArgs) -> Tensor:
-    """A backward override: the recipe's forward value, with the gradients of the grouped GEMM
-    of the high-precision operands or (``"dequantized"``) of the forward's dequantised ones."""
-    value = _reference(*a._replace(backward="")).detach()
-    x, w = a.inp, a.weight
-    if a.bw.override == "dequantized":
-        xq, wq = _ref_copies(x, w, a.m_splits.tolist(), a.grouped_recipe)[:2]
-        x, w = x + (xq - x).detach(), w + (wq - w).detach()
-    y = grouped_linear_ref(x, a.m_splits, w, a.bias)
-    return y + (value - y).detach()
 
 
 # 2. Forward op ------------------------------------------------------------------------------
@@ -297,19 +283,17 @@ def host_split_path(*args: object, **kwargs: object) -> str | None:
         backward = args[12] if len(args) > 12 else kwargs.get("backward", "")
     if not quantised:
         on_device = isinstance(inp, Tensor) and inp.device.type == "cuda"
-        if on_device and m_splits.device == inp.device and uses_grouped_mm(inp, weight):
-            return None
-        return HOST_SPLITS
+        offsets = on_device and m_splits.device == inp.device and uses_grouped_mm(inp, weight)
+        return None if offsets else HOST_SPLITS
     spec = parse(QuantSpec, quantised)
-    if (
+    offsets = (
         grouped_gemm_kind(spec.kind, spec.emulate) == "scaled_grouped_mm"
         and not parse(BackwardSpec, backward).override
         and data.device.type == "cuda"
         and data.dtype is torch.bfloat16
         and m_splits.device == data.device
-    ):
-        return None
-    return HOST_SPLITS
+    )
+    return None if offsets else HOST_SPLITS
 
 
 @op("grouped_linear_fwd", kept_whole=host_split_path)
@@ -422,8 +406,7 @@ def _bwd_args(args: tuple):
     """The 9 tensors, the parsed specs, ``(has_bias, need_dgrad, need_wgrad)`` and the stash of
     a backward call; a ``wgrad_stash`` takes the weight gradient's place (``need_wgrad`` False)."""
     stash = args[16] if len(args) > 16 else None
-    has_bias, need_dgrad, need_wgrad = args[13:16]
-    need = (has_bias, need_dgrad, need_wgrad and stash is None)
+    need = (*args[13:15], args[15] and stash is None)  # has_bias, need_dgrad, need_wgrad
     return args[:9], as_specs(*args[9:12]), parse(BackwardSpec, args[12]), need, stash
 
 
@@ -510,11 +493,9 @@ def _backward(ctx, bwd, grad_out, _grad_saved):
         rng_state, *ctx.scalars, has_bias, need_dgrad, need_wgrad,
         *(() if stash is None else (stash,)),
     )  # fmt: skip
-    grads = [None] * len(need)
-    grads[0] = dinp if need_dgrad else None
-    grads[2] = dweight if need_wgrad and main_grad is None and stash is None else None
-    grads[3] = dbias if has_bias else None
-    return tuple(grads)
+    dweight = dweight if need_wgrad and main_grad is None and stash is None else None
+    grads = (dinp if need_dgrad else None, None, dweight, dbias if has_bias else None)
+    return grads + (None,) * (len(need) - 4)
 
 
 _grouped_linear = differentiable(

@@ -251,8 +251,7 @@ def _compact(row_id_map: Tensor, weight: Tensor | None) -> tuple[Tensor, Tensor 
     w = None
     if weight is not None:
         w = weight.new_zeros((tokens, slots + 1)).scatter(1, col, torch.where(routed, weight, 0))
-        w = w[:, :slots]
-    return index[:, :slots], w, routed.sum(1, dtype=torch.int32)
+    return index[:, :slots], w if w is None else w[:, :slots], routed.sum(1, dtype=torch.int32)
 
 
 def _gather_dot(grad: Tensor, token: Tensor, weight: Tensor, inp: Tensor) -> tuple[Tensor, Tensor]:
@@ -267,9 +266,8 @@ def _combine(x: Tensor, row_id_map: Tensor, weight: Tensor | None) -> Tensor:
     if not runs_triton(x):
         return moe_unpermute_ref(x, row_id_map, weight)
     w = None if weight is None else weight.to(torch.float32)
-    if row_id_map.shape[1] <= _COMPACT_SLOTS:
-        return _kernels().gather_sum(x, row_id_map, w)
-    return _kernels().gather_sum(x, *_compact(row_id_map, w))
+    narrow = row_id_map.shape[1] <= _COMPACT_SLOTS
+    return _kernels().gather_sum(x, *((row_id_map, w) if narrow else _compact(row_id_map, w)))
 
 
 # 2-5. Permute: forward op, fake, backward op, autograd -----------------------------------------

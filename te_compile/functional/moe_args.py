@@ -137,11 +137,9 @@ def num_out(prefix: str, routing_map: Tensor, num_out_tokens, map_type: str) -> 
     Transformer Engine reads it); the mask needs it (0 is 0 rows there)."""
     n = int_arg(prefix, "num_out_tokens", num_out_tokens)
     check_choice(prefix, "map_type", map_type, MAP_TYPES)
-    if routing_map.dim() != 2:
-        return n
-    if map_type == "index":
+    if map_type == "index" and routing_map.dim() == 2:
         return n if n > 0 else routing_map.shape[0] * routing_map.shape[1]
-    if n >= 0:
+    if n >= 0 or routing_map.dim() != 2:  # (a bad routing_map: refused by the op's check)
         return n
     fail(
         prefix,
