@@ -353,7 +353,7 @@ def _rmsnorm_setup_context(ctx, inputs, output) -> None:
     _save(ctx, output, inp, weight, zero_centered_gamma)
 
 
-def _l2normalization_setup_context(ctx, inputs, output) -> None:
+def _l2_setup_context(ctx, inputs, output) -> None:
     _save(ctx, output, inputs[0])
 
 
@@ -380,12 +380,7 @@ _layernorm, _rmsnorm, _l2normalization = (
     for f, b, c, r in (
         (layernorm_fwd, layernorm_bwd, _layernorm_setup_context, layernorm_ref),
         (rmsnorm_fwd, rmsnorm_bwd, _rmsnorm_setup_context, rmsnorm_ref),
-        (
-            l2normalization_fwd,
-            l2normalization_bwd,
-            _l2normalization_setup_context,
-            l2normalization_ref,
-        ),
+        (l2normalization_fwd, l2normalization_bwd, _l2_setup_context, l2normalization_ref),
     )
 )
 
@@ -407,8 +402,7 @@ def layernorm(
     check_public_args(
         "te.layernorm", eps, inp=inp, weight=weight, bias=bias, zcg=zero_centered_gamma
     )
-    out, _mean, _rsigma = _layernorm(inp, weight, bias, eps, zero_centered_gamma)
-    return out
+    return _layernorm(inp, weight, bias, eps, zero_centered_gamma)[0]
 
 
 def rmsnorm(
@@ -419,12 +413,10 @@ def rmsnorm(
     ``weight`` is ``[inp.shape[-1]]``, fp32 or ``inp``'s dtype. With ``zero_centered_gamma``
     the scale applied is ``weight + 1``."""
     check_public_args("te.rmsnorm", eps, inp=inp, weight=weight, zcg=zero_centered_gamma)
-    out, _rsigma = _rmsnorm(inp, weight, eps, zero_centered_gamma)
-    return out
+    return _rmsnorm(inp, weight, eps, zero_centered_gamma)[0]
 
 
 def l2normalization(inp: Tensor, eps: float = 1e-6) -> Tensor:
     """``inp / sqrt(sum(inp**2, -1) + eps)`` through ``te::l2normalization_fwd``."""
     check_public_args("te.l2normalization", eps, inp=inp)
-    out, _rsigma = _l2normalization(inp, eps)
-    return out
+    return _l2normalization(inp, eps)[0]
