@@ -343,8 +343,7 @@ _kernels = functools.partial(submodule, "activation")  # Triton: imported on fir
 
 
 def _forward(inp: Tensor, bias: Tensor | None, activation: str, config=None) -> Tensor:
-    """Both forward ops' implementations (``config`` as :func:`_check_op`'s): the checks, then
-    the Triton kernels (CUDA, but not fp64) or the reference math."""
+    """Both forward ops' implementations (``config`` as :func:`_check_op`'s)."""
     _check_op(inp, bias, activation, config)
     if runs_triton(inp):
         return _kernels().activation_forward(inp, bias, activation, *(config or ()))
@@ -419,8 +418,7 @@ def _backward_ref(grad, inp, bias, activation, *rest):
 
 
 def _backward_impl(grad, inp, bias, activation, *rest):
-    """Both backward ops' implementations: the Triton kernels (CUDA, but not fp64) or the
-    reference math."""
+    """Both backward ops' implementations: Triton (CUDA, not fp64) or the reference math."""
     if not runs_triton(inp):
         return _backward_ref(grad, inp, bias, activation, *rest)
     *config, need_dbias = rest

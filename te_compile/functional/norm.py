@@ -367,8 +367,7 @@ def _save(ctx, output, inp, *rest) -> None:
 
 
 def _backward(ctx, bwd, grad_out, *_grad_stats):
-    """The backward op's ``(dinp, dweight, dbias)`` (as far as the norm has them) for the
-    forward's inputs that need a gradient; None for the rest."""
+    """The backward op's gradients for the forward's inputs that need one; None for the rest."""
     grads = bwd(grad_out.contiguous(), *ctx.saved_tensors, *ctx.flags)
     grads = (grads,) if isinstance(grads, Tensor) else grads
     return tuple(g if need else None for g, need in zip_longest(grads, ctx.needs_input_grad))
