@@ -113,8 +113,7 @@ def _visible(a: _Args) -> tuple[Tensor, Tensor]:
     ``rel`` = :math:`i + o - j` in local positions. No host reads: sequence ids come from
     ``searchsorted`` on ``cu_seqlens``."""
     sq, skv, device = a.query.shape[1], a.key.shape[1], a.query.device
-    iq = torch.arange(sq, device=device)
-    ik = torch.arange(skv, device=device)
+    iq, ik = torch.arange(sq, device=device), torch.arange(skv, device=device)
     visible = torch.ones((1, 1, sq, skv), dtype=torch.bool, device=device)
     if a.cu_seqlens_q is not None:
         cq = a.cu_seqlens_q.long()

@@ -257,11 +257,9 @@ def op_arguments(
     if softmax_scale is not None and not (_real(softmax_scale) and 0 < softmax_scale < math.inf):
         raise _fail(f"softmax_scale must be a positive float (finite, > 0), got {softmax_scale!r}")
     # Checked for every format (a bound given for sbhd / bshd is not silently ignored).
-    for name, bound in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_kv", max_seqlen_kv)):
-        if bound is not None and (
-            not isinstance(bound, int) or isinstance(bound, bool) or bound < 1
-        ):
-            raise _fail(f"{name} must be a positive int, got {bound!r}")
+    for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_kv", max_seqlen_kv)):
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise _fail(f"{name} must be a positive int, got {n!r}")
 
     thd = qkv_format == "thd"
     if thd:
