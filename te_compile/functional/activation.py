@@ -333,8 +333,7 @@ def check_activation(
     ``ACTIVATIONS`` or ``GATED_ACTIVATIONS``): a ValueError naming the argument, as the ops
     raise it. For ops that apply an activation in an epilogue (``inp`` may be a stand-in with
     the GEMM output's shape and dtype on the meta device)."""
-    gated = activation in GATED_ACTIVATIONS
-    _check_args(inp, bias, activation, gated, glu_interleave_size)
+    _check_args(inp, bias, activation, activation in GATED_ACTIVATIONS, glu_interleave_size)
 
 
 _kernels = functools.partial(submodule, "activation")  # Triton: imported on first CUDA use
@@ -344,8 +343,7 @@ _kernels = functools.partial(submodule, "activation")  # Triton: imported on fir
 
 
 def _forward(inp: Tensor, bias: Tensor | None, activation: str, config=None) -> Tensor:
-    """Both forward ops' implementations (``config`` as :func:`_check_op`'s): the checks, then
-    the Triton kernels (CUDA, but not fp64) or the reference math."""
+    """Both forward ops' implementations (``config`` as :func:`_check_op`'s)."""
     _check_op(inp, bias, activation, config)
     if runs_triton(inp):
         return _kernels().activation_forward(inp, bias, activation, *(config or ()))
@@ -371,8 +369,7 @@ def gated_activation_fwd(
     glu_linear_offset: float = 1.0,
 ) -> Tensor:
     """Gated ``activation`` of ``inp + bias``."""
-    config = (glu_interleave_size, limit, alpha, glu_linear_offset)
-    return _forward(inp, bias, activation, config)
+    return _forward(inp, bias, activation, (glu_interleave_size, limit, alpha, glu_linear_offset))
 
 
 # 3. Fakes -------------------------------------------------------------------------------------
@@ -421,8 +418,7 @@ def _backward_ref(grad, inp, bias, activation, *rest):
 
 
 def _backward_impl(grad, inp, bias, activation, *rest):
-    """Both backward ops' implementations: the Triton kernels (CUDA, but not fp64) or the
-    reference math."""
+    """Both backward ops' implementations: Triton (CUDA, not fp64) or the reference math."""
     if not runs_triton(inp):
         return _backward_ref(grad, inp, bias, activation, *rest)
     *config, need_dbias = rest
@@ -574,9 +570,7 @@ qgelu = _public("qgelu", "Quick GELU, ``x * sigmoid(1.702 x)``.")
 relu = _public("relu", "ReLU, ``max(x, 0)``.")
 srelu = _public("srelu", "Squared ReLU, ``relu(x) ** 2``.")
 silu = _public("silu", "SiLU (swish), ``x * sigmoid(x)``.")
-glu = _public(
-    "glu", "``sigmoid(a) * l`` over the halves of the last dim (module docstring: layouts)."
-)
+glu = _public("glu", "``sigmoid(a) * l`` of the last dim's halves (module docstring: layouts).")
 geglu = _public("geglu", "``gelu(a) * l`` (tanh GELU).")
 qgeglu = _public("qgeglu", "``qgelu(a) * l``.")
 reglu = _public("reglu", "``relu(a) * l``.")

@@ -353,7 +353,7 @@ def _rmsnorm_setup_context(ctx, inputs, output) -> None:
     _save(ctx, output, inp, weight, zero_centered_gamma)
 
 
-def _l2normalization_setup_context(ctx, inputs, output) -> None:
+def _l2_setup_context(ctx, inputs, output) -> None:
     _save(ctx, output, inputs[0])
 
 
@@ -367,8 +367,7 @@ def _save(ctx, output, inp, *rest) -> None:
 
 
 def _backward(ctx, bwd, grad_out, *_grad_stats):
-    """The backward op's ``(dinp, dweight, dbias)`` (as far as the norm has them) for the
-    forward's inputs that need a gradient; None for the rest."""
+    """The backward op's gradients for the forward's inputs that need one; None for the rest."""
     grads = bwd(grad_out.contiguous(), *ctx.saved_tensors, *ctx.flags)
     grads = (grads,) if isinstance(grads, Tensor) else grads
     return tuple(g if need else None for g, need in zip_longest(grads, ctx.needs_input_grad))
@@ -380,12 +379,7 @@ _layernorm, _rmsnorm, _l2normalization = (
     for f, b, c, r in (
         (layernorm_fwd, layernorm_bwd, _layernorm_setup_context, layernorm_ref),
         (rmsnorm_fwd, rmsnorm_bwd, _rmsnorm_setup_context, rmsnorm_ref),
-        (
-            l2normalization_fwd,
-            l2normalization_bwd,
-            _l2normalization_setup_context,
-            l2normalization_ref,
-        ),
+        (l2normalization_fwd, l2normalization_bwd, _l2_setup_context, l2normalization_ref),
     )
 )
 
@@ -407,8 +401,7 @@ def layernorm(
     check_public_args(
         "te.layernorm", eps, inp=inp, weight=weight, bias=bias, zcg=zero_centered_gamma
     )
-    out, _mean, _rsigma = _layernorm(inp, weight, bias, eps, zero_centered_gamma)
-    return out
+    return _layernorm(inp, weight, bias, eps, zero_centered_gamma)[0]
 
 
 def rmsnorm(
@@ -419,12 +412,10 @@ def rmsnorm(
     ``weight`` is ``[inp.shape[-1]]``, fp32 or ``inp``'s dtype. With ``zero_centered_gamma``
     the scale applied is ``weight + 1``."""
     check_public_args("te.rmsnorm", eps, inp=inp, weight=weight, zcg=zero_centered_gamma)
-    out, _rsigma = _rmsnorm(inp, weight, eps, zero_centered_gamma)
-    return out
+    return _rmsnorm(inp, weight, eps, zero_centered_gamma)[0]
 
 
 def l2normalization(inp: Tensor, eps: float = 1e-6) -> Tensor:
     """``inp / sqrt(sum(inp**2, -1) + eps)`` through ``te::l2normalization_fwd``."""
     check_public_args("te.l2normalization", eps, inp=inp)
-    out, _rsigma = _l2normalization(inp, eps)
-    return out
+    return _l2normalization(inp, eps)[0]

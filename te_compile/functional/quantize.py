@@ -245,9 +245,8 @@ def dequantize_blockwise_ref(
 ) -> Tensor:
     """``fp32(data) * scale_inv`` of each ``block_rows x 128`` block, rounded to ``out_dtype``,
     saturating."""
-    q = _rows(data).float().contiguous()
-    m, k = q.shape
-    out = q * _per_element(scale_inv.float(), m, k, block_rows)
+    q = _rows(data).contiguous()  # (fp32: _rows casts)
+    out = q * _per_element(scale_inv.float(), *q.shape, block_rows)
     return _saturated(q, out, out_dtype).view(data.shape)
 
 

@@ -293,10 +293,8 @@ _kernels = functools.partial(submodule, "rotary")  # Triton: imported on first C
 
 
 def _rotate_by_device(*args: object, backward: bool) -> Tensor:
-    """Both ops' implementations, forward or (``backward``) the op's backward: the Triton kernel
-    (CUDA, but not fp64) or the reference math."""
-    t = args[0]
-    if runs_triton(t):
+    """Both ops' implementations (``backward``: the backward op's): Triton or the reference math."""
+    if runs_triton(args[0]):
         return _kernels().rotary(*args, backward=backward)
     return rotary_ref(*args, backward=backward)
 
