@@ -331,8 +331,9 @@ def _check(a: _Args) -> None:
         raise fail(f"bias must be {broadcast}, got {list(a.bias.shape)}")
     m = a.alibi_slopes
     if m is not None and (m.dtype != torch.float32 or tuple(m.shape) not in ((h,), (b, h))):
-        raise fail(f"alibi_slopes must be float32 [{h}] or [{b}, {h}], got {m.dtype} "
-                   f"{list(m.shape)}")  # fmt: skip
+        raise fail(
+            f"alibi_slopes must be float32 [{h}] or [{b}, {h}], got {m.dtype} {list(m.shape)}"
+        )
     pads = [(x.dtype, tuple(x.shape)) for x in (a.q_padding, a.kv_padding) if x is not None]
     if pads and pads != [(torch.bool, (b, sq)), (torch.bool, (b, skv))]:
         raise fail(f"q_padding and kv_padding must both be bool [{b}, {sq}] and [{b}, {skv}]")
