@@ -308,7 +308,7 @@ def _check(a: _Args) -> None:
     """The op's constraints, each a ValueError naming the argument, the same in eager and at
     trace time (the public function checks the user's arguments first, in Transformer Engine's
     terms)."""
-    q, k, v, mask = a.query, a.key, a.value, a.mask
+    q, k, v = a.query, a.key, a.value
 
     def fail(message: str) -> ValueError:
         return ValueError("te.attention_fwd: " + message)
@@ -329,16 +329,19 @@ def _check(a: _Args) -> None:
     broadcast = f"[1 or {b}, 1 or {h}, {sq}, {skv}]"
     if a.bias is not None and not _broadcasts(a.bias, b, h, sq, skv):
         raise fail(f"bias must be {broadcast}, got {list(a.bias.shape)}")
-    m = a.alibi_slopes
-    if m is not None and (m.dtype != torch.float32 or tuple(m.shape) not in ((h,), (b, h))):
-        raise fail(
-            f"alibi_slopes must be float32 [{h}] or [{b}, {h}], got {m.dtype} {list(m.shape)}"
-        )
+    slopes = a.alibi_slopes
+    if slopes is not None and (
+        slopes.dtype != torch.float32 or tuple(slopes.shape) not in ((h,), (b, h))
+    ):
+        raise fail(f"alibi_slopes must be float32 [{h}] or [{b}, {h}], got {slopes.dtype} "
+                   f"{list(slopes.shape)}")  # fmt: skip
     pads = [(x.dtype, tuple(x.shape)) for x in (a.q_padding, a.kv_padding) if x is not None]
     if pads and pads != [(torch.bool, (b, sq)), (torch.bool, (b, skv))]:
         raise fail(f"q_padding and kv_padding must both be bool [{b}, {sq}] and [{b}, {skv}]")
-    if mask is not None and (mask.dtype != torch.bool or not _broadcasts(mask, b, h, sq, skv)):
-        raise fail(f"mask must be bool {broadcast}, got {mask.dtype} {list(mask.shape)}")
+    if a.mask is not None and (
+        a.mask.dtype != torch.bool or not _broadcasts(a.mask, b, h, sq, skv)
+    ):
+        raise fail(f"mask must be bool {broadcast}, got {a.mask.dtype} {list(a.mask.shape)}")
     cu_q, cu_kv = a.cu_seqlens_q, a.cu_seqlens_kv
     if cu_q is not None and not (
         cu_q.dtype == torch.int32 and cu_q.dim() == 1 and cu_q.shape[0] >= 2

@@ -143,11 +143,15 @@ def _check_cu_seqlens(name: str, cu, device: torch.device, batch: int | None) ->
         raise _fail(f"{name} must have {want} entries, got {cu.shape[0]}")
 
 
-def _padding(m, which: str, b: int, s: int) -> Tensor:
-    if not isinstance(m, Tensor) or m.dtype != torch.bool or tuple(m.shape) != (b, 1, 1, s):
+def _padding(mask, which: str, b: int, s: int) -> Tensor:
+    if (
+        not isinstance(mask, Tensor)
+        or mask.dtype != torch.bool
+        or tuple(mask.shape) != (b, 1, 1, s)
+    ):
         raise _fail(f"attention_mask ({which}) must be a bool tensor [{b}, 1, 1, {s}] "
-                    f"(True = padded), got {_described(m)}")  # fmt: skip
-    return m[:, 0, 0, :]
+                    f"(True = padded), got {_described(mask)}")  # fmt: skip
+    return mask[:, 0, 0, :]
 
 
 def _padding_masks(attention_mask, cu_q, cu_kv, b: int, sq: int, skv: int, device):
@@ -199,17 +203,20 @@ def _bias(bias, b: int, h: int, sq: int, skv: int) -> Tensor:
     return bias.expand(bias.shape[0], bias.shape[1], sq, skv)
 
 
-def _slopes(m, b: int, h: int, thd: bool, device) -> Tensor:
-    """The op's ``alibi_slopes`` :math:`m` (``attention.py``), the standard ones for None."""
-    if m is None:
+def _slopes(alibi_slopes, b: int, h: int, thd: bool, device) -> Tensor:
+    if alibi_slopes is None:
         return default_alibi_slopes(h, device)
     shapes = ((h,),) if thd else ((h,), (b, h))
-    if not isinstance(m, Tensor) or m.dtype != torch.float32 or tuple(m.shape) not in shapes:
+    if (
+        not isinstance(alibi_slopes, Tensor)
+        or alibi_slopes.dtype != torch.float32
+        or tuple(alibi_slopes.shape) not in shapes
+    ):
         raise _fail(f"alibi_slopes must be a float32 tensor {' or '.join(map(str, shapes))}, "
-                    f"got {_described(m)}")  # fmt: skip
-    if m.device != device:
-        raise _fail(f"alibi_slopes must be on {device}, got {m.device}")
-    return m
+                    f"got {_described(alibi_slopes)}")  # fmt: skip
+    if alibi_slopes.device != device:
+        raise _fail(f"alibi_slopes must be on {device}, got {alibi_slopes.device}")
+    return alibi_slopes
 
 
 def _real(x: object) -> bool:
@@ -221,23 +228,27 @@ def _described(x: object) -> str:
     return f"{x.dtype} {list(x.shape)}" if isinstance(x, Tensor) else repr(x)
 
 
-def _softmax_offset(softmax_type, sink, h: int, device) -> Tensor | None:
-    """The op's ``softmax_offset`` (the given ``sink`` logits): None (vanilla), zeros
-    (off-by-one) or the given logits as fp32 ``[h]``."""
+def _softmax_offset(softmax_type, softmax_offset, h: int, device) -> Tensor | None:
+    """The op's ``softmax_offset``: None (vanilla), zeros (off-by-one) or the given logits as
+    fp32 ``[h]``."""
     check_choice(_OWNER, "softmax_type", softmax_type, SOFTMAX_TYPES)
     if softmax_type != "learnable":
-        if sink is not None:
+        if softmax_offset is not None:
             raise _fail(f"softmax_offset must be None for softmax_type={softmax_type!r} (only "
                         "'learnable' takes one)")  # fmt: skip
         return None if softmax_type == "vanilla" else torch.zeros(h, device=device)
-    if sink is None:
+    if softmax_offset is None:
         raise _fail("softmax_type='learnable' needs softmax_offset, a floating tensor [h]")
-    if not isinstance(sink, Tensor) or not sink.is_floating_point() or tuple(sink.shape) != (h,):
+    if (
+        not isinstance(softmax_offset, Tensor)
+        or not softmax_offset.is_floating_point()
+        or tuple(softmax_offset.shape) != (h,)
+    ):
         raise _fail(f"softmax_offset must be a floating tensor [{h}] (one logit per query "
-                    f"head), got {_described(sink)}")  # fmt: skip
-    if sink.device != device:
-        raise _fail(f"softmax_offset must be on {device}, got {sink.device}")
-    return sink.float()
+                    f"head), got {_described(softmax_offset)}")  # fmt: skip
+    if softmax_offset.device != device:
+        raise _fail(f"softmax_offset must be on {device}, got {softmax_offset.device}")
+    return softmax_offset.float()
 
 
 def op_arguments(
