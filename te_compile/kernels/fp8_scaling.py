@@ -46,53 +46,9 @@ def _delayed_update_kernel(
     program 1 (a second state of the same shapes and recipe: a LayerNormMLP's two GEMMs)
     ``HIST1`` / ``SCALE1`` from ``AMAX1`` / ``AMAX_TAIL1``, and ``OUT``'s next ``slots`` (one
     output tensor: a write into a view of one would cost a copy in a compiled graph). Without
-    ``PAIR`` the second set is not read or written (the launcher passes the first again)."""
-    if PAIR:  # noqa: SIM102 (constexpr first: without PAIR the branch is not compiled)
-        if tl.program_id(0) == 1:
-            HIST, SCALE, AMAX, AMAX_TAIL = HIST1, SCALE1, AMAX1, AMAX_TAIL1
-            OUT += slots * out_stride
-    _update_state(
-        HIST,
-        SCALE,
-        OUT,
-        AMAX,
-        AMAX_TAIL,
-        length,
-        slots,
-        n_amax,
-        n_head,
-        head_max,
-        tail_max,
-        row_stride,
-        out_stride,
-        margin_factor,
-        MAX_ALGO,
-        BLOCK_L,
-        BLOCK_S,
-    )
+    ``PAIR`` the second set is not read or written (the launcher passes the first again).
 
-
-@triton.jit
-def _update_state(
-    HIST,
-    SCALE,
-    OUT,
-    AMAX,
-    AMAX_TAIL,
-    length,
-    slots,
-    n_amax,
-    n_head,
-    head_max,
-    tail_max,
-    row_stride,
-    out_stride,
-    margin_factor,
-    MAX_ALGO: tl.constexpr,
-    BLOCK_L: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-):
-    """One state: ``HIST[r] <- HIST[r - 1]`` (r >= 1), ``HIST[0] <- last``, then
+    A state's update: ``HIST[r] <- HIST[r - 1]`` (r >= 1), ``HIST[0] <- last``, then
     ``SCALE <- limit / (window * margin_factor)`` where the window (max over the new history, or
     its row 0) is positive and finite; NaN anywhere in the window keeps the old scale, as torch's
     NaN-propagating ``amax`` does in the reference. ``last``: ``AMAX`` for the first ``n_amax``
@@ -100,6 +56,10 @@ def _update_state(
     ``limit``: ``head_max`` for the first ``n_head`` slots, ``tail_max`` for the others (scalars:
     no device tensor). ``OUT`` receives the new scales too: the copy the GEMMs read
     (:func:`delayed_scaling_update`)."""
+    if PAIR:  # noqa: SIM102 (constexpr first: without PAIR the branch is not compiled)
+        if tl.program_id(0) == 1:
+            HIST, SCALE, AMAX, AMAX_TAIL = HIST1, SCALE1, AMAX1, AMAX_TAIL1
+            OUT += slots * out_stride
     # Inductor passes Python floats as fp64; Triton's own launcher as fp32.
     margin_factor = tl.cast(margin_factor, tl.float32)
     head_max = tl.cast(head_max, tl.float32)
