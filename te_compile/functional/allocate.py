@@ -46,22 +46,6 @@ _DTYPE_NAMES = {
 _INTS = (int, torch.SymInt)
 
 
-def _raise_bad_shape(shapes: Sequence[Sequence[int]]) -> None:
-    for i, shape in enumerate(shapes):
-        if any(not isinstance(d, _INTS) or d < 0 for d in shape):
-            raise ValueError(
-                f"bulk_allocate: shapes[{i}] must hold non-negative ints, got {tuple(shape)}"
-            )
-
-
-def _default_device() -> torch.device:
-    if torch.compiler.is_compiling():
-        # Dynamo cannot trace torch.get_default_device(); a 0-element factory call follows the
-        # same default (torch.set_default_device / `with torch.device(...)`) and is dead code.
-        return torch.empty(0).device
-    return torch.get_default_device()
-
-
 def _bulk_allocate_fake(dims, ranks, dtypes, device, alignments, zero=False):
     """Fresh, independent tensors of the requested shapes; checks what the C++ kernel checks."""
     if len(dtypes) != len(ranks) or len(alignments) != len(ranks):
@@ -75,8 +59,7 @@ def _bulk_allocate_fake(dims, ranks, dtypes, device, alignments, zero=False):
         raise ValueError(
             f"te::bulk_allocate: ranks sum to {sum(ranks)} but dims has {len(dims)} entries"
         )
-    out = []
-    start = 0
+    out, start = [], 0
     for i, (rank, name, alignment) in enumerate(zip(ranks, dtypes, alignments, strict=True)):
         dtype = getattr(torch, name, None)
         if not isinstance(dtype, torch.dtype):
@@ -150,8 +133,13 @@ def bulk_allocate(
             ) from None
         ranks.append(len(shape))
     for d in dims:
-        if not isinstance(d, _INTS) or d < 0:
-            _raise_bad_shape(shapes)
+        if not isinstance(d, _INTS) or d < 0:  # the first shape that holds a bad entry
+            for i, shape in enumerate(shapes):
+                if any(not isinstance(d, _INTS) or d < 0 for d in shape):
+                    raise ValueError(
+                        f"bulk_allocate: shapes[{i}] must hold non-negative ints, got "
+                        f"{tuple(shape)}"
+                    )
     names = [_DTYPE_NAMES.get(d) if isinstance(d, torch.dtype) else None for d in dtypes]
     if None in names:
         i = names.index(None)
@@ -169,5 +157,12 @@ def bulk_allocate(
                     f"of two, got {a!r}"
                 )
         alignments = list(alignments)
-    device = _default_device() if device is None else torch.device(device)
+    if device is not None:
+        device = torch.device(device)
+    elif torch.compiler.is_compiling():
+        # Dynamo cannot trace torch.get_default_device(); a 0-element factory call follows the
+        # same default (torch.set_default_device / `with torch.device(...)`) and is dead code.
+        device = torch.empty(0).device
+    else:
+        device = torch.get_default_device()
     return _op(dims, ranks, names, device, alignments, zero=zero)
