@@ -57,7 +57,15 @@ def _quantize_delayed(x: Tensor, *, fp8_dtype, scale, columnwise, **_) -> Quanti
             'te.quantize: recipe_kind "delayed" needs scale= (a 1-element torch.float32 tensor, '
             "the scale derived from the amax history)"
         )
-    _check_scale_value(scale)
+    # The scale must be finite and > 0: 0 or inf would cast every value to 0 or to the format's
+    # largest, NaN every value to NaN, a negative one flip the signs. One host read of a
+    # 1-element tensor: quantize is a utility, not a step of the modules (their delayed scales
+    # come from the amax history, which keeps a scale finite and > 0). Not while tracing
+    # (torch.compile, fake tensors): there is no data to read. A wrong shape is the op's to refuse.
+    if scale.numel() == 1 and not (torch.compiler.is_compiling() or tracing()):
+        value = scale.detach().reshape(()).item()
+        if not 0 < value < math.inf:
+            raise ValueError(f"te.quantize: scale must be finite and > 0, got {value}")
     data, data_t, amax = quantize_tensorwise(x, scale, fp8_dtype, columnwise)
     scale_inv = reciprocal_rn(scale.reshape(1))
     return _quantized(columnwise, data, scale_inv, data_t, scale_inv, amax, "delayed")
@@ -67,19 +75,6 @@ def _quantized(columnwise: bool, data, scale_inv, data_t, scale_inv_t, *rest) ->
     """A :class:`Quantized` whose columnwise copy is None unless ``columnwise``."""
     t = (data_t, scale_inv_t) if columnwise else (None, None)
     return Quantized(data, scale_inv, *t, *rest)
-
-
-def _check_scale_value(scale: Tensor) -> None:
-    """A given scale must be finite and > 0: 0 or inf would cast every value to 0 or to the
-    format's largest, NaN every value to NaN, a negative one flip the signs. One host read of a
-    1-element tensor: :func:`quantize` is a utility, not a step of the modules (their delayed
-    scales come from the amax history, which keeps a scale finite and > 0). Not while tracing
-    (``torch.compile``, fake tensors): there is no data to read, and the scale is not checked."""
-    if scale.numel() != 1 or torch.compiler.is_compiling() or tracing():
-        return  # a wrong shape is the op's to refuse, with its message
-    value = scale.detach().reshape(()).item()
-    if not 0 < value < math.inf:
-        raise ValueError(f"te.quantize: scale must be finite and > 0, got {value}")
 
 
 def _quantize_current(
@@ -110,7 +105,6 @@ def _dequantize_block(q: Quantized, data, scale_inv, out_dtype: torch.dtype) -> 
     return dequantize_blockwise(u8, scale_inv, q.block_rows, data.dtype, out_dtype)
 
 
-# One entry per recipe kind and direction: a new kind (MXFP8, NVFP4) adds one to each.
 def _quantize_mxfp8(x: Tensor, *, fp8_dtype: torch.dtype, columnwise, **_) -> Quantized:
     data, s, data_t, s_t = quantize_mx.quantize_mxfp8(x, fp8_dtype, columnwise=columnwise)
     return _quantized(columnwise, data, s, data_t, s_t, None, "mxfp8", 1)
@@ -185,7 +179,6 @@ def quantize(
     on the host in eager; not checked while ``torch.compile`` traces)."""
     check_bool("te.quantize", power_2_scale=power_2_scale, columnwise=columnwise)
     check_choice("te.quantize", "recipe_kind", recipe_kind, _KINDS)
-    quantizer = _QUANTIZERS[recipe_kind]
     if four_over_six and recipe_kind != "nvfp4":
         raise ValueError(
             f"te.quantize: four_over_six is for recipe_kind='nvfp4', got {recipe_kind!r}"
@@ -195,7 +188,7 @@ def quantize(
             f'te.quantize: scale= is only for recipe_kind "delayed"; "{recipe_kind}" computes '
             "its own"
         )
-    return quantizer(
+    return _QUANTIZERS[recipe_kind](
         tensor,
         fp8_dtype=fp8_dtype,
         scale=scale,
