@@ -67,15 +67,13 @@ def _capability_of(index: int) -> tuple[int, int]:
 
 
 def _native(minimum: tuple[int, int], what: str, return_reason: bool) -> bool | tuple[bool, str]:
-    capability = _capability()
+    capability, reason = _capability(), ""  # reason: "" exactly when native
     if capability is None:
-        ok, reason = False, NO_CUDA_REASON
+        reason = NO_CUDA_REASON
     elif capability < minimum:
         have, need = ".".join(map(str, capability)), ".".join(map(str, minimum))
-        ok, reason = False, f"{what} needs compute capability {need} or higher; device has {have}"
-    else:
-        ok, reason = True, ""
-    return (ok, reason) if return_reason else ok
+        reason = f"{what} needs compute capability {need} or higher; device has {have}"
+    return (not reason, reason) if return_reason else not reason
 
 
 def get_device_compute_capability() -> tuple[int, int]:
@@ -104,8 +102,7 @@ def is_fp8_block_scaling_available(return_reason: bool = False) -> bool | tuple[
     cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
     if ok and cuda < (12, 9):
         reason = f"FP8 block scaling needs CUDA 12.9 or newer; torch has {cuda[0]}.{cuda[1]}"
-        ok = False
-    return (ok, reason) if return_reason else ok
+    return (not reason, reason) if return_reason else not reason
 
 
 def is_mxfp8_available(return_reason: bool = False) -> bool | tuple[bool, str]:
@@ -134,5 +131,4 @@ def emulation_reason(recipe: Recipe) -> str:
     if recipe.mxfp8() or recipe.nvfp4():
         return f"te_compile runs {type(recipe).__name__}'s GEMMs emulated on every GPU"
     native = is_fp8_block_scaling_available if recipe.float8_block_scaling() else is_fp8_available
-    ok, reason = native(return_reason=True)
-    return "" if ok else reason
+    return native(return_reason=True)[1]  # "" where native
