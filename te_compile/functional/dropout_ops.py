@@ -115,11 +115,7 @@ def _check_args(inp: Tensor, rng_state: Tensor, p: float) -> None:
         raise ValueError(prefix + f"p must be in [0, 1], got {p}")
     if inp.dtype not in FLOAT_DTYPES:
         raise ValueError(prefix + f"inp.dtype must be a floating type, got {inp.dtype}")
-    if (
-        rng_state.dtype is not torch.int64
-        or rng_state.shape != (2,)
-        or rng_state.device != inp.device
-    ):
+    if (rng_state.dtype, rng_state.shape, rng_state.device) != (torch.int64, (2,), inp.device):
         raise ValueError(
             prefix + f"rng_state must be an int64 tensor [2] = (seed, offset) on inp's device "
             f"({inp.device}), got {rng_state.dtype} {list(rng_state.shape)} on {rng_state.device}"
@@ -215,6 +211,4 @@ def dropout(
         check_tensor("te.dropout", "rng_state", rng_state, floating=False)
     if not training or p == 0:
         return inp
-    if rng_state is None:
-        rng_state = new_rng_state(inp.device)
-    return _dropout(inp, rng_state, float(p))
+    return _dropout(inp, new_rng_state(inp.device) if rng_state is None else rng_state, float(p))
