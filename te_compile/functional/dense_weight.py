@@ -181,10 +181,9 @@ def quantize_weight_op(weight: Tensor, spec: str, scale: Tensor | None) -> list[
     data, data_t = (t.view(torch.uint8) if t.dtype in FP8_DTYPES else t for t in (q.data, q.data_t))
     # Fresh outputs (an op's outputs may not alias): per tensor, the copies share one scale;
     # 128x128 blocks give data_t and scale_t as transposed views of data and scale.
-    fmt = torch.contiguous_format
     if w.kind == "block" and w.block_rows == 128 and not w.emulate:
-        data_t = data_t.clone(memory_format=fmt)
-    scale_t = q.scale_t.clone(memory_format=fmt)  # a few bytes
+        data_t = data_t.clone(memory_format=torch.contiguous_format)
+    scale_t = q.scale_t.clone(memory_format=torch.contiguous_format)  # a few bytes
     amax = q.amax if w.kind in PER_TENSOR else weight.new_empty(0, dtype=torch.float32)
     return [data, q.scale, data_t, scale_t, amax]
 

@@ -117,9 +117,8 @@ def _branch_rmsnorm_bwd_fake(grad_out, grad_branch, inp, rsigma, weight, zero_ce
 
 def _setup_context(ctx, inputs, output) -> None:
     inp, weight, _eps, zero_centered_gamma = inputs
-    rsigma = output[2]
-    ctx.mark_non_differentiable(rsigma)
-    ctx.save_for_backward(inp, weight, rsigma)
+    ctx.mark_non_differentiable(output[2])
+    ctx.save_for_backward(inp, weight, output[2])
     ctx.zero_centered_gamma = zero_centered_gamma
 
 

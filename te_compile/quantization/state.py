@@ -164,8 +164,7 @@ def _say_once_if_emulated(recipe: Recipe) -> None:
     if kind in _ANNOUNCED:
         return
     _ANNOUNCED.add(kind)
-    reason = emulation_reason(recipe)
-    if reason:
+    if reason := emulation_reason(recipe):
         warnings.warn(
             f"autocast: {kind.__name__}'s GEMMs are emulated on this machine ({reason}): the "
             "quantised operands are multiplied in fp32, so the results have the recipe's "
