@@ -19,10 +19,13 @@ process,
 
 A precision ending in ``:static`` is compiled with Inductor's static launcher for our Triton
 kernels (``static_launch_user_defined_triton_kernels``), so that an A/B of the launcher runs in
-one process. ``--cprofile N`` profiles N steps per row with ``cProfile`` while the GPU sleeps
-and prints the functions with the most own time and the most cumulative time: which Python
-(Inductor's wrapper, its launchers, AOTAutograd's runtime wrappers, dynamo's guards as time of
-the frame's caller) the host spends a step in.
+one process (compiled in this process: the compile workers would not see the option). Its
+``--cprofile`` must show no calls of Triton's own launcher (``triton/backends/nvidia/driver.py``).
+
+``--cprofile N`` profiles N steps per row with ``cProfile`` while the GPU sleeps and prints
+the functions with the most own time and the most cumulative time: which Python (Inductor's
+wrapper, its launchers, AOTAutograd's runtime wrappers, dynamo's guards as time of the frame's
+caller) the host spends a step in.
 
 ``--rounds N`` builds every row first and then times them in ``N`` rounds, the order rotated
 each round, so that a slow stretch of the host reaches every row: each row's speed against the
@@ -62,6 +65,11 @@ def _build(precision: str, size: bb.Size, weights, x, grad, device, cpp: bool):
     PyCodeCache.cache_clear(purge=False)
     CompiledTritonKernels.cache_clear()
     inductor_config.force_disable_caches = static
+    # Inductor's compile workers decide a kernel's launcher with their own copy of the config,
+    # which never sees the option set here: a static row compiles in this process.
+    threads = inductor_config.compile_threads
+    if static:
+        inductor_config.compile_threads = 1
     spec = bb.RowSpec("torch" if precision == "torch" else "te", "bf16" if precision == "torch"
                       else precision, "compiled")  # fmt: skip
     model = bb.build_model(spec, size, weights, device)
@@ -86,6 +94,7 @@ def _build(precision: str, size: bb.Size, weights, x, grad, device, cpp: bool):
     _sync(device)
     inductor_config.static_launch_user_defined_triton_kernels = False
     inductor_config.force_disable_caches = False
+    inductor_config.compile_threads = threads
     return spec.name + (" (cpp_wrapper)" if cpp else "") + (
         " (static launch)" if static else ""
     ), step
