@@ -95,6 +95,7 @@ import argparse
 import contextlib
 import gc
 import math
+import os
 import sys
 import time
 import warnings
@@ -1045,6 +1046,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not hasattr(inductor_config, "static_launch_user_defined_triton_kernels"):
             raise SystemExit("--static-launch: this torch's Inductor has no such option")
         inductor_config.static_launch_user_defined_triton_kernels = True
+        # Inductor's compile workers decide the launcher and read the option from the
+        # environment only (tests/test_static_launch.py): set before they start.
+        os.environ["TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS"] = "1"
         report.metadata["static_launch_user_defined_triton_kernels"] = True
     specs = row_specs(modes, args.precisions, torchao=has_torchao, opaque=args.opaque)
     sizes = [SMOKE_SIZES[args.arch]] if args.smoke else [SIZES[name] for name in args.size]
