@@ -49,10 +49,9 @@ compile-time constant to Triton (one specialisation per activation) and shows in
 profiles as an argument. Why the bias is an optional input rather than a third op pair: it is the
 same kernel with one more load (the bias ``Linear`` of LayerNormMLP's FC1 does not add, this op
 does, in the same pass), like ``te::linear_fwd``'s ``Tensor? bias``. The backward recomputes
-``inp + bias`` instead of saving it (nothing but the inputs is saved) and returns ``dbias`` — the
-column sums of ``dinp``, in fp32 from the unrounded ``dinp`` — from the same pass; ``dbias`` is a
-0-element tensor unless ``need_dbias``. The bias has ``inp``'s last dim (2H for gated activations,
-in the input's column layout) and dtype.
+``inp + bias`` (only the inputs are saved) and returns ``dbias`` — the column sums of ``dinp``, in
+fp32 from the unrounded ``dinp`` — from the same pass. The bias has ``inp``'s last dim (2H for
+gated activations, in the input's column layout) and dtype.
 
 Implementations: the CPU one is the reference math below (fp32, rounded once); CUDA runs the Triton
 kernels of ``te_compile.kernels.activation`` (fp64 inputs take the reference math there too). Under

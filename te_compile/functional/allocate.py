@@ -147,16 +147,13 @@ def bulk_allocate(
             f"bulk_allocate: dtypes[{i}] must be a torch.dtype, got "
             f"{type(dtypes[i]).__name__} {dtypes[i]!r}"
         )
-    if alignments is None:
-        alignments = [DEFAULT_ALIGNMENT] * n
-    else:
-        for i, a in enumerate(alignments):
-            if not isinstance(a, int) or a <= 0 or a & (a - 1):
-                raise ValueError(
-                    f"bulk_allocate: alignments[{i}] must be an int that is a positive power "
-                    f"of two, got {a!r}"
-                )
-        alignments = list(alignments)
+    alignments = [DEFAULT_ALIGNMENT] * n if alignments is None else list(alignments)
+    for i, a in enumerate(alignments):
+        if not isinstance(a, int) or a <= 0 or a & (a - 1):
+            raise ValueError(
+                f"bulk_allocate: alignments[{i}] must be an int that is a positive power of two, "
+                f"got {a!r}"
+            )
     if device is not None:
         device = torch.device(device)
     elif torch.compiler.is_compiling():

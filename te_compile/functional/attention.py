@@ -18,11 +18,8 @@ The bracketed :math:`e^{\alpha_n}` is the attention sink of Transformer Engine's
 ``softmax_type`` (Xiao et al., *Efficient Streaming Language Models with Attention Sinks*): a
 key that every query sees, with logit :math:`\alpha_n` (``softmax_offset``, one per query head)
 and a zero value, so that a query may attend to nothing. ``off-by-one`` is :math:`\alpha = 0`,
-``learnable`` a parameter, whose gradient is
-:math:`\partial L/\partial\alpha_n = -\sum_{b,i} P_{i0} \sum_j P_{ij}\, \partial L/\partial P_{ij}`
-with :math:`P_{i0} = e^{\alpha_n - \mathrm{lse}_i}` the sink's probability (zero for a query
-that sees no key). The sink enters the logsumexp only: the saved ``lse`` includes it, so the
-backward's probabilities are the sink softmax's without a change.
+``learnable`` a parameter (its gradient: :func:`attention_bwd_ref`). The sink enters the logsumexp
+only: the saved ``lse`` includes it, so the backward's probabilities are the sink softmax's.
 
 Masks (positions local to a sequence; ``docs/attention.md`` gives them in Transformer Engine's
 terms, and ``functional/attention_args.py`` turns its arguments into the op's): the window
@@ -36,11 +33,11 @@ The op's tensors are ``[b, s, h, d]`` (``thd``: ``b = 1``); ``sbhd`` says that t
 the gradients are laid out ``[s, b, h, d]`` in memory, so that the module's ``[s, b, h*d]``
 output is a view. Arguments: see :class:`_Args`.
 
-CPU (and fp64 on CUDA): the reference math below, in fp32 (fp64 for fp64) rounded once at the
-end; the forward saves the logsumexp (``+inf`` for a row that sees no key) and the backward
-recomputes the probabilities from it, as the fused kernels do. CUDA: PyTorch's fused kernels,
-which never materialise the softmax, chosen per case (``attention_cuda.py``), or the reference
-math where none expresses the case. Dropout's keep mask on CPU is te_compile's Philox stream
+CPU, and CUDA where no fused kernel expresses the case (fp64 among them): the reference math
+below, in fp32 (fp64 for fp64) rounded once at the end; the forward saves the logsumexp (``+inf``
+for a row that sees no key) and the backward recomputes the probabilities from it, as the fused
+kernels do. Otherwise PyTorch's fused kernels, which never materialise the softmax, chosen per
+case (``attention_cuda.py``). Dropout's keep mask on CPU is te_compile's Philox stream
 (``functional.dropout_ops``) of the ``rng_state = (seed, offset)`` input over the probabilities
 in ``[b, h, s_q, s_kv]`` order, so the backward and a checkpointed recompute regenerate it.
 """
@@ -172,10 +169,9 @@ def _scores(a: _Args, rel: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def _no_autocast(fn: Callable) -> Callable:
-    """Runs ``fn(a, ...)`` with autocast off, so that the math runs in the dtypes written here:
-    the op path runs an implementation with autocast's dispatch key excluded, and the eager fast
-    path, which enters it while autocast is on (after casting the op's arguments), must compute
-    the same."""
+    """Runs ``fn(a, ...)`` with autocast off, so that the math runs in the dtypes written here: the
+    op path runs an implementation with autocast's dispatch key excluded, and the eager fast path,
+    which enters it with autocast on (the op's arguments already cast), must compute the same."""
 
     @functools.wraps(fn)
     def run(a: _Args, *args):
@@ -265,10 +261,9 @@ def attention_bwd_ref(
 
 
 def _kernel_bias(a: _Args) -> tuple[Tensor, Tensor]:
-    """CUDA's memory-efficient kernel takes the masks as an additive bias: ``[b, h, sq, skv]`` in
-    the query's dtype (rows 16-element aligned, broadcast dims expanded without a copy), and
-    ``row`` ``[b|1, h|1, sq, 1]``, False for a row that sees no key; such a row gets an all-zero
-    bias (finite for the kernel) and is zeroed around it."""
+    """The masks as the memory-efficient kernel's additive bias (``attention_cuda``'s bias path):
+    ``[b, h, sq, skv]`` in the query's dtype, and ``row`` ``[b|1, h|1, sq, 1]``, False for a row
+    that sees no key (given an all-zero bias, finite for the kernel, and zeroed around it)."""
     b, sq, h = a.query.shape[:3]
     skv = a.key.shape[1]
     visible, rel = _visible(a)
@@ -279,8 +274,7 @@ def _kernel_bias(a: _Args) -> tuple[Tensor, Tensor]:
     if a.alibi_slopes is not None:
         total = total + _alibi(a.alibi_slopes, rel, torch.float32)
     total = total.masked_fill(~(visible | ~row), -math.inf).to(a.query.dtype)
-    aligned = (skv + 15) // 16 * 16
-    total = F.pad(total, (0, aligned - skv))[..., :skv]
+    total = F.pad(total, (0, (skv + 15) // 16 * 16 - skv))[..., :skv]  # rows 16-element aligned
     return total.expand(b, h, sq, skv), row
 
 
@@ -306,8 +300,7 @@ def _broadcasts(t: Tensor, b: int, h: int, sq: int, skv: int) -> bool:
 
 def _check(a: _Args) -> None:
     """The op's constraints, each a ValueError naming the argument, the same in eager and at
-    trace time (the public function checks the user's arguments first, in Transformer Engine's
-    terms)."""
+    trace time (``attention_args`` checks the public function's arguments first)."""
     q, k, v = a.query, a.key, a.value
 
     def fail(message: str) -> ValueError:
@@ -330,9 +323,7 @@ def _check(a: _Args) -> None:
     if a.bias is not None and not _broadcasts(a.bias, b, h, sq, skv):
         raise fail(f"bias must be {broadcast}, got {list(a.bias.shape)}")
     slopes = a.alibi_slopes
-    if slopes is not None and (
-        slopes.dtype != torch.float32 or tuple(slopes.shape) not in ((h,), (b, h))
-    ):
+    if slopes is not None and (slopes.dtype != torch.float32 or slopes.shape not in ((h,), (b, h))):
         raise fail(f"alibi_slopes must be float32 [{h}] or [{b}, {h}], got {slopes.dtype} "
                    f"{list(slopes.shape)}")  # fmt: skip
     pads = [(x.dtype, tuple(x.shape)) for x in (a.q_padding, a.kv_padding) if x is not None]
@@ -343,13 +334,12 @@ def _check(a: _Args) -> None:
     ):
         raise fail(f"mask must be bool {broadcast}, got {a.mask.dtype} {list(a.mask.shape)}")
     cu_q, cu_kv = a.cu_seqlens_q, a.cu_seqlens_kv
-    if cu_q is not None and not (
-        cu_q.dtype == torch.int32 and cu_q.dim() == 1 and cu_q.shape[0] >= 2
-    ):
-        raise fail(f"cu_seqlens_q must be int32 [n + 1], n >= 1, got {cu_q.dtype} "
-                   f"{list(cu_q.shape)}")  # fmt: skip
-    if cu_q is not None and (b != 1 or pads):
-        raise fail(f"cu_seqlens_q needs packed tokens (b == 1, got {b}) and no padding masks")
+    if cu_q is not None:
+        if not (cu_q.dtype == torch.int32 and cu_q.dim() == 1 and cu_q.shape[0] >= 2):
+            raise fail(f"cu_seqlens_q must be int32 [n + 1], n >= 1, got {cu_q.dtype} "
+                       f"{list(cu_q.shape)}")  # fmt: skip
+        if b != 1 or pads:
+            raise fail(f"cu_seqlens_q needs packed tokens (b == 1, got {b}) and no padding masks")
     if cu_kv is not None and (
         cu_q is None or cu_kv.dtype != torch.int32 or cu_kv.shape != cu_q.shape
     ):

@@ -84,11 +84,9 @@ def normalize_window(
             return (-1, 0)
         if right == 0 and left >= -1:
             return (left, right)
-        allowed = "(-1, 0) or (>=0, 0)"
-    else:
-        if (left, right) == (-1, -1) or (left >= 0 and right >= 0):
-            return (left, right)
-        allowed = "(-1, -1) or (>=0, >=0)"
+    elif (left, right) == (-1, -1) or (left >= 0 and right >= 0):
+        return (left, right)
+    allowed = "(-1, 0) or (>=0, 0)" if causal else "(-1, -1) or (>=0, >=0)"
     raise ValueError(
         f"{owner}: {arg} must be {allowed} for attn_mask_type={attn_mask_type!r}, got "
         f"{tuple(window_size)}"
@@ -144,11 +142,7 @@ def _check_cu_seqlens(name: str, cu, device: torch.device, batch: int | None) ->
 
 
 def _padding(mask, which: str, b: int, s: int) -> Tensor:
-    if (
-        not isinstance(mask, Tensor)
-        or mask.dtype != torch.bool
-        or tuple(mask.shape) != (b, 1, 1, s)
-    ):
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool or mask.shape != (b, 1, 1, s):
         raise _fail(f"attention_mask ({which}) must be a bool tensor [{b}, 1, 1, {s}] "
                     f"(True = padded), got {_described(mask)}")  # fmt: skip
     return mask[:, 0, 0, :]

@@ -13,13 +13,12 @@ varlen: batch 1, plain causal or no mask); ``math`` (the reference math: fp64, a
 cuDNN for these tensors, asked of small real tensors (``_sdpa_choice``) so that the fake and
 the CUDA kernel choose alike; ``sdpa_kernel`` and ``enable_*_sdp`` steer both.
 
-``efficient`` takes masks as an additive bias (``custom_mask_type`` 1 / 2 = causal from the top
-left / bottom right when the mask is only causal): the bias path materialises one
-``[b|1, h|1, sq, skv]`` tensor in the query's dtype (-inf where masked, user bias and ALiBi added,
-last dim padded to 16 elements as the kernel's loads need) and expands it to ``[b, h, sq, skv]``
-(stride 0, no copy). A query row that sees no key (a padded query, bottom-right causal with
-sq > skv) is given an all-zero bias row instead, and its output and incoming gradient are zeroed
-around the kernel: the kernels' behaviour on an all ``-inf`` row is not relied on.
+``efficient`` takes masks as an additive bias (a causal-only one as ``Plan.mask_type``): the bias
+path materialises one ``[b|1, h|1, sq, skv]`` tensor in the query's dtype (-inf where masked, user
+bias and ALiBi added, last dim padded to 16 elements as the kernel's loads need) and expands it to
+``[b, h, sq, skv]`` (stride 0, no copy). A query row that sees no key (a padded query, bottom-right
+causal with sq > skv) is given an all-zero bias row instead, and its output and incoming gradient
+are zeroed around the kernel: the kernels' behaviour on an all ``-inf`` row is not relied on.
 
 Dropout: the fused kernels draw their Philox seed and offset from the CUDA generator and return
 them; they are saved for the backward (``docs/attention.md``, Dropout). The op's ``rng_state``
@@ -149,15 +148,14 @@ def plan(q: Tensor, k: Tensor, v: Tensor, plain: bool, varlen: bool, same_layout
         return Plan("cudnn")
     if plain and aligned and _flash_ok(q, v, dropout_p):
         return Plan("flash_varlen" if varlen else "flash")
-    efficient = torch.backends.cuda.mem_efficient_sdp_enabled()
+    if not torch.backends.cuda.mem_efficient_sdp_enabled():
+        return Plan("math")
     causal_type = _causal_type(window_left, window_right, bottom_right)
     if varlen:
         # Bottom-right rows with no key (a sequence with more queries than keys) only where the
         # layouts differ; the kernel's handling of such rows is not relied on.
-        if efficient and plain and causal_type is not None and (causal_type < 2 or same_layout):
+        if plain and causal_type is not None and (causal_type < 2 or same_layout):
             return Plan("efficient_varlen", causal_type)
-        return Plan("math")
-    if not efficient:
         return Plan("math")
     if plain and causal_type is not None and (causal_type < 2 or sq <= skv):
         return Plan("efficient", causal_type)
@@ -249,8 +247,7 @@ def forward(p: Plan, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None,
         )  # fmt: skip
         out = torch.where(_valid_tokens(cu_seqlens_q, out.shape[0]), out[..., :dv], 0.0)
         return out[None], [lse]
-    heads = q.shape[2]
-    kp, vp = expand_heads(kp, heads), expand_heads(vp, heads)
+    kp, vp = expand_heads(kp, q.shape[2]), expand_heads(vp, q.shape[2])
     if p.kind == "efficient_varlen":
         out, lse, seed, offset, *_ = torch.ops.aten._efficient_attention_forward(
             qp, kp, vp, None, cu_seqlens_q, cu_kv, max_seqlen_q, max_seqlen_kv, dropout_p,
@@ -279,9 +276,9 @@ def backward(p: Plan, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
     causal = window_right == 0
     window = {"window_size_left": window_left, "window_size_right": window_right}
     cu_kv = cu_seqlens_q if cu_seqlens_kv is None else cu_seqlens_kv
+    # The Philox seed and offset's placeholder where the kernel reads none (no dropout).
+    unused = torch.empty((), dtype=torch.int64, device=q.device)
     if p.kind == "cudnn":
-        # No dropout on this path: placeholders for the Philox seed and offset.
-        unused = torch.empty((), dtype=torch.int64, device=q.device)
         if grad_out.stride() != out.stride():  # cuDNN reads dO laid out as O
             grad_out = torch.empty_like(out).copy_(grad_out)
         dq, dk, dvv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
@@ -296,7 +293,6 @@ def backward(p: Plan, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
     if p.kind.startswith("flash"):
         # No dropout on this path: the kernel reads no RNG state; placeholders of the forward's.
         rng = torch.empty(2, dtype=torch.int64, device=q.device)
-        unused = torch.empty((), dtype=torch.int64, device=q.device)
         if p.kind == "flash":
             dq, dk, dvv = torch.ops.aten._flash_attention_backward(
                 gp, qp, kp, vp, outp, lse, None, None, q.shape[1], k.shape[1], 0.0, causal,
@@ -311,12 +307,8 @@ def backward(p: Plan, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
         dq = torch.where(vq, dq[..., :d], 0.0)
         dk, dvv = torch.where(vk, dk[..., :d], 0.0), torch.where(vk, dvv[..., :dv], 0.0)
         return dq[None], dk[None], dvv[None], None
-    heads = q.shape[2]
-    kp, vp = expand_heads(kp, heads), expand_heads(vp, heads)
-    if dropout_p > 0:
-        seed, offset = saved[1], saved[2]
-    else:  # not read by the kernel without dropout
-        seed = offset = torch.empty((), dtype=torch.int64, device=q.device)
+    kp, vp = expand_heads(kp, q.shape[2]), expand_heads(vp, q.shape[2])
+    seed, offset = (saved[1], saved[2]) if dropout_p > 0 else (unused, unused)
     if p.kind == "efficient_varlen":
         dq, dk, dvv, _ = torch.ops.aten._efficient_attention_backward(
             gp, qp, kp, vp, None, outp, cu_seqlens_q, cu_kv, max_seqlen_q, max_seqlen_kv, lse,

@@ -116,10 +116,9 @@ def fp8_weight_for_checks(
     owner: str, name: str, weight: Tensor, weight_q, dtype: torch.dtype, main_grad: str
 ) -> Tensor:
     """``weight`` (argument ``name``) as a family's checks see it. An FP8 weight (FP8 primary
-    weights: the codes stand for the weight) needs its pre-quantised operand ``weight_q``
-    (argument ``{name}_q``), else a ValueError naming it; it is then checked as a meta tensor of
-    its shape in ``dtype`` (the input's). Its gradient goes to ``main_grad`` (the argument's
-    name)."""
+    weights: the codes stand for the weight) needs its pre-quantised operand ``weight_q`` (argument
+    ``{name}_q``), else a ValueError naming it; it is then checked as a meta tensor of its shape in
+    ``dtype`` (the input's). Its gradient goes to ``main_grad`` (the argument's name)."""
     if weight.dtype not in FP8_DTYPES:
         return weight
     if weight_q is None:
@@ -192,11 +191,10 @@ def quantize_weight(
     weight: Tensor, spec: str | QuantSpec, scale: Tensor | None = None
 ) -> list[Tensor]:
     """``weight`` ``[N, K]`` as the family ops' pre-quantised weight operand (module docstring):
-    ``[data, scale, data_t, scale_t, amax]``, quantised as the op would quantise it inside with
-    the weight spec ``spec`` (``functional.spec.QuantSpec``; ``scale``: the GEMM's delayed
-    scales ``[3]``, whose weight slot is used, with a ``"delayed"`` spec).
-    ``te::quantize_weight`` after the checks of its arguments (the dispatcher's type errors
-    would not name them)."""
+    ``[data, scale, data_t, scale_t, amax]``, quantised as the op would quantise it inside with the
+    weight spec ``spec`` (``functional.spec.QuantSpec``; ``scale``: the GEMM's delayed scales
+    ``[3]``, whose weight slot is used, with a ``"delayed"`` spec). ``te::quantize_weight`` after
+    the checks of its arguments (the dispatcher's type errors would not name them)."""
     return quantize_weight_op(*checked_weight_cast("te.quantize_weight", weight, spec, scale))
 
 
@@ -217,6 +215,5 @@ def _quantize_weight_fake(weight, spec, scale):
     w = check_weight_spec("te.quantize_weight: ", spec, scale)
     if weight.dim() != 2:
         raise ValueError("te.quantize_weight: needs a 2-D weight")
-    n, k = weight.shape
-    shapes = _weight_shapes(w.kind, n, k, w.block_rows, w.emulate)
+    shapes = _weight_shapes(w.kind, *weight.shape, w.block_rows, w.emulate)
     return [weight.new_empty(shape, dtype=dtype) for shape, dtype in shapes]

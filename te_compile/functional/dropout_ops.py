@@ -74,8 +74,7 @@ def philox4x32(
         hi0, lo0 = _mulhilo(_PHILOX_M[0], c0)
         hi1, lo1 = _mulhilo(_PHILOX_M[1], c2)
         c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
-        k0 = (k0 + _PHILOX_W[0]) & _MASK32
-        k1 = (k1 + _PHILOX_W[1]) & _MASK32
+        k0, k1 = (k0 + _PHILOX_W[0]) & _MASK32, (k1 + _PHILOX_W[1]) & _MASK32
     return c0, c1, c2, c3
 
 
@@ -132,7 +131,7 @@ def _dropout_by_device(x: Tensor, rng_state: Tensor, p: float) -> Tensor:
     return dropout_ref(x.contiguous(), rng_state, p)
 
 
-# 2. Forward op --------------------------------------------------------------------------------
+# 2. Forward op / 3. fake ----------------------------------------------------------------------
 
 
 @op("dropout_fwd")
@@ -140,9 +139,6 @@ def dropout_fwd(inp: Tensor, rng_state: Tensor, p: float) -> Tensor:
     """``inp * mask / (1 - p)``."""
     _check_args(inp, rng_state, p)
     return _dropout_by_device(inp, rng_state, p)
-
-
-# 3. Fake --------------------------------------------------------------------------------------
 
 
 @dropout_fwd.register_fake
@@ -169,9 +165,8 @@ def _dropout_bwd_fake(grad, rng_state, p):
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    _inp, rng_state, p = inputs
+    _inp, rng_state, ctx.p = inputs
     ctx.save_for_backward(rng_state)
-    ctx.p = p
 
 
 def _backward(ctx, bwd, grad):

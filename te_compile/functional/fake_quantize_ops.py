@@ -86,8 +86,7 @@ def _qdq_groups(x: Tensor, spec: str, splits) -> Tensor:
     ``row_splits``."""
     if splits is None:
         return _qdq_spec(x, spec)
-    rows = x.reshape(-1, x.shape[-1])
-    parts = [_qdq_spec(g, spec) for g in rows.split(splits.tolist())]
+    parts = [_qdq_spec(g, spec) for g in x.reshape(-1, x.shape[-1]).split(splits.tolist())]
     return torch.cat(parts).view(x.shape) if parts else x.clone()
 
 

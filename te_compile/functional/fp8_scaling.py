@@ -86,8 +86,7 @@ def delayed_scaling_update_ref(
     window = history.amax(0) if amax_compute_algo == "max" else history[0]
     limit = torch.tensor(fp8_max, dtype=torch.float32, device=scale.device)
     new_scale = (limit / (window * (2.0**margin))).clamp(max=FP32_MAX)
-    ok = (window > 0) & torch.isfinite(window)
-    new_scale = torch.where(ok, new_scale, scale)
+    new_scale = torch.where((window > 0) & torch.isfinite(window), new_scale, scale)
     scale.copy_(new_scale)
     amax_history.copy_(history)
     return scale_copy(scale).copy_(new_scale)
@@ -152,8 +151,7 @@ def delayed_scaling_update_op(
     amax_tail: Tensor | None = None,
 ) -> Tensor:
     """Roll the history, take the new amax, recompute the scales (module docstring); returns
-    a copy of the new scales laid out by :func:`scale_copy`: what the GEMM ops read. The last
-    amaxes are ``amax`` for the first slots and ``amax_tail`` (when given) for the others."""
+    a copy of the new scales laid out by :func:`scale_copy`: what the GEMM ops read."""
     _check(amax_history, scale, amax, fp8_max, margin, amax_compute_algo, amax_tail)
     return _update([(amax_history, scale, amax, amax_tail)], fp8_max, margin, amax_compute_algo)
 

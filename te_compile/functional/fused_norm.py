@@ -26,8 +26,8 @@ from torch import Tensor
 
 from te_compile._library import differentiable, op
 from te_compile._numerics import acc_dtype
-from te_compile.functional.norm import check_norm_args as _check_norm
 from te_compile.functional.norm import (
+    check_norm_args,
     check_public_args,
     rmsnorm_bwd,
     rmsnorm_bwd_ref,
@@ -64,8 +64,7 @@ def _check_branch(inp: Tensor, grad_branch: Tensor) -> None:
 def branch_rmsnorm_fwd(
     inp: Tensor, weight: Tensor, eps: float, zero_centered_gamma: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Returns ``(out, branch, rsigma)``: ``te::rmsnorm_fwd``'s implementation for the device (its
-    checks included) and a copy of ``inp``."""
+    """``(out, branch, rsigma)`` (module docstring), ``te::rmsnorm_fwd``'s checks included."""
     out, rsigma = rmsnorm_fwd.eager(inp, weight, eps, zero_centered_gamma)
     return out, inp.clone(memory_format=torch.contiguous_format), rsigma
 
@@ -75,7 +74,7 @@ def branch_rmsnorm_fwd(
 
 @branch_rmsnorm_fwd.register_fake
 def _branch_rmsnorm_fwd_fake(inp, weight, eps, zero_centered_gamma):
-    _check_norm("rmsnorm", inp, weight, None, eps)
+    check_norm_args("rmsnorm", inp, weight, None, eps)
     stat = inp.new_empty(inp.shape[:-1], dtype=acc_dtype(inp))
     return inp.new_empty(inp.shape), inp.new_empty(inp.shape), stat
 
@@ -92,9 +91,8 @@ def branch_rmsnorm_bwd(
     weight: Tensor,
     zero_centered_gamma: bool,
 ) -> tuple[Tensor, Tensor]:
-    """``(dinp, dweight)`` with the branch gradient in ``dinp``. CPU (and fp64): the norm's
-    reference backward in fp32 (fp64 stays fp64) plus ``grad_branch``, rounded once; CUDA:
-    ``te::rmsnorm_bwd``'s kernel, then the add."""
+    """``(dinp, dweight)`` with the branch gradient in ``dinp`` (module docstring); fp64 input
+    takes the CPU path, in fp64."""
     _check_branch(inp, grad_branch)
     if runs_triton(inp):
         dx, dweight = rmsnorm_bwd.eager(grad_out, inp, rsigma, weight, zero_centered_gamma)

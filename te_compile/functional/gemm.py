@@ -172,9 +172,7 @@ def check_specs(
     int64 ``[2]`` on ``like``'s device); ``p`` begins the messages. Returns the recipe kind."""
     kind = _check_spec_set(p, tuple(specs.items()))
     g = specs.get("grad_spec")
-    if kind == "delayed" and (
-        scale is None or scale.shape != (3,) or scale.dtype is not torch.float32
-    ):
+    if kind == "delayed" and (scale is None or (scale.shape, scale.dtype) != ((3,), torch.float32)):
         raise ValueError(
             p + f'a "delayed" spec needs scale{gemm} [3] float32 (input, weight, grad)'
         )
@@ -187,11 +185,8 @@ def check_specs(
     if g is None or not g.stochastic_rounding:
         if rng_state is not None:
             raise ValueError(p + "rng_state is for a grad_spec with 'sr' (stochastic rounding)")
-    elif (
-        rng_state is None
-        or rng_state.dtype is not torch.int64
-        or rng_state.shape != (2,)
-        or rng_state.device != like.device
+    elif rng_state is None or (
+        (rng_state.dtype, rng_state.shape, rng_state.device) != (torch.int64, (2,), like.device)
     ):
         got = "None" if rng_state is None else (
             f"{rng_state.dtype} {list(rng_state.shape)} on {rng_state.device}")  # fmt: skip
@@ -227,8 +222,7 @@ def _check_spec_set(p: str, items: tuple[tuple[str, QuantSpec], ...]) -> str:
                              f"{role} operands of {kind!r} (block rows {rows})")  # fmt: skip
         fast = ("fast_dgrad", "fast_wgrad") if role == "grad" and kind in PER_TENSOR else ()
         allowed = _ROLE_OPTIONS[role] if kind == "nvfp4" else fast
-        bad = [o for o in _OPTIONS if getattr(spec, o) and o not in allowed]
-        if bad:
+        if bad := [o for o in _OPTIONS if getattr(spec, o) and o not in allowed]:
             raise ValueError(at + f"{', '.join(bad)}: not an option of {role} operands" + (
                 "" if kind == "nvfp4" else " (NVFP4's options; fast_dgrad / fast_wgrad: a "
                 "per-tensor grad_spec's)"))  # fmt: skip
@@ -349,11 +343,10 @@ def quantize_per_tensor(
     """``(data, scale_inv, amax)`` of a 2-D tensor by the reference quantisers on its fp32
     values (the tests' float64 references: the ops' bytes); ``scale``: None for current scaling
     (Transformer Engine's edge rules), else the ``[1]`` delayed scale."""
-    xf = x.float()
     if scale is None:
-        data, _, scale_inv, amax = quantize_current_ref(xf, fp8_dtype, False)
+        data, _, scale_inv, amax = quantize_current_ref(x.float(), fp8_dtype, False)
         return data, scale_inv, amax
-    data, _, amax = quantize_tensorwise_ref(xf, scale, fp8_dtype, False)
+    data, _, amax = quantize_tensorwise_ref(x.float(), scale, fp8_dtype, False)
     return data, reciprocal_rn(scale), amax
 
 
@@ -367,21 +360,19 @@ def qdq_both(
     ``functional.quantize_mx_ref.nvfp4_qdq`` (``rng_state``: stochastic rounding)."""
     x = x2.float() if x2.dtype == torch.float64 else x2
     f32, fp8_dtype, rows = torch.float32, spec.fp8_dtype, spec.block_rows
-    col_t = None
     if spec.kind == "block":  # 1 x 128 (block_rows=1) or 128 x 128 blocks, fp32 scales
         data, s, data_t, s_t = quantize_blockwise.eager(x, fp8_dtype, rows, spec.power_2_scale,
                                                         columnwise)  # fmt: skip
-        row = dequantize_blockwise.eager(data.view(torch.uint8), s, rows, fp8_dtype, f32)
-        if columnwise:
-            col_t = dequantize_blockwise.eager(data_t.view(torch.uint8), s_t, rows, fp8_dtype, f32)
+        deq = dequantize_blockwise.eager
+        row = deq(data.view(torch.uint8), s, rows, fp8_dtype, f32)
+        col_t = deq(data_t.view(torch.uint8), s_t, rows, fp8_dtype, f32) if columnwise else None
     elif spec.kind == "mxfp8" and rows == 32:  # 32x32 tiles: both copies the same values
         row = mxfp8_qdq_tiles(x, fp8_dtype)
         col_t = row.t().contiguous() if columnwise else None
     elif spec.kind == "mxfp8":
         data, scale, data_t, scale_t = quantize_mxfp8(x, fp8_dtype, columnwise=columnwise)
         row = dequantize_mxfp8(data, scale, f32)
-        if columnwise:
-            col_t = dequantize_mxfp8(data_t, scale_t, f32)
+        col_t = dequantize_mxfp8(data_t, scale_t, f32) if columnwise else None
     elif rows != 1 or rng_state is not None or spec.options():
         row, col_t = nvfp4_qdq(x, tiles=rows == 16, rng_state=rng_state, **spec.options())
     else:

@@ -1,7 +1,6 @@
-"""The definition of every kind's GEMM: :func:`quantized_linear_ref`, a recipe's GEMM written
-out in the input's dtype (fp64 in the tests) on the quantised-dequantised operands of
-``functional.gemm``'s reference quantisers, differentiable, with the gradient quantised on its
-way back as the backward GEMMs see it. The family ops' references are built on it."""
+"""The definition of every kind's GEMM, :func:`quantized_linear_ref`, on the operands of
+``functional.gemm``'s reference quantisers, differentiable, the gradient quantised on its way
+back as the backward GEMMs see it. The family ops' references are built on it."""
 
 from __future__ import annotations
 
@@ -50,14 +49,13 @@ class _BlockReference(torch.autograd.Function):
     def forward(ctx, x, weight, specs, rng_state):
         x_row, x_col_t = qdq_both(x, specs[0])
         w_row, w_col_t = qdq_both(weight, specs[1])
-        ctx.save_for_backward(x_col_t, w_col_t, rng_state)
+        ctx.save_for_backward(x_col_t, w_col_t, rng_state if specs[2].stochastic_rounding else None)
         ctx.grad_spec = specs[2]
         return x_row @ w_row.t()
 
     @staticmethod
     def backward(ctx, grad):
         x_col_t, w_col_t, rng_state = ctx.saved_tensors
-        rng_state = rng_state if ctx.grad_spec.stochastic_rounding else None
         g_row, g_col_t = qdq_both(grad, ctx.grad_spec, rng_state)
         return g_row @ w_col_t.t(), g_col_t @ x_col_t.t(), None, None
 

@@ -1,6 +1,5 @@
-r"""The per-tensor FP8 grouped GEMMs (``"scaled_grouped_mm"`` of
-``grouped_linear_ops.GROUPED_GEMMS``): current scaling with rowwise scales, delayed scaling per
-tensor.
+r"""The per-tensor FP8 grouped GEMMs, ``grouped_linear_ops.GROUPED_GEMMS``' ``"scaled_grouped_mm"``:
+current scaling with rowwise scales, delayed scaling per tensor.
 
 The same math as the high-precision grouped GEMMs with the forward and the dgrad GEMMs in FP8
 (and the wgrad with ``fp8_wgrad``), scaled the way Hopper's grouped FP8 GEMM
@@ -12,8 +11,7 @@ contraction dim (current scaling: measured now):
     Y_g = \mathrm{diag}(s_x^{-1})\, X_8\, W_{8,g}^\top\, \mathrm{diag}(s_{w,g}^{-1}) + b_g,\qquad
     dX_g = \mathrm{diag}(s_{dy}^{-1})\, dY_8\, \tilde W_{8,g}\, \mathrm{diag}(\tilde s_{w,g}^{-1})
 
-* forward: ``X`` per token row (amax over ``K``), ``W`` per (group, output row), to
-  ``fwd_dtype``;
+* forward: ``X`` per token row (amax over ``K``), ``W`` per (group, output row), to ``fwd_dtype``;
 * dgrad ``dX_g = dY_g W_g``: ``dY`` per token row to ``bwd_dtype``, ``W`` per (group, input
   column), amax over ``N`` (the forward saves this copy, transposed to ``[G, K, N]``);
 * wgrad ``dW_g = dY_g^T X_g``: high precision (``functional.grouped_gemm``'s), or with
@@ -26,8 +24,7 @@ Delayed scaling: one given scale per tensor instead (``scale`` ``[3]``: input, w
 gradient; the ``"delayed"`` row of ``functional.gemm.quantize_operand``), each inverse scale
 broadcast to the rowwise vectors the grouped GEMM takes; the forward returns ``[amax(X),
 amax(W)]``, the backward writes ``amax(dY)`` into ``grad_amax``. Current scaling measures the
-amaxes (a read of each operand more) only when ``grad_amax`` is given: a delayed state's first
-step.
+amaxes (a read of each operand more) only given ``grad_amax``: a delayed state's first step.
 
 CUDA (bf16): ``torch._scaled_grouped_mm`` on device offsets (no host sync). It takes E4M3
 operands only: an E5M2 operand (the gradient under ``HYBRID``) goes in as E4M3 codes on every
@@ -37,6 +34,8 @@ accumulator, the bias added in fp32, rounded once. Zero rows get scale 1 (no NaN
 """
 
 from __future__ import annotations
+
+from itertools import accumulate
 
 import torch
 from torch import Tensor
@@ -213,18 +212,15 @@ def quantize_group_columns(
     scale_inv = torch.ones(groups, c, dtype=torch.float32, device=x.device)
     if scale is not None:  # every group's, empty ones too (correctly rounded, as the kernel's)
         scale_inv.copy_(reciprocal_rn(scale).expand(groups, c))
-    padded = [(m + 15) // 16 * 16 for m in splits]
-    start = dst = 0
-    for g, (m, p) in enumerate(zip(splits, padded, strict=True)):
+    pad_ends = list(accumulate((m + 15) // 16 * 16 for m in splits))
+    for (g, span), m, dst in zip(group_rows(splits), splits, [0, *pad_ends], strict=False):
         if m:
-            data, scale_inv[g], _ = _quantize(x[start : start + m].t(), fp8_dtype, scale, False)
+            data, scale_inv[g], _ = _quantize(x[span].t(), fp8_dtype, scale, False)
             data_t[:, dst : dst + m] = data.view(torch.uint8)
-        start, dst = start + m, dst + p
-    pad_ends = torch.tensor(padded, dtype=torch.int64).cumsum(0).to(torch.int32)
     data_t = data_t.view(fp8_dtype)
     if e4m3_codes:
         data_t, scale_inv = as_e4m3(data_t, scale_inv)
-    return data_t, scale_inv, pad_ends.to(x.device)
+    return data_t, scale_inv, torch.tensor(pad_ends, dtype=torch.int32, device=x.device)
 
 
 def _gemm_wgrad(
@@ -315,9 +311,8 @@ def per_tensor_weight(
 def per_tensor_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
     """``saved = [W_8^T [G, K, N] (uint8), its inverse scales [G, K]]`` (not with ``weight_q``,
     :func:`per_tensor_weight`'s: the caller saves it), with ``fp8_wgrad`` then ``[X_8^T [K,
-    capacity] (uint8), its inverse scales [G, K]]``, then the amaxes. ``cuda`` with a bf16
-    ``inp`` and not ``r.emulate``: the grouped GEMM on device offsets, else the exact emulation
-    per group."""
+    capacity] (uint8), its inverse scales [G, K]]``, then the amaxes. A bf16 ``inp`` on CUDA, not
+    ``r.emulate``: the grouped GEMM on device offsets, else the exact emulation per group."""
     native = cuda and inp.dtype is torch.bfloat16 and not r.emulate
     measure = r.grad_amax is not None
     s_x, s_w, _ = scale_slots(r.scale, r.recipe)

@@ -1,7 +1,6 @@
-r"""The grouped GEMMs of the grouped linear family (``functional.grouped_linear_ops``): the
-splits, and every group's forward and backward GEMMs for the recipes but the per-tensor ones
-(``functional.grouped_fp8``). ``grouped_linear_ops.GROUPED_GEMMS`` is their table, keyed by the
-GEMM kind (:func:`grouped_gemm_kind`):
+r"""The grouped linear family's splits and grouped GEMMs (``functional.grouped_linear_ops``),
+forward and backward, every recipe's but the per-tensor ones (``functional.grouped_fp8``); their
+table ``grouped_linear_ops.GROUPED_GEMMS`` is keyed by the GEMM kind (:func:`grouped_gemm_kind`):
 
 =======================  ===================================================================
 kind                     GEMMs
@@ -89,9 +88,8 @@ def grouped_gemm_kind(recipe: str, emulate: bool) -> str:
 
 class GroupedRecipe(NamedTuple):
     """A grouped linear op's three ``QuantSpec``s as its GEMMs take them, with the delayed state,
-    ``fp8_wgrad``, the stochastic rounding stream and the backward ``override`` (the forward then
-    saves nothing, or for ``"dequantized"`` its dequantised ``[X, W]``), and the gradient spec's
-    ``fast_dgrad`` / ``fast_wgrad``."""
+    ``fp8_wgrad``, the stochastic rounding stream, the backward ``override`` and the gradient
+    spec's ``fast_dgrad`` / ``fast_wgrad``."""
 
     recipe: str = ""
     fwd_dtype: torch.dtype = _E4M3
@@ -194,9 +192,8 @@ def row_bias(bias: Tensor, splits: Tensor, rows: int) -> Tensor:
 def _group_sums(grad: Tensor, splits: Tensor, groups: int) -> Tensor:
     """Every group's column sums of ``grad`` (a bias gradient): one fp32 ``index_add_`` by the
     device ``splits``, no host sync."""
-    rows, n = grad.shape
-    row_group = row_bias(torch.arange(groups, device=grad.device), splits, rows)
-    out = grad.new_zeros(groups, n, dtype=torch.float32)
+    row_group = row_bias(torch.arange(groups, device=grad.device), splits, grad.shape[0])
+    out = grad.new_zeros(groups, grad.shape[1], dtype=torch.float32)
     return out.index_add_(0, row_group, grad.float()).to(grad.dtype)
 
 
@@ -210,8 +207,7 @@ def group_rows(splits: list[int]):
 
 def bwd_loop(grad_out, inp, splits, weight, main_grad, has_bias, need_dgrad, need_wgrad, acc):
     """Per-group GEMMs in ``acc`` (None: the input dtype); db, and dW into ``main_grad``, summed
-    in fp32 at least. ``inp`` is read by the wgrad alone, ``weight`` by the dgrad (its shape
-    always)."""
+    in fp32 at least. Only the wgrad reads ``inp``, only the dgrad ``weight``'s values."""
     dtype = grad_out.dtype
     mm = acc or dtype
     dinp = grad_out.new_empty(grad_out.shape[0], weight.shape[2]) if need_dgrad else empty(grad_out)
@@ -238,16 +234,13 @@ def grouped_mm_backward(
     ``dsplits`` (no host sync)."""
     splits, offs = dsplits
     dinp = torch._grouped_mm(grad_out, weight, offs=offs) if need_dgrad else empty(grad_out)
-    dweight = empty(grad_out)
-    if need_wgrad:
-        # Grouped along the reduction dim: [N, M] x [M, K] -> [G, N, K]. torch._grouped_mm only
-        # outputs its operands' dtype (an fp32 out_dtype is refused, eager and meta), so with
-        # main_grad dW is rounded to bf16 once and then accumulated in fp32 (no host sync).
-        dw = torch._grouped_mm(grad_out.t(), inp, offs=offs)
-        if main_grad is not None:
-            main_grad.add_(dw)
-        else:
-            dweight = dw
+    # Grouped along the reduction dim: [N, M] x [M, K] -> [G, N, K]. torch._grouped_mm only
+    # outputs its operands' dtype (an fp32 out_dtype is refused, eager and meta), so with
+    # main_grad dW is rounded to bf16 once and then accumulated in fp32 (no host sync).
+    dweight = torch._grouped_mm(grad_out.t(), inp, offs=offs) if need_wgrad else empty(grad_out)
+    if need_wgrad and main_grad is not None:
+        main_grad.add_(dweight)
+        dweight = empty(grad_out)
     dbias = _group_sums(grad_out, splits, weight.shape[0]) if has_bias else empty(grad_out)
     return dinp, dweight, dbias
 
@@ -261,26 +254,24 @@ def _capacity(rows: int, groups: int) -> int:
 
 
 def _padded(x: Tensor, m_splits: Tensor):
-    """``(splits, first row of each expert in x, first row in the padded layout, padded rows, x
-    in it)``: ``x`` itself when every expert's tokens are a multiple of 128, else each expert
-    from a multiple of 128 of a :func:`_capacity` layout (zero rows between; one scatter)."""
+    """``(splits, first row of each expert in the padded layout, padded rows, x in it)``: ``x``
+    itself when every expert's tokens are a multiple of 128, else each expert from a multiple of
+    128 of a :func:`_capacity` layout (zero rows between; one scatter)."""
     rows = x.shape[0]
     splits = host_splits(m_splits, rows)
-    firsts = list(accumulate(splits, initial=0))[:-1]
     starts = list(accumulate((-(-m // 128) * 128 for m in splits), initial=0))[:-1]
     if all(m % 128 == 0 for m in splits):
-        return splits, firsts, firsts, rows, x
+        return splits, starts, rows, x
     width = _capacity(rows, len(splits))
     index = torch.cat([torch.arange(p, p + m) for p, m in zip(starts, splits, strict=True)])
     out = x.new_zeros(width, x.shape[1]).index_copy_(0, index.to(x.device, non_blocking=True), x)
-    return splits, firsts, starts, width, out
+    return splits, starts, width, out
 
 
 def _quantize_block(x: Tensor, power_2_scale: bool, size: int):
     """``(data, scale_inv, data_t, scale_inv_t, codes, scales)``: ``x`` ``[width, C]`` in 1x128
     E4M3 blocks (one pass), the transposed copy written into new flat buffers ``codes`` and
-    ``scales`` with room for ``size`` rows (:func:`_transposed_views`; weights:
-    ``functional.gemm.quantize_operand``)."""
+    ``scales`` with room for ``size`` rows (:func:`_transposed_views`)."""
     width, c = x.shape
     codes = x.new_empty(c * size, dtype=torch.uint8)
     scales = x.new_empty(c * size // 128, dtype=torch.float32)
@@ -304,9 +295,8 @@ def _transposed_views(codes: Tensor, scales: Tensor, width: int, k: int):
 def _gemm_rows(a, sa, b, sb, b_rows, dtype, bias, out):
     """``out`` ``[m, N]`` (a row slice of the result) from the first ``m`` rows of ``a``, whose
     rows beyond ``m`` up to a multiple of 16 are zeros (the padded layout). cuBLAS's blockwise
-    GEMM refuses a row count that is not a multiple of 16 (H100, torch 2.11: the 8-expert
-    benchmark's 7 such experts gave 14 refusals, seen as the fallback's 14 device copies), so
-    such an expert runs on its rows padded to 16 and the first ``m`` rows are copied out."""
+    GEMM refuses a row count that is not a multiple of 16 (H100, torch 2.11), so such an expert
+    runs on its rows padded to 16 and the first ``m`` rows are copied out."""
     m = out.shape[0]
     if m % 16 == 0:
         return block_scaled_mm(a[:m], sa[:m], b, sb, b_rows, dtype, bias, out=out)
@@ -326,20 +316,18 @@ def blockwise_weight(
 
 
 def blockwise_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
-    """``saved = [X^T codes (uint8, flat: the first ``K * width`` bytes are ``[K, width]``, every
-    expert's tokens from a multiple of 128), their 1x128 scales (fp32, flat, ``[width / 128,
-    K]``), each expert's W_g^T codes ``[K, N]`` (uint8), each expert's scales]``; ``width``:
-    :func:`_padded`'s, the buffers :func:`_capacity`'s. With ``weight_q``
+    """``saved = [X^T codes, their 1x128 scales, each expert's W_g^T codes [K, N] (uint8), each
+    expert's scales]``, the input's in :func:`_quantize_block`'s flat buffers (uint8, fp32; as
+    :func:`_transposed_views`, every expert's tokens from a multiple of 128). With ``weight_q``
     (:func:`blockwise_weight`) ``saved`` ends after the input's copy (the caller saves the
     weight's). Under ``r.override`` nothing, or the forward's operands dequantised."""
     groups, n = weight.shape[:2]
-    rows = inp.shape[0]
-    splits, firsts, starts, _, x = _padded(inp, m_splits)
-    xd, xs, _, _, x_t, x_s = _quantize_block(x, r.power_2_scale, _capacity(rows, groups))
-    out = inp.new_empty(rows, n)
+    splits, starts, _, x = _padded(inp, m_splits)
+    xd, xs, _, _, x_t, x_s = _quantize_block(x, r.power_2_scale, _capacity(inp.shape[0], groups))
+    out = inp.new_empty(inp.shape[0], n)
     w_t, w_s = [], []
     spec = QuantSpec("block", _E4M3, r.weight_block_rows, r.power_2_scale)  # the weight's
-    for g, (m, row, pos) in enumerate(zip(splits, firsts, starts, strict=True)):
+    for (g, span), m, pos in zip(group_rows(splits), splits, starts, strict=True):
         if weight_q is None:
             wd, ws, wd_t, ws_t = quantize_operand(spec, weight[g])[:4]
             w_t.append(wd_t.view(torch.uint8))
@@ -348,8 +336,7 @@ def blockwise_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
             wd, ws = weight_q[0][g].view(_E4M3), weight_q[1][g]
         if m:
             b = None if bias is None else bias[g]
-            _gemm_rows(xd[pos:], xs[pos:], wd, ws, r.weight_block_rows, inp.dtype, b,
-                       out[row : row + m])  # fmt: skip
+            _gemm_rows(xd[pos:], xs[pos:], wd, ws, r.weight_block_rows, inp.dtype, b, out[span])
     if r.override == "dequantized":
         return out, [_cast(inp, r, r.fwd_dtype), dequantized_weight(weight, r)]
     return out, [] if r.override else [x_t, x_s, *w_t, *w_s]
@@ -366,31 +353,30 @@ def blockwise_backward(grad_out, saved, inp, m_splits, weight, main_grad, r, has
     else:
         w_t, w_s = saved[2 : 2 + groups], saved[2 + groups :]
     dtype = grad_out.dtype
-    splits, firsts, starts, width, dy = _padded(grad_out, m_splits)
+    splits, starts, width, dy = _padded(grad_out, m_splits)
     gd, gs, gd_t, gs_t, _, _ = _quantize_block(dy, r.power_2_scale, width)
     xd_t, xs_t = _transposed_views(*saved[:2], width, k)
-    xd_t = xd_t.view(_E4M3)
     dinp = grad_out.new_empty(grad_out.shape[0], k) if need_dgrad else empty(grad_out)
     into_weight = need_wgrad and main_grad is None
     dweight = grad_out.new_zeros(groups, n, k) if into_weight else empty(grad_out)
     dbias = grad_out.new_zeros(groups, n) if has_bias else empty(grad_out)
-    for g, (m, row, pos) in enumerate(zip(splits, firsts, starts, strict=True)):
+    for (g, span), m, pos in zip(group_rows(splits), splits, starts, strict=True):
         if not m:
             continue
         if need_dgrad:
             w = w_t[g].view(_E4M3)
-            _gemm_rows(gd[pos:], gs[pos:], w, w_s[g], w_rows, dtype, None, dinp[row : row + m])
+            _gemm_rows(gd[pos:], gs[pos:], w, w_s[g], w_rows, dtype, None, dinp[span])
         if need_wgrad:
             cols = slice(pos, pos + padded(m))
             blocks = slice(pos // 128, pos // 128 - (-m // 128))
             a, sa = gd_t[:, cols], gs_t[:, blocks]
-            b, sb = xd_t[:, cols], xs_t[:, blocks]
+            b, sb = xd_t[:, cols].view(_E4M3), xs_t[:, blocks]
             if into_weight:
                 block_scaled_mm(a, sa, b, sb, 1, dtype, out=dweight[g])
             else:
                 main_grad[g].add_(block_scaled_mm(a, sa, b, sb, 1, dtype))
         if has_bias:
-            dbias[g] = grad_out[row : row + m].sum(0, dtype=torch.float32).to(dtype)
+            dbias[g] = grad_out[span].sum(0, dtype=torch.float32).to(dtype)
     return dinp, dweight, dbias
 
 
@@ -431,10 +417,9 @@ def _cast_columns(x2: Tensor, m_splits: Tensor, r: GroupedRecipe, fp8_dtype: tor
 def _weight_columns(weight: Tensor, w: Tensor | None, r: GroupedRecipe) -> Tensor:
     """The dgrad's weight operand: ``weight`` ``[G, N, K]`` quantised along ``N`` per expert;
     128x128 blocks are the same both ways, so ``w``, the forward's copy (made where None)."""
-    g, n, k = weight.shape
-    w_rows = r.weight_block_rows if r.recipe == "block" else 1
-    if w_rows != 1:
+    if r.recipe == "block" and r.weight_block_rows != 1:
         return w if w is not None else dequantized_weight(weight, r)
+    g, n, k = weight.shape
     per_expert = torch.full((g,), n, dtype=torch.int64, device=weight.device)
     return _cast_columns(weight.reshape(g * n, k), per_expert, r, r.fwd_dtype).view(g, n, k)
 

@@ -141,7 +141,8 @@ def check_grouped_linear(a: GroupedLinearArgs) -> None:
             "(DelayedScaling: the backward would quantise the input again with a scale the "
             "update may have changed)"
         )
-    if bw.save_input and grouped_gemm_kind(recipe, x.emulate) == "blockwise":
+    blockwise = grouped_gemm_kind(recipe, x.emulate) == "blockwise"
+    if bw.save_input and blockwise:
         raise NotImplementedError(
             p + "backward 'save_input' (save_original_input) is not implemented for the native "
             "blockwise GEMMs (block specs without 'emulate'); emulate them or save the copy"
@@ -182,9 +183,7 @@ def check_grouped_linear(a: GroupedLinearArgs) -> None:
             p + f"{kind} grouped GEMMs need in_features ({k}) and out_features ({n}) to be "
             f"multiples of {multiple}"
         )
-    if grouped_gemm_kind(recipe, x.emulate) == "blockwise" and not blockwise_supported(
-        a.weight[0], w.block_rows, x.fp8_dtype, g.fp8_dtype
-    ):
+    if blockwise and not blockwise_supported(a.weight[0], w.block_rows, x.fp8_dtype, g.fp8_dtype):
         raise ValueError(
             p + "128x128 weight blocks need in_features and out_features to be multiples of 512 "
             f"(cuBLAS's blockwise GEMM); weight is {list(a.weight.shape)}"

@@ -28,11 +28,9 @@ per-tensor recipes' ``[amax(X), amax(W)]`` where
 :func:`~te_compile.functional.grouped_linear_args.appends_amaxes`. A pre-quantised weight
 (``weight_q``, ``functional.grouped_weight``) leaves the weight's copies out of ``saved``.
 
-Under ``torch.compile`` Inductor traces into a call on CUDA whose GEMMs take device offsets
-(bf16 ``torch._grouped_mm``, the per-tensor FP8 recipes' ``torch._scaled_grouped_mm``); every
+Under ``torch.compile`` Inductor traces into the calls whose GEMMs take device offsets, every
 other call is kept whole (:func:`host_split_path`, ``docs/op_mechanism.md``). ``main_grad``
-(fp32, weight's shape) receives ``+= dW`` instead of a ``dweight`` output, as in
-``te::linear_bwd``.
+(fp32, weight's shape) receives ``+= dW`` instead of a ``dweight`` output, as in ``te::linear_bwd``.
 """
 
 from __future__ import annotations
@@ -159,8 +157,7 @@ def _ref_copies(x: Tensor, w: Tensor, splits: list[int], r: GroupedRecipe) -> tu
     """``(X, W, X_col, W_col)``: the forward GEMM's operands and the copies the backward GEMMs
     read, quantised-dequantised: ``W_col`` along ``out_features`` (128x128 weight blocks: the
     forward's), ``X_col`` along each group's own tokens (per-tensor recipes without
-    ``fp8_wgrad``: ``X``). NVFP4: a dense GEMM's per expert
-    (``functional.grouped_gemm.nvfp4_input`` / ``nvfp4_weight``)."""
+    ``fp8_wgrad``: ``X``). NVFP4: a dense GEMM's per expert (``nvfp4_input`` / ``nvfp4_weight``)."""
     if r.recipe == "nvfp4":
         (xq, x_col), (wq, w_col) = nvfp4_input(x, torch.tensor(splits), r), nvfp4_weight(w, r)
         return xq, wq, x_col, w_col
@@ -575,9 +572,7 @@ def grouped_linear(
     if not (return_amax or stash is not None):
         return out
     check_bool("te.grouped_linear", return_amax=return_amax)
-    result = (out,)
-    if stash is not None:
-        result += (_deferred(args, saved),)
+    result = (out,) if stash is None else (out, _deferred(args, saved))
     if return_amax:
         kind = specs[0].partition(":")[0] if isinstance(specs[0], str) else ""
         measured = appends_amaxes(kind, grad_amax)

@@ -64,8 +64,7 @@ def _shapes(recipe: str, weight: Tensor, block_rows: int, emulate: bool):
     if kind == "scaled_grouped_mm":
         return [((g, n, k), u8), ((g, n), f32), ((g, k, n), u8), ((g, k), f32), ((1,), f32)]
     if kind == "blockwise":
-        r = block_rows
-        s, s_t = (g, -(-n // r), -(-k // 128)), (g, -(-k // r), -(-n // 128))
+        s, s_t = (g, -(-n // block_rows), -(-k // 128)), (g, -(-k // block_rows), -(-n // 128))
         return [((g, n, k), u8), (s, f32), ((g, k, n), u8), (s_t, f32), ((0,), f32)]
     dtype = nvfp4_dtype(weight) if recipe == "nvfp4" else weight.dtype
     return [((g, n, k), dtype)] + [((0,), f32)] * 4
@@ -123,10 +122,8 @@ def quantize_grouped_weight(
     weight: Tensor, spec: str | QuantSpec, scale: Tensor | None = None
 ) -> list[Tensor]:
     """``weight`` ``[num_gemms, N, K]`` as ``te.functional.grouped_linear``'s pre-quantised
-    weight operand (``weight_quantized``; module docstring): ``[data, scale, data_t, scale_t,
-    amax]``, quantised as the grouped op would quantise it inside with the weight spec
-    ``spec`` (``functional.spec.QuantSpec``, as the op gets it; ``scale``: the GEMM's delayed
-    scales ``[3]``, whose weight slot is used, with a ``"delayed"`` spec).
+    weight operand (``weight_quantized``; module docstring), quantised as the grouped op would
+    quantise it inside; outputs and arguments as ``dense_weight.quantize_weight``'s.
     ``te::quantize_grouped_weight`` after the checks of its arguments."""
     args = checked_weight_cast("te.quantize_grouped_weight", weight, spec, scale)
     return quantize_grouped_weight_op(*args)

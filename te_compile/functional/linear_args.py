@@ -102,8 +102,7 @@ def check_fp8_input(p: str, inp: Tensor) -> None:
 def check_linear_tensors(
     inp: Tensor, weight: Tensor, bias: Tensor | None, main_grad: Tensor | None
 ) -> None:
-    """The four tensors (the hot path: plain tests, each raising the ValueError naming its
-    argument, in eager and under compile)."""
+    """The four tensors (the hot path: plain tests, each error naming its argument)."""
     if weight.dim() != 2:
         raise ValueError(
             f"te.linear: weight must be 2-D [out_features, in_features], got {weight.dim()}-D"
@@ -169,8 +168,7 @@ def check_linear(a: LinearArgs) -> None:
     n, k = weight.shape
     if recipe:
         check_fp8_input(p, inp)
-        m = inp.numel() // k if k else 0
-        check_gemm_dims(p, recipe, w, m, in_features=k, out_features=n)
+        check_gemm_dims(p, recipe, w, inp.numel() // k if k else 0, in_features=k, out_features=n)
     if bw.fp8_wgrad:
         raise ValueError(p + "backward 'fp8_wgrad' is for the grouped family")
     if bw.override and not recipe:

@@ -50,29 +50,26 @@ def forward_impl(a: LinearArgs, cuda: bool) -> tuple[Tensor, Tensor, list[Tensor
     saved, stats, amax = [], [], []
     fuse_bias = bias if not ep.activation else None
     xs, ws, _ = a.specs
-    recipe, norm = xs.kind, a.nrm
+    recipe, norm, bw, override = xs.kind, a.nrm, a.bw, a.bw.override
     m, acc = x2.shape[0], None if cuda or recipe else acc_dtype(inp)
+    c = (lambda t: t) if acc is None else (lambda t: None if t is None else t.to(acc))
+    if norm.normalization and (not recipe or override == "high_precision"):
+        x2, *stats = norm_forward(x2, norm)  # saved: the high-precision GEMM input
+        saved.append(x2)
     if not recipe:
-        if norm.normalization:
-            x2, *stats = norm_forward(x2, norm)
-            saved.append(x2)
         if cuda and a.residual is not None:  # one GEMM with the residual in its epilogue
             out = torch.addmm(a.residual.reshape(-1, n), x2, weight.t(), alpha=ep.scale)
             if bias is not None:
                 out.add_(bias, alpha=ep.scale)
             return out.reshape(a.residual.shape), branch, saved + stats
-        c = (lambda t: t) if acc is None else (lambda t: None if t is None else t.to(acc))
         h = gemm("mm", c(x2), None, c(weight), None, dtype, bias=c(fuse_bias))
     else:
-        bw, override = a.bw, a.bw.override
         s_x, s_w, _ = scale_slots(a.scale, recipe)
         # The input's and the weight's amax in one buffer (a pre-quantised weight has its own).
         bits, (a_x, a_w) = amax_buffer(recipe, x2, 2, shared=a.weight_q is None)
         xq, x_t = None, not bw.save_input  # save_input quantises the input again
         if norm.normalization and override != "high_precision":
             xq, *stats = norm_quantize(xs, x2, norm, scale=s_x, slot=a_x)
-        elif norm.normalization:  # high_precision keeps the norm's output
-            x2, *stats = norm_forward(x2, norm)
         if xq is None and a.weight_q is None:  # both casts in one launch where they can be
             xq, wq = quantize_operands((xs, ws), (pad_rows(x2), weight), (s_x, s_w), (a_x, a_w),
                                        (x_t, True))  # fmt: skip
@@ -82,14 +79,12 @@ def forward_impl(a: LinearArgs, cuda: bool) -> tuple[Tensor, Tensor, list[Tensor
             wq = weight_operand(a.weight_q, ws, weight, s_w, slot=a_w)
         h = unpad(gemm(gemm_kind(recipe, xs.emulate), xq.data, xq.scale, wq.data, wq.scale, dtype,
                        bias=fuse_bias, fast_accum=True, b_block_rows=ws.block_rows), m)  # fmt: skip
-        if override == "high_precision":  # the GEMM input in high precision, with a norm
-            saved = [x2] if norm.normalization else []
-        elif override == "dequantized":  # the forward's operands, dequantised
+        if override == "dequantized":  # the forward's operands, dequantised
             saved = [_dequantized(xs, xq, m, dtype), _dequantized(ws, wq, n, dtype)]
-        elif bw.save_input:  # the input itself is saved instead of its copy
+        elif bw.save_input and not override:  # the input itself is saved instead of its copy
             saved = [x2.new_empty(0, dtype=fp8_bytes(wq.data_t).dtype),
                      x2.new_empty(0, dtype=torch.float32)]  # fmt: skip
-        else:
+        elif not override:
             saved = [fp8_bytes(xq.data_t), xq.scale_t]
         if not override and a.weight_q is None:  # (a pre-quantised weight's are inputs)
             saved += [fp8_bytes(wq.data_t), wq.scale_t]
@@ -99,16 +94,14 @@ def forward_impl(a: LinearArgs, cuda: bool) -> tuple[Tensor, Tensor, list[Tensor
             amax = [torch.cat([xq.amax, wq.amax])]
     y = h
     if ep.activation:
-        b = bias if acc is None or bias is None else bias.to(acc)
-        y = activation_forward(h, b, ep.activation, *ep.params)
+        y = activation_forward(h, c(bias), ep.activation, *ep.params)
         saved.append(h)
     if a.residual is not None:
         r = a.residual.reshape(y.shape)
         y = r.to(acc) + ep.scale * y if acc else torch.add(r, y, alpha=ep.scale)
     elif ep.scale != 1.0:
         y = y * ep.scale
-    out = y.to(dtype).reshape(*inp.shape[:-1], y.shape[-1])
-    return out, branch, saved + stats + amax
+    return y.to(dtype).reshape(*inp.shape[:-1], y.shape[-1]), branch, saved + stats + amax
 
 
 def _dequantized(spec: QuantSpec, q, rows: int, dtype) -> Tensor:
@@ -145,13 +138,12 @@ def backward_impl(grad, grad_branch, saved, inp, weight, bias, main_grad, scale,
     if ep.scale != 1.0:
         dy = dy * ep.scale
     dbias = empty(grad)
-    native_block = c.recipe == "block" and not c.x.emulate
     if ep.activation:
         b = bias if acc is None or bias is None else bias.to(acc)
         dy, db = activation_backward(dy, h, b, ep.activation, *ep.params, c.need_dbias)
         if c.need_dbias:
             dbias = db.to(dtype)
-    elif c.need_dbias and not native_block:
+    elif c.need_dbias and not (c.recipe == "block" and not c.x.emulate):  # native blockwise: g.sums
         dbias = dy.sum(0) if cuda and not c.recipe else dy.sum(0, dtype=acc or torch.float32)
         dbias = dbias.to(dtype)
     b2 = None if grad_branch is None else grad_branch.reshape(-1, grad_branch.shape[-1])

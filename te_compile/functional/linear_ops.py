@@ -164,8 +164,7 @@ def linear_fwd(
     weight_q: list[Tensor] | None = None,
     wgrad_stash: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
-    """``(out, branch, saved)`` (module docstring). The default (CPU) implementation computes
-    high precision in fp32 (fp64 stays fp64), rounded once."""
+    """``(out, branch, saved)`` (module docstring; on the CPU fp64 stays fp64)."""
     a = LinearArgs(inp, weight, bias, main_grad, input_spec, weight_spec, grad_spec, scale,
                    grad_amax, rng_state, norm, norm_weight, norm_bias, epilogue, residual,
                    backward, weight_q, wgrad_stash)  # fmt: skip
@@ -259,8 +258,7 @@ def linear_bwd(
     gradient. Writes ``amax(dY)`` into ``grad_amax`` when given. ``wgrad_stash`` (delayed
     weight gradient): the incoming gradient is copied into it and the weight gradient is not
     computed (a later call with ``grad=wgrad_stash`` and only ``need_wgrad`` computes it,
-    ``DeferredWgrad``). Default (CPU): high precision in fp32 (fp64 stays fp64), each gradient
-    rounded once."""
+    ``DeferredWgrad``). On the CPU fp64 stays fp64."""
     return _backward_op(
         (grad, grad_branch, saved, inp, weight, bias, main_grad, scale, grad_amax, norm_weight,
          rng_state, input_spec, weight_spec, grad_spec, norm, epilogue, need_dbias, need_dgrad,
@@ -275,8 +273,7 @@ def _bwd_args(args: tuple) -> tuple[tuple, tuple, Tensor | None]:
 
 
 def _backward_op(args: tuple, cuda: bool) -> tuple[Tensor, ...]:
-    """``linear_bwd`` on a device: ``wgrad_stash`` takes the incoming gradient in place of the
-    weight gradient; a call without recipe, norm, epilogue or branch is plain high precision."""
+    """``linear_bwd`` on a device; a call without recipe, norm, epilogue or branch is plain."""
     tensors, scalars, stash = _bwd_args(args)
     input_spec, _, _, norm, epilogue, need_dbias, need_dgrad, need_wgrad = scalars
     if stash is not None:
@@ -349,15 +346,12 @@ def _for_backward(a: LinearArgs, saved: list[Tensor]) -> tuple[tuple, tuple]:
     # operands or on their dequantised copies (which take the input's and the weight's place).
     hp, normed = not recipe or override, bool(a.nrm.normalization)
     inp, weight = a.inp, a.weight
-    keep_inp = hp or normed or a.bw.save_input
-    if override == "dequantized":
-        x_deq, weight, *saved = saved
-        if normed:  # the norm's backward takes the input, the wgrad GEMM the saved operand
-            saved = [x_deq, *saved]
-        else:
-            inp = x_deq
+    if override == "dequantized" and normed:  # inp for the norm's backward, X's copy for wgrad
+        weight, saved = saved[1], [saved[0], *saved[2:]]
+    elif override == "dequantized":
+        inp, weight, *saved = saved
     tensors = (
-        inp if keep_inp else None,
+        inp if hp or normed or a.bw.save_input else None,
         weight if hp else None,
         a.bias if a.ep.activation else None,
         a.main_grad, a.scale, a.grad_amax,

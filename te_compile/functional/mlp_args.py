@@ -101,7 +101,6 @@ def check_mlp(a: MLPArgs) -> None:
     if (
         w1.ndim != 2
         or w2.ndim != 2
-        or inp.ndim < 1
         or inp.shape[-1] != w1.shape[1]
         or (gated and w1.shape[0] % 2)
         or w2.shape[1] != w1.shape[0] // (1 + gated)  # ffn: half of FC1's for a gated one

@@ -7,11 +7,12 @@ r"""The MLP family: ``te::mlp_fwd`` / ``te::mlp_bwd``, every recipe, an optional
 activation (``GATED_ACTIVATIONS``, as LayerNormMLP lays them out: the activation half's rows
 first), ``fc2_weight`` ``[out, ffn]``. ``epilogue``: the activation as an ``EpilogueSpec``
 string (``functional.spec``: ``act`` with clamped SwiGLU's ``limit``, ``alpha``, ``offset``).
-The specs (``input_spec``, ``weight_spec``, ``grad_spec``: the activation is quantised as an
-input, its gradient as a gradient) and the prologue (``norm``, ``norm_weight``,
-``norm_bias``) are the linear family's (``functional.linear_ops``), without NVFP4's options; the
-delayed state is per GEMM: ``scale1`` / ``scale2`` ``[3]``, ``grad_amax1`` / ``grad_amax2``
-``[1]``.
+The specs (``input_spec``, ``weight_spec``, ``grad_spec``) and the prologue (``norm``,
+``norm_weight``, ``norm_bias``) are the linear family's (``functional.linear_ops``), without
+NVFP4's options; per GEMM: the delayed state (``scale1`` / ``scale2`` ``[3]``, ``grad_amax1`` /
+``grad_amax2`` ``[1]``), ``te::linear``'s pre-quantised ``weight_q`` (``fc1_weight_q`` /
+``fc2_weight_q``: ``saved`` then holds no copy of that weight) and ``main_grad``
+(``main_grad1`` / ``main_grad2``).
 
 One op pair for the whole block, so that the activation and its gradient are never written in
 high precision between two quantisations: on CUDA, for the per-tensor recipes and native
@@ -30,10 +31,6 @@ of 16; native blockwise keeps the 1x128 scales of ``X^T`` and ``h^T`` as the wgr
 them, ``[M / 128, K]``), high precision ``[norm output (with a norm), z, h]``; then the norm's
 ``mean, rsigma``, then for the per-tensor recipes ``[amax(X), amax(W_1), amax(h),
 amax(W_2)]`` (fp32).
-
-``fc1_weight_q`` / ``fc2_weight_q`` (pre-quantised weights) and ``main_grad1`` / ``main_grad2``
-are ``te::linear``'s ``weight_q`` and ``main_grad``, per GEMM (``saved`` then holds no copy of
-a given weight).
 """
 
 from __future__ import annotations
@@ -139,11 +136,10 @@ def _act_operand(spec: QuantSpec, z, bias, grad, ep: EpilogueSpec, scale, rows, 
                  slot=None) -> tuple[Operand, Tensor | None]:  # fmt: skip
     """``(operand, dbias)``: the activation of ``z + bias`` (forward) or its gradient ``grad *
     f'(z + bias)`` (backward, ``dbias`` with ``need_dbias``) as the next GEMM's operand,
-    quantised by ``spec``, rows past ``rows`` zero. On CUDA in the fused kernels (per-tensor,
-    native 1x128 blocks with the scales in the GEMM's layout); elsewhere the activation op's
-    implementation, rounded to ``z``'s dtype, zero rows appended, quantised. The fused kernels
-    run what ``fused_quantize_runs`` admits for ``ep``'s activation and parameters; the rest
-    takes the activation op's path. ``slot``: as ``gemm.quantize_operand``'s."""
+    quantised by ``spec``, rows past ``rows`` zero. On CUDA, for what ``fused_quantize_runs``
+    admits, in the fused kernels (per-tensor, native 1x128 blocks with the scales in the GEMM's
+    layout); elsewhere the activation op's implementation, rounded to ``z``'s dtype, zero rows
+    appended, quantised. ``slot``: as ``gemm.quantize_operand``'s."""
     recipe, fp8_dtype, activation = spec.kind, spec.fp8_dtype, ep.activation
     fused = z.is_cuda and fused_quantize_runs(activation, ep.params[1:])  # no interleave here
     if fused and recipe in PER_TENSOR:
@@ -254,9 +250,8 @@ def mlp_fwd(
 def _mlp_fwd_fake(*args):
     a = MLPArgs(*args)
     check_mlp(a)
-    inp, w1, w2 = a.inp, a.fc1_weight, a.fc2_weight
+    inp, (f1, d), (n, f) = a.inp, a.fc1_weight.shape, a.fc2_weight.shape
     rows = inp.numel() // inp.shape[-1]
-    d, f1, f, n = w1.shape[1], w1.shape[0], w2.shape[1], w2.shape[0]
     out = inp.new_empty(*inp.shape[:-1], n)
     normalization = a.nrm.normalization
     stats = fake_stats(inp, rows, normalization)
@@ -328,9 +323,8 @@ def mlp_bwd(
         dh, dw2, db2 = hp_linear_backward(dy, h, w2, main_grad2, c.need_dbias, True, True,
                                           dy.is_cuda)  # fmt: skip
         dz, db1 = activation_backward(dh, z, b1, ep.activation, *ep.params, need_dbias=need_db1)
-        dx, dw1, _ = hp_linear_backward(dz, x2, w1, main_grad1, False, c.need_dgrad, True,
-                                        dz.is_cuda)  # fmt: skip
-        dinp = dx if c.need_dgrad else None
+        dinp, dw1, _ = hp_linear_backward(dz, x2, w1, main_grad1, False, c.need_dgrad, True,
+                                          dz.is_cuda)  # fmt: skip
     else:
         x_t, xs, w1_t, w1s, z, h_t, hs, w2_t, w2s = saved[:9]
         x_t, h_t = fp8_codes(x_t, c.x.fp8_dtype), fp8_codes(h_t, c.x.fp8_dtype)
@@ -359,9 +353,9 @@ def mlp_bwd(
                               b_block_rows=rows), m)  # fmt: skip
         dw1 = wgrad_gemm(kind, dq.data_t, dq.scale_t, x_t, xs, dtype, main_grad1, fast_w)
     dnorm = [empty(grad), empty(grad)]
-    if dinp is not None and normalization:
+    if c.need_dgrad and normalization:
         dinp, *dnorm = norm_backward(dinp, inp, norm_weight, stats, c.norm)
-    dinp = empty(grad) if dinp is None else dinp.reshape(*grad.shape[:-1], dinp.shape[-1])
+    dinp = dinp.reshape(*grad.shape[:-1], dinp.shape[-1]) if c.need_dgrad else empty(grad)
     db1 = empty(grad) if db1 is None else db1.to(dtype)
     db2 = empty(grad) if db2 is None or not c.need_dbias else db2.to(dtype)
     return dinp, dw1, db1, dw2, db2, *dnorm
@@ -391,10 +385,8 @@ def _setup_context(ctx, inputs, output) -> None:
     a = MLPArgs(*inputs)
     _out, saved = output
     ctx.mark_non_differentiable(*saved)
-    recipe = a.specs[0].kind
-    if recipe in PER_TENSOR:
-        saved = saved[:-1]  # the amaxes: for the caller
-    (q1, q2), saved = (a.fc1_weight_q, a.fc2_weight_q), list(saved)
+    recipe, q1, q2 = a.specs[0].kind, a.fc1_weight_q, a.fc2_weight_q
+    saved = list(saved[:-1] if recipe in PER_TENSOR else saved)  # the amaxes: for the caller
     if q1 is not None:  # a pre-quantised weight: its transposed copy is an input
         saved[2:2] = [q1[2], q1[3]]
     if q2 is not None:

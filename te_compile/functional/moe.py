@@ -5,9 +5,9 @@ r"""Mixture-of-experts token routing: Transformer Engine's ``moe_permute``, ``mo
 layout for both map types: ``[T, S]`` int32 (``S = E`` for the mask, ``K`` for indices), the
 permuted row of token ``t``'s slot ``s`` or -1. The unpermute is ``out[t] = sum_s p[t, s] *
 inp[row_id_map[t, s]]`` (fp32 sums, rounded once); without probabilities it is the adjoint of the
-permute, and the backward of each is the other. Nothing is read on the host (every
-data-dependent size is an argument). The row movement: on CUDA one Triton kernel
-(``kernels.moe.gather_sum``), on CPU the same math in torch. Argument checks: ``moe_args.py``.
+permute, and the backward of each is the other. Nothing is read on the host (every data-dependent
+size is an argument). The row movement: on CUDA one Triton kernel (``kernels.moe.gather_sum``), on
+CPU the same math in torch. Argument checks: ``moe_args.py``.
 """
 
 from __future__ import annotations
@@ -67,9 +67,8 @@ def make_row_id_map(routing_map: Tensor, num_out_tokens: int, map_type: str) -> 
 
 
 def inverse_map(row_id_map: Tensor, rows: int) -> tuple[Tensor, Tensor]:
-    """For each of ``rows`` permuted rows: its token and its slot's flat index ``t * S + s`` in
-    the map (int64), -1 for a row no slot points at. Each row is pointed at by at most one
-    slot."""
+    """For each of ``rows`` permuted rows: its token and its slot's flat index ``t * S + s`` in the
+    map (int64), -1 for a row no slot points at. Each row is pointed at by at most one slot."""
     tokens, slots = row_id_map.shape
     dest = row_id_map.reshape(-1).to(torch.int64)
     where = torch.where(dest >= 0, dest, rows)  # a spare row takes the empty slots
@@ -88,9 +87,8 @@ def _gather_ref(x: Tensor, index: Tensor, weight: Tensor | None) -> Tensor:
     """``out[r] = weight[r] * x[index[r]]`` (0 where ``index[r] < 0``), in fp32, rounded once."""
     acc = acc_dtype(x)
     ok = index >= 0
-    rows = x.to(acc)[index.clamp(min=0)]
     w = ok.to(acc) if weight is None else torch.where(ok, weight.to(acc), 0.0)
-    return (rows * w[:, None]).to(x.dtype)
+    return (x.to(acc)[index.clamp(min=0)] * w[:, None]).to(x.dtype)
 
 
 def moe_unpermute_ref(x: Tensor, row_id_map: Tensor, weight: Tensor | None) -> Tensor:
@@ -191,17 +189,15 @@ def moe_unpermute_bwd_ref(
 def chunk_sort_map(split_sizes: Tensor, sorted_index: Tensor, rows: int) -> Tensor:
     """``[rows]`` int64: the input row each output row of the chunk sort reads (-1 where that
     row would lie past ``rows``). Device ops only."""
-    sizes = split_sizes.to(torch.int64)
-    order = sorted_index.to(torch.int64)
+    sizes, order = split_sizes.to(torch.int64), sorted_index.to(torch.int64)
     in_start = sizes.cumsum(0) - sizes
     out_sizes = sizes[order]
     out_end = out_sizes.cumsum(0)
     j = torch.arange(rows, device=sizes.device)
     q = torch.searchsorted(out_end, j, right=True)  # the output chunk of row j
-    inside = q < sizes.numel()
     qc = q.clamp(max=sizes.numel() - 1)
     src = in_start[order[qc]] + j - (out_end[qc] - out_sizes[qc])
-    src = torch.where(inside, src, j)  # rows past the chunks keep their place
+    src = torch.where(q < sizes.numel(), src, j)  # rows past the chunks keep their place
     return torch.where(src < rows, src, -1)
 
 
@@ -311,8 +307,7 @@ def _permute_setup(ctx, inputs, output) -> None:
 
 def _permute_backward(ctx, bwd, grad, _grad_map, grad_probs):
     row_id_map, probs = ctx.saved_tensors
-    if grad_probs is not None and grad_probs.numel() == 0:
-        grad_probs = None
+    grad_probs = grad_probs if grad_probs is not None and grad_probs.numel() else None
     grad_inp, grad_p = bwd(grad, grad_probs, row_id_map, probs)
     return grad_inp, None, (grad_p if probs is not None else None), None, None
 
@@ -423,8 +418,7 @@ def _sort_setup(ctx, inputs, output) -> None:
 
 def _sort_backward(ctx, bwd, grad, grad_probs):
     # Without probs the probabilities' output has 0 elements: its gradient too, or None.
-    if grad_probs is not None and grad_probs.numel() == 0:
-        grad_probs = None
+    grad_probs = grad_probs if grad_probs is not None and grad_probs.numel() else None
     grad_inp, grad_p = bwd(grad, grad_probs, *ctx.saved_tensors)
     return grad_inp, None, None, (grad_p if grad_probs is not None else None)
 
@@ -452,9 +446,8 @@ def moe_permute(
     """Tokens grouped by expert (Transformer Engine's ``moe_permute``): ``(permuted [n, H],
     row_id_map)``. ``routing_map``: ``[T, E]`` mask (``map_type="mask"``) or ``[T, K]`` expert
     indices (``"index"``). ``num_out_tokens``: the output rows; required for the mask, and for
-    indices ``T * K`` when not positive (the default); fewer drops the last rows.
-    ``max_token_num`` (a workspace size in Transformer Engine) is accepted and unused. See the
-    module docstring."""
+    indices ``T * K`` when not positive (the default); fewer drops the last rows. ``max_token_num``
+    (a workspace size in Transformer Engine) is accepted and unused. See the module docstring."""
     prefix = "te.moe_permute"
     check_tensor_args(prefix, inp=inp, routing_map=routing_map)
     int_arg(prefix, "max_token_num", max_token_num)

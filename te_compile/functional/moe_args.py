@@ -51,8 +51,7 @@ def check_permute_args(
     """Shapes, dtypes and scalars of a permute (the same message in eager and at trace time)."""
     check_choice(prefix, "map_type", map_type, MAP_TYPES)
     _check_float(prefix, "inp", inp, 2)
-    allowed = _MASK_DTYPES if map_type == "mask" else INDEX_DTYPES
-    if routing_map.dtype not in allowed:
+    if routing_map.dtype not in (_MASK_DTYPES if map_type == "mask" else INDEX_DTYPES):
         kinds = "bool or an integer type" if map_type == "mask" else "int32 or int64"
         fail(
             prefix,

@@ -37,10 +37,9 @@ once; weight gradients are reduced in fp32 and rounded once to the weight's dtyp
 ``torch.autocast`` the op mechanism casts every floating argument, weight included, to the
 autocast dtype, as it does for ``nn.Linear``.
 
-Implementations (one function per op, choosing by device): on CPU the reference math below
-(``*_ref``); on CUDA the Triton kernels of ``te_compile.kernels.norm`` (one program per row tile
-forward; backward with a two-stage ``dgamma``/``dbeta`` reduction), except fp64 which uses the
-reference math.
+Implementations (one function per op, choosing by device): on CUDA the Triton kernels of
+``te_compile.kernels.norm`` (one program per row tile forward; backward with a two-stage
+``dgamma``/``dbeta`` reduction), else (CPU; fp64) the reference math below (``*_ref``).
 
 Argument order leaves room to grow: an FP8 recipe appends output-quantisation arguments with
 defaults after ``zero_centered_gamma`` (``eps`` for L2).
@@ -192,32 +191,28 @@ def check_norm_args(
 ) -> None:
     """Constraints shared by the implementations (eager) and the fakes (trace time), so eager
     and compile raise the same ValueError naming the argument."""
-    prefix = f"te.{name}: "
+
+    def fail(message: str) -> ValueError:
+        return ValueError(f"te.{name}: {message}")
+
     if not 0 < eps < math.inf:
-        raise ValueError(prefix + f"eps must be > 0 and finite, got {eps}")
+        raise fail(f"eps must be > 0 and finite, got {eps}")
     if inp.dtype not in FLOAT_DTYPES:
-        raise ValueError(prefix + f"inp.dtype must be a floating type, got {inp.dtype}")
+        raise fail(f"inp.dtype must be a floating type, got {inp.dtype}")
     if inp.ndim < 1 or inp.shape[-1] < 1:
-        raise ValueError(
-            prefix + f"inp must have a non-empty last dim, got shape {list(inp.shape)}"
-        )
+        raise fail(f"inp must have a non-empty last dim, got shape {list(inp.shape)}")
     n = inp.shape[-1]
     if weight is not None and (weight.ndim != 1 or weight.shape[0] != n):
-        raise ValueError(
-            prefix + f"weight must have shape [inp.shape[-1]] = [{n}], got {list(weight.shape)}"
-        )
+        raise fail(f"weight must have shape [inp.shape[-1]] = [{n}], got {list(weight.shape)}")
     if weight is not None and weight.dtype not in (inp.dtype, torch.float32):
-        raise ValueError(
-            prefix + f"weight.dtype ({weight.dtype}) must be torch.float32 or equal inp.dtype "
-            f"({inp.dtype})"
+        raise fail(
+            f"weight.dtype ({weight.dtype}) must be torch.float32 or equal inp.dtype ({inp.dtype})"
         )
     check_same_device(f"te.{name}", "inp", inp, weight=weight, bias=bias)
     if bias is not None and bias.shape != weight.shape:
-        raise ValueError(prefix + f"bias must have weight's shape [{n}], got {list(bias.shape)}")
+        raise fail(f"bias must have weight's shape [{n}], got {list(bias.shape)}")
     if bias is not None and bias.dtype is not weight.dtype:
-        raise ValueError(
-            prefix + f"bias.dtype ({bias.dtype}) must equal weight.dtype ({weight.dtype})"
-        )
+        raise fail(f"bias.dtype ({bias.dtype}) must equal weight.dtype ({weight.dtype})")
 
 
 _kernels = functools.partial(submodule, "norm")  # Triton: imported on first CUDA use

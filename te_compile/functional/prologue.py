@@ -88,8 +88,7 @@ def check_norm(p: str, inp: Tensor, norm: Norm) -> None:
 
 
 def norm_forward(x2: Tensor, norm: Norm) -> tuple[Tensor, Tensor, Tensor]:
-    """``(out, mean, rsigma)`` of ``te::layernorm_fwd`` / ``te::rmsnorm_fwd``'s implementation
-    (``mean`` 0-element for RMSNorm)."""
+    """``(out, mean, rsigma)`` by ``te::layernorm_fwd`` / ``te::rmsnorm_fwd``'s implementation."""
     weight, bias, normalization, eps, zcg = norm
     if normalization == "LayerNorm":
         return layernorm_fwd.eager(x2, weight, bias, eps, zcg)
@@ -108,28 +107,25 @@ def norm_quantize(
 ) -> tuple[Operand, Tensor, Tensor]:
     """``(operand, mean, rsigma)``: the norm of ``x2`` ``[M, K]``, rows padded to a multiple of
     16, as the first GEMM's input operand quantised as ``spec`` says (``gemm.quantize_operand``'s
-    arguments). On CUDA the per-tensor kinds and native 1x128 blocks quantise the norm without
-    writing it (``kernels.act_quantize.norm_quantize(_block)``; ``mn_major``: the block scales
-    in the GEMM's layout); elsewhere the norm op's output is quantised. ``slot``: as
-    ``gemm.quantize_operand``'s."""
-    weight, bias, normalization, eps, zcg = norm
+    arguments, ``slot`` included). On CUDA the per-tensor kinds and native 1x128 blocks quantise
+    the norm without writing it (``kernels.act_quantize.norm_quantize(_block)``, which take the
+    :class:`Norm` fields in order; ``mn_major``: the block scales in the GEMM's layout);
+    elsewhere the norm op's output is quantised."""
     m_out, fp8_dtype = padded(x2.shape[0]), spec.fp8_dtype
     if x2.device.type == "cuda" and spec.kind in ("current", "delayed"):
         from te_compile.kernels.act_quantize import norm_quantize as kernel
 
         bits, i = slot if slot is not None else (None, 0)
         data, data_t, scale_inv, amax, mean, rsigma = kernel(
-            x2.contiguous(), weight, bias, normalization, eps, zcg, fp8_dtype, scale, m_out,
-            amax=bits, slot=i,
-        )  # fmt: skip
+            x2.contiguous(), *norm, fp8_dtype, scale, m_out, amax=bits, slot=i
+        )
         return Operand(data, scale_inv, data_t, scale_inv, amax), mean, rsigma
     if x2.device.type == "cuda" and spec.kind == "block" and not spec.emulate:
         from te_compile.kernels.act_quantize import norm_quantize_block
 
         data, s, data_t, s_t, mean, rsigma = norm_quantize_block(
-            x2.contiguous(), weight, bias, normalization, eps, zcg, fp8_dtype, m_out,
-            spec.power_2_scale, mn_major=(mn_major, mn_major),
-        )  # fmt: skip
+            x2.contiguous(), *norm, fp8_dtype, m_out, spec.power_2_scale, mn_major=(mn_major,) * 2
+        )
         return Operand(data, s, data_t, s_t, x2.new_empty(0, dtype=torch.float32)), mean, rsigma
     y, mean, rsigma = norm_forward(x2, norm)
     return quantize_operand(spec, pad_rows(y), scale=scale, slot=slot), mean, rsigma
@@ -150,8 +146,7 @@ def norm_backward(
 
 
 def norm_ref(inp: Tensor, norm: Norm) -> Tensor:
-    """The prologue's output by the norm references, differentiable (``inp`` itself without a
-    norm)."""
+    """The prologue's output by the norm references, differentiable (``inp`` without a norm)."""
     weight, bias, normalization, eps, zcg = norm
     if normalization == "LayerNorm":
         return layernorm_ref(inp, weight, bias, eps, zcg)[0]

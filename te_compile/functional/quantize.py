@@ -135,12 +135,6 @@ def scale_from_amax(
     return torch.where((amax == 0) | torch.isinf(amax), 1.0, scale)
 
 
-def _amax(x2: Tensor) -> Tensor:
-    if x2.numel() == 0:
-        return x2.new_zeros(1)
-    return x2.abs().amax().reshape(1)  # amax propagates NaN
-
-
 def _cast(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> Tensor:
     fp8_max = torch.finfo(fp8_dtype).max
     return (x * scale).clamp(-fp8_max, fp8_max).to(fp8_dtype)
@@ -164,7 +158,7 @@ def quantize_tensorwise_ref(
     x2 = _rows(x)
     q = _cast(x2, scale.reshape(()).float(), fp8_dtype)
     data_t = _transpose(q) if columnwise else _empty(x, fp8_dtype)
-    return q.view(x.shape), data_t, _amax(x2)
+    return q.view(x.shape), data_t, quantize_mx_ref.tensor_amax(x2).reshape(1)
 
 
 def quantize_current_ref(
@@ -176,7 +170,7 @@ def quantize_current_ref(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(data, data_t, scale_inv, amax)`` with the scale from ``x``'s own amax."""
     x2 = _rows(x)
-    amax = _amax(x2)
+    amax = quantize_mx_ref.tensor_amax(x2).reshape(1)
     scale = scale_from_amax(amax, torch.finfo(fp8_dtype).max, amax_epsilon, power_2_scale)
     q = _cast(x2, scale, fp8_dtype)
     data_t = _transpose(q) if columnwise else _empty(x, fp8_dtype)
@@ -190,8 +184,7 @@ def _block_cast(
     m, k = x2.shape
     mb, kb = _scale_shape(m, k, block_rows)
     # Zero padding to whole blocks: it never raises a block's amax.
-    blocks = F.pad(x2, (0, kb * BLOCK - k, 0, mb * block_rows - m))
-    blocks = blocks.view(mb, block_rows, kb, BLOCK)
+    blocks = F.pad(x2, (0, kb * BLOCK - k, 0, mb * block_rows - m)).view(mb, block_rows, kb, BLOCK)
     amax = blocks.abs().amax(dim=(1, 3))
     scale = scale_from_amax(amax, torch.finfo(fp8_dtype).max, 0.0, power_2_scale)
     # A block holding inf gets a NaN scale, as one holding NaN does (module docstring).
@@ -201,9 +194,8 @@ def _block_cast(
 
 
 def _per_element(scale: Tensor, m: int, k: int, block_rows: int) -> Tensor:
-    """The ``[Mb, Kb]`` block scales spread over the ``[M, K]`` elements
-    (:func:`quantize_mx_ref.spread_blocks`: not a broadcast over a padded, blocked view, which
-    Inductor's CPU generator miscompiles where ``M`` or ``K`` is not a multiple of the block)."""
+    """The ``[Mb, Kb]`` block scales spread over the ``[M, K]`` elements (not a broadcast over
+    a padded, blocked view: :func:`quantize_mx_ref.spread_blocks` says why)."""
     spread = quantize_mx_ref.spread_blocks
     return spread(spread(scale, 0, m, block_rows), 1, k, BLOCK)
 
@@ -426,9 +418,8 @@ def dequantize_blockwise(
     fp8_dtype: torch.dtype,
     out_dtype: torch.dtype,
 ) -> Tensor:
-    """``data`` (the uint8 bytes of ``fp8_dtype`` values) times ``scale_inv`` per
-    ``block_rows x 128`` block of the ``[M, K]`` view, rounded to ``out_dtype``; ``data``'s
-    shape."""
+    """``data`` (the uint8 bytes of ``fp8_dtype`` values) times ``scale_inv`` per block of the
+    ``[M, K]`` view (``block_rows x 128``), rounded to ``out_dtype``; ``data``'s shape."""
     check_dequantize("dequantize_blockwise", data, fp8_dtype, out_dtype)
     _check_block_scale_inv("dequantize_blockwise", data, scale_inv, block_rows)
     impl = _kernels().dequantize_blockwise if data.is_cuda else dequantize_blockwise_ref

@@ -62,10 +62,8 @@ so that a block's max lands near 6 and dequantisation is :math:`q_i \cdot s / g`
   ``scale_t`` ``[K, ceil(M/16)]`` e4m3, the columnwise pair, with the same ``g``.
 * ``K`` must be even for rowwise output and ``M`` even for columnwise output (whole bytes).
 * Rounding: to nearest on the E2M1 grid, ties to the even code (0.25 -> 0, 0.75 -> 1,
-  1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4). These ops round to nearest; the GEMM
-  families' NVFP4 operands (``quantize_mx_ref.nvfp4_qdq``) also take stochastic rounding
-  (gradients), the random Hadamard transform (the wgrad GEMM's operands), 16 x 16 tiles and
-  4over6 block scaling.
+  1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4). Stochastic rounding and Transformer
+  Engine's other NVFP4 options are the GEMM families' (``quantize_mx_ref.nvfp4_qdq``).
 
 Edge cases (both formats)
 -------------------------
@@ -86,10 +84,9 @@ Edge cases (both formats)
 
 Implementations: on CPU the reference math (``*_ref``, in ``functional.quantize_mx_ref``); on
 CUDA the Triton kernels of ``te_compile.kernels.quantize_mx`` (one read of ``x`` for both
-directions), which reproduce the reference bit for bit (tests/kernels runs them under the
-Triton interpreter). NVFP4 without a ``global_amax`` first reduces ``x`` to its amax (a torch
-reduction: every block's scale depends on it), so it reads ``x`` twice. Inputs are fp32, bf16
-or fp16; all math is fp32.
+directions; tests/kernels runs them under the Triton interpreter). NVFP4 without a
+``global_amax`` first reduces ``x`` to its amax (a torch reduction: every block's scale depends
+on it), so it reads ``x`` twice. Inputs are fp32, bf16 or fp16; all math is fp32.
 """
 
 from __future__ import annotations
@@ -147,11 +144,10 @@ def check_quantize_nvfp4(x: Tensor, global_amax: Tensor | None, rowwise: bool, c
             f"te.quantize_nvfp4: x.shape[-1] (K = {x.shape[-1]}) must be even for rowwise "
             "output: two E2M1 values per byte"
         )
-    if columnwise and math.prod(x.shape[:-1]) % 2:
+    if columnwise and (m := math.prod(x.shape[:-1])) % 2:
         raise ValueError(
-            f"te.quantize_nvfp4: the row count M = prod(x.shape[:-1]) = "
-            f"{math.prod(x.shape[:-1])} must be even for columnwise output: two E2M1 values "
-            "per byte"
+            f"te.quantize_nvfp4: the row count M = prod(x.shape[:-1]) = {m} must be even for "
+            "columnwise output: two E2M1 values per byte"
         )
     if global_amax is not None and (
         global_amax.dtype != torch.float32
@@ -243,7 +239,6 @@ def quantize_nvfp4_op(
     check_quantize_nvfp4(x, global_amax, rowwise, columnwise)
     if not x.is_cuda:
         return quantize_nvfp4_ref(x, global_amax, rowwise, columnwise)
-    # The tensor amax is a reduction over all of x before any block can be scaled: torch's.
     g = nvfp4_global_scale(tensor_amax(x) if global_amax is None else global_amax)
     data, scale, data_t, scale_t = _kernels().quantize_nvfp4(x, g, rowwise, columnwise)
     return data, scale, g, data_t, scale_t
@@ -266,11 +261,10 @@ def dequantize_nvfp4_op(
 def _quantize_mxfp8_fake(x, fp8_dtype, rowwise, columnwise):
     _check_quantize_mxfp8(x, fp8_dtype, rowwise, columnwise)
     m, k, b = math.prod(x.shape[:-1]), x.shape[-1], MXFP8_BLOCK
-    u8 = torch.uint8
     data = x.new_empty(x.shape if rowwise else (0,), dtype=fp8_dtype)
-    scale = x.new_empty((m, (k + b - 1) // b) if rowwise else (0,), dtype=u8)
+    scale = x.new_empty((m, (k + b - 1) // b) if rowwise else (0,), dtype=torch.uint8)
     data_t = x.new_empty((k, m) if columnwise else (0,), dtype=fp8_dtype)
-    scale_t = x.new_empty((k, (m + b - 1) // b) if columnwise else (0,), dtype=u8)
+    scale_t = x.new_empty((k, (m + b - 1) // b) if columnwise else (0,), dtype=torch.uint8)
     return data, scale, data_t, scale_t
 
 

@@ -124,16 +124,10 @@ def quantize_mxfp8_ref(
     """``(data, scale, data_t, scale_t)`` (module docstring); 0-element tensors for a direction
     not asked for."""
     x2 = _rows(x)
-    data, scale = _mxfp8_rows(x2, fp8_dtype) if rowwise else _skipped(x, fp8_dtype, torch.uint8)
-    data_t, scale_t = (
-        _mxfp8_rows(x2.t(), fp8_dtype) if columnwise else _skipped(x, fp8_dtype, torch.uint8)
-    )
+    skipped = x.new_empty(0, dtype=fp8_dtype), x.new_empty(0, dtype=torch.uint8)
+    data, scale = _mxfp8_rows(x2, fp8_dtype) if rowwise else skipped
+    data_t, scale_t = _mxfp8_rows(x2.t(), fp8_dtype) if columnwise else skipped
     return data.view(x.shape) if rowwise else data, scale, data_t, scale_t
-
-
-def _skipped(x: Tensor, data_dtype: torch.dtype, scale_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """The 0-element ``(data, scale)`` of a direction not asked for."""
-    return x.new_empty(0, dtype=data_dtype), x.new_empty(0, dtype=scale_dtype)
 
 
 def mxfp8_qdq_tiles(x2: Tensor, fp8_dtype: torch.dtype) -> Tensor:
@@ -254,12 +248,11 @@ def _nvfp4_rows(
 ) -> tuple[Tensor, Tensor]:
     """NVFP4 of the rows of ``x2`` ``[M, K]`` (K even) with global scale ``g`` (0-dim, or
     broadcastable to ``[M, ceil(K/16)]``: one per row or per block):
-    ``(data [M, K/2] uint8, scale [M, ceil(K/16)] e4m3)``. ``tiles``: each block's amax taken
-    over its 16x16 tile; ``err_mode``: the error metric (``"MAE"``, ``"MSE"``; ``""``: off) of
-    4over6 block scaling, each block keeping the candidate of lower error (map to 4 when
-    strictly lower, else 6), or its tile's choice in ``pick`` (bool ``[ceil(M/16),
-    ceil(K/16)]``, True: map to 4) when given; ``u``: uniforms ``[M, K]`` for stochastic
-    rounding (:func:`_e2m1_codes`)."""
+    ``(data [M, K/2] uint8, scale [M, ceil(K/16)] e4m3)``. ``tiles``: each block's amax taken over
+    its 16x16 tile; ``err_mode``: the error metric (``"MAE"``, ``"MSE"``; ``""``: off) of 4over6
+    block scaling, each block keeping the candidate of lower error (map to 4 when strictly lower,
+    else 6), or its tile's choice in ``pick`` (bool ``[ceil(M/16), ceil(K/16)]``, True: map to 4)
+    when given; ``u``: uniforms ``[M, K]`` for stochastic rounding (:func:`_e2m1_codes`)."""
     xb, amax, g = _nvfp4_blocks(x2, g, tiles)
     if not err_mode and pick is None:
         ub = None if u is None else _blocks(u, NVFP4_BLOCK)
@@ -279,12 +272,10 @@ def _tile_pick(x2: Tensor, g: Tensor, err_mode: str) -> Tensor:
     copies stay the same quantised values)."""
     err4, err6, _, _ = _four_over_six_errors(*_nvfp4_blocks(x2, g, True), err_mode)
     pad = -x2.shape[0] % NVFP4_BLOCK
-
-    def tiles(e: Tensor) -> Tensor:
-        e = F.pad(e, (0, 0, 0, pad))
-        return e.view(-1, NVFP4_BLOCK, e.shape[1]).sum(1)
-
-    return tiles(err4) < tiles(err6)
+    tile4, tile6 = (
+        F.pad(e, (0, 0, 0, pad)).view(-1, NVFP4_BLOCK, e.shape[1]).sum(1) for e in (err4, err6)
+    )
+    return tile4 < tile6
 
 
 def quantize_nvfp4_ref(
@@ -303,12 +294,10 @@ def quantize_nvfp4_ref(
     g = nvfp4_global_scale(tensor_amax(x) if global_amax is None else global_amax, e4m3_max)
     x2 = _rows(x)
     pick = _tile_pick(x2.float(), g, err_mode) if tiles and err_mode else None
-    skipped = (torch.uint8, torch.float8_e4m3fn)
-    data, scale = _nvfp4_rows(x2, g, tiles, err_mode, pick) if rowwise else _skipped(x, *skipped)
+    skipped = x.new_empty(0, dtype=torch.uint8), x.new_empty(0, dtype=torch.float8_e4m3fn)
+    data, scale = _nvfp4_rows(x2, g, tiles, err_mode, pick) if rowwise else skipped
     pick_t = None if pick is None else pick.t()
-    data_t, scale_t = (
-        _nvfp4_rows(x2.t(), g, tiles, err_mode, pick_t) if columnwise else _skipped(x, *skipped)
-    )
+    data_t, scale_t = _nvfp4_rows(x2.t(), g, tiles, err_mode, pick_t) if columnwise else skipped
     if rowwise:
         data = data.reshape(*x.shape[:-1], x.shape[-1] // 2)
     return data, scale, g, data_t, scale_t
@@ -319,10 +308,9 @@ def dequantize_nvfp4_ref(
 ) -> Tensor:
     """``e2m1 * scale / global_scale`` per 16-element block: ``[..., K/2]`` bytes to
     ``[..., K]`` values."""
-    k = 2 * data.shape[-1]
     rows = data.reshape(scale.shape[0], data.shape[-1])
     out = _nvfp4_values(rows, scale, global_scale.float().reshape(()))
-    return out.view(*data.shape[:-1], k).to(out_dtype)
+    return out.view(*data.shape[:-1], 2 * data.shape[-1]).to(out_dtype)
 
 
 def _nvfp4_values(data: Tensor, scale: Tensor, g: Tensor) -> Tensor:
@@ -364,10 +352,9 @@ def nvfp4_weight_values(elements: Tensor, scale: Tensor, g: Tensor) -> Tensor:
 
 
 def nvfp4_qdq_row_groups(x: Tensor, row_splits: Tensor, tiles: bool = False) -> Tensor:
-    """The rowwise copy of :func:`nvfp4_qdq` with ``row_splits`` (its groups of rows, the
-    leading dims of ``x`` ``[..., K]`` flattened, each quantised as a tensor of its own: a group
-    holding a NaN gets ``g = 1``) and ``tiles`` (groups of a multiple of 16 rows), in ``x``'s
-    shape."""
+    """The rowwise copy of :func:`nvfp4_qdq` with ``row_splits`` (its groups of rows, the leading
+    dims of ``x`` ``[..., K]`` flattened, each quantised as a tensor of its own: a group holding a
+    NaN gets ``g = 1``) and ``tiles`` (groups of a multiple of 16 rows), in ``x``'s shape."""
     row, _ = nvfp4_qdq(_rows(x), columnwise=False, tiles=tiles, row_splits=row_splits)
     return row.view(x.shape)
 
@@ -417,9 +404,8 @@ def parse_four_over_six(spec: str) -> tuple[str, float]:
 
 
 def _group_scales(row_amax: Tensor, ids: Tensor, groups: int, e4m3_max: float) -> Tensor:
-    """The global scale ``[groups]`` of every group of rows (``ids``: each row's group) from
-    the rows' amaxes, on the device (no host sync); a group holding a NaN gets 1, as a
-    tensor does."""
+    """The global scale ``[groups]`` of every group of rows (``ids``: each row's group) from the
+    rows' amaxes, on the device (no host sync); a group holding a NaN gets 1, as a tensor does."""
     amax = row_amax.new_zeros(groups).scatter_reduce(0, ids, row_amax, "amax")
     has_nan = row_amax.new_zeros(groups).index_add(0, ids, row_amax.isnan().float()) > 0
     return _global_scales(torch.where(has_nan, math.nan, amax), e4m3_max)
@@ -491,15 +477,12 @@ def nvfp4_qdq(
         g = nvfp4_global_scale(tensor_amax(x), e4m3_max)
     g_row = _global_scales(_row_amax(x), e4m3_max)[:, None] if row_scaled else g
     pick = _tile_pick(x, g_row, err_mode) if tiles and err_mode else None
-    data, scale = _nvfp4_rows(x, g_row, tiles, err_mode, pick, u_row)
-    row = _nvfp4_values(data, scale, g_row)
+    row = _nvfp4_values(*_nvfp4_rows(x, g_row, tiles, err_mode, pick, u_row), g_row)
     if not columnwise:
         return row, x.new_empty(0)
     if tiles and not rht and u_col is None:
         return row, row.t().contiguous()
-    xt = x.t()
-    if rht:
-        xt = random_hadamard_transform(xt)
+    xt = random_hadamard_transform(x.t()) if rht else x.t()
     if ids is not None:  # one scale per block of 16 tokens: its group's
         g_col = _group_scales(_row_amax(xt.t()), ids, groups, e4m3_max)[ids] if rht else g[:, 0]
         g_t = g_col[::NVFP4_BLOCK][None, :]
@@ -509,5 +492,4 @@ def nvfp4_qdq(
         g_t = g
     if pick is not None:
         pick = _tile_pick(xt, g_t, err_mode) if rht else pick.t()
-    data_t, scale_t = _nvfp4_rows(xt, g_t, tiles, err_mode, pick, u_col)
-    return row, _nvfp4_values(data_t, scale_t, g_t)
+    return row, _nvfp4_values(*_nvfp4_rows(xt, g_t, tiles, err_mode, pick, u_col), g_t)

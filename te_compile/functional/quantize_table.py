@@ -32,14 +32,14 @@ __all__ = ["Quantized", "dequantize", "quantize"]
 class Quantized(NamedTuple):
     """A quantised tensor as plain tensors (never a tensor subclass).
 
-    ``data``: FP8, the input's shape. ``scale_inv``: what to multiply ``data`` by to
-    dequantise (``[1]`` per tensor; per block as in the module docstring). ``data_t`` and
+    ``data``: FP8, the input's shape. ``scale_inv``: what to multiply ``data`` by to dequantise
+    (``[1]`` per tensor; per block in ``functional.quantize``'s layout). ``data_t`` and
     ``scale_inv_t``: the columnwise ``[K, M]`` copy and its scales, None unless
-    ``columnwise=True`` (per-tensor kinds share ``scale_inv``: the same tensor). ``amax``:
-    ``[1]`` fp32 ``max|x|`` for the per-tensor kinds, None for "block". ``kind`` and
-    ``block_rows``: how it was made, which :func:`dequantize` dispatches on. For "mxfp8"
-    ``scale_inv`` holds the E8M0 block scales (uint8) and for "nvfp4" the E4M3 block scales,
-    with the per-tensor ``global_scale`` (``quantize_mx``'s layouts)."""
+    ``columnwise=True`` (per-tensor kinds share ``scale_inv``: the same tensor). ``amax``: ``[1]``
+    fp32 ``max|x|`` for the per-tensor kinds, else None. ``kind`` and ``block_rows``: how it was
+    made, which :func:`dequantize` dispatches on. For "mxfp8" ``scale_inv`` holds the E8M0
+    block scales (uint8) and for "nvfp4" the E4M3 block scales, with the per-tensor
+    ``global_scale`` (``quantize_mx``'s layouts)."""
 
     data: Tensor
     scale_inv: Tensor
@@ -58,10 +58,9 @@ def _quantize_delayed(x: Tensor, *, fp8_dtype, scale, columnwise, **_) -> Quanti
             "the scale derived from the amax history)"
         )
     # The scale must be finite and > 0: 0 or inf would cast every value to 0 or to the format's
-    # largest, NaN every value to NaN, a negative one flip the signs. One host read of a
-    # 1-element tensor: quantize is a utility, not a step of the modules (their delayed scales
-    # come from the amax history, which keeps a scale finite and > 0). Not while tracing
-    # (torch.compile, fake tensors): there is no data to read. A wrong shape is the op's to refuse.
+    # largest, NaN every value to NaN, a negative one flip the signs. One host read: quantize is
+    # a utility (the modules' delayed scales come from the amax history, finite and > 0). Not
+    # while tracing (torch.compile, fake tensors): no data to read. A wrong shape: the op raises.
     if scale.numel() == 1 and not (torch.compiler.is_compiling() or tracing()):
         value = scale.detach().reshape(()).item()
         if not 0 < value < math.inf:
@@ -89,25 +88,21 @@ def _quantize_current(
 def _quantize_block(
     x: Tensor, *, fp8_dtype, block_rows, power_2_scale, columnwise, **_
 ) -> Quantized:
-    data, scale_inv, data_t, scale_inv_t = quantize_blockwise(
-        x, fp8_dtype, block_rows, power_2_scale, columnwise
-    )
-    return _quantized(columnwise, data, scale_inv, data_t, scale_inv_t, None, "block", block_rows)
+    out = quantize_blockwise(x, fp8_dtype, block_rows, power_2_scale, columnwise)
+    return _quantized(columnwise, *out, None, "block", block_rows)  # out: in _quantized's order
 
 
 # Every dequantiser: (q, data, scale_inv, out_dtype), the rowwise or the columnwise pair of q.
-def _dequantize_tensorwise(q: Quantized, data, scale_inv, out_dtype: torch.dtype) -> Tensor:
-    return dequantize_tensorwise(data.view(torch.uint8), scale_inv, data.dtype, out_dtype)
-
-
-def _dequantize_block(q: Quantized, data, scale_inv, out_dtype: torch.dtype) -> Tensor:
+def _dequantize_fp8(q: Quantized, data, scale_inv, out_dtype: torch.dtype) -> Tensor:
     u8 = data.view(torch.uint8)
-    return dequantize_blockwise(u8, scale_inv, q.block_rows, data.dtype, out_dtype)
+    if q.kind == "block":
+        return dequantize_blockwise(u8, scale_inv, q.block_rows, data.dtype, out_dtype)
+    return dequantize_tensorwise(u8, scale_inv, data.dtype, out_dtype)
 
 
 def _quantize_mxfp8(x: Tensor, *, fp8_dtype: torch.dtype, columnwise, **_) -> Quantized:
-    data, s, data_t, s_t = quantize_mx.quantize_mxfp8(x, fp8_dtype, columnwise=columnwise)
-    return _quantized(columnwise, data, s, data_t, s_t, None, "mxfp8", 1)
+    out = quantize_mx.quantize_mxfp8(x, fp8_dtype, columnwise=columnwise)
+    return _quantized(columnwise, *out, None, "mxfp8", 1)  # out: in _quantized's order
 
 
 def _quantize_nvfp4(x: Tensor, *, columnwise, block_rows, four_over_six, **_) -> Quantized:
@@ -144,9 +139,9 @@ _QUANTIZERS: dict[str, Callable[..., Quantized]] = {
 }
 _KINDS = tuple(sorted(_QUANTIZERS))
 _DEQUANTIZERS: dict[str, Callable[..., Tensor]] = {
-    "delayed": _dequantize_tensorwise,
-    "current": _dequantize_tensorwise,
-    "block": _dequantize_block,
+    "delayed": _dequantize_fp8,
+    "current": _dequantize_fp8,
+    "block": _dequantize_fp8,
     "mxfp8": _dequantize_mx,
     "nvfp4": _dequantize_mx,
 }

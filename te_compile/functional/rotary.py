@@ -154,8 +154,7 @@ def token_positions(
     inside = (seq >= 0) & (seq < n)
     seq = seq.clamp(0, n - 1)
     start = cu[seq]
-    length = cu[seq + 1] - start
-    return _cp_position(index - start, length, cp_size, cp_rank), inside
+    return _cp_position(index - start, cu[seq + 1] - start, cp_size, cp_rank), inside
 
 
 def _rotate(x: Tensor, interleaved: bool) -> Tensor:
@@ -177,10 +176,8 @@ def rotary_ref(
     cp_rank: int,
     backward: bool = False,
 ) -> Tensor:
-    """``y = x cos f + r(x) sin f`` on the first ``d2`` channels, the rest copied; in fp32
-    (fp64 for fp64 ``t``), rounded once. Differentiable by autograd (``t`` and ``freqs``).
-    ``backward``: ``t`` is the output's gradient and the result the input's, ``dy cos f -
-    r(dy sin f)`` (``r`` is antisymmetric)."""
+    """``y = x cos f + r(x) sin f`` (the module docstring), differentiable by autograd (``t``
+    and ``freqs``). ``backward``: ``t`` is the output's gradient and the result the input's."""
     acc = acc_dtype(t)
     pos, inside = token_positions(
         tensor_format, _seq_len(t, tensor_format), cu_seqlens, cp_size, cp_rank, t.device
@@ -191,13 +188,12 @@ def rotary_ref(
     f = torch.where((inside & (pos >= 0) & (pos < rows))[:, None], f, 0.0)  # unrotated
     shape = {"sbhd": (-1, 1, 1, d2), "bshd": (1, -1, 1, d2)}  # to broadcast against t[..., :d2]
     f = f.view(shape.get(tensor_format, (-1, 1, d2)))
-    cos, sin = f.cos(), f.sin()
     x = t.to(acc)
     xr = x[..., :d2]
     if backward:
-        yr = xr * cos - _rotate(xr * sin, interleaved)
+        yr = xr * f.cos() - _rotate(xr * f.sin(), interleaved)
     else:
-        yr = xr * cos + _rotate(xr, interleaved) * sin
+        yr = xr * f.cos() + _rotate(xr, interleaved) * f.sin()
     return torch.cat((yr, x[..., d2:]), dim=-1).to(t.dtype).contiguous()
 
 

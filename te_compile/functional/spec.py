@@ -293,8 +293,7 @@ def as_strings(*specs: str | QuantSpec) -> list[str]:
 def parse_roles(owner: str, *texts: str) -> tuple[QuantSpec, QuantSpec, QuantSpec]:
     """A GEMM family op's three operand specs (``input_spec``, ``weight_spec``, ``grad_spec``),
     each parsed with its argument named after ``owner`` in the errors."""
-    names = _role_names(owner)
-    return tuple(parse(QuantSpec, t, n) for t, n in zip(texts, names, strict=True))  # type: ignore[return-value]
+    return tuple(parse(QuantSpec, t, n) for t, n in zip(texts, _role_names(owner), strict=True))  # type: ignore[return-value]
 
 
 @functools.lru_cache(maxsize=64)
