@@ -13,13 +13,10 @@ function                                   native when
 ``is_nvfp4_available``                     >= 10.0 (Blackwell)
 =========================================  ==================================================
 
-``get_device_compute_capability()`` is the current CUDA device's ``(major, minor)``, ``(0, 0)``
-without one (so ``get_device_compute_capability() >= (9, 0)`` reads "Hopper or later" on any
-machine). Each ``is_*_available`` returns a bool, or ``(available, reason)`` with
-``return_reason=True``; ``reason`` is "" when available, else why not (the capability needed
-and the device's). Without a CUDA device every answer is ``(False, "no CUDA device")``. ROCm
-builds answer False as well: AMD's FP8 formats (``float8_e4m3fnuz``) are not the ones the
-recipes use.
+Each ``is_*_available`` returns a bool, or ``(available, reason)`` with ``return_reason=True``;
+``reason`` is "" when available, else why not (the capability needed and the device's). Without
+a CUDA device every answer is ``(False, "no CUDA device")``. ROCm builds answer False as well:
+AMD's FP8 formats (``float8_e4m3fnuz``) are not the ones the recipes use.
 
 "Not available" means "not native": te_compile still quantises exactly on any device and
 emulates the low-precision GEMM by dequantising and multiplying in high precision.
@@ -49,8 +46,6 @@ __all__ = [
     "is_nvfp4_available",
 ]
 
-NO_CUDA_REASON = "no CUDA device"
-
 
 @torch.compiler.assume_constant_result
 def _capability() -> tuple[int, int] | None:
@@ -69,7 +64,7 @@ def _capability_of(index: int) -> tuple[int, int]:
 def _native(minimum: tuple[int, int], what: str, return_reason: bool) -> bool | tuple[bool, str]:
     capability, reason = _capability(), ""  # reason: "" exactly when native
     if capability is None:
-        reason = NO_CUDA_REASON
+        reason = "no CUDA device"
     elif capability < minimum:
         have, need = ".".join(map(str, capability)), ".".join(map(str, minimum))
         reason = f"{what} needs compute capability {need} or higher; device has {have}"
@@ -78,9 +73,8 @@ def _native(minimum: tuple[int, int], what: str, return_reason: bool) -> bool | 
 
 def get_device_compute_capability() -> tuple[int, int]:
     """``(major, minor)`` compute capability of the current CUDA device; ``(0, 0)`` without a
-    CUDA device (and on ROCm, as the ``is_*_available`` functions)."""
-    capability = _capability()
-    return (0, 0) if capability is None else tuple(capability)
+    CUDA device and on ROCm, so ``>= (9, 0)`` reads "Hopper or later" on any machine."""
+    return tuple(_capability() or (0, 0))
 
 
 def is_bf16_available(return_reason: bool = False) -> bool | tuple[bool, str]:

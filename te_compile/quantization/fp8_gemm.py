@@ -8,9 +8,8 @@ state_dict save/load resumes training exactly:
   row 0; a recipe's ``amax_history_len`` (at most 1024) uses the first rows;
 * ``scale`` ``[3]``: the scales the next casts use;
 * ``fwd_amax`` ``[2]`` / ``grad_amax`` ``[1]``: the amaxes the last forward / backward measured.
-  Two buffers, because the backward op writes ``grad_amax`` after the forward saved it, and a
-  saved tensor that shares storage with one the forward then writes would fail autograd's
-  version check.
+  Two buffers: the backward op writes ``grad_amax`` after the forward saved it, and a saved
+  tensor sharing storage with one the forward then writes would fail autograd's version check.
 
 A state that was never used (delayed scaling never ran: zero history, unit scales) is left out
 of the state_dict and, when absent from a loaded one, reset to that initial value: a module that
@@ -28,11 +27,10 @@ measured, and the next step folds them into the history; a step without tokens l
 calibration to the first step with tokens. ``calibrated`` (a Python bool, saved with the
 buffers) is what a compiled step specialises on: one recompile after the first step.
 A recipe with ``amax_compute_algo`` or ``scaling_factor_compute_algo`` callables runs the same
-update as plain torch code around them (:func:`_custom_update`), traced by torch.compile.
-With ``amax_reduction_group`` (or ``reduce_amax`` and an initialised default process group)
-the amaxes are max-reduced over the group with a functional all-reduce (traced by
-torch.compile): the forward's before they are recorded, the gradient's when it is folded into
-the history at the next forward.
+update in plain torch around them (:func:`_custom_update`). With ``amax_reduction_group`` (or
+``reduce_amax`` and an initialised default process group) the amaxes are max-reduced over the
+group with a functional all-reduce: the forward's before they are recorded, the gradient's when
+it is folded into the history at the next forward. torch.compile traces both.
 """
 
 from __future__ import annotations
@@ -122,9 +120,8 @@ class FP8GemmState(nn.Module):
                 f"{owner}: DelayedScaling.amax_history_len ({length}) must be <= "
                 f"{MAX_AMAX_HISTORY}, the history these buffers hold"
             )
-        scope = current_scope()
-        if scope is not None:  # te_compile.checkpoint: the state before this step's update
-            scope.snapshot(self)
+        if (scope := current_scope()) is not None:
+            scope.snapshot(self)  # te_compile.checkpoint: the state before this step's update
         if not self.calibrated:
             self.calibrated = has_tokens
             return None
@@ -133,8 +130,7 @@ class FP8GemmState(nn.Module):
         history = self.amax_history[:length]
         fwd, grad = self.fwd_amax, self.grad_amax
         if _amax_group(state, recipe) is not None:
-            # The gradient amax of the last backward is reduced here, when it is folded in (the
-            # backward op has no group); the forward amaxes were reduced when recorded.
+            # The backward op has no group: the gradient amax of the last backward is reduced here.
             fwd, grad = _reduce_amax(torch.cat([fwd, grad]), state, recipe).split([2, 1])
         if callable(recipe.amax_compute_algo) or recipe.scaling_factor_compute_algo is not None:
             return _custom_update(history, self.scale, torch.cat([fwd, grad]), limits, recipe)
@@ -170,8 +166,7 @@ class FP8GemmState(nn.Module):
         if state.recipe.delayed():
             amax = _reduce_amax(amax, state, state.recipe)
         if more:
-            states = (self, *more)
-            torch._foreach_copy_([s.fwd_amax for s in states], amax.reshape(-1, 2).unbind())
+            torch._foreach_copy_([s.fwd_amax for s in (self, *more)], amax.reshape(-1, 2).unbind())
         else:
             self.fwd_amax.copy_(amax)
 
@@ -224,9 +219,8 @@ def _custom_update(
 ) -> Tensor:
     """``te::delayed_scaling_update`` with the recipe's callables (``DelayedScaling``'s
     ``amax_compute_algo`` / ``scaling_factor_compute_algo``) in place of the built-in amax choice
-    or scale formula, in plain torch (traced by ``torch.compile`` like any other code): roll the
-    history in, pick the amax, compute the scales. Returns a copy of the new scales laid out
-    as the op's (``functional.fp8_scaling.scale_copy``)."""
+    or scale formula, in plain torch: roll the history in, pick the amax, compute the scales.
+    Returns a copy of the new scales, laid out as ``functional.fp8_scaling.scale_copy``'s."""
     old = scale.clone()
     rolled = torch.roll(history, 1, dims=0)
     rolled[0] = last
@@ -236,8 +230,7 @@ def _custom_update(
     from te_compile.kernels import device_constant
 
     fp8_max = device_constant(tuple(limits), torch.float32, scale.device)
-    compute = recipe.scaling_factor_compute_algo
-    if compute is not None:
+    if (compute := recipe.scaling_factor_compute_algo) is not None:
         new = compute(amax, old, fp8_max, recipe)
     else:  # the built-in formula: an amax of 0, inf or NaN keeps the old scale
         ok = (amax > 0) & torch.isfinite(amax)
@@ -263,8 +256,7 @@ def _amax_group(state: AutocastState, recipe):
 
 def _reduce_amax(amax: Tensor, state: AutocastState, recipe) -> Tensor:
     """Max over the amax reduction group (functional collective: traced by torch.compile)."""
-    group = _amax_group(state, recipe)
-    if group is None:
+    if (group := _amax_group(state, recipe)) is None:
         return amax
     import torch.distributed._functional_collectives as funcol
 

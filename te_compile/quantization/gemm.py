@@ -5,10 +5,9 @@ GEMM's input, weight and gradient, and :func:`gemm_args` is the one place that r
 for a GEMM: from the autocast state, the GEMM's input and weights and the FP8 states of its
 GEMMs it makes a :class:`GemmArgs`, those specs (native or emulated GEMMs decided here) and the
 delayed-scaling state tensors of each GEMM. The module entry points below (:func:`linear`,
-:func:`mlp`, :func:`grouped_linear`) flatten, call the family function of
-``te_compile.functional`` with :meth:`GemmArgs.op_kwargs` and record the amaxes the op
-measured; none of them chooses an op per recipe: there is one op per GEMM shape
-(``functional.gemm`` has the tables inside it).
+:func:`mlp`, :func:`grouped_linear`) call the family function of ``te_compile.functional``
+with :meth:`GemmArgs.op_kwargs` and record the amaxes the op measured; none chooses an op per
+recipe: there is one op per GEMM shape (``functional.gemm`` has the tables).
 
 Outside an enabled ``te_compile.autocast`` the specs are those of high precision (``""``), so
 a module's forward reads the same with and without FP8. Calibration (``docs/fp8.md``): the
@@ -67,8 +66,7 @@ __all__ = [
 _NATIVE_BLOCK = True
 # True: every per-tensor FP8 GEMM runs emulated (``functional.gemm.GEMMS["tensorwise_emulated"]``).
 _EMULATE = False
-# False: LayerNormMLP runs its GEMMs one by one (te::linear twice around the activation)
-# instead of te::mlp (same bytes).
+# False: LayerNormMLP runs te::linear twice around the activation instead of te::mlp (same bytes).
 _FUSE_MLP = True
 
 # A norm prologue: (weight, bias, normalization, eps, zero_centered_gamma).
@@ -143,8 +141,7 @@ def check_first_microbatch(owner: str, is_first_microbatch: object) -> None:
 
 
 # The recipe families FP8 primary weights are kept for (quantization.primary), by the dtype and
-# dim of the weight's scale: the autocast recipe that reads them, what they are, and that
-# recipe's predicate.
+# dim of the weight's scale: the autocast recipe that reads them, what they are, its predicate.
 _PRIMARY = {
     "tensor": (
         "Float8CurrentScaling or DelayedScaling",
@@ -162,13 +159,11 @@ def primary_kind(
 ) -> str:
     """The kind of an FP8 primary weight's operand (:data:`_PRIMARY`; ``""``: None, not one),
     told by its scale: one fp32 scale per tensor, fp32 block scales, MXFP8's uint8 (E8M0) ones,
-    NVFP4's E4M3 ones.
-    Such a weight ``name`` runs inside an FP8 autocast of the recipe family it was made for
-    (per-tensor codes, which either per-tensor recipe reads, or the blocks of a block-scaled
-    recipe, of the autocast recipe's weight blocks; under ``backward_override=
-    "high_precision"`` the backward reads the weight's values, ``quantization.primary``). Another
-    recipe is Transformer Engine's "Recipe mismatch" (a ``NotImplementedError``, which is a
-    ``RuntimeError`` as TE's is)."""
+    NVFP4's E4M3 ones. Such a weight ``name`` runs inside an FP8 autocast of the recipe family
+    it was made for (per-tensor codes: either per-tensor recipe; blocks: a block-scaled recipe
+    of the same weight blocks; under ``backward_override="high_precision"`` the backward reads
+    the weight's values, ``quantization.primary``). Another recipe is Transformer Engine's
+    "Recipe mismatch" (a ``NotImplementedError``, which is a ``RuntimeError`` as TE's is)."""
     if weight_quantized is None:
         return ""
     data, scale = weight_quantized[:2]
@@ -177,10 +172,9 @@ def primary_kind(
     )
     recipe, (made, kept, family) = state.recipe, _PRIMARY[kind]
     if not state.enabled:
-        now = "calibration" if state.calibration else "no FP8 autocast"
         raise NotImplementedError(
             f"{owner}: FP8 primary weights (quantized_model_init) run inside te_compile.autocast "
-            f"with {made}, got {now}"
+            f"with {made}, got {'calibration' if state.calibration else 'no FP8 autocast'}"
         )
     if not getattr(recipe, family)():
         raise NotImplementedError(
@@ -219,11 +213,10 @@ def as_gemm_takes(spec: QuantSpec, weight_q: Sequence[Tensor] | None, kind: str,
 
 def dequantized(codes: Tensor, scale_inv: Tensor, spec: QuantSpec, dtype: torch.dtype,
                 g: Tensor | None = None) -> Tensor:  # fmt: skip
-    """The values of an FP8 primary weight's ``codes`` (float8) with their ``scale_inv``, kept
-    as ``spec`` keeps them (``quantization.primary._cast``; an operand's codes may be their
-    bytes), in ``dtype``: ``te.dequantize``'s table (``functional.quantize_table``); NVFP4's
-    E2M1 elements with their global scale ``g``. A grouped ``[G, N, K]`` weight in blocks:
-    expert by expert."""
+    """The values of an FP8 primary weight's ``codes`` (float8, or their bytes in an operand)
+    with their ``scale_inv``, kept as ``spec`` keeps them (``quantization.primary._cast``), in
+    ``dtype``: ``te.dequantize``'s table (``functional.quantize_table``); NVFP4's E2M1 elements
+    with their global scale ``g``. A grouped ``[G, N, K]`` weight in blocks: expert by expert."""
     if codes.dim() > 2 and spec.kind != "current":
         gs = g if spec.kind == "nvfp4" else [None] * len(codes)
         experts = zip(codes, scale_inv, gs, strict=True)
@@ -264,9 +257,8 @@ def cached_weight(
             f"covering the weight={bool(spec.four_over_six)}); pass is_first_microbatch=None"
         )
     quantize = F.quantize_grouped_weight if grouped else F.quantize_weight
-    tensors = quantize(weight.detach(), spec, scale)
-    kept.key, kept.tensors = key, tensors
-    return tensors
+    kept.key, kept.tensors = key, quantize(weight.detach(), spec, scale)
+    return kept.tensors
 
 
 def recipe_specs(recipe: Recipe) -> tuple[QuantSpec, QuantSpec, QuantSpec]:
@@ -287,8 +279,7 @@ def _memoised(recipe: Recipe, key: Any, make: Callable[..., Any], *args: Any, **
     if torch.compiler.is_compiling():
         return make(*args, **kw)
     memo = recipe.memo()
-    out = memo.get(key)
-    if out is None:
+    if (out := memo.get(key)) is None:
         out = memo[key] = make(*args, **kw)
     return out
 
@@ -350,8 +341,7 @@ def _checked_qparams(recipe: Recipe, fields: dict[str, tuple[str, ...]]) -> list
     ``amax_epsilon``, raises NotImplementedError naming the field, rather than being ignored."""
     out, owner = [getattr(recipe, name) for name in fields], type(recipe).__name__
     for name, q in zip(fields, out, strict=True):
-        refused = [o for o in _QPARAM_OPTIONS if o not in fields[name] and getattr(q, o)]
-        if refused:
+        if refused := [o for o in _QPARAM_OPTIONS if o not in fields[name] and getattr(q, o)]:
             raise NotImplementedError(
                 f"{owner}: {name}.{refused[0]}=True is not implemented for this operand "
                 f"(te_compile's {owner} takes "
@@ -416,8 +406,6 @@ def gemm_args(
             "'high_precision' or 'dequantized' (a row-scaled NVFP4 input has no columnwise "
             "copy for the wgrad GEMM, as in Transformer Engine), got None"
         )
-    if x.kind in ("nvfp4", "mxfp8"):
-        return GemmArgs(specs, backward_override=override)
     if x.kind == "block":
         if x.block_rows != 1 or g.block_rows != 1:
             raise NotImplementedError(
@@ -433,20 +421,20 @@ def gemm_args(
             and all(blockwise_supported(t, w.block_rows, x.fp8_dtype, g.fp8_dtype) for t in w2d)
         )
         specs = _memoised(recipe, ("block", not native), _replaced, specs, emulate=not native)
+    if x.kind in ("nvfp4", "mxfp8", "block"):  # (no delayed scales, no amaxes)
         return GemmArgs(specs, backward_override=override)
     has_tokens = inp.numel() > 0  # a zero-token step does not calibrate (FP8GemmState)
     scales = delayed_scales(owner, state, has_tokens, metas)
     kind = "delayed" if scales and all(s is not None for s in scales) else "current"
     if kind == "current":  # current scaling, or a state's calibration step
         scales = (None,) * len(scales)
-    grad_amaxes = tuple(meta.grad_amax for meta in metas)
     key = (kind, _EMULATE)
     # The per-tensor quantisers take no power-of-two option; autocast refuses a recipe that asks
     # for it, and this a field set since (which empties the memo).
     if recipe.float8_current() and (torch.compiler.is_compiling() or key not in recipe.memo()):
         check_power_2_scales(owner, recipe)
     specs = _memoised(recipe, key, _replaced, specs, kind=kind, emulate=_EMULATE)
-    return GemmArgs(specs, scales, grad_amaxes, override)
+    return GemmArgs(specs, scales, tuple(meta.grad_amax for meta in metas), override)
 
 
 def _note_recipe(owner: str, state: AutocastState, metas: Sequence[FP8GemmState]) -> None:
@@ -511,15 +499,14 @@ def linear(
     **epilogue: Any,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """A module's linear through ``te::linear``: the recipe of the autocast state (high
-    precision outside it) with ``meta``'s FP8 state, an optional ``norm`` prologue ``(weight,
-    bias, normalization, eps, zero_centered_gamma)`` and the epilogue arguments of
-    ``functional.linear`` (``activation``, ``residual``, ``out_scale``, ``return_branch``, ...).
-    The forward's amaxes go into ``meta`` (per-tensor recipes). ``cache``: the module's kept
-    FP8 weights and ``is_first_microbatch`` (module docstring), ``cache_name`` this weight's
-    entry. ``weight_quantized``: ``weight``'s pre-quantised operand (FP8 primary weights,
-    ``quantization.primary``), under an autocast of the recipe it was made for
-    (:func:`primary_kind`). ``defer``: a list, the weight gradient is delayed
-    (``delay_wgrad_compute``): ``(DeferredWgrad, weight)`` is appended."""
+    precision outside it) with ``meta``'s FP8 state, an optional ``norm`` prologue (:data:`Norm`)
+    and the epilogue arguments of ``functional.linear`` (``activation``, ``residual``,
+    ``out_scale``, ``return_branch``, ...). The forward's amaxes go into ``meta`` (per-tensor
+    recipes). ``cache``: the module's kept FP8 weights and ``is_first_microbatch`` (module
+    docstring), ``cache_name`` this weight's entry. ``weight_quantized``: ``weight``'s
+    pre-quantised operand (FP8 primary weights, ``quantization.primary``), under an autocast of
+    the recipe it was made for (:func:`primary_kind`). ``defer``: a list, the weight gradient is
+    delayed (``delay_wgrad_compute``): ``(DeferredWgrad, weight)`` is appended."""
     state = get_autocast_state()
     kind = primary_kind(owner, state, cache_name, weight_quantized)
     if state.calibration:  # a prologue's GEMM input is the norm's output: computed for its amax
@@ -540,8 +527,7 @@ def linear(
         args, weight, cache, cache_name
     )
     if weight_q is not None:
-        # A kept NVFP4 weight was cast with the weight's 4over6 (cached_weight keys on it), so
-        # the op takes it as it is and is told no 4over6 of its own.
+        # A kept NVFP4 weight holds its 4over6 (cached_weight keys on it): the op is told none.
         kw.update(weight_quantized=weight_q, weight_spec=replace(args.specs[1], four_over_six=""))
     out = F.linear(inp, weight, bias, main_grad=main_grad, **kw)
     return _outputs(out, kw, state, (meta,), defer, weight)
@@ -670,10 +656,9 @@ def grouped_linear(
     (``defer``, ``cache`` with the entry ``"weight"``, ``weight_quantized``:
     ``quantization.primary.grouped_primary``'s; native or emulated GEMMs: :func:`gemm_args`).
     The per-tensor recipes run the wgrad GEMM in FP8 too (``fp8_wgrad``), ``DelayedScaling``
-    with ``meta``'s scales for all groups.
-    ``save_original_input``: the backward keeps the input itself (high precision, current
-    scaling, the emulated block-scaled recipes); DelayedScaling refuses it (as Transformer
-    Engine) and the native Float8BlockScaling GEMMs do not implement it."""
+    with ``meta``'s scales for all groups. ``save_original_input``: the backward keeps the input
+    itself (high precision, current scaling, the emulated block-scaled recipes); DelayedScaling
+    refuses it (as Transformer Engine), the native Float8BlockScaling GEMMs do not implement it."""
     state = get_autocast_state()
     expert = weight_quantized and [t[0] for t in weight_quantized[:2]]  # read as a dense one's
     kind = primary_kind(owner, state, "weight", expert)

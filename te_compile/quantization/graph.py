@@ -24,6 +24,7 @@ from te_compile._checks import check_bool, check_callable, check_int
 from te_compile.quantization.device import get_default_fp8_recipe
 from te_compile.quantization.fp8_gemm import FP8GemmState
 from te_compile.quantization.graph_replay import (
+    _NAME,
     CallSpec,
     CapturedGraphs,
     graphed_forward,
@@ -34,8 +35,6 @@ from te_compile.quantization.recipe import Recipe
 from te_compile.quantization.state import autocast, check_recipe_and_group
 
 __all__ = ["make_graphed_callables"]
-
-_NAME = "make_graphed_callables"
 
 # (older name, current name): TE deprecated the fp8_* arguments in favour of these.
 _RENAMED = (
@@ -101,12 +100,12 @@ def make_graphed_callables(
     callables = (modules,) if single else modules
     _check_callables(callables, modules)
     n = len(callables)
-    if capture_time_hooks is not None and not isinstance(capture_time_hooks, list):
-        raise TypeError(
-            f"{_NAME}: capture_time_hooks must be None (a list of hook dicts is not "
-            f"implemented), got {capture_time_hooks!r}"
-        )
     if capture_time_hooks is not None:
+        if not isinstance(capture_time_hooks, list):
+            raise TypeError(
+                f"{_NAME}: capture_time_hooks must be None (a list of hook dicts is not "
+                f"implemented), got {capture_time_hooks!r}"
+            )
         raise NotImplementedError(
             f"{_NAME}: capture_time_hooks is not implemented (register hooks on the modules "
             f"after graphing: they run around each replay); pass None, got {capture_time_hooks!r}"
@@ -195,7 +194,6 @@ def _resolve_renamed(given: dict[str, Any]) -> tuple[list[Any], dict[str, str]]:
     defaults = {"enabled": False, "calibrating": False, "cache_quantized_params": False}
     out, spelled = [], {}
     for old, new in _RENAMED:
-        spelled[new] = new
         value = given[new]
         if given[old] is not None:
             if value is not None:
@@ -207,7 +205,7 @@ def _resolve_renamed(given: dict[str, Any]) -> tuple[list[Any], dict[str, str]]:
                 f"{_NAME}: {old} is deprecated, use {new}", DeprecationWarning, stacklevel=3
             )
             value = given[old]
-            spelled[new] = old
+        spelled[new] = new if given[old] is None else old
         out.append(defaults.get(new) if value is None else value)
     return out, spelled
 
@@ -215,15 +213,13 @@ def _resolve_renamed(given: dict[str, Any]) -> tuple[list[Any], dict[str, str]]:
 def _check_callables(callables: tuple, modules: Any) -> None:
     if not callables:
         raise ValueError(f"{_NAME}: modules must hold at least one callable, got ()")
-    seen = set()
-    for c in callables:
+    for i, c in enumerate(callables):
         if not callable(c):
             raise TypeError(
                 f"{_NAME}: modules must be a callable or a tuple of callables, got {modules!r}"
             )
-        if id(c) in seen:
+        if any(d is c for d in callables[:i]):
             raise ValueError(f"{_NAME}: modules holds {c!r} twice; each callable is graphed once")
-        seen.add(id(c))
         if isinstance(c, nn.Module):
             if c._forward_hooks or c._forward_pre_hooks or c._backward_hooks:
                 raise ValueError(
@@ -240,8 +236,7 @@ def _check_callables(callables: tuple, modules: Any) -> None:
                     f"{_NAME}: only parameters may require grad in a graphed module; a buffer "
                     f"of {type(c).__name__} has requires_grad=True"
                 )
-    modes = {c.training for c in callables if isinstance(c, nn.Module)}
-    if len(modes) > 1:
+    if len({c.training for c in callables if isinstance(c, nn.Module)}) > 1:
         raise ValueError(
             f"{_NAME}: the modules must all be in training mode or all in eval mode, got both"
         )
@@ -310,7 +305,7 @@ class _Schedule(NamedTuple):
         layers = _layers_per_chunk(layers, chunks, microbatches, n_callables, n_samples)
         first = [sum(layers[:m]) for m in range(chunks)]
         callable_of = [0] * (sum(layers) * microbatches)
-        warmup, events = [], []
+        events = []
         done = {True: [0] * chunks, False: [0] * chunks}
         for entry in order:
             forward, m = entry > 0, abs(entry) - 1
@@ -321,9 +316,7 @@ class _Schedule(NamedTuple):
                 p = first[m] * microbatches + k * layers[m] + layer
                 callable_of[p] = first[m] + layer
                 events.append((forward, p))
-                if forward:
-                    warmup.append(p)
-        return cls(callable_of, warmup, events, True)
+        return cls(callable_of, [p for forward, p in events if forward], events, True)
 
 
 def _check_order(order: Any) -> tuple[int, int]:
@@ -395,8 +388,7 @@ class _FP8States:
         self.seen.add(id(root))
         for m in root.modules():
             if isinstance(m, FP8GemmState) and id(m) not in self.saved:
-                copies = [b.detach().clone() for b in m.buffers()]
-                self.saved[id(m)] = (m, m.calibrated, copies)
+                self.saved[id(m)] = (m, m.calibrated, [b.detach().clone() for b in m.buffers()])
                 # The graphs hold the delayed path (module docstring), never the calibration one.
                 if calibrate_off:
                     m.calibrated = True

@@ -14,13 +14,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-__all__ = [
-    "CallSpec",
-    "CapturedGraphs",
-    "graphed_forward",
-    "make_replay",
-    "tensor_outputs",
-]
+__all__ = ["CallSpec", "CapturedGraphs", "graphed_forward", "make_replay", "tensor_outputs"]
 
 _NAME = "make_graphed_callables"
 
@@ -40,8 +34,7 @@ class CallSpec:
                     f"{_NAME}: sample_args must hold tensors only; sample_args[{index}] holds "
                     f"{type(leaf).__name__} {leaf!r} (pass other values in sample_kwargs)"
                 )
-        self.keys = tuple(self.kwargs)
-        kw_leaves, self.kwargs_spec = tree_flatten([self.kwargs[k] for k in self.keys])
+        kw_leaves, self.kwargs_spec = tree_flatten(list(self.kwargs.values()))
         self.statics = [(i, v) for i, v in enumerate(kw_leaves) if not isinstance(v, Tensor)]
         self.tensors = tuple(leaves) + tuple(v for v in kw_leaves if isinstance(v, Tensor))
 
@@ -56,10 +49,10 @@ class CallSpec:
     def flatten_call(self, args: tuple, kwargs: dict[str, Any], grad: bool) -> tuple[Tensor, ...]:
         """The tensor leaves of a call, checked against the samples (ValueError/TypeError)."""
         where = f"graphed callable {self.index}"
-        if set(kwargs) != set(self.keys):
+        if set(kwargs) != set(self.kwargs):
             raise TypeError(
                 f"{where}: keyword arguments must be those of sample_kwargs "
-                f"{sorted(self.keys)}, got {sorted(kwargs)}"
+                f"{sorted(self.kwargs)}, got {sorted(kwargs)}"
             )
         leaves, spec = tree_flatten(tuple(args))
         if spec != self.args_spec:
@@ -67,7 +60,7 @@ class CallSpec:
                 f"{where}: positional arguments must have sample_args' structure "
                 f"({self.args_spec}), got {spec}"
             )
-        kw_leaves, kw_spec = tree_flatten([kwargs[k] for k in self.keys])
+        kw_leaves, kw_spec = tree_flatten([kwargs[k] for k in self.kwargs])
         if kw_spec != self.kwargs_spec:
             raise ValueError(
                 f"{where}: keyword arguments must have sample_kwargs' structure "

@@ -105,9 +105,8 @@ def _cast(weight: Tensor, spec: QuantSpec) -> list[Tensor]:
     """The five tensors of ``functional.quantize_weight`` of ``weight`` by ``spec`` (MXFP8: the
     codes of ``functional.quantize_mxfp8``, whose values quantize_weight gives), the codes as
     float8 in ``weight``'s shape. A grouped ``[G, N, K]`` weight: per tensor cast as ``[G * N,
-    K]`` (one scale for the whole tensor); in blocks each expert on its own, as the grouped GEMM
-    casts a weight (no block straddles two experts), the tensors stacked, ``[G, ...]`` (NVFP4's
-    global scales too, one an expert)."""
+    K]`` (one scale); in blocks each expert on its own, as the grouped GEMM casts it (no block
+    straddles two experts), stacked ``[G, ...]`` (NVFP4's global scales too, one an expert)."""
     if weight.dim() > 2 and spec.kind != "current":
         parts = [_cast(w, spec) for w in weight.unbind(0)]
         stacked = [torch.stack(t) for t in zip(*parts, strict=True)]
@@ -156,8 +155,7 @@ def make_primary(module: nn.Module, names: tuple[str, ...], owner: str) -> None:
     precision; a grouped GEMM's ``[G, N, K]`` weight or its ``G`` weights ``[N, K]``) by FP8
     Parameters with their ``<name>_scale_inv`` / ``<name>_amax`` buffers (and ``<name>_t`` /
     ``<name>_scale_inv_t`` of 1-D weight blocks: 1x128, MXFP8, NVFP4's 1x16). Else nothing."""
-    state = _STATE[0]
-    if state is None:
+    if (state := _STATE[0]) is None:
         return
     spec = _weight_spec(state.recipe, owner)
     for name in names:
@@ -177,11 +175,10 @@ def make_primary(module: nn.Module, names: tuple[str, ...], owner: str) -> None:
         _stamp(module, name)
     _LAST_RECIPES[module] = state.recipe
     _HOLDERS.add(module)
-    if _STAMPS not in module.__dict__ or _HOOKED in module.__dict__:
-        return
-    module.__dict__[_HOOKED] = True
-    module.register_load_state_dict_pre_hook(_quantize_loaded_weights)
-    module.register_load_state_dict_post_hook(_stamp_after_load)
+    if _STAMPS in module.__dict__ and _HOOKED not in module.__dict__:
+        module.__dict__[_HOOKED] = True
+        module.register_load_state_dict_pre_hook(_quantize_loaded_weights)
+        module.register_load_state_dict_post_hook(_stamp_after_load)
 
 
 def _add_methods(module: nn.Module, name: str) -> None:
@@ -254,21 +251,17 @@ class KeepFP8OnCast:
         specs = self.__dict__.get(_SPECS)
         if not specs:
             return super()._apply(fn, recurse)
-        kept = {}  # id(tensor) -> the FP8 weight's name, or None for its buffers
-        for name in specs:
-            kept[id(getattr(self, name))] = name
-            for suffix in _SUFFIXES[1:]:
-                buf = self._buffers.get(name + suffix)
-                if buf is not None:
-                    kept[id(buf)] = None
+        # id(tensor) -> the FP8 weight's name, or None for its buffers
+        kept = {id(getattr(self, name)): name for name in specs}
+        buffers = (self._buffers.get(name + suffix) for name in specs for suffix in _SUFFIXES[1:])
+        kept.update((id(buf), None) for buf in buffers if buf is not None)
         dtypes = self.__dict__.setdefault(_INIT_DTYPES, {})
 
         def keep_fp8(t: Tensor) -> Tensor:
             out = fn(t)
             if id(t) not in kept or out.dtype == t.dtype:
                 return out
-            name = kept[id(t)]
-            if name is not None and out.is_floating_point():
+            if (name := kept[id(t)]) is not None and out.is_floating_point():
                 t.grad_dtype = dtypes[name] = out.dtype
             return t.data if out.device == t.device else t.data.to(out.device)
 
@@ -316,10 +309,9 @@ def check_unchanged(module: nn.Module, name: str, weight: Tensor) -> None:
 
 def _note_recipe(module: nn.Module) -> None:
     """TE's warning when FP8 weights run under a recipe unequal to the one they were made or
-    last ran under (TE replaces their quantizer; here the codes and scales stay, and the
-    refreshes cast as ``quantized_model_init``'s recipe said). Eager calls only (a warning
-    breaks a compiled graph). The recipe is held beside the module (a copy starts without
-    one, and the module keeps no recipe alive)."""
+    last ran under (TE replaces their quantizer; here the codes and scales stay, as the warning
+    says). Eager calls only (a warning breaks a compiled graph). The recipe is held beside the
+    module (a copy starts without one, and the module keeps no recipe alive)."""
     if torch.compiler.is_compiling():
         return
     state, last = get_autocast_state(), _LAST_RECIPES.get(module)
@@ -585,17 +577,15 @@ class _StandIn(torch.autograd.Function):
     to their ``.grad`` (in their ``grad_dtype``), ``[G, N, K]`` split per leaf. Sharded by FSDP2:
     one zero-byte fp32 leaf per FP8 weight, of its local shard's shape, whose ``.grad`` is the
     sharded ``main_grad`` (``per_group``: a grouped GEMM's ``G`` weights ``[N, K]``, else one
-    weight); the full-size ``dW`` is reduce-scattered into each leaf (:func:`_reduce_scatter_rows`);
-    autograd sums micro-batches into ``leaf.grad``. A functional collective: torch.compile traces it
-    into the compiled backward."""
+    weight); the full-size ``dW`` is reduce-scattered into each leaf (:func:`_reduce_scatter_rows`,
+    a functional collective: traced by torch.compile); autograd sums micro-batches in ``.grad``."""
 
     @staticmethod
     def forward(ctx, dtype: torch.dtype, shape: tuple[int, ...], values: Tensor | None,
                 group_name: str | None, world: int, per_group: bool, to_leaves: bool,
                 *leaves: Tensor) -> Tensor:  # fmt: skip
         ctx.group_name, ctx.world, ctx.per_group = group_name, world, per_group
-        ctx.local_rows = [s.shape[0] for s in leaves]
-        ctx.to_leaves = to_leaves
+        ctx.local_rows, ctx.to_leaves = [s.shape[0] for s in leaves], to_leaves
         if values is not None:
             return values.view(shape)
         return leaves[0].new_zeros((), dtype=dtype).expand(shape)
@@ -669,9 +659,8 @@ class FP8MasterWeights:
         self._others: list[nn.Parameter] = []
         seen: set[int] = set()
         for module in model.modules():
-            # A module that keeps its weights' main_grad as views of one buffer (GroupedLinear:
-            # its grouped GEMM accumulates all groups' gradients into one [G, N, K] tensor)
-            # allocates it; the others get one main_grad per weight below.
+            # A module whose weights' main_grad are views of one buffer (GroupedLinear: its grouped
+            # GEMM accumulates into one [G, N, K]) allocates it; the others get one per weight.
             allocate = getattr(module, "allocate_main_grad", None)
             own = [p for p in module.parameters(recurse=False) if is_primary(p)]
             allocated = bool(own) and allocate is not None
@@ -733,10 +722,9 @@ class FP8MasterWeights:
 
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Masters' grads from ``main_grad`` (a sharded weight's: this rank's shard, already
-        reduce-scattered and averaged over its FSDP2 group during the backward, as FSDP2
-        averages the other gradients), ``optimizer.step()``, the FP8 refresh, ``main_grad``
-        zeroed."""
+        """Masters' grads from ``main_grad`` (a sharded weight's: this rank's shard, averaged
+        over its FSDP2 group by the backward's reduce-scatter, as FSDP2 averages the other
+        gradients), ``optimizer.step()``, the FP8 refresh, ``main_grad`` zeroed."""
         for e in self._entries:
             main_grad = primary_main_grad(e.module, e.name)
             if e.group is None:
@@ -754,10 +742,9 @@ class FP8MasterWeights:
 
     @torch.no_grad()
     def refresh(self) -> None:
-        """Re-quantise every master into its FP8 weight (codes, scale, amax; per tensor the
-        codes alone: an amax pass and one cast). A sharded weight's amax is the max over its
-        FSDP2 group, so each rank casts its shard with the whole weight's scale: the unsharded
-        cast's codes."""
+        """Re-quantise every master into its FP8 weight (codes, scale, amax; per tensor the codes
+        alone: an amax pass and one cast). A sharded weight's amax is the max over its FSDP2
+        group: each rank casts its shard with the whole weight's scale (the unsharded codes)."""
         for e in self._entries:
             if _spec(e.module, e.name).kind != "current":  # in blocks: the whole cast
                 _set(e.module, e.name, e.master)

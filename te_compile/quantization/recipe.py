@@ -83,9 +83,7 @@ class Format(enum.Enum):
 
     ``E4M3`` / ``E5M2``: every FP8 tensor in that format; ``HYBRID``: forward tensors
     (activations, weights) in e4m3 for precision, backward tensors (gradients) in e5m2 for range;
-    ``E2M1``: FP4, two values per byte, only NVFP4's ``fp4_format``. A member's value holds the
-    largest finite value and torch dtype of forward and backward tensors, which its properties
-    ``max_fwd``, ``max_bwd``, ``fwd_dtype`` and ``bwd_dtype`` read.
+    ``E2M1``: FP4, two values per byte, only NVFP4's ``fp4_format``.
     """
 
     E4M3 = _FormatSpec(448.0, 448.0, torch.float8_e4m3fn, torch.float8_e4m3fn)
@@ -109,12 +107,11 @@ def _with_field_types(cls: _T) -> _T:
     """Record on a dataclass each field's expected type: the type of its default (fields that
     default to None are checked by their class). Computed once here, so that validation under
     dynamo reads a plain dict rather than ``dataclasses.fields`` and its MISSING sentinel."""
-    types = {}
+    cls._field_types = {}
     for f in dataclasses.fields(cls):
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default
         if default is not None:
-            types[f.name] = type(default)
-    cls._field_types = types
+            cls._field_types[f.name] = type(default)
     cls._field_names = tuple(f.name for f in dataclasses.fields(cls))
     return cls
 
@@ -199,8 +196,7 @@ class Recipe:
     ``kind`` names the recipe in one short string (handy to branch on in traced code)."""
 
     kind: ClassVar[str]
-    # Set once construction validated the fields: from then on every field assignment is
-    # validated (``__setattr__``).
+    # True once construction validated the fields: then ``__setattr__`` validates each assignment.
     _constructed: ClassVar[bool] = False
     # The recipe-level flags that set one option of per-operand QParams fields:
     # flag -> (QParams option, the QParams fields it sets, whether the option is the flag's
@@ -312,11 +308,10 @@ class DelayedScaling(Recipe):
     ``E4M3`` or ``HYBRID``. ``amax_history_len`` (>= 1): steps of amax history kept.
     ``amax_compute_algo``: ``"max"`` (largest amax in the history), ``"most_recent"``, or a
     callable; ``scaling_factor_compute_algo``: ``None`` (the scale formula in the module
-    docstring) or a callable with TE's signature (``docs/fp8.md``, "DelayedScaling's callables",
-    gives both callables' arguments and results).
-    ``reduce_amax``: all-reduce amaxes (MAX) over the autocast's ``amax_reduction_group`` so
-    every rank uses the same scales; with ``False`` each rank keeps its own.
-    ``backward_override``: ``None`` only, as in TE.
+    docstring) or a callable with TE's signature (both callables' arguments and results:
+    ``docs/fp8.md``, "DelayedScaling's callables"). ``reduce_amax``: all-reduce amaxes (MAX)
+    over the autocast's ``amax_reduction_group`` so every rank uses the same scales; with
+    ``False`` each rank keeps its own. ``backward_override``: ``None`` only, as in TE.
     """
 
     kind: ClassVar[str] = "delayed"
@@ -358,12 +353,11 @@ class Float8CurrentScaling(Recipe):
     """Per-tensor scales from each tensor's own amax, measured just before the cast.
 
     ``use_power_2_scales``: round scales down to powers of two; it sets ``power_2_scale`` of
-    the per-operand ``fp8_quant_fwd_inp``, ``fp8_quant_fwd_weight`` and ``fp8_quant_bwd_grad``,
-    which may be replaced one by one after construction (the modules' GEMMs refuse power-of-two
-    scales, ``te_compile.quantize`` applies them). ``fp8_format``: ``E4M3`` or ``HYBRID``.
-    ``fp8_gemm_*``: split accumulation off forward (the only setting implemented there), on
-    for the backward GEMMs by default (TE's); ``fp8_gemm_dgrad`` / ``fp8_gemm_wgrad`` with
-    ``use_split_accumulator=False`` run that GEMM with Hopper's fast FP8 accumulation.
+    the per-operand ``fp8_quant_*``, which may be replaced one by one after construction (the
+    modules' GEMMs refuse power-of-two scales, ``te_compile.quantize`` applies them).
+    ``fp8_format``: ``E4M3`` or ``HYBRID``. ``fp8_gemm_*``: split accumulation off forward (the
+    only setting implemented there), on for the backward GEMMs by default (TE's), where
+    ``MMParams(use_split_accumulator=False)`` runs Hopper's fast FP8 accumulation.
     """
 
     kind: ClassVar[str] = "current"

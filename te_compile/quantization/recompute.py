@@ -112,11 +112,10 @@ def checkpoint(
     if torch.compiler.is_compiling():
         if state.enabled and state.recipe is not None and state.recipe.delayed():
             raise ValueError(
-                "te.checkpoint: under DelayedScaling, checkpointing inside a torch.compile "
-                "region is not supported: the delayed-scaling update writes the FP8 state, "
-                "which a compiled checkpoint region cannot hold. Checkpoint around the compiled "
-                "module instead (te.checkpoint(torch.compile(block), x)), or use "
-                "Float8CurrentScaling"
+                "te.checkpoint: under DelayedScaling, checkpointing inside a torch.compile region "
+                "is not supported: the delayed-scaling update writes the FP8 state, which a "
+                "compiled checkpoint region cannot hold. Checkpoint around the compiled module "
+                "instead (te.checkpoint(torch.compile(block), x)), or use Float8CurrentScaling"
             )
         return torch.utils.checkpoint.checkpoint(
             function, *args, use_reentrant=use_reentrant, **options

@@ -1,9 +1,8 @@
 """The autocast state: which recipe modules quantise with, read in ``forward``.
 
-``autocast(enabled=True, calibrating=False, recipe=None, amax_reduction_group=None)`` (TE's
-signature; ``fp8_autocast`` is TE's older name for it) is a context manager (and a decorator)
-that replaces the current :class:`AutocastState` and restores the previous one on exit,
-exception or not. Modules call :func:`get_autocast_state` in ``forward`` and flatten the
+``autocast`` (TE's signature; ``fp8_autocast`` is TE's older name for it) is a context manager
+(and a decorator) that replaces the current :class:`AutocastState` and restores the previous one
+on exit, exception or not. Modules call :func:`get_autocast_state` in ``forward`` and flatten the
 snapshot into their ops' scalar arguments (``quantization.gemm.gemm_args``). Calibration
 (``calibrating=True`` with ``enabled=False``): ``docs/fp8.md``, "Calibration".
 
@@ -84,8 +83,7 @@ def get_autocast_state() -> AutocastState:
 
 
 class autocast:
-    """Quantise the modules run inside this region with ``recipe``; TE's parameters, in TE's
-    order.
+    """Quantise the modules run inside this region with ``recipe`` (TE's parameters and order).
 
     ``enabled``: ``False`` turns quantisation off inside an enabled region. ``calibrating``:
     with ``enabled=False``, compute in high precision while measuring amaxes and updating the
@@ -93,9 +91,8 @@ class autocast:
     :func:`~te_compile.quantization.device.get_default_fp8_recipe`. ``amax_reduction_group``: a
     ``torch.distributed`` process group for the amax all-reduce, or ``None``. The recipe is read
     when a module runs, not copied on entry: a field set on it inside the region applies to the
-    next forward (a compiled region recompiles). Use as ``with autocast(recipe=r): ...`` or as
-    a decorator ``@autocast(recipe=r)``, around or inside a ``torch.compile(fullgraph=True)``
-    region.
+    next forward (a compiled region recompiles). Use as ``with autocast(recipe=r): ...`` or
+    ``@autocast(recipe=r)``, around or inside a ``torch.compile(fullgraph=True)`` region.
     """
 
     def __init__(
@@ -144,8 +141,7 @@ def check_power_2_scales(owner: str, recipe: Recipe) -> None:
     """Float8CurrentScaling's power-of-two scales (``use_power_2_scales``, or one operand's
     ``fp8_quant_*.power_2_scale``): te_compile.quantize applies them, the modules' per-tensor
     kernels do not, so a recipe that asks for them is refused rather than ignored."""
-    on = [name for name in FP8_QPARAMS if getattr(recipe, name).power_2_scale]
-    if on:
+    if on := [name for name in FP8_QPARAMS if getattr(recipe, name).power_2_scale]:
         asked = ("(use_power_2_scales=True)" if recipe.use_power_2_scales
                  else f" with {', '.join(f'{n}.power_2_scale=True' for n in on)}")  # fmt: skip
         raise NotImplementedError(

@@ -95,16 +95,13 @@ def decode_te_extra_state(value: object, key: str) -> dict | None:
     nothing (None, an empty tensor, a pickled None or empty dict). Raises ``RuntimeError``
     naming ``key`` for a value that is not TE's format or a pickle that references anything
     but tensors and TE's recipe classes."""
-    if value is None:
+    if value is None or (isinstance(value, Tensor) and value.numel() == 0):
         return None
     try:
         if isinstance(value, Tensor):
-            if value.numel() == 0:
-                return None
             if value.dtype != torch.uint8:
                 raise TypeError(f"a {value.dtype} tensor, not TE's uint8 bytes")
-            data = value.detach().cpu().numpy().tobytes()
-            state = _RestrictedUnpickler(io.BytesIO(data)).load()
+            state = _RestrictedUnpickler(io.BytesIO(value.detach().cpu().numpy().tobytes())).load()
         elif isinstance(value, io.BytesIO):  # TE's oldest format: torch.save into a BytesIO
             value.seek(0)
             allow = [(cls, f"{_TE_RECIPE_MODULE}.{n}") for n, cls in _RECORD_CLASSES.items()]
@@ -210,15 +207,13 @@ def _load_delayed(mod, state, state_dict, prefix, key, spec: _Spec) -> None:
         shape = (length, n) if k.startswith("amax") else (n,)
         if tuple(tensors[k].shape) != shape:
             raise ValueError(
-                f"{key}: {k} has shape {tuple(tensors[k].shape)}; this "
-                f"{type(mod).__name__} takes {shape} ({total} TE GEMM(s), the history length "
-                "of amax_history_fwd)"
+                f"{key}: {k} has shape {tuple(tensors[k].shape)}; this {type(mod).__name__} takes "
+                f"{shape} ({total} TE GEMM(s), the history length of amax_history_fwd)"
             )
     if length - 1 > MAX_AMAX_HISTORY:
         warnings.warn(
             f"{key}: the amax history has {length} rows; the oldest "
-            f"{length - 1 - MAX_AMAX_HISTORY} are not taken (te_compile keeps "
-            f"{MAX_AMAX_HISTORY})",
+            f"{length - 1 - MAX_AMAX_HISTORY} are not taken (te_compile keeps {MAX_AMAX_HISTORY})",
             stacklevel=3,
         )
     first = 0
