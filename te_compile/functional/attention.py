@@ -184,9 +184,7 @@ def _no_autocast(fn: Callable) -> Callable:
 def _in_layout(x: Tensor, sbhd: bool) -> Tensor:
     """``x`` ``[b, s, h, d]`` laid out ``[s, b, h, d]`` in memory (``sbhd``) or contiguous; no
     copy when it already is."""
-    if sbhd:
-        return x.transpose(0, 1).contiguous().transpose(0, 1)
-    return x.contiguous()
+    return x.transpose(0, 1).contiguous().transpose(0, 1) if sbhd else x.contiguous()
 
 
 @_no_autocast
@@ -360,9 +358,7 @@ def _check(a: _Args) -> None:
 def _empty_out(like: Tensor, d: int, sbhd: bool) -> Tensor:
     """A ``[b, s, h, d]`` result laid out as :func:`_in_layout` lays it out."""
     b, s, h = like.shape[:3]
-    if sbhd:
-        return like.new_empty((s, b, h, d)).transpose(0, 1)
-    return like.new_empty((b, s, h, d))
+    return like.new_empty((s, b, h, d)).transpose(0, 1) if sbhd else like.new_empty((b, s, h, d))
 
 
 # 2. Forward op --------------------------------------------------------------------------------

@@ -163,9 +163,7 @@ def _global_scales(amax: Tensor, e4m3_max: float = _E4M3_MAX) -> Tensor:
 
 def tensor_amax(x: Tensor) -> Tensor:
     """max |x| as a 0-dim fp32 tensor (0 for an empty tensor); NaN if ``x`` holds a NaN."""
-    if x.numel() == 0:
-        return x.new_zeros((), dtype=torch.float32)
-    return x.abs().amax().float()
+    return x.new_zeros((), dtype=torch.float32) if x.numel() == 0 else x.abs().amax().float()
 
 
 def _e2m1_codes(v: Tensor, u: Tensor | None = None) -> Tensor:

@@ -91,9 +91,7 @@ def _cached(build: Any) -> Any:
 
     @functools.wraps(build)
     def encode(self) -> str:
-        if torch.compiler.is_compiling():
-            return build(self)
-        return cached(self)
+        return build(self) if torch.compiler.is_compiling() else cached(self)
 
     return encode
 
