@@ -118,14 +118,9 @@ def _check(inp: Tensor, spec: str, grad_spec: str, row_splits=None) -> None:
     for name, text in (("spec", spec), ("grad_spec", grad_spec)):
         s = parse(QuantSpec, text, p + name)
         rows = (1, 128) if s.kind == "block" else (1,)
-        if (
-            s.kind not in _KINDS
-            or s.block_rows not in rows
-            or s.rht
-            or s.stochastic_rounding
-            or s.row_scaled
-            or (s.four_over_six and (name == "grad_spec" or row_splits is not None))
-        ):
+        gemm_option = s.rht or s.stochastic_rounding or s.row_scaled
+        four_over_six = s.four_over_six and (name == "grad_spec" or row_splits is not None)
+        if s.kind not in _KINDS or s.block_rows not in rows or gemm_option or four_over_six:
             raise ValueError(
                 p + f"{name} must be one of the kinds {_KINDS} without NVFP4's GEMM options "
                 f"(rht, sr, row_scaled; 4over6 in spec only, without row_splits) and with "

@@ -97,9 +97,7 @@ def _limit_runs(fp8_max: list[float]) -> tuple[float, float, int] | None:
     ``n_head`` slots and ``tail_max`` for the others (the kernel's scalars), else None."""
     if not fp8_max:
         return 1.0, 1.0, 0
-    n_head = 1
-    while n_head < len(fp8_max) and fp8_max[n_head] == fp8_max[0]:
-        n_head += 1
+    n_head = next((i for i, m in enumerate(fp8_max) if m != fp8_max[0]), len(fp8_max))
     if any(m != fp8_max[-1] for m in fp8_max[n_head:]):
         return None
     return fp8_max[0], fp8_max[-1], n_head
@@ -120,16 +118,11 @@ def _check(amax_history, scale, amax, fp8_max, margin, amax_compute_algo, amax_t
             p + "fp8_max must be one format's largest value for the first slots and one for the "
             f"others (the forward and the backward format), got {fp8_max}"
         )
-    amaxes = (amax,) if amax_tail is None else (amax, amax_tail)
-    if (
-        amax_history.ndim == 2
-        and amax_history.shape[1] == slots
-        and amax_history.shape[0] >= 1
-        and all(t.ndim == 1 for t in amaxes)
-        and sum(t.shape[0] for t in amaxes) == slots
-        and len(fp8_max) == slots
-        and all(t.dtype is torch.float32 for t in (amax_history, scale, *amaxes))
-    ):
+    h, amaxes = amax_history, (amax,) if amax_tail is None else (amax, amax_tail)
+    history = h.ndim == 2 and h.shape[1] == slots and h.shape[0] >= 1
+    amax_slots = all(t.ndim == 1 for t in amaxes) and sum(t.shape[0] for t in amaxes) == slots
+    float32 = all(t.dtype is torch.float32 for t in (h, scale, *amaxes))
+    if history and amax_slots and len(fp8_max) == slots and float32:
         return
     tail = "" if amax_tail is None else f" + {list(amax_tail.shape)} ({amax_tail.dtype})"
     raise ValueError(

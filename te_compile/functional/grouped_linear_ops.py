@@ -244,9 +244,7 @@ def _reference(*args):
         out = torch.cat([inp.new_zeros(0, weight.shape[1]), *outs])
     else:
         out = _RefGrouped.apply(inp, weight, splits, a.grouped_recipe)
-    if bias is not None:
-        out = out + torch.repeat_interleave(bias, torch.tensor(splits), dim=0)
-    return out
+    return out if bias is None else out + torch.repeat_interleave(bias, torch.tensor(splits), 0)
 
 
 # 2. Forward op ------------------------------------------------------------------------------
