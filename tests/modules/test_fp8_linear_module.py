@@ -139,6 +139,33 @@ def test_compiled_delayed_step_matches_eager_with_autocast_inside(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_calibration_step_run_eagerly_compiles_once(device):
+    """docs/fp8.md: a model whose delayed-scaling calibration step ran eagerly compiles one
+    graph (the delayed step's), and that graph continues the eager run bit for bit."""
+    recipe = DelayedScaling(amax_history_len=8)
+    eager, compiled_model = _linear(device), _linear(device)
+
+    def forward(model, x):
+        with autocast(recipe=recipe):
+            return model(x)
+
+    for model in (eager, compiled_model):  # the calibration step, eagerly
+        forward(model, _x(device)).float().square().mean().backward()
+    assert compiled_model.fp8_meta.calibrated
+    compiled, counter = compile_counted(lambda x: forward(compiled_model, x), backend="aot_eager")
+    for i in range(1, 4):
+        x = _x(device, i)
+        y_c, y_e = compiled(x), forward(eager, x)
+        assert torch.equal(y_c, y_e)
+        y_c.float().square().mean().backward()
+        y_e.float().square().mean().backward()
+        for a, b in zip(compiled_model.buffers(), eager.buffers(), strict=True):
+            assert torch.equal(a, b)
+        assert torch.equal(compiled_model.weight.grad, eager.weight.grad)
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_changing_the_recipe_recompiles(device):
     m = _linear(device)
     x = _x(device)
