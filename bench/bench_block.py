@@ -624,8 +624,11 @@ def run_row(
     device: torch.device,
     timing: dict[str, Any],
     warm_cache: bool,
+    calibrate_eagerly: bool = False,
 ) -> RowOutcome:
-    """Build, compile (first step), time, measure peak memory and errors of one row."""
+    """Build, compile (first step), time, measure peak memory and errors of one row;
+    ``calibrate_eagerly``: a compiled delayed-scaling row runs its calibration step eagerly
+    first (``docs/fp8.md``), so that its first compiled step is the delayed step's one compile."""
     compiled = spec.mode in ("compiled", "reduce-overhead")
     cache = (
         torch._inductor.utils.fresh_cache()
@@ -638,7 +641,9 @@ def run_row(
     ops_mode = torch._functorch.config.patch(decompose_custom_triton_ops=not spec.opaque)
     try:
         with cache, ops_mode:
-            return _measure_row(spec, size, weights, inputs, reference, device, timing)
+            return _measure_row(
+                spec, size, weights, inputs, reference, device, timing, calibrate_eagerly
+            )
     except Exception as exc:  # report and keep going: one broken row != no data
         msg = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
         print(f"  [{size.name}] {spec.name} FAILED: {msg}", file=sys.stderr, flush=True)
@@ -655,6 +660,7 @@ def _measure_row(
     reference: tuple[torch.Tensor, torch.Tensor],
     device: torch.device,
     timing: dict[str, Any],
+    calibrate_eagerly: bool = False,
 ) -> RowOutcome:
     x, grad = inputs
     compiled = spec.mode in ("compiled", "reduce-overhead")
@@ -674,6 +680,15 @@ def _measure_row(
         clear_grads(params, x)
         forward_backward(call, x, grad, cudagraphs)
 
+    eager_calibration_s = None
+    if calibrate_eagerly and compiled and spec.impl == "te" and spec.precision == "delayed":
+        eager = make_call(RowSpec(spec.impl, spec.precision, "eager"), model, x)
+        sync()
+        t0 = time.perf_counter()
+        clear_grads(params, x)
+        forward_backward(eager, x, grad, cudagraphs=False)
+        sync()
+        eager_calibration_s = time.perf_counter() - t0
     sync()
     t0 = time.perf_counter()
     step()
@@ -708,6 +723,7 @@ def _measure_row(
         "mode": spec.mode,
         "first_step_s": first_step_s,
         "second_step_s": second_step_s,
+        "eager_calibration_s": eager_calibration_s,
         "host_ms": host,
         "kernels_per_layer": None if kernels is None else kernels / size.layers,
         "peak_mem_bytes": peak,
@@ -728,6 +744,9 @@ def _measure_row(
 def row_notes(spec: RowSpec, extras: dict[str, Any]) -> list[str]:
     """Recompiles, CUDA graph skips, non-finite or too-large errors of one row."""
     notes = []
+    if extras.get("eager_calibration_s") is not None:
+        notes.append(f"{spec.name}: calibration step run eagerly before the first compiled step "
+                     f"({extras['eager_calibration_s']:.3g} s, not in its first step)")  # fmt: skip
     if extras["recompiled_graphs"]:
         notes.append(f"{spec.name}: {extras['recompiled_graphs']} graph(s) compiled after step 1 "
                      f"(step 2: {extras['second_step_s']:.3g} s)")  # fmt: skip
@@ -898,6 +917,7 @@ def run_size(
     timing: dict[str, Any],
     warm_cache: bool,
     skipped: Sequence[str],
+    calibrate_eagerly: bool = False,
 ) -> BlockCaseResult:
     """One table: every row on the same weights and input."""
     weights = make_weights(size, device)
@@ -917,6 +937,7 @@ def run_size(
             device=device,
             timing=timing,
             warm_cache=warm_cache,
+            calibrate_eagerly=calibrate_eagerly,
         )
         outcomes.append(outcome)
         # Each row's time as soon as it is measured: a run stopped by a time limit keeps them.
@@ -1004,6 +1025,13 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, torch.de
         "triton/backends/nvidia/driver.py); check it before reading a speed-up into this",
     )
     parser.add_argument(
+        "--calibrate-eagerly",
+        action="store_true",
+        help="compiled te FP8 delayed rows: run DelayedScaling's calibration step eagerly before "
+        "the first compiled step (docs/fp8.md), which is then the one compile of the delayed "
+        "graph; the eager step's seconds are in the row's notes",
+    )
+    parser.add_argument(
         "--warm-cache",
         action="store_true",
         help="keep the Inductor / Triton caches (default: an empty cache dir per compiled row, "
@@ -1067,6 +1095,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 timing=timing,
                 warm_cache=args.warm_cache,
                 skipped=skipped,
+                calibrate_eagerly=args.calibrate_eagerly,
             )
         )
     report.finish(harness.resolve_out_dir(args, report.metadata), chart=not args.no_chart)
