@@ -116,7 +116,11 @@ def test_first_delayed_step_is_calibrated_with_current_scaling(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_compiled_delayed_step_matches_eager_with_autocast_inside(device):
+@pytest.mark.parametrize("calibrate_eagerly", [False, True], ids=["compiled", "eager_calibration"])
+def test_compiled_delayed_step_matches_eager_with_autocast_inside(device, calibrate_eagerly):
+    """Compiled delayed steps follow eager ones bit for bit: the calibration step (current
+    scaling), then the delayed steps, two graphs. With the calibration step run eagerly first
+    (``calibrate_eagerly``, docs/fp8.md) the compiled steps are one graph, the delayed step's."""
     recipe = DelayedScaling(amax_history_len=8)
     eager, compiled_model = _linear(device), _linear(device)
 
@@ -125,8 +129,13 @@ def test_compiled_delayed_step_matches_eager_with_autocast_inside(device):
             y = model(x)
         return y
 
+    start = int(calibrate_eagerly)
+    if calibrate_eagerly:
+        for model in (eager, compiled_model):
+            step(model, _x(device)).float().square().mean().backward()
+        assert compiled_model.fp8_meta.calibrated
     compiled, counter = compile_counted(lambda x: step(compiled_model, x))
-    for i in range(3):
+    for i in range(start, start + 3):
         x = _x(device, i)
         y_c, y_e = compiled(x), step(eager, x)
         assert torch.equal(y_c, y_e)
@@ -135,34 +144,7 @@ def test_compiled_delayed_step_matches_eager_with_autocast_inside(device):
         for a, b in zip(compiled_model.buffers(), eager.buffers(), strict=True):
             assert torch.equal(a, b)
         assert torch.equal(compiled_model.weight.grad, eager.weight.grad)
-    assert counter.frame_count == 2  # the calibration step (current scaling), then delayed
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_calibration_step_run_eagerly_compiles_once(device):
-    """docs/fp8.md: a model whose delayed-scaling calibration step ran eagerly compiles one
-    graph (the delayed step's), and that graph continues the eager run bit for bit."""
-    recipe = DelayedScaling(amax_history_len=8)
-    eager, compiled_model = _linear(device), _linear(device)
-
-    def forward(model, x):
-        with autocast(recipe=recipe):
-            return model(x)
-
-    for model in (eager, compiled_model):  # the calibration step, eagerly
-        forward(model, _x(device)).float().square().mean().backward()
-    assert compiled_model.fp8_meta.calibrated
-    compiled, counter = compile_counted(lambda x: forward(compiled_model, x), backend="aot_eager")
-    for i in range(1, 4):
-        x = _x(device, i)
-        y_c, y_e = compiled(x), forward(eager, x)
-        assert torch.equal(y_c, y_e)
-        y_c.float().square().mean().backward()
-        y_e.float().square().mean().backward()
-        for a, b in zip(compiled_model.buffers(), eager.buffers(), strict=True):
-            assert torch.equal(a, b)
-        assert torch.equal(compiled_model.weight.grad, eager.weight.grad)
-    assert counter.frame_count == 1
+    assert counter.frame_count == (1 if calibrate_eagerly else 2)
 
 
 @pytest.mark.parametrize("device", DEVICES)
