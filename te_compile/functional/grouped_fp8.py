@@ -212,15 +212,15 @@ def quantize_group_columns(
     scale_inv = torch.ones(groups, c, dtype=torch.float32, device=x.device)
     if scale is not None:  # every group's, empty ones too (correctly rounded, as the kernel's)
         scale_inv.copy_(reciprocal_rn(scale).expand(groups, c))
-    pad_ends = list(accumulate((m + 15) // 16 * 16 for m in splits))
-    for (g, span), m, dst in zip(group_rows(splits), splits, [0, *pad_ends], strict=False):
+    offsets = list(accumulate(((m + 15) // 16 * 16 for m in splits), initial=0))
+    for (g, span), m, dst in zip(group_rows(splits), splits, offsets[:-1], strict=True):
         if m:
             data, scale_inv[g], _ = _quantize(x[span].t(), fp8_dtype, scale, False)
             data_t[:, dst : dst + m] = data.view(torch.uint8)
     data_t = data_t.view(fp8_dtype)
     if e4m3_codes:
         data_t, scale_inv = as_e4m3(data_t, scale_inv)
-    return data_t, scale_inv, torch.tensor(pad_ends, dtype=torch.int32, device=x.device)
+    return data_t, scale_inv, torch.tensor(offsets[1:], dtype=torch.int32, device=x.device)
 
 
 def _gemm_wgrad(
