@@ -70,6 +70,7 @@ from te_compile.kernels.fp8 import (
     as_stored,
     cast_args,
     cast_fp8,
+    fold_amax,
     fp8_out,
     round_to,
     software_convert,
@@ -255,7 +256,7 @@ def _act_amax_kernel(
         va, ra, vl, rl, _ = _gated_bwd_tile(
             Z, B, G, pid_m, pid_n, M, N, FN, HAS_BIAS, ROUND, SOFTWARE, EVEN, BLOCK_M, BLOCK_N
         )
-        tl.atomic_max(AMAX_BITS, tl.maximum(_max_abs_bits(ra), _max_abs_bits(rl)))
+        fold_amax(AMAX_BITS, tl.maximum(_max_abs_bits(ra), _max_abs_bits(rl)))
         if DBIAS:
             _store_sums(PART, va, pid_m, pid_n, 2 * N, 0, N, BLOCK_N)
             _store_sums(PART, vl, pid_m, pid_n, 2 * N, N, N, BLOCK_N)
@@ -264,7 +265,7 @@ def _act_amax_kernel(
             Z, B, G, MEAN, RSIG, pid_m, pid_n, M, N, FN, BWD, GATED, HAS_BIAS, ROUND, SOFTWARE,
             EVEN, BLOCK_M, BLOCK_N,
         )  # fmt: skip
-        tl.atomic_max(AMAX_BITS, _max_abs_bits(r))
+        fold_amax(AMAX_BITS, _max_abs_bits(r))
         if DBIAS:
             _store_sums(PART, v, pid_m, pid_n, N, 0, N, BLOCK_N)
 

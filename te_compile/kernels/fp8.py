@@ -34,6 +34,7 @@ __all__ = [
     "block_scale",
     "cast_args",
     "cast_fp8",
+    "fold_amax",
     "fp8_args",
     "fp8_out",
     "from_fp8_bits",
@@ -132,6 +133,15 @@ def abs_bits(x):
 
 
 @triton.jit
+def fold_amax(AMAX_BITS, bits):
+    """Fold a tile's amax ``bits`` (an ``abs_bits`` max) into ``AMAX_BITS`` (int32): the atomic
+    is skipped where the value read there is already at least ``bits``. That value only grows, so
+    a stale read costs one atomic, never a wrong amax, and most tiles skip theirs instead of
+    queueing on the one address."""
+    tl.atomic_max(AMAX_BITS, bits, mask=bits > tl.load(AMAX_BITS))
+
+
+@triton.jit
 def scale_from_amax(amax, fp8_max, eps, POW2: tl.constexpr):
     """Transformer Engine's ``compute_scale_from_amax`` (module docstring), elementwise."""
     amax = tl.where(amax < eps, eps, amax)  # not tl.maximum: a NaN amax must stay NaN
@@ -177,7 +187,7 @@ def tile_scale(
         scale = scale_from_amax(amax, fp8_max, eps, POW2)
     else:
         scale = tl.load(SCALE)
-        tl.atomic_max(AMAX_BITS, tl.max(tl.max(abs_bits(x), axis=1), axis=0))
+        fold_amax(AMAX_BITS, tl.max(tl.max(abs_bits(x), axis=1), axis=0))
     if first:
         tl.store(SCALE_INV, tl.math.div_rn(1.0, scale))
     return scale

@@ -55,7 +55,7 @@ import triton.language as tl
 from torch import Tensor
 
 from te_compile.kernels import cdiv, launch, next_pow2, programs_per_sm, size_hint
-from te_compile.kernels.fp8 import ROUNDING, abs_bits, round_to
+from te_compile.kernels.fp8 import ROUNDING, abs_bits, fold_amax, round_to
 
 __all__ = [
     "NormLaunchConfig",
@@ -211,7 +211,7 @@ def _norm_fwd_kernel(
             tl.store(Y + row_off + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
         if AMAX:
             a = tl.where(mask, abs_bits(round_to(y, ROUND, SOFTWARE)), 0)
-            tl.atomic_max(AMAX_BITS, tl.max(tl.max(a, axis=1), axis=0))
+            fold_amax(AMAX_BITS, tl.max(tl.max(a, axis=1), axis=0))
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if KIND == LAYERNORM:
@@ -242,7 +242,7 @@ def _norm_fwd_kernel(
                     a = tl.where(mask, abs_bits(round_to(y, ROUND, SOFTWARE)), 0)
                     amax = tl.maximum(amax, a)
             if AMAX:
-                tl.atomic_max(AMAX_BITS, tl.max(tl.max(amax, axis=1), axis=0))
+                fold_amax(AMAX_BITS, tl.max(tl.max(amax, axis=1), axis=0))
     if KIND == LAYERNORM:
         tl.store(MEAN + rows, mean, mask=row_mask)
     tl.store(RSIGMA + rows, rsigma, mask=row_mask)
