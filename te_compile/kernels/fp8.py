@@ -83,8 +83,10 @@ class QuantizeLaunchConfig:
     ``block_m`` x ``block_k``: the tile of the per-tensor cast and of dequantisation (square
     tiles make the transposed store of ``data_t`` as wide as the rowwise one); ``block_m`` is
     also the rows per program of a rowwise-only 1x128 blockwise cast (other blockwise casts
-    use 128 rows). ``amax_block``: elements per step of the amax reduction. ``amax_programs``:
-    at most this many amax programs (None: 4 per SM on CUDA, 4 otherwise). ``software_convert``:
+    use 128 rows). ``amax_block``: elements per step of the amax reduction, ``amax_num_warps``
+    its warps. ``amax_programs``: at most this many amax programs (None: ``amax_per_sm`` per SM
+    on CUDA, 4 otherwise); each reduces a contiguous chunk of whole steps, one after the other,
+    so fewer, longer programs wait on more loads in series. ``software_convert``:
     integer fp8/bf16 conversion (None: exactly when not on CUDA; see the module docstring).
     ``block_num_warps``: warps of a blockwise cast with 128-row tiles. ``block_split`` (the
     fused activation + 1x128 cast, ``kernels.act_quantize.act_quantize_block``): a rowwise pass
@@ -95,8 +97,10 @@ class QuantizeLaunchConfig:
 
     block_m: int = 64
     block_k: int = 64
-    amax_block: int = 4096
+    amax_block: int = 2048
+    amax_num_warps: int = 16
     amax_programs: int | None = None
+    amax_per_sm: int = 4
     num_warps: int = 4
     block_num_warps: int = 8
     block_split: bool = True
@@ -110,10 +114,10 @@ class QuantizeLaunchConfig:
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"QuantizeLaunchConfig: {name} must be a power of two, got {v}")
-        if self.amax_programs is not None and self.amax_programs < 1:
-            raise ValueError(
-                f"QuantizeLaunchConfig: amax_programs must be >= 1, got {self.amax_programs}"
-            )
+        for name in ("amax_programs", "amax_per_sm", "amax_num_warps"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"QuantizeLaunchConfig: {name} must be >= 1, got {v}")
 
 
 DEFAULT_CONFIG = QuantizeLaunchConfig()

@@ -359,7 +359,7 @@ def _amax_bits(x: Tensor, cfg: QuantizeLaunchConfig, out: Tensor | None = None, 
     if n:
         programs, chunk = _amax_split(x, cfg)
         launch(_amax_kernel, (programs,))(
-            x, out, slot, n, chunk, BLOCK_SIZE=cfg.amax_block, num_warps=cfg.num_warps
+            x, out, slot, n, chunk, BLOCK_SIZE=cfg.amax_block, num_warps=cfg.amax_num_warps
         )
     return out
 
@@ -367,7 +367,8 @@ def _amax_bits(x: Tensor, cfg: QuantizeLaunchConfig, out: Tensor | None = None, 
 def _amax_split(x: Tensor, cfg: QuantizeLaunchConfig) -> tuple[int, int]:
     """``(programs, chunk)`` of a non-empty ``x``'s amax pass: elements per program."""
     n = x.numel()
-    programs = min(cdiv(n, cfg.amax_block), cfg.amax_programs or programs_per_sm(x.device, 4))
+    per_sm = programs_per_sm(x.device, cfg.amax_per_sm)
+    programs = min(cdiv(n, cfg.amax_block), cfg.amax_programs or per_sm)
     chunk = cdiv(cdiv(n, programs), cfg.amax_block) * cfg.amax_block
     return cdiv(n, chunk), chunk
 
@@ -518,7 +519,7 @@ def quantize_pair(
         (p0, c0), (p1, c1) = (_amax_split(t, cfg) for t in x2)
         launch(_amax_pair_kernel, (p0 + p1,))(
             x2[0], x2[1], bits, *slots, x2[0].numel(), c0, p0, x2[1].numel(), c1,
-            BLOCK_SIZE=cfg.amax_block, num_warps=cfg.num_warps,
+            BLOCK_SIZE=cfg.amax_block, num_warps=cfg.amax_num_warps,
         )  # fmt: skip
         scale = (bits, bits)
     else:

@@ -269,8 +269,9 @@ def test_dequantize_tensorwise(shape):
 def test_config_validation():
     with pytest.raises(ValueError, match="block_k must be a power of two, got 24"):
         QuantizeLaunchConfig(block_k=24)
-    with pytest.raises(ValueError, match="amax_programs must be >= 1"):
-        QuantizeLaunchConfig(amax_programs=0)
+    for name in ("amax_programs", "amax_per_sm", "amax_num_warps"):
+        with pytest.raises(ValueError, match=f"{name} must be >= 1, got 0"):
+            QuantizeLaunchConfig(**{name: 0})
 
 
 @requires_cuda
