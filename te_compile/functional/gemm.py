@@ -241,15 +241,20 @@ def _check_spec_set(p: str, items: tuple[tuple[str, QuantSpec], ...]) -> str:
     return kind
 
 
-def check_gemm_dims(p: str, recipe: str, w: QuantSpec, tokens: int, **dims: int) -> None:
-    """``dims`` (features by name) multiples of 16 (per tensor) or of ``recipe``'s block, and of
-    512 with native 128x128 weight blocks; MXFP8's and NVFP4's ``tokens`` too (others pad rows)."""
+def check_gemm_dims(
+    p: str, recipe: str, w: QuantSpec, tokens: int | None, gemms: str = "GEMMs", **dims: int
+) -> None:
+    """``dims`` (two or more features by name) multiples of 16 (per tensor) or of ``recipe``'s
+    block, and of 512 with native 128x128 weight blocks; MXFP8's and NVFP4's ``tokens`` too
+    (others pad rows; None: the grouped family's, checked per group). ``gemms``: the messages'
+    name of the GEMMs."""
     multiple = 16 if recipe in PER_TENSOR else BLOCK_KINDS.get(recipe, 1)
-    names = ", ".join(f"{name} ({d})" for name, d in dims.items())
+    parts = [f"{name} ({d})" for name, d in dims.items()]
+    names = ", ".join(parts[:-1]) + " and " + parts[-1]
     if any(d % multiple for d in dims.values()):
         kind = "FP8" if recipe in PER_TENSOR else recipe  # (delayed calibrates with current)
-        raise ValueError(p + f"{kind} GEMMs need {names} to be multiples of {multiple}")
-    if recipe in ("mxfp8", "nvfp4") and tokens % multiple:
+        raise ValueError(p + f"{kind} {gemms} need {names} to be multiples of {multiple}")
+    if recipe in ("mxfp8", "nvfp4") and tokens is not None and tokens % multiple:
         raise ValueError(p + f"{recipe} needs the number of tokens ({tokens}) to be a multiple "
                          f"of {multiple}")  # fmt: skip
     native_128 = recipe == "block" and not w.emulate and w.block_rows == 128

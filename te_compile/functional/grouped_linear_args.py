@@ -11,13 +11,7 @@ import torch
 from torch import Tensor
 
 from te_compile._checks import FLOAT_DTYPES, INDEX_DTYPES
-from te_compile.functional.gemm import (
-    BLOCK_KINDS,
-    PER_TENSOR,
-    DeferredWgrad,
-    blockwise_supported,
-    check_specs,
-)
+from te_compile.functional.gemm import PER_TENSOR, DeferredWgrad, check_gemm_dims, check_specs
 from te_compile.functional.grouped_gemm import GroupedRecipe, grouped_gemm_kind
 from te_compile.functional.grouped_weight import check_grouped_weight_operand
 from te_compile.functional.linear_args import check_fp8_input, check_main_grad
@@ -176,18 +170,7 @@ def check_grouped_linear(a: GroupedLinearArgs) -> None:
         return
     check_fp8_input(p, a.inp)
     _, n, k = a.weight.shape
-    multiple = BLOCK_KINDS.get(recipe, 16)
-    if n % multiple or k % multiple:
-        kind = "FP8" if recipe in PER_TENSOR else recipe  # delayed calibrates with current
-        raise ValueError(
-            p + f"{kind} grouped GEMMs need in_features ({k}) and out_features ({n}) to be "
-            f"multiples of {multiple}"
-        )
-    if blockwise and not blockwise_supported(a.weight[0], w.block_rows, x.fp8_dtype, g.fp8_dtype):
-        raise ValueError(
-            p + "128x128 weight blocks need in_features and out_features to be multiples of 512 "
-            f"(cuBLAS's blockwise GEMM); weight is {list(a.weight.shape)}"
-        )
+    check_gemm_dims(p, recipe, w, None, "grouped GEMMs", in_features=k, out_features=n)
     if (
         recipe == "nvfp4"
         and m_splits.device.type == "cpu"

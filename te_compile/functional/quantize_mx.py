@@ -149,15 +149,11 @@ def check_quantize_nvfp4(x: Tensor, global_amax: Tensor | None, rowwise: bool, c
             f"te.quantize_nvfp4: the row count M = prod(x.shape[:-1]) = {m} must be even for "
             "columnwise output: two E2M1 values per byte"
         )
-    if global_amax is not None and (
-        global_amax.dtype != torch.float32
-        or global_amax.numel() != 1
-        or global_amax.device != x.device
-    ):
+    g = global_amax
+    if g is not None and (g.dtype, g.numel(), g.device) != (torch.float32, 1, x.device):
         raise ValueError(
             "te.quantize_nvfp4: global_amax must be None or a float32 tensor with one element "
-            f"on x's device ({x.device}), got {global_amax.dtype} of shape "
-            f"{list(global_amax.shape)} on {global_amax.device}"
+            f"on x's device ({x.device}), got {g.dtype} of shape {list(g.shape)} on {g.device}"
         )
 
 
@@ -193,14 +189,11 @@ def _check_dequantize_nvfp4(
         )
     what = "E4M3 scales (their uint8 bytes: module docstring)"
     _check_scale("dequantize_nvfp4", data, scale, 2 * data.shape[-1], NVFP4_BLOCK, what)
-    if global_scale.dtype != torch.float32 or global_scale.numel() != 1:
+    g = global_scale
+    if (g.dtype, g.numel(), g.device) != (torch.float32, 1, data.device):
         raise ValueError(
-            "te.dequantize_nvfp4: global_scale must be a float32 tensor with one element, got "
-            f"{global_scale.dtype} of shape {list(global_scale.shape)}"
-        )
-    if global_scale.device != data.device:
-        raise ValueError(
-            f"te.dequantize_nvfp4: global_scale must be on data's device ({data.device})"
+            "te.dequantize_nvfp4: global_scale must be a float32 tensor with one element on "
+            f"data's device ({data.device}), got {g.dtype} of shape {list(g.shape)} on {g.device}"
         )
     check_high_dtype("dequantize_nvfp4", "out_dtype", out_dtype)
 
