@@ -65,8 +65,8 @@ the GEMMs that read it give NaN, as MXFP8 and NVFP4 blocks do (``quantize_mx``),
 Transformer Engine saturates the inf to :math:`\pm F` and nothing reports it.
 
 Shapes: quantisation works for any ``K`` (and ``M``, including 0); only an FP8 *GEMM* needs its
-operand dims to be multiples of 16, and the GEMM's caller checks that with
-:func:`check_fp8_gemm_dims`.
+operand dims to be multiples of 16, and the GEMM families check that
+(``functional.gemm.check_gemm_dims``).
 
 Implementations: on CPU the reference math below (``*_ref``); on CUDA the Triton kernels of
 ``te_compile.kernels.quantize``, bit-identical to it (the kernel tests check it, under the
@@ -93,7 +93,6 @@ from te_compile.kernels import submodule
 
 __all__ = [
     "FP8_DTYPES",
-    "check_fp8_gemm_dims",
     "dequantize_blockwise_ref",
     "dequantize_tensorwise_ref",
     "quantize_blockwise_ref",
@@ -335,19 +334,6 @@ def _check_block_scale_inv(name: str, data: Tensor, scale_inv: Tensor, block_row
     if scale_inv.device != data.device:
         raise ValueError(
             f"te.{name}: scale_inv must be on data's device ({data.device}), got {scale_inv.device}"
-        )
-
-
-def check_fp8_gemm_dims(name: str, **dims: int) -> None:
-    """ValueError unless every named dim is a multiple of 16, as an FP8 GEMM needs of its
-    operands (``torch._scaled_mm``/cuBLASLt: 16-byte aligned FP8 rows). For the callers of the
-    GEMM — quantisation itself accepts any size. Works on SymInts (checked at trace time)."""
-    for arg, size in dims.items():
-        torch._check_value(
-            size % 16 == 0,
-            lambda arg=arg, size=size: (
-                f"te.{name}: {arg} (= {size}) must be a multiple of 16 for an FP8 GEMM"
-            ),
         )
 
 

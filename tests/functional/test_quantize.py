@@ -351,7 +351,7 @@ def test_power_of_two_scales_are_exact(device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("k", [1, 7, 13, 100, 129])
 def test_any_k_quantises(k, device):
-    """Quantisation needs no alignment; only an FP8 GEMM does (check_fp8_gemm_dims)."""
+    """Quantisation needs no alignment; only an FP8 GEMM does (gemm.check_gemm_dims)."""
     x = _rand((6, k), torch.bfloat16, device)
     for kind, kwargs in [
         ("current", {}),
@@ -360,14 +360,6 @@ def test_any_k_quantises(k, device):
     ]:
         q = QT.quantize(x, kind, columnwise=True, **kwargs)
         assert q.data.shape == (6, k) and q.data_t.shape == (k, 6)
-
-
-def test_check_fp8_gemm_dims():
-    Q.check_fp8_gemm_dims("linear", in_features=32, out_features=4096)
-    with pytest.raises(
-        ValueError, match=r"te\.linear: in_features \(= 20\) must be a multiple of 16"
-    ):
-        Q.check_fp8_gemm_dims("linear", in_features=20, out_features=32)
 
 
 # Public functions, compile -------------------------------------------------------------------
