@@ -11,7 +11,7 @@
 # criterion over three seeds); the diagnostics of bench/diag/: loss_diag, diag_host,
 # diag_grouped_gemm, diag_grouped_delayed, diag_delayed_traced, diag_eager_host, diag_norm_host,
 # diag_kernels, diag_hf_step, diag_sdpa_choice, diag_launch,
-# tune_norm, tune_rotary, tune_quantize[:part], tune_group_columns;
+# diag_amax_passes, tune_norm, tune_rotary, tune_quantize[:part], tune_group_columns;
 # rope (bench_rope) and moe (bench_moe, MoE token routing), not in the default list;
 # moe_layer (examples/moe_layer.py under FP8) and hf_llama (the converted Llama's FP8 speed).
 # Each step writes one log under $OUT (a bench step also its .md/.json, --no-chart), packed into
@@ -152,6 +152,8 @@ runpy.run_path('examples/train_gpt.py', run_name='__main__')" "${tg[@]:1}" \
       python3 -m bench.diag.diag_hf_step 2>&1 | tee "$OUT/diag_hf_step.log" ;;
     diag_sdpa_choice)  # SDPA's kernel choice per layout, real and fake (bench/diag/diag_sdpa_choice.py)
       python3 -m bench.diag.diag_sdpa_choice 2>&1 | tee "$OUT/diag_sdpa_choice.log" ;;
+    diag_amax_passes)  # one layer's per-tensor casts kernel by kernel, us and GB/s (bench/diag/diag_amax_passes.py)
+      python3 -m bench.diag.diag_amax_passes 2>&1 | tee "$OUT/diag_amax_passes.log" ;;
     tune_group_columns)  # launches of the grouped FP8 wgrad's column cast (bench/diag/tune_group_columns.py)
       python3 -m bench.diag.tune_group_columns 2>&1 | tee "$OUT/tune_group_columns.log" ;;
     tune_quantize) python3 -m bench.diag.tune_quantize 2>&1 | tee "$OUT/tune_quantize.log" ;;
