@@ -2,10 +2,10 @@
 block's shapes (not a benchmark of record): where current scaling's amax passes and delayed
 scaling's amax-folding casts spend their time, and at what bandwidth.
 
-For each size (h2048, h4096: SwiGLU ``z`` ``[T, 2F]``, its gradient ``dh`` ``[T, F]``, the four
-weights, an activation gradient ``[T, H]``) and each launch configuration, the fused SwiGLU
-quantisation forward and backward and the plain per-tensor casts, current and delayed, run
-under ``torch.profiler``; each kernel's median us and the GB/s of the bytes it must move.
+For each size (h2048, h4096: SwiGLU ``z`` ``[T, 2F]``, its gradient ``dh`` ``[T, F]``, fc1's
+and fc2's weights, an activation gradient ``[T, H]``) and each launch configuration, the fused
+SwiGLU quantisation forward and backward and the plain per-tensor casts, current and delayed,
+run under ``torch.profiler``; each kernel's median us and the GB/s of the bytes it must move.
 
     python -m bench.diag.diag_amax_passes            # GPU only; writes to stdout
 """

@@ -367,8 +367,8 @@ def _amax_bits(x: Tensor, cfg: QuantizeLaunchConfig, out: Tensor | None = None, 
 def _amax_split(x: Tensor, cfg: QuantizeLaunchConfig) -> tuple[int, int]:
     """``(programs, chunk)`` of a non-empty ``x``'s amax pass: elements per program."""
     n = x.numel()
-    per_sm = programs_per_sm(x.device, cfg.amax_per_sm)
-    programs = min(cdiv(n, cfg.amax_block), cfg.amax_programs or per_sm)
+    cap = cfg.amax_programs or programs_per_sm(x.device, cfg.amax_per_sm)
+    programs = min(cdiv(n, cfg.amax_block), cap)
     chunk = cdiv(cdiv(n, programs), cfg.amax_block) * cfg.amax_block
     return cdiv(n, chunk), chunk
 
