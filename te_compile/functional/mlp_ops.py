@@ -342,7 +342,8 @@ def mlp_bwd(
         fast_d, fast_w = c.g.fast_dgrad, c.g.fast_wgrad
         dh = gemm(kind, g.data, g.scale, w2_t, w2s, dtype, fast_accum=fast_d, b_block_rows=rows)
         dw2 = wgrad_gemm(kind, g.data_t, g.scale_t, h_t, hs, dtype, main_grad2, fast_w)
-        db2 = g.sums if sums else (dy.sum(0, dtype=torch.float32) if c.need_dbias else None)
+        acc = None if dy.is_cuda else torch.float32  # CUDA: fp32 accumulation, one launch
+        db2 = g.sums if sums else (dy.sum(0, dtype=acc) if c.need_dbias else None)
         dq, db1 = _act_operand(c.g, z, b1, dh, ep, s_dz, m, need_db1, a_dz)
         if grad_amax1 is not None and a_dz is None:
             grad_amax1.copy_(dq.amax)

@@ -158,17 +158,20 @@ class FP8GemmState(nn.Module):
         )
 
     def record(self, amax: Tensor, state: AutocastState, *more: FP8GemmState) -> None:
-        """Keep the forward's ``[amax(input), amax(weight)]``: delayed scaling folds them into
-        the history at the next forward (reduced over the amax group first); under current
-        scaling they are kept for :func:`non_finite_amaxes`. ``more``: the states whose pairs
-        follow in ``amax`` (a GEMM family call's), all copied in one launch (a compiled graph's
-        separate copies are as many kernels)."""
-        if state.recipe.delayed():
-            amax = _reduce_amax(amax, state, state.recipe)
-        if more:
-            torch._foreach_copy_([s.fwd_amax for s in (self, *more)], amax.reshape(-1, 2).unbind())
-        else:
-            self.fwd_amax.copy_(amax)
+        """Keep the forward's ``[amax(input), amax(weight)]``, and those of ``more`` (states
+        whose pairs follow in ``amax``, a GEMM family call's). Delayed scaling copies them (one
+        launch) into the buffers that its next update reads, after reducing them over the amax
+        group; so does a compiled step. Current scaling reads them only in
+        :func:`non_finite_amaxes`: an eager call keeps the op's output itself, no launch (a CUDA
+        graph's replays then rewrite it, as they would the copy)."""
+        delayed = state.recipe.delayed()
+        amax = _reduce_amax(amax, state, state.recipe) if delayed else amax
+        pairs = amax.reshape(-1, 2).unbind()
+        if delayed or torch.compiler.is_compiling():
+            torch._foreach_copy_([s.fwd_amax for s in (self, *more)], pairs)
+            return
+        for s, pair in zip((self, *more), pairs, strict=True):
+            s._buffers["fwd_amax"] = pair
 
 
 def delayed_scales(
