@@ -54,8 +54,16 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from te_compile.kernels import cdiv, launch, next_pow2, programs_per_sm, size_hint
-from te_compile.kernels.fp8 import ROUNDING, abs_bits, fold_amax, round_to
+from te_compile.kernels import (
+    bf16_bits,
+    cdiv,
+    kernel_arg,
+    launch,
+    next_pow2,
+    programs_per_sm,
+    size_hint,
+)
+from te_compile.kernels.fp8 import ROUNDING, abs_bits, fold_amax, round_to, store_rounded
 
 __all__ = [
     "NormLaunchConfig",
@@ -123,6 +131,9 @@ def _config(n: int, backward: bool, config: NormLaunchConfig | None) -> NormLaun
     if n > config.block_n and not config.chunked:
         raise ValueError(f"NormLaunchConfig: rows of {n} > block_n ({config.block_n}) need chunked")
     return config
+
+
+_SUM_BLOCK_N = 128  # columns per program of the backward's stage 2
 
 
 def _max_bwd_programs(device: torch.device) -> int:
@@ -357,6 +368,28 @@ def _norm_bwd_kernel(
             tl.store(DB_PARTIAL + partial + cols, tl.sum(db_acc, axis=0), mask=cols < N)
 
 
+@triton.jit
+def _partials_sum_kernel(
+    DW_P, DB_P, DW, DB, P, N,
+    HAS_BIAS: tl.constexpr, BF16_BITS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Stage 2 of the backward: the column sums of the ``[P, N]`` fp32 partials of ``dw`` (and
+    ``db``), rounded once to the weight's dtype; both outputs in one launch."""
+    c = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    dw = tl.zeros([BLOCK_N], tl.float32)
+    db = tl.zeros([BLOCK_N], tl.float32)
+    for p in range(0, P, BLOCK_P):
+        r = p + tl.arange(0, BLOCK_P)
+        mask = (r < P)[:, None] & (c < N)[None, :]
+        offs = r[:, None] * N + c[None, :]
+        dw += tl.sum(tl.load(DW_P + offs, mask=mask, other=0.0), axis=0)
+        if HAS_BIAS:
+            db += tl.sum(tl.load(DB_P + offs, mask=mask, other=0.0), axis=0)
+    store_rounded(DW + c, dw, c < N, BF16_BITS)
+    if HAS_BIAS:
+        store_rounded(DB + c, db, c < N, BF16_BITS)
+
+
 # Launch wrappers -----------------------------------------------------------------------------
 
 
@@ -497,10 +530,17 @@ def _norm_bwd(
         )
     if weight is None:
         return dx.view(inp.shape), None, None
-    # Stage 2: sum the per-program partials (fp32), round once to the weight's dtype. One
-    # reduction per output: views of one result would alias (custom ops' outputs must not).
-    dw = dw_p.sum(0).to(weight.dtype)
-    return dx.view(inp.shape), dw, None if db_p is None else db_p.sum(0).to(weight.dtype)
+    # Stage 2: sum the per-program partials (fp32), round once to the weight's dtype; two
+    # outputs, not views of one (custom ops' outputs must not alias).
+    dw = torch.empty(n, device=x.device, dtype=weight.dtype)
+    db = torch.empty_like(dw) if has_bias else None
+    if n:
+        launch(_partials_sum_kernel, (cdiv(n, _SUM_BLOCK_N),))(
+            dw_p, dw_p if db_p is None else db_p, kernel_arg(dw),
+            kernel_arg(dw if db is None else db), programs, n, HAS_BIAS=has_bias,
+            BF16_BITS=bf16_bits(dw), BLOCK_P=32, BLOCK_N=_SUM_BLOCK_N,
+        )  # fmt: skip
+    return dx.view(inp.shape), dw, db
 
 
 def layernorm_fwd(

@@ -218,6 +218,14 @@ def test_chunk_edges(kind):
     _check(kind, (5, 33), torch.float32, config=one_row, programs=2)
 
 
+@pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
+def test_stage_two_sums_many_partials(kind):
+    # 70 stage-1 programs of one row each: the stage-2 sum walks 3 blocks of 32 partial rows
+    # (the last partly masked) over 130 columns (2 column programs of 128).
+    one_row = NormLaunchConfig(block_m=1, block_n=256, num_warps=4, chunked=False)
+    _check(kind, (70, 130), torch.bfloat16, config=one_row, programs=70)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", KINDS)
 def test_long_rows_default_config(kind, dtype):
