@@ -34,6 +34,7 @@ Ratios are ``t / t_baseline`` (lower is better; 1.25 means 25% slower than the b
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import itertools
 import json
@@ -47,7 +48,7 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -305,17 +306,35 @@ def time_kernels(
     return _timing_of(per_call_ms, timer="kernels", calls_per_sample=calls)
 
 
+@contextlib.contextmanager
+def eager_fast_path_kept() -> Iterator[None]:
+    """While profiling: te_compile's eager calls keep their fast path. An eager te op call
+    takes the op path (the dispatcher, autograd's generated node) while a profiler runs, so
+    that profiles name the ops; that path's autograd fills zero gradients for the outputs that
+    got none, kernels the fast path (the one unprofiled eager calls take) does not launch."""
+    from te_compile import _library
+
+    use_fast_path = _library._use_fast_path
+    _library._use_fast_path = _library.eager_fast_path_enabled
+    try:
+        yield
+    finally:
+        _library._use_fast_path = use_fast_path
+
+
 def _cuda_kernels(
     fn: Callable[[], object], grad_to_none: Sequence[torch.Tensor], calls: int
 ) -> list[tuple[str, float]]:
-    """``(name, us)`` of every CUDA kernel of ``calls`` calls of ``fn`` (torch.profiler); the
-    ``.grad`` of ``grad_to_none`` is cleared before each call."""
+    """``(name, us)`` of every CUDA kernel of ``calls`` calls of ``fn`` (torch.profiler, te's
+    eager calls on their fast path); the ``.grad`` of ``grad_to_none`` is cleared before each
+    call."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with (
         warnings.catch_warnings(),
+        eager_fast_path_kept(),
         profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof,
     ):
         warnings.filterwarnings("ignore", message=".*Profiler clears events.*")

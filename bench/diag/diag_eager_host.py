@@ -89,12 +89,60 @@ def time_calls(module: torch.nn.Module, x: torch.Tensor, recipe, clock, calls: i
     return min(trials)
 
 
+def count_ops(module: torch.nn.Module, x: torch.Tensor, recipe) -> None:
+    """The torch ops one fwd+bwd call enters (torch.profiler's CPU events of ``aten::`` ops,
+    nested ones included; te's calls on their eager fast path), where its fills and copies
+    come from and, on CUDA, the kernels it launches, each with its count."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.harness import eager_fast_path_kept
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if x.is_cuda else [])
+    calls = 10
+    with eager_fast_path_kept(), profile(activities=activities, with_stack=True) as prof:
+        for _ in range(calls):
+            _step(module, x, recipe)
+        if x.is_cuda:
+            torch.cuda.synchronize()
+    rows = [(e.count / calls, e.key) for e in prof.key_averages() if e.key.startswith("aten::")]
+    print(f"torch ops per call (top level and nested): {sum(n for n, _ in rows):.0f}")
+    for n, key in sorted(rows, reverse=True):
+        print(f"  {n:5.1f}  {key}")
+    # Where the fills and copies come from: the innermost Python frames above each.
+    sources: dict[tuple[str, str], int] = {}
+    for e in prof.events():
+        if e.name in ("aten::fill_", "aten::copy_", "aten::zero_"):
+            frames, parent = [], e.cpu_parent
+            while parent is not None and len(frames) < 3:
+                if ".py(" in parent.name:
+                    frames.append(parent.name.rsplit("/", 1)[-1])
+                parent = parent.cpu_parent
+            key = (e.name, " < ".join(frames))
+            sources[key] = sources.get(key, 0) + 1
+    for (name, where), n in sorted(sources.items(), key=lambda kv: -kv[1]):
+        print(f"  {n / calls:5.1f}  {name} from {where}")
+    if x.is_cuda:
+        kernels = [(e.count / calls, e.key) for e in prof.key_averages()
+                   if e.device_type.name == "CUDA"]  # fmt: skip
+        print(f"kernels per call: {sum(n for n, _ in kernels):.0f}")
+        for n, key in sorted(kernels, reverse=True):
+            print(f"  {n:5.1f}  {key[:100]}")
+
+
 def profile_recipe(
-    module: torch.nn.Module, x: torch.Tensor, name: str, top: int, clock, calls: int
+    module: torch.nn.Module,
+    x: torch.Tensor,
+    name: str,
+    top: int,
+    clock,
+    calls: int,
+    ops: bool = False,
 ) -> None:
     recipe = RECIPES[name]() if RECIPES[name] is not None else None
     us = time_calls(module, x, recipe, clock, calls)
     print(f"=== {name}: {us:.1f} us per fwd+bwd call")
+    if ops:
+        count_ops(module, x, recipe)
     if top <= 0:
         return
     sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
@@ -168,6 +216,9 @@ def main() -> None:
     parser.add_argument(
         "--cuda-paths", action="store_true", help="CPU: the CUDA code paths, null launches"
     )
+    parser.add_argument(
+        "--ops", action="store_true", help="list the torch ops (and kernels) of one call"
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.cuda_paths and not args.child:
@@ -191,7 +242,7 @@ def main() -> None:
             us = time_calls(ref, x, None, clock, args.calls)
             print(f"=== plain PyTorch: {us:.1f} us per fwd+bwd call")
         for name in args.recipes:
-            profile_recipe(module, x, name, args.top, clock, args.calls)
+            profile_recipe(module, x, name, args.top, clock, args.calls, args.ops)
 
 
 if __name__ == "__main__":
