@@ -419,7 +419,7 @@ def _norm_fwd(
     m, n = x.shape
     out = torch.empty_like(x) if store_y else x.new_empty(0)
     rsigma = torch.empty(m, device=x.device, dtype=torch.float32)
-    mean = torch.empty(m if kind == LAYERNORM else 0, device=x.device, dtype=torch.float32)
+    mean = torch.empty(m if kind == LAYERNORM.value else 0, device=x.device, dtype=torch.float32)
     cfg = _config(n, False, config)
     if m > 0:
         launch(_norm_fwd_kernel, (cdiv(m, cfg.block_m),))(
@@ -427,7 +427,7 @@ def _norm_fwd(
             x if weight is None else weight.contiguous(),
             x if bias is None else bias.contiguous(),
             out,
-            mean if kind == LAYERNORM else rsigma,
+            mean if kind == LAYERNORM.value else rsigma,
             rsigma,
             rsigma if amax is None else amax,
             slot,
@@ -447,7 +447,7 @@ def _norm_fwd(
             num_warps=cfg.num_warps,
         )
     stats = inp.shape[:-1]
-    mean = mean.view(stats if kind == LAYERNORM else (0,))
+    mean = mean.view(stats if kind == LAYERNORM.value else (0,))
     return (out.view(inp.shape) if store_y else out), mean, rsigma.view(stats)
 
 
@@ -504,7 +504,7 @@ def _norm_bwd(
     # Chunked rows accumulate into the buffers across row tiles, so they must start at zero.
     alloc = torch.zeros if cfg.chunked or programs == 0 else torch.empty
     dw_p, db_p = (alloc(programs, n, device=x.device, dtype=torch.float32) if need else None
-                  for need in (kind != L2NORM, has_bias))  # fmt: skip
+                  for need in (kind != L2NORM.value, has_bias))  # fmt: skip
     if m > 0:
         rsigma = rsigma.contiguous()
         launch(_norm_bwd_kernel, (programs,))(
