@@ -144,8 +144,7 @@ def backward_impl(grad, grad_branch, saved, inp, weight, bias, main_grad, scale,
         if c.need_dbias:
             dbias = db.to(dtype)
     elif c.need_dbias and not (c.recipe == "block" and not c.x.emulate):  # native blockwise: g.sums
-        dbias = dy.sum(0) if cuda else dy.sum(0, dtype=acc or torch.float32)
-        dbias = dbias.to(dtype)
+        dbias = (dy.sum(0) if cuda else dy.sum(0, dtype=acc or torch.float32)).to(dtype)
     b2 = None if grad_branch is None else grad_branch.reshape(-1, grad_branch.shape[-1])
     fused_branch = b2 is not None and not c.recipe and not normalization
     dinp, dweight = None, empty(grad)

@@ -158,14 +158,12 @@ class FP8GemmState(nn.Module):
         )
 
     def record(self, amax: Tensor, state: AutocastState, *more: FP8GemmState) -> None:
-        """Keep the forward's ``[amax(input), amax(weight)]``, and those of ``more`` (states
-        whose pairs follow in ``amax``, a GEMM family call's). Delayed scaling copies them (one
-        launch) into the buffers that its next update reads, after reducing them over the amax
-        group; so does a compiled step. Current scaling reads them only in
-        :func:`non_finite_amaxes`: an eager call keeps the op's output itself, no launch (a CUDA
-        graph's replays then rewrite it, as they would the copy)."""
-        delayed = state.recipe.delayed()
-        amax = _reduce_amax(amax, state, state.recipe) if delayed else amax
+        """Keep the forward's ``[amax(input), amax(weight)]`` and those of ``more`` (next in
+        ``amax``). Delayed scaling (reduced over the amax group) and compiled steps copy them,
+        in one launch, into the buffers the next update reads; an eager current-scaling call,
+        read only by :func:`non_finite_amaxes`, keeps the op's output itself (no launch)."""
+        if delayed := state.recipe.delayed():
+            amax = _reduce_amax(amax, state, state.recipe)
         pairs = amax.reshape(-1, 2).unbind()
         if delayed or torch.compiler.is_compiling():
             torch._foreach_copy_([s.fwd_amax for s in (self, *more)], pairs)
