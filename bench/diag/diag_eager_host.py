@@ -105,6 +105,11 @@ def count_ops(module: torch.nn.Module, x: torch.Tensor, recipe) -> None:
         if x.is_cuda:
             torch.cuda.synchronize()
     rows = [(e.count / calls, e.key) for e in prof.key_averages() if e.key.startswith("aten::")]
+    # Top level: entered from Python or by autograd's engine (C++ backward nodes), not by
+    # another op: each pays the dispatcher's entry on the host, a no-op one too.
+    top = [e for e in prof.events() if e.name.startswith("aten::")
+           and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]  # fmt: skip
+    print(f"top-level torch ops per call: {len(top) / calls:.0f}")
     print(f"torch ops per call (top level and nested): {sum(n for n, _ in rows):.0f}")
     for n, key in sorted(rows, reverse=True):
         print(f"  {n:5.1f}  {key}")

@@ -672,7 +672,7 @@ def hp_linear_backward(grad, inp, weight, main_grad, need_dbias, need_dgrad, nee
     dtype = grad.dtype
     acc = None if cuda else acc_dtype(grad)
     dy = grad.reshape(-1, grad.shape[-1])
-    dinp, dweight, dbias = empty(grad), empty(grad), empty(grad)
+    dinp = dweight = dbias = None  # 0-element where not computed: made at the end, not before
     if need_dgrad:
         dinp = (grad.to(acc) @ weight.to(acc)).to(dtype) if acc else grad @ weight
     if need_wgrad:
@@ -683,7 +683,7 @@ def hp_linear_backward(grad, inp, weight, main_grad, need_dbias, need_dgrad, nee
             dweight = (dy.t().to(acc) @ x.to(acc)).to(dtype) if acc else dy.t() @ x
     if need_dbias:
         dbias = dy.sum(0, dtype=acc).to(dtype) if acc else dy.sum(0)
-    return dinp, dweight, dbias
+    return tuple(empty(grad) if t is None else t for t in (dinp, dweight, dbias))
 
 
 def wgrad_gemm(kind, a, sa, b, sb, out_dtype, main_grad: Tensor | None, fast=False) -> Tensor:

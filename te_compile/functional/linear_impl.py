@@ -137,7 +137,7 @@ def backward_impl(grad, grad_branch, saved, inp, weight, bias, main_grad, scale,
     dy = g2 if acc is None else g2.to(acc)
     if ep.scale != 1.0:
         dy = dy * ep.scale
-    dbias = empty(grad)
+    dbias = None  # None: a 0-element output, made at the end
     if ep.activation:
         b = bias if acc is None or bias is None else bias.to(acc)
         dy, db = activation_backward(dy, h, b, ep.activation, *ep.params, c.need_dbias)
@@ -147,7 +147,7 @@ def backward_impl(grad, grad_branch, saved, inp, weight, bias, main_grad, scale,
         dbias = (dy.sum(0) if cuda else dy.sum(0, dtype=acc or torch.float32)).to(dtype)
     b2 = None if grad_branch is None else grad_branch.reshape(-1, grad_branch.shape[-1])
     fused_branch = b2 is not None and not c.recipe and not normalization
-    dinp, dweight = None, empty(grad)
+    dinp = dweight = None
     if not c.recipe:
         x2 = saved[0] if normalization else inp.reshape(-1, inp.shape[-1])
         cast = (lambda t: t) if acc is None else (lambda t: t.to(acc))
@@ -163,19 +163,19 @@ def backward_impl(grad, grad_branch, saved, inp, weight, bias, main_grad, scale,
                                                 rng_state, c, g2.shape[0])  # fmt: skip
         if db is not None:
             dbias = db.to(dtype)
-    dnorm = [empty(grad), empty(grad)]
+    dnorm = [None, None]
     if dinp is not None:
         if normalization:
             dinp, *dnorm = norm_backward(dinp, inp, norm_weight, stats, c.norm)
         if b2 is not None and not fused_branch:
             dinp = dinp + b2
         dinp = dinp.reshape(*grad.shape[:-1], dinp.shape[-1])
-    return dinp if dinp is not None else empty(grad), dweight, dbias, *dnorm
+    return tuple(empty(grad) if t is None else t for t in (dinp, dweight, dbias, *dnorm))
 
 
 def _quantized_backward(dy, copies, main_grad, scale, grad_amax, rng_state, c: BwdArgs, m: int):
-    """``(dinp 2-D or None, dweight, dbias or None)`` of a quantised recipe's GEMMs; ``dbias``
-    only where the gradient's quantisation sums it (native blockwise)."""
+    """``(dinp 2-D, dweight, dbias)`` of a quantised recipe's GEMMs, each None where not computed;
+    ``dbias`` only where the gradient's quantisation sums it (native blockwise)."""
     x_t, x_st, w_t, w_st = copies
     dtype = dy.dtype
     kind = gemm_kind(c.recipe, c.x.emulate)
@@ -190,7 +190,7 @@ def _quantized_backward(dy, copies, main_grad, scale, grad_amax, rng_state, c: B
     if c.need_dgrad:  # dX [M, K] = dY [M, N] @ W [N, K]; W^T [K, N] is the GEMM's b
         dinp = unpad(gemm(kind, g.data, g.scale, fp8_codes(w_t, c.w.fp8_dtype), w_st, dtype,
                           fast_accum=c.g.fast_dgrad, b_block_rows=c.w.block_rows), m)  # fmt: skip
-    dweight = empty(dy)
+    dweight = None
     if c.need_wgrad:  # dW [N, K] = dY^T [N, M] @ X [M, K]; X^T [K, M] is the GEMM's b
         dweight = wgrad_gemm(kind, g.data_t, g.scale_t, fp8_codes(x_t, c.x.fp8_dtype), x_st, dtype,
                              main_grad, c.g.fast_wgrad)  # fmt: skip

@@ -353,13 +353,13 @@ def mlp_bwd(
             dinp = unpad(gemm(kind, dq.data, dq.scale, w1_t, w1s, dtype, fast_accum=fast_d,
                               b_block_rows=rows), m)  # fmt: skip
         dw1 = wgrad_gemm(kind, dq.data_t, dq.scale_t, x_t, xs, dtype, main_grad1, fast_w)
-    dnorm = [empty(grad), empty(grad)]
+    dnorm = [None, None]  # None: a 0-element output, made at the end
     if c.need_dgrad and normalization:
         dinp, *dnorm = norm_backward(dinp, inp, norm_weight, stats, c.norm)
-    dinp = dinp.reshape(*grad.shape[:-1], dinp.shape[-1]) if c.need_dgrad else empty(grad)
-    db1 = empty(grad) if db1 is None else db1.to(dtype)
-    db2 = empty(grad) if db2 is None or not c.need_dbias else db2.to(dtype)
-    return dinp, dw1, db1, dw2, db2, *dnorm
+    dinp = dinp.reshape(*grad.shape[:-1], dinp.shape[-1]) if c.need_dgrad else None
+    db1 = None if db1 is None else db1.to(dtype)
+    db2 = None if db2 is None or not c.need_dbias else db2.to(dtype)
+    return tuple(empty(grad) if t is None else t for t in (dinp, dw1, db1, dw2, db2, *dnorm))
 
 
 @mlp_bwd.register_fake

@@ -64,7 +64,7 @@ from te_compile._checks import (
 )
 from te_compile._library import differentiable, op
 from te_compile._numerics import acc_dtype
-from te_compile.kernels import runs_triton, submodule
+from te_compile.kernels import dense, runs_triton, submodule
 
 __all__ = [
     "check_norm_args",
@@ -363,7 +363,7 @@ def _save(ctx, output, inp, *rest) -> None:
 
 def _backward(ctx, bwd, grad_out, *_grad_stats):
     """The backward op's gradients for the forward's inputs that need one; None for the rest."""
-    grads = bwd(grad_out.contiguous(), *ctx.saved_tensors, *ctx.flags)
+    grads = bwd(dense(grad_out), *ctx.saved_tensors, *ctx.flags)
     grads = (grads,) if isinstance(grads, Tensor) else grads
     return tuple(g if need else None for g, need in zip_longest(grads, ctx.needs_input_grad))
 

@@ -156,6 +156,12 @@ def launch(kernel: Any, grid: Any) -> Any:
     return lambda *args, **kwargs: launcher(grid, *args, **kwargs)
 
 
+def dense(t: torch.Tensor) -> torch.Tensor:
+    """``t.contiguous()`` without the torch call where ``t`` is contiguous already (the common
+    case): each torch call costs an eager launch wrapper host time, a no-op one too."""
+    return t if t.is_contiguous() else t.contiguous()
+
+
 def next_pow2(n: int) -> int:
     """The least power of 2 >= ``n`` (0 for 0), as ``triton.next_power_of_2``, which is a Triton
     constexpr function now: it unwraps its arguments on every host call, which costs an eager

@@ -55,7 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
-from te_compile.kernels import cdiv, launch, next_pow2, programs_per_sm, size_hint
+from te_compile.kernels import cdiv, dense, launch, next_pow2, programs_per_sm, size_hint
 
 __all__ = [
     "ALL_FUNCTIONS",
@@ -465,7 +465,7 @@ def activation_forward(
     new contiguous tensor of the input's dtype."""
     fn = ALL_FUNCTIONS[activation]
     gated = activation in ALL_GATED
-    x = inp.contiguous()
+    x = dense(inp)
     if not gated and bias is None:
         out = torch.empty_like(x)
         if x.numel():
@@ -482,7 +482,7 @@ def activation_forward(
         grid = (cdiv(m, cfg.block_m), cdiv(n, cfg.block_n))
         launch(_rows_fwd_kernel, grid)(
             x,
-            x if bias is None else bias.contiguous(),
+            x if bias is None else dense(bias),
             out,
             m,
             n,
@@ -518,8 +518,7 @@ def activation_backward(
     cast to the bias dtype."""
     fn = ALL_FUNCTIONS[activation]
     gated = activation in ALL_GATED
-    x = inp.contiguous()
-    g = grad.contiguous()
+    x, g = dense(inp), dense(grad)
     dx = torch.empty_like(x)
     if not gated and bias is None:
         if x.numel():
@@ -548,7 +547,7 @@ def activation_backward(
     launch(_rows_bwd_kernel, (programs, cdiv(n, cfg.block_n)))(
         g,
         x,
-        x if bias is None else bias.contiguous(),
+        x if bias is None else dense(bias),
         dx,
         part,
         m,

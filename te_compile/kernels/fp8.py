@@ -332,9 +332,10 @@ def store_rounded(ptr, y, mask, BF16_BITS: tl.constexpr):
 
 
 def as_rows(t: Tensor) -> tuple[Tensor, int, int]:
-    """``[..., K]`` as a contiguous ``[M, K]`` (a copy only when not contiguous)."""
+    """``[..., K]`` as a contiguous ``[M, K]`` (a copy only when not contiguous; ``t`` itself,
+    no torch call, when it is one)."""
     m, k = math.prod(t.shape[:-1]), t.shape[-1]
-    return t.contiguous().view(m, k), m, k
+    return (t if t.dim() == 2 and t.is_contiguous() else t.contiguous().view(m, k)), m, k
 
 
 def fp8_args(fp8_dtype: torch.dtype, software: bool) -> dict[str, object]:

@@ -57,6 +57,7 @@ from torch import Tensor
 from te_compile.kernels import (
     bf16_bits,
     cdiv,
+    dense,
     kernel_arg,
     launch,
     next_pow2,
@@ -394,8 +395,17 @@ def _partials_sum_kernel(
 
 
 def as_rows(t: Tensor) -> Tensor:
-    """``[..., N]`` as a contiguous ``[M, N]`` (a copy only when ``t`` is not contiguous)."""
+    """``[..., N]`` as a contiguous ``[M, N]`` (a copy only when ``t`` is not contiguous; ``t``
+    itself when it is one: every torch call costs an eager launch wrapper host time)."""
+    if t.dim() == 2 and t.is_contiguous():
+        return t
     return t.contiguous().view(-1, t.shape[-1])
+
+
+def _like(t: Tensor) -> Tensor:
+    """A new contiguous tensor of ``t``'s shape and dtype: the kernels write it as ``[M, N]``
+    rows, and it is returned as it is, without a view."""
+    return torch.empty_like(t, memory_format=torch.contiguous_format)
 
 
 def _norm_fwd(
@@ -417,17 +427,19 @@ def _norm_fwd(
     into its element ``slot``."""
     x = as_rows(inp)
     m, n = x.shape
-    out = torch.empty_like(x) if store_y else x.new_empty(0)
-    rsigma = torch.empty(m, device=x.device, dtype=torch.float32)
-    mean = torch.empty(m if kind == LAYERNORM.value else 0, device=x.device, dtype=torch.float32)
+    out = _like(inp) if store_y else x.new_empty(0)
+    stats = inp.shape[:-1]
+    rsigma = torch.empty(stats, device=x.device, dtype=torch.float32)
+    layernorm = kind == LAYERNORM.value
+    mean = torch.empty(stats if layernorm else (0,), device=x.device, dtype=torch.float32)
     cfg = _config(n, False, config)
     if m > 0:
         launch(_norm_fwd_kernel, (cdiv(m, cfg.block_m),))(
             x,
-            x if weight is None else weight.contiguous(),
-            x if bias is None else bias.contiguous(),
+            x if weight is None else dense(weight),
+            x if bias is None else dense(bias),
             out,
-            mean if kind == LAYERNORM.value else rsigma,
+            mean if layernorm else rsigma,
             rsigma,
             rsigma if amax is None else amax,
             slot,
@@ -446,9 +458,7 @@ def _norm_fwd(
             SOFTWARE=x.device.type != "cuda",
             num_warps=cfg.num_warps,
         )
-    stats = inp.shape[:-1]
-    mean = mean.view(stats if kind == LAYERNORM.value else (0,))
-    return (out.view(inp.shape) if store_y else out), mean, rsigma.view(stats)
+    return out, mean, rsigma
 
 
 def norm_stats(
@@ -492,7 +502,7 @@ def _norm_bwd(
     """``programs``: at most this many stage-1 programs (default :func:`_max_bwd_programs`)."""
     x, dy = as_rows(inp), as_rows(grad_out)
     m, n = x.shape
-    dx = torch.empty_like(x)
+    dx = _like(inp)
     cfg = _config(n, True, config)
     # Stage 1 grid: at most `programs`, each owning whole tiles of rows (at least one tile, so
     # that 0 rows give 0 programs, not a division by 0).
@@ -506,12 +516,12 @@ def _norm_bwd(
     dw_p, db_p = (alloc(programs, n, device=x.device, dtype=torch.float32) if need else None
                   for need in (kind != L2NORM.value, has_bias))  # fmt: skip
     if m > 0:
-        rsigma = rsigma.contiguous()
+        rsigma = dense(rsigma)
         launch(_norm_bwd_kernel, (programs,))(
             dy,
             x,
-            x if weight is None else weight.contiguous(),
-            rsigma if mean is None else mean.contiguous(),
+            x if weight is None else dense(weight),
+            rsigma if mean is None else dense(mean),
             rsigma,
             dx,
             # Unused: rsigma, read only (a view or alias of a written one costs Inductor a copy).
@@ -529,7 +539,7 @@ def _norm_bwd(
             num_warps=cfg.num_warps,
         )
     if weight is None:
-        return dx.view(inp.shape), None, None
+        return dx, None, None
     # Stage 2: sum the per-program partials (fp32), round once to the weight's dtype; two
     # outputs, not views of one (custom ops' outputs must not alias).
     dw = torch.empty(n, device=x.device, dtype=weight.dtype)
@@ -540,7 +550,7 @@ def _norm_bwd(
             kernel_arg(dw if db is None else db), programs, n, HAS_BIAS=has_bias,
             BF16_BITS=bf16_bits(dw), BLOCK_P=32, BLOCK_N=_SUM_BLOCK_N,
         )  # fmt: skip
-    return dx.view(inp.shape), dw, db
+    return dx, dw, db
 
 
 def layernorm_fwd(

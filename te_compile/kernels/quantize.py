@@ -72,7 +72,7 @@ from torch import Tensor
 
 from te_compile import _csrc
 from te_compile._numerics import reciprocal_rn
-from te_compile.kernels import aligned16, cdiv, launch, programs_per_sm, tracing
+from te_compile.kernels import aligned16, cdiv, dense, launch, programs_per_sm, tracing
 from te_compile.kernels.fp8 import (
     BLOCK,
     DEFAULT_CONFIG,
@@ -353,7 +353,7 @@ def amax(x: Tensor, *, config: QuantizeLaunchConfig | None = None) -> Tensor:
 
 def _amax_bits(x: Tensor, cfg: QuantizeLaunchConfig, out: Tensor | None = None, slot: int = 0):
     """:func:`amax`, folded into ``out[slot]`` (:func:`amax_bits`) where ``out`` is given."""
-    x = x.contiguous()
+    x = dense(x)
     out = amax_bits(x.device) if out is None else out
     n = x.numel()
     if n:

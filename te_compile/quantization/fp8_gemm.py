@@ -164,7 +164,7 @@ class FP8GemmState(nn.Module):
         read only by :func:`non_finite_amaxes`, keeps the op's output itself (no launch)."""
         if delayed := state.recipe.delayed():
             amax = _reduce_amax(amax, state, state.recipe)
-        pairs = amax.reshape(-1, 2).unbind()
+        pairs = amax.reshape(-1, 2).unbind() if more else (amax,)
         if delayed or torch.compiler.is_compiling():
             torch._foreach_copy_([s.fwd_amax for s in (self, *more)], pairs)
             return
