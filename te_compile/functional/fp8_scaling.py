@@ -44,6 +44,7 @@ from torch import Tensor
 
 from te_compile._checks import check_choice, check_int, check_tensor
 from te_compile._library import op
+from te_compile.kernels import dense
 
 __all__ = [
     "AMAX_COMPUTE_ALGOS",
@@ -184,7 +185,7 @@ def _update(states: list, fp8_max: list[float], margin: int, algo: str) -> Tenso
 
     out = scale_copy(scale, len(states))
     update(
-        [(hist, s, last.contiguous(), None if tail is None else tail.contiguous())
+        [(hist, s, dense(last), None if tail is None else dense(tail))
          for hist, s, last, tail in states],
         out, _limit_runs(fp8_max), margin, algo == "max",
     )  # fmt: skip

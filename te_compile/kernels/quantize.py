@@ -399,6 +399,12 @@ def cuda_cast(cfg: QuantizeLaunchConfig, name: str, m: int, n: int, *tensors: Te
     return _cuda_op(name)
 
 
+def _one(scale: Tensor) -> Tensor:
+    """A delayed scale as the ``[1]`` contiguous tensor the casts read (the ``[1]`` views of
+    ``functional.gemm.scale_slots`` as they are: no torch call)."""
+    return scale if scale.shape == (1,) and scale.is_contiguous() else dense(scale.reshape(1))
+
+
 def _transposed(x: Tensor, m: int, k: int, dtype: torch.dtype, columnwise: bool) -> Tensor:
     return x.new_empty((k, m) if columnwise else (0,), dtype=dtype)
 
@@ -463,7 +469,7 @@ def quantize_tensorwise(
     value; for an empty ``x`` computed by that function). ``amax``: a GEMM's zeroed buffer
     (:func:`amax_bits`) whose element ``slot`` takes the amax; the returned ``amax`` is then that
     whole buffer as fp32."""
-    scale = scale.reshape(1).contiguous()
+    scale = _one(scale)
     cfg = config or DEFAULT_CONFIG
     bits = amax_bits(x.device) if amax is None else amax
     return _cast(x.shape, as_rows(x)[0], scale, bits, fp8_dtype, columnwise, cfg, False,
@@ -523,7 +529,7 @@ def quantize_pair(
         )  # fmt: skip
         scale = (bits, bits)
     else:
-        scale = tuple(s.reshape(1).contiguous() for s in scale)
+        scale = tuple(_one(s) for s in scale)
     out, args = [], []
     for t, xt, s, c, i in zip(x, x2, scale, columnwise, slots, strict=True):
         m, k = xt.shape
