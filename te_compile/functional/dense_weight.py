@@ -176,7 +176,7 @@ def quantize_weight_op(weight: Tensor, spec: str, scale: Tensor | None) -> list[
         raise ValueError(
             p + f"weight must be a 2-D floating tensor, got {weight.dim()}-D {weight.dtype}"
         )
-    q = quantize_operand(w, weight, scale=scale_slots(scale, w.kind)[1])
+    q = quantize_operand(w, weight, scale=scale_slots(scale, w.kind, 1)[0])
     data, data_t = (t.view(torch.uint8) if t.dtype in FP8_DTYPES else t for t in (q.data, q.data_t))
     # Fresh outputs (an op's outputs may not alias): per tensor, the copies share one scale;
     # 128x128 blocks give data_t and scale_t as transposed views of data and scale.

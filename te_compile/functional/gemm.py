@@ -144,11 +144,11 @@ def unpad(t2: Tensor, rows: int) -> Tensor:
     return t2[:rows].clone() if t2.shape[0] != rows else t2
 
 
-def scale_slots(scale: Tensor | None, recipe: str) -> tuple[Tensor | None, ...]:
-    """The delayed scales of a GEMM's input, weight and gradient as ``[1]`` views of ``scale``
-    ``[3]`` (the copy ``te::delayed_scaling_update`` returns, never the state buffer, which a
-    compiled step may donate), or three Nones (every other kind)."""
-    return (scale[0:1], scale[1:2], scale[2:3]) if recipe == "delayed" else (None, None, None)
+def scale_slots(scale: Tensor | None, recipe: str, *slots: int) -> tuple[Tensor | None, ...]:
+    """The delayed scales of a GEMM's ``slots`` (0 input, 1 weight, 2 gradient) as ``[1]`` views
+    of ``scale`` ``[3]`` (``te::delayed_scaling_update``'s copy, never the state buffer, which a
+    compiled step may donate), or Nones (every other kind); only those asked for (host time)."""
+    return tuple(scale[i : i + 1] if recipe == "delayed" else None for i in slots)
 
 
 # The NVFP4 options an operand role takes (what each is: ``QuantSpec``'s docstring).

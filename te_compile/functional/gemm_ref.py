@@ -89,7 +89,7 @@ def quantized_linear_ref(
     elif not recipe:
         out = x @ weight.t()
     elif backward_override == "dequantized" or recipe in PER_TENSOR:
-        s_x, s_w, s_g = scale_slots(scale, recipe)
+        s_x, s_w, s_g = scale_slots(scale, recipe, 0, 1, 2)
         out = _fake_quant(x, xs, s_x) @ _fake_quant(weight, ws, s_w).t()
         if not backward_override:  # the gradient quantised per tensor on its way back
             out = _FakeQuantGrad.apply(out, gs.fp8_dtype, s_g)

@@ -315,7 +315,7 @@ def per_tensor_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
     ``r.emulate``: the grouped GEMM on device offsets, else the exact emulation per group."""
     native = cuda and inp.dtype is torch.bfloat16 and not r.emulate
     measure = r.grad_amax is not None
-    s_x, s_w, _ = scale_slots(r.scale, r.recipe)
+    s_x, s_w = scale_slots(r.scale, r.recipe, 0, 1)
     fwd_dtype = r.fwd_dtype
     # Delayed scaling, both casts by the kernel: one [2] amax buffer they fold into (no cat).
     shared = s_x is not None and weight_q is None and _kernel_cast(inp) and _kernel_cast(weight)
@@ -349,7 +349,7 @@ def per_tensor_backward(grad_out, saved, inp, m_splits, weight, main_grad, r, ha
     """The dgrad in FP8; the wgrad in FP8 where the forward saved the input's FP8 copy (or
     ``r.fp8_wgrad`` and the input kept), else in high precision."""
     native = cuda and grad_out.dtype is torch.bfloat16 and not r.emulate
-    s_x, _, s_g = scale_slots(r.scale, r.recipe)
+    s_x, s_g = scale_slots(r.scale, r.recipe, 0, 2)
     fwd_dtype, bwd_dtype = r.fwd_dtype, r.bwd_dtype
     wq_t, ws_t = saved[0].view(fwd_dtype), saved[1]
     dinp, dweight = empty(grad_out), empty(grad_out)

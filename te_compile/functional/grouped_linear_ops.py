@@ -134,7 +134,7 @@ def _ref_quant(t: Tensor, r: GroupedRecipe, role: int, columns: bool, rows: int 
     (MXFP8: 32 elements), along ``m`` a partial last block as if padded with zeros."""
     fp8_dtype = r.bwd_dtype if role == 2 else r.fwd_dtype
     if r.recipe in PER_TENSOR:
-        scale, dim = scale_slots(r.scale, r.recipe)[role], 0 if columns else -1
+        scale, dim = scale_slots(r.scale, r.recipe, role)[0], 0 if columns else -1
         if t.shape[0] == 0:
             return t
         if scale is None:

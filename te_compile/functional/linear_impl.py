@@ -64,7 +64,7 @@ def forward_impl(a: LinearArgs, cuda: bool) -> tuple[Tensor, Tensor, list[Tensor
             return out.reshape(a.residual.shape), branch, saved + stats
         h = gemm("mm", c(x2), None, c(weight), None, dtype, bias=c(fuse_bias))
     else:
-        s_x, s_w, _ = scale_slots(a.scale, recipe)
+        s_x, s_w = scale_slots(a.scale, recipe, 0, 1)
         # The input's and the weight's amax in one buffer (a pre-quantised weight has its own).
         bits, (a_x, a_w) = amax_buffer(recipe, x2, 2, shared=a.weight_q is None)
         xq, x_t = None, not bw.save_input  # save_input quantises the input again
@@ -130,7 +130,7 @@ def backward_impl(grad, grad_branch, saved, inp, weight, bias, main_grad, scale,
     if copies and c.need_wgrad and copies[0].numel() == 0 and inp is not None and inp.numel():
         # save_input: the input's quantised transposed copy, made again here.
         x2 = inp.reshape(-1, inp.shape[-1])
-        xq = quantize_operand(c.x, pad_rows(x2), scale=scale_slots(scale, c.recipe)[0])
+        xq = quantize_operand(c.x, pad_rows(x2), scale=scale_slots(scale, c.recipe, 0)[0])
         copies = [fp8_bytes(xq.data_t), xq.scale_t, *copies[2:]]
     g2 = grad.reshape(-1, grad.shape[-1])
     acc = None if c.recipe or cuda else acc_dtype(grad)
@@ -180,7 +180,7 @@ def _quantized_backward(dy, copies, main_grad, scale, grad_amax, rng_state, c: B
     dtype = dy.dtype
     kind = gemm_kind(c.recipe, c.x.emulate)
     sums = c.need_dbias and kind == "blockwise" and not c.ep.activation
-    _, _, s_g = scale_slots(scale, c.recipe)
+    (s_g,) = scale_slots(scale, c.recipe, 2)
     (slot,) = grad_amax_slots(c.recipe, dy, grad_amax)
     g = quantize_operand(c.g, pad_rows(dy), scale=s_g, columnwise=c.need_wgrad, mn_major=True,
                          sums=sums, rng_state=rng_state, slot=slot)  # fmt: skip

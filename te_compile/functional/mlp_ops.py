@@ -215,7 +215,8 @@ def mlp_fwd(
         out = hp_linear(h, w2, b2, x2.is_cuda)
         return out.reshape(*inp.shape[:-1], w2.shape[0]), [*saved, z, h, *stats]
     kind, rows = gemm_kind(recipe, xs.emulate), ws.block_rows
-    (s_x, s_w1, _), (s_h, s_w2, _) = scale_slots(a.scale1, recipe), scale_slots(a.scale2, recipe)
+    s_x, s_w1 = scale_slots(a.scale1, recipe, 0, 1)
+    s_h, s_w2 = scale_slots(a.scale2, recipe, 0, 1)
     q1, q2 = a.fc1_weight_q, a.fc2_weight_q  # pre-quantised: setup_context saves their copies
     # The four amaxes (X, W1, h, W2) in one buffer (pre-quantised weights have their own).
     shared = q1 is None and q2 is None
@@ -332,7 +333,7 @@ def mlp_bwd(
         if _native_block(c.x):  # the 1x128 scales as the wgrad GEMM takes them (_saved_scale)
             xs, hs = xs.t(), hs.t()
         kind, rows = gemm_kind(recipe, c.x.emulate), c.w.block_rows
-        (_, _, s_dz), (_, _, s_dy) = scale_slots(scale1, recipe), scale_slots(scale2, recipe)
+        (s_dz,), (s_dy,) = scale_slots(scale1, recipe, 2), scale_slots(scale2, recipe, 2)
         sums = c.need_dbias and _native_block(c.x)
         a_dz, a_dy = grad_amax_slots(recipe, dy, grad_amax1, grad_amax2)
         g = quantize_operand(c.g, pad_rows(dy), scale=s_dy, mn_major=True, sums=sums, slot=a_dy)

@@ -158,10 +158,9 @@ class FP8GemmState(nn.Module):
         )
 
     def record(self, amax: Tensor, state: AutocastState, *more: FP8GemmState) -> None:
-        """Keep the forward's ``[amax(input), amax(weight)]`` and those of ``more`` (next in
-        ``amax``). Delayed scaling (reduced over the amax group) and compiled steps copy them,
-        in one launch, into the buffers the next update reads; an eager current-scaling call,
-        read only by :func:`non_finite_amaxes`, keeps the op's output itself (no launch)."""
+        """Keep the forward's ``[amax(input), amax(weight)]``, then ``more``'s: delayed scaling
+        (reduced over the amax group) and compiled steps copy them in one launch; eager current
+        scaling keeps the op's output itself (read only by :func:`non_finite_amaxes`)."""
         if delayed := state.recipe.delayed():
             amax = _reduce_amax(amax, state, state.recipe)
         pairs = amax.reshape(-1, 2).unbind() if more else (amax,)
