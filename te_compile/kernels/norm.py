@@ -64,7 +64,14 @@ from te_compile.kernels import (
     programs_per_sm,
     size_hint,
 )
-from te_compile.kernels.fp8 import ROUNDING, abs_bits, fold_amax, round_to, store_rounded
+from te_compile.kernels.fp8 import (
+    ROUNDING,
+    abs_bits,
+    as_rows,
+    fold_amax,
+    round_to,
+    store_rounded,
+)
 
 __all__ = [
     "NormLaunchConfig",
@@ -394,14 +401,6 @@ def _partials_sum_kernel(
 # Launch wrappers -----------------------------------------------------------------------------
 
 
-def as_rows(t: Tensor) -> Tensor:
-    """``[..., N]`` as a contiguous ``[M, N]`` (a copy only when ``t`` is not contiguous; ``t``
-    itself when it is one: every torch call costs an eager launch wrapper host time)."""
-    if t.dim() == 2 and t.is_contiguous():
-        return t
-    return t.contiguous().view(-1, t.shape[-1])
-
-
 def _like(t: Tensor) -> Tensor:
     """A new contiguous tensor of ``t``'s shape and dtype: the kernels write it as ``[M, N]``
     rows, and it is returned as it is, without a view."""
@@ -425,8 +424,7 @@ def _norm_fwd(
     only). ``amax`` (a zero or running max,
     ``kernels.quantize.amax_bits``): the output's amax, rounded to the input's dtype, is folded
     into its element ``slot``."""
-    x = as_rows(inp)
-    m, n = x.shape
+    x, m, n = as_rows(inp)
     out = _like(inp) if store_y else x.new_empty(0)
     stats = inp.shape[:-1]
     rsigma = torch.empty(stats, device=x.device, dtype=torch.float32)
@@ -500,8 +498,7 @@ def _norm_bwd(
     programs: int | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """``programs``: at most this many stage-1 programs (default :func:`_max_bwd_programs`)."""
-    x, dy = as_rows(inp), as_rows(grad_out)
-    m, n = x.shape
+    (x, m, n), dy = as_rows(inp), as_rows(grad_out)[0]
     dx = _like(inp)
     cfg = _config(n, True, config)
     # Stage 1 grid: at most `programs`, each owning whole tiles of rows (at least one tile, so

@@ -33,7 +33,7 @@ import triton.language as tl
 from torch import Tensor
 
 from te_compile.kernels import bf16_bits, cdiv, kernel_arg, launch
-from te_compile.kernels.fp8 import signed
+from te_compile.kernels.fp8 import as_rows, signed
 
 __all__ = ["dequantize_mxfp8", "dequantize_nvfp4", "quantize_mxfp8", "quantize_nvfp4"]
 
@@ -386,18 +386,12 @@ def _nvfp4_dequantize_kernel(
 # Launch wrappers -----------------------------------------------------------------------------
 
 
-def as_rows(x: Tensor) -> Tensor:
-    """``[..., K]`` as a contiguous ``[M, K]`` (a copy only when ``x`` is not contiguous)."""
-    return x.contiguous().view(-1, x.shape[-1]) if x.ndim != 2 else x.contiguous()
-
-
 def quantize_mxfp8(
     x: Tensor, fp8_dtype: torch.dtype, rowwise: bool, columnwise: bool
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(data, scale, data_t, scale_t)`` with the layouts of ``te::quantize_mxfp8``; a
     direction not asked for gives 0-element tensors."""
-    x2 = as_rows(x)
-    m, k = x2.shape
+    x2, m, k = as_rows(x)
     mbits, emin, maxv, emax = _FP8_FORMATS[fp8_dtype]
     empty = x2.new_empty(0, dtype=torch.uint8)
     data = x2.new_empty((m, k) if rowwise else 0, dtype=torch.uint8)
@@ -432,8 +426,7 @@ def quantize_mxfp8(
 def dequantize_mxfp8(data: Tensor, scale: Tensor, out_dtype: torch.dtype) -> Tensor:
     """``data * 2**(scale - 127)`` per 32-element block of the last dim, in ``out_dtype``."""
     mbits, emin, _, _ = _FP8_FORMATS[data.dtype]
-    d2 = as_rows(data.view(torch.uint8))
-    m, k = d2.shape
+    d2, m, k = as_rows(data.view(torch.uint8))
     out = d2.new_empty((m, k), dtype=out_dtype)
     if m and k:
         launch(_mxfp8_dequantize_kernel, (cdiv(m, _TILE), cdiv(k, _TILE)))(
@@ -458,8 +451,7 @@ def quantize_nvfp4(
     """``(data, scale, data_t, scale_t)`` with the layouts of ``te::quantize_nvfp4``, given the
     fp32 global (encode) scale as a 1-element tensor; a direction not asked for gives
     0-element tensors. ``K`` (rowwise) and ``M`` (columnwise) must be even."""
-    x2 = as_rows(x)
-    m, k = x2.shape
+    x2, m, k = as_rows(x)
     empty = x2.new_empty(0, dtype=torch.uint8)
     data = x2.new_empty((m, k // 2) if rowwise else 0, dtype=torch.uint8)
     scale = x2.new_empty((m, cdiv(k, NVFP4_BLOCK)), dtype=torch.uint8) if rowwise else empty
@@ -493,8 +485,7 @@ def dequantize_nvfp4(
 ) -> Tensor:
     """``e2m1 * scale / global_scale`` per 16-element block of the last dim, in ``out_dtype``;
     ``data`` is ``[..., K / 2]`` packed bytes, the output ``[..., K]``."""
-    d2 = as_rows(data)
-    m, p = d2.shape
+    d2, m, p = as_rows(data)
     out = d2.new_empty((m, 2 * p), dtype=out_dtype)
     if m and p:
         launch(_nvfp4_dequantize_kernel, (cdiv(m, _TILE), cdiv(p, _TILE)))(
