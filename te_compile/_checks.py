@@ -9,7 +9,9 @@ valid value (``0 < v < inf``), never as the negation of an invalid one (``v <= 0
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -38,6 +40,35 @@ def check_bool(owner: str, **flags: object) -> None:
     for name, value in flags.items():
         if value is not True and value is not False:
             raise ValueError(f"{owner}: {name} must be a bool (True or False), got {shown(value)}")
+
+
+def passed_once(check: Callable[[tuple], None]) -> Callable[[tuple], None]:
+    """``check`` of an op's argument tuple, skipped for arguments like some that passed it
+    before. A family's checks read the tensors' shapes, dtypes and devices and the values of the
+    other arguments, so a key of those stands for the arguments (4096 kept at most); an eager
+    call with the same shapes then pays a key instead of the checks. A failure is not kept: bad
+    arguments raise on every call. A symbolic shape (unhashable) is checked every time."""
+    passed: set[tuple] = set()
+
+    def meta(v: object) -> object:
+        if isinstance(v, torch.Tensor):
+            return v.shape, v.dtype, v.device
+        return tuple(map(meta, v)) if isinstance(v, list) else (type(v), v)  # True is not 1
+
+    @functools.wraps(check)
+    def run(args: tuple) -> None:
+        key = tuple(map(meta, args))
+        try:
+            if key in passed:
+                return
+        except TypeError:  # a SymInt in a shape, or an unhashable value: its checks name it
+            return check(args)
+        check(args)
+        if len(passed) >= 4096:
+            passed.clear()
+        passed.add(key)
+
+    return run
 
 
 def _real(value: object) -> bool:

@@ -254,3 +254,44 @@ def test_the_same_extra_input_message_at_trace_time():
     with pytest.raises(Exception) as traced:
         compiled(x, r)
     assert str(eager.value) in str(traced.value)
+
+
+def test_checks_passed_once_are_skipped_only_for_arguments_like_the_passed():
+    """``_checks.passed_once`` keeps the keys of arguments that passed: the same shapes, dtypes,
+    devices and values skip the check; a tensor of another dtype, ``1`` for ``True`` or a
+    failing call run it (a failure raises every time)."""
+    from te_compile._checks import passed_once
+
+    calls = []
+
+    @passed_once
+    def check(args):
+        calls.append(args)
+        if args[1] is not True:
+            raise ValueError("flag must be True")
+
+    x = torch.zeros(2, 3)
+    check((x, True, [x]))
+    check((torch.ones(2, 3), True, [torch.ones(2, 3)]))  # other data, the same metadata
+    assert len(calls) == 1
+    check((x.double(), True, [x]))
+    check((x, True, [x.double()]))
+    assert len(calls) == 3
+    for _ in range(2):
+        with pytest.raises(ValueError, match="flag must be True"):
+            check((x, 1, [x]))
+    assert len(calls) == 5
+
+
+def test_an_op_call_like_a_passed_one_but_for_a_dtype_is_refused():
+    """The family ops' checks run once per kind of arguments (``check_mlp`` / ``check_linear``
+    are ``passed_once``): after good calls, a bias of another dtype is still refused by name."""
+    x, w1, w2 = (torch.randn(*s, dtype=torch.bfloat16) for s in ((4, 16), (32, 16), (8, 32)))
+    b1, b2 = torch.zeros(32, dtype=torch.bfloat16), torch.zeros(8, dtype=torch.bfloat16)
+    for _ in range(2):
+        torch.ops.te.mlp_fwd(x, w1, b1, w2, b2, "act=gelu")
+        torch.ops.te.linear_fwd(x, w1, b1, None)
+    with pytest.raises(ValueError, match="fc2_bias must be"):
+        torch.ops.te.mlp_fwd(x, w1, b1, w2, b2.float(), "act=gelu")
+    with pytest.raises(ValueError, match=r"bias.dtype \(torch.float32\)"):
+        torch.ops.te.linear_fwd(x, w1, b1.float(), None)

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from te_compile._checks import FLOAT_DTYPES, check_finite
+from te_compile._checks import FLOAT_DTYPES, check_finite, passed_once
 from te_compile.functional.activation import GATED_ACTIVATIONS, check_activation, check_gated_params
 from te_compile.functional.dense_weight import check_weight_operand, fp8_weight_for_checks
 from te_compile.functional.gemm import HIGH_DTYPES, DeferredWgrad, check_gemm_dims, check_specs
@@ -133,6 +133,7 @@ def check_linear_tensors(
     check_main_grad("te.linear: ", main_grad, weight)
 
 
+@passed_once
 def check_linear(a: LinearArgs) -> None:
     inp = a.inp
     weight = fp8_weight_for_checks("te.linear", "weight", a.weight, a.weight_q, inp.dtype,

@@ -9,7 +9,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from te_compile._checks import HIGH_DTYPES, check_choice
+from te_compile._checks import HIGH_DTYPES, check_choice, passed_once
 from te_compile.functional.activation import ACTIVATIONS, GATED_ACTIVATIONS, check_gated_params
 from te_compile.functional.dense_weight import check_weight_operand, fp8_weight_for_checks
 from te_compile.functional.gemm import check_gemm_dims, check_specs
@@ -64,6 +64,7 @@ class MLPArgs(NamedTuple):
 NORM_WEIGHT = MLPArgs._fields.index("norm_weight")
 
 
+@passed_once
 def check_mlp(a: MLPArgs) -> None:
     p = "te.mlp: "
     inp = a.inp

@@ -4,15 +4,14 @@ r"""The MLP family: ``te::mlp_fwd`` / ``te::mlp_bwd``, every recipe, an optional
     z = \mathrm{norm}(X) W_1^\top,\quad h = f(z + b_1),\quad Y = h W_2^\top + b_2
 
 ``inp`` ``[..., hidden]``, ``fc1_weight`` ``[F1, hidden]`` with ``F1 = 2 * ffn`` for a gated
-activation (``GATED_ACTIVATIONS``, as LayerNormMLP lays them out: the activation half's rows
-first), ``fc2_weight`` ``[out, ffn]``. ``epilogue``: the activation as an ``EpilogueSpec``
-string (``functional.spec``: ``act`` with clamped SwiGLU's ``limit``, ``alpha``, ``offset``).
-The specs (``input_spec``, ``weight_spec``, ``grad_spec``) and the prologue (``norm``,
-``norm_weight``, ``norm_bias``) are the linear family's (``functional.linear_ops``), without
-NVFP4's options; per GEMM: the delayed state (``scale1`` / ``scale2`` ``[3]``, ``grad_amax1`` /
-``grad_amax2`` ``[1]``), ``te::linear``'s pre-quantised ``weight_q`` (``fc1_weight_q`` /
-``fc2_weight_q``: ``saved`` then holds no copy of that weight) and ``main_grad``
-(``main_grad1`` / ``main_grad2``).
+activation (``GATED_ACTIVATIONS``, as LayerNormMLP lays them out: the activation half's rows first),
+``fc2_weight`` ``[out, ffn]``. ``epilogue``: the activation as an ``EpilogueSpec`` string
+(``functional.spec``: ``act`` with clamped SwiGLU's ``limit``, ``alpha``, ``offset``). The specs
+(``input_spec``, ``weight_spec``, ``grad_spec``) and the prologue (``norm``, ``norm_weight``,
+``norm_bias``) are the linear family's (``functional.linear_ops``), without NVFP4's options; per
+GEMM: the delayed state (``scale1`` / ``scale2`` ``[3]``, ``grad_amax1`` / ``grad_amax2`` ``[1]``),
+``te::linear``'s pre-quantised ``weight_q`` (``fc1_weight_q`` / ``fc2_weight_q``: ``saved`` then
+holds no copy of that weight) and ``main_grad`` (``main_grad1`` / ``main_grad2``).
 
 One op pair for the whole block, so that the activation and its gradient are never written in
 high precision between two quantisations: on CUDA, for the per-tensor recipes and native

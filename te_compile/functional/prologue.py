@@ -1,14 +1,13 @@
 r"""The normalisation prologue of the GEMM op families (LayerNormLinear, LayerNormMLP): a
 LayerNorm or RMSNorm of the op's input, in front of its first GEMM.
 
-A family op takes the prologue as ``norm`` (a ``functional.spec.NormSpec`` string, ``""``:
-none), ``norm_weight`` and ``norm_bias``; :class:`Norm` holds them parsed. Per-tensor recipes
-and native Float8BlockScaling write the norm straight into FP8 on CUDA (``kernels.act_quantize``:
-the norm is never written in high precision); everywhere else the norm op's implementation runs
-and its output, rows padded, is quantised: the same values (the kernel rounds the norm to the
-input's dtype first). The forward saves the norm's ``mean, rsigma`` (``mean`` 0-element for
-RMSNorm) at the end of its saved list; the backward runs the norm's backward on the GEMM's input
-gradient.
+A family op takes the prologue as ``norm`` (a ``functional.spec.NormSpec`` string, ``""``: none),
+``norm_weight`` and ``norm_bias``; :class:`Norm` holds them parsed. Per-tensor recipes and native
+Float8BlockScaling write the norm straight into FP8 on CUDA (``kernels.act_quantize``: the norm is
+never written in high precision); everywhere else the norm op's implementation runs and its output,
+rows padded, is quantised: the same values (the kernel rounds the norm to the input's dtype first).
+The forward saves the norm's ``mean, rsigma`` (``mean`` 0-element for RMSNorm) at the end of its
+saved list; the backward runs the norm's backward on the GEMM's input gradient.
 """
 
 from __future__ import annotations
