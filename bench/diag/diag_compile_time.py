@@ -34,6 +34,7 @@ so only the Dynamo / AOT parts and the node counts carry over to a GPU, roughly.
 
     python -m bench.diag.diag_compile_time                      # smoke size, 2 layers, CPU
     python -m bench.diag.diag_compile_time --rows te-bf16 --layers 1 --json out.json
+    python -m bench.diag.diag_compile_time --device cuda --size h4096   # real shapes (GPU)
 """
 
 from __future__ import annotations
@@ -111,10 +112,10 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
         nodes["dynamo"].append(len(gm.graph.nodes))
         return compile_fx(gm, example_inputs, inner_compile=inner)
 
-    size = bb.SMOKE_SIZES["block"]
+    size = bb.SIZES[args.size] if args.size != "smoke" else bb.SMOKE_SIZES["block"]
     if args.layers is not None:
         size = bb.Size(
-            "smoke", size.hidden, size.heads, size.ffn, size.seq, size.batch, args.layers
+            size.name, size.hidden, size.heads, size.ffn, size.seq, size.batch, args.layers
         )
     impl, precision = args.row.split("-")
     spec = bb.RowSpec(impl, precision, "compiled")
@@ -187,6 +188,7 @@ def run_row(row: str, args: argparse.Namespace) -> dict[str, Any]:
         out = Path(tmp) / "row.json"
         cmd = [sys.executable, "-m", "bench.diag.diag_compile_time", "--child", row]
         cmd += ["--device", args.device, "--steps", str(row_steps(row)), "--json-child", str(out)]
+        cmd += ["--size", args.size]
         if args.layers is not None:
             cmd += ["--layers", str(args.layers)]
         if args.verbose:
@@ -227,7 +229,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="default: cpu")
     parser.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))
     parser.add_argument(
-        "--layers", type=int, default=None, help="layers of the smoke stack (default: its 2)"
+        "--size", choices=["smoke", "h1024", "h2048", "h4096"], default="smoke",
+        help="bench_block's block stack at this size (default: its smoke size)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--layers", type=int, default=None, help="layers of the stack (default: the size's)"
     )
     parser.add_argument("--json", type=Path, help="write every row's measurements here")
     parser.add_argument("--verbose", action="store_true", help="print compile_times per step")
