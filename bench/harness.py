@@ -314,12 +314,12 @@ def eager_fast_path_kept() -> Iterator[None]:
     got none, kernels the fast path (the one unprofiled eager calls take) does not launch."""
     from te_compile import _library
 
-    use_fast_path = _library._use_fast_path
-    _library._use_fast_path = _library.eager_fast_path_enabled
+    kept = _library._op_path_when_profiled
+    _library._op_path_when_profiled = False
     try:
         yield
     finally:
-        _library._use_fast_path = use_fast_path
+        _library._op_path_when_profiled = kept
 
 
 def _cuda_kernels(

@@ -76,6 +76,13 @@ def eager_fast_path_enabled() -> bool:
     return _fast_path_enabled
 
 
+# While a profiler runs, eager calls take the op path, so that profiles name the ops.
+# ``bench.harness.eager_fast_path_kept`` clears this to count the kernels of the fast path. A
+# flag rather than another ``_use_fast_path``: compiled code guards on that function, and traced
+# code never reads this one (``is_compiling`` ends the test first).
+_op_path_when_profiled = True
+
+
 def _use_fast_path() -> bool:
     # Each check costs ~0.1 us; together far below one dispatcher hop.
     return (
@@ -83,7 +90,7 @@ def _use_fast_path() -> bool:
         and not torch.compiler.is_compiling()
         and torch._C._len_torch_dispatch_stack() == 0
         and not torch._C._are_functorch_transforms_active()
-        and not torch.autograd.profiler._is_profiler_enabled
+        and not (torch.autograd.profiler._is_profiler_enabled and _op_path_when_profiled)
     )
 
 

@@ -234,3 +234,31 @@ def test_autograd_on_caller_is_applied_and_recorded(flag):
     assert meta["autograd_multithreading"] is not bool(flag)
     header = harness.Report("x", meta).header_markdown()
     assert ("backward on the calling thread" in header) == bool(flag)
+
+
+def test_counting_on_the_fast_path_leaves_compiled_code_alone():
+    """``harness.eager_fast_path_kept`` (kernel counts of eager rows) keeps te's eager calls on
+    their fast path under a profiler, and a compiled step profiled inside it neither recompiles
+    nor traces the fast path (which dynamo cannot: a graph break at every op). It once swapped
+    ``_library._use_fast_path`` for a function without the compile check: the compiled rows
+    recompiled while their kernels were counted, broke at every te op and, under FP8, failed."""
+    from torch._dynamo.utils import counters
+
+    import te_compile as te
+    from bench import harness
+    from te_compile import _library
+
+    torch._dynamo.reset()
+    counters.clear()
+    layer = te.LayerNormMLP(32, 64, params_dtype=torch.float32)
+    x = torch.randn(8, 32, requires_grad=True)
+    step = torch.compile(lambda t: layer(t).sum())
+    step(x).backward()
+    graphs = counters["stats"]["unique_graphs"]
+    with torch.profiler.profile():
+        assert not _library._use_fast_path()  # profiled: the op path, which profiles name
+        with harness.eager_fast_path_kept():
+            assert _library._use_fast_path()  # what the helper is for
+            step(x).backward()
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert not counters["graph_break"]
