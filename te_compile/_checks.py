@@ -47,7 +47,8 @@ def passed_once(check: Callable[[tuple], None]) -> Callable[[tuple], None]:
     before. A family's checks read the tensors' shapes, dtypes and devices and the values of the
     other arguments, so a key of those stands for the arguments (4096 kept at most); an eager
     call with the same shapes then pays a key instead of the checks. A failure is not kept: bad
-    arguments raise on every call. A symbolic shape (unhashable) is checked every time."""
+    arguments raise on every call. A symbolic shape (unhashable) and dynamo's trace are checked
+    every time."""
     passed: set[tuple] = set()
 
     def meta(v: object) -> object:
@@ -57,6 +58,8 @@ def passed_once(check: Callable[[tuple], None]) -> Callable[[tuple], None]:
 
     @functools.wraps(check)
     def run(args: tuple) -> None:
+        if torch.compiler.is_compiling():  # dynamo would guard on the set: traced, checked
+            return check(args)
         key = tuple(map(meta, args))
         try:
             if key in passed:
