@@ -95,7 +95,8 @@ def time_calls(module: torch.nn.Module, x: torch.Tensor, recipe, clock, calls: i
 def count_ops(module: torch.nn.Module, x: torch.Tensor, recipe) -> None:
     """The torch ops one fwd+bwd call enters (torch.profiler's CPU events of ``aten::`` ops,
     nested ones included; te's calls on their eager fast path), where its fills and copies
-    come from and, on CUDA, the kernels it launches, each with its count."""
+    come from, the host's self time by event and, on CUDA, the kernels it launches, each with
+    its count."""
     from torch.profiler import ProfilerActivity, profile
 
     from bench.harness import eager_fast_path_kept
@@ -129,6 +130,20 @@ def count_ops(module: torch.nn.Module, x: torch.Tensor, recipe) -> None:
             sources[key] = sources.get(key, 0) + 1
     for (name, where), n in sorted(sources.items(), key=lambda kv: -kv[1]):
         print(f"  {n / calls:5.1f}  {name} from {where}")
+    # Where the host's time goes below Python (cProfile sees run_backward as one C call): each
+    # event's self time, autograd's nodes (autograd::engine::evaluate_function) and the CUDA
+    # runtime's calls (cudaLaunchKernel, ...) included; the profiler's own cost inflates all.
+    timed = sorted(
+        (
+            (e.self_cpu_time_total / calls, e.count / calls, e.key)
+            for e in prof.key_averages()
+            if e.device_type.name == "CPU"
+        ),
+        reverse=True,
+    )
+    print("host us per call by event (self time, under the profiler), the top 25:")
+    for us, n, key in timed[:25]:
+        print(f"  {us:8.1f}  {n:5.1f}x  {key[:100]}")
     if x.is_cuda:
         kernels = [(e.count / calls, e.key) for e in prof.key_averages()
                    if e.device_type.name == "CUDA"]  # fmt: skip
