@@ -27,6 +27,7 @@ launches were cut).
     python -m bench.diag.diag_launches --recipes delayed --list
     python -m bench.diag.diag_launches --model grouped_mlp  # te.GroupedMLP, 4 experts
     python -m bench.diag.diag_launches --dump /tmp/code     # each recipe's generated code
+    python -m bench.diag.diag_launches --compile-times      # each kernel's Triton compile
 
 ``--model grouped_mlp`` counts a ``te.GroupedMLP`` step instead (4 experts, hidden 64, ffn 128,
 SwiGLU, 64 tokens split ``[40, 0, 24, 0]`` by a device tensor) and lists the ``te`` ops
@@ -91,7 +92,7 @@ def _grouped_mlp(te, torch):
     return m, x, (torch.tensor([40, 0, 24, 0]),)
 
 
-def _child(recipe: str, model: str) -> None:
+def _child(recipe: str, model: str, compile_times: bool = False) -> None:
     import torch
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
@@ -106,10 +107,18 @@ def _child(recipe: str, model: str) -> None:
         def get_current_target(self):
             return GPUTarget("cuda", 90, 32)
 
+        def get_current_device(self):  # (--compile-times: what Inductor's compile asks)
+            return 0
+
+        launcher_cls = staticmethod(lambda src, metadata: None)
+
     driver.set_active(_Sm90())  # wrap_triton analyses the kernels for this target
     inductor_config.cpu_backend = "triton"
     functorch_config.force_non_lazy_backward_lowering = True  # both graphs, before any run
-    triton_heuristics.CachingAutotuner.precompile = lambda self, *a, **k: None  # no compile
+    if compile_times:
+        times = _timed_compiles()
+    else:
+        triton_heuristics.CachingAutotuner.precompile = lambda self, *a, **k: None  # no compile
     torch.manual_seed(0)
     size = SMOKE_SIZES["block"]
     if model == "grouped_mlp":
@@ -131,6 +140,40 @@ def _child(recipe: str, model: str) -> None:
         torch.compile(step, fullgraph=True)(x)
     except Exception as e:  # the generated code cannot run here: its text is what counts
         print(f"(stopped at running the code: {type(e).__name__})", file=sys.stderr)
+    if compile_times:
+        total: dict[str, list[float]] = {}
+        for name, s in times:
+            total.setdefault(name, []).append(s)
+        print(f"{recipe}: {len(times)} Triton compiles, {sum(s for _, s in times):.1f} s")
+        for name, ss in sorted(total.items(), key=lambda kv: -sum(kv[1])):
+            print(f"  {sum(ss):6.2f} s  {len(ss):3d}x  {name}")
+
+
+def _timed_compiles() -> list[tuple[str, float]]:
+    """Triton's compile of every kernel (Inductor's and te's) for sm_90 with the wheel's ptxas,
+    each timed, serially (one compile thread); the compiled kernels are never loaded."""
+    import time
+
+    import torch._inductor.config as inductor_config
+    import triton
+    import triton.compiler.compiler as triton_compiler
+    from triton.backends.compiler import GPUTarget
+
+    inductor_config.compile_threads = 1
+    times: list[tuple[str, float]] = []
+    compile_ = triton_compiler.compile
+
+    def timed(src, target=None, options=None, **kwargs):  # (Inductor asks for the CPU target)
+        t0 = time.perf_counter()
+        try:
+            return compile_(src, target=GPUTarget("cuda", 90, 32), options=options, **kwargs)
+        finally:
+            name = getattr(getattr(src, "fn", None), "__name__", None) or getattr(src, "name", "?")
+            times.append((name, time.perf_counter() - t0))
+
+    triton_compiler.compile = triton.compile = timed
+    triton_compiler.CompiledKernel._init_handles = lambda self: None  # no GPU to load onto
+    return times
 
 
 def main() -> None:
@@ -139,10 +182,25 @@ def main() -> None:
     parser.add_argument("--list", action="store_true", help="every launch, by kernel name")
     parser.add_argument("--model", choices=("layer", "grouped_mlp"), default="layer")
     parser.add_argument("--dump", type=Path, help="write each recipe's generated code here")
+    parser.add_argument(
+        "--compile-times", action="store_true",
+        help="Triton's compile of each kernel instead (sm_90, serial): the first step's share",
+    )  # fmt: skip
     parser.add_argument("--child", choices=RECIPES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        _child(args.child, args.model)
+        _child(args.child, args.model, args.compile_times)
+        return
+    if args.compile_times:
+        with tempfile.TemporaryDirectory() as tmp:
+            _patched_copy(Path(tmp))
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join([tmp, str(ROOT)]),
+                   "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(Path(tmp) / "triton"),
+                   "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "inductor")}  # fmt: skip
+            for recipe in args.recipes:
+                cmd = [sys.executable, "-m", "bench.diag.diag_launches", "--child", recipe,
+                       "--model", args.model, "--compile-times"]  # fmt: skip
+                subprocess.run(cmd, cwd=tmp, env=env, check=False)
         return
     with tempfile.TemporaryDirectory() as tmp:
         _patched_copy(Path(tmp))
