@@ -191,30 +191,25 @@ def main() -> None:
     if args.child:
         _child(args.child, args.model, args.compile_times)
         return
-    if args.compile_times:
-        with tempfile.TemporaryDirectory() as tmp:
-            _patched_copy(Path(tmp))
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join([tmp, str(ROOT)]),
-                   "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(Path(tmp) / "triton"),
-                   "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "inductor")}  # fmt: skip
-            for recipe in args.recipes:
-                cmd = [sys.executable, "-m", "bench.diag.diag_launches", "--child", recipe,
-                       "--model", args.model, "--compile-times"]  # fmt: skip
-                subprocess.run(cmd, cwd=tmp, env=env, check=False)
-        return
     with tempfile.TemporaryDirectory() as tmp:
         _patched_copy(Path(tmp))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([tmp, str(ROOT)]),
-               "TORCH_LOGS": "output_code", "TRITON_INTERPRET": "0"}  # fmt: skip
+               "TRITON_INTERPRET": "0"}  # fmt: skip
+        child = [sys.executable, "-m", "bench.diag.diag_launches", "--model", args.model]
+        if args.compile_times:  # empty caches: every kernel compiled here
+            env.update(TRITON_CACHE_DIR=str(Path(tmp) / "triton"),
+                       TORCHINDUCTOR_CACHE_DIR=str(Path(tmp) / "inductor"))  # fmt: skip
+            for recipe in args.recipes:
+                subprocess.run([*child, "--child", recipe, "--compile-times"], cwd=tmp, env=env,
+                               check=False)  # fmt: skip
+            return
+        env["TORCH_LOGS"] = "output_code"
         print("| recipe | forward | backward | per layer | op calls |")
         print("| --- | ---: | ---: | ---: | ---: |")
         listing = []
         for recipe in args.recipes:
-            run = subprocess.run(
-                [sys.executable, "-m", "bench.diag.diag_launches", "--child", recipe,
-                 "--model", args.model],
-                cwd=tmp, env=env, capture_output=True, text=True, check=False,
-            )  # fmt: skip
+            run = subprocess.run([*child, "--child", recipe], cwd=tmp, env=env,
+                                 capture_output=True, text=True, check=False)  # fmt: skip
             code = _LOG_PREFIX.sub("", run.stderr)
             if args.dump:
                 args.dump.mkdir(parents=True, exist_ok=True)
