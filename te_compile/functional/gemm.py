@@ -499,7 +499,9 @@ def amax_buffer(
     their amaxes into it (one fill, no gather). Elsewhere ``(None, [None] * n)``."""
     if not shared or recipe not in PER_TENSOR or not x2.is_cuda:
         return None, [None] * n
-    bits = x2.new_zeros(n, dtype=torch.float32)  # kernels.quantize.amax_bits's layout
+    from te_compile.kernels.quantize import amax_bits
+
+    bits = amax_bits(x2, n)
     return bits, [(bits, i) for i in range(n)]
 
 

@@ -271,7 +271,7 @@ def _quantize(
         from te_compile.kernels import quantize_rows
         from te_compile.kernels.quantize import amax_bits
 
-        amax, i = slot or (amax_bits(x.device), 0)
+        amax, i = slot or (amax_bits(x), 0)
         data, scale_inv = quantize_rows.quantize_rowwise(
             x, fp8_dtype, scale=scale, amax=amax, amax_slot=i, e4m3_codes=e4m3_codes
         )

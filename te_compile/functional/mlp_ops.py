@@ -214,8 +214,7 @@ def mlp_fwd(
         out = hp_linear(h, w2, b2, x2.is_cuda)
         return out.reshape(*inp.shape[:-1], w2.shape[0]), [*saved, z, h, *stats]
     kind, rows = gemm_kind(recipe, xs.emulate), ws.block_rows
-    s_x, s_w1 = scale_slots(a.scale1, recipe, 0, 1)
-    s_h, s_w2 = scale_slots(a.scale2, recipe, 0, 1)
+    (s_x, s_w1), (s_h, s_w2) = (scale_slots(s, recipe, 0, 1) for s in (a.scale1, a.scale2))
     q1, q2 = a.fc1_weight_q, a.fc2_weight_q  # pre-quantised: setup_context saves their copies
     # The four amaxes (X, W1, h, W2) in one buffer (pre-quantised weights have their own).
     shared = q1 is None and q2 is None
@@ -496,13 +495,12 @@ def mlp(
     main_grad2: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """``activation(norm(inp) @ fc1_weight.T + fc1_bias) @ fc2_weight.T + fc2_bias`` through
-    ``te::mlp_fwd`` (module docstring). The arguments are
-    :func:`~te_compile.functional.linear`'s, per GEMM where they are per GEMM (``scale1`` /
-    ``scale2``, ``grad_amax1`` / ``grad_amax2``, ``fc1_weight_quantized`` /
-    ``fc2_weight_quantized``, ``main_grad1`` / ``main_grad2``); the activation is quantised as
-    an input, its gradient as a gradient; ``limit`` / ``alpha`` / ``glu_linear_offset`` are
-    ``clamped_swiglu``'s. ``return_amax=True`` also returns ``[amax(X), amax(fc1_weight),
-    amax(h), amax(fc2_weight)]`` (per-tensor recipes; 0-element otherwise)."""
+    ``te::mlp_fwd`` (module docstring). The arguments are :func:`~te_compile.functional.linear`'s,
+    per GEMM where they are per GEMM (``scale1`` / ``scale2``, ``grad_amax1`` / ``grad_amax2``,
+    ``fc1_weight_quantized`` / ``fc2_weight_quantized``, ``main_grad1`` / ``main_grad2``); the
+    activation is quantised as an input, its gradient as a gradient; ``limit`` / ``alpha`` /
+    ``glu_linear_offset`` are ``clamped_swiglu``'s. ``return_amax=True`` also returns ``[amax(X),
+    amax(fc1_weight), amax(h), amax(fc2_weight)]`` (per-tensor recipes; 0-element otherwise)."""
     check_weight_quantized("te.mlp", "fc1_weight_quantized", fc1_weight_quantized)
     check_weight_quantized("te.mlp", "fc2_weight_quantized", fc2_weight_quantized)
     check_bool("te.mlp", return_amax=return_amax)

@@ -481,7 +481,7 @@ def _per_tensor(
     data_t = z.new_empty((n_out, m_out) if columnwise else (0,), dtype=fp8_dtype)
     amax_pass = not amax_folded and scale is None
     if amax is None:
-        amax = amax_bits(z.device)
+        amax = amax_bits(z)
     scale_inv = torch.empty(1, device=z.device, dtype=torch.float32)
     grid = (max(cdiv(m_out, cfg.block_m), 1), max(cdiv(n, cfg.block_k), 1))
     if cfg.block_m * z.shape[1] >= 2**31 or cfg.block_k * m_out >= 2**31:
@@ -748,7 +748,7 @@ def norm_quantize(
     of its size unfused. ``amax`` / ``slot``: as :func:`act_quantize`'s. Arguments are trusted
     (``functional.linear_ops`` checks them)."""
     cfg = config or QuantizeLaunchConfig()
-    amax = amax_bits(x.device) if amax is None else amax
+    amax = amax_bits(x) if amax is None else amax
     # Current scaling: the statistics pass takes the amax (delayed: the cast folds it).
     fn, norm, mean, rsigma = _norm_pass(
         x, weight, bias, normalization, eps, zero_centered_gamma, amax if scale is None else None,

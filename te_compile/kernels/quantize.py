@@ -333,11 +333,12 @@ def _dequant_kernel(
 # Launch wrappers -----------------------------------------------------------------------------
 
 
-def amax_bits(device: torch.device, n: int = 1) -> Tensor:
-    """A zeroed ``[n]`` fp32 buffer that kernels fold amaxes into (module docstring), one per
-    element (the casts of one GEMM share one buffer, each given its slot as an int: one zero
-    fill, no gather after; a view would be copied around the write by Inductor)."""
-    return torch.zeros(n, device=device, dtype=torch.float32)
+def amax_bits(like: Tensor, n: int = 1) -> Tensor:
+    """A zeroed ``[n]`` fp32 buffer on ``like``'s device that kernels fold amaxes into (module
+    docstring), one per element (the casts of one GEMM share one buffer, each given its slot as
+    an int: one zero fill, no gather after; a view would be copied around the write by
+    Inductor). Made from ``like`` (``new_zeros``): no device object per call."""
+    return like.new_zeros(n, dtype=torch.float32)
 
 
 def zero_amaxes(a: Tensor, b: Tensor | None = None) -> None:
@@ -354,7 +355,7 @@ def amax(x: Tensor, *, config: QuantizeLaunchConfig | None = None) -> Tensor:
 def _amax_bits(x: Tensor, cfg: QuantizeLaunchConfig, out: Tensor | None = None, slot: int = 0):
     """:func:`amax`, folded into ``out[slot]`` (:func:`amax_bits`) where ``out`` is given."""
     x = dense(x)
-    out = amax_bits(x.device) if out is None else out
+    out = amax_bits(x) if out is None else out
     n = x.numel()
     if n:
         programs, chunk = _amax_split(x, cfg)
@@ -471,7 +472,7 @@ def quantize_tensorwise(
     whole buffer as fp32."""
     scale = _one(scale)
     cfg = config or DEFAULT_CONFIG
-    bits = amax_bits(x.device) if amax is None else amax
+    bits = amax_bits(x) if amax is None else amax
     return _cast(x.shape, as_rows(x)[0], scale, bits, fp8_dtype, columnwise, cfg, False,
                  slot=slot)  # fmt: skip
 

@@ -321,7 +321,7 @@ def test_a_cast_given_a_slot_of_a_shared_amax_buffer_writes_only_that_slot(name,
     x = _dev(torch.randn(32, 48, generator=g, dtype=torch.bfloat16) * 3)
     scale = _dev(torch.tensor([2.0])) if delayed else None
     own = _SLOT_CASTS[name](x, scale)
-    bits = quantize.amax_bits(x.device, 3)
+    bits = quantize.amax_bits(x, 3)
     shared = _SLOT_CASTS[name](x, scale, amax=bits, slot=2)
     n_codes = 3  # data, data_t, scale_inv
     for a, e in zip(shared[:n_codes], own[:n_codes], strict=True):

@@ -653,9 +653,9 @@ def test_pair_equals_two_single_casts(shapes, columnwise, delayed, config):
     x = [_dev(_x(shapes[0], std=3.0)), _dev(_x(shapes[1], std=0.25))]
     scales = (_dev(torch.tensor([2.0**-3])), _dev(torch.tensor([6.0]))) if delayed else (None,) * 2
     for slots in ((0, 1), (1, 0)):
-        bits = kernels.amax_bits(x[0].device, 2)
+        bits = kernels.amax_bits(x[0], 2)
         got = kernels.quantize_pair(x, E4M3, columnwise, bits, slots, scales, config=config)
-        ref_bits = kernels.amax_bits(x[0].device, 2)
+        ref_bits = kernels.amax_bits(x[0], 2)
         for i, (t, c, slot) in enumerate(zip(x, columnwise, slots, strict=True)):
             if delayed:
                 want = kernels.quantize_tensorwise(t, scales[i], E4M3, c, config=config,
@@ -671,7 +671,7 @@ def test_pair_equals_two_single_casts(shapes, columnwise, delayed, config):
 def test_pair_of_two_dtypes_casts_each_alone():
     """A bf16 and an fp32 tensor (two GUARD settings, so not one launch): the single casts."""
     x = [_dev(_x((20, 24))), _dev(_x((12, 8), dtype=torch.float32))]
-    bits, ref_bits = (kernels.amax_bits(x[0].device, 2) for _ in range(2))
+    bits, ref_bits = (kernels.amax_bits(x[0], 2) for _ in range(2))
     got = kernels.quantize_pair(x, E5M2, (True, False), bits, (0, 1), config=SMALL)
     for i, t in enumerate(x):
         want = kernels.quantize_current(t, E5M2, i == 0, config=SMALL, amax=ref_bits, slot=i)
