@@ -42,7 +42,7 @@ import math
 import torch
 from torch import Tensor
 
-from te_compile._checks import check_choice, check_int, check_tensor
+from te_compile._checks import check_choice, check_int, check_tensor, passed_once
 from te_compile._library import op
 from te_compile.kernels import dense
 
@@ -67,8 +67,7 @@ def scale_copy(scale: Tensor, states: int = 1) -> Tensor:
     ``torch._scaled_mm`` scale. Why a copy (Inductor drops a ``clone``), and why the stride (a
     contiguous copy put a saved slot 8 bytes into a buffer that ``_scaled_mm`` refused, H200,
     torch 2.11): ``docs/op_mechanism.md``."""
-    n = states * scale.shape[0]
-    return torch.empty_strided((n,), (4,), dtype=torch.float32, device=scale.device)
+    return scale.new_empty_strided((states * scale.shape[0],), (4,))  # (scale: fp32)
 
 
 def delayed_scaling_update_ref(
@@ -104,11 +103,12 @@ def _limit_runs(fp8_max: list[float]) -> tuple[float, float, int] | None:
     return fp8_max[0], fp8_max[-1], n_head
 
 
-def _check(amax_history, scale, amax, fp8_max, margin, amax_compute_algo, amax_tail) -> None:
+@passed_once  # an eager step's update: checked once per shapes and recipe
+def _check(args: tuple) -> None:
+    amax_history, scale, amax, fp8_max, margin, amax_compute_algo, amax_tail = args
     p = f"{_OWNER}: "
     check_choice(_OWNER, "amax_compute_algo", amax_compute_algo, AMAX_COMPUTE_ALGOS)
-    if margin < 0 or margin is True:
-        raise ValueError(p + f"margin must be an int >= 0, got {margin!r}")
+    check_int(_OWNER, 0, margin=margin)
     slots = scale.shape[0] if scale.ndim == 1 else -1
     if len(fp8_max) == slots and not all(0 < m < math.inf for m in fp8_max):
         raise ValueError(
@@ -146,7 +146,7 @@ def delayed_scaling_update_op(
 ) -> Tensor:
     """Roll the history, take the new amax, recompute the scales (module docstring); returns
     a copy of the new scales laid out by :func:`scale_copy`: what the GEMM ops read."""
-    _check(amax_history, scale, amax, fp8_max, margin, amax_compute_algo, amax_tail)
+    _check((amax_history, scale, amax, fp8_max, margin, amax_compute_algo, amax_tail))
     return _update([(amax_history, scale, amax, amax_tail)], fp8_max, margin, amax_compute_algo)
 
 
@@ -196,7 +196,7 @@ def _pair(hist, scale, amax, tail, hist2, scale2, amax2, tail2, fp8_max, margin,
     """The pair op's two states ``(amax_history, scale, amax, amax_tail)``, checked."""
     states = [(hist, scale, amax, tail), (hist2, scale2, amax2, tail2)]
     for h, s, a, t in states:
-        _check(h, s, a, fp8_max, margin, algo, t)
+        _check((h, s, a, fp8_max, margin, algo, t))
     shapes = [(h.shape, h.stride(0), a.shape, t.shape) for h, _, a, t in states]
     if shapes[0] != shapes[1]:
         raise ValueError(f"{_OWNER}: the second state must have the first's shapes and history "
@@ -206,7 +206,7 @@ def _pair(hist, scale, amax, tail, hist2, scale2, amax2, tail2, fp8_max, margin,
 
 @delayed_scaling_update_op.register_fake
 def _delayed_scaling_update_fake(amax_history, scale, amax, fp8_max, margin, algo, amax_tail=None):
-    _check(amax_history, scale, amax, fp8_max, margin, algo, amax_tail)
+    _check((amax_history, scale, amax, fp8_max, margin, algo, amax_tail))
     return scale_copy(scale)
 
 
