@@ -127,7 +127,7 @@ class FP8GemmState(nn.Module):
             return None
         fmt = recipe.fp8_format
         limits = [fmt.max_fwd, fmt.max_fwd, fmt.max_bwd]
-        history = self.amax_history[:length]
+        history = self.amax_history if length == MAX_AMAX_HISTORY else self.amax_history[:length]
         fwd, grad = self.fwd_amax, self.grad_amax
         if _amax_group(state, recipe) is not None:
             # The backward op has no group: the gradient amax of the last backward is reduced here.
