@@ -67,7 +67,7 @@ def scale_copy(scale: Tensor, states: int = 1) -> Tensor:
     ``torch._scaled_mm`` scale. Why a copy (Inductor drops a ``clone``), and why the stride (a
     contiguous copy put a saved slot 8 bytes into a buffer that ``_scaled_mm`` refused, H200,
     torch 2.11): ``docs/op_mechanism.md``."""
-    return scale.new_empty_strided((states * scale.shape[0],), (4,))  # (scale: fp32)
+    return scale.new_empty_strided((states * scale.shape[0],), (4,))  # fp32; no CSE across states
 
 
 def delayed_scaling_update_ref(
