@@ -21,6 +21,10 @@ mxfp8       32-element blocks, E8M0 scales              ``"dequantized"`` only (
 nvfp4       16-element E4M3 blocks and a global scale   ``"dequantized"`` only
 ==========  ==========================================  ===========================================
 
+The grouped family's GEMMs on device offsets are two more entries, ``"grouped_mm"``
+(``torch._grouped_mm``, high precision) and ``"scaled_grouped_mm"`` (``torch._scaled_grouped_mm``,
+the per-tensor kinds with rowwise scales); its per-group loops call the entries above per group.
+
 An :class:`Operand` is one GEMM operand quantised along its contraction dim (``data`` ``[M,
 K]``, row-major) and, for the backward GEMMs, along the other dim, transposed (``data_t`` ``[K,
 M]``): FP8 codes with their inverse scales, or, for an emulated GEMM of a block-scaled kind, the
@@ -31,7 +35,7 @@ of 16 (:func:`pad_rows`). Adding a recipe kind: ``docs/op_mechanism.md``, "Addin
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -40,17 +44,9 @@ from torch import Tensor
 from te_compile._checks import (
     FP8_DTYPES,
     HIGH_DTYPES,
-    check_bool,
     check_choice,
-    check_finite,
-    check_int,
-    check_positive_finite,
-    check_required,
-    check_same_device,
     check_tensor,
-    check_tensors,
 )
-from te_compile._library import stash_for_backward
 from te_compile._numerics import acc_dtype, reciprocal_rn
 from te_compile.functional.quantize import (
     dequantize_blockwise,
@@ -67,7 +63,8 @@ from te_compile.functional.quantize_mx import (
     quantize_nvfp4,
 )
 from te_compile.functional.quantize_mx_ref import FOUR_OVER_SIX, mxfp8_qdq_tiles, nvfp4_qdq
-from te_compile.functional.spec import EpilogueSpec, NormSpec, QuantSpec, as_specs, parse
+from te_compile.functional.spec import QuantSpec
+from te_compile.kernels import e5m2_to_e4m3_table
 
 __all__ = [
     "BACKWARD_OVERRIDES",
@@ -77,10 +74,9 @@ __all__ = [
     "HIGH_DTYPES",
     "PER_TENSOR",
     "QUANTIZERS",
-    "BwdArgs",
-    "DeferredWgrad",
     "Operand",
     "accumulate_wgrad",
+    "as_e4m3",
     "blockwise_supported",
     "check_specs",
     "empty",
@@ -96,7 +92,6 @@ __all__ = [
     "quantize_operand",
     "quantize_operands",
     "quantize_per_tensor",
-    "save_for_backward_except_written",
     "scale_slots",
     "unpad",
     "wgrad_gemm",
@@ -261,50 +256,6 @@ def check_gemm_dims(
     if native_128 and any(d % 512 for d in dims.values()):
         raise ValueError(p + "native blockwise GEMMs (specs without 'emulate') with 128x128 "
                          f"weight blocks need {names} to be multiples of 512")  # fmt: skip
-
-
-_GEMM_ARGS = ("weight", "bias", "main_grad")
-
-
-def check_gemm_args(owner: str, **reals: object) -> None:
-    """A family function's scalar arguments, used by the call or not (never silently ignored):
-    ``norm_eps``, ``limit``, ``alpha``: positive; ``glu_linear_offset``, ``out_scale``: finite;
-    ``glu_interleave_size``: None or an int >= 0."""
-    for name, value in reals.items():
-        if name in ("glu_linear_offset", "out_scale"):
-            check_finite(owner, **{name: value})
-        elif name != "glu_interleave_size":
-            check_positive_finite(owner, **{name: value})
-        elif value is not None:
-            check_int(owner, 0, glu_interleave_size=value)
-
-
-def check_overwrite(owner: str, overwrite_main_grad: bool, main_grad: Tensor | None) -> None:
-    if overwrite_main_grad and main_grad is None:
-        raise ValueError(f"{owner}: overwrite_main_grad=True needs main_grad (the fp32 buffer "
-                         "whose values the weight gradient replaces)")  # fmt: skip
-
-
-def check_gemm_tensors(
-    owner: str, inp: object, weight: object, bias: object, main_grad: object, names=_GEMM_ARGS
-) -> None:
-    """A family function's input, weight, bias and main_grad (optional; ``names``: the last
-    three's argument names): tensors on ``inp``'s device; one cheap test on the hot path, the
-    checks naming the argument only if it fails."""
-    if not (
-        isinstance(inp, Tensor) and isinstance(weight, Tensor)
-        and (bias is None or isinstance(bias, Tensor))
-        and (main_grad is None or isinstance(main_grad, Tensor))
-    ):  # fmt: skip
-        check_required(owner, inp=inp, **{names[0]: weight})
-        check_tensors(owner, **{names[1]: bias, names[2]: main_grad})
-    device = inp.device
-    if (
-        weight.device != device or (bias is not None and bias.device != device)
-        or (main_grad is not None and main_grad.device != device)
-    ):  # fmt: skip
-        tensors = dict(zip(names, (weight, bias, main_grad), strict=True))
-        check_same_device(owner, "inp", inp, **tensors)
 
 
 def blockwise_supported(
@@ -581,14 +532,18 @@ def block_scaled_mm(
 
 
 # Every entry computes ``a @ b.T (+ bias)``: ``a`` [M, K] and ``b`` [N, K] row-major operands of
-# the kind (their inverse scales ``sa`` / ``sb``), the result rounded once to ``out_dtype``.
-def _mm(a, sa, b, sb, out_dtype, bias, fast_accum, b_rows) -> Tensor:
+# the kind (their inverse scales ``sa`` / ``sb``), the result rounded once to ``out_dtype``. The
+# grouped entries take ``offs``, the int32 ends of the groups on the device (None for the others):
+# ``a`` [M, K] grouped by rows against ``b`` [G, N, K] (forward, dgrad), or ``a`` [N, M] and
+# ``b`` [K, M] grouped along M (a wgrad: [G, N, K]); their bias is None (the grouped family adds
+# each group's by rows).
+def _mm(a, sa, b, sb, out_dtype, bias, fast_accum, b_rows, offs) -> Tensor:
     """High precision (or the caller's fp32 accumulation type on the CPU): cuBLAS through
     ``F.linear``, the bias in the GEMM's epilogue."""
     return torch.nn.functional.linear(a, b, bias)
 
 
-def _tensorwise(a, sa, b, sb, out_dtype, bias, fast_accum, b_rows) -> Tensor:
+def _tensorwise(a, sa, b, sb, out_dtype, bias, fast_accum, b_rows, offs) -> Tensor:
     """``torch._scaled_mm`` of the FP8 operands (``b.t()``: column-major, as it wants its second;
     ``sa`` / ``sb`` ``[1]`` fp32 inverse scales); it takes a bias only for a 16-bit output, so
     an fp32 one adds it after (the same sum). ``fast_accum``: Hopper's FP8 accumulation without
@@ -597,14 +552,14 @@ def _tensorwise(a, sa, b, sb, out_dtype, bias, fast_accum, b_rows) -> Tensor:
     slower than the fp32 GEMM of the same (exact) values, and the grouped family's CPU GEMMs
     are that emulation already."""
     if a.device.type != "cuda":
-        return _tensorwise_emulated(a, sa, b, sb, out_dtype, bias, fast_accum, b_rows)
+        return _tensorwise_emulated(a, sa, b, sb, out_dtype, bias, fast_accum, b_rows, None)
     kw = {"scale_a": sa, "scale_b": sb, "out_dtype": out_dtype, "use_fast_accum": fast_accum}
     if bias is not None and out_dtype is torch.float32:
         return torch._scaled_mm(a, b.t(), **kw).add_(bias)
     return torch._scaled_mm(a, b.t(), bias=bias, **kw)
 
 
-def _tensorwise_emulated(a, sa, b, sb, out_dtype, bias, fast_accum, b_rows) -> Tensor:
+def _tensorwise_emulated(a, sa, b, sb, out_dtype, bias, fast_accum, b_rows, offs) -> Tensor:
     """The per-tensor GEMM as an fp32 GEMM of the exact FP8 values with the scales applied
     after: the same quantisation, no FP8 tensor-core arithmetic (separates the GEMM's
     arithmetic from the quantisation in a training run)."""
@@ -612,15 +567,78 @@ def _tensorwise_emulated(a, sa, b, sb, out_dtype, bias, fast_accum, b_rows) -> T
     return (out if bias is None else out + bias.float()).to(out_dtype)
 
 
-def _blockwise(a, sa, b, sb, out_dtype, bias, fast_accum, b_rows) -> Tensor:
+def _blockwise(a, sa, b, sb, out_dtype, bias, fast_accum, b_rows, offs) -> Tensor:
     return block_scaled_mm(a, sa, b, sb, b_rows, out_dtype, bias)
 
 
-def _dequantized(a, sa, b, sb, out_dtype, bias, fast_accum, b_rows) -> Tensor:
+def _dequantized(a, sa, b, sb, out_dtype, bias, fast_accum, b_rows, offs) -> Tensor:
     """Emulation of a block-scaled GEMM: the dequantised (exact) operands multiplied in fp32 (or
     fp64, the tests' references), the bias added before the one rounding."""
     b_ = None if bias is None else bias.to(a.dtype)
     return torch.nn.functional.linear(a, b, b_).to(out_dtype)
+
+
+def as_e4m3(q: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
+    """A grouped GEMM operand in E4M3 codes: E4M3 ``q`` as is; E5M2 ``q`` recoded to the E4M3
+    codes of its values times ``2**-7``, its inverse scales ``s`` times 128 (``docs/fp8.md``)."""
+    if q.dtype is not torch.float8_e5m2:
+        return q, s
+    if q.is_cuda:
+        from te_compile.kernels import quantize_rows
+
+        codes = quantize_rows.recode_e5m2_as_e4m3(q)
+    else:
+        codes = e5m2_to_e4m3_table(q.device)[q.view(torch.uint8).long()].view(torch.float8_e4m3fn)
+    return codes, s * 128.0
+
+
+def _balanced(sa: Tensor, sb: Tensor) -> tuple[Tensor, Tensor]:
+    """``(sa * 2**-s, sb * 2**s)``: the same products ``sa[i] * sb[j]``, the largest exponents of
+    the two evened out (``docs/fp8.md``), from the bits of the positive fp32 scales. No host sync.
+    On CUDA, up to 64k scales: one Triton launch of one program for these torch ops; more: the
+    torch ops (their reductions and products over every SM, fused by Inductor; the one program
+    loops: about 160 us a call at 64 experts x 2816 rows)."""
+    if sa.is_cuda and sa.numel() + sb.numel() <= 1 << 16:
+        from te_compile.kernels import quantize_rows
+
+        return quantize_rows.balance_scales(sa.contiguous(), sb.contiguous())
+
+    def exponent(t: Tensor) -> Tensor:  # biased, of the largest (0 for none)
+        if not t.numel():
+            return t.new_zeros((), dtype=torch.int32)
+        return (t.amax().view(torch.int32) >> 23) & 0xFF
+
+    s = torch.div(exponent(sa) - exponent(sb), 2, rounding_mode="floor").clamp(-126, 126)
+    return sa * ((127 - s) << 23).view(torch.float32), sb * ((127 + s) << 23).view(torch.float32)
+
+
+def _grouped_mm(a, sa, b, sb, out_dtype, bias, fast_accum, b_rows, offs) -> Tensor:
+    """High precision, grouped: ``torch._grouped_mm``, its operands' dtype out (it refuses an
+    fp32 ``out_dtype``, eager and meta)."""
+    return torch._grouped_mm(a, b.transpose(-2, -1), offs=offs)
+
+
+def _scaled_grouped_mm(a, sa, b, sb, out_dtype, bias, fast_accum, b_rows, offs) -> Tensor:
+    """The per-tensor kinds, grouped, rowwise scaled: ``sa`` one inverse scale per row of ``a``
+    and ``sb`` one per (group, row of ``b``) (``[G, N]``; a wgrad's ``sa`` ``[G, N]`` too), the
+    operands as E4M3 codes (:func:`as_e4m3`). CUDA: ``torch._scaled_grouped_mm`` with the scales
+    balanced (:func:`_balanced`). Elsewhere (tests of this path): the bf16 grouped GEMM of the
+    same FP8 values, the scales multiplied together first, then applied in fp32."""
+    a, sa = as_e4m3(a, sa)
+    b, sb = as_e4m3(b, sb)
+    if a.is_cuda:
+        if b.dim() == 2:  # a wgrad: both operands' scales per (group, row), flat
+            sa, sb = sa.reshape(-1), sb.reshape(-1)
+        sa, sb = _balanced(sa, sb)
+        return torch._scaled_grouped_mm(a, b.transpose(-2, -1), sa, sb, offs=offs,
+                                        out_dtype=out_dtype, use_fast_accum=fast_accum)  # fmt: skip
+    bf16 = torch.bfloat16
+    acc = torch._grouped_mm(a.to(bf16), b.to(bf16).transpose(-2, -1), offs=offs).float()
+    if b.dim() == 2:
+        return (acc * (sa[:, :, None] * sb[:, None, :])).to(out_dtype)
+    splits = torch.diff(offs, prepend=offs.new_zeros(1))
+    col = torch.repeat_interleave(sb, splits, dim=0, output_size=a.shape[0])
+    return (acc * (sa[:, None] * col)).to(out_dtype)
 
 
 GEMMS: dict[str, Callable[..., Tensor]] = {
@@ -629,6 +647,8 @@ GEMMS: dict[str, Callable[..., Tensor]] = {
     "tensorwise_emulated": _tensorwise_emulated,
     "blockwise": _blockwise,
     "dequantized": _dequantized,
+    "grouped_mm": _grouped_mm,
+    "scaled_grouped_mm": _scaled_grouped_mm,
 }
 
 
@@ -652,9 +672,11 @@ def gemm(
     bias: Tensor | None = None,
     fast_accum: bool = False,
     b_block_rows: int = 1,
+    offs: Tensor | None = None,
 ) -> Tensor:
-    """``a @ b.T (+ bias)`` through the :data:`GEMMS` entry ``kind`` (see the table)."""
-    return GEMMS[kind](a, sa, b, sb, out_dtype, bias, fast_accum, b_block_rows)
+    """``a @ b.T (+ bias)`` through the :data:`GEMMS` entry ``kind`` (see the table; ``offs``:
+    the grouped entries' group ends)."""
+    return GEMMS[kind](a, sa, b, sb, out_dtype, bias, fast_accum, b_block_rows, offs)
 
 
 def hp_linear(inp: Tensor, weight: Tensor, bias: Tensor | None, cuda: bool) -> Tensor:
@@ -710,84 +732,3 @@ def accumulate_wgrad(main_grad: Tensor, dy: Tensor, x: Tensor) -> None:
         torch.addmm(main_grad, dy.t(), x, out_dtype=torch.float32, out=main_grad)
     else:
         main_grad.addmm_(dy.t().float(), x.float())
-
-
-class BwdArgs(NamedTuple):
-    """A dense family's backward op arguments after the tensors, parsed (``te::mlp_bwd`` always
-    computes its weight gradients: ``need_wgrad`` True)."""
-
-    x: QuantSpec
-    w: QuantSpec
-    g: QuantSpec
-    norm: NormSpec
-    ep: EpilogueSpec
-    need_dbias: bool
-    need_dgrad: bool
-    need_wgrad: bool = True
-
-    @classmethod
-    def of(cls, input_spec, weight_spec, grad_spec, norm, epilogue, *need) -> BwdArgs:
-        return cls(*as_specs(input_spec, weight_spec, grad_spec), parse(NormSpec, norm),
-                   parse(EpilogueSpec, epilogue), *need)  # fmt: skip
-
-    @property
-    def recipe(self) -> str:
-        return self.x.kind
-
-
-class DeferredWgrad(NamedTuple):
-    """A weight gradient left for later (``delay_wgrad=True``, Transformer Engine's
-    ``delay_wgrad_compute``): the backward op copies its incoming gradient into ``stash``
-    instead of running the wgrad GEMM; :meth:`compute` later runs the same backward op for the
-    weight gradient alone on the saved tensors (``replay(stash)``): the same bits."""
-
-    stash: Tensor
-    version: int
-    replay: Callable[[Tensor], Tensor | None]
-
-    @classmethod
-    def create(cls, stash: Tensor, replay: Callable[[Tensor], Tensor | None]) -> DeferredWgrad:
-        return cls(stash, stash._version, replay)
-
-    @property
-    def ready(self) -> bool:
-        """Whether the backward has run (it wrote ``stash``: its version counter moved)."""
-        return self.stash._version != self.version
-
-    def compute(self) -> Tensor | None:
-        """The weight gradient, or None where it was accumulated into ``main_grad``."""
-        return self.replay(self.stash)
-
-    @staticmethod
-    def check_stash(p: str, stash: Tensor | None, shape: tuple, inp: Tensor) -> None:
-        """A family op's ``wgrad_stash`` (None, or the output's ``shape`` in ``inp``'s dtype and
-        device); ``p`` begins the message."""
-        if stash is not None and (
-            stash.shape != shape or stash.dtype != inp.dtype or stash.device != inp.device
-        ):
-            raise ValueError(
-                p + f"wgrad_stash must have the output's shape {list(shape)}, inp's dtype "
-                f"{inp.dtype} and device, got {list(stash.shape)} {stash.dtype} {stash.device}"
-            )
-
-    @staticmethod
-    def check(owner: str, delay_wgrad: object) -> None:
-        """``delay_wgrad`` a bool, and eager: under ``torch.compile`` no tensor the backward
-        writes (the stash) can leave the compiled graph."""
-        check_bool(owner, delay_wgrad=delay_wgrad)
-        if torch.compiler.is_compiling():
-            raise NotImplementedError(
-                f"{owner}: delay_wgrad=True (delay_wgrad_compute) runs in eager mode only: the "
-                "backward stores the output gradient for backward_dw(), which a compiled "
-                "backward cannot hand out of its graph"
-            )
-
-
-def save_for_backward_except_written(ctx, tensors: Sequence[Tensor | None],
-                                     written: Sequence[int]) -> None:  # fmt: skip
-    """``ctx.save_for_backward(*tensors)`` but for those at positions ``written``, the caller's
-    accumulators the backward writes (``main_grad``, a gradient amax), kept as ``ctx.written``
-    out of autograd's version check, which would refuse a second forward's backward once the
-    first wrote them (pipeline schedules); ``_library.stash_for_backward`` under compile."""
-    stash_for_backward(ctx, "written", tuple(tensors[i] for i in written))
-    ctx.save_for_backward(*(None if i in written else t for i, t in enumerate(tensors)))

@@ -26,11 +26,10 @@ broadcast to the rowwise vectors the grouped GEMM takes; the forward returns ``[
 amax(W)]``, the backward writes ``amax(dY)`` into ``grad_amax``. Current scaling measures the
 amaxes (a read of each operand more) only given ``grad_amax``: a delayed state's first step.
 
-CUDA (bf16): ``torch._scaled_grouped_mm`` on device offsets (no host sync). It takes E4M3
-operands only: an E5M2 operand (the gradient under ``HYBRID``) goes in as E4M3 codes on every
-path (:func:`as_e4m3`). float32 / float16 inputs, the CPU and ``emulate`` use the exact
-emulation per group: the GEMM of the FP8 values in fp32, the scales applied to the fp32
-accumulator, the bias added in fp32, rounded once. Zero rows get scale 1 (no NaN).
+CUDA (bf16): ``functional.gemm.GEMMS["scaled_grouped_mm"]`` on device offsets (no host sync;
+E4M3 codes on every path, ``functional.gemm.as_e4m3``). float32 / float16 inputs, the CPU and
+``emulate``: the exact emulation per group (``"tensorwise_emulated"``, rounded once). Zero rows
+get scale 1 (no NaN).
 """
 
 from __future__ import annotations
@@ -44,11 +43,13 @@ from te_compile._numerics import div_rn, reciprocal_rn
 from te_compile.functional.gemm import (
     HIGH_DTYPES,
     amax_buffer,
+    as_e4m3,
     empty,
     gemm,
     grad_amax_slots,
     quantize_operand,
     scale_slots,
+    wgrad_gemm,
 )
 from te_compile.functional.grouped_gemm import (
     bwd_loop,
@@ -60,10 +61,8 @@ from te_compile.functional.grouped_gemm import (
 )
 from te_compile.functional.quantize_mx_ref import tensor_amax
 from te_compile.functional.spec import QuantSpec
-from te_compile.kernels import e5m2_to_e4m3_table
 
 __all__ = [
-    "as_e4m3",
     "per_tensor_backward",
     "per_tensor_forward",
     "per_tensor_weight",
@@ -121,60 +120,6 @@ def _gemm_loop(
     return out
 
 
-def as_e4m3(q: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
-    """A GEMM operand in E4M3 codes: E4M3 ``q`` as is; E5M2 ``q`` recoded to the E4M3 codes of
-    its values times ``2**-7``, its inverse scales ``s`` times 128 (``docs/fp8.md``)."""
-    if q.dtype is not torch.float8_e5m2:
-        return q, s
-    if q.is_cuda:
-        from te_compile.kernels import quantize_rows
-
-        codes = quantize_rows.recode_e5m2_as_e4m3(q)
-    else:
-        codes = e5m2_to_e4m3_table(q.device)[q.view(torch.uint8).long()].view(torch.float8_e4m3fn)
-    return codes, s * 128.0
-
-
-def _gemm_grouped(
-    aq: Tensor, sa: Tensor, bq: Tensor, sb: Tensor, splits: Tensor, offs: Tensor, fast_accum=False
-) -> Tensor:
-    """:func:`_gemm_loop` on device offsets, bf16 out, no host sync: ``torch._scaled_grouped_mm``
-    (``fast_accum``: the forward's, as ``te::linear``'s per-tensor one). CPU tensors (tests of
-    this path): the bf16 grouped GEMM of the same FP8 values, scales after in fp32."""
-    aq, sa = as_e4m3(aq, sa)
-    bq, sb = as_e4m3(bq, sb)
-    if aq.is_cuda:  # also the FP8 wgrad's: 2-D operands grouped along the contraction dim
-        sa, sb = _balanced(sa, sb)
-        return torch._scaled_grouped_mm(
-            aq, bq.transpose(-2, -1), sa, sb, offs=offs, out_dtype=torch.bfloat16,
-            use_fast_accum=fast_accum,
-        )  # fmt: skip
-    bf16 = torch.bfloat16
-    acc = torch._grouped_mm(aq.to(bf16), bq.to(bf16).transpose(-2, -1), offs=offs)
-    col = torch.repeat_interleave(sb, splits, dim=0, output_size=aq.shape[0])
-    return (acc.float() * (sa[:, None] * col)).to(bf16)  # scales first, as _gemm_loop
-
-
-def _balanced(sa: Tensor, sb: Tensor) -> tuple[Tensor, Tensor]:
-    """``(sa * 2**-s, sb * 2**s)``: the same products ``sa[i] * sb[j]``, the largest exponents of
-    the two evened out (``docs/fp8.md``), from the bits of the positive fp32 scales. No host sync.
-    On CUDA, up to 64k scales: one Triton launch of one program for these torch ops; more: the
-    torch ops (their reductions and products over every SM, fused by Inductor; the one program
-    loops: about 160 us a call at 64 experts x 2816 rows)."""
-    if sa.is_cuda and sa.numel() + sb.numel() <= 1 << 16:
-        from te_compile.kernels import quantize_rows
-
-        return quantize_rows.balance_scales(sa.contiguous(), sb.contiguous())
-
-    def exponent(t: Tensor) -> Tensor:  # biased, of the largest (0 for none)
-        if not t.numel():
-            return t.new_zeros((), dtype=torch.int32)
-        return (t.amax().view(torch.int32) >> 23) & 0xFF
-
-    s = torch.div(exponent(sa) - exponent(sb), 2, rounding_mode="floor").clamp(-126, 126)
-    return sa * ((127 - s) << 23).view(torch.float32), sb * ((127 + s) << 23).view(torch.float32)
-
-
 def wgrad_capacity(rows: int, groups: int) -> int:
     """Columns of a wgrad operand's transposed copy: every group's rows rounded up to a multiple
     of 16 fit in ``rows + 15 * groups``, rounded up to 16 (a static shape)."""
@@ -229,30 +174,22 @@ def _gemm_wgrad(
 ):  # fmt: skip
     """The FP8 wgrad ``dW_g = (dY_g^T diag(dys_g)) (diag(xs_g) X_g)`` from the operands of
     :func:`quantize_group_columns` (grouped along their columns by ``pad_ends``): ``[G, N, K]``, or
-    None where added to ``main_grad``. ``native``: :func:`_gemm_grouped`'s GEMM, else the exact
-    emulation per group in fp32 (added in fp32 to ``main_grad``). ``fast``: ``fast_wgrad``."""
-    dyt, dys = as_e4m3(dyt, dys)
-    xt, xs = as_e4m3(xt, xs)
+    0-element where added to ``main_grad``. ``native``: the ``"scaled_grouped_mm"`` GEMM, else the
+    exact emulation per group (``"tensorwise_emulated"``, in fp32 into ``main_grad``). ``fast``:
+    ``fast_wgrad``."""
     if native:
-        if dyt.is_cuda:
-            dw = _gemm_grouped(dyt, dys.reshape(-1), xt, xs.reshape(-1), None, pad_ends, fast)
-        else:
-            bf16 = torch.bfloat16
-            acc = torch._grouped_mm(dyt.to(bf16), xt.to(bf16).t(), offs=pad_ends)
-            dw = (acc.float() * dys[:, :, None] * xs[:, None, :]).to(bf16)
-        if main_grad is None:
-            return dw
-        main_grad.add_(dw)
-        return None
-    ends = [0, *pad_ends.tolist()]
-    out = None if main_grad is not None else dys.new_empty(*dys.shape, xs.shape[1], dtype=dtype)
+        dw = gemm("scaled_grouped_mm", dyt, dys, xt, xs, torch.bfloat16, fast_accum=fast,
+                  offs=pad_ends)  # fmt: skip
+        return dw if main_grad is None else main_grad.add_(dw).new_empty(0, dtype=dtype)
+    (dyt, dys), (xt, xs) = as_e4m3(dyt, dys), as_e4m3(xt, xs)
+    ends, into = [0, *pad_ends.tolist()], main_grad is not None
+    out = dys.new_empty((0,) if into else (*dys.shape, xs.shape[1]), dtype=dtype)
     for g in range(dys.shape[0]):
         cols = slice(ends[g], ends[g + 1])
-        acc = (dyt[:, cols].float() @ xt[:, cols].float().t()) * dys[g][:, None] * xs[g]
-        if main_grad is not None:
-            main_grad[g].add_(acc)
-        else:
-            out[g] = acc.to(dtype)
+        dw = wgrad_gemm("tensorwise_emulated", dyt[:, cols], dys[g][:, None], xt[:, cols], xs[g],
+                        dtype, main_grad[g] if into else None)  # fmt: skip
+        if not into:
+            out[g] = dw
     return out
 
 
@@ -329,7 +266,8 @@ def per_tensor_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
     amaxes = [buf] if shared else [torch.cat([x_amax, w_amax])] if x_amax.numel() else []
     dsplits = device_splits(m_splits, inp) if native else None
     if native:
-        out = _gemm_grouped(xq, xs, wq, ws, *dsplits, fast_accum=True)
+        out = gemm("scaled_grouped_mm", xq, xs, wq, ws, torch.bfloat16, fast_accum=True,
+                   offs=dsplits[1])  # fmt: skip
         if bias is not None:
             out += row_bias(bias, dsplits[0], inp.shape[0])
     else:
@@ -368,13 +306,13 @@ def per_tensor_backward(grad_out, saved, inp, m_splits, weight, main_grad, r, ha
         dyt, dys, pad_ends = quantize_group_columns(
             grad_out, m_splits, bwd_dtype, s_g, dsplits, e4m3_codes=True
         )
-        dw = _gemm_wgrad(dyt, dys, saved[2].view(fwd_dtype), saved[3], pad_ends, native,
-                         grad_out.dtype, main_grad, r.fast_wgrad)  # fmt: skip
-        dweight = empty(grad_out) if dw is None else dw
+        dweight = _gemm_wgrad(dyt, dys, saved[2].view(fwd_dtype), saved[3], pad_ends, native,
+                              grad_out.dtype, main_grad, r.fast_wgrad)  # fmt: skip
         need_wgrad = False
     if native:
         if need_dgrad:
-            dinp = _gemm_grouped(gq, gs, wq_t, ws_t, *dsplits, r.fast_dgrad)
+            dinp = gemm("scaled_grouped_mm", gq, gs, wq_t, ws_t, torch.bfloat16,
+                        fast_accum=r.fast_dgrad, offs=dsplits[1])  # fmt: skip
         hp = grouped_mm_backward(grad_out, inp, dsplits, weight, main_grad, has_bias, False,
                                  need_wgrad)  # fmt: skip
     else:

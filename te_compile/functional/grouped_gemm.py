@@ -232,12 +232,14 @@ def grouped_mm_backward(
 ):
     """:func:`high_precision_backward` by ``torch._grouped_mm`` on :func:`device_splits`'
     ``dsplits`` (no host sync)."""
-    splits, offs = dsplits
-    dinp = torch._grouped_mm(grad_out, weight, offs=offs) if need_dgrad else empty(grad_out)
-    # Grouped along the reduction dim: [N, M] x [M, K] -> [G, N, K]. torch._grouped_mm only
-    # outputs its operands' dtype (an fp32 out_dtype is refused, eager and meta), so with
-    # main_grad dW is rounded to bf16 once and then accumulated in fp32 (no host sync).
-    dweight = torch._grouped_mm(grad_out.t(), inp, offs=offs) if need_wgrad else empty(grad_out)
+    (splits, offs), dtype, dinp, dweight = dsplits, grad_out.dtype, empty(grad_out), empty(grad_out)
+    if need_dgrad:
+        dinp = gemm("grouped_mm", grad_out, None, weight.transpose(-2, -1), None, dtype, offs=offs)
+    # Grouped along the reduction dim: [N, M] x [M, K] -> [G, N, K], in the operands' dtype
+    # (the GEMM's only output), so with main_grad dW is rounded to bf16 once and then
+    # accumulated in fp32 (no host sync).
+    if need_wgrad:
+        dweight = gemm("grouped_mm", grad_out.t(), None, inp.t(), None, dtype, offs=offs)
     if need_wgrad and main_grad is not None:
         main_grad.add_(dweight)
         dweight = empty(grad_out)
@@ -448,7 +450,7 @@ def high_precision_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
             out[rows] = hp_linear(inp[rows], weight[g], None if bias is None else bias[g], cuda)
         return out, []
     splits, offs = device_splits(m_splits, inp)
-    out = torch._grouped_mm(inp, weight.transpose(-2, -1), offs=offs)
+    out = gemm("grouped_mm", inp, None, weight, None, inp.dtype, offs=offs)
     if bias is not None:
         out += row_bias(bias, splits, inp.shape[0])
     return out, []

@@ -48,14 +48,16 @@ from te_compile.functional.dropout_ops import new_rng_state
 from te_compile.functional.gemm import (
     BACKWARD_OVERRIDES,
     PER_TENSOR,
-    DeferredWgrad,
-    check_gemm_tensors,
-    check_overwrite,
     empty,
     qdq_both,
     quantize_per_tensor,
-    save_for_backward_except_written,
     scale_slots,
+)
+from te_compile.functional.gemm_args import (
+    DeferredWgrad,
+    check_gemm_tensors,
+    check_overwrite,
+    save_for_backward_except_written,
 )
 from te_compile.functional.gemm_ref import quantized_linear_ref
 from te_compile.functional.grouped_fp8 import (

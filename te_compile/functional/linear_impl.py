@@ -16,7 +16,6 @@ from te_compile.functional.activation import activation_backward, activation_for
 from te_compile.functional.dense_weight import weight_operand
 from te_compile.functional.gemm import (
     PER_TENSOR,
-    BwdArgs,
     accumulate_wgrad,
     amax_buffer,
     empty,
@@ -33,6 +32,7 @@ from te_compile.functional.gemm import (
     unpad,
     wgrad_gemm,
 )
+from te_compile.functional.gemm_args import BwdArgs
 from te_compile.functional.linear_args import LinearArgs, check_linear
 from te_compile.functional.prologue import norm_backward, norm_forward, norm_quantize
 from te_compile.functional.quantize import dequantize_blockwise

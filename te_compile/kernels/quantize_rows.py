@@ -417,7 +417,7 @@ def _balance_scales_kernel(SA, SB, OUT_A, OUT_B, NA, NB, BLOCK: tl.constexpr):
 
 def balance_scales(sa: Tensor, sb: Tensor) -> tuple[Tensor, Tensor]:
     """``(sa * 2**-s, sb * 2**s)`` for the 1-D positive fp32 scale vectors of a grouped FP8 GEMM,
-    ``s`` half the difference of their largest exponents (``functional.grouped_fp8._balanced``,
+    ``s`` half the difference of their largest exponents (``functional.gemm._balanced``,
     whose torch ops are ten launches in eager): one launch of one program."""
     out_a, out_b = torch.empty_like(sa), torch.empty_like(sb)
     launch(_balance_scales_kernel, (1,))(

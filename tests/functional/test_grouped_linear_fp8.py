@@ -26,6 +26,7 @@ from tests.utils import (
 # The modules, not the function of the same name that te_compile.functional exports.
 GF = importlib.import_module("te_compile.functional.grouped_fp8")
 GL = importlib.import_module("te_compile.functional.grouped_linear_ops")
+G = importlib.import_module("te_compile.functional.gemm")
 
 
 def grouped_linear_fp8(x, s, w, b=None, **kw):
@@ -390,7 +391,7 @@ def test_e5m2_operand_recoded_to_e4m3(delayed):
         s_rows = s.expand(6)
     else:
         data, s_rows = GF.quantize_rowwise(x, E5M2)
-    codes, s4 = GF.as_e4m3(data, s_rows)
+    codes, s4 = G.as_e4m3(data, s_rows)
     assert codes.dtype is E4M3 and torch.equal(s4, s_rows * 128)
     want = data.double() * s_rows.double()[:, None]
     got = codes.double() * s4.double()[:, None]
@@ -402,7 +403,7 @@ def test_e5m2_operand_recoded_to_e4m3(delayed):
     assert (~big).sum() > 10 and err.max() <= 2.0**-3
     assert torch.isnan(got[5, 7])
     e4 = GF.quantize_rowwise(x, E4M3)
-    assert GF.as_e4m3(*e4)[0] is e4[0]
+    assert G.as_e4m3(*e4)[0] is e4[0]
 
 
 def test_balanced_scales_keep_every_product_exactly():
@@ -412,19 +413,19 @@ def test_balanced_scales_keep_every_product_exactly():
     finite."""
     sa = torch.tensor([2.0**119, 3.0 * 2**100, 1.0, 0.75])
     sb = torch.tensor([2.0**-11, 5.0 * 2**-20, 0.5])
-    a2, b2 = GF._balanced(sa, sb)
+    a2, b2 = G._balanced(sa, sb)
     assert torch.equal(a2[:, None] * b2[None, :], sa[:, None] * sb[None, :])
     assert a2.max() < 2.0**70 and b2.max() < 2.0**70
     assert (2.0**17 * a2).isfinite().all()
     same = torch.tensor([1.0, 2.0])
-    assert all(torch.equal(t, same) for t in GF._balanced(same, same))
+    assert all(torch.equal(t, same) for t in G._balanced(same, same))
     # Traced (the torch ops Inductor fuses on CUDA too): the same bits.
-    compiled = torch.compile(GF._balanced, fullgraph=True)
+    compiled = torch.compile(G._balanced, fullgraph=True)
     for x, y in ((sa, sb), (sb, sa), (torch.tensor([2.0**-140, 1.5]), sb)):
         assert all(
-            torch.equal(c, e) for c, e in zip(compiled(x, y), GF._balanced(x, y), strict=True)
+            torch.equal(c, e) for c, e in zip(compiled(x, y), G._balanced(x, y), strict=True)
         )
-    a0, b0 = GF._balanced(torch.empty(0), sb)  # no rows (exponent 0): sb's, 126, halved
+    a0, b0 = G._balanced(torch.empty(0), sb)  # no rows (exponent 0): sb's, 126, halved
     assert a0.numel() == 0 and torch.equal(b0, sb * 2.0**-63)
 
 
@@ -437,8 +438,8 @@ def test_grouped_gemm_path_matches_loop(fp8):
     a, sa = GF.quantize_rowwise(torch.randn(32, 48), fp8)
     b, sb = GF.quantize_rowwise(torch.randn(4, 16, 48), E4M3)
     s = torch.tensor(splits)
-    split_t, offs = GF.device_splits(s, a)
-    grouped = GF._gemm_grouped(a, sa, b, sb, split_t, offs)
+    _, offs = GF.device_splits(s, a)
+    grouped = G.gemm("scaled_grouped_mm", a, sa, b, sb, torch.bfloat16, offs=offs)
     loop = GF._gemm_loop(a, sa, b, sb, splits, torch.float64)
     assert grouped.dtype is torch.bfloat16
     assert_close(grouped, loop, torch.bfloat16, roundings=2)

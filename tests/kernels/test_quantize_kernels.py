@@ -18,6 +18,7 @@ import torch
 
 from te_compile._numerics import reciprocal_rn
 from te_compile.functional import quantize as Q
+from te_compile.functional.gemm import _balanced, as_e4m3
 from te_compile.kernels import e5m2_to_e4m3_table
 from tests.utils import TRITON_DEVICE, assert_bits_equal, requires_cuda, requires_triton
 
@@ -384,15 +385,12 @@ def test_rowwise_kernel_with_a_given_scale_is_the_per_tensor_cast(
 ):
     """With a given scale (delayed scaling), the rowwise kernel writes the per-tensor cast's
     bytes (``functional.gemm.quantize_per_tensor``; E4M3 codes with ``e4m3_codes``, as
-    ``functional.grouped_fp8.as_e4m3`` recodes them), the scale's inverse in every row, and
+    ``functional.gemm.as_e4m3`` recodes them), the scale's inverse in every row, and
     folds ``max|x|`` into its slot of the amax buffer in the same pass: saturating,
     subnormal-sized, inf and (``nan``) NaN entries, rows cut by the block; scale and amax go
     together."""
-    import importlib
-
     from te_compile.functional.gemm import quantize_per_tensor
 
-    GF = importlib.import_module("te_compile.functional.grouped_fp8")
     torch.manual_seed(sum(shape))
     x = torch.randn(shape) * 3
     flat = x.view(math.prod(shape[:-1]), shape[-1])
@@ -411,7 +409,7 @@ def test_rowwise_kernel_with_a_given_scale_is_the_per_tensor_cast(
     want_data, want_inv, want_amax = quantize_per_tensor(flat.to(dtype), fp8, scale)
     want_inv = want_inv.expand(flat.shape[0])
     if e4m3_codes:
-        want_data, want_inv = GF.as_e4m3(want_data, want_inv)
+        want_data, want_inv = as_e4m3(want_data, want_inv)
     assert_bits_equal(data.view(flat.shape), want_data)
     assert_bits_equal(scale_inv.reshape(-1), want_inv)
     assert_bits_equal(amax.cpu(), torch.stack([torch.zeros(()), want_amax.reshape(()).float()]))
@@ -471,7 +469,7 @@ def test_recode_e5m2_kernel_matches_the_table(numel):
 def test_kernels_write_e5m2_as_e4m3_codes(rows, given):
     """``e4m3_codes=True``: the rowwise and the group-column casts store an E5M2 result as its
     E4M3 codes with the inverse scales times 128, bit for bit the torch definition followed by
-    the recoding (``functional.grouped_fp8.as_e4m3``); inf / NaN / subnormal-sized /
+    the recoding (``functional.gemm.as_e4m3``); inf / NaN / subnormal-sized /
     saturating entries, empty rows and groups; E4M3 casts are unchanged by the flag."""
     import importlib
 
@@ -487,7 +485,7 @@ def test_kernels_write_e5m2_as_e4m3_codes(rows, given):
     x = x.to(torch.bfloat16)
     if not given:
         data, inv = row_kernels.quantize_rowwise(_dev(x), E5M2, e4m3_codes=True, block_k=32)
-        want_data, want_inv = GF.as_e4m3(*GF.quantize_rowwise(x, E5M2))
+        want_data, want_inv = as_e4m3(*GF.quantize_rowwise(x, E5M2))
         assert data.dtype is E4M3
         assert_bits_equal(data, want_data)
         assert_bits_equal(inv, want_inv)
@@ -496,7 +494,7 @@ def test_kernels_write_e5m2_as_e4m3_codes(rows, given):
     splits = torch.tensor([rows - rows // 2, 0, rows // 2])
     scale = torch.tensor([2.0**12]) if given else None
     want_data, want_inv, want_ends = GF.quantize_group_columns(x, splits, E5M2, scale)
-    want_data, want_inv = GF.as_e4m3(want_data, want_inv)
+    want_data, want_inv = as_e4m3(want_data, want_inv)
     data_t, scale_inv = row_kernels.quantize_group_columns(
         _dev(x), _dev(splits.cumsum(0).to(torch.int32)), _dev(want_ends), want_data.shape[1],
         E5M2, scale=None if scale is None else _dev(scale), e4m3_codes=True, block_n=16,
@@ -517,11 +515,11 @@ def test_kernels_write_e5m2_as_e4m3_codes_at_default_launch():
     x = torch.randn(300, 2048) * torch.logspace(-14, 2, 2048, base=2.0)
     x = x.to(torch.bfloat16)
     data, inv = row_kernels.quantize_rowwise(_dev(x), E5M2, e4m3_codes=True)
-    want = GF.as_e4m3(*GF.quantize_rowwise(x, E5M2))
+    want = as_e4m3(*GF.quantize_rowwise(x, E5M2))
     _assert_all_equal((data, inv), want)
     splits = torch.tensor([100, 0, 200])
     want_data, want_inv, want_ends = GF.quantize_group_columns(x, splits, E5M2)
-    want_data, want_inv = GF.as_e4m3(want_data, want_inv)
+    want_data, want_inv = as_e4m3(want_data, want_inv)
     got = row_kernels.quantize_group_columns(
         _dev(x), _dev(splits.cumsum(0).to(torch.int32)), _dev(want_ends), want_data.shape[1],
         E5M2, e4m3_codes=True,
@@ -619,16 +617,14 @@ def test_group_columns_kernel_matches_the_torch_loop(fp8, dtype, given, splits):
 @pytest.mark.parametrize("sizes", [(4, 3), (3000, 1), (1, 2500)])
 def test_balance_scales_kernel_equals_the_torch_ops(sizes):
     """The one-launch balancing of a grouped GEMM's two scale vectors (CUDA) gives the bits of
-    ``grouped_fp8._balanced``'s torch ops (the CPU path), across several 1024-element chunks
+    ``gemm._balanced``'s torch ops (the CPU path), across several 1024-element chunks
     and with either vector the larger."""
-    from te_compile.functional import grouped_fp8 as GF
-
     torch.manual_seed(0)
     na, nb = sizes
     sa = torch.exp2(torch.randint(-40, 120, (na,)).float()) * (1 + torch.rand(na))
     sb = torch.exp2(torch.randint(-60, 20, (nb,)).float()) * (1 + torch.rand(nb))
     for a, b in ((sa, sb), (sb, sa)):
-        want = GF._balanced(a, b)
+        want = _balanced(a, b)
         got = row_kernels.balance_scales(a.to(TRITON_DEVICE), b.to(TRITON_DEVICE))
         for g, w in zip(got, want, strict=True):
             assert_bits_equal(g.cpu(), w)

@@ -698,9 +698,9 @@ def test_mmparams_set_each_backward_gemms_accumulation(
     )
     calls, real = [], G.GEMMS["tensorwise"]
 
-    def spy(a, sa, b, sb, out_dtype, bias, fast_accum, rows):
+    def spy(a, sa, b, sb, out_dtype, bias, fast_accum, rows, offs):
         calls.append((a.shape[0], fast_accum))
-        return real(a, sa, b, sb, out_dtype, bias, fast_accum, rows)
+        return real(a, sa, b, sb, out_dtype, bias, fast_accum, rows, offs)
 
     monkeypatch.setitem(G.GEMMS, "tensorwise", spy)
     torch.manual_seed(0)
@@ -737,17 +737,19 @@ def test_mmparams_reach_the_grouped_backward_gemms(dgrad_split, wgrad_split, dev
     r = make_grouped_recipe(gemm.recipe_specs(recipe), None, None, BackwardSpec(), None)
     assert (r.fast_dgrad, r.fast_wgrad) == (not dgrad_split, not wgrad_split)
     r = r._replace(fp8_wgrad=True)
-    calls, real, real_wgrad = [], GF._gemm_grouped, GF._gemm_wgrad
+    from te_compile.functional import gemm as G
 
-    def spy(aq, sa, bq, sb, splits, offs, fast_accum=False):
-        calls.append(("gemm", fast_accum))
-        return real(aq, sa, bq, sb, splits, offs, fast_accum)
+    calls, real, real_wgrad = [], G.GEMMS["scaled_grouped_mm"], GF._gemm_wgrad
+
+    def spy(*args):  # (a, sa, b, sb, out_dtype, bias, fast_accum, b_rows, offs)
+        calls.append(("gemm", args[6]))
+        return real(*args)
 
     def spy_wgrad(*args):  # (on CUDA its grouped GEMM; on the CPU the bf16 one, scales after)
         calls.append(("wgrad", args[-1]))
         return real_wgrad(*args)
 
-    monkeypatch.setattr(GF, "_gemm_grouped", spy)
+    monkeypatch.setitem(G.GEMMS, "scaled_grouped_mm", spy)
     monkeypatch.setattr(GF, "_gemm_wgrad", spy_wgrad)
     torch.manual_seed(0)
     kw = {"dtype": torch.bfloat16, "device": device}
@@ -755,9 +757,7 @@ def test_mmparams_reach_the_grouped_backward_gemms(dgrad_split, wgrad_split, dev
     s = torch.tensor([16, 0, 16], device=device)
     out, saved = GF.per_tensor_forward(x, s, w, None, r, cuda=True)
     GF.per_tensor_backward(torch.randn_like(out), saved, x, s, w, None, r, False, True, True, True)
-    wgrad = [("wgrad", not wgrad_split)]
-    if device == "cuda":  # the wgrad's own grouped GEMM
-        wgrad.append(("gemm", not wgrad_split))
+    wgrad = [("wgrad", not wgrad_split), ("gemm", not wgrad_split)]  # its own grouped GEMM
     assert calls == [("gemm", True), *wgrad, ("gemm", not dgrad_split)]
 
 
