@@ -53,7 +53,8 @@ RECIPES = {
     "delayed": R.DelayedScaling,
     "block": R.Float8BlockScaling,
 }
-MODULES = ("Linear", "LayerNormLinear", "LayerNormMLP")
+MODULES = ("Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear")
+EXPERTS = 8  # GroupedLinear's, the tokens split evenly (bench_host's case)
 
 
 def _step(module: torch.nn.Module, x: torch.Tensor, recipe) -> None:
@@ -64,9 +65,24 @@ def _step(module: torch.nn.Module, x: torch.Tensor, recipe) -> None:
     y.sum().backward()
 
 
-def plain(name: str, n: int, **kw) -> torch.nn.Module:
+class _Split(torch.nn.Module):
+    """A grouped module called as ``module(x, splits)`` (the tokens split evenly)."""
+
+    def __init__(self, module: torch.nn.Module, tokens: int) -> None:
+        super().__init__()
+        self.module, self.splits = module, [tokens // EXPERTS] * EXPERTS
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x, self.splits)
+
+
+def plain(name: str, n: int, tokens: int, **kw) -> torch.nn.Module:
     """The plain-PyTorch equivalent of ``te.<name>(n, n)`` (bench_host's, at these sizes)."""
     linear = lambda: torch.nn.Linear(n, n, **kw)  # noqa: E731
+    if name == "GroupedLinear":
+        from bench.bench_host import GroupedMM
+
+        return GroupedMM([tokens // EXPERTS] * EXPERTS, n, n, **kw)
     if name == "Linear":
         return linear()
     if name == "LayerNormLinear":
@@ -255,13 +271,16 @@ def main() -> None:
     torch.manual_seed(0)
     kw = {"params_dtype": torch.bfloat16, "device": args.device}
     n, t = args.features, args.tokens
-    module = getattr(te, args.module)(n, n, **kw)
+    if args.module == "GroupedLinear":
+        module = _Split(te.GroupedLinear(EXPERTS, n, n, **kw), t)
+    else:
+        module = getattr(te, args.module)(n, n, **kw)
     x = torch.randn(t, n, dtype=torch.bfloat16, device=args.device, requires_grad=True)
     print(f"te.{args.module}({n}, {n}), bf16 input {t} x {n}, {args.device}")
     clock = time.process_time if args.timer == "process" else time.perf_counter
     with torch.autograd.set_multithreading_enabled(not args.autograd_on_caller):
         if args.plain:
-            ref = plain(args.module, n, dtype=torch.bfloat16, device=args.device)
+            ref = plain(args.module, n, t, dtype=torch.bfloat16, device=args.device)
             us = time_calls(ref, x, None, clock, args.calls)
             print(f"=== plain PyTorch: {us:.1f} us per fwd+bwd call")
         for name in args.recipes:
