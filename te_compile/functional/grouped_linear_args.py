@@ -11,8 +11,8 @@ import torch
 from torch import Tensor
 
 from te_compile._checks import FLOAT_DTYPES, INDEX_DTYPES
+from te_compile.functional.family import DeferredWgrad
 from te_compile.functional.gemm import PER_TENSOR, check_gemm_dims, check_specs
-from te_compile.functional.gemm_args import DeferredWgrad
 from te_compile.functional.grouped_gemm import GroupedRecipe, grouped_gemm_kind
 from te_compile.functional.grouped_weight import check_grouped_weight_operand
 from te_compile.functional.linear_args import check_fp8_input, check_main_grad

@@ -45,6 +45,12 @@ from te_compile._library import HOST_SPLITS, differentiable, op
 from te_compile._numerics import acc_dtype
 from te_compile.functional.dense_weight import check_weight_quantized
 from te_compile.functional.dropout_ops import new_rng_state
+from te_compile.functional.family import (
+    DeferredWgrad,
+    check_gemm_tensors,
+    check_overwrite,
+    save_for_backward_except_written,
+)
 from te_compile.functional.gemm import (
     BACKWARD_OVERRIDES,
     PER_TENSOR,
@@ -52,12 +58,6 @@ from te_compile.functional.gemm import (
     qdq_both,
     quantize_per_tensor,
     scale_slots,
-)
-from te_compile.functional.gemm_args import (
-    DeferredWgrad,
-    check_gemm_tensors,
-    check_overwrite,
-    save_for_backward_except_written,
 )
 from te_compile.functional.gemm_ref import quantized_linear_ref
 from te_compile.functional.grouped_fp8 import (

@@ -15,8 +15,8 @@ from torch import Tensor
 from te_compile._checks import FLOAT_DTYPES, check_finite, passed_once
 from te_compile.functional.activation import GATED_ACTIVATIONS, check_activation, check_gated_params
 from te_compile.functional.dense_weight import check_weight_operand, fp8_weight_for_checks
+from te_compile.functional.family import DeferredWgrad
 from te_compile.functional.gemm import HIGH_DTYPES, check_gemm_dims, check_specs
-from te_compile.functional.gemm_args import DeferredWgrad
 from te_compile.functional.prologue import Norm, check_norm
 from te_compile.functional.spec import (
     BackwardSpec,

@@ -14,6 +14,7 @@ from torch import Tensor
 from te_compile._numerics import acc_dtype
 from te_compile.functional.activation import activation_backward, activation_forward
 from te_compile.functional.dense_weight import weight_operand
+from te_compile.functional.family import BwdArgs
 from te_compile.functional.gemm import (
     PER_TENSOR,
     accumulate_wgrad,
@@ -32,7 +33,6 @@ from te_compile.functional.gemm import (
     unpad,
     wgrad_gemm,
 )
-from te_compile.functional.gemm_args import BwdArgs
 from te_compile.functional.linear_args import LinearArgs, check_linear
 from te_compile.functional.prologue import norm_backward, norm_forward, norm_quantize
 from te_compile.functional.quantize import dequantize_blockwise

@@ -74,6 +74,14 @@ from te_compile.functional.dense_weight import (
     refuse_fp8_weight_grad,
 )
 from te_compile.functional.dropout_ops import new_rng_state
+from te_compile.functional.family import (
+    BwdArgs,
+    DeferredWgrad,
+    check_gemm_args,
+    check_gemm_tensors,
+    check_overwrite,
+    save_for_backward_except_written,
+)
 from te_compile.functional.gemm import (
     BACKWARD_OVERRIDES,
     PER_TENSOR,
@@ -81,14 +89,6 @@ from te_compile.functional.gemm import (
     hp_linear,
     hp_linear_backward,
     padded,
-)
-from te_compile.functional.gemm_args import (
-    BwdArgs,
-    DeferredWgrad,
-    check_gemm_args,
-    check_gemm_tensors,
-    check_overwrite,
-    save_for_backward_except_written,
 )
 from te_compile.functional.gemm_ref import quantized_linear_ref
 from te_compile.functional.linear_args import (
@@ -332,7 +332,7 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 # Positions of main_grad and grad_amax in the backward's tensors (_for_backward): the buffers
-# the backward writes into (functional.gemm_args.save_for_backward_except_written).
+# the backward writes into (functional.family.save_for_backward_except_written).
 _WRITTEN = (3, 5)
 
 
@@ -492,7 +492,7 @@ def linear(
     (:func:`~te_compile.functional.quantize_weight`'s five tensors).
 
     Also returned, in this order: ``branch`` (``return_branch=True``: ``inp``'s values, whose
-    gradient joins the dgrad GEMM); a ``functional.gemm_args.DeferredWgrad`` (``delay_wgrad=True``:
+    gradient joins the dgrad GEMM); a ``functional.family.DeferredWgrad`` (``delay_wgrad=True``:
     the backward leaves the weight-gradient GEMM out and its ``compute()`` runs it later, the
     modules' ``delay_wgrad_compute`` / ``backward_dw()``; eager only: under ``torch.compile`` no
     tensor the backward writes can leave the graph); ``[amax(X), amax(W)]``

@@ -57,6 +57,12 @@ from te_compile.functional.dense_weight import (
     refuse_fp8_weight_grad,
     weight_operand,
 )
+from te_compile.functional.family import (
+    BwdArgs,
+    check_gemm_args,
+    check_gemm_tensors,
+    save_for_backward_except_written,
+)
 from te_compile.functional.gemm import (
     PER_TENSOR,
     Operand,
@@ -76,12 +82,6 @@ from te_compile.functional.gemm import (
     scale_slots,
     unpad,
     wgrad_gemm,
-)
-from te_compile.functional.gemm_args import (
-    BwdArgs,
-    check_gemm_args,
-    check_gemm_tensors,
-    save_for_backward_except_written,
 )
 from te_compile.functional.gemm_ref import quantized_linear_ref
 from te_compile.functional.mlp_args import NORM_WEIGHT, MLPArgs, check_mlp
@@ -446,7 +446,7 @@ _mlp = differentiable(
 )
 
 
-# The argument names of each GEMM's weight, bias and main_grad (gemm_args.check_gemm_tensors).
+# The argument names of each GEMM's weight, bias and main_grad (family.check_gemm_tensors).
 _GEMM_NAMES = tuple((f"fc{i}_weight", f"fc{i}_bias", f"main_grad{i}") for i in (1, 2))
 _OPTIONAL = ("scale1", "scale2", "grad_amax1", "grad_amax2", "norm_weight", "norm_bias")
 

@@ -247,7 +247,7 @@ class DelayedWgrad:
 
     With ``delay_wgrad_compute=True`` a forward with gradients enabled and a weight that needs
     one (in ``train()`` or ``eval()`` mode, as in Transformer Engine) queues its GEMMs'
-    :class:`~te_compile.functional.gemm_args.DeferredWgrad`; the backward then computes the input's,
+    :class:`~te_compile.functional.family.DeferredWgrad`; the backward then computes the input's,
     the bias's and the norm's gradients and leaves the weights' ``grad`` (or ``main_grad``)
     untouched; :meth:`backward_dw` runs the weight-gradient GEMMs of one backward and
     accumulates them into ``weight.grad`` (summed like autograd's, where Transformer Engine

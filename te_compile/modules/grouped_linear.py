@@ -501,7 +501,7 @@ class _LoadMainGrads(torch.autograd.Function):
 
 
 class _DeferredIntoMainGrads(NamedTuple):
-    """A :class:`~te_compile.functional.gemm_args.DeferredWgrad` of weights that each have their own
+    """A :class:`~te_compile.functional.family.DeferredWgrad` of weights that each have their own
     ``main_grad`` (:class:`_AddToMainGrads`, with ``delay_wgrad_compute``): :meth:`compute`
     stacks the ``main_grads`` into ``buffer``, runs the op's weight-gradient GEMMs into it, then
     copies ``buffer[i]`` back into ``main_grads[i]``."""
