@@ -130,6 +130,15 @@ def count_ops(module: torch.nn.Module, x: torch.Tensor, recipe) -> None:
     top = [e for e in prof.events() if e.name.startswith("aten::")
            and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]  # fmt: skip
     print(f"top-level torch ops per call: {len(top) / calls:.0f}")
+    counts: dict[str, int] = {}
+    for e in top:
+        counts[e.name] = counts.get(e.name, 0) + 1
+    print(
+        "  "
+        + ", ".join(
+            f"{k[6:]} {n / calls:g}" for k, n in sorted(counts.items(), key=lambda kv: -kv[1])
+        )
+    )
     print(f"torch ops per call (top level and nested): {sum(n for n, _ in rows):.0f}")
     for n, key in sorted(rows, reverse=True):
         print(f"  {n:5.1f}  {key}")
@@ -258,6 +267,12 @@ def main() -> None:
     parser.add_argument(
         "--ops", action="store_true", help="list the torch ops (and kernels) of one call"
     )
+    parser.add_argument(
+        "--single-weight",
+        action="store_true",
+        help="GroupedLinear: one [G, N, K] weight and one [G, N] bias "
+        "(single_grouped_parameter=True) instead of a parameter per expert",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.cuda_paths and not args.child:
@@ -272,7 +287,8 @@ def main() -> None:
     kw = {"params_dtype": torch.bfloat16, "device": args.device}
     n, t = args.features, args.tokens
     if args.module == "GroupedLinear":
-        module = _Split(te.GroupedLinear(EXPERTS, n, n, **kw), t)
+        single = {"single_grouped_parameter": True} if args.single_weight else {}
+        module = _Split(te.GroupedLinear(EXPERTS, n, n, **kw, **single), t)
     else:
         module = getattr(te, args.module)(n, n, **kw)
     x = torch.randn(t, n, dtype=torch.bfloat16, device=args.device, requires_grad=True)
