@@ -52,6 +52,7 @@ _PATCHES = (
     (r'device\.type == "cuda"', 'device.type in ("cuda", "cpu")'),
     (r'device\.type != "cuda"', 'device.type not in ("cuda", "cpu")'),
     (r"\.is_cuda\b", ".is_cpu"),
+    (r"pin_memory=(\w+)\.is_cpu", "pin_memory=False"),  # (no pinned memory without CUDA)
     (r"self\._impls\.get\(t\.device\.type,", 'self._impls.get("cuda",'),
     (r"per_sm \* torch\.cuda\.get_device_properties\(device\)\.multi_processor_count",
      "per_sm * 132"),

@@ -20,8 +20,9 @@ Every row is ``forward(inp, m_splits, weight, bias, r, cuda, weight_q) -> (out, 
 (``weight_q``: the pre-quantised weight, or None) and ``backward(grad, saved, inp, m_splits,
 weight, main_grad, r, has_bias, need_dgrad, need_wgrad, cuda) -> (dinp, dweight, dbias)``
 (0-element where not computed or gone into ``main_grad``; ``saved`` without the amaxes a
-forward appends), ``r`` a :class:`GroupedRecipe`. The device-offset paths never read
-``m_splits`` on the host (``torch._assert_async`` checks it), the loops do (one sync on CUDA).
+forward appends), ``r`` a :class:`GroupedRecipe`. The device-offset paths never read device
+splits on the host (``torch._assert_async`` checks them) and check CPU splits (a list's) there;
+the loops read the splits on the host (for device splits, one sync on CUDA).
 """
 
 from __future__ import annotations
@@ -171,8 +172,14 @@ def uses_grouped_mm(inp: Tensor, weight: Tensor) -> bool:
 
 
 def device_splits(m_splits: Tensor, inp: Tensor) -> tuple[Tensor, Tensor]:
-    """``(splits, offsets)`` on ``inp``'s device, offsets int32 (end of each group), checked on
-    the device (no host sync)."""
+    """``(splits, offsets)`` on ``inp``'s device, offsets int32 (end of each group). Splits on
+    the CPU (a list's) are checked and summed on the host and reach the device in one copy
+    (pinned, asynchronous); a device tensor is summed and checked on the device (no host sync)."""
+    if m_splits.device.type == "cpu":
+        splits = host_splits(m_splits, inp.shape[0])
+        both = torch.tensor([*splits, *accumulate(splits)], dtype=torch.int32,
+                            pin_memory=inp.is_cuda).to(inp.device, non_blocking=True)  # fmt: skip
+        return both[: len(splits)], both[len(splits) :]
     splits = m_splits.to(inp.device, non_blocking=True)
     offs = torch.cumsum(splits, 0, dtype=torch.int32)
     if splits.numel():

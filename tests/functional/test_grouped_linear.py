@@ -254,6 +254,20 @@ def _cuda_path_case(splits, split_dtype, bias, in_features=24, out_features=16):
 
 
 @pytest.mark.parametrize("splits", CUDA_PATH_SPLITS.values(), ids=CUDA_PATH_SPLITS.keys())
+def test_cpu_splits_reach_the_device_checked_on_the_host(splits):
+    """CPU splits (a list's) give the device-offset GEMMs the sizes and their running sums (the
+    ``offs`` of ``torch._grouped_mm``) in one copy, checked on the host: a bad sum or a negative
+    size raises at once, naming the constraint, instead of a device-side assert later."""
+    x = torch.empty(sum(splits), 8)
+    sizes, offs = GG.device_splits(torch.tensor(splits), x)
+    assert sizes.dtype is offs.dtype is torch.int32
+    assert sizes.tolist() == splits and offs.tolist() == torch.tensor(splits).cumsum(0).tolist()
+    for bad in ([*splits[:-1], splits[-1] + 1], [-1, *splits[1:-1], splits[-1] + 1 + splits[0]]):
+        with pytest.raises(ValueError, match=r"m_splits must be >= 0 and sum to inp\.shape\[0\]"):
+            GG.device_splits(torch.tensor(bad), x)
+
+
+@pytest.mark.parametrize("splits", CUDA_PATH_SPLITS.values(), ids=CUDA_PATH_SPLITS.keys())
 @pytest.mark.parametrize("split_dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize("bias", [True, False])
 def test_cuda_path_helpers_match_reference_on_cpu(splits, split_dtype, bias):
