@@ -180,7 +180,10 @@ def _gemm_wgrad(
     if native:
         dw = gemm("scaled_grouped_mm", dyt, dys, xt, xs, torch.bfloat16, fast_accum=fast,
                   offs=pad_ends)  # fmt: skip
-        return dw if main_grad is None else main_grad.add_(dw).new_empty(0, dtype=dtype)
+        if main_grad is None:
+            return dw
+        main_grad.add_(dw)
+        return dw.new_empty(0)
     (dyt, dys), (xt, xs) = as_e4m3(dyt, dys), as_e4m3(xt, xs)
     ends, into = [0, *pad_ends.tolist()], main_grad is not None
     out = dys.new_empty((0,) if into else (*dys.shape, xs.shape[1]), dtype=dtype)

@@ -239,7 +239,8 @@ def grouped_mm_backward(
 ):
     """:func:`high_precision_backward` by ``torch._grouped_mm`` on :func:`device_splits`'
     ``dsplits`` (no host sync)."""
-    (splits, offs), dtype, dinp, dweight = dsplits, grad_out.dtype, empty(grad_out), empty(grad_out)
+    (splits, offs), dtype = dsplits, grad_out.dtype
+    dinp, dweight = empty(grad_out), empty(grad_out)
     if need_dgrad:
         dinp = gemm("grouped_mm", grad_out, None, weight.transpose(-2, -1), None, dtype, offs=offs)
     # Grouped along the reduction dim: [N, M] x [M, K] -> [G, N, K], in the operands' dtype
