@@ -612,9 +612,15 @@ def _balanced(sa: Tensor, sb: Tensor) -> tuple[Tensor, Tensor]:
     return sa * ((127 - s) << 23).view(torch.float32), sb * ((127 + s) << 23).view(torch.float32)
 
 
+def _no_grouped_bias(bias: Tensor | None) -> None:
+    if bias is not None:  # (a per-group bias needs the groups' rows: the family adds it)
+        raise ValueError("functional.gemm: the grouped GEMM entries take no bias")
+
+
 def _grouped_mm(a, sa, b, sb, out_dtype, bias, fast_accum, b_rows, offs) -> Tensor:
     """High precision, grouped: ``torch._grouped_mm``, its operands' dtype out (it refuses an
     fp32 ``out_dtype``, eager and meta)."""
+    _no_grouped_bias(bias)
     return torch._grouped_mm(a, b.transpose(-2, -1), offs=offs)
 
 
@@ -624,6 +630,7 @@ def _scaled_grouped_mm(a, sa, b, sb, out_dtype, bias, fast_accum, b_rows, offs) 
     operands as E4M3 codes (:func:`as_e4m3`). CUDA: ``torch._scaled_grouped_mm`` with the scales
     balanced (:func:`_balanced`). Elsewhere (tests of this path): the bf16 grouped GEMM of the
     same FP8 values, the scales multiplied together first, then applied in fp32."""
+    _no_grouped_bias(bias)
     a, sa = as_e4m3(a, sa)
     b, sb = as_e4m3(b, sb)
     if a.is_cuda:

@@ -463,3 +463,15 @@ def test_compiled_changing_splits_do_not_recompile(device):
         for c, e in zip(*outs, strict=True):
             assert_close(c, e.double(), torch.float32)
         assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("kind", ["grouped_mm", "scaled_grouped_mm"])
+def test_grouped_gemm_entries_refuse_a_bias(kind):
+    """The grouped GEMM entries take no bias (the family adds each group's by rows): one given
+    is refused, not dropped."""
+    G = importlib.import_module("te_compile.functional.gemm")
+    a, b = torch.zeros(16, 16, dtype=torch.bfloat16), torch.zeros(2, 16, 16, dtype=torch.bfloat16)
+    offs = torch.tensor([8, 16], dtype=torch.int32)
+    with pytest.raises(ValueError, match="grouped GEMM entries take no bias"):
+        G.gemm(kind, a, torch.ones(16), b, torch.ones(2, 16), torch.bfloat16,
+               bias=torch.zeros(2, 16), offs=offs)  # fmt: skip
