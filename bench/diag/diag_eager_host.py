@@ -76,13 +76,37 @@ class _Split(torch.nn.Module):
         return self.module(x, self.splits)
 
 
+class _DenseGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous: ``y.sum().backward()``
+    gives a stride-0 gradient, which ``torch._grouped_mm``'s backward refuses (torch 2.11 and
+    2.13: "Invalid strides/sizes"); te's op makes its gradient contiguous itself. One copy
+    kernel in the plain module's backward."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor) -> torch.Tensor:
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+class _WithDenseGrad(torch.nn.Module):
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _DenseGrad.apply(self.module(x))
+
+
 def plain(name: str, n: int, tokens: int, **kw) -> torch.nn.Module:
     """The plain-PyTorch equivalent of ``te.<name>(n, n)`` (bench_host's, at these sizes)."""
     linear = lambda: torch.nn.Linear(n, n, **kw)  # noqa: E731
     if name == "GroupedLinear":
         from bench.bench_host import GroupedMM
 
-        return GroupedMM([tokens // EXPERTS] * EXPERTS, n, n, **kw)
+        return _WithDenseGrad(GroupedMM([tokens // EXPERTS] * EXPERTS, n, n, **kw))
     if name == "Linear":
         return linear()
     if name == "LayerNormLinear":
