@@ -527,7 +527,7 @@ def dequantized_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
         w_col = None if r.override or weight_q is not None else _weight_columns(weight, w, r)
     out, _ = high_precision_forward(x, m_splits, w, None if cuda else bias, r, cuda)
     if cuda and bias is not None:
-        out = out + row_bias(bias, m_splits.to(bias.device), out.shape[0])
+        out = out + row_bias(bias, device_splits(m_splits, out)[0], out.shape[0])
     out = out.to(inp.dtype)  # (NVFP4 on the CPU: fp32, rounded once, as te::linear's)
     if r.override == "dequantized":  # the forward's operands in the input dtype (a fresh copy)
         return out, [x.to(inp.dtype), w.to(inp.dtype, copy=weight_q is not None)]
