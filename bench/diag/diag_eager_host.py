@@ -18,9 +18,12 @@ functions, ``_library``'s eager path: the same code as on CUDA) shows in the pro
 
 ``--cuda-paths`` (CPU only) runs the CUDA code paths instead, in a child process importing a
 copy of ``te_compile`` whose CUDA checks accept the CPU (``bench.diag.diag_launches``'s
-patches), with every Triton launch a no-op and ``torch._scaled_mm`` an empty output: the host
-cost of the CUDA eager path's Python on a machine without a GPU (the launches themselves and
-cuBLAS's entry are not in it; bf16 still runs its CPU GEMM).
+patches), with every Triton launch a no-op and ``torch._scaled_mm`` and the fused attention
+kernels (``aten._efficient_attention_*``) empty outputs: the host cost of the CUDA eager path's
+Python on a machine without a GPU (the launches themselves and cuBLAS's entry are not in it;
+bf16 still runs its CPU GEMM). ``--module TransformerLayer``: ``te.TransformerLayer(n, 4n, 4
+heads)`` without dropout on ``[tokens / 2, 2, n]``, against ``bench_host``'s plain pre-norm
+layer.
 
     python -m bench.diag.diag_eager_host --device cpu --cuda-paths --timer process --threads 1
 """
@@ -53,7 +56,8 @@ RECIPES = {
     "delayed": R.DelayedScaling,
     "block": R.Float8BlockScaling,
 }
-MODULES = ("Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear")
+MODULES = ("Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear", "TransformerLayer")
+HEADS = 4  # TransformerLayer's (bench_host's), ffn 4 x hidden, input [tokens / 2, 2, hidden]
 EXPERTS = 8  # GroupedLinear's, the tokens split evenly (bench_host's case)
 
 
@@ -107,6 +111,10 @@ def plain(name: str, n: int, tokens: int, **kw) -> torch.nn.Module:
         from bench.bench_host import GroupedMM
 
         return _WithDenseGrad(GroupedMM([tokens // EXPERTS] * EXPERTS, n, n, **kw))
+    if name == "TransformerLayer":
+        from bench.bench_host import PlainLayer
+
+        return PlainLayer(n, 4 * n, HEADS, **kw)
     if name == "Linear":
         return linear()
     if name == "LayerNormLinear":
@@ -242,8 +250,32 @@ def _cuda_paths_child() -> int:
         return subprocess.run(cmd, env=env, cwd=tmp, check=False).returncode
 
 
+_ATTENTION_STUBS = None  # the child's aten library of stub kernels (kept alive)
+
+
+def _shapes_only(op):
+    """A CPU kernel for ``op``: its meta function's outputs as uninitialised CPU tensors."""
+
+    def meta(a):
+        return a.to("meta") if isinstance(a, torch.Tensor) else a
+
+    def kernel(*args, **kwargs):
+        out = op(*map(meta, args), **{k: meta(v) for k, v in kwargs.items()})
+        empty = lambda o: torch.empty(o.shape, dtype=o.dtype)  # noqa: E731
+        return tuple(empty(o) if isinstance(o, torch.Tensor) else o for o in out)
+
+    return kernel
+
+
+def _attention_grads(grad, q, k, v, bias, *args, **kwargs):
+    """``_efficient_attention_backward``'s outputs, uninitialised: ``(dq, dk, dv, dbias)``."""
+    dbias = torch.empty(0) if bias is None else torch.empty_like(bias)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
+
+
 def _null_kernels() -> None:
-    """No Triton launch, and ``torch._scaled_mm`` an uninitialised output of its shape."""
+    """No Triton launch; ``torch._scaled_mm`` and the fused attention kernels uninitialised
+    outputs of their shapes."""
     from te_compile import kernels
 
     class _Null:
@@ -256,6 +288,12 @@ def _null_kernels() -> None:
         return torch.empty(a.shape[0], b.shape[1], dtype=out_dtype or torch.bfloat16)
 
     torch._scaled_mm = scaled_mm
+    # The fused attention kernels: their meta functions' shapes, uninitialised on the CPU.
+    global _ATTENTION_STUBS
+    _ATTENTION_STUBS = torch.library.Library("aten", "IMPL")
+    fwd = torch.ops.aten._efficient_attention_forward.default
+    _ATTENTION_STUBS.impl("_efficient_attention_forward", _shapes_only(fwd), "CPU")
+    _ATTENTION_STUBS.impl("_efficient_attention_backward", _attention_grads, "CPU")
     print(f"(CUDA code paths on the CPU, null launches: te_compile from {kernels.__file__})")
 
 
@@ -313,9 +351,13 @@ def main() -> None:
     if args.module == "GroupedLinear":
         single = {"single_grouped_parameter": True} if args.single_weight else {}
         module = _Split(te.GroupedLinear(EXPERTS, n, n, **kw, **single), t)
+    elif args.module == "TransformerLayer":
+        no_dropout = {"hidden_dropout": 0.0, "attention_dropout": 0.0}
+        module = te.TransformerLayer(n, 4 * n, HEADS, **no_dropout, **kw)
     else:
         module = getattr(te, args.module)(n, n, **kw)
-    x = torch.randn(t, n, dtype=torch.bfloat16, device=args.device, requires_grad=True)
+    shape = (t // 2, 2, n) if args.module == "TransformerLayer" else (t, n)
+    x = torch.randn(shape, dtype=torch.bfloat16, device=args.device, requires_grad=True)
     print(f"te.{args.module}({n}, {n}), bf16 input {t} x {n}, {args.device}")
     clock = time.process_time if args.timer == "process" else time.perf_counter
     with torch.autograd.set_multithreading_enabled(not args.autograd_on_caller):
