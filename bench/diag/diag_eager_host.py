@@ -18,8 +18,8 @@ functions, ``_library``'s eager path: the same code as on CUDA) shows in the pro
 
 ``--cuda-paths`` (CPU only) runs the CUDA code paths instead, in a child process importing a
 copy of ``te_compile`` whose CUDA checks accept the CPU (``bench.diag.diag_launches``'s
-patches), with every Triton launch a no-op and ``torch._scaled_mm`` and the fused attention
-kernels (``aten._efficient_attention_*``) empty outputs: the host cost of the CUDA eager path's
+patches), with every Triton launch a no-op, ``torch._scaled_mm`` an empty output and the fused
+attention kernels (``aten._efficient_attention_*``) zeros: the host cost of the CUDA eager path's
 Python on a machine without a GPU (the launches themselves and cuBLAS's entry are not in it;
 bf16 still runs its CPU GEMM). ``--module TransformerLayer``: ``te.TransformerLayer(n, 4n, 4
 heads)`` without dropout on ``[tokens / 2, 2, n]``, against ``bench_host``'s plain pre-norm
@@ -254,28 +254,29 @@ _ATTENTION_STUBS = None  # the child's aten library of stub kernels (kept alive)
 
 
 def _shapes_only(op):
-    """A CPU kernel for ``op``: its meta function's outputs as uninitialised CPU tensors."""
+    """A CPU kernel for ``op``: its meta function's outputs as CPU zeros (no stray denormals to
+    slow the CPU math after it)."""
 
     def meta(a):
         return a.to("meta") if isinstance(a, torch.Tensor) else a
 
     def kernel(*args, **kwargs):
         out = op(*map(meta, args), **{k: meta(v) for k, v in kwargs.items()})
-        empty = lambda o: torch.empty(o.shape, dtype=o.dtype)  # noqa: E731
-        return tuple(empty(o) if isinstance(o, torch.Tensor) else o for o in out)
+        zeros = lambda o: torch.zeros(o.shape, dtype=o.dtype)  # noqa: E731
+        return tuple(zeros(o) if isinstance(o, torch.Tensor) else o for o in out)
 
     return kernel
 
 
 def _attention_grads(grad, q, k, v, bias, *args, **kwargs):
-    """``_efficient_attention_backward``'s outputs, uninitialised: ``(dq, dk, dv, dbias)``."""
-    dbias = torch.empty(0) if bias is None else torch.empty_like(bias)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
+    """``_efficient_attention_backward``'s outputs, zeros: ``(dq, dk, dv, dbias)``."""
+    dbias = torch.empty(0) if bias is None else torch.zeros_like(bias)
+    return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dbias
 
 
 def _null_kernels() -> None:
-    """No Triton launch; ``torch._scaled_mm`` and the fused attention kernels uninitialised
-    outputs of their shapes."""
+    """No Triton launch; ``torch._scaled_mm`` an uninitialised output of its shape, the fused
+    attention kernels zeros of theirs."""
     from te_compile import kernels
 
     class _Null:
@@ -288,7 +289,7 @@ def _null_kernels() -> None:
         return torch.empty(a.shape[0], b.shape[1], dtype=out_dtype or torch.bfloat16)
 
     torch._scaled_mm = scaled_mm
-    # The fused attention kernels: their meta functions' shapes, uninitialised on the CPU.
+    # The fused attention kernels: zeros of their meta functions' shapes on the CPU.
     global _ATTENTION_STUBS
     _ATTENTION_STUBS = torch.library.Library("aten", "IMPL")
     fwd = torch.ops.aten._efficient_attention_forward.default
@@ -358,7 +359,7 @@ def main() -> None:
         module = getattr(te, args.module)(n, n, **kw)
     shape = (t // 2, 2, n) if args.module == "TransformerLayer" else (t, n)
     x = torch.randn(shape, dtype=torch.bfloat16, device=args.device, requires_grad=True)
-    print(f"te.{args.module}({n}, {n}), bf16 input {t} x {n}, {args.device}")
+    print(f"te.{args.module}, hidden {n}, bf16 input {list(shape)}, {args.device}")
     clock = time.process_time if args.timer == "process" else time.perf_counter
     with torch.autograd.set_multithreading_enabled(not args.autograd_on_caller):
         if args.plain:
