@@ -10,10 +10,10 @@ The pre-norm residual pattern of a transformer block, ``MakeExtraOutput, RMSNorm
 The forward returns ``(out, branch, rsigma)``: ``te::rmsnorm_fwd``'s implementation for the
 device, ``branch`` a copy of ``inp`` (an op's output may not alias its input) and the fp32
 statistics. The backward adds the branch's gradient :math:`dB` to the norm's input gradient
-before the single rounding (CPU: fp32 math, as ``te::rmsnorm_bwd``), where unfused the norm
-backward rounds :math:`dx` and autograd adds the branch gradient in a second pass. On CUDA the
-norm kernel runs and the add is a separate pass for now (the Triton norm backward does not take
-a branch gradient yet), so there the fusion saves op dispatch, not memory traffic.
+before the single rounding (CUDA: inside the Triton norm backward, which reads :math:`dB`
+where it writes :math:`dx`; CPU: fp32 math, as ``te::rmsnorm_bwd``), where unfused the norm
+backward rounds :math:`dx` and autograd adds the branch gradient in a second pass (a launch,
+a write and a read of :math:`dx` and a second rounding more).
 
 Argument conventions (dtypes, ``zero_centered_gamma``, ``eps``) are those of
 ``te_compile.functional.norm``.
@@ -29,7 +29,6 @@ from te_compile._numerics import acc_dtype
 from te_compile.functional.norm import (
     check_norm_args,
     check_public_args,
-    rmsnorm_bwd,
     rmsnorm_bwd_ref,
     rmsnorm_fwd,
     rmsnorm_ref,
@@ -95,8 +94,9 @@ def branch_rmsnorm_bwd(
     takes the CPU path, in fp64."""
     _check_branch(inp, grad_branch)
     if runs_triton(inp):
-        dx, dweight = rmsnorm_bwd.eager(grad_out, inp, rsigma, weight, zero_centered_gamma)
-        return dx.add_(grad_branch), dweight
+        from te_compile.kernels.norm import rmsnorm_bwd as kernel
+
+        return kernel(grad_out, inp, rsigma, weight, zero_centered_gamma, branch=grad_branch)
     acc = rsigma.dtype  # fp32, or fp64 for fp64 input
     dx, dweight = rmsnorm_bwd_ref(
         grad_out.to(acc), inp.to(acc), rsigma, weight, zero_centered_gamma

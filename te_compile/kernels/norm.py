@@ -290,6 +290,7 @@ def _norm_bwd_kernel(
     DX,
     DW_PARTIAL,
     DB_PARTIAL,
+    BRANCH,
     M,
     N,
     rows_per_program,
@@ -299,6 +300,7 @@ def _norm_bwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CHUNKED: tl.constexpr,
+    HAS_BRANCH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     row_start = pid * rows_per_program
@@ -327,6 +329,8 @@ def _norm_bwd_kernel(
             if KIND == LAYERNORM:
                 dx -= (tl.sum(g, axis=1) * scale)[:, None]
             dx = dx * rsigma[:, None]
+            if HAS_BRANCH:  # a residual branch's gradient, added before the one rounding
+                dx += tl.load(BRANCH + row_off + cols[None, :], mask=mask).to(tl.float32)
             tl.store(DX + row_off + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
             dw_acc += dy * x_hat
             if HAS_BIAS:
@@ -354,6 +358,8 @@ def _norm_bwd_kernel(
                 if KIND == LAYERNORM:
                     dx -= c2[:, None]
                 dx = dx * rsigma[:, None]
+                if HAS_BRANCH:
+                    dx += tl.load(BRANCH + row_off + c[None, :], mask=mask).to(tl.float32)
                 tl.store(DX + row_off + c[None, :], dx.to(DX.dtype.element_ty), mask=mask)
                 if KIND != L2NORM:
                     # The program owns this row of the partial buffer: read-modify-write,
@@ -496,9 +502,17 @@ def _norm_bwd(
     *,
     config: NormLaunchConfig | None = None,
     programs: int | None = None,
+    branch: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """``programs``: at most this many stage-1 programs (default :func:`_max_bwd_programs`)."""
+    """``programs``: at most this many stage-1 programs (default :func:`_max_bwd_programs`).
+    ``branch`` (``inp``'s shape and dtype): a gradient added to ``dx`` in fp32 before its one
+    rounding, the residual branch's of a fused pre-norm block."""
     (x, m, n), dy = as_rows(inp), as_rows(grad_out)[0]
+    if branch is not None and (branch.shape != inp.shape or branch.dtype != inp.dtype):
+        raise ValueError(
+            f"norm backward: branch must have inp's shape {list(inp.shape)} and dtype "
+            f"{inp.dtype}, got {list(branch.shape)} {branch.dtype}"
+        )
     dx = _like(inp)
     cfg = _config(n, True, config)
     # Stage 1 grid: at most `programs`, each owning whole tiles of rows (at least one tile, so
@@ -524,6 +538,7 @@ def _norm_bwd(
             # Unused: rsigma, read only (a view or alias of a written one costs Inductor a copy).
             rsigma if dw_p is None else dw_p,
             rsigma if db_p is None else db_p,
+            dy if branch is None else as_rows(branch)[0],  # (unused without a branch)
             m,
             n,
             rows_per_program,
@@ -533,6 +548,7 @@ def _norm_bwd(
             BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n,
             CHUNKED=cfg.chunked,
+            HAS_BRANCH=branch is not None,
             num_warps=cfg.num_warps,
         )
     if weight is None:
@@ -612,8 +628,9 @@ def rmsnorm_bwd(
     zero_centered_gamma: bool,
     *,
     config: NormLaunchConfig | None = None,
+    branch: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """``(dinp, dweight)``."""
+    """``(dinp, dweight)``; ``branch``: :func:`_norm_bwd`'s, added into ``dinp``."""
     dx, dw, _ = _norm_bwd(
         RMSNORM.value,
         grad_out,
@@ -624,6 +641,7 @@ def rmsnorm_bwd(
         zero_centered_gamma,
         False,
         config=config,
+        branch=branch,
     )
     return dx, dw
 

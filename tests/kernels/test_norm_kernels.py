@@ -75,12 +75,18 @@ def _forward(kind, x, w, b, zero_centered_gamma, config):
     return out, None, rsigma
 
 
-def _backward(kind, dy, x, mean, rsigma, w, zero_centered_gamma, has_bias, config, programs):
+def _backward(
+    kind, dy, x, mean, rsigma, w, zero_centered_gamma, has_bias, config, programs, branch=None
+):
     """``(dx, dw, db)`` through the public wrappers, or through ``_norm_bwd`` to set the number
-    of stage-1 programs."""
-    if programs is not None:
+    of stage-1 programs or to add a ``branch`` gradient (``rmsnorm_bwd`` takes one too)."""
+    if programs is not None or (branch is not None and kind != "rmsnorm"):
         args = (KIND_CODE[kind], dy, x, mean, rsigma, w, zero_centered_gamma, has_bias)
-        return kernels._norm_bwd(*args, config=config, programs=programs)
+        return kernels._norm_bwd(*args, config=config, programs=programs, branch=branch)
+    if kind == "rmsnorm" and branch is not None:
+        dx, dw = kernels.rmsnorm_bwd(dy, x, rsigma, w, zero_centered_gamma, config=config,
+                                     branch=branch)  # fmt: skip
+        return dx, dw, None
     if kind == "layernorm":
         return kernels.layernorm_bwd(
             dy, x, mean, rsigma, w, zero_centered_gamma, has_bias, config=config
@@ -102,10 +108,12 @@ def _check(
     config=None,
     bwd_config=None,
     programs=None,
+    branch=False,
 ):
     """Forward (output, statistics) and backward (dx, dgamma, dbeta) of the kernels vs autograd
     through the float64 reference. ``config`` is used for both directions unless ``bwd_config``
-    is given."""
+    is given. ``branch``: a residual branch's gradient joins dx (the reference adds it to the
+    input's gradient)."""
     weight_dtype = weight_dtype or dtype
     bias = bias and kind == "layernorm"
     n = shape[-1]
@@ -118,6 +126,13 @@ def _check(
     y_ref, mean_ref, rsigma_ref = _reference(kind, x_ref, w_ref, b_ref, zero_centered_gamma)
     dy_ref, dy = make_reference_and_test_tensors(shape, dtype=dtype, device=TRITON_DEVICE)
     y_ref.backward(dy_ref)
+    grad_branch = None
+    if branch:
+        branch_ref, grad_branch = make_reference_and_test_tensors(
+            shape, dtype=dtype, device=TRITON_DEVICE
+        )
+        x_ref.grad += branch_ref
+        grad_branch = grad_branch.detach()
     x, dy = x.detach(), dy.detach()
     w = None if w is None else w.detach()
     b = None if b is None else b.detach()
@@ -132,8 +147,9 @@ def _check(
         assert_close(stat, ref, torch.float32)
 
     dx, dw, db = _backward(
-        kind, dy, x, mean, rsigma, w, zero_centered_gamma, bias, bwd_config or config, programs
-    )
+        kind, dy, x, mean, rsigma, w, zero_centered_gamma, bias, bwd_config or config, programs,
+        grad_branch,
+    )  # fmt: skip
     assert dx.shape == x.shape and dx.dtype == dtype
     assert_close(dx, x_ref.grad, dtype)
     if w is None:
@@ -239,6 +255,46 @@ def test_mixed_configs():
     # Forward whole-row tiles, backward chunked on the same statistics (and the reverse).
     _check("layernorm", (6, 40), torch.float32, config=SMALL_TILES, bwd_config=CHUNKED)
     _check("rmsnorm", (6, 40), torch.bfloat16, config=CHUNKED, bwd_config=SMALL_TILES)
+
+
+# A residual branch's gradient ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_branch_gradient_joins_dx(kind, dtype):
+    """``dx + dB`` (``te::branch_rmsnorm_bwd``'s on CUDA): whole rows, chunked rows, and
+    programs that own several row tiles."""
+    _check(kind, (5, 37), dtype, branch=True)
+    _check(kind, (7, 37), dtype, config=CHUNKED, programs=3, branch=True)
+    _check(kind, (13, 37), dtype, config=SMALL_TILES, programs=3, branch=True)
+
+
+@pytest.mark.parametrize("config", [SMALL_TILES, CHUNKED], ids=["rows", "chunked"])
+def test_branch_gradient_is_added_before_the_one_rounding(config):
+    """fp16: the kernel's fp32 ``dx`` plus the branch, rounded once, bit for bit. The fp32 ``dx``
+    is the same kernel's on the same values in fp32 (its math is fp32 whatever the dtype); a
+    second rounding (``dx`` rounded, then the add) differs from it in some elements. (fp16, not
+    bf16: Triton's interpreter stores fp32 as bf16 without rounding to nearest; its fp16 store
+    rounds to nearest, as CUDA's stores of both do.)"""
+    torch.manual_seed(0)
+    shape, half = (9, 37), torch.float16
+    x, dy, branch = (torch.randn(shape, device=TRITON_DEVICE).to(half) for _ in range(3))
+    w = torch.randn(shape[-1], device=TRITON_DEVICE).to(half)
+    _, rsigma = kernels.rmsnorm_fwd(x.float(), w.float(), EPS, False, config=config)
+    dx32, _ = kernels.rmsnorm_bwd(dy.float(), x.float(), rsigma, w.float(), False, config=config)
+    dx, _ = kernels.rmsnorm_bwd(dy, x, rsigma, w, False, config=config, branch=branch)
+    assert torch.equal(dx, (dx32 + branch.float()).to(half))
+    assert not torch.equal(dx, dx32.to(half) + branch)  # (the test can tell them apart)
+
+
+def test_branch_gradient_must_match_the_input():
+    x = torch.randn(3, 16, device=TRITON_DEVICE)
+    _, rsigma = kernels.rmsnorm_fwd(x, torch.ones(16, device=TRITON_DEVICE), EPS, False)
+    for branch in (torch.zeros(3, 15, device=TRITON_DEVICE), torch.zeros_like(x).double()):
+        with pytest.raises(ValueError, match="branch must have inp's shape"):
+            kernels.rmsnorm_bwd(x, x, rsigma, torch.ones(16, device=TRITON_DEVICE), False,
+                                branch=branch)  # fmt: skip
 
 
 # Empty input -----------------------------------------------------------------------------------
