@@ -9,7 +9,8 @@
 # (`all`: the default list, in that order; split them over calls to stay inside the 10-minute limit of
 # one call); fp8_loss (train_gpt 300 steps per FP8 recipe), fp8_loss_seeds (the FP8 loss
 # criterion over three seeds); the diagnostics of bench/diag/: loss_diag, diag_host,
-# diag_grouped_gemm, diag_grouped_delayed, diag_delayed_traced, diag_eager_host, diag_norm_host,
+# diag_grouped_gemm, diag_grouped_delayed, diag_delayed_traced, diag_eager_host, diag_eager_pieces,
+# diag_norm_host,
 # diag_kernels, diag_hf_step, diag_sdpa_choice, diag_launch,
 # diag_amax_passes, tune_norm, tune_rotary, tune_quantize[:part], tune_group_columns;
 # rope (bench_rope) and moe (bench_moe, MoE token routing), not in the default list;
@@ -133,6 +134,8 @@ runpy.run_path('examples/train_gpt.py', run_name='__main__')" "${tg[@]:1}" \
     diag_eager_host)  # cProfile of a module's eager fwd+bwd per recipe (bench/diag/diag_eager_host.py)
       python3 -m bench.diag.diag_eager_host ${DIAG_ARGS:-} 2>&1 | tee "$OUT/diag_eager_host.log" \
         | grep "^===" ;;
+    diag_eager_pieces)  # wall time per piece of te.Linear's eager call, no profiler (bench/diag/diag_eager_pieces.py)
+      python3 -m bench.diag.diag_eager_pieces ${DIAG_ARGS:-} 2>&1 | tee "$OUT/diag_eager_pieces.log" ;;
     diag_norm_host)  # an eager norm's host time by layer, both autograd threadings (bench/diag/diag_norm_host.py)
       python3 -m bench.diag.diag_norm_host ${DIAG_ARGS:-} 2>&1 | tee "$OUT/diag_norm_host.log" ;;
     diag_delayed_traced)  # DelayedScaling's GEMM ops traced through on CUDA: misaligned
