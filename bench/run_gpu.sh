@@ -10,8 +10,7 @@
 # one call); fp8_loss (train_gpt 300 steps per FP8 recipe), fp8_loss_seeds (the FP8 loss
 # criterion over three seeds); the diagnostics of bench/diag/: loss_diag, diag_host,
 # diag_grouped_gemm, diag_grouped_delayed, diag_delayed_traced, diag_eager_host, diag_eager_pieces,
-# diag_norm_host,
-# diag_kernels, diag_hf_step, diag_sdpa_choice, diag_launch,
+# diag_norm_host, diag_kernels, diag_hf_step, diag_sdpa_choice, diag_launch,
 # diag_amax_passes, tune_norm, tune_rotary, tune_quantize[:part], tune_group_columns;
 # rope (bench_rope) and moe (bench_moe, MoE token routing), not in the default list;
 # moe_layer (examples/moe_layer.py under FP8) and hf_llama (the converted Llama's FP8 speed).
