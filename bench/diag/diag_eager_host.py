@@ -157,10 +157,17 @@ def count_ops(module: torch.nn.Module, x: torch.Tensor, recipe) -> None:
         if x.is_cuda:
             torch.cuda.synchronize()
     rows = [(e.count / calls, e.key) for e in prof.key_averages() if e.key.startswith("aten::")]
+
     # Top level: entered from Python or by autograd's engine (C++ backward nodes), not by
-    # another op: each pays the dispatcher's entry on the host, a no-op one too.
-    top = [e for e in prof.events() if e.name.startswith("aten::")
-           and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]  # fmt: skip
+    # another op: each pays the dispatcher's entry on the host, a no-op one too. (An op below
+    # another through Python frames, --cuda-paths' stub kernels' own ops, is not top level.)
+    def inside_an_op(e) -> bool:
+        parent = e.cpu_parent
+        while parent is not None and not parent.name.startswith("aten::"):
+            parent = parent.cpu_parent
+        return parent is not None
+
+    top = [e for e in prof.events() if e.name.startswith("aten::") and not inside_an_op(e)]
     print(f"top-level torch ops per call: {len(top) / calls:.0f}")
     counts: dict[str, int] = {}
     for e in top:
