@@ -94,18 +94,16 @@ def timed_pieces(pieces: list[str], times: dict[str, list[float]]):
             setattr(module, name, original)
 
 
-def quantiles(values: list[float]) -> str:
+def quantiles(values: list[float], calls: int) -> str:
+    """Calls of the piece per fwd+bwd call, then its wall us per call as quantiles."""
     us = sorted(v * 1e6 for v in values)
     if not us:
         return "not called"
     at = lambda q: us[min(len(us) - 1, int(q * len(us)))]  # noqa: E731
     return (
-        f"{len(us) / CALLS[0]:4.1f}x  p10 {at(0.1):8.1f}  p50 {statistics.median(us):8.1f}  "
+        f"{len(us) / calls:4.1f}x  p10 {at(0.1):8.1f}  p50 {statistics.median(us):8.1f}  "
         f"p90 {at(0.9):8.1f}  max {us[-1]:8.1f}"
     )
-
-
-CALLS = [1]  # calls per recipe (the per-call counts' divisor)
 
 
 def run(module, x, recipe, pieces: list[str], calls: int, sync) -> dict[str, list[float]]:
@@ -145,7 +143,6 @@ def main() -> None:
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     n, t = args.features, args.tokens
     x = torch.randn(t, n, dtype=torch.bfloat16, device=args.device, requires_grad=True)
-    CALLS[0] = args.calls
     print(f"te.Linear({n}, {n}), bf16 input {t} x {n}, {args.device}; wall us per call")
     for name in args.recipes:
         module = te.Linear(n, n, params_dtype=torch.bfloat16, device=args.device)
@@ -153,7 +150,7 @@ def main() -> None:
         times = run(module, x, recipe, args.pieces, args.calls, sync)
         print(f"=== {name}")
         for piece, values in times.items():
-            print(f"  {piece:48s} {quantiles(values)}")
+            print(f"  {piece:48s} {quantiles(values, args.calls)}")
 
 
 if __name__ == "__main__":
