@@ -23,7 +23,8 @@ nvfp4       16-element E4M3 blocks and a global scale   ``"dequantized"`` only
 
 The grouped family's GEMMs on device offsets are two more entries, ``"grouped_mm"``
 (``torch._grouped_mm``, high precision) and ``"scaled_grouped_mm"`` (``torch._scaled_grouped_mm``,
-the per-tensor kinds with rowwise scales); its per-group loops call the entries above per group.
+the per-tensor kinds with rowwise scales: their operands come from the current and delayed rows
+with ``QuantSpec.row_scaled``); its per-group loops call the entries above per group.
 
 An :class:`Operand` is one GEMM operand quantised along its contraction dim (``data`` ``[M,
 K]``, row-major) and, for the backward GEMMs, along the other dim, transposed (``data_t`` ``[K,
@@ -49,10 +50,12 @@ from te_compile._checks import (
 )
 from te_compile._numerics import acc_dtype, reciprocal_rn
 from te_compile.functional.quantize import (
+    as_e4m3,
     dequantize_blockwise,
     quantize_blockwise,
     quantize_current,
     quantize_current_ref,
+    quantize_rowwise,
     quantize_tensorwise,
     quantize_tensorwise_ref,
 )
@@ -64,7 +67,6 @@ from te_compile.functional.quantize_mx import (
 )
 from te_compile.functional.quantize_mx_ref import FOUR_OVER_SIX, mxfp8_qdq_tiles, nvfp4_qdq
 from te_compile.functional.spec import QuantSpec
-from te_compile.kernels import e5m2_to_e4m3_table
 
 __all__ = [
     "BACKWARD_OVERRIDES",
@@ -344,11 +346,17 @@ def _col_sums(x2: Tensor, sums: bool) -> Tensor | None:
     return x2.sum(0, dtype=torch.float32) if sums else None
 
 
-# Every entry: (spec, x2, scale, columnwise, mn_major, sums, rng_state, slot) -> Operand.
-def _quantize_per_tensor(spec, x2, scale, columnwise, mn_major, sums, rng_state, slot) -> Operand:
+# Every entry: (spec, x2, scale, columnwise, mn_major, sums, rng_state, slot, e4m3_codes).
+def _quantize_per_tensor(spec, x2, scale, columnwise, mn_major, sums, rng_state, slot,
+                         e4m3_codes) -> Operand:  # fmt: skip
     """Current (``scale`` None) or delayed scaling, both copies in one pass (one Triton kernel on
-    CUDA, the reference elsewhere); ``slot``: the amax buffer's element (:func:`amax_buffer`)."""
+    CUDA, the reference elsewhere); ``slot``: the amax buffer's element (:func:`amax_buffer`).
+    ``row_scaled``: :func:`_quantize_rows`, or delayed without the kernel this cast, its inverse
+    scale repeated per row."""
     fp8_dtype, (bits, i) = spec.fp8_dtype, slot or (None, 0)  # (the kernels' defaults)
+    kernel = x2.is_cuda and x2.dtype in HIGH_DTYPES
+    if spec.row_scaled and (scale is None or kernel):
+        return _quantize_rows(spec, x2, scale, slot, e4m3_codes)
     if scale is None and slot is None:
         data, data_t, scale_inv, amax = quantize_current.eager(x2, fp8_dtype, columnwise)
     elif scale is None:
@@ -363,10 +371,31 @@ def _quantize_per_tensor(spec, x2, scale, columnwise, mn_major, sums, rng_state,
     else:
         data, data_t, amax = quantize_tensorwise.eager(x2, scale, fp8_dtype, columnwise)
         scale_inv = reciprocal_rn(scale)
-    return Operand(data, scale_inv, data_t, scale_inv, amax, _col_sums(x2, sums))
+    rows = scale_inv.expand(x2.shape[0]).contiguous() if spec.row_scaled else scale_inv
+    return Operand(data, rows, data_t, scale_inv, amax, _col_sums(x2, sums))
 
 
-def _quantize_dequantized(spec, x2, scale, columnwise, mn_major, sums, rng_state, slot) -> Operand:
+def _quantize_rows(spec, x2, scale, slot, e4m3_codes) -> Operand:
+    """``row_scaled`` per-tensor kinds (the grouped GEMMs' operands): one inverse scale per row,
+    no columnwise copy. Current scaling: each row's own (:func:`quantize_rowwise`), no amax.
+    Delayed (a kernel casts): ``scale`` for every row, the amax folded into ``slot``'s buffer
+    (else a new ``[1]``) in the same pass. ``e4m3_codes``: E5M2 as E4M3 codes (:func:`as_e4m3`),
+    in the same pass."""
+    none = x2.new_empty(0, dtype=torch.float32)
+    if scale is None:
+        data, scale_inv = quantize_rowwise(x2, spec.fp8_dtype, e4m3_codes=e4m3_codes)
+        return Operand(data, scale_inv, none, none, none)
+    from te_compile.kernels import quantize_rows
+    from te_compile.kernels.quantize import amax_bits
+
+    amax, i = slot or (amax_bits(x2), 0)
+    data, scale_inv = quantize_rows.quantize_rowwise(
+        x2, spec.fp8_dtype, scale=scale, amax=amax, amax_slot=i, e4m3_codes=e4m3_codes
+    )
+    return Operand(data, scale_inv, none, none, amax)
+
+
+def _quantize_dequantized(spec, x2, scale, columnwise, mn_major, sums, rng_state, *_) -> Operand:
     """MXFP8, NVFP4 and emulated Float8BlockScaling: the dequantised values (exact)."""
     row, col_t = qdq_both(x2, spec, rng_state, columnwise)
     none = x2.new_empty(0, dtype=torch.float32)
@@ -374,11 +403,11 @@ def _quantize_dequantized(spec, x2, scale, columnwise, mn_major, sums, rng_state
     return Operand(row, none, col_t, none.clone(), none.clone(), _col_sums(x2, sums))
 
 
-def _quantize_block(spec, x2, scale, columnwise, mn_major, sums, rng_state, slot) -> Operand:
+def _quantize_block(spec, x2, scale, columnwise, mn_major, sums, rng_state, *_) -> Operand:
     """Float8BlockScaling: FP8 codes and fp32 block scales (emulated: dequantised); with ``sums``
     on CUDA one kernel for the casts and the column sums (``mn_major``: the GEMM's layout)."""
     if spec.emulate:
-        return _quantize_dequantized(spec, x2, scale, columnwise, mn_major, sums, rng_state, None)
+        return _quantize_dequantized(spec, x2, scale, columnwise, mn_major, sums, rng_state)
     none = x2.new_empty(0, dtype=torch.float32)
     fp8_dtype, rows, p2 = spec.fp8_dtype, spec.block_rows, spec.power_2_scale
     if sums and x2.is_cuda and rows == 1:
@@ -411,13 +440,16 @@ def quantize_operand(
     sums: bool = False,
     rng_state: Tensor | None = None,
     slot: tuple[Tensor, int] | None = None,
+    e4m3_codes: bool = False,
 ) -> Operand:
     """``x2`` ``[M, K]`` as an :class:`Operand` quantised as ``spec`` says (``scale``: the
     ``[1]`` delayed scale; ``mn_major``: 1x128 block scales in the blockwise GEMM's layout where
     a CUDA kernel writes them; ``rng_state``: with the spec's ``stochastic_rounding``; ``slot``:
-    a per-tensor kind's element of the GEMM's amax buffer, :func:`amax_buffer`)."""
+    a per-tensor kind's element of the GEMM's amax buffer, :func:`amax_buffer`; ``e4m3_codes``:
+    a row-scaled E5M2 operand as the grouped GEMM takes it, :func:`_quantize_rows`)."""
     rng_state = rng_state if spec.stochastic_rounding else None
-    return QUANTIZERS[spec.kind](spec, x2, scale, columnwise, mn_major, sums, rng_state, slot)
+    return QUANTIZERS[spec.kind](spec, x2, scale, columnwise, mn_major, sums, rng_state, slot,
+                                 e4m3_codes)  # fmt: skip
 
 
 def quantize_operands(
@@ -576,20 +608,6 @@ def _dequantized(a, sa, b, sb, out_dtype, bias, fast_accum, b_rows, offs) -> Ten
     fp64, the tests' references), the bias added before the one rounding."""
     b_ = None if bias is None else bias.to(a.dtype)
     return torch.nn.functional.linear(a, b, b_).to(out_dtype)
-
-
-def as_e4m3(q: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
-    """A grouped GEMM operand in E4M3 codes: E4M3 ``q`` as is; E5M2 ``q`` recoded to the E4M3
-    codes of its values times ``2**-7``, its inverse scales ``s`` times 128 (``docs/fp8.md``)."""
-    if q.dtype is not torch.float8_e5m2:
-        return q, s
-    if q.is_cuda:
-        from te_compile.kernels import quantize_rows
-
-        codes = quantize_rows.recode_e5m2_as_e4m3(q)
-    else:
-        codes = e5m2_to_e4m3_table(q.device)[q.view(torch.uint8).long()].view(torch.float8_e4m3fn)
-    return codes, s * 128.0
 
 
 def _balanced(sa: Tensor, sb: Tensor) -> tuple[Tensor, Tensor]:

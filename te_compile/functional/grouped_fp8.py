@@ -20,8 +20,9 @@ contraction dim (current scaling: measured now):
   (:func:`quantize_group_columns`; the forward saves the input's copy instead of the input).
   The bias gradient is the per-group sum of the high-precision ``dY``.
 
-Delayed scaling: one given scale per tensor instead (``scale`` ``[3]``: input, weight,
-gradient; the ``"delayed"`` row of ``functional.gemm.quantize_operand``), each inverse scale
+The rowwise casts are the row-scaled ``"current"`` and ``"delayed"`` rows of
+``functional.gemm.QUANTIZERS``. Delayed scaling: one given scale per tensor instead (``scale``
+``[3]``: input, weight, gradient), each inverse scale
 broadcast to the rowwise vectors the grouped GEMM takes; the forward returns ``[amax(X),
 amax(W)]``, the backward writes ``amax(dY)`` into ``grad_amax``. Current scaling measures the
 amaxes (a read of each operand more) only given ``grad_amax``: a delayed state's first step.
@@ -39,7 +40,7 @@ from itertools import accumulate
 import torch
 from torch import Tensor
 
-from te_compile._numerics import div_rn, reciprocal_rn
+from te_compile._numerics import reciprocal_rn
 from te_compile.functional.gemm import (
     HIGH_DTYPES,
     amax_buffer,
@@ -67,7 +68,6 @@ __all__ = [
     "per_tensor_forward",
     "per_tensor_weight",
     "quantize_group_columns",
-    "quantize_rowwise",
     "wgrad_capacity",
 ]
 
@@ -75,32 +75,6 @@ __all__ = [
 def _kernel_cast(x: Tensor) -> bool:
     """Whether ``x`` is cast by the Triton kernels (``kernels.quantize_rows``)."""
     return x.is_cuda and x.dtype in HIGH_DTYPES
-
-
-def quantize_rowwise(
-    x: Tensor, fp8_dtype: torch.dtype, dim: int = -1, e4m3_codes: bool = False
-) -> tuple[Tensor, Tensor]:
-    """``(data, scale_inv)``: ``x`` cast to ``fp8_dtype`` with one current scale per slice along
-    ``dim`` (``fp8_max / amax``; 1 for an all-zero or non-finite slice), in fp32 whatever
-    ``x``'s dtype (a float64 copy gets the same bytes). CUDA: one Triton kernel, bit-identical.
-    ``e4m3_codes``: an E5M2 result as the grouped GEMM takes it (:func:`as_e4m3`)."""
-    if _kernel_cast(x):
-        from te_compile.kernels import quantize_rows
-
-        moved = dim not in (-1, x.ndim - 1)
-        data, scale_inv = quantize_rows.quantize_rowwise(
-            x.movedim(dim, -1) if moved else x, fp8_dtype, e4m3_codes=e4m3_codes
-        )
-        return (data.movedim(-1, dim).contiguous() if moved else data), scale_inv
-    if e4m3_codes:
-        return as_e4m3(*quantize_rowwise(x, fp8_dtype, dim))
-    xf = x.float()
-    limit = torch.finfo(fp8_dtype).max
-    amax = xf.abs().amax(dim, keepdim=True)
-    scale = div_rn(limit, amax)
-    scale = torch.where((amax > 0) & torch.isfinite(scale), scale, 1.0)
-    data = (xf * scale).clamp(-limit, limit).to(fp8_dtype)
-    return data, reciprocal_rn(scale).squeeze(dim)
 
 
 def _gemm_loop(
@@ -200,28 +174,16 @@ def _quantize(
     x: Tensor, fp8_dtype: torch.dtype, scale: Tensor | None, measure: bool, e4m3_codes=False,
     slot: tuple[Tensor, int] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """``(data, scale_inv, amax)`` of ``x`` cast along its last dim, ``scale_inv`` one per row.
-    Current scaling (``scale`` None): :func:`quantize_rowwise` (``e4m3_codes`` passed on), ``amax``
-    ``[1]`` measured only with ``measure``, else 0-element. Delayed: the per-tensor ``scale``
-    ``[1]``, ``amax`` ``[1]``; where :func:`_kernel_cast`, the rowwise kernel's given-scale pass
-    (cast, every row's ``scale_inv``, E4M3 codes and the amax in one launch; ``slot``: ``(buffer,
-    i)``, a zeroed amax buffer the amax is folded into instead, returned whole), elsewhere the
-    ``"delayed"`` row of ``functional.gemm.quantize_operand`` (the same bytes)."""
-    if scale is not None and _kernel_cast(x):
-        from te_compile.kernels import quantize_rows
-        from te_compile.kernels.quantize import amax_bits
-
-        amax, i = slot or (amax_bits(x), 0)
-        data, scale_inv = quantize_rows.quantize_rowwise(
-            x, fp8_dtype, scale=scale, amax=amax, amax_slot=i, e4m3_codes=e4m3_codes
-        )
-        return data, scale_inv, amax
-    if scale is not None:
-        spec = QuantSpec("delayed", fp8_dtype)
-        q = quantize_operand(spec, x.reshape(-1, x.shape[-1]), scale=scale, columnwise=False)
-        return q.data.view(x.shape), q.scale.expand(x.shape[:-1]).contiguous(), q.amax
-    amax = tensor_amax(x).reshape(1) if measure else x.new_empty(0, dtype=torch.float32)
-    return (*quantize_rowwise(x, fp8_dtype, e4m3_codes=e4m3_codes), amax)
+    """``(data, scale_inv, amax)`` of ``x`` cast along its last dim, ``scale_inv`` one per row:
+    the row-scaled ``"current"`` (``scale`` None) or ``"delayed"`` row of
+    ``functional.gemm.quantize_operand`` (``e4m3_codes`` and ``slot`` passed on). ``amax``:
+    delayed scaling's; current scaling's ``[1]`` measured only with ``measure``, else
+    0-element."""
+    spec = QuantSpec("current" if scale is None else "delayed", fp8_dtype, row_scaled=True)
+    q = quantize_operand(spec, x.flatten(0, -2), scale=scale, columnwise=False, slot=slot,
+                         e4m3_codes=e4m3_codes)  # fmt: skip
+    amax = tensor_amax(x).reshape(1) if scale is None and measure else q.amax
+    return q.data.view(x.shape), q.scale.view(x.shape[:-1]), amax
 
 
 def per_tensor_weight(
@@ -239,12 +201,8 @@ def per_tensor_weight(
         from te_compile.kernels import quantize_rows
 
         wq_t, ws_t = quantize_rows.quantize_columnwise_transposed(weight, fwd_dtype, scale=w_scale)
-    elif w_scale is None:
-        wq_t, ws_t = quantize_rowwise(weight.transpose(1, 2), fwd_dtype)  # along N, last
-        wq_t = wq_t.contiguous()
-    else:
-        wq_t = wq.view(torch.uint8).transpose(1, 2).contiguous().view(fwd_dtype)
-        ws_t = ws[:, :1].expand(-1, weight.shape[2]).contiguous()
+    else:  # the transposed weight cast along N (delayed: the forward's codes, transposed)
+        wq_t, ws_t, _ = _quantize(weight.transpose(1, 2), fwd_dtype, w_scale, False)
     return wq, ws, wq_t, ws_t, amax
 
 

@@ -61,10 +61,8 @@ from te_compile.functional.gemm import (
 )
 from te_compile.functional.gemm_ref import quantized_linear_ref
 from te_compile.functional.grouped_fp8 import (
-    as_e4m3,
     per_tensor_backward,
     per_tensor_forward,
-    quantize_rowwise,
     wgrad_capacity,
 )
 from te_compile.functional.grouped_gemm import (
@@ -90,6 +88,7 @@ from te_compile.functional.grouped_linear_args import (
     check_grouped_linear,
     make_grouped_recipe,
 )
+from te_compile.functional.quantize import as_e4m3, quantize_rowwise
 from te_compile.functional.quantize_mx_ref import nvfp4_qdq
 from te_compile.functional.spec import BackwardSpec, QuantSpec, as_specs, as_strings, parse
 

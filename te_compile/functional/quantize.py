@@ -89,14 +89,16 @@ from te_compile._checks import FP8_DTYPES, HIGH_DTYPES
 from te_compile._library import op
 from te_compile._numerics import div_rn, reciprocal_rn
 from te_compile.functional import quantize_mx_ref
-from te_compile.kernels import submodule
+from te_compile.kernels import e5m2_to_e4m3_table, submodule
 
 __all__ = [
     "FP8_DTYPES",
+    "as_e4m3",
     "dequantize_blockwise_ref",
     "dequantize_tensorwise_ref",
     "quantize_blockwise_ref",
     "quantize_current_ref",
+    "quantize_rowwise",
     "quantize_tensorwise_ref",
     "scale_from_amax",
 ]
@@ -338,6 +340,49 @@ def _check_block_scale_inv(name: str, data: Tensor, scale_inv: Tensor, block_row
 
 
 _kernels = functools.partial(submodule, "quantize")  # Triton: imported on first CUDA use
+
+
+# Per row: the grouped GEMMs' operands (``functional.gemm``'s row-scaled per-tensor rows) --
+
+
+def quantize_rowwise(
+    x: Tensor, fp8_dtype: torch.dtype, dim: int = -1, e4m3_codes: bool = False
+) -> tuple[Tensor, Tensor]:
+    """``(data, scale_inv)``: ``x`` cast to ``fp8_dtype`` with one current scale per slice along
+    ``dim`` (``fp8_max / amax``; 1 for an all-zero or non-finite slice), in fp32 whatever
+    ``x``'s dtype (a float64 copy gets the same bytes). CUDA: one Triton kernel, bit-identical.
+    ``e4m3_codes``: an E5M2 result as the grouped GEMM takes it (:func:`as_e4m3`)."""
+    if x.is_cuda and x.dtype in HIGH_DTYPES:  # the Triton kernels' dtypes
+        from te_compile.kernels import quantize_rows
+
+        moved = dim not in (-1, x.ndim - 1)
+        data, scale_inv = quantize_rows.quantize_rowwise(
+            x.movedim(dim, -1) if moved else x, fp8_dtype, e4m3_codes=e4m3_codes
+        )
+        return (data.movedim(-1, dim).contiguous() if moved else data), scale_inv
+    if e4m3_codes:
+        return as_e4m3(*quantize_rowwise(x, fp8_dtype, dim))
+    xf = x.float()
+    limit = torch.finfo(fp8_dtype).max
+    amax = xf.abs().amax(dim, keepdim=True)
+    scale = div_rn(limit, amax)
+    scale = torch.where((amax > 0) & torch.isfinite(scale), scale, 1.0)
+    data = (xf * scale).clamp(-limit, limit).to(fp8_dtype)
+    return data, reciprocal_rn(scale).squeeze(dim)
+
+
+def as_e4m3(q: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
+    """A grouped GEMM operand in E4M3 codes: E4M3 ``q`` as is; E5M2 ``q`` recoded to the E4M3
+    codes of its values times ``2**-7``, its inverse scales ``s`` times 128 (``docs/fp8.md``)."""
+    if q.dtype is not torch.float8_e5m2:
+        return q, s
+    if q.is_cuda:
+        from te_compile.kernels import quantize_rows
+
+        codes = quantize_rows.recode_e5m2_as_e4m3(q)
+    else:
+        codes = e5m2_to_e4m3_table(q.device)[q.view(torch.uint8).long()].view(torch.float8_e4m3fn)
+    return codes, s * 128.0
 
 
 # 2. Ops (on CPU the reference math; on CUDA the Triton kernels) ------------------------------

@@ -139,7 +139,8 @@ class QuantSpec:
     ``power_2_scale``; ``emulate``: the GEMM multiplies the exact quantised values in fp32
     instead of calling the scaled GEMM (the same for all operands of a GEMM); NVFP4's options:
     ``rht`` (the random Hadamard transform of the columnwise copy: input and gradient together),
-    ``stochastic_rounding`` (gradient), ``row_scaled`` (a global scale per row: input),
+    ``stochastic_rounding`` (gradient), ``row_scaled`` (a global scale per row: input; for the
+    per-tensor kinds, one scale per row: the grouped family's operands, refused in op specs),
     ``four_over_six`` (4over6 block scaling: input, weight;
     ``functional.quantize_mx_ref.FOUR_OVER_SIX``); the per-tensor kinds' gradient options
     ``fast_dgrad`` / ``fast_wgrad``: the dgrad / wgrad GEMM (both read the gradient) accumulates

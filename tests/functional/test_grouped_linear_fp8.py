@@ -27,6 +27,7 @@ from tests.utils import (
 GF = importlib.import_module("te_compile.functional.grouped_fp8")
 GL = importlib.import_module("te_compile.functional.grouped_linear_ops")
 G = importlib.import_module("te_compile.functional.gemm")
+Q = importlib.import_module("te_compile.functional.quantize")
 
 
 def grouped_linear_fp8(x, s, w, b=None, **kw):
@@ -340,7 +341,7 @@ def test_backward_override_matches_reference(device, dtype, override):
 def test_quantize_rowwise(fp8):
     x = torch.randn(6, 32, dtype=torch.bfloat16)
     x[2] = 0
-    data, scale_inv = GF.quantize_rowwise(x, fp8)
+    data, scale_inv = Q.quantize_rowwise(x, fp8)
     assert data.dtype is fp8 and data.shape == x.shape
     assert scale_inv.dtype is torch.float32 and scale_inv.shape == (6,)
     limit = torch.finfo(fp8).max
@@ -355,7 +356,7 @@ def test_quantize_rowwise(fp8):
     eps = torch.finfo(fp8).eps
     assert ((deq - x.float()).abs() <= eps * x.float().abs() + 1e-30).all()
     # A float64 copy gets the same bytes and scales (the reference relies on it).
-    d64, s64 = GF.quantize_rowwise(x.double(), fp8)
+    d64, s64 = Q.quantize_rowwise(x.double(), fp8)
     assert torch.equal(d64.view(torch.uint8), data.view(torch.uint8)) and torch.equal(
         s64, scale_inv
     )
@@ -365,14 +366,14 @@ def test_weight_scales_per_group_and_dim():
     """Forward: one scale per (group, output row), amax over K; dgrad: per (group, input
     column), amax over N, stored transposed ``[G, K, N]``."""
     w = torch.randn(3, 16, 32)
-    data, s = GF.quantize_rowwise(w, E4M3)
+    data, s = Q.quantize_rowwise(w, E4M3)
     assert data.shape == (3, 16, 32) and s.shape == (3, 16)
     torch.testing.assert_close(s, w.abs().amax(-1) / 448)
     _, _, data_t, s_t, _ = GF.per_tensor_weight(w, E4M3, None, False)
     assert data_t.shape == (3, 32, 16) and data_t.is_contiguous() and s_t.shape == (3, 32)
     torch.testing.assert_close(s_t, w.abs().amax(1) / 448)
     for g in range(3):
-        ref, ref_s = GF.quantize_rowwise(w[g].t(), E4M3)
+        ref, ref_s = Q.quantize_rowwise(w[g].t(), E4M3)
         assert torch.equal(data_t[g].view(torch.uint8), ref.view(torch.uint8))
         assert torch.equal(s_t[g], ref_s)
 
@@ -390,7 +391,7 @@ def test_e5m2_operand_recoded_to_e4m3(delayed):
         data, s, _ = GL.quantize_per_tensor(x, E5M2, torch.tensor([2.0**10]))
         s_rows = s.expand(6)
     else:
-        data, s_rows = GF.quantize_rowwise(x, E5M2)
+        data, s_rows = Q.quantize_rowwise(x, E5M2)
     codes, s4 = G.as_e4m3(data, s_rows)
     assert codes.dtype is E4M3 and torch.equal(s4, s_rows * 128)
     want = data.double() * s_rows.double()[:, None]
@@ -402,7 +403,7 @@ def test_e5m2_operand_recoded_to_e4m3(delayed):
     err = (got[small] - want[small]).abs() / s_rows.double()[:, None].expand_as(want)[small]
     assert (~big).sum() > 10 and err.max() <= 2.0**-3
     assert torch.isnan(got[5, 7])
-    e4 = GF.quantize_rowwise(x, E4M3)
+    e4 = Q.quantize_rowwise(x, E4M3)
     assert G.as_e4m3(*e4)[0] is e4[0]
 
 
@@ -435,8 +436,8 @@ def test_grouped_gemm_path_matches_loop(fp8):
     on CUDA ``torch._scaled_grouped_mm``) equals the exact loop to 2 roundings, E5M2 operands
     recoded to E4M3 in both."""
     splits = [9, 0, 20, 3]
-    a, sa = GF.quantize_rowwise(torch.randn(32, 48), fp8)
-    b, sb = GF.quantize_rowwise(torch.randn(4, 16, 48), E4M3)
+    a, sa = Q.quantize_rowwise(torch.randn(32, 48), fp8)
+    b, sb = Q.quantize_rowwise(torch.randn(4, 16, 48), E4M3)
     s = torch.tensor(splits)
     _, offs = GF.device_splits(s, a)
     grouped = G.gemm("scaled_grouped_mm", a, sa, b, sb, torch.bfloat16, offs=offs)

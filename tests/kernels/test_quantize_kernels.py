@@ -354,10 +354,10 @@ def test_delayed_scaling_update_kernel_matches_reference(length, algo, margin, s
 @pytest.mark.parametrize("shape", [(37, 45), (2, 3, 1100), (5, 16), (0, 32)])
 def test_rowwise_kernel_matches_reference(fp8, dtype, shape):
     """The one-launch rowwise quantisation (grouped FP8 GEMMs) equals the torch definition in
-    ``functional.grouped_fp8.quantize_rowwise`` bit for bit: rows cut by the block
+    ``functional.quantize.quantize_rowwise`` bit for bit: rows cut by the block
     (45, 1100 > one 1024-wide block), an all-zero row, a row holding inf, one holding NaN, one
     holding only subnormal-sized values, and a saturating row."""
-    from te_compile.functional.grouped_fp8 import quantize_rowwise as reference
+    from te_compile.functional.quantize import quantize_rowwise as reference
 
     torch.manual_seed(sum(shape))
     x = torch.randn(shape) * 3
@@ -485,12 +485,12 @@ def test_kernels_write_e5m2_as_e4m3_codes(rows, given):
     x = x.to(torch.bfloat16)
     if not given:
         data, inv = row_kernels.quantize_rowwise(_dev(x), E5M2, e4m3_codes=True, block_k=32)
-        want_data, want_inv = as_e4m3(*GF.quantize_rowwise(x, E5M2))
+        want_data, want_inv = as_e4m3(*Q.quantize_rowwise(x, E5M2))
         assert data.dtype is E4M3
         assert_bits_equal(data, want_data)
         assert_bits_equal(inv, want_inv)
         e4 = row_kernels.quantize_rowwise(_dev(x), E4M3, e4m3_codes=True, block_k=32)
-        _assert_all_equal(e4, GF.quantize_rowwise(x, E4M3))
+        _assert_all_equal(e4, Q.quantize_rowwise(x, E4M3))
     splits = torch.tensor([rows - rows // 2, 0, rows // 2])
     scale = torch.tensor([2.0**12]) if given else None
     want_data, want_inv, want_ends = GF.quantize_group_columns(x, splits, E5M2, scale)
@@ -515,7 +515,7 @@ def test_kernels_write_e5m2_as_e4m3_codes_at_default_launch():
     x = torch.randn(300, 2048) * torch.logspace(-14, 2, 2048, base=2.0)
     x = x.to(torch.bfloat16)
     data, inv = row_kernels.quantize_rowwise(_dev(x), E5M2, e4m3_codes=True)
-    want = as_e4m3(*GF.quantize_rowwise(x, E5M2))
+    want = as_e4m3(*Q.quantize_rowwise(x, E5M2))
     _assert_all_equal((data, inv), want)
     splits = torch.tensor([100, 0, 200])
     want_data, want_inv, want_ends = GF.quantize_group_columns(x, splits, E5M2)
@@ -534,7 +534,7 @@ def test_columnwise_transposed_kernel_matches_rowwise_of_the_transpose(fp8, dtyp
     """``quantize_columnwise_transposed(x)`` equals ``quantize_rowwise(x.transpose(-2, -1))`` (the
     torch definition) bit for bit: tiles cut along N and K (64 x 64), an all-zero column, one
     holding inf, one NaN, one of subnormal-sized values, a saturating one."""
-    from te_compile.functional.grouped_fp8 import quantize_rowwise as reference
+    from te_compile.functional.quantize import quantize_rowwise as reference
 
     torch.manual_seed(sum(shape))
     x = torch.randn(shape) * 3
