@@ -15,6 +15,7 @@ import te_compile
 from te_compile.functional.grouped_gemm import GroupedRecipe
 from tests.utils import (
     DEVICES,
+    assert_bits_equal,
     assert_close,
     chain_roundings,
     compile_counted,
@@ -360,6 +361,43 @@ def test_quantize_rowwise(fp8):
     assert torch.equal(d64.view(torch.uint8), data.view(torch.uint8)) and torch.equal(
         s64, scale_inv
     )
+
+
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+def test_row_scaled_rows_of_the_quantiser_table(fp8):
+    """The grouped operands' casts are the per-tensor rows of ``functional.gemm.QUANTIZERS``
+    with ``row_scaled``: current scaling gives ``quantize_rowwise``'s bytes and scales (no amax),
+    delayed scaling the per-tensor cast's bytes and amax with its inverse scale in every row;
+    ``e4m3_codes`` recodes an E5M2 result. Op specs refuse ``row_scaled`` for these kinds."""
+    from te_compile.functional.spec import QuantSpec
+
+    x = torch.randn(7, 48, dtype=torch.bfloat16) * torch.logspace(-3, 3, 7)[:, None]
+    x[3] = 0
+    rows = G.quantize_operand(QuantSpec("current", fp8, row_scaled=True), x, columnwise=False)
+    data, scale_inv = Q.quantize_rowwise(x, fp8)
+    assert_bits_equal(rows.data, data)
+    assert_bits_equal(rows.scale, scale_inv)
+    assert rows.amax.numel() == 0
+    codes = G.quantize_operand(QuantSpec("current", fp8, row_scaled=True), x, columnwise=False,
+                               e4m3_codes=True)  # fmt: skip
+    want = Q.as_e4m3(data, scale_inv)
+    assert codes.data.dtype is E4M3
+    assert_bits_equal(codes.data, want[0])
+    assert_bits_equal(codes.scale, want[1])
+    scale = torch.tensor([2.0**-4 if fp8 is E5M2 else 2.0**3])
+    delayed = G.quantize_operand(QuantSpec("delayed", fp8, row_scaled=True), x, scale=scale,
+                                 columnwise=False)  # fmt: skip
+    tensor = G.quantize_operand(QuantSpec("delayed", fp8), x, scale=scale, columnwise=False)
+    assert_bits_equal(delayed.data, tensor.data)
+    assert_bits_equal(delayed.amax, tensor.amax)
+    assert_bits_equal(delayed.scale, tensor.scale.expand(7))
+    specs = {
+        "input_spec": QuantSpec("current", E4M3, row_scaled=True),
+        "weight_spec": QuantSpec("current", E4M3),
+        "grad_spec": QuantSpec("current", E5M2),
+    }
+    with pytest.raises(ValueError, match="row_scaled: not an option"):
+        G.check_specs("te::linear_fwd: ", specs)
 
 
 def test_weight_scales_per_group_and_dim():
