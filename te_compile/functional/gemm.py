@@ -78,7 +78,6 @@ __all__ = [
     "QUANTIZERS",
     "Operand",
     "accumulate_wgrad",
-    "as_e4m3",
     "blockwise_supported",
     "check_specs",
     "empty",

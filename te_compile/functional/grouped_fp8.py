@@ -28,7 +28,7 @@ amax(W)]``, the backward writes ``amax(dY)`` into ``grad_amax``. Current scaling
 amaxes (a read of each operand more) only given ``grad_amax``: a delayed state's first step.
 
 CUDA (bf16): ``functional.gemm.GEMMS["scaled_grouped_mm"]`` on device offsets (no host sync;
-E4M3 codes on every path, ``functional.gemm.as_e4m3``). float32 / float16 inputs, the CPU and
+E4M3 codes on every path, ``functional.quantize.as_e4m3``). float32 / float16 inputs, the CPU and
 ``emulate``: the exact emulation per group (``"tensorwise_emulated"``, rounded once). Zero rows
 get scale 1 (no NaN).
 """
@@ -44,7 +44,6 @@ from te_compile._numerics import reciprocal_rn
 from te_compile.functional.gemm import (
     HIGH_DTYPES,
     amax_buffer,
-    as_e4m3,
     empty,
     gemm,
     grad_amax_slots,
@@ -60,6 +59,7 @@ from te_compile.functional.grouped_gemm import (
     host_splits,
     row_bias,
 )
+from te_compile.functional.quantize import as_e4m3
 from te_compile.functional.quantize_mx_ref import tensor_amax
 from te_compile.functional.spec import QuantSpec
 

@@ -18,7 +18,8 @@ import torch
 
 from te_compile._numerics import reciprocal_rn
 from te_compile.functional import quantize as Q
-from te_compile.functional.gemm import _balanced, as_e4m3
+from te_compile.functional.gemm import _balanced
+from te_compile.functional.quantize import as_e4m3
 from te_compile.kernels import e5m2_to_e4m3_table
 from tests.utils import TRITON_DEVICE, assert_bits_equal, requires_cuda, requires_triton
 
@@ -385,7 +386,7 @@ def test_rowwise_kernel_with_a_given_scale_is_the_per_tensor_cast(
 ):
     """With a given scale (delayed scaling), the rowwise kernel writes the per-tensor cast's
     bytes (``functional.gemm.quantize_per_tensor``; E4M3 codes with ``e4m3_codes``, as
-    ``functional.gemm.as_e4m3`` recodes them), the scale's inverse in every row, and
+    ``functional.quantize.as_e4m3`` recodes them), the scale's inverse in every row, and
     folds ``max|x|`` into its slot of the amax buffer in the same pass: saturating,
     subnormal-sized, inf and (``nan``) NaN entries, rows cut by the block; scale and amax go
     together."""
@@ -469,7 +470,7 @@ def test_recode_e5m2_kernel_matches_the_table(numel):
 def test_kernels_write_e5m2_as_e4m3_codes(rows, given):
     """``e4m3_codes=True``: the rowwise and the group-column casts store an E5M2 result as its
     E4M3 codes with the inverse scales times 128, bit for bit the torch definition followed by
-    the recoding (``functional.gemm.as_e4m3``); inf / NaN / subnormal-sized /
+    the recoding (``functional.quantize.as_e4m3``); inf / NaN / subnormal-sized /
     saturating entries, empty rows and groups; E4M3 casts are unchanged by the flag."""
     import importlib
 
