@@ -203,6 +203,7 @@ def per_tensor_weight(
         wq_t, ws_t = quantize_rows.quantize_columnwise_transposed(weight, fwd_dtype, scale=w_scale)
     else:  # the transposed weight cast along N (delayed: the forward's codes, transposed)
         wq_t, ws_t, _ = _quantize(weight.transpose(1, 2), fwd_dtype, w_scale, False)
+        wq_t = wq_t.contiguous()  # (one expert: the cast keeps the transposed view's strides)
     return wq, ws, wq_t, ws_t, amax
 
 
