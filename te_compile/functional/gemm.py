@@ -67,6 +67,7 @@ from te_compile.functional.quantize_mx import (
 )
 from te_compile.functional.quantize_mx_ref import FOUR_OVER_SIX, mxfp8_qdq_tiles, nvfp4_qdq
 from te_compile.functional.spec import QuantSpec
+from te_compile.kernels import runs_triton
 
 __all__ = [
     "BACKWARD_OVERRIDES",
@@ -353,7 +354,7 @@ def _quantize_per_tensor(spec, x2, scale, columnwise, mn_major, sums, rng_state,
     ``row_scaled``: :func:`_quantize_rows`, or delayed without the kernel this cast, its inverse
     scale repeated per row."""
     fp8_dtype, (bits, i) = spec.fp8_dtype, slot or (None, 0)  # (the kernels' defaults)
-    if spec.row_scaled and (scale is None or (x2.is_cuda and x2.dtype in HIGH_DTYPES)):
+    if spec.row_scaled and (scale is None or runs_triton(x2)):
         return _quantize_rows(spec, x2, scale, slot, e4m3_codes)
     if scale is None and slot is None:
         data, data_t, scale_inv, amax = quantize_current.eager(x2, fp8_dtype, columnwise)

@@ -42,7 +42,6 @@ from torch import Tensor
 
 from te_compile._numerics import reciprocal_rn
 from te_compile.functional.gemm import (
-    HIGH_DTYPES,
     amax_buffer,
     empty,
     gemm,
@@ -62,6 +61,7 @@ from te_compile.functional.grouped_gemm import (
 from te_compile.functional.quantize import as_e4m3
 from te_compile.functional.quantize_mx_ref import tensor_amax
 from te_compile.functional.spec import QuantSpec
+from te_compile.kernels import runs_triton
 
 __all__ = [
     "per_tensor_backward",
@@ -70,11 +70,6 @@ __all__ = [
     "quantize_group_columns",
     "wgrad_capacity",
 ]
-
-
-def _kernel_cast(x: Tensor) -> bool:
-    """Whether ``x`` is cast by the Triton kernels (``kernels.quantize_rows``)."""
-    return x.is_cuda and x.dtype in HIGH_DTYPES
 
 
 def _gemm_loop(
@@ -117,7 +112,7 @@ def quantize_group_columns(
     bytes); ``splits_ends``: :func:`device_splits`' where the caller has them."""
     groups, c = m_splits.shape[0], x.shape[1]
     capacity = wgrad_capacity(x.shape[0], groups)
-    if _kernel_cast(x):
+    if runs_triton(x):
         from te_compile.kernels import quantize_rows
 
         splits, ends = splits_ends if splits_ends is not None else device_splits(m_splits, x)
@@ -197,7 +192,7 @@ def per_tensor_weight(
     forward's own cast and the pre-quantised weight (``functional.grouped_weight``) both come
     from here: the same bytes. ``slot``: :func:`_quantize`'s."""
     wq, ws, amax = _quantize(weight, fwd_dtype, w_scale, measure, slot=slot)
-    if _kernel_cast(weight):
+    if runs_triton(weight):
         from te_compile.kernels import quantize_rows
 
         wq_t, ws_t = quantize_rows.quantize_columnwise_transposed(weight, fwd_dtype, scale=w_scale)
@@ -217,7 +212,7 @@ def per_tensor_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
     s_x, s_w = scale_slots(r.scale, r.recipe, 0, 1)
     fwd_dtype = r.fwd_dtype
     # Delayed scaling, both casts by the kernel: one [2] amax buffer they fold into (no cat).
-    shared = s_x is not None and weight_q is None and _kernel_cast(inp) and _kernel_cast(weight)
+    shared = s_x is not None and weight_q is None and runs_triton(inp) and runs_triton(weight)
     buf, (x_slot, w_slot) = amax_buffer(r.recipe, inp, 2, shared)
     if weight_q is None:
         wq, ws, wq_t, ws_t, w_amax = per_tensor_weight(weight, fwd_dtype, s_w, measure, w_slot)
@@ -256,7 +251,7 @@ def per_tensor_backward(grad_out, saved, inp, m_splits, weight, main_grad, r, ha
     if need_dgrad or r.grad_amax is not None:  # the dgrad operand; amax(dY) into grad_amax
         measure = r.grad_amax is not None
         # Delayed scaling by the kernel: amax(dY) folded into grad_amax itself, zeroed first.
-        fold = measure and s_g is not None and _kernel_cast(grad_out)
+        fold = measure and s_g is not None and runs_triton(grad_out)
         (slot,) = grad_amax_slots(r.recipe, grad_out, r.grad_amax) if fold else (None,)
         gq, gs, g_amax = _quantize(grad_out, bwd_dtype, s_g, measure, e4m3_codes=True, slot=slot)
         if measure and not fold:

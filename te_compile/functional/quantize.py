@@ -89,7 +89,7 @@ from te_compile._checks import FP8_DTYPES, HIGH_DTYPES
 from te_compile._library import op
 from te_compile._numerics import div_rn, reciprocal_rn
 from te_compile.functional import quantize_mx_ref
-from te_compile.kernels import e5m2_to_e4m3_table, submodule
+from te_compile.kernels import e5m2_to_e4m3_table, runs_triton, submodule
 
 __all__ = [
     "FP8_DTYPES",
@@ -352,7 +352,7 @@ def quantize_rowwise(
     ``dim`` (``fp8_max / amax``; 1 for an all-zero or non-finite slice), in fp32 whatever
     ``x``'s dtype (a float64 copy gets the same bytes). CUDA: one Triton kernel, bit-identical.
     ``e4m3_codes``: an E5M2 result as the grouped GEMM takes it (:func:`as_e4m3`)."""
-    if x.is_cuda and x.dtype in HIGH_DTYPES:  # the Triton kernels' dtypes
+    if runs_triton(x):
         from te_compile.kernels import quantize_rows
 
         moved = dim not in (-1, x.ndim - 1)
