@@ -124,6 +124,41 @@ def plain(name: str, n: int, tokens: int, **kw) -> torch.nn.Module:
     )
 
 
+def attribute(module: torch.nn.Module, x: torch.Tensor, name: str, clock, calls: int) -> None:
+    """How much of a fwd+bwd call's host time the launches take, on CUDA: the call timed as it
+    is, with every Triton launch a no-op, with ``torch._scaled_mm`` an uninitialised output of
+    its shape, and with both (the outputs are then garbage; only the host time is read). What
+    is left with both off is the Python, the allocations and the aten launches around them."""
+    from te_compile import kernels
+
+    recipe = RECIPES[name]() if RECIPES[name] is not None else None
+    launcher_of, scaled_mm = kernels.EagerLauncher.of, torch._scaled_mm
+
+    class _Null:
+        def __call__(self, grid, *args, **kwargs) -> None:
+            return None
+
+    def empty_mm(a, b, *args, out_dtype=None, **kwargs):
+        return torch.empty(a.shape[0], b.shape[1], dtype=out_dtype or a.dtype, device=a.device)
+
+    rows = {}
+    for label, null_launch, null_mm in (
+        ("as is", False, False),
+        ("no Triton launch", True, False),
+        ("no _scaled_mm", False, True),
+        ("neither", True, True),
+    ):
+        if null_launch:
+            kernels.EagerLauncher.of = classmethod(lambda cls, kernel: _Null())
+        if null_mm:
+            torch._scaled_mm = empty_mm
+        try:
+            rows[label] = time_calls(module, x, recipe, clock, calls)
+        finally:
+            kernels.EagerLauncher.of, torch._scaled_mm = launcher_of, scaled_mm
+    print(f"=== {name}: " + ", ".join(f"{k} {v:.1f} us" for k, v in rows.items()))
+
+
 def time_calls(module: torch.nn.Module, x: torch.Tensor, recipe, clock, calls: int) -> float:
     """us per fwd+bwd call: the fastest of 5 trials of ``calls`` back-to-back calls."""
     sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
@@ -343,6 +378,11 @@ def main() -> None:
         help="GroupedLinear: one [G, N, K] weight and one [G, N] bias "
         "(single_grouped_parameter=True) instead of a parameter per expert",
     )
+    parser.add_argument(
+        "--attribute",
+        action="store_true",
+        help="CUDA: time each recipe also without Triton launches / _scaled_mm (attribute())",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.cuda_paths and not args.child:
@@ -374,6 +414,9 @@ def main() -> None:
             us = time_calls(ref, x, None, clock, args.calls)
             print(f"=== plain PyTorch: {us:.1f} us per fwd+bwd call")
         for name in args.recipes:
+            if args.attribute:
+                attribute(module, x, name, clock, args.calls)
+                continue
             profile_recipe(module, x, name, args.top, clock, args.calls, args.ops)
 
 
