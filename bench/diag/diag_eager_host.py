@@ -11,6 +11,8 @@ a small shape, so that the GPU stays idle and only the host shows.
     python -m bench.diag.diag_eager_host --device cpu --tokens 8 --features 64 --top 0 \\
         --timer process --threads 1 --plain --recipes bf16 current delayed  # timings, nn's
     python -m bench.diag.diag_eager_host --plain --top 0 --autograd-on-caller  # no GIL handoff
+    python -m bench.diag.diag_eager_host --attribute --syncs --autograd-on-caller  # CUDA only:
+        # the time without Triton launches / _scaled_mm, and each host-device sync of a call
 
 On CPU the kernels are the reference math (FP8 GEMMs emulated), so a tiny shape (8 x 64) keeps
 their share small and the Python above them (modules, ``quantization.gemm``, the family
@@ -157,6 +159,37 @@ def attribute(module: torch.nn.Module, x: torch.Tensor, name: str, clock, calls:
         finally:
             kernels.EagerLauncher.of, torch._scaled_mm = launcher_of, scaled_mm
     print(f"=== {name}: " + ", ".join(f"{k} {v:.1f} us" for k, v in rows.items()))
+
+
+def syncs(module: torch.nn.Module, x: torch.Tensor, name: str) -> None:
+    """Every host-device synchronisation one fwd+bwd call makes, on CUDA
+    (``torch.cuda.set_sync_debug_mode("warn")``), with the te_compile frames above each: a sync
+    makes the host wait for the GPU's queue, so an eager step of large kernels pays it as host
+    time (after a warm-up call, so that first-call checks are not counted)."""
+    import traceback
+    import warnings
+
+    recipe = RECIPES[name]() if RECIPES[name] is not None else None
+    _step(module, x, recipe)
+    torch.cuda.synchronize()
+    seen: list[str] = []
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        frames = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_stack()
+                  if "te_compile" in f.filename]  # fmt: skip
+        seen.append(f"{str(message).splitlines()[0][:80]} <- {' < '.join(reversed(frames[-4:]))}")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            _step(module, x, recipe)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    print(f"=== {name}: {len(seen)} synchronisations per fwd+bwd call")
+    for line in seen:
+        print(f"  {line}")
 
 
 def time_calls(module: torch.nn.Module, x: torch.Tensor, recipe, clock, calls: int) -> float:
@@ -383,6 +416,9 @@ def main() -> None:
         action="store_true",
         help="CUDA: time each recipe also without Triton launches / _scaled_mm (attribute())",
     )
+    parser.add_argument(
+        "--syncs", action="store_true", help="CUDA: list each host-device sync of a call (syncs())"
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.cuda_paths and not args.child:
@@ -414,8 +450,11 @@ def main() -> None:
             us = time_calls(ref, x, None, clock, args.calls)
             print(f"=== plain PyTorch: {us:.1f} us per fwd+bwd call")
         for name in args.recipes:
-            if args.attribute:
-                attribute(module, x, name, clock, args.calls)
+            if args.attribute or args.syncs:
+                if args.syncs:
+                    syncs(module, x, name)
+                if args.attribute:
+                    attribute(module, x, name, clock, args.calls)
                 continue
             profile_recipe(module, x, name, args.top, clock, args.calls, args.ops)
 
