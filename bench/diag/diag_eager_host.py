@@ -175,6 +175,8 @@ def syncs(module: torch.nn.Module, x: torch.Tensor, name: str) -> None:
     seen: list[str] = []
 
     def show(message, category, filename, lineno, file=None, line=None) -> None:
+        if "prototype feature" in str(message):  # the debug mode's notice on its first use
+            return
         frames = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_stack()
                   if "te_compile" in f.filename]  # fmt: skip
         seen.append(f"{str(message).splitlines()[0][:80]} <- {' < '.join(reversed(frames[-4:]))}")
