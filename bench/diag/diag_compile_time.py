@@ -30,22 +30,32 @@ graph and AOTAutograd caches off), after a throwaway compile that pays the proce
 costs (imports, compile workers, the C++ toolchain probe) and whose times are discarded.
 
 On the CPU Inductor generates and compiles C++ (not Triton) and te's ops take their CPU paths,
-so only the Dynamo / AOT parts and the node counts carry over to a GPU, roughly.
+so only the Dynamo / AOT parts and the node counts carry over to a GPU, roughly. With
+``--cuda-paths`` (CPU) each row instead compiles te's CUDA code paths and Inductor's CUDA code
+(``bench.diag.diag_launches``' patched copy of ``te_compile`` and ``sm90_compiler``: Triton code
+for sm_90, no kernel compiled): Dynamo, AOT and Inductor then do the work they do on a GPU, and
+the step stops where the generated code would run (DelayedScaling's states are marked
+calibrated, so its one step is the delayed step's compile). Codegen's Triton compile and the
+GPU's own times are not in it; both graphs compile before the run, so the backward's nodes
+count in the AOT forward column and the graphs column reads 0.
 
     python -m bench.diag.diag_compile_time                      # smoke size, 2 layers, CPU
     python -m bench.diag.diag_compile_time --rows te-bf16 --layers 1 --json out.json
     python -m bench.diag.diag_compile_time --device cuda --size h4096   # real shapes (GPU)
+    python -m bench.diag.diag_compile_time --cuda-paths --layers 4      # the GPU's phases, here
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +90,10 @@ def _phase_times(metrics: dict[str, list[float]]) -> dict[str, float]:
 
 
 def run_child(args: argparse.Namespace) -> dict[str, Any]:
-    sys.path.insert(0, str(ROOT))
+    if args.cuda_paths:  # the patched te_compile on PYTHONPATH comes first
+        sys.path.append(str(ROOT))
+    else:
+        sys.path.insert(0, str(ROOT))
     import torch
     from torch._dynamo.utils import compilation_time_metrics, compile_times, counters
     from torch._inductor import metrics as inductor_metrics
@@ -90,7 +103,12 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
 
     device = torch.device(args.device)
     bb.raise_recompile_limits()
-    bb.warm_up_compiler(device)
+    if args.cuda_paths:
+        from bench.diag.diag_launches import sm90_compiler
+
+        sm90_compiler()
+    with _stopped_at_run(args.cuda_paths):
+        bb.warm_up_compiler(device)
     compilation_time_metrics.clear()
     counters.clear()
 
@@ -124,6 +142,9 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     x = torch.randn(size.input_shape, device=device, dtype=bb.DTYPE, requires_grad=True)
     grad = torch.randn_like(x)
     model = bb.build_model(spec, size, weights, device)
+    for m in model.modules() if args.cuda_paths else ():
+        if hasattr(m, "calibrated"):  # (te's FP8 states: the delayed step's graph)
+            m.calibrated = True
     fn = torch.compile(model, backend=backend, dynamic=False)
     if precision in bb.TE_RECIPES:
         recipe = bb.TE_RECIPES[precision]()
@@ -143,7 +164,8 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
         inductor_metrics.reset()
         graphs0 = int(counters["stats"]["unique_graphs"])
         t0 = time.perf_counter()
-        bb.forward_backward(call, x, grad, cudagraphs=False)
+        with _stopped_at_run(args.cuda_paths):
+            bb.forward_backward(call, x, grad, cudagraphs=False)
         wall = time.perf_counter() - t0
         for p in model.parameters():
             p.grad = None
@@ -167,13 +189,24 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     return {"row": args.row, "layers": size.layers, "size": size.describe(), "steps": steps}
 
 
+@contextlib.contextmanager
+def _stopped_at_run(cuda_paths: bool) -> Iterator[None]:
+    """``--cuda-paths``: the compile finishes, then running its code (sm_90 Triton on CPU
+    tensors) fails; the step's compile is what is measured."""
+    try:
+        yield
+    except Exception:
+        if not cuda_paths:
+            raise
+
+
 # --------------------------------------------------------------------------------------------
 # Parent: one child per row, a table
 # --------------------------------------------------------------------------------------------
 
 
-def row_steps(row: str) -> int:
-    return 2 if row == "te-delayed" else 1
+def row_steps(row: str, cuda_paths: bool = False) -> int:
+    return 2 if row == "te-delayed" and not cuda_paths else 1
 
 
 def run_row(row: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -186,15 +219,24 @@ def run_row(row: str, args: argparse.Namespace) -> dict[str, Any]:
             TORCHINDUCTOR_AUTOGRAD_CACHE="0",
         )
         out = Path(tmp) / "row.json"
+        steps = row_steps(row, args.cuda_paths)
         cmd = [sys.executable, "-m", "bench.diag.diag_compile_time", "--child", row]
-        cmd += ["--device", args.device, "--steps", str(row_steps(row)), "--json-child", str(out)]
+        cmd += ["--device", args.device, "--steps", str(steps), "--json-child", str(out)]
         cmd += ["--size", args.size]
         if args.layers is not None:
             cmd += ["--layers", str(args.layers)]
         if args.verbose:
             cmd.append("--verbose")
+        cwd = ROOT
+        if args.cuda_paths:  # a child importing the patched copy first (module docstring)
+            from bench.diag.diag_launches import _patched_copy
+
+            cwd = Path(tmp) / "src"
+            _patched_copy(cwd)
+            env.update(PYTHONPATH=os.pathsep.join([str(cwd), str(ROOT)]), TRITON_INTERPRET="0")
+            cmd.append("--cuda-paths")
         print(f"  {row} ...", file=sys.stderr, flush=True)
-        subprocess.run(cmd, cwd=ROOT, env=env, check=True)
+        subprocess.run(cmd, cwd=cwd, env=env, check=True)
         return json.loads(out.read_text())
 
 
@@ -237,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", type=Path, help="write every row's measurements here")
     parser.add_argument("--verbose", action="store_true", help="print compile_times per step")
+    parser.add_argument(
+        "--cuda-paths", action="store_true", help="CPU: compile te's CUDA paths for sm_90 (docs)"
+    )
     parser.add_argument("--child", choices=ROWS, help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--json-child", type=Path, help=argparse.SUPPRESS)

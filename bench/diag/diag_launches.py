@@ -93,16 +93,16 @@ def _grouped_mlp(te, torch):
     return m, x, (torch.tensor([40, 0, 24, 0]),)
 
 
-def _child(recipe: str, model: str, compile_times: bool = False) -> None:
-    import torch
+def sm90_compiler(compile_kernels: bool = False) -> None:
+    """Make this process's ``torch.compile`` generate Inductor's CUDA code for CPU tensors (the
+    module docstring's second point): Triton's active driver says sm_90, Inductor's CPU backend
+    is Triton, the backward graph compiles with the forward's, and no kernel is compiled unless
+    ``compile_kernels``. The generated code cannot run: a step stops there."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
     from torch._inductor.runtime import triton_heuristics
     from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
-
-    import te_compile as te
-    from bench.bench_block import SMOKE_SIZES, TeLayer
 
     class _Sm90:
         def get_current_target(self):
@@ -116,10 +116,19 @@ def _child(recipe: str, model: str, compile_times: bool = False) -> None:
     driver.set_active(_Sm90())  # wrap_triton analyses the kernels for this target
     inductor_config.cpu_backend = "triton"
     functorch_config.force_non_lazy_backward_lowering = True  # both graphs, before any run
+    if not compile_kernels:
+        triton_heuristics.CachingAutotuner.precompile = lambda self, *a, **k: None
+
+
+def _child(recipe: str, model: str, compile_times: bool = False) -> None:
+    import torch
+
+    import te_compile as te
+    from bench.bench_block import SMOKE_SIZES, TeLayer
+
+    sm90_compiler(compile_kernels=compile_times)
     if compile_times:
         times = _timed_compiles()
-    else:
-        triton_heuristics.CachingAutotuner.precompile = lambda self, *a, **k: None  # no compile
     torch.manual_seed(0)
     size = SMOKE_SIZES["block"]
     if model == "grouped_mlp":
