@@ -195,9 +195,11 @@ def _stopped_at_run(cuda_paths: bool) -> Iterator[None]:
     tensors) fails; the step's compile is what is measured."""
     try:
         yield
-    except Exception:
+    except Exception as e:
         if not cuda_paths:
             raise
+        # (shown: a compile that failed earlier would make the times a partial compile's)
+        print(f"(stopped: {type(e).__name__}: {str(e)[:100]})", file=sys.stderr)
 
 
 # --------------------------------------------------------------------------------------------

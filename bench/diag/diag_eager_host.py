@@ -129,8 +129,9 @@ def plain(name: str, n: int, tokens: int, **kw) -> torch.nn.Module:
 def attribute(module: torch.nn.Module, x: torch.Tensor, name: str, clock, calls: int) -> None:
     """How much of a fwd+bwd call's host time the launches take, on CUDA: the call timed as it
     is, with every Triton launch a no-op, with ``torch._scaled_mm`` an uninitialised output of
-    its shape, and with both (the outputs are then garbage; only the host time is read). What
-    is left with both off is the Python, the allocations and the aten launches around them."""
+    its shape, and with both (the outputs, and the module's FP8 state after them, are then
+    garbage; only the host time is read). What is left with both off is the Python, the
+    allocations and the aten launches around them."""
     from te_compile import kernels
 
     recipe = RECIPES[name]() if RECIPES[name] is not None else None
