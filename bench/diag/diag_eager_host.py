@@ -134,16 +134,8 @@ def attribute(module: torch.nn.Module, x: torch.Tensor, name: str, clock, calls:
     allocations and the aten launches around them."""
     from te_compile import kernels
 
-    recipe = RECIPES[name]() if RECIPES[name] is not None else None
+    recipe = _recipe(name)
     launcher_of, scaled_mm = kernels.EagerLauncher.of, torch._scaled_mm
-
-    class _Null:
-        def __call__(self, grid, *args, **kwargs) -> None:
-            return None
-
-    def empty_mm(a, b, *args, out_dtype=None, **kwargs):
-        return torch.empty(a.shape[0], b.shape[1], dtype=out_dtype or a.dtype, device=a.device)
-
     rows = {}
     for label, null_launch, null_mm in (
         ("as is", False, False),
@@ -152,9 +144,9 @@ def attribute(module: torch.nn.Module, x: torch.Tensor, name: str, clock, calls:
         ("neither", True, True),
     ):
         if null_launch:
-            kernels.EagerLauncher.of = classmethod(lambda cls, kernel: _Null())
+            kernels.EagerLauncher.of = _NULL_LAUNCHER
         if null_mm:
-            torch._scaled_mm = empty_mm
+            torch._scaled_mm = _empty_mm
         try:
             rows[label] = time_calls(module, x, recipe, clock, calls)
         finally:
@@ -170,7 +162,7 @@ def syncs(module: torch.nn.Module, x: torch.Tensor, name: str) -> None:
     import traceback
     import warnings
 
-    recipe = RECIPES[name]() if RECIPES[name] is not None else None
+    recipe = _recipe(name)
     _step(module, x, recipe)
     torch.cuda.synchronize()
     seen: list[str] = []
@@ -296,7 +288,7 @@ def profile_recipe(
     calls: int,
     ops: bool = False,
 ) -> None:
-    recipe = RECIPES[name]() if RECIPES[name] is not None else None
+    recipe = _recipe(name)
     us = time_calls(module, x, recipe, clock, calls)
     print(f"=== {name}: {us:.1f} us per fwd+bwd call")
     if ops:
@@ -352,21 +344,32 @@ def _attention_grads(grad, q, k, v, bias, *args, **kwargs):
     return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dbias
 
 
+def _recipe(name: str):
+    """A new recipe object of ``RECIPES``' ``name`` (None: bf16, no autocast)."""
+    return RECIPES[name]() if RECIPES[name] is not None else None
+
+
+class _NullLaunch:
+    def __call__(self, grid, *args, **kwargs) -> None:
+        return None
+
+
+# ``kernels.EagerLauncher.of`` with every launch a no-op.
+_NULL_LAUNCHER = classmethod(lambda cls, kernel: _NullLaunch())
+
+
+def _empty_mm(a, b, *args, out_dtype=None, **kwargs):
+    """``torch._scaled_mm`` as an uninitialised output of its shape (no GEMM)."""
+    return torch.empty(a.shape[0], b.shape[1], dtype=out_dtype or torch.bfloat16, device=a.device)
+
+
 def _null_kernels() -> None:
     """No Triton launch; ``torch._scaled_mm`` an uninitialised output of its shape, the fused
     attention kernels zeros of theirs."""
     from te_compile import kernels
 
-    class _Null:
-        def __call__(self, grid, *args, **kwargs) -> None:
-            return None
-
-    kernels.EagerLauncher.of = classmethod(lambda cls, kernel: _Null())
-
-    def scaled_mm(a, b, *args, out_dtype=None, **kwargs):
-        return torch.empty(a.shape[0], b.shape[1], dtype=out_dtype or torch.bfloat16)
-
-    torch._scaled_mm = scaled_mm
+    kernels.EagerLauncher.of = _NULL_LAUNCHER
+    torch._scaled_mm = _empty_mm
     # The fused attention kernels: zeros of their meta functions' shapes on the CPU.
     global _ATTENTION_STUBS
     _ATTENTION_STUBS = torch.library.Library("aten", "IMPL")
