@@ -206,14 +206,14 @@ def per_tensor_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
     """``saved = [W_8^T [G, K, N] (uint8), its inverse scales [G, K]]`` (not with ``weight_q``,
     :func:`per_tensor_weight`'s: the caller saves it), with ``fp8_wgrad`` then ``[X_8^T [K,
     capacity] (uint8), its inverse scales [G, K]]``, then the amaxes. A bf16 ``inp`` on CUDA, not
-    ``r.emulate``: the grouped GEMM on device offsets, else the exact emulation per group."""
-    native = cuda and inp.dtype is torch.bfloat16 and not r.emulate
+    ``r.x.emulate``: the grouped GEMM on device offsets, else the exact emulation per group."""
+    native = cuda and inp.dtype is torch.bfloat16 and not r.x.emulate
     measure = r.grad_amax is not None
-    s_x, s_w = scale_slots(r.scale, r.recipe, 0, 1)
-    fwd_dtype = r.fwd_dtype
+    s_x, s_w = scale_slots(r.scale, r.x.kind, 0, 1)
+    fwd_dtype = r.x.fp8_dtype
     # Delayed scaling, both casts by the kernel: one [2] amax buffer they fold into (no cat).
     shared = s_x is not None and weight_q is None and runs_triton(inp) and runs_triton(weight)
-    buf, (x_slot, w_slot) = amax_buffer(r.recipe, inp, 2, shared)
+    buf, (x_slot, w_slot) = amax_buffer(r.x.kind, inp, 2, shared)
     if weight_q is None:
         wq, ws, wq_t, ws_t, w_amax = per_tensor_weight(weight, fwd_dtype, s_w, measure, w_slot)
     else:  # pre-quantised (uint8 codes); its dgrad copy is the caller's to save
@@ -229,11 +229,11 @@ def per_tensor_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
             out += row_bias(bias, dsplits[0], inp.shape[0])
     else:
         out = _gemm_loop(xq, xs, wq, ws, host_splits(m_splits, inp.shape[0]), inp.dtype, bias)
-    if r.override == "dequantized":  # the values the GEMM multiplied (E5M2: its E4M3 codes')
+    if r.bw.override == "dequantized":  # the values the GEMM multiplied (E5M2: its E4M3 codes')
         pairs = as_e4m3(xq, xs), as_e4m3(wq, ws)
         return out, [*((q.float() * s.unsqueeze(-1)).to(inp.dtype) for q, s in pairs), *amaxes]
-    saved = [wq_t.view(torch.uint8), ws_t] if weight_q is None and not r.override else []
-    if r.fp8_wgrad:
+    saved = [wq_t.view(torch.uint8), ws_t] if weight_q is None and not r.bw.override else []
+    if r.bw.fp8_wgrad:
         xt, xs_t, _ = quantize_group_columns(inp, m_splits, fwd_dtype, s_x, dsplits)
         saved += [xt.view(torch.uint8), xs_t]
     return out, saved + amaxes
@@ -242,34 +242,34 @@ def per_tensor_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
 def per_tensor_backward(grad_out, saved, inp, m_splits, weight, main_grad, r, has_bias,
                         need_dgrad, need_wgrad, cuda):  # fmt: skip
     """The dgrad in FP8; the wgrad in FP8 where the forward saved the input's FP8 copy (or
-    ``r.fp8_wgrad`` and the input kept), else in high precision."""
-    native = cuda and grad_out.dtype is torch.bfloat16 and not r.emulate
-    s_x, s_g = scale_slots(r.scale, r.recipe, 0, 2)
-    fwd_dtype, bwd_dtype = r.fwd_dtype, r.bwd_dtype
+    ``r.bw.fp8_wgrad`` and the input kept), else in high precision."""
+    native = cuda and grad_out.dtype is torch.bfloat16 and not r.x.emulate
+    s_x, s_g = scale_slots(r.scale, r.x.kind, 0, 2)
+    fwd_dtype, bwd_dtype = r.x.fp8_dtype, r.g.fp8_dtype
     wq_t, ws_t = saved[0].view(fwd_dtype), saved[1]
     dinp, dweight = empty(grad_out), empty(grad_out)
     if need_dgrad or r.grad_amax is not None:  # the dgrad operand; amax(dY) into grad_amax
         measure = r.grad_amax is not None
         # Delayed scaling by the kernel: amax(dY) folded into grad_amax itself, zeroed first.
         fold = measure and s_g is not None and runs_triton(grad_out)
-        (slot,) = grad_amax_slots(r.recipe, grad_out, r.grad_amax) if fold else (None,)
+        (slot,) = grad_amax_slots(r.x.kind, grad_out, r.grad_amax) if fold else (None,)
         gq, gs, g_amax = _quantize(grad_out, bwd_dtype, s_g, measure, e4m3_codes=True, slot=slot)
         if measure and not fold:
             r.grad_amax.copy_(g_amax)
     dsplits = device_splits(m_splits, grad_out) if native else None
-    if need_wgrad and r.fp8_wgrad and len(saved) == 2:  # save_original_input: quantised here
+    if need_wgrad and r.bw.fp8_wgrad and len(saved) == 2:  # save_original_input: quantised here
         saved = [*saved, *quantize_group_columns(inp, m_splits, fwd_dtype, s_x, dsplits)[:2]]
     if need_wgrad and len(saved) == 4:  # the forward saved the FP8 wgrad operand of the input
         dyt, dys, pad_ends = quantize_group_columns(
             grad_out, m_splits, bwd_dtype, s_g, dsplits, e4m3_codes=True
         )
         dweight = _gemm_wgrad(dyt, dys, saved[2].view(fwd_dtype), saved[3], pad_ends, native,
-                              grad_out.dtype, main_grad, r.fast_wgrad)  # fmt: skip
+                              grad_out.dtype, main_grad, r.g.fast_wgrad)  # fmt: skip
         need_wgrad = False
     if native:
         if need_dgrad:
             dinp = gemm("scaled_grouped_mm", gq, gs, wq_t, ws_t, torch.bfloat16,
-                        fast_accum=r.fast_dgrad, offs=dsplits[1])  # fmt: skip
+                        fast_accum=r.g.fast_dgrad, offs=dsplits[1])  # fmt: skip
         hp = grouped_mm_backward(grad_out, inp, dsplits, weight, main_grad, has_bias, False,
                                  need_wgrad)  # fmt: skip
     else:

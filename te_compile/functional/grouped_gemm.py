@@ -48,7 +48,7 @@ from te_compile.functional.gemm import (
 )
 from te_compile.functional.quantize import quantize_blockwise
 from te_compile.functional.quantize_mx_ref import NVFP4_BLOCK, nvfp4_qdq
-from te_compile.functional.spec import QuantSpec
+from te_compile.functional.spec import BackwardSpec, QuantSpec
 
 __all__ = [
     "GroupedRecipe",
@@ -88,27 +88,18 @@ def grouped_gemm_kind(recipe: str, emulate: bool) -> str:
 
 
 class GroupedRecipe(NamedTuple):
-    """A grouped linear op's three ``QuantSpec``s as its GEMMs take them, with the delayed state,
-    ``fp8_wgrad``, the stochastic rounding stream, the backward ``override`` and the gradient
-    spec's ``fast_dgrad`` / ``fast_wgrad``."""
+    """A grouped linear op's recipe as its GEMMs take it: the input's, weight's and gradient's
+    ``QuantSpec`` (the input's kind, format and ``emulate`` stand for the weight's: one format
+    and power-of-two option, ``check_grouped_linear``), the ``BackwardSpec``, the delayed state
+    and the stochastic rounding stream (None unless the gradient's spec rounds stochastically)."""
 
-    recipe: str = ""
-    fwd_dtype: torch.dtype = _E4M3
-    bwd_dtype: torch.dtype = torch.float8_e5m2
-    power_2_scale: bool = False
-    weight_block_rows: int = 1
-    emulate: bool = False
+    x: QuantSpec = QuantSpec()
+    w: QuantSpec = QuantSpec()
+    g: QuantSpec = QuantSpec()
+    bw: BackwardSpec = BackwardSpec()
     scale: Tensor | None = None
     grad_amax: Tensor | None = None
-    fp8_wgrad: bool = False
-    rht: bool = False
     rng_state: Tensor | None = None
-    input_4over6: str = ""
-    weight_4over6: str = ""
-    override: str = ""
-    row_scaled: bool = False
-    fast_dgrad: bool = False
-    fast_wgrad: bool = False
 
 
 # Splits ------------------------------------------------------------------------------------------
@@ -330,13 +321,13 @@ def blockwise_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
     expert's scales]``, the input's in :func:`_quantize_block`'s flat buffers (uint8, fp32; as
     :func:`_transposed_views`, every expert's tokens from a multiple of 128). With ``weight_q``
     (:func:`blockwise_weight`) ``saved`` ends after the input's copy (the caller saves the
-    weight's). Under ``r.override`` nothing, or the forward's operands dequantised."""
+    weight's). Under ``r.bw.override`` nothing, or the forward's operands dequantised."""
     groups, n = weight.shape[:2]
     splits, starts, _, x = _padded(inp, m_splits)
-    xd, xs, _, _, x_t, x_s = _quantize_block(x, r.power_2_scale, _capacity(inp.shape[0], groups))
+    xd, xs, _, _, x_t, x_s = _quantize_block(x, r.w.power_2_scale, _capacity(inp.shape[0], groups))
     out = inp.new_empty(inp.shape[0], n)
     w_t, w_s = [], []
-    spec = QuantSpec("block", _E4M3, r.weight_block_rows, r.power_2_scale)  # the weight's
+    spec = QuantSpec("block", _E4M3, r.w.block_rows, r.w.power_2_scale)  # the weight's
     for (g, span), m, pos in zip(group_rows(splits), splits, starts, strict=True):
         if weight_q is None:
             wd, ws, wd_t, ws_t = quantize_operand(spec, weight[g])[:4]
@@ -346,17 +337,17 @@ def blockwise_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
             wd, ws = weight_q[0][g].view(_E4M3), weight_q[1][g]
         if m:
             b = None if bias is None else bias[g]
-            _gemm_rows(xd[pos:], xs[pos:], wd, ws, r.weight_block_rows, inp.dtype, b, out[span])
-    if r.override == "dequantized":
-        return out, [_cast(inp, r, r.fwd_dtype), dequantized_weight(weight, r)]
-    return out, [] if r.override else [x_t, x_s, *w_t, *w_s]
+            _gemm_rows(xd[pos:], xs[pos:], wd, ws, r.w.block_rows, inp.dtype, b, out[span])
+    if r.bw.override == "dequantized":
+        return out, [_cast(inp, r, r.x.fp8_dtype), dequantized_weight(weight, r)]
+    return out, [] if r.bw.override else [x_t, x_s, *w_t, *w_s]
 
 
 def blockwise_backward(grad_out, saved, inp, m_splits, weight, main_grad, r, has_bias,
                        need_dgrad, need_wgrad, cuda):  # fmt: skip
     """``dY`` in the forward's padded layout, quantised once in 1x128 blocks both ways; per expert
     the dgrad against the saved ``W_g^T``, the wgrad against its saved ``X^T`` columns."""
-    w_rows = r.weight_block_rows
+    w_rows = r.w.block_rows
     groups, n, k = weight.shape
     if saved[2].dim() == 3:  # a pre-quantised weight's stacked copies
         w_t, w_s = saved[2].unbind(0), saved[3].unbind(0)
@@ -364,7 +355,7 @@ def blockwise_backward(grad_out, saved, inp, m_splits, weight, main_grad, r, has
         w_t, w_s = saved[2 : 2 + groups], saved[2 + groups :]
     dtype = grad_out.dtype
     splits, starts, width, dy = _padded(grad_out, m_splits)
-    gd, gs, gd_t, gs_t, _, _ = _quantize_block(dy, r.power_2_scale, width)
+    gd, gs, gd_t, gs_t, _, _ = _quantize_block(dy, r.w.power_2_scale, width)
     xd_t, xs_t = _transposed_views(*saved[:2], width, k)
     dinp = grad_out.new_empty(grad_out.shape[0], k) if need_dgrad else empty(grad_out)
     into_weight = need_wgrad and main_grad is None
@@ -398,8 +389,8 @@ def _cast(x2: Tensor, r: GroupedRecipe, fp8_dtype: torch.dtype, block_rows: int 
     """``x2`` ``[M, K]`` quantised exactly (``functional.gemm.quantize_operand``'s rowwise copy) and
     dequantised to its dtype, saturating at its largest value (an E5M2 infinity stays infinite).
     With ``dest``: the columnwise copy (blocks along ``M``), transposed back, rows ``dest``."""
-    p2 = r.recipe == "block" and r.power_2_scale
-    spec = QuantSpec(r.recipe, fp8_dtype, block_rows, p2, emulate=True)
+    p2 = r.x.kind == "block" and r.w.power_2_scale
+    spec = QuantSpec(r.x.kind, fp8_dtype, block_rows, p2, emulate=True)
     if dest is None:
         values = quantize_operand(spec, x2.contiguous(), columnwise=False).data
     else:
@@ -414,7 +405,7 @@ def _cast_columns(x2: Tensor, m_splits: Tensor, r: GroupedRecipe, fp8_dtype: tor
     the block length in a zero-padded layout of static size (zero rows change no block's amax),
     quantised there in one call and gathered back; no host sync."""
     rows, k = x2.shape
-    step = 32 if r.recipe == "mxfp8" else 128
+    step = 32 if r.x.kind == "mxfp8" else 128
     splits = m_splits.to(x2.device, non_blocking=True)
     pad = -splits % step  # each group's zero rows up to a multiple of step
     shift = torch.cumsum(pad, 0) - pad
@@ -427,23 +418,23 @@ def _cast_columns(x2: Tensor, m_splits: Tensor, r: GroupedRecipe, fp8_dtype: tor
 def _weight_columns(weight: Tensor, w: Tensor | None, r: GroupedRecipe) -> Tensor:
     """The dgrad's weight operand: ``weight`` ``[G, N, K]`` quantised along ``N`` per expert;
     128x128 blocks are the same both ways, so ``w``, the forward's copy (made where None)."""
-    if r.recipe == "block" and r.weight_block_rows != 1:
+    if r.x.kind == "block" and r.w.block_rows != 1:
         return w if w is not None else dequantized_weight(weight, r)
     g, n, k = weight.shape
     per_expert = torch.full((g,), n, dtype=torch.int64, device=weight.device)
-    return _cast_columns(weight.reshape(g * n, k), per_expert, r, r.fwd_dtype).view(g, n, k)
+    return _cast_columns(weight.reshape(g * n, k), per_expert, r, r.x.fp8_dtype).view(g, n, k)
 
 
 def dequantized_weight(weight: Tensor, r: GroupedRecipe) -> Tensor:
     """``W`` ``[G, N, K]`` quantised exactly per expert (NVFP4: :func:`nvfp4_weight`) and
     dequantised: the emulated forward's weight operand, also as a pre-quantised weight."""
     g, n, k = weight.shape
-    if r.recipe == "nvfp4":
+    if r.x.kind == "nvfp4":
         return nvfp4_weight(weight, r)[0]
-    w_rows = r.weight_block_rows if r.recipe == "block" else 1
+    w_rows = r.w.block_rows if r.x.kind == "block" else 1
     if w_rows == 1 or n % w_rows == 0:  # no block of rows straddles two experts
-        return _cast(weight.reshape(g * n, k), r, r.fwd_dtype, w_rows).view(g, n, k)
-    return torch.stack([_cast(w_g, r, r.fwd_dtype, w_rows) for w_g in weight])
+        return _cast(weight.reshape(g * n, k), r, r.x.fp8_dtype, w_rows).view(g, n, k)
+    return torch.stack([_cast(w_g, r, r.x.fp8_dtype, w_rows) for w_g in weight])
 
 
 # The rows of grouped_linear_ops.GROUPED_GEMMS (module docstring) -----------------------------
@@ -483,11 +474,11 @@ def nvfp4_dtype(t: Tensor) -> torch.dtype:
 
 def nvfp4_input(inp, m_splits, r: GroupedRecipe) -> tuple[Tensor, Tensor]:
     """``(X, X^T's copy)`` quantised as NVFP4 per expert (a global scale each), the wgrad's copy
-    along the tokens (with ``r.rht``), dequantised to :func:`nvfp4_dtype`."""
+    along the tokens (with ``r.x.rht``), dequantised to :func:`nvfp4_dtype`."""
     if inp.is_cuda:  # blocks of 16 tokens along M must not straddle two experts (no host sync)
         torch._assert_async((m_splits % NVFP4_BLOCK == 0).all())
-    x_row, x_col_t = nvfp4_qdq(inp, rht=r.rht, four_over_six=r.input_4over6,
-                               row_scaled=r.row_scaled, row_splits=m_splits)  # fmt: skip
+    x_row, x_col_t = nvfp4_qdq(inp, rht=r.x.rht, four_over_six=r.x.four_over_six,
+                               row_scaled=r.x.row_scaled, row_splits=m_splits)  # fmt: skip
     dtype = nvfp4_dtype(inp)
     return x_row.to(dtype), x_col_t.t().to(dtype).contiguous()
 
@@ -497,8 +488,8 @@ def nvfp4_weight(weight: Tensor, r: GroupedRecipe) -> tuple[Tensor, Tensor]:
     16x16 tiles: the same values)."""
     g, n, k = weight.shape
     per_expert = torch.full((g,), n, dtype=torch.int64, device=weight.device)
-    w_row, w_col_t = nvfp4_qdq(weight.reshape(g * n, k), tiles=r.weight_block_rows == 16,
-                               four_over_six=r.weight_4over6, row_splits=per_expert)  # fmt: skip
+    w_row, w_col_t = nvfp4_qdq(weight.reshape(g * n, k), tiles=r.w.block_rows == 16,
+                               four_over_six=r.w.four_over_six, row_splits=per_expert)  # fmt: skip
     dtype = nvfp4_dtype(weight)
     return (w_row.to(dtype).view(g, n, k), w_col_t.t().to(dtype).reshape(g, n, k).contiguous())
 
@@ -506,9 +497,9 @@ def nvfp4_weight(weight: Tensor, r: GroupedRecipe) -> tuple[Tensor, Tensor]:
 def dequantized_input(inp: Tensor, m_splits: Tensor, r: GroupedRecipe) -> Tensor:
     """The input's copy :func:`dequantized_forward` saves first, made again from ``inp`` by a
     backward that kept the input (``save_input``): deterministic, the same values."""
-    if r.recipe == "nvfp4":
+    if r.x.kind == "nvfp4":
         return nvfp4_input(inp, m_splits, r)[1]
-    return _cast_columns(inp, m_splits, r, r.fwd_dtype)
+    return _cast_columns(inp, m_splits, r, r.x.fp8_dtype)
 
 
 def dequantized_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
@@ -517,21 +508,21 @@ def dequantized_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
     W]``, the backward GEMMs' copies, ``[X]`` with ``weight_q`` (the caller saves the weight's:
     NVFP4's 16x16 tiles make ``W`` its own, the others' is ``weight_q[2]`` where given, else
     made from ``weight`` in the backward)."""
-    if r.recipe == "nvfp4":
+    if r.x.kind == "nvfp4":
         x, x_col = nvfp4_input(inp, m_splits, r)
         w, w_col = nvfp4_weight(weight, r) if weight_q is None else (weight_q[0], None)
     else:  # the backward GEMMs' copies, quantised along the other dim (as the dense family's)
-        x = _cast(inp, r, r.fwd_dtype)
+        x = _cast(inp, r, r.x.fp8_dtype)
         w = dequantized_weight(weight, r) if weight_q is None else weight_q[0]
-        x_col = None if r.override else _cast_columns(inp, m_splits, r, r.fwd_dtype)
-        w_col = None if r.override or weight_q is not None else _weight_columns(weight, w, r)
+        x_col = None if r.bw.override else _cast_columns(inp, m_splits, r, r.x.fp8_dtype)
+        w_col = None if r.bw.override or weight_q is not None else _weight_columns(weight, w, r)
     out, _ = high_precision_forward(x, m_splits, w, None if cuda else bias, r, cuda)
     if cuda and bias is not None:
         out = out + row_bias(bias, device_splits(m_splits, out)[0], out.shape[0])
     out = out.to(inp.dtype)  # (NVFP4 on the CPU: fp32, rounded once, as te::linear's)
-    if r.override == "dequantized":  # the forward's operands in the input dtype (a fresh copy)
+    if r.bw.override == "dequantized":  # the forward's operands in the input dtype (a fresh copy)
         return out, [x.to(inp.dtype), w.to(inp.dtype, copy=weight_q is not None)]
-    return out, [] if r.override else [t for t in (x_col, w_col) if t is not None]
+    return out, [] if r.bw.override else [t for t in (x_col, w_col) if t is not None]
 
 
 def dequantized_backward(grad, saved, inp, m_splits, weight, main_grad, r, has_bias, dgrad,
@@ -540,16 +531,16 @@ def dequantized_backward(grad, saved, inp, m_splits, weight, main_grad, r, has_b
     for the wgrad, then the high-precision grouped GEMMs against the forward's copies (CPU:
     :func:`_emulated_loop`); the bias gradient the high-precision one's."""
     x, w = saved
-    if r.recipe == "nvfp4":  # dgrad on the rowwise copy, wgrad on the columnwise one
-        g_row, g_col_t = nvfp4_qdq(grad, columnwise=wgrad, rht=r.rht, rng_state=r.rng_state,
+    if r.x.kind == "nvfp4":  # dgrad on the rowwise copy, wgrad on the columnwise one
+        g_row, g_col_t = nvfp4_qdq(grad, columnwise=wgrad, rht=r.g.rht, rng_state=r.rng_state,
                                    row_splits=m_splits)  # fmt: skip
         dtype = nvfp4_dtype(grad)
         g_row, g_col = g_row.to(dtype), g_col_t.t().to(dtype) if wgrad else None
     else:
         if not w.numel() and weight.numel():  # a pre-quantised weight's: made from weight here
             w = _weight_columns(weight, None, r)
-        g_row = _cast(grad, r, r.bwd_dtype) if dgrad else None
-        g_col = _cast_columns(grad, m_splits, r, r.bwd_dtype) if wgrad else None
+        g_row = _cast(grad, r, r.g.fp8_dtype) if dgrad else None
+        g_col = _cast_columns(grad, m_splits, r, r.g.fp8_dtype) if wgrad else None
     if cuda:  # the grouped GEMMs on device offsets
         dinp, dweight = empty(grad), empty(grad)
         if dgrad:

@@ -53,14 +53,9 @@ class GroupedLinearArgs(NamedTuple):
 
 
 def make_grouped_recipe(specs, scale, grad_amax, bw: BackwardSpec, rng_state) -> GroupedRecipe:
-    """The specs as the grouped GEMMs take them (one power-of-two option and the input's format
-    for the weight: ``check_grouped_linear`` refuses others)."""
-    x, w, g = specs
-    return GroupedRecipe(x.kind, x.fp8_dtype, g.fp8_dtype, w.power_2_scale, w.block_rows,
-                         x.emulate, scale, grad_amax, bw.fp8_wgrad, x.rht,
-                         rng_state if g.stochastic_rounding else None, x.four_over_six,
-                         w.four_over_six, bw.override, x.row_scaled, g.fast_dgrad,
-                         g.fast_wgrad)  # fmt: skip
+    """The recipe of an op's parsed specs and state (``rng_state`` only for stochastic rounding)."""
+    sr = specs[2].stochastic_rounding
+    return GroupedRecipe(*specs, bw, scale, grad_amax, rng_state if sr else None)
 
 
 def appends_amaxes(recipe: str, grad_amax: Tensor | None) -> bool:

@@ -35,6 +35,7 @@ other call is kept whole (:func:`host_split_path`, ``docs/op_mechanism.md``). ``
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import torch
@@ -133,9 +134,9 @@ def _ref_quant(t: Tensor, r: GroupedRecipe, role: int, columns: bool, rows: int 
     ``m`` (one group's or expert's tokens). Per-tensor recipes: rowwise, or with the delayed
     scale, E5M2 recoded to E4M3 (exact in float64); block-scaled: in ``rows`` x 128 blocks
     (MXFP8: 32 elements), along ``m`` a partial last block as if padded with zeros."""
-    fp8_dtype = r.bwd_dtype if role == 2 else r.fwd_dtype
-    if r.recipe in PER_TENSOR:
-        scale, dim = scale_slots(r.scale, r.recipe, role)[0], 0 if columns else -1
+    fp8_dtype = r.g.fp8_dtype if role == 2 else r.x.fp8_dtype
+    if r.x.kind in PER_TENSOR:
+        scale, dim = scale_slots(r.scale, r.x.kind, role)[0], 0 if columns else -1
         if t.shape[0] == 0:
             return t
         if scale is None:
@@ -146,11 +147,11 @@ def _ref_quant(t: Tensor, r: GroupedRecipe, role: int, columns: bool, rows: int 
             data, scale_inv = as_e4m3(data.view(t.shape), scale_inv)
         acc = acc_dtype(t)
         return (data.to(acc) * scale_inv.to(acc)).to(t.dtype)
-    spec = QuantSpec(r.recipe, fp8_dtype, rows, r.recipe == "block" and r.power_2_scale)
+    spec = QuantSpec(r.x.kind, fp8_dtype, rows, r.x.kind == "block" and r.w.power_2_scale)
     if not columns:
         return qdq_both(t, spec, columnwise=False)[0].to(t.dtype)
     m = t.shape[0]
-    padded_t = torch.nn.functional.pad(t.t(), (0, -m % (32 if r.recipe == "mxfp8" else 128)))
+    padded_t = torch.nn.functional.pad(t.t(), (0, -m % (32 if r.x.kind == "mxfp8" else 128)))
     return qdq_both(padded_t, spec, columnwise=False)[0].to(t.dtype)[:, :m].t()
 
 
@@ -159,14 +160,14 @@ def _ref_copies(x: Tensor, w: Tensor, splits: list[int], r: GroupedRecipe) -> tu
     read, quantised-dequantised: ``W_col`` along ``out_features`` (128x128 weight blocks: the
     forward's), ``X_col`` along each group's own tokens (per-tensor recipes without
     ``fp8_wgrad``: ``X``). NVFP4: a dense GEMM's per expert (``nvfp4_input`` / ``nvfp4_weight``)."""
-    if r.recipe == "nvfp4":
+    if r.x.kind == "nvfp4":
         (xq, x_col), (wq, w_col) = nvfp4_input(x, torch.tensor(splits), r), nvfp4_weight(w, r)
         return xq, wq, x_col, w_col
-    w_rows = r.weight_block_rows if r.recipe == "block" else 1
+    w_rows = r.w.block_rows if r.x.kind == "block" else 1
     wq = torch.stack([_ref_quant(w_g, r, 1, False, w_rows) for w_g in w])
     w_col = wq if w_rows != 1 else torch.stack([_ref_quant(w_g, r, 1, True) for w_g in w])
     x_col = x
-    if r.recipe not in PER_TENSOR or r.fp8_wgrad:
+    if r.x.kind not in PER_TENSOR or r.bw.fp8_wgrad:
         x_col = torch.cat([_ref_quant(x_g, r, 0, True) for x_g in x.split(splits)])
     return _ref_quant(x, r, 0, False), wq, x_col, w_col
 
@@ -188,13 +189,13 @@ class _RefGrouped(torch.autograd.Function):
     def backward(ctx, dy):
         x_col, w_col = ctx.saved_tensors
         splits, r = ctx.splits, ctx.r
-        if r.recipe == "nvfp4":  # stochastic rounding from one stream over the whole gradient
-            g_row, g_col_t = nvfp4_qdq(dy, rht=r.rht, rng_state=r.rng_state,
+        if r.x.kind == "nvfp4":  # stochastic rounding from one stream over the whole gradient
+            g_row, g_col_t = nvfp4_qdq(dy, rht=r.g.rht, rng_state=r.rng_state,
                                        row_splits=torch.tensor(splits))  # fmt: skip
             g_row, g_cols = g_row.to(dy.dtype), g_col_t.t().to(dy.dtype).split(splits)
         else:
             g_cols = dy.split(splits)
-            if r.recipe not in PER_TENSOR or r.fp8_wgrad:
+            if r.x.kind not in PER_TENSOR or r.bw.fp8_wgrad:
                 g_cols = [_ref_quant(d, r, 2, True) for d in g_cols]
             g_row = _ref_quant(dy, r, 2, False)
         dx = torch.cat([d @ w_col[i] for i, d in enumerate(g_row.split(splits))])
@@ -217,7 +218,8 @@ def scaled_grouped_linear_ref(
     scaling, or delayed with ``scale`` ``[3]``; ``fp8_wgrad``: the wgrad in FP8 too."""
     splits = m_splits.tolist() if isinstance(m_splits, Tensor) else list(m_splits)
     kind = "current" if scale is None else "delayed"
-    r = GroupedRecipe(kind, fwd_dtype, bwd_dtype, scale=scale, fp8_wgrad=fp8_wgrad)
+    x, g = QuantSpec(kind, fwd_dtype), QuantSpec(kind, bwd_dtype)
+    r = GroupedRecipe(x, x, g, BackwardSpec(fp8_wgrad=fp8_wgrad), scale)
     out = _RefGrouped.apply(inp, weight, splits, r)
     return out if bias is None else out + torch.repeat_interleave(bias, torch.tensor(splits), 0)
 
@@ -254,9 +256,9 @@ def _reference(*args):
 def _forward(a: GroupedLinearArgs, cuda: bool) -> tuple[Tensor, list[Tensor]]:
     check_grouped_linear(a)
     r = a.grouped_recipe
-    forward, _ = GROUPED_GEMMS[grouped_gemm_kind(r.recipe, r.emulate)]
+    forward, _ = GROUPED_GEMMS[grouped_gemm_kind(r.x.kind, r.x.emulate)]
     if a.bw.save_input:  # no FP8 copy of the input: the backward quantises it again
-        r = r._replace(fp8_wgrad=False)
+        r = r._replace(bw=dataclasses.replace(r.bw, fp8_wgrad=False))
     out, saved = forward(a.inp, a.m_splits, a.weight, a.bias, r, cuda, a.weight_q)
     if a.bw.save_input and forward is dequantized_forward:  # the input's copy: made again
         saved = saved[1:]
@@ -412,7 +414,7 @@ def _backward_op(args: tuple, cuda: bool) -> tuple[Tensor, Tensor, Tensor]:
     if stash is not None:
         stash.copy_(grad_out)
     r = make_grouped_recipe(specs, scale, grad_amax, bw, rng_state)
-    _, backward = GROUPED_GEMMS[grouped_gemm_kind(r.recipe, r.emulate)]
+    _, backward = GROUPED_GEMMS[grouped_gemm_kind(r.x.kind, r.x.emulate)]
     if bw.save_input and backward is dequantized_backward:  # the kept input quantised again
         saved = [dequantized_input(inp, m_splits, r) if need[2] else inp, *saved]
     return backward(grad_out, saved, inp, m_splits, weight, main_grad, r, *need, cuda)

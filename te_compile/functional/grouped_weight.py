@@ -105,10 +105,8 @@ def quantize_grouped_weight_op(weight: Tensor, spec: str, scale: Tensor | None) 
         return [fp8_bytes(t) for t in per_tensor_weight(weight, w.fp8_dtype, w_scale, True)]
     if kind == "blockwise":
         return [*blockwise_weight(weight, w.power_2_scale, w.block_rows), none]
-    r = GroupedRecipe(w.kind, w.fp8_dtype, power_2_scale=w.power_2_scale,
-                      weight_block_rows=w.block_rows, emulate=w.emulate,
-                      weight_4over6=w.four_over_six)  # fmt: skip
-    return [dequantized_weight(weight, r), none, none.clone(), none.clone(), none.clone()]
+    w_q = dequantized_weight(weight, GroupedRecipe(w, w, w))  # (the weight's spec for each role)
+    return [w_q, none, none.clone(), none.clone(), none.clone()]
 
 
 @quantize_grouped_weight_op.register_fake

@@ -256,9 +256,11 @@ def test_emulated_casts_are_te_quantize_bytes(dtype, kind, fp8, rows, power_2):
     values at the dtype's largest included (saturated, not infinite)."""
     from te_compile.functional.fake_quantize_ops import qdq
     from te_compile.functional.grouped_gemm import GroupedRecipe, _cast
+    from te_compile.functional.spec import QuantSpec
 
     x = torch.randn(256, 256, generator=torch.Generator().manual_seed(0)) * 100
     x[0, :3], x[1, 0] = torch.finfo(dtype).max, -torch.finfo(dtype).max
     x = x.to(dtype)
-    recipe = GroupedRecipe(kind, fp8, fp8, power_2, rows, emulate=True)
+    spec = QuantSpec(kind, fp8, rows, power_2, emulate=True)
+    recipe = GroupedRecipe(spec, spec, spec)
     assert_bits_equal(_cast(x, recipe, fp8, rows), qdq(x, kind, fp8, rows, power_2))

@@ -13,6 +13,7 @@ import torch
 
 import te_compile
 from te_compile.functional.grouped_gemm import GroupedRecipe
+from te_compile.functional.spec import BackwardSpec, QuantSpec
 from tests.utils import (
     DEVICES,
     assert_bits_equal,
@@ -495,7 +496,9 @@ def test_native_path_on_cpu_tensors(bias, delayed, fp8_wgrad):
     _ref, (x, w, b) = _make(splits, 32, 16, torch.bfloat16, "cpu", bias=bias)
     s = torch.tensor(splits)
     scale = torch.tensor([4.0, 32.0, 512.0]) if delayed else None
-    r = GroupedRecipe("delayed" if delayed else "current", scale=scale, fp8_wgrad=fp8_wgrad)
+    kind = "delayed" if delayed else "current"
+    fwd, bwd = QuantSpec(kind), QuantSpec(kind, torch.float8_e5m2)
+    r = GroupedRecipe(fwd, fwd, bwd, BackwardSpec(fp8_wgrad=fp8_wgrad), scale)
     out_n, saved_n = GF.per_tensor_forward(x, s, w, b, r, cuda=True)
     out_l, saved_l = GF.per_tensor_forward(x, s, w, b, r, cuda=False)
     assert len(saved_n) == (4 if fp8_wgrad else 2) + delayed  # the amaxes last

@@ -365,9 +365,12 @@ def test_grouped_linear_is_per_expert_dense_under_the_default_recipe():
     (da,) = torch.autograd.grad(out, (w3,), dy)
     from te_compile.functional.grouped_gemm import GroupedRecipe
     from te_compile.functional.grouped_linear_ops import _RefGrouped
+    from te_compile.functional.spec import QuantSpec
 
-    r = GroupedRecipe("nvfp4", E4M3, E4M3, weight_block_rows=16, rht=True, rng_state=state,
-                      input_4over6="MAE:256", weight_4over6="MAE:256")  # fmt: skip
+    x_spec = QuantSpec("nvfp4", rht=True, four_over_six="MAE:256")
+    w_spec = QuantSpec("nvfp4", block_rows=16, four_over_six="MAE:256")
+    g_spec = QuantSpec("nvfp4", rht=True, stochastic_rounding=True)
+    r = GroupedRecipe(x_spec, w_spec, g_spec, rng_state=state)
     w64 = to_reference(w3)
     ref = _RefGrouped.apply(to_reference(x.detach()), w64, splits, r)
     (ref_dw,) = torch.autograd.grad(ref, (w64,), to_reference(dy))

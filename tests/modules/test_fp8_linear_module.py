@@ -735,8 +735,8 @@ def test_mmparams_reach_the_grouped_backward_gemms(dgrad_split, wgrad_split, dev
         fp8_gemm_wgrad=te.recipe.MMParams(use_split_accumulator=wgrad_split),
     )
     r = make_grouped_recipe(gemm.recipe_specs(recipe), None, None, BackwardSpec(), None)
-    assert (r.fast_dgrad, r.fast_wgrad) == (not dgrad_split, not wgrad_split)
-    r = r._replace(fp8_wgrad=True)
+    assert (r.g.fast_dgrad, r.g.fast_wgrad) == (not dgrad_split, not wgrad_split)
+    r = r._replace(bw=BackwardSpec(fp8_wgrad=True))
     from te_compile.functional import gemm as G
 
     calls, real, real_wgrad = [], G.GEMMS["scaled_grouped_mm"], GF._gemm_wgrad
