@@ -24,7 +24,8 @@ nvfp4       16-element E4M3 blocks and a global scale   ``"dequantized"`` only
 The grouped family's GEMMs on device offsets are two more entries, ``"grouped_mm"``
 (``torch._grouped_mm``, high precision) and ``"scaled_grouped_mm"`` (``torch._scaled_grouped_mm``,
 the per-tensor kinds with rowwise scales: their operands come from the current and delayed rows
-with ``QuantSpec.row_scaled``); its per-group loops call the entries above per group.
+with ``QuantSpec.row_scaled``). Given host ends instead, :func:`gemm` runs any entry group by
+group in those layouts (the grouped family's CPU paths and emulations).
 
 An :class:`Operand` is one GEMM operand quantised along its contraction dim (``data`` ``[M,
 K]``, row-major) and, for the backward GEMMs, along the other dim, transposed (``data_t`` ``[K,
@@ -696,11 +697,33 @@ def gemm(
     bias: Tensor | None = None,
     fast_accum: bool = False,
     b_block_rows: int = 1,
-    offs: Tensor | None = None,
+    offs: Tensor | list[int] | None = None,
 ) -> Tensor:
     """``a @ b.T (+ bias)`` through the :data:`GEMMS` entry ``kind`` (see the table; ``offs``:
-    the grouped entries' group ends)."""
+    the grouped entries' group ends on the device, or host ends (a list): any entry run group by
+    group, :func:`_per_group`)."""
+    if isinstance(offs, list):
+        return _per_group(GEMMS[kind], a, sa, b, sb, out_dtype, bias, fast_accum, b_block_rows,
+                          offs)  # fmt: skip
     return GEMMS[kind](a, sa, b, sb, out_dtype, bias, fast_accum, b_block_rows, offs)
+
+
+def _per_group(entry, a, sa, b, sb, out_dtype, bias, fast_accum, b_rows, ends: list[int]):
+    """An entry group by group in the grouped entries' layouts on host ``ends``: ``a``'s rows of
+    group ``g`` against ``b[g]`` (``sa`` per row, ``sb`` / ``bias`` per group), or with a 2-D
+    ``b`` both operands' columns of group ``g`` (a wgrad; ``sa`` / ``sb`` per group). 0-element
+    scales (the emulated block-scaled kinds') pass as they are."""
+    wgrad = b.dim() == 2
+    shape = (len(ends), a.shape[0], b.shape[0]) if wgrad else (a.shape[0], b.shape[1])
+    out = a.new_empty(shape, dtype=out_dtype)
+    for g, span in enumerate(map(slice, [0, *ends[:-1]], ends)):
+        part = (slice(None), span) if wgrad else span
+        s_a = sa if sa is None or not sa.numel() else sa[g if wgrad else span][:, None]
+        s_b = sb if sb is None or not sb.numel() else sb[g]
+        out[g if wgrad else span] = entry(a[part], s_a, b[part] if wgrad else b[g], s_b, out_dtype,
+                                          None if bias is None else bias[g], fast_accum, b_rows,
+                                          None)  # fmt: skip
+    return out
 
 
 def hp_linear(inp: Tensor, weight: Tensor, bias: Tensor | None, cuda: bool) -> Tensor:
@@ -734,14 +757,15 @@ def hp_linear_backward(grad, inp, weight, main_grad, need_dbias, need_dgrad, nee
     return tuple(empty(grad) if t is None else t for t in (dinp, dweight, dbias))
 
 
-def wgrad_gemm(kind, a, sa, b, sb, out_dtype, main_grad: Tensor | None, fast=False) -> Tensor:
+def wgrad_gemm(kind, a, sa, b, sb, out_dtype, main_grad: Tensor | None, fast=False,
+               offs: list[int] | None = None) -> Tensor:  # fmt: skip
     """A quantised recipe's weight gradient ``a @ b.T``; with ``main_grad`` (fp32) added into it
     (an fp32 GEMM output but for the blockwise kind) and a 0-element tensor returned.
-    ``fast``: the grad spec's ``fast_wgrad``."""
+    ``fast``: the grad spec's ``fast_wgrad``; ``offs``: :func:`gemm`'s host ends."""
     if main_grad is None:
-        return gemm(kind, a, sa, b, sb, out_dtype, fast_accum=fast)
+        return gemm(kind, a, sa, b, sb, out_dtype, fast_accum=fast, offs=offs)
     out = out_dtype if kind == "blockwise" else torch.float32
-    main_grad.add_(gemm(kind, a, sa, b, sb, out, fast_accum=fast))
+    main_grad.add_(gemm(kind, a, sa, b, sb, out, fast_accum=fast, offs=offs))
     return main_grad.new_empty(0, dtype=out_dtype)
 
 

@@ -78,15 +78,9 @@ def _gemm_loop(
     """Exact emulation: rows of group ``g`` get ``(aq_g @ bq[g]^T) * (sa_g[:, None] * sb[g])``
     (+ ``bias[g]``) in fp32, rounded once (``aq`` ``[M, C]``, ``bq`` ``[G, P, C]`` as E4M3
     codes, scales ``[M]``, ``[G, P]``); the scales multiplied first (``docs/fp8.md``)."""
-    aq, sa = as_e4m3(aq, sa)
-    bq, sb = as_e4m3(bq, sb)
-    out = torch.empty(aq.shape[0], bq.shape[1], dtype=dtype, device=aq.device)
-    for g, rows in group_rows(splits):
-        b = None if bias is None else bias[g]
-        out[rows] = gemm(
-            "tensorwise_emulated", aq[rows], sa[rows, None], bq[g], sb[g], dtype, bias=b
-        )
-    return out
+    (aq, sa), (bq, sb) = as_e4m3(aq, sa), as_e4m3(bq, sb)
+    ends = list(accumulate(splits))
+    return gemm("tensorwise_emulated", aq, sa, bq, sb, dtype, bias=bias, offs=ends)
 
 
 def wgrad_capacity(rows: int, groups: int) -> int:
@@ -154,15 +148,8 @@ def _gemm_wgrad(
         main_grad.add_(dw)
         return dw.new_empty(0)
     (dyt, dys), (xt, xs) = as_e4m3(dyt, dys), as_e4m3(xt, xs)
-    ends, into = [0, *pad_ends.tolist()], main_grad is not None
-    out = dys.new_empty((0,) if into else (*dys.shape, xs.shape[1]), dtype=dtype)
-    for g in range(dys.shape[0]):
-        cols = slice(ends[g], ends[g + 1])
-        dw = wgrad_gemm("tensorwise_emulated", dyt[:, cols], dys[g][:, None], xt[:, cols], xs[g],
-                        dtype, main_grad[g] if into else None)  # fmt: skip
-        if not into:
-            out[g] = dw
-    return out
+    return wgrad_gemm("tensorwise_emulated", dyt, dys, xt, xs, dtype, main_grad,
+                      offs=pad_ends.tolist())  # fmt: skip
 
 
 def _quantize(

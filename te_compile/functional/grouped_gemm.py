@@ -41,7 +41,6 @@ from te_compile.functional.gemm import (
     block_scaled_mm,
     empty,
     gemm,
-    hp_linear,
     padded,
     quantize_operand,
     wgrad_gemm,
@@ -206,22 +205,20 @@ def group_rows(splits: list[int]):
 def bwd_loop(grad_out, inp, splits, weight, main_grad, has_bias, need_dgrad, need_wgrad, acc):
     """Per-group GEMMs in ``acc`` (None: the input dtype); db, and dW into ``main_grad``, summed
     in fp32 at least. Only the wgrad reads ``inp``, only the dgrad ``weight``'s values."""
-    dtype = grad_out.dtype
-    mm = acc or dtype
-    dinp = grad_out.new_empty(grad_out.shape[0], weight.shape[2]) if need_dgrad else empty(grad_out)
-    want_dw = need_wgrad and main_grad is None
-    dweight = grad_out.new_zeros(weight.shape) if want_dw else empty(grad_out)
-    dbias = grad_out.new_zeros(weight.shape[:2]) if has_bias else empty(grad_out)
+    dtype, mm, ends = grad_out.dtype, acc or grad_out.dtype, list(accumulate(splits))
+    dinp, dweight, dbias = empty(grad_out), empty(grad_out), empty(grad_out)  # (no aliases)
+    if need_dgrad:  # (dY_g @ W_g: the entry's a @ b.T of W^T)
+        dinp = gemm("mm", grad_out.to(mm), None, weight.to(mm).transpose(1, 2), None, dtype,
+                    offs=ends)  # fmt: skip
+    if need_wgrad and main_grad is None:
+        dweight = gemm("mm", grad_out.to(mm).t(), None, inp.to(mm).t(), None, dtype, offs=ends)
+    if has_bias:
+        dbias = grad_out.new_empty(weight.shape[:2])
     for g, span in group_rows(splits):
-        dy = grad_out[span]
-        if need_dgrad:
-            dinp[span] = (dy.to(mm) @ weight[g].to(mm)).to(dtype)
         if need_wgrad and main_grad is not None:
-            main_grad[g].addmm_(dy.t().float(), inp[span].float())
-        elif need_wgrad:
-            dweight[g] = (dy.to(mm).t() @ inp[span].to(mm)).to(dtype)
+            main_grad[g].addmm_(grad_out[span].t().float(), inp[span].float())
         if has_bias:
-            dbias[g] = dy.sum(0, dtype=acc or torch.float32).to(dtype)
+            dbias[g] = grad_out[span].sum(0, dtype=acc or torch.float32).to(dtype)
     return dinp, dweight, dbias
 
 
@@ -443,11 +440,11 @@ def dequantized_weight(weight: Tensor, r: GroupedRecipe) -> Tensor:
 def high_precision_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
     """Per group a dense ``te::linear``'s GEMM (``functional.gemm.hp_linear``), or
     ``torch._grouped_mm`` (:func:`uses_grouped_mm`)."""
-    if not cuda or not uses_grouped_mm(inp, weight):
-        out = inp.new_empty(inp.shape[0], weight.shape[1])
-        for g, rows in group_rows(host_splits(m_splits, inp.shape[0])):
-            out[rows] = hp_linear(inp[rows], weight[g], None if bias is None else bias[g], cuda)
-        return out, []
+    if not cuda or not uses_grouped_mm(inp, weight):  # (CPU: acc_dtype math, rounded once)
+        acc = inp.dtype if cuda else acc_dtype(inp)
+        ends = list(accumulate(host_splits(m_splits, inp.shape[0])))
+        b = None if bias is None else bias.to(acc)
+        return gemm("mm", inp.to(acc), None, weight.to(acc), None, inp.dtype, bias=b, offs=ends), []
     splits, offs = device_splits(m_splits, inp)
     out = gemm("grouped_mm", inp, None, weight, None, inp.dtype, offs=offs)
     if bias is not None:
@@ -564,20 +561,13 @@ def _emulated_loop(grad, g_row, g_col, x_col, m_splits, w_col, main_grad):
     """The CPU's backward GEMMs of the emulated recipes: per group a dense ``te::linear``'s calls
     (``functional.gemm``'s ``"dequantized"`` GEMM), so a group's gradients are a Linear's on its
     rows, bit for bit. ``g_row`` / ``g_col``: None where not wanted."""
-    rows, (groups, n, k), dtype = x_col.shape[0], w_col.shape, grad.dtype
-    dinp = grad.new_empty(rows, k) if g_row is not None else empty(grad)
-    into_weight = g_col is not None and main_grad is None
-    dweight = grad.new_empty(groups, n, k) if into_weight else empty(grad)
-    none, f32 = empty(grad), torch.float32
-    for g, span in group_rows(host_splits(m_splits, rows)):
-        if g_row is not None and span.stop > span.start:
-            b = w_col[g].t().to(f32).contiguous()
-            dinp[span] = gemm("dequantized", g_row[span].to(f32), none, b, none, dtype)
-        if g_col is not None:
-            a = g_col[span].t().to(f32).contiguous()
-            b = x_col[span].t().to(f32).contiguous()
-            mg = None if main_grad is None else main_grad[g]
-            dw = wgrad_gemm("dequantized", a, none, b, none, dtype, mg)
-            if into_weight:
-                dweight[g] = dw
+    ends = list(accumulate(host_splits(m_splits, x_col.shape[0])))
+    dtype, none, f32 = grad.dtype, empty(grad), torch.float32
+    dinp, dweight = empty(grad), empty(grad)  # (outputs: no aliases)
+    if g_row is not None:
+        b = w_col.transpose(1, 2).to(f32).contiguous()
+        dinp = gemm("dequantized", g_row.to(f32), none, b, none, dtype, offs=ends)
+    if g_col is not None:
+        a, b = g_col.t().to(f32).contiguous(), x_col.t().to(f32).contiguous()
+        dweight = wgrad_gemm("dequantized", a, none, b, none, dtype, main_grad, offs=ends)
     return dinp, dweight
