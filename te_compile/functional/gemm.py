@@ -711,15 +711,15 @@ def gemm(
 def _per_group(entry, a, sa, b, sb, out_dtype, bias, fast_accum, b_rows, ends: list[int]):
     """An entry group by group in the grouped entries' layouts on host ``ends``: ``a``'s rows of
     group ``g`` against ``b[g]`` (``sa`` per row, ``sb`` / ``bias`` per group), or with a 2-D
-    ``b`` both operands' columns of group ``g`` (a wgrad; ``sa`` / ``sb`` per group). 0-element
-    scales (the emulated block-scaled kinds') pass as they are."""
+    ``b`` both operands' columns of group ``g`` (a wgrad; ``sa`` / ``sb`` per group). The
+    emulated block-scaled kinds' 0-element scales pass as they are (a row slice of one too)."""
     wgrad = b.dim() == 2
     shape = (len(ends), a.shape[0], b.shape[0]) if wgrad else (a.shape[0], b.shape[1])
     out = a.new_empty(shape, dtype=out_dtype)
     for g, span in enumerate(map(slice, [0, *ends[:-1]], ends)):
         part = (slice(None), span) if wgrad else span
-        s_a = sa if sa is None or not sa.numel() else sa[g if wgrad else span][:, None]
-        s_b = sb if sb is None or not sb.numel() else sb[g]
+        s_a = sa if sa is None or (wgrad and sa.dim() < 2) else sa[g if wgrad else span][:, None]
+        s_b = sb[g] if sb is not None and sb.dim() > 1 else sb
         out[g if wgrad else span] = entry(a[part], s_a, b[part] if wgrad else b[g], s_b, out_dtype,
                                           None if bias is None else bias[g], fast_accum, b_rows,
                                           None)  # fmt: skip
