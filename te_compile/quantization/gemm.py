@@ -94,6 +94,8 @@ class GemmArgs(NamedTuple):
         """The family functions' keyword arguments: the specs by their names, ``backward_override``
         where set and, under a per-tensor recipe, each GEMM's ``scale`` and ``grad_amax``
         (``amaxes``: their names' suffixes, one per GEMM; ``()``: none) with ``return_amax``."""
+        if not self.recipe:  # high precision: the functions' defaults (traced: nothing encoded)
+            return {}
         x, w, g = self.specs
         kw: dict[str, Any] = {"input_spec": x, "weight_spec": w, "grad_spec": g}
         if self.backward_override:
