@@ -38,14 +38,7 @@ from te_compile._library import differentiable, op
 from te_compile._numerics import acc_dtype
 from te_compile.kernels import runs_triton, submodule
 
-__all__ = [
-    "dropout",
-    "dropout_mask",
-    "dropout_ref",
-    "new_rng_state",
-    "philox4x32",
-    "random_words",
-]
+__all__ = ["dropout", "dropout_mask", "dropout_ref", "new_rng_state", "philox4x32", "random_words"]
 
 _MASK32 = 0xFFFFFFFF
 _PHILOX_M = (0xD2511F53, 0xCD9E8D57)  # round multipliers

@@ -43,12 +43,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from te_compile._checks import (
-    FP8_DTYPES,
-    HIGH_DTYPES,
-    check_choice,
-    check_tensor,
-)
+from te_compile._checks import FP8_DTYPES, HIGH_DTYPES, check_choice, check_tensor
 from te_compile._numerics import acc_dtype, reciprocal_rn
 from te_compile.functional.quantize import (
     as_e4m3,

@@ -18,11 +18,7 @@ from te_compile.quantization.device import (
     is_nvfp4_available,
 )
 from te_compile.quantization.graph import make_graphed_callables
-from te_compile.quantization.primary import (
-    FP8MasterWeights,
-    fp8_model_init,
-    quantized_model_init,
-)
+from te_compile.quantization.primary import FP8MasterWeights, fp8_model_init, quantized_model_init
 from te_compile.quantization.recipe import (
     DelayedScaling,
     Float8BlockScaling,
@@ -36,12 +32,7 @@ from te_compile.quantization.recipe import (
     get_align_size_for_quantization,
 )
 from te_compile.quantization.recompute import checkpoint
-from te_compile.quantization.state import (
-    AutocastState,
-    autocast,
-    fp8_autocast,
-    get_autocast_state,
-)
+from te_compile.quantization.state import AutocastState, autocast, fp8_autocast, get_autocast_state
 
 __all__ = [
     "AutocastState",

@@ -272,31 +272,15 @@ class Recipe:
             _fail(self, "margin", "must be >= 0")
 
     # TE's predicates, class methods: ``recipe.delayed()``, ``recipe.mxfp8()``, ...
-    @classmethod
-    def delayed(cls) -> bool:
-        return issubclass(cls, DelayedScaling)
-
-    @classmethod
-    def float8_current_scaling(cls) -> bool:
-        return issubclass(cls, Float8CurrentScaling)
-
+    delayed = classmethod(lambda cls: issubclass(cls, DelayedScaling))
+    float8_current_scaling = classmethod(lambda cls: issubclass(cls, Float8CurrentScaling))
     float8_current = float8_current_scaling  # the short name
-
-    @classmethod
-    def float8_per_tensor_scaling(cls) -> bool:
-        return issubclass(cls, (DelayedScaling, Float8CurrentScaling))
-
-    @classmethod
-    def float8_block_scaling(cls) -> bool:
-        return issubclass(cls, Float8BlockScaling)
-
-    @classmethod
-    def mxfp8(cls) -> bool:
-        return issubclass(cls, MXFP8BlockScaling)
-
-    @classmethod
-    def nvfp4(cls) -> bool:
-        return issubclass(cls, NVFP4BlockScaling)
+    float8_per_tensor_scaling = classmethod(
+        lambda cls: issubclass(cls, (DelayedScaling, Float8CurrentScaling))
+    )
+    float8_block_scaling = classmethod(lambda cls: issubclass(cls, Float8BlockScaling))
+    mxfp8 = classmethod(lambda cls: issubclass(cls, MXFP8BlockScaling))
+    nvfp4 = classmethod(lambda cls: issubclass(cls, NVFP4BlockScaling))
 
 
 @_with_field_types
