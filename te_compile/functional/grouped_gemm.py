@@ -438,7 +438,7 @@ def dequantized_weight(weight: Tensor, r: GroupedRecipe) -> Tensor:
 
 
 def high_precision_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
-    """Per group a dense ``te::linear``'s GEMM (``functional.gemm.hp_linear``), or
+    """Per group a dense ``te::linear``'s GEMM (``functional.gemm.hp_linear``'s math), or
     ``torch._grouped_mm`` (:func:`uses_grouped_mm`)."""
     if not cuda or not uses_grouped_mm(inp, weight):  # (CPU: acc_dtype math, rounded once)
         acc = inp.dtype if cuda else acc_dtype(inp)
@@ -525,8 +525,8 @@ def dequantized_forward(inp, m_splits, weight, bias, r, cuda, weight_q=None):
 def dequantized_backward(grad, saved, inp, m_splits, weight, main_grad, r, has_bias, dgrad,
                           wgrad, cuda):  # fmt: skip
     """The gradient quantised along ``out_features`` for the dgrad and along each expert's tokens
-    for the wgrad, then the high-precision grouped GEMMs against the forward's copies (CPU:
-    :func:`_emulated_loop`); the bias gradient the high-precision one's."""
+    for the wgrad, then the high-precision grouped GEMMs against the forward's copies (CPU: a
+    dense Linear's per group); the bias gradient the high-precision one's."""
     x, w = saved
     if r.x.kind == "nvfp4":  # dgrad on the rowwise copy, wgrad on the columnwise one
         g_row, g_col_t = nvfp4_qdq(grad, columnwise=wgrad, rht=r.g.rht, rng_state=r.rng_state,
@@ -538,16 +538,23 @@ def dequantized_backward(grad, saved, inp, m_splits, weight, main_grad, r, has_b
             w = _weight_columns(weight, None, r)
         g_row = _cast(grad, r, r.g.fp8_dtype) if dgrad else None
         g_col = _cast_columns(grad, m_splits, r, r.g.fp8_dtype) if wgrad else None
-    if cuda:  # the grouped GEMMs on device offsets
-        dinp, dweight = empty(grad), empty(grad)
+    dinp, dweight = empty(grad), empty(grad)  # (outputs: no aliases)
+    if cuda:  # the high-precision grouped GEMMs
         if dgrad:
             dinp = high_precision_backward(g_row, [], x, m_splits, w, main_grad, r, False, True,
                                            False, cuda)[0]  # fmt: skip
         if wgrad:
             dweight = high_precision_backward(g_col, [], x, m_splits, w, main_grad, r, False,
                                               False, True, cuda)[1]  # fmt: skip
-    else:
-        dinp, dweight = _emulated_loop(grad, g_row, g_col, x, m_splits, w, main_grad)
+    else:  # per group a dense te::linear's "dequantized" GEMMs: its gradients bit for bit
+        ends = list(accumulate(host_splits(m_splits, x.shape[0])))
+        none, f32 = empty(grad), torch.float32
+        if dgrad:
+            b = w.transpose(1, 2).to(f32).contiguous()
+            dinp = gemm("dequantized", g_row.to(f32), none, b, none, grad.dtype, offs=ends)
+        if wgrad:
+            a, b = g_col.t().to(f32).contiguous(), x.t().to(f32).contiguous()
+            dweight = wgrad_gemm("dequantized", a, none, b, none, grad.dtype, main_grad, offs=ends)
     dbias = empty(grad)  # fp32 sums: on CUDA over the device splits, else per group
     if has_bias and cuda:
         dbias = _group_sums(grad, device_splits(m_splits, grad)[0], w.shape[0])
@@ -555,19 +562,3 @@ def dequantized_backward(grad, saved, inp, m_splits, weight, main_grad, r, has_b
         splits = host_splits(m_splits, grad.shape[0])
         dbias = bwd_loop(grad, None, splits, w, None, True, False, False, torch.float32)[2]
     return dinp, dweight, dbias
-
-
-def _emulated_loop(grad, g_row, g_col, x_col, m_splits, w_col, main_grad):
-    """The CPU's backward GEMMs of the emulated recipes: per group a dense ``te::linear``'s calls
-    (``functional.gemm``'s ``"dequantized"`` GEMM), so a group's gradients are a Linear's on its
-    rows, bit for bit. ``g_row`` / ``g_col``: None where not wanted."""
-    ends = list(accumulate(host_splits(m_splits, x_col.shape[0])))
-    dtype, none, f32 = grad.dtype, empty(grad), torch.float32
-    dinp, dweight = empty(grad), empty(grad)  # (outputs: no aliases)
-    if g_row is not None:
-        b = w_col.transpose(1, 2).to(f32).contiguous()
-        dinp = gemm("dequantized", g_row.to(f32), none, b, none, dtype, offs=ends)
-    if g_col is not None:
-        a, b = g_col.t().to(f32).contiguous(), x_col.t().to(f32).contiguous()
-        dweight = wgrad_gemm("dequantized", a, none, b, none, dtype, main_grad, offs=ends)
-    return dinp, dweight
