@@ -207,11 +207,11 @@ def bwd_loop(grad_out, inp, splits, weight, main_grad, has_bias, need_dgrad, nee
     in fp32 at least. Only the wgrad reads ``inp``, only the dgrad ``weight``'s values."""
     dtype, mm, ends = grad_out.dtype, acc or grad_out.dtype, list(accumulate(splits))
     dinp, dweight, dbias = empty(grad_out), empty(grad_out), empty(grad_out)  # (no aliases)
+    dy = grad_out.to(mm)  # (cast once for both GEMMs)
     if need_dgrad:  # (dY_g @ W_g: the entry's a @ b.T of W^T)
-        dinp = gemm("mm", grad_out.to(mm), None, weight.to(mm).transpose(1, 2), None, dtype,
-                    offs=ends)  # fmt: skip
+        dinp = gemm("mm", dy, None, weight.to(mm).transpose(1, 2), None, dtype, offs=ends)
     if need_wgrad and main_grad is None:
-        dweight = gemm("mm", grad_out.to(mm).t(), None, inp.to(mm).t(), None, dtype, offs=ends)
+        dweight = gemm("mm", dy.t(), None, inp.to(mm).t(), None, dtype, offs=ends)
     if has_bias:
         dbias = grad_out.new_empty(weight.shape[:2])
     for g, span in group_rows(splits):
