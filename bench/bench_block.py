@@ -95,7 +95,6 @@ import argparse
 import contextlib
 import gc
 import math
-import os
 import sys
 import time
 import warnings
@@ -1016,13 +1015,13 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, torch.de
         help="also run each compiled te row with the te ops opaque (not traced through)",
     )
     parser.add_argument(
-        "--static-launch",
+        "--triton-launcher",
         action="store_true",
-        help="Inductor launches user-defined Triton kernels (ours) with its static CUDA launcher "
-        "(torch._inductor.config.static_launch_user_defined_triton_kernels; off by default in "
-        "torch), as it launches its own kernels. Which launcher ran shows in a profile "
-        "(python -m bench.diag.diag_compiled_host --cprofile 3: Triton's is "
-        "triton/backends/nvidia/driver.py); check it before reading a speed-up into this",
+        help="Inductor launches our Triton kernels with Triton's own launcher "
+        "(te.set_static_launch(False), torch's default) instead of its static CUDA launcher, "
+        "which import te_compile selects; for an A/B of the launcher run once with and once "
+        "without. Which launcher ran shows in a profile (python -m bench.diag.diag_compiled_host "
+        "--cprofile 3: Triton's is triton/backends/nvidia/driver.py)",
     )
     parser.add_argument(
         "--calibrate-eagerly",
@@ -1068,16 +1067,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         skipped.append(torchao_note)
     for note in skipped:
         print(f"  {note}", file=sys.stderr)
-    if args.static_launch:
-        import torch._inductor.config as inductor_config
-
-        if not hasattr(inductor_config, "static_launch_user_defined_triton_kernels"):
-            raise SystemExit("--static-launch: this torch's Inductor has no such option")
-        inductor_config.static_launch_user_defined_triton_kernels = True
-        # Inductor's compile workers decide the launcher and read the option from the
-        # environment only (tests/test_static_launch.py): set before they start.
-        os.environ["TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS"] = "1"
-        report.metadata["static_launch_user_defined_triton_kernels"] = True
+    if args.triton_launcher:  # before the first compile starts Inductor's workers
+        te.set_static_launch(False)
+    report.metadata["static_launch"] = te.static_launch_enabled()
     specs = row_specs(modes, args.precisions, torchao=has_torchao, opaque=args.opaque)
     sizes = [SMOKE_SIZES[args.arch]] if args.smoke else [SIZES[name] for name in args.size]
     report.metadata.update(

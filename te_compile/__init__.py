@@ -4,6 +4,8 @@
 op is callable as ``torch.ops.te.<name>`` and compiles with ``torch.compile(fullgraph=True)``.
 """
 
+import os as _os
+
 from te_compile import convert, distributed, functional, quantization, recipe
 from te_compile import ops as ops
 from te_compile._library import eager_fast_path_enabled, list_ops, set_eager_fast_path
@@ -18,6 +20,8 @@ from te_compile.functional import (
     moe_sort_chunks_by_index_with_probs,
     moe_unpermute,
 )
+from te_compile.kernels import STATIC_LAUNCH_ENV as _STATIC_LAUNCH_ENV
+from te_compile.kernels import set_static_launch, static_launch_enabled
 from te_compile.modules import (
     DotProductAttention,
     Fp8Padding,
@@ -104,4 +108,11 @@ __all__ = [
     "quantized_model_init",
     "recipe",
     "set_eager_fast_path",
+    "set_static_launch",
+    "static_launch_enabled",
 ]
+
+# Inductor launches our kernels with its static launcher unless the environment says otherwise
+# (``kernels.set_static_launch``; before the first compile starts Inductor's workers).
+if _STATIC_LAUNCH_ENV not in _os.environ:
+    set_static_launch(True)

@@ -213,6 +213,7 @@ _FUNCTIONS: dict[str, tuple[Callable, Callable[[], dict[str, Any]]]] = {
     ),
     "te.bulk_allocate": (te.bulk_allocate, lambda: {"shapes": [(2, 3)], "dtypes": [torch.float32]}),
     "te.set_eager_fast_path": (te.set_eager_fast_path, lambda: {"enabled": True}),
+    "te.set_static_launch": (te.set_static_launch, lambda: {"enabled": True}),
     "te.quantized_model_init": (te.quantized_model_init, dict),
     "te.fp8_model_init": (te.fp8_model_init, dict),
     "te.FP8MasterWeights": (te.FP8MasterWeights, lambda: {"model": _primary_model()}),
@@ -505,6 +506,7 @@ NOT_WALKED = {
     "te.functional.linear_ref": "the float reference the tests compare with: plain torch.nn."
     "functional.linear, torch's own errors",
     "te.eager_fast_path_enabled": "no arguments",
+    "te.static_launch_enabled": "no arguments",
     "te.functional.ACTIVATIONS": "a constant",
     "te.functional.GATED_ACTIVATIONS": "a constant",
     "te.functional.MLP_ACTIVATIONS": "a constant",

@@ -1,16 +1,15 @@
-"""Our Triton kernels under Inductor's static CUDA launcher (CUDA).
+"""Our Triton kernels under Inductor's static CUDA launcher.
 
 Inductor launches the kernels of the te ops it traces through (user-defined Triton kernels, to
-Inductor) with Triton's own launcher unless ``torch._inductor.config.
-static_launch_user_defined_triton_kernels`` is set; its static launcher takes less host time
-per launch, which a host-bound compiled FP8 step feels (``docs/fp8.md``, "Limits"). Inductor's
-compile workers decide a kernel's launcher, and they read the option from the environment
-(``TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS=1``): set in a running process it
-does not reach them. So the case compiles in a fresh process with the variable set, and checks
-there that every Triton launch of a compiled training step goes through the static launcher (no
-call of Triton's own, ``triton/backends/nvidia/driver.py``) and that the step's output and
-input gradient are eager's, as ``tests/test_trace_through.py`` checks them under the default
-launcher.
+Inductor) with Triton's own launcher unless torch's ``static_launch_user_defined_triton_kernels``
+is set; its static launcher takes less host time per launch, which a host-bound compiled FP8
+step feels. ``import te_compile`` sets it unless the environment names it, and
+``te.set_static_launch`` switches it (``docs/op_mechanism.md``). Inductor's compile workers
+decide a kernel's launcher and read the option from the environment they start with, so the
+switch is checked where the workers get it: the environment torch gives them (CPU cases), and a
+compiled training step in a fresh process, whose Triton launches all go through the static
+launcher (none through Triton's own, ``triton/backends/nvidia/driver.py``) with the output and
+input gradient eager's, and all through Triton's once switched off (CUDA cases).
 """
 
 from __future__ import annotations
@@ -22,15 +21,63 @@ from pathlib import Path
 
 import pytest
 
+from te_compile.kernels import STATIC_LAUNCH_ENV
 from tests.utils import requires_cuda
+
+_ROOT = Path(__file__).resolve().parents[1]
+
+_SWITCH = """
+import sys
+import torch._inductor.config as config
+from torch._inductor.utils import python_subprocess_env
+import te_compile as te
+if sys.argv[1] != "import":
+    te.set_static_launch(sys.argv[1] == "on")
+worker = python_subprocess_env().get(sys.argv[2])
+print("state", te.static_launch_enabled(), config.static_launch_user_defined_triton_kernels, worker)
+"""
+
+
+def _run(code: str, *args: str, env_value: str | None = None, **env: str) -> str:
+    """The last ``state`` / ``launches`` line of ``code`` run in a fresh process, the static
+    launch variable set to ``env_value`` (None: unset) before it starts."""
+    env = {**os.environ, **env}
+    env.pop(STATIC_LAUNCH_ENV, None)
+    if env_value is not None:
+        env[STATIC_LAUNCH_ENV] = env_value
+    run = subprocess.run([sys.executable, "-c", code, *args], cwd=_ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-4000:]
+    return [ln for ln in run.stdout.splitlines() if ln.startswith(("state", "launches"))][-1]
+
+
+@pytest.mark.parametrize(
+    "env_value, call, expected",
+    [
+        (None, "import", "True True 1"),  # on from the import
+        ("0", "import", "False False 0"),  # the environment's choice is kept
+        ("1", "import", "True True 1"),
+        (None, "off", "False False 0"),
+        # switched on: the workers follow; this process's config keeps the variable it was
+        # imported with (torch gives the variable precedence over a set value)
+        ("0", "on", "True False 1"),
+    ],
+)
+def test_switch_reaches_the_compile_workers(env_value, call, expected):
+    line = _run(_SWITCH, call, STATIC_LAUNCH_ENV, env_value=env_value)
+    assert line == f"state {expected}"
+
 
 _CHILD = """
 import cProfile, pstats, sys
 import torch
+import te_compile as te
 from tests.test_trace_through import HIDDEN, RECIPES, TOKENS, Block, _step
 from tests.utils import assert_matches_eager
 
-recipe = sys.argv[1]
+recipe, launcher = sys.argv[1:]
+if launcher == "triton":
+    te.set_static_launch(False)
 torch.manual_seed(0)
 model, twin = Block("cuda"), Block("cuda")
 twin.load_state_dict(model.state_dict())
@@ -58,15 +105,15 @@ print("launches", calls["triton"], calls["static"])
 
 
 @requires_cuda
+@pytest.mark.parametrize("launcher", ["static", "triton"])
 @pytest.mark.parametrize("recipe", ["current", "delayed"])
-def test_compiled_step_runs_on_the_static_launcher(recipe, tmp_path):
-    env = dict(os.environ, TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS="1",
-               TORCHINDUCTOR_CACHE_DIR=str(tmp_path))  # fmt: skip
-    root = Path(__file__).resolve().parents[1]
-    run = subprocess.run([sys.executable, "-c", _CHILD, recipe], cwd=root, env=env,
-                         capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert run.returncode == 0, run.stderr[-4000:]
-    line = [ln for ln in run.stdout.splitlines() if ln.startswith("launches")][-1]
+def test_compiled_step_launcher(recipe, launcher, tmp_path):
+    """By default (the import's setting) no launch of a compiled step goes through Triton's own
+    launcher; switched off, ours do (Inductor's own kernels stay static)."""
+    line = _run(_CHILD, recipe, launcher, TORCHINDUCTOR_CACHE_DIR=str(tmp_path))
     triton, static = map(int, line.split()[1:])
-    assert triton == 0, f"{triton} launches of a compiled step on Triton's own launcher"
     assert static > 0, "no launch on Inductor's static launcher"
+    if launcher == "static":
+        assert triton == 0, f"{triton} launches of a compiled step on Triton's own launcher"
+    else:
+        assert triton > 0, "te.set_static_launch(False): no launch on Triton's own launcher"

@@ -14,13 +14,15 @@ process,
     python -m bench.diag.diag_compiled_host --size h1024 --cpp-wrapper  # Inductor's C++ wrapper
     python -m bench.diag.diag_compiled_host --smoke --device cpu   # the script itself
     python -m bench.diag.diag_compiled_host --size h1024 --rounds 7  # rows timed in alternation
-    python -m bench.diag.diag_compiled_host --precisions torch current current:static --rounds 7
+    python -m bench.diag.diag_compiled_host --precisions torch current current:triton --rounds 7
     python -m bench.diag.diag_compiled_host --precisions current --cprofile 20  # Python's view
 
-A precision ending in ``:static`` is compiled with Inductor's static launcher for our Triton
-kernels (``static_launch_user_defined_triton_kernels``), so that an A/B of the launcher runs in
-one process (compiled in this process: the compile workers would not see the option). Its
-``--cprofile`` must show no calls of Triton's own launcher (``triton/backends/nvidia/driver.py``).
+The other rows' Triton kernels run on Inductor's static launcher (``import te_compile`` selects
+it, ``te.set_static_launch``). A precision ending in ``:triton`` is compiled with Triton's own
+launcher for our kernels (torch's default), so that an A/B of the launcher runs in one process
+(compiled in this process: the compile workers would not see the option set here). Its
+``--cprofile`` shows our launches in Triton's launcher (``triton/backends/nvidia/driver.py``),
+the other rows' none.
 
 ``--cprofile N`` profiles N steps per row with ``cProfile`` while the GPU sleeps and prints
 the functions with the most own time and the most cumulative time: which Python (Inductor's
@@ -53,22 +55,22 @@ _SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaM
 
 def _build(precision: str, size: bb.Size, weights, x, grad, device, cpp: bool):
     """``(row name, step)``: the row's compiled stack, one fwd+bwd per ``step()``, warmed up."""
-    precision, static = precision.removesuffix(":static"), precision.endswith(":static")
+    precision, triton = precision.removesuffix(":triton"), precision.endswith(":triton")
     from torch._inductor import config as inductor_config
     from torch._inductor.async_compile import CompiledTritonKernels
     from torch._inductor.codecache import PyCodeCache
 
-    inductor_config.static_launch_user_defined_triton_kernels = static
+    inductor_config.static_launch_user_defined_triton_kernels = not triton
     # A kernel's launcher is chosen when it is compiled: a row whose code or kernels another row
     # already compiled in this process reuses them, launchers included (PyCodeCache's modules,
     # CompiledTritonKernels' kernels), and the on-disk caches would serve them too.
     PyCodeCache.cache_clear(purge=False)
     CompiledTritonKernels.cache_clear()
-    inductor_config.force_disable_caches = static
+    inductor_config.force_disable_caches = triton
     # Inductor's compile workers decide a kernel's launcher with their own copy of the config,
-    # which never sees the option set here: a static row compiles in this process.
+    # which never sees the option set here: a :triton row compiles in this process.
     threads = inductor_config.compile_threads
-    if static:
+    if triton:
         inductor_config.compile_threads = 1
     spec = bb.RowSpec("torch" if precision == "torch" else "te", "bf16" if precision == "torch"
                       else precision, "compiled")  # fmt: skip
@@ -92,11 +94,11 @@ def _build(precision: str, size: bb.Size, weights, x, grad, device, cpp: bool):
     for _ in range(4):
         step()
     _sync(device)
-    inductor_config.static_launch_user_defined_triton_kernels = False
+    inductor_config.static_launch_user_defined_triton_kernels = True
     inductor_config.force_disable_caches = False
     inductor_config.compile_threads = threads
     return spec.name + (" (cpp_wrapper)" if cpp else "") + (
-        " (static launch)" if static else ""
+        " (Triton's launcher)" if triton else ""
     ), step
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib
+import os
 from typing import Any, ClassVar
 
 import torch
@@ -136,6 +137,36 @@ def memoize_write_analysis() -> None:
 
         memoized.te_memoized = True
         setattr(wrap, name, memoized)
+
+
+# Torch's option, read by Inductor's compile workers from their environment only (they are started
+# at the first compile with the process's environment, and never see a config set afterwards).
+STATIC_LAUNCH_ENV = "TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS"
+
+
+def set_static_launch(enabled: bool) -> None:
+    """Whether Inductor launches user-defined Triton kernels, ours among them, with its static CUDA
+    launcher (torch's ``static_launch_user_defined_triton_kernels``), as it launches its own:
+    less host time per launch in a compiled step, and a shorter first compile (``docs/
+    op_mechanism.md``). On from ``import te_compile`` unless the environment names the option;
+    off, Triton's own launcher runs them (torch's default). A kernel the static launcher cannot
+    take still runs on Triton's. Takes effect for compile workers started after the call: call
+    it before the process's first ``torch.compile``. Where the variable was set when torch's
+    Inductor config was imported, this process's own config keeps that value (torch gives the
+    variable precedence); the workers follow the call."""
+    if enabled is not True and enabled is not False:
+        raise ValueError(f"set_static_launch: enabled must be a bool, got {enabled!r}")
+    os.environ[STATIC_LAUNCH_ENV] = "1" if enabled else "0"
+    from torch._inductor import config
+
+    if hasattr(config, "static_launch_user_defined_triton_kernels"):
+        config.static_launch_user_defined_triton_kernels = enabled
+
+
+def static_launch_enabled() -> bool:
+    """Whether compile workers started now launch our kernels statically
+    (:func:`set_static_launch`)."""
+    return os.environ.get(STATIC_LAUNCH_ENV) == "1"
 
 
 def launch(kernel: Any, grid: Any) -> Any:

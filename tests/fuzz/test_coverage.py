@@ -123,6 +123,8 @@ EXEMPT = {
     "te.list_ops": "the op registry: " + _UTILITY,
     "te.set_eager_fast_path": "a switch: " + _UTILITY,
     "te.eager_fast_path_enabled": "a switch: " + _UTILITY,
+    "te.set_static_launch": "a switch: tests/test_static_launch.py",
+    "te.static_launch_enabled": "a switch: tests/test_static_launch.py",
     "te.get_device_compute_capability": "a device query: " + _UTILITY,
     **{
         f"te.{n}": "a device query: " + _UTILITY

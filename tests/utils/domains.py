@@ -470,6 +470,7 @@ DOMAINS: dict[str, dict[str, Domain]] = {
         "capture_stream": Domain("a torch.cuda.Stream or None", (3, "x")),
     },
     "te.set_eager_fast_path": {"enabled": SWITCH()},
+    "te.set_static_launch": {"enabled": SWITCH()},
     "te.is_bf16_available": {"return_reason": SWITCH()},
     "te.is_fp8_available": {"return_reason": SWITCH()},
     "te.is_fp8_block_scaling_available": {"return_reason": SWITCH()},
