@@ -110,7 +110,20 @@ class DeferredWgrad(NamedTuple):
     replay: Callable[[Tensor], Tensor | None]
 
     @classmethod
-    def create(cls, stash: Tensor, replay: Callable[[Tensor], Tensor | None]) -> DeferredWgrad:
+    def replaying(cls, stash: Tensor, bwd: Callable[..., tuple], lead: tuple, tensors: tuple,
+                  n: int, scalars: tuple) -> DeferredWgrad:  # fmt: skip
+        """One whose replay runs the family's backward op ``bwd`` for the weight gradient alone,
+        ``bwd(grad, *lead, saved, *named, *scalars, False, False, True)``: ``tensors`` are the
+        ``n`` named tensors of a forward call (``main_grad`` at 3, ``grad_amax`` at 5) then its
+        ``saved``, ``scalars`` its strings."""
+
+        def replay(grad: Tensor) -> Tensor | None:
+            named, saved = list(tensors[:n]), list(tensors[n:])
+            if named[5] is not None:  # the backward recorded amax(dY) already: not twice
+                named[5] = torch.zeros_like(named[5])
+            dweight = bwd(grad, *lead, saved, *named, *scalars, False, False, True)[1]
+            return None if named[3] is not None else dweight
+
         return cls(stash, stash._version, replay)
 
     @property

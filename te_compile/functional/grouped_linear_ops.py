@@ -584,15 +584,5 @@ def grouped_linear(
 def _deferred(args: tuple, saved: list[Tensor]) -> DeferredWgrad:
     a = GroupedLinearArgs(*args)
     tensors, scalars = _for_backward(a, saved)
-
-    def replay(grad: Tensor) -> Tensor | None:
-        inp, m_splits, weight, main_grad, scale, grad_amax, rng_state, *saved = tensors
-        if grad_amax is not None:  # the backward recorded amax(dY) already: not twice
-            grad_amax = torch.zeros_like(grad_amax)
-        _, dweight, _ = torch.ops.te.grouped_linear_bwd(
-            grad, saved, inp, m_splits, weight, main_grad, scale, grad_amax, rng_state,
-            *scalars, False, False, True,
-        )  # fmt: skip
-        return None if main_grad is not None else dweight
-
-    return DeferredWgrad.create(a.wgrad_stash, replay)
+    bwd = torch.ops.te.grouped_linear_bwd
+    return DeferredWgrad.replaying(a.wgrad_stash, bwd, (), tensors, 7, scalars)

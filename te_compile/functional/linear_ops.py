@@ -414,19 +414,9 @@ _linear = differentiable(
 
 def _deferred(args: tuple, saved: list[Tensor]) -> DeferredWgrad:
     a = LinearArgs(*args)
-    tensors, scalars = _for_backward(a, saved)
-
-    def replay(grad: Tensor) -> Tensor | None:
-        inp, weight, bias, main_grad, scale, grad_amax, norm_weight, rng_state, *saved = tensors
-        if grad_amax is not None:  # the backward recorded amax(dY) already: not twice
-            grad_amax = torch.zeros_like(grad_amax)
-        _, dweight, *_ = torch.ops.te.linear_bwd(
-            grad, None, saved, inp, weight, bias, main_grad, scale, grad_amax, norm_weight,
-            rng_state, *scalars, False, False, True,
-        )  # fmt: skip
-        return None if main_grad is not None else dweight
-
-    return DeferredWgrad.create(a.wgrad_stash, replay)
+    tensors, scalars = _for_backward(a, saved)  # (the grad_branch: None)
+    return DeferredWgrad.replaying(a.wgrad_stash, torch.ops.te.linear_bwd, (None,), tensors, 8,
+                                   scalars)  # fmt: skip
 
 
 @eager_cached(1024, typed=True)
