@@ -158,24 +158,27 @@ def weight_operand(
     return Operand(data, s, data_t, s_t, amax)
 
 
-def check_weight_spec(p: str, spec: str, scale: Tensor | None) -> QuantSpec:
-    """The weight spec of a weight cast (a quantised kind) with its delayed scales ``[3]``."""
+def check_weight_spec(
+    p: str, spec: str, scale: Tensor | None, weight: Tensor, dims: int, layout: str = ""
+) -> QuantSpec:
+    """A weight cast op's arguments, in eager and at trace time: the weight spec (a quantised
+    kind) with its delayed scales ``[3]``; ``weight`` floating, of ``dims`` dims (``layout``)."""
     w = parse(QuantSpec, spec, p + "spec")
     if not w.kind:
         raise ValueError(p + "spec must be a quantised kind, got ''")
     check_specs(p, {"spec": w}, scale)
+    if weight.dim() != dims or weight.dtype not in HIGH_DTYPES + (torch.float64,):
+        raise ValueError(
+            p + f"weight must be a {dims}-D floating tensor{layout}, got {weight.dim()}-D "
+            f"{weight.dtype}"
+        )
     return w
 
 
 @op("quantize_weight")
 def quantize_weight_op(weight: Tensor, spec: str, scale: Tensor | None) -> list[Tensor]:
     """``te::quantize_weight``: :func:`quantize_weight` without the argument checks."""
-    p = "te.quantize_weight: "
-    w = check_weight_spec(p, spec, scale)
-    if weight.dim() != 2 or weight.dtype not in HIGH_DTYPES + (torch.float64,):
-        raise ValueError(
-            p + f"weight must be a 2-D floating tensor, got {weight.dim()}-D {weight.dtype}"
-        )
+    w = check_weight_spec("te.quantize_weight: ", spec, scale, weight, 2)
     q = quantize_operand(w, weight, scale=scale_slots(scale, w.kind, 1)[0])
     data, data_t = (t.view(torch.uint8) if t.dtype in FP8_DTYPES else t for t in (q.data, q.data_t))
     # Fresh outputs (an op's outputs may not alias): per tensor, the copies share one scale;
@@ -212,8 +215,6 @@ def checked_weight_cast(
 
 @quantize_weight_op.register_fake
 def _quantize_weight_fake(weight, spec, scale):
-    w = check_weight_spec("te.quantize_weight: ", spec, scale)
-    if weight.dim() != 2:
-        raise ValueError("te.quantize_weight: needs a 2-D weight")
+    w = check_weight_spec("te.quantize_weight: ", spec, scale, weight, 2)
     shapes = _weight_shapes(w.kind, *weight.shape, w.block_rows, w.emulate)
     return [weight.new_empty(shape, dtype=dtype) for shape, dtype in shapes]

@@ -42,7 +42,7 @@ from te_compile.functional.dense_weight import (
     check_weight_spec,
     checked_weight_cast,
 )
-from te_compile.functional.gemm import HIGH_DTYPES, fp8_bytes
+from te_compile.functional.gemm import fp8_bytes
 from te_compile.functional.grouped_fp8 import per_tensor_weight
 from te_compile.functional.grouped_gemm import (
     GroupedRecipe,
@@ -83,14 +83,8 @@ def check_grouped_weight_operand(
 
 
 def _check(weight: Tensor, spec: str, scale: Tensor | None) -> QuantSpec:
-    p = "te.quantize_grouped_weight: "
-    w = check_weight_spec(p, spec, scale)
-    if weight.dim() != 3 or weight.dtype not in HIGH_DTYPES + (torch.float64,):
-        raise ValueError(
-            p + f"weight must be a 3-D floating tensor [num_gemms, out_features, in_features], "
-            f"got {weight.dim()}-D {weight.dtype}"
-        )
-    return w
+    layout = " [num_gemms, out_features, in_features]"
+    return check_weight_spec("te.quantize_grouped_weight: ", spec, scale, weight, 3, layout)
 
 
 @op("quantize_grouped_weight")
