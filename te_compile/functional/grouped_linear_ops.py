@@ -214,14 +214,12 @@ def scaled_grouped_linear_ref(
     scale: Tensor | None = None,
     fp8_wgrad: bool = False,
 ) -> Tensor:
-    """The per-tensor recipes' definition, differentiable (:class:`_RefGrouped`): current
-    scaling, or delayed with ``scale`` ``[3]``; ``fp8_wgrad``: the wgrad in FP8 too."""
-    splits = m_splits.tolist() if isinstance(m_splits, Tensor) else list(m_splits)
+    """The per-tensor recipes' definition, differentiable (:func:`_reference` of their specs):
+    current scaling, or delayed with ``scale`` ``[3]``; ``fp8_wgrad``: the wgrad in FP8 too."""
     kind = "current" if scale is None else "delayed"
-    x, g = QuantSpec(kind, fwd_dtype), QuantSpec(kind, bwd_dtype)
-    r = GroupedRecipe(x, x, g, BackwardSpec(fp8_wgrad=fp8_wgrad), scale)
-    out = _RefGrouped.apply(inp, weight, splits, r)
-    return out if bias is None else out + torch.repeat_interleave(bias, torch.tensor(splits), 0)
+    x, g = (QuantSpec(kind, dtype).encode() for dtype in (fwd_dtype, bwd_dtype))
+    args = (inp, as_splits_tensor(m_splits), weight, bias, None, x, x, g, scale)
+    return _reference(*args, None, None, BackwardSpec(fp8_wgrad=fp8_wgrad).encode())
 
 
 def _reference(*args):
