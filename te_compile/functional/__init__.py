@@ -1,6 +1,5 @@
 """Public functions over the ``torch.ops.te`` ops, one file per op family."""
 
-from te_compile.functional import quantize as _quantize_module  # noqa: F401  (registers ops)
 from te_compile.functional.activation import (
     ACTIVATIONS,
     GATED_ACTIVATIONS,
