@@ -64,7 +64,6 @@ from te_compile.kernels import runs_triton, submodule
 __all__ = [
     "TENSOR_FORMATS",
     "apply_rotary_pos_emb",
-    "rotary_bwd_ref",
     "rotary_frequencies",
     "rotary_ref",
     "token_positions",
@@ -195,11 +194,6 @@ def rotary_ref(
     else:
         yr = xr * f.cos() + _rotate(xr, interleaved) * f.sin()
     return torch.cat((yr, x[..., d2:]), dim=-1).to(t.dtype).contiguous()
-
-
-def rotary_bwd_ref(grad: Tensor, *args: object) -> Tensor:
-    """The gradient of :func:`rotary_ref` with respect to ``t`` (its ``backward``)."""
-    return rotary_ref(grad, *args, backward=True)
 
 
 def _seq_len(t: Tensor, tensor_format: str) -> int:

@@ -38,8 +38,9 @@ def _run_and_compare(t, freqs, cu, tensor_format, interleaved, cp, backward, con
         backward=backward,
         config=config,
     )
-    fn = ref.rotary_bwd_ref if backward else ref.rotary_ref
-    expected = fn(t.double(), freqs, cu, tensor_format, interleaved, *cp)
+    expected = ref.rotary_ref(
+        t.double(), freqs, cu, tensor_format, interleaved, *cp, backward=backward
+    )
     assert out.dtype == t.dtype and out.shape == t.shape and out.is_contiguous()
     assert_close(out, expected, t.dtype)
 
