@@ -116,13 +116,12 @@ def mlp_ref(*args) -> Tensor:
     a = MLPArgs(*args)
     x = norm_ref(a.inp, a.nrm)
     specs, ep = a.specs, a.ep
-    delayed = specs[0].kind == "delayed"
-    z = quantized_linear_ref(x, a.fc1_weight, *specs, a.scale1 if delayed else None)
+    z = quantized_linear_ref(x, a.fc1_weight, *specs, a.scale1)  # (a scale: delayed specs only)
     if ep.activation in GATED_ACTIVATIONS:
         h = gated_activation_ref(z, a.fc1_bias, ep.activation, *ep.params)
     else:
         h = activation_ref(z, a.fc1_bias, ep.activation)
-    out = quantized_linear_ref(h, a.fc2_weight, *specs, a.scale2 if delayed else None)
+    out = quantized_linear_ref(h, a.fc2_weight, *specs, a.scale2)
     return out if a.fc2_bias is None else out + a.fc2_bias
 
 
