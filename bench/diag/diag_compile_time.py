@@ -293,7 +293,10 @@ def main(argv: list[str] | None = None) -> int:
         result = run_child(args)
         args.json_child.write_text(json.dumps(result, indent=1))
         return 0
-    results = [run_row(row, args) for row in args.rows]
+    results = []
+    for row in args.rows:  # each row's line as it ends: a run stopped by a time limit keeps them
+        results.append(run_row(row, args))
+        print(*format_table(results[-1:]).splitlines()[2:], sep="\n", flush=True)
     print(format_table(results))
     for res in results:
         for st in res["steps"]:
