@@ -11,7 +11,7 @@
 # criterion over three seeds); the diagnostics of bench/diag/: loss_diag, diag_host,
 # diag_grouped_gemm, diag_grouped_delayed, diag_delayed_traced, diag_eager_host, diag_eager_pieces,
 # diag_norm_host, diag_kernels, diag_hf_step, diag_sdpa_choice, diag_launch,
-# diag_amax_passes, tune_norm, tune_rotary, tune_quantize[:part], tune_group_columns;
+# diag_amax_passes, compile_time, tune_norm, tune_rotary, tune_quantize[:part], tune_group_columns;
 # rope (bench_rope) and moe (bench_moe, MoE token routing), not in the default list;
 # moe_layer (examples/moe_layer.py under FP8) and hf_llama (the converted Llama's FP8 speed).
 # Each step writes one log under $OUT (a bench step also its .md/.json, --no-chart), packed into
@@ -141,6 +141,15 @@ runpy.run_path('examples/train_gpt.py', run_name='__main__')" "${tg[@]:1}" \
                           # _scaled_mm arguments, Inductor's reuses, errors against eager
       python3 -m bench.diag.diag_delayed_traced ${DIAG_ARGS:-} 2>&1 \
         | tee "$OUT/diag_delayed_traced.log" | tail -40 ;;
+    compile_time)  # the first compiled step's phases (bench/diag/diag_compile_time.py), with
+                   # the static launcher (te's default), then with Triton's (the variable at 0);
+                   # DIAG_ARGS default: h1024, torch bf16 and te FP8 current / delayed (more
+                   # than 100 s a launcher on an H200). Each row prints as it ends.
+      ct=(python3 -m bench.diag.diag_compile_time --device cuda
+          ${DIAG_ARGS:---size h1024 --rows torch-bf16 te-current te-delayed})
+      "${ct[@]}" 2>&1 | tee "$OUT/compile_time_static.log" | grep "^|"
+      TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS=0 "${ct[@]}" 2>&1 \
+        | tee "$OUT/compile_time_triton.log" | grep "^|" ;;
     diag_host)  # where the FP8 MLP step's time goes beyond its kernels (bench/diag/diag_host.py)
       python3 -m bench.diag.diag_host 2>&1 | tee "$OUT/diag_host.log" ;;
     tune_norm) python3 -m bench.diag.tune_norm 2>&1 | tee "$OUT/tune_norm.log" ;;
