@@ -112,8 +112,7 @@ __all__ = [
 _INF = float("inf")
 ACTIVATIONS = ("gelu", "qgelu", "relu", "srelu", "silu")
 GATED_ACTIVATIONS = (
-    "glu", "geglu", "qgeglu", "reglu", "sreglu", "swiglu", "clamped_swiglu", "situglu",
-)  # fmt: skip
+    "glu", "geglu", "qgeglu", "reglu", "sreglu", "swiglu", "clamped_swiglu", "situglu")  # fmt: skip
 # The activations of LayerNormMLP and GroupedMLP, as in Transformer Engine: situglu is a te.ops
 # activation only (those modules' activation_params have no slot for its betas).
 MODULE_ACTIVATIONS = tuple(a for a in (*ACTIVATIONS, *GATED_ACTIVATIONS) if a != "situglu")
@@ -617,5 +616,4 @@ def bias_activation(
     # gated op rejects with a message naming the argument (in eager and at trace time).
     return _gated(
         inp, bias, activation, glu_interleave_size, limit, alpha, glu_linear_offset,
-        "te.bias_activation",
-    )  # fmt: skip
+        "te.bias_activation")  # fmt: skip

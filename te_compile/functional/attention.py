@@ -285,8 +285,7 @@ def _plan(a: _Args) -> attention_cuda.Plan | None:
     plain = a.bias is None and a.alibi_slopes is None and a.q_padding is None and a.mask is None
     plan = attention_cuda.plan(
         a.query, a.key, a.value, plain, a.cu_seqlens_q is not None, a.cu_seqlens_kv is None,
-        a.window_left, a.window_right, a.bottom_right, a.dropout_p,
-    )  # fmt: skip
+        a.window_left, a.window_right, a.bottom_right, a.dropout_p)  # fmt: skip
     return None if plan.kind == "math" else plan
 
 
@@ -385,8 +384,7 @@ def attention_fwd(query: Tensor, key: Tensor, value: Tensor, bias: Tensor | None
     kernel_bias, row = _kernel_bias(a) if plan.uses_bias else (None, None)
     out, saved = attention_cuda.forward(
         plan, a.query, a.key, a.value, kernel_bias, row, a.cu_seqlens_q, a.cu_seqlens_kv, a.scale,
-        a.window_left, a.window_right, a.dropout_p, a.max_seqlen_q, a.max_seqlen_kv,
-    )  # fmt: skip
+        a.window_left, a.window_right, a.dropout_p, a.max_seqlen_q, a.max_seqlen_kv)  # fmt: skip
     return _in_layout(out, a.sbhd), saved
 
 
@@ -447,8 +445,7 @@ def attention_bwd(grad_out: Tensor, saved: list[Tensor], query: Tensor, key: Ten
     dq, dk, dv, dbias = attention_cuda.backward(
         plan, grad_out, a.query, a.key, a.value, out, saved, kernel_bias, row, bias_grad,
         a.cu_seqlens_q, a.cu_seqlens_kv, a.scale, a.window_left, a.window_right, a.dropout_p,
-        a.max_seqlen_q, a.max_seqlen_kv,
-    )  # fmt: skip
+        a.max_seqlen_q, a.max_seqlen_kv)  # fmt: skip
     if bias_grad:
         dbias = [_reduce_to(dbias.float(), a.bias.shape).to(a.bias.dtype).contiguous()]
     return *(_in_layout(x, a.sbhd) for x in (dq, dk, dv)), dbias or []
@@ -536,8 +533,7 @@ def dot_product_attention(
         query, key, value, attention_mask, qkv_format, attn_mask_type, window_size, cu_seqlens_q,
         cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, core_attention_bias_type,
         core_attention_bias, alibi_slopes, softmax_scale, dropout_p, rng_state, softmax_type,
-        softmax_offset,
-    )  # fmt: skip
+        softmax_offset)  # fmt: skip
     out, _ = _attention(*args)
     if qkv_format != "bshd":
         out = out[0] if qkv_format == "thd" else out.transpose(0, 1)

@@ -330,5 +330,4 @@ def op_arguments(
     bottom_right = mask_type not in ("causal", "padding_causal")
     return (
         q, k, v, bias, slopes, q_pad, kv_pad, mask, cu_q, cu_kv, rng_state if p > 0 else None,
-        sink, scale, left, right, bottom_right, p, max_q, max_kv, qkv_format == "sbhd",
-    )  # fmt: skip
+        sink, scale, left, right, bottom_right, p, max_q, max_kv, qkv_format == "sbhd")  # fmt: skip

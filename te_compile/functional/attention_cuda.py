@@ -230,35 +230,30 @@ def forward(p: Plan, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None,
     if p.kind == "cudnn":
         out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, True, 0.0, causal,
-            False, scale=scale,
-        )  # fmt: skip
+            False, scale=scale)  # fmt: skip
         return out.transpose(1, 2), [lse]
     qp, kp, vp = _padded(p, q, k, v)
     if p.kind == "flash":
         out, lse, *_ = torch.ops.aten._flash_attention_forward(
             qp, kp, vp, None, None, q.shape[1], k.shape[1], 0.0, causal, False,
-            scale=scale, **window,
-        )  # fmt: skip
+            scale=scale, **window)  # fmt: skip
         return out[..., :dv], [lse]
     if p.kind == "flash_varlen":
         out, lse, *_ = torch.ops.aten._flash_attention_forward(
             qp[0], kp[0], vp[0], cu_seqlens_q, cu_kv, max_seqlen_q, max_seqlen_kv, 0.0, causal,
-            False, scale=scale, **window,
-        )  # fmt: skip
+            False, scale=scale, **window)  # fmt: skip
         out = torch.where(_valid_tokens(cu_seqlens_q, out.shape[0]), out[..., :dv], 0.0)
         return out[None], [lse]
     kp, vp = expand_heads(kp, q.shape[2]), expand_heads(vp, q.shape[2])
     if p.kind == "efficient_varlen":
         out, lse, seed, offset, *_ = torch.ops.aten._efficient_attention_forward(
             qp, kp, vp, None, cu_seqlens_q, cu_kv, max_seqlen_q, max_seqlen_kv, dropout_p,
-            p.mask_type, True, scale=scale,
-        )  # fmt: skip
+            p.mask_type, True, scale=scale)  # fmt: skip
         out = torch.where(_valid_tokens(cu_seqlens_q, out.shape[1])[None], out[..., :dv], 0.0)
         return out, [lse, seed, offset] if dropout_p > 0 else [lse]
     out, lse, seed, offset, *_ = torch.ops.aten._efficient_attention_forward(
         qp, kp, vp, bias, None, None, None, None, dropout_p, max(p.mask_type, 0), True,
-        scale=scale,
-    )  # fmt: skip
+        scale=scale)  # fmt: skip
     out = out[..., :dv]
     if row_valid is not None:
         out = torch.where(row_valid.transpose(1, 2), out, 0.0)
@@ -284,8 +279,7 @@ def backward(p: Plan, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
         dq, dk, dvv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
             grad_out.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
             out.transpose(1, 2), saved[0], unused, unused, None, None, None, q.shape[1],
-            k.shape[1], 0.0, causal, scale=scale,
-        )  # fmt: skip
+            k.shape[1], 0.0, causal, scale=scale)  # fmt: skip
         return dq.transpose(1, 2), dk.transpose(1, 2), dvv.transpose(1, 2), None
     qp, kp, vp = _padded(p, q, k, v)
     outp, gp = _pad_last(out, vp.shape[-1]), _pad_last(grad_out, vp.shape[-1])
@@ -296,13 +290,11 @@ def backward(p: Plan, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
         if p.kind == "flash":
             dq, dk, dvv = torch.ops.aten._flash_attention_backward(
                 gp, qp, kp, vp, outp, lse, None, None, q.shape[1], k.shape[1], 0.0, causal,
-                rng, unused, scale=scale, **window,
-            )  # fmt: skip
+                rng, unused, scale=scale, **window)  # fmt: skip
             return dq[..., :d], dk[..., :d], dvv[..., :dv], None
         dq, dk, dvv = torch.ops.aten._flash_attention_backward(
             gp[0], qp[0], kp[0], vp[0], outp[0], lse, cu_seqlens_q, cu_kv, max_seqlen_q,
-            max_seqlen_kv, 0.0, causal, rng, unused, scale=scale, **window,
-        )  # fmt: skip
+            max_seqlen_kv, 0.0, causal, rng, unused, scale=scale, **window)  # fmt: skip
         vq, vk = _valid_tokens(cu_seqlens_q, dq.shape[0]), _valid_tokens(cu_kv, dk.shape[0])
         dq = torch.where(vq, dq[..., :d], 0.0)
         dk, dvv = torch.where(vk, dk[..., :d], 0.0), torch.where(vk, dvv[..., :dv], 0.0)
@@ -312,8 +304,7 @@ def backward(p: Plan, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
     if p.kind == "efficient_varlen":
         dq, dk, dvv, _ = torch.ops.aten._efficient_attention_backward(
             gp, qp, kp, vp, None, outp, cu_seqlens_q, cu_kv, max_seqlen_q, max_seqlen_kv, lse,
-            dropout_p, seed, offset, p.mask_type, False, scale=scale,
-        )  # fmt: skip
+            dropout_p, seed, offset, p.mask_type, False, scale=scale)  # fmt: skip
         vq, vk = _valid_tokens(cu_seqlens_q, dq.shape[1]), _valid_tokens(cu_kv, dk.shape[1])
         dq = torch.where(vq[None], dq[..., :d], 0.0)
         dk = torch.where(vk[None], sum_heads(dk, hk)[..., :d], 0.0)
@@ -323,7 +314,6 @@ def backward(p: Plan, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
         gp = torch.where(row_valid.transpose(1, 2), gp, 0.0)
     dq, dk, dvv, dbias = torch.ops.aten._efficient_attention_backward(
         gp, qp, kp, vp, bias, outp, None, None, q.shape[1], k.shape[1], lse, dropout_p, seed,
-        offset, max(p.mask_type, 0), bias_grad, scale=scale,
-    )  # fmt: skip
+        offset, max(p.mask_type, 0), bias_grad, scale=scale)  # fmt: skip
     dk, dvv = sum_heads(dk, hk), sum_heads(dvv, hk)
     return dq[..., :d], dk[..., :d], dvv[..., :dv], dbias if bias_grad else None

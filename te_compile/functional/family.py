@@ -63,15 +63,13 @@ def check_gemm_tensors(
     if not (
         isinstance(inp, Tensor) and isinstance(weight, Tensor)
         and (bias is None or isinstance(bias, Tensor))
-        and (main_grad is None or isinstance(main_grad, Tensor))
-    ):  # fmt: skip
+        and (main_grad is None or isinstance(main_grad, Tensor))):  # fmt: skip
         check_required(owner, inp=inp, **{names[0]: weight})
         check_tensors(owner, **{names[1]: bias, names[2]: main_grad})
     device = inp.device
     if (
         weight.device != device or (bias is not None and bias.device != device)
-        or (main_grad is not None and main_grad.device != device)
-    ):  # fmt: skip
+        or (main_grad is not None and main_grad.device != device)):  # fmt: skip
         tensors = dict(zip(names, (weight, bias, main_grad), strict=True))
         check_same_device(owner, "inp", inp, **tensors)
 

@@ -187,8 +187,7 @@ def _update(states: list, fp8_max: list[float], margin: int, algo: str) -> Tenso
     update(
         [(hist, s, dense(last), None if tail is None else dense(tail))
          for hist, s, last, tail in states],
-        out, _limit_runs(fp8_max), margin, algo == "max",
-    )  # fmt: skip
+        out, _limit_runs(fp8_max), margin, algo == "max")  # fmt: skip
     return out
 
 

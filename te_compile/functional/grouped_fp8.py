@@ -133,8 +133,7 @@ def quantize_group_columns(
 
 def _gemm_wgrad(
     dyt: Tensor, dys: Tensor, xt: Tensor, xs: Tensor, pad_ends: Tensor, native: bool, dtype,
-    main_grad: Tensor | None, fast: bool = False,
-):  # fmt: skip
+    main_grad: Tensor | None, fast: bool = False):  # fmt: skip
     """The FP8 wgrad ``dW_g = (dY_g^T diag(dys_g)) (diag(xs_g) X_g)`` from the operands of
     :func:`quantize_group_columns` (grouped along their columns by ``pad_ends``): ``[G, N, K]``, or
     0-element where added to ``main_grad``. ``native``: the ``"scaled_grouped_mm"`` GEMM, else the
@@ -154,8 +153,7 @@ def _gemm_wgrad(
 
 def _quantize(
     x: Tensor, fp8_dtype: torch.dtype, scale: Tensor | None, measure: bool, e4m3_codes=False,
-    slot: tuple[Tensor, int] | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    slot: tuple[Tensor, int] | None = None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """``(data, scale_inv, amax)`` of ``x`` cast along its last dim, ``scale_inv`` one per row:
     the row-scaled ``"current"`` (``scale`` None) or ``"delayed"`` row of
     ``functional.gemm.quantize_operand`` (``e4m3_codes`` and ``slot`` passed on). ``amax``:

@@ -487,8 +487,7 @@ def _backward(ctx, bwd, grad_out, _grad_saved):
     dinp, dweight, dbias = bwd(
         grad_out.contiguous(), saved, inp, m_splits, weight, main_grad, scale, grad_amax,
         rng_state, *ctx.scalars, has_bias, need_dgrad, need_wgrad,
-        *(() if stash is None else (stash,)),
-    )  # fmt: skip
+        *(() if stash is None else (stash,)))  # fmt: skip
     dweight = dweight if need_wgrad and main_grad is None and stash is None else None
     grads = (dinp if need_dgrad else None, None, dweight, dbias if has_bias else None)
     return grads + (None,) * (len(need) - 4)
@@ -553,8 +552,7 @@ def grouped_linear(
     if (
         any(specs) or scale is not None or grad_amax is not None or rng_state is not None
         or fp8_wgrad or stash is not None or save_original_input or weight_quantized is not None
-        or backward_override or overwrite_main_grad is not False
-    ):  # fmt: skip
+        or backward_override or overwrite_main_grad is not False):  # fmt: skip
         flags = {"fp8_wgrad": fp8_wgrad, "save_original_input": save_original_input}
         check_bool("te.grouped_linear", **flags, overwrite_main_grad=overwrite_main_grad)
         check_overwrite("te.grouped_linear", overwrite_main_grad, main_grad)

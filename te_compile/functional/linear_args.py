@@ -70,8 +70,7 @@ class LinearArgs(NamedTuple):
             or self.backward or self.scale is not None or self.grad_amax is not None
             or self.rng_state is not None or self.norm_weight is not None
             or self.norm_bias is not None or self.residual is not None
-            or self.weight_q is not None or self.wgrad_stash is not None
-        )  # fmt: skip
+            or self.weight_q is not None or self.wgrad_stash is not None)  # fmt: skip
 
     @property
     def nrm(self) -> Norm:

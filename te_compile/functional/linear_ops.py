@@ -264,8 +264,7 @@ def linear_bwd(
     return _backward_op(
         (grad, grad_branch, saved, inp, weight, bias, main_grad, scale, grad_amax, norm_weight,
          rng_state, input_spec, weight_spec, grad_spec, norm, epilogue, need_dbias, need_dgrad,
-         need_wgrad, wgrad_stash), cuda=False,
-    )  # fmt: skip
+         need_wgrad, wgrad_stash), cuda=False)  # fmt: skip
 
 
 def _bwd_args(args: tuple) -> tuple[tuple, tuple, Tensor | None]:
@@ -359,8 +358,7 @@ def _for_backward(a: LinearArgs, saved: list[Tensor]) -> tuple[tuple, tuple]:
         a.main_grad, a.scale, a.grad_amax,
         a.norm_weight if normed else None,
         a.rng_state,
-        *saved,
-    )  # fmt: skip
+        *saved)  # fmt: skip
     specs = ("", "", "") if override else (a.input_spec, a.weight_spec, a.grad_spec)
     norm = a.norm
     if normed and a.norm_bias is not None:
@@ -382,8 +380,7 @@ def _backward(ctx, bwd, grad, grad_branch, _grad_saved):
     dinp, dweight, dbias, *dnorm = bwd(
         grad.contiguous(), grad_branch, saved, inp, weight, bias, main_grad, scale, grad_amax,
         norm_weight, rng_state, *ctx.scalars, need_dbias, need[0] or need_norm, need[1],
-        *(() if stash is None else (stash,)),
-    )  # fmt: skip
+        *(() if stash is None else (stash,)))  # fmt: skip
     grads = [None] * len(need)
     grads[0] = dinp if need[0] else None
     grads[1] = dweight if need[1] and main_grad is None and stash is None else None
@@ -512,13 +509,11 @@ def linear(
         or norm_weight is not None or norm_bias is not None or weight_quantized is not None
         or norm_eps != 1e-5 or zero_centered_gamma is not False or glu_interleave_size is not None
         or limit != 7.0 or alpha != 1.702 or glu_linear_offset != 1.0 or out_scale != 1.0
-        or overwrite_main_grad is not False
-    ):  # fmt: skip
+        or overwrite_main_grad is not False):  # fmt: skip
         norm, epilogue, backward = _scalar_specs(
             normalization, norm_eps, zero_centered_gamma, activation, glu_interleave_size,
             limit, alpha, glu_linear_offset, out_scale, return_branch, backward_override,
-            save_original_input, overwrite_main_grad,
-        )  # fmt: skip
+            save_original_input, overwrite_main_grad)  # fmt: skip
         check_overwrite("te.linear", overwrite_main_grad, main_grad)
         check_tensors("te.linear", scale=scale, grad_amax=grad_amax, norm_weight=norm_weight,
                       norm_bias=norm_bias, residual=residual)  # fmt: skip

@@ -155,8 +155,7 @@ def _act_operand(spec: QuantSpec, z, bias, grad, ep: EpilogueSpec, scale, rows, 
 
         data, s, data_t, s_t, dbias = act_quantize_block(
             z, bias, grad, activation, fp8_dtype, rows, need_dbias, spec.power_2_scale,
-            mn_major=(True, True),
-        )  # fmt: skip
+            mn_major=(True, True))  # fmt: skip
         return Operand(data, s, data_t, s_t, z.new_empty(0, dtype=torch.float32)), dbias
     if grad is None:
         v, dbias = activation_forward(z[:rows], bias, activation, *ep.params), None
@@ -237,8 +236,7 @@ def mlp_fwd(
     w2_copy = [] if q2 is not None else [fp8_bytes(w2q.data_t), w2q.scale_t]
     saved = [
         fp8_bytes(xq.data_t), _saved_scale(xs, xq.scale_t), *w1_copy, z,
-        fp8_bytes(hq.data_t), _saved_scale(xs, hq.scale_t), *w2_copy, *stats,
-    ]  # fmt: skip
+        fp8_bytes(hq.data_t), _saved_scale(xs, hq.scale_t), *w2_copy, *stats]  # fmt: skip
     if bits is not None:
         saved.append(bits)
     elif recipe in PER_TENSOR:
@@ -396,8 +394,7 @@ def _setup_context(ctx, inputs, output) -> None:
     tensors = (
         a.inp if hp or normed else None, a.fc1_weight if hp else None, a.fc1_bias,
         a.fc2_weight if hp else None, a.scale1, a.scale2, a.grad_amax1, a.grad_amax2,
-        a.main_grad1, a.main_grad2, a.norm_weight if normed else None, *saved,
-    )  # fmt: skip
+        a.main_grad1, a.main_grad2, a.norm_weight if normed else None, *saved)  # fmt: skip
     # The gradient amax and main_grad buffers (positions 6 to 9): written by the backward.
     save_for_backward_except_written(ctx, tensors, (6, 7, 8, 9))
     norm = a.norm
@@ -423,8 +420,7 @@ def _backward(ctx, bwd, grad, _grad_saved):
     mg1, mg2 = mg1 if need[1] else None, mg2 if need[3] else None  # (as te::linear's)
     dinp, dw1, db1, dw2, db2, dnw, dnb = bwd(
         grad.contiguous(), saved, inp, w1, b1, w2, s1, s2, ga1, ga2, mg1, mg2, norm_weight,
-        *ctx.scalars, need_db2, need[0] or need_norm,
-    )  # fmt: skip
+        *ctx.scalars, need_db2, need[0] or need_norm)  # fmt: skip
     grads = [None] * len(need)
     grads[:5] = [
         dinp if need[0] else None,
@@ -519,8 +515,7 @@ def mlp(
         grad_amax1, grad_amax2, norm, norm_weight, norm_bias,
         None if fc1_weight_quantized is None else list(fc1_weight_quantized),
         None if fc2_weight_quantized is None else list(fc2_weight_quantized), main_grad1,
-        main_grad2,
-    )  # fmt: skip
+        main_grad2)  # fmt: skip
     if not return_amax:
         return out
     per_tensor = specs[0].startswith(PER_TENSOR)  # (a str: the op took it)

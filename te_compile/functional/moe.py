@@ -484,8 +484,7 @@ def moe_unpermute(
     prefix = "te.moe_unpermute"
     check_tensor_args(
         prefix, ("merging_probs", "probs"), inp=inp, row_id_map=row_id_map,
-        merging_probs=merging_probs, probs=probs,
-    )  # fmt: skip
+        merging_probs=merging_probs, probs=probs)  # fmt: skip
     if restore_shape is not None and not (
         isinstance(restore_shape, (tuple, list, torch.Size))
         and all(isinstance(d, (int, torch.SymInt)) for d in restore_shape)

@@ -241,8 +241,7 @@ def _bad(cls: type, name: str, text: str, why: str) -> ValueError:
 _FIELDS: dict[type, tuple[tuple[str, Any, dict[str, Any]], ...]] = {
     cls: tuple((f.name, f.default, {**f.metadata, "tokens": {v: k for k, v in
                 f.metadata.get("choices", {}).items()}}) for f in dataclasses.fields(cls))
-    for cls in (QuantSpec, NormSpec, EpilogueSpec, BackwardSpec)
-}  # fmt: skip
+    for cls in (QuantSpec, NormSpec, EpilogueSpec, BackwardSpec)}  # fmt: skip
 
 
 @functools.lru_cache(maxsize=1024)

@@ -416,8 +416,7 @@ def _grad(outs, ins, grad_outputs, allow_unused: bool, retain_graph: bool) -> tu
 
 def _capture(
     callables, schedule, specs, regions, calibrate_off, *, num_warmup_iters, allow_unused_input,
-    pool, retain_graph, clone_param_grads, hooks, stream,
-) -> list[Callable]:  # fmt: skip
+    pool, retain_graph, clone_param_grads, hooks, stream) -> list[Callable]:  # fmt: skip
     training = all(c.training for c in callables if isinstance(c, nn.Module))
     of = schedule.callable_of
     graphs = []

@@ -687,8 +687,7 @@ class FP8MasterWeights:
                     local = codes.float() * getattr(module, f"{name}_scale_inv")
                     master = type(param.data).from_local(
                         local, param.device_mesh, param.placements, shape=param.shape,
-                        stride=param.stride(),
-                    )  # fmt: skip
+                        stride=param.stride())  # fmt: skip
                     # FSDP2 wants one dtype among the parameters that require grad; the
                     # gradient goes to the sharded main_grad, sink.grad (primary_weight).
                     param.requires_grad_(False)
@@ -732,8 +731,7 @@ class FP8MasterWeights:
             else:  # this rank's shard, reduce-scattered during the backward
                 e.master.grad = type(e.master.data).from_local(
                     main_grad, e.master.device_mesh, e.master.placements,
-                    shape=e.master.shape, stride=e.master.stride(),
-                )  # fmt: skip
+                    shape=e.master.shape, stride=e.master.stride())  # fmt: skip
         optimizer.step()
         self.refresh()
         for e in self._entries:

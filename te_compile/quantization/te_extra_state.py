@@ -36,8 +36,7 @@ _TE_RECIPE_MODULE = "transformer_engine.common.recipe"
 _TE_RECIPE_NAMES = frozenset(
     {"DelayedScaling", "Float8CurrentScaling", "MXFP8BlockScaling", "Float8BlockScaling",
      "NVFP4BlockScaling", "Recipe", "Format", "_FormatHelper", "_OverrideLinearPrecision",
-     "MMParams", "QParams"}
-)  # fmt: skip
+     "MMParams", "QParams"})  # fmt: skip
 _DELAYED_KEYS = ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd")
 
 
