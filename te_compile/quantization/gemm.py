@@ -275,11 +275,12 @@ def recipe_specs(recipe: Recipe) -> tuple[QuantSpec, QuantSpec, QuantSpec]:
 
 
 def _memoised(recipe: Recipe, key: Any, make: Callable[..., Any], *args: Any, **kw: Any) -> Any:
-    """``make(*args, **kw)``, kept in ``recipe``'s memo under ``key`` in eager calls; under
-    dynamo, which specialises on the recipe, built in the graph (``dataclasses.replace`` only
-    where a spec changes: dynamo traces each one, ~10 ms of a compile)."""
-    if torch.compiler.is_compiling():
-        return make(*args, **kw)
+    """``make(*args, **kw)``, kept in ``recipe``'s memo under ``key`` in eager calls. Dynamo
+    (which specialises on the recipe) reads the ``"specs"`` that ``Recipe.derive`` made and
+    builds the rest in the graph (tracing a spec's construction costs ~10 ms)."""
+    if torch.compiler.is_compiling():  # (no truth test: a len() guard would follow the memo)
+        specs = recipe.__dict__.get("_memo", {}).get("specs") if key == "specs" else None
+        return specs if specs is not None else make(*args, **kw)
     memo = recipe.memo()
     if (out := memo.get(key)) is None:
         out = memo[key] = make(*args, **kw)
@@ -320,6 +321,9 @@ def _recipe_specs(recipe: Recipe) -> tuple[QuantSpec, QuantSpec, QuantSpec]:
     tiles = 32 if recipe.mxfp8() and recipe.enable_2d_quantization else 1
     return (QuantSpec(kind, fwd, **kw), QuantSpec(kind, fwd, tiles, **kw),
             QuantSpec(kind, bwd, **kw))  # fmt: skip
+
+
+Recipe.derive = _recipe_specs
 
 
 # The per-operand QParams fields of a recipe (input, weight, gradient: ``ROLES``), and the

@@ -42,6 +42,7 @@ refused, not ignored (``quantization.gemm.recipe_specs`` names the field).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import math
@@ -202,6 +203,9 @@ class Recipe:
     # flag -> (QParams option, the QParams fields it sets, whether the option is the flag's
     # negation). Applied at construction (TE's ``__post_init__``) and whenever the flag is set.
     _qparam_flags: ClassVar[dict[str, tuple[str, tuple[str, ...], bool]]] = {}
+    # ``quantization.gemm``'s specs of a recipe, made at construction and at each field set
+    # (eagerly): compiled code reads them from the memo, where they never appear or go.
+    derive: ClassVar[Callable[[Recipe], Any] | None] = None
 
     def __post_init__(self) -> None:
         if type(self) is Recipe:
@@ -213,6 +217,13 @@ class Recipe:
             self._apply_flag(flag)
         self._validate()
         object.__setattr__(self, "_constructed", True)
+        self._derive()
+
+    def _derive(self) -> None:
+        self.__dict__.pop("_memo", None)  # what was derived from the old values
+        if Recipe.derive is not None and not torch.compiler.is_compiling():
+            with contextlib.suppress(Exception):  # (an error is raised where it is read)
+                self.memo()["specs"] = Recipe.derive(self)
 
     def _apply_flag(self, flag: str) -> None:
         """Set the option ``flag`` governs in each per-operand QParams it covers."""
@@ -232,7 +243,6 @@ class Recipe:
         if not self._constructed:  # the dataclass __init__
             object.__setattr__(self, name, value)
             return
-        self.__dict__.pop("_memo", None)  # what was derived from the old values
         if name not in type(self)._field_names:
             raise AttributeError(
                 f"{type(self).__name__} has no field {name!r}; its fields are "
@@ -251,11 +261,13 @@ class Recipe:
             for n, v in zip(names, old, strict=True):
                 object.__setattr__(self, n, v)
             raise
+        finally:
+            self._derive()
 
     def memo(self) -> dict[Any, Any]:
-        """A dict of values derived from this recipe's fields alone, for eager callers to keep
-        (``quantization.gemm`` keeps its specs here rather than rebuilding them every GEMM
-        call); emptied whenever a field is set. Not a field: not compared, not printed."""
+        """A dict of values derived from this recipe's fields alone, for eager callers to keep;
+        emptied whenever a field is set, but for :attr:`derive`'s ``"specs"``, made again. Not a
+        field: not compared, not printed."""
         return self.__dict__.setdefault("_memo", {})
 
     def _validate(self) -> None:

@@ -424,7 +424,7 @@ def test_field_set_under_a_compiled_function_recompiles():
 
 def test_field_set_after_a_forward_applies_to_the_next():
     """Eager GEMM calls keep what they derive from a recipe in its memo (``Recipe.memo``: the
-    specs, built once rather than per call); setting a field empties it, so the next forward
+    specs, built once rather than per call); setting a field rebuilds it, so the next forward
     quantises as the new value says, bit for bit as a recipe built with that value."""
     torch.manual_seed(0)
     m = te.Linear(64, 16, params_dtype=torch.float32)
@@ -432,9 +432,11 @@ def test_field_set_after_a_forward_applies_to_the_next():
     recipe = Float8CurrentScaling()
     with te.autocast(recipe=recipe):
         m(x)
-        assert recipe.memo()  # filled by the forward
+        assert len(recipe.memo()) > 1  # the specs, and what the forward kept
+        assert recipe.memo()["specs"][2].fp8_dtype is torch.float8_e5m2  # HYBRID's gradient
         recipe.fp8_format = Format.E4M3
-        assert not recipe.memo()
+        assert list(recipe.memo()) == ["specs"]  # made again from the new value alone
+        assert recipe.memo()["specs"][2].fp8_dtype is torch.float8_e4m3fn
         out = m(x)
     with te.autocast(recipe=Float8CurrentScaling(fp8_format=Format.E4M3)):
         torch.testing.assert_close(out, m(x), rtol=0, atol=0)
