@@ -271,16 +271,19 @@ def recipe_specs(recipe: Recipe) -> tuple[QuantSpec, QuantSpec, QuantSpec]:
     place a recipe's fields are read (:func:`gemm_args`, ``te_compile.quantize``,
     ``ops.Quantize``, FP8 primary weights). MXFP8 and NVFP4 GEMMs are emulated (native ones
     need Blackwell); Float8BlockScaling's are native (:func:`gemm_args` may emulate them)."""
+    if torch.compiler.is_compiling():  # Recipe.derive's, made eagerly: read, not traced
+        specs = recipe.__dict__.get("_memo", {}).get("specs")  # (no truth test: a len() guard)
+        if specs is not None:
+            return specs
     return _memoised(recipe, "specs", _recipe_specs, recipe)
 
 
 def _memoised(recipe: Recipe, key: Any, make: Callable[..., Any], *args: Any, **kw: Any) -> Any:
-    """``make(*args, **kw)``, kept in ``recipe``'s memo under ``key`` in eager calls. Dynamo
-    (which specialises on the recipe) reads the ``"specs"`` that ``Recipe.derive`` made and
-    builds the rest in the graph (tracing a spec's construction costs ~10 ms)."""
-    if torch.compiler.is_compiling():  # (no truth test: a len() guard would follow the memo)
-        specs = recipe.__dict__.get("_memo", {}).get("specs") if key == "specs" else None
-        return specs if specs is not None else make(*args, **kw)
+    """``make(*args, **kw)``, kept in ``recipe``'s memo under ``key`` in eager calls; under
+    dynamo, which specialises on the recipe, built in the graph (``dataclasses.replace`` only
+    where a spec changes: dynamo traces each one, ~10 ms of a compile)."""
+    if torch.compiler.is_compiling():
+        return make(*args, **kw)
     memo = recipe.memo()
     if (out := memo.get(key)) is None:
         out = memo[key] = make(*args, **kw)
