@@ -317,7 +317,14 @@ def test_forward_backward_vs_reference_eager_and_compiled(name, part, device, re
     # cache; tests/test_trace_through.py and the module tests compile with it on the CPU.
     inductor = device == "cuda" or request.config.getoption("--long-runs")
     backend = "inductor" if inductor else "aot_eager"
+    # Dynamic shapes for every sample on CUDA and with --long-runs; on the CPU by default only
+    # for the high-precision ones: tracing the quantised samples' emulated math symbolically
+    # took two thirds of this test's time there (the quantisers' dynamic compiles are in
+    # tests/functional/test_quantize.py and test_quantize_mx.py).
     compiled, counter = compile_counted(lambda *a: dop(*a), backend=backend, dynamic=True)
+    static = compiled  # (a function of its own: dynamo caches graphs per code object)
+    if not inductor:
+        static = torch.compile(lambda *a: dop(*a), backend=counter, fullgraph=True, dynamic=False)
     # On the CPU by default, of the quantised samples only the first of each recipe kind is
     # also compiled, NVFP4's not at all (tracing the emulated block-scaled math of each is most
     # of this file's time; NVFP4's quantisers compile with Inductor in
@@ -328,7 +335,7 @@ def test_forward_backward_vs_reference_eager_and_compiled(name, part, device, re
     for i, sample in enumerate(_part(name, device, part), start=part * _part_size(name)):
         kind = _recipe_kind(name, sample)
         sampled = kind is None or (i in first and kind not in _CPU_EAGER_ONLY)
-        runs = (dop, compiled)
+        runs = (dop, compiled if kind is None else static)
         if not inductor and (name in _CPU_EAGER_ONLY_OPS or not sampled):
             runs = (dop,)
         n_compiled += len(runs) - 1

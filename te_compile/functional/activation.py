@@ -183,21 +183,25 @@ def _with_bias(inp: Tensor, bias: Tensor | None) -> Tensor:
     return inp.to(acc) if bias is None else inp.to(acc) + bias.to(acc)
 
 
+def _glu_columns(h: int, k: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Column indices of the activation and the linear half of ``[..., 2 h]`` in either layout
+    (``k == 0``: contiguous halves, the interleaved layout with ``k = h``). Indices, not views of
+    ``[..., h // k, 2, k]`` blocks: under dynamic shapes their symbolic proofs cost more than the
+    math."""
+    k, j = k or max(h, 1), torch.arange(h, device=device)
+    a = j // k * (2 * k) + j % k
+    return a, a + k
+
+
 def _split_glu(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """(activation half, linear half) of ``x`` in either layout; ``k == 0``: contiguous halves,
-    which is the interleaved layout with ``k = H``."""
-    h = x.shape[-1] // 2
-    k = k or max(h, 1)
-    blocks = x.reshape(*x.shape[:-1], h // k, 2, k)
-    return blocks[..., 0, :].reshape(*x.shape[:-1], h), blocks[..., 1, :].reshape(*x.shape[:-1], h)
+    cols = _glu_columns(x.shape[-1] // 2, k, x.device)
+    return x.index_select(-1, cols[0]), x.index_select(-1, cols[1])
 
 
 def _merge_glu(a: Tensor, lin: Tensor, k: int) -> Tensor:
-    """Inverse of :func:`_split_glu`."""
-    lead, h = a.shape[:-1], a.shape[-1]
-    k = k or max(h, 1)
-    blocks = torch.stack((a.reshape(*lead, h // k, k), lin.reshape(*lead, h // k, k)), dim=-2)
-    return blocks.reshape(*lead, 2 * h)
+    out, cols = a.new_empty(*a.shape[:-1], 2 * a.shape[-1]), _glu_columns(a.shape[-1], k, a.device)
+    out[..., cols[0]], out[..., cols[1]] = a, lin
+    return out
 
 
 def activation_ref(inp: Tensor, bias: Tensor | None, activation: str) -> Tensor:

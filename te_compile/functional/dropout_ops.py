@@ -57,8 +57,7 @@ def _mulhilo(a: int, b: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def philox4x32(
-    counter: tuple[Tensor, Tensor, Tensor, Tensor],
-    key: tuple[Tensor, Tensor],
+    counter: tuple[Tensor, Tensor, Tensor, Tensor], key: tuple[Tensor, Tensor]
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Philox4x32-10 on int64 tensors holding 32-bit words (broadcasting); returns four words."""
     c0, c1, c2, c3 = counter

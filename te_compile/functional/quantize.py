@@ -443,11 +443,7 @@ def dequantize_tensorwise(
 
 @op("dequantize_blockwise")
 def dequantize_blockwise(
-    data: Tensor,
-    scale_inv: Tensor,
-    block_rows: int,
-    fp8_dtype: torch.dtype,
-    out_dtype: torch.dtype,
+    data: Tensor, scale_inv: Tensor, block_rows: int, fp8_dtype: torch.dtype, out_dtype: torch.dtype
 ) -> Tensor:
     """``data`` (the uint8 bytes of ``fp8_dtype`` values) times ``scale_inv`` per block of the
     ``[M, K]`` view (``block_rows x 128``), rounded to ``out_dtype``; ``data``'s shape."""
