@@ -96,10 +96,21 @@ def test_bias_elementwise(activation, dtype):
     _check(activation, (2, 3, 40), dtype, bias=True)
 
 
-@pytest.mark.parametrize("k", [0, 1, 2, 8, 32])
-@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
-@pytest.mark.parametrize("activation", GATED_ACTIVATIONS)
-def test_gated(activation, bias, k):
+# Every gated activation in every layout (k = 0: contiguous halves), with a bias in half of
+# them: each activation and each layout both with and without one.
+_GATED_CASES = [
+    (a, k, (i + j) % 2 == 1)
+    for i, a in enumerate(GATED_ACTIVATIONS)
+    for j, k in enumerate([0, 1, 2, 8, 32])
+]
+
+
+@pytest.mark.parametrize(
+    ("activation", "k", "bias"),
+    _GATED_CASES,
+    ids=[f"{a}-k{k}-{'bias' if b else 'nobias'}" for a, k, b in _GATED_CASES],
+)
+def test_gated(activation, k, bias):
     # H = 64 output columns; the small tiles cut the columns into 4 blocks and rows into 3.
     params = PARAMS.get(activation, {})
     _check(activation, (5, 128), torch.float32, bias=bias, k=k, config=SMALL_ROWS, **params)
