@@ -13,7 +13,7 @@ import torch
 
 import te_compile as te
 from te_compile.convert import _default_dtype as default_dtype
-from tests.utils import assert_close, compile_counted
+from tests.utils import assert_close, behaviour_backend, compile_counted
 
 transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed (pip install 'te-compile[hf]')"
@@ -169,7 +169,7 @@ def test_converted_model_trains_compiled_without_breaks():
         logits = ours(ids[:, :-1])
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
 
-    compiled, counter = compile_counted(step)
+    compiled, counter = compile_counted(step, backend=behaviour_backend())
     losses = []
     for _ in range(4):
         ids = torch.randint(0, SMALL["vocab_size"], (2, 17))

@@ -13,7 +13,7 @@ import torch
 import torch.utils.checkpoint
 
 import te_compile as te
-from tests.utils import assert_matches_eager, compile_counted
+from tests.utils import assert_matches_eager, behaviour_backend, compile_counted
 
 
 def _qkv(s=5, b=2, h=4, hk=2, d=8, dv=None, seed=0):
@@ -125,7 +125,7 @@ def test_checkpointed_module_gives_identical_gradients():
 def test_compiled_module_one_frame_for_new_sizes():
     torch._dynamo.reset()
     attn = te.DotProductAttention(4, 8, num_gqa_groups=2, attn_mask_type="causal_bottom_right")
-    compiled, counter = compile_counted(attn, dynamic=True)
+    compiled, counter = compile_counted(attn, backend=behaviour_backend(), dynamic=True)
     # The first call's sizes differ from the head counts and dims: dynamo's duck sizing would tie
     # a size equal to a (guarded, static) head count to it.
     for s_q, s_kv, b in ((5, 7, 3), (6, 9, 2), (3, 4, 5)):
@@ -210,7 +210,7 @@ def test_compiled_module_with_learnable_sink():
     for dtype in (torch.float32, torch.bfloat16):
         torch._dynamo.reset()
         module = attn.to(dtype)
-        compiled, counter = compile_counted(module)
+        compiled, counter = compile_counted(module, backend=behaviour_backend())
         q, k, v = (x.detach().to(dtype).requires_grad_() for x in _qkv(seed=5))
         y = compiled(q, k, v)
         y.sum().backward()

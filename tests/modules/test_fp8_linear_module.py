@@ -23,6 +23,7 @@ from tests.utils import (
     GraphRecorder,
     assert_close,
     assert_matches_eager,
+    behaviour_backend,
     compile_counted,
     gemm_specs,
     requires_cuda,
@@ -134,7 +135,9 @@ def test_compiled_delayed_step_matches_eager_with_autocast_inside(device, calibr
         for model in (eager, compiled_model):
             step(model, _x(device)).float().square().mean().backward()
         assert compiled_model.fp8_meta.calibrated
-    compiled, counter = compile_counted(lambda x: step(compiled_model, x))
+    compiled, counter = compile_counted(
+        lambda x: step(compiled_model, x), backend=behaviour_backend(device)
+    )
     for i in range(start, start + 3):
         x = _x(device, i)
         y_c, y_e = compiled(x), step(eager, x)

@@ -13,6 +13,7 @@ from tests.utils import (
     DEVICES,
     GraphRecorder,
     assert_close,
+    behaviour_backend,
     compile_counted,
     count_graph_breaks,
     to_reference,
@@ -90,7 +91,7 @@ def test_compiled_training_step_matches_eager(device):
     m2, _ = _pair(device=device)
     m2.load_state_dict(m.state_dict())
     step = lambda mod, x: mod(torch.relu(mod(x) @ torch.ones(8, 16, device=device))).sum()  # noqa: E731
-    compiled, counter = compile_counted(step, dynamic=True)
+    compiled, counter = compile_counted(step, backend=behaviour_backend(device), dynamic=True)
     for n in (4, 7, 9):  # varying batch: one dynamic graph, no recompiles past the first
         x = torch.randn(n, 16, device=device)
         step(m, x).backward()

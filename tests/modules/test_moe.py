@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import te_compile as te
-from tests.utils import DEVICES, GraphRecorder, assert_close, compile_counted
+from tests.utils import DEVICES, GraphRecorder, assert_close, behaviour_backend, compile_counted
 
 # Ops that copy a device value to the host (a sync on CUDA) or give data-dependent shapes.
 HOST_SYNC_OPS = ("_local_scalar_dense", "aten.item", "nonzero", "bincount", "unique", ".tolist")
@@ -50,7 +50,7 @@ def test_training_step_compiles_once_and_matches_eager(device):
     compiled_model = MoE(8, 32, 64, glu_interleave_size=8, device=device)
     compiled_model.load_state_dict(eager.state_dict())
     # The forward and (through AOTAutograd) the backward graph are compiled.
-    compiled, counter = compile_counted(compiled_model)
+    compiled, counter = compile_counted(compiled_model, backend=behaviour_backend(device))
     splits_seen = set()
     for i in range(4):
         x = torch.randn(48, 32, device=device) * (1 + i)

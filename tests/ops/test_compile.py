@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from te_compile import ops
-from tests.utils import DEVICES, GraphRecorder, assert_close, compile_counted
+from tests.utils import DEVICES, GraphRecorder, assert_close, behaviour_backend, compile_counted
 
 # (id, Sequential factory, number of extra inputs of shape [..., 8] after the [..., 16] input)
 MODELS = [
@@ -48,10 +48,7 @@ def _fwd_bwd(fn, inputs):
 def test_compiles_without_graph_breaks_and_matches_eager(make, n_extra, device):
     torch.manual_seed(0)
     seq = make().to(device)
-    # Inductor on CUDA; on the CPU AOTAutograd's graphs (graph breaks and recompiles are
-    # dynamo's; each op family's tests compile its CPU path with Inductor).
-    backend = "inductor" if device == "cuda" else "aot_eager"
-    compiled, counter = compile_counted(seq, backend=backend, dynamic=True)
+    compiled, counter = compile_counted(seq, backend=behaviour_backend(device), dynamic=True)
     frames = []
     for rows in (6, 10):  # two batch sizes, no recompilation
         inputs = _inputs(rows, n_extra, device)

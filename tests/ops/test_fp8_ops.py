@@ -25,6 +25,7 @@ from tests.ops.test_fusions import _TeOps
 from tests.utils import (
     DEVICES,
     assert_close,
+    behaviour_backend,
     chain_roundings,
     compile_counted,
     gemm_specs,
@@ -66,7 +67,9 @@ def test_basic_linear_delayed_scaling_state_and_compiled_step(device):
         with autocast(recipe=recipe):
             return model(x)
 
-    compiled, counter = compile_counted(lambda x: step(compiled_model, x))
+    compiled, counter = compile_counted(
+        lambda x: step(compiled_model, x), backend=behaviour_backend(device)
+    )
     for i in range(3):
         x = _x(device, step=i)
         y_c, y_e = compiled(x), step(eager, x)

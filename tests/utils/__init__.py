@@ -384,6 +384,14 @@ class FrameCounter(torch._dynamo.testing.CompileCounterWithBackend):
         return compiled
 
 
+def behaviour_backend(device: str | torch.device = "cpu") -> str:
+    """The backend of a test whose subject is a module's behaviour under compile (one graph, no
+    recompile, eager's values), not Inductor's code: Inductor on CUDA, AOTAutograd's graphs on
+    the CPU (the same trace, fakes and saved tensors; Inductor's CPU code is the subject of
+    tests/test_trace_through.py and of each op family's compile tests, docs/testing.md)."""
+    return "inductor" if torch.device(device).type == "cuda" else "aot_eager"
+
+
 def compile_counted(fn: Callable, backend: str = "inductor", **compile_kwargs: Any):
     """``torch.compile(fn, fullgraph=True, ...)`` and a :class:`FrameCounter`."""
     counter = FrameCounter(backend)
