@@ -314,7 +314,7 @@ def test_forward_backward_vs_reference_eager_and_compiled(name, part, device, re
     # Inductor on CUDA, where it launches our Triton kernels. On the CPU, AOTAutograd's graphs
     # run as they are (same trace, fakes, saved tensors and backward ops) unless --long-runs:
     # Inductor's CPU code generation of every sample is most of make test's time on a cold
-    # cache; tests/test_trace_through.py and the module tests compile with it on the CPU.
+    # cache; tests/test_trace_through.py and the compiled-step tests compile with it on the CPU.
     inductor = device == "cuda" or request.config.getoption("--long-runs")
     backend = "inductor" if inductor else "aot_eager"
     # Dynamic shapes for every sample on CUDA and with --long-runs; on the CPU by default only
