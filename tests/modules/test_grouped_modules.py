@@ -15,6 +15,7 @@ from tests.utils import (
     DEVICES,
     assert_bits_equal,
     assert_close,
+    behaviour_backend,
     chain_roundings,
     compile_counted,
     to_reference,
@@ -299,7 +300,7 @@ def test_fuse_wgrad_accumulation_per_weight_main_grad(device, dtype, compiled):
     _random_params(m)
     initial = [torch.rand(8, 16, device=device) for _ in range(3)]
     main_grads = _per_weight_main_grads(m, initial)
-    fn, counter = compile_counted(m, backend="aot_eager") if compiled else (m, None)
+    fn, counter = compile_counted(m, backend=behaviour_backend()) if compiled else (m, None)
     splits = [5, 0, 4]
     x = torch.randn(9, 16, device=device, dtype=dtype, requires_grad=True)
     dy = torch.randn(9, 8, device=device, dtype=dtype)
@@ -532,7 +533,7 @@ def test_grouped_linear_backward_override(recipe, override, compiled):
     x_loop = x.detach().clone().requires_grad_()
     dy = torch.randn(96, 64, dtype=torch.bfloat16)
     cls = _OVERRIDE_RECIPES[recipe]
-    call, counter = compile_counted(m, backend="aot_eager") if compiled else (m, None)
+    call, counter = compile_counted(m, backend=behaviour_backend()) if compiled else (m, None)
     with te.autocast(recipe=cls(backward_override=override)):
         call(x, splits).backward(dy)
         for i, rows in ((0, slice(0, 32)), (2, slice(32, 96))):
@@ -646,7 +647,7 @@ def test_grouped_in_features_the_format_cannot_take(name, recipe, multiple, comp
     and the constraint, as the dense path gives, in eager and at trace time (never a shape
     mismatch from inside torch)."""
     module = _BLOCKED_SIZES[name]()
-    fn = torch.compile(module, fullgraph=True, backend="aot_eager") if compiled else module
+    fn = torch.compile(module, fullgraph=True, backend=behaviour_backend()) if compiled else module
     match = (
         rf"te\.grouped_linear: \w+ grouped GEMMs need in_features \(24\) .* multiples of {multiple}"
     )

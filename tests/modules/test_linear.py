@@ -167,7 +167,7 @@ def test_layernorm_linear_accumulates_into_main_grad(recipe, compiled):
     with pytest.raises(RuntimeError, match=r"LayerNormLinear\(fuse_wgrad_accumulation=True\)"):
         fused(torch.randn(2, 16))
     fused.weight.main_grad = torch.zeros(32, 16)
-    run = torch.compile(fused, fullgraph=True, backend="aot_eager") if compiled else fused
+    run = torch.compile(fused, fullgraph=True, backend=behaviour_backend()) if compiled else fused
     ctx = (lambda: te.autocast(recipe=te.recipe.Float8CurrentScaling())) if recipe else nullcontext
     for _ in range(2):
         x = torch.randn(32, 16)
@@ -225,7 +225,7 @@ def test_overwrite_main_grad_replaces_its_values(name, recipe, compiled):
             else:
                 w.main_grad = torch.full(w.shape, start)
             w.overwrite_main_grad = overwrite
-        fn = torch.compile(m, fullgraph=True, backend="aot_eager") if compiled else m
+        fn = torch.compile(m, fullgraph=True, backend=behaviour_backend()) if compiled else m
         with te.autocast(enabled=r is not None, recipe=r):
             y = fn(x, [16, 16]) if grouped else fn(x)
         y.square().sum().backward()

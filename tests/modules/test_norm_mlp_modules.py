@@ -287,7 +287,7 @@ def test_zero_dim_input_names_inp(name, recipe, compiled):
         # NVFP4 as the grouped GEMM takes it (its Hadamard transform and stochastic rounding
         # raise NotImplementedError first).
         recipe = te.recipe.NVFP4BlockScaling(disable_rht=True, disable_stochastic_rounding=True)
-    fn = torch.compile(module, fullgraph=True, backend="aot_eager") if compiled else module
+    fn = torch.compile(module, fullgraph=True, backend=behaviour_backend()) if compiled else module
     args = (torch.tensor(1.0), [1, 0]) if name == "GroupedLinear" else (torch.tensor(1.0),)
     with (
         pytest.raises(Exception if compiled else ValueError, match=r"te\.\w+: inp must") as info,
@@ -365,7 +365,7 @@ def test_layernorm_mlp_accumulates_into_main_grad(recipe, compiled):
         fused(torch.randn(2, 32))
     for w in (fused.fc1_weight, fused.fc2_weight):
         w.main_grad = torch.zeros_like(w, dtype=torch.float32)
-    run = torch.compile(fused, fullgraph=True, backend="aot_eager") if compiled else fused
+    run = torch.compile(fused, fullgraph=True, backend=behaviour_backend()) if compiled else fused
     ctx = (lambda: te.autocast(recipe=te.recipe.Float8CurrentScaling())) if recipe else nullcontext
     for _ in range(2):
         x = torch.randn(32, 32)
@@ -403,7 +403,7 @@ def test_layernorm_mlp_checkpoint_recomputes_fc1(recipe, compiled):
     ckpt = te.LayerNormMLP(32, 128, activation="swiglu", checkpoint=True)
     ckpt.load_state_dict(plain.state_dict())
     assert "checkpoint=True" in repr(ckpt)
-    run = torch.compile(ckpt, fullgraph=True, backend="aot_eager") if compiled else ckpt
+    run = torch.compile(ckpt, fullgraph=True, backend=behaviour_backend()) if compiled else ckpt
     ctx = (lambda: te.autocast(recipe=te.recipe.Float8CurrentScaling())) if recipe else nullcontext
     x = torch.randn(64, 32, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_()

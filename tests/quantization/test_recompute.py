@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import te_compile as te
-from tests.utils import assert_matches_eager, compile_counted
+from tests.utils import assert_matches_eager, behaviour_backend, compile_counted
 
 RECIPES = {
     "bf16": None,
@@ -112,7 +112,7 @@ def test_checkpoint_around_a_compiled_module(recipe):
     torch.manual_seed(0)
     plain = te.LayerNormMLP(64, 128)
     compiled_copy = copy.deepcopy(plain)
-    compiled = torch.compile(compiled_copy, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(compiled_copy, fullgraph=True, backend=behaviour_backend())
     x = torch.randn(16, 64)
     g0, s0 = _steps(plain, x, RECIPES[recipe], False)
     g1, _ = _steps(compiled, x, RECIPES[recipe], True, use_reentrant=False)
