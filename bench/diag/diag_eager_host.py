@@ -20,12 +20,13 @@ functions, ``_library``'s eager path: the same code as on CUDA) shows in the pro
 
 ``--cuda-paths`` (CPU only) runs the CUDA code paths instead, in a child process importing a
 copy of ``te_compile`` whose CUDA checks accept the CPU (``bench.diag.diag_launches``'s
-patches), with every Triton launch a no-op, ``torch._scaled_mm`` an empty output and the fused
-attention kernels (``aten._efficient_attention_*``) zeros: the host cost of the CUDA eager path's
-Python on a machine without a GPU (the launches themselves and cuBLAS's entry are not in it;
-bf16 still runs its CPU GEMM). ``--module TransformerLayer``: ``te.TransformerLayer(n, 4n, 4
-heads)`` without dropout on ``[tokens / 2, 2, n]``, against ``bench_host``'s plain pre-norm
-layer.
+patches), with every Triton launch a no-op, ``torch._scaled_mm`` an empty output, the fused
+attention kernels (``aten._efficient_attention_*``) zeros and the high-precision GEMMs
+(``aten.mm`` / ``addmm`` / ``bmm``, te's and the plain module's) zeros of their shapes, each
+through a Python kernel of about cuBLAS's host cost: the host cost of the CUDA eager path's
+Python on a machine without a GPU (the launches themselves are not in it).
+``--module TransformerLayer``: ``te.TransformerLayer(n, 4n, 4 heads)`` without dropout on
+``[tokens / 2, 2, n]``, against ``bench_host``'s plain pre-norm layer.
 
     python -m bench.diag.diag_eager_host --device cpu --cuda-paths --timer process --threads 1
 """
@@ -205,9 +206,9 @@ def time_calls(module: torch.nn.Module, x: torch.Tensor, recipe, clock, calls: i
 
 def count_ops(module: torch.nn.Module, x: torch.Tensor, recipe) -> None:
     """The torch ops one fwd+bwd call enters (torch.profiler's CPU events of ``aten::`` ops,
-    nested ones included; te's calls on their eager fast path), where its fills and copies
-    come from, the host's self time by event and, on CUDA, the kernels it launches, each with
-    its count."""
+    nested ones included; te's calls on their eager fast path), where each top-level one comes
+    from, the host's self time by event and, on CUDA, the kernels it launches, each with its
+    count."""
     from torch.profiler import ProfilerActivity, profile
 
     from bench.harness import eager_fast_path_kept
@@ -244,17 +245,16 @@ def count_ops(module: torch.nn.Module, x: torch.Tensor, recipe) -> None:
     print(f"torch ops per call (top level and nested): {sum(n for n, _ in rows):.0f}")
     for n, key in sorted(rows, reverse=True):
         print(f"  {n:5.1f}  {key}")
-    # Where the fills and copies come from: the innermost Python frames above each.
+    # Where each top-level op comes from: the innermost Python frames above it.
     sources: dict[tuple[str, str], int] = {}
-    for e in prof.events():
-        if e.name in ("aten::fill_", "aten::copy_", "aten::zero_"):
-            frames, parent = [], e.cpu_parent
-            while parent is not None and len(frames) < 3:
-                if ".py(" in parent.name:
-                    frames.append(parent.name.rsplit("/", 1)[-1])
-                parent = parent.cpu_parent
-            key = (e.name, " < ".join(frames))
-            sources[key] = sources.get(key, 0) + 1
+    for e in top:
+        frames, parent = [], e.cpu_parent
+        while parent is not None and len(frames) < 4:
+            if ".py(" in parent.name:
+                frames.append(parent.name.rsplit("/", 1)[-1])
+            parent = parent.cpu_parent
+        key = (e.name, " < ".join(frames))
+        sources[key] = sources.get(key, 0) + 1
     for (name, where), n in sorted(sources.items(), key=lambda kv: -kv[1]):
         print(f"  {n / calls:5.1f}  {name} from {where}")
     # Where the host's time goes below Python (cProfile sees run_backward as one C call): each
@@ -338,6 +338,18 @@ def _shapes_only(op):
     return kernel
 
 
+def _zeros_mm(a, b, *args, **kwargs):
+    return a.new_zeros(a.shape[0], b.shape[1])
+
+
+def _zeros_addmm(bias, a, b, *args, **kwargs):
+    return a.new_zeros(a.shape[0], b.shape[1])
+
+
+def _zeros_bmm(a, b, *args, **kwargs):
+    return a.new_zeros(a.shape[0], a.shape[1], b.shape[2])
+
+
 def _attention_grads(grad, q, k, v, bias, *args, **kwargs):
     """``_efficient_attention_backward``'s outputs, zeros: ``(dq, dk, dv, dbias)``."""
     dbias = torch.empty(0) if bias is None else torch.zeros_like(bias)
@@ -376,7 +388,11 @@ def _null_kernels() -> None:
     fwd = torch.ops.aten._efficient_attention_forward.default
     _ATTENTION_STUBS.impl("_efficient_attention_forward", _shapes_only(fwd), "CPU")
     _ATTENTION_STUBS.impl("_efficient_attention_backward", _attention_grads, "CPU")
-    print(f"(CUDA code paths on the CPU, null launches: te_compile from {kernels.__file__})")
+    # cuBLAS's GEMMs: zeros of their shapes, for te's and the plain module's alike (the CPU's
+    # bf16 GEMMs would otherwise be most of a small call's time, and no part of a GPU's host).
+    for name, kernel in (("mm", _zeros_mm), ("addmm", _zeros_addmm), ("bmm", _zeros_bmm)):
+        _ATTENTION_STUBS.impl(name, kernel, "CPU")
+    print(f"(CUDA code paths on the CPU, null launches and GEMMs: {kernels.__file__})")
 
 
 def main() -> None:
