@@ -220,7 +220,7 @@ class Recipe:
         self._derive()
 
     def _derive(self) -> None:
-        self.__dict__.pop("_memo", None)  # what was derived from the old values
+        object.__setattr__(self, "_memo", {})  # a fresh memo (2.11's dynamo: no __dict__.pop)
         if Recipe.derive is not None and not torch.compiler.is_compiling():
             with contextlib.suppress(Exception):  # (an error is raised where it is read)
                 self.memo()["specs"] = Recipe.derive(self)
