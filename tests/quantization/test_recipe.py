@@ -452,6 +452,35 @@ def test_field_set_after_a_forward_applies_to_the_next():
     assert repr(used) == repr(Float8CurrentScaling())
 
 
+def test_field_set_inside_a_compiled_region_applies_to_its_gemms():
+    """A field set in compiled code drops the memo of the old values (the memo is reset by an
+    assignment torch 2.11's dynamo traces): the GEMMs after it in the same graph quantise as the
+    new value says. Here E4M3 gradients instead of HYBRID's E5M2, bit for bit as eager."""
+    torch.manual_seed(0)
+    m = te.Linear(64, 16, params_dtype=torch.float32)
+    x, grad = torch.randn(32, 64), torch.randn(32, 16) * 1e-3
+    recipe = Float8CurrentScaling()
+    with te.autocast(recipe=recipe):
+        m(x)  # the memo now holds HYBRID's specs
+
+    def forward(xx: torch.Tensor, r, set_format: bool = False) -> torch.Tensor:
+        if set_format:
+            r.fp8_format = Format.E4M3
+        with te.autocast(recipe=r):
+            return m(xx)
+
+    def dgrad(fn, *args) -> torch.Tensor:
+        xx = x.clone().requires_grad_()
+        fn(xx, *args).backward(grad)
+        return xx.grad
+
+    got = dgrad(torch.compile(forward, backend="aot_eager", fullgraph=True), recipe, True)
+    assert recipe.fp8_format is Format.E4M3
+    e4m3 = dgrad(forward, Float8CurrentScaling(fp8_format=Format.E4M3))
+    torch.testing.assert_close(got, e4m3, rtol=0, atol=0)
+    assert not torch.equal(got, dgrad(forward, Float8CurrentScaling()))  # (HYBRID's differs)
+
+
 def test_equality_depends_on_class_and_fields():
     assert DelayedScaling() != DelayedScaling(margin=1)
     assert MXFP8BlockScaling() != Float8BlockScaling()  # no shared fields decide equality
