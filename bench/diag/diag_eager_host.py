@@ -320,7 +320,7 @@ def _cuda_paths_child() -> int:
         return subprocess.run(cmd, env=env, cwd=tmp, check=False).returncode
 
 
-_ATTENTION_STUBS = None  # the child's aten library of stub kernels (kept alive)
+_ATEN_STUBS = None  # the child's aten library of stub kernels (kept alive)
 
 
 def _shapes_only(op):
@@ -377,21 +377,21 @@ def _empty_mm(a, b, *args, out_dtype=None, **kwargs):
 
 def _null_kernels() -> None:
     """No Triton launch; ``torch._scaled_mm`` an uninitialised output of its shape, the fused
-    attention kernels zeros of theirs."""
+    attention kernels and the high-precision GEMMs zeros of theirs."""
     from te_compile import kernels
 
     kernels.EagerLauncher.of = _NULL_LAUNCHER
     torch._scaled_mm = _empty_mm
     # The fused attention kernels: zeros of their meta functions' shapes on the CPU.
-    global _ATTENTION_STUBS
-    _ATTENTION_STUBS = torch.library.Library("aten", "IMPL")
+    global _ATEN_STUBS
+    _ATEN_STUBS = torch.library.Library("aten", "IMPL")
     fwd = torch.ops.aten._efficient_attention_forward.default
-    _ATTENTION_STUBS.impl("_efficient_attention_forward", _shapes_only(fwd), "CPU")
-    _ATTENTION_STUBS.impl("_efficient_attention_backward", _attention_grads, "CPU")
+    _ATEN_STUBS.impl("_efficient_attention_forward", _shapes_only(fwd), "CPU")
+    _ATEN_STUBS.impl("_efficient_attention_backward", _attention_grads, "CPU")
     # cuBLAS's GEMMs: zeros of their shapes, for te's and the plain module's alike (the CPU's
     # bf16 GEMMs would otherwise be most of a small call's time, and no part of a GPU's host).
     for name, kernel in (("mm", _zeros_mm), ("addmm", _zeros_addmm), ("bmm", _zeros_bmm)):
-        _ATTENTION_STUBS.impl(name, kernel, "CPU")
+        _ATEN_STUBS.impl(name, kernel, "CPU")
     print(f"(CUDA code paths on the CPU, null launches and GEMMs: {kernels.__file__})")
 
 
