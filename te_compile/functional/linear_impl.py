@@ -195,3 +195,28 @@ def _quantized_backward(dy, copies, main_grad, scale, grad_amax, rng_state, c: B
         dweight = wgrad_gemm(kind, g.data_t, g.scale_t, fp8_codes(x_t, c.x.fp8_dtype), x_st, dtype,
                              main_grad, c.g.fast_wgrad)  # fmt: skip
     return dinp, dweight, g.sums
+
+
+def per_tensor_forward(x2: Tensor, weight: Tensor, bias: Tensor | None, scale: Tensor | None,
+                       xs: QuantSpec, ws: QuantSpec) -> tuple[Tensor, tuple, Tensor]:  # fmt: skip
+    """:func:`forward_impl`'s per-tensor GEMM without prologue, epilogue, backward override or
+    pre-quantised weight, the same calls: ``(h [M, N], (X^T, s_x, W^T, s_w), amax [2])``."""
+    s_x, s_w = scale_slots(scale, xs.kind, 0, 1)
+    bits, (a_x, a_w) = amax_buffer(xs.kind, x2, 2)
+    xq, wq = quantize_operands((xs, ws), (pad_rows(x2), weight), (s_x, s_w), (a_x, a_w))
+    h = gemm(gemm_kind(xs.kind, xs.emulate), xq.data, xq.scale, wq.data, wq.scale, x2.dtype,
+             bias=bias, fast_accum=True, b_block_rows=ws.block_rows)  # fmt: skip
+    amax = bits if bits is not None else torch.cat([xq.amax, wq.amax])
+    return unpad(h, x2.shape[0]), (xq.data_t, xq.scale_t, wq.data_t, wq.scale_t), amax
+
+
+def per_tensor_backward(grad: Tensor, copies, main_grad, scale, grad_amax, c: BwdArgs, cuda: bool):
+    """:func:`backward_impl` of :func:`per_tensor_forward`: ``(dinp 2-D, dweight, dbias)``, each
+    None where not computed."""
+    dy = grad.reshape(-1, grad.shape[-1])
+    dbias = None
+    if c.need_dbias:
+        dbias = (dy.sum(0) if cuda else dy.sum(0, dtype=torch.float32)).to(grad.dtype)
+    dinp, dweight, _ = _quantized_backward(dy, copies, main_grad, scale, grad_amax, None, c,
+                                           dy.shape[0])  # fmt: skip
+    return dinp, dweight, dbias

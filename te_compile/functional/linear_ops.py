@@ -64,7 +64,7 @@ import torch
 from torch import Tensor
 
 from te_compile._checks import check_bool, check_choice, check_same_device, check_tensors
-from te_compile._library import differentiable, op
+from te_compile._library import differentiable, op, use_fast_path
 from te_compile._numerics import acc_dtype
 from te_compile.functional.activation import GATED_ACTIVATIONS, activation_ref, gated_activation_ref
 from te_compile.functional.dense_weight import (
@@ -99,7 +99,12 @@ from te_compile.functional.linear_args import (
     check_linear_tensors,
     out_features,
 )
-from te_compile.functional.linear_impl import backward_impl, forward_impl
+from te_compile.functional.linear_impl import (
+    backward_impl,
+    forward_impl,
+    per_tensor_backward,
+    per_tensor_forward,
+)
 from te_compile.functional.prologue import NORMALIZATIONS, fake_dnorm, fake_stats, norm_ref
 from te_compile.functional.spec import (
     BackwardSpec,
@@ -111,7 +116,7 @@ from te_compile.functional.spec import (
     parse,
 )
 
-__all__ = ["linear", "linear_ref"]
+__all__ = ["linear", "linear_per_tensor", "linear_ref"]
 
 # 1. Reference math --------------------------------------------------------------------------
 
@@ -404,6 +409,71 @@ _linear = differentiable(
     # te::linear_bwd's GEMMs.
     native_autograd=lambda *args: len(args) == 4 and args[3] is None,
 )
+
+
+class _PerTensorLinear(torch.autograd.Function):
+    """``te::linear`` under a per-tensor recipe without prologue, epilogue or override, eager:
+    :func:`linear_impl.per_tensor_forward` / ``per_tensor_backward`` (the op's own calls, the
+    same bits) without the op's argument encoding, layers and generic autograd glue."""
+
+    @staticmethod
+    def forward(ctx, inp, weight, bias, main_grad, scale, grad_amax, specs):
+        h, copies, amax = per_tensor_forward(inp.reshape(-1, inp.shape[-1]), weight, bias, scale,
+                                             *specs[:2])  # fmt: skip
+        ctx.save_for_backward(*copies, scale)
+        ctx.te = main_grad, grad_amax, specs, bias is not None, inp.is_cuda
+        ctx.mark_non_differentiable(amax)
+        ctx.set_materialize_grads(False)  # (the amax gets no gradient)
+        return h.reshape(*inp.shape[:-1], h.shape[-1]), amax
+
+    @staticmethod
+    def backward(ctx, grad, _):
+        *copies, scale = ctx.saved_tensors
+        main_grad, grad_amax, specs, has_bias, cuda = ctx.te
+        need = ctx.needs_input_grad
+        c = BwdArgs(*specs, _NO_NORM, _NO_EPILOGUE, has_bias and need[2], need[0], need[1])
+        dinp, dweight, dbias = per_tensor_backward(grad.contiguous(), copies, main_grad, scale,
+                                                   grad_amax, c, cuda)  # fmt: skip
+        if dinp is not None:
+            dinp = dinp.reshape(*grad.shape[:-1], dinp.shape[-1])
+        return dinp, dweight if main_grad is None else None, dbias, None, None, None, None
+
+
+_NO_NORM, _NO_EPILOGUE = NormSpec(), EpilogueSpec()
+_PER_TENSOR_CHECKED: set[tuple] = set()
+
+
+def _meta(t: Tensor | None) -> tuple | None:
+    return None if t is None else (t.shape, t.dtype, t.device)
+
+
+def linear_per_tensor(
+    inp: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    main_grad: Tensor | None,
+    specs: tuple[QuantSpec, QuantSpec, QuantSpec],
+    scale: Tensor | None,
+    grad_amax: Tensor | None,
+) -> tuple[Tensor, Tensor] | None:
+    """``(out, [amax(X), amax(W)])`` of ``linear(inp, weight, bias, main_grad=main_grad,
+    input_spec=..., scale=scale, grad_amax=grad_amax, return_amax=True)`` under the per-tensor
+    ``specs`` (no other argument), the same bits and errors, through the eager fast path
+    (``_library.use_fast_path``: eager, nothing watching; no ``torch.autocast``) without the
+    op's layers: te.Linear's FP8 hot path. None where it does not apply (the caller then calls
+    :func:`linear`). The op's checks run once per set of shapes, dtypes, devices and specs."""
+    if not use_fast_path() or torch._C._is_any_autocast_enabled():
+        return None
+    key = (_meta(inp), _meta(weight), _meta(bias), _meta(main_grad), specs, _meta(scale),
+           _meta(grad_amax))  # fmt: skip
+    if key not in _PER_TENSOR_CHECKED:
+        check_gemm_tensors("te.linear", inp, weight, bias, main_grad)
+        check_linear(LinearArgs(inp, weight, bias, main_grad, *as_strings(*specs), scale,
+                                grad_amax))  # fmt: skip
+        if len(_PER_TENSOR_CHECKED) >= 4096:
+            _PER_TENSOR_CHECKED.clear()
+        _PER_TENSOR_CHECKED.add(key)
+    return _PerTensorLinear.apply(inp, weight, bias, main_grad, scale, grad_amax, specs)
 
 
 # Public function ------------------------------------------------------------------------------

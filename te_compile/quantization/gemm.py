@@ -531,10 +531,17 @@ def linear(
     if not (state.enabled or norm or epilogue):  # te.Linear's hot path in high precision
         return F.linear(inp, weight, bias, main_grad=main_grad)
     args = gemm_args(owner, state, inp, (weight,), (meta,))
-    kw = {**_norm_kwargs(norm), **epilogue, **args.op_kwargs()}
     weight_q = as_gemm_takes(args.specs[1], weight_quantized, kind) or cached_weight(
         args, weight, cache, cache_name
     )
+    if not (norm or epilogue or weight_q is not None or args.backward_override) and (
+        args.recipe in PER_TENSOR
+    ):  # te.Linear's FP8 hot path: eager, the op's layers skipped
+        out = F.linear_per_tensor(inp, weight, bias, main_grad, args.specs, args.scales[0],
+                                  args.grad_amaxes[0])  # fmt: skip
+        if out is not None:
+            return _outputs(out, {"return_amax": True}, state, (meta,), defer, weight)
+    kw = {**_norm_kwargs(norm), **epilogue, **args.op_kwargs()}
     if weight_q is not None:
         # A kept NVFP4 weight holds its 4over6 (cached_weight keys on it): the op is told none.
         kw.update(weight_quantized=weight_q, weight_spec=replace(args.specs[1], four_over_six=""))

@@ -10,11 +10,13 @@ import pytest
 import torch
 
 import te_compile as te
+from te_compile import _library
 from te_compile import functional as F
 from te_compile.quantization import (
     DelayedScaling,
     Float8BlockScaling,
     Float8CurrentScaling,
+    Format,
     autocast,
     gemm,
 )
@@ -568,13 +570,19 @@ def test_layernorm_linear_writes_the_norm_into_fp8(device, normalization, recipe
         fused.layer_norm_weight.normal_(0, 0.2)
     plain.load_state_dict(fused.state_dict())
     seen = []
-    real = gemm.F.linear
+    real, real_per_tensor = gemm.F.linear, gemm.F.linear_per_tensor
 
     def spy(*args, **kwargs):
         seen.append(kwargs.get("normalization", ""))
         return real(*args, **kwargs)
 
+    def spy_per_tensor(*args):  # the plain FP8 linear's eager fast path: no norm
+        out = real_per_tensor(*args)
+        seen.extend([""] if out is not None else [])
+        return out
+
     monkeypatch.setattr(gemm.F, "linear", spy)
+    monkeypatch.setattr(gemm.F, "linear_per_tensor", spy_per_tensor)
     results = []
     for module, fuse in ((fused, True), (plain, False)):
         if not fuse:  # the op-by-op path the module takes in high precision
@@ -781,3 +789,61 @@ def test_fast_accumulation_only_on_a_per_tensor_grad_spec(specs, message, compil
     fn = torch.compile(F.linear, backend="aot_eager", fullgraph=True) if compiled else F.linear
     with pytest.raises(Exception if compiled else ValueError, match=message):
         fn(x, w, **full)
+
+
+@pytest.mark.parametrize("fuse_wgrad", [False, True])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize(
+    "make_recipe",
+    [Float8CurrentScaling, DelayedScaling, lambda: DelayedScaling(fp8_format=Format.HYBRID),
+     lambda: Float8CurrentScaling(fp8_format=Format.HYBRID)],  # fmt: skip
+    ids=["current", "delayed", "delayed-hybrid", "current-hybrid"],
+)
+@pytest.mark.parametrize("device", DEVICES)
+def test_per_tensor_fast_path_gives_the_op_paths_bytes(device, make_recipe, bias, fuse_wgrad):
+    """te.Linear's eager FP8 call under a per-tensor recipe skips the op's layers
+    (``F.linear_per_tensor``): three steps give the op path's bytes (outputs, input, weight and
+    bias gradients or main_grad, the delayed-scaling state) and the fast path's node."""
+
+    def run(fast: bool):
+        _library.set_eager_fast_path(fast)
+        try:
+            torch.manual_seed(0)
+            m = te.Linear(64, 32, bias=bias, params_dtype=torch.bfloat16, device=device,
+                          fuse_wgrad_accumulation=fuse_wgrad)  # fmt: skip
+            if fuse_wgrad:
+                m.weight.main_grad = torch.zeros(32, 64, device=device)
+            outs, nodes = [], []
+            for step in range(3):
+                x = (torch.randn(4, 8, 64) * (1 + step)).to(device, torch.bfloat16)
+                x.requires_grad_(True)
+                with autocast(recipe=make_recipe()):
+                    y = m(x)
+                nodes.append(type(y.grad_fn).__name__)
+                w = torch.linspace(-1, 1, y.numel(), device=device).reshape(y.shape)
+                (y.float() * w).sum().backward()
+                outs += [y.detach(), x.grad]
+            outs.append(m.weight.main_grad if fuse_wgrad else m.weight.grad)
+            outs += [m.bias.grad] if bias else []
+            outs += [v for _, v in sorted(m.state_dict().items()) if isinstance(v, torch.Tensor)]
+            return outs, set(nodes)
+        finally:
+            _library.set_eager_fast_path(True)
+
+    (fast, fast_nodes), (op, op_nodes) = run(True), run(False)
+    assert fast_nodes == {"_PerTensorLinearBackward"}
+    assert len(op_nodes) == 1 and "te_linear_fwd" in op_nodes.pop()  # the op's autograd node
+    assert len(fast) == len(op)
+    for a, b in zip(fast, op, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_per_tensor_fast_path_refuses_what_the_op_refuses(device):
+    """The fast path checks a call as the op does, once per set of shapes: in_features not a
+    multiple of 16 is refused by name on every call."""
+    m = te.Linear(40, 32, params_dtype=torch.bfloat16, device=device)
+    x = torch.randn(16, 40, device=device, dtype=torch.bfloat16)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="in_features"), autocast(recipe=Float8CurrentScaling()):
+            m(x)
