@@ -28,7 +28,7 @@ from te_compile.functional.gemm import blockwise_supported
 from te_compile.functional.glu_layout import deinterleave_glu_tensor, interleave_glu_tensor
 from te_compile.functional.grouped_linear_ops import as_splits_tensor, grouped_linear
 from te_compile.functional.grouped_weight import quantize_grouped_weight
-from te_compile.functional.linear_ops import linear, linear_per_tensor, linear_ref
+from te_compile.functional.linear_ops import linear, linear_ref
 from te_compile.functional.mlp_args import MLP_ACTIVATIONS
 from te_compile.functional.mlp_ops import mlp
 from te_compile.functional.moe import (
@@ -74,7 +74,6 @@ __all__ = [
     "l2normalization",
     "layernorm",
     "linear",
-    "linear_per_tensor",
     "linear_ref",
     "mlp",
     "moe_permute",

@@ -34,7 +34,7 @@ from te_compile.functional.gemm import (
     wgrad_gemm,
 )
 from te_compile.functional.linear_args import LinearArgs, check_linear
-from te_compile.functional.prologue import norm_backward, norm_forward, norm_quantize
+from te_compile.functional.prologue import Norm, norm_backward, norm_forward, norm_quantize
 from te_compile.functional.quantize import dequantize_blockwise
 from te_compile.functional.spec import QuantSpec
 
@@ -198,25 +198,38 @@ def _quantized_backward(dy, copies, main_grad, scale, grad_amax, rng_state, c: B
 
 
 def per_tensor_forward(x2: Tensor, weight: Tensor, bias: Tensor | None, scale: Tensor | None,
-                       xs: QuantSpec, ws: QuantSpec) -> tuple[Tensor, tuple, Tensor]:  # fmt: skip
-    """:func:`forward_impl`'s per-tensor GEMM without prologue, epilogue, backward override or
-    pre-quantised weight, the same calls: ``(h [M, N], (X^T, s_x, W^T, s_w), amax [2])``."""
+                       xs: QuantSpec, ws: QuantSpec, norm: Norm | None):  # fmt: skip
+    """:func:`forward_impl`'s per-tensor GEMM with an optional ``norm`` prologue, without
+    epilogue, backward override or pre-quantised weight, the same calls: ``(h [M, N],
+    (X^T, s_x, W^T, s_w), amax [2], the norm's stats)``."""
     s_x, s_w = scale_slots(scale, xs.kind, 0, 1)
     bits, (a_x, a_w) = amax_buffer(xs.kind, x2, 2)
-    xq, wq = quantize_operands((xs, ws), (pad_rows(x2), weight), (s_x, s_w), (a_x, a_w))
+    stats = []
+    if norm is not None:
+        xq, *stats = norm_quantize(xs, x2, norm, scale=s_x, slot=a_x)
+        wq = quantize_operand(ws, weight, scale=s_w, slot=a_w)
+    else:
+        xq, wq = quantize_operands((xs, ws), (pad_rows(x2), weight), (s_x, s_w), (a_x, a_w))
     h = gemm(gemm_kind(xs.kind, xs.emulate), xq.data, xq.scale, wq.data, wq.scale, x2.dtype,
              bias=bias, fast_accum=True, b_block_rows=ws.block_rows)  # fmt: skip
     amax = bits if bits is not None else torch.cat([xq.amax, wq.amax])
-    return unpad(h, x2.shape[0]), (xq.data_t, xq.scale_t, wq.data_t, wq.scale_t), amax
+    return unpad(h, x2.shape[0]), (xq.data_t, xq.scale_t, wq.data_t, wq.scale_t), amax, stats
 
 
-def per_tensor_backward(grad: Tensor, copies, main_grad, scale, grad_amax, c: BwdArgs, cuda: bool):
-    """:func:`backward_impl` of :func:`per_tensor_forward`: ``(dinp 2-D, dweight, dbias)``, each
-    None where not computed."""
+def per_tensor_backward(grad, copies, main_grad, scale, grad_amax, c: BwdArgs, cuda: bool,
+                        inp=None, norm_weight=None, stats=()):  # fmt: skip
+    """:func:`backward_impl` of :func:`per_tensor_forward`: ``(dinp, dweight, dbias, dnorm_weight,
+    dnorm_bias)``, each None where not computed (``inp``, ``norm_weight``, ``stats``: the
+    norm's, with ``c.norm``)."""
     dy = grad.reshape(-1, grad.shape[-1])
     dbias = None
     if c.need_dbias:
         dbias = (dy.sum(0) if cuda else dy.sum(0, dtype=torch.float32)).to(grad.dtype)
     dinp, dweight, _ = _quantized_backward(dy, copies, main_grad, scale, grad_amax, None, c,
                                            dy.shape[0])  # fmt: skip
-    return dinp, dweight, dbias
+    dnorm = [None, None]
+    if dinp is not None and c.norm.normalization:
+        dinp, *dnorm = norm_backward(dinp, inp, norm_weight, list(stats), c.norm)
+    if dinp is not None:
+        dinp = dinp.reshape(*grad.shape[:-1], dinp.shape[-1])
+    return dinp, dweight, dbias, *dnorm

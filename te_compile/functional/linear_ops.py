@@ -105,7 +105,7 @@ from te_compile.functional.linear_impl import (
     per_tensor_backward,
     per_tensor_forward,
 )
-from te_compile.functional.prologue import NORMALIZATIONS, fake_dnorm, fake_stats, norm_ref
+from te_compile.functional.prologue import NORMALIZATIONS, Norm, fake_dnorm, fake_stats, norm_ref
 from te_compile.functional.spec import (
     BackwardSpec,
     EpilogueSpec,
@@ -412,31 +412,40 @@ _linear = differentiable(
 
 
 class _PerTensorLinear(torch.autograd.Function):
-    """``te::linear`` under a per-tensor recipe without prologue, epilogue or override, eager:
-    :func:`linear_impl.per_tensor_forward` / ``per_tensor_backward`` (the op's own calls, the
-    same bits) without the op's argument encoding, layers and generic autograd glue."""
+    """``te::linear`` under a per-tensor recipe with an optional norm prologue, without
+    epilogue or override, eager: :func:`linear_impl.per_tensor_forward` / ``per_tensor_backward``
+    (the op's own calls, the same bits) without the op's argument encoding, layers and generic
+    autograd glue."""
 
     @staticmethod
-    def forward(ctx, inp, weight, bias, main_grad, scale, grad_amax, specs):
-        h, copies, amax = per_tensor_forward(inp.reshape(-1, inp.shape[-1]), weight, bias, scale,
-                                             *specs[:2])  # fmt: skip
-        ctx.save_for_backward(*copies, scale)
-        ctx.te = main_grad, grad_amax, specs, bias is not None, inp.is_cuda
+    def forward(ctx, inp, weight, bias, main_grad, scale, grad_amax, specs, norm_weight,
+                norm_bias, norm):  # fmt: skip
+        prologue = None if norm is None else Norm(norm_weight, norm_bias, *norm)  # (float eps)
+        h, copies, amax, stats = per_tensor_forward(
+            inp.reshape(-1, inp.shape[-1]), weight, bias, scale, *specs[:2], prologue
+        )
+        kept = (inp, norm_weight) if norm is not None else (None, None)
+        ctx.save_for_backward(*copies, scale, *kept, *stats)
+        spec = _NO_NORM if norm is None else NormSpec(*norm, bias=norm_bias is not None)
+        ctx.te = main_grad, grad_amax, specs, spec, bias is not None, inp.is_cuda
         ctx.mark_non_differentiable(amax)
         ctx.set_materialize_grads(False)  # (the amax gets no gradient)
         return h.reshape(*inp.shape[:-1], h.shape[-1]), amax
 
     @staticmethod
     def backward(ctx, grad, _):
-        *copies, scale = ctx.saved_tensors
-        main_grad, grad_amax, specs, has_bias, cuda = ctx.te
+        saved = ctx.saved_tensors  # (read once: a checkpoint unpacks each tensor once)
+        *copies, scale, inp, norm_weight = saved[:7]
+        main_grad, grad_amax, specs, norm, has_bias, cuda = ctx.te
         need = ctx.needs_input_grad
-        c = BwdArgs(*specs, _NO_NORM, _NO_EPILOGUE, has_bias and need[2], need[0], need[1])
-        dinp, dweight, dbias = per_tensor_backward(grad.contiguous(), copies, main_grad, scale,
-                                                   grad_amax, c, cuda)  # fmt: skip
-        if dinp is not None:
-            dinp = dinp.reshape(*grad.shape[:-1], dinp.shape[-1])
-        return dinp, dweight if main_grad is None else None, dbias, None, None, None, None
+        c = BwdArgs(*specs, norm, _NO_EPILOGUE, has_bias and need[2], any(need[:1] + need[7:9]),
+                    need[1])  # fmt: skip
+        dinp, dweight, dbias, dgamma, dbeta = per_tensor_backward(
+            grad.contiguous(), copies, main_grad, scale, grad_amax, c, cuda, inp, norm_weight,
+            saved[7:])  # fmt: skip
+        dnorm = (dgamma if need[7] else None, dbeta if need[8] else None)
+        return (dinp if need[0] else None, dweight if main_grad is None else None, dbias,
+                None, None, None, None, *dnorm, None)  # fmt: skip
 
 
 _NO_NORM, _NO_EPILOGUE = NormSpec(), EpilogueSpec()
@@ -455,25 +464,32 @@ def linear_per_tensor(
     specs: tuple[QuantSpec, QuantSpec, QuantSpec],
     scale: Tensor | None,
     grad_amax: Tensor | None,
+    norm: Norm | None = None,
 ) -> tuple[Tensor, Tensor] | None:
     """``(out, [amax(X), amax(W)])`` of ``linear(inp, weight, bias, main_grad=main_grad,
     input_spec=..., scale=scale, grad_amax=grad_amax, return_amax=True)`` under the per-tensor
-    ``specs`` (no other argument), the same bits and errors, through the eager fast path
-    (``_library.use_fast_path``: eager, nothing watching; no ``torch.autocast``) without the
-    op's layers: te.Linear's FP8 hot path. None where it does not apply (the caller then calls
+    ``specs``, with ``norm``'s prologue where given (``prologue.Norm``: its ``normalization``
+    set), the same bits and errors, through the eager fast path (``_library.use_fast_path``:
+    eager, nothing watching; no ``torch.autocast``) without the op's layers: te.Linear's and
+    te.LayerNormLinear's FP8 hot path. None where it does not apply (the caller then calls
     :func:`linear`). The op's checks run once per set of shapes, dtypes, devices and specs."""
     if not use_fast_path() or torch._C._is_any_autocast_enabled():
         return None
+    w, b, *scalars = norm if norm is not None else (None, None)
+    if scalars:
+        scalars[1] = float(scalars[1])  # eps, as the op's NormSpec string gives it
     key = (_meta(inp), _meta(weight), _meta(bias), _meta(main_grad), specs, _meta(scale),
-           _meta(grad_amax))  # fmt: skip
+           _meta(grad_amax), _meta(w), _meta(b), tuple(map(type, scalars)), *scalars)  # fmt: skip
     if key not in _PER_TENSOR_CHECKED:
         check_gemm_tensors("te.linear", inp, weight, bias, main_grad)
+        text = NormSpec(*scalars).encode() if norm is not None else ""
         check_linear(LinearArgs(inp, weight, bias, main_grad, *as_strings(*specs), scale,
-                                grad_amax))  # fmt: skip
+                                grad_amax, None, text, w, b))  # fmt: skip
         if len(_PER_TENSOR_CHECKED) >= 4096:
             _PER_TENSOR_CHECKED.clear()
         _PER_TENSOR_CHECKED.add(key)
-    return _PerTensorLinear.apply(inp, weight, bias, main_grad, scale, grad_amax, specs)
+    return _PerTensorLinear.apply(inp, weight, bias, main_grad, scale, grad_amax, specs, w, b,
+                                  None if norm is None else tuple(scalars))  # fmt: skip
 
 
 # Public function ------------------------------------------------------------------------------

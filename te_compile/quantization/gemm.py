@@ -31,6 +31,7 @@ from te_compile._checks import check_choice
 from te_compile.functional import quantize_table as _q
 from te_compile.functional.gemm import PER_TENSOR, blockwise_supported
 from te_compile.functional.grouped_gemm import nvfp4_dtype
+from te_compile.functional.linear_ops import linear_per_tensor
 from te_compile.functional.quantize_mx_ref import nvfp4_weight_values, tensor_amax
 from te_compile.functional.spec import QuantSpec
 from te_compile.quantization.device import is_fp8_block_scaling_available
@@ -534,11 +535,11 @@ def linear(
     weight_q = as_gemm_takes(args.specs[1], weight_quantized, kind) or cached_weight(
         args, weight, cache, cache_name
     )
-    if not (norm or epilogue or weight_q is not None or args.backward_override) and (
+    if not (epilogue or weight_q is not None or args.backward_override) and (
         args.recipe in PER_TENSOR
-    ):  # te.Linear's FP8 hot path: eager, the op's layers skipped
-        out = F.linear_per_tensor(inp, weight, bias, main_grad, args.specs, args.scales[0],
-                                  args.grad_amaxes[0])  # fmt: skip
+    ):  # te.Linear's and te.LayerNormLinear's FP8 hot path: eager, the op's layers skipped
+        out = linear_per_tensor(inp, weight, bias, main_grad, args.specs, args.scales[0],
+                                args.grad_amaxes[0], norm)  # fmt: skip
         if out is not None:
             return _outputs(out, {"return_amax": True}, state, (meta,), defer, weight)
     kw = {**_norm_kwargs(norm), **epilogue, **args.op_kwargs()}

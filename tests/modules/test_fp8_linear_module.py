@@ -570,19 +570,19 @@ def test_layernorm_linear_writes_the_norm_into_fp8(device, normalization, recipe
         fused.layer_norm_weight.normal_(0, 0.2)
     plain.load_state_dict(fused.state_dict())
     seen = []
-    real, real_per_tensor = gemm.F.linear, gemm.F.linear_per_tensor
+    real, real_per_tensor = gemm.F.linear, gemm.linear_per_tensor
 
     def spy(*args, **kwargs):
         seen.append(kwargs.get("normalization", ""))
         return real(*args, **kwargs)
 
-    def spy_per_tensor(*args):  # the plain FP8 linear's eager fast path: no norm
+    def spy_per_tensor(*args):  # the FP8 linear's eager fast path (args[7]: its Norm or None)
         out = real_per_tensor(*args)
-        seen.extend([""] if out is not None else [])
+        seen.extend([args[7][2] if len(args) > 7 and args[7] else ""] if out is not None else [])
         return out
 
     monkeypatch.setattr(gemm.F, "linear", spy)
-    monkeypatch.setattr(gemm.F, "linear_per_tensor", spy_per_tensor)
+    monkeypatch.setattr(gemm, "linear_per_tensor", spy_per_tensor)
     results = []
     for module, fuse in ((fused, True), (plain, False)):
         if not fuse:  # the op-by-op path the module takes in high precision
@@ -795,22 +795,36 @@ def test_fast_accumulation_only_on_a_per_tensor_grad_spec(specs, message, compil
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize(
     "make_recipe",
-    [Float8CurrentScaling, DelayedScaling, lambda: DelayedScaling(fp8_format=Format.HYBRID),
-     lambda: Float8CurrentScaling(fp8_format=Format.HYBRID)],  # fmt: skip
+    [
+        Float8CurrentScaling,
+        DelayedScaling,
+        lambda: DelayedScaling(fp8_format=Format.HYBRID),
+        lambda: Float8CurrentScaling(fp8_format=Format.HYBRID),
+    ],
     ids=["current", "delayed", "delayed-hybrid", "current-hybrid"],
 )
+@pytest.mark.parametrize("norm", ["", "LayerNorm", "RMSNorm"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_per_tensor_fast_path_gives_the_op_paths_bytes(device, make_recipe, bias, fuse_wgrad):
-    """te.Linear's eager FP8 call under a per-tensor recipe skips the op's layers
-    (``F.linear_per_tensor``): three steps give the op path's bytes (outputs, input, weight and
-    bias gradients or main_grad, the delayed-scaling state) and the fast path's node."""
+def test_per_tensor_fast_path_gives_the_op_paths_bytes(device, norm, make_recipe, bias, fuse_wgrad):
+    """te.Linear's and te.LayerNormLinear's eager FP8 calls under a per-tensor recipe skip the
+    op's layers (``functional.linear_ops.linear_per_tensor``): three steps give the op path's
+    bytes (outputs, input, weight, bias and norm gradients or main_grad, the delayed-scaling
+    state) and the fast path's node."""
 
     def run(fast: bool):
         _library.set_eager_fast_path(fast)
         try:
             torch.manual_seed(0)
-            m = te.Linear(64, 32, bias=bias, params_dtype=torch.bfloat16, device=device,
-                          fuse_wgrad_accumulation=fuse_wgrad)  # fmt: skip
+            kw = {"bias": bias, "params_dtype": torch.bfloat16, "device": device,
+                  "fuse_wgrad_accumulation": fuse_wgrad}  # fmt: skip
+            if norm:  # zero-centred gamma: the norm's scalars reach the kernels
+                m = te.LayerNormLinear(64, 32, normalization=norm, zero_centered_gamma=True, **kw)
+                with torch.no_grad():
+                    for p in m.parameters():
+                        if p.dim() == 1:
+                            p.add_(torch.randn(p.shape, device=device) * 0.1)
+            else:
+                m = te.Linear(64, 32, **kw)
             if fuse_wgrad:
                 m.weight.main_grad = torch.zeros(32, 64, device=device)
             outs, nodes = [], []
@@ -824,7 +838,7 @@ def test_per_tensor_fast_path_gives_the_op_paths_bytes(device, make_recipe, bias
                 (y.float() * w).sum().backward()
                 outs += [y.detach(), x.grad]
             outs.append(m.weight.main_grad if fuse_wgrad else m.weight.grad)
-            outs += [m.bias.grad] if bias else []
+            outs += [p.grad for p in m.parameters() if p.dim() == 1]  # the biases, the norm's
             outs += [v for _, v in sorted(m.state_dict().items()) if isinstance(v, torch.Tensor)]
             return outs, set(nodes)
         finally:
@@ -845,5 +859,8 @@ def test_per_tensor_fast_path_refuses_what_the_op_refuses(device):
     m = te.Linear(40, 32, params_dtype=torch.bfloat16, device=device)
     x = torch.randn(16, 40, device=device, dtype=torch.bfloat16)
     for _ in range(2):
-        with pytest.raises(ValueError, match="in_features"), autocast(recipe=Float8CurrentScaling()):
+        with (
+            pytest.raises(ValueError, match="in_features"),
+            autocast(recipe=Float8CurrentScaling()),
+        ):
             m(x)
