@@ -63,7 +63,13 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from te_compile._checks import check_bool, check_choice, check_same_device, check_tensors
+from te_compile._checks import (
+    check_bool,
+    check_choice,
+    check_same_device,
+    check_tensors,
+    passed_once,
+)
 from te_compile._library import differentiable, op, use_fast_path
 from te_compile._numerics import acc_dtype
 from te_compile.functional.activation import GATED_ACTIVATIONS, activation_ref, gated_activation_ref
@@ -420,7 +426,7 @@ class _PerTensorLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp, weight, bias, main_grad, scale, grad_amax, specs, norm_weight,
                 norm_bias, norm):  # fmt: skip
-        prologue = None if norm is None else Norm(norm_weight, norm_bias, *norm)  # (float eps)
+        prologue = None if norm is None else Norm(norm_weight, norm_bias, *norm)
         h, copies, amax, stats = per_tensor_forward(
             inp.reshape(-1, inp.shape[-1]), weight, bias, scale, *specs[:2], prologue
         )
@@ -449,11 +455,16 @@ class _PerTensorLinear(torch.autograd.Function):
 
 
 _NO_NORM, _NO_EPILOGUE = NormSpec(), EpilogueSpec()
-_PER_TENSOR_CHECKED: set[tuple] = set()
 
 
-def _meta(t: Tensor | None) -> tuple | None:
-    return None if t is None else (t.shape, t.dtype, t.device)
+@passed_once
+def _check_per_tensor(args: tuple) -> None:
+    """The op's checks of a :func:`linear_per_tensor` call (once per kind of call)."""
+    inp, weight, bias, main_grad, specs, scale, grad_amax, w, b, *scalars = args
+    check_gemm_tensors("te.linear", inp, weight, bias, main_grad)
+    text = NormSpec(*scalars).encode() if scalars else ""
+    check_linear(LinearArgs(inp, weight, bias, main_grad, *as_strings(*specs), scale, grad_amax,
+                            None, text, w, b))  # fmt: skip
 
 
 def linear_per_tensor(
@@ -478,16 +489,7 @@ def linear_per_tensor(
     w, b, *scalars = norm if norm is not None else (None, None)
     if scalars:
         scalars[1] = float(scalars[1])  # eps, as the op's NormSpec string gives it
-    key = (_meta(inp), _meta(weight), _meta(bias), _meta(main_grad), specs, _meta(scale),
-           _meta(grad_amax), _meta(w), _meta(b), tuple(map(type, scalars)), *scalars)  # fmt: skip
-    if key not in _PER_TENSOR_CHECKED:
-        check_gemm_tensors("te.linear", inp, weight, bias, main_grad)
-        text = NormSpec(*scalars).encode() if norm is not None else ""
-        check_linear(LinearArgs(inp, weight, bias, main_grad, *as_strings(*specs), scale,
-                                grad_amax, None, text, w, b))  # fmt: skip
-        if len(_PER_TENSOR_CHECKED) >= 4096:
-            _PER_TENSOR_CHECKED.clear()
-        _PER_TENSOR_CHECKED.add(key)
+    _check_per_tensor((inp, weight, bias, main_grad, specs, scale, grad_amax, w, b, *scalars))
     return _PerTensorLinear.apply(inp, weight, bias, main_grad, scale, grad_amax, specs, w, b,
                                   None if norm is None else tuple(scalars))  # fmt: skip
 
