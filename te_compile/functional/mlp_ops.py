@@ -40,8 +40,14 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from te_compile._checks import check_bool, check_choice, check_same_device, check_tensors
-from te_compile._library import differentiable, op
+from te_compile._checks import (
+    check_bool,
+    check_choice,
+    check_same_device,
+    check_tensors,
+    passed_once,
+)
+from te_compile._library import differentiable, op, use_fast_path
 from te_compile.functional.activation import (
     GATED_ACTIVATIONS,
     activation_backward,
@@ -87,6 +93,7 @@ from te_compile.functional.gemm_ref import quantized_linear_ref
 from te_compile.functional.mlp_args import NORM_WEIGHT, MLPArgs, check_mlp
 from te_compile.functional.prologue import (
     NORMALIZATIONS,
+    Norm,
     fake_dnorm,
     fake_stats,
     norm_backward,
@@ -103,7 +110,7 @@ from te_compile.functional.spec import (
     parse,
 )
 
-__all__ = ["mlp", "mlp_ref"]
+__all__ = ["mlp", "mlp_per_tensor", "mlp_ref"]
 
 
 # 1. Reference math ----------------------------------------------------------------------------
@@ -446,6 +453,15 @@ _GEMM_NAMES = tuple((f"fc{i}_weight", f"fc{i}_bias", f"main_grad{i}") for i in (
 _OPTIONAL = ("scale1", "scale2", "grad_amax1", "grad_amax2", "norm_weight", "norm_bias")
 
 
+def _check_tensors(inp, w1, b1, w2, b2, mg1, mg2, *optional) -> None:
+    """:func:`mlp`'s checks of its tensor arguments (``optional``: as :data:`_OPTIONAL`)."""
+    check_gemm_tensors("te.mlp", inp, w1, b1, mg1, _GEMM_NAMES[0])
+    check_gemm_tensors("te.mlp", inp, w2, b2, mg2, _GEMM_NAMES[1])
+    if any(t is not None for t in optional):
+        check_tensors("te.mlp", **dict(zip(_OPTIONAL, optional, strict=True)))
+        check_same_device("te.mlp", "inp", inp, norm_weight=optional[4], norm_bias=optional[5])
+
+
 @eager_cached(1024, typed=True)
 def _scalar_specs(normalization, norm_eps, zero_centered_gamma, activation, limit, alpha,
                   glu_linear_offset) -> tuple[str, str]:  # fmt: skip
@@ -501,12 +517,8 @@ def mlp(
     check_weight_quantized("te.mlp", "fc1_weight_quantized", fc1_weight_quantized)
     check_weight_quantized("te.mlp", "fc2_weight_quantized", fc2_weight_quantized)
     check_bool("te.mlp", return_amax=return_amax)
-    check_gemm_tensors("te.mlp", inp, fc1_weight, fc1_bias, main_grad1, _GEMM_NAMES[0])
-    check_gemm_tensors("te.mlp", inp, fc2_weight, fc2_bias, main_grad2, _GEMM_NAMES[1])
-    optional = (scale1, scale2, grad_amax1, grad_amax2, norm_weight, norm_bias)
-    if any(t is not None for t in optional):
-        check_tensors("te.mlp", **dict(zip(_OPTIONAL, optional, strict=True)))
-        check_same_device("te.mlp", "inp", inp, norm_weight=norm_weight, norm_bias=norm_bias)
+    _check_tensors(inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, main_grad1, main_grad2,
+                   scale1, scale2, grad_amax1, grad_amax2, norm_weight, norm_bias)  # fmt: skip
     norm, epilogue = _scalar_specs(normalization, norm_eps, zero_centered_gamma, activation, limit,
                                    alpha, glu_linear_offset)  # fmt: skip
     specs = as_strings(input_spec, weight_spec, grad_spec)
@@ -520,3 +532,92 @@ def mlp(
         return out
     per_tensor = specs[0].startswith(PER_TENSOR)  # (a str: the op took it)
     return out, saved[-1] if per_tensor else inp.new_empty(0, dtype=torch.float32)
+
+
+# Eager fast path ------------------------------------------------------------------------------
+
+
+class _PerTensorMLP(torch.autograd.Function):
+    """``te::mlp`` under a per-tensor recipe without pre-quantised weights, eager: the op's own
+    implementations (``mlp_fwd.eager`` / ``mlp_bwd.eager``: the same calls, the same bits) in an
+    autograd node of their own, without the op's argument checks per call, its generic autograd
+    glue and the encoding of its arguments (:func:`mlp_per_tensor`)."""
+
+    @staticmethod
+    def forward(ctx, inp, w1, b1, w2, b2, scale1, scale2, norm_weight, norm_bias, strings,
+                written):  # fmt: skip
+        (x, w, g, norm, epilogue, bwd_norm), (ga1, ga2, mg1, mg2) = strings, written
+        out, saved = mlp_fwd.eager(inp, w1, b1, w2, b2, epilogue, x, w, g, scale1, scale2,
+                                   ga1, ga2, norm, norm_weight, norm_bias, None, None, mg1,
+                                   mg2)  # fmt: skip
+        amax = saved.pop()
+        kept = (inp, norm_weight) if norm else (None, None)
+        ctx.save_for_backward(kept[0], b1, scale1, scale2, kept[1], *saved)
+        ctx.te = (x, w, g, bwd_norm, epilogue), written, b2 is not None
+        ctx.mark_non_differentiable(amax)
+        ctx.set_materialize_grads(False)  # (the amax gets no gradient)
+        return out, amax
+
+    @staticmethod
+    def backward(ctx, grad, _):
+        inp, b1, s1, s2, norm_weight, *saved = ctx.saved_tensors  # (read once: a checkpoint)
+        strings, (ga1, ga2, mg1, mg2), has_b2 = ctx.te
+        need = ctx.needs_input_grad
+        need_norm = norm_weight is not None and any(need[7:9])
+        mg1, mg2 = mg1 if need[1] else None, mg2 if need[3] else None  # (as _backward's)
+        dinp, dw1, db1, dw2, db2, dnw, dnb = mlp_bwd.eager(
+            grad.contiguous(), saved, inp, None, b1, None, s1, s2, ga1, ga2, mg1, mg2,
+            norm_weight, *strings, has_b2 and need[4], need[0] or need_norm)  # fmt: skip
+        return (dinp if need[0] else None, dw1 if need[1] and mg1 is None else None,
+                db1 if b1 is not None and need[2] else None,
+                dw2 if need[3] and mg2 is None else None, db2 if has_b2 and need[4] else None,
+                None, None, dnw if need_norm and need[7] else None,
+                dnb if need_norm and need[8] else None, None, None)  # fmt: skip
+
+
+@eager_cached(1024)
+def _strings(specs: tuple, norm: str, epilogue: str, norm_bias: bool) -> tuple[str, ...]:
+    """The op's spec strings, then ``norm`` and ``epilogue``, then the backward's ``norm``
+    (``bias`` set where the norm has one, as ``_setup_context`` encodes it)."""
+    bwd_norm = replace(parse(NormSpec, norm), bias=True).encode() if norm and norm_bias else norm
+    return (*as_strings(*specs), norm, epilogue, bwd_norm)
+
+
+@passed_once
+def _check_fast(args: tuple) -> None:
+    """:func:`mlp`'s checks of a :func:`mlp_per_tensor` call, once per kind of call (the op's
+    own, ``check_mlp``, run in ``mlp_fwd``)."""
+    _check_tensors(*args)
+
+
+def mlp_per_tensor(
+    inp: Tensor,
+    fc1_weight: Tensor,
+    fc1_bias: Tensor | None,
+    fc2_weight: Tensor,
+    fc2_bias: Tensor | None,
+    activation: str,
+    specs: tuple[QuantSpec, QuantSpec, QuantSpec],
+    scales: tuple[Tensor | None, Tensor | None],
+    grad_amaxes: tuple[Tensor | None, Tensor | None],
+    main_grads: tuple[Tensor | None, Tensor | None] = (None, None),
+    norm: Norm | None = None,
+    limit: float = 7.0,
+    alpha: float = 1.702,
+    glu_linear_offset: float = 1.0,
+) -> tuple[Tensor, Tensor] | None:
+    """``(out, amaxes)`` of ``mlp(inp, ..., input_spec=..., scale1=..., ..., return_amax=True)``
+    under the per-tensor ``specs`` (``scales``, ``grad_amaxes``, ``main_grads``: per GEMM;
+    ``norm``: the prologue, ``prologue.Norm``), the same bits and errors, through the eager fast
+    path (``_library.use_fast_path``: eager, nothing watching; no ``torch.autocast``) without the
+    op's layers: te.LayerNormMLP's FP8 hot path. None where it does not apply (the caller then
+    calls :func:`mlp`). The checks run once per set of shapes, dtypes, devices and arguments."""
+    if not use_fast_path() or torch._C._is_any_autocast_enabled():
+        return None
+    nw, nb, *scalars = norm if norm is not None else (None, None, "", 1e-5, False)
+    norm_text, epilogue = _scalar_specs(*scalars, activation, limit, alpha, glu_linear_offset)
+    strings = _strings(tuple(specs), norm_text, epilogue, nb is not None)
+    args = (inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, *scales, nw, nb)
+    written = (*grad_amaxes, *main_grads)
+    _check_fast((*args[:5], *main_grads, *scales, *grad_amaxes, nw, nb))
+    return _PerTensorMLP.apply(*args, strings, written)

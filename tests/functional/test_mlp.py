@@ -275,16 +275,22 @@ def _fused_and_plain_steps(device, recipe, hidden, ffn, monkeypatch, act, main_g
         for w in (m.fc1_weight, m.fc2_weight):
             w.main_grad = torch.zeros(w.shape, device=device, dtype=torch.float32)
     calls = []
-    real = gemm.F.mlp
+    real, real_fast = gemm.F.mlp, gemm.mlp_per_tensor
 
     def counted(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
+    def counted_fast(*args, **kwargs):  # te::mlp's eager fast path (per-tensor recipes)
+        out = real_fast(*args, **kwargs)
+        calls.extend([1] if out is not None else [])
+        return out
+
     results = {}
     for name, module, fuse in (("fused", fused, True), ("plain", plain, False)):
         monkeypatch.setattr(gemm, "_FUSE_MLP", fuse)
         monkeypatch.setattr(gemm.F, "mlp", counted)
+        monkeypatch.setattr(gemm, "mlp_per_tensor", counted_fast)
         torch.manual_seed(1)
         outs = []
         for _ in range(3):
@@ -296,7 +302,7 @@ def _fused_and_plain_steps(device, recipe, hidden, ffn, monkeypatch, act, main_g
         grads = [p.main_grad if main_grad and p.grad is None else p.grad
                  for p in module.parameters()]  # fmt: skip
         results[name] = (outs, grads, [b.clone() for b in module.buffers()])
-    assert len(calls) == 3  # the fused run only
+    assert len(calls) == 3  # the fused run only (te::mlp, or its fast path)
     for a, b in zip(results["fused"][0], results["plain"][0], strict=True):
         assert_bits_equal(a, b)
     for a, b in zip(results["fused"][2], results["plain"][2], strict=True):
@@ -311,13 +317,19 @@ def _fused_and_plain_steps(device, recipe, hidden, ffn, monkeypatch, act, main_g
 @pytest.mark.parametrize("device", DEVICES)
 def test_layernorm_mlp_calls_the_mlp_op_in_every_precision(device, monkeypatch):
     seen = []
-    real = gemm.F.mlp
+    real, real_fast = gemm.F.mlp, gemm.mlp_per_tensor
 
     def spy(*args, **kwargs):
         seen.append((args[5], as_specs(kwargs.get("input_spec", ""))[0].kind))  # bf16: none
         return real(*args, **kwargs)
 
+    def spy_fast(*args, **kwargs):  # te::mlp's eager fast path: (..., activation, specs, ...)
+        out = real_fast(*args, **kwargs)
+        seen.extend([(args[5], args[6][0].kind)] if out is not None else [])
+        return out
+
     monkeypatch.setattr(gemm.F, "mlp", spy)
+    monkeypatch.setattr(gemm, "mlp_per_tensor", spy_fast)
     x = torch.randn(32, 64, device=device, dtype=torch.bfloat16)
     for act in ("gelu", "swiglu"):
         m = te_compile.LayerNormMLP(

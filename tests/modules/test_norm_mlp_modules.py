@@ -422,3 +422,97 @@ def test_layernorm_mlp_checkpoint_recomputes_fc1(recipe, compiled):
             saved_plain, _ = _saved_bytes(lambda: plain(x_ref))
             saved_ckpt, _ = _saved_bytes(lambda: ckpt(x))
         assert saved_ckpt < saved_plain
+
+
+@pytest.mark.parametrize("bias, fuse_wgrad", [(True, False), (False, True)])
+@pytest.mark.parametrize(
+    "make_recipe",
+    [
+        te.recipe.Float8CurrentScaling,
+        te.recipe.DelayedScaling,
+        lambda: te.recipe.Float8CurrentScaling(fp8_format=te.recipe.Format.HYBRID),
+    ],
+    ids=["current", "delayed", "current-hybrid"],
+)
+@pytest.mark.parametrize("activation", ["gelu", "swiglu", "clamped_swiglu"])
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_layernorm_mlp_fast_path_gives_the_op_paths_bytes(
+    device, normalization, activation, make_recipe, bias, fuse_wgrad
+):
+    """te.LayerNormMLP's eager FP8 calls under a per-tensor recipe skip the op's layers
+    (``functional.mlp_ops.mlp_per_tensor``): three steps give the op path's bytes (outputs,
+    input, weight (or main_grad), bias and norm gradients, the delayed-scaling state) and the
+    fast path's autograd node."""
+    from te_compile import _library
+
+    def run(fast: bool):
+        _library.set_eager_fast_path(fast)
+        try:
+            torch.manual_seed(0)
+            params = {"limit": 0.75, "alpha": 1.5} if activation == "clamped_swiglu" else None
+            m = te.LayerNormMLP(64, 96, normalization=normalization, activation=activation,
+                                bias=bias, zero_centered_gamma=True, activation_params=params,
+                                fuse_wgrad_accumulation=fuse_wgrad, params_dtype=torch.bfloat16,
+                                device=device)  # fmt: skip
+            with torch.no_grad():
+                for p in m.parameters():
+                    if p.dim() == 1:  # non-zero biases and norm parameters reach the kernels
+                        p.add_(torch.randn(p.shape, device=device) * 0.1)
+            weights = (m.fc1_weight, m.fc2_weight)
+            for w in weights if fuse_wgrad else ():
+                w.main_grad = torch.zeros(w.shape, device=device)
+            outs, nodes = [], []
+            for step in range(3):
+                x = (torch.randn(4, 8, 64) * (1 + step)).to(device, torch.bfloat16)
+                x.requires_grad_(True)
+                with te.autocast(recipe=make_recipe()):
+                    y = m(x)
+                nodes.append(type(y.grad_fn).__name__)
+                w = torch.linspace(-1, 1, y.numel(), device=device).reshape(y.shape)
+                (y.float() * w).sum().backward()
+                outs += [y.detach(), x.grad]
+            outs += [w.main_grad if fuse_wgrad else w.grad for w in weights]
+            outs += [p.grad for p in m.parameters() if p.dim() == 1]  # the biases, the norm's
+            outs += [v for _, v in sorted(m.state_dict().items()) if isinstance(v, torch.Tensor)]
+            return outs, set(nodes)
+        finally:
+            _library.set_eager_fast_path(True)
+
+    (fast, fast_nodes), (op, op_nodes) = run(True), run(False)
+    assert fast_nodes == {"_PerTensorMLPBackward"}
+    assert len(op_nodes) == 1 and "te_mlp_fwd" in op_nodes.pop()  # the op's autograd node
+    assert len(fast) == len(op)
+    for a, b in zip(fast, op, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_layernorm_mlp_fast_path_refuses_what_the_op_refuses(device):
+    """The fast path checks a call as the op does, once per set of shapes: a hidden size not
+    a multiple of 16 is refused by name on every call, the input's dtype against the weights'
+    and its device against theirs too."""
+    m = te.LayerNormMLP(40, 64, params_dtype=torch.bfloat16, device=device)
+    x = torch.randn(16, 40, device=device, dtype=torch.bfloat16)
+    for _ in range(2):
+        with (
+            pytest.raises(ValueError, match="hidden"),
+            te.autocast(recipe=te.recipe.Float8CurrentScaling()),
+        ):
+            m(x)
+    m = te.LayerNormMLP(64, 64, params_dtype=torch.bfloat16, device=device)
+    for dtype in (torch.bfloat16, torch.float16, torch.float16):
+        x = torch.randn(16, 64, device=device, dtype=dtype)
+        with te.autocast(recipe=te.recipe.Float8CurrentScaling()):
+            if dtype is torch.bfloat16:
+                m(x)
+                continue
+            with pytest.raises(ValueError, match="inp, fc1_weight and fc2_weight must share"):
+                m(x)
+    x = torch.randn(16, 64, device="meta", dtype=torch.bfloat16)
+    for _ in range(2):
+        with (
+            pytest.raises(ValueError, match="inp and fc1_weight must be on one device"),
+            te.autocast(recipe=te.recipe.Float8CurrentScaling()),
+        ):
+            m(x)
