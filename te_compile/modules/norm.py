@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from te_compile import functional as F
+from te_compile._library import use_fast_path
 from te_compile.distributed import collectives as C
 from te_compile.distributed.tensor_parallel import TensorParallel, set_parallel_attributes
 from te_compile.modules._common import (
@@ -31,6 +32,7 @@ from te_compile.modules._common import (
     params_dtype_or_default,
 )
 from te_compile.modules._te_signature import te_signature
+from te_compile.quantization.gemm import quantized
 from te_compile.quantization.te_extra_state import accept_te_extra_state
 
 __all__ = ["NORMALIZATIONS", "LayerNorm", "PreNorm", "RMSNorm", "apply_normalization"]
@@ -198,6 +200,18 @@ class PreNorm(nn.Module):
         """Tensor-parallel attributes of the (replicated) norm parameters."""
         for p in (self.layer_norm_weight, self.layer_norm_bias):
             set_parallel_attributes(p, sequence_parallel=sequence_parallel)
+
+    @staticmethod
+    def _fused_norm() -> bool:
+        """Whether te.LayerNormMLP's norm runs as ``te::mlp``'s prologue: under FP8 (written
+        straight into FP8 on CUDA), and in high precision on the eager fast path
+        (``_library.use_fast_path``: one op call less, the same kernels and bytes). Traced, or
+        where a dispatch mode watches, a high-precision norm stays an op of its own, which
+        selective activation checkpointing can recompute without recomputing the GEMMs.
+        te.LayerNormLinear keeps it apart in high precision: its plain GEMM takes native
+        autograd (``_library``'s ``native_autograd``), cheaper than ``te::linear``'s node with
+        the prologue (measured on the CPU model of the CUDA path)."""
+        return quantized() or use_fast_path()
 
     def _norm_spec(self) -> tuple[Tensor, Tensor | None, str, float, bool]:
         """The norm as an FP8 GEMM's prologue (``quantization.gemm.Norm``)."""

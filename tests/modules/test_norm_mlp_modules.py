@@ -516,3 +516,58 @@ def test_layernorm_mlp_fast_path_refuses_what_the_op_refuses(device):
             te.autocast(recipe=te.recipe.Float8CurrentScaling()),
         ):
             m(x)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_layernorm_mlp_high_precision_norm_as_prologue(device, normalization, activation, bias):
+    """In high precision an eager te.LayerNormMLP runs its norm as te::mlp's prologue (one op
+    call, ``PreNorm._fused_norm``); with the fast path off (as while traced or watched) as an op
+    of its own: the same bytes, outputs and every gradient, over two steps."""
+    from te_compile import _library
+
+    def run(fast: bool):
+        _library.set_eager_fast_path(fast)
+        try:
+            torch.manual_seed(0)
+            m = te.LayerNormMLP(64, 96, normalization=normalization, activation=activation,
+                                bias=bias, zero_centered_gamma=True, params_dtype=torch.bfloat16,
+                                device=device)  # fmt: skip
+            with torch.no_grad():
+                for p in m.parameters():
+                    if p.dim() == 1:
+                        p.add_(torch.randn(p.shape, device=device) * 0.1)
+            calls = []
+            outs = []
+            for step in range(2):
+                x = (torch.randn(4, 8, 64) * (1 + step)).to(device, torch.bfloat16)
+                x.requires_grad_(True)
+                y = m(x)
+                calls.append(_node_names(y.grad_fn))
+                w = torch.linspace(-1, 1, y.numel(), device=device).reshape(y.shape)
+                (y.float() * w).sum().backward()
+                outs += [y.detach(), x.grad]
+            return outs + [p.grad for p in m.parameters()], calls
+        finally:
+            _library.set_eager_fast_path(True)
+
+    (fast, fast_nodes), (op, op_nodes) = run(True), run(False)
+    norm_op = f"te_{normalization.lower()}_fwd"
+    assert not any(norm_op in n for names in fast_nodes for n in names)  # no norm node
+    assert all(any(norm_op in n for n in names) for names in op_nodes)
+    assert len(fast) == len(op)
+    for a, b in zip(fast, op, strict=True):
+        assert torch.equal(a, b)
+
+
+def _node_names(node) -> set[str]:
+    """The names of the autograd nodes reachable from ``node``."""
+    names, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n is not None and type(n).__name__ not in names:
+            names.add(type(n).__name__)
+            todo += [f for f, _ in n.next_functions]
+    return names
