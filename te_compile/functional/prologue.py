@@ -77,7 +77,7 @@ def check_norm(p: str, inp: Tensor, norm: Norm) -> None:
     k = inp.shape[-1]
     if weight is None or weight.shape != (k,) or weight.dtype not in HIGH_DTYPES:
         raise ValueError(
-            p + f"{normalization} needs norm_weight [{k}] (the input's last dim) of a float "
+            p + f"{normalization} needs norm_weight [{k}] (inp's last dim) of a float "
             f"dtype, got {None if weight is None else (list(weight.shape), weight.dtype)}"
         )
     if bias is not None and (normalization != "LayerNorm" or bias.shape != (k,)):

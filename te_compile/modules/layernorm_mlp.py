@@ -252,7 +252,7 @@ class LayerNormMLP(_primary.KeepFP8OnCast, DelayedWgrad, PreNorm):
         if is_first_microbatch is not None:
             _gemm.check_first_microbatch(owner, is_first_microbatch)
             cache = _gemm.WeightCache(self._fp8_weights, is_first_microbatch)
-        if not (tp.active or self.return_layernorm_output) and self._fused_norm():
+        if not (tp.active or self.return_layernorm_output) and self._fused_norm(inp):
             # FP8: one op, the norm its prologue (written straight into FP8 on CUDA); in high
             # precision too where PreNorm._fused_norm says.
             fc2_bias = None if self.return_bias else self.fc2_bias

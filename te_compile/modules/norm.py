@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from te_compile import functional as F
+from te_compile._checks import HIGH_DTYPES
 from te_compile._library import use_fast_path
 from te_compile.distributed import collectives as C
 from te_compile.distributed.tensor_parallel import TensorParallel, set_parallel_attributes
@@ -201,17 +202,22 @@ class PreNorm(nn.Module):
         for p in (self.layer_norm_weight, self.layer_norm_bias):
             set_parallel_attributes(p, sequence_parallel=sequence_parallel)
 
-    @staticmethod
-    def _fused_norm() -> bool:
+    def _fused_norm(self, inp: Tensor) -> bool:
         """Whether te.LayerNormMLP's norm runs as ``te::mlp``'s prologue: under FP8 (written
         straight into FP8 on CUDA), and in high precision on the eager fast path
-        (``_library.use_fast_path``: one op call less, the same kernels and bytes). Traced, or
-        where a dispatch mode watches, a high-precision norm stays an op of its own, which
-        selective activation checkpointing can recompute without recomputing the GEMMs.
-        te.LayerNormLinear keeps it apart in high precision: its plain GEMM takes native
-        autograd (``_library``'s ``native_autograd``), cheaper than ``te::linear``'s node with
-        the prologue (measured on the CPU model of the CUDA path)."""
-        return quantized() or use_fast_path()
+        (``_library.use_fast_path``; no ``torch.autocast``; ``inp`` and the norm's weight of one
+        dtype of ``_checks.HIGH_DTYPES``, as the prologue takes them): one op call less, the
+        same kernels and bytes. Traced, or where a dispatch mode watches, a high-precision norm
+        stays an op of its own, which selective activation checkpointing can recompute without
+        recomputing the GEMMs. te.LayerNormLinear keeps it apart in high precision: its plain
+        GEMM takes native autograd (``_library``'s ``native_autograd``), cheaper than
+        ``te::linear``'s node with the prologue (measured on the CPU model of the CUDA path)."""
+        if quantized():
+            return True
+        dtype = inp.dtype if isinstance(inp, Tensor) else None
+        return (use_fast_path() and dtype in HIGH_DTYPES
+                and self.layer_norm_weight.dtype == dtype
+                and not torch._C._is_any_autocast_enabled())  # fmt: skip
 
     def _norm_spec(self) -> tuple[Tensor, Tensor | None, str, float, bool]:
         """The norm as an FP8 GEMM's prologue (``quantization.gemm.Norm``)."""

@@ -630,8 +630,8 @@ def mlp(
     q1, q2 = (as_gemm_takes(args.specs[1], q, k) for q, k in zip((q1, q2), kinds, strict=True))
     kw["fc1_weight_quantized"] = q1 or cached_weight(args, fc1_weight, cache, "fc1_weight", 0)
     kw["fc2_weight_quantized"] = q2 or cached_weight(args, fc2_weight, cache, "fc2_weight", 1)
-    quantized = kw["fc1_weight_quantized"], kw["fc2_weight_quantized"]
-    if args.recipe in PER_TENSOR and quantized == (None, None):
+    kept = kw["fc1_weight_quantized"], kw["fc2_weight_quantized"]
+    if args.recipe in PER_TENSOR and kept[0] is None and kept[1] is None:
         # te.LayerNormMLP's FP8 hot path: eager, the op's layers skipped
         out = mlp_per_tensor(inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation,
                              args.specs, args.scales, args.grad_amaxes, (g1, g2), norm,

@@ -571,3 +571,25 @@ def _node_names(node) -> set[str]:
             names.add(type(n).__name__)
             todo += [f for f, _ in n.next_functions]
     return names
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_layernorm_mlp_keeps_the_norm_apart_where_the_prologue_does_not_take_it(device):
+    """In high precision the norm stays an op of its own where ``te::mlp``'s prologue does not
+    take the call as the norm op does: a float64 module (the prologue's dtypes are fp32, bf16
+    and fp16), a norm weight of another dtype than the input, and ``torch.autocast`` (whose
+    casts the two ops' rules make); with a module of one such dtype it is the prologue."""
+    f32 = torch.float32
+    cases = [(torch.float64, torch.float64, False), (torch.bfloat16, f32, False),
+             (f32, f32, True), (f32, f32, False)]  # fmt: skip
+    seen = []
+    for dtype, norm_dtype, autocast in cases:
+        m = te.LayerNormMLP(32, 64, params_dtype=dtype, device=device)
+        m.layer_norm_weight.data = m.layer_norm_weight.data.to(norm_dtype)
+        m.layer_norm_bias.data = m.layer_norm_bias.data.to(norm_dtype)
+        x = torch.randn(8, 32, device=device, dtype=dtype, requires_grad=True)
+        ctx = torch.autocast(device, dtype=torch.bfloat16) if autocast else nullcontext()
+        with ctx:
+            y = m(x)
+        seen.append(any("te_layernorm_fwd" in n for n in _node_names(y.grad_fn)))
+    assert seen == [True, True, True, False]
