@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import te_compile as te
-from te_compile import _library
 from te_compile import functional as F
 from te_compile.quantization import (
     DelayedScaling,
@@ -24,6 +23,7 @@ from tests.utils import (
     DEVICES,
     GraphRecorder,
     assert_close,
+    assert_fast_path_gives_op_bytes,
     assert_matches_eager,
     behaviour_backend,
     compile_counted,
@@ -811,45 +811,23 @@ def test_per_tensor_fast_path_gives_the_op_paths_bytes(device, norm, make_recipe
     bytes (outputs, input, weight, bias and norm gradients or main_grad, the delayed-scaling
     state) and the fast path's node."""
 
-    def run(fast: bool):
-        _library.set_eager_fast_path(fast)
-        try:
-            torch.manual_seed(0)
-            kw = {"bias": bias, "params_dtype": torch.bfloat16, "device": device,
-                  "fuse_wgrad_accumulation": fuse_wgrad}  # fmt: skip
-            if norm:  # zero-centred gamma: the norm's scalars reach the kernels
-                m = te.LayerNormLinear(64, 32, normalization=norm, zero_centered_gamma=True, **kw)
-                with torch.no_grad():
-                    for p in m.parameters():
-                        if p.dim() == 1:
-                            p.add_(torch.randn(p.shape, device=device) * 0.1)
-            else:
-                m = te.Linear(64, 32, **kw)
-            if fuse_wgrad:
-                m.weight.main_grad = torch.zeros(32, 64, device=device)
-            outs, nodes = [], []
-            for step in range(3):
-                x = (torch.randn(4, 8, 64) * (1 + step)).to(device, torch.bfloat16)
-                x.requires_grad_(True)
-                with autocast(recipe=make_recipe()):
-                    y = m(x)
-                nodes.append(type(y.grad_fn).__name__)
-                w = torch.linspace(-1, 1, y.numel(), device=device).reshape(y.shape)
-                (y.float() * w).sum().backward()
-                outs += [y.detach(), x.grad]
-            outs.append(m.weight.main_grad if fuse_wgrad else m.weight.grad)
-            outs += [p.grad for p in m.parameters() if p.dim() == 1]  # the biases, the norm's
-            outs += [v for _, v in sorted(m.state_dict().items()) if isinstance(v, torch.Tensor)]
-            return outs, set(nodes)
-        finally:
-            _library.set_eager_fast_path(True)
+    kw = {"bias": bias, "params_dtype": torch.bfloat16, "device": device,
+          "fuse_wgrad_accumulation": fuse_wgrad}  # fmt: skip
 
-    (fast, fast_nodes), (op, op_nodes) = run(True), run(False)
-    assert fast_nodes == {"_PerTensorLinearBackward"}
-    assert len(op_nodes) == 1 and "te_linear_fwd" in op_nodes.pop()  # the op's autograd node
-    assert len(fast) == len(op)
-    for a, b in zip(fast, op, strict=True):
-        assert torch.equal(a, b)
+    def make():  # zero-centred gamma: the norm's scalars reach the kernels
+        if norm:
+            return te.LayerNormLinear(64, 32, normalization=norm, zero_centered_gamma=True, **kw)
+        return te.Linear(64, 32, **kw)
+
+    assert_fast_path_gives_op_bytes(
+        make,
+        lambda m: (m.weight,),
+        make_recipe,
+        device,
+        fuse_wgrad,
+        "_PerTensorLinearBackward",
+        "te_linear_fwd",
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)

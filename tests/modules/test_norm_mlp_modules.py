@@ -15,6 +15,7 @@ from tests.utils import (
     DEVICES,
     GraphRecorder,
     assert_close,
+    assert_fast_path_gives_op_bytes,
     behaviour_backend,
     chain_roundings,
     compile_counted,
@@ -444,47 +445,18 @@ def test_layernorm_mlp_fast_path_gives_the_op_paths_bytes(
     (``functional.mlp_ops.mlp_per_tensor``): three steps give the op path's bytes (outputs,
     input, weight (or main_grad), bias and norm gradients, the delayed-scaling state) and the
     fast path's autograd node."""
-    from te_compile import _library
+    params = {"limit": 0.75, "alpha": 1.5} if activation == "clamped_swiglu" else None
 
-    def run(fast: bool):
-        _library.set_eager_fast_path(fast)
-        try:
-            torch.manual_seed(0)
-            params = {"limit": 0.75, "alpha": 1.5} if activation == "clamped_swiglu" else None
-            m = te.LayerNormMLP(64, 96, normalization=normalization, activation=activation,
-                                bias=bias, zero_centered_gamma=True, activation_params=params,
-                                fuse_wgrad_accumulation=fuse_wgrad, params_dtype=torch.bfloat16,
-                                device=device)  # fmt: skip
-            with torch.no_grad():
-                for p in m.parameters():
-                    if p.dim() == 1:  # non-zero biases and norm parameters reach the kernels
-                        p.add_(torch.randn(p.shape, device=device) * 0.1)
-            weights = (m.fc1_weight, m.fc2_weight)
-            for w in weights if fuse_wgrad else ():
-                w.main_grad = torch.zeros(w.shape, device=device)
-            outs, nodes = [], []
-            for step in range(3):
-                x = (torch.randn(4, 8, 64) * (1 + step)).to(device, torch.bfloat16)
-                x.requires_grad_(True)
-                with te.autocast(recipe=make_recipe()):
-                    y = m(x)
-                nodes.append(type(y.grad_fn).__name__)
-                w = torch.linspace(-1, 1, y.numel(), device=device).reshape(y.shape)
-                (y.float() * w).sum().backward()
-                outs += [y.detach(), x.grad]
-            outs += [w.main_grad if fuse_wgrad else w.grad for w in weights]
-            outs += [p.grad for p in m.parameters() if p.dim() == 1]  # the biases, the norm's
-            outs += [v for _, v in sorted(m.state_dict().items()) if isinstance(v, torch.Tensor)]
-            return outs, set(nodes)
-        finally:
-            _library.set_eager_fast_path(True)
+    def make():
+        return te.LayerNormMLP(64, 96, normalization=normalization, activation=activation,
+                               bias=bias, zero_centered_gamma=True, activation_params=params,
+                               fuse_wgrad_accumulation=fuse_wgrad, params_dtype=torch.bfloat16,
+                               device=device)  # fmt: skip
 
-    (fast, fast_nodes), (op, op_nodes) = run(True), run(False)
-    assert fast_nodes == {"_PerTensorMLPBackward"}
-    assert len(op_nodes) == 1 and "te_mlp_fwd" in op_nodes.pop()  # the op's autograd node
-    assert len(fast) == len(op)
-    for a, b in zip(fast, op, strict=True):
-        assert torch.equal(a, b)
+    weights = lambda m: (m.fc1_weight, m.fc2_weight)  # noqa: E731
+    assert_fast_path_gives_op_bytes(
+        make, weights, make_recipe, device, fuse_wgrad, "_PerTensorMLPBackward", "te_mlp_fwd"
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)

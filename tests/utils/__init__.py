@@ -490,6 +490,56 @@ def assert_bits_equal(actual, expected):
         )
 
 
+def assert_fast_path_gives_op_bytes(
+    make: Callable, weights: Callable, recipe: Callable, device: str, fuse_wgrad: bool,
+    node: str, op: str,
+) -> None:  # fmt: skip
+    """Three FP8 training steps of the module ``make()`` builds (seeded; its 1-D parameters
+    moved off their zero or one init, so that biases and norm scalars reach the kernels) under
+    ``te.autocast(recipe=recipe())`` give the same bytes on the eager fast path and on the op
+    path: the outputs, the input gradients, ``weights(module)``'s ``main_grad`` (``fuse_wgrad``;
+    zeros first) or ``.grad``, the 1-D parameters' gradients and the ``state_dict``'s tensors
+    (the delayed-scaling state); the fast path's outputs come from the autograd node ``node``,
+    the op path's from the op ``op``'s."""
+    import te_compile as te
+    from te_compile import _library
+
+    def run(fast: bool) -> tuple[list, set]:
+        _library.set_eager_fast_path(fast)
+        try:
+            torch.manual_seed(0)
+            m = make()
+            with torch.no_grad():
+                for p in m.parameters():
+                    if p.dim() == 1:
+                        p.add_(torch.randn(p.shape, device=device) * 0.1)
+            for w in weights(m) if fuse_wgrad else ():
+                w.main_grad = torch.zeros(w.shape, device=device)
+            outs, nodes = [], set()
+            for step in range(3):
+                x = (torch.randn(4, 8, 64) * (1 + step)).to(device, torch.bfloat16)
+                x.requires_grad_(True)
+                with te.autocast(recipe=recipe()):
+                    y = m(x)
+                nodes.add(type(y.grad_fn).__name__)
+                w = torch.linspace(-1, 1, y.numel(), device=device).reshape(y.shape)
+                (y.float() * w).sum().backward()
+                outs += [y.detach(), x.grad]
+            outs += [w.main_grad if fuse_wgrad else w.grad for w in weights(m)]
+            outs += [p.grad for p in m.parameters() if p.dim() == 1]  # the biases, the norm's
+            outs += [v for _, v in sorted(m.state_dict().items()) if isinstance(v, torch.Tensor)]
+            return outs, nodes
+        finally:
+            _library.set_eager_fast_path(True)
+
+    (fast, fast_nodes), (on_op, op_nodes) = run(True), run(False)
+    assert fast_nodes == {node}
+    assert len(op_nodes) == 1 and op in op_nodes.pop()  # the op's autograd node
+    assert len(fast) == len(on_op)
+    for a, b in zip(fast, on_op, strict=True):
+        assert torch.equal(a, b)
+
+
 def bad_scalar_arguments(fn: Callable, given: dict[str, Any]) -> list[tuple[str, Any]]:
     """``(argument, bad value)`` for every scalar switch and float of ``fn``'s signature not in
     ``given``: a bool (a bool default or annotation) gets a truthy non-bool (``"yes"``, ``1``),
