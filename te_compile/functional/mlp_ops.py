@@ -110,7 +110,7 @@ from te_compile.functional.spec import (
     parse,
 )
 
-__all__ = ["mlp", "mlp_per_tensor", "mlp_ref"]
+__all__ = ["mlp", "mlp_fast_path", "mlp_ref"]
 
 
 # 1. Reference math ----------------------------------------------------------------------------
@@ -537,11 +537,11 @@ def mlp(
 # Eager fast path ------------------------------------------------------------------------------
 
 
-class _PerTensorMLP(torch.autograd.Function):
-    """``te::mlp`` under a per-tensor recipe without pre-quantised weights, eager: the op's own
-    implementations (``mlp_fwd.eager`` / ``mlp_bwd.eager``: the same calls, the same bits) in an
-    autograd node of their own, without the op's argument checks per call, its generic autograd
-    glue and the encoding of its arguments (:func:`mlp_per_tensor`)."""
+class _FastMLP(torch.autograd.Function):
+    """``te::mlp`` in high precision or under a per-tensor recipe, without pre-quantised
+    weights, eager: the op's own implementations (``mlp_fwd.eager`` / ``mlp_bwd.eager``: the same
+    calls, the same bits) in an autograd node of their own, without the op's argument checks per
+    call, its generic autograd glue and the encoding of its arguments (:func:`mlp_fast_path`)."""
 
     @staticmethod
     def forward(ctx, inp, w1, b1, w2, b2, scale1, scale2, norm_weight, norm_bias, strings,
@@ -550,9 +550,11 @@ class _PerTensorMLP(torch.autograd.Function):
         out, saved = mlp_fwd.eager(inp, w1, b1, w2, b2, epilogue, x, w, g, scale1, scale2,
                                    ga1, ga2, norm, norm_weight, norm_bias, None, None, mg1,
                                    mg2)  # fmt: skip
-        amax = saved.pop()
-        kept = (inp, norm_weight) if norm else (None, None)
-        ctx.save_for_backward(kept[0], b1, scale1, scale2, kept[1], *saved)
+        amax = saved.pop() if x else inp.new_empty(0, dtype=torch.float32)
+        hp = not x  # high precision: the backward's GEMMs read the input and the weights
+        kept = (inp if hp or norm else None, w1 if hp else None, w2 if hp else None,
+                norm_weight if norm else None)  # fmt: skip
+        ctx.save_for_backward(*kept, b1, scale1, scale2, *saved)
         ctx.te = (x, w, g, bwd_norm, epilogue), written, b2 is not None
         ctx.mark_non_differentiable(amax)
         ctx.set_materialize_grads(False)  # (the amax gets no gradient)
@@ -560,13 +562,13 @@ class _PerTensorMLP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad, _):
-        inp, b1, s1, s2, norm_weight, *saved = ctx.saved_tensors  # (read once: a checkpoint)
+        inp, w1, w2, norm_weight, b1, s1, s2, *saved = ctx.saved_tensors  # (read once)
         strings, (ga1, ga2, mg1, mg2), has_b2 = ctx.te
         need = ctx.needs_input_grad
         need_norm = norm_weight is not None and any(need[7:9])
         mg1, mg2 = mg1 if need[1] else None, mg2 if need[3] else None  # (as _backward's)
         dinp, dw1, db1, dw2, db2, dnw, dnb = mlp_bwd.eager(
-            grad.contiguous(), saved, inp, None, b1, None, s1, s2, ga1, ga2, mg1, mg2,
+            grad.contiguous(), saved, inp, w1, b1, w2, s1, s2, ga1, ga2, mg1, mg2,
             norm_weight, *strings, has_b2 and need[4], need[0] or need_norm)  # fmt: skip
         return (dinp if need[0] else None, dw1 if need[1] and mg1 is None else None,
                 db1 if b1 is not None and need[2] else None,
@@ -585,12 +587,12 @@ def _strings(specs: tuple, norm: str, epilogue: str, norm_bias: bool) -> tuple[s
 
 @passed_once
 def _check_fast(args: tuple) -> None:
-    """:func:`mlp`'s checks of a :func:`mlp_per_tensor` call, once per kind of call (the op's
+    """:func:`mlp`'s checks of a :func:`mlp_fast_path` call, once per kind of call (the op's
     own, ``check_mlp``, run in ``mlp_fwd``)."""
     _check_tensors(*args)
 
 
-def mlp_per_tensor(
+def mlp_fast_path(
     inp: Tensor,
     fc1_weight: Tensor,
     fc1_bias: Tensor | None,
@@ -607,11 +609,12 @@ def mlp_per_tensor(
     glu_linear_offset: float = 1.0,
 ) -> tuple[Tensor, Tensor] | None:
     """``(out, amaxes)`` of ``mlp(inp, ..., input_spec=..., scale1=..., ..., return_amax=True)``
-    under the per-tensor ``specs`` (``scales``, ``grad_amaxes``, ``main_grads``: per GEMM;
-    ``norm``: the prologue, ``prologue.Norm``), the same bits and errors, through the eager fast
-    path (``_library.use_fast_path``: eager, nothing watching; no ``torch.autocast``) without the
-    op's layers: te.LayerNormMLP's FP8 hot path. None where it does not apply (the caller then
-    calls :func:`mlp`). The checks run once per set of shapes, dtypes, devices and arguments."""
+    under the per-tensor or high-precision ``specs`` (``scales``, ``grad_amaxes``,
+    ``main_grads``: per GEMM; ``norm``: the prologue, ``prologue.Norm``; in high precision the
+    amaxes 0-element), the same bits and errors, through the eager fast path
+    (``_library.use_fast_path``: eager, nothing watching; no ``torch.autocast``) without the
+    op's layers: te.LayerNormMLP's hot path. None where it does not apply (the caller then calls
+    :func:`mlp`). The checks run once per set of shapes, dtypes, devices and arguments."""
     if not use_fast_path() or torch._C._is_any_autocast_enabled():
         return None
     nw, nb, *scalars = norm if norm is not None else (None, None, "", 1e-5, False)
@@ -620,4 +623,4 @@ def mlp_per_tensor(
     args = (inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, *scales, nw, nb)
     written = (*grad_amaxes, *main_grads)
     _check_fast((*args[:5], *main_grads, *scales, *grad_amaxes, nw, nb))
-    return _PerTensorMLP.apply(*args, strings, written)
+    return _FastMLP.apply(*args, strings, written)

@@ -32,7 +32,7 @@ from te_compile.functional import quantize_table as _q
 from te_compile.functional.gemm import PER_TENSOR, blockwise_supported
 from te_compile.functional.grouped_gemm import nvfp4_dtype
 from te_compile.functional.linear_ops import linear_per_tensor
-from te_compile.functional.mlp_ops import mlp_per_tensor
+from te_compile.functional.mlp_ops import mlp_fast_path
 from te_compile.functional.quantize_mx_ref import nvfp4_weight_values, tensor_amax
 from te_compile.functional.spec import QuantSpec
 from te_compile.quantization.device import is_fp8_block_scaling_available
@@ -631,13 +631,13 @@ def mlp(
     kw["fc1_weight_quantized"] = q1 or cached_weight(args, fc1_weight, cache, "fc1_weight", 0)
     kw["fc2_weight_quantized"] = q2 or cached_weight(args, fc2_weight, cache, "fc2_weight", 1)
     kept = kw["fc1_weight_quantized"], kw["fc2_weight_quantized"]
-    if args.recipe in PER_TENSOR and kept[0] is None and kept[1] is None:
-        # te.LayerNormMLP's FP8 hot path: eager, the op's layers skipped
-        out = mlp_per_tensor(inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation,
-                             args.specs, args.scales, args.grad_amaxes, (g1, g2), norm,
-                             **act_kw)  # fmt: skip
+    if args.recipe in ("", *PER_TENSOR) and kept[0] is None and kept[1] is None:
+        # te.LayerNormMLP's hot path: eager, the op's layers skipped
+        scales, amaxes = (args.scales, args.grad_amaxes) if args.recipe else ((None, None),) * 2
+        out = mlp_fast_path(inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation,
+                             args.specs, scales, amaxes, (g1, g2), norm, **act_kw)  # fmt: skip
         if out is not None:
-            return _outputs(out, kw, state, metas, None, None)
+            return _outputs(out if args.recipe else out[0], kw, state, metas, None, None)
     out = F.mlp(inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, **kw)
     return _outputs(out, kw, state, metas, None, None)
 

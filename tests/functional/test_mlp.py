@@ -275,7 +275,7 @@ def _fused_and_plain_steps(device, recipe, hidden, ffn, monkeypatch, act, main_g
         for w in (m.fc1_weight, m.fc2_weight):
             w.main_grad = torch.zeros(w.shape, device=device, dtype=torch.float32)
     calls = []
-    real, real_fast = gemm.F.mlp, gemm.mlp_per_tensor
+    real, real_fast = gemm.F.mlp, gemm.mlp_fast_path
 
     def counted(*args, **kwargs):
         calls.append(1)
@@ -290,7 +290,7 @@ def _fused_and_plain_steps(device, recipe, hidden, ffn, monkeypatch, act, main_g
     for name, module, fuse in (("fused", fused, True), ("plain", plain, False)):
         monkeypatch.setattr(gemm, "_FUSE_MLP", fuse)
         monkeypatch.setattr(gemm.F, "mlp", counted)
-        monkeypatch.setattr(gemm, "mlp_per_tensor", counted_fast)
+        monkeypatch.setattr(gemm, "mlp_fast_path", counted_fast)
         torch.manual_seed(1)
         outs = []
         for _ in range(3):
@@ -317,7 +317,7 @@ def _fused_and_plain_steps(device, recipe, hidden, ffn, monkeypatch, act, main_g
 @pytest.mark.parametrize("device", DEVICES)
 def test_layernorm_mlp_calls_the_mlp_op_in_every_precision(device, monkeypatch):
     seen = []
-    real, real_fast = gemm.F.mlp, gemm.mlp_per_tensor
+    real, real_fast = gemm.F.mlp, gemm.mlp_fast_path
 
     def spy(*args, **kwargs):
         seen.append((args[5], as_specs(kwargs.get("input_spec", ""))[0].kind))  # bf16: none
@@ -329,7 +329,7 @@ def test_layernorm_mlp_calls_the_mlp_op_in_every_precision(device, monkeypatch):
         return out
 
     monkeypatch.setattr(gemm.F, "mlp", spy)
-    monkeypatch.setattr(gemm, "mlp_per_tensor", spy_fast)
+    monkeypatch.setattr(gemm, "mlp_fast_path", spy_fast)
     x = torch.randn(32, 64, device=device, dtype=torch.bfloat16)
     for act in ("gelu", "swiglu"):
         m = te_compile.LayerNormMLP(

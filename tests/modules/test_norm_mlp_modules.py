@@ -429,11 +429,12 @@ def test_layernorm_mlp_checkpoint_recomputes_fc1(recipe, compiled):
 @pytest.mark.parametrize(
     "make_recipe",
     [
+        None,
         te.recipe.Float8CurrentScaling,
         te.recipe.DelayedScaling,
         lambda: te.recipe.Float8CurrentScaling(fp8_format=te.recipe.Format.HYBRID),
     ],
-    ids=["current", "delayed", "current-hybrid"],
+    ids=["bf16", "current", "delayed", "current-hybrid"],
 )
 @pytest.mark.parametrize("activation", ["gelu", "swiglu", "clamped_swiglu"])
 @pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
@@ -441,8 +442,8 @@ def test_layernorm_mlp_checkpoint_recomputes_fc1(recipe, compiled):
 def test_layernorm_mlp_fast_path_gives_the_op_paths_bytes(
     device, normalization, activation, make_recipe, bias, fuse_wgrad
 ):
-    """te.LayerNormMLP's eager FP8 calls under a per-tensor recipe skip the op's layers
-    (``functional.mlp_ops.mlp_per_tensor``): three steps give the op path's bytes (outputs,
+    """te.LayerNormMLP's eager calls in bf16 and under a per-tensor recipe skip the op's layers
+    (``functional.mlp_ops.mlp_fast_path``): three steps give the op path's bytes (outputs,
     input, weight (or main_grad), bias and norm gradients, the delayed-scaling state) and the
     fast path's autograd node."""
     params = {"limit": 0.75, "alpha": 1.5} if activation == "clamped_swiglu" else None
@@ -455,7 +456,7 @@ def test_layernorm_mlp_fast_path_gives_the_op_paths_bytes(
 
     weights = lambda m: (m.fc1_weight, m.fc2_weight)  # noqa: E731
     assert_fast_path_gives_op_bytes(
-        make, weights, make_recipe, device, fuse_wgrad, "_PerTensorMLPBackward", "te_mlp_fwd"
+        make, weights, make_recipe, device, fuse_wgrad, "_FastMLPBackward", "te_mlp_fwd"
     )
 
 

@@ -496,7 +496,8 @@ def assert_fast_path_gives_op_bytes(
 ) -> None:  # fmt: skip
     """Three FP8 training steps of the module ``make()`` builds (seeded; its 1-D parameters
     moved off their zero or one init, so that biases and norm scalars reach the kernels) under
-    ``te.autocast(recipe=recipe())`` give the same bytes on the eager fast path and on the op
+    ``te.autocast(recipe=recipe())`` (None: high precision) give the same bytes on the eager
+    fast path and on the op
     path: the outputs, the input gradients, ``weights(module)``'s ``main_grad`` (``fuse_wgrad``;
     zeros first) or ``.grad``, the 1-D parameters' gradients and the ``state_dict``'s tensors
     (the delayed-scaling state); the fast path's outputs come from the autograd node ``node``,
@@ -519,7 +520,7 @@ def assert_fast_path_gives_op_bytes(
             for step in range(3):
                 x = (torch.randn(4, 8, 64) * (1 + step)).to(device, torch.bfloat16)
                 x.requires_grad_(True)
-                with te.autocast(recipe=recipe()):
+                with te.autocast(enabled=recipe is not None, recipe=recipe and recipe()):
                     y = m(x)
                 nodes.add(type(y.grad_fn).__name__)
                 w = torch.linspace(-1, 1, y.numel(), device=device).reshape(y.shape)
