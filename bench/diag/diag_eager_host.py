@@ -26,7 +26,11 @@ attention kernels (``aten._efficient_attention_*``) zeros and the high-precision
 through a Python kernel of about cuBLAS's host cost: the host cost of the CUDA eager path's
 Python on a machine without a GPU (the launches themselves are not in it).
 ``--module TransformerLayer``: ``te.TransformerLayer(n, 4n, 4 heads)`` without dropout on
-``[tokens / 2, 2, n]``, against ``bench_host``'s plain pre-norm layer.
+``[tokens / 2, 2, n]``, against ``bench_host``'s plain pre-norm layer; ``--module
+DotProductAttention``: causal ``te.DotProductAttention`` (4 heads of ``n / 4``) on ``q, k, v``
+``[tokens / 2, 2, 4, n / 4]``, against ``F.scaled_dot_product_attention`` (bench_host's; with
+``--cuda-paths`` that plain row computes its attention on the CPU while te's kernels are null:
+compare it on a GPU).
 
     python -m bench.diag.diag_eager_host --device cpu --cuda-paths --timer process --threads 1
 """
@@ -59,7 +63,14 @@ RECIPES = {
     "delayed": R.DelayedScaling,
     "block": R.Float8BlockScaling,
 }
-MODULES = ("Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear", "TransformerLayer")
+MODULES = (
+    "Linear",
+    "LayerNormLinear",
+    "LayerNormMLP",
+    "GroupedLinear",
+    "DotProductAttention",
+    "TransformerLayer",
+)
 HEADS = 4  # TransformerLayer's (bench_host's), ffn 4 x hidden, input [tokens / 2, 2, hidden]
 EXPERTS = 8  # GroupedLinear's, the tokens split evenly (bench_host's case)
 
@@ -81,6 +92,17 @@ class _Split(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.module(x, self.splits)
+
+
+class _QKV(torch.nn.Module):
+    """An attention module called on ``x`` ``[s, b, 3, heads, d]`` as ``module(q, k, v)``."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(*x.unbind(2))
 
 
 class _DenseGrad(torch.autograd.Function):
@@ -114,6 +136,10 @@ def plain(name: str, n: int, tokens: int, **kw) -> torch.nn.Module:
         from bench.bench_host import GroupedMM
 
         return _WithDenseGrad(GroupedMM([tokens // EXPERTS] * EXPERTS, n, n, **kw))
+    if name == "DotProductAttention":
+        from bench.bench_host import PlainAttention
+
+        return _QKV(PlainAttention())
     if name == "TransformerLayer":
         from bench.bench_host import PlainLayer
 
@@ -460,9 +486,13 @@ def main() -> None:
     elif args.module == "TransformerLayer":
         no_dropout = {"hidden_dropout": 0.0, "attention_dropout": 0.0}
         module = te.TransformerLayer(n, 4 * n, HEADS, **no_dropout, **kw)
+    elif args.module == "DotProductAttention":
+        module = _QKV(te.DotProductAttention(HEADS, n // HEADS, attn_mask_type="causal"))
     else:
         module = getattr(te, args.module)(n, n, **kw)
-    shape = (t // 2, 2, n) if args.module == "TransformerLayer" else (t, n)
+    shapes = {"TransformerLayer": (t // 2, 2, n), "DotProductAttention": (t // 2, 2, 3, HEADS,
+                                                                          n // HEADS)}  # fmt: skip
+    shape = shapes.get(args.module, (t, n))
     x = torch.randn(shape, dtype=torch.bfloat16, device=args.device, requires_grad=True)
     print(f"te.{args.module}, hidden {n}, bf16 input {list(shape)}, {args.device}")
     clock = time.process_time if args.timer == "process" else time.perf_counter
