@@ -281,7 +281,7 @@ def _fused_and_plain_steps(device, recipe, hidden, ffn, monkeypatch, act, main_g
         calls.append(1)
         return real(*args, **kwargs)
 
-    def counted_fast(*args, **kwargs):  # te::mlp's eager fast path (per-tensor recipes)
+    def counted_fast(*args, **kwargs):  # te::mlp's eager fast path
         out = real_fast(*args, **kwargs)
         calls.extend([1] if out is not None else [])
         return out
