@@ -55,6 +55,7 @@ if __package__ in (None, ""):
 import torch
 
 import te_compile as te
+from bench.bench_host import MODULES  # (bench_overhead's modules: one list)
 from te_compile.quantization import recipe as R
 
 RECIPES = {
@@ -63,14 +64,6 @@ RECIPES = {
     "delayed": R.DelayedScaling,
     "block": R.Float8BlockScaling,
 }
-MODULES = (
-    "Linear",
-    "LayerNormLinear",
-    "LayerNormMLP",
-    "GroupedLinear",
-    "DotProductAttention",
-    "TransformerLayer",
-)
 HEADS = 4  # TransformerLayer's (bench_host's), ffn 4 x hidden, input [tokens / 2, 2, hidden]
 EXPERTS = 8  # GroupedLinear's, the tokens split evenly (bench_host's case)
 
