@@ -21,7 +21,7 @@ import time
 import torch
 
 import te_compile as te
-from te_compile.kernels import EagerLauncher, direct_run, static_run
+from te_compile.kernels import EagerLauncher
 from te_compile.kernels import quantize as Q
 
 
@@ -44,15 +44,6 @@ def _through_triton(on: bool) -> None:
     for launcher in EagerLauncher._launchers.values():
         launcher.direct = not on
         launcher.compiled.clear()
-
-
-def _static(on: bool) -> None:
-    """The known kernels launched through torch's static launcher (``kernels.static_run``, the
-    default where it takes the kernel) or through Triton's C launcher (``direct_run``)."""
-    for launcher in EagerLauncher._launchers.values():
-        for key, (compiled, _) in list(launcher.compiled.items()):
-            fire = (static_run(compiled) if on else None) or direct_run(compiled)
-            launcher.compiled[key] = (compiled, fire)
 
 
 def primitives(calls: int) -> None:
@@ -133,11 +124,8 @@ def launch_parts(calls: int, device: str = "cuda") -> None:
         ),
         "rmsnorm_fwd": lambda: torch.ops.te.rmsnorm_fwd(x, w[0], 1e-5, False),
     }
-    print(
-        "| kernel | arguments | key (us) | bind (us) | Triton's C launcher (us) "
-        "| torch's static launcher (us) | whole launch (us) |"
-    )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| kernel | arguments | key (us) | bind (us) | C launcher (us) | whole launch (us) |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for launcher, grid, args, kwargs in _captured_launches(cases):
         name = getattr(launcher.kernel, "__name__", None) or launcher.kernel.fn.__name__
         n, parts = _parts(launcher, grid, args, kwargs, calls)
@@ -150,39 +138,13 @@ def _parts(launcher, grid, args, kwargs, calls: int) -> tuple[int, list[float]]:
     key = launcher._key(grid, args, kwargs)
     bound = launcher._bound(args, kwargs)
     known = launcher.compiled.get(key) if key is not None else None
-    grid3 = (*grid, 1, 1)[:3]
-    fires = [None, None] if known is None else [direct_run(known[0]), static_run(known[0])]
+    fire, grid3 = (known[1] if known is not None else None), (*grid, 1, 1)[:3]
     return len(bound), [
         _host_us(lambda: launcher._key(grid, args, kwargs), calls),
         _host_us(lambda: launcher._bound(args, kwargs), calls),
-        *(
-            _host_us(lambda f=f: f(grid3, key[0], bound), calls) if f else float("nan")
-            for f in fires
-        ),
+        _host_us(lambda: fire(grid3, key[0], bound), calls) if fire else float("nan"),
         _host_us(lambda: launcher(grid, *args, **kwargs), calls),
     ]
-
-
-def same_bytes(x: torch.Tensor) -> None:
-    """Each kernel of a te.LayerNormMLP fwd+bwd under current scaling writes the same bytes
-    launched through torch's static launcher as through Triton's (a wrong argument mapping
-    would show here before it shows in a test)."""
-    mlp = te.LayerNormMLP(256, 1024, params_dtype=torch.bfloat16, device="cuda")
-
-    def step(static: bool) -> list[torch.Tensor]:
-        _static(static)
-        xg = x.detach().clone().requires_grad_()
-        with te.autocast(recipe=te.recipe.Float8CurrentScaling()):
-            y = mlp(xg)
-        y.float().square().sum().backward()
-        grads = [p.grad.clone() for p in mlp.parameters()]
-        mlp.zero_grad(set_to_none=True)
-        return [y.detach(), xg.grad, *grads]
-
-    step(True)
-    step(True)
-    same = all(torch.equal(a, b) for a, b in zip(step(False), step(True), strict=True))
-    print(f"te.LayerNormMLP current, static against Triton's launcher: same bytes {same}")
 
 
 def main() -> None:
@@ -212,23 +174,15 @@ def main() -> None:
     }
     print(f"{torch.cuda.get_device_name()} · torch {torch.__version__}")
     primitives(args.calls)
-    print(
-        "| call | through Triton (us) | direct, Triton's C launcher (us) "
-        "| direct, torch's static launcher (us) |"
-    )
+    print("| call | through Triton (us) | direct (us) | saved per call (us) |")
     print("| --- | ---: | ---: | ---: |")
     for name, fn in cases.items():
         fn()
         _through_triton(True)
         slow = _host_us(fn, args.calls)
         _through_triton(False)
-        fn()
-        _static(False)
-        direct = _host_us(fn, args.calls)
-        _static(True)
-        static = _host_us(fn, args.calls)
-        print(f"| {name} | {slow:.1f} | {direct:.1f} | {static:.1f} |")
-    same_bytes(x)
+        fast = _host_us(fn, args.calls)
+        print(f"| {name} | {slow:.1f} | {fast:.1f} | {slow - fast:.1f} |")
     launch_parts(args.calls)
 
 

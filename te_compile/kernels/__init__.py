@@ -276,7 +276,7 @@ class EagerLauncher:
         else:
             if len(self.compiled) >= self.MAX_KEYS:
                 self.compiled.clear()
-            self.compiled[key] = (compiled, static_run(compiled) or direct_run(compiled))
+            self.compiled[key] = (compiled, direct_run(compiled))
         return compiled
 
     @staticmethod
@@ -339,76 +339,6 @@ def direct_run(compiled: Any) -> Any:
             compiled[grid](*args)
         else:
             run(*grid, stream_of(device), function, packed, None, enter, leave, *args)
-
-    return fire
-
-
-# Triton's argument types as torch's static CUDA launcher reads them (one letter per kernel
-# parameter: "O" a pointer, then C integer / float widths as ``PyArg_ParseTuple`` letters).
-_STATIC_TYPES = {
-    "i1": "i", "i8": "b", "i16": "h", "i32": "i", "i64": "l", "u1": "I", "u8": "B", "u16": "H",
-    "u32": "I", "u64": "K", "fp16": "f", "bf16": "f", "fp32": "f", "f32": "f", "fp64": "d",
-}  # fmt: skip
-
-
-def static_run(compiled: Any) -> Any:
-    """``fire(grid, device, args)`` as :func:`direct_run`'s, through torch's static CUDA launcher
-    (``torch._C._StaticCudaLauncher``, the C++ launcher Inductor launches Triton kernels with)
-    on the function Triton loaded: one C call that reads the tensors' data pointers in C++,
-    instead of Triton's Python wrapper and its launcher's per-argument ``data_ptr()`` calls.
-    ``args`` hold every parameter in the kernel's order; the launch passes the ones the compiled
-    kernel takes (not its constexprs) and a null pointer for each scratch buffer Triton's
-    signature carries. None where the kernel needs more than a plain launch (a cluster, a
-    cooperative or programmatic-dependent launch, scratch memory, a tensor descriptor) or torch
-    or Triton lack the pieces: :func:`direct_run` launches it then. While a Triton launch hook
-    is set (a profiler's), Triton's runner launches."""
-    launch = getattr(getattr(torch._C, "_StaticCudaLauncher", None), "_launch_kernel", None)
-    stream_of = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    meta, src = getattr(compiled, "metadata", None), getattr(compiled, "src", None)
-    function = getattr(compiled, "function", None)
-    names = getattr(getattr(src, "fn", None), "arg_names", None)
-    if None in (launch, stream_of, meta, function, names) or not hasattr(src, "signature"):
-        return None
-    if any(getattr(meta, flag, False) for flag in ("launch_cooperative_grid", "launch_pdl")):
-        return None
-    if getattr(meta, "num_ctas", 1) != 1 or tuple(getattr(meta, "cluster_dims", ()))[:3] not in (
-        (),
-        (1, 1, 1),
-    ):
-        return None
-    scratch = ("global_scratch_size", "profile_scratch_size")
-    if any(getattr(meta, size, 0) for size in scratch):
-        return None
-
-    def index(name: Any) -> int:  # a parameter's position from its name, (position,) or either
-        if isinstance(name, tuple):
-            return index(name[0])
-        return names.index(name) if isinstance(name, str) else name
-
-    signature = {index(name): ty for name, ty in src.signature.items()}
-    constants = {index(name) for name in getattr(src, "constants", {})}
-    keep = [i for i in sorted(signature) if signature[i] != "constexpr" and i not in constants]
-    types = [
-        _STATIC_TYPES.get(signature[i], "O" if signature[i][:1] == "*" else None) for i in keep
-    ]
-    if None in types:
-        return None
-    nulls = tuple(None for size in scratch if hasattr(meta, size))
-    types = "".join(types) + "O" * len(nulls)
-    warps, shared = meta.num_warps, meta.shared
-    try:
-        from triton import knobs
-
-        runtime = knobs.runtime
-    except (ImportError, AttributeError):
-        return None
-
-    def fire(grid: tuple, device: int, args: list) -> None:
-        if _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook):
-            compiled[grid](*args)  # a profiler's hook: Triton's runner builds its metadata
-        else:
-            kernel_args = (*[args[i] for i in keep], *nulls)
-            launch(function, *grid, warps, shared, types, kernel_args, stream_of(device))
 
     return fire
 

@@ -6,9 +6,6 @@ objects; on CUDA the real kernels' results are compared bit for bit across both 
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-from typing import ClassVar
-
 import pytest
 import torch
 
@@ -145,85 +142,6 @@ def test_a_compiled_kernel_with_a_c_launcher_is_launched_through_it(monkeypatch)
     monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda metadata: None)
     launch(k, (3, 2))(x, y, 64, 0.125, BLOCK=32)
     assert k.launches[-1] == ("direct", (3, 2, 1), (x, y, 64, 0.125, 32, False))
-
-
-class _Signed(_Launchable):
-    """A compiled kernel as Triton 3.x describes it: its source's signature (constexprs marked,
-    the value-1 int ``n`` specialised to one), its launch metadata, its loaded function."""
-
-    src = SimpleNamespace(
-        fn=SimpleNamespace(arg_names=["X", "Y", "n", "eps", "BLOCK", "FLAG"]),
-        signature={"X": "*bf16", "Y": "*fp32", "n": "i32", "eps": "fp32", "BLOCK": "constexpr"}
-        | {"FLAG": "constexpr"},
-        constants={(2,): 1},
-    )
-    metadata = SimpleNamespace(
-        num_warps=8,
-        shared=1024,
-        num_ctas=1,
-        cluster_dims=(1, 1, 1),
-        global_scratch_size=0,
-        profile_scratch_size=0,
-        launch_cooperative_grid=False,
-        launch_pdl=False,
-    )
-
-
-class _StaticLauncher:
-    """torch's static launcher: records each launch."""
-
-    launches: ClassVar[list] = []
-
-    @staticmethod
-    def _launch_kernel(*args):
-        _StaticLauncher.launches.append(args)
-
-
-def test_a_compiled_kernel_is_launched_through_torchs_static_launcher(monkeypatch):
-    """Where torch has its static launcher, a known call goes to it with the kernel's loaded
-    function, the launch metadata, one type letter per argument the compiled kernel takes (its
-    constexprs dropped, a null pointer per scratch buffer) and the current stream; while a
-    Triton launch hook is set the runner launches."""
-    knobs = pytest.importorskip("triton.knobs")
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 1000 + d, raising=False)
-    monkeypatch.setattr(torch._C, "_StaticCudaLauncher", _StaticLauncher, raising=False)
-    _StaticLauncher.launches = []
-    k = _Kernel(compiled=_Signed)
-    x, y = _x(), _x()
-    launch(k, (3, 2))(x, y, 1, 0.5, BLOCK=32)
-    launch(k, (3, 2))(x, y, 1, 0.25, BLOCK=32)
-    device = torch._C._cuda_getDevice() if torch.cuda.is_initialized() else -1
-    assert [entry[0] for entry in k.launches] == ["triton"]
-    assert _StaticLauncher.launches == [
-        ("cu-function", 3, 2, 1, 8, 1024, "OOfOO", (x, y, 0.25, None, None), 1000 + device)
-    ]
-    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda metadata: None)
-    launch(k, (3, 2))(x, y, 1, 0.125, BLOCK=32)
-    assert k.launches[-1] == ("direct", (3, 2, 1), (x, y, 1, 0.125, 32, False))
-    assert len(_StaticLauncher.launches) == 1
-
-
-@pytest.mark.parametrize(
-    "meta",
-    [
-        pytest.param({"global_scratch_size": 64}, id="scratch"),
-        pytest.param({"launch_pdl": True}, id="pdl"),
-        pytest.param({"num_ctas": 2}, id="ctas"),
-        pytest.param({"cluster_dims": (2, 1, 1)}, id="cluster"),
-    ],
-)
-def test_a_kernel_beyond_a_plain_launch_keeps_tritons_launcher(monkeypatch, meta):
-    """Scratch memory, a programmatic-dependent launch, a cluster: Triton's C launcher."""
-    pytest.importorskip("triton.knobs")
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 1000 + d, raising=False)
-    monkeypatch.setattr(torch._C, "_StaticCudaLauncher", _StaticLauncher, raising=False)
-    _StaticLauncher.launches = []
-    metadata = SimpleNamespace(**{**vars(_Signed.metadata), **meta})
-    k = _Kernel(compiled=type("Compiled", (_Signed,), {"metadata": metadata}))
-    for _ in range(2):
-        launch(k, (3, 2))(_x(), _x(), 1, 0.5, BLOCK=32)
-    assert [entry[0] for entry in k.launches] == ["triton", "run"]
-    assert _StaticLauncher.launches == []
 
 
 @requires_cuda
