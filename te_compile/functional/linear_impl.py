@@ -64,21 +64,11 @@ def forward_impl(a: LinearArgs, cuda: bool) -> tuple[Tensor, Tensor, list[Tensor
             return out.reshape(a.residual.shape), branch, saved + stats
         h = gemm("mm", c(x2), None, c(weight), None, dtype, bias=c(fuse_bias))
     else:
-        s_x, s_w = scale_slots(a.scale, recipe, 0, 1)
-        # The input's and the weight's amax in one buffer (a pre-quantised weight has its own).
-        bits, (a_x, a_w) = amax_buffer(recipe, x2, 2, shared=a.weight_q is None)
-        xq, x_t = None, not bw.save_input  # save_input quantises the input again
-        if norm.normalization and override != "high_precision":
-            xq, *stats = norm_quantize(xs, x2, norm, scale=s_x, slot=a_x)
-        if xq is None and a.weight_q is None:  # both casts in one launch where they can be
-            xq, wq = quantize_operands((xs, ws), (pad_rows(x2), weight), (s_x, s_w), (a_x, a_w),
-                                       (x_t, True))  # fmt: skip
-        else:  # pre-quantised: a copy is an input's
-            if xq is None:
-                xq = quantize_operand(xs, pad_rows(x2), scale=s_x, columnwise=x_t, slot=a_x)
-            wq = weight_operand(a.weight_q, ws, weight, s_w, slot=a_w)
-        h = unpad(gemm(gemm_kind(recipe, xs.emulate), xq.data, xq.scale, wq.data, wq.scale, dtype,
-                       bias=fuse_bias, fast_accum=True, b_block_rows=ws.block_rows), m)  # fmt: skip
+        prologue = norm if norm.normalization and override != "high_precision" else None
+        h, xq, wq, q_amax, q_stats = quantized_gemm(
+            x2, weight, fuse_bias, a.scale, xs, ws, prologue, a.weight_q, not bw.save_input
+        )
+        stats, amax = stats + q_stats, [] if q_amax is None else [q_amax]
         if override == "dequantized":  # the forward's operands, dequantised
             saved = [_dequantized(xs, xq, m, dtype), _dequantized(ws, wq, n, dtype)]
         elif bw.save_input and not override:  # the input itself is saved instead of its copy
@@ -88,10 +78,6 @@ def forward_impl(a: LinearArgs, cuda: bool) -> tuple[Tensor, Tensor, list[Tensor
             saved = [fp8_bytes(xq.data_t), xq.scale_t]
         if not override and a.weight_q is None:  # (a pre-quantised weight's are inputs)
             saved += [fp8_bytes(wq.data_t), wq.scale_t]
-        if bits is not None:
-            amax = [bits]
-        elif recipe in PER_TENSOR:
-            amax = [torch.cat([xq.amax, wq.amax])]
     y = h
     if ep.activation:
         y = activation_forward(h, c(bias), ep.activation, *ep.params)
@@ -197,39 +183,28 @@ def _quantized_backward(dy, copies, main_grad, scale, grad_amax, rng_state, c: B
     return dinp, dweight, g.sums
 
 
-def per_tensor_forward(x2: Tensor, weight: Tensor, bias: Tensor | None, scale: Tensor | None,
-                       xs: QuantSpec, ws: QuantSpec, norm: Norm | None):  # fmt: skip
-    """:func:`forward_impl`'s per-tensor GEMM with an optional ``norm`` prologue, without
-    epilogue, backward override or pre-quantised weight, the same calls: ``(h [M, N],
-    (X^T, s_x, W^T, s_w), amax [2], the norm's stats)``."""
+def quantized_gemm(x2: Tensor, weight: Tensor, bias: Tensor | None, scale: Tensor | None,
+                   xs: QuantSpec, ws: QuantSpec, norm: Norm | None, weight_q=None,
+                   x_t: bool = True):  # fmt: skip
+    """A quantised recipe's forward GEMM: ``(h [M, N], xq, wq, amax, stats)``, ``x2`` through
+    the optional ``norm`` prologue (fused into the cast, ``stats`` its statistics) and ``weight``
+    (or its pre-quantised ``weight_q``) quantised by ``xs`` / ``ws`` (``x_t``: the input's
+    transposed copy too), ``bias`` in the GEMM; ``amax``: the per-tensor recipes' ``[amax(X),
+    amax(W)]``, else None. :func:`forward_impl`'s, and te.Linear's FP8 eager fast path's."""
     s_x, s_w = scale_slots(scale, xs.kind, 0, 1)
-    bits, (a_x, a_w) = amax_buffer(xs.kind, x2, 2)
-    stats = []
+    # The input's and the weight's amax in one buffer (a pre-quantised weight has its own).
+    bits, (a_x, a_w) = amax_buffer(xs.kind, x2, 2, shared=weight_q is None)
+    xq, stats = None, []
     if norm is not None:
         xq, *stats = norm_quantize(xs, x2, norm, scale=s_x, slot=a_x)
-        wq = quantize_operand(ws, weight, scale=s_w, slot=a_w)
-    else:
-        xq, wq = quantize_operands((xs, ws), (pad_rows(x2), weight), (s_x, s_w), (a_x, a_w))
+    if xq is None and weight_q is None:  # both casts in one launch where they can be
+        xq, wq = quantize_operands((xs, ws), (pad_rows(x2), weight), (s_x, s_w), (a_x, a_w),
+                                   (x_t, True))  # fmt: skip
+    else:  # pre-quantised: a copy is an input's
+        if xq is None:
+            xq = quantize_operand(xs, pad_rows(x2), scale=s_x, columnwise=x_t, slot=a_x)
+        wq = weight_operand(weight_q, ws, weight, s_w, slot=a_w)
     h = gemm(gemm_kind(xs.kind, xs.emulate), xq.data, xq.scale, wq.data, wq.scale, x2.dtype,
              bias=bias, fast_accum=True, b_block_rows=ws.block_rows)  # fmt: skip
-    amax = bits if bits is not None else torch.cat([xq.amax, wq.amax])
-    return unpad(h, x2.shape[0]), (xq.data_t, xq.scale_t, wq.data_t, wq.scale_t), amax, stats
-
-
-def per_tensor_backward(grad, copies, main_grad, scale, grad_amax, c: BwdArgs, cuda: bool,
-                        inp=None, norm_weight=None, stats=()):  # fmt: skip
-    """:func:`backward_impl` of :func:`per_tensor_forward`: ``(dinp, dweight, dbias, dnorm_weight,
-    dnorm_bias)``, each None where not computed (``inp``, ``norm_weight``, ``stats``: the
-    norm's, with ``c.norm``)."""
-    dy = grad.reshape(-1, grad.shape[-1])
-    dbias = None
-    if c.need_dbias:
-        dbias = (dy.sum(0) if cuda else dy.sum(0, dtype=torch.float32)).to(grad.dtype)
-    dinp, dweight, _ = _quantized_backward(dy, copies, main_grad, scale, grad_amax, None, c,
-                                           dy.shape[0])  # fmt: skip
-    dnorm = [None, None]
-    if dinp is not None and c.norm.normalization:
-        dinp, *dnorm = norm_backward(dinp, inp, norm_weight, list(stats), c.norm)
-    if dinp is not None:
-        dinp = dinp.reshape(*grad.shape[:-1], dinp.shape[-1])
-    return dinp, dweight, dbias, *dnorm
+    amax = bits if bits is not None or xs.kind not in PER_TENSOR else torch.cat([xq.amax, wq.amax])
+    return unpad(h, x2.shape[0]), xq, wq, amax, stats

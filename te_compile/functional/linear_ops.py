@@ -105,12 +105,7 @@ from te_compile.functional.linear_args import (
     check_linear_tensors,
     out_features,
 )
-from te_compile.functional.linear_impl import (
-    backward_impl,
-    forward_impl,
-    per_tensor_backward,
-    per_tensor_forward,
-)
+from te_compile.functional.linear_impl import backward_impl, forward_impl, quantized_gemm
 from te_compile.functional.prologue import NORMALIZATIONS, Norm, fake_dnorm, fake_stats, norm_ref
 from te_compile.functional.spec import (
     BackwardSpec,
@@ -419,17 +414,17 @@ _linear = differentiable(
 
 class _PerTensorLinear(torch.autograd.Function):
     """``te::linear`` under a per-tensor recipe with an optional norm prologue, without
-    epilogue or override, eager: :func:`linear_impl.per_tensor_forward` / ``per_tensor_backward``
-    (the op's own calls, the same bits) without the op's argument encoding, layers and generic
+    epilogue or override, eager: :func:`linear_impl.quantized_gemm` / ``backward_impl`` (the
+    op's own calls, the same bits) without the op's argument encoding, layers and generic
     autograd glue."""
 
     @staticmethod
     def forward(ctx, inp, weight, bias, main_grad, scale, grad_amax, specs, norm_weight,
                 norm_bias, norm):  # fmt: skip
         prologue = None if norm is None else Norm(norm_weight, norm_bias, *norm)
-        h, copies, amax, stats = per_tensor_forward(
-            inp.reshape(-1, inp.shape[-1]), weight, bias, scale, *specs[:2], prologue
-        )
+        h, xq, wq, amax, stats = quantized_gemm(inp.reshape(-1, inp.shape[-1]), weight, bias,
+                                                scale, *specs[:2], prologue)  # fmt: skip
+        copies = (xq.data_t, xq.scale_t, wq.data_t, wq.scale_t)
         kept = (inp, norm_weight) if norm is not None else (None, None)
         ctx.save_for_backward(*copies, scale, *kept, *stats)
         spec = _NO_NORM if norm is None else NormSpec(*norm, bias=norm_bias is not None)
@@ -446,12 +441,12 @@ class _PerTensorLinear(torch.autograd.Function):
         need = ctx.needs_input_grad
         c = BwdArgs(*specs, norm, _NO_EPILOGUE, has_bias and need[2], any(need[:1] + need[7:9]),
                     need[1])  # fmt: skip
-        dinp, dweight, dbias, dgamma, dbeta = per_tensor_backward(
-            grad.contiguous(), copies, main_grad, scale, grad_amax, c, cuda, inp, norm_weight,
-            saved[7:])  # fmt: skip
+        dinp, dweight, dbias, dgamma, dbeta = backward_impl(
+            grad.contiguous(), None, [*copies, *saved[7:]], inp, None, None, main_grad, scale,
+            grad_amax, norm_weight, None, c, cuda)  # fmt: skip
         dnorm = (dgamma if need[7] else None, dbeta if need[8] else None)
-        return (dinp if need[0] else None, dweight if main_grad is None else None, dbias,
-                None, None, None, None, *dnorm, None)  # fmt: skip
+        return (dinp if need[0] else None, dweight if need[1] and main_grad is None else None,
+                dbias if c.need_dbias else None, None, None, None, None, *dnorm, None)  # fmt: skip
 
 
 _NO_NORM, _NO_EPILOGUE = NormSpec(), EpilogueSpec()
