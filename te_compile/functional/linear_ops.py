@@ -58,7 +58,6 @@ the FP8 codes themselves (FP8 primary weights): its gradient must go to ``main_g
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 
 import torch
 from torch import Tensor
@@ -113,8 +112,8 @@ from te_compile.functional.spec import (
     NormSpec,
     QuantSpec,
     as_strings,
+    backward_norm,
     eager_cached,
-    parse,
 )
 
 __all__ = ["linear", "linear_per_tensor", "linear_ref"]
@@ -366,10 +365,7 @@ def _for_backward(a: LinearArgs, saved: list[Tensor]) -> tuple[tuple, tuple]:
         a.rng_state,
         *saved)  # fmt: skip
     specs = ("", "", "") if override else (a.input_spec, a.weight_spec, a.grad_spec)
-    norm = a.norm
-    if normed and a.norm_bias is not None:
-        norm = replace(parse(NormSpec, norm), bias=True).encode()
-    return tensors, (*specs, norm, a.epilogue)
+    return tensors, (*specs, backward_norm(a.norm, normed and a.norm_bias is not None), a.epilogue)
 
 
 def _backward(ctx, bwd, grad, grad_branch, _grad_saved):

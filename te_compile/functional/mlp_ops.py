@@ -35,7 +35,6 @@ amax(W_2)]`` (fp32).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 
 import torch
 from torch import Tensor
@@ -106,8 +105,8 @@ from te_compile.functional.spec import (
     NormSpec,
     QuantSpec,
     as_strings,
+    backward_norm,
     eager_cached,
-    parse,
 )
 
 __all__ = ["mlp", "mlp_fast_path", "mlp_ref"]
@@ -404,9 +403,7 @@ def _setup_context(ctx, inputs, output) -> None:
         a.main_grad1, a.main_grad2, a.norm_weight if normed else None, *saved)  # fmt: skip
     # The gradient amax and main_grad buffers (positions 6 to 9): written by the backward.
     save_for_backward_except_written(ctx, tensors, (6, 7, 8, 9))
-    norm = a.norm
-    if normed and a.norm_bias is not None:
-        norm = replace(parse(NormSpec, norm), bias=True).encode()
+    norm = backward_norm(a.norm, normed and a.norm_bias is not None)
     ctx.scalars = (a.input_spec, a.weight_spec, a.grad_spec, norm, a.epilogue)
     ctx.has_fc2_bias, ctx.has_norm, ctx.has_norm_bias = (
         a.fc2_bias is not None, normed, a.norm_bias is not None)  # fmt: skip
@@ -581,8 +578,7 @@ class _FastMLP(torch.autograd.Function):
 def _strings(specs: tuple, norm: str, epilogue: str, norm_bias: bool) -> tuple[str, ...]:
     """The op's spec strings, then ``norm`` and ``epilogue``, then the backward's ``norm``
     (``bias`` set where the norm has one, as ``_setup_context`` encodes it)."""
-    bwd_norm = replace(parse(NormSpec, norm), bias=True).encode() if norm and norm_bias else norm
-    return (*as_strings(*specs), norm, epilogue, bwd_norm)
+    return (*as_strings(*specs), norm, epilogue, backward_norm(norm, bool(norm) and norm_bias))
 
 
 @passed_once

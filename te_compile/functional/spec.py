@@ -40,6 +40,7 @@ __all__ = [
     "QuantSpec",
     "as_specs",
     "as_strings",
+    "backward_norm",
     "eager_cached",
     "parse",
     "parse_roles",
@@ -225,6 +226,11 @@ class BackwardSpec:
     overwrite_main_grad: bool = _flag("overwrite")
 
     encode = _cached(_encode)
+
+
+def backward_norm(norm: str, bias: bool) -> str:
+    """A forward op's ``norm`` string as its backward op takes it: ``bias`` set where given."""
+    return dataclasses.replace(parse(NormSpec, norm), bias=True).encode() if bias else norm
 
 
 def _bad(cls: type, name: str, text: str, why: str) -> ValueError:
