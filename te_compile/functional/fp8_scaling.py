@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from te_compile._checks import check_choice, check_int, check_tensor, passed_once
-from te_compile._library import op
+from te_compile._library import op, use_fast_path
 from te_compile.kernels import dense
 
 __all__ = [
@@ -54,6 +54,7 @@ __all__ = [
     "delayed_scaling_update_pair",
     "delayed_scaling_update_ref",
     "scale_copy",
+    "update_states",
 ]
 
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
@@ -201,6 +202,23 @@ def _pair(hist, scale, amax, tail, hist2, scale2, amax2, tail2, fp8_max, margin,
         raise ValueError(f"{_OWNER}: the second state must have the first's shapes and history "
                          f"stride, got {shapes[1]} against {shapes[0]}")  # fmt: skip
     return states
+
+
+def update_states(states: list, fp8_max: list[float], margin: int, algo: str) -> Tensor:
+    """The update of one module's delayed-scaling states ``(amax_history, scale, amax,
+    amax_tail)``, one or two of the same shapes (a LayerNormMLP's: one launch):
+    ``te::delayed_scaling_update`` / ``_pair``. Eager with nothing watching, their implementation
+    directly, without the op's entry and argument checks: the states are a module's own fp32
+    buffers and the recipe checked ``margin``, ``algo`` and ``fp8_max`` when it was built; the
+    written buffers' versions move on as the op's do. The same bytes either way."""
+    if use_fast_path():
+        out = _update(states, fp8_max, margin, algo)
+        torch.autograd.graph.increment_version([t for state in states for t in state[:2]])
+        return out
+    if len(states) == 2:
+        return delayed_scaling_update_pair(*states[0], *states[1], fp8_max, margin, algo)
+    hist, scale, amax, tail = states[0]
+    return delayed_scaling_update_op(hist, scale, amax, fp8_max, margin, algo, tail)
 
 
 @delayed_scaling_update_op.register_fake

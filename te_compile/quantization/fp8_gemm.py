@@ -41,12 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from te_compile._numerics import div_rn
-from te_compile.functional.fp8_scaling import (
-    FP32_MAX,
-    delayed_scaling_update_op,
-    delayed_scaling_update_pair,
-    scale_copy,
-)
+from te_compile.functional.fp8_scaling import FP32_MAX, scale_copy, update_states
 from te_compile.quantization.recompute import current_scope
 from te_compile.quantization.state import AutocastState
 
@@ -185,11 +180,10 @@ def delayed_scales(
     each state is first snapshotted, so that the recompute can start from it again."""
     todo = [meta._update(owner, state, has_tokens) for meta in metas]
     if len(todo) == 2 and all(isinstance(t, tuple) for t in todo) and todo[0][3:6] == todo[1][3:6]:
-        (hist, scale, fwd, limits, margin, algo, grad), second = todo
-        both = delayed_scaling_update_pair(hist, scale, fwd, grad, *second[:3], second[6], limits,
-                                           margin, algo)  # fmt: skip
-        return tuple(both.split(scale.shape[0]))
-    return tuple(delayed_scaling_update_op(*t) if isinstance(t, tuple) else t for t in todo)
+        both = update_states([(*t[:3], t[6]) for t in todo], *todo[0][3:6])
+        return tuple(both.split(todo[0][1].shape[0]))
+    return tuple(update_states([(*t[:3], t[6])], *t[3:6]) if isinstance(t, tuple) else t
+                 for t in todo)  # fmt: skip
 
 
 def non_finite_amaxes(model: nn.Module) -> dict[str, list[str]]:

@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-import te_compile  # noqa: F401  (registers the ops)
-from te_compile.functional.fp8_scaling import FP32_MAX
+import te_compile
+from te_compile.functional import fp8_scaling
+from te_compile.functional.fp8_scaling import FP32_MAX, update_states
 from te_compile.quantization import DelayedScaling, Format
 from te_compile.quantization.fp8_gemm import _custom_update
 from tests.utils import DEVICES, compile_counted
@@ -167,6 +168,50 @@ def test_bad_amax_tail_or_limit_runs(kwargs, match):
             torch.zeros(2, 3), torch.ones(3), torch.zeros(2), args["limits"], 0, "max",
             args["tail"],
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("pair", [False, True], ids=["one", "pair"])
+def test_module_update_direct_gives_the_ops_bytes_and_versions(device, pair, monkeypatch):
+    """``update_states`` (a module's eager update: the op's implementation without its entry)
+    leaves the states and returns the copy as the op path does, bit for bit, and moves the
+    written buffers' versions on as the op does (on CUDA, where a kernel's write moves none by
+    itself); with the fast path off it calls the op, and a compiled call traces the op."""
+    limits = [E4M3_MAX, E4M3_MAX, E5M2_MAX]
+
+    def states():
+        g = torch.Generator().manual_seed(3)
+        return [[(torch.rand(5, 3, generator=g) * (k + 1)).to(device)[:4],
+                 (torch.rand(3, generator=g) + 0.5).to(device),
+                 (torch.rand(2, generator=g) * 4).to(device), torch.rand(1, generator=g).to(device)]
+                for k in range(2 if pair else 1)]  # fmt: skip
+
+    calls = []
+    for name in ("delayed_scaling_update_op", "delayed_scaling_update_pair"):
+        real = getattr(fp8_scaling, name)
+        monkeypatch.setattr(fp8_scaling, name, lambda *a, real=real: calls.append(a) or real(*a))
+
+    def run(fast: bool):
+        st, previous = states(), te_compile.eager_fast_path_enabled()
+        written = [t for state in st for t in state[:2]]
+        versions = [t._version for t in written]
+        calls.clear()
+        te_compile.set_eager_fast_path(fast)
+        try:
+            out = update_states(st, limits, 1, "max")
+        finally:
+            te_compile.set_eager_fast_path(previous)
+        return st, out, len(calls), [t._version > v for t, v in zip(written, versions, strict=True)]
+
+    direct, op = run(True), run(False)
+    for got, want in zip(direct[0], op[0], strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert torch.equal(direct[1], op[1]) and direct[1].stride() == (4,)
+    assert direct[3] == op[3] == [True] * (4 if pair else 2)
+    assert (direct[2], op[2]) == (0, 1)
+    fn, counter = compile_counted(lambda *st: update_states([st, *rest], limits, 1, "max"))
+    (first, *rest), _ = states(), calls.clear()
+    assert torch.equal(fn(*first), op[1]) and counter.frame_count == 1 and len(calls) == 1
 
 
 @pytest.mark.parametrize("device", DEVICES)
