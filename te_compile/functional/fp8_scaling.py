@@ -210,8 +210,10 @@ def update_states(states: list, fp8_max: list[float], margin: int, algo: str) ->
     ``te::delayed_scaling_update`` / ``_pair``. Eager with nothing watching, their implementation
     directly, without the op's entry and argument checks: the states are a module's own fp32
     buffers and the recipe checked ``margin``, ``algo`` and ``fp8_max`` when it was built; the
-    written buffers' versions move on as the op's do. The same bytes either way."""
-    if use_fast_path():
+    written buffers' versions move on as the op's do. The same bytes either way. Amaxes of
+    another tensor type (a functional all-reduce's result, reduced over the amax group) go
+    through the op, whose dispatch waits for them."""
+    if use_fast_path() and all(type(t) is Tensor for st in states for t in st if t is not None):
         out = _update(states, fp8_max, margin, algo)
         torch.autograd.graph.increment_version([t for state in states for t in state[:2]])
         return out

@@ -214,6 +214,22 @@ def test_module_update_direct_gives_the_ops_bytes_and_versions(device, pair, mon
     assert torch.equal(fn(*first), op[1]) and counter.frame_count == 1 and len(calls) == 1
 
 
+class _Reduced(torch.Tensor):
+    """Stands for an amax of another tensor type (a functional all-reduce's result)."""
+
+
+def test_module_update_of_amaxes_of_another_type_goes_through_the_op(monkeypatch):
+    """An amax that is not a plain tensor (reduced over the amax group: an asynchronous
+    collective's result) takes the op, whose dispatch waits for it, not the direct call."""
+    calls = []
+    real = fp8_scaling.delayed_scaling_update_op
+    monkeypatch.setattr(fp8_scaling, "delayed_scaling_update_op",
+                        lambda *a: calls.append(a) or real(*a))  # fmt: skip
+    fwd = (torch.rand(2) * 4).as_subclass(_Reduced)
+    update_states([(torch.rand(4, 3), torch.ones(3), fwd, torch.rand(1))], [448.0] * 3, 0, "max")
+    assert len(calls) == 1
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("algo", ["max", "most_recent"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
