@@ -104,6 +104,9 @@ def _limit_runs(fp8_max: list[float]) -> tuple[float, float, int] | None:
     return fp8_max[0], fp8_max[-1], n_head
 
 
+_RUNS: dict[tuple, tuple[float, float, int] | None] = {}  # _limit_runs per fp8_max, for _update
+
+
 @passed_once  # an eager step's update: checked once per shapes and recipe
 def _check(args: tuple) -> None:
     amax_history, scale, amax, fp8_max, margin, amax_compute_algo, amax_tail = args
@@ -184,11 +187,13 @@ def _update(states: list, fp8_max: list[float], margin: int, algo: str) -> Tenso
         return copies[0] if len(copies) == 1 else scale_copy(scale, 2).copy_(torch.cat(copies))
     from te_compile.kernels.fp8_scaling import delayed_scaling_update as update
 
+    if (runs := _RUNS.get(key := tuple(fp8_max))) is None:  # (checked: never None here)
+        runs = _RUNS[key] = _limit_runs(fp8_max)
     out = scale_copy(scale, len(states))
     update(
         [(hist, s, dense(last), None if tail is None else dense(tail))
          for hist, s, last, tail in states],
-        out, _limit_runs(fp8_max), margin, algo == "max")  # fmt: skip
+        out, runs, margin, algo == "max")  # fmt: skip
     return out
 
 
