@@ -197,13 +197,9 @@ class Op:
         return self._default(*args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """The op; eagerly, when nothing is watching and autograd has nothing to record (grad
-        mode off, or no tensor argument that requires grad: the op has no autograd formula), its
-        implementation directly, as the differentiable ops' fast path (a dispatcher round trip
-        less per call)."""
-        if _use_fast_path() and not (
-            torch.is_grad_enabled() and _any_requires_grad((*args, *kwargs.values()))
-        ):
+        """The op; eagerly, where :func:`plain_fast_path` says, its implementation directly, as
+        the differentiable ops' fast path (a dispatcher round trip less per call)."""
+        if plain_fast_path((*args, *kwargs.values())):
             out = self.eager(*args, **kwargs)
             if self._written:  # as the dispatcher's call does (``_new_versions``)
                 self._bump_written(args, kwargs)
@@ -214,13 +210,28 @@ class Op:
         return f"Op({self.qualname})"
 
 
-def _any_requires_grad(args: Sequence[Any]) -> bool:
-    """Whether a tensor argument, or a tensor of a list argument, requires grad."""
-    return any(
-        a.requires_grad if isinstance(a, torch.Tensor)
-        else isinstance(a, (list, tuple)) and _any_requires_grad(a)
-        for a in args
-    )  # fmt: skip
+def plain_fast_path(args: Sequence[Any]) -> bool:
+    """Whether an eager call of an op without autograd may run its implementation on ``args``
+    directly: :func:`_use_fast_path`, autograd has nothing to record (grad mode off, or no tensor
+    argument that requires grad: the op has no autograd formula), and every tensor argument is a
+    plain tensor or parameter (a tensor subclass, such as an asynchronous collective's result or
+    a DTensor, takes the dispatcher, which waits for it or unwraps it)."""
+    return _use_fast_path() and _plain_args(args, torch.is_grad_enabled())
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _plain_args(args: Sequence[Any], grad: bool) -> bool:
+    """Whether every tensor argument, also in a list argument, is of a :data:`_PLAIN` type and,
+    with ``grad``, requires no grad."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if type(a) not in _PLAIN or (grad and a.requires_grad):
+                return False
+        elif isinstance(a, (list, tuple)) and not _plain_args(a, grad):
+            return False
+    return True
 
 
 def op(

@@ -309,7 +309,19 @@ def test_plain_op_takes_the_op_path_where_autograd_or_a_mode_watches(monkeypatch
     with torch.no_grad():
         op(x, torch.float8_e4m3fn, True)
     assert calls == [1]
-    assert _library._any_requires_grad([1, [torch.ones(1), x]])  # in a list argument too
+    with torch.enable_grad():  # in a list argument too
+        assert not _library.plain_fast_path([1, [torch.ones(1), x]])
     with _Count() as mode:
         op(x.detach(), torch.float8_e4m3fn, True)
     assert calls == [1, 1] and "te.quantize_current.default" in mode.seen
+    # A tensor subclass (an asynchronous collective's result, a DTensor): the dispatcher, which
+    # waits for or unwraps it; a parameter is a plain tensor.
+    op(x.detach().as_subclass(_Subclass), torch.float8_e4m3fn, True)
+    assert calls == [1, 1, 1]
+    assert not _library.plain_fast_path([1, [torch.ones(1).as_subclass(_Subclass)]])
+    op(torch.nn.Parameter(x.detach(), requires_grad=False), torch.float8_e4m3fn, True)
+    assert calls == [1, 1, 1]
+
+
+class _Subclass(torch.Tensor):
+    """A tensor subclass (stands for an asynchronous collective's result)."""

@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from te_compile._checks import check_choice, check_int, check_tensor, passed_once
-from te_compile._library import op, use_fast_path
+from te_compile._library import op, plain_fast_path
 from te_compile.kernels import dense
 
 __all__ = [
@@ -215,10 +215,10 @@ def update_states(states: list, fp8_max: list[float], margin: int, algo: str) ->
     ``te::delayed_scaling_update`` / ``_pair``. Eager with nothing watching, their implementation
     directly, without the op's entry and argument checks: the states are a module's own fp32
     buffers and the recipe checked ``margin``, ``algo`` and ``fp8_max`` when it was built; the
-    written buffers' versions move on as the op's do. The same bytes either way. Amaxes of
-    another tensor type (a functional all-reduce's result, reduced over the amax group) go
-    through the op, whose dispatch waits for them."""
-    if use_fast_path() and all(type(t) is Tensor for st in states for t in st if t is not None):
+    written buffers' versions move on as the op's do. The same bytes either way. Where the op
+    itself would dispatch (``_library.plain_fast_path``: amaxes of a tensor subclass, say a
+    functional all-reduce's result over the amax group), the op runs."""
+    if plain_fast_path(states):
         out = _update(states, fp8_max, margin, algo)
         torch.autograd.graph.increment_version([t for state in states for t in state[:2]])
         return out

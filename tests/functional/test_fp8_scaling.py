@@ -218,16 +218,27 @@ class _Reduced(torch.Tensor):
     """Stands for an amax of another tensor type (a functional all-reduce's result)."""
 
 
-def test_module_update_of_amaxes_of_another_type_goes_through_the_op(monkeypatch):
+def test_module_update_of_amaxes_of_another_type_goes_through_the_dispatcher(monkeypatch):
     """An amax that is not a plain tensor (reduced over the amax group: an asynchronous
-    collective's result) takes the op, whose dispatch waits for it, not the direct call."""
+    collective's result) takes the op through the dispatcher (which waits for it), not the
+    direct call nor the op's own eager shortcut; the bytes are the direct call's."""
     calls = []
-    real = fp8_scaling.delayed_scaling_update_op
+    op = fp8_scaling.delayed_scaling_update_op
+    monkeypatch.setattr(op, "eager", lambda *a: pytest.fail("the op's eager shortcut ran"))
     monkeypatch.setattr(fp8_scaling, "delayed_scaling_update_op",
-                        lambda *a: calls.append(a) or real(*a))  # fmt: skip
-    fwd = (torch.rand(2) * 4).as_subclass(_Reduced)
-    update_states([(torch.rand(4, 3), torch.ones(3), fwd, torch.rand(1))], [448.0] * 3, 0, "max")
-    assert len(calls) == 1
+                        lambda *a: calls.append(a) or op(*a))  # fmt: skip
+
+    def states(kind):
+        g = torch.Generator().manual_seed(4)
+        fwd = (torch.rand(2, generator=g) * 4).as_subclass(kind)
+        return [(torch.rand(4, 3, generator=g), torch.ones(3), fwd, torch.rand(1, generator=g))]
+
+    plain, reduced = states(torch.Tensor), states(_Reduced)
+    want = update_states(plain, [448.0] * 3, 0, "max")
+    assert calls == []
+    got = update_states(reduced, [448.0] * 3, 0, "max")
+    assert len(calls) == 1 and torch.equal(got, want)
+    assert all(torch.equal(a, b) for a, b in zip(reduced[0][:2], plain[0][:2], strict=True))
 
 
 @pytest.mark.parametrize("device", DEVICES)
